@@ -1,0 +1,3 @@
+"""flared: an LLM inference serving daemon."""
+
+__version__ = "0.1.0"
