@@ -1,0 +1,148 @@
+"""tokenizer_from_gguf builds the same tokenizer transformers builds from the same GGUF."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tokenizers import Tokenizer
+
+from flared.errors import ErrorKind, FrontendError
+from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
+
+CORPUS = [
+    "Hello, world!",
+    "",
+    " ",
+    "    leading and trailing spaces    ",
+    "tabs\tand\nnewlines\r\n\r\nand\n\n\n\nruns",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
+    "你好，世界！这是一个测试。日本語のテキストも。한국어 문장.",
+    "emoji: 😀👍🏽🇫🇷 👨‍👩‍👧‍👦 and ✨sparkles✨",
+    "numbers 1234567890 3.14159 1e-10 0x1F",
+    "don't won't I'm you're we've they'll he'd",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more text<|im_end|>",
+    "<|im_start|><|im_start|>nested<|im_end|>",
+    "half tokens <|im_start and im_end|> <| |>",
+    "Ünïcödé àccénts ñ ß ø æ œ",
+    "\u00a0non-breaking\u2003em-space\u200bzero-width",
+    "a" * 300,
+    "mixed 中文 and English with emoji 🚀 in one line.\n\n```python\nprint('x')\n```",
+]
+
+
+def test_tokenizer_json_loads_and_matches_transformers_ids(smollm2_assets, hf_smollm2_tokenizer):
+    ours = Tokenizer.from_str(smollm2_assets.tokenizer_json)
+    for text in CORPUS:
+        expected = hf_smollm2_tokenizer.encode(text, add_special_tokens=True)
+        assert ours.encode(text, add_special_tokens=True).ids == expected, text
+        expected_plain = hf_smollm2_tokenizer.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False).ids == expected_plain, text
+        assert ours.decode(expected, skip_special_tokens=False) == hf_smollm2_tokenizer.decode(expected), text
+
+
+def test_tokenizer_json_equals_transformers_backend(smollm2_assets, hf_smollm2_tokenizer):
+    ours = json.loads(smollm2_assets.tokenizer_json)
+    theirs = json.loads(hf_smollm2_tokenizer.backend_tokenizer.to_str())
+    assert ours == theirs
+
+
+def test_smollm2_settings(smollm2_assets, hf_smollm2_tokenizer):
+    a = smollm2_assets
+    assert (a.bos_token, a.eos_token) == (hf_smollm2_tokenizer.bos_token, hf_smollm2_tokenizer.eos_token)
+    assert (a.bos_token_id, a.eos_token_id) == (hf_smollm2_tokenizer.bos_token_id, hf_smollm2_tokenizer.eos_token_id)
+    assert a.add_bos_token is False
+    assert a.tokenizer_model == "gpt2" and a.pre_tokenizer == "smollm"
+    assert a.chat_template is not None and "<|im_start|>" in a.chat_template
+    assert a.special_tokens_map() == {
+        key: hf_smollm2_tokenizer.special_tokens_map[key] for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+    }
+    assert "<|im_start|>" in a.special_tokens
+
+
+def _write_sentencepiece_gguf(path, *, with_merges: bool, add_bos: bool | None):
+    """A small SentencePiece-style (tokenizer.ggml.model = llama) vocabulary, written with gguf."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    words = "the quick brown fox jumps over lazy dog hello world code def return print 你好 世界 ab".split()
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    pieces = sorted({c for word in words for c in word} | {"▁"})
+    for word in words:
+        spelled = "▁" + word
+        for end in range(2, len(spelled) + 1):
+            if spelled[:end] not in pieces:
+                pieces.append(spelled[:end])
+    tokens += pieces + ["<|user|>", "<think>"]
+    types += [1] * len(pieces) + [3, 4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    if with_merges:
+        merges = [f"{p[:-1]} {p[-1]}" for p in pieces if len(p) > 1 and p[:-1] in pieces]
+        writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("with_merges,add_bos", [(False, None), (True, False)])
+def test_sentencepiece_gguf_matches_transformers(tmp_path, with_merges, add_bos):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "spm.gguf"
+    _write_sentencepiece_gguf(path, with_merges=with_merges, add_bos=add_bos)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assets = tokenizer_from_gguf(path)
+    assert json.loads(assets.tokenizer_json) == json.loads(theirs.backend_tokenizer.to_str())
+    assert assets.add_bos_token is (add_bos is None)
+    ours = Tokenizer.from_str(assets.tokenizer_json)
+    for text in ["hello world", " the quick", "你好世界 x", "<|user|>hi<think>", "  lazy  dog\n", "zz😀", ""]:
+        assert ours.encode(text).ids == theirs.encode(text), text
+        ids = ours.encode(text).ids
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+
+
+def test_unsupported_model_names_it(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[PAD]", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(FrontendError) as info:
+        tokenizer_from_gguf(path)
+    assert info.value.kind is ErrorKind.TOKENIZER
+    assert "'bert'" in str(info.value)
+
+
+def test_unreadable_file_is_tokenizer_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 7)
+    with pytest.raises(FrontendError) as info:
+        tokenizer_from_gguf(bad)
+    assert info.value.kind is ErrorKind.TOKENIZER and "truncated" in str(info.value)
+    with pytest.raises(FrontendError):
+        tokenizer_from_gguf(tmp_path / "missing.gguf")
