@@ -1,0 +1,438 @@
+"""Chat templates rendered the way transformers' ``apply_chat_template`` renders them.
+
+Rules (every one of them changes output bytes; the goldens in
+../shared/templates pin them down):
+
+- Environment: sandboxed and immutable (``ImmutableSandboxedEnvironment``),
+  ``trim_blocks`` + ``lstrip_blocks``, loop controls; ``tojson`` is
+  ``json.dumps`` with ``ensure_ascii=False``, no HTML escaping and json's own
+  separators; ``raise_exception`` raises ``jinja2.TemplateError``;
+  ``strftime_now`` formats the local calendar time of the injected clock;
+  ``dict`` and ``namespace`` are the restricted versions transformers exposes.
+- Inputs first become plain JSON-like data (a fresh copy, so the caller's
+  messages are never edited); message keys whose value is None are dropped;
+  a message's reasoning is visible as ``thinking`` and ``reasoning_content``.
+- ``continue_final_message`` appends a tag to the final message's content,
+  renders, and cuts at the tag (after trimming trailing space when the template
+  trimmed it), exactly as transformers does, including its ValueErrors.
+- ``{% generation %}…{% endgeneration %}`` emits its body and records the span.
+- ``{% mark %}`` emits nothing and records the output position. Positions are
+  observed by counting the chunks the root render function has yielded when
+  the mark runs, so a mark is only meaningful where output streams straight to
+  the root: inside a macro, a call block (including ``{% generation %}``), a
+  captured ``{% set %}``, a ``{% filter %}`` block or a recursive loop the
+  output is buffered, and a mark there is a compile error.
+- The template's own exceptions (jinja2's TemplateError family, TypeError,
+  ValueError) propagate unchanged; wrapping them is the caller's business.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes as nodes
+import jinja2.utils
+from jinja2.exceptions import SecurityError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Appended to the continued message; the render is cut where it lands.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class _RenderTrace:
+    """Per-render bookkeeping read by {% mark %} and {% generation %}."""
+
+    __slots__ = ("chunks", "mark_chunks", "generation_chunks")
+
+    def __init__(self) -> None:
+        self.chunks: list[str] = []  # what the root render function has yielded so far
+        self.mark_chunks: list[int] = []  # len(chunks) at each {% mark %}
+        self.generation_chunks: list[tuple[int, int]] = []  # (len(chunks), body length) per generation block
+
+
+# A ContextVar, not an attribute: one compiled template renders in many worker threads at once.
+_TRACE: contextvars.ContextVar[_RenderTrace | None] = contextvars.ContextVar("flared_render_trace", default=None)
+
+
+class MarkExtension(jinja2.ext.Extension):
+    """``{% mark %}``: record the output position here, emit nothing."""
+
+    tags = {"mark"}
+
+    def parse(self, parser):
+        token = next(parser.stream)
+        if parser.stream.current.type != "block_end":
+            raise TemplateSyntaxError(
+                "{% mark %} takes no argument (segment-count marks are not supported)",
+                token.lineno, parser.name, parser.filename,
+            )
+        return nodes.ExprStmt(self.call_method("_mark")).set_lineno(token.lineno)
+
+    def _mark(self) -> None:
+        trace = _TRACE.get()
+        if trace is not None:
+            trace.mark_chunks.append(len(trace.chunks))
+
+
+class GenerationExtension(jinja2.ext.Extension):
+    """``{% generation %}``: emit the body, record where it went (transformers' AssistantTracker)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
+
+    def _generation(self, caller) -> str:
+        text = caller()
+        trace = _TRACE.get()
+        if trace is not None:
+            trace.generation_chunks.append((len(trace.chunks), len(text)))
+        return text
+
+
+class _TemplateDict:
+    # `dict` in a template: construction and fromkeys only, no attribute access to the type.
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    # Underscore-prefixed names could reach CPython internals through the namespace.
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
+                "Please rename the attribute."
+            )
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now_local(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment chat templates compile in (also the benchmark's plain baseline)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationExtension, MarkExtension, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now_local
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+def _is_call_to(node: nodes.Node, extension: type[jinja2.ext.Extension], method: str) -> bool:
+    return (
+        isinstance(node, nodes.Call)
+        and isinstance(node.node, nodes.ExtensionAttribute)
+        and node.node.identifier == extension.identifier
+        and node.node.name == method
+    )
+
+
+def _check_marks(node: nodes.Node, buffered_by: str | None, found: list[int]) -> None:
+    """Collect the line of every {% mark %}; reject those whose output would be buffered."""
+    if isinstance(node, nodes.ExprStmt) and _is_call_to(node.node, MarkExtension, "_mark"):
+        if buffered_by is not None:
+            raise TemplateSyntaxError(f"{{% mark %}} is not allowed inside {buffered_by}", node.lineno)
+        found.append(node.lineno)
+        return
+    if isinstance(node, nodes.Macro):
+        buffered_by = buffered_by or "a macro"
+    elif isinstance(node, nodes.CallBlock):
+        buffered_by = buffered_by or (
+            "{% generation %}" if _is_call_to(node.call, GenerationExtension, "_generation") else "a call block"
+        )
+    elif isinstance(node, nodes.AssignBlock):
+        buffered_by = buffered_by or "a captured {% set %}"
+    elif isinstance(node, nodes.FilterBlock):
+        buffered_by = buffered_by or "a {% filter %} block"
+    elif isinstance(node, nodes.For) and node.recursive:
+        buffered_by = buffered_by or "a recursive loop"
+    for child in node.iter_child_nodes():
+        _check_marks(child, buffered_by, found)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    template: jinja2.Template
+    num_marks: int  # {% mark %} statements in the source
+    has_generation: bool
+
+
+@functools.lru_cache(maxsize=128)
+def _compile(source_sha256: str, source: str) -> _Compiled:
+    # Keyed by the hash so a template shared by many ChatTemplate objects (one per request
+    # in tools, one per model in the server) compiles once.
+    env = make_environment()
+    ast = env.parse(source)
+    mark_lines: list[int] = []
+    _check_marks(ast, None, mark_lines)
+    has_generation = any(
+        _is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
+    )
+    return _Compiled(env.from_string(source), len(mark_lines), has_generation)
+
+
+def _plain(value: Any) -> Any:
+    """A fresh copy of ``value`` made of JSON-like types only (what transformers lets templates see)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {field.name: _plain(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    # Media and other rich objects: templates only test for their presence.
+    return f"<{type(value).__name__}>"
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Messages as the template sees them: plain copies, None-valued keys dropped, reasoning aliased."""
+    normalized = []
+    for message in getattr(messages, "messages", messages):
+        if dataclasses.is_dataclass(message) or callable(getattr(message, "model_dump", None)):
+            message = _plain(message)
+        if not isinstance(message, dict):
+            raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
+        message = _plain({key: value for key, value in message.items() if value is not None})
+        reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        normalized.append(message)
+    return normalized
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedTemplate:
+    """A render with the positions its annotations recorded."""
+
+    text: str
+    # UTF-8 byte offset of every {% mark %} that ran, in output order, clipped to the text.
+    mark_offsets_utf8: tuple[int, ...]
+    # [start, end) code-point spans of every {% generation %} block, as transformers reports them.
+    generation_spans: tuple[tuple[int, int], ...]
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+class ChatTemplate:
+    """A compiled chat template. Rendering is thread-safe and never touches the event loop."""
+
+    def __init__(self, source: str, *, clock: Callable[[], datetime] | None = None):
+        """Compile ``source``; a template that does not compile raises jinja2's TemplateSyntaxError.
+
+        ``clock`` replaces ``datetime.now`` for ``strftime_now`` (tests pin it).
+        """
+        if not isinstance(source, str):
+            raise TypeError(f"chat template source must be str, got {type(source).__name__}")
+        self.source = source
+        self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
+        self._compiled = _compile(self.sha256, source)
+        self._clock = clock
+
+    @property
+    def num_marks(self) -> int:
+        """How many {% mark %} statements the template has (0: an ordinary, unannotated template)."""
+        return self._compiled.num_marks
+
+    @property
+    def has_generation_blocks(self) -> bool:
+        return self._compiled.has_generation
+
+    def render(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = False,
+               continue_final_message: bool | str = False, bos_token: str | None = None,
+               eos_token: str | None = None, **template_kwargs) -> str:
+        """Render like transformers' ``apply_chat_template(tokenize=False)``."""
+        return self.render_traced(
+            messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, bos_token=bos_token, eos_token=eos_token,
+            **template_kwargs,
+        ).text
+
+    def render_traced(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = False,
+                      continue_final_message: bool | str = False, bos_token: str | None = None,
+                      eos_token: str | None = None, **template_kwargs) -> RenderedTemplate:
+        """Render, and report mark positions and generation spans."""
+        chat = normalize_messages(messages)
+        if tools is not None:
+            for tool in tools:
+                if not isinstance(tool, dict):
+                    raise ValueError(
+                        "Tools should either be a JSON schema, or a callable function with type hints "
+                        "and a docstring suitable for auto-conversion to a schema."
+                    )
+            tools = _plain(tools)
+        if documents is not None:
+            for document in documents:
+                if not isinstance(document, dict):
+                    raise TypeError("Documents should be a list of dicts with 'title' and 'text' keys!")
+            documents = _plain(documents)
+        # Special tokens first: explicit template kwargs win, as in apply_chat_template.
+        variables: dict[str, Any] = {}
+        if bos_token is not None:
+            variables["bos_token"] = bos_token
+        if eos_token is not None:
+            variables["eos_token"] = eos_token
+        variables.update(_plain(template_kwargs))
+        if self._clock is not None and "strftime_now" not in variables:
+            clock = self._clock
+            variables["strftime_now"] = lambda fmt: clock().strftime(fmt)
+
+        final_message = None
+        if continue_final_message:
+            final_message = self._tag_final_message(chat, continue_final_message)
+
+        variables.update(messages=chat, tools=tools, documents=documents,
+                          add_generation_prompt=add_generation_prompt)
+        trace = self._run(variables)
+        text = "".join(trace.chunks)
+
+        cut = None
+        if continue_final_message:
+            if final_message.strip() not in text or _CONTINUE_TAG.strip() not in text:
+                raise ValueError(
+                    "continue_final_message is set but the final message does not appear in the chat after "
+                    "applying the chat template! This can happen if the chat template deletes portions of "
+                    "the final message. Please verify the chat template and final message in your chat to "
+                    "ensure they are compatible."
+                    f"Final message to continue: {final_message.strip()}\nRendered chat:\n{text}"
+                )
+            tag_at = text.rindex(_CONTINUE_TAG.strip())
+            if text[tag_at:tag_at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+                text = text[:tag_at]
+            else:
+                text = text[:tag_at].rstrip()
+            cut = len(text)
+        return RenderedTemplate(
+            text=text,
+            mark_offsets_utf8=self._mark_offsets(trace, cut, text),
+            generation_spans=self._generation_spans(trace) if cut is None else (),
+        )
+
+    def _tag_final_message(self, chat: list[dict], continue_final_message: bool | str) -> str:
+        if not chat:
+            raise ValueError("continue_final_message is set but the conversation is empty!")
+        field = continue_final_message if isinstance(continue_final_message, str) else "content"
+        final_message = chat[-1].get(field)
+        if final_message is None:
+            raise ValueError(f'continue_final_message is set but the final message has no "{field}" to continue!')
+        fields = [field]
+        if field in _REASONING_FIELDS:
+            fields = [name for name in _REASONING_FIELDS if chat[-1].get(name) == final_message]
+        if not any(name in self.source for name in fields):
+            raise ValueError(
+                f'continue_final_message is set to "{field}" but this is not an accepted field in the chat_template'
+            )
+        if isinstance(final_message, (list, tuple)):
+            for block in reversed(final_message):
+                if "text" in block:
+                    final_message = block["text"]
+                    block["text"] = block["text"] + _CONTINUE_TAG
+                    break
+            else:
+                raise ValueError(
+                    "continue_final_message is set but we could not find any text to continue in the final message!"
+                )
+        else:
+            for name in fields:
+                chat[-1][name] = chat[-1][name] + _CONTINUE_TAG
+        return final_message
+
+    def _run(self, variables: dict) -> _RenderTrace:
+        template = self._compiled.template
+        trace = _RenderTrace()
+        token = _TRACE.set(trace)
+        try:
+            chunks = trace.chunks
+            append = chunks.append
+            # Chunks are appended before the generator resumes, so a mark sees everything emitted before it.
+            for chunk in template.root_render_func(template.new_context(variables)):
+                append(chunk)
+        except Exception:
+            template.environment.handle_exception()
+        finally:
+            _TRACE.reset(token)
+        return trace
+
+    @staticmethod
+    def _mark_offsets(trace: _RenderTrace, cut: int | None, text: str) -> tuple[int, ...]:
+        if not trace.mark_chunks:
+            return ()
+        limit = _utf8_len(text) if cut is not None else None
+        offsets = []
+        position, consumed = 0, 0
+        chunks = trace.chunks
+        for chunk_index in trace.mark_chunks:
+            while consumed < chunk_index:
+                position += _utf8_len(chunks[consumed])
+                consumed += 1
+            if limit is not None and position > limit:
+                break
+            offsets.append(position)
+        return tuple(offsets)
+
+    @staticmethod
+    def _generation_spans(trace: _RenderTrace) -> tuple[tuple[int, int], ...]:
+        spans = []
+        position, consumed = 0, 0
+        for chunk_index, length in trace.generation_chunks:
+            while consumed < chunk_index:
+                position += len(trace.chunks[consumed])
+                consumed += 1
+            spans.append((position, position + length))
+        return tuple(spans)
