@@ -1,0 +1,213 @@
+"""Turning sampled token ids back into text, one token at a time.
+
+Rules:
+- Incremental decoding emits, over a whole stream, exactly the text that a
+  full ``decode`` of the same ids gives; no chunk ever ends inside a UTF-8
+  sequence (an incomplete sequence is held until it completes or the stream
+  ends; at the end it becomes U+FFFD, as the full decode makes it).
+- Byte-level vocabularies (GPT-2 style) decode through a per-token byte table
+  and Python's incremental UTF-8 decoder: O(1) per token, exact.
+- Other vocabularies (SentencePiece with byte fallback) decode a sliding window
+  of ids and emit only what the window no longer changes; exact for the
+  decoders we build (see gguf_tokenizer), the window keeps it O(1) amortised.
+- Stop strings: the earliest occurrence of any stop string in the stream ends
+  it; the text of the match and everything after are never emitted; text that
+  could still be the start of a stop string is held back until it cannot, and
+  released at the end. The result does not depend on how the text was chunked.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import functools
+import json
+
+from flared.errors import ErrorKind, FrontendError
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_inverse() -> dict[str, int]:
+    from flared.frontend.gguf_tokenizer import _byte_alphabet
+
+    return {char: byte for byte, char in _byte_alphabet().items()}
+
+
+class TokenBytes:
+    """Per-token byte strings of a byte-level BPE tokenizer (None when the tokenizer is not one)."""
+
+    def __init__(self, table: list[bytes], special_ids: frozenset[int]):
+        self.table = table  # token id -> the bytes it decodes to
+        self.special_ids = special_ids  # ids skipped by skip_special_tokens
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> TokenBytes | None:
+        spec = json.loads(tokenizer.to_str())
+        decoder = spec.get("decoder") or {}
+        if decoder.get("type") != "ByteLevel" or (spec.get("model") or {}).get("type") != "BPE":
+            return None
+        inverse = _byte_level_inverse()
+        vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        table: list[bytes] = [b""] * vocab_size
+        for token, token_id in spec["model"]["vocab"].items():
+            if token_id < vocab_size:
+                try:
+                    table[token_id] = bytes(inverse[char] for char in token)
+                except KeyError:
+                    # Not spelled in the byte alphabet: the decoder passes such characters through.
+                    table[token_id] = b"".join(
+                        bytes([inverse[c]]) if c in inverse else c.encode("utf-8") for c in token
+                    )
+        special_ids = set()
+        # Added tokens decode to their content verbatim, never through the byte alphabet.
+        for entry in spec.get("added_tokens", ()):
+            if entry["id"] < vocab_size:
+                table[entry["id"]] = entry["content"].encode("utf-8")
+            if entry["special"]:
+                special_ids.add(entry["id"])
+        return cls(table, frozenset(special_ids))
+
+
+class IncrementalDecoder:
+    """Feed token ids, get text deltas that are always whole UTF-8 characters; ``flush`` at the end."""
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = False, token_bytes: TokenBytes | None = None,
+                 window_tokens: int = 6):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._token_bytes = token_bytes
+        if token_bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        else:
+            self._ids: list[int] = []
+            self._prefix_start = 0  # window start: ids before it are settled
+            self._read_start = 0  # ids before it have been emitted
+            self._window_tokens = window_tokens
+        self._done = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; the text it completes (possibly empty)."""
+        return self.push_many((token_id,))
+
+    def push_many(self, token_ids) -> str:
+        if self._done:
+            raise FrontendError("incremental decoder used after flush", ErrorKind.EXECUTION)
+        if self._token_bytes is not None:
+            table = self._token_bytes.table
+            skip = self._token_bytes.special_ids if self._skip_special else ()
+            try:
+                data = b"".join(table[i] for i in token_ids if i not in skip)
+            except (IndexError, TypeError):
+                raise FrontendError(f"token id out of range in {list(token_ids)!r}", ErrorKind.VALIDATION) from None
+            return self._utf8.decode(data, False)
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """End of stream: whatever was held back (an incomplete sequence becomes U+FFFD)."""
+        if self._done:
+            return ""
+        self._done = True
+        if self._token_bytes is not None:
+            return self._utf8.decode(b"", True)
+        return self._advance(final=True)
+
+    def _decode(self, ids) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def _advance(self, *, final: bool) -> str:
+        # Decode the window twice: up to what was already emitted, and up to now. The difference is
+        # new text unless it ends in U+FFFD (a byte-fallback sequence still incomplete).
+        ids = self._ids
+        prefix_text = self._decode(ids[self._prefix_start:self._read_start])
+        full_text = self._decode(ids[self._prefix_start:])
+        if not full_text.startswith(prefix_text):
+            # A decoder that rewrites earlier text (leading-space strip at the window edge): widen.
+            prefix_text = self._decode(ids[:self._read_start])
+            full_text = self._decode(ids)
+            self._prefix_start = 0
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self._read_start = len(ids)
+        # Keep a few settled ids as left context, so the next window decodes them the same way.
+        self._prefix_start = max(self._prefix_start, len(ids) - self._window_tokens)
+        return delta
+
+
+class StopStringMatcher:
+    """Withholds text until it cannot be part of a stop string; stops at the first match."""
+
+    def __init__(self, stop_strings):
+        stops = tuple(stop_strings)
+        for stop in stops:
+            if not isinstance(stop, str) or not stop:
+                raise FrontendError(f"stop strings must be non-empty strings, got {stop!r}", ErrorKind.VALIDATION)
+        self.stop_strings = stops
+        self._held = ""
+        self.matched: str | None = None  # the stop string that ended the stream, if any
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    def push(self, text: str) -> str:
+        """Add text; the part that is now safe to emit. After a match, always ''."""
+        if self.matched is not None or not self.stop_strings:
+            return "" if self.matched is not None else text
+        buffer = self._held + text
+        earliest, matched = -1, None
+        for stop in self.stop_strings:
+            at = buffer.find(stop)
+            if at != -1 and (earliest == -1 or at < earliest):
+                earliest, matched = at, stop
+        if matched is not None:
+            self.matched = matched
+            self._held = ""
+            return buffer[:earliest]
+        hold_from = len(buffer)
+        # The earliest position whose suffix could still grow into a stop string.
+        for stop in self.stop_strings:
+            for length in range(min(len(stop) - 1, len(buffer)), 0, -1):
+                if buffer.endswith(stop[:length]):
+                    hold_from = min(hold_from, len(buffer) - length)
+                    break
+        self._held = buffer[hold_from:]
+        return buffer[:hold_from]
+
+    def flush(self) -> str:
+        """End of stream without a match: release what was held."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+
+@dataclasses.dataclass(frozen=True)
+class TextDelta:
+    text: str  # text to send to the client now
+    stopped: bool  # a stop string matched; the request should finish (its tokens still count)
+
+
+class Detokenizer:
+    """Incremental decoding plus stop strings, for one generation stream."""
+
+    def __init__(self, decoder: IncrementalDecoder, stop_strings=()):
+        self._decoder = decoder
+        self._stops = StopStringMatcher(stop_strings)
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stops.matched
+
+    def push(self, token_id: int) -> TextDelta:
+        if self._stops.stopped:
+            return TextDelta("", True)
+        text = self._stops.push(self._decoder.push(token_id))
+        return TextDelta(text, self._stops.stopped)
+
+    def finish(self) -> TextDelta:
+        if self._stops.stopped:
+            return TextDelta("", True)
+        text = self._stops.push(self._decoder.flush())
+        if self._stops.stopped:
+            return TextDelta(text, True)
+        return TextDelta(text + self._stops.flush(), False)

@@ -1,0 +1,295 @@
+"""The frontend of one served model: its tokenizer, chat template and token settings.
+
+Rules:
+- ``Frontend.load`` hashes each asset and parses it from the same bytes, so
+  the fingerprint checked is the content used. Any mismatch or parse failure
+  is a FrontendError naming the file; nothing is downloaded and transformers
+  is never imported.
+- ``render_chat`` renders with the chat template (transformers semantics, see
+  template.py) and tokenizes the prompt without adding special tokens, as
+  ``apply_chat_template(tokenize=True)`` does: the template writes BOS itself,
+  so there is never a double BOS.
+- Template kwargs: the template defaults given at load fill what a request
+  leaves out; explicit request values win. Special tokens (bos_token, ...)
+  come from TokenSettings.
+- Template failures (``raise_exception``, undefined names, type errors) become
+  FrontendError(TEMPLATE), a 400 carrying the template's own message.
+- Every method is safe to call from several frontend worker threads at once;
+  none of them may run on the event loop (``render_chat_async`` hops off it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+
+from flared.errors import ErrorKind, FrontendError
+from flared.frontend.detokenizer import Detokenizer, IncrementalDecoder, TokenBytes
+from flared.frontend.endpoints import char_to_byte_offsets, token_endpoints
+from flared.frontend.template import ChatTemplate
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSettings:
+    """Token facts a prepared core records for its tokenizer (see GGUFTokenizerAssets)."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    add_bos_token: bool = False  # what the tokenizer's post-processor does for plain encode
+    add_eos_token: bool = False
+    unk_token: str | None = None
+    pad_token: str | None = None
+
+    def __post_init__(self):
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise FrontendError(f"TokenSettings.{name} must be a non-negative int, got {value!r}",
+                                    ErrorKind.TOKENIZER)
+        for token, token_id, name in ((self.bos_token, self.bos_token_id, "bos"),
+                                      (self.eos_token, self.eos_token_id, "eos")):
+            if (token is None) != (token_id is None):
+                raise FrontendError(f"TokenSettings: {name}_token and {name}_token_id must be given together",
+                                    ErrorKind.TOKENIZER)
+        if self.add_bos_token and self.bos_token is None:
+            raise FrontendError("TokenSettings: add_bos_token without a bos_token", ErrorKind.TOKENIZER)
+        if self.add_eos_token and self.eos_token is None:
+            raise FrontendError("TokenSettings: add_eos_token without an eos_token", ErrorKind.TOKENIZER)
+
+    @classmethod
+    def from_gguf_assets(cls, assets) -> TokenSettings:
+        return cls(bos_token=assets.bos_token, eos_token=assets.eos_token, bos_token_id=assets.bos_token_id,
+                   eos_token_id=assets.eos_token_id, add_bos_token=assets.add_bos_token,
+                   add_eos_token=assets.add_eos_token, unk_token=assets.unk_token, pad_token=assets.pad_token)
+
+    def special_tokens_map(self) -> dict[str, str]:
+        """The special-token variables a chat template sees."""
+        names = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                 "unk_token": self.unk_token, "pad_token": self.pad_token}
+        return {name: token for name, token in names.items() if token is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedChat:
+    """A rendered, tokenized prompt and where its complete messages end."""
+
+    text: str
+    token_ids: list[int]
+    # Token index at the end of every complete message (prefix-cache checkpoints): sorted,
+    # unique, 0 < index < len(token_ids).
+    message_endpoints: tuple[int, ...]
+    # The byte endpoints they came from (UTF-8 offsets into text), including ones a token crosses.
+    byte_endpoints: tuple[int, ...]
+
+    @property
+    def prompt_bytes(self) -> bytes:
+        return self.text.encode("utf-8")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_asset(path: str | os.PathLike, what: str, expected_sha256: str | None) -> tuple[bytes, str]:
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise FrontendError(f"{what} {path}: cannot read ({exc.strerror or exc})",
+                            ErrorKind.TOKENIZER if what == "tokenizer" else ErrorKind.TEMPLATE) from None
+    digest = _sha256(data)
+    if expected_sha256 is not None and digest != expected_sha256.lower():
+        raise FrontendError(f"{what} {path}: SHA-256 {digest} does not match the expected {expected_sha256}",
+                            ErrorKind.FINGERPRINT)
+    return data, digest
+
+
+def _check_tool_calls(messages: list) -> list:
+    """OpenAI-style tool-call history: string arguments must hold a JSON object; the template sees the object."""
+    checked = []
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not calls:
+            checked.append(message)
+            continue
+        if not isinstance(calls, list):
+            raise FrontendError(f"messages[{index}].tool_calls must be a list", ErrorKind.VALIDATION)
+        new_calls = []
+        for call_index, call in enumerate(calls):
+            if not isinstance(call, dict):
+                raise FrontendError(f"messages[{index}].tool_calls[{call_index}] must be an object",
+                                    ErrorKind.VALIDATION)
+            function = call.get("function")
+            holder = function if isinstance(function, dict) else call
+            arguments = holder.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    # json.loads keeps the key order the client sent.
+                    parsed = json.loads(arguments)
+                except ValueError as exc:
+                    raise FrontendError(
+                        f"messages[{index}].tool_calls[{call_index}] arguments are not valid JSON ({exc})",
+                        ErrorKind.VALIDATION) from None
+                if not isinstance(parsed, dict):
+                    raise FrontendError(
+                        f"messages[{index}].tool_calls[{call_index}] arguments must be a JSON object, "
+                        f"got {type(parsed).__name__}", ErrorKind.VALIDATION)
+                if isinstance(function, dict):
+                    call = {**call, "function": {**function, "arguments": parsed}}
+                else:
+                    call = {**call, "arguments": parsed}
+            elif arguments is not None and not isinstance(arguments, dict):
+                raise FrontendError(
+                    f"messages[{index}].tool_calls[{call_index}] arguments must be a JSON object or a string "
+                    f"holding one, got {type(arguments).__name__}", ErrorKind.VALIDATION)
+            new_calls.append(call)
+        checked.append({**message, "tool_calls": new_calls})
+    return checked
+
+
+_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
+
+
+class Frontend:
+    """Tokenizer + chat template + token settings of one model."""
+
+    def __init__(self, tokenizer, chat_template: ChatTemplate | None, settings: TokenSettings, *,
+                 tokenizer_sha256: str | None = None, template_defaults: Mapping[str, Any] | None = None,
+                 source: str = "<memory>"):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.settings = settings
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.template_defaults = dict(template_defaults or {})
+        self._token_bytes = TokenBytes.from_tokenizer(tokenizer)
+        self._check_settings(source)
+
+    @classmethod
+    def load(cls, tokenizer_path: str | os.PathLike, chat_template: str | os.PathLike | None, *,
+             tokenizer_sha256: str | None = None, template_sha256: str | None = None,
+             settings: TokenSettings, template_defaults: Mapping[str, Any] | None = None,
+             clock: Callable[[], datetime] | None = None) -> Frontend:
+        """Load a tokenizer.json and a chat template file, checking their SHA-256 when given."""
+        from tokenizers import Tokenizer
+
+        tokenizer_bytes, tokenizer_digest = _read_asset(tokenizer_path, "tokenizer", tokenizer_sha256)
+        try:
+            tokenizer = Tokenizer.from_str(tokenizer_bytes.decode("utf-8"))
+        except (UnicodeDecodeError, Exception) as exc:  # tokenizers raises plain Exception on bad JSON
+            raise FrontendError(f"tokenizer {os.fspath(tokenizer_path)}: cannot parse ({exc})",
+                                ErrorKind.TOKENIZER) from None
+        template = None
+        if chat_template is not None:
+            template_bytes, template_digest = _read_asset(chat_template, "chat template", template_sha256)
+            try:
+                source = template_bytes.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise FrontendError(f"chat template {os.fspath(chat_template)}: not UTF-8 ({exc})",
+                                    ErrorKind.TEMPLATE) from None
+            try:
+                template = ChatTemplate(source, clock=clock)
+            except jinja2.TemplateSyntaxError as exc:
+                raise FrontendError(
+                    f"chat template {os.fspath(chat_template)}: does not compile: line {exc.lineno}: {exc.message}",
+                    ErrorKind.TEMPLATE) from None
+            assert template.sha256 == template_digest
+        elif template_sha256 is not None:
+            raise FrontendError("a template SHA-256 was given without a chat template", ErrorKind.TEMPLATE)
+        return cls(tokenizer, template, settings, tokenizer_sha256=tokenizer_digest,
+                   template_defaults=template_defaults, source=os.fspath(tokenizer_path))
+
+    def _check_settings(self, source: str) -> None:
+        for token, token_id, name in ((self.settings.bos_token, self.settings.bos_token_id, "bos"),
+                                      (self.settings.eos_token, self.settings.eos_token_id, "eos")):
+            if token is None:
+                continue
+            actual = self.tokenizer.token_to_id(token)
+            if actual != token_id:
+                raise FrontendError(
+                    f"tokenizer {source}: {name}_token {token!r} has id {actual}, settings say {token_id}",
+                    ErrorKind.TOKENIZER)
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids, *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self, *, skip_special_tokens: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens,
+                                  token_bytes=self._token_bytes)
+
+    def detokenizer(self, stop_strings=(), *, skip_special_tokens: bool = True) -> Detokenizer:
+        """Incremental decoding with stop strings, for one generation stream."""
+        return Detokenizer(self.incremental_decoder(skip_special_tokens=skip_special_tokens), stop_strings)
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    def render_chat(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs) -> RenderedChat:
+        """Render and tokenize a chat; find the token index where each complete message ends."""
+        if self.chat_template is None:
+            raise FrontendError("this model has no chat template", ErrorKind.UNSUPPORTED)
+        if not isinstance(messages, list) or not messages:
+            raise FrontendError("messages must be a non-empty list", ErrorKind.VALIDATION)
+        if continue_final_message and add_generation_prompt:
+            raise FrontendError("continue_final_message and add_generation_prompt are not compatible",
+                                ErrorKind.VALIDATION)
+        messages = _check_tool_calls(messages)
+        kwargs = {**self.settings.special_tokens_map(), **self.template_defaults, **template_kwargs}
+        template = self.chat_template
+        try:
+            rendered = template.render_traced(
+                messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **kwargs)
+        except _TEMPLATE_ERRORS as exc:
+            raise FrontendError(f"chat template error: {exc}", ErrorKind.TEMPLATE) from None
+        text = rendered.text
+        if template.num_marks:
+            byte_endpoints = rendered.mark_offsets_utf8
+        else:
+            byte_endpoints = self._prefix_endpoints(messages, text, tools, documents, kwargs)
+        total_bytes = len(text) if text.isascii() else len(text.encode("utf-8"))
+        byte_endpoints = tuple(sorted({b for b in byte_endpoints if 0 < b < total_bytes}))
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return RenderedChat(
+            text=text,
+            token_ids=encoding.ids,
+            message_endpoints=token_endpoints(text, encoding.offsets, byte_endpoints),
+            byte_endpoints=byte_endpoints,
+        )
+
+    async def render_chat_async(self, messages, *, executor=None, **kwargs) -> RenderedChat:
+        """``render_chat`` on a worker thread (``executor``: the frontend worker pool)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, lambda: self.render_chat(messages, **kwargs))
+
+    def _prefix_endpoints(self, messages: list, text: str, tools, documents, kwargs) -> list[int]:
+        """Byte endpoints of an unannotated template: prefix renders that are exact prefixes of the prompt."""
+        endpoints = []
+        char_ends = []
+        for count in range(1, len(messages) + 1):
+            try:
+                prefix = self.chat_template.render(
+                    messages[:count], tools=tools, documents=documents, add_generation_prompt=False, **kwargs)
+            except _TEMPLATE_ERRORS:
+                # Templates may refuse a partial conversation (e.g. one that must end on a user turn).
+                continue
+            if 0 < len(prefix) < len(text) and text.startswith(prefix):
+                char_ends.append(len(prefix))
+        char_ends.sort()
+        endpoints.extend(char_to_byte_offsets(text, char_ends))
+        return endpoints
