@@ -51,3 +51,55 @@ def goldens() -> dict:
         pytest.skip(f"template corpus not found at {TEMPLATES_DIR.resolve()} (expected ../shared/templates)")
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
+
+
+def _write_sentencepiece_gguf(path, *, with_merges: bool, add_bos: bool | None):
+    """A small SentencePiece-style (tokenizer.ggml.model = llama) vocabulary, written with gguf."""
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    words = "the quick brown fox jumps over lazy dog hello world code def return print 你好 世界 ab".split()
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    pieces = sorted({c for word in words for c in word} | {"▁"})
+    for word in words:
+        spelled = "▁" + word
+        for end in range(2, len(spelled) + 1):
+            if spelled[:end] not in pieces:
+                pieces.append(spelled[:end])
+    tokens += pieces + ["<|user|>", "<think>"]
+    types += [1] * len(pieces) + [3, 4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    if with_merges:
+        merges = [f"{p[:-1]} {p[-1]}" for p in pieces if len(p) > 1 and p[:-1] in pieces]
+        writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def write_sentencepiece_gguf():
+    return _write_sentencepiece_gguf
+
+
+@pytest.fixture(scope="session")
+def templates_dir() -> Path:
+    return TEMPLATES_DIR

@@ -63,53 +63,11 @@ def test_smollm2_settings(smollm2_assets, hf_smollm2_tokenizer):
     assert "<|im_start|>" in a.special_tokens
 
 
-def _write_sentencepiece_gguf(path, *, with_merges: bool, add_bos: bool | None):
-    """A small SentencePiece-style (tokenizer.ggml.model = llama) vocabulary, written with gguf."""
-    gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_context_length(64)
-    writer.add_embedding_length(8)
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(2)
-    writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5)
-    words = "the quick brown fox jumps over lazy dog hello world code def return print 你好 世界 ab".split()
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256
-    pieces = sorted({c for word in words for c in word} | {"▁"})
-    for word in words:
-        spelled = "▁" + word
-        for end in range(2, len(spelled) + 1):
-            if spelled[:end] not in pieces:
-                pieces.append(spelled[:end])
-    tokens += pieces + ["<|user|>", "<think>"]
-    types += [1] * len(pieces) + [3, 4]
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    if with_merges:
-        merges = [f"{p[:-1]} {p[-1]}" for p in pieces if len(p) > 1 and p[:-1] in pieces]
-        writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
-    writer.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("with_merges,add_bos", [(False, None), (True, False)])
-def test_sentencepiece_gguf_matches_transformers(tmp_path, with_merges, add_bos):
+def test_sentencepiece_gguf_matches_transformers(tmp_path, write_sentencepiece_gguf, with_merges, add_bos):
     transformers = pytest.importorskip("transformers")
     path = tmp_path / "spm.gguf"
-    _write_sentencepiece_gguf(path, with_merges=with_merges, add_bos=add_bos)
+    write_sentencepiece_gguf(path, with_merges=with_merges, add_bos=add_bos)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assets = tokenizer_from_gguf(path)

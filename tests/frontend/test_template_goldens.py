@@ -6,7 +6,6 @@ from datetime import datetime
 
 import pytest
 
-from conftest import TEMPLATES_DIR
 from flared.frontend import ChatTemplate
 
 PINNED_NOW = datetime(2025, 1, 7, 13, 45, 9)
@@ -26,11 +25,11 @@ def _render(template: ChatTemplate, case: dict, goldens: dict):
     )
 
 
-def test_goldens(goldens):
+def test_goldens(goldens, templates_dir):
     failures = []
     num_checked = 0
     for name, entry in sorted(goldens["templates"].items()):
-        source = (TEMPLATES_DIR / name).read_bytes().decode("utf-8")
+        source = (templates_dir / name).read_bytes().decode("utf-8")
         template = ChatTemplate(source, clock=lambda: PINNED_NOW)
         assert template.sha256 == entry["sha256"], name
         for case_id, expected in entry["results"].items():
@@ -57,7 +56,7 @@ def test_goldens(goldens):
     assert not failures, "\n".join(failures[:40])
 
 
-def test_errors_raise_the_recorded_type(goldens):
+def test_errors_raise_the_recorded_type(goldens, templates_dir):
     """Errors raise the template's own exception family, as transformers does."""
     import jinja2
 
@@ -66,7 +65,7 @@ def test_errors_raise_the_recorded_type(goldens):
                 "TemplateSyntaxError": jinja2.TemplateSyntaxError}
     checked = 0
     for name, entry in sorted(goldens["templates"].items()):
-        template = ChatTemplate((TEMPLATES_DIR / name).read_bytes().decode("utf-8"), clock=lambda: PINNED_NOW)
+        template = ChatTemplate((templates_dir / name).read_bytes().decode("utf-8"), clock=lambda: PINNED_NOW)
         for case_id, expected in entry["results"].items():
             if "error" not in expected:
                 continue
