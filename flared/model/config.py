@@ -1,0 +1,212 @@
+"""Model configuration: the architecture facts the runtime needs, nothing else.
+
+``ModelConfig`` is the one description of a decoder that the loader, the
+forward and the prepared core's manifest share. It is built from a Hugging Face
+``config.json`` (``from_hf_config``) or from GGUF metadata (in ``loader``), and
+round-trips through ``to_dict``/``from_dict`` for the manifest.
+
+Rules:
+- Every family we run is a pre-norm decoder with RMSNorm, rotary embeddings
+  (rotate-half layout), grouped-query attention and a SwiGLU MLP. The
+  differences between families are flags here (``attention_bias``,
+  ``qk_norm``...), never a branch on the family name inside the forward.
+- Anything we cannot run exactly (another activation, a rope scaling type we do
+  not implement, Qwen2's per-layer sliding windows) is refused with
+  ``CoreError(kind=UNSUPPORTED_MODEL)`` at construction, never approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from flared.errors import CoreError, ErrorKind
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# HF model_type -> our architecture. Mistral is Llama plus a sliding window;
+# SmolLM2 ships as model_type "llama".
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Rope types we compute exactly. "default" is stored as rope_scaling=None.
+ROPE_SCALING_TYPES = ("linear", "llama3")
+_ROPE_SCALING_KEYS = {
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}
+
+
+def _unsupported(what: str) -> CoreError:
+    return CoreError(what, ErrorKind.UNSUPPORTED_MODEL)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # None = plain rope; else {"rope_type": "linear"|"llama3", ...params}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q, k and v projections (Qwen2; Llama with attention_bias)
+    qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
+    attention_out_bias: bool = False  # bias on the output projection (Llama with attention_bias)
+    sliding_window: int | None = None  # every layer attends to at most this many keys (Mistral)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise _unsupported(f"architecture {self.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise CoreError(f"model config {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise CoreError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2 != 0:
+            raise CoreError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise CoreError(f"model config {name} must be a positive number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm", "attention_out_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+            raise CoreError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d["rope_scaling"] is not None:
+            d["rope_scaling"] = dict(d["rope_scaling"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        if not isinstance(d, dict):
+            raise CoreError(f"model config must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        missing = sorted(names - set(d))
+        if unknown:
+            raise CoreError(f"model config has unknown keys: {', '.join(unknown)}")
+        if missing:
+            raise CoreError(f"model config is missing keys: {', '.join(missing)}")
+        values = dict(d)
+        # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
+        for name in ("rms_norm_eps", "rope_theta"):
+            if isinstance(values[name], int) and not isinstance(values[name], bool):
+                values[name] = float(values[name])
+        return cls(**values)
+
+
+def _check_rope_scaling(rope_scaling: dict) -> None:
+    if not isinstance(rope_scaling, dict):
+        raise CoreError(f"rope_scaling must be an object or null, got {rope_scaling!r}")
+    rope_type = rope_scaling.get("rope_type")
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise _unsupported(f"rope scaling type {rope_type!r} is not supported (supported: default, {', '.join(ROPE_SCALING_TYPES)})")
+    expected = _ROPE_SCALING_KEYS[rope_type] | {"rope_type"}
+    if set(rope_scaling) != expected:
+        raise CoreError(f"rope_scaling {rope_type} needs exactly the keys {sorted(expected)}, got {sorted(rope_scaling)}")
+    for key in expected - {"rope_type"}:
+        value = rope_scaling[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise CoreError(f"rope_scaling {key} must be a positive number, got {value!r}")
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """Read rope theta and scaling from either the transformers 5 ``rope_parameters``
+    or the older ``rope_theta`` + ``rope_scaling`` keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = dict(params)
+        theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = dict(hf["rope_scaling"]) if isinstance(hf.get("rope_scaling"), dict) else None
+    if scaling is None:
+        return float(theta), None
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None)
+    scaling.pop("type", None)
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise _unsupported(f"rope scaling type {rope_type!r} is not supported (supported: default, {', '.join(ROPE_SCALING_TYPES)})")
+    keep = {k: float(scaling[k]) if k != "original_max_position_embeddings" else int(scaling[k])
+            for k in _ROPE_SCALING_KEYS[rope_type] if k in scaling}
+    return float(theta), {"rope_type": rope_type, **keep}
+
+
+def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+    """Translate a Hugging Face ``config.json`` dict; ``source`` names it in errors."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
+                           f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise _unsupported(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    if hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: mlp_bias is not supported")
+    if hf.get("use_sliding_window"):
+        raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
+    try:
+        num_heads = int(hf["num_attention_heads"])
+        hidden_size = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden_size // num_heads
+        theta, scaling = _rope_from_hf(hf)
+        architecture = HF_MODEL_TYPES[model_type]
+        attention_bias = bool(hf.get("attention_bias", False))
+        if architecture == "qwen2":
+            qkv_bias, out_bias = True, False
+        else:
+            # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
+            qkv_bias, out_bias = attention_bias, attention_bias
+        sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
+        return ModelConfig(
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            qk_norm=architecture == "qwen3",
+            attention_out_bias=out_bias,
+            sliding_window=int(sliding_window) if sliding_window else None,
+        )
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None

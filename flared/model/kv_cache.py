@@ -1,0 +1,53 @@
+"""Paged KV cache storage.
+
+The pool is preallocated: for every layer, keys and values for
+``num_pages * page_tokens`` token *slots*. Token ``t`` of a sequence whose
+block table is ``page_ids`` lives in slot ``page_ids[t // page_tokens] *
+page_tokens + t % page_tokens``.
+
+Rules:
+- This class is storage only. Which pages a sequence owns is decided by the
+  caller through ``flared._fast.pages.PageAllocator`` (the ledger); the cache
+  never allocates or frees.
+- A forward writes a token's K/V into its slot before any attention of that
+  layer reads it, so a prefill chunk sees its own keys through the same gather
+  as decode rows do.
+- Slots of a freed page keep stale values; they are unreachable because a
+  gather only covers positions below a sequence's context length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flared.model.config import ModelConfig
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, *, num_pages: int, page_tokens: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        if num_pages <= 0 or page_tokens <= 0:
+            raise ValueError(f"num_pages ({num_pages}) and page_tokens ({page_tokens}) must be positive")
+        self.num_pages = num_pages
+        self.page_tokens = page_tokens
+        self.num_slots = num_pages * page_tokens
+        self.num_layers = config.num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # [layer, slot, kv_head * head_dim]: one row per token keeps index_select/index_copy row-contiguous.
+        shape = (config.num_layers, self.num_slots, config.num_kv_heads * config.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """slot_ids [T] int64; keys/values [T, kv_heads * head_dim]."""
+        self.keys[layer].index_copy_(0, slot_ids, keys)
+        self.values[layer].index_copy_(0, slot_ids, values)
+
+    def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot_ids [N] int64 -> (keys, values) [N, kv_heads * head_dim], contiguous copies."""
+        return self.keys[layer].index_select(0, slot_ids), self.values[layer].index_select(0, slot_ids)

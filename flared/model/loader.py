@@ -1,0 +1,318 @@
+"""Weight loading: Hugging Face directories, GGUF files, serving-layout files.
+
+``read_source(path)`` turns an export source into a ``SourceModel``: a
+``ModelConfig`` and CPU tensors already in the *serving layout*, the one
+naming the forward reads (``serving_tensor_shapes`` lists it):
+
+    embed.weight                  [vocab, hidden]
+    lm_head.weight                [vocab, hidden]      only when embeddings are not tied
+    final_norm.weight             [hidden]
+    layers.{i}.attn_norm.weight   [hidden]
+    layers.{i}.qkv.weight         [q_size + 2 * kv_size, hidden]   q, k, v rows fused
+    layers.{i}.qkv.bias           [q_size + 2 * kv_size]           attention_bias only
+    layers.{i}.q_norm.weight      [head_dim]                        qk_norm only
+    layers.{i}.k_norm.weight      [head_dim]                        qk_norm only
+    layers.{i}.o.weight           [hidden, q_size]
+    layers.{i}.o.bias             [hidden]                          attention_out_bias only
+    layers.{i}.mlp_norm.weight    [hidden]
+    layers.{i}.gate_up.weight     [2 * intermediate, hidden]        gate rows, then up rows
+    layers.{i}.down.weight        [hidden, intermediate]
+
+Fusing q/k/v and gate/up turns three (two) small matmuls per layer into one,
+which is what matters on a CPU at decode batch sizes.
+
+Rules:
+- Every problem with a source (missing file, truncated or corrupt tensor file,
+  missing tensor, wrong shape, unsupported architecture) is a ``CoreError``
+  whose message names the file; nothing is guessed or skipped.
+- GGUF tensors are dequantised to float32 with ``gguf.quants.dequantize``; for
+  the llama architecture llama.cpp stored attn_q/attn_k rows permuted for its
+  interleaved rope, and we undo that permutation (as transformers' GGUF loader
+  does) so the rotate-half rope of the forward applies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flared.errors import CoreError, ErrorKind
+from flared.model.config import ModelConfig, from_hf_config
+
+
+@dataclass
+class SourceModel:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # serving layout, CPU tensors
+    source_kind: str  # "hf" | "gguf"
+
+
+def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the serving layout for ``config`` and its shape."""
+    c = config
+    qkv_rows = c.q_size + 2 * c.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed.weight": (c.vocab_size, c.hidden_size),
+        "final_norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (c.hidden_size,)
+        shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
+        if c.attention_bias:
+            shapes[p + "qkv.bias"] = (qkv_rows,)
+        if c.qk_norm:
+            shapes[p + "q_norm.weight"] = (c.head_dim,)
+            shapes[p + "k_norm.weight"] = (c.head_dim,)
+        shapes[p + "o.weight"] = (c.hidden_size, c.q_size)
+        if c.attention_out_bias:
+            shapes[p + "o.bias"] = (c.hidden_size,)
+        shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
+        shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
+        shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+def check_serving_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, *, source: str) -> None:
+    expected = serving_tensor_shapes(config)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CoreError(f"{source}: missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if extra:
+        raise CoreError(f"{source}: unexpected tensors: {', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CoreError(f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        if not tensors[name].is_floating_point():
+            raise CoreError(f"{source}: tensor {name} has dtype {tensors[name].dtype}, expected a floating type")
+
+
+def read_source(path: str | os.PathLike) -> SourceModel:
+    """Read a Hugging Face checkpoint directory or a ``.gguf`` file."""
+    p = Path(path)
+    if p.is_dir():
+        return _read_hf_dir(p)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return _read_gguf(p)
+    if not p.exists():
+        raise CoreError(f"model source {p} does not exist", ErrorKind.CORE_MISSING)
+    raise CoreError(f"model source {p} is neither a checkpoint directory nor a .gguf file", ErrorKind.SOURCE_FORMAT)
+
+
+def load_serving_tensors(path: str | os.PathLike, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read a serving-layout safetensors file (``save_file(SourceModel.tensors)``)
+    and check every name and shape against ``config``."""
+    tensors = _load_safetensors_file(Path(path))
+    check_serving_tensors(tensors, config, source=str(path))
+    return tensors
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CoreError(f"tensor file {path} does not exist", ErrorKind.CORE_MISSING)
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:  # safetensors raises its own error types and OSError/ValueError
+        raise CoreError(f"tensor file {path} is not a readable safetensors file: {exc}", ErrorKind.SOURCE_FORMAT) from None
+
+
+def _read_hf_dir(directory: Path) -> SourceModel:
+    config_path = directory / "config.json"
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CoreError(f"{config_path} does not exist", ErrorKind.CORE_MISSING) from None
+    except (OSError, ValueError) as exc:
+        raise CoreError(f"{config_path} is not valid JSON: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    if not isinstance(hf_config, dict):
+        raise CoreError(f"{config_path} is not a JSON object", ErrorKind.SOURCE_FORMAT)
+    config = from_hf_config(hf_config, source=str(config_path))
+
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CoreError(f"{index_path} is not a valid safetensors index: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    else:
+        files = sorted(f.name for f in directory.glob("*.safetensors"))
+    if not files:
+        raise CoreError(f"{directory} has no *.safetensors weights (only safetensors checkpoints are read)",
+                        ErrorKind.CORE_MISSING)
+    hf_tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        hf_tensors.update(_load_safetensors_file(directory / name))
+    tensors = _hf_to_serving(hf_tensors, config, source=str(directory))
+    check_serving_tensors(tensors, config, source=str(directory))
+    return SourceModel(config=config, tensors=tensors, source_kind="hf")
+
+
+def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: str) -> dict[str, torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        try:
+            return hf[name]
+        except KeyError:
+            raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+
+    out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        hp, sp = f"model.layers.{i}.", f"layers.{i}."
+        attn = hp + "self_attn."
+        out[sp + "attn_norm.weight"] = take(hp + "input_layernorm.weight")
+        out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
+        if config.attention_bias:
+            out[sp + "qkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"], dim=0)
+        if config.qk_norm:
+            out[sp + "q_norm.weight"] = take(attn + "q_norm.weight")
+            out[sp + "k_norm.weight"] = take(attn + "k_norm.weight")
+        out[sp + "o.weight"] = take(attn + "o_proj.weight")
+        if config.attention_out_bias:
+            out[sp + "o.bias"] = take(attn + "o_proj.bias")
+        out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+        out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
+        out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _gguf_config(reader, source: str) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise CoreError(f"{source}: GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    tensor_names = {t.name for t in reader.tensors}
+
+    def need(key: str):
+        value = _gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise CoreError(f"{source}: GGUF metadata has no {arch}.{key}", ErrorKind.SOURCE_FORMAT)
+        return value
+
+    scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling_type != "none":
+        raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
+    if "rope_freqs.weight" in tensor_names:
+        # llama3-style rope stored as per-frequency factors; we only read it from HF configs.
+        raise CoreError(f"{source}: GGUF rope frequency factors (rope_freqs) are not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    num_heads = int(need("attention.head_count"))
+    hidden_size = int(need("embedding_length"))
+    vocab_size = _gguf_field(reader, f"{arch}.vocab_size")
+    if vocab_size is None:
+        tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+        if tokens is None:
+            raise CoreError(f"{source}: GGUF metadata has neither {arch}.vocab_size nor a token list", ErrorKind.SOURCE_FORMAT)
+        vocab_size = len(tokens)
+    head_dim = _gguf_field(reader, f"{arch}.attention.key_length") or hidden_size // num_heads
+    has_bias = "blk.0.attn_q.bias" in tensor_names
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=has_bias,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+    )
+
+
+def _unpermute_qk(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of q/k rows (per head: interleaved
+    rope pairs -> rotate-half halves)."""
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_output.weight": "o.weight",
+    "attn_output.bias": "o.bias",
+    "ffn_norm.weight": "mlp_norm.weight",
+    "ffn_down.weight": "down.weight",
+    "attn_q_norm.weight": "q_norm.weight",
+    "attn_k_norm.weight": "k_norm.weight",
+}
+
+
+def _read_gguf(path: Path) -> SourceModel:
+    import gguf
+    from gguf.quants import dequantize
+
+    source = str(path)
+    try:
+        reader = gguf.GGUFReader(source)
+    except Exception as exc:  # a truncated or foreign file fails inside numpy memmap/struct parsing
+        raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    config = _gguf_config(reader, source)
+    permute = config.architecture == "llama"
+
+    raw: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            values = dequantize(t.data, t.tensor_type)
+            values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        except Exception as exc:
+            raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
+                            ErrorKind.SOURCE_FORMAT) from None
+        if permute and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
+            values = _unpermute_qk(values, heads)
+        raw[t.name] = torch.from_numpy(np.ascontiguousarray(values))
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return raw[name]
+        except KeyError:
+            raise CoreError(f"{source}: GGUF has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+
+    out = {"embed.weight": take("token_embd.weight"), "final_norm.weight": take("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("output.weight")
+    for i in range(config.num_layers):
+        gp, sp = f"blk.{i}.", f"layers.{i}."
+        out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
+        if config.attention_bias:
+            out[sp + "qkv.bias"] = torch.cat([take(gp + f"attn_{x}.bias") for x in "qkv"], dim=0)
+        out[sp + "gate_up.weight"] = torch.cat([take(gp + "ffn_gate.weight"), take(gp + "ffn_up.weight")], dim=0)
+        for gguf_name, serving_name in _GGUF_LAYER_NAMES.items():
+            if gp + gguf_name in raw:
+                out[sp + serving_name] = raw[gp + gguf_name]
+    check_serving_tensors(out, config, source=source)
+    return SourceModel(config=config, tensors=out, source_kind="gguf")

@@ -1,0 +1,51 @@
+"""Rotary position tables.
+
+``rope_tables`` precomputes cos/sin for every position the runner can reach,
+once, so a forward only gathers rows by position. The frequencies follow
+transformers exactly (same float32 arithmetic), including Llama 3's
+wavelength-dependent scaling and plain linear scaling; other rope types never
+reach here (``ModelConfig`` refuses them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flared.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] float32."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_tables(config: ModelConfig, num_positions: int, *, dtype: torch.dtype,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [num_positions, head_dim] in ``dtype``; halves repeated
+    for the rotate-half layout."""
+    inv_freq = inverse_frequencies(config)
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)

