@@ -76,6 +76,8 @@ _TIMER_IDLE = 2
 _TIMER_LINGER = 3
 
 _NO_BODY_STATUSES = frozenset((204, 304))
+# answers after which the rest of the input cannot be trusted or is unwanted
+_CLOSING_STATUSES = frozenset((413, 431))
 
 
 class _Exchange:
@@ -243,10 +245,12 @@ class HttpProtocol(asyncio.Protocol):
         method = event.method.decode("ascii")
         target = event.target
         raw_path, _, query_string = target.partition(b"?")
+        # routes match the raw path; handlers get the decoded one
+        route_path = raw_path.decode("latin-1")
         if b"%" in raw_path or not raw_path.isascii():
             path = unquote_to_bytes(raw_path).decode("utf-8", "replace")
         else:
-            path = raw_path.decode("ascii")
+            path = route_path
         headers = event.headers
         request = Request(method, target, path, query_string, headers, event.http_version, self._client,
                           Disconnect(self._loop))
@@ -257,7 +261,11 @@ class HttpProtocol(asyncio.Protocol):
 
         token = origin = None
         preflight = False
+        # h11 enforces max_header_bytes only on a head that arrives in pieces;
+        # one that arrives whole is measured here (4 = ": " + CRLF).
+        num_head_bytes = len(target) + 16
         for name, value in headers:
+            num_head_bytes += len(name) + len(value) + 4
             if name == b"content-length":
                 ex.content_length = int(value)
             elif name == b"authorization":
@@ -274,10 +282,13 @@ class HttpProtocol(asyncio.Protocol):
             ex.cors_headers = server.cors_headers(origin)
 
         try:
+            if num_head_bytes > cfg.max_header_bytes:
+                raise HttpError(431, f"request header section exceeds {cfg.max_header_bytes} bytes",
+                                code="headers_too_large")
             if method == "OPTIONS":
-                self._respond_now(ex, self._options_response(path, preflight, ex.cors_headers is not None))
+                self._respond_now(ex, self._options_response(route_path, preflight, ex.cors_headers is not None))
                 return
-            route, params = self._router.resolve(method, path)
+            route, params = self._router.resolve(method, route_path)
             request.params = params
             if cfg.api_key is not None and not route.public and not self._token_ok(token):
                 raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -296,7 +307,7 @@ class HttpProtocol(asyncio.Protocol):
         ex.route = route
         conn = self._conn
         if conn.they_are_waiting_for_100_continue:
-            self._transport.write(conn.send(h11.InformationalResponse(status_code=100, reason=b"Continue")))
+            self._transport.write(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")))
         if route.stream_body:
             ex.body_stream = BodyStream(self._flow, self._loop, cfg.read_high_water_bytes)
             request._body_stream = ex.body_stream
@@ -388,8 +399,11 @@ class HttpProtocol(asyncio.Protocol):
     def _respond_now(self, ex: _Exchange, response: Response) -> None:
         """Answer before the handler ran (errors, OPTIONS)."""
         conn = self._conn
-        if conn.their_state is h11.SEND_BODY:
-            if response.status == 413 or conn.they_are_waiting_for_100_continue:
+        if response.status in _CLOSING_STATUSES:
+            ex.keep_alive = False
+        elif conn.their_state is h11.SEND_BODY:
+            if conn.they_are_waiting_for_100_continue:
+                # the client may or may not send the body now: unknowable
                 ex.keep_alive = False
             else:
                 ex.discard_body = True

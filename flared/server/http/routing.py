@@ -4,7 +4,8 @@ Patterns are literal paths with ``{name}`` (one segment) and ``{name:path}``
 (the rest of the path, slashes included: model names such as
 ``HuggingFaceTB/SmolLM2-135M-Instruct``). Literal patterns are found by one
 dict lookup; patterned ones are tried in registration order. Matching runs on
-the percent-decoded path, so ``%2F`` inside a model name works too.
+the raw (still percent-encoded) path and parameter values are decoded after,
+so an encoded ``%2F`` stays inside its segment instead of splitting it.
 
 HEAD is served by the GET handler (the server drops the body). A path that
 exists under other methods answers 405 with an Allow header; an unknown path
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from urllib.parse import unquote
 from collections.abc import Awaitable, Callable
 from typing import Union
 
@@ -107,7 +109,11 @@ class Router:
         for regex, _, table in self._patterned:
             match = regex.fullmatch(path)
             if match is not None:
-                return table, match.groupdict()
+                params = match.groupdict()
+                for name, value in params.items():
+                    if "%" in value:
+                        params[name] = unquote(value)
+                return table, params
         return None, {}
 
     def allowed_methods(self, path: str) -> list[str]:
@@ -122,7 +128,7 @@ class Router:
         return sorted(methods)
 
     def resolve(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
-        """The route for (method, path) and its parameters; HttpError 404/405 otherwise."""
+        """The route for (method, raw path) and its decoded parameters; HttpError 404/405 otherwise."""
         table, params = self._table(path)
         if table is None:
             raise HttpError(404, f"no route for {path}", type="not_found_error", code="not_found")
