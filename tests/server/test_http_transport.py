@@ -343,6 +343,14 @@ def test_sse_stream_frames(server, connect):
     assert client.read_response(head_request=True).status == 200
 
 
+def test_sse_to_http10_client_is_close_delimited(server, connect):
+    client = connect(server)
+    client.send(b"GET /sse?n=2 HTTP/1.0\r\n\r\n")
+    reply = client.read_response()
+    assert "transfer-encoding" not in reply.headers and reply.headers["connection"] == "close"
+    assert [e["data"] for e in sse.decode_events(reply.body)] == ['{"index":0}', '{"index":1}', "[DONE]"]
+
+
 def test_ndjson_stream(server, connect):
     client = connect(server)
     client.request("GET", "/ndjson")

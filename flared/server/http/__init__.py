@@ -5,7 +5,8 @@ through ``Router``; see docs/api.md for the wire contract.
 """
 
 from flared.server.http.config import HttpConfig
-from flared.server.http.flow import Disconnect, ResponseWriter
+from flared.server.http.flow import Disconnect
+from flared.server.http.writer import ResponseWriter
 from flared.server.http.messages import (
     ClientDisconnected,
     HttpError,

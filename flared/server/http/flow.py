@@ -22,15 +22,8 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
-
-import h11
 
 from flared.server.http.messages import ClientDisconnected, HttpError
-from flared.server.http.sse import encode_comment, encode_event, encode_json_event, encode_ndjson
-
-if TYPE_CHECKING:
-    from flared.server.http.protocol import HttpProtocol
 
 log = logging.getLogger("flared.server.http")
 
@@ -199,60 +192,3 @@ class BodyStream:
 
 def body_too_large(limit_bytes: int) -> HttpError:
     return HttpError(413, f"request body exceeds the limit of {limit_bytes} bytes", code="request_too_large")
-
-
-class ResponseWriter:
-    """Writes a streaming response body with backpressure.
-
-    ``write`` frames the bytes (chunked encoding through h11), hands them to
-    the transport and waits while the transport buffer is above high-water.
-    After the client disconnects it raises ``ClientDisconnected`` so that a
-    producer loop ends; ``disconnected`` lets a producer that is waiting on
-    something else notice too.
-    """
-
-    __slots__ = ("_protocol", "_conn", "_transport", "_flow", "disconnected", "num_bytes_written",
-                 "num_drain_waits")
-
-    def __init__(self, protocol: HttpProtocol, conn: h11.Connection, transport: asyncio.Transport,
-                 flow: FlowControl, disconnected: Disconnect):
-        self._protocol = protocol
-        self._conn = conn
-        self._transport = transport
-        self._flow = flow
-        self.disconnected = disconnected
-        self.num_bytes_written = 0
-        # how often write() had to wait for the client: a stalled reader shows here
-        self.num_drain_waits = 0
-
-    async def write(self, data: bytes) -> None:
-        flow = self._flow
-        if flow.lost:
-            raise ClientDisconnected("client disconnected")
-        if not data:
-            return
-        self._transport.write(self._conn.send(h11.Data(data=data)))
-        self.num_bytes_written += len(data)
-        if flow.write_paused:
-            self.num_drain_waits += 1
-            await flow.drain()
-
-    async def drain(self) -> None:
-        await self._flow.drain()
-
-    def buffered_bytes(self) -> int:
-        """Bytes written but still in the transport buffer (not yet in the kernel)."""
-        return self._transport.get_write_buffer_size()
-
-    # Conveniences over the pure encoders in sse.py.
-    async def send_event(self, data: str, event: str | None = None, id: str | None = None) -> None:
-        await self.write(encode_event(data, event=event, id=id))
-
-    async def send_json_event(self, obj: object, event: str | None = None) -> None:
-        await self.write(encode_json_event(obj, event=event))
-
-    async def send_comment(self, text: str = "") -> None:
-        await self.write(encode_comment(text))
-
-    async def send_ndjson(self, obj: object) -> None:
-        await self.write(encode_ndjson(obj))

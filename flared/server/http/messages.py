@@ -17,7 +17,8 @@ from urllib.parse import parse_qs
 from flared.errors import AdmissionError, FlareError
 
 if TYPE_CHECKING:
-    from flared.server.http.flow import BodyStream, Disconnect, ResponseWriter
+    from flared.server.http.flow import BodyStream, Disconnect
+    from flared.server.http.writer import ResponseWriter
 
 Headers = list[tuple[bytes, bytes]]
 

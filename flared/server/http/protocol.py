@@ -48,7 +48,6 @@ from flared.server.http.flow import (
     BodyStream,
     Disconnect,
     FlowControl,
-    ResponseWriter,
     body_too_large,
 )
 from flared.server.http.messages import (
@@ -61,6 +60,7 @@ from flared.server.http.messages import (
     error_body,
     error_response,
 )
+from flared.server.http.writer import ResponseWriter
 
 if TYPE_CHECKING:
     from flared.server.http.routing import Route
@@ -78,6 +78,7 @@ _TIMER_LINGER = 3
 _NO_BODY_STATUSES = frozenset((204, 304))
 # answers after which the rest of the input cannot be trusted or is unwanted
 _CLOSING_STATUSES = frozenset((413, 431))
+_FRAMING_HEADERS = frozenset((b"content-length", b"transfer-encoding"))
 
 
 class _Exchange:
@@ -455,7 +456,8 @@ class HttpProtocol(asyncio.Protocol):
             # reverse proxies (nginx) must not buffer events
             headers.append((b"x-accel-buffering", b"no"))
         if response.headers:
-            headers += response.headers
+            # the body is framed by us (chunked, or close-delimited for HTTP/1.0)
+            headers += [(name, value) for name, value in response.headers if name not in _FRAMING_HEADERS]
         status = response.status
         self._transport.write(self._conn.send(
             h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))))
@@ -530,8 +532,7 @@ class HttpProtocol(asyncio.Protocol):
 
     async def _write_streaming(self, ex: _Exchange, response: StreamingResponse) -> None:
         if not ex.is_head:
-            writer = _LazyHeadWriter(self, ex, response)
-            await response.producer(writer)
+            await response.producer(ResponseWriter(self, ex, response))
         if self._lost:
             return
         if not ex.response_started:
@@ -631,30 +632,3 @@ class HttpProtocol(asyncio.Protocol):
             # idle keep-alive, or a connection that never sent a byte: close
             # without an answer (a speculative pre-connect must not read one)
             self._close()
-
-
-class _LazyHeadWriter(ResponseWriter):
-    """ResponseWriter that sends the response head with the first body bytes.
-
-    Until the producer writes, the status is still open: a producer that
-    fails first (say the model refuses the request) gets a proper JSON error
-    status instead of a 200 stream cut short.
-    """
-
-    __slots__ = ("_ex", "_response")
-
-    def __init__(self, protocol: HttpProtocol, ex: _Exchange, response: StreamingResponse):
-        super().__init__(protocol, protocol._conn, protocol._transport, protocol._flow, ex.request.disconnected)
-        self._ex = ex
-        self._response = response
-
-    async def write(self, data: bytes) -> None:
-        if not self._ex.response_started and not self._flow.lost:
-            self._protocol._stream_head(self._ex, self._response)
-        await ResponseWriter.write(self, data)
-
-    async def send_head(self) -> None:
-        """Send the status and headers now, before any body byte."""
-        if not self._ex.response_started and not self._flow.lost:
-            self._protocol._stream_head(self._ex, self._response)
-            await self._flow.drain()

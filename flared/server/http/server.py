@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import email.utils
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -57,14 +58,22 @@ class HttpServer:
         self._date_value = b""
 
     # -- lifecycle ----------------------------------------------------------------
-    async def start(self) -> tuple[str, int]:
-        """Bind and start accepting; returns the bound (host, port)."""
+    async def start(self, sock: socket.socket | None = None) -> tuple[str, int]:
+        """Bind and start accepting; returns the bound (host, port).
+
+        ``sock`` is an already bound listening socket (systemd socket
+        activation, or a parent process that picked the port); host and port
+        of the config are then ignored.
+        """
         self.loop = asyncio.get_running_loop()
         self._all_closed = asyncio.Event()
         self._all_closed.set()
         cfg = self.config
-        self._server = await self.loop.create_server(
-            lambda: HttpProtocol(self), host=cfg.host, port=cfg.port, backlog=cfg.backlog, reuse_address=True)
+        if sock is not None:
+            self._server = await self.loop.create_server(lambda: HttpProtocol(self), sock=sock, backlog=cfg.backlog)
+        else:
+            self._server = await self.loop.create_server(
+                lambda: HttpProtocol(self), host=cfg.host, port=cfg.port, backlog=cfg.backlog, reuse_address=True)
         self._started_monotonic_s = time.monotonic()
         return self.address
 
