@@ -51,6 +51,7 @@ class Observed:
     release_event: threading.Event = dataclasses.field(default_factory=threading.Event)
     slow_release: asyncio.Event | None = None
     generate_started: threading.Event = dataclasses.field(default_factory=threading.Event)
+    gate: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 def build_router(observed: Observed) -> Router:
@@ -147,6 +148,15 @@ def build_router(observed: Observed) -> Router:
 
     @router.post("/upload", stream_body=True)
     async def upload(request: Request) -> Response:
+        num_bytes = 0
+        async for chunk in request.stream():
+            num_bytes += len(chunk)
+        return Response.json({"num_bytes": num_bytes})
+
+    @router.post("/upload-gated", stream_body=True)
+    async def upload_gated(request: Request) -> Response:
+        # Does not consume its body until the test opens the gate.
+        await observed.gate.wait()
         num_bytes = 0
         async for chunk in request.stream():
             num_bytes += len(chunk)

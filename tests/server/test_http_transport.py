@@ -434,3 +434,56 @@ def test_graceful_close_finishes_in_flight_response(start_server, connect, obser
     assert not stopping.is_alive()
     with pytest.raises(OSError):
         socket.create_connection(server.address, timeout=TIMEOUT_S)
+
+
+def test_many_concurrent_keep_alive_clients(server):
+    """100 asyncio clients x 10 requests each, interleaved on the server loop."""
+
+    async def one_client(index: int) -> list[int]:
+        reader, writer = await asyncio.open_connection(*server.address)
+        seen = []
+        for step in range(10):
+            body = json.dumps({"client": index, "step": step}).encode()
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            reply = json.loads(await reader.readexactly(length))
+            assert reply["json"]["client"] == index
+            seen.append(reply["json"]["step"])
+        writer.close()
+        return seen
+
+    async def run() -> list[list[int]]:
+        return await asyncio.wait_for(asyncio.gather(*(one_client(i) for i in range(100))), TIMEOUT_S * 3)
+
+    assert asyncio.run(run()) == [list(range(10))] * 100
+
+
+def test_unconsumed_streamed_body_pauses_reading(start_server, connect, observed):
+    high_water_bytes = 256 * 1024
+    server = start_server(body_limit_bytes=64 * 1024 * 1024, read_high_water_bytes=high_water_bytes)
+    client = connect(server)
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    num_body_bytes = 16 * 1024 * 1024  # far more than kernel buffers on both sides hold
+    chunk = b"u" * 65536
+    payload = (b"POST /upload-gated HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + _chunked(*([chunk] * (num_body_bytes // len(chunk)))))
+    sender = threading.Thread(target=client.send, args=(payload,), daemon=True)
+    sender.start()
+
+    def read_paused() -> bool:
+        return any(c._flow.read_paused for c in server.server._connections)
+
+    # Each probe is one round trip to the server loop, no sleeping.
+    probes = 0
+    while not server.call(read_paused):
+        probes += 1
+        assert probes < 1_000_000
+    queued = server.call(lambda: [c._exchange.body_stream._num_queued_bytes for c in server.server._connections])
+    assert max(queued) <= high_water_bytes + 256 * 1024  # high water + one socket read
+    assert sender.is_alive()  # the client is blocked: backpressure reached it
+    server.loop.call_soon_threadsafe(observed.gate.set)
+    reply = client.read_response()
+    assert reply.json() == {"num_bytes": num_body_bytes}
+    sender.join(TIMEOUT_S)
+    assert not sender.is_alive()

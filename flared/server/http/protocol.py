@@ -495,6 +495,8 @@ class HttpProtocol(asyncio.Protocol):
     def _start_handler(self, ex: _Exchange) -> None:
         ex.handler_started = True
         ex.task = self._loop.create_task(self._run_handler(ex))
+        # the loop keeps only weak references to tasks: hold it until done
+        self._server._track(ex.task)
 
     async def _run_handler(self, ex: _Exchange) -> None:
         try:
