@@ -9,13 +9,14 @@ Public API:
 """
 
 from flared.frontend.detokenizer import Detokenizer, IncrementalDecoder, StopStringMatcher, TextDelta
-from flared.frontend.frontend import Frontend, RenderedChat, TokenSettings
+from flared.frontend.frontend import EndpointStrategy, Frontend, RenderedChat, TokenSettings
 from flared.frontend.gguf_tokenizer import GGUFTokenizerAssets, tokenizer_from_gguf
 from flared.frontend.template import ChatTemplate, RenderedTemplate
 
 __all__ = [
     "ChatTemplate",
     "Detokenizer",
+    "EndpointStrategy",
     "Frontend",
     "GGUFTokenizerAssets",
     "IncrementalDecoder",

@@ -10,8 +10,9 @@ Rules:
 - Other vocabularies (SentencePiece with byte fallback) decode a sliding window
   of ids and emit only what the window no longer changes; exact for the
   decoders we build (see gguf_tokenizer), the window keeps it O(1) amortised.
-- Stop strings: the earliest occurrence of any stop string in the stream ends
-  it; the text of the match and everything after are never emitted; text that
+- Stop strings: the stream ends where a stop string first becomes complete
+  (the occurrence that ends first; on a tie the longer one); the text of the
+  match and everything after are never emitted; text that
   could still be the start of a stop string is held back until it cannot, and
   released at the end. The result does not depend on how the text was chunked.
 """
@@ -156,15 +157,21 @@ class StopStringMatcher:
         if self.matched is not None or not self.stop_strings:
             return "" if self.matched is not None else text
         buffer = self._held + text
-        earliest, matched = -1, None
+        # Generation stops when a stop string is complete, so the match that ends first wins
+        # (ties: the longer one, which starts first). A stop string's first occurrence is its
+        # earliest-ending one.
+        best_end, best_start, matched = -1, -1, None
         for stop in self.stop_strings:
             at = buffer.find(stop)
-            if at != -1 and (earliest == -1 or at < earliest):
-                earliest, matched = at, stop
+            if at == -1:
+                continue
+            end = at + len(stop)
+            if matched is None or end < best_end or (end == best_end and at < best_start):
+                best_end, best_start, matched = end, at, stop
         if matched is not None:
             self.matched = matched
             self._held = ""
-            return buffer[:earliest]
+            return buffer[:best_start]
         hold_from = len(buffer)
         # The earliest position whose suffix could still grow into a stop string.
         for stop in self.stop_strings:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -77,6 +78,17 @@ class TokenSettings:
         names = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                  "unk_token": self.unk_token, "pad_token": self.pad_token}
         return {name: token for name, token in names.items() if token is not None}
+
+
+class EndpointStrategy(enum.Enum):
+    """How an unannotated template's message endpoints are found (a {% mark %} template uses its marks)."""
+
+    # One render of a copy of the template with a mark at the end of every iteration of each loop
+    # over the messages that emits output; falls back to PREFIX_RENDERS when there is no such loop.
+    AUTO_MARKS = "auto_marks"
+    # Render the conversation cut after each message; keep the ends that are exact byte prefixes
+    # of the full prompt. One extra render per message.
+    PREFIX_RENDERS = "prefix_renders"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,12 +178,13 @@ class Frontend:
 
     def __init__(self, tokenizer, chat_template: ChatTemplate | None, settings: TokenSettings, *,
                  tokenizer_sha256: str | None = None, template_defaults: Mapping[str, Any] | None = None,
-                 source: str = "<memory>"):
+                 endpoint_strategy: EndpointStrategy = EndpointStrategy.AUTO_MARKS, source: str = "<memory>"):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.settings = settings
         self.tokenizer_sha256 = tokenizer_sha256
         self.template_defaults = dict(template_defaults or {})
+        self.endpoint_strategy = EndpointStrategy(endpoint_strategy)
         self._token_bytes = TokenBytes.from_tokenizer(tokenizer)
         self._check_settings(source)
 
@@ -179,6 +192,7 @@ class Frontend:
     def load(cls, tokenizer_path: str | os.PathLike, chat_template: str | os.PathLike | None, *,
              tokenizer_sha256: str | None = None, template_sha256: str | None = None,
              settings: TokenSettings, template_defaults: Mapping[str, Any] | None = None,
+             endpoint_strategy: EndpointStrategy = EndpointStrategy.AUTO_MARKS,
              clock: Callable[[], datetime] | None = None) -> Frontend:
         """Load a tokenizer.json and a chat template file, checking their SHA-256 when given."""
         from tokenizers import Tokenizer
@@ -207,7 +221,8 @@ class Frontend:
         elif template_sha256 is not None:
             raise FrontendError("a template SHA-256 was given without a chat template", ErrorKind.TEMPLATE)
         return cls(tokenizer, template, settings, tokenizer_sha256=tokenizer_digest,
-                   template_defaults=template_defaults, source=os.fspath(tokenizer_path))
+                   template_defaults=template_defaults, endpoint_strategy=endpoint_strategy,
+                   source=os.fspath(tokenizer_path))
 
     def _check_settings(self, source: str) -> None:
         for token, token_id, name in ((self.settings.bos_token, self.settings.bos_token_id, "bos"),
@@ -251,14 +266,16 @@ class Frontend:
         messages = _check_tool_calls(messages)
         kwargs = {**self.settings.special_tokens_map(), **self.template_defaults, **template_kwargs}
         template = self.chat_template
+        use_marks = bool(template.num_marks) or (
+            self.endpoint_strategy is EndpointStrategy.AUTO_MARKS and template.has_auto_marks)
         try:
             rendered = template.render_traced(
                 messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **kwargs)
+                continue_final_message=continue_final_message, auto_marks=use_marks, **kwargs)
         except _TEMPLATE_ERRORS as exc:
             raise FrontendError(f"chat template error: {exc}", ErrorKind.TEMPLATE) from None
         text = rendered.text
-        if template.num_marks:
+        if use_marks:
             byte_endpoints = rendered.mark_offsets_utf8
         else:
             byte_endpoints = self._prefix_endpoints(messages, text, tools, documents, kwargs)

@@ -192,11 +192,46 @@ def _check_marks(node: nodes.Node, buffered_by: str | None, found: list[int]) ->
         _check_marks(child, buffered_by, found)
 
 
+def _names_messages(expression: nodes.Node) -> bool:
+    """Whether a loop's iterable mentions the conversation (messages, loop_messages, ns.messages, ...)."""
+    for node in (expression, *expression.find_all((nodes.Name, nodes.Getattr))):
+        if not isinstance(node, (nodes.Name, nodes.Getattr)):
+            continue
+        name = node.name if isinstance(node, nodes.Name) else node.attr
+        if "messages" in name:
+            return True
+    return False
+
+
+def _auto_annotate(node: nodes.Node, buffered: bool) -> int:
+    """Append a {% mark %} to every streaming loop over the messages that emits output; count them.
+
+    Loops that only compute (a reverse scan for the last user turn) emit nothing and get no mark;
+    loops in macros, call blocks, captured sets and filter blocks are buffered and are skipped.
+    """
+    count = 0
+    if isinstance(node, (nodes.Macro, nodes.CallBlock, nodes.AssignBlock, nodes.FilterBlock)):
+        buffered = True
+    if (isinstance(node, nodes.For) and not buffered and not node.recursive and _names_messages(node.iter)
+            and any(True for _ in node.find_all(nodes.Output))):
+        mark = nodes.ExprStmt(
+            nodes.Call(nodes.ExtensionAttribute(MarkExtension.identifier, "_mark"), [], [], None, None)
+        ).set_lineno(node.lineno)
+        node.body.append(mark)
+        count += 1
+    for child in node.iter_child_nodes():
+        count += _auto_annotate(child, buffered)
+    return count
+
+
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
     template: jinja2.Template
     num_marks: int  # {% mark %} statements in the source
     has_generation: bool
+    # For a template without marks: the same template with a mark at the end of every message-loop
+    # iteration (None when no such loop was found).
+    auto_marked: jinja2.Template | None
 
 
 @functools.lru_cache(maxsize=128)
@@ -210,7 +245,12 @@ def _compile(source_sha256: str, source: str) -> _Compiled:
     has_generation = any(
         _is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
     )
-    return _Compiled(env.from_string(source), len(mark_lines), has_generation)
+    auto_marked = None
+    if not mark_lines:
+        annotated = env.parse(source)
+        if _auto_annotate(annotated, False):
+            auto_marked = env.from_string(annotated)
+    return _Compiled(env.from_string(source), len(mark_lines), has_generation, auto_marked)
 
 
 def _plain(value: Any) -> Any:
@@ -291,6 +331,11 @@ class ChatTemplate:
         return self._compiled.num_marks
 
     @property
+    def has_auto_marks(self) -> bool:
+        """Whether an unannotated template had a message loop to mark automatically."""
+        return self._compiled.auto_marked is not None
+
+    @property
     def has_generation_blocks(self) -> bool:
         return self._compiled.has_generation
 
@@ -306,8 +351,13 @@ class ChatTemplate:
 
     def render_traced(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = False,
                       continue_final_message: bool | str = False, bos_token: str | None = None,
-                      eos_token: str | None = None, **template_kwargs) -> RenderedTemplate:
-        """Render, and report mark positions and generation spans."""
+                      eos_token: str | None = None, auto_marks: bool = False,
+                      **template_kwargs) -> RenderedTemplate:
+        """Render, and report mark positions and generation spans.
+
+        ``auto_marks``: for an unannotated template, render its automatically marked copy (same
+        output bytes, marks at the end of every message-loop iteration).
+        """
         chat = normalize_messages(messages)
         if tools is not None:
             for tool in tools:
@@ -339,7 +389,10 @@ class ChatTemplate:
 
         variables.update(messages=chat, tools=tools, documents=documents,
                           add_generation_prompt=add_generation_prompt)
-        trace = self._run(variables)
+        template = self._compiled.template
+        if auto_marks and self._compiled.auto_marked is not None:
+            template = self._compiled.auto_marked
+        trace = self._run(template, variables)
         text = "".join(trace.chunks)
 
         cut = None
@@ -393,8 +446,8 @@ class ChatTemplate:
                 chat[-1][name] = chat[-1][name] + _CONTINUE_TAG
         return final_message
 
-    def _run(self, variables: dict) -> _RenderTrace:
-        template = self._compiled.template
+    @staticmethod
+    def _run(template: jinja2.Template, variables: dict) -> _RenderTrace:
         trace = _RenderTrace()
         token = _TRACE.set(trace)
         try:

@@ -105,10 +105,12 @@ def test_sentencepiece_tokenizer_windowed(tmp_path, write_sentencepiece_gguf):
 
 
 def _reference_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [(text.find(stop), stop) for stop in stops if stop in text]
+    """Over the whole text at once: the occurrence that ends first (ties: starts first) stops it."""
+    hits = [(text.find(stop) + len(stop), text.find(stop)) for stop in stops if stop in text]
     if not hits:
         return text, False
-    return text[: min(at for at, _ in hits)], True
+    _, start = min(hits)
+    return text[:start], True
 
 
 def _split(text: str, cuts: list[int]) -> list[str]:
@@ -137,6 +139,8 @@ def test_stop_string_across_chunks_is_withheld():
     assert released.push("a </an") == "a "
     assert released.push("d more") == "</and more"
     assert released.flush() == ""
+    first_complete = StopStringMatcher(["<|<", "|"])
+    assert first_complete.push("<|<") == "<"  # "|" completes before "<|<" does
     with pytest.raises(FrontendError):
         StopStringMatcher([""])
 

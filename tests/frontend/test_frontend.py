@@ -9,7 +9,7 @@ import jinja2
 import pytest
 
 from flared.errors import ErrorKind, FrontendError
-from flared.frontend import ChatTemplate, Frontend, TokenSettings
+from flared.frontend import ChatTemplate, EndpointStrategy, Frontend, TokenSettings
 
 CHATS = [
     [{"role": "user", "content": "Hello!"}],
@@ -93,6 +93,40 @@ def test_marked_template_gives_the_same_endpoints(frontend, smollm2_assets):
         reference = frontend.render_chat(chat)
         assert ours.text == reference.text
         assert ours.message_endpoints == reference.message_endpoints
+
+
+def test_prefix_render_strategy_agrees_on_smollm2(frontend):
+    prefix = Frontend(frontend.tokenizer, frontend.chat_template, frontend.settings,
+                      endpoint_strategy=EndpointStrategy.PREFIX_RENDERS)
+    assert frontend.chat_template.has_auto_marks
+    for chat in CHATS:
+        for add_generation_prompt in (True, False):
+            auto = frontend.render_chat(chat, add_generation_prompt=add_generation_prompt)
+            assert prefix.render_chat(chat, add_generation_prompt=add_generation_prompt) == auto
+
+
+def test_prefix_renders_keep_only_exact_prefixes(frontend):
+    # The last message renders differently (no closing tag), so its end in a longer chat is no prefix.
+    template = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last %}</{{ m.role }}>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    prefix = Frontend(frontend.tokenizer, template, frontend.settings,
+                      endpoint_strategy=EndpointStrategy.PREFIX_RENDERS)
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    rendered = prefix.render_chat(chat)
+    assert rendered.text == "<user>a</user><assistant>b</assistant><user>c<assistant>"
+    # Each prefix render ends right after its last content ("<user>a", "...<assistant>b", the whole
+    # chat without the generation prompt): exact prefixes, but mid-message for the first two.
+    assert rendered.byte_endpoints == (7, 26, 45)
+    auto = Frontend(frontend.tokenizer, template, frontend.settings).render_chat(chat)
+    assert auto.byte_endpoints == (14, 38, 45)  # loop-iteration ends
+    # A template that closes every shorter rendering with a trailer has no exact prefixes at all.
+    trailer = ChatTemplate("{% for m in messages %}[{{ m.content }}]{% endfor %}"
+                           "{% if not add_generation_prompt %}<end>{% endif %}")
+    strict = Frontend(frontend.tokenizer, trailer, frontend.settings,
+                      endpoint_strategy=EndpointStrategy.PREFIX_RENDERS)
+    assert strict.render_chat(chat).byte_endpoints == ()
+    assert Frontend(frontend.tokenizer, trailer, frontend.settings).render_chat(chat).byte_endpoints == (3, 6)
 
 
 def test_endpoint_crossed_by_a_token_is_dropped(frontend):

@@ -11,10 +11,11 @@ from flared.frontend import ChatTemplate
 PINNED_NOW = datetime(2025, 1, 7, 13, 45, 9)
 
 
-def _render(template: ChatTemplate, case: dict, goldens: dict):
+def _render(template: ChatTemplate, case: dict, goldens: dict, *, auto_marks: bool = False):
     conventions = goldens["conventions"]
     return template.render_traced(
-        case["messages"],
+        auto_marks=auto_marks,
+        messages=case["messages"],
         tools=case.get("tools"),
         documents=case.get("documents"),
         add_generation_prompt=case["add_generation_prompt"],
@@ -28,10 +29,12 @@ def _render(template: ChatTemplate, case: dict, goldens: dict):
 def test_goldens(goldens, templates_dir):
     failures = []
     num_checked = 0
+    num_auto_marked = 0
     for name, entry in sorted(goldens["templates"].items()):
         source = (templates_dir / name).read_bytes().decode("utf-8")
         template = ChatTemplate(source, clock=lambda: PINNED_NOW)
         assert template.sha256 == entry["sha256"], name
+        num_auto_marked += template.has_auto_marks
         for case_id, expected in entry["results"].items():
             case = goldens["cases"][case_id]
             num_checked += 1
@@ -49,10 +52,13 @@ def test_goldens(goldens, templates_dir):
                 continue
             if rendered.text != expected["rendered"]:
                 failures.append(f"{name} {case_id}: rendered text differs")
+            elif _render(template, case, goldens, auto_marks=True).text != expected["rendered"]:
+                failures.append(f"{name} {case_id}: the automatically marked copy renders differently")
             elif "generation_spans" in expected:
                 if [list(s) for s in rendered.generation_spans] != expected["generation_spans"]:
                     failures.append(f"{name} {case_id}: generation spans {rendered.generation_spans}")
     assert num_checked == goldens["summary"]["cases"]
+    assert num_auto_marked == len(goldens["templates"])  # every corpus template has a message loop
     assert not failures, "\n".join(failures[:40])
 
 
