@@ -153,6 +153,16 @@ def test_slow_client_header_timeout_is_408(start_server, connect):
     assert server.server.stats.num_header_timeouts_total == 1
 
 
+def test_stalled_body_is_408(start_server, connect):
+    server = start_server(body_timeout_s=0.1)
+    client = connect(server)
+    client.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n{\"a\"")
+    reply = client.read_response()
+    assert reply.status == 408 and "stalled" in reply.json()["error"]["message"]
+    assert client.at_eof()
+    assert server.server.stats.num_body_timeouts_total == 1
+
+
 def test_idle_keep_alive_connection_is_closed_silently(start_server, connect):
     server = start_server(keep_alive_timeout_s=0.2)
     client = connect(server)

@@ -29,6 +29,9 @@ class HttpConfig:
     # A request head must arrive complete within this time after its first
     # byte (slow-header clients get 408 and a close).
     header_timeout_s: float = 10.0
+    # A request body that makes no progress (no byte arrives while we are
+    # reading) for this long is answered 408 and the connection closed.
+    body_timeout_s: float = 30.0
     # An idle keep-alive connection (no byte of a next request) is closed
     # silently after this time.
     keep_alive_timeout_s: float = 5.0
@@ -68,7 +71,7 @@ class HttpConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.write_low_water_bytes <= self.write_high_water_bytes:
             raise ValueError("write_low_water_bytes must be in 0..write_high_water_bytes")
-        for name in ("header_timeout_s", "keep_alive_timeout_s", "linger_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "linger_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.shutdown_grace_s < 0:

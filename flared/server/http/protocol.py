@@ -23,8 +23,9 @@ Rules:
   would lose our error response.
 - One timer at a time: waiting for a request head (header_timeout_s after
   connect or after the first byte of a head, 408 if some of it came, silent
-  close if none did), idle keep-alive (keep_alive_timeout_s, silent close),
-  or linger.
+  close if none did), body progress (408 when no body byte came for
+  body_timeout_s while we were reading), idle keep-alive
+  (keep_alive_timeout_s, silent close), or linger.
 - The connection closes after the response when h11 says so (HTTP/1.0,
   ``Connection: close``), when we chose to (errors that leave the input
   stream unknown), or when the server is shutting down.
@@ -74,6 +75,7 @@ _REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _TIMER_HEAD = 1
 _TIMER_IDLE = 2
 _TIMER_LINGER = 3
+_TIMER_BODY = 4
 
 _NO_BODY_STATUSES = frozenset((204, 304))
 # answers after which the rest of the input cannot be trusted or is unwanted
@@ -132,6 +134,8 @@ class HttpProtocol(asyncio.Protocol):
         self._lingering = False
         self._closing = False
         self._lost = False
+        # body bytes seen when the body timer last fired
+        self._body_progress_mark = -1
 
     # -- asyncio.Protocol -------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -259,6 +263,10 @@ class HttpProtocol(asyncio.Protocol):
         self._exchange = ex
         if self._shutting_down:
             ex.keep_alive = False
+        if self._conn.their_state is h11.SEND_BODY:
+            # also covers a body we discard after an early answer
+            self._body_progress_mark = -1
+            self._arm_timer(_TIMER_BODY, cfg.body_timeout_s)
 
         token = origin = None
         preflight = False
@@ -343,6 +351,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def _on_body_end(self) -> None:
         ex = self._exchange
+        if self._timer_kind == _TIMER_BODY:
+            self._cancel_timer()
         if ex.discard_body:
             if ex.response_complete:
                 self._next_cycle()
@@ -628,9 +638,33 @@ class HttpProtocol(asyncio.Protocol):
                 408, f"request head not received within {self._config.header_timeout_s} s",
                 code="request_timeout"))
             self._linger()
+        elif kind == _TIMER_BODY:
+            self._on_body_timer()
         elif kind == _TIMER_LINGER:
             self._transport.abort()
         elif self._exchange is None:
             # idle keep-alive, or a connection that never sent a byte: close
             # without an answer (a speculative pre-connect must not read one)
             self._close()
+
+    def _on_body_timer(self) -> None:
+        ex = self._exchange
+        if ex is None or self._conn.their_state is not h11.SEND_BODY:
+            return
+        if ex.num_body_bytes != self._body_progress_mark or self._flow.read_paused:
+            # progress since the last check, or we are the ones not reading
+            self._body_progress_mark = ex.num_body_bytes
+            self._arm_timer(_TIMER_BODY, self._config.body_timeout_s)
+            return
+        self._server.stats.num_body_timeouts_total += 1
+        error = HttpError(408, f"request body stalled: no byte for {self._config.body_timeout_s} s",
+                          code="request_timeout")
+        ex.keep_alive = False
+        if ex.response_complete:
+            self._close_after_response()
+        elif ex.handler_started:
+            if ex.body_stream is not None:
+                ex.body_stream.fail(error)
+            ex.discard_body = True
+        else:
+            self._respond_now(ex, error_response(error))

@@ -39,6 +39,7 @@ class HttpStats:
     num_client_disconnects_total: int = 0
     num_protocol_errors_total: int = 0
     num_header_timeouts_total: int = 0
+    num_body_timeouts_total: int = 0
 
 
 class HttpServer:
