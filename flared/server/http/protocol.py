@@ -375,6 +375,8 @@ class HttpProtocol(asyncio.Protocol):
         ex = self._exchange
         if ex is None or not (ex.handler_started or ex.response_started):
             self._send_unsolicited_error(error)
+            if ex is not None:
+                self._release(ex)  # do not hold a permit through the linger
             self._linger()
             return
         # A handler runs (or ran) on a request whose body turned out broken:
@@ -439,7 +441,8 @@ class HttpProtocol(asyncio.Protocol):
         if status not in _NO_BODY_STATUSES and status >= 200:
             headers.append((b"content-length", b"%d" % len(body)))
         if response.headers:
-            headers += response.headers
+            # we frame the body; a handler's own length would contradict ours
+            headers += [(name, value) for name, value in response.headers if name not in _FRAMING_HEADERS]
         conn = self._conn
         try:
             head = conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b"")))
