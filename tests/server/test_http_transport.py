@@ -497,3 +497,19 @@ def test_unconsumed_streamed_body_pauses_reading(start_server, connect, observed
     assert reply.json() == {"num_bytes": num_body_bytes}
     sender.join(TIMEOUT_S)
     assert not sender.is_alive()
+
+
+def test_real_http_client_library(server):
+    """httpx (what the openai and anthropic SDKs use) against the layer."""
+    httpx = pytest.importorskip("httpx")
+    base_url = "http://%s:%d" % server.address
+    with httpx.Client(base_url=base_url, timeout=TIMEOUT_S) as client:
+        for index in range(3):
+            reply = client.post("/echo", json={"i": index})
+            assert reply.status_code == 200 and reply.json()["json"] == {"i": index}
+        with client.stream("GET", "/sse", params={"n": 4}) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 5
+        reply = client.get("/v1/models/HuggingFaceTB/SmolLM2-135M-Instruct")
+        assert reply.json() == {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert server.server.stats.num_accepted_connections_total == 1  # all on one keep-alive connection
