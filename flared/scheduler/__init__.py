@@ -1,1 +1,50 @@
+"""Live-request scheduler facade.
 
+The implementation is Cython (``flared._fast.scheduler``); this module names
+the surface the model thread uses. One model-thread step:
+
+    handle = scheduler.admit(prompt, max_output_tokens, now_ns, message_boundaries)
+    plan = scheduler.plan(now_ns)             # ScheduledPlan or None; pure
+    scheduler.commit(plan, fence)             # just before enqueueing fence
+    result = scheduler.complete(fence, CompletionRecords(...), duration_ns, now_ns)
+    scheduler.finish(handle, now_ns) / scheduler.cancel(handle)
+
+``ScheduledPlan`` is plain data: numpy arrays per participant (handles,
+slots, state rows, token positions and ids, sample flags, touched block-table
+entries, snapshot/restore copy rows); its docstring lists every field.
+docs/scheduling.md explains the policy with a worked example.
+"""
+
+from flared._fast.scheduler import (
+    MAX_LIVE_REQUESTS,
+    REFRESH_CAP_NS,
+    REFRESH_FRACTION,
+    CompletionRecords,
+    CompletionResult,
+    GraphKind,
+    Request,
+    RequestPhase,
+    RequestScheduler,
+    ScheduledPlan,
+    handle_generation,
+    handle_slot,
+)
+from flared.scheduler.config import PolicyConfig, SchedulerConfig, default_graph_shapes
+
+__all__ = [
+    "MAX_LIVE_REQUESTS",
+    "REFRESH_CAP_NS",
+    "REFRESH_FRACTION",
+    "CompletionRecords",
+    "CompletionResult",
+    "GraphKind",
+    "PolicyConfig",
+    "Request",
+    "RequestPhase",
+    "RequestScheduler",
+    "ScheduledPlan",
+    "SchedulerConfig",
+    "default_graph_shapes",
+    "handle_generation",
+    "handle_slot",
+]
