@@ -138,7 +138,7 @@ def _check_rope_scaling(rope_scaling: dict) -> None:
             raise CoreError(f"rope_scaling {key} must be a positive number, got {value!r}")
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None]:
+def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     """Read rope theta and scaling from either the transformers 5 ``rope_parameters``
     or the older ``rope_theta`` + ``rope_scaling`` keys."""
     params = hf.get("rope_parameters")
@@ -155,7 +155,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict | None]:
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type not in ROPE_SCALING_TYPES:
-        raise _unsupported(f"rope scaling type {rope_type!r} is not supported (supported: default, {', '.join(ROPE_SCALING_TYPES)})")
+        raise _unsupported(f"{source}: rope scaling type {rope_type!r} is not supported "
+                           f"(supported: default, {', '.join(ROPE_SCALING_TYPES)})")
     keep = {k: float(scaling[k]) if k != "original_max_position_embeddings" else int(scaling[k])
             for k in _ROPE_SCALING_KEYS[rope_type] if k in scaling}
     return float(theta), {"rope_type": rope_type, **keep}
@@ -178,7 +179,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         num_heads = int(hf["num_attention_heads"])
         hidden_size = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden_size // num_heads
-        theta, scaling = _rope_from_hf(hf)
+        theta, scaling = _rope_from_hf(hf, source)
         architecture = HF_MODEL_TYPES[model_type]
         attention_bias = bool(hf.get("attention_bias", False))
         if architecture == "qwen2":

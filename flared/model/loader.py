@@ -287,7 +287,8 @@ def _read_gguf(path: Path) -> SourceModel:
     for t in reader.tensors:
         try:
             values = dequantize(t.data, t.tensor_type)
-            values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+            # np.array copies: F32 tensors come back as read-only views of the file's memory map.
+            values = np.array(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         except Exception as exc:
             raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
                             ErrorKind.SOURCE_FORMAT) from None

@@ -160,11 +160,8 @@ class Sampler:
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
 
-        logits = logits.clone()
-        self._apply_logit_bias(logits, params)
+        logits = self.apply_bias_and_penalties(logits, states)
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
-        if penalty_rows:
-            self._apply_penalties(logits, states, penalty_rows)
 
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -189,6 +186,16 @@ class Sampler:
         for s in states:
             s.num_output_tokens += 1
         return out
+
+    def apply_bias_and_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """A processed copy of ``logits``: logit bias, then repetition/frequency/presence penalties.
+        Greedy rows take their argmax from this."""
+        logits = logits.clone()
+        self._apply_logit_bias(logits, [s.params for s in states])
+        penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
+        if penalty_rows:
+            self._apply_penalties(logits, states, penalty_rows)
+        return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
         rows, cols, values = [], [], []
@@ -229,24 +236,37 @@ class Sampler:
             probs = torch.softmax(logits, dim=-1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
+        vocab = logits.shape[-1]
+        # Candidates sorted by logit: a top-k when every row has one (much cheaper than sorting the
+        # vocabulary), else the whole sorted vocabulary. Either way a row keeps the same tokens.
+        candidate_ids = None
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-            vocab = logits.shape[-1]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)[:, None]
-            ranks = torch.arange(vocab, device=dev)[None, :]
-            sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+            if all(p.top_k > 0 for p in params):
+                logits, candidate_ids = logits.topk(min(max(p.top_k for p in params), vocab), dim=-1)
+            else:
+                logits, candidate_ids = logits.sort(dim=-1, descending=True)
+            num_candidates = logits.shape[-1]
+            top_k = torch.tensor([min(p.top_k, num_candidates) if p.top_k > 0 else num_candidates for p in params],
+                                 device=dev)[:, None]
+            ranks = torch.arange(num_candidates, device=dev)[None, :]
+            logits = logits.masked_fill(ranks >= top_k, float("-inf"))
             top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            sorted_probs = torch.softmax(logits, dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # Keep a token while the more likely ones hold less than top_p; the first always stays.
-            sorted_logits = sorted_logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+            logits = logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; E comes from the row's own generator.
-        uniform = torch.empty_like(probs)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E is drawn for every vocabulary id
+        # from the row's own generator, so a token's noise never depends on the candidate set or the batch.
+        uniform = torch.empty(len(states), vocab, dtype=probs.dtype, device=dev)
         for i, s in enumerate(states):
             self._generator.manual_seed(_row_seed(s.seed, s.num_output_tokens))
             uniform[i].uniform_(generator=self._generator)
+        if candidate_ids is not None:
+            uniform = uniform.gather(1, candidate_ids)
         # uniform in [0, 1) -> E in [0, inf); a zero E would turn a zero-probability token into 0/0 = NaN.
         exponential = (-torch.log1p(-uniform)).clamp_min_(torch.finfo(probs.dtype).tiny)
-        return (probs / exponential).argmax(dim=-1)
+        choice = (probs / exponential).argmax(dim=-1)
+        if candidate_ids is None:
+            return choice
+        return candidate_ids.gather(1, choice[:, None])[:, 0]

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# One thread: the suite shares a 2-core machine, and OpenMP threads that wait on a descheduled peer
+# make every op as slow as a scheduler quantum.
+torch.set_num_threads(1)
 
 TINY_COMMON = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
