@@ -3,6 +3,7 @@ error mapping and Request helpers, without sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -166,3 +167,35 @@ def test_request_header_and_query():
     assert request.header("X-Api-Key") == "k"
     assert request.header("missing") is None
     assert request.query == {"a": ["1", "2"], "b": [""]}
+
+
+def test_serves_on_a_unix_socket(tmp_path):
+    """The admin socket case: an already bound AF_UNIX listener."""
+    import socket
+
+    import uvloop
+
+    from flared.server.http import HttpServer
+
+    router = Router()
+
+    async def health(request):
+        return Response.json({"client": request.client})
+
+    router.add("GET", "/health", health)
+    path = str(tmp_path / "admin.sock")
+
+    async def run() -> bytes:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        server = HttpServer(router)
+        assert await server.start(sock=listener) == path
+        reader, writer = await asyncio.open_unix_connection(path)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: admin\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        writer.close()
+        await server.close()
+        return body
+
+    assert json.loads(uvloop.run(run())) == {"client": None}

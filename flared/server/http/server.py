@@ -60,12 +60,12 @@ class HttpServer:
         self._date_value = b""
 
     # -- lifecycle ----------------------------------------------------------------
-    async def start(self, sock: socket.socket | None = None) -> tuple[str, int]:
-        """Bind and start accepting; returns the bound (host, port).
+    async def start(self, sock: socket.socket | None = None) -> tuple[str, int] | str:
+        """Bind and start accepting; returns the bound address (see ``address``).
 
-        ``sock`` is an already bound listening socket (systemd socket
-        activation, or a parent process that picked the port); host and port
-        of the config are then ignored.
+        ``sock`` is an already bound listening socket: systemd socket
+        activation, a parent process that picked the port, or a Unix socket
+        (the admin socket); host and port of the config are then ignored.
         """
         self.loop = asyncio.get_running_loop()
         self._all_closed = asyncio.Event()
@@ -80,10 +80,13 @@ class HttpServer:
         return self.address
 
     @property
-    def address(self) -> tuple[str, int]:
+    def address(self) -> tuple[str, int] | str:
+        """(host, port) of a TCP listener; the path of a Unix socket (admin socket)."""
         if self._server is None or not self._server.sockets:
             raise RuntimeError("server is not listening")
         sockname = self._server.sockets[0].getsockname()
+        if isinstance(sockname, str):
+            return sockname
         return sockname[0], sockname[1]
 
     @property
