@@ -13,6 +13,8 @@ import socket
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flared.server.http import sse
 
@@ -513,3 +515,28 @@ def test_real_http_client_library(server):
         reply = client.get("/v1/models/HuggingFaceTB/SmolLM2-135M-Instruct")
         assert reply.json() == {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
     assert server.server.stats.num_accepted_connections_total == 1  # all on one keep-alive connection
+
+
+# -- fragmentation as a property ------------------------------------------------------
+_PIPELINE = (
+    b"POST /echo?k=1 HTTP/1.1\r\nHost: t\r\nContent-Length: 11\r\n\r\n{\"a\": [1]}\n"
+    b"PUT /raw HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    b"GET /sse?n=2 HTTP/1.1\r\nHost: t\r\n\r\n"
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(_PIPELINE) - 1), max_size=12, unique=True))
+def test_any_fragmentation_of_a_pipeline_gives_the_same_answers(server, connect, cuts):
+    client = connect(server)
+    client.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        bounds = [0, *sorted(cuts), len(_PIPELINE)]
+        for start, end in zip(bounds, bounds[1:]):
+            client.send(_PIPELINE[start:end])
+        echo, raw, stream = (client.read_response() for _ in range(3))
+    finally:
+        client.close()
+    assert echo.json()["json"] == {"a": [1]} and echo.json()["query"] == {"k": ["1"]}
+    assert raw.body == b"abcde"
+    assert [e["data"] for e in sse.decode_events(stream.body)] == ['{"index":0}', '{"index":1}', "[DONE]"]
