@@ -540,3 +540,22 @@ def test_any_fragmentation_of_a_pipeline_gives_the_same_answers(server, connect,
     assert echo.json()["json"] == {"a": [1]} and echo.json()["query"] == {"k": ["1"]}
     assert raw.body == b"abcde"
     assert [e["data"] for e in sse.decode_events(stream.body)] == ['{"index":0}', '{"index":1}', "[DONE]"]
+
+
+def test_permit_is_released_when_the_client_leaves_mid_body(server, connect, observed):
+    client = connect(server)
+    client.send(b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"partial\":")
+    client.close()
+    assert observed.release_event.wait(TIMEOUT_S)
+    assert observed.admission_releases == 1
+    assert not observed.generate_started.is_set()  # the handler never ran
+
+
+def test_grace_period_over_aborts_the_handler(start_server, connect, observed):
+    server = start_server(shutdown_grace_s=0.1)
+    client = connect(server)
+    client.request("GET", "/hold")
+    assert observed.hold_started.wait(TIMEOUT_S)
+    server.stop()  # returns after the grace period and the abort
+    assert observed.hold_disconnected.is_set()
+    assert client.at_eof()

@@ -201,10 +201,12 @@ class HttpProtocol(asyncio.Protocol):
             ex.keep_alive = False
 
     def abort(self) -> None:
-        """Grace period over: cancel the handler and drop the connection."""
+        """Grace period over: drop the connection. The handler sees its
+        request's Disconnect fire (and its writes fail) so it can cancel its
+        model work; the server cancels handlers that still do not finish."""
         ex = self._exchange
-        if ex is not None and ex.task is not None and not ex.task.done():
-            ex.task.cancel()
+        if ex is not None and not ex.response_complete:
+            ex.request.disconnected.fire()
         if self._transport is not None:
             self._transport.abort()
 

@@ -113,6 +113,13 @@ class HttpServer:
                 await asyncio.wait_for(self._all_closed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
+        if self._tasks:
+            # handlers saw their disconnect; give them a moment to wind down
+            _, pending = await asyncio.wait(list(self._tasks), timeout=1.0)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
         self._server = None
 
     @property
