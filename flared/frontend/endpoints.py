@@ -1,7 +1,8 @@
 """Message endpoints: where in a prompt each complete message ends.
 
 Rules:
-- A byte endpoint is a UTF-8 offset into the rendered prompt. It becomes a
+- A byte endpoint is a UTF-8 offset into the rendered prompt (internally the
+  equivalent code-point offset, which is what tokenizers reports). It becomes a
   token endpoint only if no token crosses it: every token before it ends at or
   before it and every token after starts at or after it.
 - Endpoints are sorted, unique and strictly inside the prompt (0 < t < len).
@@ -30,30 +31,16 @@ def char_to_byte_offsets(text: str, char_offsets) -> list[int]:
     return result
 
 
-def byte_to_char_offsets(text: str, byte_offsets) -> list[int | None]:
-    """Code-point offsets of ascending UTF-8 byte offsets; None where a byte offset splits a character."""
-    if text.isascii():
-        return [b if 0 <= b <= len(text) else None for b in byte_offsets]
-    data = text.encode("utf-8")
-    result: list[int | None] = []
-    for offset in byte_offsets:
-        if not 0 <= offset <= len(data) or (offset < len(data) and (data[offset] & 0xC0) == 0x80):
-            result.append(None)
-            continue
-        result.append(len(data[:offset].decode("utf-8")))
-    return result
+def token_endpoints(token_offsets: list[tuple[int, int]], char_endpoints) -> tuple[int, ...]:
+    """Token indices at the endpoints that no token crosses (sorted, unique, strictly inside).
 
-
-def token_endpoints(text: str, token_offsets: list[tuple[int, int]], byte_endpoints) -> tuple[int, ...]:
-    """Token indices at the byte endpoints that no token crosses (sorted, unique, strictly inside).
-
-    ``token_offsets`` are the tokenizer's (start, end) code-point offsets into ``text``.
+    Endpoints and ``token_offsets`` (the tokenizer's (start, end) pairs) are code-point offsets
+    into the same text; a code-point boundary is a UTF-8 byte boundary, so this is the byte rule.
     """
     num_tokens = len(token_offsets)
     if num_tokens < 2:
         return ()
-    wanted = sorted(set(byte_endpoints))
-    chars = byte_to_char_offsets(text, wanted)
+    chars = sorted(set(char_endpoints))
     ends = [end for _, end in token_offsets]
     # Offsets are monotone for the tokenizers we build; a running max makes the search safe anyway.
     max_end_before = []

@@ -254,8 +254,13 @@ class Frontend:
     # -- chat -----------------------------------------------------------------------------------
 
     def render_chat(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **template_kwargs) -> RenderedChat:
-        """Render and tokenize a chat; find the token index where each complete message ends."""
+                    continue_final_message: bool = False, inputs_are_json: bool = True,
+                    **template_kwargs) -> RenderedChat:
+        """Render and tokenize a chat; find the token index where each complete message ends.
+
+        ``inputs_are_json``: messages, tools and kwargs are as json.loads made them (a request
+        body); pass False for arbitrary Python objects, which are then copied into plain types.
+        """
         if self.chat_template is None:
             raise FrontendError("this model has no chat template", ErrorKind.UNSUPPORTED)
         if not isinstance(messages, list) or not messages:
@@ -271,22 +276,22 @@ class Frontend:
         try:
             rendered = template.render_traced(
                 messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, auto_marks=use_marks, **kwargs)
+                continue_final_message=continue_final_message, auto_marks=use_marks,
+                inputs_are_json=inputs_are_json, **kwargs)
         except _TEMPLATE_ERRORS as exc:
             raise FrontendError(f"chat template error: {exc}", ErrorKind.TEMPLATE) from None
         text = rendered.text
         if use_marks:
-            byte_endpoints = rendered.mark_offsets_utf8
+            char_endpoints = rendered.mark_offsets
         else:
-            byte_endpoints = self._prefix_endpoints(messages, text, tools, documents, kwargs)
-        total_bytes = len(text) if text.isascii() else len(text.encode("utf-8"))
-        byte_endpoints = tuple(sorted({b for b in byte_endpoints if 0 < b < total_bytes}))
+            char_endpoints = self._prefix_endpoints(messages, text, tools, documents, kwargs, inputs_are_json)
+        char_endpoints = sorted({c for c in char_endpoints if 0 < c < len(text)})
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return RenderedChat(
             text=text,
             token_ids=encoding.ids,
-            message_endpoints=token_endpoints(text, encoding.offsets, byte_endpoints),
-            byte_endpoints=byte_endpoints,
+            message_endpoints=token_endpoints(encoding.offsets, char_endpoints),
+            byte_endpoints=tuple(char_to_byte_offsets(text, char_endpoints)),
         )
 
     async def render_chat_async(self, messages, *, executor=None, **kwargs) -> RenderedChat:
@@ -294,19 +299,18 @@ class Frontend:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, lambda: self.render_chat(messages, **kwargs))
 
-    def _prefix_endpoints(self, messages: list, text: str, tools, documents, kwargs) -> list[int]:
-        """Byte endpoints of an unannotated template: prefix renders that are exact prefixes of the prompt."""
-        endpoints = []
+    def _prefix_endpoints(self, messages: list, text: str, tools, documents, kwargs,
+                          inputs_are_json: bool) -> list[int]:
+        """Endpoints of an unannotated template: prefix renders that are exact prefixes of the prompt."""
         char_ends = []
         for count in range(1, len(messages) + 1):
             try:
-                prefix = self.chat_template.render(
-                    messages[:count], tools=tools, documents=documents, add_generation_prompt=False, **kwargs)
+                prefix = self.chat_template.render_traced(
+                    messages[:count], tools=tools, documents=documents, add_generation_prompt=False,
+                    inputs_are_json=inputs_are_json, **kwargs).text
             except _TEMPLATE_ERRORS:
                 # Templates may refuse a partial conversation (e.g. one that must end on a user turn).
                 continue
             if 0 < len(prefix) < len(text) and text.startswith(prefix):
                 char_ends.append(len(prefix))
-        char_ends.sort()
-        endpoints.extend(char_to_byte_offsets(text, char_ends))
-        return endpoints
+        return char_ends
