@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flared.errors import AdmissionError, ErrorKind
 from flared.server.http import sse
 
 TIMEOUT_S = 10.0
@@ -559,3 +560,27 @@ def test_grace_period_over_aborts_the_handler(start_server, connect, observed):
     server.stop()  # returns after the grace period and the abort
     assert observed.hold_disconnected.is_set()
     assert client.at_eof()
+
+
+def test_pipelined_admitted_requests_reuse_a_single_permit(start_server, connect, observed):
+    # Capacity one: the second request is admitted only if the first
+    # released its permit before the next cycle began.
+    free = [1]
+
+    def one_permit(request):
+        if not free[0]:
+            raise AdmissionError("HTTP capacity exhausted", ErrorKind.HTTP_CAPACITY)
+        free[0] = 0
+
+        def release():
+            free[0] = 1
+
+        return release
+
+    server = start_server()
+    server.server.admission = one_permit
+    client = connect(server)
+    body = b'{"n": 1}'
+    one = b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    client.send(one * 3)
+    assert [client.read_response().status for _ in range(3)] == [200, 200, 200]

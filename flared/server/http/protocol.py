@@ -561,8 +561,8 @@ class HttpProtocol(asyncio.Protocol):
     def _response_complete(self, ex: _Exchange) -> None:
         ex.response_complete = True
         self._server.stats.num_responses_total += 1
-        if not ex.handler_started:
-            self._release(ex)
+        # before the next cycle: a pipelined request must find the permit free
+        self._release(ex)
         conn = self._conn
         if not ex.keep_alive or conn.our_state is h11.MUST_CLOSE or self._shutting_down:
             self._close_after_response()
