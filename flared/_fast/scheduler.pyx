@@ -395,7 +395,9 @@ cdef class RequestScheduler:
         r.last_use_fence = 0
         r.arrival_ns = now_ns
         r.last_progress_ns = now_ns
-        r.token_price = 1.0 / (self.num_live + 1)
+        # Prices are relative: every newcomer starts at the same price, so
+        # arrival order alone never ranks one request above another.
+        r.token_price = 1.0
         r.delivery_price = 1.0
         if hit is not None:
             r.phase = PH_RESTORE
@@ -907,8 +909,10 @@ cdef class RequestScheduler:
                 r.last_progress_ns = now_ns
             if sample[i]:
                 r.num_generated_tokens = gv[i]
+                # Kept even after a stop: a pipelined decode may already have
+                # fed it, and the terminal key must match the consumed state.
+                r.output_tokens.append(int(tv[i]))
                 if not r.finished and not r.cancelled:
-                    r.output_tokens.append(int(tv[i]))
                     emitted.append((r.handle, int(tv[i])))
                     if measured > 0:
                         r.terminal_credit_ns += self._extra_work_fraction * measured
@@ -983,8 +987,13 @@ cdef class RequestScheduler:
         return created.checkpoint_id
 
     cdef _update_prices(self, ScheduledPlan plan, int64_t measured):
-        """Move each runnable request's service prices toward its fair share:
-        unserved time raises a price, service beyond the share lowers it."""
+        """Move each runnable request's service prices toward its fair share.
+
+        Over a frame of ``measured`` ns, a price rises by exp(measured / tau)
+        when the request got nothing and falls by its service, counted in
+        feasible-rate time and scaled by the number of runnable requests: a
+        request that receives 1/n of what it could get alone keeps its price.
+        """
         cdef Py_ssize_t i, n = len(plan._requests)
         cdef const int32_t[::1] counts = plan.num_tokens
         cdef const uint8_t[::1] sample = plan.sample
@@ -1001,7 +1010,7 @@ cdef class RequestScheduler:
         for i in range(n):
             r = plan._requests[i]
             served[r.slot] = (counts[i] if plan.kind != K_DECODE else 1, sample[i])
-        cdef double share = measured / <double>n_run, x_exp, tokens, delivered
+        cdef double x_exp, tokens, delivered
         cdef double tau = self._adaptation_ns
         for x in self._slots:
             if x is None:
@@ -1010,11 +1019,14 @@ cdef class RequestScheduler:
             if r.finished or r.cancelled:
                 continue
             tokens, delivered = served.get(r.slot, (0, 0))
-            if r.token_ns_per_token > 0:
-                x_exp = (share - tokens * r.token_ns_per_token) / tau
+            # Unserved time raises the price even before the request has a
+            # rate normalizer (it was never in a measured graph): otherwise a
+            # newcomer could wait behind measured work indefinitely.
+            if tokens == 0 or r.token_ns_per_token > 0:
+                x_exp = (measured - n_run * tokens * r.token_ns_per_token) / tau
                 r.token_price = _clamp(r.token_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
             if r.phase == PH_DECODE and r.delivery_interval_ns > 0 and n_deliver > 0:
-                x_exp = (measured / <double>n_deliver - delivered * r.delivery_interval_ns) / tau
+                x_exp = (measured - n_deliver * delivered * r.delivery_interval_ns) / tau
                 r.delivery_price = _clamp(r.delivery_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
 
     # ------------------------------------------------------------------
