@@ -201,9 +201,9 @@ def test_decode_pipelines_two_steps_and_finish_drops_the_late_token():
     result = s.complete(101, records_for(p2), 2 * MS, d.now_ns + 4 * MS)
     assert result.emitted == [] and result.retired == []
     # Terminal state: 20 prompt tokens + 3 fed outputs (p2 fed the third);
-    # p2's own sample is past the stop and never emitted.
+    # p2's own sample is past the stop: recorded, never emitted.
     r = s.request(h)
-    assert (r.phase_name, r.terminal_tokens, len(r.output_tokens)) == ("TERMINAL", 23, 3)
+    assert (r.phase_name, r.terminal_tokens, len(r.output_tokens)) == ("TERMINAL", 23, 4)
     d.now_ns += 4 * MS
     d.fence = 101
     assert d.step().kind == GraphKind.SNAPSHOT
