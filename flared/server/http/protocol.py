@@ -158,8 +158,8 @@ class HttpProtocol(asyncio.Protocol):
             self._cancel_timer()
         self._conn.receive_data(data)
         self._handle_events()
-        if self._exchange is None and self._timer is None and not (self._closing or self._lingering):
-            self._arm_timer(_TIMER_HEAD, self._config.header_timeout_s)
+        if self._timer is None:
+            self._arm_wait_timer()
 
     def eof_received(self) -> bool | None:
         # The client closed its sending side. A request in flight is treated
@@ -265,10 +265,6 @@ class HttpProtocol(asyncio.Protocol):
         self._exchange = ex
         if self._shutting_down:
             ex.keep_alive = False
-        if self._conn.their_state is h11.SEND_BODY:
-            # also covers a body we discard after an early answer
-            self._body_progress_mark = -1
-            self._arm_timer(_TIMER_BODY, cfg.body_timeout_s)
 
         token = origin = None
         preflight = False
@@ -582,7 +578,9 @@ class HttpProtocol(asyncio.Protocol):
         self._flow.resume_reading(READ_PAUSED_PIPELINE | READ_PAUSED_BODY)
         if not self._in_events:
             self._handle_events()
-            if self._exchange is None and self._timer_kind == _TIMER_IDLE and conn.trailing_data[0]:
+            if self._exchange is not None:
+                self._arm_wait_timer()
+            elif self._timer_kind == _TIMER_IDLE and conn.trailing_data[0]:
                 # part of the next head is already buffered: it is no longer idle
                 self._cycle_has_bytes = True
                 self._arm_timer(_TIMER_HEAD, self._config.header_timeout_s)
@@ -624,6 +622,20 @@ class HttpProtocol(asyncio.Protocol):
             self._timer.cancel()
         self._timer_kind = kind
         self._timer = self._loop.call_later(delay_s, self._on_timer)
+
+    def _arm_wait_timer(self) -> None:
+        """After parsing, give the client we now wait on a deadline: for its
+        request head, or for the rest of a body. Armed only here, once a
+        parse pass is over, so a request that arrived whole costs no timer."""
+        if self._timer is not None or self._closing or self._lingering or self._lost:
+            return
+        ex = self._exchange
+        if ex is None:
+            self._arm_timer(_TIMER_HEAD, self._config.header_timeout_s)
+        elif self._conn.their_state is h11.SEND_BODY:
+            # also covers a body we discard after an early answer
+            self._body_progress_mark = -1
+            self._arm_timer(_TIMER_BODY, self._config.body_timeout_s)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
