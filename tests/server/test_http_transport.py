@@ -166,6 +166,18 @@ def test_stalled_body_is_408(start_server, connect):
     assert server.server.stats.num_body_timeouts_total == 1
 
 
+def test_stalled_body_of_a_pipelined_request_is_408(start_server, connect):
+    # The second request is parsed only when the first response completes
+    # (outside any data_received): its body deadline must be armed there too.
+    server = start_server(body_timeout_s=0.1)
+    client = connect(server)
+    client.send(b"GET /sse?n=1 HTTP/1.1\r\nHost: t\r\n\r\n"
+                b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\n{\"a\"")
+    assert client.read_response().status == 200
+    reply = client.read_response()
+    assert reply.status == 408 and reply.json()["error"]["code"] == "request_timeout"
+
+
 def test_idle_keep_alive_connection_is_closed_silently(start_server, connect):
     server = start_server(keep_alive_timeout_s=0.2)
     client = connect(server)
