@@ -156,7 +156,14 @@ class HttpProtocol(asyncio.Protocol):
         self._cycle_has_bytes = True
         if self._timer_kind == _TIMER_IDLE:
             self._cancel_timer()
-        self._conn.receive_data(data)
+        conn = self._conn
+        conn.receive_data(data)
+        ex = self._exchange
+        if ex is not None and not ex.response_complete and conn.their_state is not h11.SEND_BODY:
+            # A pipelined request behind one still being answered: h11 keeps
+            # it until the next cycle; stop reading more meanwhile.
+            self._flow.pause_reading(READ_PAUSED_PIPELINE)
+            return
         self._handle_events()
         if self._timer is None:
             self._arm_wait_timer()
@@ -239,6 +246,13 @@ class HttpProtocol(asyncio.Protocol):
                     self._on_request(event)
                 elif event_type is h11.EndOfMessage:
                     self._on_body_end()
+                    ex = self._exchange
+                    if ex is not None and not ex.response_complete:
+                        # The handler runs; nothing more can be parsed before
+                        # the next cycle (h11 would only answer PAUSED).
+                        if conn.trailing_data[0]:
+                            self._flow.pause_reading(READ_PAUSED_PIPELINE)
+                        break
                 else:  # ConnectionClosed
                     break
         finally:
@@ -576,7 +590,7 @@ class HttpProtocol(asyncio.Protocol):
         self._cycle_has_bytes = False
         self._arm_timer(_TIMER_IDLE, self._config.keep_alive_timeout_s)
         self._flow.resume_reading(READ_PAUSED_PIPELINE | READ_PAUSED_BODY)
-        if not self._in_events:
+        if not self._in_events and conn.trailing_data[0]:
             self._handle_events()
             if self._exchange is not None:
                 self._arm_wait_timer()
