@@ -38,7 +38,6 @@ import statistics
 import sys
 import time
 import tracemalloc
-from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +46,6 @@ sys.path.insert(0, str(REPO))
 from flared.frontend import template as template_module  # noqa: E402
 from flared.frontend.template import ChatTemplate, make_environment  # noqa: E402
 
-PINNED_NOW = datetime(2025, 1, 7, 13, 45, 9)
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 
 
@@ -97,7 +95,7 @@ class FlaredImpl:
     name = "flared"
 
     def __init__(self, source: str):
-        self.template = ChatTemplate(source, clock=lambda: PINNED_NOW)
+        self.template = ChatTemplate(source)
 
     @staticmethod
     def compile(source: str):
@@ -124,7 +122,7 @@ class PlainJinjaImpl:
     name = "jinja2"
 
     def __init__(self, source: str):
-        self.template = ChatTemplate(source, clock=lambda: PINNED_NOW)
+        self.template = ChatTemplate(source)
         self.jinja = make_environment(stock_sandbox=True).from_string(source)
 
     @staticmethod
@@ -181,15 +179,20 @@ def _time_compile(impl_cls, source: str, repeats: int) -> float:
     return statistics.median(samples) / 1e6
 
 
-def _latency(render, case: dict, iterations: int) -> tuple[float, float]:
-    samples = []
+def _latencies(impls, case: dict, iterations: int) -> dict[str, tuple[float, float]]:
+    """Median and p95 µs per implementation, timed round-robin so load changes hit all alike."""
+    samples: dict[str, list[int]] = {impl.name: [] for impl in impls}
     for _ in range(iterations):
-        start = time.perf_counter_ns()
-        render(case)
-        samples.append(time.perf_counter_ns() - start)
-    samples.sort()
-    p95 = samples[min(len(samples) - 1, int(round(0.95 * (len(samples) - 1))))]
-    return statistics.median(samples) / 1e3, p95 / 1e3
+        for impl in impls:
+            start = time.perf_counter_ns()
+            impl.render(case)
+            samples[impl.name].append(time.perf_counter_ns() - start)
+    result = {}
+    for name, values in samples.items():
+        values.sort()
+        p95 = values[min(len(values) - 1, int(round(0.95 * (len(values) - 1))))]
+        result[name] = (statistics.median(values) / 1e3, p95 / 1e3)
+    return result
 
 
 def _peak_kib(render, case: dict) -> float:
@@ -226,6 +229,8 @@ def main() -> int:
     parser.add_argument("--templates", type=Path, default=REPO / ".." / "shared" / "templates")
     parser.add_argument("--only", default=None, help="only templates whose file name contains this")
     parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--workloads", default=None, help="comma-separated subset of: short,long_history,"
+                        "large_messages,tools")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
 
@@ -236,6 +241,8 @@ def main() -> int:
     have_transformers = TransformersImpl.load()
     impl_classes = [FlaredImpl, UntrackedImpl, PlainJinjaImpl] + ([TransformersImpl] if have_transformers else [])
     cases = workloads()
+    if args.workloads:
+        cases = {name: case for name, case in cases.items() if name in args.workloads.split(",")}
     rows = []
     for path in files:
         source = path.read_bytes().decode("utf-8")
@@ -250,9 +257,10 @@ def main() -> int:
                 rows.append(row)
                 continue
             row["identical"] = len(set(outputs.values())) == 1
-            iterations = max(5, args.iterations // (10 if workload == "large_messages" else 1))
+            iterations = max(10, args.iterations // (3 if workload == "large_messages" else 1))
+            latencies = _latencies(impls, case, iterations)
             for impl in impls:
-                median_us, p95_us = _latency(impl.render, case, iterations)
+                median_us, p95_us = latencies[impl.name]
                 row[impl.name] = {
                     "median_us": median_us,
                     "p95_us": p95_us,
@@ -310,7 +318,8 @@ def main() -> int:
     for workload in cases:
         summary[workload] = summarise([row for row in measured if row["workload"] == workload])
     summary["all"] = summarise(measured)
-    compile_cells = [row for row in rows if row["workload"] == "short"]
+    first_workload = next(iter(cases))
+    compile_cells = [row for row in rows if row["workload"] == first_workload]
     summary["compile_ms_geomean"] = {
         name: _geomean([row["compile_ms"][name] for row in compile_cells]) for name in compile_cells[0]["compile_ms"]
     }

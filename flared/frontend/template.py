@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -52,6 +53,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What a {% mark %} yields: a str object made at import time, so no template constant or
 # rendered value can be this very object. The render loop recognises it by identity and drops it.
 _MARK_SENTINEL = "".join(["\x00flared", "-mark\x00"])
+_MARK_SENTINEL_LEN = len(_MARK_SENTINEL)
 
 
 class _RenderTrace:
@@ -70,16 +72,19 @@ _TRACE: contextvars.ContextVar[_RenderTrace | None] = contextvars.ContextVar("fl
 
 
 def _mark_node(lineno: int) -> nodes.Output:
-    # An Output of an extension attribute compiles to `yield str(environment.extensions[...].sentinel)`:
-    # no sandboxed call, no context lookup, and str() of an exact str returns the object itself.
-    return nodes.Output([nodes.ExtensionAttribute(MarkExtension.identifier, "sentinel")]).set_lineno(lineno)
+    # Compiles to `yield str(environment.flared_mark_sentinel)`: no sandboxed call, no context
+    # lookup, and str() of an exact str returns the object itself.
+    return nodes.Output([nodes.EnvironmentAttribute("flared_mark_sentinel")]).set_lineno(lineno)
 
 
 class MarkExtension(jinja2.ext.Extension):
     """``{% mark %}``: record the output position here, emit nothing."""
 
     tags = {"mark"}
-    sentinel = _MARK_SENTINEL
+
+    def __init__(self, environment):
+        super().__init__(environment)
+        environment.flared_mark_sentinel = _MARK_SENTINEL
 
     def parse(self, parser):
         token = next(parser.stream)
@@ -157,27 +162,37 @@ _LOOP_PROPERTIES = frozenset(
     ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem", "depth", "depth0")
 )
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+# Methods the immutable sandbox always allows on these exact types (no underscore, no mutation,
+# not str.format/format_map, which the sandbox wraps), so its per-access checks can be skipped.
+_SAFE_METHODS = {
+    str: frozenset(name for name in dir(str) if not name.startswith("_") and name not in ("format", "format_map")),
+    dict: frozenset(("items", "keys", "values", "get", "copy")),
+    list: frozenset(("index", "count", "copy")),
+}
 
 
 class ChatSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox with two shortcuts that give the same results faster.
+    """The immutable sandbox with shortcuts that give the same results faster.
 
-    Chat templates read ``message.role`` and ``loop.last`` in every iteration; the stock sandbox
-    pays an attribute lookup, an exception and three safety checks for each. For a plain dict and
-    a name that is not a dict attribute, ``getattr`` fails and the sandbox falls back to the item,
-    so we go to the item directly; loop properties are always safe. Everything else (methods,
-    other types) takes the stock path.
+    Chat templates read ``message.role``, ``loop.last`` and ``content.strip`` in every iteration;
+    the stock sandbox pays an attribute lookup, often an exception, and three safety checks (two
+    of them abstract-class isinstance tests) for each. For a plain dict and a name that is not a
+    dict attribute, ``getattr`` fails and the sandbox falls back to the item, so we go to the item
+    directly; loop properties and the methods in _SAFE_METHODS always pass the checks. Everything
+    else takes the stock path.
     """
 
     def getattr(self, obj, attribute):
         kind = type(obj)
-        if kind is dict:
-            if attribute not in _DICT_ATTRIBUTES:
-                try:
-                    return obj[attribute]
-                except KeyError:
-                    return self.undefined(obj=obj, name=attribute)
-        elif kind is jinja2.runtime.LoopContext and attribute in _LOOP_PROPERTIES:
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        if kind is jinja2.runtime.LoopContext:
+            if attribute in _LOOP_PROPERTIES:
+                return getattr(obj, attribute)
+        elif attribute in _SAFE_METHODS.get(kind, ()):
             return getattr(obj, attribute)
         return super().getattr(obj, attribute)
 
@@ -215,8 +230,8 @@ def _is_mark(node: nodes.Node) -> bool:
     return (
         isinstance(node, nodes.Output)
         and len(node.nodes) == 1
-        and isinstance(node.nodes[0], nodes.ExtensionAttribute)
-        and node.nodes[0].identifier == MarkExtension.identifier
+        and isinstance(node.nodes[0], nodes.EnvironmentAttribute)
+        and node.nodes[0].name == "flared_mark_sentinel"
     )
 
 
@@ -344,22 +359,43 @@ def _alias_reasoning(message: dict) -> dict:
 def normalize_messages(messages: Any, *, inputs_are_json: bool = False) -> list[dict]:
     """Messages as the template sees them: None-valued keys dropped, reasoning aliased.
 
-    Every message is a fresh dict. With ``inputs_are_json`` (values straight from json.loads: dicts,
-    lists, str, numbers, bools, None) nested values are shared, not copied: the immutable sandbox
-    cannot modify them, and a deep copy would only cost time. Otherwise everything is rebuilt from
-    plain types, as transformers does.
+    With ``inputs_are_json`` (values straight from json.loads: dicts, lists, str, numbers, bools,
+    None) the caller's objects are shared, not copied, unless a key must be dropped or aliased: the
+    immutable sandbox cannot modify them, and a deep copy would only cost time. Otherwise every
+    message is rebuilt from plain types, as transformers does.
     """
+    messages = getattr(messages, "messages", messages)
+    if inputs_are_json:
+        return _normalize_json_messages(messages)
     normalized = []
-    for message in getattr(messages, "messages", messages):
+    for message in messages:
         if not inputs_are_json and (dataclasses.is_dataclass(message)
                                     or callable(getattr(message, "model_dump", None))):
             message = _plain(message)
         if not isinstance(message, dict):
             raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
-        message = {key: value for key, value in message.items() if value is not None}
-        if not inputs_are_json:
-            message = _plain(message)
+        if inputs_are_json:
+            # Shared as is when nothing needs dropping: the immutable sandbox cannot modify it.
+            if None in message.values():
+                message = {key: value for key, value in message.items() if value is not None}
+        else:
+            message = _plain({key: value for key, value in message.items() if value is not None})
         normalized.append(_alias_reasoning(message))
+    return normalized
+
+
+def _normalize_json_messages(messages) -> list[dict]:
+    # The hot path of render_chat: one C-level membership test per key kind and message.
+    normalized = []
+    append = normalized.append
+    for message in messages:
+        if type(message) is not dict:
+            raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
+        if None in message.values():
+            message = {key: value for key, value in message.items() if value is not None}
+        if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
+            message = _alias_reasoning(message)
+        append(message)
     return normalized
 
 
@@ -448,17 +484,19 @@ class ChatTemplate:
         template = self._compiled.template
         if auto_marks and self._compiled.auto_marked is not None:
             template = self._compiled.auto_marked
-        trace = self._run(template, variables, self._compiled.has_generation)
-        text = "".join(trace.chunks)
-        cut = None
+        if self._compiled.has_generation:
+            trace = self._run_traced(template, variables)
+            text = "".join(trace.chunks)
+            mark_offsets = self._mark_offsets(trace)
+            generation_spans = self._generation_spans(trace)
+        else:
+            text, mark_offsets = self._run(template, variables)
+            generation_spans = ()
         if continue_final_message:
             text = self._cut_at_tag(text, final_message)
-            cut = len(text)
-        return RenderedTemplate(
-            text=text,
-            mark_offsets=self._mark_offsets(trace, cut),
-            generation_spans=self._generation_spans(trace) if cut is None else (),
-        )
+            mark_offsets = tuple(offset for offset in mark_offsets if offset <= len(text))
+            generation_spans = ()
+        return RenderedTemplate(text=text, mark_offsets=mark_offsets, generation_spans=generation_spans)
 
     def prepare_variables(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = False,
                           continue_final_message: bool | str = False, bos_token: str | None = None,
@@ -545,16 +583,47 @@ class ChatTemplate:
         return text[:tag_at].rstrip()
 
     @staticmethod
-    def _run(template: jinja2.Template, variables: dict, track_generation: bool) -> _RenderTrace:
+    def _run(template: jinja2.Template, variables: dict) -> tuple[str, tuple[int, ...]]:
+        """Render; return the text and the code-point offset of every mark.
+
+        The generator is drained by list(), sentinels are found with list.index and lengths summed
+        with map(len), all in C, so tracking costs a Python step per mark, not per chunk; the text
+        is joined once.
+        """
+        try:
+            chunks = list(template.root_render_func(template.new_context(variables)))
+        except Exception:
+            template.environment.handle_exception()
+        sentinel = _MARK_SENTINEL
+        try:
+            at = chunks.index(sentinel)
+        except ValueError:
+            return "".join(chunks), ()
+        # starts[i]: code points before chunks[i], sentinels included (subtracted per mark below).
+        starts = list(itertools.accumulate(map(len, chunks), initial=0))
+        offsets: list[int] = []
+        while True:
+            if chunks[at] is sentinel:  # not rendered text that merely equals the sentinel's value
+                offsets.append(starts[at] - len(offsets) * _MARK_SENTINEL_LEN)
+                chunks[at] = ""
+            try:
+                at = chunks.index(sentinel, at + 1)
+            except ValueError:
+                break
+        return "".join(chunks), tuple(offsets)
+
+    @staticmethod
+    def _run_traced(template: jinja2.Template, variables: dict) -> _RenderTrace:
+        """Render chunk by chunk so {% generation %} blocks can see how much was emitted before them."""
         trace = _RenderTrace()
         chunks = trace.chunks
         append = chunks.append
         mark_chunks = trace.mark_chunks
         sentinel = _MARK_SENTINEL
-        token = _TRACE.set(trace) if track_generation else None
+        token = _TRACE.set(trace)
         try:
-            # Chunks are appended before the generator resumes, so {% generation %} sees everything
-            # emitted before it; a mark is the sentinel object itself.
+            # Chunks are appended before the generator resumes, so a generation block sees
+            # everything emitted before it.
             for chunk in template.root_render_func(template.new_context(variables)):
                 if chunk is sentinel:
                     mark_chunks.append(len(chunks))
@@ -563,14 +632,11 @@ class ChatTemplate:
         except Exception:
             template.environment.handle_exception()
         finally:
-            if token is not None:
-                _TRACE.reset(token)
+            _TRACE.reset(token)
         return trace
 
     @staticmethod
-    def _mark_offsets(trace: _RenderTrace, cut: int | None) -> tuple[int, ...]:
-        if not trace.mark_chunks:
-            return ()
+    def _mark_offsets(trace: _RenderTrace) -> tuple[int, ...]:
         offsets = []
         position, consumed = 0, 0
         chunks = trace.chunks
@@ -578,8 +644,6 @@ class ChatTemplate:
             while consumed < chunk_index:
                 position += len(chunks[consumed])
                 consumed += 1
-            if cut is not None and position > cut:
-                break
             offsets.append(position)
         return tuple(offsets)
 

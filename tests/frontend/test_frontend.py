@@ -7,6 +7,8 @@ import hashlib
 
 import jinja2
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flared.errors import ErrorKind, FrontendError
 from flared.frontend import ChatTemplate, EndpointStrategy, Frontend, TokenSettings
@@ -254,3 +256,25 @@ def test_continue_final_message(frontend, hf_smollm2_tokenizer):
     expected = hf_smollm2_tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=True)
     assert rendered.text == expected and rendered.text.endswith("1, 2,")
     assert len(rendered.message_endpoints) == 1
+
+
+_CONTENT = st.lists(st.sampled_from(list("ab \n\t東京😀<|>") + ["<|im_end|>", "  ", "\n\n"]), max_size=12).map("".join)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contents=st.lists(_CONTENT, min_size=1, max_size=5), add_generation_prompt=st.booleans())
+def test_endpoints_cut_the_prompt_at_exact_text_positions(frontend, contents, add_generation_prompt):
+    """Every token endpoint splits the ids exactly at one of the byte endpoints; they are sorted and inside."""
+    roles = ["user", "assistant"]
+    chat = [{"role": roles[i % 2], "content": content} for i, content in enumerate(contents)]
+    rendered = frontend.render_chat(chat, add_generation_prompt=add_generation_prompt)
+    prompt = rendered.prompt_bytes
+    ids = rendered.token_ids
+    assert list(rendered.message_endpoints) == sorted(set(rendered.message_endpoints))
+    assert all(0 < t < len(ids) for t in rendered.message_endpoints)
+    assert all(0 < b < len(prompt) for b in rendered.byte_endpoints)
+    for endpoint in rendered.message_endpoints:
+        head = frontend.decode(ids[:endpoint]).encode("utf-8")
+        tail = frontend.decode(ids[endpoint:]).encode("utf-8")
+        assert head + tail == prompt
+        assert len(head) in rendered.byte_endpoints
