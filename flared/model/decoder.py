@@ -127,6 +127,11 @@ class DecoderModel:
         cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
         sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
+        decode_masked = None
+        if batch.decode_attn_mask is not None:
+            num_decode = batch.decode_row_ids.shape[0]
+            # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
+            decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, eps)
             qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
@@ -136,8 +141,10 @@ class DecoderModel:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
             q = qk[:, :nh]
-            kv.write(index, batch.write_slot_ids, qk[:, nh:].reshape(num_tokens, kv_size), v)
-            attn = self._attention(index, batch, kv, q)  # [T, nh * d]
+            k = qk[:, nh:]
+            v = v.view(num_tokens, nkv, d)
+            kv.write(index, batch.write_slot_ids, k, v)
+            attn = self._attention(index, batch, kv, q, k, v, decode_masked)  # [T, nh * d]
             h = h + layer.o(attn)
             x = rms_norm(h, layer.mlp_norm, eps)
             gate_up = layer.gate_up(x)
@@ -146,37 +153,44 @@ class DecoderModel:
         last = rms_norm(last, self.final_norm, eps)
         return self.lm_head_linear(last).float()
 
-    def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor) -> torch.Tensor:
+    def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, decode_masked: torch.Tensor | None) -> torch.Tensor:
+        """q [T, nh, d]; k, v [T, nkv, d] (this forward's, already in the cache) -> [T, nh * d]."""
         c = self.config
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // nkv
-        out = q.new_empty(batch.num_tokens, nh * d)
+        decode_only = not batch.prefill_groups
+        out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
         if batch.decode_row_ids is not None:
             num_decode = batch.decode_row_ids.shape[0]
             max_context = batch.decode_max_context
-            keys, values = kv.gather(layer, batch.decode_gather_slot_ids)
-            keys = keys.view(num_decode, max_context, nkv, d).transpose(1, 2)  # [B, nkv, L, d]
-            values = values.view(num_decode, max_context, nkv, d).transpose(1, 2)
-            # Grouped heads share one kv head: fold the group into the query-length axis instead of
-            # repeating K/V (saves the copy).
-            qd = q.index_select(0, batch.decode_row_ids).view(num_decode, nkv, group, d)
-            scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * self.scale  # [B, nkv, group, L]
-            scores = scores.masked_fill(~batch.decode_attn_mask, float("-inf"))
+            keys, values = kv.gather(layer, batch.decode_gather_slot_ids)  # [nkv, B * L, d]
+            keys = keys.view(nkv * num_decode, max_context, d)
+            values = values.view(nkv * num_decode, max_context, d)
+            # Grouped query heads share their kv head: fold the group into the query axis ([nkv * B, group, d])
+            # instead of repeating K/V.
+            qd = q if decode_only else q.index_select(0, batch.decode_row_ids)
+            qd = qd.view(num_decode, nkv, group, d).transpose(0, 1).reshape(nkv * num_decode, group, d)
+            scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [nkv * B, group, L]
+            scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            o = torch.matmul(probs, values)  # [B, nkv, group, d]
-            out.index_copy_(0, batch.decode_row_ids, o.reshape(num_decode, nh * d))
+            o = torch.bmm(probs, values)  # [nkv * B, group, d]
+            o = o.view(nkv, num_decode, group, d).transpose(0, 1).reshape(num_decode, nh * d)
+            if decode_only:
+                return o  # decode rows are then exactly rows 0..B-1 in order
+            out.index_copy_(0, batch.decode_row_ids, o)
         for g in batch.prefill_groups:
             q_len = g.row_end - g.row_start
-            context_len = g.gather_slot_ids.shape[0]
-            keys, values = kv.gather(layer, g.gather_slot_ids)
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
-            keys = keys.view(context_len, nkv, d).transpose(0, 1).unsqueeze(0)  # [1, nkv, L, d]
-            values = values.view(context_len, nkv, d).transpose(0, 1).unsqueeze(0)
             if g.attn_mask is None:
+                # No cached prefix: the chunk's own keys are the whole context, no gather needed.
+                keys = k[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
+                values = v[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qg, keys, values, is_causal=True, scale=self.scale,
                                                    enable_gqa=group > 1)
             else:
-                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=g.attn_mask, scale=self.scale,
-                                                   enable_gqa=group > 1)
+                keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
+                o = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=g.attn_mask,
+                                                   scale=self.scale, enable_gqa=group > 1)
             out[g.row_start:g.row_end] = o[0].transpose(0, 1).reshape(q_len, nh * d)
         return out

@@ -34,8 +34,9 @@ class PagedKVCache:
         self.num_layers = config.num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        # [layer, slot, kv_head * head_dim]: one row per token keeps index_select/index_copy row-contiguous.
-        shape = (config.num_layers, self.num_slots, config.num_kv_heads * config.head_dim)
+        # [layer, kv_head, slot, head_dim]: a gather along the slot axis yields [kv_head, tokens, head_dim],
+        # which batched attention reads as [kv_head * sequences, context, head_dim] without another copy.
+        shape = (config.num_layers, config.num_kv_heads, self.num_slots, config.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -44,10 +45,10 @@ class PagedKVCache:
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """slot_ids [T] int64; keys/values [T, kv_heads * head_dim]."""
-        self.keys[layer].index_copy_(0, slot_ids, keys)
-        self.values[layer].index_copy_(0, slot_ids, values)
+        """slot_ids [T] int64; keys/values [T, kv_heads, head_dim]."""
+        self.keys[layer].index_copy_(1, slot_ids, keys.transpose(0, 1))
+        self.values[layer].index_copy_(1, slot_ids, values.transpose(0, 1))
 
     def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slot_ids [N] int64 -> (keys, values) [N, kv_heads * head_dim], contiguous copies."""
-        return self.keys[layer].index_select(0, slot_ids), self.values[layer].index_select(0, slot_ids)
+        """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim], contiguous copies."""
+        return self.keys[layer].index_select(1, slot_ids), self.values[layer].index_select(1, slot_ids)
