@@ -1,0 +1,118 @@
+"""Server configuration: one frozen dataclass, validated on construction.
+
+``ServerConfig.from_toml(path)`` reads a TOML file whose keys are the field
+names below (top level or under ``[server]``); an unknown key or a value of
+the wrong type or range is an error naming the key. CLI flags override file
+values (the CLI builds the final object with ``dataclasses.replace``). Only
+the CLI reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+
+
+class ConfigError(AdmissionError):
+    """A configuration file or flag is wrong; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    # Listener. port 0 asks the kernel for an ephemeral port (logged, and
+    # written to port_file when set).
+    host: str = "127.0.0.1"
+    port: int = 8000
+    port_file: str | None = None
+    # Bearer token required on every route but /health and /metrics.
+    api_key: str | None = None
+    # HTTP admission: at most queue_capacity + max_active requests are held
+    # (queued for preparation or the model, or streaming) before a body is
+    # read; more get 429. None: derived from the core (4x and 1x its
+    # concurrency, as the reference's export does).
+    queue_capacity: int | None = None
+    max_active: int | None = None
+    # Threads that render templates and tokenize, one request each at a time.
+    frontend_workers: int = 2
+    # Largest request body; None: 1 MiB plus 32 bytes per context token.
+    body_limit_bytes: int | None = None
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
+    max_connections: int = 1024
+    # Shutdown: admitted responses get this long to finish before the rest
+    # are cancelled.
+    shutdown_grace_s: float = 5.0
+    # Names clients may use for the model, in addition to the core's own.
+    served_names: tuple[str, ...] = ()
+    # Prefix cache on/off (off is for comparisons and debugging).
+    prefix_cache: bool = True
+    # CPU threads torch may use for the model (None: torch's default).
+    torch_threads: int | None = None
+    log_level: str = "info"
+
+    def __post_init__(self):
+        def need(cond: bool, key: str, what: str) -> None:
+            if not cond:
+                raise ConfigError(f"config key '{key}': {what}", ErrorKind.VALIDATION)
+
+        need(isinstance(self.host, str) and bool(self.host), "host", "must be a nonempty string")
+        need(_is_int(self.port) and 0 <= self.port <= 65535, "port", "must be an integer in 0..65535")
+        need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
+             "must be a nonempty string")
+        for key in ("queue_capacity", "max_active", "body_limit_bytes", "torch_threads"):
+            v = getattr(self, key)
+            need(v is None or (_is_int(v) and v > 0), key, "must be a positive integer")
+        for key in ("frontend_workers", "max_connections"):
+            v = getattr(self, key)
+            need(_is_int(v) and v > 0, key, "must be a positive integer")
+        for key in ("header_timeout_s", "keep_alive_timeout_s"):
+            v = getattr(self, key)
+            need(_is_num(v) and v > 0, key, "must be a positive number of seconds")
+        need(_is_num(self.shutdown_grace_s) and self.shutdown_grace_s >= 0, "shutdown_grace_s",
+             "must be a non-negative number of seconds")
+        need(isinstance(self.served_names, tuple) and all(isinstance(n, str) and n for n in self.served_names),
+             "served_names", "must be a list of nonempty strings")
+        need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
+        need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
+             "must be one of debug, info, warning, error")
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "ServerConfig":
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        if "server" in data and isinstance(data["server"], dict):
+            data = {**{k: v for k, v in data.items() if k != "server"}, **data["server"]}
+        return cls.from_mapping(data, where=str(path))
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], *, where: str = "config") -> "ServerConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ConfigError(f"{where}: unknown config key(s) {', '.join(map(repr, unknown))}")
+        values = dict(data)
+        if "served_names" in values:
+            names = values["served_names"]
+            if not isinstance(names, list):
+                raise ConfigError(f"{where}: config key 'served_names': must be a list of strings")
+            values["served_names"] = tuple(names)
+        try:
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -1,0 +1,161 @@
+"""The eager executor: runs a ScheduledPlan with torch on the CPU, synchronously.
+
+It owns the device state the scheduler's logical ids refer to:
+- the paged KV cache (page ids are the scheduler's page ids);
+- per state row (slot + 1; row 0 is padding) the logits of the row's last
+  computed position, so a snapshot can later resume sampling from it;
+- per snapshot id a copy of one partial KV page and of those logits.
+
+Plan kinds on this backend:
+- PREFILL / DECODE: one forward over every participant's tokens (a token id
+  of -1 means "the token this row sampled last": the CPU never has a decode
+  in flight when it plans, but the contract allows it). Sampled rows draw
+  with the request's sampler state. Every participant's last-position logits
+  are kept in its state row.
+- SNAPSHOT: state row logits -> snapshot; partial page -> snapshot page.
+- RESTORE: snapshot -> state row; snapshot page -> the request's page.
+- RESUME_SAMPLING: sample from the state row's logits (a full prompt hit).
+- INITIALIZE: nothing to reset for attention-only models.
+SCORED_PREFILL is not executed yet (no route submits it).
+
+``run`` returns the scheduler's CompletionRecords, the measured duration,
+and per-participant log-probabilities for rows that asked for them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from flared.errors import ErrorKind, ExecutionError
+from flared.model.batch import ForwardBatch, SequenceChunk
+from flared.model.sampling import Sampler, SequenceSamplingState
+from flared.runtime.request import TokenLogprob
+from flared.scheduler import CompletionRecords, GraphKind
+
+
+class EagerExecutor:
+    def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
+                 vocab_size: int, max_live: int):
+        self.model = model
+        self.page_tokens = page_tokens
+        self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens)
+        # Rows = slots + 1 (row 0 pads). float32: sampling reads these directly.
+        self.state_logits = torch.zeros(num_state_rows, vocab_size, dtype=torch.float32)
+        self.state_last_token = np.full(num_state_rows, -1, dtype=np.int64)
+        # A snapshot page holds what kv.gather returns for one page's slots, per layer.
+        page_shape = tuple(self.kv.gather(0, torch.arange(page_tokens))[0].shape)
+        kv_shape = (num_snapshots, self.kv.num_layers, *page_shape)
+        self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.dtype)
+        self.snap_values = torch.zeros(kv_shape, dtype=self.kv.dtype)
+        self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32)
+        self.sampler = Sampler(vocab_size, device=model.device, max_penalty_slots=max_live)
+
+    @property
+    def num_bytes(self) -> int:
+        return (self.kv.num_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
+                + 4 * (self.state_logits.numel() + self.snap_logits.numel()))
+
+    # -- plan execution --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, plan, block_tables: list[np.ndarray], states: list[SequenceSamplingState | None]):
+        """Execute ``plan``. ``block_tables[i]`` / ``states[i]``: participant i's
+        whole block table and sampler state. Returns (records, duration_ns, logprobs)."""
+        started = time.perf_counter_ns()
+        n = plan.num_participants
+        kind = plan.kind
+        sampled = np.full(n, -1, dtype=np.int64)
+        logprobs: list[TokenLogprob | None] = [None] * n
+        rows = np.asarray(plan.state_rows, dtype=np.int64)
+        if kind in (GraphKind.PREFILL, GraphKind.DECODE):
+            self._forward(plan, block_tables, states, rows, sampled, logprobs)
+        elif kind == GraphKind.RESUME_SAMPLING:
+            sample_idx = [i for i in range(n) if plan.sample[i]]
+            if sample_idx:
+                logits = self.state_logits.index_select(0, torch.as_tensor(rows[sample_idx]))
+                self._sample(logits, sample_idx, rows, states, sampled, logprobs)
+        elif kind == GraphKind.SNAPSHOT:
+            self._copy(plan.copies, to_snapshot=True)
+        elif kind == GraphKind.RESTORE:
+            self._copy(plan.copies, to_snapshot=False)
+        elif kind == GraphKind.INITIALIZE:
+            self.state_last_token[rows] = -1
+        else:
+            raise ExecutionError(f"the eager executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
+        consumed = np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64)
+        records = CompletionRecords(
+            handles=np.asarray(plan.handles, dtype=np.int64),
+            consumed_tokens=consumed,
+            generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64),
+            token_ids=sampled,
+        )
+        return records, time.perf_counter_ns() - started, logprobs
+
+    def _forward(self, plan, block_tables, states, rows, sampled, logprobs) -> None:
+        n = plan.num_participants
+        chunks = []
+        for i in range(n):
+            tokens = np.asarray(plan.tokens(i), dtype=np.int64)
+            if (tokens < 0).any():
+                tokens = tokens.copy()
+                tokens[tokens < 0] = self.state_last_token[rows[i]]
+                if (tokens < 0).any():
+                    raise ExecutionError(f"plan {plan.plan_id}: participant {i} has no previous token to feed")
+            chunks.append(SequenceChunk(tokens, int(plan.token_starts[i]), block_tables[i], needs_logits=True))
+        batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
+                                   sliding_window=self.model.config.sliding_window)
+        logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
+        self.state_logits.index_copy_(0, torch.as_tensor(rows), logits)
+        sample_idx = [i for i in range(n) if plan.sample[i]]
+        if sample_idx:
+            self._sample(logits.index_select(0, torch.as_tensor(sample_idx)), sample_idx, rows, states,
+                         sampled, logprobs)
+
+    def _sample(self, logits, sample_idx, rows, states, sampled, logprobs) -> None:
+        row_states = [states[i] for i in sample_idx]
+        if any(s is None for s in row_states):
+            raise ExecutionError("a sampling participant has no sampler state")
+        out = self.sampler.sample(logits, row_states)
+        tokens = out.token_ids.tolist()  # SYNC: the step's one read-back
+        want = [i for i, s in zip(sample_idx, row_states) if s.params.logprobs is not None]
+        if want and out.chosen_logprobs is not None:
+            chosen = out.chosen_logprobs.tolist()
+            top_v = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            top_i = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        for k, i in enumerate(sample_idx):
+            sampled[i] = tokens[k]
+            self.state_last_token[rows[i]] = tokens[k]
+            s = row_states[k]
+            if s.params.logprobs is not None and out.chosen_logprobs is not None:
+                top_n = s.params.logprobs
+                top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
+                logprobs[i] = TokenLogprob(tokens[k], chosen[k], top)
+
+    def _copy(self, copies, *, to_snapshot: bool) -> None:
+        """Snapshot/restore rows (snapshot_id, state_row, page_id or -1, tokens in the page).
+
+        Goes through the cache's public gather/write per layer, so it does not
+        depend on the pool's memory layout; copies are rare (message and
+        prompt ends), so the per-layer loop is not on the hot path."""
+        P = self.page_tokens
+        for snapshot_id, state_row, page_id, _partial in np.asarray(copies, dtype=np.int64).reshape(-1, 4):
+            if to_snapshot:
+                self.snap_logits[snapshot_id] = self.state_logits[state_row]
+            else:
+                self.state_logits[state_row] = self.snap_logits[snapshot_id]
+                self.state_last_token[state_row] = -1
+            if page_id < 0:
+                continue
+            slots = torch.arange(page_id * P, (page_id + 1) * P, dtype=torch.int64, device=self.kv.device)
+            for layer in range(self.kv.num_layers):
+                if to_snapshot:
+                    k, v = self.kv.gather(layer, slots)
+                    self.snap_keys[snapshot_id, layer] = k
+                    self.snap_values[snapshot_id, layer] = v
+                else:
+                    # gather yields [kv_heads, tokens, head_dim]; write takes [tokens, kv_heads, head_dim].
+                    self.kv.write(layer, slots, self.snap_keys[snapshot_id, layer].transpose(0, 1),
+                                  self.snap_values[snapshot_id, layer].transpose(0, 1))

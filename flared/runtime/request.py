@@ -1,0 +1,105 @@
+"""What crosses between the event loop and the model thread.
+
+The event loop hands the model thread a ``GenerateRequest`` (already rendered
+and tokenized by a frontend worker) and an ``EventSink``; the model thread
+pushes ``TokenEvent``s, then exactly one ``FinishEvent`` or ``ErrorEvent``,
+through the sink. The sink is the only place the two threads meet: it posts
+to an asyncio queue with ``loop.call_soon_threadsafe``.
+
+Rules:
+- Every submitted request gets exactly one terminal event (finish or error),
+  including when the model thread dies or the server shuts down.
+- A token event carries the sampled ids of one completed step (usually one
+  id); the detokenizer and stop strings run on the consumer's side.
+- The queue is unbounded by design: its size is bounded by the request's own
+  output budget (max_tokens), which admission has already accepted, so a
+  paused reader keeps its response without blocking the model thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from flared.errors import FlareError
+from flared.model.sampling import SamplingParams
+
+_request_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    prompt_token_ids: tuple[int, ...]
+    # Token index after each complete chat message: prefix-cache checkpoint candidates.
+    message_endpoints: tuple[int, ...]
+    params: SamplingParams  # includes max_tokens
+    stop_token_ids: frozenset[int]  # EOS ids (unless ignore_eos) + the request's own stop ids
+    request_id: int = dataclasses.field(default_factory=lambda: next(_request_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishEvent:
+    reason: str  # "stop" (a stop token) | "length" (max_tokens or context) | "cancelled"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens reused from the prefix cache
+    num_generated_tokens: int
+    queue_ns: int  # admission to first scheduled step
+    first_token_ns: int  # admission to first token (0 when none)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorEvent:
+    error: FlareError
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class EventSink:
+    """Model thread -> the asyncio queue of the HTTP response that owns the request.
+
+    The n choices of one response share a queue; each sink tags its events
+    with its choice index.
+    """
+
+    __slots__ = ("_loop", "_queue", "index", "closed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0):
+        self._loop = loop
+        self._queue = queue
+        self.index = index
+        self.closed = False  # set after the terminal event
+
+    def put(self, event: Event) -> None:
+        """Called from the model thread."""
+        if self.closed:
+            return
+        if isinstance(event, (FinishEvent, ErrorEvent)):
+            self.closed = True
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (self.index, event))
+        except RuntimeError:
+            # The loop is closed (process shutting down): nobody is left to read.
+            pass
+
+
+def as_error(exc: BaseException) -> FlareError:
+    from flared.errors import ErrorKind, ExecutionError
+
+    if isinstance(exc, FlareError):
+        return exc
+    return ExecutionError(f"model execution failed: {type(exc).__name__}: {exc}", ErrorKind.EXECUTION)
+

@@ -1,0 +1,345 @@
+"""The model thread: one native thread that owns the scheduler and the executor.
+
+Each turn of the loop is a few named steps:
+
+    take_ingress   new requests and cancellations from the event loop
+    admit          pending requests into scheduler slots (FIFO; waits for room)
+    plan           the scheduler picks the next graph (pure policy)
+    submit         commit the plan under a new fence and execute it
+    complete       validate the completion, publish tokens, finish, retire
+
+Rules:
+- The event loop never touches the scheduler, the executor or a request's
+  state; it reaches the thread only through ``submit``/``cancel``, which
+  append to the ingress queue under a lock and wake the thread.
+- Every request handed to ``submit`` gets exactly one terminal event: a
+  FinishEvent (stop, length, cancelled) or an ErrorEvent. A failure of the
+  loop sends ErrorEvent to every live, pending and queued request before the
+  thread exits; after that ``submit`` refuses with 503.
+- Token events carry ids only; detokenizing is the consumer's business.
+- A cancelled request stops being scheduled at once; its slot, pages and
+  sampler state are released when the scheduler retires it (after its last
+  in-flight use).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+
+from flared.errors import AdmissionError, ErrorKind, ExecutionError, FlareError
+from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, GenerateRequest, TokenEvent, as_error
+
+log = logging.getLogger("flared.runtime")
+
+# How long the idle loop sleeps between checks when nothing wakes it: the
+# health heartbeat's resolution.
+IDLE_WAIT_S = 0.5
+# /health fails when the loop has not turned for this long (a wedged step).
+STALL_LIMIT_S = 60.0
+
+
+@dataclasses.dataclass
+class _Live:
+    request: GenerateRequest
+    sink: EventSink
+    handle: int = 0
+    sampler_state: object = None
+    reused_tokens: int = 0
+    admitted_ns: int = 0
+    first_token_ns: int = 0
+    scheduled_ns: int = 0
+    num_generated: int = 0
+    terminal_sent: bool = False
+
+
+class ModelRuntime:
+    def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
+                 fail_after_steps: int | None = None):
+        self.core = core
+        self.prefix_cache = prefix_cache
+        self.torch_threads = torch_threads
+        self._fail_after_steps = fail_after_steps  # fault injection for tests (--debug-fail-after-steps)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._ingress: collections.deque[_Live] = collections.deque()
+        self._cancels: collections.deque[int] = collections.deque()
+        self._pending: collections.deque[_Live] = collections.deque()  # thread-owned: waiting for a slot
+        self._by_id: dict[int, _Live] = {}  # request_id -> live (thread-owned)
+        self._by_handle: dict[int, _Live] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._max_pending = 0
+        self._num_outstanding = 0  # submitted and not yet terminal (guarded by _lock)
+        self.failed = threading.Event()
+        self.failure: BaseException | None = None
+        self.ready = threading.Event()
+        self._last_beat = time.monotonic()
+        self.steps = 0
+        self.scheduler = None
+        self.executor = None
+        self.stats = collections.Counter()
+
+    # -- lifecycle (caller's thread) ---------------------------------------------------------------
+
+    def start(self, *, max_pending: int) -> None:
+        """Load the model and start the thread; returns when it is stepping."""
+        self._max_pending = max_pending
+        self._build()
+        self._thread = threading.Thread(target=self._main, name="flared-model", daemon=True)
+        self._thread.start()
+        self.ready.wait()
+        if self.failed.is_set():
+            raise ExecutionError(f"the model thread failed at start: {self.failure}")
+
+    def _build(self) -> None:
+        import torch
+
+        from flared.execution.eager import EagerExecutor
+        from flared.model.decoder import DecoderModel
+        from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+        m = self.core.manifest
+        caps = m.capacities
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        dtype = getattr(torch, m.dtype)
+        model = DecoderModel(self.core.config, self.core.load_tensors(), dtype=dtype, device="cpu",
+                             max_positions=caps.context_tokens)
+        num_snapshots = max(16, 4 * caps.concurrency)
+        identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode()).digest()
+        self.scheduler = RequestScheduler(
+            SchedulerConfig(model_identity=identity, max_live_requests=caps.concurrency, num_pages=caps.kv_pages,
+                            num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
+                            context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens),
+            PolicyConfig())
+        self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
+                                      num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
+                                      vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel everything, drain, join. Idempotent."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def health(self) -> tuple[bool, str]:
+        if self.failed.is_set():
+            return False, "model thread failed"
+        if not self.ready.is_set():
+            return False, "loading"
+        if self._thread is None or not self._thread.is_alive():
+            return False, "model thread stopped"
+        if time.monotonic() - self._last_beat > STALL_LIMIT_S:
+            return False, "model thread stalled"
+        return True, "ok"
+
+    # -- the event loop's side ---------------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest, sink: EventSink) -> None:
+        with self._lock:
+            if self.failed.is_set():
+                raise AdmissionError(f"the model thread has failed: {self.failure}", ErrorKind.UNAVAILABLE)
+            if self._stopping or self._thread is None:
+                raise AdmissionError("the model is not serving (stopping or not started)", ErrorKind.UNAVAILABLE)
+            if self._num_outstanding >= self._max_pending:
+                raise AdmissionError(f"model admission is full ({self._max_pending} requests)",
+                                     ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
+            self._num_outstanding += 1
+            self._ingress.append(_Live(request, sink))
+            self._wake.notify()
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancels.append(request_id)
+            self._wake.notify()
+
+    def snapshot(self) -> dict:
+        """Gauges and counters for metrics and tests (independent reads)."""
+        s = self.scheduler
+        out = {"steps": self.steps, "pending": len(self._pending) + len(self._ingress),
+               "outstanding": self._num_outstanding, "failed": self.failed.is_set(), **self.stats}
+        if s is not None:
+            out.update(live_slots=s.num_live, free_pages=s.pages.num_free, total_pages=s.pages.num_pages,
+                       free_snapshots=s.snapshots.num_free, counters=dict(s.counters))
+        return out
+
+    # -- the thread --------------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.ready.set()
+            while self._turn():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the clients
+            log.exception("model thread failed")
+            with self._lock:  # after this, submit() refuses: nothing new can slip into the ingress
+                self.failure = exc
+                self.failed.set()
+            self._fail_all(as_error(exc))
+            self.ready.set()
+
+    def _turn(self) -> bool:
+        """One loop turn; False when stopped and drained."""
+        self._last_beat = time.monotonic()
+        stopping = self._take_ingress()
+        if stopping:
+            self._cancel_everything()
+            if not self._by_handle and not self._pending:
+                return False
+        now = time.monotonic_ns()
+        self._admit(now)
+        plan = self.scheduler.plan(now)
+        if plan is None:
+            if self._by_handle and self.scheduler.num_inflight == 0 and not self._idle_ok():
+                raise ExecutionError("scheduler has live requests but planned nothing")
+            with self._lock:
+                if not self._ingress and not self._cancels and not self._stopping:
+                    self._wake.wait(IDLE_WAIT_S)
+            return True
+        self._execute(plan, now)
+        return True
+
+    def _idle_ok(self) -> bool:
+        # Live requests with nothing plannable: everyone is finished/cancelled and draining.
+        return all(l.terminal_sent for l in self._by_handle.values())
+
+    def _take_ingress(self) -> bool:
+        with self._lock:
+            new = list(self._ingress)
+            self._ingress.clear()
+            cancels = list(self._cancels)
+            self._cancels.clear()
+            stopping = self._stopping
+        for live in new:
+            self._by_id[live.request.request_id] = live
+            live.admitted_ns = time.monotonic_ns()
+            self._pending.append(live)
+        for rid in cancels:
+            live = self._by_id.get(rid)
+            if live is None or live.terminal_sent:
+                continue
+            if live.handle == 0:  # still pending
+                self._pending.remove(live)
+                self._terminal(live, FinishEvent("cancelled", len(live.request.prompt_token_ids), 0,
+                                                 live.num_generated, 0, 0))
+                self._forget(live)
+            else:
+                self.stats["cancelled"] += 1
+                self._end(live, "cancelled")
+                self._on_retired(self.scheduler.cancel(live.handle))
+        return stopping
+
+    def _admit(self, now: int) -> None:
+        while self._pending:
+            live = self._pending[0]
+            req = live.request
+            try:
+                handle = self.scheduler.admit(
+                    list(req.prompt_token_ids), req.params.max_tokens, now,
+                    message_boundaries=req.message_endpoints)
+                live.sampler_state = self.executor.sampler.add_sequence(req.params, req.prompt_token_ids)
+            except AdmissionError as e:
+                if e.kind is ErrorKind.MODEL_CAPACITY:
+                    if self.scheduler.num_live == 0:
+                        # Nothing will free room: this request can never fit.
+                        self._pending.popleft()
+                        self._terminal(live, ErrorEvent(e))
+                        self._forget(live)
+                        continue
+                    return  # wait for a slot or pages
+                self._pending.popleft()
+                self._terminal(live, ErrorEvent(e))
+                self._forget(live)
+                continue
+            self._pending.popleft()
+            live.handle = handle
+            live.reused_tokens = int(self.scheduler.request(handle).reused_tokens)
+            self._by_handle[handle] = live
+            self.stats["admitted"] += 1
+
+    def _execute(self, plan, now: int) -> None:
+        s = self.scheduler
+        fence = s.last_committed_fence + 1
+        handles = [int(h) for h in plan.handles]
+        block_tables = [s.block_table(h) for h in handles]
+        states = [self._by_handle[h].sampler_state if h in self._by_handle else None for h in handles]
+        s.commit(plan, fence)
+        self.steps += 1
+        if self._fail_after_steps is not None and self.steps > self._fail_after_steps:
+            raise ExecutionError("injected model-thread failure (--debug-fail-after-steps)")
+        records, duration_ns, logprobs = self.executor.run(plan, block_tables, states)
+        done_ns = time.monotonic_ns()
+        result = s.complete(fence, records, duration_ns, done_ns)
+        self.stats[f"launches_{plan.kind_name.lower()}"] += 1
+        index = {h: i for i, h in enumerate(handles)}
+        for handle, token in result.emitted:
+            live = self._by_handle.get(handle)
+            if live is None or live.terminal_sent:
+                continue
+            if not live.first_token_ns:
+                live.first_token_ns = done_ns
+            live.num_generated += 1
+            lp = logprobs[index[handle]]
+            live.sink.put(TokenEvent((token,), (lp,) if lp is not None else None))
+            if token in live.request.stop_token_ids:
+                self._end(live, "stop")
+                self._on_retired(s.finish(handle, done_ns))
+        for handle in result.finished:
+            live = self._by_handle.get(handle)
+            if live is not None and not live.terminal_sent:
+                self._end(live, "length")
+        self._on_retired(result.retired)
+
+    def _end(self, live: _Live, reason: str) -> None:
+        req = live.request
+        self._terminal(live, FinishEvent(
+            reason, len(req.prompt_token_ids), live.reused_tokens, live.num_generated,
+            0, live.first_token_ns - live.admitted_ns if live.first_token_ns else 0))
+
+    def _terminal(self, live: _Live, event) -> None:
+        if live.terminal_sent:
+            return
+        live.terminal_sent = True
+        live.sink.put(event)
+        with self._lock:
+            self._num_outstanding -= 1
+
+    def _on_retired(self, handles) -> None:
+        for handle in handles:
+            live = self._by_handle.pop(int(handle), None)
+            if live is None:
+                continue
+            if live.sampler_state is not None:
+                self.executor.sampler.release(live.sampler_state)
+                live.sampler_state = None
+            self._forget(live)
+
+    def _forget(self, live: _Live) -> None:
+        self._by_id.pop(live.request.request_id, None)
+
+    def _cancel_everything(self) -> None:
+        for live in list(self._pending):
+            self._terminal(live, FinishEvent("cancelled", len(live.request.prompt_token_ids), 0, 0, 0, 0))
+            self._forget(live)
+        self._pending.clear()
+        for handle, live in list(self._by_handle.items()):
+            if not self.scheduler.request(handle).cancelled:
+                self._end(live, "cancelled")
+                self._on_retired(self.scheduler.cancel(handle))
+
+    def _fail_all(self, error: FlareError) -> None:
+        with self._lock:
+            queued = list(self._ingress)
+            self._ingress.clear()
+        for live in [*queued, *self._pending, *self._by_handle.values()]:
+            self._terminal(live, ErrorEvent(error))
+        self._pending.clear()
+        self._by_handle.clear()
+        self._by_id.clear()

@@ -1,0 +1,109 @@
+"""The daemon's application: routes, admission, the frontend pool, health.
+
+``ServingState`` is what route handlers share: the core's manifest, the
+frontend, the model runtime, and the bounded pool of frontend workers that
+render and tokenize off the event loop.
+
+Admission (the reference's two levels):
+- HTTP: before a generation request's body is read, it takes one of
+  ``queue_capacity + max_active`` permits or gets 429 with the capacity hint.
+  The permit lives until its response is completely written, so a finished but
+  unread response still counts against it.
+- Model: the runtime refuses a request (503) when its own queue is full or the
+  model thread is dead; while shutting down or paused, generation gets 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.server.generation import Generation
+from flared.server.http import HttpConfig, Request, Response, Router
+from flared.server.openai_routes import OpenAIRoutes
+
+
+class ServingState:
+    def __init__(self, manifest, frontend, runtime, *, frontend_workers: int, http_permits: int):
+        self.manifest = manifest
+        self.frontend = frontend
+        self.runtime = runtime
+        self.vocab_size = int(manifest.model["vocab_size"])
+        self.created = int(time.time())
+        self.pool = ThreadPoolExecutor(max_workers=frontend_workers, thread_name_prefix="flared-frontend")
+        self.frontend_workers = frontend_workers
+        self.http_permits = http_permits
+        self.http_in_use = 0
+        self.frontend_busy = 0
+        self.paused = False  # pause_admission / shutdown: new generation requests get 503
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def admit(self, request: Request):
+        """HTTP admission hook: runs on the event loop before the body is read."""
+        if self.paused:
+            raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
+                                 ErrorKind.UNAVAILABLE)
+        if self.http_in_use >= self.http_permits:
+            raise AdmissionError(f"too many requests in flight ({self.http_permits} admitted)",
+                                 ErrorKind.HTTP_CAPACITY, hint=self.manifest.capacity_hint)
+        self.http_in_use += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.http_in_use -= 1
+        return release
+
+    # -- frontend work, off the event loop -----------------------------------------------------
+
+    async def _in_pool(self, fn):
+        loop = asyncio.get_running_loop()
+        self.frontend_busy += 1
+        try:
+            return await loop.run_in_executor(self.pool, fn)
+        finally:
+            self.frontend_busy -= 1
+
+    async def prepare_chat(self, messages, **kwargs):
+        return await self._in_pool(lambda: self.frontend.render_chat(messages, **kwargs))
+
+    async def encode(self, text: str) -> list[int]:
+        add_bos = self.manifest.tokens.add_bos_token
+        return await self._in_pool(lambda: self.frontend.encode(text, add_special_tokens=add_bos))
+
+    def start(self, requests, stop_strings) -> Generation:
+        if self.paused:
+            raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
+                                 ErrorKind.UNAVAILABLE)
+        return Generation(self.runtime, self.frontend, requests, stop_strings)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build_router(state: ServingState) -> Router:
+    router = Router()
+
+    async def health(request: Request) -> Response:
+        ok, why = state.runtime.health()
+        if ok:
+            return Response.json({"status": "ok"})
+        return Response.json({"status": why}, status=503)
+
+    router.add("GET", "/health", health, public=True)
+    OpenAIRoutes(state).register(router)
+    return router
+
+
+def http_config(config, manifest) -> HttpConfig:
+    body_limit = config.body_limit_bytes or (1 << 20) + 32 * manifest.capacities.context_tokens
+    return HttpConfig(
+        host=config.host, port=config.port, body_limit_bytes=body_limit,
+        header_timeout_s=config.header_timeout_s, keep_alive_timeout_s=config.keep_alive_timeout_s,
+        max_connections=config.max_connections, shutdown_grace_s=config.shutdown_grace_s,
+        api_key=config.api_key)

@@ -1,0 +1,182 @@
+"""One HTTP response's generation: its n choices, their text, their end.
+
+A ``Generation`` submits one model request per choice, reads the model
+thread's events from one queue, and turns sampled ids into text deltas with
+the frontend's detokenizer and the request's stop strings. Every route
+adapter (OpenAI chat and completions; later Anthropic, Responses, Ollama)
+consumes the same ``ChoiceDelta`` stream and only formats it.
+
+Rules:
+- A token in the request's stop ids (EOS included) ends its choice; its text
+  is never shown, but it counts as a generated token.
+- A stop string ends its choice at the token that completes it: the text of
+  the stop string and anything after it are withheld; the model request is
+  cancelled; the tokens up to that one count as generated.
+- ``cancel()`` (client gone, or error) cancels every choice still running;
+  it is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from flared.runtime.request import (
+    ErrorEvent,
+    EventSink,
+    FinishEvent,
+    GenerateRequest,
+    TokenEvent,
+    TokenLogprob,
+)
+
+
+@dataclasses.dataclass
+class ChoiceDelta:
+    index: int
+    text: str  # new visible text (may be empty)
+    token_ids: list[int]  # tokens this delta covers (visible or withheld)
+    logprobs: list[TokenLogprob]  # one per visible token, when asked
+    finish_reason: str | None  # set on the choice's last delta
+
+
+@dataclasses.dataclass
+class ChoiceUsage:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class _Choice:
+    __slots__ = ("request", "detok", "usage", "finish_reason", "final_sent", "done")
+
+    def __init__(self, request: GenerateRequest, detok):
+        self.request = request
+        self.detok = detok
+        self.usage = ChoiceUsage(num_prompt_tokens=len(request.prompt_token_ids))
+        self.finish_reason: str | None = None  # known reason; later tokens are ignored
+        self.final_sent = False  # the delta with finish_reason went out
+        self.done = False  # the model thread's terminal event arrived
+
+
+class Generation:
+    def __init__(self, runtime, frontend, requests: list[GenerateRequest], stop_strings: tuple[str, ...]):
+        self._runtime = runtime
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._choices = [_Choice(r, frontend.detokenizer(stop_strings)) for r in requests]
+        self.created = int(time.time())
+        self._cancelled = False
+        submitted = []
+        try:
+            for i, r in enumerate(requests):
+                runtime.submit(r, EventSink(self._loop, self._queue, i))
+                submitted.append(r)
+        except BaseException:
+            for r in submitted:
+                runtime.cancel(r.request_id)
+            raise
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._choices)
+
+    def usage(self) -> ChoiceUsage:
+        total = ChoiceUsage()
+        for c in self._choices:
+            total.num_generated_tokens += c.usage.num_generated_tokens
+        # Choices of one prompt share it: report it once per distinct prompt.
+        seen: set[tuple[int, ...]] = set()
+        for c in self._choices:
+            key = c.request.prompt_token_ids
+            if key not in seen:
+                seen.add(key)
+                total.num_prompt_tokens += c.usage.num_prompt_tokens
+                total.num_cached_tokens += c.usage.num_cached_tokens
+        return total
+
+    def cancel(self) -> None:
+        if self._cancelled:
+            return
+        self._cancelled = True
+        for c in self._choices:
+            if not c.done:
+                self._runtime.cancel(c.request.request_id)
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of all choices, interleaved as the model produces them.
+
+        Raises the model's FlareError if any choice fails (after cancelling
+        the others)."""
+        remaining = len(self._choices)
+        while remaining:
+            index, event = await self._queue.get()
+            choice = self._choices[index]
+            if isinstance(event, TokenEvent):
+                delta = self._on_tokens(index, choice, event)
+            elif isinstance(event, FinishEvent):
+                delta = self._on_finish(index, choice, event)
+            elif isinstance(event, ErrorEvent):
+                self.cancel()
+                raise event.error
+            else:  # pragma: no cover - the event types are closed
+                raise TypeError(f"unexpected event {event!r}")
+            if choice.done:
+                remaining -= 1
+            if delta is not None:
+                yield delta
+
+    def _on_tokens(self, index: int, choice: _Choice, event: TokenEvent) -> ChoiceDelta | None:
+        if choice.finish_reason is not None:
+            return None  # tokens in flight when a stop string matched
+        text_parts: list[str] = []
+        covered: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        for k, token in enumerate(event.token_ids):
+            covered.append(token)
+            choice.usage.num_generated_tokens += 1
+            if token in choice.request.stop_token_ids:
+                # The model thread ends the request on this token itself.
+                choice.finish_reason = "stop"
+                break
+            d = choice.detok.push(token)
+            text_parts.append(d.text)
+            if event.logprobs is not None:
+                logprobs.append(event.logprobs[k])
+            if d.stopped:
+                choice.finish_reason = "stop"
+                choice.final_sent = True
+                self._runtime.cancel(choice.request.request_id)
+                break
+        return ChoiceDelta(index, "".join(text_parts), covered, logprobs,
+                           choice.finish_reason if choice.final_sent else None)
+
+    def _on_finish(self, index: int, choice: _Choice, event: FinishEvent) -> ChoiceDelta | None:
+        choice.done = True
+        choice.usage.num_cached_tokens = event.num_cached_tokens
+        if choice.final_sent:
+            return None
+        tail = choice.detok.finish()
+        if choice.finish_reason is None:
+            choice.finish_reason = "stop" if (tail.stopped or event.reason == "stop") else "length"
+        choice.final_sent = True
+        return ChoiceDelta(index, tail.text, [], [], choice.finish_reason)
+
+    async def collect(self) -> list[tuple[str, list[int], list[TokenLogprob], str]]:
+        """Run to the end; per choice (text, token ids, logprobs, finish reason).
+
+        A cancelled generation still ends: the model thread sends every
+        request a terminal event."""
+        texts: list[list[str]] = [[] for _ in self._choices]
+        ids: list[list[int]] = [[] for _ in self._choices]
+        lps: list[list[TokenLogprob]] = [[] for _ in self._choices]
+        finish = [""] * len(self._choices)
+        async for d in self.deltas():
+            texts[d.index].append(d.text)
+            ids[d.index].extend(d.token_ids)
+            lps[d.index].extend(d.logprobs)
+            if d.finish_reason is not None:
+                finish[d.index] = d.finish_reason
+        return [("".join(texts[i]), ids[i], lps[i], finish[i]) for i in range(len(self._choices))]

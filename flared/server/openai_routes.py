@@ -1,0 +1,296 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+Handlers parse and validate (openai_schema), prepare the prompt on a frontend
+worker, check the context, start a ``Generation`` and format its deltas as
+OpenAI JSON or SSE chunks. Usage always carries
+``prompt_tokens_details.cached_tokens`` (prefix-cache reuse).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.model.sampling import SamplingParams
+from flared.runtime.request import GenerateRequest, TokenLogprob
+from flared.server.generation import Generation
+from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
+from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.openai_schema import ChatRequest, CompletionRequest, SamplingOptions, parse_chat, parse_completion
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+def model_card(state) -> dict[str, Any]:
+    m = state.manifest
+    return {
+        "id": m.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "flared",
+        "root": m.checkpoint_id,
+        "parent": None,
+        "max_model_len": m.capacities.context_tokens,
+        "aliases": [n for n in m.served_names if n and n != m.model_name],
+        "capabilities": dict(m.capabilities),
+    }
+
+
+def check_model(state, name: str) -> None:
+    m = state.manifest
+    if name != m.checkpoint_id and name not in m.served_names:
+        err = AdmissionError(f"model {name!r} does not exist; this server serves {m.model_name!r}",
+                             ErrorKind.NOT_FOUND)
+        err.param = "model"
+        raise err
+
+
+def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, default_max_tokens: int | None,
+                    seed_offset: int) -> SamplingParams:
+    m = state.manifest
+    context = m.capacities.context_tokens
+    room = context - num_prompt_tokens
+    if opts.max_tokens is not None:
+        max_tokens = opts.max_tokens
+        if num_prompt_tokens + max_tokens > context:
+            raise AdmissionError(
+                f"this model's maximum context length is {context} tokens, but {num_prompt_tokens + max_tokens} "
+                f"were requested ({num_prompt_tokens} in the prompt, {max_tokens} for the completion)",
+                ErrorKind.CONTEXT_LENGTH, hint=m.context_hint)
+    else:
+        if room < 1:
+            raise AdmissionError(
+                f"this model's maximum context length is {context} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens, leaving no room for the completion",
+                ErrorKind.CONTEXT_LENGTH, hint=m.context_hint)
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    d = m.generation_defaults
+    temperature = opts.temperature if opts.temperature is not None else d.get("temperature", 1.0)
+    return SamplingParams(
+        temperature=float(temperature),
+        top_k=opts.top_k if opts.top_k is not None else int(d.get("top_k", 0)),
+        top_p=opts.top_p if opts.top_p is not None else float(d.get("top_p", 1.0)),
+        min_p=opts.min_p if opts.min_p is not None else float(d.get("min_p", 0.0)),
+        repetition_penalty=opts.repetition_penalty if opts.repetition_penalty is not None
+        else float(d.get("repetition_penalty", 1.0)),
+        presence_penalty=opts.presence_penalty,
+        frequency_penalty=opts.frequency_penalty,
+        logit_bias=opts.logit_bias,
+        seed=None if opts.seed is None else opts.seed + seed_offset,
+        max_tokens=max_tokens,
+        logprobs=opts.logprobs,
+    )
+
+
+def _stop_ids(state, opts: SamplingOptions) -> frozenset[int]:
+    ids = set(opts.stop_token_ids)
+    if not opts.ignore_eos:
+        ids.update(state.manifest.tokens.eos_token_ids)
+    return frozenset(ids)
+
+
+def _check_vocab(state, opts: SamplingOptions) -> None:
+    vocab = state.vocab_size
+    for field, ids in (("stop_token_ids", opts.stop_token_ids), ("logit_bias", tuple(opts.logit_bias or ()))):
+        for t in ids:
+            if not 0 <= t < vocab:
+                err = AdmissionError(f"'{field}': token id {t} is outside the vocabulary of {vocab}")
+                err.param = field
+                raise err
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    u = gen.usage()
+    return {
+        "prompt_tokens": u.num_prompt_tokens,
+        "completion_tokens": u.num_generated_tokens,
+        "total_tokens": u.num_prompt_tokens + u.num_generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens},
+    }
+
+
+class OpenAIRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    def register(self, router: Router) -> None:
+        router.add("GET", "/v1/models", self.list_models)
+        router.add("GET", "/v1/models/{model:path}", self.get_model)
+        router.add("POST", "/v1/chat/completions", self.chat_completions, admit=True)
+        router.add("POST", "/v1/completions", self.completions, admit=True)
+
+    async def list_models(self, request: Request) -> Response:
+        return Response.json({"object": "list", "data": [model_card(self.state)]})
+
+    async def get_model(self, request: Request) -> Response:
+        check_model(self.state, request.params["model"])
+        return Response.json(model_card(self.state))
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request):
+        req = parse_chat(request.json())
+        check_model(self.state, req.model)
+        _check_vocab(self.state, req.options)
+        rendered = await self.state.prepare_chat(
+            req.messages, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, **req.template_kwargs)
+        prompt = tuple(rendered.token_ids)
+        requests = [
+            GenerateRequest(prompt, rendered.message_endpoints,
+                            sampling_params(self.state, req.options, len(prompt), None, i),
+                            _stop_ids(self.state, req.options))
+            for i in range(req.options.n)]
+        gen = self.state.start(requests, req.options.stop)
+        request.disconnected.add_callback(gen.cancel)
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        if req.stream:
+            return StreamingResponse(lambda w: self._stream_chat(gen, w, req, rid),
+                                     headers=[("cache-control", "no-cache")])
+        results = await gen.collect()
+        choices = []
+        for i, (text, _ids, lps, finish) in enumerate(results):
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": self._chat_logprobs(lps)} if req.options.logprobs is not None else None,
+                "finish_reason": finish,
+            })
+        return Response.json({"id": rid, "object": "chat.completion", "created": gen.created,
+                              "model": req.model, "choices": choices, "usage": _usage(gen)})
+
+    async def _stream_chat(self, gen: Generation, w: ResponseWriter, req: ChatRequest, rid: str) -> None:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": req.model}
+        usage_null = {"usage": None} if req.include_usage else {}
+        try:
+            for i in range(gen.num_choices):
+                await w.send_json_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                              "logprobs": None, "finish_reason": None}],
+                                         **usage_null})
+            async for d in gen.deltas():
+                if not d.text and d.finish_reason is None and not d.logprobs:
+                    continue
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choice = {"index": d.index, "delta": delta,
+                          "logprobs": {"content": self._chat_logprobs(d.logprobs)}
+                          if req.options.logprobs is not None and d.logprobs else None,
+                          "finish_reason": d.finish_reason}
+                await w.send_json_event({**base, "choices": [choice], **usage_null})
+            if req.include_usage:
+                await w.send_json_event({**base, "choices": [], "usage": _usage(gen)})
+            await w.send_event("[DONE]")
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:  # the stream has started: report in-band, then end it
+            gen.cancel()
+            await _send_stream_error(w, exc)
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        fe = self.state.frontend
+        out = []
+        for lp in lps:
+            tok = fe.decode([lp.token_id])
+            out.append({
+                "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [{"token": (t := fe.decode([tid])), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                 for tid, v in lp.top],
+            })
+        return out
+
+    # -- completions ---------------------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        req = parse_completion(request.json())
+        check_model(self.state, req.model)
+        _check_vocab(self.state, req.options)
+        prompts: list[tuple[int, ...]] = []
+        texts: list[str] = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                ids = await self.state.encode(p)
+                texts.append(p)
+            else:
+                for t in p:
+                    if not 0 <= t < self.state.vocab_size:
+                        raise AdmissionError(f"'prompt': token id {t} is outside the vocabulary")
+                ids = list(p)
+                texts.append(self.state.frontend.decode(ids))
+            if not ids:
+                raise AdmissionError("'prompt': the prompt is empty")
+            prompts.append(tuple(ids))
+        requests = []
+        for pi, ids in enumerate(prompts):
+            for j in range(req.options.n):
+                requests.append(GenerateRequest(
+                    ids, (), sampling_params(self.state, req.options, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                             pi * req.options.n + j),
+                    _stop_ids(self.state, req.options)))
+        gen = self.state.start(requests, req.options.stop)
+        request.disconnected.add_callback(gen.cancel)
+        rid = "cmpl-" + secrets.token_hex(12)
+        echo = [texts[i // req.options.n] if req.echo else "" for i in range(len(requests))]
+        if req.stream:
+            return StreamingResponse(lambda w: self._stream_completion(gen, w, req, rid, echo),
+                                     headers=[("cache-control", "no-cache")])
+        results = await gen.collect()
+        choices = []
+        for i, (text, _ids, lps, finish) in enumerate(results):
+            choices.append({"index": i, "text": echo[i] + text,
+                            "logprobs": self._completion_logprobs(lps, len(echo[i]))
+                            if req.options.logprobs is not None else None,
+                            "finish_reason": finish})
+        return Response.json({"id": rid, "object": "text_completion", "created": gen.created,
+                              "model": req.model, "choices": choices, "usage": _usage(gen)})
+
+    async def _stream_completion(self, gen: Generation, w: ResponseWriter, req: CompletionRequest, rid: str,
+                                 echo: list[str]) -> None:
+        base = {"id": rid, "object": "text_completion", "created": gen.created, "model": req.model}
+        usage_null = {"usage": None} if req.include_usage else {}
+        offsets = [len(e) for e in echo]
+        try:
+            for i, e in enumerate(echo):
+                if e:
+                    await w.send_json_event({**base, "choices": [{"index": i, "text": e, "logprobs": None,
+                                                                  "finish_reason": None}], **usage_null})
+            async for d in gen.deltas():
+                if not d.text and d.finish_reason is None and not d.logprobs:
+                    continue
+                lp = None
+                if req.options.logprobs is not None and d.logprobs:
+                    lp = self._completion_logprobs(d.logprobs, offsets[d.index])
+                offsets[d.index] += len(d.text)
+                await w.send_json_event({**base, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
+                                                              "finish_reason": d.finish_reason}], **usage_null})
+            if req.include_usage:
+                await w.send_json_event({**base, "choices": [], "usage": _usage(gen)})
+            await w.send_event("[DONE]")
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:
+            gen.cancel()
+            await _send_stream_error(w, exc)
+
+    def _completion_logprobs(self, lps: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
+        fe = self.state.frontend
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = start_offset
+        for lp in lps:
+            tok = fe.decode([lp.token_id])
+            tokens.append(tok)
+            token_lps.append(lp.logprob)
+            tops.append({fe.decode([tid]): v for tid, v in lp.top} if lp.top else None)
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def _send_stream_error(w: ResponseWriter, exc: BaseException) -> None:
+    """An SSE stream that fails after it started ends with an error event, then [DONE]."""
+    resp = error_response(exc)
+    try:
+        await w.send_event(resp.body.decode())
+        await w.send_event("[DONE]")
+    except ClientDisconnected:
+        pass
+

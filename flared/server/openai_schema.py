@@ -1,0 +1,306 @@
+"""OpenAI request bodies -> validated generation options.
+
+Pure functions over decoded JSON: every rejection is an ``AdmissionError``
+(HTTP 400) whose message names the offending field, with ``param`` set so the
+error body carries it too. Unknown fields are ignored, as OpenAI and vLLM do;
+known features we do not serve yet are rejected by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+def _bad(field: str, message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> AdmissionError:
+    err = AdmissionError(f"'{field}': {message}", kind)
+    err.param = field
+    return err
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """What a request asked of the sampler, before core defaults fill the gaps."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float | None
+    seed: int | None
+    logit_bias: dict[int, float] | None
+    logprobs: int | None  # top-n per token; None = no logprobs
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list[dict]
+    options: SamplingOptions
+    stream: bool
+    include_usage: bool
+    template_kwargs: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    user: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompts: list[str | list[int]]  # each is text or token ids
+    options: SamplingOptions
+    stream: bool
+    include_usage: bool
+    echo: bool
+    user: str | None
+
+
+# -- field readers ---------------------------------------------------------------------------------
+
+def _number(body: dict, field: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(field)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(field, f"must be a number, got {_type(v)}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise _bad(field, f"must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {v}")
+    return float(v)
+
+
+def _integer(body: dict, field: str, lo: int, hi: int) -> int | None:
+    v = body.get(field)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise _bad(field, f"must be an integer, got {_type(v)}")
+    if v < lo or v > hi:
+        raise _bad(field, f"must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def _boolean(body: dict, field: str, default: bool = False) -> bool:
+    v = body.get(field)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(field, f"must be a boolean, got {_type(v)}")
+    return v
+
+
+def _string(body: dict, field: str, *, required: bool = False) -> str | None:
+    v = body.get(field)
+    if v is None:
+        if required:
+            raise _bad(field, "is required")
+        return None
+    if not isinstance(v, str):
+        raise _bad(field, f"must be a string, got {_type(v)}")
+    return v
+
+
+def _type(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _reject_unsupported(body: dict, fields: tuple[str, ...]) -> None:
+    for field in fields:
+        if body.get(field) not in (None, [], False):
+            raise _bad(field, "is not supported by this server yet", ErrorKind.UNSUPPORTED)
+
+
+def _sampling(body: dict, *, max_tokens_fields: tuple[str, ...], logprobs: int | None) -> SamplingOptions:
+    max_tokens = None
+    for field in max_tokens_fields:
+        v = _integer(body, field, 1, 1 << 31)
+        if v is not None:
+            max_tokens = v
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(s for s in stop if s)
+    else:
+        raise _bad("stop", "must be a string or an array of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in stop_ids):
+        raise _bad("stop_token_ids", "must be an array of non-negative integers")
+    bias = body.get("logit_bias")
+    logit_bias = None
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", f"must be an object mapping token ids to numbers, got {_type(bias)}")
+        logit_bias = {}
+        for k, v in bias.items():
+            try:
+                token = int(k)
+            except (TypeError, ValueError):
+                raise _bad("logit_bias", f"key {k!r} is not a token id") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise _bad("logit_bias", f"value for token {k} must be a number in [-100, 100]")
+            logit_bias[token] = float(v)
+    top_k = _integer(body, "top_k", -1, 1 << 31)
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
+        top_k=None if top_k is None else max(top_k, 0),  # -1 (vLLM) and 0 both mean off
+        min_p=_number(body, "min_p", 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, 2.0, lo_open=True),
+        seed=_integer(body, "seed", -(1 << 63), (1 << 64) - 1),
+        logit_bias=logit_bias,
+        logprobs=logprobs,
+        stop=stops,
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=_boolean(body, "ignore_eos"),
+        n=_integer(body, "n", 1, MAX_N) or 1,
+    )
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", f"must be an object, got {_type(opts)}")
+    if not stream:
+        raise _bad("stream_options", "is only allowed when 'stream' is true")
+    return _boolean(opts, "include_usage")
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise _bad("body", f"must be a JSON object, got {_type(body)}")
+    model = _string(body, "model", required=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty array of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"must be an object, got {_type(m)}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise _bad(f"{where}.role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        msg = dict(m)
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+                    kind = part.get("type") if isinstance(part, dict) else _type(part)
+                    raise _bad(f"{where}.content[{j}]", f"content part of type {kind!r} is not supported "
+                               "(this model takes text)", ErrorKind.UNSUPPORTED)
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise _bad(f"{where}.content[{j}].text", "must be a string")
+                parts.append(text)
+            msg["content"] = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise _bad(f"{where}.content", f"must be a string or an array of content parts, got {_type(content)}")
+        elif content is None and role != "assistant":
+            raise _bad(f"{where}.content", "is required")
+        out.append(msg)
+    _reject_unsupported(body, ("tools", "functions", "response_format", "audio", "prediction"))
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tool_choice", "is not supported by this server yet", ErrorKind.UNSUPPORTED)
+    if _boolean(body, "logprobs"):
+        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        logprobs = top
+    else:
+        if body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs", "requires 'logprobs': true")
+        logprobs = None
+    stream = _boolean(body, "stream")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "must be an object")
+    cont = _boolean(body, "continue_final_message")
+    return ChatRequest(
+        model=model,
+        messages=out,
+        options=_sampling(body, max_tokens_fields=("max_tokens", "max_completion_tokens"), logprobs=logprobs),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        template_kwargs=dict(kwargs),
+        add_generation_prompt=_boolean(body, "add_generation_prompt", default=not cont),
+        continue_final_message=cont,
+        user=_string(body, "user"),
+    )
+
+
+# -- completions -----------------------------------------------------------------------------------
+
+def parse_completion(body: Any) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise _bad("body", f"must be a JSON object, got {_type(body)}")
+    model = _string(body, "model", required=True)
+    prompt = body.get("prompt")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [list(prompt)]
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
+          and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p)):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise _bad("prompt", "must be a string, an array of strings, an array of token ids, "
+                   "or an array of token-id arrays (non-empty)")
+    if len(prompts) > MAX_N:
+        raise _bad("prompt", f"at most {MAX_N} prompts per request")
+    _reject_unsupported(body, ("suffix",))
+    best_of = _integer(body, "best_of", 1, MAX_N)
+    n = _integer(body, "n", 1, MAX_N) or 1
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", "only best_of equal to n is supported", ErrorKind.UNSUPPORTED)
+    logprobs = _integer(body, "logprobs", 0, 5)
+    stream = _boolean(body, "stream")
+    echo = _boolean(body, "echo")
+    if echo and logprobs is not None:
+        raise _bad("echo", "echo with logprobs (prompt logprobs) is not supported yet", ErrorKind.UNSUPPORTED)
+    return CompletionRequest(
+        model=model,
+        prompts=prompts,
+        options=_sampling(body, max_tokens_fields=("max_tokens",), logprobs=logprobs),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        echo=echo,
+        user=_string(body, "user"),
+    )
