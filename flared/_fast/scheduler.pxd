@@ -88,6 +88,7 @@ cdef class Request:
     cdef double _weight
     cdef double _wait_rate
     cdef int64_t _take
+    cdef double _path_rate
 
     cdef int64_t _next_stop(self)
 
@@ -176,6 +177,8 @@ cdef class RequestScheduler:
     cdef double _adaptation_ns
     cdef double _extra_work_fraction
     cdef bint _initialize_state
+    # Baseline first-come-first-served selection instead of value per duration.
+    cdef bint _fcfs
 
     cdef Request _get(self, int64_t handle)
     cdef bint _ensure_pages(self, int64_t n) except -1
@@ -184,6 +187,8 @@ cdef class RequestScheduler:
     cdef list _select_endpoints(self, message_boundaries, int64_t L, int64_t reused, int64_t now_ns)
     cdef int64_t _measured_ns(self, tuple shape, int64_t now_ns)
     cdef double _unlock_value(self, Request r) except? -1
+    cdef double _path_rate(self, Request r) except? -1
+    cdef int64_t _prefill_ns(self, int64_t num_tokens, int kind) except -1
     cdef _batch_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out)
     cdef _prefill_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out)
     cdef _estimate(self, _Candidate c, int64_t now_ns)

@@ -43,6 +43,9 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 cnp.import_array()
 
 MAX_LIVE_REQUESTS = 64
+# Selection policies (flared.scheduler.Selection mirrors these values).
+SELECTION_VALUE = 0
+SELECTION_FCFS = 1
 cdef int64_t SLOT_BITS = 8
 cdef int64_t SLOT_MASK = 0xFF
 
@@ -51,9 +54,9 @@ cdef int64_t SLOT_MASK = 0xFF
 # credit capped at 5 ms, so one refresh is never bought by a long idle backlog.
 REFRESH_FRACTION = 0.002 / 0.998
 REFRESH_CAP_NS = 5_000_000
-# Prices stay within 2^-20..2^20 of their start: beyond that the exponent
-# has already decided every comparison, and the clamp keeps them finite.
-cdef double PRICE_MIN = 1.0 / (1 << 20)
+# Prices start at 1 (baseline) and stay below 2^20: beyond that the
+# exponent has already decided every comparison; the clamp keeps them finite.
+cdef double PRICE_MIN = 1.0
 cdef double PRICE_MAX = float(1 << 20)
 
 
@@ -261,6 +264,7 @@ cdef class RequestScheduler:
         self._adaptation_ns = policy.service_price_adaptation_ns
         self._extra_work_fraction = config.checkpoint_extra_work_fraction
         self._initialize_state = config.initialize_state
+        self._fcfs = int(getattr(config, "selection", 0)) == SELECTION_FCFS
 
     # ------------------------------------------------------------------
     # queries
@@ -518,6 +522,9 @@ cdef class RequestScheduler:
                     continue
             elif r.inflight:
                 continue
+            r._path_rate = 0.0
+            if r.phase <= PH_SNAPSHOT and not (r.phase == PH_SNAPSHOT and r.endpoints[0] >= r.prompt_len):
+                r._path_rate = self._path_rate(r)
             if r.phase == PH_DECODE:
                 if r.finished or r.num_scheduled_samples >= r.max_output_tokens:
                     continue
@@ -560,12 +567,15 @@ cdef class RequestScheduler:
             return None
 
         cdef _Candidate best = None, c
-        for c in candidates:
-            if best is None or _better(c, best):
-                best = c
+        if self._fcfs:
+            best = _fcfs_choice(candidates)
+        else:
+            for c in candidates:
+                if best is None or _better(c, best):
+                    best = c
         cdef bint refresh = False
         cdef _Candidate stale = None
-        if best.state == TIMING_FRESH and n_inflight == 0 and self.refresh_credit_ns > 0:
+        if not self._fcfs and best.state == TIMING_FRESH and n_inflight == 0 and self.refresh_credit_ns > 0:
             for c in candidates:
                 if c is best or c.state != TIMING_STALE:
                     continue
@@ -579,18 +589,93 @@ cdef class RequestScheduler:
         return self._build_plan(best, now_ns, refresh)
 
     cdef double _unlock_value(self, Request r) except? -1:
-        """Value of the step a prerequisite (initialize, restore, snapshot) unblocks:
-        the first sampled token at the prompt end, else the next prefill chunk."""
-        cdef int64_t at, stop
-        if r.phase == PH_SNAPSHOT:
-            at = r.endpoints[0]
-            stop = r.endpoints[1] if len(r.endpoints) > 1 else r.prompt_len
-        else:
-            at = r.num_scheduled_tokens
-            stop = r.endpoints[0] if r.endpoints else r.prompt_len
+        """Value of a prerequisite step (initialize, restore, boundary snapshot).
+
+        It does no useful work itself; it is the only way forward for the
+        request, so it carries the value of the path it unblocks: the rest
+        of the prompt and the first sampled token (or, past the prompt end,
+        the next output token).
+        """
+        cdef int64_t at
+        cdef double token_value = 1.0 + self._token_fairness * r.token_price
+        cdef double output_value = (
+            self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
+        )
+        at = r.endpoints[0] if r.phase == PH_SNAPSHOT else r.num_scheduled_tokens
         if at >= r.prompt_len:
-            return self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
-        return min(stop - at, self.prefill_chunk_size) * (1.0 + self._token_fairness * r.token_price)
+            return output_value
+        return (r.prompt_len - at) * token_value + output_value
+
+    cdef double _path_rate(self, Request r) except? -1:
+        """Value per ns of the request's whole remaining path to its first
+        token (prerequisites, prefill chunks cut at its endpoints, snapshots
+        on the way), or 0 when a needed shape is unmeasured.
+
+        Every step on that path is worth its share of the path by duration:
+        a one-token chunk cut short by a message boundary is as urgent as
+        the path it belongs to, not as small as its own token count.
+        """
+        cdef int64_t total = 0, at, stop, est
+        cdef int64_t snapshot_ns = self.timings.get((K_SNAPSHOT, 1, 0)).estimate_ns
+        if r.phase == PH_RESTORE:
+            est = self.timings.get((K_RESTORE, 1, 0)).estimate_ns
+            if est <= 0:
+                return 0.0
+            total += est
+        elif r.phase == PH_INITIALIZE:
+            est = self.timings.get((K_INITIALIZE, 1, 0)).estimate_ns
+            if est <= 0:
+                return 0.0
+            total += est
+        at = r.num_scheduled_tokens
+        stops = list(r.endpoints)
+        if r.phase == PH_SNAPSHOT:
+            total += snapshot_ns
+            stops = stops[1:]
+        if snapshot_ns <= 0:
+            return 0.0
+        for x in stops + [r.prompt_len]:
+            stop = x
+            if stop <= at:
+                continue
+            est = self._prefill_ns(stop - at, K_SCORED_PREFILL if r.score_prompt else K_PREFILL)
+            if est <= 0:
+                return 0.0
+            total += est
+            if stop < r.prompt_len:
+                total += snapshot_ns
+            at = stop
+        if total <= 0:
+            return 0.0
+        cdef double token_value = 1.0 + self._token_fairness * r.token_price
+        cdef double value = (r.prompt_len - r.num_scheduled_tokens) * token_value + (
+            self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
+        )
+        return value / total
+
+    cdef int64_t _prefill_ns(self, int64_t num_tokens, int kind) except -1:
+        """Estimated time to prefill ``num_tokens`` alone: full chunks of the
+        largest single-row capacity, then the smallest capacity that covers
+        the rest; 0 when a needed shape is unmeasured."""
+        shapes = [t for b, t in self._capacities.get(kind, ()) if b == 1]
+        if not shapes:
+            return 0
+        cdef int64_t largest = shapes[len(shapes) - 1]
+        cdef int64_t full = num_tokens // largest, rest = num_tokens % largest, total = 0, est
+        if full:
+            est = self.timings.get((kind, 1, largest)).estimate_ns
+            if est <= 0:
+                return 0
+            total += full * est
+        if rest:
+            for t in shapes:
+                if t >= rest:
+                    est = self.timings.get((kind, 1, t)).estimate_ns
+                    if est <= 0:
+                        return 0
+                    total += est
+                    break
+        return total
 
     cdef _batch_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out):
         cdef Py_ssize_t n = len(pool), m, i, last_m = -1
@@ -598,16 +683,18 @@ cdef class RequestScheduler:
         cdef Request r
         cdef _Candidate c
         cdef ShapeTiming t
+        cdef double est
         for batch, tokens in self._capacities.get(kind, ()):
             m = min(batch, n)
             if m == last_m:
                 continue  # same cohort as a smaller capacity: dominated
             last_m = m
+            est = self.timings.get((kind, batch, tokens)).estimate_ns
             value = 0.0
             wait_in = 0.0
             for i in range(m):
                 r = pool[i]
-                value += r._weight
+                value += max(r._weight, r._path_rate * est)
                 wait_in += r._wait_rate
             c = _Candidate.__new__(_Candidate)
             c.kind = kind
@@ -624,9 +711,10 @@ cdef class RequestScheduler:
         cdef Request r
         cdef _Candidate c, other
         cdef int64_t remaining, take
-        cdef double value, wait_in
+        cdef double value, wait_in, est, step_value
         by_work = {}
         for batch, tokens in self._capacities.get(kind, ()):
+            est = self.timings.get((kind, batch, tokens)).estimate_ns
             remaining = tokens
             cohort = []
             takes = []
@@ -640,10 +728,11 @@ cdef class RequestScheduler:
                 cohort.append(r)
                 takes.append(take)
                 remaining -= take
-                value += take * (1.0 + r._weight)
-                wait_in += r._wait_rate
+                step_value = take * (1.0 + r._weight)
                 if r.num_scheduled_tokens + take == r.prompt_len:
-                    value += self._output_value + self._delivery_fairness * r.delivery_price
+                    step_value += self._output_value + self._delivery_fairness * r.delivery_price
+                value += max(step_value, r._path_rate * est)
+                wait_in += r._wait_rate
             work = tuple([((<Request>cohort[i]).slot, takes[i]) for i in range(len(cohort))])
             dominated = False
             kept = []
@@ -987,25 +1076,20 @@ cdef class RequestScheduler:
         return created.checkpoint_id
 
     cdef _update_prices(self, ScheduledPlan plan, int64_t measured):
-        """Move each runnable request's service prices toward its fair share.
+        """Age each runnable request's service prices by this frame.
 
-        Over a frame of ``measured`` ns, a price rises by exp(measured / tau)
-        when the request got nothing and falls by its service, counted in
-        feasible-rate time and scaled by the number of runnable requests: a
-        request that receives 1/n of what it could get alone keeps its price.
+        A price rises by exp(measured / tau) over a frame that did not serve
+        the request, and falls by exp(-service / tau) over one that did,
+        where service is what it received counted in time at its feasible
+        rate (tokens x ns per token alone; deliveries x reference interval).
+        Prices never fall below 1: batching serves many requests at their
+        full rate at once, so "served" means "back to baseline", and only
+        waiting makes a request more valuable than its peers.
         """
         cdef Py_ssize_t i, n = len(plan._requests)
         cdef const int32_t[::1] counts = plan.num_tokens
         cdef const uint8_t[::1] sample = plan.sample
         cdef Request r
-        cdef int64_t n_run = 0, n_deliver = 0
-        for x in self._slots:
-            if x is not None and not (<Request>x).finished and not (<Request>x).cancelled:
-                n_run += 1
-                if (<Request>x).phase == PH_DECODE:
-                    n_deliver += 1
-        if n_run == 0:
-            return
         served = {}
         for i in range(n):
             r = plan._requests[i]
@@ -1022,11 +1106,16 @@ cdef class RequestScheduler:
             # Unserved time raises the price even before the request has a
             # rate normalizer (it was never in a measured graph): otherwise a
             # newcomer could wait behind measured work indefinitely.
-            if tokens == 0 or r.token_ns_per_token > 0:
-                x_exp = (measured - n_run * tokens * r.token_ns_per_token) / tau
-                r.token_price = _clamp(r.token_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
-            if r.phase == PH_DECODE and r.delivery_interval_ns > 0 and n_deliver > 0:
-                x_exp = (measured - n_deliver * delivered * r.delivery_interval_ns) / tau
+            if tokens == 0:
+                x_exp = measured / tau
+            else:
+                x_exp = -tokens * r.token_ns_per_token / tau
+            r.token_price = _clamp(r.token_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
+            if r.phase == PH_DECODE:
+                if delivered == 0:
+                    x_exp = measured / tau
+                else:
+                    x_exp = -delivered * r.delivery_interval_ns / tau
                 r.delivery_price = _clamp(r.delivery_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
 
     # ------------------------------------------------------------------
@@ -1195,6 +1284,39 @@ cdef class RequestScheduler:
 
 cdef inline double _clamp(double x, double lo, double hi) noexcept:
     return lo if x < lo else (hi if x > hi else x)
+
+
+cdef _Candidate _fcfs_choice(list candidates):
+    """Baseline selection: first come, first served, prefill first.
+
+    Work that moves a not-yet-decoding request forward (prefill and its
+    prerequisites, terminal snapshots) runs for the earliest arrival, with
+    the largest chunk it can use; otherwise every decoder decodes together.
+    """
+    cdef _Candidate c, best = None
+    cdef Request oldest = None, r
+    for c in candidates:
+        if c.kind == K_DECODE:
+            continue
+        for x in c.requests:
+            r = <Request>x
+            if oldest is None or r.arrival_ns < oldest.arrival_ns or (
+                r.arrival_ns == oldest.arrival_ns and r.generation < oldest.generation
+            ):
+                oldest = r
+    for c in candidates:
+        if oldest is not None:
+            if c.kind == K_DECODE or oldest not in c.requests:
+                continue
+            if best is None or c.value > best.value or (
+                c.value == best.value and (c.batch, c.tokens) < (best.batch, best.tokens)
+            ):
+                best = c
+        elif best is None or len(c.requests) > len(best.requests) or (
+            len(c.requests) == len(best.requests) and c.batch < best.batch
+        ):
+            best = c
+    return best
 
 
 cdef bint _better(_Candidate a, _Candidate b):

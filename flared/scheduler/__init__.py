@@ -29,7 +29,7 @@ from flared._fast.scheduler import (
     handle_generation,
     handle_slot,
 )
-from flared.scheduler.config import PolicyConfig, SchedulerConfig, default_graph_shapes
+from flared.scheduler.config import PolicyConfig, SchedulerConfig, Selection, default_graph_shapes
 
 __all__ = [
     "MAX_LIVE_REQUESTS",
@@ -44,6 +44,7 @@ __all__ = [
     "RequestScheduler",
     "ScheduledPlan",
     "SchedulerConfig",
+    "Selection",
     "default_graph_shapes",
     "handle_generation",
     "handle_slot",

@@ -7,13 +7,23 @@ frame's duration; they are preferences, not latency bounds.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from flared._fast.scheduler import MAX_LIVE_REQUESTS, GraphKind
+from flared._fast.scheduler import MAX_LIVE_REQUESTS, SELECTION_FCFS, SELECTION_VALUE, GraphKind
 
 # The prefix-key block size: prefill chunks end on it so every chunk
 # boundary is also a cheap exact key.
 PREFILL_ALIGNMENT_TOKENS = 64
+
+
+class Selection(enum.IntEnum):
+    # Rank every (shape, cohort) by useful value per estimated duration
+    # less waiting cost (the reference policy; docs/scheduling.md).
+    VALUE_PER_DURATION = SELECTION_VALUE
+    # Baseline for comparisons: earliest arrival's prefill first, else
+    # decode everyone (vLLM-style continuous batching).
+    FCFS = SELECTION_FCFS
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,7 @@ class SchedulerConfig:
     checkpoint_extra_work_fraction: float = 0.05
     # Fresh requests need an INITIALIZE step (models with recurrent state).
     initialize_state: bool = False
+    selection: Selection = Selection.VALUE_PER_DURATION
 
     def __post_init__(self):
         if len(self.model_identity) != 32:
@@ -122,6 +133,7 @@ class SchedulerConfig:
                 f"prefill_chunk_size {chunk} must be a multiple of {PREFILL_ALIGNMENT_TOKENS}, "
                 f"at least {PREFILL_ALIGNMENT_TOKENS} and within the context of {self.context_capacity}"
             )
+        object.__setattr__(self, "selection", Selection(self.selection))
         if not 0 <= self.checkpoint_extra_work_fraction <= 1:
             raise ValueError("checkpoint_extra_work_fraction must be within 0..1")
         if not self.graph_shapes:

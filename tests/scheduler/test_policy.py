@@ -68,7 +68,7 @@ def test_unmeasured_shapes_are_explored_first_and_dominated_ones_never():
     assert s.timings.estimate((DECODE, 8, 8), 0) == (0, "unmeasured")
 
 
-def test_value_per_duration_prefers_decode_but_starved_prefill_gets_served():
+def test_a_prompt_arriving_among_decoders_is_ranked_by_its_whole_path():
     s = make_scheduler(max_live_requests=8, num_pages=256, context_capacity=4096)
     d = Driver(s)
     decoders = [s.admit(prompt(20, seed=i), 400, 0) for i in range(6)]
@@ -76,15 +76,23 @@ def test_value_per_duration_prefers_decode_but_starved_prefill_gets_served():
         d.step()
     for _ in range(12):  # measure the decode shapes
         d.step()
+    short = s.admit(prompt(30, seed=98), 4, d.now_ns)
+    kinds = []
+    while not d.emitted.get(short):
+        kinds.append(d.step().kind)
+    # 30 prompt tokens + a first token (30*17 + 84 = 594 units over a 3.3 ms
+    # chunk) against six decoders (6*84 = 504 units over 2.3 ms): decode
+    # wins at first, the waiting prompt's token price then grows e-fold per
+    # 100 ms until it wins.
+    assert kinds[0] == GraphKind.DECODE and kinds[-1] == GraphKind.PREFILL
+    assert 1 < len(kinds) < 60
+    # A long prompt's whole path (1000 tokens, then its first token) is
+    # worth more per ms than the decode cohort: it runs chunk after chunk.
     late = s.admit(prompt(1000, seed=99), 4, d.now_ns)
-    steps = 0
     kinds = []
     while not d.emitted.get(late):
         kinds.append(d.step().kind)
-        steps += 1
-    # Decode keeps winning at first, the long prompt is still served within a bounded number of frames.
-    assert kinds[0] == GraphKind.PREFILL  # unmeasured 128-token shape explored once
-    assert GraphKind.DECODE in kinds and steps < 200
+    assert kinds.count(GraphKind.PREFILL) == 8 and len(kinds) < 20
     s.check_integrity()
 
 
