@@ -74,20 +74,18 @@ def eight_prompts(hf_gguf):
     return prompts
 
 
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
-def test_batched_equals_alone(runner, eight_prompts, kind):
-    if kind == "greedy":
-        params = [SamplingParams(temperature=0, max_tokens=24)] * 8
-    else:
-        params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.1,
-                                 frequency_penalty=0.2, presence_penalty=0.1, seed=1000 + i, max_tokens=24)
-                  for i in range(8)]
+def test_batched_equals_alone(runner, eight_prompts):
+    # Greedy and seeded-sampling requests mixed in one batch: each must get the tokens it gets alone.
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.1,
+                   frequency_penalty=0.2, presence_penalty=0.1, max_tokens=16)
+    params = [SamplingParams(temperature=0, max_tokens=16) if i % 2 == 0 else SamplingParams(seed=1000 + i, **sampled)
+              for i in range(8)]
     batched = runner.generate(eight_prompts, params)
     alone = [runner.generate([p], [sp])[0] for p, sp in zip(eight_prompts, params)]
     for i, (b, a) in enumerate(zip(batched, alone)):
+        kind = "greedy" if i % 2 == 0 else "seeded"
         assert b.token_ids == a.token_ids, f"prompt {i} ({kind}) differs between batched and alone"
     assert runner.allocator.num_free == runner.num_pages
-    if kind == "seeded":
-        # Different seeds must actually give different draws (guards against a sampler that ignores seeds).
-        again = runner.generate(eight_prompts[:1], [SamplingParams(**{**params[0].__dict__, "seed": 7})])[0]
-        assert again.token_ids != batched[0].token_ids
+    # Another seed must give other draws (guards against a sampler that ignores seeds).
+    reseeded = runner.generate(eight_prompts[1:2], [SamplingParams(seed=7, **sampled)])[0]
+    assert reseeded.token_ids != batched[1].token_ids
