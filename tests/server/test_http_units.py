@@ -152,6 +152,8 @@ def _request(body: bytes) -> Request:
         (b'{"a": "\xff"}', "not valid UTF-8 (invalid byte at offset 7)"),
         (b'{"a": 1,}', "not valid JSON: Expecting property name enclosed in double quotes at line 1 column 9"),
         (b"[1, 2", "not valid JSON"),
+        (b'{"temperature": NaN}', "NaN is not a JSON number"),
+        (b"[-Infinity]", "-Infinity is not a JSON number"),
     ],
 )
 def test_request_json_errors_are_400_with_clear_messages(body, message):

@@ -115,7 +115,7 @@ class Request:
         except UnicodeDecodeError as exc:
             raise AdmissionError(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
         try:
-            return json.loads(text)
+            return json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as exc:
             raise AdmissionError(
                 f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
@@ -132,6 +132,12 @@ class Request:
         parts = [chunk async for chunk in self.stream()]
         self.body = b"".join(parts)
         return self.body
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity, which are not JSON; other
+    # clients and the tokenizer settings expect finite numbers only.
+    raise AdmissionError(f"request body is not valid JSON: {name} is not a JSON number")
 
 
 def _normalise(headers: Any) -> Headers:

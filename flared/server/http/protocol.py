@@ -520,8 +520,9 @@ class HttpProtocol(asyncio.Protocol):
     def _start_handler(self, ex: _Exchange) -> None:
         ex.handler_started = True
         ex.task = self._loop.create_task(self._run_handler(ex))
-        # the loop keeps only weak references to tasks: hold it until done
-        self._server._track(ex.task)
+        # The loop keeps only weak references to tasks: the server holds it
+        # until _run_handler's finally (cheaper than a done callback).
+        self._server._tasks.add(ex.task)
 
     async def _run_handler(self, ex: _Exchange) -> None:
         try:
@@ -556,6 +557,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._transport.abort()
         finally:
             self._release(ex)
+            self._server._tasks.discard(ex.task)
 
     async def _write_streaming(self, ex: _Exchange, response: StreamingResponse) -> None:
         if not ex.is_head:

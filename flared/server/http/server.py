@@ -52,6 +52,7 @@ class HttpServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[HttpProtocol] = set()
+        # running handler tasks (HttpProtocol adds and removes them)
         self._tasks: set[asyncio.Task[None]] = set()
         self._all_closed: asyncio.Event | None = None
         self._closing = False
@@ -141,10 +142,6 @@ class HttpServer:
         self.stats.num_open_connections = len(self._connections)
         if not self._connections:
             self._all_closed.set()
-
-    def _track(self, task: asyncio.Task[None]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def date_header(self) -> bytes:
         """RFC 9110 Date value, formatted once per second."""
