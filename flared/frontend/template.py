@@ -269,8 +269,18 @@ def _names_messages(expression: nodes.Node) -> bool:
     return False
 
 
+def _is_message_loop(node: nodes.Node) -> bool:
+    return (
+        isinstance(node, nodes.For)
+        and not node.recursive
+        and _names_messages(node.iter)
+        and any(not _is_mark(output) for output in node.find_all(nodes.Output))
+    )
+
+
 def _auto_annotate(node: nodes.Node, buffered: bool) -> int:
-    """Append a {% mark %} to every streaming loop over the messages that emits output; count them.
+    """Mark every streaming loop over the messages that emits output: before the loop (the end of
+    the preamble: BOS, system prompt, tool list) and at the end of each iteration; count the loops.
 
     Loops that only compute (a reverse scan for the last user turn) emit nothing and get no mark;
     loops in macros, call blocks, captured sets and filter blocks are buffered and are skipped.
@@ -278,10 +288,19 @@ def _auto_annotate(node: nodes.Node, buffered: bool) -> int:
     count = 0
     if isinstance(node, (nodes.Macro, nodes.CallBlock, nodes.AssignBlock, nodes.FilterBlock)):
         buffered = True
-    if (isinstance(node, nodes.For) and not buffered and not node.recursive and _names_messages(node.iter)
-            and any(not _is_mark(output) for output in node.find_all(nodes.Output))):
-        node.body.append(_mark_node(node.lineno))
-        count += 1
+    for field in node.fields:
+        statements = getattr(node, field)
+        if not isinstance(statements, list):
+            continue
+        annotated = []
+        for child in statements:
+            if isinstance(child, nodes.Node) and not buffered and _is_message_loop(child):
+                annotated.append(_mark_node(child.lineno))
+                child.body.append(_mark_node(child.lineno))
+                count += 1
+            annotated.append(child)
+        if len(annotated) != len(statements):
+            setattr(node, field, annotated)
     for child in node.iter_child_nodes():
         count += _auto_annotate(child, buffered)
     return count

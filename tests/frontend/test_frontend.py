@@ -278,3 +278,21 @@ def test_endpoints_cut_the_prompt_at_exact_text_positions(frontend, contents, ad
         tail = frontend.decode(ids[endpoint:]).encode("utf-8")
         assert head + tail == prompt
         assert len(head) in rendered.byte_endpoints
+
+
+def test_auto_marks_include_the_preamble_before_the_message_loop(frontend):
+    template = ChatTemplate(
+        "{{ bos_token }}{% if messages[0].role == 'system' %}<sys>{{ messages[0].content }}</sys>\n"
+        "{% set messages = messages[1:] %}{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert template.has_auto_marks
+    auto = Frontend(frontend.tokenizer, template, frontend.settings)
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    rendered = auto.render_chat(chat)
+    text = rendered.text
+    assert text == "<|im_start|><sys>S</sys>\n<user>u</user>\n<assistant>a</assistant>\n<assistant>"
+    # The system preamble ends before the loop; each message ends with its iteration.
+    expected = tuple(text.index(end) + len(end) for end in ("</sys>\n", "</user>\n", "</assistant>\n"))
+    assert rendered.byte_endpoints == expected
+    assert len(rendered.message_endpoints) == 3
