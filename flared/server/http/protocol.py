@@ -4,13 +4,15 @@ Rules:
 
 - h11 owns parsing and the connection state machine; this class feeds bytes
   in, takes events out, and writes what ``h11.Connection.send`` returns.
-- One exchange (request + response) at a time. A pipelined request waits in
-  h11's buffer (``next_event`` answers PAUSED) and socket reads pause; when the
-  response is complete the next cycle starts and the buffer is parsed again,
-  so responses leave strictly in request order.
-- Before any body byte is read, in this order: CORS preflight / OPTIONS,
-  route (404, 405), bearer token (401), declared Content-Length against
-  body_limit_bytes (413), the admission hook (429 or whatever it raises).
+- One exchange (request + response) at a time. Once a request is complete
+  and its handler runs, parsing stops: a pipelined request waits in h11's
+  buffer and socket reads pause; when the response is complete the next
+  cycle starts and the buffer is parsed again, so responses leave strictly in
+  request order.
+- Before any body byte is read, in this order: head size (431), OPTIONS and
+  CORS preflight (answered here, never routed), route (404, 405), bearer
+  token (401), declared Content-Length against body_limit_bytes (413), the
+  admission hook (429 or whatever it raises).
   Only then ``100 Continue`` and body reading. A chunked body is counted as
   it streams and answered 413 when it passes the limit.
 - An answer given before the body was read keeps the connection only if the
