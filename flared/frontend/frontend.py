@@ -224,6 +224,26 @@ class Frontend:
                    template_defaults=template_defaults, endpoint_strategy=endpoint_strategy,
                    source=os.fspath(tokenizer_path))
 
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, *, template_defaults: Mapping[str, Any] | None = None,
+                  endpoint_strategy: EndpointStrategy = EndpointStrategy.AUTO_MARKS) -> Frontend:
+        """The frontend a GGUF file describes (its tokenizer, chat template and special tokens)."""
+        from tokenizers import Tokenizer
+
+        from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
+
+        assets = tokenizer_from_gguf(path)
+        template = None
+        if assets.chat_template is not None:
+            try:
+                template = ChatTemplate(assets.chat_template)
+            except jinja2.TemplateSyntaxError as exc:
+                raise FrontendError(f"{os.fspath(path)}: chat template does not compile: line {exc.lineno}: "
+                                    f"{exc.message}", ErrorKind.TEMPLATE) from None
+        return cls(Tokenizer.from_str(assets.tokenizer_json), template, TokenSettings.from_gguf_assets(assets),
+                   template_defaults=template_defaults, endpoint_strategy=endpoint_strategy,
+                   source=os.fspath(path))
+
     def _check_settings(self, source: str) -> None:
         for token, token_id, name in ((self.settings.bos_token, self.settings.bos_token_id, "bos"),
                                       (self.settings.eos_token, self.settings.eos_token_id, "eos")):

@@ -10,17 +10,22 @@ Rules (every one of them changes output bytes; the goldens in
   ``strftime_now`` formats the local calendar time of the injected clock;
   ``dict`` and ``namespace`` are the restricted versions transformers exposes.
 - Inputs first become plain JSON-like data (a fresh copy, so the caller's
-  messages are never edited); message keys whose value is None are dropped;
-  a message's reasoning is visible as ``thinking`` and ``reasoning_content``.
+  messages are never edited; request bodies from json.loads are shared
+  instead, see normalize_messages); message keys whose value is None are
+  dropped; a message's reasoning is visible as ``thinking`` and
+  ``reasoning_content``.
 - ``continue_final_message`` appends a tag to the final message's content,
   renders, and cuts at the tag (after trimming trailing space when the template
   trimmed it), exactly as transformers does, including its ValueErrors.
 - ``{% generation %}…{% endgeneration %}`` emits its body and records the span.
 - ``{% mark %}`` emits nothing and records the output position. It compiles to
   a yield of a private sentinel object that the render loop drops and counts,
-  so a mark is only meaningful where output streams straight to the root: inside a macro, a call block (including ``{% generation %}``), a
-  captured ``{% set %}``, a ``{% filter %}`` block or a recursive loop the
-  output is buffered, and a mark there is a compile error.
+  so a mark is only meaningful where output streams straight to the root:
+  inside a macro, a call block (including ``{% generation %}``), a captured
+  ``{% set %}``, a ``{% filter %}`` block or a recursive loop the output is
+  buffered, and a mark there is a compile error.
+- A template without marks also compiles to a copy marked around its message
+  loops (see _auto_annotate) for automatic message endpoints.
 - The template's own exceptions (jinja2's TemplateError family, TypeError,
   ValueError) propagate unchanged; wrapping them is the caller's business.
 """

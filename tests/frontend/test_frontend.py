@@ -243,6 +243,12 @@ def test_template_defaults_fill_and_request_kwargs_win(frontend):
     assert with_defaults.render_chat(chat, enable_thinking=False).text == "plain|x"
 
 
+def test_from_gguf_equals_load(frontend, smollm2_path):
+    direct = Frontend.from_gguf(smollm2_path)
+    for chat in CHATS:
+        assert direct.render_chat(chat) == frontend.render_chat(chat)
+
+
 def test_render_chat_async_runs_off_the_loop(frontend):
     async def main():
         return await frontend.render_chat_async(CHATS[1])
