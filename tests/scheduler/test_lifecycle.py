@@ -236,3 +236,38 @@ def test_admission_evicts_lru_cache_leaves_for_pages():
     assert s.cache.get(0) is None and s.cache.get(1) is not None
     assert s.counters["evictions"] == 1
     s.check_integrity()
+
+
+def test_conditioning_enters_the_prefix_key_of_admitted_requests():
+    s = make_scheduler()
+    image_a, image_b = b"\x01" * 32, b"\x02" * 32
+    tokens = prompt(60)
+    d = Driver(s)
+    s.admit(tokens, 1, 0, message_boundaries=[40], conditioning=[(10, image_a)])
+    d.run()
+    # Same tokens and image: the checkpoint at 40 is reused.
+    h = s.admit(tokens, 1, d.now_ns, conditioning=[(10, image_a)])
+    assert s.request(h).reused_tokens == 40
+    s.cancel(h)
+    # Another image at 10, or the same image elsewhere: no reuse past it.
+    for events in ([(10, image_b)], [(11, image_a)]):
+        h = s.admit(tokens, 1, d.now_ns, conditioning=events)
+        assert s.request(h).reused_tokens == 0
+        s.cancel(h)
+    s.check_integrity()
+
+
+def test_scored_prefill_and_state_initialization_phases():
+    s = make_scheduler(initialize_state=True)
+    d = Driver(s)
+    fresh = s.admit(prompt(20, seed=4), 1, 0)
+    kinds = [d.step().kind for _ in range(2)]
+    assert kinds == [GraphKind.INITIALIZE, GraphKind.PREFILL]
+    d.run()
+    # Scoring needs logits at every prompt position: no reuse, scored prefill.
+    scored = s.admit(prompt(20, seed=4), 1, d.now_ns, score_prompt=True)
+    assert s.request(scored).reused_tokens == 0
+    kinds = [p.kind for p in iter(d.step, None)]
+    assert kinds[:2] == [GraphKind.INITIALIZE, GraphKind.SCORED_PREFILL]
+    assert s.counters["launches_scored_prefill"] == 1 and fresh != scored
+    s.check_integrity()

@@ -28,22 +28,30 @@ FAMILIES = [np.concatenate([_system, _rng.integers(0, 1000, 60, dtype=np.int32)]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    initialize_state = False
+
     def __init__(self):
         super().__init__()
         self.s = make_scheduler(
             max_live_requests=4, num_pages=48, num_snapshots=6, page_tokens=16,
-            context_capacity=512, prefill_chunk_size=64,
+            context_capacity=512, prefill_chunk_size=64, initialize_state=self.initialize_state,
         )
         self.now_ns = 0
         self.fence = 0
         self.queue = []  # (fence, plan, block tables read by the frame)
 
-    @rule(family=st.integers(0, 2), length=st.integers(1, 130), max_out=st.integers(1, 12), bounds=st.booleans())
-    def admit(self, family, length, max_out, bounds):
+    @rule(
+        family=st.integers(0, 2),
+        length=st.integers(1, 130),
+        max_out=st.integers(1, 12),
+        bounds=st.booleans(),
+        score=st.sampled_from([False, False, False, True]),
+    )
+    def admit(self, family, length, max_out, bounds, score):
         tokens = FAMILIES[family][:length]
         boundaries = [70, 100] if bounds else []
         try:
-            h = self.s.admit(tokens, max_out, self.now_ns, message_boundaries=boundaries)
+            h = self.s.admit(tokens, max_out, self.now_ns, message_boundaries=boundaries, score_prompt=score)
         except AdmissionError as e:
             assert e.kind is ErrorKind.MODEL_CAPACITY
             return
@@ -121,5 +129,11 @@ class SlowSchedulerMachine(SchedulerMachine):
     pass
 
 
+class InitializingSchedulerMachine(SchedulerMachine):
+    initialize_state = True
+
+
 SlowSchedulerMachine.TestCase.settings = settings(max_examples=3000, stateful_step_count=100, deadline=None)
 TestSlowSchedulerMachine = pytest.mark.slow(SlowSchedulerMachine.TestCase)
+InitializingSchedulerMachine.TestCase.settings = settings(max_examples=1000, stateful_step_count=100, deadline=None)
+TestInitializingSchedulerMachine = pytest.mark.slow(InitializingSchedulerMachine.TestCase)
