@@ -187,6 +187,8 @@ class Frontend:
         self.endpoint_strategy = EndpointStrategy(endpoint_strategy)
         self._token_bytes = TokenBytes.from_tokenizer(tokenizer)
         self._check_settings(source)
+        if chat_template is not None and self.endpoint_strategy is EndpointStrategy.AUTO_MARKS:
+            chat_template.compile_auto_marks()  # at load, not on the first request
 
     @classmethod
     def load(cls, tokenizer_path: str | os.PathLike, chat_template: str | os.PathLike | None, *,

@@ -283,7 +283,7 @@ def _is_message_loop(node: nodes.Node) -> bool:
     )
 
 
-def _auto_annotate(node: nodes.Node, buffered: bool) -> int:
+def _auto_annotate(node: nodes.Node, buffered: bool, *, apply: bool = True) -> int:
     """Mark every streaming loop over the messages that emits output: before the loop (the end of
     the preamble: BOS, system prompt, tool list) and at the end of each iteration; count the loops.
 
@@ -300,14 +300,15 @@ def _auto_annotate(node: nodes.Node, buffered: bool) -> int:
         annotated = []
         for child in statements:
             if isinstance(child, nodes.Node) and not buffered and _is_message_loop(child):
-                annotated.append(_mark_node(child.lineno))
-                child.body.append(_mark_node(child.lineno))
                 count += 1
+                if apply:
+                    annotated.append(_mark_node(child.lineno))
+                    child.body.append(_mark_node(child.lineno))
             annotated.append(child)
         if len(annotated) != len(statements):
             setattr(node, field, annotated)
     for child in node.iter_child_nodes():
-        count += _auto_annotate(child, buffered)
+        count += _auto_annotate(child, buffered, apply=apply)
     return count
 
 
@@ -316,9 +317,8 @@ class _Compiled:
     template: jinja2.Template
     num_marks: int  # {% mark %} statements in the source
     has_generation: bool
-    # For a template without marks: the same template with a mark at the end of every message-loop
-    # iteration (None when no such loop was found).
-    auto_marked: jinja2.Template | None
+    # Message loops a template without marks has (0: no automatic marks; see _auto_annotate).
+    num_message_loops: int
 
 
 @functools.lru_cache(maxsize=128)
@@ -332,12 +332,17 @@ def _compile(source_sha256: str, source: str) -> _Compiled:
     has_generation = any(
         _is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
     )
-    auto_marked = None
-    if not mark_lines:
-        annotated = env.parse(source)
-        if _auto_annotate(annotated, False):
-            auto_marked = env.from_string(annotated)
-    return _Compiled(env.from_string(source), len(mark_lines), has_generation, auto_marked)
+    num_message_loops = 0 if mark_lines else _auto_annotate(ast, False, apply=False)
+    return _Compiled(env.from_string(ast), len(mark_lines), has_generation, num_message_loops)
+
+
+@functools.lru_cache(maxsize=128)
+def _compile_auto_marked(source_sha256: str, source: str) -> jinja2.Template:
+    # Compiled on first use: a template rendered only through render() never pays for it.
+    env = make_environment()
+    ast = env.parse(source)
+    _auto_annotate(ast, False)
+    return env.from_string(ast)
 
 
 def _plain(value: Any) -> Any:
@@ -469,7 +474,12 @@ class ChatTemplate:
     @property
     def has_auto_marks(self) -> bool:
         """Whether an unannotated template had a message loop to mark automatically."""
-        return self._compiled.auto_marked is not None
+        return self._compiled.num_message_loops > 0
+
+    def compile_auto_marks(self) -> None:
+        """Compile the automatically marked copy now rather than at the first render that needs it."""
+        if self.has_auto_marks:
+            _compile_auto_marked(self.sha256, self.source)
 
     @property
     def has_generation_blocks(self) -> bool:
@@ -506,8 +516,8 @@ class ChatTemplate:
             continue_final_message=continue_final_message, bos_token=bos_token, eos_token=eos_token,
             inputs_are_json=inputs_are_json, **template_kwargs)
         template = self._compiled.template
-        if auto_marks and self._compiled.auto_marked is not None:
-            template = self._compiled.auto_marked
+        if auto_marks and self._compiled.num_message_loops:
+            template = _compile_auto_marked(self.sha256, self.source)
         if self._compiled.has_generation:
             trace = self._run_traced(template, variables)
             text = "".join(trace.chunks)
