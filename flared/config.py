@@ -63,9 +63,11 @@ class ServerConfig:
         need(_is_int(self.port) and 0 <= self.port <= 65535, "port", "must be an integer in 0..65535")
         need(self.api_key is None or (isinstance(self.api_key, str) and bool(self.api_key)), "api_key",
              "must be a nonempty string")
-        for key in ("queue_capacity", "max_active", "body_limit_bytes", "torch_threads"):
+        for key in ("max_active", "body_limit_bytes", "torch_threads"):
             v = getattr(self, key)
             need(v is None or (_is_int(v) and v > 0), key, "must be a positive integer")
+        need(self.queue_capacity is None or (_is_int(self.queue_capacity) and self.queue_capacity >= 0),
+             "queue_capacity", "must be a non-negative integer")
         for key in ("frontend_workers", "max_connections"):
             v = getattr(self, key)
             need(_is_int(v) and v > 0, key, "must be a positive integer")

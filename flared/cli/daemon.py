@@ -49,8 +49,10 @@ def main() -> None:
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
+              help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
-        served_names, no_prefix_cache, torch_threads, cache_dir, log_level):
+        served_names, no_prefix_cache, torch_threads, cache_dir, log_level, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -76,18 +78,18 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             from flared.core.default import ensure_default_core
 
             core = ensure_default_core(cache_dir or default_cache_dir())
-        code = serve(Path(core), config)
+        code = serve(Path(core), config, fail_after_steps=debug_fail_after_steps)
     except FlareError as e:
         log.error("%s", e)
         sys.exit(1)
     sys.exit(code)
 
 
-def serve(core_path: Path, config) -> int:
+def serve(core_path: Path, config, *, fail_after_steps: int | None = None) -> int:
     """Load, serve until a signal or a model-thread failure; return the exit code."""
     from flared.runtime.session import LoadedSession
 
-    session = LoadedSession.load(core_path, config)
+    session = LoadedSession.load(core_path, config, fail_after_steps=fail_after_steps)
     try:
         import uvloop
 

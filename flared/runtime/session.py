@@ -36,7 +36,7 @@ class LoadedSession:
         return self.core.manifest
 
     @classmethod
-    def load(cls, core_path: str | Path, config) -> "LoadedSession":
+    def load(cls, core_path: str | Path, config, *, fail_after_steps: int | None = None) -> "LoadedSession":
         from flared.frontend import Frontend, TokenSettings
         from flared.runtime.worker import ModelRuntime
 
@@ -57,7 +57,8 @@ class LoadedSession:
             tokenizer_sha256=m.assets[m.tokenizer].sha256,
             template_sha256=m.assets[m.chat_template].sha256 if m.chat_template else None,
             settings=settings)
-        runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads)
+        runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
+                               fail_after_steps=fail_after_steps)
         return cls(core=core, config=config, frontend=frontend, runtime=runtime)
 
     async def start(self) -> "ServingSession":

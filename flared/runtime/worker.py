@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import hashlib
 import logging
+import os
 import threading
 import time
 
@@ -241,9 +242,12 @@ class ModelRuntime:
             live = self._pending[0]
             req = live.request
             try:
+                # Without the prefix cache, a fresh random conditioning identity at
+                # position 0 makes every key of this request unique: nothing is reused.
                 handle = self.scheduler.admit(
                     list(req.prompt_token_ids), req.params.max_tokens, now,
-                    message_boundaries=req.message_endpoints)
+                    message_boundaries=req.message_endpoints if self.prefix_cache else (),
+                    conditioning=() if self.prefix_cache else ((0, os.urandom(32)),))
                 live.sampler_state = self.executor.sampler.add_sequence(req.params, req.prompt_token_ids)
             except AdmissionError as e:
                 if e.kind is ErrorKind.MODEL_CAPACITY:

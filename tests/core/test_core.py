@@ -24,50 +24,22 @@ from flared.core.load import open_core
 from flared.core.manifest import MANIFEST_NAME, read_manifest
 from flared.errors import CoreError, ErrorKind
 
-CHAT_TEMPLATE = (
+TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-
-def _train_tokenizer(path: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
-              "def add(a, b):\n    return a + b\n", "Hello, world! How are you today?"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    return tok.get_vocab_size()
+CHAT_TEMPLATE = TINY_CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    d = tmp_path_factory.mktemp("hf-llama")
-    vocab = _train_tokenizer(d)
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(d, safe_serialization=True)
-    return d
+def hf_llama(tiny_hf_llama) -> Path:
+    return tiny_hf_llama
 
 
 @pytest.fixture(scope="module")
-def hf_core(hf_llama, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cores") / "tiny"
-    export_core(hf_llama, out, ExportOptions(concurrency=4, context_tokens=256, prefill_chunk_tokens=128))
-    return out
+def hf_core(tiny_core) -> Path:
+    return tiny_core
 
 
 def test_export_writes_a_complete_validated_core(hf_core: Path):
