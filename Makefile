@@ -1,5 +1,5 @@
 # The two commands a newcomer runs (see README.md):
-#   make run    install everything into .venv and serve the embedded default model
+#   make run    install everything into .venv and serve the embedded default model on :8000
 #   make test   install everything into .venv and run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -26,7 +26,7 @@ build: install
 	$(BIN)/python setup.py -q build_ext --inplace
 
 run: build
-	$(BIN)/flarectl generate default --messages '[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]'
+	$(BIN)/flared run
 
 test: build
 	$(BIN)/python -m pytest -q
