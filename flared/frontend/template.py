@@ -3,12 +3,7 @@
 Rules (every one of them changes output bytes; the goldens in
 ../shared/templates pin them down):
 
-- Environment: sandboxed and immutable (``ImmutableSandboxedEnvironment``),
-  ``trim_blocks`` + ``lstrip_blocks``, loop controls; ``tojson`` is
-  ``json.dumps`` with ``ensure_ascii=False``, no HTML escaping and json's own
-  separators; ``raise_exception`` raises ``jinja2.TemplateError``;
-  ``strftime_now`` formats the local calendar time of the injected clock;
-  ``dict`` and ``namespace`` are the restricted versions transformers exposes.
+- The environment (settings, globals, sandbox) is jinja_env.make_environment.
 - Inputs first become plain JSON-like data (a fresh copy, so the caller's
   messages are never edited; request bodies from json.loads are shared
   instead, see normalize_messages); message keys whose value is None are
@@ -18,298 +13,40 @@ Rules (every one of them changes output bytes; the goldens in
   renders, and cuts at the tag (after trimming trailing space when the template
   trimmed it), exactly as transformers does, including its ValueErrors.
 - ``{% generation %}…{% endgeneration %}`` emits its body and records the span.
-- ``{% mark %}`` emits nothing and records the output position. It compiles to
-  a yield of a private sentinel object that the render loop drops and counts,
-  so a mark is only meaningful where output streams straight to the root:
-  inside a macro, a call block (including ``{% generation %}``), a captured
-  ``{% set %}``, a ``{% filter %}`` block or a recursive loop the output is
-  buffered, and a mark there is a compile error.
-- A template without marks also compiles to a copy marked around its message
-  loops (see _auto_annotate) for automatic message endpoints.
+- ``{% mark %}`` emits nothing and records the output position (rules in
+  annotate.py). A template without marks also compiles, on first use, to a
+  copy marked around its message loops, for automatic message endpoints.
+- Each template compiles once per process, keyed by its SHA-256.
 - The template's own exceptions (jinja2's TemplateError family, TypeError,
   ValueError) propagate unchanged; wrapping them is the caller's business.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import hashlib
 import itertools
-import json
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import jinja2.nodes as nodes
-import jinja2.runtime
-import jinja2.utils
-from jinja2.exceptions import SecurityError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from flared.frontend.annotate import auto_annotate, check_marks, is_call_to
+from flared.frontend.jinja_env import (
+    MARK_SENTINEL,
+    MARK_SENTINEL_LEN,
+    RENDER_TRACE,
+    GenerationExtension,
+    RenderTrace,
+    make_environment,
+)
 
 # Appended to the continued message; the render is cut where it lands.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-# What a {% mark %} yields: a str object made at import time, so no template constant or
-# rendered value can be this very object. The render loop recognises it by identity and drops it.
-_MARK_SENTINEL = "".join(["\x00flared", "-mark\x00"])
-_MARK_SENTINEL_LEN = len(_MARK_SENTINEL)
-
-
-class _RenderTrace:
-    """Per-render bookkeeping read by {% generation %}."""
-
-    __slots__ = ("chunks", "mark_chunks", "generation_chunks")
-
-    def __init__(self) -> None:
-        self.chunks: list[str] = []  # what the root render function has yielded so far, marks removed
-        self.mark_chunks: list[int] = []  # len(chunks) at each {% mark %}
-        self.generation_chunks: list[tuple[int, int]] = []  # (len(chunks), body length) per generation block
-
-
-# A ContextVar, not an attribute: one compiled template renders in many worker threads at once.
-_TRACE: contextvars.ContextVar[_RenderTrace | None] = contextvars.ContextVar("flared_render_trace", default=None)
-
-
-def _mark_node(lineno: int) -> nodes.Output:
-    # Compiles to `yield str(environment.flared_mark_sentinel)`: no sandboxed call, no context
-    # lookup, and str() of an exact str returns the object itself.
-    return nodes.Output([nodes.EnvironmentAttribute("flared_mark_sentinel")]).set_lineno(lineno)
-
-
-class MarkExtension(jinja2.ext.Extension):
-    """``{% mark %}``: record the output position here, emit nothing."""
-
-    tags = {"mark"}
-
-    def __init__(self, environment):
-        super().__init__(environment)
-        environment.flared_mark_sentinel = _MARK_SENTINEL
-
-    def parse(self, parser):
-        token = next(parser.stream)
-        if parser.stream.current.type != "block_end":
-            raise TemplateSyntaxError(
-                "{% mark %} takes no argument (segment-count marks are not supported)",
-                token.lineno, parser.name, parser.filename,
-            )
-        return _mark_node(token.lineno)
-
-
-class GenerationExtension(jinja2.ext.Extension):
-    """``{% generation %}``: emit the body, record where it went (transformers' AssistantTracker)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
-
-    def _generation(self, caller) -> str:
-        text = caller()
-        trace = _TRACE.get()
-        if trace is not None:
-            trace.generation_chunks.append((len(trace.chunks), len(text)))
-        return text
-
-
-class _TemplateDict:
-    # `dict` in a template: construction and fromkeys only, no attribute access to the type.
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    # Underscore-prefixed names could reach CPython internals through the namespace.
-    def __init__(*args, **kwargs):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
-                "Please rename the attribute."
-            )
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now_local(fmt):
-    return datetime.now().strftime(fmt)
-
-
-# Attributes whose sandbox verdict is fixed: reading them needs no per-access safety check.
-_LOOP_PROPERTIES = frozenset(
-    ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem", "depth", "depth0")
-)
-_DICT_ATTRIBUTES = frozenset(dir(dict))
-# Methods the immutable sandbox always allows on these exact types (no underscore, no mutation,
-# not str.format/format_map, which the sandbox wraps), so its per-access checks can be skipped.
-_SAFE_METHODS = {
-    str: frozenset(name for name in dir(str) if not name.startswith("_") and name not in ("format", "format_map")),
-    dict: frozenset(("items", "keys", "values", "get", "copy")),
-    list: frozenset(("index", "count", "copy")),
-}
-
-
-class ChatSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox with shortcuts that give the same results faster.
-
-    Chat templates read ``message.role``, ``loop.last`` and ``content.strip`` in every iteration;
-    the stock sandbox pays an attribute lookup, often an exception, and three safety checks (two
-    of them abstract-class isinstance tests) for each. For a plain dict and a name that is not a
-    dict attribute, ``getattr`` fails and the sandbox falls back to the item, so we go to the item
-    directly; loop properties and the methods in _SAFE_METHODS always pass the checks. Everything
-    else takes the stock path.
-    """
-
-    def getattr(self, obj, attribute):
-        kind = type(obj)
-        if kind is dict and attribute not in _DICT_ATTRIBUTES:
-            try:
-                return obj[attribute]
-            except KeyError:
-                return self.undefined(obj=obj, name=attribute)
-        if kind is jinja2.runtime.LoopContext:
-            if attribute in _LOOP_PROPERTIES:
-                return getattr(obj, attribute)
-        elif attribute in _SAFE_METHODS.get(kind, ()):
-            return getattr(obj, attribute)
-        return super().getattr(obj, attribute)
-
-
-def make_environment(*, stock_sandbox: bool = False) -> ImmutableSandboxedEnvironment:
-    """The jinja2 environment chat templates compile in.
-
-    ``stock_sandbox``: jinja2's own ImmutableSandboxedEnvironment with the same settings, the
-    benchmark's plain-jinja2 baseline (what transformers uses).
-    """
-    env_class = ImmutableSandboxedEnvironment if stock_sandbox else ChatSandbox
-    env = env_class(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[GenerationExtension, MarkExtension, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now_local
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-def _is_call_to(node: nodes.Node, extension: type[jinja2.ext.Extension], method: str) -> bool:
-    return (
-        isinstance(node, nodes.Call)
-        and isinstance(node.node, nodes.ExtensionAttribute)
-        and node.node.identifier == extension.identifier
-        and node.node.name == method
-    )
-
-
-def _is_mark(node: nodes.Node) -> bool:
-    return (
-        isinstance(node, nodes.Output)
-        and len(node.nodes) == 1
-        and isinstance(node.nodes[0], nodes.EnvironmentAttribute)
-        and node.nodes[0].name == "flared_mark_sentinel"
-    )
-
-
-def _check_marks(node: nodes.Node, buffered_by: str | None, found: list[int]) -> None:
-    """Collect the line of every {% mark %}; reject those whose output would be buffered."""
-    if _is_mark(node):
-        if buffered_by is not None:
-            raise TemplateSyntaxError(f"{{% mark %}} is not allowed inside {buffered_by}", node.lineno)
-        found.append(node.lineno)
-        return
-    if isinstance(node, nodes.Macro):
-        buffered_by = buffered_by or "a macro"
-    elif isinstance(node, nodes.CallBlock):
-        buffered_by = buffered_by or (
-            "{% generation %}" if _is_call_to(node.call, GenerationExtension, "_generation") else "a call block"
-        )
-    elif isinstance(node, nodes.AssignBlock):
-        buffered_by = buffered_by or "a captured {% set %}"
-    elif isinstance(node, nodes.FilterBlock):
-        buffered_by = buffered_by or "a {% filter %} block"
-    elif isinstance(node, nodes.For) and node.recursive:
-        buffered_by = buffered_by or "a recursive loop"
-    for child in node.iter_child_nodes():
-        _check_marks(child, buffered_by, found)
-
-
-def _names_messages(expression: nodes.Node) -> bool:
-    """Whether a loop's iterable mentions the conversation (messages, loop_messages, ns.messages, ...)."""
-    for node in (expression, *expression.find_all((nodes.Name, nodes.Getattr))):
-        if not isinstance(node, (nodes.Name, nodes.Getattr)):
-            continue
-        name = node.name if isinstance(node, nodes.Name) else node.attr
-        if "messages" in name:
-            return True
-    return False
-
-
-def _is_message_loop(node: nodes.Node) -> bool:
-    return (
-        isinstance(node, nodes.For)
-        and not node.recursive
-        and _names_messages(node.iter)
-        and any(not _is_mark(output) for output in node.find_all(nodes.Output))
-    )
-
-
-def _auto_annotate(node: nodes.Node, buffered: bool, *, apply: bool = True) -> int:
-    """Mark every streaming loop over the messages that emits output: before the loop (the end of
-    the preamble: BOS, system prompt, tool list) and at the end of each iteration; count the loops.
-
-    Loops that only compute (a reverse scan for the last user turn) emit nothing and get no mark;
-    loops in macros, call blocks, captured sets and filter blocks are buffered and are skipped.
-    """
-    count = 0
-    if isinstance(node, (nodes.Macro, nodes.CallBlock, nodes.AssignBlock, nodes.FilterBlock)):
-        buffered = True
-    for field in node.fields:
-        statements = getattr(node, field)
-        if not isinstance(statements, list):
-            continue
-        annotated = []
-        for child in statements:
-            if isinstance(child, nodes.Node) and not buffered and _is_message_loop(child):
-                count += 1
-                if apply:
-                    annotated.append(_mark_node(child.lineno))
-                    child.body.append(_mark_node(child.lineno))
-            annotated.append(child)
-        if len(annotated) != len(statements):
-            setattr(node, field, annotated)
-    for child in node.iter_child_nodes():
-        count += _auto_annotate(child, buffered, apply=apply)
-    return count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +54,7 @@ class _Compiled:
     template: jinja2.Template
     num_marks: int  # {% mark %} statements in the source
     has_generation: bool
-    # Message loops a template without marks has (0: no automatic marks; see _auto_annotate).
+    # Message loops a template without marks has (0: no automatic marks; see auto_annotate).
     num_message_loops: int
 
 
@@ -328,11 +65,11 @@ def _compile(source_sha256: str, source: str) -> _Compiled:
     env = make_environment()
     ast = env.parse(source)
     mark_lines: list[int] = []
-    _check_marks(ast, None, mark_lines)
+    check_marks(ast, None, mark_lines)
     has_generation = any(
-        _is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
+        is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
     )
-    num_message_loops = 0 if mark_lines else _auto_annotate(ast, False, apply=False)
+    num_message_loops = 0 if mark_lines else auto_annotate(ast, False, apply=False)
     return _Compiled(env.from_string(ast), len(mark_lines), has_generation, num_message_loops)
 
 
@@ -341,7 +78,7 @@ def _compile_auto_marked(source_sha256: str, source: str) -> jinja2.Template:
     # Compiled on first use: a template rendered only through render() never pays for it.
     env = make_environment()
     ast = env.parse(source)
-    _auto_annotate(ast, False)
+    auto_annotate(ast, False)
     return env.from_string(ast)
 
 
@@ -628,7 +365,7 @@ class ChatTemplate:
             chunks = list(template.root_render_func(template.new_context(variables)))
         except Exception:
             template.environment.handle_exception()
-        sentinel = _MARK_SENTINEL
+        sentinel = MARK_SENTINEL
         try:
             at = chunks.index(sentinel)
         except ValueError:
@@ -638,7 +375,7 @@ class ChatTemplate:
         offsets: list[int] = []
         while True:
             if chunks[at] is sentinel:  # not rendered text that merely equals the sentinel's value
-                offsets.append(starts[at] - len(offsets) * _MARK_SENTINEL_LEN)
+                offsets.append(starts[at] - len(offsets) * MARK_SENTINEL_LEN)
                 chunks[at] = ""
             try:
                 at = chunks.index(sentinel, at + 1)
@@ -647,14 +384,14 @@ class ChatTemplate:
         return "".join(chunks), tuple(offsets)
 
     @staticmethod
-    def _run_traced(template: jinja2.Template, variables: dict) -> _RenderTrace:
+    def _run_traced(template: jinja2.Template, variables: dict) -> RenderTrace:
         """Render chunk by chunk so {% generation %} blocks can see how much was emitted before them."""
-        trace = _RenderTrace()
+        trace = RenderTrace()
         chunks = trace.chunks
         append = chunks.append
         mark_chunks = trace.mark_chunks
-        sentinel = _MARK_SENTINEL
-        token = _TRACE.set(trace)
+        sentinel = MARK_SENTINEL
+        token = RENDER_TRACE.set(trace)
         try:
             # Chunks are appended before the generator resumes, so a generation block sees
             # everything emitted before it.
@@ -666,11 +403,11 @@ class ChatTemplate:
         except Exception:
             template.environment.handle_exception()
         finally:
-            _TRACE.reset(token)
+            RENDER_TRACE.reset(token)
         return trace
 
     @staticmethod
-    def _mark_offsets(trace: _RenderTrace) -> tuple[int, ...]:
+    def _mark_offsets(trace: RenderTrace) -> tuple[int, ...]:
         offsets = []
         position, consumed = 0, 0
         chunks = trace.chunks
@@ -682,7 +419,7 @@ class ChatTemplate:
         return tuple(offsets)
 
     @staticmethod
-    def _generation_spans(trace: _RenderTrace) -> tuple[tuple[int, int], ...]:
+    def _generation_spans(trace: RenderTrace) -> tuple[tuple[int, int], ...]:
         spans = []
         position, consumed = 0, 0
         for chunk_index, length in trace.generation_chunks:
