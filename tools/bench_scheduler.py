@@ -262,6 +262,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ap.add_argument("--quick", action="store_true", help="fewer steps and a shorter simulation")
+    ap.add_argument(
+        "--rates", type=lambda v: [float(x) for x in v.split(",")], default=[3.0, 6.0],
+        help="conversation arrival rates per second for (c), comma-separated (default 3,6)",
+    )
     args = ap.parse_args()
     steps = 300 if args.quick else 2000
     out: dict = {"decode_step_us_median": {}, "decode_step_us_p99": {}}
@@ -284,24 +288,28 @@ def main() -> None:
     print(f"{'speedup':>24} {ratio:>8.1f} x")
 
     seconds = 20.0 if args.quick else 60.0
-    rate = 3.0
-    print(f"\n(c) simulated serving: {seconds:.0f} s of Poisson arrivals at {rate}/s, multi-turn, synthetic GPU costs")
-    print(f"{'policy':>20} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8} {'tok/s':>7} {'reuse':>6}")
-    sims = {}
-    for name, sel in (("value/duration", Selection.VALUE_PER_DURATION), ("fcfs", Selection.FCFS)):
-        r = simulate(sel, seconds, rate)
-        sims[name] = r
+    out["simulation"] = {}
+    for rate in args.rates:
         print(
-            f"{name:>20} {r['requests']:>5} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms "
-            f"{r['itl_p99_ms']:>6.1f}ms {r['throughput_tok_s']:>7.0f} {r['prefix_reuse']:>6.1%}"
+            f"\n(c) simulated serving: {seconds:.0f} s of Poisson arrivals at {rate:g} conversations/s, "
+            "multi-turn, synthetic GPU costs"
         )
-    ours, base = sims["value/duration"], sims["fcfs"]
-    print(
-        f"{'ours/fcfs':>20} {'':>5} {ours['ttft_p50_ms'] / base['ttft_p50_ms']:>9.2f} "
-        f"{ours['ttft_p99_ms'] / base['ttft_p99_ms']:>9.2f} {ours['itl_p99_ms'] / base['itl_p99_ms']:>8.2f} "
-        f"{ours['throughput_tok_s'] / base['throughput_tok_s']:>7.2f}"
-    )
-    out["simulation"] = {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in sims.items()}
+        print(f"{'policy':>20} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p99':>8} {'tok/s':>7} {'reuse':>6}")
+        sims = {}
+        for name, sel in (("value/duration", Selection.VALUE_PER_DURATION), ("fcfs", Selection.FCFS)):
+            r = simulate(sel, seconds, rate)
+            sims[name] = r
+            print(
+                f"{name:>20} {r['requests']:>5} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p99_ms']:>7.0f}ms "
+                f"{r['itl_p99_ms']:>6.1f}ms {r['throughput_tok_s']:>7.0f} {r['prefix_reuse']:>6.1%}"
+            )
+        ours, base = sims["value/duration"], sims["fcfs"]
+        print(
+            f"{'ours/fcfs':>20} {'':>5} {ours['ttft_p50_ms'] / base['ttft_p50_ms']:>9.2f} "
+            f"{ours['ttft_p99_ms'] / base['ttft_p99_ms']:>9.2f} {ours['itl_p99_ms'] / base['itl_p99_ms']:>8.2f} "
+            f"{ours['throughput_tok_s'] / base['throughput_tok_s']:>7.2f}"
+        )
+        out["simulation"][f"{rate:g}/s"] = {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in sims.items()}
     if args.json:
         print(json.dumps(out))
 

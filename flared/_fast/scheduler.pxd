@@ -88,7 +88,7 @@ cdef class Request:
     cdef double _weight
     cdef double _wait_rate
     cdef int64_t _take
-    cdef double _path_rate
+    cdef double _path_value
 
     cdef int64_t _next_stop(self)
 
@@ -187,7 +187,9 @@ cdef class RequestScheduler:
     cdef list _select_endpoints(self, message_boundaries, int64_t L, int64_t reused, int64_t now_ns)
     cdef int64_t _measured_ns(self, tuple shape, int64_t now_ns)
     cdef double _unlock_value(self, Request r) except? -1
-    cdef double _path_rate(self, Request r) except? -1
+    cdef double _path_value(self, Request r) except? -1
+    cdef int64_t _path_after_ns(self, Request r, int64_t at, bint snapshot_due) except -2
+    cdef double _step_path_value(self, Request r, int kind, int64_t take, double step_est, double step_value) except? -1
     cdef int64_t _prefill_ns(self, int64_t num_tokens, int kind) except -1
     cdef _batch_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out)
     cdef _prefill_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out)

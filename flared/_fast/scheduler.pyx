@@ -522,9 +522,9 @@ cdef class RequestScheduler:
                     continue
             elif r.inflight:
                 continue
-            r._path_rate = 0.0
+            r._path_value = 0.0
             if r.phase <= PH_SNAPSHOT and not (r.phase == PH_SNAPSHOT and r.endpoints[0] >= r.prompt_len):
-                r._path_rate = self._path_rate(r)
+                r._path_value = self._path_value(r)
             if r.phase == PH_DECODE:
                 if r.finished or r.num_scheduled_samples >= r.max_output_tokens:
                     continue
@@ -606,52 +606,62 @@ cdef class RequestScheduler:
             return output_value
         return (r.prompt_len - at) * token_value + output_value
 
-    cdef double _path_rate(self, Request r) except? -1:
-        """Value per ns of the request's whole remaining path to its first
-        token (prerequisites, prefill chunks cut at its endpoints, snapshots
-        on the way), or 0 when a needed shape is unmeasured.
+    cdef double _path_value(self, Request r) except? -1:
+        """Value of the request's whole remaining path to its first token:
+        the prompt tokens still to consume and the first sampled token."""
+        return (r.prompt_len - r.num_scheduled_tokens) * (1.0 + self._token_fairness * r.token_price) + (
+            self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
+        )
 
-        Every step on that path is worth its share of the path by duration:
-        a one-token chunk cut short by a message boundary is as urgent as
-        the path it belongs to, not as small as its own token count.
-        """
-        cdef int64_t total = 0, at, stop, est
+    cdef int64_t _path_after_ns(self, Request r, int64_t at, bint snapshot_due) except -2:
+        """Estimated time from position ``at`` to the first token: the
+        snapshot due there (if any), then prefill up to each remaining
+        endpoint and its snapshot, then up to the prompt end. -1 when a
+        needed shape is unmeasured."""
+        cdef int64_t total = 0, stop, est
         cdef int64_t snapshot_ns = self.timings.get((K_SNAPSHOT, 1, 0)).estimate_ns
-        if r.phase == PH_RESTORE:
-            est = self.timings.get((K_RESTORE, 1, 0)).estimate_ns
-            if est <= 0:
-                return 0.0
-            total += est
-        elif r.phase == PH_INITIALIZE:
-            est = self.timings.get((K_INITIALIZE, 1, 0)).estimate_ns
-            if est <= 0:
-                return 0.0
-            total += est
-        at = r.num_scheduled_tokens
-        stops = list(r.endpoints)
-        if r.phase == PH_SNAPSHOT:
+        cdef int kind = K_SCORED_PREFILL if r.score_prompt else K_PREFILL
+        if snapshot_due:
+            if snapshot_ns <= 0:
+                return -1
             total += snapshot_ns
-            stops = stops[1:]
-        if snapshot_ns <= 0:
-            return 0.0
-        for x in stops + [r.prompt_len]:
+        for x in r.endpoints + [r.prompt_len]:
             stop = x
             if stop <= at:
                 continue
-            est = self._prefill_ns(stop - at, K_SCORED_PREFILL if r.score_prompt else K_PREFILL)
+            est = self._prefill_ns(stop - at, kind)
             if est <= 0:
-                return 0.0
+                return -1
             total += est
             if stop < r.prompt_len:
+                if snapshot_ns <= 0:
+                    return -1
                 total += snapshot_ns
             at = stop
-        if total <= 0:
-            return 0.0
-        cdef double token_value = 1.0 + self._token_fairness * r.token_price
-        cdef double value = (r.prompt_len - r.num_scheduled_tokens) * token_value + (
-            self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
-        )
-        return value / total
+        return total
+
+    cdef double _step_path_value(self, Request r, int kind, int64_t take, double step_est, double step_value) except? -1:
+        """Value of one step on a prompt path: its duration share of the path
+        that starts with this step (value of the whole remaining path times
+        step / (step + rest)). Every step of a path then ranks like the path
+        itself, and a chunk that would leave a costly short tail ranks below
+        one that finishes the prompt. Falls back to the step's own value
+        when a needed shape is unmeasured."""
+        cdef int64_t after
+        if r._path_value <= 0 or step_est <= 0:
+            return step_value
+        if kind == K_PREFILL or kind == K_SCORED_PREFILL:
+            after = self._path_after_ns(
+                r, r.num_scheduled_tokens + take,
+                bool(r.endpoints) and r.num_scheduled_tokens + take == r.endpoints[0] and r.endpoints[0] < r.prompt_len,
+            )
+        elif kind == K_SNAPSHOT:
+            after = self._path_after_ns(r, r.endpoints[0], False)
+        else:
+            after = self._path_after_ns(r, r.num_scheduled_tokens, False)
+        if after < 0:
+            return step_value
+        return r._path_value * step_est / (step_est + after)
 
     cdef int64_t _prefill_ns(self, int64_t num_tokens, int kind) except -1:
         """Estimated time to prefill ``num_tokens`` alone: full chunks of the
@@ -694,7 +704,7 @@ cdef class RequestScheduler:
             wait_in = 0.0
             for i in range(m):
                 r = pool[i]
-                value += max(r._weight, r._path_rate * est)
+                value += self._step_path_value(r, kind, 0, est, r._weight)
                 wait_in += r._wait_rate
             c = _Candidate.__new__(_Candidate)
             c.kind = kind
@@ -731,7 +741,7 @@ cdef class RequestScheduler:
                 step_value = take * (1.0 + r._weight)
                 if r.num_scheduled_tokens + take == r.prompt_len:
                     step_value += self._output_value + self._delivery_fairness * r.delivery_price
-                value += max(step_value, r._path_rate * est)
+                value += self._step_path_value(r, kind, take, est, step_value)
                 wait_in += r._wait_rate
             work = tuple([((<Request>cohort[i]).slot, takes[i]) for i in range(len(cohort))])
             dominated = False
