@@ -29,6 +29,8 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=16, head_dim=16)),
     "qwen2": ("qwen2", dict()),
     "qwen3": ("qwen3", dict(head_dim=32)),
+    # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
+    "qwen3_wide": ("qwen3", dict(head_dim=128)),
 }
 
 

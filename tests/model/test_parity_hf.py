@@ -66,7 +66,7 @@ def run_paged_greedy(model: DecoderModel, prompts, *, num_new_tokens: int, page_
     return [(s["out"], torch.stack(s["logits"])) for s in state]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(set(FAMILIES) - {"qwen3_wide"}))
 def family_checkpoint(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
