@@ -56,12 +56,17 @@ class _Live:
     scheduled_ns: int = 0
     num_generated: int = 0
     terminal_sent: bool = False
+    # Dashboard request rows: when output was last published, and how many
+    # completed steps published output (a multi-token step counts once).
+    last_output_ns: int = 0
+    num_bursts: int = 0
 
 
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
-                 fail_after_steps: int | None = None):
+                 fail_after_steps: int | None = None, policy=None):
         self.core = core
+        self.policy = policy  # flared.scheduler.PolicyConfig; None: its defaults
         self.prefix_cache = prefix_cache
         self.torch_threads = torch_threads
         self._fail_after_steps = fail_after_steps  # fault injection for tests (--debug-fail-after-steps)
@@ -84,6 +89,9 @@ class ModelRuntime:
         self.scheduler = None
         self.executor = None
         self.stats = collections.Counter()
+        # Dashboard completion buffer (flared.dashboard.telemetry), set only
+        # while a dashboard runs; its record() never blocks this thread.
+        self.telemetry = None
 
     # -- lifecycle (caller's thread) ---------------------------------------------------------------
 
@@ -117,7 +125,7 @@ class ModelRuntime:
             SchedulerConfig(model_identity=identity, max_live_requests=caps.concurrency, num_pages=caps.kv_pages,
                             num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens),
-            PolicyConfig())
+            self.policy if self.policy is not None else PolicyConfig())
         self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
                                       num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
                                       vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
@@ -129,6 +137,10 @@ class ModelRuntime:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+    def beat_age_s(self) -> float:
+        """Seconds since the loop last turned (it turns at least every IDLE_WAIT_S)."""
+        return time.monotonic() - self._last_beat
 
     def health(self) -> tuple[bool, str]:
         if self.failed.is_set():
@@ -170,6 +182,25 @@ class ModelRuntime:
             out.update(live_slots=s.num_live, free_pages=s.pages.num_free, total_pages=s.pages.num_pages,
                        free_snapshots=s.snapshots.num_free, counters=dict(s.counters))
         return out
+
+    def request_rows(self) -> list[dict]:
+        """Dashboard request rows, read from another thread: each field is an
+        independent read; a request retired mid-read is skipped."""
+        s = self.scheduler
+        rows = []
+        if s is None:
+            return rows
+        for handle, live in list(self._by_handle.items()):
+            try:
+                r = s.request(handle)
+                rows.append({"handle": int(handle), "slot": int(r.slot), "generation": int(r.generation),
+                             "phase": r.phase_name, "arrival_ns": int(r.arrival_ns),
+                             "last_progress_ns": int(r.last_progress_ns), "prompt_consumed": int(r.num_computed_tokens),
+                             "prompt_len": int(r.prompt_len), "output": live.num_generated,
+                             "last_output_ns": live.last_output_ns, "bursts": live.num_bursts})
+            except Exception:  # noqa: BLE001 - retired between the two reads
+                continue
+        return rows
 
     # -- the thread --------------------------------------------------------------------------------
 
@@ -278,10 +309,22 @@ class ModelRuntime:
         self.steps += 1
         if self._fail_after_steps is not None and self.steps > self._fail_after_steps:
             raise ExecutionError("injected model-thread failure (--debug-fail-after-steps)")
+        for h in handles:
+            live = self._by_handle.get(h)
+            if live is not None and not live.scheduled_ns:
+                live.scheduled_ns = now
         records, duration_ns, logprobs = self.executor.run(plan, block_tables, states)
         done_ns = time.monotonic_ns()
         result = s.complete(fence, records, duration_ns, done_ns)
-        self.stats[f"launches_{plan.kind_name.lower()}"] += 1
+        kind_name = plan.kind_name.lower()
+        self.stats[f"launches_{kind_name}"] += 1
+        if kind_name in ("prefill", "scored_prefill"):
+            self.stats["prompt_tokens"] += int(plan.num_tokens.sum())
+        self.stats["generated_tokens"] += len(result.emitted)
+        telemetry = self.telemetry
+        if telemetry is not None:
+            telemetry.record(done_ns, int(plan.kind), int(plan.batch_capacity), int(plan.token_capacity),
+                             len(handles), int(duration_ns))
         index = {h: i for i, h in enumerate(handles)}
         for handle, token in result.emitted:
             live = self._by_handle.get(handle)
@@ -290,6 +333,9 @@ class ModelRuntime:
             if not live.first_token_ns:
                 live.first_token_ns = done_ns
             live.num_generated += 1
+            if live.last_output_ns != done_ns:
+                live.last_output_ns = done_ns
+                live.num_bursts += 1
             lp = logprobs[index[handle]]
             live.sink.put(TokenEvent((token,), (lp,) if lp is not None else None))
             if token in live.request.stop_token_ids:
@@ -305,12 +351,14 @@ class ModelRuntime:
         req = live.request
         self._terminal(live, FinishEvent(
             reason, len(req.prompt_token_ids), live.reused_tokens, live.num_generated,
-            0, live.first_token_ns - live.admitted_ns if live.first_token_ns else 0))
+            live.scheduled_ns - live.admitted_ns if live.scheduled_ns else 0, live.first_token_ns - live.admitted_ns if live.first_token_ns else 0))
 
     def _terminal(self, live: _Live, event) -> None:
         if live.terminal_sent:
             return
         live.terminal_sent = True
+        if isinstance(event, ErrorEvent):
+            self.stats["failed_requests"] += 1
         live.sink.put(event)
         with self._lock:
             self._num_outstanding -= 1
