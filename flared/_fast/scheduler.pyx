@@ -10,8 +10,11 @@ Rules (the tests check each; docs/scheduling.md explains the policy):
   output limit, minus pages shared with a prefix hit) and the snapshot ids
   of its selected checkpoint endpoints. Nothing is allocated later, so a
   committed plan can never starve for pages: there is no preemption.
-- ``plan(now)`` is pure policy: it reads state and returns an immutable
-  ScheduledPlan (or None); it changes nothing. ``commit`` validates the
+- ``plan(now)`` gates on the in-flight queue, asks the SelectionPolicy
+  (flared._fast.policy) for the winning shape and cohort, and returns an
+  immutable ScheduledPlan (or None). It changes no request state (only the
+  policy's scratch fields; going idle lapses positive refresh credit).
+  Request and plan data live in flared._fast.request. ``commit`` validates the
   plan's scheduler id and each participant's epoch and records the
   submission; ``complete`` validates every record before mutating anything.
 - Completions arrive in fence order. A request is in at most one in-flight
@@ -25,67 +28,31 @@ Rules (the tests check each; docs/scheduling.md explains the policy):
   snapshot id is free, owned by one request, cached or retired, never two.
 """
 
-import enum
 from collections import namedtuple
 
 import numpy as np
 cimport numpy as cnp
-from libc.math cimport exp
 from libc.stdint cimport int32_t, int64_t, uint8_t
-from libc.stdlib cimport qsort
 
 from flared._fast.pages cimport PageAllocator
+from flared._fast.policy cimport SelectionPolicy, _Candidate
 from flared._fast.prefix cimport Checkpoint, PrefixCheckpointCache, PrefixHistory
+from flared._fast.request cimport (
+    Request, ScheduledPlan, SLOT_BITS, SLOT_MASK, MAX_SLOTS, K_INITIALIZE, K_RESTORE, K_SNAPSHOT,
+    K_PREFILL, K_SCORED_PREFILL, K_RESUME_SAMPLING, K_DECODE, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
+    PH_SNAPSHOT, PH_RESUME, PH_DECODE, PH_TERMINAL, PH_DRAINING,
+)
 from flared._fast.timing cimport GraphTimings, ShapeTiming, TIMING_UNMEASURED, TIMING_FRESH, TIMING_STALE
+from flared._fast.policy import REFRESH_CAP_NS, REFRESH_FRACTION, SELECTION_FCFS, SELECTION_VALUE
 from flared._fast.prefix import PublishOutcome
+from flared._fast.request import (
+    MAX_LIVE_REQUESTS, GraphKind, RequestPhase, handle_generation, handle_slot,
+)
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 
 cnp.import_array()
 
-MAX_LIVE_REQUESTS = 64
-# Selection policies (flared.scheduler.Selection mirrors these values).
-SELECTION_VALUE = 0
-SELECTION_FCFS = 1
-cdef int64_t SLOT_BITS = 8
-cdef int64_t SLOT_MASK = 0xFF
-
-# Funded timing refresh: ordinary work pays 0.2% of its time (0.002 / 0.998
-# of the measured interval, so refreshes are 0.2% of all graph time) into a
-# credit capped at 5 ms, so one refresh is never bought by a long idle backlog.
-REFRESH_FRACTION = 0.002 / 0.998
-REFRESH_CAP_NS = 5_000_000
-# Prices start at 1 (baseline) and stay below 2^20: beyond that the
-# exponent has already decided every comparison; the clamp keeps them finite.
-cdef double PRICE_MIN = 1.0
-cdef double PRICE_MAX = float(1 << 20)
-
-
-class GraphKind(enum.IntEnum):
-    INITIALIZE = K_INITIALIZE
-    RESTORE = K_RESTORE
-    SNAPSHOT = K_SNAPSHOT
-    PREFILL = K_PREFILL
-    SCORED_PREFILL = K_SCORED_PREFILL
-    RESUME_SAMPLING = K_RESUME_SAMPLING
-    DECODE = K_DECODE
-    SPECULATIVE = K_SPECULATIVE
-    VISION = K_VISION
-    MIXED = K_MIXED
-
-
 _LAUNCH_KEYS = ["launches_" + k.name.lower() for k in GraphKind]
-
-
-class RequestPhase(enum.IntEnum):
-    INITIALIZE = PH_INITIALIZE
-    RESTORE = PH_RESTORE
-    PREFILL = PH_PREFILL
-    SNAPSHOT = PH_SNAPSHOT
-    RESUME = PH_RESUME
-    DECODE = PH_DECODE
-    TERMINAL = PH_TERMINAL
-    DRAINING = PH_DRAINING
-
 
 # What one frame reported, one entry per plan participant in plan order:
 # handles int64, cumulative consumed/generated token counts int64, and the
@@ -97,117 +64,6 @@ CompletionRecords = namedtuple("CompletionRecords", "handles consumed_tokens gen
 # published: checkpoint ids created by this frame's snapshots.
 CompletionResult = namedtuple("CompletionResult", "emitted finished retired published")
 
-
-def handle_slot(int64_t handle):
-    return handle & SLOT_MASK
-
-
-def handle_generation(int64_t handle):
-    return handle >> SLOT_BITS
-
-
-cdef class Request:
-    """Scheduler-side state of one live request (read-only from Python)."""
-
-    @property
-    def phase_name(self):
-        return RequestPhase(self.phase).name
-
-    @property
-    def next_stop(self):
-        return self._next_stop()
-
-    cdef int64_t _next_stop(self):
-        if self.endpoints:
-            return self.endpoints[0]
-        return self.prompt_len
-
-    @property
-    def num_private_pages(self):
-        return self._block_table.shape[0] - self.num_shared_pages
-
-    def __repr__(self):
-        return (
-            f"Request(handle={self.handle}, slot={self.slot}, phase={self.phase_name}, "
-            f"computed={self.num_computed_tokens}/{self.prompt_len}, generated={self.num_generated_tokens})"
-        )
-
-
-cdef class ScheduledPlan:
-    """One graph submission: plain arrays indexed by participant.
-
-    kind, batch_capacity, token_capacity: the graph shape to launch.
-    handles/slots/state_rows/epochs: who runs (int64/int32/int32/int64).
-    token_starts, num_tokens: first absolute position and number of tokens
-        fed per participant; token_offsets[i]:token_offsets[i+1] slices the
-        flat token_ids (-1 = the token sampled by the previous, still
-        in-flight decode step of that request).
-    sample: 1 where the step produces logits and samples a token;
-        generated_ends: the participant's cumulative sampled count after it.
-    first_blocks, page_offsets, page_ids: block-table entries the step
-        touches: page_ids[page_offsets[i]:page_offsets[i+1]] are entries
-        first_blocks[i], first_blocks[i]+1, ... of participant i's table.
-    copies: int32 [m, 4] rows (snapshot_id, state_row, page_id or -1,
-        tokens in that partial page): restore copies snapshot -> slot,
-        snapshot copies slot -> snapshot.
-    """
-
-    @property
-    def num_participants(self):
-        return len(self._requests)
-
-    @property
-    def shape(self):
-        return (self.kind, self.batch_capacity, self.token_capacity)
-
-    @property
-    def kind_name(self):
-        return GraphKind(self.kind).name
-
-    def positions(self, Py_ssize_t i):
-        cdef int64_t s = self.token_starts[i]
-        return np.arange(s, s + self.num_tokens[i], dtype=np.int32)
-
-    def tokens(self, Py_ssize_t i):
-        return self.token_ids[self.token_offsets[i] : self.token_offsets[i + 1]]
-
-    def pages(self, Py_ssize_t i):
-        return self.page_ids[self.page_offsets[i] : self.page_offsets[i + 1]]
-
-    def __repr__(self):
-        return (
-            f"ScheduledPlan({self.kind_name}, b={self.batch_capacity}, t={self.token_capacity}, "
-            f"n={len(self._requests)}, est={self.estimated_duration_ns}ns)"
-        )
-
-
-cdef struct SortItem:
-    double key
-    int32_t index
-
-
-cdef int _by_key_desc(const void* a, const void* b) noexcept nogil:
-    cdef double ka = (<SortItem*>a).key, kb = (<SortItem*>b).key
-    if ka > kb:
-        return -1
-    if ka < kb:
-        return 1
-    return (<SortItem*>a).index - (<SortItem*>b).index
-
-
-cdef list _sorted_by_weight(list pool):
-    """Pool sorted by scratch weight + wait rate, highest first (C qsort)."""
-    cdef Py_ssize_t n = len(pool), i
-    if n <= 1:
-        return pool
-    cdef SortItem[64] items
-    cdef Request r
-    for i in range(n):
-        r = pool[i]
-        items[i].key = r._weight + r._wait_rate
-        items[i].index = <int32_t>i
-    qsort(items, n, sizeof(SortItem), _by_key_desc)
-    return [pool[items[i].index] for i in range(n)]
 
 
 cdef int64_t _next_scheduler_id = 1
@@ -224,8 +80,8 @@ cdef class RequestScheduler:
         self.config = config
         self.policy = policy
         self.max_live_requests = config.max_live_requests
-        if not 1 <= self.max_live_requests <= MAX_LIVE_REQUESTS:
-            raise ValueError(f"max_live_requests must be 1..{MAX_LIVE_REQUESTS}")
+        if not 1 <= self.max_live_requests <= MAX_SLOTS:
+            raise ValueError(f"max_live_requests must be 1..{MAX_SLOTS}")
         self.page_tokens = config.page_tokens
         self.context_capacity = config.context_capacity
         self.prefill_chunk_size = config.prefill_chunk_size
@@ -234,7 +90,7 @@ cdef class RequestScheduler:
         self.pages = PageAllocator(config.num_pages)
         self.snapshots = PageAllocator(config.num_snapshots)
         self.timings = GraphTimings(policy.timing_freshness_ns)
-        self._slots = [None] * MAX_LIVE_REQUESTS
+        self._slots = [None] * MAX_SLOTS
         self._next_generation = 1
         self._next_plan_id = 1
         self.last_committed_fence = 0
@@ -242,11 +98,7 @@ cdef class RequestScheduler:
         self._inflight = []
         self._draining = []
         self.refresh_credit_ns = 0.0
-        self._capacities = {}
-        for kind, batch, tokens in config.graph_shapes:
-            self._capacities.setdefault(int(kind), []).append((int(batch), int(tokens)))
-        for shapes in self._capacities.values():
-            shapes.sort()
+        self.selection = SelectionPolicy(config, policy, self.timings)
         self.counters = {
             "admitted": 0, "finished": 0, "cancelled": 0, "retired": 0,
             "prefix_lookups": 0, "prefix_hits": 0, "prefix_reused_tokens": 0,
@@ -255,16 +107,8 @@ cdef class RequestScheduler:
         }
         for k in GraphKind:
             self.counters["launches_" + k.name.lower()] = 0
-        self._output_value = policy.output_token_value
-        self._token_fairness = policy.token_fairness
-        self._delivery_fairness = policy.delivery_fairness
-        self._decode_age_price = policy.decode_age_price
-        self._terminal_value = policy.terminal_value
-        self._terminal_age_price = policy.terminal_age_price
-        self._adaptation_ns = policy.service_price_adaptation_ns
         self._extra_work_fraction = config.checkpoint_extra_work_fraction
         self._initialize_state = config.initialize_state
-        self._fcfs = int(getattr(config, "selection", 0)) == SELECTION_FCFS
 
     # ------------------------------------------------------------------
     # queries
@@ -291,7 +135,7 @@ cdef class RequestScheduler:
 
     cdef Request _get(self, int64_t handle):
         cdef int64_t slot = handle & SLOT_MASK
-        if slot >= MAX_LIVE_REQUESTS or handle <= 0:
+        if slot >= MAX_SLOTS or handle <= 0:
             raise ExecutionError(f"invalid request handle {handle}")
         r = self._slots[slot]
         if r is None or (<Request>r).handle != handle:
@@ -364,7 +208,7 @@ cdef class RequestScheduler:
 
         endpoints = []
         snapshot_ids = []
-        for e in self._select_endpoints(message_boundaries, L, reused, now_ns):
+        for e in self.selection.select_endpoints(message_boundaries, L, reused):
             sid = self._take_snapshot()
             if sid < 0:
                 break
@@ -435,45 +279,6 @@ cdef class RequestScheduler:
                 self.pages.free(np.array(res.page_ids))  # the cache's copy is read-only
             self.snapshots.free(np.array([res.snapshot_id], dtype=np.int32))
 
-    cdef list _select_endpoints(self, message_boundaries, int64_t L, int64_t reused, int64_t now_ns):
-        """Anchor first (last eligible message boundary, else the prompt end),
-        then extras while their cost fits the extra-work allowance."""
-        bounds = sorted({int(b) for b in message_boundaries if reused < b < L})
-        if reused >= L:
-            return []
-        selected = [bounds[len(bounds) - 1] if bounds else L]
-        extras = ([L] if bounds else []) + list(reversed(bounds[: max(len(bounds) - 1, 0)]))
-        if not extras:
-            return selected
-        cdef int64_t snapshot_ns = self._measured_ns((K_SNAPSHOT, 1, 0), now_ns)
-        best_ns_per_token = None
-        split_ns = None
-        for batch, tokens in self._capacities.get(K_PREFILL, ()):
-            if batch != 1:
-                continue
-            est = self._measured_ns((K_PREFILL, batch, tokens), now_ns)
-            if est > 0:
-                per = est / tokens
-                if best_ns_per_token is None or per < best_ns_per_token:
-                    best_ns_per_token = per
-                if split_ns is None or est < split_ns:
-                    split_ns = est
-        if snapshot_ns <= 0 or best_ns_per_token is None:
-            return selected  # unknown costs: best-effort anchor only
-        allowance = self._extra_work_fraction * best_ns_per_token * (L - reused)
-        cost = snapshot_ns + split_ns
-        spent = 0.0
-        for e in extras:
-            if spent + cost > allowance:
-                break
-            selected.append(e)
-            spent += cost
-        return selected
-
-    cdef int64_t _measured_ns(self, tuple shape, int64_t now_ns):
-        cdef ShapeTiming t = self.timings.get(shape)
-        return t.estimate_ns
-
     # ------------------------------------------------------------------
     # planning
 
@@ -497,288 +302,16 @@ cdef class RequestScheduler:
                     return None
             decode_only = True
 
-        pools = [[] for _ in range(NUM_KINDS)]
-        cdef double total_wait = 0.0, age_ms
-        cdef Request r
-        cdef int64_t stop
-        cdef double tf = self._token_fairness, df = self._delivery_fairness, ov = self._output_value
-        for x in self._slots:
-            if x is None:
-                continue
-            r = <Request>x
-            r._wait_rate = 0.0
-            age_ms = (now_ns - r.last_progress_ns) * 1e-6
-            if age_ms < 0:
-                age_ms = 0
-            if r.phase == PH_DECODE and not r.finished and not r.cancelled:
-                r._wait_rate = self._decode_age_price * age_ms
-            elif r.phase == PH_TERMINAL:
-                r._wait_rate = self._terminal_age_price * age_ms
-            total_wait += r._wait_rate
-            if r.cancelled or r.phase == PH_DRAINING:
-                continue
-            if decode_only:
-                if r.phase != PH_DECODE or r.finished or r.inflight > 1 or (r.inflight == 1 and not r.last_inflight_decode):
-                    continue
-            elif r.inflight:
-                continue
-            r._path_value = 0.0
-            if r.phase <= PH_SNAPSHOT and not (r.phase == PH_SNAPSHOT and r.endpoints[0] >= r.prompt_len):
-                r._path_value = self._path_value(r)
-            if r.phase == PH_DECODE:
-                if r.finished or r.num_scheduled_samples >= r.max_output_tokens:
-                    continue
-                r._weight = ov + tf * r.token_price + df * r.delivery_price
-                pools[K_DECODE].append(r)
-            elif r.phase == PH_PREFILL:
-                stop = r._next_stop()
-                r._take = stop - r.num_scheduled_tokens
-                r._weight = tf * r.token_price
-                pools[K_SCORED_PREFILL if r.score_prompt else K_PREFILL].append(r)
-            elif r.phase == PH_TERMINAL:
-                r._weight = self._terminal_value
-                pools[K_SNAPSHOT].append(r)
-            else:
-                r._weight = self._unlock_value(r)
-                if r.phase == PH_SNAPSHOT:
-                    pools[K_SNAPSHOT].append(r)
-                elif r.phase == PH_RESTORE:
-                    pools[K_RESTORE].append(r)
-                elif r.phase == PH_RESUME:
-                    r._weight = ov + tf * r.token_price + df * r.delivery_price
-                    pools[K_RESUME_SAMPLING].append(r)
-                elif r.phase == PH_INITIALIZE:
-                    pools[K_INITIALIZE].append(r)
-
-        candidates = []
-        cdef int kind
-        for kind in range(NUM_KINDS):
-            pool = pools[kind]
-            if not pool:
-                continue
-            pool = _sorted_by_weight(pool)
-            if kind == K_PREFILL or kind == K_SCORED_PREFILL:
-                self._prefill_candidates(kind, pool, total_wait, now_ns, candidates)
-            else:
-                self._batch_candidates(kind, pool, total_wait, now_ns, candidates)
-        if not candidates:
+        cdef _Candidate best = self.selection.select(self._slots, decode_only, now_ns, self.refresh_credit_ns, n_inflight == 0)
+        if best is None:
             if n_inflight == 0 and self.refresh_credit_ns > 0:
                 self.refresh_credit_ns = 0.0  # idle: positive credit lapses, debt stays
             return None
-
-        cdef _Candidate best = None, c
-        if self._fcfs:
-            best = _fcfs_choice(candidates)
-        else:
-            for c in candidates:
-                if best is None or _better(c, best):
-                    best = c
-        cdef bint refresh = False
-        cdef _Candidate stale = None
-        if not self._fcfs and best.state == TIMING_FRESH and n_inflight == 0 and self.refresh_credit_ns > 0:
-            for c in candidates:
-                if c is best or c.state != TIMING_STALE:
-                    continue
-                if stale is None or c.last_touch_ns < stale.last_touch_ns:
-                    stale = c
-            if stale is not None and self.refresh_credit_ns >= min(stale.estimate_ns, REFRESH_CAP_NS):
-                best = stale
-                refresh = True
         if best.state != TIMING_FRESH and n_inflight:
             return None  # unmeasured/stale shapes run alone
-        return self._build_plan(best, now_ns, refresh)
+        return self._build_plan(best, now_ns)
 
-    cdef double _unlock_value(self, Request r) except? -1:
-        """Value of a prerequisite step (initialize, restore, boundary snapshot).
-
-        It does no useful work itself; it is the only way forward for the
-        request, so it carries the value of the path it unblocks: the rest
-        of the prompt and the first sampled token (or, past the prompt end,
-        the next output token).
-        """
-        cdef int64_t at
-        cdef double token_value = 1.0 + self._token_fairness * r.token_price
-        cdef double output_value = (
-            self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
-        )
-        at = r.endpoints[0] if r.phase == PH_SNAPSHOT else r.num_scheduled_tokens
-        if at >= r.prompt_len:
-            return output_value
-        return (r.prompt_len - at) * token_value + output_value
-
-    cdef double _path_value(self, Request r) except? -1:
-        """Value of the request's whole remaining path to its first token:
-        the prompt tokens still to consume and the first sampled token."""
-        return (r.prompt_len - r.num_scheduled_tokens) * (1.0 + self._token_fairness * r.token_price) + (
-            self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
-        )
-
-    cdef int64_t _path_after_ns(self, Request r, int64_t at, bint snapshot_due) except -2:
-        """Estimated time from position ``at`` to the first token: the
-        snapshot due there (if any), then prefill up to each remaining
-        endpoint and its snapshot, then up to the prompt end. -1 when a
-        needed shape is unmeasured."""
-        cdef int64_t total = 0, stop, est
-        cdef int64_t snapshot_ns = self.timings.get((K_SNAPSHOT, 1, 0)).estimate_ns
-        cdef int kind = K_SCORED_PREFILL if r.score_prompt else K_PREFILL
-        if snapshot_due:
-            if snapshot_ns <= 0:
-                return -1
-            total += snapshot_ns
-        for x in r.endpoints + [r.prompt_len]:
-            stop = x
-            if stop <= at:
-                continue
-            est = self._prefill_ns(stop - at, kind)
-            if est <= 0:
-                return -1
-            total += est
-            if stop < r.prompt_len:
-                if snapshot_ns <= 0:
-                    return -1
-                total += snapshot_ns
-            at = stop
-        return total
-
-    cdef double _step_path_value(self, Request r, int kind, int64_t take, double step_est, double step_value) except? -1:
-        """Value of one step on a prompt path: its duration share of the path
-        that starts with this step (value of the whole remaining path times
-        step / (step + rest)). Every step of a path then ranks like the path
-        itself, and a chunk that would leave a costly short tail ranks below
-        one that finishes the prompt. Falls back to the step's own value
-        when a needed shape is unmeasured."""
-        cdef int64_t after
-        if r._path_value <= 0 or step_est <= 0:
-            return step_value
-        if kind == K_PREFILL or kind == K_SCORED_PREFILL:
-            after = self._path_after_ns(
-                r, r.num_scheduled_tokens + take,
-                bool(r.endpoints) and r.num_scheduled_tokens + take == r.endpoints[0] and r.endpoints[0] < r.prompt_len,
-            )
-        elif kind == K_SNAPSHOT:
-            after = self._path_after_ns(r, r.endpoints[0], False)
-        else:
-            after = self._path_after_ns(r, r.num_scheduled_tokens, False)
-        if after < 0:
-            return step_value
-        return r._path_value * step_est / (step_est + after)
-
-    cdef int64_t _prefill_ns(self, int64_t num_tokens, int kind) except -1:
-        """Estimated time to prefill ``num_tokens`` alone: full chunks of the
-        largest single-row capacity, then the smallest capacity that covers
-        the rest; 0 when a needed shape is unmeasured."""
-        shapes = [t for b, t in self._capacities.get(kind, ()) if b == 1]
-        if not shapes:
-            return 0
-        cdef int64_t largest = shapes[len(shapes) - 1]
-        cdef int64_t full = num_tokens // largest, rest = num_tokens % largest, total = 0, est
-        if full:
-            est = self.timings.get((kind, 1, largest)).estimate_ns
-            if est <= 0:
-                return 0
-            total += full * est
-        if rest:
-            for t in shapes:
-                if t >= rest:
-                    est = self.timings.get((kind, 1, t)).estimate_ns
-                    if est <= 0:
-                        return 0
-                    total += est
-                    break
-        return total
-
-    cdef _batch_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out):
-        cdef Py_ssize_t n = len(pool), m, i, last_m = -1
-        cdef double value, wait_in
-        cdef Request r
-        cdef _Candidate c
-        cdef ShapeTiming t
-        cdef double est
-        for batch, tokens in self._capacities.get(kind, ()):
-            m = min(batch, n)
-            if m == last_m:
-                continue  # same cohort as a smaller capacity: dominated
-            last_m = m
-            est = self.timings.get((kind, batch, tokens)).estimate_ns
-            value = 0.0
-            wait_in = 0.0
-            for i in range(m):
-                r = pool[i]
-                value += self._step_path_value(r, kind, 0, est, r._weight)
-                wait_in += r._wait_rate
-            c = _Candidate.__new__(_Candidate)
-            c.kind = kind
-            c.batch = batch
-            c.tokens = tokens
-            c.requests = pool[:m]
-            c.takes = None
-            c.value = value
-            c.wait_rate = total_wait - wait_in
-            self._estimate(c, now_ns)
-            out.append(c)
-
-    cdef _prefill_candidates(self, int kind, list pool, double total_wait, int64_t now_ns, list out):
-        cdef Request r
-        cdef _Candidate c, other
-        cdef int64_t remaining, take
-        cdef double value, wait_in, est, step_value
-        by_work = {}
-        for batch, tokens in self._capacities.get(kind, ()):
-            est = self.timings.get((kind, batch, tokens)).estimate_ns
-            remaining = tokens
-            cohort = []
-            takes = []
-            value = 0.0
-            wait_in = 0.0
-            for x in pool:
-                if len(cohort) == batch or remaining == 0:
-                    break
-                r = <Request>x
-                take = min(r._take, remaining)
-                cohort.append(r)
-                takes.append(take)
-                remaining -= take
-                step_value = take * (1.0 + r._weight)
-                if r.num_scheduled_tokens + take == r.prompt_len:
-                    step_value += self._output_value + self._delivery_fairness * r.delivery_price
-                value += self._step_path_value(r, kind, take, est, step_value)
-                wait_in += r._wait_rate
-            work = tuple([((<Request>cohort[i]).slot, takes[i]) for i in range(len(cohort))])
-            dominated = False
-            kept = []
-            for other in by_work.get(work, ()):
-                if other.batch <= batch and other.tokens <= tokens:
-                    dominated = True
-                    kept.append(other)
-                elif not (batch <= other.batch and tokens <= other.tokens):
-                    kept.append(other)
-            if dominated:
-                continue
-            c = _Candidate.__new__(_Candidate)
-            c.kind = kind
-            c.batch = batch
-            c.tokens = tokens
-            c.requests = cohort
-            c.takes = takes
-            c.value = value
-            c.wait_rate = total_wait - wait_in
-            self._estimate(c, now_ns)
-            kept.append(c)
-            by_work[work] = kept
-        for kept in by_work.values():
-            out.extend(kept)
-
-    cdef _estimate(self, _Candidate c, int64_t now_ns):
-        cdef ShapeTiming t = self.timings.get((c.kind, c.batch, c.tokens))
-        c.state = t.state(now_ns, self.timings.freshness_ns)
-        c.estimate_ns = t.estimate_ns
-        c.last_touch_ns = max(t.last_observed_ns, t.last_attempt_ns)
-        if c.state == TIMING_UNMEASURED:
-            c.score = c.value
-        else:
-            c.score = c.value / (c.estimate_ns * 1e-6) - c.wait_rate
-
-    cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint refresh):
+    cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns):
         cdef Py_ssize_t n = len(c.requests), i, j
         cdef ScheduledPlan p = ScheduledPlan.__new__(ScheduledPlan)
         p.scheduler_id = self.scheduler_id
@@ -790,7 +323,7 @@ cdef class RequestScheduler:
         p.planned_ns = now_ns
         p.estimated_duration_ns = c.estimate_ns
         p.exclusive = c.state != TIMING_FRESH
-        p.refresh = refresh
+        p.refresh = c.refresh
         p.value = c.value
         p.score = c.score
         p._requests = c.requests
@@ -1030,7 +563,7 @@ cdef class RequestScheduler:
                 self._finish(r, now_ns)
                 finished.append(r.handle)
         if measured > 0:
-            self._update_prices(plan, measured)
+            self.selection.update_prices(self._slots, plan, measured)
         retired = self._retire_drained()
         return CompletionResult(emitted, finished, retired, published)
 
@@ -1085,49 +618,6 @@ cdef class RequestScheduler:
         self.counters["publications"] += 1
         return created.checkpoint_id
 
-    cdef _update_prices(self, ScheduledPlan plan, int64_t measured):
-        """Age each runnable request's service prices by this frame.
-
-        A price rises by exp(measured / tau) over a frame that did not serve
-        the request, and falls by exp(-service / tau) over one that did,
-        where service is what it received counted in time at its feasible
-        rate (tokens x ns per token alone; deliveries x reference interval).
-        Prices never fall below 1: batching serves many requests at their
-        full rate at once, so "served" means "back to baseline", and only
-        waiting makes a request more valuable than its peers.
-        """
-        cdef Py_ssize_t i, n = len(plan._requests)
-        cdef const int32_t[::1] counts = plan.num_tokens
-        cdef const uint8_t[::1] sample = plan.sample
-        cdef Request r
-        served = {}
-        for i in range(n):
-            r = plan._requests[i]
-            served[r.slot] = (counts[i] if plan.kind != K_DECODE else 1, sample[i])
-        cdef double x_exp, tokens, delivered
-        cdef double tau = self._adaptation_ns
-        for x in self._slots:
-            if x is None:
-                continue
-            r = <Request>x
-            if r.finished or r.cancelled:
-                continue
-            tokens, delivered = served.get(r.slot, (0, 0))
-            # Unserved time raises the price even before the request has a
-            # rate normalizer (it was never in a measured graph): otherwise a
-            # newcomer could wait behind measured work indefinitely.
-            if tokens == 0:
-                x_exp = measured / tau
-            else:
-                x_exp = -tokens * r.token_ns_per_token / tau
-            r.token_price = _clamp(r.token_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
-            if r.phase == PH_DECODE:
-                if delivered == 0:
-                    x_exp = measured / tau
-                else:
-                    x_exp = -delivered * r.delivery_interval_ns / tau
-                r.delivery_price = _clamp(r.delivery_price * exp(_clamp(x_exp, -50.0, 50.0)), PRICE_MIN, PRICE_MAX)
-
     # ------------------------------------------------------------------
     # lifecycle
 
@@ -1144,7 +634,7 @@ cdef class RequestScheduler:
         r.finished = True
         r.epoch += 1
         self.counters["finished"] += 1
-        cdef int64_t snapshot_ns = self._measured_ns((K_SNAPSHOT, 1, 0), now_ns)
+        cdef int64_t snapshot_ns = self.timings.get((K_SNAPSHOT, 1, 0)).estimate_ns
         cdef int64_t base_tokens = 0 if r.base is None else r.base.num_tokens
         cdef int32_t sid
         if (
@@ -1152,7 +642,7 @@ cdef class RequestScheduler:
             and snapshot_ns > 0
             and r.terminal_credit_ns >= snapshot_ns
             and r.num_scheduled_tokens > base_tokens
-            and (K_SNAPSHOT in self._capacities)
+            and self.selection.has_shapes(K_SNAPSHOT)
         ):
             sid = self._take_snapshot()
             if sid >= 0:
@@ -1290,52 +780,3 @@ cdef class RequestScheduler:
             if self._slots[(<Request>x).slot] is not x:
                 raise AssertionError("draining request lost its slot")
         return True
-
-
-cdef inline double _clamp(double x, double lo, double hi) noexcept:
-    return lo if x < lo else (hi if x > hi else x)
-
-
-cdef _Candidate _fcfs_choice(list candidates):
-    """Baseline selection: first come, first served, prefill first.
-
-    Work that moves a not-yet-decoding request forward (prefill and its
-    prerequisites, terminal snapshots) runs for the earliest arrival, with
-    the largest chunk it can use; otherwise every decoder decodes together.
-    """
-    cdef _Candidate c, best = None
-    cdef Request oldest = None, r
-    for c in candidates:
-        if c.kind == K_DECODE:
-            continue
-        for x in c.requests:
-            r = <Request>x
-            if oldest is None or r.arrival_ns < oldest.arrival_ns or (
-                r.arrival_ns == oldest.arrival_ns and r.generation < oldest.generation
-            ):
-                oldest = r
-    for c in candidates:
-        if oldest is not None:
-            if c.kind == K_DECODE or oldest not in c.requests:
-                continue
-            if best is None or c.value > best.value or (
-                c.value == best.value and (c.batch, c.tokens) < (best.batch, best.tokens)
-            ):
-                best = c
-        elif best is None or len(c.requests) > len(best.requests) or (
-            len(c.requests) == len(best.requests) and c.batch < best.batch
-        ):
-            best = c
-    return best
-
-
-cdef bint _better(_Candidate a, _Candidate b):
-    """Unmeasured shapes first (by value), then by score; ties: smaller shape."""
-    cdef bint ua = a.state == TIMING_UNMEASURED, ub = b.state == TIMING_UNMEASURED
-    if ua != ub:
-        return ua
-    if a.score != b.score:
-        return a.score > b.score
-    if a.batch != b.batch:
-        return a.batch < b.batch
-    return a.tokens < b.tokens

@@ -15,20 +15,17 @@ entries, snapshot/restore copy rows); its docstring lists every field.
 docs/scheduling.md explains the policy with a worked example.
 """
 
-from flared._fast.scheduler import (
+from flared._fast.policy import REFRESH_CAP_NS, REFRESH_FRACTION, SelectionPolicy
+from flared._fast.request import (
     MAX_LIVE_REQUESTS,
-    REFRESH_CAP_NS,
-    REFRESH_FRACTION,
-    CompletionRecords,
-    CompletionResult,
     GraphKind,
     Request,
     RequestPhase,
-    RequestScheduler,
     ScheduledPlan,
     handle_generation,
     handle_slot,
 )
+from flared._fast.scheduler import CompletionRecords, CompletionResult, RequestScheduler
 from flared.scheduler.config import PolicyConfig, SchedulerConfig, Selection, default_graph_shapes
 
 __all__ = [
@@ -43,6 +40,7 @@ __all__ = [
     "RequestPhase",
     "RequestScheduler",
     "ScheduledPlan",
+    "SelectionPolicy",
     "SchedulerConfig",
     "Selection",
     "default_graph_shapes",

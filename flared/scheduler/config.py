@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from flared._fast.scheduler import MAX_LIVE_REQUESTS, SELECTION_FCFS, SELECTION_VALUE, GraphKind
+from flared._fast.policy import SELECTION_FCFS, SELECTION_VALUE
+from flared._fast.request import MAX_LIVE_REQUESTS, GraphKind
 
 # The prefix-key block size: prefill chunks end on it so every chunk
 # boundary is also a cheap exact key.

@@ -1,0 +1,131 @@
+from libc.stdint cimport int32_t, int64_t, uint8_t
+
+from flared._fast.prefix cimport Checkpoint, PrefixHistory
+
+
+# Handle layout: generation << SLOT_BITS | slot.
+cdef enum:
+    SLOT_BITS = 8
+    SLOT_MASK = 0xFF
+    MAX_SLOTS = 64
+
+
+# Graph kinds; the Python IntEnum GraphKind mirrors these values.
+cdef enum Kind:
+    K_INITIALIZE = 0       # reset a slot's execution state row (no tokens)
+    K_RESTORE = 1          # copy a checkpoint snapshot into a slot (state + partial page)
+    K_SNAPSHOT = 2         # copy a slot's state + partial page into a snapshot row
+    K_PREFILL = 3          # feed prompt tokens; logits only at the prompt end
+    K_SCORED_PREFILL = 4   # feed prompt tokens with logits at every position
+    K_RESUME_SAMPLING = 5  # sample from a restored hidden state (full prompt hit)
+    K_DECODE = 6           # feed one token per request, sample one
+    K_SPECULATIVE = 7      # reserved for the speculative-decoding issue
+    K_VISION = 8           # reserved for the vision issue
+    K_MIXED = 9            # reserved for mixed prefill/generation graphs
+    NUM_KINDS = 10
+
+
+# What a live request waits for next (state after its confirmed completions).
+cdef enum Phase:
+    PH_INITIALIZE = 0
+    PH_RESTORE = 1
+    PH_PREFILL = 2
+    PH_SNAPSHOT = 3      # reached a selected endpoint; its snapshot is due
+    PH_RESUME = 4
+    PH_DECODE = 5
+    PH_TERMINAL = 6      # finished; terminal snapshot due
+    PH_DRAINING = 7      # finished or cancelled; waiting for its final GPU use
+
+
+cdef class Request:
+    cdef readonly int64_t handle
+    cdef readonly int32_t slot
+    cdef readonly int64_t generation
+    # Execution-state row of the slot (row 0 is padding).
+    cdef readonly int32_t state_row
+    # Bumped by every mutation; plans record it to detect staleness.
+    cdef readonly int64_t epoch
+    cdef readonly int phase
+    cdef readonly bint cancelled
+    cdef readonly bint finished
+    cdef readonly bint score_prompt
+    # Prompt token ids (int32) and their exact-prefix keys (+ consumed output).
+    cdef readonly object prompt
+    cdef int32_t[::1] _prompt
+    cdef readonly int64_t prompt_len
+    cdef readonly PrefixHistory history
+    cdef readonly int64_t max_output_tokens
+    # Consumed tokens confirmed by completions / including in-flight steps.
+    cdef readonly int64_t num_computed_tokens
+    cdef readonly int64_t num_scheduled_tokens
+    # Sampled tokens confirmed / including in-flight steps.
+    cdef readonly int64_t num_generated_tokens
+    cdef readonly int64_t num_scheduled_samples
+    cdef readonly list output_tokens
+    # Whole worst-case block table, allocated at admission (see docs).
+    cdef readonly object block_table
+    cdef int32_t[::1] _block_table
+    # Leading block-table entries owned by the cache (the base chain).
+    cdef readonly int64_t num_shared_pages
+    # Pinned checkpoint whose chain the leading pages come from.
+    cdef readonly Checkpoint base
+    cdef readonly int64_t reused_tokens
+    # Remaining selected checkpoint endpoints (ascending) and the snapshot
+    # id reserved for each.
+    cdef readonly list endpoints
+    cdef readonly list endpoint_snapshots
+    cdef readonly int32_t terminal_snapshot
+    cdef readonly int64_t terminal_tokens
+    # Submitted steps not yet completed, their last fence, and whether the
+    # last submitted step was a decode (pipelining is decode-only).
+    cdef readonly int32_t inflight
+    cdef readonly int64_t last_use_fence
+    cdef readonly bint last_inflight_decode
+    cdef readonly int64_t arrival_ns
+    cdef readonly int64_t last_progress_ns
+    # Fairness: service prices and the rates that normalize them.
+    cdef readonly double token_price
+    cdef readonly double delivery_price
+    cdef readonly double token_ns_per_token
+    cdef readonly double delivery_interval_ns
+    cdef readonly double terminal_credit_ns
+    # Scratch used by plan(); never read across calls.
+    cdef double _weight
+    cdef double _wait_rate
+    cdef int64_t _take
+    cdef double _path_value
+
+    cdef int64_t _next_stop(self)
+
+
+cdef class ScheduledPlan:
+    cdef readonly int64_t scheduler_id
+    cdef readonly int64_t plan_id
+    cdef readonly int kind
+    cdef readonly int32_t batch_capacity
+    cdef readonly int32_t token_capacity
+    cdef readonly int64_t planned_ns
+    cdef readonly int64_t estimated_duration_ns
+    # Unmeasured or stale shape: must run alone, then be measured.
+    cdef readonly bint exclusive
+    cdef readonly bint refresh
+    cdef readonly double value
+    cdef readonly double score
+    cdef readonly object handles
+    cdef readonly object slots
+    cdef readonly object state_rows
+    cdef readonly object epochs
+    cdef readonly object token_starts
+    cdef readonly object num_tokens
+    cdef readonly object token_offsets
+    cdef readonly object token_ids
+    cdef readonly object sample
+    cdef readonly object generated_ends
+    cdef readonly object first_blocks
+    cdef readonly object page_offsets
+    cdef readonly object page_ids
+    cdef readonly object copies
+    cdef bint _committed
+    cdef list _requests
+
+
