@@ -1,8 +1,10 @@
 """Server configuration: one frozen dataclass, validated on construction.
 
 ``ServerConfig.from_toml(path)`` reads a TOML file whose keys are the field
-names below (top level or under ``[server]``); an unknown key or a value of
-the wrong type or range is an error naming the key. CLI flags override file
+names below (top level or under ``[server]``), plus a ``[policy]`` table whose
+keys are ``flared.scheduler.PolicyConfig`` fields; an unknown key or a value
+of the wrong type or range is an error naming the key (``policy.<key>`` for
+the policy table). systemd/flared.toml is a complete example. CLI flags override file
 values (the CLI builds the final object with ``dataclasses.replace``). Only
 the CLI reads the environment.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.scheduler.config import PolicyConfig
 
 
 class ConfigError(AdmissionError):
@@ -28,8 +31,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     port_file: str | None = None
-    # Bearer token required on every route but /health and /metrics.
+    # Bearer token required on every route but /health and /metrics; or a
+    # file holding it (read at load, so the token stays out of the config
+    # and the process list). At most one of the two.
     api_key: str | None = None
+    api_key_file: str | None = None
+    # Admin Unix socket (flarectl); None: no admin socket.
+    admin_socket: str | None = None
     # HTTP admission: at most queue_capacity + max_active requests are held
     # (queued for preparation or the model, or streaming) before a body is
     # read; more get 429. None: derived from the core (4x and 1x its
@@ -53,6 +61,11 @@ class ServerConfig:
     # CPU threads torch may use for the model (None: torch's default).
     torch_threads: int | None = None
     log_level: str = "info"
+    # "auto": journald's format when $JOURNAL_STREAM says stderr is the
+    # journal, else plain timestamped lines; "plain" or "journal" to force.
+    log_format: str = "auto"
+    # Scheduler policy coefficients (the [policy] table).
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def __post_init__(self):
         def need(cond: bool, key: str, what: str) -> None:
@@ -81,6 +94,25 @@ class ServerConfig:
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              "must be one of debug, info, warning, error")
+        need(self.log_format in ("auto", "plain", "journal"), "log_format", "must be one of auto, plain, journal")
+        for key in ("api_key_file", "admin_socket"):
+            v = getattr(self, key)
+            need(v is None or (isinstance(v, str) and bool(v)), key, "must be a nonempty path")
+        need(not (self.api_key and self.api_key_file), "api_key_file", "give api_key or api_key_file, not both")
+        need(isinstance(self.policy, PolicyConfig), "policy", "must be a [policy] table")
+
+    def with_secrets(self) -> "ServerConfig":
+        """The config with api_key read from api_key_file (first line, stripped)."""
+        if not self.api_key_file:
+            return self
+        try:
+            key = Path(self.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"config key 'api_key_file': cannot read {self.api_key_file}: {e.strerror}",
+                              ErrorKind.VALIDATION) from None
+        if not key:
+            raise ConfigError(f"config key 'api_key_file': {self.api_key_file} is empty", ErrorKind.VALIDATION)
+        return dataclasses.replace(self, api_key=key, api_key_file=None)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "ServerConfig":
@@ -101,6 +133,8 @@ class ServerConfig:
         if unknown:
             raise ConfigError(f"{where}: unknown config key(s) {', '.join(map(repr, unknown))}")
         values = dict(data)
+        if "policy" in values:
+            values["policy"] = _policy_from_mapping(values["policy"], where)
         if "served_names" in values:
             names = values["served_names"]
             if not isinstance(names, list):
@@ -110,6 +144,25 @@ class ServerConfig:
             return cls(**values)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
+
+
+def _policy_from_mapping(table: Any, where: str) -> PolicyConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: config key 'policy': must be a table")
+    fields = {f.name: f for f in dataclasses.fields(PolicyConfig)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown config key(s) {', '.join(repr('policy.' + k) for k in unknown)}")
+    for key, value in table.items():
+        want_int = fields[key].type in ("int", int)
+        ok = _is_int(value) if want_int else _is_num(value)
+        if not ok:
+            kind = "an integer" if want_int else "a number"
+            raise ConfigError(f"{where}: config key 'policy.{key}': must be {kind}")
+    try:
+        return PolicyConfig(**table)
+    except ValueError as e:
+        raise ConfigError(f"{where}: config key 'policy': {e}") from None
 
 
 def _is_int(v: Any) -> bool:

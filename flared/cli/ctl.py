@@ -118,3 +118,195 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
 
 if __name__ == "__main__":
     main()
+
+
+# -- the admin socket -----------------------------------------------------------------------------
+
+
+class DaemonNotRunning(click.ClickException):
+    """No daemon answers on the admin socket (exit code 3, like `systemctl status` for a stopped unit)."""
+
+    exit_code = 3
+
+
+class AdminClient:
+    """HTTP/1.1 over the daemon's admin Unix socket, one connection per call."""
+
+    def __init__(self, path: Path, timeout_s: float = 30.0):
+        self.path = path
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, target: str, *, timeout_s: float | None = None) -> tuple[int, bytes]:
+        import http.client
+        import socket
+
+        path, t = str(self.path), timeout_s or self.timeout_s
+
+        class _Conn(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(t)
+                self.sock.connect(path)
+
+        conn = _Conn("localhost", timeout=t)
+        try:
+            conn.request(method, target, headers={"content-length": "0"} if method == "POST" else {})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise DaemonNotRunning(
+                f"flared is not running (no daemon answers on the admin socket {path}: {e.strerror}); "
+                "start it with `flared run` or pass --admin-socket") from None
+        except PermissionError:
+            raise click.ClickException(f"permission denied on the admin socket {path} (run as the daemon's user)")
+        finally:
+            conn.close()
+
+    def json(self, method: str, target: str, **kw) -> tuple[int, dict]:
+        status, body = self.call(method, target, **kw)
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            raise click.ClickException(f"unexpected answer from the daemon ({status}): {body[:200]!r}") from None
+
+
+def _admin_option(f):
+    def default_path() -> str:
+        from flared.server.admin import default_admin_socket
+
+        return str(default_admin_socket())
+    return click.option("--admin-socket", "admin_socket", type=click.Path(path_type=Path), default=default_path,
+                        show_default="$XDG_RUNTIME_DIR/flared/admin.sock, /run/flared/admin.sock as root",
+                        help="The daemon's admin socket.")(f)
+
+
+def _json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")(f)
+
+
+def _print_status(body: dict) -> None:
+    rt, http = body["runtime"], body["http"]
+    c = rt["counters"]
+    health = body.get("health", {})
+    state = "paused" if http["paused"] else "serving"
+    if not health.get("ok", True):
+        state = f"unhealthy ({health.get('reason')})"
+    lines = [
+        ("state", state),
+        ("model", body["model"]),
+        ("listen", body.get("listen", "")),
+        ("pid", body.get("pid", "")),
+        ("uptime", f"{http['uptime_s']:.0f} s"),
+        ("requests in flight", f"{http['permits_in_use']} of {http['permits']} permits"),
+        ("model slots", f"{rt['live_slots']} live, {rt['pending_requests']} pending"),
+        ("requests", f"{c.get('admitted', 0)} admitted, {c.get('finished', 0)} completed, "
+                     f"{c.get('cancelled', 0)} cancelled, {rt['failed_requests']} failed"),
+        ("tokens", f"{rt['prompt_tokens']} prompt computed, {rt['generated_tokens']} generated"),
+        ("prefix cache", f"{c.get('prefix_hits', 0)} hits of {c.get('prefix_lookups', 0)} lookups, "
+                         f"{c.get('prefix_reused_tokens', 0)} tokens reused"),
+        ("kv pages", f"{rt['free_pages']} free of {rt['total_pages']}"),
+    ]
+    if "drained" in body:
+        lines.append(("drained", "yes" if body["drained"] else "no (timed out)"))
+    for k, v in lines:
+        click.echo(f"{k + ':':<20}{v}")
+
+
+def _echo_json(obj) -> None:
+    click.echo(json.dumps(obj, separators=(",", ":")))
+
+
+@main.command()
+@_admin_option
+@_json_option
+def status(admin_socket, as_json):
+    """Show the running daemon's state (the session snapshot)."""
+    code, body = AdminClient(admin_socket).json("GET", "/admin/status")
+    _echo_json(body) if as_json else _print_status(body)
+
+
+@main.command()
+@_admin_option
+@_json_option
+def models(admin_socket, as_json):
+    """List the served model and its names and capacities."""
+    code, body = AdminClient(admin_socket).json("GET", "/admin/models")
+    if as_json:
+        _echo_json(body)
+        return
+    caps = body["capacities"]
+    click.echo(f"{body['model']}  ({body['architecture']}, {body['dtype']})")
+    click.echo(f"  names:       {', '.join(body['served_names'])}")
+    click.echo(f"  context:     {caps.get('context_tokens')} tokens, concurrency {caps.get('concurrency')}")
+    click.echo(f"  core:        {body['core']}")
+
+
+@main.command()
+@_admin_option
+@_json_option
+def pause(admin_socket, as_json):
+    """Stop admitting generation requests (they get 503); admitted ones finish."""
+    code, body = AdminClient(admin_socket).json("POST", "/admin/pause")
+    _echo_json(body) if as_json else click.echo("admission paused: new generation requests get 503")
+
+
+@main.command()
+@_admin_option
+@_json_option
+def resume(admin_socket, as_json):
+    """Admit generation requests again."""
+    code, body = AdminClient(admin_socket).json("POST", "/admin/resume")
+    if code != 200:
+        raise click.ClickException(body.get("error", {}).get("message", f"resume failed ({code})"))
+    _echo_json(body) if as_json else click.echo("admission resumed")
+
+
+@main.command()
+@_admin_option
+@_json_option
+@click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True,
+              help="Seconds to wait for admitted requests.")
+def drain(admin_socket, as_json, timeout_s):
+    """Pause admission and wait until admitted requests finish (exit 1 on timeout).
+
+    Admission stays paused afterwards; `flarectl resume` reopens it."""
+    code, body = AdminClient(admin_socket).json("POST", f"/admin/drain?timeout={timeout_s}",
+                                                timeout_s=timeout_s + 10)
+    if as_json:
+        _echo_json(body)
+    elif body.get("drained"):
+        click.echo("drained: no admitted requests remain (admission paused)")
+    else:
+        click.echo(f"timed out after {timeout_s:g} s: {body['http']['permits_in_use']} requests still in flight")
+    sys.exit(0 if body.get("drained") else 1)
+
+
+@main.command()
+@_admin_option
+def metrics(admin_socket):
+    """Print the Prometheus metrics text."""
+    code, body = AdminClient(admin_socket).call("GET", "/metrics")
+    click.echo(body.decode(), nl=False)
+
+
+@main.command()
+@_admin_option
+def top(admin_socket):
+    """The terminal dashboard against a running daemon (q or Ctrl-C quits)."""
+    import threading
+
+    from flared.dashboard.app import DashboardSourceError, run_curses
+
+    client = AdminClient(admin_socket, timeout_s=5.0)
+    client.json("GET", "/admin/status")  # fail with the clear message before curses takes the screen
+
+    def poll(since: int) -> dict:
+        code, body = client.json("GET", f"/admin/top?since={since}")
+        return body
+
+    try:
+        run_curses(poll, threading.Event(), local=False)
+    except KeyboardInterrupt:
+        pass
+    except DashboardSourceError as e:
+        raise click.ClickException(f"lost the daemon: {e}") from None

@@ -7,8 +7,16 @@ responses the grace period, cancels the rest, drains the model thread and
 exits 0. An unexpected model-thread failure sends every client an error and
 exits 1.
 
-Only this layer reads the environment (FLARED_API_KEY and click's
-FLARED_* auto variables).
+Operations: the admin socket (``--admin-socket``, default under the runtime
+directory) serves flarectl; under systemd (``$NOTIFY_SOCKET``) startup stages
+go out as STATUS=, READY=1 follows the bound listener, WATCHDOG=1 is sent
+only while the model thread turns, STOPPING=1 starts shutdown; when stderr
+is a terminal the dashboard draws after loading (``--no-dashboard``: plain
+logs).
+
+Only this layer reads the environment (FLARED_API_KEY, click's FLARED_*
+auto variables, NOTIFY_SOCKET/WATCHDOG_USEC, JOURNAL_STREAM,
+XDG_RUNTIME_DIR).
 """
 
 from __future__ import annotations
@@ -49,10 +57,18 @@ def main() -> None:
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
+@click.option("--log-format", type=click.Choice(["auto", "plain", "journal"]), default=None,
+              help="auto: journald format when stderr is the journal.")
+@click.option("--api-key-file", default=None, help="File holding the bearer token.")
+@click.option("--admin-socket", default=None,
+              help="Admin Unix socket for flarectl (default $XDG_RUNTIME_DIR/flared/admin.sock).")
+@click.option("--no-admin-socket", is_flag=True, default=False, help="Serve no admin socket.")
+@click.option("--no-dashboard", is_flag=True, default=False, help="Plain logs even on a terminal.")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
-        served_names, no_prefix_cache, torch_threads, cache_dir, log_level, debug_fail_after_steps):
+        served_names, no_prefix_cache, torch_threads, cache_dir, log_level, log_format, api_key_file,
+        admin_socket, no_admin_socket, no_dashboard, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -61,60 +77,154 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         overrides = {k: v for k, v in dict(
             host=host, port=port, port_file=port_file, api_key=api_key, queue_capacity=queue_capacity,
             max_active=max_active, frontend_workers=frontend_workers, torch_threads=torch_threads,
-            log_level=log_level).items() if v is not None}
+            log_level=log_level, log_format=log_format, admin_socket=admin_socket).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if no_prefix_cache:
             overrides["prefix_cache"] = False
-        config = dataclasses.replace(config, **overrides)
+        if api_key_file is not None:
+            overrides.update(api_key_file=api_key_file, api_key=None)
+        elif api_key is not None:
+            overrides["api_key_file"] = None
+        admin_default = False
+        if no_admin_socket:
+            overrides["admin_socket"] = None
+        elif admin_socket is None and config.admin_socket is None:
+            from flared.server.admin import default_admin_socket
+
+            overrides["admin_socket"] = str(default_admin_socket())
+            admin_default = True
+        config = dataclasses.replace(config, **overrides).with_secrets()
     except FlareError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
+    dashboard = not no_dashboard and sys.stderr.isatty()
     try:
         if core is None:
             from flared.cli.ctl import default_cache_dir
             from flared.core.default import ensure_default_core
 
             core = ensure_default_core(cache_dir or default_cache_dir())
-        code = serve(Path(core), config, fail_after_steps=debug_fail_after_steps)
+        code = serve(Path(core), config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
+                     admin_default=admin_default)
     except FlareError as e:
         log.error("%s", e)
         sys.exit(1)
     sys.exit(code)
 
 
-def serve(core_path: Path, config, *, fail_after_steps: int | None = None) -> int:
-    """Load, serve until a signal or a model-thread failure; return the exit code."""
-    from flared.runtime.session import LoadedSession
+# Each startup stage asks systemd for this much more time (EXTEND_TIMEOUT_USEC),
+# so a long weight load or graph capture is not killed by TimeoutStartSec.
+STARTUP_STAGE_EXTEND_S = 300.0
 
-    session = LoadedSession.load(core_path, config, fail_after_steps=fail_after_steps)
+
+def configure_logging(level: str, fmt: str, env: dict | None = None) -> None:
+    """Plain timestamped lines, or journald's ``<priority>`` prefix (the journal
+    adds its own timestamp) when stderr is the journal. Log records never
+    carry prompt text: the request path logs ids and counts only."""
+    env = os.environ if env is None else env
+    journal = fmt == "journal" or (fmt == "auto" and _stderr_is_journal(env))
+    handler = logging.StreamHandler(sys.stderr)
+    if journal:
+        handler.setFormatter(_JournalFormatter("%(name)s: %(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def _stderr_is_journal(env) -> bool:
+    # $JOURNAL_STREAM is "device:inode" of the journal's stream; it is
+    # inherited, so compare with what stderr really is now.
+    value = env.get("JOURNAL_STREAM")
+    if not value:
+        return False
     try:
-        import uvloop
+        dev, ino = (int(x) for x in value.split(":"))
+        st = os.fstat(sys.stderr.fileno())
+    except (ValueError, OSError):
+        return False
+    return st.st_dev == dev and st.st_ino == ino
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        runner = asyncio.run
-    return runner(_serve_async(session))
+
+class _JournalFormatter(logging.Formatter):
+    _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = self._PRIORITY.get(record.levelno, 6)
+        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
 
 
-async def _serve_async(session) -> int:
+def serve(core_path: Path, config, *, fail_after_steps: int | None = None, dashboard: bool = False,
+          admin_default: bool = False) -> int:
+    """Load, serve until a signal or a model-thread failure; return the exit code."""
+    from flared.cli.notify import Notifier
+    from flared.runtime.session import LoadedSession, StartupProgress
+
+    notifier = Notifier()
+    progress = StartupProgress()
+    progress.subscribe(lambda s: notifier.status(f"{s.stage}: {s.detail}" if s.detail else s.stage,
+                                                 extend_timeout_s=STARTUP_STAGE_EXTEND_S))
+    progress.subscribe(lambda s: log.info("startup: %s%s", s.stage, f" ({s.detail})" if s.detail else ""))
+    try:
+        session = LoadedSession.load(core_path, config, fail_after_steps=fail_after_steps, progress=progress)
+        try:
+            import uvloop
+
+            runner = uvloop.run
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+            runner = asyncio.run
+        return runner(_serve_async(session, notifier, dashboard=dashboard, admin_default=admin_default))
+    finally:
+        notifier.close()
+
+
+async def _serve_async(session, notifier, *, dashboard: bool = False, admin_default: bool = False) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    admin_path = session.config.admin_socket
+    if admin_default:
+        # The default admin socket is best effort: another daemon may hold it
+        # (tests, a second instance); an explicit path is required to work.
+        session.config = dataclasses.replace(session.config, admin_socket=None)
     serving = await session.start()
+    if admin_default and admin_path:
+        try:
+            await serving.start_admin(admin_path)
+        except OSError as e:
+            log.warning("no admin socket: %s", e)
     host, port = serving.address
     log.info("listening on http://%s:%d (model %s)", host, port, session.manifest.model_name)
+    if serving.admin_path:
+        log.info("admin socket %s", serving.admin_path)
     if session.config.port_file:
         _write_atomic(session.config.port_file, f"{port}\n")
+    notifier.ready(f"serving {session.manifest.model_name} on {host}:{port}")
+    watchdog = asyncio.ensure_future(_feed_watchdog(serving, notifier)) if notifier.watchdog_usec else None
+    board = None
+    if dashboard:
+        from flared.dashboard.app import InProcessDashboard
+        from flared.dashboard.telemetry import TelemetryFeed
+
+        board = InProcessDashboard(TelemetryFeed(session.runtime, serving.snapshot))
+        board.start()
     failed = asyncio.ensure_future(serving.wait_failed())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
     crashed = failed.done() and failed.result() is not None
     for t in (failed, stopped):
         t.cancel()
+    if board is not None:
+        await loop.run_in_executor(None, board.stop)
+    if watchdog is not None:
+        watchdog.cancel()
+    notifier.stopping("model thread failed" if crashed else "draining")
     if crashed:
         log.error("model thread failed: %s", serving.failure)
     else:
@@ -122,6 +232,21 @@ async def _serve_async(session) -> int:
                  session.config.shutdown_grace_s)
     await serving.close(grace_s=0.5 if crashed else session.config.shutdown_grace_s)
     return 1 if crashed else 0
+
+
+async def _feed_watchdog(serving, notifier) -> None:
+    """WATCHDOG=1 at half the interval, only while the model thread turns.
+
+    The thread beats at least every IDLE_WAIT_S even when idle, so a beat
+    older than the watchdog interval means a wedged step: we stay silent and
+    systemd restarts us (Restart=on-failure)."""
+    interval_s = notifier.watchdog_usec / 1e6
+    runtime = serving.loaded.runtime
+    while True:
+        ok, _ = runtime.health()
+        if ok and runtime.beat_age_s() < max(interval_s, 1.0):
+            notifier.watchdog()
+        await asyncio.sleep(interval_s / 2)
 
 
 def _write_atomic(path: str, text: str) -> None:

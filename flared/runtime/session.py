@@ -3,12 +3,15 @@
     session = LoadedSession.load("/path/to/core", ServerConfig(port=0))
     serving = await session.start()          # model thread + HTTP listener
     serving.address                          # ("127.0.0.1", 43125)
-    serving.snapshot()                       # runtime and HTTP gauges
+    serving.snapshot()                       # SessionSnapshot: runtime and HTTP gauges
     serving.pause_admission(); await serving.wait_for_requests(10); serving.resume_admission()
     await serving.close()                    # grace period, drain, release
 
-``flared run`` is this plus signal handling. The session imports the server
-layer lazily: it is the one place that ties the whole stack together.
+``flared run`` is this plus signal handling, the admin socket and the
+dashboard. The session imports the server layer lazily: it is the one place
+that ties the whole stack together. Loading writes nothing to the terminal;
+``StartupProgress.observed`` gives the latest stage to whoever asks
+(``flared run`` forwards it to systemd as STATUS=).
 """
 
 from __future__ import annotations
@@ -16,12 +19,95 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
+import socket
+import threading
 import time
 from pathlib import Path
 
 from flared.core.load import Core, open_core
 
 _session_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupStage:
+    stage: str  # "opening core", "loading frontend", "loading weights", "binding listener", "ready"
+    detail: str
+    monotonic_ns: int
+
+
+class StartupProgress:
+    """The latest startup stage, bounded to one entry; safe from any thread.
+
+    Listeners (e.g. sd_notify STATUS=) are called on the reporting thread and
+    must not block."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._latest: StartupStage | None = None
+        self._listeners: list = []
+
+    @property
+    def observed(self) -> StartupStage | None:
+        with self._lock:
+            return self._latest
+
+    def subscribe(self, listener) -> None:
+        self._listeners.append(listener)
+
+    def report(self, stage: str, detail: str = "") -> None:
+        entry = StartupStage(stage, detail, time.monotonic_ns())
+        with self._lock:
+            self._latest = entry
+        for listener in list(self._listeners):
+            listener(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeGauges:
+    steps: int
+    pending_requests: int
+    outstanding_requests: int
+    failed: bool
+    live_slots: int
+    free_pages: int
+    total_pages: int
+    free_snapshots: int
+    prompt_tokens: int
+    generated_tokens: int
+    failed_requests: int
+    counters: dict  # the scheduler's counters (admitted, finished, cancelled, prefix_*, launches_*, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpGauges:
+    permits: int
+    permits_in_use: int
+    frontend_workers: int
+    frontend_busy: int
+    paused: bool
+    uptime_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSnapshot:
+    """Independently read gauges: not one transaction (a model step may run between reads)."""
+    session_id: int
+    sample_monotonic_ns: int
+    model: str
+    runtime: RuntimeGauges
+    http: HttpGauges
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        # The older dict form's key names, kept for callers that index it.
+        d["runtime"]["pending"] = d["runtime"]["pending_requests"]
+        d["runtime"]["outstanding"] = d["runtime"]["outstanding_requests"]
+        return d
+
+    def __getitem__(self, key: str):
+        return self.to_dict()[key]
 
 
 @dataclasses.dataclass
@@ -35,11 +121,17 @@ class LoadedSession:
     def manifest(self):
         return self.core.manifest
 
+    progress: StartupProgress = dataclasses.field(default_factory=StartupProgress)
+
     @classmethod
-    def load(cls, core_path: str | Path, config, *, fail_after_steps: int | None = None) -> "LoadedSession":
+    def load(cls, core_path: str | Path, config, *, fail_after_steps: int | None = None,
+             progress: StartupProgress | None = None) -> "LoadedSession":
         from flared.frontend import Frontend, TokenSettings
         from flared.runtime.worker import ModelRuntime
 
+        progress = progress or StartupProgress()
+        config = config.with_secrets()
+        progress.report("opening core", str(core_path))
         core = open_core(core_path)
         m = core.manifest
         if config.served_names:
@@ -52,33 +144,57 @@ class LoadedSession:
             eos_token=t.eos_token, eos_token_id=t.eos_token_ids[0] if t.eos_token else None,
             add_bos_token=t.add_bos_token)
         template = core.path / m.chat_template if m.chat_template else None
+        progress.report("loading frontend", m.model_name)
         frontend = Frontend.load(
             core.tokenizer_path, template,
             tokenizer_sha256=m.assets[m.tokenizer].sha256,
             template_sha256=m.assets[m.chat_template].sha256 if m.chat_template else None,
             settings=settings)
         runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
-                               fail_after_steps=fail_after_steps)
-        return cls(core=core, config=config, frontend=frontend, runtime=runtime)
+                               fail_after_steps=fail_after_steps, **_policy_kwargs(config))
+        return cls(core=core, config=config, frontend=frontend, runtime=runtime, progress=progress)
 
     async def start(self) -> "ServingSession":
         from flared.server.app import ServingState, build_router, http_config
         from flared.server.http import HttpServer
 
+        from flared.server.metrics import ServerMetrics
+
         m = self.manifest
         max_active = self.config.max_active or m.capacities.concurrency
         queue = self.config.queue_capacity if self.config.queue_capacity is not None else 4 * max_active
-        self.runtime.start(max_pending=queue + max_active)
+        self.progress.report("loading weights", f"{m.model_name} ({m.dtype})")
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.runtime.start(max_pending=queue + max_active))
         state = ServingState(m, self.frontend, self.runtime, frontend_workers=self.config.frontend_workers,
                              http_permits=queue + max_active)
+        state.metrics = ServerMetrics(self.runtime, state, max_slots=m.capacities.concurrency)
         server = HttpServer(build_router(state), http_config(self.config, m), admission=state.admit)
+        self.progress.report("binding listener", f"{self.config.host}:{self.config.port}")
+        admin = None
         try:
             await server.start()
+            state.metrics.set_uptime_source(lambda: server.uptime_s)
+            state.metrics.start()
+            serving = ServingSession(self, state, server)
+            if self.config.admin_socket:
+                admin = await serving.start_admin(self.config.admin_socket)
         except BaseException:
+            if admin is not None:
+                await admin.close(0)
+            state.metrics.stop()
+            await server.close(0)
             self.runtime.stop()
             state.close()
             raise
-        return ServingSession(self, state, server)
+        host, port = server.address
+        self.progress.report("ready", f"listening on {host}:{port}")
+        return serving
+
+
+def _policy_kwargs(config) -> dict:
+    policy = getattr(config, "policy", None)
+    return {"policy": policy} if policy is not None else {}
 
 
 class ServingSession:
@@ -88,6 +204,8 @@ class ServingSession:
         self.state = state
         self.server = server
         self._closed = False
+        self.admin = None  # the admin socket's HttpServer, when started
+        self.admin_path: str | None = None
 
     @property
     def address(self) -> tuple[str, int]:
@@ -104,23 +222,45 @@ class ServingSession:
             await asyncio.get_running_loop().run_in_executor(None, rt.failed.wait, 1.0)
         return rt.failure
 
-    def snapshot(self) -> dict:
+    @property
+    def metrics(self):
+        return self.state.metrics
+
+    def snapshot(self) -> SessionSnapshot:
         """Runtime and HTTP gauges; counters are read independently (not one transaction)."""
         rt = self.loaded.runtime.snapshot()
-        return {
-            "session_id": self.session_id,
-            "sample_monotonic_ns": time.monotonic_ns(),
-            "model": self.loaded.manifest.model_name,
-            "runtime": rt,
-            "http": {
-                "permits": self.state.http_permits,
-                "permits_in_use": self.state.http_in_use,
-                "frontend_workers": self.state.frontend_workers,
-                "frontend_busy": self.state.frontend_busy,
-                "paused": self.state.paused,
-                "uptime_s": self.server.uptime_s,
-            },
-        }
+        st = self.state
+        return SessionSnapshot(
+            session_id=self.session_id,
+            sample_monotonic_ns=time.monotonic_ns(),
+            model=self.loaded.manifest.model_name,
+            runtime=RuntimeGauges(
+                steps=rt.get("steps", 0), pending_requests=rt.get("pending", 0),
+                outstanding_requests=rt.get("outstanding", 0), failed=bool(rt.get("failed", False)),
+                live_slots=rt.get("live_slots", 0), free_pages=rt.get("free_pages", 0),
+                total_pages=rt.get("total_pages", 0), free_snapshots=rt.get("free_snapshots", 0),
+                prompt_tokens=rt.get("prompt_tokens", 0), generated_tokens=rt.get("generated_tokens", 0),
+                failed_requests=rt.get("failed_requests", 0), counters=dict(rt.get("counters", {}))),
+            http=HttpGauges(permits=st.http_permits, permits_in_use=st.http_in_use,
+                            frontend_workers=st.frontend_workers, frontend_busy=st.frontend_busy,
+                            paused=st.paused, uptime_s=self.server.uptime_s),
+        )
+
+    async def start_admin(self, path: str | Path):
+        """Serve the admin routes on a Unix socket at ``path`` (mode 0600)."""
+        from flared.server.admin import build_admin_router
+        from flared.server.http import HttpConfig, HttpServer
+
+        sock = bind_admin_socket(Path(path))
+        server = HttpServer(build_admin_router(self), HttpConfig(host="127.0.0.1", port=0, max_connections=64))
+        try:
+            await server.start(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self.admin = server
+        self.admin_path = str(path)
+        return server
 
     def pause_admission(self) -> None:
         self.state.paused = True
@@ -131,12 +271,20 @@ class ServingSession:
         self.state.paused = False
 
     async def wait_for_requests(self, timeout_s: float) -> bool:
-        """Wait until no admitted request remains; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while self.state.http_in_use > 0:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
+        """Wait until no admitted request remains; False on timeout.
+
+        Woken by the permit release of the last admitted response, not polled."""
+        if self.state.http_in_use == 0:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self.state.idle_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return self.state.http_in_use == 0
+        finally:
+            if fut in self.state.idle_waiters:
+                self.state.idle_waiters.remove(fut)
         return True
 
     async def close(self, grace_s: float | None = None) -> None:
@@ -146,4 +294,45 @@ class ServingSession:
         self.state.paused = True
         await self.server.close(grace_s)
         await asyncio.get_running_loop().run_in_executor(None, self.loaded.runtime.stop)
+        if self.state.metrics is not None:
+            self.state.metrics.stop()
+        if self.admin is not None:
+            await self.admin.close(0.5)
+            _unlink_quietly(self.admin_path)
         self.state.close()
+
+
+def bind_admin_socket(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0600, in a 0700 directory
+    when we create it. A stale socket file (nobody listening) is replaced; a
+    live one is an error, so two daemons never share an admin socket."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()
+        else:
+            raise OSError(f"admin socket {path} is in use by another running daemon")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # umask first: between bind and chmod nobody else may connect.
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock
+
+
+def _unlink_quietly(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

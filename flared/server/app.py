@@ -38,6 +38,10 @@ class ServingState:
         self.http_in_use = 0
         self.frontend_busy = 0
         self.paused = False  # pause_admission / shutdown: new generation requests get 503
+        self.metrics = None  # flared.server.metrics.ServerMetrics, set by the serving session
+        # Futures resolved when the last admitted request's permit is released
+        # (ServingSession.wait_for_requests waits on one instead of polling).
+        self.idle_waiters: list[asyncio.Future] = []
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -57,6 +61,11 @@ class ServingState:
             if not released:
                 released = True
                 self.http_in_use -= 1
+                if self.http_in_use == 0 and self.idle_waiters:
+                    waiters, self.idle_waiters = self.idle_waiters, []
+                    for f in waiters:
+                        if not f.done():
+                            f.set_result(None)
         return release
 
     # -- frontend work, off the event loop -----------------------------------------------------
@@ -80,7 +89,7 @@ class ServingState:
         if self.paused:
             raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
                                  ErrorKind.UNAVAILABLE)
-        return Generation(self.runtime, self.frontend, requests, stop_strings)
+        return Generation(self.runtime, self.frontend, requests, stop_strings, metrics=self.metrics)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -96,6 +105,10 @@ def build_router(state: ServingState) -> Router:
         return Response.json({"status": why}, status=503)
 
     router.add("GET", "/health", health, public=True)
+    if state.metrics is not None:
+        from flared.server.metrics import metrics_route
+
+        router.add("GET", "/metrics", metrics_route(state.metrics), public=True)
     OpenAIRoutes(state).register(router)
     return router
 

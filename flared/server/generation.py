@@ -62,8 +62,11 @@ class _Choice:
 
 
 class Generation:
-    def __init__(self, runtime, frontend, requests: list[GenerateRequest], stop_strings: tuple[str, ...]):
+    def __init__(self, runtime, frontend, requests: list[GenerateRequest], stop_strings: tuple[str, ...],
+                 metrics=None):
         self._runtime = runtime
+        # One latency/size observer per choice (flared.server.metrics), or None.
+        self._observers = [metrics.observer() for _ in requests] if metrics is not None else None
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._choices = [_Choice(r, frontend.detokenizer(stop_strings)) for r in requests]
@@ -115,8 +118,13 @@ class Generation:
             index, event = await self._queue.get()
             choice = self._choices[index]
             if isinstance(event, TokenEvent):
+                if self._observers is not None:
+                    self._observers[index].token()
                 delta = self._on_tokens(index, choice, event)
             elif isinstance(event, FinishEvent):
+                if self._observers is not None:
+                    self._observers[index].finish(event.num_prompt_tokens, event.num_generated_tokens,
+                                                  event.queue_ns)
                 delta = self._on_finish(index, choice, event)
             elif isinstance(event, ErrorEvent):
                 self.cancel()
