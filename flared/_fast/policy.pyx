@@ -72,7 +72,6 @@ cdef list _sorted_by_weight(list pool):
     return [pool[items[i].index] for i in range(n)]
 
 
-
 cdef class _Candidate:
     pass
 
@@ -189,6 +188,7 @@ cdef class SelectionPolicy:
                 refresh = True
         best.refresh = refresh
         return best
+
     cdef list select_endpoints(self, message_boundaries, int64_t L, int64_t reused):
         """Anchor first (last eligible message boundary, else the prompt end),
         then extras while their cost fits the extra-work allowance."""

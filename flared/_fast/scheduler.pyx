@@ -65,7 +65,6 @@ CompletionRecords = namedtuple("CompletionRecords", "handles consumed_tokens gen
 CompletionResult = namedtuple("CompletionResult", "emitted finished retired published")
 
 
-
 cdef int64_t _next_scheduler_id = 1
 
 
