@@ -192,6 +192,10 @@ cdef class RequestScheduler:
         cdef int64_t reused = 0 if hit is None else hit.num_tokens
         if hit is not None:
             self.cache.pin(hit)
+            # Lookup counters include attempts rejected below for resource
+            # pressure: they describe the cache, not admission.
+            self.counters["prefix_hits"] += 1
+            self.counters["prefix_reused_tokens"] += reused
         cdef int64_t P = self.page_tokens
         cdef int64_t total_blocks = (L + max_output_tokens + P - 1) // P
         cdef int64_t num_private = total_blocks - reused // P
@@ -201,10 +205,6 @@ cdef class RequestScheduler:
             raise AdmissionError(
                 f"{num_private} KV pages needed, {self.pages.num_free} free", ErrorKind.MODEL_CAPACITY
             )
-        if hit is not None:
-            self.counters["prefix_hits"] += 1
-            self.counters["prefix_reused_tokens"] += reused
-
         endpoints = []
         snapshot_ids = []
         for e in self.selection.select_endpoints(message_boundaries, L, reused):
