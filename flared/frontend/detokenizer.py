@@ -8,8 +8,10 @@ Rules:
 - Byte-level vocabularies (GPT-2 style) decode through a per-token byte table
   and Python's incremental UTF-8 decoder: O(1) per token, exact.
 - Other vocabularies (SentencePiece with byte fallback) decode a sliding window
-  of ids and emit only what the window no longer changes; exact for the
-  decoders we build (see gguf_tokenizer), the window keeps it O(1) amortised.
+  of ids and emit only what later ids can no longer change: a run of
+  byte-fallback pieces is decoded all or nothing (one invalid byte turns the
+  whole run into U+FFFDs), so a run is held until a non-byte piece closes it;
+  the window keeps the cost O(1) amortised.
 - Stop strings: the stream ends where a stop string first becomes complete
   (the occurrence that ends first; on a tie the longer one); the text of the
   match and everything after are never emitted; text that
@@ -84,6 +86,16 @@ class IncrementalDecoder:
             self._prefix_start = 0  # window start: ids before it are settled
             self._read_start = 0  # ids before it have been emitted
             self._window_tokens = window_tokens
+            added = tokenizer.get_added_tokens_decoder()
+            # Ids that may still change text already decoded: byte-fallback pieces (a run of them is
+            # decoded as one UTF-8 sequence, all or nothing) and, when skipped, special tokens
+            # (invisible, so the runs on either side of them join).
+            self._open_ids = frozenset(
+                token_id for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items()
+                if len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+            ) | frozenset(
+                token_id for token_id, token in added.items() if token.special and skip_special_tokens
+            )
         self._done = False
 
     def push(self, token_id: int) -> str:
@@ -117,22 +129,35 @@ class IncrementalDecoder:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _advance(self, *, final: bool) -> str:
-        # Decode the window twice: up to what was already emitted, and up to now. The difference is
-        # new text unless it ends in U+FFFD (a byte-fallback sequence still incomplete).
+        # Decode the window twice: up to what was already emitted, and up to the last id that can no
+        # longer change it. The difference is new text unless it ends in U+FFFD (held: it may be an
+        # incomplete sequence).
         ids = self._ids
-        prefix_text = self._decode(ids[self._prefix_start:self._read_start])
-        full_text = self._decode(ids[self._prefix_start:])
-        if not full_text.startswith(prefix_text):
-            # A decoder that rewrites earlier text (leading-space strip at the window edge): widen.
+        end = len(ids)
+        if not final:
+            while end > self._read_start and ids[end - 1] in self._open_ids:
+                end -= 1
+        if end <= self._read_start and not final:
+            return ""
+        start = self._prefix_start
+        prefix_text = self._decode(ids[start:self._read_start])
+        if start > 0 and not prefix_text:
+            # Without settled text on the left, a decoder's leading-space strip would hit new text.
+            start = 0
             prefix_text = self._decode(ids[:self._read_start])
-            full_text = self._decode(ids)
-            self._prefix_start = 0
+        full_text = self._decode(ids[start:end])
+        if not full_text.startswith(prefix_text):
+            # A decoder that rewrites text across the window edge: decode from the start.
+            start = 0
+            prefix_text = self._decode(ids[:self._read_start])
+            full_text = self._decode(ids[:end])
+        self._prefix_start = start
         if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
             return ""
         delta = full_text[len(prefix_text):]
-        self._read_start = len(ids)
+        self._read_start = end
         # Keep a few settled ids as left context, so the next window decodes them the same way.
-        self._prefix_start = max(self._prefix_start, len(ids) - self._window_tokens)
+        self._prefix_start = max(self._prefix_start, end - self._window_tokens)
         return delta
 
 

@@ -160,3 +160,24 @@ def test_detokenizer_stops_mid_token_stream(smollm2_tokenizer, token_bytes):
     unstopped = Detokenizer(IncrementalDecoder(smollm2_tokenizer, token_bytes=token_bytes), ["never"])
     out = "".join(unstopped.push(i).text for i in ids) + unstopped.finish().text
     assert out == "Paris is nice. STOP here and more"
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory, write_sentencepiece_gguf):
+    from flared.frontend import tokenizer_from_gguf
+
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    write_sentencepiece_gguf(path, with_merges=False, add_bos=None)
+    return Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json)
+
+
+@PROPERTY_SETTINGS
+@given(data=st.data(), skip_special=st.booleans())
+def test_incremental_equals_full_sentencepiece(sentencepiece_tokenizer, data, skip_special):
+    """Byte-fallback pieces (<0xNN>), "▁" word starts and specials, in any order."""
+    vocab_size = sentencepiece_tokenizer.get_vocab_size(with_added_tokens=True)
+    utf8_pieces = [259 - 256 + b for b in "😀é東".encode()]  # byte tokens of multi-byte characters
+    ids = data.draw(st.lists(st.one_of(st.integers(0, vocab_size - 1), st.sampled_from(utf8_pieces)), max_size=30))
+    decoder = IncrementalDecoder(sentencepiece_tokenizer, skip_special_tokens=skip_special)
+    pieces = _decode_incrementally(decoder, ids, data.draw(st.lists(st.integers(1, 4), max_size=10)))
+    assert "".join(pieces) == sentencepiece_tokenizer.decode(ids, skip_special_tokens=skip_special)
