@@ -271,3 +271,24 @@ def test_scored_prefill_and_state_initialization_phases():
     assert kinds[:2] == [GraphKind.INITIALIZE, GraphKind.SCORED_PREFILL]
     assert s.counters["launches_scored_prefill"] == 1 and fresh != scored
     s.check_integrity()
+
+
+def test_duplicate_publication_keeps_the_live_request_on_its_own_pages():
+    s = make_scheduler(num_snapshots=4)
+    tokens = prompt(40)
+    d = Driver(s)
+    a = s.admit(tokens, 2, 0)
+    b = s.admit(tokens, 2, 0)  # admitted together: neither can reuse the other
+    assert (list(s.block_table(a)), list(s.block_table(b))) == ([0, 1, 2], [3, 4, 5])
+    kinds = [(p.kind, int(p.handles[0]), d.last_result.published) for p in iter(d.step, None)]
+    assert kinds[:3] == [(GraphKind.PREFILL, a, []), (GraphKind.SNAPSHOT, a, [0]), (GraphKind.DECODE, a, [])]
+    # b's prompt-end snapshot duplicates checkpoint 0: EXISTING, its snapshot
+    # row 1 is freed at once and b keeps pages 3, 4 (never remapped to 0, 1).
+    assert (GraphKind.SNAPSHOT, b, []) in kinds and s.counters["duplicate_publications"] == 1
+    c0 = s.cache.get(0)
+    assert (c0.num_tokens, list(c0.page_ids), c0.snapshot_id) == (40, [0, 1], 0)
+    # b's terminal state (its own sampled token at 40) hangs off the root on its own pages.
+    c2 = s.cache.get(2)
+    assert (c2.parent_id, c2.num_tokens, list(c2.page_ids), c2.snapshot_id) == (-1, 41, [3, 4], 1)
+    assert s.snapshots.num_used == s.cache.num_cached_snapshots == 3
+    s.check_integrity()
