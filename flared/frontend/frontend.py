@@ -170,6 +170,11 @@ def _check_tool_calls(messages: list) -> list:
     return checked
 
 
+# Names render_chat passes itself; a request's template kwargs cannot replace them.
+_RESERVED_KWARGS = frozenset(
+    ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "auto_marks",
+     "inputs_are_json")
+)
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
 
@@ -290,6 +295,9 @@ class Frontend:
         if continue_final_message and add_generation_prompt:
             raise FrontendError("continue_final_message and add_generation_prompt are not compatible",
                                 ErrorKind.VALIDATION)
+        reserved = _RESERVED_KWARGS.intersection(template_kwargs)
+        if reserved:
+            raise FrontendError(f"template kwargs may not set {', '.join(sorted(reserved))}", ErrorKind.VALIDATION)
         messages = _check_tool_calls(messages)
         kwargs = {**self.settings.special_tokens_map(), **self.template_defaults, **template_kwargs}
         template = self.chat_template

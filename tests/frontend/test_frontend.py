@@ -234,6 +234,12 @@ def test_template_errors_are_400_with_the_templates_message(frontend):
     assert "roles must alternate" in str(info.value)
 
 
+def test_reserved_template_kwargs_are_rejected(frontend):
+    with pytest.raises(FrontendError) as info:
+        frontend.render_chat(CHATS[0], auto_marks=False)
+    assert info.value.kind is ErrorKind.VALIDATION and "auto_marks" in str(info.value)
+
+
 def test_template_defaults_fill_and_request_kwargs_win(frontend):
     template = ChatTemplate("{{ 'think' if enable_thinking else 'plain' }}|{{ messages[0].content }}")
     with_defaults = Frontend(frontend.tokenizer, template, frontend.settings,
