@@ -23,7 +23,8 @@ Implementations:
 Targets (issue 3): tracking costs <= 15% over plain jinja2; median render
 >= 3x faster than transformers. Tokenization is excluded.
 
-Usage: tools/bench_template.py [--templates DIR] [--only SUBSTR] [--iterations N] [--json]
+Usage: tools/bench_template.py [--templates DIR] [--only SUBSTR] [--workloads a,b] [--iterations N]
+                               [--check] [--json]
 """
 
 from __future__ import annotations
@@ -240,6 +241,8 @@ def main() -> int:
     parser.add_argument("--workloads", default=None, help="comma-separated subset of: short,long_history,"
                         "large_messages,tools")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every implementation renders the same bytes; no timing")
     args = parser.parse_args()
 
     files = sorted(p for p in args.templates.glob("*.jinja") if args.only is None or args.only in p.name)
@@ -258,13 +261,24 @@ def main() -> int:
         impls = [cls(source) for cls in impl_classes]
         for workload, case in cases.items():
             row = {"template": path.name, "workload": workload, "compile_ms": compile_ms}
-            try:
-                outputs = {impl.name: impl.render(case) for impl in impls}
-            except Exception as exc:  # noqa: BLE001 - a template may refuse a workload (tools, roles)
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:60]}"
+            outputs, errors = {}, {}
+            for impl in impls:
+                try:
+                    outputs[impl.name] = impl.render(case)
+                except Exception as exc:  # noqa: BLE001 - a template may refuse a workload (tools, roles)
+                    errors[impl.name] = f"{type(exc).__name__}: {str(exc)[:60]}"
+            if errors:
+                row["error"] = next(iter(errors.values()))
+                # Refusing is fine when every implementation refuses; one refusing alone is a mismatch.
+                if outputs:
+                    row["identical"] = False
+                    row["error"] += f" (only in {', '.join(errors)})"
                 rows.append(row)
                 continue
             row["identical"] = len(set(outputs.values())) == 1
+            if args.check:
+                rows.append(row)
+                continue
             iterations = max(10, args.iterations // (3 if workload == "large_messages" else 1))
             latencies = _latencies(impls, case, iterations)
             for impl in impls:
@@ -281,6 +295,14 @@ def main() -> int:
                 row["speedup_vs_transformers"] = row["transformers"]["median_us"] / row["flared"]["median_us"]
             rows.append(row)
 
+    if args.check:
+        mismatches = [f"{row['template']} {row['workload']}" for row in rows if row.get("identical") is False]
+        num_checked = sum(1 for row in rows if "identical" in row)
+        print(f"checked {num_checked} cells ({len(rows) - num_checked} raised in every implementation); "
+              f"{len(mismatches)} differ" + "".join(f"\n  {m}" for m in mismatches))
+        if args.json:
+            print(json.dumps({"benchmark": "template-check", "checked": num_checked, "mismatches": mismatches}))
+        return 1 if mismatches else 0
     header = (f"{'template':40s} {'workload':14s} {'hf µs':>8s} {'jinja2':>8s} {'untrack':>8s} {'flared':>8s} "
               f"{'p95':>8s} {'track':>6s} {'vs j2':>6s} {'vs hf':>6s} {'peak KiB f/j2/hf':>17s} "
               f"{'4thr/s f/hf':>12s} same")
@@ -303,8 +325,10 @@ def main() -> int:
               f"{'yes' if row['identical'] else 'NO'}")
 
     measured = [row for row in rows if "error" not in row]
+    refused_alone = [row for row in rows if "error" in row and row.get("identical") is False]
     summary = {"num_templates": len(files), "num_cells": len(rows), "num_measured": len(measured),
-               "num_identical": sum(row["identical"] for row in measured)}
+               "num_identical": sum(row["identical"] for row in measured),
+               "num_raised_in_one_implementation_only": len(refused_alone)}
 
     def summarise(cells):
         overhead = _geomean([1 + row["tracking_overhead"] for row in cells])
