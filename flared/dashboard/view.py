@@ -205,10 +205,12 @@ class DashboardModel:
             since = r["last_progress_ns"] or r["arrival_ns"]
             gap = (f["sample_ns"] - since) / 1e6 if since else 0.0
             phase = "retired" if r["retired"] else r["phase"].lower()
-            ln = f"  {r['slot']}.{r['generation']:<{10 - len(str(r['slot']))}}{phase:<16}{gap:>9.0f}"
+            ln = f"  {str(r['slot']) + '.' + str(r['generation']):<12}{phase:<16}{gap:>9.0f}"
             if wide:
                 out_ms = "—" if not r["last_output_ns"] else f"{(f['sample_ns'] - r['last_output_ns']) / 1e6:.0f}"
-                ln += (f"{r['prompt_consumed']:>7}/{r['prompt_len']:<6}{r['output']:>8}{out_ms:>9}"
+                # The scheduler's computed count runs on into the output: cap it at the prompt.
+                consumed = min(r["prompt_consumed"], r["prompt_len"])
+                ln += (f"{consumed:>7}/{r['prompt_len']:<6}{r['output']:>8}{out_ms:>9}"
                        f"{r['bursts']:>8}")
             lines.append(ln)
         if not reqs:
