@@ -116,9 +116,6 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
         click.echo(result["text"])
 
 
-if __name__ == "__main__":
-    main()
-
 
 # -- the admin socket -----------------------------------------------------------------------------
 
@@ -310,3 +307,7 @@ def top(admin_socket):
         pass
     except DashboardSourceError as e:
         raise click.ClickException(f"lost the daemon: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
