@@ -1,0 +1,933 @@
+"""Tool calls out of generated text, incrementally, for the template families we serve.
+
+A parser takes one choice's text in arbitrary chunks and returns content
+deltas and tool-call deltas (the first delta of a call carries its id and
+name; later ones carry the next piece of its JSON arguments text).
+
+Rules:
+- A marker, or any suffix of the text that could still become one, is held
+  back: markers never reach the content, however the text is split.
+- The arguments deltas of a call concatenate to exactly its final
+  ``arguments`` string, which is a JSON object's text. JSON-bodied calls
+  stream the raw text of the arguments object as it arrives (the raw
+  substring is the final value, so what was streamed is never retracted).
+- A call body that turns out not to be a valid call before anything of it
+  was sent is returned as content, markers included (the model's text is
+  not lost); once a call has been announced it stays a call.
+- Whitespace around calls is not content; text before the first call and
+  after the last one is.
+
+Families (chosen from the chat template, overridable in ServerConfig):
+``hermes`` (Hermes/Qwen2.5/Qwen3 ``<tool_call>{json}</tool_call>``),
+``qwen3_coder`` (``<tool_call><function=name><parameter=x>v</parameter>…``),
+``llama3_json`` (a leading ``{"name": …, "parameters": …}``, optionally after
+``<|python_tag|>``, several joined by ``;``), ``mistral``
+(``[TOOL_CALLS][{…}, …]`` or ``[TOOL_CALLS]name[ARGS]{…}``), ``deepseek``
+(``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+from typing import Any
+
+from flared.frontend.reasoning import ReasoningFormat, ReasoningParser, held_suffix
+
+
+@dataclasses.dataclass
+class ToolCallDelta:
+    index: int  # the call's position among this choice's calls
+    id: str | None  # set on the call's first delta only
+    name: str | None  # set on the call's first delta only
+    arguments: str  # next piece of the arguments JSON text (may be empty)
+
+
+@dataclasses.dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON object text
+
+
+@dataclasses.dataclass
+class ParsedDelta:
+    content: str = ""
+    calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
+    reasoning: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.calls or self.reasoning)
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+# -- incremental JSON scanning ---------------------------------------------------------------------
+
+_WS = " \t\r\n"
+
+
+def _skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(s: str, i: int) -> int | None:
+    """Index after the JSON string starting at s[i] == '"', or None if it is not closed yet."""
+    j = i + 1
+    while j < len(s):
+        c = s[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def value_end(s: str, i: int) -> int | None:
+    """Index after the JSON value starting at s[i], or None if it may not be complete yet."""
+    c = s[i]
+    if c == '"':
+        return _string_end(s, i)
+    if c in "{[":
+        depth = 0
+        j = i
+        while j < len(s):
+            c = s[j]
+            if c == '"':
+                e = _string_end(s, j)
+                if e is None:
+                    return None
+                j = e
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    m = re.compile(r"[^,}\]\s]*").match(s, i)
+    return m.end() if m.end() < len(s) else None
+
+
+class _NotACall(ValueError):
+    pass
+
+
+def _scan_object(s: str) -> tuple[dict[str, tuple[int, int | None]], int | None]:
+    """Top-level keys of the JSON object that ``s`` starts with: key -> (value start, value end or None),
+    and the index after the object (None while incomplete). Raises _NotACall on a non-object."""
+    keys: dict[str, tuple[int, int | None]] = {}
+    i = _skip_ws(s, 0)
+    if i >= len(s):
+        return keys, None
+    if s[i] != "{":
+        raise _NotACall(s)
+    i += 1
+    while True:
+        i = _skip_ws(s, i)
+        if i >= len(s):
+            return keys, None
+        if s[i] == "}":
+            return keys, i + 1
+        if s[i] == ",":
+            i += 1
+            continue
+        if s[i] != '"':
+            raise _NotACall(s)
+        k_end = _string_end(s, i)
+        if k_end is None:
+            return keys, None
+        key = json.loads(s[i:k_end])
+        i = _skip_ws(s, k_end)
+        if i >= len(s):
+            return keys, None
+        if s[i] != ":":
+            raise _NotACall(s)
+        i = _skip_ws(s, i + 1)
+        if i >= len(s):
+            return keys, None
+        v_end = value_end(s, i)
+        keys[key] = (i, v_end)
+        if v_end is None:
+            return keys, None
+        i = v_end
+
+
+_NAME_KEYS = ("name",)
+_ARGS_KEYS = ("arguments", "parameters")
+
+
+class _JsonCall:
+    """One ``{"name": …, "arguments": {…}}`` object arriving in pieces."""
+
+    def __init__(self, parser: "ToolParser"):
+        self.parser = parser
+        self.index: int | None = None  # set once announced
+        self.args_sent = 0  # characters of the raw arguments value already sent
+
+    def _args_span(self, keys) -> tuple[int, int | None] | None:
+        for k in _ARGS_KEYS:
+            if k in keys:
+                return keys[k]
+        return None
+
+    def update(self, s: str) -> list[ToolCallDelta]:
+        """``s``: the object's text so far (possibly incomplete). Returns the deltas it allows."""
+        try:
+            keys, _end = _scan_object(s)
+        except (_NotACall, ValueError):
+            return []
+        out = []
+        if self.index is None:
+            span = keys.get("name")
+            if span is None or span[1] is None:
+                return []
+            name = json.loads(s[span[0]:span[1]])
+            if not isinstance(name, str):
+                return []
+            d = self.parser._announce(name)
+            self.index = d.index
+            out.append(d)
+        span = self._args_span(keys)
+        if span is not None and s[span[0]] == "{":
+            stop = span[1] if span[1] is not None else len(s)
+            piece = s[span[0] + self.args_sent:stop]
+            if piece:
+                self.args_sent += len(piece)
+                out.append(ToolCallDelta(self.index, None, None, piece))
+        return out
+
+    def finish(self, s: str) -> list[ToolCallDelta] | None:
+        """The complete object's text; None when it is not a call and nothing was announced."""
+        try:
+            obj = json.loads(s)
+            keys, _ = _scan_object(s)
+        except (ValueError, _NotACall):
+            obj = keys = None
+        ok = isinstance(obj, dict) and isinstance(obj.get("name"), str)
+        if not ok:
+            if self.index is None:
+                return None
+            self.parser._close(self.index, "{}" if self.args_sent == 0 else None)
+            return []
+        out = self.update(s) if self.index is None else []
+        span = self._args_span(keys)
+        if span is not None and s[span[0]] == "{" and (self.args_sent or span[1] is not None):
+            final = s[span[0]:span[1]]
+            rest = final[self.args_sent:]
+        else:
+            args = next((obj[k] for k in _ARGS_KEYS if k in obj), {})
+            final = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            rest = final
+        if rest:
+            out.append(ToolCallDelta(self.index, None, None, rest))
+        self.parser._close(self.index, final)
+        return out
+
+
+# -- parsers ---------------------------------------------------------------------------------------
+
+class ToolParser:
+    """Base: call bookkeeping; subclasses implement ``_step`` over ``self._buf``."""
+
+    name = ""
+    # True when the family's markers are special tokens the detokenizer would otherwise skip.
+    needs_special_tokens = False
+
+    def __init__(self, tools: list[dict] | None = None):
+        self.tools = tools or []
+        self.calls: list[ToolCall] = []
+        self._buf = ""
+        self._out: ParsedDelta = ParsedDelta()
+        self._held_ws = ""  # trailing whitespace of content: dropped if a call follows
+        self._after_call = False  # drop whitespace right after a call
+
+    # bookkeeping used by the families
+    def _announce(self, name: str) -> ToolCallDelta:
+        call = ToolCall(new_call_id(), name, "")
+        self.calls.append(call)
+        return ToolCallDelta(len(self.calls) - 1, call.id, name, "")
+
+    def _close(self, index: int, final_arguments: str | None) -> None:
+        if final_arguments is not None:
+            self.calls[index].arguments = final_arguments
+        self._after_call = True
+
+    def _emit_content(self, text: str) -> None:
+        if not text:
+            return
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        text = self._held_ws + text
+        stripped = text.rstrip()
+        self._held_ws = text[len(stripped):]
+        self._out.content += stripped
+
+    def _emit_calls(self, deltas: list[ToolCallDelta]) -> None:
+        if deltas:
+            self._held_ws = ""
+            self._out.calls.extend(deltas)
+
+    def _take(self) -> ParsedDelta:
+        out, self._out = self._out, ParsedDelta()
+        return out
+
+    def push(self, text: str) -> ParsedDelta:
+        self._buf += text
+        while self._step(final=False):
+            pass
+        return self._take()
+
+    def finish(self) -> ParsedDelta:
+        while self._step(final=True):
+            pass
+        self._finish_rest()
+        if self._held_ws and not self.calls:
+            self._out.content += self._held_ws
+        self._held_ws = ""
+        return self._take()
+
+    def parse(self, text: str) -> ParsedDelta:
+        """The whole text at once."""
+        a = self.push(text)
+        b = self.finish()
+        return ParsedDelta(a.content + b.content, a.calls + b.calls)
+
+    def _step(self, final: bool) -> bool:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _finish_rest(self) -> None:
+        """At the end: whatever is still buffered (an unfinished call) becomes content or a truncated call."""
+        raise NotImplementedError
+
+    def _text_until(self, marker: str, final: bool) -> bool:
+        """In text: emit content up to ``marker``; True (marker consumed) when it was found."""
+        i = self._buf.find(marker)
+        if i >= 0:
+            self._emit_content(self._buf[:i])
+            self._buf = self._buf[i + len(marker):]
+            return True
+        keep = 0 if final else held_suffix(self._buf, marker)
+        self._emit_content(self._buf[:len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep:]
+        return False
+
+
+class HermesToolParser(ToolParser):
+    """``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, any number of them."""
+
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._call: _JsonCall | None = None
+
+    def _step(self, final: bool) -> bool:
+        if self._call is None:
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._call = _JsonCall(self)
+            return True
+        # The closing marker counts only after the JSON object ends (it may occur inside a string);
+        # a body that is not an object at all ends at the first closing marker.
+        try:
+            _, obj_end = _scan_object(self._buf)
+        except (_NotACall, ValueError):
+            obj_end = 0
+        i = -1 if obj_end is None else self._buf.find(self.CLOSE, obj_end)
+        if i < 0:
+            keep = held_suffix(self._buf, self.CLOSE)
+            self._emit_calls(self._call.update(self._buf[:len(self._buf) - keep]))
+            return False
+        body, self._buf = self._buf[:i], self._buf[i + len(self.CLOSE):]
+        deltas = self._call.finish(body.strip())
+        if deltas is None:
+            self._emit_content(self.OPEN + body + self.CLOSE)
+        else:
+            self._emit_calls(deltas)
+        self._call = None
+        return True
+
+    def _finish_rest(self) -> None:
+        if self._call is not None:
+            cut = self._buf.rfind(self.CLOSE)
+            tail = ""
+            if cut >= 0:
+                self._buf, tail = self._buf[:cut], self._buf[cut + len(self.CLOSE):]
+            body = self._buf.strip()
+            deltas = self._call.finish(body) if body else None
+            if deltas is None:
+                if self._call.index is None:
+                    self._emit_content(self.OPEN + self._buf)
+                else:
+                    self._close(self._call.index, "{}" if self._call.args_sent == 0 else None)
+            else:
+                self._emit_calls(deltas)
+            self._call = None
+            self._emit_content(tail)
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+
+
+def _param_types(tools: list[dict], function: str) -> dict[str, Any]:
+    for t in tools:
+        f = t.get("function", t) if isinstance(t, dict) else {}
+        if isinstance(f, dict) and f.get("name") == function:
+            props = (f.get("parameters") or f.get("input_schema") or {}).get("properties") or {}
+            return {k: (v or {}).get("type") for k, v in props.items() if isinstance(v, dict)}
+    return {}
+
+
+def _convert_param(value: str, kind: Any) -> Any:
+    if kind == "string" or kind is None:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+class Qwen3CoderToolParser(ToolParser):
+    """``<tool_call><function=name><parameter=x>value</parameter>…</function></tool_call>``.
+
+    Arguments stream one parameter at a time (a value is only typed once it
+    is complete: the tool's JSON schema says whether "7" is a string)."""
+
+    name = "qwen3_coder"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _FUNC = re.compile(r"\s*<function=([^>\n]+)>")
+    _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "text"  # text | call | function | param
+        self._index = -1
+        self._nparams = 0
+        self._param = ""
+        self._types: dict[str, Any] = {}
+        self._raw = ""  # the call's text as it came, for a body that is not a call
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "text":
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._state, self._raw = "call", self.OPEN
+            return True
+        if self._state == "closing":
+            lead = self._buf.lstrip()
+            if lead.startswith(self.CLOSE):
+                self._buf = lead[len(self.CLOSE):]
+            elif self.CLOSE.startswith(lead) and not final:
+                return False
+            self._state = "text"
+            return True
+        if self._state == "call":
+            m = self._FUNC.match(self._buf)
+            if m is None:
+                lead = self._buf.lstrip()
+                undecided = not lead or "<function=".startswith(lead) or (
+                    lead.startswith("<function=") and ">" not in lead)
+                if undecided and not final:
+                    return False
+                # not a call after all: give the text back as content
+                self._state = "text"
+                self._emit_content(self._raw)
+                self._raw = ""
+                return True
+            name = m.group(1).strip()
+            self._raw += self._buf[:m.end()]
+            self._buf = self._buf[m.end():]
+            d = self._announce(name)
+            self._index, self._nparams = d.index, 0
+            self._types = _param_types(self.tools, name)
+            self._emit_calls([d])
+            self._state = "function"
+            return True
+        if self._state == "function":
+            m = self._PARAM.match(self._buf)
+            if m is not None:
+                self._param = m.group(1).strip()
+                self._buf = self._buf[m.end():]
+                self._state = "param"
+                return True
+            lead = self._buf.lstrip()
+            if lead.startswith("</function>"):
+                self._buf = lead[len("</function>"):]
+                self._end_call()
+                return True
+            if lead.startswith(self.CLOSE):
+                self._buf = lead
+                self._end_call()
+                return True
+            return False
+        # param value, up to its closing tag
+        i = self._buf.find("</parameter>")
+        if i < 0:
+            j = self._buf.find("<parameter=")
+            k = self._buf.find("</function>")
+            ends = [x for x in (j, k) if x >= 0]
+            if not ends:
+                return False
+            i, skip = min(ends), 0  # an unclosed parameter: the next tag ends it
+        else:
+            skip = len("</parameter>")
+        value = self._buf[:i]
+        self._buf = self._buf[i + skip:]
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        piece = ("{" if self._nparams == 0 else ", ") + json.dumps(self._param, ensure_ascii=False) + ": " + \
+            json.dumps(_convert_param(value, self._types.get(self._param)), ensure_ascii=False)
+        self._nparams += 1
+        self.calls[self._index].arguments += piece
+        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+        self._state = "function"
+        return True
+
+    def _end_call(self) -> None:
+        piece = "{}" if self._nparams == 0 else "}"
+        self.calls[self._index].arguments += piece
+        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+        self._close(self._index, None)
+        lead = self._buf.lstrip()
+        if lead.startswith(self.CLOSE):
+            self._buf = lead[len(self.CLOSE):]
+            self._state = "text"
+        else:
+            self._state = "closing"
+
+    def _finish_rest(self) -> None:
+        if self._state == "call":
+            self._emit_content(self._raw + self._buf)
+        elif self._state in ("function", "param"):
+            if self._state == "param" and self._buf.strip():
+                self._buf += "</parameter>"
+                self._step(final=True)
+            self._end_call()
+        elif self._buf and self._state == "text":
+            self._emit_content(self._buf)
+        self._buf = ""
+        self._state = "text"
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x JSON calls: the output starts with ``{"name": …, "parameters": {…}}`` (or
+    ``<|python_tag|>``); several calls are joined by ``;``. Anything else is plain content."""
+
+    name = "llama3_json"
+    needs_special_tokens = True
+    TAG = "<|python_tag|>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "start"  # start | text | calls
+        self._call: _JsonCall | None = None
+
+    def _decide(self, lead: str) -> str | None:
+        t = lead
+        if self.TAG.startswith(t):
+            return None if t else None
+        if t.startswith(self.TAG):
+            t = t[len(self.TAG):].lstrip()
+            if not t:
+                return None
+        if t[0] != "{":
+            return "text"
+        rest = t[1:].lstrip()
+        if not rest:
+            return None
+        if rest[0] != '"':
+            return "text"
+        key = rest[1:]
+        for k in ('name"', 'type"'):
+            if key.startswith(k):
+                return "calls"
+            if k.startswith(key):
+                return None
+        return "text"
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "start":
+            lead = self._buf.lstrip()
+            decision = self._decide(lead)
+            if decision is None:
+                if not final:
+                    return False
+                decision = "text"
+            if decision == "calls":
+                if lead.startswith(self.TAG):
+                    lead = lead[len(self.TAG):]
+                self._buf = lead.lstrip()
+            self._state = decision
+            return True
+        if self._state == "text":
+            self._emit_content(self._buf)
+            self._buf = ""
+            return False
+        # calls
+        self._buf = self._buf.lstrip(_WS + ";")
+        if not self._buf:
+            return False
+        if self._buf[0] != "{":
+            self._state = "text"
+            return True
+        if self._call is None:
+            self._call = _JsonCall(self)
+        try:
+            _, end = _scan_object(self._buf)
+        except (_NotACall, ValueError):
+            end = None
+        if end is None:
+            self._emit_calls(self._call.update(self._buf))
+            return False
+        body, self._buf = self._buf[:end], self._buf[end:]
+        deltas = self._call.finish(body)
+        self._call = None
+        if deltas is None:
+            self._emit_content(body)
+            self._state = "text"
+        else:
+            self._emit_calls(deltas)
+        return True
+
+    def _finish_rest(self) -> None:
+        if self._call is not None:
+            if self._call.index is None:
+                self._emit_content(self._buf)
+            else:
+                self._close(self._call.index, "{}" if self._call.args_sent == 0 else None)
+            self._call = None
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+
+
+class MistralToolParser(ToolParser):
+    """``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]`` (v3) or ``[TOOL_CALLS]name[ARGS]{…}`` (v11+)."""
+
+    name = "mistral"
+    needs_special_tokens = True
+    OPEN, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "text"  # text | head | array | named_name | named_args
+        self._call: _JsonCall | None = None
+        self._index = -1
+        self._sent = 0
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "text":
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._state = "head"
+            return True
+        if self._state == "head":
+            lead = self._buf.lstrip()
+            if not lead:
+                return False
+            if lead[0] == "[":
+                self._buf = lead[1:]
+                self._state = "array"
+            else:
+                self._buf = lead
+                self._state = "named_name"
+            return True
+        if self._state == "array":
+            self._buf = self._buf.lstrip(_WS + ",")
+            if not self._buf:
+                return False
+            if self._buf[0] == "]":
+                self._buf = self._buf[1:]
+                self._state = "text"
+                self._after_call = True
+                return True
+            if self._call is None:
+                self._call = _JsonCall(self)
+            try:
+                _, end = _scan_object(self._buf)
+            except (_NotACall, ValueError):
+                self._state = "text"  # malformed: the rest is content
+                return True
+            if end is None:
+                self._emit_calls(self._call.update(self._buf))
+                return False
+            body, self._buf = self._buf[:end], self._buf[end:]
+            deltas = self._call.finish(body)
+            self._call = None
+            self._emit_calls(deltas or [])
+            return True
+        if self._state == "named_name":
+            i = self._buf.find(self.ARGS)
+            if i < 0:
+                return False
+            d = self._announce(self._buf[:i].strip())
+            self._index, self._sent = d.index, 0
+            self._emit_calls([d])
+            self._buf = self._buf[i + len(self.ARGS):].lstrip()
+            self._state = "named_args"
+            return True
+        # named_args: one JSON object
+        if not self._buf:
+            return False
+        end = value_end(self._buf, 0)
+        stop = end if end is not None else len(self._buf)
+        piece = self._buf[self._sent:stop]
+        if piece:
+            self._sent += len(piece)
+            self.calls[self._index].arguments += piece
+            self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+        if end is None:
+            return False
+        self._buf = self._buf[end:]
+        self._close(self._index, None)
+        lead = self._buf.lstrip()
+        if lead.startswith(self.OPEN):
+            self._buf = lead[len(self.OPEN):]
+            self._state = "head"
+        else:
+            self._state = "text"
+        return True
+
+    def _finish_rest(self) -> None:
+        if self._call is not None and self._call.index is not None:
+            self._close(self._call.index, "{}" if self._call.args_sent == 0 else None)
+        elif self._state == "named_name":
+            self._emit_content(self.OPEN + self._buf)
+        elif self._state == "named_args":
+            if not self.calls[self._index].arguments:
+                self.calls[self._index].arguments = "{}"
+            self._close(self._index, None)
+        elif self._state == "text" and self._buf:
+            self._emit_content(self._buf)
+        self._call = None
+        self._buf = ""
+
+
+class DeepSeekToolParser(ToolParser):
+    """DeepSeek V3/R1 (``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\\n```json\\n{…}\\n```<｜tool▁call▁end｜>``)
+    and V3.1 (``<｜tool▁call▁begin｜>name<｜tool▁sep｜>{…}<｜tool▁call▁end｜>``)."""
+
+    name = "deepseek"
+    needs_special_tokens = True
+    CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "text"  # text | calls | header | name | fence | args
+        self._index = -1
+        self._sent = 0
+        self._terminator = self.CALL_END
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "text":
+            if not self._text_until(self.CALLS_BEGIN, final):
+                return False
+            self._state = "calls"
+            return True
+        if self._state == "calls":
+            lead = self._buf.lstrip()
+            if lead.startswith(self.CALL_BEGIN):
+                self._buf = lead[len(self.CALL_BEGIN):]
+                self._state = "header"
+                return True
+            if lead.startswith(self.CALLS_END):
+                self._buf = lead[len(self.CALLS_END):]
+                self._state = "text"
+                self._after_call = True
+                return True
+            if not lead or self.CALL_BEGIN.startswith(lead) or self.CALLS_END.startswith(lead):
+                return False
+            self._buf = lead
+            self._state = "text"
+            return True
+        if self._state == "header":
+            i = self._buf.find(self.SEP)
+            if i < 0:
+                return False
+            header, self._buf = self._buf[:i].strip(), self._buf[i + len(self.SEP):]
+            if header == "function":
+                self._state = "name"
+            else:
+                self._open(header, self.CALL_END)
+            return True
+        if self._state == "name":
+            i = self._buf.find("\n")
+            if i < 0:
+                return False
+            name, self._buf = self._buf[:i].strip(), self._buf[i + 1:]
+            self._open(name, "\n```")
+            self._state = "fence"
+            return True
+        if self._state == "fence":
+            lead = self._buf.lstrip()
+            if lead.startswith("```json"):
+                self._buf = lead[len("```json"):]
+                self._state = "args"
+                return True
+            if not lead or "```json".startswith(lead):
+                return False
+            self._buf, self._terminator, self._state = lead, self.CALL_END, "args"
+            return True
+        # args, up to the terminator; leading and trailing whitespace is not part of them
+        if self._sent == 0:
+            self._buf = self._buf.lstrip()
+        i = self._buf.find(self._terminator)
+        if i < 0:
+            end = len(self._buf) - held_suffix(self._buf, self._terminator)
+            body = self._buf[:end]
+            end = len(body.rstrip())
+            if end > self._sent:
+                self._send(self._buf[self._sent:end])
+            return False
+        body = self._buf[:i].rstrip()
+        if len(body) > self._sent:
+            self._send(body[self._sent:])
+        if not self.calls[self._index].arguments:
+            self._send("{}")
+        self._buf = self._buf[i + len(self._terminator):]
+        if self._terminator != self.CALL_END:
+            j = self._buf.find(self.CALL_END)
+            if j < 0:
+                self._terminator = self.CALL_END
+                self._state = "drain"
+                return False
+            self._buf = self._buf[j + len(self.CALL_END):]
+        self._close(self._index, None)
+        self._state = "calls"
+        return True
+
+    def _open(self, name: str, terminator: str) -> None:
+        d = self._announce(name)
+        self._index, self._sent, self._terminator = d.index, 0, terminator
+        self._emit_calls([d])
+        self._state = "args"
+
+    def _send(self, piece: str) -> None:
+        self._sent += len(piece)
+        self.calls[self._index].arguments += piece
+        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+
+    def push(self, text: str) -> ParsedDelta:
+        self._buf += text
+        while True:
+            if self._state == "drain":
+                j = self._buf.find(self.CALL_END)
+                if j < 0:
+                    self._buf = self._buf[len(self._buf) - held_suffix(self._buf, self.CALL_END):]
+                    break
+                self._buf = self._buf[j + len(self.CALL_END):]
+                self._close(self._index, None)
+                self._state = "calls"
+                continue
+            if not self._step(final=False):
+                break
+        return self._take()
+
+    def _finish_rest(self) -> None:
+        if self._state in ("args", "fence", "name", "drain") and self._index >= 0 and \
+                self._state != "name":
+            if self._state == "args":
+                body = self._buf.strip()
+                if body.endswith("```"):
+                    body = body[:-3].rstrip()
+                if len(body) > self._sent:
+                    self._send(body[self._sent:])
+            if not self.calls[self._index].arguments:
+                self._send("{}")
+            self._close(self._index, None)
+        elif self._state == "text" and self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+        self._state = "text"
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
+                        DeepSeekToolParser)
+}
+
+
+def tool_parser_for_template(source: str | None, override: str = "auto") -> type[ToolParser] | None:
+    """The parser a chat template implies (``override``: "auto", "none" or a family name)."""
+    if override == "none":
+        return None
+    if override != "auto":
+        return PARSERS[override]
+    if not source:
+        return None
+    if "<tool_call>" in source:
+        return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
+    if "[TOOL_CALLS]" in source:
+        return MistralToolParser
+    if "tool▁calls▁begin" in source:
+        return DeepSeekToolParser
+    if "<|python_tag|>" in source or ("<|start_header_id|>" in source and '"parameters"' in source):
+        return Llama3JsonToolParser
+    return None
+
+
+class OutputParser:
+    """One choice's text -> reasoning, content and tool calls (reasoning first, tools in the answer)."""
+
+    def __init__(self, tool_parser: ToolParser | None, reasoning: ReasoningFormat | None = None, *,
+                 starts_inside: bool = False):
+        self.tools = tool_parser
+        self.reasoning = ReasoningParser(reasoning, starts_inside=starts_inside) if reasoning else None
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools is not None else []
+
+    def _content(self, reasoning: str, content: str, final: bool) -> ParsedDelta:
+        if self.tools is None:
+            return ParsedDelta(content, [], reasoning)
+        d = self.tools.push(content) if content else ParsedDelta()
+        if final:
+            e = self.tools.finish()
+            d = ParsedDelta(d.content + e.content, d.calls + e.calls)
+        d.reasoning = reasoning
+        return d
+
+    def push(self, text: str) -> ParsedDelta:
+        if self.reasoning is not None:
+            r, c = self.reasoning.push(text)
+        else:
+            r, c = "", text
+        return self._content(r, c, final=False)
+
+    def finish(self) -> ParsedDelta:
+        r, c = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        return self._content(r, c, final=True)
+
+    def parse(self, text: str) -> ParsedDelta:
+        a = self.push(text)
+        b = self.finish()
+        return ParsedDelta(a.content + b.content, a.calls + b.calls, a.reasoning + b.reasoning)
+
+
+def merge_call_deltas(deltas: list[ToolCallDelta]) -> list[ToolCall]:
+    """Tool calls assembled from their deltas (what a streaming client does)."""
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        if d.index not in calls:
+            calls[d.index] = ToolCall(d.id or "", d.name or "", "")
+        calls[d.index].arguments += d.arguments
+    return [calls[i] for i in sorted(calls)]

@@ -1,0 +1,178 @@
+"""Tool-call and reasoning parsers on adversarial chunkings: whole, split at every character
+boundary, and one character at a time must all give the same content, reasoning and calls, and
+no marker may ever reach the content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flared.frontend.reasoning import THINK, ReasoningParser, opens_reasoning, reasoning_format_for_template
+from flared.frontend.toolcalls import (
+    PARSERS,
+    OutputParser,
+    merge_call_deltas,
+    tool_parser_for_template,
+)
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}}}]
+
+# family -> [(text, expected content, [(name, arguments object)])]
+CASES = {
+    "hermes": [
+        ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+         '</tool_call>\n<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>',
+         "Let me look.", [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
+        ("No tools here, only a < and a <tool and </tool_call> text.",
+         "No tools here, only a < and a <tool and </tool_call> text.", []),
+        ('<tool_call>{"name": "f", "arguments": {"s": "a}\\"</tool_call>{"}}</tool_call>', "",
+         [("f", {"s": "a}\"</tool_call>{"})]),
+        ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
+        ('<tool_call>{"name": "f"}</tool_call>', "", [("f", {})]),
+    ],
+    "qwen3_coder": [
+        ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+         "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n75001\n</parameter>\n</function>\n</tool_call>",
+         "Checking.", [("get_weather", {"city": "Paris", "days": 3, "zip": "75001"})]),
+        ("<tool_call>\n<function=ping>\n</function>\n</tool_call>\nDone.", "Done.", [("ping", {})]),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather", '
+         '"parameters": {"city": "Rome", "days": 2}}', "",
+         [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome", "days": 2})]),
+        ('<|python_tag|>{"name": "f", "parameters": {}}', "", [("f", {})]),
+        ('{"answer": 42}', '{"answer": 42}', []),
+        ("The weather is fine.", "The weather is fine.", []),
+    ],
+    "mistral": [
+        ('Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+         '{"name": "f", "arguments": {"x": [1, {"y": "]"}]}}]', "Sure.",
+         [("get_weather", {"city": "Paris"}), ("f", {"x": [1, {"y": "]"}]})]),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [("get_weather", {"city": "Paris"})]),
+        ("Plain [TOOL text.", "Plain [TOOL text.", []),
+    ],
+    "deepseek": [
+        ("Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+         '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n'
+         '{"x": "```"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me see.",
+         [("get_weather", {"city": "Paris"}), ("f", {"x": "```"})]),
+        ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [("get_weather", {"city": "Oslo"})]),
+    ],
+}
+
+MARKERS = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+           "tool▁call", "<think>", "</think>")
+
+
+def chunkings(text: str):
+    yield [text]
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+    yield list(text)
+
+
+def run(make, chunks):
+    parser = make()
+    content, reasoning, deltas = [], [], []
+    for chunk in chunks:
+        d = parser.push(chunk)
+        content.append(d.content)
+        reasoning.append(d.reasoning)
+        deltas.extend(d.calls)
+    d = parser.finish()
+    content.append(d.content)
+    reasoning.append(d.reasoning)
+    deltas.extend(d.calls)
+    return content, "".join(reasoning), deltas, parser
+
+
+def check_calls(deltas, parser_calls, expected):
+    merged = merge_call_deltas(deltas)
+    assert [(c.name, json.loads(c.arguments)) for c in merged] == expected
+    # what a streaming client assembled equals what the parser reports at the end
+    assert [(c.id, c.name, c.arguments) for c in merged] == [(c.id, c.name, c.arguments) for c in parser_calls]
+    first = {}
+    for d in deltas:
+        if d.index not in first:
+            first[d.index] = d
+            assert d.id and d.name, "a call's first delta carries its id and name"
+        else:
+            assert d.id is None and d.name is None
+
+
+@pytest.mark.parametrize("family,case", [(f, i) for f, cases in CASES.items() for i in range(len(cases))])
+def test_tool_parser_every_split(family, case):
+    text, want_content, want_calls = CASES[family][case]
+    cls = PARSERS[family]
+    for chunks in chunkings(text):
+        content, _, deltas, parser = run(lambda: OutputParser(cls(WEATHER_TOOLS)), chunks)
+        joined = "".join(content)
+        assert joined == want_content, chunks
+        if want_calls:
+            for piece in content:
+                assert not any(m in piece for m in MARKERS), (piece, chunks)
+        check_calls(deltas, parser.calls, want_calls)
+
+
+def test_arguments_stream_as_several_deltas():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}</tool_call>'
+    _, _, deltas, _ = run(lambda: OutputParser(PARSERS["hermes"]()), list(text))
+    arg_pieces = [d.arguments for d in deltas if d.arguments]
+    assert len(arg_pieces) > 5 and "".join(arg_pieces) == '{"city": "Paris", "days": 3}'
+
+
+REASONING_CASES = [
+    # (text, starts_inside, reasoning, content)
+    ("<think>\nStep one.\nStep two.\n</think>\n\nThe answer is 4.", False, "Step one.\nStep two.\n",
+     "The answer is 4."),
+    ("  <think>a<b</think>c", False, "a<b", "c"),
+    ("No reasoning <think> here.", False, "", "No reasoning <think> here."),
+    ("Thinking inside.</think>Answer.", True, "Thinking inside.", "Answer."),
+    ("<think>Repeated opener.</think>Answer.", True, "Repeated opener.", "Answer."),
+    ("<think>cut off by max_tokens", False, "cut off by max_tokens", ""),
+    ("<thin", False, "", "<thin"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(REASONING_CASES)))
+def test_reasoning_every_split(case):
+    text, inside, want_reasoning, want_content = REASONING_CASES[case]
+    for chunks in chunkings(text):
+        parser = ReasoningParser(THINK, starts_inside=inside)
+        r, c = [], []
+        for chunk in chunks:
+            a, b = parser.push(chunk)
+            r.append(a)
+            c.append(b)
+        a, b = parser.finish()
+        assert ("".join(r) + a, "".join(c) + b) == (want_reasoning, want_content), chunks
+        assert not any("</think>" in x for x in c + r)
+
+
+def test_reasoning_then_tool_call_every_split():
+    text = ('<think>I should call it.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call>')
+    for chunks in chunkings(text):
+        content, reasoning, deltas, parser = run(
+            lambda: OutputParser(PARSERS["hermes"](), THINK), chunks)
+        assert "".join(content) == "" and reasoning == "I should call it."
+        check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris"})])
+
+
+def test_selection_from_templates():
+    assert tool_parser_for_template("{{ '<tool_call>' }}").name == "hermes"
+    assert tool_parser_for_template("<tool_call><function={{ n }}>").name == "qwen3_coder"
+    assert tool_parser_for_template("[TOOL_CALLS]").name == "mistral"
+    assert tool_parser_for_template("<｜tool▁calls▁begin｜>").name == "deepseek"
+    assert tool_parser_for_template("<|python_tag|>").name == "llama3_json"
+    assert tool_parser_for_template("{{ messages }}") is None
+    assert tool_parser_for_template("<tool_call>", "none") is None
+    assert tool_parser_for_template("", "mistral").name == "mistral"
+    assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
+    assert reasoning_format_for_template("<think></think>", "none") is None
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n", THINK)
+    assert not opens_reasoning("<|im_start|>assistant\n", THINK)
