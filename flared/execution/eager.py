@@ -16,10 +16,19 @@ Plan kinds on this backend:
 - RESTORE: snapshot -> state row; snapshot page -> the request's page.
 - RESUME_SAMPLING: sample from the state row's logits (a full prompt hit).
 - INITIALIZE: nothing to reset for attention-only models.
-SCORED_PREFILL is not executed yet (no route submits it).
+- SCORED_PREFILL: a PREFILL that also scores every fed token (position >= 1).
+
+Scoring (``score_from[i]`` set, or a SCORED_PREFILL plan): participant i also
+gets log P(token[p] | tokens[:p]) for each token p >= score_from it feeds. The
+forward returns logits at every position of that participant's chunk; the
+token at the chunk's first position is scored from the state row's logits,
+which hold the position before it (the previous chunk's last position, or
+the snapshot a prefix hit restored), so a prompt taken from the prefix cache
+is never recomputed to score its continuation.
 
 ``run`` returns the scheduler's CompletionRecords, the measured duration,
-and per-participant log-probabilities for rows that asked for them.
+per-participant log-probabilities for rows that asked for them, and
+per-participant scores (None for rows that do not score).
 """
 
 from __future__ import annotations
@@ -61,17 +70,23 @@ class EagerExecutor:
     # -- plan execution --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, plan, block_tables: list[np.ndarray], states: list[SequenceSamplingState | None]):
-        """Execute ``plan``. ``block_tables[i]`` / ``states[i]``: participant i's
-        whole block table and sampler state. Returns (records, duration_ns, logprobs)."""
+    def run(self, plan, block_tables: list[np.ndarray], states: list[SequenceSamplingState | None],
+            score_from: list[int | None] | None = None):
+        """Execute ``plan``. ``block_tables[i]`` / ``states[i]`` / ``score_from[i]``:
+        participant i's whole block table, sampler state and first scored position.
+        Returns (records, duration_ns, logprobs, scores)."""
         started = time.perf_counter_ns()
         n = plan.num_participants
         kind = plan.kind
         sampled = np.full(n, -1, dtype=np.int64)
         logprobs: list[TokenLogprob | None] = [None] * n
         rows = np.asarray(plan.state_rows, dtype=np.int64)
-        if kind in (GraphKind.PREFILL, GraphKind.DECODE):
-            self._forward(plan, block_tables, states, rows, sampled, logprobs)
+        scores: list[list[float] | None] = [None] * n
+        if kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.SCORED_PREFILL):
+            starts = list(score_from) if score_from is not None else [None] * n
+            if kind == GraphKind.SCORED_PREFILL:
+                starts = [1 if s is None else max(1, s) for s in starts]
+            self._forward(plan, block_tables, states, rows, sampled, logprobs, starts, scores)
         elif kind == GraphKind.RESUME_SAMPLING:
             sample_idx = [i for i in range(n) if plan.sample[i]]
             if sample_idx:
@@ -92,9 +107,9 @@ class EagerExecutor:
             generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64),
             token_ids=sampled,
         )
-        return records, time.perf_counter_ns() - started, logprobs
+        return records, time.perf_counter_ns() - started, logprobs, scores
 
-    def _forward(self, plan, block_tables, states, rows, sampled, logprobs) -> None:
+    def _forward(self, plan, block_tables, states, rows, sampled, logprobs, score_from, scores) -> None:
         n = plan.num_participants
         chunks = []
         for i in range(n):
@@ -107,12 +122,46 @@ class EagerExecutor:
             chunks.append(SequenceChunk(tokens, int(plan.token_starts[i]), block_tables[i], needs_logits=True))
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
-        logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
+        scoring = [i for i in range(n) if score_from[i] is not None
+                   and int(plan.token_starts[i]) + len(chunks[i].token_ids) > score_from[i]]
+        if not scoring:
+            logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
+        else:
+            logits = self._forward_scoring(batch, chunks, plan, rows, score_from, scoring, scores)
         self.state_logits.index_copy_(0, torch.as_tensor(rows), logits)
         sample_idx = [i for i in range(n) if plan.sample[i]]
         if sample_idx:
             self._sample(logits.index_select(0, torch.as_tensor(sample_idx)), sample_idx, rows, states,
                          sampled, logprobs)
+
+    def _forward_scoring(self, batch, chunks, plan, rows, score_from, scoring, scores) -> torch.Tensor:
+        """Forward with logits at every position of the scoring participants' chunks;
+        fills ``scores`` and returns each participant's last-position logits [n, vocab]."""
+        n = len(chunks)
+        bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])  # chunk rows are contiguous, in order
+        scoring_set = set(scoring)
+        row_ids, last_at = [], []
+        for i in range(n):
+            if i in scoring_set:
+                row_ids.extend(range(int(bounds[i]), int(bounds[i + 1])))
+            else:
+                row_ids.append(int(bounds[i + 1]) - 1)
+            last_at.append(len(row_ids) - 1)
+        # SequenceChunk asks only for last-position logits; widen the rows this forward returns.
+        batch.logit_row_ids = torch.as_tensor(row_ids, dtype=torch.int64, device=batch.logit_row_ids.device)
+        all_logits = self.model.forward(batch, self.kv)  # [len(row_ids), vocab]
+        for i in scoring:
+            start = int(plan.token_starts[i])
+            tokens = torch.as_tensor(np.asarray(chunks[i].token_ids, dtype=np.int64))
+            first_row = last_at[i] - len(tokens) + 1
+            # Logits predicting positions start .. start+len-1: the row state before this chunk, then
+            # the chunk's own positions except its last.
+            predictors = torch.cat([self.state_logits[rows[i]][None, :].to(all_logits.dtype),
+                                    all_logits[first_row:last_at[i]]])
+            lp = torch.log_softmax(predictors.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+            skip = max(0, score_from[i] - start)
+            scores[i] = lp[skip:].tolist()
+        return all_logits.index_select(0, torch.as_tensor(last_at, dtype=torch.int64, device=all_logits.device))
 
     def _sample(self, logits, sample_idx, rows, states, sampled, logprobs) -> None:
         row_states = [states[i] for i in sample_idx]

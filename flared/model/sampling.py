@@ -18,6 +18,11 @@ Rules:
 - ``sample`` advances each state (step counter, output counts) itself, on the
   device, without a host sync; reading the chosen ids back is the caller's one
   sync per step.
+- Grammar masks (flared.model.grammar) touch only rows whose state holds a
+  matcher: their disallowed ids go to -inf after bias and penalties, before
+  the greedy argmax and the draw. Unconstrained rows pay nothing. The caller
+  advances the matcher with the chosen token; a matcher already in its error
+  state is left unmasked here and reported by the caller's ``consume``.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class SequenceSamplingState:
     seed: int  # resolved: the request's seed, or a random one
     num_output_tokens: int = 0  # tokens drawn so far; the counter of the per-row RNG
     penalty_slot: int | None = None  # row of the sampler's penalty tables, when penalties are used
+    grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
 
 
 @dataclass
@@ -122,15 +128,16 @@ class Sampler:
         self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
         self._free_slots = list(range(max_penalty_slots - 1, -1, -1))
         self._generator = torch.Generator(device=self.device)
+        self._bit_shifts: torch.Tensor | None = None  # 0..31, for expanding grammar bitmasks
 
-    def add_sequence(self, params: SamplingParams, prompt_token_ids) -> SequenceSamplingState:
+    def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         if params.logit_bias:
             too_big = [t for t in params.logit_bias if t >= self.vocab_size]
             if too_big:
                 raise AdmissionError(f"logit_bias token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
                                      ErrorKind.VALIDATION)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        state = SequenceSamplingState(params=params, seed=seed)
+        state = SequenceSamplingState(params=params, seed=seed, grammar=grammar)
         if params.uses_penalties:
             if not self._free_slots:
                 raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
@@ -161,6 +168,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
 
         logits = self.apply_bias_and_penalties(logits, states)
+        self._apply_grammar_masks(logits, states)
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
 
         token_ids = logits.argmax(dim=-1)
@@ -196,6 +204,28 @@ class Sampler:
         if penalty_rows:
             self._apply_penalties(logits, states, penalty_rows)
         return logits
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> None:
+        rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.failed]
+        if not rows:
+            return
+        vocab = logits.shape[-1]
+        num_words = (vocab + 31) // 32
+        # Host bitmask (llguidance writes through a pointer), one row per constrained request.
+        bitmask = torch.empty(len(rows), num_words, dtype=torch.int32)
+        row_bytes = num_words * 4
+        for k, i in enumerate(rows):
+            states[i].grammar.fill_bitmask(bitmask[k].data_ptr(), row_bytes)
+        if self._bit_shifts is None:
+            self._bit_shifts = torch.arange(32, dtype=torch.int32)
+        # [R, W] words -> [R, W * 32] bits, little-endian within a word (id = 32 * word + bit).
+        allowed = ((bitmask.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+        allowed = allowed.to(logits.device)
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
         rows, cols, values = [], [], []

@@ -35,6 +35,13 @@ class GenerateRequest:
     params: SamplingParams  # includes max_tokens
     stop_token_ids: frozenset[int]  # EOS ids (unless ignore_eos) + the request's own stop ids
     request_id: int = dataclasses.field(default_factory=lambda: next(_request_ids))
+    # flared.model.grammar.CompiledGrammar: every sampled token must keep the output inside it.
+    grammar: object | None = None
+    # Scoring request: the model thread reports the log-probability of every
+    # prompt token at a position >= score_from (teacher-forced, no sampling
+    # shown) in one ScoredEvent, then finishes. Positions before it are the
+    # shared context and may come from the prefix cache.
+    score_from: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,11 +68,17 @@ class FinishEvent:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScoredEvent:
+    # log P(token[p] | tokens[:p]) for p = score_from .. len(prompt) - 1, in order.
+    logprobs: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class ErrorEvent:
     error: FlareError
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+Event = TokenEvent | ScoredEvent | FinishEvent | ErrorEvent
 
 
 class EventSink:

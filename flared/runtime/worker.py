@@ -20,6 +20,14 @@ Rules:
 - A cancelled request stops being scheduled at once; its slot, pages and
   sampler state are released when the scheduler retires it (after its last
   in-flight use).
+- A constrained request (``grammar``) advances its matcher with every token
+  it emits, before the next plan; a token the grammar rejects ends that
+  request alone with an ErrorEvent (the others in its batch go on).
+- A scoring request (``score_from``) is admitted with a private conditioning
+  identity at ``score_from``: the context before it is shared through the
+  prefix cache, nothing after it ever is, so every scored token is fed. Its
+  prefill-end sample is never published: it gets one ScoredEvent, then a
+  "stop" finish.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ import threading
 import time
 
 from flared.errors import AdmissionError, ErrorKind, ExecutionError, FlareError
-from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, GenerateRequest, TokenEvent, as_error
+from flared.runtime.request import (
+    ErrorEvent, EventSink, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent, as_error,
+)
 
 log = logging.getLogger("flared.runtime")
 
@@ -60,6 +70,8 @@ class _Live:
     # completed steps published output (a multi-token step counts once).
     last_output_ns: int = 0
     num_bursts: int = 0
+    grammar: object = None  # flared.model.grammar.GrammarMatcher of a constrained request
+    scores: list | None = None  # a scoring request's log-probabilities so far
 
 
 class ModelRuntime:
@@ -275,11 +287,21 @@ class ModelRuntime:
             try:
                 # Without the prefix cache, a fresh random conditioning identity at
                 # position 0 makes every key of this request unique: nothing is reused.
+                conditioning = () if self.prefix_cache else ((0, os.urandom(32)),)
+                if req.score_from is not None and self.prefix_cache:
+                    conditioning = ((req.score_from, os.urandom(32)),)
                 handle = self.scheduler.admit(
                     list(req.prompt_token_ids), req.params.max_tokens, now,
                     message_boundaries=req.message_endpoints if self.prefix_cache else (),
-                    conditioning=() if self.prefix_cache else ((0, os.urandom(32)),))
-                live.sampler_state = self.executor.sampler.add_sequence(req.params, req.prompt_token_ids)
+                    conditioning=conditioning,
+                    # Scoring the whole prompt: no shared context to reuse, the scheduler's scored prefill fits.
+                    score_prompt=req.score_from is not None and req.score_from <= 1)
+                if req.grammar is not None and live.grammar is None:
+                    live.grammar = req.grammar.matcher()
+                if req.score_from is not None:
+                    live.scores = []
+                live.sampler_state = self.executor.sampler.add_sequence(req.params, req.prompt_token_ids,
+                                                                        grammar=live.grammar)
             except AdmissionError as e:
                 if e.kind is ErrorKind.MODEL_CAPACITY:
                     if self.scheduler.num_live == 0:
@@ -305,6 +327,7 @@ class ModelRuntime:
         handles = [int(h) for h in plan.handles]
         block_tables = [s.block_table(h) for h in handles]
         states = [self._by_handle[h].sampler_state if h in self._by_handle else None for h in handles]
+        score_from = [self._by_handle[h].request.score_from if h in self._by_handle else None for h in handles]
         s.commit(plan, fence)
         self.steps += 1
         if self._fail_after_steps is not None and self.steps > self._fail_after_steps:
@@ -313,7 +336,7 @@ class ModelRuntime:
             live = self._by_handle.get(h)
             if live is not None and not live.scheduled_ns:
                 live.scheduled_ns = now
-        records, duration_ns, logprobs = self.executor.run(plan, block_tables, states)
+        records, duration_ns, logprobs, scores = self.executor.run(plan, block_tables, states, score_from)
         done_ns = time.monotonic_ns()
         result = s.complete(fence, records, duration_ns, done_ns)
         kind_name = plan.kind_name.lower()
@@ -326,9 +349,26 @@ class ModelRuntime:
             telemetry.record(done_ns, int(plan.kind), int(plan.batch_capacity), int(plan.token_capacity),
                              len(handles), int(duration_ns))
         index = {h: i for i, h in enumerate(handles)}
+        for h, chunk_scores in zip(handles, scores):
+            live = self._by_handle.get(h)
+            if chunk_scores is not None and live is not None and live.scores is not None:
+                live.scores.extend(chunk_scores)
         for handle, token in result.emitted:
             live = self._by_handle.get(handle)
             if live is None or live.terminal_sent:
+                continue
+            if live.scores is not None:
+                # The prompt is fed: report the scores, never the sample.
+                live.sink.put(ScoredEvent(tuple(live.scores)))
+                self._end(live, "stop")
+                self._on_retired(s.finish(handle, done_ns))
+                continue
+            if live.grammar is not None and not live.grammar.consume(token):
+                self._terminal(live, ErrorEvent(ExecutionError(
+                    f"constrained decoding failed after {live.grammar.num_consumed} tokens: token {token} "
+                    f"is outside the grammar ({live.grammar.error or 'no allowed continuation'})",
+                    ErrorKind.EXECUTION)))
+                self._on_retired(s.finish(handle, done_ns))
                 continue
             if not live.first_token_ns:
                 live.first_token_ns = done_ns
