@@ -196,8 +196,12 @@ class Sampler:
         return out
 
     def apply_bias_and_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
-        """A processed copy of ``logits``: logit bias, then repetition/frequency/presence penalties.
-        Greedy rows take their argmax from this."""
+        """``logits`` after logit bias, then repetition/frequency/presence penalties: a copy, or the
+        input itself when no row has any (the input is never modified). Greedy rows take their argmax
+        from this."""
+        # sample() masks grammar rows in place afterwards, so those need the copy too.
+        if not any(s.params.logit_bias or s.penalty_slot is not None or s.grammar is not None for s in states):
+            return logits
         logits = logits.clone()
         self._apply_logit_bias(logits, [s.params for s in states])
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]

@@ -23,6 +23,7 @@ from flared.errors import AdmissionError, ErrorKind
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
 from flared.server.openai_routes import OpenAIRoutes
+from flared.server.structured import StructuredOutput
 
 
 class ServingState:
@@ -42,6 +43,9 @@ class ServingState:
         # Futures resolved when the last admitted request's permit is released
         # (ServingSession.wait_for_requests waits on one instead of polling).
         self.idle_waiters: list[asyncio.Future] = []
+        # Grammar compiler for structured output (flared.server.structured), built on first use.
+        self.structured = StructuredOutput(frontend, vocab_size=self.vocab_size,
+                                           eos_token_ids=manifest.tokens.eos_token_ids)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -110,6 +114,9 @@ def build_router(state: ServingState) -> Router:
 
         router.add("GET", "/metrics", metrics_route(state.metrics), public=True)
     OpenAIRoutes(state).register(router)
+    from flared.server.decisions_routes import DecisionsRoutes
+
+    DecisionsRoutes(state).register(router)
     return router
 
 

@@ -17,6 +17,7 @@ from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.structured import compile_grammar
 from flared.server.openai_schema import ChatRequest, CompletionRequest, SamplingOptions, parse_chat, parse_completion
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -137,10 +138,11 @@ class OpenAIRoutes:
             req.messages, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, **req.template_kwargs)
         prompt = tuple(rendered.token_ids)
+        grammar = await compile_grammar(self.state, req.response_format)
         requests = [
             GenerateRequest(prompt, rendered.message_endpoints,
                             sampling_params(self.state, req.options, len(prompt), None, i),
-                            _stop_ids(self.state, req.options))
+                            _stop_ids(self.state, req.options), grammar=grammar)
             for i in range(req.options.n)]
         gen = self.state.start(requests, req.options.stop)
         request.disconnected.add_callback(gen.cancel)
@@ -219,13 +221,14 @@ class OpenAIRoutes:
             if not ids:
                 raise AdmissionError("'prompt': the prompt is empty")
             prompts.append(tuple(ids))
+        grammar = await compile_grammar(self.state, req.response_format)
         requests = []
         for pi, ids in enumerate(prompts):
             for j in range(req.options.n):
                 requests.append(GenerateRequest(
                     ids, (), sampling_params(self.state, req.options, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
                                              pi * req.options.n + j),
-                    _stop_ids(self.state, req.options)))
+                    _stop_ids(self.state, req.options), grammar=grammar))
         gen = self.state.start(requests, req.options.stop)
         request.disconnected.add_callback(gen.cancel)
         rid = "cmpl-" + secrets.token_hex(12)

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.server.structured import GrammarSpec, parse_response_format
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -57,6 +58,7 @@ class ChatRequest:
     add_generation_prompt: bool
     continue_final_message: bool
     user: str | None
+    response_format: GrammarSpec | None = None  # constrained output (flared.server.structured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     user: str | None
+    response_format: GrammarSpec | None = None
 
 
 # -- field readers ---------------------------------------------------------------------------------
@@ -235,7 +238,7 @@ def parse_chat(body: Any) -> ChatRequest:
         elif content is None and role != "assistant":
             raise _bad(f"{where}.content", "is required")
         out.append(msg)
-    _reject_unsupported(body, ("tools", "functions", "response_format", "audio", "prediction"))
+    _reject_unsupported(body, ("tools", "functions", "audio", "prediction"))
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise _bad("tool_choice", "is not supported by this server yet", ErrorKind.UNSUPPORTED)
     if _boolean(body, "logprobs"):
@@ -259,6 +262,7 @@ def parse_chat(body: Any) -> ChatRequest:
         template_kwargs=dict(kwargs),
         add_generation_prompt=_boolean(body, "add_generation_prompt", default=not cont),
         continue_final_message=cont,
+        response_format=parse_response_format(body.get("response_format")),
         user=_string(body, "user"),
     )
 
@@ -302,5 +306,6 @@ def parse_completion(body: Any) -> CompletionRequest:
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,
+        response_format=parse_response_format(body.get("response_format")),
         user=_string(body, "user"),
     )

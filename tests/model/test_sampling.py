@@ -158,3 +158,14 @@ def test_logprobs_come_from_raw_logits():
 def test_invalid_params_are_admission_errors(kwargs):
     with pytest.raises(AdmissionError):
         SamplingParams(**kwargs)
+
+
+def test_sample_never_modifies_the_callers_logits():
+    logits = logits_rows(3, seed=11)
+    before = logits.clone()
+    sampler = Sampler(VOCAB)
+    for params in ([SamplingParams(temperature=0)] * 3,
+                   [SamplingParams(temperature=0, logit_bias={1: 5.0}), SamplingParams(repetition_penalty=2.0, seed=1),
+                    SamplingParams(temperature=0.5, top_k=3, min_p=0.1, seed=2)]):
+        sampler.sample(logits, [sampler.add_sequence(p, [1, 2]) for p in params])
+        assert torch.equal(logits, before)
