@@ -1,0 +1,168 @@
+"""Structured output: request fields -> a grammar the model thread enforces.
+
+Every API's way of asking for constrained output becomes one ``GrammarSpec``
+(pure data, parsed and checked on the event loop without the tokenizer):
+
+- OpenAI ``response_format``: ``{"type": "text"}`` (none), ``json_object``
+  (any JSON object), ``json_schema`` (``json_schema.schema``; ``strict`` is
+  accepted either way: the grammar is always enforced, never best effort).
+- Ollama ``format``: ``"json"`` (any JSON object) or a JSON schema object.
+- Forced tool calls (OpenAI ``tool_choice`` "required" / a named function,
+  Anthropic ``tool_choice`` any / tool): the output is constrained to JSON
+  the route turns into tool calls itself (``tool_call_schema``), so no tool
+  parser has to find it in free text.
+
+Rules:
+- A schema keyword we would not enforce is a 400 naming the keyword (raised
+  by ``flared.model.grammar.check_schema`` here, before any work), never a
+  silent fallback to unconstrained text.
+- ``StructuredOutput.compile`` runs on a frontend worker (the tokenizer
+  description is built on first use, ~1 s; compiled grammars are cached per
+  schema), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.model.grammar import CompiledGrammar, GrammarCompiler, GrammarError, check_schema
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # "json_schema" | "json_object"
+    schema: Any = None  # the JSON schema for kind "json_schema"
+    name: str | None = None  # OpenAI json_schema.name (for logs)
+
+
+def _bad(field: str, message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> AdmissionError:
+    err = AdmissionError(f"'{field}': {message}", kind)
+    err.param = field
+    return err
+
+
+def _checked(field: str, schema: Any) -> None:
+    try:
+        check_schema(schema)
+    except GrammarError as exc:
+        err = _bad(field, str(exc), exc.kind)
+        err.keyword = exc.keyword
+        raise err from None
+
+
+def parse_response_format(value: Any, field: str = "response_format") -> GrammarSpec | None:
+    """OpenAI ``response_format`` (chat and completions)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad(field, "must be an object with a 'type'")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad(f"{field}.json_schema", "must be an object with a 'schema'")
+        schema = spec.get("schema")
+        if schema is None:
+            raise _bad(f"{field}.json_schema.schema", "is required")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad(f"{field}.json_schema.strict", "must be a boolean")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise _bad(f"{field}.json_schema.name", "must be a string")
+        _checked(f"{field}.json_schema.schema", schema)
+        return GrammarSpec("json_schema", schema, name)
+    raise _bad(f"{field}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def parse_ollama_format(value: Any, field: str = "format") -> GrammarSpec | None:
+    """Ollama ``format``: "json", "" (none) or a JSON schema object."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return GrammarSpec("json_object")
+    if isinstance(value, dict):
+        _checked(field, value)
+        return GrammarSpec("json_schema", value)
+    raise _bad(field, f"must be \"json\" or a JSON schema object, got {value!r}")
+
+
+def tool_call_schema(tools: list[dict], name: str | None) -> dict:
+    """The JSON a forced tool call must produce.
+
+    ``tools``: [{"name", "parameters"}] (API-neutral: each route maps its own
+    tool shape). With ``name``, the output is that function's arguments
+    object; otherwise it is ``[{"name": ..., "arguments": {...}}, ...]`` with
+    at least one call, each naming one of the tools with matching arguments.
+    """
+    by_name = {}
+    for t in tools:
+        params = t.get("parameters")
+        if params is None:
+            params = {"type": "object"}
+        by_name[t["name"]] = params
+    if name is not None:
+        if name not in by_name:
+            raise _bad("tool_choice", f"names the function {name!r}, which is not among 'tools'")
+        _checked("tools", by_name[name])
+        return by_name[name]
+    if not by_name:
+        raise _bad("tool_choice", "requires at least one tool in 'tools'")
+    variants = []
+    for fn, params in by_name.items():
+        _checked("tools", params)
+        variants.append({"type": "object", "properties": {"name": {"const": fn}, "arguments": params},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    item = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {"type": "array", "items": item, "minItems": 1}
+
+
+def forced_tool_calls(text: str, name: str | None) -> list[tuple[str, str]]:
+    """Constrained output of ``tool_call_schema`` -> [(function name, arguments JSON)].
+
+    Raises AdmissionError-free ValueError only if the output is not the JSON
+    the grammar allowed (it was cut short by max_tokens)."""
+    value = json.loads(text)
+    if name is not None:
+        return [(name, json.dumps(value, ensure_ascii=False))]
+    return [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
+
+
+class StructuredOutput:
+    """The serving state's grammar compiler, built on first use (thread-safe)."""
+
+    def __init__(self, frontend, *, vocab_size: int, eos_token_ids):
+        self._frontend = frontend
+        self._vocab_size = vocab_size
+        self._eos = tuple(eos_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler.from_frontend(self._frontend, vocab_size=self._vocab_size,
+                                                               eos_token_ids=self._eos)
+            return self._compiler
+
+    def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
+        """On a frontend worker: GrammarSpec -> CompiledGrammar (400 on an invalid schema)."""
+        c = self.compiler()
+        if spec.kind == "json_object":
+            return c.json_object()
+        return c.json_schema(spec.schema)
+
+
+async def compile_grammar(state, spec: GrammarSpec | None) -> CompiledGrammar | None:
+    """Compile ``spec`` off the event loop (None stays None)."""
+    if spec is None:
+        return None
+    return await state._in_pool(lambda: state.structured.compile_now(spec))
