@@ -169,6 +169,7 @@ class LoadedSession:
         state = ServingState(m, self.frontend, self.runtime, frontend_workers=self.config.frontend_workers,
                              http_permits=queue + max_active)
         state.metrics = ServerMetrics(self.runtime, state, max_slots=m.capacities.concurrency)
+        state.tool_parser, state.reasoning_parser = self.config.tool_parser, self.config.reasoning_parser
         server = HttpServer(build_router(state), http_config(self.config, m), admission=state.admit)
         self.progress.report("binding listener", f"{self.config.host}:{self.config.port}")
         admin = None

@@ -40,6 +40,10 @@ class ServingState:
         self.frontend_busy = 0
         self.paused = False  # pause_admission / shutdown: new generation requests get 503
         self.metrics = None  # flared.server.metrics.ServerMetrics, set by the serving session
+        # Tool-call and reasoning parser families (ServerConfig.tool_parser / reasoning_parser):
+        # "auto" picks them from the chat template, "none" turns parsing off.
+        self.tool_parser = "auto"
+        self.reasoning_parser = "auto"
         # Futures resolved when the last admitted request's permit is released
         # (ServingSession.wait_for_requests waits on one instead of polling).
         self.idle_waiters: list[asyncio.Future] = []
@@ -89,11 +93,12 @@ class ServingState:
         add_bos = self.manifest.tokens.add_bos_token
         return await self._in_pool(lambda: self.frontend.encode(text, add_special_tokens=add_bos))
 
-    def start(self, requests, stop_strings) -> Generation:
+    def start(self, requests, stop_strings, *, skip_special_tokens: bool = True) -> Generation:
         if self.paused:
             raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
                                  ErrorKind.UNAVAILABLE)
-        return Generation(self.runtime, self.frontend, requests, stop_strings, metrics=self.metrics)
+        return Generation(self.runtime, self.frontend, requests, stop_strings, metrics=self.metrics,
+                          skip_special_tokens=skip_special_tokens)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

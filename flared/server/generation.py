@@ -63,13 +63,15 @@ class _Choice:
 
 class Generation:
     def __init__(self, runtime, frontend, requests: list[GenerateRequest], stop_strings: tuple[str, ...],
-                 metrics=None):
+                 metrics=None, *, skip_special_tokens: bool = True):
         self._runtime = runtime
         # One latency/size observer per choice (flared.server.metrics), or None.
         self._observers = [metrics.observer() for _ in requests] if metrics is not None else None
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._choices = [_Choice(r, frontend.detokenizer(stop_strings)) for r in requests]
+        # skip_special_tokens=False keeps special-token markers (Mistral's [TOOL_CALLS]) for a tool parser.
+        self._choices = [_Choice(r, frontend.detokenizer(stop_strings, skip_special_tokens=skip_special_tokens))
+                         for r in requests]
         self.created = int(time.time())
         self._cancelled = False
         submitted = []

@@ -12,6 +12,8 @@ import secrets
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.frontend.reasoning import opens_reasoning, reasoning_format_for_template
+from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall, tool_parser_for_template
 from flared.model.sampling import SamplingParams
 from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
@@ -111,6 +113,57 @@ def _usage(gen: Generation) -> dict[str, Any]:
     }
 
 
+class OutputShape:
+    """How a request's generated text splits into reasoning, content and tool calls.
+
+    Chosen once per request from the chat template (or the config's override)
+    and the rendered prompt (a prompt that ends inside ``<think>`` starts the
+    output inside the reasoning). Every chat-shaped route (chat completions,
+    Messages, Responses, Ollama, systemone) uses it, one ``OutputParser`` per
+    choice."""
+
+    def __init__(self, state, prompt_text: str, tools: list[dict] | None, *, field: str = "tools",
+                 reasoning: bool = True):
+        template = state.frontend.chat_template.source if state.frontend.chat_template is not None else None
+        self.tools = tools
+        self.tool_cls = tool_parser_for_template(template, state.tool_parser) if tools else None
+        if tools and self.tool_cls is None:
+            err = AdmissionError(f"'{field}': this model's chat template has no tool-call format this server "
+                                 "can parse (set tool_parser in the config to name one)", ErrorKind.UNSUPPORTED)
+            err.param = field
+            raise err
+        self.reasoning = reasoning_format_for_template(template, state.reasoning_parser) if reasoning else None
+        self.starts_inside = opens_reasoning(prompt_text, self.reasoning)
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        return not (self.tool_cls is not None and self.tool_cls.needs_special_tokens)
+
+    @property
+    def active(self) -> bool:
+        return self.tool_cls is not None or self.reasoning is not None
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self.tool_cls(self.tools) if self.tool_cls is not None else None, self.reasoning,
+                            starts_inside=self.starts_inside)
+
+    def parse(self, text: str) -> tuple[ParsedDelta, list[ToolCall]]:
+        if not self.active:
+            return ParsedDelta(text), []
+        p = self.parser()
+        return p.parse(text), p.calls
+
+
+def finish_with_calls(finish: str | None, calls) -> str | None:
+    """OpenAI's finish reason: a choice that stopped after emitting tool calls ended for them."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
 class OpenAIRoutes:
     def __init__(self, state):
         self.state = state
@@ -135,36 +188,46 @@ class OpenAIRoutes:
         check_model(self.state, req.model)
         _check_vocab(self.state, req.options)
         rendered = await self.state.prepare_chat(
-            req.messages, add_generation_prompt=req.add_generation_prompt,
+            req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, **req.template_kwargs)
+        shape = OutputShape(self.state, rendered.text, req.tools)
         prompt = tuple(rendered.token_ids)
         grammar = await compile_grammar(self.state, req.response_format)
         requests = [
-            GenerateRequest(prompt, rendered.message_endpoints,
-                            sampling_params(self.state, req.options, len(prompt), None, i),
-                            _stop_ids(self.state, req.options), grammar=grammar)
+            GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
+                            params=sampling_params(self.state, req.options, len(prompt), None, i),
+                            stop_token_ids=_stop_ids(self.state, req.options), grammar=grammar)
             for i in range(req.options.n)]
-        gen = self.state.start(requests, req.options.stop)
+        gen = self.state.start(requests, req.options.stop, skip_special_tokens=shape.skip_special_tokens)
         request.disconnected.add_callback(gen.cancel)
         rid = "chatcmpl-" + secrets.token_hex(12)
         if req.stream:
-            return StreamingResponse(lambda w: self._stream_chat(gen, w, req, rid),
+            return StreamingResponse(lambda w: self._stream_chat(gen, w, req, rid, shape),
                                      headers=[("cache-control", "no-cache")])
         results = await gen.collect()
         choices = []
         for i, (text, _ids, lps, finish) in enumerate(results):
+            parsed, calls = shape.parse(text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if calls else "")}
+            if shape.reasoning is not None:
+                # reasoning_content (vLLM, DeepSeek) and reasoning (newer clients) carry the same text
+                message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
+            if calls:
+                message["tool_calls"] = openai_tool_calls(calls)
             choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": {"content": self._chat_logprobs(lps)} if req.options.logprobs is not None else None,
-                "finish_reason": finish,
+                "finish_reason": finish_with_calls(finish, calls),
             })
         return Response.json({"id": rid, "object": "chat.completion", "created": gen.created,
                               "model": req.model, "choices": choices, "usage": _usage(gen)})
 
-    async def _stream_chat(self, gen: Generation, w: ResponseWriter, req: ChatRequest, rid: str) -> None:
+    async def _stream_chat(self, gen: Generation, w: ResponseWriter, req: ChatRequest, rid: str,
+                           shape: OutputShape) -> None:
         base = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": req.model}
         usage_null = {"usage": None} if req.include_usage else {}
+        parsers = [shape.parser() for _ in range(gen.num_choices)] if shape.active else None
         try:
             for i in range(gen.num_choices):
                 await w.send_json_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -173,11 +236,24 @@ class OpenAIRoutes:
             async for d in gen.deltas():
                 if not d.text and d.finish_reason is None and not d.logprobs:
                     continue
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                finish = d.finish_reason
+                if parsers is None:
+                    delta: dict[str, Any] = {"content": d.text} if d.text or d.finish_reason is None else {}
+                else:
+                    p = parsers[d.index]
+                    parsed = p.push(d.text) if d.text else ParsedDelta()
+                    if finish is not None:
+                        tail = p.finish()
+                        parsed = ParsedDelta(parsed.content + tail.content, parsed.calls + tail.calls,
+                                             parsed.reasoning + tail.reasoning)
+                        finish = finish_with_calls(finish, p.calls)
+                    delta = self._chat_delta(parsed)
+                    if not delta and finish is None and not d.logprobs:
+                        continue
                 choice = {"index": d.index, "delta": delta,
                           "logprobs": {"content": self._chat_logprobs(d.logprobs)}
                           if req.options.logprobs is not None and d.logprobs else None,
-                          "finish_reason": d.finish_reason}
+                          "finish_reason": finish}
                 await w.send_json_event({**base, "choices": [choice], **usage_null})
             if req.include_usage:
                 await w.send_json_event({**base, "choices": [], "usage": _usage(gen)})
@@ -187,6 +263,26 @@ class OpenAIRoutes:
         except Exception as exc:  # the stream has started: report in-band, then end it
             gen.cancel()
             await _send_stream_error(w, exc)
+
+    @staticmethod
+    def _chat_delta(parsed: ParsedDelta) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.calls:
+            calls = []
+            for c in parsed.calls:
+                call: dict[str, Any] = {"index": c.index}
+                fn: dict[str, Any] = {"arguments": c.arguments}
+                if c.id is not None:
+                    call["id"], call["type"] = c.id, "function"
+                    fn["name"] = c.name
+                call["function"] = fn
+                calls.append(call)
+            delta["tool_calls"] = calls
+        return delta
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
         fe = self.state.frontend

@@ -58,6 +58,8 @@ class ChatRequest:
     add_generation_prompt: bool
     continue_final_message: bool
     user: str | None
+    tools: list[dict] | None = None  # function tools as the template sees them; None: no tools
+    tool_choice: str = "auto"  # "auto" | "none" (required/named need constrained decoding)
     response_format: GrammarSpec | None = None  # constrained output (flared.server.structured)
 
 
@@ -238,9 +240,9 @@ def parse_chat(body: Any) -> ChatRequest:
         elif content is None and role != "assistant":
             raise _bad(f"{where}.content", "is required")
         out.append(msg)
-    _reject_unsupported(body, ("tools", "functions", "audio", "prediction"))
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _bad("tool_choice", "is not supported by this server yet", ErrorKind.UNSUPPORTED)
+    _reject_unsupported(body, ("functions", "audio", "prediction"))
+    tools = parse_tools(body.get("tools"), "tools")
+    tool_choice = parse_tool_choice(body.get("tool_choice"), "tool_choice")
     if _boolean(body, "logprobs"):
         top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         logprobs = top
@@ -264,7 +266,44 @@ def parse_chat(body: Any) -> ChatRequest:
         continue_final_message=cont,
         response_format=parse_response_format(body.get("response_format")),
         user=_string(body, "user"),
+        tools=tools if tools and tool_choice != "none" else None,
+        tool_choice=tool_choice,
     )
+
+
+def parse_tools(tools: Any, field: str) -> list[dict] | None:
+    """OpenAI function tools (``{"type": "function", "function": {"name", "description", "parameters"}}``)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise _bad(field, f"must be an array of tools, got {_type(tools)}")
+    out = []
+    for i, t in enumerate(tools):
+        where = f"{field}[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            kind = t.get("type") if isinstance(t, dict) else _type(t)
+            raise _bad(where, f"tool of type {kind!r} is not supported (only function tools)", ErrorKind.UNSUPPORTED)
+        f = t.get("function")
+        if not isinstance(f, dict):
+            raise _bad(f"{where}.function", "must be an object")
+        name = f.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{where}.function.name", "must be a nonempty string")
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(f"{where}.function.parameters", "must be a JSON schema object")
+        out.append({"type": "function", "function": f})
+    return out
+
+
+def parse_tool_choice(choice: Any, field: str) -> str:
+    """"auto" or "none"; "required" and a named function need constrained decoding (not served yet)."""
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        raise _bad(field, "forcing a tool call ('required' or a named function) is not supported yet",
+                   ErrorKind.UNSUPPORTED)
+    raise _bad(field, f"must be 'none', 'auto', 'required' or a named function, got {choice!r}")
 
 
 # -- completions -----------------------------------------------------------------------------------

@@ -1,0 +1,200 @@
+"""A tool-calling model for the API tests, and one `flared run` daemon serving it.
+
+The model is a tiny Llama whose weights were set by hand so that its greedy
+output is a known function of the last prompt token (every layer's output
+projections are zero, so the logits depend on the current token only, and the
+LM head maps a few tokens to chosen successors). The tokenizer carries the
+Hermes/Qwen markers as added tokens and the chat template is a Qwen-style
+template with tools and ``enable_thinking``. So, at temperature 0:
+
+- after the generation prompt (``<|im_start|>assistant\\n``) the model writes
+  ``<think>Let me check the weather.</think><tool_call>{"name": "get_weather",
+  "arguments": {"city": "Paris"}}</tool_call>`` and stops;
+- with thinking disabled (the prompt ends ``<think>\\n\\n</think>\\n\\n``) it
+  writes ``It is sunny in Paris.`` and stops.
+
+That is real generation through the daemon, detokenizer, parsers and
+templates; only the weights are chosen rather than trained.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TOOL_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m['role'] == 'system' %}
+{%- elif m['role'] == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m['content'] }}
+</tool_response><|im_end|>
+{% elif m['role'] == 'assistant' %}<|im_start|>assistant
+{% if m['content'] %}{{ m['content'] }}{% endif %}
+{%- if m['tool_calls'] %}{% for tc in m['tool_calls'] %}
+<tool_call>
+{"name": "{{ tc['function']['name'] }}", "arguments": {{ tc['function']['arguments'] | tojson }}}
+</tool_call>{% endfor %}{% endif %}<|im_end|>
+{% else %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+REASONING = "Let me check the weather."
+CALL_PIECES = ['{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"}}']
+ANSWER = "It is sunny in Paris."
+ADDED = ["\n\n", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+         REASONING, *CALL_PIECES, ANSWER]
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+          "What is the weather in Paris today?", "Hello, world! How are you today?"]
+
+
+def _train_tokenizer(directory: Path):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.add_tokens([AddedToken(t, normalized=False) for t in ADDED])
+    tok.save(str(directory / "tokenizer.json"))
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tool_hf_dir(tmp_path_factory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("hf-tools")
+    tok = _train_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": TOOL_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False, eos_token_id=2, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = {t: tok.token_to_id(t) for t in ADDED}
+    newline = tok.encode("assistant\n").ids[-1]
+    chain = [newline, ids["<think>"], ids[REASONING], ids["</think>"], ids["<tool_call>"],
+             *(ids[p] for p in CALL_PIECES), ids["</tool_call>"], 2]
+    successors = dict(zip(chain, chain[1:]))
+    successors[ids["\n\n"]] = ids[ANSWER]
+    successors[ids[ANSWER]] = 2
+    with torch.no_grad():
+        for layer in model.model.layers:
+            # zero output projections: the residual stream stays the current token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        for nxt in set(successors.values()):
+            # logit ~ 10 * sqrt(hidden) for each (current, next) pair, ~0 for unrelated rows
+            model.lm_head.weight[nxt] = sum(10.0 * emb[cur] / emb[cur].norm()
+                                            for cur, n in successors.items() if n == nxt)
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tool_core(tool_hf_dir, tmp_path_factory) -> Path:
+    from flared.core.export import ExportOptions, export_core
+
+    out = tmp_path_factory.mktemp("cores") / "tools"
+    export_core(tool_hf_dir, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=256))
+    return out
+
+
+class Daemon:
+    """A `flared run` subprocess on 127.0.0.1, waited for by its port file."""
+
+    def __init__(self, core: Path, tmp: Path, *args: str):
+        self.port_file = tmp / "port"
+        self.log_path = tmp / "daemon.log"
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "flared.cli.daemon", "run", str(core), "--port", "0",
+               "--port-file", str(self.port_file), "--threads", "1", "--served-name", "tiny", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if self.port_file.exists() and self.port_file.read_text().endswith("\n"):
+                self.port = int(self.port_file.read_text())
+                break
+            assert time.monotonic() < deadline, f"daemon did not start:\n{self.log()}"
+            time.sleep(0.02)  # polling a file the daemon writes once it listens
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(self, method: str, path: str, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                         headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            payload = resp.read()
+            try:
+                return resp.status, json.loads(payload)
+            except ValueError:
+                return resp.status, payload
+        finally:
+            conn.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def daemon(tool_core, tmp_path_factory):
+    d = Daemon(tool_core, tmp_path_factory.mktemp("daemon"))
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="session")
+def token_ids(tool_hf_dir) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tool_hf_dir / "tokenizer.json"))
+    return {t: tok.token_to_id(t) for t in ADDED}
