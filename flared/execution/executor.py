@@ -1,0 +1,368 @@
+"""The CUDA graph executor: ScheduledPlans run as captured graphs, two frames in flight.
+
+Same model-thread contract as the eager executor (``run(plan, block_tables,
+states) -> (records, duration_ns, logprobs)``, a ``sampler`` for per-request
+state) plus the asynchronous pair the two-frame window needs:
+
+    fence = executor.submit(plan, block_tables, states)   # None: backpressure, poll first
+    done = executor.poll(block=False)                     # (fence, records, duration_ns, logprobs) or None
+
+One submission: pack the plan into a free pinned input frame (numpy views of
+the ExecutionManifest layout), enqueue on the model stream the uploads of
+the spans the step uses (others keep their device values), a start event,
+the graph launch through CuPy, the eager sampler for rows that need it, an
+end event; the copy stream waits on the end event and copies the sampled
+tokens into the frame's pinned completion slot, then records a copied
+event. ``poll`` consumes the oldest frame once its copy is done, joins the
+tokens into the frame's completion records (flared._fast.frames) and frees
+the frame. GPU duration of every step comes from its two events.
+
+Rules:
+- Frames: ordinary decodes share the two-frame window; every other kind needs
+  it empty (and is run with torch ops on the model stream, not a graph); a
+  third submission gets None. FrameRing enforces it.
+- A failure while enqueueing poisons the executor: later submissions raise.
+- ``close()`` synchronises both streams before freeing pinned memory; if that
+  fails, the pinned buffers are kept (the device may still write them).
+- No per-step device allocation on the graph path; one read-back per step
+  (the completion copy) — labelled SYNC where the host waits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
+from flared.errors import ErrorKind, ExecutionError
+from flared.execution import cuda
+from flared.execution.graphs import ExecutionManifest, GraphSet
+from flared.model.sampling import Sampler, SequenceSamplingState
+from flared.runtime.request import TokenLogprob
+from flared.scheduler import CompletionRecords, GraphKind
+
+_NUM_FRAMES = 2
+
+
+def _needs_eager_sampler(state: SequenceSamplingState) -> bool:
+    p = state.params
+    return state.grammar is not None or p.uses_penalties or bool(p.logit_bias) or p.min_p > 0 or p.logprobs is not None
+
+
+class _Pending:
+    """Host-side facts of one in-flight frame, read back by poll."""
+
+    __slots__ = ("num_participants", "logprob_rows", "logprob_out")
+
+    def __init__(self):
+        self.num_participants = 0
+        self.logprob_rows: list[tuple[int, int]] = []  # (participant, top_n)
+        self.logprob_out = None
+
+
+class GraphExecutor:
+    def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
+                 vocab_size: int, max_live: int, decode_batch_sizes, prefill_token_sizes,
+                 max_pages_per_sequence: int):
+        self.model = model
+        self.device = model.device
+        self.page_tokens = page_tokens
+        self.manifest = ExecutionManifest.build(decode_batch_sizes=decode_batch_sizes,
+                                                prefill_token_sizes=prefill_token_sizes,
+                                                max_pages_per_sequence=max_pages_per_sequence)
+        self.manifest.validate()
+        self.max_slots = num_state_rows - 1
+        self._pinned: list[cuda.PinnedBuffer] = []
+        self.closed = False
+        self.leaked = False
+        self.model_stream = torch.cuda.Stream(device=self.device)
+        self.copy_stream = torch.cuda.Stream(device=self.device)
+        self._model_ptr = self.model_stream.cuda_stream
+        self._copy_ptr = self.copy_stream.cuda_stream
+        self.graphs = GraphSet(model, self.manifest, num_pages=num_pages, page_tokens=page_tokens,
+                               num_state_rows=num_state_rows)
+        self.decoder = self.graphs.decoder
+        c = model.config
+        snap_shape = (num_snapshots, c.num_layers, page_tokens, c.num_kv_heads, c.head_dim)
+        self.snap_keys = torch.zeros(snap_shape, dtype=model.dtype, device=self.device)
+        self.snap_values = torch.zeros(snap_shape, dtype=model.dtype, device=self.device)
+        self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)
+        self.sampler = Sampler(vocab_size, device=self.device, max_penalty_slots=max_live)
+        self.graphs.capture(self.model_stream)
+        # Pinned frames: inputs (manifest layout) and completion tokens (one int64 per batch row).
+        self._in_frames = [self._pin(self.manifest.total_bytes) for _ in range(_NUM_FRAMES)]
+        self._in_views = [self.manifest.host_views(f.array) for f in self._in_frames]
+        self._token_frames = [self._pin(8 * self.manifest.max_batch) for _ in range(_NUM_FRAMES)]
+        self._tokens = [f.array.view(np.int64) for f in self._token_frames]
+        self.ring = FrameRing()
+        self.table = CompletionTable(self.max_slots)
+        self._start = [cuda.Event() for _ in range(_NUM_FRAMES)]
+        self._end = [cuda.Event() for _ in range(_NUM_FRAMES)]
+        self._copied = [cuda.Event() for _ in range(_NUM_FRAMES)]
+        self._pending = [_Pending() for _ in range(_NUM_FRAMES)]
+        self._spans = {s.name: s for s in self.manifest.spans}
+        self._input_ptr = self.graphs.input_ptr
+        self._sampled_ptr = self.decoder.sampled.data_ptr()
+
+    def _pin(self, nbytes: int) -> cuda.PinnedBuffer:
+        buf = cuda.PinnedBuffer(nbytes)
+        self._pinned.append(buf)
+        return buf
+
+    @property
+    def num_bytes(self) -> int:
+        return self.decoder.kv_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
+
+    @property
+    def outstanding(self) -> int:
+        return self.ring.outstanding
+
+    # -- model-thread contract ---------------------------------------------------------------------
+
+    def run(self, plan, block_tables, states, score_from=None):
+        """Synchronous: submit (draining older frames for room), then wait for this step.
+        Returns (records, duration_ns, logprobs, scores) like the eager executor; scored
+        prefill is not run on this backend yet, so scores are always None."""
+        while True:
+            fence = self.submit(plan, block_tables, states)
+            if fence is not None:
+                break
+            self.poll(block=True)
+        while True:
+            done = self.poll(block=True)
+            if done is not None and done[0] == fence:
+                return done[1], done[2], done[3], [None] * plan.num_participants
+
+    def submit(self, plan, block_tables, states) -> int | None:
+        if self.closed:
+            raise ExecutionError("the executor is closed", ErrorKind.EXECUTION)
+        kind = plan.kind
+        klass = WINDOW if kind == GraphKind.DECODE else DRAINING
+        if any(s is not None and getattr(s, "grammar", None) is not None for s in states):
+            klass = EXCLUSIVE
+        frame = self.ring.acquire(klass)
+        if frame < 0:
+            return None
+        try:
+            n = plan.num_participants
+            pending = self._pending[frame]
+            pending.num_participants = n
+            pending.logprob_rows = []
+            pending.logprob_out = None
+            with torch.cuda.stream(self.model_stream):
+                self._start[frame].record(self._model_ptr)
+                if kind == GraphKind.DECODE:
+                    self._submit_graph(frame, plan, block_tables, states, "decode")
+                elif kind == GraphKind.PREFILL:
+                    self._submit_graph(frame, plan, block_tables, states, "prefill")
+                else:
+                    self._submit_eager(plan, states, pending)
+                self._end[frame].record(self._model_ptr)
+            cuda.stream_wait_event(self._copy_ptr, self._end[frame])
+            if n:
+                cuda.copy_d2h_async(self._token_frames[frame].ptr, self._sampled_ptr, 8 * n, self._copy_ptr)
+            self._copied[frame].record(self._copy_ptr)
+            fence = self.ring.submitted(frame)
+            sample = np.ascontiguousarray(plan.sample, dtype=np.uint8)
+            consumed = np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64)
+            self.table.write(frame, fence, np.asarray(plan.slots, dtype=np.int64),
+                             np.asarray(plan.handles, dtype=np.int64), consumed,
+                             np.asarray(plan.generated_ends, dtype=np.int64), sample)
+            return fence
+        except Exception as exc:
+            self.ring.poison(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, ExecutionError):
+                raise
+            raise ExecutionError(f"submission of {plan.kind_name} step failed: {exc}", ErrorKind.POISONED) from exc
+
+    def poll(self, block: bool = False):
+        """The oldest step's completion: (fence, CompletionRecords, gpu_duration_ns, logprobs), or None."""
+        frame = self.ring.oldest()
+        if frame < 0:
+            return None
+        copied = self._copied[frame]
+        if not block and not copied.query():
+            return None
+        copied.synchronize()  # SYNC: the step's one read-back (its sampled tokens)
+        pending = self._pending[frame]
+        n = pending.num_participants
+        fence = self.ring.fence(frame)
+        handles, consumed, generated, token_ids = self.table.parse(frame, fence, self._tokens[frame][:n])
+        duration_ns = self._end[frame].elapsed_ns(self._start[frame])
+        logprobs: list[TokenLogprob | None] = [None] * n
+        if pending.logprob_rows:
+            chosen, top_v, top_i = pending.logprob_out
+            for k, (i, top_n) in enumerate(pending.logprob_rows):
+                top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
+                logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
+        self.ring.release(frame)
+        return fence, CompletionRecords(handles=handles, consumed_tokens=consumed, generated_tokens=generated,
+                                        token_ids=token_ids), duration_ns, logprobs
+
+    # -- graph steps -------------------------------------------------------------------------------
+
+    def _upload(self, frame: int, name: str, count: int) -> None:
+        """Copy the first ``count`` elements (rows) of span ``name`` from the pinned frame."""
+        span = self._spans[name]
+        row_bytes = span.nbytes // span.shape[0]
+        src = self._in_frames[frame].ptr + span.offset_bytes
+        cuda.copy_h2d_async(self._input_ptr + span.offset_bytes, src, row_bytes * count, self._model_ptr)
+
+    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str) -> None:
+        v = self._in_views[frame]
+        P = self.page_tokens
+        n = plan.num_participants
+        starts = np.asarray(plan.token_starts, dtype=np.int64)
+        counts = np.asarray(plan.num_tokens, dtype=np.int64)
+        rows = np.asarray(plan.state_rows, dtype=np.int64)
+        sample_flags = np.asarray(plan.sample, dtype=bool)
+        scratch = self.decoder.scratch_slot
+        if kind == "decode":
+            key = self.graphs.pick("decode", n, any(s is not None and s.params.temperature > 0 for s in states))
+            cap = key[1]
+            offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n]
+            v["token_ids"][:n] = np.asarray(plan.token_ids, dtype=np.int64)[offsets]
+            v["token_ids"][n:cap] = 0
+            v["positions"][:n] = starts
+            v["positions"][n:cap] = 0
+            tables = v["block_tables"]
+            width = 0
+            for i in range(n):
+                bt = block_tables[i]
+                pages_used = int(starts[i]) // P + 1
+                tables[i, :pages_used] = bt[:pages_used]
+                width = max(width, pages_used)
+            pages_of = tables[np.arange(n), starts // P].astype(np.int64)
+            v["slot_ids"][:n] = pages_of * P + starts % P
+            v["slot_ids"][n:cap] = scratch
+            v["state_rows"][:n] = rows
+            v["state_rows"][n:cap] = 0
+            v["context_lens"][:n] = starts + 1
+            v["context_lens"][n:cap] = 0
+            token_rows = cap
+        else:
+            cap_key = self.graphs.pick("prefill", int(counts[0]))
+            key, cap = cap_key, cap_key[1]
+            if n != 1:
+                raise ExecutionError(f"a prefill graph runs one sequence, the plan has {n}")
+            start, count = int(starts[0]), int(counts[0])
+            v["token_ids"][:count] = plan.tokens(0)
+            v["token_ids"][count:cap] = 0
+            pos = np.arange(start, start + count, dtype=np.int64)
+            v["positions"][:count] = pos
+            v["positions"][count:cap] = 0
+            bt = np.asarray(block_tables[0], dtype=np.int32)
+            pages_used = (start + count + P - 1) // P
+            v["block_tables"][0, :pages_used] = bt[:pages_used]
+            v["slot_ids"][:count] = bt[pos // P].astype(np.int64) * P + pos % P
+            v["slot_ids"][count:cap] = scratch
+            v["state_rows"][0] = rows[0]
+            v["chunk_meta"][:] = (start, count)
+            v["logit_row"][0] = count - 1
+            width = pages_used
+            token_rows = cap
+        batch_rows = cap if kind == "decode" else 1
+        # Sampling parameters (graph sampler) and per-row step counters.
+        for i in range(n):
+            s = states[i]
+            if s is None or not sample_flags[i]:
+                v["temperature"][i] = 0.0
+                continue
+            p = s.params
+            v["temperature"][i] = p.temperature
+            v["top_k"][i] = p.top_k
+            v["top_p"][i] = p.top_p
+            v["seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
+            v["steps"][i] = s.num_output_tokens
+        v["temperature"][n:batch_rows] = 0.0
+        for name in ("token_ids", "positions", "slot_ids"):
+            self._upload(frame, name, token_rows)
+        for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "seeds", "steps"):
+            self._upload(frame, name, batch_rows)
+        # Only the block-table columns in use matter, but rows are contiguous: upload whole rows up to the batch.
+        if width:
+            self._upload(frame, "block_tables", batch_rows)
+        if kind == "prefill":
+            self._upload(frame, "chunk_meta", 2)
+            self._upload(frame, "logit_row", 1)
+        cuda.graph_launch(self.graphs.graph_execs[key], self._model_ptr)
+        eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
+                      and _needs_eager_sampler(states[i])]
+        if eager_rows:
+            self._eager_sample(self.decoder.logits, eager_rows, rows, states, self._pending[frame])
+        for i in range(n):
+            if sample_flags[i] and states[i] is not None and i not in eager_rows:
+                states[i].num_output_tokens += 1
+
+    # -- non-graph steps (rare: prompt/message ends, restores) ---------------------------------------
+
+    def _submit_eager(self, plan, states, pending: _Pending) -> None:
+        kind = plan.kind
+        n = plan.num_participants
+        rows = torch.as_tensor(np.asarray(plan.state_rows, dtype=np.int64)).to(self.device, non_blocking=False)
+        d = self.decoder
+        if kind == GraphKind.RESUME_SAMPLING:
+            sample_idx = [i for i in range(n) if plan.sample[i]]
+            if sample_idx:
+                logits = d.state_logits.index_select(0, rows)
+                self._eager_sample(logits, sample_idx, np.asarray(plan.state_rows, dtype=np.int64), states, pending)
+        elif kind in (GraphKind.SNAPSHOT, GraphKind.RESTORE):
+            P = self.page_tokens
+            for snapshot_id, state_row, page_id, _partial in np.asarray(plan.copies, dtype=np.int64).reshape(-1, 4):
+                if kind == GraphKind.SNAPSHOT:
+                    self.snap_logits[snapshot_id].copy_(d.state_logits[state_row])
+                else:
+                    d.state_logits[state_row].copy_(self.snap_logits[snapshot_id])
+                if page_id < 0:
+                    continue
+                pool_slice = slice(int(page_id) * P, (int(page_id) + 1) * P)
+                if kind == GraphKind.SNAPSHOT:
+                    self.snap_keys[snapshot_id].copy_(d.k_pool[:, pool_slice])
+                    self.snap_values[snapshot_id].copy_(d.v_pool[:, pool_slice])
+                else:
+                    d.k_pool[:, pool_slice].copy_(self.snap_keys[snapshot_id])
+                    d.v_pool[:, pool_slice].copy_(self.snap_values[snapshot_id])
+        elif kind == GraphKind.INITIALIZE:
+            pass  # attention-only models keep no per-row state that needs a reset
+        else:
+            raise ExecutionError(f"the graph executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
+        d.sampled[:n].masked_fill_(~torch.as_tensor(np.asarray(plan.sample, dtype=bool)).to(self.device), -1)
+
+    def _eager_sample(self, logits, sample_idx, rows, states, pending: _Pending) -> None:
+        """flared.model.sampling.Sampler on the GPU for rows the graph sampler cannot serve."""
+        d = self.decoder
+        idx = torch.as_tensor(sample_idx, dtype=torch.int64).to(self.device)
+        row_states = [states[i] for i in sample_idx]
+        out = self.sampler.sample(logits.index_select(0, idx), row_states)
+        d.sampled.index_copy_(0, idx, out.token_ids)
+        d.last_token.index_copy_(0, torch.as_tensor(np.asarray(rows)[sample_idx]).to(self.device), out.token_ids)
+        want = [(k, i, s.params.logprobs) for k, (i, s) in enumerate(zip(sample_idx, row_states))
+                if s.params.logprobs is not None]
+        if want and out.chosen_logprobs is not None:
+            # SYNC: logprob rows are rare (opt-in per request); read them with the step.
+            chosen = out.chosen_logprobs.tolist()
+            top_v = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            top_i = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            pending.logprob_rows = [(i, top_n) for _, i, top_n in want]
+            pending.logprob_out = ([chosen[k] for k, _, _ in want],
+                                   [top_v[k] for k, _, _ in want] if top_v else None,
+                                   [top_i[k] for k, _, _ in want] if top_i else None)
+
+    # -- shutdown ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drain both streams, then free pinned memory. Idempotent; a failed drain keeps the memory."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            cuda.stream_synchronize(self._model_ptr)
+            cuda.stream_synchronize(self._copy_ptr)
+        except ExecutionError as exc:
+            self.leaked = True
+            raise ExecutionError(f"drain failed, pinned frames kept: {exc}", ErrorKind.DRAIN) from exc
+        for buf in self._pinned:
+            buf.free()
+        self._pinned.clear()
+        for ev in self._start + self._end + self._copied:
+            ev.destroy()

@@ -1,0 +1,1 @@
+"""CUDA-only model code: the paged decoder forward over static graph inputs and GPU sampling."""

@@ -1,0 +1,165 @@
+"""The decoder forward on a CUDA GPU over static inputs, capturable in a CUDA graph.
+
+``PagedCudaDecoder`` reuses a ``DecoderModel``'s weights (already on the GPU)
+and adds what graph capture needs: a KV pool with a scratch page, static
+input tensors that every captured graph reads (``StaticInputs``), and two
+forwards with fixed shapes:
+
+- ``decode(batch_capacity, full_sampling)``: one token per row for rows
+  0..B-1; a token id < 0 means "the token this state row sampled last",
+  read on the device, so a decode step can be submitted before the previous
+  step's tokens reach the host.
+- ``prefill(token_capacity)``: one sequence's chunk, rows 0..T-1, with
+  ``chunk_meta = (num_cached_tokens, num_new_tokens)``; logits of row
+  ``logit_row`` (the chunk's last real row).
+
+Shapes: T = token capacity, B = batch capacity, nh/nkv = heads, d = head dim,
+V = vocab. Pool: per layer [slots + page_tokens, nkv, d].
+
+Rules:
+- No host<->device sync and no allocation that depends on input values: every
+  length is read on the device (see triton_attention), padding rows write
+  their K/V to the scratch page and have context length 0.
+- Each forward writes its sampled tokens to ``sampled`` and to
+  ``last_token[state_rows]``; the logits stay in ``logits`` for the rows that
+  need the eager sampler (penalties, logprobs).
+- float32 runs use IEEE attention and match the CPU path's greedy tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flared.model.kernels.sampling import sample_full, sample_greedy
+from flared.model.triton_attention import paged_decode_attention, paged_prefill_attention
+
+
+@dataclass
+class StaticInputs:
+    """Device tensors every graph reads; the executor uploads into them. Views of one buffer."""
+
+    token_ids: torch.Tensor  # [T_max] int64, -1 = last sampled token of the row's state row (decode)
+    positions: torch.Tensor  # [T_max] int64
+    slot_ids: torch.Tensor  # [T_max] int64, KV slot each new token writes
+    state_rows: torch.Tensor  # [B_max] int64
+    block_tables: torch.Tensor  # [B_max, max_pages] int32 (prefill reads row 0)
+    context_lens: torch.Tensor  # [B_max] int32, decode rows' context including the new token; 0 = padding
+    chunk_meta: torch.Tensor  # [2] int32: prefill (num_cached_tokens, num_new_tokens)
+    logit_row: torch.Tensor  # [1] int64: prefill row whose logits are sampled
+    temperature: torch.Tensor  # [B_max] float32, 0 = greedy
+    top_k: torch.Tensor  # [B_max] int32, 0 = off
+    top_p: torch.Tensor  # [B_max] float32
+    seeds: torch.Tensor  # [B_max] int64
+    steps: torch.Tensor  # [B_max] int64, tokens drawn so far by the row
+
+
+class PagedCudaDecoder:
+    def __init__(self, model, inputs: StaticInputs, *, num_pages: int, page_tokens: int, num_state_rows: int,
+                 max_batch: int, max_tokens: int):
+        c = model.config
+        if model.device.type != "cuda":
+            raise ValueError("PagedCudaDecoder needs a DecoderModel on a CUDA device")
+        if c.sliding_window is not None:
+            raise ValueError("the CUDA attention kernels have no sliding window")
+        if c.head_dim & (c.head_dim - 1):
+            raise ValueError(f"head_dim {c.head_dim} is not a power of two (Triton tiles need one)")
+        self.model = model
+        self.config = c
+        self.inputs = inputs
+        self.page_tokens = page_tokens
+        self.num_pages = num_pages
+        self.device = model.device
+        dtype = model.dtype
+        # One extra page: padding rows write their K/V there, never into a live page.
+        self.scratch_slot = num_pages * page_tokens
+        pool_shape = (c.num_layers, (num_pages + 1) * page_tokens, c.num_kv_heads, c.head_dim)
+        self.k_pool = torch.zeros(pool_shape, dtype=dtype, device=self.device)
+        self.v_pool = torch.zeros(pool_shape, dtype=dtype, device=self.device)
+        self.last_token = torch.zeros(num_state_rows, dtype=torch.int64, device=self.device)
+        self.logits = torch.zeros(max_batch, c.vocab_size, dtype=torch.float32, device=self.device)
+        # Per state row, the logits of its last computed position (snapshots and full-prompt hits read them).
+        self.state_logits = torch.zeros(num_state_rows, c.vocab_size, dtype=torch.float32, device=self.device)
+        self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.k_pool.numel() * self.k_pool.element_size()
+
+    # -- forwards (capturable) ---------------------------------------------------------------------
+
+    def decode(self, batch: int, full_sampling: bool) -> None:
+        s = self.inputs
+        rows = s.state_rows[:batch]
+        tokens = s.token_ids[:batch]
+        tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
+        block_tables = s.block_tables[:batch]
+        context_lens = s.context_lens[:batch]
+
+        def attend(q, layer, out):
+            paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
+                                   page_tokens=self.page_tokens, scale=self.model.scale)
+
+        h = self._layers(tokens, s.positions[:batch], s.slot_ids[:batch], attend)
+        self._finish(h, batch, full_sampling, rows)
+
+    def prefill(self, capacity: int) -> None:
+        s = self.inputs
+        block_table = s.block_tables[0]
+        meta = s.chunk_meta
+
+        def attend(q, layer, out):
+            paged_prefill_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_table, meta,
+                                    page_tokens=self.page_tokens, scale=self.model.scale)
+
+        h = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
+        self._finish(h.index_select(0, s.logit_row), 1, True, s.state_rows[:1])
+
+    # -- shared body -------------------------------------------------------------------------------
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
+        m = self.model
+        c = self.config
+        num_tokens = tokens.shape[0]
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.q_size, c.kv_size
+        eps = c.rms_norm_eps
+        cos = m.rope_cos.index_select(0, positions)[:, None, :]  # [T, 1, d]
+        sin = m.rope_sin_signed.index_select(0, positions)[:, None, :]
+        h = m.embed.index_select(0, tokens)  # [T, H]
+        attn = torch.empty(num_tokens, nh, d, dtype=h.dtype, device=h.device)
+        for index, layer in enumerate(m.layers):
+            x = F.rms_norm(h, (h.shape[-1],), layer.attn_norm, eps)
+            qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)  # [T, q_size + 2 * kv_size]
+            qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+            self.k_pool[index].index_copy_(0, slots, qk[:, nh:])
+            self.v_pool[index].index_copy_(0, slots, qkv[:, q_size + kv_size:].view(num_tokens, nkv, d))
+            attend(qk[:, :nh], index, attn)
+            h = h + F.linear(attn.view(num_tokens, nh * d), layer.o.weight, layer.o.bias)
+            x = F.rms_norm(h, (h.shape[-1],), layer.mlp_norm, eps)
+            gate_up = F.linear(x, layer.gate_up.weight)
+            h = h + F.linear(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:],
+                             layer.down.weight)
+        return h
+
+    def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor) -> None:
+        m = self.model
+        s = self.inputs
+        h = F.rms_norm(h, (h.shape[-1],), m.final_norm, self.config.rms_norm_eps)
+        logits = F.linear(h, m.lm_head).float()  # [batch, V]
+        self.logits[:batch].copy_(logits)
+        self.state_logits.index_copy_(0, rows, logits)
+        if full_sampling:
+            tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
+                                 s.steps[:batch])
+        else:
+            tokens = sample_greedy(logits)
+        self.sampled[:batch].copy_(tokens)
+        self.last_token.index_copy_(0, rows, tokens)

@@ -1,0 +1,168 @@
+"""Paged attention on a CUDA GPU, as Triton kernels.
+
+Two kernels over the same paged KV pool (``[slot, kv_head, head_dim]`` per
+layer; a token at position ``p`` of a sequence lives in slot
+``block_table[p // page_tokens] * page_tokens + p % page_tokens``):
+
+- ``paged_decode_attention``: one query token per sequence, a batch of
+  sequences; grid (batch rows, kv heads); each program carries the whole
+  query-head group of its kv head so K/V are read once per group.
+- ``paged_prefill_attention``: one sequence's chunk of new tokens whose K/V
+  are already written to the pool, with ``num_cached_tokens`` earlier tokens
+  visible (chunked prefill over a cached prefix); grid (query blocks, query
+  heads); causal by absolute position.
+
+Rules:
+- Every length a kernel needs is read on the device (context lengths, the
+  chunk's start and size), so a CUDA graph captured once serves any batch
+  that fits its capacity. Rows beyond the real batch carry context length 0
+  and write zeros; query blocks beyond the real chunk write nothing.
+- Scores, the running max and the softmax sum stay float32 for every dtype;
+  float32 inputs use IEEE dots (not TF32) so float32 runs match the CPU path
+  and transformers to rounding.
+- No sliding window here: the GPU backend refuses such models before capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
+                   stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
+                   stride_bt_row, scale,
+                   PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(ContextLens + row)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
+                other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(0, context_len, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < context_len
+        page = tl.load(BlockTables + row * stride_bt_row + pos // PAGE_TOKENS, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
+        kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + row * stride_o_row + heads[:, None] * stride_o_head + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, Out, BlockTable, ChunkMeta,
+                    stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
+                    scale,
+                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    num_cached = tl.load(ChunkMeta)
+    num_new = tl.load(ChunkMeta + 1)
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < num_new
+    q = tl.load(Q + offs_m[:, None] * stride_q_row + head * stride_q_head + offs_d[None, :], mask=m_mask[:, None],
+                other=0.0)
+    q_pos = num_cached + offs_m
+    # Keys up to this block's last real query position, inclusive; 0 for a block past the chunk's end.
+    key_end = tl.minimum(num_cached + (block + 1) * BLOCK_M, num_cached + num_new)
+    key_end = tl.where(block * BLOCK_M < num_new, key_end, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(0, key_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < key_end
+        page = tl.load(BlockTable + pos // PAGE_TOKENS, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
+        kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row can see nothing in a tile (all -inf); keep exp() finite by subtracting 0 then.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + offs_m[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=m_mask[:, None])
+
+
+def _group_pad(group: int) -> int:
+    # tl.dot needs at least 16 rows.
+    return max(16, triton.next_power_of_2(group))
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, *, page_tokens: int,
+                           scale: float) -> None:
+    """q [B, nh, d]; k_pool/v_pool [slots, nkv, d]; out [B, nh, d];
+    block_tables [B, max_pages] int32; context_lens [B] int32 (0 = padding row)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    _decode_kernel[(batch, num_kv_heads)](
+        q, k_pool, v_pool, out, block_tables, context_lens,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), scale,
+        PAGE_TOKENS=page_tokens, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
+        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, num_warps=4)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                            block_table: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
+                            scale: float) -> None:
+    """q [T_cap, nh, d] (rows past the chunk ignored); out [T_cap, nh, d];
+    block_table [max_pages] int32; chunk_meta [2] int32 = (num_cached_tokens, num_new_tokens)."""
+    capacity, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    ieee = q.dtype == torch.float32
+    # float32 tiles are twice the bytes: smaller blocks keep them in shared memory.
+    block_m, block_n = (64, 32) if ieee else (128, 64)
+    _prefill_kernel[(triton.cdiv(capacity, block_m), num_heads)](
+        q, k_pool, v_pool, out, block_table, chunk_meta,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
+        scale,
+        PAGE_TOKENS=page_tokens, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=8 if not ieee else 4, num_stages=2)

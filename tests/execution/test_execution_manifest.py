@@ -1,0 +1,92 @@
+"""ExecutionManifest layout and validation, and the offline driver on the CPU executor."""
+
+import dataclasses
+import hashlib
+
+import numpy as np
+import pytest
+
+from flared.errors import ExecutionError
+from flared.execution.graphs import INPUT_FIELDS, SPAN_ALIGN_BYTES, ExecutionManifest, Span
+
+
+def build(**kw):
+    args = dict(decode_batch_sizes=(1, 2, 4, 8), prefill_token_sizes=(64, 128), max_pages_per_sequence=16)
+    args.update(kw)
+    return ExecutionManifest.build(**args)
+
+
+def test_layout_is_aligned_disjoint_and_sized():
+    m = build()
+    m.validate()
+    assert [s.name for s in m.spans] == [f[0] for f in INPUT_FIELDS]
+    assert m.span("token_ids").shape == (128,)
+    assert m.span("block_tables").shape == (8, 16)
+    assert all(s.offset_bytes % SPAN_ALIGN_BYTES == 0 for s in m.spans)
+    ends = [s.offset_bytes + s.nbytes for s in m.spans]
+    assert all(end <= nxt.offset_bytes for end, nxt in zip(ends, m.spans[1:]))
+    buf = np.zeros(m.total_bytes, dtype=np.uint8)
+    views = m.host_views(buf)
+    views["context_lens"][:] = 7
+    assert views["context_lens"].dtype == np.int32
+    assert int(buf[m.span("context_lens").offset_bytes]) == 7
+
+
+def test_decode_capacity_bounds_token_rows():
+    m = build(decode_batch_sizes=(1, 256), prefill_token_sizes=(64,))
+    assert m.max_tokens == 256
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: dataclasses.replace(m, decode_batch_sizes=()), "decode batch sizes"),
+    (lambda m: dataclasses.replace(m, prefill_token_sizes=(64, 64)), "repeat"),
+    (lambda m: dataclasses.replace(m, max_pages_per_sequence=0), "max_pages"),
+    (lambda m: dataclasses.replace(m, spans=m.spans + (m.spans[0],)), "names repeat"),
+    (lambda m: dataclasses.replace(m, spans=m.spans[1:]), "not the graph inputs"),
+    (lambda m: dataclasses.replace(m, spans=(dataclasses.replace(m.spans[0], offset_bytes=8),) + m.spans[1:]),
+     "aligned"),
+    (lambda m: dataclasses.replace(m, spans=(m.spans[0], dataclasses.replace(m.spans[1], offset_bytes=0))
+                                   + m.spans[2:]), "overlaps"),
+    (lambda m: dataclasses.replace(m, spans=(dataclasses.replace(m.spans[0], nbytes=3),) + m.spans[1:]),
+     "needs"),
+    (lambda m: dataclasses.replace(m, total_bytes=64), "past the buffer"),
+])
+def test_validate_refuses_bad_manifests(change, message):
+    with pytest.raises(ExecutionError, match=message):
+        change(build()).validate()
+
+
+def test_host_views_refuse_a_short_frame():
+    m = build()
+    with pytest.raises(ExecutionError, match="smaller"):
+        m.host_views(np.zeros(m.total_bytes - 1, dtype=np.uint8))
+
+
+def test_offline_driver_runs_the_scheduler_and_eager_executor_like_transformers(tiny_hf_llama):
+    """The driver the GPU qualification uses, on the CPU executor: same greedy tokens as transformers."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from flared.execution.eager import EagerExecutor
+    from flared.execution.offline import drive
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+    from flared.model.sampling import SamplingParams
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    src = read_source(tiny_hf_llama)
+    model = DecoderModel(src.config, src.tensors, dtype=torch.float32, device="cpu", max_positions=256)
+    sched = RequestScheduler(SchedulerConfig(model_identity=hashlib.sha256(b"t").digest(), max_live_requests=4,
+                                             num_pages=64, num_snapshots=16, page_tokens=16, context_capacity=256,
+                                             prefill_chunk_size=64), PolicyConfig())
+    ex = EagerExecutor(model, num_pages=64, page_tokens=16, num_state_rows=5, num_snapshots=16,
+                       vocab_size=src.config.vocab_size, max_live=4)
+    prompts = [list(range(3, 80)), list(range(50, 60)), [7]]
+    result = drive(sched, ex, prompts, [SamplingParams(temperature=0, max_tokens=12)] * 3)
+    assert result.steps_by_kind["PREFILL"] >= 4  # the 77-token prompt takes two 64-token chunks
+    assert result.wall_ns > 0 and all(result.finish_ns)
+    hf = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, result.tokens):
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == tokens
