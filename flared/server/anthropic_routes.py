@@ -1,0 +1,374 @@
+"""Anthropic Messages API: /v1/messages and /v1/messages/count_tokens.
+
+An adapter over the one generation path: the request's system prompt,
+content blocks and tools are translated into the chat-template shape the
+OpenAI routes use (tool_use -> assistant tool_calls, tool_result -> a tool
+message), and the choice's parsed output (reasoning, text, tool calls) is
+formatted as Messages content blocks.
+
+Rules:
+- Streams follow Anthropic's event order: message_start, ping, then per
+  content block content_block_start, its deltas, content_block_stop (blocks
+  in output order: thinking, text, tool_use), then message_delta (stop_reason,
+  stop_sequence, usage), message_stop. A failure after the stream started is
+  an ``error`` event.
+- Errors are ``{"type": "error", "error": {"type", "message"}}`` with
+  Anthropic's status codes (overloaded: 529). The transport's own 401/429
+  (before a handler runs) keep the OpenAI shape.
+- ``tool_choice`` any/tool (a forced call) needs constrained decoding and is
+  rejected by name for now; ``thinking`` enabled/disabled sets the template's
+  ``enable_thinking``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.frontend.toolcalls import ParsedDelta, ToolCall
+from flared.runtime.request import GenerateRequest
+from flared.server.generation import Generation
+from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
+from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
+from flared.server.openai_schema import (
+    MAX_STOP_STRINGS,
+    SamplingOptions,
+    _bad,
+    _boolean,
+    _integer,
+    _number,
+    _string,
+    _type,
+    parse_tools,
+)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                529: "overloaded_error"}
+
+
+def anthropic_error(exc: BaseException) -> Response:
+    """Any exception on the request path as an Anthropic error body and status."""
+    resp = error_response(exc)
+    status = 529 if resp.status == 503 else resp.status
+    try:
+        message = json.loads(resp.body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = "internal server error"
+    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return Response.json({"type": "error", "error": {"type": kind, "message": message}}, status=status)
+
+
+def _anthropic_errors(handler):
+    async def wrapped(request: Request):
+        try:
+            return await handler(request)
+        except Exception as exc:  # every failure before the response starts has Anthropic's shape
+            return anthropic_error(exc)
+    return wrapped
+
+
+# -- request translation ---------------------------------------------------------------------------
+
+def _text_of(blocks: Any, where: str) -> str:
+    """A string, or text blocks joined (system prompts, tool_result content)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise _bad(where, f"must be a string or an array of text blocks, got {_type(blocks)}")
+    parts = []
+    for i, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            kind = b.get("type") if isinstance(b, dict) else _type(b)
+            raise _bad(f"{where}[{i}]", f"block of type {kind!r} is not supported here (text only)",
+                       ErrorKind.UNSUPPORTED)
+        parts.append(b["text"])
+    return "".join(parts)
+
+
+def translate_messages(body: dict) -> list[dict]:
+    """Anthropic system + messages -> chat-template messages (OpenAI shape)."""
+    out: list[dict] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_of(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty array of messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"must be an object, got {_type(m)}")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role", f"must be 'user' or 'assistant', got {role!r}")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _bad(f"{where}.content", f"must be a string or an array of content blocks, got {_type(content)}")
+        text: list[str] = []
+        calls: list[dict] = []
+        for j, b in enumerate(content):
+            bw = f"{where}.content[{j}]"
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                if not isinstance(b.get("text"), str):
+                    raise _bad(f"{bw}.text", "must be a string")
+                text.append(b["text"])
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # earlier reasoning is not replayed into the prompt, as the templates do
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                    raise _bad(bw, "tool_use needs a 'name' string and an 'input' object")
+                calls.append({"id": b.get("id") or "", "type": "function",
+                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
+            elif kind == "tool_result" and role == "user":
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                result = b.get("content", "")
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": _text_of(result, f"{bw}.content")})
+            else:
+                raise _bad(bw, f"content block of type {kind!r} is not supported in a {role} message "
+                           "(this model takes text)", ErrorKind.UNSUPPORTED)
+        if calls:
+            out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
+        elif text or role == "assistant":
+            out.append({"role": role, "content": "".join(text)})
+    return out
+
+
+def translate_tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", f"must be an array, got {_type(tools)}")
+    converted = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise _bad(f"tools[{i}]", "must be an object with a 'name'")
+        if t.get("type") not in (None, "custom"):
+            raise _bad(f"tools[{i}]", f"server tool {t.get('type')!r} is not supported", ErrorKind.UNSUPPORTED)
+        converted.append({"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+    return parse_tools(converted, "tools")
+
+
+def _tool_choice(body: dict) -> str:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise _bad("tool_choice", "must be an object with type auto, any, tool or none")
+    if choice["type"] in ("any", "tool"):
+        raise _bad("tool_choice", f"type {choice['type']!r} (a forced tool call) is not supported yet",
+                   ErrorKind.UNSUPPORTED)
+    return choice["type"]
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return {}
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise _bad("thinking", "must be an object with type 'enabled' or 'disabled'")
+    return {"enable_thinking": thinking["type"] != "disabled"}
+
+
+def _options(body: dict) -> SamplingOptions:
+    max_tokens = _integer(body, "max_tokens", 1, 1 << 31)
+    if max_tokens is None:
+        raise _bad("max_tokens", "is required")
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop_sequences", "must be an array of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _bad("stop_sequences", f"at most {MAX_STOP_STRINGS} stop sequences")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise _bad("metadata", "must be an object")
+    top_k = _integer(body, "top_k", 0, 1 << 31)
+    return SamplingOptions(
+        max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=None,
+        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=None, seed=None, logit_bias=None,
+        logprobs=None, stop=tuple(s for s in stops if s), stop_token_ids=(), ignore_eos=False, n=1)
+
+
+# -- response shapes -------------------------------------------------------------------------------
+
+def tool_use_id(call: ToolCall | str) -> str:
+    cid = call.id if isinstance(call, ToolCall) else call
+    return "toolu_" + cid.removeprefix("call_")
+
+
+def _stop_reason(finish: str, calls: list, matched: str | None) -> tuple[str, str | None]:
+    if finish == "length":
+        return "max_tokens", None
+    if calls:
+        return "tool_use", None
+    if matched is not None:
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    u = gen.usage()
+    return {"input_tokens": u.num_prompt_tokens - u.num_cached_tokens, "output_tokens": u.num_generated_tokens,
+            "cache_read_input_tokens": u.num_cached_tokens, "cache_creation_input_tokens": 0}
+
+
+class AnthropicRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    def register(self, router: Router) -> None:
+        router.add("POST", "/v1/messages", _anthropic_errors(self.messages), admit=True)
+        router.add("POST", "/v1/messages/count_tokens", _anthropic_errors(self.count_tokens))
+
+    async def _render(self, body: dict):
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        check_model(self.state, _string(body, "model", required=True))
+        choice = _tool_choice(body)
+        tools = translate_tools(body)
+        if choice == "none":
+            tools = None
+        rendered = await self.state.prepare_chat(translate_messages(body), tools=tools, **_template_kwargs(body))
+        return rendered, tools
+
+    async def count_tokens(self, request: Request) -> Response:
+        rendered, _ = await self._render(request.json())
+        return Response.json({"input_tokens": len(rendered.token_ids)})
+
+    async def messages(self, request: Request):
+        body = request.json()
+        rendered, tools = await self._render(body)
+        options = _options(body)
+        stream = _boolean(body, "stream")
+        shape = OutputShape(self.state, rendered.text, tools)
+        prompt = tuple(rendered.token_ids)
+        req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
+                              params=sampling_params(self.state, options, len(prompt), None, 0),
+                              stop_token_ids=_stop_ids(self.state, options))
+        gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
+        request.disconnected.add_callback(gen.cancel)
+        mid = "msg_" + secrets.token_hex(12)
+        model = body["model"]
+        if stream:
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, mid, model, len(prompt)),
+                                     headers=[("cache-control", "no-cache")])
+        ((text, _ids, _lps, finish),) = await gen.collect()
+        parsed, calls = shape.parse(text)
+        content: list[dict[str, Any]] = []
+        if parsed.reasoning:
+            content.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+        if parsed.content or not calls:
+            content.append({"type": "text", "text": parsed.content})
+        for c in calls:
+            content.append({"type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": _input(c)})
+        reason, seq = _stop_reason(finish, calls, gen.matched_stop(0))
+        return Response.json({"id": mid, "type": "message", "role": "assistant", "model": model,
+                              "content": content, "stop_reason": reason, "stop_sequence": seq,
+                              "usage": _usage(gen)})
+
+    async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, mid: str, model: str,
+                      num_prompt_tokens: int) -> None:
+        async def event(obj: dict) -> None:
+            await w.send_json_event(obj, event=obj["type"])
+
+        blocks = _BlockStream(event)
+        parser = shape.parser() if shape.active else None
+        finish = "stop"
+        try:
+            await event({"type": "message_start", "message": {
+                "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0}}})
+            await event({"type": "ping"})
+            async for d in gen.deltas():
+                parsed = ParsedDelta(d.text) if parser is None else (parser.push(d.text) if d.text else ParsedDelta())
+                if d.finish_reason is not None:
+                    finish = d.finish_reason
+                    if parser is not None:
+                        tail = parser.finish()
+                        parsed = ParsedDelta(parsed.content + tail.content, parsed.calls + tail.calls,
+                                             parsed.reasoning + tail.reasoning)
+                await blocks.feed(parsed)
+            await blocks.close()
+            calls = parser.calls if parser is not None else []
+            reason, seq = _stop_reason(finish, calls, gen.matched_stop(0))
+            await event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                         "usage": _usage(gen)})
+            await event({"type": "message_stop"})
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:  # the stream has started: report in-band
+            gen.cancel()
+            err = json.loads(anthropic_error(exc).body)
+            try:
+                await event(err)
+            except ClientDisconnected:
+                pass
+
+
+def _input(call: ToolCall) -> dict:
+    try:
+        value = json.loads(call.arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class _BlockStream:
+    """Parsed deltas -> content_block_start/delta/stop events, one open block at a time."""
+
+    def __init__(self, event):
+        self._event = event
+        self._index = -1
+        self._open: str | None = None  # "thinking" | "text" | "tool_use"
+        self._call_index: int | None = None
+
+    async def _start(self, kind: str, block: dict, call_index: int | None = None) -> None:
+        await self.close()
+        self._index += 1
+        self._open, self._call_index = kind, call_index
+        await self._event({"type": "content_block_start", "index": self._index, "content_block": block})
+
+    async def close(self) -> None:
+        if self._open is None:
+            return
+        if self._open == "thinking":
+            await self._event({"type": "content_block_delta", "index": self._index,
+                               "delta": {"type": "signature_delta", "signature": ""}})
+        await self._event({"type": "content_block_stop", "index": self._index})
+        self._open = None
+
+    async def feed(self, parsed: ParsedDelta) -> None:
+        if parsed.reasoning:
+            if self._open != "thinking":
+                await self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            await self._event({"type": "content_block_delta", "index": self._index,
+                               "delta": {"type": "thinking_delta", "thinking": parsed.reasoning}})
+        if parsed.content:
+            if self._open != "text":
+                await self._start("text", {"type": "text", "text": ""})
+            await self._event({"type": "content_block_delta", "index": self._index,
+                               "delta": {"type": "text_delta", "text": parsed.content}})
+        for c in parsed.calls:
+            if c.id is not None:
+                await self._start("tool_use", {"type": "tool_use", "id": tool_use_id(c.id), "name": c.name,
+                                               "input": {}}, c.index)
+            if c.arguments and self._open == "tool_use" and self._call_index == c.index:
+                await self._event({"type": "content_block_delta", "index": self._index,
+                                   "delta": {"type": "input_json_delta", "partial_json": c.arguments}})
