@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import curses
 import logging
+import os
 import threading
 import time
 
@@ -67,6 +68,7 @@ def _loop(scr, poll, stop: threading.Event, local: bool) -> None:
 
 
 def _draw(scr, model: DashboardModel) -> None:
+    _follow_terminal_size(scr)
     height, width = scr.getmaxyx()
     scr.erase()
     for y, line in enumerate(model.render(width, height)):
@@ -76,6 +78,18 @@ def _draw(scr, model: DashboardModel) -> None:
         except curses.error:
             pass
     scr.refresh()
+
+
+def _follow_terminal_size(scr) -> None:
+    # curses learns a new size from SIGWINCH, which reaches only the main
+    # thread's handlers, and a terminal may still be 80x24 when initscr runs
+    # (a fresh tmux pane): ask the tty itself on every draw.
+    try:
+        size = os.get_terminal_size(1)
+    except OSError:
+        return
+    if (size.lines, size.columns) != scr.getmaxyx():
+        curses.resizeterm(size.lines, size.columns)
 
 
 class DashboardSourceError(RuntimeError):
@@ -102,6 +116,10 @@ class InProcessDashboard:
         self._saved: list[logging.Handler] = []
 
     def start(self) -> None:
+        if not os.isatty(1) and os.isatty(2):
+            # curses draws on stdout; the daemon prints nothing there, and the
+            # dashboard belongs on the terminal that stderr is.
+            os.dup2(2, 1)
         root = logging.getLogger()
         self._saved = list(root.handlers)
         for h in self._saved:

@@ -132,7 +132,8 @@ class DashboardModel:
             lines = ["flared dashboard: waiting for the first sample..."]
         else:
             lines = self._header(width)
-            lines += self._overview(width) if PANES[self.pane] == "overview" else self._scheduler(width, height)
+            budget = height - 1 - len(lines)  # rows left above the footer
+            lines += self._overview(width) if PANES[self.pane] == "overview" else self._scheduler(width, budget)
         lines = lines[:max(0, height - 1)]
         lines += [""] * (max(0, height - 1) - len(lines))
         lines.append("Tab/<-/->: pane  Up/Down: scroll  q: quit  Ctrl-C: stop the server" if self._local
@@ -175,7 +176,7 @@ class DashboardModel:
         ]
         return [f"  {k:<28}{v}" for k, v in rows]
 
-    def _scheduler(self, width: int, height: int) -> list[str]:
+    def _scheduler(self, width: int, budget: int) -> list[str]:
         wide = width >= WIDE_COLUMNS
         lines = ["Graphs (last 2 s)"]
         head = f"  {'graph':<26}{'calls':>7}{'mean ms':>10}{'share':>8}"
@@ -200,7 +201,7 @@ class DashboardModel:
             head += f"{'prompt':>14}{'output':>8}{'out ms':>9}{'bursts':>8}"
         lines.append(head)
         reqs = f["requests"]
-        room = max(1, height - len(lines) - 2)
+        room = max(1, budget - len(lines) - 1)  # one row kept for the scroll indicator
         for r in reqs[self.scroll:self.scroll + room]:
             since = r["last_progress_ns"] or r["arrival_ns"]
             gap = (f["sample_ns"] - since) / 1e6 if since else 0.0
