@@ -137,7 +137,8 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        """The first line of llguidance's error (the rest is a parser state dump)."""
+        return self._m.get_error().split("\n", 1)[0]
 
     @property
     def accepting(self) -> bool:
@@ -151,7 +152,11 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Per-tokenizer compiler with a bounded cache of compiled grammars (thread-safe)."""
 
-    def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer_json: str, *, vocab_size: int, eos_token_ids,
+                 limits: llguidance.LLParserLimits | None = None):
+        # Parser limits bound one mask step's work; a grammar that outgrows them mid-generation puts its
+        # matcher in the error state (that request fails, the model thread goes on). None: llguidance's.
+        self.limits = limits
         eos = [int(t) for t in eos_token_ids]
         # The model's vocabulary may be wider than the tokenizer's (padding rows): masks cover the model's.
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos or None)
@@ -188,10 +193,11 @@ class GrammarCompiler:
             source = build()
         except ValueError as exc:
             raise GrammarError(f"invalid grammar: {exc}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self.tokenizer)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self.tokenizer,
+                                                                                  limits=self.limits)
         if is_error:
             raise GrammarError(_explain(messages[0] if messages else "invalid grammar"), _keyword(messages))
-        template = llguidance.LLMatcher(self.tokenizer, source, log_level=0)
+        template = llguidance.LLMatcher(self.tokenizer, source, log_level=0, limits=self.limits)
         if template.is_error():
             raise GrammarError(_explain(template.get_error()))
         compiled = CompiledGrammar(source, template)
