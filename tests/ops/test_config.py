@@ -1,0 +1,98 @@
+"""TOML configuration: every ServerConfig/PolicyConfig field, errors that name the key, CLI overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flared.config import ConfigError, ServerConfig
+from flared.scheduler import PolicyConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_example_config_covers_every_field():
+    import tomllib
+
+    data = tomllib.loads((REPO / "systemd" / "flared.toml").read_text())
+    server_keys = set(data["server"])
+    commented = {line.split("=")[0].strip("# ").strip()
+                 for line in (REPO / "systemd" / "flared.toml").read_text().splitlines()
+                 if line.startswith("# ") and "=" in line and " = " in line}
+    fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"policy"}
+    assert fields <= server_keys | commented, fields - server_keys - commented
+    assert set(data["policy"]) == {f.name for f in dataclasses.fields(PolicyConfig)}
+
+
+def test_example_config_loads(tmp_path):
+    text = (REPO / "systemd" / "flared.toml").read_text().replace('"/etc/flared/api-key"',
+                                                                      f'"{tmp_path / "key"}"')
+    (tmp_path / "key").write_text("s3cret\n")
+    (tmp_path / "flared.toml").write_text(text)
+    cfg = ServerConfig.from_toml(tmp_path / "flared.toml").with_secrets()
+    assert cfg.api_key == "s3cret" and cfg.api_key_file is None
+    assert cfg.policy == PolicyConfig()
+    assert cfg.served_names == ("default",)
+
+
+@pytest.mark.parametrize("text,key", [
+    ("prot = 1", "'prot'"),
+    ("port = 70000", "'port'"),
+    ("port = true", "'port'"),
+    ("frontend_workers = 0", "'frontend_workers'"),
+    ("log_format = 'xml'", "'log_format'"),
+    ("served_names = 'a'", "'served_names'"),
+    ("[policy]\ntoken_fairnes = 1.0", "'policy.token_fairnes'"),
+    ("[policy]\ntoken_fairness = 'high'", "'policy.token_fairness'"),
+    ("[policy]\nservice_price_adaptation_ns = 1.5", "'policy.service_price_adaptation_ns'"),
+    ("[policy]\ntoken_fairness = -1.0", "'policy'"),
+    ("api_key = 'a'\napi_key_file = '/x'", "'api_key_file'"),
+    ("[server]\nhost = ''", "'host'"),
+])
+def test_bad_values_name_the_key(tmp_path, text, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as e:
+        ServerConfig.from_toml(path)
+    assert key in str(e.value) and str(path) in str(e.value)
+
+
+def test_policy_values_reach_the_config(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("[server]\nport = 0\n[policy]\ntoken_fairness = 2.0\ntiming_freshness_ns = 5\n")
+    cfg = ServerConfig.from_toml(path)
+    assert cfg.policy.token_fairness == 2.0 and cfg.policy.timing_freshness_ns == 5 and cfg.port == 0
+
+
+def test_unreadable_api_key_file_names_the_key(tmp_path):
+    cfg = ServerConfig(api_key_file=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="api_key_file"):
+        cfg.with_secrets()
+
+
+def test_cli_reports_config_errors_and_exits_2(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[policy]\nnope = 1\n")
+    res = subprocess.run([sys.executable, "-m", "flared.cli.daemon", "run", str(tmp_path), "--config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "policy.nope" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_journal_logging_when_stderr_is_the_journal(tmp_path):
+    # Stderr is a file here; JOURNAL_STREAM names that file's device:inode as systemd would.
+    code = ("import logging, os, sys\n"
+            "from flared.cli.daemon import configure_logging\n"
+            "st = os.fstat(2)\n"
+            "configure_logging('info', 'auto', {'JOURNAL_STREAM': f'{st.st_dev}:{st.st_ino}'})\n"
+            "logging.getLogger('flared').warning('hello')\n"
+            "configure_logging('info', 'auto', {})\n"
+            "logging.getLogger('flared').info('plain')\n")
+    with open(tmp_path / "err", "w") as err:
+        subprocess.run([sys.executable, "-c", code], stderr=err, check=True, timeout=60)
+    lines = (tmp_path / "err").read_text().splitlines()
+    assert lines[0] == "<4>flared: hello"
+    assert lines[1].endswith("INFO flared: plain") and not lines[1].startswith("<")
