@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from flared.errors import AdmissionError, ErrorKind
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
+from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.openai_routes import OpenAIRoutes
 from flared.server.structured import StructuredOutput
 
@@ -119,6 +120,7 @@ def build_router(state: ServingState) -> Router:
 
         router.add("GET", "/metrics", metrics_route(state.metrics), public=True)
     OpenAIRoutes(state).register(router)
+    AnthropicRoutes(state).register(router)
     from flared.server.decisions_routes import DecisionsRoutes
 
     DecisionsRoutes(state).register(router)

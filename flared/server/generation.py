@@ -102,6 +102,10 @@ class Generation:
                 total.num_cached_tokens += c.usage.num_cached_tokens
         return total
 
+    def matched_stop(self, index: int) -> str | None:
+        """The stop string that ended choice ``index``, if one did (Anthropic's stop_sequence)."""
+        return self._choices[index].detok.matched_stop
+
     def cancel(self) -> None:
         if self._cancelled:
             return

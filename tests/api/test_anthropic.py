@@ -96,5 +96,5 @@ def test_count_tokens_and_errors(client):
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert e.value.body["error"]["type"] == "invalid_request_error" and "image" in e.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+    with pytest.raises(anthropic.BadRequestError, match="maximum context length is 1024"):
         client.messages.create(model="tiny", max_tokens=5000, messages=ASK)  # context is 1024
