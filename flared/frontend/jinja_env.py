@@ -139,6 +139,7 @@ _LOOP_PROPERTIES = frozenset(
     ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem", "depth", "depth0")
 )
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_BUILTIN_METHOD = type("".strip)
 # Methods the immutable sandbox always allows on these exact types (no underscore, no mutation,
 # not str.format/format_map, which the sandbox wraps), so its per-access checks can be skipped.
 _SAFE_METHODS = {
@@ -155,8 +156,9 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
     the stock sandbox pays an attribute lookup, often an exception, and three safety checks (two
     of them abstract-class isinstance tests) for each. For a plain dict and a name that is not a
     dict attribute, ``getattr`` fails and the sandbox falls back to the item, so we go to the item
-    directly; loop properties and the methods in _SAFE_METHODS always pass the checks. Everything
-    else takes the stock path.
+    directly; loop properties and the methods in _SAFE_METHODS always pass the checks, and calling
+    such a method needs neither the safe-callable check nor context injection. Everything else
+    takes the stock path.
     """
 
     def getattr(self, obj, attribute):
@@ -169,9 +171,32 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         if kind is jinja2.runtime.LoopContext:
             if attribute in _LOOP_PROPERTIES:
                 return getattr(obj, attribute)
+        elif kind is _TemplateNamespace:
+            # Public namespace attributes are always safe; a missing one is undefined (a
+            # Namespace has no items to fall back to). A stored str.format still gets wrapped.
+            if not attribute.startswith("_"):
+                try:
+                    value = getattr(obj, attribute)
+                except AttributeError:
+                    return self.undefined(obj=obj, name=attribute)
+                wrapped = self.wrap_str_format(value)
+                return value if wrapped is None else wrapped
         elif attribute in _SAFE_METHODS.get(kind, ()):
             return getattr(obj, attribute)
         return super().getattr(obj, attribute)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
+        # A bound method in _SAFE_METHODS is safely callable and takes no context, so the stock
+        # checks (two failing attribute lookups each) cannot change the outcome.
+        if type(__obj) is _BUILTIN_METHOD and __obj.__name__ in _SAFE_METHODS.get(type(__obj.__self__), ()):
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            try:
+                return __obj(*args, **kwargs)
+            except StopIteration:
+                return __context.environment.undefined(
+                    "value was undefined because a callable raised a StopIteration exception")
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def make_environment(*, stock_sandbox: bool = False) -> ImmutableSandboxedEnvironment:

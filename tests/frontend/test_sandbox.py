@@ -29,6 +29,15 @@ EXPRESSIONS = [
     "{{ messages[0].content.__add__ }}",
     "{{ 'x'.mro }}",
     "{{ namespace(_private=1) }}",
+    "{% for m in messages %}{{ m.content.strip().upper().split('I') }}{{ m.get('x', 'd') }}{% endfor %}",
+    "{{ messages[0].meta.k.index(7) }}",
+    "{{ (messages[0].meta.k.copy()).append(1) }}",
+    "{{ 'a b'.split(maxsplit=1) }}|{{ 'x'.startswith(('x', 'y')) }}",
+    "{% set ns = namespace(a=1, f='{0}'.format) %}{% set ns.b = 2 %}{{ ns.a }}{{ ns.b }}{{ ns.c is defined }}"
+    "{{ ns.f('x') }}",
+    "{% set ns = namespace(a=1) %}{{ ns._Namespace__attrs }}",
+    "{% set ns = namespace(a=1) %}{{ ns.__class__ }}",
+    "{% set ns = namespace(f='{0.__class__}'.format) %}{{ ns.f('x') }}",
 ]
 
 
