@@ -349,6 +349,8 @@ class ModelRuntime:
             telemetry.record(done_ns, int(plan.kind), int(plan.batch_capacity), int(plan.token_capacity),
                              len(handles), int(duration_ns))
         index = {h: i for i, h in enumerate(handles)}
+        # Handles this completion already released (a last token at max_tokens): nothing left to finish.
+        released = {int(h) for h in result.retired}
         for h, chunk_scores in zip(handles, scores):
             live = self._by_handle.get(h)
             if chunk_scores is not None and live is not None and live.scores is not None:
@@ -361,14 +363,16 @@ class ModelRuntime:
                 # The prompt is fed: report the scores, never the sample.
                 live.sink.put(ScoredEvent(tuple(live.scores)))
                 self._end(live, "stop")
-                self._on_retired(s.finish(handle, done_ns))
+                if handle not in released:
+                    self._on_retired(s.finish(handle, done_ns))
                 continue
             if live.grammar is not None and not live.grammar.consume(token):
                 self._terminal(live, ErrorEvent(ExecutionError(
                     f"constrained decoding failed after {live.grammar.num_consumed} tokens: token {token} "
                     f"is outside the grammar ({live.grammar.error or 'no allowed continuation'})",
                     ErrorKind.EXECUTION)))
-                self._on_retired(s.finish(handle, done_ns))
+                if handle not in released:
+                    self._on_retired(s.finish(handle, done_ns))
                 continue
             if not live.first_token_ns:
                 live.first_token_ns = done_ns
@@ -380,7 +384,8 @@ class ModelRuntime:
             live.sink.put(TokenEvent((token,), (lp,) if lp is not None else None))
             if token in live.request.stop_token_ids:
                 self._end(live, "stop")
-                self._on_retired(s.finish(handle, done_ns))
+                if handle not in released:
+                    self._on_retired(s.finish(handle, done_ns))
         for handle in result.finished:
             live = self._by_handle.get(handle)
             if live is not None and not live.terminal_sent:
