@@ -1,0 +1,101 @@
+"""Dashboard telemetry: the model thread's buffer never blocks; the feed's retention limits; the view."""
+
+from __future__ import annotations
+
+import threading
+
+from flared.dashboard.telemetry import BUFFER_COMPLETIONS, CompletionBuffer, TelemetryFeed
+from flared.dashboard.view import DashboardModel
+
+
+def test_full_buffer_and_contention_drop_and_count():
+    buf = CompletionBuffer()
+    for i in range(BUFFER_COMPLETIONS + 5):
+        buf.record(i, 6, 4, 4, 3, 1000)
+    assert buf.dropped == 5
+    rows = buf.drain()
+    assert rows.shape == (BUFFER_COMPLETIONS, 6) and rows[0, 0] == 0 and rows[-1, 0] == BUFFER_COMPLETIONS - 1
+    # A reader holding the lock: the writer drops instead of waiting.
+    held = threading.Event()
+    release = threading.Event()
+
+    def reader():
+        with buf._lock:
+            held.set()
+            release.wait(10)
+    t = threading.Thread(target=reader)
+    t.start()
+    held.wait(10)
+    buf.record(1, 6, 1, 1, 1, 1)
+    release.set()
+    t.join()
+    assert buf.dropped == 6 and len(buf.drain()) == 0
+
+
+class _Runtime:
+    """The two attributes the feed uses: the telemetry hook and request rows."""
+
+    def __init__(self):
+        self.telemetry = None
+        self.rows = []
+
+    def request_rows(self):
+        return list(self.rows)
+
+
+def _snapshot():
+    return {"session_id": 1, "model": "m", "runtime": {"prompt_tokens": 0, "generated_tokens": 0, "counters": {}},
+            "http": {"paused": False, "uptime_s": 1.0, "permits_in_use": 0, "permits": 4, "frontend_busy": 0,
+                     "frontend_workers": 1}}
+
+
+def _row(slot, gen):
+    return {"handle": slot + (gen << 8), "slot": slot, "generation": gen, "phase": "DECODE", "arrival_ns": 1,
+            "last_progress_ns": 2, "prompt_consumed": 5, "prompt_len": 5, "output": 3, "last_output_ns": 2,
+            "bursts": 3}
+
+
+def test_feed_enables_telemetry_only_while_polled_and_keeps_retired_rows():
+    rt = _Runtime()
+    feed = TelemetryFeed(rt, _snapshot)
+    assert rt.telemetry is None
+    rt.rows = [_row(0, 1)]
+    first = feed.poll(0, now_ns=10**9)
+    assert rt.telemetry is not None and first["requests"][0]["retired"] is False
+    rt.telemetry.record(10**9 + 1, 6, 4, 4, 2, 2_000_000)
+    rt.rows = []
+    second = feed.poll(first["next_seq"] - 1, now_ns=2 * 10**9)
+    assert [c[0] for c in second["completions"]] == [1]
+    assert second["requests"][0]["retired"] is True  # still shown while its history lasts
+    third = feed.poll(second["next_seq"] - 1, now_ns=13 * 10**9)
+    assert third["completions"] == [] and third["requests"] == []
+    feed.disable()
+    assert rt.telemetry is None
+
+
+def test_view_renders_both_panes_narrow_and_wide():
+    rt = _Runtime()
+    feed = TelemetryFeed(rt, _snapshot)
+    rt.rows = [_row(s, s + 1) for s in range(10)]
+    model = DashboardModel()
+    model.update(feed.poll(0, now_ns=10**9))
+    rt.telemetry.record(10**9 + 5, 6, 4, 4, 3, 2_000_000)
+    rt.telemetry.record(10**9 + 6, 6, 4, 4, 4, 0)  # untimed
+    model.update(feed.poll(model.next_seq, now_ns=10**9 + 10))
+    overview = "\n".join(model.render(80, 30))
+    assert "generation throughput" in overview and "cached / free pages" in overview
+    model.key("tab")
+    wide = model.render(120, 20)
+    assert all(len(line) == 120 for line in wide)
+    text = "\n".join(wide)
+    assert "decode b4 t4" in text and "req/call" in text and "bursts" in text
+    row = next(line for line in wide if "decode b4 t4" in line).split()
+    # 2 calls; mean, share and max over the timed one only; 3.5 requests per call; 1 untimed.
+    assert row == ["decode", "b4", "t4", "2", "2.00", "100.0%", "2.00", "3.5", "1"]
+    narrow = "\n".join(model.render(80, 20))
+    assert "req/call" not in narrow and "bursts" not in narrow
+    assert "rows 1-" in narrow
+    model.key("down")
+    assert "rows 2-" in "\n".join(model.render(80, 20))
+    model.key("left")
+    assert "[overview]" in model.render(80, 20)[0]
