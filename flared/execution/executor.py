@@ -103,6 +103,7 @@ class GraphExecutor:
         self._spans = {s.name: s for s in self.manifest.spans}
         self._input_ptr = self.graphs.input_ptr
         self._sampled_ptr = self.decoder.sampled.data_ptr()
+        self.max_outstanding = 0  # most frames ever in flight at once (qualification reads it)
 
     def _pin(self, nbytes: int) -> cuda.PinnedBuffer:
         buf = cuda.PinnedBuffer(nbytes)
@@ -163,6 +164,7 @@ class GraphExecutor:
                 cuda.copy_d2h_async(self._token_frames[frame].ptr, self._sampled_ptr, 8 * n, self._copy_ptr)
             self._copied[frame].record(self._copy_ptr)
             fence = self.ring.submitted(frame)
+            self.max_outstanding = max(self.max_outstanding, self.ring.outstanding)
             sample = np.ascontiguousarray(plan.sample, dtype=np.uint8)
             consumed = np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64)
             self.table.write(frame, fence, np.asarray(plan.slots, dtype=np.int64),

@@ -52,11 +52,60 @@ class ReplayCompletion:
     error: str | None = None
 
 
+class _Shared:
+    """What the worker thread touches. The thread holds this, not the worker, so an unclosed worker can be
+    collected and its destructor can drain."""
+
+    def __init__(self, cuda, device, execs, stream_ptr):
+        self.cuda = cuda
+        self.device = device
+        self.execs = execs
+        self.stream_ptr = stream_ptr
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.commands: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.completions: collections.deque[ReplayCompletion] = collections.deque()
+        self.running = 0
+        self.closing = False
+        self.failure: str | None = None
+
+    def busy(self) -> int:
+        return len(self.commands) + len(self.completions) + self.running
+
+
+def _worker_main(sh: _Shared) -> None:
+    cuda = sh.cuda
+    try:
+        cuda.set_device(sh.device)
+    except ExecutionError as exc:
+        sh.failure = str(exc)
+    while True:
+        with sh.cond:
+            while not sh.commands and not sh.closing:
+                sh.cond.wait()
+            if not sh.commands:
+                return
+            ticket, index, reps = sh.commands.popleft()
+            sh.running = 1
+        started = time.perf_counter_ns()
+        if sh.failure is None:
+            try:
+                for _ in range(reps):
+                    cuda.graph_launch(sh.execs[index], sh.stream_ptr)
+                cuda.stream_synchronize(sh.stream_ptr)
+            except ExecutionError as exc:
+                sh.failure = str(exc)  # stops every later launch
+        done = ReplayCompletion(ticket, index, reps, time.perf_counter_ns() - started, sh.failure)
+        with sh.cond:
+            sh.running = 0
+            sh.completions.append(done)
+            sh.cond.notify_all()
+
+
 class GraphReplayWorker:
     def __init__(self, owner, device: int, graph_execs, buffers, *, queue_capacity: int = 8, stream_ptr: int):
         from flared.execution import cuda
 
-        self._cuda = cuda
         execs = [int(g) for g in graph_execs]
         if not execs or any(g == 0 for g in execs):
             raise ExecutionError("graph executables must be non-null handles", ErrorKind.EXECUTION)
@@ -71,102 +120,68 @@ class GraphReplayWorker:
                                      ErrorKind.EXECUTION)
         if queue_capacity <= 0:
             raise ExecutionError("queue_capacity must be positive", ErrorKind.EXECUTION)
-        self._owner = owner
-        self._device = device
-        self._execs = execs
-        self._stream_ptr = stream_ptr
-        self.queue_capacity = queue_capacity
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._commands: collections.deque[tuple[int, int, int]] = collections.deque()
-        self._completions: collections.deque[ReplayCompletion] = collections.deque()
-        self._next_ticket = 1
-        self._closing = False
         self._closed = False
-        self._failure: str | None = None
-        self._thread = threading.Thread(target=self._main, name="flared-replay", daemon=True)
+        self._owner = owner
+        self.queue_capacity = queue_capacity
+        self._next_ticket = 1
+        self._sh = _Shared(cuda, device, execs, stream_ptr)
+        self._thread = threading.Thread(target=_worker_main, args=(self._sh,), name="flared-replay", daemon=True)
         self._thread.start()
 
     @property
     def outstanding(self) -> int:
-        with self._lock:
-            return len(self._commands) + len(self._completions) + self._running
-
-    _running = 0
+        """Accepted submissions whose completion has not been polled."""
+        with self._sh.lock:
+            return self._sh.busy()
 
     def submit(self, graph_index: int, repetitions: int = 1) -> int:
-        if not 0 <= graph_index < len(self._execs):
-            raise ExecutionError(f"graph index {graph_index} outside 0..{len(self._execs) - 1}", ErrorKind.EXECUTION)
+        sh = self._sh
+        if not 0 <= graph_index < len(sh.execs):
+            raise ExecutionError(f"graph index {graph_index} outside 0..{len(sh.execs) - 1}", ErrorKind.EXECUTION)
         if repetitions < 1:
             raise ExecutionError("repetitions must be >= 1", ErrorKind.EXECUTION)
-        with self._cond:
-            if self._closing:
+        with sh.cond:
+            if sh.closing:
                 raise ExecutionError("the replay worker is closed", ErrorKind.EXECUTION)
-            if len(self._commands) + len(self._completions) + self._running >= self.queue_capacity:
+            if sh.busy() >= self.queue_capacity:
                 raise ExecutionError(f"replay queue full ({self.queue_capacity}); poll completions first",
                                      ErrorKind.MODEL_CAPACITY)
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._commands.append((ticket, graph_index, repetitions))
-            self._cond.notify_all()
+            sh.commands.append((ticket, graph_index, repetitions))
+            sh.cond.notify_all()
             return ticket
 
     def poll(self, timeout_ms: int = 0) -> ReplayCompletion | None:
+        sh = self._sh
         deadline = time.monotonic() + timeout_ms / 1000
-        with self._cond:
-            while not self._completions:
+        with sh.cond:
+            while not sh.completions:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                self._cond.wait(left)  # releases the lock; the GIL is released while waiting
-            return self._completions.popleft()
-
-    def _main(self) -> None:
-        cuda = self._cuda
-        try:
-            cuda.set_device(self._device)
-        except ExecutionError as exc:
-            self._failure = str(exc)
-        while True:
-            with self._cond:
-                while not self._commands and not self._closing:
-                    self._cond.wait()
-                if not self._commands:
-                    return
-                ticket, index, reps = self._commands.popleft()
-                self._running = 1
-            started = time.perf_counter_ns()
-            if self._failure is None:
-                try:
-                    for _ in range(reps):
-                        cuda.graph_launch(self._execs[index], self._stream_ptr)
-                    cuda.stream_synchronize(self._stream_ptr)
-                except ExecutionError as exc:
-                    self._failure = str(exc)
-            done = ReplayCompletion(ticket, index, reps, time.perf_counter_ns() - started, self._failure)
-            with self._cond:
-                self._running = 0
-                self._completions.append(done)
-                self._cond.notify_all()
+                sh.cond.wait(left)  # the GIL is released while waiting
+            return sh.completions.popleft()
 
     def close(self) -> None:
         """Reject new work, run the queued work, drain, join, release the owner. Idempotent."""
-        with self._cond:
+        sh = self._sh
+        with sh.cond:
             if self._closed:
                 return
-            self._closing = True
-            self._cond.notify_all()
+            self._closed = True
+            sh.closing = True
+            sh.cond.notify_all()
         self._thread.join()
-        self._closed = True
         try:
-            self._cuda.stream_synchronize(self._stream_ptr)
+            sh.cuda.stream_synchronize(sh.stream_ptr)
         except ExecutionError as exc:
             LEAKED_OWNERS.append(self._owner)  # the device may still use it: never free
             self._owner = None
             raise ExecutionError(f"replay drain failed, owner retained: {exc}", ErrorKind.DRAIN) from exc
         self._owner = None
-        if self._failure is not None:
-            raise ExecutionError(f"a replay launch failed: {self._failure}", ErrorKind.DEVICE)
+        if sh.failure is not None:
+            raise ExecutionError(f"a replay launch failed: {sh.failure}", ErrorKind.DEVICE)
 
     @property
     def owner_released(self) -> bool:
@@ -176,5 +191,5 @@ class GraphReplayWorker:
         try:
             if not getattr(self, "_closed", True):
                 self.close()
-        except Exception:  # noqa: BLE001 - a destructor must not raise; the owner stays retained on failure
+        except Exception:  # noqa: BLE001 - a destructor must not raise; on a failed drain the owner stays retained
             pass

@@ -1,0 +1,53 @@
+"""A small random-weight Llama on the GPU with a GraphExecutor and a scheduler around it."""
+
+import hashlib
+
+import torch
+
+PAGE_TOKENS = 16
+CONTEXT = 512
+
+
+def tiny_hf(seed=0, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval().to(device="cuda", dtype=dtype)
+
+
+def serving_model(hf, device="cuda", dtype=torch.float32):
+    from flared.model.config import from_hf_config
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import _hf_to_serving
+
+    config = from_hf_config(hf.config.to_dict())
+    tensors = _hf_to_serving({k: v.detach().to(device) for k, v in hf.state_dict().items()}, config, source="tiny")
+    return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT)
+
+
+def make_scheduler(concurrency=4, num_pages=128, chunk=128):
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    return RequestScheduler(SchedulerConfig(
+        model_identity=hashlib.sha256(b"cuda-tests").digest(), max_live_requests=concurrency, num_pages=num_pages,
+        num_snapshots=16, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=chunk),
+        PolicyConfig())
+
+
+def make_executor(model, concurrency=4, num_pages=128, chunk=128):
+    from flared.execution.executor import GraphExecutor
+
+    return GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
+                         num_snapshots=16, vocab_size=model.config.vocab_size, max_live=concurrency,
+                         decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(64, chunk),
+                         max_pages_per_sequence=CONTEXT // PAGE_TOKENS)
+
+
+def make_cpu_executor(model, concurrency=4, num_pages=128):
+    from flared.execution.eager import EagerExecutor
+
+    return EagerExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
+                         num_snapshots=16, vocab_size=model.config.vocab_size, max_live=concurrency)
