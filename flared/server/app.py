@@ -23,6 +23,7 @@ from flared.errors import AdmissionError, ErrorKind
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
 from flared.server.anthropic_routes import AnthropicRoutes
+from flared.server.ollama_routes import OllamaRoutes
 from flared.server.openai_routes import OpenAIRoutes
 from flared.server.structured import StructuredOutput
 
@@ -121,6 +122,7 @@ def build_router(state: ServingState) -> Router:
         router.add("GET", "/metrics", metrics_route(state.metrics), public=True)
     OpenAIRoutes(state).register(router)
     AnthropicRoutes(state).register(router)
+    OllamaRoutes(state).register(router)
     from flared.server.decisions_routes import DecisionsRoutes
 
     DecisionsRoutes(state).register(router)

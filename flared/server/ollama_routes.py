@@ -1,0 +1,342 @@
+"""Ollama-compatible routes: /api/version, /api/tags, /api/show, /api/chat, /api/generate.
+
+What the ``ollama`` Python client and editors' Ollama providers call,
+translated onto the one generation path.
+
+Rules:
+- ``stream`` defaults to true (Ollama's default): NDJSON, one object per
+  line, the last with ``done: true``, ``done_reason`` and the counts and
+  durations (nanoseconds). Non-streaming returns that last object with the
+  whole message.
+- Option names map onto ours: num_predict (-1: until the context ends, -2:
+  fill the context), temperature, top_k, top_p, min_p, repeat_penalty,
+  presence_penalty, frequency_penalty, seed, stop, num_ctx (at most the
+  core's context; a smaller value limits prompt + output). Options that only
+  tune Ollama's own runtime (num_thread, num_gpu, ...) are ignored, as they
+  are meaningless here.
+- Tool calls arrive whole (Ollama's arguments are objects, not text), in a
+  message chunk before the final one; reasoning goes to ``thinking``;
+  ``think: false`` turns thinking off in the template.
+- ``format`` ("json" or a JSON schema) is enforced by the grammar engine.
+- Errors are ``{"error": message}`` with the daemon's status codes.
+- A model name may carry Ollama's ``:latest`` tag.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.frontend.toolcalls import ParsedDelta, ToolCall
+from flared.runtime.request import GenerateRequest
+from flared.server.generation import Generation
+from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
+from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
+from flared.server.openai_schema import SamplingOptions, _bad, _boolean, _integer, _number, _type, parse_tools
+from flared.server.structured import compile_grammar, parse_ollama_format
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
+_NDJSON = "application/x-ndjson"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ollama_errors(handler):
+    async def wrapped(request: Request):
+        try:
+            return await handler(request)
+        except Exception as exc:
+            resp = error_response(exc)
+            try:
+                message = json.loads(resp.body)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = "internal server error"
+            return Response.json({"error": message}, status=resp.status)
+    return wrapped
+
+
+def _model(state, body: dict) -> str:
+    name = body.get("model") or body.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad("model", "is required")
+    check_model(state, name.removesuffix(":latest"))
+    return name
+
+
+def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise _bad("options", f"must be an object, got {_type(opts)}")
+    context = state.manifest.capacities.context_tokens
+    num_ctx = _integer(opts, "num_ctx", 1, 1 << 31)
+    if num_ctx is not None and num_ctx > context:
+        raise _bad("options.num_ctx", f"is {num_ctx}, but this model's context is {context} tokens "
+                   f"({state.manifest.context_hint})")
+    limit = num_ctx or context
+    if num_prompt_tokens >= limit:
+        raise AdmissionError(f"the prompt has {num_prompt_tokens} tokens, more than num_ctx {limit} allows",
+                             ErrorKind.CONTEXT_LENGTH, hint=state.manifest.context_hint)
+    num_predict = _integer(opts, "num_predict", -2, 1 << 31)
+    room = limit - num_prompt_tokens
+    max_tokens = room if num_predict in (None, -1, -2) else min(max(num_predict, 1), room)
+    stop = opts.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("options.stop", "must be an array of strings")
+    seed = _integer(opts, "seed", -(1 << 63), (1 << 64) - 1)
+    top_k = _integer(opts, "top_k", 0, 1 << 31)
+    return SamplingOptions(
+        max_tokens=max_tokens, temperature=_number(opts, "temperature", 0.0, 2.0),
+        top_p=_number(opts, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=_number(opts, "min_p", 0.0, 1.0),
+        presence_penalty=_number(opts, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_number(opts, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=_number(opts, "repeat_penalty", 0.0, 2.0, lo_open=True),
+        seed=seed, logit_bias=None, logprobs=None, stop=tuple(s for s in stop if s), stop_token_ids=(),
+        ignore_eos=False, n=1)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty array of messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise _bad(f"messages[{i}].role", "must be system, user, assistant or tool")
+        if m.get("images"):
+            raise _bad(f"messages[{i}].images", "images are not supported (this model takes text)",
+                       ErrorKind.UNSUPPORTED)
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", "must be a string")
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{"type": "function", "function": {
+                "name": (c.get("function") or {}).get("name"),
+                "arguments": (c.get("function") or {}).get("arguments") or {}}} for c in m["tool_calls"]
+                if isinstance(c, dict)]
+        if m.get("tool_name"):
+            msg["name"] = m["tool_name"]
+        out.append(msg)
+    return out
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    think = body.get("think")
+    if think is None:
+        return {}
+    if isinstance(think, str) and think in ("low", "medium", "high"):
+        return {"enable_thinking": True}
+    if not isinstance(think, bool):
+        raise _bad("think", "must be a boolean (or low, medium, high)")
+    return {"enable_thinking": think}
+
+
+def _ollama_calls(calls: list[ToolCall]) -> list[dict]:
+    out = []
+    for c in calls:
+        try:
+            args = json.loads(c.arguments or "{}")
+        except ValueError:
+            args = {}
+        out.append({"function": {"name": c.name, "arguments": args if isinstance(args, dict) else {}}})
+    return out
+
+
+class OllamaRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    def register(self, router: Router) -> None:
+        router.add("GET", "/api/version", _ollama_errors(self.version))
+        router.add(("GET", "HEAD"), "/api/tags", _ollama_errors(self.tags))
+        router.add("POST", "/api/show", _ollama_errors(self.show))
+        router.add("POST", "/api/chat", _ollama_errors(self.chat), admit=True)
+        router.add("POST", "/api/generate", _ollama_errors(self.generate), admit=True)
+
+    def _details(self) -> dict[str, Any]:
+        m = self.state.manifest
+        params = sum(a.size_bytes for name, a in m.assets.items() if name in m.weights)
+        bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}.get(m.dtype, 2)
+        return {"parent_model": "", "format": "flared-core", "family": m.architecture,
+                "families": [m.architecture], "parameter_size": _human(params // bytes_per),
+                "quantization_level": m.dtype.upper().replace("BFLOAT", "BF").replace("FLOAT", "F")}
+
+    async def version(self, request: Request) -> Response:
+        return Response.json({"version": OLLAMA_VERSION})
+
+    async def tags(self, request: Request) -> Response:
+        m = self.state.manifest
+        size = sum(a.size_bytes for a in m.assets.values())
+        modified = datetime.datetime.fromtimestamp(self.state.created, datetime.timezone.utc).isoformat()
+        models = [{"name": name, "model": name, "modified_at": modified, "size": size,
+                   "digest": m.assets[m.tokenizer].sha256, "details": self._details()}
+                  for name in dict.fromkeys((m.model_name, *m.served_names)) if name]
+        return Response.json({"models": models})
+
+    def _capabilities(self) -> list[str]:
+        fe = self.state.frontend
+        source = fe.chat_template.source if fe.chat_template is not None else None
+        from flared.frontend.reasoning import reasoning_format_for_template
+        from flared.frontend.toolcalls import tool_parser_for_template
+
+        caps = ["completion"]
+        if tool_parser_for_template(source, self.state.tool_parser) is not None:
+            caps.append("tools")
+        if reasoning_format_for_template(source, self.state.reasoning_parser) is not None:
+            caps.append("thinking")
+        return caps
+
+    async def show(self, request: Request) -> Response:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        _model(self.state, body)
+        m = self.state.manifest
+        fe = self.state.frontend
+        arch = m.architecture
+        cfg = m.model
+        info = {"general.architecture": arch, "general.name": m.model_name,
+                f"{arch}.context_length": m.capacities.context_tokens}
+        for ours, theirs in (("num_layers", "block_count"), ("hidden_size", "embedding_length"),
+                             ("num_attention_heads", "attention.head_count"),
+                             ("num_key_value_heads", "attention.head_count_kv"), ("vocab_size", "vocab_size")):
+            if ours in cfg:
+                info[f"{arch}.{theirs}"] = cfg[ours]
+        d = m.generation_defaults
+        params = "\n".join(f"{k} {v}" for k, v in (("temperature", d.get("temperature")), ("top_k", d.get("top_k")),
+                                                     ("top_p", d.get("top_p"))) if v is not None)
+        return Response.json({
+            "license": "", "modelfile": f"FROM {m.model_name}\n", "parameters": params,
+            "template": fe.chat_template.source if fe.chat_template is not None else "",
+            "details": self._details(), "model_info": info, "capabilities": self._capabilities(),
+            "modified_at": datetime.datetime.fromtimestamp(self.state.created, datetime.timezone.utc).isoformat()})
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools):
+        options = _options(self.state, body, len(prompt))
+        grammar = await compile_grammar(self.state, parse_ollama_format(body.get("format")))
+        shape = OutputShape(self.state, rendered_text, tools)
+        req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
+                              params=sampling_params(self.state, options, len(prompt), None, 0),
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
+        gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
+        return gen, shape
+
+    async def chat(self, request: Request):
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        model = _model(self.state, body)
+        tools = parse_tools(body.get("tools"), "tools")
+        t0 = time.monotonic_ns()
+        rendered = await self.state.prepare_chat(_messages(body), tools=tools, **_template_kwargs(body))
+        gen, shape = await self._start(body, rendered.text, tuple(rendered.token_ids), rendered.message_endpoints,
+                                       tools)
+        return await self._respond(request, gen, shape, body, model, t0, chat=True)
+
+    async def generate(self, request: Request):
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        model = _model(self.state, body)
+        prompt = body.get("prompt") or ""
+        if not isinstance(prompt, str):
+            raise _bad("prompt", "must be a string")
+        for field in ("images", "context", "suffix", "template"):
+            if body.get(field):
+                raise _bad(field, "is not supported by this server", ErrorKind.UNSUPPORTED)
+        if not prompt:  # Ollama's "load the model" request: it is loaded
+            return Response.json({"model": model, "created_at": _now(), "response": "", "done": True,
+                                  "done_reason": "load"})
+        t0 = time.monotonic_ns()
+        if _boolean(body, "raw"):
+            ids = await self.state.encode(prompt)
+            text, endpoints = prompt, ()
+        else:
+            system = body.get("system")
+            messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + \
+                [{"role": "user", "content": prompt}]
+            rendered = await self.state.prepare_chat(messages, **_template_kwargs(body))
+            ids, text, endpoints = rendered.token_ids, rendered.text, rendered.message_endpoints
+        gen, shape = await self._start(body, text, tuple(ids), endpoints, None)
+        return await self._respond(request, gen, shape, body, model, t0, chat=False)
+
+    async def _respond(self, request: Request, gen: Generation, shape: OutputShape, body: dict, model: str,
+                       t0_ns: int, *, chat: bool):
+        request.disconnected.add_callback(gen.cancel)
+        stream = _boolean(body, "stream", default=True)
+        if stream:
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, model, t0_ns, chat), media_type=_NDJSON)
+        ((text, _ids, _lps, finish),) = await gen.collect()
+        parsed, calls = shape.parse(text)
+        out = {"model": model, "created_at": _now(),
+               **self._piece(parsed, calls, chat), **self._final(gen, finish, t0_ns)}
+        return Response.json(out)
+
+    @staticmethod
+    def _piece(parsed: ParsedDelta, calls: list[ToolCall], chat: bool) -> dict[str, Any]:
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.reasoning:
+                message["thinking"] = parsed.reasoning
+            if calls:
+                message["tool_calls"] = _ollama_calls(calls)
+            return {"message": message}
+        piece: dict[str, Any] = {"response": parsed.content}
+        if parsed.reasoning:
+            piece["thinking"] = parsed.reasoning
+        return piece
+
+    def _final(self, gen: Generation, finish: str, t0_ns: int) -> dict[str, Any]:
+        u = gen.usage()
+        total = time.monotonic_ns() - t0_ns
+        return {"done": True, "done_reason": "length" if finish == "length" else "stop",
+                "total_duration": total, "load_duration": 0, "prompt_eval_count": u.num_prompt_tokens,
+                "prompt_eval_duration": 0, "eval_count": u.num_generated_tokens, "eval_duration": total}
+
+    async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, model: str, t0_ns: int,
+                      chat: bool) -> None:
+        parser = shape.parser() if shape.active else None
+        finish = "stop"
+        try:
+            async for d in gen.deltas():
+                parsed = ParsedDelta(d.text) if parser is None else (parser.push(d.text) if d.text else ParsedDelta())
+                if d.finish_reason is not None:
+                    finish = d.finish_reason
+                    if parser is not None:
+                        tail = parser.finish()
+                        parsed = ParsedDelta(parsed.content + tail.content, [], parsed.reasoning + tail.reasoning)
+                if parsed.content or parsed.reasoning:
+                    await w.send_ndjson({"model": model, "created_at": _now(), **self._piece(parsed, [], chat),
+                                         "done": False})
+            calls = parser.calls if parser is not None else []
+            if calls:
+                await w.send_ndjson({"model": model, "created_at": _now(),
+                                     **self._piece(ParsedDelta(), calls, chat), "done": False})
+            last = self._piece(ParsedDelta(), [], chat)
+            await w.send_ndjson({"model": model, "created_at": _now(), **last, **self._final(gen, finish, t0_ns)})
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:  # the stream has started: the error is the last line
+            gen.cancel()
+            resp = error_response(exc)
+            try:
+                await w.send_ndjson({"error": json.loads(resp.body)["error"]["message"]})
+            except ClientDisconnected:
+                pass
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)

@@ -1,0 +1,76 @@
+"""Ollama routes through the real ollama Python client against the daemon."""
+
+from __future__ import annotations
+
+import json
+
+import ollama
+import pytest
+
+REASONING = "Let me check the weather."
+ANSWER = "It is sunny in Paris."
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0, "num_predict": 40}
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return ollama.Client(host=daemon.base)
+
+
+def test_discovery(client, daemon):
+    names = [m.model for m in client.list().models]
+    assert "tiny" in names
+    info = client.show("tiny:latest")
+    assert set(info.capabilities) == {"completion", "tools", "thinking"}
+    assert info.modelinfo["llama.context_length"] == 1024 and "<tool_call>" in info.template
+    status, body = daemon.request("GET", "/api/version")
+    assert status == 200 and body["version"]
+
+
+def test_chat_tool_round_trip(client):
+    r = client.chat(model="tiny", messages=ASK, tools=TOOLS, options=GREEDY)
+    assert r.done and r.done_reason == "stop" and r.eval_count == 9 and r.prompt_eval_count > 0
+    assert r.message.thinking == REASONING and r.message.content == ""
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    history = ASK + [r.message.model_dump(exclude_none=True),
+                     {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"}]
+    r2 = client.chat(model="tiny", messages=history, tools=TOOLS, options=GREEDY, think=False)
+    assert r2.message.content == ANSWER and not r2.message.tool_calls and r2.prompt_eval_count > r.prompt_eval_count
+
+
+def test_chat_stream(client):
+    parts = list(client.chat(model="tiny", messages=ASK, tools=TOOLS, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done and parts[-1].done_reason == "stop"
+    assert "".join(p.message.thinking or "" for p in parts) == REASONING
+    assert "".join(p.message.content or "" for p in parts) == ""
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_generate_and_options(client):
+    r = client.generate(model="tiny", prompt="What is the weather in Paris?", think=False, options=GREEDY)
+    assert r.response == ANSWER and r.done_reason == "stop"
+    parts = list(client.generate(model="tiny", prompt="What is the weather in Paris?", think=False,
+                                 options={"temperature": 0, "num_predict": 1}, stream=True))
+    assert "".join(p.response for p in parts) == ANSWER and parts[-1].done_reason == "length"
+    r = client.generate(model="tiny", prompt="What is the weather in Paris?", think=False,
+                        options={"temperature": 0, "stop": ["sunny"]})
+    assert r.response == "It is "
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="tiny", prompt="hi", options={"num_ctx": 4096})
+    assert e.value.status_code == 400 and "num_ctx" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="nope", messages=ASK)
+    assert e.value.status_code == 404
+
+
+def test_format_json_is_enforced(client):
+    r = client.generate(model="tiny", prompt="Give me JSON.", think=False, format="json",
+                        options={"temperature": 0, "num_predict": 30})
+    if r.done_reason == "stop":
+        assert isinstance(json.loads(r.response), dict)
