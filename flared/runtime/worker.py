@@ -366,7 +366,8 @@ class ModelRuntime:
                 if handle not in released:
                     self._on_retired(s.finish(handle, done_ns))
                 continue
-            if live.grammar is not None and not live.grammar.consume(token):
+            # A matcher that failed while computing this step's mask allows only EOS, and accepts it: check both.
+            if live.grammar is not None and (not live.grammar.consume(token) or live.grammar.failed):
                 self._terminal(live, ErrorEvent(ExecutionError(
                     f"constrained decoding failed after {live.grammar.num_consumed} tokens: token {token} "
                     f"is outside the grammar ({live.grammar.error or 'no allowed continuation'})",

@@ -1,0 +1,137 @@
+"""Constrained decoding and scoring in the model thread (tiny core, no HTTP).
+
+A real ModelRuntime over the tiny random-weight core: grammar masks touch only
+constrained rows, a grammar that fails mid-generation ends that request alone,
+and a whole-prompt scoring request runs as the scheduler's SCORED_PREFILL with
+the same numbers as transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import llguidance
+import pytest
+import torch
+
+from flared.core.load import open_core
+from flared.model.grammar import GrammarCompiler, GrammarError, check_schema
+from flared.model.sampling import SamplingParams
+from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent
+from flared.runtime.worker import ModelRuntime
+
+ENUM = {"enum": ["fox", "dog", "Paris", "hello world"]}
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_core):
+    rt = ModelRuntime(open_core(tiny_core), torch_threads=1)
+    rt.start(max_pending=16)
+    yield rt
+    rt.stop()
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_core, runtime):
+    core = runtime.core
+    return GrammarCompiler((tiny_core / core.manifest.tokenizer).read_text(),
+                           vocab_size=core.config.vocab_size, eos_token_ids=core.manifest.tokens.eos_token_ids)
+
+
+def _run(runtime, requests):
+    async def go():
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, r in enumerate(requests):
+            runtime.submit(r, EventSink(loop, queue, i))
+        events = [[] for _ in requests]
+        done = 0
+        while done < len(requests):
+            i, e = await queue.get()
+            events[i].append(e)
+            done += isinstance(e, (FinishEvent, ErrorEvent))
+        return events
+    return asyncio.run(go())
+
+
+def _tokens(events):
+    return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+
+def _request(prompt, grammar=None, max_tokens=24, **kw):
+    eos = frozenset({2})
+    return GenerateRequest(tuple(prompt), (), SamplingParams(max_tokens=max_tokens, **kw), eos, grammar=grammar)
+
+
+def test_masks_touch_only_constrained_rows(runtime, compiler, tiny_core):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
+    prompt = tok.encode("<|im_start|>user\nPick one.<|im_end|>\n<|im_start|>assistant\n").ids
+    grammar = compiler.json_schema(ENUM)
+    alone = _tokens(_run(runtime, [_request(prompt, temperature=0.0)])[0])
+    mixed = _run(runtime, [_request(prompt, temperature=0.0), _request(prompt, grammar, temperature=0.0),
+                           _request(prompt, grammar, temperature=1.0, seed=7)])
+    assert _tokens(mixed[0]) == alone  # the unconstrained row is untouched by its neighbours' masks
+    for events in mixed[1:]:
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason == "stop"
+        assert json.loads(tok.decode(_tokens(events)[:-1])) in ENUM["enum"]  # last token: EOS
+
+
+def test_grammar_failure_mid_generation_ends_that_request(runtime, tiny_core):
+    core = runtime.core
+    # A lexer-state budget the schema outgrows a few tokens in: the matcher fails during generation,
+    # not at compile time.
+    tight = GrammarCompiler((tiny_core / core.manifest.tokenizer).read_text(), vocab_size=core.config.vocab_size,
+                            eos_token_ids=core.manifest.tokens.eos_token_ids,
+                            limits=llguidance.LLParserLimits(max_lexer_states=40))
+    grammar = tight.json_schema({"type": "object", "properties": {"a": {"type": "string", "minLength": 30}},
+                                 "required": ["a"]})
+    prompt = [5, 6, 7, 8]
+    failed, other = _run(runtime, [_request(prompt, grammar, max_tokens=40, temperature=0.0),
+                                   _request(prompt, max_tokens=12, temperature=0.0, logit_bias={2: -100.0})])
+    assert isinstance(failed[-1], ErrorEvent)
+    assert "constrained decoding failed" in str(failed[-1].error) and "too many states" in str(failed[-1].error)
+    assert isinstance(other[-1], FinishEvent) and other[-1].reason == "length"
+    assert len(_tokens(other)) == 12
+    assert runtime.health() == (True, "ok")
+
+
+def test_whole_prompt_scoring_matches_transformers(runtime, tiny_hf_llama):
+    from transformers import LlamaForCausalLM
+
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
+    events = _run(runtime, [GenerateRequest(tuple(prompt), (), SamplingParams(temperature=0.0, max_tokens=1),
+                                            frozenset(), score_from=1)])[0]
+    assert isinstance(events[0], ScoredEvent) and isinstance(events[-1], FinishEvent)
+    assert runtime.stats["launches_scored_prefill"] >= 1
+    model = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = [lp[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+    assert list(events[0].logprobs) == pytest.approx(want, abs=2e-4)
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "object", "properties": {"x": {"type": "array", "contains": {"type": "integer"}}}}, "contains"),
+    ({"anyOf": [{"type": "string"}, {"dependentRequired": {}}]}, "dependentRequired"),
+    ({"$defs": {"a": {"unevaluatedProperties": False}}}, "unevaluatedProperties"),
+    ({"type": "string", "format": "phone"}, "format"),
+    ({"type": "object", "x-custom": 1}, "x-custom"),
+])
+def test_check_schema_names_the_keyword(schema, keyword):
+    with pytest.raises(GrammarError) as info:
+        check_schema(schema)
+    assert info.value.keyword == keyword and repr(keyword) in str(info.value)
+
+
+def test_annotations_pass_and_grammars_compile_once(compiler):
+    schema = {"title": "T", "description": "d", "type": "object", "properties": {
+        "a": {"type": "integer", "default": 1, "examples": [1]}}, "required": ["a"],
+              "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    check_schema(schema)
+    first = compiler.json_schema(schema)
+    assert compiler.json_schema(json.loads(json.dumps(schema))) is first  # cached by canonical text
+    m1, m2 = first.matcher(), first.matcher()
+    assert m1 is not m2 and not m1.failed
