@@ -36,8 +36,10 @@ class ServerConfig:
     # and the process list). At most one of the two.
     api_key: str | None = None
     api_key_file: str | None = None
-    # Admin Unix socket (flarectl); None: no admin socket.
+    # Admin Unix socket (flarectl); None: no admin socket. Mode 0600, or
+    # 0660 with admin_socket_group as its group (operators in that group).
     admin_socket: str | None = None
+    admin_socket_group: str | None = None
     # HTTP admission: at most queue_capacity + max_active requests are held
     # (queued for preparation or the model, or streaming) before a body is
     # read; more get 429. None: derived from the core (4x and 1x its
@@ -99,7 +101,7 @@ class ServerConfig:
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              "must be one of debug, info, warning, error")
         need(self.log_format in ("auto", "plain", "journal"), "log_format", "must be one of auto, plain, journal")
-        for key in ("api_key_file", "admin_socket"):
+        for key in ("api_key_file", "admin_socket", "admin_socket_group"):
             v = getattr(self, key)
             need(v is None or (isinstance(v, str) and bool(v)), key, "must be a nonempty path")
         need(not (self.api_key and self.api_key_file), "api_key_file", "give api_key or api_key_file, not both")

@@ -252,7 +252,7 @@ class ServingSession:
         from flared.server.admin import build_admin_router
         from flared.server.http import HttpConfig, HttpServer
 
-        sock = bind_admin_socket(Path(path))
+        sock = bind_admin_socket(Path(path), group=self.loaded.config.admin_socket_group)
         server = HttpServer(build_admin_router(self), HttpConfig(host="127.0.0.1", port=0, max_connections=64))
         try:
             await server.start(sock=sock)
@@ -303,10 +303,19 @@ class ServingSession:
         self.state.close()
 
 
-def bind_admin_socket(path: Path) -> socket.socket:
-    """A listening Unix socket at ``path``, mode 0600, in a 0700 directory
-    when we create it. A stale socket file (nobody listening) is replaced; a
-    live one is an error, so two daemons never share an admin socket."""
+def bind_admin_socket(path: Path, group: str | None = None) -> socket.socket:
+    """A listening Unix socket at ``path``, mode 0600 (0660 owned by
+    ``group`` when given), in a 0700 directory when we create it. A stale
+    socket file (nobody listening) is replaced; a live one is an error, so
+    two daemons never share an admin socket."""
+    gid = -1
+    if group is not None:
+        import grp
+
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise OSError(f"admin socket group {group!r} does not exist") from None
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.exists() or path.is_symlink():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -325,7 +334,11 @@ def bind_admin_socket(path: Path) -> socket.socket:
         sock.bind(str(path))
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    if gid >= 0:
+        os.chown(path, -1, gid)
+        os.chmod(path, 0o660)
+    else:
+        os.chmod(path, 0o600)
     sock.listen(64)
     sock.setblocking(False)
     return sock

@@ -87,3 +87,27 @@ def test_daemon_not_running_is_a_clear_error(tmp_path, run_flarectl):
         assert res.returncode == 3, (cmd, res)
         assert "flared is not running" in res.stderr and "nobody.sock" in res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_admin_socket_group_mode(tmp_path):
+    import grp
+
+    from flared.runtime.session import bind_admin_socket
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    sock = bind_admin_socket(tmp_path / "run" / "admin.sock", group=group)
+    try:
+        st = os.stat(tmp_path / "run" / "admin.sock")
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
+        assert stat.S_IMODE(os.stat(tmp_path / "run").st_mode) == 0o700
+        # A live socket is never taken over by a second daemon.
+        try:
+            bind_admin_socket(tmp_path / "run" / "admin.sock")
+        except OSError as e:
+            assert "in use" in str(e)
+        else:
+            raise AssertionError("a second bind succeeded")
+    finally:
+        sock.close()
+    # Once nobody listens, the stale file is replaced.
+    bind_admin_socket(tmp_path / "run" / "admin.sock").close()
