@@ -77,8 +77,9 @@ class TelemetryFeed:
     Called from one thread at a time (the event loop for the admin socket,
     the dashboard thread in process)."""
 
-    def __init__(self, runtime, snapshot):
+    def __init__(self, runtime, snapshot, *, idle_disable_s: float = IDLE_DISABLE_S):
         self._runtime = runtime
+        self._idle_disable_s = idle_disable_s
         self._snapshot = snapshot
         self._buffer: CompletionBuffer | None = None
         self._completions: collections.deque[tuple] = collections.deque(maxlen=RETAINED_COMPLETIONS)
@@ -107,33 +108,28 @@ class TelemetryFeed:
                 self._timer.cancel()
                 self._timer = None
 
-    def _arm_idle_timer(self) -> None:
-        # One timer per feed: it disables telemetry when polling stops.
-        if self._timer is not None:
-            return
-
-        def check():
-            with self._lock:
-                self._timer = None
-                idle = time.monotonic() - self._last_poll_s
-            if idle >= IDLE_DISABLE_S:
-                self.disable()
-            else:
-                with self._lock:
-                    self._arm_timer_locked(IDLE_DISABLE_S - idle)
-        self._check = check
-        self._arm_timer_locked(IDLE_DISABLE_S)
+    def _check_idle(self) -> None:
+        """Timer thread: disable telemetry once polls stopped, else look again later."""
+        with self._lock:
+            self._timer = None
+            idle_s = time.monotonic() - self._last_poll_s
+            if idle_s < self._idle_disable_s:
+                self._arm_timer_locked(self._idle_disable_s - idle_s)
+                return
+        self.disable()
 
     def _arm_timer_locked(self, delay_s: float) -> None:
-        self._timer = threading.Timer(delay_s, self._check)
-        self._timer.daemon = True
-        self._timer.start()
+        # One timer per feed at a time; the caller holds self._lock.
+        if self._timer is None:
+            self._timer = threading.Timer(delay_s, self._check_idle)
+            self._timer.daemon = True
+            self._timer.start()
 
     def poll(self, since: int = 0, *, now_ns: int | None = None) -> dict:
         with self._lock:
             self._last_poll_s = time.monotonic()
             self._enable()
-        self._arm_idle_timer()
+            self._arm_timer_locked(self._idle_disable_s)
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         truncated = self._take_completions()
         if now_ns - self._sample_ns >= REQUEST_SAMPLE_INTERVAL_NS:

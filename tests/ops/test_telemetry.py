@@ -99,3 +99,19 @@ def test_view_renders_both_panes_narrow_and_wide():
     assert "rows 2-" in "\n".join(model.render(80, 20))
     model.key("left")
     assert "[overview]" in model.render(80, 20)[0]
+
+
+def test_telemetry_turns_itself_off_when_polling_stops():
+    import time
+
+    rt = _Runtime()
+    feed = TelemetryFeed(rt, _snapshot, idle_disable_s=0.05)
+    feed.poll(0)
+    assert rt.telemetry is not None
+    deadline = time.monotonic() + 10
+    while rt.telemetry is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # the feed's idle timer runs on its own thread
+    feed.poll(0)  # a new poll turns it back on
+    assert rt.telemetry is not None
+    feed.disable()
