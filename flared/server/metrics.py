@@ -249,10 +249,10 @@ class ServerMetrics:
             return 0, 0
         return int(s.cache.num_checkpoints), int(s.cache.num_cached_pages)
 
+    content_type = CONTENT_TYPE_LATEST
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-    content_type = CONTENT_TYPE_LATEST
 
     def start(self) -> None:
         self.token_rate.start()
