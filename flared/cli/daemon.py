@@ -111,6 +111,10 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     except FlareError as e:
         log.error("%s", e)
         sys.exit(1)
+    except OSError as e:
+        # A listener or admin socket that cannot be bound: say which, no traceback.
+        log.error("cannot start: %s", e)
+        sys.exit(1)
     sys.exit(code)
 
 

@@ -111,3 +111,16 @@ def test_admin_socket_group_mode(tmp_path):
         sock.close()
     # Once nobody listens, the stale file is replaced.
     bind_admin_socket(tmp_path / "run" / "admin.sock").close()
+
+
+def test_explicit_admin_socket_in_use_is_an_error(ops_daemon, tiny_core, tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "flared.cli.daemon", "run", str(tiny_core), "--port", "0",
+                          "--threads", "1", "--no-dashboard", "--admin-socket", str(ops_daemon.admin_socket)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "in use by another running daemon" in res.stderr and "Traceback" not in res.stderr
+    # The running daemon still owns its socket.
+    assert ops_daemon.ctl("status").returncode == 0
