@@ -25,6 +25,8 @@ from flared.server.http import HttpConfig, Request, Response, Router
 from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.ollama_routes import OllamaRoutes
 from flared.server.openai_routes import OpenAIRoutes
+from flared.server.responses_routes import ResponsesRoutes
+from flared.server.systemone_routes import SystemOneRoutes
 from flared.server.structured import StructuredOutput
 
 
@@ -123,6 +125,8 @@ def build_router(state: ServingState) -> Router:
     OpenAIRoutes(state).register(router)
     AnthropicRoutes(state).register(router)
     OllamaRoutes(state).register(router)
+    ResponsesRoutes(state).register(router)
+    SystemOneRoutes(state).register(router)
     from flared.server.decisions_routes import DecisionsRoutes
 
     DecisionsRoutes(state).register(router)

@@ -1,0 +1,446 @@
+"""OpenAI Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}.
+
+An adapter over the one generation path: input items (messages,
+function_call, function_call_output) become chat-template messages; the
+parsed output becomes output items in order (reasoning, message,
+function_call).
+
+Rules:
+- ``store`` (default true) keeps the response and the conversation that led
+  to it in a bounded in-memory LRU (``MAX_STORED_RESPONSES``); the oldest is
+  dropped first. ``previous_response_id`` prepends that stored conversation
+  (its input and output, not its ``instructions``) to the new input; an id
+  that is not stored (never, evicted, or stored with ``store: false``) is 404.
+- Stream events carry a ``sequence_number`` that rises by one, in this order:
+  response.created, response.in_progress, then per output item
+  output_item.added, its part/deltas/done events, output_item.done, and
+  last response.completed (response.incomplete when max_output_tokens cut it).
+- ``tool_choice`` "required" or a named function needs constrained decoding
+  and is rejected by name for now, as is a ``text.format`` other than text.
+- ``reasoning.effort: "none"`` turns thinking off in the template.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import secrets
+import time
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.frontend.toolcalls import ParsedDelta, ToolCall
+from flared.runtime.request import GenerateRequest
+from flared.server.generation import Generation
+from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
+from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
+from flared.server.openai_schema import (
+    SamplingOptions,
+    _bad,
+    _boolean,
+    _integer,
+    _number,
+    _string,
+    _type,
+    parse_tool_choice,
+    parse_tools,
+)
+
+MAX_STORED_RESPONSES = 1024  # a bounded memory cost: each holds its conversation's text
+
+
+class ResponseStore:
+    """Stored responses by id, least recently used dropped first."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES):
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        item = self._items.get(rid)
+        if item is not None:
+            self._items.move_to_end(rid)
+        return item
+
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _not_found(rid: str, field: str | None = None) -> AdmissionError:
+    err = AdmissionError(f"response {rid!r} is not stored on this server", ErrorKind.NOT_FOUND)
+    err.param = field
+    return err
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, f"must be a string or an array of content parts, got {_type(content)}")
+    parts = []
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+            kind = p.get("type") if isinstance(p, dict) else _type(p)
+            raise _bad(f"{where}[{j}]", f"content part of type {kind!r} is not supported (this model takes text)",
+                       ErrorKind.UNSUPPORTED)
+        if not isinstance(p.get("text"), str):
+            raise _bad(f"{where}[{j}].text", "must be a string")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def translate_input(value: Any) -> list[dict]:
+    """Responses input (a string or items) -> chat-template messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _bad("input", "must be a string or a non-empty array of input items")
+    out: list[dict] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(where, f"must be an object, got {_type(item)}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _content_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise _bad(where, "a function_call needs 'name' and 'arguments' strings")
+            call = {"id": item.get("call_id", ""), "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)  # parallel calls of one turn stay one message
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": _content_text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not replayed into the prompt, as the templates do
+        else:
+            raise _bad(f"{where}.type", f"input item of type {kind!r} is not supported", ErrorKind.UNSUPPORTED)
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", f"must be an array, got {_type(tools)}")
+    converted = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else _type(t)
+            raise _bad(f"tools[{i}]", f"tool of type {kind!r} is not supported (only function tools)",
+                       ErrorKind.UNSUPPORTED)
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+        converted.append({"type": "function", "function": fn})
+    return parse_tools(converted, "tools")
+
+
+def _options(body: dict) -> SamplingOptions:
+    return SamplingOptions(
+        max_tokens=_integer(body, "max_output_tokens", 1, 1 << 31), temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), top_k=None, min_p=None, presence_penalty=0.0,
+        frequency_penalty=0.0, repetition_penalty=None, seed=None, logit_bias=None, logprobs=None, stop=(),
+        stop_token_ids=(), ignore_eos=False, n=1)
+
+
+def _template_kwargs(body: dict) -> dict[str, Any]:
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, dict):
+        raise _bad("reasoning", f"must be an object, got {_type(reasoning)}")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return {}
+    return {"enable_thinking": effort != "none"}
+
+
+def _text_format(body: dict) -> None:
+    text = body.get("text")
+    if text is None:
+        return
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("text.format", "structured output on /v1/responses is not supported yet", ErrorKind.UNSUPPORTED)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class _Output:
+    """A response's output items as they form: reasoning, message, function calls."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self.reasoning: dict | None = None
+        self.message: dict | None = None
+        self.calls: dict[int, dict] = {}  # parser call index -> function_call item
+
+    def reasoning_item(self) -> dict:
+        self.reasoning = {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+                          "content": [{"type": "reasoning_text", "text": ""}]}
+        self.items.append(self.reasoning)
+        return self.reasoning
+
+    def message_item(self) -> dict:
+        self.message = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
+                        "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        self.items.append(self.message)
+        return self.message
+
+    def call_item(self, index: int, call_id: str, name: str) -> dict:
+        item = {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name, "arguments": "",
+                "status": "in_progress"}
+        self.calls[index] = item
+        self.items.append(item)
+        return item
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    u = gen.usage()
+    return {"input_tokens": u.num_prompt_tokens, "input_tokens_details": {"cached_tokens": u.num_cached_tokens},
+            "output_tokens": u.num_generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.num_prompt_tokens + u.num_generated_tokens}
+
+
+def _conversation_out(items: list[dict]) -> list[dict]:
+    """A response's output items as the assistant turn they form (for previous_response_id)."""
+    content = None
+    calls = []
+    for item in items:
+        if item["type"] == "message":
+            content = item["content"][0]["text"]
+        elif item["type"] == "function_call":
+            calls.append({"id": item["call_id"], "type": "function",
+                          "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}})
+    if content is None and not calls:
+        return []
+    return [{"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}]
+
+
+class ResponsesRoutes:
+    def __init__(self, state, store: ResponseStore | None = None):
+        self.state = state
+        self.store = store or ResponseStore()
+
+    def register(self, router: Router) -> None:
+        router.add("POST", "/v1/responses", self.create, admit=True)
+        router.add("GET", "/v1/responses/{response_id}", self.retrieve)
+        router.add("DELETE", "/v1/responses/{response_id}", self.delete)
+
+    async def retrieve(self, request: Request) -> Response:
+        item = self.store.get(request.params["response_id"])
+        if item is None:
+            raise _not_found(request.params["response_id"])
+        return Response.json(item[0])
+
+    async def delete(self, request: Request) -> Response:
+        rid = request.params["response_id"]
+        if not self.store.delete(rid):
+            raise _not_found(rid)
+        return Response.json({"id": rid, "object": "response", "deleted": True})
+
+    async def create(self, request: Request):
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        model = _string(body, "model", required=True)
+        check_model(self.state, model)
+        history: list[dict] = []
+        prev = _string(body, "previous_response_id")
+        if prev is not None:
+            stored = self.store.get(prev)
+            if stored is None:
+                raise _not_found(prev, "previous_response_id")
+            history = list(stored[1])
+        conversation = history + translate_input(body.get("input"))
+        instructions = _string(body, "instructions")
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
+        choice = parse_tool_choice(body.get("tool_choice"), "tool_choice")
+        tools = _tools(body)
+        _text_format(body)
+        store = _boolean(body, "store", default=True)
+        stream = _boolean(body, "stream")
+        offered = tools if choice != "none" else None
+        rendered = await self.state.prepare_chat(messages, tools=offered, **_template_kwargs(body))
+        shape = OutputShape(self.state, rendered.text, offered)
+        options = _options(body)
+        prompt = tuple(rendered.token_ids)
+        req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
+                              params=sampling_params(self.state, options, len(prompt), None, 0),
+                              stop_token_ids=_stop_ids(self.state, options))
+        gen = self.state.start([req], (), skip_special_tokens=shape.skip_special_tokens)
+        request.disconnected.add_callback(gen.cancel)
+        resp = {
+            "id": _item_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": instructions,
+            "max_output_tokens": options.max_tokens, "model": model, "output": [],
+            "parallel_tool_calls": _boolean(body, "parallel_tool_calls", default=True),
+            "previous_response_id": prev, "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+            "store": store, "temperature": options.temperature, "text": {"format": {"type": "text"}},
+            "tool_choice": choice, "tools": body.get("tools") or [], "top_p": options.top_p,
+            "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},
+        }
+        if stream:
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, resp, conversation),
+                                     headers=[("cache-control", "no-cache")])
+        ((text, _ids, _lps, finish),) = await gen.collect()
+        parsed, calls = shape.parse(text)
+        out = _Output()
+        if parsed.reasoning:
+            out.reasoning_item()["content"][0]["text"] = parsed.reasoning
+        if parsed.content or not calls:
+            out.message_item()["content"][0]["text"] = parsed.content
+        for i, c in enumerate(calls):
+            out.call_item(i, c.id, c.name)["arguments"] = c.arguments
+        self._finish(resp, out, gen, finish, conversation)
+        return Response.json(resp)
+
+    def _finish(self, resp: dict, out: _Output, gen: Generation, finish: str, conversation: list[dict]) -> None:
+        for item in out.items:
+            if "status" in item:
+                item["status"] = "completed" if finish != "length" else "incomplete"
+        resp["output"] = out.items
+        resp["usage"] = _usage(gen)
+        if finish == "length":
+            resp["status"] = "incomplete"
+            resp["incomplete_details"] = {"reason": "max_output_tokens"}
+        else:
+            resp["status"] = "completed"
+        if resp["store"]:
+            self.store.put(resp, conversation + _conversation_out(out.items))
+
+    async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, resp: dict,
+                      conversation: list[dict]) -> None:
+        seq = 0
+
+        async def event(kind: str, **fields) -> None:
+            nonlocal seq
+            await w.send_json_event({"type": kind, "sequence_number": seq, **fields}, event=kind)
+            seq += 1
+
+        out = _Output()
+        parser = shape.parser() if shape.active else None
+        open_kind: str | None = None  # the output item receiving deltas
+
+        async def close_open() -> None:
+            nonlocal open_kind
+            if open_kind is None:
+                return
+            index = len(out.items) - 1
+            item = out.items[index]
+            if open_kind == "reasoning":
+                text = item["content"][0]["text"]
+                await event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                            content_index=0, text=text)
+            elif open_kind == "message":
+                part = item["content"][0]
+                await event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"], logprobs=[])
+                await event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                            part=part)
+                item["status"] = "completed"
+            else:
+                await event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"])
+                item["status"] = "completed"
+            await event("response.output_item.done", output_index=index, item=item)
+            open_kind = None
+
+        async def feed(parsed: ParsedDelta) -> None:
+            nonlocal open_kind
+            if parsed.reasoning:
+                if open_kind != "reasoning":
+                    await close_open()
+                    item = out.reasoning_item()
+                    open_kind = "reasoning"
+                    await event("response.output_item.added", output_index=len(out.items) - 1,
+                                item={**item, "content": []})
+                item = out.reasoning
+                item["content"][0]["text"] += parsed.reasoning
+                await event("response.reasoning_text.delta", item_id=item["id"], output_index=len(out.items) - 1,
+                            content_index=0, delta=parsed.reasoning)
+            if parsed.content:
+                if open_kind != "message":
+                    await close_open()
+                    item = out.message_item()
+                    open_kind = "message"
+                    index = len(out.items) - 1
+                    await event("response.output_item.added", output_index=index, item={**item, "content": []})
+                    await event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                       "logprobs": []})
+                item = out.message
+                item["content"][0]["text"] += parsed.content
+                await event("response.output_text.delta", item_id=item["id"], output_index=len(out.items) - 1,
+                            content_index=0, delta=parsed.content, logprobs=[])
+            for c in parsed.calls:
+                if c.id is not None:
+                    await close_open()
+                    item = out.call_item(c.index, c.id, c.name)
+                    open_kind = "function_call"
+                    await event("response.output_item.added", output_index=len(out.items) - 1, item=dict(item))
+                item = out.calls[c.index]
+                if c.arguments:
+                    item["arguments"] += c.arguments
+                    await event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=out.items.index(item), delta=c.arguments)
+
+        finish = "stop"
+        try:
+            await event("response.created", response=dict(resp))
+            await event("response.in_progress", response=dict(resp))
+            async for d in gen.deltas():
+                parsed = ParsedDelta(d.text) if parser is None else (parser.push(d.text) if d.text else ParsedDelta())
+                if d.finish_reason is not None:
+                    finish = d.finish_reason
+                    if parser is not None:
+                        tail = parser.finish()
+                        parsed = ParsedDelta(parsed.content + tail.content, parsed.calls + tail.calls,
+                                             parsed.reasoning + tail.reasoning)
+                await feed(parsed)
+            if not out.items:
+                await feed(ParsedDelta(""))
+                if out.message is None:  # an empty answer is still one (empty) message
+                    item = out.message_item()
+                    index = len(out.items) - 1
+                    await event("response.output_item.added", output_index=index, item={**item, "content": []})
+                    await event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part=item["content"][0])
+                    open_kind = "message"
+            await close_open()
+            self._finish(resp, out, gen, finish, conversation)
+            await event("response.completed" if resp["status"] == "completed" else "response.incomplete",
+                        response=resp)
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:  # the stream has started: a response.failed event ends it
+            gen.cancel()
+            err = json.loads(error_response(exc).body)["error"]
+            resp["status"] = "failed"
+            resp["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
+            try:
+                await event("error", code=resp["error"]["code"], message=err["message"], param=None)
+                await event("response.failed", response=resp)
+            except ClientDisconnected:
+                pass

@@ -1,0 +1,87 @@
+"""/v1/responses through the real openai SDK (client.responses) against the daemon."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+REASONING = "Let me check the weather."
+ANSWER = "It is sunny in Paris."
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+QUESTION = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0)
+
+
+def test_function_call_round_trip_with_previous_response(client):
+    r = client.responses.create(model="tiny", input=QUESTION, tools=TOOLS, temperature=0, max_output_tokens=40,
+                                instructions="Be brief.")
+    assert r.status == "completed" and r.id.startswith("resp_")
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert r.output[0].content[0].text == REASONING
+    call = r.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"} and call.call_id
+    assert r.usage.output_tokens == 9
+    # stored: retrievable, and the next turn continues it with only the tool output as input
+    assert client.responses.retrieve(r.id).output[1].call_id == call.call_id
+    r2 = client.responses.create(model="tiny", previous_response_id=r.id, tools=TOOLS, temperature=0,
+                                 max_output_tokens=40, reasoning={"effort": "none"},
+                                 input=[{"type": "function_call_output", "call_id": call.call_id,
+                                         "output": "sunny, 21 C"}])
+    assert r2.output_text == ANSWER and [o.type for o in r2.output] == ["message"]
+    assert r2.previous_response_id == r.id and r2.usage.input_tokens > r.usage.input_tokens + 20
+    # the same conversation sent in full gives the same prompt
+    r3 = client.responses.create(model="tiny", tools=TOOLS, temperature=0, max_output_tokens=40, store=False,
+                                 reasoning={"effort": "none"}, input=[
+                                     {"role": "user", "content": QUESTION},
+                                     {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                      "arguments": call.arguments},
+                                     {"type": "function_call_output", "call_id": call.call_id,
+                                      "output": "sunny, 21 C"}])
+    assert r3.output_text == ANSWER and r3.usage.input_tokens == r2.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r3.id)
+
+
+def test_stream_events(client):
+    events = list(client.responses.create(model="tiny", input=QUESTION, tools=TOOLS, temperature=0,
+                                          max_output_tokens=40, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "function_call"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    arg_deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(arg_deltas) >= 2 and json.loads("".join(arg_deltas)) == {"city": "Paris"}
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == "".join(arg_deltas)
+    final = events[-1].response
+    assert final.output[1].arguments == done.arguments and final.usage.output_tokens == 9
+    assert client.responses.retrieve(final.id).status == "completed"
+
+
+def test_text_stream_and_incomplete(client):
+    events = list(client.responses.create(model="tiny", input=QUESTION, temperature=0, max_output_tokens=1,
+                                          reasoning={"effort": "none"}, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[4].delta == ANSWER
+
+
+def test_rejections(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_missing")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.responses.create(model="tiny", input="x", tools=TOOLS, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="input"):
+        client.responses.create(model="tiny", input=[{"type": "input_image", "image_url": "x"}])
