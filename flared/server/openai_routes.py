@@ -19,7 +19,7 @@ from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
-from flared.server.structured import compile_grammar
+from flared.server.structured import compile_grammar, force_tool_call
 from flared.server.openai_schema import ChatRequest, CompletionRequest, SamplingOptions, parse_chat, parse_completion
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -190,9 +190,13 @@ class OpenAIRoutes:
         rendered = await self.state.prepare_chat(
             req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, **req.template_kwargs)
-        shape = OutputShape(self.state, rendered.text, req.tools)
+        # A forced call needs no tool format in the template: the grammar produces it (force_tool_call).
+        shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools)
         prompt = tuple(rendered.token_ids)
-        grammar = await compile_grammar(self.state, req.response_format)
+        spec = req.response_format
+        if req.forced_tool is not None:
+            spec = force_tool_call(shape, req.tools, req.forced_tool)
+        grammar = await compile_grammar(self.state, spec)
         requests = [
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                             params=sampling_params(self.state, req.options, len(prompt), None, i),

@@ -13,7 +13,9 @@ import math
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
-from flared.server.structured import GrammarSpec, parse_response_format
+from flared.server.structured import (
+    ForcedToolChoice, GrammarSpec, parse_openai_forced_tool_choice, parse_response_format,
+)
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -61,6 +63,7 @@ class ChatRequest:
     tools: list[dict] | None = None  # function tools as the template sees them; None: no tools
     tool_choice: str = "auto"  # "auto" | "none" (required/named need constrained decoding)
     response_format: GrammarSpec | None = None  # constrained output (flared.server.structured)
+    forced_tool: ForcedToolChoice | None = None  # tool_choice "required" / named: a grammar forces the call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +245,10 @@ def parse_chat(body: Any) -> ChatRequest:
         out.append(msg)
     _reject_unsupported(body, ("functions", "audio", "prediction"))
     tools = parse_tools(body.get("tools"), "tools")
-    tool_choice = parse_tool_choice(body.get("tool_choice"), "tool_choice")
+    forced_tool = parse_openai_forced_tool_choice(body.get("tool_choice"))
+    tool_choice = "required" if forced_tool else parse_tool_choice(body.get("tool_choice"), "tool_choice")
+    if forced_tool is not None and body.get("response_format") not in (None, {"type": "text"}):
+        raise _bad("tool_choice", "a forced tool call cannot be combined with 'response_format'")
     if _boolean(body, "logprobs"):
         top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         logprobs = top
@@ -268,6 +274,7 @@ def parse_chat(body: Any) -> ChatRequest:
         user=_string(body, "user"),
         tools=tools if tools and tool_choice != "none" else None,
         tool_choice=tool_choice,
+        forced_tool=forced_tool,
     )
 
 

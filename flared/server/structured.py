@@ -29,6 +29,7 @@ import threading
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.frontend.toolcalls import ToolCallDelta, ToolParser
 from flared.model.grammar import CompiledGrammar, GrammarCompiler, GrammarError, check_schema
 
 
@@ -125,15 +126,83 @@ def tool_call_schema(tools: list[dict], name: str | None) -> dict:
     return {"type": "array", "items": item, "minItems": 1}
 
 
-def forced_tool_calls(text: str, name: str | None) -> list[tuple[str, str]]:
-    """Constrained output of ``tool_call_schema`` -> [(function name, arguments JSON)].
+@dataclasses.dataclass(frozen=True)
+class ForcedToolChoice:
+    name: str | None  # the function the call must use; None: any of the tools, one or more calls
 
-    Raises AdmissionError-free ValueError only if the output is not the JSON
-    the grammar allowed (it was cut short by max_tokens)."""
-    value = json.loads(text)
-    if name is not None:
-        return [(name, json.dumps(value, ensure_ascii=False))]
-    return [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
+
+def parse_openai_forced_tool_choice(choice: Any, field: str = "tool_choice") -> ForcedToolChoice | None:
+    """OpenAI ``tool_choice``: "required" or ``{"type": "function", "function": {"name"}}``; else None."""
+    if choice == "required":
+        return ForcedToolChoice(None)
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(field, 'a named tool choice is {"type": "function", "function": {"name": ...}}')
+        return ForcedToolChoice(fn["name"])
+    return None
+
+
+class ForcedToolParser(ToolParser):
+    """The constrained output of ``tool_call_schema`` -> tool calls (same interface as the families).
+
+    Named: the whole output is the arguments object, streamed as argument
+    deltas as it arrives (the grammar guarantees it is that JSON). Any tool:
+    the output is a JSON array of calls, announced when it is complete. An
+    output cut short by max_tokens stays a truncated call (named) or
+    becomes content (any).
+    """
+
+    name = "forced"
+    forced_name: str | None = None
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._announced = False
+
+    def _step(self, final: bool) -> bool:
+        if self.forced_name is not None and self._buf:
+            if not self._announced:
+                self._announced = True
+                self._emit_calls([self._announce(self.forced_name)])
+            self.calls[0].arguments += self._buf
+            self._emit_calls([ToolCallDelta(0, None, None, self._buf)])
+            self._buf = ""
+        return False
+
+    def _finish_rest(self) -> None:
+        if self.forced_name is not None:
+            if self._announced:
+                self._close(0, None)
+            return
+        try:
+            value = json.loads(self._buf)
+            calls = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
+        except (ValueError, TypeError, KeyError):
+            self._emit_content(self._buf)
+            self._buf = ""
+            return
+        for fn, arguments in calls:
+            delta = self._announce(fn)
+            delta.arguments = arguments
+            self.calls[delta.index].arguments = arguments
+            self._emit_calls([delta])
+            self._close(delta.index, None)
+        self._buf = ""
+
+
+def force_tool_call(shape, tools: list[dict], forced: ForcedToolChoice) -> GrammarSpec:
+    """Make ``shape`` (a route's OutputShape) parse forced calls; the grammar that forces them.
+
+    ``tools`` are OpenAI function tools (``{"type": "function", "function": {...}}``)."""
+    neutral = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in tools or ()]
+    schema = tool_call_schema(neutral, forced.name)
+    shape.tools = tools
+    shape.tool_cls = type("ForcedToolCalls", (ForcedToolParser,), {"forced_name": forced.name})
+    # The JSON starts at the first token: nothing is reasoning.
+    shape.reasoning = None
+    shape.starts_inside = False
+    return GrammarSpec("json_schema", schema, "tool_call")
 
 
 class StructuredOutput:
