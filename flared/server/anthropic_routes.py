@@ -15,9 +15,9 @@ Rules:
 - Errors are ``{"type": "error", "error": {"type", "message"}}`` with
   Anthropic's status codes (overloaded: 529). The transport's own 401/429
   (before a handler runs) keep the OpenAI shape.
-- ``tool_choice`` any/tool (a forced call) needs constrained decoding and is
-  rejected by name for now; ``thinking`` enabled/disabled sets the template's
-  ``enable_thinking``.
+- ``tool_choice`` any/tool (a forced call) is enforced by a grammar
+  (flared.server.structured.force_tool_call); ``thinking`` enabled/disabled
+  sets the template's ``enable_thinking``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
+from flared.server.structured import ForcedToolChoice, compile_grammar, force_tool_call
 from flared.server.openai_schema import (
     MAX_STOP_STRINGS,
     SamplingOptions,
@@ -170,10 +171,18 @@ def _tool_choice(body: dict) -> str:
         return "auto"
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise _bad("tool_choice", "must be an object with type auto, any, tool or none")
-    if choice["type"] in ("any", "tool"):
-        raise _bad("tool_choice", f"type {choice['type']!r} (a forced tool call) is not supported yet",
-                   ErrorKind.UNSUPPORTED)
+    if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+        raise _bad("tool_choice", "type 'tool' needs the tool's 'name'")
     return choice["type"]
+
+
+def _forced_tool(body: dict) -> ForcedToolChoice | None:
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "any":
+        return ForcedToolChoice(None, parallel=not choice.get("disable_parallel_tool_use", False))
+    if isinstance(choice, dict) and choice.get("type") == "tool":
+        return ForcedToolChoice(choice["name"])
+    return None
 
 
 def _template_kwargs(body: dict) -> dict[str, Any]:
@@ -256,11 +265,14 @@ class AnthropicRoutes:
         rendered, tools = await self._render(body)
         options = _options(body)
         stream = _boolean(body, "stream")
-        shape = OutputShape(self.state, rendered.text, tools)
+        forced = _forced_tool(body)
+        # A forced call needs no tool format in the template: the grammar produces it.
+        shape = OutputShape(self.state, rendered.text, None if forced else tools)
+        grammar = await compile_grammar(self.state, force_tool_call(shape, tools, forced) if forced else None)
         prompt = tuple(rendered.token_ids)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options))
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         request.disconnected.add_callback(gen.cancel)
         mid = "msg_" + secrets.token_hex(12)

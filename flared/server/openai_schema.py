@@ -245,7 +245,8 @@ def parse_chat(body: Any) -> ChatRequest:
         out.append(msg)
     _reject_unsupported(body, ("functions", "audio", "prediction"))
     tools = parse_tools(body.get("tools"), "tools")
-    forced_tool = parse_openai_forced_tool_choice(body.get("tool_choice"))
+    forced_tool = parse_openai_forced_tool_choice(body.get("tool_choice"),
+                                                  parallel=_boolean(body, "parallel_tool_calls", default=True))
     tool_choice = "required" if forced_tool else parse_tool_choice(body.get("tool_choice"), "tool_choice")
     if forced_tool is not None and body.get("response_format") not in (None, {"type": "text"}):
         raise _bad("tool_choice", "a forced tool call cannot be combined with 'response_format'")

@@ -96,7 +96,7 @@ def parse_ollama_format(value: Any, field: str = "format") -> GrammarSpec | None
     raise _bad(field, f"must be \"json\" or a JSON schema object, got {value!r}")
 
 
-def tool_call_schema(tools: list[dict], name: str | None) -> dict:
+def tool_call_schema(tools: list[dict], name: str | None, *, max_calls: int | None = None) -> dict:
     """The JSON a forced tool call must produce.
 
     ``tools``: [{"name", "parameters"}] (API-neutral: each route maps its own
@@ -123,18 +123,23 @@ def tool_call_schema(tools: list[dict], name: str | None) -> dict:
         variants.append({"type": "object", "properties": {"name": {"const": fn}, "arguments": params},
                          "required": ["name", "arguments"], "additionalProperties": False})
     item = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {"type": "array", "items": item, "minItems": 1}
+    schema = {"type": "array", "items": item, "minItems": 1}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
 
 
 @dataclasses.dataclass(frozen=True)
 class ForcedToolChoice:
     name: str | None  # the function the call must use; None: any of the tools, one or more calls
+    parallel: bool = True  # False: exactly one call (OpenAI parallel_tool_calls, Anthropic disable_parallel_tool_use)
 
 
-def parse_openai_forced_tool_choice(choice: Any, field: str = "tool_choice") -> ForcedToolChoice | None:
+def parse_openai_forced_tool_choice(choice: Any, field: str = "tool_choice", *,
+                                    parallel: bool = True) -> ForcedToolChoice | None:
     """OpenAI ``tool_choice``: "required" or ``{"type": "function", "function": {"name"}}``; else None."""
     if choice == "required":
-        return ForcedToolChoice(None)
+        return ForcedToolChoice(None, parallel)
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -196,7 +201,7 @@ def force_tool_call(shape, tools: list[dict], forced: ForcedToolChoice) -> Gramm
 
     ``tools`` are OpenAI function tools (``{"type": "function", "function": {...}}``)."""
     neutral = [{"name": t["function"]["name"], "parameters": t["function"].get("parameters")} for t in tools or ()]
-    schema = tool_call_schema(neutral, forced.name)
+    schema = tool_call_schema(neutral, forced.name, max_calls=None if forced.parallel else 1)
     shape.tools = tools
     shape.tool_cls = type("ForcedToolCalls", (ForcedToolParser,), {"forced_name": forced.name})
     # The JSON starts at the first token: nothing is reasoning.

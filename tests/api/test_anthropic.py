@@ -90,7 +90,7 @@ def test_count_tokens_and_errors(client):
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="tiny", max_tokens=4, messages=ASK, tools=TOOLS,
-                               tool_choice={"type": "any"})
+                               tool_choice={"type": "tool"})  # no name (any/tool are served)
     assert "tool_choice" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [

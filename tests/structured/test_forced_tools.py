@@ -1,0 +1,100 @@
+"""Forced tool calls through the grammar: OpenAI tool_choice required / named,
+Anthropic tool_choice any / tool, with the real SDKs against the tiny daemon.
+
+The tiny model has random weights: whatever it would say, the grammar makes
+the output a call to an allowed tool with arguments valid for its schema.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
+         "required": ["zone"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOLS = [{"type": "function", "function": {"name": n, "description": n, "parameters": s}} for n, s in SCHEMAS.items()]
+ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_daemon):
+    return openai.OpenAI(base_url=tiny_daemon.base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(tiny_daemon):
+    return anthropic.Anthropic(base_url=tiny_daemon.base, api_key="unused", max_retries=0)
+
+
+def _valid(name: str, arguments) -> None:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    jsonschema.validate(args, SCHEMAS[name])
+
+
+def test_openai_required_and_named(oai):
+    for seed in range(3):
+        # One call per answer: a random-weight model would otherwise keep appending calls.
+        r = oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                        max_tokens=120, temperature=1.0, seed=seed, parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+        for call in c.message.tool_calls:
+            _valid(call.function.name, call.function.arguments)
+    r = oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                    tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    _valid("get_time", call.function.arguments)
+
+
+def test_openai_named_streams_argument_deltas(oai):
+    stream = oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                                         stream=True,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    names, pieces, finish = [], [], None
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            if tc.function.name:
+                names.append(tc.function.name)
+            pieces.append(tc.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert names == ["get_weather"] and finish == "tool_calls"
+    assert sum(1 for p in pieces if p) > 1  # arguments arrive in several deltas
+    _valid("get_weather", "".join(pieces))
+
+
+def test_openai_forced_call_rejections(oai):
+    with pytest.raises(openai.BadRequestError, match="not among 'tools'"):
+        oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4,
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        oai.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=4, tool_choice="required",
+                                    response_format={"type": "json_object"})
+    bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}}}}]
+    with pytest.raises(openai.BadRequestError, match="'not'"):
+        oai.chat.completions.create(model="tiny", messages=ASK, tools=bad_tools, max_tokens=4, tool_choice="required")
+
+
+def test_anthropic_any_and_tool(claude):
+    a_tools = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
+    r = claude.messages.create(model="tiny", max_tokens=120, messages=ASK, tools=a_tools,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and len(uses) == 1
+    for b in uses:
+        _valid(b.name, b.input)
+    with claude.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=a_tools,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        final = s.get_final_message()
+    (use,) = [b for b in final.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and final.stop_reason == "tool_use"
+    _valid("get_weather", use.input)
