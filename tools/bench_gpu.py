@@ -190,7 +190,9 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     p = prompts(vocab, 1, prompt_len, seed=4)
     # Warm-up on other prompts (the same prompt would be a prefix-cache hit): times the shapes once.
     run_flared(model, prompts(vocab, 1, prompt_len, seed=40), 16, ex_pair=pair)
+    ex.max_outstanding = 0
     r = run_flared(model, p, new_tokens, ex_pair=pair)
+    out[f"{shape}_b1_max_frames_in_flight"] = ex.max_outstanding
     decode_s = (r.finish_ns[0] - r.first_token_ns[0]) / 1e9
     tps = (new_tokens - 1) / decode_s
     _, hf_s = hf_generate(hf, p, 64)
@@ -203,7 +205,7 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     gpu_us = r.decode_gpu_ns / max(1, steps) / 1e3
     idle = 1 - r.gpu_ns / r.wall_ns
     rows.append((shape, "batch-1 host us/step | GPU us/step | GPU idle", f"{host_us:.0f} | {gpu_us:.0f} | {idle:.0%}",
-                 "", ""))
+                 "", f"frames in flight <= {ex.max_outstanding}"))
     out[f"{shape}_b1_host_us_per_step"] = host_us
     out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
     out[f"{shape}_b1_gpu_idle"] = idle

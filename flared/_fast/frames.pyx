@@ -156,8 +156,9 @@ cdef class CompletionTable:
     def nbytes_for(int32_t num_slots, int32_t token_fields=1):
         return NUM_FRAMES * num_slots * (RECORD_META_FIELDS + token_fields) * 8
 
-    def write(self, int frame, int64_t fence, int64_t[::1] slots, int64_t[::1] handles, int64_t[::1] consumed,
-              int64_t[::1] generated, const cnp.uint8_t[::1] sample):
+    def write(self, int frame, int64_t fence, const int64_t[::1] slots, const int64_t[::1] handles,
+              const int64_t[::1] consumed,
+              const int64_t[::1] generated, const cnp.uint8_t[::1] sample):
         """Records for one step's participants (all other slots marked invalid)."""
         cdef Py_ssize_t i, n = handles.shape[0]
         cdef int64_t s

@@ -130,3 +130,16 @@ def test_records_check_fence_slots_and_duplicates():
         table.write(0, 3, two, two, two, two, np.array([1, 1], dtype=np.uint8))
     # The other frame's records are untouched by writes to frame 0.
     assert not table.records[1, :, 0].any()
+
+
+def test_records_accept_read_only_plan_arrays():
+    """ScheduledPlan arrays are read-only; writing records must not need a writable buffer."""
+    arrays = [np.array([3], dtype=np.int64) for _ in range(4)]
+    sample = np.array([1], dtype=np.uint8)
+    for a in arrays + [sample]:
+        a.setflags(write=False)
+    table = CompletionTable(4)
+    table.write(0, 1, *arrays, sample)
+    tokens = np.array([9], dtype=np.int64)
+    tokens.setflags(write=False)
+    assert table.parse(0, 1, tokens)[3].tolist() == [9]
