@@ -382,21 +382,20 @@ class ChatTemplate:
         except Exception:
             template.environment.handle_exception()
         sentinel = MARK_SENTINEL
-        try:
-            at = chunks.index(sentinel)
-        except ValueError:
+        # count() and index() compare by value; identity below tells marks from lookalike text.
+        # Counting first means the scan never ends in a ValueError (an exception costs ~0.5 µs).
+        num_candidates = chunks.count(sentinel)
+        if not num_candidates:
             return "".join(chunks), ()
         # starts[i]: code points before chunks[i], sentinels included (subtracted per mark below).
         starts = list(itertools.accumulate(map(len, chunks), initial=0))
         offsets: list[int] = []
-        while True:
-            if chunks[at] is sentinel:  # not rendered text that merely equals the sentinel's value
+        at = -1
+        for _ in range(num_candidates):
+            at = chunks.index(sentinel, at + 1)
+            if chunks[at] is sentinel:
                 offsets.append(starts[at] - len(offsets) * MARK_SENTINEL_LEN)
                 chunks[at] = ""
-            try:
-                at = chunks.index(sentinel, at + 1)
-            except ValueError:
-                break
         return "".join(chunks), tuple(offsets)
 
     @staticmethod
