@@ -11,7 +11,8 @@ Rules:
   model sometimes repeats the opening marker: a leading one is dropped.
 - Output that ends inside the block (max_tokens) is all reasoning.
 - Whitespace between the closing marker and the answer is dropped, as is
-  whitespace that opens the reasoning itself.
+  whitespace that opens the reasoning itself; output without a reasoning
+  block is passed on unchanged (leading whitespace included).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class ReasoningParser:
                 if self.fmt.start.startswith(lead):
                     break  # still undecided (empty, whitespace or a prefix of the marker)
                 self._state = self._AFTER
+                self._at_content_start = False  # no reasoning block: the text is kept as it came
                 continue
             if self._state == self._INSIDE:
                 if self._at_block_start:
@@ -117,7 +119,7 @@ class ReasoningParser:
         if self._state == self._INSIDE:
             return ("" if self._at_block_start and not rest.strip() else rest), ""
         if self._state == self._BEFORE:
-            return "", rest.lstrip()
+            return "", rest
         return "", (rest.lstrip() if self._at_content_start else rest)
 
     def parse(self, text: str) -> tuple[str, str]:

@@ -11,7 +11,8 @@ template with tools and ``enable_thinking``. So, at temperature 0:
   ``<think>Let me check the weather.</think><tool_call>{"name": "get_weather",
   "arguments": {"city": "Paris"}}</tool_call>`` and stops;
 - with thinking disabled (the prompt ends ``<think>\\n\\n</think>\\n\\n``) it
-  writes ``It is sunny in Paris.`` and stops.
+  writes ``It is sunny in Paris.`` and stops;
+- after `` la`` it writes `` la`` until max_tokens (long streams, cancellation).
 
 That is real generation through the daemon, detokenizer, parsers and
 templates; only the weights are chosen rather than trained.
@@ -75,8 +76,9 @@ For each function call, return a json object with function name and arguments wi
 REASONING = "Let me check the weather."
 CALL_PIECES = ['{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"}}']
 ANSWER = "It is sunny in Paris."
+LOOP = " la"  # follows itself: a prompt ending in it generates until max_tokens
 ADDED = ["\n\n", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-         REASONING, *CALL_PIECES, ANSWER]
+         REASONING, *CALL_PIECES, ANSWER, LOOP]
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
           "What is the weather in Paris today?", "Hello, world! How are you today?"]
 
@@ -117,6 +119,7 @@ def tool_hf_dir(tmp_path_factory) -> Path:
     successors = dict(zip(chain, chain[1:]))
     successors[ids["\n\n"]] = ids[ANSWER]
     successors[ids[ANSWER]] = 2
+    successors[ids[LOOP]] = ids[LOOP]
     with torch.no_grad():
         for layer in model.model.layers:
             # zero output projections: the residual stream stays the current token's embedding

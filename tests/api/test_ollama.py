@@ -74,3 +74,32 @@ def test_format_json_is_enforced(client):
                         options={"temperature": 0, "num_predict": 30})
     if r.done_reason == "stop":
         assert isinstance(json.loads(r.response), dict)
+
+
+def _cancelled_total(daemon) -> float:
+    status, text = daemon.request("GET", "/metrics")
+    assert status == 200
+    for line in text.decode().splitlines():
+        if line.startswith("flare_model_requests_cancelled_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no cancelled counter")
+
+
+def test_disconnect_mid_stream_cancels(client, daemon):
+    import http.client
+    import time
+
+    body = {"model": "tiny", "prompt": "Sing la la", "raw": True, "options": {"temperature": 0, "num_predict": 600}}
+    full = client.generate(**body)
+    assert full.eval_count == 600 and full.response == " la" * 600  # this prompt does not reach EOS
+    before = _cancelled_total(daemon)
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    conn.request("POST", "/api/generate", body=json.dumps({**body, "stream": True}),
+                 headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.read(20).startswith(b'{"model"')  # the stream has begun
+    conn.close()
+    deadline = time.monotonic() + 30
+    while _cancelled_total(daemon) == before:
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.05)  # polling the daemon's own counter until the model thread records the cancel

@@ -135,6 +135,8 @@ REASONING_CASES = [
     ("<think>Repeated opener.</think>Answer.", True, "Repeated opener.", "Answer."),
     ("<think>cut off by max_tokens", False, "cut off by max_tokens", ""),
     ("<thin", False, "", "<thin"),
+    (" la la", False, "", " la la"),
+    ("  ", False, "", "  "),
 ]
 
 

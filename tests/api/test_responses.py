@@ -85,3 +85,17 @@ def test_rejections(client):
         client.responses.create(model="tiny", input="x", tools=TOOLS, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="input"):
         client.responses.create(model="tiny", input=[{"type": "input_image", "image_url": "x"}])
+
+
+def test_store_is_bounded_lru():
+    from flared.server.responses_routes import ResponseStore
+
+    store = ResponseStore(capacity=3)
+    for i in range(3):
+        store.put({"id": f"r{i}"}, [])
+    assert store.get("r0") is not None  # r0 is now the most recently used
+    store.put({"id": "r3"}, [])
+    assert len(store) == 3 and store.get("r1") is None
+    assert [store.get(k) is not None for k in ("r0", "r2", "r3")] == [True, True, True]
+    assert store.delete("r2") and not store.delete("r2") and len(store) == 2
+
