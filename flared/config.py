@@ -66,8 +66,8 @@ class ServerConfig:
     # "auto": journald's format when $JOURNAL_STREAM says stderr is the
     # journal, else plain timestamped lines; "plain" or "journal" to force.
     log_format: str = "auto"
-    # Tool-call parser family (hermes, qwen3_coder, llama3_json, mistral, deepseek) and reasoning
-    # parser (think); "auto" picks them from the chat template, "none" turns parsing off.
+    # Tool-call parser family (hermes, qwen3_coder, llama3_json, mistral, deepseek, functionary) and
+    # reasoning parser (think, mistral); "auto" picks them from the chat template, "none" turns parsing off.
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
     # Scheduler policy coefficients (the [policy] table).
@@ -106,10 +106,10 @@ class ServerConfig:
             need(v is None or (isinstance(v, str) and bool(v)), key, "must be a nonempty path")
         need(not (self.api_key and self.api_key_file), "api_key_file", "give api_key or api_key_file, not both")
         need(isinstance(self.policy, PolicyConfig), "policy", "must be a [policy] table")
-        need(self.tool_parser in ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek"),
-             "tool_parser", "must be one of auto, none, hermes, qwen3_coder, llama3_json, mistral, deepseek")
-        need(self.reasoning_parser in ("auto", "none", "think"), "reasoning_parser",
-             "must be one of auto, none, think")
+        tool_parsers = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek", "functionary")
+        need(self.tool_parser in tool_parsers, "tool_parser", f"must be one of {', '.join(tool_parsers)}")
+        need(self.reasoning_parser in ("auto", "none", "think", "mistral"), "reasoning_parser",
+             "must be one of auto, none, think, mistral")
 
     def with_secrets(self) -> "ServerConfig":
         """The config with api_key read from api_key_file (first line, stripped)."""

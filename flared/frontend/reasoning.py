@@ -1,4 +1,5 @@
-"""Reasoning out of generated text: ``<think>…</think>`` split from the answer, incrementally.
+"""Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``)
+split from the answer, incrementally.
 
 Rules:
 - Text arrives in arbitrary chunks (a marker may be split at any character);
@@ -33,10 +34,13 @@ class ReasoningFormat:
     name: str
     start: str
     end: str
+    # True when the markers are special tokens the detokenizer would otherwise skip.
+    needs_special_tokens: bool = False
 
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
-FORMATS = {THINK.name: THINK}
+MISTRAL_THINK = ReasoningFormat("mistral", "[THINK]", "[/THINK]", needs_special_tokens=True)
+FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK)}
 
 
 def reasoning_format_for_template(source: str | None, override: str = "auto") -> ReasoningFormat | None:
@@ -45,8 +49,9 @@ def reasoning_format_for_template(source: str | None, override: str = "auto") ->
         return None
     if override != "auto":
         return FORMATS[override]
-    if source and THINK.start in source and THINK.end in source:
-        return THINK
+    for fmt in (THINK, MISTRAL_THINK):
+        if source and fmt.start in source and fmt.end in source:
+            return fmt
     return None
 
 

@@ -23,7 +23,8 @@ Families (chosen from the chat template, overridable in ServerConfig):
 ``llama3_json`` (a leading ``{"name": …, "parameters": …}``, optionally after
 ``<|python_tag|>``, several joined by ``;``), ``mistral``
 (``[TOOL_CALLS][{…}, …]`` or ``[TOOL_CALLS]name[ARGS]{…}``), ``deepseek``
-(``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``).
+(``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``), ``functionary``
+(``<function=name>{…}</function>``).
 """
 
 from __future__ import annotations
@@ -859,9 +860,84 @@ class DeepSeekToolParser(ToolParser):
         self._state = "text"
 
 
+class FunctionaryToolParser(ToolParser):
+    """Functionary v3.1 (Llama 3.1 based): ``<function=name>{…}</function>``, any number of them."""
+
+    name = "functionary"
+    OPEN, CLOSE = "<function=", "</function>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "text"  # text | name | args | close
+        self._index = -1
+        self._sent = 0
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "text":
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._state = "name"
+            return True
+        if self._state == "name":
+            i = self._buf.find(">")
+            if i < 0:
+                return False
+            d = self._announce(self._buf[:i].strip())
+            self._index, self._sent = d.index, 0
+            self._emit_calls([d])
+            self._buf = self._buf[i + 1:]
+            self._state = "args"
+            return True
+        if self._state == "args":
+            if self._sent == 0:
+                self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            if self._sent == 0 and self._buf[0] != "{":
+                self._state = "close"  # no arguments object
+                return True
+            end = value_end(self._buf, 0)
+            stop = end if end is not None else len(self._buf)
+            if stop > self._sent:
+                piece = self._buf[self._sent:stop]
+                self._sent = stop
+                self.calls[self._index].arguments += piece
+                self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+            if end is None:
+                return False
+            self._buf = self._buf[end:]
+            self._state = "close"
+            return True
+        # close: the closing tag, if the model wrote it
+        lead = self._buf.lstrip()
+        if lead.startswith(self.CLOSE):
+            self._buf = lead[len(self.CLOSE):]
+        elif self.CLOSE.startswith(lead) and not final:
+            return False
+        self._end_call()
+        return True
+
+    def _end_call(self) -> None:
+        if not self.calls[self._index].arguments:
+            self.calls[self._index].arguments = "{}"
+            self._emit_calls([ToolCallDelta(self._index, None, None, "{}")])
+        self._close(self._index, None)
+        self._state = "text"
+
+    def _finish_rest(self) -> None:
+        if self._state == "name":
+            self._emit_content(self.OPEN + self._buf)
+        elif self._state in ("args", "close"):
+            self._end_call()
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+        self._state = "text"
+
+
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
-                        DeepSeekToolParser)
+                        DeepSeekToolParser, FunctionaryToolParser)
 }
 
 
@@ -879,6 +955,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return MistralToolParser
     if "tool▁calls▁begin" in source:
         return DeepSeekToolParser
+    if "<function=" in source:
+        return FunctionaryToolParser
     if "<|python_tag|>" in source or ("<|start_header_id|>" in source and '"parameters"' in source):
         return Llama3JsonToolParser
     return None

@@ -137,7 +137,8 @@ class OutputShape:
 
     @property
     def skip_special_tokens(self) -> bool:
-        return not (self.tool_cls is not None and self.tool_cls.needs_special_tokens)
+        return not ((self.tool_cls is not None and self.tool_cls.needs_special_tokens)
+                    or (self.reasoning is not None and self.reasoning.needs_special_tokens))
 
     @property
     def active(self) -> bool:

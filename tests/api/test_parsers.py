@@ -8,7 +8,15 @@ import json
 
 import pytest
 
-from flared.frontend.reasoning import THINK, ReasoningParser, opens_reasoning, reasoning_format_for_template
+from pathlib import Path
+
+from flared.frontend.reasoning import (
+    MISTRAL_THINK,
+    THINK,
+    ReasoningParser,
+    opens_reasoning,
+    reasoning_format_for_template,
+)
 from flared.frontend.toolcalls import (
     PARSERS,
     OutputParser,
@@ -62,10 +70,15 @@ CASES = {
         ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
          "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [("get_weather", {"city": "Oslo"})]),
     ],
+    "functionary": [
+        ('Sure.<function=get_weather>{"city": "Paris"}</function><function=f>{"x": "</function>"}</function>',
+         "Sure.", [("get_weather", {"city": "Paris"}), ("f", {"x": "</function>"})]),
+        ("<function=ping>{}</function>\nDone.", "Done.", [("ping", {})]),
+    ],
 }
 
-MARKERS = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
-           "tool▁call", "<think>", "</think>")
+MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "[TOOL_CALLS]", "[ARGS]",
+           "<|python_tag|>", "tool▁call", "<think>", "</think>", "[THINK]", "[/THINK]")
 
 
 def chunkings(text: str):
@@ -140,11 +153,18 @@ REASONING_CASES = [
 ]
 
 
+def _mistral(text: str) -> str:
+    return text.replace("<think>", "[THINK]").replace("</think>", "[/THINK]")
+
+
+REASONING_CASES += [(_mistral(t), inside, r, _mistral(c), MISTRAL_THINK) for t, inside, r, c in REASONING_CASES[:3]]
+
+
 @pytest.mark.parametrize("case", range(len(REASONING_CASES)))
 def test_reasoning_every_split(case):
-    text, inside, want_reasoning, want_content = REASONING_CASES[case]
+    text, inside, want_reasoning, want_content, *fmt = REASONING_CASES[case]
     for chunks in chunkings(text):
-        parser = ReasoningParser(THINK, starts_inside=inside)
+        parser = ReasoningParser(fmt[0] if fmt else THINK, starts_inside=inside)
         r, c = [], []
         for chunk in chunks:
             a, b = parser.push(chunk)
@@ -152,7 +172,7 @@ def test_reasoning_every_split(case):
             c.append(b)
         a, b = parser.finish()
         assert ("".join(r) + a, "".join(c) + b) == (want_reasoning, want_content), chunks
-        assert not any("</think>" in x for x in c + r)
+        assert not any(m in x for x in c + r for m in ("</think>", "[/THINK]"))
 
 
 def test_reasoning_then_tool_call_every_split():
@@ -178,3 +198,36 @@ def test_selection_from_templates():
     assert reasoning_format_for_template("<think></think>", "none") is None
     assert opens_reasoning("<|im_start|>assistant\n<think>\n", THINK)
     assert not opens_reasoning("<|im_start|>assistant\n", THINK)
+
+
+# The shared template corpus (beside the repository): the family each real template gets.
+TEMPLATES = Path(__file__).resolve().parents[3] / "shared" / "templates"
+CORPUS_FAMILIES = {
+    "Qwen-Qwen2.5-7B-Instruct.jinja": ("hermes", None),
+    "Qwen-QwQ-32B.jinja": ("hermes", "think"),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": ("hermes", None),
+    "ibm-granite-granite-4.0.jinja": ("hermes", None),
+    "trl-qwen3_training.jinja": ("hermes", "think"),
+    "Qwen3-Coder.jinja": ("qwen3_coder", None),
+    "trl-qwen3_5_think.jinja": ("qwen3_coder", "think"),
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": ("llama3_json", None),
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": ("mistral", None),
+    "unsloth-mistral-Devstral-Small-2507.jinja": ("mistral", None),
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": ("mistral", "mistral"),
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": ("deepseek", "think"),
+    "trl-deepseekv3.jinja": ("deepseek", "think"),
+    "meetkai-functionary-medium-v3.1.jinja": ("functionary", None),
+    "HuggingFaceTB-SmolLM3-3B.jinja": (None, "think"),
+    "google-gemma-2-2b-it.jinja": (None, None),
+    "microsoft-Phi-3.5-mini-instruct.jinja": (None, None),
+}
+
+
+def test_selection_on_the_template_corpus():
+    if not TEMPLATES.is_dir():
+        pytest.skip(f"template corpus not found at {TEMPLATES}")
+    for name, (tools, reasoning) in CORPUS_FAMILIES.items():
+        source = (TEMPLATES / name).read_text()
+        t = tool_parser_for_template(source)
+        r = reasoning_format_for_template(source)
+        assert (t.name if t else None, r.name if r else None) == (tools, reasoning), name
