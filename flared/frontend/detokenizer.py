@@ -71,11 +71,34 @@ class TokenBytes:
         return cls(table, frozenset(special_ids))
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowPieceIds:
+    """Token ids the windowed decoder must treat specially, computed once per tokenizer."""
+
+    byte_fallback_ids: frozenset[int]  # "<0xNN>" pieces
+    special_ids: frozenset[int]  # special added tokens (dropped by skip_special_tokens)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> WindowPieceIds:
+        return cls(
+            byte_fallback_ids=frozenset(
+                token_id for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items()
+                if len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+            ),
+            special_ids=frozenset(
+                token_id for token_id, token in tokenizer.get_added_tokens_decoder().items() if token.special
+            ),
+        )
+
+
 class IncrementalDecoder:
     """Feed token ids, get text deltas that are always whole UTF-8 characters; ``flush`` at the end."""
 
     def __init__(self, tokenizer, *, skip_special_tokens: bool = False, token_bytes: TokenBytes | None = None,
-                 window_tokens: int = 6):
+                 piece_ids: WindowPieceIds | None = None, window_tokens: int = 6):
+        """``token_bytes``: the byte table of a byte-level tokenizer (exact O(1) path); otherwise the
+        windowed path, with ``piece_ids`` (computed from the vocabulary when not given: pass the
+        cached one, a vocabulary scan per stream is slow)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._token_bytes = token_bytes
@@ -86,16 +109,13 @@ class IncrementalDecoder:
             self._prefix_start = 0  # window start: ids before it are settled
             self._read_start = 0  # ids before it have been emitted
             self._window_tokens = window_tokens
-            added = tokenizer.get_added_tokens_decoder()
+            if piece_ids is None:
+                piece_ids = WindowPieceIds.from_tokenizer(tokenizer)
             # Ids that may still change text already decoded: byte-fallback pieces (a run of them is
             # decoded as one UTF-8 sequence, all or nothing) and, when skipped, special tokens
             # (invisible, so the runs on either side of them join).
-            self._open_ids = frozenset(
-                token_id for token, token_id in tokenizer.get_vocab(with_added_tokens=False).items()
-                if len(token) == 6 and token.startswith("<0x") and token.endswith(">")
-            ) | frozenset(
-                token_id for token_id, token in added.items() if token.special and skip_special_tokens
-            )
+            self._open_ids = (piece_ids.byte_fallback_ids | piece_ids.special_ids if skip_special_tokens
+                              else piece_ids.byte_fallback_ids)
         self._done = False
 
     def push(self, token_id: int) -> str:

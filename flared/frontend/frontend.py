@@ -33,7 +33,7 @@ from typing import Any
 import jinja2
 
 from flared.errors import ErrorKind, FrontendError
-from flared.frontend.detokenizer import Detokenizer, IncrementalDecoder, TokenBytes
+from flared.frontend.detokenizer import Detokenizer, IncrementalDecoder, TokenBytes, WindowPieceIds
 from flared.frontend.endpoints import char_to_byte_offsets, token_endpoints
 from flared.frontend.template import ChatTemplate
 
@@ -191,6 +191,7 @@ class Frontend:
         self.template_defaults = dict(template_defaults or {})
         self.endpoint_strategy = EndpointStrategy(endpoint_strategy)
         self._token_bytes = TokenBytes.from_tokenizer(tokenizer)
+        self._piece_ids = WindowPieceIds.from_tokenizer(tokenizer) if self._token_bytes is None else None
         self._check_settings(source)
         if chat_template is not None and self.endpoint_strategy is EndpointStrategy.AUTO_MARKS:
             chat_template.compile_auto_marks()  # at load, not on the first request
@@ -272,7 +273,7 @@ class Frontend:
 
     def incremental_decoder(self, *, skip_special_tokens: bool = False) -> IncrementalDecoder:
         return IncrementalDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens,
-                                  token_bytes=self._token_bytes)
+                                  token_bytes=self._token_bytes, piece_ids=self._piece_ids)
 
     def detokenizer(self, stop_strings=(), *, skip_special_tokens: bool = True) -> Detokenizer:
         """Incremental decoding with stop strings, for one generation stream."""

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 from flared.errors import FrontendError
 from flared.frontend import StopStringMatcher
-from flared.frontend.detokenizer import Detokenizer, IncrementalDecoder, TokenBytes
+from flared.frontend.detokenizer import Detokenizer, IncrementalDecoder, TokenBytes, WindowPieceIds
 
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -24,6 +24,16 @@ def token_bytes(smollm2_tokenizer):
     table = TokenBytes.from_tokenizer(smollm2_tokenizer)
     assert table is not None
     return table
+
+
+@pytest.fixture(scope="module")
+def smollm2_pool(smollm2_tokenizer):
+    return _interesting_ids(smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def smollm2_piece_ids(smollm2_tokenizer):
+    return WindowPieceIds.from_tokenizer(smollm2_tokenizer)
 
 
 def _interesting_ids(tokenizer) -> list[int]:
@@ -57,8 +67,8 @@ def _assert_whole_characters(pieces):
 
 @PROPERTY_SETTINGS
 @given(data=st.data(), skip_special=st.booleans())
-def test_incremental_equals_full_byte_level(smollm2_tokenizer, token_bytes, data, skip_special):
-    pool = _interesting_ids(smollm2_tokenizer)
+def test_incremental_equals_full_byte_level(smollm2_tokenizer, token_bytes, smollm2_pool, data, skip_special):
+    pool = smollm2_pool
     ids = data.draw(st.lists(st.one_of(st.sampled_from(pool), st.integers(0, 49151)), max_size=40))
     chunks = data.draw(st.lists(st.integers(1, 4), max_size=20))
     decoder = IncrementalDecoder(smollm2_tokenizer, skip_special_tokens=skip_special, token_bytes=token_bytes)
@@ -69,11 +79,10 @@ def test_incremental_equals_full_byte_level(smollm2_tokenizer, token_bytes, data
 
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_incremental_equals_full_windowed_fallback(smollm2_tokenizer, data):
+def test_incremental_equals_full_windowed_fallback(smollm2_tokenizer, smollm2_pool, smollm2_piece_ids, data):
     """The tokenizer-agnostic path (used for SentencePiece vocabularies) on the same ids."""
-    pool = _interesting_ids(smollm2_tokenizer)
-    ids = data.draw(st.lists(st.sampled_from(pool), max_size=30))
-    decoder = IncrementalDecoder(smollm2_tokenizer, token_bytes=None)
+    ids = data.draw(st.lists(st.sampled_from(smollm2_pool), max_size=30))
+    decoder = IncrementalDecoder(smollm2_tokenizer, token_bytes=None, piece_ids=smollm2_piece_ids)
     pieces = _decode_incrementally(decoder, ids, [])
     assert "".join(pieces) == smollm2_tokenizer.decode(ids, skip_special_tokens=False)
 
