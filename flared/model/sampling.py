@@ -31,6 +31,7 @@ import math
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
@@ -128,7 +129,6 @@ class Sampler:
         self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
         self._free_slots = list(range(max_penalty_slots - 1, -1, -1))
         self._generator = torch.Generator(device=self.device)
-        self._bit_shifts: torch.Tensor | None = None  # 0..31, for expanding grammar bitmasks
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         if params.logit_bias:
@@ -167,8 +167,8 @@ class Sampler:
         max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
 
-        logits = self.apply_bias_and_penalties(logits, states)
-        self._apply_grammar_masks(logits, states)
+        biased = self.apply_bias_and_penalties(logits, states)
+        logits = self._apply_grammar_masks(biased, states, owned=biased is not logits)
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
 
         token_ids = logits.argmax(dim=-1)
@@ -199,8 +199,7 @@ class Sampler:
         """``logits`` after logit bias, then repetition/frequency/presence penalties: a copy, or the
         input itself when no row has any (the input is never modified). Greedy rows take their argmax
         from this."""
-        # sample() masks grammar rows in place afterwards, so those need the copy too.
-        if not any(s.params.logit_bias or s.penalty_slot is not None or s.grammar is not None for s in states):
+        if not any(s.params.logit_bias or s.penalty_slot is not None for s in states):
             return logits
         logits = logits.clone()
         self._apply_logit_bias(logits, [s.params for s in states])
@@ -209,10 +208,13 @@ class Sampler:
             self._apply_penalties(logits, states, penalty_rows)
         return logits
 
-    def _apply_grammar_masks(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> None:
+    def _apply_grammar_masks(self, logits: torch.Tensor, states: list[SequenceSamplingState], *,
+                             owned: bool) -> torch.Tensor:
+        """``logits`` with each constrained row's disallowed ids at -inf: written in place when ``owned``
+        (the sampler's own copy), else into a new tensor (the caller's logits are never modified)."""
         rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.failed]
         if not rows:
-            return
+            return logits
         vocab = logits.shape[-1]
         num_words = (vocab + 31) // 32
         # Host bitmask (llguidance writes through a pointer), one row per constrained request.
@@ -220,16 +222,28 @@ class Sampler:
         row_bytes = num_words * 4
         for k, i in enumerate(rows):
             states[i].grammar.fill_bitmask(bitmask[k].data_ptr(), row_bytes)
-        if self._bit_shifts is None:
-            self._bit_shifts = torch.arange(32, dtype=torch.int32)
-        # [R, W] words -> [R, W * 32] bits, little-endian within a word (id = 32 * word + bit).
-        allowed = ((bitmask.unsqueeze(-1) >> self._bit_shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-        allowed = allowed.to(logits.device)
+        # [R, W] int32 words -> [R, W * 32] bits: id = 32 * word + bit, and on a little-endian host that is
+        # byte order with LSB-first bits. numpy's unpackbits does it in one pass; torch's int32 shifts with
+        # broadcasting were ~100x slower on the CPU.
+        # Inverting the packed words (vocab / 8 bytes) is cheaper than inverting the expanded mask, and the
+        # unpacked 0/1 bytes are valid bools, so the mask reaches torch without another pass.
+        banned_bits = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+        if len(rows) == logits.shape[0] and logits.device.type == "cpu":
+            # numpy, single-threaded: a torch copy or fill this size wakes the intra-op thread pool, which
+            # on a busy 2-core host cost ~10 ms a step, far more than the work.
+            banned = banned_bits.view(np.bool_)
+            if owned:
+                np.copyto(logits.numpy(), -np.inf, where=banned)
+                return logits
+            return torch.from_numpy(np.where(banned, np.float32(-np.inf), logits.numpy()))
+        banned = torch.from_numpy(banned_bits.view(np.bool_)).to(logits.device)
+        if not owned:
+            logits = logits.clone()
         if len(rows) == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
-        else:
-            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+            return logits.masked_fill_(banned, float("-inf"))
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
+        return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
         rows, cols, values = [], [], []
