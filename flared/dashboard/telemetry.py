@@ -36,18 +36,26 @@ IDLE_DISABLE_S = 10.0
 
 # Columns of one recorded completion.
 C_DONE_NS, C_KIND, C_BATCH, C_TOKENS, C_REQUESTS, C_DURATION_NS = range(6)
+# Participants kept per completion (the scheduler's slot limit).
+MAX_PARTICIPANTS = 64
 
 
 class CompletionBuffer:
-    """Preallocated 1024-completion buffer written by the model thread."""
+    """Preallocated 1024-completion buffer written by the model thread.
+
+    Each completion keeps its participants' request handles, so request rows
+    can show which graphs served them."""
 
     def __init__(self, capacity: int = BUFFER_COMPLETIONS):
         self._rows = np.zeros((capacity, 6), dtype=np.int64)
+        self._handles = np.zeros((capacity, MAX_PARTICIPANTS), dtype=np.int64)
+        self._num_handles = np.zeros(capacity, dtype=np.int32)
         self._count = 0
         self._lock = threading.Lock()
         self.dropped = 0  # written by the model thread only
 
-    def record(self, done_ns: int, kind: int, batch: int, tokens: int, requests: int, duration_ns: int) -> None:
+    def record(self, done_ns: int, kind: int, batch: int, tokens: int, requests: int, duration_ns: int,
+               handles=()) -> None:
         """Model thread: never blocks."""
         if not self._lock.acquire(blocking=False):
             self.dropped += 1
@@ -57,16 +65,24 @@ class CompletionBuffer:
                 self.dropped += 1
                 return
             self._rows[self._count] = (done_ns, kind, batch, tokens, requests, duration_ns)
+            n = min(len(handles), MAX_PARTICIPANTS)
+            if n:
+                self._handles[self._count, :n] = handles[:n]
+            self._num_handles[self._count] = n
             self._count += 1
         finally:
             self._lock.release()
 
-    def drain(self) -> np.ndarray:
-        """Reader: the completions recorded since the last drain, oldest first."""
+    def drain(self) -> tuple[np.ndarray, list[list[int]]]:
+        """Reader: the completions recorded since the last drain, oldest
+        first, and each one's participant handles."""
         with self._lock:
-            out = self._rows[:self._count].copy()
+            n = self._count
+            rows = self._rows[:n].copy()
+            handles = self._handles[:n].copy()
+            counts = self._num_handles[:n].copy()
             self._count = 0
-        return out
+        return rows, [handles[i, :counts[i]].tolist() for i in range(n)]
 
 
 class TelemetryFeed:
@@ -142,7 +158,8 @@ class TelemetryFeed:
             "now_ns": now_ns,
             "sample_ns": self._sample_ns,
             "next_seq": self._next_seq,
-            "completions": completions,  # [seq, done_ns, kind, batch, tokens, requests, duration_ns]
+            # [seq, done_ns, kind, batch, tokens, requests, duration_ns, [handles]]
+            "completions": completions,
             "truncated": truncated or (bool(self._completions) and self._completions[0][0] > since + 1
                                        and since > 0),
             "requests": sorted(self._rows.values(), key=lambda r: (r["retired"], r["slot"], r["generation"])),
@@ -154,10 +171,10 @@ class TelemetryFeed:
         buffer = self._buffer
         if buffer is None:
             return False
-        rows = buffer.drain()
+        rows, handles = buffer.drain()
         overflow = len(self._completions) + len(rows) > RETAINED_COMPLETIONS
-        for row in rows.tolist():
-            self._completions.append((self._next_seq, *row))
+        for row, hs in zip(rows.tolist(), handles):
+            self._completions.append((self._next_seq, *row, hs))
             self._next_seq += 1
         return overflow
 

@@ -11,7 +11,10 @@ lines for the current pane:
 - scheduler: one row per graph shape seen in the last two seconds (calls,
   mean and share of graph time; max ms and requests per call when wide;
   untimed counts), then request rows (slot.generation, phase, gap ms; at
-  >= 100 columns prompt consumed/length, output, out ms, bursts).
+  >= 100 columns prompt consumed/length, output, out ms, bursts, and a
+  10-second history strip: each cell is the latest completion that served
+  the request in its interval — P prefill, D decode, S speculative, V
+  vision; another kind, lower-case, only in a cell with none of those).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from flared.dashboard.telemetry import RETAINED_COMPLETIONS
 PANES = ("overview", "scheduler")
 GRAPH_WINDOW_NS = 2_000_000_000
 WIDE_COLUMNS = 100
+HISTORY_NS = 10_000_000_000
+MAX_HISTORY_CELLS = 40
+_PRIMARY_MARKS = {"prefill": "P", "scored_prefill": "P", "decode": "D", "speculative": "S", "vision": "V"}
+_OTHER_MARKS = {"initialize": "i", "restore": "r", "snapshot": "s", "resume_sampling": "u", "mixed": "m"}
 
 # GraphKind values as the scheduler numbers them; names for display.
 _KIND_NAMES = {0: "initialize", 1: "restore", 2: "snapshot", 3: "prefill", 4: "scored_prefill",
@@ -197,10 +204,17 @@ class DashboardModel:
         age_ms = (f["now_ns"] - f["sample_ns"]) / 1e6 if f["sample_ns"] else 0.0
         lines += ["", f"Requests (sample age {age_ms:.0f} ms)"]
         head = f"  {'request':<12}{'phase':<16}{'gap ms':>9}"
+        cells = 0
         if wide:
             head += f"{'prompt':>14}{'output':>8}{'out ms':>9}{'bursts':>8}"
+            cells = min(MAX_HISTORY_CELLS, width - len(head) - 3)
+            if cells >= 5:
+                head += f"  {'history ' + str(HISTORY_NS // 10**9) + ' s':<{cells}}"
+            else:
+                cells = 0
         lines.append(head)
         reqs = f["requests"]
+        served = self._served_by(f["now_ns"]) if cells else {}
         room = max(1, budget - len(lines) - 1)  # one row kept for the scroll indicator
         for r in reqs[self.scroll:self.scroll + room]:
             since = r["last_progress_ns"] or r["arrival_ns"]
@@ -213,12 +227,43 @@ class DashboardModel:
                 consumed = min(r["prompt_consumed"], r["prompt_len"])
                 ln += (f"{consumed:>7}/{r['prompt_len']:<6}{r['output']:>8}{out_ms:>9}"
                        f"{r['bursts']:>8}")
+                if cells:
+                    ln += "  " + self._history(served.get(r["handle"], ()), f["now_ns"], cells)
             lines.append(ln)
         if not reqs:
             lines.append("  (no requests)")
         elif len(reqs) > room:
             lines.append(f"  rows {self.scroll + 1}-{min(len(reqs), self.scroll + room)} of {len(reqs)}")
         return lines
+
+
+    def _served_by(self, now_ns: int) -> dict[int, list[tuple[int, str]]]:
+        """handle -> [(done_ns, kind name)] over the history window, oldest first."""
+        start = now_ns - HISTORY_NS
+        out: dict[int, list[tuple[int, str]]] = {}
+        for c in self.completions:
+            if c[1] < start or len(c) < 8:
+                continue
+            name = self._kinds.get(c[2], "")
+            for h in c[7]:
+                out.setdefault(h, []).append((c[1], name))
+        return out
+
+    @staticmethod
+    def _history(events, now_ns: int, cells: int) -> str:
+        start = now_ns - HISTORY_NS
+        cell_ns = HISTORY_NS / cells
+        primary = [""] * cells
+        other = [""] * cells
+        for done_ns, name in events:  # oldest first: later events overwrite
+            i = min(cells - 1, int((done_ns - start) / cell_ns))
+            if i < 0:
+                continue
+            if name in _PRIMARY_MARKS:
+                primary[i] = _PRIMARY_MARKS[name]
+            else:
+                other[i] = _OTHER_MARKS.get(name, "?")
+        return "".join(p or o or "." for p, o in zip(primary, other))
 
 
 def _ms(v: float | None) -> str:

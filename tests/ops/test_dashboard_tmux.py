@@ -59,7 +59,7 @@ def test_dashboard_panes_scroll_and_top(tiny_core, tmp_path):
     daemon = (f"{sys.executable} -m flared.cli.daemon run {tiny_core} --port 0 --port-file {port_file} "
               f"--threads 1 --served-name tiny --admin-socket {admin}; echo $? > {done}; sleep 600")
     try:
-        tmux("new-session", "-d", "-s", "d", "-x", "120", "-y", "22", daemon)
+        tmux("new-session", "-d", "-s", "d", "-x", "120", "-y", "18", daemon)
         deadline = time.monotonic() + 120
         while not (port_file.exists() and port_file.read_text().endswith("\n")):
             assert time.monotonic() < deadline and not done.exists(), tmux.screen("d")

@@ -13,7 +13,8 @@ def test_full_buffer_and_contention_drop_and_count():
     for i in range(BUFFER_COMPLETIONS + 5):
         buf.record(i, 6, 4, 4, 3, 1000)
     assert buf.dropped == 5
-    rows = buf.drain()
+    rows, handles = buf.drain()
+    assert handles[0] == []  # recorded without participants
     assert rows.shape == (BUFFER_COMPLETIONS, 6) and rows[0, 0] == 0 and rows[-1, 0] == BUFFER_COMPLETIONS - 1
     # A reader holding the lock: the writer drops instead of waiting.
     held = threading.Event()
@@ -29,7 +30,7 @@ def test_full_buffer_and_contention_drop_and_count():
     buf.record(1, 6, 1, 1, 1, 1)
     release.set()
     t.join()
-    assert buf.dropped == 6 and len(buf.drain()) == 0
+    assert buf.dropped == 6 and len(buf.drain()[0]) == 0
 
 
 class _Runtime:
@@ -115,3 +116,30 @@ def test_telemetry_turns_itself_off_when_polling_stops():
     feed.poll(0)  # a new poll turns it back on
     assert rt.telemetry is not None
     feed.disable()
+
+
+def test_request_history_strip_marks_the_graphs_that_served_it():
+    rt = _Runtime()
+    feed = TelemetryFeed(rt, _snapshot)
+    rt.rows = [_row(0, 1), _row(1, 2)]
+    h0, h1 = rt.rows[0]["handle"], rt.rows[1]["handle"]
+    model = DashboardModel()
+    now = 20 * 10**9
+    model.update(feed.poll(0, now_ns=now - 10**9))
+    # GraphKind numbering: 2 snapshot, 3 prefill, 6 decode.
+    rt.telemetry.record(now - 9_900_000_000, 3, 1, 64, 1, 1000, [h0])    # first cell: prefill
+    rt.telemetry.record(now - 9_800_000_000, 2, 1, 0, 1, 1000, [h0])     # same cell: snapshot hidden by P
+    rt.telemetry.record(now - 5_100_000_000, 2, 1, 0, 1, 1000, [h0])     # a cell with only a snapshot
+    rt.telemetry.record(now - 100_000_000, 6, 2, 2, 2, 1000, [h0, h1])   # last cell: decode, both
+    model.update(feed.poll(model.next_seq, now_ns=now))
+    model.key("tab")
+    lines = model.render(120, 20)
+    head = next(ln for ln in lines if "history 10 s" in ln)
+    start = head.index("history 10 s")
+    r0 = next(ln for ln in lines if ln.startswith("  0.1 "))
+    r1 = next(ln for ln in lines if ln.startswith("  1.2 "))
+    strip0 = r0[start:].rstrip()
+    strip1 = r1[start:].rstrip()
+    assert strip0[0] == "P" and strip0[-1] == "D" and "s" in strip0[1:-1]
+    assert set(strip1[:-1]) == {"."} and strip1[-1] == "D"
+    assert len(strip0) == len(strip1) >= 5
