@@ -73,6 +73,19 @@ class TokenSettings:
                    eos_token_id=assets.eos_token_id, add_bos_token=assets.add_bos_token,
                    add_eos_token=assets.add_eos_token, unk_token=assets.unk_token, pad_token=assets.pad_token)
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, for a core manifest."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> TokenSettings:
+        """The inverse of to_dict; unknown keys are an error (a manifest from a newer format)."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise FrontendError(f"TokenSettings: unknown fields {unknown}", ErrorKind.TOKENIZER)
+        return cls(**fields)
+
     def special_tokens_map(self) -> dict[str, str]:
         """The special-token variables a chat template sees."""
         names = {"bos_token": self.bos_token, "eos_token": self.eos_token,

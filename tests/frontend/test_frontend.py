@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 
 import jinja2
 import pytest
@@ -232,6 +233,19 @@ def test_template_errors_are_400_with_the_templates_message(frontend):
         raising.render_chat([{"role": "user", "content": "x"}])
     assert info.value.kind is ErrorKind.TEMPLATE and info.value.http_status == 400
     assert "roles must alternate" in str(info.value)
+
+
+def test_token_settings_round_trip_and_validation(smollm2_assets):
+    settings = TokenSettings.from_gguf_assets(smollm2_assets)
+    assert TokenSettings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
+    with pytest.raises(FrontendError):
+        TokenSettings.from_dict({**settings.to_dict(), "sep_token": "x"})
+    with pytest.raises(FrontendError):
+        TokenSettings(bos_token="<s>")  # a token without its id
+    with pytest.raises(FrontendError):
+        TokenSettings(add_bos_token=True)
+    with pytest.raises(FrontendError):
+        TokenSettings(bos_token="<s>", bos_token_id=-1)
 
 
 def test_reserved_template_kwargs_are_rejected(frontend):
