@@ -120,6 +120,64 @@ def value_end(s: str, i: int) -> int | None:
     return m.end() if m.end() < len(s) else None
 
 
+_STRING_RUN = re.compile(r'[^"\\]+')
+_OUTSIDE_RUN = re.compile(r'[^"{}\[\]]+')
+
+
+class ValueScanner:
+    """Where the JSON object, array or string starting at ``start`` ends, for text that only grows:
+    each character is looked at once over all calls (re-scanning a long argument on every token
+    would make a call quadratic in its length)."""
+
+    __slots__ = ("start", "pos", "depth", "in_string", "escape", "end")
+
+    def __init__(self, start: int = 0):
+        self.start = start
+        self.pos = start
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.end: int | None = None
+
+    def scan(self, s: str) -> int | None:
+        if self.end is not None:
+            return self.end
+        i, n = self.pos, len(s)
+        depth, in_string, escape = self.depth, self.in_string, self.escape
+        while i < n:
+            if escape:
+                escape = False
+                i += 1
+                continue
+            c = s[i]
+            if in_string:
+                if c == "\\":
+                    escape = True
+                elif c == '"':
+                    in_string = False
+                    if depth == 0:
+                        self.end = i + 1
+                        break
+                else:
+                    i = _STRING_RUN.match(s, i).end()
+                    continue
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth <= 0:
+                    self.end = i + 1
+                    break
+            else:
+                i = _OUTSIDE_RUN.match(s, i).end()
+                continue
+            i += 1
+        self.pos, self.depth, self.in_string, self.escape = i, depth, in_string, escape
+        return self.end
+
+
 class _NotACall(ValueError):
     pass
 
@@ -175,6 +233,8 @@ class _JsonCall:
         self.parser = parser
         self.index: int | None = None  # set once announced
         self.args_sent = 0  # characters of the raw arguments value already sent
+        # Once the name is known and the arguments object has begun, only it is scanned further.
+        self._args: ValueScanner | None = None
 
     def _args_span(self, keys) -> tuple[int, int | None] | None:
         for k in _ARGS_KEYS:
@@ -184,6 +244,8 @@ class _JsonCall:
 
     def update(self, s: str) -> list[ToolCallDelta]:
         """``s``: the object's text so far (possibly incomplete). Returns the deltas it allows."""
+        if self._args is not None:
+            return self._stream_args(s)
         try:
             keys, _end = _scan_object(s)
         except (_NotACall, ValueError):
@@ -201,12 +263,18 @@ class _JsonCall:
             out.append(d)
         span = self._args_span(keys)
         if span is not None and s[span[0]] == "{":
-            stop = span[1] if span[1] is not None else len(s)
-            piece = s[span[0] + self.args_sent:stop]
-            if piece:
-                self.args_sent += len(piece)
-                out.append(ToolCallDelta(self.index, None, None, piece))
+            self._args = ValueScanner(span[0])
+            out.extend(self._stream_args(s))
         return out
+
+    def _stream_args(self, s: str) -> list[ToolCallDelta]:
+        start = self._args.start
+        end = self._args.scan(s)
+        piece = s[start + self.args_sent:end if end is not None else len(s)]
+        if not piece:
+            return []
+        self.args_sent += len(piece)
+        return [ToolCallDelta(self.index, None, None, piece)]
 
     def finish(self, s: str) -> list[ToolCallDelta] | None:
         """The complete object's text; None when it is not a call and nothing was announced."""
@@ -336,23 +404,32 @@ class HermesToolParser(ToolParser):
     def __init__(self, tools=None):
         super().__init__(tools)
         self._call: _JsonCall | None = None
+        self._body: ValueScanner | None = None  # the call body's JSON object, once it began
+
+    def _body_end(self) -> int | None:
+        """Where the call's JSON object ends (None: not yet); 0 for a body that is not an object."""
+        if self._body is None:
+            lead = len(self._buf) - len(self._buf.lstrip())
+            if lead == len(self._buf):
+                return None
+            if self._buf[lead] != "{":
+                return 0
+            self._body = ValueScanner(lead)
+        return self._body.scan(self._buf)
 
     def _step(self, final: bool) -> bool:
         if self._call is None:
             if not self._text_until(self.OPEN, final):
                 return False
-            self._call = _JsonCall(self)
+            self._call, self._body = _JsonCall(self), None
             return True
         # The closing marker counts only after the JSON object ends (it may occur inside a string);
         # a body that is not an object at all ends at the first closing marker.
-        try:
-            _, obj_end = _scan_object(self._buf)
-        except (_NotACall, ValueError):
-            obj_end = 0
+        obj_end = self._body_end()
         i = -1 if obj_end is None else self._buf.find(self.CLOSE, obj_end)
         if i < 0:
-            keep = held_suffix(self._buf, self.CLOSE)
-            self._emit_calls(self._call.update(self._buf[:len(self._buf) - keep]))
+            # every character inside the arguments object belongs to it, marker-like or not
+            self._emit_calls(self._call.update(self._buf))
             return False
         body, self._buf = self._buf[:i], self._buf[i + len(self.CLOSE):]
         deltas = self._call.finish(body.strip())
@@ -422,6 +499,7 @@ class Qwen3CoderToolParser(ToolParser):
         self._param = ""
         self._types: dict[str, Any] = {}
         self._raw = ""  # the call's text as it came, for a body that is not a call
+        self._searched = 0  # in a parameter value: no closing tag starts before this index
 
     def _step(self, final: bool) -> bool:
         if self._state == "text":
@@ -476,17 +554,21 @@ class Qwen3CoderToolParser(ToolParser):
                 self._end_call()
                 return True
             return False
-        # param value, up to its closing tag
-        i = self._buf.find("</parameter>")
+        # param value, up to its closing tag; searched from where the last search stopped (a long
+        # value is not re-searched on every token)
+        start = self._searched
+        i = self._buf.find("</parameter>", start)
         if i < 0:
-            j = self._buf.find("<parameter=")
-            k = self._buf.find("</function>")
+            j = self._buf.find("<parameter=", start)
+            k = self._buf.find("</function>", start)
             ends = [x for x in (j, k) if x >= 0]
             if not ends:
+                self._searched = max(0, len(self._buf) - len("</parameter>") + 1)
                 return False
             i, skip = min(ends), 0  # an unclosed parameter: the next tag ends it
         else:
             skip = len("</parameter>")
+        self._searched = 0
         value = self._buf[:i]
         self._buf = self._buf[i + skip:]
         if value.startswith("\n"):
@@ -589,11 +671,8 @@ class Llama3JsonToolParser(ToolParser):
             self._state = "text"
             return True
         if self._call is None:
-            self._call = _JsonCall(self)
-        try:
-            _, end = _scan_object(self._buf)
-        except (_NotACall, ValueError):
-            end = None
+            self._call, self._body = _JsonCall(self), ValueScanner(0)
+        end = self._body.scan(self._buf)
         if end is None:
             self._emit_calls(self._call.update(self._buf))
             return False
@@ -659,13 +738,12 @@ class MistralToolParser(ToolParser):
                 self._state = "text"
                 self._after_call = True
                 return True
-            if self._call is None:
-                self._call = _JsonCall(self)
-            try:
-                _, end = _scan_object(self._buf)
-            except (_NotACall, ValueError):
+            if self._buf[0] != "{":
                 self._state = "text"  # malformed: the rest is content
                 return True
+            if self._call is None:
+                self._call, self._body = _JsonCall(self), ValueScanner(0)
+            end = self._body.scan(self._buf)
             if end is None:
                 self._emit_calls(self._call.update(self._buf))
                 return False
@@ -687,7 +765,9 @@ class MistralToolParser(ToolParser):
         # named_args: one JSON object
         if not self._buf:
             return False
-        end = value_end(self._buf, 0)
+        if self._sent == 0:
+            self._body = ValueScanner(0)
+        end = self._body.scan(self._buf)
         stop = end if end is not None else len(self._buf)
         piece = self._buf[self._sent:stop]
         if piece:
@@ -896,7 +976,9 @@ class FunctionaryToolParser(ToolParser):
             if self._sent == 0 and self._buf[0] != "{":
                 self._state = "close"  # no arguments object
                 return True
-            end = value_end(self._buf, 0)
+            if self._sent == 0:
+                self._body = ValueScanner(0)
+            end = self._body.scan(self._buf)
             stop = end if end is not None else len(self._buf)
             if stop > self._sent:
                 piece = self._buf[self._sent:stop]

@@ -231,3 +231,31 @@ def test_selection_on_the_template_corpus():
         t = tool_parser_for_template(source)
         r = reasoning_format_for_template(source)
         assert (t.name if t else None, r.name if r else None) == (tools, reasoning), name
+
+
+@pytest.mark.parametrize("text", ['{"a": "}\\"{", "b": [1, {"c": "]"}]}', '["x\\\\", {}]', '"str\\"ing"', '{}'])
+def test_value_scanner_grows_one_character_at_a_time(text):
+    from flared.frontend.toolcalls import ValueScanner, value_end
+
+    tail = text + ' , "more"}'
+    scanner = ValueScanner(0)
+    for n in range(1, len(tail) + 1):
+        end = scanner.scan(tail[:n])
+        assert end == (len(text) if n >= len(text) else None), n
+    assert value_end(tail, 0) == len(text)
+
+
+def test_long_arguments_stay_linear():
+    """A 200 KB argument streamed in 4-character pieces: the parser must not re-scan it per piece."""
+    import time
+
+    body = json.dumps({"path": "a.py", "content": "x = {'k': [1, 2]}\n" * 11000})
+    text = '<tool_call>{"name": "write", "arguments": ' + body + "}</tool_call>"
+    parser = OutputParser(PARSERS["hermes"]())
+    t0 = time.perf_counter()
+    pieces = [parser.push(text[i:i + 4]) for i in range(0, len(text), 4)]
+    pieces.append(parser.finish())
+    elapsed_s = time.perf_counter() - t0
+    args = "".join(c.arguments for p in pieces for c in p.calls)
+    assert args == body and parser.calls[0].arguments == body
+    assert elapsed_s < 5.0, f"{elapsed_s:.1f} s for {len(text)} characters"  # quadratic takes minutes
