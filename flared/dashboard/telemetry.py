@@ -35,7 +35,9 @@ HISTORY_WINDOW_NS = 10_000_000_000
 IDLE_DISABLE_S = 10.0
 
 # Columns of one recorded completion.
-C_DONE_NS, C_KIND, C_BATCH, C_TOKENS, C_REQUESTS, C_DURATION_NS = range(6)
+# C_ESTIMATE_NS is the scheduler's duration estimate frozen when the graph
+# was planned (-1 or 0: indeterminate).
+C_DONE_NS, C_KIND, C_BATCH, C_TOKENS, C_REQUESTS, C_DURATION_NS, C_ESTIMATE_NS = range(7)
 # Participants kept per completion (the scheduler's slot limit).
 MAX_PARTICIPANTS = 64
 
@@ -47,7 +49,7 @@ class CompletionBuffer:
     can show which graphs served them."""
 
     def __init__(self, capacity: int = BUFFER_COMPLETIONS):
-        self._rows = np.zeros((capacity, 6), dtype=np.int64)
+        self._rows = np.zeros((capacity, 7), dtype=np.int64)
         self._handles = np.zeros((capacity, MAX_PARTICIPANTS), dtype=np.int64)
         self._num_handles = np.zeros(capacity, dtype=np.int32)
         self._count = 0
@@ -55,7 +57,7 @@ class CompletionBuffer:
         self.dropped = 0  # written by the model thread only
 
     def record(self, done_ns: int, kind: int, batch: int, tokens: int, requests: int, duration_ns: int,
-               handles=()) -> None:
+               handles=(), estimate_ns: int = -1) -> None:
         """Model thread: never blocks."""
         if not self._lock.acquire(blocking=False):
             self.dropped += 1
@@ -64,7 +66,7 @@ class CompletionBuffer:
             if self._count >= self._rows.shape[0]:
                 self.dropped += 1
                 return
-            self._rows[self._count] = (done_ns, kind, batch, tokens, requests, duration_ns)
+            self._rows[self._count] = (done_ns, kind, batch, tokens, requests, duration_ns, estimate_ns)
             n = min(len(handles), MAX_PARTICIPANTS)
             if n:
                 self._handles[self._count, :n] = handles[:n]
@@ -158,7 +160,7 @@ class TelemetryFeed:
             "now_ns": now_ns,
             "sample_ns": self._sample_ns,
             "next_seq": self._next_seq,
-            # [seq, done_ns, kind, batch, tokens, requests, duration_ns, [handles]]
+            # [seq, done_ns, kind, batch, tokens, requests, duration_ns, estimate_ns, [handles]]
             "completions": completions,
             "truncated": truncated or (bool(self._completions) and self._completions[0][0] > since + 1
                                        and since > 0),

@@ -200,6 +200,11 @@ class DashboardModel:
             lines.append(ln)
         if not graphs:
             lines.append("  (no graph completions in the last 2 s)")
+        if self.completions:
+            last = self.completions[-1]
+            est = last[7] if len(last) > 8 else -1
+            lines.append(f"  last submitted: {self._label(last[2], last[3], last[4])}, estimate "
+                         f"{_ms(est / 1e6) if est > 0 else '?'} ms, took {_ms(last[6] / 1e6) if last[6] > 0 else '?'} ms")
         f = self.feed
         age_ms = (f["now_ns"] - f["sample_ns"]) / 1e6 if f["sample_ns"] else 0.0
         lines += ["", f"Requests (sample age {age_ms:.0f} ms)"]
@@ -242,10 +247,10 @@ class DashboardModel:
         start = now_ns - HISTORY_NS
         out: dict[int, list[tuple[int, str]]] = {}
         for c in self.completions:
-            if c[1] < start or len(c) < 8:
+            if c[1] < start or len(c) < 9:
                 continue
             name = self._kinds.get(c[2], "")
-            for h in c[7]:
+            for h in c[8]:
                 out.setdefault(h, []).append((c[1], name))
         return out
 

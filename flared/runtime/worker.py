@@ -347,7 +347,8 @@ class ModelRuntime:
         telemetry = self.telemetry
         if telemetry is not None:
             telemetry.record(done_ns, int(plan.kind), int(plan.batch_capacity), int(plan.token_capacity),
-                             len(handles), int(duration_ns), handles)
+                             len(handles), int(duration_ns), handles,
+                             estimate_ns=int(plan.estimated_duration_ns))
         index = {h: i for i, h in enumerate(handles)}
         # Handles this completion already released (a last token at max_tokens): nothing left to finish.
         released = {int(h) for h in result.retired}

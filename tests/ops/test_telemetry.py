@@ -15,7 +15,7 @@ def test_full_buffer_and_contention_drop_and_count():
     assert buf.dropped == 5
     rows, handles = buf.drain()
     assert handles[0] == []  # recorded without participants
-    assert rows.shape == (BUFFER_COMPLETIONS, 6) and rows[0, 0] == 0 and rows[-1, 0] == BUFFER_COMPLETIONS - 1
+    assert rows.shape == (BUFFER_COMPLETIONS, 7) and rows[0, 0] == 0 and rows[-1, 0] == BUFFER_COMPLETIONS - 1
     # A reader holding the lock: the writer drops instead of waiting.
     held = threading.Event()
     release = threading.Event()
@@ -80,7 +80,7 @@ def test_view_renders_both_panes_narrow_and_wide():
     rt.rows = [_row(s, s + 1) for s in range(10)]
     model = DashboardModel()
     model.update(feed.poll(0, now_ns=10**9))
-    rt.telemetry.record(10**9 + 5, 6, 4, 4, 3, 2_000_000)
+    rt.telemetry.record(10**9 + 5, 6, 4, 4, 3, 2_000_000, estimate_ns=1_500_000)
     rt.telemetry.record(10**9 + 6, 6, 4, 4, 4, 0)  # untimed
     model.update(feed.poll(model.next_seq, now_ns=10**9 + 10))
     overview = "\n".join(model.render(80, 30))
@@ -93,6 +93,8 @@ def test_view_renders_both_panes_narrow_and_wide():
     row = next(line for line in wide if "decode b4 t4" in line).split()
     # 2 calls; mean, share and max over the timed one only; 3.5 requests per call; 1 untimed.
     assert row == ["decode", "b4", "t4", "2", "2.00", "100.0%", "2.00", "3.5", "1"]
+    # The newest completion was untimed and had no estimate.
+    assert "last submitted: decode b4 t4, estimate ? ms, took ? ms" in text
     narrow = "\n".join(model.render(80, 20))
     assert "req/call" not in narrow and "bursts" not in narrow
     assert "rows 1-" in narrow
