@@ -253,7 +253,11 @@ class AnthropicRoutes:
         tools = translate_tools(body)
         if choice == "none":
             tools = None
-        rendered = await self.state.prepare_chat(translate_messages(body), tools=tools, **_template_kwargs(body))
+        messages = translate_messages(body)
+        # A final assistant turn is a prefill: the reply continues it rather than starting a new turn.
+        prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+        rendered = await self.state.prepare_chat(messages, tools=tools, add_generation_prompt=not prefill,
+                                                 continue_final_message=prefill, **_template_kwargs(body))
         return rendered, tools
 
     async def count_tokens(self, request: Request) -> Response:

@@ -98,3 +98,9 @@ def test_count_tokens_and_errors(client):
     assert e.value.body["error"]["type"] == "invalid_request_error" and "image" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="maximum context length is 1024"):
         client.messages.create(model="tiny", max_tokens=5000, messages=ASK)  # context is 1024
+
+
+def test_assistant_prefill_is_continued(client):
+    m = client.messages.create(model="tiny", max_tokens=3, extra_body=GREEDY, messages=[
+        {"role": "user", "content": "Sing."}, {"role": "assistant", "content": "Sing la"}])
+    assert m.stop_reason == "max_tokens" and m.content[0].text == " la la la"
