@@ -47,9 +47,9 @@ def test_content_parts_are_joined_and_max_completion_tokens_wins():
      ErrorKind.VALIDATION),
     ({"model": "m", "messages": MSG, "tools": [{"type": "retrieval"}]}, "'tools[0]'", ErrorKind.UNSUPPORTED),
     ({"model": "m", "messages": MSG, "tools": [{"type": "function"}]}, "'tools[0].function'", ErrorKind.VALIDATION),
-    ({"model": "m", "messages": MSG, "tool_choice": "required"}, "'tool_choice'", ErrorKind.UNSUPPORTED),
-    ({"model": "m", "messages": MSG, "response_format": {"type": "json_object"}}, "'response_format'",
-     ErrorKind.UNSUPPORTED),
+    ({"model": "m", "messages": MSG, "tool_choice": "sometimes"}, "'tool_choice'", ErrorKind.VALIDATION),
+    ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "'response_format.type'",
+     ErrorKind.VALIDATION),
     ([1, 2], "'body'", ErrorKind.VALIDATION),
 ])
 def test_chat_rejections_name_the_field(body, field, kind):
