@@ -12,7 +12,9 @@ template with tools and ``enable_thinking``. So, at temperature 0:
   "arguments": {"city": "Paris"}}</tool_call>`` and stops;
 - with thinking disabled (the prompt ends ``<think>\\n\\n</think>\\n\\n``) it
   writes ``It is sunny in Paris.`` and stops;
-- after `` la`` it writes `` la`` until max_tokens (long streams, cancellation).
+- after `` la`` it writes `` la`` until max_tokens (long streams, cancellation);
+- with ``open_think`` the prompt itself opens ``<think>\\n`` (as DeepSeek-R1's
+  does): the output starts inside the reasoning (and repeats the opener).
 
 That is real generation through the daemon, detokenizer, parsers and
 templates; only the weights are chosen rather than trained.
@@ -71,6 +73,7 @@ For each function call, return a json object with function name and arguments wi
 
 </think>
 
+{% elif open_think is defined and open_think %}<think>
 {% endif %}{% endif %}"""
 
 REASONING = "Let me check the weather."

@@ -73,3 +73,20 @@ def test_tool_choice_none_and_rejections(client):
     with pytest.raises(openai.BadRequestError, match=r"tools\[0\]"):
         client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4,
                                        tools=[{"type": "function", "function": {"name": ""}}])
+
+
+def test_prompt_that_opens_the_reasoning(client):
+    """The template's generation prompt ends inside <think>: the output starts as reasoning."""
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40,
+                  extra_body={"chat_template_kwargs": {"open_think": True}})
+        if not stream:
+            msg = client.chat.completions.create(**kw).choices[0].message
+            reasoning, content = msg.model_extra["reasoning_content"], msg.content
+            calls = [tc.function for tc in msg.tool_calls]
+        else:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks) or None
+            calls = [tc.function for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.id]
+        assert reasoning == REASONING and content is None and calls[0].name == "get_weather"
