@@ -1,4 +1,4 @@
-"""Ollama-compatible routes: /api/version, /api/tags, /api/show, /api/chat, /api/generate.
+"""Ollama-compatible routes: /api/version, /api/tags, /api/ps, /api/show, /api/chat, /api/generate.
 
 What the ``ollama`` Python client and editors' Ollama providers call,
 translated onto the one generation path.
@@ -157,6 +157,7 @@ class OllamaRoutes:
     def register(self, router: Router) -> None:
         router.add("GET", "/api/version", _ollama_errors(self.version))
         router.add(("GET", "HEAD"), "/api/tags", _ollama_errors(self.tags))
+        router.add("GET", "/api/ps", _ollama_errors(self.running))
         router.add("POST", "/api/show", _ollama_errors(self.show))
         router.add("POST", "/api/chat", _ollama_errors(self.chat), admit=True)
         router.add("POST", "/api/generate", _ollama_errors(self.generate), admit=True)
@@ -180,6 +181,15 @@ class OllamaRoutes:
                    "digest": m.assets[m.tokenizer].sha256, "details": self._details()}
                   for name in dict.fromkeys((m.model_name, *m.served_names)) if name]
         return Response.json({"models": models})
+
+    async def running(self, request: Request) -> Response:
+        """/api/ps: the served model is always loaded (its weights live as long as the daemon)."""
+        m = self.state.manifest
+        size = sum(a.size_bytes for a in m.assets.values())
+        return Response.json({"models": [{
+            "name": m.model_name, "model": m.model_name, "size": size, "digest": m.assets[m.tokenizer].sha256,
+            "details": self._details(), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
+            "context_length": m.capacities.context_tokens}]})
 
     def _capabilities(self) -> list[str]:
         fe = self.state.frontend

@@ -29,6 +29,8 @@ def test_discovery(client, daemon):
     assert info.modelinfo["llama.context_length"] == 1024 and "<tool_call>" in info.template
     status, body = daemon.request("GET", "/api/version")
     assert status == 200 and body["version"]
+    (running,) = client.ps().models
+    assert running.context_length == 1024 and running.size > 0
 
 
 def test_chat_tool_round_trip(client):
