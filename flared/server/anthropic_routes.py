@@ -26,7 +26,7 @@ import json
 import secrets
 from typing import Any
 
-from flared.errors import AdmissionError, ErrorKind
+from flared.errors import ErrorKind
 from flared.frontend.toolcalls import ParsedDelta, ToolCall
 from flared.runtime.request import GenerateRequest
 from flared.server.generation import Generation

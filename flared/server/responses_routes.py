@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
-from flared.frontend.toolcalls import ParsedDelta, ToolCall
+from flared.frontend.toolcalls import ParsedDelta
 from flared.runtime.request import GenerateRequest
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import openai
-import pytest
 
 ANSWER = "It is sunny in Paris."
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
