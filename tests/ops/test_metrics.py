@@ -95,11 +95,10 @@ def test_counters_move_with_traffic(ops_daemon):
     assert value(after, "flare_listener_uptime_seconds") > 0
 
 
-def test_disconnect_counts_a_cancellation(ops_daemon):
-    before = value(scrape(ops_daemon), "flare_model_requests_cancelled_total")
-    body = json.dumps({"model": "tiny", "messages": MSGS, "max_tokens": 180, "ignore_eos": True,
+def _stream_then_disconnect(daemon) -> None:
+    body = json.dumps({"model": "tiny", "messages": MSGS, "max_tokens": 200, "ignore_eos": True,
                        "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", ops_daemon.port))
+    sock = socket.create_connection(("127.0.0.1", daemon.port))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n" % len(body) + body)
     got = b""
@@ -108,7 +107,23 @@ def test_disconnect_counts_a_cancellation(ops_daemon):
         assert chunk, got
         got += chunk
     sock.close()
-    wait_for(ops_daemon, lambda f: value(f, "flare_model_requests_cancelled_total") >= before + 1)
+
+
+def test_disconnect_counts_a_cancellation(ops_daemon):
+    # On a loaded 2-core box the 200-token answer can occasionally finish
+    # before the server notices the close; that run is a plain completion, so
+    # try again (each attempt waits for the model to account for the request).
+    for _ in range(3):
+        fams = scrape(ops_daemon)
+        cancelled0 = value(fams, "flare_model_requests_cancelled_total")
+        admitted0 = value(fams, "flare_model_requests_admitted_total")
+        _stream_then_disconnect(ops_daemon)
+        fams = wait_for(ops_daemon, lambda f: value(f, "flare_model_requests_cancelled_total")
+                        + value(f, "flare_model_requests_completed_total")
+                        >= value(f, "flare_model_requests_admitted_total") >= admitted0 + 1)
+        if value(fams, "flare_model_requests_cancelled_total") >= cancelled0 + 1:
+            return
+    raise AssertionError("three disconnects, no cancellation counted")
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)")
