@@ -182,7 +182,8 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     ref, _ = hf_generate(hf, p, parity_tokens)
     same = matched_prefix(ours, ref[0])
     agree = sum(a == b for a, b in zip(ours, ref[0]))
-    rows.append((shape, "bf16 greedy tokens = transformers (prefix / total)", f"{same} / {agree} of {parity_tokens}",
+    rows.append((shape, "bf16 greedy tokens = transformers (prefix / total)",
+                 f"{same} / {agree} of {len(ours)}|{len(ref[0])}",
                  "", "bf16: rounding may flip a near-tie"))
     out[f"{shape}_bf16_parity_prefix"] = same
 

@@ -52,13 +52,16 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
         by_handle[int(handle)] = i
     result = DriveResult([[] for _ in range(n)], [0] * n, [0] * n)
     finished = 0
+    retired = 0
     inflight: collections.deque[tuple[int, str]] = collections.deque()  # (scheduler fence, kind name)
     asynchronous = pipeline and hasattr(executor, "submit")
     host_ns = 0
-    while finished < n or inflight:
+    # Past the last token, the loop keeps stepping until every request is retired (terminal snapshots),
+    # so the scheduler's slots are free for the next drive; wall_ns stops at the last token.
+    while retired < n or inflight:
         step_start = clock()
         plan = None
-        if finished < n and (not inflight or (asynchronous and executor.outstanding < 2)):
+        if not inflight or (asynchronous and executor.outstanding < 2):
             plan = scheduler.plan(clock_ns())
         if plan is not None:
             fence = scheduler.last_committed_fence + 1
@@ -85,6 +88,8 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
             step_start += clock() - wait_start  # the blocking wait is GPU time, not host time
             fence, kind_name = inflight.popleft()
             done = (fence, kind_name, polled[1], polled[2])
+        elif finished == n:
+            break  # finished; nothing left to snapshot
         else:
             raise ExecutionError("live requests but the scheduler planned nothing")
         fence, kind_name, records, duration_ns = done
@@ -104,12 +109,13 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
             i = by_handle.get(int(handle))
             if i is not None:
                 executor.sampler.release(states[i])
+                retired += 1
         result.gpu_ns += duration_ns
         spent = clock() - step_start
         host_ns += spent
         if kind_name == "DECODE":
             result.decode_gpu_ns += duration_ns
             result.decode_host_ns += spent
-    result.wall_ns = clock() - t0
+    result.wall_ns = max(result.finish_ns) if n else clock() - t0
     result.host_ns = host_ns
     return result

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flared.model.kernels import fused
 from flared.model.kernels.sampling import sample_full, sample_greedy
 from flared.model.triton_attention import paged_decode_attention, paged_prefill_attention
 
@@ -85,6 +86,8 @@ class PagedCudaDecoder:
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self.max_batch = max_batch
         self.max_tokens = max_tokens
+        # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
+        self.fused = dtype in (torch.bfloat16, torch.float16) and not c.qk_norm
 
     @property
     def kv_bytes(self) -> int:
@@ -104,8 +107,8 @@ class PagedCudaDecoder:
             paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                    page_tokens=self.page_tokens, scale=self.model.scale)
 
-        h = self._layers(tokens, s.positions[:batch], s.slot_ids[:batch], attend)
-        self._finish(h, batch, full_sampling, rows)
+        x = self._layers(tokens, s.positions[:batch], s.slot_ids[:batch], attend)
+        self._finish(x, batch, full_sampling, rows)
 
     def prefill(self, capacity: int) -> None:
         s = self.inputs
@@ -116,12 +119,15 @@ class PagedCudaDecoder:
             paged_prefill_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_table, meta,
                                     page_tokens=self.page_tokens, scale=self.model.scale)
 
-        h = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
-        self._finish(h.index_select(0, s.logit_row), 1, True, s.state_rows[:1])
+        x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
+        self._finish(x.index_select(0, s.logit_row), 1, True, s.state_rows[:1])
 
     # -- shared body -------------------------------------------------------------------------------
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
+        """Every layer; returns the final-normed hidden states [T, H]."""
+        if self.fused:
+            return self._layers_fused(tokens, positions, slots, attend)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
@@ -147,13 +153,36 @@ class PagedCudaDecoder:
             gate_up = F.linear(x, layer.gate_up.weight)
             h = h + F.linear(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:],
                              layer.down.weight)
-        return h
+        return F.rms_norm(h, (h.shape[-1],), m.final_norm, eps)
+
+    def _layers_fused(self, tokens, positions, slots, attend) -> torch.Tensor:
+        m = self.model
+        c = self.config
+        num_tokens = tokens.shape[0]
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        eps = c.rms_norm_eps
+        h = m.embed.index_select(0, tokens)  # [T, H] residual stream, updated in place
+        x = torch.empty_like(h)
+        q = torch.empty(num_tokens, nh, d, dtype=h.dtype, device=h.device)
+        attn = torch.empty_like(q)
+        act = torch.empty(num_tokens, c.intermediate_size, dtype=h.dtype, device=h.device)
+        fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
+        for index, layer in enumerate(m.layers):
+            qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
+            fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
+                                self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
+            attend(q, index, attn)
+            fused.add_rms_norm(F.linear(attn.view(num_tokens, nh * d), layer.o.weight, layer.o.bias), h,
+                               layer.mlp_norm, x, eps)
+            fused.silu_mul(F.linear(x, layer.gate_up.weight), act)
+            after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
+            fused.add_rms_norm(F.linear(act, layer.down.weight), h, after, x, eps)
+        return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor) -> None:
         m = self.model
         s = self.inputs
-        h = F.rms_norm(h, (h.shape[-1],), m.final_norm, self.config.rms_norm_eps)
-        logits = F.linear(h, m.lm_head).float()  # [batch, V]
+        logits = F.linear(h, m.lm_head).float()  # [batch, V]; h is already final-normed
         self.logits[:batch].copy_(logits)
         self.state_logits.index_copy_(0, rows, logits)
         if full_sampling:
