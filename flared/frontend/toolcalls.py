@@ -625,7 +625,7 @@ class Llama3JsonToolParser(ToolParser):
     def _decide(self, lead: str) -> str | None:
         t = lead
         if self.TAG.startswith(t):
-            return None if t else None
+            return None  # empty, or a prefix of the tag: undecided
         if t.startswith(self.TAG):
             t = t[len(self.TAG):].lstrip()
             if not t:
