@@ -259,3 +259,25 @@ def test_long_arguments_stay_linear():
     args = "".join(c.arguments for p in pieces for c in p.calls)
     assert args == body and parser.calls[0].arguments == body
     assert elapsed_s < 5.0, f"{elapsed_s:.1f} s for {len(text)} characters"  # quadratic takes minutes
+
+
+ALL_CASES = [(f, i) for f, cases in CASES.items() for i in range(len(cases))]
+
+
+def test_random_multi_way_splits():
+    """Arbitrary cut sets (not only one cut): the same content and calls (hypothesis, derandomized)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(ALL_CASES), st.lists(st.integers(0, 400), max_size=12))
+    def check(case, cuts):
+        family, index = case
+        text, want_content, want_calls = CASES[family][index]
+        points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+        chunks = [text[a:b] for a, b in zip(points, points[1:])]
+        content, _, deltas, parser = run(lambda: OutputParser(PARSERS[family](WEATHER_TOOLS)), chunks)
+        assert "".join(content) == want_content
+        check_calls(deltas, parser.calls, want_calls)
+
+    check()
