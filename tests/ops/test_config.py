@@ -96,3 +96,20 @@ def test_journal_logging_when_stderr_is_the_journal(tmp_path):
     lines = (tmp_path / "err").read_text().splitlines()
     assert lines[0] == "<4>flared: hello"
     assert lines[1].endswith("INFO flared: plain") and not lines[1].startswith("<")
+
+
+def test_logs_carry_no_prompt_or_output_text(tiny_core, tmp_path, ops_daemon_cls):
+    marker = "zebra-umbrella-4711"
+    d = ops_daemon_cls(tiny_core, tmp_path, "--log-level", "debug")
+    try:
+        status, body = d.chat([{"role": "user", "content": f"Repeat {marker} please."}], max_tokens=8)
+        assert status == 200, body
+        output = body["choices"][0]["message"]["content"]
+        assert d.stop() == 0
+    finally:
+        d.kill()
+    log = d.log()
+    assert "listening on" in log  # the log is really there, at debug level
+    assert marker not in log
+    if len(output.strip()) >= 12:  # a short random-model output could occur in any log by chance
+        assert output.strip() not in log
