@@ -320,6 +320,7 @@ class ToolParser:
         self._out: ParsedDelta = ParsedDelta()
         self._held_ws = ""  # trailing whitespace of content: dropped if a call follows
         self._after_call = False  # drop whitespace right after a call
+        self.num_closed = 0  # calls[:num_closed] are complete (a route that sends whole calls sends these)
 
     # bookkeeping used by the families
     def _announce(self, name: str) -> ToolCallDelta:
@@ -331,6 +332,7 @@ class ToolParser:
         if final_arguments is not None:
             self.calls[index].arguments = final_arguments
         self._after_call = True
+        self.num_closed = max(self.num_closed, index + 1)
 
     def _emit_content(self, text: str) -> None:
         if not text:
@@ -1055,6 +1057,10 @@ class OutputParser:
     @property
     def calls(self) -> list[ToolCall]:
         return self.tools.calls if self.tools is not None else []
+
+    @property
+    def num_closed_calls(self) -> int:
+        return self.tools.num_closed if self.tools is not None else 0
 
     def _content(self, reasoning: str, content: str, final: bool) -> ParsedDelta:
         if self.tools is None:

@@ -14,8 +14,8 @@ Rules:
   core's context; a smaller value limits prompt + output). Options that only
   tune Ollama's own runtime (num_thread, num_gpu, ...) are ignored, as they
   are meaningless here.
-- Tool calls arrive whole (Ollama's arguments are objects, not text), in a
-  message chunk before the final one; reasoning goes to ``thinking``;
+- Tool calls arrive whole (Ollama's arguments are objects, not text), each
+  in a message chunk as soon as it is complete; reasoning goes to ``thinking``;
   ``think: false`` turns thinking off in the template.
 - ``format`` ("json" or a JSON schema) is enforced by the grammar engine.
 - Errors are ``{"error": message}`` with the daemon's status codes.
@@ -317,6 +317,7 @@ class OllamaRoutes:
                       chat: bool) -> None:
         parser = shape.parser() if shape.active else None
         finish = "stop"
+        num_calls_sent = 0
         try:
             async for d in gen.deltas():
                 parsed = ParsedDelta(d.text) if parser is None else (parser.push(d.text) if d.text else ParsedDelta())
@@ -328,10 +329,13 @@ class OllamaRoutes:
                 if parsed.content or parsed.reasoning:
                     await w.send_ndjson({"model": model, "created_at": _now(), **self._piece(parsed, [], chat),
                                          "done": False})
-            calls = parser.calls if parser is not None else []
-            if calls:
-                await w.send_ndjson({"model": model, "created_at": _now(),
-                                     **self._piece(ParsedDelta(), calls, chat), "done": False})
+                # a call goes out whole as soon as it is complete (Ollama's arguments are objects)
+                done_calls = parser.calls[:len(parser.calls) if d.finish_reason is not None
+                                          else parser.num_closed_calls] if parser is not None else []
+                if len(done_calls) > num_calls_sent:
+                    await w.send_ndjson({"model": model, "created_at": _now(), "done": False,
+                                         **self._piece(ParsedDelta(), done_calls[num_calls_sent:], chat)})
+                    num_calls_sent = len(done_calls)
             last = self._piece(ParsedDelta(), [], chat)
             await w.send_ndjson({"model": model, "created_at": _now(), **last, **self._final(gen, finish, t0_ns)})
         except ClientDisconnected:

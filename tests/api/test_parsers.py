@@ -281,3 +281,11 @@ def test_random_multi_way_splits():
         check_calls(deltas, parser.calls, want_calls)
 
     check()
+
+
+def test_calls_are_marked_complete_as_they_close():
+    parser = OutputParser(PARSERS["hermes"]())
+    parser.push('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b", ')
+    assert parser.num_closed_calls == 1 and [c.name for c in parser.calls] == ["a", "b"]
+    parser.push('"arguments": {}}</tool_call>')
+    assert parser.num_closed_calls == 2
