@@ -134,6 +134,19 @@ def test_json_object_and_streaming(client):
     assert r.choices[0].message.content.startswith("{")
 
 
+def test_ollama_format_schema_and_json(smol_daemon):
+    import ollama
+
+    client = ollama.Client(host=smol_daemon.base)
+    schema = SCHEMAS[1][1]  # weather: enum + bounded number
+    r = client.chat(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Weather in JSON."}],
+                    format=schema, options={"temperature": 0, "num_predict": MAX_TOKENS}, stream=False)
+    jsonschema.validate(json.loads(r.message.content), schema)
+    g = client.generate(model="smollm2-135m-instruct", prompt="Give me an object.", format="json",
+                        options={"temperature": 0, "num_predict": 12}, stream=False)
+    assert g.response.startswith("{")
+
+
 def test_completions_route_enforces_schema(client):
     r = client.completions.create(model="smollm2-135m-instruct", prompt="Is water wet? Answer:", max_tokens=10,
                                   temperature=0, extra_body={"response_format": {
