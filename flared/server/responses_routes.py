@@ -231,8 +231,12 @@ def _conversation_out(items: list[dict]) -> list[dict]:
         if item["type"] == "message":
             content = item["content"][0]["text"]
         elif item["type"] == "function_call":
+            try:
+                arguments = json.loads(item["arguments"] or "{}")
+            except ValueError:
+                arguments = {}  # a call cut short by max_output_tokens: its name is all that is known
             calls.append({"id": item["call_id"], "type": "function",
-                          "function": {"name": item["name"], "arguments": item["arguments"] or "{}"}})
+                          "function": {"name": item["name"], "arguments": arguments}})
     if content is None and not calls:
         return []
     return [{"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}]

@@ -99,3 +99,11 @@ def test_store_is_bounded_lru():
     assert [store.get(k) is not None for k in ("r0", "r2", "r3")] == [True, True, True]
     assert store.delete("r2") and not store.delete("r2") and len(store) == 2
 
+
+
+def test_truncated_call_can_still_be_continued(client):
+    r = client.responses.create(model="tiny", input=QUESTION, tools=TOOLS, temperature=0, max_output_tokens=6)
+    assert r.status == "incomplete" and r.output[-1].type == "function_call"
+    r2 = client.responses.create(model="tiny", previous_response_id=r.id, temperature=0, max_output_tokens=40,
+                                 reasoning={"effort": "none"}, input="Never mind.")
+    assert r2.status == "completed" and r2.output_text == ANSWER
