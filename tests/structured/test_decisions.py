@@ -103,3 +103,18 @@ def test_bad_bodies_are_400(tiny_daemon, body, field):
 def test_unknown_model_is_404(tiny_daemon):
     status, _ = tiny_daemon.request("POST", "/v1/decisions", {"model": "nope", "prompt": "x", "options": ["a", "b"]})
     assert status == 404
+
+
+def test_long_prompt_across_prefill_chunks(tiny_daemon, reference):
+    # The tiny core prefills in chunks of 128 tokens: the prompt spans two, so the first option's scores
+    # start in a later chunk and the others restore a checkpoint past the first chunk.
+    model, tok = reference
+    prompt = " ".join(["Paris is the capital of France."] * 14)
+    options = [" The quick brown fox jumps over the lazy dog.", " Hello, world!", " def add(a, b):"]
+    status, body = tiny_daemon.request("POST", "/v1/decisions", {"model": MODEL, "prompt": prompt,
+                                                                 "options": options})
+    assert status == 200, body
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert 128 < len(prompt_ids) < 200
+    _check(body, model, prompt_ids, options)
+    assert body["usage"]["cached_tokens"] == (len(options) - 1) * len(prompt_ids)
