@@ -15,8 +15,8 @@ Rules:
   response.created, response.in_progress, then per output item
   output_item.added, its part/deltas/done events, output_item.done, and
   last response.completed (response.incomplete when max_output_tokens cut it).
-- ``tool_choice`` "required" or a named function needs constrained decoding
-  and is rejected by name for now, as is a ``text.format`` other than text.
+- ``tool_choice`` "required" or a named function, and ``text.format``
+  json_object / json_schema, are enforced by a grammar (flared.server.structured).
 - ``reasoning.effort: "none"`` turns thinking off in the template.
 """
 
@@ -35,6 +35,9 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
+from flared.server.structured import (
+    GrammarSpec, compile_grammar, force_tool_call, parse_openai_forced_tool_choice, parse_responses_text_format,
+)
 from flared.server.openai_schema import (
     SamplingOptions,
     _bad,
@@ -174,13 +177,8 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     return {"enable_thinking": effort != "none"}
 
 
-def _text_format(body: dict) -> None:
-    text = body.get("text")
-    if text is None:
-        return
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("text.format", "structured output on /v1/responses is not supported yet", ErrorKind.UNSUPPORTED)
+def _text_format(body: dict) -> GrammarSpec | None:
+    return parse_responses_text_format(body.get("text"))
 
 
 def _item_id(prefix: str) -> str:
@@ -280,19 +278,26 @@ class ResponsesRoutes:
         conversation = history + translate_input(body.get("input"))
         instructions = _string(body, "instructions")
         messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-        choice = parse_tool_choice(body.get("tool_choice"), "tool_choice")
+        parallel = _boolean(body, "parallel_tool_calls", default=True)
+        forced = parse_openai_forced_tool_choice(body.get("tool_choice"), parallel=parallel)
+        choice = "required" if forced else parse_tool_choice(body.get("tool_choice"), "tool_choice")
         tools = _tools(body)
-        _text_format(body)
+        text_format = _text_format(body)
+        if forced is not None and text_format is not None:
+            raise _bad("tool_choice", "a forced tool call cannot be combined with 'text.format'")
         store = _boolean(body, "store", default=True)
         stream = _boolean(body, "stream")
         offered = tools if choice != "none" else None
         rendered = await self.state.prepare_chat(messages, tools=offered, **_template_kwargs(body))
-        shape = OutputShape(self.state, rendered.text, offered)
+        # A forced call needs no tool format in the template: the grammar produces it.
+        shape = OutputShape(self.state, rendered.text, None if forced else offered)
+        grammar = await compile_grammar(
+            self.state, force_tool_call(shape, offered, forced) if forced else text_format)
         options = _options(body)
         prompt = tuple(rendered.token_ids)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options))
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
         gen = self.state.start([req], (), skip_special_tokens=shape.skip_special_tokens)
         request.disconnected.add_callback(gen.cancel)
         resp = {
@@ -301,7 +306,8 @@ class ResponsesRoutes:
             "max_output_tokens": options.max_tokens, "model": model, "output": [],
             "parallel_tool_calls": _boolean(body, "parallel_tool_calls", default=True),
             "previous_response_id": prev, "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
-            "store": store, "temperature": options.temperature, "text": {"format": {"type": "text"}},
+            "store": store, "temperature": options.temperature,
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": choice, "tools": body.get("tools") or [], "top_p": options.top_p,
             "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},
         }

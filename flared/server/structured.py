@@ -84,6 +84,28 @@ def parse_response_format(value: Any, field: str = "response_format") -> Grammar
     raise _bad(f"{field}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
+def parse_responses_text_format(text: Any, field: str = "text.format") -> GrammarSpec | None:
+    """Responses ``text``: ``{"format": {"type": "text" | "json_object" | "json_schema", name, schema, strict}}``
+    (the json_schema fields sit beside ``type``, not under ``json_schema`` as on chat)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _bad("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad(field, "must be an object with a 'type'")
+    if fmt.get("type") == "json_schema":
+        if fmt.get("schema") is None:
+            raise _bad(f"{field}.schema", "is required")
+        if fmt.get("strict") is not None and not isinstance(fmt.get("strict"), bool):
+            raise _bad(f"{field}.strict", "must be a boolean")
+        _checked(f"{field}.schema", fmt["schema"])
+        return GrammarSpec("json_schema", fmt["schema"], fmt.get("name"))
+    return parse_response_format(fmt, field)
+
+
 def parse_ollama_format(value: Any, field: str = "format") -> GrammarSpec | None:
     """Ollama ``format``: "json", "" (none) or a JSON schema object."""
     if value is None or value == "":
@@ -140,6 +162,8 @@ def parse_openai_forced_tool_choice(choice: Any, field: str = "tool_choice", *,
     """OpenAI ``tool_choice``: "required" or ``{"type": "function", "function": {"name"}}``; else None."""
     if choice == "required":
         return ForcedToolChoice(None, parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return ForcedToolChoice(choice["name"], parallel)  # the Responses API's flat shape
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

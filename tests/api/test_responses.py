@@ -82,7 +82,8 @@ def test_rejections(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_missing")
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.responses.create(model="tiny", input="x", tools=TOOLS, tool_choice="required")
+        # required / named are served (tests/structured/test_forced_tools.py); a malformed choice is a 400.
+        client.responses.create(model="tiny", input="x", tools=TOOLS, tool_choice={"type": "function"})
     with pytest.raises(openai.BadRequestError, match="input"):
         client.responses.create(model="tiny", input=[{"type": "input_image", "image_url": "x"}])
 

@@ -98,3 +98,23 @@ def test_anthropic_any_and_tool(claude):
     (use,) = [b for b in final.content if b.type == "tool_use"]
     assert use.name == "get_weather" and final.stop_reason == "tool_use"
     _valid("get_weather", use.input)
+
+
+def test_responses_forced_calls_and_text_format(oai):
+    r_tools = [{"type": "function", "name": n, "description": n, "parameters": s} for n, s in SCHEMAS.items()]
+    r = oai.responses.create(model="tiny", input="Weather in Oslo?", tools=r_tools, tool_choice="required",
+                             parallel_tool_calls=False, max_output_tokens=120)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1
+    _valid(calls[0].name, calls[0].arguments)
+    r = oai.responses.create(model="tiny", input="Time?", tools=r_tools, max_output_tokens=60,
+                             tool_choice={"type": "function", "name": "get_time"})
+    (call,) = [i for i in r.output if i.type == "function_call"]
+    assert call.name == "get_time"
+    _valid("get_time", call.arguments)
+    r = oai.responses.create(model="tiny", input="Weather as JSON.", max_output_tokens=60,
+                             text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), WEATHER)
+    with pytest.raises(openai.BadRequestError, match="'uniqueItems'"):
+        oai.responses.create(model="tiny", input="x", max_output_tokens=4, text={"format": {
+            "type": "json_schema", "name": "u", "schema": {"type": "array", "uniqueItems": True}}})
