@@ -122,8 +122,10 @@ class GraphExecutor:
 
     def run(self, plan, block_tables, states, score_from=None):
         """Synchronous: submit (draining older frames for room), then wait for this step.
-        Returns (records, duration_ns, logprobs, scores) like the eager executor; scored
-        prefill is not run on this backend yet, so scores are always None."""
+        Returns (records, duration_ns, logprobs, scores) like the eager executor; scoring
+        is not run on this backend yet (see supports_scoring), so scores are always None."""
+        if score_from is not None and any(s is not None for s in score_from):
+            raise ExecutionError("scoring is not supported by the CUDA graph executor", ErrorKind.UNSUPPORTED)
         while True:
             fence = self.submit(plan, block_tables, states)
             if fence is not None:
@@ -134,10 +136,16 @@ class GraphExecutor:
             if done is not None and done[0] == fence:
                 return done[1], done[2], done[3], [None] * plan.num_participants
 
+    # Scored prefill / scored continuations are not run on this backend yet; the model thread refuses
+    # such requests at admission (400) instead of failing here.
+    supports_scoring = False
+
     def submit(self, plan, block_tables, states) -> int | None:
         if self.closed:
             raise ExecutionError("the executor is closed", ErrorKind.EXECUTION)
         kind = plan.kind
+        if kind == GraphKind.SCORED_PREFILL:
+            raise ExecutionError("scored prefill is not supported by the CUDA graph executor", ErrorKind.UNSUPPORTED)
         klass = WINDOW if kind == GraphKind.DECODE else DRAINING
         if any(s is not None and getattr(s, "grammar", None) is not None for s in states):
             klass = EXCLUSIVE
