@@ -74,6 +74,18 @@ class _Live:
     scores: list | None = None  # a scoring request's log-probabilities so far
 
 
+def cuda_backend_available(dtype) -> bool:
+    """The CUDA graph backend serves bf16/fp16 cores when torch sees a GPU and CuPy and Triton import;
+    anything else runs on the CPU eager executor."""
+    import importlib.util
+
+    import torch
+
+    if dtype not in (torch.bfloat16, torch.float16) or not torch.cuda.is_available():
+        return False
+    return all(importlib.util.find_spec(name) is not None for name in ("cupy", "triton"))
+
+
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None):
@@ -129,8 +141,9 @@ class ModelRuntime:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         dtype = getattr(torch, m.dtype)
-        model = DecoderModel(self.core.config, self.core.load_tensors(), dtype=dtype, device="cpu",
-                             max_positions=caps.context_tokens)
+        use_cuda = cuda_backend_available(dtype)
+        model = DecoderModel(self.core.config, self.core.load_tensors(), dtype=dtype,
+                             device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
         num_snapshots = max(16, 4 * caps.concurrency)
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode()).digest()
         self.scheduler = RequestScheduler(
@@ -138,6 +151,17 @@ class ModelRuntime:
                             num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens),
             self.policy if self.policy is not None else PolicyConfig())
+        if use_cuda:
+            # CUDA graph executor (flared.execution.executor): captures the manifest's graphs here, before ready.
+            from flared.execution.executor import GraphExecutor
+
+            self.executor = GraphExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
+                                          num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
+                                          vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
+                                          decode_batch_sizes=caps.decode_batch_sizes,
+                                          prefill_token_sizes=caps.prefill_token_sizes,
+                                          max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens))
+            return
         self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
                                       num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
                                       vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
@@ -149,6 +173,9 @@ class ModelRuntime:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        close = getattr(self.executor, "close", None)  # the CUDA executor drains its streams and frees pinned frames
+        if close is not None and (self._thread is None or not self._thread.is_alive()):
+            close()
 
     def beat_age_s(self) -> float:
         """Seconds since the loop last turned (it turns at least every IDLE_WAIT_S)."""
@@ -173,6 +200,9 @@ class ModelRuntime:
                 raise AdmissionError(f"the model thread has failed: {self.failure}", ErrorKind.UNAVAILABLE)
             if self._stopping or self._thread is None:
                 raise AdmissionError("the model is not serving (stopping or not started)", ErrorKind.UNAVAILABLE)
+            if request.score_from is not None and not getattr(self.executor, "supports_scoring", True):
+                raise AdmissionError("scored prompts are not served by the CUDA graph backend yet",
+                                     ErrorKind.UNSUPPORTED)
             if self._num_outstanding >= self._max_pending:
                 raise AdmissionError(f"model admission is full ({self._max_pending} requests)",
                                      ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
