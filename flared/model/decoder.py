@@ -37,9 +37,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # one core at about half the memory bandwidth of this kind of CPU; splitting the weight rows into
 # _SPLIT_PARTS blocks and running them as one bmm lets ATen spread the blocks over the threads. Only
 # float32 gains (measured: SmolLM2 single-stream step 51 ms -> 23 ms); bfloat16 matmuls go through
-# oneDNN, which is faster unsplit. Above _SPLIT_MAX_ROWS rows the GEMM kernel is better.
+# oneDNN, which is faster unsplit. Above _SPLIT_MAX_ROWS rows the GEMM kernel is better (measured on
+# SmolLM2's matrices: with 2 threads the split wins up to 8 rows, with 1 thread up to 4).
 _SPLIT_PARTS = 2
 _SPLIT_MAX_ROWS = 8
+_SPLIT_MAX_ROWS_ONE_THREAD = 4
 
 
 class _Linear:
@@ -58,7 +60,8 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if self.split is None or num_rows > _SPLIT_MAX_ROWS:
+        if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
+                (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1):
             return F.linear(x, self.weight, self.bias)
         # [parts, out/parts, in] @ [parts, in, rows] -> [out, rows] -> [rows, out] (a view)
         y = torch.bmm(self.split, x.t().expand(_SPLIT_PARTS, self.in_features, num_rows))
