@@ -309,5 +309,10 @@ def top(admin_socket):
         raise click.ClickException(f"lost the daemon: {e}") from None
 
 
+from flared.bench.cli import bench as _bench  # noqa: E402  (a client tool; imports no daemon code)
+
+main.add_command(_bench)
+
+
 if __name__ == "__main__":
     main()
