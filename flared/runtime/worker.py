@@ -161,7 +161,9 @@ class ModelRuntime:
                                           decode_batch_sizes=caps.decode_batch_sizes,
                                           prefill_token_sizes=caps.prefill_token_sizes,
                                           max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens))
+            log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
             return
+        log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
         self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
                                       num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
                                       vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
