@@ -30,6 +30,8 @@ class Outcome:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    done: bool = False  # the stream ended with [DONE]
+    finish_reason: str | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -79,6 +81,7 @@ def _note_usage(out: Outcome, obj: dict) -> None:
 def _note_event(out: Outcome, payload: bytes, now_ns: int) -> bool:
     """Apply one SSE data payload; False once the stream is done."""
     if payload.strip() == b"[DONE]":
+        out.done = True
         return False
     try:
         obj = json.loads(payload)
@@ -90,6 +93,7 @@ def _note_event(out: Outcome, payload: bytes, now_ns: int) -> bool:
         return False
     for choice in obj.get("choices") or ():
         delta = choice.get("delta") or {}
+        out.finish_reason = choice.get("finish_reason") or out.finish_reason
         piece = delta.get("content") or delta.get("reasoning_content") or choice.get("text") or ""
         if piece:
             if not out.token_times_ns:

@@ -1,0 +1,165 @@
+"""Reliability harness: a real daemon (subprocess) or an in-process serving session, plus leak checks.
+
+Everything targets 127.0.0.1 and is bounded in count and time; waits poll a
+condition with a deadline, never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+SLOW = os.environ.get("FLARED_SLOW_TESTS") == "1"
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.01):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll_s)  # polling a condition owned by another thread or process
+
+
+class Daemon:
+    """`flared run` in a subprocess, ready once its port file is written."""
+
+    def __init__(self, core: Path, tmp: Path, *args: str):
+        tag = time.monotonic_ns()
+        self.port_file = tmp / f"port-{tag}"
+        self.log_path = tmp / f"daemon-{tag}.log"
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", "flared.cli.daemon", "run", str(core), "--port", "0",
+               "--port-file", str(self.port_file), "--threads", "1", "--served-name", "tiny",
+               "--no-admin-socket", "--no-dashboard", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_for(self._port_written, 120, f"daemon start:\n{self.log()}", poll_s=0.02)
+        self.port = int(self.port_file.read_text())
+
+    def _port_written(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+        return self.port_file.exists() and self.port_file.read_text().endswith("\n")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout_s: float = 60):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+            conn.request(method, path, body=data, headers={"content-type": "application/json"})
+            resp = conn.getresponse()
+            payload = resp.read()
+            try:
+                return resp.status, json.loads(payload)
+            except ValueError:
+                return resp.status, payload
+        finally:
+            conn.close()
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    started: list[Daemon] = []
+
+    def start(core: Path, *args: str) -> Daemon:
+        d = Daemon(core, tmp_path, *args)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+
+
+class InProcessServer:
+    """A ServingSession on its own event-loop thread, so tests can read the live scheduler."""
+
+    def __init__(self, core: Path, **config):
+        from flared.config import ServerConfig
+        from flared.runtime.session import LoadedSession
+
+        self.session = LoadedSession.load(core, ServerConfig(port=0, torch_threads=1, **config))
+        self._started = threading.Event()
+        self._box: dict = {}
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+        self._thread.start()
+        assert self._started.wait(120), "in-process server did not start"
+        self.serving = self._box["serving"]
+        self.port = self.serving.address[1]
+        self.runtime = self.serving.loaded.runtime
+        self.model = self.serving.loaded.manifest.model_name
+
+    async def _serve(self):
+        serving = await self.session.start()
+        self._box.update(serving=serving, loop=asyncio.get_running_loop(), stop=asyncio.Event())
+        self._started.set()
+        await self._box["stop"].wait()
+        await serving.close(grace_s=1.0)
+
+    def snapshot(self) -> dict:
+        return self.runtime.snapshot()
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict:
+        return wait_for(lambda: (lambda s: s if s["live_slots"] == 0 and s["outstanding"] == 0 else None)(
+            self.snapshot()), timeout_s, "the runtime to go idle")
+
+    def assert_no_leaks(self) -> dict:
+        """Idle: no live slot, every page free or held by the prefix cache, the scheduler consistent."""
+        rt = self.wait_idle()
+        scheduler = self.runtime.scheduler
+        scheduler.check_integrity()
+        cached = sum(1 for p in range(rt["total_pages"]) if scheduler.cache.owns_page(p))
+        assert rt["free_pages"] + cached == rt["total_pages"], rt
+        # A permit returns when its response ends, a moment after the model is done with it.
+        wait_for(lambda: self.serving.state.http_in_use == 0, 30, "HTTP admission permits to return")
+        return rt
+
+    def close(self) -> None:
+        self._box["loop"].call_soon_threadsafe(self._box["stop"].set)
+        self._thread.join(60)
+
+
+@pytest.fixture
+def in_process():
+    servers: list[InProcessServer] = []
+
+    def start(core: Path, **config) -> InProcessServer:
+        s = InProcessServer(core, **config)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        s.close()
