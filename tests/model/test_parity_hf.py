@@ -49,7 +49,8 @@ def run_paged_greedy(model: DecoderModel, prompts, *, num_new_tokens: int, page_
                 s["pages"].extend(allocator.allocate(missing).tolist())
             chunks.append(SequenceChunk(new, s["computed"], s["pages"], needs))
             owners.append((s, needs))
-        batch = ForwardBatch.build(chunks, page_tokens=page_tokens, sliding_window=model.config.sliding_window)
+        batch = ForwardBatch.build(chunks, page_tokens=page_tokens, sliding_window=model.config.sliding_window,
+                                   device=model.device)
         logits = model.forward(batch, kv)
         rows = iter(range(logits.shape[0]))
         for (s, needs), chunk in zip(owners, chunks):
