@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -163,3 +164,96 @@ def in_process():
     yield start
     for s in servers:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tiny_core, tmp_path_factory):
+    """One daemon for a module's many small hostile exchanges (it must survive them all)."""
+    d = Daemon(tiny_core, tmp_path_factory.mktemp("daemon"))
+    yield d
+    d.kill()
+
+
+def read_response(sock, timeout_s: float) -> tuple[int, dict, bytes] | None:
+    """One HTTP/1.1 response off a raw socket; None if the server sent nothing before closing or timing out."""
+    import socket as _socket
+
+    sock.settimeout(timeout_s)
+    buf = b""
+    try:
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return None if not buf else _parse(buf, b"")
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        headers = _headers(head)
+        if "content-length" in headers:
+            while len(rest) < int(headers["content-length"]):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                rest += chunk
+        elif headers.get("transfer-encoding") == "chunked":
+            while not rest.endswith(b"0\r\n\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                rest += chunk
+        return _parse(head, rest)
+    except (_socket.timeout, ConnectionError):
+        return _parse(*buf.partition(b"\r\n\r\n")[::2]) if b"\r\n\r\n" in buf else None
+
+
+def _headers(head: bytes) -> dict:
+    out = {}
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.decode("latin-1").partition(":")
+        out[k.strip().lower()] = v.strip()
+    return out
+
+
+def _parse(head: bytes, body: bytes) -> tuple[int, dict, bytes]:
+    status_line = head.split(b"\r\n", 1)[0]
+    assert status_line.startswith(b"HTTP/1.1 "), status_line
+    return int(status_line.split()[1]), _headers(head), body
+
+
+def assert_error_shape(status: int, headers: dict, body: bytes) -> None:
+    """A refusal is a 4xx whose body, when it has one, is a JSON error object."""
+    assert 400 <= status < 500, (status, body[:300])
+    if body and "json" in headers.get("content-type", ""):
+        if headers.get("transfer-encoding") == "chunked":
+            return  # a streamed route's error arrives as an event; not a single document
+        doc = json.loads(body)
+        assert "error" in doc, doc
+
+
+class RawHttp:
+    """Raw-socket helpers for the hostile-input tests (a fixture: conftest modules are not importable)."""
+
+    read_response = staticmethod(read_response)
+    assert_error_shape = staticmethod(assert_error_shape)
+
+    def __init__(self, daemon: Daemon):
+        self.daemon = daemon
+
+    def exchange(self, data: bytes, timeout_s: float = 5.0):
+        with socket.create_connection(("127.0.0.1", self.daemon.port)) as s:
+            s.sendall(data)
+            return read_response(s, timeout_s)
+
+    def assert_serving(self) -> None:
+        """A fresh client is answered at once: the daemon survived and is not stuck."""
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", self.daemon.port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = read_response(s, 10.0)
+        assert got is not None and got[0] == 200, got
+        assert time.monotonic() - started < 10.0
+        assert self.daemon.proc.poll() is None, self.daemon.log()
+
+
+@pytest.fixture(scope="module")
+def raw_http(shared_daemon) -> RawHttp:
+    return RawHttp(shared_daemon)
