@@ -14,7 +14,7 @@ Prints a table; with ``--json`` the last line is one JSON object with
 ``single_stream_tok_s``, ``batch8_tok_s``, ``batch32_tok_s`` (float32), the
 transformers figures, ratios, and the same under ``"bf16"`` when ``--bf16``.
 
-    .venv/bin/python tools/bench_model.py [--json] [--bf16] [--tokens 64] [--markdown docs/benchmarks-model.md]
+    .venv/bin/python tools/bench_model.py [--json] [--bf16] [--tokens 64] [--markdown FILE]  (the table in docs/benchmarks.md comes from this)
 """
 
 from __future__ import annotations
