@@ -115,10 +115,16 @@ class Request:
         except UnicodeDecodeError as exc:
             raise AdmissionError(f"request body is not valid UTF-8 (invalid byte at offset {exc.start})") from None
         try:
-            return json.loads(text, parse_constant=_reject_constant)
+            doc = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as exc:
             raise AdmissionError(
                 f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        except RecursionError:
+            # The decoder recurses per nesting level; a hostile body must not become a 500.
+            raise AdmissionError("request body is nested too deeply") from None
+        if "\\ud" in text or "\\uD" in text:
+            _reject_lone_surrogates(doc)
+        return doc
 
     def stream(self) -> AsyncIterator[bytes]:
         """Body chunks as they arrive (routes registered with stream_body=True)."""
@@ -138,6 +144,24 @@ def _reject_constant(name: str) -> Any:
     # Python's json accepts NaN and Infinity, which are not JSON; other
     # clients and the tokenizer settings expect finite numbers only.
     raise AdmissionError(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _reject_lone_surrogates(doc: Any) -> None:
+    """A ``\\ud800``-style escape without its pair decodes to a str that UTF-8 (the tokenizer,
+    our responses) cannot carry; refuse it here rather than fail deep in a route."""
+    stack = [doc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise AdmissionError("request body holds an unpaired UTF-16 surrogate escape") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _normalise(headers: Any) -> Headers:
