@@ -45,18 +45,21 @@ class Tmux:
 
 def _chat(port: int, n: int) -> None:
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": f"Count to {n}."}],
-                       "max_tokens": 200, "ignore_eos": True}).encode()
+                       "max_tokens": 96, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         assert resp.status == 200
 
 
-def test_dashboard_panes_scroll_and_top(tiny_core, tmp_path):
+def test_dashboard_panes_scroll_and_top(default_core, tmp_path):
+    # The embedded model, not the tiny one: request rows come from a 500 ms
+    # state sample, and the tiny model can finish a request between two samples
+    # on a fast machine, leaving too few rows to scroll.
     port_file, admin = tmp_path / "port", tmp_path / "admin.sock"
     done = tmp_path / "exit-code"
     tmux = Tmux("dash")
-    daemon = (f"{sys.executable} -m flared.cli.daemon run {tiny_core} --port 0 --port-file {port_file} "
+    daemon = (f"{sys.executable} -m flared.cli.daemon run {default_core} --port 0 --port-file {port_file} "
               f"--threads 1 --served-name tiny --admin-socket {admin}; echo $? > {done}; sleep 600")
     try:
         tmux("new-session", "-d", "-s", "d", "-x", "120", "-y", "18", daemon)
