@@ -22,15 +22,11 @@ templates; only the weights are chosen rather than trained.
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from flared_testing.daemon import Daemon
 
 TOOL_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -144,51 +140,6 @@ def tool_core(tool_hf_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cores") / "tools"
     export_core(tool_hf_dir, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=256))
     return out
-
-
-class Daemon:
-    """A `flared run` subprocess on 127.0.0.1, waited for by its port file."""
-
-    def __init__(self, core: Path, tmp: Path, *args: str):
-        self.port_file = tmp / "port"
-        self.log_path = tmp / "daemon.log"
-        self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "flared.cli.daemon", "run", str(core), "--port", "0",
-               "--port-file", str(self.port_file), "--threads", "1", "--served-name", "tiny", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if self.port_file.exists() and self.port_file.read_text().endswith("\n"):
-                self.port = int(self.port_file.read_text())
-                break
-            assert time.monotonic() < deadline, f"daemon did not start:\n{self.log()}"
-            time.sleep(0.02)  # polling a file the daemon writes once it listens
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def request(self, method: str, path: str, body=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        try:
-            conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
-                         headers={"content-type": "application/json"})
-            resp = conn.getresponse()
-            payload = resp.read()
-            try:
-                return resp.status, json.loads(payload)
-            except ValueError:
-                return resp.status, payload
-        finally:
-            conn.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="session")
