@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import glob
 import json
 import os
@@ -201,6 +202,8 @@ def main() -> int:
             measure(url, warm, 2, 2, tokenizer)
         for rnd in range(args.rounds):
             for name, spec, conc, num in configs:
+                # Fresh prompts every round: a repeat would be served from either server's prompt cache.
+                spec = dataclasses.replace(spec, seed=spec.seed + 1000 * rnd)
                 for server, url in (("flared", flared_url), ("llama-server", llama_url)):
                     r = measure(url, spec, conc, num, tokenizer)
                     runs.setdefault((name, server), []).append(r)
