@@ -104,3 +104,21 @@ def test_mutated_bodies_get_2xx_or_a_json_4xx(raw_http, case):
     if status >= 300:
         raw_http.assert_error_shape(status, headers, payload)
     raw_http.assert_serving()
+
+
+def test_regressions_deep_nesting_and_lone_surrogates_are_400(raw_http):
+    """Both were 500s: RecursionError in the decoder; the tokenizer failing on an unpaired surrogate."""
+    cases = [
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        ("/v1/messages/count_tokens", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                      b'"system": "\\ud800"}'),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\udfffb"}]}'),
+    ]
+    for path, data in cases:
+        got = _post(raw_http.daemon.port, path, data, raw_http.read_response)
+        assert got is not None and got[0] == 400, (path, got)
+        raw_http.assert_error_shape(*got)
+    # A proper pair still decodes to one character and is served.
+    ok = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2}'
+    got = _post(raw_http.daemon.port, "/v1/chat/completions", ok, raw_http.read_response)
+    assert got is not None and got[0] == 200, got
