@@ -8,7 +8,7 @@ import os
 import socket
 import time
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 SLOW = os.environ.get("FLARED_SLOW_TESTS") == "1"
@@ -42,6 +42,7 @@ def _request(method, target, version, headers, body) -> bytes:
        headers=st.lists(st.tuples(header_names, header_values), max_size=6), body=st.binary(max_size=200))
 def test_fuzzed_request_heads_get_4xx_or_a_normal_answer(raw_http, method, target, version, headers, body):
     got = raw_http.exchange(_request(method, target, version, headers, body), timeout_s=2.0)
+    event("no answer (waiting for promised bytes)" if got is None else f"status {got[0]}")
     # None: the server is (rightly) still waiting for bytes the head promised, or closed a hopeless stream.
     if got is not None:
         status, hdrs, payload = got

@@ -11,7 +11,7 @@ import os
 import socket
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 SLOW = os.environ.get("FLARED_SLOW_TESTS") == "1"
@@ -101,6 +101,7 @@ def test_mutated_bodies_get_2xx_or_a_json_4xx(raw_http, case):
     got = _post(raw_http.daemon.port, path, data, raw_http.read_response)
     assert got is not None, (path, data[:200], raw_http.daemon.log()[-2000:])
     status, headers, payload = got
+    event(f"status {status}")
     if status >= 300:
         raw_http.assert_error_shape(status, headers, payload)
     raw_http.assert_serving()
