@@ -80,3 +80,21 @@ def default_core(default_gguf, tmp_path_factory) -> Path:
     export_core(default_gguf, out, ExportOptions(concurrency=8, context_tokens=2048,
                                                  served_names=("smollm2-135m-instruct",)))
     return out
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    """Start real `flared run` subprocesses (tests/flared_testing/daemon.py); killed after the test."""
+    from flared_testing.daemon import Daemon
+
+    started: list = []
+
+    def start(core: Path, *args: str, **kw):
+        d = Daemon(core, tmp_path, *args, **kw)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill()
+

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from flared_testing.daemon import Daemon
 
 
-@pytest.fixture
-def start_daemon(tmp_path):
-    started: list[Daemon] = []
-
-    def start(core: Path, *args: str, **kw) -> Daemon:
-        d = Daemon(core, tmp_path, *args, **kw)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.kill()
-
-
 @pytest.fixture(scope="session")
 def daemon_cls():
-    """The Daemon class, for module-scoped daemons (conftest modules are not importable)."""
+    """The Daemon class, for module-scoped daemons (or import it: from flared_testing.daemon import Daemon)."""
     return Daemon

@@ -7,18 +7,16 @@ condition with a deadline, never a bare sleep.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from flared_testing.daemon import Daemon
+
 
 SLOW = os.environ.get("FLARED_SLOW_TESTS") == "1"
 
@@ -32,76 +30,6 @@ def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.01):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(poll_s)  # polling a condition owned by another thread or process
-
-
-class Daemon:
-    """`flared run` in a subprocess, ready once its port file is written."""
-
-    def __init__(self, core: Path, tmp: Path, *args: str):
-        tag = time.monotonic_ns()
-        self.port_file = tmp / f"port-{tag}"
-        self.log_path = tmp / f"daemon-{tag}.log"
-        self._log = open(self.log_path, "wb")
-        cmd = [sys.executable, "-m", "flared.cli.daemon", "run", str(core), "--port", "0",
-               "--port-file", str(self.port_file), "--threads", "1", "--served-name", "tiny",
-               "--no-admin-socket", "--no-dashboard", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        wait_for(self._port_written, 120, f"daemon start:\n{self.log()}", poll_s=0.02)
-        self.port = int(self.port_file.read_text())
-
-    def _port_written(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-        return self.port_file.exists() and self.port_file.read_text().endswith("\n")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout_s: float = 60):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
-        try:
-            data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-            conn.request(method, path, body=data, headers={"content-type": "application/json"})
-            resp = conn.getresponse()
-            payload = resp.read()
-            try:
-                return resp.status, json.loads(payload)
-            except ValueError:
-                return resp.status, payload
-        finally:
-            conn.close()
-
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.proc.pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout_s)
-        finally:
-            self._log.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-@pytest.fixture
-def start_daemon(tmp_path):
-    started: list[Daemon] = []
-
-    def start(core: Path, *args: str) -> Daemon:
-        d = Daemon(core, tmp_path, *args)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.kill()
 
 
 class InProcessServer:
