@@ -43,6 +43,7 @@ from flared.server.openai_schema import (
     _number,
     _string,
     _type,
+    join_text_parts,
     parse_tools,
 )
 
@@ -74,28 +75,12 @@ def _anthropic_errors(handler):
 
 # -- request translation ---------------------------------------------------------------------------
 
-def _text_of(blocks: Any, where: str) -> str:
-    """A string, or text blocks joined (system prompts, tool_result content)."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise _bad(where, f"must be a string or an array of text blocks, got {_type(blocks)}")
-    parts = []
-    for i, b in enumerate(blocks):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            kind = b.get("type") if isinstance(b, dict) else _type(b)
-            raise _bad(f"{where}[{i}]", f"block of type {kind!r} is not supported here (text only)",
-                       ErrorKind.UNSUPPORTED)
-        parts.append(b["text"])
-    return "".join(parts)
-
-
 def translate_messages(body: dict) -> list[dict]:
     """Anthropic system + messages -> chat-template messages (OpenAI shape)."""
     out: list[dict] = []
     system = body.get("system")
     if system is not None:
-        text = _text_of(system, "system")
+        text = join_text_parts(system, "system")
         if text:
             out.append({"role": "system", "content": text})
     messages = body.get("messages")
@@ -136,7 +121,7 @@ def translate_messages(body: dict) -> list[dict]:
                     text = []
                 result = b.get("content", "")
                 out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                            "content": _text_of(result, f"{bw}.content")})
+                            "content": join_text_parts(result, f"{bw}.content")})
             else:
                 raise _bad(bw, f"content block of type {kind!r} is not supported in a {role} message "
                            "(this model takes text)", ErrorKind.UNSUPPORTED)

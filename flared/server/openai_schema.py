@@ -130,6 +130,26 @@ def _type(v: Any) -> str:
             int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
+def join_text_parts(content: Any, where: str, text_types: tuple[str, ...] = ("text",)) -> str:
+    """A string, or an array of text parts joined: the one reader of text content
+    for every API shape (OpenAI parts, Anthropic blocks, Responses items). Any
+    other part is a 400 naming it; this model takes text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, f"must be a string or an array of content parts, got {_type(content)}")
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in text_types:
+            kind = part.get("type") if isinstance(part, dict) else _type(part)
+            raise _bad(f"{where}[{j}]", f"content part of type {kind!r} is not supported (this model takes text)",
+                       ErrorKind.UNSUPPORTED)
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}[{j}].text", "must be a string")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 def _reject_unsupported(body: dict, fields: tuple[str, ...]) -> None:
     for field in fields:
         if body.get(field) not in (None, [], False):
@@ -227,17 +247,7 @@ def parse_chat(body: Any) -> ChatRequest:
         msg = dict(m)
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                    kind = part.get("type") if isinstance(part, dict) else _type(part)
-                    raise _bad(f"{where}.content[{j}]", f"content part of type {kind!r} is not supported "
-                               "(this model takes text)", ErrorKind.UNSUPPORTED)
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise _bad(f"{where}.content[{j}].text", "must be a string")
-                parts.append(text)
-            msg["content"] = "".join(parts)
+            msg["content"] = join_text_parts(content, f"{where}.content", ("text", "input_text"))
         elif content is not None and not isinstance(content, str):
             raise _bad(f"{where}.content", f"must be a string or an array of content parts, got {_type(content)}")
         elif content is None and role != "assistant":

@@ -46,6 +46,7 @@ from flared.server.openai_schema import (
     _number,
     _string,
     _type,
+    join_text_parts,
     parse_tool_choice,
     parse_tools,
 )
@@ -85,21 +86,8 @@ def _not_found(rid: str, field: str | None = None) -> AdmissionError:
     return err
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, f"must be a string or an array of content parts, got {_type(content)}")
-    parts = []
-    for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-            kind = p.get("type") if isinstance(p, dict) else _type(p)
-            raise _bad(f"{where}[{j}]", f"content part of type {kind!r} is not supported (this model takes text)",
-                       ErrorKind.UNSUPPORTED)
-        if not isinstance(p.get("text"), str):
-            raise _bad(f"{where}[{j}].text", "must be a string")
-        parts.append(p["text"])
-    return "".join(parts)
+# Responses items carry text as input_text / output_text parts (plain text too).
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def translate_input(value: Any) -> list[dict]:
@@ -119,7 +107,7 @@ def translate_input(value: Any) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _content_text(item.get("content"), f"{where}.content")})
+                        "content": join_text_parts(item.get("content"), f"{where}.content", _TEXT_PARTS)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise _bad(where, "a function_call needs 'name' and 'arguments' strings")
@@ -132,7 +120,7 @@ def translate_input(value: Any) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": _content_text(output, f"{where}.output")})
+                        "content": join_text_parts(output, f"{where}.output", _TEXT_PARTS)})
         elif kind == "reasoning":
             continue  # earlier reasoning is not replayed into the prompt, as the templates do
         else:
