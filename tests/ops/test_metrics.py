@@ -102,7 +102,9 @@ def _stream_then_disconnect(daemon) -> None:
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n" % len(body) + body)
     got = b""
-    while b'"content":"' not in got:  # the first token arrived: the request is decoding
+    # The first token arrived (non-empty content; the role chunk's "content":"" is
+    # sent before the model has even admitted the request): it is decoding.
+    while re.search(rb'"content":"[^"]', got) is None:
         chunk = sock.recv(65536)
         assert chunk, got
         got += chunk
