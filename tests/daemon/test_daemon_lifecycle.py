@@ -4,33 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
-import pytest
+from flared_testing.rawhttp import post_bytes, read_until, read_until_first_token
 
 MSGS = [{"role": "user", "content": "Hello, world! How are you today?"}]
-
-
-def _post(path: str, body: dict, host_port: tuple[str, int], extra_headers: str = "") -> bytes:
-    data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: {host_port[0]}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n{extra_headers}\r\n").encode() + data
-
-
-def _read_until(sock: socket.socket, marker: bytes, limit_s: float = 60.0) -> bytes:
-    sock.settimeout(limit_s)
-    buf = b""
-    while marker not in buf:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-    return buf
 
 
 def test_api_key_is_required_except_on_health(tiny_core, start_daemon):
@@ -74,13 +55,12 @@ def test_http_admission_beyond_capacity_is_429_with_the_hint(tiny_core, start_da
 def test_sigterm_lets_an_inflight_stream_finish_then_exits_0(tiny_core, start_daemon):
     d = start_daemon(tiny_core)
     sock = socket.create_connection(("127.0.0.1", d.port))
-    sock.sendall(_post("/v1/completions", {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200,
-                                           "temperature": 0, "ignore_eos": True, "stream": True},
-                       ("127.0.0.1", d.port)))
-    first = _read_until(sock, b"data: ")
+    sock.sendall(post_bytes("/v1/completions", {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 200,
+                                           "temperature": 0, "ignore_eos": True, "stream": True}))
+    first = read_until(sock, b"data: ")
     assert b"200 OK" in first
     d.proc.send_signal(signal.SIGTERM)
-    rest = _read_until(sock, b"data: [DONE]")
+    rest = read_until(sock, b"data: [DONE]")
     sock.close()
     stream = first + rest
     assert b"data: [DONE]" in stream and b'"finish_reason":"length"' in stream
@@ -90,9 +70,9 @@ def test_sigterm_lets_an_inflight_stream_finish_then_exits_0(tiny_core, start_da
 def test_model_thread_failure_errors_clients_and_exits_1(tiny_core, start_daemon):
     d = start_daemon(tiny_core, "--debug-fail-after-steps", "3")
     sock = socket.create_connection(("127.0.0.1", d.port))
-    sock.sendall(_post("/v1/chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 50,
-                                                "temperature": 0, "stream": True}, ("127.0.0.1", d.port)))
-    stream = _read_until(sock, b"data: [DONE]")
+    sock.sendall(post_bytes("/v1/chat/completions", {"model": "tiny", "messages": MSGS, "max_tokens": 50,
+                                                "temperature": 0, "stream": True}))
+    stream = read_until(sock, b"data: [DONE]")
     sock.close()
     assert b"injected model-thread failure" in stream and b'"error"' in stream
     try:
@@ -129,17 +109,9 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(default_core):
     try:
         port = serving.address[1]
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(_post("/v1/chat/completions", {"model": "smollm2-135m-instruct", "messages": MSGS,
-                                                    "max_tokens": 1000, "ignore_eos": True, "stream": True},
-                           ("127.0.0.1", port)))
-        # A first token arrived (non-empty content; the role chunk's "content":"" goes
-        # out before the model has admitted the request): it is decoding.
-        got = b""
-        sock.settimeout(60)
-        while re.search(rb'"content":"[^"]', got) is None:
-            chunk = sock.recv(65536)
-            assert chunk, got
-            got += chunk
+        sock.sendall(post_bytes("/v1/chat/completions", {"model": "smollm2-135m-instruct", "messages": MSGS,
+                                                    "max_tokens": 1000, "ignore_eos": True, "stream": True}))
+        got = read_until_first_token(sock)
         assert b"200 OK" in got
         sock.close()
         deadline = time.monotonic() + 60

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from flared_testing.rawhttp import read_until_first_token
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,13 +102,7 @@ def _stream_then_disconnect(daemon) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: %d\r\n\r\n" % len(body) + body)
-    got = b""
-    # The first token arrived (non-empty content; the role chunk's "content":"" is
-    # sent before the model has even admitted the request): it is decoding.
-    while re.search(rb'"content":"[^"]', got) is None:
-        chunk = sock.recv(65536)
-        assert chunk, got
-        got += chunk
+    read_until_first_token(sock)
     sock.close()
 
 

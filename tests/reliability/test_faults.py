@@ -4,29 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import signal
 import socket
 import time
 
 from flared.bench.client import stream_chat
-
-
-def _post(port: int, body: dict) -> bytes:
-    data = json.dumps(body).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(data)) + data
-
-
-def _read_until(sock: socket.socket, marker: bytes, limit_s: float = 60.0) -> bytes:
-    sock.settimeout(limit_s)
-    buf = b""
-    while marker not in buf:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        buf += chunk
-    return buf
+from flared_testing.rawhttp import post_bytes, read_until
 
 
 def _healthy(d, timeout_s: float = 60.0) -> bool:
@@ -73,14 +56,14 @@ def test_sigterm_under_load_finishes_admitted_streams_then_exits_0(tiny_core, st
     socks = []
     for i in range(4):
         s = socket.create_connection(("127.0.0.1", d.port))
-        s.sendall(_post(d.port, {"model": "tiny", "prompt": f"load {i}", "max_tokens": 120, "ignore_eos": True,
+        s.sendall(post_bytes("/v1/completions", {"model": "tiny", "prompt": f"load {i}", "max_tokens": 120, "ignore_eos": True,
                                  "stream": True}))
         socks.append(s)
-    firsts = [_read_until(s, b"data: ") for s in socks]  # all four are decoding
+    firsts = [read_until(s, b"data: ") for s in socks]  # all four are decoding
     assert all(b"200 OK" in f for f in firsts)
     d.proc.send_signal(signal.SIGTERM)
     for s, first in zip(socks, firsts):
-        stream = first + _read_until(s, b"data: [DONE]")
+        stream = first + read_until(s, b"data: [DONE]")
         s.close()
         assert b'"finish_reason":"length"' in stream and b"data: [DONE]" in stream, stream[-200:]
     assert d.proc.wait(60) == 0, d.log()
@@ -90,9 +73,9 @@ def test_sigkill_then_restart_comes_back_healthy(tiny_core, start_daemon):
     before = _core_digest(tiny_core)
     d = start_daemon(tiny_core)
     s = socket.create_connection(("127.0.0.1", d.port))
-    s.sendall(_post(d.port, {"model": "tiny", "prompt": "killed", "max_tokens": 200, "ignore_eos": True,
+    s.sendall(post_bytes("/v1/completions", {"model": "tiny", "prompt": "killed", "max_tokens": 200, "ignore_eos": True,
                              "stream": True}))
-    assert b"200 OK" in _read_until(s, b"data: ")
+    assert b"200 OK" in read_until(s, b"data: ")
     d.proc.send_signal(signal.SIGKILL)
     assert d.proc.wait(30) == -signal.SIGKILL
     s.close()
