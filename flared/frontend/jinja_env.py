@@ -27,6 +27,8 @@ import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from flared.frontend.codegen import ChatCodeGenerator
+
 # What a {% mark %} yields: a str object made at import time, so no template constant or
 # rendered value can be this very object. The render loop recognises it by identity and drops it.
 MARK_SENTINEL = "".join(["\x00flared", "-mark\x00"])
@@ -161,6 +163,8 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
     takes the stock path.
     """
 
+    code_generator_class = ChatCodeGenerator
+
     def getattr(self, obj, attribute):
         kind = type(obj)
         if kind is dict and attribute not in _DICT_ATTRIBUTES:
@@ -196,7 +200,35 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
             except StopIteration:
                 return __context.environment.undefined(
                     "value was undefined because a callable raised a StopIteration exception")
+        if type(__obj) is jinja2.runtime.Macro:
+            # The stock path finds no unsafe_callable/alters_data on a Macro, and Macro.__call__ is
+            # pass_eval_context: it gets the context's eval context first.
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            try:
+                return __obj.__call__(__context.eval_ctx, *args, **kwargs)
+            except StopIteration:
+                return __context.environment.undefined(
+                    "value was undefined because a callable raised a StopIteration exception")
+        if _PLAIN_CALLABLES.get(id(__obj)) is __obj:
+            # Our own globals: safe, and none takes a context, an eval context or an environment.
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            try:
+                return __obj(*args, **kwargs)
+            except StopIteration:
+                return __context.environment.undefined(
+                    "value was undefined because a callable raised a StopIteration exception")
         return super().call(__context, __obj, *args, **kwargs)
+
+
+_TEMPLATE_DICT = _TemplateDict()
+# The globals make_environment installs that ChatSandbox.call may call directly, by id (a template
+# can pass any object to a call, hashable or not; id() and `is` never run its code).
+_PLAIN_CALLABLES = {
+    id(function): function
+    for function in (_raise_exception, _strftime_now_local, _TEMPLATE_DICT, _TemplateNamespace)
+}
 
 
 def make_environment(*, stock_sandbox: bool = False) -> ImmutableSandboxedEnvironment:
@@ -214,6 +246,6 @@ def make_environment(*, stock_sandbox: bool = False) -> ImmutableSandboxedEnviro
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now_local
-    env.globals["dict"] = _TemplateDict()
+    env.globals["dict"] = _TEMPLATE_DICT
     env.globals["namespace"] = _TemplateNamespace
     return env

@@ -1,0 +1,175 @@
+"""jinja2's code generator with piecewise output of string concatenations.
+
+Chat templates write ``{{ '<|im_start|>' + message.role + '\\n' + message.content
++ '<|im_end|>\\n' }}``; jinja2 compiles that to ``yield str(((a + b) + c) + d)``,
+which copies the message once per ``+`` after it, and the render's final join
+copies it once more. With 260 KB messages those copies are most of a render.
+
+Rules (output bytes, exceptions and evaluation order are jinja2's):
+- An ``{{ }}`` child that is a chain ``o0 + o1 + ... + on`` (left-nested
+  ``Add`` nodes) evaluates its non-constant operands into temporaries, left to
+  right, each followed by ``type(t) is str``. When every operand is an exact
+  ``str``, each ``+`` is plain concatenation (no ``__add__``/``__radd__`` can
+  run, none can raise), so the operands are output one by one: the same text.
+  As soon as one is not an exact ``str`` the original expression runs from
+  there on, with the operands already evaluated, so the additions happen in
+  the original order and raise what they raised (UndefinedError, TypeError).
+  An operand is evaluated no earlier than in the original, except after
+  additions of exact strings, which have no effect to observe.
+- A ``~`` chain (``Concat``) evaluates all its operands first, as jinja2's
+  ``str_join`` does, then outputs ``str()`` of each in order.
+- Only for streamed and buffered output without autoescape, finalize or
+  ``{% extends %}``; anything else takes jinja2's own path.
+"""
+
+from __future__ import annotations
+
+import jinja2.nodes as nodes
+from jinja2.compiler import CodeGenerator, Frame
+
+# Past this many non-constant operands the fallback branches (quadratic in their number) are not
+# worth their code size; such chains compile as jinja2 compiles them.
+_MAX_DYNAMIC_OPERANDS = 8
+
+
+def _add_operands(node: nodes.Expr) -> list[nodes.Expr]:
+    """The operands of a left-nested ``+`` chain, in evaluation order."""
+    operands = []
+    while isinstance(node, nodes.Add):
+        operands.append(node.right)
+        node = node.left
+    operands.append(node)
+    operands.reverse()
+    return operands
+
+
+def _is_str_const(node: nodes.Expr) -> bool:
+    return isinstance(node, nodes.Const) and type(node.value) is str
+
+
+def _splittable(node: nodes.Expr) -> bool:
+    if isinstance(node, nodes.Concat):
+        return len(node.nodes) > 1
+    if not isinstance(node, nodes.Add):
+        return False
+    dynamic = [op for op in _add_operands(node) if not _is_str_const(op)]
+    return 0 < len(dynamic) <= _MAX_DYNAMIC_OPERANDS
+
+
+class ChatCodeGenerator(CodeGenerator):
+    """Emits ``+`` and ``~`` chains in ``{{ }}`` as separate output pieces (rules in the module header)."""
+
+    def visit_Output(self, node: nodes.Output, frame: Frame) -> None:
+        if (
+            frame.require_output_check
+            or frame.eval_ctx.volatile
+            or frame.eval_ctx.autoescape
+            or self.environment.finalize is not None
+            or not any(_splittable(child) for child in node.nodes)
+        ):
+            super().visit_Output(node, frame)
+            return
+        plain: list[nodes.Expr] = []
+        for child in node.nodes:
+            if not _splittable(child):
+                plain.append(child)
+                continue
+            if plain:
+                super().visit_Output(nodes.Output(plain, lineno=node.lineno), frame)
+                plain = []
+            self.newline(child)
+            if isinstance(child, nodes.Concat):
+                self._output_concat(child, frame)
+            else:
+                self._output_add_chain(_add_operands(child), frame)
+        if plain:
+            super().visit_Output(nodes.Output(plain, lineno=node.lineno), frame)
+
+    # -- emitting ---------------------------------------------------------------------------------
+    # A piece is (True, text) for a literal or (False, source) for an expression that is an exact
+    # str at run time.
+
+    def _emit_pieces(self, pieces: list[tuple[bool, str]], frame: Frame) -> None:
+        """Output the pieces in order, adjacent literals as one."""
+        sources: list[str] = []
+        literal = ""
+        for is_literal, text in pieces:
+            if is_literal:
+                literal += text
+                continue
+            if literal:
+                sources.append(repr(literal))
+                literal = ""
+            sources.append(text)
+        if literal:
+            sources.append(repr(literal))
+        if not sources:
+            return
+        if frame.buffer is None:
+            for source in sources:
+                self.writeline(f"yield {source}")
+        elif len(sources) == 1:
+            self.writeline(f"{frame.buffer}.append({sources[0]})")
+        else:
+            self.writeline(f"{frame.buffer}.extend(({', '.join(sources)},))")
+
+    def _emit_str_of(self, write_expression, frame: Frame) -> None:
+        """Output ``str(expression)``, the way jinja2 outputs a runtime child."""
+        if frame.buffer is None:
+            self.writeline("yield str(")
+        else:
+            self.writeline(f"{frame.buffer}.append(str(")
+        write_expression()
+        self.write(")" if frame.buffer is None else "))")
+
+    def _output_concat(self, node: nodes.Concat, frame: Frame) -> None:
+        pieces = []
+        for operand in node.nodes:
+            if _is_str_const(operand):
+                pieces.append((True, operand.value))
+                continue
+            name = self.temporary_identifier()
+            self.writeline(f"{name} = ")
+            self.visit(operand, frame)
+            pieces.append((False, f"str({name})"))
+        self._emit_pieces(pieces, frame)
+
+    def _output_add_chain(self, operands: list[nodes.Expr], frame: Frame) -> None:
+        # pieces[i]: operand i once evaluated (its literal, or the temporary holding it); None before.
+        pieces = [(True, op.value) if _is_str_const(op) else None for op in operands]
+        self._add_chain_from(operands, pieces, 0, frame)
+
+    def _add_chain_from(self, operands, pieces, start: int, frame: Frame) -> None:
+        """Code for the chain once every operand before ``start`` is evaluated and an exact str."""
+        index = start
+        while index < len(operands) and pieces[index] is not None:
+            index += 1
+        if index == len(operands):
+            self._emit_pieces(pieces, frame)
+            return
+        name = self.temporary_identifier()
+        self.writeline(f"{name} = ")
+        self.visit(operands[index], frame)
+        pieces = [*pieces[:index], (False, name), *pieces[index + 1:]]
+        self.writeline(f"if type({name}) is str:")
+        self.indent()
+        self._add_chain_from(operands, pieces, index + 1, frame)
+        self.outdent()
+        self.writeline("else:")
+        self.indent()
+        self._emit_str_of(lambda: self._write_original_sum(operands, pieces, index + 1, frame), frame)
+        self.outdent()
+
+    def _write_original_sum(self, operands, pieces, num_evaluated: int, frame: Frame) -> None:
+        """``((v0 + v1) + ...)`` as jinja2 writes it: evaluated operands by name, later ones inline."""
+        self.write("(" * (len(operands) - 1))
+        for position, operand in enumerate(operands):
+            if position:
+                self.write(" + ")
+            if position < num_evaluated:
+                is_literal, text = pieces[position]
+                self.write(repr(text) if is_literal else text)
+            else:
+                self.visit(operand, frame)
+            if position:
+                self.write(")")

@@ -1,0 +1,131 @@
+"""ChatCodeGenerator's piecewise output renders exactly what jinja2's own code generator renders.
+
+Same text, same exception type and message, same order of calls, for operands of every kind a
+template can produce (exact str, str subclasses with their own ``__add__``/``__radd__``/``__str__``,
+Markup, numbers, None, containers, Undefined), in streamed and buffered output.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jinja2
+import pytest
+from jinja2.compiler import CodeGenerator
+from markupsafe import Markup
+
+from flared.frontend.codegen import ChatCodeGenerator
+from flared.frontend.jinja_env import ChatSandbox, make_environment
+
+
+class _StockCodegenSandbox(ChatSandbox):
+    code_generator_class = CodeGenerator
+
+
+class _Loud(str):
+    """A str subclass whose operators differ from concatenation."""
+
+    def __add__(self, other):
+        return _Loud(f"<{str.__str__(self)}+{other}>")
+
+    def __radd__(self, other):
+        return _Loud(f"<{other}+{str.__str__(self)}>")
+
+    def __str__(self):
+        return f"loud:{str.__str__(self)}"
+
+
+class _Opaque:
+    def __str__(self):
+        return "opaque"
+
+    def __radd__(self, other):
+        return f"{other}&opaque"
+
+
+VALUES = {
+    "str": "plain",
+    "empty": "",
+    "big": "x" * 5000 + "🚀",
+    "loud": _Loud("loud"),
+    "markup": Markup("<b>"),
+    "int": 7,
+    "none": None,
+    "list": [1, 2],
+    "opaque": _Opaque(),
+}
+
+TEMPLATES = [
+    "{{ 'a' + x + 'b' + y }}",
+    "{{ x + y }}",
+    "{{ x + 'c' + 'd' }}",
+    "{{ 'a' + (x + y) + 'b' }}",
+    "{{ 'n' + missing_name + x }}",
+    "{{ x ~ y ~ 'c' }}",
+    "{{ 'p' ~ x + y ~ 'q' }}",
+    "{{ (x + y) | trim }}",
+    "{{ x }}{{ 'a' + x + y }}{{ y }}",
+    "{% macro m(u, v) %}[{{ '(' + u + ')' + v }}]{% endmacro %}{{ m(x, y) }}",
+    "{% set s %}{{ '<' + x + '>' ~ y }}{% endset %}{{ s + '|' + s }}",
+    "{% for i in [1, 2] %}{{ 'i' + x + y }}{% endfor %}",
+    "{{ f('a', x) + f('b', y) + f('c', x) }}",
+    "{{ f('a', x) ~ f('b', y) }}",
+]
+
+
+def _outcome(env, source, variables, calls):
+    calls.clear()
+    try:
+        result = env.from_string(source).render(variables)
+    except Exception as exc:  # noqa: BLE001 - the exception is what is compared
+        result = (type(exc), str(exc))
+    return result, list(calls)
+
+
+@pytest.mark.parametrize("source", TEMPLATES)
+def test_same_text_errors_and_call_order(source):
+    ours = make_environment()
+    stock = _StockCodegenSandbox(**{name: getattr(ours, name) for name in ("trim_blocks", "lstrip_blocks")})
+    assert ours.code_generator_class is ChatCodeGenerator
+    calls = []
+
+    def f(label, value):
+        calls.append(label)
+        return value
+
+    for (name_x, x), (name_y, y) in itertools.product(VALUES.items(), repeat=2):
+        variables = {"x": x, "y": y, "f": f}
+        expected = _outcome(stock, source, variables, calls)
+        assert _outcome(ours, source, variables, calls) == expected, (source, name_x, name_y)
+
+
+def test_large_operands_are_output_without_copies():
+    """The message object itself is a chunk of the render: no concatenation copied it."""
+    template = make_environment().from_string("{{ '<s>' + role + '\\n' + content + '</s>' + '\\n' }}")
+    content = "y" * 100_000
+    chunks = list(template.root_render_func(template.new_context({"role": "user", "content": content})))
+    assert any(chunk is content for chunk in chunks)
+    assert "".join(chunks) == f"<s>user\n{content}</s>\n"
+
+
+def test_undefined_operand_raises_like_jinja2():
+    template = make_environment().from_string("{{ 'a' + nothing + 'b' }}")
+    with pytest.raises(jinja2.UndefinedError):
+        template.render()
+
+
+@pytest.mark.parametrize("source", [
+    "{% macro m(a, b='d') %}{{ a }}-{{ b }}{% endmacro %}{{ m('x') }}|{{ m('x', b='y') }}|{{ m(a='z') }}",
+    "{% macro m(a) %}{{ a }}{% endmacro %}{{ m('x', 'extra') }}",
+    "{% macro m(a) %}{{ a }}{% endmacro %}{{ m('x', nope=1) }}",
+    "{% macro m() %}{{ varargs }}{{ kwargs }}{% endmacro %}{{ m(1, 2, k=3) }}",
+    "{% macro m() %}<{{ caller() }}>{% endmacro %}{% call m() %}inner{% endcall %}",
+    "{% for i in [1] %}{% macro m(a) %}{{ a }}{{ i }}{% endmacro %}{{ m(i) }}{% endfor %}",
+    "{% set ns = namespace(a=1) %}{% set ns.a = ns.a + 1 %}{{ ns.a }}{{ namespace(b=2).b }}",
+    "{{ dict(a=1) }}{{ raise_exception('boom') }}",
+])
+def test_direct_calls_match_the_stock_sandbox(source):
+    """ChatSandbox.call's shortcuts (macros, our globals) give the stock sandbox's results and errors."""
+    ours = make_environment()
+    stock = make_environment(stock_sandbox=True)
+    assert _outcome(ours, source, {}, []) == _outcome(stock, source, {}, [])
