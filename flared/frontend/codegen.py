@@ -16,8 +16,11 @@ Rules (output bytes, exceptions and evaluation order are jinja2's):
   the original order and raise what they raised (UndefinedError, TypeError).
   An operand is evaluated no earlier than in the original, except after
   additions of exact strings, which have no effect to observe.
-- A ``~`` chain (``Concat``) evaluates all its operands first, as jinja2's
-  ``str_join`` does, then outputs ``str()`` of each in order.
+- A ``~`` chain (``Concat``) evaluates all its operands first, then ``str()``
+  of each in order, as jinja2's ``str_join`` does; the results are output
+  piecewise when they are exact strs, joined as ``str_join`` joins them if not.
+- Pieces whose non-constant operands total under _PIECEWISE_MIN_CHARS code
+  points are concatenated into one chunk (cheaper than more chunks).
 - Only for streamed and buffered output without autoescape, finalize or
   ``{% extends %}``; anything else takes jinja2's own path.
 """
@@ -30,6 +33,8 @@ from jinja2.compiler import CodeGenerator, Frame
 # Past this many non-constant operands the fallback branches (quadratic in their number) are not
 # worth their code size; such chains compile as jinja2 compiles them.
 _MAX_DYNAMIC_OPERANDS = 8
+# Below this many code points in the non-constant operands, a chain is concatenated as before.
+_PIECEWISE_MIN_CHARS = 1024
 
 
 def _add_operands(node: nodes.Expr) -> list[nodes.Expr]:
@@ -49,17 +54,30 @@ def _is_str_const(node: nodes.Expr) -> bool:
 
 def _splittable(node: nodes.Expr) -> bool:
     if isinstance(node, nodes.Concat):
-        return len(node.nodes) > 1
-    if not isinstance(node, nodes.Add):
+        operands = node.nodes
+    elif isinstance(node, nodes.Add):
+        operands = _add_operands(node)
+    else:
         return False
-    dynamic = [op for op in _add_operands(node) if not _is_str_const(op)]
-    return 0 < len(dynamic) <= _MAX_DYNAMIC_OPERANDS
+    num_dynamic = sum(not _is_str_const(op) for op in operands)
+    return len(operands) > 1 and 0 < num_dynamic <= _MAX_DYNAMIC_OPERANDS
 
 
 class ChatCodeGenerator(CodeGenerator):
     """Emits ``+`` and ``~`` chains in ``{{ }}`` as separate output pieces (rules in the module header)."""
 
     def visit_Output(self, node: nodes.Output, frame: Frame) -> None:
+        if (
+            frame.buffer is None
+            and not frame.require_output_check
+            and len(node.nodes) == 1
+            and isinstance(node.nodes[0], nodes.EnvironmentAttribute)
+            and node.nodes[0].name == "flared_mark_sentinel"
+        ):
+            # A {% mark %}: its sentinel is found by identity, so it is yielded as is (str() of an
+            # exact str is the same object; this skips the call).
+            self.writeline("yield environment.flared_mark_sentinel", node)
+            return
         if (
             frame.require_output_check
             or frame.eval_ctx.volatile
@@ -122,17 +140,51 @@ class ChatCodeGenerator(CodeGenerator):
         write_expression()
         self.write(")" if frame.buffer is None else "))")
 
-    def _output_concat(self, node: nodes.Concat, frame: Frame) -> None:
-        pieces = []
-        for operand in node.nodes:
-            if _is_str_const(operand):
-                pieces.append((True, operand.value))
-                continue
-            name = self.temporary_identifier()
-            self.writeline(f"{name} = ")
-            self.visit(operand, frame)
-            pieces.append((False, f"str({name})"))
+    def _emit_sized(self, pieces: list[tuple[bool, str]], frame: Frame) -> None:
+        """Output exact-str pieces: as one concatenated chunk while they are short, else piecewise.
+
+        Copying short strings costs less than the extra chunks (each is yielded, listed, joined and
+        scanned for marks); long ones are never copied.
+        """
+        names = [text for is_literal, text in pieces if not is_literal]
+        self.writeline(f"if {' + '.join(f'len({name})' for name in names)} < {_PIECEWISE_MIN_CHARS}:")
+        self.indent()
+        sources = [repr(text) if is_literal else text for is_literal, text in pieces]
+        self._emit_pieces([(False, " + ".join(sources))], frame)
+        self.outdent()
+        self.writeline("else:")
+        self.indent()
         self._emit_pieces(pieces, frame)
+        self.outdent()
+
+    def _output_concat(self, node: nodes.Concat, frame: Frame) -> None:
+        # str_join((a, b, ...)) evaluates every operand, then str() of each, in order.
+        names = []
+        for operand in node.nodes:
+            name = None
+            if not _is_str_const(operand):
+                name = self.temporary_identifier()
+                self.writeline(f"{name} = ")
+                self.visit(operand, frame)
+            names.append(name)
+        pieces = []
+        for operand, name in zip(node.nodes, names):
+            if name is None:
+                pieces.append((True, operand.value))
+            else:
+                self.writeline(f"{name} = str({name})")
+                pieces.append((False, name))
+        # str() may return a str subclass (from a __str__); those are joined as str_join joins them.
+        dynamic = [text for is_literal, text in pieces if not is_literal]
+        self.writeline(f"if {' and '.join(f'type({name}) is str' for name in dynamic)}:")
+        self.indent()
+        self._emit_sized(pieces, frame)
+        self.outdent()
+        self.writeline("else:")
+        self.indent()
+        sources = [repr(text) if is_literal else text for is_literal, text in pieces]
+        self._emit_pieces([(False, f"concat(({', '.join(sources)},))")], frame)
+        self.outdent()
 
     def _output_add_chain(self, operands: list[nodes.Expr], frame: Frame) -> None:
         # pieces[i]: operand i once evaluated (its literal, or the temporary holding it); None before.
@@ -145,7 +197,7 @@ class ChatCodeGenerator(CodeGenerator):
         while index < len(operands) and pieces[index] is not None:
             index += 1
         if index == len(operands):
-            self._emit_pieces(pieces, frame)
+            self._emit_sized(pieces, frame)
             return
         name = self.temporary_identifier()
         self.writeline(f"{name} = ")

@@ -29,10 +29,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from flared.frontend.codegen import ChatCodeGenerator
 
-# What a {% mark %} yields: a str object made at import time, so no template constant or
-# rendered value can be this very object. The render loop recognises it by identity and drops it.
-MARK_SENTINEL = "".join(["\x00flared", "-mark\x00"])
-MARK_SENTINEL_LEN = len(MARK_SENTINEL)
+class _MarkSentinel(str):
+    __slots__ = ()
+
+
+# What a {% mark %} yields: an empty str of a private type, made at import time, so no template
+# constant or rendered value can be this very object. The render loop recognises it by identity;
+# being empty, it adds nothing to the joined text or to the lengths before later chunks.
+MARK_SENTINEL = _MarkSentinel()
 
 
 class RenderTrace:
@@ -51,8 +55,8 @@ RENDER_TRACE: contextvars.ContextVar[RenderTrace | None] = contextvars.ContextVa
 
 
 def mark_node(lineno: int) -> nodes.Output:
-    # Compiles to `yield str(environment.flared_mark_sentinel)`: no sandboxed call, no context
-    # lookup, and str() of an exact str returns the object itself.
+    # Compiles to `yield environment.flared_mark_sentinel` (ChatCodeGenerator.visit_Output): no
+    # sandboxed call, no context lookup.
     return nodes.Output([nodes.EnvironmentAttribute("flared_mark_sentinel")]).set_lineno(lineno)
 
 

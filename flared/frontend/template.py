@@ -27,9 +27,10 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import operator
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.nodes as nodes
@@ -38,7 +39,6 @@ import jinja2.runtime
 from flared.frontend.annotate import auto_annotate, check_marks, is_call_to
 from flared.frontend.jinja_env import (
     MARK_SENTINEL,
-    MARK_SENTINEL_LEN,
     RENDER_TRACE,
     GenerationExtension,
     RenderTrace,
@@ -71,7 +71,9 @@ def _compile(source_sha256: str, source: str) -> _Compiled:
         is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
     )
     num_message_loops = 0 if mark_lines else auto_annotate(ast, False, apply=False)
-    return _Compiled(_with_flat_globals(env.from_string(ast)), len(mark_lines), has_generation, num_message_loops)
+    template = _with_flat_globals(env.from_string(ast))
+    template.flared_has_marks = bool(mark_lines)
+    return _Compiled(template, len(mark_lines), has_generation, num_message_loops)
 
 
 @functools.lru_cache(maxsize=128)
@@ -80,7 +82,9 @@ def _compile_auto_marked(source_sha256: str, source: str) -> jinja2.Template:
     env = make_environment()
     ast = env.parse(source)
     auto_annotate(ast, False)
-    return _with_flat_globals(env.from_string(ast))
+    template = _with_flat_globals(env.from_string(ast))
+    template.flared_has_marks = True
+    return template
 
 
 def _with_flat_globals(template: jinja2.Template) -> jinja2.Template:
@@ -88,14 +92,44 @@ def _with_flat_globals(template: jinja2.Template) -> jinja2.Template:
     # render's context from it (dict(globals, **vars) and set(globals)) costs ~5 µs, half of a
     # short chat's render. The globals are fixed once compiled, so a plain dict copy is taken once.
     template.flared_flat_globals = dict(template.globals)
+    template.flared_globals_keys = set(template.globals)
     return template
 
 
-def _new_context(template: jinja2.Template, variables: dict) -> jinja2.runtime.Context:
-    """What Template.new_context(variables) builds, from the flat copy of the globals."""
-    flat_globals = template.flared_flat_globals
-    return template.environment.context_class(
-        template.environment, {**flat_globals, **variables}, template.name, template.blocks, globals=flat_globals)
+def _context_fields_match() -> bool:
+    """Whether _new_context builds what jinja2.runtime.Context.__init__ builds (else it defers to it)."""
+    env = make_environment()
+    context = jinja2.runtime.Context(env, {}, None, {}, globals={})
+    return (sorted(vars(context)) == sorted(_CONTEXT_FIELDS)
+            and sorted(vars(context.eval_ctx)) == ["autoescape", "environment", "volatile"])
+
+
+_CONTEXT_FIELDS = ("parent", "vars", "environment", "eval_ctx", "exported_vars", "name", "globals_keys", "blocks")
+_new_object = object.__new__
+_FAST_CONTEXT = _context_fields_match()
+
+
+def _new_context(template: jinja2.Template, parent: dict) -> jinja2.runtime.Context:
+    """What Template.new_context(variables) builds, given ``parent``: the template's flat globals
+    updated with the render's variables (see ChatTemplate._variables).
+
+    Context.__init__ and EvalContext.__init__ are replayed as attribute dicts (checked against
+    jinja2's at import, _FAST_CONTEXT); the set of global names is shared, jinja2 only reads it.
+    """
+    environment = template.environment
+    context_class = environment.context_class
+    if (not _FAST_CONTEXT or context_class is not jinja2.runtime.Context or template.blocks
+            or callable(environment.autoescape)):
+        return context_class(environment, parent, template.name, template.blocks,
+                             globals=template.flared_flat_globals)
+    eval_ctx = _new_object(jinja2.nodes.EvalContext)
+    eval_ctx.__dict__ = {"environment": environment, "autoescape": environment.autoescape, "volatile": False}
+    context = _new_object(context_class)
+    context.__dict__ = {
+        "parent": parent, "vars": {}, "environment": environment, "eval_ctx": eval_ctx,
+        "exported_vars": set(), "name": template.name, "globals_keys": template.flared_globals_keys, "blocks": {},
+    }
+    return context
 
 
 def _plain(value: Any) -> Any:
@@ -181,9 +215,8 @@ def _normalize_json_messages(messages) -> list[dict]:
     return normalized
 
 
-@dataclasses.dataclass(frozen=True)
-class RenderedTemplate:
-    """A render with the positions its annotations recorded."""
+class RenderedTemplate(NamedTuple):
+    """A render with the positions its annotations recorded (immutable; a tuple, cheap to build)."""
 
     text: str
     # Code-point offset into text of every {% mark %} that ran, in output order, clipped to the text.
@@ -264,32 +297,39 @@ class ChatTemplate:
         ``inputs_are_json``: messages, tools, documents and kwargs hold only JSON types (see
         normalize_messages); skips the defensive deep copies.
         """
-        variables, final_message = self.prepare_variables(
-            messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, bos_token=bos_token, eos_token=eos_token,
-            inputs_are_json=inputs_are_json, **template_kwargs)
-        template = self._compiled.template
-        if auto_marks and self._compiled.num_message_loops:
+        compiled = self._compiled
+        template = compiled.template
+        if auto_marks and compiled.num_message_loops:
             template = _compile_auto_marked(self.sha256, self.source)
-        if self._compiled.has_generation:
-            trace = self._run_traced(template, variables)
+        parent, final_message = self._variables(
+            messages, tools, documents, add_generation_prompt, continue_final_message, bos_token, eos_token,
+            inputs_are_json, template_kwargs, template.flared_flat_globals)
+        if compiled.has_generation:
+            trace = self._run_traced(template, parent)
             text = "".join(trace.chunks)
             mark_offsets = self._mark_offsets(trace)
             generation_spans = self._generation_spans(trace)
         else:
-            text, mark_offsets = self._run(template, variables)
+            text, mark_offsets = self._run(template, parent)
             generation_spans = ()
         if continue_final_message:
             text = self._cut_at_tag(text, final_message)
             mark_offsets = tuple(offset for offset in mark_offsets if offset <= len(text))
             generation_spans = ()
-        return RenderedTemplate(text=text, mark_offsets=mark_offsets, generation_spans=generation_spans)
+        return RenderedTemplate(text, mark_offsets, generation_spans)
 
     def prepare_variables(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = False,
                           continue_final_message: bool | str = False, bos_token: str | None = None,
                           eos_token: str | None = None, inputs_are_json: bool = False,
                           **template_kwargs) -> tuple[dict[str, Any], str | None]:
         """The variables a render sees, and the final message's text when continuing it."""
+        return self._variables(messages, tools, documents, add_generation_prompt, continue_final_message,
+                               bos_token, eos_token, inputs_are_json, template_kwargs, None)
+
+    def _variables(self, messages, tools, documents, add_generation_prompt, continue_final_message, bos_token,
+                   eos_token, inputs_are_json, template_kwargs, flat_globals) -> tuple[dict[str, Any], str | None]:
+        """prepare_variables, positionally; with ``flat_globals`` the result is a render context's
+        parent mapping: those globals updated with the variables (what jinja2's new_context merges)."""
         chat = normalize_messages(messages, inputs_are_json=inputs_are_json)
         if tools is not None:
             for tool in tools:
@@ -307,13 +347,14 @@ class ChatTemplate:
             if not inputs_are_json:
                 documents = _plain(documents)
         # Special tokens first: explicit template kwargs win, as in apply_chat_template.
-        variables: dict[str, Any] = {}
+        variables: dict[str, Any] = {} if flat_globals is None else flat_globals.copy()
         if bos_token is not None:
             variables["bos_token"] = bos_token
         if eos_token is not None:
             variables["eos_token"] = eos_token
-        variables.update(template_kwargs if inputs_are_json else _plain(template_kwargs))
-        if self._clock is not None and "strftime_now" not in variables:
+        if template_kwargs:
+            variables.update(template_kwargs if inputs_are_json else _plain(template_kwargs))
+        if self._clock is not None and "strftime_now" not in template_kwargs:
             clock = self._clock
             variables["strftime_now"] = lambda fmt: clock().strftime(fmt)
         final_message = None
@@ -321,8 +362,10 @@ class ChatTemplate:
             if inputs_are_json and chat:
                 chat[-1] = _plain(chat[-1])  # the tag is written into it: never into the caller's data
             final_message = self._tag_final_message(chat, continue_final_message)
-        variables.update(messages=chat, tools=tools, documents=documents,
-                         add_generation_prompt=add_generation_prompt)
+        variables["messages"] = chat
+        variables["tools"] = tools
+        variables["documents"] = documents
+        variables["add_generation_prompt"] = add_generation_prompt
         return variables, final_message
 
     def _tag_final_message(self, chat: list[dict], continue_final_message: bool | str) -> str:
@@ -370,36 +413,25 @@ class ChatTemplate:
         return text[:tag_at].rstrip()
 
     @staticmethod
-    def _run(template: jinja2.Template, variables: dict) -> tuple[str, tuple[int, ...]]:
+    def _run(template: jinja2.Template, parent: dict) -> tuple[str, tuple[int, ...]]:
         """Render; return the text and the code-point offset of every mark.
 
-        The generator is drained by list(), sentinels are found with list.index and lengths summed
-        with map(len), all in C, so tracking costs a Python step per mark, not per chunk; the text
-        is joined once.
+        The generator is drained by list(); the offsets are the running lengths (accumulate) at
+        the chunks that are the sentinel (compress over an identity test), all in C: no Python
+        step per chunk or per mark. The empty sentinel adds nothing to the text or the lengths.
         """
         try:
-            chunks = list(template.root_render_func(_new_context(template, variables)))
+            chunks = list(template.root_render_func(_new_context(template, parent)))
         except Exception:
             template.environment.handle_exception()
-        sentinel = MARK_SENTINEL
-        # count() and index() compare by value; identity below tells marks from lookalike text.
-        # Counting first means the scan never ends in a ValueError (an exception costs ~0.5 µs).
-        num_candidates = chunks.count(sentinel)
-        if not num_candidates:
+        if not template.flared_has_marks:
             return "".join(chunks), ()
-        # starts[i]: code points before chunks[i], sentinels included (subtracted per mark below).
-        starts = list(itertools.accumulate(map(len, chunks), initial=0))
-        offsets: list[int] = []
-        at = -1
-        for _ in range(num_candidates):
-            at = chunks.index(sentinel, at + 1)
-            if chunks[at] is sentinel:
-                offsets.append(starts[at] - len(offsets) * MARK_SENTINEL_LEN)
-                chunks[at] = ""
-        return "".join(chunks), tuple(offsets)
+        starts = itertools.accumulate(map(len, chunks), initial=0)
+        offsets = tuple(itertools.compress(starts, map(operator.is_, chunks, itertools.repeat(MARK_SENTINEL))))
+        return "".join(chunks), offsets
 
     @staticmethod
-    def _run_traced(template: jinja2.Template, variables: dict) -> RenderTrace:
+    def _run_traced(template: jinja2.Template, parent: dict) -> RenderTrace:
         """Render chunk by chunk so {% generation %} blocks can see how much was emitted before them."""
         trace = RenderTrace()
         chunks = trace.chunks
@@ -410,7 +442,7 @@ class ChatTemplate:
         try:
             # Chunks are appended before the generator resumes, so a generation block sees
             # everything emitted before it.
-            for chunk in template.root_render_func(_new_context(template, variables)):
+            for chunk in template.root_render_func(_new_context(template, parent)):
                 if chunk is sentinel:
                     mark_chunks.append(len(chunks))
                 else:

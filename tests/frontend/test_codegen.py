@@ -43,6 +43,11 @@ class _Opaque:
         return f"{other}&opaque"
 
 
+class _StrMakesLoud:
+    def __str__(self):
+        return _Loud("made")
+
+
 VALUES = {
     "str": "plain",
     "empty": "",
@@ -53,6 +58,7 @@ VALUES = {
     "none": None,
     "list": [1, 2],
     "opaque": _Opaque(),
+    "makes_loud": _StrMakesLoud(),
 }
 
 TEMPLATES = [
@@ -70,6 +76,7 @@ TEMPLATES = [
     "{% for i in [1, 2] %}{{ 'i' + x + y }}{% endfor %}",
     "{{ f('a', x) + f('b', y) + f('c', x) }}",
     "{{ f('a', x) ~ f('b', y) }}",
+    "{{ x ~ big }}{{ 'a' + x + big + y }}",
 ]
 
 
@@ -94,7 +101,7 @@ def test_same_text_errors_and_call_order(source):
         return value
 
     for (name_x, x), (name_y, y) in itertools.product(VALUES.items(), repeat=2):
-        variables = {"x": x, "y": y, "f": f}
+        variables = {"x": x, "y": y, "f": f, "big": VALUES["big"]}
         expected = _outcome(stock, source, variables, calls)
         assert _outcome(ours, source, variables, calls) == expected, (source, name_x, name_y)
 
@@ -129,3 +136,41 @@ def test_direct_calls_match_the_stock_sandbox(source):
     ours = make_environment()
     stock = make_environment(stock_sandbox=True)
     assert _outcome(ours, source, {}, []) == _outcome(stock, source, {}, [])
+
+
+def test_mark_offsets_match_a_walk_over_the_chunks(goldens, templates_dir):
+    """_run's C-level offsets (accumulate + compress on identity) equal a plain walk over the chunks,
+    for every corpus template and case, with empty and sentinel-lookalike contents mixed in."""
+    from flared.frontend.jinja_env import MARK_SENTINEL
+    from flared.frontend.template import ChatTemplate, _compile_auto_marked, _new_context
+
+    extra_case = {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": ""},
+                               {"role": "assistant", "content": str(MARK_SENTINEL)},
+                               {"role": "user", "content": "x"}], "add_generation_prompt": True}
+    num_checked = 0
+    for name in sorted(goldens["templates"]):
+        template = ChatTemplate((templates_dir / name).read_bytes().decode("utf-8"))
+        marked = _compile_auto_marked(template.sha256, template.source)
+        for case in [*goldens["cases"].values(), extra_case]:
+            kwargs = dict(tools=case.get("tools"), documents=case.get("documents"),
+                          add_generation_prompt=case["add_generation_prompt"], bos_token="<s>", eos_token="</s>",
+                          **case.get("template_kwargs", {}))
+            try:
+                rendered = template.render_traced(case["messages"], auto_marks=True, **kwargs)
+            except Exception:  # noqa: BLE001 - cases a template refuses
+                continue
+            parent, _ = template._variables(case["messages"], kwargs.pop("tools"), kwargs.pop("documents"),
+                                            kwargs.pop("add_generation_prompt"), False, kwargs.pop("bos_token"),
+                                            kwargs.pop("eos_token"), False, kwargs, marked.flared_flat_globals)
+            if template.has_generation_blocks:
+                continue  # rendered by _run_traced, which walks the chunks itself
+            position, expected = 0, []
+            for chunk in marked.root_render_func(_new_context(marked, parent)):
+                if chunk is MARK_SENTINEL:
+                    expected.append(position)
+                else:
+                    position += len(chunk)
+            assert rendered.mark_offsets == tuple(expected), (name, case["messages"][:1])
+            assert expected, name  # every corpus template is auto-marked
+            num_checked += 1
+    assert num_checked > 300
