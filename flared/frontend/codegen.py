@@ -28,11 +28,17 @@ Rules (output bytes, exceptions and evaluation order are jinja2's):
 from __future__ import annotations
 
 import jinja2.nodes as nodes
-from jinja2.compiler import CodeGenerator, Frame
+from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 
 # Past this many non-constant operands the fallback branches (quadratic in their number) are not
 # worth their code size; such chains compile as jinja2 compiles them.
 _MAX_DYNAMIC_OPERANDS = 8
+# Names a dict has as attributes: `d.items` is the method, not the item (the sandbox's rule).
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+# LoopContext properties the sandbox always allows (ChatSandbox.getattr's _LOOP_PROPERTIES).
+_LOOP_PROPERTIES = frozenset(
+    ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem", "depth", "depth0")
+)
 # Below this many code points in the non-constant operands, a chain is concatenated as before.
 _PIECEWISE_MIN_CHARS = 1024
 
@@ -102,6 +108,40 @@ class ChatCodeGenerator(CodeGenerator):
                 self._output_add_chain(_add_operands(child), frame)
         if plain:
             super().visit_Output(nodes.Output(plain, lineno=node.lineno), frame)
+
+    # -- attribute and item access --------------------------------------------------------------
+    # `message.role`, `message['role']` and `loop.last` are most of a chat template's work. For an
+    # exact dict holding the key, or a LoopContext property, the sandbox's answer is the plain
+    # lookup; the generated code does that lookup inline and calls the environment otherwise. The
+    # object expression is evaluated once (an assignment expression), as before.
+
+    @optimizeconst
+    def visit_Getattr(self, node: nodes.Getattr, frame: Frame) -> None:
+        if self.environment.is_async or node.attr in _DICT_ATTRIBUTES:
+            super().visit_Getattr(node, frame)
+            return
+        name = self.temporary_identifier()
+        key = repr(node.attr)
+        if node.attr in _LOOP_PROPERTIES:
+            self.write(f"({name}.{node.attr} if type({name} := ")
+            self.visit(node.node, frame)
+            self.write(f") is LoopContext else {name}[{key}] if type({name}) is dict and {key} in {name} ")
+        else:
+            self.write(f"({name}[{key}] if type({name} := ")
+            self.visit(node.node, frame)
+            self.write(f") is dict and {key} in {name} ")
+        self.write(f"else environment.getattr({name}, {key}))")
+
+    @optimizeconst
+    def visit_Getitem(self, node: nodes.Getitem, frame: Frame) -> None:
+        if self.environment.is_async or not _is_str_const(node.arg):
+            super().visit_Getitem(node, frame)
+            return
+        name = self.temporary_identifier()
+        key = repr(node.arg.value)
+        self.write(f"({name}[{key}] if type({name} := ")
+        self.visit(node.node, frame)
+        self.write(f") is dict and {key} in {name} else environment.getitem({name}, {key}))")
 
     # -- emitting ---------------------------------------------------------------------------------
     # A piece is (True, text) for a literal or (False, source) for an expression that is an exact

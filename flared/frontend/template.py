@@ -26,8 +26,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import itertools
-import operator
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -180,7 +178,8 @@ def normalize_messages(messages: Any, *, inputs_are_json: bool = False) -> list[
     immutable sandbox cannot modify them, and a deep copy would only cost time. Otherwise every
     message is rebuilt from plain types, as transformers does.
     """
-    messages = getattr(messages, "messages", messages)
+    if type(messages) is not list:  # a list has no .messages; getattr would raise and catch inside
+        messages = getattr(messages, "messages", messages)
     if inputs_are_json:
         return _normalize_json_messages(messages)
     normalized = []
@@ -416,9 +415,10 @@ class ChatTemplate:
     def _run(template: jinja2.Template, parent: dict) -> tuple[str, tuple[int, ...]]:
         """Render; return the text and the code-point offset of every mark.
 
-        The generator is drained by list(); the offsets are the running lengths (accumulate) at
-        the chunks that are the sentinel (compress over an identity test), all in C: no Python
-        step per chunk or per mark. The empty sentinel adds nothing to the text or the lengths.
+        The generator is drained by list() and the text joined once. Offsets: one pass over the
+        chunks, summing lengths and noting the running total at each sentinel (found by identity;
+        being empty it adds nothing to the text). Measured faster than C pipelines of
+        accumulate/compress or list.index per mark, from 8 to 500 chunks (CPython 3.11).
         """
         try:
             chunks = list(template.root_render_func(_new_context(template, parent)))
@@ -426,9 +426,15 @@ class ChatTemplate:
             template.environment.handle_exception()
         if not template.flared_has_marks:
             return "".join(chunks), ()
-        starts = itertools.accumulate(map(len, chunks), initial=0)
-        offsets = tuple(itertools.compress(starts, map(operator.is_, chunks, itertools.repeat(MARK_SENTINEL))))
-        return "".join(chunks), offsets
+        sentinel = MARK_SENTINEL
+        position = 0
+        offsets = []
+        for chunk in chunks:
+            if chunk is sentinel:
+                offsets.append(position)
+            else:
+                position += len(chunk)
+        return "".join(chunks), tuple(offsets)
 
     @staticmethod
     def _run_traced(template: jinja2.Template, parent: dict) -> RenderTrace:

@@ -174,3 +174,19 @@ def test_mark_offsets_match_a_walk_over_the_chunks(goldens, templates_dir):
             assert expected, name  # every corpus template is auto-marked
             num_checked += 1
     assert num_checked > 300
+
+
+@pytest.mark.parametrize("source", [
+    "{% for m in messages %}{{ m.role }}|{{ m['role'] }}|{{ m.items }}|{{ m.get('role') }}|{{ loop.last }}{% endfor %}",
+    "{{ m.role }}|{{ m['role'] }}|{{ m.nope }}|{{ m['nope'] }}|{{ m.keys }}",
+    "{% set loop = {'last': 'shadow'} %}{{ loop.last }}{{ loop['last'] }}",
+    "{{ m.role.upper() }}{{ m['role'][0] }}{{ m.__class__ }}{{ m._private }}",
+])
+@pytest.mark.parametrize("m", [{"role": "user", "_private": 1, "items": "item"}, {}, ["role"], "role", None, 3,
+                               type("Obj", (), {"role": "attr"})()])
+def test_inline_lookups_match_the_stock_code(source, m):
+    """visit_Getattr/visit_Getitem's inline dict and loop lookups give the environment's answers."""
+    ours = make_environment()
+    stock = _StockCodegenSandbox(trim_blocks=True, lstrip_blocks=True)
+    variables = {"m": m, "messages": [m, {"role": "x"}]}
+    assert _outcome(ours, source, variables, []) == _outcome(stock, source, variables, [])
