@@ -211,6 +211,8 @@ class GraphSet:
         try:
             with torch.inference_mode(), torch.cuda.stream(stream):
                 self._reset_inputs()
+                self.decoder.calibrate(stream)
+                self._reset_inputs()
                 for key in keys:
                     self._run_eager(key)
                 stream.synchronize()

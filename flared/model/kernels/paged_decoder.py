@@ -28,14 +28,16 @@ Rules:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from flared.model.kernels import fused
+from flared.model.kernels import fused, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
-from flared.model.triton_attention import paged_decode_attention, paged_prefill_attention
+from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_split,
+                                           paged_prefill_attention)
 
 
 @dataclass
@@ -88,6 +90,47 @@ class PagedCudaDecoder:
         self.max_tokens = max_tokens
         # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
         self.fused = dtype in (torch.bfloat16, torch.float16) and not c.qk_norm
+        # Decode batches up to this many rows run five fused kernels per layer (kernels/skinny.py);
+        # FLARED_SKINNY_MAX_ROWS=0 turns them off (benchmarks compare both).
+        self.skinny_max_rows = 0
+        if self.fused and c.head_dim % 32 == 0:
+            self.skinny_max_rows = min(skinny.MAX_ROWS, int(os.environ.get("FLARED_SKINNY_MAX_ROWS", skinny.MAX_ROWS)))
+        # Half-precision decode at small batch splits each row's context over several programs
+        # (flash-decoding); float32 keeps the one-pass kernel (its summation order is the parity one).
+        self.calibration: dict = {}
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.max_splits = int(os.environ.get("FLARED_DECODE_MAX_SPLITS", 16)) if self.fused else 1
+        scratch = max_batch * c.num_heads * max(1, self.max_splits)
+        self.part_m = torch.empty(scratch, dtype=torch.float32, device=self.device)
+        self.part_l = torch.empty(scratch, dtype=torch.float32, device=self.device)
+        self.part_acc = torch.empty(scratch * c.head_dim, dtype=torch.float32, device=self.device)
+
+    def calibrate(self, stream) -> dict:
+        """Keep the skinny kernels for few-row decode only where they beat cuBLAS + the small fused
+        kernels on this model and GPU: both batch-1 decode forwards are captured and timed as graphs
+        (before the real captures; inputs must be the padding defaults). FLARED_SKINNY_MAX_ROWS pins it."""
+        if self.skinny_max_rows == 0 or "FLARED_SKINNY_MAX_ROWS" in os.environ:
+            return {}
+        times = {}
+        for rows in (self.skinny_max_rows, 0):
+            self.skinny_max_rows = rows
+            self.decode(1, False)  # compile and autotune outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                self.decode(1, False)
+            graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(20):
+                graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times[rows] = start.elapsed_time(end) * 1e3 / 20
+            del graph
+        self.skinny_max_rows = min(times, key=times.get)
+        self.calibration = {"skinny_us": times[max(times)], "cublas_us": times[0],
+                            "skinny_max_rows": self.skinny_max_rows}
+        return self.calibration
 
     @property
     def kv_bytes(self) -> int:
@@ -103,9 +146,16 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         context_lens = s.context_lens[:batch]
 
+        splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
+
         def attend(q, layer, out):
-            paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
-                                   page_tokens=self.page_tokens, scale=self.model.scale)
+            if splits > 1:
+                paged_decode_attention_split(q, self.k_pool[layer], self.v_pool[layer], out, block_tables,
+                                             context_lens, self.part_acc, self.part_m, self.part_l,
+                                             num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale)
+            else:
+                paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
+                                       page_tokens=self.page_tokens, scale=self.model.scale)
 
         x = self._layers(tokens, s.positions[:batch], s.slot_ids[:batch], attend)
         self._finish(x, batch, full_sampling, rows)
@@ -155,7 +205,32 @@ class PagedCudaDecoder:
                              layer.down.weight)
         return F.rms_norm(h, (h.shape[-1],), m.final_norm, eps)
 
+    def _layers_skinny(self, tokens, positions, slots, attend) -> torch.Tensor:
+        """Five kernels per layer for a few rows (see kernels/skinny.py)."""
+        m = self.model
+        c = self.config
+        num_tokens = tokens.shape[0]
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        eps = c.rms_norm_eps
+        h = m.embed.index_select(0, tokens)  # [T, H] residual stream, updated in place
+        q = torch.empty(num_tokens, nh, d, dtype=h.dtype, device=h.device)
+        attn = torch.empty_like(q)
+        act = torch.empty(num_tokens, c.intermediate_size, dtype=h.dtype, device=h.device)
+        for index, layer in enumerate(m.layers):
+            skinny.norm_qkv_rope(h, layer.attn_norm, eps, layer.qkv.weight, layer.qkv.bias, m.rope_cos,
+                                 m.rope_sin_signed, positions, slots, q, self.k_pool[index], self.v_pool[index],
+                                 num_heads=nh, num_kv_heads=nkv, head_dim=d)
+            attend(q, index, attn)
+            skinny.linear_residual(attn.view(num_tokens, nh * d), layer.o.weight, layer.o.bias, h)
+            skinny.norm_gate_up_silu(h, layer.mlp_norm, eps, layer.gate_up.weight, act)
+            skinny.linear_residual(act, layer.down.weight, None, h)
+        x = torch.empty_like(h)
+        fused.add_rms_norm(None, h, m.final_norm, x, eps)
+        return x
+
     def _layers_fused(self, tokens, positions, slots, attend) -> torch.Tensor:
+        if tokens.shape[0] <= self.skinny_max_rows:
+            return self._layers_skinny(tokens, positions, slots, attend)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
