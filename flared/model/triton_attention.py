@@ -166,3 +166,104 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         scale,
         PAGE_TOKENS=page_tokens, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=8 if not ieee else 4, num_stages=2)
+
+
+# -- split-context decode (flash-decoding) -----------------------------------------------------------
+#
+# At small batch the decode kernel has batch x kv_heads programs (3 for SmolLM2 at batch 1), each walking
+# its whole context one dependent tile after another: the step is latency-bound. The split form gives
+# every (row, kv head) NUM_SPLITS programs, each over an equal share of the context (the share is
+# computed on the device from the row's context length, so one captured graph serves every length),
+# writing an unnormalised partial (running max, sum, weighted values); a second kernel combines them.
+
+
+@triton.jit
+def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLens,
+                         stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row, scale,
+                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_TOKENS: tl.constexpr,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(ContextLens + row)
+    share = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * share
+    end = tl.minimum(begin + share, context_len)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
+                other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(BlockTables + row * stride_bt_row + pos // PAGE_TOKENS, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
+        kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
+        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    base = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+    tl.store(PartM + base, m_i, mask=g_mask)
+    tl.store(PartL + base, l_i, mask=g_mask)
+    tl.store(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_combine_kernel(PartAcc, PartM, PartL, Out, stride_o_row, stride_o_head,
+                           NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (row * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(PartM + base, mask=s_mask, other=float("-inf"))
+    l = tl.load(PartL + base, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row: every split empty
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
+    total = tl.sum(w * l, 0)
+    acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + row * stride_o_row + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
+
+
+def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """Context splits that give a decode step about two programs per SM (1 = the plain kernel)."""
+    return max(1, min(max_splits, -(-2 * num_sms // (batch * num_kv_heads))))
+
+
+def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, part_acc: torch.Tensor,
+                                 part_m: torch.Tensor, part_l: torch.Tensor, *, num_splits: int, page_tokens: int,
+                                 scale: float) -> None:
+    """As ``paged_decode_attention`` (half precision), over ``num_splits`` context shares per row and kv head.
+    Scratch: part_acc [>= B * nh * num_splits * d], part_m / part_l [>= B * nh * num_splits], float32."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    if part_m.numel() < batch * num_heads * num_splits or part_acc.numel() < batch * num_heads * num_splits * head_dim:
+        raise ValueError("split-decode scratch is too small for this batch")
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_pool, v_pool, part_acc, part_m, part_l, block_tables, context_lens,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), scale,
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
+        GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4)
+    _decode_combine_kernel[(batch, num_heads)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim, num_warps=4)

@@ -53,6 +53,35 @@ def test_decode_matches_reference(dtype, tol, nh, nkv, d):
         assert err < tol, (b, float(err))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_split_decode_matches_reference(dtype, nh, nkv, d, splits):
+    from flared.model.triton_attention import paged_decode_attention_split
+
+    P, num_pages, B = 16, 64, 5
+    k_pool, v_pool = make_pool(num_pages, P, nkv, d, dtype)
+    # More splits than tiles (1, 17), a padding row (0), many tiles per split (1000).
+    lens = torch.tensor([1, 17, 1000, 0, 250], dtype=torch.int32, device="cuda")
+    tables = torch.stack([torch.randperm(num_pages, device="cuda") for _ in range(B)]).to(torch.int32)
+    q = torch.randn(B, nh, d, device="cuda", dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    scratch = B * nh * splits
+    part_m, part_l = torch.empty(scratch, device="cuda"), torch.empty(scratch, device="cuda")
+    part_acc = torch.empty(scratch * d, device="cuda")
+    paged_decode_attention_split(q, k_pool, v_pool, out, tables, lens, part_acc, part_m, part_l, num_splits=splits,
+                                 page_tokens=P, scale=d ** -0.5)
+    for b in range(B):
+        n = int(lens[b])
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        ref = reference(q[b:b + 1], seq_kv(k_pool, tables[b], n, P), seq_kv(v_pool, tables[b], n, P),
+                        torch.tensor([n - 1], device="cuda"))
+        err = (out[b:b + 1].double() - ref).norm() / ref.norm()
+        assert err < 2e-2, (b, float(err))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("cached, new, capacity", [(0, 200, 256), (37, 64, 64), (100, 150, 512), (0, 1, 64)])
 def test_prefill_with_cached_prefix_matches_reference(dtype, tol, cached, new, capacity):
