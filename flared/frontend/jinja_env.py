@@ -145,6 +145,8 @@ _LOOP_PROPERTIES = frozenset(
     ("index", "index0", "revindex", "revindex0", "first", "last", "length", "previtem", "nextitem", "depth", "depth0")
 )
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_DATA_TYPES = frozenset((str, int, float, bool, type(None), list, dict, tuple))
+_object_getattribute = object.__getattribute__
 _BUILTIN_METHOD = type("".strip)
 # Methods the immutable sandbox always allows on these exact types (no underscore, no mutation,
 # not str.format/format_map, which the sandbox wraps), so its per-access checks can be skipped.
@@ -183,10 +185,13 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
             # Public namespace attributes are always safe; a missing one is undefined (a
             # Namespace has no items to fall back to). A stored str.format still gets wrapped.
             if not attribute.startswith("_"):
+                # What Namespace.__getattribute__ does for such a name, without its Python frame.
                 try:
-                    value = getattr(obj, attribute)
-                except AttributeError:
+                    value = _object_getattribute(obj, "_Namespace__attrs")[attribute]
+                except KeyError:
                     return self.undefined(obj=obj, name=attribute)
+                if type(value) in _DATA_TYPES:  # not a bound str.format: nothing to wrap
+                    return value
                 wrapped = self.wrap_str_format(value)
                 return value if wrapped is None else wrapped
         elif attribute in _SAFE_METHODS.get(kind, ()):

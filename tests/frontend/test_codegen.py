@@ -190,3 +190,13 @@ def test_inline_lookups_match_the_stock_code(source, m):
     stock = _StockCodegenSandbox(trim_blocks=True, lstrip_blocks=True)
     variables = {"m": m, "messages": [m, {"role": "x"}]}
     assert _outcome(ours, source, variables, []) == _outcome(stock, source, variables, [])
+
+
+@pytest.mark.parametrize("source", [
+    "{% set ns = namespace(a=1, s='x', f='{}'.format, l=[1]) %}{{ ns.a }}{{ ns.s }}{{ ns.l }}{{ ns.missing }}"
+    "{{ ns.f('y') }}{{ ns.missing is defined }}",
+    "{% set ns = namespace(a='{0.__class__}') %}{{ ns.a.format(ns) }}",
+    "{% set ns = namespace() %}{% set ns.f = 'a{0}'.format %}{{ ns.f(1) }}",
+])
+def test_namespace_attributes_match_the_stock_sandbox(source):
+    assert _outcome(make_environment(), source, {}, []) == _outcome(make_environment(stock_sandbox=True), source, {}, [])
