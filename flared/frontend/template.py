@@ -250,6 +250,7 @@ class ChatTemplate:
         self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
         self._compiled = _compile(self.sha256, source)
         self._clock = clock
+        self._auto_marked: jinja2.Template | None = None  # _compile_auto_marked's, kept (skips its cache lookup)
 
     @property
     def num_marks(self) -> int:
@@ -264,7 +265,7 @@ class ChatTemplate:
     def compile_auto_marks(self) -> None:
         """Compile the automatically marked copy now rather than at the first render that needs it."""
         if self.has_auto_marks:
-            _compile_auto_marked(self.sha256, self.source)
+            self._auto_marked = _compile_auto_marked(self.sha256, self.source)
 
     @property
     def has_generation_blocks(self) -> bool:
@@ -299,7 +300,9 @@ class ChatTemplate:
         compiled = self._compiled
         template = compiled.template
         if auto_marks and compiled.num_message_loops:
-            template = _compile_auto_marked(self.sha256, self.source)
+            template = self._auto_marked
+            if template is None:
+                template = self._auto_marked = _compile_auto_marked(self.sha256, self.source)
         parent, final_message = self._variables(
             messages, tools, documents, add_generation_prompt, continue_final_message, bos_token, eos_token,
             inputs_are_json, template_kwargs, template.flared_flat_globals)
