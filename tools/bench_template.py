@@ -14,9 +14,10 @@ Implementations:
 - ``flared``: ``ChatTemplate.render_traced(auto_marks=True)``: input
   normalisation, rendering and message-endpoint tracking (what render_chat
   does before tokenizing);
-- ``jinja2``: the same template source in the same environment, rendered with
-  ``Template.render`` on the same normalised input (normalisation timed too),
-  no tracking: the cost floor;
+- ``jinja2``: the same template source and settings in jinja2's stock
+  immutable sandbox and code generator (what transformers builds), rendered
+  with ``Template.render`` on the same normalised input (normalisation timed
+  too), no tracking;
 - ``transformers``: ``apply_chat_template(tokenize=False, chat_template=...)``
   on the SmolLM2 tokenizer transformers builds from the embedded GGUF.
 
