@@ -77,6 +77,11 @@ TEMPLATES = [
     "{{ f('a', x) + f('b', y) + f('c', x) }}",
     "{{ f('a', x) ~ f('b', y) }}",
     "{{ x ~ big }}{{ 'a' + x + big + y }}",
+    "{% filter upper %}{{ 'a' + x + big }}{% endfilter %}",
+    "{% macro m() %}{{ caller() }}{% endmacro %}{% call m() %}{{ x + big ~ y }}{% endcall %}",
+    "{% for i in [[x], [y]] recursive %}{{ 'r' + i[0] + big }}{% endfor %}",
+    "{% autoescape true %}{{ '<' + x + big }}{{ x ~ '>' }}{% endautoescape %}",
+    "{% generation %}{{ 'g' + x + big }}{% endgeneration %}",
 ]
 
 
@@ -92,7 +97,8 @@ def _outcome(env, source, variables, calls):
 @pytest.mark.parametrize("source", TEMPLATES)
 def test_same_text_errors_and_call_order(source):
     ours = make_environment()
-    stock = _StockCodegenSandbox(**{name: getattr(ours, name) for name in ("trim_blocks", "lstrip_blocks")})
+    stock = make_environment()
+    stock.code_generator_class = CodeGenerator
     assert ours.code_generator_class is ChatCodeGenerator
     calls = []
 
