@@ -31,16 +31,24 @@ def _extensions():
     annotate = os.environ.get("FLARED_CYTHON_ANNOTATE") == "1"
     compile_args = ["-O0", "-g"] if debug else ["-O3"]
     sources = sorted(glob.glob(os.path.join("flared", "_fast", "*.pyx")))
-    exts = [
-        Extension(
-            "flared._fast." + os.path.splitext(os.path.basename(src))[0],
+    # C headers included by the modules (linear_kernel.h): a change to one rebuilds them.
+    headers = sorted(glob.glob(os.path.join("flared", "_fast", "*.h")))
+    # linear.pyx threads its products with OpenMP (prange); on Linux that is gcc's libgomp, the runtime
+    # torch ships, so both share one pool. Elsewhere prange compiles to a plain loop.
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    extra_args = {"linear": openmp}
+    exts = []
+    for src in sources:
+        name = os.path.splitext(os.path.basename(src))[0]
+        exts.append(Extension(
+            "flared._fast." + name,
             [src],
             include_dirs=[numpy.get_include()],
-            extra_compile_args=compile_args,
+            extra_compile_args=compile_args + extra_args.get(name, []),
+            extra_link_args=extra_args.get(name, []),
+            depends=headers,
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-        )
-        for src in sources
-    ]
+        ))
     directives = {
         "language_level": "3",
         "boundscheck": debug,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flared._fast.linear import BF16_SUPPORTED, bf16_linear
 from flared.model.batch import ForwardBatch
 from flared.model.config import ModelConfig
 from flared.model.kv_cache import PagedKVCache
@@ -36,30 +37,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # Decode-sized matmuls (few rows) are memory-bound matrix-vector products. A plain F.linear runs them on
 # one core at about half the memory bandwidth of this kind of CPU; splitting the weight rows into
 # _SPLIT_PARTS blocks and running them as one bmm lets ATen spread the blocks over the threads. Only
-# float32 gains (measured: SmolLM2 single-stream step 51 ms -> 23 ms); bfloat16 matmuls go through
-# oneDNN, which is faster unsplit. Above _SPLIT_MAX_ROWS rows the GEMM kernel is better (measured on
-# SmolLM2's matrices: with 2 threads the split wins up to 8 rows, with 1 thread up to 4).
+# float32 gains (measured: SmolLM2 single-stream step 51 ms -> 23 ms). Above _SPLIT_MAX_ROWS rows the GEMM
+# kernel is better (measured on SmolLM2's matrices: with 2 threads the split wins up to 8 rows, with 1
+# thread up to 4).
 _SPLIT_PARTS = 2
 _SPLIT_MAX_ROWS = 8
 _SPLIT_MAX_ROWS_ONE_THREAD = 4
+# bfloat16 weights on a CPU with AVX-512 BF16 go through flared/_fast/linear_kernel.h for up to
+# _BF16_KERNEL_MAX_ROWS rows: torch's bf16 matrix-vector products stream the weights at ~12 GB/s, the
+# kernel at ~25-30 GB/s (the machine's bandwidth) for 1-2 rows. More rows make it compute-bound: on
+# SmolLM2's matrices with 2 threads it beat F.linear 2.0x at 1 row, 1.1-1.3x at 8-9, 0.96x at 12.
+_BF16_KERNEL_MAX_ROWS = 8
 
 
 class _Linear:
     """A weight [out, in] (+ optional bias) with the matmul strategy picked per call by row count."""
 
-    __slots__ = ("weight", "bias", "split", "out_features", "in_features")
+    __slots__ = ("weight", "bias", "split", "bf16_kernel", "out_features", "in_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        can_split = weight.dtype == torch.float32 and weight.device.type == "cpu" and \
-            self.out_features % _SPLIT_PARTS == 0
+        on_cpu = weight.device.type == "cpu"
+        can_split = weight.dtype == torch.float32 and on_cpu and self.out_features % _SPLIT_PARTS == 0
         self.split = weight.view(_SPLIT_PARTS, self.out_features // _SPLIT_PARTS, self.in_features) if can_split \
             else None
+        self.bf16_kernel = BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and weight.is_contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
+        if self.bf16_kernel and num_rows <= _BF16_KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and num_rows > 0:
+            if x.dim() != 2 or x.shape[1] != self.in_features:
+                raise ValueError(f"linear: input {tuple(x.shape)} does not match weight {tuple(self.weight.shape)}")
+            x = x.contiguous()  # the kernel reads raw row-major memory
+            y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
+            bf16_linear(self.weight.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
+                        self.in_features, torch.get_num_threads())
+            return y if self.bias is None else y.add_(self.bias)
         if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
                 (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1):
             return F.linear(x, self.weight, self.bias)

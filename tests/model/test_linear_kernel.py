@@ -1,0 +1,215 @@
+"""The AVX-512 BF16 matrix kernel (flared/_fast/linear_kernel.h) against float64 references of the same
+bf16 values, exact rounding where the float32 sum is exact, odd shapes and thread counts, the decoder's
+_Linear wrapper (bias, non-contiguous input), and a bf16 decode through DecoderModel against the torch path."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flared._fast import linear as linear_mod
+from flared.model import decoder as decoder_mod
+from flared.model.batch import ForwardBatch, SequenceChunk
+from flared.model.decoder import DecoderModel, _Linear
+from flared.model.loader import read_source
+
+from .conftest import build_hf_checkpoint
+
+needs_isa = pytest.mark.skipif(not linear_mod.BF16_SUPPORTED,
+                               reason="CPU lacks AVX-512 BF16 (or not x86-64 Linux): the kernel is not used here")
+
+# SmolLM2-135M's products (qkv, o, gate_up, down, lm_head) and shapes that are not multiples of 32 in
+# the reduced dimension or of the 64-feature chunk in the output one.
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+ODD_SHAPES = [(1, 1), (3, 31), (17, 33), (65, 100), (130, 577), (200, 1000), (129, 64)]
+
+
+def kernel(w: torch.Tensor, x: torch.Tensor, threads: int) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    linear_mod.bf16_linear(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], threads)
+    return y
+
+
+def check_against_float64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y is float32-accumulated and rounded once to bf16: within half a bf16 ulp of the exact sum plus a
+    float32 accumulation error bounded by the sum of |products|."""
+    exact = x.double() @ w.double().t()
+    magnitude = x.double().abs() @ w.double().abs().t()
+    err = (y.double() - exact).abs()
+    bound = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -16 + 1e-30
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the bound"
+
+
+@needs_isa
+@pytest.mark.parametrize("out_features,in_features", SMOLLM2_SHAPES + ODD_SHAPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_matches_float64_reference(out_features, in_features, threads):
+    gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    for rows in range(1, 10):
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        check_against_float64(kernel(w, x, threads), x, w)
+
+
+@needs_isa
+@pytest.mark.parametrize("threads", [1, 2])
+def test_round_to_nearest_even_exactly(threads):
+    """Small integers make every float32 partial sum exact (|sum| < 2^24), so the only rounding is the
+    final one to bf16: it must equal torch's float32 -> bf16 conversion bit for bit (ties to even)."""
+    gen = torch.Generator().manual_seed(5)
+    for out_features, in_features in [(300, 577), (64, 1536), (7, 40)]:
+        w = torch.randint(-16, 17, (out_features, in_features), generator=gen).to(torch.bfloat16)
+        x = torch.randint(-16, 17, (9, in_features), generator=gen).to(torch.bfloat16)
+        exact = (x.double() @ w.double().t()).float()
+        assert exact.abs().max() < 2 ** 24
+        y = kernel(w, x, threads)
+        assert torch.equal(y.view(torch.int16), exact.to(torch.bfloat16).view(torch.int16))
+    # One tie, spelled out: 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6; even is 1 + 2^-6.
+    w = torch.tensor([[1.0, 3 * 2.0 ** -8]], dtype=torch.bfloat16)
+    x = torch.tensor([[1.0, 1.0]], dtype=torch.bfloat16)
+    assert kernel(w, x, 1).item() == 1 + 2.0 ** -6
+
+
+@needs_isa
+def test_nan_and_inf_propagate():
+    w = torch.ones(70, 40, dtype=torch.bfloat16)
+    x = torch.ones(2, 40, dtype=torch.bfloat16)
+    x[0, 3] = float("nan")
+    x[1, 39] = float("inf")
+    y = kernel(w, x, 2)
+    assert torch.isnan(y[0]).all() and torch.isposinf(y[1]).all()
+
+
+@needs_isa
+def test_bad_arguments_raise():
+    w = torch.ones(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="empty shape"):
+        linear_mod.bf16_linear(w.data_ptr(), w.data_ptr(), w.data_ptr(), 0, 4, 8)
+    with pytest.raises(ValueError, match="null"):
+        linear_mod.bf16_linear(0, w.data_ptr(), w.data_ptr(), 1, 4, 8)
+
+
+@needs_isa
+def test_concurrent_callers_get_their_own_results():
+    """The GIL is released during a product: callers on several Python threads each get their own
+    OpenMP team and their own results."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(2048, 576, generator=gen).to(torch.bfloat16)
+    xs = [torch.randn(3, 576, generator=gen).to(torch.bfloat16) for _ in range(4)]
+    expected = [kernel(w, x, 1) for x in xs]
+    failures = []
+
+    def worker(i):
+        for _ in range(50):
+            if not torch.equal(kernel(w, xs[i], 2), expected[i]):
+                failures.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+@needs_isa
+def test_linear_wrapper_bias_and_noncontiguous_input():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(200, generator=gen).to(torch.bfloat16)
+    lin = _Linear(w, bias)
+    assert lin.bf16_kernel
+    wide = torch.randn(96, 12, generator=gen).to(torch.bfloat16)
+    x = wide.t()[2:7]  # [5, 96], column-major strides
+    assert not x.is_contiguous()
+    y = lin(x)
+    assert y.shape == (5, 200) and y.dtype == torch.bfloat16
+    exact = x.double() @ w.double().t() + bias.double()
+    # Two roundings to bf16 (product, then + bias), each within half an ulp.
+    magnitude = x.double().abs() @ w.double().abs().t() + bias.double().abs()
+    assert ((y.double() - exact).abs() <= magnitude * 2.0 ** -7).all()
+    with pytest.raises(ValueError, match="does not match"):
+        lin(torch.ones(2, 95, dtype=torch.bfloat16))
+    # Above the row threshold, and for float32 weights, the wrapper keeps torch's path.
+    many = torch.randn(decoder_mod._BF16_KERNEL_MAX_ROWS + 1, 96, generator=gen).to(torch.bfloat16)
+    assert torch.equal(lin(many), F.linear(many, w, bias))
+    assert not _Linear(w.float(), None).bf16_kernel
+
+
+def test_wrapper_off_without_isa(monkeypatch):
+    """Where the ISA is missing the wrapper must not pick the kernel (CI machines may differ)."""
+    monkeypatch.setattr(decoder_mod, "BF16_SUPPORTED", False)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    lin = _Linear(w, None)
+    assert not lin.bf16_kernel
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def decode_logits(model: DecoderModel, prompt: list[int], forced: list[int]) -> torch.Tensor:
+    """Prefill ``prompt`` (one forward), then decode ``forced`` tokens one per forward; returns the
+    logits [len(forced) + 1, vocab] of every forward."""
+    page_tokens = 16
+    kv = model.make_kv_cache(num_pages=8, page_tokens=page_tokens)
+    pages = list(range(8))
+    logits = []
+    computed = 0
+    for new in [prompt] + [[t] for t in forced]:
+        batch = ForwardBatch.build([SequenceChunk(new, computed, pages, True)], page_tokens=page_tokens,
+                                   sliding_window=model.config.sliding_window, device=model.device)
+        logits.append(model.forward(batch, kv)[0])
+        computed += len(new)
+    return torch.stack(logits)
+
+
+def compare_decode(model: DecoderModel, prompt: list[int], monkeypatch, num_steps: int = 6):
+    calls = []
+    real = decoder_mod.bf16_linear
+
+    def counting(*args):
+        calls.append(args[3])
+        return real(*args)
+
+    monkeypatch.setattr(decoder_mod, "bf16_linear", counting)
+    ours = decode_logits(model, prompt, [])  # prefill only, to pick the forced tokens from torch's path
+    with monkeypatch.context() as m:
+        m.setattr(decoder_mod, "_BF16_KERNEL_MAX_ROWS", 0)
+        torch_logits = decode_logits(model, prompt, [])
+        forced = []
+        for _ in range(num_steps):
+            forced.append(int(torch_logits[-1].argmax()))
+            torch_logits = decode_logits(model, prompt, forced)
+    calls.clear()
+    ours = decode_logits(model, prompt, forced)
+    assert calls and max(calls) <= decoder_mod._BF16_KERNEL_MAX_ROWS  # the kernel really ran
+    return ours, torch_logits
+
+
+@needs_isa
+def test_decoder_bf16_decode_matches_torch_path_tiny_qwen2(tmp_path, monkeypatch):
+    """qwen2 has qkv biases; prompt of 5 tokens so the prefill also goes through the kernel."""
+    torch.set_num_threads(2)
+    try:
+        source = read_source(build_hf_checkpoint("qwen2", tmp_path))
+        model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
+        ours, ref = compare_decode(model, [5, 17, 99, 3, 42], monkeypatch)
+    finally:
+        torch.set_num_threads(1)
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= 0.03 * scale
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@needs_isa
+def test_decoder_bf16_decode_matches_torch_path_smollm2(smollm2_source, monkeypatch):
+    model = DecoderModel(smollm2_source.config, smollm2_source.tensors, dtype=torch.bfloat16, max_positions=256)
+    ours, ref = compare_decode(model, [1, 504, 3458, 282, 4649, 314], monkeypatch)
+    # bf16 activations through 30 layers: both paths round differently at every product, so logits
+    # agree to a few percent of their range, not bitwise.
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= 0.05 * scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 6 / 7
