@@ -98,9 +98,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> 
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def start_flared(threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_flared(core: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     port_file = Path(tempfile.mkdtemp()) / "port"
-    proc = subprocess.Popen([str(REPO_ROOT / ".venv/bin/flared"), "run", "--port", "0", "--port-file", str(port_file),
+    proc = subprocess.Popen([str(REPO_ROOT / ".venv/bin/flared"), "run", str(core), "--port", "0",
+                             "--port-file", str(port_file),
                              "--threads", str(threads), "--no-admin-socket", "--no-dashboard"],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -174,6 +175,8 @@ def main() -> int:
     p.add_argument("--turn-input-tokens", type=int, default=64)
     p.add_argument("--turn-output-tokens", type=int, default=64)
     p.add_argument("--only", default=None, help="comma-separated configuration names to run")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                   help="flared's core dtype (both sides load the same GGUF; llama-server computes on Q4_1)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -181,14 +184,14 @@ def main() -> int:
 
     from flared.core.default import default_gguf_path, ensure_default_core
 
-    core = ensure_default_core(Path(os.path.expanduser("~/.cache/flared/cores")))
+    core = ensure_default_core(Path(os.path.expanduser("~/.cache/flared/cores")), args.dtype)
     tokenizer = Tokenizer.from_file(str(core / "tokenizer.json"))
     gguf = str(default_gguf_path())
     binary = ensure_llama_server(args.llama_dir)
     logs = Path(tempfile.mkdtemp(prefix="compare-llama-"))
     ctx_per_slot = args.input_tokens + 64 + args.turns * (args.turn_input_tokens + args.turn_output_tokens + 16) \
         + args.output_tokens
-    flared_proc, flared_url = start_flared(args.threads, logs / "flared.log")
+    flared_proc, flared_url = start_flared(core, args.threads, logs / "flared.log")
     llama_proc, llama_url = start_llama(binary, gguf, args.threads, args.slots, ctx_per_slot, logs / "llama.log")
     configs = configurations(args)
     if args.only:
@@ -235,7 +238,7 @@ def main() -> int:
             row["ratio_ttft_later_p50"] = f["ttft_later_p50_ms"] / l_["ttft_later_p50_ms"]
         summary.append(row)
 
-    print(f"flared vs llama-server ({llama_version(binary)}), {args.threads} threads, {args.slots} slots, "
+    print(f"flared ({args.dtype} core) vs llama-server ({llama_version(binary)}), {args.threads} threads, {args.slots} slots, "
           f"{args.rounds} alternating rounds, medians; load avg seen "
           f"{min(r['load_avg_1m'] for rs in runs.values() for r in rs):.2f}-"
           f"{max(r['load_avg_1m'] for rs in runs.values() for r in rs):.2f}")
@@ -253,6 +256,7 @@ def main() -> int:
               f"{f['errors']:>4}/{l_['errors']}")
     if args.json:
         print(json.dumps({"llama_server_version": llama_version(binary), "threads": args.threads,
+                          "flared_dtype": args.dtype,
                           "slots": args.slots, "rounds": args.rounds, "summary": summary,
                           "runs": {f"{k[0]}|{k[1]}": v for k, v in runs.items()}}))
     return 0
