@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -102,12 +103,34 @@ def shared_daemon(tiny_core, tmp_path_factory):
     d.kill()
 
 
+# Bytes read past the end of one response (a pipelined next response), per socket.
+_LEFTOVER: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _chunked_end(data: bytes) -> int:
+    """Index just past a complete chunked body at the start of ``data``, or -1 if it is incomplete."""
+    at = 0
+    while True:
+        line_end = data.find(b"\r\n", at)
+        if line_end < 0:
+            return -1
+        size = int(data[at:line_end].split(b";")[0] or b"0", 16)
+        at = line_end + 2
+        if size == 0:
+            trailer_end = data.find(b"\r\n", at)  # no trailers: the blank line follows
+            return -1 if trailer_end < 0 else trailer_end + 2
+        at += size + 2
+        if at > len(data):
+            return -1
+
+
 def read_response(sock, timeout_s: float) -> tuple[int, dict, bytes] | None:
-    """One HTTP/1.1 response off a raw socket; None if the server sent nothing before closing or timing out."""
+    """One HTTP/1.1 response off a raw socket; None if the server sent nothing before closing or timing out.
+    Bytes of a following (pipelined) response are kept for the next call on the same socket."""
     import socket as _socket
 
     sock.settimeout(timeout_s)
-    buf = b""
+    buf = _LEFTOVER.pop(sock, b"")
     try:
         while b"\r\n\r\n" not in buf:
             chunk = sock.recv(65536)
@@ -117,17 +140,22 @@ def read_response(sock, timeout_s: float) -> tuple[int, dict, bytes] | None:
         head, _, rest = buf.partition(b"\r\n\r\n")
         headers = _headers(head)
         if "content-length" in headers:
-            while len(rest) < int(headers["content-length"]):
+            n = int(headers["content-length"])
+            while len(rest) < n:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 rest += chunk
+            rest, _LEFTOVER[sock] = rest[:n], rest[n:]
         elif headers.get("transfer-encoding") == "chunked":
-            while not rest.endswith(b"0\r\n\r\n"):
+            while _chunked_end(rest) < 0:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 rest += chunk
+            end = _chunked_end(rest)
+            if end >= 0:
+                rest, _LEFTOVER[sock] = rest[:end], rest[end:]
         return _parse(head, rest)
     except (_socket.timeout, ConnectionError):
         return _parse(*buf.partition(b"\r\n\r\n")[::2]) if b"\r\n\r\n" in buf else None
