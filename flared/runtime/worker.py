@@ -88,8 +88,13 @@ def cuda_backend_available(dtype) -> bool:
 
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
-                 fail_after_steps: int | None = None, policy=None):
+                 fail_after_steps: int | None = None, policy=None, pipeline: bool = True):
         self.core = core
+        # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
+        # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
+        self.pipeline = pipeline
+        self._inflight: collections.deque[tuple[int, object, list[int]]] = collections.deque()  # (fence, plan, handles)
+        self._exclusive_inflight = False  # a grammar step is in flight: nothing may stack behind it
         self.policy = policy  # flared.scheduler.PolicyConfig; None: its defaults
         self.prefix_cache = prefix_cache
         self.torch_threads = torch_threads
@@ -104,7 +109,11 @@ class ModelRuntime:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._max_pending = 0
-        self._num_outstanding = 0  # submitted and not yet terminal (guarded by _lock)
+        # Submitted, not yet terminal and not cancelled (guarded by _lock): what model admission counts. A
+        # cancelled request stops counting at cancel(), before the model thread has dropped it, so the
+        # HTTP permit its client released can admit a successor at once.
+        self._num_outstanding = 0
+        self._outstanding_ids: set[int] = set()
         self.failed = threading.Event()
         self.failure: BaseException | None = None
         self.ready = threading.Event()
@@ -209,11 +218,15 @@ class ModelRuntime:
                 raise AdmissionError(f"model admission is full ({self._max_pending} requests)",
                                      ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
             self._num_outstanding += 1
+            self._outstanding_ids.add(request.request_id)
             self._ingress.append(_Live(request, sink))
             self._wake.notify()
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
+            if request_id in self._outstanding_ids:
+                self._outstanding_ids.discard(request_id)
+                self._num_outstanding -= 1
             self._cancels.append(request_id)
             self._wake.notify()
 
@@ -267,20 +280,42 @@ class ModelRuntime:
         stopping = self._take_ingress()
         if stopping:
             self._cancel_everything()
-            if not self._by_handle and not self._pending:
+            if not self._by_handle and not self._pending and not self._inflight:
                 return False
         now = time.monotonic_ns()
         self._admit(now)
-        plan = self.scheduler.plan(now)
+        pipelined = self.pipeline and hasattr(self.executor, "submit")
+        plan = None
+        if not self._inflight or (pipelined and not self._exclusive_inflight and self.executor.outstanding < 2):
+            # With a step in flight the scheduler offers only a decode that may stack behind it.
+            plan = self.scheduler.plan(now)
+        if plan is not None and self._inflight and self._needs_empty_window(plan):
+            plan = None  # uncommitted plans change nothing: drain first, plan again next turn
+            self._complete_oldest()
+            return True
         if plan is None:
+            if self._inflight:
+                self._complete_oldest()
+                return True
             if self._by_handle and self.scheduler.num_inflight == 0 and not self._idle_ok():
                 raise ExecutionError("scheduler has live requests but planned nothing")
             with self._lock:
                 if not self._ingress and not self._cancels and not self._stopping:
                     self._wake.wait(IDLE_WAIT_S)
             return True
-        self._execute(plan, now)
+        if pipelined:
+            self._submit(plan, now)
+        else:
+            self._execute(plan, now)
         return True
+
+    def _needs_empty_window(self, plan) -> bool:
+        """A grammar row's mask needs its previous token on the host: such a step never stacks."""
+        for h in plan.handles:
+            live = self._by_handle.get(int(h))
+            if live is not None and live.grammar is not None:
+                return True
+        return False
 
     def _idle_ok(self) -> bool:
         # Live requests with nothing plannable: everyone is finished/cancelled and draining.
@@ -353,7 +388,7 @@ class ModelRuntime:
             self._by_handle[handle] = live
             self.stats["admitted"] += 1
 
-    def _execute(self, plan, now: int) -> None:
+    def _commit(self, plan, now: int):
         s = self.scheduler
         fence = s.last_committed_fence + 1
         handles = [int(h) for h in plan.handles]
@@ -368,7 +403,37 @@ class ModelRuntime:
             live = self._by_handle.get(h)
             if live is not None and not live.scheduled_ns:
                 live.scheduled_ns = now
+        return fence, handles, block_tables, states, score_from
+
+    def _execute(self, plan, now: int) -> None:
+        """One step, synchronously (the eager CPU executor, or pipelining off)."""
+        fence, handles, block_tables, states, score_from = self._commit(plan, now)
         records, duration_ns, logprobs, scores = self.executor.run(plan, block_tables, states, score_from)
+        self._finish_step(plan, fence, handles, records, duration_ns, logprobs, scores)
+
+    def _submit(self, plan, now: int) -> None:
+        """Launch one step without waiting for it (the GPU executor's two-frame window)."""
+        fence, handles, block_tables, states, _ = self._commit(plan, now)
+        if self.executor.submit(plan, block_tables, states) is None:
+            raise ExecutionError("the executor refused a step the scheduler allowed (window full)")
+        self._inflight.append((fence, plan, handles))
+        if any(s is not None and getattr(s, "grammar", None) is not None for s in states):
+            self._exclusive_inflight = True
+
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest in-flight step and publish what it produced."""
+        polled = self.executor.poll(block=True)
+        if polled is None:
+            raise ExecutionError("the executor has no step in flight but the model thread expected one")
+        fence, plan, handles = self._inflight.popleft()
+        if not self._inflight:
+            self._exclusive_inflight = False
+        _, records, duration_ns, logprobs = polled
+        self._finish_step(plan, fence, handles, records, duration_ns, logprobs, [None] * len(handles))
+
+    def _finish_step(self, plan, fence: int, handles: list[int], records, duration_ns: int, logprobs,
+                     scores) -> None:
+        s = self.scheduler
         done_ns = time.monotonic_ns()
         result = s.complete(fence, records, duration_ns, done_ns)
         kind_name = plan.kind_name.lower()
@@ -440,7 +505,9 @@ class ModelRuntime:
             self.stats["failed_requests"] += 1
         live.sink.put(event)
         with self._lock:
-            self._num_outstanding -= 1
+            if live.request.request_id in self._outstanding_ids:
+                self._outstanding_ids.discard(live.request.request_id)
+                self._num_outstanding -= 1
 
     def _on_retired(self, handles) -> None:
         for handle in handles:

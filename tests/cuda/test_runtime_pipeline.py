@@ -1,0 +1,93 @@
+"""The model thread on the GPU with two decode frames in flight, against the same thread one step at a time.
+
+A bf16 core of the tiny random-weight Llama served by two ModelRuntimes (pipeline on and off) on the
+CUDA graph executor. Greedy, seeded sampling, penalties with logprobs and an early stop token give the
+same tokens either way, and the pipelined runtime really had two frames in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def bf16_core(tiny_hf_llama, tmp_path_factory):
+    from flared.core.export import ExportOptions, export_core
+
+    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
+    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                  prefill_chunk_tokens=128))
+    return out
+
+
+def _run(runtime, requests):
+    from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, TokenEvent
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, r in enumerate(requests):
+            runtime.submit(r, EventSink(loop, queue, i))
+        tokens = [[] for _ in requests]
+        logprobs = [[] for _ in requests]
+        done = 0
+        while done < len(requests):
+            i, e = await queue.get()
+            if isinstance(e, TokenEvent):
+                tokens[i].extend(e.token_ids)
+                if e.logprobs:
+                    logprobs[i].extend(lp.logprob for lp in e.logprobs)
+            elif isinstance(e, ErrorEvent):
+                raise AssertionError(f"request {i}: {e}")
+            done += isinstance(e, (FinishEvent, ErrorEvent))
+        return tokens, logprobs
+    return asyncio.run(go())
+
+
+def test_two_frames_in_flight_give_the_same_tokens(bf16_core):
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import GenerateRequest
+    from flared.runtime.worker import ModelRuntime
+
+    def request(prompt, max_tokens=40, stop=frozenset(), **kw):
+        return GenerateRequest(tuple(prompt), (), SamplingParams(max_tokens=max_tokens, **kw), frozenset(stop))
+
+    prompts = [[5 + i, 17, 40 + 3 * i, 99, 7] * (2 + i) for i in range(4)]
+    runtimes = {}
+    for pipeline in (True, False):
+        rt = ModelRuntime(open_core(bf16_core), pipeline=pipeline, prefix_cache=False)
+        rt.start(max_pending=16)
+        assert type(rt.executor).__name__ == "GraphExecutor"
+        runtimes[pipeline] = rt
+    try:
+        greedy = [request(p, temperature=0.0) for p in prompts]
+        first, _ = _run(runtimes[False], greedy[:1])
+        stop_at = first[0][5]
+        batch = greedy + [
+            request(prompts[1], temperature=0.9, seed=11),
+            request(prompts[2], temperature=0.8, top_k=20, top_p=0.9, seed=12),
+            request(prompts[3], temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2),
+            request(prompts[0], temperature=0.0, stop={stop_at}),  # ends early, maybe with a step in flight
+        ]
+        got = {pipeline: _run(rt, batch) for pipeline, rt in runtimes.items()}
+        assert got[True][0] == got[False][0]
+        for a, b in zip(got[True][1], got[False][1]):
+            assert a == pytest.approx(b, abs=1e-4)
+        assert got[True][0][-1][-1] == stop_at and len(got[True][0][-1]) <= 6
+        assert runtimes[True].executor.max_outstanding == 2
+        assert runtimes[False].executor.max_outstanding == 1
+        for rt in runtimes.values():
+            assert rt.snapshot()["outstanding"] == 0
+            deadline = time.monotonic() + 10
+            while rt.snapshot()["live_slots"] and time.monotonic() < deadline:
+                time.sleep(0.01)  # terminal snapshots may still be retiring the last requests
+            assert rt.snapshot()["live_slots"] == 0
+    finally:
+        for rt in runtimes.values():
+            rt.stop()
