@@ -12,7 +12,9 @@ notes the time of each step). Each figure is the best of ``--repeats`` runs
 
 Prints a table; with ``--json`` the last line is one JSON object with
 ``single_stream_tok_s``, ``batch8_tok_s``, ``batch32_tok_s`` (float32), the
-transformers figures, ratios, and the same under ``"bf16"`` when ``--bf16``.
+transformers figures, ratios, and the same under ``"bf16"`` when ``--bf16``;
+``bf16_kernel`` says whether flared's AVX-512 BF16 matrix-vector kernel ran
+(flared/_fast/linear.pyx; without the ISA bf16 uses torch's products).
 
     .venv/bin/python tools/bench_model.py [--json] [--bf16] [--tokens 64] [--markdown FILE]  (the table in docs/benchmarks.md comes from this)
 """
@@ -34,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flared._fast.linear import BF16_SUPPORTED  # noqa: E402
 from flared.model.loader import read_source  # noqa: E402
 from flared.model.runner import ModelRunner  # noqa: E402
 from flared.model.sampling import SamplingParams  # noqa: E402
@@ -174,11 +177,12 @@ def main() -> None:
 
     if args.markdown:
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        kernel = "on" if BF16_SUPPORTED else "off (CPU lacks the ISA)"
         command = "python tools/bench_model.py " + " ".join(sys.argv[1:])
         args.markdown.write_text(
             "# Model runtime benchmark (CPU)\n\n"
             f"- date: {now}\n- machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{args.threads} threads\n- model: SmolLM2-135M-Instruct from the embedded Q4_1 GGUF, dequantised; "
+            f"{args.threads} threads, AVX-512 BF16 kernel {kernel}\n- model: SmolLM2-135M-Instruct from the embedded Q4_1 GGUF, dequantised; "
             "both sides use the same weights and dtype\n"
             f"- command: `{command}`\n"
             f"- method: greedy decode, {args.tokens} tokens single stream, {args.batch_tokens} tokens per sequence "
@@ -196,7 +200,7 @@ def main() -> None:
             return out
 
         payload = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)", "threads": args.threads,
-                   "dtype": "float32", **block(results[torch.float32])}
+                   "dtype": "float32", "bf16_kernel": BF16_SUPPORTED, **block(results[torch.float32])}
         if torch.bfloat16 in results:
             payload["bf16"] = block(results[torch.bfloat16])
         print(json.dumps(payload))
