@@ -20,12 +20,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flared._fast.linear import BF16_SUPPORTED, bf16_linear
 from flared.model.batch import ForwardBatch
 from flared.model.config import ModelConfig
 from flared.model.kv_cache import PagedKVCache
 from flared.model.loader import check_serving_tensors
 from flared.model.rope import rope_tables
+
+try:
+    from flared._fast.linear import BF16_SUPPORTED, bf16_linear
+except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
+    BF16_SUPPORTED, bf16_linear = False, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
