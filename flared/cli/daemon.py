@@ -56,6 +56,9 @@ def main() -> None:
 @click.option("--no-prefix-cache", is_flag=True, default=False, help="Disable prefix reuse.")
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Embedded default model only: the dtype to export it in (auto: bfloat16 on a GPU or a CPU with "
+                   "native bfloat16, else float32).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--log-format", type=click.Choice(["auto", "plain", "journal"]), default=None,
               help="auto: journald format when stderr is the journal.")
@@ -67,7 +70,7 @@ def main() -> None:
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
-        served_names, no_prefix_cache, torch_threads, cache_dir, log_level, log_format, api_key_file,
+        served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
@@ -105,7 +108,9 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             from flared.cli.ctl import default_cache_dir
             from flared.core.default import ensure_default_core
 
-            core = ensure_default_core(cache_dir or default_cache_dir())
+            core = ensure_default_core(cache_dir or default_cache_dir(), dtype)
+        elif dtype != "auto":
+            log.warning("--dtype applies to the embedded default model; %s keeps the dtype it was exported in", core)
         code = serve(Path(core), config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
     except FlareError as e:
