@@ -55,6 +55,7 @@ class ForwardBatch:
     decode_gather_slot_ids: torch.Tensor | None  # [B_dec * max_context] int64
     decode_attn_mask: torch.Tensor | None  # [B_dec, 1, 1, max_context] bool, True = attend
     decode_max_context: int
+    decode_context_lens: torch.Tensor | None = None  # [B_dec] int64: each decode row's context length
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     num_tokens: int = 0
 
@@ -120,6 +121,7 @@ class ForwardBatch:
             batch.decode_gather_slot_ids = t(gather.reshape(-1))
             batch.decode_attn_mask = torch.as_tensor(mask[:, None, None, :]).to(device)
             batch.decode_max_context = max_context
+            batch.decode_context_lens = t(np.asarray(decode_lens, dtype=np.int64))
         for row_start, row_end, slots, start in prefill:
             context_len = slots.shape[0]
             attn_mask = None

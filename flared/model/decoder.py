@@ -30,6 +30,10 @@ try:
     from flared._fast.linear import BF16_SUPPORTED, bf16_linear
 except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
     BF16_SUPPORTED, bf16_linear = False, None
+try:
+    from flared._fast import attention as _cpu_attention
+except ImportError:  # as above: decode attention keeps the gather + bmm path
+    _cpu_attention = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,6 +137,13 @@ class DecoderModel:
         half = config.head_dim // 2
         self.rope_sin_signed = torch.cat((-rope_sin[:, :half], rope_sin[:, half:]), dim=-1)
         self.scale = config.head_dim ** -0.5
+        # Decode rows on the CPU attend through flared/_fast/attention.pyx, which reads the KV pages in
+        # place; the torch path first gathers a [rows, context] copy of them (most of a decode step's
+        # attention time at 32 rows of long context). False keeps the torch path (A/B, other devices).
+        self.cpu_decode_attention = (
+            _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
+            and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
 
     def make_kv_cache(self, *, num_pages: int, page_tokens: int) -> PagedKVCache:
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
@@ -150,7 +161,7 @@ class DecoderModel:
         sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
         decode_masked = None
-        if batch.decode_attn_mask is not None:
+        if batch.decode_attn_mask is not None and not self.cpu_decode_attention:
             num_decode = batch.decode_row_ids.shape[0]
             # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
@@ -183,7 +194,19 @@ class DecoderModel:
         group = nh // nkv
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
-        if batch.decode_row_ids is not None:
+        if batch.decode_row_ids is not None and self.cpu_decode_attention:
+            num_decode = batch.decode_row_ids.shape[0]
+            qd = (q[:num_decode] if decode_only else q.index_select(0, batch.decode_row_ids)).contiguous()
+            o = torch.empty(num_decode, nh * d, dtype=q.dtype)
+            _cpu_attention.decode_attention(
+                qd.data_ptr(), kv.keys[layer].data_ptr(), kv.values[layer].data_ptr(), o.data_ptr(),
+                batch.decode_gather_slot_ids.data_ptr(), batch.decode_max_context,
+                batch.decode_context_lens.data_ptr(), num_decode, nh, nkv, d, kv.num_slots, self.scale,
+                c.sliding_window or 0, q.dtype == torch.bfloat16, torch.get_num_threads())
+            if decode_only:
+                return o
+            out.index_copy_(0, batch.decode_row_ids, o)
+        elif batch.decode_row_ids is not None:
             num_decode = batch.decode_row_ids.shape[0]
             max_context = batch.decode_max_context
             keys, values = kv.gather(layer, batch.decode_gather_slot_ids)  # [nkv, B * L, d]
