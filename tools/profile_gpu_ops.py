@@ -19,7 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 SHAPES = {"135m": dict(H=576, I=1536, nh=9, nkv=3, d=64, V=49152),
           "8b": dict(H=4096, I=14336, nh=32, nkv=8, d=128, V=128256)}
@@ -27,22 +26,9 @@ REPS = 50
 
 
 def graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compile / autotune outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(REPS):
-                fn()
-        g.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        for _ in range(5):
-            g.replay()
-        end.record(stream)
-        end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * REPS)
+    from flared.execution.graphs import time_graph_us
+
+    return time_graph_us(fn, torch.cuda.Stream(), calls_per_graph=REPS, replays=5)
 
 
 def profile(shape: str, batch: int) -> list[tuple[str, float, str]]:

@@ -135,6 +135,30 @@ class ExecutionManifest:
                 for s in self.spans}
 
 
+def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) -> float:
+    """GPU microseconds per call of ``fn`` as a CUDA graph pays them (launch gaps included): ``fn`` runs
+    once eagerly (Triton compiles and autotunes there, never inside a capture), is captured
+    ``calls_per_graph`` times into one graph on ``stream`` (a torch.cuda.Stream), and the graph is
+    replayed ``replays`` times between two events."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls_per_graph):
+                fn()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(replays):
+            graph.replay()
+        end.record(stream)
+        end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls_per_graph)
+
+
 def graph_key(kind: str, capacity: int, full_sampling: bool = True) -> tuple[str, int, bool]:
     return (kind, capacity, full_sampling)
 

@@ -31,26 +31,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
-                   stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
-                   stride_bt_row, scale,
-                   PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    context_len = tl.load(ContextLens + row)
-    offs_g = tl.arange(0, GROUP_PAD)
+def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head, stride_bt_row,
+                  scale, PAGE_TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of one row's query-head group over its key positions [begin, end): the running max,
+    the sum of exponentials and the unnormalised weighted values."""
     offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
-                other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, context_len, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < context_len
+        valid = pos < end
         page = tl.load(BlockTables + row * stride_bt_row + pos // PAGE_TOKENS, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
         kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
@@ -70,6 +62,26 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
+                   stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
+                   stride_bt_row, scale,
+                   PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(ContextLens + row)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
+                other=0.0)
+    _, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, 0, context_len, stride_kv_slot, stride_kv_head,
+                                stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE)
     # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + row * stride_o_row + heads[:, None] * stride_o_head + offs_d[None, :],
@@ -196,25 +208,8 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
     g_mask = offs_g < GROUP
     q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(begin, end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        page = tl.load(BlockTables + row * stride_bt_row + pos // PAGE_TOKENS, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
-        kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head,
+                                  stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, False)
     base = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
     tl.store(PartM + base, m_i, mask=g_mask)
     tl.store(PartL + base, l_i, mask=g_mask)

@@ -30,6 +30,19 @@ def seq_kv(pool, table, length, page_tokens):
     return pool[slots]
 
 
+def check_decode(out, q, k_pool, v_pool, tables, lens, page_tokens, tol):
+    """Every row of a decode attention output against the float64 reference; padding rows are zeros."""
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        ref = reference(q[b:b + 1], seq_kv(k_pool, tables[b], n, page_tokens),
+                        seq_kv(v_pool, tables[b], n, page_tokens), torch.tensor([n - 1], device="cuda"))
+        err = (out[b:b + 1].double() - ref).norm() / ref.norm()
+        assert err < tol, (b, float(err))
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 def test_decode_matches_reference(dtype, tol, nh, nkv, d):
@@ -42,15 +55,7 @@ def test_decode_matches_reference(dtype, tol, nh, nkv, d):
     q = torch.randn(B, nh, d, device="cuda", dtype=dtype)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_pool, v_pool, out, tables, lens, page_tokens=P, scale=d ** -0.5)
-    for b in range(B):
-        n = int(lens[b])
-        if n == 0:
-            assert torch.equal(out[b], torch.zeros_like(out[b]))
-            continue
-        ref = reference(q[b:b + 1], seq_kv(k_pool, tables[b], n, P), seq_kv(v_pool, tables[b], n, P),
-                        torch.tensor([n - 1], device="cuda"))
-        err = (out[b:b + 1].double() - ref).norm() / ref.norm()
-        assert err < tol, (b, float(err))
+    check_decode(out, q, k_pool, v_pool, tables, lens, P, tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -71,15 +76,7 @@ def test_split_decode_matches_reference(dtype, nh, nkv, d, splits):
     part_acc = torch.empty(scratch * d, device="cuda")
     paged_decode_attention_split(q, k_pool, v_pool, out, tables, lens, part_acc, part_m, part_l, num_splits=splits,
                                  page_tokens=P, scale=d ** -0.5)
-    for b in range(B):
-        n = int(lens[b])
-        if n == 0:
-            assert torch.equal(out[b], torch.zeros_like(out[b]))
-            continue
-        ref = reference(q[b:b + 1], seq_kv(k_pool, tables[b], n, P), seq_kv(v_pool, tables[b], n, P),
-                        torch.tensor([n - 1], device="cuda"))
-        err = (out[b:b + 1].double() - ref).norm() / ref.norm()
-        assert err < 2e-2, (b, float(err))
+    check_decode(out, q, k_pool, v_pool, tables, lens, P, 2e-2)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

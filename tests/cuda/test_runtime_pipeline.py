@@ -7,7 +7,6 @@ same tokens either way, and the pipelined runtime really had two frames in fligh
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -26,27 +25,16 @@ def bf16_core(tiny_hf_llama, tmp_path_factory):
 
 
 def _run(runtime, requests):
-    from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, TokenEvent
+    """(tokens, chosen-token logprobs) per request; an error fails the test."""
+    from flared.runtime.request import ErrorEvent, TokenEvent
+    from flared_testing.runtime import run_requests
 
-    async def go():
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        for i, r in enumerate(requests):
-            runtime.submit(r, EventSink(loop, queue, i))
-        tokens = [[] for _ in requests]
-        logprobs = [[] for _ in requests]
-        done = 0
-        while done < len(requests):
-            i, e = await queue.get()
-            if isinstance(e, TokenEvent):
-                tokens[i].extend(e.token_ids)
-                if e.logprobs:
-                    logprobs[i].extend(lp.logprob for lp in e.logprobs)
-            elif isinstance(e, ErrorEvent):
-                raise AssertionError(f"request {i}: {e}")
-            done += isinstance(e, (FinishEvent, ErrorEvent))
-        return tokens, logprobs
-    return asyncio.run(go())
+    tokens, logprobs = [], []
+    for i, events in enumerate(run_requests(runtime, requests)):
+        assert not isinstance(events[-1], ErrorEvent), f"request {i}: {events[-1]}"
+        tokens.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        logprobs.append([lp.logprob for e in events if isinstance(e, TokenEvent) and e.logprobs for lp in e.logprobs])
+    return tokens, logprobs
 
 
 def test_two_frames_in_flight_give_the_same_tokens(bf16_core):

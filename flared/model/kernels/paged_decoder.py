@@ -111,22 +111,12 @@ class PagedCudaDecoder:
         (before the real captures; inputs must be the padding defaults). FLARED_SKINNY_MAX_ROWS pins it."""
         if self.skinny_max_rows == 0 or "FLARED_SKINNY_MAX_ROWS" in os.environ:
             return {}
+        from flared.execution.graphs import time_graph_us
+
         times = {}
         for rows in (self.skinny_max_rows, 0):
             self.skinny_max_rows = rows
-            self.decode(1, False)  # compile and autotune outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                self.decode(1, False)
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            for _ in range(20):
-                graph.replay()
-            end.record(stream)
-            end.synchronize()
-            times[rows] = start.elapsed_time(end) * 1e3 / 20
-            del graph
+            times[rows] = time_graph_us(lambda: self.decode(1, False), stream)
         self.skinny_max_rows = min(times, key=times.get)
         self.calibration = {"skinny_us": times[max(times)], "cublas_us": times[0],
                             "skinny_max_rows": self.skinny_max_rows}
@@ -205,6 +195,15 @@ class PagedCudaDecoder:
                              layer.down.weight)
         return F.rms_norm(h, (h.shape[-1],), m.final_norm, eps)
 
+    def _activations(self, tokens):
+        """The residual stream [T, H] (the tokens' embeddings, updated in place by the layers), the attention
+        input and output [T, nh, d] and the MLP activation [T, I] of the fused forwards."""
+        c = self.config
+        h = self.model.embed.index_select(0, tokens)
+        q = torch.empty(tokens.shape[0], c.num_heads, c.head_dim, dtype=h.dtype, device=h.device)
+        act = torch.empty(tokens.shape[0], c.intermediate_size, dtype=h.dtype, device=h.device)
+        return h, q, torch.empty_like(q), act
+
     def _layers_skinny(self, tokens, positions, slots, attend) -> torch.Tensor:
         """Five kernels per layer for a few rows (see kernels/skinny.py)."""
         m = self.model
@@ -212,10 +211,7 @@ class PagedCudaDecoder:
         num_tokens = tokens.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
-        h = m.embed.index_select(0, tokens)  # [T, H] residual stream, updated in place
-        q = torch.empty(num_tokens, nh, d, dtype=h.dtype, device=h.device)
-        attn = torch.empty_like(q)
-        act = torch.empty(num_tokens, c.intermediate_size, dtype=h.dtype, device=h.device)
+        h, q, attn, act = self._activations(tokens)
         for index, layer in enumerate(m.layers):
             skinny.norm_qkv_rope(h, layer.attn_norm, eps, layer.qkv.weight, layer.qkv.bias, m.rope_cos,
                                  m.rope_sin_signed, positions, slots, q, self.k_pool[index], self.v_pool[index],
@@ -236,11 +232,8 @@ class PagedCudaDecoder:
         num_tokens = tokens.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
-        h = m.embed.index_select(0, tokens)  # [T, H] residual stream, updated in place
+        h, q, attn, act = self._activations(tokens)
         x = torch.empty_like(h)
-        q = torch.empty(num_tokens, nh, d, dtype=h.dtype, device=h.device)
-        attn = torch.empty_like(q)
-        act = torch.empty(num_tokens, c.intermediate_size, dtype=h.dtype, device=h.device)
         fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
         for index, layer in enumerate(m.layers):
             qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
