@@ -202,33 +202,27 @@ class ChatSandbox(ImmutableSandboxedEnvironment):
         # A bound method in _SAFE_METHODS is safely callable and takes no context, so the stock
         # checks (two failing attribute lookups each) cannot change the outcome.
         if type(__obj) is _BUILTIN_METHOD and __obj.__name__ in _SAFE_METHODS.get(type(__obj.__self__), ()):
-            kwargs.pop("_block_vars", None)
-            kwargs.pop("_loop_vars", None)
-            try:
-                return __obj(*args, **kwargs)
-            except StopIteration:
-                return __context.environment.undefined(
-                    "value was undefined because a callable raised a StopIteration exception")
+            return _call_direct(__context, __obj, args, kwargs)
         if type(__obj) is jinja2.runtime.Macro:
             # The stock path finds no unsafe_callable/alters_data on a Macro, and Macro.__call__ is
             # pass_eval_context: it gets the context's eval context first.
-            kwargs.pop("_block_vars", None)
-            kwargs.pop("_loop_vars", None)
-            try:
-                return __obj.__call__(__context.eval_ctx, *args, **kwargs)
-            except StopIteration:
-                return __context.environment.undefined(
-                    "value was undefined because a callable raised a StopIteration exception")
+            return _call_direct(__context, __obj.__call__, (__context.eval_ctx, *args), kwargs)
         if _PLAIN_CALLABLES.get(id(__obj)) is __obj:
             # Our own globals: safe, and none takes a context, an eval context or an environment.
-            kwargs.pop("_block_vars", None)
-            kwargs.pop("_loop_vars", None)
-            try:
-                return __obj(*args, **kwargs)
-            except StopIteration:
-                return __context.environment.undefined(
-                    "value was undefined because a callable raised a StopIteration exception")
+            return _call_direct(__context, __obj, args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
+
+
+def _call_direct(context, fn, args, kwargs):
+    """Call ``fn`` as jinja2's Context.call would once its checks passed: without the internal
+    _block_vars/_loop_vars keywords, a StopIteration turned into an undefined value."""
+    kwargs.pop("_block_vars", None)
+    kwargs.pop("_loop_vars", None)
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration:
+        return context.environment.undefined(
+            "value was undefined because a callable raised a StopIteration exception")
 
 
 _TEMPLATE_DICT = _TemplateDict()

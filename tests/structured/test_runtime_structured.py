@@ -8,7 +8,6 @@ the same numbers as transformers.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import llguidance
@@ -18,8 +17,9 @@ import torch
 from flared.core.load import open_core
 from flared.model.grammar import GrammarCompiler, GrammarError, check_schema
 from flared.model.sampling import SamplingParams
-from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent
+from flared.runtime.request import ErrorEvent, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent
 from flared.runtime.worker import ModelRuntime
+from flared_testing.runtime import run_requests
 
 ENUM = {"enum": ["fox", "dog", "Paris", "hello world"]}
 
@@ -40,19 +40,7 @@ def compiler(tiny_core, runtime):
 
 
 def _run(runtime, requests):
-    async def go():
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        for i, r in enumerate(requests):
-            runtime.submit(r, EventSink(loop, queue, i))
-        events = [[] for _ in requests]
-        done = 0
-        while done < len(requests):
-            i, e = await queue.get()
-            events[i].append(e)
-            done += isinstance(e, (FinishEvent, ErrorEvent))
-        return events
-    return asyncio.run(go())
+    return run_requests(runtime, requests)
 
 
 def _tokens(events):
