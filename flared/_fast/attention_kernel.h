@@ -29,16 +29,19 @@ static inline uint16_t fl_attn_f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline void fl_attn_load_row(const void *base, int64_t index, int head_dim, int bf16, float *dst) {
-    if (bf16) {
-        /* Widen into integer lanes, then one copy: a per-element memcpy bit cast does not vectorise. */
-        const uint16_t *p = (const uint16_t *)base + index * head_dim;
-        uint32_t bits[FL_ATTN_MAX_DIM];
-        for (int i = 0; i < head_dim; i++) bits[i] = (uint32_t)p[i] << 16;
-        memcpy(dst, bits, (size_t)head_dim * sizeof(float));
-    } else {
-        memcpy(dst, (const float *)base + index * head_dim, (size_t)head_dim * sizeof(float));
-    }
+/* A row widened to float32 in a union (GNU C type punning: no memcpy call per row). */
+typedef union {
+    uint32_t bits[FL_ATTN_MAX_DIM];
+    float values[FL_ATTN_MAX_DIM];
+} fl_attn_row_t;
+
+/* Row ``index`` of ``base`` as float32: float32 data in place, bfloat16 widened into ``buf``. */
+static inline const float *fl_attn_row(const void *base, int64_t index, int head_dim, int bf16,
+                                       fl_attn_row_t *buf) {
+    if (!bf16) return (const float *)base + index * head_dim;
+    const uint16_t *p = (const uint16_t *)base + index * head_dim;
+    for (int i = 0; i < head_dim; i++) buf->bits[i] = (uint32_t)p[i] << 16;
+    return buf->values;
 }
 
 /* e^x in float32 to ~2 ulp (Cody-Waite reduction, Cephes polynomial), in plain arithmetic so loops of
@@ -70,12 +73,14 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
     float acc[FL_ATTN_MAX_GROUP][FL_ATTN_MAX_DIM];
     float s[FL_ATTN_MAX_GROUP][FL_ATTN_TILE];
     float m[FL_ATTN_MAX_GROUP], l[FL_ATTN_MAX_GROUP];
-    float row_buf[FL_ATTN_MAX_DIM];
+    fl_attn_row_t row_buf;
     float kt[FL_ATTN_MAX_DIM][FL_ATTN_TILE];
     const int64_t *row_slots = slots + (int64_t)row * stride_slots;
     const int64_t head_base = (int64_t)kv_head * num_slots;
     for (int g = 0; g < group; g++) {
-        fl_attn_load_row(q, (int64_t)row * num_heads + kv_head * group + g, head_dim, bf16, qf[g]);
+        const int64_t q_index = (int64_t)row * num_heads + kv_head * group + g;
+        const float *qrow = fl_attn_row(q, q_index, head_dim, bf16, &row_buf);
+        for (int i = 0; i < head_dim; i++) qf[g][i] = qrow[i];
         for (int i = 0; i < head_dim; i++) {
             qf[g][i] *= scale;
             acc[g][i] = 0.0f;
@@ -88,8 +93,8 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
         /* Scores as [group, TILE] = q [group, d] x K^T [d, TILE]: K's tile is stored transposed so the
          * innermost loop runs along the tile's keys (constant length, contiguous: one vector FMA each). */
         for (int j = 0; j < n; j++) {
-            fl_attn_load_row(k, head_base + row_slots[t0 + j], head_dim, bf16, row_buf);
-            for (int i = 0; i < head_dim; i++) kt[i][j] = row_buf[i];
+            const float *krow = fl_attn_row(k, head_base + row_slots[t0 + j], head_dim, bf16, &row_buf);
+            for (int i = 0; i < head_dim; i++) kt[i][j] = krow[i];
         }
         for (int j = n; j < FL_ATTN_TILE; j++)
             for (int i = 0; i < head_dim; i++) kt[i][j] = 0.0f;
@@ -114,10 +119,10 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
             for (int i = 0; i < head_dim; i++) acc[g][i] *= alpha;
         }
         for (int j = 0; j < n; j++) {
-            fl_attn_load_row(v, head_base + row_slots[t0 + j], head_dim, bf16, row_buf);
+            const float *vrow = fl_attn_row(v, head_base + row_slots[t0 + j], head_dim, bf16, &row_buf);
             for (int g = 0; g < group; g++) {
                 float p = s[g][j];
-                for (int i = 0; i < head_dim; i++) acc[g][i] += p * row_buf[i];
+                for (int i = 0; i < head_dim; i++) acc[g][i] += p * vrow[i];
             }
         }
     }
