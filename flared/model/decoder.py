@@ -31,14 +31,26 @@ try:
 except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
     BF16_SUPPORTED, bf16_linear = False, None
 try:
+    from flared._fast import norm as _cpu_norm
+except ImportError:  # not built: torch's rms_norm
+    _cpu_norm = None
+try:
     from flared._fast import attention as _cpu_attention
 except ImportError:  # as above: decode attention keeps the gather + bmm path
     _cpu_attention = None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # One fused op (statistics in float32 for every dtype); matches transformers' LlamaRMSNorm to
-    # float32 rounding, which the parity tests check.
+    # float32 rounding, which the parity tests check. bfloat16 rows on the CPU go through
+    # flared/_fast/norm.pyx: torch runs a bf16 rms_norm as ~10 ops (~35 us a call, 61 calls per
+    # SmolLM2 decode step); the kernel rounds at the same steps as transformers' LlamaRMSNorm.
+    if (_cpu_norm is not None and x.dtype == torch.bfloat16 and weight is not None and x.dim() == 2
+            and x.device.type == "cpu" and weight.is_contiguous() and weight.shape[0] == x.shape[1]):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _cpu_norm.bf16_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
