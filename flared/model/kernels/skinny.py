@@ -30,8 +30,6 @@ Rules:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -156,17 +154,8 @@ _tuned = triton.autotune(_CONFIGS, key=["N", "K", "EPILOGUE", "NORM"], restore_v
                          prune_configs_by={"early_config_prune": _prune})(_skinny_kernel)
 
 
-def _fixed_config() -> dict | None:
-    """FLARED_SKINNY_CONFIG=BN,BK,WARPS,STAGES skips autotuning (tests under TRITON_INTERPRET use it)."""
-    spec = os.environ.get("FLARED_SKINNY_CONFIG")
-    if not spec:
-        return None
-    bn, bk, w, s = (int(v) for v in spec.split(","))
-    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
-
-
 def _launch(x, w, bias, out, norm_weight, eps, *, epilogue, partner=0, n, cos=None, sin=None, positions=None,
-            slots=None, k_pool=None, v_pool=None, num_heads=0, num_kv_heads=0, head_dim=0, grid_cols=None):
+            slots=None, k_pool=None, v_pool=None, num_heads=0, num_kv_heads=0, head_dim=0):
     rows, width = x.shape
     if rows > MAX_ROWS:
         raise ValueError(f"skinny kernels take at most {MAX_ROWS} rows, got {rows}")
@@ -181,20 +170,13 @@ def _launch(x, w, bias, out, norm_weight, eps, *, epilogue, partner=0, n, cos=No
             eps)
     meta = dict(EPILOGUE=epilogue, NORM=norm_weight is not None, HAS_BIAS=bias is not None, PARTNER=partner,
                 NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=_BLOCK_M)
-    cols = grid_cols if grid_cols is not None else n
 
     def grid(m):
         if epilogue == _ROPE_QKV:
             return ((num_heads + 2 * num_kv_heads) * ((head_dim // 2) // m["BLOCK_N"]),)
-        return (triton.cdiv(cols, m["BLOCK_N"]),)
+        return (triton.cdiv(n, m["BLOCK_N"]),)
 
-    fixed = _fixed_config()
-    if fixed is not None:
-        if epilogue == _ROPE_QKV and (head_dim // 2) % fixed["BLOCK_N"]:
-            fixed = dict(fixed, BLOCK_N=head_dim // 2)
-        _skinny_kernel[grid(fixed)](*args, **meta, **fixed)
-    else:
-        _tuned[grid](*args, **meta)
+    _tuned[grid](*args, **meta)
 
 
 def norm_qkv_rope(h: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_qkv: torch.Tensor,
