@@ -94,7 +94,8 @@ class PagedCudaDecoder:
         # FLARED_SKINNY_MAX_ROWS=0 turns them off (benchmarks compare both).
         self.skinny_max_rows = 0
         if self.fused and c.head_dim % 32 == 0:
-            self.skinny_max_rows = min(skinny.MAX_ROWS, int(os.environ.get("FLARED_SKINNY_MAX_ROWS", skinny.MAX_ROWS)))
+            pinned = int(os.environ.get("FLARED_SKINNY_MAX_ROWS", skinny.MAX_ROWS))
+            self.skinny_max_rows = min(skinny.MAX_ROWS, pinned)
         # Half-precision decode at small batch splits each row's context over several programs
         # (flash-decoding); float32 keeps the one-pass kernel (its summation order is the parity one).
         self.calibration: dict = {}
@@ -105,22 +106,23 @@ class PagedCudaDecoder:
         self.part_l = torch.empty(scratch, dtype=torch.float32, device=self.device)
         self.part_acc = torch.empty(scratch * c.head_dim, dtype=torch.float32, device=self.device)
 
-    def calibrate(self, stream) -> dict:
+    def calibrate(self, stream) -> None:
         """Keep the skinny kernels for few-row decode only where they beat cuBLAS + the small fused
         kernels on this model and GPU: both batch-1 decode forwards are captured and timed as graphs
-        (before the real captures; inputs must be the padding defaults). FLARED_SKINNY_MAX_ROWS pins it."""
+        (before the real captures; inputs must be the padding defaults); ``calibration`` records the
+        two times. FLARED_SKINNY_MAX_ROWS pins the choice."""
         if self.skinny_max_rows == 0 or "FLARED_SKINNY_MAX_ROWS" in os.environ:
-            return {}
+            return
         from flared.execution.graphs import time_graph_us
 
+        skinny_rows = self.skinny_max_rows
         times = {}
-        for rows in (self.skinny_max_rows, 0):
+        for rows in (skinny_rows, 0):
             self.skinny_max_rows = rows
             times[rows] = time_graph_us(lambda: self.decode(1, False), stream)
-        self.skinny_max_rows = min(times, key=times.get)
-        self.calibration = {"skinny_us": times[max(times)], "cublas_us": times[0],
+        self.skinny_max_rows = skinny_rows if times[skinny_rows] < times[0] else 0
+        self.calibration = {"skinny_us": times[skinny_rows], "cublas_us": times[0],
                             "skinny_max_rows": self.skinny_max_rows}
-        return self.calibration
 
     @property
     def kv_bytes(self) -> int:
