@@ -93,8 +93,9 @@ class ModelRuntime:
         # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
         # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
         self.pipeline = pipeline
-        self._inflight: collections.deque[tuple[int, object, list[int]]] = collections.deque()  # (fence, plan, handles)
-        self._exclusive_inflight = False  # a grammar step is in flight: nothing may stack behind it
+        # Steps submitted and not yet completed: (fence, plan, handles, exclusive). An exclusive step (one with
+        # a grammar row) has nothing stacked behind it.
+        self._inflight: collections.deque[tuple[int, object, list[int], bool]] = collections.deque()
         self.policy = policy  # flared.scheduler.PolicyConfig; None: its defaults
         self.prefix_cache = prefix_cache
         self.torch_threads = torch_threads
@@ -109,10 +110,9 @@ class ModelRuntime:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._max_pending = 0
-        # Submitted, not yet terminal and not cancelled (guarded by _lock): what model admission counts. A
-        # cancelled request stops counting at cancel(), before the model thread has dropped it, so the
-        # HTTP permit its client released can admit a successor at once.
-        self._num_outstanding = 0
+        # Request ids submitted, not yet terminal and not cancelled (guarded by _lock): what model admission
+        # counts. A cancelled request stops counting at cancel(), before the model thread has dropped it,
+        # so the HTTP permit its client released can admit a successor at once.
         self._outstanding_ids: set[int] = set()
         self.failed = threading.Event()
         self.failure: BaseException | None = None
@@ -214,19 +214,16 @@ class ModelRuntime:
             if request.score_from is not None and not getattr(self.executor, "supports_scoring", True):
                 raise AdmissionError("scored prompts are not served by the CUDA graph backend yet",
                                      ErrorKind.UNSUPPORTED)
-            if self._num_outstanding >= self._max_pending:
+            if len(self._outstanding_ids) >= self._max_pending:
                 raise AdmissionError(f"model admission is full ({self._max_pending} requests)",
                                      ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
-            self._num_outstanding += 1
             self._outstanding_ids.add(request.request_id)
             self._ingress.append(_Live(request, sink))
             self._wake.notify()
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
-            if request_id in self._outstanding_ids:
-                self._outstanding_ids.discard(request_id)
-                self._num_outstanding -= 1
+            self._outstanding_ids.discard(request_id)
             self._cancels.append(request_id)
             self._wake.notify()
 
@@ -234,7 +231,7 @@ class ModelRuntime:
         """Gauges and counters for metrics and tests (independent reads)."""
         s = self.scheduler
         out = {"steps": self.steps, "pending": len(self._pending) + len(self._ingress),
-               "outstanding": self._num_outstanding, "failed": self.failed.is_set(), **self.stats}
+               "outstanding": len(self._outstanding_ids), "failed": self.failed.is_set(), **self.stats}
         if s is not None:
             out.update(live_slots=s.num_live, free_pages=s.pages.num_free, total_pages=s.pages.num_pages,
                        free_snapshots=s.snapshots.num_free, counters=dict(s.counters))
@@ -286,12 +283,11 @@ class ModelRuntime:
         self._admit(now)
         pipelined = self.pipeline and hasattr(self.executor, "submit")
         plan = None
-        if not self._inflight or (pipelined and not self._exclusive_inflight and self.executor.outstanding < 2):
+        if not self._inflight or (pipelined and not self._inflight[-1][3] and self.executor.outstanding < 2):
             # With a step in flight the scheduler offers only a decode that may stack behind it.
             plan = self.scheduler.plan(now)
         if plan is not None and self._inflight and self._needs_empty_window(plan):
-            plan = None  # uncommitted plans change nothing: drain first, plan again next turn
-            self._complete_oldest()
+            self._complete_oldest()  # the plan is not committed, so dropping it changes nothing: drain first
             return True
         if plan is None:
             if self._inflight:
@@ -416,18 +412,14 @@ class ModelRuntime:
         fence, handles, block_tables, states, _ = self._commit(plan, now)
         if self.executor.submit(plan, block_tables, states) is None:
             raise ExecutionError("the executor refused a step the scheduler allowed (window full)")
-        self._inflight.append((fence, plan, handles))
-        if any(s is not None and getattr(s, "grammar", None) is not None for s in states):
-            self._exclusive_inflight = True
+        self._inflight.append((fence, plan, handles, self._needs_empty_window(plan)))
 
     def _complete_oldest(self) -> None:
         """Wait for the oldest in-flight step and publish what it produced."""
         polled = self.executor.poll(block=True)
         if polled is None:
             raise ExecutionError("the executor has no step in flight but the model thread expected one")
-        fence, plan, handles = self._inflight.popleft()
-        if not self._inflight:
-            self._exclusive_inflight = False
+        fence, plan, handles, _ = self._inflight.popleft()
         _, records, duration_ns, logprobs = polled
         self._finish_step(plan, fence, handles, records, duration_ns, logprobs, [None] * len(handles))
 
@@ -505,9 +497,7 @@ class ModelRuntime:
             self.stats["failed_requests"] += 1
         live.sink.put(event)
         with self._lock:
-            if live.request.request_id in self._outstanding_ids:
-                self._outstanding_ids.discard(live.request.request_id)
-                self._num_outstanding -= 1
+            self._outstanding_ids.discard(live.request.request_id)
 
     def _on_retired(self, handles) -> None:
         for handle in handles:
