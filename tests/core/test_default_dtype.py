@@ -1,21 +1,15 @@
-"""The dtype the daemon serves the embedded model in when none is asked for."""
+"""The dtype the daemon serves the embedded model in when none is asked for (``flared run --dtype auto``)."""
 
 from __future__ import annotations
 
-from flared.core.default import cpu_has_bf16, default_core_dir, preferred_dtype
+from flared.core.default import ensure_default_core, preferred_dtype
+from flared.core.manifest import read_manifest
 
 
-def test_preferred_dtype_follows_the_hardware():
-    import torch
-
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    native = "avx512_bf16" in flags or "amx_bf16" in flags
-    assert cpu_has_bf16() == native
-    expected = "bfloat16" if torch.cuda.is_available() or native else "float32"
-    assert preferred_dtype() == expected
-
-
-def test_default_core_dir_names_the_dtype(tmp_path):
-    assert default_core_dir(tmp_path, "bfloat16").name.endswith("-bfloat16")
-    assert default_core_dir(tmp_path, "float32") != default_core_dir(tmp_path, "bfloat16")
+def test_auto_exports_the_embedded_model_in_the_preferred_dtype(default_gguf, tmp_path):
+    core = ensure_default_core(tmp_path, "auto")
+    assert preferred_dtype() in ("float32", "bfloat16")
+    assert read_manifest(core).dtype == preferred_dtype()
+    assert core.name.endswith("-" + preferred_dtype())
+    # Asking again finds the same core instead of exporting another.
+    assert ensure_default_core(tmp_path, preferred_dtype()) == core
