@@ -7,16 +7,20 @@ layer; a token at position ``p`` of a sequence lives in slot
 - ``paged_decode_attention``: one query token per sequence, a batch of
   sequences; grid (batch rows, kv heads); each program carries the whole
   query-head group of its kv head so K/V are read once per group.
-- ``paged_prefill_attention``: one sequence's chunk of new tokens whose K/V
-  are already written to the pool, with ``num_cached_tokens`` earlier tokens
-  visible (chunked prefill over a cached prefix); grid (query blocks, query
-  heads); causal by absolute position.
+- ``paged_prefill_attention_varlen``: the chunks of new tokens of several
+  sequences, packed back to back in the token rows, whose K/V are already
+  written to the pool; each sequence has its own block-table row and
+  ``(num_cached_tokens, num_new_tokens)``, its cached prefix visible (chunked
+  prefill over a cached prefix); grid (packed query blocks, query heads);
+  causal by absolute position. ``paged_prefill_attention`` is its one-sequence
+  form.
 
 Rules:
 - Every length a kernel needs is read on the device (context lengths, the
   chunk's start and size), so a CUDA graph captured once serves any batch
   that fits its capacity. Rows beyond the real batch carry context length 0
-  and write zeros; query blocks beyond the real chunk write nothing.
+  and write zeros; query blocks beyond the real chunks write nothing, and a
+  prefill sequence with (0, 0) meta (padding) owns no rows.
 - Scores, the running max and the softmax sum stay float32 for every dtype;
   float32 inputs use IEEE dots (not TF32) so float32 runs match the CPU path
   and transformers to rounding.
@@ -89,20 +93,36 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, Out, BlockTable, ChunkMeta,
+def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
                     stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
-                    scale,
-                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    block = tl.program_id(0)
+                    stride_bt_row, scale, num_seqs,
+                    SEQS_PAD: tl.constexpr, PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    # Program p of axis 0 is the p-th query block of the packed chunks: sequence s owns blocks
+    # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
+    # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
+    pid = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
-    num_cached = tl.load(ChunkMeta)
-    num_new = tl.load(ChunkMeta + 1)
+    offs_s = tl.arange(0, SEQS_PAD)
+    s_mask = offs_s < num_seqs
+    cached_all = tl.load(ChunkMeta + offs_s * 2, mask=s_mask, other=0)
+    new_all = tl.load(ChunkMeta + offs_s * 2 + 1, mask=s_mask, other=0)
+    blocks_all = (new_all + BLOCK_M - 1) // BLOCK_M
+    blocks_end = tl.cumsum(blocks_all, 0)
+    rows_end = tl.cumsum(new_all, 0)
+    seq = tl.sum((blocks_end <= pid).to(tl.int32), 0)
+    sel = offs_s == seq  # all false past the last sequence: every field below is then 0
+    num_cached = tl.sum(tl.where(sel, cached_all, 0), 0)
+    num_new = tl.sum(tl.where(sel, new_all, 0), 0)
+    row_start = tl.sum(tl.where(sel, rows_end - new_all, 0), 0)
+    block = pid - tl.sum(tl.where(sel, blocks_end - blocks_all, 0), 0)
+    block_table = BlockTables + seq * stride_bt_row
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     m_mask = offs_m < num_new
-    q = tl.load(Q + offs_m[:, None] * stride_q_row + head * stride_q_head + offs_d[None, :], mask=m_mask[:, None],
+    rows = (row_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_q_row + head * stride_q_head + offs_d[None, :], mask=m_mask[:, None],
                 other=0.0)
     q_pos = num_cached + offs_m
     # Keys up to this block's last real query position, inclusive; 0 for a block past the chunk's end.
@@ -114,7 +134,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTable, ChunkMeta,
     for start in range(0, key_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < key_end
-        page = tl.load(BlockTable + pos // PAGE_TOKENS, mask=valid, other=0)
+        page = tl.load(block_table + pos // PAGE_TOKENS, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
         kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
         k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
@@ -137,7 +157,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTable, ChunkMeta,
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + offs_m[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
+    tl.store(Out + rows[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None])
 
 
@@ -162,22 +182,41 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, num_warps=4)
 
 
-def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
-                            block_table: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
-                            scale: float) -> None:
-    """q [T_cap, nh, d] (rows past the chunk ignored); out [T_cap, nh, d];
-    block_table [max_pages] int32; chunk_meta [2] int32 = (num_cached_tokens, num_new_tokens)."""
+def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                                   block_tables: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
+                                   scale: float) -> None:
+    """Several sequences' chunks packed back to back in the rows of q (sequence s's rows start after the
+    new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written).
+    q [T_cap, nh, d]; out [T_cap, nh, d]; block_tables [B, max_pages] int32 (row s: sequence s);
+    chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding."""
     capacity, num_heads, head_dim = q.shape
+    num_seqs = chunk_meta.shape[0]
     num_kv_heads = k_pool.shape[1]
+    if chunk_meta.stride(0) != 2 or chunk_meta.stride(1) != 1:
+        raise ValueError("chunk_meta must be a contiguous [B, 2] tensor")
     ieee = q.dtype == torch.float32
     # float32 tiles are twice the bytes: smaller blocks keep them in shared memory.
     block_m, block_n = (64, 32) if ieee else (128, 64)
-    _prefill_kernel[(triton.cdiv(capacity, block_m), num_heads)](
-        q, k_pool, v_pool, out, block_table, chunk_meta,
+    # At most cdiv(T, BLOCK_M) + B - 1 query blocks hold rows (each sequence adds at most one partial block).
+    grid = (triton.cdiv(capacity, block_m) + num_seqs - 1, num_heads)
+    _prefill_kernel[grid](
+        q, k_pool, v_pool, out, block_tables, chunk_meta,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
-        scale,
-        PAGE_TOKENS=page_tokens, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=8 if not ieee else 4, num_stages=2)
+        block_tables.stride(0), scale, num_seqs,
+        # One compiled variant serves every batch up to 16 sequences (the lanes past num_seqs are masked).
+        SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), PAGE_TOKENS=page_tokens,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
+        num_warps=8 if not ieee else 4, num_stages=2)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
+                            block_table: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
+                            scale: float) -> None:
+    """One sequence (the varlen kernel with B = 1): q [T_cap, nh, d] (rows past the chunk ignored);
+    out [T_cap, nh, d]; block_table [max_pages] int32; chunk_meta [2] int32 = (num_cached_tokens,
+    num_new_tokens)."""
+    paged_prefill_attention_varlen(q, k_pool, v_pool, out, block_table.view(1, -1), chunk_meta.view(1, 2),
+                                   page_tokens=page_tokens, scale=scale)
 
 
 # -- split-context decode (flash-decoding) -----------------------------------------------------------

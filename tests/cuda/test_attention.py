@@ -97,3 +97,71 @@ def test_prefill_with_cached_prefix_matches_reference(dtype, tol, cached, new, c
     err = (out[:new].double() - ref).norm() / ref.norm()
     assert err < tol, float(err)
     assert torch.isnan(out[new:]).all()  # rows past the chunk are never written
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nh, nkv, d", [(8, 2, 64), (32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("metas, capacity", [
+    # (cached, new) per sequence, (0, 0) = padding: odd lengths, cached prefixes, partial query blocks.
+    ([(0, 70), (37, 1), (0, 0), (100, 129), (5, 3), (0, 0)], 256),
+    ([(0, 128), (0, 128)], 256),  # full capacity, block-aligned
+    ([(3, 1)] * 16, 64),  # many one-token chunks: every sequence adds a partial block to the grid
+    ([(0, 0), (0, 0), (250, 7)], 64),  # only the last sequence is real
+])
+def test_varlen_prefill_matches_reference(dtype, tol, nh, nkv, d, metas, capacity):
+    """Several sequences packed back to back, each with its own block table and cached prefix (GQA):
+    each one's rows against the float64 reference; rows past the last chunk are never written."""
+    from flared.model.triton_attention import paged_prefill_attention_varlen
+
+    P, num_pages = 16, 128
+    k_pool, v_pool = make_pool(num_pages, P, nkv, d, dtype)
+    B = len(metas)
+    tables = torch.stack([torch.randperm(num_pages, device="cuda")[:24] for _ in range(B)]).to(torch.int32)
+    q = torch.randn(capacity, nh, d, device="cuda", dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    meta = torch.tensor(metas, dtype=torch.int32, device="cuda")
+    paged_prefill_attention_varlen(q, k_pool, v_pool, out, tables, meta, page_tokens=P, scale=d ** -0.5)
+    row = 0
+    for b, (cached, new) in enumerate(metas):
+        if new:
+            L = cached + new
+            ref = reference(q[row:row + new], seq_kv(k_pool, tables[b], L, P), seq_kv(v_pool, tables[b], L, P),
+                            torch.arange(cached, L, device="cuda"))
+            err = (out[row:row + new].double() - ref).norm() / ref.norm()
+            assert err < tol, (b, float(err))
+        row += new
+    assert torch.isnan(out[row:]).all()
+
+
+def test_varlen_prefill_is_capturable_and_reads_lengths_on_the_device():
+    """Captured once, replayed with different packings written into the same meta tensor."""
+    from flared.model.triton_attention import paged_prefill_attention_varlen
+
+    P, num_pages, nh, nkv, d, cap = 16, 64, 8, 2, 64, 128
+    k_pool, v_pool = make_pool(num_pages, P, nkv, d, torch.bfloat16)
+    tables = torch.stack([torch.randperm(num_pages, device="cuda")[:16] for _ in range(4)]).to(torch.int32)
+    q = torch.randn(cap, nh, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    meta = torch.zeros(4, 2, dtype=torch.int32, device="cuda")
+
+    def run():
+        paged_prefill_attention_varlen(q, k_pool, v_pool, out, tables, meta, page_tokens=P, scale=d ** -0.5)
+
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for metas in ([(0, 50), (10, 60), (0, 0), (0, 0)], [(7, 1), (0, 2), (30, 100), (0, 25)]):
+        meta.copy_(torch.tensor(metas, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        row = 0
+        for b, (cached, new) in enumerate(metas):
+            if new:
+                L = cached + new
+                ref = reference(q[row:row + new], seq_kv(k_pool, tables[b], L, P), seq_kv(v_pool, tables[b], L, P),
+                                torch.arange(cached, L, device="cuda"))
+                assert (out[row:row + new].double() - ref).norm() / ref.norm() < 2e-2
+            row += new
