@@ -18,6 +18,9 @@ tokens into the frame's completion records (flared._fast.frames) and frees
 the frame. GPU duration of every step comes from its two events.
 
 Rules:
+- Prefill steps may carry several sequences (their chunks packed back to back,
+  one sampled row each; a chunk that does not end its prompt samples nothing
+  the host keeps); the scheduler plans them with ``graph_shapes``.
 - Frames: ordinary decodes share the two-frame window; every other kind needs
   it empty (and is run with torch ops on the model stream, not a graph); a
   third submission gets None. FrameRing enforces it.
@@ -36,7 +39,7 @@ import torch
 from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
 from flared.errors import ErrorKind, ExecutionError
 from flared.execution import cuda
-from flared.execution.graphs import ExecutionManifest, GraphSet
+from flared.execution.graphs import ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_prefill
 from flared.model.sampling import Sampler, SequenceSamplingState
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind
@@ -63,13 +66,20 @@ class _Pending:
 class GraphExecutor:
     def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
                  vocab_size: int, max_live: int, decode_batch_sizes, prefill_token_sizes,
-                 max_pages_per_sequence: int):
+                 max_pages_per_sequence: int, prefill_batch_shapes=None):
+        """``prefill_batch_shapes``: (batch, tokens) capacities of multi-sequence prefill graphs; None = the
+        default (graphs.default_prefill_batch_shapes), () = one-sequence prefill graphs only. The scheduler
+        must plan with ``graph_shapes`` (what was captured)."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens
+        self.max_live = max_live
+        if prefill_batch_shapes is None:
+            prefill_batch_shapes = default_prefill_batch_shapes(max_live, prefill_token_sizes)
         self.manifest = ExecutionManifest.build(decode_batch_sizes=decode_batch_sizes,
                                                 prefill_token_sizes=prefill_token_sizes,
-                                                max_pages_per_sequence=max_pages_per_sequence)
+                                                max_pages_per_sequence=max_pages_per_sequence,
+                                                prefill_batch_shapes=prefill_batch_shapes)
         self.manifest.validate()
         self.max_slots = num_state_rows - 1
         self._pinned: list[cuda.PinnedBuffer] = []
@@ -113,6 +123,12 @@ class GraphExecutor:
     @property
     def num_bytes(self) -> int:
         return self.decoder.kv_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
+
+    @property
+    def graph_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """``SchedulerConfig.graph_shapes`` for this executor: the decode and prefill (batch, tokens) graphs
+        it captured, and the default shapes of the kinds it runs without a graph."""
+        return self.manifest.scheduler_graph_shapes(self.max_live)
 
     @property
     def outstanding(self) -> int:
@@ -223,7 +239,6 @@ class GraphExecutor:
         P = self.page_tokens
         n = plan.num_participants
         starts = np.asarray(plan.token_starts, dtype=np.int64)
-        counts = np.asarray(plan.num_tokens, dtype=np.int64)
         rows = np.asarray(plan.state_rows, dtype=np.int64)
         sample_flags = np.asarray(plan.sample, dtype=bool)
         scratch = self.decoder.scratch_slot
@@ -251,27 +266,13 @@ class GraphExecutor:
             v["context_lens"][n:cap] = 0
             token_rows = cap
         else:
-            cap_key = self.graphs.pick("prefill", int(counts[0]))
-            key, cap = cap_key, cap_key[1]
-            if n != 1:
-                raise ExecutionError(f"a prefill graph runs one sequence, the plan has {n}")
-            start, count = int(starts[0]), int(counts[0])
-            v["token_ids"][:count] = plan.tokens(0)
-            v["token_ids"][count:cap] = 0
-            pos = np.arange(start, start + count, dtype=np.int64)
-            v["positions"][:count] = pos
-            v["positions"][count:cap] = 0
-            bt = np.asarray(block_tables[0], dtype=np.int32)
-            pages_used = (start + count + P - 1) // P
-            v["block_tables"][0, :pages_used] = bt[:pages_used]
-            v["slot_ids"][:count] = bt[pos // P].astype(np.int64) * P + pos % P
-            v["slot_ids"][count:cap] = scratch
-            v["state_rows"][0] = rows[0]
-            v["chunk_meta"][:] = (start, count)
-            v["logit_row"][0] = count - 1
-            width = pages_used
+            offsets = np.asarray(plan.token_offsets, dtype=np.int64)
+            key = self.graphs.pick("prefill", int(offsets[n]), batch=n)
+            _, batch_cap, cap, _ = key
+            width = pack_prefill(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, batch_capacity=batch_cap,
+                                 token_capacity=cap)
             token_rows = cap
-        batch_rows = cap if kind == "decode" else 1
+        batch_rows = cap if kind == "decode" else batch_cap
         # Sampling parameters (graph sampler) and per-row step counters.
         for i in range(n):
             s = states[i]
@@ -290,11 +291,12 @@ class GraphExecutor:
         for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "seeds", "steps"):
             self._upload(frame, name, batch_rows)
         # Only the block-table columns in use matter, but rows are contiguous: upload whole rows up to the batch.
-        if width:
+        if kind == "decode" and width:
             self._upload(frame, "block_tables", batch_rows)
         if kind == "prefill":
-            self._upload(frame, "chunk_meta", 2)
-            self._upload(frame, "logit_row", 1)
+            self._upload(frame, "block_tables", width)
+            self._upload(frame, "chunk_meta", batch_rows)
+            self._upload(frame, "logit_rows", batch_rows)
         cuda.graph_launch(self.graphs.graph_execs[key], self._model_ptr)
         eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
                       and _needs_eager_sampler(states[i])]

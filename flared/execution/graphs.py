@@ -9,9 +9,11 @@ shape times its dtype's size.
 
 ``GraphSet`` allocates the device input buffer, hands its views to the
 decoder as ``StaticInputs``, warms every shape eagerly (Triton compiles,
-cuBLAS picks kernels), then captures: prefill graphs for each token
-capacity and decode graphs for each batch capacity (greedy and full
-sampling), largest first, all in one graph memory pool, on the model stream.
+cuBLAS picks kernels), then captures: prefill graphs for each (batch, token)
+capacity (one sequence per graph at every token capacity, and the
+multi-sequence shapes whose chunks are packed back to back) and decode
+graphs for each batch capacity (greedy and full sampling), largest first,
+all in one graph memory pool, on the model stream.
 ``launch(key, stream)`` replays through CuPy's ``cudaGraphLaunch``.
 
 Rules:
@@ -39,14 +41,39 @@ INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("state_rows", "int64", ("B",)),
     ("block_tables", "int32", ("B", "P")),
     ("context_lens", "int32", ("B",)),
-    ("chunk_meta", "int32", ("2",)),
-    ("logit_row", "int64", ("1",)),
+    ("chunk_meta", "int32", ("B", "2")),  # prefill: (num_cached_tokens, num_new_tokens) per sequence
+    ("logit_rows", "int64", ("B",)),  # prefill: each sequence's last row (its logits are sampled)
     ("temperature", "float32", ("B",)),
     ("top_k", "int32", ("B",)),
     ("top_p", "float32", ("B",)),
     ("seeds", "int64", ("B",)),
     ("steps", "int64", ("B",)),
 )
+
+
+# Multi-sequence prefill graphs (default_prefill_batch_shapes): batches of 2..PREFILL_MAX_BATCH sequences
+# (powers of two), at the one-sequence token capacities from PREFILL_BATCH_MIN_TOKENS up, with at least
+# PREFILL_MIN_TOKENS_PER_SEQUENCE tokens per sequence of the batch.
+PREFILL_MAX_BATCH = 16
+PREFILL_BATCH_MIN_TOKENS = 128
+PREFILL_MIN_TOKENS_PER_SEQUENCE = 32
+
+
+def default_prefill_batch_shapes(concurrency: int, prefill_token_sizes) -> tuple[tuple[int, int], ...]:
+    """(batch, tokens) capacities of the multi-sequence prefill graphs a core captures by default.
+
+    Batching prompts pays most where a prefill step is bound by reading the weights (a few hundred tokens
+    on a large model: one pass serves every prompt of the cohort); at the chunk size it saves the per-step
+    overhead of many small chunks. The count stays small: each graph is one more capture at load (the
+    graphs share one memory pool, which the largest sizes): at concurrency 64 and chunk 2048, 17 graphs."""
+    shapes = []
+    b = 2
+    while b <= min(concurrency, PREFILL_MAX_BATCH):
+        for t in sorted(set(int(t) for t in prefill_token_sizes)):
+            if t >= max(PREFILL_BATCH_MIN_TOKENS, PREFILL_MIN_TOKENS_PER_SEQUENCE * b):
+                shapes.append((b, t))
+        b *= 2
+    return tuple(shapes)
 
 
 @dataclass(frozen=True)
@@ -61,17 +88,22 @@ class Span:
 @dataclass(frozen=True)
 class ExecutionManifest:
     decode_batch_sizes: tuple[int, ...]
-    prefill_token_sizes: tuple[int, ...]
+    prefill_token_sizes: tuple[int, ...]  # one-sequence prefill graphs (batch capacity 1)
     max_pages_per_sequence: int
     spans: tuple[Span, ...]
     total_bytes: int
+    # Multi-sequence prefill graphs: (batch capacity >= 2, token capacity = total new tokens of the cohort).
+    prefill_batch_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def build(cls, *, decode_batch_sizes, prefill_token_sizes, max_pages_per_sequence: int) -> ExecutionManifest:
+    def build(cls, *, decode_batch_sizes, prefill_token_sizes, max_pages_per_sequence: int,
+              prefill_batch_shapes=()) -> ExecutionManifest:
         decode_batch_sizes = tuple(sorted(int(b) for b in decode_batch_sizes))
         prefill_token_sizes = tuple(sorted(int(t) for t in prefill_token_sizes))
-        max_batch = max(decode_batch_sizes) if decode_batch_sizes else 1
-        max_tokens = max(max(prefill_token_sizes, default=1), max_batch)
+        prefill_batch_shapes = tuple(sorted((int(b), int(t)) for b, t in prefill_batch_shapes))
+        max_batch = max(max(decode_batch_sizes, default=1), max((b for b, _ in prefill_batch_shapes), default=1))
+        max_tokens = max(max(prefill_token_sizes, default=1), max((t for _, t in prefill_batch_shapes), default=1),
+                         max_batch)
         dims = {"T": max_tokens, "B": max_batch, "P": max_pages_per_sequence, "1": 1, "2": 2}
         spans = []
         offset = 0
@@ -80,15 +112,52 @@ class ExecutionManifest:
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             spans.append(Span(name, dtype, shape, offset, nbytes))
             offset += -(-nbytes // SPAN_ALIGN_BYTES) * SPAN_ALIGN_BYTES
-        return cls(decode_batch_sizes, prefill_token_sizes, max_pages_per_sequence, tuple(spans), offset)
+        return cls(decode_batch_sizes, prefill_token_sizes, max_pages_per_sequence, tuple(spans), offset,
+                   prefill_batch_shapes)
+
+    @property
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """Every prefill graph as (batch capacity, token capacity), batch 1 included, ordered."""
+        return tuple(sorted([(1, t) for t in self.prefill_token_sizes] + list(self.prefill_batch_shapes)))
 
     @property
     def max_batch(self) -> int:
-        return max(self.decode_batch_sizes)
+        return max(max(self.decode_batch_sizes), max((b for b, _ in self.prefill_batch_shapes), default=1))
 
     @property
     def max_tokens(self) -> int:
-        return max(max(self.prefill_token_sizes, default=1), self.max_batch)
+        return max(max((t for _, t in self.prefill_shapes), default=1), self.max_batch)
+
+    def pick(self, kind: str, size: int, full_sampling: bool = True, *, batch: int = 1) -> tuple[str, int, int, bool]:
+        """Key of the smallest graph that holds a step: a decode of ``size`` rows, or a prefill of ``size``
+        new tokens over ``batch`` sequences (fewest token rows first, then fewest sequences)."""
+        if kind == "decode":
+            for cap in self.decode_batch_sizes:
+                if cap >= size:
+                    return graph_key(kind, cap, cap, full_sampling)
+            raise ExecutionError(f"no decode graph holds {size} (captured: {self.decode_batch_sizes})",
+                                 ErrorKind.MODEL_CAPACITY)
+        shapes = self.prefill_shapes
+        fits = [(t, b) for b, t in shapes if b >= batch and t >= size]
+        if not fits:
+            raise ExecutionError(f"no prefill graph holds {batch} sequences of {size} tokens (captured: {shapes})",
+                                 ErrorKind.MODEL_CAPACITY)
+        tokens, b = min(fits)
+        return graph_key(kind, b, tokens, True)
+
+    def scheduler_graph_shapes(self, concurrency: int) -> tuple[tuple[int, int, int], ...]:
+        """The (kind, batch_capacity, token_capacity) triples for ``SchedulerConfig.graph_shapes``: the decode
+        and prefill graphs captured from this manifest, and the default shapes of the kinds that run
+        without a graph (flared.scheduler.config.default_graph_shapes), so the scheduler plans exactly
+        the shapes the executor can launch."""
+        from flared.scheduler import GraphKind, default_graph_shapes
+
+        graph_kinds = (int(GraphKind.DECODE), int(GraphKind.PREFILL))
+        chunk = max(t for _, t in self.prefill_shapes)
+        shapes = [s for s in default_graph_shapes(concurrency, chunk) if s[0] not in graph_kinds]
+        shapes += [(int(GraphKind.DECODE), b, b) for b in self.decode_batch_sizes]
+        shapes += [(int(GraphKind.PREFILL), b, t) for b, t in self.prefill_shapes]
+        return tuple(shapes)
 
     def span(self, name: str) -> Span:
         for s in self.spans:
@@ -107,6 +176,16 @@ class ExecutionManifest:
         for sizes, what in ((self.decode_batch_sizes, "decode batch"), (self.prefill_token_sizes, "prefill token")):
             if len(set(sizes)) != len(sizes):
                 raise bad(f"{what} sizes repeat: {sizes}")
+        for b, t in self.prefill_batch_shapes:
+            if b < 2 or t < b:
+                raise bad(f"prefill batch shape {(b, t)} needs batch >= 2 and at least one token per sequence")
+        if len(set(self.prefill_batch_shapes)) != len(self.prefill_batch_shapes):
+            raise bad(f"prefill batch shapes repeat: {self.prefill_batch_shapes}")
+        if self.prefill_batch_shapes and not self.prefill_token_sizes:
+            raise bad("prefill batch shapes need one-sequence prefill graphs too")
+        if any(t > max(self.prefill_token_sizes) for _, t in self.prefill_batch_shapes):
+            raise bad(f"prefill batch shapes {self.prefill_batch_shapes} exceed the largest prefill token size "
+                      f"{max(self.prefill_token_sizes)} (the prefill chunk)")
         if self.max_pages_per_sequence <= 0:
             raise bad(f"max_pages_per_sequence must be positive, got {self.max_pages_per_sequence}")
         names = [s.name for s in self.spans]
@@ -135,6 +214,50 @@ class ExecutionManifest:
                 for s in self.spans}
 
 
+def pack_prefill(views: dict[str, np.ndarray], plan, block_tables, *, page_tokens: int, scratch_slot: int,
+                 batch_capacity: int, token_capacity: int) -> int:
+    """Write a prefill plan's graph inputs into host views of the manifest layout (a pinned frame).
+
+    The participants' chunks go back to back in the token rows, in plan order (the plan's flat token_ids
+    already are): rows ``token_offsets[i]:token_offsets[i+1]`` hold participant i's tokens at positions
+    ``token_starts[i]..``, each writing its K/V to the slot its own block table maps. Per sequence:
+    its block-table row i, ``chunk_meta[i] = (token_starts[i], num_tokens[i])``, ``logit_rows[i]`` = its
+    last row, ``state_rows[i]``. Padding: rows past the tokens write the scratch slot; sequences past the
+    participants get meta (0, 0), state row 0 (the scratch row) and logit row 0. Returns the block-table
+    rows in use (the participants)."""
+    P = page_tokens
+    n = plan.num_participants
+    starts = np.asarray(plan.token_starts, dtype=np.int64)
+    counts = np.asarray(plan.num_tokens, dtype=np.int64)
+    offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
+    total = int(offsets[n])
+    if n > batch_capacity or total > token_capacity:
+        raise ExecutionError(f"a prefill of {n} sequences and {total} tokens does not fit the graph "
+                             f"({batch_capacity}, {token_capacity})", ErrorKind.MODEL_CAPACITY)
+    v = views
+    v["token_ids"][:total] = np.asarray(plan.token_ids, dtype=np.int64)[:total]
+    v["token_ids"][total:token_capacity] = 0
+    seq_of_row = np.repeat(np.arange(n), counts)
+    pos = np.repeat(starts - offsets[:n], counts) + np.arange(total, dtype=np.int64)
+    v["positions"][:total] = pos
+    v["positions"][total:token_capacity] = 0
+    tables = v["block_tables"]
+    for i in range(n):
+        pages_used = (int(starts[i]) + int(counts[i]) + P - 1) // P
+        tables[i, :pages_used] = np.asarray(block_tables[i], dtype=np.int32)[:pages_used]
+    v["slot_ids"][:total] = tables[seq_of_row, pos // P].astype(np.int64) * P + pos % P
+    v["slot_ids"][total:token_capacity] = scratch_slot
+    v["state_rows"][:n] = np.asarray(plan.state_rows, dtype=np.int64)
+    v["state_rows"][n:batch_capacity] = 0
+    meta = v["chunk_meta"]
+    meta[:n, 0] = starts
+    meta[:n, 1] = counts
+    meta[n:batch_capacity] = 0
+    v["logit_rows"][:n] = np.maximum(offsets[1:] - 1, 0)
+    v["logit_rows"][n:batch_capacity] = 0
+    return n
+
+
 def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) -> float:
     """GPU microseconds per call of ``fn`` as a CUDA graph pays them (launch gaps included): ``fn`` runs
     once eagerly (Triton compiles and autotunes there, never inside a capture), is captured
@@ -159,8 +282,10 @@ def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) ->
     return start.elapsed_time(end) * 1e3 / (replays * calls_per_graph)
 
 
-def graph_key(kind: str, capacity: int, full_sampling: bool = True) -> tuple[str, int, bool]:
-    return (kind, capacity, full_sampling)
+def graph_key(kind: str, batch: int, tokens: int, full_sampling: bool = True) -> tuple[str, int, int, bool]:
+    """(kind, batch capacity, token capacity, full sampling); a decode graph has tokens == batch, a prefill
+    graph always samples fully."""
+    return (kind, batch, tokens, full_sampling)
 
 
 class GraphSet:
@@ -184,8 +309,8 @@ class GraphSet:
         self.decoder = PagedCudaDecoder(model, self.inputs, num_pages=num_pages, page_tokens=page_tokens,
                                         num_state_rows=num_state_rows, max_batch=manifest.max_batch,
                                         max_tokens=manifest.max_tokens)
-        self.graphs: dict[tuple[str, int, bool], torch.cuda.CUDAGraph] = {}
-        self.graph_execs: dict[tuple[str, int, bool], int] = {}
+        self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.graph_execs: dict[tuple[str, int, int, bool], int] = {}
         self.capture_s = 0.0
 
     @property
@@ -202,7 +327,7 @@ class GraphSet:
         s.block_tables.fill_(self.decoder.num_pages)  # the scratch page
         s.context_lens.zero_()
         s.chunk_meta.zero_()
-        s.logit_row.zero_()
+        s.logit_rows.zero_()
         s.temperature.zero_()
         s.top_k.zero_()
         s.top_p.fill_(1.0)
@@ -210,19 +335,19 @@ class GraphSet:
         s.steps.zero_()
 
     def _run_eager(self, key) -> None:
-        kind, capacity, full = key
+        kind, batch, tokens, full = key
         if kind == "decode":
-            self.decoder.decode(capacity, full)
+            self.decoder.decode(batch, full)
         else:
-            self.decoder.prefill(capacity)
+            self.decoder.prefill(batch, tokens)
 
-    def keys(self) -> list[tuple[str, int, bool]]:
+    def keys(self) -> list[tuple[str, int, int, bool]]:
         m = self.manifest
-        keys = [graph_key("prefill", t) for t in m.prefill_token_sizes]
+        keys = [graph_key("prefill", b, t) for b, t in m.prefill_shapes]
         for b in m.decode_batch_sizes:
-            keys += [graph_key("decode", b, False), graph_key("decode", b, True)]
-        # Largest first: later, smaller graphs reuse the pool's blocks.
-        return sorted(keys, key=lambda k: (-k[1], k[0], k[2]))
+            keys += [graph_key("decode", b, b, False), graph_key("decode", b, b, True)]
+        # Largest first (token rows, then batch rows): later, smaller graphs reuse the pool's blocks.
+        return sorted(keys, key=lambda k: (-k[2], -k[1], k[0], k[3]))
 
     def capture(self, stream) -> None:
         """Warm every shape, then capture all graphs on ``stream`` (a torch.cuda.Stream) in one pool."""
@@ -254,10 +379,6 @@ class GraphSet:
             raise ExecutionError(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", ErrorKind.DEVICE) from exc
         self.capture_s = time.perf_counter() - started
 
-    def pick(self, kind: str, size: int, full_sampling: bool = True) -> tuple[str, int, bool]:
-        """Smallest captured capacity that holds ``size``."""
-        sizes = self.manifest.decode_batch_sizes if kind == "decode" else self.manifest.prefill_token_sizes
-        for cap in sizes:
-            if cap >= size:
-                return graph_key(kind, cap, full_sampling if kind == "decode" else True)
-        raise ExecutionError(f"no {kind} graph holds {size} (captured: {sizes})", ErrorKind.MODEL_CAPACITY)
+    def pick(self, kind: str, size: int, full_sampling: bool = True, *, batch: int = 1) -> tuple[str, int, int, bool]:
+        """The key of the smallest captured graph that holds the step (ExecutionManifest.pick)."""
+        return self.manifest.pick(kind, size, full_sampling, batch=batch)

@@ -28,22 +28,24 @@ def serving_model(hf, device="cuda", dtype=torch.float32):
     return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT)
 
 
-def make_scheduler(concurrency=4, num_pages=128, chunk=128):
+def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=()):
+    """``graph_shapes``: an executor's ``graph_shapes`` (its multi-sequence prefill graphs); () = defaults."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"cuda-tests").digest(), max_live_requests=concurrency, num_pages=num_pages,
-        num_snapshots=16, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=chunk),
-        PolicyConfig())
+        num_snapshots=16, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=chunk,
+        graph_shapes=tuple(graph_shapes)), PolicyConfig())
 
 
-def make_executor(model, concurrency=4, num_pages=128, chunk=128):
+def make_executor(model, concurrency=4, num_pages=128, chunk=128, prefill_batch_shapes=()):
+    """One-sequence prefill graphs unless ``prefill_batch_shapes`` lists (batch, tokens) ones."""
     from flared.execution.executor import GraphExecutor
 
     return GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                          num_snapshots=16, vocab_size=model.config.vocab_size, max_live=concurrency,
                          decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(64, chunk),
-                         max_pages_per_sequence=CONTEXT // PAGE_TOKENS)
+                         max_pages_per_sequence=CONTEXT // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes)
 
 
 def make_cpu_executor(model, concurrency=4, num_pages=128):

@@ -9,9 +9,14 @@ forwards with fixed shapes:
   0..B-1; a token id < 0 means "the token this state row sampled last",
   read on the device, so a decode step can be submitted before the previous
   step's tokens reach the host.
-- ``prefill(token_capacity)``: one sequence's chunk, rows 0..T-1, with
-  ``chunk_meta = (num_cached_tokens, num_new_tokens)``; logits of row
-  ``logit_row`` (the chunk's last real row).
+- ``prefill(batch_capacity, token_capacity)``: the chunks of up to B
+  sequences packed back to back in rows 0..T-1 (sequence s's rows follow
+  those of sequences 0..s-1), ``chunk_meta[s] = (num_cached_tokens,
+  num_new_tokens)``; one logits row per sequence, ``logit_rows[s]`` (its
+  chunk's last real row), sampled into ``sampled[s]`` for state row
+  ``state_rows[s]``. Padding sequences have meta (0, 0), state row 0 (the
+  scratch row no request owns) and logit row 0: they attend to nothing and
+  what they sample lands in the scratch row.
 
 Shapes: T = token capacity, B = batch capacity, nh/nkv = heads, d = head dim,
 V = vocab. Pool: per layer [slots + page_tokens, nkv, d].
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 from flared.model.kernels import fused, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
 from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_split,
-                                           paged_prefill_attention)
+                                           paged_prefill_attention_varlen)
 
 
 @dataclass
@@ -48,10 +53,10 @@ class StaticInputs:
     positions: torch.Tensor  # [T_max] int64
     slot_ids: torch.Tensor  # [T_max] int64, KV slot each new token writes
     state_rows: torch.Tensor  # [B_max] int64
-    block_tables: torch.Tensor  # [B_max, max_pages] int32 (prefill reads row 0)
+    block_tables: torch.Tensor  # [B_max, max_pages] int32 (prefill: one row per sequence)
     context_lens: torch.Tensor  # [B_max] int32, decode rows' context including the new token; 0 = padding
-    chunk_meta: torch.Tensor  # [2] int32: prefill (num_cached_tokens, num_new_tokens)
-    logit_row: torch.Tensor  # [1] int64: prefill row whose logits are sampled
+    chunk_meta: torch.Tensor  # [B_max, 2] int32: prefill (num_cached_tokens, num_new_tokens) per sequence
+    logit_rows: torch.Tensor  # [B_max] int64: prefill, each sequence's row whose logits are sampled
     temperature: torch.Tensor  # [B_max] float32, 0 = greedy
     top_k: torch.Tensor  # [B_max] int32, 0 = off
     top_p: torch.Tensor  # [B_max] float32
@@ -152,17 +157,17 @@ class PagedCudaDecoder:
         x = self._layers(tokens, s.positions[:batch], s.slot_ids[:batch], attend)
         self._finish(x, batch, full_sampling, rows)
 
-    def prefill(self, capacity: int) -> None:
+    def prefill(self, batch: int, capacity: int) -> None:
         s = self.inputs
-        block_table = s.block_tables[0]
-        meta = s.chunk_meta
+        block_tables = s.block_tables[:batch]
+        meta = s.chunk_meta[:batch]
 
         def attend(q, layer, out):
-            paged_prefill_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_table, meta,
-                                    page_tokens=self.page_tokens, scale=self.model.scale)
+            paged_prefill_attention_varlen(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, meta,
+                                           page_tokens=self.page_tokens, scale=self.model.scale)
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
-        self._finish(x.index_select(0, s.logit_row), 1, True, s.state_rows[:1])
+        self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch])
 
     # -- shared body -------------------------------------------------------------------------------
 
