@@ -38,6 +38,10 @@ try:
     from flared._fast import attention as _cpu_attention
 except ImportError:  # as above: decode attention keeps the gather + bmm path
     _cpu_attention = None
+try:
+    from flared._fast import decode as _cpu_decode
+except ImportError:  # as above: bf16 decode steps keep the per-op path
+    _cpu_decode = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -156,6 +160,22 @@ class DecoderModel:
             _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
             and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
+        # bf16 decode-only steps of up to _cpu_decode.MAX_ROWS rows on a CPU with AVX-512 BF16 run every layer
+        # in one call (flared/_fast/decode.pyx): the per-op path spends ~2 ms of SmolLM2's ~12 ms single-stream
+        # step dispatching ~15 small torch ops per layer. Rounding follows the per-op path (see decode_kernel.h).
+        self.fused_decode = (
+            _cpu_decode is not None and _cpu_decode.SUPPORTED and self.cpu_decode_attention
+            and dtype == torch.bfloat16 and config.head_dim % 2 == 0)
+        self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        if self.fused_decode:
+            def addr(t: torch.Tensor | None) -> int:
+                return 0 if t is None else t.data_ptr()
+
+            # Column order is decode_kernel.h's; the tensors are owned by self.layers for the model's life.
+            self._layer_ptrs = torch.tensor(
+                [[addr(l.attn_norm), addr(l.qkv.weight), addr(l.qkv.bias), addr(l.qk_norm), addr(l.o.weight),
+                  addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.weight), addr(l.down.weight)]
+                 for l in self.layers], dtype=torch.int64)
 
     def make_kv_cache(self, *, num_pages: int, page_tokens: int) -> PagedKVCache:
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
@@ -164,6 +184,10 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Returns logits [len(batch.logit_row_ids), vocab] float32."""
+        if (self.fused_decode and not batch.prefill_groups and batch.decode_row_ids is not None
+                and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
+                and kv.keys.dtype == torch.bfloat16):
+            return self._forward_fused_decode(batch, kv)
         c = self.config
         num_tokens = batch.num_tokens
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -196,6 +220,34 @@ class DecoderModel:
             h = h + layer.down(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:])
         last = h.index_select(0, batch.logit_row_ids)
         last = rms_norm(last, self.final_norm, eps)
+        return self.lm_head_linear(last).float()
+
+    def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """A decode-only batch (row i = decode row i) through flared/_fast/decode.pyx; same result as forward's
+        per-op path up to silu's exp rounding."""
+        c = self.config
+        rows = batch.num_tokens
+        threads = max(1, torch.get_num_threads())
+        scratch = self._decode_scratch.get((rows, threads))
+        if scratch is None:
+            def buf(*shape: int) -> torch.Tensor:
+                return torch.empty(shape, dtype=torch.bfloat16)
+
+            scratch = (buf(threads, rows, c.hidden_size), buf(rows, c.q_size + 2 * c.kv_size), buf(rows, c.q_size),
+                       buf(rows, c.q_size), buf(rows, c.intermediate_size))
+            self._decode_scratch[(rows, threads)] = scratch
+        x, qkv, q, attn, act = scratch
+        h = self.embed.index_select(0, batch.input_ids)  # [rows, H], updated in place by every layer
+        _cpu_decode.decode_layers(
+            rows=rows, hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            intermediate=c.intermediate_size, num_layers=c.num_layers, eps=c.rms_norm_eps, scale=self.scale,
+            window=c.sliding_window or 0, num_slots=kv.num_slots, stride_slots=batch.decode_max_context,
+            layer_ptrs=self._layer_ptrs.data_ptr(), cos=self.rope_cos.data_ptr(), sin=self.rope_sin_signed.data_ptr(),
+            positions=batch.positions.data_ptr(), write_slots=batch.write_slot_ids.data_ptr(),
+            gather_slots=batch.decode_gather_slot_ids.data_ptr(), lens=batch.decode_context_lens.data_ptr(),
+            k_cache=kv.keys.data_ptr(), v_cache=kv.values.data_ptr(), h=h.data_ptr(), x=x.data_ptr(),
+            qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads)
+        last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
         return self.lm_head_linear(last).float()
 
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,

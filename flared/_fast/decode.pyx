@@ -1,0 +1,100 @@
+# cython: language_level=3
+"""All decoder layers of a bf16 decode step in one call (kernel in decode_kernel.h).
+
+``decode_layers(...)`` runs every layer for ``rows`` decode rows (one new token each) over the paged KV
+cache: the hidden states ``h`` [rows, hidden] are updated in place, each row's new K/V is written to its
+slot, and the caller then applies the final norm and the LM head. Raw data pointers
+(``tensor.data_ptr()``); ``layer_ptrs`` is the address of an int64 [num_layers, 9] table of weight
+addresses (see decode_kernel.h for its columns).
+
+Rules:
+- The caller checks ``SUPPORTED`` and owns every check on the tensors: bfloat16 throughout (int64 index
+  arrays), contiguous, shapes as decode_kernel.h says, slots inside the cache, rows at most MAX_ROWS,
+  and everything alive during the call. This module checks only the scalar arguments.
+- Threads are OpenMP's, the runtime torch uses (see linear.pyx).
+"""
+
+from libc.stdint cimport int64_t, uint16_t, uintptr_t
+
+cdef extern from "decode_kernel.h" nogil:
+    int FL_DEC_MAX_ROWS
+    int FL_ATTN_MAX_GROUP
+    int FL_ATTN_MAX_DIM
+    ctypedef struct fl_decode_args_t:
+        int rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, window, threads
+        float eps, scale
+        int64_t num_slots, stride_slots
+        const int64_t *layer_ptrs
+        const uint16_t *cos
+        const uint16_t *sin
+        const int64_t *positions
+        const int64_t *write_slots
+        const int64_t *gather_slots
+        const int64_t *lens
+        uint16_t *k_cache
+        uint16_t *v_cache
+        uint16_t *h
+        uint16_t *x
+        uint16_t *qkv
+        uint16_t *q
+        uint16_t *attn
+        uint16_t *act
+    int fl_decode_supported()
+    void fl_decode_layers(const fl_decode_args_t *a)
+
+SUPPORTED = bool(fl_decode_supported())
+MAX_ROWS = FL_DEC_MAX_ROWS
+MAX_GROUP = FL_ATTN_MAX_GROUP
+MAX_HEAD_DIM = FL_ATTN_MAX_DIM
+
+
+def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,
+                  int num_layers, float eps, float scale, int window, int64_t num_slots, int64_t stride_slots,
+                  uintptr_t layer_ptrs, uintptr_t cos, uintptr_t sin, uintptr_t positions, uintptr_t write_slots,
+                  uintptr_t gather_slots, uintptr_t lens, uintptr_t k_cache, uintptr_t v_cache, uintptr_t h,
+                  uintptr_t x, uintptr_t qkv, uintptr_t q, uintptr_t attn, uintptr_t act, int threads=1):
+    """See the module docstring. ``x`` holds ``threads`` * rows * hidden elements (one norm buffer per thread)."""
+    if not SUPPORTED:
+        raise RuntimeError("decode_layers: this CPU lacks AVX-512 BF16 (check SUPPORTED first)")
+    if not 0 < rows <= FL_DEC_MAX_ROWS:
+        raise ValueError(f"decode_layers: rows {rows} outside 1..{FL_DEC_MAX_ROWS}")
+    if min(hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, num_slots, stride_slots) <= 0:
+        raise ValueError("decode_layers: every size must be positive")
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > FL_ATTN_MAX_GROUP:
+        raise ValueError(f"decode_layers: {num_heads} heads over {num_kv_heads} kv heads is not supported")
+    if head_dim > FL_ATTN_MAX_DIM or head_dim % 2:
+        raise ValueError(f"decode_layers: head_dim {head_dim} is not supported")
+    if 0 in (layer_ptrs, cos, sin, positions, write_slots, gather_slots, lens, k_cache, v_cache, h, x, qkv, q,
+             attn, act):
+        raise ValueError("decode_layers: null data pointer")
+    cdef fl_decode_args_t a
+    a.rows = rows
+    a.hidden = hidden
+    a.num_heads = num_heads
+    a.num_kv_heads = num_kv_heads
+    a.head_dim = head_dim
+    a.intermediate = intermediate
+    a.num_layers = num_layers
+    a.window = window
+    a.threads = threads if threads > 0 else 1
+    a.eps = eps
+    a.scale = scale
+    a.num_slots = num_slots
+    a.stride_slots = stride_slots
+    a.layer_ptrs = <const int64_t *>layer_ptrs
+    a.cos = <const uint16_t *>cos
+    a.sin = <const uint16_t *>sin
+    a.positions = <const int64_t *>positions
+    a.write_slots = <const int64_t *>write_slots
+    a.gather_slots = <const int64_t *>gather_slots
+    a.lens = <const int64_t *>lens
+    a.k_cache = <uint16_t *>k_cache
+    a.v_cache = <uint16_t *>v_cache
+    a.h = <uint16_t *>h
+    a.x = <uint16_t *>x
+    a.qkv = <uint16_t *>qkv
+    a.q = <uint16_t *>q
+    a.attn = <uint16_t *>attn
+    a.act = <uint16_t *>act
+    with nogil:
+        fl_decode_layers(&a)

@@ -1,0 +1,207 @@
+/* Every decoder layer of a bf16 decode step in one call, for a few rows on a CPU with AVX-512 BF16.
+ *
+ * The torch forward runs a decode layer as ~15 ops and 4 kernel calls; at one row each op costs a few
+ * microseconds of dispatch, ~2 ms of SmolLM2's ~12 ms step. Here one OpenMP team runs all layers, with a
+ * barrier between the phases that need one (4 per layer):
+ *
+ *   1. each thread: x = rms_norm(h) into its own buffer (cheaper than a barrier)
+ *   2. qkv = x @ Wqkv^T (+ bias)                           output features in chunks, claimed dynamically
+ *   3. per (row, kv head): rope its q heads and its k head (after the Qwen3 per-head norm), write k and v
+ *      into the row's KV slot, then attend over the row's context (attention_kernel.h)
+ *   4. h += attn @ Wo^T (+ bias)                            chunks
+ *   5. each thread: x = rms_norm(h)
+ *   6. act = silu(x @ Wgate^T) * (x @ Wup^T)                chunks (gate row j and up row j together)
+ *   7. h += act @ Wdown^T                                   chunks
+ *
+ * Rounding follows the unfused torch ops step by step (each op's output rounded to bf16, arithmetic in
+ * float32), so logits equal the torch path's except where an exp in silu rounds differently (one bf16
+ * ulp of one activation, rarely): the tests compare the two paths.
+ *
+ * Layouts: h [rows, hidden]; KV [layers, kv_heads, slots, head_dim]; rope tables [positions, head_dim]
+ * with the rotate-half sign folded into sin (decoder.py's rope_sin_signed); gather slots [rows, stride]
+ * int64. Per layer, 9 addresses (0 = absent): attn_norm, qkv, qkv_bias, qk_norm ([heads + kv_heads,
+ * head_dim]), o, o_bias, mlp_norm, gate_up ([2 * intermediate, hidden]: gate rows then up rows), down.
+ */
+#ifndef FLARED_DECODE_KERNEL_H
+#define FLARED_DECODE_KERNEL_H
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "attention_kernel.h"
+#include "linear_kernel.h"
+#include "norm_kernel.h"
+
+#define FL_DEC_MAX_ROWS 8
+#define FL_DEC_CHUNK 64
+#define FL_DEC_PTRS 9
+
+typedef struct {
+    int rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, window, threads;
+    float eps, scale;
+    int64_t num_slots, stride_slots;
+    const int64_t *layer_ptrs; /* [num_layers, FL_DEC_PTRS] */
+    const uint16_t *cos, *sin;
+    const int64_t *positions, *write_slots, *gather_slots, *lens;
+    uint16_t *k_cache, *v_cache;
+    uint16_t *h;    /* [rows, hidden], updated in place */
+    uint16_t *x;    /* [threads, rows, hidden] scratch */
+    uint16_t *qkv;  /* [rows, (heads + 2 * kv_heads) * head_dim] */
+    uint16_t *q;    /* [rows, heads * head_dim] */
+    uint16_t *attn; /* [rows, heads * head_dim] */
+    uint16_t *act;  /* [rows, intermediate] */
+} fl_decode_args_t;
+
+static inline float fl_dec_f(uint16_t v) { return fl_norm_widen(v); }
+static inline uint16_t fl_dec_r(float f) { return fl_norm_round(f); }
+
+#if FL_HAVE_X86
+
+/* y[r] = round(w_row . x[r]) for r < rows (rows <= 8), the linear kernel's dot products. */
+FL_TARGET static void fl_dec_dots(const uint16_t *w_row, const uint16_t *x, uint16_t *y, int rows, int in) {
+    switch (rows) {
+        case 1: fl_row(w_row, x, y, in, 1, 1, 4); break;
+        case 2: fl_row(w_row, x, y, in, 1, 2, 2); break;
+        case 3: fl_row(w_row, x, y, in, 1, 3, 2); break;
+        case 4: fl_row(w_row, x, y, in, 1, 4, 1); break;
+        case 5: fl_row(w_row, x, y, in, 1, 5, 1); break;
+        case 6: fl_row(w_row, x, y, in, 1, 6, 1); break;
+        case 7: fl_row(w_row, x, y, in, 1, 7, 1); break;
+        default: fl_row(w_row, x, y, in, 1, 8, 1); break;
+    }
+}
+
+/* Output features [j0, j1) of x @ w^T (+ bias): into y [rows, out], or, with residual, h += that. */
+FL_TARGET static void fl_dec_linear(const uint16_t *w, const uint16_t *bias, const uint16_t *x, uint16_t *y,
+                                    int residual, int rows, int out, int in, int j0, int j1) {
+    uint16_t d[FL_DEC_MAX_ROWS];
+    for (int j = j0; j < j1; j++) {
+        fl_dec_dots(w + (size_t)j * in, x, d, rows, in);
+        for (int r = 0; r < rows; r++) {
+            uint16_t v = d[r];
+            if (bias) v = fl_dec_r(fl_dec_f(v) + fl_dec_f(bias[j]));
+            uint16_t *dst = y + (size_t)r * out + j;
+            *dst = residual ? fl_dec_r(fl_dec_f(*dst) + fl_dec_f(v)) : v;
+        }
+    }
+}
+
+/* act[:, j0:j1] = silu(gate) * up; silu as torch computes it on bf16: x / (1 + exp(-x)) in float32. */
+FL_TARGET static void fl_dec_gate_up(const uint16_t *w, const uint16_t *x, uint16_t *act, int rows, int inter,
+                                     int in, int j0, int j1) {
+    uint16_t g[FL_DEC_CHUNK][FL_DEC_MAX_ROWS], u[FL_DEC_CHUNK][FL_DEC_MAX_ROWS];
+    int n = j1 - j0;
+    for (int j = 0; j < n; j++) {
+        fl_dec_dots(w + (size_t)(j0 + j) * in, x, g[j], rows, in);
+        fl_dec_dots(w + (size_t)(inter + j0 + j) * in, x, u[j], rows, in);
+    }
+    for (int r = 0; r < rows; r++) {
+        float s[FL_DEC_CHUNK];
+        for (int j = 0; j < n; j++) { /* vectorises (fl_attn_exp is plain arithmetic) */
+            float v = fl_dec_f(g[j][r]);
+            s[j] = v / (1.0f + fl_attn_exp(-v));
+        }
+        uint16_t *dst = act + (size_t)r * inter + j0;
+        for (int j = 0; j < n; j++) dst[j] = fl_dec_r(fl_dec_f(fl_dec_r(s[j])) * fl_dec_f(u[j][r]));
+    }
+}
+
+/* One head: optional per-head RMSNorm (norm_w != 0), then rope: out = x * cos + roll(x, d/2) * sin_signed,
+ * rounded as torch's `addcmul(x * cos, x.roll(d / 2), sin)` (both products are exact in float32). */
+FL_TARGET static void fl_dec_rope_head(const uint16_t *src, const uint16_t *norm_w, float eps, const uint16_t *cos,
+                                       const uint16_t *sin, uint16_t *dst, int d) {
+    uint16_t normed[FL_ATTN_MAX_DIM];
+    if (norm_w) {
+        float ss = 0.0f;
+        for (int i = 0; i < d; i++) ss += fl_dec_f(src[i]) * fl_dec_f(src[i]);
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int i = 0; i < d; i++) normed[i] = fl_dec_r(fl_dec_f(fl_dec_r(fl_dec_f(src[i]) * inv)) * fl_dec_f(norm_w[i]));
+        src = normed;
+    }
+    int half = d / 2;
+    for (int i = 0; i < d; i++) {
+        float t1 = fl_dec_f(fl_dec_r(fl_dec_f(src[i]) * fl_dec_f(cos[i])));
+        float rolled = fl_dec_f(src[i < half ? i + half : i - half]);
+        dst[i] = fl_dec_r(t1 + rolled * fl_dec_f(sin[i]));
+    }
+}
+
+/* Phase 3 for one (row, kv head) of layer `layer`. */
+FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int row, int kv_head) {
+    const int d = a->head_dim, nh = a->num_heads, nkv = a->num_kv_heads, group = nh / nkv;
+    const int64_t *p = a->layer_ptrs + (size_t)layer * FL_DEC_PTRS;
+    const uint16_t *qk_norm = (const uint16_t *)(uintptr_t)p[3];
+    const int qkv_width = (nh + 2 * nkv) * d;
+    const uint16_t *src = a->qkv + (size_t)row * qkv_width;
+    const int64_t pos = a->positions[row];
+    const uint16_t *cos = a->cos + pos * d, *sin = a->sin + pos * d;
+    for (int g = 0; g < group; g++) {
+        int head = kv_head * group + g;
+        fl_dec_rope_head(src + (size_t)head * d, qk_norm ? qk_norm + (size_t)head * d : 0, a->eps, cos, sin,
+                         a->q + ((size_t)row * nh + head) * d, d);
+    }
+    const int64_t layer_base = (int64_t)layer * nkv * a->num_slots;
+    const int64_t slot = (layer_base + (int64_t)kv_head * a->num_slots + a->write_slots[row]) * d;
+    fl_dec_rope_head(src + (size_t)(nh + kv_head) * d, qk_norm ? qk_norm + (size_t)(nh + kv_head) * d : 0, a->eps,
+                     cos, sin, a->k_cache + slot, d);
+    memcpy(a->v_cache + slot, src + (size_t)(nh + nkv + kv_head) * d, (size_t)d * sizeof(uint16_t));
+    int len = (int)a->lens[row];
+    int begin = a->window > 0 && len > a->window ? len - a->window : 0;
+    fl_decode_attention_task(a->q, a->k_cache + layer_base * d, a->v_cache + layer_base * d, a->attn,
+                             a->gather_slots, a->stride_slots, begin, len, row, kv_head, nh, group, d, a->num_slots,
+                             a->scale, 1);
+}
+
+static void fl_decode_layers(const fl_decode_args_t *a) {
+    const int rows = a->rows, hidden = a->hidden, d = a->head_dim;
+    const int q_width = a->num_heads * d, qkv_width = (a->num_heads + 2 * a->num_kv_heads) * d;
+    const int inter = a->intermediate;
+    const int qkv_chunks = (qkv_width + FL_DEC_CHUNK - 1) / FL_DEC_CHUNK;
+    const int o_chunks = (hidden + FL_DEC_CHUNK - 1) / FL_DEC_CHUNK;
+    const int mlp_chunks = (inter + FL_DEC_CHUNK - 1) / FL_DEC_CHUNK;
+    const int tasks = rows * a->num_kv_heads;
+#pragma omp parallel num_threads(a->threads)
+    {
+        uint16_t *x = a->x + (size_t)omp_get_thread_num() * rows * hidden;
+        for (int layer = 0; layer < a->num_layers; layer++) {
+            const int64_t *p = a->layer_ptrs + (size_t)layer * FL_DEC_PTRS;
+#define FL_PTR(i) ((const uint16_t *)(uintptr_t)p[i])
+            fl_bf16_rms_norm(a->h, FL_PTR(0), x, rows, hidden, a->eps);
+#pragma omp for schedule(dynamic)
+            for (int c = 0; c < qkv_chunks; c++) {
+                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < qkv_width ? j0 + FL_DEC_CHUNK : qkv_width;
+                fl_dec_linear(FL_PTR(1), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden, j0, j1);
+            }
+#pragma omp for schedule(dynamic)
+            for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads);
+#pragma omp for schedule(dynamic)
+            for (int c = 0; c < o_chunks; c++) {
+                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < hidden ? j0 + FL_DEC_CHUNK : hidden;
+                fl_dec_linear(FL_PTR(4), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width, j0, j1);
+            }
+            fl_bf16_rms_norm(a->h, FL_PTR(6), x, rows, hidden, a->eps);
+#pragma omp for schedule(dynamic)
+            for (int c = 0; c < mlp_chunks; c++) {
+                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < inter ? j0 + FL_DEC_CHUNK : inter;
+                fl_dec_gate_up(FL_PTR(7), x, a->act, rows, inter, hidden, j0, j1);
+            }
+#pragma omp for schedule(dynamic)
+            for (int c = 0; c < o_chunks; c++) {
+                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < hidden ? j0 + FL_DEC_CHUNK : hidden;
+                fl_dec_linear(FL_PTR(8), 0, a->act, a->h, 1, rows, hidden, inter, j0, j1);
+            }
+#undef FL_PTR
+        }
+    }
+}
+
+static int fl_decode_supported(void) { return fl_bf16_supported(); }
+
+#else
+
+static void fl_decode_layers(const fl_decode_args_t *a) { (void)a; }
+static int fl_decode_supported(void) { return 0; }
+
+#endif
+#endif
