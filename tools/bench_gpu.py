@@ -74,26 +74,30 @@ def serving(hf, dtype: torch.dtype, device="cuda"):
     return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT_TOKENS)
 
 
-def scheduler(concurrency=CONCURRENCY, num_pages=None):
+def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=()):
+    """``graph_shapes``: the executor's (GraphExecutor.graph_shapes); () = the defaults (one-sequence prefill)."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     num_pages = num_pages or concurrency * CONTEXT_TOKENS // PAGE_TOKENS // 4
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"bench").digest(), max_live_requests=concurrency, num_pages=num_pages,
         num_snapshots=4 * concurrency, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT_TOKENS,
-        prefill_chunk_size=PREFILL_CHUNK), PolicyConfig()), num_pages
+        prefill_chunk_size=PREFILL_CHUNK, graph_shapes=tuple(graph_shapes)), PolicyConfig()), num_pages
 
 
-def graph_executor(model, concurrency=CONCURRENCY, num_pages=None):
+def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None):
+    """The executor (multi-sequence prefill graphs by default, as the daemon captures them) and a scheduler
+    that plans exactly its captured shapes."""
     from flared.execution.executor import GraphExecutor
 
-    sched, num_pages = scheduler(concurrency, num_pages)
+    num_pages = num_pages or concurrency * CONTEXT_TOKENS // PAGE_TOKENS // 4
     batches = tuple(1 << i for i in range(concurrency.bit_length()) if 1 << i <= concurrency)
     prefill = tuple(64 << i for i in range(8) if 64 << i <= PREFILL_CHUNK)
     ex = GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                        num_snapshots=4 * concurrency, vocab_size=model.config.vocab_size, max_live=concurrency,
                        decode_batch_sizes=batches, prefill_token_sizes=prefill,
-                       max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS)
+                       max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes)
+    sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes)
     return sched, ex
 
 
@@ -177,6 +181,13 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     pair = graph_executor(model)
     out[f"{shape}_capture_s"] = round(time.perf_counter() - t, 2)
     sched, ex = pair
+    num_graphs = len(ex.graphs.graph_execs)
+    batched = ex.manifest.prefill_batch_shapes
+    rows.append((shape, "graphs captured (multi-sequence prefill) | executor build s", f"{num_graphs} ({len(batched)}) | "
+                 f"{out[f'{shape}_capture_s']:.1f}", "", f"graph capture alone {ex.graphs.capture_s:.1f} s"))
+    out[f"{shape}_graphs"] = num_graphs
+    out[f"{shape}_prefill_batch_shapes"] = [list(x) for x in batched]
+    out[f"{shape}_graph_capture_s"] = round(ex.graphs.capture_s, 2)
     cal = ex.graphs.decoder.calibration
     if cal:
         rows.append((shape, "batch-1 decode graph us: skinny kernels | cuBLAS (capture-time pick)",
@@ -255,6 +266,22 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
                  f"{r.decode_host_ns / max(1, steps) / 1e3:.0f} | {r.decode_gpu_ns / max(1, steps) / 1e3:.0f} | "
                  f"{1 - r.gpu_ns / r.wall_ns:.0%}", "", f"steps {dict(r.steps_by_kind)}"))
     out[f"{shape}_b64_steps"] = dict(r.steps_by_kind)
+    prefill_steps = r.steps_by_kind["PREFILL"]
+    rows.append((shape, "batch-64 prefill steps for 64 prompts | decode steps", f"{prefill_steps} | {steps}", "",
+                 f"prefill GPU ms total {(r.gpu_ns - r.decode_gpu_ns) / 1e6:.0f} (all non-decode steps)"))
+    out[f"{shape}_b64_prefill_steps"] = prefill_steps
+    out[f"{shape}_b64_decode_steps"] = steps
+    out[f"{shape}_b64_non_decode_gpu_ms"] = (r.gpu_ns - r.decode_gpu_ns) / 1e6
+    # A/B in the same run: the same executor under a scheduler that plans one-sequence prefill chunks only
+    # (the default shapes: what ran before multi-sequence prefill graphs).
+    one_seq = (scheduler(CONCURRENCY, ex.decoder.num_pages)[0], ex)
+    run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=51), 4, ex_pair=one_seq)
+    r1 = run_flared(model, p, new_tokens, ex_pair=one_seq)
+    agg1 = CONCURRENCY * new_tokens / (r1.wall_ns / 1e9)
+    rows.append((shape, "batch-64 output tok/s, one-sequence prefill only (A/B)", f"{agg1:,.0f}", "",
+                 f"x{agg / agg1:.2f} batched; steps {dict(r1.steps_by_kind)}"))
+    out[f"{shape}_b64_one_seq_prefill_tok_s"] = agg1
+    out[f"{shape}_b64_one_seq_prefill_steps"] = dict(r1.steps_by_kind)
 
     # 2048-token prompt: time to first token (best of 3).
     # A fresh prompt each time: a repeated one would be served from the prefix cache.
