@@ -25,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import numpy as np
@@ -312,6 +313,9 @@ class GraphSet:
         self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs: dict[tuple[str, int, int, bool], int] = {}
         self.capture_s = 0.0
+        # Seconds of load each graph cost: its eager warm-up (Triton compiles the first time a variant
+        # runs) plus its capture.
+        self.key_seconds: dict[tuple[str, int, int, bool], float] = {}
 
     @property
     def input_ptr(self) -> int:
@@ -357,26 +361,39 @@ class GraphSet:
 
         started = time.perf_counter()
         keys = self.keys()
+        # A CUDA graph object destroyed while a capture is open (an unreachable executor's graphs, freed by
+        # the cyclic garbage collector at any allocation) invalidates that capture: collect first, and keep
+        # the collector off until every graph is captured.
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
         try:
             with torch.inference_mode(), torch.cuda.stream(stream):
                 self._reset_inputs()
                 self.decoder.calibrate(stream)
                 self._reset_inputs()
                 for key in keys:
+                    t = time.perf_counter()
                     self._run_eager(key)
-                stream.synchronize()
+                    stream.synchronize()
+                    self.key_seconds[key] = time.perf_counter() - t
                 pool = torch.cuda.graph_pool_handle()
                 for key in keys:
+                    t = time.perf_counter()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool, stream=stream):
                         self._run_eager(key)
                     self.graphs[key] = g
                     self.graph_execs[key] = int(g.raw_cuda_graph_exec())
+                    self.key_seconds[key] += time.perf_counter() - t
                 stream.synchronize()
         except ExecutionError:
             raise
         except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types; the core must not become ready
             raise ExecutionError(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", ErrorKind.DEVICE) from exc
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self.capture_s = time.perf_counter() - started
 
     def pick(self, kind: str, size: int, full_sampling: bool = True, *, batch: int = 1) -> tuple[str, int, int, bool]:

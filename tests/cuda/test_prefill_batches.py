@@ -36,31 +36,28 @@ def params(**kw):
     return SamplingParams(**kw)
 
 
-class _Recorder:
-    """Wraps an executor's submit to record each prefill plan's participant count."""
-
-    def __init__(self, ex):
-        self.prefills = []
-        self._submit = ex.submit
-        ex.submit = self.submit
-
-    def submit(self, plan, tables, states):
-        if plan.kind_name == "PREFILL":
-            self.prefills.append(plan.num_participants)
-        return self._submit(plan, tables, states)
-
-
 def run(model, prompts, batch_shapes, plist=None):
+    """drive() on a fresh executor with these prefill batch shapes; also returns each prefill plan's
+    participant count (recorded by wrapping the executor's submit)."""
     from flared.execution.offline import drive
 
     ex = make_executor(model, prefill_batch_shapes=batch_shapes)
-    rec = _Recorder(ex)
+    prefills = []
+    submit = ex.submit
+
+    def recording_submit(plan, tables, states):
+        if plan.kind_name == "PREFILL":
+            prefills.append(plan.num_participants)
+        return submit(plan, tables, states)
+
+    ex.submit = recording_submit
     try:
         sched = make_scheduler(graph_shapes=ex.graph_shapes)
         result = drive(sched, ex, prompts, plist or [params()] * len(prompts))
     finally:
+        del ex.submit  # no executor -> wrapper -> executor cycle left for the collector
         ex.close()
-    return result, rec.prefills
+    return result, prefills
 
 
 def test_executor_captures_and_exposes_the_batched_shapes(gpu_model):
