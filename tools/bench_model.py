@@ -13,7 +13,7 @@ notes the time of each step). Each figure is the best of ``--repeats`` runs
 Prints a table; with ``--json`` the last line is one JSON object with
 ``single_stream_tok_s``, ``batch8_tok_s``, ``batch32_tok_s`` (float32), the
 transformers figures, ratios, and the same under ``"bf16"`` when ``--bf16``;
-``bf16_kernel`` says whether flared's AVX-512 BF16 matrix-vector kernel ran
+``bf16_kernel`` says whether flared's AVX-512 BF16 matrix kernels ran
 (flared/_fast/linear.pyx; without the ISA bf16 uses torch's products).
 
     .venv/bin/python tools/bench_model.py [--json] [--bf16] [--tokens 64] [--markdown FILE]  (the table in docs/benchmarks.md comes from this)

@@ -5,7 +5,8 @@
 cache: the hidden states ``h`` [rows, hidden] are updated in place, each row's new K/V is written to its
 slot, and the caller then applies the final norm and the LM head. Raw data pointers
 (``tensor.data_ptr()``); ``layer_ptrs`` is the address of an int64 [num_layers, 9] table of weight
-addresses (see decode_kernel.h for its columns).
+addresses (see decode_kernel.h for its columns; the four matrices packed by
+``flared.model.decoder.pack_bf16``).
 
 Rules:
 - The caller checks ``SUPPORTED`` and owns every check on the tensors: bfloat16 throughout (int64 index
@@ -64,6 +65,8 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
         raise ValueError(f"decode_layers: {num_heads} heads over {num_kv_heads} kv heads is not supported")
     if head_dim > FL_ATTN_MAX_DIM or head_dim % 2:
         raise ValueError(f"decode_layers: head_dim {head_dim} is not supported")
+    if intermediate % 64 or hidden % 2 or (num_heads * head_dim) % 2:
+        raise ValueError(f"decode_layers: intermediate {intermediate} must be a multiple of 64, the inputs even")
     if 0 in (layer_ptrs, cos, sin, positions, write_slots, gather_slots, lens, k_cache, v_cache, h, x, qkv, q,
              attn, act):
         raise ValueError("decode_layers: null data pointer")

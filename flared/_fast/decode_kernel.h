@@ -5,13 +5,13 @@
  * barrier between the phases that need one (4 per layer):
  *
  *   1. each thread: x = rms_norm(h) into its own buffer (cheaper than a barrier)
- *   2. qkv = x @ Wqkv^T (+ bias)                           output features in chunks, claimed dynamically
+ *   2. qkv = x @ Wqkv^T (+ bias)                           groups of 64 output features, claimed dynamically
  *   3. per (row, kv head): rope its q heads and its k head (after the Qwen3 per-head norm), write k and v
  *      into the row's KV slot, then attend over the row's context (attention_kernel.h)
- *   4. h += attn @ Wo^T (+ bias)                            chunks
+ *   4. h += attn @ Wo^T (+ bias)                            groups
  *   5. each thread: x = rms_norm(h)
- *   6. act = silu(x @ Wgate^T) * (x @ Wup^T)                chunks (gate row j and up row j together)
- *   7. h += act @ Wdown^T                                   chunks
+ *   6. act = silu(x @ Wgate^T) * (x @ Wup^T)                groups (a gate group and its up group together)
+ *   7. h += act @ Wdown^T                                   groups
  *
  * Rounding follows the unfused torch ops step by step (each op's output rounded to bf16, arithmetic in
  * float32), so logits equal the torch path's except where an exp in silu rounds differently (one bf16
@@ -20,7 +20,8 @@
  * Layouts: h [rows, hidden]; KV [layers, kv_heads, slots, head_dim]; rope tables [positions, head_dim]
  * with the rotate-half sign folded into sin (decoder.py's rope_sin_signed); gather slots [rows, stride]
  * int64. Per layer, 9 addresses (0 = absent): attn_norm, qkv, qkv_bias, qk_norm ([heads + kv_heads,
- * head_dim]), o, o_bias, mlp_norm, gate_up ([2 * intermediate, hidden]: gate rows then up rows), down.
+ * head_dim]), o, o_bias, mlp_norm, gate_up ([2 * intermediate, hidden]: gate rows then up rows), down; the
+ * four weights packed as linear_kernel.h says. intermediate must be a multiple of 64.
  */
 #ifndef FLARED_DECODE_KERNEL_H
 #define FLARED_DECODE_KERNEL_H
@@ -34,7 +35,6 @@
 #include "norm_kernel.h"
 
 #define FL_DEC_MAX_ROWS 8
-#define FL_DEC_CHUNK 64
 #define FL_DEC_PTRS 9
 
 typedef struct {
@@ -58,52 +58,48 @@ static inline uint16_t fl_dec_r(float f) { return fl_norm_round(f); }
 
 #if FL_HAVE_X86
 
-/* y[r] = round(w_row . x[r]) for r < rows (rows <= 8), the linear kernel's dot products. */
-FL_TARGET static void fl_dec_dots(const uint16_t *w_row, const uint16_t *x, uint16_t *y, int rows, int in) {
-    switch (rows) {
-        case 1: fl_row(w_row, x, y, in, 1, 1, 4); break;
-        case 2: fl_row(w_row, x, y, in, 1, 2, 2); break;
-        case 3: fl_row(w_row, x, y, in, 1, 3, 2); break;
-        case 4: fl_row(w_row, x, y, in, 1, 4, 1); break;
-        case 5: fl_row(w_row, x, y, in, 1, 5, 1); break;
-        case 6: fl_row(w_row, x, y, in, 1, 6, 1); break;
-        case 7: fl_row(w_row, x, y, in, 1, 7, 1); break;
-        default: fl_row(w_row, x, y, in, 1, 8, 1); break;
-    }
+/* Group g (output features 64g..) of x [rows, in] @ w^T, w packed (linear_kernel.h), into tile [rows, 64]. */
+FL_TARGET static void fl_dec_group(const uint16_t *packed, int g, const uint16_t *x, int rows, int in,
+                                   uint16_t *tile) {
+    const uint16_t *group = packed + (size_t)g * FL_GROUP * in;
+    for (int r = 0; r < rows; r += FL_GEMM_RB)
+        fl_gemm_rows(group, x + (size_t)r * in, in, tile + (size_t)r * FL_GROUP, FL_GROUP, in / 2,
+                     rows - r < FL_GEMM_RB ? rows - r : FL_GEMM_RB, FL_GROUP);
 }
 
-/* Output features [j0, j1) of x @ w^T (+ bias): into y [rows, out], or, with residual, h += that. */
-FL_TARGET static void fl_dec_linear(const uint16_t *w, const uint16_t *bias, const uint16_t *x, uint16_t *y,
-                                    int residual, int rows, int out, int in, int j0, int j1) {
-    uint16_t d[FL_DEC_MAX_ROWS];
-    for (int j = j0; j < j1; j++) {
-        fl_dec_dots(w + (size_t)j * in, x, d, rows, in);
-        for (int r = 0; r < rows; r++) {
-            uint16_t v = d[r];
-            if (bias) v = fl_dec_r(fl_dec_f(v) + fl_dec_f(bias[j]));
-            uint16_t *dst = y + (size_t)r * out + j;
-            *dst = residual ? fl_dec_r(fl_dec_f(*dst) + fl_dec_f(v)) : v;
+/* Group g of x @ w^T (+ bias): into y [rows, out], or, with residual, y += that (rounded as two ops). */
+FL_TARGET static void fl_dec_linear(const uint16_t *packed, const uint16_t *bias, const uint16_t *x, uint16_t *y,
+                                    int residual, int rows, int out, int in, int g) {
+    uint16_t tile[FL_DEC_MAX_ROWS * FL_GROUP];
+    fl_dec_group(packed, g, x, rows, in, tile);
+    int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
+    for (int r = 0; r < rows; r++) {
+        uint16_t *dst = y + (size_t)r * out + j0;
+        const uint16_t *src = tile + (size_t)r * FL_GROUP;
+        for (int j = 0; j < n; j++) {
+            uint16_t v = src[j];
+            if (bias) v = fl_dec_r(fl_dec_f(v) + fl_dec_f(bias[j0 + j]));
+            dst[j] = residual ? fl_dec_r(fl_dec_f(dst[j]) + fl_dec_f(v)) : v;
         }
     }
 }
 
-/* act[:, j0:j1] = silu(gate) * up; silu as torch computes it on bf16: x / (1 + exp(-x)) in float32. */
-FL_TARGET static void fl_dec_gate_up(const uint16_t *w, const uint16_t *x, uint16_t *act, int rows, int inter,
-                                     int in, int j0, int j1) {
-    uint16_t g[FL_DEC_CHUNK][FL_DEC_MAX_ROWS], u[FL_DEC_CHUNK][FL_DEC_MAX_ROWS];
-    int n = j1 - j0;
-    for (int j = 0; j < n; j++) {
-        fl_dec_dots(w + (size_t)(j0 + j) * in, x, g[j], rows, in);
-        fl_dec_dots(w + (size_t)(inter + j0 + j) * in, x, u[j], rows, in);
-    }
+/* act[:, 64g:64g + 64] = silu(gate) * up (intermediate is a multiple of 64, so up's group is
+ * intermediate / 64 + g); silu as torch computes it on bf16: x / (1 + exp(-x)) in float32, rounded. */
+FL_TARGET static void fl_dec_gate_up(const uint16_t *packed, const uint16_t *x, uint16_t *act, int rows, int inter,
+                                     int in, int g) {
+    uint16_t gate[FL_DEC_MAX_ROWS * FL_GROUP], up[FL_DEC_MAX_ROWS * FL_GROUP];
+    fl_dec_group(packed, g, x, rows, in, gate);
+    fl_dec_group(packed, inter / FL_GROUP + g, x, rows, in, up);
     for (int r = 0; r < rows; r++) {
-        float s[FL_DEC_CHUNK];
-        for (int j = 0; j < n; j++) { /* vectorises (fl_attn_exp is plain arithmetic) */
-            float v = fl_dec_f(g[j][r]);
+        const uint16_t *gr = gate + (size_t)r * FL_GROUP, *ur = up + (size_t)r * FL_GROUP;
+        uint16_t *dst = act + (size_t)r * inter + (size_t)g * FL_GROUP;
+        float s[FL_GROUP];
+        for (int j = 0; j < FL_GROUP; j++) { /* vectorises (fl_attn_exp is plain arithmetic) */
+            float v = fl_dec_f(gr[j]);
             s[j] = v / (1.0f + fl_attn_exp(-v));
         }
-        uint16_t *dst = act + (size_t)r * inter + j0;
-        for (int j = 0; j < n; j++) dst[j] = fl_dec_r(fl_dec_f(fl_dec_r(s[j])) * fl_dec_f(u[j][r]));
+        for (int j = 0; j < FL_GROUP; j++) dst[j] = fl_dec_r(fl_dec_f(fl_dec_r(s[j])) * fl_dec_f(ur[j]));
     }
 }
 
@@ -157,9 +153,9 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
     const int rows = a->rows, hidden = a->hidden, d = a->head_dim;
     const int q_width = a->num_heads * d, qkv_width = (a->num_heads + 2 * a->num_kv_heads) * d;
     const int inter = a->intermediate;
-    const int qkv_chunks = (qkv_width + FL_DEC_CHUNK - 1) / FL_DEC_CHUNK;
-    const int o_chunks = (hidden + FL_DEC_CHUNK - 1) / FL_DEC_CHUNK;
-    const int mlp_chunks = (inter + FL_DEC_CHUNK - 1) / FL_DEC_CHUNK;
+    const int qkv_groups = (qkv_width + FL_GROUP - 1) / FL_GROUP;
+    const int hidden_groups = (hidden + FL_GROUP - 1) / FL_GROUP;
+    const int mlp_groups = inter / FL_GROUP;
     const int tasks = rows * a->num_kv_heads;
 #pragma omp parallel num_threads(a->threads)
     {
@@ -169,28 +165,19 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
 #define FL_PTR(i) ((const uint16_t *)(uintptr_t)p[i])
             fl_bf16_rms_norm(a->h, FL_PTR(0), x, rows, hidden, a->eps);
 #pragma omp for schedule(dynamic)
-            for (int c = 0; c < qkv_chunks; c++) {
-                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < qkv_width ? j0 + FL_DEC_CHUNK : qkv_width;
-                fl_dec_linear(FL_PTR(1), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden, j0, j1);
-            }
+            for (int g = 0; g < qkv_groups; g++)
+                fl_dec_linear(FL_PTR(1), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden, g);
 #pragma omp for schedule(dynamic)
             for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads);
 #pragma omp for schedule(dynamic)
-            for (int c = 0; c < o_chunks; c++) {
-                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < hidden ? j0 + FL_DEC_CHUNK : hidden;
-                fl_dec_linear(FL_PTR(4), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width, j0, j1);
-            }
+            for (int g = 0; g < hidden_groups; g++)
+                fl_dec_linear(FL_PTR(4), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width, g);
             fl_bf16_rms_norm(a->h, FL_PTR(6), x, rows, hidden, a->eps);
 #pragma omp for schedule(dynamic)
-            for (int c = 0; c < mlp_chunks; c++) {
-                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < inter ? j0 + FL_DEC_CHUNK : inter;
-                fl_dec_gate_up(FL_PTR(7), x, a->act, rows, inter, hidden, j0, j1);
-            }
+            for (int g = 0; g < mlp_groups; g++) fl_dec_gate_up(FL_PTR(7), x, a->act, rows, inter, hidden, g);
 #pragma omp for schedule(dynamic)
-            for (int c = 0; c < o_chunks; c++) {
-                int j0 = c * FL_DEC_CHUNK, j1 = j0 + FL_DEC_CHUNK < hidden ? j0 + FL_DEC_CHUNK : hidden;
-                fl_dec_linear(FL_PTR(8), 0, a->act, a->h, 1, rows, hidden, inter, j0, j1);
-            }
+            for (int g = 0; g < hidden_groups; g++)
+                fl_dec_linear(FL_PTR(8), 0, a->act, a->h, 1, rows, hidden, inter, g);
 #undef FL_PTR
         }
     }

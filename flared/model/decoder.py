@@ -27,9 +27,9 @@ from flared.model.loader import check_serving_tensors
 from flared.model.rope import rope_tables
 
 try:
-    from flared._fast.linear import BF16_SUPPORTED, bf16_linear
+    from flared._fast.linear import BF16_SUPPORTED, GROUP_FEATURES, bf16_linear
 except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
-    BF16_SUPPORTED, bf16_linear = False, None
+    BF16_SUPPORTED, GROUP_FEATURES, bf16_linear = False, 64, None
 try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
@@ -67,37 +67,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 _SPLIT_PARTS = 2
 _SPLIT_MAX_ROWS = 8
 _SPLIT_MAX_ROWS_ONE_THREAD = 4
-# bfloat16 weights on a CPU with AVX-512 BF16 go through flared/_fast/linear_kernel.h for up to
-# _BF16_KERNEL_MAX_ROWS rows: torch's bf16 matrix-vector products stream the weights at ~12 GB/s, the
-# kernel at ~25-30 GB/s (the machine's bandwidth) for 1-2 rows. More rows make it compute-bound: on
-# SmolLM2's matrices with 2 threads it beat F.linear 2.0x at 1 row, 1.1-1.3x at 8-9, 0.96x at 12.
-_BF16_KERNEL_MAX_ROWS = 8
+# bfloat16 weights on a CPU with AVX-512 BF16 are packed at load (pack_bf16) and every product runs through
+# flared/_fast/linear_kernel.h, at any row count: on SmolLM2's matrices (2 threads, weights streamed from
+# memory) it beat torch's bf16 F.linear 2x at 1 row, 2.5x at 8, 1.6x at 32 and 1.1x at 256 (torch re-packs
+# the weight on every call). Only the packed copy is kept.
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bf16 (in even) -> linear_kernel.h's layout: groups of GROUP_FEATURES output features, each
+    [in / 2, GROUP_FEATURES, 2], zero rows past ``out``."""
+    out_features, in_features = weight.shape
+    group = GROUP_FEATURES
+    padded = -(-out_features // group) * group
+    if padded != out_features:
+        weight = torch.cat([weight, weight.new_zeros(padded - out_features, in_features)])
+    return weight.reshape(padded // group, group, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class _Linear:
-    """A weight [out, in] (+ optional bias) with the matmul strategy picked per call by row count."""
+    """A weight [out, in] (+ optional bias) with the matmul strategy picked per call by row count.
 
-    __slots__ = ("weight", "bias", "split", "bf16_kernel", "out_features", "in_features")
+    bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None)."""
+
+    __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
-        can_split = weight.dtype == torch.float32 and on_cpu and self.out_features % _SPLIT_PARTS == 0
+        self.packed = None
+        if BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
+            self.packed = pack_bf16(weight)
+            weight = None
+        self.weight = weight
+        can_split = weight is not None and weight.dtype == torch.float32 and on_cpu and \
+            self.out_features % _SPLIT_PARTS == 0
         self.split = weight.view(_SPLIT_PARTS, self.out_features // _SPLIT_PARTS, self.in_features) if can_split \
             else None
-        self.bf16_kernel = BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and weight.is_contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if self.bf16_kernel and num_rows <= _BF16_KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and num_rows > 0:
-            if x.dim() != 2 or x.shape[1] != self.in_features:
-                raise ValueError(f"linear: input {tuple(x.shape)} does not match weight {tuple(self.weight.shape)}")
-            x = x.contiguous()  # the kernel reads raw row-major memory
+        if self.packed is not None:
+            if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
+                raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match bf16 weight "
+                                 f"[{self.out_features}, {self.in_features}]")
             y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
-            bf16_linear(self.weight.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
-                        self.in_features, torch.get_num_threads())
+            if num_rows:
+                x = x.contiguous()  # the kernel reads raw row-major memory
+                bf16_linear(self.packed.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
+                            self.in_features, torch.get_num_threads())
             return y if self.bias is None else y.add_(self.bias)
         if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
                 (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1):
@@ -165,7 +183,8 @@ class DecoderModel:
         # step dispatching ~15 small torch ops per layer. Rounding follows the per-op path (see decode_kernel.h).
         self.fused_decode = (
             _cpu_decode is not None and _cpu_decode.SUPPORTED and self.cpu_decode_attention
-            and dtype == torch.bfloat16 and config.head_dim % 2 == 0)
+            and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
+            and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
@@ -173,8 +192,8 @@ class DecoderModel:
 
             # Column order is decode_kernel.h's; the tensors are owned by self.layers for the model's life.
             self._layer_ptrs = torch.tensor(
-                [[addr(l.attn_norm), addr(l.qkv.weight), addr(l.qkv.bias), addr(l.qk_norm), addr(l.o.weight),
-                  addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.weight), addr(l.down.weight)]
+                [[addr(l.attn_norm), addr(l.qkv.packed), addr(l.qkv.bias), addr(l.qk_norm), addr(l.o.packed),
+                  addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.packed), addr(l.down.packed)]
                  for l in self.layers], dtype=torch.int64)
 
     def make_kv_cache(self, *, num_pages: int, page_tokens: int) -> PagedKVCache:

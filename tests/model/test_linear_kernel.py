@@ -1,6 +1,7 @@
-"""The AVX-512 BF16 matrix kernel (flared/_fast/linear_kernel.h) against float64 references of the same
-bf16 values, exact rounding where the float32 sum is exact, odd shapes and thread counts, the decoder's
-_Linear wrapper (bias, non-contiguous input), and a bf16 decode through DecoderModel against the torch path."""
+"""The AVX-512 BF16 matrix kernel over packed weights (flared/_fast/linear_kernel.h) against float64
+references of the same bf16 values, exact rounding where the float32 sum is exact, odd shapes, row counts
+and thread counts, the decoder's _Linear wrapper (bias, non-contiguous input), and bf16 decoding through
+DecoderModel against torch's path."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from flared._fast import linear as linear_mod
 from flared.model import decoder as decoder_mod
 from flared.model.batch import ForwardBatch, SequenceChunk
-from flared.model.decoder import DecoderModel, _Linear
+from flared.model.decoder import DecoderModel, _Linear, pack_bf16
 from flared.model.loader import read_source
 
 from .conftest import build_hf_checkpoint
@@ -21,15 +22,19 @@ from .conftest import build_hf_checkpoint
 needs_isa = pytest.mark.skipif(not linear_mod.BF16_SUPPORTED,
                                reason="CPU lacks AVX-512 BF16 (or not x86-64 Linux): the kernel is not used here")
 
-# SmolLM2-135M's products (qkv, o, gate_up, down, lm_head) and shapes that are not multiples of 32 in
-# the reduced dimension or of the 64-feature chunk in the output one.
+# SmolLM2-135M's products (qkv, o, gate_up, down, lm_head) and shapes whose output dimension is not a
+# multiple of the 64-feature group (the kernel needs an even reduced dimension).
 SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-ODD_SHAPES = [(1, 1), (3, 31), (17, 33), (65, 100), (130, 577), (200, 1000), (129, 64)]
+ODD_SHAPES = [(1, 2), (3, 30), (17, 34), (65, 100), (130, 578), (200, 1000), (129, 64)]
+# Every register-block tail (blocks of 6 rows) up to two blocks, and a prefill-sized count.
+ROW_COUNTS = list(range(1, 14)) + [40]
 
 
 def kernel(w: torch.Tensor, x: torch.Tensor, threads: int) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    linear_mod.bf16_linear(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], threads)
+    packed = pack_bf16(w)
+    linear_mod.bf16_linear(packed.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], w.shape[0], w.shape[1],
+                           threads)
     return y
 
 
@@ -50,7 +55,7 @@ def check_against_float64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
 def test_matches_float64_reference(out_features, in_features, threads):
     gen = torch.Generator().manual_seed(out_features * 7919 + in_features)
     w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
-    for rows in range(1, 10):
+    for rows in ROW_COUNTS if out_features < 10000 else (1, 7, 40):
         x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
         check_against_float64(kernel(w, x, threads), x, w)
 
@@ -61,7 +66,7 @@ def test_round_to_nearest_even_exactly(threads):
     """Small integers make every float32 partial sum exact (|sum| < 2^24), so the only rounding is the
     final one to bf16: it must equal torch's float32 -> bf16 conversion bit for bit (ties to even)."""
     gen = torch.Generator().manual_seed(5)
-    for out_features, in_features in [(300, 577), (64, 1536), (7, 40)]:
+    for out_features, in_features in [(300, 578), (64, 1536), (7, 40)]:
         w = torch.randint(-16, 17, (out_features, in_features), generator=gen).to(torch.bfloat16)
         x = torch.randint(-16, 17, (9, in_features), generator=gen).to(torch.bfloat16)
         exact = (x.double() @ w.double().t()).float()
@@ -87,8 +92,10 @@ def test_nan_and_inf_propagate():
 @needs_isa
 def test_bad_arguments_raise():
     w = torch.ones(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="empty shape"):
+    with pytest.raises(ValueError, match="bad shape"):
         linear_mod.bf16_linear(w.data_ptr(), w.data_ptr(), w.data_ptr(), 0, 4, 8)
+    with pytest.raises(ValueError, match="must be even"):
+        linear_mod.bf16_linear(w.data_ptr(), w.data_ptr(), w.data_ptr(), 1, 4, 7)
     with pytest.raises(ValueError, match="null"):
         linear_mod.bf16_linear(0, w.data_ptr(), w.data_ptr(), 1, 4, 8)
 
@@ -122,7 +129,7 @@ def test_linear_wrapper_bias_and_noncontiguous_input():
     w = torch.randn(200, 96, generator=gen).to(torch.bfloat16)
     bias = torch.randn(200, generator=gen).to(torch.bfloat16)
     lin = _Linear(w, bias)
-    assert lin.bf16_kernel
+    assert lin.packed is not None and lin.weight is None  # only the packed copy is kept
     wide = torch.randn(96, 12, generator=gen).to(torch.bfloat16)
     x = wide.t()[2:7]  # [5, 96], column-major strides
     assert not x.is_contiguous()
@@ -134,10 +141,14 @@ def test_linear_wrapper_bias_and_noncontiguous_input():
     assert ((y.double() - exact).abs() <= magnitude * 2.0 ** -7).all()
     with pytest.raises(ValueError, match="does not match"):
         lin(torch.ones(2, 95, dtype=torch.bfloat16))
-    # Above the row threshold, and for float32 weights, the wrapper keeps torch's path.
-    many = torch.randn(decoder_mod._BF16_KERNEL_MAX_ROWS + 1, 96, generator=gen).to(torch.bfloat16)
-    assert torch.equal(lin(many), F.linear(many, w, bias))
-    assert not _Linear(w.float(), None).bf16_kernel
+    # Prefill-sized inputs go through the kernel too; float32 weights and odd input widths keep torch's path.
+    many = torch.randn(70, 96, generator=gen).to(torch.bfloat16)
+    exact = many.double() @ w.double().t() + bias.double()
+    magnitude = many.double().abs() @ w.double().abs().t() + bias.double().abs()
+    assert ((lin(many).double() - exact).abs() <= magnitude * 2.0 ** -7).all()
+    assert _Linear(w.float(), None).packed is None
+    odd = _Linear(w[:, :95].contiguous(), None)
+    assert odd.packed is None and torch.equal(odd(many[:, :95]), F.linear(many[:, :95], w[:, :95]))
 
 
 def test_wrapper_off_without_isa(monkeypatch):
@@ -145,7 +156,7 @@ def test_wrapper_off_without_isa(monkeypatch):
     monkeypatch.setattr(decoder_mod, "BF16_SUPPORTED", False)
     w = torch.randn(64, 32).to(torch.bfloat16)
     lin = _Linear(w, None)
-    assert not lin.bf16_kernel
+    assert lin.packed is None
     x = torch.randn(2, 32).to(torch.bfloat16)
     assert torch.equal(lin(x), F.linear(x, w))
 
@@ -166,7 +177,19 @@ def decode_logits(model: DecoderModel, prompt: list[int], forced: list[int]) -> 
     return torch.stack(logits)
 
 
-def compare_decode(model: DecoderModel, prompt: list[int], monkeypatch, num_steps: int = 6):
+def compare_decode(make_model, prompt: list[int], monkeypatch, num_steps: int = 6):
+    """Logits of a prefill and ``num_steps`` decode steps through the kernels (packed products, one-call
+    decode layers) and through torch's ops (a model built as if the CPU lacked the ISA), decoding the
+    tokens torch's path picks."""
+    with monkeypatch.context() as m:
+        m.setattr(decoder_mod, "BF16_SUPPORTED", False)
+        plain = make_model()
+    assert all(layer.qkv.packed is None for layer in plain.layers)
+    forced: list[int] = []
+    torch_logits = decode_logits(plain, prompt, forced)
+    for _ in range(num_steps):
+        forced.append(int(torch_logits[-1].argmax()))
+        torch_logits = decode_logits(plain, prompt, forced)
     calls = []
     real = decoder_mod.bf16_linear
 
@@ -175,17 +198,9 @@ def compare_decode(model: DecoderModel, prompt: list[int], monkeypatch, num_step
         return real(*args)
 
     monkeypatch.setattr(decoder_mod, "bf16_linear", counting)
-    ours = decode_logits(model, prompt, [])  # prefill only, to pick the forced tokens from torch's path
-    with monkeypatch.context() as m:
-        m.setattr(decoder_mod, "_BF16_KERNEL_MAX_ROWS", 0)
-        torch_logits = decode_logits(model, prompt, [])
-        forced = []
-        for _ in range(num_steps):
-            forced.append(int(torch_logits[-1].argmax()))
-            torch_logits = decode_logits(model, prompt, forced)
-    calls.clear()
+    model = make_model()
     ours = decode_logits(model, prompt, forced)
-    assert calls and max(calls) <= decoder_mod._BF16_KERNEL_MAX_ROWS  # the kernel really ran
+    assert len(prompt) in calls  # the kernel ran the prefill's products
     return ours, torch_logits
 
 
@@ -195,8 +210,8 @@ def test_decoder_bf16_decode_matches_torch_path_tiny_qwen2(tmp_path, monkeypatch
     torch.set_num_threads(2)
     try:
         source = read_source(build_hf_checkpoint("qwen2", tmp_path))
-        model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
-        ours, ref = compare_decode(model, [5, 17, 99, 3, 42], monkeypatch)
+        ours, ref = compare_decode(lambda: DecoderModel(source.config, source.tensors, dtype=torch.bfloat16),
+                                   [5, 17, 99, 3, 42], monkeypatch)
     finally:
         torch.set_num_threads(1)
     scale = ref.abs().max().item()
@@ -206,8 +221,9 @@ def test_decoder_bf16_decode_matches_torch_path_tiny_qwen2(tmp_path, monkeypatch
 
 @needs_isa
 def test_decoder_bf16_decode_matches_torch_path_smollm2(smollm2_source, monkeypatch):
-    model = DecoderModel(smollm2_source.config, smollm2_source.tensors, dtype=torch.bfloat16, max_positions=256)
-    ours, ref = compare_decode(model, [1, 504, 3458, 282, 4649, 314], monkeypatch)
+    ours, ref = compare_decode(lambda: DecoderModel(smollm2_source.config, smollm2_source.tensors,
+                                                    dtype=torch.bfloat16, max_positions=256),
+                               [1, 504, 3458, 282, 4649, 314], monkeypatch)
     # bf16 activations through 30 layers: both paths round differently at every product, so logits
     # agree to a few percent of their range, not bitwise.
     scale = ref.abs().max().item()
