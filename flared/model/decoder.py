@@ -178,9 +178,9 @@ class DecoderModel:
             _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
             and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
-        # bf16 decode-only steps of up to _cpu_decode.MAX_ROWS rows on a CPU with AVX-512 BF16 run every layer
-        # in one call (flared/_fast/decode.pyx): the per-op path spends ~2 ms of SmolLM2's ~12 ms single-stream
-        # step dispatching ~15 small torch ops per layer. Rounding follows the per-op path (see decode_kernel.h).
+        # bf16 decode-only steps of up to _cpu_decode.MAX_ROWS (64) rows on a CPU with AVX-512 BF16 run every
+        # layer in one call (flared/_fast/decode.pyx): the per-op path spent ~4 ms of SmolLM2's ~12 ms
+        # single-stream step dispatching ~15 small torch ops per layer. Rounding follows the per-op path.
         self.fused_decode = (
             _cpu_decode is not None and _cpu_decode.SUPPORTED and self.cpu_decode_attention
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0

@@ -30,8 +30,8 @@ def model(request, tmp_path_factory):
 def _decode_batch(model, rows: int, rng):
     """A KV cache holding ``rows`` sequences of different lengths (prefilled by the per-op path) and the
     decode step that follows them."""
-    kv = model.make_kv_cache(num_pages=64, page_tokens=PAGE)
-    pages = rng.permutation(64)
+    kv = model.make_kv_cache(num_pages=4 * rows, page_tokens=PAGE)
+    pages = rng.permutation(4 * rows)
     chunks = []
     for r in range(rows):
         n = int(rng.integers(1, 60))  # past the mistral fixture's 16-token window for most rows
@@ -41,7 +41,7 @@ def _decode_batch(model, rows: int, rng):
     return kv, ForwardBatch.build(chunks, page_tokens=PAGE, sliding_window=model.config.sliding_window)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_step_matches_the_per_op_path(model, rows, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -77,9 +77,10 @@ def test_greedy_tokens_match_on_smollm2(smollm2_source):
     from flared.model.sampling import SamplingParams
 
     runner = ModelRunner(smollm2_source.config, smollm2_source.tensors, dtype=torch.bfloat16, num_pages=32,
-                         page_tokens=64, max_batch=4)
+                         page_tokens=64, max_batch=16)
     assert runner.model.fused_decode
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 253, 1345, 10848, 563, 260, 6879], [1, 2], [1, 7, 8, 9]]
+    prompts = prompts + [p + [100 + i] for i, p in enumerate(prompts * 2)]  # 12 rows: two register blocks
 
     def run(fused: bool):
         runner.model.fused_decode = fused
