@@ -12,20 +12,32 @@ Rules:
   slots inside the cache, lifetime during the call); this module checks only the scalar arguments.
 - Threads are OpenMP's over (row, kv head) tasks, the same runtime torch uses (see linear.pyx).
 - A row with no visible key writes zeros.
+- bfloat16 with head_dim a multiple of 32 on a CPU with AVX-512 BF16 (``BF16_FAST``) runs the VDPBF16PS task,
+  which rounds the probabilities to bf16 before P @ V as torch's path does; otherwise the portable task.
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int64_t, uint16_t, uintptr_t
 
 cdef extern from "attention_kernel.h" nogil:
     int FL_ATTN_MAX_GROUP
     int FL_ATTN_MAX_DIM
+    int FL_ATTN_HAVE_BF16
     void fl_decode_attention_task(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
                                   int64_t stride_slots, int begin, int length, int row, int kv_head, int num_heads,
                                   int group, int head_dim, int64_t num_slots, float scale, int bf16)
+    void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                       const int64_t *slots, int64_t stride_slots, int begin, int length, int row,
+                                       int kv_head, int num_heads, int group, int head_dim, int64_t num_slots,
+                                       float scale)
+
+cdef extern from "linear_kernel.h" nogil:
+    int fl_bf16_supported()
 
 MAX_GROUP = FL_ATTN_MAX_GROUP
 MAX_HEAD_DIM = FL_ATTN_MAX_DIM
+# bfloat16 with head_dim a multiple of 32 runs the AVX-512 BF16 task (attention_kernel.h) where the CPU has it.
+BF16_FAST = bool(FL_ATTN_HAVE_BF16 and fl_bf16_supported())
 
 
 def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_t out_ptr, uintptr_t slots_ptr,
@@ -42,6 +54,7 @@ def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_
     cdef int group = num_heads // num_kv_heads
     cdef int num_tasks = rows * num_kv_heads
     cdef int task, row, length, begin
+    cdef bint fast = bf16 and BF16_FAST and head_dim % 32 == 0
     if threads < 1:
         threads = 1
     for task in prange(num_tasks, nogil=True, num_threads=threads, schedule="dynamic"):
@@ -50,6 +63,12 @@ def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_
         begin = 0
         if window > 0 and length > window:
             begin = length - window
-        fl_decode_attention_task(<const void *>q_ptr, <const void *>k_ptr, <const void *>v_ptr, <void *>out_ptr,
-                                 <const int64_t *>slots_ptr, stride_slots, begin, length, row,
-                                 task % num_kv_heads, num_heads, group, head_dim, num_slots, scale, bf16)
+        if fast:
+            fl_decode_attention_task_bf16(<const uint16_t *>q_ptr, <const uint16_t *>k_ptr, <const uint16_t *>v_ptr,
+                                          <uint16_t *>out_ptr, <const int64_t *>slots_ptr, stride_slots, begin,
+                                          length, row, task % num_kv_heads, num_heads, group, head_dim, num_slots,
+                                          scale)
+        else:
+            fl_decode_attention_task(<const void *>q_ptr, <const void *>k_ptr, <const void *>v_ptr, <void *>out_ptr,
+                                     <const int64_t *>slots_ptr, stride_slots, begin, length, row,
+                                     task % num_kv_heads, num_heads, group, head_dim, num_slots, scale, bf16)

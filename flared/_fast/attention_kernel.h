@@ -139,4 +139,118 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
     }
 }
 
+/* The bfloat16 task on CPUs with AVX-512 BF16, head_dim a multiple of 32: VDPBF16PS multiplies the bf16
+ * rows in place (no widening, no transposed copy of the K tile). Scores for 16 keys at a time: each key's
+ * q.k as 16 partial sums, 16 such vectors reduced together into one vector of 16 scores. P @ V takes the
+ * keys in pairs: the two V rows interleaved (unpacklo/hi) and the two probabilities rounded to bf16 (as
+ * torch's path rounds probs to the value dtype before its bmm), so one VDPBF16PS adds both keys' terms
+ * for 16 dimensions; the accumulators hold the dimensions in the interleaved order, undone at the end.
+ * Same contract as fl_decode_attention_task with bf16 == 1; ~4x faster at 32 rows x 500 keys. */
+#if defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+#include <immintrin.h>
+#define FL_ATTN_HAVE_BF16 1
+#define FL_ATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* r[j] = sum of t[j]'s 16 lanes, j < 16. */
+FL_ATTN_BF16_TARGET static inline __m512 fl_attn_hsum16(const __m512 *t) {
+    __m512 w[8], z[4];
+    for (int i = 0; i < 8; i++) /* w[i]: key 2i in 128-bit lanes 0-1, key 2i+1 in lanes 2-3 */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* z[i]: keys 4i..4i+3, one per 128-bit lane */
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(z[0], z[1]), _mm512_unpackhi_ps(z[0], z[1]));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(z[2], z[3]), _mm512_unpackhi_ps(z[2], z[3]));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane 4L + m of r holds key 4m + L */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, r);
+}
+
+FL_ATTN_BF16_TARGET
+static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                          const int64_t *slots, int64_t stride_slots, int begin, int len, int row,
+                                          int kv_head, int num_heads, int group, int head_dim, int64_t num_slots,
+                                          float scale) {
+    const int chunks = head_dim / 32;
+    const int64_t *row_slots = slots + (int64_t)row * stride_slots;
+    const int64_t head_base = (int64_t)kv_head * num_slots;
+    __m512bh qv[FL_ATTN_MAX_GROUP][FL_ATTN_MAX_DIM / 32];
+    float acc[FL_ATTN_MAX_GROUP][FL_ATTN_MAX_DIM] __attribute__((aligned(64)));
+    float m[FL_ATTN_MAX_GROUP], l[FL_ATTN_MAX_GROUP];
+    uint32_t pairs[FL_ATTN_MAX_GROUP][8];
+    for (int g = 0; g < group; g++) {
+        const uint16_t *qrow = q + ((int64_t)row * num_heads + kv_head * group + g) * head_dim;
+        for (int c = 0; c < chunks; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(qrow + 32 * c));
+        for (int i = 0; i < head_dim; i++) acc[g][i] = 0.0f;
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int t0 = begin; t0 < len; t0 += 16) {
+        const int n = len - t0 < 16 ? len - t0 : 16;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        const uint16_t *krow[16], *vrow[16];
+        for (int j = 0; j < 16; j++) { /* past the end: the last key again, masked out below */
+            int64_t slot = row_slots[t0 + (j < n ? j : n - 1)];
+            krow[j] = k + (head_base + slot) * head_dim;
+            vrow[j] = v + (head_base + slot) * head_dim;
+        }
+        for (int g = 0; g < group; g++) {
+            __m512 t[16];
+            for (int j = 0; j < 16; j++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int c = 0; c < chunks; c++)
+                    dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512((const void *)(krow[j] + 32 * c)),
+                                           qv[g][c]);
+                t[j] = dot;
+            }
+            __m512 scores = _mm512_mul_ps(fl_attn_hsum16(t), scale_v);
+            scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores);
+            float tile_max = _mm512_reduce_max_ps(scores);
+            float m_new = tile_max > m[g] ? tile_max : m[g];
+            float alpha = fl_attn_exp(m[g] - m_new); /* ~0 on the first tile (m = -inf), times zeros */
+            float p[16] __attribute__((aligned(64)));
+            _mm512_store_ps(p, _mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
+            for (int j = 0; j < 16; j++) p[j] = fl_attn_exp(p[j]); /* vectorises */
+            __m512 pv = _mm512_maskz_mov_ps(valid, _mm512_load_ps(p));
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
+            m[g] = m_new;
+            if (alpha != 1.0f)
+                for (int i = 0; i < head_dim; i++) acc[g][i] *= alpha;
+            _mm256_storeu_si256((__m256i *)pairs[g], (__m256i)_mm512_cvtneps_pbh(pv));
+        }
+        for (int jp = 0; 2 * jp < n; jp++) {
+            const uint16_t *va = vrow[2 * jp], *vb = vrow[2 * jp + 1];
+            for (int c = 0; c < chunks; c++) {
+                __m512i a = _mm512_loadu_si512((const void *)(va + 32 * c));
+                __m512i b = _mm512_loadu_si512((const void *)(vb + 32 * c));
+                __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                for (int g = 0; g < group; g++) {
+                    __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[g][jp]);
+                    float *dst = acc[g] + 32 * c;
+                    _mm512_store_ps(dst, _mm512_dpbf16_ps(_mm512_load_ps(dst), lo, pp));
+                    _mm512_store_ps(dst + 16, _mm512_dpbf16_ps(_mm512_load_ps(dst + 16), hi, pp));
+                }
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* no keys: zeros, never NaN */
+        uint16_t *dst = out + ((int64_t)row * num_heads + kv_head * group + g) * head_dim;
+        for (int c = 0; c < chunks; c++)
+            for (int lane = 0; lane < 4; lane++)
+                for (int i = 0; i < 4; i++) { /* accumulator lane 4L + i holds dimension 8L + i (+ 4: the hi half) */
+                    dst[32 * c + 8 * lane + i] = fl_attn_f32_to_bf16(acc[g][32 * c + 4 * lane + i] * inv);
+                    dst[32 * c + 8 * lane + 4 + i] = fl_attn_f32_to_bf16(acc[g][32 * c + 16 + 4 * lane + i] * inv);
+                }
+    }
+}
+#else
+#define FL_ATTN_HAVE_BF16 0
+#endif
+
 #endif

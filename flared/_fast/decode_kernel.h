@@ -144,9 +144,14 @@ FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int ro
     memcpy(a->v_cache + slot, src + (size_t)(nh + nkv + kv_head) * d, (size_t)d * sizeof(uint16_t));
     int len = (int)a->lens[row];
     int begin = a->window > 0 && len > a->window ? len - a->window : 0;
-    fl_decode_attention_task(a->q, a->k_cache + layer_base * d, a->v_cache + layer_base * d, a->attn,
-                             a->gather_slots, a->stride_slots, begin, len, row, kv_head, nh, group, d, a->num_slots,
-                             a->scale, 1);
+    if (FL_ATTN_HAVE_BF16 && d % 32 == 0)
+        fl_decode_attention_task_bf16(a->q, a->k_cache + layer_base * d, a->v_cache + layer_base * d, a->attn,
+                                      a->gather_slots, a->stride_slots, begin, len, row, kv_head, nh, group, d,
+                                      a->num_slots, a->scale);
+    else
+        fl_decode_attention_task(a->q, a->k_cache + layer_base * d, a->v_cache + layer_base * d, a->attn,
+                                 a->gather_slots, a->stride_slots, begin, len, row, kv_head, nh, group, d,
+                                 a->num_slots, a->scale, 1);
 }
 
 static void fl_decode_layers(const fl_decode_args_t *a) {

@@ -22,7 +22,8 @@ def _reference(q, k_layer, v_layer, slots, length, begin):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (4, 4, 32), (16, 2, 128)])
+# head_dim 48 (not a multiple of 32) keeps bf16 on the portable task where the AVX-512 BF16 one would run.
+@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (4, 4, 32), (16, 2, 128), (6, 2, 48)])
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_matches_reference(dtype, tol, nh, nkv, d, window, threads):
