@@ -299,6 +299,11 @@ cdef class RequestScheduler:
             for _, p in self._inflight:
                 if (<ScheduledPlan>p).kind != K_DECODE:
                     return None
+            # Work that needs an empty window (prefill, snapshots, restores) must not starve behind a
+            # pipeline of decode frames, which can keep the window occupied indefinitely: once such work
+            # has waited longer than the oldest frame's estimate, stop stacking and let the window drain.
+            if self._non_decode_waiting(now_ns, head.estimated_duration_ns):
+                return None
             decode_only = True
 
         cdef _Candidate best = self.selection.select(self._slots, decode_only, now_ns, self.refresh_credit_ns, n_inflight == 0)
@@ -309,6 +314,19 @@ cdef class RequestScheduler:
         if best.state != TIMING_FRESH and n_inflight:
             return None  # unmeasured/stale shapes run alone
         return self._build_plan(best, now_ns)
+
+    cdef bint _non_decode_waiting(self, int64_t now_ns, int64_t patience_ns):
+        """A live request, not in flight, whose next step is not a decode has waited past patience_ns."""
+        cdef Request r
+        for x in self._slots:
+            if x is None:
+                continue
+            r = <Request>x
+            if r.cancelled or r.inflight or r.phase == PH_DECODE or r.phase == PH_DRAINING:
+                continue
+            if now_ns - r.last_progress_ns > patience_ns:
+                return True
+        return False
 
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns):
         cdef Py_ssize_t n = len(c.requests), i, j

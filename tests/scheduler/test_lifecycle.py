@@ -6,7 +6,7 @@ import pytest
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.scheduler import CompletionRecords, GraphKind, RequestPhase, handle_generation, handle_slot
 
-from .helpers import MS, Driver, make_scheduler, prompt, records_for
+from .helpers import MS, Driver, cost_ns, make_scheduler, prompt, records_for
 
 
 def test_admission_allocates_the_worst_case_block_table_and_endpoint_snapshots():
@@ -291,4 +291,47 @@ def test_duplicate_publication_keeps_the_live_request_on_its_own_pages():
     c2 = s.cache.get(2)
     assert (c2.parent_id, c2.num_tokens, list(c2.page_ids), c2.snapshot_id) == (-1, 41, [3, 4], 1)
     assert s.snapshots.num_used == s.cache.num_cached_snapshots == 3
+    s.check_integrity()
+
+
+def test_stacked_decode_frames_do_not_starve_waiting_prefill():
+    """A pipeline of decode frames that all finish on time keeps the window occupied; a request that needs
+    an empty window (here its prefill) must get it once it has waited longer than the oldest frame's
+    estimate, instead of waiting for every decoding request to finish."""
+    s = make_scheduler()
+    a = s.admit(prompt(20), 200, 0)
+    d = Driver(s)
+    while s.request(a).phase_name != "DECODE":
+        d.step()
+    d.step()  # measure decode b=1
+    fence = d.fence
+    inflight = []
+
+    def stack():
+        nonlocal fence
+        p = s.plan(d.now_ns)
+        if p is not None:
+            fence += 1
+            s.commit(p, fence)
+            inflight.append((fence, p))
+        return p
+
+    def complete_oldest():  # each frame takes exactly its estimate: the pipeline never runs late
+        f, p = inflight.pop(0)
+        d.now_ns += cost_ns(p)
+        s.complete(f, records_for(p), cost_ns(p), d.now_ns)
+
+    assert stack().kind == GraphKind.DECODE
+    b = s.admit(prompt(30, seed=1), 4, d.now_ns)  # arrives while the decode pipeline runs
+    stacked = 0
+    while stack() is not None:
+        assert inflight[-1][1].kind == GraphKind.DECODE
+        stacked += 1
+        assert stacked < 10, "decode frames kept stacking while the prefill waited"
+        complete_oldest()
+    assert stacked <= 2  # within one frame's estimate of waiting the pipeline may keep going
+    while inflight:
+        complete_oldest()
+    p = s.plan(d.now_ns)
+    assert p.kind == GraphKind.PREFILL and list(p.handles) == [b]
     s.check_integrity()
