@@ -68,6 +68,10 @@ CompletionResult = namedtuple("CompletionResult", "emitted finished retired publ
 cdef int64_t _next_scheduler_id = 1
 
 
+# Least time window-needing work waits behind stacked decode frames before the window is drained for it.
+cdef enum:
+    NON_DECODE_PATIENCE_NS = 1000000
+
 cdef class RequestScheduler:
     """See the module rules. ``config`` is a flared.scheduler.SchedulerConfig
     (or any object with its attributes); ``policy`` a PolicyConfig."""
@@ -301,8 +305,9 @@ cdef class RequestScheduler:
                     return None
             # Work that needs an empty window (prefill, snapshots, restores) must not starve behind a
             # pipeline of decode frames, which can keep the window occupied indefinitely: once such work
-            # has waited longer than the oldest frame's estimate, stop stacking and let the window drain.
-            if self._non_decode_waiting(now_ns, head.estimated_duration_ns):
+            # has waited longer than the oldest frame's estimate (at least NON_DECODE_PATIENCE_NS: a drain
+            # costs a bubble, not worth it for work that arrived microseconds ago), stop stacking.
+            if self._non_decode_waiting(now_ns, max(head.estimated_duration_ns, NON_DECODE_PATIENCE_NS)):
                 return None
             decode_only = True
 
@@ -316,13 +321,15 @@ cdef class RequestScheduler:
         return self._build_plan(best, now_ns)
 
     cdef bint _non_decode_waiting(self, int64_t now_ns, int64_t patience_ns):
-        """A live request, not in flight, whose next step is not a decode has waited past patience_ns."""
+        """A live request, not in flight, whose next step is not a decode has waited past patience_ns.
+        Terminal snapshots do not count: they are optional retention that the policy may rightly put off
+        while others decode, and counting them would turn pipelining off until they run."""
         cdef Request r
         for x in self._slots:
             if x is None:
                 continue
             r = <Request>x
-            if r.cancelled or r.inflight or r.phase == PH_DECODE or r.phase == PH_DRAINING:
+            if r.cancelled or r.inflight or r.phase == PH_DECODE or r.phase == PH_DRAINING or r.phase == PH_TERMINAL:
                 continue
             if now_ns - r.last_progress_ns > patience_ns:
                 return True
