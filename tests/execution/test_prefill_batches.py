@@ -91,7 +91,7 @@ def test_scheduler_gets_exactly_the_captured_graph_shapes():
     assert {k for k, _, _ in shapes} >= {GraphKind.RESTORE, GraphKind.SNAPSHOT, GraphKind.RESUME_SAMPLING}
 
 
-def first_prefill_plan():
+def first_prefill_plan(with_scheduler=False):
     """Four fresh prompts (100, 10, 1, 40 tokens): the scheduler packs them into one (4, 128) prefill, the
     last one's chunk cut at the capacity (17 of 40 tokens, no sample)."""
     m = manifest()
@@ -101,6 +101,8 @@ def first_prefill_plan():
         sched.admit(p, 8, 1)
     plan = sched.plan(2)
     tables = [sched.block_table(int(h)) for h in plan.handles]
+    if with_scheduler:
+        return m, plan, tables, prompts, sched
     return m, plan, tables, prompts
 
 
@@ -151,12 +153,7 @@ def test_a_continued_chunk_starts_at_its_cached_prefix():
     """The cut prompt's next chunk: positions and chunk meta start after its cached 17 tokens."""
     from flared.scheduler import CompletionRecords
 
-    m = manifest()
-    sched = scheduler(m)
-    prompts = [list(range(5, 105)), list(range(200, 210)), [7], list(range(300, 340))]
-    for p in prompts:
-        sched.admit(p, 8, 1)
-    plan = sched.plan(2)
+    m, plan, _, prompts, sched = first_prefill_plan(with_scheduler=True)
     sched.commit(plan, 1)
     n = plan.num_participants
     sched.complete(1, CompletionRecords(handles=np.asarray(plan.handles, dtype=np.int64),
