@@ -190,6 +190,17 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
         l[g] = 0.0f;
     }
     const __m512 scale_v = _mm512_set1_ps(scale);
+    {   /* short contexts are short streams the hardware prefetcher never ramps up on: ask for them now */
+        int end = len - begin > 256 ? begin + 256 : len;
+        for (int t = begin; t < end; t++) {
+            const char *kr = (const char *)(k + (head_base + row_slots[t]) * head_dim);
+            const char *vr = (const char *)(v + (head_base + row_slots[t]) * head_dim);
+            for (int b = 0; b < head_dim * 2; b += 64) {
+                _mm_prefetch(kr + b, _MM_HINT_T1);
+                _mm_prefetch(vr + b, _MM_HINT_T1);
+            }
+        }
+    }
     for (int t0 = begin; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? len - t0 : 16;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
