@@ -99,6 +99,20 @@ def test_prefill_with_cached_prefix_matches_reference(dtype, tol, cached, new, c
     assert torch.isnan(out[new:]).all()  # rows past the chunk are never written
 
 
+def check_varlen(out, q, k_pool, v_pool, tables, metas, page_tokens, tol):
+    """Each packed sequence's rows of ``out`` against the float64 reference; returns the first row past them."""
+    row = 0
+    for b, (cached, new) in enumerate(metas):
+        if new:
+            L = cached + new
+            ref = reference(q[row:row + new], seq_kv(k_pool, tables[b], L, page_tokens),
+                            seq_kv(v_pool, tables[b], L, page_tokens), torch.arange(cached, L, device="cuda"))
+            err = (out[row:row + new].double() - ref).norm() / ref.norm()
+            assert err < tol, (b, float(err))
+        row += new
+    return row
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("nh, nkv, d", [(8, 2, 64), (32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("metas, capacity", [
@@ -121,15 +135,7 @@ def test_varlen_prefill_matches_reference(dtype, tol, nh, nkv, d, metas, capacit
     out = torch.full_like(q, float("nan"))
     meta = torch.tensor(metas, dtype=torch.int32, device="cuda")
     paged_prefill_attention_varlen(q, k_pool, v_pool, out, tables, meta, page_tokens=P, scale=d ** -0.5)
-    row = 0
-    for b, (cached, new) in enumerate(metas):
-        if new:
-            L = cached + new
-            ref = reference(q[row:row + new], seq_kv(k_pool, tables[b], L, P), seq_kv(v_pool, tables[b], L, P),
-                            torch.arange(cached, L, device="cuda"))
-            err = (out[row:row + new].double() - ref).norm() / ref.norm()
-            assert err < tol, (b, float(err))
-        row += new
+    row = check_varlen(out, q, k_pool, v_pool, tables, metas, P, tol)
     assert torch.isnan(out[row:]).all()
 
 
@@ -157,11 +163,4 @@ def test_varlen_prefill_is_capturable_and_reads_lengths_on_the_device():
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        row = 0
-        for b, (cached, new) in enumerate(metas):
-            if new:
-                L = cached + new
-                ref = reference(q[row:row + new], seq_kv(k_pool, tables[b], L, P), seq_kv(v_pool, tables[b], L, P),
-                                torch.arange(cached, L, device="cuda"))
-                assert (out[row:row + new].double() - ref).norm() / ref.norm() < 2e-2
-            row += new
+        check_varlen(out, q, k_pool, v_pool, tables, metas, P, 2e-2)

@@ -8,17 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_models import make_cpu_executor, make_executor, make_scheduler, serving_model, tiny_hf  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf()
-
-
-@pytest.fixture(scope="module")
-def gpu_model(hf):
-    return serving_model(hf)
+from gpu_models import make_cpu_executor, make_executor, make_scheduler, serving_model  # noqa: E402
 
 
 def params(**kw):

@@ -9,23 +9,13 @@ import pytest
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gpu_models import make_executor, make_scheduler, serving_model, tiny_hf  # noqa: E402
+from gpu_models import make_executor, make_scheduler  # noqa: E402
 
 BATCH_SHAPES = ((2, 64), (2, 128), (4, 128))
 # 100 + 10 + 1 + 40 tokens: the first cohort fills (4, 128) with the last prompt's chunk cut at 17 tokens
 # (no sample), which then continues over its cached prefix; 150 tokens take two chunks.
 PROMPTS = [list(range(5, 105)), list(range(200, 210)), [7], list(range(300, 340))]
 MORE = [list(range(5, 155)), list(range(400, 433)), list(range(100, 163)), [9, 8]]
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return tiny_hf()
-
-
-@pytest.fixture(scope="module")
-def gpu_model(hf):
-    return serving_model(hf)
 
 
 def params(**kw):
