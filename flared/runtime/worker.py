@@ -155,7 +155,6 @@ class ModelRuntime:
                              device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
         num_snapshots = max(16, 4 * caps.concurrency)
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode()).digest()
-        graph_shapes = ()  # the CPU executor: default_graph_shapes (one-sequence prefill chunks)
         if use_cuda:
             # CUDA graph executor (flared.execution.executor): captures the manifest's graphs here, before ready;
             # the scheduler then plans exactly the shapes it captured (multi-sequence prefill included).
@@ -168,19 +167,19 @@ class ModelRuntime:
                                           prefill_token_sizes=caps.prefill_token_sizes,
                                           max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens))
             graph_shapes = self.executor.graph_shapes
+            log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
+        else:
+            self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
+                                          num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
+                                          vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
+            graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
+            log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
         self.scheduler = RequestScheduler(
             SchedulerConfig(model_identity=identity, max_live_requests=caps.concurrency, num_pages=caps.kv_pages,
                             num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
                             graph_shapes=graph_shapes),
             self.policy if self.policy is not None else PolicyConfig())
-        if use_cuda:
-            log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
-            return
-        log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
-        self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
-                                      num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
-                                      vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Cancel everything, drain, join. Idempotent."""
