@@ -18,16 +18,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define FL_ATTN_MAX_GROUP 16
 #define FL_ATTN_MAX_DIM 256
 #define FL_ATTN_TILE 32
-
-static inline uint16_t fl_attn_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* A row widened to float32 in a union (GNU C type punning: no memcpy call per row). */
 typedef union {
@@ -131,7 +126,7 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
         int64_t o = ((int64_t)row * num_heads + kv_head * group + g) * head_dim;
         if (bf16) {
             uint16_t *dst = (uint16_t *)out + o;
-            for (int i = 0; i < head_dim; i++) dst[i] = fl_attn_f32_to_bf16(acc[g][i] * inv);
+            for (int i = 0; i < head_dim; i++) dst[i] = fl_bf16_round(acc[g][i] * inv);
         } else {
             float *dst = (float *)out + o;
             for (int i = 0; i < head_dim; i++) dst[i] = acc[g][i] * inv;
@@ -255,8 +250,8 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
         for (int c = 0; c < chunks; c++)
             for (int lane = 0; lane < 4; lane++)
                 for (int i = 0; i < 4; i++) { /* accumulator lane 4L + i holds dimension 8L + i (+ 4: the hi half) */
-                    dst[32 * c + 8 * lane + i] = fl_attn_f32_to_bf16(acc[g][32 * c + 4 * lane + i] * inv);
-                    dst[32 * c + 8 * lane + 4 + i] = fl_attn_f32_to_bf16(acc[g][32 * c + 16 + 4 * lane + i] * inv);
+                    dst[32 * c + 8 * lane + i] = fl_bf16_round(acc[g][32 * c + 4 * lane + i] * inv);
+                    dst[32 * c + 8 * lane + 4 + i] = fl_bf16_round(acc[g][32 * c + 16 + 4 * lane + i] * inv);
                 }
     }
 }

@@ -53,9 +53,6 @@ typedef struct {
     uint16_t *act;  /* [rows, intermediate] */
 } fl_decode_args_t;
 
-static inline float fl_dec_f(uint16_t v) { return fl_norm_widen(v); }
-static inline uint16_t fl_dec_r(float f) { return fl_norm_round(f); }
-
 #if FL_HAVE_X86
 
 /* Group g (output features 64g..) of x [rows, in] @ w^T, w packed (linear_kernel.h), into tile [rows, 64]. */
@@ -78,8 +75,8 @@ FL_TARGET static void fl_dec_linear(const uint16_t *packed, const uint16_t *bias
         const uint16_t *src = tile + (size_t)r * FL_GROUP;
         for (int j = 0; j < n; j++) {
             uint16_t v = src[j];
-            if (bias) v = fl_dec_r(fl_dec_f(v) + fl_dec_f(bias[j0 + j]));
-            dst[j] = residual ? fl_dec_r(fl_dec_f(dst[j]) + fl_dec_f(v)) : v;
+            if (bias) v = fl_bf16_round(fl_bf16_widen(v) + fl_bf16_widen(bias[j0 + j]));
+            dst[j] = residual ? fl_bf16_round(fl_bf16_widen(dst[j]) + fl_bf16_widen(v)) : v;
         }
     }
 }
@@ -96,10 +93,11 @@ FL_TARGET static void fl_dec_gate_up(const uint16_t *packed, const uint16_t *x, 
         uint16_t *dst = act + (size_t)r * inter + (size_t)g * FL_GROUP;
         float s[FL_GROUP];
         for (int j = 0; j < FL_GROUP; j++) { /* vectorises (fl_attn_exp is plain arithmetic) */
-            float v = fl_dec_f(gr[j]);
+            float v = fl_bf16_widen(gr[j]);
             s[j] = v / (1.0f + fl_attn_exp(-v));
         }
-        for (int j = 0; j < FL_GROUP; j++) dst[j] = fl_dec_r(fl_dec_f(fl_dec_r(s[j])) * fl_dec_f(ur[j]));
+        for (int j = 0; j < FL_GROUP; j++)
+            dst[j] = fl_bf16_round(fl_bf16_widen(fl_bf16_round(s[j])) * fl_bf16_widen(ur[j]));
     }
 }
 
@@ -110,16 +108,19 @@ FL_TARGET static void fl_dec_rope_head(const uint16_t *src, const uint16_t *norm
     uint16_t normed[FL_ATTN_MAX_DIM];
     if (norm_w) {
         float ss = 0.0f;
-        for (int i = 0; i < d; i++) ss += fl_dec_f(src[i]) * fl_dec_f(src[i]);
+        for (int i = 0; i < d; i++) ss += fl_bf16_widen(src[i]) * fl_bf16_widen(src[i]);
         float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int i = 0; i < d; i++) normed[i] = fl_dec_r(fl_dec_f(fl_dec_r(fl_dec_f(src[i]) * inv)) * fl_dec_f(norm_w[i]));
+        for (int i = 0; i < d; i++) {
+            float scaled = fl_bf16_widen(fl_bf16_round(fl_bf16_widen(src[i]) * inv));
+            normed[i] = fl_bf16_round(scaled * fl_bf16_widen(norm_w[i]));
+        }
         src = normed;
     }
     int half = d / 2;
     for (int i = 0; i < d; i++) {
-        float t1 = fl_dec_f(fl_dec_r(fl_dec_f(src[i]) * fl_dec_f(cos[i])));
-        float rolled = fl_dec_f(src[i < half ? i + half : i - half]);
-        dst[i] = fl_dec_r(t1 + rolled * fl_dec_f(sin[i]));
+        float t1 = fl_bf16_widen(fl_bf16_round(fl_bf16_widen(src[i]) * fl_bf16_widen(cos[i])));
+        float rolled = fl_bf16_widen(src[i < half ? i + half : i - half]);
+        dst[i] = fl_bf16_round(t1 + rolled * fl_bf16_widen(sin[i]));
     }
 }
 

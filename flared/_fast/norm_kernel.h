@@ -8,29 +8,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FL_NORM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define FL_NORM_CLONES
 #endif
-
-typedef union {
-    uint32_t bits;
-    float value;
-} fl_norm_word_t;
-
-static inline float fl_norm_widen(uint16_t h) {
-    fl_norm_word_t w;
-    w.bits = (uint32_t)h << 16;
-    return w.value;
-}
-
-static inline uint16_t fl_norm_round(float f) {
-    fl_norm_word_t w;
-    w.value = f;
-    if ((w.bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w.bits >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((w.bits + 0x7fffu + ((w.bits >> 16) & 1u)) >> 16);
-}
 
 FL_NORM_CLONES
 void fl_bf16_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *y, int64_t rows, int64_t width,
@@ -42,20 +26,20 @@ void fl_bf16_rms_norm(const uint16_t *x, const uint16_t *weight, uint16_t *y, in
         int64_t i = 0;
         for (; i + 16 <= width; i += 16)
             for (int u = 0; u < 16; u++) {
-                float v = fl_norm_widen(xr[i + u]);
+                float v = fl_bf16_widen(xr[i + u]);
                 part[u] += v * v;
             }
         for (int u = 0; u < 8; u++) part[u] += part[u + 8];
         for (int u = 0; u < 4; u++) part[u] += part[u + 4];
         float ss = (part[0] + part[2]) + (part[1] + part[3]);
         for (; i < width; i++) {
-            float v = fl_norm_widen(xr[i]);
+            float v = fl_bf16_widen(xr[i]);
             ss += v * v;
         }
         float inv = 1.0f / sqrtf(ss / (float)width + eps);
         for (i = 0; i < width; i++) {
-            float normed = fl_norm_widen(fl_norm_round(fl_norm_widen(xr[i]) * inv));
-            yr[i] = fl_norm_round(normed * fl_norm_widen(weight[i]));
+            float normed = fl_bf16_widen(fl_bf16_round(fl_bf16_widen(xr[i]) * inv));
+            yr[i] = fl_bf16_round(normed * fl_bf16_widen(weight[i]));
         }
     }
 }
