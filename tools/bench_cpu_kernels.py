@@ -39,13 +39,17 @@ LAYERS = 30
 FLOPS_PER_ROW = 2 * (LAYERS * sum(n * k for n, k in SHAPES.values()) + LM_HEAD[0] * LM_HEAD[1])
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
+def alternate(steps: dict, repeats: int) -> dict:
+    """Best seconds of each step over ``repeats`` rounds, the steps alternating within a round (after one
+    warm-up call each), so a burst of load from elsewhere hits both sides."""
+    for fn in steps.values():
         fn()
-        best = min(best, time.perf_counter() - t)
+    best = {name: float("inf") for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
     return best
 
 
@@ -68,10 +72,7 @@ def bench_products(rows_list, repeats: int, threads: int) -> list[dict]:
                 bf16_linear(p.data_ptr(), xs[w.shape[1]].data_ptr(), y.data_ptr(), rows, w.shape[0], w.shape[1],
                             threads)
 
-        times = {"flared": float("inf"), "torch": float("inf")}
-        for _ in range(repeats):
-            times["flared"] = min(times["flared"], best_of(flared_step, 1))
-            times["torch"] = min(times["torch"], best_of(torch_step, 1))
+        times = alternate({"flared": flared_step, "torch": torch_step}, repeats)
         out.append({"rows": rows, "flared_ms": times["flared"] * 1e3, "torch_ms": times["torch"] * 1e3,
                     "flared_gflops": FLOPS_PER_ROW * rows / times["flared"] / 1e9,
                     "ratio": times["torch"] / times["flared"]})
@@ -108,10 +109,7 @@ def bench_attention(cases, repeats: int, threads: int) -> list[dict]:
                 probs = torch.softmax(torch.bmm(qd, keys.transpose(1, 2)).float() * d ** -0.5, -1).to(q.dtype)
                 torch.bmm(probs, values)
 
-        times = {"flared": float("inf"), "torch": float("inf")}
-        for _ in range(repeats):
-            times["flared"] = min(times["flared"], best_of(flared_step, 1))
-            times["torch"] = min(times["torch"], best_of(torch_step, 1))
+        times = alternate({"flared": flared_step, "torch": torch_step}, repeats)
         out.append({"rows": rows, "context": context, "flared_ms": times["flared"] * 1e3,
                     "torch_ms": times["torch"] * 1e3, "ratio": times["torch"] / times["flared"]})
     return out
