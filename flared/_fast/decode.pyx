@@ -45,8 +45,6 @@ cdef extern from "decode_kernel.h" nogil:
 
 SUPPORTED = bool(fl_decode_supported())
 MAX_ROWS = FL_DEC_MAX_ROWS
-MAX_GROUP = FL_ATTN_MAX_GROUP
-MAX_HEAD_DIM = FL_ATTN_MAX_DIM
 
 
 def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,
