@@ -18,6 +18,9 @@ llama-server is built once from the vendored llama.cpp source of PyPI's
 `llama-cpp-python` sdist into --llama-dir (nothing of it is committed):
 
     .venv/bin/python tools/compare_llama_server.py --llama-dir /tmp/llama-build [--rounds 2] [--json]
+
+``--ab-env FLARED_X=0`` adds a second flared started with that environment, in the same alternation: an
+A/B of one flared setting, with llama-server as the fixed reference.
 """
 
 from __future__ import annotations
@@ -98,12 +101,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> 
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def start_flared(core: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_flared(core: Path, threads: int, log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port_file = Path(tempfile.mkdtemp()) / "port"
     proc = subprocess.Popen([str(REPO_ROOT / ".venv/bin/flared"), "run", str(core), "--port", "0",
                              "--port-file", str(port_file),
                              "--threads", str(threads), "--no-admin-socket", "--no-dashboard"],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 300
     while not (port_file.exists() and port_file.read_text().endswith("\n")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -177,8 +180,12 @@ def main() -> int:
     p.add_argument("--only", default=None, help="comma-separated configuration names to run")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="flared's core dtype (both sides load the same GGUF; llama-server computes on Q4_1)")
+    p.add_argument("--ab-env", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="also run a second flared with these environment variables, alternating with the others "
+                        "(an A/B of a flared setting beside llama-server, same run)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    ab_env = dict(kv.split("=", 1) for kv in args.ab_env.split(",")) if args.ab_env else None
 
     from tokenizers import Tokenizer
 
@@ -192,7 +199,17 @@ def main() -> int:
     ctx_per_slot = args.input_tokens + 64 + args.turns * (args.turn_input_tokens + args.turn_output_tokens + 16) \
         + args.output_tokens
     flared_proc, flared_url = start_flared(core, args.threads, logs / "flared.log")
+    servers = [("flared", flared_url)]
+    procs = [flared_proc]
+    ab_name = None
+    if ab_env:
+        ab_name = "flared " + ",".join(f"{k}={v}" for k, v in ab_env.items())
+        ab_proc, ab_url = start_flared(core, args.threads, logs / "flared-ab.log", ab_env)
+        servers.append((ab_name, ab_url))
+        procs.append(ab_proc)
     llama_proc, llama_url = start_llama(binary, gguf, args.threads, args.slots, ctx_per_slot, logs / "llama.log")
+    servers.append(("llama-server", llama_url))
+    procs.append(llama_proc)
     configs = configurations(args)
     if args.only:
         wanted = set(args.only.split(","))
@@ -201,20 +218,20 @@ def main() -> int:
     try:
         # Warm both (first-request allocations, page faults) outside the figures.
         warm = WorkloadSpec(kind=WorkloadKind.FIXED, num_sessions=2, input_tokens=32, output_tokens=8, seed=7)
-        for url in (flared_url, llama_url):
+        for _, url in servers:
             measure(url, warm, 2, 2, tokenizer)
         for rnd in range(args.rounds):
             for name, spec, conc, num in configs:
                 # Fresh prompts every round: a repeat would be served from either server's prompt cache.
                 spec = dataclasses.replace(spec, seed=spec.seed + 1000 * rnd)
-                for server, url in (("flared", flared_url), ("llama-server", llama_url)):
+                for server, url in servers:
                     r = measure(url, spec, conc, num, tokenizer)
                     runs.setdefault((name, server), []).append(r)
-                    print(f"round {rnd + 1} {name:<16} {server:<13} {r['output_tps']:7.1f} tok/s  "
+                    print(f"round {rnd + 1} {name:<16} {server:<24} {r['output_tps']:7.1f} tok/s  "
                           f"TTFT p50 {r['ttft_p50_ms'] or 0:8.1f} ms  ok {r['ok']}/{r['sent']}  "
                           f"load {r['load_avg_1m']:.2f}", file=sys.stderr)
     finally:
-        for proc in (flared_proc, llama_proc):
+        for proc in procs:
             proc.terminate()
             try:
                 proc.wait(60)
@@ -226,7 +243,7 @@ def main() -> int:
     summary = []
     for name, _, conc, _ in configs:
         row = {"config": name, "concurrency": conc}
-        for server in ("flared", "llama-server"):
+        for server, _ in servers:
             rs = runs[(name, server)]
             row[server] = {k: median_of(rs, k) for k in keys}
             row[server]["errors"] = sum(sum(r["errors"].values()) for r in rs)
@@ -236,6 +253,9 @@ def main() -> int:
         row["ratio_ttft_p50"] = (f["ttft_p50_ms"] / l_["ttft_p50_ms"]) if l_["ttft_p50_ms"] else None
         if f["ttft_later_p50_ms"] and l_["ttft_later_p50_ms"]:
             row["ratio_ttft_later_p50"] = f["ttft_later_p50_ms"] / l_["ttft_later_p50_ms"]
+        if ab_name:
+            b = row[ab_name]
+            row["ratio_output_tps_vs_ab"] = f["output_tps"] / b["output_tps"] if b["output_tps"] else None
         summary.append(row)
 
     print(f"flared ({args.dtype} core) vs llama-server ({llama_version(binary)}), {args.threads} threads, {args.slots} slots, "
@@ -254,10 +274,17 @@ def main() -> int:
               f"{l_['output_tps']:>11.1f} {row['ratio_output_tps'] or 0:>6.2f} {f['ttft_p50_ms'] or 0:>9.0f}ms "
               f"{l_['ttft_p50_ms'] or 0:>8.0f}ms {row['ratio_ttft_p50'] or 0:>6.2f} {later:>20} "
               f"{f['errors']:>4}/{l_['errors']}")
+    if ab_name:
+        print(f"\nA/B: flared as is vs {ab_name}")
+        for row in summary:
+            f, b = row["flared"], row[ab_name]
+            print(f"{row['config']:<16} {f['output_tps']:>8.1f} vs {b['output_tps']:>8.1f} tok/s "
+                  f"(x{row['ratio_output_tps_vs_ab'] or 0:.3f})  TTFT p50 {f['ttft_p50_ms'] or 0:.0f} vs "
+                  f"{b['ttft_p50_ms'] or 0:.0f} ms  errors {f['errors']}/{b['errors']}")
     if args.json:
         print(json.dumps({"llama_server_version": llama_version(binary), "threads": args.threads,
                           "flared_dtype": args.dtype,
-                          "slots": args.slots, "rounds": args.rounds, "summary": summary,
+                          "slots": args.slots, "rounds": args.rounds, "ab_env": ab_env, "summary": summary,
                           "runs": {f"{k[0]}|{k[1]}": v for k, v in runs.items()}}))
     return 0
 
