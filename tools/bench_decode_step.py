@@ -1,0 +1,152 @@
+"""GPU time of one decode step, as a captured CUDA graph, under each launch variant (same run, same weights).
+
+A decode step's graph (``PagedCudaDecoder.decode``: every layer, the LM head and greedy sampling) is
+captured and replayed for each variant, all in one process on the same random weights of the
+SmolLM2-135M and Llama-3.1-8B shapes, with every row at ``--context`` tokens of a filled KV cache:
+
+- ``cublas``: cuBLAS products + the small fused kernels (what batches over 16 rows run);
+- ``skinny``: the five-kernel fused layer (kernels/skinny.py), where the batch fits it;
+- ``lt``: the same products through cuBLASLt (``torch.backends.cuda.preferred_blas_library``);
+- ``attn=N``: decode attention over N context splits (1 = the one-pass kernel) instead of
+  ``decode_splits``' choice.
+
+Each row gives microseconds per step, the step's weight bytes over that time against the bandwidth floor
+(weights / 4.25 TB/s, the H200's measured copy rate), and whether its greedy tokens and logits equal the
+first variant's.
+
+    python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512] [--json]
+
+CUDA only. Prints one table; with --json, one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+COPY_TB_S = 4.25
+PAGE_TOKENS = 16
+VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = decode_splits' choice))
+    "cublas": (False, "cublas", None),
+    "skinny": (True, "cublas", None),
+    "cublas lt": (False, "cublaslt", None),
+    "cublas attn=1": (False, "cublas", 1),
+    "cublas attn=2": (False, "cublas", 2),
+    "cublas attn=4": (False, "cublas", 4),
+    "cublas lt attn=2": (False, "cublaslt", 2),
+}
+
+
+def build(shape: str, max_batch: int, context: int):
+    from bench_gpu import make_hf, serving
+
+    from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
+
+    hf = make_hf(shape, torch.bfloat16)
+    model = serving(hf, torch.bfloat16)
+    del hf
+    torch.cuda.empty_cache()
+    dev = model.device
+    pages_per_row = -(-(context + 1) // PAGE_TOKENS)
+    num_pages = max_batch * pages_per_row
+    b, t = max_batch, max_batch
+    i64, i32, f32 = torch.int64, torch.int32, torch.float32
+    inputs = StaticInputs(
+        token_ids=torch.randint(3, model.config.vocab_size, (t,), device=dev),
+        positions=torch.full((t,), context - 1, dtype=i64, device=dev),
+        slot_ids=torch.empty(t, dtype=i64, device=dev),
+        state_rows=torch.arange(1, b + 1, dtype=i64, device=dev),
+        block_tables=torch.arange(b * pages_per_row, dtype=i32, device=dev).view(b, pages_per_row),
+        context_lens=torch.full((b,), context, dtype=i32, device=dev),
+        chunk_meta=torch.zeros(b, 2, dtype=i32, device=dev),
+        logit_rows=torch.zeros(b, dtype=i64, device=dev),
+        temperature=torch.zeros(b, dtype=f32, device=dev),
+        top_k=torch.zeros(b, dtype=i32, device=dev),
+        top_p=torch.ones(b, dtype=f32, device=dev),
+        seeds=torch.zeros(b, dtype=i64, device=dev),
+        steps=torch.zeros(b, dtype=i64, device=dev))
+    inputs.slot_ids.copy_(inputs.block_tables[:, (context - 1) // PAGE_TOKENS].long() * PAGE_TOKENS
+                          + (context - 1) % PAGE_TOKENS)
+    dec = PagedCudaDecoder(model, inputs, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=b + 1,
+                           max_batch=b, max_tokens=t)
+    # A filled cache: attention reads real-looking K/V at every position.
+    g = torch.Generator(device=dev).manual_seed(0)
+    for pool in (dec.k_pool, dec.v_pool):
+        pool.copy_(torch.randn(pool.shape, device=dev, generator=g).to(pool.dtype))
+    weight_bytes = sum(p.numel() * p.element_size() for layer in model.layers
+                       for p in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight))
+    weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
+    return model, dec, weight_bytes
+
+
+def run_variant(dec, batch: int, variant: str, stream):
+    from flared.execution.graphs import time_graph_us
+    from flared.model.kernels import paged_decoder, skinny
+
+    use_skinny, blas, splits = VARIANTS[variant]
+    if use_skinny and batch > skinny.MAX_ROWS:
+        return None
+    dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
+    torch.backends.cuda.preferred_blas_library(blas)
+    chosen = paged_decoder.decode_splits
+    if splits is not None:
+        paged_decoder.decode_splits = lambda *args, **kwargs: splits
+    try:
+        us = time_graph_us(lambda: dec.decode(batch, False), stream, replays=30)
+        with torch.cuda.stream(stream):
+            dec.decode(batch, False)
+        stream.synchronize()
+    finally:
+        paged_decoder.decode_splits = chosen
+        torch.backends.cuda.preferred_blas_library("cublas")
+    return us, dec.sampled[:batch].tolist(), dec.logits[:batch].clone()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="135m,8b")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    result = {"context": args.context, "copy_tb_s": COPY_TB_S}
+    print(f"{'shape':6} {'batch':>5}  {'variant':18} {'us/step':>9} {'% of floor':>10}  {'tokens = cublas':>15}"
+          f"  {'max |logit diff|':>16}")
+    stream = torch.cuda.Stream()
+    for shape in args.shapes.split(","):
+        model, dec, weight_bytes = build(shape, max(batches), args.context)
+        floor_us = weight_bytes / (COPY_TB_S * 1e12) * 1e6
+        result[f"{shape}_floor_us"] = round(floor_us, 1)
+        for batch in batches:
+            ref = None
+            for variant in args.variants.split(","):
+                got = run_variant(dec, batch, variant, stream)
+                if got is None:
+                    continue
+                us, tokens, logits = got
+                if ref is None:
+                    ref = (tokens, logits)
+                same = sum(a == b for a, b in zip(tokens, ref[0]))
+                diff = (logits - ref[1]).abs().max().item()
+                print(f"{shape:6} {batch:>5}  {variant:18} {us:9.1f} {floor_us / us:10.0%}  {same:>7}/{batch:<7}"
+                      f"  {diff:16.4f}", flush=True)
+                result[f"{shape}|{batch}|{variant}"] = {"us": round(us, 1), "tokens_same": same,
+                                                        "logit_diff": round(diff, 4)}
+        del model, dec
+        torch.cuda.empty_cache()
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
