@@ -39,10 +39,11 @@ static inline const float *fl_attn_row(const void *base, int64_t index, int head
     return buf->values;
 }
 
-/* e^x in float32 to ~2 ulp (Cody-Waite reduction, Cephes polynomial), in plain arithmetic so loops of
- * it vectorise (libm's expf is a call per element: at 32 rows x 600 keys x 9 heads x 30 layers it was
- * most of the kernel's time). Inputs below -87.3 give ~1e-38, not 0: every use multiplies a zero or
- * a sum that a real key dominates. */
+/* e^x in float32 to ~2 ulp (Cody-Waite reduction, Cephes polynomial), in plain arithmetic (libm's expf
+ * is a call per element: at 32 rows x 600 keys x 9 heads x 30 layers it was most of the kernel's time).
+ * GCC does not vectorise loops of it (the clamps are control flow to it); the bf16 task has a 16-lane
+ * form, fl_attn_exp16. Inputs below -87.3 give ~1e-38, not 0: every use multiplies a zero or a sum that
+ * a real key dominates. */
 static inline float fl_attn_exp(float x) {
     x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
     float n = floorf(x * 1.44269504088896341f + 0.5f);
@@ -106,7 +107,7 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
             for (int j = 1; j < n; j++) tile_max = s[g][j] > tile_max ? s[g][j] : tile_max;
             float m_new = tile_max > m[g] ? tile_max : m[g];
             float alpha = fl_attn_exp(m[g] - m_new); /* ~0 on the first tile (m = -inf), times zeros */
-            for (int j = 0; j < n; j++) s[g][j] = fl_attn_exp(s[g][j] - m_new); /* vectorises */
+            for (int j = 0; j < n; j++) s[g][j] = fl_attn_exp(s[g][j] - m_new);
             float sum = 0.0f;
             for (int j = 0; j < n; j++) sum += s[g][j];
             l[g] = l[g] * alpha + sum;
@@ -165,6 +166,25 @@ FL_ATTN_BF16_TARGET static inline __m512 fl_attn_hsum16(const __m512 *t) {
     return _mm512_permutexvar_ps(order, r);
 }
 
+/* fl_attn_exp on 16 lanes: the same reduction and polynomial, the power of two by VSCALEFPS. GCC did not
+ * vectorise the scalar loop over a tile's 16 probabilities (16 scalar calls per query head and tile were
+ * most of the task's instructions). */
+FL_ATTN_BF16_TARGET static inline __m512 fl_attn_exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 FL_ATTN_BF16_TARGET
 static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                                           const int64_t *slots, int64_t stride_slots, int begin, int len, int row,
@@ -185,17 +205,6 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
         l[g] = 0.0f;
     }
     const __m512 scale_v = _mm512_set1_ps(scale);
-    {   /* short contexts are short streams the hardware prefetcher never ramps up on: ask for them now */
-        int end = len - begin > 256 ? begin + 256 : len;
-        for (int t = begin; t < end; t++) {
-            const char *kr = (const char *)(k + (head_base + row_slots[t]) * head_dim);
-            const char *vr = (const char *)(v + (head_base + row_slots[t]) * head_dim);
-            for (int b = 0; b < head_dim * 2; b += 64) {
-                _mm_prefetch(kr + b, _MM_HINT_T1);
-                _mm_prefetch(vr + b, _MM_HINT_T1);
-            }
-        }
-    }
     for (int t0 = begin; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? len - t0 : 16;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
@@ -219,10 +228,7 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
             float tile_max = _mm512_reduce_max_ps(scores);
             float m_new = tile_max > m[g] ? tile_max : m[g];
             float alpha = fl_attn_exp(m[g] - m_new); /* ~0 on the first tile (m = -inf), times zeros */
-            float p[16] __attribute__((aligned(64)));
-            _mm512_store_ps(p, _mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
-            for (int j = 0; j < 16; j++) p[j] = fl_attn_exp(p[j]); /* vectorises */
-            __m512 pv = _mm512_maskz_mov_ps(valid, _mm512_load_ps(p));
+            __m512 pv = _mm512_maskz_mov_ps(valid, fl_attn_exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
             l[g] = l[g] * alpha + _mm512_reduce_add_ps(pv);
             m[g] = m_new;
             if (alpha != 1.0f)
