@@ -1,0 +1,61 @@
+"""The CPU KV pool's allocation: zeroed, writable, in huge pages where the kernel gives them."""
+
+import gc
+import mmap
+import sys
+
+import pytest
+import torch
+
+from flared.model.config import ModelConfig
+from flared.model.kv_cache import PagedKVCache, host_zeros
+
+
+def _vma_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_zeros_is_a_zeroed_writable_tensor_that_outlives_its_mapping_name(dtype):
+    t = host_zeros((2, 3, 1000, 64), dtype)
+    assert t.shape == (2, 3, 1000, 64) and t.dtype == dtype and t.is_contiguous()
+    assert not t.any()
+    gc.collect()  # the mapping object is only referenced by the tensor now
+    t[1, 2, 999, 63] = 5.0
+    t[0, 0, 0, 0] = -1.0
+    assert t.sum().item() == 4.0
+    assert t.view(-1)[-1].item() == 5.0
+
+
+def test_host_zeros_off_gives_plain_memory(monkeypatch):
+    monkeypatch.setenv("FLARED_HUGEPAGES", "0")
+    t = host_zeros((4, 8), torch.float32)
+    assert not t.any() and t.shape == (4, 8)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="transparent huge pages are a Linux feature")
+def test_cpu_pool_is_advised_for_huge_pages(monkeypatch):
+    monkeypatch.delenv("FLARED_HUGEPAGES", raising=False)
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False,
+                         attention_bias=False, qk_norm=False)
+    cache = PagedKVCache(config, num_pages=128, page_tokens=64, dtype=torch.bfloat16)  # 2 x 8 MiB
+    # "hg": the mapping carries MADV_HUGEPAGE (whether the kernel then finds 2 MiB pages is its business).
+    assert "hg" in _vma_flags(cache.keys.data_ptr())
+    assert "hg" in _vma_flags(cache.values.data_ptr())
+    assert not cache.keys.any() and not cache.values.any()
+    monkeypatch.setenv("FLARED_HUGEPAGES", "0")
+    plain = PagedKVCache(config, num_pages=128, page_tokens=64, dtype=torch.bfloat16)
+    assert "hg" not in _vma_flags(plain.keys.data_ptr())
