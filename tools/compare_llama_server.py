@@ -198,18 +198,22 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="compare-llama-"))
     ctx_per_slot = args.input_tokens + 64 + args.turns * (args.turn_input_tokens + args.turn_output_tokens + 16) \
         + args.output_tokens
-    flared_proc, flared_url = start_flared(core, args.threads, logs / "flared.log")
-    servers = [("flared", flared_url)]
-    procs = [flared_proc]
-    ab_name = None
-    if ab_env:
-        ab_name = "flared " + ",".join(f"{k}={v}" for k, v in ab_env.items())
-        ab_proc, ab_url = start_flared(core, args.threads, logs / "flared-ab.log", ab_env)
-        servers.append((ab_name, ab_url))
-        procs.append(ab_proc)
-    llama_proc, llama_url = start_llama(binary, gguf, args.threads, args.slots, ctx_per_slot, logs / "llama.log")
-    servers.append(("llama-server", llama_url))
-    procs.append(llama_proc)
+    servers, procs = [], []
+    ab_name = "flared " + ",".join(f"{k}={v}" for k, v in ab_env.items()) if ab_env else None
+    try:
+        for name, start in (("flared", lambda: start_flared(core, args.threads, logs / "flared.log")),
+                            (ab_name, lambda: start_flared(core, args.threads, logs / "flared-ab.log", ab_env)),
+                            ("llama-server", lambda: start_llama(binary, gguf, args.threads, args.slots, ctx_per_slot,
+                                                                 logs / "llama.log"))):
+            if name is None:
+                continue
+            proc, url = start()
+            procs.append(proc)
+            servers.append((name, url))
+    except BaseException:
+        for proc in procs:  # a server that failed to start must not leave the others running
+            proc.kill()
+        raise
     configs = configurations(args)
     if args.only:
         wanted = set(args.only.split(","))

@@ -26,7 +26,7 @@ def _vma_flags(address: int) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_host_zeros_is_a_zeroed_writable_tensor_that_outlives_its_mapping_name(dtype):
+def test_host_zeros_is_zeroed_writable_and_keeps_its_mapping_alive(dtype):
     t = host_zeros((2, 3, 1000, 64), dtype)
     assert t.shape == (2, 3, 1000, 64) and t.dtype == dtype and t.is_contiguous()
     assert not t.any()
