@@ -4,11 +4,12 @@
 - products: SmolLM2-135M's matrices (30 copies of each layer's qkv / o / gate_up / down, so weights
   stream from memory as in a decode step, plus the 49152 x 576 LM head) at several row counts: flared's
   packed kernel (flared/_fast/linear.pyx) against torch's bf16 ``F.linear``; one "step" is every product
-  of the model once.
+  of the model once. The packed weights sit where DecoderModel puts them (one mapping in huge pages);
+  "4 KiB pages" is the same kernel over plain copies.
 - decode attention: SmolLM2's heads (9 query, 3 kv, head_dim 64) over paged slots, 30 layers: flared's
   kernel (flared/_fast/attention.pyx) against torch's path (gather the contexts, bmm, softmax, bmm), as
   DecoderModel runs it without the kernel. The K/V pool is allocated as PagedKVCache allocates it (huge
-  pages where the kernel allows, ``kv_cache.host_zeros``); "4 KiB pages" is the same kernel over a copy
+  pages where the kernel allows, ``host_memory.host_zeros``); "4 KiB pages" is the same kernel over a copy
   in plain ``torch.zeros`` memory.
 
 Best of --repeats, the two sides alternating. Needs a CPU with AVX-512 BF16.
@@ -33,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flared._fast import attention  # noqa: E402
 from flared._fast.linear import BF16_SUPPORTED, bf16_linear  # noqa: E402
-from flared.model.decoder import pack_bf16  # noqa: E402
-from flared.model.kv_cache import host_zeros  # noqa: E402
+from flared.model.decoder import _gather_packed, _Linear, pack_bf16  # noqa: E402
+from flared.model.host_memory import host_zeros  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
@@ -60,7 +61,11 @@ def bench_products(rows_list, repeats: int, threads: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g).to(torch.bfloat16)) for _ in range(LAYERS) for n, k in SHAPES.values()]
     weights.append(torch.randn(*LM_HEAD, generator=g).to(torch.bfloat16))
-    packed = [pack_bf16(w) for w in weights]
+    # Packed and placed as DecoderModel places them (one mapping in huge pages), and a plain copy (4 KiB pages).
+    linears = [_Linear(w, None) for w in weights]
+    _gather_packed(linears)
+    packed = [lin.packed for lin in linears]
+    packed_4k = [pack_bf16(w) for w in weights]
     out = []
     for rows in rows_list:
         xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {w.shape[1] for w in weights}}
@@ -69,14 +74,18 @@ def bench_products(rows_list, repeats: int, threads: int) -> list[dict]:
             for w in weights:
                 F.linear(xs[w.shape[1]], w)
 
-        def flared_step():
-            for w, p in zip(weights, packed):
-                y = torch.empty(rows, w.shape[0], dtype=torch.bfloat16)
-                bf16_linear(p.data_ptr(), xs[w.shape[1]].data_ptr(), y.data_ptr(), rows, w.shape[0], w.shape[1],
-                            threads)
+        def flared_over(matrices):
+            def step():
+                for w, p in zip(weights, matrices):
+                    y = torch.empty(rows, w.shape[0], dtype=torch.bfloat16)
+                    bf16_linear(p.data_ptr(), xs[w.shape[1]].data_ptr(), y.data_ptr(), rows, w.shape[0], w.shape[1],
+                                threads)
+            return step
 
-        times = alternate({"flared": flared_step, "torch": torch_step}, repeats)
-        out.append({"rows": rows, "flared_ms": times["flared"] * 1e3, "torch_ms": times["torch"] * 1e3,
+        times = alternate({"flared": flared_over(packed), "flared_4k": flared_over(packed_4k), "torch": torch_step},
+                          repeats)
+        out.append({"rows": rows, "flared_ms": times["flared"] * 1e3, "flared_4k_pages_ms": times["flared_4k"] * 1e3,
+                    "torch_ms": times["torch"] * 1e3,
                     "flared_gflops": FLOPS_PER_ROW * rows / times["flared"] / 1e9,
                     "ratio": times["torch"] / times["flared"]})
     return out
@@ -140,10 +149,10 @@ def main() -> int:
     products = bench_products([1, 8, 32, 256], args.repeats, args.threads)
     attn = bench_attention([(1, 2000), (8, 500), (32, 500)], args.repeats, args.threads)
     print(f"bf16 products, SmolLM2-135M (30 layers + LM head, weights from memory), {args.threads} threads")
-    print(f"{'rows':>5} {'flared ms':>10} {'torch ms':>9} {'flared GFLOP/s':>15} {'ratio':>6}")
+    print(f"{'rows':>5} {'flared ms':>10} {'same, 4 KiB pages':>18} {'torch ms':>9} {'flared GFLOP/s':>15} {'ratio':>6}")
     for r in products:
-        print(f"{r['rows']:5d} {r['flared_ms']:10.2f} {r['torch_ms']:9.2f} {r['flared_gflops']:15.0f} "
-              f"{r['ratio']:5.2f}x")
+        print(f"{r['rows']:5d} {r['flared_ms']:10.2f} {r['flared_4k_pages_ms']:18.2f} {r['torch_ms']:9.2f} "
+              f"{r['flared_gflops']:15.0f} {r['ratio']:5.2f}x")
     print("\nbf16 decode attention, 30 layers, 9/3 heads x 64")
     print(f"{'rows':>5} {'context':>8} {'flared ms':>10} {'same, 4 KiB pages':>18} {'torch ms':>9} {'ratio':>6}")
     for r in attn:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from flared.model.batch import ForwardBatch
 from flared.model.config import ModelConfig
+from flared.model.host_memory import host_zeros
 from flared.model.kv_cache import PagedKVCache
 from flared.model.loader import check_serving_tensors
 from flared.model.rope import rope_tables
@@ -126,6 +127,23 @@ class _Linear:
         return y if self.bias is None else y + self.bias
 
 
+def _gather_packed(linears: list[_Linear]) -> None:
+    """Move the packed bf16 weights into one mapping in huge pages (``host_memory.host_zeros``): a decode
+    step streams every one of them, and in 4 KiB pages SmolLM2's 270 MB are ~66k TLB misses a step (one
+    mapping, because a matrix under 2 MiB alone gets no huge page). Measured 3-6% off the products at 1-4
+    rows. Each matrix's first copy is released once it is moved."""
+    packed = [lin for lin in linears if lin.packed is not None]
+    if not packed:
+        return
+    sizes = [(lin.packed.numel() * lin.packed.element_size() + 63) // 64 * 64 for lin in packed]
+    arena = host_zeros((sum(sizes),), torch.uint8, prefault=False)
+    offset = 0
+    for lin, size in zip(packed, sizes):
+        nbytes = lin.packed.numel() * lin.packed.element_size()
+        lin.packed = arena[offset:offset + nbytes].view(lin.packed.dtype).view(lin.packed.shape).copy_(lin.packed)
+        offset += size
+
+
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down")
 
@@ -165,6 +183,9 @@ class DecoderModel:
             layer.down = _Linear(w(p + "down.weight"), None)
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, None)
+        if self.device.type == "cpu":
+            _gather_packed([lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)]
+                           + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]: folding the sign into the table makes
         # rope three ops (roll, mul, addcmul) on the joint q/k block.

@@ -15,21 +15,17 @@ Rules:
 - Slots of a freed page keep stale values; they are unreachable because a
   gather only covers positions below a sequence's context length.
 - On a Linux CPU the pool sits in transparent huge pages where the kernel
-  allows it (``host_zeros``): decode attention reads every row's keys and
-  values from scattered pages each step, and with 4 KiB pages each short
-  stream also pays TLB misses (measured: attention 11-15% faster).
-  ``FLARED_HUGEPAGES=0`` keeps plain pages (benchmarks compare both).
+  allows it (``host_memory.host_zeros``): decode attention reads every row's
+  keys and values from scattered pages each step, and with 4 KiB pages each
+  short stream also pays TLB misses (measured: attention 10-16% faster).
 """
 
 from __future__ import annotations
 
-import math
-import mmap
-import os
-
 import torch
 
 from flared.model.config import ModelConfig
+from flared.model.host_memory import host_zeros
 
 
 class PagedKVCache:
@@ -65,22 +61,3 @@ class PagedKVCache:
         """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim], contiguous copies."""
         return self.keys[layer].index_select(1, slot_ids), self.values[layer].index_select(1, slot_ids)
 
-
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor in its own anonymous mapping, advised MADV_HUGEPAGE before any page is touched
-    (with THP in "madvise" mode, the common default, only advised memory gets huge pages), then written
-    so every page is faulted in now rather than mid-request. Plain ``torch.zeros`` where the platform has
-    no such advice."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if (advice is None or nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS")
-            or os.environ.get("FLARED_HUGEPAGES", "1") == "0"):
-        return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(advice)
-    except OSError:  # THP compiled out or disabled for this process: still a valid zeroed mapping
-        pass
-    tensor = torch.frombuffer(region, dtype=dtype).view(shape)  # keeps the mapping alive
-    tensor.zero_()
-    return tensor

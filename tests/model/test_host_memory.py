@@ -1,4 +1,4 @@
-"""The CPU KV pool's allocation: zeroed, writable, in huge pages where the kernel gives them."""
+"""CPU memory in huge pages (flared/model/host_memory.py): the KV pool and the packed bf16 weights."""
 
 import gc
 import mmap
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flared.model.config import ModelConfig
-from flared.model.kv_cache import PagedKVCache, host_zeros
+from flared.model.host_memory import host_zeros
+from flared.model.kv_cache import PagedKVCache
 
 
 def _vma_flags(address: int) -> list[str]:
@@ -59,3 +60,25 @@ def test_cpu_pool_is_advised_for_huge_pages(monkeypatch):
     monkeypatch.setenv("FLARED_HUGEPAGES", "0")
     plain = PagedKVCache(config, num_pages=128, page_tokens=64, dtype=torch.bfloat16)
     assert "hg" not in _vma_flags(plain.keys.data_ptr())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="transparent huge pages are a Linux feature")
+def test_packed_bf16_weights_share_one_advised_mapping(tmp_path, monkeypatch):
+    from flared._fast.linear import BF16_SUPPORTED
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    from .conftest import build_hf_checkpoint
+
+    if not BF16_SUPPORTED:
+        pytest.skip("this CPU lacks AVX-512 BF16: no packed weights")
+    monkeypatch.delenv("FLARED_HUGEPAGES", raising=False)
+    source = read_source(build_hf_checkpoint("llama3", tmp_path))
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears.append(model.lm_head_linear)
+    storages = {lin.packed.untyped_storage().data_ptr() for lin in linears}
+    assert len(storages) == 1  # one arena: a matrix under 2 MiB alone would get no huge page
+    assert all("hg" in _vma_flags(lin.packed.data_ptr()) for lin in linears)
+    assert all(lin.packed.data_ptr() % 64 == 0 for lin in linears)

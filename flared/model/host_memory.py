@@ -1,0 +1,38 @@
+"""CPU memory for what a decode step streams: transparent huge pages where the kernel allows them.
+
+A decode step on the CPU reads the model's weights once and every row's keys and values from scattered
+pool pages; in 4 KiB pages each of those streams also pays TLB misses. With THP in "madvise" mode (the
+common default) only memory advised MADV_HUGEPAGE gets 2 MiB pages, and torch's allocations are not
+advised, so the KV pool (``kv_cache``) and the packed bf16 weights (``decoder``) are mapped here.
+
+``FLARED_HUGEPAGES=0`` keeps plain ``torch.zeros`` memory (benchmarks compare both).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+
+import torch
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, prefault: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor in its own anonymous mapping, advised MADV_HUGEPAGE before any page is touched
+    (with THP in "madvise" mode, the common default, only advised memory gets huge pages), then written
+    so every page is faulted in now rather than mid-request (``prefault=False``: left to the first write,
+    for a caller about to fill it). Plain ``torch.zeros`` where the platform has no such advice."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if (advice is None or nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS")
+            or os.environ.get("FLARED_HUGEPAGES", "1") == "0"):
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advice)
+    except OSError:  # THP compiled out or disabled for this process: still a valid zeroed mapping
+        pass
+    tensor = torch.frombuffer(region, dtype=dtype).view(shape)  # keeps the mapping alive
+    if prefault:
+        tensor.zero_()
+    return tensor
