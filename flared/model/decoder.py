@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from flared.model.batch import ForwardBatch
 from flared.model.config import ModelConfig
-from flared.model.host_memory import host_zeros
+from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import PagedKVCache
 from flared.model.loader import check_serving_tensors
 from flared.model.rope import rope_tables
@@ -133,7 +133,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
     mapping, because a matrix under 2 MiB alone gets no huge page). Measured 3-6% off the products at 1-4
     rows. Each matrix's first copy is released once it is moved."""
     packed = [lin for lin in linears if lin.packed is not None]
-    if not packed:
+    if not packed or not huge_pages_wanted():  # a plain arena would only cost a second copy
         return
     sizes = [(lin.packed.numel() * lin.packed.element_size() + 63) // 64 * 64 for lin in packed]
     arena = host_zeros((sum(sizes),), torch.uint8, prefault=False)

@@ -17,19 +17,26 @@ import os
 import torch
 
 
+def huge_pages_wanted() -> bool:
+    """Whether ``host_zeros`` maps and advises its memory here (Linux, not turned off by FLARED_HUGEPAGES=0)."""
+    return (hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_ANONYMOUS")
+            and os.environ.get("FLARED_HUGEPAGES", "1") != "0")
+
+
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, prefault: bool = True) -> torch.Tensor:
     """A zeroed CPU tensor in its own anonymous mapping, advised MADV_HUGEPAGE before any page is touched
     (with THP in "madvise" mode, the common default, only advised memory gets huge pages), then written
     so every page is faulted in now rather than mid-request (``prefault=False``: left to the first write,
     for a caller about to fill it). Plain ``torch.zeros`` where the platform has no such advice."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if (advice is None or nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS")
-            or os.environ.get("FLARED_HUGEPAGES", "1") == "0"):
+    if nbytes == 0 or not huge_pages_wanted():
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        region.madvise(advice)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # refused by the platform's mapping limits: torch's allocator may still find the memory
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP compiled out or disabled for this process: still a valid zeroed mapping
         pass
     tensor = torch.frombuffer(region, dtype=dtype).view(shape)  # keeps the mapping alive

@@ -82,3 +82,20 @@ def test_packed_bf16_weights_share_one_advised_mapping(tmp_path, monkeypatch):
     assert len(storages) == 1  # one arena: a matrix under 2 MiB alone would get no huge page
     assert all("hg" in _vma_flags(lin.packed.data_ptr()) for lin in linears)
     assert all(lin.packed.data_ptr() % 64 == 0 for lin in linears)
+
+
+def test_packed_weights_stay_put_without_huge_pages(tmp_path, monkeypatch):
+    from flared._fast.linear import BF16_SUPPORTED
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    from .conftest import build_hf_checkpoint
+
+    if not BF16_SUPPORTED:
+        pytest.skip("this CPU lacks AVX-512 BF16: no packed weights")
+    monkeypatch.setenv("FLARED_HUGEPAGES", "0")
+    source = read_source(build_hf_checkpoint("llama3", tmp_path))
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    # No arena: each matrix keeps the storage pack_bf16 gave it.
+    assert len({lin.packed.untyped_storage().data_ptr() for lin in linears}) == len(linears)
