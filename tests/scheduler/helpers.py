@@ -93,6 +93,14 @@ class Driver:
         self.last_result = result
         return plan
 
+    def until_decoding(self, *handles, max_steps=1000):
+        """Step until every handle's request is in its DECODE phase."""
+        for _ in range(max_steps):
+            if all(self.s.request(h).phase_name == "DECODE" for h in handles):
+                return
+            self.step()
+        raise AssertionError("requests did not reach DECODE")
+
     def run(self, max_steps=1000):
         for _ in range(max_steps):
             if self.step() is None:

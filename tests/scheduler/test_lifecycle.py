@@ -186,8 +186,7 @@ def test_decode_pipelines_two_steps_and_finish_drops_the_late_token():
     s = make_scheduler()
     h = s.admit(prompt(20), 10, 0)
     d = Driver(s)
-    while s.request(h).phase_name != "DECODE":
-        d.step()
+    d.until_decoding(h)
     d.step()  # measure decode b=1
     p1 = s.plan(d.now_ns)
     s.commit(p1, 100)
@@ -301,8 +300,7 @@ def test_stacked_decode_frames_do_not_starve_waiting_prefill():
     s = make_scheduler()
     a = s.admit(prompt(20), 200, 0)
     d = Driver(s)
-    while s.request(a).phase_name != "DECODE":
-        d.step()
+    d.until_decoding(a)
     d.step()  # measure decode b=1
     fence = d.fence
     inflight = []

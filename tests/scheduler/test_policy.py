@@ -72,8 +72,7 @@ def test_a_prompt_arriving_among_decoders_is_ranked_by_its_whole_path():
     s = make_scheduler(max_live_requests=8, num_pages=256, context_capacity=4096)
     d = Driver(s)
     decoders = [s.admit(prompt(20, seed=i), 400, 0) for i in range(6)]
-    while any(s.request(h).phase_name != "DECODE" for h in decoders):
-        d.step()
+    d.until_decoding(*decoders)
     for _ in range(12):  # measure the decode shapes
         d.step()
     short = s.admit(prompt(30, seed=98), 4, d.now_ns)
@@ -102,8 +101,7 @@ def test_fairness_alternates_decoders_when_only_batch_one_exists():
     a = s.admit(prompt(20, seed=1), 100, 0)
     b = s.admit(prompt(20, seed=2), 100, 0)
     d = Driver(s)
-    while any(s.request(h).phase_name != "DECODE" for h in (a, b)):
-        d.step()
+    d.until_decoding(a, b)
     served = {a: 0, b: 0}
     for _ in range(40):
         p = d.step()
@@ -118,8 +116,7 @@ def test_funded_refresh_displaces_the_winner_once_credit_is_full():
     s = make_scheduler(graph_shapes=shapes, prefill_chunk_size=64, num_pages=512, context_capacity=8192, policy=policy)
     d = Driver(s)
     a = s.admit(prompt(20, seed=1), 4000, 0)
-    while s.request(a).phase_name != "DECODE":
-        d.step()
+    d.until_decoding(a)
     d.step()  # decode b=1 measured while alone
     s.admit(prompt(20, seed=2), 4000, d.now_ns)
     frames = 0
