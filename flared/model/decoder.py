@@ -135,13 +135,12 @@ def _gather_packed(linears: list[_Linear]) -> None:
     packed = [lin for lin in linears if lin.packed is not None]
     if not packed or not huge_pages_wanted():  # a plain arena would only cost a second copy
         return
-    sizes = [(lin.packed.numel() * lin.packed.element_size() + 63) // 64 * 64 for lin in packed]
-    arena = host_zeros((sum(sizes),), torch.uint8, prefault=False)
+    arena = host_zeros((sum(-(-lin.packed.nbytes // 64) * 64 for lin in packed),), torch.uint8, prefault=False)
     offset = 0
-    for lin, size in zip(packed, sizes):
-        nbytes = lin.packed.numel() * lin.packed.element_size()
-        lin.packed = arena[offset:offset + nbytes].view(lin.packed.dtype).view(lin.packed.shape).copy_(lin.packed)
-        offset += size
+    for lin in packed:
+        t = lin.packed
+        lin.packed = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        offset += -(-t.nbytes // 64) * 64  # each matrix 64-byte aligned
 
 
 class _Layer:

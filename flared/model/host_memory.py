@@ -28,7 +28,7 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, prefault: bool = T
     (with THP in "madvise" mode, the common default, only advised memory gets huge pages), then written
     so every page is faulted in now rather than mid-request (``prefault=False``: left to the first write,
     for a caller about to fill it). Plain ``torch.zeros`` where the platform has no such advice."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0 or not huge_pages_wanted():
         return torch.zeros(shape, dtype=dtype)
     try:

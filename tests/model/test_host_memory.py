@@ -40,8 +40,12 @@ def test_host_zeros_is_zeroed_writable_and_keeps_its_mapping_alive(dtype):
 
 def test_host_zeros_off_gives_plain_memory(monkeypatch):
     monkeypatch.setenv("FLARED_HUGEPAGES", "0")
-    t = host_zeros((4, 8), torch.float32)
-    assert not t.any() and t.shape == (4, 8)
+    t = host_zeros((1024, 1024), torch.float32)
+    assert not t.any() and t.shape == (1024, 1024)
+    if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" not in _vma_flags(t.data_ptr())
+        monkeypatch.delenv("FLARED_HUGEPAGES")
+        assert "hg" in _vma_flags(host_zeros((1024, 1024), torch.float32).data_ptr())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
