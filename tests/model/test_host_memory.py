@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flared.model.config import ModelConfig
+from flared.model import host_memory
 from flared.model.host_memory import host_zeros
 from flared.model.kv_cache import PagedKVCache
 
@@ -38,12 +39,22 @@ def test_host_zeros_is_zeroed_writable_and_keeps_its_mapping_alive(dtype):
     assert t.view(-1)[-1].item() == 5.0
 
 
+def _no_mapping(monkeypatch):
+    """Fail if host_memory maps anything itself. (Whether torch's own heap is advised depends on the process:
+    the suite has seen glibc's heap carry the flag, so a plain tensor's VmFlags prove nothing.)"""
+    def refuse(*args, **kwargs):
+        raise AssertionError("host_zeros made its own mapping with FLARED_HUGEPAGES=0")
+
+    monkeypatch.setattr(host_memory.mmap, "mmap", refuse)
+
+
 def test_host_zeros_off_gives_plain_memory(monkeypatch):
     monkeypatch.setenv("FLARED_HUGEPAGES", "0")
-    t = host_zeros((1024, 1024), torch.float32)
+    with monkeypatch.context() as m:
+        _no_mapping(m)
+        t = host_zeros((1024, 1024), torch.float32)
     assert not t.any() and t.shape == (1024, 1024)
     if sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"):
-        assert "hg" not in _vma_flags(t.data_ptr())
         monkeypatch.delenv("FLARED_HUGEPAGES")
         assert "hg" in _vma_flags(host_zeros((1024, 1024), torch.float32).data_ptr())
 
@@ -62,8 +73,9 @@ def test_cpu_pool_is_advised_for_huge_pages(monkeypatch):
     assert "hg" in _vma_flags(cache.values.data_ptr())
     assert not cache.keys.any() and not cache.values.any()
     monkeypatch.setenv("FLARED_HUGEPAGES", "0")
+    _no_mapping(monkeypatch)
     plain = PagedKVCache(config, num_pages=128, page_tokens=64, dtype=torch.bfloat16)
-    assert "hg" not in _vma_flags(plain.keys.data_ptr())
+    assert not plain.keys.any()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
