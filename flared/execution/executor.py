@@ -243,7 +243,8 @@ class GraphExecutor:
         sample_flags = np.asarray(plan.sample, dtype=bool)
         scratch = self.decoder.scratch_slot
         if kind == "decode":
-            key = self.graphs.pick("decode", n, any(s is not None and s.params.temperature > 0 for s in states))
+            key = self.graphs.pick_decode(n, any(s is not None and s.params.temperature > 0 for s in states),
+                                          int(starts[:n].max()) + 1 if n else 0)
             cap = key[1]
             offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n]
             v["token_ids"][:n] = np.asarray(plan.token_ids, dtype=np.int64)[offsets]

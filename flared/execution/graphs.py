@@ -341,7 +341,9 @@ class GraphSet:
     def _run_eager(self, key) -> None:
         kind, batch, tokens, full = key
         if kind == "decode":
-            self.decoder.decode(batch, full)
+            self.decoder.decode(batch, full, mega=False)
+        elif kind == "decode_mega":
+            self.decoder.decode(batch, full, mega=True)
         else:
             self.decoder.prefill(batch, tokens)
 
@@ -350,6 +352,10 @@ class GraphSet:
         keys = [graph_key("prefill", b, t) for b, t in m.prefill_shapes]
         for b in m.decode_batch_sizes:
             keys += [graph_key("decode", b, b, False), graph_key("decode", b, b, True)]
+            # Batches the decode megakernel serves (after calibrate) get a second pair of graphs; the executor
+            # takes them while the step's longest context is short enough (see pick_decode).
+            if b <= self.decoder.mega_max_rows:
+                keys += [graph_key("decode_mega", b, b, False), graph_key("decode_mega", b, b, True)]
         # Largest first (token rows, then batch rows): later, smaller graphs reuse the pool's blocks.
         return sorted(keys, key=lambda k: (-k[2], -k[1], k[0], k[3]))
 
@@ -360,7 +366,6 @@ class GraphSet:
         import torch
 
         started = time.perf_counter()
-        keys = self.keys()
         # A CUDA graph object destroyed while a capture is open (an unreachable executor's graphs, freed by
         # the cyclic garbage collector at any allocation) invalidates that capture: collect first, and keep
         # the collector off until every graph is captured.
@@ -372,6 +377,7 @@ class GraphSet:
                 self._reset_inputs()
                 self.decoder.calibrate(stream)
                 self._reset_inputs()
+                keys = self.keys()
                 for key in keys:
                     t = time.perf_counter()
                     self._run_eager(key)
@@ -399,3 +405,14 @@ class GraphSet:
     def pick(self, kind: str, size: int, full_sampling: bool = True, *, batch: int = 1) -> tuple[str, int, int, bool]:
         """The key of the smallest captured graph that holds the step (ExecutionManifest.pick)."""
         return self.manifest.pick(kind, size, full_sampling, batch=batch)
+
+    def pick_decode(self, rows: int, full_sampling: bool, longest_context: int) -> tuple[str, int, int, bool]:
+        """The decode graph for ``rows`` rows: the megakernel's where one was captured for that capacity and
+        the longest context is within ``decoder.mega_max_context`` (its attention gives each (row, head) one
+        block, so long contexts are slower there than in the split-context kernels), else the plain one."""
+        key = self.manifest.pick("decode", rows, full_sampling)
+        if longest_context <= self.decoder.mega_max_context:
+            mega = graph_key("decode_mega", key[1], key[2], key[3])
+            if mega in self.graph_execs:
+                return mega
+        return key

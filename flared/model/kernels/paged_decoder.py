@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.kernels import fused, skinny
+from flared.model.kernels import fused, megakernel, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
 from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_split,
                                            paged_prefill_attention_varlen)
@@ -110,24 +110,60 @@ class PagedCudaDecoder:
         self.part_m = torch.empty(scratch, dtype=torch.float32, device=self.device)
         self.part_l = torch.empty(scratch, dtype=torch.float32, device=self.device)
         self.part_acc = torch.empty(scratch * c.head_dim, dtype=torch.float32, device=self.device)
+        # Decode batches up to mega_max_rows run every layer as one persistent kernel (kernels/megakernel.py),
+        # where calibrate finds it faster; FLARED_MEGAKERNEL=0 turns it off, =1 uses it wherever it can run.
+        self.mega: dict[int, megakernel.DecodeLayers] = {}
+        self.mega_max_rows = 0
+        self.mega_limit = 0
+        # Steps whose longest context is longer run the plain graphs (GraphSet.pick_decode): the megakernel's
+        # attention is one block per (row, head), the split kernels spread long contexts wider.
+        self.mega_max_context = int(os.environ.get("FLARED_MEGAKERNEL_MAX_CONTEXT", megakernel.MAX_CONTEXT))
+        pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
+        if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
+            self.mega_limit = min(max_batch, megakernel.max_rows(model))
+            if pinned_mega == "1":
+                self.mega_max_rows = self.mega_limit
 
     def calibrate(self, stream) -> None:
         """Keep the skinny kernels for few-row decode only where they beat cuBLAS + the small fused
         kernels on this model and GPU: both batch-1 decode forwards are captured and timed as graphs
         (before the real captures; inputs must be the padding defaults); ``calibration`` records the
         two times. FLARED_SKINNY_MAX_ROWS pins the choice."""
-        if self.skinny_max_rows == 0 or "FLARED_SKINNY_MAX_ROWS" in os.environ:
-            return
         from flared.execution.graphs import time_graph_us
 
-        skinny_rows = self.skinny_max_rows
-        times = {}
-        for rows in (skinny_rows, 0):
-            self.skinny_max_rows = rows
-            times[rows] = time_graph_us(lambda: self.decode(1, False), stream)
-        self.skinny_max_rows = skinny_rows if times[skinny_rows] < times[0] else 0
-        self.calibration = {"skinny_us": times[skinny_rows], "cublas_us": times[0],
-                            "skinny_max_rows": self.skinny_max_rows}
+        if self.skinny_max_rows and "FLARED_SKINNY_MAX_ROWS" not in os.environ:
+            skinny_rows = self.skinny_max_rows
+            times = {}
+            for rows in (skinny_rows, 0):
+                self.skinny_max_rows = rows
+                times[rows] = time_graph_us(lambda: self.decode(1, False), stream)
+            self.skinny_max_rows = skinny_rows if times[skinny_rows] < times[0] else 0
+            self.calibration = {"skinny_us": times[skinny_rows], "cublas_us": times[0],
+                                "skinny_max_rows": self.skinny_max_rows}
+        if self.mega_limit and "FLARED_MEGAKERNEL" not in os.environ:
+            self._calibrate_mega(stream, time_graph_us)
+
+    def _calibrate_mega(self, stream, time_graph_us) -> None:
+        """Batch by batch (1, 2, 4, ...), the megakernel against the path chosen without it; it serves up to
+        the last batch where it is faster. A build or launch failure leaves it off and is recorded."""
+        mega_us, other_us = {}, {}
+        chosen = 0
+        try:
+            batch = 1
+            while batch <= self.mega_limit:
+                self.mega_max_rows = 0
+                other_us[batch] = time_graph_us(lambda: self.decode(batch, False), stream)
+                self.mega_max_rows = batch
+                mega_us[batch] = time_graph_us(lambda: self.decode(batch, False), stream)
+                if mega_us[batch] >= other_us[batch]:
+                    break
+                chosen = batch
+                batch *= 2
+        except Exception as exc:  # noqa: BLE001 - NVRTC, CuPy and the driver raise many types
+            self.calibration["megakernel_error"] = f"{type(exc).__name__}: {exc}"
+            chosen = 0
+        self.mega_max_rows = chosen
+        self.calibration.update({"mega_us": mega_us, "mega_other_us": other_us, "mega_max_rows": chosen})
 
     @property
     def kv_bytes(self) -> int:
@@ -135,7 +171,8 @@ class PagedCudaDecoder:
 
     # -- forwards (capturable) ---------------------------------------------------------------------
 
-    def decode(self, batch: int, full_sampling: bool) -> None:
+    def decode(self, batch: int, full_sampling: bool, mega: bool | None = None) -> None:
+        """``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows`` allows (None)."""
         s = self.inputs
         rows = s.state_rows[:batch]
         tokens = s.token_ids[:batch]
@@ -143,6 +180,12 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         context_lens = s.context_lens[:batch]
 
+        if mega is None:
+            mega = batch <= self.mega_max_rows
+        if mega:
+            x = self._layers_mega(batch, tokens, s.positions[:batch], s.slot_ids[:batch], block_tables, context_lens)
+            self._finish(x, batch, full_sampling, rows)
+            return
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
         def attend(q, layer, out):
@@ -168,6 +211,19 @@ class PagedCudaDecoder:
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
         self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch])
+
+    def _layers_mega(self, batch, tokens, positions, slots, block_tables, context_lens) -> torch.Tensor:
+        """Every layer and the final norm in one persistent kernel, compiled per row count on first use
+        (eager warm-up runs before any capture)."""
+        kernel = self.mega.get(batch)
+        if kernel is None:
+            kernel = megakernel.DecodeLayers(self.model, self.k_pool, self.v_pool, batch)
+            kernel.compile(self.page_tokens)
+            self.mega[batch] = kernel
+        h = self.model.embed.index_select(0, tokens)
+        out = torch.empty_like(h)
+        kernel(h, out, positions, slots, block_tables, context_lens)
+        return out
 
     # -- shared body -------------------------------------------------------------------------------
 

@@ -1,0 +1,611 @@
+// Every decoder layer of a few-row bfloat16 decode step in ONE persistent kernel.
+//
+// A launch of the small kernels of a decode layer costs ~4.5 us inside a CUDA graph however little it
+// reads (docs/benchmarks.md), so a 30-layer model at one row is launch-bound at ~5 kernels per layer.
+// Here one block per multiprocessor walks every layer; the phases of a layer are separated by a
+// grid-wide barrier (an atomic arrival counter) instead of kernel boundaries:
+//
+//   P1  RMSNorm (each block, redundantly) -> QKV rows, one warp per row; k rows in rotary pairs, roped
+//       and written to the KV pool; v rows to the pool; q rows raw to `qkv`
+//   P2  paged decode attention: one block per (row, q head); rotary on q; each warp one slice of the
+//       context in 32-key tiles (K rows to registers, V rows to shared memory by cp.async), online
+//       softmax; the block's warps merged in shared memory
+//   P3  o rows; residual += o
+//   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
+//   P5  down rows; residual += down
+//
+// and a final RMSNorm. Weights never change during a launch, so each warp loads its next phase's first
+// weight rows before the barrier (into registers where a row is short, else an L2 prefetch): the
+// product then waits only for its input vector.
+//
+// Roundings follow the unfused ops (paged_decoder.py's fused path): projections rounded to bf16, the
+// normed activations bf16(bf16(x * inv_rms) * w), rotary in fp32 from bf16 inputs, silu rounded before
+// the product, the residual updated as bf16(h + bf16(y)). Summation order differs from cuBLAS.
+//
+// Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
+// page), THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e), PF_LINES (128-byte
+// lines prefetched per lane per row), SKIP (diagnosis only).
+//
+// Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
+// barrier that waits far too long traps (a launch error) rather than hanging the GPU.
+
+typedef unsigned short bf16;
+
+#define WARPS (THREADS / 32)
+#define QKV_ROWS ((NH + 2 * NKV) * D)
+#define HALF (D / 2)
+#define DPL (D / 32)
+#define NEG_INF (__uint_as_float(0xff800000u))
+
+// ---- scalar helpers ----------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf2f(unsigned int bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ __forceinline__ bf16 f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                           // round to nearest even
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
+
+// Weights: read-only for the whole launch. Data other blocks wrote during this launch is read with
+// __ldcg (from L2: L1 is not coherent). Plain intrinsics, not volatile asm, so the compiler can issue
+// independent loads back to back; the barriers are compiler memory barriers.
+__device__ __forceinline__ uint4 ld_weight(const bf16* p) { return __ldg((const uint4*)p); }
+__device__ __forceinline__ uint4 ld_shared_v4(const void* p) { return __ldcg((const uint4*)p); }
+__device__ __forceinline__ unsigned int ld_shared_u32(const void* p) { return __ldcg((const unsigned int*)p); }
+__device__ __forceinline__ float ld_shared_f32(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float ld_shared_bf(const bf16* p) { return bf2f(__ldcg(p)); }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The first PF_LINES * 32 lines (128 bytes each) of a weight row of `k` elements, spread over the warp.
+__device__ __forceinline__ void prefetch_row(const bf16* row, int k, int lane) {
+    const int lines = (k * 2 + 127) / 128;
+    for (int i = lane; i < lines && i < 32 * PF_LINES; i += 32) prefetch_l2((const char*)row + i * 128);
+}
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    float s = bf2f(w.x & 0xffffu) * bf2f(x.x & 0xffffu);
+    s = fmaf(__uint_as_float(w.x & 0xffff0000u), __uint_as_float(x.x & 0xffff0000u), s);
+    s = fmaf(bf2f(w.y & 0xffffu), bf2f(x.y & 0xffffu), s);
+    s = fmaf(__uint_as_float(w.y & 0xffff0000u), __uint_as_float(x.y & 0xffff0000u), s);
+    s = fmaf(bf2f(w.z & 0xffffu), bf2f(x.z & 0xffffu), s);
+    s = fmaf(__uint_as_float(w.z & 0xffff0000u), __uint_as_float(x.z & 0xffff0000u), s);
+    s = fmaf(bf2f(w.w & 0xffffu), bf2f(x.w & 0xffffu), s);
+    s = fmaf(__uint_as_float(w.w & 0xffff0000u), __uint_as_float(x.w & 0xffff0000u), s);
+    return s;
+}
+
+__device__ __forceinline__ float sumsq8(uint4 x) {
+    float a = bf2f(x.x & 0xffffu), b = __uint_as_float(x.x & 0xffff0000u);
+    float c = bf2f(x.y & 0xffffu), d = __uint_as_float(x.y & 0xffff0000u);
+    float e = bf2f(x.z & 0xffffu), f = __uint_as_float(x.z & 0xffff0000u);
+    float g = bf2f(x.w & 0xffffu), h = __uint_as_float(x.w & 0xffff0000u);
+    return a * a + b * b + c * c + d * d + e * e + f * f + g * g + h * h;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// ---- grid barrier ------------------------------------------------------------------------------
+
+// Every block arrives (a release add: the block's writes, ordered before it by bar.sync, become visible
+// at GPU scope first) and waits until the counter reaches `target` (an acquire load).
+__device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+        unsigned int seen, spins = 0;
+        while (true) {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+            if (seen >= target) break;
+            if (++spins > (1u << 26)) __trap();  // a block that never arrived: fail the launch, never hang
+        }
+    }
+    __syncthreads();
+}
+
+// ---- shared memory ------------------------------------------------------------------------------
+
+// The input rows of a product phase, or during attention each warp's staged V tile [WARPS][32][D].
+#define VEC_ELEMS (R * KMAX > WARPS * 32 * D ? R * KMAX : WARPS * 32 * D)
+
+struct Smem {
+    bf16* vec;     // [VEC_ELEMS] the current phase's input rows [R][KMAX] / V tiles
+    bf16* hs;      // [R][H] the residual as the last norm read it (the residual epilogues add to it)
+    bf16* wn;      // [H] the norm weight
+    float* red;    // [WARPS * R + R] reduction scratch, then 1/rms per row
+    float* qs;     // [WARPS][D] each warp's attention accumulator
+    float* qv;     // [D] the block's rotated, scaled query
+    float* wml;    // [2 * WARPS] each warp's softmax max and sum
+    float* cs;     // [R][D] cos at each row's position
+    float* sn;     // [R][D] signed sin at each row's position
+    long long* slot;  // [R]
+    int* ctx;         // [R]
+};
+
+// vec[r][0:K] = src[r][0:K] (bf16, rows of stride K in global memory).
+template <int K>
+__device__ __forceinline__ void load_rows(const bf16* src, bf16* vec) {
+    for (int i = threadIdx.x; i < R * (K / 8); i += THREADS) {
+        const int r = i / (K / 8), c = i % (K / 8);
+        *(uint4*)(vec + r * KMAX + c * 8) = ld_shared_v4(src + (long long)r * K + c * 8);
+    }
+    __syncthreads();
+}
+
+// vec[r] = bf16(bf16(src[r] * inv_rms(src[r])) * w) for every row r of src [R][H]; hs = src.
+__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm) {
+    float ss[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) ss[r] = 0.f;
+    for (int c = threadIdx.x; c < H / 8; c += THREADS)
+        *(uint4*)(sm.wn + c * 8) = __ldg((const uint4*)(w + c * 8));
+    for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
+        const int r = i / (H / 8), c = i % (H / 8);
+        const uint4 v = ld_shared_v4(src + (long long)r * H + c * 8);
+        *(uint4*)(sm.hs + r * H + c * 8) = v;
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr)
+            if (rr == r) ss[rr] += sumsq8(v);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = warp_sum(ss[r]);
+        if (lane == 0) sm.red[warp * R + r] = s;
+    }
+    __syncthreads();
+    if (threadIdx.x < R) {
+        float s = 0.f;
+        for (int k = 0; k < WARPS; ++k) s += sm.red[k * R + threadIdx.x];
+        sm.red[WARPS * R + threadIdx.x] = rsqrtf(s / (float)H + EPS);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * (H / 2); i += THREADS) {
+        const int r = i / (H / 2), c = i % (H / 2);
+        const float inv = sm.red[WARPS * R + r];
+        const unsigned int x = *(const unsigned int*)(sm.hs + r * H + c * 2);
+        const unsigned int wv = *(const unsigned int*)(sm.wn + c * 2);
+        const float lo = round_bf(bf2f(x & 0xffffu) * inv) * bf2f(wv & 0xffffu);
+        const float hi = round_bf(__uint_as_float(x & 0xffff0000u) * inv) * __uint_as_float(wv & 0xffff0000u);
+        *(unsigned int*)(sm.vec + r * KMAX + c * 2) = (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+    }
+    __syncthreads();
+}
+
+// ---- warp GEMV: NR weight rows of K elements against the R shared-memory vectors ------------------
+
+template <int K, int NR>
+__device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
+                                         int lane) {
+    constexpr int CH = K / 8;              // 16-byte chunks per row
+    constexpr int PER = (CH + 31) / 32;    // chunks per lane
+    constexpr int BATCH = PER < 8 ? PER : 8;
+#pragma unroll
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[n][r] = 0.f;
+#pragma unroll
+    for (int i0 = 0; i0 < PER; i0 += BATCH) {
+        uint4 w[NR][BATCH];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int c = lane + 32 * (i0 + b);
+            if (i0 + b < PER && c < CH) {
+                w[0][b] = ld_weight(w0 + c * 8);
+                if (NR > 1) w[NR - 1][b] = ld_weight(w1 + c * 8);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int c = lane + 32 * (i0 + b);
+            if (i0 + b < PER && c < CH) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint4 x = *(const uint4*)(vec + r * KMAX + c * 8);
+#pragma unroll
+                    for (int n = 0; n < NR; ++n) acc[n][r] += dot8(w[n][b], x);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
+}
+
+// Rows short enough to sit in registers (<= 8 chunks per lane) are loaded before the barrier that precedes
+// their phase, so the product waits only for its input vector. Longer rows stream (warp_dot) and get an
+// L2 prefetch instead.
+template <int K> struct Row {
+    static constexpr int PER = (K / 8 + 31) / 32;
+    static constexpr bool PRE = PER <= 8;
+};
+
+template <int K>
+__device__ __forceinline__ void load_w(const bf16* w0, const bf16* w1, uint4 (&w)[2][Row<K>::PER], int lane) {
+#pragma unroll
+    for (int b = 0; b < Row<K>::PER; ++b) {
+        const int c = lane + 32 * b;
+        if (c < K / 8) {
+            w[0][b] = ld_weight(w0 + c * 8);
+            if (w1 != nullptr) w[1][b] = ld_weight(w1 + c * 8);
+        }
+    }
+}
+
+template <int K, int NR>
+__device__ __forceinline__ void dot_w(const uint4 (&w)[2][Row<K>::PER], const bf16* vec, float (&acc)[NR][R],
+                                      int lane) {
+#pragma unroll
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[n][r] = 0.f;
+#pragma unroll
+    for (int b = 0; b < Row<K>::PER; ++b) {
+        const int c = lane + 32 * b;
+        if (c < K / 8) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 x = *(const uint4*)(vec + r * KMAX + c * 8);
+#pragma unroll
+                for (int n = 0; n < NR; ++n) acc[n][r] += dot8(w[n][b], x);
+            }
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
+}
+
+// The weight rows of this warp's first P1 unit (q or v: one row; k pair: two).
+__device__ __forceinline__ void qkv_rows(const bf16* wq, int u, const bf16** w0, const bf16** w1) {
+    if (u < NH * D) {
+        *w0 = wq + (long long)u * H;
+        *w1 = nullptr;
+    } else if (u < NH * D + NKV * HALF) {
+        const int idx = u - NH * D, j0 = NH * D + (idx / HALF) * D + idx % HALF;
+        *w0 = wq + (long long)j0 * H;
+        *w1 = wq + (long long)(j0 + HALF) * H;
+    } else {
+        *w0 = wq + (long long)(NH * D + NKV * D + u - NH * D - NKV * HALF) * H;
+        *w1 = nullptr;
+    }
+}
+
+// acc[n][r] for r == lane (the epilogues run one row per lane).
+template <int NR>
+__device__ __forceinline__ float row_of(const float (&acc)[NR][R], int n, int lane) {
+    float v = 0.f;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+        if (r == lane) v = acc[n][r];
+    return v;
+}
+
+#ifndef SKIP
+#define SKIP 0  // diagnosis only: bit k skips phase k+1's work (not its barrier); results are then wrong
+#endif
+
+// ---- the kernel ---------------------------------------------------------------------------------
+
+// Per layer, 8 pointers: attn_norm, qkv weight, qkv bias (or 0), o weight, o bias (or 0), mlp_norm,
+// gate_up weight ([2I, H]: gate rows then up rows), down weight.
+#define LP(layer, k) ((const bf16*)layers[(layer) * 8 + (k)])
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v_pool, long long pool_layer_stride,
+                     bf16* h, bf16* out, const bf16* __restrict__ final_norm, bf16* qkv, bf16* attn, bf16* act,
+                     unsigned int* sync, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
+                     const long long* __restrict__ positions, const long long* __restrict__ slots,
+                     const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ context_lens) {
+    extern __shared__ uint4 smem_raw[];
+    Smem sm;
+    sm.vec = (bf16*)smem_raw;
+    sm.hs = sm.vec + VEC_ELEMS;
+    sm.wn = sm.hs + R * H;
+    sm.red = (float*)(sm.wn + ((H + 7) / 8) * 8);
+    sm.qs = sm.red + ((WARPS * R + R + 3) / 4) * 4;
+    sm.qv = sm.qs + WARPS * D;
+    sm.wml = sm.qv + D;
+    sm.cs = sm.wml + 2 * WARPS;
+    sm.sn = sm.cs + R * D;
+    sm.slot = (long long*)(sm.sn + R * D);
+    sm.ctx = (int*)(sm.slot + R);
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int gw = blockIdx.x * WARPS + warp;                     // global warp
+    const int tw = gridDim.x * WARPS;
+    unsigned int* barrier = sync;
+    unsigned int phase = 0;
+#define SYNC_GRID() grid_barrier(barrier, (++phase) * gridDim.x)
+
+    // Per-row constants for the whole launch: slot, context length, the rotary rows.
+    for (int i = threadIdx.x; i < R * D; i += THREADS) {
+        const int r = i / D, d = i % D;
+        const long long pos = positions[r];
+        sm.cs[i] = bf2f(cos_t[pos * D + d]);
+        sm.sn[i] = bf2f(sin_t[pos * D + d]);
+    }
+    if (threadIdx.x < R) {
+        sm.slot[threadIdx.x] = slots[threadIdx.x];
+        sm.ctx[threadIdx.x] = context_lens[threadIdx.x];
+    }
+    __syncthreads();
+
+    constexpr int U1 = NH * D + NKV * HALF + NKV * D;             // P1 units: q rows, k pairs, v rows
+    constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
+    uint4 w1[2][Row<H>::PER], w3[2][Row<NH * D>::PER], w4[2][Row<H>::PER], w5[2][Row<I>::PER];
+    if constexpr (PRE_H) {
+        if (gw < U1) {
+            const bf16 *a, *b;
+            qkv_rows(LP(0, 1), gw, &a, &b);
+            load_w<H>(a, b, w1, lane);
+        }
+    }
+
+    for (int layer = 0; layer < L; ++layer) {
+        bf16* kl = k_pool + layer * pool_layer_stride;
+        bf16* vl = v_pool + layer * pool_layer_stride;
+
+        // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
+        if (!(SKIP & 1)) {
+            load_norm(h, LP(layer, 0), sm);
+            const bf16* wq = LP(layer, 1);
+            const bf16* bq = LP(layer, 2);
+            for (int u = gw; u < U1; u += tw) {
+                bool pre = false;
+                if constexpr (PRE_H) pre = u == gw;
+                if (u < NH * D) {
+                    float acc[1][R];
+                    if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
+                    if (!pre) warp_dot<H, 1>(wq + (long long)u * H, nullptr, sm.vec, acc, lane);
+                    if (lane < R) {
+                        const float b = HAS_QKV_BIAS ? bf2f(bq[u]) : 0.f;
+                        qkv[lane * QKV_ROWS + u] = f2bf(row_of<1>(acc, 0, lane) + b);
+                    }
+                } else if (u < NH * D + NKV * HALF) {
+                    const int idx = u - NH * D, g = idx / HALF, i = idx % HALF;
+                    const int j0 = NH * D + g * D + i, j1 = j0 + HALF;
+                    float acc[2][R];
+                    if constexpr (PRE_H) { if (pre) dot_w<H, 2>(w1, sm.vec, acc, lane); }
+                    if (!pre) warp_dot<H, 2>(wq + (long long)j0 * H, wq + (long long)j1 * H, sm.vec, acc, lane);
+                    if (lane < R) {
+                        const int r = lane;
+                        float k0 = row_of<2>(acc, 0, lane), k1 = row_of<2>(acc, 1, lane);
+                        if (HAS_QKV_BIAS) { k0 += bf2f(bq[j0]); k1 += bf2f(bq[j1]); }
+                        k0 = round_bf(k0);
+                        k1 = round_bf(k1);
+                        bf16* dst = kl + (sm.slot[r] * NKV + g) * D;
+                        dst[i] = f2bf(k0 * sm.cs[r * D + i] + k1 * sm.sn[r * D + i]);
+                        dst[i + HALF] = f2bf(k1 * sm.cs[r * D + i + HALF] + k0 * sm.sn[r * D + i + HALF]);
+                    }
+                } else {
+                    const int idx = u - NH * D - NKV * HALF, g = idx / D, i = idx % D;
+                    const int j = NH * D + NKV * D + idx;
+                    float acc[1][R];
+                    if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
+                    if (!pre) warp_dot<H, 1>(wq + (long long)j * H, nullptr, sm.vec, acc, lane);
+                    if (lane < R) {
+                        float v = row_of<1>(acc, 0, lane);
+                        if (HAS_QKV_BIAS) v += bf2f(bq[j]);
+                        vl[(sm.slot[lane] * NKV + g) * D + i] = f2bf(v);
+                    }
+                }
+            }
+        }
+        // Attention is short: the first o rows now (registers or L2), before the two barriers.
+        if (gw < H) {
+            if constexpr (PRE_O) load_w<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), nullptr, w3, lane);
+            else prefetch_row(LP(layer, 3) + (long long)gw * (NH * D), NH * D, lane);
+        }
+        SYNC_GRID();
+
+        // ---------------- P2: attention, one block per (row, q head) ----------------
+        // Each warp takes a contiguous 1/WARPS of the context in 32-key tiles: its lanes read one key's
+        // K row each (registers) and copy its V row into the warp's shared tile (cp.async), then the
+        // lanes accumulate softmax-weighted V over their own dims. Warps merge through shared memory.
+        if (!(SKIP & 2)) {
+            bf16* vst = sm.vec + warp * 32 * D;
+            for (int unit = blockIdx.x; unit < R * NH; unit += gridDim.x) {
+                const int r = unit / NH, hq = unit % NH, kvh = hq / (NH / NKV);
+                const int ctx = sm.ctx[r];
+                // rotary on q (fp32 from bf16, rounded to bf16 as the unfused kernel stores it), then the scale
+                for (int i = threadIdx.x; i < HALF; i += THREADS) {
+                    const float x0 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i);
+                    const float x1 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i + HALF);
+                    sm.qv[i] = round_bf(x0 * sm.cs[r * D + i] + x1 * sm.sn[r * D + i]) * SCALE_LOG2;
+                    sm.qv[i + HALF] = round_bf(x1 * sm.cs[r * D + i + HALF] + x0 * sm.sn[r * D + i + HALF]) * SCALE_LOG2;
+                }
+                __syncthreads();
+                const int per = (ctx + WARPS - 1) / WARPS;
+                const int start = warp * per;
+                const int end = min(ctx, start + per);
+                float m = NEG_INF, l = 0.f, acc[DPL];
+#pragma unroll
+                for (int k = 0; k < DPL; ++k) acc[k] = 0.f;
+                const int* bt = block_tables + (long long)r * bt_stride;
+                for (int t = start; t < end; t += 32) {
+                    const int kk = t + lane;
+                    const bool valid = kk < end;
+                    float score = NEG_INF;
+                    if (valid) {
+                        const long long slot = (long long)bt[kk / PAGE] * PAGE + kk % PAGE;
+                        const bf16* krow = kl + (slot * NKV + kvh) * D;
+                        const bf16* vrow = vl + (slot * NKV + kvh) * D;
+                        const unsigned int dst = (unsigned int)__cvta_generic_to_shared(vst + lane * D);
+#pragma unroll
+                        for (int c = 0; c < D / 8; ++c)
+                            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + c * 16),
+                                         "l"(vrow + c * 8) : "memory");
+                        uint4 kv[D / 8];
+#pragma unroll
+                        for (int c = 0; c < D / 8; ++c) kv[c] = ld_shared_v4(krow + c * 8);
+                        float sc = 0.f;
+#pragma unroll
+                        for (int c = 0; c < D / 8; ++c) {
+                            const float* qc = sm.qv + c * 8;
+                            sc = fmaf(qc[0], bf2f(kv[c].x & 0xffffu), sc);
+                            sc = fmaf(qc[1], __uint_as_float(kv[c].x & 0xffff0000u), sc);
+                            sc = fmaf(qc[2], bf2f(kv[c].y & 0xffffu), sc);
+                            sc = fmaf(qc[3], __uint_as_float(kv[c].y & 0xffff0000u), sc);
+                            sc = fmaf(qc[4], bf2f(kv[c].z & 0xffffu), sc);
+                            sc = fmaf(qc[5], __uint_as_float(kv[c].z & 0xffff0000u), sc);
+                            sc = fmaf(qc[6], bf2f(kv[c].w & 0xffffu), sc);
+                            sc = fmaf(qc[7], __uint_as_float(kv[c].w & 0xffff0000u), sc);
+                        }
+                        score = sc;
+                    }
+                    asm volatile("cp.async.commit_group;" ::: "memory");
+                    const float m_new = fmaxf(m, warp_max(score));
+                    const float alpha = exp2f(m - m_new);          // m = -inf on the first tile: 0
+                    const float p = valid ? exp2f(score - m_new) : 0.f;
+                    l = l * alpha + warp_sum(p);
+#pragma unroll
+                    for (int k = 0; k < DPL; ++k) acc[k] *= alpha;
+                    m = m_new;
+                    asm volatile("cp.async.wait_all;" ::: "memory");
+                    __syncwarp();
+                    const int n = end - t;
+#pragma unroll
+                    for (int j = 0; j < 32; ++j) {
+                        const float pj = __shfl_sync(0xffffffffu, p, j);
+                        if (j < n) {
+                            const bf16* vr = vst + j * D + lane * DPL;
+#pragma unroll
+                            for (int k = 0; k < DPL; k += 2) {
+                                const unsigned int v2 = *(const unsigned int*)(vr + k);
+                                acc[k] = fmaf(pj, bf2f(v2 & 0xffffu), acc[k]);
+                                acc[k + 1] = fmaf(pj, __uint_as_float(v2 & 0xffff0000u), acc[k + 1]);
+                            }
+                        }
+                    }
+                    __syncwarp();  // the next tile overwrites the staged V
+                }
+#pragma unroll
+                for (int k = 0; k < DPL; ++k) sm.qs[warp * D + lane * DPL + k] = acc[k];
+                if (lane == 0) { sm.wml[warp] = m; sm.wml[WARPS + warp] = l; }
+                __syncthreads();
+                for (int d = threadIdx.x; d < D; d += THREADS) {
+                    float mm = NEG_INF;
+#pragma unroll
+                    for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm.wml[w]);
+                    float ll = 0.f, o = 0.f;
+#pragma unroll
+                    for (int w = 0; w < WARPS; ++w) {
+                        const float mw = sm.wml[w];
+                        const float f = mw == NEG_INF ? 0.f : exp2f(mw - mm);
+                        ll += sm.wml[WARPS + w] * f;
+                        o += sm.qs[w * D + d] * f;
+                    }
+                    attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                }
+                __syncthreads();  // qv, qs and wml are rewritten by the next unit
+            }
+        }
+        SYNC_GRID();
+
+        // ---------------- P3: o projection, residual ----------------
+        if (!(SKIP & 4)) {
+            load_rows<NH * D>(attn, sm.vec);
+            const bf16* wo = LP(layer, 3);
+            const bf16* bo = LP(layer, 4);
+            for (int j = gw; j < H; j += tw) {
+                float acc[1][R];
+                bool pre = false;
+                if constexpr (PRE_O) { if ((pre = j == gw)) dot_w<NH * D, 1>(w3, sm.vec, acc, lane); }
+                if (!pre) warp_dot<NH * D, 1>(wo + (long long)j * (NH * D), nullptr, sm.vec, acc, lane);
+                if (lane < R) {
+                    float y = row_of<1>(acc, 0, lane);
+                    if (HAS_O_BIAS) y += bf2f(bo[j]);
+                    h[lane * H + j] = f2bf(bf2f(sm.hs[lane * H + j]) + round_bf(y));
+                }
+            }
+        }
+        if (gw < I) {
+            const bf16* a = LP(layer, 6) + (long long)gw * H;
+            const bf16* b = LP(layer, 6) + (long long)(I + gw) * H;
+            if constexpr (PRE_H) {
+                load_w<H>(a, b, w4, lane);
+            } else {
+                prefetch_row(a, H, lane);
+                prefetch_row(b, H, lane);
+            }
+        }
+        SYNC_GRID();
+
+        // ---------------- P4: norm, gate/up, silu ----------------
+        if (!(SKIP & 8)) {
+            load_norm(h, LP(layer, 5), sm);
+            const bf16* wgu = LP(layer, 6);
+            for (int j = gw; j < I; j += tw) {
+                float acc[2][R];
+                bool pre = false;
+                if constexpr (PRE_H) { if ((pre = j == gw)) dot_w<H, 2>(w4, sm.vec, acc, lane); }
+                if (!pre) warp_dot<H, 2>(wgu + (long long)j * H, wgu + (long long)(I + j) * H, sm.vec, acc, lane);
+                if (lane < R) {
+                    const float g = round_bf(row_of<2>(acc, 0, lane));
+                    const float u = round_bf(row_of<2>(acc, 1, lane));
+                    const float sg = round_bf(g / (1.f + __expf(-g)));
+                    act[lane * I + j] = f2bf(sg * u);
+                }
+            }
+        }
+        if (gw < H) {
+            if constexpr (PRE_I) load_w<I>(LP(layer, 7) + (long long)gw * I, nullptr, w5, lane);
+            else prefetch_row(LP(layer, 7) + (long long)gw * I, I, lane);
+        }
+        SYNC_GRID();
+
+        // ---------------- P5: down projection, residual ----------------
+        if (!(SKIP & 16)) {
+            load_rows<I>(act, sm.vec);
+            const bf16* wd = LP(layer, 7);
+            for (int j = gw; j < H; j += tw) {
+                float acc[1][R];
+                bool pre = false;
+                if constexpr (PRE_I) { if ((pre = j == gw)) dot_w<I, 1>(w5, sm.vec, acc, lane); }
+                if (!pre) warp_dot<I, 1>(wd + (long long)j * I, nullptr, sm.vec, acc, lane);
+                if (lane < R) h[lane * H + j] = f2bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
+            }
+        }
+        if (layer + 1 < L && gw < U1) {
+            // The next layer's first QKV unit of this warp.
+            const bf16 *a, *b;
+            qkv_rows(LP(layer + 1, 1), gw, &a, &b);
+            if constexpr (PRE_H) {
+                load_w<H>(a, b, w1, lane);
+            } else {
+                prefetch_row(a, H, lane);
+                if (b != nullptr) prefetch_row(b, H, lane);
+            }
+        }
+        SYNC_GRID();
+    }
+
+    // ---------------- final norm ----------------
+    if (blockIdx.x == 0) {
+        load_norm(h, final_norm, sm);
+        for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
+            const int r = i / (H / 8), c = i % (H / 8);
+            *(uint4*)(out + (long long)r * H + c * 8) = *(const uint4*)(sm.vec + r * KMAX + c * 8);
+        }
+    }
+}

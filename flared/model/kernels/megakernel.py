@@ -1,0 +1,188 @@
+"""Every decoder layer of a few-row decode step as one persistent CUDA kernel (``decode_layers.cu``).
+
+Inside a CUDA graph each kernel of a decode layer costs ~4.5 us on the H200 however little it reads, so
+a small model's single-stream step is a chain of ~150 launch latencies, and a large one's pays ~0.4 ms
+of small kernels and idle memory between its matrix-vector products. ``DecodeLayers`` runs all layers
+and the final norm in one launch: one block per multiprocessor, phases separated by a grid-wide
+barrier, each warp prefetching its next phase's weight rows into L2 before it waits (the kernel
+source says how the work is split and rounded).
+
+It is compiled with NVRTC through CuPy, once per (model shape, row count), with the shapes as
+compile-time constants. It serves bfloat16 Llama-family decoders (the rotary tables already carry any
+rope scaling) with head dims 64 or 128, no q/k norm and no sliding window (``unsupported`` says why
+not otherwise); the embedding gather before it and the LM head and sampling after it stay as they
+are. ``PagedCudaDecoder.calibrate`` times it against the other decode paths and keeps it only where
+it is faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_layers.cu")
+THREADS = 512  # 16 warps per block, one block per multiprocessor (models with long rows)
+SHORT_ROW_THREADS = 256  # models whose every weight row fits a warp's registers (<= 2048 elements)
+MAX_ROWS = 8  # rows it is compiled for at most (shared memory holds R rows of the widest input)
+MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
+PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
+
+
+def unsupported(model) -> str | None:
+    """Why the megakernel cannot run ``model`` (a DecoderModel on a CUDA device), or None."""
+    c = model.config
+    if model.device.type != "cuda":
+        return "not on a CUDA device"
+    if model.dtype != torch.bfloat16:
+        return f"dtype {model.dtype} (bfloat16 only)"
+    if c.qk_norm:
+        return "q/k norm"
+    if c.sliding_window is not None:
+        return "sliding window"
+    if c.head_dim not in (64, 128):
+        return f"head_dim {c.head_dim} (64 or 128)"
+    if c.num_heads % c.num_kv_heads:
+        return "query heads not a multiple of kv heads"
+    if c.hidden_size % 8 or c.intermediate_size % 8 or (c.num_heads * c.head_dim) % 8:
+        return "widths not multiples of 8"
+    if any(layer.gate_up.bias is not None or layer.down.bias is not None for layer in model.layers):
+        return "MLP biases"
+    return None
+
+
+def threads_for(model) -> int:
+    """Threads per block: 8 warps where every product row is short enough to be held in registers across
+    a barrier (no register spills; SmolLM2-135M: 573 vs 750 us per launch at 512 threads), else 16 (more
+    loads in flight for streamed rows; Llama-3.1-8B measured at 16)."""
+    c = model.config
+    widest = max(c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
+    return SHORT_ROW_THREADS if widest <= 2048 else THREADS
+
+
+def shared_bytes(model, rows: int, threads: int | None = None) -> int:
+    """The kernel's dynamic shared memory (its ``Smem`` layout)."""
+    c = model.config
+    h, d = c.hidden_size, c.head_dim
+    threads = threads or threads_for(model)
+    kmax = max(h, c.num_heads * d, c.intermediate_size)
+    warps = threads // 32
+    vec = max(rows * kmax, warps * 32 * d)  # product inputs, or the warps' staged V tiles
+    red = -(-(warps * rows + rows) // 4) * 4
+    return (vec * 2 + rows * h * 2 + -(-h // 8) * 8 * 2 + red * 4 + warps * d * 4 + d * 4 + 2 * warps * 4
+            + 2 * rows * d * 4 + rows * 8 + rows * 4)
+
+
+def max_rows(model) -> int:
+    """The most rows (a power of two <= MAX_ROWS) whose shared memory fits one block on this GPU."""
+    limit = torch.cuda.get_device_properties(model.device).shared_memory_per_block_optin
+    rows = MAX_ROWS
+    while rows > 1 and shared_bytes(model, rows) > limit:
+        rows //= 2
+    return rows if shared_bytes(model, rows) <= limit else 0
+
+
+class DecodeLayers:
+    """One compiled megakernel for ``rows`` decode rows of ``model`` over the decoder's KV pools.
+
+    ``__call__(h, out, positions, slots, block_tables, context_lens)``: ``h`` [rows, H] holds the
+    tokens' embeddings and is the residual stream (updated in place), ``out`` [rows, H] receives the
+    final-normed hidden states; the rest are the decode step's device inputs (``StaticInputs`` views).
+    Capturable: a memset of the barrier counters and one launch on the current torch stream.
+    ``compile(page_tokens)`` must have run (outside any capture).
+    """
+
+    def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, *,
+                 overrides: dict | None = None):
+        from flared.execution.cuda import cupy
+
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the decode megakernel does not support this model: {why}")
+        c = model.config
+        dev = model.device
+        self.rows = rows
+        self.config = c
+        self.k_pool, self.v_pool = k_pool, v_pool
+        kmax = max(c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
+        defines = {
+            "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
+            "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": kmax, "THREADS": threads_for(model),
+            "PF_LINES": PREFETCH_LINES,
+            "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
+            "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
+        }
+        # Compile-time constants replaced for experiments (tools/profile_megakernel.py: SKIP, PF_LINES, ...).
+        self.overrides = dict(overrides or {})
+        defines.update(self.overrides)
+        self.threads = int(defines["THREADS"])
+        self._defines = defines
+        self._floats = {"EPS": float(c.rms_norm_eps), "SCALE_LOG2": float(model.scale) * 1.4426950408889634}
+        self._model = model
+        self.kernel = None
+        self.page_tokens = None
+        self.shared_mem = shared_bytes(model, rows, self.threads)
+        self.grid = torch.cuda.get_device_properties(dev).multi_processor_count
+        zero = 0
+        if not (model.rope_cos.is_contiguous() and model.rope_sin_signed.is_contiguous()):
+            raise ValueError("the decode megakernel needs contiguous rotary tables")
+        table = []
+        for layer in model.layers:
+            table.append([layer.attn_norm.data_ptr(), layer.qkv.weight.data_ptr(),
+                          layer.qkv.bias.data_ptr() if layer.qkv.bias is not None else zero,
+                          layer.o.weight.data_ptr(), layer.o.bias.data_ptr() if layer.o.bias is not None else zero,
+                          layer.mlp_norm.data_ptr(), layer.gate_up.weight.data_ptr(), layer.down.weight.data_ptr()])
+        for layer in model.layers:
+            for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight):
+                if not w.is_contiguous() or w.data_ptr() % 16:
+                    raise ValueError("the decode megakernel needs contiguous, 16-byte aligned weights")
+        self.layer_table = torch.tensor(table, dtype=torch.int64, device=dev)
+        bf = torch.bfloat16
+        self.qkv = torch.zeros(rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, dtype=bf, device=dev)
+        self.attn = torch.zeros(rows, c.num_heads * c.head_dim, dtype=bf, device=dev)
+        self.act = torch.zeros(rows, c.intermediate_size, dtype=bf, device=dev)
+        self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # the grid barrier's arrivals
+        self._cupy = cupy
+
+    def compile(self, page_tokens: int) -> None:
+        """Build the kernel (NVRTC, cached by CuPy) for this page size; outside any graph capture."""
+        if self.kernel is not None and self.page_tokens == page_tokens:
+            return
+        cupy = self._cupy
+        options = [f"-D{k}={v}" for k, v in self._defines.items()]
+        options += [f"-DPAGE={int(page_tokens)}"]
+        options += [f"-D{k}={v!r}f" for k, v in self._floats.items()]
+        module = cupy.RawModule(code=SOURCE.read_text(), options=tuple(options))
+        kernel = module.get_function("flared_decode_layers")
+        kernel.max_dynamic_shared_size_bytes = self.shared_mem
+        if kernel.max_threads_per_block < self.threads:
+            raise RuntimeError(f"the decode megakernel needs {self.threads} threads per block; this build allows "
+                               f"{kernel.max_threads_per_block} (registers)")
+        self.kernel = kernel
+        self._function = kernel.kernel.ptr  # the loaded CUfunction
+        self.page_tokens = page_tokens
+        self._module = module
+
+    def __call__(self, h: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        rows = self.rows
+        assert h.shape[0] == rows and out.shape[0] == rows and h.is_contiguous() and out.is_contiguous()
+        assert block_tables.stride(1) == 1 and positions.dtype == torch.int64 and slots.dtype == torch.int64
+        if self.kernel is None:
+            raise RuntimeError("DecodeLayers.compile(page_tokens) first")
+        u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
+        self.sync.zero_()
+        m = self._model
+        values = [u64(self.layer_table.data_ptr()), u64(self.k_pool.data_ptr()), u64(self.v_pool.data_ptr()),
+                  i64(self.k_pool.stride(0)), u64(h.data_ptr()), u64(out.data_ptr()), u64(m.final_norm.data_ptr()),
+                  u64(self.qkv.data_ptr()), u64(self.attn.data_ptr()), u64(self.act.data_ptr()),
+                  u64(self.sync.data_ptr()), u64(m.rope_cos.data_ptr()),
+                  u64(m.rope_sin_signed.data_ptr()), u64(positions.data_ptr()), u64(slots.data_ptr()),
+                  u64(block_tables.data_ptr()), i32(block_tables.stride(0)), u64(context_lens.data_ptr())]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        stream = torch.cuda.current_stream(h.device).cuda_stream
+        # The driver call directly (CuPy's stream objects are not needed, and a launch inside a torch graph
+        # capture must be on torch's capturing stream).
+        self._cupy.cuda.driver.launchKernel(self._function, self.grid, 1, 1, self.threads, 1, 1, self.shared_mem, stream,
+                                            ctypes.addressof(params), 0)

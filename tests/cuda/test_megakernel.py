@@ -1,0 +1,187 @@
+"""The decode megakernel (kernels/decode_layers.cu) against the fused decode path it replaces.
+
+Same weights, same paged KV cache (random contents, scattered pages, rows at different context lengths
+and a padding row): the step's logits, the K/V it writes and nothing else it touches must agree with the
+cuBLAS + fused-kernel forward to bfloat16 rounding; a captured graph must replay it bit for bit.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+PAGE = 16
+
+
+def _hf(kind, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, num_hidden_layers=3, max_position_embeddings=1024, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if kind == "llama64":  # head_dim 64, GQA 2:1
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, **common)
+        return LlamaForCausalLM(cfg)
+    if kind == "llama128":  # head_dim 128, GQA 4:1 (Llama-3 8B's grouping)
+        cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
+                          **common)
+        return LlamaForCausalLM(cfg)
+    cfg = Qwen2Config(hidden_size=384, intermediate_size=768, num_attention_heads=6, num_key_value_heads=2, **common)
+    return Qwen2ForCausalLM(cfg)  # QKV bias, head_dim 64, GQA 3:1
+
+
+def _serving(hf, dtype):
+    from flared.model.config import from_hf_config
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import _hf_to_serving
+
+    config = from_hf_config(hf.config.to_dict())
+    tensors = _hf_to_serving({k: v.detach().to("cuda") for k, v in hf.state_dict().items()}, config, source="test")
+    return DecoderModel(config, tensors, dtype=dtype, device="cuda", max_positions=1024)
+
+
+def _decoder(kind, batch, contexts):
+    from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
+
+    hf = _hf(kind).eval().to(device="cuda", dtype=torch.bfloat16)
+    model = _serving(hf, torch.bfloat16)
+    dev = model.device
+    max_pages = 1024 // PAGE
+    num_pages = batch * max_pages
+    g = torch.Generator(device=dev).manual_seed(1)
+    i64, i32, f32 = torch.int64, torch.int32, torch.float32
+    inputs = StaticInputs(
+        token_ids=torch.randint(3, 512, (batch,), device=dev, generator=g),
+        positions=torch.zeros(batch, dtype=i64, device=dev), slot_ids=torch.zeros(batch, dtype=i64, device=dev),
+        state_rows=torch.arange(1, batch + 1, dtype=i64, device=dev),
+        block_tables=torch.randperm(num_pages, device=dev, generator=g).to(i32).view(batch, max_pages),
+        context_lens=torch.tensor(contexts, dtype=i32, device=dev),
+        chunk_meta=torch.zeros(batch, 2, dtype=i32, device=dev), logit_rows=torch.zeros(batch, dtype=i64, device=dev),
+        temperature=torch.zeros(batch, dtype=f32, device=dev), top_k=torch.zeros(batch, dtype=i32, device=dev),
+        top_p=torch.ones(batch, dtype=f32, device=dev), seeds=torch.zeros(batch, dtype=i64, device=dev),
+        steps=torch.zeros(batch, dtype=i64, device=dev))
+    dec = PagedCudaDecoder(model, inputs, num_pages=num_pages, page_tokens=PAGE, num_state_rows=batch + 1,
+                           max_batch=batch, max_tokens=batch)
+    for row, ctx in enumerate(contexts):
+        if ctx == 0:  # a padding row: position 0, the scratch slot, no context
+            inputs.slot_ids[row] = dec.scratch_slot
+            inputs.block_tables[row] = num_pages
+            continue
+        pos = ctx - 1
+        inputs.positions[row] = pos
+        inputs.slot_ids[row] = int(inputs.block_tables[row, pos // PAGE]) * PAGE + pos % PAGE
+    for pool in (dec.k_pool, dec.v_pool):
+        pool.copy_(torch.randn(pool.shape, device=dev, generator=g).to(pool.dtype))
+    return model, dec
+
+
+def _step(dec, batch, mega):
+    dec.skinny_max_rows = 0
+    dec.mega_max_rows = batch if mega else 0
+    k0, v0 = dec.k_pool.clone(), dec.v_pool.clone()
+    dec.decode(batch, False)
+    torch.cuda.synchronize()
+    result = dec.logits[:batch].clone(), dec.k_pool.clone(), dec.v_pool.clone()
+    dec.k_pool.copy_(k0)
+    dec.v_pool.copy_(v0)
+    return result
+
+
+@pytest.mark.parametrize("kind, contexts", [
+    ("llama64", [1]),
+    ("llama64", [700, 33, 0, 5]),
+    ("llama128", [1000, 64]),
+    ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
+])
+def test_megakernel_matches_the_fused_path(kind, contexts):
+    from flared.model.kernels import megakernel
+
+    batch = len(contexts)
+    model, dec = _decoder(kind, batch, contexts)
+    assert megakernel.unsupported(model) is None and dec.mega_limit >= min(batch, 8)
+    ref_logits, ref_k, ref_v = _step(dec, batch, mega=False)
+    logits, k, v = _step(dec, batch, mega=True)
+    live = [r for r, c in enumerate(contexts) if c > 0]
+    scale = ref_logits[live].abs().max().item()
+    assert (logits[live] - ref_logits[live]).abs().max().item() <= 0.03 * scale
+    cos = torch.nn.functional.cosine_similarity(logits[live], ref_logits[live], dim=-1)
+    assert cos.min().item() > 0.999
+    assert (logits[live].argmax(-1) == ref_logits[live].argmax(-1)).float().mean().item() >= 0.75
+    # K/V: the new tokens' slots agree to rounding, every other slot is untouched
+    slots = dec.inputs.slot_ids[:batch]
+    live_slots = slots[live]
+    for got, ref in ((k, ref_k), (v, ref_v)):
+        assert (got[:, live_slots].float() - ref[:, live_slots].float()).abs().max().item() <= 0.05 * (
+            ref[:, live_slots].float().abs().max().item())
+        other = torch.ones(got.shape[1], dtype=torch.bool, device=got.device)
+        other[slots] = False
+        assert torch.equal(got[:, other], ref[:, other])
+
+
+def test_megakernel_graph_replay_is_bit_identical():
+    from flared.execution.graphs import time_graph_us
+
+    model, dec = _decoder("llama64", 2, [200, 9])
+    logits, k, v = _step(dec, 2, mega=True)
+    # eager once, then captured and replayed six times: every replay rewrites the same slots with the same
+    # values and reads the same cache, so it must give the eager step's results exactly
+    time_graph_us(lambda: dec.decode(2, False), torch.cuda.Stream(), replays=5)
+    torch.cuda.synchronize()
+    assert torch.equal(dec.logits[:2], logits)
+    assert torch.equal(dec.k_pool, k) and torch.equal(dec.v_pool, v)
+
+
+def test_calibration_times_the_megakernel():
+    model, dec = _decoder("llama64", 4, [0, 0, 0, 0])  # padding inputs, as GraphSet calibrates
+    dec.calibrate(torch.cuda.Stream())
+    cal = dec.calibration
+    assert "megakernel_error" not in cal, cal
+    assert cal["mega_us"] and set(cal["mega_us"]) <= {1, 2, 4}
+    assert dec.mega_max_rows in (0, 1, 2, 4)
+
+
+def test_unsupported_models_say_why():
+    from gpu_models import serving_model, tiny_hf
+
+    from flared.model.kernels import megakernel
+
+    assert "head_dim 32" in megakernel.unsupported(serving_model(tiny_hf(dtype=torch.bfloat16),
+                                                                 dtype=torch.bfloat16))
+    model = _serving(_hf("llama64").eval().to("cuda"), torch.float32)
+    assert "bfloat16 only" in megakernel.unsupported(model)
+    with pytest.raises(ValueError, match="does not support"):
+        megakernel.DecodeLayers(model, None, None, 1)
+
+
+def test_executor_runs_the_megakernel_graphs_while_contexts_are_short(monkeypatch):
+    """Forced on, the executor captures megakernel decode graphs beside the plain ones and takes them only
+    while the step's longest context is within the limit; greedy output is repeatable across drives."""
+    from gpu_models import make_executor, make_scheduler
+
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    monkeypatch.setenv("FLARED_MEGAKERNEL", "1")
+    monkeypatch.setenv("FLARED_MEGAKERNEL_MAX_CONTEXT", "40")
+    model = _serving(_hf("llama64").eval().to(device="cuda", dtype=torch.bfloat16), torch.bfloat16)
+    ex = make_executor(model)
+    try:
+        mega_keys = {(k[0], k[1]) for k in ex.graphs.graph_execs if k[0] == "decode_mega"}
+        assert mega_keys == {("decode_mega", 1), ("decode_mega", 2), ("decode_mega", 4)}
+        picked = []
+        real = ex.graphs.pick_decode
+
+        def record(rows, full, longest):
+            key = real(rows, full, longest)
+            picked.append((longest, key[0]))
+            return key
+
+        monkeypatch.setattr(ex.graphs, "pick_decode", record)
+        p = SamplingParams(max_tokens=24, temperature=0.0)
+        first = drive(make_scheduler(), ex, [list(range(5, 30))], [p])
+        again = drive(make_scheduler(), ex, [list(range(5, 30))], [p])
+        assert first.tokens == again.tokens and len(first.tokens[0]) == 24
+        # prompt 25 + up to 24 new tokens: contexts 26..49 cross the limit of 40
+        assert all(kind == ("decode_mega" if longest <= 40 else "decode") for longest, kind in picked)
+        assert {kind for _, kind in picked} == {"decode", "decode_mega"}
+    finally:
+        ex.close()
