@@ -152,7 +152,7 @@ def matched_prefix(a, b):
 
 
 def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tokens=256, prompt_len=128,
-                ab_skinny=True):
+                ab_mega=True):
     vocab = SHAPES[shape]["vocab_size"]
     # Exact parity on float32 (small shape only: an 8B float32 copy is 32 GB and adds nothing).
     if shape == "135m":
@@ -195,10 +195,18 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
                                      for k, v in ex.graphs.key_seconds.items()}
     cal = ex.graphs.decoder.calibration
     if cal:
-        rows.append((shape, "batch-1 decode graph us: skinny kernels | cuBLAS (capture-time pick)",
-                     f"{cal['skinny_us']:.0f} | {cal['cublas_us']:.0f}", "",
-                     "skinny" if cal["skinny_max_rows"] else "cuBLAS"))
-        out[f"{shape}_calibration"] = cal
+        if "skinny_us" in cal:
+            rows.append((shape, "batch-1 decode graph us: skinny kernels | cuBLAS (capture-time pick)",
+                         f"{cal['skinny_us']:.0f} | {cal['cublas_us']:.0f}", "",
+                         "skinny" if cal["skinny_max_rows"] else "cuBLAS"))
+        if cal.get("mega_us"):
+            mega = " ".join(f"b{b}: {cal['mega_us'][b]:.0f} vs {cal['mega_other_us'][b]:.0f}" for b in cal["mega_us"])
+            rows.append((shape, "decode graph us: megakernel vs the pick without it", mega, "",
+                         f"megakernel up to {cal['mega_max_rows']} rows"))
+        if "megakernel_error" in cal:
+            rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
+        out[f"{shape}_calibration"] = {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+                                       for k, v in cal.items()}
 
     p = prompts(vocab, 1, 32, seed=3)
     ours = run_flared(model, p, parity_tokens, ex_pair=pair).tokens[0]
@@ -234,25 +242,25 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
     out[f"{shape}_b1_gpu_idle"] = idle
 
-    # The same single stream with the fused skinny kernels off (cuBLAS + the small fused kernels).
-    if ab_skinny:
+    # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with).
+    if ab_mega:
         import os
 
-        os.environ["FLARED_SKINNY_MAX_ROWS"] = "0"
+        os.environ["FLARED_MEGAKERNEL"] = "0"
         try:
             plain = graph_executor(model, concurrency=1, num_pages=64)
         finally:
-            del os.environ["FLARED_SKINNY_MAX_ROWS"]
+            del os.environ["FLARED_MEGAKERNEL"]
         run_flared(model, prompts(vocab, 1, prompt_len, seed=41), 16, ex_pair=plain)
         r0 = run_flared(model, p, new_tokens, ex_pair=plain)
         tps0 = (new_tokens - 1) / ((r0.finish_ns[0] - r0.first_token_ns[0]) / 1e9)
         steps0 = r0.steps_by_kind["DECODE"]
         same0 = matched_prefix(r.tokens[0], r0.tokens[0])
-        rows.append((shape, "batch-1 decode tok/s, cuBLAS path | GPU us/step", f"{tps0:,.0f} | "
-                     f"{r0.decode_gpu_ns / max(1, steps0) / 1e3:.0f}", "", f"tokens = skinny run: {same0}/{new_tokens}"))
-        out[f"{shape}_b1_plain_tok_s"] = tps0
-        out[f"{shape}_b1_plain_gpu_us_per_step"] = r0.decode_gpu_ns / max(1, steps0) / 1e3
-        out[f"{shape}_b1_skinny_vs_plain_prefix"] = same0
+        rows.append((shape, "batch-1 decode tok/s without the megakernel | GPU us/step", f"{tps0:,.0f} | "
+                     f"{r0.decode_gpu_ns / max(1, steps0) / 1e3:.0f}", "", f"tokens = main run: {same0}/{new_tokens}"))
+        out[f"{shape}_b1_no_mega_tok_s"] = tps0
+        out[f"{shape}_b1_no_mega_gpu_us_per_step"] = r0.decode_gpu_ns / max(1, steps0) / 1e3
+        out[f"{shape}_b1_mega_vs_no_mega_prefix"] = same0
         plain[1].close()
         del plain
 

@@ -1,0 +1,83 @@
+"""Where the decode megakernel's time goes: the kernel alone, captured in a graph, per compile-time variant.
+
+No hardware counters on the lent machine, so time is placed by difference: each variant recompiles the
+kernel (kernels/decode_layers.cu) with one phase's work left out (``SKIP``: its barrier stays), or with
+every phase left out (the barriers alone), or without the L2 weight prefetch. Results of the variants
+are wrong by construction; only their times matter. Random weights of the SmolLM2-135M and
+Llama-3.1-8B shapes, every row at ``--context`` tokens of a filled KV cache.
+
+    python tools/profile_megakernel.py [--shapes 135m,8b] [--rows 1] [--context 512] [--json]
+
+CUDA only. Prints one table; with --json, one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+VARIANTS = {  # names may not contain commas (--variants splits on them)
+    "full": {},
+    "no P1 (norm+qkv)": {"SKIP": 1},
+    "no P2 (attention)": {"SKIP": 2},
+    "no P3 (o)": {"SKIP": 4},
+    "no P4 (norm+gate_up)": {"SKIP": 8},
+    "no P5 (down)": {"SKIP": 16},
+    "barriers only": {"SKIP": 31},
+    "256 threads": {"THREADS": 256},
+    "512 threads": {"THREADS": 512},
+    "512 threads no P2": {"THREADS": 512, "SKIP": 2},
+    "prefetch 2 lines": {"PF_LINES": 2},
+}
+
+
+def main() -> int:
+    from bench_decode_step import PAGE_TOKENS, build
+
+    from flared.execution.graphs import time_graph_us
+    from flared.model.kernels.megakernel import DecodeLayers
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="135m,8b")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rows = args.rows
+    result = {"rows": rows, "context": args.context}
+    stream = torch.cuda.Stream()
+    print(f"{'shape':6} {'variant':22} {'us/launch':>10} {'vs full':>9}")
+    for shape in args.shapes.split(","):
+        model, dec, _ = build(shape, rows, args.context)
+        s = dec.inputs
+        h = model.embed[:rows].clone()
+        out = torch.empty_like(h)
+        full = None
+        for name in args.variants.split(","):
+            kernel = DecodeLayers(model, dec.k_pool, dec.v_pool, rows, overrides=VARIANTS[name])
+            kernel.compile(PAGE_TOKENS)
+
+            def launch():
+                kernel(h, out, s.positions[:rows], s.slot_ids[:rows], s.block_tables[:rows], s.context_lens[:rows])
+
+            us = time_graph_us(launch, stream, replays=30)
+            full = us if full is None else full
+            print(f"{shape:6} {name:22} {us:10.1f} {us - full:+9.1f}", flush=True)
+            result[f"{shape}|{name}"] = round(us, 1)
+        del model, dec
+        torch.cuda.empty_cache()
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
