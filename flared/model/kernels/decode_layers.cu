@@ -190,16 +190,41 @@ __device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm) {
 
 // ---- warp GEMV: NR weight rows of K elements against the R shared-memory vectors ------------------
 
+// acc[n][r] += row n's chunk `b` (16 bytes, chunk index c of the row) . vec[r]'s chunk c
+template <int NR, int WR, int N>
+__device__ __forceinline__ void add_chunk(const uint4 (&w)[WR][N], int b, int c, const bf16* vec,
+                                          float (&acc)[NR][R]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const uint4 x = *(const uint4*)(vec + r * KMAX + c * 8);
+#pragma unroll
+        for (int n = 0; n < NR; ++n) acc[n][r] += dot8(w[n][b], x);
+    }
+}
+
+template <int NR>
+__device__ __forceinline__ void zero_acc(float (&acc)[NR][R]) {
+#pragma unroll
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[n][r] = 0.f;
+}
+
+template <int NR>
+__device__ __forceinline__ void reduce_acc(float (&acc)[NR][R]) {
+#pragma unroll
+    for (int n = 0; n < NR; ++n)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
+}
+
 template <int K, int NR>
 __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
                                          int lane) {
     constexpr int CH = K / 8;              // 16-byte chunks per row
     constexpr int PER = (CH + 31) / 32;    // chunks per lane
     constexpr int BATCH = PER < 8 ? PER : 8;
-#pragma unroll
-    for (int n = 0; n < NR; ++n)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[n][r] = 0.f;
+    zero_acc<NR>(acc);
 #pragma unroll
     for (int i0 = 0; i0 < PER; i0 += BATCH) {
         uint4 w[NR][BATCH];
@@ -214,20 +239,10 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
 #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
             const int c = lane + 32 * (i0 + b);
-            if (i0 + b < PER && c < CH) {
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const uint4 x = *(const uint4*)(vec + r * KMAX + c * 8);
-#pragma unroll
-                    for (int n = 0; n < NR; ++n) acc[n][r] += dot8(w[n][b], x);
-                }
-            }
+            if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
         }
     }
-#pragma unroll
-    for (int n = 0; n < NR; ++n)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
+    reduce_acc<NR>(acc);
 }
 
 // Rows short enough to sit in registers (<= 8 chunks per lane) are loaded before the barrier that precedes
@@ -253,26 +268,13 @@ __device__ __forceinline__ void load_w(const bf16* w0, const bf16* w1, uint4 (&w
 template <int K, int NR>
 __device__ __forceinline__ void dot_w(const uint4 (&w)[2][Row<K>::PER], const bf16* vec, float (&acc)[NR][R],
                                       int lane) {
-#pragma unroll
-    for (int n = 0; n < NR; ++n)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[n][r] = 0.f;
+    zero_acc<NR>(acc);
 #pragma unroll
     for (int b = 0; b < Row<K>::PER; ++b) {
         const int c = lane + 32 * b;
-        if (c < K / 8) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const uint4 x = *(const uint4*)(vec + r * KMAX + c * 8);
-#pragma unroll
-                for (int n = 0; n < NR; ++n) acc[n][r] += dot8(w[n][b], x);
-            }
-        }
+        if (c < K / 8) add_chunk<NR>(w, b, c, vec, acc);
     }
-#pragma unroll
-    for (int n = 0; n < NR; ++n)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
+    reduce_acc<NR>(acc);
 }
 
 // The weight rows of this warp's first P1 unit (q or v: one row; k pair: two).
