@@ -5,10 +5,12 @@ and adds what graph capture needs: a KV pool with a scratch page, static
 input tensors that every captured graph reads (``StaticInputs``), and two
 forwards with fixed shapes:
 
-- ``decode(batch_capacity, full_sampling)``: one token per row for rows
-  0..B-1; a token id < 0 means "the token this state row sampled last",
+- ``decode(batch_capacity, full_sampling, mega=None)``: one token per row for
+  rows 0..B-1; a token id < 0 means "the token this state row sampled last",
   read on the device, so a decode step can be submitted before the previous
-  step's tokens reach the host.
+  step's tokens reach the host. Few-row decode runs the layers as cuBLAS +
+  fused kernels, the skinny kernels, or the megakernel (kernels/megakernel.py),
+  whichever ``calibrate`` found fastest.
 - ``prefill(batch_capacity, token_capacity)``: the chunks of up to B
   sequences packed back to back in rows 0..T-1 (sequence s's rows follow
   those of sequences 0..s-1), ``chunk_meta[s] = (num_cached_tokens,
@@ -125,10 +127,11 @@ class PagedCudaDecoder:
                 self.mega_max_rows = self.mega_limit
 
     def calibrate(self, stream) -> None:
-        """Keep the skinny kernels for few-row decode only where they beat cuBLAS + the small fused
-        kernels on this model and GPU: both batch-1 decode forwards are captured and timed as graphs
-        (before the real captures; inputs must be the padding defaults); ``calibration`` records the
-        two times. FLARED_SKINNY_MAX_ROWS pins the choice."""
+        """Pick the few-row decode path for this model and GPU by timing captured graphs (before the real
+        captures; inputs must be the padding defaults, so contexts are 0 and attention costs nothing):
+        the skinny kernels against cuBLAS + the small fused kernels at batch 1, then the megakernel against
+        that pick batch by batch (``_calibrate_mega``). ``calibration`` records the times.
+        FLARED_SKINNY_MAX_ROWS and FLARED_MEGAKERNEL pin the choices."""
         from flared.execution.graphs import time_graph_us
 
         if self.skinny_max_rows and "FLARED_SKINNY_MAX_ROWS" not in os.environ:
@@ -145,7 +148,8 @@ class PagedCudaDecoder:
 
     def _calibrate_mega(self, stream, time_graph_us) -> None:
         """Batch by batch (1, 2, 4, ...), the megakernel against the path chosen without it; it serves up to
-        the last batch where it is faster. A build or launch failure leaves it off and is recorded."""
+        the last batch where it is faster. An error raised on the way (an NVRTC build failure, say) leaves it
+        off and is recorded as ``megakernel_error``."""
         mega_us, other_us = {}, {}
         chosen = 0
         try:
