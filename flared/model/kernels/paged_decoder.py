@@ -139,7 +139,7 @@ class PagedCudaDecoder:
             times = {}
             for rows in (skinny_rows, 0):
                 self.skinny_max_rows = rows
-                times[rows] = time_graph_us(lambda: self.decode(1, False), stream)
+                times[rows] = time_graph_us(lambda: self.decode(1, False, mega=False), stream)
             self.skinny_max_rows = skinny_rows if times[skinny_rows] < times[0] else 0
             self.calibration = {"skinny_us": times[skinny_rows], "cublas_us": times[0],
                                 "skinny_max_rows": self.skinny_max_rows}
@@ -155,10 +155,8 @@ class PagedCudaDecoder:
         try:
             batch = 1
             while batch <= self.mega_limit:
-                self.mega_max_rows = 0
-                other_us[batch] = time_graph_us(lambda: self.decode(batch, False), stream)
-                self.mega_max_rows = batch
-                mega_us[batch] = time_graph_us(lambda: self.decode(batch, False), stream)
+                other_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=False), stream)
+                mega_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
                 if mega_us[batch] >= other_us[batch]:
                     break
                 chosen = batch
