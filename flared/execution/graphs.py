@@ -146,6 +146,17 @@ class ExecutionManifest:
         tokens, b = min(fits)
         return graph_key(kind, b, tokens, True)
 
+    def pick_decode(self, rows: int, full_sampling: bool, longest_context: int, *, mega_rows: int,
+                    mega_max_context: int) -> tuple[str, int, int, bool]:
+        """The decode graph for ``rows`` rows: the megakernel's (kind "decode_mega", captured for capacities up
+        to ``mega_rows``) while the step's longest context is at most ``mega_max_context``, else the plain one.
+        The megakernel's attention gives each (row, head) one block, so long contexts run slower there than in
+        the split-context kernels of the plain graphs."""
+        key = self.pick("decode", rows, full_sampling)
+        if key[1] <= mega_rows and longest_context <= mega_max_context:
+            return graph_key("decode_mega", key[1], key[2], key[3])
+        return key
+
     def scheduler_graph_shapes(self, concurrency: int) -> tuple[tuple[int, int, int], ...]:
         """The (kind, batch_capacity, token_capacity) triples for ``SchedulerConfig.graph_shapes``: the decode
         and prefill graphs captured from this manifest, and the default shapes of the kinds that run
@@ -407,12 +418,6 @@ class GraphSet:
         return self.manifest.pick(kind, size, full_sampling, batch=batch)
 
     def pick_decode(self, rows: int, full_sampling: bool, longest_context: int) -> tuple[str, int, int, bool]:
-        """The decode graph for ``rows`` rows: the megakernel's where one was captured for that capacity and
-        the longest context is within ``decoder.mega_max_context`` (its attention gives each (row, head) one
-        block, so long contexts are slower there than in the split-context kernels), else the plain one."""
-        key = self.manifest.pick("decode", rows, full_sampling)
-        if longest_context <= self.decoder.mega_max_context:
-            mega = graph_key("decode_mega", key[1], key[2], key[3])
-            if mega in self.graph_execs:
-                return mega
-        return key
+        """ExecutionManifest.pick_decode with the decoder's megakernel rows (0 when it is off) and context limit."""
+        return self.manifest.pick_decode(rows, full_sampling, longest_context, mega_rows=self.decoder.mega_max_rows,
+                                         mega_max_context=self.decoder.mega_max_context)

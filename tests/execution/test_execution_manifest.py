@@ -90,3 +90,17 @@ def test_offline_driver_runs_the_scheduler_and_eager_executor_like_transformers(
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == tokens
+
+
+def test_pick_decode_takes_the_megakernel_graphs_only_for_short_contexts():
+    m = build()  # decode capacities 1, 2, 4, 8
+    pick = m.pick_decode
+    assert pick(3, False, 100, mega_rows=4, mega_max_context=1024) == ("decode_mega", 4, 4, False)
+    assert pick(1, True, 1024, mega_rows=4, mega_max_context=1024) == ("decode_mega", 1, 1, True)
+    # one token past the limit, or a capacity past the megakernel's rows: the plain graph
+    assert pick(1, True, 1025, mega_rows=4, mega_max_context=1024) == ("decode", 1, 1, True)
+    assert pick(5, False, 10, mega_rows=4, mega_max_context=1024) == ("decode", 8, 8, False)
+    # off (no megakernel rows)
+    assert pick(1, False, 10, mega_rows=0, mega_max_context=1024) == ("decode", 1, 1, False)
+    with pytest.raises(ExecutionError, match="no decode graph holds 9"):
+        pick(9, False, 10, mega_rows=8, mega_max_context=1024)
