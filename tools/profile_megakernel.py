@@ -2,7 +2,8 @@
 
 No hardware counters on the lent machine, so time is placed by difference: each variant recompiles the
 kernel (kernels/decode_layers.cu) with one phase's work left out (``SKIP``: its barrier stays), or with
-every phase left out (the barriers alone), or without the L2 weight prefetch. Results of the variants
+every phase left out (the barriers alone), or with another thread count, L2 prefetch depth or number of
+weight loads a streamed row issues together (``GEMV_BATCH``). Results of the variants
 are wrong by construction; only their times matter. Random weights of the SmolLM2-135M and
 Llama-3.1-8B shapes, every row at ``--context`` tokens of a filled KV cache.
 
@@ -35,6 +36,9 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "512 threads": {"THREADS": 512},
     "512 threads no P2": {"THREADS": 512, "SKIP": 2},
     "prefetch 2 lines": {"PF_LINES": 2},
+    "gemv batch 4": {"GEMV_BATCH": 4},
+    "gemv batch 16": {"GEMV_BATCH": 16},
+    "256 threads gemv batch 16": {"THREADS": 256, "GEMV_BATCH": 16},
 }
 
 

@@ -36,6 +36,9 @@ typedef unsigned short bf16;
 #define HALF (D / 2)
 #define DPL (D / 32)
 #define NEG_INF (__uint_as_float(0xff800000u))
+#ifndef GEMV_BATCH
+#define GEMV_BATCH 8  // 16-byte weight loads per lane a streamed row issues together (tools/profile_megakernel.py)
+#endif
 
 // ---- scalar helpers ----------------------------------------------------------------------------
 
@@ -223,7 +226,7 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
                                          int lane) {
     constexpr int CH = K / 8;              // 16-byte chunks per row
     constexpr int PER = (CH + 31) / 32;    // chunks per lane
-    constexpr int BATCH = PER < 8 ? PER : 8;
+    constexpr int BATCH = PER < GEMV_BATCH ? PER : GEMV_BATCH;
     zero_acc<NR>(acc);
 #pragma unroll
     for (int i0 = 0; i0 < PER; i0 += BATCH) {
