@@ -168,6 +168,12 @@ class ModelRuntime:
                                           max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens))
             graph_shapes = self.executor.graph_shapes
             log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
+            from flared.model.kernels.megakernel import describe_decode_paths
+
+            dec = self.executor.decoder
+            log.info("executor: %s", describe_decode_paths(
+                skinny_max_rows=dec.skinny_max_rows, mega_max_rows=dec.mega_max_rows,
+                mega_max_context=dec.mega_max_context, calibration=dec.calibration))
         else:
             self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
                                           num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,

@@ -30,6 +30,22 @@ MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decod
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
+def describe_decode_paths(*, skinny_max_rows: int, mega_max_rows: int, mega_max_context: int,
+                          calibration: dict) -> str:
+    """One line for the startup log: which kernels serve decode steps of how many rows (after
+    ``PagedCudaDecoder.calibrate``), and why the megakernel is off when it failed to build."""
+    parts = []
+    if mega_max_rows:
+        parts.append(f"megakernel up to {mega_max_rows} rows while contexts are <= {mega_max_context} tokens")
+    if skinny_max_rows:
+        parts.append(f"skinny kernels up to {skinny_max_rows} rows")
+    parts.append("cuBLAS + fused kernels beyond" if parts else "cuBLAS + fused kernels")
+    text = "decode: " + ", ".join(parts)
+    if "megakernel_error" in calibration:
+        text += f"; megakernel off: {calibration['megakernel_error']}"
+    return text
+
+
 def unsupported(model) -> str | None:
     """Why the megakernel cannot run ``model`` (a DecoderModel on a CUDA device), or None."""
     c = model.config
