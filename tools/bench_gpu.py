@@ -205,8 +205,7 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
                          f"megakernel up to {cal['mega_max_rows']} rows"))
         if "megakernel_error" in cal:
             rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
-        out[f"{shape}_calibration"] = {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-                                       for k, v in cal.items()}
+        out[f"{shape}_calibration"] = cal
 
     p = prompts(vocab, 1, 32, seed=3)
     ours = run_flared(model, p, parity_tokens, ex_pair=pair).tokens[0]

@@ -135,12 +135,13 @@ def _gather_packed(linears: list[_Linear]) -> None:
     packed = [lin for lin in linears if lin.packed is not None]
     if not packed or not huge_pages_wanted():  # a plain arena would only cost a second copy
         return
-    arena = host_zeros((sum(-(-lin.packed.nbytes // 64) * 64 for lin in packed),), torch.uint8, prefault=False)
+    spans = [-(-lin.packed.nbytes // 64) * 64 for lin in packed]  # each matrix 64-byte aligned
+    arena = host_zeros((sum(spans),), torch.uint8, prefault=False)
     offset = 0
-    for lin in packed:
+    for lin, span in zip(packed, spans):
         t = lin.packed
         lin.packed = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
-        offset += -(-t.nbytes // 64) * 64  # each matrix 64-byte aligned
+        offset += span
 
 
 class _Layer:
@@ -183,7 +184,7 @@ class DecoderModel:
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, None)
         if self.device.type == "cpu":
-            _gather_packed([lin for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)]
+            _gather_packed([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
                            + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]: folding the sign into the table makes

@@ -60,4 +60,3 @@ class PagedKVCache:
     def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim], contiguous copies."""
         return self.keys[layer].index_select(1, slot_ids), self.values[layer].index_select(1, slot_ids)
-

@@ -58,8 +58,6 @@ __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 // independent loads back to back; the barriers are compiler memory barriers.
 __device__ __forceinline__ uint4 ld_weight(const bf16* p) { return __ldg((const uint4*)p); }
 __device__ __forceinline__ uint4 ld_shared_v4(const void* p) { return __ldcg((const uint4*)p); }
-__device__ __forceinline__ unsigned int ld_shared_u32(const void* p) { return __ldcg((const unsigned int*)p); }
-__device__ __forceinline__ float ld_shared_f32(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ float ld_shared_bf(const bf16* p) { return bf2f(__ldcg(p)); }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {

@@ -68,13 +68,16 @@ def unsupported(model) -> str | None:
     return None
 
 
+def _widest(config) -> int:
+    """The longest input a product phase takes: the hidden size, the attention output or the MLP width."""
+    return max(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
+
+
 def threads_for(model) -> int:
     """Threads per block: 8 warps where every product row is short enough to be held in registers across
     a barrier (no register spills; SmolLM2-135M: 573 vs 750 us per launch at 512 threads), else 16 (more
     loads in flight for streamed rows; Llama-3.1-8B measured at 16)."""
-    c = model.config
-    widest = max(c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
-    return SHORT_ROW_THREADS if widest <= 2048 else THREADS
+    return SHORT_ROW_THREADS if _widest(model.config) <= 2048 else THREADS
 
 
 def shared_bytes(model, rows: int, threads: int | None = None) -> int:
@@ -82,7 +85,7 @@ def shared_bytes(model, rows: int, threads: int | None = None) -> int:
     c = model.config
     h, d = c.hidden_size, c.head_dim
     threads = threads or threads_for(model)
-    kmax = max(h, c.num_heads * d, c.intermediate_size)
+    kmax = _widest(c)
     warps = threads // 32
     vec = max(rows * kmax, warps * 32 * d)  # product inputs, or the warps' staged V tiles
     red = -(-(warps * rows + rows) // 4) * 4
@@ -119,12 +122,10 @@ class DecodeLayers:
         c = model.config
         dev = model.device
         self.rows = rows
-        self.config = c
         self.k_pool, self.v_pool = k_pool, v_pool
-        kmax = max(c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size)
         defines = {
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
-            "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": kmax, "THREADS": threads_for(model),
+            "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
             "PF_LINES": PREFETCH_LINES,
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
@@ -140,19 +141,17 @@ class DecodeLayers:
         self.page_tokens = None
         self.shared_mem = shared_bytes(model, rows, self.threads)
         self.grid = torch.cuda.get_device_properties(dev).multi_processor_count
-        zero = 0
         if not (model.rope_cos.is_contiguous() and model.rope_sin_signed.is_contiguous()):
             raise ValueError("the decode megakernel needs contiguous rotary tables")
         table = []
         for layer in model.layers:
-            table.append([layer.attn_norm.data_ptr(), layer.qkv.weight.data_ptr(),
-                          layer.qkv.bias.data_ptr() if layer.qkv.bias is not None else zero,
-                          layer.o.weight.data_ptr(), layer.o.bias.data_ptr() if layer.o.bias is not None else zero,
-                          layer.mlp_norm.data_ptr(), layer.gate_up.weight.data_ptr(), layer.down.weight.data_ptr()])
-        for layer in model.layers:
             for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight):
                 if not w.is_contiguous() or w.data_ptr() % 16:
                     raise ValueError("the decode megakernel needs contiguous, 16-byte aligned weights")
+            # the kernel's per-layer pointers (decode_layers.cu, LP): a missing bias is 0
+            table.append([0 if t is None else t.data_ptr() for t in (
+                layer.attn_norm, layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.o.bias, layer.mlp_norm,
+                layer.gate_up.weight, layer.down.weight)])
         self.layer_table = torch.tensor(table, dtype=torch.int64, device=dev)
         bf = torch.bfloat16
         self.qkv = torch.zeros(rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, dtype=bf, device=dev)

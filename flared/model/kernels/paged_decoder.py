@@ -184,10 +184,15 @@ class PagedCudaDecoder:
 
         if mega is None:
             mega = batch <= self.mega_max_rows
+        positions, slots = s.positions[:batch], s.slot_ids[:batch]
         if mega:
-            x = self._layers_mega(batch, tokens, s.positions[:batch], s.slot_ids[:batch], block_tables, context_lens)
-            self._finish(x, batch, full_sampling, rows)
-            return
+            x = self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens)
+        else:
+            x = self._layers(tokens, positions, slots, self._decode_attend(batch, block_tables, context_lens))
+        self._finish(x, batch, full_sampling, rows)
+
+    def _decode_attend(self, batch, block_tables, context_lens):
+        """The decode attention of the layered forwards: split over the context where ``decode_splits`` says."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
         def attend(q, layer, out):
@@ -199,8 +204,7 @@ class PagedCudaDecoder:
                 paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                        page_tokens=self.page_tokens, scale=self.model.scale)
 
-        x = self._layers(tokens, s.positions[:batch], s.slot_ids[:batch], attend)
-        self._finish(x, batch, full_sampling, rows)
+        return attend
 
     def prefill(self, batch: int, capacity: int) -> None:
         s = self.inputs
