@@ -18,14 +18,14 @@ def tiny_hf(seed=0, dtype=torch.float32):
     return LlamaForCausalLM(cfg).eval().to(device="cuda", dtype=dtype)
 
 
-def serving_model(hf, device="cuda", dtype=torch.float32):
+def serving_model(hf, device="cuda", dtype=torch.float32, max_positions=CONTEXT):
     from flared.model.config import from_hf_config
     from flared.model.decoder import DecoderModel
     from flared.model.loader import _hf_to_serving
 
     config = from_hf_config(hf.config.to_dict())
     tensors = _hf_to_serving({k: v.detach().to(device) for k, v in hf.state_dict().items()}, config, source="tiny")
-    return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT)
+    return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=max_positions)
 
 
 def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=()):

@@ -30,13 +30,9 @@ def _hf(kind, seed=0):
 
 
 def _serving(hf, dtype):
-    from flared.model.config import from_hf_config
-    from flared.model.decoder import DecoderModel
-    from flared.model.loader import _hf_to_serving
+    from gpu_models import serving_model
 
-    config = from_hf_config(hf.config.to_dict())
-    tensors = _hf_to_serving({k: v.detach().to("cuda") for k, v in hf.state_dict().items()}, config, source="test")
-    return DecoderModel(config, tensors, dtype=dtype, device="cuda", max_positions=1024)
+    return serving_model(hf, dtype=dtype, max_positions=1024)  # contexts here reach 1,000 tokens
 
 
 def _decoder(kind, batch, contexts):

@@ -78,9 +78,8 @@ def test_cpu_pool_is_advised_for_huge_pages(monkeypatch):
     assert not plain.keys.any()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
-                    reason="transparent huge pages are a Linux feature")
-def test_packed_bf16_weights_share_one_advised_mapping(tmp_path, monkeypatch):
+def _bf16_model_linears(tmp_path):
+    """A small llama3 checkpoint as a bf16 DecoderModel; its packed products (LM head last)."""
     from flared._fast.linear import BF16_SUPPORTED
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
@@ -89,11 +88,17 @@ def test_packed_bf16_weights_share_one_advised_mapping(tmp_path, monkeypatch):
 
     if not BF16_SUPPORTED:
         pytest.skip("this CPU lacks AVX-512 BF16: no packed weights")
-    monkeypatch.delenv("FLARED_HUGEPAGES", raising=False)
     source = read_source(build_hf_checkpoint("llama3", tmp_path))
     model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    linears.append(model.lm_head_linear)
+    return linears + [model.lm_head_linear]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="transparent huge pages are a Linux feature")
+def test_packed_bf16_weights_share_one_advised_mapping(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLARED_HUGEPAGES", raising=False)
+    linears = _bf16_model_linears(tmp_path)
     storages = {lin.packed.untyped_storage().data_ptr() for lin in linears}
     assert len(storages) == 1  # one arena: a matrix under 2 MiB alone would get no huge page
     assert all("hg" in _vma_flags(lin.packed.data_ptr()) for lin in linears)
@@ -101,17 +106,7 @@ def test_packed_bf16_weights_share_one_advised_mapping(tmp_path, monkeypatch):
 
 
 def test_packed_weights_stay_put_without_huge_pages(tmp_path, monkeypatch):
-    from flared._fast.linear import BF16_SUPPORTED
-    from flared.model.decoder import DecoderModel
-    from flared.model.loader import read_source
-
-    from .conftest import build_hf_checkpoint
-
-    if not BF16_SUPPORTED:
-        pytest.skip("this CPU lacks AVX-512 BF16: no packed weights")
     monkeypatch.setenv("FLARED_HUGEPAGES", "0")
-    source = read_source(build_hf_checkpoint("llama3", tmp_path))
-    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
-    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    linears = _bf16_model_linears(tmp_path)[:-1]  # the layers' products only
     # No arena: each matrix keeps the storage pack_bf16 gave it.
     assert len({lin.packed.untyped_storage().data_ptr() for lin in linears}) == len(linears)
