@@ -84,6 +84,7 @@ def _step(dec, batch, mega):
 
 @pytest.mark.parametrize("kind, contexts", [
     ("llama64", [1]),
+    ("llama64", [255, 3]),  # shorter than 3 * SPLIT_KEYS: attention unsplit
     ("llama64", [700, 33, 0, 5]),
     ("llama128", [1000, 64]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
@@ -96,6 +97,10 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
     assert megakernel.unsupported(model) is None and dec.mega_limit >= min(batch, 8)
     ref_logits, ref_k, ref_v = _step(dec, batch, mega=False)
     logits, k, v = _step(dec, batch, mega=True)
+    # greedy: the kernel's argmax (first maximal index) is the token, also recorded for the state row
+    assert torch.equal(dec.sampled[:batch], logits.argmax(-1))
+    assert torch.equal(dec.last_token[dec.inputs.state_rows[:batch]], dec.sampled[:batch])
+    assert torch.equal(dec.state_logits[dec.inputs.state_rows[:batch]], logits)
     live = [r for r, c in enumerate(contexts) if c > 0]
     scale = ref_logits[live].abs().max().item()
     assert (logits[live] - ref_logits[live]).abs().max().item() <= 0.03 * scale

@@ -7,9 +7,10 @@
 //
 //   P1  RMSNorm (each block, redundantly) -> QKV rows, one warp per row; k rows in rotary pairs, roped
 //       and written to the KV pool; v rows to the pool; q rows raw to `qkv`
-//   P2  paged decode attention: one block per (row, q head); rotary on q; each warp one slice of the
-//       context in 32-key tiles (K rows to registers, V rows to shared memory by cp.async), online
-//       softmax; the block's warps merged in shared memory
+//   P2  paged decode attention: each (row, q head) split over spare blocks on long contexts (SPLIT_KEYS);
+//       rotary on q; each warp one slice of its block's keys in 32-key tiles (K rows to registers, V rows
+//       to shared memory by cp.async), online softmax; the block's warps merged in shared memory, the
+//       blocks' partials merged by every block as P3 loads its input
 //   P3  o rows; residual += o
 //   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
 //   P5  down rows; residual += down
@@ -23,8 +24,8 @@
 // the product, the residual updated as bf16(h + bf16(y)). Summation order differs from cuBLAS.
 //
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
-// page), THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e), PF_LINES (128-byte
-// lines prefetched per lane per row), SKIP (diagnosis only).
+// page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
+// PF_LINES (128-byte lines prefetched per lane per row), HEAD, GEMV_BATCH, SKIP (diagnosis only).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
@@ -36,6 +37,12 @@ typedef unsigned short bf16;
 #define HALF (D / 2)
 #define DPL (D / 32)
 #define NEG_INF (__uint_as_float(0xff800000u))
+#ifndef HEAD
+#define HEAD 0  // 1: the LM head, the logits writes and greedy argmax run in this kernel too
+#endif
+#ifndef SPLIT_KEYS
+#define SPLIT_KEYS 128  // attention splits a (row, head) only into pieces of at least this many keys
+#endif
 #ifndef GEMV_BATCH
 #define GEMV_BATCH 8  // 16-byte weight loads per lane a streamed row issues together (tools/profile_megakernel.py)
 #endif
@@ -59,6 +66,8 @@ __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 __device__ __forceinline__ uint4 ld_weight(const bf16* p) { return __ldg((const uint4*)p); }
 __device__ __forceinline__ uint4 ld_shared_v4(const void* p) { return __ldcg((const uint4*)p); }
 __device__ __forceinline__ float ld_shared_bf(const bf16* p) { return bf2f(__ldcg(p)); }
+__device__ __forceinline__ float ld_shared_f32(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ unsigned int ld_shared_u32(const void* p) { return __ldcg((const unsigned int*)p); }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
@@ -303,6 +312,54 @@ __device__ __forceinline__ float row_of(const float (&acc)[NR][R], int n, int la
     return v;
 }
 
+// The blocks' attention partials: part[u * D + d] the unnormalised output of partial u = (r * NH + hq) *
+// splits + s, and at ML_OFF + 2 * u its max (log2 domain) and sum.
+#define ML_OFF (R * NH * SPLITS * D)
+
+// vec[r][hq * D + d] = the merged attention output of (row r, head hq) from its `splits` partials. Two
+// rounds of independent L2 loads: every partial's (m, l) -> its weight exp2(m - M) / L in shared memory,
+// then each thread's float4 of output summed over the splits. `f` is shared scratch of 3 * R * NH * splits.
+__device__ void merge_splits(const float* part, int splits, bf16* vec, float* f) {
+    const int units = R * NH * splits;
+    float* ms = f + units;
+    float* ls = f + 2 * units;
+    for (int u = threadIdx.x; u < units; u += THREADS) {
+        const float2 ml = __ldcg((const float2*)(part + ML_OFF) + u);
+        ms[u] = ml.x;
+        ls[u] = ml.y;
+    }
+    __syncthreads();
+    for (int u = threadIdx.x; u < units; u += THREADS) {
+        const int g = u - u % splits;
+        float mm = NEG_INF;
+        for (int k = 0; k < splits; ++k) mm = fmaxf(mm, ms[g + k]);
+        float ll = 0.f;
+        for (int k = 0; k < splits; ++k) ll += ms[g + k] == NEG_INF ? 0.f : ls[g + k] * exp2f(ms[g + k] - mm);
+        f[u] = (ms[u] == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ms[u] - mm) / ll;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * NH * (D / 4); i += THREADS) {
+        const int g = i / (D / 4), d = (i % (D / 4)) * 4;  // g = r * NH + hq
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int k = 0; k < SPLITS; ++k) {
+            if (k < splits) {
+                const float w = f[g * splits + k];
+                const float4 p = __ldcg((const float4*)(part + (long long)(g * splits + k) * D + d));
+                o.x = fmaf(w, p.x, o.x);
+                o.y = fmaf(w, p.y, o.y);
+                o.z = fmaf(w, p.z, o.z);
+                o.w = fmaf(w, p.w, o.w);
+            }
+        }
+        const int r = g / NH, hq = g % NH;
+        bf16* dst = vec + r * KMAX + hq * D + d;
+        *(unsigned int*)dst = (unsigned int)f2bf(o.x) | ((unsigned int)f2bf(o.y) << 16);
+        *(unsigned int*)(dst + 2) = (unsigned int)f2bf(o.z) | ((unsigned int)f2bf(o.w) << 16);
+    }
+    __syncthreads();
+}
+
 #ifndef SKIP
 #define SKIP 0  // diagnosis only: bit k skips phase k+1's work (not its barrier); results are then wrong
 #endif
@@ -316,9 +373,12 @@ __device__ __forceinline__ float row_of(const float (&acc)[NR][R], int n, int la
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v_pool, long long pool_layer_stride,
                      bf16* h, bf16* out, const bf16* __restrict__ final_norm, bf16* qkv, bf16* attn, bf16* act,
-                     unsigned int* sync, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
+                     float* part, unsigned int* sync, const bf16* __restrict__ cos_t, const bf16* __restrict__ sin_t,
                      const long long* __restrict__ positions, const long long* __restrict__ slots,
-                     const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ context_lens) {
+                     const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ context_lens,
+                     const bf16* __restrict__ lm_head, int vocab, float* logits, float* state_logits,
+                     const long long* __restrict__ state_rows, long long* sampled, long long* last_token,
+                     float* cand_val, int* cand_idx, int greedy) {
     extern __shared__ uint4 smem_raw[];
     Smem sm;
     sm.vec = (bf16*)smem_raw;
@@ -352,6 +412,19 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         sm.ctx[threadIdx.x] = context_lens[threadIdx.x];
     }
     __syncthreads();
+    // Attention splits each (row, q head) over the grid's spare blocks once the longest context reaches
+    // 3 * SPLIT_KEYS: at most SPLITS pieces of at least SPLIT_KEYS keys each (the merge costs two L2 round
+    // trips per layer; on the H200 at 135M, 256 keys ran faster unsplit, 512 in 4 pieces and 1,024 in 8
+    // were 78 and 212 us faster per launch). The merge's scratch (3 floats per partial) must fit sm.qs.
+    // Every block derives the same count from the same context lengths.
+    int splits = 1;
+    {
+        int longest = 0;
+        for (int r = 0; r < R; ++r) longest = max(longest, sm.ctx[r]);
+        splits = min(min((int)gridDim.x / (R * NH), SPLITS), (WARPS * D) / (3 * R * NH));
+        splits = longest < 3 * SPLIT_KEYS ? 1 : min(splits, longest / SPLIT_KEYS);
+        splits = max(splits, 1);
+    }
 
     constexpr int U1 = NH * D + NKV * HALF + NKV * D;             // P1 units: q rows, k pairs, v rows
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
@@ -427,9 +500,13 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         // lanes accumulate softmax-weighted V over their own dims. Warps merge through shared memory.
         if (!(SKIP & 2)) {
             bf16* vst = sm.vec + warp * 32 * D;
-            for (int unit = blockIdx.x; unit < R * NH; unit += gridDim.x) {
-                const int r = unit / NH, hq = unit % NH, kvh = hq / (NH / NKV);
-                const int ctx = sm.ctx[r];
+            for (int unit = blockIdx.x; unit < R * NH * splits; unit += gridDim.x) {
+                const int r = unit / (NH * splits), hq = (unit / splits) % NH, sp = unit % splits;
+                const int kvh = hq / (NH / NKV);
+                const int ctx_all = sm.ctx[r];
+                const int chunk = (ctx_all + splits - 1) / splits;
+                const int lo = min(ctx_all, sp * chunk);
+                const int ctx = min(ctx_all, lo + chunk);  // this block's keys: [lo, ctx)
                 // rotary on q (fp32 from bf16, rounded to bf16 as the unfused kernel stores it), then the scale
                 for (int i = threadIdx.x; i < HALF; i += THREADS) {
                     const float x0 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i);
@@ -438,8 +515,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     sm.qv[i + HALF] = round_bf(x1 * sm.cs[r * D + i + HALF] + x0 * sm.sn[r * D + i + HALF]) * SCALE_LOG2;
                 }
                 __syncthreads();
-                const int per = (ctx + WARPS - 1) / WARPS;
-                const int start = warp * per;
+                const int per = (ctx - lo + WARPS - 1) / WARPS;
+                const int start = lo + warp * per;
                 const int end = min(ctx, start + per);
                 float m = NEG_INF, l = 0.f, acc[DPL];
 #pragma unroll
@@ -506,6 +583,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 for (int k = 0; k < DPL; ++k) sm.qs[warp * D + lane * DPL + k] = acc[k];
                 if (lane == 0) { sm.wml[warp] = m; sm.wml[WARPS + warp] = l; }
                 __syncthreads();
+                const int pu = (r * NH + hq) * splits + sp;  // this block's partial
                 for (int d = threadIdx.x; d < D; d += THREADS) {
                     float mm = NEG_INF;
 #pragma unroll
@@ -518,7 +596,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         ll += sm.wml[WARPS + w] * f;
                         o += sm.qs[w * D + d] * f;
                     }
-                    attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                    if (splits == 1) {
+                        attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                    } else {  // the block's partial, merged by every block in P3's prologue
+                        part[(long long)pu * D + d] = o;
+                        if (d == 0) *((float2*)(part + ML_OFF) + pu) = make_float2(mm, ll);
+                    }
                 }
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
             }
@@ -527,7 +610,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P3: o projection, residual ----------------
         if (!(SKIP & 4)) {
-            load_rows<NH * D>(attn, sm.vec);
+            if (splits == 1) load_rows<NH * D>(attn, sm.vec);
+            else merge_splits(part, splits, sm.vec, sm.qs);
             const bf16* wo = LP(layer, 3);
             const bf16* bo = LP(layer, 4);
             for (int j = gw; j < H; j += tw) {
@@ -604,6 +688,87 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     }
 
     // ---------------- final norm ----------------
+#if HEAD
+    // Every block norms the final hidden states itself (block 0 also writes them out), then the LM head:
+    // logits rounded to bf16 as F.linear(...).float() gives them, written to the step's logits and the
+    // state rows' logits; with `greedy`, the argmax (first maximal index, as torch's) as the sampled token.
+    load_norm(h, final_norm, sm);
+    if (blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
+            const int r = i / (H / 8), c = i % (H / 8);
+            *(uint4*)(out + (long long)r * H + c * 8) = *(const uint4*)(sm.vec + r * KMAX + c * 8);
+        }
+    }
+    float best = NEG_INF;
+    int best_j = 0x7fffffff;
+    const long long srow = lane < R ? state_rows[lane] : 0;
+    for (int j0 = gw; j0 < vocab; j0 += 2 * tw) {
+        const int j1 = j0 + tw < vocab ? j0 + tw : j0;
+        float acc[2][R];
+        warp_dot<H, 2>(lm_head + (long long)j0 * H, lm_head + (long long)j1 * H, sm.vec, acc, lane);
+        if (lane < R) {
+#pragma unroll
+            for (int n = 0; n < 2; ++n) {
+                const int j = n == 0 ? j0 : j1;
+                if (n == 1 && j1 == j0) break;
+                const float v = round_bf(row_of<2>(acc, n, lane));
+                logits[(long long)lane * vocab + j] = v;
+                state_logits[srow * vocab + j] = v;
+                if (v > best || (v == best && j < best_j)) { best = v; best_j = j; }
+            }
+        }
+    }
+    if (greedy) {
+        float* wv = sm.qs;                          // [WARPS][R] each warp's best value per row, then [WARPS]
+        int* wj = (int*)(sm.qs + WARPS * R + WARPS);  // and its index
+        if (lane < R) { wv[warp * R + lane] = best; wj[warp * R + lane] = best_j; }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            const int r = threadIdx.x;
+            float bv = NEG_INF;
+            int bj = 0x7fffffff;
+            for (int w = 0; w < WARPS; ++w) {
+                const float v = wv[w * R + r];
+                const int j = wj[w * R + r];
+                if (v > bv || (v == bv && j < bj)) { bv = v; bj = j; }
+            }
+            cand_val[blockIdx.x * R + r] = bv;
+            cand_idx[blockIdx.x * R + r] = bj;
+        }
+        SYNC_GRID();
+        if (blockIdx.x == 0) {
+            // The blocks' candidates, one per thread (independent loads), reduced per row through the warps.
+            for (int r = 0; r < R; ++r) {
+                float bv = NEG_INF;
+                int bj = 0x7fffffff;
+                for (int b = threadIdx.x; b < (int)gridDim.x; b += THREADS) {
+                    const float v = ld_shared_f32(cand_val + b * R + r);
+                    const int j = (int)ld_shared_u32(cand_idx + b * R + r);
+                    if (v > bv || (v == bv && j < bj)) { bv = v; bj = j; }
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    const float v = __shfl_xor_sync(0xffffffffu, bv, o);
+                    const int j = __shfl_xor_sync(0xffffffffu, bj, o);
+                    if (v > bv || (v == bv && j < bj)) { bv = v; bj = j; }
+                }
+                if (lane == 0) { wv[WARPS * R + warp] = bv; wj[WARPS * R + warp] = bj; }
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    for (int w = 0; w < WARPS; ++w) {
+                        const float v = wv[WARPS * R + w];
+                        const int j = wj[WARPS * R + w];
+                        if (v > bv || (v == bv && j < bj)) { bv = v; bj = j; }
+                    }
+                    if (bj == 0x7fffffff) bj = 0;  // every logit NaN: token 0
+                    sampled[r] = bj;
+                    last_token[state_rows[r]] = bj;
+                }
+                __syncthreads();
+            }
+        }
+    }
+#else
     if (blockIdx.x == 0) {
         load_norm(h, final_norm, sm);
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
@@ -611,4 +776,5 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             *(uint4*)(out + (long long)r * H + c * 8) = *(const uint4*)(sm.vec + r * KMAX + c * 8);
         }
     }
+#endif
 }

@@ -26,6 +26,7 @@ SOURCE = Path(__file__).with_name("decode_layers.cu")
 THREADS = 512  # 16 warps per block, one block per multiprocessor (models with long rows)
 SHORT_ROW_THREADS = 256  # models whose every weight row fits a warp's registers (<= 2048 elements)
 MAX_ROWS = 8  # rows it is compiled for at most (shared memory holds R rows of the widest input)
+SPLITS = 16  # blocks one (row, head)'s attention is split over at most (short-row models; see splits_for)
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
@@ -80,6 +81,21 @@ def threads_for(model) -> int:
     return SHORT_ROW_THREADS if _widest(model.config) <= 2048 else THREADS
 
 
+def splits_for(model) -> int:
+    """The most blocks one (row, head)'s attention may be split over. Short-row models split on long
+    contexts (SmolLM2-135M, 512 tokens: 500 vs 578 us per launch); at 16 warps the split attention spilled
+    and ran slower (Llama-3.1-8B, 512 tokens: 4,367 vs 4,015 us unsplit), so those models never split."""
+    return SPLITS if threads_for(model) == SHORT_ROW_THREADS else 1
+
+
+def head_inside(model) -> bool:
+    """Whether the LM head, the logits writes and greedy argmax run inside the megakernel by default. A
+    short-row model's step is latency-bound, so the kernels saved count (SmolLM2-135M, one row at 256
+    tokens: 617 vs 635 us per step); at 8B the head is a 1 GB product that cuBLAS streams as fast (4,356
+    vs 4,345 us), so it stays after the kernel."""
+    return threads_for(model) == SHORT_ROW_THREADS
+
+
 def shared_bytes(model, rows: int, threads: int | None = None) -> int:
     """The kernel's dynamic shared memory (its ``Smem`` layout)."""
     c = model.config
@@ -112,7 +128,7 @@ class DecodeLayers:
     ``compile(page_tokens)`` must have run (outside any capture).
     """
 
-    def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, *,
+    def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, *, head: bool = False,
                  overrides: dict | None = None):
         from flared.execution.cuda import cupy
 
@@ -126,7 +142,7 @@ class DecodeLayers:
         defines = {
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
-            "PF_LINES": PREFETCH_LINES,
+            "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
@@ -157,7 +173,13 @@ class DecodeLayers:
         self.qkv = torch.zeros(rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, dtype=bf, device=dev)
         self.attn = torch.zeros(rows, c.num_heads * c.head_dim, dtype=bf, device=dev)
         self.act = torch.zeros(rows, c.intermediate_size, dtype=bf, device=dev)
+        # attention partials of split heads: [rows * NH * SPLITS][D] outputs, then [rows * NH * SPLITS][2] (max, sum)
+        self.part = torch.zeros(rows * c.num_heads * defines["SPLITS"] * (c.head_dim + 2), dtype=torch.float32,
+                                device=dev)
         self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # the grid barrier's arrivals
+        self.head = head
+        self.cand_val = torch.zeros(self.grid * rows, dtype=torch.float32, device=dev)  # per-block argmax candidates
+        self.cand_idx = torch.zeros(self.grid * rows, dtype=torch.int32, device=dev)
         self._cupy = cupy
 
     def compile(self, page_tokens: int) -> None:
@@ -180,7 +202,10 @@ class DecodeLayers:
         self._module = module
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, head_args: tuple | None = None) -> None:
+        """``head_args`` (with ``head=True``): (logits [>= rows, V] f32, state_logits [S, V] f32, state_rows
+        [rows] i64, sampled [>= rows] i64, last_token [S] i64, greedy): the kernel writes the step's logits
+        and the state rows' logits and, when greedy, the argmax into sampled and last_token."""
         rows = self.rows
         assert h.shape[0] == rows and out.shape[0] == rows and h.is_contiguous() and out.is_contiguous()
         assert block_tables.stride(1) == 1 and positions.dtype == torch.int64 and slots.dtype == torch.int64
@@ -192,9 +217,18 @@ class DecodeLayers:
         values = [u64(self.layer_table.data_ptr()), u64(self.k_pool.data_ptr()), u64(self.v_pool.data_ptr()),
                   i64(self.k_pool.stride(0)), u64(h.data_ptr()), u64(out.data_ptr()), u64(m.final_norm.data_ptr()),
                   u64(self.qkv.data_ptr()), u64(self.attn.data_ptr()), u64(self.act.data_ptr()),
-                  u64(self.sync.data_ptr()), u64(m.rope_cos.data_ptr()),
+                  u64(self.part.data_ptr()), u64(self.sync.data_ptr()), u64(m.rope_cos.data_ptr()),
                   u64(m.rope_sin_signed.data_ptr()), u64(positions.data_ptr()), u64(slots.data_ptr()),
                   u64(block_tables.data_ptr()), i32(block_tables.stride(0)), u64(context_lens.data_ptr())]
+        if self.head:
+            logits, state_logits, state_rows, sampled, last_token, greedy = head_args
+            vocab = self._model.config.vocab_size
+            assert logits.shape[-1] == vocab and state_logits.shape[-1] == vocab and logits.is_contiguous()
+            values += [u64(m.lm_head.data_ptr()), i32(vocab), u64(logits.data_ptr()), u64(state_logits.data_ptr()),
+                       u64(state_rows.data_ptr()), u64(sampled.data_ptr()), u64(last_token.data_ptr()),
+                       u64(self.cand_val.data_ptr()), u64(self.cand_idx.data_ptr()), i32(int(greedy))]
+        else:
+            values += [u64(0), i32(0), u64(0), u64(0), u64(0), u64(0), u64(0), u64(0), u64(0), i32(0)]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = torch.cuda.current_stream(h.device).cuda_stream
         # The driver call directly (CuPy's stream objects are not needed, and a launch inside a torch graph

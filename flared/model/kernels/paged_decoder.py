@@ -114,12 +114,16 @@ class PagedCudaDecoder:
         self.part_acc = torch.empty(scratch * c.head_dim, dtype=torch.float32, device=self.device)
         # Decode batches up to mega_max_rows run every layer as one persistent kernel (kernels/megakernel.py),
         # where calibrate finds it faster; FLARED_MEGAKERNEL=0 turns it off, =1 uses it wherever it can run.
-        self.mega: dict[int, megakernel.DecodeLayers] = {}
+        self.mega: dict[tuple[int, bool], megakernel.DecodeLayers] = {}
         self.mega_max_rows = 0
         self.mega_limit = 0
         # Steps whose longest context is longer run the plain graphs (GraphSet.pick_decode): the megakernel's
         # attention is one block per (row, head), the split kernels spread long contexts wider.
         self.mega_max_context = int(os.environ.get("FLARED_MEGAKERNEL_MAX_CONTEXT", megakernel.MAX_CONTEXT))
+        # The LM head, logits writes and greedy argmax inside the megakernel too where megakernel.head_inside
+        # says; FLARED_MEGAKERNEL_HEAD=0/1 pins it.
+        pinned_head = os.environ.get("FLARED_MEGAKERNEL_HEAD")
+        self.mega_head = megakernel.head_inside(model) if pinned_head is None else pinned_head != "0"
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
@@ -185,6 +189,15 @@ class PagedCudaDecoder:
         if mega is None:
             mega = batch <= self.mega_max_rows
         positions, slots = s.positions[:batch], s.slot_ids[:batch]
+        if mega and self.mega_head:  # the kernel writes the logits and, when greedy, the tokens
+            head = (self.logits, self.state_logits, rows, self.sampled, self.last_token, not full_sampling)
+            self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens, head)
+            if full_sampling:
+                tokens = sample_full(self.logits[:batch], s.temperature[:batch], s.top_k[:batch], s.top_p[:batch],
+                                     s.seeds[:batch], s.steps[:batch])
+                self.sampled[:batch].copy_(tokens)
+                self.last_token.index_copy_(0, rows, tokens)
+            return
         if mega:
             x = self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens)
         else:
@@ -218,17 +231,17 @@ class PagedCudaDecoder:
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
         self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch])
 
-    def _layers_mega(self, batch, tokens, positions, slots, block_tables, context_lens) -> torch.Tensor:
+    def _layers_mega(self, batch, tokens, positions, slots, block_tables, context_lens, head=None) -> torch.Tensor:
         """Every layer and the final norm in one persistent kernel, compiled per row count on first use
         (eager warm-up runs before any capture)."""
-        kernel = self.mega.get(batch)
+        kernel = self.mega.get((batch, head is not None))
         if kernel is None:
-            kernel = megakernel.DecodeLayers(self.model, self.k_pool, self.v_pool, batch)
+            kernel = megakernel.DecodeLayers(self.model, self.k_pool, self.v_pool, batch, head=head is not None)
             kernel.compile(self.page_tokens)
-            self.mega[batch] = kernel
+            self.mega[(batch, head is not None)] = kernel
         h = self.model.embed.index_select(0, tokens)
         out = torch.empty_like(h)
-        kernel(h, out, positions, slots, block_tables, context_lens)
+        kernel(h, out, positions, slots, block_tables, context_lens, head)
         return out
 
     # -- shared body -------------------------------------------------------------------------------
