@@ -7,7 +7,8 @@ SmolLM2-135M and Llama-3.1-8B shapes, with every row at ``--context`` tokens of 
 - ``cublas``: cuBLAS products + the small fused kernels (what batches over 16 rows run);
 - ``skinny``: the five-kernel fused layer (kernels/skinny.py), where the batch fits it;
 - ``lt``: the same products through cuBLASLt (``torch.backends.cuda.preferred_blas_library``);
-- ``mega``: every layer in one persistent kernel (kernels/megakernel.py), where the batch fits it;
+- ``mega``: every layer in one persistent kernel (kernels/megakernel.py), where the batch fits it, with the
+  LM head and greedy argmax inside it; ``mega nohead``: the same with the LM head and sampling after it;
 - ``attn=N``: decode attention over N context splits (1 = the one-pass kernel) instead of
   ``decode_splits``' choice.
 
@@ -38,6 +39,7 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "cublas": (False, "cublas", None),
     "skinny": (True, "cublas", None),
     "mega": (False, "cublas", None),
+    "mega nohead": (False, "cublas", None),
     "cublas lt": (False, "cublaslt", None),
     "cublas attn=1": (False, "cublas", 1),
     "cublas attn=2": (False, "cublas", 2),
@@ -95,10 +97,12 @@ def run_variant(dec, batch: int, variant: str, stream):
     use_skinny, blas, splits = VARIANTS[variant]
     if use_skinny and batch > skinny.MAX_ROWS:
         return None
-    if variant == "mega" and batch > dec.mega_limit:
+    mega = variant.startswith("mega")
+    if mega and batch > dec.mega_limit:
         return None
     dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
-    dec.mega_max_rows = batch if variant == "mega" else 0
+    dec.mega_max_rows = batch if mega else 0
+    dec.mega_head = variant != "mega nohead"
     torch.backends.cuda.preferred_blas_library(blas)
     chosen = paged_decoder.decode_splits
     if splits is not None:

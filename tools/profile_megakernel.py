@@ -39,6 +39,11 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "gemv batch 4": {"GEMV_BATCH": 4},
     "gemv batch 16": {"GEMV_BATCH": 16},
     "256 threads gemv batch 16": {"THREADS": 256, "GEMV_BATCH": 16},
+    "split keys 64": {"SPLIT_KEYS": 64},
+    "split keys 256": {"SPLIT_KEYS": 256},
+    "attention unsplit": {"SPLITS": 1},
+    "attention splits 8": {"SPLITS": 8},
+    "attention splits 4": {"SPLITS": 4},
 }
 
 
