@@ -63,10 +63,17 @@ def test_two_frames_in_flight_give_the_same_tokens(bf16_core):
             request(prompts[3], temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2),
             request(prompts[0], temperature=0.0, stop={stop_at}),  # ends early, maybe with a step in flight
         ]
-        got = {pipeline: _run(rt, batch) for pipeline, rt in runtimes.items()}
-        assert got[True][0] == got[False][0]
-        for a, b in zip(got[True][1], got[False][1]):
-            assert a == pytest.approx(b, abs=1e-4)
+        got = {False: _run(runtimes[False], batch)}
+        # Stacking is opportunistic: the scheduler stops stacking behind a frame that ran past its estimate,
+        # and this tiny model's steps take tens of microseconds, so a slow host turn (a busy machine) can
+        # keep a whole run at one frame. Every run must match; up to three runs to see two frames stack.
+        for _attempt in range(3):
+            got[True] = _run(runtimes[True], batch)
+            assert got[True][0] == got[False][0]
+            for a, b in zip(got[True][1], got[False][1]):
+                assert a == pytest.approx(b, abs=1e-4)
+            if runtimes[True].executor.max_outstanding == 2:
+                break
         assert got[True][0][-1][-1] == stop_at and len(got[True][0][-1]) <= 6
         assert runtimes[True].executor.max_outstanding == 2
         assert runtimes[False].executor.max_outstanding == 1
