@@ -193,10 +193,7 @@ class PagedCudaDecoder:
             head = (self.logits, self.state_logits, rows, self.sampled, self.last_token, not full_sampling)
             self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens, head)
             if full_sampling:
-                tokens = sample_full(self.logits[:batch], s.temperature[:batch], s.top_k[:batch], s.top_p[:batch],
-                                     s.seeds[:batch], s.steps[:batch])
-                self.sampled[:batch].copy_(tokens)
-                self.last_token.index_copy_(0, rows, tokens)
+                self._sample(self.logits[:batch], batch, True, rows)
             return
         if mega:
             x = self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens)
@@ -330,11 +327,14 @@ class PagedCudaDecoder:
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor) -> None:
-        m = self.model
-        s = self.inputs
-        logits = F.linear(h, m.lm_head).float()  # [batch, V]; h is already final-normed
+        logits = F.linear(h, self.model.lm_head).float()  # [batch, V]; h is already final-normed
         self.logits[:batch].copy_(logits)
         self.state_logits.index_copy_(0, rows, logits)
+        self._sample(logits, batch, full_sampling, rows)
+
+    def _sample(self, logits: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor) -> None:
+        """The step's tokens from its logits [batch, V] into ``sampled`` and the state rows' ``last_token``."""
+        s = self.inputs
         if full_sampling:
             tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
                                  s.steps[:batch])
