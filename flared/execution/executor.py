@@ -246,12 +246,13 @@ class GraphExecutor:
             key = self.graphs.pick_decode(n, any(s is not None and s.params.temperature > 0 for s in states),
                                           int(starts[:n].max()) + 1 if n else 0)
             cap = key[1]
+            f = "decode_"  # decode graphs read the decode spans, uploaded in one copy below
             offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n]
-            v["token_ids"][:n] = np.asarray(plan.token_ids, dtype=np.int64)[offsets]
-            v["token_ids"][n:cap] = 0
-            v["positions"][:n] = starts
-            v["positions"][n:cap] = 0
-            tables = v["block_tables"]
+            v[f + "token_ids"][:n] = np.asarray(plan.token_ids, dtype=np.int64)[offsets]
+            v[f + "token_ids"][n:cap] = 0
+            v[f + "positions"][:n] = starts
+            v[f + "positions"][n:cap] = 0
+            tables = v[f + "block_tables"]
             width = 0
             for i in range(n):
                 bt = block_tables[i]
@@ -259,14 +260,15 @@ class GraphExecutor:
                 tables[i, :pages_used] = bt[:pages_used]
                 width = max(width, pages_used)
             pages_of = tables[np.arange(n), starts // P].astype(np.int64)
-            v["slot_ids"][:n] = pages_of * P + starts % P
-            v["slot_ids"][n:cap] = scratch
-            v["state_rows"][:n] = rows
-            v["state_rows"][n:cap] = 0
-            v["context_lens"][:n] = starts + 1
-            v["context_lens"][n:cap] = 0
+            v[f + "slot_ids"][:n] = pages_of * P + starts % P
+            v[f + "slot_ids"][n:cap] = scratch
+            v[f + "state_rows"][:n] = rows
+            v[f + "state_rows"][n:cap] = 0
+            v[f + "context_lens"][:n] = starts + 1
+            v[f + "context_lens"][n:cap] = 0
             token_rows = cap
         else:
+            f = ""
             offsets = np.asarray(plan.token_offsets, dtype=np.int64)
             key = self.graphs.pick("prefill", int(offsets[n]), batch=n)
             _, batch_cap, cap, _ = key
@@ -278,26 +280,28 @@ class GraphExecutor:
         for i in range(n):
             s = states[i]
             if s is None or not sample_flags[i]:
-                v["temperature"][i] = 0.0
+                v[f + "temperature"][i] = 0.0
                 continue
             p = s.params
-            v["temperature"][i] = p.temperature
-            v["top_k"][i] = p.top_k
-            v["top_p"][i] = p.top_p
-            v["seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
-            v["steps"][i] = s.num_output_tokens
-        v["temperature"][n:batch_rows] = 0.0
-        for name in ("token_ids", "positions", "slot_ids"):
-            self._upload(frame, name, token_rows)
-        for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "seeds", "steps"):
-            self._upload(frame, name, batch_rows)
-        # Only the block-table columns in use matter, but rows are contiguous: upload whole rows up to the batch.
-        if kind == "decode" and width:
-            self._upload(frame, "block_tables", batch_rows)
-        if kind == "prefill":
+            v[f + "temperature"][i] = p.temperature
+            v[f + "top_k"][i] = p.top_k
+            v[f + "top_p"][i] = p.top_p
+            v[f + "seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
+            v[f + "steps"][i] = s.num_output_tokens
+        v[f + "temperature"][n:batch_rows] = 0.0
+        if kind == "decode":
+            # One copy: every decode span and the block-table rows up to the capacity (whole rows: they are
+            # contiguous; only the columns in use matter).
+            offset, nbytes = self.manifest.decode_upload(batch_rows)
+            cuda.copy_h2d_async(self._input_ptr + offset, self._in_frames[frame].ptr + offset, nbytes,
+                                self._model_ptr)
+        else:
+            for name in ("token_ids", "positions", "slot_ids"):
+                self._upload(frame, name, token_rows)
+            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "seeds", "steps",
+                         "chunk_meta", "logit_rows"):
+                self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
-            self._upload(frame, "chunk_meta", batch_rows)
-            self._upload(frame, "logit_rows", batch_rows)
         cuda.graph_launch(self.graphs.graph_execs[key], self._model_ptr)
         eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
                       and _needs_eager_sampler(states[i])]

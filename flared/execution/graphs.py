@@ -49,7 +49,23 @@ INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("top_p", "float32", ("B",)),
     ("seeds", "int64", ("B",)),
     ("steps", "int64", ("B",)),
-)
+) + tuple(("decode_" + name, dtype, ("D",) + shape[1:]) for name, dtype, shape in (
+    # A decode step's inputs, D = the largest decode batch: their own spans, back to back with the block
+    # tables last, so one copy from the pinned frame carries a whole step (ExecutionManifest.decode_upload)
+    # instead of one per field, each of which cost the GPU microseconds at batch 1.
+    ("token_ids", "int64", ("B",)),
+    ("positions", "int64", ("B",)),
+    ("slot_ids", "int64", ("B",)),
+    ("state_rows", "int64", ("B",)),
+    ("context_lens", "int32", ("B",)),
+    ("temperature", "float32", ("B",)),
+    ("top_k", "int32", ("B",)),
+    ("top_p", "float32", ("B",)),
+    ("seeds", "int64", ("B",)),
+    ("steps", "int64", ("B",)),
+    ("block_tables", "int32", ("B", "P")),
+))
+DECODE_FIELDS = tuple(f[0] for f in INPUT_FIELDS if f[0].startswith("decode_"))
 
 
 # Multi-sequence prefill graphs (default_prefill_batch_shapes): batches of 2..PREFILL_MAX_BATCH sequences
@@ -105,7 +121,8 @@ class ExecutionManifest:
         max_batch = max(max(decode_batch_sizes, default=1), max((b for b, _ in prefill_batch_shapes), default=1))
         max_tokens = max(max(prefill_token_sizes, default=1), max((t for _, t in prefill_batch_shapes), default=1),
                          max_batch)
-        dims = {"T": max_tokens, "B": max_batch, "P": max_pages_per_sequence, "1": 1, "2": 2}
+        dims = {"T": max_tokens, "B": max_batch, "D": max(decode_batch_sizes, default=1), "P": max_pages_per_sequence,
+                "1": 1, "2": 2}
         spans = []
         offset = 0
         for name, dtype, shape_names in INPUT_FIELDS:
@@ -171,6 +188,15 @@ class ExecutionManifest:
         shapes += [(int(GraphKind.PREFILL), b, t) for b, t in self.prefill_shapes]
         return tuple(shapes)
 
+    def decode_upload(self, capacity: int) -> tuple[int, int]:
+        """(byte offset, byte count) of the one copy that carries a decode step of ``capacity`` rows: every
+        decode span (rows past ``capacity`` come along; no graph of this capacity reads them), the block
+        tables only up to ``capacity`` rows."""
+        first = self.span(DECODE_FIELDS[0])
+        tables = self.span("decode_block_tables")
+        end = tables.offset_bytes + capacity * (tables.nbytes // tables.shape[0])
+        return first.offset_bytes, end - first.offset_bytes
+
     def span(self, name: str) -> Span:
         for s in self.spans:
             if s.name == name:
@@ -217,6 +243,9 @@ class ExecutionManifest:
             end = s.offset_bytes + s.nbytes
         if end > self.total_bytes:
             raise bad(f"spans end at byte {end}, past the buffer's {self.total_bytes}")
+        in_order = [s.name for s in sorted(self.spans, key=lambda s: s.offset_bytes)]
+        if in_order[-len(DECODE_FIELDS):] != list(DECODE_FIELDS):
+            raise bad("the decode spans must come last, in order, decode_block_tables last (one upload per step)")
 
     def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
         """Typed numpy views of a uint8 buffer (a pinned frame) laid out like the device inputs."""
@@ -317,8 +346,12 @@ class GraphSet:
         for s in manifest.spans:
             raw = self.input_buffer[s.offset_bytes:s.offset_bytes + s.nbytes]
             views[s.name] = raw.view(getattr(torch, s.dtype)).view(s.shape)
-        self.inputs = StaticInputs(**views)
-        self.decoder = PagedCudaDecoder(model, self.inputs, num_pages=num_pages, page_tokens=page_tokens,
+        self.inputs = StaticInputs(**{k: v for k, v in views.items() if k not in DECODE_FIELDS})
+        # Decode graphs read the decode spans (one upload per step), under the same field names.
+        self.decode_inputs = StaticInputs(**{k[len("decode_"):]: views[k] for k in DECODE_FIELDS},
+                                          chunk_meta=None, logit_rows=None)
+        self.decoder = PagedCudaDecoder(model, self.inputs, decode_inputs=self.decode_inputs,
+                                        num_pages=num_pages, page_tokens=page_tokens,
                                         num_state_rows=num_state_rows, max_batch=manifest.max_batch,
                                         max_tokens=manifest.max_tokens)
         self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
@@ -334,20 +367,21 @@ class GraphSet:
 
     def _reset_inputs(self) -> None:
         """Inputs that make every shape valid to run: padding rows, scratch slots, an empty chunk."""
-        s = self.inputs
-        s.token_ids.zero_()
-        s.positions.zero_()
-        s.slot_ids.fill_(self.decoder.scratch_slot)
-        s.state_rows.zero_()
-        s.block_tables.fill_(self.decoder.num_pages)  # the scratch page
-        s.context_lens.zero_()
-        s.chunk_meta.zero_()
-        s.logit_rows.zero_()
-        s.temperature.zero_()
-        s.top_k.zero_()
-        s.top_p.fill_(1.0)
-        s.seeds.zero_()
-        s.steps.zero_()
+        for s in (self.inputs, self.decode_inputs):
+            s.token_ids.zero_()
+            s.positions.zero_()
+            s.slot_ids.fill_(self.decoder.scratch_slot)
+            s.state_rows.zero_()
+            s.block_tables.fill_(self.decoder.num_pages)  # the scratch page
+            s.context_lens.zero_()
+            if s.chunk_meta is not None:
+                s.chunk_meta.zero_()
+                s.logit_rows.zero_()
+            s.temperature.zero_()
+            s.top_k.zero_()
+            s.top_p.fill_(1.0)
+            s.seeds.zero_()
+            s.steps.zero_()
 
     def _run_eager(self, key) -> None:
         kind, batch, tokens, full = key

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from flared.errors import ExecutionError
-from flared.execution.graphs import INPUT_FIELDS, SPAN_ALIGN_BYTES, ExecutionManifest, Span
+from flared.execution.graphs import DECODE_FIELDS, INPUT_FIELDS, SPAN_ALIGN_BYTES, ExecutionManifest, Span
 
 
 def build(**kw):
@@ -30,6 +30,40 @@ def test_layout_is_aligned_disjoint_and_sized():
     views["context_lens"][:] = 7
     assert views["context_lens"].dtype == np.int32
     assert int(buf[m.span("context_lens").offset_bytes]) == 7
+
+
+def test_one_copy_carries_a_decode_step():
+    """The decode spans come last, block tables last of them: a step of capacity c uploads one byte range
+    that holds every decode field and c block-table rows, and nothing a prefill graph reads."""
+    m = build(decode_batch_sizes=(1, 2, 4, 8), prefill_token_sizes=(64, 128))
+    assert m.span("decode_block_tables").shape == (8, 16)
+    assert m.span("decode_token_ids").shape == (8,) and m.span("token_ids").shape == (128,)
+    for cap in (1, 2, 8):
+        offset, nbytes = m.decode_upload(cap)
+        end = offset + nbytes
+        for name in DECODE_FIELDS[:-1]:
+            s = m.span(name)
+            assert offset <= s.offset_bytes and s.offset_bytes + s.nbytes <= end
+        tables = m.span("decode_block_tables")
+        assert end == tables.offset_bytes + cap * 16 * 4
+        for s in m.spans:
+            if s.name not in DECODE_FIELDS:
+                assert s.offset_bytes + s.nbytes <= offset
+    # the bytes a decode step writes through the host views land inside that range
+    buf = np.zeros(m.total_bytes, dtype=np.uint8)
+    v = m.host_views(buf)
+    v["decode_context_lens"][:2] = 9
+    v["decode_block_tables"][:2] = 3
+    offset, nbytes = m.decode_upload(2)
+    assert int(np.count_nonzero(buf)) == int(np.count_nonzero(buf[offset:offset + nbytes]))
+
+
+def test_validate_wants_the_decode_spans_last():
+    m = build()  # a prefill span moved past the decode spans: the one decode copy would no longer be contiguous
+    moved = tuple(dataclasses.replace(s, offset_bytes=m.total_bytes) if s.name == "steps" else s for s in m.spans)
+    bad = dataclasses.replace(m, spans=moved, total_bytes=m.total_bytes + SPAN_ALIGN_BYTES * 4)
+    with pytest.raises(ExecutionError, match="decode spans must come last"):
+        bad.validate()
 
 
 def test_decode_capacity_bounds_token_rows():

@@ -49,7 +49,8 @@ from flared.model.triton_attention import (decode_splits, paged_decode_attention
 
 @dataclass
 class StaticInputs:
-    """Device tensors every graph reads; the executor uploads into them. Views of one buffer."""
+    """Device tensors every graph reads; the executor uploads into them. Views of one buffer. GraphSet's
+    decode views have no chunk_meta or logit_rows (None)."""
 
     token_ids: torch.Tensor  # [T_max] int64, -1 = last sampled token of the row's state row (decode)
     positions: torch.Tensor  # [T_max] int64
@@ -57,8 +58,8 @@ class StaticInputs:
     state_rows: torch.Tensor  # [B_max] int64
     block_tables: torch.Tensor  # [B_max, max_pages] int32 (prefill: one row per sequence)
     context_lens: torch.Tensor  # [B_max] int32, decode rows' context including the new token; 0 = padding
-    chunk_meta: torch.Tensor  # [B_max, 2] int32: prefill (num_cached_tokens, num_new_tokens) per sequence
-    logit_rows: torch.Tensor  # [B_max] int64: prefill, each sequence's row whose logits are sampled
+    chunk_meta: torch.Tensor | None  # [B_max, 2] int32: prefill (num_cached_tokens, num_new_tokens) per sequence
+    logit_rows: torch.Tensor | None  # [B_max] int64: prefill, each sequence's row whose logits are sampled
     temperature: torch.Tensor  # [B_max] float32, 0 = greedy
     top_k: torch.Tensor  # [B_max] int32, 0 = off
     top_p: torch.Tensor  # [B_max] float32
@@ -68,7 +69,7 @@ class StaticInputs:
 
 class PagedCudaDecoder:
     def __init__(self, model, inputs: StaticInputs, *, num_pages: int, page_tokens: int, num_state_rows: int,
-                 max_batch: int, max_tokens: int):
+                 max_batch: int, max_tokens: int, decode_inputs: StaticInputs | None = None):
         c = model.config
         if model.device.type != "cuda":
             raise ValueError("PagedCudaDecoder needs a DecoderModel on a CUDA device")
@@ -79,6 +80,8 @@ class PagedCudaDecoder:
         self.model = model
         self.config = c
         self.inputs = inputs
+        # Decode steps read their own views (GraphSet: the decode spans, one upload per step); else ``inputs``.
+        self.decode_inputs = decode_inputs if decode_inputs is not None else inputs
         self.page_tokens = page_tokens
         self.num_pages = num_pages
         self.device = model.device
@@ -179,10 +182,8 @@ class PagedCudaDecoder:
 
     def decode(self, batch: int, full_sampling: bool, mega: bool | None = None) -> None:
         """``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows`` allows (None)."""
-        s = self.inputs
+        s = self.decode_inputs
         rows = s.state_rows[:batch]
-        tokens = s.token_ids[:batch]
-        tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
         block_tables = s.block_tables[:batch]
         context_lens = s.context_lens[:batch]
 
@@ -191,15 +192,17 @@ class PagedCudaDecoder:
         positions, slots = s.positions[:batch], s.slot_ids[:batch]
         if mega and self.mega_head:  # the kernel writes the logits and, when greedy, the tokens
             head = (self.logits, self.state_logits, rows, self.sampled, self.last_token, not full_sampling)
-            self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens, head)
+            self._layers_mega(batch, rows, positions, slots, block_tables, context_lens, head)
             if full_sampling:
-                self._sample(self.logits[:batch], batch, True, rows)
+                self._sample(self.logits[:batch], batch, True, rows, s)
             return
         if mega:
-            x = self._layers_mega(batch, tokens, positions, slots, block_tables, context_lens)
+            x = self._layers_mega(batch, rows, positions, slots, block_tables, context_lens)
         else:
+            tokens = s.token_ids[:batch]
+            tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
             x = self._layers(tokens, positions, slots, self._decode_attend(batch, block_tables, context_lens))
-        self._finish(x, batch, full_sampling, rows)
+        self._finish(x, batch, full_sampling, rows, s)
 
     def _decode_attend(self, batch, block_tables, context_lens):
         """The decode attention of the layered forwards: split over the context where ``decode_splits`` says."""
@@ -226,20 +229,19 @@ class PagedCudaDecoder:
                                            page_tokens=self.page_tokens, scale=self.model.scale)
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
-        self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch])
+        self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch], s)
 
-    def _layers_mega(self, batch, tokens, positions, slots, block_tables, context_lens, head=None) -> torch.Tensor:
+    def _layers_mega(self, batch, rows, positions, slots, block_tables, context_lens, head=None) -> torch.Tensor:
         """Every layer and the final norm in one persistent kernel, compiled per row count on first use
-        (eager warm-up runs before any capture)."""
+        (eager warm-up runs before any capture). The kernel gathers the rows' embeddings itself."""
         kernel = self.mega.get((batch, head is not None))
         if kernel is None:
             kernel = megakernel.DecodeLayers(self.model, self.k_pool, self.v_pool, batch, head=head is not None)
             kernel.compile(self.page_tokens)
             self.mega[(batch, head is not None)] = kernel
-        h = self.model.embed.index_select(0, tokens)
-        out = torch.empty_like(h)
-        kernel(h, out, positions, slots, block_tables, context_lens, head)
-        return out
+        kernel(kernel.h, kernel.out, positions, slots, block_tables, context_lens, head,
+               tokens=(self.decode_inputs.token_ids[:batch], rows, self.last_token))
+        return kernel.out
 
     # -- shared body -------------------------------------------------------------------------------
 
@@ -326,15 +328,16 @@ class PagedCudaDecoder:
             fused.add_rms_norm(F.linear(act, layer.down.weight), h, after, x, eps)
         return x
 
-    def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor) -> None:
+    def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor, s: StaticInputs) -> None:
         logits = F.linear(h, self.model.lm_head).float()  # [batch, V]; h is already final-normed
         self.logits[:batch].copy_(logits)
         self.state_logits.index_copy_(0, rows, logits)
-        self._sample(logits, batch, full_sampling, rows)
+        self._sample(logits, batch, full_sampling, rows, s)
 
-    def _sample(self, logits: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor) -> None:
-        """The step's tokens from its logits [batch, V] into ``sampled`` and the state rows' ``last_token``."""
-        s = self.inputs
+    def _sample(self, logits: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor,
+                s: StaticInputs) -> None:
+        """The step's tokens from its logits [batch, V] (sampling inputs from ``s``) into ``sampled`` and the state
+        rows' ``last_token``."""
         if full_sampling:
             tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
                                  s.steps[:batch])
