@@ -145,6 +145,7 @@ struct Smem {
     float* cs;     // [R][D] cos at each row's position
     float* sn;     // [R][D] signed sin at each row's position
     long long* slot;  // [R]
+    long long* tok;   // [R] each row's token (with `embed`)
     int* ctx;         // [R]
 };
 
@@ -159,7 +160,8 @@ __device__ __forceinline__ void load_rows(const bf16* src, bf16* vec) {
 }
 
 // vec[r] = bf16(bf16(src[r] * inv_rms(src[r])) * w) for every row r of src [R][H]; hs = src.
-__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm) {
+// With emb: row r is emb's row sm.tok[r] instead of src's (the first layer, the kernel gathering embeddings).
+__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const bf16* emb = nullptr) {
     float ss[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) ss[r] = 0.f;
@@ -167,7 +169,8 @@ __device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm) {
         *(uint4*)(sm.wn + c * 8) = __ldg((const uint4*)(w + c * 8));
     for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
         const int r = i / (H / 8), c = i % (H / 8);
-        const uint4 v = ld_shared_v4(src + (long long)r * H + c * 8);
+        const uint4 v = emb != nullptr ? ld_weight(emb + sm.tok[r] * H + c * 8)
+                                       : ld_shared_v4(src + (long long)r * H + c * 8);
         *(uint4*)(sm.hs + r * H + c * 8) = v;
 #pragma unroll
         for (int rr = 0; rr < R; ++rr)
@@ -378,7 +381,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                      const int* __restrict__ block_tables, int bt_stride, const int* __restrict__ context_lens,
                      const bf16* __restrict__ lm_head, int vocab, float* logits, float* state_logits,
                      const long long* __restrict__ state_rows, long long* sampled, long long* last_token,
-                     float* cand_val, int* cand_idx, int greedy) {
+                     float* cand_val, int* cand_idx, int greedy, const bf16* __restrict__ embed,
+                     const long long* __restrict__ token_ids, const long long* __restrict__ tok_rows,
+                     const long long* tok_last) {
     extern __shared__ uint4 smem_raw[];
     Smem sm;
     sm.vec = (bf16*)smem_raw;
@@ -391,7 +396,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     sm.cs = sm.wml + 2 * WARPS;
     sm.sn = sm.cs + R * D;
     sm.slot = (long long*)(sm.sn + R * D);
-    sm.ctx = (int*)(sm.slot + R);
+    sm.tok = sm.slot + R;
+    sm.ctx = (int*)(sm.tok + R);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int gw = blockIdx.x * WARPS + warp;                     // global warp
@@ -410,8 +416,23 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     if (threadIdx.x < R) {
         sm.slot[threadIdx.x] = slots[threadIdx.x];
         sm.ctx[threadIdx.x] = context_lens[threadIdx.x];
+        // with `embed`: the row's token; -1 means the last token sampled for its state row (a pipelined step)
+        long long t = 0;
+        if (embed != nullptr) {
+            t = token_ids[threadIdx.x];
+            if (t < 0) t = tok_last[tok_rows[threadIdx.x]];
+        }
+        sm.tok[threadIdx.x] = t;
     }
     __syncthreads();
+    // The residual starts as the embedding rows: block 0 writes them (read after the barriers to come);
+    // every block's first norm reads them from the table itself.
+    if (embed != nullptr && blockIdx.x == 0) {
+        for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
+            const int r = i / (H / 8), c = i % (H / 8);
+            *(uint4*)(h + (long long)r * H + c * 8) = ld_weight(embed + sm.tok[r] * H + c * 8);
+        }
+    }
     // Attention splits each (row, q head) over the grid's spare blocks once the longest context reaches
     // 3 * SPLIT_KEYS: at most SPLITS pieces of at least SPLIT_KEYS keys each (the merge costs two L2 round
     // trips per layer; on the H200 at 135M, 256 keys ran faster unsplit, 512 in 4 pieces and 1,024 in 8
@@ -443,7 +464,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
         if (!(SKIP & 1)) {
-            load_norm(h, LP(layer, 0), sm);
+            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr);
             const bf16* wq = LP(layer, 1);
             const bf16* bq = LP(layer, 2);
             for (int u = gw; u < U1; u += tw) {

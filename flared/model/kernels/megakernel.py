@@ -106,7 +106,7 @@ def shared_bytes(model, rows: int, threads: int | None = None) -> int:
     vec = max(rows * kmax, warps * 32 * d)  # product inputs, or the warps' staged V tiles
     red = -(-(warps * rows + rows) // 4) * 4
     return (vec * 2 + rows * h * 2 + -(-h // 8) * 8 * 2 + red * 4 + warps * d * 4 + d * 4 + 2 * warps * 4
-            + 2 * rows * d * 4 + rows * 8 + rows * 4)
+            + 2 * rows * d * 4 + 2 * rows * 8 + rows * 4)
 
 
 def max_rows(model) -> int:
@@ -173,6 +173,8 @@ class DecodeLayers:
         self.qkv = torch.zeros(rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, dtype=bf, device=dev)
         self.attn = torch.zeros(rows, c.num_heads * c.head_dim, dtype=bf, device=dev)
         self.act = torch.zeros(rows, c.intermediate_size, dtype=bf, device=dev)
+        self.h = torch.zeros(rows, c.hidden_size, dtype=bf, device=dev)  # the residual (with ``tokens``)
+        self.out = torch.zeros(rows, c.hidden_size, dtype=bf, device=dev)  # final-normed hidden states
         # attention partials of split heads: [rows * NH * SPLITS][D] outputs, then [rows * NH * SPLITS][2] (max, sum)
         self.part = torch.zeros(rows * c.num_heads * defines["SPLITS"] * (c.head_dim + 2), dtype=torch.float32,
                                 device=dev)
@@ -202,8 +204,12 @@ class DecodeLayers:
         self._module = module
 
     def __call__(self, h: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, head_args: tuple | None = None) -> None:
-        """``head_args`` (with ``head=True``): (logits [>= rows, V] f32, state_logits [S, V] f32, state_rows
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, head_args: tuple | None = None,
+                 tokens: tuple | None = None) -> None:
+        """``tokens``: (token_ids [rows] i64, state_rows [rows] i64, last_token [S] i64): the kernel gathers the
+        embedding rows itself (a token of -1 is its state row's last sampled token) and ``h`` is only its
+        residual buffer; without it ``h`` holds the embedded rows.
+        ``head_args`` (with ``head=True``): (logits [>= rows, V] f32, state_logits [S, V] f32, state_rows
         [rows] i64, sampled [>= rows] i64, last_token [S] i64, greedy): the kernel writes the step's logits
         and the state rows' logits and, when greedy, the argmax into sampled and last_token."""
         rows = self.rows
@@ -229,6 +235,14 @@ class DecodeLayers:
                        u64(self.cand_val.data_ptr()), u64(self.cand_idx.data_ptr()), i32(int(greedy))]
         else:
             values += [u64(0), i32(0), u64(0), u64(0), u64(0), u64(0), u64(0), u64(0), u64(0), i32(0)]
+        if tokens is not None:
+            token_ids, state_rows, last_token = tokens
+            assert m.embed.is_contiguous() and m.embed.data_ptr() % 16 == 0
+            assert token_ids.dtype == torch.int64 and state_rows.dtype == torch.int64 and token_ids.shape[0] >= rows
+            values += [u64(m.embed.data_ptr()), u64(token_ids.data_ptr()), u64(state_rows.data_ptr()),
+                       u64(last_token.data_ptr())]
+        else:
+            values += [u64(0), u64(0), u64(0), u64(0)]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = torch.cuda.current_stream(h.device).cuda_stream
         # The driver call directly (CuPy's stream objects are not needed, and a launch inside a torch graph
