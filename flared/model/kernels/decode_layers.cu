@@ -15,9 +15,11 @@
 //   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
 //   P5  down rows; residual += down
 //
-// and a final RMSNorm. Weights never change during a launch, so each warp loads its next phase's first
-// weight rows before the barrier (into registers where a row is short, else an L2 prefetch): the
-// product then waits only for its input vector.
+// and a final RMSNorm (with HEAD, the LM head and greedy argmax too). The rows' embeddings can be gathered
+// by the kernel itself (`embed`). Weights never change during a launch, so each warp loads its next
+// phase's first weight rows into registers before the barrier where a row is short: the product then
+// waits only for its input vector. Longer rows stream after it (an L2 prefetch of their first lines,
+// PF_LINES, measured slower and is off).
 //
 // Roundings follow the unfused ops (paged_decoder.py's fused path): projections rounded to bf16, the
 // normed activations bf16(bf16(x * inv_rms) * w), rotary in fp32 from bf16 inputs, silu rounded before
@@ -259,8 +261,8 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
 }
 
 // Rows short enough to sit in registers (<= 8 chunks per lane) are loaded before the barrier that precedes
-// their phase, so the product waits only for its input vector. Longer rows stream (warp_dot) and get an
-// L2 prefetch instead.
+// their phase, so the product waits only for its input vector. Longer rows stream (warp_dot); PF_LINES > 0
+// would L2-prefetch their first lines instead (off: measured slower).
 template <int K> struct Row {
     static constexpr int PER = (K / 8 + 31) / 32;
     static constexpr bool PRE = PER <= 8;
@@ -425,8 +427,10 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         sm.tok[threadIdx.x] = t;
     }
     __syncthreads();
-    // The residual starts as the embedding rows: block 0 writes them (read after the barriers to come);
-    // every block's first norm reads them from the table itself.
+    // With `embed`, every block's first norm reads the embedding rows from the table, and layer 0's o
+    // epilogue writes h = hs + o in full, so no later phase reads this store; block 0 still writes the rows
+    // into h so that h holds the step's input as it does without `embed` (the SKIP diagnostics read it).
+    // Dropping the store moved the 8B build from 32 to 52 bytes of register spills under NVRTC 12.9.
     if (embed != nullptr && blockIdx.x == 0) {
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);

@@ -4,15 +4,16 @@ Inside a CUDA graph each kernel of a decode layer costs ~4.5 us on the H200 howe
 a small model's single-stream step is a chain of ~150 launch latencies, and a large one's pays ~0.4 ms
 of small kernels and idle memory between its matrix-vector products. ``DecodeLayers`` runs all layers
 and the final norm in one launch: one block per multiprocessor, phases separated by a grid-wide
-barrier, each warp prefetching its next phase's weight rows into L2 before it waits (the kernel
-source says how the work is split and rounded).
+barrier, each warp loading its next phase's first weight rows before it waits where they fit its
+registers (the kernel source says how the work is split and rounded).
 
 It is compiled with NVRTC through CuPy, once per (model shape, row count), with the shapes as
 compile-time constants. It serves bfloat16 Llama-family decoders (the rotary tables already carry any
 rope scaling) with head dims 64 or 128, no q/k norm and no sliding window (``unsupported`` says why
-not otherwise); the embedding gather before it and the LM head and sampling after it stay as they
-are. ``PagedCudaDecoder.calibrate`` times it against the other decode paths and keeps it only where
-it is faster.
+not otherwise). It can gather the rows' embeddings itself (``tokens``) and, compiled with
+``head=True``, run the LM head and greedy argmax too (``head_inside`` says for which models).
+``PagedCudaDecoder.calibrate`` times it against the other decode paths and keeps it only where it is
+faster.
 """
 
 from __future__ import annotations
@@ -121,9 +122,11 @@ def max_rows(model) -> int:
 class DecodeLayers:
     """One compiled megakernel for ``rows`` decode rows of ``model`` over the decoder's KV pools.
 
-    ``__call__(h, out, positions, slots, block_tables, context_lens)``: ``h`` [rows, H] holds the
-    tokens' embeddings and is the residual stream (updated in place), ``out`` [rows, H] receives the
-    final-normed hidden states; the rest are the decode step's device inputs (``StaticInputs`` views).
+    ``__call__(h, out, positions, slots, block_tables, context_lens, head_args, tokens)``: ``h`` [rows, H]
+    is the residual stream (updated in place; it holds the tokens' embeddings unless ``tokens`` has the
+    kernel gather them), ``out`` [rows, H] receives the final-normed hidden states; the rest are the decode
+    step's device inputs (``StaticInputs`` views). ``self.h`` and ``self.out`` are buffers for callers
+    that pass ``tokens``.
     Capturable: a memset of the barrier counters and one launch on the current torch stream.
     ``compile(page_tokens)`` must have run (outside any capture).
     """

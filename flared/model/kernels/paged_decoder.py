@@ -189,17 +189,16 @@ class PagedCudaDecoder:
 
         if mega is None:
             mega = batch <= self.mega_max_rows
-        positions, slots = s.positions[:batch], s.slot_ids[:batch]
+        tokens, positions, slots = s.token_ids[:batch], s.positions[:batch], s.slot_ids[:batch]
         if mega and self.mega_head:  # the kernel writes the logits and, when greedy, the tokens
             head = (self.logits, self.state_logits, rows, self.sampled, self.last_token, not full_sampling)
-            self._layers_mega(batch, rows, positions, slots, block_tables, context_lens, head)
+            self._layers_mega(batch, tokens, rows, positions, slots, block_tables, context_lens, head)
             if full_sampling:
                 self._sample(self.logits[:batch], batch, True, rows, s)
             return
         if mega:
-            x = self._layers_mega(batch, rows, positions, slots, block_tables, context_lens)
+            x = self._layers_mega(batch, tokens, rows, positions, slots, block_tables, context_lens)
         else:
-            tokens = s.token_ids[:batch]
             tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
             x = self._layers(tokens, positions, slots, self._decode_attend(batch, block_tables, context_lens))
         self._finish(x, batch, full_sampling, rows, s)
@@ -231,7 +230,8 @@ class PagedCudaDecoder:
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
         self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch], s)
 
-    def _layers_mega(self, batch, rows, positions, slots, block_tables, context_lens, head=None) -> torch.Tensor:
+    def _layers_mega(self, batch, tokens, rows, positions, slots, block_tables, context_lens,
+                     head=None) -> torch.Tensor:
         """Every layer and the final norm in one persistent kernel, compiled per row count on first use
         (eager warm-up runs before any capture). The kernel gathers the rows' embeddings itself."""
         kernel = self.mega.get((batch, head is not None))
@@ -240,7 +240,7 @@ class PagedCudaDecoder:
             kernel.compile(self.page_tokens)
             self.mega[(batch, head is not None)] = kernel
         kernel(kernel.h, kernel.out, positions, slots, block_tables, context_lens, head,
-               tokens=(self.decode_inputs.token_ids[:batch], rows, self.last_token))
+               tokens=(tokens, rows, self.last_token))
         return kernel.out
 
     # -- shared body -------------------------------------------------------------------------------
