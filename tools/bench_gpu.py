@@ -203,6 +203,10 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
             mega = " ".join(f"b{b}: {cal['mega_us'][b]:.0f} vs {cal['mega_other_us'][b]:.0f}" for b in cal["mega_us"])
             rows.append((shape, "decode graph us: megakernel vs the pick without it", mega, "",
                          f"megakernel up to {cal['mega_max_rows']} rows"))
+        if cal.get("lt_us"):
+            lt = " ".join(f"b{b}: {cal['lt_us'][b]:.0f} vs {cal['blas_us'][b]:.0f}" for b in cal["lt_us"])
+            rows.append((shape, "decode graph us: cuBLASLt vs cuBLAS", lt, "",
+                         f"cuBLASLt at {cal['lt_batches'] or 'no batch'}"))
         if "megakernel_error" in cal:
             rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
         out[f"{shape}_calibration"] = cal
@@ -304,8 +308,31 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     rows.append((shape, "2048-token prompt TTFT ms", f"{ttft:.1f}", f"{hf_ms:.1f}", f"x{hf_ms / ttft:.2f}"))
     out[f"{shape}_ttft_ms"] = ttft
     out[f"{shape}_hf_ttft_ms"] = hf_ms
+    lt_batches = (cal or {}).get("lt_batches")
     ex.close()
-    del hf, model, pair, sched, ex
+    del pair, sched, ex
+    torch.cuda.empty_cache()
+
+    # A/B in the same run: 64 streams with cuBLASLt pinned off, where calibration put some batch on it.
+    if lt_batches:
+        import os
+
+        os.environ["FLARED_BLAS_LT"] = "0"
+        try:
+            plain = graph_executor(model)
+        finally:
+            del os.environ["FLARED_BLAS_LT"]
+        p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
+        run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=50), 4, ex_pair=plain)
+        r2 = run_flared(model, p, new_tokens, ex_pair=plain)
+        agg2 = CONCURRENCY * new_tokens / (r2.wall_ns / 1e9)
+        steps2 = r2.steps_by_kind["DECODE"]
+        rows.append((shape, "batch-64 output tok/s with cuBLAS only (A/B) | GPU us/decode step", f"{agg2:,.0f} | "
+                     f"{r2.decode_gpu_ns / max(1, steps2) / 1e3:.0f}", "", f"x{agg / agg2:.3f} with cuBLASLt"))
+        out[f"{shape}_b64_cublas_only_tok_s"] = agg2
+        plain[1].close()
+        del plain
+    del hf, model
     torch.cuda.empty_cache()
 
 
