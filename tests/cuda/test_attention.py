@@ -164,3 +164,51 @@ def test_varlen_prefill_is_capturable_and_reads_lengths_on_the_device():
         g.replay()
         torch.cuda.synchronize()
         check_varlen(out, q, k_pool, v_pool, tables, metas, P, 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_decode_with_rope_matches_the_separate_kernels(dtype, nh, nkv, d, splits):
+    """paged_decode_attention_rope against rope_write_kv followed by the plain (or split) decode attention:
+    the same K/V in the pool bit for bit, the same output to the float32 order of one extra key."""
+    from flared.model.kernels.fused import rope_write_kv
+    from flared.model.triton_attention import (paged_decode_attention, paged_decode_attention_rope,
+                                               paged_decode_attention_split)
+
+    P, num_pages, B = 16, 128, 6
+    k_pool, v_pool = make_pool(num_pages, P, nkv, d, dtype)
+    lens = torch.tensor([1, 17, 100, 0, 250, 64], dtype=torch.int32, device="cuda")  # row 3 is padding
+    # Disjoint pages: no row reads the page another row's new token goes to (as in serving).
+    tables = torch.randperm(num_pages, device="cuda")[:B * 16].view(B, 16).to(torch.int32)
+    positions = (lens.long() - 1).clamp_min(0)
+    slots = tables.long()[torch.arange(B, device="cuda"), positions // P] * P + positions % P
+    slots[3] = num_pages * P  # the padding row writes the scratch page
+    qkv = torch.randn(B, (nh + 2 * nkv) * d, device="cuda", dtype=dtype)
+    cos = torch.randn(512, d, device="cuda", dtype=dtype)
+    sin = torch.randn(512, d, device="cuda", dtype=dtype)
+    scratch = dict(part_acc=torch.empty(B * nh * splits * d, device="cuda"),
+                   part_m=torch.empty(B * nh * splits, device="cuda"),
+                   part_l=torch.empty(B * nh * splits, device="cuda"))
+
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    q = torch.empty(B, nh, d, device="cuda", dtype=dtype)
+    rope_write_kv(qkv, cos, sin, positions, slots, q, k_ref, v_ref, num_heads=nh, num_kv_heads=nkv, head_dim=d)
+    ref = torch.full_like(q, float("nan"))
+    if splits > 1:
+        paged_decode_attention_split(q, k_ref, v_ref, ref, tables, lens, scratch["part_acc"], scratch["part_m"],
+                                     scratch["part_l"], num_splits=splits, page_tokens=P, scale=d ** -0.5)
+    else:
+        paged_decode_attention(q, k_ref, v_ref, ref, tables, lens, page_tokens=P, scale=d ** -0.5)
+
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention_rope(qkv, cos, sin, positions, slots, k_pool, v_pool, out, tables, lens, num_heads=nh,
+                                page_tokens=P, scale=d ** -0.5, num_splits=splits, **scratch)
+    assert torch.equal(v_pool, v_ref)
+    # The roped k: the same float32 expression as rope_write_kv (a contraction into FMA may move a last bit).
+    assert (k_pool != k_ref).float().mean() < 1e-3
+    assert torch.allclose(k_pool.float(), k_ref.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert err < 1e-2, float(err)
+    check_decode(out, q, k_pool, v_pool, tables, lens, P, 2e-2)

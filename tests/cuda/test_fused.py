@@ -51,3 +51,43 @@ def test_silu_mul(dtype, tol):
     silu_mul(gu, out)
     ref = F.silu(gu[:, :1536].float()) * gu[:, 1536:].float()
     assert ((out.float() - ref).norm() / ref.norm()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, vocab", [(1, 49152), (3, 1000), (64, 128256), (5, 2049)])
+def test_head_epilogue_matches_torch(dtype, batch, vocab):
+    from flared.model.kernels.fused import head_epilogue, head_parts
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    logits = torch.randn(batch, vocab, device="cuda", generator=g).to(dtype)
+    # Ties across programs and inside one block: the first index must win, as torch.argmax has it.
+    _, n_chunks = head_parts(batch, vocab)
+    logits[0, vocab - 1] = 50.0
+    logits[0, vocab // 2] = 50.0
+    if batch > 1:
+        logits[1, 7] = 60.0
+        logits[1, 9] = 60.0
+    logits[-1] = float("-inf")  # no finite logit: token 0, as torch
+    rows = torch.randperm(batch + 3, device="cuda", generator=g)[:batch]
+    out = torch.full((batch + 2, vocab), float("nan"), device="cuda")
+    state = torch.full((batch + 3, vocab), float("nan"), device="cuda")
+    parts = (torch.empty(batch * n_chunks, device="cuda"),
+             torch.empty(batch * n_chunks, device="cuda", dtype=torch.int32))
+    sampled = torch.full((batch + 2,), -1, device="cuda", dtype=torch.int64)
+    last = torch.full((batch + 3,), -1, device="cuda", dtype=torch.int64)
+    head_epilogue(logits, out, state, rows, parts, sampled, last)
+    wide = logits.float()
+    assert torch.equal(out[:batch], wide)
+    assert out[batch:].isnan().all()
+    assert torch.equal(state[rows], wide)
+    untouched = torch.ones(batch + 3, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert state[untouched].isnan().all()
+    assert torch.equal(sampled[:batch], wide.argmax(dim=-1))
+    assert (sampled[batch:] == -1).all()
+    assert torch.equal(last[rows], wide.argmax(dim=-1))
+    assert (last[untouched] == -1).all()
+    # Without partials: the widening only.
+    out2 = torch.zeros_like(out)
+    head_epilogue(logits, out2, state, rows)
+    assert torch.equal(out2[:batch], wide)

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from flared.model.kernels import fused, megakernel, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
-from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_split,
-                                           paged_prefill_attention_varlen)
+from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_rope,
+                                           paged_decode_attention_split, paged_prefill_attention_varlen)
 
 
 LT_MIN_ROWS = 32  # smallest decode batch calibrate tries on cuBLASLt (16 rows measured 2% slower on the H200)
@@ -100,6 +100,15 @@ class PagedCudaDecoder:
         # Per state row, the logits of its last computed position (snapshots and full-prompt hits read them).
         self.state_logits = torch.zeros(num_state_rows, c.vocab_size, dtype=torch.float32, device=self.device)
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
+        # Half precision: the LM head's logits are widened, stored and (greedy) reduced in one pass
+        # (fused.head_epilogue); its per-program partial maxima live here.
+        self.head_fused = dtype in (torch.bfloat16, torch.float16)
+        parts = max_batch * fused.head_parts(1, c.vocab_size)[1] if self.head_fused else 0
+        self.head_partials = (torch.zeros(parts, dtype=torch.float32, device=self.device),
+                              torch.zeros(parts, dtype=torch.int32, device=self.device))
+        # Decode steps of the layered fused forward rope their q and k and write the KV slot inside the attention
+        # kernel (paged_decode_attention_rope); FLARED_ROPE_ATTENTION=0 keeps the separate kernel (benchmarks).
+        self.rope_in_attention = os.environ.get("FLARED_ROPE_ATTENTION") != "0"
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
@@ -261,6 +270,16 @@ class PagedCudaDecoder:
                 paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                        page_tokens=self.page_tokens, scale=self.model.scale)
 
+        def with_rope(qkv, positions, slots, layer, out):
+            """The rotary, the KV write and the attention from the QKV projection's rows, in one kernel."""
+            paged_decode_attention_rope(qkv, self.model.rope_cos, self.model.rope_sin_signed, positions, slots,
+                                        self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
+                                        num_heads=self.config.num_heads, page_tokens=self.page_tokens,
+                                        scale=self.model.scale, num_splits=splits, part_acc=self.part_acc,
+                                        part_m=self.part_m, part_l=self.part_l)
+
+        if self.rope_in_attention:
+            attend.with_rope = with_rope
         return attend
 
     def prefill(self, batch: int, capacity: int) -> None:
@@ -360,12 +379,16 @@ class PagedCudaDecoder:
         eps = c.rms_norm_eps
         h, q, attn, act = self._activations(tokens)
         x = torch.empty_like(h)
+        with_rope = getattr(attend, "with_rope", None)  # decode: rotary and KV write inside the attention kernel
         fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
         for index, layer in enumerate(m.layers):
             qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
-            fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
-                                self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
-            attend(q, index, attn)
+            if with_rope is not None:
+                with_rope(qkv, positions, slots, index, attn)
+            else:
+                fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
+                                    self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
+                attend(q, index, attn)
             fused.add_rms_norm(F.linear(attn.view(num_tokens, nh * d), layer.o.weight, layer.o.bias), h,
                                layer.mlp_norm, x, eps)
             fused.silu_mul(F.linear(x, layer.gate_up.weight), act)
@@ -374,10 +397,18 @@ class PagedCudaDecoder:
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor, s: StaticInputs) -> None:
-        logits = F.linear(h, self.model.lm_head).float()  # [batch, V]; h is already final-normed
-        self.logits[:batch].copy_(logits)
-        self.state_logits.index_copy_(0, rows, logits)
-        self._sample(logits, batch, full_sampling, rows, s)
+        logits = F.linear(h, self.model.lm_head)  # [batch, V]; h is already final-normed
+        if not self.head_fused:
+            logits = logits.float()
+            self.logits[:batch].copy_(logits)
+            self.state_logits.index_copy_(0, rows, logits)
+            self._sample(logits, batch, full_sampling, rows, s)
+        elif full_sampling:
+            fused.head_epilogue(logits, self.logits, self.state_logits, rows)
+            self._sample(self.logits[:batch], batch, True, rows, s)
+        else:
+            fused.head_epilogue(logits, self.logits, self.state_logits, rows, self.head_partials, self.sampled,
+                                self.last_token)
 
     def _sample(self, logits: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor,
                 s: StaticInputs) -> None:

@@ -1,0 +1,112 @@
+"""Decode attention at a large batch, as a step pays it: the separate rotary/KV-write kernel plus attention
+against the fused kernel (paged_decode_attention_rope), and the fused kernel's tile and warp choices.
+
+Every layer gets its own KV pool region (as a step walks 32 layers' pools, nothing stays in L2), pages
+scattered; every row at the same context. Each variant is captured for all layers into one graph.
+
+    python tools/probe_decode_attention.py [--rows 64] [--context 256] [--json]
+
+CUDA only; Llama-3.1-8B's attention shape (32 q heads, 8 kv heads, head dim 128), bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+
+def graph_us(fn, replays=10) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            fn()
+        g.replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        for _ in range(replays):
+            g.replay()
+        b.record(stream)
+        b.synchronize()
+    return a.elapsed_time(b) * 1e3 / replays
+
+
+def main(argv=None) -> int:
+    from flared.model.kernels.fused import rope_write_kv
+    from flared.model.triton_attention import paged_decode_attention, paged_decode_attention_rope
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    B, ctx, L = args.rows, args.context, args.layers
+    nh, nkv, d, P, dt = 32, 8, 128, 16, torch.bfloat16
+    pages_per_row = -(-(ctx + 1) // P)
+    num_pages = B * pages_per_row
+    torch.manual_seed(0)
+    k_pool = torch.randn(L, (num_pages + 1) * P, nkv, d, device="cuda", dtype=dt)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(num_pages, device="cuda").view(B, pages_per_row).to(torch.int32)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    positions = (lens.long() - 1)
+    slots = tables.long()[torch.arange(B, device="cuda"), positions // P] * P + positions % P
+    qkv = torch.randn(B, (nh + 2 * nkv) * d, device="cuda", dtype=dt)
+    cos = torch.randn(ctx + 1, d, device="cuda", dtype=dt)
+    sin = torch.randn(ctx + 1, d, device="cuda", dtype=dt)
+    q = torch.empty(B, nh, d, device="cuda", dtype=dt)
+    out = torch.empty_like(q)
+    kv_mb = B * ctx * nkv * d * 2 * 2 / 1e6
+    scale = d ** -0.5
+
+    def separate():
+        for i in range(L):
+            rope_write_kv(qkv, cos, sin, positions, slots, q, k_pool[i], v_pool[i], num_heads=nh, num_kv_heads=nkv,
+                          head_dim=d)
+            paged_decode_attention(q, k_pool[i], v_pool[i], out, tables, lens, page_tokens=P, scale=scale)
+
+    def attention_only():
+        for i in range(L):
+            paged_decode_attention(q, k_pool[i], v_pool[i], out, tables, lens, page_tokens=P, scale=scale)
+
+    def fused(**kw):
+        def fn():
+            for i in range(L):
+                paged_decode_attention_rope(qkv, cos, sin, positions, slots, k_pool[i], v_pool[i], out, tables, lens,
+                                            num_heads=nh, page_tokens=P, scale=scale, **kw)
+        return fn
+
+    variants = [("rope_write_kv + attention (main before)", separate), ("attention alone", attention_only),
+                ("fused, defaults (64 keys, 4 warps)", fused())]
+    for bn in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4):
+                variants.append((f"fused, {bn} keys, {warps} warps, {stages} stages",
+                                 fused(block_n=bn, num_warps=warps, num_stages=stages)))
+    res = {}
+    for name, fn in variants:
+        try:
+            res[name] = graph_us(fn) / L
+        except Exception as e:  # a configuration the compiler refuses
+            print(f"{name}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+    base = res[variants[0][0]]
+    print(f"{B} rows, context {ctx}, {kv_mb:.1f} MB of K/V per layer")
+    print(f"{'variant':45} {'us/layer':>9} {'TB/s':>6} {'vs before':>9}")
+    for name, us in sorted(res.items(), key=lambda kv: kv[1]):
+        print(f"{name:45} {us:9.2f} {kv_mb / us:6.2f} {us - base:+9.2f}")
+    if args.json:
+        print(json.dumps({"rows": B, "context": ctx, "us_per_layer": res}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
