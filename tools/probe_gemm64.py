@@ -68,21 +68,9 @@ def triton_mm(x, w, y, cfg, split):
 
 
 def graph_us(fn, replays=10) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        stream.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            fn()
-        g.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        for _ in range(replays):
-            g.replay()
-        b.record(stream)
-        b.synchronize()
-    return a.elapsed_time(b) * 1e3 / replays
+    from flared.execution.graphs import time_graph_us
+
+    return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
 
 
 class Lt:

@@ -229,6 +229,14 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 @triton.jit
+def _split_share(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions [begin, end) of context share ``split``: whole tiles, the last share shorter or empty."""
+    share = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * share
+    return begin, tl.minimum(begin + share, context_len)
+
+
+@triton.jit
 def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLens,
                          stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row, scale,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_TOKENS: tl.constexpr,
@@ -238,9 +246,7 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + row)
-    share = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * share
-    end = tl.minimum(begin + share, context_len)
+    begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
@@ -324,9 +330,7 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + row)
-    share = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * share
-    end = tl.minimum(begin + share, context_len)
+    begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N)
     newest = (context_len > 0) & (begin < context_len) & (end == context_len)  # this share ends at the new token
     half: tl.constexpr = HEAD_DIM // 2
     offs_g = tl.arange(0, GROUP_PAD)
