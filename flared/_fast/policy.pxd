@@ -43,7 +43,7 @@ cdef class SelectionPolicy:
     # Baseline first-come-first-served selection instead of value per duration.
     cdef readonly bint fcfs
 
-    cdef _Candidate select(self, list slots, bint decode_only, int64_t now_ns, double refresh_credit_ns, bint queue_empty)
+    cdef _Candidate select(self, list slots, bint stacking, int64_t now_ns, double refresh_credit_ns, bint queue_empty)
     cdef list select_endpoints(self, message_boundaries, int64_t L, int64_t reused)
     cdef update_prices(self, list slots, ScheduledPlan plan, int64_t measured)
     cdef double _unlock_value(self, Request r) except? -1

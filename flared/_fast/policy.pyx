@@ -98,9 +98,13 @@ cdef class SelectionPolicy:
     def has_shapes(self, int kind):
         return kind in self._capacities
 
-    cdef _Candidate select(self, list slots, bint decode_only, int64_t now_ns, double refresh_credit_ns, bint queue_empty):
+    cdef _Candidate select(self, list slots, bint stacking, int64_t now_ns, double refresh_credit_ns, bint queue_empty):
         """The winning candidate (refresh flag set if bought by refresh
-        credit), or None when nothing is runnable."""
+        credit), or None when nothing is runnable. ``stacking``: a decode frame
+        is in flight; decoding requests may join a second frame behind it (one
+        frame of their own in flight at most, and that one a decode), every
+        other kind competes only for requests with nothing in flight, exactly
+        as it would once the window drained."""
         pools = [[] for _ in range(NUM_KINDS)]
         cdef double total_wait = 0.0, age_ms
         cdef Request r
@@ -121,8 +125,8 @@ cdef class SelectionPolicy:
             total_wait += r._wait_rate
             if r.cancelled or r.phase == PH_DRAINING:
                 continue
-            if decode_only:
-                if r.phase != PH_DECODE or r.finished or r.inflight > 1 or (r.inflight == 1 and not r.last_inflight_decode):
+            if stacking and r.phase == PH_DECODE:
+                if r.finished or r.inflight > 1 or (r.inflight == 1 and not r.last_inflight_decode):
                     continue
             elif r.inflight:
                 continue

@@ -106,6 +106,9 @@ cdef class ScheduledPlan:
     cdef readonly int32_t token_capacity
     cdef readonly int64_t planned_ns
     cdef readonly int64_t estimated_duration_ns
+    # When it should finish, set at commit: queued behind the frame in flight before it, it starts when that
+    # one is expected to finish.
+    cdef readonly int64_t expected_finish_ns
     # Unmeasured or stale shape: must run alone, then be measured.
     cdef readonly bint exclusive
     cdef readonly bint refresh

@@ -41,7 +41,6 @@ cdef class RequestScheduler:
     cdef int32_t _take_snapshot(self) except -2
     cdef _reclaim(self, list reusable)
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns)
-    cdef bint _non_decode_waiting(self, int64_t now_ns, int64_t patience_ns)
     cdef tuple _copy_row(self, int32_t snapshot_id, Request r, int64_t endpoint)
     cdef _advance_phase(self, Request r, int kind)
     cdef int64_t _publish(self, Request r, int64_t fence) except -2

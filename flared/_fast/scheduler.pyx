@@ -68,10 +68,6 @@ CompletionResult = namedtuple("CompletionResult", "emitted finished retired publ
 cdef int64_t _next_scheduler_id = 1
 
 
-# Least time window-needing work waits behind stacked decode frames before the window is drained for it.
-cdef enum:
-    NON_DECODE_PATIENCE_NS = 1000000
-
 cdef class RequestScheduler:
     """See the module rules. ``config`` is a flared.scheduler.SchedulerConfig
     (or any object with its attributes); ``policy`` a PolicyConfig."""
@@ -289,51 +285,36 @@ cdef class RequestScheduler:
         """Select the next graph submission, or None. Mutates nothing."""
         cdef Py_ssize_t n_inflight = len(self._inflight)
         cdef ScheduledPlan head
-        cdef bint decode_only = False
         if n_inflight >= 2:
             return None
         if n_inflight:
             head = self._inflight[0][1]
             if head.exclusive:
                 return None
-            # The oldest frame ran past its expected finish: something is
-            # slower than estimated, so stop stacking work behind it.
-            if now_ns > head.planned_ns + head.estimated_duration_ns:
+            # The oldest frame ran past its expected finish (counted from the end of the frame it was queued
+            # behind): something is slower than estimated, so stop stacking work behind it.
+            if now_ns > head.expected_finish_ns:
                 return None
             for _, p in self._inflight:
                 if (<ScheduledPlan>p).kind != K_DECODE:
                     return None
-            # Work that needs an empty window (prefill, snapshots, restores) must not starve behind a
-            # pipeline of decode frames, which can keep the window occupied indefinitely: once such work
-            # has waited longer than the oldest frame's estimate (at least NON_DECODE_PATIENCE_NS: a drain
-            # costs a bubble, not worth it for work that arrived microseconds ago), stop stacking.
-            if self._non_decode_waiting(now_ns, max(head.estimated_duration_ns, NON_DECODE_PATIENCE_NS)):
-                return None
-            decode_only = True
 
-        cdef _Candidate best = self.selection.select(self._slots, decode_only, now_ns, self.refresh_credit_ns, n_inflight == 0)
+        # With a decode frame in flight every kind still competes (stacking=True): decode cohorts that may
+        # join a second frame, and the work that needs an empty window for requests with nothing in
+        # flight. If that work wins, nothing stacks and the window drains for it; if a decode wins, it is
+        # what a drained window would have chosen too, so stacking it costs no one a turn. (Stopping the
+        # stacking whenever such work had waited a while, as before, drained the window for work the
+        # policy then passed over again: a run of unpipelined steps.)
+        cdef _Candidate best = self.selection.select(self._slots, n_inflight > 0, now_ns, self.refresh_credit_ns, n_inflight == 0)
         if best is None:
             if n_inflight == 0 and self.refresh_credit_ns > 0:
                 self.refresh_credit_ns = 0.0  # idle: positive credit lapses, debt stays
             return None
+        if n_inflight and best.kind != K_DECODE:
+            return None  # the window drains for it
         if best.state != TIMING_FRESH and n_inflight:
             return None  # unmeasured/stale shapes run alone
         return self._build_plan(best, now_ns)
-
-    cdef bint _non_decode_waiting(self, int64_t now_ns, int64_t patience_ns):
-        """A live request, not in flight, whose next step is not a decode has waited past patience_ns.
-        Terminal snapshots do not count: they are optional retention that the policy may rightly put off
-        while others decode, and counting them would turn pipelining off until they run."""
-        cdef Request r
-        for x in self._slots:
-            if x is None:
-                continue
-            r = <Request>x
-            if r.cancelled or r.inflight or r.phase == PH_DECODE or r.phase == PH_DRAINING or r.phase == PH_TERMINAL:
-                continue
-            if now_ns - r.last_progress_ns > patience_ns:
-                return True
-        return False
 
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns):
         cdef Py_ssize_t n = len(c.requests), i, j
@@ -497,6 +478,10 @@ cdef class RequestScheduler:
                     r.delivery_interval_ns = est
             if plan.kind == K_RESTORE:
                 self.cache.mark_used(r.base, fence)
+        cdef int64_t starts_ns = plan.planned_ns
+        if self._inflight:
+            starts_ns = max(starts_ns, (<ScheduledPlan>self._inflight[len(self._inflight) - 1][1]).expected_finish_ns)
+        plan.expected_finish_ns = starts_ns + plan.estimated_duration_ns
         self.timings.note_attempt(plan.shape, plan.planned_ns)
         if plan.refresh:
             self.refresh_credit_ns -= plan.estimated_duration_ns
