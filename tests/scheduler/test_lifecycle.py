@@ -293,44 +293,51 @@ def test_duplicate_publication_keeps_the_live_request_on_its_own_pages():
     s.check_integrity()
 
 
+class _Pipeline:
+    """One request decoding (decode b=1 measured) and a hand-driven two-frame window over it."""
+
+    def __init__(self):
+        self.s = s = make_scheduler()
+        a = s.admit(prompt(20), 200, 0)
+        self.d = Driver(s)
+        self.d.until_decoding(a)
+        self.d.step()  # measure decode b=1
+        self.fence = self.d.fence
+        self.inflight = []
+
+    def stack(self):
+        p = self.s.plan(self.d.now_ns)
+        if p is not None:
+            self.fence += 1
+            self.s.commit(p, self.fence)
+            self.inflight.append((self.fence, p))
+        return p
+
+    def complete_oldest(self, now_ns=None):
+        """Each frame takes exactly its estimate unless ``now_ns`` says when it completes."""
+        f, p = self.inflight.pop(0)
+        self.d.now_ns = self.d.now_ns + cost_ns(p) if now_ns is None else now_ns
+        self.s.complete(f, records_for(p), cost_ns(p), self.d.now_ns)
+
+
 def test_stacked_decode_frames_do_not_starve_waiting_prefill():
     """A pipeline of decode frames that all finish on time keeps the window occupied; a request that needs
     an empty window (here its prefill) must get it as soon as the policy prefers it to another decode
     (planning behind a frame in flight weighs every kind), instead of waiting for every decoding request
     to finish."""
-    s = make_scheduler()
-    a = s.admit(prompt(20), 200, 0)
-    d = Driver(s)
-    d.until_decoding(a)
-    d.step()  # measure decode b=1
-    fence = d.fence
-    inflight = []
-
-    def stack():
-        nonlocal fence
-        p = s.plan(d.now_ns)
-        if p is not None:
-            fence += 1
-            s.commit(p, fence)
-            inflight.append((fence, p))
-        return p
-
-    def complete_oldest():  # each frame takes exactly its estimate: the pipeline never runs late
-        f, p = inflight.pop(0)
-        d.now_ns += cost_ns(p)
-        s.complete(f, records_for(p), cost_ns(p), d.now_ns)
-
-    assert stack().kind == GraphKind.DECODE
+    w = _Pipeline()
+    s, d = w.s, w.d
+    assert w.stack().kind == GraphKind.DECODE
     b = s.admit(prompt(30, seed=1), 4, d.now_ns)  # arrives while the decode pipeline runs
     stacked = 0
-    while stack() is not None:
-        assert inflight[-1][1].kind == GraphKind.DECODE
+    while w.stack() is not None:
+        assert w.inflight[-1][1].kind == GraphKind.DECODE
         stacked += 1
         assert stacked < 10, "decode frames kept stacking while the prefill waited"
-        complete_oldest()
+        w.complete_oldest()
     assert stacked <= 2  # within one frame's estimate of waiting the pipeline may keep going
-    while inflight:
-        complete_oldest()
+    while w.inflight:
+        w.complete_oldest()
     p = s.plan(d.now_ns)
     assert p.kind == GraphKind.PREFILL and list(p.handles) == [b]
     s.check_integrity()
@@ -339,37 +346,18 @@ def test_stacked_decode_frames_do_not_starve_waiting_prefill():
 def test_a_stacked_frame_is_late_only_past_the_end_of_the_frame_it_queued_behind():
     """A decode frame stacked behind another starts when that one ends, so its expected finish counts from
     there: when the first completes on time, the second is not late and a third may stack behind it."""
-    s = make_scheduler()
-    a = s.admit(prompt(20), 200, 0)
-    d = Driver(s)
-    d.until_decoding(a)
-    d.step()  # measure decode b=1
-    fence = d.fence
-    inflight = []
-
-    def stack():
-        nonlocal fence
-        p = s.plan(d.now_ns)
-        if p is not None:
-            fence += 1
-            s.commit(p, fence)
-            inflight.append((fence, p))
-        return p
-
-    first = stack()
-    second = stack()
+    w = _Pipeline()
+    first, second = w.stack(), w.stack()
     assert first.kind == second.kind == GraphKind.DECODE
     assert second.expected_finish_ns == first.expected_finish_ns + second.estimated_duration_ns
-    f, p = inflight.pop(0)
-    d.now_ns = first.expected_finish_ns + 100_000  # the first ends on time; the host completes it a little later
-    s.complete(f, records_for(p), cost_ns(p), d.now_ns)
-    third = stack()  # the second is not late: it started when the first ended
+    # The first ends on time; the host completes it a little later. The second is not late.
+    w.complete_oldest(now_ns=first.expected_finish_ns + 100_000)
+    third = w.stack()
     assert third is not None and third.kind == GraphKind.DECODE
-    f, p = inflight.pop(0)
-    d.now_ns = third.expected_finish_ns + 1  # the second ran long enough that the third's queue slot passed
-    s.complete(f, records_for(p), cost_ns(p), d.now_ns)
-    assert s.plan(d.now_ns + second.estimated_duration_ns) is None  # the head (third) is now late: no stacking
-    s.check_integrity()
+    # The second ran so long that the third's expected finish passed: the head is late, nothing stacks.
+    w.complete_oldest(now_ns=third.expected_finish_ns + 1)
+    assert w.s.plan(w.d.now_ns) is None
+    w.s.check_integrity()
 
 
 def test_the_two_frame_loop_keeps_its_pipeline_while_the_policy_passes_over_waiting_work():
