@@ -1,13 +1,14 @@
 """The two-frame model-thread loop on a simulated clock: the real scheduler, no model.
 
     python tools/simulate_window.py [--shape 135m] [--streams 64] [--prompt 128] [--new 256]
-                                    [--jitter 0.1] [--runs 5] [--json]
+                                    [--jitter 0.1] [--runs 5] [--cold] [--json]
 
 ``offline.drive`` (the loop bench_gpu measures) runs the real RequestScheduler against ``SimExecutor``:
 the executor's submit/poll contract (two frames in flight at most, completions in order) whose steps
 take the GPU durations measured on the H200 (docs/benchmarks.md, eighth session), with ``--jitter``
 relative noise, and whose host costs (planning + packing + launch, completion) advance the same clock.
-Every token is 7 (requests finish by length). It prints, per run, the decode steps, their batch sizes,
+Every token is 7 (requests finish by length). As bench_gpu does, a 4-token drive on other prompts
+measures the shapes first (``--cold`` skips it). It prints, per run, the decode steps, their batch sizes,
 how often the loop drained the window, and the output tok/s the simulated clock gives, so scheduler
 changes can be judged on CPU before a GPU run. Durations are a model, not a measurement.
 """
@@ -96,7 +97,7 @@ class SimExecutor:
         return (None, records, dur)
 
 
-def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, seed: int) -> dict:
+def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, seed: int, warm: bool = True) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_gpu import PREFILL_CHUNK, scheduler
 
@@ -112,13 +113,18 @@ def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, see
     sched, _ = scheduler(streams, None, manifest.scheduler_graph_shapes(streams))
     rng = random.Random(seed)
     ex = SimExecutor(COSTS[shape], jitter, rng)
+    # As bench_gpu: a short warm drive on other prompts first (it measures the shapes), then the measured one.
+    if warm:
+        other = [[3 + rng.randrange(1000) for _ in range(prompt)] for _ in range(streams)]
+        drive(sched, ex, other, [SamplingParams(temperature=0.0, max_tokens=4)] * streams, clock_ns=lambda: ex.now)
+    ex.decode_rows, ex.drains, t0 = [], 0, ex.now
     prompts = [[3 + rng.randrange(1000) for _ in range(prompt)] for _ in range(streams)]
     params = [SamplingParams(temperature=0.0, max_tokens=new)] * streams
     r = drive(sched, ex, prompts, params, clock_ns=lambda: ex.now)
     assert all(len(t) == new for t in r.tokens)
     rows = collections.Counter(ex.decode_rows)
     return {"decode_steps": len(ex.decode_rows), "steps": dict(r.steps_by_kind), "drains": ex.drains,
-            "tok_s": streams * new / (ex.last_token_ns / 1e9),
+            "tok_s": streams * new / ((ex.last_token_ns - t0) / 1e9),
             "rows": dict(sorted(rows.items())), "first_rows": ex.decode_rows[:40]}
 
 
@@ -130,17 +136,18 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--jitter", type=float, default=0.1)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--cold", action="store_true", help="no warm drive: the measured run meets unmeasured shapes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = []
     print(f"{'run':>3} {'decode steps':>12} {'drains':>6} {'tok/s':>9}  decode rows (count)")
     for run in range(args.runs):
-        res = simulate(args.shape, args.streams, args.prompt, args.new, args.jitter, seed=run)
+        res = simulate(args.shape, args.streams, args.prompt, args.new, args.jitter, seed=run, warm=not args.cold)
         out.append(res)
         print(f"{run:3d} {res['decode_steps']:12d} {res['drains']:6d} {res['tok_s']:9,.0f}  {res['rows']}")
     print("first decode steps' rows (last run):", out[-1]["first_rows"])
     if args.json:
-        print(json.dumps({"shape": args.shape, "streams": args.streams, "runs": out}))
+        print(json.dumps({"shape": args.shape, "streams": args.streams, "cold": args.cold, "runs": out}))
     return 0
 
 
