@@ -67,7 +67,7 @@ class SimExecutor:
         return self.costs["other_us"]
 
     def submit(self, plan, tables, states):
-        from flared.scheduler import CompletionRecords
+        from flared.scheduler import plan_records
 
         if len(self.frames) >= 2:
             return None
@@ -80,12 +80,7 @@ class SimExecutor:
         n = plan.num_participants
         if plan.kind_name == "DECODE":
             self.decode_rows.append(n)
-        records = CompletionRecords(
-            handles=np.asarray(plan.handles, dtype=np.int64),
-            consumed_tokens=np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens,
-                                                                                      dtype=np.int64),
-            generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64),
-            token_ids=np.full(n, 7, dtype=np.int64))
+        records = plan_records(plan, np.where(np.asarray(plan.sample) == 1, 7, -1))
         self.frames.append((self.gpu_free_at, records, dur, plan.kind_name))
         return len(self.frames)
 

@@ -42,7 +42,7 @@ from flared.errors import ErrorKind, ExecutionError
 from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.sampling import Sampler, SequenceSamplingState
 from flared.runtime.request import TokenLogprob
-from flared.scheduler import CompletionRecords, GraphKind
+from flared.scheduler import GraphKind, plan_records
 
 
 class EagerExecutor:
@@ -100,14 +100,7 @@ class EagerExecutor:
             self.state_last_token[rows] = -1
         else:
             raise ExecutionError(f"the eager executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
-        consumed = np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64)
-        records = CompletionRecords(
-            handles=np.asarray(plan.handles, dtype=np.int64),
-            consumed_tokens=consumed,
-            generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64),
-            token_ids=sampled,
-        )
-        return records, time.perf_counter_ns() - started, logprobs, scores
+        return plan_records(plan, sampled), time.perf_counter_ns() - started, logprobs, scores
 
     def _forward(self, plan, block_tables, states, rows, sampled, logprobs, score_from, scores) -> None:
         n = plan.num_participants

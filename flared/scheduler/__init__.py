@@ -28,6 +28,20 @@ from flared._fast.request import (
 from flared._fast.scheduler import CompletionRecords, CompletionResult, RequestScheduler
 from flared.scheduler.config import PolicyConfig, SchedulerConfig, Selection, default_graph_shapes
 
+
+def plan_records(plan: ScheduledPlan, token_ids) -> CompletionRecords:
+    """The completion records an executor reports for ``plan``: each participant's consumed and generated
+    counts as the plan scheduled them, and ``token_ids`` (its sampled token, -1 where it sampled none)."""
+    import numpy as np
+
+    return CompletionRecords(
+        handles=np.asarray(plan.handles, dtype=np.int64),
+        consumed_tokens=np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64),
+        generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64),
+        token_ids=np.asarray(token_ids, dtype=np.int64),
+    )
+
+
 __all__ = [
     "MAX_LIVE_REQUESTS",
     "REFRESH_CAP_NS",
@@ -46,4 +60,5 @@ __all__ = [
     "default_graph_shapes",
     "handle_generation",
     "handle_slot",
+    "plan_records",
 ]

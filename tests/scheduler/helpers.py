@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flared.scheduler import CompletionRecords, GraphKind, PolicyConfig, RequestScheduler, SchedulerConfig
+from flared.scheduler import GraphKind, PolicyConfig, RequestScheduler, SchedulerConfig, plan_records
 
 MODEL = b"t" * 32
 MS = 1_000_000
@@ -55,13 +55,7 @@ def records_for(plan, token_ids=None, seed=0):
     n = plan.num_participants
     if token_ids is None:
         token_ids = np.random.default_rng(seed + plan.plan_id).integers(0, 30000, n)
-    tokens = np.where(plan.sample == 1, token_ids, -1)
-    return CompletionRecords(
-        plan.handles.copy(),
-        plan.token_starts.astype(np.int64) + plan.num_tokens,
-        plan.generated_ends.copy(),
-        tokens,
-    )
+    return plan_records(plan, np.where(plan.sample == 1, token_ids, -1))
 
 
 class Driver:
