@@ -35,7 +35,7 @@ from flared.errors import ErrorKind, ExecutionError
 SPAN_ALIGN_BYTES = 256
 
 # (name, dtype, shape in terms of T = max tokens, B = max batch, P = max pages per sequence)
-INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+_SHARED_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("token_ids", "int64", ("T",)),
     ("positions", "int64", ("T",)),
     ("slot_ids", "int64", ("T",)),
@@ -49,22 +49,16 @@ INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("top_p", "float32", ("B",)),
     ("seeds", "int64", ("B",)),
     ("steps", "int64", ("B",)),
-) + tuple(("decode_" + name, dtype, ("D",) + shape[1:]) for name, dtype, shape in (
-    # A decode step's inputs, D = the largest decode batch: their own spans, back to back with the block
-    # tables last, so one copy from the pinned frame carries a whole step (ExecutionManifest.decode_upload)
-    # instead of one per field, each of which cost the GPU microseconds at batch 1.
-    ("token_ids", "int64", ("B",)),
-    ("positions", "int64", ("B",)),
-    ("slot_ids", "int64", ("B",)),
-    ("state_rows", "int64", ("B",)),
-    ("context_lens", "int32", ("B",)),
-    ("temperature", "float32", ("B",)),
-    ("top_k", "int32", ("B",)),
-    ("top_p", "float32", ("B",)),
-    ("seeds", "int64", ("B",)),
-    ("steps", "int64", ("B",)),
-    ("block_tables", "int32", ("B", "P")),
-))
+)
+# A decode step's inputs get their own spans ("decode_" + the field, one row per decode row: D = the largest
+# decode batch), back to back with the block tables last, so one copy from the pinned frame carries a whole
+# step (ExecutionManifest.decode_upload) instead of one per field, each of which cost the GPU microseconds at
+# batch 1.
+_DECODE_ORDER = ("token_ids", "positions", "slot_ids", "state_rows", "context_lens", "temperature", "top_k",
+                 "top_p", "seeds", "steps", "block_tables")
+_BY_NAME = {name: (dtype, shape) for name, dtype, shape in _SHARED_FIELDS}
+INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = _SHARED_FIELDS + tuple(
+    ("decode_" + name, _BY_NAME[name][0], ("D",) + _BY_NAME[name][1][1:]) for name in _DECODE_ORDER)
 DECODE_FIELDS = tuple(f[0] for f in INPUT_FIELDS if f[0].startswith("decode_"))
 
 
