@@ -245,27 +245,32 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
     out[f"{shape}_b1_gpu_idle"] = idle
 
-    # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with).
-    if ab_mega:
+    def single_stream_ab(model, env: dict, label: str, key: str) -> None:
+        """The same single stream on an executor built with ``env`` set, beside the main run."""
         import os
 
-        os.environ["FLARED_MEGAKERNEL"] = "0"
+        os.environ.update(env)
         try:
             plain = graph_executor(model, concurrency=1, num_pages=64)
         finally:
-            del os.environ["FLARED_MEGAKERNEL"]
+            for name in env:
+                del os.environ[name]
         run_flared(model, prompts(vocab, 1, prompt_len, seed=41), 16, ex_pair=plain)
         r0 = run_flared(model, p, new_tokens, ex_pair=plain)
         tps0 = (new_tokens - 1) / ((r0.finish_ns[0] - r0.first_token_ns[0]) / 1e9)
-        steps0 = r0.steps_by_kind["DECODE"]
+        gpu0 = r0.decode_gpu_ns / max(1, r0.steps_by_kind["DECODE"]) / 1e3
         same0 = matched_prefix(r.tokens[0], r0.tokens[0])
-        rows.append((shape, "batch-1 decode tok/s without the megakernel | GPU us/step", f"{tps0:,.0f} | "
-                     f"{r0.decode_gpu_ns / max(1, steps0) / 1e3:.0f}", "", f"tokens = main run: {same0}/{new_tokens}"))
-        out[f"{shape}_b1_no_mega_tok_s"] = tps0
-        out[f"{shape}_b1_no_mega_gpu_us_per_step"] = r0.decode_gpu_ns / max(1, steps0) / 1e3
-        out[f"{shape}_b1_mega_vs_no_mega_prefix"] = same0
+        rows.append((shape, f"batch-1 decode tok/s {label} | GPU us/step", f"{tps0:,.0f} | {gpu0:.0f}", "",
+                     f"tokens = main run: {same0}/{new_tokens}"))
+        out[f"{shape}_b1_{key}_tok_s"] = tps0
+        out[f"{shape}_b1_{key}_gpu_us_per_step"] = gpu0
+        out[f"{shape}_b1_mega_vs_{key}_prefix"] = same0
         plain[1].close()
         del plain
+
+    # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with).
+    if ab_mega:
+        single_stream_ab(model, {"FLARED_MEGAKERNEL": "0"}, "without the megakernel", "no_mega")
 
     # 64 streams: 128-token prompts, 256 new tokens, admitted together; output tokens over the whole run.
     p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)

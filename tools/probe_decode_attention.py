@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="leave out the tile/warp/stage grid")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     B, ctx, L = args.rows, args.context, args.layers
@@ -75,7 +76,14 @@ def main(argv=None) -> int:
 
     variants = [("rope_write_kv + attention (main before)", separate), ("attention alone", attention_only),
                 ("fused, defaults (64 keys, 4 warps)", fused())]
-    for bn in (32, 64, 128):
+    # The context split over 2 or 4 programs per (row, kv head), merged by the combine kernel.
+    part_acc = torch.empty(B * nh * 4 * d, device="cuda", dtype=torch.float32)
+    part_m = torch.empty(B * nh * 4, device="cuda", dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    for splits in (2, 4):
+        variants.append((f"fused, split {splits} + combine", fused(num_splits=splits, part_acc=part_acc, part_m=part_m,
+                                                                  part_l=part_l)))
+    for bn in () if args.quick else (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):
                 variants.append((f"fused, {bn} keys, {warps} warps, {stages} stages",

@@ -7,7 +7,7 @@ weight loads a streamed row issues together (``GEMV_BATCH``). Results of the var
 are wrong by construction; only their times matter. Random weights of the SmolLM2-135M and
 Llama-3.1-8B shapes, every row at ``--context`` tokens of a filled KV cache.
 
-    python tools/profile_megakernel.py [--shapes 135m,8b] [--rows 1] [--context 512] [--json]
+    python tools/profile_megakernel.py [--shapes 135m,8b] [--rows 1] [--context 512] [--head] [--json]
 
 CUDA only. Prints one table; with --json, one JSON object as the last line.
 """
@@ -44,6 +44,9 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "attention unsplit": {"SPLITS": 1},
     "attention splits 8": {"SPLITS": 8},
     "attention splits 4": {"SPLITS": 4},
+    "head rows 2": {"HEAD_ROWS": 2},
+    "head rows 4": {"HEAD_ROWS": 4},
+    "head rows 8": {"HEAD_ROWS": 8},
 }
 
 
@@ -58,6 +61,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--head", action="store_true", help="the LM head and greedy argmax inside the kernel too")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = args.rows
@@ -71,11 +75,14 @@ def main() -> int:
         out = torch.empty_like(h)
         full = None
         for name in args.variants.split(","):
-            kernel = DecodeLayers(model, dec.k_pool, dec.v_pool, rows, overrides=VARIANTS[name])
+            kernel = DecodeLayers(model, dec.k_pool, dec.v_pool, rows, overrides=VARIANTS[name], head=args.head)
             kernel.compile(PAGE_TOKENS)
+            head = ((dec.logits, dec.state_logits, s.state_rows[:rows], dec.sampled, dec.last_token, True)
+                    if args.head else None)
 
             def launch():
-                kernel(h, out, s.positions[:rows], s.slot_ids[:rows], s.block_tables[:rows], s.context_lens[:rows])
+                kernel(h, out, s.positions[:rows], s.slot_ids[:rows], s.block_tables[:rows], s.context_lens[:rows],
+                       head)
 
             us = time_graph_us(launch, stream, replays=30)
             full = us if full is None else full

@@ -21,6 +21,11 @@ def _hf(kind, seed=0):
     if kind == "llama64":  # head_dim 64, GQA 2:1
         cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, **common)
         return LlamaForCausalLM(cfg)
+    if kind == "smollm":  # SmolLM2-135M's widths (a row of 576 ends mid-way through a warp's third chunk); a
+        # vocabulary that takes the in-kernel LM head two rounds of four rows per warp, the last one partial
+        cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                          **dict(common, num_hidden_layers=2, vocab_size=8192))
+        return LlamaForCausalLM(cfg)
     if kind == "llama128":  # head_dim 128, GQA 4:1 (Llama-3 8B's grouping)
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
                           **common)
@@ -87,6 +92,8 @@ def _step(dec, batch, mega):
     ("llama64", [255, 3]),  # shorter than 3 * SPLIT_KEYS: attention unsplit
     ("llama64", [700, 33, 0, 5]),
     ("llama128", [1000, 64]),
+    ("smollm", [255, 3]),
+    ("smollm", [600]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
 ])
 def test_megakernel_matches_the_fused_path(kind, contexts):

@@ -27,7 +27,7 @@
 //
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
 // page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
-// PF_LINES (128-byte lines prefetched per lane per row), HEAD, GEMV_BATCH, SKIP (diagnosis only).
+// PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, SKIP (diagnosis only).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
@@ -44,6 +44,9 @@ typedef unsigned short bf16;
 #endif
 #ifndef SPLIT_KEYS
 #define SPLIT_KEYS 128  // attention splits a (row, head) only into pieces of at least this many keys
+#endif
+#ifndef HEAD_ROWS
+#define HEAD_ROWS 0  // LM-head rows a warp streams together (0: 4 for short-row models, else 2)
 #endif
 #ifndef GEMV_BATCH
 #define GEMV_BATCH 8  // 16-byte weight loads per lane a streamed row issues together (tools/profile_megakernel.py)
@@ -249,6 +252,34 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
             if (i0 + b < PER && c < CH) {
                 w[0][b] = ld_weight(w0 + c * 8);
                 if (NR > 1) w[NR - 1][b] = ld_weight(w1 + c * 8);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int c = lane + 32 * (i0 + b);
+            if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
+        }
+    }
+    reduce_acc<NR>(acc);
+}
+
+// The same for NR rows at any addresses (the LM head: more loads in flight per lane).
+template <int K, int NR>
+__device__ __forceinline__ void warp_dot_rows(const bf16* const (&wr)[NR], const bf16* vec, float (&acc)[NR][R],
+                                              int lane) {
+    constexpr int CH = K / 8;
+    constexpr int PER = (CH + 31) / 32;
+    constexpr int BATCH = PER < GEMV_BATCH ? PER : GEMV_BATCH;
+    zero_acc<NR>(acc);
+#pragma unroll
+    for (int i0 = 0; i0 < PER; i0 += BATCH) {
+        uint4 w[NR][BATCH];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int c = lane + 32 * (i0 + b);
+            if (i0 + b < PER && c < CH) {
+#pragma unroll
+                for (int n = 0; n < NR; ++n) w[n][b] = ld_weight(wr[n] + c * 8);
             }
         }
 #pragma unroll
@@ -727,16 +758,20 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     float best = NEG_INF;
     int best_j = 0x7fffffff;
     const long long srow = lane < R ? state_rows[lane] : 0;
-    for (int j0 = gw; j0 < vocab; j0 += 2 * tw) {
-        const int j1 = j0 + tw < vocab ? j0 + tw : j0;
-        float acc[2][R];
-        warp_dot<H, 2>(lm_head + (long long)j0 * H, lm_head + (long long)j1 * H, sm.vec, acc, lane);
+    // Each warp takes HR rows tw apart per round (rows past the vocabulary re-read row j0 and are not written).
+    constexpr int HR = HEAD_ROWS > 0 ? HEAD_ROWS : (Row<H>::PRE ? 4 : 2);
+    for (int j0 = gw; j0 < vocab; j0 += HR * tw) {
+        const bf16* wr[HR];
+#pragma unroll
+        for (int n = 0; n < HR; ++n) wr[n] = lm_head + (long long)(j0 + n * tw < vocab ? j0 + n * tw : j0) * H;
+        float acc[HR][R];
+        warp_dot_rows<H, HR>(wr, sm.vec, acc, lane);
         if (lane < R) {
 #pragma unroll
-            for (int n = 0; n < 2; ++n) {
-                const int j = n == 0 ? j0 : j1;
-                if (n == 1 && j1 == j0) break;
-                const float v = round_bf(row_of<2>(acc, n, lane));
+            for (int n = 0; n < HR; ++n) {
+                const int j = j0 + n * tw;
+                if (j >= vocab) break;
+                const float v = round_bf(row_of<HR>(acc, n, lane));
                 logits[(long long)lane * vocab + j] = v;
                 state_logits[srow * vocab + j] = v;
                 if (v > best || (v == best && j < best_j)) { best = v; best_j = j; }
