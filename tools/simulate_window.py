@@ -50,6 +50,7 @@ class SimExecutor:
         self.frames: collections.deque = collections.deque()
         self.sampler = Sampler(64, device="cpu", max_penalty_slots=256)
         self.decode_rows: list[int] = []
+        self.drained_decode_rows: list[int] = []  # the rows of each decode step that found the window empty
         self.drains = 0
         self.last_token_ns = 0
 
@@ -73,14 +74,21 @@ class SimExecutor:
             return None
         if not self.frames:
             self.drains += 1
+            if plan.kind_name == "DECODE":
+                self.drained_decode_rows.append(plan.num_participants)
         self.now += int(self.costs["submit_us"] * 1e3)
         start = max(self.now, self.gpu_free_at)
         dur = int(self._duration_us(plan) * (1 + self.rng.uniform(-self.jitter, self.jitter)) * 1e3)
+        copies_ns = 0
+        if plan.kind_name in ("PREFILL", "SCORED_PREFILL") and len(plan.copies):
+            # the checkpoint copies after the prefill, in the same frame and timed apart
+            copies_ns = int(self.costs["other_us"] * 1e3)
+            dur += copies_ns
         self.gpu_free_at = start + dur
         n = plan.num_participants
         if plan.kind_name == "DECODE":
             self.decode_rows.append(n)
-        records = plan_records(plan, np.where(np.asarray(plan.sample) == 1, 7, -1))
+        records = plan_records(plan, np.where(np.asarray(plan.sample) == 1, 7, -1), copies_ns)
         self.frames.append((self.gpu_free_at, records, dur, plan.kind_name))
         return len(self.frames)
 
@@ -112,7 +120,7 @@ def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, see
     if warm:
         other = [[3 + rng.randrange(1000) for _ in range(prompt)] for _ in range(streams)]
         drive(sched, ex, other, [SamplingParams(temperature=0.0, max_tokens=4)] * streams, clock_ns=lambda: ex.now)
-    ex.decode_rows, ex.drains, t0 = [], 0, ex.now
+    ex.decode_rows, ex.drained_decode_rows, ex.drains, t0 = [], [], 0, ex.now
     prompts = [[3 + rng.randrange(1000) for _ in range(prompt)] for _ in range(streams)]
     params = [SamplingParams(temperature=0.0, max_tokens=new)] * streams
     r = drive(sched, ex, prompts, params, clock_ns=lambda: ex.now)
@@ -120,7 +128,8 @@ def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, see
     rows = collections.Counter(ex.decode_rows)
     return {"decode_steps": len(ex.decode_rows), "steps": dict(r.steps_by_kind), "drains": ex.drains,
             "tok_s": streams * new / ((ex.last_token_ns - t0) / 1e9),
-            "rows": dict(sorted(rows.items())), "first_rows": ex.decode_rows[:40]}
+            "rows": dict(sorted(rows.items())), "first_rows": ex.decode_rows[:40],
+            "drained_rows": dict(sorted(collections.Counter(ex.drained_decode_rows).items()))}
 
 
 def main(argv=None) -> int:

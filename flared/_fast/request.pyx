@@ -91,7 +91,9 @@ cdef class ScheduledPlan:
         first_blocks[i], first_blocks[i]+1, ... of participant i's table.
     copies: int32 [m, 4] rows (snapshot_id, state_row, page_id or -1,
         tokens in that partial page): restore copies snapshot -> slot,
-        snapshot copies slot -> snapshot.
+        snapshot copies slot -> snapshot, and a prefill copies slot ->
+        snapshot after its forward for each participant whose chunk ends
+        at that participant's next checkpoint endpoint.
     """
 
     @property

@@ -56,8 +56,11 @@ _LAUNCH_KEYS = ["launches_" + k.name.lower() for k in GraphKind]
 
 # What one frame reported, one entry per plan participant in plan order:
 # handles int64, cumulative consumed/generated token counts int64, and the
-# sampled token id (int32, -1 where the step samples nothing).
-CompletionRecords = namedtuple("CompletionRecords", "handles consumed_tokens generated_tokens token_ids")
+# sampled token id (int32, -1 where the step samples nothing); snapshot_ns:
+# the GPU time of a prefill frame's checkpoint copies (plan.copies), when
+# the executor timed them apart (0: not timed).
+CompletionRecords = namedtuple("CompletionRecords", "handles consumed_tokens generated_tokens token_ids snapshot_ns",
+                               defaults=(0,))
 # emitted: (handle, token_id) accepted for publication, in order;
 # finished: handles that hit their output or context limit in this frame;
 # retired: handles whose slot and resources were released;
@@ -402,6 +405,11 @@ cdef class RequestScheduler:
                     tk_v[to_v[i] + j] = r._prompt[start + j]
             if kind == K_RESTORE:
                 copies.append(self._copy_row(r.base.snapshot_id, r, r.reused_tokens))
+            elif (kind == K_PREFILL or kind == K_SCORED_PREFILL) and r.endpoints and start + n_v[i] == r.endpoints[0]:
+                # The chunk ends at a checkpoint endpoint: the frame copies it right after the prefill, so the
+                # request never waits for a snapshot step of its own (which needs an empty window and, at the
+                # prompt end, competed as one output token against whole decode cohorts).
+                copies.append(self._copy_row(r.endpoint_snapshots[0], r, r.endpoints[0]))
             elif kind == K_SNAPSHOT:
                 if r.phase == PH_TERMINAL:
                     copies.append(self._copy_row(r.terminal_snapshot, r, r.terminal_tokens))
@@ -529,6 +537,17 @@ cdef class RequestScheduler:
 
         self._inflight.pop(0)
         self.completed_fence = fence
+        cdef int kind = plan.kind
+        cdef int64_t copy_rows = plan.copies.shape[0], copy_cap = 1
+        snapshot_ns = getattr(records, "snapshot_ns", 0)
+        if copy_rows and snapshot_ns and (kind == K_PREFILL or kind == K_SCORED_PREFILL):
+            # The checkpoint copies after the prefill, timed apart by the executor, are what a snapshot step
+            # of that many rows costs (terminal captures and checkpoint extras are priced by it).
+            while copy_cap < copy_rows:
+                copy_cap <<= 1
+            self.timings.observe((K_SNAPSHOT, copy_cap, 0), int(snapshot_ns), now_ns)
+            if isinstance(duration_ns, int):  # the prefill shape keeps its own time
+                duration_ns = max(1, duration_ns - int(snapshot_ns))
         cdef int64_t measured = self.timings.observe(plan.shape, duration_ns, now_ns, embedding_wait_ns)
         if plan.refresh:
             self.refresh_credit_ns += plan.estimated_duration_ns - measured
@@ -540,7 +559,6 @@ cdef class RequestScheduler:
         emitted = []
         finished = []
         published = []
-        cdef int kind = plan.kind
         for i in range(n):
             r = plan._requests[i]
             r.inflight -= 1
@@ -566,6 +584,12 @@ cdef class RequestScheduler:
             if r.finished:
                 continue
             self._advance_phase(r, kind)
+            if r.phase == PH_SNAPSHOT and (kind == K_PREFILL or kind == K_SCORED_PREFILL):
+                # This frame copied the endpoint's checkpoint after its prefill (_build_plan): publish it now.
+                cid = self._publish(r, fence)
+                if cid >= 0:
+                    published.append(cid)
+                self._advance_phase(r, K_SNAPSHOT)
             # Admission bounds prompt + output by the context, so the output
             # limit is the only length stop.
             if r.phase == PH_DECODE and r.num_generated_tokens >= r.max_output_tokens:

@@ -79,6 +79,7 @@ class EagerExecutor:
         n = plan.num_participants
         kind = plan.kind
         sampled = np.full(n, -1, dtype=np.int64)
+        snapshot_ns = 0
         logprobs: list[TokenLogprob | None] = [None] * n
         rows = np.asarray(plan.state_rows, dtype=np.int64)
         scores: list[list[float] | None] = [None] * n
@@ -87,6 +88,10 @@ class EagerExecutor:
             if kind == GraphKind.SCORED_PREFILL:
                 starts = [1 if s is None else max(1, s) for s in starts]
             self._forward(plan, block_tables, states, rows, sampled, logprobs, starts, scores)
+            if len(plan.copies):  # checkpoints at the chunks' ends, copied after the forward
+                copy_started = time.perf_counter_ns()
+                self._copy(plan.copies, to_snapshot=True)
+                snapshot_ns = time.perf_counter_ns() - copy_started
         elif kind == GraphKind.RESUME_SAMPLING:
             sample_idx = [i for i in range(n) if plan.sample[i]]
             if sample_idx:
@@ -100,7 +105,7 @@ class EagerExecutor:
             self.state_last_token[rows] = -1
         else:
             raise ExecutionError(f"the eager executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
-        return plan_records(plan, sampled), time.perf_counter_ns() - started, logprobs, scores
+        return plan_records(plan, sampled, snapshot_ns), time.perf_counter_ns() - started, logprobs, scores
 
     def _forward(self, plan, block_tables, states, rows, sampled, logprobs, score_from, scores) -> None:
         n = plan.num_participants
@@ -180,8 +185,9 @@ class EagerExecutor:
         """Snapshot/restore rows (snapshot_id, state_row, page_id or -1, tokens in the page).
 
         Goes through the cache's public gather/write per layer, so it does not
-        depend on the pool's memory layout; copies are rare (message and
-        prompt ends), so the per-layer loop is not on the hot path."""
+        depend on the pool's memory layout; copies are rare (once per
+        checkpoint endpoint a prefill reaches, and restores), so the
+        per-layer loop is not on the hot path."""
         P = self.page_tokens
         for snapshot_id, state_row, page_id, _partial in np.asarray(copies, dtype=np.int64).reshape(-1, 4):
             if to_snapshot:

@@ -55,12 +55,13 @@ def _needs_eager_sampler(state: SequenceSamplingState) -> bool:
 class _Pending:
     """Host-side facts of one in-flight frame, read back by poll."""
 
-    __slots__ = ("num_participants", "logprob_rows", "logprob_out")
+    __slots__ = ("num_participants", "logprob_rows", "logprob_out", "copies_timed")
 
     def __init__(self):
         self.num_participants = 0
         self.logprob_rows: list[tuple[int, int]] = []  # (participant, top_n)
         self.logprob_out = None
+        self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
 
 
 class GraphExecutor:
@@ -109,6 +110,7 @@ class GraphExecutor:
         self._start = [cuda.Event() for _ in range(_NUM_FRAMES)]
         self._end = [cuda.Event() for _ in range(_NUM_FRAMES)]
         self._copied = [cuda.Event() for _ in range(_NUM_FRAMES)]
+        self._copies_start = [cuda.Event() for _ in range(_NUM_FRAMES)]
         self._pending = [_Pending() for _ in range(_NUM_FRAMES)]
         self._spans = {s.name: s for s in self.manifest.spans}
         self._input_ptr = self.graphs.input_ptr
@@ -174,12 +176,17 @@ class GraphExecutor:
             pending.num_participants = n
             pending.logprob_rows = []
             pending.logprob_out = None
+            pending.copies_timed = False
             with torch.cuda.stream(self.model_stream):
                 self._start[frame].record(self._model_ptr)
                 if kind == GraphKind.DECODE:
                     self._submit_graph(frame, plan, block_tables, states, "decode")
                 elif kind == GraphKind.PREFILL:
                     self._submit_graph(frame, plan, block_tables, states, "prefill")
+                    if len(plan.copies):  # checkpoints at the chunks' ends, after the forward, timed apart
+                        self._copies_start[frame].record(self._model_ptr)
+                        self._snapshot_copies(plan.copies, to_snapshot=True)
+                        pending.copies_timed = True
                 else:
                     self._submit_eager(plan, states, pending)
                 self._end[frame].record(self._model_ptr)
@@ -215,6 +222,7 @@ class GraphExecutor:
         fence = self.ring.fence(frame)
         handles, consumed, generated, token_ids = self.table.parse(frame, fence, self._tokens[frame][:n])
         duration_ns = self._end[frame].elapsed_ns(self._start[frame])
+        snapshot_ns = self._end[frame].elapsed_ns(self._copies_start[frame]) if pending.copies_timed else 0
         logprobs: list[TokenLogprob | None] = [None] * n
         if pending.logprob_rows:
             chosen, top_v, top_i = pending.logprob_out
@@ -223,7 +231,7 @@ class GraphExecutor:
                 logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
         self.ring.release(frame)
         return fence, CompletionRecords(handles=handles, consumed_tokens=consumed, generated_tokens=generated,
-                                        token_ids=token_ids), duration_ns, logprobs
+                                        token_ids=token_ids, snapshot_ns=snapshot_ns), duration_ns, logprobs
 
     # -- graph steps -------------------------------------------------------------------------------
 
@@ -311,7 +319,7 @@ class GraphExecutor:
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
 
-    # -- non-graph steps (rare: prompt/message ends, restores) ---------------------------------------
+    # -- non-graph steps (rare: restores, terminal snapshots, resumed sampling) ----------------------
 
     def _submit_eager(self, plan, states, pending: _Pending) -> None:
         kind = plan.kind
@@ -324,26 +332,32 @@ class GraphExecutor:
                 logits = d.state_logits.index_select(0, rows)
                 self._eager_sample(logits, sample_idx, np.asarray(plan.state_rows, dtype=np.int64), states, pending)
         elif kind in (GraphKind.SNAPSHOT, GraphKind.RESTORE):
-            P = self.page_tokens
-            for snapshot_id, state_row, page_id, _partial in np.asarray(plan.copies, dtype=np.int64).reshape(-1, 4):
-                if kind == GraphKind.SNAPSHOT:
-                    self.snap_logits[snapshot_id].copy_(d.state_logits[state_row])
-                else:
-                    d.state_logits[state_row].copy_(self.snap_logits[snapshot_id])
-                if page_id < 0:
-                    continue
-                pool_slice = slice(int(page_id) * P, (int(page_id) + 1) * P)
-                if kind == GraphKind.SNAPSHOT:
-                    self.snap_keys[snapshot_id].copy_(d.k_pool[:, pool_slice])
-                    self.snap_values[snapshot_id].copy_(d.v_pool[:, pool_slice])
-                else:
-                    d.k_pool[:, pool_slice].copy_(self.snap_keys[snapshot_id])
-                    d.v_pool[:, pool_slice].copy_(self.snap_values[snapshot_id])
+            self._snapshot_copies(plan.copies, to_snapshot=kind == GraphKind.SNAPSHOT)
         elif kind == GraphKind.INITIALIZE:
             pass  # attention-only models keep no per-row state that needs a reset
         else:
             raise ExecutionError(f"the graph executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
         d.sampled[:n].masked_fill_(~torch.as_tensor(np.asarray(plan.sample, dtype=bool)).to(self.device), -1)
+
+    def _snapshot_copies(self, copies, *, to_snapshot: bool) -> None:
+        """Rows (snapshot_id, state_row, page_id or -1, tokens in the page), as torch copies on the current
+        (model) stream: live state -> snapshot row, or back for a restore."""
+        d = self.decoder
+        P = self.page_tokens
+        for snapshot_id, state_row, page_id, _partial in np.asarray(copies, dtype=np.int64).reshape(-1, 4):
+            if to_snapshot:
+                self.snap_logits[snapshot_id].copy_(d.state_logits[state_row])
+            else:
+                d.state_logits[state_row].copy_(self.snap_logits[snapshot_id])
+            if page_id < 0:
+                continue
+            pool_slice = slice(int(page_id) * P, (int(page_id) + 1) * P)
+            if to_snapshot:
+                self.snap_keys[snapshot_id].copy_(d.k_pool[:, pool_slice])
+                self.snap_values[snapshot_id].copy_(d.v_pool[:, pool_slice])
+            else:
+                d.k_pool[:, pool_slice].copy_(self.snap_keys[snapshot_id])
+                d.v_pool[:, pool_slice].copy_(self.snap_values[snapshot_id])
 
     def _eager_sample(self, logits, sample_idx, rows, states, pending: _Pending) -> None:
         """flared.model.sampling.Sampler on the GPU for rows the graph sampler cannot serve."""
@@ -381,5 +395,5 @@ class GraphExecutor:
         for buf in self._pinned:
             buf.free()
         self._pinned.clear()
-        for ev in self._start + self._end + self._copied:
+        for ev in self._start + self._end + self._copied + self._copies_start:
             ev.destroy()

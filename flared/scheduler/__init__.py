@@ -29,9 +29,10 @@ from flared._fast.scheduler import CompletionRecords, CompletionResult, RequestS
 from flared.scheduler.config import PolicyConfig, SchedulerConfig, Selection, default_graph_shapes
 
 
-def plan_records(plan: ScheduledPlan, token_ids) -> CompletionRecords:
+def plan_records(plan: ScheduledPlan, token_ids, snapshot_ns: int = 0) -> CompletionRecords:
     """The completion records an executor reports for ``plan``: each participant's consumed and generated
-    counts as the plan scheduled them, and ``token_ids`` (its sampled token, -1 where it sampled none)."""
+    counts as the plan scheduled them, ``token_ids`` (its sampled token, -1 where it sampled none) and the
+    time its checkpoint copies took after a prefill (``snapshot_ns``, 0 when not timed)."""
     import numpy as np
 
     return CompletionRecords(
@@ -39,6 +40,7 @@ def plan_records(plan: ScheduledPlan, token_ids) -> CompletionRecords:
         consumed_tokens=np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64),
         generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64),
         token_ids=np.asarray(token_ids, dtype=np.int64),
+        snapshot_ns=int(snapshot_ns),
     )
 
 

@@ -40,22 +40,30 @@ def prompt(n, seed=0):
     return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
+def copies_cost_ns(plan) -> int:
+    """Synthetic cost of a prefill's checkpoint copies (plan.copies): what a snapshot step of as many rows
+    costs; 0 for other kinds, whose copies are the step itself."""
+    if plan.kind not in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL) or not len(plan.copies):
+        return 0
+    return 200_000 + 10_000 * len(plan.copies)
+
+
 def cost_ns(plan) -> int:
     """Synthetic GPU cost: fixed launch + per-slot + per-token terms."""
     kind = plan.kind
     if kind == GraphKind.DECODE:
         return 2 * MS + 50_000 * plan.batch_capacity
     if kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
-        return 2 * MS + 20_000 * plan.token_capacity
+        return 2 * MS + 20_000 * plan.token_capacity + copies_cost_ns(plan)
     return 200_000 + 10_000 * plan.batch_capacity
 
 
 def records_for(plan, token_ids=None, seed=0):
-    """The records a correct executor reports for ``plan``."""
+    """The records a correct executor reports for ``plan`` (a prefill's checkpoint copies timed apart)."""
     n = plan.num_participants
     if token_ids is None:
         token_ids = np.random.default_rng(seed + plan.plan_id).integers(0, 30000, n)
-    return plan_records(plan, np.where(plan.sample == 1, token_ids, -1))
+    return plan_records(plan, np.where(plan.sample == 1, token_ids, -1), copies_cost_ns(plan))
 
 
 class Driver:

@@ -43,7 +43,7 @@ def test_admission_rejections_carry_their_kind():
     s.check_integrity()
 
 
-def test_one_request_runs_prefill_snapshot_prefill_decode_with_exact_inputs():
+def test_one_request_runs_prefill_to_its_checkpoint_prefill_decode_with_exact_inputs():
     s = make_scheduler()
     h = s.admit(prompt(150), 3, 0, message_boundaries=[40, 100])
     d = Driver(s)
@@ -53,11 +53,13 @@ def test_one_request_runs_prefill_snapshot_prefill_decode_with_exact_inputs():
     assert list(p.token_starts) == [0] and list(p.num_tokens) == [100] and list(p.sample) == [0]
     assert list(p.tokens(0)) == list(prompt(150)[:100])
     assert (p.first_blocks[0], list(p.pages(0))) == (0, [0, 1, 2, 3, 4, 5, 6])
-    p = d.step()
-    assert p.kind == GraphKind.SNAPSHOT
-    # snapshot 0 <- state row 1, partial page 6 holding 100 % 16 = 4 tokens
+    # The chunk ends at the anchor, so the same frame copies its checkpoint after the forward:
+    # snapshot 0 <- state row 1, partial page 6 holding 100 % 16 = 4 tokens; published at completion,
+    # and the copies' own time measures the one-row snapshot shape.
     assert p.copies.tolist() == [[0, 1, 6, 4]]
     assert d.last_result.published == [0]
+    assert s.timings.estimate((int(GraphKind.SNAPSHOT), 1, 0), d.now_ns) == (210_000, "fresh")
+    assert s.timings.estimate((int(GraphKind.PREFILL), 1, 128), d.now_ns)[0] == 2 * MS + 20_000 * 128
     c = s.cache.get(0)
     assert (c.num_tokens, list(c.page_ids), c.snapshot_id, c.direct_pins) == (100, [0, 1, 2, 3, 4, 5], 0, 1)
     assert s.request(h).num_shared_pages == 6
@@ -280,10 +282,12 @@ def test_duplicate_publication_keeps_the_live_request_on_its_own_pages():
     b = s.admit(tokens, 2, 0)  # admitted together: neither can reuse the other
     assert (list(s.block_table(a)), list(s.block_table(b))) == ([0, 1, 2], [3, 4, 5])
     kinds = [(p.kind, int(p.handles[0]), d.last_result.published) for p in iter(d.step, None)]
-    assert kinds[:3] == [(GraphKind.PREFILL, a, []), (GraphKind.SNAPSHOT, a, [0]), (GraphKind.DECODE, a, [])]
-    # b's prompt-end snapshot duplicates checkpoint 0: EXISTING, its snapshot
-    # row 1 is freed at once and b keeps pages 3, 4 (never remapped to 0, 1).
-    assert (GraphKind.SNAPSHOT, b, []) in kinds and s.counters["duplicate_publications"] == 1
+    # a's prefill copies its prompt-end checkpoint in the same frame (published 0), then a decodes and
+    # its terminal state is captured (1).
+    assert kinds[:3] == [(GraphKind.PREFILL, a, [0]), (GraphKind.DECODE, a, []), (GraphKind.SNAPSHOT, a, [1])]
+    # b's prompt-end checkpoint duplicates checkpoint 0: EXISTING, its snapshot
+    # row is freed at once and b keeps pages 3, 4 (never remapped to 0, 1).
+    assert (GraphKind.PREFILL, b, []) in kinds and s.counters["duplicate_publications"] == 1
     c0 = s.cache.get(0)
     assert (c0.num_tokens, list(c0.page_ids), c0.snapshot_id) == (40, [0, 1], 0)
     # b's terminal state (its own sampled token at 40) hangs off the root on its own pages.
@@ -365,8 +369,9 @@ def test_the_two_frame_loop_keeps_its_pipeline(warm):
     """64 streams on the simulated two-frame loop (tools/simulate_window.py: the real scheduler and drive,
     H200 step durations). Measured shapes (a warm drive first, as bench_gpu): the window must not drain
     after every pair of frames (it did: a stacked frame looked late as soon as the one ahead completed).
-    Cold shapes: rows whose prompt-end snapshot the policy keeps putting off must not turn pipelining off
-    for everyone (it did: the window drained before ~85% of the decode steps)."""
+    Cold shapes: work the policy keeps putting off must not turn pipelining off for everyone (it did: the
+    window drained before ~85% of the decode steps). A lone late row's one-row steps at the end may drain
+    (its 0.44 ms steps are shorter than the loop's host time per step); the wide cohort's must not."""
     import sys
     from pathlib import Path
 
@@ -375,4 +380,6 @@ def test_the_two_frame_loop_keeps_its_pipeline(warm):
 
     r = simulate_window.simulate("135m", 64, 128, 96, 0.1, seed=0, warm=warm)
     assert r["steps"]["DECODE"] >= 95
-    assert r["drains"] < 0.3 * r["decode_steps"], r
+    wide = sum(count for rows, count in r["rows"].items() if rows >= 32)
+    wide_drained = sum(count for rows, count in r["drained_rows"].items() if rows >= 32)
+    assert wide >= 80 and wide_drained <= 0.1 * wide, r
