@@ -263,7 +263,8 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
     reduce_acc<NR>(acc);
 }
 
-// The same for NR rows at any addresses (the LM head: more loads in flight per lane).
+// The same for NR rows at any addresses (the LM head: more loads in flight per lane). warp_dot stays its
+// own copy: written through this one, the 8B builds compiled to different spills (NVRTC 12.9), unmeasured.
 template <int K, int NR>
 __device__ __forceinline__ void warp_dot_rows(const bf16* const (&wr)[NR], const bf16* vec, float (&acc)[NR][R],
                                               int lane) {
