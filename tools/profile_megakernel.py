@@ -47,6 +47,8 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "head rows 2": {"HEAD_ROWS": 2},
     "head rows 4": {"HEAD_ROWS": 4},
     "head rows 8": {"HEAD_ROWS": 8},
+    "ll": {"LL": 1},
+    "no ll": {"LL": 0},
 }
 
 

@@ -134,6 +134,62 @@ __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int
     __syncthreads();
 }
 
+// ---- low-latency (LL) exchange (LL=1) -------------------------------------------------------------
+//
+// With LL, only P1 -> P2 keeps a grid barrier (it orders the K/V pool writes attention reads, and keeps every
+// block within one layer of the others, so no buffer is rewritten while a slow block still reads it). The
+// other four phase inputs travel as 64-bit words: the value's float bits and a 32-bit tag naming (launch,
+// layer, phase), written with one single-copy-atomic store. A consumer polls the words it needs until each
+// carries the tag it expects: the poll is the load, so the barrier's round trip (arrive, then see the count)
+// and the input load after it become one round trip. The launch's epoch (sync[1], bumped by block 0 at the
+// end) keeps a word left from the previous launch from passing for this one's.
+#ifndef LL
+#define LL 0
+#endif
+#if LL && SKIP
+#error "SKIP diagnostics leave LL inputs unwritten"
+#endif
+#define LL_BATCH 4  // words a thread polls together
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void st_ll(u64* p, float v, unsigned int tag) {
+    const u64 word = ((u64)tag << 32) | (u64)__float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ u64 ld_ll(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The value of word p once it carries `tag` (`first`: a load already issued).
+__device__ __forceinline__ float wait_ll(const u64* p, u64 first, unsigned int tag) {
+    unsigned int spins = 0;
+    while ((unsigned int)(first >> 32) != tag) {
+        if (++spins > (1u << 26)) __trap();  // a word never written: fail the launch, never hang
+        first = ld_ll(p);
+    }
+    return __uint_as_float((unsigned int)first);
+}
+
+// put(i, value) for each of the n words of src (thread-strided), LL_BATCH polls in flight per thread.
+template <typename F>
+__device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag, F put) {
+    for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * LL_BATCH) {
+        u64 v[LL_BATCH];
+#pragma unroll
+        for (int k = 0; k < LL_BATCH; ++k)
+            if (i0 + k * THREADS < n) v[k] = ld_ll(src + i0 + k * THREADS);
+#pragma unroll
+        for (int k = 0; k < LL_BATCH; ++k) {
+            const int i = i0 + k * THREADS;
+            if (i < n) put(i, wait_ll(src + i, v[k], tag));
+        }
+    }
+}
+
 // ---- shared memory ------------------------------------------------------------------------------
 
 // The input rows of a product phase, or during attention each warp's staged V tile [WARPS][32][D].
@@ -164,15 +220,33 @@ __device__ __forceinline__ void load_rows(const bf16* src, bf16* vec) {
     __syncthreads();
 }
 
+// The same from LL words of `tag` (values that are bf16 already).
+template <int K>
+__device__ __forceinline__ void load_rows_ll(const u64* src, unsigned int tag, bf16* vec) {
+    fetch_ll(src, R * K, tag, [&](int i, float v) { vec[(i / K) * KMAX + i % K] = f2bf(v); });
+    __syncthreads();
+}
+
 // vec[r] = bf16(bf16(src[r] * inv_rms(src[r])) * w) for every row r of src [R][H]; hs = src.
 // With emb: row r is emb's row sm.tok[r] instead of src's (the first layer, the kernel gathering embeddings).
-__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const bf16* emb = nullptr) {
+// With llsrc: the rows are LL words of `tag` instead.
+__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const bf16* emb = nullptr,
+                          const u64* llsrc = nullptr, unsigned int tag = 0) {
     float ss[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) ss[r] = 0.f;
     for (int c = threadIdx.x; c < H / 8; c += THREADS)
         *(uint4*)(sm.wn + c * 8) = __ldg((const uint4*)(w + c * 8));
-    for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
+    if (LL && llsrc != nullptr) {
+        fetch_ll(llsrc, R * H, tag, [&](int i, float v) {
+            const int r = i / H;
+            sm.hs[i] = f2bf(v);
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr)
+                if (rr == r) ss[rr] += v * v;
+        });
+    }
+    for (int i = threadIdx.x; !(LL && llsrc != nullptr) && i < R * (H / 8); i += THREADS) {
         const int r = i / (H / 8), c = i % (H / 8);
         const uint4 v = emb != nullptr ? ld_weight(emb + sm.tok[r] * H + c * 8)
                                        : ld_shared_v4(src + (long long)r * H + c * 8);
@@ -397,6 +471,40 @@ __device__ void merge_splits(const float* part, int splits, bf16* vec, float* f)
     __syncthreads();
 }
 
+// merge_splits from LL words of `tag`: part [units][D] and ml [units][2] (max, sum).
+__device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag, int splits, bf16* vec, float* f) {
+    const int units = R * NH * splits;
+    float* ms = f + units;
+    float* ls = f + 2 * units;
+    fetch_ll(ml, 2 * units, tag, [&](int i, float v) {
+        if (i & 1) ls[i >> 1] = v;
+        else ms[i >> 1] = v;
+    });
+    __syncthreads();
+    for (int u = threadIdx.x; u < units; u += THREADS) {
+        const int g = u - u % splits;
+        float mm = NEG_INF;
+        for (int k = 0; k < splits; ++k) mm = fmaxf(mm, ms[g + k]);
+        float ll = 0.f;
+        for (int k = 0; k < splits; ++k) ll += ms[g + k] == NEG_INF ? 0.f : ls[g + k] * exp2f(ms[g + k] - mm);
+        f[u] = (ms[u] == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ms[u] - mm) / ll;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * NH * D; i += THREADS) {
+        const int g = i / D, d = i % D;  // g = r * NH + hq
+        u64 pv[SPLITS];
+#pragma unroll
+        for (int k = 0; k < SPLITS; ++k)
+            if (k < splits) pv[k] = ld_ll(part + (long long)(g * splits + k) * D + d);
+        float o = 0.f;
+#pragma unroll
+        for (int k = 0; k < SPLITS; ++k)
+            if (k < splits) o = fmaf(f[g * splits + k], wait_ll(part + (long long)(g * splits + k) * D + d, pv[k], tag), o);
+        vec[(g / NH) * KMAX + (g % NH) * D + d] = f2bf(o);
+    }
+    __syncthreads();
+}
+
 #ifndef SKIP
 #define SKIP 0  // diagnosis only: bit k skips phase k+1's work (not its barrier); results are then wrong
 #endif
@@ -417,7 +525,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                      const long long* __restrict__ state_rows, long long* sampled, long long* last_token,
                      float* cand_val, int* cand_idx, int greedy, const bf16* __restrict__ embed,
                      const long long* __restrict__ token_ids, const long long* __restrict__ tok_rows,
-                     const long long* tok_last) {
+                     const long long* tok_last, u64* llbuf) {
     extern __shared__ uint4 smem_raw[];
     Smem sm;
     sm.vec = (bf16*)smem_raw;
@@ -439,6 +547,17 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     unsigned int* barrier = sync;
     unsigned int phase = 0;
 #define SYNC_GRID() grid_barrier(barrier, (++phase) * gridDim.x)
+    // LL: the exchange buffers and this launch's tags
+    u64* ll_ha = llbuf;                          // [R][H] the residual after P3
+    u64* ll_hb = ll_ha + R * H;                  // [R][H] the residual after P5
+    u64* ll_attn = ll_hb + R * H;                // [R][NH * D] unsplit attention outputs
+    u64* ll_act = ll_attn + R * NH * D;          // [R][I]
+    u64* ll_part = ll_act + R * I;               // [R * NH * SPLITS][D] split partials
+    u64* ll_ml = ll_part + R * NH * SPLITS * D;  // [R * NH * SPLITS][2] their (max, sum)
+    unsigned int epoch = 0;
+    if (LL) epoch = *(volatile unsigned int*)(sync + 1);
+    const unsigned int tag_base = ((epoch % 0xFFFFFu) + 1u) << 12;
+#define TAG(layer, ph) (tag_base | ((unsigned int)(layer) << 3) | (unsigned int)(ph))
 
     // Per-row constants for the whole launch: slot, context length, the rotary rows.
     for (int i = threadIdx.x; i < R * D; i += THREADS) {
@@ -500,7 +619,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
         if (!(SKIP & 1)) {
-            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr);
+            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr, LL && layer > 0 ? ll_hb : nullptr,
+                      TAG(layer - 1, 5));
             const bf16* wq = LP(layer, 1);
             const bf16* bq = LP(layer, 2);
             for (int u = gw; u < U1; u += tw) {
@@ -654,7 +774,14 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         o += sm.qs[w * D + d] * f;
                     }
                     if (splits == 1) {
-                        attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                        if (LL) st_ll(ll_attn + r * (NH * D) + hq * D + d, round_bf(ll > 0.f ? o / ll : 0.f), TAG(layer, 2));
+                        else attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                    } else if (LL) {
+                        st_ll(ll_part + (long long)pu * D + d, o, TAG(layer, 2));
+                        if (d == 0) {
+                            st_ll(ll_ml + 2 * pu, mm, TAG(layer, 2));
+                            st_ll(ll_ml + 2 * pu + 1, ll, TAG(layer, 2));
+                        }
                     } else {  // the block's partial, merged by every block in P3's prologue
                         part[(long long)pu * D + d] = o;
                         if (d == 0) *((float2*)(part + ML_OFF) + pu) = make_float2(mm, ll);
@@ -663,12 +790,19 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
             }
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();  // (every phase boundary: the next phase rewrites this one's shared inputs)
+        else SYNC_GRID();
 
         // ---------------- P3: o projection, residual ----------------
         if (!(SKIP & 4)) {
-            if (splits == 1) load_rows<NH * D>(attn, sm.vec);
-            else merge_splits(part, splits, sm.vec, sm.qs);
+            if (LL) {
+                if (splits == 1) load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);
+                else merge_splits_ll(ll_part, ll_ml, TAG(layer, 2), splits, sm.vec, sm.qs);
+            } else if (splits == 1) {
+                load_rows<NH * D>(attn, sm.vec);
+            } else {
+                merge_splits(part, splits, sm.vec, sm.qs);
+            }
             const bf16* wo = LP(layer, 3);
             const bf16* bo = LP(layer, 4);
             for (int j = gw; j < H; j += tw) {
@@ -679,7 +813,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (lane < R) {
                     float y = row_of<1>(acc, 0, lane);
                     if (HAS_O_BIAS) y += bf2f(bo[j]);
-                    h[lane * H + j] = f2bf(bf2f(sm.hs[lane * H + j]) + round_bf(y));
+                    const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(y));
+                    if (LL) st_ll(ll_ha + lane * H + j, x, TAG(layer, 3));
+                    else h[lane * H + j] = f2bf(x);
                 }
             }
         }
@@ -693,11 +829,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 prefetch_row(b, H, lane);
             }
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
 
         // ---------------- P4: norm, gate/up, silu ----------------
         if (!(SKIP & 8)) {
-            load_norm(h, LP(layer, 5), sm);
+            load_norm(h, LP(layer, 5), sm, nullptr, LL ? ll_ha : nullptr, TAG(layer, 3));
             const bf16* wgu = LP(layer, 6);
             for (int j = gw; j < I; j += tw) {
                 float acc[2][R];
@@ -708,7 +845,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const float g = round_bf(row_of<2>(acc, 0, lane));
                     const float u = round_bf(row_of<2>(acc, 1, lane));
                     const float sg = round_bf(g / (1.f + __expf(-g)));
-                    act[lane * I + j] = f2bf(sg * u);
+                    if (LL) st_ll(ll_act + lane * I + j, round_bf(sg * u), TAG(layer, 4));
+                    else act[lane * I + j] = f2bf(sg * u);
                 }
             }
         }
@@ -716,18 +854,24 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             if constexpr (PRE_I) load_w<I>(LP(layer, 7) + (long long)gw * I, nullptr, w5, lane);
             else prefetch_row(LP(layer, 7) + (long long)gw * I, I, lane);
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
 
         // ---------------- P5: down projection, residual ----------------
         if (!(SKIP & 16)) {
-            load_rows<I>(act, sm.vec);
+            if (LL) load_rows_ll<I>(ll_act, TAG(layer, 4), sm.vec);
+            else load_rows<I>(act, sm.vec);
             const bf16* wd = LP(layer, 7);
             for (int j = gw; j < H; j += tw) {
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_I) { if ((pre = j == gw)) dot_w<I, 1>(w5, sm.vec, acc, lane); }
                 if (!pre) warp_dot<I, 1>(wd + (long long)j * I, nullptr, sm.vec, acc, lane);
-                if (lane < R) h[lane * H + j] = f2bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
+                if (lane < R) {
+                    const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
+                    if (LL) st_ll(ll_hb + lane * H + j, x, TAG(layer, 5));
+                    else h[lane * H + j] = f2bf(x);
+                }
             }
         }
         if (layer + 1 < L && gw < U1) {
@@ -741,7 +885,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (b != nullptr) prefetch_row(b, H, lane);
             }
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
     }
 
     // ---------------- final norm ----------------
@@ -749,7 +894,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     // Every block norms the final hidden states itself (block 0 also writes them out), then the LM head:
     // logits rounded to bf16 as F.linear(...).float() gives them, written to the step's logits and the
     // state rows' logits; with `greedy`, the argmax (first maximal index, as torch's) as the sampled token.
-    load_norm(h, final_norm, sm);
+    load_norm(h, final_norm, sm, nullptr, LL ? ll_hb : nullptr, TAG(L - 1, 5));
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);
@@ -831,11 +976,13 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     }
 #else
     if (blockIdx.x == 0) {
-        load_norm(h, final_norm, sm);
+        load_norm(h, final_norm, sm, nullptr, LL ? ll_hb : nullptr, TAG(L - 1, 5));
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);
             *(uint4*)(out + (long long)r * H + c * 8) = *(const uint4*)(sm.vec + r * KMAX + c * 8);
         }
     }
 #endif
+    // Every block read this launch's epoch before the first P1 -> P2 barrier, which block 0 has passed.
+    if (LL && blockIdx.x == 0 && threadIdx.x == 0) *(volatile unsigned int*)(sync + 1) = epoch + 1u;
 }

@@ -19,6 +19,7 @@ faster.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import torch
@@ -146,6 +147,8 @@ class DecodeLayers:
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
             "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
+            # EXPERIMENT: the tagged-word exchange between phases (decode_layers.cu, LL)
+            "LL": int(os.environ.get("FLARED_MEGAKERNEL_LL", "0")),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
@@ -181,7 +184,12 @@ class DecodeLayers:
         # attention partials of split heads: [rows * NH * SPLITS][D] outputs, then [rows * NH * SPLITS][2] (max, sum)
         self.part = torch.zeros(rows * c.num_heads * defines["SPLITS"] * (c.head_dim + 2), dtype=torch.float32,
                                 device=dev)
-        self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # the grid barrier's arrivals
+        # the grid barrier's arrivals (zeroed before each launch), then the LL exchange's launch epoch
+        self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.low_latency = bool(int(defines["LL"]))
+        ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
+                           + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2))
+        self.llbuf = torch.zeros(ll_words if self.low_latency else 1, dtype=torch.int64, device=dev)
         self.head = head
         self.cand_val = torch.zeros(self.grid * rows, dtype=torch.float32, device=dev)  # per-block argmax candidates
         self.cand_idx = torch.zeros(self.grid * rows, dtype=torch.int32, device=dev)
@@ -221,7 +229,7 @@ class DecodeLayers:
         if self.kernel is None:
             raise RuntimeError("DecodeLayers.compile(page_tokens) first")
         u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
-        self.sync.zero_()
+        self.sync[:1].zero_()
         m = self._model
         values = [u64(self.layer_table.data_ptr()), u64(self.k_pool.data_ptr()), u64(self.v_pool.data_ptr()),
                   i64(self.k_pool.stride(0)), u64(h.data_ptr()), u64(out.data_ptr()), u64(m.final_norm.data_ptr()),
@@ -246,6 +254,7 @@ class DecodeLayers:
                        u64(last_token.data_ptr())]
         else:
             values += [u64(0), u64(0), u64(0), u64(0)]
+        values.append(u64(self.llbuf.data_ptr()))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = torch.cuda.current_stream(h.device).cuda_stream
         # The driver call directly (CuPy's stream objects are not needed, and a launch inside a torch graph
