@@ -49,20 +49,29 @@ MS = 1_000_000
 # ---------------------------------------------------------------- helpers
 
 
+def copies_cost_ns(plan) -> int:
+    """A prefill's checkpoint copies (plan.copies), run after its forward in the same frame: priced as a
+    snapshot step of as many rows."""
+    if plan.kind not in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL) or not len(plan.copies):
+        return 0
+    return 300_000 + 20_000 * len(plan.copies)
+
+
 def records_for(plan, rng):
     tokens = np.where(plan.sample == 1, rng.integers(0, 32000, plan.num_participants), -1)
     return CompletionRecords(
-        plan.handles, plan.token_starts.astype(np.int64) + plan.num_tokens, plan.generated_ends, tokens
+        plan.handles, plan.token_starts.astype(np.int64) + plan.num_tokens, plan.generated_ends, tokens,
+        copies_cost_ns(plan),
     )
 
 
 def gpu_cost_ns(plan) -> int:
     """Synthetic cost of an 8B-class model on one GPU: decode is weight-read
-    bound (flat in batch), prefill is compute bound (per padded token)."""
+    bound (flat in batch), prefill is compute bound (per padded token), plus its checkpoint copies."""
     if plan.kind == GraphKind.DECODE:
         return 7 * MS + 40_000 * plan.batch_capacity
     if plan.kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
-        return 3 * MS + 55_000 * plan.token_capacity
+        return 3 * MS + 55_000 * plan.token_capacity + copies_cost_ns(plan)
     return 300_000 + 20_000 * plan.batch_capacity
 
 

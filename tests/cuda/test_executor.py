@@ -45,6 +45,37 @@ def test_greedy_tokens_match_cpu_path_and_transformers(hf, gpu_model):
     assert result.gpu_ns > 0
 
 
+def test_llama_3_1_8b_widths_in_float32_match_transformers():
+    """Llama-3.1-8B's layer shape (hidden 4,096, MLP 14,336, 32 query heads over 8 kv heads of 128, llama3
+    rope scaling), two layers and a small vocabulary, float32: greedy tokens through the GraphExecutor
+    identical to transformers' generate on the same weights (the 8B bench compares bf16, where random
+    weights' near-ties flip tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flared.execution.offline import drive
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 8192},
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    hf8 = LlamaForCausalLM(cfg).eval().to("cuda")
+    model = serving_model(hf8)
+    prompts = [list(range(5, 105)), list(range(700, 713))]
+    ex = make_executor(model)
+    try:
+        result = drive(make_scheduler(), ex, prompts, [params(max_tokens=48)] * len(prompts))
+    finally:
+        ex.close()
+    for prompt, tokens in zip(prompts, result.tokens):
+        ids = torch.tensor([prompt], device="cuda")
+        out = hf8.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48,
+                           do_sample=False)
+        assert out[0, len(prompt):].tolist() == tokens
+
+
 def test_prefix_hit_restores_and_resumes_on_the_gpu(gpu_model):
     """A repeated prompt is served from the prefix cache: RESTORE/RESUME_SAMPLING steps, same tokens."""
     from flared.execution.offline import drive
