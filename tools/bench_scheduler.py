@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flared.cache import PrefixHistory  # noqa: E402
 from flared.errors import AdmissionError  # noqa: E402
 from flared.scheduler import (  # noqa: E402
-    CompletionRecords,
     GraphKind,
     PolicyConfig,
     RequestScheduler,
     SchedulerConfig,
     Selection,
+    plan_records,
 )
 
 MODEL = hashlib.sha256(b"bench-model").digest()
@@ -59,10 +59,7 @@ def copies_cost_ns(plan) -> int:
 
 def records_for(plan, rng):
     tokens = np.where(plan.sample == 1, rng.integers(0, 32000, plan.num_participants), -1)
-    return CompletionRecords(
-        plan.handles, plan.token_starts.astype(np.int64) + plan.num_tokens, plan.generated_ends, tokens,
-        copies_cost_ns(plan),
-    )
+    return plan_records(plan, tokens, copies_cost_ns(plan))
 
 
 def gpu_cost_ns(plan) -> int:

@@ -24,7 +24,7 @@ from libc.stdlib cimport qsort
 
 from flared._fast.request cimport (
     Request, ScheduledPlan, K_INITIALIZE, K_RESTORE, K_SNAPSHOT, K_PREFILL, K_SCORED_PREFILL,
-    K_RESUME_SAMPLING, K_DECODE, NUM_KINDS, PH_INITIALIZE, PH_RESTORE, PH_PREFILL, PH_SNAPSHOT,
+    K_RESUME_SAMPLING, K_DECODE, NUM_KINDS, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
     PH_RESUME, PH_DECODE, PH_TERMINAL, PH_DRAINING,
 )
 from flared._fast.timing cimport GraphTimings, ShapeTiming, TIMING_UNMEASURED, TIMING_FRESH, TIMING_STALE
@@ -131,7 +131,7 @@ cdef class SelectionPolicy:
             elif r.inflight:
                 continue
             r._path_value = 0.0
-            if r.phase <= PH_SNAPSHOT and not (r.phase == PH_SNAPSHOT and r.endpoints[0] >= r.prompt_len):
+            if r.phase <= PH_PREFILL:
                 r._path_value = self._path_value(r)
             if r.phase == PH_DECODE:
                 if r.finished or r.num_scheduled_samples >= r.max_output_tokens:
@@ -148,9 +148,7 @@ cdef class SelectionPolicy:
                 pools[K_SNAPSHOT].append(r)
             else:
                 r._weight = self._unlock_value(r)
-                if r.phase == PH_SNAPSHOT:
-                    pools[K_SNAPSHOT].append(r)
-                elif r.phase == PH_RESTORE:
+                if r.phase == PH_RESTORE:
                     pools[K_RESTORE].append(r)
                 elif r.phase == PH_RESUME:
                     r._weight = ov + tf * r.token_price + df * r.delivery_price
@@ -229,7 +227,7 @@ cdef class SelectionPolicy:
         return selected
 
     cdef double _unlock_value(self, Request r) except? -1:
-        """Value of a prerequisite step (initialize, restore, boundary snapshot).
+        """Value of a prerequisite step (initialize, restore).
 
         It does no useful work itself; it is the only way forward for the
         request, so it carries the value of the path it unblocks: the rest
@@ -241,7 +239,7 @@ cdef class SelectionPolicy:
         cdef double output_value = (
             self._output_value + self._token_fairness * r.token_price + self._delivery_fairness * r.delivery_price
         )
-        at = r.endpoints[0] if r.phase == PH_SNAPSHOT else r.num_scheduled_tokens
+        at = r.num_scheduled_tokens
         if at >= r.prompt_len:
             return output_value
         return (r.prompt_len - at) * token_value + output_value
@@ -295,8 +293,6 @@ cdef class SelectionPolicy:
                 r, r.num_scheduled_tokens + take,
                 bool(r.endpoints) and r.num_scheduled_tokens + take == r.endpoints[0] and r.endpoints[0] < r.prompt_len,
             )
-        elif kind == K_SNAPSHOT:
-            after = self._path_after_ns(r, r.endpoints[0], False)
         else:
             after = self._path_after_ns(r, r.num_scheduled_tokens, False)
         if after < 0:

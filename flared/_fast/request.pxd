@@ -29,12 +29,11 @@ cdef enum Kind:
 cdef enum Phase:
     PH_INITIALIZE = 0
     PH_RESTORE = 1
-    PH_PREFILL = 2
-    PH_SNAPSHOT = 3      # reached a selected endpoint; its snapshot is due
-    PH_RESUME = 4
-    PH_DECODE = 5
-    PH_TERMINAL = 6      # finished; terminal snapshot due
-    PH_DRAINING = 7      # finished or cancelled; waiting for its final GPU use
+    PH_PREFILL = 2       # the prefill frame that reaches a selected endpoint also writes its checkpoint
+    PH_RESUME = 3
+    PH_DECODE = 4
+    PH_TERMINAL = 5      # finished; terminal snapshot due
+    PH_DRAINING = 6      # finished or cancelled; waiting for its final GPU use
 
 
 cdef class Request:

@@ -40,7 +40,7 @@ from flared._fast.prefix cimport Checkpoint, PrefixCheckpointCache, PrefixHistor
 from flared._fast.request cimport (
     Request, ScheduledPlan, SLOT_BITS, SLOT_MASK, MAX_SLOTS, K_INITIALIZE, K_RESTORE, K_SNAPSHOT,
     K_PREFILL, K_SCORED_PREFILL, K_RESUME_SAMPLING, K_DECODE, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
-    PH_SNAPSHOT, PH_RESUME, PH_DECODE, PH_TERMINAL, PH_DRAINING,
+    PH_RESUME, PH_DECODE, PH_TERMINAL, PH_DRAINING,
 )
 from flared._fast.timing cimport GraphTimings, ShapeTiming, TIMING_UNMEASURED, TIMING_FRESH, TIMING_STALE
 from flared._fast.policy import REFRESH_CAP_NS, REFRESH_FRACTION, SELECTION_FCFS, SELECTION_VALUE
@@ -410,11 +410,8 @@ cdef class RequestScheduler:
                 # request never waits for a snapshot step of its own (which needs an empty window and, at the
                 # prompt end, competed as one output token against whole decode cohorts).
                 copies.append(self._copy_row(r.endpoint_snapshots[0], r, r.endpoints[0]))
-            elif kind == K_SNAPSHOT:
-                if r.phase == PH_TERMINAL:
-                    copies.append(self._copy_row(r.terminal_snapshot, r, r.terminal_tokens))
-                else:
-                    copies.append(self._copy_row(r.endpoint_snapshots[0], r, r.endpoints[0]))
+            elif kind == K_SNAPSHOT:  # snapshot steps are terminal captures
+                copies.append(self._copy_row(r.terminal_snapshot, r, r.terminal_tokens))
         for arr in (handles, slots, rows, epochs, starts, counts, sample, gen_ends, first_blocks,
                     page_offsets, token_offsets, page_ids, token_ids):
             arr.setflags(write=False)
@@ -583,13 +580,12 @@ cdef class RequestScheduler:
                     published.append(cid)
             if r.finished:
                 continue
-            self._advance_phase(r, kind)
-            if r.phase == PH_SNAPSHOT and (kind == K_PREFILL or kind == K_SCORED_PREFILL):
+            if (kind == K_PREFILL or kind == K_SCORED_PREFILL) and r.endpoints and cv[i] == r.endpoints[0]:
                 # This frame copied the endpoint's checkpoint after its prefill (_build_plan): publish it now.
                 cid = self._publish(r, fence)
                 if cid >= 0:
                     published.append(cid)
-                self._advance_phase(r, K_SNAPSHOT)
+            self._advance_phase(r, kind)
             # Admission bounds prompt + output by the context, so the output
             # limit is the only length stop.
             if r.phase == PH_DECODE and r.num_generated_tokens >= r.max_output_tokens:
@@ -607,13 +603,8 @@ cdef class RequestScheduler:
             r.phase = PH_RESUME if r.reused_tokens >= r.prompt_len else PH_PREFILL
         elif r.phase == PH_RESUME:
             r.phase = PH_DECODE
-        elif r.phase == PH_SNAPSHOT:
-            r.phase = PH_PREFILL if r.num_computed_tokens < r.prompt_len else PH_DECODE
-        elif r.phase == PH_PREFILL:
-            if r.endpoints and r.num_computed_tokens == r.endpoints[0]:
-                r.phase = PH_SNAPSHOT
-            elif r.num_computed_tokens == r.prompt_len:
-                r.phase = PH_DECODE
+        elif r.phase == PH_PREFILL and r.num_computed_tokens == r.prompt_len:
+            r.phase = PH_DECODE
 
     cdef int64_t _publish(self, Request r, int64_t fence) except -2:
         """Publish the snapshot this frame wrote for ``r``; returns the new id or -1."""

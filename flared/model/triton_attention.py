@@ -282,6 +282,20 @@ def _decode_combine_kernel(PartAcc, PartM, PartL, Out, stride_o_row, stride_o_he
     tl.store(Out + row * stride_o_row + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
 
 
+def _check_split_scratch(batch, num_heads, num_splits, head_dim, part_acc, part_m) -> None:
+    if (part_m is None or part_acc is None or part_m.numel() < batch * num_heads * num_splits
+            or part_acc.numel() < batch * num_heads * num_splits * head_dim):
+        raise ValueError("split-decode scratch is too small for this batch")
+
+
+def _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim) -> None:
+    """The second launch of a split decode: each (row, head)'s partials merged into ``out``."""
+    _decode_combine_kernel[(batch, num_heads)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim, num_warps=4)
+
+
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
     """Context splits that give a decode step about two programs per SM (1 = the plain kernel)."""
     return max(1, min(max_splits, -(-2 * num_sms // (batch * num_kv_heads))))
@@ -296,17 +310,13 @@ def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    if part_m.numel() < batch * num_heads * num_splits or part_acc.numel() < batch * num_heads * num_splits * head_dim:
-        raise ValueError("split-decode scratch is too small for this batch")
+    _check_split_scratch(batch, num_heads, num_splits, head_dim, part_acc, part_m)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, part_acc, part_m, part_l, block_tables, context_lens,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), scale,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
         GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4)
-    _decode_combine_kernel[(batch, num_heads)](
-        part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        HEAD_DIM=head_dim, num_warps=4)
+    _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)
 
 
 # ---- decode attention with the step's rotary and KV write folded in ------------------------------------------
@@ -396,9 +406,7 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos_table: torch.Tensor, sin_
     num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     group = num_heads // num_kv_heads
     if num_splits > 1:
-        if (part_m is None or part_m.numel() < batch * num_heads * num_splits
-                or part_acc.numel() < batch * num_heads * num_splits * head_dim):
-            raise ValueError("split-decode scratch is too small for this batch")
+        _check_split_scratch(batch, num_heads, num_splits, head_dim, part_acc, part_m)
     else:
         part_acc = part_m = part_l = out
     _decode_rope_kernel[(batch, num_kv_heads, num_splits)](
@@ -409,7 +417,4 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos_table: torch.Tensor, sin_
         GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if num_splits > 1:
-        _decode_combine_kernel[(batch, num_heads)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            HEAD_DIM=head_dim, num_warps=4)
+        _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)
