@@ -49,6 +49,8 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "head rows 8": {"HEAD_ROWS": 8},
     "ll": {"LL": 1},
     "no ll": {"LL": 0},
+    "ll batch 8": {"LL": 1, "LL_BATCH": 8},
+    "ll batch 16": {"LL": 1, "LL_BATCH": 16},
 }
 
 

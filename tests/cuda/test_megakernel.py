@@ -131,20 +131,21 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
     ("smollm", [255, 3]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
 ])
-def test_the_low_latency_exchange_matches_the_barrier_kernel(monkeypatch, kind, contexts):
-    """EXPERIMENT (FLARED_MEGAKERNEL_LL=1): four of a layer's five grid barriers replaced by tagged words. The
-    same logits as the barrier kernel to float32 summation order, the same K/V, and launch after launch (the
-    epoch in the tags) the same result bit for bit."""
+def test_the_low_latency_exchange_matches_the_barrier_kernel(kind, contexts):
+    """The tagged-word build (no grid barrier between phases; attention takes the step's own key and value
+    from P1's words): the same logits as the barrier build to float32 summation order, the same K/V written,
+    and launch after launch (the epoch in the tags) the same result bit for bit."""
     batch = len(contexts)
     model, dec = _decoder(kind, batch, contexts)
     plain, pk, pv = _step(dec, batch, mega=True)
-    monkeypatch.setenv("FLARED_MEGAKERNEL_LL", "1")
-    dec.mega.clear()
+    dec._set_low_latency(batch, True)
     ll, lk, lv = _step(dec, batch, mega=True)
     assert dec.mega[(batch, dec.mega_head)].low_latency
+    tokens = dec.sampled[:batch].clone()
     for _ in range(3):
         again, _, _ = _step(dec, batch, mega=True)
-        assert torch.equal(again, ll)
+        assert torch.equal(again, ll) and torch.equal(dec.sampled[:batch], tokens)
+    assert torch.equal(tokens, ll.argmax(-1))
     live = [r for r, c in enumerate(contexts) if c > 0]
     scale = plain[live].abs().max().item()
     assert (ll[live] - plain[live]).abs().max().item() <= 0.01 * scale
@@ -152,6 +153,10 @@ def test_the_low_latency_exchange_matches_the_barrier_kernel(monkeypatch, kind, 
     assert torch.equal(lk[0], pk[0]) and torch.equal(lv[0], pv[0])
     for got, ref in ((lk, pk), (lv, pv)):
         assert (got.float() - ref.float()).abs().max().item() <= 0.02 * ref.float().abs().max().item()
+    # and back: the barrier build again gives its own result (the counters carry on across builds' launches)
+    dec._set_low_latency(batch, False)
+    back, _, _ = _step(dec, batch, mega=True)
+    assert torch.equal(back, plain)
 
 
 def test_megakernel_graph_replay_is_bit_identical():
@@ -174,6 +179,11 @@ def test_calibration_times_the_megakernel():
     assert "megakernel_error" not in cal, cal
     assert cal["mega_us"] and set(cal["mega_us"]) <= {1, 2, 4}
     assert dec.mega_max_rows in (0, 1, 2, 4)
+    # both builds timed at each batch tried; the tagged-word one kept only where it won
+    assert set(cal["mega_ll_us"]) == set(cal["mega_barrier_us"]) == set(cal["mega_us"])
+    assert set(cal["mega_ll_rows"]) == {b for b in cal["mega_ll_us"]
+                                        if cal["mega_ll_us"][b] < 0.99 * cal["mega_barrier_us"][b]
+                                        and b <= dec.mega_max_rows}
 
 
 def test_unsupported_models_say_why():

@@ -119,7 +119,9 @@ __device__ __forceinline__ float warp_max(float v) {
 // ---- grid barrier ------------------------------------------------------------------------------
 
 // Every block arrives (a release add: the block's writes, ordered before it by bar.sync, become visible
-// at GPU scope first) and waits until the counter reaches `target` (an acquire load).
+// at GPU scope first) and waits until the counter reaches `target` (an acquire load). The counter is never
+// reset: it counts every arrival of every launch, and `target` is this launch's base plus its arrivals so
+// far, compared modulo 2^32.
 __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int target) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -127,7 +129,7 @@ __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int
         unsigned int seen, spins = 0;
         while (true) {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-            if (seen >= target) break;
+            if ((int)(seen - target) >= 0) break;
             if (++spins > (1u << 26)) __trap();  // a block that never arrived: fail the launch, never hang
         }
     }
@@ -136,20 +138,26 @@ __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int
 
 // ---- low-latency (LL) exchange (LL=1) -------------------------------------------------------------
 //
-// With LL, only P1 -> P2 keeps a grid barrier (it orders the K/V pool writes attention reads, and keeps every
-// block within one layer of the others, so no buffer is rewritten while a slow block still reads it). The
-// other four phase inputs travel as 64-bit words: the value's float bits and a 32-bit tag naming (launch,
-// layer, phase), written with one single-copy-atomic store. A consumer polls the words it needs until each
-// carries the tag it expects: the poll is the load, so the barrier's round trip (arrive, then see the count)
-// and the input load after it become one round trip. The launch's epoch (sync[1], bumped by block 0 at the
-// end) keeps a word left from the previous launch from passing for this one's.
+// With LL, no phase boundary is a grid barrier: every phase's inputs travel as 64-bit words, the value's float
+// bits and a 32-bit tag naming (launch, layer, phase), written with one single-copy-atomic store. A consumer
+// polls the words it needs until each carries the tag it expects: the poll is the load, so the barrier's
+// round trip (arrive, then see the count) and the input load after it become one round trip.
+// - Attention reads the step's own key and value from P1's words, not from the pool (where P1 also writes
+//   them, for later steps): nothing in a launch reads a pool slot that launch writes.
+// - No word is rewritten while a slow block may still wait for it: P3, P4, P5 and the next P1 each read
+//   every word the phase before wrote, so a block can only start layer l + 1's P1 once every block has
+//   finished layer l's P2, and so on round the layer.
+// - The launch's epoch (sync[1], bumped by block 0 at the end, after every block has read it by the same
+//   argument) keeps a word left from the previous launch from passing for this one's.
 #ifndef LL
 #define LL 0
 #endif
 #if LL && SKIP
 #error "SKIP diagnostics leave LL inputs unwritten"
 #endif
+#ifndef LL_BATCH
 #define LL_BATCH 4  // words a thread polls together
+#endif
 
 typedef unsigned long long u64;
 
@@ -546,7 +554,13 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     const int tw = gridDim.x * WARPS;
     unsigned int* barrier = sync;
     unsigned int phase = 0;
-#define SYNC_GRID() grid_barrier(barrier, (++phase) * gridDim.x)
+    // The launch's epoch (sync[1]): block 0 bumps it at the end. Each launch arrives NB times per block at the
+    // never-reset counter sync[0] (every grid barrier, then the LM head's candidates), so this launch's
+    // barriers count on from epoch * NB * blocks.
+    const unsigned int epoch = *(volatile unsigned int*)(sync + 1);
+    constexpr unsigned int NB = (LL ? 0u : 5u * L) + (HEAD ? 1u : 0u);
+    const unsigned int base = epoch * NB * gridDim.x;
+#define SYNC_GRID() grid_barrier(barrier, base + (++phase) * gridDim.x)
     // LL: the exchange buffers and this launch's tags
     u64* ll_ha = llbuf;                          // [R][H] the residual after P3
     u64* ll_hb = ll_ha + R * H;                  // [R][H] the residual after P5
@@ -554,8 +568,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     u64* ll_act = ll_attn + R * NH * D;          // [R][I]
     u64* ll_part = ll_act + R * I;               // [R * NH * SPLITS][D] split partials
     u64* ll_ml = ll_part + R * NH * SPLITS * D;  // [R * NH * SPLITS][2] their (max, sum)
-    unsigned int epoch = 0;
-    if (LL) epoch = *(volatile unsigned int*)(sync + 1);
+    u64* ll_q = ll_ml + 2 * R * NH * SPLITS;     // [R][NH * D] q before the rotary
+    u64* ll_k = ll_q + R * NH * D;               // [R][NKV * D] the step's keys (after the rotary)
+    u64* ll_v = ll_k + R * NKV * D;              // [R][NKV * D] and values
     const unsigned int tag_base = ((epoch % 0xFFFFFu) + 1u) << 12;
 #define TAG(layer, ph) (tag_base | ((unsigned int)(layer) << 3) | (unsigned int)(ph))
 
@@ -632,7 +647,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     if (!pre) warp_dot<H, 1>(wq + (long long)u * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         const float b = HAS_QKV_BIAS ? bf2f(bq[u]) : 0.f;
-                        qkv[lane * QKV_ROWS + u] = f2bf(row_of<1>(acc, 0, lane) + b);
+                        if (LL) st_ll(ll_q + lane * (NH * D) + u, round_bf(row_of<1>(acc, 0, lane) + b), TAG(layer, 1));
+                        else qkv[lane * QKV_ROWS + u] = f2bf(row_of<1>(acc, 0, lane) + b);
                     }
                 } else if (u < NH * D + NKV * HALF) {
                     const int idx = u - NH * D, g = idx / HALF, i = idx % HALF;
@@ -647,8 +663,14 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         k0 = round_bf(k0);
                         k1 = round_bf(k1);
                         bf16* dst = kl + (sm.slot[r] * NKV + g) * D;
-                        dst[i] = f2bf(k0 * sm.cs[r * D + i] + k1 * sm.sn[r * D + i]);
-                        dst[i + HALF] = f2bf(k1 * sm.cs[r * D + i + HALF] + k0 * sm.sn[r * D + i + HALF]);
+                        const float r0 = round_bf(k0 * sm.cs[r * D + i] + k1 * sm.sn[r * D + i]);
+                        const float r1 = round_bf(k1 * sm.cs[r * D + i + HALF] + k0 * sm.sn[r * D + i + HALF]);
+                        dst[i] = f2bf(r0);
+                        dst[i + HALF] = f2bf(r1);
+                        if (LL) {
+                            st_ll(ll_k + (r * NKV + g) * D + i, r0, TAG(layer, 1));
+                            st_ll(ll_k + (r * NKV + g) * D + i + HALF, r1, TAG(layer, 1));
+                        }
                     }
                 } else {
                     const int idx = u - NH * D - NKV * HALF, g = idx / D, i = idx % D;
@@ -660,6 +682,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         float v = row_of<1>(acc, 0, lane);
                         if (HAS_QKV_BIAS) v += bf2f(bq[j]);
                         vl[(sm.slot[lane] * NKV + g) * D + i] = f2bf(v);
+                        if (LL) st_ll(ll_v + (lane * NKV + g) * D + i, round_bf(v), TAG(layer, 1));
                     }
                 }
             }
@@ -669,7 +692,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             if constexpr (PRE_O) load_w<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), nullptr, w3, lane);
             else prefetch_row(LP(layer, 3) + (long long)gw * (NH * D), NH * D, lane);
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
 
         // ---------------- P2: attention, one block per (row, q head) ----------------
         // Each warp takes a contiguous 1/WARPS of the context in 32-key tiles: its lanes read one key's
@@ -686,8 +710,16 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 const int ctx = min(ctx_all, lo + chunk);  // this block's keys: [lo, ctx)
                 // rotary on q (fp32 from bf16, rounded to bf16 as the unfused kernel stores it), then the scale
                 for (int i = threadIdx.x; i < HALF; i += THREADS) {
-                    const float x0 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i);
-                    const float x1 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i + HALF);
+                    float x0, x1;
+                    if (LL) {
+                        const u64* qw = ll_q + r * (NH * D) + hq * D + i;
+                        const u64 a = ld_ll(qw), b = ld_ll(qw + HALF);
+                        x0 = wait_ll(qw, a, TAG(layer, 1));
+                        x1 = wait_ll(qw + HALF, b, TAG(layer, 1));
+                    } else {
+                        x0 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i);
+                        x1 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i + HALF);
+                    }
                     sm.qv[i] = round_bf(x0 * sm.cs[r * D + i] + x1 * sm.sn[r * D + i]) * SCALE_LOG2;
                     sm.qv[i + HALF] = round_bf(x1 * sm.cs[r * D + i + HALF] + x0 * sm.sn[r * D + i + HALF]) * SCALE_LOG2;
                 }
@@ -695,6 +727,18 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 const int per = (ctx - lo + WARPS - 1) / WARPS;
                 const int start = lo + warp * per;
                 const int end = min(ctx, start + per);
+                // LL: the step's own key (the last of the context) comes from P1's words; the warp that owns it
+                // loads its lanes' dims of K and V now and waits for them at that key's tile.
+                const int cur = ctx_all - 1;
+                const bool owns = LL && start <= cur && cur < end;
+                u64 kw[DPL], vw[DPL];
+                if (owns) {
+#pragma unroll
+                    for (int k = 0; k < DPL; ++k) {
+                        kw[k] = ld_ll(ll_k + (r * NKV + kvh) * D + lane * DPL + k);
+                        vw[k] = ld_ll(ll_v + (r * NKV + kvh) * D + lane * DPL + k);
+                    }
+                }
                 float m = NEG_INF, l = 0.f, acc[DPL];
 #pragma unroll
                 for (int k = 0; k < DPL; ++k) acc[k] = 0.f;
@@ -703,7 +747,21 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const int kk = t + lane;
                     const bool valid = kk < end;
                     float score = NEG_INF;
-                    if (valid) {
+                    const bool cur_tile = owns && cur < t + 32;  // warp-uniform
+                    float vcur[DPL];
+                    if (cur_tile) {
+                        float sc = 0.f;
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) {
+                            const u64* base_k = ll_k + (r * NKV + kvh) * D + lane * DPL + k;
+                            const u64* base_v = ll_v + (r * NKV + kvh) * D + lane * DPL + k;
+                            sc = fmaf(sm.qv[lane * DPL + k], wait_ll(base_k, kw[k], TAG(layer, 1)), sc);
+                            vcur[k] = wait_ll(base_v, vw[k], TAG(layer, 1));
+                        }
+                        sc = warp_sum(sc);
+                        if (kk == cur) score = sc;
+                    }
+                    if (valid && !(cur_tile && kk == cur)) {
                         const long long slot = (long long)bt[kk / PAGE] * PAGE + kk % PAGE;
                         const bf16* krow = kl + (slot * NKV + kvh) * D;
                         const bf16* vrow = vl + (slot * NKV + kvh) * D;
@@ -739,6 +797,10 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     for (int k = 0; k < DPL; ++k) acc[k] *= alpha;
                     m = m_new;
                     asm volatile("cp.async.wait_all;" ::: "memory");
+                    if (cur_tile) {
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) vst[(cur - t) * D + lane * DPL + k] = f2bf(vcur[k]);
+                    }
                     __syncwarp();
                     const int n = end - t;
 #pragma unroll
@@ -924,9 +986,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             }
         }
     }
+    float* wv = sm.qs;                          // [WARPS][R] each warp's best value per row, then [WARPS]
+    int* wj = (int*)(sm.qs + WARPS * R + WARPS);  // and its index
     if (greedy) {
-        float* wv = sm.qs;                          // [WARPS][R] each warp's best value per row, then [WARPS]
-        int* wj = (int*)(sm.qs + WARPS * R + WARPS);  // and its index
         if (lane < R) { wv[warp * R + lane] = best; wj[warp * R + lane] = best_j; }
         __syncthreads();
         if (threadIdx.x < R) {
@@ -941,8 +1003,19 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             cand_val[blockIdx.x * R + r] = bv;
             cand_idx[blockIdx.x * R + r] = bj;
         }
-        SYNC_GRID();
-        if (blockIdx.x == 0) {
+    }
+    // Every block arrives once (greedy or not: NB counts it) and does not wait: the last to arrive (an acq_rel
+    // add, so it sees every block's candidates) reduces them.
+    __shared__ int last_block;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int old;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(barrier) : "memory");
+        last_block = old == base + (phase + 1) * gridDim.x - 1;
+    }
+    __syncthreads();
+    if (greedy) {
+        if (last_block) {
             // The blocks' candidates, one per thread (independent loads), reduced per row through the warps.
             for (int r = 0; r < R; ++r) {
                 float bv = NEG_INF;
@@ -983,6 +1056,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         }
     }
 #endif
-    // Every block read this launch's epoch before the first P1 -> P2 barrier, which block 0 has passed.
-    if (LL && blockIdx.x == 0 && threadIdx.x == 0) *(volatile unsigned int*)(sync + 1) = epoch + 1u;
+    // Every block has read this launch's epoch: without LL every block arrived at the last layer's barriers,
+    // which block 0 has passed; with LL block 0's last phase read words every block wrote after reading it.
+    if (blockIdx.x == 0 && threadIdx.x == 0) *(volatile unsigned int*)(sync + 1) = epoch + 1u;
 }

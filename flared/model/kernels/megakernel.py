@@ -19,7 +19,6 @@ faster.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
@@ -30,6 +29,10 @@ SHORT_ROW_THREADS = 256  # models whose every weight row fits a warp's registers
 MAX_ROWS = 8  # rows it is compiled for at most (shared memory holds R rows of the widest input)
 SPLITS = 16  # blocks one (row, head)'s attention is split over at most (short-row models; see splits_for)
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
+# Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
+# output as 8-byte words, four times the bytes of the bf16 rows, and on the H200 at 135M, 8 rows took 1,361
+# against 956 us a launch with barriers (1 row: 484 against 515).
+LL_MAX_ROWS = 4
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
@@ -39,7 +42,10 @@ def describe_decode_paths(*, skinny_max_rows: int, mega_max_rows: int, mega_max_
     ``PagedCudaDecoder.calibrate``), and why the megakernel is off when it failed to build."""
     parts = []
     if mega_max_rows:
-        parts.append(f"megakernel up to {mega_max_rows} rows while contexts are <= {mega_max_context} tokens")
+        ll = calibration.get("mega_ll_rows")
+        exchange = f" (tagged-word exchange at {', '.join(map(str, ll))} rows)" if ll else ""
+        parts.append(f"megakernel up to {mega_max_rows} rows{exchange} while contexts are <= {mega_max_context} "
+                     "tokens")
     if skinny_max_rows:
         parts.append(f"skinny kernels up to {skinny_max_rows} rows")
     parts.append("cuBLAS + fused kernels beyond" if parts else "cuBLAS + fused kernels")
@@ -128,12 +134,15 @@ class DecodeLayers:
     kernel gather them), ``out`` [rows, H] receives the final-normed hidden states; the rest are the decode
     step's device inputs (``StaticInputs`` views). ``self.h`` and ``self.out`` are buffers for callers
     that pass ``tokens``.
-    Capturable: a memset of the barrier counters and one launch on the current torch stream.
+    Capturable: one launch on the current torch stream (the barrier counter is never reset: each launch
+    counts on from the epoch the previous one left).
+    ``low_latency``: the phases exchange their outputs as tagged words instead of meeting at grid barriers
+    (decode_layers.cu, LL): faster at one row on small models, slower with more rows (PagedDecoder calibrates).
     ``compile(page_tokens)`` must have run (outside any capture).
     """
 
     def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, *, head: bool = False,
-                 overrides: dict | None = None):
+                 low_latency: bool = False, overrides: dict | None = None):
         from flared.execution.cuda import cupy
 
         why = unsupported(model)
@@ -147,8 +156,7 @@ class DecodeLayers:
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
             "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
-            # EXPERIMENT: the tagged-word exchange between phases (decode_layers.cu, LL)
-            "LL": int(os.environ.get("FLARED_MEGAKERNEL_LL", "0")),
+            "LL": int(low_latency),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
@@ -184,11 +192,13 @@ class DecodeLayers:
         # attention partials of split heads: [rows * NH * SPLITS][D] outputs, then [rows * NH * SPLITS][2] (max, sum)
         self.part = torch.zeros(rows * c.num_heads * defines["SPLITS"] * (c.head_dim + 2), dtype=torch.float32,
                                 device=dev)
-        # the grid barrier's arrivals (zeroed before each launch), then the LL exchange's launch epoch
+        # the grid barrier's arrivals (every launch's, never reset), then the launch epoch
         self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
         self.low_latency = bool(int(defines["LL"]))
+        # the LL words: two residuals, attention outputs, activations, split partials with their (max, sum), q, k, v
         ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
-                           + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2))
+                           + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2)
+                           + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
         self.llbuf = torch.zeros(ll_words if self.low_latency else 1, dtype=torch.int64, device=dev)
         self.head = head
         self.cand_val = torch.zeros(self.grid * rows, dtype=torch.float32, device=dev)  # per-block argmax candidates
@@ -229,7 +239,6 @@ class DecodeLayers:
         if self.kernel is None:
             raise RuntimeError("DecodeLayers.compile(page_tokens) first")
         u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
-        self.sync[:1].zero_()
         m = self._model
         values = [u64(self.layer_table.data_ptr()), u64(self.k_pool.data_ptr()), u64(self.v_pool.data_ptr()),
                   i64(self.k_pool.stride(0)), u64(h.data_ptr()), u64(out.data_ptr()), u64(m.final_norm.data_ptr()),
