@@ -513,6 +513,17 @@ __device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag
     __syncthreads();
 }
 
+// KV_PREFETCH: attention asks L2 for the next layer's K and V rows of the keys it reads (the same slots), so
+// that layer's attention loads hit L2 rather than HBM; only where a layer's weights stream through L2
+// without evicting them (small models).
+#ifndef TILE_STEP
+#define TILE_STEP 32  // keys of a V tile accumulated per unrolled group (32: the whole tile, however short)
+#endif
+
+#ifndef KV_PREFETCH
+#define KV_PREFETCH 0
+#endif
+
 #ifndef SKIP
 #define SKIP 0  // diagnosis only: bit k skips phase k+1's work (not its barrier); results are then wrong
 #endif
@@ -765,6 +776,13 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         const long long slot = (long long)bt[kk / PAGE] * PAGE + kk % PAGE;
                         const bf16* krow = kl + (slot * NKV + kvh) * D;
                         const bf16* vrow = vl + (slot * NKV + kvh) * D;
+                        if (KV_PREFETCH && layer + 1 < L) {  // the same key of the next layer, into L2
+#pragma unroll
+                            for (int c = 0; c < D * 2 / 128; ++c) {
+                                prefetch_l2((const char*)(krow + pool_layer_stride) + c * 128);
+                                prefetch_l2((const char*)(vrow + pool_layer_stride) + c * 128);
+                            }
+                        }
                         const unsigned int dst = (unsigned int)__cvta_generic_to_shared(vst + lane * D);
 #pragma unroll
                         for (int c = 0; c < D / 8; ++c)
@@ -802,17 +820,20 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         for (int k = 0; k < DPL; ++k) vst[(cur - t) * D + lane * DPL + k] = f2bf(vcur[k]);
                     }
                     __syncwarp();
-                    const int n = end - t;
+                    const int n = end - t;  // keys in this tile (a short tile stops after its keys' groups)
+                    for (int j0 = 0; j0 < n; j0 += TILE_STEP) {
 #pragma unroll
-                    for (int j = 0; j < 32; ++j) {
-                        const float pj = __shfl_sync(0xffffffffu, p, j);
-                        if (j < n) {
-                            const bf16* vr = vst + j * D + lane * DPL;
+                        for (int jj = 0; jj < TILE_STEP; ++jj) {
+                            const int j = j0 + jj;  // < 32: j0 < n <= 32 and TILE_STEP divides 32
+                            const float pj = __shfl_sync(0xffffffffu, p, j);
+                            if (j < n) {
+                                const bf16* vr = vst + j * D + lane * DPL;
 #pragma unroll
-                            for (int k = 0; k < DPL; k += 2) {
-                                const unsigned int v2 = *(const unsigned int*)(vr + k);
-                                acc[k] = fmaf(pj, bf2f(v2 & 0xffffu), acc[k]);
-                                acc[k + 1] = fmaf(pj, __uint_as_float(v2 & 0xffff0000u), acc[k + 1]);
+                                for (int k = 0; k < DPL; k += 2) {
+                                    const unsigned int v2 = *(const unsigned int*)(vr + k);
+                                    acc[k] = fmaf(pj, bf2f(v2 & 0xffffu), acc[k]);
+                                    acc[k + 1] = fmaf(pj, __uint_as_float(v2 & 0xffff0000u), acc[k + 1]);
+                                }
                             }
                         }
                     }

@@ -89,6 +89,12 @@ def threads_for(model) -> int:
     return SHORT_ROW_THREADS if _widest(model.config) <= 2048 else THREADS
 
 
+def kv_prefetch(model) -> bool:
+    """Whether attention prefetches the next layer's K/V rows into L2 (decode_layers.cu, KV_PREFETCH): where a
+    layer's weights are small beside L2 (short-row models), so the lines are still there a layer later."""
+    return threads_for(model) == SHORT_ROW_THREADS
+
+
 def splits_for(model) -> int:
     """The most blocks one (row, head)'s attention may be split over. Short-row models split on long
     contexts (SmolLM2-135M, 512 tokens: 500 vs 578 us per launch); at 16 warps the split attention spilled
@@ -156,6 +162,9 @@ class DecodeLayers:
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
             "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
+            "KV_PREFETCH": int(kv_prefetch(model)),
+            # short V tiles stop after their keys' group of 8 where registers allow (8B: spills grew 24 -> 60 bytes)
+            "TILE_STEP": 8 if threads_for(model) == SHORT_ROW_THREADS else 32,
             "LL": int(low_latency),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
