@@ -51,14 +51,13 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "no ll": {"LL": 0},
     "ll batch 8": {"LL": 1, "LL_BATCH": 8},
     "ll batch 16": {"LL": 1, "LL_BATCH": 16},
-    "kv prefetch": {"KV_PREFETCH": 1},
-    "no kv prefetch": {"KV_PREFETCH": 0},
-    "ll kv prefetch": {"LL": 1, "KV_PREFETCH": 1},
-    "ll no kv prefetch": {"LL": 1, "KV_PREFETCH": 0},
-    "ll split keys 64": {"LL": 1, "SPLIT_KEYS": 64},
     "tile step 32": {"TILE_STEP": 32},
     "tile step 8": {"TILE_STEP": 8},
-    "ll tile step 32": {"LL": 1, "TILE_STEP": 32},
+    # the tagged-word build with its attention split (keys per piece) and V tile step spelled out
+    "ll s128 t32": {"LL": 1, "SPLIT_KEYS": 128, "TILE_STEP": 32},
+    "ll s64 t32": {"LL": 1, "SPLIT_KEYS": 64, "TILE_STEP": 32},
+    "ll s64 t8": {"LL": 1, "SPLIT_KEYS": 64, "TILE_STEP": 8},
+    "ll s32 t8": {"LL": 1, "SPLIT_KEYS": 32, "TILE_STEP": 8},
 }
 
 

@@ -26,6 +26,10 @@ def _hf(kind, seed=0):
         cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                           **dict(common, num_hidden_layers=2, vocab_size=8192))
         return LlamaForCausalLM(cfg)
+    if kind == "long":  # a row over 2,048 elements: the long-row build (16 warps, unsplit attention), as 8B's
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=2304, num_attention_heads=2, num_key_value_heads=1,
+                          **common)
+        return LlamaForCausalLM(cfg)
     if kind == "llama128":  # head_dim 128, GQA 4:1 (Llama-3 8B's grouping)
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
                           **common)
@@ -92,6 +96,7 @@ def _step(dec, batch, mega):
     ("llama64", [255, 3]),  # shorter than 3 * SPLIT_KEYS: attention unsplit
     ("llama64", [700, 33, 0, 5]),
     ("llama128", [1000, 64]),
+    ("long", [700, 33]),  # 44 keys a warp: more than one V tile
     ("smollm", [255, 3]),
     ("smollm", [600]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
@@ -128,6 +133,8 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
 @pytest.mark.parametrize("kind, contexts", [
     ("llama64", [1]),
     ("llama64", [700, 33, 0, 5]),  # split attention: partials through the tagged words
+    ("llama64", [200, 190, 7]),  # pieces of 64 keys (its split threshold) and short V tiles
+    ("long", [700, 1]),
     ("smollm", [255, 3]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
 ])

@@ -513,15 +513,8 @@ __device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag
     __syncthreads();
 }
 
-// KV_PREFETCH: attention asks L2 for the next layer's K and V rows of the keys it reads (the same slots), so
-// that layer's attention loads hit L2 rather than HBM; only where a layer's weights stream through L2
-// without evicting them (small models).
 #ifndef TILE_STEP
-#define TILE_STEP 32  // keys of a V tile accumulated per unrolled group (32: the whole tile, however short)
-#endif
-
-#ifndef KV_PREFETCH
-#define KV_PREFETCH 0
+#define TILE_STEP 32  // keys of a V tile accumulated per unrolled group (32: the whole tile unrolled, however short)
 #endif
 
 #ifndef SKIP
@@ -776,13 +769,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         const long long slot = (long long)bt[kk / PAGE] * PAGE + kk % PAGE;
                         const bf16* krow = kl + (slot * NKV + kvh) * D;
                         const bf16* vrow = vl + (slot * NKV + kvh) * D;
-                        if (KV_PREFETCH && layer + 1 < L) {  // the same key of the next layer, into L2
-#pragma unroll
-                            for (int c = 0; c < D * 2 / 128; ++c) {
-                                prefetch_l2((const char*)(krow + pool_layer_stride) + c * 128);
-                                prefetch_l2((const char*)(vrow + pool_layer_stride) + c * 128);
-                            }
-                        }
                         const unsigned int dst = (unsigned int)__cvta_generic_to_shared(vst + lane * D);
 #pragma unroll
                         for (int c = 0; c < D / 8; ++c)
@@ -820,8 +806,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         for (int k = 0; k < DPL; ++k) vst[(cur - t) * D + lane * DPL + k] = f2bf(vcur[k]);
                     }
                     __syncwarp();
-                    const int n = end - t;  // keys in this tile (a short tile stops after its keys' groups)
-                    for (int j0 = 0; j0 < n; j0 += TILE_STEP) {
+                    const int n = min(end - t, 32);  // keys in this tile (a short one stops after its keys' groups)
+                    for (int j0 = 0; j0 < (TILE_STEP == 32 ? 1 : n); j0 += TILE_STEP) {
 #pragma unroll
                         for (int jj = 0; jj < TILE_STEP; ++jj) {
                             const int j = j0 + jj;  // < 32: j0 < n <= 32 and TILE_STEP divides 32

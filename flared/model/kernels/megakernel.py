@@ -28,10 +28,12 @@ THREADS = 512  # 16 warps per block, one block per multiprocessor (models with l
 SHORT_ROW_THREADS = 256  # models whose every weight row fits a warp's registers (<= 2048 elements)
 MAX_ROWS = 8  # rows it is compiled for at most (shared memory holds R rows of the widest input)
 SPLITS = 16  # blocks one (row, head)'s attention is split over at most (short-row models; see splits_for)
+SPLIT_KEYS = 128  # keys per attention piece at least (decode_layers.cu); LL_SPLIT_KEYS in the tagged-word build
+LL_SPLIT_KEYS = 64
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
 # Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
-# output as 8-byte words, four times the bytes of the bf16 rows, and on the H200 at 135M, 8 rows took 1,361
-# against 956 us a launch with barriers (1 row: 484 against 515).
+# output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
+# launch against the barrier build: 1 row 470 vs 512, 2 rows 561 vs 541, 4 rows 781 vs 626.
 LL_MAX_ROWS = 4
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
@@ -89,10 +91,11 @@ def threads_for(model) -> int:
     return SHORT_ROW_THREADS if _widest(model.config) <= 2048 else THREADS
 
 
-def kv_prefetch(model) -> bool:
-    """Whether attention prefetches the next layer's K/V rows into L2 (decode_layers.cu, KV_PREFETCH): where a
-    layer's weights are small beside L2 (short-row models), so the lines are still there a layer later."""
-    return threads_for(model) == SHORT_ROW_THREADS
+def low_latency_rows(model) -> int:
+    """The most rows calibration tries the tagged-word build at: LL_MAX_ROWS on short-row models, none on
+    long-row ones (Llama-3.1-8B, one row at 256 tokens: 3,907-3,940 against 3,883-3,888 us with barriers;
+    calibration times contexts of 0, where attention's share, and so the build's cost there, is missing)."""
+    return LL_MAX_ROWS if threads_for(model) == SHORT_ROW_THREADS else 0
 
 
 def splits_for(model) -> int:
@@ -162,9 +165,9 @@ class DecodeLayers:
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
             "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
-            "KV_PREFETCH": int(kv_prefetch(model)),
-            # short V tiles stop after their keys' group of 8 where registers allow (8B: spills grew 24 -> 60 bytes)
-            "TILE_STEP": 8 if threads_for(model) == SHORT_ROW_THREADS else 32,
+            # The tagged-word build splits attention from 192 keys in pieces of 64 (its merge is a poll, not two
+            # barrier round trips), whose short V tiles stop after their keys' group of 8.
+            "SPLIT_KEYS": LL_SPLIT_KEYS if low_latency else SPLIT_KEYS, "TILE_STEP": 8 if low_latency else 32,
             "LL": int(low_latency),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),

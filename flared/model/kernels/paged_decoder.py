@@ -156,7 +156,8 @@ class PagedCudaDecoder:
             if pinned_mega == "1":
                 self.mega_max_rows = self.mega_limit
         # Megakernel batches whose phases exchange tagged words instead of meeting at grid barriers
-        # (DecodeLayers low_latency), where calibrate finds it faster: batches up to LL_MAX_ROWS are tried.
+        # (DecodeLayers low_latency), where calibrate finds it faster: batches up to
+        # megakernel.low_latency_rows(model) are tried.
         # FLARED_MEGAKERNEL_LL=0 never, =1 at every megakernel batch.
         self.mega_ll_rows: set[int] = set()
         self.pinned_ll = os.environ.get("FLARED_MEGAKERNEL_LL")
@@ -215,9 +216,9 @@ class PagedCudaDecoder:
 
     def _calibrate_mega(self, stream, time_graph_us) -> None:
         """Batch by batch (1, 2, 4, ...), the megakernel against the path chosen without it; it serves up to
-        the last batch where it is faster. Up to LL_MAX_ROWS rows (unless FLARED_MEGAKERNEL_LL pins it) the
-        tagged-word build is timed too and kept where it is at least 1% faster than the barrier build; a
-        batch's time is then its faster build's. An error raised on the way (an NVRTC build failure, say)
+        the last batch where it is faster. Up to ``megakernel.low_latency_rows`` rows (unless
+        FLARED_MEGAKERNEL_LL pins it) the tagged-word build is timed too and kept where it is at least 1%
+        faster than the barrier build; a batch's time is then its faster build's. An error raised on the way (an NVRTC build failure, say)
         leaves the megakernel off and is recorded as ``megakernel_error``."""
         mega_us, other_us, ll_us, barrier_us = {}, {}, {}, {}
         chosen = 0
@@ -226,7 +227,7 @@ class PagedCudaDecoder:
             while batch <= self.mega_limit:
                 other_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=False), stream)
                 mega_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
-                if self.pinned_ll is None and batch <= megakernel.LL_MAX_ROWS:
+                if self.pinned_ll is None and batch <= megakernel.low_latency_rows(self.model):
                     barrier_us[batch] = mega_us[batch]
                     self._set_low_latency(batch, True)
                     ll_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
