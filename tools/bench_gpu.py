@@ -203,6 +203,11 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
             mega = " ".join(f"b{b}: {cal['mega_us'][b]:.0f} vs {cal['mega_other_us'][b]:.0f}" for b in cal["mega_us"])
             rows.append((shape, "decode graph us: megakernel vs the pick without it", mega, "",
                          f"megakernel up to {cal['mega_max_rows']} rows"))
+        if cal.get("mega_ll_us"):
+            ll = " ".join(f"b{b}: {cal['mega_ll_us'][b]:.0f} vs {cal['mega_barrier_us'][b]:.0f}"
+                          for b in cal["mega_ll_us"])
+            rows.append((shape, "megakernel graph us: tagged words vs barriers", ll, "",
+                         f"tagged words at {cal['mega_ll_rows'] or 'no batch'}"))
         if cal.get("lt_us"):
             lt = " ".join(f"b{b}: {cal['lt_us'][b]:.0f} vs {cal['blas_us'][b]:.0f}" for b in cal["lt_us"])
             rows.append((shape, "decode graph us: cuBLASLt vs cuBLAS", lt, "",

@@ -47,6 +47,17 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "head rows 2": {"HEAD_ROWS": 2},
     "head rows 4": {"HEAD_ROWS": 4},
     "head rows 8": {"HEAD_ROWS": 8},
+    "ll": {"LL": 1},
+    "no ll": {"LL": 0},
+    "ll batch 8": {"LL": 1, "LL_BATCH": 8},
+    "ll batch 16": {"LL": 1, "LL_BATCH": 16},
+    "tile step 32": {"TILE_STEP": 32},
+    "tile step 8": {"TILE_STEP": 8},
+    # the tagged-word build with its attention split (keys per piece) and V tile step spelled out
+    "ll s128 t32": {"LL": 1, "SPLIT_KEYS": 128, "TILE_STEP": 32},
+    "ll s64 t32": {"LL": 1, "SPLIT_KEYS": 64, "TILE_STEP": 32},
+    "ll s64 t8": {"LL": 1, "SPLIT_KEYS": 64, "TILE_STEP": 8},
+    "ll s32 t8": {"LL": 1, "SPLIT_KEYS": 32, "TILE_STEP": 8},
 }
 
 

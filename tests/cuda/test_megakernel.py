@@ -26,6 +26,10 @@ def _hf(kind, seed=0):
         cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                           **dict(common, num_hidden_layers=2, vocab_size=8192))
         return LlamaForCausalLM(cfg)
+    if kind == "long":  # a row over 2,048 elements: the long-row build (16 warps, unsplit attention), as 8B's
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=2304, num_attention_heads=2, num_key_value_heads=1,
+                          **common)
+        return LlamaForCausalLM(cfg)
     if kind == "llama128":  # head_dim 128, GQA 4:1 (Llama-3 8B's grouping)
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
                           **common)
@@ -92,6 +96,7 @@ def _step(dec, batch, mega):
     ("llama64", [255, 3]),  # shorter than 3 * SPLIT_KEYS: attention unsplit
     ("llama64", [700, 33, 0, 5]),
     ("llama128", [1000, 64]),
+    ("long", [700, 33]),  # 44 keys a warp: more than one V tile
     ("smollm", [255, 3]),
     ("smollm", [600]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
@@ -125,6 +130,42 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
         assert torch.equal(got[:, other], ref[:, other])
 
 
+@pytest.mark.parametrize("kind, contexts", [
+    ("llama64", [1]),
+    ("llama64", [700, 33, 0, 5]),  # split attention: partials through the tagged words
+    ("llama64", [200, 190, 7]),  # pieces of 64 keys (its split threshold) and short V tiles
+    ("long", [700, 1]),
+    ("smollm", [255, 3]),
+    ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
+])
+def test_the_low_latency_exchange_matches_the_barrier_kernel(kind, contexts):
+    """The tagged-word build (no grid barrier between phases; attention takes the step's own key and value
+    from P1's words): the same logits as the barrier build to float32 summation order, the same K/V written,
+    and launch after launch (the epoch in the tags) the same result bit for bit."""
+    batch = len(contexts)
+    model, dec = _decoder(kind, batch, contexts)
+    plain, pk, pv = _step(dec, batch, mega=True)
+    dec._set_low_latency(batch, True)
+    ll, lk, lv = _step(dec, batch, mega=True)
+    assert dec.mega[(batch, dec.mega_head)].low_latency
+    tokens = dec.sampled[:batch].clone()
+    for _ in range(3):
+        again, _, _ = _step(dec, batch, mega=True)
+        assert torch.equal(again, ll) and torch.equal(dec.sampled[:batch], tokens)
+    assert torch.equal(tokens, ll.argmax(-1))
+    live = [r for r, c in enumerate(contexts) if c > 0]
+    scale = plain[live].abs().max().item()
+    assert (ll[live] - plain[live]).abs().max().item() <= 0.01 * scale
+    assert torch.nn.functional.cosine_similarity(ll[live], plain[live], dim=-1).min().item() > 0.9999
+    assert torch.equal(lk[0], pk[0]) and torch.equal(lv[0], pv[0])
+    for got, ref in ((lk, pk), (lv, pv)):
+        assert (got.float() - ref.float()).abs().max().item() <= 0.02 * ref.float().abs().max().item()
+    # and back: the barrier build again gives its own result (the counters carry on across builds' launches)
+    dec._set_low_latency(batch, False)
+    back, _, _ = _step(dec, batch, mega=True)
+    assert torch.equal(back, plain)
+
+
 def test_megakernel_graph_replay_is_bit_identical():
     from flared.execution.graphs import time_graph_us
 
@@ -145,6 +186,11 @@ def test_calibration_times_the_megakernel():
     assert "megakernel_error" not in cal, cal
     assert cal["mega_us"] and set(cal["mega_us"]) <= {1, 2, 4}
     assert dec.mega_max_rows in (0, 1, 2, 4)
+    # both builds timed at each batch tried; the tagged-word one kept only where it won
+    assert set(cal["mega_ll_us"]) == set(cal["mega_barrier_us"]) == set(cal["mega_us"])
+    assert set(cal["mega_ll_rows"]) == {b for b in cal["mega_ll_us"]
+                                        if cal["mega_ll_us"][b] < 0.99 * cal["mega_barrier_us"][b]
+                                        and b <= dec.mega_max_rows}
 
 
 def test_unsupported_models_say_why():

@@ -119,7 +119,9 @@ __device__ __forceinline__ float warp_max(float v) {
 // ---- grid barrier ------------------------------------------------------------------------------
 
 // Every block arrives (a release add: the block's writes, ordered before it by bar.sync, become visible
-// at GPU scope first) and waits until the counter reaches `target` (an acquire load).
+// at GPU scope first) and waits until the counter reaches `target` (an acquire load). The counter is never
+// reset: it counts every arrival of every launch, and `target` is this launch's base plus its arrivals so
+// far, compared modulo 2^32.
 __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int target) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -127,11 +129,73 @@ __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int
         unsigned int seen, spins = 0;
         while (true) {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-            if (seen >= target) break;
+            if ((int)(seen - target) >= 0) break;
             if (++spins > (1u << 26)) __trap();  // a block that never arrived: fail the launch, never hang
         }
     }
     __syncthreads();
+}
+
+// ---- low-latency (LL) exchange (LL=1) -------------------------------------------------------------
+//
+// With LL, no phase boundary is a grid barrier: every phase's inputs travel as 64-bit words, the value's float
+// bits and a 32-bit tag naming (launch, layer, phase), written with one single-copy-atomic store. A consumer
+// polls the words it needs until each carries the tag it expects: the poll is the load, so the barrier's
+// round trip (arrive, then see the count) and the input load after it become one round trip.
+// - Attention reads the step's own key and value from P1's words, not from the pool (where P1 also writes
+//   them, for later steps): nothing in a launch reads a pool slot that launch writes.
+// - No word is rewritten while a slow block may still wait for it: P3, P4, P5 and the next P1 each read
+//   every word the phase before wrote, so a block can only start layer l + 1's P1 once every block has
+//   finished layer l's P2, and so on round the layer.
+// - The launch's epoch (sync[1], bumped by block 0 at the end, after every block has read it by the same
+//   argument) keeps a word left from the previous launch from passing for this one's.
+#ifndef LL
+#define LL 0
+#endif
+#if LL && SKIP
+#error "SKIP diagnostics leave LL inputs unwritten"
+#endif
+#ifndef LL_BATCH
+#define LL_BATCH 4  // words a thread polls together
+#endif
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ void st_ll(u64* p, float v, unsigned int tag) {
+    const u64 word = ((u64)tag << 32) | (u64)__float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
+}
+
+__device__ __forceinline__ u64 ld_ll(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The value of word p once it carries `tag` (`first`: a load already issued).
+__device__ __forceinline__ float wait_ll(const u64* p, u64 first, unsigned int tag) {
+    unsigned int spins = 0;
+    while ((unsigned int)(first >> 32) != tag) {
+        if (++spins > (1u << 26)) __trap();  // a word never written: fail the launch, never hang
+        first = ld_ll(p);
+    }
+    return __uint_as_float((unsigned int)first);
+}
+
+// put(i, value) for each of the n words of src (thread-strided), LL_BATCH polls in flight per thread.
+template <typename F>
+__device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag, F put) {
+    for (int i0 = threadIdx.x; i0 < n; i0 += THREADS * LL_BATCH) {
+        u64 v[LL_BATCH];
+#pragma unroll
+        for (int k = 0; k < LL_BATCH; ++k)
+            if (i0 + k * THREADS < n) v[k] = ld_ll(src + i0 + k * THREADS);
+#pragma unroll
+        for (int k = 0; k < LL_BATCH; ++k) {
+            const int i = i0 + k * THREADS;
+            if (i < n) put(i, wait_ll(src + i, v[k], tag));
+        }
+    }
 }
 
 // ---- shared memory ------------------------------------------------------------------------------
@@ -164,15 +228,33 @@ __device__ __forceinline__ void load_rows(const bf16* src, bf16* vec) {
     __syncthreads();
 }
 
+// The same from LL words of `tag` (values that are bf16 already).
+template <int K>
+__device__ __forceinline__ void load_rows_ll(const u64* src, unsigned int tag, bf16* vec) {
+    fetch_ll(src, R * K, tag, [&](int i, float v) { vec[(i / K) * KMAX + i % K] = f2bf(v); });
+    __syncthreads();
+}
+
 // vec[r] = bf16(bf16(src[r] * inv_rms(src[r])) * w) for every row r of src [R][H]; hs = src.
 // With emb: row r is emb's row sm.tok[r] instead of src's (the first layer, the kernel gathering embeddings).
-__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const bf16* emb = nullptr) {
+// With llsrc: the rows are LL words of `tag` instead.
+__device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const bf16* emb = nullptr,
+                          const u64* llsrc = nullptr, unsigned int tag = 0) {
     float ss[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) ss[r] = 0.f;
     for (int c = threadIdx.x; c < H / 8; c += THREADS)
         *(uint4*)(sm.wn + c * 8) = __ldg((const uint4*)(w + c * 8));
-    for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
+    if (LL && llsrc != nullptr) {
+        fetch_ll(llsrc, R * H, tag, [&](int i, float v) {
+            const int r = i / H;
+            sm.hs[i] = f2bf(v);
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr)
+                if (rr == r) ss[rr] += v * v;
+        });
+    }
+    for (int i = threadIdx.x; !(LL && llsrc != nullptr) && i < R * (H / 8); i += THREADS) {
         const int r = i / (H / 8), c = i % (H / 8);
         const uint4 v = emb != nullptr ? ld_weight(emb + sm.tok[r] * H + c * 8)
                                        : ld_shared_v4(src + (long long)r * H + c * 8);
@@ -397,6 +479,44 @@ __device__ void merge_splits(const float* part, int splits, bf16* vec, float* f)
     __syncthreads();
 }
 
+// merge_splits from LL words of `tag`: part [units][D] and ml [units][2] (max, sum).
+__device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag, int splits, bf16* vec, float* f) {
+    const int units = R * NH * splits;
+    float* ms = f + units;
+    float* ls = f + 2 * units;
+    fetch_ll(ml, 2 * units, tag, [&](int i, float v) {
+        if (i & 1) ls[i >> 1] = v;
+        else ms[i >> 1] = v;
+    });
+    __syncthreads();
+    for (int u = threadIdx.x; u < units; u += THREADS) {
+        const int g = u - u % splits;
+        float mm = NEG_INF;
+        for (int k = 0; k < splits; ++k) mm = fmaxf(mm, ms[g + k]);
+        float ll = 0.f;
+        for (int k = 0; k < splits; ++k) ll += ms[g + k] == NEG_INF ? 0.f : ls[g + k] * exp2f(ms[g + k] - mm);
+        f[u] = (ms[u] == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ms[u] - mm) / ll;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * NH * D; i += THREADS) {
+        const int g = i / D, d = i % D;  // g = r * NH + hq
+        u64 pv[SPLITS];
+#pragma unroll
+        for (int k = 0; k < SPLITS; ++k)
+            if (k < splits) pv[k] = ld_ll(part + (long long)(g * splits + k) * D + d);
+        float o = 0.f;
+#pragma unroll
+        for (int k = 0; k < SPLITS; ++k)
+            if (k < splits) o = fmaf(f[g * splits + k], wait_ll(part + (long long)(g * splits + k) * D + d, pv[k], tag), o);
+        vec[(g / NH) * KMAX + (g % NH) * D + d] = f2bf(o);
+    }
+    __syncthreads();
+}
+
+#ifndef TILE_STEP
+#define TILE_STEP 32  // keys of a V tile accumulated per unrolled group (32: the whole tile unrolled, however short)
+#endif
+
 #ifndef SKIP
 #define SKIP 0  // diagnosis only: bit k skips phase k+1's work (not its barrier); results are then wrong
 #endif
@@ -417,7 +537,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                      const long long* __restrict__ state_rows, long long* sampled, long long* last_token,
                      float* cand_val, int* cand_idx, int greedy, const bf16* __restrict__ embed,
                      const long long* __restrict__ token_ids, const long long* __restrict__ tok_rows,
-                     const long long* tok_last) {
+                     const long long* tok_last, u64* llbuf) {
     extern __shared__ uint4 smem_raw[];
     Smem sm;
     sm.vec = (bf16*)smem_raw;
@@ -438,7 +558,25 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     const int tw = gridDim.x * WARPS;
     unsigned int* barrier = sync;
     unsigned int phase = 0;
-#define SYNC_GRID() grid_barrier(barrier, (++phase) * gridDim.x)
+    // The launch's epoch (sync[1]): block 0 bumps it at the end. Each launch arrives NB times per block at the
+    // never-reset counter sync[0] (every grid barrier, then the LM head's candidates), so this launch's
+    // barriers count on from epoch * NB * blocks.
+    const unsigned int epoch = *(volatile unsigned int*)(sync + 1);
+    constexpr unsigned int NB = (LL ? 0u : 5u * L) + (HEAD ? 1u : 0u);
+    const unsigned int base = epoch * NB * gridDim.x;
+#define SYNC_GRID() grid_barrier(barrier, base + (++phase) * gridDim.x)
+    // LL: the exchange buffers and this launch's tags
+    u64* ll_ha = llbuf;                          // [R][H] the residual after P3
+    u64* ll_hb = ll_ha + R * H;                  // [R][H] the residual after P5
+    u64* ll_attn = ll_hb + R * H;                // [R][NH * D] unsplit attention outputs
+    u64* ll_act = ll_attn + R * NH * D;          // [R][I]
+    u64* ll_part = ll_act + R * I;               // [R * NH * SPLITS][D] split partials
+    u64* ll_ml = ll_part + R * NH * SPLITS * D;  // [R * NH * SPLITS][2] their (max, sum)
+    u64* ll_q = ll_ml + 2 * R * NH * SPLITS;     // [R][NH * D] q before the rotary
+    u64* ll_k = ll_q + R * NH * D;               // [R][NKV * D] the step's keys (after the rotary)
+    u64* ll_v = ll_k + R * NKV * D;              // [R][NKV * D] and values
+    const unsigned int tag_base = ((epoch % 0xFFFFFu) + 1u) << 12;
+#define TAG(layer, ph) (tag_base | ((unsigned int)(layer) << 3) | (unsigned int)(ph))
 
     // Per-row constants for the whole launch: slot, context length, the rotary rows.
     for (int i = threadIdx.x; i < R * D; i += THREADS) {
@@ -500,7 +638,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
         if (!(SKIP & 1)) {
-            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr);
+            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr, LL && layer > 0 ? ll_hb : nullptr,
+                      TAG(layer - 1, 5));
             const bf16* wq = LP(layer, 1);
             const bf16* bq = LP(layer, 2);
             for (int u = gw; u < U1; u += tw) {
@@ -512,7 +651,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     if (!pre) warp_dot<H, 1>(wq + (long long)u * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         const float b = HAS_QKV_BIAS ? bf2f(bq[u]) : 0.f;
-                        qkv[lane * QKV_ROWS + u] = f2bf(row_of<1>(acc, 0, lane) + b);
+                        if (LL) st_ll(ll_q + lane * (NH * D) + u, round_bf(row_of<1>(acc, 0, lane) + b), TAG(layer, 1));
+                        else qkv[lane * QKV_ROWS + u] = f2bf(row_of<1>(acc, 0, lane) + b);
                     }
                 } else if (u < NH * D + NKV * HALF) {
                     const int idx = u - NH * D, g = idx / HALF, i = idx % HALF;
@@ -527,8 +667,14 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         k0 = round_bf(k0);
                         k1 = round_bf(k1);
                         bf16* dst = kl + (sm.slot[r] * NKV + g) * D;
-                        dst[i] = f2bf(k0 * sm.cs[r * D + i] + k1 * sm.sn[r * D + i]);
-                        dst[i + HALF] = f2bf(k1 * sm.cs[r * D + i + HALF] + k0 * sm.sn[r * D + i + HALF]);
+                        const float r0 = round_bf(k0 * sm.cs[r * D + i] + k1 * sm.sn[r * D + i]);
+                        const float r1 = round_bf(k1 * sm.cs[r * D + i + HALF] + k0 * sm.sn[r * D + i + HALF]);
+                        dst[i] = f2bf(r0);
+                        dst[i + HALF] = f2bf(r1);
+                        if (LL) {
+                            st_ll(ll_k + (r * NKV + g) * D + i, r0, TAG(layer, 1));
+                            st_ll(ll_k + (r * NKV + g) * D + i + HALF, r1, TAG(layer, 1));
+                        }
                     }
                 } else {
                     const int idx = u - NH * D - NKV * HALF, g = idx / D, i = idx % D;
@@ -540,6 +686,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         float v = row_of<1>(acc, 0, lane);
                         if (HAS_QKV_BIAS) v += bf2f(bq[j]);
                         vl[(sm.slot[lane] * NKV + g) * D + i] = f2bf(v);
+                        if (LL) st_ll(ll_v + (lane * NKV + g) * D + i, round_bf(v), TAG(layer, 1));
                     }
                 }
             }
@@ -549,7 +696,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             if constexpr (PRE_O) load_w<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), nullptr, w3, lane);
             else prefetch_row(LP(layer, 3) + (long long)gw * (NH * D), NH * D, lane);
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
 
         // ---------------- P2: attention, one block per (row, q head) ----------------
         // Each warp takes a contiguous 1/WARPS of the context in 32-key tiles: its lanes read one key's
@@ -566,8 +714,16 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 const int ctx = min(ctx_all, lo + chunk);  // this block's keys: [lo, ctx)
                 // rotary on q (fp32 from bf16, rounded to bf16 as the unfused kernel stores it), then the scale
                 for (int i = threadIdx.x; i < HALF; i += THREADS) {
-                    const float x0 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i);
-                    const float x1 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i + HALF);
+                    float x0, x1;
+                    if (LL) {
+                        const u64* qw = ll_q + r * (NH * D) + hq * D + i;
+                        const u64 a = ld_ll(qw), b = ld_ll(qw + HALF);
+                        x0 = wait_ll(qw, a, TAG(layer, 1));
+                        x1 = wait_ll(qw + HALF, b, TAG(layer, 1));
+                    } else {
+                        x0 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i);
+                        x1 = ld_shared_bf(qkv + r * QKV_ROWS + hq * D + i + HALF);
+                    }
                     sm.qv[i] = round_bf(x0 * sm.cs[r * D + i] + x1 * sm.sn[r * D + i]) * SCALE_LOG2;
                     sm.qv[i + HALF] = round_bf(x1 * sm.cs[r * D + i + HALF] + x0 * sm.sn[r * D + i + HALF]) * SCALE_LOG2;
                 }
@@ -575,6 +731,18 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 const int per = (ctx - lo + WARPS - 1) / WARPS;
                 const int start = lo + warp * per;
                 const int end = min(ctx, start + per);
+                // LL: the step's own key (the last of the context) comes from P1's words; the warp that owns it
+                // loads its lanes' dims of K and V now and waits for them at that key's tile.
+                const int cur = ctx_all - 1;
+                const bool owns = LL && start <= cur && cur < end;
+                u64 kw[DPL], vw[DPL];
+                if (owns) {
+#pragma unroll
+                    for (int k = 0; k < DPL; ++k) {
+                        kw[k] = ld_ll(ll_k + (r * NKV + kvh) * D + lane * DPL + k);
+                        vw[k] = ld_ll(ll_v + (r * NKV + kvh) * D + lane * DPL + k);
+                    }
+                }
                 float m = NEG_INF, l = 0.f, acc[DPL];
 #pragma unroll
                 for (int k = 0; k < DPL; ++k) acc[k] = 0.f;
@@ -583,7 +751,21 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const int kk = t + lane;
                     const bool valid = kk < end;
                     float score = NEG_INF;
-                    if (valid) {
+                    const bool cur_tile = owns && cur < t + 32;  // warp-uniform
+                    float vcur[DPL];
+                    if (cur_tile) {
+                        float sc = 0.f;
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) {
+                            const u64* base_k = ll_k + (r * NKV + kvh) * D + lane * DPL + k;
+                            const u64* base_v = ll_v + (r * NKV + kvh) * D + lane * DPL + k;
+                            sc = fmaf(sm.qv[lane * DPL + k], wait_ll(base_k, kw[k], TAG(layer, 1)), sc);
+                            vcur[k] = wait_ll(base_v, vw[k], TAG(layer, 1));
+                        }
+                        sc = warp_sum(sc);
+                        if (kk == cur) score = sc;
+                    }
+                    if (valid && !(cur_tile && kk == cur)) {
                         const long long slot = (long long)bt[kk / PAGE] * PAGE + kk % PAGE;
                         const bf16* krow = kl + (slot * NKV + kvh) * D;
                         const bf16* vrow = vl + (slot * NKV + kvh) * D;
@@ -619,18 +801,25 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     for (int k = 0; k < DPL; ++k) acc[k] *= alpha;
                     m = m_new;
                     asm volatile("cp.async.wait_all;" ::: "memory");
+                    if (cur_tile) {
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) vst[(cur - t) * D + lane * DPL + k] = f2bf(vcur[k]);
+                    }
                     __syncwarp();
-                    const int n = end - t;
+                    const int n = min(end - t, 32);  // keys in this tile (a short one stops after its keys' groups)
+                    for (int j0 = 0; j0 < (TILE_STEP == 32 ? 1 : n); j0 += TILE_STEP) {
 #pragma unroll
-                    for (int j = 0; j < 32; ++j) {
-                        const float pj = __shfl_sync(0xffffffffu, p, j);
-                        if (j < n) {
-                            const bf16* vr = vst + j * D + lane * DPL;
+                        for (int jj = 0; jj < TILE_STEP; ++jj) {
+                            const int j = j0 + jj;  // < 32: j0 < n <= 32 and TILE_STEP divides 32
+                            const float pj = __shfl_sync(0xffffffffu, p, j);
+                            if (j < n) {
+                                const bf16* vr = vst + j * D + lane * DPL;
 #pragma unroll
-                            for (int k = 0; k < DPL; k += 2) {
-                                const unsigned int v2 = *(const unsigned int*)(vr + k);
-                                acc[k] = fmaf(pj, bf2f(v2 & 0xffffu), acc[k]);
-                                acc[k + 1] = fmaf(pj, __uint_as_float(v2 & 0xffff0000u), acc[k + 1]);
+                                for (int k = 0; k < DPL; k += 2) {
+                                    const unsigned int v2 = *(const unsigned int*)(vr + k);
+                                    acc[k] = fmaf(pj, bf2f(v2 & 0xffffu), acc[k]);
+                                    acc[k + 1] = fmaf(pj, __uint_as_float(v2 & 0xffff0000u), acc[k + 1]);
+                                }
                             }
                         }
                     }
@@ -654,7 +843,14 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         o += sm.qs[w * D + d] * f;
                     }
                     if (splits == 1) {
-                        attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                        if (LL) st_ll(ll_attn + r * (NH * D) + hq * D + d, round_bf(ll > 0.f ? o / ll : 0.f), TAG(layer, 2));
+                        else attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
+                    } else if (LL) {
+                        st_ll(ll_part + (long long)pu * D + d, o, TAG(layer, 2));
+                        if (d == 0) {
+                            st_ll(ll_ml + 2 * pu, mm, TAG(layer, 2));
+                            st_ll(ll_ml + 2 * pu + 1, ll, TAG(layer, 2));
+                        }
                     } else {  // the block's partial, merged by every block in P3's prologue
                         part[(long long)pu * D + d] = o;
                         if (d == 0) *((float2*)(part + ML_OFF) + pu) = make_float2(mm, ll);
@@ -663,12 +859,19 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
             }
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();  // (every phase boundary: the next phase rewrites this one's shared inputs)
+        else SYNC_GRID();
 
         // ---------------- P3: o projection, residual ----------------
         if (!(SKIP & 4)) {
-            if (splits == 1) load_rows<NH * D>(attn, sm.vec);
-            else merge_splits(part, splits, sm.vec, sm.qs);
+            if (LL) {
+                if (splits == 1) load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);
+                else merge_splits_ll(ll_part, ll_ml, TAG(layer, 2), splits, sm.vec, sm.qs);
+            } else if (splits == 1) {
+                load_rows<NH * D>(attn, sm.vec);
+            } else {
+                merge_splits(part, splits, sm.vec, sm.qs);
+            }
             const bf16* wo = LP(layer, 3);
             const bf16* bo = LP(layer, 4);
             for (int j = gw; j < H; j += tw) {
@@ -679,7 +882,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (lane < R) {
                     float y = row_of<1>(acc, 0, lane);
                     if (HAS_O_BIAS) y += bf2f(bo[j]);
-                    h[lane * H + j] = f2bf(bf2f(sm.hs[lane * H + j]) + round_bf(y));
+                    const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(y));
+                    if (LL) st_ll(ll_ha + lane * H + j, x, TAG(layer, 3));
+                    else h[lane * H + j] = f2bf(x);
                 }
             }
         }
@@ -693,11 +898,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 prefetch_row(b, H, lane);
             }
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
 
         // ---------------- P4: norm, gate/up, silu ----------------
         if (!(SKIP & 8)) {
-            load_norm(h, LP(layer, 5), sm);
+            load_norm(h, LP(layer, 5), sm, nullptr, LL ? ll_ha : nullptr, TAG(layer, 3));
             const bf16* wgu = LP(layer, 6);
             for (int j = gw; j < I; j += tw) {
                 float acc[2][R];
@@ -708,7 +914,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const float g = round_bf(row_of<2>(acc, 0, lane));
                     const float u = round_bf(row_of<2>(acc, 1, lane));
                     const float sg = round_bf(g / (1.f + __expf(-g)));
-                    act[lane * I + j] = f2bf(sg * u);
+                    if (LL) st_ll(ll_act + lane * I + j, round_bf(sg * u), TAG(layer, 4));
+                    else act[lane * I + j] = f2bf(sg * u);
                 }
             }
         }
@@ -716,18 +923,24 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             if constexpr (PRE_I) load_w<I>(LP(layer, 7) + (long long)gw * I, nullptr, w5, lane);
             else prefetch_row(LP(layer, 7) + (long long)gw * I, I, lane);
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
 
         // ---------------- P5: down projection, residual ----------------
         if (!(SKIP & 16)) {
-            load_rows<I>(act, sm.vec);
+            if (LL) load_rows_ll<I>(ll_act, TAG(layer, 4), sm.vec);
+            else load_rows<I>(act, sm.vec);
             const bf16* wd = LP(layer, 7);
             for (int j = gw; j < H; j += tw) {
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_I) { if ((pre = j == gw)) dot_w<I, 1>(w5, sm.vec, acc, lane); }
                 if (!pre) warp_dot<I, 1>(wd + (long long)j * I, nullptr, sm.vec, acc, lane);
-                if (lane < R) h[lane * H + j] = f2bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
+                if (lane < R) {
+                    const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
+                    if (LL) st_ll(ll_hb + lane * H + j, x, TAG(layer, 5));
+                    else h[lane * H + j] = f2bf(x);
+                }
             }
         }
         if (layer + 1 < L && gw < U1) {
@@ -741,7 +954,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (b != nullptr) prefetch_row(b, H, lane);
             }
         }
-        SYNC_GRID();
+        if (LL) __syncthreads();
+        else SYNC_GRID();
     }
 
     // ---------------- final norm ----------------
@@ -749,7 +963,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     // Every block norms the final hidden states itself (block 0 also writes them out), then the LM head:
     // logits rounded to bf16 as F.linear(...).float() gives them, written to the step's logits and the
     // state rows' logits; with `greedy`, the argmax (first maximal index, as torch's) as the sampled token.
-    load_norm(h, final_norm, sm);
+    load_norm(h, final_norm, sm, nullptr, LL ? ll_hb : nullptr, TAG(L - 1, 5));
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);
@@ -779,9 +993,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             }
         }
     }
+    float* wv = sm.qs;                          // [WARPS][R] each warp's best value per row, then [WARPS]
+    int* wj = (int*)(sm.qs + WARPS * R + WARPS);  // and its index
     if (greedy) {
-        float* wv = sm.qs;                          // [WARPS][R] each warp's best value per row, then [WARPS]
-        int* wj = (int*)(sm.qs + WARPS * R + WARPS);  // and its index
         if (lane < R) { wv[warp * R + lane] = best; wj[warp * R + lane] = best_j; }
         __syncthreads();
         if (threadIdx.x < R) {
@@ -796,8 +1010,19 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             cand_val[blockIdx.x * R + r] = bv;
             cand_idx[blockIdx.x * R + r] = bj;
         }
-        SYNC_GRID();
-        if (blockIdx.x == 0) {
+    }
+    // Every block arrives once (greedy or not: NB counts it) and does not wait: the last to arrive (an acq_rel
+    // add, so it sees every block's candidates) reduces them.
+    __shared__ int last_block;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int old;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(barrier) : "memory");
+        last_block = old == base + (phase + 1) * gridDim.x - 1;
+    }
+    __syncthreads();
+    if (greedy) {
+        if (last_block) {
             // The blocks' candidates, one per thread (independent loads), reduced per row through the warps.
             for (int r = 0; r < R; ++r) {
                 float bv = NEG_INF;
@@ -831,11 +1056,14 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     }
 #else
     if (blockIdx.x == 0) {
-        load_norm(h, final_norm, sm);
+        load_norm(h, final_norm, sm, nullptr, LL ? ll_hb : nullptr, TAG(L - 1, 5));
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);
             *(uint4*)(out + (long long)r * H + c * 8) = *(const uint4*)(sm.vec + r * KMAX + c * 8);
         }
     }
 #endif
+    // Every block has read this launch's epoch: without LL every block arrived at the last layer's barriers,
+    // which block 0 has passed; with LL block 0's last phase read words every block wrote after reading it.
+    if (blockIdx.x == 0 && threadIdx.x == 0) *(volatile unsigned int*)(sync + 1) = epoch + 1u;
 }

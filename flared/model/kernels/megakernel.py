@@ -28,7 +28,13 @@ THREADS = 512  # 16 warps per block, one block per multiprocessor (models with l
 SHORT_ROW_THREADS = 256  # models whose every weight row fits a warp's registers (<= 2048 elements)
 MAX_ROWS = 8  # rows it is compiled for at most (shared memory holds R rows of the widest input)
 SPLITS = 16  # blocks one (row, head)'s attention is split over at most (short-row models; see splits_for)
+SPLIT_KEYS = 128  # keys per attention piece at least (decode_layers.cu); LL_SPLIT_KEYS in the tagged-word build
+LL_SPLIT_KEYS = 64
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
+# Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
+# output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
+# launch against the barrier build: 1 row 470 vs 512, 2 rows 561 vs 541, 4 rows 781 vs 626.
+LL_MAX_ROWS = 4
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
@@ -38,7 +44,10 @@ def describe_decode_paths(*, skinny_max_rows: int, mega_max_rows: int, mega_max_
     ``PagedCudaDecoder.calibrate``), and why the megakernel is off when it failed to build."""
     parts = []
     if mega_max_rows:
-        parts.append(f"megakernel up to {mega_max_rows} rows while contexts are <= {mega_max_context} tokens")
+        ll = calibration.get("mega_ll_rows")
+        exchange = f" (tagged-word exchange at {', '.join(map(str, ll))} rows)" if ll else ""
+        parts.append(f"megakernel up to {mega_max_rows} rows{exchange} while contexts are <= {mega_max_context} "
+                     "tokens")
     if skinny_max_rows:
         parts.append(f"skinny kernels up to {skinny_max_rows} rows")
     parts.append("cuBLAS + fused kernels beyond" if parts else "cuBLAS + fused kernels")
@@ -80,6 +89,13 @@ def threads_for(model) -> int:
     a barrier (no register spills; SmolLM2-135M: 573 vs 750 us per launch at 512 threads), else 16 (more
     loads in flight for streamed rows; Llama-3.1-8B measured at 16)."""
     return SHORT_ROW_THREADS if _widest(model.config) <= 2048 else THREADS
+
+
+def low_latency_rows(model) -> int:
+    """The most rows calibration tries the tagged-word build at: LL_MAX_ROWS on short-row models, none on
+    long-row ones (Llama-3.1-8B, one row at 256 tokens: 3,907-3,940 against 3,883-3,888 us with barriers;
+    calibration times contexts of 0, where attention's share, and so the build's cost there, is missing)."""
+    return LL_MAX_ROWS if threads_for(model) == SHORT_ROW_THREADS else 0
 
 
 def splits_for(model) -> int:
@@ -127,12 +143,15 @@ class DecodeLayers:
     kernel gather them), ``out`` [rows, H] receives the final-normed hidden states; the rest are the decode
     step's device inputs (``StaticInputs`` views). ``self.h`` and ``self.out`` are buffers for callers
     that pass ``tokens``.
-    Capturable: a memset of the barrier counters and one launch on the current torch stream.
+    Capturable: one launch on the current torch stream (the barrier counter is never reset: each launch
+    counts on from the epoch the previous one left).
+    ``low_latency``: the phases exchange their outputs as tagged words instead of meeting at grid barriers
+    (decode_layers.cu, LL): faster at one row on small models, slower with more rows (PagedDecoder calibrates).
     ``compile(page_tokens)`` must have run (outside any capture).
     """
 
     def __init__(self, model, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int, *, head: bool = False,
-                 overrides: dict | None = None):
+                 low_latency: bool = False, overrides: dict | None = None):
         from flared.execution.cuda import cupy
 
         why = unsupported(model)
@@ -146,6 +165,10 @@ class DecodeLayers:
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
             "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
+            # The tagged-word build splits attention from 192 keys in pieces of 64 (its merge is a poll, not two
+            # barrier round trips), whose short V tiles stop after their keys' group of 8.
+            "SPLIT_KEYS": LL_SPLIT_KEYS if low_latency else SPLIT_KEYS, "TILE_STEP": 8 if low_latency else 32,
+            "LL": int(low_latency),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
@@ -181,7 +204,14 @@ class DecodeLayers:
         # attention partials of split heads: [rows * NH * SPLITS][D] outputs, then [rows * NH * SPLITS][2] (max, sum)
         self.part = torch.zeros(rows * c.num_heads * defines["SPLITS"] * (c.head_dim + 2), dtype=torch.float32,
                                 device=dev)
-        self.sync = torch.zeros(1, dtype=torch.int32, device=dev)  # the grid barrier's arrivals
+        # the grid barrier's arrivals (every launch's, never reset), then the launch epoch
+        self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.low_latency = bool(int(defines["LL"]))
+        # the LL words: two residuals, attention outputs, activations, split partials with their (max, sum), q, k, v
+        ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
+                           + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2)
+                           + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        self.llbuf = torch.zeros(ll_words if self.low_latency else 1, dtype=torch.int64, device=dev)
         self.head = head
         self.cand_val = torch.zeros(self.grid * rows, dtype=torch.float32, device=dev)  # per-block argmax candidates
         self.cand_idx = torch.zeros(self.grid * rows, dtype=torch.int32, device=dev)
@@ -221,7 +251,6 @@ class DecodeLayers:
         if self.kernel is None:
             raise RuntimeError("DecodeLayers.compile(page_tokens) first")
         u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
-        self.sync.zero_()
         m = self._model
         values = [u64(self.layer_table.data_ptr()), u64(self.k_pool.data_ptr()), u64(self.v_pool.data_ptr()),
                   i64(self.k_pool.stride(0)), u64(h.data_ptr()), u64(out.data_ptr()), u64(m.final_norm.data_ptr()),
@@ -246,6 +275,7 @@ class DecodeLayers:
                        u64(last_token.data_ptr())]
         else:
             values += [u64(0), u64(0), u64(0), u64(0)]
+        values.append(u64(self.llbuf.data_ptr()))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = torch.cuda.current_stream(h.device).cuda_stream
         # The driver call directly (CuPy's stream objects are not needed, and a launch inside a torch graph

@@ -155,6 +155,14 @@ class PagedCudaDecoder:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
             if pinned_mega == "1":
                 self.mega_max_rows = self.mega_limit
+        # Megakernel batches whose phases exchange tagged words instead of meeting at grid barriers
+        # (DecodeLayers low_latency), where calibrate finds it faster: batches up to
+        # megakernel.low_latency_rows(model) are tried.
+        # FLARED_MEGAKERNEL_LL=0 never, =1 at every megakernel batch.
+        self.mega_ll_rows: set[int] = set()
+        self.pinned_ll = os.environ.get("FLARED_MEGAKERNEL_LL")
+        if self.pinned_ll == "1":
+            self.mega_ll_rows = {1 << i for i in range(self.mega_limit.bit_length())}
 
     def calibrate(self, stream) -> None:
         """Pick the few-row decode path for this model and GPU by timing captured graphs (before the real
@@ -208,15 +216,25 @@ class PagedCudaDecoder:
 
     def _calibrate_mega(self, stream, time_graph_us) -> None:
         """Batch by batch (1, 2, 4, ...), the megakernel against the path chosen without it; it serves up to
-        the last batch where it is faster. An error raised on the way (an NVRTC build failure, say) leaves it
-        off and is recorded as ``megakernel_error``."""
-        mega_us, other_us = {}, {}
+        the last batch where it is faster. Up to ``megakernel.low_latency_rows`` rows (unless
+        FLARED_MEGAKERNEL_LL pins it) the tagged-word build is timed too and kept where it is at least 1%
+        faster than the barrier build; a batch's time is then its faster build's. An error raised on the way (an NVRTC build failure, say)
+        leaves the megakernel off and is recorded as ``megakernel_error``."""
+        mega_us, other_us, ll_us, barrier_us = {}, {}, {}, {}
         chosen = 0
         try:
             batch = 1
             while batch <= self.mega_limit:
                 other_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=False), stream)
                 mega_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
+                if self.pinned_ll is None and batch <= megakernel.low_latency_rows(self.model):
+                    barrier_us[batch] = mega_us[batch]
+                    self._set_low_latency(batch, True)
+                    ll_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
+                    if ll_us[batch] < 0.99 * barrier_us[batch]:
+                        mega_us[batch] = ll_us[batch]
+                    else:
+                        self._set_low_latency(batch, False)
                 if mega_us[batch] >= other_us[batch]:
                     break
                 chosen = batch
@@ -225,7 +243,20 @@ class PagedCudaDecoder:
             self.calibration["megakernel_error"] = f"{type(exc).__name__}: {exc}"
             chosen = 0
         self.mega_max_rows = chosen
-        self.calibration.update({"mega_us": mega_us, "mega_other_us": other_us, "mega_max_rows": chosen})
+        self.mega_ll_rows = {b for b in self.mega_ll_rows if b <= chosen}
+        self.calibration.update({"mega_us": mega_us, "mega_other_us": other_us, "mega_max_rows": chosen,
+                                 "mega_ll_us": ll_us, "mega_barrier_us": barrier_us,
+                                 "mega_ll_rows": sorted(self.mega_ll_rows)})
+
+    def _set_low_latency(self, batch: int, on: bool) -> None:
+        """Serve ``batch``-row megakernel steps with the tagged-word build (``on``) or the barrier build; the
+        other build's kernels are dropped (built again on next use)."""
+        if on:
+            self.mega_ll_rows.add(batch)
+        else:
+            self.mega_ll_rows.discard(batch)
+        for head in (False, True):
+            self.mega.pop((batch, head), None)
 
     @property
     def kv_bytes(self) -> int:
@@ -301,7 +332,8 @@ class PagedCudaDecoder:
         (eager warm-up runs before any capture). The kernel gathers the rows' embeddings itself."""
         kernel = self.mega.get((batch, head is not None))
         if kernel is None:
-            kernel = megakernel.DecodeLayers(self.model, self.k_pool, self.v_pool, batch, head=head is not None)
+            kernel = megakernel.DecodeLayers(self.model, self.k_pool, self.v_pool, batch, head=head is not None,
+                                             low_latency=batch in self.mega_ll_rows)
             kernel.compile(self.page_tokens)
             self.mega[(batch, head is not None)] = kernel
         kernel(kernel.h, kernel.out, positions, slots, block_tables, context_lens, head,
