@@ -435,6 +435,23 @@ __device__ __forceinline__ float row_of(const float (&acc)[NR][R], int n, int la
 // splits + s, and at ML_OFF + 2 * u its max (log2 domain) and sum.
 #define ML_OFF (R * NH * SPLITS * D)
 
+// f[u] = each partial's weight in its (row, head)'s merged output, from the partials' (max, sum) already in
+// f[units + u] and f[2 * units + u] (units = R * NH * splits).
+__device__ __forceinline__ void split_weights(int splits, float* f) {
+    const int units = R * NH * splits;
+    const float* ms = f + units;
+    const float* ls = f + 2 * units;
+    for (int u = threadIdx.x; u < units; u += THREADS) {
+        const int g = u - u % splits;
+        float mm = NEG_INF;
+        for (int k = 0; k < splits; ++k) mm = fmaxf(mm, ms[g + k]);
+        float ll = 0.f;
+        for (int k = 0; k < splits; ++k) ll += ms[g + k] == NEG_INF ? 0.f : ls[g + k] * exp2f(ms[g + k] - mm);
+        f[u] = (ms[u] == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ms[u] - mm) / ll;
+    }
+    __syncthreads();
+}
+
 // vec[r][hq * D + d] = the merged attention output of (row r, head hq) from its `splits` partials. Two
 // rounds of independent L2 loads: every partial's (m, l) -> its weight exp2(m - M) / L in shared memory,
 // then each thread's float4 of output summed over the splits. `f` is shared scratch of 3 * R * NH * splits.
@@ -448,15 +465,7 @@ __device__ void merge_splits(const float* part, int splits, bf16* vec, float* f)
         ls[u] = ml.y;
     }
     __syncthreads();
-    for (int u = threadIdx.x; u < units; u += THREADS) {
-        const int g = u - u % splits;
-        float mm = NEG_INF;
-        for (int k = 0; k < splits; ++k) mm = fmaxf(mm, ms[g + k]);
-        float ll = 0.f;
-        for (int k = 0; k < splits; ++k) ll += ms[g + k] == NEG_INF ? 0.f : ls[g + k] * exp2f(ms[g + k] - mm);
-        f[u] = (ms[u] == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ms[u] - mm) / ll;
-    }
-    __syncthreads();
+    split_weights(splits, f);
     for (int i = threadIdx.x; i < R * NH * (D / 4); i += THREADS) {
         const int g = i / (D / 4), d = (i % (D / 4)) * 4;  // g = r * NH + hq
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -489,15 +498,7 @@ __device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag
         else ms[i >> 1] = v;
     });
     __syncthreads();
-    for (int u = threadIdx.x; u < units; u += THREADS) {
-        const int g = u - u % splits;
-        float mm = NEG_INF;
-        for (int k = 0; k < splits; ++k) mm = fmaxf(mm, ms[g + k]);
-        float ll = 0.f;
-        for (int k = 0; k < splits; ++k) ll += ms[g + k] == NEG_INF ? 0.f : ls[g + k] * exp2f(ms[g + k] - mm);
-        f[u] = (ms[u] == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ms[u] - mm) / ll;
-    }
-    __syncthreads();
+    split_weights(splits, f);
     for (int i = threadIdx.x; i < R * NH * D; i += THREADS) {
         const int g = i / D, d = i % D;  // g = r * NH + hq
         u64 pv[SPLITS];
