@@ -5,9 +5,10 @@ kernel (kernels/decode_layers.cu) with one phase's work left out (``SKIP``: its 
 every phase left out (the barriers alone), or with another thread count, L2 prefetch depth or number of
 weight loads a streamed row issues together (``GEMV_BATCH``). Results of the variants
 are wrong by construction; only their times matter. Random weights of the SmolLM2-135M and
-Llama-3.1-8B shapes, every row at ``--context`` tokens of a filled KV cache.
+Llama-3.1-8B shapes, every row at ``--context`` tokens of a filled KV cache (a comma list times each
+variant at each context, one model build per shape).
 
-    python tools/profile_megakernel.py [--shapes 135m,8b] [--rows 1] [--context 512] [--head] [--json]
+    python tools/profile_megakernel.py [--shapes 135m,8b] [--rows 1] [--context 512[,256,...]] [--head] [--json]
 
 CUDA only. Prints one table; with --json, one JSON object as the last line.
 """
@@ -70,21 +71,22 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="135m,8b")
     ap.add_argument("--rows", type=int, default=1)
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", default="512", help="tokens per row; a comma list times each")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--head", action="store_true", help="the LM head and greedy argmax inside the kernel too")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = args.rows
+    contexts = [int(c) for c in args.context.split(",")]
     result = {"rows": rows, "context": args.context}
     stream = torch.cuda.Stream()
-    print(f"{'shape':6} {'variant':22} {'us/launch':>10} {'vs full':>9}")
+    print(f"{'shape':6} {'variant':22} {'context':>7} {'us/launch':>10} {'vs first':>9}")
     for shape in args.shapes.split(","):
-        model, dec, _ = build(shape, rows, args.context)
+        model, dec, _ = build(shape, rows, max(contexts))
         s = dec.inputs
         h = model.embed[:rows].clone()
         out = torch.empty_like(h)
-        full = None
+        first = {}
         for name in args.variants.split(","):
             kernel = DecodeLayers(model, dec.k_pool, dec.v_pool, rows, overrides=VARIANTS[name], head=args.head)
             kernel.compile(PAGE_TOKENS)
@@ -95,10 +97,17 @@ def main() -> int:
                 kernel(h, out, s.positions[:rows], s.slot_ids[:rows], s.block_tables[:rows], s.context_lens[:rows],
                        head)
 
-            us = time_graph_us(launch, stream, replays=30)
-            full = us if full is None else full
-            print(f"{shape:6} {name:22} {us:10.1f} {us - full:+9.1f}", flush=True)
-            result[f"{shape}|{name}"] = round(us, 1)
+            for context in contexts:
+                # every row at `context` tokens: its newest position, that position's slot, the length
+                s.positions.fill_(context - 1)
+                s.context_lens.fill_(context)
+                s.slot_ids.copy_(s.block_tables[:, (context - 1) // PAGE_TOKENS].long() * PAGE_TOKENS
+                                 + (context - 1) % PAGE_TOKENS)
+                us = time_graph_us(launch, stream, replays=30)
+                base = first.setdefault(context, us)
+                print(f"{shape:6} {name:22} {context:7} {us:10.1f} {us - base:+9.1f}", flush=True)
+                key = f"{shape}|{name}" if len(contexts) == 1 else f"{shape}|{name}|{context}"
+                result[key] = round(us, 1)
         del model, dec
         torch.cuda.empty_cache()
     if args.json:
