@@ -218,8 +218,8 @@ class PagedCudaDecoder:
         """Batch by batch (1, 2, 4, ...), the megakernel against the path chosen without it; it serves up to
         the last batch where it is faster. Up to ``megakernel.low_latency_rows`` rows (unless
         FLARED_MEGAKERNEL_LL pins it) the tagged-word build is timed too and kept where it is at least 1%
-        faster than the barrier build; a batch's time is then its faster build's. An error raised on the way (an NVRTC build failure, say)
-        leaves the megakernel off and is recorded as ``megakernel_error``."""
+        faster than the barrier build; a batch's time is then its faster build's. An error raised on the
+        way (an NVRTC build failure, say) leaves the megakernel off and is recorded as ``megakernel_error``."""
         mega_us, other_us, ll_us, barrier_us = {}, {}, {}, {}
         chosen = 0
         try:
