@@ -193,6 +193,29 @@ def test_calibration_times_the_megakernel():
                                         and b <= dec.mega_max_rows}
 
 
+def test_a_tagged_word_build_that_fails_leaves_the_barrier_build(monkeypatch):
+    """A tagged-word build that cannot be made (here: compile raises, as for a build needing more registers
+    than its block allows) leaves calibration with the barrier build, not without the megakernel."""
+    from flared.model.kernels import megakernel
+
+    real = megakernel.DecodeLayers.compile
+
+    def compile_(self, page_tokens):
+        if self.low_latency:
+            raise RuntimeError("the decode megakernel needs 256 threads per block; this build allows 128")
+        real(self, page_tokens)
+
+    monkeypatch.setattr(megakernel.DecodeLayers, "compile", compile_)
+    model, dec = _decoder("llama64", 2, [0, 0])
+    dec.calibrate(torch.cuda.Stream())
+    cal = dec.calibration
+    assert "megakernel_error" not in cal and "needs 256 threads" in cal["megakernel_ll_error"]
+    assert cal["mega_ll_rows"] == [] and dec.mega_ll_rows == set()
+    assert cal["mega_ll_us"] and set(cal["mega_ll_us"]) == set(cal["mega_us"])
+    assert all(us == float("inf") for us in cal["mega_ll_us"].values())
+    assert cal["mega_us"] == cal["mega_barrier_us"]
+
+
 def test_unsupported_models_say_why():
     from gpu_models import serving_model, tiny_hf
 

@@ -219,7 +219,8 @@ class PagedCudaDecoder:
         the last batch where it is faster. Up to ``megakernel.low_latency_rows`` rows (unless
         FLARED_MEGAKERNEL_LL pins it) the tagged-word build is timed too and kept where it is at least 1%
         faster than the barrier build; a batch's time is then its faster build's. An error raised on the
-        way (an NVRTC build failure, say) leaves the megakernel off and is recorded as ``megakernel_error``."""
+        way (an NVRTC build failure, say) leaves the megakernel off and is recorded as ``megakernel_error``;
+        one from the tagged-word build alone leaves that build off (``megakernel_ll_error``)."""
         mega_us, other_us, ll_us, barrier_us = {}, {}, {}, {}
         chosen = 0
         try:
@@ -230,7 +231,11 @@ class PagedCudaDecoder:
                 if self.pinned_ll is None and batch <= megakernel.low_latency_rows(self.model):
                     barrier_us[batch] = mega_us[batch]
                     self._set_low_latency(batch, True)
-                    ll_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
+                    try:
+                        ll_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=True), stream)
+                    except Exception as exc:  # noqa: BLE001 - its build alone failed (registers, NVRTC): barriers
+                        self.calibration["megakernel_ll_error"] = f"{type(exc).__name__}: {exc}"
+                        ll_us[batch] = float("inf")
                     if ll_us[batch] < 0.99 * barrier_us[batch]:
                         mega_us[batch] = ll_us[batch]
                     else:
