@@ -536,7 +536,7 @@ cdef class RequestScheduler:
         self.completed_fence = fence
         cdef int kind = plan.kind
         cdef int64_t copy_rows = plan.copies.shape[0], copy_cap = 1
-        snapshot_ns = getattr(records, "snapshot_ns", 0)
+        snapshot_ns = records.snapshot_ns
         if copy_rows and snapshot_ns and (kind == K_PREFILL or kind == K_SCORED_PREFILL):
             # The checkpoint copies after the prefill, timed apart by the executor, are what a snapshot step
             # of that many rows costs (terminal captures and checkpoint extras are priced by it).

@@ -15,6 +15,8 @@ entries, snapshot/restore copy rows); its docstring lists every field.
 docs/scheduling.md explains the policy with a worked example.
 """
 
+import numpy as np
+
 from flared._fast.policy import REFRESH_CAP_NS, REFRESH_FRACTION, SelectionPolicy
 from flared._fast.request import (
     MAX_LIVE_REQUESTS,
@@ -33,8 +35,6 @@ def plan_records(plan: ScheduledPlan, token_ids, snapshot_ns: int = 0) -> Comple
     """The completion records an executor reports for ``plan``: each participant's consumed and generated
     counts as the plan scheduled them, ``token_ids`` (its sampled token, -1 where it sampled none) and the
     time its checkpoint copies took after a prefill (``snapshot_ns``, 0 when not timed)."""
-    import numpy as np
-
     return CompletionRecords(
         handles=np.asarray(plan.handles, dtype=np.int64),
         consumed_tokens=np.asarray(plan.token_starts, dtype=np.int64) + np.asarray(plan.num_tokens, dtype=np.int64),

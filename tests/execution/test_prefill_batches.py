@@ -151,28 +151,18 @@ def test_padding_sequences_and_rows_are_harmless():
 
 def test_a_continued_chunk_starts_at_its_cached_prefix():
     """The cut prompt's next chunk: positions and chunk meta start after its cached 17 tokens."""
-    from flared.scheduler import CompletionRecords
+    from flared.scheduler import plan_records
 
     m, plan, _, prompts, sched = first_prefill_plan(with_scheduler=True)
     sched.commit(plan, 1)
     n = plan.num_participants
-    sched.complete(1, CompletionRecords(handles=np.asarray(plan.handles, dtype=np.int64),
-                                        consumed_tokens=np.asarray(plan.token_starts, dtype=np.int64)
-                                        + np.asarray(plan.num_tokens, dtype=np.int64),
-                                        generated_tokens=np.asarray(plan.sample, dtype=np.int64),
-                                        token_ids=np.where(np.asarray(plan.sample) > 0, 11, -1).astype(np.int64)),
-                   1_000_000, 3)
+    sched.complete(1, plan_records(plan, np.where(np.asarray(plan.sample) > 0, 11, -1)), 1_000_000, 3)
     for now in range(4, 40):
         nxt = sched.plan(now)
         if nxt is None or nxt.kind == GraphKind.PREFILL:
             break
         sched.commit(nxt, now)
-        k = nxt.num_participants
-        sched.complete(now, CompletionRecords(
-            handles=np.asarray(nxt.handles, dtype=np.int64),
-            consumed_tokens=np.asarray(nxt.token_starts, dtype=np.int64) + np.asarray(nxt.num_tokens, dtype=np.int64),
-            generated_tokens=np.asarray(nxt.generated_ends, dtype=np.int64),
-            token_ids=np.full(k, 11, dtype=np.int64)), 1_000_000, now)
+        sched.complete(now, plan_records(nxt, np.full(nxt.num_participants, 11)), 1_000_000, now)
     assert n == 4 and nxt is not None and nxt.kind == GraphKind.PREFILL
     i = [int(h) for h in nxt.handles].index(int(plan.handles[3]))
     assert int(nxt.token_starts[i]) == 17 and int(nxt.num_tokens[i]) == 23 and nxt.sample[i] == 1
