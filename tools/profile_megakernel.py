@@ -59,6 +59,18 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "ll s64 t32": {"LL": 1, "SPLIT_KEYS": 64, "TILE_STEP": 32},
     "ll s64 t8": {"LL": 1, "SPLIT_KEYS": 64, "TILE_STEP": 8},
     "ll s32 t8": {"LL": 1, "SPLIT_KEYS": 32, "TILE_STEP": 8},
+    # P1's units in order (before the balanced slots)
+    "p1 in order": {"P1_BALANCE": 0},
+    # loads per lane per streamed row (long rows default to megakernel.LONG_ROW_GEMV_BATCH)
+    "gemv batch 6": {"GEMV_BATCH": 6},
+    "gemv batch 8": {"GEMV_BATCH": 8},
+    "gemv batch 10": {"GEMV_BATCH": 10},
+    "gemv batch 12": {"GEMV_BATCH": 12},
+    "gemv batch 12 pair 8": {"GEMV_BATCH": 12, "GEMV_BATCH_PAIR": 8},
+    # the same where a warp streams two rows together (k pairs, gate/up)
+    "pair batch 4": {"GEMV_BATCH_PAIR": 4},
+    "pair batch 6": {"GEMV_BATCH_PAIR": 6},
+    "single batch 4": {"GEMV_BATCH": 4, "GEMV_BATCH_PAIR": 8},
 }
 
 
@@ -90,6 +102,9 @@ def main() -> int:
         for name in args.variants.split(","):
             kernel = DecodeLayers(model, dec.k_pool, dec.v_pool, rows, overrides=VARIANTS[name], head=args.head)
             kernel.compile(PAGE_TOKENS)
+            attrs = kernel.kernel.attributes
+            print(f"# {name}: {kernel.shared_mem} B shared, carveout {attrs.get('preferred_shared_memory_carveout')}, "
+                  f"{attrs.get('num_regs')} registers, {attrs.get('local_size_bytes')} B local", flush=True)
             head = ((dec.logits, dec.state_logits, s.state_rows[:rows], dec.sampled, dec.last_token, True)
                     if args.head else None)
 

@@ -30,6 +30,10 @@ def _hf(kind, seed=0):
         cfg = LlamaConfig(hidden_size=256, intermediate_size=2304, num_attention_heads=2, num_key_value_heads=1,
                           **common)
         return LlamaForCausalLM(cfg)
+    if kind == "wide":  # every row over 2,048 elements (8B-like: P1 and P3 stream, k pairs fill two rounds)
+        cfg = LlamaConfig(hidden_size=2304, intermediate_size=2560, num_attention_heads=18, num_key_value_heads=2,
+                          **dict(common, num_hidden_layers=2))
+        return LlamaForCausalLM(cfg)
     if kind == "llama128":  # head_dim 128, GQA 4:1 (Llama-3 8B's grouping)
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
                           **common)
@@ -97,6 +101,7 @@ def _step(dec, batch, mega):
     ("llama64", [700, 33, 0, 5]),
     ("llama128", [1000, 64]),
     ("long", [700, 33]),  # 44 keys a warp: more than one V tile
+    ("wide", [300, 17]),
     ("smollm", [255, 3]),
     ("smollm", [600]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
@@ -164,6 +169,24 @@ def test_the_low_latency_exchange_matches_the_barrier_kernel(kind, contexts):
     dec._set_low_latency(batch, False)
     back, _, _ = _step(dec, batch, mega=True)
     assert torch.equal(back, plain)
+
+
+@pytest.mark.parametrize("overrides", [{"P1_BALANCE": 0}, {"GEMV_BATCH": 8}, {"GEMV_BATCH": 6, "GEMV_BATCH_PAIR": 4}])
+def test_p1_slots_and_load_batches_change_no_bit(overrides):
+    """Which warp streams which QKV row, and how many loads a lane issues together, change no arithmetic:
+    the same logits and K/V bit for bit."""
+    from flared.model.kernels import megakernel
+
+    contexts = [300, 17]
+    batch = len(contexts)
+    model, dec = _decoder("wide", batch, contexts)
+    plain, pk, pv = _step(dec, batch, mega=True)
+    kernel = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, batch, head=dec.mega_head, overrides=overrides)
+    kernel.compile(PAGE)
+    dec.mega[(batch, dec.mega_head)] = kernel
+    for _ in range(2):
+        got, k, v = _step(dec, batch, mega=True)
+        assert torch.equal(got, plain) and torch.equal(k, pk) and torch.equal(v, pv)
 
 
 def test_megakernel_graph_replay_is_bit_identical():

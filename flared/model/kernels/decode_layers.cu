@@ -51,6 +51,9 @@ typedef unsigned short bf16;
 #ifndef GEMV_BATCH
 #define GEMV_BATCH 8  // 16-byte weight loads per lane a streamed row issues together (tools/profile_megakernel.py)
 #endif
+#ifndef GEMV_BATCH_PAIR
+#define GEMV_BATCH_PAIR GEMV_BATCH  // the same per row where a warp streams two rows together (k pairs, gate/up)
+#endif
 
 // ---- scalar helpers ----------------------------------------------------------------------------
 
@@ -323,7 +326,8 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
                                          int lane) {
     constexpr int CH = K / 8;              // 16-byte chunks per row
     constexpr int PER = (CH + 31) / 32;    // chunks per lane
-    constexpr int BATCH = PER < GEMV_BATCH ? PER : GEMV_BATCH;
+    constexpr int GB = NR > 1 ? GEMV_BATCH_PAIR : GEMV_BATCH;
+    constexpr int BATCH = PER < GB ? PER : GB;
     zero_acc<NR>(acc);
 #pragma unroll
     for (int i0 = 0; i0 < PER; i0 += BATCH) {
@@ -419,6 +423,32 @@ __device__ __forceinline__ void qkv_rows(const bf16* wq, int u, const bf16** w0,
         *w0 = wq + (long long)(NH * D + NKV * D + u - NH * D - NKV * HALF) * H;
         *w1 = nullptr;
     }
+}
+
+#ifndef P1_BALANCE
+#define P1_BALANCE 1  // 0: P1's units in order, warp gw taking units gw, gw + tw, ... (diagnosis)
+#endif
+
+// P1's work as slots, `tw` (the grid's warps) a round; returns the slot's unit (q rows 0..NH*D-1, then the k
+// pairs, then the v rows), -1 for none, -2 past the last. Long rows (8B): a k pair (two rows) takes its
+// warp's first two rounds, so no warp streams more than ceil(QKV_ROWS / tw) rows; with units in order, 8B's
+// first 384 warps streamed 4 of the 6,144 rows each over 2,112 warps (2-8 us a launch slower on the H200:
+// memory latency, not a multiprocessor's share of the bytes, sets the phase's time).
+// Short rows keep units in order (SmolLM2-135M's k pairs then sit past its attention blocks).
+__device__ __forceinline__ int p1_unit(int s, int tw) {
+    constexpr int NP = NKV * HALF, NS = NH * D + NKV * D;
+    if (!P1_BALANCE || Row<H>::PRE || tw < NP) return s < NS + NP ? s : -2;
+    const int it = s / tw, w = s - it * tw;
+    int si;  // the slot's index among the single-row units (q rows, then v rows)
+    if (w < NP) {
+        if (it == 0) return NH * D + w;
+        if (it == 1) return -1;
+        si = s - 2 * NP;
+    } else {
+        si = s - NP * min(it + 1, 2);
+    }
+    if (si >= NS) return -2;
+    return si < NH * D ? si : si + NP;
 }
 
 // acc[n][r] for r == lane (the epilogues run one row per lane).
@@ -622,13 +652,13 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         splits = max(splits, 1);
     }
 
-    constexpr int U1 = NH * D + NKV * HALF + NKV * D;             // P1 units: q rows, k pairs, v rows
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
     uint4 w1[2][Row<H>::PER], w3[2][Row<NH * D>::PER], w4[2][Row<H>::PER], w5[2][Row<I>::PER];
+    const int u_first = p1_unit(gw, tw);  // this warp's first P1 unit (< 0: none)
     if constexpr (PRE_H) {
-        if (gw < U1) {
+        if (u_first >= 0) {
             const bf16 *a, *b;
-            qkv_rows(LP(0, 1), gw, &a, &b);
+            qkv_rows(LP(0, 1), u_first, &a, &b);
             load_w<H>(a, b, w1, lane);
         }
     }
@@ -643,9 +673,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                       TAG(layer - 1, 5));
             const bf16* wq = LP(layer, 1);
             const bf16* bq = LP(layer, 2);
-            for (int u = gw; u < U1; u += tw) {
+            for (int sl = gw;; sl += tw) {
+                const int u = p1_unit(sl, tw);
+                if (u == -2) break;
+                if (u < 0) continue;
                 bool pre = false;
-                if constexpr (PRE_H) pre = u == gw;
+                if constexpr (PRE_H) pre = sl == gw;
                 if (u < NH * D) {
                     float acc[1][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
@@ -944,10 +977,10 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 }
             }
         }
-        if (layer + 1 < L && gw < U1) {
+        if (layer + 1 < L && u_first >= 0) {
             // The next layer's first QKV unit of this warp.
             const bf16 *a, *b;
-            qkv_rows(LP(layer + 1, 1), gw, &a, &b);
+            qkv_rows(LP(layer + 1, 1), u_first, &a, &b);
             if constexpr (PRE_H) {
                 load_w<H>(a, b, w1, lane);
             } else {

@@ -35,6 +35,10 @@ MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decod
 # output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
 # launch against the barrier build: 1 row 470 vs 512, 2 rows 561 vs 541, 4 rows 781 vs 626.
 LL_MAX_ROWS = 4
+# 16-byte weight loads per lane a long (streamed) row issues together; decode_layers.cu's default is 8. At 8B, one
+# row, 256 tokens (H200, two calls): 12 ran 24-36 us a launch faster than 8 (3,814, 3,833-3,845 against
+# 3,848-3,868); end to end 244 tok/s against 240. 10 measured 3,822 once; 6 and 4 gained 22 and 10 us.
+LONG_ROW_GEMV_BATCH = 12
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
@@ -169,6 +173,7 @@ class DecodeLayers:
             # barrier round trips), whose short V tiles stop after their keys' group of 8.
             "SPLIT_KEYS": LL_SPLIT_KEYS if low_latency else SPLIT_KEYS, "TILE_STEP": 8 if low_latency else 32,
             "LL": int(low_latency),
+            **({"GEMV_BATCH": LONG_ROW_GEMV_BATCH} if threads_for(model) == THREADS else {}),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
