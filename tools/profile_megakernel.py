@@ -71,6 +71,10 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "pair batch 4": {"GEMV_BATCH_PAIR": 4},
     "pair batch 6": {"GEMV_BATCH_PAIR": 6},
     "single batch 4": {"GEMV_BATCH": 4, "GEMV_BATCH_PAIR": 8},
+    # long rows: blocks idle in attention pull the o weights into L2 (per line / bulk, 4 or 16 KB requests)
+    "pf o lines": {"PF_O": 1},
+    "pf o bulk": {"PF_O": 2},
+    "pf o bulk 16k": {"PF_O": 2, "PF_O_CHUNK": 16384},
 }
 
 

@@ -81,6 +81,11 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// `bytes` (a multiple of 16) from 16-byte aligned global memory into L2, one bulk (TMA) request (sm_90).
+__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned int bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // The first PF_LINES * 32 lines (128 bytes each) of a weight row of `k` elements, spread over the warp.
 __device__ __forceinline__ void prefetch_row(const bf16* row, int k, int lane) {
     const int lines = (k * 2 + 127) / 128;
@@ -424,6 +429,14 @@ __device__ __forceinline__ void qkv_rows(const bf16* wq, int u, const bf16** w0,
         *w1 = nullptr;
     }
 }
+
+#ifndef PF_O
+#define PF_O 0  // long rows: blocks with no attention unit pull the o weights into L2 during P2 (1: a
+                // prefetch per 128-byte line, 2: bulk prefetches of PF_O_CHUNK bytes); 0: off
+#endif
+#ifndef PF_O_CHUNK
+#define PF_O_CHUNK 4096
+#endif
 
 #ifndef P1_BALANCE
 #define P1_BALANCE 1  // 0: P1's units in order, warp gw taking units gw, gw + tw, ... (diagnosis)
@@ -891,6 +904,23 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     }
                 }
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
+            }
+        }
+        if constexpr (PF_O && !PRE_O) {
+            // At a few rows most blocks have no attention unit: they start the o phase's weight stream (H rows of
+            // NH * D, 33.6 MB at 8B, under L2's 50) so that P3's loads find it in L2 or on its way.
+            const int units = R * NH * splits;
+            if ((int)blockIdx.x >= units) {
+                const char* wo = (const char*)LP(layer, 3);
+                constexpr long long BYTES = (long long)H * NH * D * 2;
+                const long long t = (long long)(blockIdx.x - units) * THREADS + threadIdx.x;
+                const long long nt = (long long)(gridDim.x - units) * THREADS;
+                if constexpr (PF_O == 1) {
+                    for (long long i = t * 128; i < BYTES; i += nt * 128) prefetch_l2(wo + i);
+                } else {
+                    for (long long i = t * PF_O_CHUNK; i < BYTES; i += nt * PF_O_CHUNK)
+                        prefetch_l2_bulk(wo + i, (unsigned int)min((long long)PF_O_CHUNK, BYTES - i));
+                }
             }
         }
         if (LL) __syncthreads();  // (every phase boundary: the next phase rewrites this one's shared inputs)
