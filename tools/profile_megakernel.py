@@ -75,6 +75,9 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "pf o lines": {"PF_O": 1},
     "pf o bulk": {"PF_O": 2},
     "pf o bulk 16k": {"PF_O": 2, "PF_O_CHUNK": 16384},
+    # long rows: each warp's first rows of the next phase, whole, one bulk L2 prefetch before the barrier
+    "pf rows bulk": {"PF_LINES": -1},
+    "pf rows bulk and o": {"PF_LINES": -1, "PF_O": 2},
 }
 
 

@@ -86,8 +86,13 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned int byt
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
-// The first PF_LINES * 32 lines (128 bytes each) of a weight row of `k` elements, spread over the warp.
+// The first PF_LINES * 32 lines (128 bytes each) of a weight row of `k` elements, spread over the warp;
+// PF_LINES < 0: the whole row, one bulk prefetch.
 __device__ __forceinline__ void prefetch_row(const bf16* row, int k, int lane) {
+    if (PF_LINES < 0) {
+        if (lane == 0) prefetch_l2_bulk(row, (unsigned int)k * 2u);
+        return;
+    }
     const int lines = (k * 2 + 127) / 128;
     for (int i = lane; i < lines && i < 32 * PF_LINES; i += 32) prefetch_l2((const char*)row + i * 128);
 }
