@@ -388,6 +388,63 @@ __device__ __forceinline__ void warp_dot_rows(const bf16* const (&wr)[NR], const
     reduce_acc<NR>(acc);
 }
 
+#ifndef EARLY
+#define EARLY 0  // long rows: chunks per lane of a warp's first row(s) of a phase loaded right after the barrier,
+                 // before the phase's input (its norm or its L2 load), so the two latencies overlap; 0: off
+#endif
+#ifndef EARLY_PH
+#define EARLY_PH 15  // the phases EARLY applies to: 1 P1, 2 P3 (o), 4 P4 (gate/up), 8 P5 (down)
+#endif
+constexpr int EB = EARLY > 0 ? EARLY : 1;  // (array extent)
+
+// The first EARLY chunks per lane of row w0 (and w1) into we[0] (we[1]).
+template <int K>
+__device__ __forceinline__ void load_early(const bf16* w0, const bf16* w1, uint4 (&we)[2][EB], int lane) {
+#pragma unroll
+    for (int b = 0; b < EARLY; ++b) {
+        const int c = lane + 32 * b;
+        if (c < K / 8) {
+            we[0][b] = ld_weight(w0 + c * 8);
+            if (w1 != nullptr) we[1][b] = ld_weight(w1 + c * 8);
+        }
+    }
+}
+
+// warp_dot whose first EARLY chunks per lane are in we (load_early): the same chunks in the same order.
+template <int K, int NR>
+__device__ __forceinline__ void warp_dot_early(const uint4 (&we)[2][EB], const bf16* w0, const bf16* w1,
+                                               const bf16* vec, float (&acc)[NR][R], int lane) {
+    constexpr int CH = K / 8;
+    constexpr int PER = (CH + 31) / 32;
+    constexpr int GB = NR > 1 ? GEMV_BATCH_PAIR : GEMV_BATCH;
+    constexpr int REST = PER > EARLY ? PER - EARLY : 1;
+    constexpr int BATCH = REST < GB ? REST : GB;
+    zero_acc<NR>(acc);
+#pragma unroll
+    for (int b = 0; b < EARLY; ++b) {
+        const int c = lane + 32 * b;
+        if (b < PER && c < CH) add_chunk<NR>(we, b, c, vec, acc);
+    }
+#pragma unroll
+    for (int i0 = EARLY; i0 < PER; i0 += BATCH) {
+        uint4 w[NR][BATCH];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int c = lane + 32 * (i0 + b);
+            if (i0 + b < PER && c < CH) {
+                w[0][b] = ld_weight(w0 + c * 8);
+                if (NR > 1) w[NR - 1][b] = ld_weight(w1 + c * 8);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int c = lane + 32 * (i0 + b);
+            if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
+        }
+    }
+    reduce_acc<NR>(acc);
+}
+
 // Rows short enough to sit in registers (<= 8 chunks per lane) are loaded before the barrier that precedes
 // their phase, so the product waits only for its input vector. Longer rows stream (warp_dot); PF_LINES > 0
 // would L2-prefetch their first lines instead (off: measured slower).
@@ -671,6 +728,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     }
 
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
+    constexpr bool E1 = EARLY > 0 && !PRE_H && (EARLY_PH & 1), E3 = EARLY > 0 && !PRE_O && (EARLY_PH & 2),
+                   E4 = EARLY > 0 && !PRE_H && (EARLY_PH & 4), E5 = EARLY > 0 && !PRE_I && (EARLY_PH & 8);
+    uint4 we[2][EB];  // with EARLY: a phase's first row chunks, loaded before its input
     uint4 w1[2][Row<H>::PER], w3[2][Row<NH * D>::PER], w4[2][Row<H>::PER], w5[2][Row<I>::PER];
     const int u_first = p1_unit(gw, tw);  // this warp's first P1 unit (< 0: none)
     if constexpr (PRE_H) {
@@ -687,6 +747,13 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
         if (!(SKIP & 1)) {
+            if constexpr (E1) {
+                if (u_first >= 0) {
+                    const bf16 *a, *b;
+                    qkv_rows(LP(layer, 1), u_first, &a, &b);
+                    load_early<H>(a, b, we, lane);
+                }
+            }
             load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr, LL && layer > 0 ? ll_hb : nullptr,
                       TAG(layer - 1, 5));
             const bf16* wq = LP(layer, 1);
@@ -696,10 +763,11 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (u == -2) break;
                 if (u < 0) continue;
                 bool pre = false;
-                if constexpr (PRE_H) pre = sl == gw;
+                if constexpr (PRE_H || E1) pre = sl == gw;
                 if (u < NH * D) {
                     float acc[1][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
+                    if constexpr (E1) { if (pre) warp_dot_early<H, 1>(we, wq + (long long)u * H, nullptr, sm.vec, acc, lane); }
                     if (!pre) warp_dot<H, 1>(wq + (long long)u * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         const float b = HAS_QKV_BIAS ? bf2f(bq[u]) : 0.f;
@@ -711,6 +779,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const int j0 = NH * D + g * D + i, j1 = j0 + HALF;
                     float acc[2][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 2>(w1, sm.vec, acc, lane); }
+                    if constexpr (E1) {
+                        if (pre) warp_dot_early<H, 2>(we, wq + (long long)j0 * H, wq + (long long)j1 * H, sm.vec, acc, lane);
+                    }
                     if (!pre) warp_dot<H, 2>(wq + (long long)j0 * H, wq + (long long)j1 * H, sm.vec, acc, lane);
                     if (lane < R) {
                         const int r = lane;
@@ -733,6 +804,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const int j = NH * D + NKV * D + idx;
                     float acc[1][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
+                    if constexpr (E1) { if (pre) warp_dot_early<H, 1>(we, wq + (long long)j * H, nullptr, sm.vec, acc, lane); }
                     if (!pre) warp_dot<H, 1>(wq + (long long)j * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         float v = row_of<1>(acc, 0, lane);
@@ -933,6 +1005,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P3: o projection, residual ----------------
         if (!(SKIP & 4)) {
+            if constexpr (E3) {
+                if (gw < H) load_early<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), nullptr, we, lane);
+            }
             if (LL) {
                 if (splits == 1) load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);
                 else merge_splits_ll(ll_part, ll_ml, TAG(layer, 2), splits, sm.vec, sm.qs);
@@ -947,6 +1022,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_O) { if ((pre = j == gw)) dot_w<NH * D, 1>(w3, sm.vec, acc, lane); }
+                if constexpr (E3) {
+                    if ((pre = j == gw)) warp_dot_early<NH * D, 1>(we, wo + (long long)j * (NH * D), nullptr, sm.vec, acc, lane);
+                }
                 if (!pre) warp_dot<NH * D, 1>(wo + (long long)j * (NH * D), nullptr, sm.vec, acc, lane);
                 if (lane < R) {
                     float y = row_of<1>(acc, 0, lane);
@@ -972,12 +1050,18 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P4: norm, gate/up, silu ----------------
         if (!(SKIP & 8)) {
+            if constexpr (E4) {
+                if (gw < I) load_early<H>(LP(layer, 6) + (long long)gw * H, LP(layer, 6) + (long long)(I + gw) * H, we, lane);
+            }
             load_norm(h, LP(layer, 5), sm, nullptr, LL ? ll_ha : nullptr, TAG(layer, 3));
             const bf16* wgu = LP(layer, 6);
             for (int j = gw; j < I; j += tw) {
                 float acc[2][R];
                 bool pre = false;
                 if constexpr (PRE_H) { if ((pre = j == gw)) dot_w<H, 2>(w4, sm.vec, acc, lane); }
+                if constexpr (E4) {
+                    if ((pre = j == gw)) warp_dot_early<H, 2>(we, wgu + (long long)j * H, wgu + (long long)(I + j) * H, sm.vec, acc, lane);
+                }
                 if (!pre) warp_dot<H, 2>(wgu + (long long)j * H, wgu + (long long)(I + j) * H, sm.vec, acc, lane);
                 if (lane < R) {
                     const float g = round_bf(row_of<2>(acc, 0, lane));
@@ -997,6 +1081,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P5: down projection, residual ----------------
         if (!(SKIP & 16)) {
+            if constexpr (E5) {
+                if (gw < H) load_early<I>(LP(layer, 7) + (long long)gw * I, nullptr, we, lane);
+            }
             if (LL) load_rows_ll<I>(ll_act, TAG(layer, 4), sm.vec);
             else load_rows<I>(act, sm.vec);
             const bf16* wd = LP(layer, 7);
@@ -1004,6 +1091,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_I) { if ((pre = j == gw)) dot_w<I, 1>(w5, sm.vec, acc, lane); }
+                if constexpr (E5) { if ((pre = j == gw)) warp_dot_early<I, 1>(we, wd + (long long)j * I, nullptr, sm.vec, acc, lane); }
                 if (!pre) warp_dot<I, 1>(wd + (long long)j * I, nullptr, sm.vec, acc, lane);
                 if (lane < R) {
                     const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
