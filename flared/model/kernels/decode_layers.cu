@@ -27,7 +27,8 @@
 //
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
 // page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
-// PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, SKIP (diagnosis only).
+// PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, GEMV_BATCH_PAIR, SKIP
+// (diagnosis only); experiments, off by default: P1_BALANCE=0, PF_O, EARLY (each explained where defined).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
