@@ -332,16 +332,17 @@ __device__ __forceinline__ void reduce_acc(float (&acc)[NR][R]) {
         for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
 }
 
-template <int K, int NR>
-__device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
-                                         int lane) {
+// acc[n][r] += rows w0 (and w1)'s chunks per lane from START on . vec[r], streamed in batches of loads.
+template <int K, int NR, int START>
+__device__ __forceinline__ void stream_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
+                                           int lane) {
     constexpr int CH = K / 8;              // 16-byte chunks per row
     constexpr int PER = (CH + 31) / 32;    // chunks per lane
     constexpr int GB = NR > 1 ? GEMV_BATCH_PAIR : GEMV_BATCH;
-    constexpr int BATCH = PER < GB ? PER : GB;
-    zero_acc<NR>(acc);
+    constexpr int REST = PER > START ? PER - START : 1;
+    constexpr int BATCH = REST < GB ? REST : GB;
 #pragma unroll
-    for (int i0 = 0; i0 < PER; i0 += BATCH) {
+    for (int i0 = START; i0 < PER; i0 += BATCH) {
         uint4 w[NR][BATCH];
 #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
@@ -357,6 +358,13 @@ __device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const b
             if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
         }
     }
+}
+
+template <int K, int NR>
+__device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
+                                         int lane) {
+    zero_acc<NR>(acc);
+    stream_dot<K, NR, 0>(w0, w1, vec, acc, lane);
     reduce_acc<NR>(acc);
 }
 
@@ -415,34 +423,14 @@ __device__ __forceinline__ void load_early(const bf16* w0, const bf16* w1, uint4
 template <int K, int NR>
 __device__ __forceinline__ void warp_dot_early(const uint4 (&we)[2][EB], const bf16* w0, const bf16* w1,
                                                const bf16* vec, float (&acc)[NR][R], int lane) {
-    constexpr int CH = K / 8;
-    constexpr int PER = (CH + 31) / 32;
-    constexpr int GB = NR > 1 ? GEMV_BATCH_PAIR : GEMV_BATCH;
-    constexpr int REST = PER > EARLY ? PER - EARLY : 1;
-    constexpr int BATCH = REST < GB ? REST : GB;
+    constexpr int PER = (K / 8 + 31) / 32;
     zero_acc<NR>(acc);
 #pragma unroll
     for (int b = 0; b < EARLY; ++b) {
         const int c = lane + 32 * b;
-        if (b < PER && c < CH) add_chunk<NR>(we, b, c, vec, acc);
+        if (b < PER && c < K / 8) add_chunk<NR>(we, b, c, vec, acc);
     }
-#pragma unroll
-    for (int i0 = EARLY; i0 < PER; i0 += BATCH) {
-        uint4 w[NR][BATCH];
-#pragma unroll
-        for (int b = 0; b < BATCH; ++b) {
-            const int c = lane + 32 * (i0 + b);
-            if (i0 + b < PER && c < CH) {
-                w[0][b] = ld_weight(w0 + c * 8);
-                if (NR > 1) w[NR - 1][b] = ld_weight(w1 + c * 8);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < BATCH; ++b) {
-            const int c = lane + 32 * (i0 + b);
-            if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
-        }
-    }
+    stream_dot<K, NR, EARLY>(w0, w1, vec, acc, lane);
     reduce_acc<NR>(acc);
 }
 
