@@ -85,6 +85,7 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "early 4 o": {"EARLY": 4, "EARLY_PH": 2},
     "early 4 o down": {"EARLY": 4, "EARLY_PH": 10},
     "early 4 o pf o": {"EARLY": 4, "EARLY_PH": 2, "PF_O": 2},
+    "ll pf o": {"LL": 1, "PF_O": 2},
 }
 
 
