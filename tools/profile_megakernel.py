@@ -118,8 +118,8 @@ def main() -> int:
             kernel = DecodeLayers(model, dec.k_pool, dec.v_pool, rows, overrides=VARIANTS[name], head=args.head)
             kernel.compile(PAGE_TOKENS)
             attrs = kernel.kernel.attributes
-            print(f"# {name}: {kernel.shared_mem} B shared, carveout {attrs.get('preferred_shared_memory_carveout')}, "
-                  f"{attrs.get('num_regs')} registers, {attrs.get('local_size_bytes')} B local", flush=True)
+            print(f"# {name}: {kernel.shared_mem} B shared, {attrs.get('num_regs')} registers, "
+                  f"{attrs.get('local_size_bytes')} B local", flush=True)
             head = ((dec.logits, dec.state_logits, s.state_rows[:rows], dec.sampled, dec.last_token, True)
                     if args.head else None)
 
