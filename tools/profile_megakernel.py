@@ -71,21 +71,6 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "pair batch 4": {"GEMV_BATCH_PAIR": 4},
     "pair batch 6": {"GEMV_BATCH_PAIR": 6},
     "single batch 4": {"GEMV_BATCH": 4, "GEMV_BATCH_PAIR": 8},
-    # long rows: blocks idle in attention pull the o weights into L2 (per line / bulk, 4 or 16 KB requests)
-    "pf o lines": {"PF_O": 1},
-    "pf o bulk": {"PF_O": 2},
-    "pf o bulk 16k": {"PF_O": 2, "PF_O_CHUNK": 16384},
-    # long rows: each warp's first rows of the next phase, whole, one bulk L2 prefetch before the barrier
-    "pf rows bulk": {"PF_LINES": -1},
-    "pf rows bulk and o": {"PF_LINES": -1, "PF_O": 2},
-    # long rows: a warp's first chunks of its phase's first row loaded before the phase's input (EARLY_PH bits:
-    # 1 P1, 2 o, 4 gate/up, 8 down)
-    "early 2": {"EARLY": 2},
-    "early 4": {"EARLY": 4},
-    "early 4 o": {"EARLY": 4, "EARLY_PH": 2},
-    "early 4 o down": {"EARLY": 4, "EARLY_PH": 10},
-    "early 4 o pf o": {"EARLY": 4, "EARLY_PH": 2, "PF_O": 2},
-    "ll pf o": {"LL": 1, "PF_O": 2},
 }
 
 

@@ -28,7 +28,7 @@
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
 // page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
 // PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, GEMV_BATCH_PAIR, SKIP
-// (diagnosis only); experiments, off by default: P1_BALANCE=0, PF_O, EARLY (each explained where defined).
+// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
@@ -82,18 +82,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// `bytes` (a multiple of 16) from 16-byte aligned global memory into L2, one bulk (TMA) request (sm_90).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, unsigned int bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// The first PF_LINES * 32 lines (128 bytes each) of a weight row of `k` elements, spread over the warp;
-// PF_LINES < 0: the whole row, one bulk prefetch.
+// The first PF_LINES * 32 lines (128 bytes each) of a weight row of `k` elements, spread over the warp.
 __device__ __forceinline__ void prefetch_row(const bf16* row, int k, int lane) {
-    if (PF_LINES < 0) {
-        if (lane == 0) prefetch_l2_bulk(row, (unsigned int)k * 2u);
-        return;
-    }
     const int lines = (k * 2 + 127) / 128;
     for (int i = lane; i < lines && i < 32 * PF_LINES; i += 32) prefetch_l2((const char*)row + i * 128);
 }
@@ -332,17 +322,16 @@ __device__ __forceinline__ void reduce_acc(float (&acc)[NR][R]) {
         for (int r = 0; r < R; ++r) acc[n][r] = warp_sum(acc[n][r]);
 }
 
-// acc[n][r] += rows w0 (and w1)'s chunks per lane from START on . vec[r], streamed in batches of loads.
-template <int K, int NR, int START>
-__device__ __forceinline__ void stream_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
-                                           int lane) {
+template <int K, int NR>
+__device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
+                                         int lane) {
     constexpr int CH = K / 8;              // 16-byte chunks per row
     constexpr int PER = (CH + 31) / 32;    // chunks per lane
     constexpr int GB = NR > 1 ? GEMV_BATCH_PAIR : GEMV_BATCH;
-    constexpr int REST = PER > START ? PER - START : 1;
-    constexpr int BATCH = REST < GB ? REST : GB;
+    constexpr int BATCH = PER < GB ? PER : GB;
+    zero_acc<NR>(acc);
 #pragma unroll
-    for (int i0 = START; i0 < PER; i0 += BATCH) {
+    for (int i0 = 0; i0 < PER; i0 += BATCH) {
         uint4 w[NR][BATCH];
 #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
@@ -358,13 +347,6 @@ __device__ __forceinline__ void stream_dot(const bf16* w0, const bf16* w1, const
             if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
         }
     }
-}
-
-template <int K, int NR>
-__device__ __forceinline__ void warp_dot(const bf16* w0, const bf16* w1, const bf16* vec, float (&acc)[NR][R],
-                                         int lane) {
-    zero_acc<NR>(acc);
-    stream_dot<K, NR, 0>(w0, w1, vec, acc, lane);
     reduce_acc<NR>(acc);
 }
 
@@ -394,43 +376,6 @@ __device__ __forceinline__ void warp_dot_rows(const bf16* const (&wr)[NR], const
             if (i0 + b < PER && c < CH) add_chunk<NR>(w, b, c, vec, acc);
         }
     }
-    reduce_acc<NR>(acc);
-}
-
-#ifndef EARLY
-#define EARLY 0  // long rows: chunks per lane of a warp's first row(s) of a phase loaded right after the barrier,
-                 // before the phase's input (its norm or its L2 load), so the two latencies overlap; 0: off
-#endif
-#ifndef EARLY_PH
-#define EARLY_PH 15  // the phases EARLY applies to: 1 P1, 2 P3 (o), 4 P4 (gate/up), 8 P5 (down)
-#endif
-constexpr int EB = EARLY > 0 ? EARLY : 1;  // (array extent)
-
-// The first EARLY chunks per lane of row w0 (and w1) into we[0] (we[1]).
-template <int K>
-__device__ __forceinline__ void load_early(const bf16* w0, const bf16* w1, uint4 (&we)[2][EB], int lane) {
-#pragma unroll
-    for (int b = 0; b < EARLY; ++b) {
-        const int c = lane + 32 * b;
-        if (c < K / 8) {
-            we[0][b] = ld_weight(w0 + c * 8);
-            if (w1 != nullptr) we[1][b] = ld_weight(w1 + c * 8);
-        }
-    }
-}
-
-// warp_dot whose first EARLY chunks per lane are in we (load_early): the same chunks in the same order.
-template <int K, int NR>
-__device__ __forceinline__ void warp_dot_early(const uint4 (&we)[2][EB], const bf16* w0, const bf16* w1,
-                                               const bf16* vec, float (&acc)[NR][R], int lane) {
-    constexpr int PER = (K / 8 + 31) / 32;
-    zero_acc<NR>(acc);
-#pragma unroll
-    for (int b = 0; b < EARLY; ++b) {
-        const int c = lane + 32 * b;
-        if (b < PER && c < K / 8) add_chunk<NR>(we, b, c, vec, acc);
-    }
-    stream_dot<K, NR, EARLY>(w0, w1, vec, acc, lane);
     reduce_acc<NR>(acc);
 }
 
@@ -480,14 +425,6 @@ __device__ __forceinline__ void qkv_rows(const bf16* wq, int u, const bf16** w0,
         *w1 = nullptr;
     }
 }
-
-#ifndef PF_O
-#define PF_O 0  // long rows: blocks with no attention unit pull the o weights into L2 during P2 (1: a
-                // prefetch per 128-byte line, 2: bulk prefetches of PF_O_CHUNK bytes); 0: off
-#endif
-#ifndef PF_O_CHUNK
-#define PF_O_CHUNK 4096
-#endif
 
 #ifndef P1_BALANCE
 #define P1_BALANCE 1  // 0: P1's units in order, warp gw taking units gw, gw + tw, ... (diagnosis)
@@ -717,9 +654,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     }
 
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
-    constexpr bool E1 = EARLY > 0 && !PRE_H && (EARLY_PH & 1), E3 = EARLY > 0 && !PRE_O && (EARLY_PH & 2),
-                   E4 = EARLY > 0 && !PRE_H && (EARLY_PH & 4), E5 = EARLY > 0 && !PRE_I && (EARLY_PH & 8);
-    uint4 we[2][EB];  // with EARLY: a phase's first row chunks, loaded before its input
     uint4 w1[2][Row<H>::PER], w3[2][Row<NH * D>::PER], w4[2][Row<H>::PER], w5[2][Row<I>::PER];
     const int u_first = p1_unit(gw, tw);  // this warp's first P1 unit (< 0: none)
     if constexpr (PRE_H) {
@@ -736,13 +670,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
         if (!(SKIP & 1)) {
-            if constexpr (E1) {
-                if (u_first >= 0) {
-                    const bf16 *a, *b;
-                    qkv_rows(LP(layer, 1), u_first, &a, &b);
-                    load_early<H>(a, b, we, lane);
-                }
-            }
             load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr, LL && layer > 0 ? ll_hb : nullptr,
                       TAG(layer - 1, 5));
             const bf16* wq = LP(layer, 1);
@@ -752,11 +679,10 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (u == -2) break;
                 if (u < 0) continue;
                 bool pre = false;
-                if constexpr (PRE_H || E1) pre = sl == gw;
+                if constexpr (PRE_H) pre = sl == gw;
                 if (u < NH * D) {
                     float acc[1][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
-                    if constexpr (E1) { if (pre) warp_dot_early<H, 1>(we, wq + (long long)u * H, nullptr, sm.vec, acc, lane); }
                     if (!pre) warp_dot<H, 1>(wq + (long long)u * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         const float b = HAS_QKV_BIAS ? bf2f(bq[u]) : 0.f;
@@ -768,9 +694,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const int j0 = NH * D + g * D + i, j1 = j0 + HALF;
                     float acc[2][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 2>(w1, sm.vec, acc, lane); }
-                    if constexpr (E1) {
-                        if (pre) warp_dot_early<H, 2>(we, wq + (long long)j0 * H, wq + (long long)j1 * H, sm.vec, acc, lane);
-                    }
                     if (!pre) warp_dot<H, 2>(wq + (long long)j0 * H, wq + (long long)j1 * H, sm.vec, acc, lane);
                     if (lane < R) {
                         const int r = lane;
@@ -793,7 +716,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     const int j = NH * D + NKV * D + idx;
                     float acc[1][R];
                     if constexpr (PRE_H) { if (pre) dot_w<H, 1>(w1, sm.vec, acc, lane); }
-                    if constexpr (E1) { if (pre) warp_dot_early<H, 1>(we, wq + (long long)j * H, nullptr, sm.vec, acc, lane); }
                     if (!pre) warp_dot<H, 1>(wq + (long long)j * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         float v = row_of<1>(acc, 0, lane);
@@ -972,31 +894,11 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
             }
         }
-        if constexpr (PF_O && !PRE_O) {
-            // At a few rows most blocks have no attention unit: they start the o phase's weight stream (H rows of
-            // NH * D, 33.6 MB at 8B, under L2's 50) so that P3's loads find it in L2 or on its way.
-            const int units = R * NH * splits;
-            if ((int)blockIdx.x >= units) {
-                const char* wo = (const char*)LP(layer, 3);
-                constexpr long long BYTES = (long long)H * NH * D * 2;
-                const long long t = (long long)(blockIdx.x - units) * THREADS + threadIdx.x;
-                const long long nt = (long long)(gridDim.x - units) * THREADS;
-                if constexpr (PF_O == 1) {
-                    for (long long i = t * 128; i < BYTES; i += nt * 128) prefetch_l2(wo + i);
-                } else {
-                    for (long long i = t * PF_O_CHUNK; i < BYTES; i += nt * PF_O_CHUNK)
-                        prefetch_l2_bulk(wo + i, (unsigned int)min((long long)PF_O_CHUNK, BYTES - i));
-                }
-            }
-        }
         if (LL) __syncthreads();  // (every phase boundary: the next phase rewrites this one's shared inputs)
         else SYNC_GRID();
 
         // ---------------- P3: o projection, residual ----------------
         if (!(SKIP & 4)) {
-            if constexpr (E3) {
-                if (gw < H) load_early<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), nullptr, we, lane);
-            }
             if (LL) {
                 if (splits == 1) load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);
                 else merge_splits_ll(ll_part, ll_ml, TAG(layer, 2), splits, sm.vec, sm.qs);
@@ -1011,9 +913,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_O) { if ((pre = j == gw)) dot_w<NH * D, 1>(w3, sm.vec, acc, lane); }
-                if constexpr (E3) {
-                    if ((pre = j == gw)) warp_dot_early<NH * D, 1>(we, wo + (long long)j * (NH * D), nullptr, sm.vec, acc, lane);
-                }
                 if (!pre) warp_dot<NH * D, 1>(wo + (long long)j * (NH * D), nullptr, sm.vec, acc, lane);
                 if (lane < R) {
                     float y = row_of<1>(acc, 0, lane);
@@ -1039,18 +938,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P4: norm, gate/up, silu ----------------
         if (!(SKIP & 8)) {
-            if constexpr (E4) {
-                if (gw < I) load_early<H>(LP(layer, 6) + (long long)gw * H, LP(layer, 6) + (long long)(I + gw) * H, we, lane);
-            }
             load_norm(h, LP(layer, 5), sm, nullptr, LL ? ll_ha : nullptr, TAG(layer, 3));
             const bf16* wgu = LP(layer, 6);
             for (int j = gw; j < I; j += tw) {
                 float acc[2][R];
                 bool pre = false;
                 if constexpr (PRE_H) { if ((pre = j == gw)) dot_w<H, 2>(w4, sm.vec, acc, lane); }
-                if constexpr (E4) {
-                    if ((pre = j == gw)) warp_dot_early<H, 2>(we, wgu + (long long)j * H, wgu + (long long)(I + j) * H, sm.vec, acc, lane);
-                }
                 if (!pre) warp_dot<H, 2>(wgu + (long long)j * H, wgu + (long long)(I + j) * H, sm.vec, acc, lane);
                 if (lane < R) {
                     const float g = round_bf(row_of<2>(acc, 0, lane));
@@ -1070,9 +963,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P5: down projection, residual ----------------
         if (!(SKIP & 16)) {
-            if constexpr (E5) {
-                if (gw < H) load_early<I>(LP(layer, 7) + (long long)gw * I, nullptr, we, lane);
-            }
             if (LL) load_rows_ll<I>(ll_act, TAG(layer, 4), sm.vec);
             else load_rows<I>(act, sm.vec);
             const bf16* wd = LP(layer, 7);
@@ -1080,7 +970,6 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_I) { if ((pre = j == gw)) dot_w<I, 1>(w5, sm.vec, acc, lane); }
-                if constexpr (E5) { if ((pre = j == gw)) warp_dot_early<I, 1>(we, wd + (long long)j * I, nullptr, sm.vec, acc, lane); }
                 if (!pre) warp_dot<I, 1>(wd + (long long)j * I, nullptr, sm.vec, acc, lane);
                 if (lane < R) {
                     const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
