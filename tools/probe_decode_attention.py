@@ -1,5 +1,7 @@
 """Decode attention at a large batch, as a step pays it: the separate rotary/KV-write kernel plus attention
-against the fused kernel (paged_decode_attention_rope), and the fused kernel's tile and warp choices.
+against the fused kernel (paged_decode_attention_rope), the fused kernel's tile and warp choices, and the
+same pool laid out head-major ([kv head, slot, d]: a program's keys of a page contiguous; the kernels take
+the pool's strides, so only the layout changes).
 
 Every layer gets its own KV pool region (as a step walks 32 layers' pools, nothing stays in L2), pages
 scattered; every row at the same context. Each variant is captured for all layers into one graph.
@@ -67,15 +69,23 @@ def main(argv=None) -> int:
         for i in range(L):
             paged_decode_attention(q, k_pool[i], v_pool[i], out, tables, lens, page_tokens=P, scale=scale)
 
-    def fused(**kw):
+    # The same pool head-major ([kv head, slot, d] per layer): a program's keys of one page lie together.
+    k_hm = torch.randn(L, nkv, (num_pages + 1) * P, d, device="cuda", dtype=dt).permute(0, 2, 1, 3)
+    v_hm = torch.randn_like(k_hm)
+
+    def fused(pools=(k_pool, v_pool), **kw):
+        kp, vp = pools
+
         def fn():
             for i in range(L):
-                paged_decode_attention_rope(qkv, cos, sin, positions, slots, k_pool[i], v_pool[i], out, tables, lens,
+                paged_decode_attention_rope(qkv, cos, sin, positions, slots, kp[i], vp[i], out, tables, lens,
                                             num_heads=nh, page_tokens=P, scale=scale, **kw)
         return fn
 
     variants = [("rope_write_kv + attention (main before)", separate), ("attention alone", attention_only),
-                ("fused, defaults (64 keys, 4 warps)", fused())]
+                ("fused, defaults (64 keys, 4 warps)", fused()),
+                ("fused, head-major pool", fused(pools=(k_hm, v_hm))),
+                ("fused, head-major pool, 2 warps, 4 stages", fused(pools=(k_hm, v_hm), num_warps=2, num_stages=4))]
     # The context split over 2 or 4 programs per (row, kv head), merged by the combine kernel.
     part_acc = torch.empty(B * nh * 4 * d, device="cuda", dtype=torch.float32)
     part_m = torch.empty(B * nh * 4, device="cuda", dtype=torch.float32)
