@@ -25,9 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-H, I, V, NQKV = 4096, 14336, 128256, 6144
-PRODUCTS = {"qkv": (NQKV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
+from products64 import PRODUCTS, H, V, chain_gb, graph_us, operands, print_rows  # noqa: E402
 CONFIGS = [  # (BN, BK, stages, warps)
     (64, 128, 4, 4), (64, 128, 6, 4), (64, 256, 3, 4), (64, 256, 4, 4),
     (128, 128, 4, 4), (128, 128, 4, 8), (128, 64, 6, 4), (32, 256, 4, 4),
@@ -67,12 +65,6 @@ def triton_mm(x, w, y, cfg, split):
                                  BK=bk, ATOMIC=split > 1, num_stages=stages, num_warps=warps)
 
 
-def graph_us(fn, replays=10) -> float:
-    from flared.execution.graphs import time_graph_us
-
-    return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
-
-
 class Lt:
     def __enter__(self):
         self.prev = torch.backends.cuda.preferred_blas_library()
@@ -89,11 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     m, L, dev, dt = args.rows, args.layers, "cuda", torch.bfloat16
-    torch.manual_seed(0)
-    w = {p: [(0.02 * torch.randn(n, k, device=dev)).to(dt) for _ in range(L)] for p, (n, k) in PRODUCTS.items()}
+    w, x, y = operands(m, L, dt)
     lm = (0.02 * torch.randn(V, H, device=dev)).to(dt)
-    x = {p: torch.randn(m, k, device=dev).to(dt) for p, (n, k) in PRODUCTS.items()}
-    y = {p: torch.empty(m, n, device=dev, dtype=dt) for p, (n, k) in PRODUCTS.items()}
     y32 = {p: torch.empty(m, n, device=dev, dtype=torch.float32) for p, (n, k) in PRODUCTS.items()}
     out = {"rows": m, "layers": L}
     table = []
@@ -164,15 +153,13 @@ def main(argv=None) -> int:
             return lt_fn
         return fn
 
-    gb = (sum(n * k for n, k in PRODUCTS.values()) * L + V * H) * 2 / 1e9
+    gb = chain_gb(L, head=True)
     for kind in ("cublas", "cublaslt", "triton"):
         us = graph_us(chain(kind), replays=5)
         table.append(("chain", kind, us, gb / us * 1e3, f"{gb:.1f} GB"))
         out[f"chain_{kind}_us"] = round(us, 1)
 
-    print(f"{'product':8} {'backend':9} {'us/layer':>10} {'TB/s':>6}  note")
-    for p, name, us, tbs, note in table:
-        print(f"{p:8} {name:9} {us:10.1f} {tbs:6.2f}  {note}")
+    print_rows(table)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -29,9 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-
-H, I, V, NQKV = 4096, 14336, 128256, 6144
-PRODUCTS = {"qkv": (NQKV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
+from products64 import PRODUCTS, H, V, chain_gb, graph_us, operands  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void l2_prefetch(const char* base, long long stride, int count, int bytes, int mode) {
@@ -80,12 +78,6 @@ class Prefetcher:
                                            ctypes.addressof(params), 0)
 
 
-def graph_us(fn, replays=5) -> float:
-    from flared.execution.graphs import time_graph_us
-
-    return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
-
-
 VARIANTS = {
     "none": None,
     "rows 1/4 bulk": {"rows": 0.25, "how": "bulk"},
@@ -108,11 +100,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     m, L, dev, dt = args.rows, args.layers, "cuda", torch.bfloat16
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch.manual_seed(0)
-    w = {p: [(0.02 * torch.randn(n, k, device=dev)).to(dt) for _ in range(L)] for p, (n, k) in PRODUCTS.items()}
+    w, x, y = operands(m, L, dt)
     lm = (0.02 * torch.randn(V, H, device=dev)).to(dt)
-    x = {p: torch.randn(m, k, device=dev).to(dt) for p, (n, k) in PRODUCTS.items()}
-    y = {p: torch.empty(m, n, device=dev, dtype=dt) for p, (n, k) in PRODUCTS.items()}
     xl = torch.randn(m, H, device=dev).to(dt)
     yl = torch.empty(m, V, device=dev, dtype=dt)
     order = [(p, w[p][i], x[p], y[p]) for i in range(L) for p in PRODUCTS] + [("head", lm, xl, yl)]
@@ -132,12 +121,12 @@ def main(argv=None) -> int:
                 main.wait_stream(side)
         return fn
 
-    gb = (sum(n * k for n, k in PRODUCTS.values()) * L + V * H) * 2 / 1e9
+    gb = chain_gb(L, head=True)
     ref = None
     res = {}
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     for name in names + [names[0]]:  # the first again: the drift between the ends
-        us = graph_us(chain(VARIANTS[name]))
+        us = graph_us(chain(VARIANTS[name]), replays=5)
         key = name if name not in res else name + " (again)"
         res[key] = us
         ref = ref or us

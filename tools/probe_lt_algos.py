@@ -24,9 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows  # noqa: E402
 
-H, I, NQKV = 4096, 14336, 6144
-PRODUCTS = {"qkv": (NQKV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
 R_32F, R_16BF, COMPUTE_32F = 0, 14, 68
 OP_N, OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
@@ -113,12 +112,6 @@ class LtProduct:
             ctypes.c_size_t(cand.workspace), stream), "matmul")
 
 
-def graph_us(fn, replays=10) -> float:
-    from flared.execution.graphs import time_graph_us
-
-    return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)
@@ -131,10 +124,7 @@ def main(argv=None) -> int:
     lib = load_lt()
     handle = ctypes.c_void_p()
     LtProduct._ok(lib.cublasLtCreate(ctypes.byref(handle)), "create")
-    torch.manual_seed(0)
-    w = {p: [(0.02 * torch.randn(n, k, device=dev)).to(dt) for _ in range(L)] for p, (n, k) in PRODUCTS.items()}
-    x = {p: torch.randn(m, k, device=dev).to(dt) for p, (n, k) in PRODUCTS.items()}
-    y = {p: torch.empty(m, n, device=dev, dtype=dt) for p, (n, k) in PRODUCTS.items()}
+    w, x, y = operands(m, L, dt)
     wss = [int(v) for v in args.workspaces.split(",")]
     workspace = torch.empty(max(wss) << 20, dtype=torch.uint8, device=dev)
     out = {"rows": m, "layers": L}
@@ -179,7 +169,7 @@ def main(argv=None) -> int:
                   "candidates": len(timed)}
         print(p, "all:", [(lab, round(v[0], 2)) for lab, v in ranked], file=sys.stderr)
 
-    gb = sum(n * k for n, k in PRODUCTS.values()) * L * 2 / 1e9
+    gb = chain_gb(L)
 
     def chain_torch():
         for i in range(L):
@@ -201,9 +191,7 @@ def main(argv=None) -> int:
         rows.append(("chain", name, us, gb / us * 1e3, f"{gb:.2f} GB"))
         out[f"chain {name}"] = round(us, 1)
 
-    print(f"{'product':8} {'algorithm':22} {'us/layer':>10} {'TB/s':>6}  config")
-    for p, name, us, tbs, note in rows:
-        print(f"{p:8} {name:22} {us:10.2f} {tbs:6.2f}  {note}")
+    print_rows(rows, "algorithm", width=22, digits=2)
     if args.json:
         print(json.dumps(out))
     return 0

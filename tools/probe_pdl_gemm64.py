@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows  # noqa: E402
 
-H, I, NQKV = 4096, 14336, 6144
-PRODUCTS = {"qkv": (NQKV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
 CONFIGS = {  # (BN, BK, stages, warps)
     "qkv": [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (32, 256, 3, 4)],
     "o": [(32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4), (16, 256, 4, 4)],
@@ -80,24 +79,15 @@ def mm(x, w, y, cfg, pre=0, pdl=False, trigger_start=False):
                     PDL=pdl, TRIGGER_START=trigger_start, num_stages=stages, num_warps=warps, **extra)
 
 
-def graph_us(fn, replays=10) -> float:
-    from flared.execution.graphs import time_graph_us
-
-    return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    m, L, dev, dt = args.rows, args.layers, "cuda", torch.bfloat16
+    m, L = args.rows, args.layers
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch.manual_seed(0)
-    w = {p: [(0.02 * torch.randn(n, k, device=dev)).to(dt) for _ in range(L)] for p, (n, k) in PRODUCTS.items()}
-    x = {p: torch.randn(m, k, device=dev).to(dt) for p, (n, k) in PRODUCTS.items()}
-    y = {p: torch.empty(m, n, device=dev, dtype=dt) for p, (n, k) in PRODUCTS.items()}
+    w, x, y = operands(m, L)
     out = {"rows": m, "layers": L}
     rows = []
 
@@ -150,7 +140,7 @@ def main(argv=None) -> int:
         out[p] = {"cublaslt": round(lt, 2), **{f"{c} pre{pr} pdl{int(d)} start{int(s)}": round(us, 2)
                                                 for (c, pr, d, s), us in timed.items()}}
 
-    gb = sum(n * k for n, k in PRODUCTS.values()) * L * 2 / 1e9
+    gb = chain_gb(L)
     plans = {"cuBLASLt": {p: None for p in PRODUCTS}}
     if all((p, "triton") in best for p in PRODUCTS):
         plans["triton"] = {p: best[(p, "triton")] for p in PRODUCTS}
@@ -166,9 +156,7 @@ def main(argv=None) -> int:
         rows.append(("chain", name, us, gb / us * 1e3, f"{gb:.2f} GB"))
         out[f"chain {name}"] = round(us, 1)
 
-    print(f"{'product':8} {'backend':18} {'us/layer':>10} {'TB/s':>6}  note")
-    for p, name, us, tbs, note in rows:
-        print(f"{p:8} {name:18} {us:10.1f} {tbs:6.2f}  {note}")
+    print_rows(rows, width=18)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -1,0 +1,43 @@
+"""What the 64-row product probes share (probe_gemm64, probe_pdl_gemm64, probe_lt_algos, probe_l2_sidecar):
+Llama-3.1-8B's four per-layer products, their operands with every layer's weights distinct (as a real step
+streams them: nothing stays in L2 between layers), graph timing and the table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+H, I, V, NQKV = 4096, 14336, 128256, 6144
+PRODUCTS = {"qkv": (NQKV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}  # name: (rows n, k)
+
+
+def operands(m: int, layers: int, dtype=torch.bfloat16):
+    """Seeded random weights per product and layer (w[p][layer] [n, k]), inputs x[p] [m, k], outputs y[p]."""
+    torch.manual_seed(0)
+    w = {p: [(0.02 * torch.randn(n, k, device="cuda")).to(dtype) for _ in range(layers)]
+         for p, (n, k) in PRODUCTS.items()}
+    x = {p: torch.randn(m, k, device="cuda").to(dtype) for p, (n, k) in PRODUCTS.items()}
+    y = {p: torch.empty(m, n, device="cuda", dtype=dtype) for p, (n, k) in PRODUCTS.items()}
+    return w, x, y
+
+
+def chain_gb(layers: int, head: bool = False) -> float:
+    """Weight GB a chain of `layers` x the four products (and the LM head) streams."""
+    return (sum(n * k for n, k in PRODUCTS.values()) * layers + (V * H if head else 0)) * 2 / 1e9
+
+
+def graph_us(fn, replays: int = 10) -> float:
+    from flared.execution.graphs import time_graph_us
+
+    return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
+
+
+def print_rows(rows, what: str = "backend", width: int = 9, digits: int = 1) -> None:
+    """rows: (product, name, us per layer, TB/s, note)."""
+    print(f"{'product':8} {what:{width}} {'us/layer':>10} {'TB/s':>6}  note")
+    for p, name, us, tbs, note in rows:
+        print(f"{p:8} {name:{width}} {us:10.{digits}f} {tbs:6.2f}  {note}")
