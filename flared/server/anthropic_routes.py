@@ -16,8 +16,10 @@ Rules:
   Anthropic's status codes (overloaded: 529). The transport's own 401/429
   (before a handler runs) keep the OpenAI shape.
 - ``tool_choice`` any/tool (a forced call) is enforced by a grammar
-  (flared.server.structured.force_tool_call); ``thinking`` enabled/disabled
-  sets the template's ``enable_thinking``.
+  (flared.server.structured.force_tool_call), and so is
+  ``output_config.format`` (JSON under a schema, returned as text; it cannot
+  be combined with a forced call); ``thinking`` enabled/disabled sets the
+  template's ``enable_thinking``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
-from flared.server.structured import ForcedToolChoice, compile_grammar, force_tool_call
+from flared.server.structured import (ForcedToolChoice, compile_grammar, force_tool_call,
+                                      parse_anthropic_output_format)
 from flared.server.openai_schema import (
     MAX_STOP_STRINGS,
     SamplingOptions,
@@ -255,9 +258,13 @@ class AnthropicRoutes:
         options = _options(body)
         stream = _boolean(body, "stream")
         forced = _forced_tool(body)
-        # A forced call needs no tool format in the template: the grammar produces it.
-        shape = OutputShape(self.state, rendered.text, None if forced else tools)
-        grammar = await compile_grammar(self.state, force_tool_call(shape, tools, forced) if forced else None)
+        output_format = parse_anthropic_output_format(body)
+        if forced is not None and output_format is not None:
+            raise _bad("output_config.format", "cannot be combined with a forced tool_choice (any or tool)")
+        # A forced call needs no tool format in the template: the grammar produces it. Under an output format
+        # the reply is the JSON itself, never parsed for calls.
+        shape = OutputShape(self.state, rendered.text, None if forced or output_format else tools)
+        grammar = await compile_grammar(self.state, force_tool_call(shape, tools, forced) if forced else output_format)
         prompt = tuple(rendered.token_ids)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),

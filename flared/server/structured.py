@@ -7,6 +7,8 @@ Every API's way of asking for constrained output becomes one ``GrammarSpec``
   (any JSON object), ``json_schema`` (``json_schema.schema``; ``strict`` is
   accepted either way: the grammar is always enforced, never best effort).
 - Ollama ``format``: ``"json"`` (any JSON object) or a JSON schema object.
+- Anthropic ``output_config.format`` (and the beta's top-level
+  ``output_format``): ``{"type": "json_schema", "schema": {...}}``.
 - Forced tool calls (OpenAI ``tool_choice`` "required" / a named function,
   Anthropic ``tool_choice`` any / tool): the output is constrained to JSON
   the route turns into tool calls itself (``tool_call_schema``), so no tool
@@ -116,6 +118,38 @@ def parse_ollama_format(value: Any, field: str = "format") -> GrammarSpec | None
         _checked(field, value)
         return GrammarSpec("json_schema", value)
     raise _bad(field, f"must be \"json\" or a JSON schema object, got {value!r}")
+
+
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def parse_anthropic_output_format(body: dict) -> GrammarSpec | None:
+    """Anthropic structured outputs: ``output_config.format`` or the structured-outputs beta's top-level
+    ``output_format``, each ``{"type": "json_schema", "schema": {...}}``. ``output_config.effort`` is checked
+    and accepted; no model served here has an effort setting, so it changes nothing."""
+    config = body.get("output_config")
+    fmt, field = None, "output_config.format"
+    if config is not None:
+        if not isinstance(config, dict):
+            raise _bad("output_config", "must be an object")
+        effort = config.get("effort")
+        if effort is not None and effort not in ANTHROPIC_EFFORTS:
+            raise _bad("output_config.effort", f"must be one of {', '.join(ANTHROPIC_EFFORTS)}, got {effort!r}")
+        fmt = config.get("format")
+    if body.get("output_format") is not None:
+        if fmt is not None:
+            raise _bad("output_format", "give the format once, as output_config.format")
+        fmt, field = body["output_format"], "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        got = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise _bad(f"{field}.type", f"must be 'json_schema', got {got!r}")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise _bad(f"{field}.schema", "must be a JSON schema object")
+    _checked(f"{field}.schema", schema)
+    return GrammarSpec("json_schema", schema)
 
 
 def tool_call_schema(tools: list[dict], name: str | None, *, max_calls: int | None = None) -> dict:

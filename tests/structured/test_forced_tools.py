@@ -1,5 +1,6 @@
 """Forced tool calls through the grammar: OpenAI tool_choice required / named,
-Anthropic tool_choice any / tool, with the real SDKs against the tiny daemon.
+Anthropic tool_choice any / tool (and its output_config.format, the Messages
+API's structured output), with the real SDKs against the tiny daemon.
 
 The tiny model has random weights: whatever it would say, the grammar makes
 the output a call to an allowed tool with arguments valid for its schema.
@@ -98,6 +99,43 @@ def test_anthropic_any_and_tool(claude):
     (use,) = [b for b in final.content if b.type == "tool_use"]
     assert use.name == "get_weather" and final.stop_reason == "tool_use"
     _valid("get_weather", use.input)
+
+
+def test_anthropic_output_config_format(claude):
+    """Structured outputs as the current SDK asks for them: output_config.format, a JSON schema; the reply is
+    text holding JSON valid under it, streamed or not, tools offered or not."""
+    weather = {"format": {"type": "json_schema", "schema": WEATHER}}
+    r = claude.messages.create(model="tiny", max_tokens=80, messages=ASK, output_config=weather)
+    (block,) = r.content
+    assert block.type == "text" and r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(block.text), WEATHER)
+    a_tools = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
+    with claude.messages.stream(model="tiny", max_tokens=80, messages=ASK, tools=a_tools,
+                                output_config={"effort": "low", **weather}) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["text"] and final.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(final.content[0].text), WEATHER)
+    # The structured-outputs beta put the same object at the top level.
+    r = claude.messages.create(model="tiny", max_tokens=40, messages=ASK,
+                               extra_body={"output_format": {"type": "json_schema", "schema": CLOCK}})
+    jsonschema.validate(json.loads(r.content[0].text), CLOCK)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"not": {"type": "null"}}}}}, "'not'"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": "json"}, "output_config"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": CLOCK}},
+      "output_format": {"type": "json_schema", "schema": CLOCK}}, "output_format"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": CLOCK}},
+      "tools": [{"name": "get_time", "input_schema": CLOCK}], "tool_choice": {"type": "any"}}, "forced tool_choice"),
+])
+def test_anthropic_output_format_rejections(claude, extra, match):
+    with pytest.raises(anthropic.BadRequestError, match=match) as info:
+        claude.messages.create(model="tiny", max_tokens=4, messages=ASK, extra_body=extra)
+    assert info.value.status_code == 400 and info.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_responses_forced_calls_and_text_format(oai):
