@@ -9,6 +9,7 @@ the output a call to an allowed tool with arguments valid for its schema.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import jsonschema
@@ -115,6 +116,16 @@ def test_anthropic_output_config_format(claude):
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["text"] and final.stop_reason == "end_turn"
     jsonschema.validate(json.loads(final.content[0].text), WEATHER)
+    # The SDK's parse helper sends a pydantic model's schema the same way and validates the reply into it (it
+    # moves numeric bounds into descriptions, which no grammar enforces, so this model has none).
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: Literal["Paris", "Rome", "Oslo"]
+        days: int
+
+    parsed = claude.messages.parse(model="tiny", max_tokens=80, messages=ASK, output_format=Weather).parsed_output
+    assert isinstance(parsed, Weather) and parsed.city in ("Paris", "Rome", "Oslo")
     # The structured-outputs beta put the same object at the top level.
     r = claude.messages.create(model="tiny", max_tokens=40, messages=ASK,
                                extra_body={"output_format": {"type": "json_schema", "schema": CLOCK}})
