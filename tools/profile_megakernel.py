@@ -45,6 +45,10 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "attention unsplit": {"SPLITS": 1},
     "attention splits 8": {"SPLITS": 8},
     "attention splits 4": {"SPLITS": 4},
+    # long-row models split too (megakernel.splits_for keeps them unsplit): pieces of 64 / 32 keys
+    "splits 4 keys 64": {"SPLITS": 4, "SPLIT_KEYS": 64},
+    "splits 8 keys 32": {"SPLITS": 8, "SPLIT_KEYS": 32},
+    "splits 16 keys 32": {"SPLITS": 16, "SPLIT_KEYS": 32},
     "head rows 2": {"HEAD_ROWS": 2},
     "head rows 4": {"HEAD_ROWS": 4},
     "head rows 8": {"HEAD_ROWS": 8},
