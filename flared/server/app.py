@@ -19,7 +19,8 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from flared.errors import AdmissionError, ErrorKind
+from flared.errors import AdmissionError, ErrorKind, FrontendError
+from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
 from flared.server.anthropic_routes import AnthropicRoutes
@@ -91,7 +92,22 @@ class ServingState:
             self.frontend_busy -= 1
 
     async def prepare_chat(self, messages, **kwargs):
-        return await self._in_pool(lambda: self.frontend.render_chat(messages, **kwargs))
+        try:
+            return await self._in_pool(lambda: self.frontend.render_chat(messages, **kwargs))
+        except FrontendError as exc:
+            # A template without tools fails on a tool-call history in its own words ("'dict object' has no
+            # attribute 'content'"); say what the request asked of it.
+            if exc.kind is ErrorKind.TEMPLATE and _has_tool_turns(messages) and not self._template_has_tools():
+                err = AdmissionError("'messages': the conversation holds tool calls or tool results, and this "
+                                     f"model's chat template has no tool-call format to render them ({exc})",
+                                     ErrorKind.UNSUPPORTED)
+                err.param = "messages"
+                raise err from None
+            raise
+
+    def _template_has_tools(self) -> bool:
+        template = self.frontend.chat_template
+        return template is not None and tool_parser_for_template(template.source, self.tool_parser) is not None
 
     async def encode(self, text: str) -> list[int]:
         add_bos = self.manifest.tokens.add_bos_token
@@ -106,6 +122,11 @@ class ServingState:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _has_tool_turns(messages) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages)
 
 
 def build_router(state: ServingState) -> Router:

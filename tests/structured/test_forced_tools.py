@@ -167,3 +167,27 @@ def test_responses_forced_calls_and_text_format(oai):
     with pytest.raises(openai.BadRequestError, match="'uniqueItems'"):
         oai.responses.create(model="tiny", input="x", max_output_tokens=4, text={"format": {
             "type": "json_schema", "name": "u", "schema": {"type": "array", "uniqueItems": True}}})
+
+
+def test_tool_history_on_a_template_without_tools_is_a_clear_400(smol_daemon):
+    """SmolLM2's template has no tools: a conversation carrying a call and its result is refused with a message
+    that says so (the template's own failure is kept in parentheses), on both APIs."""
+    claude = anthropic.Anthropic(base_url=smol_daemon.base, api_key="unused", max_retries=0)
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                  "input": {"city": "Paris", "days": 1}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+    with pytest.raises(anthropic.BadRequestError, match="no tool-call format to render them") as info:
+        claude.messages.create(model="smollm2-135m-instruct", max_tokens=4, messages=history)
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    oai = openai.OpenAI(base_url=smol_daemon.base + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with pytest.raises(openai.BadRequestError, match="no tool-call format to render them") as err:
+        oai.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4, messages=messages)
+    assert err.value.body["param"] == "messages"
+    # The same template renders plain turns as before.
+    r = oai.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4, messages=messages[:1])
+    assert r.choices[0].message.content
