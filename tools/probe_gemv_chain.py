@@ -21,7 +21,7 @@ import json
 import sys
 
 import torch
-from products64 import PRODUCTS, graph_us, operands
+from products64 import PRODUCTS, graph_us, launch, operands
 
 SOURCE = r"""
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
@@ -66,9 +66,8 @@ extern "C" __global__ void gemv_rows(const uint4* __restrict__ W, const uint4* _
 
 class Gemv:
     def __init__(self, unroll: int):
-        import cupy
+        from flared.execution.cuda import cupy
 
-        self.cupy = cupy
         self.fn = cupy.RawModule(code=SOURCE, options=(f"-DUNROLL={unroll}",)).get_function("gemv_rows")
         self.fn.max_dynamic_shared_size_bytes = 14336 * 2
 
@@ -76,9 +75,7 @@ class Gemv:
         n, k = w.shape
         vals = [ctypes.c_uint64(w.data_ptr()), ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(y.data_ptr()),
                 ctypes.c_int32(n), ctypes.c_int32(k // 8)]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        self.cupy.cuda.driver.launchKernel(self.fn.kernel.ptr, blocks, 1, 1, threads, 1, 1, k * 2,
-                                           torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
+        launch(self.fn, blocks, threads, k * 2, vals)
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from products64 import PRODUCTS, H, V, chain_gb, graph_us, operands  # noqa: E402
+from products64 import PRODUCTS, H, V, chain_gb, graph_us, launch, operands  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void l2_prefetch(const char* base, long long stride, int count, int bytes, int mode) {
@@ -56,9 +56,8 @@ extern "C" __global__ void l2_prefetch(const char* base, long long stride, int c
 
 class Prefetcher:
     def __init__(self):
-        import cupy
+        from flared.execution.cuda import cupy
 
-        self.cupy = cupy
         self.fn = cupy.RawModule(code=SOURCE).get_function("l2_prefetch")
 
     def __call__(self, w: torch.Tensor, spec: dict) -> None:
@@ -72,10 +71,7 @@ class Prefetcher:
         mode = {"bulk": 0, "lines": 1, "lines last": 2}[spec["how"]]
         vals = [ctypes.c_uint64(w.data_ptr()), ctypes.c_int64(stride), ctypes.c_int32(count), ctypes.c_int32(nbytes),
                 ctypes.c_int32(mode)]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        stream = torch.cuda.current_stream().cuda_stream
-        self.cupy.cuda.driver.launchKernel(self.fn.kernel.ptr, spec.get("blocks", 16), 1, 1, 256, 1, 1, 0, stream,
-                                           ctypes.addressof(params), 0)
+        launch(self.fn, spec.get("blocks", 16), 256, 0, vals)
 
 
 VARIANTS = {

@@ -22,7 +22,7 @@ import json
 import sys
 
 import torch
-from products64 import PRODUCTS, graph_us, operands
+from products64 import PRODUCTS, graph_us, launch, operands
 
 SOURCE = r"""
 extern "C" __global__ void read_region(const uint4* __restrict__ p, long long n, unsigned int* sink) {
@@ -44,17 +44,14 @@ extern "C" __global__ void read_region(const uint4* __restrict__ p, long long n,
 
 class Reader:
     def __init__(self, unroll: int):
-        import cupy
+        from flared.execution.cuda import cupy
 
-        self.cupy = cupy
         self.fn = cupy.RawModule(code=SOURCE, options=(f"-DUNROLL={unroll}",)).get_function("read_region")
         self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def __call__(self, ptr: int, nbytes: int, blocks: int, threads: int) -> None:
         vals = [ctypes.c_uint64(ptr), ctypes.c_int64(nbytes // 16), ctypes.c_uint64(self.sink.data_ptr())]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        self.cupy.cuda.driver.launchKernel(self.fn.kernel.ptr, blocks, 1, 1, threads, 1, 1, 0,
-                                           torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
+        launch(self.fn, blocks, threads, 0, vals)
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ streams them: nothing stays in L2 between layers), graph timing and the table.""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -34,6 +35,16 @@ def graph_us(fn, replays: int = 10) -> float:
     from flared.execution.graphs import time_graph_us
 
     return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
+
+
+def launch(function, blocks: int, threads: int, shared: int, values: list) -> None:
+    """A CuPy-loaded kernel (``RawModule.get_function``) on torch's current stream (so a torch graph capture
+    records it); ``values`` are the kernel's arguments as ctypes scalars."""
+    from flared.execution.cuda import cupy
+
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    cupy.cuda.driver.launchKernel(function.kernel.ptr, blocks, 1, 1, threads, 1, 1, shared,
+                                  torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
 
 
 def print_rows(rows, what: str = "backend", width: int = 9, digits: int = 1) -> None:
