@@ -49,6 +49,8 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "splits 4 keys 64": {"SPLITS": 4, "SPLIT_KEYS": 64},
     "splits 8 keys 32": {"SPLITS": 8, "SPLIT_KEYS": 32},
     "splits 16 keys 32": {"SPLITS": 16, "SPLIT_KEYS": 32},
+    "splits 4 keys 64 no P2": {"SPLITS": 4, "SPLIT_KEYS": 64, "SKIP": 2},
+    "splits 4 keys 64 no P3": {"SPLITS": 4, "SPLIT_KEYS": 64, "SKIP": 4},
     "head rows 2": {"HEAD_ROWS": 2},
     "head rows 4": {"HEAD_ROWS": 4},
     "head rows 8": {"HEAD_ROWS": 8},
