@@ -35,8 +35,9 @@ from flared.runtime.request import GenerateRequest
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
-from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
-from flared.server.openai_schema import SamplingOptions, _bad, _boolean, _integer, _number, _type, parse_tools
+from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
+from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type,
+                                         parse_tools)
 from flared.server.structured import compile_grammar, parse_ollama_format
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
@@ -92,13 +93,21 @@ def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
         raise _bad("options.stop", "must be an array of strings")
     seed = _integer(opts, "seed", -(1 << 63), (1 << 64) - 1)
     top_k = _integer(opts, "top_k", 0, 1 << 31)
+    # logprobs / top_logprobs sit beside options, as in Ollama's API
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if _boolean(body, "logprobs"):
+        logprobs = top or 0
+    elif top:
+        raise _bad("top_logprobs", "requires 'logprobs': true")
+    else:
+        logprobs = None
     return SamplingOptions(
         max_tokens=max_tokens, temperature=_number(opts, "temperature", 0.0, 2.0),
         top_p=_number(opts, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=_number(opts, "min_p", 0.0, 1.0),
         presence_penalty=_number(opts, "presence_penalty", -2.0, 2.0) or 0.0,
         frequency_penalty=_number(opts, "frequency_penalty", -2.0, 2.0) or 0.0,
         repetition_penalty=_number(opts, "repeat_penalty", 0.0, 2.0, lo_open=True),
-        seed=seed, logit_bias=None, logprobs=None, stop=tuple(s for s in stop if s), stop_token_ids=(),
+        seed=seed, logit_bias=None, logprobs=logprobs, stop=tuple(s for s in stop if s), stop_token_ids=(),
         ignore_eos=False, n=1)
 
 
@@ -239,7 +248,7 @@ class OllamaRoutes:
                               params=sampling_params(self.state, options, len(prompt), None, 0),
                               stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
-        return gen, shape
+        return gen, shape, options.logprobs is not None
 
     async def chat(self, request: Request):
         body = request.json()
@@ -249,9 +258,9 @@ class OllamaRoutes:
         tools = parse_tools(body.get("tools"), "tools")
         t0 = time.monotonic_ns()
         rendered = await self.state.prepare_chat(_messages(body), tools=tools, **_template_kwargs(body))
-        gen, shape = await self._start(body, rendered.text, tuple(rendered.token_ids), rendered.message_endpoints,
-                                       tools)
-        return await self._respond(request, gen, shape, body, model, t0, chat=True)
+        gen, shape, lps = await self._start(body, rendered.text, tuple(rendered.token_ids),
+                                            rendered.message_endpoints, tools)
+        return await self._respond(request, gen, shape, body, model, t0, chat=True, logprobs=lps)
 
     async def generate(self, request: Request):
         body = request.json()
@@ -277,19 +286,22 @@ class OllamaRoutes:
                 [{"role": "user", "content": prompt}]
             rendered = await self.state.prepare_chat(messages, **_template_kwargs(body))
             ids, text, endpoints = rendered.token_ids, rendered.text, rendered.message_endpoints
-        gen, shape = await self._start(body, text, tuple(ids), endpoints, None)
-        return await self._respond(request, gen, shape, body, model, t0, chat=False)
+        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None)
+        return await self._respond(request, gen, shape, body, model, t0, chat=False, logprobs=lps)
 
     async def _respond(self, request: Request, gen: Generation, shape: OutputShape, body: dict, model: str,
-                       t0_ns: int, *, chat: bool):
+                       t0_ns: int, *, chat: bool, logprobs: bool):
         request.disconnected.add_callback(gen.cancel)
         stream = _boolean(body, "stream", default=True)
         if stream:
-            return StreamingResponse(lambda w: self._stream(gen, w, shape, model, t0_ns, chat), media_type=_NDJSON)
-        ((text, _ids, _lps, finish),) = await gen.collect()
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, model, t0_ns, chat, logprobs),
+                                     media_type=_NDJSON)
+        ((text, _ids, lps, finish),) = await gen.collect()
         parsed, calls = shape.parse(text)
         out = {"model": model, "created_at": _now(),
                **self._piece(parsed, calls, chat), **self._final(gen, finish, t0_ns)}
+        if logprobs:
+            out["logprobs"] = token_logprobs(self.state.frontend, lps)
         return Response.json(out)
 
     @staticmethod
@@ -314,7 +326,7 @@ class OllamaRoutes:
                 "prompt_eval_duration": 0, "eval_count": u.num_generated_tokens, "eval_duration": total}
 
     async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, model: str, t0_ns: int,
-                      chat: bool) -> None:
+                      chat: bool, logprobs: bool) -> None:
         parser = shape.parser() if shape.active else None
         finish = "stop"
         num_calls_sent = 0
@@ -326,9 +338,10 @@ class OllamaRoutes:
                     if parser is not None:
                         tail = parser.finish()
                         parsed = ParsedDelta(parsed.content + tail.content, [], parsed.reasoning + tail.reasoning)
-                if parsed.content or parsed.reasoning:
+                lps = token_logprobs(self.state.frontend, d.logprobs) if logprobs and d.logprobs else None
+                if parsed.content or parsed.reasoning or lps:
                     await w.send_ndjson({"model": model, "created_at": _now(), **self._piece(parsed, [], chat),
-                                         "done": False})
+                                         **({"logprobs": lps} if lps else {}), "done": False})
                 # a call goes out whole as soon as it is complete (Ollama's arguments are objects)
                 done_calls = parser.calls[:len(parser.calls) if d.finish_reason is not None
                                           else parser.num_closed_calls] if parser is not None else []

@@ -113,6 +113,20 @@ def _usage(gen: Generation) -> dict[str, Any]:
     }
 
 
+def token_logprobs(fe, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Per token ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``: chat completions'
+    ``logprobs.content`` and Ollama's ``logprobs`` alike."""
+    out = []
+    for lp in lps:
+        tok = fe.decode([lp.token_id])
+        out.append({
+            "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": (t := fe.decode([tid])), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                             for tid, v in lp.top],
+        })
+    return out
+
+
 class OutputShape:
     """How a request's generated text splits into reasoning, content and tool calls.
 
@@ -222,7 +236,8 @@ class OpenAIRoutes:
             choices.append({
                 "index": i,
                 "message": message,
-                "logprobs": {"content": self._chat_logprobs(lps)} if req.options.logprobs is not None else None,
+                "logprobs": {"content": token_logprobs(self.state.frontend, lps)}
+                if req.options.logprobs is not None else None,
                 "finish_reason": finish_with_calls(finish, calls),
             })
         return Response.json({"id": rid, "object": "chat.completion", "created": gen.created,
@@ -256,7 +271,7 @@ class OpenAIRoutes:
                     if not delta and finish is None and not d.logprobs:
                         continue
                 choice = {"index": d.index, "delta": delta,
-                          "logprobs": {"content": self._chat_logprobs(d.logprobs)}
+                          "logprobs": {"content": token_logprobs(self.state.frontend, d.logprobs)}
                           if req.options.logprobs is not None and d.logprobs else None,
                           "finish_reason": finish}
                 await w.send_json_event({**base, "choices": [choice], **usage_null})
@@ -288,18 +303,6 @@ class OpenAIRoutes:
                 calls.append(call)
             delta["tool_calls"] = calls
         return delta
-
-    def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-        fe = self.state.frontend
-        out = []
-        for lp in lps:
-            tok = fe.decode([lp.token_id])
-            out.append({
-                "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
-                "top_logprobs": [{"token": (t := fe.decode([tid])), "logprob": v, "bytes": list(t.encode("utf-8"))}
-                                 for tid, v in lp.top],
-            })
-        return out
 
     # -- completions ---------------------------------------------------------------------------
 

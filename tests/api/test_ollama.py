@@ -78,6 +78,27 @@ def test_format_json_is_enforced(client):
         assert isinstance(json.loads(r.response), dict)
 
 
+def test_logprobs(client):
+    """logprobs / top_logprobs (Ollama 0.12.11+): per generated token its text, log probability and the most
+    likely alternatives, streamed with the tokens they belong to."""
+    ask = {"model": "tiny", "prompt": "What is the weather in Paris?", "think": False, "options": GREEDY}
+    r = client.generate(**ask, logprobs=True, top_logprobs=2)
+    assert r.response == ANSWER and "".join(lp.token for lp in r.logprobs) == ANSWER
+    for lp in r.logprobs:  # greedy: the token taken is the most likely one
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0].token == lp.token and lp.top_logprobs[0].logprob == pytest.approx(lp.logprob)
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+    parts = list(client.generate(**ask, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [lp for p in parts for lp in (p.logprobs or [])]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in r.logprobs]
+    c = client.chat(model="tiny", messages=ASK, think=False, options=GREEDY, logprobs=True)
+    assert c.message.content == ANSWER and c.logprobs and not c.logprobs[0].top_logprobs
+    assert client.generate(**ask).logprobs is None
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(**ask, top_logprobs=3)
+    assert e.value.status_code == 400 and "logprobs" in e.value.error
+
+
 def _cancelled_total(daemon) -> float:
     status, text = daemon.request("GET", "/metrics")
     assert status == 200
