@@ -37,6 +37,13 @@ def graph_us(fn, replays: int = 10) -> float:
     return time_graph_us(fn, torch.cuda.Stream(), replays=replays)
 
 
+def torch_layer_us(x: dict, w: dict, y: dict, p: str) -> float:
+    """GPU microseconds a layer of product ``p`` through torch (``F.linear``; cuBLASLt where preferred), over
+    every layer's weights in one graph."""
+    layers = len(w[p])
+    return graph_us(lambda: [torch.nn.functional.linear(x[p], w[p][i], out=y[p]) for i in range(layers)]) / layers
+
+
 def launch(function, blocks: int, threads: int, shared: int, values: list) -> None:
     """A CuPy-loaded kernel (``RawModule.get_function``) on torch's current stream (so a torch graph capture
     records it); ``values`` are the kernel's arguments as ctypes scalars."""
