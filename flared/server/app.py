@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from flared.errors import AdmissionError, ErrorKind, FrontendError
+from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
@@ -97,7 +98,7 @@ class ServingState:
         except FrontendError as exc:
             # A template without tools fails on a tool-call history in its own words ("'dict object' has no
             # attribute 'content'"); say what the request asked of it.
-            if exc.kind is ErrorKind.TEMPLATE and _has_tool_turns(messages) and not self._template_has_tools():
+            if exc.kind is ErrorKind.TEMPLATE and _has_tool_turns(messages) and self.tool_format() is None:
                 err = AdmissionError("'messages': the conversation holds tool calls or tool results, and this "
                                      f"model's chat template has no tool-call format to render them ({exc})",
                                      ErrorKind.UNSUPPORTED)
@@ -105,9 +106,18 @@ class ServingState:
                 raise err from None
             raise
 
-    def _template_has_tools(self) -> bool:
+    def _template_source(self) -> str | None:
         template = self.frontend.chat_template
-        return template is not None and tool_parser_for_template(template.source, self.tool_parser) is not None
+        return template.source if template is not None else None
+
+    def tool_format(self):
+        """The tool-call parser class this model's template implies (or the config's tool_parser names); None
+        when it has no tool-call format."""
+        return tool_parser_for_template(self._template_source(), self.tool_parser)
+
+    def reasoning_format(self):
+        """The reasoning format this model's template implies (or the config's reasoning_parser names)."""
+        return reasoning_format_for_template(self._template_source(), self.reasoning_parser)
 
     async def encode(self, text: str) -> list[int]:
         add_bos = self.manifest.tokens.add_bos_token

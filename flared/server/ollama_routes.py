@@ -201,15 +201,10 @@ class OllamaRoutes:
             "context_length": m.capacities.context_tokens}]})
 
     def _capabilities(self) -> list[str]:
-        fe = self.state.frontend
-        source = fe.chat_template.source if fe.chat_template is not None else None
-        from flared.frontend.reasoning import reasoning_format_for_template
-        from flared.frontend.toolcalls import tool_parser_for_template
-
         caps = ["completion"]
-        if tool_parser_for_template(source, self.state.tool_parser) is not None:
+        if self.state.tool_format() is not None:
             caps.append("tools")
-        if reasoning_format_for_template(source, self.state.reasoning_parser) is not None:
+        if self.state.reasoning_format() is not None:
             caps.append("thinking")
         return caps
 

@@ -12,8 +12,8 @@ import secrets
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
-from flared.frontend.reasoning import opens_reasoning, reasoning_format_for_template
-from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall, tool_parser_for_template
+from flared.frontend.reasoning import opens_reasoning
+from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall
 from flared.model.sampling import SamplingParams
 from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
@@ -138,15 +138,14 @@ class OutputShape:
 
     def __init__(self, state, prompt_text: str, tools: list[dict] | None, *, field: str = "tools",
                  reasoning: bool = True):
-        template = state.frontend.chat_template.source if state.frontend.chat_template is not None else None
         self.tools = tools
-        self.tool_cls = tool_parser_for_template(template, state.tool_parser) if tools else None
+        self.tool_cls = state.tool_format() if tools else None
         if tools and self.tool_cls is None:
             err = AdmissionError(f"'{field}': this model's chat template has no tool-call format this server "
                                  "can parse (set tool_parser in the config to name one)", ErrorKind.UNSUPPORTED)
             err.param = field
             raise err
-        self.reasoning = reasoning_format_for_template(template, state.reasoning_parser) if reasoning else None
+        self.reasoning = state.reasoning_format() if reasoning else None
         self.starts_inside = opens_reasoning(prompt_text, self.reasoning)
 
     @property
