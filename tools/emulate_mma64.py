@@ -54,7 +54,8 @@ def run(N, K, S, G, PD=2, STAGES=3):
                             x0 = xs_all[c][s, n, (2 * q) ^ (n & 7)]; x1 = xs_all[c][s, n, (2 * q + 1) ^ (n & 7)]
                             xv = np.concatenate([x0, x1])
                             for t in range(4):  # step t: regs (wa[4t:4t+2], wb[4t:4t+2], wa[4t+2:4t+4], wb[..])
-                                As[t][lane] = [wa[4*t], wa[4*t+1], wb[4*t], wb[4*t+1], wa[4*t+2], wa[4*t+3], wb[4*t+2], wb[4*t+3]]
+                                As[t][lane] = [wa[4*t], wa[4*t+1], wb[4*t], wb[4*t+1],
+                                               wa[4*t+2], wa[4*t+3], wb[4*t+2], wb[4*t+3]]
                                 Bs[t][lane] = [xv[4*t], xv[4*t+1], xv[4*t+2], xv[4*t+3]]
                         for t in range(4):
                             mma(acc[j], As[t], Bs[t])

@@ -15,7 +15,6 @@ CUDA only; a probe for deciding whether batched-decode products are worth writin
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from products64 import PRODUCTS, H, V, chain_gb, graph_us, operands, print_rows  # noqa: E402
+from products64 import H, PRODUCTS, V, chain_gb, graph_us, operands, print_rows, probe_parser  # noqa: E402
 CONFIGS = [  # (BN, BK, stages, warps)
     (64, 128, 4, 4), (64, 128, 6, 4), (64, 256, 3, 4), (64, 256, 4, 4),
     (128, 128, 4, 4), (128, 128, 4, 8), (128, 64, 6, 4), (32, 256, 4, 4),
@@ -75,10 +74,7 @@ class Lt:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--json", action="store_true")
+    ap = probe_parser(rows=True)
     args = ap.parse_args(argv)
     m, L, dev, dt = args.rows, args.layers, "cuda", torch.bfloat16
     w, x, y = operands(m, L, dt)

@@ -15,13 +15,12 @@ CUDA only; a probe for deciding how the one-row step's products should be launch
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import sys
 
 import torch
-from products64 import PRODUCTS, graph_us, launch, operands
+from products64 import PRODUCTS, graph_us, launch, operands, probe_parser
 
 SOURCE = r"""
 __device__ __forceinline__ float dot8(uint4 w, uint4 x) {
@@ -79,9 +78,7 @@ class Gemv:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--json", action="store_true")
+    ap = probe_parser(rows=False)
     args = ap.parse_args(argv)
     L = args.layers
     w, x, y = operands(1, L)

@@ -20,7 +20,6 @@ CUDA only; a probe for deciding whether the decode graph should carry such a bra
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from products64 import PRODUCTS, H, V, chain_gb, graph_us, launch, operands  # noqa: E402
+from products64 import H, PRODUCTS, V, chain_gb, graph_us, launch, operands, probe_parser  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void l2_prefetch(const char* base, long long stride, int count, int bytes, int mode) {
@@ -88,11 +87,8 @@ VARIANTS = {
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=32)
+    ap = probe_parser(rows=True)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     m, L, dev, dt = args.rows, args.layers, "cuda", torch.bfloat16
     torch.backends.cuda.preferred_blas_library("cublaslt")

@@ -15,7 +15,6 @@ CUDA only; a probe for deciding whether the decode step should pick its cuBLASLt
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, torch_layer_us  # noqa: E402
+from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, probe_parser, torch_layer_us  # noqa: E402
 
 R_32F, R_16BF, COMPUTE_32F = 0, 14, 68
 OP_N, OP_T = 0, 1
@@ -113,11 +112,8 @@ class LtProduct:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=32)
+    ap = probe_parser(rows=True)
     ap.add_argument("--workspaces", default="1,32,256", help="workspace limits, MiB")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     m, L, dev, dt = args.rows, args.layers, "cuda", torch.bfloat16
     torch.backends.cuda.preferred_blas_library("cublaslt")

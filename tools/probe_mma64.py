@@ -22,13 +22,12 @@ CUDA only (sm_80+ for the MMA); a probe for deciding whether to write the 64-row
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import sys
 
 import torch
-from products64 import PRODUCTS, chain_gb, graph_us, launch, operands, print_rows, torch_layer_us
+from products64 import PRODUCTS, chain_gb, graph_us, launch, operands, print_rows, probe_parser, torch_layer_us
 
 WARPS, KB, STAGES = 16, 64, 3  # PD (weight k-blocks in flight per warp) per build: 2 spills nothing
 
@@ -198,10 +197,8 @@ class Mma64:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
+    ap = probe_parser(rows=False)
     ap.add_argument("--pd", default="2,4", help="builds: weight k-blocks in flight per warp")
-    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     L = args.layers
     torch.backends.cuda.preferred_blas_library("cublaslt")

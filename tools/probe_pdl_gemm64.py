@@ -21,7 +21,6 @@ CUDA only (sm_90 for PDL); a probe for deciding whether to write the 64-row step
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, torch_layer_us  # noqa: E402
+from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, probe_parser, torch_layer_us  # noqa: E402
 
 CONFIGS = {  # (BN, BK, stages, warps)
     "qkv": [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (32, 256, 3, 4)],
@@ -80,10 +79,7 @@ def mm(x, w, y, cfg, pre=0, pdl=False, trigger_start=False):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--json", action="store_true")
+    ap = probe_parser(rows=True)
     args = ap.parse_args(argv)
     m, L = args.rows, args.layers
     torch.backends.cuda.preferred_blas_library("cublaslt")

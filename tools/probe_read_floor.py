@@ -16,13 +16,12 @@ CUDA only; a probe, not a benchmark of anything flared runs.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import sys
 
 import torch
-from products64 import PRODUCTS, graph_us, launch, operands
+from products64 import PRODUCTS, graph_us, launch, operands, probe_parser
 
 SOURCE = r"""
 extern "C" __global__ void read_region(const uint4* __restrict__ p, long long n, unsigned int* sink) {
@@ -55,9 +54,7 @@ class Reader:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--json", action="store_true")
+    ap = probe_parser(rows=False)
     args = ap.parse_args(argv)
     L = args.layers
     sizes = [n * k * 2 for n, k in PRODUCTS.values()]  # bytes per product, a layer's order

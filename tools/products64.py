@@ -4,6 +4,7 @@ streams them: nothing stays in L2 between layers), graph timing and the table.""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import sys
 from pathlib import Path
@@ -14,6 +15,16 @@ import torch  # noqa: E402
 
 H, I, V, NQKV = 4096, 14336, 128256, 6144
 PRODUCTS = {"qkv": (NQKV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}  # name: (rows n, k)
+
+
+def probe_parser(rows: bool = False) -> argparse.ArgumentParser:
+    """The options every product probe takes: --layers (32), --json, and with ``rows`` --rows (64)."""
+    ap = argparse.ArgumentParser()
+    if rows:
+        ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    return ap
 
 
 def operands(m: int, layers: int, dtype=torch.bfloat16):
