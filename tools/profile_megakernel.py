@@ -45,10 +45,12 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "attention unsplit": {"SPLITS": 1},
     "attention splits 8": {"SPLITS": 8},
     "attention splits 4": {"SPLITS": 4},
-    # long-row models split too (megakernel.splits_for keeps them unsplit): pieces of 64 / 32 keys
+    # long-row models' splits (megakernel.splits_for) spelled out: pieces of 64 / 32 keys
     "splits 4 keys 64": {"SPLITS": 4, "SPLIT_KEYS": 64},
     "splits 8 keys 32": {"SPLITS": 8, "SPLIT_KEYS": 32},
     "splits 16 keys 32": {"SPLITS": 16, "SPLIT_KEYS": 32},
+    "splits 4 keys 32": {"SPLITS": 4, "SPLIT_KEYS": 32},
+    "splits 2 keys 64": {"SPLITS": 2, "SPLIT_KEYS": 64},
     "splits 4 keys 64 no P2": {"SPLITS": 4, "SPLIT_KEYS": 64, "SKIP": 2},
     "splits 4 keys 64 no P3": {"SPLITS": 4, "SPLIT_KEYS": 64, "SKIP": 4},
     "head rows 2": {"HEAD_ROWS": 2},

@@ -26,7 +26,7 @@ def _hf(kind, seed=0):
         cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                           **dict(common, num_hidden_layers=2, vocab_size=8192))
         return LlamaForCausalLM(cfg)
-    if kind == "long":  # a row over 2,048 elements: the long-row build (16 warps, unsplit attention), as 8B's
+    if kind == "long":  # a row over 2,048 elements: the long-row build (16 warps), as 8B's
         cfg = LlamaConfig(hidden_size=256, intermediate_size=2304, num_attention_heads=2, num_key_value_heads=1,
                           **common)
         return LlamaForCausalLM(cfg)
@@ -101,7 +101,9 @@ def _step(dec, batch, mega):
     ("llama64", [700, 33, 0, 5]),
     ("llama128", [1000, 64]),
     ("long", [700, 33]),  # 44 keys a warp: more than one V tile
+    ("long", [700]),  # one row: split attention at 16 warps, merged by each head's last block
     ("wide", [300, 17]),
+    ("wide", [300]),  # 18 heads in 2 pieces of 150 keys
     ("smollm", [255, 3]),
     ("smollm", [600]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
@@ -192,10 +194,11 @@ def test_p1_slots_and_load_batches_change_no_bit(overrides):
 def test_megakernel_graph_replay_is_bit_identical():
     from flared.execution.graphs import time_graph_us
 
-    model, dec = _decoder("llama64", 2, [200, 9])
+    model, dec = _decoder("llama64", 2, [700, 9])
     logits, k, v = _step(dec, 2, mega=True)
     # eager once, then captured and replayed six times: every replay rewrites the same slots with the same
-    # values and reads the same cache, so it must give the eager step's results exactly
+    # values and reads the same cache, so it must give the eager step's results exactly (the split heads'
+    # arrival counters too must start each launch at zero)
     time_graph_us(lambda: dec.decode(2, False), torch.cuda.Stream(), replays=5)
     torch.cuda.synchronize()
     assert torch.equal(dec.logits[:2], logits)

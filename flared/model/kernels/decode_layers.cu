@@ -9,8 +9,8 @@
 //       and written to the KV pool; v rows to the pool; q rows raw to `qkv`
 //   P2  paged decode attention: each (row, q head) split over spare blocks on long contexts (SPLIT_KEYS);
 //       rotary on q; each warp one slice of its block's keys in 32-key tiles (K rows to registers, V rows
-//       to shared memory by cp.async), online softmax; the block's warps merged in shared memory, the
-//       blocks' partials merged by every block as P3 loads its input
+//       to shared memory by cp.async), online softmax; the block's warps merged in shared memory, a split
+//       head's partials merged by the last of its blocks to finish
 //   P3  o rows; residual += o
 //   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
 //   P5  down rows; residual += down
@@ -465,6 +465,7 @@ __device__ __forceinline__ float row_of(const float (&acc)[NR][R], int n, int la
 // The blocks' attention partials: part[u * D + d] the unnormalised output of partial u = (r * NH + hq) *
 // splits + s, and at ML_OFF + 2 * u its max (log2 domain) and sum.
 #define ML_OFF (R * NH * SPLITS * D)
+static_assert(SPLITS <= 2 * WARPS && SPLITS <= 32, "merge_head's weights live in sm.wml, made by one warp");
 
 // f[u] = each partial's weight in its (row, head)'s merged output, from the partials' (max, sum) already in
 // f[units + u] and f[2 * units + u] (units = R * NH * splits).
@@ -483,40 +484,30 @@ __device__ __forceinline__ void split_weights(int splits, float* f) {
     __syncthreads();
 }
 
-// vec[r][hq * D + d] = the merged attention output of (row r, head hq) from its `splits` partials. Two
-// rounds of independent L2 loads: every partial's (m, l) -> its weight exp2(m - M) / L in shared memory,
-// then each thread's float4 of output summed over the splits. `f` is shared scratch of 3 * R * NH * splits.
-__device__ void merge_splits(const float* part, int splits, bf16* vec, float* f) {
-    const int units = R * NH * splits;
-    float* ms = f + units;
-    float* ls = f + 2 * units;
-    for (int u = threadIdx.x; u < units; u += THREADS) {
-        const float2 ml = __ldcg((const float2*)(part + ML_OFF) + u);
-        ms[u] = ml.x;
-        ls[u] = ml.y;
+// out[d] = the merged attention output of one (row, head) from its `splits` partials from `first` on: warp 0
+// turns the partials' (max, sum) into weights exp2(m - M) / L in `f` (shared, >= splits floats) while the
+// threads of the outputs load their partial values: one L2 round trip. (One float per split held a thread:
+// arrays of the (max, sum) too spilled the 8B build and slowed every launch.)
+__device__ void merge_head(const float* part, int first, int splits, bf16* out, float* f) {
+    if (threadIdx.x < 32) {
+        const int k = threadIdx.x;
+        const float2 ml = k < splits ? __ldcg((const float2*)(part + ML_OFF) + first + k) : make_float2(NEG_INF, 0.f);
+        const float mm = warp_max(ml.x);
+        const float ll = warp_sum(ml.x == NEG_INF ? 0.f : ml.y * exp2f(ml.x - mm));
+        if (k < splits) f[k] = (ml.x == NEG_INF || !(ll > 0.f)) ? 0.f : exp2f(ml.x - mm) / ll;
     }
-    __syncthreads();
-    split_weights(splits, f);
-    for (int i = threadIdx.x; i < R * NH * (D / 4); i += THREADS) {
-        const int g = i / (D / 4), d = (i % (D / 4)) * 4;  // g = r * NH + hq
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int d0 = 0; d0 < D; d0 += THREADS) {
+        const int d = d0 + threadIdx.x;
+        float p[SPLITS];
 #pragma unroll
-        for (int k = 0; k < SPLITS; ++k) {
-            if (k < splits) {
-                const float w = f[g * splits + k];
-                const float4 p = __ldcg((const float4*)(part + (long long)(g * splits + k) * D + d));
-                o.x = fmaf(w, p.x, o.x);
-                o.y = fmaf(w, p.y, o.y);
-                o.z = fmaf(w, p.z, o.z);
-                o.w = fmaf(w, p.w, o.w);
-            }
-        }
-        const int r = g / NH, hq = g % NH;
-        bf16* dst = vec + r * KMAX + hq * D + d;
-        *(unsigned int*)dst = (unsigned int)f2bf(o.x) | ((unsigned int)f2bf(o.y) << 16);
-        *(unsigned int*)(dst + 2) = (unsigned int)f2bf(o.z) | ((unsigned int)f2bf(o.w) << 16);
+        for (int k = 0; k < SPLITS; ++k) p[k] = (k < splits && d < D) ? __ldcg(part + (long long)(first + k) * D + d) : 0.f;
+        __syncthreads();  // the weights
+        float o = 0.f;
+#pragma unroll
+        for (int k = 0; k < SPLITS; ++k)
+            if (k < splits) o = fmaf(f[k], p[k], o);
+        if (d < D) out[d] = f2bf(o);
     }
-    __syncthreads();
 }
 
 // merge_splits from LL words of `tag`: part [units][D] and ml [units][2] (max, sum).
@@ -589,6 +580,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     const int gw = blockIdx.x * WARPS + warp;                     // global warp
     const int tw = gridDim.x * WARPS;
     unsigned int* barrier = sync;
+    unsigned int* heads = sync + 2;  // [R * NH] arrivals of the blocks of each split (row, head)
+    __shared__ bool last_split;
     unsigned int phase = 0;
     // The launch's epoch (sync[1]): block 0 bumps it at the end. Each launch arrives NB times per block at the
     // never-reset counter sync[0] (every grid barrier, then the LM head's candidates), so this launch's
@@ -640,15 +633,16 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         }
     }
     // Attention splits each (row, q head) over the grid's spare blocks once the longest context reaches
-    // 3 * SPLIT_KEYS: at most SPLITS pieces of at least SPLIT_KEYS keys each (the merge costs two L2 round
-    // trips per layer; on the H200 at 135M, 256 keys ran faster unsplit, 512 in 4 pieces and 1,024 in 8
-    // were 78 and 212 us faster per launch). The merge's scratch (3 floats per partial) must fit sm.qs.
-    // Every block derives the same count from the same context lengths.
+    // 3 * SPLIT_KEYS: at most SPLITS pieces of at least SPLIT_KEYS keys each (the merge costs an arrival
+    // and an L2 round trip per layer; on the H200 at 135M, 256 keys ran faster unsplit, 512 in 4 pieces and
+    // 1,024 in 8 were 78 and 212 us faster per launch). LL's merge scratch (3 floats per partial) must fit
+    // sm.qs. Every block derives the same count from the same context lengths.
     int splits = 1;
     {
         int longest = 0;
         for (int r = 0; r < R; ++r) longest = max(longest, sm.ctx[r]);
-        splits = min(min((int)gridDim.x / (R * NH), SPLITS), (WARPS * D) / (3 * R * NH));
+        splits = min((int)gridDim.x / (R * NH), SPLITS);
+        if (LL) splits = min(splits, (WARPS * D) / (3 * R * NH));
         splits = longest < 3 * SPLIT_KEYS ? 1 : min(splits, longest / SPLIT_KEYS);
         splits = max(splits, 1);
     }
@@ -886,10 +880,25 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                             st_ll(ll_ml + 2 * pu, mm, TAG(layer, 2));
                             st_ll(ll_ml + 2 * pu + 1, ll, TAG(layer, 2));
                         }
-                    } else {  // the block's partial, merged by every block in P3's prologue
+                    } else {  // the block's partial, merged below by the head's last block
                         part[(long long)pu * D + d] = o;
                         if (d == 0) *((float2*)(part + ML_OFF) + pu) = make_float2(mm, ll);
                     }
+                }
+                if (!LL && splits > 1) {
+                    // The (row, head)'s last block to finish merges its partials into attn: one block's merge
+                    // per head before the barrier. (Every block merging every head in P3's prologue, two L2
+                    // round trips on lines that every multiprocessor read, cost Llama-3.1-8B ~9 us a layer.)
+                    __syncthreads();  // the block's partial is written
+                    if (threadIdx.x == 0) {
+                        unsigned int old;  // release: the partial before the arrival; acquire: the others' after
+                        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                                     : "=r"(old) : "l"(heads + r * NH + hq) : "memory");
+                        last_split = old == (unsigned int)(splits - 1);
+                        if (last_split) heads[r * NH + hq] = 0u;  // read again after this layer's barrier only
+                    }
+                    __syncthreads();
+                    if (last_split) merge_head(part, (r * NH + hq) * splits, splits, attn + r * (NH * D) + hq * D, sm.wml);
                 }
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
             }
@@ -902,10 +911,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             if (LL) {
                 if (splits == 1) load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);
                 else merge_splits_ll(ll_part, ll_ml, TAG(layer, 2), splits, sm.vec, sm.qs);
-            } else if (splits == 1) {
-                load_rows<NH * D>(attn, sm.vec);
             } else {
-                merge_splits(part, splits, sm.vec, sm.qs);
+                load_rows<NH * D>(attn, sm.vec);  // split heads were merged into attn by their last block
             }
             const bf16* wo = LP(layer, 3);
             const bf16* bo = LP(layer, 4);

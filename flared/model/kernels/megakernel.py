@@ -30,6 +30,8 @@ MAX_ROWS = 8  # rows it is compiled for at most (shared memory holds R rows of t
 SPLITS = 16  # blocks one (row, head)'s attention is split over at most (short-row models; see splits_for)
 SPLIT_KEYS = 128  # keys per attention piece at least (decode_layers.cu); LL_SPLIT_KEYS in the tagged-word build
 LL_SPLIT_KEYS = 64
+LONG_ROW_SPLITS = 2  # the same for long-row models at one row (see splits_for), pieces of LONG_ROW_SPLIT_KEYS
+LONG_ROW_SPLIT_KEYS = 64
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
 # Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
 # output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
@@ -102,11 +104,22 @@ def low_latency_rows(model) -> int:
     return LL_MAX_ROWS if threads_for(model) == SHORT_ROW_THREADS else 0
 
 
-def splits_for(model) -> int:
+def splits_for(model, rows: int) -> int:
     """The most blocks one (row, head)'s attention may be split over. Short-row models split on long
-    contexts (SmolLM2-135M, 512 tokens: 500 vs 578 us per launch); at 16 warps the split attention spilled
-    and ran slower (Llama-3.1-8B, 512 tokens: 4,367 vs 4,015 us unsplit), so those models never split."""
-    return SPLITS if threads_for(model) == SHORT_ROW_THREADS else 1
+    contexts (SmolLM2-135M, 512 tokens: 500 vs 578 us per launch). Long-row models split one row in at most
+    LONG_ROW_SPLITS pieces and never more rows (Llama-3.1-8B, H200, us per launch against unsplit in the same
+    run: one row in 2 pieces -31..-57 at 256 tokens, -34..-103 at 384; in 4 pieces +60 at 256, -5 at 384;
+    two rows in 2 pieces +285 at 256)."""
+    if threads_for(model) == SHORT_ROW_THREADS:
+        return SPLITS
+    return LONG_ROW_SPLITS if rows == 1 else 1
+
+
+def split_keys_for(model, low_latency: bool) -> int:
+    """The fewest keys of one attention piece (a head splits from 3x this many)."""
+    if low_latency:
+        return LL_SPLIT_KEYS
+    return SPLIT_KEYS if threads_for(model) == SHORT_ROW_THREADS else LONG_ROW_SPLIT_KEYS
 
 
 def head_inside(model) -> bool:
@@ -168,10 +181,10 @@ class DecodeLayers:
         defines = {
             "H": c.hidden_size, "NH": c.num_heads, "NKV": c.num_kv_heads, "D": c.head_dim,
             "I": c.intermediate_size, "L": c.num_layers, "R": rows, "KMAX": _widest(c), "THREADS": threads_for(model),
-            "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model), "HEAD": int(head),
-            # The tagged-word build splits attention from 192 keys in pieces of 64 (its merge is a poll, not two
-            # barrier round trips), whose short V tiles stop after their keys' group of 8.
-            "SPLIT_KEYS": LL_SPLIT_KEYS if low_latency else SPLIT_KEYS, "TILE_STEP": 8 if low_latency else 32,
+            "PF_LINES": PREFETCH_LINES, "SPLITS": splits_for(model, rows), "HEAD": int(head),
+            # The tagged-word build splits attention from 192 keys in pieces of 64 (split_keys_for), whose short
+            # V tiles stop after their keys' group of 8.
+            "SPLIT_KEYS": split_keys_for(model, low_latency), "TILE_STEP": 8 if low_latency else 32,
             "LL": int(low_latency),
             **({"GEMV_BATCH": LONG_ROW_GEMV_BATCH} if threads_for(model) == THREADS else {}),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
@@ -209,8 +222,9 @@ class DecodeLayers:
         # attention partials of split heads: [rows * NH * SPLITS][D] outputs, then [rows * NH * SPLITS][2] (max, sum)
         self.part = torch.zeros(rows * c.num_heads * defines["SPLITS"] * (c.head_dim + 2), dtype=torch.float32,
                                 device=dev)
-        # the grid barrier's arrivals (every launch's, never reset), then the launch epoch
-        self.sync = torch.zeros(2, dtype=torch.int32, device=dev)
+        # the grid barrier's arrivals (every launch's, never reset), the launch epoch, then each (row, head)'s
+        # split-attention arrivals (reset by the last)
+        self.sync = torch.zeros(2 + rows * c.num_heads, dtype=torch.int32, device=dev)
         self.low_latency = bool(int(defines["LL"]))
         # the LL words: two residuals, attention outputs, activations, split partials with their (max, sum), q, k, v
         ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
