@@ -1,5 +1,6 @@
-"""A 64-row product kernel built around the weight stream, against cuBLASLt in the same run (EXPERIMENT: written
-without a GPU in the twelfth session; its first device run checks it against torch before timing it).
+"""A 64-row product kernel built around the weight stream, against cuBLASLt in the same run (EXPERIMENT, lost:
+first run in the thirteenth session, correct but at half cuBLASLt's speed, chain 7,431 us against 3,843;
+docs/benchmarks.md says why).
 
 cuBLASLt runs the 8B step's 64-row products on 86-128 blocks of 132 multiprocessors (tiles of 72x64, 48x64,
 224x64 output elements), so a third of the chip streams nothing in qkv, o and down; a plain read over the
