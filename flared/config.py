@@ -70,6 +70,9 @@ class ServerConfig:
     # reasoning parser (think, mistral); "auto" picks them from the chat template, "none" turns parsing off.
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
+    # Embeddings (/v1/embeddings, /api/embed): the final-normed hidden state of each input's last token
+    # ("last", as embedding models built on decoders pool) or the mean over its tokens ("mean").
+    embedding_pooling: str = "last"
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -110,6 +113,7 @@ class ServerConfig:
         need(self.tool_parser in tool_parsers, "tool_parser", f"must be one of {', '.join(tool_parsers)}")
         need(self.reasoning_parser in ("auto", "none", "think", "mistral"), "reasoning_parser",
              "must be one of auto, none, think, mistral")
+        need(self.embedding_pooling in ("last", "mean"), "embedding_pooling", "must be one of last, mean")
 
     def with_secrets(self) -> "ServerConfig":
         """The config with api_key read from api_key_file (first line, stripped)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flared.model.batch import ForwardBatch
+from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import PagedKVCache
@@ -228,6 +228,48 @@ class DecoderModel:
                 and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
                 and kv.keys.dtype == torch.bfloat16):
             return self._forward_fused_decode(batch, kv)
+        h = self._layers_forward(batch, kv)
+        last = h.index_select(0, batch.logit_row_ids)
+        last = rms_norm(last, self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head_linear(last).float()
+
+    @torch.inference_mode()
+    def pooled_embeddings(self, token_lists: list[list[int]], *, pooling: str = "last", normalize: bool = True,
+              page_tokens: int = 16) -> torch.Tensor:
+        """Sentence embeddings [len(token_lists), hidden] float32: each sequence run on its own (a scratch KV
+        cache, nothing shared with serving), its final-normed hidden states pooled, at its last token
+        (``last``) or averaged over its tokens (``mean``), then scaled to unit length when ``normalize``."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        if not token_lists or any(len(t) == 0 for t in token_lists):
+            raise ValueError("every sequence to embed needs at least one token")
+        longest = max(len(t) for t in token_lists)
+        if longest > self.max_positions:
+            raise ValueError(f"a sequence of {longest} tokens is longer than the model's {self.max_positions}")
+        chunks, first_page = [], 0
+        for tokens in token_lists:
+            pages = -(-len(tokens) // page_tokens)
+            chunks.append(SequenceChunk(list(tokens), 0, list(range(first_page, first_page + pages))))
+            first_page += pages
+        kv = PagedKVCache(self.config, num_pages=first_page, page_tokens=page_tokens, dtype=self.dtype,
+                          device=self.device)
+        batch = ForwardBatch.build(chunks, page_tokens=page_tokens, device=self.device,
+                                   sliding_window=self.config.sliding_window)
+        h = self._layers_forward(batch, kv)
+        out, row = [], 0
+        for tokens in token_lists:
+            rows = h[row + len(tokens) - 1:row + len(tokens)] if pooling == "last" else h[row:row + len(tokens)]
+            normed = rms_norm(rows.contiguous(), self.final_norm, self.config.rms_norm_eps).float()
+            out.append(normed.mean(dim=0))
+            row += len(tokens)
+        result = torch.stack(out)
+        if normalize:
+            result = F.normalize(result, dim=-1)
+        return result
+
+    def _layers_forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Every decoder layer over the batch's tokens (their K/V written to ``kv``): the residual stream
+        [T, hidden] before the final norm."""
         c = self.config
         num_tokens = batch.num_tokens
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -258,9 +300,7 @@ class DecoderModel:
             x = rms_norm(h, layer.mlp_norm, eps)
             gate_up = layer.gate_up(x)
             h = h + layer.down(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:])
-        last = h.index_select(0, batch.logit_row_ids)
-        last = rms_norm(last, self.final_norm, eps)
-        return self.lm_head_linear(last).float()
+        return h
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """A decode-only batch (row i = decode row i) through flared/_fast/decode.pyx; same result as forward's

@@ -24,7 +24,9 @@ from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
+from flared.runtime.worker import EmbeddingJob
 from flared.server.anthropic_routes import AnthropicRoutes
+from flared.server.embeddings import EmbeddingRoutes
 from flared.server.ollama_routes import OllamaRoutes
 from flared.server.openai_routes import OpenAIRoutes
 from flared.server.responses_routes import ResponsesRoutes
@@ -50,6 +52,7 @@ class ServingState:
         # "auto" picks them from the chat template, "none" turns parsing off.
         self.tool_parser = "auto"
         self.reasoning_parser = "auto"
+        self.embedding_pooling = "last"  # ServerConfig.embedding_pooling
         # Futures resolved when the last admitted request's permit is released
         # (ServingSession.wait_for_requests waits on one instead of polling).
         self.idle_waiters: list[asyncio.Future] = []
@@ -123,6 +126,32 @@ class ServingState:
         add_bos = self.manifest.tokens.add_bos_token
         return await self._in_pool(lambda: self.frontend.encode(text, add_special_tokens=add_bos))
 
+    async def embed(self, token_lists: list[list[int]], *, normalize: bool = True):
+        """Pooled embeddings of token sequences (float32 [n, hidden], CPU), computed on the model thread
+        between its steps. Every sequence must fit the context (the routes check and say which)."""
+        if self.paused:
+            raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
+                                 ErrorKind.UNAVAILABLE)
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+
+        def settle(vectors, error) -> None:  # on the event loop
+            if result.done():
+                return
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(vectors)
+
+        def done(vectors, error) -> None:  # on the model thread
+            try:
+                loop.call_soon_threadsafe(settle, vectors, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting
+                pass
+
+        self.runtime.submit_embeddings(EmbeddingJob(token_lists, self.embedding_pooling, normalize, done))
+        return await result
+
     def start(self, requests, stop_strings, *, skip_special_tokens: bool = True) -> Generation:
         if self.paused:
             raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
@@ -157,6 +186,7 @@ def build_router(state: ServingState) -> Router:
     AnthropicRoutes(state).register(router)
     OllamaRoutes(state).register(router)
     ResponsesRoutes(state).register(router)
+    EmbeddingRoutes(state).register(router)
     SystemOneRoutes(state).register(router)
     from flared.server.decisions_routes import DecisionsRoutes
 

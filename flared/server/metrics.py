@@ -118,6 +118,10 @@ class _RuntimeCollector:
         yield _counter("flare_generation_tokens", "Output tokens committed by the model (EOS and withheld included).",
                        rt.get("generated_tokens", 0))
         yield _counter("flare_model_steps", "Model-thread steps (graphs submitted).", rt.get("steps", 0))
+        yield _counter("flare_embedded_sequences", "Inputs embedded (/v1/embeddings, /api/embed, /api/embeddings).",
+                       rt.get("embedded_sequences", 0))
+        yield _counter("flare_embedded_tokens", "Tokens run through the model for embeddings.",
+                       rt.get("embedded_tokens", 0))
 
         slots = GaugeMetricFamily("flare_request_slots", "Scheduler request slots by state.", labels=["state"])
         live, retiring = m.slot_states()

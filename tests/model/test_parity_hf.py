@@ -131,3 +131,26 @@ def test_sharded_checkpoint_reads_like_single_file(tmp_path):
     assert a.tensors.keys() == b.tensors.keys()
     for name in a.tensors:
         assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+def test_embeddings_match_transformers_hidden_states(family_checkpoint):
+    """DecoderModel.pooled_embeddings pools the final-normed hidden states transformers returns (hidden_states[-1]):
+    the last token's, or the mean over the tokens; normalized to unit length when asked."""
+    family, directory, hf_model = family_checkpoint
+    source = read_source(directory)
+    model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    prompts = make_prompts(source.config.vocab_size, seed=3) + [[5], list(range(3, 40))]  # one token; > a window
+    last = model.pooled_embeddings(prompts, pooling="last", normalize=False)
+    mean = model.pooled_embeddings(prompts, pooling="mean", normalize=False)
+    unit = model.pooled_embeddings(prompts)
+    assert last.shape == mean.shape == (len(prompts), source.config.hidden_size) and last.dtype == torch.float32
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            hidden = hf_model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0].float()
+        assert (last[i] - hidden[-1]).abs().max().item() < 1e-4, family
+        assert (mean[i] - hidden.mean(dim=0)).abs().max().item() < 1e-4, family
+        assert torch.allclose(unit[i], hidden[-1] / hidden[-1].norm(), atol=1e-5)
+    # a sequence's embedding does not depend on what it was batched with
+    assert torch.allclose(model.pooled_embeddings([prompts[1]]), unit[1:2], atol=1e-6)
+    with pytest.raises(ValueError):
+        model.pooled_embeddings([[1, 2], []])

@@ -1,0 +1,162 @@
+"""Embeddings: OpenAI's /v1/embeddings and Ollama's /api/embed and /api/embeddings.
+
+The served model is a decoder; an input's embedding is its final-normed hidden state pooled over its tokens
+(``ServerConfig.embedding_pooling``: the last token's, as embedding models built on decoders pool, or the mean),
+computed on the model thread between steps (``ModelRuntime.submit_embeddings``) on a scratch KV cache. OpenAI's
+and /api/embed's vectors have unit length; the legacy /api/embeddings returns the pooled vector as it is, as
+Ollama's does.
+
+Rules:
+- Inputs are texts (tokenized as prompts are: with the model's BOS where it takes one) or, on /v1/embeddings,
+  token-id arrays. An empty input is a 400 naming it.
+- An input longer than the context is a 400 (context_length_exceeded) on /v1/embeddings and on /api/embed with
+  ``truncate: false``; /api/embed truncates it to the context by default, as Ollama does.
+- ``dimensions`` other than the model's hidden size is a 400: these vectors cannot be shortened.
+- ``encoding_format: base64`` returns each vector as the base64 of its little-endian float32 bytes (the
+  OpenAI SDK asks for it whenever numpy is installed).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.server.http import Request, Response, Router
+from flared.server.ollama_routes import _model, _ollama_errors
+from flared.server.openai_routes import check_model
+from flared.server.openai_schema import _bad, _boolean, _integer, _string, _type
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def parse_openai_input(body: dict) -> list[str | list[int]]:
+    """``input``: a string, an array of strings, an array of token ids or an array of token-id arrays."""
+    inp = body.get("input")
+    if isinstance(inp, str):
+        items: list[str | list[int]] = [inp]
+    elif _is_ids(inp):
+        items = [list(inp)]
+    elif isinstance(inp, list) and inp and all(isinstance(v, str) for v in inp):
+        items = list(inp)
+    elif isinstance(inp, list) and inp and all(_is_ids(v) for v in inp):
+        items = [list(v) for v in inp]
+    else:
+        raise _bad("input", "must be a string, an array of strings, an array of token ids or an array of "
+                   f"token-id arrays (non-empty), got {_type(inp)}" + (" (empty)" if inp in ([], "") else ""))
+    if len(items) > MAX_INPUTS:
+        raise _bad("input", f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
+    return items
+
+
+async def tokenize_inputs(state, items: list[str | list[int]], *, truncate: bool = False) -> list[list[int]]:
+    """Token ids of every input, checked against the vocabulary and the context (or cut to it)."""
+    context = state.manifest.capacities.context_tokens
+    out = []
+    for i, item in enumerate(items):
+        where = "input" if len(items) == 1 else f"input[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise _bad("input", f"{where} is an empty string")
+            ids = await state.encode(item)
+        else:
+            for t in item:
+                if not 0 <= t < state.vocab_size:
+                    raise _bad("input", f"{where}: token id {t} is outside the vocabulary (0..{state.vocab_size - 1})")
+            ids = list(item)
+        if not ids:
+            raise _bad("input", f"{where} has no tokens")
+        if len(ids) > context:
+            if not truncate:
+                err = AdmissionError(f"'input': {where} has {len(ids)} tokens; this model's context holds {context}",
+                                     ErrorKind.CONTEXT_LENGTH)
+                err.param = "input"
+                raise err
+            ids = ids[:context]
+        out.append(ids)
+    return out
+
+
+def check_dimensions(state, body: dict) -> None:
+    hidden = int(state.manifest.model["hidden_size"])
+    dims = _integer(body, "dimensions", 1, 1 << 20)
+    if dims is not None and dims != hidden:
+        raise _bad("dimensions", f"this model's embeddings have {hidden} dimensions and cannot be shortened "
+                   f"to {dims}", ErrorKind.UNSUPPORTED)
+
+
+class EmbeddingRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    def register(self, router: Router) -> None:
+        router.add("POST", "/v1/embeddings", self.openai, admit=True)
+        router.add("POST", "/api/embed", _ollama_errors(self.ollama_embed), admit=True)
+        router.add("POST", "/api/embeddings", _ollama_errors(self.ollama_embeddings), admit=True)
+
+    async def openai(self, request: Request) -> Response:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        model = _string(body, "model", required=True)
+        check_model(self.state, model)
+        items = parse_openai_input(body)
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise _bad("encoding_format", f"must be 'float' or 'base64', got {fmt!r}")
+        check_dimensions(self.state, body)
+        _string(body, "user")
+        ids = await tokenize_inputs(self.state, items)
+        vectors = await self.state.embed(ids)
+        data = []
+        for i, v in enumerate(vectors):
+            emb: Any = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if fmt == "base64"
+                        else v.tolist())
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        tokens = sum(len(t) for t in ids)
+        return Response.json({"object": "list", "data": data, "model": model,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def ollama_embed(self, request: Request) -> Response:
+        t0 = time.monotonic_ns()
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        model = _model(self.state, body)
+        inp = body.get("input")
+        if inp is None or inp == []:
+            items: list[str | list[int]] = []  # Ollama: loads the model, embeds nothing
+        elif isinstance(inp, str):
+            items = [inp]
+        elif isinstance(inp, list) and all(isinstance(v, str) for v in inp):
+            items = list(inp)
+        else:
+            raise _bad("input", f"must be a string or an array of strings, got {_type(inp)}")
+        if len(items) > MAX_INPUTS:
+            raise _bad("input", f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
+        truncate = _boolean(body, "truncate", default=True)
+        check_dimensions(self.state, body)
+        ids = await tokenize_inputs(self.state, items, truncate=truncate)
+        vectors = (await self.state.embed(ids)).tolist() if ids else []
+        return Response.json({"model": model, "embeddings": vectors, "total_duration": time.monotonic_ns() - t0,
+                              "load_duration": 0, "prompt_eval_count": sum(len(t) for t in ids)})
+
+    async def ollama_embeddings(self, request: Request) -> Response:
+        """The legacy route: one ``prompt``, its pooled vector as it is (not scaled to unit length)."""
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        _model(self.state, body)
+        prompt = body.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise _bad("prompt", f"must be a string, got {_type(prompt)}")
+        if not prompt:
+            return Response.json({"embedding": []})  # Ollama: loads the model, embeds nothing
+        ids = await tokenize_inputs(self.state, [prompt], truncate=True)
+        vectors = await self.state.embed(ids, normalize=False)
+        return Response.json({"embedding": vectors[0].tolist()})

@@ -1,0 +1,27 @@
+"""Embeddings on the GPU: DecoderModel.pooled_embeddings (what /v1/embeddings and /api/embed run, eagerly on
+the model thread) against transformers' final hidden states of the same weights on the same device."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_pooled_embeddings_match_transformers_on_the_gpu(dtype, tol):
+    from gpu_models import serving_model, tiny_hf
+
+    hf = tiny_hf(dtype=dtype)
+    model = serving_model(hf, dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 7, 40, 300)]
+    last = model.pooled_embeddings(prompts, normalize=False)
+    mean = model.pooled_embeddings(prompts, pooling="mean", normalize=False)
+    assert last.device.type == "cuda" and last.dtype == torch.float32
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            h = hf(torch.tensor([p], device="cuda"), output_hidden_states=True).hidden_states[-1][0].float()
+        scale = h.abs().max().item()
+        assert (last[i] - h[-1]).abs().max().item() <= tol * scale
+        assert (mean[i] - h.mean(0)).abs().max().item() <= tol * scale
+    unit = model.pooled_embeddings(prompts)
+    assert torch.allclose(unit.norm(dim=-1), torch.ones(len(prompts), device="cuda"), atol=1e-5)
