@@ -18,6 +18,10 @@ Rules:
 - ``tool_choice`` "required" or a named function, and ``text.format``
   json_object / json_schema, are enforced by a grammar (flared.server.structured).
 - ``reasoning.effort: "none"`` turns thinking off in the template.
+- ``include: ["message.output_text.logprobs"]`` fills output_text's ``logprobs`` (with ``top_logprobs``
+  alternatives, 0-20) for every generated token, as chat completions' logprobs cover them; a stream's
+  output_text deltas carry the logprobs of the tokens since the previous one, output_text.done all of them.
+  The other ``include`` values OpenAI defines name outputs this server never makes and are accepted.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ from flared.runtime.request import GenerateRequest
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
-from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params
+from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
 from flared.server.structured import (
     GrammarSpec, compile_grammar, force_tool_call, parse_openai_forced_tool_choice, parse_responses_text_format,
 )
 from flared.server.openai_schema import (
+    MAX_TOP_LOGPROBS,
     SamplingOptions,
     _bad,
     _boolean,
@@ -145,11 +150,34 @@ def _tools(body: dict) -> list[dict] | None:
     return parse_tools(converted, "tools")
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# What else OpenAI's `include` may name: outputs of hosted tools, images and encrypted reasoning, none of which
+# this server produces, so asking for them changes nothing.
+_OTHER_INCLUDES = frozenset({
+    "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs"})
+
+
+def _logprobs(body: dict) -> int | None:
+    """Alternatives per token when ``include`` asks for output logprobs (``top_logprobs``, default 0); else None."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise _bad("include", f"must be an array of strings, got {_type(include)}")
+    for v in include:
+        if v != LOGPROBS_INCLUDE and v not in _OTHER_INCLUDES:
+            raise _bad("include", f"unknown value {v!r}")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    return (top or 0) if LOGPROBS_INCLUDE in include else None
+
+
 def _options(body: dict) -> SamplingOptions:
     return SamplingOptions(
         max_tokens=_integer(body, "max_output_tokens", 1, 1 << 31), temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), top_k=None, min_p=None, presence_penalty=0.0,
-        frequency_penalty=0.0, repetition_penalty=None, seed=None, logit_bias=None, logprobs=None, stop=(),
+        frequency_penalty=0.0, repetition_penalty=None, seed=None, logit_bias=None, logprobs=_logprobs(body), stop=(),
         stop_token_ids=(), ignore_eos=False, n=1)
 
 
@@ -299,16 +327,20 @@ class ResponsesRoutes:
             "tool_choice": choice, "tools": body.get("tools") or [], "top_p": options.top_p,
             "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},
         }
+        logprobs = options.logprobs is not None
         if stream:
-            return StreamingResponse(lambda w: self._stream(gen, w, shape, resp, conversation),
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, resp, conversation, logprobs),
                                      headers=[("cache-control", "no-cache")])
-        ((text, _ids, _lps, finish),) = await gen.collect()
+        ((text, _ids, lps, finish),) = await gen.collect()
         parsed, calls = shape.parse(text)
         out = _Output()
         if parsed.reasoning:
             out.reasoning_item()["content"][0]["text"] = parsed.reasoning
         if parsed.content or not calls:
-            out.message_item()["content"][0]["text"] = parsed.content
+            part = out.message_item()["content"][0]
+            part["text"] = parsed.content
+            if logprobs:
+                part["logprobs"] = token_logprobs(self.state.frontend, lps)
         for i, c in enumerate(calls):
             out.call_item(i, c.id, c.name)["arguments"] = c.arguments
         self._finish(resp, out, gen, finish, conversation)
@@ -329,8 +361,9 @@ class ResponsesRoutes:
             self.store.put(resp, conversation + _conversation_out(out.items))
 
     async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, resp: dict,
-                      conversation: list[dict]) -> None:
+                      conversation: list[dict], logprobs: bool = False) -> None:
         seq = 0
+        pending: list = []  # logprobs of the tokens since the last output_text delta (when asked)
 
         async def event(kind: str, **fields) -> None:
             nonlocal seq
@@ -354,7 +387,7 @@ class ResponsesRoutes:
             elif open_kind == "message":
                 part = item["content"][0]
                 await event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                            text=part["text"], logprobs=[])
+                            text=part["text"], logprobs=part["logprobs"])
                 await event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                             part=part)
                 item["status"] = "completed"
@@ -390,8 +423,11 @@ class ResponsesRoutes:
                                                        "logprobs": []})
                 item = out.message
                 item["content"][0]["text"] += parsed.content
+                lps = token_logprobs(self.state.frontend, pending)
+                pending.clear()
+                item["content"][0]["logprobs"].extend(lps)
                 await event("response.output_text.delta", item_id=item["id"], output_index=len(out.items) - 1,
-                            content_index=0, delta=parsed.content, logprobs=[])
+                            content_index=0, delta=parsed.content, logprobs=lps)
             for c in parsed.calls:
                 if c.id is not None:
                     await close_open()
@@ -409,6 +445,8 @@ class ResponsesRoutes:
             await event("response.created", response=dict(resp))
             await event("response.in_progress", response=dict(resp))
             async for d in gen.deltas():
+                if logprobs:
+                    pending.extend(d.logprobs)
                 parsed = ParsedDelta(d.text) if parser is None else (parser.push(d.text) if d.text else ParsedDelta())
                 if d.finish_reason is not None:
                     finish = d.finish_reason

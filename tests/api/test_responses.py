@@ -78,6 +78,38 @@ def test_text_stream_and_incomplete(client):
     assert events[4].delta == ANSWER
 
 
+def test_output_text_logprobs(client):
+    """include ["message.output_text.logprobs"] with top_logprobs: each generated token's logprob and its
+    alternatives, as chat completions report them for the same generation; streamed in the text deltas."""
+    kw = dict(model="tiny", input=QUESTION, temperature=0, max_output_tokens=40, reasoning={"effort": "none"})
+    assert client.responses.create(**kw).output[0].content[0].logprobs == []  # not asked: none
+    r = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=3)
+    (part,) = r.output[0].content
+    (lp,) = part.logprobs  # ANSWER is one token
+    assert part.text == ANSWER and lp.token == ANSWER and bytes(lp.bytes).decode() == ANSWER
+    assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0].token == ANSWER  # greedy: the chosen token leads
+    assert lp.top_logprobs[0].logprob == lp.logprob and lp.logprob > lp.top_logprobs[1].logprob
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=40,
+        logprobs=True, top_logprobs=3, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    (want,) = chat.choices[0].logprobs.content
+    assert want.token == lp.token and abs(want.logprob - lp.logprob) < 1e-6
+    assert [t.token for t in want.top_logprobs] == [t.token for t in lp.top_logprobs]
+    events = list(client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2,
+                                          stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [t.token for t in streamed] == [t.token for t in done.logprobs] == [ANSWER]
+    assert len(done.logprobs[0].top_logprobs) == 2 and abs(done.logprobs[0].logprob - lp.logprob) < 1e-6
+    assert events[-1].response.output[0].content[0].logprobs[0].token == ANSWER
+    with pytest.raises(openai.BadRequestError, match="'include': unknown value 'message.logits'"):
+        client.responses.create(**kw, include=["message.logits"])
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=21)
+    # a value naming an output this server never makes changes nothing
+    assert client.responses.create(**kw, include=["reasoning.encrypted_content"]).output_text == ANSWER
+
+
 def test_rejections(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_missing")
