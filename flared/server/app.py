@@ -27,6 +27,7 @@ from flared.server.http import HttpConfig, Request, Response, Router
 from flared.runtime.worker import EmbeddingJob
 from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.embeddings import EmbeddingRoutes
+from flared.server.tokenize_routes import TokenizeRoutes
 from flared.server.ollama_routes import OllamaRoutes
 from flared.server.openai_routes import OpenAIRoutes
 from flared.server.responses_routes import ResponsesRoutes
@@ -122,9 +123,13 @@ class ServingState:
         """The reasoning format this model's template implies (or the config's reasoning_parser names)."""
         return reasoning_format_for_template(self._template_source(), self.reasoning_parser)
 
-    async def encode(self, text: str) -> list[int]:
-        add_bos = self.manifest.tokens.add_bos_token
-        return await self._in_pool(lambda: self.frontend.encode(text, add_special_tokens=add_bos))
+    async def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a prompt; special tokens (the BOS) as the model's prompts take them unless told."""
+        add = self.manifest.tokens.add_bos_token if add_special_tokens is None else add_special_tokens
+        return await self._in_pool(lambda: self.frontend.encode(text, add_special_tokens=add))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._in_pool(lambda: self.frontend.decode(token_ids))
 
     async def embed(self, token_lists: list[list[int]], *, normalize: bool = True):
         """Pooled embeddings of token sequences (float32 [n, hidden], CPU), computed on the model thread
@@ -187,6 +192,7 @@ def build_router(state: ServingState) -> Router:
     OllamaRoutes(state).register(router)
     ResponsesRoutes(state).register(router)
     EmbeddingRoutes(state).register(router)
+    TokenizeRoutes(state).register(router)
     SystemOneRoutes(state).register(router)
     from flared.server.decisions_routes import DecisionsRoutes
 
