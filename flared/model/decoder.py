@@ -267,6 +267,38 @@ class DecoderModel:
             result = F.normalize(result, dim=-1)
         return result
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], top: int = 0, *, page_tokens: int = 16,
+                        rows_per_chunk: int = 256) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+        """For p = 1 .. len(token_ids) - 1: (log P(token[p] | tokens[:p]), the ``top`` most likely tokens at p as
+        (id, logprob), most likely first), from the log-softmax of the raw float32 logits as the sampler
+        reports generated tokens' logprobs. The sequence runs on its own scratch KV cache; the LM head
+        ``rows_per_chunk`` positions at a time."""
+        n = len(token_ids)
+        if n == 0 or n > self.max_positions:
+            raise ValueError(f"a sequence to score needs 1 to {self.max_positions} tokens, got {n}")
+        if n == 1:
+            return []
+        pages = -(-n // page_tokens)
+        kv = PagedKVCache(self.config, num_pages=pages, page_tokens=page_tokens, dtype=self.dtype, device=self.device)
+        batch = ForwardBatch.build([SequenceChunk(list(token_ids), 0, list(range(pages)))], page_tokens=page_tokens,
+                                   device=self.device, sliding_window=self.config.sliding_window)
+        h = self._layers_forward(batch, kv)
+        targets = torch.tensor(token_ids[1:], dtype=torch.int64, device=self.device)
+        out = []
+        for a in range(0, n - 1, rows_per_chunk):
+            b = min(n - 1, a + rows_per_chunk)
+            x = rms_norm(h[a:b].contiguous(), self.final_norm, self.config.rms_norm_eps)
+            lp = torch.log_softmax(self.lm_head_linear(x).float(), dim=-1)
+            chosen = lp.gather(1, targets[a:b, None])[:, 0].tolist()
+            if top:
+                values, ids = lp.topk(top, dim=-1)
+                tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            else:
+                tops = [()] * (b - a)
+            out.extend(zip(chosen, tops))
+        return out
+
     def _layers_forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Every decoder layer over the batch's tokens (their K/V written to ``kv``): the residual stream
         [T, hidden] before the final norm."""

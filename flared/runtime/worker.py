@@ -23,11 +23,11 @@ Rules:
 - A constrained request (``grammar``) advances its matcher with every token
   it emits, before the next plan; a token the grammar rejects ends that
   request alone with an ErrorEvent (the others in its batch go on).
-- An embedding job (``submit_embeddings``) runs between steps, up to a
-  prefill chunk's tokens of it a turn: its sequences through the model on a
-  scratch KV cache (nothing shared with the serving cache), their pooled
-  hidden states handed to its ``done`` callback, here on this thread. Its
-  failure ends that job alone.
+- A model job (``submit_job``: embeddings, prompt logprobs) runs between
+  steps, up to a prefill chunk's tokens of it a turn, through the model on a
+  scratch KV cache (nothing shared with the serving cache); its result goes
+  to its ``done`` callback, here on this thread. Its failure ends that job
+  alone.
 - A scoring request (``score_from``) is admitted with a private conditioning
   identity at ``score_from``: the context before it is shared through the
   prefix cache, nothing after it ever is, so every scored token is fed. Its
@@ -79,19 +79,63 @@ class _Live:
     scores: list | None = None  # a scoring request's log-probabilities so far
 
 
+class ModelJob:
+    """Work the model thread runs between steps, outside the scheduler. ``step(model, budget, stats)`` runs
+    about ``budget`` tokens of it (at least one sequence) and returns True when it is complete; then
+    ``done(result(), None)`` is called, or ``done(None, error)`` if a step raised. Both on the model thread."""
+
+    done: object  # Callable[[object, FlareError | None], None]
+
+    def step(self, model, budget: int, stats) -> bool:
+        raise NotImplementedError
+
+    def result(self):
+        raise NotImplementedError
+
+
 @dataclasses.dataclass
-class EmbeddingJob:
-    """Sequences to embed (``DecoderModel.pooled_embeddings``). ``done(vectors, error)`` is called once, on the
-    model thread: float32 [len(token_lists), hidden] on the CPU, or None and a FlareError."""
+class EmbeddingJob(ModelJob):
+    """Sequences to embed (``DecoderModel.pooled_embeddings``); the result is float32 [len(token_lists),
+    hidden] on the CPU."""
     token_lists: list[list[int]]
     pooling: str
     normalize: bool
-    done: object  # Callable[[torch.Tensor | None, FlareError | None], None]
+    done: object
     parts: list = dataclasses.field(default_factory=list)  # the vectors of the sequences run so far
 
-    @property
-    def num_done(self) -> int:
-        return sum(p.shape[0] for p in self.parts)
+    def step(self, model, budget: int, stats) -> bool:
+        start = end = sum(p.shape[0] for p in self.parts)
+        tokens = 0
+        while end < len(self.token_lists) and (end == start or tokens + len(self.token_lists[end]) <= budget):
+            tokens += len(self.token_lists[end])
+            end += 1
+        self.parts.append(model.pooled_embeddings(self.token_lists[start:end], pooling=self.pooling,
+                                                  normalize=self.normalize).cpu())
+        stats["embedded_sequences"] += end - start
+        stats["embedded_tokens"] += tokens
+        return end == len(self.token_lists)
+
+    def result(self):
+        import torch
+
+        return torch.cat(self.parts)
+
+
+@dataclasses.dataclass
+class PromptLogprobsJob(ModelJob):
+    """One prompt's token logprobs (``DecoderModel.prompt_logprobs``): for p >= 1, (logprob, top alternatives)."""
+    token_ids: list[int]
+    top: int
+    done: object
+    _result: list | None = None
+
+    def step(self, model, budget: int, stats) -> bool:
+        self._result = model.prompt_logprobs(self.token_ids, self.top)
+        stats["scored_prompt_tokens"] += len(self.token_ids)
+        return True
+
+    def result(self):
+        return self._result
 
 
 def cuda_backend_available(dtype) -> bool:
@@ -123,7 +167,7 @@ class ModelRuntime:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ingress: collections.deque[_Live] = collections.deque()
-        self._embedding_jobs: collections.deque[EmbeddingJob] = collections.deque()  # guarded by _lock
+        self._jobs: collections.deque[ModelJob] = collections.deque()  # guarded by _lock
         self._cancels: collections.deque[int] = collections.deque()
         self._pending: collections.deque[_Live] = collections.deque()  # thread-owned: waiting for a slot
         self._by_id: dict[int, _Live] = {}  # request_id -> live (thread-owned)
@@ -142,7 +186,7 @@ class ModelRuntime:
         self.steps = 0
         self.scheduler = None
         self.executor = None
-        self.model = None  # the DecoderModel the executor runs (embedding jobs call it directly)
+        self.model = None  # the DecoderModel the executor runs (model jobs call it directly)
         self.stats = collections.Counter()
         # Dashboard completion buffer (flared.dashboard.telemetry), set only
         # while a dashboard runs; its record() never blocks this thread.
@@ -254,17 +298,17 @@ class ModelRuntime:
             self._ingress.append(_Live(request, sink))
             self._wake.notify()
 
-    def submit_embeddings(self, job: EmbeddingJob) -> None:
-        """Queue an embedding job for the model thread (at most max_pending jobs wait)."""
+    def submit_job(self, job: ModelJob) -> None:
+        """Queue a model job for the model thread (at most max_pending jobs wait)."""
         with self._lock:
             if self.failed.is_set():
                 raise AdmissionError(f"the model thread has failed: {self.failure}", ErrorKind.UNAVAILABLE)
             if self._stopping or self._thread is None:
                 raise AdmissionError("the model is not serving (stopping or not started)", ErrorKind.UNAVAILABLE)
-            if len(self._embedding_jobs) >= self._max_pending:
-                raise AdmissionError(f"model admission is full ({self._max_pending} embedding requests waiting)",
-                                     ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
-            self._embedding_jobs.append(job)
+            if len(self._jobs) >= self._max_pending:
+                raise AdmissionError(f"model admission is full ({self._max_pending} embedding or scoring requests "
+                                     "waiting)", ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
+            self._jobs.append(job)
             self._wake.notify()
 
     def cancel(self, request_id: int) -> None:
@@ -322,7 +366,7 @@ class ModelRuntime:
         self._last_beat = time.monotonic()
         stopping = self._take_ingress()
         if not stopping:
-            self._run_one_embedding_job()
+            self._run_one_job()
         if stopping:
             self._cancel_everything()
             if not self._by_handle and not self._pending and not self._inflight:
@@ -344,7 +388,7 @@ class ModelRuntime:
             if self._by_handle and self.scheduler.num_inflight == 0 and not self._idle_ok():
                 raise ExecutionError("scheduler has live requests but planned nothing")
             with self._lock:
-                if not self._ingress and not self._cancels and not self._stopping and not self._embedding_jobs:
+                if not self._ingress and not self._cancels and not self._stopping and not self._jobs:
                     self._wake.wait(IDLE_WAIT_S)
             return True
         if pipelined:
@@ -353,41 +397,32 @@ class ModelRuntime:
             self._execute(plan, now)
         return True
 
-    def _run_one_embedding_job(self) -> None:
-        """The first waiting job's next sequences, up to a prefill chunk's tokens (at least one sequence),
-        so that a large job shares the thread with the steps of live requests."""
+    def _run_one_job(self) -> None:
+        """A piece of the first waiting model job (a prefill chunk's tokens, at least one sequence), so that a
+        large job shares the thread with the steps of live requests."""
         with self._lock:
-            job = self._embedding_jobs.popleft() if self._embedding_jobs else None
+            job = self._jobs.popleft() if self._jobs else None
         if job is None:
             return
-        import torch
-
-        start = end = job.num_done
         budget = max(self.core.manifest.capacities.prefill_chunk_tokens, 512)
-        tokens = 0
-        while end < len(job.token_lists) and (end == start or tokens + len(job.token_lists[end]) <= budget):
-            tokens += len(job.token_lists[end])
-            end += 1
         try:
-            job.parts.append(self.model.pooled_embeddings(job.token_lists[start:end], pooling=job.pooling,
-                                                          normalize=job.normalize).cpu())
+            finished = job.step(self.model, budget, self.stats)
+            result = job.result() if finished else None
         except Exception as exc:  # noqa: BLE001 - the job's client gets it; the thread serves on
-            log.warning("embedding job failed: %s: %s", type(exc).__name__, exc)
-            self.stats["failed_embedding_jobs"] += 1
+            log.warning("%s failed: %s: %s", type(job).__name__, type(exc).__name__, exc)
+            self.stats["failed_model_jobs"] += 1
             job.done(None, as_error(exc))
             return
-        self.stats["embedded_sequences"] += end - start
-        self.stats["embedded_tokens"] += tokens
-        if end < len(job.token_lists):
+        if not finished:
             with self._lock:
-                self._embedding_jobs.appendleft(job)
+                self._jobs.appendleft(job)
             return
-        job.done(torch.cat(job.parts), None)
+        job.done(result, None)
 
-    def _fail_embedding_jobs(self, error: FlareError) -> None:
+    def _fail_jobs(self, error: FlareError) -> None:
         with self._lock:
-            jobs = list(self._embedding_jobs)
-            self._embedding_jobs.clear()
+            jobs = list(self._jobs)
+            self._jobs.clear()
         for job in jobs:
             job.done(None, error)
 
@@ -599,8 +634,7 @@ class ModelRuntime:
         self._by_id.pop(live.request.request_id, None)
 
     def _cancel_everything(self) -> None:
-        self._fail_embedding_jobs(AdmissionError("the model stopped serving before this embedding request ran",
-                                                 ErrorKind.UNAVAILABLE))
+        self._fail_jobs(AdmissionError("the model stopped serving before this request ran", ErrorKind.UNAVAILABLE))
         for live in list(self._pending):
             self._terminal(live, FinishEvent("cancelled", len(live.request.prompt_token_ids), 0, 0, 0, 0))
             self._forget(live)
@@ -611,7 +645,7 @@ class ModelRuntime:
                 self._on_retired(self.scheduler.cancel(handle))
 
     def _fail_all(self, error: FlareError) -> None:
-        self._fail_embedding_jobs(error)
+        self._fail_jobs(error)
         with self._lock:
             queued = list(self._ingress)
             self._ingress.clear()

@@ -24,7 +24,7 @@ from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
-from flared.runtime.worker import EmbeddingJob
+from flared.runtime.worker import EmbeddingJob, PromptLogprobsJob
 from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.embeddings import EmbeddingRoutes
 from flared.server.tokenize_routes import TokenizeRoutes
@@ -134,27 +134,35 @@ class ServingState:
     async def embed(self, token_lists: list[list[int]], *, normalize: bool = True):
         """Pooled embeddings of token sequences (float32 [n, hidden], CPU), computed on the model thread
         between its steps. Every sequence must fit the context (the routes check and say which)."""
+        return await self._run_job(lambda done: EmbeddingJob(token_lists, self.embedding_pooling, normalize, done))
+
+    async def prompt_logprobs(self, token_ids: list[int], top: int) -> list:
+        """Each prompt token's logprob after the first, with ``top`` alternatives (DecoderModel.prompt_logprobs),
+        computed on the model thread between its steps."""
+        return await self._run_job(lambda done: PromptLogprobsJob(list(token_ids), top, done))
+
+    async def _run_job(self, make):
         if self.paused:
             raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
                                  ErrorKind.UNAVAILABLE)
         loop = asyncio.get_running_loop()
         result = loop.create_future()
 
-        def settle(vectors, error) -> None:  # on the event loop
+        def settle(value, error) -> None:  # on the event loop
             if result.done():
                 return
             if error is not None:
                 result.set_exception(error)
             else:
-                result.set_result(vectors)
+                result.set_result(value)
 
-        def done(vectors, error) -> None:  # on the model thread
+        def done(value, error) -> None:  # on the model thread
             try:
-                loop.call_soon_threadsafe(settle, vectors, error)
+                loop.call_soon_threadsafe(settle, value, error)
             except RuntimeError:  # the loop is closed: nobody is waiting
                 pass
 
-        self.runtime.submit_embeddings(EmbeddingJob(token_lists, self.embedding_pooling, normalize, done))
+        self.runtime.submit_job(make(done))
         return await result
 
     def start(self, requests, stop_strings, *, skip_special_tokens: bool = True) -> Generation:

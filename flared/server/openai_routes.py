@@ -8,7 +8,9 @@ OpenAI JSON or SSE chunks. Usage always carries
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
@@ -324,40 +326,90 @@ class OpenAIRoutes:
             if not ids:
                 raise AdmissionError("'prompt': the prompt is empty")
             prompts.append(tuple(ids))
+        n = req.options.n
+        rid = "cmpl-" + secrets.token_hex(12)
+        echo = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
+        # echo with logprobs: the prompt's own tokens lead the logprobs (the first without a value, as OpenAI's)
+        scored = [None] * len(prompts)
+        if req.echo and req.options.logprobs is not None:
+            context = self.state.manifest.capacities.context_tokens
+            for ids in prompts:
+                if len(ids) > context:
+                    err = AdmissionError(f"'prompt': {len(ids)} tokens; this model's context holds {context}",
+                                         ErrorKind.CONTEXT_LENGTH)
+                    err.param = "prompt"
+                    raise err
+            scored = await asyncio.gather(*(self.state.prompt_logprobs(ids, req.options.logprobs) for ids in prompts))
+        prompt_lps = [None if scored[i // n] is None else self._prompt_logprobs(prompts[i // n], scored[i // n])
+                      for i in range(len(prompts) * n)]
+        if req.score_only:
+            return self._scored_only(req, rid, prompts, echo, prompt_lps)
         grammar = await compile_grammar(self.state, req.response_format)
         requests = []
         for pi, ids in enumerate(prompts):
-            for j in range(req.options.n):
+            for j in range(n):
                 requests.append(GenerateRequest(
                     ids, (), sampling_params(self.state, req.options, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                             pi * req.options.n + j),
+                                             pi * n + j),
                     _stop_ids(self.state, req.options), grammar=grammar))
         gen = self.state.start(requests, req.options.stop)
         request.disconnected.add_callback(gen.cancel)
-        rid = "cmpl-" + secrets.token_hex(12)
-        echo = [texts[i // req.options.n] if req.echo else "" for i in range(len(requests))]
         if req.stream:
-            return StreamingResponse(lambda w: self._stream_completion(gen, w, req, rid, echo),
+            return StreamingResponse(lambda w: self._stream_completion(gen, w, req, rid, echo, prompt_lps),
                                      headers=[("cache-control", "no-cache")])
         results = await gen.collect()
         choices = []
         for i, (text, _ids, lps, finish) in enumerate(results):
-            choices.append({"index": i, "text": echo[i] + text,
-                            "logprobs": self._completion_logprobs(lps, len(echo[i]))
-                            if req.options.logprobs is not None else None,
-                            "finish_reason": finish})
+            logprobs = None
+            if req.options.logprobs is not None:
+                logprobs = _joined(prompt_lps[i], self._completion_logprobs(lps, len(echo[i])))
+            choices.append({"index": i, "text": echo[i] + text, "logprobs": logprobs, "finish_reason": finish})
         return Response.json({"id": rid, "object": "text_completion", "created": gen.created,
                               "model": req.model, "choices": choices, "usage": _usage(gen)})
 
+    def _scored_only(self, req: CompletionRequest, rid: str, prompts, echo: list[str], prompt_lps) -> Response:
+        """echo with max_tokens 0: the prompts back with their logprobs, nothing generated."""
+        n = req.options.n
+        choices = [{"index": i, "text": echo[i], "logprobs": prompt_lps[i], "finish_reason": "length"}
+                   for i in range(len(echo))]
+        prompt_tokens = sum(len(ids) for ids in prompts) * n
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        created = int(time.time())
+        if not req.stream:
+            return Response.json({"id": rid, "object": "text_completion", "created": created, "model": req.model,
+                                  "choices": choices, "usage": usage})
+        base = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+
+        async def stream(w: ResponseWriter) -> None:
+            for c in choices:
+                await w.send_json_event({**base, "choices": [c], **({"usage": None} if req.include_usage else {})})
+            if req.include_usage:
+                await w.send_json_event({**base, "choices": [], "usage": usage})
+            await w.send_event("[DONE]")
+        return StreamingResponse(stream, headers=[("cache-control", "no-cache")])
+
+    def _prompt_logprobs(self, ids, scored) -> dict[str, Any]:
+        """The prompt's part of a completion's legacy logprobs: every prompt token, the first with no value."""
+        fe = self.state.frontend
+        tokens = [fe.decode([t]) for t in ids]
+        offsets, offset = [], 0
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _ in scored],
+                "top_logprobs": [None] + [{fe.decode([t]): v for t, v in top} if top else None for _, top in scored],
+                "text_offset": offsets}
+
     async def _stream_completion(self, gen: Generation, w: ResponseWriter, req: CompletionRequest, rid: str,
-                                 echo: list[str]) -> None:
+                                 echo: list[str], prompt_lps: list) -> None:
         base = {"id": rid, "object": "text_completion", "created": gen.created, "model": req.model}
         usage_null = {"usage": None} if req.include_usage else {}
         offsets = [len(e) for e in echo]
         try:
             for i, e in enumerate(echo):
                 if e:
-                    await w.send_json_event({**base, "choices": [{"index": i, "text": e, "logprobs": None,
+                    await w.send_json_event({**base, "choices": [{"index": i, "text": e, "logprobs": prompt_lps[i],
                                                                   "finish_reason": None}], **usage_null})
             async for d in gen.deltas():
                 if not d.text and d.finish_reason is None and not d.logprobs:
@@ -389,6 +441,13 @@ class OpenAIRoutes:
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(first: dict | None, second: dict) -> dict:
+    """Two spans of legacy completion logprobs (the echoed prompt's, then the generated text's) as one."""
+    if first is None:
+        return second
+    return {k: first[k] + second[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 async def _send_stream_error(w: ResponseWriter, exc: BaseException) -> None:

@@ -76,6 +76,7 @@ class CompletionRequest:
     echo: bool
     user: str | None
     response_format: GrammarSpec | None = None
+    score_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, nothing generated
 
 
 # -- field readers ---------------------------------------------------------------------------------
@@ -354,8 +355,11 @@ def parse_completion(body: Any) -> CompletionRequest:
     logprobs = _integer(body, "logprobs", 0, 5)
     stream = _boolean(body, "stream")
     echo = _boolean(body, "echo")
-    if echo and logprobs is not None:
-        raise _bad("echo", "echo with logprobs (prompt logprobs) is not supported yet", ErrorKind.UNSUPPORTED)
+    # max_tokens 0 with echo scores the prompt (its logprobs with `logprobs`) and generates nothing.
+    max_tokens = body.get("max_tokens")
+    score_only = echo and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens == 0
+    if score_only:
+        body = {k: v for k, v in body.items() if k != "max_tokens"}
     return CompletionRequest(
         model=model,
         prompts=prompts,
@@ -365,4 +369,5 @@ def parse_completion(body: Any) -> CompletionRequest:
         echo=echo,
         response_format=parse_response_format(body.get("response_format")),
         user=_string(body, "user"),
+        score_only=score_only,
     )

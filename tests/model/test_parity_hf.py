@@ -154,3 +154,22 @@ def test_embeddings_match_transformers_hidden_states(family_checkpoint):
     assert torch.allclose(model.pooled_embeddings([prompts[1]]), unit[1:2], atol=1e-6)
     with pytest.raises(ValueError):
         model.pooled_embeddings([[1, 2], []])
+
+
+def test_prompt_logprobs_match_transformers(family_checkpoint):
+    """DecoderModel.prompt_logprobs: each prompt token's log-probability given the tokens before it, and the
+    most likely alternatives there, from transformers' logits of the same weights."""
+    family, directory, hf_model = family_checkpoint
+    source = read_source(directory)
+    model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    prompt = list(range(3, 40))  # longer than mistral's window
+    got = model.prompt_logprobs(prompt, top=3, rows_per_chunk=8)  # several LM-head chunks
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(got) == len(prompt) - 1
+    for p, (lp, top) in enumerate(got, start=1):
+        assert abs(lp - ref[p - 1, prompt[p]].item()) < 1e-4, family
+        values, ids = ref[p - 1].topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(top, values.tolist())) < 1e-4
+    assert model.prompt_logprobs([7]) == [] and all(t == () for _, t in model.prompt_logprobs([7, 8, 9]))

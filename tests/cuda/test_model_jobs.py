@@ -1,5 +1,6 @@
-"""Embeddings on the GPU: DecoderModel.pooled_embeddings (what /v1/embeddings and /api/embed run, eagerly on
-the model thread) against transformers' final hidden states of the same weights on the same device."""
+"""The model thread's jobs on the GPU, run eagerly between steps: DecoderModel.pooled_embeddings (/v1/embeddings,
+/api/embed) against transformers' final hidden states, and DecoderModel.prompt_logprobs (completions' echo
+with logprobs) against transformers' logits, same weights, same device."""
 
 import pytest
 
@@ -25,3 +26,18 @@ def test_pooled_embeddings_match_transformers_on_the_gpu(dtype, tol):
         assert (mean[i] - h.mean(0)).abs().max().item() <= tol * scale
     unit = model.pooled_embeddings(prompts)
     assert torch.allclose(unit.norm(dim=-1), torch.ones(len(prompts), device="cuda"), atol=1e-5)
+
+
+def test_prompt_logprobs_match_transformers_on_the_gpu():
+    from gpu_models import serving_model, tiny_hf
+
+    hf = tiny_hf(dtype=torch.float32)
+    model = serving_model(hf, dtype=torch.float32)
+    prompt = torch.randint(3, 512, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    got = model.prompt_logprobs(prompt, top=2, rows_per_chunk=64)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)
+    assert len(got) == len(prompt) - 1
+    for p, (lp, top) in enumerate(got, start=1):
+        assert abs(lp - ref[p - 1, prompt[p]].item()) < 1e-3
+        assert top[0][0] == int(ref[p - 1].argmax())

@@ -1,0 +1,89 @@
+"""echo with logprobs on /v1/completions, as lm-evaluation-harness scores continuations through the openai
+client: every prompt token's logprob after the first, equal to transformers' on the same weights."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+PROMPT = "Paris is the capital of France. The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_core, tmp_path_factory):
+    from flared_testing.daemon import Daemon
+
+    d = Daemon(tiny_core, tmp_path_factory.mktemp("prompt-logprobs"))
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf_llama):
+    """Token ids of PROMPT and transformers' log-softmax of the next-token logits at every position."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    ids = Tokenizer.from_file(str(tiny_hf_llama / "tokenizer.json")).encode(PROMPT).ids
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lps = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return ids, lps
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers_does(client, reference):
+    ids, ref = reference
+    # lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, one new token
+    r = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    (c,) = r.choices
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert c.text.startswith(PROMPT) and "".join(lp.tokens) == c.text
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-4
+        (best,) = lp.top_logprobs[p].items()
+        assert abs(best[1] - ref[p - 1].max().item()) < 1e-4
+    # the generated token: greedy, so the argmax after the whole prompt
+    assert abs(lp.token_logprobs[-1] - ref[-1].max().item()) < 1e-4
+    # the harness's is_greedy over the continuation (here: the last 4 prompt tokens)
+    greedy = all(max(t, key=t.get) == tok for t, tok in zip(lp.top_logprobs[-5:-1], lp.tokens[-5:-1]))
+    assert greedy == all(int(ref[p - 1].argmax()) == ids[p] for p in range(len(ids) - 4, len(ids)))
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
+
+
+def test_max_tokens_zero_with_echo_only_scores(client, reference, daemon):
+    ids, ref = reference
+    r = client.completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    (c,) = r.choices
+    assert c.text == PROMPT and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(ids)
+    # two alternatives a position (fewer keys where two tokens print alike: the legacy shape keys them by text)
+    for p in range(1, len(ids)):
+        top = c.logprobs.top_logprobs[p]
+        best2 = ref[p - 1].topk(2).values.tolist()
+        assert 1 <= len(top) <= 2 and all(min(abs(v - b) for b in best2) < 1e-4 for v in top.values())
+    assert abs(c.logprobs.token_logprobs[-1] - ref[-2, ids[-1]].item()) < 1e-4
+    parts = list(client.completions.create(model="tiny", prompt=[PROMPT, "Hello"], echo=True, logprobs=0,
+                                           max_tokens=0, stream=True))
+    assert [p.choices[0].text for p in parts] == [PROMPT, "Hello"]
+    assert parts[0].choices[0].logprobs.token_logprobs == c.logprobs.token_logprobs
+    status, err = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert status == 400 and "'max_tokens'" in err["error"]["message"]  # 0 only with echo
+
+
+def test_streamed_echo_leads_with_the_prompt_logprobs(client, reference):
+    ids, _ = reference
+    chunks = list(client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=3,
+                                            temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == PROMPT and len(first.logprobs.tokens) == len(ids) and first.logprobs.token_logprobs[0] is None
+    gen = [t for ch in chunks[1:] if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    whole = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=3, temperature=0)
+    assert first.logprobs.tokens + gen == whole.choices[0].logprobs.tokens
