@@ -183,6 +183,20 @@ class GrammarCompiler:
     def lark(self, grammar: str) -> CompiledGrammar:
         return self._compile("lark:" + grammar, lambda: llguidance.LLMatcher.grammar_from_lark(grammar))
 
+    def regex(self, pattern: str) -> CompiledGrammar:
+        """Text that matches ``pattern`` whole (llguidance's regex syntax, Rust's regex crate)."""
+        return self._compile("regex:" + pattern, lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
+
+    def any_grammar(self, grammar: str) -> CompiledGrammar:
+        """A GBNF grammar (llama.cpp's, ``root ::= ...``) or a Lark one (llguidance's), told apart by syntax."""
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+        try:
+            lark = any_to_lark(grammar)
+        except (GbnfToLarkError, ValueError) as exc:
+            raise GrammarError(f"invalid grammar: {exc}") from None
+        return self.lark(lark)
+
     def _compile(self, key: str, build) -> CompiledGrammar:
         with self._lock:
             hit = self._cache.get(key)

@@ -14,7 +14,7 @@ from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
 from flared.server.structured import (
-    ForcedToolChoice, GrammarSpec, parse_openai_forced_tool_choice, parse_response_format,
+    ForcedToolChoice, GrammarSpec, parse_extra_constraints, parse_openai_forced_tool_choice, parse_response_format,
 )
 
 MAX_N = 16
@@ -259,8 +259,10 @@ def parse_chat(body: Any) -> ChatRequest:
     forced_tool = parse_openai_forced_tool_choice(body.get("tool_choice"),
                                                   parallel=_boolean(body, "parallel_tool_calls", default=True))
     tool_choice = "required" if forced_tool else parse_tool_choice(body.get("tool_choice"), "tool_choice")
-    if forced_tool is not None and body.get("response_format") not in (None, {"type": "text"}):
-        raise _bad("tool_choice", "a forced tool call cannot be combined with 'response_format'")
+    constraint = _constraint(body)
+    if forced_tool is not None and constraint is not None:
+        raise _bad("tool_choice", "a forced tool call cannot be combined with 'response_format' (or another "
+                   "output constraint)")
     if _boolean(body, "logprobs"):
         top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         logprobs = top
@@ -282,7 +284,7 @@ def parse_chat(body: Any) -> ChatRequest:
         template_kwargs=dict(kwargs),
         add_generation_prompt=_boolean(body, "add_generation_prompt", default=not cont),
         continue_final_message=cont,
-        response_format=parse_response_format(body.get("response_format")),
+        response_format=constraint,
         user=_string(body, "user"),
         tools=tools if tools and tool_choice != "none" else None,
         tool_choice=tool_choice,
@@ -327,6 +329,12 @@ def parse_tool_choice(choice: Any, field: str) -> str:
 
 # -- completions -----------------------------------------------------------------------------------
 
+def _constraint(body: dict) -> GrammarSpec | None:
+    """OpenAI's response_format, or vLLM's / llama.cpp server's constraint fields (one of them)."""
+    spec = parse_response_format(body.get("response_format"))
+    return parse_extra_constraints(body, spec) or spec
+
+
 def parse_completion(body: Any) -> CompletionRequest:
     if not isinstance(body, dict):
         raise _bad("body", f"must be a JSON object, got {_type(body)}")
@@ -367,7 +375,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,
-        response_format=parse_response_format(body.get("response_format")),
+        response_format=_constraint(body),
         user=_string(body, "user"),
         score_only=score_only,
     )

@@ -37,8 +37,8 @@ from flared.model.grammar import CompiledGrammar, GrammarCompiler, GrammarError,
 
 @dataclasses.dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "json_schema" | "json_object"
-    schema: Any = None  # the JSON schema for kind "json_schema"
+    kind: str  # "json_schema" | "json_object" | "regex" | "lark" | "grammar" (GBNF or Lark)
+    schema: Any = None  # the JSON schema for kind "json_schema"; the regex / grammar text for the others
     name: str | None = None  # OpenAI json_schema.name (for logs)
 
 
@@ -84,6 +84,58 @@ def parse_response_format(value: Any, field: str = "response_format") -> Grammar
         _checked(f"{field}.json_schema.schema", schema)
         return GrammarSpec("json_schema", schema, name)
     raise _bad(f"{field}.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+# vLLM's request fields (structured_outputs {json, regex, choice, grammar, json_object}; the older guided_*) and
+# llama.cpp server's (grammar: GBNF, json_schema: a bare schema), each naming its kind of constraint.
+_EXTRA_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                 ("guided_grammar", "grammar"), ("json_schema", "json"), ("grammar", "grammar"))
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CHOICES = 1024
+
+
+def parse_extra_constraints(body: dict, response_format: GrammarSpec | None) -> GrammarSpec | None:
+    """The output constraint vLLM's or llama.cpp server's clients send beside (or instead of) OpenAI's
+    ``response_format``: at most one per request, all named in the error otherwise."""
+    found: list[tuple[str, str, Any]] = []
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("structured_outputs", f"must be an object, got {type(so).__name__}")
+        for key in _STRUCTURED_OUTPUTS:
+            if so.get(key) is not None and so.get(key) is not False:
+                found.append((f"structured_outputs.{key}", key, so[key]))
+    for field, kind in _EXTRA_FIELDS:
+        if body.get(field) is not None:
+            found.append((field, kind, body[field]))
+    if not found:
+        return None
+    names = [f for f, _, _ in found] + (["response_format"] if response_format is not None else [])
+    if len(names) > 1:
+        raise _bad(found[0][0], f"one output constraint per request; this one has {', '.join(names)}")
+    field, kind, value = found[0]
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise _bad(field, f"is not a JSON schema: {exc}") from None
+        if not isinstance(value, (dict, bool)):
+            raise _bad(field, "must be a JSON schema (an object)")
+        _checked(field, value)
+        return GrammarSpec("json_schema", value)
+    if kind == "json_object":
+        if value is not True:
+            raise _bad(field, "must be true")
+        return GrammarSpec("json_object")
+    if kind == "choice":
+        if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in value)):
+            raise _bad(field, f"must be an array of 1 to {MAX_CHOICES} non-empty strings")
+        return GrammarSpec("lark", "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(value)))
+    if not isinstance(value, str) or not value:
+        raise _bad(field, "must be a non-empty string")
+    return GrammarSpec(kind, value)
 
 
 def parse_responses_text_format(text: Any, field: str = "text.format") -> GrammarSpec | None:
@@ -290,6 +342,12 @@ class StructuredOutput:
         c = self.compiler()
         if spec.kind == "json_object":
             return c.json_object()
+        if spec.kind == "regex":
+            return c.regex(spec.schema)
+        if spec.kind == "lark":
+            return c.lark(spec.schema)
+        if spec.kind == "grammar":
+            return c.any_grammar(spec.schema)
         return c.json_schema(spec.schema)
 
 
