@@ -27,6 +27,7 @@ from flared.server.http import HttpConfig, Request, Response, Router
 from flared.runtime.worker import EmbeddingJob, PromptLogprobsJob
 from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.embeddings import EmbeddingRoutes
+from flared.server.llamacpp_routes import LlamaCppRoutes
 from flared.server.tokenize_routes import TokenizeRoutes
 from flared.server.ollama_routes import OllamaRoutes
 from flared.server.openai_routes import OpenAIRoutes
@@ -201,6 +202,7 @@ def build_router(state: ServingState) -> Router:
     ResponsesRoutes(state).register(router)
     EmbeddingRoutes(state).register(router)
     TokenizeRoutes(state).register(router)
+    LlamaCppRoutes(state).register(router)
     SystemOneRoutes(state).register(router)
     from flared.server.decisions_routes import DecisionsRoutes
 

@@ -1,0 +1,260 @@
+"""llama.cpp server's own routes: POST /completion (also /completions) and GET /props.
+
+What llama.cpp's clients call outside its OpenAI-compatible API, translated onto the one generation path.
+
+/completion takes ``prompt`` (text, with the model's BOS where it takes one; or a token-id array, where
+strings may stand between the ids), ``n_predict`` (-1, the default: until the context ends; 0: nothing
+generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``repeat_penalty``,
+``presence_penalty``, ``frequency_penalty``, ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``,
+``false`` bans a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF)
+or ``json_schema``, ``return_tokens`` and ``stream``. Omitted sampling fields take the model's defaults, as
+the OpenAI routes do. Fields that tune llama.cpp's own sampler chain or slots (``samplers``, ``mirostat``,
+``typical_p``, ``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
+
+It answers llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``, ``limit``, ``word`` with
+``stopping_word``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``, ``timings`` (ms and tokens
+per second), ``generation_settings``, ``completion_probabilities`` when ``n_probs`` > 0. Streamed, SSE
+``data:`` chunks carry ``content`` pieces with ``stop: false`` and the last one the whole summary with
+``stop: true`` (no ``[DONE]``, as llama.cpp).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind
+from flared.runtime.request import GenerateRequest, TokenLogprob
+from flared.server.generation import Generation
+from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
+from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.openai_routes import _check_vocab, _stop_ids, sampling_params
+from flared.server.openai_schema import MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type
+from flared.server.structured import compile_grammar, parse_extra_constraints
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    pairs = value.items() if isinstance(value, dict) else value
+    if not isinstance(value, (dict, list)):
+        raise _bad("logit_bias", f"must be an array of [token id, bias] pairs or an object, got {_type(value)}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _bad("logit_bias", "each entry must be a [token id, bias] pair")
+        tok, bias = pair
+        try:
+            tok = int(tok)
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", f"{tok!r} is not a token id") from None
+        if bias is False:
+            bias = -100.0  # llama.cpp: the token is never sampled
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise _bad("logit_bias", f"the bias for token {tok} must be a number in [-100, 100] or false")
+        out[tok] = float(bias)
+    return out
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _bad("stop", "must be an array of strings")
+    return tuple(s for s in value if s)
+
+
+class LlamaCppRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    def register(self, router: Router) -> None:
+        router.add("POST", "/completion", self.completion, admit=True)
+        router.add("POST", "/completions", self.completion, admit=True)
+        router.add("GET", "/props", self.props)
+
+    def _defaults(self) -> dict[str, Any]:
+        d = self.state.manifest.generation_defaults
+        return {"temperature": float(d.get("temperature", 1.0)), "top_k": int(d.get("top_k", 0)),
+                "top_p": float(d.get("top_p", 1.0)), "min_p": float(d.get("min_p", 0.0)),
+                "repeat_penalty": float(d.get("repetition_penalty", 1.0)), "n_predict": -1}
+
+    async def props(self, request: Request) -> Response:
+        m = self.state.manifest
+        template = self.state.frontend.chat_template
+        return Response.json({
+            "default_generation_settings": {"n_ctx": m.capacities.context_tokens, "params": self._defaults()},
+            "total_slots": m.capacities.concurrency,
+            "model_path": m.model_name,
+            "model_alias": m.model_name,
+            "chat_template": template.source if template is not None else "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": "flared",
+        })
+
+    async def _prompt(self, body: dict) -> tuple[list[int], str]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            ids = await self.state.encode(prompt)
+            return ids, prompt
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool)) for p in prompt):
+            ids: list[int] = []
+            for i, p in enumerate(prompt):
+                if isinstance(p, str):
+                    # the model's BOS only before a leading string, as a text prompt gets it
+                    ids += await self.state.encode(p, add_special_tokens=None if i == 0 else False)
+                else:
+                    if not 0 <= p < self.state.vocab_size:
+                        raise _bad("prompt", f"token id {p} is outside the vocabulary (0..{self.state.vocab_size - 1})")
+                    ids.append(p)
+            return ids, await self.state.decode(ids)
+        raise _bad("prompt", "must be a string or an array of token ids (strings may stand between them), got "
+                   f"{_type(prompt)}" + (" (empty)" if prompt == [] else ""))
+
+    async def completion(self, request: Request):
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        t0 = time.monotonic_ns()
+        ids, prompt_text = await self._prompt(body)
+        if not ids:
+            raise _bad("prompt", "has no tokens")
+        context = self.state.manifest.capacities.context_tokens
+        if len(ids) >= context:
+            err = AdmissionError(f"'prompt': {len(ids)} tokens; this model's context holds {context}, leaving no "
+                                 "room to generate", ErrorKind.CONTEXT_LENGTH)
+            err.param = "prompt"
+            raise err
+        n_predict = _integer(body, "n_predict", -1, 1 << 31)
+        n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS) or 0
+        top_k = _integer(body, "top_k", -1, 1 << 31)
+        opts = SamplingOptions(
+            max_tokens=None if n_predict in (None, -1, 0) else min(n_predict, context - len(ids)),
+            temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
+            top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
+            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+            repetition_penalty=_number(body, "repeat_penalty", 0.0, 2.0, lo_open=True),
+            seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
+            logprobs=n_probs if n_probs else None, stop=_stops(body.get("stop")), stop_token_ids=(),
+            ignore_eos=_boolean(body, "ignore_eos"), n=1)
+        _check_vocab(self.state, opts)
+        if opts.top_p == 0.0:
+            raise _bad("top_p", "must be > 0")
+        grammar = await compile_grammar(self.state, parse_extra_constraints(body, None))
+        stream = _boolean(body, "stream")
+        return_tokens = _boolean(body, "return_tokens")
+        if n_predict == 0:  # llama.cpp: the prompt is evaluated, nothing is generated
+            summary = self._summary(prompt_text, ids, "", [], "limit", "", 0, 0, t0, t0, opts)
+            if not stream:
+                return Response.json(summary)
+
+            async def only(w: ResponseWriter) -> None:
+                await w.send_json_event(summary)
+            return StreamingResponse(only, headers=[("cache-control", "no-cache")])
+        req = GenerateRequest(tuple(ids), (), sampling_params(self.state, opts, len(ids), None, 0),
+                              _stop_ids(self.state, opts), grammar=grammar)
+        gen = self.state.start([req], opts.stop)
+        request.disconnected.add_callback(gen.cancel)
+        if stream:
+            return StreamingResponse(
+                lambda w: self._stream(gen, w, prompt_text, ids, t0, opts, n_probs, return_tokens),
+                headers=[("cache-control", "no-cache")])
+        first_ns = 0
+        texts, tokens, lps, finish = [], [], [], "stop"
+        async for d in gen.deltas():
+            first_ns = first_ns or time.monotonic_ns()
+            texts.append(d.text)
+            tokens += d.token_ids
+            lps += d.logprobs
+            if d.finish_reason is not None:
+                finish = d.finish_reason
+        out = self._summary(prompt_text, ids, "".join(texts), lps if n_probs else [], *self._stop(gen, finish),
+                            gen.usage().num_generated_tokens, gen.usage().num_cached_tokens, t0, first_ns, opts)
+        if return_tokens:
+            out["tokens"] = tokens
+        return Response.json(out)
+
+    @staticmethod
+    def _stop(gen: Generation, finish: str) -> tuple[str, str]:
+        if finish == "length":
+            return "limit", ""
+        word = gen.matched_stop(0)
+        return ("word", word) if word else ("eos", "")
+
+    def _probs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        fe = self.state.frontend
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            tok = fe.decode([tid])
+            return {"id": tid, "token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp}
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+    def _summary(self, prompt_text: str, ids: list[int], content: str, lps: list[TokenLogprob], stop_type: str,
+                 stopping_word: str, predicted: int, cached: int, t0_ns: int, first_ns: int,
+                 opts: SamplingOptions) -> dict[str, Any]:
+        end = time.monotonic_ns()
+        first_ns = first_ns or end
+        prompt_ms = (first_ns - t0_ns) / 1e6
+        predicted_ms = (end - first_ns) / 1e6
+        evaluated = len(ids) - cached
+        out = {
+            "index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True,
+            "model": self.state.manifest.model_name, "tokens_predicted": predicted, "tokens_evaluated": len(ids),
+            "generation_settings": {**self._defaults(), **{k: v for k, v in (
+                ("temperature", opts.temperature), ("top_k", opts.top_k), ("top_p", opts.top_p),
+                ("min_p", opts.min_p), ("repeat_penalty", opts.repetition_penalty), ("seed", opts.seed),
+                ("n_predict", opts.max_tokens)) if v is not None}, "stop": list(opts.stop),
+                "n_probs": opts.logprobs or 0},
+            "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,
+            "stop_type": stop_type, "stopping_word": stopping_word, "tokens_cached": cached,
+            "timings": {
+                "prompt_n": evaluated, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / evaluated if evaluated else 0.0,
+                "prompt_per_second": evaluated / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+                "predicted_n": predicted, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
+                "predicted_per_second": predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0},
+        }
+        if opts.logprobs:
+            out["completion_probabilities"] = self._probs(lps)
+        return out
+
+    async def _stream(self, gen: Generation, w: ResponseWriter, prompt_text: str, ids: list[int], t0_ns: int,
+                      opts: SamplingOptions, n_probs: int, return_tokens: bool) -> None:
+        first_ns, finish = 0, "stop"
+        try:
+            async for d in gen.deltas():
+                first_ns = first_ns or time.monotonic_ns()
+                if d.finish_reason is not None:
+                    finish = d.finish_reason
+                if not d.text and not d.logprobs:
+                    continue
+                chunk: dict[str, Any] = {"index": 0, "content": d.text,
+                                         "tokens": list(d.token_ids) if return_tokens else [], "stop": False,
+                                         "id_slot": -1, "tokens_predicted": gen.usage().num_generated_tokens,
+                                         "tokens_evaluated": len(ids)}
+                if n_probs:
+                    chunk["completion_probabilities"] = self._probs(d.logprobs)
+                await w.send_json_event(chunk)
+            u = gen.usage()
+            await w.send_json_event(self._summary(prompt_text, ids, "", [], *self._stop(gen, finish),
+                                                  u.num_generated_tokens, u.num_cached_tokens, t0_ns, first_ns,
+                                                  opts))
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:  # the stream has started: llama.cpp ends it with an error object
+            gen.cancel()
+            try:
+                await w.send_json_event(json.loads(error_response(exc).body))
+            except ClientDisconnected:
+                pass
+
+
+def _seed(body: dict) -> int | None:
+    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    return None if seed in (None, -1, 0xFFFFFFFF) else seed  # llama.cpp: -1 (LLAMA_DEFAULT_SEED) is random

@@ -1,0 +1,89 @@
+"""llama.cpp server's own /completion and /props against the daemon serving the hand-set tool model
+(tests/api/conftest.py: after " la" it writes " la" forever; after a thinking-off generation prompt it writes
+the answer and stops)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+ANSWER = "It is sunny in Paris."
+SING = "Sing: la"
+
+
+def _post(daemon, body, status=200, path="/completion"):
+    got, out = daemon.request("POST", path, body)
+    assert got == status, out
+    return out
+
+
+def _stream(daemon, body) -> list[dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    try:
+        conn.request("POST", "/completion", body=json.dumps({**body, "stream": True}),
+                     headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        text = resp.read().decode()
+    finally:
+        conn.close()
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    return [json.loads(e) for e in events]
+
+
+def test_limit_word_and_eos(daemon):
+    r = _post(daemon, {"prompt": SING, "n_predict": 5, "temperature": 0})
+    assert r["content"] == " la" * 5 and r["stop"] is True and r["stop_type"] == "limit"
+    assert r["tokens_predicted"] == 5 and r["tokens_evaluated"] > 0 and r["timings"]["predicted_n"] == 5
+    assert r["generation_settings"]["n_predict"] == 5 and r["generation_settings"]["temperature"] == 0
+    w = _post(daemon, {"prompt": SING, "n_predict": 20, "temperature": 0, "stop": ["la la"]})
+    assert w["stop_type"] == "word" and w["stopping_word"] == "la la" and "la la" not in w["content"]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    _, tok = daemon.request("POST", "/tokenize", {"messages": messages,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    e = _post(daemon, {"prompt": tok["tokens"], "temperature": 0, "return_tokens": True})
+    assert e["content"] == ANSWER and e["stop_type"] == "eos" and e["tokens_evaluated"] == tok["count"]
+    assert len(e["tokens"]) == e["tokens_predicted"]
+    # the same prompt again: reused from the prefix cache
+    assert _post(daemon, {"prompt": tok["tokens"], "temperature": 0})["tokens_cached"] > 0
+
+
+def test_probabilities_stream_and_grammar(daemon):
+    r = _post(daemon, {"prompt": SING, "n_predict": 3, "temperature": 0, "n_probs": 2})
+    probs = r["completion_probabilities"]
+    assert len(probs) == 3 and all(p["token"] == " la" and len(p["top_logprobs"]) == 2 for p in probs)
+    assert all(p["top_logprobs"][0]["id"] == p["id"] and p["top_logprobs"][0]["logprob"] == p["logprob"]
+               for p in probs)
+    chunks = _stream(daemon, {"prompt": SING, "n_predict": 4, "temperature": 0, "n_probs": 1})
+    assert all(not c["stop"] for c in chunks[:-1]) and chunks[-1]["stop"] is True
+    assert "".join(c["content"] for c in chunks) == " la" * 4 and chunks[-1]["stop_type"] == "limit"
+    assert sum(len(c.get("completion_probabilities", [])) for c in chunks[:-1]) == 4
+    g = _post(daemon, {"prompt": SING, "n_predict": 20, "temperature": 0, "grammar": 'root ::= " la" " la" "!"'})
+    assert g["content"] == " la la!" and g["stop_type"] == "eos"
+    _, la = daemon.request("POST", "/tokenize", {"content": " la"})
+    banned = _post(daemon, {"prompt": SING, "n_predict": 3, "temperature": 0,
+                            "logit_bias": [[la["tokens"][0], False]]})
+    assert not banned["content"].startswith(" la")
+    assert _post(daemon, {"prompt": SING, "n_predict": 0})["content"] == ""
+
+
+def test_props(daemon):
+    status, p = daemon.request("GET", "/props")
+    assert status == 200 and p["default_generation_settings"]["n_ctx"] == 1024 and p["total_slots"] >= 1
+    assert "<tool_call>" in p["chat_template"] and p["modalities"]["vision"] is False
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({}, "'prompt': must be a string or an array of token ids"),
+    ({"prompt": []}, "(empty)"),
+    ({"prompt": [1, 10 ** 9]}, "token id 1000000000 is outside the vocabulary"),
+    ({"prompt": "x", "logit_bias": [[1]]}, "each entry must be a [token id, bias] pair"),
+    ({"prompt": "x", "n_probs": 50}, "'n_probs'"),
+    ({"prompt": "x", "grammar": "root ::= ("}, "invalid grammar"),
+    ({"prompt": "x " * 2000}, "this model's context holds 1024"),
+])
+def test_errors(daemon, body, needle):
+    assert needle in _post(daemon, body, 400)["error"]["message"]
