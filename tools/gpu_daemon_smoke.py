@@ -138,6 +138,16 @@ def main() -> int:
             dt = time.perf_counter() - t
         results["streams32_all_ok"] = all(o[0] == 200 for o in outs)
         results["streams32_tok_s"] = round(32 * 256 / dt, 1)
+        # The model thread's eager jobs on the GPU: embeddings and a scored prompt (echo with logprobs).
+        se, emb = post(port, "/v1/embeddings", {"model": "m", "input": ["The weather is sunny.", "Hello"],
+                                                "encoding_format": "float"})
+        norms = [sum(x * x for x in d["embedding"]) ** 0.5 for d in emb.get("data", [])] if se == 200 else []
+        results["embeddings_ok"] = se == 200 and len(norms) == 2 and all(abs(n - 1) < 1e-3 for n in norms)
+        ss, sc = post(port, "/v1/completions", {"model": "m", "prompt": "Sentence number 3 talks about",
+                                                "echo": True, "logprobs": 1, "max_tokens": 0})
+        lps = sc["choices"][0]["logprobs"]["token_logprobs"] if ss == 200 else []
+        results["prompt_logprobs_ok"] = ss == 200 and len(lps) > 1 and lps[0] is None and all(
+            v is not None and v <= 0 for v in lps[1:])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -155,7 +165,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(results))
     ok = (results.get("greedy_repeatable") and results.get("stream_equals") and results.get("streams32_all_ok")
-          and results.get("exit_code") == 0)
+          and results.get("embeddings_ok") and results.get("prompt_logprobs_ok") and results.get("exit_code") == 0)
     return 0 if ok else 1
 
 
