@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from flared.errors import AdmissionError, ErrorKind, FrontendError
+from flared.frontend.fim import fim_prompt, fim_tokens
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
@@ -131,6 +132,28 @@ class ServingState:
 
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_pool(lambda: self.frontend.decode(token_ids))
+
+    def fim(self):
+        """The model's fill-in-the-middle tokens (flared.frontend.fim), or None."""
+        if not hasattr(self, "_fim"):
+            self._fim = fim_tokens(self.frontend.tokenizer)
+        return self._fim
+
+    async def fim_prompt(self, prefix: str, suffix: str, *, field: str = "suffix",
+                         extra: list[tuple[str, str]] = ()) -> list[int]:
+        """Token ids that ask the model for the text between ``prefix`` and ``suffix``; a 400 naming ``field``
+        when the model was not trained for it."""
+        fim = self.fim()
+        if fim is None:
+            err = AdmissionError(f"'{field}': this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, "
+                                 "<fim_prefix>), so it cannot complete between a prefix and a suffix",
+                                 ErrorKind.UNSUPPORTED)
+            err.param = field
+            raise err
+        t = self.manifest.tokens
+        bos = [t.bos_token_id] if t.add_bos_token and t.bos_token_id is not None else []
+        encode = lambda text: self.frontend.encode(text, add_special_tokens=False)  # noqa: E731
+        return await self._in_pool(lambda: fim_prompt(fim, encode, prefix, suffix, extra=extra, bos=bos))
 
     async def embed(self, token_lists: list[list[int]], *, normalize: bool = True):
         """Pooled embeddings of token sequences (float32 [n, hidden], CPU), computed on the model thread

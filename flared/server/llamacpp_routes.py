@@ -30,7 +30,8 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, sampling_params
-from flared.server.openai_schema import MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type
+from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
+                                         _string, _type)
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
 
@@ -74,6 +75,7 @@ class LlamaCppRoutes:
     def register(self, router: Router) -> None:
         router.add("POST", "/completion", self.completion, admit=True)
         router.add("POST", "/completions", self.completion, admit=True)
+        router.add("POST", "/infill", self.infill, admit=True)
         router.add("GET", "/props", self.props)
 
     def _defaults(self) -> dict[str, Any]:
@@ -121,6 +123,34 @@ class LlamaCppRoutes:
             raise _bad("body", f"must be a JSON object, got {_type(body)}")
         t0 = time.monotonic_ns()
         ids, prompt_text = await self._prompt(body)
+        return await self._complete(request, body, ids, prompt_text, t0)
+
+    async def infill(self, request: Request):
+        """Fill in the middle: ``input_prefix`` and ``input_suffix`` around the cursor, ``input_extra``
+        ([{filename, text}]) as repository context before them, ``prompt`` after the middle token (the text
+        already typed at the cursor); then as /completion."""
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        t0 = time.monotonic_ns()
+        prefix = _string(body, "input_prefix") or ""
+        suffix = _string(body, "input_suffix") or ""
+        extra_in = body.get("input_extra") or []
+        if not isinstance(extra_in, list) or not all(isinstance(e, dict) for e in extra_in):
+            raise _bad("input_extra", "must be an array of {filename, text} objects")
+        extra = []
+        for i, e in enumerate(extra_in):
+            name, text = e.get("filename", ""), e.get("text", "")
+            if not isinstance(name, str) or not isinstance(text, str):
+                raise _bad(f"input_extra[{i}]", "'filename' and 'text' must be strings")
+            extra.append((name, text))
+        ids = await self.state.fim_prompt(prefix, suffix, field="input_prefix", extra=extra)
+        typed = _string(body, "prompt")
+        if typed:
+            ids += await self.state.encode(typed, add_special_tokens=False)
+        return await self._complete(request, body, ids, prefix + (typed or ""), t0)
+
+    async def _complete(self, request: Request, body: dict, ids: list[int], prompt_text: str, t0: int):
         if not ids:
             raise _bad("prompt", "has no tokens")
         context = self.state.manifest.capacities.context_tokens

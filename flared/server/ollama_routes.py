@@ -265,14 +265,20 @@ class OllamaRoutes:
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise _bad("prompt", "must be a string")
-        for field in ("images", "context", "suffix", "template"):
+        for field in ("images", "context", "template"):
             if body.get(field):
                 raise _bad(field, "is not supported by this server", ErrorKind.UNSUPPORTED)
-        if not prompt:  # Ollama's "load the model" request: it is loaded
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise _bad("suffix", "must be a string")
+        if not prompt and not suffix:  # Ollama's "load the model" request: it is loaded
             return Response.json({"model": model, "created_at": _now(), "response": "", "done": True,
                                   "done_reason": "load"})
         t0 = time.monotonic_ns()
-        if _boolean(body, "raw"):
+        if suffix:  # fill in the middle, as Ollama's code models do: the FIM tokens, no chat template
+            ids = await self.state.fim_prompt(prompt, suffix)
+            text, endpoints = prompt, ()
+        elif _boolean(body, "raw"):
             ids = await self.state.encode(prompt)
             text, endpoints = prompt, ()
         else:

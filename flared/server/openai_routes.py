@@ -314,7 +314,10 @@ class OpenAIRoutes:
         prompts: list[tuple[int, ...]] = []
         texts: list[str] = []
         for p in req.prompts:
-            if isinstance(p, str):
+            if req.suffix is not None:  # fill in the middle: the model's FIM tokens around prefix and suffix
+                ids = await self.state.fim_prompt(p, req.suffix)
+                texts.append(p)
+            elif isinstance(p, str):
                 ids = await self.state.encode(p)
                 texts.append(p)
             else:

@@ -77,6 +77,7 @@ class CompletionRequest:
     user: str | None
     response_format: GrammarSpec | None = None
     score_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, nothing generated
+    suffix: str | None = None  # fill in the middle: the text after the completion (prompts are the text before)
 
 
 # -- field readers ---------------------------------------------------------------------------------
@@ -355,7 +356,9 @@ def parse_completion(body: Any) -> CompletionRequest:
                    "or an array of token-id arrays (non-empty)")
     if len(prompts) > MAX_N:
         raise _bad("prompt", f"at most {MAX_N} prompts per request")
-    _reject_unsupported(body, ("suffix",))
+    suffix = _string(body, "suffix")
+    if suffix is not None and not all(isinstance(p, str) for p in prompts):
+        raise _bad("suffix", "needs text prompts (the text before the completion), not token ids")
     best_of = _integer(body, "best_of", 1, MAX_N)
     n = _integer(body, "n", 1, MAX_N) or 1
     if best_of is not None and best_of != n:
@@ -378,4 +381,5 @@ def parse_completion(body: Any) -> CompletionRequest:
         response_format=_constraint(body),
         user=_string(body, "user"),
         score_only=score_only,
+        suffix=suffix,
     )

@@ -88,9 +88,16 @@ def _post(port: int, path: str, data: bytes, read_response):
         return read_response(s, 120.0)
 
 
+# Routes whose example needs what the test model lacks (fill-in-the-middle tokens): a 400 saying so.
+NEEDS_FIM = {"/infill"}
+
+
 def test_every_json_route_answers_its_example(raw_http):
     for path, example, _ in ROUTES:
         got = _post(raw_http.daemon.port, path, json.dumps(example).encode(), raw_http.read_response)
+        if path in NEEDS_FIM:
+            assert got is not None and got[0] == 400 and b"fill-in-the-middle" in got[2], (path, got)
+            continue
         assert got is not None and got[0] == 200, (path, got)
 
 

@@ -1,0 +1,97 @@
+"""Fill in the middle: OpenAI completions' suffix, Ollama's suffix and llama.cpp's /infill on a tiny
+random-weight Llama whose tokenizer has Qwen-style FIM tokens. Each route must run exactly the prompt
+<|fim_prefix|>prefix<|fim_suffix|>suffix<|fim_middle|>: the same tokens and greedy text as that prompt sent
+as text. A model without FIM tokens answers 400."""
+
+from __future__ import annotations
+
+import json
+
+import ollama
+import openai
+import pytest
+
+PREFIX = "def add(a, b):\n    return "
+SUFFIX = "\n\nprint(add(1, 2))\n"
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"]
+
+
+@pytest.fixture(scope="module")
+def fim_daemon(tmp_path_factory):
+    import torch
+    from flared_testing.daemon import Daemon
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-fim")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", *FIM_TOKENS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([PREFIX + SUFFIX, "def mul(x, y):\n    return x * y\n"] * 20, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
+    LlamaForCausalLM(cfg).eval().save_pretrained(d, safe_serialization=True)
+    core = tmp_path_factory.mktemp("cores") / "fim"
+    export_core(d, core, ExportOptions(concurrency=2, context_tokens=256, prefill_chunk_tokens=128))
+    daemon = Daemon(core, tmp_path_factory.mktemp("fim-run"))
+    yield daemon
+    daemon.kill()
+
+
+def test_fim_tokens_and_prompt_layout():
+    from tokenizers import Tokenizer, models
+
+    from flared.frontend.fim import fim_prompt, fim_tokens
+
+    def tokenizer(names):
+        t = Tokenizer(models.WordLevel({"x": 0}, unk_token="x"))
+        t.add_special_tokens(names)
+        return t
+    qwen = fim_tokens(tokenizer(FIM_TOKENS))
+    assert (qwen.prefix, qwen.suffix, qwen.middle, qwen.file_sep) == (1, 2, 3, 4)
+    star = fim_tokens(tokenizer(["<fim_prefix>", "<fim_middle>", "<fim_suffix>"]))
+    assert (star.prefix, star.suffix, star.middle, star.file_sep) == (1, 3, 2, None)
+    assert fim_tokens(tokenizer(["<fim_prefix>", "<fim_suffix>"])) is None  # no middle: not a FIM model
+    enc = lambda text: [ord(c) for c in text]  # noqa: E731
+    assert fim_prompt(qwen, enc, "a", "b", extra=[("f.py", "c")], bos=[9]) == [9, 4, *enc("f.py\nc"), 1, 97, 2, 98, 3]
+    assert fim_prompt(star, enc, "a", "b", extra=[("f.py", "c")]) == [*enc("c\n"), 1, 97, 3, 98, 2]
+
+
+def test_each_route_runs_the_fim_prompt(fim_daemon):
+    client = openai.OpenAI(base_url=fim_daemon.base + "/v1", api_key="unused", max_retries=0)
+    as_text = "<|fim_prefix|>" + PREFIX + "<|fim_suffix|>" + SUFFIX + "<|fim_middle|>"
+    ref = client.completions.create(model="tiny", prompt=as_text, max_tokens=12, temperature=0)
+    fim = client.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, max_tokens=12, temperature=0)
+    assert fim.usage.prompt_tokens == ref.usage.prompt_tokens and fim.choices[0].text == ref.choices[0].text
+    assert ref.choices[0].text  # the random model writes something
+    o = ollama.Client(host=fim_daemon.base).generate(model="tiny", prompt=PREFIX, suffix=SUFFIX,
+                                                      options={"temperature": 0, "num_predict": 12})
+    assert o.response == ref.choices[0].text and o.prompt_eval_count == ref.usage.prompt_tokens
+    status, inf = fim_daemon.request("POST", "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX,
+                                                         "n_predict": 12, "temperature": 0})
+    assert status == 200 and inf["content"] == ref.choices[0].text
+    assert inf["tokens_evaluated"] == ref.usage.prompt_tokens
+    status, extra = fim_daemon.request("POST", "/infill", {
+        "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4, "temperature": 0,
+        "input_extra": [{"filename": "util.py", "text": "def mul(x, y):\n    return x * y\n"}]})
+    _, sep = fim_daemon.request("POST", "/tokenize", {"content": "util.py\ndef mul(x, y):\n    return x * y\n"})
+    assert status == 200 and extra["tokens_evaluated"] == ref.usage.prompt_tokens + 1 + sep["count"]
+
+
+def test_a_model_without_fim_tokens_says_so(daemon):
+    status, err = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": "a", "suffix": "b"})
+    assert status == 400 and err["error"]["param"] == "suffix" and "no fill-in-the-middle tokens" in \
+        err["error"]["message"]
+    status, err = daemon.request("POST", "/infill", {"input_prefix": "a", "input_suffix": "b"})
+    assert status == 400 and "no fill-in-the-middle tokens" in err["error"]["message"]
+    status, err = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": [1, 2], "suffix": "b"})
+    assert status == 400 and "needs text prompts" in err["error"]["message"]
