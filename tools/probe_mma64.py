@@ -24,11 +24,10 @@ CUDA only (sm_80+ for the MMA); a probe for deciding whether to write the 64-row
 from __future__ import annotations
 
 import ctypes
-import json
 import sys
 
 import torch
-from products64 import PRODUCTS, chain_gb, graph_us, launch, operands, print_rows, probe_parser, torch_layer_us
+from products64 import PRODUCTS, chain_gb, finish, graph_us, launch, operands, probe_parser, torch_layer_us
 
 WARPS, KB, STAGES = 16, 64, 3  # PD (weight k-blocks in flight per warp) per build: 2 spills nothing
 
@@ -246,12 +245,8 @@ def main(argv=None) -> int:
         us = graph_us(chain(kern), replays=5)
         rows.append(("chain", name, us, gb / us * 1e3, f"{gb:.2f} GB"))
         out[f"chain {name}"] = round(us, 1)
-    print_rows(rows, width=16)
-    if not ok:
-        print("mma64 disagrees with torch: its timings mean nothing until that is fixed")
-    if args.json:
-        print(json.dumps(out))
-    return 0 if ok else 1
+    return finish(rows, out, ok, args.json, "mma64 disagrees with torch: its timings mean nothing until that is fixed",
+                  width=16)
 
 
 if __name__ == "__main__":

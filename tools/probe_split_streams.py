@@ -24,14 +24,13 @@ CUDA only; a probe for deciding whether the 64-row decode graph should fork its 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, probe_parser  # noqa: E402
+from products64 import PRODUCTS, chain_gb, finish, graph_us, operands, probe_parser  # noqa: E402
 
 # name: (ratios of the pieces, side by side?, strided output?)
 CUTS = {
@@ -148,12 +147,8 @@ def main(argv=None) -> int:
         us = graph_us(chain(forks), replays=5)
         rows.append(("chain", name, us, gb / us * 1e3, extra or f"{gb:.2f} GB"))
         out[f"chain {name}"] = round(us, 1)
-    print_rows(rows, what="cut", width=16)
-    if not ok:
-        print("a cut's output disagrees with one launch: its timing means nothing until that is fixed")
-    if args.json:
-        print(json.dumps(out))
-    return 0 if ok else 1
+    return finish(rows, out, ok, args.json, "a cut's output disagrees with one launch: its timing means nothing "
+                  "until that is fixed", what="cut", width=16)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,16 @@ def print_rows(rows, what: str = "backend", width: int = 9, digits: int = 1) -> 
     print(f"{'product':8} {what:{width}} {'us/layer':>10} {'TB/s':>6}  note")
     for p, name, us, tbs, note in rows:
         print(f"{p:8} {name:{width}} {us:10.{digits}f} {tbs:6.2f}  {note}")
+
+
+def finish(rows, out: dict, ok: bool, as_json: bool, wrong: str, what: str = "backend", width: int = 9) -> int:
+    """The probe's table, ``wrong`` where a kernel disagreed with torch (its timings then mean nothing), its
+    figures as one JSON line with ``as_json``; the exit status (1 when something disagreed)."""
+    print_rows(rows, what=what, width=width)
+    if not ok:
+        print(wrong)
+    if as_json:
+        import json
+
+        print(json.dumps(out))
+    return 0 if ok else 1

@@ -150,6 +150,15 @@ def daemon(tool_core, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_core_daemon(tiny_core, tmp_path_factory):
+    """A daemon serving the random-weight tiny Llama (tests/conftest.py's tiny_core), whose outputs are compared
+    with transformers' on the same weights."""
+    d = Daemon(tiny_core, tmp_path_factory.mktemp("tiny-core"))
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="session")
 def token_ids(tool_hf_dir) -> dict[str, int]:
     from tokenizers import Tokenizer
 

@@ -15,12 +15,8 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 40  # well over the tin
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_core, tmp_path_factory):
-    from flared_testing.daemon import Daemon
-
-    d = Daemon(tiny_core, tmp_path_factory.mktemp("embeddings"))
-    yield d
-    d.kill()
+def daemon(tiny_core_daemon):
+    return tiny_core_daemon
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,8 @@ PROMPT = "Paris is the capital of France. The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_core, tmp_path_factory):
-    from flared_testing.daemon import Daemon
-
-    d = Daemon(tiny_core, tmp_path_factory.mktemp("prompt-logprobs"))
-    yield d
-    d.kill()
+def daemon(tiny_core_daemon):
+    return tiny_core_daemon
 
 
 @pytest.fixture(scope="module")
