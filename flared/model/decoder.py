@@ -235,10 +235,12 @@ class DecoderModel:
 
     @torch.inference_mode()
     def pooled_embeddings(self, token_lists: list[list[int]], *, pooling: str = "last", normalize: bool = True,
-              page_tokens: int = 16) -> torch.Tensor:
+                          page_tokens: int = 16, chunk_tokens: int = 2048) -> torch.Tensor:
         """Sentence embeddings [len(token_lists), hidden] float32: each sequence run on its own (a scratch KV
         cache, nothing shared with serving), its final-normed hidden states pooled, at its last token
-        (``last``) or averaged over its tokens (``mean``), then scaled to unit length when ``normalize``."""
+        (``last``) or averaged over its tokens (``mean``), then scaled to unit length when ``normalize``.
+        Sequences up to ``chunk_tokens`` run together in one forward; a longer one runs alone in chunks of
+        that many tokens, so activations stay bounded whatever the context."""
         if pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
         if not token_lists or any(len(t) == 0 for t in token_lists):
@@ -246,22 +248,29 @@ class DecoderModel:
         longest = max(len(t) for t in token_lists)
         if longest > self.max_positions:
             raise ValueError(f"a sequence of {longest} tokens is longer than the model's {self.max_positions}")
-        chunks, first_page = [], 0
-        for tokens in token_lists:
-            pages = -(-len(tokens) // page_tokens)
-            chunks.append(SequenceChunk(list(tokens), 0, list(range(first_page, first_page + pages))))
-            first_page += pages
-        kv = PagedKVCache(self.config, num_pages=first_page, page_tokens=page_tokens, dtype=self.dtype,
-                          device=self.device)
-        batch = ForwardBatch.build(chunks, page_tokens=page_tokens, device=self.device,
-                                   sliding_window=self.config.sliding_window)
-        h = self._layers_forward(batch, kv)
-        out, row = [], 0
-        for tokens in token_lists:
-            rows = h[row + len(tokens) - 1:row + len(tokens)] if pooling == "last" else h[row:row + len(tokens)]
-            normed = rms_norm(rows.contiguous(), self.final_norm, self.config.rms_norm_eps).float()
-            out.append(normed.mean(dim=0))
-            row += len(tokens)
+        eps = self.config.rms_norm_eps
+        out: list[torch.Tensor | None] = [None] * len(token_lists)
+        short = [i for i, t in enumerate(token_lists) if len(t) <= chunk_tokens]
+        if short:
+            h = self._prefill([list(token_lists[i]) for i in short], page_tokens)
+            row = 0
+            for i in short:
+                n = len(token_lists[i])
+                rows = h[row + n - 1:row + n] if pooling == "last" else h[row:row + n]
+                out[i] = rms_norm(rows.contiguous(), self.final_norm, eps).float().mean(dim=0)
+                row += n
+        for i, tokens in enumerate(token_lists):
+            if out[i] is not None:
+                continue
+            total = None
+            for start, h in self._chunked_prefill(list(tokens), chunk_tokens, page_tokens):
+                if pooling == "last":
+                    total = h[-1:]
+                else:
+                    part = rms_norm(h.contiguous(), self.final_norm, eps).float().sum(dim=0)
+                    total = part if total is None else total + part
+            out[i] = (rms_norm(total.contiguous(), self.final_norm, eps).float()[0] if pooling == "last"
+                      else total / len(tokens))
         result = torch.stack(out)
         if normalize:
             result = F.normalize(result, dim=-1)
@@ -269,35 +278,57 @@ class DecoderModel:
 
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int], top: int = 0, *, page_tokens: int = 16,
-                        rows_per_chunk: int = 256) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+                        rows_per_chunk: int = 256, chunk_tokens: int = 2048
+                        ) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
         """For p = 1 .. len(token_ids) - 1: (log P(token[p] | tokens[:p]), the ``top`` most likely tokens at p as
         (id, logprob), most likely first), from the log-softmax of the raw float32 logits as the sampler
-        reports generated tokens' logprobs. The sequence runs on its own scratch KV cache; the LM head
-        ``rows_per_chunk`` positions at a time."""
+        reports generated tokens' logprobs. The sequence runs on its own scratch KV cache, ``chunk_tokens``
+        at a time; the LM head ``rows_per_chunk`` positions at a time."""
         n = len(token_ids)
         if n == 0 or n > self.max_positions:
             raise ValueError(f"a sequence to score needs 1 to {self.max_positions} tokens, got {n}")
-        if n == 1:
-            return []
+        targets = torch.tensor(list(token_ids[1:]) + [0], dtype=torch.int64, device=self.device)
+        out = []
+        for start, h in self._chunked_prefill(list(token_ids), chunk_tokens, page_tokens):
+            end = min(start + h.shape[0], n - 1)  # positions start .. end - 1 predict a next token
+            for a in range(start, end, rows_per_chunk):
+                b = min(end, a + rows_per_chunk)
+                x = rms_norm(h[a - start:b - start].contiguous(), self.final_norm, self.config.rms_norm_eps)
+                lp = torch.log_softmax(self.lm_head_linear(x).float(), dim=-1)
+                chosen = lp.gather(1, targets[a:b, None])[:, 0].tolist()
+                if top:
+                    values, ids = lp.topk(top, dim=-1)
+                    tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                else:
+                    tops = [()] * (b - a)
+                out.extend(zip(chosen, tops))
+        return out
+
+    def _prefill(self, token_lists: list[list[int]], page_tokens: int) -> torch.Tensor:
+        """The residual stream [sum of lengths, hidden] of whole sequences run together on a scratch KV cache."""
+        chunks, first_page = [], 0
+        for tokens in token_lists:
+            pages = -(-len(tokens) // page_tokens)
+            chunks.append(SequenceChunk(tokens, 0, list(range(first_page, first_page + pages))))
+            first_page += pages
+        kv = PagedKVCache(self.config, num_pages=first_page, page_tokens=page_tokens, dtype=self.dtype,
+                          device=self.device)
+        batch = ForwardBatch.build(chunks, page_tokens=page_tokens, device=self.device,
+                                   sliding_window=self.config.sliding_window)
+        return self._layers_forward(batch, kv)
+
+    def _chunked_prefill(self, tokens: list[int], chunk_tokens: int, page_tokens: int):
+        """(start, residual stream of tokens[start:start + chunk_tokens]) for one sequence, its chunks run in
+        order on one scratch KV cache (each attends to the ones before, as chunked prefill does)."""
+        n = len(tokens)
         pages = -(-n // page_tokens)
         kv = PagedKVCache(self.config, num_pages=pages, page_tokens=page_tokens, dtype=self.dtype, device=self.device)
-        batch = ForwardBatch.build([SequenceChunk(list(token_ids), 0, list(range(pages)))], page_tokens=page_tokens,
-                                   device=self.device, sliding_window=self.config.sliding_window)
-        h = self._layers_forward(batch, kv)
-        targets = torch.tensor(token_ids[1:], dtype=torch.int64, device=self.device)
-        out = []
-        for a in range(0, n - 1, rows_per_chunk):
-            b = min(n - 1, a + rows_per_chunk)
-            x = rms_norm(h[a:b].contiguous(), self.final_norm, self.config.rms_norm_eps)
-            lp = torch.log_softmax(self.lm_head_linear(x).float(), dim=-1)
-            chosen = lp.gather(1, targets[a:b, None])[:, 0].tolist()
-            if top:
-                values, ids = lp.topk(top, dim=-1)
-                tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-            else:
-                tops = [()] * (b - a)
-            out.extend(zip(chosen, tops))
-        return out
+        for start in range(0, n, chunk_tokens):
+            end = min(n, start + chunk_tokens)
+            chunk = SequenceChunk(tokens[start:end], start, list(range(-(-end // page_tokens))))
+            batch = ForwardBatch.build([chunk], page_tokens=page_tokens, device=self.device,
+                                       sliding_window=self.config.sliding_window)
+            yield start, self._layers_forward(batch, kv)
 
     def _layers_forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Every decoder layer over the batch's tokens (their K/V written to ``kv``): the residual stream

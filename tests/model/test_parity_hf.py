@@ -143,6 +143,10 @@ def test_embeddings_match_transformers_hidden_states(family_checkpoint):
     last = model.pooled_embeddings(prompts, pooling="last", normalize=False)
     mean = model.pooled_embeddings(prompts, pooling="mean", normalize=False)
     unit = model.pooled_embeddings(prompts)
+    # in chunks of 8 tokens (every prompt of over 8 alone, each chunk attending to the ones before): the same
+    chunked_last = model.pooled_embeddings(prompts, pooling="last", normalize=False, chunk_tokens=8)
+    chunked_mean = model.pooled_embeddings(prompts, pooling="mean", normalize=False, chunk_tokens=8)
+    assert torch.allclose(chunked_last, last, atol=1e-5) and torch.allclose(chunked_mean, mean, atol=1e-5)
     assert last.shape == mean.shape == (len(prompts), source.config.hidden_size) and last.dtype == torch.float32
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
@@ -164,6 +168,9 @@ def test_prompt_logprobs_match_transformers(family_checkpoint):
     model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
     prompt = list(range(3, 40))  # longer than mistral's window
     got = model.prompt_logprobs(prompt, top=3, rows_per_chunk=8)  # several LM-head chunks
+    chunked = model.prompt_logprobs(prompt, top=3, rows_per_chunk=3, chunk_tokens=7)  # and prefill chunks
+    assert len(chunked) == len(got) and all(abs(a[0] - b[0]) < 1e-5 and [t for t, _ in a[1]] == [t for t, _ in b[1]]
+                                            for a, b in zip(chunked, got))
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert len(got) == len(prompt) - 1
