@@ -149,10 +149,11 @@ def daemon(tool_core, tmp_path_factory):
     d.kill()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_core_daemon(tiny_core, tmp_path_factory):
     """A daemon serving the random-weight tiny Llama (tests/conftest.py's tiny_core), whose outputs are compared
-    with transformers' on the same weights."""
+    with transformers' on the same weights; one per module, stopped after it (no daemon idles through the
+    rest of the suite)."""
     d = Daemon(tiny_core, tmp_path_factory.mktemp("tiny-core"))
     yield d
     d.kill()

@@ -68,8 +68,9 @@ def test_completion_prompt_forms():
             parse_completion({"model": "m", "prompt": bad})
     with pytest.raises(FlareError, match="'best_of'"):
         parse_completion({"model": "m", "prompt": "x", "best_of": 3})
-    with pytest.raises(FlareError, match="'suffix'"):
-        parse_completion({"model": "m", "prompt": "x", "suffix": "y"})
+    assert parse_completion({"model": "m", "prompt": "x", "suffix": "y"}).suffix == "y"  # fill in the middle
+    with pytest.raises(FlareError, match="'suffix': needs text prompts"):
+        parse_completion({"model": "m", "prompt": [1, 2], "suffix": "y"})
 
 
 def test_top_k_minus_one_means_off_and_stop_string_filters_empty():
