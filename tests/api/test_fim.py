@@ -73,8 +73,9 @@ def test_each_route_runs_the_fim_prompt(fim_daemon):
     fim = client.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, max_tokens=12, temperature=0)
     assert fim.usage.prompt_tokens == ref.usage.prompt_tokens and fim.choices[0].text == ref.choices[0].text
     assert ref.choices[0].text  # the random model writes something
-    o = ollama.Client(host=fim_daemon.base).generate(model="tiny", prompt=PREFIX, suffix=SUFFIX,
-                                                      options={"temperature": 0, "num_predict": 12})
+    oc = ollama.Client(host=fim_daemon.base)
+    assert oc.show("tiny").capabilities == ["completion", "insert"]  # what editors check before sending a suffix
+    o = oc.generate(model="tiny", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": 12})
     assert o.response == ref.choices[0].text and o.prompt_eval_count == ref.usage.prompt_tokens
     status, inf = fim_daemon.request("POST", "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX,
                                                          "n_predict": 12, "temperature": 0})
