@@ -27,7 +27,7 @@ import ctypes
 import sys
 
 import torch
-from products64 import PRODUCTS, chain_gb, finish, graph_us, launch, operands, probe_parser, torch_layer_us
+from products64 import PRODUCTS, chain_gb, cublaslt_reference, finish, graph_us, launch, operands, probe_parser
 
 WARPS, KB, STAGES = 16, 64, 3  # PD (weight k-blocks in flight per warp) per build: 2 spills nothing
 
@@ -207,10 +207,8 @@ def main(argv=None) -> int:
     rows, out, ok = [], {"layers": L}, True
     kerns = {}
     for p, (n, k) in PRODUCTS.items():
-        mb = n * k * 2 / 1e6
-        ref = torch.nn.functional.linear(x[p], w[p][0]).float()
-        lt = torch_layer_us(x, w, y, p)
-        rows.append((p, "cuBLASLt", lt, mb / lt, ""))
+        mb, ref, lt, row = cublaslt_reference(x, w, y, p)
+        rows.append(row)
         out[p] = {"cublaslt": round(lt, 2)}
         for pd in (int(v) for v in args.pd.split(",")):
             if pd not in kerns:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, probe_parser, torch_layer_us  # noqa: E402
+from products64 import PRODUCTS, chain_gb, cublaslt_reference, graph_us, operands, print_rows, probe_parser  # noqa: E402
 
 CONFIGS = {  # (BN, BK, stages, warps)
     "qkv": [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 3, 4), (32, 256, 3, 4)],
@@ -101,10 +101,8 @@ def main(argv=None) -> int:
     # Each product alone (32 layers of it), every config without PDL, then the best with PDL.
     best = {}
     for p, (n, k) in PRODUCTS.items():
-        mb = n * k * 2 / 1e6
-        ref = torch.nn.functional.linear(x[p], w[p][0]).float()
-        lt = torch_layer_us(x, w, y, p)
-        rows.append((p, "cuBLASLt", lt, mb / lt, ""))
+        mb, ref, lt, row = cublaslt_reference(x, w, y, p)
+        rows.append(row)
         timed = {}
         for cfg in CONFIGS[p]:
             for pre, pdl, start in ((0, False, False), (0, True, False), (2 * cfg[1], True, False),

@@ -55,6 +55,16 @@ def torch_layer_us(x: dict, w: dict, y: dict, p: str) -> float:
     return graph_us(lambda: [torch.nn.functional.linear(x[p], w[p][i], out=y[p]) for i in range(layers)]) / layers
 
 
+def cublaslt_reference(x: dict, w: dict, y: dict, p: str) -> tuple[float, torch.Tensor, float, tuple]:
+    """Product ``p``'s weight MB, torch's float32 result on layer 0 (what a kernel is checked against), torch's
+    us per layer, and that timing's table row."""
+    n, k = PRODUCTS[p]
+    mb = n * k * 2 / 1e6
+    ref = torch.nn.functional.linear(x[p], w[p][0]).float()
+    lt = torch_layer_us(x, w, y, p)
+    return mb, ref, lt, (p, "cuBLASLt", lt, mb / lt, "")
+
+
 def launch(function, blocks: int, threads: int, shared: int, values: list) -> None:
     """A CuPy-loaded kernel (``RawModule.get_function``) on torch's current stream (so a torch graph capture
     records it); ``values`` are the kernel's arguments as ctypes scalars."""

@@ -62,6 +62,8 @@ class ServingState:
         # Grammar compiler for structured output (flared.server.structured), built on first use.
         self.structured = StructuredOutput(frontend, vocab_size=self.vocab_size,
                                            eos_token_ids=manifest.tokens.eos_token_ids)
+        # The model's fill-in-the-middle tokens (flared.frontend.fim), or None.
+        self.fim = fim_tokens(frontend.tokenizer)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -133,17 +135,15 @@ class ServingState:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_pool(lambda: self.frontend.decode(token_ids))
 
-    def fim(self):
-        """The model's fill-in-the-middle tokens (flared.frontend.fim), or None."""
-        if not hasattr(self, "_fim"):
-            self._fim = fim_tokens(self.frontend.tokenizer)
-        return self._fim
+    async def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, decoded on a frontend worker (a prompt may hold thousands)."""
+        return await self._in_pool(lambda: [self.frontend.decode([t]) for t in token_ids])
 
     async def fim_prompt(self, prefix: str, suffix: str, *, field: str = "suffix",
                          extra: list[tuple[str, str]] = ()) -> list[int]:
         """Token ids that ask the model for the text between ``prefix`` and ``suffix``; a 400 naming ``field``
         when the model was not trained for it."""
-        fim = self.fim()
+        fim = self.fim
         if fim is None:
             err = AdmissionError(f"'{field}': this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, "
                                  "<fim_prefix>), so it cannot complete between a prefix and a suffix",

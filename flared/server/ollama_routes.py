@@ -206,7 +206,7 @@ class OllamaRoutes:
             caps.append("tools")
         if self.state.reasoning_format() is not None:
             caps.append("thinking")
-        if self.state.fim() is not None:
+        if self.state.fim is not None:
             caps.append("insert")  # Ollama's name for models that take a suffix (fill in the middle)
         return caps
 

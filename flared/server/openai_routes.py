@@ -343,8 +343,11 @@ class OpenAIRoutes:
                     err.param = "prompt"
                     raise err
             scored = await asyncio.gather(*(self.state.prompt_logprobs(ids, req.options.logprobs) for ids in prompts))
-        prompt_lps = [None if scored[i // n] is None else self._prompt_logprobs(prompts[i // n], scored[i // n])
-                      for i in range(len(prompts) * n)]
+        prompt_part = []  # each prompt's token texts (thousands, for a long one) made on a frontend worker
+        for ids, s in zip(prompts, scored):
+            prompt_part.append(None if s is None else
+                               await self.state._in_pool(lambda ids=ids, s=s: self._prompt_logprobs(ids, s)))
+        prompt_lps = [prompt_part[i // n] for i in range(len(prompts) * n)]
         if req.score_only:
             return self._scored_only(req, rid, prompts, echo, prompt_lps)
         grammar = await compile_grammar(self.state, req.response_format)

@@ -46,7 +46,6 @@ class TokenizeRoutes:
         if len(given) != 1:
             raise _bad("prompt", "give exactly one of 'prompt', 'content' or 'messages'"
                        + (f" (got {', '.join(given)})" if given else ""))
-        fe = self.state.frontend
         if given[0] == "messages":
             req = parse_chat({**body, "model": self.state.manifest.model_name})
             rendered = await self.state.prepare_chat(
@@ -63,8 +62,8 @@ class TokenizeRoutes:
             else:
                 add = _boolean(body, "add_special")
             ids = await self.state.encode(text, add_special_tokens=add)
-        pieces = [fe.decode([t]) for t in ids] if (_boolean(body, "with_pieces")
-                                                   or _boolean(body, "return_token_strs")) else None
+        pieces = (await self.state.token_texts(ids) if _boolean(body, "with_pieces")
+                  or _boolean(body, "return_token_strs") else None)
         tokens: list[Any] = ([{"id": t, "piece": p} for t, p in zip(ids, pieces)] if _boolean(body, "with_pieces")
                              else ids)
         out: dict[str, Any] = {"tokens": tokens, "count": len(ids),
