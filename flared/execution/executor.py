@@ -49,7 +49,7 @@ _NUM_FRAMES = 2
 
 def _needs_eager_sampler(state: SequenceSamplingState) -> bool:
     p = state.params
-    return state.grammar is not None or p.uses_penalties or bool(p.logit_bias) or p.min_p > 0 or p.logprobs is not None
+    return (state.grammar is not None or state.shapes_logits or p.min_p > 0 or p.logprobs is not None)
 
 
 class _Pending:

@@ -3,7 +3,9 @@
 ``Sampler.sample(logits, states)`` picks one token per row of a float32
 ``[B, vocab]`` logits tensor, each row under its own ``SamplingParams``, in
 one vectorised pass. The order follows vLLM: log-probabilities are taken from
-the raw logits; then logit bias; then repetition (prompt + output), frequency
+the raw logits; then logit bias; then vLLM's allowed_token_ids (every other
+id to -inf) and min_tokens (EOS and the stop ids to -inf until that many
+tokens were drawn); then repetition (prompt + output), frequency
 and presence (output only) penalties; greedy rows take the argmax here; other
 rows are divided by their temperature, filtered by min-p, top-k and top-p,
 and drawn.
@@ -23,10 +25,13 @@ Rules:
   the greedy argmax and the draw. Unconstrained rows pay nothing. The caller
   advances the matcher with the chosen token; a matcher already in its error
   state is left unmasked here and reported by the caller's ``consume``.
+  Where a grammar allows only ids that min_tokens bans (its output is
+  complete), the grammar wins and the output ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from dataclasses import dataclass
@@ -52,6 +57,11 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     logprobs: int | None = None  # top-n log-probabilities per token (0 = only the chosen token's)
+    # vLLM's min_tokens: these ids (EOS and the request's stop ids) cannot be drawn before that many tokens.
+    min_tokens: int = 0
+    min_tokens_banned: frozenset[int] = frozenset()
+    # vLLM's allowed_token_ids: only these ids can be drawn (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
@@ -78,6 +88,16 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids must not be empty")
+            for token in self.allowed_token_ids:
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise bad(f"allowed_token_ids entries must be token ids, got {token!r}")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 if not isinstance(token, int) or isinstance(token, bool) or token < 0:
@@ -93,6 +113,10 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def bans_stops(self, num_output_tokens: int) -> bool:
+        """True while min_tokens still keeps the stop ids from being drawn."""
+        return num_output_tokens < self.min_tokens and bool(self.min_tokens_banned)
+
 
 @dataclass
 class SequenceSamplingState:
@@ -101,6 +125,15 @@ class SequenceSamplingState:
     num_output_tokens: int = 0  # tokens drawn so far; the counter of the per-row RNG
     penalty_slot: int | None = None  # row of the sampler's penalty tables, when penalties are used
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
+    allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the sampler's device
+    banned_ids: torch.Tensor | None = None  # params.min_tokens_banned on the sampler's device
+
+    @property
+    def shapes_logits(self) -> bool:
+        """The row's logits change before its argmax or draw (bias, penalties, allowed ids, min_tokens)."""
+        p = self.params
+        return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
+                or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
 
 
 @dataclass
@@ -131,13 +164,19 @@ class Sampler:
         self._generator = torch.Generator(device=self.device)
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
-        if params.logit_bias:
-            too_big = [t for t in params.logit_bias if t >= self.vocab_size]
+        for field, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("min_tokens_banned", params.min_tokens_banned)):
+            too_big = [t for t in ids if t >= self.vocab_size]
             if too_big:
-                raise AdmissionError(f"logit_bias token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
+                raise AdmissionError(f"{field} token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
                                      ErrorKind.VALIDATION)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         state = SequenceSamplingState(params=params, seed=seed, grammar=grammar)
+        if params.allowed_token_ids is not None:
+            state.allowed_ids = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.int64,
+                                             device=self.device)
+        if params.min_tokens > 0 and params.min_tokens_banned:
+            state.banned_ids = torch.tensor(sorted(params.min_tokens_banned), dtype=torch.int64, device=self.device)
         if params.uses_penalties:
             if not self._free_slots:
                 raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
@@ -168,7 +207,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs is not None else None
 
         biased = self.apply_bias_and_penalties(logits, states)
-        logits = self._apply_grammar_masks(biased, states, owned=biased is not logits)
+        raw_logits, logits = logits, self._apply_grammar_masks(biased, states, owned=biased is not logits)
+        self._yield_to_grammar(raw_logits, logits, states)
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
 
         token_ids = logits.argmax(dim=-1)
@@ -199,14 +239,35 @@ class Sampler:
         """``logits`` after logit bias, then repetition/frequency/presence penalties: a copy, or the
         input itself when no row has any (the input is never modified). Greedy rows take their argmax
         from this."""
-        if not any(s.params.logit_bias or s.penalty_slot is not None for s in states):
+        if not any(s.shapes_logits for s in states):
             return logits
         logits = logits.clone()
         self._apply_logit_bias(logits, [s.params for s in states])
+        for i, s in enumerate(states):
+            if s.allowed_ids is not None:  # everything else to -inf
+                kept = logits[i].index_select(0, s.allowed_ids)
+                logits[i].fill_(float("-inf")).index_copy_(0, s.allowed_ids, kept)
+            if s.banned_ids is not None and s.num_output_tokens < s.params.min_tokens:
+                logits[i].index_fill_(0, s.banned_ids, float("-inf"))
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
         if penalty_rows:
             self._apply_penalties(logits, states, penalty_rows)
         return logits
+
+    def _yield_to_grammar(self, raw: torch.Tensor, logits: torch.Tensor, states: list[SequenceSamplingState]) -> None:
+        """A constrained row whose grammar allows only the ids that min_tokens bans (the output is complete)
+        would have nothing left to draw: it is redone without the ban, so the grammar ends the output."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.failed
+                and s.banned_ids is not None and s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        dead = torch.isneginf(logits.index_select(0, index)).all(dim=-1).tolist()  # a sync, for such rows only
+        for i, is_dead in zip(rows, dead):
+            if is_dead:
+                state = dataclasses.replace(states[i], banned_ids=None)
+                row = self.apply_bias_and_penalties(raw[i:i + 1], [state])
+                logits[i] = self._apply_grammar_masks(row, [state], owned=False)[0]
 
     def _apply_grammar_masks(self, logits: torch.Tensor, states: list[SequenceSamplingState], *,
                              owned: bool) -> torch.Tensor:

@@ -46,6 +46,39 @@ def test_logit_bias_forces_and_forbids():
         sampler.add_sequence(SamplingParams(logit_bias={VOCAB: 1.0}), [])
 
 
+def test_min_tokens_bans_the_stop_ids_until_reached():
+    logits = logits_rows(1)
+    best, second = logits[0].topk(2).indices.tolist()
+    sampler = Sampler(VOCAB)
+    state = sampler.add_sequence(SamplingParams(temperature=0, min_tokens=2, min_tokens_banned=frozenset({best}),
+                                                max_tokens=4), [])
+    # the banned id is the argmax: the first two tokens take the next best, then the ban lifts
+    assert [sampler.sample(logits, [state]).token_ids.item() for _ in range(3)] == [second, second, best]
+    drawn = [sampler.add_sequence(SamplingParams(temperature=1.0, seed=s, min_tokens=1,
+                                                 min_tokens_banned=frozenset({best, second})), [])
+             for s in range(64)]
+    out = sampler.sample(logits.expand(64, VOCAB), drawn).token_ids.tolist()
+    assert best not in out and second not in out
+    with pytest.raises(AdmissionError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_allowed_token_ids_restrict_every_draw():
+    logits = logits_rows(1)
+    allowed = [int(logits[0].argmin()), 7, 11]
+    sampler = Sampler(VOCAB)
+    greedy = sampler.add_sequence(SamplingParams(temperature=0, allowed_token_ids=tuple(allowed)), [])
+    assert sampler.sample(logits, [greedy]).token_ids.item() == max(allowed, key=lambda t: logits[0, t].item())
+    states = [sampler.add_sequence(SamplingParams(temperature=2.0, seed=s, allowed_token_ids=tuple(allowed)), [])
+              for s in range(64)]
+    out = sampler.sample(logits.expand(64, VOCAB), states)
+    assert set(out.token_ids.tolist()) <= set(allowed)
+    with pytest.raises(AdmissionError, match="outside the vocabulary"):
+        sampler.add_sequence(SamplingParams(allowed_token_ids=(VOCAB,)), [])
+    with pytest.raises(AdmissionError, match="must not be empty"):
+        SamplingParams(allowed_token_ids=())
+
+
 def test_penalties_follow_vllm_semantics():
     logits = logits_rows(1)
     sampler = Sampler(VOCAB)

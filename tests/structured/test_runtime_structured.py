@@ -67,6 +67,23 @@ def test_masks_touch_only_constrained_rows(runtime, compiler, tiny_core):
         assert json.loads(tok.decode(_tokens(events)[:-1])) in ENUM["enum"]  # last token: EOS
 
 
+def test_min_tokens_yields_to_a_complete_grammar(runtime, compiler, tiny_core):
+    """min_tokens bans EOS, but a grammar whose output is complete allows only EOS: the grammar wins and the
+    output ends there, valid, rather than failing or drawing a token neither allows."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
+    prompt = tok.encode("<|im_start|>user\nPick one.<|im_end|>\n<|im_start|>assistant\n").ids
+    grammar = compiler.json_schema(ENUM)
+    for temperature in (0.0, 1.0):
+        (events,) = _run(runtime, [_request(prompt, grammar, temperature=temperature, seed=5, min_tokens=20,
+                                            min_tokens_banned=frozenset({2}))])
+        assert isinstance(events[-1], FinishEvent) and events[-1].reason == "stop"
+        tokens = _tokens(events)
+        assert tokens[-1] == 2 and len(tokens) < 20
+        assert json.loads(tok.decode(tokens[:-1])) in ENUM["enum"]
+
+
 def test_grammar_failure_mid_generation_ends_that_request(runtime, tiny_core):
     core = runtime.core
     # A lexer-state budget the schema outgrows a few tokens in: the matcher fails during generation,
