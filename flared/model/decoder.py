@@ -279,9 +279,9 @@ class DecoderModel:
     @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int], top: int = 0, *, page_tokens: int = 16,
                         rows_per_chunk: int = 256, chunk_tokens: int = 2048
-                        ) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+                        ) -> list[tuple[float, tuple[tuple[int, float], ...], int]]:
         """For p = 1 .. len(token_ids) - 1: (log P(token[p] | tokens[:p]), the ``top`` most likely tokens at p as
-        (id, logprob), most likely first), from the log-softmax of the raw float32 logits as the sampler
+        (id, logprob), most likely first, token[p]'s rank there (1 = most likely)), from the log-softmax of the raw float32 logits as the sampler
         reports generated tokens' logprobs. The sequence runs on its own scratch KV cache, ``chunk_tokens``
         at a time; the LM head ``rows_per_chunk`` positions at a time."""
         n = len(token_ids)
@@ -295,13 +295,15 @@ class DecoderModel:
                 b = min(end, a + rows_per_chunk)
                 x = rms_norm(h[a - start:b - start].contiguous(), self.final_norm, self.config.rms_norm_eps)
                 lp = torch.log_softmax(self.lm_head_linear(x).float(), dim=-1)
-                chosen = lp.gather(1, targets[a:b, None])[:, 0].tolist()
+                chosen_lp = lp.gather(1, targets[a:b, None])
+                ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
+                chosen = chosen_lp[:, 0].tolist()
                 if top:
                     values, ids = lp.topk(top, dim=-1)
                     tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
                 else:
                     tops = [()] * (b - a)
-                out.extend(zip(chosen, tops))
+                out.extend(zip(chosen, tops, ranks))
         return out
 
     def _prefill(self, token_lists: list[list[int]], page_tokens: int) -> torch.Tensor:

@@ -123,7 +123,8 @@ class EmbeddingJob(ModelJob):
 
 @dataclasses.dataclass
 class PromptLogprobsJob(ModelJob):
-    """One prompt's token logprobs (``DecoderModel.prompt_logprobs``): for p >= 1, (logprob, top alternatives)."""
+    """One prompt's token logprobs (``DecoderModel.prompt_logprobs``): for p >= 1, (logprob, top alternatives,
+    rank)."""
     token_ids: list[int]
     top: int
     done: object

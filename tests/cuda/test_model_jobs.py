@@ -38,6 +38,6 @@ def test_prompt_logprobs_match_transformers_on_the_gpu():
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)
     assert len(got) == len(prompt) - 1
-    for p, (lp, top) in enumerate(got, start=1):
+    for p, (lp, top, _rank) in enumerate(got, start=1):
         assert abs(lp - ref[p - 1, prompt[p]].item()) < 1e-3
         assert top[0][0] == int(ref[p - 1].argmax())

@@ -174,9 +174,11 @@ def test_prompt_logprobs_match_transformers(family_checkpoint):
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert len(got) == len(prompt) - 1
-    for p, (lp, top) in enumerate(got, start=1):
+    for p, (lp, top, rank) in enumerate(got, start=1):
         assert abs(lp - ref[p - 1, prompt[p]].item()) < 1e-4, family
+        value = ref[p - 1, prompt[p]]  # the rank, up to ties within the tolerance
+        assert int((ref[p - 1] > value + 1e-4).sum()) + 1 <= rank <= int((ref[p - 1] > value - 1e-4).sum()) + 1
         values, ids = ref[p - 1].topk(3)
         assert [t for t, _ in top] == ids.tolist()
         assert max(abs(v - w) for (_, v), w in zip(top, values.tolist())) < 1e-4
-    assert model.prompt_logprobs([7]) == [] and all(t == () for _, t in model.prompt_logprobs([7, 8, 9]))
+    assert model.prompt_logprobs([7]) == [] and all(t == () for _, t, _ in model.prompt_logprobs([7, 8, 9]))
