@@ -184,7 +184,8 @@ class IncrementalDecoder:
 class StopStringMatcher:
     """Withholds text until it cannot be part of a stop string; stops at the first match."""
 
-    def __init__(self, stop_strings):
+    def __init__(self, stop_strings, *, include_match: bool = False):
+        self.include_match = include_match  # the match itself is emitted (vLLM's include_stop_str_in_output)
         stops = tuple(stop_strings)
         for stop in stops:
             if not isinstance(stop, str) or not stop:
@@ -216,7 +217,7 @@ class StopStringMatcher:
         if matched is not None:
             self.matched = matched
             self._held = ""
-            return buffer[:best_start]
+            return buffer[:best_end] if self.include_match else buffer[:best_start]
         hold_from = len(buffer)
         # The earliest position whose suffix could still grow into a stop string.
         for stop in self.stop_strings:
@@ -242,18 +243,23 @@ class TextDelta:
 class Detokenizer:
     """Incremental decoding plus stop strings, for one generation stream."""
 
-    def __init__(self, decoder: IncrementalDecoder, stop_strings=()):
+    def __init__(self, decoder: IncrementalDecoder, stop_strings=(), *, include_stop_str: bool = False):
         self._decoder = decoder
-        self._stops = StopStringMatcher(stop_strings)
+        self._stops = StopStringMatcher(stop_strings, include_match=include_stop_str)
 
     @property
     def matched_stop(self) -> str | None:
         return self._stops.matched
 
-    def push(self, token_id: int) -> TextDelta:
+    def push(self, token_id: int, *, match_stops: bool = True) -> TextDelta:
+        """``match_stops=False`` passes the token's text by the stop strings (vLLM's min_tokens: none is
+        looked for before that many tokens). Only a stream's first tokens may skip them: the matcher then
+        holds nothing, so the text stays in order."""
         if self._stops.stopped:
             return TextDelta("", True)
-        text = self._stops.push(self._decoder.push(token_id))
+        text = self._decoder.push(token_id)
+        if match_stops:
+            text = self._stops.push(text)
         return TextDelta(text, self._stops.stopped)
 
     def finish(self) -> TextDelta:

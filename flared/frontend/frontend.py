@@ -288,9 +288,12 @@ class Frontend:
         return IncrementalDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens,
                                   token_bytes=self._token_bytes, piece_ids=self._piece_ids)
 
-    def detokenizer(self, stop_strings=(), *, skip_special_tokens: bool = True) -> Detokenizer:
-        """Incremental decoding with stop strings, for one generation stream."""
-        return Detokenizer(self.incremental_decoder(skip_special_tokens=skip_special_tokens), stop_strings)
+    def detokenizer(self, stop_strings=(), *, skip_special_tokens: bool = True,
+                    include_stop_str: bool = False) -> Detokenizer:
+        """Incremental decoding with stop strings, for one generation stream (``include_stop_str``: a
+        matched stop string stays in the text)."""
+        return Detokenizer(self.incremental_decoder(skip_special_tokens=skip_special_tokens), stop_strings,
+                           include_stop_str=include_stop_str)
 
     # -- chat -----------------------------------------------------------------------------------
 

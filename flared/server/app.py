@@ -189,12 +189,13 @@ class ServingState:
         self.runtime.submit_job(make(done))
         return await result
 
-    def start(self, requests, stop_strings, *, skip_special_tokens: bool = True) -> Generation:
+    def start(self, requests, stop_strings, *, skip_special_tokens: bool = True,
+              include_stop_str: bool = False) -> Generation:
         if self.paused:
             raise AdmissionError("the server is not accepting new requests (paused or shutting down)",
                                  ErrorKind.UNAVAILABLE)
         return Generation(self.runtime, self.frontend, requests, stop_strings, metrics=self.metrics,
-                          skip_special_tokens=skip_special_tokens)
+                          skip_special_tokens=skip_special_tokens, include_stop_str=include_stop_str)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

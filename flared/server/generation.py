@@ -10,8 +10,9 @@ Rules:
 - A token in the request's stop ids (EOS included) ends its choice; its text
   is never shown, but it counts as a generated token.
 - A stop string ends its choice at the token that completes it: the text of
-  the stop string and anything after it are withheld; the model request is
-  cancelled; the tokens up to that one count as generated.
+  the stop string (unless ``include_stop_str``) and anything after it are
+  withheld; the model request is cancelled; the tokens up to that one count as
+  generated. No stop string is looked for before the request's min_tokens.
 - ``cancel()`` (client gone, or error) cancels every choice still running;
   it is idempotent.
 """
@@ -63,15 +64,17 @@ class _Choice:
 
 class Generation:
     def __init__(self, runtime, frontend, requests: list[GenerateRequest], stop_strings: tuple[str, ...],
-                 metrics=None, *, skip_special_tokens: bool = True):
+                 metrics=None, *, skip_special_tokens: bool = True, include_stop_str: bool = False):
         self._runtime = runtime
         # One latency/size observer per choice (flared.server.metrics), or None.
         self._observers = [metrics.observer() for _ in requests] if metrics is not None else None
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         # skip_special_tokens=False keeps special-token markers (Mistral's [TOOL_CALLS]) for a tool parser.
-        self._choices = [_Choice(r, frontend.detokenizer(stop_strings, skip_special_tokens=skip_special_tokens))
+        self._choices = [_Choice(r, frontend.detokenizer(stop_strings, skip_special_tokens=skip_special_tokens,
+                                                         include_stop_str=include_stop_str))
                          for r in requests]
+        self._include_stop_str = include_stop_str
         self.created = int(time.time())
         self._cancelled = False
         submitted = []
@@ -148,14 +151,17 @@ class Generation:
         text_parts: list[str] = []
         covered: list[int] = []
         logprobs: list[TokenLogprob] = []
+        min_tokens = choice.request.params.min_tokens
         for k, token in enumerate(event.token_ids):
             covered.append(token)
             choice.usage.num_generated_tokens += 1
             if token in choice.request.stop_token_ids:
                 # The model thread ends the request on this token itself.
                 choice.finish_reason = "stop"
+                if self._include_stop_str:  # its text (none for a skipped special token) stays
+                    text_parts.append(choice.detok.push(token).text)
                 break
-            d = choice.detok.push(token)
+            d = choice.detok.push(token, match_stops=choice.usage.num_generated_tokens >= min_tokens)
             text_parts.append(d.text)
             if event.logprobs is not None:
                 logprobs.append(event.logprobs[k])

@@ -85,6 +85,9 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         seed=None if opts.seed is None else opts.seed + seed_offset,
         max_tokens=max_tokens,
         logprobs=opts.logprobs,
+        min_tokens=min(opts.min_tokens, max_tokens),
+        min_tokens_banned=_stop_ids(state, opts) if opts.min_tokens else frozenset(),
+        allowed_token_ids=opts.allowed_token_ids,
     )
 
 
@@ -97,7 +100,8 @@ def _stop_ids(state, opts: SamplingOptions) -> frozenset[int]:
 
 def _check_vocab(state, opts: SamplingOptions) -> None:
     vocab = state.vocab_size
-    for field, ids in (("stop_token_ids", opts.stop_token_ids), ("logit_bias", tuple(opts.logit_bias or ()))):
+    for field, ids in (("stop_token_ids", opts.stop_token_ids), ("logit_bias", tuple(opts.logit_bias or ())),
+                       ("allowed_token_ids", opts.allowed_token_ids or ())):
         for t in ids:
             if not 0 <= t < vocab:
                 err = AdmissionError(f"'{field}': token id {t} is outside the vocabulary of {vocab}")
@@ -115,18 +119,57 @@ def _usage(gen: Generation) -> dict[str, Any]:
     }
 
 
-def token_logprobs(fe, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+def token_logprobs(fe, lps: list[TokenLogprob], *, as_ids: bool = False) -> list[dict[str, Any]]:
     """Per token ``{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}``: chat completions'
-    ``logprobs.content`` and Ollama's ``logprobs`` alike."""
+    ``logprobs.content`` and Ollama's ``logprobs`` alike (``as_ids``: tokens named "token_id:N", vLLM's
+    return_tokens_as_token_ids)."""
     out = []
     for lp in lps:
-        tok = fe.decode([lp.token_id])
+        tok = token_name(fe, lp.token_id, as_ids)
         out.append({
             "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
-            "top_logprobs": [{"token": (t := fe.decode([tid])), "logprob": v, "bytes": list(t.encode("utf-8"))}
-                             for tid, v in lp.top],
+            "top_logprobs": [{"token": (t := token_name(fe, tid, as_ids)), "logprob": v,
+                              "bytes": list(t.encode("utf-8"))} for tid, v in lp.top],
         })
     return out
+
+
+def token_name(fe, token_id: int, as_ids: bool = False) -> str:
+    """How logprobs name a token: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids, for tokens
+    whose text alone is ambiguous or not valid UTF-8)."""
+    return f"token_id:{token_id}" if as_ids else fe.decode([token_id])
+
+
+def vllm_prompt_logprobs(fe, ids, scored, k: int, as_ids: bool = False) -> list:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per token ``{id: {logprob, rank,
+    decoded_token}}`` for the token itself and the ``k`` most likely there."""
+    out: list = [None]
+    for token, (lp, top, rank) in zip(ids[1:], scored):
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": token_name(fe, token, as_ids)}}
+        for r, (t, v) in enumerate(top[:k], start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": r, "decoded_token": token_name(fe, t, as_ids)})
+        out.append(entry)
+    return out
+
+
+def truncated(prompt: tuple[int, ...], opts: SamplingOptions, context: int) -> tuple[int, ...]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: as many as the context holds)."""
+    k = opts.truncate_prompt_tokens
+    if k is None:
+        return prompt
+    k = context if k == -1 else k
+    return prompt[-k:] if len(prompt) > k else prompt
+
+
+def check_prompt_fits(state, prompts) -> None:
+    """A prompt that is only scored (echoed logprobs, prompt_logprobs) must still fit the context."""
+    context = state.manifest.capacities.context_tokens
+    for ids in prompts:
+        if len(ids) > context:
+            err = AdmissionError(f"'prompt': {len(ids)} tokens; this model's context holds {context}",
+                                 ErrorKind.CONTEXT_LENGTH)
+            err.param = "prompt"
+            raise err
 
 
 class OutputShape:
@@ -208,17 +251,27 @@ class OpenAIRoutes:
             continue_final_message=req.continue_final_message, **req.template_kwargs)
         # A forced call needs no tool format in the template: the grammar produces it (force_tool_call).
         shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools)
-        prompt = tuple(rendered.token_ids)
+        opts = req.options
+        prompt = truncated(tuple(rendered.token_ids), opts, self.state.manifest.capacities.context_tokens)
+        cut = len(rendered.token_ids) - len(prompt)
+        endpoints = tuple(e - cut for e in rendered.message_endpoints if e > cut)
+        prompt_lps = None
+        if opts.prompt_logprobs is not None:
+            check_prompt_fits(self.state, [prompt])
+            scored = await self.state.prompt_logprobs(prompt, opts.prompt_logprobs)
+            prompt_lps = await self.state._in_pool(lambda: vllm_prompt_logprobs(
+                self.state.frontend, prompt, scored, opts.prompt_logprobs, opts.return_tokens_as_token_ids))
         spec = req.response_format
         if req.forced_tool is not None:
             spec = force_tool_call(shape, req.tools, req.forced_tool)
         grammar = await compile_grammar(self.state, spec)
         requests = [
-            GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
-                            params=sampling_params(self.state, req.options, len(prompt), None, i),
-                            stop_token_ids=_stop_ids(self.state, req.options), grammar=grammar)
-            for i in range(req.options.n)]
-        gen = self.state.start(requests, req.options.stop, skip_special_tokens=shape.skip_special_tokens)
+            GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
+                            params=sampling_params(self.state, opts, len(prompt), None, i),
+                            stop_token_ids=_stop_ids(self.state, opts), grammar=grammar)
+            for i in range(opts.n)]
+        gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
+                               and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)
         request.disconnected.add_callback(gen.cancel)
         rid = "chatcmpl-" + secrets.token_hex(12)
         if req.stream:
@@ -237,12 +290,15 @@ class OpenAIRoutes:
             choices.append({
                 "index": i,
                 "message": message,
-                "logprobs": {"content": token_logprobs(self.state.frontend, lps)}
-                if req.options.logprobs is not None else None,
+                "logprobs": {"content": token_logprobs(self.state.frontend, lps, as_ids=opts.return_tokens_as_token_ids)}
+                if opts.logprobs is not None else None,
                 "finish_reason": finish_with_calls(finish, calls),
             })
-        return Response.json({"id": rid, "object": "chat.completion", "created": gen.created,
-                              "model": req.model, "choices": choices, "usage": _usage(gen)})
+        body = {"id": rid, "object": "chat.completion", "created": gen.created, "model": req.model,
+                "choices": choices, "usage": _usage(gen)}
+        if prompt_lps is not None:
+            body["prompt_logprobs"] = prompt_lps
+        return Response.json(body)
 
     async def _stream_chat(self, gen: Generation, w: ResponseWriter, req: ChatRequest, rid: str,
                            shape: OutputShape) -> None:
@@ -272,7 +328,8 @@ class OpenAIRoutes:
                     if not delta and finish is None and not d.logprobs:
                         continue
                 choice = {"index": d.index, "delta": delta,
-                          "logprobs": {"content": token_logprobs(self.state.frontend, d.logprobs)}
+                          "logprobs": {"content": token_logprobs(self.state.frontend, d.logprobs,
+                                                                 as_ids=req.options.return_tokens_as_token_ids)}
                           if req.options.logprobs is not None and d.logprobs else None,
                           "finish_reason": finish}
                 await w.send_json_event({**base, "choices": [choice], **usage_null})
@@ -311,6 +368,7 @@ class OpenAIRoutes:
         req = parse_completion(request.json())
         check_model(self.state, req.model)
         _check_vocab(self.state, req.options)
+        opts = req.options
         prompts: list[tuple[int, ...]] = []
         texts: list[str] = []
         for p in req.prompts:
@@ -328,28 +386,34 @@ class OpenAIRoutes:
                 texts.append(self.state.frontend.decode(ids))
             if not ids:
                 raise AdmissionError("'prompt': the prompt is empty")
-            prompts.append(tuple(ids))
-        n = req.options.n
+            full = tuple(ids)
+            ids = truncated(full, opts, self.state.manifest.capacities.context_tokens)
+            if len(ids) < len(full) and req.echo:  # echo what the model saw
+                texts[-1] = self.state.frontend.decode(list(ids))
+            prompts.append(ids)
+        n = opts.n
         rid = "cmpl-" + secrets.token_hex(12)
         echo = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
-        # echo with logprobs: the prompt's own tokens lead the logprobs (the first without a value, as OpenAI's)
+        # echo with logprobs: the prompt's own tokens lead the logprobs (the first without a value, as OpenAI's);
+        # vLLM's prompt_logprobs: each choice carries its prompt's. One scoring pass serves both.
+        echo_scored = req.echo and opts.logprobs is not None
         scored = [None] * len(prompts)
-        if req.echo and req.options.logprobs is not None:
-            context = self.state.manifest.capacities.context_tokens
-            for ids in prompts:
-                if len(ids) > context:
-                    err = AdmissionError(f"'prompt': {len(ids)} tokens; this model's context holds {context}",
-                                         ErrorKind.CONTEXT_LENGTH)
-                    err.param = "prompt"
-                    raise err
-            scored = await asyncio.gather(*(self.state.prompt_logprobs(ids, req.options.logprobs) for ids in prompts))
-        prompt_part = []  # each prompt's token texts (thousands, for a long one) made on a frontend worker
+        if echo_scored or opts.prompt_logprobs is not None:
+            check_prompt_fits(self.state, prompts)
+            top = max(opts.logprobs or 0, opts.prompt_logprobs or 0)
+            scored = await asyncio.gather(*(self.state.prompt_logprobs(ids, top) for ids in prompts))
+        as_ids = opts.return_tokens_as_token_ids
+        echo_part, vllm_part = [], []  # each prompt's token texts (thousands, for a long one) made on a worker
         for ids, s in zip(prompts, scored):
-            prompt_part.append(None if s is None else
-                               await self.state._in_pool(lambda ids=ids, s=s: self._prompt_logprobs(ids, s)))
-        prompt_lps = [prompt_part[i // n] for i in range(len(prompts) * n)]
+            echo_part.append(await self.state._in_pool(lambda ids=ids, s=s: self._prompt_logprobs(ids, s, opts))
+                             if echo_scored else None)
+            vllm_part.append(await self.state._in_pool(lambda ids=ids, s=s: vllm_prompt_logprobs(
+                self.state.frontend, ids, s, opts.prompt_logprobs, as_ids)) if opts.prompt_logprobs is not None
+                else None)
+        prompt_lps = [echo_part[i // n] for i in range(len(prompts) * n)]
+        vllm_lps = [vllm_part[i // n] for i in range(len(prompts) * n)]
         if req.score_only:
-            return self._scored_only(req, rid, prompts, echo, prompt_lps)
+            return self._scored_only(req, rid, prompts, echo, prompt_lps, vllm_lps)
         grammar = await compile_grammar(self.state, req.response_format)
         requests = []
         for pi, ids in enumerate(prompts):
@@ -358,7 +422,8 @@ class OpenAIRoutes:
                     ids, (), sampling_params(self.state, req.options, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
                                              pi * n + j),
                     _stop_ids(self.state, req.options), grammar=grammar))
-        gen = self.state.start(requests, req.options.stop)
+        gen = self.state.start(requests, opts.stop, skip_special_tokens=opts.skip_special_tokens,
+                               include_stop_str=opts.include_stop_str_in_output)
         request.disconnected.add_callback(gen.cancel)
         if req.stream:
             return StreamingResponse(lambda w: self._stream_completion(gen, w, req, rid, echo, prompt_lps),
@@ -367,16 +432,21 @@ class OpenAIRoutes:
         choices = []
         for i, (text, _ids, lps, finish) in enumerate(results):
             logprobs = None
-            if req.options.logprobs is not None:
-                logprobs = _joined(prompt_lps[i], self._completion_logprobs(lps, len(echo[i])))
-            choices.append({"index": i, "text": echo[i] + text, "logprobs": logprobs, "finish_reason": finish})
+            if opts.logprobs is not None:
+                logprobs = _joined(prompt_lps[i], self._completion_logprobs(lps, len(echo[i]), as_ids))
+            choice = {"index": i, "text": echo[i] + text, "logprobs": logprobs, "finish_reason": finish}
+            if vllm_lps[i] is not None:
+                choice["prompt_logprobs"] = vllm_lps[i]
+            choices.append(choice)
         return Response.json({"id": rid, "object": "text_completion", "created": gen.created,
                               "model": req.model, "choices": choices, "usage": _usage(gen)})
 
-    def _scored_only(self, req: CompletionRequest, rid: str, prompts, echo: list[str], prompt_lps) -> Response:
+    def _scored_only(self, req: CompletionRequest, rid: str, prompts, echo: list[str], prompt_lps,
+                     vllm_lps) -> Response:
         """echo with max_tokens 0: the prompts back with their logprobs, nothing generated."""
         n = req.options.n
-        choices = [{"index": i, "text": echo[i], "logprobs": prompt_lps[i], "finish_reason": "length"}
+        choices = [{"index": i, "text": echo[i], "logprobs": prompt_lps[i], "finish_reason": "length",
+                    **({"prompt_logprobs": vllm_lps[i]} if vllm_lps[i] is not None else {})}
                    for i in range(len(echo))]
         prompt_tokens = sum(len(ids) for ids in prompts) * n
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens,
@@ -395,16 +465,17 @@ class OpenAIRoutes:
             await w.send_event("[DONE]")
         return StreamingResponse(stream, headers=[("cache-control", "no-cache")])
 
-    def _prompt_logprobs(self, ids, scored) -> dict[str, Any]:
+    def _prompt_logprobs(self, ids, scored, opts: SamplingOptions) -> dict[str, Any]:
         """The prompt's part of a completion's legacy logprobs: every prompt token, the first with no value."""
-        fe = self.state.frontend
-        tokens = [fe.decode([t]) for t in ids]
+        fe, as_ids, k = self.state.frontend, opts.return_tokens_as_token_ids, opts.logprobs
+        tokens = [token_name(fe, t, as_ids) for t in ids]
         offsets, offset = [], 0
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _ in scored],
-                "top_logprobs": [None] + [{fe.decode([t]): v for t, v in top} if top else None for _, top in scored],
+        return {"tokens": tokens, "token_logprobs": [None] + [lp for lp, _, _ in scored],
+                "top_logprobs": [None] + [{token_name(fe, t, as_ids): v for t, v in top[:k]} if k else None
+                                          for _, top, _ in scored],
                 "text_offset": offsets}
 
     async def _stream_completion(self, gen: Generation, w: ResponseWriter, req: CompletionRequest, rid: str,
@@ -422,7 +493,7 @@ class OpenAIRoutes:
                     continue
                 lp = None
                 if req.options.logprobs is not None and d.logprobs:
-                    lp = self._completion_logprobs(d.logprobs, offsets[d.index])
+                    lp = self._completion_logprobs(d.logprobs, offsets[d.index], req.options.return_tokens_as_token_ids)
                 offsets[d.index] += len(d.text)
                 await w.send_json_event({**base, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
                                                               "finish_reason": d.finish_reason}], **usage_null})
@@ -435,15 +506,16 @@ class OpenAIRoutes:
             gen.cancel()
             await _send_stream_error(w, exc)
 
-    def _completion_logprobs(self, lps: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, lps: list[TokenLogprob], start_offset: int, as_ids: bool = False
+                             ) -> dict[str, Any]:
         fe = self.state.frontend
         tokens, token_lps, tops, offsets = [], [], [], []
         offset = start_offset
         for lp in lps:
-            tok = fe.decode([lp.token_id])
+            tok = token_name(fe, lp.token_id, as_ids)
             tokens.append(tok)
             token_lps.append(lp.logprob)
-            tops.append({fe.decode([tid]): v for tid, v in lp.top} if lp.top else None)
+            tops.append({token_name(fe, tid, as_ids): v for tid, v in lp.top} if lp.top else None)
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -47,6 +47,14 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     n: int
+    # vLLM's extra sampling parameters (chat and completions)
+    min_tokens: int = 0  # EOS, stop ids and stop strings cannot end the output before this many tokens
+    allowed_token_ids: tuple[int, ...] | None = None  # only these ids can be drawn
+    include_stop_str_in_output: bool = False  # a matched stop string (or stop id's text) stays in the text
+    skip_special_tokens: bool = True  # False: special tokens' text appears in the output
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens as "token_id:123"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +204,15 @@ def _sampling(body: dict, *, max_tokens_fields: tuple[str, ...], logprobs: int |
                 raise _bad("logit_bias", f"value for token {k} must be a number in [-100, 100]")
             logit_bias[token] = float(v)
     top_k = _integer(body, "top_k", -1, 1 << 31)
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if (not isinstance(allowed, list) or not allowed
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)):
+            raise _bad("allowed_token_ids", "must be a non-empty array of non-negative integers")
+        allowed = tuple(allowed)
+    min_tokens = _integer(body, "min_tokens", 0, 1 << 31) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise _bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),
@@ -212,7 +229,34 @@ def _sampling(body: dict, *, max_tokens_fields: tuple[str, ...], logprobs: int |
         stop_token_ids=tuple(stop_ids),
         ignore_eos=_boolean(body, "ignore_eos"),
         n=_integer(body, "n", 1, MAX_N) or 1,
+        min_tokens=min_tokens,
+        allowed_token_ids=allowed,
+        include_stop_str_in_output=_boolean(body, "include_stop_str_in_output"),
+        skip_special_tokens=_boolean(body, "skip_special_tokens", default=True),
+        truncate_prompt_tokens=_truncation(body),
+        prompt_logprobs=_prompt_logprobs(body),
+        return_tokens_as_token_ids=_boolean(body, "return_tokens_as_token_ids"),
     )
+
+
+def _prompt_logprobs(body: dict) -> int | None:
+    """vLLM's prompt_logprobs: how many alternatives beside each prompt token's own logprob (true: 1)."""
+    v = body.get("prompt_logprobs")
+    if isinstance(v, bool):
+        v = int(v) if v else None
+        body = {**body, "prompt_logprobs": v}
+    k = _integer(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    if k is not None and _boolean(body, "stream"):
+        raise _bad("prompt_logprobs", "is not available when 'stream' is true")
+    return k
+
+
+def _truncation(body: dict) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as the context holds)."""
+    k = _integer(body, "truncate_prompt_tokens", -1, 1 << 31)
+    if k == 0:
+        raise _bad("truncate_prompt_tokens", "must be >= 1, or -1 for the model's context length")
+    return k
 
 
 def _stream_options(body: dict, stream: bool) -> bool:

@@ -83,3 +83,48 @@ def test_streamed_echo_leads_with_the_prompt_logprobs(client, reference):
     gen = [t for ch in chunks[1:] if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
     whole = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=3, temperature=0)
     assert first.logprobs.tokens + gen == whole.choices[0].logprobs.tokens
+
+
+def _check_vllm_prompt_logprobs(plps, ids, ref, k):
+    """vLLM's shape: None, then per position {id: {logprob, rank, decoded_token}} for the prompt token itself
+    and the k most likely there (ranks 1..k)."""
+    assert len(plps) == len(ids) and plps[0] is None
+    for p in range(1, len(ids)):
+        entry = plps[p]
+        own = entry[str(ids[p])]
+        assert abs(own["logprob"] - ref[p - 1, ids[p]].item()) < 1e-4
+        value = ref[p - 1, ids[p]]  # the rank, up to ties within the tolerance
+        assert int((ref[p - 1] > value + 1e-4).sum()) + 1 <= own["rank"] <= int((ref[p - 1] > value - 1e-4).sum()) + 1
+        values, best = ref[p - 1].topk(k)
+        for r, (t, v) in enumerate(zip(best.tolist(), values.tolist()), start=1):
+            assert abs(entry[str(t)]["logprob"] - v) < 1e-4
+            if t != ids[p]:
+                assert entry[str(t)]["rank"] == r
+        assert len(entry) in (k, k + 1) and all(isinstance(e["decoded_token"], str) for e in entry.values())
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(client, reference, daemon):
+    ids, ref = reference
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
+    assert len(r.choices) == 2
+    for c in r.choices:
+        _check_vllm_prompt_logprobs(c.model_extra["prompt_logprobs"], ids, ref, 2)
+    assert r.choices[0].logprobs is None  # the generated tokens' logprobs are another field
+    # with echo and logprobs too: one scoring pass serves both
+    both = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 3})
+    _check_vllm_prompt_logprobs(both.choices[0].model_extra["prompt_logprobs"], ids, ref, 3)
+    assert all(t is None or len(t) == 1 for t in both.choices[0].logprobs.top_logprobs)
+    # 0: only the prompt token's own (true, below: one alternative)
+    status, body = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                              "prompt_logprobs": 0})
+    assert status == 200 and all(len(e) == 1 for e in body["choices"][0]["prompt_logprobs"][1:])
+    # chat: the rendered prompt's, on the response
+    status, tok = daemon.request("POST", "/tokenize", {"model": "tiny",
+                                                       "messages": [{"role": "user", "content": PROMPT}]})
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": True})
+    plps = chat.model_extra["prompt_logprobs"]
+    assert len(plps) == tok["count"] == chat.usage.prompt_tokens and plps[0] is None
+    assert all(str(t) in e for t, e in zip(tok["tokens"][1:], plps[1:]))

@@ -1,8 +1,8 @@
 """The model thread on the GPU with two decode frames in flight, against the same thread one step at a time.
 
 A bf16 core of the tiny random-weight Llama served by two ModelRuntimes (pipeline on and off) on the
-CUDA graph executor. Greedy, seeded sampling, penalties with logprobs and an early stop token give the
-same tokens either way, and the pipelined runtime really had two frames in flight.
+CUDA graph executor. Greedy, seeded sampling, penalties with logprobs, an early stop token, min_tokens and
+allowed_token_ids give the same tokens either way, and the pipelined runtime really had two frames in flight.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def test_two_frames_in_flight_give_the_same_tokens(bf16_core):
             request(prompts[2], temperature=0.8, top_k=20, top_p=0.9, seed=12),
             request(prompts[3], temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2),
             request(prompts[0], temperature=0.0, stop={stop_at}),  # ends early, maybe with a step in flight
+            # vLLM's min_tokens (the stop token banned for 8 tokens) and allowed_token_ids: eager-sampled rows
+            request(prompts[0], temperature=0.0, stop={stop_at}, min_tokens=8, min_tokens_banned=frozenset({stop_at})),
+            request(prompts[1], temperature=0.9, seed=13, allowed_token_ids=(5, 17, 99, 7)),
         ]
         got = {False: _run(runtimes[False], batch)}
         # Stacking is opportunistic: the scheduler stops stacking behind a frame that ran past its estimate,
@@ -74,7 +77,9 @@ def test_two_frames_in_flight_give_the_same_tokens(bf16_core):
                 assert a == pytest.approx(b, abs=1e-4)
             if runtimes[True].executor.max_outstanding == 2:
                 break
-        assert got[True][0][-1][-1] == stop_at and len(got[True][0][-1]) <= 6
+        assert got[True][0][-3][-1] == stop_at and len(got[True][0][-3]) <= 6
+        assert stop_at not in got[True][0][-2][:8] and len(got[True][0][-2]) >= 8
+        assert set(got[True][0][-1]) <= {5, 17, 99, 7} and len(got[True][0][-1]) == 40
         assert runtimes[True].executor.max_outstanding == 2
         assert runtimes[False].executor.max_outstanding == 1
         for rt in runtimes.values():
