@@ -186,7 +186,7 @@ def _check_tool_calls(messages: list) -> list:
 # Names render_chat passes itself; a request's template kwargs cannot replace them.
 _RESERVED_KWARGS = frozenset(
     ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "auto_marks",
-     "inputs_are_json")
+     "inputs_are_json", "add_special_tokens")
 )
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
@@ -299,11 +299,13 @@ class Frontend:
 
     def render_chat(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, inputs_are_json: bool = True,
-                    **template_kwargs) -> RenderedChat:
+                    add_special_tokens: bool = False, **template_kwargs) -> RenderedChat:
         """Render and tokenize a chat; find the token index where each complete message ends.
 
         ``inputs_are_json``: messages, tools and kwargs are as json.loads made them (a request
         body); pass False for arbitrary Python objects, which are then copied into plain types.
+        ``add_special_tokens``: the tokenizer's own special tokens (a BOS) around the rendered text, which
+        templates usually write themselves (vLLM's chat field of that name, default false).
         """
         if self.chat_template is None:
             raise FrontendError("this model has no chat template", ErrorKind.UNSUPPORTED)
@@ -333,7 +335,7 @@ class Frontend:
         else:
             char_endpoints = self._prefix_endpoints(messages, text, tools, documents, kwargs, inputs_are_json)
         char_endpoints = sorted({c for c in char_endpoints if 0 < c < len(text)})
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return RenderedChat(
             text=text,
             token_ids=encoding.ids,

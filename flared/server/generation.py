@@ -91,6 +91,9 @@ class Generation:
     def num_choices(self) -> int:
         return len(self._choices)
 
+    def prompt_token_ids(self, index: int) -> tuple[int, ...]:
+        return self._choices[index].request.prompt_token_ids
+
     def usage(self) -> ChoiceUsage:
         total = ChoiceUsage()
         for c in self._choices:

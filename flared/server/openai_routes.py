@@ -247,8 +247,9 @@ class OpenAIRoutes:
         check_model(self.state, req.model)
         _check_vocab(self.state, req.options)
         rendered = await self.state.prepare_chat(
-            req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, **req.template_kwargs)
+            req.messages, tools=req.tools, documents=req.documents, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+            **req.template_kwargs)
         # A forced call needs no tool format in the template: the grammar produces it (force_tool_call).
         shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools)
         opts = req.options
@@ -273,15 +274,19 @@ class OpenAIRoutes:
         gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
                                and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)
         request.disconnected.add_callback(gen.cancel)
-        rid = "chatcmpl-" + secrets.token_hex(12)
+        rid = "chatcmpl-" + (req.extras.request_id or secrets.token_hex(12))
+        # vLLM's echo: an answer that continues the assistant's last message starts with it
+        last = req.messages[-1]
+        echo = (last.get("content") or "") if req.echo and last["role"] == "assistant" else ""
         if req.stream:
-            return StreamingResponse(lambda w: self._stream_chat(gen, w, req, rid, shape),
+            return StreamingResponse(lambda w: self._stream_chat(gen, w, req, rid, shape, prompt, echo),
                                      headers=[("cache-control", "no-cache")])
         results = await gen.collect()
         choices = []
-        for i, (text, _ids, lps, finish) in enumerate(results):
+        for i, (text, ids, lps, finish) in enumerate(results):
             parsed, calls = shape.parse(text)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if calls else "")}
+            content = echo + parsed.content if echo else parsed.content
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
             if shape.reasoning is not None:
                 # reasoning_content (vLLM, DeepSeek) and reasoning (newer clients) carry the same text
                 message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
@@ -293,25 +298,32 @@ class OpenAIRoutes:
                 "logprobs": {"content": token_logprobs(self.state.frontend, lps, as_ids=opts.return_tokens_as_token_ids)}
                 if opts.logprobs is not None else None,
                 "finish_reason": finish_with_calls(finish, calls),
+                **({"token_ids": ids} if req.extras.return_token_ids else {}),
             })
         body = {"id": rid, "object": "chat.completion", "created": gen.created, "model": req.model,
                 "choices": choices, "usage": _usage(gen)}
         if prompt_lps is not None:
             body["prompt_logprobs"] = prompt_lps
+        if req.extras.return_token_ids:
+            body["prompt_token_ids"] = list(prompt)
         return Response.json(body)
 
     async def _stream_chat(self, gen: Generation, w: ResponseWriter, req: ChatRequest, rid: str,
-                           shape: OutputShape) -> None:
+                           shape: OutputShape, prompt: tuple[int, ...], echo: str) -> None:
         base = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": req.model}
-        usage_null = {"usage": None} if req.include_usage else {}
+        extras = req.extras
+        usage = _chunk_usage(gen, req.include_usage, extras)
         parsers = [shape.parser() for _ in range(gen.num_choices)] if shape.active else None
         try:
             for i in range(gen.num_choices):
-                await w.send_json_event({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                              "logprobs": None, "finish_reason": None}],
-                                         **usage_null})
+                first = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": echo},
+                                              "logprobs": None, "finish_reason": None}], **usage()}
+                if extras.return_token_ids:
+                    first["prompt_token_ids"] = list(prompt)
+                await w.send_json_event(first)
             async for d in gen.deltas():
-                if not d.text and d.finish_reason is None and not d.logprobs:
+                if (not d.text and d.finish_reason is None and not d.logprobs
+                        and not (extras.return_token_ids and d.token_ids)):
                     continue
                 finish = d.finish_reason
                 if parsers is None:
@@ -325,14 +337,16 @@ class OpenAIRoutes:
                                              parsed.reasoning + tail.reasoning)
                         finish = finish_with_calls(finish, p.calls)
                     delta = self._chat_delta(parsed)
-                    if not delta and finish is None and not d.logprobs:
+                    if not delta and finish is None and not d.logprobs and not (extras.return_token_ids and d.token_ids):
                         continue
                 choice = {"index": d.index, "delta": delta,
                           "logprobs": {"content": token_logprobs(self.state.frontend, d.logprobs,
                                                                  as_ids=req.options.return_tokens_as_token_ids)}
                           if req.options.logprobs is not None and d.logprobs else None,
                           "finish_reason": finish}
-                await w.send_json_event({**base, "choices": [choice], **usage_null})
+                if extras.return_token_ids:
+                    choice["token_ids"] = d.token_ids
+                await w.send_json_event({**base, "choices": [choice], **usage()})
             if req.include_usage:
                 await w.send_json_event({**base, "choices": [], "usage": _usage(gen)})
             await w.send_event("[DONE]")
@@ -392,7 +406,7 @@ class OpenAIRoutes:
                 texts[-1] = self.state.frontend.decode(list(ids))
             prompts.append(ids)
         n = opts.n
-        rid = "cmpl-" + secrets.token_hex(12)
+        rid = "cmpl-" + (req.extras.request_id or secrets.token_hex(12))
         echo = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
         # echo with logprobs: the prompt's own tokens lead the logprobs (the first without a value, as OpenAI's);
         # vLLM's prompt_logprobs: each choice carries its prompt's. One scoring pass serves both.
@@ -430,13 +444,15 @@ class OpenAIRoutes:
                                      headers=[("cache-control", "no-cache")])
         results = await gen.collect()
         choices = []
-        for i, (text, _ids, lps, finish) in enumerate(results):
+        for i, (text, ids, lps, finish) in enumerate(results):
             logprobs = None
             if opts.logprobs is not None:
                 logprobs = _joined(prompt_lps[i], self._completion_logprobs(lps, len(echo[i]), as_ids))
             choice = {"index": i, "text": echo[i] + text, "logprobs": logprobs, "finish_reason": finish}
             if vllm_lps[i] is not None:
                 choice["prompt_logprobs"] = vllm_lps[i]
+            if req.extras.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = list(prompts[i // n]), ids
             choices.append(choice)
         return Response.json({"id": rid, "object": "text_completion", "created": gen.created,
                               "model": req.model, "choices": choices, "usage": _usage(gen)})
@@ -446,7 +462,9 @@ class OpenAIRoutes:
         """echo with max_tokens 0: the prompts back with their logprobs, nothing generated."""
         n = req.options.n
         choices = [{"index": i, "text": echo[i], "logprobs": prompt_lps[i], "finish_reason": "length",
-                    **({"prompt_logprobs": vllm_lps[i]} if vllm_lps[i] is not None else {})}
+                    **({"prompt_logprobs": vllm_lps[i]} if vllm_lps[i] is not None else {}),
+                    **({"prompt_token_ids": list(prompts[i // n]), "token_ids": []}
+                       if req.extras.return_token_ids else {})}
                    for i in range(len(echo))]
         prompt_tokens = sum(len(ids) for ids in prompts) * n
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens,
@@ -481,22 +499,29 @@ class OpenAIRoutes:
     async def _stream_completion(self, gen: Generation, w: ResponseWriter, req: CompletionRequest, rid: str,
                                  echo: list[str], prompt_lps: list) -> None:
         base = {"id": rid, "object": "text_completion", "created": gen.created, "model": req.model}
-        usage_null = {"usage": None} if req.include_usage else {}
+        extras = req.extras
+        usage = _chunk_usage(gen, req.include_usage, extras)
         offsets = [len(e) for e in echo]
+        # return_token_ids: a choice's first chunk carries its prompt's ids, every chunk its new tokens' ids
+        prompt_ids = [list(gen.prompt_token_ids(i)) for i in range(gen.num_choices)] if extras.return_token_ids else None
         try:
             for i, e in enumerate(echo):
-                if e:
-                    await w.send_json_event({**base, "choices": [{"index": i, "text": e, "logprobs": prompt_lps[i],
-                                                                  "finish_reason": None}], **usage_null})
+                if e or prompt_ids is not None:
+                    c = {"index": i, "text": e, "logprobs": prompt_lps[i], "finish_reason": None}
+                    if prompt_ids is not None:
+                        c["prompt_token_ids"], c["token_ids"] = prompt_ids[i], []
+                    await w.send_json_event({**base, "choices": [c], **usage()})
             async for d in gen.deltas():
-                if not d.text and d.finish_reason is None and not d.logprobs:
+                if not d.text and d.finish_reason is None and not d.logprobs and not (prompt_ids and d.token_ids):
                     continue
                 lp = None
                 if req.options.logprobs is not None and d.logprobs:
                     lp = self._completion_logprobs(d.logprobs, offsets[d.index], req.options.return_tokens_as_token_ids)
                 offsets[d.index] += len(d.text)
-                await w.send_json_event({**base, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                                                              "finish_reason": d.finish_reason}], **usage_null})
+                c = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                if prompt_ids is not None:
+                    c["token_ids"] = d.token_ids
+                await w.send_json_event({**base, "choices": [c], **usage()})
             if req.include_usage:
                 await w.send_json_event({**base, "choices": [], "usage": _usage(gen)})
             await w.send_event("[DONE]")
@@ -519,6 +544,15 @@ class OpenAIRoutes:
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chunk_usage(gen: Generation, include_usage: bool, extras):
+    """A stream chunk's usage field: none, null (include_usage: the totals come last), or the counts so far
+    (vLLM's continuous_usage_stats)."""
+    if extras.continuous_usage:
+        return lambda: {"usage": _usage(gen)}
+    null = {"usage": None} if include_usage else {}
+    return lambda: null
 
 
 def _joined(first: dict | None, second: dict) -> dict:

@@ -72,6 +72,20 @@ class ChatRequest:
     tool_choice: str = "auto"  # "auto" | "none" (required/named need constrained decoding)
     response_format: GrammarSpec | None = None  # constrained output (flared.server.structured)
     forced_tool: ForcedToolChoice | None = None  # tool_choice "required" / named: a grammar forces the call
+    # vLLM's chat fields
+    documents: list[dict] | None = None  # passed to the chat template (RAG templates render them)
+    echo: bool = False  # the answer starts with the last message's content when that is the assistant's
+    add_special_tokens: bool = False  # the tokenizer's BOS etc. around the rendered prompt
+    extras: ResponseExtras = dataclasses.field(default_factory=lambda: ResponseExtras())
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseExtras:
+    """vLLM's response options shared by chat and completions."""
+
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids in the response
+    request_id: str | None = None  # the response id is "chatcmpl-<request_id>" / "cmpl-<request_id>"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +100,7 @@ class CompletionRequest:
     response_format: GrammarSpec | None = None
     score_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, nothing generated
     suffix: str | None = None  # fill in the middle: the text after the completion (prompts are the text before)
+    extras: ResponseExtras = dataclasses.field(default_factory=lambda: ResponseExtras())
 
 
 # -- field readers ---------------------------------------------------------------------------------
@@ -270,6 +285,22 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _boolean(opts, "include_usage")
 
 
+_REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def _extras(body: dict, stream: bool) -> ResponseExtras:
+    request_id = _string(body, "request_id")
+    if request_id is not None and (not request_id or len(request_id) > 128
+                                   or not set(request_id) <= _REQUEST_ID_CHARS):
+        raise _bad("request_id", "must be 1-128 characters of letters, digits, '-', '_', '.' or ':'")
+    continuous = False
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and stream:
+        continuous = _boolean(opts, "continuous_usage_stats")
+    return ResponseExtras(return_token_ids=_boolean(body, "return_token_ids"), request_id=request_id,
+                          continuous_usage=continuous)
+
+
 # -- chat ------------------------------------------------------------------------------------------
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -320,6 +351,9 @@ def parse_chat(body: Any) -> ChatRequest:
     if not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "must be an object")
     cont = _boolean(body, "continue_final_message")
+    documents = body.get("documents")
+    if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
+        raise _bad("documents", "must be an array of objects")
     return ChatRequest(
         model=model,
         messages=out,
@@ -334,6 +368,10 @@ def parse_chat(body: Any) -> ChatRequest:
         tools=tools if tools and tool_choice != "none" else None,
         tool_choice=tool_choice,
         forced_tool=forced_tool,
+        documents=documents or None,
+        echo=_boolean(body, "echo"),
+        add_special_tokens=_boolean(body, "add_special_tokens"),
+        extras=_extras(body, stream),
     )
 
 
@@ -426,4 +464,5 @@ def parse_completion(body: Any) -> CompletionRequest:
         user=_string(body, "user"),
         score_only=score_only,
         suffix=suffix,
+        extras=_extras(body, stream),
     )

@@ -1,7 +1,8 @@
 """vLLM's extra sampling parameters on /v1/chat/completions and /v1/completions, through the openai SDK's
 extra_body as vLLM's users send them: min_tokens, include_stop_str_in_output, skip_special_tokens,
-allowed_token_ids, truncate_prompt_tokens, return_tokens_as_token_ids (prompt_logprobs is held to transformers
-in test_prompt_logprobs.py).
+allowed_token_ids, truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, request_id,
+stream_options.continuous_usage_stats, and chat's echo and documents (prompt_logprobs is held to transformers
+in test_prompt_logprobs.py; chat's add_special_tokens in tests/frontend/test_gguf_tokenizer.py).
 
 The tool model's greedy output is known (tests/api/conftest.py): with thinking off it answers
 "It is sunny in Paris." and then its EOS (<|im_end|>); after " la" it repeats " la" forever."""
@@ -92,6 +93,48 @@ def test_truncate_prompt_tokens_keeps_the_prompt_end(client, daemon):
     assert _chat(client, truncate_prompt_tokens=-1).usage.prompt_tokens == full
 
 
+def test_chat_echo_continues_the_assistant_message(client):
+    partial = ASK + [{"role": "assistant", "content": "Sure."}]
+    kw = dict(model="tiny", messages=partial, temperature=0, max_tokens=4)
+    extra = {**NO_THINK, "continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**kw, extra_body=extra).choices[0].message.content
+    echoed = client.chat.completions.create(**kw, extra_body={**extra, "echo": True}).choices[0].message.content
+    assert echoed == "Sure." + plain
+    streamed = client.chat.completions.create(**kw, stream=True, extra_body={**extra, "echo": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == echoed
+    # the last message is the user's: nothing to echo
+    assert _chat(client, echo=True).choices[0].message.content == ANSWER
+
+
+def test_return_token_ids_request_id_and_continuous_usage(client, daemon, token_ids):
+    r = _chat(client, return_token_ids=True, request_id="trace-42")
+    assert r.id == "chatcmpl-trace-42"
+    status, tok = daemon.request("POST", "/tokenize", {"model": "tiny", "messages": ASK,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.model_extra["prompt_token_ids"] == tok["tokens"]
+    assert r.choices[0].model_extra["token_ids"] == [token_ids[ANSWER], 2]  # the answer, then EOS
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=ASK, temperature=0, max_tokens=8, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={**NO_THINK, "return_token_ids": True, "stream_options": {"include_usage": True,
+                                                                            "continuous_usage_stats": True}}))
+    assert chunks[0].model_extra["prompt_token_ids"] == tok["tokens"]
+    streamed_ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra.get("token_ids") or []]
+    assert streamed_ids == [token_ids[ANSWER], 2]
+    # every chunk carries the usage so far; the last the totals
+    assert all(ch.usage is not None for ch in chunks)
+    assert [ch.usage.completion_tokens for ch in chunks][-1] == 2 and chunks[0].usage.completion_tokens == 0
+    c = client.completions.create(model="tiny", prompt="sing la", max_tokens=3, temperature=0,
+                                  extra_body={"return_token_ids": True, "request_id": "r1"})
+    assert c.id == "cmpl-r1" and c.choices[0].model_extra["token_ids"] == [token_ids[" la"]] * 3
+    status, tok = daemon.request("POST", "/tokenize", {"model": "tiny", "prompt": "sing la"})
+    assert c.choices[0].model_extra["prompt_token_ids"] == tok["tokens"]
+    parts = list(client.completions.create(model="tiny", prompt="sing la", max_tokens=3, temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True}))
+    assert parts[0].choices[0].model_extra["prompt_token_ids"] == tok["tokens"]
+    assert [t for p in parts for t in p.choices[0].model_extra["token_ids"]] == [token_ids[" la"]] * 3
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -102,9 +145,22 @@ def test_truncate_prompt_tokens_keeps_the_prompt_end(client, daemon):
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt_logprobs": 99}, "prompt_logprobs"),
+    ({"request_id": "a b"}, "request_id"),
+    ({"return_token_ids": 1}, "return_token_ids"),
 ])
 def test_bad_values_are_400s_naming_the_field(daemon, extra, field):
     for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hello"})):
         status, err = daemon.request("POST", path, {"model": "tiny", **body, **extra})
         assert status == 400, (path, extra, err)
         assert err["error"]["param"] == field and f"'{field}'" in err["error"]["message"]
+
+
+def test_bad_chat_only_fields(daemon):
+    for extra, field in (({"documents": "text"}, "documents"), ({"documents": [1]}, "documents"),
+                         ({"echo": "yes"}, "echo"), ({"add_special_tokens": 0}, "add_special_tokens")):
+        status, err = daemon.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": ASK, **extra})
+        assert status == 400 and err["error"]["param"] == field, (extra, err)
+    # documents reach the template (this one ignores them): a well-formed list is accepted
+    status, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "max_tokens": 2, "documents": [{"title": "t", "text": "x"}]})
+    assert status == 200

@@ -104,3 +104,20 @@ def test_unreadable_file_is_tokenizer_error(tmp_path):
     assert info.value.kind is ErrorKind.TOKENIZER and "truncated" in str(info.value)
     with pytest.raises(FrontendError):
         tokenizer_from_gguf(tmp_path / "missing.gguf")
+
+
+def test_render_chat_adds_the_bos_only_when_asked(tmp_path, write_sentencepiece_gguf):
+    """vLLM's chat add_special_tokens: the rendered text's tokens, with the tokenizer's BOS in front only when
+    asked (templates usually write their BOS themselves); the message endpoints move with it."""
+    from flared.frontend import ChatTemplate, Frontend, TokenSettings
+
+    path = tmp_path / "spm.gguf"
+    write_sentencepiece_gguf(path, with_merges=True, add_bos=None)  # SentencePiece's default: a BOS
+    assets = tokenizer_from_gguf(path)
+    template = ChatTemplate("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}")
+    fe = Frontend(Tokenizer.from_str(assets.tokenizer_json), template, TokenSettings.from_gguf_assets(assets))
+    chat = [{"role": "user", "content": "hello world"}, {"role": "user", "content": "the quick"}]
+    plain = fe.render_chat(chat, add_generation_prompt=False)
+    with_bos = fe.render_chat(chat, add_generation_prompt=False, add_special_tokens=True)
+    assert with_bos.token_ids == [assets.bos_token_id] + plain.token_ids and with_bos.text == plain.text
+    assert plain.message_endpoints and with_bos.message_endpoints == tuple(e + 1 for e in plain.message_endpoints)
