@@ -42,6 +42,9 @@ class GenerateRequest:
     # shown) in one ScoredEvent, then finishes. Positions before it are the
     # shared context and may come from the prefix cache.
     score_from: int | None = None
+    # vLLM's cache_salt: the prefix cache reuses this request's prefixes only for requests with the same salt
+    # (a conditioning identity at position 0), so tenants that do not share it cannot probe each other's prompts.
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

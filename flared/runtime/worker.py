@@ -139,6 +139,11 @@ class PromptLogprobsJob(ModelJob):
         return self._result
 
 
+def _salt_identity(salt: str) -> bytes:
+    """The 32-byte conditioning identity of a cache_salt."""
+    return hashlib.sha256(b"flared.cache_salt\0" + salt.encode("utf-8")).digest()
+
+
 def cuda_backend_available(dtype) -> bool:
     """The CUDA graph backend serves bf16/fp16 cores when torch sees a GPU and CuPy and Triton import;
     anything else runs on the CPU eager executor."""
@@ -473,8 +478,10 @@ class ModelRuntime:
                 # Without the prefix cache, a fresh random conditioning identity at
                 # position 0 makes every key of this request unique: nothing is reused.
                 conditioning = () if self.prefix_cache else ((0, os.urandom(32)),)
+                if req.cache_salt is not None and self.prefix_cache:
+                    conditioning = ((0, _salt_identity(req.cache_salt)),)
                 if req.score_from is not None and self.prefix_cache:
-                    conditioning = ((req.score_from, os.urandom(32)),)
+                    conditioning = conditioning + ((req.score_from, os.urandom(32)),)
                 handle = self.scheduler.admit(
                     list(req.prompt_token_ids), req.params.max_tokens, now,
                     message_boundaries=req.message_endpoints if self.prefix_cache else (),

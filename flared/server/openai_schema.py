@@ -81,11 +81,12 @@ class ChatRequest:
 
 @dataclasses.dataclass(frozen=True)
 class ResponseExtras:
-    """vLLM's response options shared by chat and completions."""
+    """vLLM's request and response options shared by chat and completions."""
 
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids in the response
     request_id: str | None = None  # the response id is "chatcmpl-<request_id>" / "cmpl-<request_id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    cache_salt: str | None = None  # prefix-cache reuse only among requests with the same salt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +298,11 @@ def _extras(body: dict, stream: bool) -> ResponseExtras:
     opts = body.get("stream_options")
     if isinstance(opts, dict) and stream:
         continuous = _boolean(opts, "continuous_usage_stats")
+    salt = _string(body, "cache_salt")
+    if salt is not None and not salt:
+        raise _bad("cache_salt", "must be a non-empty string")
     return ResponseExtras(return_token_ids=_boolean(body, "return_token_ids"), request_id=request_id,
-                          continuous_usage=continuous)
+                          continuous_usage=continuous, cache_salt=salt)
 
 
 # -- chat ------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """vLLM's extra sampling parameters on /v1/chat/completions and /v1/completions, through the openai SDK's
 extra_body as vLLM's users send them: min_tokens, include_stop_str_in_output, skip_special_tokens,
 allowed_token_ids, truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, request_id,
-stream_options.continuous_usage_stats, and chat's echo and documents (prompt_logprobs is held to transformers
+stream_options.continuous_usage_stats, cache_salt, and chat's echo and documents (prompt_logprobs is held to transformers
 in test_prompt_logprobs.py; chat's add_special_tokens in tests/frontend/test_gguf_tokenizer.py).
 
 The tool model's greedy output is known (tests/api/conftest.py): with thinking off it answers
@@ -135,6 +135,22 @@ def test_return_token_ids_request_id_and_continuous_usage(client, daemon, token_
     assert [t for p in parts for t in p.choices[0].model_extra["token_ids"]] == [token_ids[" la"]] * 3
 
 
+def test_cache_salt_keeps_prefixes_apart(client):
+    """vLLM's cache_salt: a prompt's cached prefix serves only requests with the same salt."""
+    chat = [{"role": "system", "content": "You answer questions about salted caches."}] + ASK
+
+    def cached(**extra):
+        r = client.chat.completions.create(model="tiny", messages=chat, temperature=0, max_tokens=2,
+                                           extra_body={**NO_THINK, **extra})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() == 0  # unsalted requests do not see a salted prefix
+    assert cached() > 0
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -147,6 +163,8 @@ def test_return_token_ids_request_id_and_continuous_usage(client, daemon, token_
     ({"prompt_logprobs": 99}, "prompt_logprobs"),
     ({"request_id": "a b"}, "request_id"),
     ({"return_token_ids": 1}, "return_token_ids"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": 5}, "cache_salt"),
 ])
 def test_bad_values_are_400s_naming_the_field(daemon, extra, field):
     for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hello"})):
