@@ -1,4 +1,6 @@
-"""Ollama-compatible routes: /api/version, /api/tags, /api/ps, /api/show, /api/chat, /api/generate.
+"""Ollama-compatible routes: /api/version, /api/tags, /api/ps, /api/show, /api/chat, /api/generate, and the
+model-management routes Ollama's clients call around them (/, /api/pull, /api/create, /api/copy, /api/push,
+/api/delete).
 
 What the ``ollama`` Python client and editors' Ollama providers call,
 translated onto the one generation path.
@@ -20,6 +22,10 @@ Rules:
 - ``format`` ("json" or a JSON schema) is enforced by the grammar engine.
 - Errors are ``{"error": message}`` with the daemon's status codes.
 - A model name may carry Ollama's ``:latest`` tag.
+- The daemon serves one prepared core and downloads nothing: pulling the served model succeeds at once
+  (clients pull before they use a model), pulling any other is a 404 that names the served one, and
+  creating, copying, pushing or deleting a model is a 400 that says so. ``GET /`` answers "Ollama is
+  running", the text that scripts and clients probe an Ollama server for.
 """
 
 from __future__ import annotations
@@ -170,6 +176,30 @@ class OllamaRoutes:
         router.add("POST", "/api/show", _ollama_errors(self.show))
         router.add("POST", "/api/chat", _ollama_errors(self.chat), admit=True)
         router.add("POST", "/api/generate", _ollama_errors(self.generate), admit=True)
+        router.add(("GET", "HEAD"), "/", self.root)
+        router.add("POST", "/api/pull", _ollama_errors(self.pull))
+        for path in ("/api/create", "/api/copy", "/api/push"):
+            router.add("POST", path, _ollama_errors(self.manage))
+        router.add("DELETE", "/api/delete", _ollama_errors(self.manage))
+
+    async def root(self, request: Request) -> Response:
+        return Response(b"Ollama is running", media_type="text/plain; charset=utf-8")
+
+    async def pull(self, request: Request):
+        """The served model is already here: success at once (streamed as one status line by default)."""
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        _model(self.state, body)
+        if _boolean(body, "stream", default=True):
+            return Response(b'{"status":"success"}\n', media_type=_NDJSON)
+        return Response.json({"status": "success"})
+
+    async def manage(self, request: Request):
+        what = request.path.rsplit("/", 1)[-1]
+        raise AdmissionError(f"/api/{what} is not supported: this server serves one prepared model "
+                             f"({self.state.manifest.model_name!r}) and does not create, copy, push or delete "
+                             "models", ErrorKind.UNSUPPORTED)
 
     def _details(self) -> dict[str, Any]:
         m = self.state.manifest

@@ -33,6 +33,31 @@ def test_discovery(client, daemon):
     assert running.context_length == 1024 and running.size > 0
 
 
+def test_model_management_routes(client, daemon):
+    """What Ollama's clients call around generation: pulling the served model succeeds (streamed or not), any
+    other model is a 404 naming the served one, and creating, copying, pushing or deleting says it is not
+    supported; GET / answers as an Ollama server does."""
+    assert client.pull("tiny").status == "success"
+    assert [p.status for p in client.pull("tiny:latest", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as info:
+        client.pull("llama3.2:1b")
+    assert info.value.status_code == 404 and "this server serves" in info.value.error
+    for call in (lambda: client.delete("tiny"), lambda: client.copy("tiny", "mine"),
+                 lambda: client.create("mine", from_="tiny"), lambda: client.push("tiny")):
+        with pytest.raises(ollama.ResponseError) as info:
+            call()
+        assert info.value.status_code == 400 and "not supported" in info.value.error
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(daemon.base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    conn.request("GET", "/")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read() == b"Ollama is running"
+    conn.close()
+
+
 def test_chat_tool_round_trip(client):
     r = client.chat(model="tiny", messages=ASK, tools=TOOLS, options=GREEDY)
     assert r.done and r.done_reason == "stop" and r.eval_count == 9 and r.prompt_eval_count > 0
