@@ -15,6 +15,11 @@ Rules:
   generated. No stop string is looked for before the request's min_tokens.
 - ``cancel()`` (client gone, or error) cancels every choice still running;
   it is idempotent.
+- Choices that share a prompt of at least ``SHARED_PROMPT_MIN_TOKENS`` (n > 1)
+  share its prefill: the first is submitted at once, the others when its first
+  event arrives, by which time its prompt is in the prefix cache, so they
+  prefill only what the cache lacks (vLLM's parallel sampling shares the
+  prompt the same way). Without the prefix cache all go at once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+from flared.errors import FlareError
 from flared.runtime.request import (
     ErrorEvent,
     EventSink,
@@ -62,6 +68,9 @@ class _Choice:
         self.done = False  # the model thread's terminal event arrived
 
 
+SHARED_PROMPT_MIN_TOKENS = 64  # shorter shared prompts all go at once: waiting would cost more than it saves
+
+
 class Generation:
     def __init__(self, runtime, frontend, requests: list[GenerateRequest], stop_strings: tuple[str, ...],
                  metrics=None, *, skip_special_tokens: bool = True, include_stop_str: bool = False):
@@ -77,15 +86,40 @@ class Generation:
         self._include_stop_str = include_stop_str
         self.created = int(time.time())
         self._cancelled = False
+        # leader choice -> the choices with the same prompt that wait for its prefill (see the rules)
+        self._held: dict[int, list[int]] = {}
+        share = getattr(runtime, "prefix_cache", False)
+        leaders: dict[tuple[int, ...], int] = {}
         submitted = []
         try:
             for i, r in enumerate(requests):
+                key = r.prompt_token_ids
+                if share and len(key) >= SHARED_PROMPT_MIN_TOKENS and key in leaders:
+                    self._held.setdefault(leaders[key], []).append(i)
+                    continue
+                leaders.setdefault(key, i)
                 runtime.submit(r, EventSink(self._loop, self._queue, i))
                 submitted.append(r)
         except BaseException:
             for r in submitted:
                 runtime.cancel(r.request_id)
             raise
+
+    def _release(self, leader: int) -> None:
+        """Submit the choices that waited for ``leader``'s prefill."""
+        for i in self._held.pop(leader, ()):
+            if self._cancelled:
+                self._skip(i)
+                continue
+            try:
+                self._runtime.submit(self._choices[i].request, EventSink(self._loop, self._queue, i))
+            except FlareError as exc:  # shutting down, say: this choice ends with that error
+                self._queue.put_nowait((i, ErrorEvent(exc)))
+
+    def _skip(self, i: int) -> None:
+        """A waiting choice cancelled before it was submitted ends without a model request."""
+        r = self._choices[i].request
+        self._queue.put_nowait((i, FinishEvent("cancelled", len(r.prompt_token_ids), 0, 0, 0, 0)))
 
     @property
     def num_choices(self) -> int:
@@ -116,8 +150,13 @@ class Generation:
         if self._cancelled:
             return
         self._cancelled = True
-        for c in self._choices:
-            if not c.done:
+        waiting = {i for held in self._held.values() for i in held}
+        for held in list(self._held.values()):
+            for i in held:
+                self._skip(i)
+        self._held.clear()
+        for i, c in enumerate(self._choices):
+            if not c.done and i not in waiting:
                 self._runtime.cancel(c.request.request_id)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
@@ -128,6 +167,8 @@ class Generation:
         remaining = len(self._choices)
         while remaining:
             index, event = await self._queue.get()
+            if index in self._held and not isinstance(event, ErrorEvent):
+                self._release(index)  # its prefill is done (or it ended): the prompt is cached for the others
             choice = self._choices[index]
             if isinstance(event, TokenEvent):
                 if self._observers is not None:

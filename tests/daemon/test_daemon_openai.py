@@ -85,6 +85,35 @@ def test_completions_seeded_sampling_is_reproducible_and_n_gives_choices(client)
     assert 0 < a.usage.completion_tokens <= 36
 
 
+def _counter(daemon, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, text = daemon.request("GET", "/metrics")
+    assert status == 200
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_n_choices_share_the_prompt_prefill(client, daemon):
+    """n > 1 on a long prompt: the first choice prefills it, the others reuse it from the prefix cache (the
+    prompt's tokens are computed about once, not n times), and each choice is still exactly what a single
+    request with its seed gives."""
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 10)  # not seen before by this daemon
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0)
+    computed, hits = _counter(daemon, "flare_prompt_tokens_total"), _counter(daemon, "flare_prefix_hits_total")
+    both = client.completions.create(**kw, seed=100, n=4)
+    computed = _counter(daemon, "flare_prompt_tokens_total") - computed
+    num_prompt = both.usage.prompt_tokens
+    assert 100 <= num_prompt <= 240
+    assert _counter(daemon, "flare_prefix_hits_total") - hits == 3
+    assert computed < 2 * num_prompt, computed  # four choices: ~one prefill of the prompt, not four
+    singles = [client.completions.create(**kw, seed=100 + i).choices[0].text for i in range(4)]
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == singles
+
+
 def test_stop_string_cuts_the_text_and_finishes_with_stop(client):
     full = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=24, temperature=0).choices[0].text
     assert len(full) > 6

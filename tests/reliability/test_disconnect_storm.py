@@ -66,3 +66,39 @@ def test_disconnect_storm_returns_every_slot_and_page(tiny_core, in_process):
     assert counters["finished"] >= sum(fin for _, fin in results)
     assert counters["cancelled"] >= admitted * 0.9, counters
     print(f"storm: {CLIENTS} clients, {admitted} admitted and dropped, cancelled {counters['cancelled']}, finished {counters['finished']}")
+
+
+def test_dropped_n_choices_sharing_a_prompt_leave_nothing_behind(tiny_core, in_process):
+    """n = 3 on a long prompt: two choices wait for the first one's prefill (flared.server.generation). Clients
+    that drop before or after the first token leave no slot, page or permit behind, and the waiting choices
+    of a dropped request never reach the model thread."""
+    srv = in_process(tiny_core, max_active=4, queue_capacity=4)
+    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+
+    async def drop(events: int, seed: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        body = json.dumps({"model": srv.model, "prompt": f"{seed} {prompt}", "max_tokens": 100, "ignore_eos": True,
+                           "stream": True, "n": 3, "temperature": 1.0, "seed": seed}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        buf = b""
+        while buf.count(b"data: ") < events:
+            chunk = await reader.read(4096)
+            if not chunk:
+                break
+            buf += chunk
+        writer.transport.abort()
+        return buf.split(b"\r\n", 1)[0]
+
+    async def run() -> list[bytes]:
+        out = []
+        for i in range(12):  # one at a time: every request reaches the model thread
+            out.append(await asyncio.wait_for(drop(events=i % 4, seed=i), 60))
+        return out
+
+    statuses = asyncio.run(run())
+    assert all(s in (b"HTTP/1.1 200 OK", b"") for s in statuses), statuses
+    rt = srv.assert_no_leaks()
+    counters = rt["counters"]
+    # dropped before its first token, a request ran its first choice only
+    assert counters["cancelled"] + counters["finished"] < 12 * 3, counters
