@@ -354,6 +354,7 @@ def parse_chat(body: Any) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "must be an object")
+    kwargs = {**reasoning_effort_kwargs(body.get("reasoning_effort"), "reasoning_effort"), **kwargs}
     cont = _boolean(body, "continue_final_message")
     documents = body.get("documents")
     if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
@@ -377,6 +378,22 @@ def parse_chat(body: Any) -> ChatRequest:
         add_special_tokens=_boolean(body, "add_special_tokens"),
         extras=_extras(body, stream),
     )
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def reasoning_effort_kwargs(effort: Any, field: str) -> dict[str, Any]:
+    """OpenAI's reasoning effort as chat-template variables: ``enable_thinking`` (false for "none"; Qwen3-style
+    templates switch thinking on it) and ``reasoning_effort`` itself (gpt-oss-style templates write it), as
+    vLLM passes it. Explicit chat_template_kwargs override both."""
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise _bad(field, f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}")
+    if effort == "none":
+        return {"enable_thinking": False}
+    return {"enable_thinking": True, "reasoning_effort": effort}
 
 
 def parse_tools(tools: Any, field: str) -> list[dict] | None:

@@ -54,6 +54,7 @@ from flared.server.openai_schema import (
     join_text_parts,
     parse_tool_choice,
     parse_tools,
+    reasoning_effort_kwargs,
 )
 
 MAX_STORED_RESPONSES = 1024  # a bounded memory cost: each holds its conversation's text
@@ -187,10 +188,7 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
         return {}
     if not isinstance(reasoning, dict):
         raise _bad("reasoning", f"must be an object, got {_type(reasoning)}")
-    effort = reasoning.get("effort")
-    if effort is None:
-        return {}
-    return {"enable_thinking": effort != "none"}
+    return reasoning_effort_kwargs(reasoning.get("effort"), "reasoning.effort")
 
 
 def _text_format(body: dict) -> GrammarSpec | None:

@@ -93,6 +93,24 @@ def test_truncate_prompt_tokens_keeps_the_prompt_end(client, daemon):
     assert _chat(client, truncate_prompt_tokens=-1).usage.prompt_tokens == full
 
 
+def test_reasoning_effort_reaches_the_template(client, daemon):
+    """OpenAI's reasoning_effort: "none" turns the template's thinking off (enable_thinking), any other value
+    leaves it on and is passed on as reasoning_effort; explicit chat_template_kwargs win."""
+    def chat(**extra):
+        return client.chat.completions.create(model="tiny", messages=ASK, temperature=0, max_tokens=16,
+                                              extra_body=extra).choices[0].message
+
+    off = chat(reasoning_effort="none")
+    assert off.content == ANSWER and off.model_extra["reasoning_content"] is None
+    on = chat(reasoning_effort="high")
+    assert on.model_extra["reasoning_content"] == "Let me check the weather." and "<tool_call>" in on.content
+    kept_on = chat(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})
+    assert kept_on.model_extra["reasoning_content"] == "Let me check the weather." 
+    status, err = daemon.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": ASK,
+                                                                  "reasoning_effort": "max"})
+    assert status == 400 and err["error"]["param"] == "reasoning_effort"
+
+
 def test_chat_echo_continues_the_assistant_message(client):
     partial = ASK + [{"role": "assistant", "content": "Sure."}]
     kw = dict(model="tiny", messages=partial, temperature=0, max_tokens=4)
