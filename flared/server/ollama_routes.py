@@ -43,7 +43,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type,
-                                         parse_tools)
+                                         parse_tools, reasoning_effort_kwargs)
 from flared.server.structured import compile_grammar, parse_ollama_format
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
@@ -148,7 +148,7 @@ def _template_kwargs(body: dict) -> dict[str, Any]:
     if think is None:
         return {}
     if isinstance(think, str) and think in ("low", "medium", "high"):
-        return {"enable_thinking": True}
+        return reasoning_effort_kwargs(think, "think")  # thinking on, and the effort for templates that take it
     if not isinstance(think, bool):
         raise _bad("think", "must be a boolean (or low, medium, high)")
     return {"enable_thinking": think}

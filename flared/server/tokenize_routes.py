@@ -1,17 +1,19 @@
-"""POST /tokenize and POST /detokenize, as vLLM's and llama.cpp server's clients call them.
+"""POST /tokenize, POST /detokenize and POST /apply-template, as vLLM's and llama.cpp server's clients call them.
 
 /tokenize takes one of:
 - ``prompt`` (vLLM): text tokenized as /v1/completions tokenizes a prompt (``add_special_tokens``, default
   true: with the model's BOS where it takes one);
 - ``content`` (llama.cpp): text, with special tokens only when ``add_special`` is true (default false);
 - ``messages`` (vLLM): a chat rendered by the model's template exactly as /v1/chat/completions renders it
-  (``tools``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``).
+  (``tools``, ``documents``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
+  ``reasoning_effort``, ``add_special_tokens`` default false).
 It answers ``{"tokens", "count", "max_model_len"}``; ``with_pieces`` (llama.cpp) makes each token
 ``{"id", "piece"}`` and ``return_token_strs`` (vLLM) adds ``token_strs``, each token's own text.
 
 /detokenize takes ``tokens`` (ids in the vocabulary) and answers the text as both ``prompt`` (vLLM) and
-``content`` (llama.cpp). ``model``, where given, must name the served model. Neither route touches the model
-thread.
+``content`` (llama.cpp). /apply-template (llama.cpp) takes ``messages`` as /tokenize does and answers the
+rendered text as ``{"prompt"}``. ``model``, where given, must name the served model. No route here touches the
+model thread.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class TokenizeRoutes:
     def register(self, router: Router) -> None:
         router.add("POST", "/tokenize", self.tokenize)
         router.add("POST", "/detokenize", self.detokenize)
+        router.add("POST", "/apply-template", self.apply_template)
 
     def _body(self, request: Request) -> dict:
         body = request.json()
@@ -40,6 +43,23 @@ class TokenizeRoutes:
             check_model(self.state, model)
         return body
 
+    async def _render(self, body: dict):
+        """A chat rendered as chat completions renders it (tools, documents, template kwargs, reasoning effort,
+        add_special_tokens)."""
+        req = parse_chat({**body, "model": self.state.manifest.model_name})
+        return await self.state.prepare_chat(
+            req.messages, tools=req.tools, documents=req.documents, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+            **req.template_kwargs)
+
+    async def apply_template(self, request: Request) -> Response:
+        """llama.cpp server's /apply-template: the chat's rendered prompt text, for clients that then send it
+        to /completion themselves."""
+        body = self._body(request)
+        if "messages" not in body:
+            raise _bad("messages", "is required")
+        return Response.json({"prompt": (await self._render(body)).text})
+
     async def tokenize(self, request: Request) -> Response:
         body = self._body(request)
         given = [k for k in ("prompt", "content", "messages") if k in body]
@@ -47,11 +67,7 @@ class TokenizeRoutes:
             raise _bad("prompt", "give exactly one of 'prompt', 'content' or 'messages'"
                        + (f" (got {', '.join(given)})" if given else ""))
         if given[0] == "messages":
-            req = parse_chat({**body, "model": self.state.manifest.model_name})
-            rendered = await self.state.prepare_chat(
-                req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **req.template_kwargs)
-            ids = list(rendered.token_ids)
+            ids = list((await self._render(body)).token_ids)
         else:
             field = given[0]
             text = _string(body, field)

@@ -34,6 +34,19 @@ def test_prompt_and_messages_count_what_generation_runs(daemon, client):
     assert no_prompt["tokens"] == m["tokens"][:no_prompt["count"]] and no_prompt["count"] < m["count"]
 
 
+def test_apply_template_renders_what_chat_runs(daemon):
+    """llama.cpp's /apply-template: the rendered prompt, whose tokens are the ones /tokenize (and chat) run."""
+    messages = [{"role": "user", "content": QUESTION}]
+    for extra in ({}, {"reasoning_effort": "none"}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        prompt = _post(daemon, "/apply-template", {"messages": messages, **extra})["prompt"]
+        assert prompt.startswith("<|im_start|>user\n" + QUESTION) and "<|im_start|>assistant\n" in prompt
+        assert ("<think>" in prompt) == bool(extra)  # thinking off: the template writes an empty think block
+        ids = _post(daemon, "/tokenize", {"content": prompt})["tokens"]
+        assert ids == _post(daemon, "/tokenize", {"messages": messages, **extra})["tokens"]
+    err = _post(daemon, "/apply-template", {"prompt": "x"}, status=400)
+    assert "'messages'" in err["error"]["message"]
+
+
 def test_pieces_strings_and_the_round_trip(daemon):
     t = _post(daemon, "/tokenize", {"content": TEXT, "with_pieces": True})
     ids = [p["id"] for p in t["tokens"]]
