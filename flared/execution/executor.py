@@ -49,7 +49,8 @@ _NUM_FRAMES = 2
 
 def _needs_eager_sampler(state: SequenceSamplingState) -> bool:
     p = state.params
-    return (state.grammar is not None or state.shapes_logits or p.min_p > 0 or p.logprobs is not None)
+    return (state.grammar is not None or state.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
+            or p.logprobs is not None)
 
 
 class _Pending:

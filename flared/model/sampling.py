@@ -6,9 +6,10 @@ one vectorised pass. The order follows vLLM: log-probabilities are taken from
 the raw logits; then logit bias; then vLLM's allowed_token_ids (every other
 id to -inf) and min_tokens (EOS and the stop ids to -inf until that many
 tokens were drawn); then repetition (prompt + output), frequency
-and presence (output only) penalties; greedy rows take the argmax here; other
-rows are divided by their temperature, filtered by min-p, top-k and top-p,
-and drawn.
+and presence (output only) penalties, or with penalty_last_n all three over
+the last N tokens (llama.cpp's repeat_last_n); greedy rows take the argmax
+here; other rows are divided by their temperature, filtered by min-p,
+typical-p, top-k and top-p, and drawn.
 
 Rules:
 - Reproducible draws: a row's randomness comes only from its own seed and the
@@ -62,12 +63,17 @@ class SamplingParams:
     min_tokens_banned: frozenset[int] = frozenset()
     # vLLM's allowed_token_ids: only these ids can be drawn (None: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    # Penalties' memory: 0 is vLLM's (repetition over prompt + output, frequency and presence over the output);
+    # N > 0 is llama.cpp's and Ollama's repeat_last_n: all three over the last N tokens, prompt included.
+    penalty_last_n: int = 0
+    typical_p: float = 1.0  # locally typical sampling (llama.cpp, Ollama, transformers); 1 = off
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
             return AdmissionError(what, ErrorKind.VALIDATION)
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "typical_p"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number, got {value!r}")
@@ -77,6 +83,10 @@ class SamplingParams:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.typical_p <= 1:
+            raise bad(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if not isinstance(self.penalty_last_n, int) or isinstance(self.penalty_last_n, bool) or self.penalty_last_n < 0:
+            raise bad(f"penalty_last_n must be an integer >= 0, got {self.penalty_last_n!r}")
         if self.repetition_penalty <= 0:
             raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
@@ -127,6 +137,11 @@ class SequenceSamplingState:
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the sampler's device
     banned_ids: torch.Tensor | None = None  # params.min_tokens_banned on the sampler's device
+    # penalty_last_n: the window's last tokens, a ring on the device; the next write position and how many it
+    # holds are known on the host (they advance by one per drawn token), so keeping it costs no sync
+    window: torch.Tensor | None = None
+    window_next: int = 0
+    window_filled: int = 0
 
     @property
     def shapes_logits(self) -> bool:
@@ -144,6 +159,22 @@ class SampleOutput:
     chosen_ranks: torch.Tensor | None = None  # [B] int64, 1 = most likely
     top_logprobs: torch.Tensor | None = None  # [B, n] float32, descending
     top_token_ids: torch.Tensor | None = None  # [B, n] int64
+
+
+def typical_filter(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.; transformers' TypicalLogitsWarper, llama.cpp's typical_p): keep
+    the tokens whose surprisal is closest to the distribution's entropy until they hold ``mass`` [rows, 1] of the
+    probability (at least one); rows with mass 1 are left whole."""
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp).nan_to_num().sum(dim=-1, keepdim=True)  # -inf logits: 0 * -inf
+    order = (-logp - entropy).abs().argsort(dim=-1)
+    sorted_p = p.gather(-1, order)
+    before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop_sorted = (before >= mass) & (mass < 1.0)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def _row_seed(seed: int, step: int) -> int:
@@ -184,6 +215,18 @@ class Sampler:
             state.penalty_slot = slot
             self.output_counts[slot].zero_()
             self.prompt_mask[slot].zero_()
+            if params.penalty_last_n > 0:
+                # llama.cpp's window: the counts cover the prompt's last N tokens and then the output's
+                n = params.penalty_last_n
+                tail = list(prompt_token_ids)[-n:]
+                state.window = torch.zeros(n, dtype=torch.int64, device=self.device)
+                if tail:
+                    ids = torch.as_tensor(tail, dtype=torch.int64).to(self.device)
+                    state.window[:len(tail)] = ids
+                    self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+                state.window_filled = len(tail)
+                state.window_next = len(tail) % n
+                return state
             ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.int64).to(self.device)
             if ids.numel():
                 self.prompt_mask[slot].index_fill_(0, ids, True)
@@ -227,10 +270,22 @@ class Sampler:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
 
         if penalty_rows:
+            for i in penalty_rows:  # a full window forgets its oldest token as the new one enters
+                s = states[i]
+                if s.window is not None and s.window_filled == s.window.numel():
+                    oldest = s.window[s.window_next:s.window_next + 1]
+                    self.output_counts[s.penalty_slot].index_add_(0, oldest, torch.full_like(oldest, -1,
+                                                                                             dtype=torch.int32))
             slots = torch.tensor([states[i].penalty_slot for i in penalty_rows], dtype=torch.int64, device=self.device)
             chosen_tokens = token_ids.index_select(0, torch.tensor(penalty_rows, dtype=torch.int64, device=self.device))
             self.output_counts.index_put_((slots, chosen_tokens),
                                           torch.ones_like(chosen_tokens, dtype=torch.int32), accumulate=True)
+            for k, i in enumerate(penalty_rows):
+                s = states[i]
+                if s.window is not None:
+                    s.window[s.window_next:s.window_next + 1] = chosen_tokens[k:k + 1]
+                    s.window_next = (s.window_next + 1) % s.window.numel()
+                    s.window_filled = min(s.window_filled + 1, s.window.numel())
         for s in states:
             s.num_output_tokens += 1
         return out
@@ -345,6 +400,9 @@ class Sampler:
             probs = torch.softmax(logits, dim=-1)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if any(p.typical_p < 1.0 for p in params):
+            typical = torch.tensor([p.typical_p for p in params], device=dev)[:, None]
+            logits = typical_filter(logits, typical)
         vocab = logits.shape[-1]
         # Candidates sorted by logit: a top-k when every row has one (much cheaper than sorting the
         # vocabulary), else the whole sorted vocabulary. Either way a row keeps the same tokens.

@@ -4,12 +4,13 @@ What llama.cpp's clients call outside its OpenAI-compatible API, translated onto
 
 /completion takes ``prompt`` (text, with the model's BOS where it takes one; or a token-id array, where
 strings may stand between the ids), ``n_predict`` (-1, the default: until the context ends; 0: nothing
-generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``repeat_penalty``,
-``presence_penalty``, ``frequency_penalty``, ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``,
+generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``, ``repeat_penalty``,
+``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default 64, prompt
+included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``,
 ``false`` bans a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF)
 or ``json_schema``, ``return_tokens`` and ``stream``. Omitted sampling fields take the model's defaults, as
 the OpenAI routes do. Fields that tune llama.cpp's own sampler chain or slots (``samplers``, ``mirostat``,
-``typical_p``, ``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
+``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
 
 It answers llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``, ``limit``, ``word`` with
 ``stopping_word``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``, ``timings`` (ms and tokens
@@ -31,7 +32,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, sampling_params
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
-                                         _string, _type)
+                                         _string, _type, llama_penalties)
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
 
@@ -166,12 +167,9 @@ class LlamaCppRoutes:
             max_tokens=None if n_predict in (None, -1, 0) else min(n_predict, context - len(ids)),
             temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
             top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
-            presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
-            frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
-            repetition_penalty=_number(body, "repeat_penalty", 0.0, 2.0, lo_open=True),
             seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
             logprobs=n_probs if n_probs else None, stop=_stops(body.get("stop")), stop_token_ids=(),
-            ignore_eos=_boolean(body, "ignore_eos"), n=1)
+            ignore_eos=_boolean(body, "ignore_eos"), n=1, **llama_penalties(body, context))
         _check_vocab(self.state, opts)
         if opts.top_p == 0.0:
             raise _bad("top_p", "must be > 0")
@@ -237,7 +235,8 @@ class LlamaCppRoutes:
             "model": self.state.manifest.model_name, "tokens_predicted": predicted, "tokens_evaluated": len(ids),
             "generation_settings": {**self._defaults(), **{k: v for k, v in (
                 ("temperature", opts.temperature), ("top_k", opts.top_k), ("top_p", opts.top_p),
-                ("min_p", opts.min_p), ("repeat_penalty", opts.repetition_penalty), ("seed", opts.seed),
+                ("min_p", opts.min_p), ("typical_p", opts.typical_p), ("repeat_penalty", opts.repetition_penalty),
+                ("repeat_last_n", opts.penalty_last_n), ("seed", opts.seed),
                 ("n_predict", opts.max_tokens)) if v is not None}, "stop": list(opts.stop),
                 "n_probs": opts.logprobs or 0},
             "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,

@@ -11,9 +11,11 @@ Rules:
   durations (nanoseconds). Non-streaming returns that last object with the
   whole message.
 - Option names map onto ours: num_predict (-1: until the context ends, -2:
-  fill the context), temperature, top_k, top_p, min_p, repeat_penalty,
-  presence_penalty, frequency_penalty, seed, stop, num_ctx (at most the
-  core's context; a smaller value limits prompt + output). Options that only
+  fill the context), temperature, top_k, top_p, min_p, typical_p,
+  repeat_penalty, presence_penalty and frequency_penalty over the last
+  repeat_last_n tokens (default 64, prompt included, as Ollama), seed, stop,
+  num_ctx (at most the core's context; a smaller value limits prompt +
+  output). Options that only
   tune Ollama's own runtime (num_thread, num_gpu, ...) are ignored, as they
   are meaningless here.
 - Tool calls arrive whole (Ollama's arguments are objects, not text), each
@@ -43,7 +45,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type,
-                                         parse_tools, reasoning_effort_kwargs)
+                                         llama_penalties, parse_tools, reasoning_effort_kwargs)
 from flared.server.structured import compile_grammar, parse_ollama_format
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
@@ -107,14 +109,12 @@ def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
         raise _bad("top_logprobs", "requires 'logprobs': true")
     else:
         logprobs = None
+    penalties = llama_penalties(opts, context)
     return SamplingOptions(
         max_tokens=max_tokens, temperature=_number(opts, "temperature", 0.0, 2.0),
         top_p=_number(opts, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=_number(opts, "min_p", 0.0, 1.0),
-        presence_penalty=_number(opts, "presence_penalty", -2.0, 2.0) or 0.0,
-        frequency_penalty=_number(opts, "frequency_penalty", -2.0, 2.0) or 0.0,
-        repetition_penalty=_number(opts, "repeat_penalty", 0.0, 2.0, lo_open=True),
         seed=seed, logit_bias=None, logprobs=logprobs, stop=tuple(s for s in stop if s), stop_token_ids=(),
-        ignore_eos=False, n=1)
+        ignore_eos=False, n=1, **penalties)
 
 
 def _messages(body: dict) -> list[dict]:

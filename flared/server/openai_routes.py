@@ -85,6 +85,8 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         seed=None if opts.seed is None else opts.seed + seed_offset,
         max_tokens=max_tokens,
         logprobs=opts.logprobs,
+        typical_p=opts.typical_p if opts.typical_p is not None else float(d.get("typical_p", 1.0)),
+        penalty_last_n=opts.penalty_last_n,
         min_tokens=min(opts.min_tokens, max_tokens),
         min_tokens_banned=_stop_ids(state, opts) if opts.min_tokens else frozenset(),
         allowed_token_ids=opts.allowed_token_ids,

@@ -55,6 +55,9 @@ class SamplingOptions:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position
     return_tokens_as_token_ids: bool = False  # logprobs name tokens as "token_id:123"
+    # llama.cpp's and Ollama's sampling (their routes)
+    typical_p: float | None = None  # locally typical sampling
+    penalty_last_n: int = 0  # repeat_last_n: the penalties' window (0 here: vLLM's whole-history penalties)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +268,24 @@ def _prompt_logprobs(body: dict) -> int | None:
     if k is not None and _boolean(body, "stream"):
         raise _bad("prompt_logprobs", "is not available when 'stream' is true")
     return k
+
+
+def llama_penalties(body: dict, context: int) -> dict[str, Any]:
+    """llama.cpp's and Ollama's penalty fields as SamplingOptions fields: repeat_penalty, presence_penalty and
+    frequency_penalty over the last ``repeat_last_n`` tokens, prompt included (default 64, as both; -1: the
+    whole context; 0: no penalties at all), and typical_p."""
+    last_n = _integer(body, "repeat_last_n", -1, 1 << 31)
+    last_n = 64 if last_n is None else (context if last_n == -1 else last_n)
+    out: dict[str, Any] = {
+        "repetition_penalty": _number(body, "repeat_penalty", 0.0, 2.0, lo_open=True),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        "penalty_last_n": min(last_n, context),
+        "typical_p": _number(body, "typical_p", 0.0, 1.0, lo_open=True),
+    }
+    if last_n == 0:
+        out.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    return out
 
 
 def _truncation(body: dict) -> int | None:

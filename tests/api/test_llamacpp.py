@@ -51,6 +51,22 @@ def test_limit_word_and_eos(daemon):
     assert _post(daemon, {"prompt": tok["tokens"], "temperature": 0})["tokens_cached"] > 0
 
 
+def test_typical_p_and_the_penalty_window(daemon):
+    """typical_p and repeat_last_n are served (they were ignored): the settings report them, the default
+    window is llama.cpp's 64, -1 is the whole context and 0 turns the penalties off."""
+    body = {"prompt": SING, "n_predict": 4, "temperature": 0.7, "seed": 1, "typical_p": 0.5, "repeat_penalty": 1.3}
+    r = _post(daemon, {**body, "repeat_last_n": 16})
+    assert r["content"] == " la" * 4  # the loop's logit outweighs any penalty
+    g = r["generation_settings"]
+    assert g["typical_p"] == 0.5 and g["repeat_last_n"] == 16 and g["repeat_penalty"] == 1.3
+    assert _post(daemon, body)["generation_settings"]["repeat_last_n"] == 64
+    assert _post(daemon, {**body, "repeat_last_n": -1})["generation_settings"]["repeat_last_n"] == 1024
+    off = _post(daemon, {**body, "repeat_last_n": 0})["generation_settings"]
+    assert off["repeat_penalty"] == 1.0 and off["repeat_last_n"] == 0
+    for bad in ({"typical_p": 0}, {"typical_p": 1.5}, {"repeat_last_n": -2}):
+        assert _post(daemon, {"prompt": "x", **bad}, 400)["error"]["message"].startswith(f"'{next(iter(bad))}'")
+
+
 def test_probabilities_stream_and_grammar(daemon):
     r = _post(daemon, {"prompt": SING, "n_predict": 3, "temperature": 0, "n_probs": 2})
     probs = r["completion_probabilities"]

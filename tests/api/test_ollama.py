@@ -58,6 +58,18 @@ def test_model_management_routes(client, daemon):
     conn.close()
 
 
+def test_typical_p_and_repeat_last_n_options(client, daemon):
+    """Ollama's typical_p and repeat_last_n are served (they were ignored); bad values are 400s."""
+    opts = {"temperature": 0.7, "seed": 3, "num_predict": 4, "typical_p": 0.5, "repeat_last_n": 8,
+            "repeat_penalty": 1.2, "frequency_penalty": 0.5}
+    r = client.generate(model="tiny", prompt="Sing: la", raw=True, options=opts)
+    assert r.done and r.response == " la" * 4
+    for bad in ({"typical_p": 0}, {"repeat_last_n": -5}):
+        status, err = daemon.request("POST", "/api/generate", {"model": "tiny", "prompt": "x", "stream": False,
+                                                              "options": bad})
+        assert status == 400 and next(iter(bad)) in err["error"], err
+
+
 def test_chat_tool_round_trip(client):
     r = client.chat(model="tiny", messages=ASK, tools=TOOLS, options=GREEDY)
     assert r.done and r.done_reason == "stop" and r.eval_count == 9 and r.prompt_eval_count > 0

@@ -79,6 +79,52 @@ def test_allowed_token_ids_restrict_every_draw():
         SamplingParams(allowed_token_ids=())
 
 
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_filter_keeps_what_transformers_keeps(mass):
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    from flared.model.sampling import typical_filter
+
+    logits = logits_rows(6, seed=3)
+    logits[1, :10] = float("-inf")  # rows with tokens already filtered out
+    ours = typical_filter(logits, torch.full((6, 1), mass))
+    theirs = TypicalLogitsWarper(mass=mass)(None, logits.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.equal(typical_filter(logits, torch.ones(6, 1)), logits)  # 1 leaves a row whole
+
+
+def test_typical_p_draws_stay_in_the_typical_set():
+    from flared.model.sampling import typical_filter
+
+    logits = logits_rows(1, seed=5)
+    kept = set(torch.nonzero(~torch.isinf(typical_filter(logits, torch.tensor([[0.3]]))[0])).flatten().tolist())
+    drawn = draw_many(SamplingParams(temperature=1.0, typical_p=0.3), logits, 64).tolist()
+    assert set(drawn) <= kept and len(kept) < VOCAB // 2
+
+
+def test_penalty_window_follows_llama_cpp():
+    """penalty_last_n (llama.cpp's repeat_last_n): repetition, frequency and presence penalties all count the
+    last N tokens of prompt and output, and a token leaves the window N tokens later."""
+    logits = logits_rows(1, seed=7)
+    sampler = Sampler(VOCAB)
+    params = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.25,
+                            penalty_last_n=3, max_tokens=8)
+    prompt = [3, 4, 4, 5]
+    state = sampler.add_sequence(params, prompt)
+    window = prompt[-3:]
+    for _ in range(5):
+        counts = torch.bincount(torch.tensor(window, dtype=torch.int64), minlength=VOCAB).float()
+        seen = counts > 0
+        expected = torch.where(seen, torch.where(logits[0] > 0, logits[0] / 1.5, logits[0] * 1.5), logits[0])
+        expected = expected - 0.5 * counts - 0.25 * seen.float()
+        assert torch.allclose(sampler.apply_bias_and_penalties(logits, [state])[0], expected, atol=1e-6)
+        token = sampler.sample(logits, [state]).token_ids.item()
+        assert token == int(expected.argmax())
+        window = (window + [token])[-3:]
+    with pytest.raises(AdmissionError, match="penalty_last_n"):
+        SamplingParams(penalty_last_n=-1)
+
+
 def test_penalties_follow_vllm_semantics():
     logits = logits_rows(1)
     sampler = Sampler(VOCAB)
