@@ -5,7 +5,8 @@
 one vectorised pass. The order follows vLLM: log-probabilities are taken from
 the raw logits; then logit bias; then vLLM's allowed_token_ids (every other
 id to -inf) and min_tokens (EOS and the stop ids to -inf until that many
-tokens were drawn); then repetition (prompt + output), frequency
+tokens were drawn) and bad_words (a sequence's last token where the output
+ends with the rest of it); then repetition (prompt + output), frequency
 and presence (output only) penalties, or with penalty_last_n all three over
 the last N tokens (llama.cpp's repeat_last_n); greedy rows take the argmax
 here; other rows are divided by their temperature, filtered by min-p,
@@ -67,6 +68,9 @@ class SamplingParams:
     # N > 0 is llama.cpp's and Ollama's repeat_last_n: all three over the last N tokens, prompt included.
     penalty_last_n: int = 0
     typical_p: float = 1.0  # locally typical sampling (llama.cpp, Ollama, transformers); 1 = off
+    # vLLM's bad_words as token sequences: a sequence's last token cannot be drawn where the output so far
+    # ends with the rest of it (a one-token sequence is never drawn)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
@@ -102,6 +106,9 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for seq in self.bad_words:
+            if not seq or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq):
+                raise bad(f"bad_words must be non-empty token sequences, got {seq!r}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids must not be empty")
@@ -142,13 +149,17 @@ class SequenceSamplingState:
     window: torch.Tensor | None = None
     window_next: int = 0
     window_filled: int = 0
+    # bad_words: (prefix on the device, last token) per sequence, and the output's last tokens (as many as the
+    # longest prefix), newest last, on the device
+    bad: list | None = None
+    recent: torch.Tensor | None = None
 
     @property
     def shapes_logits(self) -> bool:
         """The row's logits change before its argmax or draw (bias, penalties, allowed ids, min_tokens)."""
         p = self.params
         return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
-                or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
+                or bool(p.bad_words) or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
 
 
 @dataclass
@@ -196,7 +207,8 @@ class Sampler:
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         for field, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-                           ("min_tokens_banned", params.min_tokens_banned)):
+                           ("min_tokens_banned", params.min_tokens_banned),
+                           ("bad_words", [t for seq in params.bad_words for t in seq])):
             too_big = [t for t in ids if t >= self.vocab_size]
             if too_big:
                 raise AdmissionError(f"{field} token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
@@ -208,6 +220,12 @@ class Sampler:
                                              device=self.device)
         if params.min_tokens > 0 and params.min_tokens_banned:
             state.banned_ids = torch.tensor(sorted(params.min_tokens_banned), dtype=torch.int64, device=self.device)
+        if params.bad_words:
+            state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
+                         for seq in params.bad_words]
+            longest = max(len(seq) for seq in params.bad_words)
+            if longest > 1:
+                state.recent = torch.full((longest - 1,), -1, dtype=torch.int64, device=self.device)
         if params.uses_penalties:
             if not self._free_slots:
                 raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
@@ -269,6 +287,9 @@ class Sampler:
             if max_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
 
+        for i, s in enumerate(states):  # bad_words: the output's newest tokens
+            if s.recent is not None:
+                s.recent.copy_(torch.cat([s.recent[1:], token_ids[i:i + 1]]))
         if penalty_rows:
             for i in penalty_rows:  # a full window forgets its oldest token as the new one enters
                 s = states[i]
@@ -304,10 +325,28 @@ class Sampler:
                 logits[i].fill_(float("-inf")).index_copy_(0, s.allowed_ids, kept)
             if s.banned_ids is not None and s.num_output_tokens < s.params.min_tokens:
                 logits[i].index_fill_(0, s.banned_ids, float("-inf"))
+            if s.bad is not None:
+                self._ban_bad_words(logits[i], s)
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
         if penalty_rows:
             self._apply_penalties(logits, states, penalty_rows)
         return logits
+
+    @staticmethod
+    def _ban_bad_words(row: torch.Tensor, state: SequenceSamplingState) -> None:
+        """vLLM's bad_words on one row: each sequence's last token to -inf where the output ends with the rest
+        (compared on the device: no sync)."""
+        for prefix, last in state.bad:
+            n = prefix.numel()
+            if n == 0:
+                row[last] = float("-inf")
+            elif n <= state.num_output_tokens:
+                if row.device.type == "cpu":
+                    if torch.equal(state.recent[-n:], prefix):
+                        row[last] = float("-inf")
+                else:
+                    hit = (state.recent[-n:] == prefix).all()
+                    row[last] = torch.where(hit, torch.full((), float("-inf"), device=row.device), row[last])
 
     def _yield_to_grammar(self, raw: torch.Tensor, logits: torch.Tensor, states: list[SequenceSamplingState]) -> None:
         """A constrained row whose grammar allows only the ids that min_tokens bans (the output is complete)

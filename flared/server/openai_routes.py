@@ -90,7 +90,22 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         min_tokens=min(opts.min_tokens, max_tokens),
         min_tokens_banned=_stop_ids(state, opts) if opts.min_tokens else frozenset(),
         allowed_token_ids=opts.allowed_token_ids,
+        bad_words=bad_word_sequences(state.frontend, opts.bad_words),
     )
+
+
+def bad_word_sequences(fe, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as it would start the text, and as a new word after a
+    space where the space joins the word's first token (vLLM takes that spelling only when it has as many
+    tokens; here also when the space merges it into fewer, as " la" may be one token where "la" is two)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(fe.encode(word.lstrip()))
+        spaced = tuple(fe.encode(" " + word.lstrip()))
+        out.append(alone)
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) <= len(alone):
+            out.append(spaced)
+    return tuple(seq for seq in dict.fromkeys(out) if seq)
 
 
 def _stop_ids(state, opts: SamplingOptions) -> frozenset[int]:

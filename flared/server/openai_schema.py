@@ -20,6 +20,7 @@ from flared.server.structured import (
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 64
 
 
 def _bad(field: str, message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> AdmissionError:
@@ -55,6 +56,7 @@ class SamplingOptions:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position
     return_tokens_as_token_ids: bool = False  # logprobs name tokens as "token_id:123"
+    bad_words: tuple[str, ...] = ()  # words the output must not contain (vLLM's)
     # llama.cpp's and Ollama's sampling (their routes)
     typical_p: float | None = None  # locally typical sampling
     penalty_last_n: int = 0  # repeat_last_n: the penalties' window (0 here: vLLM's whole-history penalties)
@@ -229,6 +231,12 @@ def _sampling(body: dict, *, max_tokens_fields: tuple[str, ...], logprobs: int |
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)):
             raise _bad("allowed_token_ids", "must be a non-empty array of non-negative integers")
         allowed = tuple(allowed)
+    bad_words = body.get("bad_words")
+    if bad_words is None:
+        bad_words = []
+    if (not isinstance(bad_words, list) or len(bad_words) > MAX_BAD_WORDS
+            or not all(isinstance(w, str) and w.strip() for w in bad_words)):
+        raise _bad("bad_words", f"must be an array of at most {MAX_BAD_WORDS} non-blank strings")
     min_tokens = _integer(body, "min_tokens", 0, 1 << 31) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise _bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
@@ -255,6 +263,7 @@ def _sampling(body: dict, *, max_tokens_fields: tuple[str, ...], logprobs: int |
         truncate_prompt_tokens=_truncation(body),
         prompt_logprobs=_prompt_logprobs(body),
         return_tokens_as_token_ids=_boolean(body, "return_tokens_as_token_ids"),
+        bad_words=tuple(bad_words),
     )
 
 

@@ -1,7 +1,7 @@
 """vLLM's extra sampling parameters on /v1/chat/completions and /v1/completions, through the openai SDK's
 extra_body as vLLM's users send them: min_tokens, include_stop_str_in_output, skip_special_tokens,
 allowed_token_ids, truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, request_id,
-stream_options.continuous_usage_stats, cache_salt, and chat's echo and documents (prompt_logprobs is held to transformers
+stream_options.continuous_usage_stats, cache_salt, bad_words, reasoning_effort, and chat's echo and documents (prompt_logprobs is held to transformers
 in test_prompt_logprobs.py; chat's add_special_tokens in tests/frontend/test_gguf_tokenizer.py).
 
 The tool model's greedy output is known (tests/api/conftest.py): with thinking off it answers
@@ -91,6 +91,18 @@ def test_truncate_prompt_tokens_keeps_the_prompt_end(client, daemon):
     assert _chat(client, truncate_prompt_tokens=5).usage.prompt_tokens == 5
     full = _chat(client).usage.prompt_tokens
     assert _chat(client, truncate_prompt_tokens=-1).usage.prompt_tokens == full
+
+
+def test_bad_words_keep_a_word_out(client):
+    def complete(**extra):
+        return client.completions.create(model="tiny", prompt="sing la", max_tokens=6, temperature=0,
+                                         extra_body=extra).choices[0]
+
+    assert complete().text == " la" * 6  # the hand-set loop
+    c = complete(bad_words=["la"])  # as a new word too: " la" (the loop's token; "la" is two tokens) is banned
+    assert c.text == ANSWER and c.finish_reason == "stop"  # the model's next choice, then its EOS
+    assert complete(bad_words=["sunny"]).text == " la" * 6  # other words leave it alone
+    assert " la" not in complete(bad_words=["la"], min_tokens=6).text
 
 
 def test_reasoning_effort_reaches_the_template(client, daemon):
@@ -183,6 +195,8 @@ def test_cache_salt_keeps_prefixes_apart(client):
     ({"return_token_ids": 1}, "return_token_ids"),
     ({"cache_salt": ""}, "cache_salt"),
     ({"cache_salt": 5}, "cache_salt"),
+    ({"bad_words": "la"}, "bad_words"),
+    ({"bad_words": [" "]}, "bad_words"),
 ])
 def test_bad_values_are_400s_naming_the_field(daemon, extra, field):
     for path, body in (("/v1/chat/completions", {"messages": ASK}), ("/v1/completions", {"prompt": "Hello"})):

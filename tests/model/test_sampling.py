@@ -125,6 +125,23 @@ def test_penalty_window_follows_llama_cpp():
         SamplingParams(penalty_last_n=-1)
 
 
+def test_bad_words_ban_a_sequence_s_last_token_after_the_rest():
+    logits = logits_rows(1, seed=11)
+    best, second = logits[0].topk(2).indices.tolist()
+    sampler = Sampler(VOCAB)
+    never = sampler.add_sequence(SamplingParams(temperature=0, bad_words=((best,),)), [])
+    assert [sampler.sample(logits, [never]).token_ids.item() for _ in range(3)] == [second] * 3
+    # (best, best): best cannot follow itself, so the output alternates
+    pair = sampler.add_sequence(SamplingParams(temperature=0, bad_words=((best, best), (7, 8, best))), [])
+    assert [sampler.sample(logits, [pair]).token_ids.item() for _ in range(4)] == [best, second, best, second]
+    drawn = [sampler.add_sequence(SamplingParams(temperature=1.0, seed=s, bad_words=((best,), (second,))), [])
+             for s in range(32)]
+    out = sampler.sample(logits.expand(32, VOCAB), drawn).token_ids.tolist()
+    assert best not in out and second not in out
+    with pytest.raises(AdmissionError, match="outside the vocabulary"):
+        sampler.add_sequence(SamplingParams(bad_words=((1, VOCAB),)), [])
+
+
 def test_penalties_follow_vllm_semantics():
     logits = logits_rows(1)
     sampler = Sampler(VOCAB)
