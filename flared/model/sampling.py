@@ -341,12 +341,8 @@ class Sampler:
             if n == 0:
                 row[last] = float("-inf")
             elif n <= state.num_output_tokens:
-                if row.device.type == "cpu":
-                    if torch.equal(state.recent[-n:], prefix):
-                        row[last] = float("-inf")
-                else:
-                    hit = (state.recent[-n:] == prefix).all()
-                    row[last] = torch.where(hit, torch.full((), float("-inf"), device=row.device), row[last])
+                hit = (state.recent[-n:] == prefix).all()
+                row[last] = torch.where(hit, torch.full((), float("-inf"), device=row.device), row[last])
 
     def _yield_to_grammar(self, raw: torch.Tensor, logits: torch.Tensor, states: list[SequenceSamplingState]) -> None:
         """A constrained row whose grammar allows only the ids that min_tokens bans (the output is complete)

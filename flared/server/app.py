@@ -216,6 +216,14 @@ def build_router(state: ServingState) -> Router:
         return Response.json({"status": why}, status=503)
 
     router.add("GET", "/health", health, public=True)
+    router.add(("GET", "POST"), "/ping", health, public=True)  # vLLM's (SageMaker's) name for the same check
+
+    async def version(request: Request) -> Response:
+        from flared import __version__
+
+        return Response.json({"version": __version__})
+
+    router.add("GET", "/version", version)
     if state.metrics is not None:
         from flared.server.metrics import metrics_route
 

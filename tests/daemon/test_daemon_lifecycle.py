@@ -23,6 +23,10 @@ def test_api_key_is_required_except_on_health(tiny_core, start_daemon):
                                 headers={"authorization": "Bearer s3cret"})
     assert status == 404  # authenticated, then the model is checked
     assert d.request("GET", "/health")[0] == 200
+    assert d.request("GET", "/ping")[0] == 200 and d.request("POST", "/ping")[0] == 200  # vLLM's / SageMaker's
+    assert d.request("GET", "/version")[0] == 401
+    status, v = d.request("GET", "/version", headers={"authorization": "Bearer s3cret"})
+    assert status == 200 and v["version"]
     assert d.stop() == 0
 
 
