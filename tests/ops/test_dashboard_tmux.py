@@ -43,9 +43,9 @@ class Tmux:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
 
 
-def _chat(port: int, n: int) -> None:
+def _chat(port: int, n: int, max_tokens: int = 96) -> None:
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": f"Count to {n}."}],
-                       "max_tokens": 96, "ignore_eos": True}).encode()
+                       "max_tokens": max_tokens, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -82,7 +82,7 @@ def test_dashboard_panes_scroll_and_top(default_core, tmp_path):
         # A second wave while the scheduler pane is read: its live and just-retired requests are more rows
         # than fit whenever the pane is looked at (the first wave's retired rows leave after their 10 s of
         # history, which a slow machine can spend before the pane is shown).
-        second = [threading.Thread(target=_chat, args=(port, i)) for i in range(16, 32)]
+        second = [threading.Thread(target=_chat, args=(port, i, 48)) for i in range(16, 32)]
         for w in second:
             w.start()
         tmux("send-keys", "-t", "d", "Tab")
