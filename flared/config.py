@@ -73,6 +73,9 @@ class ServerConfig:
     # Embeddings (/v1/embeddings, /api/embed): the final-normed hidden state of each input's last token
     # ("last", as embedding models built on decoders pool) or the mean over its tokens ("mean").
     embedding_pooling: str = "last"
+    # vLLM's per-request chat_template: a request may bring its own Jinja chat template (rendered in the same
+    # sandbox as the model's). Off by default, as vLLM's --trust-request-chat-template: a 400 names this key.
+    trust_request_chat_template: bool = False
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 

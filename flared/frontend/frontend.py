@@ -186,7 +186,7 @@ def _check_tool_calls(messages: list) -> list:
 # Names render_chat passes itself; a request's template kwargs cannot replace them.
 _RESERVED_KWARGS = frozenset(
     ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "auto_marks",
-     "inputs_are_json", "add_special_tokens")
+     "inputs_are_json", "add_special_tokens", "template")
 )
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
@@ -299,15 +299,18 @@ class Frontend:
 
     def render_chat(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, inputs_are_json: bool = True,
-                    add_special_tokens: bool = False, **template_kwargs) -> RenderedChat:
+                    add_special_tokens: bool = False, template: ChatTemplate | None = None,
+                    **template_kwargs) -> RenderedChat:
         """Render and tokenize a chat; find the token index where each complete message ends.
 
         ``inputs_are_json``: messages, tools and kwargs are as json.loads made them (a request
         body); pass False for arbitrary Python objects, which are then copied into plain types.
         ``add_special_tokens``: the tokenizer's own special tokens (a BOS) around the rendered text, which
         templates usually write themselves (vLLM's chat field of that name, default false).
+        ``template``: a request's own template in place of the model's (vLLM's chat_template field).
         """
-        if self.chat_template is None:
+        template = template if template is not None else self.chat_template
+        if template is None:
             raise FrontendError("this model has no chat template", ErrorKind.UNSUPPORTED)
         if not isinstance(messages, list) or not messages:
             raise FrontendError("messages must be a non-empty list", ErrorKind.VALIDATION)
@@ -319,7 +322,6 @@ class Frontend:
             raise FrontendError(f"template kwargs may not set {', '.join(sorted(reserved))}", ErrorKind.VALIDATION)
         messages = _check_tool_calls(messages)
         kwargs = {**self.settings.special_tokens_map(), **self.template_defaults, **template_kwargs}
-        template = self.chat_template
         use_marks = bool(template.num_marks) or (
             self.endpoint_strategy is EndpointStrategy.AUTO_MARKS and template.has_auto_marks)
         try:
@@ -333,7 +335,8 @@ class Frontend:
         if use_marks:
             char_endpoints = rendered.mark_offsets
         else:
-            char_endpoints = self._prefix_endpoints(messages, text, tools, documents, kwargs, inputs_are_json)
+            char_endpoints = self._prefix_endpoints(template, messages, text, tools, documents, kwargs,
+                                                    inputs_are_json)
         char_endpoints = sorted({c for c in char_endpoints if 0 < c < len(text)})
         encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return RenderedChat(
@@ -348,13 +351,13 @@ class Frontend:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, lambda: self.render_chat(messages, **kwargs))
 
-    def _prefix_endpoints(self, messages: list, text: str, tools, documents, kwargs,
+    def _prefix_endpoints(self, template: ChatTemplate, messages: list, text: str, tools, documents, kwargs,
                           inputs_are_json: bool) -> list[int]:
         """Endpoints of an unannotated template: prefix renders that are exact prefixes of the prompt."""
         char_ends = []
         for count in range(1, len(messages) + 1):
             try:
-                prefix = self.chat_template.render_traced(
+                prefix = template.render_traced(
                     messages[:count], tools=tools, documents=documents, add_generation_prompt=False,
                     inputs_are_json=inputs_are_json, **kwargs).text
             except _TEMPLATE_ERRORS:

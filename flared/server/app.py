@@ -19,7 +19,10 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jinja2
+
 from flared.errors import AdmissionError, ErrorKind, FrontendError
+from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
@@ -56,6 +59,7 @@ class ServingState:
         self.tool_parser = "auto"
         self.reasoning_parser = "auto"
         self.embedding_pooling = "last"  # ServerConfig.embedding_pooling
+        self.trust_request_chat_template = False  # ServerConfig.trust_request_chat_template
         # Futures resolved when the last admitted request's permit is released
         # (ServingSession.wait_for_requests waits on one instead of polling).
         self.idle_waiters: list[asyncio.Future] = []
@@ -106,7 +110,8 @@ class ServingState:
         except FrontendError as exc:
             # A template without tools fails on a tool-call history in its own words ("'dict object' has no
             # attribute 'content'"); say what the request asked of it.
-            if exc.kind is ErrorKind.TEMPLATE and _has_tool_turns(messages) and self.tool_format() is None:
+            if (exc.kind is ErrorKind.TEMPLATE and _has_tool_turns(messages)
+                    and self.tool_format(kwargs.get("template")) is None):
                 err = AdmissionError("'messages': the conversation holds tool calls or tool results, and this "
                                      f"model's chat template has no tool-call format to render them ({exc})",
                                      ErrorKind.UNSUPPORTED)
@@ -114,18 +119,36 @@ class ServingState:
                 raise err from None
             raise
 
-    def _template_source(self) -> str | None:
-        template = self.frontend.chat_template
+    def _template_source(self, template=None) -> str | None:
+        template = template if template is not None else self.frontend.chat_template
         return template.source if template is not None else None
 
-    def tool_format(self):
-        """The tool-call parser class this model's template implies (or the config's tool_parser names); None
-        when it has no tool-call format."""
-        return tool_parser_for_template(self._template_source(), self.tool_parser)
+    def tool_format(self, template=None):
+        """The tool-call parser class this model's template (or a request's own ``template``) implies, or the
+        config's tool_parser names; None when it has no tool-call format."""
+        return tool_parser_for_template(self._template_source(template), self.tool_parser)
 
-    def reasoning_format(self):
-        """The reasoning format this model's template implies (or the config's reasoning_parser names)."""
-        return reasoning_format_for_template(self._template_source(), self.reasoning_parser)
+    def reasoning_format(self, template=None):
+        """The reasoning format this model's template (or a request's ``template``) implies (or the config's
+        reasoning_parser names)."""
+        return reasoning_format_for_template(self._template_source(template), self.reasoning_parser)
+
+    def request_template(self, source: str | None):
+        """A request's own chat template (vLLM's chat_template field), compiled; None when it brought none. A
+        400 unless the config trusts request templates, or when it does not compile."""
+        if source is None:
+            return None
+        if not self.trust_request_chat_template:
+            err = AdmissionError("'chat_template': this server does not take chat templates in requests (its "
+                                 "config's trust_request_chat_template is off)", ErrorKind.UNSUPPORTED)
+            err.param = "chat_template"
+            raise err
+        try:
+            return ChatTemplate(source)  # compiled once per distinct source (a bounded cache)
+        except jinja2.TemplateError as exc:
+            err = AdmissionError(f"'chat_template': does not compile: {exc}", ErrorKind.TEMPLATE)
+            err.param = "chat_template"
+            raise err from None
 
     async def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a prompt; special tokens (the BOS) as the model's prompts take them unless told."""

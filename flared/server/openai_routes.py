@@ -199,15 +199,15 @@ class OutputShape:
     choice."""
 
     def __init__(self, state, prompt_text: str, tools: list[dict] | None, *, field: str = "tools",
-                 reasoning: bool = True):
+                 reasoning: bool = True, template=None):
         self.tools = tools
-        self.tool_cls = state.tool_format() if tools else None
+        self.tool_cls = state.tool_format(template) if tools else None
         if tools and self.tool_cls is None:
             err = AdmissionError(f"'{field}': this model's chat template has no tool-call format this server "
                                  "can parse (set tool_parser in the config to name one)", ErrorKind.UNSUPPORTED)
             err.param = field
             raise err
-        self.reasoning = state.reasoning_format() if reasoning else None
+        self.reasoning = state.reasoning_format(template) if reasoning else None
         self.starts_inside = opens_reasoning(prompt_text, self.reasoning)
 
     @property
@@ -263,12 +263,13 @@ class OpenAIRoutes:
         req = parse_chat(request.json())
         check_model(self.state, req.model)
         _check_vocab(self.state, req.options)
+        template = self.state.request_template(req.chat_template)
         rendered = await self.state.prepare_chat(
             req.messages, tools=req.tools, documents=req.documents, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
-            **req.template_kwargs)
+            template=template, **req.template_kwargs)
         # A forced call needs no tool format in the template: the grammar produces it (force_tool_call).
-        shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools)
+        shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools, template=template)
         opts = req.options
         prompt = truncated(tuple(rendered.token_ids), opts, self.state.manifest.capacities.context_tokens)
         cut = len(rendered.token_ids) - len(prompt)

@@ -81,6 +81,7 @@ class ChatRequest:
     documents: list[dict] | None = None  # passed to the chat template (RAG templates render them)
     echo: bool = False  # the answer starts with the last message's content when that is the assistant's
     add_special_tokens: bool = False  # the tokenizer's BOS etc. around the rendered prompt
+    chat_template: str | None = None  # the request's own Jinja chat template (when the server trusts them)
     extras: ResponseExtras = dataclasses.field(default_factory=lambda: ResponseExtras())
 
 
@@ -406,6 +407,7 @@ def parse_chat(body: Any) -> ChatRequest:
         documents=documents or None,
         echo=_boolean(body, "echo"),
         add_special_tokens=_boolean(body, "add_special_tokens"),
+        chat_template=_string(body, "chat_template"),
         extras=_extras(body, stream),
     )
 

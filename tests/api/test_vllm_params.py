@@ -181,6 +181,41 @@ def test_cache_salt_keeps_prefixes_apart(client):
     assert cached() > 0
 
 
+# A request's own template: one user turn, then thinking already closed, so the model answers at once.
+OWN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n<think>\n\n</think>{{ '\\n\\n' }}")  # (jinja drops a final newline)
+
+
+@pytest.fixture(scope="module")
+def trusting(tool_core, tmp_path_factory):
+    """A daemon whose config trusts request chat templates."""
+    from flared_testing.daemon import Daemon
+
+    tmp = tmp_path_factory.mktemp("trusting")
+    (tmp / "flared.toml").write_text("trust_request_chat_template = true\n")
+    d = Daemon(tool_core, tmp, "--config", str(tmp / "flared.toml"))
+    yield d
+    d.kill()
+
+
+def test_request_chat_template_only_where_trusted(daemon, trusting):
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 8, "temperature": 0, "chat_template": OWN_TEMPLATE}
+    status, err = daemon.request("POST", "/v1/chat/completions", body)
+    assert status == 400 and err["error"]["param"] == "chat_template"
+    assert "trust_request_chat_template" in err["error"]["message"]
+    status, out = trusting.request("POST", "/v1/chat/completions", body)
+    assert status == 200 and out["choices"][0]["message"]["content"] == ANSWER
+    # the model's own template would have thought first
+    status, own = trusting.request("POST", "/v1/chat/completions", {k: v for k, v in body.items()
+                                                                     if k != "chat_template"})
+    assert own["choices"][0]["message"]["reasoning_content"] == "Let me check the weather."
+    status, rendered = trusting.request("POST", "/apply-template", {"messages": ASK, "chat_template": OWN_TEMPLATE})
+    assert rendered["prompt"] == f"<|im_start|>user\n{ASK[0]['content']}<|im_end|>\n" \
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    status, err = trusting.request("POST", "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
+    assert status == 400 and err["error"]["param"] == "chat_template" and "compile" in err["error"]["message"]
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
