@@ -5,8 +5,9 @@
 one vectorised pass. The order follows vLLM: log-probabilities are taken from
 the raw logits; then logit bias; then vLLM's allowed_token_ids (every other
 id to -inf) and min_tokens (EOS and the stop ids to -inf until that many
-tokens were drawn) and bad_words (a sequence's last token where the output
-ends with the rest of it); then repetition (prompt + output), frequency
+tokens were drawn), bad_words (a sequence's last token where the output
+ends with the rest of it) and a thinking budget (past it, only the
+reasoning's end token while it is open); then repetition (prompt + output), frequency
 and presence (output only) penalties, or with penalty_last_n all three over
 the last N tokens (llama.cpp's repeat_last_n); greedy rows take the argmax
 here; other rows are divided by their temperature, filtered by min-p,
@@ -71,6 +72,10 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last token cannot be drawn where the output so far
     # ends with the rest of it (a one-token sequence is never drawn)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # A thinking budget (Anthropic's budget_tokens): once this many tokens are out and the reasoning's end token
+    # (thinking_end) has not been drawn, it is the only token that can be
+    thinking_budget: int | None = None
+    thinking_end: int | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
@@ -106,6 +111,10 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if (self.thinking_budget is None) != (self.thinking_end is None):
+            raise bad("thinking_budget and thinking_end come together")
+        if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
+            raise bad(f"thinking_budget must be an integer >= 0, got {self.thinking_budget!r}")
         for seq in self.bad_words:
             if not seq or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in seq):
                 raise bad(f"bad_words must be non-empty token sequences, got {seq!r}")
@@ -153,13 +162,15 @@ class SequenceSamplingState:
     # longest prefix), newest last, on the device
     bad: list | None = None
     recent: torch.Tensor | None = None
+    thinking_open: torch.Tensor | None = None  # thinking budget: no end token drawn yet (a device bool)
 
     @property
     def shapes_logits(self) -> bool:
         """The row's logits change before its argmax or draw (bias, penalties, allowed ids, min_tokens)."""
         p = self.params
         return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
-                or bool(p.bad_words) or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
+                or bool(p.bad_words) or self.thinking_open is not None
+                or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
 
 
 @dataclass
@@ -220,6 +231,8 @@ class Sampler:
                                              device=self.device)
         if params.min_tokens > 0 and params.min_tokens_banned:
             state.banned_ids = torch.tensor(sorted(params.min_tokens_banned), dtype=torch.int64, device=self.device)
+        if params.thinking_budget is not None:
+            state.thinking_open = torch.ones((), dtype=torch.bool, device=self.device)
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
@@ -287,9 +300,11 @@ class Sampler:
             if max_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
 
-        for i, s in enumerate(states):  # bad_words: the output's newest tokens
+        for i, s in enumerate(states):  # bad_words: the output's newest tokens; a thinking budget: ended yet?
             if s.recent is not None:
                 s.recent.copy_(torch.cat([s.recent[1:], token_ids[i:i + 1]]))
+            if s.thinking_open is not None:
+                s.thinking_open &= token_ids[i] != s.params.thinking_end
         if penalty_rows:
             for i in penalty_rows:  # a full window forgets its oldest token as the new one enters
                 s = states[i]
@@ -327,6 +342,11 @@ class Sampler:
                 logits[i].index_fill_(0, s.banned_ids, float("-inf"))
             if s.bad is not None:
                 self._ban_bad_words(logits[i], s)
+            if s.thinking_open is not None and s.num_output_tokens >= s.params.thinking_budget:
+                # over budget and still thinking: the end token only (compared on the device: no sync)
+                forced = torch.full_like(logits[i], float("-inf"))
+                forced[s.params.thinking_end] = 0.0
+                logits[i] = torch.where(s.thinking_open, forced, logits[i])
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
         if penalty_rows:
             self._apply_penalties(logits, states, penalty_rows)

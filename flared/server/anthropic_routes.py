@@ -19,7 +19,9 @@ Rules:
   (flared.server.structured.force_tool_call), and so is
   ``output_config.format`` (JSON under a schema, returned as text; it cannot
   be combined with a forced call); ``thinking`` enabled/disabled sets the
-  template's ``enable_thinking``.
+  template's ``enable_thinking``, and enabled with ``budget_tokens`` ends the
+  reasoning after that many tokens (its end marker forced, where the template's
+  reasoning format spells it as one token).
 """
 
 from __future__ import annotations
@@ -199,7 +201,19 @@ def _options(body: dict) -> SamplingOptions:
         max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 1.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=None,
         presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=None, seed=None, logit_bias=None,
-        logprobs=None, stop=tuple(s for s in stops if s), stop_token_ids=(), ignore_eos=False, n=1)
+        logprobs=None, stop=tuple(s for s in stops if s), stop_token_ids=(), ignore_eos=False, n=1,
+        thinking_budget=_budget(body, max_tokens))
+
+
+def _budget(body: dict, max_tokens: int) -> int | None:
+    """thinking.budget_tokens (type enabled): at most that many tokens of reasoning, and fewer than max_tokens."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled" or "budget_tokens" not in thinking:
+        return None
+    budget = _integer(thinking, "budget_tokens", 1, 1 << 31)
+    if budget is not None and budget >= max_tokens:
+        raise _bad("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
+    return budget
 
 
 # -- response shapes -------------------------------------------------------------------------------

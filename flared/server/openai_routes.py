@@ -91,7 +91,18 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         min_tokens_banned=_stop_ids(state, opts) if opts.min_tokens else frozenset(),
         allowed_token_ids=opts.allowed_token_ids,
         bad_words=bad_word_sequences(state.frontend, opts.bad_words),
+        **_thinking_budget(state, opts),
     )
+
+
+def _thinking_budget(state, opts: SamplingOptions) -> dict[str, Any]:
+    """A thinking budget needs the reasoning format's end marker as one token; where the template has no
+    reasoning format, or spells its end in several tokens, there is nothing to enforce."""
+    fmt = state.reasoning_format() if opts.thinking_budget is not None else None
+    end = state.frontend.encode(fmt.end) if fmt is not None else []
+    if len(end) != 1:
+        return {}
+    return {"thinking_budget": opts.thinking_budget, "thinking_end": end[0]}
 
 
 def bad_word_sequences(fe, words) -> tuple[tuple[int, ...], ...]:

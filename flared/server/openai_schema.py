@@ -57,6 +57,7 @@ class SamplingOptions:
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top-k at its position
     return_tokens_as_token_ids: bool = False  # logprobs name tokens as "token_id:123"
     bad_words: tuple[str, ...] = ()  # words the output must not contain (vLLM's)
+    thinking_budget: int | None = None  # Anthropic's budget_tokens: reasoning ends after this many tokens
     # llama.cpp's and Ollama's sampling (their routes)
     typical_p: float | None = None  # locally typical sampling
     penalty_last_n: int = 0  # repeat_last_n: the penalties' window (0 here: vLLM's whole-history penalties)

@@ -104,3 +104,17 @@ def test_assistant_prefill_is_continued(client):
     m = client.messages.create(model="tiny", max_tokens=3, extra_body=GREEDY, messages=[
         {"role": "user", "content": "Sing."}, {"role": "assistant", "content": "Sing la"}])
     assert m.stop_reason == "max_tokens" and m.content[0].text == " la la la"
+
+
+def test_thinking_budget_ends_the_reasoning(client):
+    """thinking.budget_tokens: past the budget the reasoning's end marker is forced, so a budget of 1 leaves the
+    thinking block empty (the first token opens it) and the answer follows as before."""
+    kw = dict(model="tiny", max_tokens=40, messages=ASK, tools=TOOLS, extra_body=GREEDY)
+    full = client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 30})
+    assert [b.type for b in full.content] == ["thinking", "tool_use"] and full.content[0].thinking == REASONING
+    cut = client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1})
+    assert cut.content[0].type == "tool_use" or cut.content[0].thinking == ""
+    assert cut.content[-1].type == "tool_use" and cut.content[-1].input == {"city": "Paris"}
+    assert cut.usage.output_tokens == full.usage.output_tokens - 1  # the reasoning's one token left out
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 40})  # not under max_tokens

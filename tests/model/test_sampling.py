@@ -142,6 +142,21 @@ def test_bad_words_ban_a_sequence_s_last_token_after_the_rest():
         sampler.add_sequence(SamplingParams(bad_words=((1, VOCAB),)), [])
 
 
+def test_thinking_budget_forces_the_end_token_once():
+    logits = logits_rows(1, seed=13)
+    best = int(logits[0].argmax())
+    end = int(logits[0].argmin())
+    sampler = Sampler(VOCAB)
+    state = sampler.add_sequence(SamplingParams(temperature=0, thinking_budget=2, thinking_end=end), [])
+    # two free tokens, then the end marker (the least likely token), then free again: it is drawn only once
+    assert [sampler.sample(logits, [state]).token_ids.item() for _ in range(5)] == [best, best, end, best, best]
+    drawn = [sampler.add_sequence(SamplingParams(temperature=1.0, seed=s, thinking_budget=0, thinking_end=end), [])
+             for s in range(8)]
+    assert sampler.sample(logits.expand(8, VOCAB), drawn).token_ids.tolist() == [end] * 8
+    with pytest.raises(AdmissionError, match="come together"):
+        SamplingParams(thinking_budget=3)
+
+
 def test_penalties_follow_vllm_semantics():
     logits = logits_rows(1)
     sampler = Sampler(VOCAB)
