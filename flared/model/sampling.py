@@ -76,6 +76,7 @@ class SamplingParams:
     # (thinking_end) has not been drawn, it is the only token that can be
     thinking_budget: int | None = None
     thinking_end: int | None = None
+    thinking_start: int | None = None  # the start marker: reasoning is open after it (None: open from the start)
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
@@ -232,7 +233,12 @@ class Sampler:
         if params.min_tokens > 0 and params.min_tokens_banned:
             state.banned_ids = torch.tensor(sorted(params.min_tokens_banned), dtype=torch.int64, device=self.device)
         if params.thinking_budget is not None:
-            state.thinking_open = torch.ones((), dtype=torch.bool, device=self.device)
+            # open from the start, or only where the prompt (its last marker) or the output opened it
+            prompt = list(prompt_token_ids)
+            last = {t: i for i, t in enumerate(prompt) if t in (params.thinking_start, params.thinking_end)}
+            is_open = params.thinking_start is None or (last.get(params.thinking_start, -1)
+                                                        > last.get(params.thinking_end, -1))
+            state.thinking_open = torch.tensor(is_open, dtype=torch.bool, device=self.device)
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
@@ -304,6 +310,8 @@ class Sampler:
             if s.recent is not None:
                 s.recent.copy_(torch.cat([s.recent[1:], token_ids[i:i + 1]]))
             if s.thinking_open is not None:
+                if s.params.thinking_start is not None:
+                    s.thinking_open |= token_ids[i] == s.params.thinking_start
                 s.thinking_open &= token_ids[i] != s.params.thinking_end
         if penalty_rows:
             for i in penalty_rows:  # a full window forgets its oldest token as the new one enters

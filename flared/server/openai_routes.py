@@ -102,7 +102,9 @@ def _thinking_budget(state, opts: SamplingOptions) -> dict[str, Any]:
     end = state.frontend.encode(fmt.end) if fmt is not None else []
     if len(end) != 1:
         return {}
-    return {"thinking_budget": opts.thinking_budget, "thinking_end": end[0]}
+    start = state.frontend.encode(fmt.start)
+    return {"thinking_budget": opts.thinking_budget, "thinking_end": end[0],
+            "thinking_start": start[0] if len(start) == 1 else None}
 
 
 def bad_word_sequences(fe, words) -> tuple[tuple[int, ...], ...]:

@@ -153,6 +153,17 @@ def test_thinking_budget_forces_the_end_token_once():
     drawn = [sampler.add_sequence(SamplingParams(temperature=1.0, seed=s, thinking_budget=0, thinking_end=end), [])
              for s in range(8)]
     assert sampler.sample(logits.expand(8, VOCAB), drawn).token_ids.tolist() == [end] * 8
+    # with a start marker: forced only while open (after the marker in the prompt or in the output)
+    start = int(logits[0].topk(2).indices[1])
+    closed = sampler.add_sequence(SamplingParams(temperature=0, thinking_budget=0, thinking_end=end,
+                                                 thinking_start=start), [start, 9, end])
+    assert sampler.sample(logits, [closed]).token_ids.item() == best  # the prompt closed it: nothing forced
+    opened = sampler.add_sequence(SamplingParams(temperature=0, thinking_budget=0, thinking_end=end,
+                                                 thinking_start=start), [9, start])
+    assert [sampler.sample(logits, [opened]).token_ids.item() for _ in range(2)] == [end, best]
+    later = sampler.add_sequence(SamplingParams(temperature=0, thinking_budget=0, thinking_end=end,
+                                                thinking_start=start, logit_bias={start: 100.0}), [])
+    assert [sampler.sample(logits, [later]).token_ids.item() for _ in range(2)] == [start, end]
     with pytest.raises(AdmissionError, match="come together"):
         SamplingParams(thinking_budget=3)
 
