@@ -140,10 +140,6 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def bans_stops(self, num_output_tokens: int) -> bool:
-        """True while min_tokens still keeps the stop ids from being drawn."""
-        return num_output_tokens < self.min_tokens and bool(self.min_tokens_banned)
-
 
 @dataclass
 class SequenceSamplingState:
@@ -167,7 +163,8 @@ class SequenceSamplingState:
 
     @property
     def shapes_logits(self) -> bool:
-        """The row's logits change before its argmax or draw (bias, penalties, allowed ids, min_tokens)."""
+        """The row's logits change before its argmax or draw (bias, penalties, allowed ids, min_tokens, bad words,
+        a thinking budget)."""
         p = self.params
         return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
                 or bool(p.bad_words) or self.thinking_open is not None
