@@ -92,8 +92,8 @@ def test_dropped_n_choices_sharing_a_prompt_leave_nothing_behind(tiny_core, in_p
 
     async def run() -> list[bytes]:
         out = []
-        for i in range(12):  # one at a time: every request reaches the model thread
-            out.append(await asyncio.wait_for(drop(events=i % 4, seed=i), 60))
+        for i in range(12):  # one at a time; half drop before reading anything (before the first token)
+            out.append(await asyncio.wait_for(drop(events=0 if i % 2 == 0 else i % 4, seed=i), 60))
         return out
 
     statuses = asyncio.run(run())
