@@ -128,6 +128,9 @@ class Generation:
     def prompt_token_ids(self, index: int) -> tuple[int, ...]:
         return self._choices[index].request.prompt_token_ids
 
+    def request(self, index: int) -> GenerateRequest:
+        return self._choices[index].request
+
     def usage(self) -> ChoiceUsage:
         total = ChoiceUsage()
         for c in self._choices:

@@ -22,6 +22,8 @@ Rules:
   in a message chunk as soon as it is complete; reasoning goes to ``thinking``;
   ``think: false`` turns thinking off in the template.
 - ``format`` ("json" or a JSON schema) is enforced by the grammar engine.
+- /api/generate answers Ollama's ``context`` (the exchange's token ids) and
+  continues after one passed back.
 - Errors are ``{"error": message}`` with the daemon's status codes.
 - A model name may carry Ollama's ``:latest`` tag.
 - The daemon serves one prepared core and downloads nothing: pulling the served model succeeds at once
@@ -115,6 +117,17 @@ def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
         top_p=_number(opts, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=_number(opts, "min_p", 0.0, 1.0),
         seed=seed, logit_bias=None, logprobs=logprobs, stop=tuple(s for s in stop if s), stop_token_ids=(),
         ignore_eos=False, n=1, **penalties)
+
+
+def _context(state, body: dict) -> list[int]:
+    """/api/generate's context: token ids an earlier answer returned (its prompt and answer), to continue from."""
+    context = body.get("context")
+    if context is None:
+        return []
+    if (not isinstance(context, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size for t in context)):
+        raise _bad("context", f"must be an array of token ids (0..{state.vocab_size - 1})")
+    return list(context)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -297,12 +310,15 @@ class OllamaRoutes:
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise _bad("prompt", "must be a string")
-        for field in ("images", "context", "template"):
+        for field in ("images", "template"):
             if body.get(field):
                 raise _bad(field, "is not supported by this server", ErrorKind.UNSUPPORTED)
         suffix = body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise _bad("suffix", "must be a string")
+        context = _context(self.state, body)
+        if context and suffix:
+            raise _bad("context", "cannot be combined with 'suffix'")
         if not prompt and not suffix:  # Ollama's "load the model" request: it is loaded
             return Response.json({"model": model, "created_at": _now(), "response": "", "done": True,
                                   "done_reason": "load"})
@@ -319,6 +335,9 @@ class OllamaRoutes:
                 [{"role": "user", "content": prompt}]
             rendered = await self.state.prepare_chat(messages, **_template_kwargs(body))
             ids, text, endpoints = rendered.token_ids, rendered.text, rendered.message_endpoints
+        if context:  # the earlier exchange's tokens, then this prompt (where the context ends is a boundary)
+            endpoints = (len(context), *(len(context) + e for e in endpoints))
+            ids = context + list(ids)
         gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None)
         return await self._respond(request, gen, shape, body, model, t0, chat=False, logprobs=lps)
 
@@ -329,10 +348,10 @@ class OllamaRoutes:
         if stream:
             return StreamingResponse(lambda w: self._stream(gen, w, shape, model, t0_ns, chat, logprobs),
                                      media_type=_NDJSON)
-        ((text, _ids, lps, finish),) = await gen.collect()
+        ((text, ids, lps, finish),) = await gen.collect()
         parsed, calls = shape.parse(text)
         out = {"model": model, "created_at": _now(),
-               **self._piece(parsed, calls, chat), **self._final(gen, finish, t0_ns)}
+               **self._piece(parsed, calls, chat), **self._final(gen, finish, t0_ns, None if chat else ids)}
         if logprobs:
             out["logprobs"] = token_logprobs(self.state.frontend, lps)
         return Response.json(out)
@@ -351,20 +370,32 @@ class OllamaRoutes:
             piece["thinking"] = parsed.reasoning
         return piece
 
-    def _final(self, gen: Generation, finish: str, t0_ns: int) -> dict[str, Any]:
+    def _final(self, gen: Generation, finish: str, t0_ns: int, generated: list[int] | None) -> dict[str, Any]:
+        """The last object's counts; with ``generated`` (generate, not chat) also Ollama's ``context``: the
+        exchange's tokens (prompt, then the answer without its stop token), which a next request may pass back
+        to continue from them."""
         u = gen.usage()
         total = time.monotonic_ns() - t0_ns
-        return {"done": True, "done_reason": "length" if finish == "length" else "stop",
-                "total_duration": total, "load_duration": 0, "prompt_eval_count": u.num_prompt_tokens,
-                "prompt_eval_duration": 0, "eval_count": u.num_generated_tokens, "eval_duration": total}
+        out = {"done": True, "done_reason": "length" if finish == "length" else "stop",
+               "total_duration": total, "load_duration": 0, "prompt_eval_count": u.num_prompt_tokens,
+               "prompt_eval_duration": 0, "eval_count": u.num_generated_tokens, "eval_duration": total}
+        if generated is not None:
+            request = gen.request(0)
+            answer = list(generated)
+            if answer and answer[-1] in request.stop_token_ids:
+                answer.pop()
+            out["context"] = list(request.prompt_token_ids) + answer
+        return out
 
     async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, model: str, t0_ns: int,
                       chat: bool, logprobs: bool) -> None:
         parser = shape.parser() if shape.active else None
         finish = "stop"
         num_calls_sent = 0
+        generated: list[int] = []
         try:
             async for d in gen.deltas():
+                generated.extend(d.token_ids)
                 parsed = ParsedDelta(d.text) if parser is None else (parser.push(d.text) if d.text else ParsedDelta())
                 if d.finish_reason is not None:
                     finish = d.finish_reason
@@ -383,7 +414,8 @@ class OllamaRoutes:
                                          **self._piece(ParsedDelta(), done_calls[num_calls_sent:], chat)})
                     num_calls_sent = len(done_calls)
             last = self._piece(ParsedDelta(), [], chat)
-            await w.send_ndjson({"model": model, "created_at": _now(), **last, **self._final(gen, finish, t0_ns)})
+            await w.send_ndjson({"model": model, "created_at": _now(), **last,
+                                 **self._final(gen, finish, t0_ns, None if chat else generated)})
         except ClientDisconnected:
             gen.cancel()
         except Exception as exc:  # the stream has started: the error is the last line

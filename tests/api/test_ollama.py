@@ -163,3 +163,30 @@ def test_disconnect_mid_stream_cancels(client, daemon):
     while _cancelled_total(daemon) == before:
         assert time.monotonic() < deadline, "the request was not cancelled"
         time.sleep(0.05)  # polling the daemon's own counter until the model thread records the cancel
+
+
+def test_generate_context_continues_an_exchange(client, daemon):
+    """/api/generate's context: the exchange's tokens (prompt, then the answer without its stop token); passed
+    back, the next prompt continues after them, and the prefix cache reuses them."""
+    first = client.generate(model="tiny", prompt="Sing: la", raw=True, options={"temperature": 0, "num_predict": 3})
+    assert first.response == " la" * 3
+    _, tok = daemon.request("POST", "/tokenize", {"prompt": "Sing: la", "add_special_tokens": False})
+    la = tok["tokens"][-1]
+    assert first.context == tok["tokens"] + [la] * 3
+    # raw continuation: the context, then " la" again; the loop goes on
+    again = client.generate(model="tiny", prompt=" la", raw=True, context=first.context,
+                            options={"temperature": 0, "num_predict": 2})
+    assert again.response == " la" * 2 and again.prompt_eval_count == len(first.context) + 1
+    assert again.context == first.context + [la] * 3
+    # streamed, the last line carries it too
+    parts = list(client.generate(model="tiny", prompt="Sing: la", raw=True, stream=True,
+                                 options={"temperature": 0, "num_predict": 3}))
+    assert parts[-1].done and parts[-1].context == first.context
+    # an answer that ended on its EOS leaves it out; chat has no context
+    ended = client.generate(model="tiny", prompt="What is the weather in Paris?", think=False,
+                            options={"temperature": 0})
+    assert ended.response == ANSWER and len(ended.context) == ended.prompt_eval_count + 1
+    for bad in ([-1], "x", [10 ** 9]):
+        status, err = daemon.request("POST", "/api/generate", {"model": "tiny", "prompt": "x", "stream": False,
+                                                              "context": bad})
+        assert status == 400 and "context" in err["error"]
