@@ -260,36 +260,54 @@ class DecoderModel:
                 out[i] = rms_norm(rows.contiguous(), self.final_norm, eps).float().mean(dim=0)
                 row += n
         for i, tokens in enumerate(token_lists):
-            if out[i] is not None:
-                continue
-            total = None
-            for start, h in self._chunked_prefill(list(tokens), chunk_tokens, page_tokens):
-                if pooling == "last":
-                    total = h[-1:]
-                else:
-                    part = rms_norm(h.contiguous(), self.final_norm, eps).float().sum(dim=0)
-                    total = part if total is None else total + part
-            out[i] = (rms_norm(total.contiguous(), self.final_norm, eps).float()[0] if pooling == "last"
-                      else total / len(tokens))
+            if out[i] is None:
+                *_, out[i] = self.embedding_chunks(tokens, pooling=pooling, page_tokens=page_tokens,
+                                                   chunk_tokens=chunk_tokens)
         result = torch.stack(out)
         if normalize:
             result = F.normalize(result, dim=-1)
         return result
 
     @torch.inference_mode()
+    def embedding_chunks(self, tokens: list[int], *, pooling: str = "last", page_tokens: int = 16,
+                         chunk_tokens: int = 2048):
+        """One sequence's pooled embedding (as ``pooled_embeddings``, not scaled) a prefill chunk at a time:
+        yields None after each chunk but the last, then the vector [hidden] float32, so a caller can run other
+        work between chunks."""
+        eps = self.config.rms_norm_eps
+        total = None
+        for start, h in self._chunked_prefill(list(tokens), chunk_tokens, page_tokens):
+            if pooling == "last":
+                total = h[-1:]
+            else:
+                part = rms_norm(h.contiguous(), self.final_norm, eps).float().sum(dim=0)
+                total = part if total is None else total + part
+            if start + h.shape[0] < len(tokens):
+                yield None
+        yield (rms_norm(total.contiguous(), self.final_norm, eps).float()[0] if pooling == "last"
+               else total / len(tokens))
+
     def prompt_logprobs(self, token_ids: list[int], top: int = 0, *, page_tokens: int = 16,
                         rows_per_chunk: int = 256, chunk_tokens: int = 2048
                         ) -> list[tuple[float, tuple[tuple[int, float], ...], int]]:
         """For p = 1 .. len(token_ids) - 1: (log P(token[p] | tokens[:p]), the ``top`` most likely tokens at p as
-        (id, logprob), most likely first, token[p]'s rank there (1 = most likely)), from the log-softmax of the raw float32 logits as the sampler
-        reports generated tokens' logprobs. The sequence runs on its own scratch KV cache, ``chunk_tokens``
-        at a time; the LM head ``rows_per_chunk`` positions at a time."""
+        (id, logprob), most likely first, token[p]'s rank there (1 = most likely)), from the log-softmax of the
+        raw float32 logits as the sampler reports generated tokens' logprobs. The sequence runs on its own
+        scratch KV cache, ``chunk_tokens`` at a time; the LM head ``rows_per_chunk`` positions at a time."""
+        return [entry for part in self.prompt_logprobs_chunks(token_ids, top, page_tokens=page_tokens,
+                                                              rows_per_chunk=rows_per_chunk,
+                                                              chunk_tokens=chunk_tokens) for entry in part]
+
+    @torch.inference_mode()
+    def prompt_logprobs_chunks(self, token_ids: list[int], top: int = 0, *, page_tokens: int = 16,
+                               rows_per_chunk: int = 256, chunk_tokens: int = 2048):
+        """``prompt_logprobs``' entries, a list per prefill chunk (yielded as each chunk runs)."""
         n = len(token_ids)
         if n == 0 or n > self.max_positions:
             raise ValueError(f"a sequence to score needs 1 to {self.max_positions} tokens, got {n}")
         targets = torch.tensor(list(token_ids[1:]) + [0], dtype=torch.int64, device=self.device)
-        out = []
         for start, h in self._chunked_prefill(list(token_ids), chunk_tokens, page_tokens):
+            out = []
             end = min(start + h.shape[0], n - 1)  # positions start .. end - 1 predict a next token
             for a in range(start, end, rows_per_chunk):
                 b = min(end, a + rows_per_chunk)
@@ -304,7 +322,7 @@ class DecoderModel:
                 else:
                     tops = [()] * (b - a)
                 out.extend(zip(chosen, tops, ranks))
-        return out
+            yield out
 
     def _prefill(self, token_lists: list[list[int]], page_tokens: int) -> torch.Tensor:
         """The residual stream [sum of lengths, hidden] of whole sequences run together on a scratch KV cache."""

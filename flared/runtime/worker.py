@@ -81,8 +81,9 @@ class _Live:
 
 class ModelJob:
     """Work the model thread runs between steps, outside the scheduler. ``step(model, budget, stats)`` runs
-    about ``budget`` tokens of it (at least one sequence) and returns True when it is complete; then
-    ``done(result(), None)`` is called, or ``done(None, error)`` if a step raised. Both on the model thread."""
+    up to about ``budget`` tokens of it (short sequences together, a long one a prefill chunk at a time) and
+    returns True when it is complete; then ``done(result(), None)`` is called, or ``done(None, error)`` if a
+    step raised. Both on the model thread."""
 
     done: object  # Callable[[object, FlareError | None], None]
 
@@ -102,17 +103,33 @@ class EmbeddingJob(ModelJob):
     normalize: bool
     done: object
     parts: list = dataclasses.field(default_factory=list)  # the vectors of the sequences run so far
+    _long: object = None  # DecoderModel.embedding_chunks of a sequence longer than a step's budget, running
 
     def step(self, model, budget: int, stats) -> bool:
-        start = end = sum(p.shape[0] for p in self.parts)
-        tokens = 0
-        while end < len(self.token_lists) and (end == start or tokens + len(self.token_lists[end]) <= budget):
-            tokens += len(self.token_lists[end])
-            end += 1
-        self.parts.append(model.pooled_embeddings(self.token_lists[start:end], pooling=self.pooling,
-                                                  normalize=self.normalize).cpu())
+        start = sum(p.shape[0] for p in self.parts)
+        tokens = self.token_lists[start]
+        if self._long is None and len(tokens) > budget:
+            self._long = model.embedding_chunks(tokens, pooling=self.pooling, chunk_tokens=budget)
+        if self._long is not None:  # one chunk of it this turn
+            vector = next(self._long)
+            if vector is None:
+                return False
+            self._long = None
+            from torch.nn.functional import normalize
+
+            vectors = normalize(vector[None], dim=-1) if self.normalize else vector[None]
+            end, count = start + 1, len(tokens)
+        else:  # the short sequences that fit the budget, together
+            end, count = start, 0
+            while (end < len(self.token_lists) and len(self.token_lists[end]) <= budget
+                   and (end == start or count + len(self.token_lists[end]) <= budget)):
+                count += len(self.token_lists[end])
+                end += 1
+            vectors = model.pooled_embeddings(self.token_lists[start:end], pooling=self.pooling,
+                                              normalize=self.normalize, chunk_tokens=budget)
+        self.parts.append(vectors.cpu())
         stats["embedded_sequences"] += end - start
-        stats["embedded_tokens"] += tokens
+        stats["embedded_tokens"] += count
         return end == len(self.token_lists)
 
     def result(self):
@@ -128,12 +145,18 @@ class PromptLogprobsJob(ModelJob):
     token_ids: list[int]
     top: int
     done: object
-    _result: list | None = None
+    _result: list = dataclasses.field(default_factory=list)
+    _chunks: object = None  # DecoderModel.prompt_logprobs_chunks, one prefill chunk a turn
 
     def step(self, model, budget: int, stats) -> bool:
-        self._result = model.prompt_logprobs(self.token_ids, self.top)
-        stats["scored_prompt_tokens"] += len(self.token_ids)
-        return True
+        if self._chunks is None:
+            self._chunks = model.prompt_logprobs_chunks(self.token_ids, self.top, chunk_tokens=budget)
+        part = next(self._chunks, None)
+        if part is None:
+            stats["scored_prompt_tokens"] += len(self.token_ids)
+            return True
+        self._result.extend(part)
+        return False
 
     def result(self):
         return self._result

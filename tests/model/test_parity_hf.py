@@ -182,3 +182,31 @@ def test_prompt_logprobs_match_transformers(family_checkpoint):
         assert [t for t, _ in top] == ids.tolist()
         assert max(abs(v - w) for (_, v), w in zip(top, values.tolist())) < 1e-4
     assert model.prompt_logprobs([7]) == [] and all(t == () for _, t, _ in model.prompt_logprobs([7, 8, 9]))
+
+
+def test_model_jobs_run_a_long_sequence_a_chunk_a_turn(family_checkpoint):
+    """The model thread's jobs (flared.runtime.worker): a sequence longer than a turn's budget runs one prefill
+    chunk a turn, so live requests' steps go on between its chunks, and the result is the one-call result."""
+    from collections import Counter
+
+    from flared.runtime.worker import EmbeddingJob, PromptLogprobsJob
+
+    family, directory, _ = family_checkpoint
+    source = read_source(directory)
+    model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    lists = [list(range(3, 9)), list(range(3, 40)), [5, 6], list(range(10, 14))]  # short, long, short, short
+    for pooling in ("last", "mean"):
+        job, stats, turns = EmbeddingJob(lists, pooling, True, done=None), Counter(), 1
+        while not job.step(model, 8, stats):
+            turns += 1
+        assert turns == 1 + 5 + 1  # the first; the 37-token one in 5 chunks of 8; the last two together
+        assert torch.allclose(job.result(), model.pooled_embeddings(lists, pooling=pooling), atol=1e-5), family
+        assert stats["embedded_sequences"] == 4 and stats["embedded_tokens"] == sum(map(len, lists))
+    job, stats, turns = PromptLogprobsJob(lists[1], 2, done=None), Counter(), 1
+    while not job.step(model, 8, stats):
+        turns += 1
+    assert turns == 5 + 1  # a chunk a turn, then the end
+    want = model.prompt_logprobs(lists[1], top=2)
+    assert len(job.result()) == len(want) and all(abs(a[0] - b[0]) < 1e-5 and a[2] == b[2]
+                                                  for a, b in zip(job.result(), want))
+    assert stats["scored_prompt_tokens"] == len(lists[1])
