@@ -215,7 +215,8 @@ class Sampler:
         self._generator = torch.Generator(device=self.device)
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
-        for field, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+        for field, ids in (("logit_bias", params.logit_bias or ()),
+                           ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("min_tokens_banned", params.min_tokens_banned),
                            ("bad_words", [t for seq in params.bad_words for t in seq])):
             too_big = [t for t in ids if t >= self.vocab_size]

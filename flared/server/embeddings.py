@@ -2,7 +2,7 @@
 
 The served model is a decoder; an input's embedding is its final-normed hidden state pooled over its tokens
 (``ServerConfig.embedding_pooling``: the last token's, as embedding models built on decoders pool, or the mean),
-computed on the model thread between steps (``ModelRuntime.submit_embeddings``) on a scratch KV cache. OpenAI's
+computed on the model thread between steps (``ModelRuntime.submit_job``) on a scratch KV cache. OpenAI's
 and /api/embed's vectors have unit length; the legacy /api/embeddings returns the pooled vector as it is, as
 Ollama's does.
 
@@ -113,14 +113,17 @@ class EmbeddingRoutes:
         _string(body, "user")
         ids = await tokenize_inputs(self.state, items)
         vectors = await self.state.embed(ids)
-        data = []
-        for i, v in enumerate(vectors):
-            emb: Any = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if fmt == "base64"
-                        else v.tolist())
-            data.append({"object": "embedding", "index": i, "embedding": emb})
         tokens = sum(len(t) for t in ids)
-        return Response.json({"object": "list", "data": data, "model": model,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+        def respond() -> Response:  # thousands of vectors to JSON: on a frontend worker, not the event loop
+            data = []
+            for i, v in enumerate(vectors):
+                emb: Any = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if fmt == "base64"
+                            else v.tolist())
+                data.append({"object": "embedding", "index": i, "embedding": emb})
+            return Response.json({"object": "list", "data": data, "model": model,
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return await self.state._in_pool(respond)
 
     async def ollama_embed(self, request: Request) -> Response:
         t0 = time.monotonic_ns()
@@ -142,9 +145,11 @@ class EmbeddingRoutes:
         truncate = _boolean(body, "truncate", default=True)
         check_dimensions(self.state, body)
         ids = await tokenize_inputs(self.state, items, truncate=truncate)
-        vectors = (await self.state.embed(ids)).tolist() if ids else []
-        return Response.json({"model": model, "embeddings": vectors, "total_duration": time.monotonic_ns() - t0,
-                              "load_duration": 0, "prompt_eval_count": sum(len(t) for t in ids)})
+        vectors = await self.state.embed(ids) if ids else None
+        return await self.state._in_pool(lambda: Response.json({  # the vectors to JSON on a frontend worker
+            "model": model, "embeddings": vectors.tolist() if vectors is not None else [],
+            "total_duration": time.monotonic_ns() - t0, "load_duration": 0,
+            "prompt_eval_count": sum(len(t) for t in ids)}))
 
     async def ollama_embeddings(self, request: Request) -> Response:
         """The legacy route: one ``prompt``, its pooled vector as it is (not scaled to unit length)."""

@@ -125,9 +125,6 @@ class Generation:
     def num_choices(self) -> int:
         return len(self._choices)
 
-    def prompt_token_ids(self, index: int) -> tuple[int, ...]:
-        return self._choices[index].request.prompt_token_ids
-
     def request(self, index: int) -> GenerateRequest:
         return self._choices[index].request
 

@@ -261,7 +261,7 @@ class LlamaCppRoutes:
                 first_ns = first_ns or time.monotonic_ns()
                 if d.finish_reason is not None:
                     finish = d.finish_reason
-                if not d.text and not d.logprobs:
+                if not d.text and not d.logprobs and not (return_tokens and d.token_ids):
                     continue
                 chunk: dict[str, Any] = {"index": 0, "content": d.text,
                                          "tokens": list(d.token_ids) if return_tokens else [], "stop": False,

@@ -9,6 +9,7 @@ OpenAI JSON or SSE chunks. Usage always carries
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from typing import Any
@@ -99,15 +100,21 @@ def _thinking_budget(state, opts: SamplingOptions) -> dict[str, Any]:
     """A thinking budget needs the reasoning format's end marker as one token; where the template has no
     reasoning format, or spells its end in several tokens, there is nothing to enforce."""
     fmt = state.reasoning_format() if opts.thinking_budget is not None else None
-    end = state.frontend.encode(fmt.end) if fmt is not None else []
-    if len(end) != 1:
+    start, end = _marker_ids(state.frontend, fmt.start, fmt.end) if fmt is not None else (None, None)
+    if end is None:
         return {}
-    start = state.frontend.encode(fmt.start)
-    return {"thinking_budget": opts.thinking_budget, "thinking_end": end[0],
-            "thinking_start": start[0] if len(start) == 1 else None}
+    return {"thinking_budget": opts.thinking_budget, "thinking_end": end, "thinking_start": start}
 
 
-def bad_word_sequences(fe, words) -> tuple[tuple[int, ...], ...]:
+@functools.lru_cache(maxsize=16)
+def _marker_ids(fe, start: str, end: str) -> tuple[int | None, int | None]:
+    """The reasoning markers' token ids, where each is one token."""
+    ids = [fe.encode(marker) for marker in (start, end)]
+    return tuple(t[0] if len(t) == 1 else None for t in ids)
+
+
+@functools.lru_cache(maxsize=256)  # sampling_params runs once per choice: tokenize a request's words once
+def bad_word_sequences(fe, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words as token sequences: each word as it would start the text, and as a new word after a
     space where the space joins the word's first token (vLLM takes that spelling only when it has as many
     tokens; here also when the space merges it into fewer, as " la" may be one token where "la" is two)."""
@@ -327,7 +334,8 @@ class OpenAIRoutes:
             choices.append({
                 "index": i,
                 "message": message,
-                "logprobs": {"content": token_logprobs(self.state.frontend, lps, as_ids=opts.return_tokens_as_token_ids)}
+                "logprobs": {"content": token_logprobs(self.state.frontend, lps,
+                                                       as_ids=opts.return_tokens_as_token_ids)}
                 if opts.logprobs is not None else None,
                 "finish_reason": finish_with_calls(finish, calls),
                 **({"token_ids": ids} if req.extras.return_token_ids else {}),
@@ -369,7 +377,8 @@ class OpenAIRoutes:
                                              parsed.reasoning + tail.reasoning)
                         finish = finish_with_calls(finish, p.calls)
                     delta = self._chat_delta(parsed)
-                    if not delta and finish is None and not d.logprobs and not (extras.return_token_ids and d.token_ids):
+                    if (not delta and finish is None and not d.logprobs
+                            and not (extras.return_token_ids and d.token_ids)):
                         continue
                 choice = {"index": d.index, "delta": delta,
                           "logprobs": {"content": token_logprobs(self.state.frontend, d.logprobs,
@@ -535,7 +544,8 @@ class OpenAIRoutes:
         usage = _chunk_usage(gen, req.include_usage, extras)
         offsets = [len(e) for e in echo]
         # return_token_ids: a choice's first chunk carries its prompt's ids, every chunk its new tokens' ids
-        prompt_ids = [list(gen.prompt_token_ids(i)) for i in range(gen.num_choices)] if extras.return_token_ids else None
+        prompt_ids = ([list(gen.request(i).prompt_token_ids) for i in range(gen.num_choices)]
+                      if extras.return_token_ids else None)
         try:
             for i, e in enumerate(echo):
                 if e or prompt_ids is not None:
