@@ -79,6 +79,21 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "pair batch 4": {"GEMV_BATCH_PAIR": 4},
     "pair batch 6": {"GEMV_BATCH_PAIR": 6},
     "single batch 4": {"GEMV_BATCH": 4, "GEMV_BATCH_PAIR": 8},
+    # one row's attention from resident keys (decode_layers.cu RES; on by default for long-row models at one row)
+    "no res": {"RES": 0},
+    "res": {"RES": 1},
+    "res cap 128": {"RES": 1, "RES_CAP": 128},
+    "res cap 192": {"RES": 1, "RES_CAP": 192},
+    "res cap 256": {"RES": 1, "RES_CAP": 256},
+    "res cap 320": {"RES": 1, "RES_CAP": 320},
+    "ldw alloc": {"LDW_NOALLOC": 0},  # weight loads without the L1::no_allocate hint
+    "ldw alloc no res": {"LDW_NOALLOC": 0, "RES": 0},  # the thirteenth session's build
+    "ll ldw alloc": {"LL": 1, "LDW_NOALLOC": 0},
+    "res no P2": {"RES": 1, "SKIP": 2},
+    "no res no P2": {"RES": 0, "SKIP": 2},
+    # the resident build's shared memory (8B: 194,288 B) without residence: what the smaller L1 costs
+    "no res pad": {"RES": 0, "SMEM_PAD": 194288 - 157412},
+    "no res pad alloc": {"RES": 0, "SMEM_PAD": 194288 - 157412, "LDW_NOALLOC": 0},
 }
 
 

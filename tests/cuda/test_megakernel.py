@@ -34,6 +34,10 @@ def _hf(kind, seed=0):
         cfg = LlamaConfig(hidden_size=2304, intermediate_size=2560, num_attention_heads=18, num_key_value_heads=2,
                           **dict(common, num_hidden_layers=2))
         return LlamaForCausalLM(cfg)
+    if kind == "tailed":  # a long MLP row: the product-input buffer holds 32 keys of attention's tail (RES)
+        cfg = LlamaConfig(hidden_size=256, intermediate_size=8192, num_attention_heads=2, num_key_value_heads=1,
+                          **common)
+        return LlamaForCausalLM(cfg)
     if kind == "llama128":  # head_dim 128, GQA 4:1 (Llama-3 8B's grouping)
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
                           **common)
@@ -135,6 +139,55 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
         other = torch.ones(got.shape[1], dtype=torch.bool, device=got.device)
         other[slots] = False
         assert torch.equal(got[:, other], ref[:, other])
+
+
+@pytest.mark.parametrize("kind, context, overrides", [
+    ("long", 200, {}),  # 2 query heads a kv head
+    ("long", 400, {}),  # every key resident (416 fit on an H200)
+    ("long", 700, {}),  # past RES_CAP + RES_TAIL: the split path, V tiles staged in the resident region
+    ("wide", 1, {}),  # only the step's own key
+    ("wide", 300, {}),  # 9 query heads a kv head: rows 8.. of the 16-row operand
+    ("tailed", 400, {}),  # 384 resident, 16 copied into the product-input buffer during attention
+    ("tailed", 90, {"RES_CAP": 64}),  # 64 resident, 26 in the product-input buffer
+    ("llama64", 300, {"RES": 1}),  # head_dim 64, 8 warps, the LM head inside
+    ("qwen2", 129, {"RES": 1}),  # 3 query heads a kv head, QKV bias
+    ("llama128", 250, {"RES": 1}),  # Llama-3's grouping, one kv head
+    ("llama128", 40, {"RES": 1, "RES_CAP": 16}),  # no tail room (a short MLP row): the split path
+])
+def test_resident_attention_matches_the_fused_path(kind, context, overrides):
+    """One row's attention from keys the kv heads' blocks copied into shared memory a layer ahead (RES): the
+    fused path's logits to bfloat16 rounding, the same K/V written, and launch after launch the same bits."""
+    from flared.model.kernels import megakernel
+
+    model, dec = _decoder(kind, 1, [context])
+    ref_logits, ref_k, ref_v = _step(dec, 1, mega=False)
+    kernel = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides=overrides)
+    kernel.compile(PAGE)
+    assert kernel.resident_keys >= 16 and kernel.resident_keys % 16 == 0
+    if not overrides:
+        assert megakernel.resident(model, 1, False)
+    dec.mega[(1, dec.mega_head)] = kernel
+    logits, k, v = _step(dec, 1, mega=True)
+    scale = ref_logits.abs().max().item()
+    assert (logits - ref_logits).abs().max().item() <= 0.03 * scale
+    assert torch.nn.functional.cosine_similarity(logits, ref_logits, dim=-1).min().item() > 0.999
+    slot = dec.inputs.slot_ids[0]
+    for got, ref in ((k, ref_k), (v, ref_v)):
+        assert (got[:, slot].float() - ref[:, slot].float()).abs().max().item() <= 0.05 * (
+            ref[:, slot].float().abs().max().item())
+        other = torch.ones(got.shape[1], dtype=torch.bool, device=got.device)
+        other[slot] = False
+        assert torch.equal(got[:, other], ref[:, other])
+    for _ in range(2):
+        again, _, _ = _step(dec, 1, mega=True)
+        assert torch.equal(again, logits)
+    # and the same launch without residence (the split path) agrees to float32 order and P's bf16 rounding
+    plain_kernel = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head,
+                                           overrides={**overrides, "RES": 0})
+    plain_kernel.compile(PAGE)
+    dec.mega[(1, dec.mega_head)] = plain_kernel
+    plain, _, _ = _step(dec, 1, mega=True)
+    assert (logits - plain).abs().max().item() <= 0.02 * plain.abs().max().item()
 
 
 @pytest.mark.parametrize("kind, contexts", [

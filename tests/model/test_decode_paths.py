@@ -24,3 +24,40 @@ def test_a_megakernel_that_failed_to_build_says_why():
                                  calibration={"megakernel_error": "CompileException: nvrtc: error"})
     assert line == "decode: skinny kernels up to 16 rows, cuBLAS + fused kernels beyond; megakernel off: " \
                    "CompileException: nvrtc: error"
+
+
+def _shape(hidden, intermediate, heads, kv_heads, head_dim):
+    """A model as the megakernel's sizing reads it: only its config."""
+    from types import SimpleNamespace
+
+    from flared.model.config import ModelConfig
+
+    return SimpleNamespace(config=ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate, num_layers=32,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=5e5,
+        rope_scaling=None, max_position_embeddings=8192, tie_word_embeddings=False, attention_bias=False,
+        qk_norm=False))
+
+
+def test_the_resident_attention_build_fits_its_keys_in_shared_memory():
+    """Llama-3.1-8B at one row on an H200 (227 KB a block): 256 keys resident in a 186 KB block, 48 more in the
+    product-input buffer during attention, so contexts to 304 tokens; the layout's sum is what the launch asks."""
+    from flared.model.kernels import megakernel
+
+    llama8b = _shape(4096, 14336, 32, 8, 128)
+    assert megakernel.resident(llama8b, 1, False)
+    assert not megakernel.resident(llama8b, 2, False) and not megakernel.resident(llama8b, 1, True)
+    cap = megakernel.resident_cap(llama8b, megakernel.THREADS, 232448)
+    assert (cap, megakernel.resident_tail(llama8b)) == (256, 48)
+    total = megakernel.shared_bytes(llama8b, 1, megakernel.THREADS, res_cap=cap)
+    # the non-resident layout with the product inputs only (no V staging), rounded to 16, then K and V rows
+    plain = megakernel.shared_bytes(llama8b, 1, megakernel.THREADS)
+    assert total == -(-(plain - (16 * 32 * 128 - 14336) * 2) // 16) * 16 + 4 * 256 * 128
+    assert total <= megakernel.RESIDENT_SHARED_BYTES
+    # the region is at least the split path's staged V tiles (128 KB at 8B): a block that cannot hold those
+    # holds no resident keys either
+    assert megakernel.resident_cap(llama8b, megakernel.THREADS, total - 1) == 0
+    # short-row models (SmolLM2-135M) keep the split attention: their step is latency-bound, not per-block bound
+    assert not megakernel.resident(_shape(576, 1536, 9, 3, 64), 1, False)
+    # more than 16 query heads per kv head do not fit the 16-row operand
+    assert not megakernel.resident(_shape(4096, 14336, 32, 1, 128), 1, False)

@@ -10,7 +10,8 @@
 //   P2  paged decode attention: each (row, q head) split over spare blocks on long contexts (SPLIT_KEYS);
 //       rotary on q; each warp one slice of its block's keys in 32-key tiles (K rows to registers, V rows
 //       to shared memory by cp.async), online softmax; the block's warps merged in shared memory, a split
-//       head's partials merged by the last of its blocks to finish
+//       head's partials merged by the last of its blocks to finish. RES (one row): one block per kv head over
+//       keys it copied into shared memory a layer ahead, on the tensor cores (explained where defined)
 //   P3  o rows; residual += o
 //   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
 //   P5  down rows; residual += down
@@ -28,7 +29,8 @@
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
 // page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
 // PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, GEMV_BATCH_PAIR, SKIP
-// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined).
+// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined); RES, RES_CAP (one row's
+// attention from keys held in shared memory, explained where defined).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
@@ -72,7 +74,18 @@ __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 // Weights: read-only for the whole launch. Data other blocks wrote during this launch is read with
 // __ldcg (from L2: L1 is not coherent). Plain intrinsics, not volatile asm, so the compiler can issue
 // independent loads back to back; the barriers are compiler memory barriers.
-__device__ __forceinline__ uint4 ld_weight(const bf16* p) { return __ldg((const uint4*)p); }
+#ifndef LDW_NOALLOC
+#define LDW_NOALLOC 1  // weight loads hint L1::no_allocate (0: plain __ldg, the A/B)
+#endif
+__device__ __forceinline__ uint4 ld_weight(const bf16* p) {
+#if LDW_NOALLOC
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#else
+    return __ldg((const uint4*)p);
+#endif
+}
 __device__ __forceinline__ uint4 ld_shared_v4(const void* p) { return __ldcg((const uint4*)p); }
 __device__ __forceinline__ float ld_shared_bf(const bf16* p) { return bf2f(__ldcg(p)); }
 __device__ __forceinline__ float ld_shared_f32(const float* p) { return __ldcg(p); }
@@ -204,8 +217,27 @@ __device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag
 
 // ---- shared memory ------------------------------------------------------------------------------
 
-// The input rows of a product phase, or during attention each warp's staged V tile [WARPS][32][D].
-#define VEC_ELEMS (R * KMAX > WARPS * 32 * D ? R * KMAX : WARPS * 32 * D)
+#ifndef RES
+#define RES 0
+#endif
+#ifndef RES_CAP
+#define RES_CAP 0  // keys of one kv head the resident region holds (a multiple of 16; megakernel.py sizes it)
+#endif
+#ifndef RES_TAIL
+#define RES_TAIL 0  // keys past RES_CAP a resident launch stages in `vec` during P2 (a multiple of 16)
+#endif
+#define RS (D + 8)  // the stride of the queries' rows in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
+#define GQ (NH / NKV)
+#if RES && RES_TAIL * 4 * D > R * KMAX * 2
+#error "RES_TAIL keys do not fit the vector buffer"
+#endif
+#if RES && (R != 1 || LL || GQ > 16 || D % 16)
+#error "resident attention: one row, barrier build, at most 16 query heads per kv head, D a multiple of 16"
+#endif
+
+// The input rows of a product phase, or during attention each warp's staged V tile [WARPS][32][D] (a RES build
+// stages them in its resident region).
+#define VEC_ELEMS (RES || R * KMAX > WARPS * 32 * D ? R * KMAX : WARPS * 32 * D)
 
 struct Smem {
     bf16* vec;     // [VEC_ELEMS] the current phase's input rows [R][KMAX] / V tiles
@@ -220,6 +252,7 @@ struct Smem {
     long long* slot;  // [R]
     long long* tok;   // [R] each row's token (with `embed`)
     int* ctx;         // [R]
+    bf16* kres;       // RES: [RES_CAP][D] resident keys, then [RES_CAP][D] values (16-byte aligned, swizzled)
 };
 
 // vec[r][0:K] = src[r][0:K] (bf16, rows of stride K in global memory).
@@ -544,6 +577,209 @@ __device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag
 #define SKIP 0  // diagnosis only: bit k skips phase k+1's work (not its barrier); results are then wrong
 #endif
 
+// ---- resident attention (RES) ----------------------------------------------------------------------
+//
+// At one row the split attention above is bound by how fast one multiprocessor pulls its unit's keys and values
+// (~2.75 us a layer per 128 keys at Llama-3.1-8B), and those keys never change during a launch: only the step's
+// own key is new. A RES build gives each kv head one block, the last NKV of the grid, and that block copies the
+// head's keys and values of the NEXT layer into shared memory (cp.async, one group) while it streams its share
+// of P4 and P5. On the H200 those blocks stream one row less than most in both phases (8B: 6 gate/up pairs of
+// 7, one down row of 2 per warp), so the copies ride in slack. P2 then waits only for the query, the step's
+// own key and value (written by P1, read from L2) and the tensor cores: S = Q K^T and O = P V by mma.sync over
+// the group's query heads (rows of the 16-row operand; P rounded to bf16 as the fused Triton path's tl.dot
+// takes it), an online softmax per warp over 16-key chunks, the warps merged through the resident region.
+// Keys past RES_CAP (at most RES_TAIL more) are copied into `vec` (free during P2) at P2's start; longer
+// contexts take the split path above.
+//
+// Rows are D elements, unpadded: a row's 16-byte chunk c sits at chunk c ^ (key & 7), so the 8 rows an ldmatrix
+// reads at one logical chunk fall in 8 different bank groups.
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                                         unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int& r0, unsigned int& r1, unsigned int& r2,
+                                        unsigned int& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned int addr, unsigned int& r0, unsigned int& r1, unsigned int& r2,
+                                          unsigned int& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+
+__device__ __forceinline__ unsigned int pack_bf(float lo, float hi) {
+    return (unsigned int)f2bf(lo) | ((unsigned int)f2bf(hi) << 16);
+}
+
+// Key t's K row (V: add `rows` * D) in the resident region or, past RES_CAP, in the tail rows in `vec`; and the
+// shared address of its logical 16-byte chunk c.
+struct ResRows {
+    bf16* kres;  // [RES_CAP][D] keys, then [RES_CAP][D] values
+    bf16* tail;  // [RES_TAIL][D] keys, then [RES_TAIL][D] values
+    __device__ __forceinline__ bf16* k(int t) const { return t < RES_CAP ? kres + t * D : tail + (t - RES_CAP) * D; }
+    __device__ __forceinline__ bf16* v(int t) const {
+        return t < RES_CAP ? kres + (RES_CAP + t) * D : tail + (RES_TAIL + t - RES_CAP) * D;
+    }
+};
+
+__device__ __forceinline__ bf16* chunk_at(bf16* row, int t, int c) { return row + ((c ^ (t & 7)) * 8); }
+
+// Keys [lo, hi) of kv head g (one layer's pools kl, vl; row 0's block table) into their rows: one cp.async group,
+// waited for in P2. RESIDENT: every key is below RES_CAP (the copies a layer ahead).
+template <bool RESIDENT>
+__device__ __forceinline__ void res_copy(const bf16* kl, const bf16* vl, const int* __restrict__ bt, int g, int lo,
+                                         int hi, const ResRows& rr) {
+    constexpr int CPR = D / 8;  // 16-byte chunks a row
+    for (int i = threadIdx.x; i < (hi - lo) * CPR; i += THREADS) {
+        const int t = lo + i / CPR, c = i % CPR;
+        const long long off = (((long long)bt[t / PAGE] * PAGE + t % PAGE) * NKV + g) * D + c * 8;
+        bf16* kr = RESIDENT ? rr.kres + t * D : rr.k(t);
+        bf16* vr = RESIDENT ? rr.kres + (RES_CAP + t) * D : rr.v(t);
+        const unsigned int dk = (unsigned int)__cvta_generic_to_shared(chunk_at(kr, t, c));
+        const unsigned int dv = (unsigned int)__cvta_generic_to_shared(chunk_at(vr, t, c));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(kl + off) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dv), "l"(vl + off) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// One row's attention for kv head g's GQ query heads: q rows raw in qkv (rotary applied here), keys [0, ctx)
+// (ctx <= RES_CAP + RES_TAIL) with [0, min(ctx - 1, RES_CAP)) copied a layer ahead; the rest, the step's own key
+// among them, copied now. The GQ heads' outputs to attn. Every thread of the block calls it.
+__device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, const bf16* vl,
+                              const int* __restrict__ bt, int g, bf16* attn) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int gi = lane / 4, tig = lane % 4;  // the mma fragments' row group and thread in group
+    const int ctx = sm.ctx[0], cur = ctx - 1;
+    const ResRows rr{sm.kres, sm.vec};
+    // the step's own key and the keys past RES_CAP (cp.async.cg reads L2, where P1's writes are)
+    res_copy<false>(kl, vl, bt, g, min(cur, RES_CAP), ctx, rr);
+    bf16* qb = (bf16*)sm.qs;  // [16][RS]: the group's roped queries in rows [0, GQ), zeros below (set at launch)
+    for (int i = threadIdx.x; i < GQ * HALF; i += THREADS) {
+        const int hh = i / HALF, d = i % HALF;
+        const bf16* q = qkv + (g * GQ + hh) * D;
+        const float x0 = ld_shared_bf(q + d), x1 = ld_shared_bf(q + d + HALF);
+        qb[hh * RS + d] = f2bf(x0 * sm.cs[d] + x1 * sm.sn[d]);
+        qb[hh * RS + d + HALF] = f2bf(x1 * sm.cs[d + HALF] + x0 * sm.sn[d + HALF]);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+
+    const unsigned int qaddr = (unsigned int)__cvta_generic_to_shared(qb + ((lane / 8) % 2 * 8 + lane % 8) * RS + lane / 16 * 8);
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows gi and gi + 8 (query heads of the group)
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    const int chunks = (ctx + 15) / 16;
+    for (int ch = warp; ch < chunks; ch += WARPS) {
+        const int k0 = ch * 16;
+        float s[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            const int key = min(k0 + t * 8 + lane % 8, cur);  // past the context: a real row, masked below
+            const unsigned int krow = (unsigned int)__cvta_generic_to_shared(rr.k(key));
+            const int sw = key & 7;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ks += 2) {
+                unsigned int a[2][4], b[4];
+                ldsm_x4(qaddr + ks * 32, a[0][0], a[0][1], a[0][2], a[0][3]);
+                ldsm_x4(qaddr + ks * 32 + 32, a[1][0], a[1][1], a[1][2], a[1][3]);
+                ldsm_x4(krow + (((ks * 2 + lane / 8) ^ sw) << 4), b[0], b[1], b[2], b[3]);
+                mma_bf16(s[t], a[0][0], a[0][1], a[0][2], a[0][3], b[0], b[1]);
+                mma_bf16(s[t], a[1][0], a[1][1], a[1][2], a[1][3], b[2], b[3]);
+            }
+        }
+        // online softmax over the chunk (log2 domain); keys past the context weigh nothing
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bool valid = k0 + t * 8 + 2 * tig + (j & 1) < ctx;
+                s[t][j] = valid ? s[t][j] * SCALE_LOG2 : NEG_INF;
+                if (j < 2) mx0 = fmaxf(mx0, s[t][j]);
+                else mx1 = fmaxf(mx1, s[t][j]);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: the chunk has a key of the context
+        const float al0 = exp2f(m0 - n0), al1 = exp2f(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        float p[2][4];
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) p[t][j] = exp2f(s[t][j] - (j < 2 ? n0 : n1));
+        l0 = l0 * al0 + p[0][0] + p[0][1] + p[1][0] + p[1][1];
+        l1 = l1 * al1 + p[0][2] + p[0][3] + p[1][2] + p[1][3];
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= al0;
+            o[n][1] *= al0;
+            o[n][2] *= al1;
+            o[n][3] *= al1;
+        }
+        // P as the A operand (its C layout is the A layout: rows gi, gi + 8; keys 2 tig.. of each 8)
+        const unsigned int pa0 = pack_bf(p[0][0], p[0][1]), pa1 = pack_bf(p[0][2], p[0][3]);
+        const unsigned int pa2 = pack_bf(p[1][0], p[1][1]), pa3 = pack_bf(p[1][2], p[1][3]);
+        const int key = min(k0 + (lane / 8) % 2 * 8 + lane % 8, cur);
+        const unsigned int vrow = (unsigned int)__cvta_generic_to_shared(rr.v(key));
+        const int sw = key & 7;
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+            unsigned int b0, b1, b2, b3;
+            ldsm_x4_t(vrow + (((j * 2 + lane / 16) ^ sw) << 4), b0, b1, b2, b3);
+            mma_bf16(o[2 * j], pa0, pa1, pa2, pa3, b0, b1);
+            mma_bf16(o[2 * j + 1], pa0, pa1, pa2, pa3, b2, b3);
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    // the warps merged through the resident region (its rows are read)
+    __syncthreads();
+    float* so = (float*)sm.kres;       // [WARPS][GQ][D] each warp's unnormalised outputs
+    float* sml = so + WARPS * GQ * D;  // [WARPS][16][2] its (max, sum) per query row
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        if (gi < GQ) *(float2*)(so + (warp * GQ + gi) * D + n * 8 + 2 * tig) = make_float2(o[n][0], o[n][1]);
+        if (gi + 8 < GQ) *(float2*)(so + (warp * GQ + gi + 8) * D + n * 8 + 2 * tig) = make_float2(o[n][2], o[n][3]);
+    }
+    if (tig == 0) {
+        *(float2*)(sml + (warp * 16 + gi) * 2) = make_float2(m0, l0);
+        *(float2*)(sml + (warp * 16 + gi + 8) * 2) = make_float2(m1, l1);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < GQ * D; i += THREADS) {
+        const int hh = i / D, d = i % D;
+        float mm = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sml[(w * 16 + hh) * 2]);
+        float ll = 0.f, acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = sml[(w * 16 + hh) * 2];
+            const float f = mw == NEG_INF ? 0.f : exp2f(mw - mm);
+            ll += sml[(w * 16 + hh) * 2 + 1] * f;
+            acc += so[(w * GQ + hh) * D + d] * f;
+        }
+        attn[(g * GQ + hh) * D + d] = f2bf(ll > 0.f ? acc / ll : 0.f);
+    }
+}
+
 // ---- the kernel ---------------------------------------------------------------------------------
 
 // Per layer, 8 pointers: attn_norm, qkv weight, qkv bias (or 0), o weight, o bias (or 0), mlp_norm,
@@ -575,6 +811,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     sm.slot = (long long*)(sm.sn + R * D);
     sm.tok = sm.slot + R;
     sm.ctx = (int*)(sm.tok + R);
+    sm.kres = (bf16*)(((unsigned long long)(sm.ctx + R) + 15) & ~15ull);
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int gw = blockIdx.x * WARPS + warp;                     // global warp
@@ -645,6 +882,17 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         if (LL) splits = min(splits, (WARPS * D) / (3 * R * NH));
         splits = longest < 3 * SPLIT_KEYS ? 1 : min(splits, longest / SPLIT_KEYS);
         splits = max(splits, 1);
+    }
+
+    // RES: this launch's attention from resident keys (every block derives the same answer); the last NKV
+    // blocks hold one kv head each and copy layer 0's keys now.
+    const bool res = RES && (int)gridDim.x >= NKV && sm.ctx[0] >= 1 && sm.ctx[0] <= RES_CAP + RES_TAIL;
+    const int res_g = (int)blockIdx.x - ((int)gridDim.x - NKV);  // this block's kv head when >= 0
+    if (RES && res) {
+        bf16* qb = (bf16*)sm.qs;
+        for (int i = GQ * RS + threadIdx.x; i < 16 * RS; i += THREADS) qb[i] = 0;
+        if (res_g >= 0)
+            res_copy<true>(k_pool, v_pool, block_tables, res_g, 0, min(sm.ctx[0] - 1, RES_CAP), ResRows{sm.kres, sm.vec});
     }
 
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
@@ -732,8 +980,10 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         // Each warp takes a contiguous 1/WARPS of the context in 32-key tiles: its lanes read one key's
         // K row each (registers) and copy its V row into the warp's shared tile (cp.async), then the
         // lanes accumulate softmax-weighted V over their own dims. Warps merge through shared memory.
-        if (!(SKIP & 2)) {
-            bf16* vst = sm.vec + warp * 32 * D;
+        if (RES && res && !(SKIP & 2)) {
+            if (res_g >= 0) res_attention(sm, qkv, kl, vl, block_tables, res_g, attn);
+        } else if (!(SKIP & 2)) {
+            bf16* vst = (RES ? sm.kres : sm.vec) + warp * 32 * D;
             for (int unit = blockIdx.x; unit < R * NH * splits; unit += gridDim.x) {
                 const int r = unit / (NH * splits), hq = (unit / splits) % NH, sp = unit % splits;
                 const int kvh = hq / (NH / NKV);
@@ -946,6 +1196,10 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         // ---------------- P4: norm, gate/up, silu ----------------
         if (!(SKIP & 8)) {
             load_norm(h, LP(layer, 5), sm, nullptr, LL ? ll_ha : nullptr, TAG(layer, 3));
+            // the next layer's resident keys, copied during P4 and P5 (from P5 on: 9-21 us a launch slower at 8B)
+            if (RES && res && res_g >= 0 && layer + 1 < L)
+                res_copy<true>(kl + pool_layer_stride, vl + pool_layer_stride, block_tables, res_g, 0,
+                         min(sm.ctx[0] - 1, RES_CAP), ResRows{sm.kres, sm.vec});
             const bf16* wgu = LP(layer, 6);
             for (int j = gw; j < I; j += tw) {
                 float acc[2][R];

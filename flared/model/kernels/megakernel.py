@@ -33,6 +33,10 @@ LL_SPLIT_KEYS = 64
 LONG_ROW_SPLITS = 2  # the same for long-row models at one row (see splits_for), pieces of LONG_ROW_SPLIT_KEYS
 LONG_ROW_SPLIT_KEYS = 64
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
+RESIDENT_MAX_KEYS = 1024  # keys a resident-attention build holds at most (resident_cap)
+# Shared memory a resident build may take a block (the device's opt-in maximum caps it too): 256 keys at 8B in
+# 186 KB. With 227 KB (336 keys) the 8B launch ran 60-90 us slower at every context (H200).
+RESIDENT_SHARED_BYTES = 182 * 1024
 # Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
 # output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
 # launch against the barrier build: 1 row 470 vs 512, 2 rows 561 vs 541, 4 rows 781 vs 626.
@@ -123,24 +127,65 @@ def split_keys_for(model, low_latency: bool) -> int:
 
 
 def head_inside(model) -> bool:
-    """Whether the LM head, the logits writes and greedy argmax run inside the megakernel by default. A
-    short-row model's step is latency-bound, so the kernels saved count (SmolLM2-135M, one row at 256
-    tokens: 617 vs 635 us per step); at 8B the head is a 1 GB product that cuBLAS streams as fast (4,356
-    vs 4,345 us), so it stays after the kernel."""
-    return threads_for(model) == SHORT_ROW_THREADS
+    """Whether the LM head, the logits writes and greedy argmax run inside the megakernel by default: yes. A
+    short-row model's step is latency-bound, so the kernels saved count (SmolLM2-135M, one row at 256 tokens: 617
+    vs 635 us per step); at 8B the head is a 1 GB product that the kernel's weight loads (L1::no_allocate) now
+    stream faster than cuBLAS (H200, one row at 256 tokens: 3,937-3,949 vs 3,956-3,958 us per step)."""
+    return True
 
 
-def shared_bytes(model, rows: int, threads: int | None = None) -> int:
-    """The kernel's dynamic shared memory (its ``Smem`` layout)."""
+def shared_bytes(model, rows: int, threads: int | None = None, res_cap: int | None = None) -> int:
+    """The kernel's dynamic shared memory (its ``Smem`` layout). ``res_cap``: a resident-attention build
+    holding that many keys (``resident_cap``): its V tiles are staged in the resident region, not ``vec``."""
     c = model.config
     h, d = c.hidden_size, c.head_dim
     threads = threads or threads_for(model)
     kmax = _widest(c)
     warps = threads // 32
-    vec = max(rows * kmax, warps * 32 * d)  # product inputs, or the warps' staged V tiles
+    # product inputs, or the warps' staged V tiles
+    vec = rows * kmax if res_cap is not None else max(rows * kmax, warps * 32 * d)
     red = -(-(warps * rows + rows) // 4) * 4
-    return (vec * 2 + rows * h * 2 + -(-h // 8) * 8 * 2 + red * 4 + warps * d * 4 + d * 4 + 2 * warps * 4
+    base = (vec * 2 + rows * h * 2 + -(-h // 8) * 8 * 2 + red * 4 + warps * d * 4 + d * 4 + 2 * warps * 4
             + 2 * rows * d * 4 + 2 * rows * 8 + rows * 4)
+    if res_cap is None:
+        return base
+    return -(-base // 16) * 16 + _resident_region(model, threads, res_cap)
+
+
+def _resident_region(model, threads: int, cap: int) -> int:
+    """Bytes of a resident build's region: ``cap`` keys and values of head_dim elements, and at least the
+    warps' staged V tiles (the unresident path) and their merge scratch."""
+    c = model.config
+    d, warps, group = c.head_dim, threads // 32, c.num_heads // c.num_kv_heads
+    return max(4 * cap * d, warps * 32 * d * 2, (warps * group * d + warps * 32) * 4)
+
+
+def resident_tail(model) -> int:
+    """Keys past the resident ones a one-row launch copies into the product-input buffer during attention
+    (free then): as many as it holds, a multiple of 16."""
+    c = model.config
+    return _widest(c) * 2 // (4 * c.head_dim) // 16 * 16
+
+
+def resident_cap(model, threads: int, limit: int) -> int:
+    """The most keys (a multiple of 16, at most RESIDENT_MAX_KEYS) one kv head's resident region holds in
+    ``limit`` (at most RESIDENT_SHARED_BYTES) bytes of shared memory a block; 0 where fewer than 16 or the
+    region does not fit."""
+    c = model.config
+    base = -(-shared_bytes(model, 1, threads, res_cap=0) // 16) * 16 - _resident_region(model, threads, 0)
+    limit = min(limit, RESIDENT_SHARED_BYTES)
+    cap = min(RESIDENT_MAX_KEYS, max(0, limit - base) // (4 * c.head_dim) // 16 * 16)
+    return cap if cap >= 16 and shared_bytes(model, 1, threads, res_cap=cap) <= limit else 0
+
+
+def resident(model, rows: int, low_latency: bool) -> bool:
+    """Whether the build for ``rows`` takes one row's attention from resident keys (decode_layers.cu, RES):
+    long-row models at one row with the barrier build, up to 16 query heads per kv head. Llama-3.1-8B on the
+    H200, us a launch against the same build without it: 3,678-3,681 vs 3,765-3,770 at 128 tokens, 3,713-3,723
+    vs 3,816 at 256, 3,756-3,760 vs 3,828-3,835 at 304."""
+    c = model.config
+    return (rows == 1 and not low_latency and threads_for(model) == THREADS
+            and c.num_heads // c.num_kv_heads <= 16 and c.head_dim % 16 == 0)
 
 
 def max_rows(model) -> int:
@@ -186,20 +231,34 @@ class DecodeLayers:
             # V tiles stop after their keys' group of 8.
             "SPLIT_KEYS": split_keys_for(model, low_latency), "TILE_STEP": 8 if low_latency else 32,
             "LL": int(low_latency),
+            # Weight loads with the L1::no_allocate hint (H200, us a launch against plain __ldg, same run): 8B one row
+            # 3,632 vs 3,741 at 1 token, 3,748 vs 3,869 at 256; two rows 4,132 vs 4,615; SmolLM2-135M one row with
+            # its head 495.5 vs 511.1. The tagged-word build lost with it (482.2 vs 474.5) and keeps plain loads.
+            "LDW_NOALLOC": int(not low_latency),
             **({"GEMV_BATCH": LONG_ROW_GEMV_BATCH} if threads_for(model) == THREADS else {}),
             "HAS_QKV_BIAS": int(any(layer.qkv.bias is not None for layer in model.layers)),
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
+        defines["RES"] = int(resident(model, rows, low_latency))
         # Compile-time constants replaced for experiments (tools/profile_megakernel.py: SKIP, PF_LINES, ...).
         self.overrides = dict(overrides or {})
         defines.update(self.overrides)
         self.threads = int(defines["THREADS"])
+        if int(defines["RES"]) and not int(defines.get("RES_CAP", 0)):  # as many keys as shared memory holds
+            limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
+            defines["RES_CAP"] = resident_cap(model, self.threads, limit)
+            defines["RES"] = int(defines["RES_CAP"] > 0)
+        if int(defines["RES"]):
+            defines.setdefault("RES_TAIL", resident_tail(model))
+        # keys of one kv head held in shared memory (0: not a resident build)
+        self.resident_keys = int(defines["RES_CAP"]) if int(defines["RES"]) else 0
         self._defines = defines
         self._floats = {"EPS": float(c.rms_norm_eps), "SCALE_LOG2": float(model.scale) * 1.4426950408889634}
         self._model = model
         self.kernel = None
         self.page_tokens = None
-        self.shared_mem = shared_bytes(model, rows, self.threads)
+        self.shared_mem = shared_bytes(model, rows, self.threads, res_cap=self.resident_keys or None)
+        self.shared_mem += int(defines.get("SMEM_PAD", 0))  # unused bytes (diagnosis: the L1 the carve-out leaves)
         self.grid = torch.cuda.get_device_properties(dev).multi_processor_count
         if not (model.rope_cos.is_contiguous() and model.rope_sin_signed.is_contiguous()):
             raise ValueError("the decode megakernel needs contiguous rotary tables")
