@@ -50,7 +50,7 @@ _NUM_FRAMES = 2
 def _needs_eager_sampler(state: SequenceSamplingState) -> bool:
     p = state.params
     return (state.grammar is not None or state.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
-            or p.logprobs is not None)
+            or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0)
 
 
 class _Pending:

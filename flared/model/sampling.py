@@ -9,9 +9,10 @@ tokens were drawn), bad_words (a sequence's last token where the output
 ends with the rest of it) and a thinking budget (past it, only the
 reasoning's end token while it is open); then repetition (prompt + output), frequency
 and presence (output only) penalties, or with penalty_last_n all three over
-the last N tokens (llama.cpp's repeat_last_n); greedy rows take the argmax
-here; other rows are divided by their temperature, filtered by min-p,
-typical-p, top-k and top-p, and drawn.
+the last N tokens (llama.cpp's repeat_last_n); then llama.cpp's DRY; greedy
+rows take the argmax here; other rows are divided by their temperature,
+filtered by min-p, typical-p, top-k, top-p and XTC, and drawn; mirostat rows
+(v1, v2) are drawn by mirostat after their temperature instead.
 
 Rules:
 - Reproducible draws: a row's randomness comes only from its own seed and the
@@ -45,6 +46,8 @@ import torch
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 
 _MASK64 = (1 << 64) - 1
+DRY_MAX_MATCH = 64  # DRY's repeat lengths are counted to this many tokens (the default base makes that ~1e15)
+_XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coin
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,32 @@ class SamplingParams:
     thinking_budget: int | None = None
     thinking_end: int | None = None
     thinking_start: int | None = None  # the start marker: reasoning is open after it (None: open from the start)
+    # llama.cpp's samplers (its /completion and Ollama's options):
+    # mirostat 1 or 2 (v1, v2): after temperature, the draw keeps the observed surprise near mirostat_tau (bits),
+    # a learning rate of mirostat_eta; top-k, top-p, min-p, typical-p and XTC do not apply, as in llama.cpp
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    # XTC: with probability xtc_probability, every token at least xtc_threshold likely but the least likely of
+    # them is excluded (where there are two or more)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    # DRY: a token that would extend a repeat of dry_allowed_length tokens or more (within the last
+    # dry_penalty_last_n tokens, prompt included) loses dry_multiplier * dry_base ** (length - dry_allowed_length);
+    # a repeat cannot reach back over a sequence-breaker token (dry_breakers), nor is a breaker penalised
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 0  # 0: the whole context
+    dry_breakers: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
             return AdmissionError(what, ErrorKind.VALIDATION)
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                     "typical_p"):
+                     "typical_p", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold",
+                     "dry_multiplier", "dry_base"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number, got {value!r}")
@@ -112,6 +134,20 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
+            raise bad(f"mirostat must be 0, 1 or 2, got {self.mirostat!r}")
+        if self.mirostat_tau < 0 or self.mirostat_eta < 0:
+            raise bad("mirostat_tau and mirostat_eta must be >= 0")
+        if not 0 <= self.xtc_probability <= 1 or not 0 <= self.xtc_threshold <= 1:
+            raise bad("xtc_probability and xtc_threshold must be in [0, 1]")
+        if self.dry_multiplier < 0:
+            raise bad(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if self.dry_multiplier > 0 and self.dry_base < 1:
+            raise bad(f"dry_base must be >= 1, got {self.dry_base}")
+        for name in ("dry_allowed_length", "dry_penalty_last_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(f"{name} must be an integer >= 0, got {value!r}")
         if (self.thinking_budget is None) != (self.thinking_end is None):
             raise bad("thinking_budget and thinking_end come together")
         if self.thinking_budget is not None and (not isinstance(self.thinking_budget, int) or self.thinking_budget < 0):
@@ -140,6 +176,10 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0
+
 
 @dataclass
 class SequenceSamplingState:
@@ -160,14 +200,19 @@ class SequenceSamplingState:
     bad: list | None = None
     recent: torch.Tensor | None = None
     thinking_open: torch.Tensor | None = None  # thinking budget: no end token drawn yet (a device bool)
+    mirostat_mu: torch.Tensor | None = None  # mirostat's running surprise bound (a device float, 2 tau at first)
+    # DRY: prompt and output tokens in order on the device (their count known on the host), and the breakers
+    history: torch.Tensor | None = None
+    history_len: int = 0
+    dry_breaker_ids: torch.Tensor | None = None
 
     @property
     def shapes_logits(self) -> bool:
         """The row's logits change before its argmax or draw (bias, penalties, allowed ids, min_tokens, bad words,
-        a thinking budget)."""
+        a thinking budget, DRY)."""
         p = self.params
         return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
-                or bool(p.bad_words) or self.thinking_open is not None
+                or bool(p.bad_words) or self.thinking_open is not None or self.history is not None
                 or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
 
 
@@ -218,7 +263,8 @@ class Sampler:
         for field, ids in (("logit_bias", params.logit_bias or ()),
                            ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("min_tokens_banned", params.min_tokens_banned),
-                           ("bad_words", [t for seq in params.bad_words for t in seq])):
+                           ("bad_words", [t for seq in params.bad_words for t in seq]),
+                           ("dry_sequence_breakers", params.dry_breakers)):
             too_big = [t for t in ids if t >= self.vocab_size]
             if too_big:
                 raise AdmissionError(f"{field} token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
@@ -237,6 +283,15 @@ class Sampler:
             is_open = params.thinking_start is None or (last.get(params.thinking_start, -1)
                                                         > last.get(params.thinking_end, -1))
             state.thinking_open = torch.tensor(is_open, dtype=torch.bool, device=self.device)
+        if params.mirostat:
+            state.mirostat_mu = torch.tensor(2.0 * params.mirostat_tau, dtype=torch.float32, device=self.device)
+        if params.uses_dry:
+            prompt = list(prompt_token_ids)
+            state.history = torch.zeros(len(prompt) + params.max_tokens, dtype=torch.int64, device=self.device)
+            if prompt:
+                state.history[:len(prompt)] = torch.as_tensor(prompt, dtype=torch.int64).to(self.device)
+            state.history_len = len(prompt)
+            state.dry_breaker_ids = torch.tensor(sorted(params.dry_breakers), dtype=torch.int64, device=self.device)
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
@@ -290,11 +345,14 @@ class Sampler:
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
 
         token_ids = logits.argmax(dim=-1)
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.int64, device=self.device)
             drawn = self._draw(logits.index_select(0, rows), [states[i] for i in sampled_rows])
             token_ids.index_copy_(0, rows, drawn)
+        for i, p in enumerate(params):
+            if p.mirostat and not p.greedy:
+                token_ids[i] = self._draw_mirostat(logits[i], states[i])
         out.token_ids = token_ids
 
         if raw_logprobs is not None:
@@ -305,6 +363,9 @@ class Sampler:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
 
         for i, s in enumerate(states):  # bad_words: the output's newest tokens; a thinking budget: ended yet?
+            if s.history is not None and s.history_len < s.history.numel():  # DRY's history
+                s.history[s.history_len:s.history_len + 1] = token_ids[i:i + 1]
+                s.history_len += 1
             if s.recent is not None:
                 s.recent.copy_(torch.cat([s.recent[1:], token_ids[i:i + 1]]))
             if s.thinking_open is not None:
@@ -356,7 +417,45 @@ class Sampler:
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
         if penalty_rows:
             self._apply_penalties(logits, states, penalty_rows)
+        for i, s in enumerate(states):
+            if s.history is not None:
+                self._apply_dry(logits[i], s)
         return logits
+
+    @staticmethod
+    def _apply_dry(row: torch.Tensor, state: SequenceSamplingState) -> None:
+        """llama.cpp's DRY on one row (on the device, no sync). Over the window w (the last dry_penalty_last_n
+        tokens, prompt included), each earlier position j gets the length of the longest suffix of w[:j+1] that is
+        also a suffix of w (at most DRY_MAX_MATCH, and never reaching back over the last breaker); the token after
+        j, w[j+1], would extend that repeat. Each token takes its longest such repeat; from dry_allowed_length on
+        it loses dry_multiplier * dry_base ** (length - dry_allowed_length), unless it is a breaker itself."""
+        p = state.params
+        n = state.history_len if p.dry_penalty_last_n == 0 else min(state.history_len, p.dry_penalty_last_n)
+        if n < 2:
+            return
+        dev = row.device
+        w = state.history[state.history_len - n:state.history_len]
+        idx = torch.arange(n, device=dev)
+        is_breaker = torch.isin(w, state.dry_breaker_ids)
+        rep_limit = n - 1 - torch.where(is_breaker, idx, -1).max()  # tokens after the last breaker (n: none)
+        j = idx[:n - 1]
+        if dev.type == "cpu" and p.dry_allowed_length > 0:
+            # only positions holding the last token start a repeat (a 4,000-token window: 1.3 ms a step, not 7)
+            j = torch.nonzero(w[:n - 1] == w[n - 1]).flatten()
+        k = torch.arange(min(n - 1, DRY_MAX_MATCH), device=dev)
+        src = j[:, None] - k[None, :]  # [positions, K]: position j - k
+        eq = (w[src.clamp_min(0)] == w[n - 1 - k][None, :]) & (src >= 0)
+        length = torch.minimum(eq.to(torch.int32).cumprod(dim=1).sum(dim=1), rep_limit).to(torch.int32)
+        longest = torch.full((row.shape[-1],), -1, dtype=torch.int32, device=dev).scatter_reduce_(
+            0, w[j + 1], length, reduce="amax")  # -1: never follows a position of the window
+        exponent = (longest - p.dry_allowed_length).clamp_min(0).to(row.dtype)
+        if p.dry_base > 1.000001:  # llama.cpp's clamp: base ** exponent stays a finite float
+            exponent = exponent.clamp_max(float(int(88.7228391 / math.log(p.dry_base))))
+        penalty = p.dry_multiplier * torch.pow(torch.tensor(p.dry_base, dtype=row.dtype, device=dev), exponent)
+        hit = longest >= p.dry_allowed_length
+        if state.dry_breaker_ids.numel():
+            hit[state.dry_breaker_ids] = False
+        row.sub_(torch.where(hit, penalty, torch.zeros((), dtype=row.dtype, device=dev)))
 
     @staticmethod
     def _ban_bad_words(row: torch.Tensor, state: SequenceSamplingState) -> None:
@@ -450,6 +549,62 @@ class Sampler:
         sub = sub - freq * counts.to(sub.dtype) - pres * seen_in_output.to(sub.dtype)
         logits.index_copy_(0, row_ids, sub)
 
+    def _uniform(self, state: SequenceSamplingState, vocab: int) -> torch.Tensor:
+        """The row's uniforms for this step, one per vocabulary id, from its own seed and step."""
+        self._generator.manual_seed(_row_seed(state.seed, state.num_output_tokens))
+        return torch.empty(vocab, dtype=torch.float32, device=self.device).uniform_(generator=self._generator)
+
+    def _draw_mirostat(self, logits: torch.Tensor, state: SequenceSamplingState) -> torch.Tensor:
+        """One row's mirostat draw (llama.cpp's v1 and v2; on the device, no sync): keep the tokens whose surprise
+        (-log2 p, after temperature) fits mu, by a bound on surprise (v2) or a top-k estimated from the top 100
+        probabilities' Zipf exponent (v1); draw among them; then move mu by eta times the drawn token's surprise
+        (in the kept distribution) minus tau."""
+        p = state.params
+        mu = state.mirostat_mu
+        x = logits / p.temperature
+        probs = torch.softmax(x, dim=-1)
+        vocab = x.shape[-1]
+        if p.mirostat == 2:
+            keep = (-torch.log2(probs) <= mu) | (probs == probs.max())
+        else:
+            top, order = probs.sort(descending=True)
+            m = min(100, vocab)
+            head = top[:m].clamp_min(torch.finfo(probs.dtype).tiny)
+            i = torch.arange(m - 1, device=x.device, dtype=probs.dtype)
+            t = torch.log((i + 2) / (i + 1))
+            b = torch.log(head[:-1] / head[1:])
+            s_hat = (t * b).sum() / (t * t).sum()
+            eps = s_hat - 1
+            k = ((eps * torch.exp2(mu)) / (1 - torch.pow(torch.tensor(float(vocab), device=x.device), -eps))) ** (1 / s_hat)
+            k = torch.nan_to_num(k, nan=1.0, posinf=float(vocab)).clamp(1, vocab).floor()
+            keep_sorted = torch.arange(vocab, device=x.device) < k
+            keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
+        kept = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+        exponential = (-torch.log1p(-self._uniform(state, vocab))).clamp_min_(torch.finfo(kept.dtype).tiny)
+        token = (kept / exponential).argmax()
+        surprise = -torch.log2(kept[token])
+        mu.sub_(p.mirostat_eta * (surprise - p.mirostat_tau))
+        return token
+
+    def _xtc(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """XTC over the candidates' probabilities: on rows whose coin (from their seed and step) falls under
+        xtc_probability, the tokens at least xtc_threshold likely go, but the least likely of them, where there are
+        two or more."""
+        dev = self.device
+        params = [s.params for s in states]
+        coins = torch.ones(len(states), 1, device=dev)
+        for i, s in enumerate(states):
+            if s.params.xtc_probability > 0:
+                self._generator.manual_seed(_row_seed(s.seed ^ _XTC_SALT, s.num_output_tokens))
+                coins[i] = torch.rand((), generator=self._generator, device=dev)
+        chance = torch.tensor([p.xtc_probability for p in params], device=dev)[:, None]
+        threshold = torch.tensor([p.xtc_threshold for p in params], device=dev)[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        above = probs >= threshold
+        least = torch.where(above, probs, float("inf")).min(dim=-1, keepdim=True).values
+        remove = above & (probs > least) & (above.sum(dim=-1, keepdim=True) >= 2) & (coins < chance)
+        return logits.masked_fill(remove, float("-inf"))
+
     def _draw(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """logits [S, V] after bias/penalties -> drawn token ids [S]."""
         dev = self.device
@@ -483,13 +638,14 @@ class Sampler:
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # Keep a token while the more likely ones hold less than top_p; the first always stays.
             logits = logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
+        if any(p.xtc_probability > 0 for p in params):
+            logits = self._xtc(logits, states)
         probs = torch.softmax(logits, dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E is drawn for every vocabulary id
         # from the row's own generator, so a token's noise never depends on the candidate set or the batch.
         uniform = torch.empty(len(states), vocab, dtype=probs.dtype, device=dev)
         for i, s in enumerate(states):
-            self._generator.manual_seed(_row_seed(s.seed, s.num_output_tokens))
-            uniform[i].uniform_(generator=self._generator)
+            uniform[i] = self._uniform(s, vocab)
         if candidate_ids is not None:
             uniform = uniform.gather(1, candidate_ids)
         # uniform in [0, 1) -> E in [0, inf); a zero E would turn a zero-probability token into 0/0 = NaN.

@@ -8,9 +8,12 @@ generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``s
 ``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default 64, prompt
 included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``,
 ``false`` bans a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF)
-or ``json_schema``, ``return_tokens`` and ``stream``. Omitted sampling fields take the model's defaults, as
-the OpenAI routes do. Fields that tune llama.cpp's own sampler chain or slots (``samplers``, ``mirostat``,
-``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
+or ``json_schema``, ``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and
+``mirostat_eta``, ``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``,
+``dry_allowed_length``, ``dry_penalty_last_n`` and ``dry_sequence_breakers`` (flared.model.sampling). Omitted
+sampling fields take the model's defaults, as the OpenAI routes do. Fields that set llama.cpp's sampler order or
+slots (``samplers``, ``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always
+on.
 
 It answers llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``, ``limit``, ``word`` with
 ``stopping_word``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``, ``timings`` (ms and tokens
@@ -32,7 +35,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, sampling_params
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
-                                         _string, _type, llama_penalties)
+                                         _string, _type, llama_penalties, llama_samplers)
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
 
@@ -169,7 +172,7 @@ class LlamaCppRoutes:
             top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
             seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
             logprobs=n_probs if n_probs else None, stop=_stops(body.get("stop")), stop_token_ids=(),
-            ignore_eos=_boolean(body, "ignore_eos"), n=1, **llama_penalties(body, context))
+            ignore_eos=_boolean(body, "ignore_eos"), n=1, **llama_penalties(body, context), **llama_samplers(body))
         _check_vocab(self.state, opts)
         if opts.top_p == 0.0:
             raise _bad("top_p", "must be > 0")
@@ -238,7 +241,12 @@ class LlamaCppRoutes:
                 ("min_p", opts.min_p), ("typical_p", opts.typical_p), ("repeat_penalty", opts.repetition_penalty),
                 ("repeat_last_n", opts.penalty_last_n), ("seed", opts.seed),
                 ("n_predict", opts.max_tokens)) if v is not None}, "stop": list(opts.stop),
-                "n_probs": opts.logprobs or 0},
+                "n_probs": opts.logprobs or 0, "mirostat": opts.mirostat, "mirostat_tau": opts.mirostat_tau,
+                "mirostat_eta": opts.mirostat_eta, "xtc_probability": opts.xtc_probability,
+                "xtc_threshold": opts.xtc_threshold, "dry_multiplier": opts.dry_multiplier,
+                "dry_base": opts.dry_base, "dry_allowed_length": opts.dry_allowed_length,
+                "dry_penalty_last_n": opts.dry_penalty_last_n,
+                "dry_sequence_breakers": list(opts.dry_sequence_breakers)},
             "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,
             "stop_type": stop_type, "stopping_word": stopping_word, "tokens_cached": cached,
             "timings": {

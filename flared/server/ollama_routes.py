@@ -15,7 +15,8 @@ Rules:
   repeat_penalty, presence_penalty and frequency_penalty over the last
   repeat_last_n tokens (default 64, prompt included, as Ollama), seed, stop,
   num_ctx (at most the core's context; a smaller value limits prompt +
-  output). Options that only
+  output), mirostat (1, 2) with mirostat_tau and mirostat_eta, and
+  llama.cpp's XTC and DRY options under their llama.cpp names. Options that only
   tune Ollama's own runtime (num_thread, num_gpu, ...) are ignored, as they
   are meaningless here.
 - Tool calls arrive whole (Ollama's arguments are objects, not text), each
@@ -47,7 +48,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type,
-                                         llama_penalties, parse_tools, reasoning_effort_kwargs)
+                                         llama_penalties, llama_samplers, parse_tools, reasoning_effort_kwargs)
 from flared.server.structured import compile_grammar, parse_ollama_format
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
@@ -116,7 +117,7 @@ def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
         max_tokens=max_tokens, temperature=_number(opts, "temperature", 0.0, 2.0),
         top_p=_number(opts, "top_p", 0.0, 1.0, lo_open=True), top_k=top_k, min_p=_number(opts, "min_p", 0.0, 1.0),
         seed=seed, logit_bias=None, logprobs=logprobs, stop=tuple(s for s in stop if s), stop_token_ids=(),
-        ignore_eos=False, n=1, **penalties)
+        ignore_eos=False, n=1, **penalties, **llama_samplers(opts))
 
 
 def _context(state, body: dict) -> list[int]:

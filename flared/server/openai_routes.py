@@ -93,7 +93,33 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         allowed_token_ids=opts.allowed_token_ids,
         bad_words=bad_word_sequences(state.frontend, opts.bad_words),
         **_thinking_budget(state, opts),
+        mirostat=opts.mirostat, mirostat_tau=opts.mirostat_tau, mirostat_eta=opts.mirostat_eta,
+        xtc_probability=opts.xtc_probability, xtc_threshold=opts.xtc_threshold,
+        **_dry(state, opts, context),
     )
+
+
+def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:
+    if not opts.dry_multiplier > 0 or opts.dry_penalty_last_n == 0:  # llama.cpp: a window of 0 turns DRY off
+        return {}
+    return {"dry_multiplier": opts.dry_multiplier, "dry_base": opts.dry_base,
+            "dry_allowed_length": opts.dry_allowed_length,
+            "dry_penalty_last_n": 0 if opts.dry_penalty_last_n == -1 else min(opts.dry_penalty_last_n, context),
+            "dry_breakers": dry_breaker_ids(state.frontend, state.vocab_size, opts.dry_sequence_breakers)}
+
+
+@functools.lru_cache(maxsize=4)
+def _token_texts(fe, vocab_size: int) -> tuple[str, ...]:
+    """Every token's text (special tokens' too; '' past the tokenizer's ids), once per frontend (SmolLM2's 49k
+    tokens: ~70 ms)."""
+    return tuple(fe.tokenizer.decode_batch([[t] for t in range(vocab_size)], skip_special_tokens=False))
+
+
+@functools.lru_cache(maxsize=16)
+def dry_breaker_ids(fe, vocab_size: int, breakers: tuple[str, ...]) -> frozenset[int]:
+    """DRY's sequence breakers as token ids: every token whose text contains one (llama.cpp's rule for a breaker
+    one token spells; a breaker that only spans tokens is not matched across them)."""
+    return frozenset(t for t, text in enumerate(_token_texts(fe, vocab_size)) if any(b in text for b in breakers))
 
 
 def _thinking_budget(state, opts: SamplingOptions) -> dict[str, Any]:

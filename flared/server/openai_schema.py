@@ -61,6 +61,17 @@ class SamplingOptions:
     # llama.cpp's and Ollama's sampling (their routes)
     typical_p: float | None = None  # locally typical sampling
     penalty_last_n: int = 0  # repeat_last_n: the penalties' window (0 here: vLLM's whole-history penalties)
+    # llama.cpp's mirostat, XTC and DRY (flared.model.sampling.SamplingParams says what each does)
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +277,7 @@ def _sampling(body: dict, *, max_tokens_fields: tuple[str, ...], logprobs: int |
         prompt_logprobs=_prompt_logprobs(body),
         return_tokens_as_token_ids=_boolean(body, "return_tokens_as_token_ids"),
         bad_words=tuple(bad_words),
+        **llama_samplers(body),
     )
 
 
@@ -296,6 +308,34 @@ def llama_penalties(body: dict, context: int) -> dict[str, Any]:
     }
     if last_n == 0:
         out.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    return out
+
+
+MAX_DRY_BREAKERS = 16
+
+
+def llama_samplers(body: dict) -> dict[str, Any]:
+    """llama.cpp's mirostat, XTC and DRY fields (its /completion and OpenAI-compatible routes, Ollama's options) as
+    SamplingOptions fields; absent fields keep llama.cpp's defaults (all three off)."""
+    out: dict[str, Any] = {}
+    for field, lo, hi in (("mirostat_tau", 0.0, 100.0), ("mirostat_eta", 0.0, 10.0), ("xtc_probability", 0.0, 1.0),
+                          ("xtc_threshold", 0.0, 1.0), ("dry_multiplier", 0.0, 1e4), ("dry_base", 0.0, 100.0)):
+        value = _number(body, field, lo, hi)
+        if value is not None:
+            out[field] = value
+    for field, lo in (("mirostat", 0), ("dry_allowed_length", 0), ("dry_penalty_last_n", -1)):
+        value = _integer(body, field, lo, 2 if field == "mirostat" else 1 << 31)
+        if value is not None:
+            out[field] = value
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None:
+        if (not isinstance(breakers, list) or not breakers or len(breakers) > MAX_DRY_BREAKERS
+                or not all(isinstance(b, str) and b for b in breakers)):
+            raise _bad("dry_sequence_breakers", f"must be a non-empty array of at most {MAX_DRY_BREAKERS} "
+                       "non-empty strings")
+        out["dry_sequence_breakers"] = tuple(breakers)
+    if out.get("dry_multiplier", 0.0) > 0 and out.get("dry_base", 1.75) < 1:
+        raise _bad("dry_base", f"must be >= 1 when dry_multiplier is set, got {out['dry_base']}")
     return out
 
 

@@ -103,3 +103,34 @@ def test_props(daemon):
 ])
 def test_errors(daemon, body, needle):
     assert needle in _post(daemon, body, 400)["error"]["message"]
+
+
+def test_dry_xtc_and_mirostat(daemon):
+    """llama.cpp's DRY, XTC and mirostat are served (mirostat was accepted and ignored). The model repeats " la"
+    forever: DRY stops the third " la" (it would repeat `la la`), XTC at threshold 0 leaves only the least likely
+    tokens, mirostat with a tiny tau keeps only the most likely (and, as in llama.cpp, takes the draw from XTC);
+    the settings report each; bad values are 400s."""
+    _, tok = daemon.request("POST", "/tokenize", {"content": " la"})
+    (la,) = tok["tokens"]
+    greedy = {"prompt": SING, "n_predict": 4, "temperature": 0, "return_tokens": True}
+    dry = _post(daemon, {**greedy, "dry_multiplier": 100.0})
+    assert dry["tokens"][:2] == [la, la] and dry["tokens"][2] != la
+    g = dry["generation_settings"]
+    assert g["dry_multiplier"] == 100.0 and g["dry_base"] == 1.75 and g["dry_allowed_length"] == 2
+    assert g["dry_sequence_breakers"] == ["\n", ":", "\"", "*"] and g["dry_penalty_last_n"] == -1
+    # a window of 2 tokens never holds a repeat of 2 that another token would extend
+    assert _post(daemon, {**greedy, "dry_multiplier": 100.0, "dry_penalty_last_n": 2})["tokens"] == [la] * 4
+    # " la" itself a breaker: no repeat reaches back over it, and it is never penalised
+    assert _post(daemon, {**greedy, "dry_multiplier": 100.0, "dry_sequence_breakers": ["la"]})["tokens"] == [la] * 4
+    sampled = {**greedy, "temperature": 1.0, "seed": 5}
+    assert _post(daemon, sampled)["tokens"] == [la] * 4
+    xtc = {**sampled, "xtc_probability": 1.0, "xtc_threshold": 0.0}
+    got = _post(daemon, xtc)
+    assert la not in got["tokens"] and got["generation_settings"]["xtc_probability"] == 1.0
+    miro = _post(daemon, {**xtc, "mirostat": 2, "mirostat_tau": 0.01, "mirostat_eta": 0.2})
+    assert miro["tokens"] == [la] * 4
+    assert miro["generation_settings"]["mirostat"] == 2 and miro["generation_settings"]["mirostat_tau"] == 0.01
+    for bad in ({"mirostat": 3}, {"xtc_probability": 1.5}, {"dry_multiplier": -1}, {"dry_sequence_breakers": []},
+                {"dry_sequence_breakers": [1]}, {"dry_multiplier": 1, "dry_base": 0.5}, {"dry_penalty_last_n": -2}):
+        message = _post(daemon, {"prompt": "x", **bad}, 400)["error"]["message"]
+        assert message.startswith(("'dry", "'mirostat", "'xtc")), message

@@ -190,3 +190,22 @@ def test_generate_context_continues_an_exchange(client, daemon):
         status, err = daemon.request("POST", "/api/generate", {"model": "tiny", "prompt": "x", "stream": False,
                                                               "context": bad})
         assert status == 400 and "context" in err["error"]
+
+
+def test_mirostat_and_dry_options(client, daemon):
+    """Ollama's mirostat options are served (they were ignored), as are llama.cpp's DRY options by their names."""
+    base = {"temperature": 0, "num_predict": 4}
+    plain = client.generate(model="tiny", prompt="Sing: la", raw=True, options=base)
+    dry = client.generate(model="tiny", prompt="Sing: la", raw=True, options={**base, "dry_multiplier": 100.0})
+    # context: the prompt's ids, then the answer's; a " la" that would repeat `la la` is gone
+    la, prompt = plain.context[-1], len(plain.context) - 4
+    answer = dry.context[prompt:]
+    assert plain.context[prompt:] == [la] * 4 and dry.done and answer[:2] == [la, la] and answer != [la] * 4
+    miro = client.generate(model="tiny", prompt="Sing: la", raw=True,
+                           options={"temperature": 1.5, "seed": 2, "num_predict": 4, "mirostat": 2,
+                                    "mirostat_tau": 0.01, "mirostat_eta": 0.1})
+    assert miro.done and miro.response == " la" * 4
+    for bad in ({"mirostat": 5}, {"mirostat_eta": -1}):
+        status, err = daemon.request("POST", "/api/generate", {"model": "tiny", "prompt": "x", "stream": False,
+                                                              "options": bad})
+        assert status == 400 and next(iter(bad)) in err["error"], err

@@ -249,3 +249,15 @@ def test_bad_chat_only_fields(daemon):
     status, body = daemon.request("POST", "/v1/chat/completions", {
         "model": "tiny", "messages": ASK, "max_tokens": 2, "documents": [{"title": "t", "text": "x"}]})
     assert status == 200
+
+
+def test_llama_cpp_samplers_through_extra_body(client):
+    """llama.cpp's OpenAI-compatible routes take its DRY, XTC and mirostat fields too: here DRY ends the loop."""
+    plain = client.completions.create(model="tiny", prompt="Sing: la", max_tokens=4, temperature=0)
+    assert plain.choices[0].text == " la" * 4
+    dry = client.completions.create(model="tiny", prompt="Sing: la", max_tokens=4, temperature=0,
+                                    extra_body={"dry_multiplier": 100.0, "return_token_ids": True})
+    ids = dry.choices[0].model_extra["token_ids"]
+    assert ids[0] == ids[1] and ids[2] != ids[0] and dry.choices[0].text.startswith(" la la")
+    with pytest.raises(openai.BadRequestError, match="mirostat"):
+        _chat(client, mirostat=7)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -291,3 +293,148 @@ def test_sample_never_modifies_the_callers_logits():
                     SamplingParams(temperature=0.5, top_k=3, min_p=0.1, seed=2)]):
         sampler.sample(logits, [sampler.add_sequence(p, [1, 2]) for p in params])
         assert torch.equal(logits, before)
+
+
+def _probs(values: list[float]) -> torch.Tensor:
+    """Logits whose softmax is ``values`` (padded to VOCAB with near-zero probabilities)."""
+    p = torch.full((VOCAB,), 1e-9)
+    p[:len(values)] = torch.tensor(values)
+    return torch.log(p / p.sum())[None, :]
+
+
+def test_xtc_excludes_the_likely_tokens_but_the_least_of_them():
+    """llama.cpp's XTC: with probability 1, every token at least 0.1 likely goes but the least likely of them
+    (0.15 here); with one such token, or probability 0, nothing changes."""
+    logits = _probs([0.5, 0.3, 0.15, 0.05])
+    drawn = set(draw_many(SamplingParams(xtc_probability=1.0, xtc_threshold=0.1), logits, 64).tolist())
+    assert drawn <= {2, 3} and 2 in drawn
+    plain = draw_many(SamplingParams(), logits, 64)
+    assert torch.equal(draw_many(SamplingParams(xtc_probability=0.0), logits, 64), plain)
+    single = _probs([0.9, 0.05, 0.05])
+    assert 0 in set(draw_many(SamplingParams(xtc_probability=1.0, xtc_threshold=0.1), single, 32).tolist())
+    # a coin per row and step, from the row's seed: about half the draws are left alone at probability 0.5
+    half = draw_many(SamplingParams(xtc_probability=0.5, xtc_threshold=0.1), logits, 200)
+    share = (half <= 1).float().mean().item()
+    assert 0.2 < share < 0.6
+
+
+def test_mirostat_v2_truncates_by_surprise_and_moves_mu():
+    """mirostat 2: only tokens whose surprise -log2 p is within mu (2 tau at first) are drawn; mu then moves by
+    eta times the drawn token's surprise in the kept distribution minus tau."""
+    logits = _probs([0.4, 0.3, 0.2, 0.1])
+    sampler = Sampler(VOCAB)
+    tau, eta = 1.0, 0.5  # mu = 2: p >= 0.25 kept (tokens 0 and 1)
+    state = sampler.add_sequence(SamplingParams(mirostat=2, mirostat_tau=tau, mirostat_eta=eta, seed=3), [])
+    token = sampler.sample(logits, [state]).token_ids.item()
+    assert token in (0, 1)
+    kept = {0: 0.4 / 0.7, 1: 0.3 / 0.7}[token]
+    mu = 2 * tau - eta * (-math.log2(kept) - tau)
+    assert state.mirostat_mu.item() == pytest.approx(mu, rel=1e-5)
+    drawn = set(draw_many(SamplingParams(mirostat=2, mirostat_tau=tau, mirostat_eta=0.0), logits, 64).tolist())
+    assert drawn == {0, 1}
+    # a tiny tau keeps only the most likely token
+    assert set(draw_many(SamplingParams(mirostat=2, mirostat_tau=0.01), logits, 16).tolist()) == {0}
+
+
+def test_mirostat_v1_keeps_the_estimated_top_k():
+    """mirostat 1 (llama.cpp's): s_hat from the top 100 probabilities, k = ((s_hat - 1) 2^mu /
+    (1 - N^(1 - s_hat)))^(1 / s_hat), a draw from the top k."""
+    ranks = torch.arange(1, VOCAB + 1, dtype=torch.float64)
+    zipf = (1 / ranks ** 1.3) / (1 / ranks ** 1.3).sum()
+    logits = torch.log(zipf).float()[None, :]
+    tau = 1.5
+    p = zipf.tolist()
+    t = [math.log((i + 2) / (i + 1)) for i in range(VOCAB - 1)]
+    b = [math.log(p[i] / p[i + 1]) for i in range(VOCAB - 1)]
+    s_hat = sum(x * y for x, y in zip(t, b)) / sum(x * x for x in t)
+    eps = s_hat - 1
+    k = max(int((eps * 2 ** (2 * tau) / (1 - VOCAB ** -eps)) ** (1 / s_hat)), 1)
+    assert 1 < k < 10
+    drawn = set(draw_many(SamplingParams(mirostat=1, mirostat_tau=tau, mirostat_eta=0.0), logits, 200).tolist())
+    assert drawn <= set(range(k)) and len(drawn) > 1
+
+
+def test_dry_penalises_the_token_that_would_extend_a_repeat():
+    """llama.cpp's example: over `a b c c b c y a b c`, emitting c would repeat `a b c` (3 tokens), y would
+    repeat `b c` (2) and b only `c` (1); from 2 tokens (dry_allowed_length) a token loses multiplier *
+    base ** (length - 2). A breaker ends how far back a repeat reaches, and is never penalised itself."""
+    a, b, c, y, brk = 1, 2, 3, 4, 5
+    logits = torch.zeros(1, VOCAB)
+    sampler = Sampler(VOCAB)
+    params = dict(temperature=0, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2, max_tokens=4)
+    state = sampler.add_sequence(SamplingParams(**params), [a, b, c, c, b, c, y, a, b, c])
+    got = sampler.apply_bias_and_penalties(logits, [state])[0]
+    expected = torch.zeros(VOCAB)
+    expected[c] = -0.8 * 1.75
+    expected[y] = -0.8
+    assert torch.allclose(got, expected)
+    # a breaker two tokens from the end: repeats reach back 2 tokens at most (c: 2, y: 2, no more)
+    state = sampler.add_sequence(SamplingParams(**params, dry_breakers=frozenset({brk})),
+                                 [a, b, c, c, b, c, y, brk, b, c])
+    got = sampler.apply_bias_and_penalties(logits, [state])[0]
+    expected = torch.zeros(VOCAB)
+    expected[c] = expected[y] = -0.8
+    assert torch.allclose(got, expected)
+    # the window: only the last 3 tokens count (`y a b c`... here `a b c`: no earlier repeat)
+    state = sampler.add_sequence(SamplingParams(**params, dry_penalty_last_n=3), [a, b, c, c, b, c, y, a, b, c])
+    assert torch.equal(sampler.apply_bias_and_penalties(logits, [state])[0], torch.zeros(VOCAB))
+    # drawn tokens join the history: after `a b c a`, nothing would repeat 2 tokens; once b is drawn, c would
+    # repeat `a b`
+    state = sampler.add_sequence(SamplingParams(**params, logit_bias={b: 1.0}), [a, b, c, a])
+    assert sampler.apply_bias_and_penalties(logits, [state])[0][c].item() == 0.0
+    assert sampler.sample(logits, [state]).token_ids.item() == b
+    shaped = sampler.apply_bias_and_penalties(logits, [state])[0]
+    assert shaped[c].item() == pytest.approx(-0.8) and shaped[b].item() == 1.0
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"mirostat": 3}, {"mirostat_tau": -1.0}, {"xtc_probability": 1.5}, {"xtc_threshold": -0.1},
+    {"dry_multiplier": -1.0}, {"dry_multiplier": 0.8, "dry_base": 0.5}, {"dry_allowed_length": -1},
+    {"dry_penalty_last_n": -2},
+])
+def test_invalid_llama_sampler_params_are_admission_errors(kwargs):
+    with pytest.raises(AdmissionError):
+        SamplingParams(**kwargs)
+
+
+def _dry_reference(history, vocab, multiplier, base, allowed, last_n, breakers):
+    """llama.cpp's DRY written out plainly: each earlier position's repeat length (the longest common suffix
+    with the whole window, cut at the last breaker), the longest per following token, the penalties."""
+    w = history[-last_n:] if last_n else list(history)
+    n = len(w)
+    penalty = [0.0] * vocab
+    if n < 2:
+        return penalty
+    breaker_at = [i for i, t in enumerate(w) if t in breakers]
+    rep_limit = n - 1 - breaker_at[-1] if breaker_at else n
+    longest = {}
+    for j in range(n - 1):
+        length = 0
+        while length <= j and length < 64 and w[j - length] == w[n - 1 - length]:
+            length += 1
+        length = min(length, rep_limit)
+        if length >= allowed:
+            longest[w[j + 1]] = max(longest.get(w[j + 1], -1), length)
+    cap = int(88.7228391 / math.log(base)) if base > 1.000001 else None
+    for token, length in longest.items():
+        if token not in breakers:
+            exponent = length - allowed if cap is None else min(length - allowed, cap)
+            penalty[token] = multiplier * base ** exponent
+    return penalty
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dry_matches_a_plain_reading_of_llama_cpp(seed):
+    g = torch.Generator().manual_seed(seed)
+    alphabet = 3 + seed  # few distinct tokens: long repeats
+    history = torch.randint(0, alphabet, (int(torch.randint(2, 120, (1,), generator=g)),), generator=g).tolist()
+    allowed = seed % 3  # 0 takes the unfiltered path
+    last_n = [0, 7, 50][seed % 3]
+    breakers = frozenset({seed % alphabet}) if seed % 2 else frozenset()
+    params = SamplingParams(temperature=0, dry_multiplier=0.5, dry_base=1.3, dry_allowed_length=allowed,
+                            dry_penalty_last_n=last_n, dry_breakers=breakers, max_tokens=1)
+    sampler = Sampler(VOCAB)
+    state = sampler.add_sequence(params, history)
+    got = -sampler.apply_bias_and_penalties(torch.zeros(1, VOCAB), [state])[0]
+    expected = torch.tensor(_dry_reference(history, VOCAB, 0.5, 1.3, allowed, last_n, breakers))
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (history, got.nonzero(), expected.nonzero())
