@@ -370,7 +370,8 @@ class ModelRuntime:
                              "phase": r.phase_name, "arrival_ns": int(r.arrival_ns),
                              "last_progress_ns": int(r.last_progress_ns), "prompt_consumed": int(r.num_computed_tokens),
                              "prompt_len": int(r.prompt_len), "output": live.num_generated,
-                             "last_output_ns": live.last_output_ns, "bursts": live.num_bursts})
+                             "last_output_ns": live.last_output_ns, "bursts": live.num_bursts,
+                             "request_id": live.request.request_id, "params": live.request.params})
             except Exception:  # noqa: BLE001 - retired between the two reads
                 continue
         return rows

@@ -1,4 +1,4 @@
-"""llama.cpp server's own routes: POST /completion (also /completions) and GET /props.
+"""llama.cpp server's own routes: POST /completion (also /completions), GET /props and GET /slots.
 
 What llama.cpp's clients call outside its OpenAI-compatible API, translated onto the one generation path.
 
@@ -32,7 +32,7 @@ from flared.errors import AdmissionError, ErrorKind
 from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
-from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.http.messages import ClientDisconnected, HttpError, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, sampling_params
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
                                          _string, _type, llama_penalties, llama_samplers)
@@ -81,12 +81,56 @@ class LlamaCppRoutes:
         router.add("POST", "/completions", self.completion, admit=True)
         router.add("POST", "/infill", self.infill, admit=True)
         router.add("GET", "/props", self.props)
+        router.add("GET", "/slots", self.slots)
+        router.add("POST", "/slots/{slot}", self.slot_action)
 
     def _defaults(self) -> dict[str, Any]:
         d = self.state.manifest.generation_defaults
         return {"temperature": float(d.get("temperature", 1.0)), "top_k": int(d.get("top_k", 0)),
                 "top_p": float(d.get("top_p", 1.0)), "min_p": float(d.get("min_p", 0.0)),
                 "repeat_penalty": float(d.get("repetition_penalty", 1.0)), "n_predict": -1}
+
+    async def slots(self, request: Request) -> Response:
+        """llama.cpp's slot monitor: one entry per request slot (the core's concurrency), busy where a live request
+        holds it: its sampling settings and progress. Prompts are not shown (they may be another client's). With
+        ``?fail_on_no_slot=1``, a 503 when every slot is busy, as llama.cpp."""
+        m = self.state.manifest
+        context = m.capacities.context_tokens
+        live = {row["slot"]: row for row in self.state.runtime.request_rows()}
+        if request.query.get("fail_on_no_slot", ["0"])[-1] not in ("", "0", "false") and \
+                len(live) >= m.capacities.concurrency:
+            raise HttpError(503, "no slot available", type="unavailable_error", code="unavailable")
+        out = []
+        for slot in range(m.capacities.concurrency):
+            row = live.get(slot)
+            entry: dict[str, Any] = {"id": slot, "id_task": -1, "n_ctx": context, "speculative": False,
+                                     "is_processing": row is not None}
+            if row is not None:
+                p = row["params"]
+                entry.update(
+                    id_task=row["request_id"], n_prompt_tokens=row["prompt_len"],
+                    n_prompt_tokens_processed=row["prompt_consumed"], phase=row["phase"],
+                    params={"n_predict": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
+                            "top_p": p.top_p, "min_p": p.min_p, "typical_p": p.typical_p,
+                            "repeat_penalty": p.repetition_penalty, "repeat_last_n": p.penalty_last_n,
+                            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+                            "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
+                            "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
+                            "dry_multiplier": p.dry_multiplier, "dry_base": p.dry_base,
+                            "dry_allowed_length": p.dry_allowed_length, "dry_penalty_last_n": p.dry_penalty_last_n,
+                            "seed": p.seed if p.seed is not None else -1, "n_probs": p.logprobs or 0},
+                    next_token={"has_next_token": True, "has_new_line": False, "n_remain": p.max_tokens - row["output"],
+                                "n_decoded": row["output"], "stopping_word": ""})
+            out.append(entry)
+        return Response.json(out)
+
+    async def slot_action(self, request: Request) -> Response:
+        """llama.cpp's slot save, restore and erase: not served (this server's prefix cache keeps and reuses prompt
+        states itself)."""
+        action = request.query.get("action", [""])[-1]
+        raise HttpError(400, f"slot action {action!r} is not supported: the prefix cache keeps and reuses prompt "
+                        "states by itself (nothing to save, restore or erase per slot)", type="not_supported_error",
+                        param="action")
 
     async def props(self, request: Request) -> Response:
         m = self.state.manifest

@@ -134,3 +134,26 @@ def test_dry_xtc_and_mirostat(daemon):
                 {"dry_sequence_breakers": [1]}, {"dry_multiplier": 1, "dry_base": 0.5}, {"dry_penalty_last_n": -2}):
         message = _post(daemon, {"prompt": "x", **bad}, 400)["error"]["message"]
         assert message.startswith(("'dry", "'mirostat", "'xtc")), message
+
+
+def test_slots_show_the_live_requests(daemon):
+    """GET /slots (llama.cpp's slot monitor): one entry per request slot; a request streaming now holds one, with
+    its settings and progress, and no prompt text; slot save/restore/erase are a 400 that says why."""
+    _, props = daemon.request("GET", "/props")
+    status, idle = daemon.request("GET", "/slots?fail_on_no_slot=1")
+    assert status == 200 and len(idle) == props["total_slots"] and not any(s["is_processing"] for s in idle)
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    try:
+        conn.request("POST", "/completion", body=json.dumps({"prompt": SING, "n_predict": 400, "temperature": 0,
+                                                               "mirostat": 2, "stream": True}),
+                     headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")  # generating now
+        _, busy = daemon.request("GET", "/slots")
+        (mine,) = [s for s in busy if s["is_processing"]]
+        assert mine["params"]["n_predict"] == 400 and mine["params"]["mirostat"] == 2 and mine["id_task"] >= 0
+        assert 0 < mine["next_token"]["n_decoded"] < 400 and mine["n_prompt_tokens"] > 0 and "prompt" not in mine
+    finally:
+        conn.close()
+    status, err = daemon.request("POST", "/slots/0?action=save", {"filename": "x.bin"})
+    assert status == 400 and "not supported" in err["error"]["message"]
