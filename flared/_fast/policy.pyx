@@ -119,9 +119,9 @@ cdef class SelectionPolicy:
             if age_ms < 0:
                 age_ms = 0
             if r.phase == PH_DECODE and not r.finished and not r.cancelled:
-                r._wait_rate = self._decode_age_price * age_ms
+                r._wait_rate = self._decode_age_price * age_ms * r.value_scale
             elif r.phase == PH_TERMINAL:
-                r._wait_rate = self._terminal_age_price * age_ms
+                r._wait_rate = self._terminal_age_price * age_ms * r.value_scale
             total_wait += r._wait_rate
             if r.cancelled or r.phase == PH_DRAINING:
                 continue
@@ -132,7 +132,7 @@ cdef class SelectionPolicy:
                 continue
             r._path_value = 0.0
             if r.phase <= PH_PREFILL:
-                r._path_value = self._path_value(r)
+                r._path_value = self._path_value(r) * r.value_scale
             if r.phase == PH_DECODE:
                 if r.finished or r.num_scheduled_samples >= r.max_output_tokens:
                     continue
@@ -155,6 +155,7 @@ cdef class SelectionPolicy:
                     pools[K_RESUME_SAMPLING].append(r)
                 elif r.phase == PH_INITIALIZE:
                     pools[K_INITIALIZE].append(r)
+            r._weight *= r.value_scale  # vLLM's priority
 
         candidates = []
         cdef int kind
@@ -465,8 +466,9 @@ cdef _Candidate _fcfs_choice(list candidates):
     """Baseline selection: first come, first served, prefill first.
 
     Work that moves a not-yet-decoding request forward (prefill and its
-    prerequisites, terminal snapshots) runs for the earliest arrival, with
-    the largest chunk it can use; otherwise every decoder decodes together.
+    prerequisites, terminal snapshots) runs for the earliest arrival (of the
+    lowest priority value), with the largest chunk it can use; otherwise every
+    decoder decodes together.
     """
     cdef _Candidate c, best = None
     cdef Request oldest = None, r
@@ -475,9 +477,10 @@ cdef _Candidate _fcfs_choice(list candidates):
             continue
         for x in c.requests:
             r = <Request>x
-            if oldest is None or r.arrival_ns < oldest.arrival_ns or (
-                r.arrival_ns == oldest.arrival_ns and r.generation < oldest.generation
-            ):
+            if oldest is None or r.priority < oldest.priority or (r.priority == oldest.priority and (
+                r.arrival_ns < oldest.arrival_ns
+                or (r.arrival_ns == oldest.arrival_ns and r.generation < oldest.generation)
+            )):
                 oldest = r
     for c in candidates:
         if oldest is not None:

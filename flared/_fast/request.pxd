@@ -88,6 +88,10 @@ cdef class Request:
     cdef readonly double token_ns_per_token
     cdef readonly double delivery_interval_ns
     cdef readonly double terminal_credit_ns
+    # vLLM's priority (lower runs sooner): the selection policy scales this request's value and waiting cost by
+    # value_scale = 2 ** -priority (priority clamped to +-16); FCFS orders by (priority, arrival).
+    cdef readonly int64_t priority
+    cdef readonly double value_scale
     # Scratch used by plan(); never read across calls.
     cdef double _weight
     cdef double _wait_rate

@@ -155,11 +155,13 @@ cdef class RequestScheduler:
         message_boundaries=(),
         conditioning=(),
         bint score_prompt=False,
+        int64_t priority=0,
     ):
         """Admit a request; returns its handle.
 
         ``message_boundaries``: token endpoints of complete messages (checkpoint
         candidates). ``conditioning``: (position, 32-byte identity) events.
+        ``priority``: vLLM's (lower runs sooner; Request.value_scale).
         Raises AdmissionError (CONTEXT_LENGTH, VALIDATION, MODEL_CAPACITY).
         """
         prompt = np.array(prompt_tokens, dtype=np.int32).reshape(-1)
@@ -249,6 +251,8 @@ cdef class RequestScheduler:
         # arrival order alone never ranks one request above another.
         r.token_price = 1.0
         r.delivery_price = 1.0
+        r.priority = priority
+        r.value_scale = 2.0 ** (-max(-16, min(16, priority)))
         if hit is not None:
             r.phase = PH_RESTORE
         elif self._initialize_state:

@@ -45,6 +45,9 @@ class GenerateRequest:
     # vLLM's cache_salt: the prefix cache reuses this request's prefixes only for requests with the same salt
     # (a conditioning identity at position 0), so tenants that do not share it cannot probe each other's prompts.
     cache_salt: str | None = None
+    # vLLM's priority: lower runs sooner (its value counts 2 ** -priority times; FCFS orders by it), and a lower
+    # value is admitted to a free slot before the waiting requests of higher values
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

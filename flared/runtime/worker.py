@@ -478,7 +478,7 @@ class ModelRuntime:
         for live in new:
             self._by_id[live.request.request_id] = live
             live.admitted_ns = time.monotonic_ns()
-            self._pending.append(live)
+            self._enqueue(live)
         for rid in cancels:
             live = self._by_id.get(rid)
             if live is None or live.terminal_sent:
@@ -493,6 +493,18 @@ class ModelRuntime:
                 self._end(live, "cancelled")
                 self._on_retired(self.scheduler.cancel(live.handle))
         return stopping
+
+    def _enqueue(self, live: _Live) -> None:
+        """Into the queue for a slot: behind every waiting request of the same or a lower priority value (vLLM's
+        priority; FIFO among equals)."""
+        pending = self._pending
+        if not pending or pending[-1].request.priority <= live.request.priority:
+            pending.append(live)
+            return
+        i = len(pending)
+        while i > 0 and pending[i - 1].request.priority > live.request.priority:
+            i -= 1
+        pending.insert(i, live)
 
     def _admit(self, now: int) -> None:
         while self._pending:
@@ -511,7 +523,8 @@ class ModelRuntime:
                     message_boundaries=req.message_endpoints if self.prefix_cache else (),
                     conditioning=conditioning,
                     # Scoring the whole prompt: no shared context to reuse, the scheduler's scored prefill fits.
-                    score_prompt=req.score_from is not None and req.score_from <= 1)
+                    score_prompt=req.score_from is not None and req.score_from <= 1,
+                    priority=req.priority)
                 if req.grammar is not None and live.grammar is None:
                     live.grammar = req.grammar.matcher()
                 if req.score_from is not None:

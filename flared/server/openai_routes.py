@@ -334,7 +334,7 @@ class OpenAIRoutes:
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                             params=sampling_params(self.state, opts, len(prompt), None, i),
                             stop_token_ids=_stop_ids(self.state, opts), grammar=grammar,
-                            cache_salt=req.extras.cache_salt)
+                            cache_salt=req.extras.cache_salt, priority=req.extras.priority)
             for i in range(opts.n)]
         gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
                                and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)
@@ -502,7 +502,8 @@ class OpenAIRoutes:
                 requests.append(GenerateRequest(
                     ids, (), sampling_params(self.state, req.options, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
                                              pi * n + j),
-                    _stop_ids(self.state, req.options), grammar=grammar, cache_salt=req.extras.cache_salt))
+                    _stop_ids(self.state, req.options), grammar=grammar, cache_salt=req.extras.cache_salt,
+                    priority=req.extras.priority))
         gen = self.state.start(requests, opts.stop, skip_special_tokens=opts.skip_special_tokens,
                                include_stop_str=opts.include_stop_str_in_output)
         request.disconnected.add_callback(gen.cancel)

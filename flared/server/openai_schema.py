@@ -105,6 +105,7 @@ class ResponseExtras:
     request_id: str | None = None  # the response id is "chatcmpl-<request_id>" / "cmpl-<request_id>"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     cache_salt: str | None = None  # prefix-cache reuse only among requests with the same salt
+    priority: int = 0  # lower runs sooner (flared.runtime.request.GenerateRequest.priority)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +375,8 @@ def _extras(body: dict, stream: bool) -> ResponseExtras:
     if salt is not None and not salt:
         raise _bad("cache_salt", "must be a non-empty string")
     return ResponseExtras(return_token_ids=_boolean(body, "return_token_ids"), request_id=request_id,
-                          continuous_usage=continuous, cache_salt=salt)
+                          continuous_usage=continuous, cache_salt=salt,
+                          priority=_integer(body, "priority", -(1 << 31), (1 << 31) - 1) or 0)
 
 
 # -- chat ------------------------------------------------------------------------------------------

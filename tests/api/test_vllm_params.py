@@ -261,3 +261,12 @@ def test_llama_cpp_samplers_through_extra_body(client):
     assert ids[0] == ids[1] and ids[2] != ids[0] and dry.choices[0].text.startswith(" la la")
     with pytest.raises(openai.BadRequestError, match="mirostat"):
         _chat(client, mirostat=7)
+
+
+def test_priority_is_accepted_and_checked(client):
+    """vLLM's priority (its effect on admission and selection is tested in tests/scheduler)."""
+    assert _chat(client, priority=-5).choices[0].message.content == ANSWER
+    assert client.completions.create(model="tiny", prompt="Sing: la", max_tokens=2, temperature=0,
+                                     extra_body={"priority": 3}).choices[0].text == " la la"
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        _chat(client, priority="high")

@@ -158,3 +158,38 @@ def test_checkpoint_extras_fit_the_extra_work_allowance():
     d.run()
     assert s.counters["publications"] >= 5
     s.check_integrity()
+
+
+def _served(priority_b, selection=None):
+    """Two requests of one prompt length, batch-1 graphs only: which prefills first, and how decode steps split."""
+    from flared.scheduler import Selection
+
+    shapes = [(DECODE, 1, 1), (PREFILL, 1, 64), (SNAPSHOT, 1, 0)]
+    s = make_scheduler(graph_shapes=shapes, prefill_chunk_size=64,
+                       selection=selection if selection is not None else Selection.VALUE_PER_DURATION)
+    a = s.admit(prompt(100, seed=1), 200, 0)
+    b = s.admit(prompt(100, seed=2), 200, 0, priority=priority_b)
+    d = Driver(s)
+    first = int(d.step().handles[0])
+    d.until_decoding(a, b)
+    served = {a: 0, b: 0}
+    for _ in range(60):
+        served[int(d.step().handles[0])] += 1
+    return s, a, b, first, served
+
+
+def test_priority_scales_a_request_s_value():
+    """vLLM's priority: lower runs sooner. The value policy counts a request's value (and its waiting cost) 2 **
+    -priority times, so of two equal requests the one at priority -2 prefills first and takes most decode steps
+    when only one can run; FCFS takes it first too."""
+    from flared.scheduler import Selection
+
+    s, a, b, first, plain = _served(0)
+    assert first == a and abs(plain[a] - plain[b]) <= 6, plain  # equals: arrival order, then fair shares
+    s, a, b, first, served = _served(-2)
+    assert (s.request(a).value_scale, s.request(b).value_scale, s.request(b).priority) == (1.0, 4.0, -2)
+    assert first == b and served[b] > 2 * served[a], served
+    _, a, b, first, _ = _served(-1, Selection.FCFS)
+    assert first == b
+    _, a, b, first, _ = _served(1, Selection.FCFS)
+    assert first == a
