@@ -1,4 +1,4 @@
-"""Embeddings: OpenAI's /v1/embeddings and Ollama's /api/embed and /api/embeddings.
+"""Embeddings: OpenAI's /v1/embeddings, Ollama's /api/embed and /api/embeddings, llama.cpp's /embedding.
 
 The served model is a decoder; an input's embedding is its final-normed hidden state pooled over its tokens
 (``ServerConfig.embedding_pooling``: the last token's, as embedding models built on decoders pool, or the mean),
@@ -14,6 +14,11 @@ Rules:
 - ``dimensions`` other than the model's hidden size is a 400: these vectors cannot be shortened.
 - ``encoding_format: base64`` returns each vector as the base64 of its little-endian float32 bytes (the
   OpenAI SDK asks for it whenever numpy is installed).
+- llama.cpp's /embedding (also /embeddings) takes ``content`` (or ``input``) as /v1/embeddings takes ``input``
+  and ``embd_normalize``: -1 none, 0 max-absolute scaled to int16's range (32760), 1 taxicab, 2 Euclidean (the
+  default), p > 2 the p-norm. It answers ``[{"index": i, "embedding": [vector]}]``: one pooled vector per input,
+  in a list (llama.cpp's shape; it lists every token's vector only without pooling, which this server always
+  does).
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ class EmbeddingRoutes:
         router.add("POST", "/v1/embeddings", self.openai, admit=True)
         router.add("POST", "/api/embed", _ollama_errors(self.ollama_embed), admit=True)
         router.add("POST", "/api/embeddings", _ollama_errors(self.ollama_embeddings), admit=True)
+        router.add("POST", "/embedding", self.llamacpp, admit=True)
+        router.add("POST", "/embeddings", self.llamacpp, admit=True)
 
     async def openai(self, request: Request) -> Response:
         body = request.json()
@@ -165,3 +172,29 @@ class EmbeddingRoutes:
         ids = await tokenize_inputs(self.state, [prompt], truncate=True)
         vectors = await self.state.embed(ids, normalize=False)
         return Response.json({"embedding": vectors[0].tolist()})
+
+    async def llamacpp(self, request: Request) -> Response:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        field = "content" if "content" in body else "input"
+        try:
+            items = parse_openai_input({"input": body.get(field)})
+            norm = _integer(body, "embd_normalize", -1, 1 << 10)
+            norm = 2 if norm is None else norm
+            ids = await tokenize_inputs(self.state, items)
+        except AdmissionError as e:  # name the field the client sent
+            if getattr(e, "param", None) == "input" and field == "content":
+                e.args = (str(e).replace("'input'", "'content'", 1),)
+                e.param = "content"
+            raise
+        vectors = await self.state.embed(ids, normalize=False)
+
+        def respond() -> Response:
+            v = vectors.float()
+            if norm == 0:
+                v = v * (32760.0 / v.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30))
+            elif norm > 0:
+                v = v / v.abs().pow(norm).sum(dim=-1, keepdim=True).pow(1.0 / norm).clamp_min(1e-30)
+            return Response.json([{"index": i, "embedding": [row]} for i, row in enumerate(v.tolist())])
+        return await self.state._in_pool(respond)

@@ -139,3 +139,26 @@ def _metric(daemon, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_llama_cpp_embedding_and_its_normalizations(daemon, reference):
+    """llama.cpp's /embedding: one pooled vector per input, in a list, normalized as embd_normalize says (the
+    default Euclidean: transformers' hidden state at unit length); `content` or `input`."""
+    status, r = daemon.request("POST", "/embedding", {"content": TEXTS[0]})
+    assert status == 200 and [e["index"] for e in r] == [0] and len(r[0]["embedding"]) == 1
+    _close(r[0]["embedding"][0], reference(TEXTS[0])[1], 1e-4)
+    status, raw = daemon.request("POST", "/embeddings", {"input": TEXTS[:2], "embd_normalize": -1})
+    assert status == 200 and [e["index"] for e in raw] == [0, 1]
+    _, legacy = daemon.request("POST", "/api/embeddings", {"model": "tiny", "prompt": TEXTS[0]})
+    _close(raw[0]["embedding"][0], legacy["embedding"], 1e-5)  # -1: as it is
+    v = torch.tensor(raw[0]["embedding"][0])
+    for norm, check in ((0, lambda x: x.abs().max().item() - 32760), (1, lambda x: x.abs().sum().item() - 1),
+                        (2, lambda x: x.norm().item() - 1), (3, lambda x: x.abs().pow(3).sum().item() - 1)):
+        _, got = daemon.request("POST", "/embedding", {"content": TEXTS[0], "embd_normalize": norm})
+        x = torch.tensor(got[0]["embedding"][0])
+        assert abs(check(x)) < 1e-3 * (32760 if norm == 0 else 1)
+        assert torch.nn.functional.cosine_similarity(x, v, dim=0).item() > 0.9999  # the same direction
+    for body, needle in (({"content": 5}, "'content'"), ({"input": ""}, "'input'"),
+                         ({"content": "x", "embd_normalize": "two"}, "'embd_normalize'"), ({}, "'input'")):
+        status, err = daemon.request("POST", "/embedding", body)
+        assert status == 400 and err["error"]["message"].startswith(needle), err
