@@ -91,7 +91,8 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "ll ldw alloc": {"LL": 1, "LDW_NOALLOC": 0},
     "res no P2": {"RES": 1, "SKIP": 2},
     "no res no P2": {"RES": 0, "SKIP": 2},
-    # the resident build's shared memory (8B: 194,288 B) without residence: what the smaller L1 costs
+    # plain builds padded to the first resident build's shared memory (8B: 194,288 B, fifteenth session): what a
+    # smaller L1 costs
     "no res pad": {"RES": 0, "SMEM_PAD": 194288 - 157412},
     "no res pad alloc": {"RES": 0, "SMEM_PAD": 194288 - 157412, "LDW_NOALLOC": 0},
 }

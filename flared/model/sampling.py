@@ -575,7 +575,8 @@ class Sampler:
             b = torch.log(head[:-1] / head[1:])
             s_hat = (t * b).sum() / (t * t).sum()
             eps = s_hat - 1
-            k = ((eps * torch.exp2(mu)) / (1 - torch.pow(torch.tensor(float(vocab), device=x.device), -eps))) ** (1 / s_hat)
+            n = torch.tensor(float(vocab), device=x.device)
+            k = ((eps * torch.exp2(mu)) / (1 - torch.pow(n, -eps))) ** (1 / s_hat)
             k = torch.nan_to_num(k, nan=1.0, posinf=float(vocab)).clamp(1, vocab).floor()
             keep_sorted = torch.arange(vocab, device=x.device) < k
             keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)

@@ -80,7 +80,8 @@ __device__ __forceinline__ float round_bf(float f) { return bf2f(f2bf(f)); }
 __device__ __forceinline__ uint4 ld_weight(const bf16* p) {
 #if LDW_NOALLOC
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 #else
     return __ldg((const uint4*)p);
@@ -226,7 +227,7 @@ __device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag
 #ifndef RES_TAIL
 #define RES_TAIL 0  // keys past RES_CAP a resident launch stages in `vec` during P2 (a multiple of 16)
 #endif
-#define RS (D + 8)  // the stride of the queries' rows in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
+#define RS (D + 8)  // the queries' row stride in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
 #define GQ (NH / NKV)
 #if RES && RES_TAIL * 4 * D > R * KMAX * 2
 #error "RES_TAIL keys do not fit the vector buffer"
@@ -672,7 +673,8 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
 
-    const unsigned int qaddr = (unsigned int)__cvta_generic_to_shared(qb + ((lane / 8) % 2 * 8 + lane % 8) * RS + lane / 16 * 8);
+    const unsigned int qaddr =
+        (unsigned int)__cvta_generic_to_shared(qb + ((lane / 8) % 2 * 8 + lane % 8) * RS + lane / 16 * 8);
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  // rows gi and gi + 8 (query heads of the group)
     float o[D / 8][4];
 #pragma unroll
@@ -892,7 +894,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         bf16* qb = (bf16*)sm.qs;
         for (int i = GQ * RS + threadIdx.x; i < 16 * RS; i += THREADS) qb[i] = 0;
         if (res_g >= 0)
-            res_copy<true>(k_pool, v_pool, block_tables, res_g, 0, min(sm.ctx[0] - 1, RES_CAP), ResRows{sm.kres, sm.vec});
+            res_copy<true>(k_pool, v_pool, block_tables, res_g, 0, min(sm.ctx[0] - 1, RES_CAP),
+                           ResRows{sm.kres, sm.vec});
     }
 
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
