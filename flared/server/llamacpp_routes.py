@@ -33,7 +33,7 @@ from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, HttpError, error_response
-from flared.server.openai_routes import _check_vocab, _stop_ids, sampling_params
+from flared.server.openai_routes import _check_vocab, _stop_ids, prepare_samplers, sampling_params
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
                                          _string, _type, llama_penalties, llama_samplers)
 from flared.server.structured import compile_grammar, parse_extra_constraints
@@ -231,6 +231,7 @@ class LlamaCppRoutes:
             async def only(w: ResponseWriter) -> None:
                 await w.send_json_event(summary)
             return StreamingResponse(only, headers=[("cache-control", "no-cache")])
+        await prepare_samplers(self.state, opts)
         req = GenerateRequest(tuple(ids), (), sampling_params(self.state, opts, len(ids), None, 0),
                               _stop_ids(self.state, opts), grammar=grammar)
         gen = self.state.start([req], opts.stop)

@@ -46,7 +46,8 @@ from flared.runtime.request import GenerateRequest
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
-from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
+from flared.server.openai_routes import (OutputShape, _stop_ids, check_model, prepare_samplers, sampling_params,
+                                         token_logprobs)
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type,
                                          llama_penalties, llama_samplers, parse_tools, reasoning_effort_kwargs)
 from flared.server.structured import compile_grammar, parse_ollama_format
@@ -284,6 +285,7 @@ class OllamaRoutes:
     async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools):
         options = _options(self.state, body, len(prompt))
         grammar = await compile_grammar(self.state, parse_ollama_format(body.get("format")))
+        await prepare_samplers(self.state, options)
         shape = OutputShape(self.state, rendered_text, tools)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),

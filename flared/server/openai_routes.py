@@ -108,6 +108,13 @@ def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:
             "dry_breakers": dry_breaker_ids(state.frontend, state.vocab_size, opts.dry_sequence_breakers)}
 
 
+async def prepare_samplers(state, opts: SamplingOptions) -> None:
+    """Finding DRY's breaker tokens reads every token's text (tens of milliseconds for a new set of breakers): done
+    on a frontend worker before sampling_params needs it, not on the event loop."""
+    if opts.dry_multiplier > 0 and opts.dry_penalty_last_n != 0:
+        await state._in_pool(lambda: dry_breaker_ids(state.frontend, state.vocab_size, opts.dry_sequence_breakers))
+
+
 @functools.lru_cache(maxsize=4)
 def _token_texts(fe, vocab_size: int) -> tuple[str, ...]:
     """Every token's text (special tokens' too; '' past the tokenizer's ids), once per frontend (SmolLM2's 49k
@@ -330,6 +337,7 @@ class OpenAIRoutes:
         if req.forced_tool is not None:
             spec = force_tool_call(shape, req.tools, req.forced_tool)
         grammar = await compile_grammar(self.state, spec)
+        await prepare_samplers(self.state, opts)
         requests = [
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                             params=sampling_params(self.state, opts, len(prompt), None, i),
@@ -496,6 +504,7 @@ class OpenAIRoutes:
         if req.score_only:
             return self._scored_only(req, rid, prompts, echo, prompt_lps, vllm_lps)
         grammar = await compile_grammar(self.state, req.response_format)
+        await prepare_samplers(self.state, req.options)
         requests = []
         for pi, ids in enumerate(prompts):
             for j in range(n):
