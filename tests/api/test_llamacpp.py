@@ -157,3 +157,19 @@ def test_slots_show_the_live_requests(daemon):
         conn.close()
     status, err = daemon.request("POST", "/slots/0?action=save", {"filename": "x.bin"})
     assert status == 400 and "not supported" in err["error"]["message"]
+    # every slot busy: fail_on_no_slot answers 503, without it the listing still comes
+    conns = [http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60) for _ in range(props["total_slots"])]
+    try:
+        for c in conns:
+            c.request("POST", "/completion", body=json.dumps({"prompt": SING, "n_predict": 1000, "temperature": 0,
+                                                               "stream": True}),
+                      headers={"content-type": "application/json"})
+        held = [c.getresponse() for c in conns]  # unread: each request stays live until its connection closes
+        assert all(r.status == 200 and r.readline().startswith(b"data: ") for r in held)
+        status, full = daemon.request("GET", "/slots?fail_on_no_slot=1")
+        assert status == 503 and full["error"]["message"] == "no slot available"
+        status, listing = daemon.request("GET", "/slots")
+        assert status == 200 and all(s["is_processing"] for s in listing)
+    finally:
+        for c in conns:
+            c.close()
