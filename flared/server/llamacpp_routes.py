@@ -109,7 +109,8 @@ class LlamaCppRoutes:
                 p = row["params"]
                 entry.update(
                     id_task=row["request_id"], n_prompt_tokens=row["prompt_len"],
-                    n_prompt_tokens_processed=row["prompt_consumed"], phase=row["phase"],
+                    # the scheduler's consumed count goes on through the output's tokens
+                    n_prompt_tokens_processed=min(row["prompt_consumed"], row["prompt_len"]), phase=row["phase"],
                     params={"n_predict": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
                             "top_p": p.top_p, "min_p": p.min_p, "typical_p": p.typical_p,
                             "repeat_penalty": p.repetition_penalty, "repeat_last_n": p.penalty_last_n,
@@ -117,7 +118,8 @@ class LlamaCppRoutes:
                             "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
                             "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
                             "dry_multiplier": p.dry_multiplier, "dry_base": p.dry_base,
-                            "dry_allowed_length": p.dry_allowed_length, "dry_penalty_last_n": p.dry_penalty_last_n,
+                            "dry_allowed_length": p.dry_allowed_length,
+                            "dry_penalty_last_n": p.dry_penalty_last_n or -1,  # the sampler's 0 is llama.cpp's -1
                             "seed": p.seed if p.seed is not None else -1, "n_probs": p.logprobs or 0},
                     next_token={"has_next_token": True, "has_new_line": False, "n_remain": p.max_tokens - row["output"],
                                 "n_decoded": row["output"], "stopping_word": ""})

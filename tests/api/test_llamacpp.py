@@ -153,6 +153,7 @@ def test_slots_show_the_live_requests(daemon):
         (mine,) = [s for s in busy if s["is_processing"]]
         assert mine["params"]["n_predict"] == 400 and mine["params"]["mirostat"] == 2 and mine["id_task"] >= 0
         assert 0 < mine["next_token"]["n_decoded"] < 400 and mine["n_prompt_tokens"] > 0 and "prompt" not in mine
+        assert mine["n_prompt_tokens_processed"] == mine["n_prompt_tokens"]  # decoding: the whole prompt is in
     finally:
         conn.close()
     status, err = daemon.request("POST", "/slots/0?action=save", {"filename": "x.bin"})
