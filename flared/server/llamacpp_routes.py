@@ -96,10 +96,10 @@ class LlamaCppRoutes:
         ``?fail_on_no_slot=1``, a 503 when every slot is busy, as llama.cpp."""
         m = self.state.manifest
         context = m.capacities.context_tokens
-        live = {row["slot"]: row for row in self.state.runtime.request_rows()}
         if request.query.get("fail_on_no_slot", ["0"])[-1] not in ("", "0", "false") and \
-                len(live) >= m.capacities.concurrency:
+                self.state.runtime.snapshot().get("live_slots", 0) >= m.capacities.concurrency:
             raise HttpError(503, "no slot available", type="unavailable_error", code="unavailable")
+        live = {row["slot"]: row for row in self.state.runtime.request_rows()}
         out = []
         for slot in range(m.capacities.concurrency):
             row = live.get(slot)
