@@ -190,20 +190,13 @@ class SequenceSamplingState:
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the sampler's device
     banned_ids: torch.Tensor | None = None  # params.min_tokens_banned on the sampler's device
-    # penalty_last_n: the window's last tokens, a ring on the device; the next write position and how many it
-    # holds are known on the host (they advance by one per drawn token), so keeping it costs no sync
-    window: torch.Tensor | None = None
-    window_next: int = 0
-    window_filled: int = 0
-    # bad_words: (prefix on the device, last token) per sequence, and the output's last tokens (as many as the
-    # longest prefix), newest last, on the device
-    bad: list | None = None
-    recent: torch.Tensor | None = None
-    thinking_open: torch.Tensor | None = None  # thinking budget: no end token drawn yet (a device bool)
-    mirostat_mu: torch.Tensor | None = None  # mirostat's running surprise bound (a device float, 2 tau at first)
-    # DRY: prompt and output tokens in order on the device (their count known on the host), and the breakers
+    # The prompt's and output's tokens in order on the device, their count known on the host (one more per drawn
+    # token, so keeping it costs no sync): what penalty_last_n's window, bad_words and DRY look back at
     history: torch.Tensor | None = None
     history_len: int = 0
+    bad: list | None = None  # bad_words: (prefix on the device, last token) per sequence
+    thinking_open: torch.Tensor | None = None  # thinking budget: no end token drawn yet (a device bool)
+    mirostat_mu: torch.Tensor | None = None  # mirostat's running surprise bound (a device float, 2 tau at first)
     dry_breaker_ids: torch.Tensor | None = None
 
     @property
@@ -212,7 +205,7 @@ class SequenceSamplingState:
         a thinking budget, DRY)."""
         p = self.params
         return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
-                or bool(p.bad_words) or self.thinking_open is not None or self.history is not None
+                or bool(p.bad_words) or self.thinking_open is not None or p.uses_dry
                 or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
 
 
@@ -285,19 +278,18 @@ class Sampler:
             state.thinking_open = torch.tensor(is_open, dtype=torch.bool, device=self.device)
         if params.mirostat:
             state.mirostat_mu = torch.tensor(2.0 * params.mirostat_tau, dtype=torch.float32, device=self.device)
-        if params.uses_dry:
+        windowed = params.uses_penalties and params.penalty_last_n > 0
+        if params.uses_dry or params.bad_words or windowed:
             prompt = list(prompt_token_ids)
             state.history = torch.zeros(len(prompt) + params.max_tokens, dtype=torch.int64, device=self.device)
             if prompt:
                 state.history[:len(prompt)] = torch.as_tensor(prompt, dtype=torch.int64).to(self.device)
             state.history_len = len(prompt)
+        if params.uses_dry:
             state.dry_breaker_ids = torch.tensor(sorted(params.dry_breakers), dtype=torch.int64, device=self.device)
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
-            longest = max(len(seq) for seq in params.bad_words)
-            if longest > 1:
-                state.recent = torch.full((longest - 1,), -1, dtype=torch.int64, device=self.device)
         if params.uses_penalties:
             if not self._free_slots:
                 raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
@@ -305,17 +297,11 @@ class Sampler:
             state.penalty_slot = slot
             self.output_counts[slot].zero_()
             self.prompt_mask[slot].zero_()
-            if params.penalty_last_n > 0:
+            if windowed:
                 # llama.cpp's window: the counts cover the prompt's last N tokens and then the output's
-                n = params.penalty_last_n
-                tail = list(prompt_token_ids)[-n:]
-                state.window = torch.zeros(n, dtype=torch.int64, device=self.device)
-                if tail:
-                    ids = torch.as_tensor(tail, dtype=torch.int64).to(self.device)
-                    state.window[:len(tail)] = ids
+                ids = state.history[max(0, state.history_len - params.penalty_last_n):state.history_len]
+                if ids.numel():
                     self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-                state.window_filled = len(tail)
-                state.window_next = len(tail) % n
                 return state
             ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.int64).to(self.device)
             if ids.numel():
@@ -362,34 +348,26 @@ class Sampler:
             if max_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
 
-        for i, s in enumerate(states):  # bad_words: the output's newest tokens; a thinking budget: ended yet?
-            if s.history is not None and s.history_len < s.history.numel():  # DRY's history
-                s.history[s.history_len:s.history_len + 1] = token_ids[i:i + 1]
-                s.history_len += 1
-            if s.recent is not None:
-                s.recent.copy_(torch.cat([s.recent[1:], token_ids[i:i + 1]]))
+        for i, s in enumerate(states):  # a thinking budget: ended yet?
             if s.thinking_open is not None:
                 if s.params.thinking_start is not None:
                     s.thinking_open |= token_ids[i] == s.params.thinking_start
                 s.thinking_open &= token_ids[i] != s.params.thinking_end
         if penalty_rows:
             for i in penalty_rows:  # a full window forgets its oldest token as the new one enters
-                s = states[i]
-                if s.window is not None and s.window_filled == s.window.numel():
-                    oldest = s.window[s.window_next:s.window_next + 1]
+                s, n = states[i], states[i].params.penalty_last_n
+                if n and s.history_len >= n:
+                    oldest = s.history[s.history_len - n:s.history_len - n + 1]
                     self.output_counts[s.penalty_slot].index_add_(0, oldest, torch.full_like(oldest, -1,
                                                                                              dtype=torch.int32))
             slots = torch.tensor([states[i].penalty_slot for i in penalty_rows], dtype=torch.int64, device=self.device)
             chosen_tokens = token_ids.index_select(0, torch.tensor(penalty_rows, dtype=torch.int64, device=self.device))
             self.output_counts.index_put_((slots, chosen_tokens),
                                           torch.ones_like(chosen_tokens, dtype=torch.int32), accumulate=True)
-            for k, i in enumerate(penalty_rows):
-                s = states[i]
-                if s.window is not None:
-                    s.window[s.window_next:s.window_next + 1] = chosen_tokens[k:k + 1]
-                    s.window_next = (s.window_next + 1) % s.window.numel()
-                    s.window_filled = min(s.window_filled + 1, s.window.numel())
-        for s in states:
+        for i, s in enumerate(states):
+            if s.history is not None and s.history_len < s.history.numel():
+                s.history[s.history_len:s.history_len + 1] = token_ids[i:i + 1]
+                s.history_len += 1
             s.num_output_tokens += 1
         return out
 
@@ -418,7 +396,7 @@ class Sampler:
         if penalty_rows:
             self._apply_penalties(logits, states, penalty_rows)
         for i, s in enumerate(states):
-            if s.history is not None:
+            if s.params.uses_dry:
                 self._apply_dry(logits[i], s)
         return logits
 
@@ -465,8 +443,8 @@ class Sampler:
             n = prefix.numel()
             if n == 0:
                 row[last] = float("-inf")
-            elif n <= state.num_output_tokens:
-                hit = (state.recent[-n:] == prefix).all()
+            elif n <= state.num_output_tokens:  # the output's last n tokens
+                hit = (state.history[state.history_len - n:state.history_len] == prefix).all()
                 row[last] = torch.where(hit, torch.full((), float("-inf"), device=row.device), row[last])
 
     def _yield_to_grammar(self, raw: torch.Tensor, logits: torch.Tensor, states: list[SequenceSamplingState]) -> None:
