@@ -39,6 +39,22 @@ from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
 
+# llama.cpp's names for the sampling settings, beside the attribute SamplingOptions and SamplingParams both give them
+_SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+             ("typical_p", "typical_p"), ("repeat_penalty", "repetition_penalty"), ("repeat_last_n", "penalty_last_n"),
+             ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+             ("mirostat", "mirostat"), ("mirostat_tau", "mirostat_tau"), ("mirostat_eta", "mirostat_eta"),
+             ("xtc_probability", "xtc_probability"), ("xtc_threshold", "xtc_threshold"),
+             ("dry_multiplier", "dry_multiplier"), ("dry_base", "dry_base"), ("dry_allowed_length", "dry_allowed_length"),
+             ("seed", "seed"))
+
+
+def _settings(x) -> dict[str, Any]:
+    """The sampling settings of ``x`` (a request's SamplingOptions, or a live request's SamplingParams) under
+    llama.cpp's names; unset ones left out."""
+    return {name: getattr(x, attr) for name, attr in _SETTINGS if getattr(x, attr) is not None}
+
+
 def _logit_bias(value: Any) -> dict[int, float] | None:
     if value is None:
         return None
@@ -111,16 +127,9 @@ class LlamaCppRoutes:
                     id_task=row["request_id"], n_prompt_tokens=row["prompt_len"],
                     # the scheduler's consumed count goes on through the output's tokens
                     n_prompt_tokens_processed=min(row["prompt_consumed"], row["prompt_len"]), phase=row["phase"],
-                    params={"n_predict": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
-                            "top_p": p.top_p, "min_p": p.min_p, "typical_p": p.typical_p,
-                            "repeat_penalty": p.repetition_penalty, "repeat_last_n": p.penalty_last_n,
-                            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-                            "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau, "mirostat_eta": p.mirostat_eta,
-                            "xtc_probability": p.xtc_probability, "xtc_threshold": p.xtc_threshold,
-                            "dry_multiplier": p.dry_multiplier, "dry_base": p.dry_base,
-                            "dry_allowed_length": p.dry_allowed_length,
-                            "dry_penalty_last_n": p.dry_penalty_last_n or -1,  # the sampler's 0 is llama.cpp's -1
-                            "seed": p.seed if p.seed is not None else -1, "n_probs": p.logprobs or 0},
+                    params={**_settings(p), "n_predict": p.max_tokens, "seed": p.seed if p.seed is not None else -1,
+                            "n_probs": p.logprobs or 0,
+                            "dry_penalty_last_n": p.dry_penalty_last_n or -1},  # the sampler's 0 is llama.cpp's -1
                     next_token={"has_next_token": True, "has_new_line": False, "n_remain": p.max_tokens - row["output"],
                                 "n_decoded": row["output"], "stopping_word": ""})
             out.append(entry)
@@ -283,16 +292,10 @@ class LlamaCppRoutes:
         out = {
             "index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True,
             "model": self.state.manifest.model_name, "tokens_predicted": predicted, "tokens_evaluated": len(ids),
-            "generation_settings": {**self._defaults(), **{k: v for k, v in (
-                ("temperature", opts.temperature), ("top_k", opts.top_k), ("top_p", opts.top_p),
-                ("min_p", opts.min_p), ("typical_p", opts.typical_p), ("repeat_penalty", opts.repetition_penalty),
-                ("repeat_last_n", opts.penalty_last_n), ("seed", opts.seed),
-                ("n_predict", opts.max_tokens)) if v is not None}, "stop": list(opts.stop),
-                "n_probs": opts.logprobs or 0, "mirostat": opts.mirostat, "mirostat_tau": opts.mirostat_tau,
-                "mirostat_eta": opts.mirostat_eta, "xtc_probability": opts.xtc_probability,
-                "xtc_threshold": opts.xtc_threshold, "dry_multiplier": opts.dry_multiplier,
-                "dry_base": opts.dry_base, "dry_allowed_length": opts.dry_allowed_length,
-                "dry_penalty_last_n": opts.dry_penalty_last_n,
+            "generation_settings": {
+                **self._defaults(), **_settings(opts),
+                **({"n_predict": opts.max_tokens} if opts.max_tokens is not None else {}), "stop": list(opts.stop),
+                "n_probs": opts.logprobs or 0, "dry_penalty_last_n": opts.dry_penalty_last_n,
                 "dry_sequence_breakers": list(opts.dry_sequence_breakers)},
             "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,
             "stop_type": stop_type, "stopping_word": stopping_word, "tokens_cached": cached,

@@ -100,7 +100,7 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
 
 
 def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:
-    if not opts.dry_multiplier > 0 or opts.dry_penalty_last_n == 0:  # llama.cpp: a window of 0 turns DRY off
+    if not opts.uses_dry:
         return {}
     return {"dry_multiplier": opts.dry_multiplier, "dry_base": opts.dry_base,
             "dry_allowed_length": opts.dry_allowed_length,
@@ -111,7 +111,7 @@ def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:
 async def prepare_samplers(state, opts: SamplingOptions) -> None:
     """Finding DRY's breaker tokens reads every token's text (tens of milliseconds for a new set of breakers): done
     on a frontend worker before sampling_params needs it, not on the event loop."""
-    if opts.dry_multiplier > 0 and opts.dry_penalty_last_n != 0:
+    if opts.uses_dry:
         await state._in_pool(lambda: dry_breaker_ids(state.frontend, state.vocab_size, opts.dry_sequence_breakers))
 
 

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.model.sampling import SamplingParams
 from flared.server.structured import (
     ForcedToolChoice, GrammarSpec, parse_extra_constraints, parse_openai_forced_tool_choice, parse_response_format,
 )
@@ -61,17 +62,21 @@ class SamplingOptions:
     # llama.cpp's and Ollama's sampling (their routes)
     typical_p: float | None = None  # locally typical sampling
     penalty_last_n: int = 0  # repeat_last_n: the penalties' window (0 here: vLLM's whole-history penalties)
-    # llama.cpp's mirostat, XTC and DRY (flared.model.sampling.SamplingParams says what each does)
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1: the whole context
-    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    # llama.cpp's mirostat, XTC and DRY, with SamplingParams' defaults (which says what each does)
+    mirostat: int = SamplingParams.mirostat
+    mirostat_tau: float = SamplingParams.mirostat_tau
+    mirostat_eta: float = SamplingParams.mirostat_eta
+    xtc_probability: float = SamplingParams.xtc_probability
+    xtc_threshold: float = SamplingParams.xtc_threshold
+    dry_multiplier: float = SamplingParams.dry_multiplier
+    dry_base: float = SamplingParams.dry_base
+    dry_allowed_length: int = SamplingParams.dry_allowed_length
+    dry_penalty_last_n: int = -1  # llama.cpp's -1: the whole context (SamplingParams' 0); 0: DRY off
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")  # llama.cpp's; SamplingParams takes token ids
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +329,8 @@ def llama_samplers(body: dict) -> dict[str, Any]:
         value = _number(body, field, lo, hi)
         if value is not None:
             out[field] = value
-    for field, lo in (("mirostat", 0), ("dry_allowed_length", 0), ("dry_penalty_last_n", -1)):
-        value = _integer(body, field, lo, 2 if field == "mirostat" else 1 << 31)
+    for field, lo, hi in (("mirostat", 0, 2), ("dry_allowed_length", 0, 1 << 31), ("dry_penalty_last_n", -1, 1 << 31)):
+        value = _integer(body, field, lo, hi)
         if value is not None:
             out[field] = value
     breakers = body.get("dry_sequence_breakers")
@@ -335,7 +340,7 @@ def llama_samplers(body: dict) -> dict[str, Any]:
             raise _bad("dry_sequence_breakers", f"must be a non-empty array of at most {MAX_DRY_BREAKERS} "
                        "non-empty strings")
         out["dry_sequence_breakers"] = tuple(breakers)
-    if out.get("dry_multiplier", 0.0) > 0 and out.get("dry_base", 1.75) < 1:
+    if out.get("dry_multiplier", 0.0) > 0 and out.get("dry_base", SamplingParams.dry_base) < 1:
         raise _bad("dry_base", f"must be >= 1 when dry_multiplier is set, got {out['dry_base']}")
     return out
 
