@@ -11,7 +11,7 @@ It is compiled with NVRTC through CuPy, once per (model shape, row count), with 
 compile-time constants. It serves bfloat16 Llama-family decoders (the rotary tables already carry any
 rope scaling) with head dims 64 or 128, no q/k norm and no sliding window (``unsupported`` says why
 not otherwise). It can gather the rows' embeddings itself (``tokens``) and, compiled with
-``head=True``, run the LM head and greedy argmax too (``head_inside`` says for which models).
+``head=True``, run the LM head and greedy argmax too (``HEAD_INSIDE``: by default).
 ``PagedCudaDecoder.calibrate`` times it against the other decode paths and keeps it only where it is
 faster.
 """
@@ -126,30 +126,33 @@ def split_keys_for(model, low_latency: bool) -> int:
     return SPLIT_KEYS if threads_for(model) == SHORT_ROW_THREADS else LONG_ROW_SPLIT_KEYS
 
 
-def head_inside(model) -> bool:
-    """Whether the LM head, the logits writes and greedy argmax run inside the megakernel by default: yes. A
-    short-row model's step is latency-bound, so the kernels saved count (SmolLM2-135M, one row at 256 tokens: 617
-    vs 635 us per step); at 8B the head is a 1 GB product that the kernel's weight loads (L1::no_allocate) now
-    stream faster than cuBLAS (H200, one row at 256 tokens: 3,937-3,949 vs 3,956-3,958 us per step)."""
-    return True
+# The LM head, the logits writes and greedy argmax run inside the megakernel by default, on every model. A short-row
+# model's step is latency-bound, so the kernels saved count (SmolLM2-135M, one row at 256 tokens: 617 vs 635 us per
+# step); at 8B the head is a 1 GB product that the kernel's weight loads (L1::no_allocate) stream faster than cuBLAS
+# (H200, one row at 256 tokens: 3,937-3,949 vs 3,956-3,958 us per step). FLARED_MEGAKERNEL_HEAD=0 pins it off.
+HEAD_INSIDE = True
+
+
+def _layout_bytes(model, rows: int, threads: int, resident: bool) -> int:
+    """The ``Smem`` layout's bytes before a resident build's region (which then starts 16-byte aligned); a resident
+    build stages its V tiles in that region, not in ``vec``."""
+    c = model.config
+    h, d = c.hidden_size, c.head_dim
+    kmax = _widest(c)
+    warps = threads // 32
+    vec = rows * kmax if resident else max(rows * kmax, warps * 32 * d)  # product inputs, or the staged V tiles
+    red = -(-(warps * rows + rows) // 4) * 4
+    return (vec * 2 + rows * h * 2 + -(-h // 8) * 8 * 2 + red * 4 + warps * d * 4 + d * 4 + 2 * warps * 4
+            + 2 * rows * d * 4 + 2 * rows * 8 + rows * 4)
 
 
 def shared_bytes(model, rows: int, threads: int | None = None, res_cap: int | None = None) -> int:
     """The kernel's dynamic shared memory (its ``Smem`` layout). ``res_cap``: a resident-attention build
-    holding that many keys (``resident_cap``): its V tiles are staged in the resident region, not ``vec``."""
-    c = model.config
-    h, d = c.hidden_size, c.head_dim
+    holding that many keys (``resident_cap``)."""
     threads = threads or threads_for(model)
-    kmax = _widest(c)
-    warps = threads // 32
-    # product inputs, or the warps' staged V tiles
-    vec = rows * kmax if res_cap is not None else max(rows * kmax, warps * 32 * d)
-    red = -(-(warps * rows + rows) // 4) * 4
-    base = (vec * 2 + rows * h * 2 + -(-h // 8) * 8 * 2 + red * 4 + warps * d * 4 + d * 4 + 2 * warps * 4
-            + 2 * rows * d * 4 + 2 * rows * 8 + rows * 4)
     if res_cap is None:
-        return base
-    return -(-base // 16) * 16 + _resident_region(model, threads, res_cap)
+        return _layout_bytes(model, rows, threads, False)
+    return -(-_layout_bytes(model, rows, threads, True) // 16) * 16 + _resident_region(model, threads, res_cap)
 
 
 def _resident_region(model, threads: int, cap: int) -> int:
@@ -172,7 +175,7 @@ def resident_cap(model, threads: int, limit: int) -> int:
     ``limit`` (at most RESIDENT_SHARED_BYTES) bytes of shared memory a block; 0 where fewer than 16 or the
     region does not fit."""
     c = model.config
-    base = -(-shared_bytes(model, 1, threads, res_cap=0) // 16) * 16 - _resident_region(model, threads, 0)
+    base = -(-_layout_bytes(model, 1, threads, True) // 16) * 16
     limit = min(limit, RESIDENT_SHARED_BYTES)
     cap = min(RESIDENT_MAX_KEYS, max(0, limit - base) // (4 * c.head_dim) // 16 * 16)
     return cap if cap >= 16 and shared_bytes(model, 1, threads, res_cap=cap) <= limit else 0

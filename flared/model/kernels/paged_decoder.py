@@ -137,10 +137,10 @@ class PagedCudaDecoder:
         # Steps whose longest context is longer run the plain graphs (GraphSet.pick_decode): the megakernel's
         # attention is one block per (row, head), the split kernels spread long contexts wider.
         self.mega_max_context = int(os.environ.get("FLARED_MEGAKERNEL_MAX_CONTEXT", megakernel.MAX_CONTEXT))
-        # The LM head, logits writes and greedy argmax inside the megakernel too where megakernel.head_inside
-        # says; FLARED_MEGAKERNEL_HEAD=0/1 pins it.
+        # The LM head, logits writes and greedy argmax inside the megakernel too (megakernel.HEAD_INSIDE);
+        # FLARED_MEGAKERNEL_HEAD=0/1 pins it.
         pinned_head = os.environ.get("FLARED_MEGAKERNEL_HEAD")
-        self.mega_head = megakernel.head_inside(model) if pinned_head is None else pinned_head != "0"
+        self.mega_head = megakernel.HEAD_INSIDE if pinned_head is None else pinned_head != "0"
         # Decode batches of at least LT_MIN_ROWS rows whose products run through cuBLASLt instead of cuBLAS, where
         # calibrate finds it faster (8B at 64 rows on the H200: 5,480 vs 5,717 us a step). Half precision only (float32
         # keeps cuBLAS, the parity one). FLARED_BLAS_LT=0 never, =1 at every such batch.
