@@ -498,9 +498,6 @@ class ModelRuntime:
         """Into the queue for a slot: behind every waiting request of the same or a lower priority value (vLLM's
         priority; FIFO among equals)."""
         pending = self._pending
-        if not pending or pending[-1].request.priority <= live.request.priority:
-            pending.append(live)
-            return
         i = len(pending)
         while i > 0 and pending[i - 1].request.priority > live.request.priority:
             i -= 1

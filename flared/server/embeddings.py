@@ -40,9 +40,9 @@ def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
-def parse_openai_input(body: dict) -> list[str | list[int]]:
-    """``input``: a string, an array of strings, an array of token ids or an array of token-id arrays."""
-    inp = body.get("input")
+def parse_openai_input(body: dict, field: str = "input") -> list[str | list[int]]:
+    """``field`` (``input``): a string, an array of strings, an array of token ids or an array of token-id arrays."""
+    inp = body.get(field)
     if isinstance(inp, str):
         items: list[str | list[int]] = [inp]
     elif _is_ids(inp):
@@ -52,35 +52,37 @@ def parse_openai_input(body: dict) -> list[str | list[int]]:
     elif isinstance(inp, list) and inp and all(_is_ids(v) for v in inp):
         items = [list(v) for v in inp]
     else:
-        raise _bad("input", "must be a string, an array of strings, an array of token ids or an array of "
+        raise _bad(field, "must be a string, an array of strings, an array of token ids or an array of "
                    f"token-id arrays (non-empty), got {_type(inp)}" + (" (empty)" if inp in ([], "") else ""))
     if len(items) > MAX_INPUTS:
-        raise _bad("input", f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
+        raise _bad(field, f"at most {MAX_INPUTS} inputs per request, got {len(items)}")
     return items
 
 
-async def tokenize_inputs(state, items: list[str | list[int]], *, truncate: bool = False) -> list[list[int]]:
-    """Token ids of every input, checked against the vocabulary and the context (or cut to it)."""
+async def tokenize_inputs(state, items: list[str | list[int]], *, truncate: bool = False,
+                          field: str = "input") -> list[list[int]]:
+    """Token ids of every input, checked against the vocabulary and the context (or cut to it); errors name
+    ``field``."""
     context = state.manifest.capacities.context_tokens
     out = []
     for i, item in enumerate(items):
-        where = "input" if len(items) == 1 else f"input[{i}]"
+        where = field if len(items) == 1 else f"{field}[{i}]"
         if isinstance(item, str):
             if not item:
-                raise _bad("input", f"{where} is an empty string")
+                raise _bad(field, f"{where} is an empty string")
             ids = await state.encode(item)
         else:
             for t in item:
                 if not 0 <= t < state.vocab_size:
-                    raise _bad("input", f"{where}: token id {t} is outside the vocabulary (0..{state.vocab_size - 1})")
+                    raise _bad(field, f"{where}: token id {t} is outside the vocabulary (0..{state.vocab_size - 1})")
             ids = list(item)
         if not ids:
-            raise _bad("input", f"{where} has no tokens")
+            raise _bad(field, f"{where} has no tokens")
         if len(ids) > context:
             if not truncate:
-                err = AdmissionError(f"'input': {where} has {len(ids)} tokens; this model's context holds {context}",
+                err = AdmissionError(f"'{field}': {where} has {len(ids)} tokens; this model's context holds {context}",
                                      ErrorKind.CONTEXT_LENGTH)
-                err.param = "input"
+                err.param = field
                 raise err
             ids = ids[:context]
         out.append(ids)
@@ -177,17 +179,11 @@ class EmbeddingRoutes:
         body = request.json()
         if not isinstance(body, dict):
             raise _bad("body", f"must be a JSON object, got {_type(body)}")
-        field = "content" if "content" in body else "input"
-        try:
-            items = parse_openai_input({"input": body.get(field)})
-            norm = _integer(body, "embd_normalize", -1, 1 << 10)
-            norm = 2 if norm is None else norm
-            ids = await tokenize_inputs(self.state, items)
-        except AdmissionError as e:  # name the field the client sent
-            if getattr(e, "param", None) == "input" and field == "content":
-                e.args = (str(e).replace("'input'", "'content'", 1),)
-                e.param = "content"
-            raise
+        field = "content" if "content" in body else "input"  # errors name the one the client sent
+        items = parse_openai_input(body, field)
+        norm = _integer(body, "embd_normalize", -1, 1 << 10)
+        norm = 2 if norm is None else norm
+        ids = await tokenize_inputs(self.state, items, field=field)
         vectors = await self.state.embed(ids, normalize=False)
 
         def respond() -> Response:
