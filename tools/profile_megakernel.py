@@ -87,8 +87,13 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "res cap 256": {"RES": 1, "RES_CAP": 256},
     "res cap 320": {"RES": 1, "RES_CAP": 320},
     "ldw alloc": {"LDW_NOALLOC": 0},  # weight loads without the L1::no_allocate hint
-    "ldw alloc no res": {"LDW_NOALLOC": 0, "RES": 0},  # the thirteenth session's build
+    "ldw alloc no res": {"LDW_NOALLOC": 0, "RES": 0, "HX": 0},  # the thirteenth session's build
     "ll ldw alloc": {"LL": 1, "LDW_NOALLOC": 0},
+    # HX (sixteenth session; the default is 7 with resident attention, else 6): boundaries by tagged words
+    "no hx": {"HX": 0},  # a grid barrier at every phase boundary
+    "hx1": {"HX": 1},  # with RES: P1 -> P2 -> P3 by words, not two grid barriers a layer
+    "hx2": {"HX": 2},  # P3 -> P4 by words
+    "hx4": {"HX": 4},  # P5 -> the next P1 by words
     "res no P2": {"RES": 1, "SKIP": 2},
     "no res no P2": {"RES": 0, "SKIP": 2},
     # plain builds padded to the first resident build's shared memory (8B: 194,288 B, fifteenth session): what a

@@ -341,3 +341,26 @@ def test_executor_runs_the_megakernel_graphs_while_contexts_are_short(monkeypatc
         assert {kind for _, kind in picked} == {"decode", "decode_mega"}
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("hx", [1, 2, 4, 7])
+@pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("tailed", 400), ("long", 700), ("wide", 1)])
+def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, context, hx):
+    """HX: phase boundaries as tagged words instead of grid barriers (bit 0: P1 -> P2 -> P3, the resident blocks
+    poll the queries and the step's key and value, every block polls the attention output; bit 1: P3 -> P4; bit 2:
+    P5 -> the next P1): the barrier build's logits and K/V bit for bit, launch after launch; past the resident
+    keys (700) bit 0 leaves its barriers in place."""
+    from flared.model.kernels import megakernel
+
+    model, dec = _decoder(kind, 1, [context])
+    plain = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"HX": 0})
+    plain.compile(PAGE)
+    assert plain.resident_keys
+    dec.mega[(1, dec.mega_head)] = plain
+    ref, rk, rv = _step(dec, 1, mega=True)
+    hx = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"HX": hx})
+    hx.compile(PAGE)
+    dec.mega[(1, dec.mega_head)] = hx
+    for _ in range(3):
+        got, k, v = _step(dec, 1, mega=True)
+        assert torch.equal(got, ref) and torch.equal(k, rk) and torch.equal(v, rv)

@@ -154,6 +154,13 @@ __device__ __forceinline__ void grid_barrier(unsigned int* counter, unsigned int
     __syncthreads();
 }
 
+// Arrive without waiting (HX: a boundary whose data travels as tagged words still counts its arrivals, so every
+// launch arrives the same number of times).
+__device__ __forceinline__ void grid_arrive(unsigned int* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // ---- low-latency (LL) exchange (LL=1) -------------------------------------------------------------
 //
 // With LL, no phase boundary is a grid barrier: every phase's inputs travel as 64-bit words, the value's float
@@ -229,6 +236,15 @@ __device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag
 #endif
 #define RS (D + 8)  // the queries' row stride in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
 #define GQ (NH / NKV)
+#ifndef HX
+#define HX 0  // bit 0, with RES: P1 -> P2 -> P3 exchange tagged words (the resident blocks poll q, k, v; all poll
+#endif        // attn); bit 1: P3 -> P4 too, bit 2: P5 -> the next P1 (every block polls the residual's words)
+#if (HX & 1) && (!RES || LL || SKIP)
+#error "HX bit 0 needs the resident barrier build without SKIP"
+#endif
+#if (HX & 6) && (LL || SKIP)
+#error "HX bits 1 and 2 need the barrier build without SKIP"
+#endif
 #if RES && RES_TAIL * 4 * D > R * KMAX * 2
 #error "RES_TAIL keys do not fit the vector buffer"
 #endif
@@ -283,7 +299,7 @@ __device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const 
     for (int r = 0; r < R; ++r) ss[r] = 0.f;
     for (int c = threadIdx.x; c < H / 8; c += THREADS)
         *(uint4*)(sm.wn + c * 8) = __ldg((const uint4*)(w + c * 8));
-    if (LL && llsrc != nullptr) {
+    if ((LL || HX) && llsrc != nullptr) {
         fetch_ll(llsrc, R * H, tag, [&](int i, float v) {
             const int r = i / H;
             sm.hs[i] = f2bf(v);
@@ -292,7 +308,7 @@ __device__ void load_norm(const bf16* src, const bf16* w, const Smem& sm, const 
                 if (rr == r) ss[rr] += v * v;
         });
     }
-    for (int i = threadIdx.x; !(LL && llsrc != nullptr) && i < R * (H / 8); i += THREADS) {
+    for (int i = threadIdx.x; !((LL || HX) && llsrc != nullptr) && i < R * (H / 8); i += THREADS) {
         const int r = i / (H / 8), c = i % (H / 8);
         const uint4 v = emb != nullptr ? ld_weight(emb + sm.tok[r] * H + c * 8)
                                        : ld_shared_v4(src + (long long)r * H + c * 8);
@@ -654,21 +670,44 @@ __device__ __forceinline__ void res_copy(const bf16* kl, const bf16* vl, const i
 // One row's attention for kv head g's GQ query heads: q rows raw in qkv (rotary applied here), keys [0, ctx)
 // (ctx <= RES_CAP + RES_TAIL) with [0, min(ctx - 1, RES_CAP)) copied a layer ahead; the rest, the step's own key
 // among them, copied now. The GQ heads' outputs to attn. Every thread of the block calls it.
+// HX (xq != nullptr): no grid barrier after P1 here. The queries and the step's own key and value come from P1's
+// tagged words of `tag_in` (the pool has the step's key too, but unordered with this read), and the outputs go out
+// as words of `tag_out` for P3 to poll.
 __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, const bf16* vl,
-                              const int* __restrict__ bt, int g, bf16* attn) {
+                              const int* __restrict__ bt, int g, bf16* attn, const u64* xq, const u64* xk,
+                              const u64* xv, u64* xattn, unsigned int tag_in, unsigned int tag_out) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int gi = lane / 4, tig = lane % 4;  // the mma fragments' row group and thread in group
     const int ctx = sm.ctx[0], cur = ctx - 1;
     const ResRows rr{sm.kres, sm.vec};
-    // the step's own key and the keys past RES_CAP (cp.async.cg reads L2, where P1's writes are)
-    res_copy<false>(kl, vl, bt, g, min(cur, RES_CAP), ctx, rr);
+    const bool hx = HX && xq != nullptr;
+    // the keys past RES_CAP and (without HX) the step's own key (cp.async.cg reads L2, where P1's writes are)
+    res_copy<false>(kl, vl, bt, g, min(cur, RES_CAP), hx ? cur : ctx, rr);
     bf16* qb = (bf16*)sm.qs;  // [16][RS]: the group's roped queries in rows [0, GQ), zeros below (set at launch)
     for (int i = threadIdx.x; i < GQ * HALF; i += THREADS) {
         const int hh = i / HALF, d = i % HALF;
-        const bf16* q = qkv + (g * GQ + hh) * D;
-        const float x0 = ld_shared_bf(q + d), x1 = ld_shared_bf(q + d + HALF);
+        float x0, x1;
+        if (hx) {
+            const u64* qw = xq + (g * GQ + hh) * D + d;
+            const u64 a = ld_ll(qw), b = ld_ll(qw + HALF);
+            x0 = wait_ll(qw, a, tag_in);
+            x1 = wait_ll(qw + HALF, b, tag_in);
+        } else {
+            const bf16* q = qkv + (g * GQ + hh) * D;
+            x0 = ld_shared_bf(q + d);
+            x1 = ld_shared_bf(q + d + HALF);
+        }
         qb[hh * RS + d] = f2bf(x0 * sm.cs[d] + x1 * sm.sn[d]);
         qb[hh * RS + d + HALF] = f2bf(x1 * sm.cs[d + HALF] + x0 * sm.sn[d + HALF]);
+    }
+    if (hx) {  // the step's own key and value into their rows, from the words
+        for (int i = threadIdx.x; i < 2 * D; i += THREADS) {
+            const bool isv = i >= D;
+            const int d = i % D;
+            const u64* w = (isv ? xv : xk) + g * D + d;
+            const float x = wait_ll(w, ld_ll(w), tag_in);
+            chunk_at(isv ? rr.v(cur) : rr.k(cur), cur, d / 8)[d % 8] = f2bf(x);
+        }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
@@ -778,7 +817,9 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
             ll += sml[(w * 16 + hh) * 2 + 1] * f;
             acc += so[(w * GQ + hh) * D + d] * f;
         }
-        attn[(g * GQ + hh) * D + d] = f2bf(ll > 0.f ? acc / ll : 0.f);
+        const float out = ll > 0.f ? acc / ll : 0.f;
+        if (hx) st_ll(xattn + (g * GQ + hh) * D + d, round_bf(out), tag_out);
+        else attn[(g * GQ + hh) * D + d] = f2bf(out);
     }
 }
 
@@ -829,6 +870,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     constexpr unsigned int NB = (LL ? 0u : 5u * L) + (HEAD ? 1u : 0u);
     const unsigned int base = epoch * NB * gridDim.x;
 #define SYNC_GRID() grid_barrier(barrier, base + (++phase) * gridDim.x)
+#define ARRIVE_GRID() (++phase, grid_arrive(barrier))
     // LL: the exchange buffers and this launch's tags
     u64* ll_ha = llbuf;                          // [R][H] the residual after P3
     u64* ll_hb = ll_ha + R * H;                  // [R][H] the residual after P5
@@ -890,6 +932,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     // blocks hold one kv head each and copy layer 0's keys now.
     const bool res = RES && (int)gridDim.x >= NKV && sm.ctx[0] >= 1 && sm.ctx[0] <= RES_CAP + RES_TAIL;
     const int res_g = (int)blockIdx.x - ((int)gridDim.x - NKV);  // this block's kv head when >= 0
+    const bool hx = (HX & 1) && res;  // P1 -> P2 -> P3 by tagged words (every block derives the same answer)
+    constexpr bool hx2 = (HX & 2) != 0;  // P3 -> P4 by tagged words
+    constexpr bool hx4 = (HX & 4) != 0;  // P5 -> the next P1 (and the final norm) by tagged words
     if (RES && res) {
         bf16* qb = (bf16*)sm.qs;
         for (int i = GQ * RS + threadIdx.x; i < 16 * RS; i += THREADS) qb[i] = 0;
@@ -915,7 +960,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
 
         // ---------------- P1: norm, QKV, rotary on k, K/V into the pool ----------------
         if (!(SKIP & 1)) {
-            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr, LL && layer > 0 ? ll_hb : nullptr,
+            load_norm(h, LP(layer, 0), sm, layer == 0 ? embed : nullptr, (LL || hx4) && layer > 0 ? ll_hb : nullptr,
                       TAG(layer - 1, 5));
             const bf16* wq = LP(layer, 1);
             const bf16* bq = LP(layer, 2);
@@ -931,7 +976,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     if (!pre) warp_dot<H, 1>(wq + (long long)u * H, nullptr, sm.vec, acc, lane);
                     if (lane < R) {
                         const float b = HAS_QKV_BIAS ? bf2f(bq[u]) : 0.f;
-                        if (LL) st_ll(ll_q + lane * (NH * D) + u, round_bf(row_of<1>(acc, 0, lane) + b), TAG(layer, 1));
+                        if (LL || hx) st_ll(ll_q + lane * (NH * D) + u, round_bf(row_of<1>(acc, 0, lane) + b), TAG(layer, 1));
                         else qkv[lane * QKV_ROWS + u] = f2bf(row_of<1>(acc, 0, lane) + b);
                     }
                 } else if (u < NH * D + NKV * HALF) {
@@ -951,7 +996,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         const float r1 = round_bf(k1 * sm.cs[r * D + i + HALF] + k0 * sm.sn[r * D + i + HALF]);
                         dst[i] = f2bf(r0);
                         dst[i + HALF] = f2bf(r1);
-                        if (LL) {
+                        if (LL || hx) {
                             st_ll(ll_k + (r * NKV + g) * D + i, r0, TAG(layer, 1));
                             st_ll(ll_k + (r * NKV + g) * D + i + HALF, r1, TAG(layer, 1));
                         }
@@ -966,7 +1011,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         float v = row_of<1>(acc, 0, lane);
                         if (HAS_QKV_BIAS) v += bf2f(bq[j]);
                         vl[(sm.slot[lane] * NKV + g) * D + i] = f2bf(v);
-                        if (LL) st_ll(ll_v + (lane * NKV + g) * D + i, round_bf(v), TAG(layer, 1));
+                        if (LL || hx) st_ll(ll_v + (lane * NKV + g) * D + i, round_bf(v), TAG(layer, 1));
                     }
                 }
             }
@@ -977,6 +1022,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             else prefetch_row(LP(layer, 3) + (long long)gw * (NH * D), NH * D, lane);
         }
         if (LL) __syncthreads();
+        else if (hx) ARRIVE_GRID();
         else SYNC_GRID();
 
         // ---------------- P2: attention, one block per (row, q head) ----------------
@@ -984,7 +1030,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         // K row each (registers) and copy its V row into the warp's shared tile (cp.async), then the
         // lanes accumulate softmax-weighted V over their own dims. Warps merge through shared memory.
         if (RES && res && !(SKIP & 2)) {
-            if (res_g >= 0) res_attention(sm, qkv, kl, vl, block_tables, res_g, attn);
+            if (res_g >= 0)
+                res_attention(sm, qkv, kl, vl, block_tables, res_g, attn, hx ? ll_q : nullptr, ll_k, ll_v, ll_attn,
+                              TAG(layer, 1), TAG(layer, 2));
         } else if (!(SKIP & 2)) {
             bf16* vst = (RES ? sm.kres : sm.vec) + warp * 32 * D;
             for (int unit = blockIdx.x; unit < R * NH * splits; unit += gridDim.x) {
@@ -1157,11 +1205,14 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             }
         }
         if (LL) __syncthreads();  // (every phase boundary: the next phase rewrites this one's shared inputs)
+        else if (hx) ARRIVE_GRID();
         else SYNC_GRID();
 
         // ---------------- P3: o projection, residual ----------------
         if (!(SKIP & 4)) {
-            if (LL) {
+            if (hx) {
+                load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);  // the resident blocks' words
+            } else if (LL) {
                 if (splits == 1) load_rows_ll<NH * D>(ll_attn, TAG(layer, 2), sm.vec);
                 else merge_splits_ll(ll_part, ll_ml, TAG(layer, 2), splits, sm.vec, sm.qs);
             } else {
@@ -1178,7 +1229,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     float y = row_of<1>(acc, 0, lane);
                     if (HAS_O_BIAS) y += bf2f(bo[j]);
                     const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(y));
-                    if (LL) st_ll(ll_ha + lane * H + j, x, TAG(layer, 3));
+                    if (LL || hx2) st_ll(ll_ha + lane * H + j, x, TAG(layer, 3));
                     else h[lane * H + j] = f2bf(x);
                 }
             }
@@ -1194,11 +1245,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             }
         }
         if (LL) __syncthreads();
+        else if (hx2) ARRIVE_GRID();
         else SYNC_GRID();
 
         // ---------------- P4: norm, gate/up, silu ----------------
         if (!(SKIP & 8)) {
-            load_norm(h, LP(layer, 5), sm, nullptr, LL ? ll_ha : nullptr, TAG(layer, 3));
+            load_norm(h, LP(layer, 5), sm, nullptr, (LL || hx2) ? ll_ha : nullptr, TAG(layer, 3));
             // the next layer's resident keys, copied during P4 and P5 (from P5 on: 9-21 us a launch slower at 8B)
             if (RES && res && res_g >= 0 && layer + 1 < L)
                 res_copy<true>(kl + pool_layer_stride, vl + pool_layer_stride, block_tables, res_g, 0,
@@ -1237,7 +1289,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 if (!pre) warp_dot<I, 1>(wd + (long long)j * I, nullptr, sm.vec, acc, lane);
                 if (lane < R) {
                     const float x = round_bf(bf2f(sm.hs[lane * H + j]) + round_bf(row_of<1>(acc, 0, lane)));
-                    if (LL) st_ll(ll_hb + lane * H + j, x, TAG(layer, 5));
+                    if (LL || hx4) st_ll(ll_hb + lane * H + j, x, TAG(layer, 5));
                     else h[lane * H + j] = f2bf(x);
                 }
             }
@@ -1254,6 +1306,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             }
         }
         if (LL) __syncthreads();
+        else if (hx4) ARRIVE_GRID();
         else SYNC_GRID();
     }
 
@@ -1262,7 +1315,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     // Every block norms the final hidden states itself (block 0 also writes them out), then the LM head:
     // logits rounded to bf16 as F.linear(...).float() gives them, written to the step's logits and the
     // state rows' logits; with `greedy`, the argmax (first maximal index, as torch's) as the sampled token.
-    load_norm(h, final_norm, sm, nullptr, LL ? ll_hb : nullptr, TAG(L - 1, 5));
+    load_norm(h, final_norm, sm, nullptr, (LL || hx4) ? ll_hb : nullptr, TAG(L - 1, 5));
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);
@@ -1355,7 +1408,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     }
 #else
     if (blockIdx.x == 0) {
-        load_norm(h, final_norm, sm, nullptr, LL ? ll_hb : nullptr, TAG(L - 1, 5));
+        load_norm(h, final_norm, sm, nullptr, (LL || hx4) ? ll_hb : nullptr, TAG(L - 1, 5));
         for (int i = threadIdx.x; i < R * (H / 8); i += THREADS) {
             const int r = i / (H / 8), c = i % (H / 8);
             *(uint4*)(out + (long long)r * H + c * 8) = *(const uint4*)(sm.vec + r * KMAX + c * 8);
