@@ -45,7 +45,10 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "cublas attn=2": (False, "cublas", 2),
     "cublas attn=4": (False, "cublas", 4),
     "cublas lt attn=2": (False, "cublaslt", 2),
+    "mega hx0": (False, "cublas", None),
 }
+# megakernel variants built with replaced compile-time constants (megakernel.DecodeLayers' overrides)
+MEGA_OVERRIDES = {"mega hx0": {"HX": 0}}  # every phase boundary a grid barrier (before the sixteenth session)
 
 
 def build(shape: str, max_batch: int, context: int):
@@ -104,6 +107,14 @@ def run_variant(dec, batch: int, variant: str, stream):
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"
     torch.backends.cuda.preferred_blas_library(blas)
+    key, replaced = (batch, dec.mega_head), None
+    if variant in MEGA_OVERRIDES:
+        from flared.model.kernels import megakernel
+
+        replaced = dec.mega.pop(key, None)
+        dec.mega[key] = megakernel.DecodeLayers(dec.model, dec.k_pool, dec.v_pool, batch, head=dec.mega_head,
+                                                overrides=MEGA_OVERRIDES[variant])
+        dec.mega[key].compile(dec.page_tokens)
     chosen = paged_decoder.decode_splits
     if splits is not None:
         paged_decoder.decode_splits = lambda *args, **kwargs: splits
@@ -115,6 +126,10 @@ def run_variant(dec, batch: int, variant: str, stream):
     finally:
         paged_decoder.decode_splits = chosen
         torch.backends.cuda.preferred_blas_library("cublas")
+        if variant in MEGA_OVERRIDES:
+            dec.mega.pop(key, None)
+            if replaced is not None:
+                dec.mega[key] = replaced
     return us, dec.sampled[:batch].tolist(), dec.logits[:batch].clone()
 
 

@@ -45,6 +45,13 @@ LL_MAX_ROWS = 4
 # row, 256 tokens (H200, two calls): 12 ran 24-36 us a launch faster than 8 (3,814, 3,833-3,845 against
 # 3,848-3,868); end to end 244 tok/s against 240. 10 measured 3,822 once; 6 and 4 gained 22 and 10 us.
 LONG_ROW_GEMV_BATCH = 12
+# The barrier build's boundaries as tagged words (DecodeLayers, HX) up to this many rows. On the H200, us a launch
+# against grid barriers in the same run: Llama-3.1-8B one row 3,611-3,615 vs 3,692-3,716 at 1 token, 3,668-3,676
+# vs 3,772-3,774 at 256, 3,841-3,844 vs 3,873 at 384 (not resident); the whole one-row decode step at 256 tokens
+# 3,918-3,919 vs 4,008-4,010. Two rows went both ways (8B launch 4,132-4,139 vs 4,152-4,165, but its whole step
+# 4,415-4,418 vs 4,378-4,381 on another machine; 135M launch 508-509 vs 523); four rows lost (135M 651-652 vs
+# 569: every block polls four rows' words).
+HX_MAX_ROWS = 1
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
@@ -243,6 +250,10 @@ class DecodeLayers:
             "HAS_O_BIAS": int(any(layer.o.bias is not None for layer in model.layers)),
         }
         defines["RES"] = int(resident(model, rows, low_latency))
+        # Up to HX_MAX_ROWS rows the barrier build exchanges P3 -> P4 and P5 -> the next P1 as tagged words too
+        # (bits 1 and 2), and with resident attention P1 -> P2 -> P3 (bit 0): three or five of a layer's five
+        # grid barriers become polls of the words the next phase reads (decode_layers.cu, HX).
+        defines["HX"] = 0 if low_latency or rows > HX_MAX_ROWS else (7 if defines["RES"] else 6)
         # Compile-time constants replaced for experiments (tools/profile_megakernel.py: SKIP, PF_LINES, ...).
         self.overrides = dict(overrides or {})
         defines.update(self.overrides)
@@ -251,6 +262,10 @@ class DecodeLayers:
             limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
             defines["RES_CAP"] = resident_cap(model, self.threads, limit)
             defines["RES"] = int(defines["RES_CAP"] > 0)
+        if int(defines["LL"]) or int(defines.get("SKIP", 0)):
+            defines["HX"] = 0  # LL exchanges words at every boundary already; SKIP leaves words unwritten
+        elif not int(defines["RES"]):
+            defines["HX"] = int(defines["HX"]) & 6  # bit 0 needs resident attention
         if int(defines["RES"]):
             defines.setdefault("RES_TAIL", resident_tail(model))
         # keys of one kv head held in shared memory (0: not a resident build)
@@ -292,7 +307,8 @@ class DecodeLayers:
         ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
                            + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2)
                            + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
-        self.llbuf = torch.zeros(ll_words if self.low_latency else 1, dtype=torch.int64, device=dev)
+        exchange = self.low_latency or int(defines["HX"])  # HX: some boundaries by the same words
+        self.llbuf = torch.zeros(ll_words if exchange else 1, dtype=torch.int64, device=dev)
         self.head = head
         self.cand_val = torch.zeros(self.grid * rows, dtype=torch.float32, device=dev)  # per-block argmax candidates
         self.cand_idx = torch.zeros(self.grid * rows, dtype=torch.int32, device=dev)
