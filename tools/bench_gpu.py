@@ -249,6 +249,16 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_b1_host_us_per_step"] = host_us
     out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
     out[f"{shape}_b1_gpu_idle"] = idle
+    # The same steps by context length (decode step i attends over prompt_len + i + 1 tokens): where the
+    # average goes between short and long contexts (the megakernel's resident attention ends at 304 at 8B).
+    spans, cells = [(prompt_len + 1, 256), (257, 304), (305, prompt_len + new_tokens)], []
+    for lo, hi in spans:
+        ns = [d for i, d in enumerate(r.decode_step_ns) if lo <= prompt_len + i + 1 <= hi]
+        if ns:
+            cells.append(f"{lo}-{hi}: {sum(ns) / len(ns) / 1e3:.0f}")
+            out[f"{shape}_b1_gpu_us_per_step_{lo}_{hi}"] = sum(ns) / len(ns) / 1e3
+    rows.append((shape, "batch-1 GPU us/step by context (tokens: us)", " | ".join(cells), "",
+                 f"{len(r.decode_step_ns)} steps"))
 
     def single_stream_ab(model, env: dict, label: str, key: str) -> None:
         """The same single stream on an executor built with ``env`` set, beside the main run."""

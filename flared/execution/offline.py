@@ -36,6 +36,7 @@ class DriveResult:
     steps_by_kind: dict = field(default_factory=collections.Counter)
     decode_gpu_ns: int = 0
     decode_host_ns: int = 0
+    decode_step_ns: list[int] = field(default_factory=list)  # each decode step's device duration, in order
 
 
 def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_ns=time.monotonic_ns) -> DriveResult:
@@ -116,6 +117,7 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
         if kind_name == "DECODE":
             result.decode_gpu_ns += duration_ns
             result.decode_host_ns += spent
+            result.decode_step_ns.append(duration_ns)
     result.wall_ns = max(result.finish_ns) if n else clock() - t0
     result.host_ns = host_ns
     return result
