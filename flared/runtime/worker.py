@@ -97,11 +97,15 @@ class ModelJob:
 @dataclasses.dataclass
 class EmbeddingJob(ModelJob):
     """Sequences to embed (``DecoderModel.pooled_embeddings``); the result is float32 [len(token_lists),
-    hidden] on the CPU."""
+    hidden] on the CPU. With ``project`` (token ids), each pooled vector goes through those rows of the LM head
+    instead: the result is those tokens' logits [len(token_lists), len(project)] (pooling ``last``, not
+    normalized: the next-token logits after each sequence). ``counter`` names the stats it adds to."""
     token_lists: list[list[int]]
     pooling: str
     normalize: bool
     done: object
+    project: tuple = ()
+    counter: str = "embedded"
     parts: list = dataclasses.field(default_factory=list)  # the vectors of the sequences run so far
     _long: object = None  # DecoderModel.embedding_chunks of a sequence longer than a step's budget, running
 
@@ -127,9 +131,12 @@ class EmbeddingJob(ModelJob):
                 end += 1
             vectors = model.pooled_embeddings(self.token_lists[start:end], pooling=self.pooling,
                                               normalize=self.normalize, chunk_tokens=budget)
+        if self.project:
+            rows = model.lm_head[list(self.project)].float()  # [len(project), hidden]
+            vectors = vectors.to(rows.device) @ rows.T
         self.parts.append(vectors.cpu())
-        stats["embedded_sequences"] += end - start
-        stats["embedded_tokens"] += count
+        stats[f"{self.counter}_sequences"] += end - start
+        stats[f"{self.counter}_tokens"] += count
         return end == len(self.token_lists)
 
     def result(self):

@@ -31,6 +31,7 @@ from flared.server.http import HttpConfig, Request, Response, Router
 from flared.runtime.worker import EmbeddingJob, PromptLogprobsJob
 from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.embeddings import EmbeddingRoutes
+from flared.server.rerank import RerankRoutes
 from flared.server.llamacpp_routes import LlamaCppRoutes
 from flared.server.tokenize_routes import TokenizeRoutes
 from flared.server.ollama_routes import OllamaRoutes
@@ -183,6 +184,13 @@ class ServingState:
         between its steps. Every sequence must fit the context (the routes check and say which)."""
         return await self._run_job(lambda done: EmbeddingJob(token_lists, self.embedding_pooling, normalize, done))
 
+    async def next_token_logits(self, token_lists: list[list[int]], token_ids: tuple[int, ...]):
+        """The logits of ``token_ids`` for the token after each sequence (float32 [n, len(token_ids)], CPU),
+        computed on the model thread between its steps as embeddings are (the final-normed last hidden state
+        through those LM-head rows). Every sequence must fit the context."""
+        return await self._run_job(lambda done: EmbeddingJob(token_lists, "last", False, done, project=token_ids,
+                                                             counter="relevance"))
+
     async def prompt_logprobs(self, token_ids: list[int], top: int) -> list:
         """Each prompt token's logprob after the first, with ``top`` alternatives (DecoderModel.prompt_logprobs),
         computed on the model thread between its steps."""
@@ -256,6 +264,7 @@ def build_router(state: ServingState) -> Router:
     OllamaRoutes(state).register(router)
     ResponsesRoutes(state).register(router)
     EmbeddingRoutes(state).register(router)
+    RerankRoutes(state).register(router)
     TokenizeRoutes(state).register(router)
     LlamaCppRoutes(state).register(router)
     SystemOneRoutes(state).register(router)

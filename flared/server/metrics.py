@@ -122,6 +122,10 @@ class _RuntimeCollector:
                        rt.get("embedded_sequences", 0))
         yield _counter("flare_embedded_tokens", "Tokens run through the model for embeddings.",
                        rt.get("embedded_tokens", 0))
+        yield _counter("flare_relevance_pairs", "Query-document pairs scored (/v1/rerank, /rerank, /v1/score).",
+                       rt.get("relevance_sequences", 0))
+        yield _counter("flare_relevance_tokens", "Tokens run through the model to score query-document pairs.",
+                       rt.get("relevance_tokens", 0))
 
         slots = GaugeMetricFamily("flare_request_slots", "Scheduler request slots by state.", labels=["state"])
         live, retiring = m.slot_states()
