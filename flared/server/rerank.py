@@ -40,6 +40,15 @@ DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that
 ANSWERS = ("no", "yes")
 
 
+def judgment_messages(instruction: str, query: str, document: str, *, system: bool = True) -> list[dict]:
+    """The chat that asks whether ``document`` meets ``query``: the judgment as the system turn (``system``) or
+    at the head of the user turn (templates that refuse a system turn)."""
+    user = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    if system:
+        return [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}]
+    return [{"role": "user", "content": f"{JUDGE}\n\n{user}"}]
+
+
 def _text(v: Any, where: str, field: str) -> str:
     """A document as a string: itself, or an object's ``text``."""
     if isinstance(v, dict):
@@ -98,15 +107,14 @@ class RerankRoutes:
         return self._answers
 
     async def _prompt(self, instruction: str, query: str, document: str) -> list[int]:
-        user = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
-        messages = [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}]
         try:
-            rendered = await self.state.prepare_chat(messages, add_generation_prompt=True, enable_thinking=False)
+            rendered = await self.state.prepare_chat(judgment_messages(instruction, query, document),
+                                                     add_generation_prompt=True, enable_thinking=False)
         except FrontendError as exc:
             if exc.kind is not ErrorKind.TEMPLATE:
                 raise
             # templates without a system turn (Gemma's raise on one): the judgment leads the user turn
-            rendered = await self.state.prepare_chat([{"role": "user", "content": f"{JUDGE}\n\n{user}"}],
+            rendered = await self.state.prepare_chat(judgment_messages(instruction, query, document, system=False),
                                                      add_generation_prompt=True, enable_thinking=False)
         return list(rendered.token_ids)
 

@@ -27,7 +27,7 @@ def reference(default_gguf):
     """(query, document, instruction) -> transformers' relevance for the pair."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flared.server.rerank import DEFAULT_INSTRUCTION, JUDGE
+    from flared.server.rerank import DEFAULT_INSTRUCTION, judgment_messages
 
     tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name,
@@ -35,9 +35,8 @@ def reference(default_gguf):
     yes, no = tok.convert_tokens_to_ids("yes"), tok.convert_tokens_to_ids("no")
 
     def score(query: str, document: str, instruction: str = DEFAULT_INSTRUCTION) -> float:
-        messages = [{"role": "system", "content": JUDGE},
-                    {"role": "user", "content": f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(judgment_messages(instruction, query, document), add_generation_prompt=True,
+                                       tokenize=False)
         ids = tok(text, add_special_tokens=False).input_ids
         with torch.no_grad():
             logits = hf(torch.tensor([list(ids)])).logits[0, -1]
