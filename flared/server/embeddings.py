@@ -31,7 +31,7 @@ from flared.errors import AdmissionError, ErrorKind
 from flared.server.http import Request, Response, Router
 from flared.server.ollama_routes import _model, _ollama_errors
 from flared.server.openai_routes import check_model
-from flared.server.openai_schema import _bad, _boolean, _integer, _string, _type
+from flared.server.openai_schema import _bad, _boolean, _integer, _string, _type, json_object
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 
@@ -109,9 +109,7 @@ class EmbeddingRoutes:
         router.add("POST", "/embeddings", self.llamacpp, admit=True)
 
     async def openai(self, request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         model = _string(body, "model", required=True)
         check_model(self.state, model)
         items = parse_openai_input(body)
@@ -136,9 +134,7 @@ class EmbeddingRoutes:
 
     async def ollama_embed(self, request: Request) -> Response:
         t0 = time.monotonic_ns()
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         model = _model(self.state, body)
         inp = body.get("input")
         if inp is None or inp == []:
@@ -162,9 +158,7 @@ class EmbeddingRoutes:
 
     async def ollama_embeddings(self, request: Request) -> Response:
         """The legacy route: one ``prompt``, its pooled vector as it is (not scaled to unit length)."""
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         _model(self.state, body)
         prompt = body.get("prompt", "")
         if not isinstance(prompt, str):
@@ -176,9 +170,7 @@ class EmbeddingRoutes:
         return Response.json({"embedding": vectors[0].tolist()})
 
     async def llamacpp(self, request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         field = "content" if "content" in body else "input"  # errors name the one the client sent
         items = parse_openai_input(body, field)
         norm = _integer(body, "embd_normalize", -1, 1 << 10)

@@ -35,7 +35,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, HttpError, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, prepare_samplers, sampling_params
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
-                                         _string, _type, llama_penalties, llama_samplers)
+                                         _string, _type, json_object, llama_penalties, llama_samplers)
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
 
@@ -177,9 +177,7 @@ class LlamaCppRoutes:
                    f"{_type(prompt)}" + (" (empty)" if prompt == [] else ""))
 
     async def completion(self, request: Request):
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         t0 = time.monotonic_ns()
         ids, prompt_text = await self._prompt(body)
         return await self._complete(request, body, ids, prompt_text, t0)
@@ -188,9 +186,7 @@ class LlamaCppRoutes:
         """Fill in the middle: ``input_prefix`` and ``input_suffix`` around the cursor, ``input_extra``
         ([{filename, text}]) as repository context before them, ``prompt`` after the middle token (the text
         already typed at the cursor); then as /completion."""
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         t0 = time.monotonic_ns()
         prefix = _string(body, "input_prefix") or ""
         suffix = _string(body, "input_suffix") or ""

@@ -49,7 +49,8 @@ from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.openai_routes import (OutputShape, _stop_ids, check_model, prepare_samplers, sampling_params,
                                          token_logprobs)
 from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number, _type,
-                                         llama_penalties, llama_samplers, parse_tools, reasoning_effort_kwargs)
+                                         json_object, llama_penalties, llama_samplers, parse_tools,
+                                         reasoning_effort_kwargs)
 from flared.server.structured import compile_grammar, parse_ollama_format
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
@@ -202,9 +203,7 @@ class OllamaRoutes:
 
     async def pull(self, request: Request):
         """The served model is already here: success at once (streamed as one status line by default)."""
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         _model(self.state, body)
         if _boolean(body, "stream", default=True):
             return Response(b'{"status":"success"}\n', media_type=_NDJSON)
@@ -256,9 +255,7 @@ class OllamaRoutes:
         return caps
 
     async def show(self, request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         _model(self.state, body)
         m = self.state.manifest
         fe = self.state.frontend
@@ -294,9 +291,7 @@ class OllamaRoutes:
         return gen, shape, options.logprobs is not None
 
     async def chat(self, request: Request):
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         model = _model(self.state, body)
         tools = parse_tools(body.get("tools"), "tools")
         t0 = time.monotonic_ns()
@@ -306,9 +301,7 @@ class OllamaRoutes:
         return await self._respond(request, gen, shape, body, model, t0, chat=True, logprobs=lps)
 
     async def generate(self, request: Request):
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         model = _model(self.state, body)
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):

@@ -23,7 +23,9 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.structured import compile_grammar, force_tool_call
-from flared.server.openai_schema import ChatRequest, CompletionRequest, SamplingOptions, parse_chat, parse_completion
+from flared.server.openai_schema import (
+    ChatRequest, CompletionRequest, SamplingOptions, _string, json_object, parse_chat, parse_completion,
+)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -50,6 +52,15 @@ def check_model(state, name: str) -> None:
                              ErrorKind.NOT_FOUND)
         err.param = "model"
         raise err
+
+
+def model_body(state, request) -> dict:
+    """A request's JSON object whose optional ``model`` must name the served model (404 otherwise)."""
+    body = json_object(request)
+    model = _string(body, "model")
+    if model is not None:
+        check_model(state, model)
+    return body
 
 
 def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, default_max_tokens: int | None,

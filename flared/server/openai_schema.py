@@ -30,6 +30,14 @@ def _bad(field: str, message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> Ad
     return err
 
 
+def json_object(request) -> dict:
+    """A request's JSON body, which must be an object (a 400 naming 'body' otherwise)."""
+    body = request.json()
+    if not isinstance(body, dict):
+        raise _bad("body", f"must be a JSON object, got {_type(body)}")
+    return body
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingOptions:
     """What a request asked of the sampler, before core defaults fill the gaps."""

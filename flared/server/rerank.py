@@ -30,7 +30,7 @@ from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind, FrontendError
 from flared.server.http import Request, Response, Router
-from flared.server.openai_routes import check_model
+from flared.server.openai_routes import model_body
 from flared.server.openai_schema import _bad, _boolean, _integer, _string, _type
 
 MAX_DOCUMENTS = 2048
@@ -87,13 +87,7 @@ class RerankRoutes:
             router.add("POST", path, self.score, admit=True)
 
     def _body(self, request: Request) -> dict:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
-        model = _string(body, "model")
-        if model is not None:
-            check_model(self.state, model)
-        return body
+        return model_body(self.state, request)
 
     async def _answer_ids(self) -> tuple[int, int]:
         """The single tokens the model answers "no" and "yes" with."""

@@ -52,6 +52,7 @@ from flared.server.openai_schema import (
     _string,
     _type,
     join_text_parts,
+    json_object,
     parse_tool_choice,
     parse_tools,
     reasoning_effort_kwargs,
@@ -277,9 +278,7 @@ class ResponsesRoutes:
         return Response.json({"id": rid, "object": "response", "deleted": True})
 
     async def create(self, request: Request):
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
+        body = json_object(request)
         model = _string(body, "model", required=True)
         check_model(self.state, model)
         history: list[dict] = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from flared.server.http import Request, Response, Router
-from flared.server.openai_routes import check_model
+from flared.server.openai_routes import model_body
 from flared.server.openai_schema import _bad, _boolean, _string, _type, parse_chat
 
 
@@ -35,13 +35,7 @@ class TokenizeRoutes:
         router.add("POST", "/apply-template", self.apply_template)
 
     def _body(self, request: Request) -> dict:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("body", f"must be a JSON object, got {_type(body)}")
-        model = _string(body, "model")
-        if model is not None:
-            check_model(self.state, model)
-        return body
+        return model_body(self.state, request)
 
     async def _render(self, body: dict):
         """A chat rendered as chat completions renders it (tools, documents, template kwargs, reasoning effort,
