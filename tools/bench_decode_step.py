@@ -2,7 +2,8 @@
 
 A decode step's graph (``PagedCudaDecoder.decode``: every layer, the LM head and greedy sampling) is
 captured and replayed for each variant, all in one process on the same random weights of the
-SmolLM2-135M and Llama-3.1-8B shapes, with every row at ``--context`` tokens of a filled KV cache:
+SmolLM2-135M and Llama-3.1-8B shapes, with every row at ``--context`` tokens of a filled KV cache (a comma
+list times each context on the same build):
 
 - ``cublas``: cuBLAS products + the small fused kernels (what batches over 16 rows run);
 - ``skinny``: the five-kernel fused layer (kernels/skinny.py), where the batch fits it;
@@ -16,7 +17,7 @@ Each row gives microseconds per step, the step's weight bytes over that time aga
 (weights / 4.25 TB/s, the H200's measured copy rate), and whether its greedy tokens and logits equal the
 first variant's.
 
-    python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512] [--json]
+    python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512[,1024...]] [--json]
 
 CUDA only. Prints one table; with --json, one JSON object as the last line.
 """
@@ -79,8 +80,7 @@ def build(shape: str, max_batch: int, context: int):
         top_p=torch.ones(b, dtype=f32, device=dev),
         seeds=torch.zeros(b, dtype=i64, device=dev),
         steps=torch.zeros(b, dtype=i64, device=dev))
-    inputs.slot_ids.copy_(inputs.block_tables[:, (context - 1) // PAGE_TOKENS].long() * PAGE_TOKENS
-                          + (context - 1) % PAGE_TOKENS)
+    set_context(inputs, context)
     dec = PagedCudaDecoder(model, inputs, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=b + 1,
                            max_batch=b, max_tokens=t)
     # A filled cache: attention reads real-looking K/V at every position.
@@ -91,6 +91,14 @@ def build(shape: str, max_batch: int, context: int):
                        for p in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight))
     weight_bytes += model.lm_head.numel() * model.lm_head.element_size()
     return model, dec, weight_bytes
+
+
+def set_context(inputs, context: int) -> None:
+    """Every row at ``context`` tokens: its position, its length and the slot its new key goes to."""
+    inputs.positions.fill_(context - 1)
+    inputs.context_lens.fill_(context)
+    inputs.slot_ids.copy_(inputs.block_tables[:, (context - 1) // PAGE_TOKENS].long() * PAGE_TOKENS
+                          + (context - 1) % PAGE_TOKENS)
 
 
 def run_variant(dec, batch: int, variant: str, stream):
@@ -137,34 +145,37 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="135m,8b")
     ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--context", default="512", help="tokens per row; a comma list times each")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    result = {"context": args.context, "copy_tb_s": COPY_TB_S}
-    print(f"{'shape':6} {'batch':>5}  {'variant':18} {'us/step':>9} {'% of floor':>10}  {'tokens = cublas':>15}"
-          f"  {'max |logit diff|':>16}")
+    contexts = [int(c) for c in args.context.split(",")]
+    result = {"context": contexts[0] if len(contexts) == 1 else contexts, "copy_tb_s": COPY_TB_S}
+    print(f"{'shape':6} {'batch':>5} {'context':>7}  {'variant':18} {'us/step':>9} {'% of floor':>10}"
+          f"  {'tokens = first':>14}  {'max |logit diff|':>16}")
     stream = torch.cuda.Stream()
     for shape in args.shapes.split(","):
-        model, dec, weight_bytes = build(shape, max(batches), args.context)
+        model, dec, weight_bytes = build(shape, max(batches), max(contexts))
         floor_us = weight_bytes / (COPY_TB_S * 1e12) * 1e6
         result[f"{shape}_floor_us"] = round(floor_us, 1)
-        for batch in batches:
-            ref = None
-            for variant in args.variants.split(","):
-                got = run_variant(dec, batch, variant, stream)
-                if got is None:
-                    continue
-                us, tokens, logits = got
-                if ref is None:
-                    ref = (tokens, logits)
-                same = sum(a == b for a, b in zip(tokens, ref[0]))
-                diff = (logits - ref[1]).abs().max().item()
-                print(f"{shape:6} {batch:>5}  {variant:18} {us:9.1f} {floor_us / us:10.0%}  {same:>7}/{batch:<7}"
-                      f"  {diff:16.4f}", flush=True)
-                result[f"{shape}|{batch}|{variant}"] = {"us": round(us, 1), "tokens_same": same,
-                                                        "logit_diff": round(diff, 4)}
+        for context in contexts:
+            set_context(dec.decode_inputs, context)
+            for batch in batches:
+                ref = None
+                for variant in args.variants.split(","):
+                    got = run_variant(dec, batch, variant, stream)
+                    if got is None:
+                        continue
+                    us, tokens, logits = got
+                    if ref is None:
+                        ref = (tokens, logits)
+                    same = sum(a == b for a, b in zip(tokens, ref[0]))
+                    diff = (logits - ref[1]).abs().max().item()
+                    print(f"{shape:6} {batch:>5} {context:>7}  {variant:18} {us:9.1f} {floor_us / us:10.0%}"
+                          f"  {same:>6}/{batch:<7}  {diff:16.4f}", flush=True)
+                    key = f"{shape}|{batch}|{variant}" if len(contexts) == 1 else f"{shape}|{batch}|{context}|{variant}"
+                    result[key] = {"us": round(us, 1), "tokens_same": same, "logit_diff": round(diff, 4)}
         del model, dec
         torch.cuda.empty_cache()
     if args.json:
