@@ -163,8 +163,8 @@ class RerankRoutes:
         elif len(queries) == len(documents):
             pairs = list(zip(queries, documents))
         else:
-            raise _bad("text_2", f"has {len(documents)} items for text_1's {len(queries)}: give one text_1, or as "
-                       "many as text_2")
+            raise _bad("text_2", f"text_1 has {len(queries)} texts and text_2 has {len(documents)}: give one text_1, "
+                       "or as many as text_2")
         instruction = _string(body, "instruction") or DEFAULT_INSTRUCTION
         scores, tokens = await self._scores(pairs, instruction, "text_2")
         return Response.json({
