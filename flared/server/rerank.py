@@ -58,21 +58,29 @@ def _text(v: Any, where: str, field: str) -> str:
     return v
 
 
-def _texts(body: dict, field: str) -> list[str]:
+def _string_field(body: dict, field: str) -> str:
+    """A required, non-empty string."""
     v = body.get(field)
+    if not isinstance(v, str) or not v:
+        raise _bad(field, "is required" if v is None else f"must be a non-empty string, got {_type(v)}"
+                   + (" (empty)" if v == "" else ""))
+    return v
+
+
+def _texts(body: dict, field: str, *, one: bool = False) -> list[str]:
+    """A required, non-empty array of texts (strings or objects with a ``text``); with ``one``, a string alone
+    is one text."""
+    v = body.get(field)
+    if one and isinstance(v, str):
+        return [_string_field(body, field)]
+    if v is None:
+        raise _bad(field, "is required")
     if not isinstance(v, list) or not v:
-        raise _bad(field, f"must be a non-empty array, got {_type(v)}" + (" (empty)" if v == [] else ""))
+        raise _bad(field, f"must be a{' string or a' if one else ''} non-empty array, got {_type(v)}"
+                   + (" (empty)" if v == [] else ""))
     if len(v) > MAX_DOCUMENTS:
         raise _bad(field, f"at most {MAX_DOCUMENTS} per request, got {len(v)}")
     return [_text(item, f"{field}[{i}]", field) for i, item in enumerate(v)]
-
-
-def _query(body: dict, field: str = "query") -> str:
-    q = body.get(field)
-    if not isinstance(q, str) or not q:
-        raise _bad(field, "is required" if q is None else f"must be a non-empty string, got {_type(q)}"
-                   + (" (empty)" if q == "" else ""))
-    return q
 
 
 class RerankRoutes:
@@ -130,7 +138,7 @@ class RerankRoutes:
 
     async def rerank(self, request: Request) -> Response:
         body = self._body(request)
-        query = _query(body)
+        query = _string_field(body, "query")
         documents = _texts(body, "documents")
         top_n = _integer(body, "top_n", 1, 1 << 30)
         keep_text = _boolean(body, "return_documents", default=True)
@@ -149,15 +157,7 @@ class RerankRoutes:
 
     async def score(self, request: Request) -> Response:
         body = self._body(request)
-        first, second = body.get("text_1"), body.get("text_2")
-        for field, v in (("text_1", first), ("text_2", second)):
-            if v is None:
-                raise _bad(field, "is required")
-        if isinstance(first, str):
-            queries = [_query(body, "text_1")]
-        else:
-            queries = _texts(body, "text_1")
-        documents = [_query(body, "text_2")] if isinstance(second, str) else _texts(body, "text_2")
+        queries, documents = _texts(body, "text_1", one=True), _texts(body, "text_2", one=True)
         if len(queries) == 1:
             pairs = [(queries[0], d) for d in documents]
         elif len(queries) == len(documents):
