@@ -210,3 +210,27 @@ def test_model_jobs_run_a_long_sequence_a_chunk_a_turn(family_checkpoint):
     assert len(job.result()) == len(want) and all(abs(a[0] - b[0]) < 1e-5 and a[2] == b[2]
                                                   for a, b in zip(job.result(), want))
     assert stats["scored_prompt_tokens"] == len(lists[1])
+
+
+def test_next_token_logits_job_matches_transformers(family_checkpoint):
+    """The job /v1/rerank and /v1/score run (EmbeddingJob with ``project``): the chosen tokens' logits after each
+    sequence, the LM head's rows on the final-normed last hidden state, are transformers' last-position logits;
+    a sequence longer than a turn's budget runs a chunk a turn with the same result."""
+    from collections import Counter
+
+    from flared.runtime.worker import EmbeddingJob
+
+    family, directory, hf_model = family_checkpoint
+    source = read_source(directory)
+    model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    lists = [[5], list(range(3, 40)), list(range(10, 14))]
+    answers = (7, 11, 3)
+    job, stats = EmbeddingJob(lists, "last", False, done=None, project=answers, counter="relevance"), Counter()
+    while not job.step(model, 8, stats):
+        pass
+    out = job.result()
+    assert out.shape == (3, 3) and stats["relevance_sequences"] == 3 and stats["embedded_sequences"] == 0
+    for i, tokens in enumerate(lists):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([tokens])).logits[0, -1].float()
+        assert (out[i] - ref[list(answers)]).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item()), family
