@@ -680,7 +680,7 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
     const int gi = lane / 4, tig = lane % 4;  // the mma fragments' row group and thread in group
     const int ctx = sm.ctx[0], cur = ctx - 1;
     const ResRows rr{sm.kres, sm.vec};
-    const bool hx = HX && xq != nullptr;
+    const bool hx = (HX & 1) && xq != nullptr;
     // the keys past RES_CAP and (without HX) the step's own key (cp.async.cg reads L2, where P1's writes are)
     res_copy<false>(kl, vl, bt, g, min(cur, RES_CAP), hx ? cur : ctx, rr);
     bf16* qb = (bf16*)sm.qs;  // [16][RS]: the group's roped queries in rows [0, GQ), zeros below (set at launch)
