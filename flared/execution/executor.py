@@ -40,17 +40,11 @@ from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, Fr
 from flared.errors import ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_prefill
-from flared.model.sampling import Sampler, SequenceSamplingState
+from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind
 
 _NUM_FRAMES = 2
-
-
-def _needs_eager_sampler(state: SequenceSamplingState) -> bool:
-    p = state.params
-    return (state.grammar is not None or state.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
-            or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0)
 
 
 class _Pending:
@@ -313,7 +307,7 @@ class GraphExecutor:
             self._upload(frame, "block_tables", width)
         cuda.graph_launch(self.graphs.graph_execs[key], self._model_ptr)
         eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
-                      and _needs_eager_sampler(states[i])]
+                      and not states[i].graph_samples]
         if eager_rows:
             self._eager_sample(self.decoder.logits, eager_rows, rows, states, self._pending[frame])
         for i in range(n):

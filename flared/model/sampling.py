@@ -98,6 +98,10 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = 0  # 0: the whole context
     dry_breakers: frozenset[int] = frozenset()
+    # llama.cpp's sampler order (its /completion): min-p, typical-p, top-k, top-p and XTC filter the distribution
+    # at temperature 1, and the temperature scales what they keep. False (vLLM's and OpenAI's order): the
+    # temperature first, then the filters on the scaled distribution.
+    temperature_last: bool = False
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
@@ -207,6 +211,16 @@ class SequenceSamplingState:
         return (bool(p.logit_bias) or self.penalty_slot is not None or self.allowed_ids is not None
                 or bool(p.bad_words) or self.thinking_open is not None or p.uses_dry
                 or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
+
+    @property
+    def graph_samples(self) -> bool:
+        """A decode graph's own sampler can draw this row's token: it takes temperature, top-k and top-p, the
+        temperature first (vLLM's order), on logits nothing shaped; everything else runs in this Sampler after
+        the graph (the GPU executor's eager rows)."""
+        p = self.params
+        return not (self.grammar is not None or self.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
+                    or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0
+                    or (p.temperature_last and p.top_p < 1.0))  # llama.cpp's top-p judges the unscaled logits
 
 
 @dataclass
@@ -589,6 +603,10 @@ class Sampler:
         dev = self.device
         params = [s.params for s in states]
         temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        last = any(p.temperature_last for p in params)
+        if last:  # those rows' filters see the logits unscaled; their temperature comes after (below)
+            after = torch.tensor([p.temperature if p.temperature_last else 1.0 for p in params], device=dev)[:, None]
+            temperature = temperature / after
         logits = logits / temperature
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
@@ -619,6 +637,8 @@ class Sampler:
             logits = logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
         if any(p.xtc_probability > 0 for p in params):
             logits = self._xtc(logits, states)
+        if last:
+            logits = logits / after
         probs = torch.softmax(logits, dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E is drawn for every vocabulary id
         # from the row's own generator, so a token's noise never depends on the candidate set or the batch.

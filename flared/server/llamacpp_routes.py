@@ -11,9 +11,9 @@ included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias]
 or ``json_schema``, ``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and
 ``mirostat_eta``, ``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``,
 ``dry_allowed_length``, ``dry_penalty_last_n`` and ``dry_sequence_breakers`` (flared.model.sampling). Omitted
-sampling fields take the model's defaults, as the OpenAI routes do. Fields that set llama.cpp's sampler order or
-slots (``samplers``, ``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always
-on.
+sampling fields take the model's defaults, as the OpenAI routes do. The sampler runs in llama.cpp's default order,
+the temperature last (SamplingParams.temperature_last). Fields that set another order or the slots (``samplers``,
+``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
 
 It answers llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``, ``limit``, ``word`` with
 ``stopping_word``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``, ``timings`` (ms and tokens
@@ -49,10 +49,17 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
              ("seed", "seed"))
 
 
+# The order the sampler applies its stages in (llama.cpp's ``samplers`` names): /completion's requests take the
+# temperature last, as llama.cpp does; the OpenAI routes' first, as vLLM does (SamplingParams.temperature_last).
+_ORDER = ("penalties", "dry", "min_p", "typ_p", "top_k", "top_p", "xtc")
+
+
 def _settings(x) -> dict[str, Any]:
     """The sampling settings of ``x`` (a request's SamplingOptions, or a live request's SamplingParams) under
-    llama.cpp's names; unset ones left out."""
-    return {name: getattr(x, attr) for name, attr in _SETTINGS if getattr(x, attr) is not None}
+    llama.cpp's names, unset ones left out, and the order its sampler stages run in."""
+    out = {name: getattr(x, attr) for name, attr in _SETTINGS if getattr(x, attr) is not None}
+    out["samplers"] = [*_ORDER, "temperature"] if x.temperature_last else [*_ORDER[:2], "temperature", *_ORDER[2:]]
+    return out
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -223,7 +230,8 @@ class LlamaCppRoutes:
             top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
             seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
             logprobs=n_probs if n_probs else None, stop=_stops(body.get("stop")), stop_token_ids=(),
-            ignore_eos=_boolean(body, "ignore_eos"), n=1, **llama_penalties(body, context), **llama_samplers(body))
+            ignore_eos=_boolean(body, "ignore_eos"), n=1, temperature_last=True, **llama_penalties(body, context),
+            **llama_samplers(body))
         _check_vocab(self.state, opts)
         if opts.top_p == 0.0:
             raise _bad("top_p", "must be > 0")

@@ -81,6 +81,7 @@ class SamplingOptions:
     dry_allowed_length: int = SamplingParams.dry_allowed_length
     dry_penalty_last_n: int = -1  # llama.cpp's -1: the whole context (SamplingParams' 0); 0: DRY off
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")  # llama.cpp's; SamplingParams takes token ids
+    temperature_last: bool = False  # llama.cpp's sampler order (SamplingParams says what it does)
 
     @property
     def uses_dry(self) -> bool:

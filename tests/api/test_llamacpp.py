@@ -64,6 +64,8 @@ def test_typical_p_and_the_penalty_window(daemon):
     assert _post(daemon, {**body, "repeat_last_n": -1})["generation_settings"]["repeat_last_n"] == 1024
     off = _post(daemon, {**body, "repeat_last_n": 0})["generation_settings"]
     assert off["repeat_penalty"] == 1.0 and off["repeat_last_n"] == 0
+    # llama.cpp's sampler order: the filters judge the distribution at temperature 1, the temperature comes last
+    assert g["samplers"][-1] == "temperature" and g["samplers"][:2] == ["penalties", "dry"]
     for bad in ({"typical_p": 0}, {"typical_p": 1.5}, {"repeat_last_n": -2}):
         assert _post(daemon, {"prompt": "x", **bad}, 400)["error"]["message"].startswith(f"'{next(iter(bad))}'")
 
@@ -153,6 +155,7 @@ def test_slots_show_the_live_requests(daemon):
         _, busy = daemon.request("GET", "/slots")
         (mine,) = [s for s in busy if s["is_processing"]]
         assert mine["params"]["n_predict"] == 400 and mine["params"]["mirostat"] == 2 and mine["id_task"] >= 0
+        assert mine["params"]["samplers"][-1] == "temperature"  # a /completion request: llama.cpp's order
         assert 0 < mine["next_token"]["n_decoded"] < 400 and mine["n_prompt_tokens"] > 0 and "prompt" not in mine
         assert mine["n_prompt_tokens_processed"] == mine["n_prompt_tokens"]  # decoding: the whole prompt is in
     finally:

@@ -318,6 +318,25 @@ def test_xtc_excludes_the_likely_tokens_but_the_least_of_them():
     assert 0.2 < share < 0.6
 
 
+def test_temperature_last_filters_at_temperature_one_then_scales():
+    """llama.cpp's order (temperature_last): top-p and min-p judge the distribution at temperature 1 and the
+    temperature scales only what they keep; vLLM's order scales first, so a high temperature lets more through."""
+    logits = _probs([0.85, 0.12, 0.03])  # at 1: top_p 0.8 and min_p 0.2 keep token 0 alone
+    for filters in ({"top_p": 0.8}, {"min_p": 0.2}):
+        hot = SamplingParams(temperature=4.0, **filters)
+        llama = draw_many(SamplingParams(**{**hot.__dict__, "temperature_last": True}), logits, 64)
+        assert set(llama.tolist()) == {0}, filters
+        assert len(set(draw_many(hot, logits, 64).tolist())) > 1, filters  # at temperature 4 both keep more
+    # what the filters keep is still drawn at the temperature: two near-equal tokens, both kept
+    pair = _probs([0.5, 0.45, 0.05])
+    cold = draw_many(SamplingParams(temperature=0.02, top_p=0.99, temperature_last=True), pair, 64)
+    warm = draw_many(SamplingParams(temperature=1.0, top_p=0.99, temperature_last=True), pair, 64)
+    assert (cold == 0).float().mean().item() > 0.95 and 0.3 < (warm == 0).float().mean().item() < 0.8
+    # without a filter the order changes nothing: the same draws either way
+    assert torch.equal(draw_many(SamplingParams(temperature=1.7, temperature_last=True), logits, 32),
+                       draw_many(SamplingParams(temperature=1.7), logits, 32))
+
+
 def test_mirostat_v2_truncates_by_surprise_and_moves_mu():
     """mirostat 2: only tokens whose surprise -log2 p is within mu (2 tau at first) are drawn; mu then moves by
     eta times the drawn token's surprise in the kept distribution minus tau."""
