@@ -111,7 +111,8 @@ class LlamaCppRoutes:
         d = self.state.manifest.generation_defaults
         return {"temperature": float(d.get("temperature", 1.0)), "top_k": int(d.get("top_k", 0)),
                 "top_p": float(d.get("top_p", 1.0)), "min_p": float(d.get("min_p", 0.0)),
-                "repeat_penalty": float(d.get("repetition_penalty", 1.0)), "n_predict": -1}
+                "repeat_penalty": float(d.get("repetition_penalty", 1.0)), "n_predict": -1,
+                "samplers": [*_ORDER, "temperature"]}
 
     async def slots(self, request: Request) -> Response:
         """llama.cpp's slot monitor: one entry per request slot (the core's concurrency), busy where a live request

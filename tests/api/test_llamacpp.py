@@ -93,6 +93,7 @@ def test_props(daemon):
     status, p = daemon.request("GET", "/props")
     assert status == 200 and p["default_generation_settings"]["n_ctx"] == 1024 and p["total_slots"] >= 1
     assert "<tool_call>" in p["chat_template"] and p["modalities"]["vision"] is False
+    assert p["default_generation_settings"]["params"]["samplers"][-1] == "temperature"
 
 
 @pytest.mark.parametrize("body, needle", [
