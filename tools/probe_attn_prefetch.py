@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from probe_decode_attention import attention_operands  # noqa: E402
 from probe_l2_sidecar import Prefetcher  # noqa: E402
 from products64 import graph_us, probe_parser  # noqa: E402
 
@@ -55,21 +56,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args(argv)
-    B, ctx, L = args.rows, args.context, args.layers
-    nh, nkv, d, P, dt, H = 32, 8, 128, 16, torch.bfloat16, 4096
+    B, ctx, L, H = args.rows, args.context, args.layers, 4096
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    pages_per_row = -(-(ctx + 1) // P)
-    num_pages = B * pages_per_row
-    torch.manual_seed(0)
-    k_pool = torch.randn(L, (num_pages + 1) * P, nkv, d, device="cuda", dtype=dt)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(num_pages, device="cuda").view(B, pages_per_row).to(torch.int32)
-    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    positions = lens.long() - 1
-    slots = tables.long()[torch.arange(B, device="cuda"), positions // P] * P + positions % P
-    qkv = torch.randn(B, (nh + 2 * nkv) * d, device="cuda", dtype=dt)
-    cos = torch.randn(ctx + 1, d, device="cuda", dtype=dt)
-    sin = torch.randn(ctx + 1, d, device="cuda", dtype=dt)
+    op = attention_operands(B, ctx, L)
+    nh, nkv, d, P, dt = op.nh, op.nkv, op.d, op.page, op.dt
     attn = torch.empty(B, nh, d, device="cuda", dtype=dt)
     wo = [(0.02 * torch.randn(H, nh * d, device="cuda")).to(dt) for _ in range(L)]
     y = torch.empty(B, H, device="cuda", dtype=dt)
@@ -78,8 +68,8 @@ def main(argv=None) -> int:
     side = torch.cuda.Stream()
 
     def attention(i):
-        paged_decode_attention_rope(qkv, cos, sin, positions, slots, k_pool[i], v_pool[i], attn, tables, lens,
-                                    num_heads=nh, page_tokens=P, scale=scale)
+        paged_decode_attention_rope(op.qkv, op.cos, op.sin, op.positions, op.slots, op.k_pool[i], op.v_pool[i], attn,
+                                    op.tables, op.lens, num_heads=nh, page_tokens=P, scale=scale)
 
     def o(i):
         torch.nn.functional.linear(attn.view(B, nh * d), wo[i], out=y)

@@ -17,10 +17,32 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+
+def attention_operands(rows: int, context: int, layers: int, device: str = "cuda") -> SimpleNamespace:
+    """Seeded operands of Llama-3.1-8B's decode attention (32 q heads, 8 kv heads, head dim 128, pages of 16
+    tokens, bf16) for ``rows`` rows at ``context`` tokens: every layer's own K/V pool with the pages scattered,
+    the rows' block tables, lengths, positions and new keys' slots, fused QKV rows and rotary tables."""
+    nh, nkv, d, page, dt = 32, 8, 128, 16, torch.bfloat16
+    pages_per_row = -(-(context + 1) // page)
+    num_pages = rows * pages_per_row
+    torch.manual_seed(0)
+    k_pool = torch.randn(layers, (num_pages + 1) * page, nkv, d, device=device, dtype=dt)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(num_pages, device=device).view(rows, pages_per_row).to(torch.int32)
+    lens = torch.full((rows,), context, dtype=torch.int32, device=device)
+    positions = lens.long() - 1
+    slots = tables.long()[torch.arange(rows, device=device), positions // page] * page + positions % page
+    qkv = torch.randn(rows, (nh + 2 * nkv) * d, device=device, dtype=dt)
+    cos = torch.randn(context + 1, d, device=device, dtype=dt)
+    sin = torch.randn(context + 1, d, device=device, dtype=dt)
+    return SimpleNamespace(nh=nh, nkv=nkv, d=d, page=page, dt=dt, num_pages=num_pages, k_pool=k_pool, v_pool=v_pool,
+                           tables=tables, lens=lens, positions=positions, slots=slots, qkv=qkv, cos=cos, sin=sin)
 
 
 def graph_us(fn, replays=10) -> float:
@@ -41,19 +63,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     B, ctx, L = args.rows, args.context, args.layers
-    nh, nkv, d, P, dt = 32, 8, 128, 16, torch.bfloat16
-    pages_per_row = -(-(ctx + 1) // P)
-    num_pages = B * pages_per_row
-    torch.manual_seed(0)
-    k_pool = torch.randn(L, (num_pages + 1) * P, nkv, d, device="cuda", dtype=dt)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(num_pages, device="cuda").view(B, pages_per_row).to(torch.int32)
-    lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
-    positions = (lens.long() - 1)
-    slots = tables.long()[torch.arange(B, device="cuda"), positions // P] * P + positions % P
-    qkv = torch.randn(B, (nh + 2 * nkv) * d, device="cuda", dtype=dt)
-    cos = torch.randn(ctx + 1, d, device="cuda", dtype=dt)
-    sin = torch.randn(ctx + 1, d, device="cuda", dtype=dt)
+    o = attention_operands(B, ctx, L)
+    nh, nkv, d, P, dt, num_pages = o.nh, o.nkv, o.d, o.page, o.dt, o.num_pages
+    k_pool, v_pool, tables, lens, positions, slots = o.k_pool, o.v_pool, o.tables, o.lens, o.positions, o.slots
+    qkv, cos, sin = o.qkv, o.cos, o.sin
     q = torch.empty(B, nh, d, device="cuda", dtype=dt)
     out = torch.empty_like(q)
     kv_mb = B * ctx * nkv * d * 2 * 2 / 1e6
