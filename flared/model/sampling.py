@@ -541,10 +541,11 @@ class Sampler:
         sub = sub - freq * counts.to(sub.dtype) - pres * seen_in_output.to(sub.dtype)
         logits.index_copy_(0, row_ids, sub)
 
-    def _uniform(self, state: SequenceSamplingState, vocab: int) -> torch.Tensor:
-        """The row's uniforms for this step, one per vocabulary id, from its own seed and step."""
+    def _uniform(self, state: SequenceSamplingState, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (one per vocabulary id) filled with the row's uniforms for this step, from its own seed and
+        step."""
         self._generator.manual_seed(_row_seed(state.seed, state.num_output_tokens))
-        return torch.empty(vocab, dtype=torch.float32, device=self.device).uniform_(generator=self._generator)
+        return out.uniform_(generator=self._generator)
 
     def _draw_mirostat(self, logits: torch.Tensor, state: SequenceSamplingState) -> torch.Tensor:
         """One row's mirostat draw (llama.cpp's v1 and v2; on the device, no sync): keep the tokens whose surprise
@@ -573,7 +574,8 @@ class Sampler:
             keep_sorted = torch.arange(vocab, device=x.device) < k
             keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
         kept = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
-        exponential = (-torch.log1p(-self._uniform(state, vocab))).clamp_min_(torch.finfo(kept.dtype).tiny)
+        uniform = self._uniform(state, torch.empty(vocab, dtype=torch.float32, device=x.device))
+        exponential = (-torch.log1p(-uniform)).clamp_min_(torch.finfo(kept.dtype).tiny)
         token = (kept / exponential).argmax()
         surprise = -torch.log2(kept[token])
         mu.sub_(p.mirostat_eta * (surprise - p.mirostat_tau))
@@ -644,7 +646,7 @@ class Sampler:
         # from the row's own generator, so a token's noise never depends on the candidate set or the batch.
         uniform = torch.empty(len(states), vocab, dtype=probs.dtype, device=dev)
         for i, s in enumerate(states):
-            uniform[i] = self._uniform(s, vocab)
+            self._uniform(s, uniform[i])  # in place: no vocabulary-sized copy per row and token
         if candidate_ids is not None:
             uniform = uniform.gather(1, candidate_ids)
         # uniform in [0, 1) -> E in [0, inf); a zero E would turn a zero-probability token into 0/0 = NaN.

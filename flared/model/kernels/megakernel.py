@@ -252,8 +252,9 @@ class DecodeLayers:
         defines["RES"] = int(resident(model, rows, low_latency))
         # Up to HX_MAX_ROWS rows the barrier build exchanges P3 -> P4 and P5 -> the next P1 as tagged words too
         # (bits 1 and 2), and with resident attention P1 -> P2 -> P3 (bit 0): three or five of a layer's five
-        # grid barriers become polls of the words the next phase reads (decode_layers.cu, HX).
-        defines["HX"] = 0 if low_latency or rows > HX_MAX_ROWS else (7 if defines["RES"] else 6)
+        # grid barriers become polls of the words the next phase reads (decode_layers.cu, HX; the bits a build
+        # cannot take are cleared below).
+        defines["HX"] = 7 if rows <= HX_MAX_ROWS else 0
         # Compile-time constants replaced for experiments (tools/profile_megakernel.py: SKIP, PF_LINES, ...).
         self.overrides = dict(overrides or {})
         defines.update(self.overrides)
