@@ -17,7 +17,8 @@ Each row gives microseconds per step, the step's weight bytes over that time aga
 (weights / 4.25 TB/s, the H200's measured copy rate), and whether its greedy tokens and logits equal the
 first variant's.
 
-    python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512[,1024...]] [--json]
+    python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512[,1024...]]
+                                      [--pool-pages N] [--json]
 
 CUDA only. Prints one table; with --json, one JSON object as the last line.
 """
@@ -47,12 +48,16 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "cublas attn=4": (False, "cublas", 4),
     "cublas lt attn=2": (False, "cublaslt", 2),
     "mega hx0": (False, "cublas", None),
+    "mega hx6": (False, "cublas", None),
 }
 # megakernel variants built with replaced compile-time constants (megakernel.DecodeLayers' overrides)
-MEGA_OVERRIDES = {"mega hx0": {"HX": 0}}  # every phase boundary a grid barrier (before the sixteenth session)
+MEGA_OVERRIDES = {
+    "mega hx0": {"HX": 0},  # every phase boundary a grid barrier (before the sixteenth session)
+    "mega hx6": {"HX": 6},  # P1 -> P2 -> P3 by grid barriers (past the resident keys: before the seventeenth)
+}
 
 
-def build(shape: str, max_batch: int, context: int):
+def build(shape: str, max_batch: int, context: int, pool_pages: int = 0):
     from bench_gpu import make_hf, serving
 
     from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
@@ -63,7 +68,7 @@ def build(shape: str, max_batch: int, context: int):
     torch.cuda.empty_cache()
     dev = model.device
     pages_per_row = -(-(context + 1) // PAGE_TOKENS)
-    num_pages = max_batch * pages_per_row
+    num_pages = max(max_batch * pages_per_row, pool_pages)  # a daemon's pool spreads each layer's keys wide
     b, t = max_batch, max_batch
     i64, i32, f32 = torch.int64, torch.int32, torch.float32
     inputs = StaticInputs(
@@ -147,6 +152,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--context", default="512", help="tokens per row; a comma list times each")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--pool-pages", type=int, default=0,
+                    help="KV pool pages (default: the rows' own); bench_gpu's executor has 4,096 (134 MB a layer at 8B)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -156,7 +163,7 @@ def main() -> int:
           f"  {'tokens = first':>14}  {'max |logit diff|':>16}")
     stream = torch.cuda.Stream()
     for shape in args.shapes.split(","):
-        model, dec, weight_bytes = build(shape, max(batches), max(contexts))
+        model, dec, weight_bytes = build(shape, max(batches), max(contexts), args.pool_pages)
         floor_us = weight_bytes / (COPY_TB_S * 1e12) * 1e6
         result[f"{shape}_floor_us"] = round(floor_us, 1)
         for context in contexts:

@@ -349,7 +349,8 @@ def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, contex
     """HX: phase boundaries as tagged words instead of grid barriers (bit 0: P1 -> P2 -> P3, the resident blocks
     poll the queries and the step's key and value, every block polls the attention output; bit 1: P3 -> P4; bit 2:
     P5 -> the next P1): the barrier build's logits and K/V bit for bit, launch after launch; past the resident
-    keys (700) bit 0 leaves its barriers in place."""
+    keys (700) bit 0 exchanges the same words around the split path (its blocks poll q and the step's key and
+    value, the head's last block writes attn as words)."""
     from flared.model.kernels import megakernel
 
     model, dec = _decoder(kind, 1, [context])

@@ -237,8 +237,9 @@ __device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag
 #define RS (D + 8)  // the queries' row stride in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
 #define GQ (NH / NKV)
 #ifndef HX
-#define HX 0  // bit 0, with RES: P1 -> P2 -> P3 exchange tagged words (the resident blocks poll q, k, v; all poll
-#endif        // attn); bit 1: P3 -> P4 too, bit 2: P5 -> the next P1 (every block polls the residual's words)
+#define HX 0  // bit 0, with RES: P1 -> P2 -> P3 exchange tagged words (the resident blocks, or past the resident
+#endif        // keys the split path's blocks, poll q, k, v; all poll attn); bit 1: P3 -> P4 too, bit 2: P5 -> the
+              // next P1 (every block polls the residual's words)
 #if (HX & 1) && (!RES || LL || SKIP)
 #error "HX bit 0 needs the resident barrier build without SKIP"
 #endif
@@ -538,7 +539,9 @@ __device__ __forceinline__ void split_weights(int splits, float* f) {
 // turns the partials' (max, sum) into weights exp2(m - M) / L in `f` (shared, >= splits floats) while the
 // threads of the outputs load their partial values: one L2 round trip. (One float per split held a thread:
 // arrays of the (max, sum) too spilled the 8B build and slowed every launch.)
-__device__ void merge_head(const float* part, int first, int splits, bf16* out, float* f) {
+// HX: the output goes out as words of `tag` at xout instead.
+__device__ void merge_head(const float* part, int first, int splits, bf16* out, float* f, u64* xout = nullptr,
+                           unsigned int tag = 0) {
     if (threadIdx.x < 32) {
         const int k = threadIdx.x;
         const float2 ml = k < splits ? __ldcg((const float2*)(part + ML_OFF) + first + k) : make_float2(NEG_INF, 0.f);
@@ -556,7 +559,10 @@ __device__ void merge_head(const float* part, int first, int splits, bf16* out, 
 #pragma unroll
         for (int k = 0; k < SPLITS; ++k)
             if (k < splits) o = fmaf(f[k], p[k], o);
-        if (d < D) out[d] = f2bf(o);
+        if (d < D) {
+            if (xout != nullptr) st_ll(xout + d, round_bf(o), tag);
+            else out[d] = f2bf(o);
+        }
     }
 }
 
@@ -932,7 +938,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     // blocks hold one kv head each and copy layer 0's keys now.
     const bool res = RES && (int)gridDim.x >= NKV && sm.ctx[0] >= 1 && sm.ctx[0] <= RES_CAP + RES_TAIL;
     const int res_g = (int)blockIdx.x - ((int)gridDim.x - NKV);  // this block's kv head when >= 0
-    const bool hx = (HX & 1) && res;  // P1 -> P2 -> P3 by tagged words (every block derives the same answer)
+    // P1 -> P2 -> P3 by tagged words, around resident attention or past it around the split path
+    constexpr bool hx = (HX & 1) != 0;
     constexpr bool hx2 = (HX & 2) != 0;  // P3 -> P4 by tagged words
     constexpr bool hx4 = (HX & 4) != 0;  // P5 -> the next P1 (and the final norm) by tagged words
     if (RES && res) {
@@ -1045,7 +1052,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 // rotary on q (fp32 from bf16, rounded to bf16 as the unfused kernel stores it), then the scale
                 for (int i = threadIdx.x; i < HALF; i += THREADS) {
                     float x0, x1;
-                    if (LL) {
+                    if (LL || hx) {
                         const u64* qw = ll_q + r * (NH * D) + hq * D + i;
                         const u64 a = ld_ll(qw), b = ld_ll(qw + HALF);
                         x0 = wait_ll(qw, a, TAG(layer, 1));
@@ -1061,12 +1068,12 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 const int per = (ctx - lo + WARPS - 1) / WARPS;
                 const int start = lo + warp * per;
                 const int end = min(ctx, start + per);
-                // LL: the step's own key (the last of the context) comes from P1's words; the warp that owns it
-                // loads its lanes' dims of K and V now and waits for them at that key's tile.
+                // LL and HX: the step's own key (the last of the context) comes from P1's words; the warp that
+                // owns it (LL: loads its lanes' dims of K and V now and) waits for them at that key's tile.
                 const int cur = ctx_all - 1;
-                const bool owns = LL && start <= cur && cur < end;
+                const bool owns = (LL || hx) && start <= cur && cur < end;
                 u64 kw[DPL], vw[DPL];
-                if (owns) {
+                if (LL && owns) {
 #pragma unroll
                     for (int k = 0; k < DPL; ++k) {
                         kw[k] = ld_ll(ll_k + (r * NKV + kvh) * D + lane * DPL + k);
@@ -1083,7 +1090,11 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     float score = NEG_INF;
                     const bool cur_tile = owns && cur < t + 32;  // warp-uniform
                     float vcur[DPL];
-                    if (cur_tile) {
+                    // HX: the step's K row goes to the warp's accumulator row (free until after its last tile) and
+                    // its V row to its place in the V tile, which no copy writes; the key's lane then sums its
+                    // score from that K row in the order every other key's lane does (as the barrier build).
+                    bf16* kst = (bf16*)(sm.qs + warp * D);
+                    if (LL && cur_tile) {
                         float sc = 0.f;
 #pragma unroll
                         for (int k = 0; k < DPL; ++k) {
@@ -1094,19 +1105,38 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         }
                         sc = warp_sum(sc);
                         if (kk == cur) score = sc;
+                    } else if (cur_tile) {
+                        const u64* base_k = ll_k + (r * NKV + kvh) * D + lane * DPL;
+                        const u64* base_v = ll_v + (r * NKV + kvh) * D + lane * DPL;
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) {
+                            kw[k] = ld_ll(base_k + k);
+                            vw[k] = ld_ll(base_v + k);
+                        }
+#pragma unroll
+                        for (int k = 0; k < DPL; ++k) {
+                            kst[lane * DPL + k] = f2bf(wait_ll(base_k + k, kw[k], TAG(layer, 1)));
+                            vst[(cur - t) * D + lane * DPL + k] = f2bf(wait_ll(base_v + k, vw[k], TAG(layer, 1)));
+                        }
+                        __syncwarp();
                     }
-                    if (valid && !(cur_tile && kk == cur)) {
+                    const bool mine = !LL && cur_tile && kk == cur;
+                    if (valid && !(LL && cur_tile && kk == cur)) {
                         const long long slot = (long long)bt[kk / PAGE] * PAGE + kk % PAGE;
                         const bf16* krow = kl + (slot * NKV + kvh) * D;
                         const bf16* vrow = vl + (slot * NKV + kvh) * D;
                         const unsigned int dst = (unsigned int)__cvta_generic_to_shared(vst + lane * D);
+                        if (!mine) {
 #pragma unroll
-                        for (int c = 0; c < D / 8; ++c)
-                            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + c * 16),
-                                         "l"(vrow + c * 8) : "memory");
+                            for (int c = 0; c < D / 8; ++c)
+                                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + c * 16),
+                                             "l"(vrow + c * 8) : "memory");
+                        }
+                        // (HX reads the pool through L1: no key it reads there was written during this launch)
+                        const bf16* kp = mine ? kst : krow;
                         uint4 kv[D / 8];
 #pragma unroll
-                        for (int c = 0; c < D / 8; ++c) kv[c] = ld_shared_v4(krow + c * 8);
+                        for (int c = 0; c < D / 8; ++c) kv[c] = hx ? *(const uint4*)(kp + c * 8) : ld_shared_v4(krow + c * 8);
                         float sc = 0.f;
 #pragma unroll
                         for (int c = 0; c < D / 8; ++c) {
@@ -1131,7 +1161,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                     for (int k = 0; k < DPL; ++k) acc[k] *= alpha;
                     m = m_new;
                     asm volatile("cp.async.wait_all;" ::: "memory");
-                    if (cur_tile) {
+                    if (LL && cur_tile) {
 #pragma unroll
                         for (int k = 0; k < DPL; ++k) vst[(cur - t) * D + lane * DPL + k] = f2bf(vcur[k]);
                     }
@@ -1173,7 +1203,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         o += sm.qs[w * D + d] * f;
                     }
                     if (splits == 1) {
-                        if (LL) st_ll(ll_attn + r * (NH * D) + hq * D + d, round_bf(ll > 0.f ? o / ll : 0.f), TAG(layer, 2));
+                        if (LL || hx) st_ll(ll_attn + r * (NH * D) + hq * D + d, round_bf(ll > 0.f ? o / ll : 0.f), TAG(layer, 2));
                         else attn[r * (NH * D) + hq * D + d] = f2bf(ll > 0.f ? o / ll : 0.f);
                     } else if (LL) {
                         st_ll(ll_part + (long long)pu * D + d, o, TAG(layer, 2));
@@ -1199,7 +1229,9 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                         if (last_split) heads[r * NH + hq] = 0u;  // read again after this layer's barrier only
                     }
                     __syncthreads();
-                    if (last_split) merge_head(part, (r * NH + hq) * splits, splits, attn + r * (NH * D) + hq * D, sm.wml);
+                    if (last_split)
+                        merge_head(part, (r * NH + hq) * splits, splits, attn + r * (NH * D) + hq * D, sm.wml,
+                                   hx ? ll_attn + r * (NH * D) + hq * D : nullptr, TAG(layer, 2));
                 }
                 __syncthreads();  // qv, qs and wml are rewritten by the next unit
             }

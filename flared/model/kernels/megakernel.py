@@ -50,7 +50,9 @@ LONG_ROW_GEMV_BATCH = 12
 # vs 3,772-3,774 at 256, 3,841-3,844 vs 3,873 at 384 (not resident); the whole one-row decode step at 256 tokens
 # 3,918-3,919 vs 4,008-4,010. Two rows went both ways (8B launch 4,132-4,139 vs 4,152-4,165, but its whole step
 # 4,415-4,418 vs 4,378-4,381 on another machine; 135M launch 508-509 vs 523); four rows lost (135M 651-652 vs
-# 569: every block polls four rows' words).
+# 569: every block polls four rows' words). Bit 0 past the resident keys (the split path's blocks poll the words,
+# seventeenth session), the whole one-row step: 4,009-4,014 vs 4,082-4,092 at 344 tokens, 4,010 vs 4,094-4,097 at
+# 383; with a 4,096-page pool (bench_gpu's executor) 4,122-4,126 vs 4,170-4,176.
 HX_MAX_ROWS = 1
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
@@ -251,9 +253,9 @@ class DecodeLayers:
         }
         defines["RES"] = int(resident(model, rows, low_latency))
         # Up to HX_MAX_ROWS rows the barrier build exchanges P3 -> P4 and P5 -> the next P1 as tagged words too
-        # (bits 1 and 2), and with resident attention P1 -> P2 -> P3 (bit 0): three or five of a layer's five
-        # grid barriers become polls of the words the next phase reads (decode_layers.cu, HX; the bits a build
-        # cannot take are cleared below).
+        # (bits 1 and 2), and in a resident build P1 -> P2 -> P3 (bit 0, around resident attention and past the
+        # resident keys around the split path): three or five of a layer's five grid barriers become polls of the
+        # words the next phase reads (decode_layers.cu, HX; the bits a build cannot take are cleared below).
         defines["HX"] = 7 if rows <= HX_MAX_ROWS else 0
         # Compile-time constants replaced for experiments (tools/profile_megakernel.py: SKIP, PF_LINES, ...).
         self.overrides = dict(overrides or {})
