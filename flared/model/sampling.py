@@ -11,8 +11,10 @@ reasoning's end token while it is open); then repetition (prompt + output), freq
 and presence (output only) penalties, or with penalty_last_n all three over
 the last N tokens (llama.cpp's repeat_last_n); then llama.cpp's DRY; greedy
 rows take the argmax here; other rows are divided by their temperature,
-filtered by min-p, typical-p, top-k, top-p and XTC, and drawn; mirostat rows
-(v1, v2) are drawn by mirostat after their temperature instead.
+filtered by top-n-sigma, min-p, typical-p, top-k, top-p and XTC, and drawn
+(vLLM's order); rows with a ``sampler_order`` (llama.cpp's chain, its
+``samplers``) run their filters and temperature in that order instead; mirostat
+rows (v1, v2) are drawn by mirostat after their temperature.
 
 Rules:
 - Reproducible draws: a row's randomness comes only from its own seed and the
@@ -48,6 +50,10 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 _MASK64 = (1 << 64) - 1
 DRY_MAX_MATCH = 64  # DRY's repeat lengths are counted to this many tokens (the default base makes that ~1e15)
 _XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coin
+# llama.cpp's sampler names (its ``samplers``) as SamplingParams.sampler_order takes them. "penalties" and "dry" are
+# listed for the record: they shape the logits before any filter wherever they stand (Sampler.sample).
+SAMPLER_STAGES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+LLAMA_CPP_ORDER = SAMPLER_STAGES  # llama.cpp's default chain: every filter at temperature 1, the temperature last
 
 
 @dataclass(frozen=True)
@@ -98,17 +104,21 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = 0  # 0: the whole context
     dry_breakers: frozenset[int] = frozenset()
-    # llama.cpp's sampler order (its /completion): min-p, typical-p, top-k, top-p and XTC filter the distribution
-    # at temperature 1, and the temperature scales what they keep. False (vLLM's and OpenAI's order): the
-    # temperature first, then the filters on the scaled distribution.
-    temperature_last: bool = False
+    # llama.cpp's top-n-sigma: only tokens whose logit is within top_n_sigma standard deviations (over the
+    # candidates' logits) of the largest stay; <= 0 = off. The temperature does not change what it keeps.
+    top_n_sigma: float = -1.0
+    # llama.cpp's sampler chain (SAMPLER_STAGES names; its /completion's ``samplers``): the filters and the
+    # temperature run in this order, each on what the ones before kept (LLAMA_CPP_ORDER: every filter at
+    # temperature 1, the temperature scaling only what they kept). Empty (vLLM's and OpenAI's order): the
+    # temperature first, then top-n-sigma, min-p, typical-p, top-k, top-p and XTC on the scaled distribution.
+    sampler_order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
             return AdmissionError(what, ErrorKind.VALIDATION)
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                     "typical_p", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold",
+                     "typical_p", "top_n_sigma", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold",
                      "dry_multiplier", "dry_base"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
@@ -121,6 +131,9 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < self.typical_p <= 1:
             raise bad(f"typical_p must be in (0, 1], got {self.typical_p}")
+        unknown = [n for n in self.sampler_order if n not in SAMPLER_STAGES]
+        if unknown:
+            raise bad(f"unknown sampler {unknown[0]!r}; the samplers are {', '.join(SAMPLER_STAGES)}")
         if not isinstance(self.penalty_last_n, int) or isinstance(self.penalty_last_n, bool) or self.penalty_last_n < 0:
             raise bad(f"penalty_last_n must be an integer >= 0, got {self.penalty_last_n!r}")
         if self.repetition_penalty <= 0:
@@ -219,8 +232,10 @@ class SequenceSamplingState:
         the graph (the GPU executor's eager rows)."""
         p = self.params
         return not (self.grammar is not None or self.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
-                    or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0
-                    or (p.temperature_last and p.top_p < 1.0))  # llama.cpp's top-p judges the unscaled logits
+                    or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0 or p.top_n_sigma > 0
+                    # llama.cpp's chain: its top-p judges the unscaled logits, and another chain than its default
+                    # may leave out the temperature or top-k, or run them twice
+                    or (bool(p.sampler_order) and (p.top_p < 1.0 or p.sampler_order != LLAMA_CPP_ORDER)))
 
 
 @dataclass
@@ -247,6 +262,18 @@ def typical_filter(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def top_n_sigma_filter(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's top-n-sigma: keep the tokens whose logit is at least max - n * std, the mean and standard
+    deviation over each row's finite logits; rows with n <= 0 ([rows, 1]) are left whole."""
+    finite = torch.isfinite(logits)
+    count = finite.sum(dim=-1, keepdim=True).clamp_min(1)
+    vals = torch.where(finite, logits, 0.0)
+    mean = vals.sum(dim=-1, keepdim=True) / count
+    std = (torch.where(finite, (logits - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count).sqrt()
+    top = logits.max(dim=-1, keepdim=True).values
+    return logits.masked_fill((logits < top - n * std) & (n > 0), float("-inf"))
 
 
 def _row_seed(seed: int, step: int) -> int:
@@ -604,12 +631,20 @@ class Sampler:
         """logits [S, V] after bias/penalties -> drawn token ids [S]."""
         dev = self.device
         params = [s.params for s in states]
+        chained = [i for i, p in enumerate(params) if p.sampler_order]
+        if chained:  # rows with their own order, one at a time; the rest batched below
+            out = torch.empty(len(states), dtype=torch.int64, device=dev)
+            for i in chained:
+                out[i] = self._draw_chain(logits[i:i + 1], states[i])
+            rest = [i for i in range(len(states)) if not params[i].sampler_order]
+            if rest:
+                idx = torch.tensor(rest, dtype=torch.int64, device=dev)
+                out.index_copy_(0, idx, self._draw(logits.index_select(0, idx), [states[i] for i in rest]))
+            return out
         temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
-        last = any(p.temperature_last for p in params)
-        if last:  # those rows' filters see the logits unscaled; their temperature comes after (below)
-            after = torch.tensor([p.temperature if p.temperature_last else 1.0 for p in params], device=dev)[:, None]
-            temperature = temperature / after
         logits = logits / temperature
+        if any(p.top_n_sigma > 0 for p in params):
+            logits = top_n_sigma_filter(logits, torch.tensor([p.top_n_sigma for p in params], device=dev)[:, None])
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
             probs = torch.softmax(logits, dim=-1)
@@ -639,12 +674,17 @@ class Sampler:
             logits = logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
         if any(p.xtc_probability > 0 for p in params):
             logits = self._xtc(logits, states)
-        if last:
-            logits = logits / after
+        return self._race(logits, states, candidate_ids, vocab)
+
+    def _race(self, logits: torch.Tensor, states: list[SequenceSamplingState], candidate_ids: torch.Tensor | None = None,
+              vocab: int | None = None) -> torch.Tensor:
+        """The draw from filtered logits [S, C]: C candidates (``candidate_ids`` [S, C] of a ``vocab``-wide row), or
+        the whole row.
+        Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E is drawn for every vocabulary id from the
+        row's own generator, so a token's noise never depends on the candidate set, the batch or the order the
+        filters ran in."""
         probs = torch.softmax(logits, dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E is drawn for every vocabulary id
-        # from the row's own generator, so a token's noise never depends on the candidate set or the batch.
-        uniform = torch.empty(len(states), vocab, dtype=probs.dtype, device=dev)
+        uniform = torch.empty(len(states), vocab or logits.shape[-1], dtype=probs.dtype, device=self.device)
         for i, s in enumerate(states):
             self._uniform(s, uniform[i])  # in place: no vocabulary-sized copy per row and token
         if candidate_ids is not None:
@@ -655,3 +695,31 @@ class Sampler:
         if candidate_ids is None:
             return choice
         return candidate_ids.gather(1, choice[:, None])[:, 0]
+
+    def _draw_chain(self, logits: torch.Tensor, state: SequenceSamplingState) -> torch.Tensor:
+        """One row [1, V] through its own sampler_order (llama.cpp's chain): each filter judges what the ones
+        before it kept, at the temperature applied so far; then the draw. Returns a one-element id tensor."""
+        p = state.params
+        dev = self.device
+        for stage in p.sampler_order:
+            if stage == "temperature":
+                logits = logits / p.temperature
+            elif stage == "top_n_sigma" and p.top_n_sigma > 0:
+                logits = top_n_sigma_filter(logits, torch.tensor([[p.top_n_sigma]], device=dev))
+            elif stage == "top_k" and p.top_k > 0:
+                keep = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).indices
+                logits = torch.full_like(logits, float("-inf")).scatter_(1, keep, logits.gather(1, keep))
+            elif stage == "typ_p" and p.typical_p < 1.0:
+                logits = typical_filter(logits, torch.tensor([[p.typical_p]], device=dev))
+            elif stage == "top_p" and p.top_p < 1.0:
+                ordered, ids = logits.sort(dim=-1, descending=True)
+                probs = torch.softmax(ordered, dim=-1)
+                drop = (probs.cumsum(dim=-1) - probs >= p.top_p)  # the more likely ones hold top_p already
+                drop[:, 0] = False
+                logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, ids, drop), float("-inf"))
+            elif stage == "min_p" and p.min_p > 0:
+                probs = torch.softmax(logits, dim=-1)
+                logits = logits.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * p.min_p, float("-inf"))
+            elif stage == "xtc" and p.xtc_probability > 0:
+                logits = self._xtc(logits, [state])
+        return self._race(logits, [state])[0]

@@ -10,10 +10,12 @@ included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias]
 ``false`` bans a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF)
 or ``json_schema``, ``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and
 ``mirostat_eta``, ``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``,
-``dry_allowed_length``, ``dry_penalty_last_n`` and ``dry_sequence_breakers`` (flared.model.sampling). Omitted
-sampling fields take the model's defaults, as the OpenAI routes do. The sampler runs in llama.cpp's default order,
-the temperature last (SamplingParams.temperature_last). Fields that set another order or the slots (``samplers``,
-``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
+``dry_allowed_length``, ``dry_penalty_last_n`` and ``dry_sequence_breakers``, ``top_n_sigma``
+(flared.model.sampling). Omitted sampling fields take the model's defaults, as the OpenAI routes do. The sampler
+runs llama.cpp's chain (SamplingParams.sampler_order): its default order, every filter at temperature 1 and the
+temperature last, or the request's own ``samplers`` (names, or llama.cpp's letters such as ``"kypmxt"``); a chain
+without ``penalties`` or ``dry`` turns those off, and where they are listed they run first. Fields for the slots
+(``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
 
 It answers llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``, ``limit``, ``word`` with
 ``stopping_word``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``, ``timings`` (ms and tokens
@@ -29,6 +31,7 @@ import time
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.model.sampling import LLAMA_CPP_ORDER, SAMPLER_STAGES
 from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
@@ -49,17 +52,47 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
              ("seed", "seed"))
 
 
-# The order the sampler applies its stages in (llama.cpp's ``samplers`` names): /completion's requests take the
-# temperature last, as llama.cpp does; the OpenAI routes' first, as vLLM does (SamplingParams.temperature_last).
-_ORDER = ("penalties", "dry", "min_p", "typ_p", "top_k", "top_p", "xtc")
+# The order the OpenAI routes' rows run their stages in (vLLM's: the temperature first), under llama.cpp's names;
+# /completion's rows run their own chain (SamplingParams.sampler_order).
+_VLLM_ORDER = ("penalties", "dry", "temperature", "top_n_sigma", "min_p", "typ_p", "top_k", "top_p", "xtc")
+# llama.cpp's one-letter names (its ``samplers`` as a string) and the other name it takes
+_SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                    "m": "min_p", "x": "xtc", "t": "temperature"}
+_SAMPLER_ALIASES = {"typical_p": "typ_p"}
 
 
 def _settings(x) -> dict[str, Any]:
     """The sampling settings of ``x`` (a request's SamplingOptions, or a live request's SamplingParams) under
     llama.cpp's names, unset ones left out, and the order its sampler stages run in."""
     out = {name: getattr(x, attr) for name, attr in _SETTINGS if getattr(x, attr) is not None}
-    out["samplers"] = [*_ORDER, "temperature"] if x.temperature_last else [*_ORDER[:2], "temperature", *_ORDER[2:]]
+    out["samplers"] = list(x.sampler_order or _VLLM_ORDER)
     return out
+
+
+def _sampler_order(body: dict) -> tuple[str, ...]:
+    """``samplers``: llama.cpp's chain as names (``["top_k", "temperature"]``) or letters (``"kt"``); absent,
+    llama.cpp's default chain."""
+    value = body.get("samplers")
+    if value is None:
+        return LLAMA_CPP_ORDER
+    if isinstance(value, str):
+        unknown = [c for c in value if c not in _SAMPLER_LETTERS]
+        if unknown:
+            raise _bad("samplers", f"unknown sampler letter {unknown[0]!r}; the letters are "
+                       + ", ".join(f"{c} ({n})" for c, n in _SAMPLER_LETTERS.items()))
+        names = [_SAMPLER_LETTERS[c] for c in value]
+    elif isinstance(value, list) and all(isinstance(n, str) for n in value):
+        names = [_SAMPLER_ALIASES.get(n, n) for n in value]
+        unknown = [n for n in names if n not in SAMPLER_STAGES]
+        if unknown:
+            raise _bad("samplers", f"unknown sampler {unknown[0]!r}; flared runs {', '.join(SAMPLER_STAGES)}")
+    else:
+        raise _bad("samplers", f"must be an array of sampler names or a string of their letters, got {_type(value)}")
+    if not names:
+        raise _bad("samplers", "must name at least one sampler")
+    if len(names) > 4 * len(SAMPLER_STAGES):
+        raise _bad("samplers", f"names {len(names)} samplers; at most {4 * len(SAMPLER_STAGES)}")
+    return tuple(names)
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -112,7 +145,7 @@ class LlamaCppRoutes:
         return {"temperature": float(d.get("temperature", 1.0)), "top_k": int(d.get("top_k", 0)),
                 "top_p": float(d.get("top_p", 1.0)), "min_p": float(d.get("min_p", 0.0)),
                 "repeat_penalty": float(d.get("repetition_penalty", 1.0)), "n_predict": -1,
-                "samplers": [*_ORDER, "temperature"]}
+                "samplers": list(LLAMA_CPP_ORDER)}
 
     async def slots(self, request: Request) -> Response:
         """llama.cpp's slot monitor: one entry per request slot (the core's concurrency), busy where a live request
@@ -225,14 +258,19 @@ class LlamaCppRoutes:
         n_predict = _integer(body, "n_predict", -1, 1 << 31)
         n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS) or 0
         top_k = _integer(body, "top_k", -1, 1 << 31)
+        order = _sampler_order(body)
+        penalties, samplers = llama_penalties(body, context), llama_samplers(body)
+        if "penalties" not in order:  # a chain without them: llama.cpp applies none
+            penalties.update(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        if "dry" not in order:
+            samplers["dry_multiplier"] = 0.0
         opts = SamplingOptions(
             max_tokens=None if n_predict in (None, -1, 0) else min(n_predict, context - len(ids)),
             temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
             top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
             seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
             logprobs=n_probs if n_probs else None, stop=_stops(body.get("stop")), stop_token_ids=(),
-            ignore_eos=_boolean(body, "ignore_eos"), n=1, temperature_last=True, **llama_penalties(body, context),
-            **llama_samplers(body))
+            ignore_eos=_boolean(body, "ignore_eos"), n=1, sampler_order=order, **penalties, **samplers)
         _check_vocab(self.state, opts)
         if opts.top_p == 0.0:
             raise _bad("top_p", "must be > 0")

@@ -107,7 +107,7 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         mirostat=opts.mirostat, mirostat_tau=opts.mirostat_tau, mirostat_eta=opts.mirostat_eta,
         xtc_probability=opts.xtc_probability, xtc_threshold=opts.xtc_threshold,
         **_dry(state, opts, context),
-        temperature_last=opts.temperature_last,
+        top_n_sigma=opts.top_n_sigma, sampler_order=opts.sampler_order,
     )
 
 

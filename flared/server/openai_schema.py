@@ -81,7 +81,8 @@ class SamplingOptions:
     dry_allowed_length: int = SamplingParams.dry_allowed_length
     dry_penalty_last_n: int = -1  # llama.cpp's -1: the whole context (SamplingParams' 0); 0: DRY off
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")  # llama.cpp's; SamplingParams takes token ids
-    temperature_last: bool = False  # llama.cpp's sampler order (SamplingParams says what it does)
+    top_n_sigma: float = SamplingParams.top_n_sigma
+    sampler_order: tuple[str, ...] = ()  # llama.cpp's chain (SamplingParams says what it does); () = vLLM's order
 
     @property
     def uses_dry(self) -> bool:
@@ -330,11 +331,12 @@ MAX_DRY_BREAKERS = 16
 
 
 def llama_samplers(body: dict) -> dict[str, Any]:
-    """llama.cpp's mirostat, XTC and DRY fields (its /completion and OpenAI-compatible routes, Ollama's options) as
-    SamplingOptions fields; absent fields keep llama.cpp's defaults (all three off)."""
+    """llama.cpp's mirostat, XTC, DRY and top-n-sigma fields (its /completion and OpenAI-compatible routes, Ollama's
+    options) as SamplingOptions fields; absent fields keep llama.cpp's defaults (all four off)."""
     out: dict[str, Any] = {}
     for field, lo, hi in (("mirostat_tau", 0.0, 100.0), ("mirostat_eta", 0.0, 10.0), ("xtc_probability", 0.0, 1.0),
-                          ("xtc_threshold", 0.0, 1.0), ("dry_multiplier", 0.0, 1e4), ("dry_base", 0.0, 100.0)):
+                          ("xtc_threshold", 0.0, 1.0), ("dry_multiplier", 0.0, 1e4), ("dry_base", 0.0, 100.0),
+                          ("top_n_sigma", -1.0, 100.0)):
         value = _number(body, field, lo, hi)
         if value is not None:
             out[field] = value

@@ -70,6 +70,27 @@ def test_typical_p_and_the_penalty_window(daemon):
         assert _post(daemon, {"prompt": "x", **bad}, 400)["error"]["message"].startswith(f"'{next(iter(bad))}'")
 
 
+def test_the_request_sets_the_sampler_chain(daemon):
+    """llama.cpp's ``samplers``: names (typical_p is typ_p) or letters, run in that order and reported back; a chain
+    without penalties or dry turns them off; a name or letter flared does not run is a 400 that names them."""
+    body = {"prompt": SING, "n_predict": 3, "temperature": 0.8, "seed": 3, "top_k": 5, "repeat_penalty": 1.2,
+            "dry_multiplier": 0.5}
+    full = _post(daemon, body)["generation_settings"]
+    assert full["samplers"][-1] == "temperature" and full["repeat_penalty"] == 1.2 and full["dry_multiplier"] == 0.5
+    r = _post(daemon, {**body, "samplers": ["top_k", "typical_p", "temperature"]})
+    assert r["content"] == " la" * 3
+    g = r["generation_settings"]
+    assert g["samplers"] == ["top_k", "typ_p", "temperature"] and g["repeat_penalty"] == 1.0
+    assert g["dry_multiplier"] == 0.0
+    letters = _post(daemon, {**body, "samplers": "edkt"})["generation_settings"]
+    assert letters["samplers"] == ["penalties", "dry", "top_k", "temperature"] and letters["repeat_penalty"] == 1.2
+    for bad, needle in (({"samplers": ["top_k", "mirror"]}, "unknown sampler 'mirror'"),
+                        ({"samplers": "kq"}, "unknown sampler letter 'q'"), ({"samplers": 3}, "got an integer"),
+                        ({"samplers": []}, "at least one")):
+        err = _post(daemon, {"prompt": "x", **bad}, 400)["error"]["message"]
+        assert err.startswith("'samplers'") and needle in err, err
+
+
 def test_probabilities_stream_and_grammar(daemon):
     r = _post(daemon, {"prompt": SING, "n_predict": 3, "temperature": 0, "n_probs": 2})
     probs = r["completion_probabilities"]

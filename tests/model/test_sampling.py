@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flared.errors import AdmissionError, ExecutionError
-from flared.model.sampling import Sampler, SamplingParams
+from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
 
 VOCAB = 50
 
@@ -318,23 +318,57 @@ def test_xtc_excludes_the_likely_tokens_but_the_least_of_them():
     assert 0.2 < share < 0.6
 
 
-def test_temperature_last_filters_at_temperature_one_then_scales():
-    """llama.cpp's order (temperature_last): top-p and min-p judge the distribution at temperature 1 and the
-    temperature scales only what they keep; vLLM's order scales first, so a high temperature lets more through."""
+def test_llama_cpp_chain_filters_at_temperature_one_then_scales():
+    """llama.cpp's default chain: top-p and min-p judge the distribution at temperature 1 and the temperature
+    scales only what they keep; vLLM's order scales first, so a high temperature lets more through."""
     logits = _probs([0.85, 0.12, 0.03])  # at 1: top_p 0.8 and min_p 0.2 keep token 0 alone
     for filters in ({"top_p": 0.8}, {"min_p": 0.2}):
         hot = SamplingParams(temperature=4.0, **filters)
-        llama = draw_many(SamplingParams(**{**hot.__dict__, "temperature_last": True}), logits, 64)
+        llama = draw_many(SamplingParams(**{**hot.__dict__, "sampler_order": LLAMA_CPP_ORDER}), logits, 64)
         assert set(llama.tolist()) == {0}, filters
         assert len(set(draw_many(hot, logits, 64).tolist())) > 1, filters  # at temperature 4 both keep more
     # what the filters keep is still drawn at the temperature: two near-equal tokens, both kept
     pair = _probs([0.5, 0.45, 0.05])
-    cold = draw_many(SamplingParams(temperature=0.02, top_p=0.99, temperature_last=True), pair, 64)
-    warm = draw_many(SamplingParams(temperature=1.0, top_p=0.99, temperature_last=True), pair, 64)
+    cold = draw_many(SamplingParams(temperature=0.02, top_p=0.99, sampler_order=LLAMA_CPP_ORDER), pair, 64)
+    warm = draw_many(SamplingParams(temperature=1.0, top_p=0.99, sampler_order=LLAMA_CPP_ORDER), pair, 64)
     assert (cold == 0).float().mean().item() > 0.95 and 0.3 < (warm == 0).float().mean().item() < 0.8
     # without a filter the order changes nothing: the same draws either way
-    assert torch.equal(draw_many(SamplingParams(temperature=1.7, temperature_last=True), logits, 32),
+    assert torch.equal(draw_many(SamplingParams(temperature=1.7, sampler_order=LLAMA_CPP_ORDER), logits, 32),
                        draw_many(SamplingParams(temperature=1.7), logits, 32))
+
+
+def test_the_chain_runs_its_filters_in_its_order():
+    """A sampler_order runs each filter on what the ones before kept: llama.cpp's default (top-p, then min-p) keeps
+    two tokens where min-p first leaves top-p one; a chain in vLLM's order draws exactly what the batched path draws
+    (the same noise per token id); a chain without the temperature draws at temperature 1."""
+    logits = _probs([0.5, 0.3, 0.1, 0.1])
+    both = {"temperature": 1.0, "top_p": 0.6, "min_p": 0.3}
+    assert set(draw_many(SamplingParams(**both, sampler_order=LLAMA_CPP_ORDER), logits, 64).tolist()) == {0, 1}
+    assert set(draw_many(SamplingParams(**both, sampler_order=("min_p", "top_p")), logits, 64).tolist()) == {0}
+    rows = logits_rows(1)
+    vllm = {"temperature": 1.3, "top_k": 5, "top_p": 0.9, "min_p": 0.02}
+    assert torch.equal(draw_many(SamplingParams(**vllm, sampler_order=("temperature", "min_p", "top_k", "top_p")),
+                                 rows, 48), draw_many(SamplingParams(**vllm), rows, 48))
+    cold = SamplingParams(temperature=0.01, sampler_order=("top_k",))  # no temperature stage: drawn at 1
+    assert torch.equal(draw_many(cold, rows, 48), draw_many(SamplingParams(temperature=1.0), rows, 48))
+    with pytest.raises(AdmissionError, match="unknown sampler 'top_z'"):
+        SamplingParams(sampler_order=("top_k", "top_z"))
+
+
+def test_top_n_sigma_keeps_the_logits_near_the_largest():
+    """llama.cpp's top-n-sigma: a token stays when its logit is at least max - n * std over the candidates (the
+    finite logits); the temperature does not change what it keeps (both scale alike); n <= 0 is off."""
+    narrow = torch.full((1, VOCAB), float("-inf"))
+    narrow[0, :4] = torch.tensor([10.0, 9.5, 9.0, 4.0])  # over the four candidates: std 2.39, cut 7.6
+    for temperature in (0.7, 3.0):
+        drawn = set(draw_many(SamplingParams(temperature=temperature, top_n_sigma=1.0), narrow, 64).tolist())
+        assert drawn == {0, 1, 2}, temperature
+        chain = SamplingParams(temperature=temperature, top_n_sigma=1.0, sampler_order=LLAMA_CPP_ORDER)
+        assert set(draw_many(chain, narrow, 64).tolist()) == {0, 1, 2}, temperature
+    assert 3 in set(draw_many(SamplingParams(temperature=3.0, top_n_sigma=-1.0), narrow, 200).tolist())
+    wide = narrow.clone()
+    wide[0, 4:] = -30.0  # the rest of the vocabulary counts too: the spread grows and the cut falls below 4
+    assert 3 in set(draw_many(SamplingParams(temperature=3.0, top_n_sigma=1.0), wide, 200).tolist())
 
 
 def test_mirostat_v2_truncates_by_surprise_and_moves_mu():
