@@ -49,7 +49,7 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
              ("mirostat", "mirostat"), ("mirostat_tau", "mirostat_tau"), ("mirostat_eta", "mirostat_eta"),
              ("xtc_probability", "xtc_probability"), ("xtc_threshold", "xtc_threshold"),
              ("dry_multiplier", "dry_multiplier"), ("dry_base", "dry_base"), ("dry_allowed_length", "dry_allowed_length"),
-             ("seed", "seed"))
+             ("top_n_sigma", "top_n_sigma"), ("seed", "seed"))
 
 
 # The order the OpenAI routes' rows run their stages in (vLLM's: the temperature first), under llama.cpp's names;

@@ -82,8 +82,9 @@ def test_the_request_sets_the_sampler_chain(daemon):
     g = r["generation_settings"]
     assert g["samplers"] == ["top_k", "typ_p", "temperature"] and g["repeat_penalty"] == 1.0
     assert g["dry_multiplier"] == 0.0
-    letters = _post(daemon, {**body, "samplers": "edkt"})["generation_settings"]
-    assert letters["samplers"] == ["penalties", "dry", "top_k", "temperature"] and letters["repeat_penalty"] == 1.2
+    letters = _post(daemon, {**body, "samplers": "edskt", "top_n_sigma": 1.5})["generation_settings"]
+    assert letters["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "temperature"]
+    assert letters["repeat_penalty"] == 1.2 and letters["top_n_sigma"] == 1.5
     for bad, needle in (({"samplers": ["top_k", "mirror"]}, "unknown sampler 'mirror'"),
                         ({"samplers": "kq"}, "unknown sampler letter 'q'"), ({"samplers": 3}, "got an integer"),
                         ({"samplers": []}, "at least one")):
