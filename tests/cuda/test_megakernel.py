@@ -365,3 +365,24 @@ def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, contex
     for _ in range(3):
         got, k, v = _step(dec, 1, mega=True)
         assert torch.equal(got, ref) and torch.equal(k, rk) and torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("long", 700), ("wide", 1)])
+def test_staged_o_rows_change_no_bit(kind, context):
+    """STAGE_O (an experiment, off by default): the non-resident blocks copy their warps' first o rows into the idle
+    resident region during attention and P3 sums them in warp_dot's order, so the logits and K/V are the default
+    build's bit for bit, launch after launch; past the resident keys (700) nothing is staged."""
+    from flared.model.kernels import megakernel
+
+    model, dec = _decoder(kind, 1, [context])
+    plain = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head)
+    plain.compile(PAGE)
+    assert plain.resident_keys
+    dec.mega[(1, dec.mega_head)] = plain
+    ref, rk, rv = _step(dec, 1, mega=True)
+    staged = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"STAGE_O": 1})
+    staged.compile(PAGE)
+    dec.mega[(1, dec.mega_head)] = staged
+    for _ in range(3):
+        got, k, v = _step(dec, 1, mega=True)
+        assert torch.equal(got, ref) and torch.equal(k, rk) and torch.equal(v, rv)

@@ -462,6 +462,41 @@ __device__ __forceinline__ void dot_w(const uint4 (&w)[2][Row<K>::PER], const bf
     reduce_acc<NR>(acc);
 }
 
+// STAGE_O (RES builds; EXPERIMENT, off by default): while the resident blocks attend, DRAM idles and the other
+// blocks only wait. Each of their warps copies its first o row (NH * D elements) into its block's resident region,
+// unused outside the resident blocks, before P2, and P3 takes that row from shared memory. The sums run in
+// warp_dot's order, so the results do not change.
+#ifndef STAGE_O
+#define STAGE_O 0
+#endif
+#if STAGE_O && RES && WARPS * NH * D > 2 * RES_CAP * D
+#error "STAGE_O: the warps' first o rows do not fit the resident region"
+#endif
+
+// A weight row of K elements into shared memory `dst`, lane by lane (cp.async.cg, one group).
+template <int K>
+__device__ __forceinline__ void stage_row(const bf16* row, bf16* dst, int lane) {
+    for (int c = lane; c < K / 8; c += 32) {
+        const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst + c * 8);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(row + c * 8) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// warp_dot of one row staged by stage_row (this lane's chunks: its own copies, waited for here), same sum order.
+template <int K>
+__device__ __forceinline__ void dot_staged(const bf16* row, const bf16* vec, float (&acc)[1][R], int lane) {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    zero_acc<1>(acc);
+#pragma unroll 4
+    for (int c = lane; c < K / 8; c += 32) {
+        const uint4 w = *(const uint4*)(row + c * 8);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[0][r] += dot8(w, *(const uint4*)(vec + r * KMAX + c * 8));
+    }
+    reduce_acc<1>(acc);
+}
+
 // The weight rows of this warp's first P1 unit (q or v: one row; k pair: two).
 __device__ __forceinline__ void qkv_rows(const bf16* wq, int u, const bf16** w0, const bf16** w1) {
     if (u < NH * D) {
@@ -942,6 +977,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     constexpr bool hx = (HX & 1) != 0;
     constexpr bool hx2 = (HX & 2) != 0;  // P3 -> P4 by tagged words
     constexpr bool hx4 = (HX & 4) != 0;  // P5 -> the next P1 (and the final norm) by tagged words
+    const bool stage_o = STAGE_O && RES && res && res_g < 0;  // this block stages its warps' first o rows (STAGE_O)
     if (RES && res) {
         bf16* qb = (bf16*)sm.qs;
         for (int i = GQ * RS + threadIdx.x; i < 16 * RS; i += THREADS) qb[i] = 0;
@@ -1026,6 +1062,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         // Attention is short: the first o rows now (registers or L2), before the two barriers.
         if (gw < H) {
             if constexpr (PRE_O) load_w<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), nullptr, w3, lane);
+            else if (stage_o) stage_row<NH * D>(LP(layer, 3) + (long long)gw * (NH * D), sm.kres + warp * (NH * D), lane);
             else prefetch_row(LP(layer, 3) + (long long)gw * (NH * D), NH * D, lane);
         }
         if (LL) __syncthreads();
@@ -1256,6 +1293,7 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
                 float acc[1][R];
                 bool pre = false;
                 if constexpr (PRE_O) { if ((pre = j == gw)) dot_w<NH * D, 1>(w3, sm.vec, acc, lane); }
+                else if (STAGE_O && stage_o && (pre = j == gw)) dot_staged<NH * D>(sm.kres + warp * (NH * D), sm.vec, acc, lane);
                 if (!pre) warp_dot<NH * D, 1>(wo + (long long)j * (NH * D), nullptr, sm.vec, acc, lane);
                 if (lane < R) {
                     float y = row_of<1>(acc, 0, lane);
