@@ -491,3 +491,29 @@ def test_dry_matches_a_plain_reading_of_llama_cpp(seed):
     got = -sampler.apply_bias_and_penalties(torch.zeros(1, VOCAB), [state])[0]
     expected = torch.tensor(_dry_reference(history, VOCAB, 0.5, 1.3, allowed, last_n, breakers))
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (history, got.nonzero(), expected.nonzero())
+
+
+@pytest.mark.parametrize("rows", [
+    [{"top_p": 0.9}] * 3,  # top-p alone: the shortlist instead of a sort
+    [{"top_p": 0.9}, {"top_k": 7}, {"top_k": 1024, "top_p": 0.5}, {"top_p": 0.95, "min_p": 0.01}],  # mixed rows
+    [{"top_p": 0.9}, {}],  # a row that keeps everything: the vocabulary is sorted
+    [{"top_p": 0.9999}],  # the cut lies past the shortlist (flat tails): sorted
+    [{"top_p": 0.9, "sampler_order": LLAMA_CPP_ORDER}, {"top_k": 3, "top_p": 0.8, "sampler_order": LLAMA_CPP_ORDER}],
+])
+def test_the_cpu_shortlist_draws_what_the_sorted_vocabulary_draws(monkeypatch, rows):
+    """Top-p on the CPU tries each row's SHORTLIST most likely tokens before sorting the vocabulary: the same tokens
+    drawn, step after step, as with the whole vocabulary sorted (SHORTLIST past the vocabulary)."""
+    from flared.model import sampling
+
+    vocab = 6000
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(rows), vocab, generator=g) * 2.5
+
+    def draws():
+        sampler = Sampler(vocab, max_penalty_slots=len(rows))
+        states = [sampler.add_sequence(SamplingParams(temperature=0.9, seed=i, **kw), []) for i, kw in enumerate(rows)]
+        return torch.stack([sampler.sample(logits, states).token_ids for _ in range(24)])
+
+    short = draws()
+    monkeypatch.setattr(sampling, "SHORTLIST", 10 ** 9)  # never shorter than the vocabulary: always sorted
+    assert torch.equal(short, draws())
