@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from probe_decode_attention import attention_operands  # noqa: E402
 from probe_l2_sidecar import Prefetcher  # noqa: E402
-from products64 import graph_us, probe_parser  # noqa: E402
+from products64 import graph_us, probe_parser, time_variants  # noqa: E402
 
 VARIANTS = {
     "none": None,
@@ -94,11 +94,9 @@ def main(argv=None) -> int:
     o_mb = H * nh * d * 2 / 1e6
     res = {"attention": graph_us(lambda: [attention(i) for i in range(L)]) / L,
            "o": graph_us(lambda: [o(i) for i in range(L)]) / L}
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for name in names + [names[0]]:  # the first again: the drift between the ends
-        key = name if name not in res else name + " (again)"
-        res[key] = graph_us(chain(VARIANTS[name]), replays=10) / L
-    base = res[names[0]]
+    timed = time_variants(args.variants, lambda name: graph_us(chain(VARIANTS[name]), replays=10) / L)
+    base = next(iter(timed.values()))
+    res.update(timed)
     print(f"{B} rows, context {ctx}: {kv_mb:.1f} MB of K/V and {o_mb:.1f} MB of o weights a layer")
     print(f"{'variant':28} {'us/layer':>9} {'vs first':>9}")
     for name, us in res.items():

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from products64 import H, PRODUCTS, V, chain_gb, graph_us, launch, operands, probe_parser  # noqa: E402
+from products64 import H, PRODUCTS, V, chain_gb, graph_us, launch, operands, probe_parser, time_variants  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void l2_prefetch(const char* base, long long stride, int count, int bytes, int mode) {
@@ -114,14 +114,8 @@ def main(argv=None) -> int:
         return fn
 
     gb = chain_gb(L, head=True)
-    ref = None
-    res = {}
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for name in names + [names[0]]:  # the first again: the drift between the ends
-        us = graph_us(chain(VARIANTS[name]), replays=5)
-        key = name if name not in res else name + " (again)"
-        res[key] = us
-        ref = ref or us
+    res = time_variants(args.variants, lambda name: graph_us(chain(VARIANTS[name]), replays=5))
+    ref = next(iter(res.values()))
     print(f"{m} rows, {L} layers, {gb:.2f} GB of weights a step")
     print(f"{'variant':30} {'us/step':>9} {'TB/s':>6} {'vs first':>9}")
     for name, us in res.items():

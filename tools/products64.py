@@ -75,6 +75,16 @@ def launch(function, blocks: int, threads: int, shared: int, values: list) -> No
                                   torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
 
 
+def time_variants(variants: str, time_one) -> dict[str, float]:
+    """``time_one(name)`` for each of the comma-separated variants, then for the first again (the drift between the
+    ends), that one under "<name> (again)"; in run order."""
+    names = [v.strip() for v in variants.split(",") if v.strip()]
+    res: dict[str, float] = {}
+    for name in names + [names[0]]:
+        res[name if name not in res else name + " (again)"] = time_one(name)
+    return res
+
+
 def print_rows(rows, what: str = "backend", width: int = 9, digits: int = 1) -> None:
     """rows: (product, name, us per layer, TB/s, note)."""
     print(f"{'product':8} {what:{width}} {'us/layer':>10} {'TB/s':>6}  note")
