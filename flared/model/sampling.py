@@ -276,6 +276,20 @@ def top_n_sigma_filter(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill((logits < top - n * std) & (n > 0), float("-inf"))
 
 
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
+    """Min-p: a token stays when its probability is at least min_p times the most likely one's."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, float("-inf"))
+
+
+def top_p_cut(sorted_probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.Tensor:
+    """Top-p over probabilities sorted descending: True where a token goes, because the more likely ones hold
+    top_p already; the first always stays."""
+    cut = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    cut[:, 0] = False
+    return cut
+
+
 # Top-p on the CPU first tries the rows' SHORTLIST most likely tokens: where they hold every token top-k and top-p
 # keep (nearly always), that is a top-k instead of a sort of the whole vocabulary (tools/bench_sampler.py, 8 rows of
 # SmolLM2's 49,152 ids: 8.4 ms a step against 19.8 in vLLM's order, 9.1 against 38.4 in llama.cpp's chain). On a
@@ -666,10 +680,7 @@ class Sampler:
         if any(p.top_n_sigma > 0 for p in params):
             logits = top_n_sigma_filter(logits, torch.tensor([p.top_n_sigma for p in params], device=dev)[:, None])
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-            probs = torch.softmax(logits, dim=-1)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p
-            logits = logits.masked_fill(probs < threshold, float("-inf"))
+            logits = min_p_filter(logits, torch.tensor([p.min_p for p in params], device=dev)[:, None])
         if any(p.typical_p < 1.0 for p in params):
             typical = torch.tensor([p.typical_p for p in params], device=dev)[:, None]
             logits = typical_filter(logits, typical)
@@ -699,9 +710,7 @@ class Sampler:
                 has_k = torch.tensor([p.top_k > 0 for p in params], device=dev)[:, None]
                 norm = torch.where(has_k, torch.logsumexp(logits, dim=-1, keepdim=True), whole)
                 sorted_probs = torch.exp(logits - norm)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            # Keep a token while the more likely ones hold less than top_p; the first always stays.
-            logits = logits.masked_fill((mass_before >= top_p) & (ranks > 0), float("-inf"))
+            logits = logits.masked_fill(top_p_cut(sorted_probs, top_p), float("-inf"))
         if any(p.xtc_probability > 0 for p in params):
             logits = self._xtc(logits, states)
         return self._race(logits, states, candidate_ids, vocab)
@@ -748,23 +757,21 @@ class Sampler:
             elif stage == "top_p" and p.top_p < 1.0:
                 short = None if ids is not None else shortlist(logits, torch.zeros(1, 1, dtype=torch.int64),
                                                                torch.tensor([[p.top_p]]))
+                order = None  # where the sorted probabilities' cut goes back to: None, in place (sorted already)
                 if short is not None:  # the row shrinks to its shortlist, as top-k shrinks it
                     logits, ids, whole = short
                     probs = torch.exp(logits - whole)
-                    drop = probs.cumsum(dim=-1) - probs >= p.top_p
-                    drop[:, 0] = False
-                    logits = logits.masked_fill(drop, float("-inf"))
-                    continue
-                ordered, order = (logits, None) if ids is not None else logits.sort(dim=-1, descending=True)
-                probs = torch.softmax(ordered, dim=-1)
-                drop = probs.cumsum(dim=-1) - probs >= p.top_p  # the more likely ones hold top_p already
-                drop[:, 0] = False
+                elif ids is not None:
+                    probs = torch.softmax(logits, dim=-1)
+                else:
+                    ordered, order = logits.sort(dim=-1, descending=True)
+                    probs = torch.softmax(ordered, dim=-1)
+                cut = top_p_cut(probs, p.top_p)
                 if order is not None:
-                    drop = torch.zeros_like(drop).scatter_(1, order, drop)
-                logits = logits.masked_fill(drop, float("-inf"))
+                    cut = torch.zeros_like(cut).scatter_(1, order, cut)
+                logits = logits.masked_fill(cut, float("-inf"))
             elif stage == "min_p" and p.min_p > 0:
-                probs = torch.softmax(logits, dim=-1)
-                logits = logits.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * p.min_p, float("-inf"))
+                logits = min_p_filter(logits, p.min_p)
             elif stage == "xtc" and p.xtc_probability > 0:
                 logits = self._xtc(logits, [state])
         return self._race(logits, [state], ids, vocab)[0]
