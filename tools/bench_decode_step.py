@@ -49,13 +49,15 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "cublas lt attn=2": (False, "cublaslt", 2),
     "mega hx0": (False, "cublas", None),
     "mega hx6": (False, "cublas", None),
-    "mega stage o": (False, "cublas", None),
+    "mega no stage o": (False, "cublas", None),
+    "mega splits 4": (False, "cublas", None),
 }
 # megakernel variants built with replaced compile-time constants (megakernel.DecodeLayers' overrides)
 MEGA_OVERRIDES = {
     "mega hx0": {"HX": 0},  # every phase boundary a grid barrier (before the sixteenth session)
     "mega hx6": {"HX": 6},  # P1 -> P2 -> P3 by grid barriers (past the resident keys: before the seventeenth)
-    "mega stage o": {"STAGE_O": 1},  # the first o rows staged in shared memory during attention (an experiment)
+    "mega no stage o": {"STAGE_O": 0},  # the first o rows prefetched into L2 during attention (before the eighteenth)
+    "mega splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention split over up to 4 blocks
 }
 
 

@@ -94,7 +94,8 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "hx1": {"HX": 1},  # with RES: P1 -> P2 -> P3 by words, not two grid barriers a layer
     "hx2": {"HX": 2},  # P3 -> P4 by words
     "hx4": {"HX": 4},  # P5 -> the next P1 by words
-    "stage o": {"STAGE_O": 1},  # the first o rows copied into idle shared memory during resident attention
+    "no stage o": {"STAGE_O": 0},  # the first o rows prefetched into L2, not copied into idle shared memory
+    "splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention split over up to 4 blocks
     "hx6": {"HX": 6},  # P1 -> P2 -> P3 by grid barriers (past the resident keys, the split path before HX bit 0 took it)
     "res no P2": {"RES": 1, "SKIP": 2},
     "no res no P2": {"RES": 0, "SKIP": 2},

@@ -369,18 +369,18 @@ def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, contex
 
 @pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("long", 700), ("wide", 1)])
 def test_staged_o_rows_change_no_bit(kind, context):
-    """STAGE_O (an experiment, off by default): the non-resident blocks copy their warps' first o rows into the idle
-    resident region during attention and P3 sums them in warp_dot's order, so the logits and K/V are the default
-    build's bit for bit, launch after launch; past the resident keys (700) nothing is staged."""
+    """STAGE_O (the default where the rows fit): the non-resident blocks copy their warps' first o rows into the idle
+    resident region during attention and P3 sums them in warp_dot's order, so the logits and K/V are those of the
+    build without it bit for bit, launch after launch; past the resident keys (700) nothing is staged."""
     from flared.model.kernels import megakernel
 
     model, dec = _decoder(kind, 1, [context])
-    plain = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head)
+    plain = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"STAGE_O": 0})
     plain.compile(PAGE)
     assert plain.resident_keys
     dec.mega[(1, dec.mega_head)] = plain
     ref, rk, rv = _step(dec, 1, mega=True)
-    staged = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"STAGE_O": 1})
+    staged = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head)
     staged.compile(PAGE)
     dec.mega[(1, dec.mega_head)] = staged
     for _ in range(3):
