@@ -57,7 +57,7 @@ MEGA_OVERRIDES = {
     "mega hx0": {"HX": 0},  # every phase boundary a grid barrier (before the sixteenth session)
     "mega hx6": {"HX": 6},  # P1 -> P2 -> P3 by grid barriers (past the resident keys: before the seventeenth)
     "mega no stage o": {"STAGE_O": 0},  # the first o rows prefetched into L2 during attention (before the eighteenth)
-    "mega splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention split over up to 4 blocks
+    "mega splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention in up to 4 pieces (not 2)
 }
 
 

@@ -371,7 +371,8 @@ def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, contex
 def test_staged_o_rows_change_no_bit(kind, context):
     """STAGE_O (the default where the rows fit): the non-resident blocks copy their warps' first o rows into the idle
     resident region during attention and P3 sums them in warp_dot's order, so the logits and K/V are those of the
-    build without it bit for bit, launch after launch; past the resident keys (700) nothing is staged."""
+    build without it bit for bit, launch after launch; past the resident keys (700) the blocks without an attention
+    piece do."""
     from flared.model.kernels import megakernel
 
     model, dec = _decoder(kind, 1, [context])

@@ -122,7 +122,9 @@ def splits_for(model, rows: int) -> int:
     contexts (SmolLM2-135M, 512 tokens: 500 vs 578 us per launch). Long-row models split one row in at most
     LONG_ROW_SPLITS pieces and never more rows (Llama-3.1-8B, H200, us per launch against unsplit in the same
     run: one row in 2 pieces -31..-57 at 256 tokens, -34..-103 at 384; in 4 pieces +60 at 256, -5 at 384;
-    two rows in 2 pieces +285 at 256)."""
+    two rows in 2 pieces +285 at 256). Retimed in the eighteenth session with the split path's boundaries as
+    tagged words (one row past 304 keys, whole step, 4,096-page pool): 4 pieces won once at 344 tokens (3,992 vs
+    4,024-4,025 us) and lost twice at 344 and 383 on another machine (4,062-4,067 vs 4,039-4,043), so 2 stay."""
     if threads_for(model) == SHORT_ROW_THREADS:
         return SPLITS
     return LONG_ROW_SPLITS if rows == 1 else 1
