@@ -95,7 +95,6 @@ VARIANTS = {  # names may not contain commas (--variants splits on them)
     "hx2": {"HX": 2},  # P3 -> P4 by words
     "hx4": {"HX": 4},  # P5 -> the next P1 by words
     "no stage o": {"STAGE_O": 0},  # the first o rows prefetched into L2, not copied into idle shared memory
-    "splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention in up to 4 pieces (not 2)
     "hx6": {"HX": 6},  # P1 -> P2 -> P3 by grid barriers (past the resident keys, the split path before HX bit 0 took it)
     "res no P2": {"RES": 1, "SKIP": 2},
     "no res no P2": {"RES": 0, "SKIP": 2},
