@@ -142,6 +142,10 @@ class Generation:
                 total.num_cached_tokens += c.usage.num_cached_tokens
         return total
 
+    def choice_usage(self, index: int) -> ChoiceUsage:
+        """Choice ``index``'s own prompt, cached and generated token counts."""
+        return self._choices[index].usage
+
     def matched_stop(self, index: int) -> str | None:
         """The stop string that ended choice ``index``, if one did (Anthropic's stop_sequence)."""
         return self._choices[index].detok.matched_stop

@@ -3,8 +3,10 @@
 What llama.cpp's clients call outside its OpenAI-compatible API, translated onto the one generation path.
 
 /completion takes ``prompt`` (text, with the model's BOS where it takes one; or a token-id array, where
-strings may stand between the ids), ``n_predict`` (-1, the default: until the context ends; 0: nothing
-generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``, ``repeat_penalty``,
+strings may stand between the ids; or, as llama.cpp, several prompts: an array of strings, or an array whose
+items are strings or token arrays, at most 16, each completed on its own, answered as an array in prompt order
+when there is more than one, streamed with each chunk's ``index``), ``n_predict`` (-1, the default: until the context
+ends; 0: nothing generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``, ``repeat_penalty``,
 ``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default 64, prompt
 included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``,
 ``false`` bans a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF)
@@ -26,6 +28,7 @@ per second), ``generation_settings``, ``completion_probabilities`` when ``n_prob
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -37,7 +40,7 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, HttpError, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, prepare_samplers, sampling_params
-from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
+from flared.server.openai_schema import (MAX_N, MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
                                          _string, _type, json_object, llama_penalties, llama_samplers)
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
@@ -197,13 +200,24 @@ class LlamaCppRoutes:
             "build_info": "flared",
         })
 
-    async def _prompt(self, body: dict) -> tuple[list[int], str]:
+    async def _prompts(self, body: dict) -> list[tuple[list[int], str]]:
+        """The request's prompts as (ids, text), in order. llama.cpp's rule: a string, or an array of token ids
+        with strings between them, is one prompt; any other array (of strings only, or with token arrays among
+        its items) holds several."""
         prompt = body.get("prompt")
+        one = isinstance(prompt, list) and any(_is_id(p) for p in prompt) and all(
+            _is_id(p) or isinstance(p, str) for p in prompt)
+        if isinstance(prompt, list) and prompt and not one:
+            if len(prompt) > MAX_N:
+                raise _bad("prompt", f"at most {MAX_N} prompts per request, got {len(prompt)}")
+            return [await self._prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [await self._prompt(prompt, "prompt")]
+
+    async def _prompt(self, prompt: Any, field: str) -> tuple[list[int], str]:
         if isinstance(prompt, str):
             ids = await self.state.encode(prompt)
             return ids, prompt
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool)) for p in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_id(p) for p in prompt):
             ids: list[int] = []
             for i, p in enumerate(prompt):
                 if isinstance(p, str):
@@ -211,17 +225,17 @@ class LlamaCppRoutes:
                     ids += await self.state.encode(p, add_special_tokens=None if i == 0 else False)
                 else:
                     if not 0 <= p < self.state.vocab_size:
-                        raise _bad("prompt", f"token id {p} is outside the vocabulary (0..{self.state.vocab_size - 1})")
+                        raise _bad(field, f"token id {p} is outside the vocabulary (0..{self.state.vocab_size - 1})")
                     ids.append(p)
             return ids, await self.state.decode(ids)
-        raise _bad("prompt", "must be a string or an array of token ids (strings may stand between them), got "
-                   f"{_type(prompt)}" + (" (empty)" if prompt == [] else ""))
+        raise _bad(field, "must be a string or an array of token ids (strings may stand between them)"
+                   + (", or an array of such prompts" if field == "prompt" else "")
+                   + f", got {_type(prompt)}" + (" (empty)" if prompt == [] else ""))
 
     async def completion(self, request: Request):
         body = json_object(request)
         t0 = time.monotonic_ns()
-        ids, prompt_text = await self._prompt(body)
-        return await self._complete(request, body, ids, prompt_text, t0)
+        return await self._complete(request, body, await self._prompts(body), t0)
 
     async def infill(self, request: Request):
         """Fill in the middle: ``input_prefix`` and ``input_suffix`` around the cursor, ``input_extra``
@@ -244,17 +258,20 @@ class LlamaCppRoutes:
         typed = _string(body, "prompt")
         if typed:
             ids += await self.state.encode(typed, add_special_tokens=False)
-        return await self._complete(request, body, ids, prefix + (typed or ""), t0)
+        return await self._complete(request, body, [(ids, prefix + (typed or ""))], t0)
 
-    async def _complete(self, request: Request, body: dict, ids: list[int], prompt_text: str, t0: int):
-        if not ids:
-            raise _bad("prompt", "has no tokens")
+    async def _complete(self, request: Request, body: dict, prompts: list[tuple[list[int], str]], t0: int):
+        """Complete each prompt (one generation request each); one answer, or an array where there are several."""
         context = self.state.manifest.capacities.context_tokens
-        if len(ids) >= context:
-            err = AdmissionError(f"'prompt': {len(ids)} tokens; this model's context holds {context}, leaving no "
-                                 "room to generate", ErrorKind.CONTEXT_LENGTH)
-            err.param = "prompt"
-            raise err
+        for k, (ids, _) in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            if not ids:
+                raise _bad(field, "has no tokens")
+            if len(ids) >= context:
+                err = AdmissionError(f"'{field}': {len(ids)} tokens; this model's context holds {context}, leaving "
+                                     "no room to generate", ErrorKind.CONTEXT_LENGTH)
+                err.param = field
+                raise err
         n_predict = _integer(body, "n_predict", -1, 1 << 31)
         n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS) or 0
         top_k = _integer(body, "top_k", -1, 1 << 31)
@@ -265,7 +282,7 @@ class LlamaCppRoutes:
         if "dry" not in order:
             samplers["dry_multiplier"] = 0.0
         opts = SamplingOptions(
-            max_tokens=None if n_predict in (None, -1, 0) else min(n_predict, context - len(ids)),
+            max_tokens=None if n_predict in (None, -1, 0) else n_predict,
             temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
             top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
             seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
@@ -274,46 +291,61 @@ class LlamaCppRoutes:
         _check_vocab(self.state, opts)
         if opts.top_p == 0.0:
             raise _bad("top_p", "must be > 0")
+        # each prompt's own n_predict: at most what its context leaves
+        each = [opts if opts.max_tokens is None else dataclasses.replace(
+            opts, max_tokens=min(opts.max_tokens, context - len(ids))) for ids, _ in prompts]
         grammar = await compile_grammar(self.state, parse_extra_constraints(body, None))
         stream = _boolean(body, "stream")
         return_tokens = _boolean(body, "return_tokens")
         if n_predict == 0:  # llama.cpp: the prompt is evaluated, nothing is generated
-            summary = self._summary(prompt_text, ids, "", [], "limit", "", 0, 0, t0, t0, opts)
+            summaries = [self._summary(k, text, ids, "", [], "limit", "", 0, 0, t0, t0, each[k])
+                         for k, (ids, text) in enumerate(prompts)]
             if not stream:
-                return Response.json(summary)
+                return Response.json(summaries[0] if len(summaries) == 1 else summaries)
 
             async def only(w: ResponseWriter) -> None:
-                await w.send_json_event(summary)
+                for summary in summaries:
+                    await w.send_json_event(summary)
             return StreamingResponse(only, headers=[("cache-control", "no-cache")])
         await prepare_samplers(self.state, opts)
-        req = GenerateRequest(tuple(ids), (), sampling_params(self.state, opts, len(ids), None, 0),
-                              _stop_ids(self.state, opts), grammar=grammar)
-        gen = self.state.start([req], opts.stop)
+        stop_ids = _stop_ids(self.state, opts)
+        reqs = [GenerateRequest(tuple(ids), (), sampling_params(self.state, each[k], len(ids), None, 0), stop_ids,
+                                grammar=grammar) for k, (ids, _) in enumerate(prompts)]
+        gen = self.state.start(reqs, opts.stop)
         request.disconnected.add_callback(gen.cancel)
         if stream:
             return StreamingResponse(
-                lambda w: self._stream(gen, w, prompt_text, ids, t0, opts, n_probs, return_tokens),
+                lambda w: self._stream(gen, w, prompts, t0, each, n_probs, return_tokens),
                 headers=[("cache-control", "no-cache")])
-        first_ns = 0
-        texts, tokens, lps, finish = [], [], [], "stop"
+        n = len(prompts)
+        first_ns, finish = [0] * n, ["stop"] * n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
         async for d in gen.deltas():
-            first_ns = first_ns or time.monotonic_ns()
-            texts.append(d.text)
-            tokens += d.token_ids
-            lps += d.logprobs
+            k = d.index
+            first_ns[k] = first_ns[k] or time.monotonic_ns()
+            texts[k].append(d.text)
+            tokens[k] += d.token_ids
+            lps[k] += d.logprobs
             if d.finish_reason is not None:
-                finish = d.finish_reason
-        out = self._summary(prompt_text, ids, "".join(texts), lps if n_probs else [], *self._stop(gen, finish),
-                            gen.usage().num_generated_tokens, gen.usage().num_cached_tokens, t0, first_ns, opts)
-        if return_tokens:
-            out["tokens"] = tokens
-        return Response.json(out)
+                finish[k] = d.finish_reason
+        outs = []
+        for k, (ids, text) in enumerate(prompts):
+            u = gen.choice_usage(k)
+            out = self._summary(k, text, ids, "".join(texts[k]), lps[k] if n_probs else [],
+                                *self._stop(gen, k, finish[k]), u.num_generated_tokens, u.num_cached_tokens, t0,
+                                first_ns[k], each[k])
+            if return_tokens:
+                out["tokens"] = tokens[k]
+            outs.append(out)
+        return Response.json(outs[0] if n == 1 else outs)
 
     @staticmethod
-    def _stop(gen: Generation, finish: str) -> tuple[str, str]:
+    def _stop(gen: Generation, index: int, finish: str) -> tuple[str, str]:
         if finish == "length":
             return "limit", ""
-        word = gen.matched_stop(0)
+        word = gen.matched_stop(index)
         return ("word", word) if word else ("eos", "")
 
     def _probs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -324,8 +356,8 @@ class LlamaCppRoutes:
             return {"id": tid, "token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp}
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
-    def _summary(self, prompt_text: str, ids: list[int], content: str, lps: list[TokenLogprob], stop_type: str,
-                 stopping_word: str, predicted: int, cached: int, t0_ns: int, first_ns: int,
+    def _summary(self, index: int, prompt_text: str, ids: list[int], content: str, lps: list[TokenLogprob],
+                 stop_type: str, stopping_word: str, predicted: int, cached: int, t0_ns: int, first_ns: int,
                  opts: SamplingOptions) -> dict[str, Any]:
         end = time.monotonic_ns()
         first_ns = first_ns or end
@@ -333,7 +365,7 @@ class LlamaCppRoutes:
         predicted_ms = (end - first_ns) / 1e6
         evaluated = len(ids) - cached
         out = {
-            "index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True,
+            "index": index, "content": content, "tokens": [], "id_slot": 0, "stop": True,
             "model": self.state.manifest.model_name, "tokens_predicted": predicted, "tokens_evaluated": len(ids),
             "generation_settings": {
                 **self._defaults(), **_settings(opts),
@@ -354,27 +386,29 @@ class LlamaCppRoutes:
             out["completion_probabilities"] = self._probs(lps)
         return out
 
-    async def _stream(self, gen: Generation, w: ResponseWriter, prompt_text: str, ids: list[int], t0_ns: int,
-                      opts: SamplingOptions, n_probs: int, return_tokens: bool) -> None:
-        first_ns, finish = 0, "stop"
+    async def _stream(self, gen: Generation, w: ResponseWriter, prompts: list[tuple[list[int], str]], t0_ns: int,
+                      each: list[SamplingOptions], n_probs: int, return_tokens: bool) -> None:
+        """Every prompt's chunks as they come, each with its ``index``; a prompt's summary (``stop: true``) as
+        soon as it ends."""
+        first_ns = [0] * len(prompts)
         try:
             async for d in gen.deltas():
-                first_ns = first_ns or time.monotonic_ns()
+                k = d.index
+                ids, text = prompts[k]
+                first_ns[k] = first_ns[k] or time.monotonic_ns()
+                if d.text or d.logprobs or (return_tokens and d.token_ids):
+                    chunk: dict[str, Any] = {
+                        "index": k, "content": d.text, "tokens": list(d.token_ids) if return_tokens else [],
+                        "stop": False, "id_slot": -1, "tokens_predicted": gen.choice_usage(k).num_generated_tokens,
+                        "tokens_evaluated": len(ids)}
+                    if n_probs:
+                        chunk["completion_probabilities"] = self._probs(d.logprobs)
+                    await w.send_json_event(chunk)
                 if d.finish_reason is not None:
-                    finish = d.finish_reason
-                if not d.text and not d.logprobs and not (return_tokens and d.token_ids):
-                    continue
-                chunk: dict[str, Any] = {"index": 0, "content": d.text,
-                                         "tokens": list(d.token_ids) if return_tokens else [], "stop": False,
-                                         "id_slot": -1, "tokens_predicted": gen.usage().num_generated_tokens,
-                                         "tokens_evaluated": len(ids)}
-                if n_probs:
-                    chunk["completion_probabilities"] = self._probs(d.logprobs)
-                await w.send_json_event(chunk)
-            u = gen.usage()
-            await w.send_json_event(self._summary(prompt_text, ids, "", [], *self._stop(gen, finish),
-                                                  u.num_generated_tokens, u.num_cached_tokens, t0_ns, first_ns,
-                                                  opts))
+                    u = gen.choice_usage(k)
+                    await w.send_json_event(self._summary(k, text, ids, "", [], *self._stop(gen, k, d.finish_reason),
+                                                          u.num_generated_tokens, u.num_cached_tokens, t0_ns,
+                                                          first_ns[k], each[k]))
         except ClientDisconnected:
             gen.cancel()
         except Exception as exc:  # the stream has started: llama.cpp ends it with an error object
@@ -383,6 +417,10 @@ class LlamaCppRoutes:
                 await w.send_json_event(json.loads(error_response(exc).body))
             except ClientDisconnected:
                 pass
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _seed(body: dict) -> int | None:

@@ -52,6 +52,46 @@ def test_limit_word_and_eos(daemon):
     assert _post(daemon, {"prompt": tok["tokens"], "temperature": 0})["tokens_cached"] > 0
 
 
+def test_several_prompts_answer_an_array_in_prompt_order(daemon):
+    """llama.cpp's multi-prompt /completion: an array of strings, or one with token arrays among its items, is
+    several prompts, each completed on its own (its own stop_type, counts and index); streamed, the chunks carry
+    their prompt's index and each prompt ends with its own summary. One string in an array is one answer."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    _, tok = daemon.request("POST", "/tokenize", {"messages": messages,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    body = {"prompt": [SING, tok["tokens"], "Sing again: la"], "n_predict": 16, "temperature": 0}
+    out = _post(daemon, body)
+    assert isinstance(out, list) and [r["index"] for r in out] == [0, 1, 2]
+    assert out[0]["content"] == " la" * 16 and out[0]["stop_type"] == "limit" and out[0]["prompt"] == SING
+    assert out[1]["content"] == ANSWER and out[1]["stop_type"] == "eos" and out[1]["tokens_evaluated"] == tok["count"]
+    assert out[2]["content"] == " la" * 16 and out[2]["prompt"] == "Sing again: la"
+    # each one as its own request gives the same
+    for k, prompt in enumerate(body["prompt"]):
+        assert _post(daemon, {**body, "prompt": prompt})["content"] == out[k]["content"]
+    whole = _post(daemon, {"prompt": [tok["tokens"]], "temperature": 0})  # one prompt in an array: one object
+    assert isinstance(whole, dict) and whole["content"] == ANSWER and whole["stop_type"] == "eos"
+    strings = _post(daemon, {"prompt": ["Sing: la", "Sing: la la"], "n_predict": 2, "temperature": 0})
+    assert [r["content"] for r in strings] == [" la la"] * 2
+    assert strings[0]["tokens_evaluated"] < strings[1]["tokens_evaluated"]  # not one concatenated prompt
+    chunks = _stream(daemon, body)
+    ends = [c for c in chunks if c["stop"]]
+    assert sorted(c["index"] for c in ends) == [0, 1, 2]
+    assert [c["stop_type"] for c in sorted(ends, key=lambda c: c["index"])] == ["limit", "eos", "limit"]
+    for k in range(3):
+        assert "".join(c["content"] for c in chunks if c["index"] == k) == out[k]["content"]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"prompt": ["x", []]}, "'prompt[1]': must be a string or an array of token ids"),
+    ({"prompt": [[1, 10 ** 9], "x"]}, "'prompt[0]': token id 1000000000 is outside the vocabulary"),
+    ({"prompt": ["x", {"a": 1}]}, "'prompt[1]'"),
+    ({"prompt": ["x"] * 17}, "at most 16 prompts per request, got 17"),
+    ({"prompt": ["x", "x " * 2000]}, "'prompt[1]': 4000 tokens; this model's context holds 1024"),
+])
+def test_several_prompts_name_the_bad_one(daemon, body, needle):
+    assert needle in _post(daemon, body, 400)["error"]["message"]
+
+
 def test_typical_p_and_the_penalty_window(daemon):
     """typical_p and repeat_last_n are served (they were ignored): the settings report them, the default
     window is llama.cpp's 64, -1 is the whole context and 0 turns the penalties off."""
