@@ -98,12 +98,15 @@ class SamplingParams:
     xtc_threshold: float = 0.1
     # DRY: a token that would extend a repeat of dry_allowed_length tokens or more (within the last
     # dry_penalty_last_n tokens, prompt included) loses dry_multiplier * dry_base ** (length - dry_allowed_length);
-    # a repeat cannot reach back over a sequence-breaker token (dry_breakers), nor is a breaker penalised
+    # a repeat cannot reach back over a sequence-breaker token (dry_breakers), nor is a breaker penalised; nor
+    # over a breaker spelled by several tokens (dry_restarts: (head, tail) pairs, the tail the tokens that must
+    # follow the head; llama.cpp's restart sequences)
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = 0  # 0: the whole context
     dry_breakers: frozenset[int] = frozenset()
+    dry_restarts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # llama.cpp's top-n-sigma: only tokens whose logit is within top_n_sigma standard deviations (over the
     # candidates' logits) of the largest stay; <= 0 = off. The temperature does not change what it keeps.
     top_n_sigma: float = -1.0
@@ -215,6 +218,10 @@ class SequenceSamplingState:
     thinking_open: torch.Tensor | None = None  # thinking budget: no end token drawn yet (a device bool)
     mirostat_mu: torch.Tensor | None = None  # mirostat's running surprise bound (a device float, 2 tau at first)
     dry_breaker_ids: torch.Tensor | None = None
+    # dry_restarts on the device: heads [S], tails [S, longest] (-1 past each tail's length), lengths [S]
+    dry_restart_heads: torch.Tensor | None = None
+    dry_restart_tails: torch.Tensor | None = None
+    dry_restart_lens: torch.Tensor | None = None
 
     @property
     def shapes_logits(self) -> bool:
@@ -332,7 +339,8 @@ class Sampler:
                            ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("min_tokens_banned", params.min_tokens_banned),
                            ("bad_words", [t for seq in params.bad_words for t in seq]),
-                           ("dry_sequence_breakers", params.dry_breakers)):
+                           ("dry_sequence_breakers", params.dry_breakers),
+                           ("dry_sequence_breakers", [t for head, tail in params.dry_restarts for t in (head, *tail)])):
             too_big = [t for t in ids if t >= self.vocab_size]
             if too_big:
                 raise AdmissionError(f"{field} token {too_big[0]} is outside the vocabulary of {self.vocab_size}",
@@ -362,6 +370,15 @@ class Sampler:
             state.history_len = len(prompt)
         if params.uses_dry:
             state.dry_breaker_ids = torch.tensor(sorted(params.dry_breakers), dtype=torch.int64, device=self.device)
+            if params.dry_restarts:
+                longest = max(len(tail) for _, tail in params.dry_restarts)
+                state.dry_restart_heads = torch.tensor([h for h, _ in params.dry_restarts], dtype=torch.int64,
+                                                       device=self.device)
+                state.dry_restart_tails = torch.tensor([list(t) + [-1] * (longest - len(t))
+                                                        for _, t in params.dry_restarts], dtype=torch.int64,
+                                                       device=self.device)
+                state.dry_restart_lens = torch.tensor([len(t) for _, t in params.dry_restarts], dtype=torch.int64,
+                                                      device=self.device)
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
@@ -481,7 +498,11 @@ class Sampler:
         tokens, prompt included), each earlier position j gets the length of the longest suffix of w[:j+1] that is
         also a suffix of w (at most DRY_MAX_MATCH, and never reaching back over the last breaker); the token after
         j, w[j+1], would extend that repeat. Each token takes its longest such repeat; from dry_allowed_length on
-        it loses dry_multiplier * dry_base ** (length - dry_allowed_length), unless it is a breaker itself."""
+        it loses dry_multiplier * dry_base ** (length - dry_allowed_length), unless it is a breaker itself.
+
+        The last breaker, as llama.cpp finds it: the nearest position to the end holding a breaker token, or the
+        head of a restart sequence whose tail follows it in full; a repeat reaches back to just after the breaker
+        (after the longest tail that matched there)."""
         p = state.params
         n = state.history_len if p.dry_penalty_last_n == 0 else min(state.history_len, p.dry_penalty_last_n)
         if n < 2:
@@ -489,8 +510,12 @@ class Sampler:
         dev = row.device
         w = state.history[state.history_len - n:state.history_len]
         idx = torch.arange(n, device=dev)
-        is_breaker = torch.isin(w, state.dry_breaker_ids)
-        rep_limit = n - 1 - torch.where(is_breaker, idx, -1).max()  # tokens after the last breaker (n: none)
+        # per position: the longest breaker starting there in tokens after the first (0: a breaker token, -1: none)
+        extra = torch.where(torch.isin(w, state.dry_breaker_ids), 0, -1)
+        if state.dry_restart_heads is not None:
+            extra = torch.maximum(extra, Sampler._restart_tails_at(w, state))
+        last = torch.where(extra >= 0, idx, -1).max()  # the breaker nearest the end (-1: none)
+        rep_limit = torch.where(last >= 0, n - 1 - last - extra[last.clamp_min(0)], n)
         j = idx[:n - 1]
         if dev.type == "cpu" and p.dry_allowed_length > 0:
             # only positions holding the last token start a repeat (a 4,000-token window: 1.3 ms a step, not 7)
@@ -509,6 +534,26 @@ class Sampler:
         if state.dry_breaker_ids.numel():
             hit[state.dry_breaker_ids] = False
         row.sub_(torch.where(hit, penalty, torch.zeros((), dtype=row.dtype, device=dev)))
+
+    @staticmethod
+    def _restart_tails_at(w: torch.Tensor, state: SequenceSamplingState) -> torch.Tensor:
+        """For each position of w, the length of the longest restart-sequence tail that follows it there with the
+        position holding that sequence's head (-1: none). On the CPU only positions holding a head are compared."""
+        heads, tails, lens = state.dry_restart_heads, state.dry_restart_tails, state.dry_restart_lens
+        n, longest = w.numel(), tails.shape[1]
+        out = torch.full((n,), -1, dtype=torch.int64, device=w.device)
+        pos = torch.arange(n, device=w.device)
+        if w.device.type == "cpu":
+            pos = torch.nonzero(torch.isin(w, heads)).flatten()
+            if not pos.numel():
+                return out
+        # the `longest` tokens after each position (-2 past the window: never a tail token)
+        padded = torch.cat([w, torch.full((longest,), -2, dtype=w.dtype, device=w.device)])
+        after = padded[pos[:, None] + 1 + torch.arange(longest, device=w.device)[None, :]]  # [P, longest]
+        same = (after[:, None, :] == tails[None, :, :]) | (tails[None, :, :] < 0)  # [P, S, longest]
+        hit = same.all(dim=2) & (w[pos][:, None] == heads[None, :])
+        out[pos] = torch.where(hit, lens[None, :], -1).amax(dim=1)
+        return out
 
     @staticmethod
     def _ban_bad_words(row: torch.Tensor, state: SequenceSamplingState) -> None:

@@ -117,14 +117,14 @@ def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:
     return {"dry_multiplier": opts.dry_multiplier, "dry_base": opts.dry_base,
             "dry_allowed_length": opts.dry_allowed_length,
             "dry_penalty_last_n": 0 if opts.dry_penalty_last_n == -1 else min(opts.dry_penalty_last_n, context),
-            "dry_breakers": dry_breaker_ids(state.frontend, state.vocab_size, opts.dry_sequence_breakers)}
+            **dry_sequences(state.frontend, state.vocab_size, opts.dry_sequence_breakers)}
 
 
 async def prepare_samplers(state, opts: SamplingOptions) -> None:
     """Finding DRY's breaker tokens reads every token's text (tens of milliseconds for a new set of breakers): done
     on a frontend worker before sampling_params needs it, not on the event loop."""
     if opts.uses_dry:
-        await state._in_pool(lambda: dry_breaker_ids(state.frontend, state.vocab_size, opts.dry_sequence_breakers))
+        await state._in_pool(lambda: dry_sequences(state.frontend, state.vocab_size, opts.dry_sequence_breakers))
 
 
 @functools.lru_cache(maxsize=4)
@@ -134,11 +134,36 @@ def _token_texts(fe, vocab_size: int) -> tuple[str, ...]:
     return tuple(fe.tokenizer.decode_batch([[t] for t in range(vocab_size)], skip_special_tokens=False))
 
 
+DRY_BREAKER_CHARS = 40  # llama.cpp's: longer breakers are cut to this many characters
+DRY_TAIL_TOKENS = 20  # and a restart sequence's tail to this many tokens
+
+
 @functools.lru_cache(maxsize=16)
-def dry_breaker_ids(fe, vocab_size: int, breakers: tuple[str, ...]) -> frozenset[int]:
-    """DRY's sequence breakers as token ids: every token whose text contains one (llama.cpp's rule for a breaker
-    one token spells; a breaker that only spans tokens is not matched across them)."""
-    return frozenset(t for t, text in enumerate(_token_texts(fe, vocab_size)) if any(b in text for b in breakers))
+def dry_sequences(fe, vocab_size: int, breakers: tuple[str, ...]) -> dict[str, Any]:
+    """DRY's sequence breakers in tokens, as llama.cpp finds them: every token whose text contains a breaker is
+    one (``dry_breakers``); a token whose text ends with the start of a breaker heads a restart sequence, its
+    tail the tokenization of the breaker's rest (``dry_restarts``: (head, tail) pairs, one per distinct tail)."""
+    singles: set[int] = set()
+    restarts: dict[tuple[int, tuple[int, ...]], None] = {}  # ordered, without duplicates
+    tails: dict[str, tuple[int, ...]] = {}
+    cut = [b[:DRY_BREAKER_CHARS] for b in breakers]
+    for t, text in enumerate(_token_texts(fe, vocab_size)):
+        for b in cut:
+            if b in text:
+                singles.add(t)
+                continue
+            pos = text.find(b[0])
+            while pos != -1:  # the text's end from pos begins b (and is shorter: b is not in the text)
+                if b.startswith(text[pos:]):
+                    rest = b[len(text) - pos:]
+                    if rest not in tails:
+                        tails[rest] = tuple(fe.tokenizer.encode(rest, add_special_tokens=False).ids[:DRY_TAIL_TOKENS])
+                    if tails[rest]:
+                        restarts[(t, tails[rest])] = None
+                    else:  # nothing to follow (llama.cpp: an empty tail makes the token a breaker)
+                        singles.add(t)
+                pos = text.find(b[0], pos + 1)
+    return {"dry_breakers": frozenset(singles), "dry_restarts": tuple(restarts)}
 
 
 def _thinking_budget(state, opts: SamplingOptions) -> dict[str, Any]:

@@ -188,6 +188,9 @@ def test_dry_xtc_and_mirostat(daemon):
     assert _post(daemon, {**greedy, "dry_multiplier": 100.0, "dry_penalty_last_n": 2})["tokens"] == [la] * 4
     # " la" itself a breaker: no repeat reaches back over it, and it is never penalised
     assert _post(daemon, {**greedy, "dry_multiplier": 100.0, "dry_sequence_breakers": ["la"]})["tokens"] == [la] * 4
+    # a breaker two tokens spell (" la" then " la": llama.cpp's restart sequence) ends each repeat at the last pair
+    assert _post(daemon, {**greedy, "dry_multiplier": 100.0, "dry_sequence_breakers": ["la la"]})["tokens"] == [la] * 4
+    assert _post(daemon, {**greedy, "dry_multiplier": 100.0, "dry_sequence_breakers": ["la lo"]})["tokens"][2] != la
     sampled = {**greedy, "temperature": 1.0, "seed": 5}
     assert _post(daemon, sampled)["tokens"] == [la] * 4
     xtc = {**sampled, "xtc_probability": 1.0, "xtc_threshold": 0.0}

@@ -10,10 +10,14 @@ from flared.model.sampling import Sampler, SamplingParams  # noqa: E402
 VOCAB = 1000
 
 
-def test_dry_penalties_equal_the_cpu_s():
+@pytest.mark.parametrize("restarts", [(), ((4, (3, 3)), (4, (3,)), (2, (1, 0, 1)))])
+def test_dry_penalties_equal_the_cpu_s(restarts):
+    """The same penalties on both devices; restart sequences (breakers several tokens spell) are compared at every
+    position on the GPU, only at their heads on the CPU."""
     g = torch.Generator().manual_seed(0)
     history = torch.randint(0, 6, (300,), generator=g).tolist()
-    params = SamplingParams(temperature=0, dry_multiplier=0.8, dry_breakers=frozenset({5}), max_tokens=4)
+    params = SamplingParams(temperature=0, dry_multiplier=0.8, dry_breakers=frozenset({5}), dry_restarts=restarts,
+                            max_tokens=4)
     rows = []
     for device in ("cpu", "cuda"):
         sampler = Sampler(VOCAB, device=device)

@@ -450,16 +450,27 @@ def test_invalid_llama_sampler_params_are_admission_errors(kwargs):
         SamplingParams(**kwargs)
 
 
-def _dry_reference(history, vocab, multiplier, base, allowed, last_n, breakers):
+def _dry_reference(history, vocab, multiplier, base, allowed, last_n, breakers, restarts=()):
     """llama.cpp's DRY written out plainly: each earlier position's repeat length (the longest common suffix
-    with the whole window, cut at the last breaker), the longest per following token, the penalties."""
+    with the whole window, cut at the last breaker), the longest per following token, the penalties. The last
+    breaker as llama.cpp's step 1 finds it: scanning back from the end, the first token that is a breaker or heads
+    a restart sequence whose tail follows it (the longest such tail)."""
     w = history[-last_n:] if last_n else list(history)
     n = len(w)
     penalty = [0.0] * vocab
     if n < 2:
         return penalty
-    breaker_at = [i for i, t in enumerate(w) if t in breakers]
-    rep_limit = n - 1 - breaker_at[-1] if breaker_at else n
+    sequences = [(b, ()) for b in breakers] + list(restarts)
+    rep_limit = n
+    for i in range(n):  # i tokens from the end
+        longest_match = -1
+        for head, tail in sequences:
+            if head == w[n - 1 - i] and longest_match < len(tail) <= i and all(
+                    tail[k] == w[n - 1 - (i - k - 1)] for k in range(len(tail))):
+                longest_match = len(tail)
+        if longest_match >= 0:
+            rep_limit = i - longest_match
+            break
     longest = {}
     for j in range(n - 1):
         length = 0
@@ -476,7 +487,32 @@ def _dry_reference(history, vocab, multiplier, base, allowed, last_n, breakers):
     return penalty
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("restarts, lengths", [
+    ((), {5: 6}),  # no breaker: `a b 5 6 a b` repeats, and 5 would extend it (6 tokens)
+    (((5, (6,)),), {5: 2}),  # the pair `5 6` a breaker: repeats reach back 2 tokens (after it)
+    (((5, (6,)), (5, (6, 1))), {5: 1}),  # `5 6 a` too: the longest tail at that head wins, 1 token after it
+    (((5, (7,)),), {5: 6}),  # a tail that does not follow its head is no breaker
+    (((6, (1, 2, 6)),), {5: 6}),  # nor one that would run past the window's end
+    (((6, (1, 2, 5)),), {5: 3}),  # where the last head's tail runs past the end, an earlier whole one counts
+])
+def test_dry_restart_sequences_end_repeats_like_breakers(restarts, lengths):
+    """llama.cpp's restart sequences (breakers several tokens spell): a head token followed by its tail ends how
+    far back a repeat reaches, as a breaker token does, counted from the tail's end; the tokens themselves stay
+    penalisable."""
+    a, b = 1, 2
+    history = [a, b, 5, 6, a, b, 5, 6, a, b]
+    params = SamplingParams(temperature=0, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=1,
+                            dry_restarts=restarts, max_tokens=1)
+    sampler = Sampler(VOCAB)
+    got = -sampler.apply_bias_and_penalties(torch.zeros(1, VOCAB), [sampler.add_sequence(params, history)])[0]
+    expected = torch.zeros(VOCAB)
+    for token, length in lengths.items():
+        expected[token] = 0.8 * 1.75 ** (length - 1)
+    assert torch.allclose(got, expected), got.nonzero()
+    assert torch.allclose(got, torch.tensor(_dry_reference(history, VOCAB, 0.8, 1.75, 1, 0, (), restarts)))
+
+
+@pytest.mark.parametrize("seed", range(12))
 def test_dry_matches_a_plain_reading_of_llama_cpp(seed):
     g = torch.Generator().manual_seed(seed)
     alphabet = 3 + seed  # few distinct tokens: long repeats
@@ -484,12 +520,15 @@ def test_dry_matches_a_plain_reading_of_llama_cpp(seed):
     allowed = seed % 3  # 0 takes the unfiltered path
     last_n = [0, 7, 50][seed % 3]
     breakers = frozenset({seed % alphabet}) if seed % 2 else frozenset()
+    # restart sequences: heads with tails of one to three tokens (some heads also breakers, one tail repeated)
+    restarts = [] if seed % 3 == 2 else [(1, (2,)), (1, (2, 0)), (2, (seed % alphabet, 1, 1)), (0, (0,))][:2 + seed % 3]
     params = SamplingParams(temperature=0, dry_multiplier=0.5, dry_base=1.3, dry_allowed_length=allowed,
-                            dry_penalty_last_n=last_n, dry_breakers=breakers, max_tokens=1)
+                            dry_penalty_last_n=last_n, dry_breakers=breakers, dry_restarts=tuple(restarts),
+                            max_tokens=1)
     sampler = Sampler(VOCAB)
     state = sampler.add_sequence(params, history)
     got = -sampler.apply_bias_and_penalties(torch.zeros(1, VOCAB), [state])[0]
-    expected = torch.tensor(_dry_reference(history, VOCAB, 0.5, 1.3, allowed, last_n, breakers))
+    expected = torch.tensor(_dry_reference(history, VOCAB, 0.5, 1.3, allowed, last_n, breakers, restarts))
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), (history, got.nonzero(), expected.nonzero())
 
 
