@@ -37,6 +37,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import secrets
@@ -52,8 +53,11 @@ DRY_MAX_MATCH = 64  # DRY's repeat lengths are counted to this many tokens (the 
 _XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coin
 # llama.cpp's sampler names (its ``samplers``) as SamplingParams.sampler_order takes them. "penalties" and "dry" are
 # listed for the record: they shape the logits before any filter wherever they stand (Sampler.sample).
-SAMPLER_STAGES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-LLAMA_CPP_ORDER = SAMPLER_STAGES  # llama.cpp's default chain: every filter at temperature 1, the temperature last
+SAMPLER_STAGES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
+                  "infill")
+# llama.cpp's default chain: every filter at temperature 1, the temperature last
+LLAMA_CPP_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+INFILL_THRESHOLD = 0.2  # llama.cpp's infill stage: text candidates less likely than this go (after merging)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,12 @@ class SamplingParams:
     # temperature 1, the temperature scaling only what they kept). Empty (vLLM's and OpenAI's order): the
     # temperature first, then top-n-sigma, min-p, typical-p, top-k, top-p and XTC on the scaled distribution.
     sampler_order: tuple[str, ...] = ()
+    # llama.cpp's infill stage (``infill`` in sampler_order, for fill-in-the-middle): the end-of-generation
+    # tokens (infill_eog), the one it falls back to (infill_eot), and every token's text as bytes (token_pieces,
+    # b"" for special tokens; shared per model, so left out of comparisons)
+    infill_eog: frozenset[int] = frozenset()
+    infill_eot: int = -1
+    token_pieces: tuple[bytes, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(what: str) -> AdmissionError:
@@ -137,6 +147,8 @@ class SamplingParams:
         unknown = [n for n in self.sampler_order if n not in SAMPLER_STAGES]
         if unknown:
             raise bad(f"unknown sampler {unknown[0]!r}; the samplers are {', '.join(SAMPLER_STAGES)}")
+        if "infill" in self.sampler_order and (self.token_pieces is None or self.infill_eot < 0):
+            raise bad("the infill sampler needs the model's token texts and its end-of-text token")
         if not isinstance(self.penalty_last_n, int) or isinstance(self.penalty_last_n, bool) or self.penalty_last_n < 0:
             raise bad(f"penalty_last_n must be an integer >= 0, got {self.penalty_last_n!r}")
         if self.repetition_penalty <= 0:
@@ -190,7 +202,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """The argmax: temperature 0, where the temperature applies (a llama.cpp chain without its temperature
+        stage draws at temperature 1 whatever the temperature, as llama.cpp's does)."""
+        return self.temperature == 0 and (not self.sampler_order or "temperature" in self.sampler_order)
 
     @property
     def uses_penalties(self) -> bool:
@@ -281,6 +295,75 @@ def top_n_sigma_filter(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     std = (torch.where(finite, (logits - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count).sqrt()
     top = logits.max(dim=-1, keepdim=True).values
     return logits.masked_fill((logits < top - n * std) & (n > 0), float("-inf"))
+
+
+def infill_filter(logits: torch.Tensor, ids: torch.Tensor | None,
+                  p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's infill stage on one row's candidates (logits [1, C] of ``ids`` [1, C], or the whole row where
+    ``ids`` is None), for fill-in-the-middle: returns the filtered logits and their ids. Over the kept
+    candidates' probabilities at the current temperature:
+    - where 3 * P(end of generation) * (candidates kept) > P(text), only the end-of-generation tokens stay;
+    - else each candidate whose text begins another's merges into the likelier of the two (in order of
+      likelihood, as llama.cpp walks its sorted candidates), the other going; text candidates below
+      INFILL_THRESHOLD go; with none left, only infill_eot stays; then, renormalised, text candidates below
+      1 / (text candidates + 1) go too.
+    End-of-generation tokens always stay. The draw after it is by the kept candidates' logits, as llama.cpp's."""
+    row = logits[0]
+    if ids is None:  # the candidates still in play, likeliest first (llama.cpp's sorted array)
+        order = row.sort(descending=True, stable=True).indices
+        order = order[torch.isfinite(row[order])]
+        ids, row = order[None, :], row[order]
+    cand = ids[0].tolist()
+    vals = row.tolist()
+    live = [i for i, v in enumerate(vals) if v != float("-inf")]
+    if not live:
+        return row[None, :], ids
+    live.sort(key=lambda i: -vals[i])  # stable: ties keep their order
+    probs = torch.softmax(row[live].float(), dim=0).tolist()
+    prob = dict(zip(live, probs))
+    eog = {i for i in live if cand[i] in p.infill_eog}
+    p_eog = sum(prob[i] for i in live if i in eog)
+    p_txt = sum(prob[i] for i in live if i not in eog)
+    keep: list[int]
+    if 3 * p_eog * len(live) > p_txt:
+        keep = [i for i in live if i in eog]
+    else:
+        pieces = p.token_pieces
+        text = {i: pieces[cand[i]] if cand[i] < len(pieces) else b"" for i in live}
+        alive = dict.fromkeys(live, True)
+        by_text = sorted(live, key=lambda i: text[i])  # a text's extensions sit right after it
+        keys = [text[i] for i in by_text]
+        rank = {i: r for r, i in enumerate(live)}
+        for a in live:
+            t = text[a]
+            if not t:
+                continue
+            lo = bisect.bisect_left(keys, t)
+            hi = lo
+            while hi < len(keys) and keys[hi].startswith(t):
+                hi += 1
+            for b in sorted((by_text[k] for k in range(lo, hi) if by_text[k] != a), key=rank.__getitem__):
+                if not alive[a]:
+                    break
+                if not alive[b]:
+                    continue
+                dst, src = (b, a) if prob[b] > prob[a] else (a, b)
+                prob[dst] += prob[src]
+                prob[src] = 0.0
+                alive[src] = False
+        first = [i for i in live if i in eog or prob[i] >= INFILL_THRESHOLD]
+        texts = sum(1 for i in first if i not in eog)
+        if texts == 0:  # only the end-of-text token
+            one = torch.ones(1, 1, dtype=logits.dtype, device=logits.device)
+            return one, torch.full((1, 1), p.infill_eot, dtype=torch.int64, device=logits.device)
+        total = sum(prob[i] for i in first)
+        keep = [i for i in first if i in eog or prob[i] / total >= 1.0 / (texts + 1)]
+        keep = [i for i in keep if alive[i]]  # a merged-away end token stays at -inf (no weight)
+    out = torch.full_like(row, float("-inf"))
+    if keep:
+        idx = torch.tensor(keep, dtype=torch.int64, device=row.device)
+        out[idx] = row[idx]
+    return out[None, :], ids
 
 
 def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
@@ -819,4 +902,6 @@ class Sampler:
                 logits = min_p_filter(logits, p.min_p)
             elif stage == "xtc" and p.xtc_probability > 0:
                 logits = self._xtc(logits, [state])
+            elif stage == "infill":
+                logits, ids = infill_filter(logits, ids, p)
         return self._race(logits, [state], ids, vocab)[0]

@@ -108,7 +108,7 @@ class Generation:
     def _release(self, leader: int) -> None:
         """Submit the choices that waited for ``leader``'s prefill."""
         for i in self._held.pop(leader, ()):
-            if self._cancelled:
+            if self._cancelled or self._choices[i].final_sent:
                 self._skip(i)
                 continue
             try:
@@ -145,6 +145,17 @@ class Generation:
     def choice_usage(self, index: int) -> ChoiceUsage:
         """Choice ``index``'s own prompt, cached and generated token counts."""
         return self._choices[index].usage
+
+    def end_choice(self, index: int, reason: str) -> None:
+        """End choice ``index`` now with ``reason`` (a route's own limit): its model request is cancelled and its
+        later tokens and finish are dropped, as after a stop string."""
+        choice = self._choices[index]
+        if choice.final_sent:
+            return
+        choice.finish_reason = reason
+        choice.final_sent = True
+        if not choice.done and not any(index in held for held in self._held.values()):
+            self._runtime.cancel(choice.request.request_id)
 
     def matched_stop(self, index: int) -> str | None:
         """The stop string that ended choice ``index``, if one did (Anthropic's stop_sequence)."""

@@ -13,7 +13,8 @@ included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias]
 or ``json_schema``, ``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and
 ``mirostat_eta``, ``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``,
 ``dry_allowed_length``, ``dry_penalty_last_n`` and ``dry_sequence_breakers``, ``top_n_sigma``
-(flared.model.sampling). Omitted sampling fields take the model's defaults, as the OpenAI routes do. The sampler
+(flared.model.sampling); for code completion ``n_indent`` and ``t_max_predict_ms`` (_CodeLimits), the chain's
+``infill`` stage and ``response_fields`` (only those paths answered, as llama.vim asks). Omitted sampling fields take the model's defaults, as the OpenAI routes do. The sampler
 runs llama.cpp's chain (SamplingParams.sampler_order): its default order, every filter at temperature 1 and the
 temperature last, or the request's own ``samplers`` (names, or llama.cpp's letters such as ``"kypmxt"``); a chain
 without ``penalties`` or ``dry`` turns those off, and where they are listed they run first. Fields for the slots
@@ -60,7 +61,7 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
 _VLLM_ORDER = ("penalties", "dry", "temperature", "top_n_sigma", "min_p", "typ_p", "top_k", "top_p", "xtc")
 # llama.cpp's one-letter names (its ``samplers`` as a string) and the other name it takes
 _SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
-                    "m": "min_p", "x": "xtc", "t": "temperature"}
+                    "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
 _SAMPLER_ALIASES = {"typical_p": "typ_p"}
 
 
@@ -296,9 +297,13 @@ class LlamaCppRoutes:
             opts, max_tokens=min(opts.max_tokens, context - len(ids))) for ids, _ in prompts]
         grammar = await compile_grammar(self.state, parse_extra_constraints(body, None))
         stream = _boolean(body, "stream")
-        return_tokens = _boolean(body, "return_tokens")
+        shape = _Output(n_probs=n_probs, return_tokens=bool(_boolean(body, "return_tokens")),
+                        fields=_response_fields(body.get("response_fields")),
+                        n_indent=_integer(body, "n_indent", 0, 1 << 20) or 0,
+                        t_max_predict_ms=_integer(body, "t_max_predict_ms", 0, 1 << 31) or 0)
+        _integer(body, "t_max_prompt_ms", -1, 1 << 31)  # llama.cpp's is not enforced either (validated only)
         if n_predict == 0:  # llama.cpp: the prompt is evaluated, nothing is generated
-            summaries = [self._summary(k, text, ids, "", [], "limit", "", 0, 0, t0, t0, each[k])
+            summaries = [shape.pick(self._summary(k, text, ids, "", [], "limit", "", 0, 0, t0, t0, each[k]))
                          for k, (ids, text) in enumerate(prompts)]
             if not stream:
                 return Response.json(summaries[0] if len(summaries) == 1 else summaries)
@@ -314,18 +319,23 @@ class LlamaCppRoutes:
         gen = self.state.start(reqs, opts.stop)
         request.disconnected.add_callback(gen.cancel)
         if stream:
-            return StreamingResponse(
-                lambda w: self._stream(gen, w, prompts, t0, each, n_probs, return_tokens),
-                headers=[("cache-control", "no-cache")])
+            return StreamingResponse(lambda w: self._stream(gen, w, prompts, t0, each, shape),
+                                     headers=[("cache-control", "no-cache")])
         n = len(prompts)
         first_ns, finish = [0] * n, ["stop"] * n
         texts: list[list[str]] = [[] for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        limits = [_CodeLimits(shape.n_indent, shape.t_max_predict_ms) for _ in range(n)]
         async for d in gen.deltas():
             k = d.index
-            first_ns[k] = first_ns[k] or time.monotonic_ns()
-            texts[k].append(d.text)
+            now = time.monotonic_ns()
+            first_ns[k] = first_ns[k] or now
+            text, ended = limits[k].feed(d.text, now)
+            if ended:  # n_indent or t_max_predict_ms: llama.cpp's stop by limit
+                gen.end_choice(k, "length")
+                finish[k] = "length"
+            texts[k].append(text)
             tokens[k] += d.token_ids
             lps[k] += d.logprobs
             if d.finish_reason is not None:
@@ -336,9 +346,9 @@ class LlamaCppRoutes:
             out = self._summary(k, text, ids, "".join(texts[k]), lps[k] if n_probs else [],
                                 *self._stop(gen, k, finish[k]), u.num_generated_tokens, u.num_cached_tokens, t0,
                                 first_ns[k], each[k])
-            if return_tokens:
+            if shape.return_tokens:
                 out["tokens"] = tokens[k]
-            outs.append(out)
+            outs.append(shape.pick(out))
         return Response.json(outs[0] if n == 1 else outs)
 
     @staticmethod
@@ -387,28 +397,34 @@ class LlamaCppRoutes:
         return out
 
     async def _stream(self, gen: Generation, w: ResponseWriter, prompts: list[tuple[list[int], str]], t0_ns: int,
-                      each: list[SamplingOptions], n_probs: int, return_tokens: bool) -> None:
+                      each: list[SamplingOptions], shape: _Output) -> None:
         """Every prompt's chunks as they come, each with its ``index``; a prompt's summary (``stop: true``) as
         soon as it ends."""
         first_ns = [0] * len(prompts)
+        limits = [_CodeLimits(shape.n_indent, shape.t_max_predict_ms) for _ in prompts]
         try:
             async for d in gen.deltas():
                 k = d.index
                 ids, text = prompts[k]
-                first_ns[k] = first_ns[k] or time.monotonic_ns()
-                if d.text or d.logprobs or (return_tokens and d.token_ids):
+                now = time.monotonic_ns()
+                first_ns[k] = first_ns[k] or now
+                content, ended = limits[k].feed(d.text, now)
+                if ended:  # n_indent or t_max_predict_ms
+                    gen.end_choice(k, "length")
+                if content or d.logprobs or (shape.return_tokens and d.token_ids):
                     chunk: dict[str, Any] = {
-                        "index": k, "content": d.text, "tokens": list(d.token_ids) if return_tokens else [],
+                        "index": k, "content": content, "tokens": list(d.token_ids) if shape.return_tokens else [],
                         "stop": False, "id_slot": -1, "tokens_predicted": gen.choice_usage(k).num_generated_tokens,
                         "tokens_evaluated": len(ids)}
-                    if n_probs:
+                    if shape.n_probs:
                         chunk["completion_probabilities"] = self._probs(d.logprobs)
                     await w.send_json_event(chunk)
-                if d.finish_reason is not None:
+                finish = "length" if ended else d.finish_reason
+                if finish is not None:
                     u = gen.choice_usage(k)
-                    await w.send_json_event(self._summary(k, text, ids, "", [], *self._stop(gen, k, d.finish_reason),
-                                                          u.num_generated_tokens, u.num_cached_tokens, t0_ns,
-                                                          first_ns[k], each[k]))
+                    await w.send_json_event(shape.pick(self._summary(
+                        k, text, ids, "", [], *self._stop(gen, k, finish), u.num_generated_tokens,
+                        u.num_cached_tokens, t0_ns, first_ns[k], each[k])))
         except ClientDisconnected:
             gen.cancel()
         except Exception as exc:  # the stream has started: llama.cpp ends it with an error object
@@ -417,6 +433,77 @@ class LlamaCppRoutes:
                 await w.send_json_event(json.loads(error_response(exc).body))
             except ClientDisconnected:
                 pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Output:
+    """What a /completion answer carries beyond the text, and llama.cpp's limits for code completion."""
+
+    n_probs: int
+    return_tokens: bool
+    fields: tuple[str, ...] | None  # response_fields: only these (paths with "/"), named by their paths
+    n_indent: int  # stop at a line indented less than this (0: off)
+    t_max_predict_ms: int  # stop once past this long after the first token, if a newline came (0: off)
+
+    def pick(self, out: dict[str, Any]) -> dict[str, Any]:
+        """llama.cpp's response_fields: each path that resolves, under its path as the key."""
+        if self.fields is None:
+            return out
+        picked = {}
+        for path in self.fields:
+            value: Any = out
+            for key in path.split("/"):
+                if not isinstance(value, dict) or key not in value:
+                    break
+                value = value[key]
+            else:
+                picked[path] = value
+        return picked
+
+
+def _response_fields(value: Any) -> tuple[str, ...] | None:
+    if value is None or value == []:
+        return None  # llama.cpp: an empty list leaves the answer whole
+    if not isinstance(value, list) or not all(isinstance(f, str) for f in value):
+        raise _bad("response_fields", f"must be an array of field names (paths such as \"timings/prompt_n\"), "
+                   f"got {_type(value)}")
+    return tuple(value)
+
+
+class _CodeLimits:
+    """llama.cpp's stops for code completion on one prompt's text as it comes: ``n_indent`` ends the output at the
+    first line (after the first) whose text starts with fewer spaces or tabs, cut before that text; and
+    ``t_max_predict_ms`` ends it once that long has passed since the first token and a newline was generated."""
+
+    def __init__(self, n_indent: int, t_max_predict_ms: int):
+        self.n_indent = n_indent
+        self.t_max_ns = t_max_predict_ms * 1_000_000
+        self.text = ""
+        self.line = 0  # where the current line starts (0: still the first)
+        self.start_ns = 0
+
+    def feed(self, text: str, now_ns: int) -> tuple[str, bool]:
+        """The part of ``text`` to keep, and whether the output ends with it."""
+        if not (self.n_indent or self.t_max_ns):
+            return text, False
+        self.start_ns = self.start_ns or now_ns
+        before = len(self.text)
+        self.text += text
+        while self.n_indent:
+            if self.line:
+                pos = self.line
+                while pos < len(self.text) and self.text[pos] in " \t":
+                    pos += 1
+                if pos < len(self.text) and pos - self.line < self.n_indent:
+                    self.text = self.text[:pos]
+                    return self.text[before:], True
+            newline = self.text.find("\n", self.line)
+            if newline == -1:
+                break
+            self.line = newline + 1
+        if self.t_max_ns and "\n" in self.text and now_ns - self.start_ns > self.t_max_ns:
+            return text, True
+        return text, False
 
 
 def _is_id(x: Any) -> bool:

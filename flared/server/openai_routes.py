@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import secrets
 import time
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
+from flared.frontend.detokenizer import TokenBytes
 from flared.frontend.reasoning import opens_reasoning
 from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall
 from flared.model.sampling import SamplingParams
@@ -24,7 +26,7 @@ from flared.server.http import Request, Response, ResponseWriter, Router, Stream
 from flared.server.http.messages import ClientDisconnected, error_response
 from flared.server.structured import compile_grammar, force_tool_call
 from flared.server.openai_schema import (
-    ChatRequest, CompletionRequest, SamplingOptions, _string, json_object, parse_chat, parse_completion,
+    ChatRequest, CompletionRequest, SamplingOptions, _bad, _string, json_object, parse_chat, parse_completion,
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -108,7 +110,45 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         xtc_probability=opts.xtc_probability, xtc_threshold=opts.xtc_threshold,
         **_dry(state, opts, context),
         top_n_sigma=opts.top_n_sigma, sampler_order=opts.sampler_order,
+        **_infill(state, opts),
     )
+
+
+def _infill(state, opts: SamplingOptions) -> dict[str, Any]:
+    """llama.cpp's infill stage: its end-of-generation tokens (the model's end tokens and the request's stop
+    tokens), the model's first end token as its end-of-text, and every token's text."""
+    if "infill" not in opts.sampler_order:
+        return {}
+    eos = tuple(state.manifest.tokens.eos_token_ids)
+    if not eos:
+        raise _bad("samplers", "the infill sampler needs an end-of-text token, and this model has none")
+    return {"infill_eog": frozenset(eos) | _stop_ids(state, opts), "infill_eot": eos[0],
+            "token_pieces": token_pieces(state.frontend, state.vocab_size)}
+
+
+@functools.lru_cache(maxsize=4)
+def token_pieces(fe, vocab_size: int) -> tuple[bytes, ...]:
+    """Every token's text as llama.cpp's token_to_piece gives it without special tokens: the bytes it stands for
+    (a byte-level BPE token through the byte alphabet; a SentencePiece one with its word marks as spaces and
+    <0xNN> as that byte), b"" for special tokens and ids past the tokenizer."""
+    spec = json.loads(fe.tokenizer.to_str())
+    special = {e["id"] for e in spec.get("added_tokens", ()) if e.get("special")}
+    table = TokenBytes.from_tokenizer(fe.tokenizer)
+    out = []
+    for t in range(vocab_size):
+        if t in special:
+            out.append(b"")
+        elif table is not None:
+            out.append(table.table[t] if t < len(table.table) else b"")
+        else:
+            piece = fe.tokenizer.id_to_token(t)
+            if piece is None:
+                out.append(b"")
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode("utf-8"))
+    return tuple(out)
 
 
 def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:

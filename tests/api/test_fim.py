@@ -96,3 +96,23 @@ def test_a_model_without_fim_tokens_says_so(daemon):
     assert status == 400 and "no fill-in-the-middle tokens" in err["error"]["message"]
     status, err = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": [1, 2], "suffix": "b"})
     assert status == 400 and "needs text prompts" in err["error"]["message"]
+
+
+def test_llama_vim_s_request(fim_daemon):
+    """llama.vim's /infill body as it sends it: llama.cpp's infill sampler after top-k and top-p, n_indent,
+    the time limits, and response_fields, which answers those paths only, each under its path."""
+    fields = ["content", "timings/prompt_n", "timings/predicted_n", "timings/predicted_ms", "truncated",
+              "tokens_cached", "timings/no_such"]
+    body = {"id_slot": 0, "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": [], "prompt": "",
+            "n_predict": 8, "n_indent": 4, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"],
+            "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+            "response_fields": fields}
+    status, out = fim_daemon.request("POST", "/infill", body)
+    assert status == 200, out
+    assert set(out) == set(fields) - {"timings/no_such"} and isinstance(out["content"], str)
+    assert out["timings/prompt_n"] + out["tokens_cached"] > 0 and 0 < out["timings/predicted_n"] <= 8, out
+    assert out["truncated"] is False
+    status, letters = fim_daemon.request("POST", "/infill", {**body, "samplers": "kpi", "response_fields": []})
+    assert status == 200 and letters["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
+    status, err = fim_daemon.request("POST", "/infill", {**body, "response_fields": "content"})
+    assert status == 400 and "'response_fields'" in err["error"]["message"]

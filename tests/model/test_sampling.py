@@ -556,3 +556,113 @@ def test_the_cpu_shortlist_draws_what_the_sorted_vocabulary_draws(monkeypatch, r
     short = draws()
     monkeypatch.setattr(sampling, "SHORTLIST", 10 ** 9)  # never shorter than the vocabulary: always sorted
     assert torch.equal(short, draws())
+
+
+def _infill_reference(cands, eog, eot, pieces):
+    """llama.cpp's infill sampler as it is written, on an array of (id, logit) the stages before kept: the token
+    ids a draw can give (those kept with a finite logit), or {eot} where it falls back to that token."""
+    data = [[t, lg, 0.0] for t, lg in sorted(cands, key=lambda c: -c[1])]
+    top = data[0][1]
+    weights = [math.exp(d[1] - top) for d in data]
+    for d, w in zip(data, weights):
+        d[2] = w / sum(weights)
+    p_txt = sum(d[2] for d in data if d[0] not in eog)
+    p_eog = sum(d[2] for d in data if d[0] in eog)
+    if 3 * p_eog * len(data) > p_txt:
+        return {d[0] for d in data if d[0] in eog}
+    for i0 in range(len(data)):
+        for i1 in range(len(data)):
+            if data[i0][1] == float("-inf"):
+                break
+            if i0 == i1 or data[i1][1] == float("-inf"):
+                continue
+            t0, t1 = pieces[data[i0][0]], pieces[data[i1][0]]
+            if 0 < len(t0) <= len(t1) and t1[:len(t0)] == t0:
+                dst, src = (i1, i0) if data[i1][2] > data[i0][2] else (i0, i1)
+                data[dst][2] += data[src][2]
+                data[src][1], data[src][2] = float("-inf"), 0.0
+    kept = [d for d in data if not (d[2] < 0.2 and d[0] not in eog)]
+    texts = sum(1 for d in kept if d[0] not in eog)
+    if texts == 0:
+        return {eot}
+    total = sum(d[2] for d in kept)
+    kept = [d for d in kept if not (d[2] / total < 1 / (texts + 1) and d[0] not in eog)]
+    return {d[0] for d in kept if d[1] != float("-inf")}
+
+
+# token texts with many prefixes among them ("a", "ab", "abb"...), two special tokens (b"") and two end tokens
+_PIECES = tuple([b"", b""] + [bytes(w) for w in (b"a", b"ab", b"abb", b"b", b"ba", b"bab", b"bb", b"c", b"ca",
+                                                     b"cab", b"abc", b"x", b"xy", b"xyz", b"y")]
+                + [b"z%d" % i for i in range(VOCAB - 17)])
+_EOG = frozenset({0, 1})
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_infill_stage_keeps_what_llama_cpp_keeps(seed):
+    """infill_filter against the literal reading: the same candidates survive (or the same fall back to the
+    end-of-text token), over random logits on texts that prefix each other, with and without top-k before it."""
+    from flared.model.sampling import infill_filter
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, VOCAB, generator=g) * (1 + seed % 4)
+    logits[0, 17:] -= 6  # the texts without prefixes mostly unlikely
+    if seed % 5 == 0:
+        logits[0, 0] += 4  # an end token likely: the end-only branch
+    params = SamplingParams(temperature=1.0, sampler_order=("infill",), infill_eog=_EOG, infill_eot=1,
+                            token_pieces=_PIECES)
+    top_k = (None, 8, 3)[seed % 3]
+    if top_k is None:
+        got_logits, ids = infill_filter(logits, None, params)
+        cands = list(enumerate(logits[0].tolist()))
+    else:
+        vals, ids = logits.topk(top_k, dim=-1)
+        got_logits, ids = infill_filter(vals, ids, params)
+        cands = list(zip(ids[0].tolist(), vals[0].tolist()))
+    got = {t for t, v in zip(ids[0].tolist(), got_logits[0].tolist()) if v != float("-inf")}
+    assert got == _infill_reference(cands, _EOG, 1, _PIECES)
+
+
+def test_the_infill_stage_merges_prefixes_and_falls_back_to_the_end_token():
+    from flared.model.sampling import infill_filter
+
+    params = SamplingParams(temperature=1.0, sampler_order=("infill",), infill_eog=_EOG, infill_eot=1,
+                            token_pieces=_PIECES)
+
+    def kept(probs):
+        logits = torch.full((1, VOCAB), float("-inf"))
+        for t, pr in probs.items():
+            logits[0, t] = math.log(pr)
+        out, ids = infill_filter(logits, None, params)
+        return {t for t, v in zip(ids[0].tolist(), out[0].tolist()) if v != float("-inf")}
+
+    a, ab, abb, b, x = 2, 3, 4, 5, 14
+    # "a" (0.15) begins "ab" (0.3) and "abb" (0.15): one candidate of 0.6 under "ab"; "b" falls below 0.2, and
+    # "x" stays above 1 / 3 of what is left
+    assert kept({a: 0.15, ab: 0.3, abb: 0.15, b: 0.05, x: 0.35}) == {ab, x}
+    # with "x" at 0.25, 0.25 / 0.85 falls below 1 / 3: "ab" alone
+    assert kept({a: 0.15, ab: 0.3, abb: 0.15, b: 0.15, x: 0.25}) == {ab}
+    # nothing reaches 0.2 after merging: the end-of-text token only (here not a candidate at all)
+    assert kept({a: 0.1, b: 0.1, x: 0.1, 16: 0.1, 17: 0.1, 18: 0.1, 19: 0.1, 20: 0.1, 21: 0.1, 22: 0.1}) == {1}
+    # the end token likely enough (3 * 0.15 * 3 candidates > 0.85): only the end tokens stay
+    assert kept({0: 0.15, ab: 0.45, x: 0.4}) == {0}
+    # not quite (3 * 0.05 * 3 < 0.95): the end token stays beside the texts that pass
+    assert kept({0: 0.05, ab: 0.5, x: 0.45}) == {0, ab, x}
+
+
+def test_a_chain_with_infill_draws_only_what_it_keeps():
+    """Through the Sampler: llama.vim's chain (top_k, top_p, infill) draws only the candidates the stage keeps, and
+    without a temperature stage a temperature of 0 does not make the row greedy (llama.cpp's chain ignores it)."""
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 3] = math.log(0.3)  # "ab"
+    logits[0, 2] = math.log(0.15)  # "a": merged into "ab"
+    logits[0, 14] = math.log(0.28)  # "x"
+    logits[0, 5] = math.log(0.12)  # "b": below 0.2
+    chain = ("top_k", "top_p", "infill")
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, top_k=40, top_p=0.99, sampler_order=chain,
+                                infill_eog=_EOG, infill_eot=1, token_pieces=_PIECES)
+        assert not params.greedy
+        assert set(draw_many(params, logits, 64).tolist()) == {3, 14}
+    assert SamplingParams(temperature=0.0, sampler_order=("top_k", "temperature")).greedy
+    with pytest.raises(AdmissionError):
+        SamplingParams(sampler_order=("infill",))  # without the model's token texts
