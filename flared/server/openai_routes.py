@@ -360,9 +360,10 @@ class OutputShape:
         return p.parse(text), p.calls
 
 
-def finish_with_calls(finish: str | None, calls) -> str | None:
-    """OpenAI's finish reason: a choice that stopped after emitting tool calls ended for them."""
-    return "tool_calls" if calls and finish == "stop" else finish
+def finish_with_calls(finish: str | None, calls, legacy: bool = False) -> str | None:
+    """OpenAI's finish reason: a choice that stopped after emitting tool calls ended for them ("function_call"
+    where the request sent the deprecated ``functions``)."""
+    return ("function_call" if legacy else "tool_calls") if calls and finish == "stop" else finish
 
 
 def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
@@ -440,7 +441,9 @@ class OpenAIRoutes:
             if shape.reasoning is not None:
                 # reasoning_content (vLLM, DeepSeek) and reasoning (newer clients) carry the same text
                 message["reasoning_content"] = message["reasoning"] = parsed.reasoning or None
-            if calls:
+            if calls and req.legacy_functions:  # the deprecated shape: one call, no id
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            elif calls:
                 message["tool_calls"] = openai_tool_calls(calls)
             choices.append({
                 "index": i,
@@ -448,7 +451,7 @@ class OpenAIRoutes:
                 "logprobs": {"content": token_logprobs(self.state.frontend, lps,
                                                        as_ids=opts.return_tokens_as_token_ids)}
                 if opts.logprobs is not None else None,
-                "finish_reason": finish_with_calls(finish, calls),
+                "finish_reason": finish_with_calls(finish, calls, req.legacy_functions),
                 **({"token_ids": ids} if req.extras.return_token_ids else {}),
             })
         body = {"id": rid, "object": "chat.completion", "created": gen.created, "model": req.model,
@@ -486,8 +489,8 @@ class OpenAIRoutes:
                         tail = p.finish()
                         parsed = ParsedDelta(parsed.content + tail.content, parsed.calls + tail.calls,
                                              parsed.reasoning + tail.reasoning)
-                        finish = finish_with_calls(finish, p.calls)
-                    delta = self._chat_delta(parsed)
+                        finish = finish_with_calls(finish, p.calls, req.legacy_functions)
+                    delta = self._chat_delta(parsed, req.legacy_functions)
                     if (not delta and finish is None and not d.logprobs
                             and not (extras.return_token_ids and d.token_ids)):
                         continue
@@ -509,13 +512,20 @@ class OpenAIRoutes:
             await _send_stream_error(w, exc)
 
     @staticmethod
-    def _chat_delta(parsed: ParsedDelta) -> dict[str, Any]:
+    def _chat_delta(parsed: ParsedDelta, legacy: bool = False) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if parsed.reasoning:
             delta["reasoning_content"] = delta["reasoning"] = parsed.reasoning
         if parsed.content:
             delta["content"] = parsed.content
-        if parsed.calls:
+        if parsed.calls and legacy:  # the deprecated shape: the first call's name, then its arguments
+            for c in parsed.calls:
+                if c.index == 0:
+                    fn = delta.setdefault("function_call", {})
+                    if c.id is not None:
+                        fn["name"] = c.name
+                    fn["arguments"] = fn.get("arguments", "") + c.arguments
+        elif parsed.calls:
             calls = []
             for c in parsed.calls:
                 call: dict[str, Any] = {"index": c.index}

@@ -110,6 +110,9 @@ class ChatRequest:
     add_special_tokens: bool = False  # the tokenizer's BOS etc. around the rendered prompt
     chat_template: str | None = None  # the request's own Jinja chat template (when the server trusts them)
     extras: ResponseExtras = dataclasses.field(default_factory=lambda: ResponseExtras())
+    # OpenAI's deprecated ``functions``: the answer names its call ``message.function_call`` (one call), with
+    # finish reason "function_call"
+    legacy_functions: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +400,7 @@ def _extras(body: dict, stream: bool) -> ResponseExtras:
 
 # -- chat ------------------------------------------------------------------------------------------
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def parse_chat(body: Any) -> ChatRequest:
@@ -407,6 +410,10 @@ def parse_chat(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty array of messages")
+    legacy = body.get("functions") not in (None, []) or body.get("function_call") is not None
+    if legacy:
+        body = _from_legacy_functions(body)
+    messages = _from_legacy_messages(messages)
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -424,7 +431,7 @@ def parse_chat(body: Any) -> ChatRequest:
         elif content is None and role != "assistant":
             raise _bad(f"{where}.content", "is required")
         out.append(msg)
-    _reject_unsupported(body, ("functions", "audio", "prediction"))
+    _reject_unsupported(body, ("audio", "prediction"))
     tools = parse_tools(body.get("tools"), "tools")
     forced_tool = parse_openai_forced_tool_choice(body.get("tool_choice"),
                                                   parallel=_boolean(body, "parallel_tool_calls", default=True))
@@ -468,7 +475,52 @@ def parse_chat(body: Any) -> ChatRequest:
         add_special_tokens=_boolean(body, "add_special_tokens"),
         chat_template=_string(body, "chat_template"),
         extras=_extras(body, stream),
+        legacy_functions=legacy,
     )
+
+
+def _from_legacy_functions(body: dict) -> dict:
+    """OpenAI's deprecated function calling as tools: ``functions`` as function tools, ``function_call`` as
+    ``tool_choice``."""
+    for new, old in (("tools", "functions"), ("tool_choice", "function_call")):
+        if body.get(new) is not None:
+            raise _bad(old, f"is the deprecated form of '{new}': send one of them, not both")
+    functions = body.get("functions")
+    if functions is not None and (not isinstance(functions, list)
+                                  or not all(isinstance(f, dict) for f in functions)):
+        raise _bad("functions", f"must be an array of function objects, got {_type(functions)}")
+    out = {k: v for k, v in body.items() if k not in ("functions", "function_call")}
+    if functions:
+        out["tools"] = [{"type": "function", "function": f} for f in functions]
+    choice = body.get("function_call")
+    if choice is not None:
+        if choice in ("none", "auto"):
+            out["tool_choice"] = choice
+        elif isinstance(choice, dict) and isinstance(choice.get("name"), str) and set(choice) == {"name"}:
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        else:
+            raise _bad("function_call", f"must be \"none\", \"auto\" or {{\"name\": ...}}, got {choice!r}")
+    return out
+
+
+def _from_legacy_messages(messages: list) -> list:
+    """A history of OpenAI's deprecated function calling as tool calls: an assistant message's ``function_call``
+    becomes its one tool call, and a ``function`` message the tool's answer to the call before it."""
+    out, call_id = [], None
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "assistant" and m.get("function_call") is not None:
+            fc = m["function_call"]
+            if not isinstance(fc, dict) or not isinstance(fc.get("name"), str):
+                raise _bad(f"messages[{i}].function_call", "must be an object with the function's 'name' and "
+                           "'arguments'")
+            call_id = f"call_{i}"
+            m = {k: v for k, v in m.items() if k != "function_call"}
+            m["tool_calls"] = [{"id": call_id, "type": "function",
+                                "function": {"name": fc["name"], "arguments": fc.get("arguments") or "{}"}}]
+        elif isinstance(m, dict) and m.get("role") == "function":
+            m = {**m, "role": "tool", **({"tool_call_id": call_id} if call_id else {})}
+        out.append(m)
+    return out
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")

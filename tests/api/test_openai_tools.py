@@ -90,3 +90,47 @@ def test_prompt_that_opens_the_reasoning(client):
             content = "".join(c.choices[0].delta.content or "" for c in chunks) or None
             calls = [tc.function for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.id]
         assert reasoning == REASONING and content is None and calls[0].name == "get_weather"
+
+
+FUNCTIONS = [t["function"] for t in TOOLS]
+
+
+def test_the_deprecated_functions_round_trip(client):
+    """OpenAI's deprecated function calling (``functions``, ``function_call``, ``role: function``), as older
+    clients still send it: the same call as with tools, answered as ``message.function_call`` with finish reason
+    "function_call", streamed as ``delta.function_call``; the history's call and result reach the template."""
+    r = client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call" and not choice.message.tool_calls
+    call = choice.message.function_call
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    with_tools = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, temperature=0,
+                                                max_tokens=40)
+    assert r.usage.prompt_tokens == with_tools.usage.prompt_tokens  # the same prompt as with tools
+    history = ASK + [{"role": "assistant", "content": None, "function_call": {"name": call.name,
+                                                                              "arguments": call.arguments}},
+                     {"role": "function", "name": "get_weather", "content": '{"sky": "sunny", "celsius": 21}'}]
+    r2 = client.chat.completions.create(model="tiny", messages=history, functions=FUNCTIONS, temperature=0,
+                                        max_tokens=40, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r2.choices[0].message.content == ANSWER and r2.choices[0].finish_reason == "stop"
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens + 20  # the call and its result are in the prompt
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, temperature=0,
+                                                 max_tokens=40, stream=True))
+    pieces = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert pieces[0].name == "get_weather" and all(p.name is None for p in pieces[1:])
+    assert json.loads("".join(p.arguments or "" for p in pieces)) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    none = client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call="none",
+                                          temperature=0, max_tokens=40)
+    assert none.choices[0].message.function_call is None and none.choices[0].finish_reason != "function_call"
+    named = client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS,
+                                           function_call={"name": "get_weather"}, temperature=0, max_tokens=40)
+    assert named.choices[0].message.function_call.name == "get_weather"
+
+
+def test_the_deprecated_functions_beside_tools_are_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="'functions'"):
+        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, functions=FUNCTIONS, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="'function_call'"):
+        client.chat.completions.create(model="tiny", messages=ASK, functions=FUNCTIONS, function_call="always",
+                                       max_tokens=4)
