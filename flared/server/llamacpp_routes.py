@@ -2,23 +2,23 @@
 
 What llama.cpp's clients call outside its OpenAI-compatible API, translated onto the one generation path.
 
-/completion takes ``prompt`` (text, with the model's BOS where it takes one; or a token-id array, where
-strings may stand between the ids; or, as llama.cpp, several prompts: an array of strings, or an array whose
-items are strings or token arrays, at most 16, each completed on its own, answered as an array in prompt order
-when there is more than one, streamed with each chunk's ``index``), ``n_predict`` (-1, the default: until the context
-ends; 0: nothing generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``, ``repeat_penalty``,
-``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default 64, prompt
-included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``,
-``false`` bans a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF)
-or ``json_schema``, ``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and
-``mirostat_eta``, ``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``,
-``dry_allowed_length``, ``dry_penalty_last_n`` and ``dry_sequence_breakers``, ``top_n_sigma``
-(flared.model.sampling); for code completion ``n_indent`` and ``t_max_predict_ms`` (_CodeLimits), the chain's
-``infill`` stage and ``response_fields`` (only those paths answered, as llama.vim asks). Omitted sampling fields take the model's defaults, as the OpenAI routes do. The sampler
-runs llama.cpp's chain (SamplingParams.sampler_order): its default order, every filter at temperature 1 and the
-temperature last, or the request's own ``samplers`` (names, or llama.cpp's letters such as ``"kypmxt"``); a chain
-without ``penalties`` or ``dry`` turns those off, and where they are listed they run first. Fields for the slots
-(``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
+/completion takes ``prompt`` (text, with the model's BOS where it takes one; or a token-id array, where strings may
+stand between the ids; or, as llama.cpp, several prompts: an array of strings, or an array whose items are strings
+or token arrays, at most 16, each completed on its own, answered as an array in prompt order when there is more than
+one, streamed with each chunk's ``index``), ``n_predict`` (-1, the default: until the context ends; 0: nothing
+generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``, ``repeat_penalty``,
+``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default 64, prompt included,
+as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``, ``false`` bans a token, or
+``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF) or ``json_schema``,
+``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and ``mirostat_eta``,
+``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``, ``dry_allowed_length``,
+``dry_penalty_last_n`` and ``dry_sequence_breakers``, ``top_n_sigma`` (flared.model.sampling); for code completion
+``n_indent`` and ``t_max_predict_ms`` (_CodeLimits), the chain's ``infill`` stage and ``response_fields`` (only
+those paths answered, as llama.vim asks). Omitted sampling fields take the model's defaults, as the OpenAI routes
+do. The sampler runs llama.cpp's chain (SamplingParams.sampler_order): its default order, every filter at
+temperature 1 and the temperature last, or the request's own ``samplers`` (names, or llama.cpp's letters such as
+``"kypmxt"``); a chain without ``penalties`` or ``dry`` turns those off, and where they are listed they run first.
+Fields for the slots (``id_slot``, ``cache_prompt``, ...) are accepted and ignored: the prefix cache is always on.
 
 It answers llama.cpp's shape: ``content``, ``stop``, ``stop_type`` (``eos``, ``limit``, ``word`` with
 ``stopping_word``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached``, ``timings`` (ms and tokens
@@ -41,8 +41,8 @@ from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, HttpError, error_response
 from flared.server.openai_routes import _check_vocab, _stop_ids, prepare_samplers, sampling_params
-from flared.server.openai_schema import (MAX_N, MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer, _number,
-                                         _string, _type, json_object, llama_penalties, llama_samplers)
+from flared.server.openai_schema import (MAX_N, MAX_TOP_LOGPROBS, SamplingOptions, _bad, _boolean, _integer,
+                                         _number, _string, _type, json_object, llama_penalties, llama_samplers)
 from flared.server.structured import compile_grammar, parse_extra_constraints
 
 
