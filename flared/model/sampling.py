@@ -57,6 +57,8 @@ SAMPLER_STAGES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", 
                   "infill")
 # llama.cpp's default chain: every filter at temperature 1, the temperature last
 LLAMA_CPP_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+# vLLM's order (the batched path's) under llama.cpp's names: the temperature first
+VLLM_ORDER = ("penalties", "dry", "temperature", "top_n_sigma", "min_p", "typ_p", "top_k", "top_p", "xtc")
 INFILL_THRESHOLD = 0.2  # llama.cpp's infill stage: text candidates less likely than this go (after merging)
 
 
@@ -114,6 +116,11 @@ class SamplingParams:
     # llama.cpp's top-n-sigma: only tokens whose logit is within top_n_sigma standard deviations (over the
     # candidates' logits) of the largest stay; <= 0 = off. The temperature does not change what it keeps.
     top_n_sigma: float = -1.0
+    # llama.cpp's dynamic temperature: with dynatemp_range > 0 the temperature stage scales by
+    # max(0, temperature - range) + (2 range or less) * (entropy / its maximum) ** dynatemp_exponent, the entropy of
+    # the candidates it sees (a row with it runs the chain, in vLLM's order where it has none)
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
     # llama.cpp's sampler chain (SAMPLER_STAGES names; its /completion's ``samplers``): the filters and the
     # temperature run in this order, each on what the ones before kept (LLAMA_CPP_ORDER: every filter at
     # temperature 1, the temperature scaling only what they kept). Empty (vLLM's and OpenAI's order): the
@@ -132,12 +139,16 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                      "typical_p", "top_n_sigma", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold",
-                     "dry_multiplier", "dry_base"):
+                     "dry_multiplier", "dry_base", "dynatemp_range", "dynatemp_exponent"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if self.dynatemp_range < 0:
+            raise bad(f"dynatemp_range must be >= 0, got {self.dynatemp_range}")
+        if self.dynatemp_range > 0 and not self.sampler_order:
+            raise bad("dynatemp_range needs a sampler order (VLLM_ORDER where the request has none)")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
@@ -204,7 +215,8 @@ class SamplingParams:
     def greedy(self) -> bool:
         """The argmax: temperature 0, where the temperature applies (a llama.cpp chain without its temperature
         stage draws at temperature 1 whatever the temperature, as llama.cpp's does)."""
-        return self.temperature == 0 and (not self.sampler_order or "temperature" in self.sampler_order)
+        return (self.temperature == 0 and self.dynatemp_range == 0
+                and (not self.sampler_order or "temperature" in self.sampler_order))
 
     @property
     def uses_penalties(self) -> bool:
@@ -254,6 +266,7 @@ class SequenceSamplingState:
         p = self.params
         return not (self.grammar is not None or self.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
                     or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0 or p.top_n_sigma > 0
+                    or p.dynatemp_range > 0
                     # llama.cpp's chain: its top-p judges the unscaled logits, and another chain than its default
                     # may leave out the temperature or top-k, or run them twice
                     or (bool(p.sampler_order) and (p.top_p < 1.0 or p.sampler_order != LLAMA_CPP_ORDER)))
@@ -295,6 +308,29 @@ def top_n_sigma_filter(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     std = (torch.where(finite, (logits - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count).sqrt()
     top = logits.max(dim=-1, keepdim=True).values
     return logits.masked_fill((logits < top - n * std) & (n > 0), float("-inf"))
+
+
+def dynamic_temperature(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's temperature stage with dynatemp_range > 0 on one row [1, C]: over its n finite candidates, the
+    temperature is min + (max - min) * (H / log n) ** dynatemp_exponent, with min = max(0, temperature - range),
+    max = temperature + range and H the entropy of their softmax; at 0 only the likeliest stays. One candidate or
+    none: unchanged."""
+    finite = torch.isfinite(logits)
+    n = int(finite.sum())
+    if n <= 1:
+        return logits
+    lo, hi = max(0.0, p.temperature - p.dynatemp_range), p.temperature + p.dynatemp_range
+    probs = torch.softmax(logits.float(), dim=-1)
+    entropy = -(probs * torch.where(probs > 0, probs.log(), torch.zeros_like(probs))).sum().item()
+    t = lo + (hi - lo) * (entropy / math.log(n)) ** p.dynatemp_exponent
+    scaled = logits / t if t > 0 else None
+    if scaled is None or bool(torch.isinf(scaled[finite]).any()):
+        # temperature 0 (llama.cpp's: only the first maximal logit stays), or one so small the scaled logits
+        # overflow float: its limit, the same
+        keep = torch.zeros_like(finite)
+        keep[0, int(logits.argmax(dim=-1))] = True
+        return logits.masked_fill(~keep, float("-inf"))
+    return scaled
 
 
 def infill_filter(logits: torch.Tensor, ids: torch.Tensor | None,
@@ -874,7 +910,7 @@ class Sampler:
         ids = None  # the candidates' token ids once top-k has run (descending logits), else the whole row
         for stage in p.sampler_order:
             if stage == "temperature":
-                logits = logits / p.temperature
+                logits = dynamic_temperature(logits, p) if p.dynatemp_range > 0 else logits / p.temperature
             elif stage == "top_n_sigma" and p.top_n_sigma > 0:
                 logits = top_n_sigma_filter(logits, torch.tensor([[p.top_n_sigma]], device=dev))
             elif stage == "top_k" and p.top_k > 0:

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
-from flared.model.sampling import LLAMA_CPP_ORDER, SAMPLER_STAGES
+from flared.model.sampling import LLAMA_CPP_ORDER, SAMPLER_STAGES, VLLM_ORDER
 from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
@@ -53,12 +53,10 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
              ("mirostat", "mirostat"), ("mirostat_tau", "mirostat_tau"), ("mirostat_eta", "mirostat_eta"),
              ("xtc_probability", "xtc_probability"), ("xtc_threshold", "xtc_threshold"),
              ("dry_multiplier", "dry_multiplier"), ("dry_base", "dry_base"), ("dry_allowed_length", "dry_allowed_length"),
-             ("top_n_sigma", "top_n_sigma"), ("seed", "seed"))
+             ("top_n_sigma", "top_n_sigma"), ("dynatemp_range", "dynatemp_range"),
+             ("dynatemp_exponent", "dynatemp_exponent"), ("seed", "seed"))
 
 
-# The order the OpenAI routes' rows run their stages in (vLLM's: the temperature first), under llama.cpp's names;
-# /completion's rows run their own chain (SamplingParams.sampler_order).
-_VLLM_ORDER = ("penalties", "dry", "temperature", "top_n_sigma", "min_p", "typ_p", "top_k", "top_p", "xtc")
 # llama.cpp's one-letter names (its ``samplers`` as a string) and the other name it takes
 _SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
                     "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
@@ -69,7 +67,7 @@ def _settings(x) -> dict[str, Any]:
     """The sampling settings of ``x`` (a request's SamplingOptions, or a live request's SamplingParams) under
     llama.cpp's names, unset ones left out, and the order its sampler stages run in."""
     out = {name: getattr(x, attr) for name, attr in _SETTINGS if getattr(x, attr) is not None}
-    out["samplers"] = list(x.sampler_order or _VLLM_ORDER)
+    out["samplers"] = list(x.sampler_order or VLLM_ORDER)  # the OpenAI routes' rows: vLLM's order
     return out
 
 

@@ -19,7 +19,7 @@ from flared.errors import AdmissionError, ErrorKind
 from flared.frontend.detokenizer import TokenBytes
 from flared.frontend.reasoning import opens_reasoning
 from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall
-from flared.model.sampling import SamplingParams
+from flared.model.sampling import VLLM_ORDER, SamplingParams
 from flared.runtime.request import GenerateRequest, TokenLogprob
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
@@ -109,7 +109,9 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         mirostat=opts.mirostat, mirostat_tau=opts.mirostat_tau, mirostat_eta=opts.mirostat_eta,
         xtc_probability=opts.xtc_probability, xtc_threshold=opts.xtc_threshold,
         **_dry(state, opts, context),
-        top_n_sigma=opts.top_n_sigma, sampler_order=opts.sampler_order,
+        top_n_sigma=opts.top_n_sigma, dynatemp_range=opts.dynatemp_range, dynatemp_exponent=opts.dynatemp_exponent,
+        # a dynamic temperature runs in the chain: in vLLM's order where the request has no chain of its own
+        sampler_order=opts.sampler_order or (VLLM_ORDER if opts.dynatemp_range > 0 else ()),
         **_infill(state, opts),
     )
 

@@ -82,6 +82,8 @@ class SamplingOptions:
     dry_penalty_last_n: int = -1  # llama.cpp's -1: the whole context (SamplingParams' 0); 0: DRY off
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")  # llama.cpp's; SamplingParams takes token ids
     top_n_sigma: float = SamplingParams.top_n_sigma
+    dynatemp_range: float = SamplingParams.dynatemp_range
+    dynatemp_exponent: float = SamplingParams.dynatemp_exponent
     sampler_order: tuple[str, ...] = ()  # llama.cpp's chain (SamplingParams says what it does); () = vLLM's order
 
     @property
@@ -334,12 +336,14 @@ MAX_DRY_BREAKERS = 16
 
 
 def llama_samplers(body: dict) -> dict[str, Any]:
-    """llama.cpp's mirostat, XTC, DRY and top-n-sigma fields (its /completion and OpenAI-compatible routes, Ollama's
-    options) as SamplingOptions fields; absent fields keep llama.cpp's defaults (all four off)."""
+    """llama.cpp's mirostat, XTC, DRY, top-n-sigma and dynamic temperature fields (its /completion and
+    OpenAI-compatible routes, Ollama's options) as SamplingOptions fields; absent fields keep llama.cpp's defaults
+    (all off)."""
     out: dict[str, Any] = {}
     for field, lo, hi in (("mirostat_tau", 0.0, 100.0), ("mirostat_eta", 0.0, 10.0), ("xtc_probability", 0.0, 1.0),
                           ("xtc_threshold", 0.0, 1.0), ("dry_multiplier", 0.0, 1e4), ("dry_base", 0.0, 100.0),
-                          ("top_n_sigma", -1.0, 100.0)):
+                          ("top_n_sigma", -1.0, 100.0), ("dynatemp_range", 0.0, 100.0),
+                          ("dynatemp_exponent", 0.0, 100.0)):
         value = _number(body, field, lo, hi)
         if value is not None:
             out[field] = value

@@ -205,6 +205,27 @@ def test_dry_xtc_and_mirostat(daemon):
         assert message.startswith(("'dry", "'mirostat", "'xtc")), message
 
 
+def test_dynamic_temperature(daemon):
+    """llama.cpp's dynatemp_range and dynatemp_exponent: served in its chain (here at temperature 0, which a range
+    makes a draw) and on the OpenAI routes; the settings report them; a negative range is a 400."""
+    _, tok = daemon.request("POST", "/tokenize", {"content": " la"})
+    (la,) = tok["tokens"]
+    body = {"prompt": SING, "n_predict": 4, "temperature": 0, "dynatemp_exponent": 2.0, "return_tokens": True}
+    # exponent 0: the top of the range whatever the entropy, so temperature 0 with a range of 2 draws as
+    # temperature 2 does, seed for seed
+    for seed in range(3):
+        hot = _post(daemon, {**body, "dynatemp_range": 2.0, "dynatemp_exponent": 0.0, "seed": seed})["tokens"]
+        assert hot == _post(daemon, {**body, "temperature": 2.0, "seed": seed})["tokens"]
+    assert _post(daemon, {**body, "dynatemp_range": 1e-4, "seed": 1})["tokens"] == [la] * 4  # ~0: the argmax
+    r = _post(daemon, {**body, "dynatemp_range": 0.5})
+    g = r["generation_settings"]
+    assert g["dynatemp_range"] == 0.5 and g["dynatemp_exponent"] == 2.0
+    status, chat = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": SING, "max_tokens": 3,
+                                                              "temperature": 0, "dynatemp_range": 1e-4})
+    assert status == 200 and chat["choices"][0]["text"] == " la" * 3
+    assert "'dynatemp_range'" in _post(daemon, {"prompt": "x", "dynatemp_range": -1}, 400)["error"]["message"]
+
+
 def test_slots_show_the_live_requests(daemon):
     """GET /slots (llama.cpp's slot monitor): one entry per request slot; a request streaming now holds one, with
     its settings and progress, and no prompt text; slot save/restore/erase are a 400 that says why."""

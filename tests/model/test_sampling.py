@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flared.errors import AdmissionError, ExecutionError
-from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
+from flared.model.sampling import LLAMA_CPP_ORDER, VLLM_ORDER, Sampler, SamplingParams
 
 VOCAB = 50
 
@@ -666,3 +666,60 @@ def test_a_chain_with_infill_draws_only_what_it_keeps():
     assert SamplingParams(temperature=0.0, sampler_order=("top_k", "temperature")).greedy
     with pytest.raises(AdmissionError):
         SamplingParams(sampler_order=("infill",))  # without the model's token texts
+
+
+def _dynatemp_reference(logits, temp, delta, exponent):
+    """llama.cpp's temp_ext stage as written, on the finite candidates (in their order): the scaled logits."""
+    cand = [x for x in logits if x != float("-inf")]
+    if len(cand) <= 1:
+        return list(logits)
+    lo, hi = max(0.0, temp - delta), temp + delta
+    top = max(cand)
+    w = [math.exp(x - top) for x in cand]
+    probs = [x / sum(w) for x in w]
+    entropy = -sum(q * math.log(q) for q in probs if q > 0)
+    t = lo + (hi - lo) * (entropy / -math.log(1.0 / len(cand))) ** exponent
+    if t <= 0:
+        best = logits.index(top)
+        return [x if i == best else float("-inf") for i, x in enumerate(logits)]
+    return [x / t for x in logits]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dynamic_temperature_scales_as_llama_cpp(seed):
+    from flared.model.sampling import dynamic_temperature
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 12, generator=g) * (0.2 + seed)  # flat (high entropy) to peaked (low)
+    logits[0, torch.randperm(12, generator=g)[:seed % 4]] = float("-inf")
+    temp, delta, exponent = (0.0, 0.5, 1.0) if seed % 3 == 0 else (0.8, 0.6 * (seed % 3), 0.5 + seed / 4)
+    params = SamplingParams(temperature=temp, dynatemp_range=delta, dynatemp_exponent=exponent,
+                            sampler_order=LLAMA_CPP_ORDER)
+    got = dynamic_temperature(logits, params)[0].tolist()
+    expected = _dynatemp_reference(logits[0].tolist(), temp, delta, exponent)
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_dynamic_temperature_in_the_chain():
+    """A flat distribution is drawn at the top of the range, a peaked one near its bottom; temperature 0 with a
+    range is not greedy; rows with it never take the graph's own sampler."""
+    flat = torch.zeros(1, VOCAB)
+    peaked = torch.full((1, VOCAB), -4.0)
+    peaked[0, 7] = 4.0
+    for order in (LLAMA_CPP_ORDER, ()):  # llama.cpp's chain, and vLLM's order (the OpenAI routes)
+        kw = dict(temperature=0.0, dynatemp_range=1.5, sampler_order=order or VLLM_ORDER)
+        params = SamplingParams(**kw)
+        assert not params.greedy
+        assert len(set(draw_many(params, flat, 64).tolist())) > 20  # entropy at its maximum: temperature 1.5
+        assert set(draw_many(params, peaked, 64).tolist()) == {7}
+    # a temperature so small the scaled logits would overflow float: its limit, the argmax alone (no NaN draws)
+    from flared.model.sampling import dynamic_temperature
+
+    tiny = SamplingParams(temperature=0.0, dynatemp_range=1e-4, dynatemp_exponent=8.0, sampler_order=LLAMA_CPP_ORDER)
+    out = dynamic_temperature(peaked * 10, tiny)
+    assert torch.isfinite(out).sum().item() == 1 and out[0, 7].item() == 40.0
+    state = Sampler(VOCAB).add_sequence(SamplingParams(temperature=0.7, dynatemp_range=0.3,
+                                                       sampler_order=LLAMA_CPP_ORDER), [])
+    assert not state.graph_samples
+    with pytest.raises(AdmissionError):
+        SamplingParams(dynatemp_range=-1.0, sampler_order=LLAMA_CPP_ORDER)
