@@ -9,6 +9,7 @@ OpenAI JSON or SSE chunks. Usage always carries
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import secrets
@@ -362,6 +363,15 @@ class OutputShape:
         return p.parse(text), p.calls
 
 
+def _best(results: list, n: int) -> list:
+    """best_of's choice: the n completions whose tokens have the highest mean logprob, best first (one without
+    tokens last)."""
+    def score(r) -> float:
+        lps = r[2]
+        return sum(lp.logprob for lp in lps) / len(lps) if lps else float("-inf")
+    return sorted(results, key=score, reverse=True)[:n]
+
+
 def finish_with_calls(finish: str | None, calls, legacy: bool = False) -> str | None:
     """OpenAI's finish reason: a choice that stopped after emitting tool calls ended for them ("function_call"
     where the request sent the deprecated ``functions``)."""
@@ -594,12 +604,15 @@ class OpenAIRoutes:
             return self._scored_only(req, rid, prompts, echo, prompt_lps, vllm_lps)
         grammar = await compile_grammar(self.state, req.response_format)
         await prepare_samplers(self.state, req.options)
+        # best_of > n: best_of completions a prompt, ranked by their tokens' mean logprob (kept for that even where
+        # the request asks for none)
+        k = req.best_of
+        made = req.options if k == n or opts.logprobs is not None else dataclasses.replace(req.options, logprobs=0)
         requests = []
         for pi, ids in enumerate(prompts):
-            for j in range(n):
+            for j in range(k):
                 requests.append(GenerateRequest(
-                    ids, (), sampling_params(self.state, req.options, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                             pi * n + j),
+                    ids, (), sampling_params(self.state, made, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, pi * k + j),
                     _stop_ids(self.state, req.options), grammar=grammar, cache_salt=req.extras.cache_salt,
                     priority=req.extras.priority))
         gen = self.state.start(requests, opts.stop, skip_special_tokens=opts.skip_special_tokens,
@@ -609,6 +622,8 @@ class OpenAIRoutes:
             return StreamingResponse(lambda w: self._stream_completion(gen, w, req, rid, echo, prompt_lps),
                                      headers=[("cache-control", "no-cache")])
         results = await gen.collect()
+        if k > n:
+            results = [r for pi in range(len(prompts)) for r in _best(results[pi * k:(pi + 1) * k], n)]
         choices = []
         for i, (text, ids, lps, finish) in enumerate(results):
             logprobs = None

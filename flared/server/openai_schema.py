@@ -141,6 +141,7 @@ class CompletionRequest:
     score_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, nothing generated
     suffix: str | None = None  # fill in the middle: the text after the completion (prompts are the text before)
     extras: ResponseExtras = dataclasses.field(default_factory=lambda: ResponseExtras())
+    best_of: int = 1  # completions made per prompt, of which the n likeliest (mean logprob per token) answer
 
 
 # -- field readers ---------------------------------------------------------------------------------
@@ -609,10 +610,12 @@ def parse_completion(body: Any) -> CompletionRequest:
     suffix = _string(body, "suffix")
     if suffix is not None and not all(isinstance(p, str) for p in prompts):
         raise _bad("suffix", "needs text prompts (the text before the completion), not token ids")
-    best_of = _integer(body, "best_of", 1, MAX_N)
     n = _integer(body, "n", 1, MAX_N) or 1
-    if best_of is not None and best_of != n:
-        raise _bad("best_of", "only best_of equal to n is supported", ErrorKind.UNSUPPORTED)
+    best_of = _integer(body, "best_of", 1, MAX_N) or n
+    if best_of < n:
+        raise _bad("best_of", f"must be at least n ({n}), got {best_of}")
+    if best_of > n and _boolean(body, "stream"):
+        raise _bad("best_of", "cannot be streamed: the best are known only at the end (as OpenAI's)")
     logprobs = _integer(body, "logprobs", 0, 5)
     stream = _boolean(body, "stream")
     echo = _boolean(body, "echo")
@@ -633,4 +636,5 @@ def parse_completion(body: Any) -> CompletionRequest:
         score_only=score_only,
         suffix=suffix,
         extras=_extras(body, stream),
+        best_of=best_of,
     )

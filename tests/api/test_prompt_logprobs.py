@@ -128,3 +128,25 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client, reference, daemon)
     plps = chat.model_extra["prompt_logprobs"]
     assert len(plps) == tok["count"] == chat.usage.prompt_tokens and plps[0] is None
     assert all(str(t) in e for t, e in zip(tok["tokens"][1:], plps[1:]))
+
+
+def test_best_of_answers_the_likeliest_of_its_completions(client):
+    """best_of > n: best_of completions a prompt (the seeds n = best_of would draw), of which the n with the
+    highest mean logprob per token answer, best first; usage counts every token made; it cannot be streamed."""
+    common = dict(model="tiny", prompt=[PROMPT, "Hello, world!"], max_tokens=6, temperature=1.5, seed=11)
+    every = client.completions.create(n=4, logprobs=0, **common)
+    best = client.completions.create(n=2, best_of=4, **common)
+    assert len(best.choices) == 4 and best.choices[0].logprobs is None  # 2 prompts x n 2; no logprobs asked
+
+    def mean(c):
+        lps = c.logprobs.token_logprobs
+        return sum(lps) / len(lps)
+    for p in range(2):
+        drawn = every.choices[4 * p:4 * p + 4]
+        expected = [c.text for c in sorted(drawn, key=mean, reverse=True)[:2]]
+        assert [c.text for c in best.choices[2 * p:2 * p + 2]] == expected
+        assert [c.index for c in best.choices[2 * p:2 * p + 2]] == [2 * p, 2 * p + 1]
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all 8 completions' tokens
+    assert len({c.text for c in every.choices[:4]}) > 1  # the draws differ, so the choice means something
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(n=2, best_of=4, stream=True, **common)

@@ -66,8 +66,11 @@ def test_completion_prompt_forms():
     for bad in (None, 3, [], [[]], [1, "a"], [True]):
         with pytest.raises(FlareError, match="'prompt'"):
             parse_completion({"model": "m", "prompt": bad})
-    with pytest.raises(FlareError, match="'best_of'"):
-        parse_completion({"model": "m", "prompt": "x", "best_of": 3})
+    assert parse_completion({"model": "m", "prompt": "x", "best_of": 3}).best_of == 3
+    assert parse_completion({"model": "m", "prompt": "x", "n": 2}).best_of == 2
+    for bad in ({"best_of": 1, "n": 2}, {"best_of": 3, "stream": True}, {"best_of": 17}):
+        with pytest.raises(FlareError, match="'best_of'"):
+            parse_completion({"model": "m", "prompt": "x", **bad})
     assert parse_completion({"model": "m", "prompt": "x", "suffix": "y"}).suffix == "y"  # fill in the middle
     with pytest.raises(FlareError, match="'suffix': needs text prompts"):
         parse_completion({"model": "m", "prompt": [1, 2], "suffix": "y"})
