@@ -298,7 +298,8 @@ class LlamaCppRoutes:
         shape = _Output(n_probs=n_probs, return_tokens=bool(_boolean(body, "return_tokens")),
                         fields=_response_fields(body.get("response_fields")),
                         n_indent=_integer(body, "n_indent", 0, 1 << 20) or 0,
-                        t_max_predict_ms=_integer(body, "t_max_predict_ms", 0, 1 << 31) or 0)
+                        t_max_predict_ms=_integer(body, "t_max_predict_ms", 0, 1 << 31) or 0,
+                        timings_per_token=bool(_boolean(body, "timings_per_token")))
         _integer(body, "t_max_prompt_ms", -1, 1 << 31)  # llama.cpp's is not enforced either (validated only)
         if n_predict == 0:  # llama.cpp: the prompt is evaluated, nothing is generated
             summaries = [shape.pick(self._summary(k, text, ids, "", [], "limit", "", 0, 0, t0, t0, each[k]))
@@ -367,11 +368,6 @@ class LlamaCppRoutes:
     def _summary(self, index: int, prompt_text: str, ids: list[int], content: str, lps: list[TokenLogprob],
                  stop_type: str, stopping_word: str, predicted: int, cached: int, t0_ns: int, first_ns: int,
                  opts: SamplingOptions) -> dict[str, Any]:
-        end = time.monotonic_ns()
-        first_ns = first_ns or end
-        prompt_ms = (first_ns - t0_ns) / 1e6
-        predicted_ms = (end - first_ns) / 1e6
-        evaluated = len(ids) - cached
         out = {
             "index": index, "content": content, "tokens": [], "id_slot": 0, "stop": True,
             "model": self.state.manifest.model_name, "tokens_predicted": predicted, "tokens_evaluated": len(ids),
@@ -382,13 +378,7 @@ class LlamaCppRoutes:
                 "dry_sequence_breakers": list(opts.dry_sequence_breakers)},
             "prompt": prompt_text, "has_new_line": "\n" in content, "truncated": False,
             "stop_type": stop_type, "stopping_word": stopping_word, "tokens_cached": cached,
-            "timings": {
-                "prompt_n": evaluated, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / evaluated if evaluated else 0.0,
-                "prompt_per_second": evaluated / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
-                "predicted_n": predicted, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
-                "predicted_per_second": predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0},
+            "timings": _timings(len(ids) - cached, predicted, t0_ns, first_ns),
         }
         if opts.logprobs:
             out["completion_probabilities"] = self._probs(lps)
@@ -416,6 +406,9 @@ class LlamaCppRoutes:
                         "tokens_evaluated": len(ids)}
                     if shape.n_probs:
                         chunk["completion_probabilities"] = self._probs(d.logprobs)
+                    if shape.timings_per_token:  # llama.cpp's: the speeds so far on every chunk
+                        chunk["timings"] = _timings(len(ids), gen.choice_usage(k).num_generated_tokens, t0_ns,
+                                                    first_ns[k])
                     await w.send_json_event(chunk)
                 finish = "length" if ended else d.finish_reason
                 if finish is not None:
@@ -433,6 +426,20 @@ class LlamaCppRoutes:
                 pass
 
 
+def _timings(evaluated: int, predicted: int, t0_ns: int, first_ns: int) -> dict[str, Any]:
+    """llama.cpp's ``timings`` until now: the prompt's (to the first token) and the generation's."""
+    end = time.monotonic_ns()
+    first_ns = first_ns or end
+    prompt_ms = (first_ns - t0_ns) / 1e6
+    predicted_ms = (end - first_ns) / 1e6
+    return {"prompt_n": evaluated, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / evaluated if evaluated else 0.0,
+            "prompt_per_second": evaluated / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
+            "predicted_per_second": predicted / predicted_ms * 1e3 if predicted_ms > 0 else 0.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Output:
     """What a /completion answer carries beyond the text, and llama.cpp's limits for code completion."""
@@ -442,6 +449,7 @@ class _Output:
     fields: tuple[str, ...] | None  # response_fields: only these (paths with "/"), named by their paths
     n_indent: int  # stop at a line indented less than this (0: off)
     t_max_predict_ms: int  # stop once past this long after the first token, if a newline came (0: off)
+    timings_per_token: bool = False  # streamed chunks carry the timings so far
 
     def pick(self, out: dict[str, Any]) -> dict[str, Any]:
         """llama.cpp's response_fields: each path that resolves, under its path as the key."""

@@ -142,6 +142,10 @@ def test_probabilities_stream_and_grammar(daemon):
     assert all(not c["stop"] for c in chunks[:-1]) and chunks[-1]["stop"] is True
     assert "".join(c["content"] for c in chunks) == " la" * 4 and chunks[-1]["stop_type"] == "limit"
     assert sum(len(c.get("completion_probabilities", [])) for c in chunks[:-1]) == 4
+    assert all("timings" not in c for c in chunks[:-1])
+    timed = _stream(daemon, {"prompt": SING, "n_predict": 4, "temperature": 0, "timings_per_token": True})
+    counts = [c["timings"]["predicted_n"] for c in timed[:-1]]  # llama.cpp's timings on every chunk
+    assert counts == sorted(counts) and counts[-1] == 4 and timed[-1]["timings"]["predicted_n"] == 4
     g = _post(daemon, {"prompt": SING, "n_predict": 20, "temperature": 0, "grammar": 'root ::= " la" " la" "!"'})
     assert g["content"] == " la la!" and g["stop_type"] == "eos"
     _, la = daemon.request("POST", "/tokenize", {"content": " la"})
