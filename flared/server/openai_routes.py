@@ -412,7 +412,8 @@ class OpenAIRoutes:
             continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
             template=template, **req.template_kwargs)
         # A forced call needs no tool format in the template: the grammar produces it (force_tool_call).
-        shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools, template=template)
+        shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools, template=template,
+                            field="functions" if req.legacy_functions else "tools")
         opts = req.options
         prompt = truncated(tuple(rendered.token_ids), opts, self.state.manifest.capacities.context_tokens)
         cut = len(rendered.token_ids) - len(prompt)

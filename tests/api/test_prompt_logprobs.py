@@ -1,5 +1,6 @@
 """echo with logprobs on /v1/completions, as lm-evaluation-harness scores continuations through the openai
-client: every prompt token's logprob after the first, equal to transformers' on the same weights."""
+client: every prompt token's logprob after the first, equal to transformers' on the same weights. Also what needs
+this random-weight model's diverse draws or its template without tools: best_of, and functions' 400."""
 
 from __future__ import annotations
 
@@ -150,3 +151,14 @@ def test_best_of_answers_the_likeliest_of_its_completions(client):
     assert len({c.text for c in every.choices[:4]}) > 1  # the draws differ, so the choice means something
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(n=2, best_of=4, stream=True, **common)
+
+
+def test_functions_on_a_template_without_tool_calls_name_the_field_sent(client):
+    """The tiny model's template has no tool-call format: the 400 names what the request sent."""
+    fn = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
+    with pytest.raises(openai.BadRequestError, match="'functions'"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], functions=fn,
+                                       max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="'tools'"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       tools=[{"type": "function", "function": fn[0]}])
