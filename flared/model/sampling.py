@@ -54,12 +54,15 @@ _XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coi
 # llama.cpp's sampler names (its ``samplers``) as SamplingParams.sampler_order takes them. "penalties" and "dry" are
 # listed for the record: they shape the logits before any filter wherever they stand (Sampler.sample).
 SAMPLER_STAGES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
-                  "infill")
+                  "infill", "adaptive_p")
 # llama.cpp's default chain: every filter at temperature 1, the temperature last
 LLAMA_CPP_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 # vLLM's order (the batched path's) under llama.cpp's names: the temperature first
 VLLM_ORDER = ("penalties", "dry", "temperature", "top_n_sigma", "min_p", "typ_p", "top_k", "top_p", "xtc")
 INFILL_THRESHOLD = 0.2  # llama.cpp's infill stage: text candidates less likely than this go (after merging)
+# llama.cpp's adaptive-p draw: each candidate's logit becomes PEAK - SHARPNESS * d^2 / (1 + d), d its probability's
+# distance from the adapted target in WIDTHs
+ADAPTIVE_P_WIDTH, ADAPTIVE_P_PEAK, ADAPTIVE_P_SHARPNESS = 0.3, 5.0, 10.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,12 @@ class SamplingParams:
     # the candidates it sees (a row with it runs the chain, in vLLM's order where it has none)
     dynatemp_range: float = 0.0
     dynatemp_exponent: float = 1.0
+    # llama.cpp's adaptive-p (``adaptive_p`` in sampler_order, wherever it stands: it is the draw, after every
+    # stage): with adaptive_target in [0, 1], the draw favours candidates whose probability is near a target that
+    # moves against the recent picks' (an average decaying by adaptive_decay a token); a negative target: a plain
+    # draw
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
     # llama.cpp's sampler chain (SAMPLER_STAGES names; its /completion's ``samplers``): the filters and the
     # temperature run in this order, each on what the ones before kept (LLAMA_CPP_ORDER: every filter at
     # temperature 1, the temperature scaling only what they kept). Empty (vLLM's and OpenAI's order): the
@@ -139,7 +148,8 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                      "typical_p", "top_n_sigma", "mirostat_tau", "mirostat_eta", "xtc_probability", "xtc_threshold",
-                     "dry_multiplier", "dry_base", "dynatemp_range", "dynatemp_exponent"):
+                     "dry_multiplier", "dry_base", "dynatemp_range", "dynatemp_exponent", "adaptive_target",
+                     "adaptive_decay"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number, got {value!r}")
@@ -158,6 +168,8 @@ class SamplingParams:
         unknown = [n for n in self.sampler_order if n not in SAMPLER_STAGES]
         if unknown:
             raise bad(f"unknown sampler {unknown[0]!r}; the samplers are {', '.join(SAMPLER_STAGES)}")
+        if not 0 <= self.adaptive_decay <= 1:
+            raise bad(f"adaptive_decay must be in [0, 1], got {self.adaptive_decay}")
         if "infill" in self.sampler_order and (self.token_pieces is None or self.infill_eot < 0):
             raise bad("the infill sampler needs the model's token texts and its end-of-text token")
         if not isinstance(self.penalty_last_n, int) or isinstance(self.penalty_last_n, bool) or self.penalty_last_n < 0:
@@ -243,6 +255,8 @@ class SequenceSamplingState:
     bad: list | None = None  # bad_words: (prefix on the device, last token) per sequence
     thinking_open: torch.Tensor | None = None  # thinking budget: no end token drawn yet (a device bool)
     mirostat_mu: torch.Tensor | None = None  # mirostat's running surprise bound (a device float, 2 tau at first)
+    # adaptive-p's decaying sums of the picked tokens' probabilities and of the weights (device floats)
+    adaptive_sums: torch.Tensor | None = None
     dry_breaker_ids: torch.Tensor | None = None
     # dry_restarts on the device: heads [S], tails [S, longest] (-1 past each tail's length), lengths [S]
     dry_restart_heads: torch.Tensor | None = None
@@ -308,6 +322,14 @@ def top_n_sigma_filter(logits: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     std = (torch.where(finite, (logits - mean) ** 2, 0.0).sum(dim=-1, keepdim=True) / count).sqrt()
     top = logits.max(dim=-1, keepdim=True).values
     return logits.masked_fill((logits < top - n * std) & (n > 0), float("-inf"))
+
+
+def adaptive_p_logits(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """adaptive-p's reshaped logits: ADAPTIVE_P_PEAK - ADAPTIVE_P_SHARPNESS d^2 / (1 + d) for each finite
+    candidate, d = |p - target| / ADAPTIVE_P_WIDTH (quadratic near the target, linear in the tails)."""
+    d = (probs - target).abs() / ADAPTIVE_P_WIDTH
+    return torch.where(torch.isfinite(logits), ADAPTIVE_P_PEAK - ADAPTIVE_P_SHARPNESS * d * d / (1 + d),
+                       torch.full_like(d, float("-inf")))
 
 
 def dynamic_temperature(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -480,6 +502,10 @@ class Sampler:
             state.thinking_open = torch.tensor(is_open, dtype=torch.bool, device=self.device)
         if params.mirostat:
             state.mirostat_mu = torch.tensor(2.0 * params.mirostat_tau, dtype=torch.float32, device=self.device)
+        if "adaptive_p" in params.sampler_order and params.adaptive_target >= 0:
+            decay = min(max(params.adaptive_decay, 0.0), 0.99)  # llama.cpp's clamp
+            state.adaptive_sums = torch.tensor([params.adaptive_target / (1 - decay), 1 / (1 - decay)],
+                                               dtype=torch.float32, device=self.device)
         windowed = params.uses_penalties and params.penalty_last_n > 0
         if params.uses_dry or params.bad_words or windowed:
             prompt = list(prompt_token_ids)
@@ -940,4 +966,22 @@ class Sampler:
                 logits = self._xtc(logits, [state])
             elif stage == "infill":
                 logits, ids = infill_filter(logits, ids, p)
+        if state.adaptive_sums is not None:  # adaptive-p is the draw
+            return self._adaptive_p(logits, state, ids, vocab)
         return self._race(logits, [state], ids, vocab)[0]
+
+    def _adaptive_p(self, logits: torch.Tensor, state: SequenceSamplingState, ids: torch.Tensor | None,
+                    vocab: int) -> torch.Tensor:
+        """llama.cpp's adaptive-p draw on one row's candidates, on the device: the target is 2 adaptive_target
+        minus the picks' decaying average probability (clamped to [0, 1]); each finite candidate's logit becomes
+        ADAPTIVE_P_PEAK - ADAPTIVE_P_SHARPNESS d^2 / (1 + d), d = |p - target| / ADAPTIVE_P_WIDTH; then the draw,
+        and the pick's probability before the change joins the average."""
+        p = state.params
+        decay = min(max(p.adaptive_decay, 0.0), 0.99)
+        sums = state.adaptive_sums
+        probs = torch.softmax(logits.float(), dim=-1)
+        target = (2 * min(max(p.adaptive_target, 0.0), 1.0) - sums[0] / sums[1]).clamp(0.0, 1.0)
+        token = self._race(adaptive_p_logits(logits, probs, target), [state], ids, vocab)[0]
+        picked = probs[0, token] if ids is None else probs[0][ids[0] == token].sum()
+        sums.mul_(decay).add_(torch.stack([picked, torch.ones_like(picked)]))
+        return token

@@ -54,13 +54,17 @@ _SETTINGS = (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_
              ("xtc_probability", "xtc_probability"), ("xtc_threshold", "xtc_threshold"),
              ("dry_multiplier", "dry_multiplier"), ("dry_base", "dry_base"), ("dry_allowed_length", "dry_allowed_length"),
              ("top_n_sigma", "top_n_sigma"), ("dynatemp_range", "dynatemp_range"),
-             ("dynatemp_exponent", "dynatemp_exponent"), ("seed", "seed"))
+             ("dynatemp_exponent", "dynatemp_exponent"), ("adaptive_target", "adaptive_target"),
+             ("adaptive_decay", "adaptive_decay"), ("seed", "seed"))
 
 
 # llama.cpp's one-letter names (its ``samplers`` as a string) and the other name it takes
 _SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
-                    "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
-_SAMPLER_ALIASES = {"typical_p": "typ_p"}
+                    "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
+# the other names llama.cpp takes: each name with "-" or nothing for its "_" ("top-k", "topk"), a few more, and
+# any of them in capitals
+_SAMPLER_ALIASES = {"typical_p": "typ_p", "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+                    **{n.replace("_", sep): n for n in SAMPLER_STAGES for sep in ("-", "") if "_" in n}}
 
 
 def _settings(x) -> dict[str, Any]:
@@ -84,7 +88,7 @@ def _sampler_order(body: dict) -> tuple[str, ...]:
                        + ", ".join(f"{c} ({n})" for c, n in _SAMPLER_LETTERS.items()))
         names = [_SAMPLER_LETTERS[c] for c in value]
     elif isinstance(value, list) and all(isinstance(n, str) for n in value):
-        names = [_SAMPLER_ALIASES.get(n, n) for n in value]
+        names = [_SAMPLER_ALIASES.get(n.lower(), n.lower()) for n in value]
         unknown = [n for n in names if n not in SAMPLER_STAGES]
         if unknown:
             raise _bad("samplers", f"unknown sampler {unknown[0]!r}; flared runs {', '.join(SAMPLER_STAGES)}")

@@ -111,6 +111,7 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         xtc_probability=opts.xtc_probability, xtc_threshold=opts.xtc_threshold,
         **_dry(state, opts, context),
         top_n_sigma=opts.top_n_sigma, dynatemp_range=opts.dynatemp_range, dynatemp_exponent=opts.dynatemp_exponent,
+        adaptive_target=opts.adaptive_target, adaptive_decay=opts.adaptive_decay,
         # a dynamic temperature runs in the chain: in vLLM's order where the request has no chain of its own
         sampler_order=opts.sampler_order or (VLLM_ORDER if opts.dynatemp_range > 0 else ()),
         **_infill(state, opts),

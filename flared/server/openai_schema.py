@@ -84,6 +84,8 @@ class SamplingOptions:
     top_n_sigma: float = SamplingParams.top_n_sigma
     dynatemp_range: float = SamplingParams.dynatemp_range
     dynatemp_exponent: float = SamplingParams.dynatemp_exponent
+    adaptive_target: float = SamplingParams.adaptive_target
+    adaptive_decay: float = SamplingParams.adaptive_decay
     sampler_order: tuple[str, ...] = ()  # llama.cpp's chain (SamplingParams says what it does); () = vLLM's order
 
     @property
@@ -337,14 +339,15 @@ MAX_DRY_BREAKERS = 16
 
 
 def llama_samplers(body: dict) -> dict[str, Any]:
-    """llama.cpp's mirostat, XTC, DRY, top-n-sigma and dynamic temperature fields (its /completion and
+    """llama.cpp's mirostat, XTC, DRY, top-n-sigma, dynamic temperature and adaptive-p fields (its /completion and
     OpenAI-compatible routes, Ollama's options) as SamplingOptions fields; absent fields keep llama.cpp's defaults
     (all off)."""
     out: dict[str, Any] = {}
     for field, lo, hi in (("mirostat_tau", 0.0, 100.0), ("mirostat_eta", 0.0, 10.0), ("xtc_probability", 0.0, 1.0),
                           ("xtc_threshold", 0.0, 1.0), ("dry_multiplier", 0.0, 1e4), ("dry_base", 0.0, 100.0),
                           ("top_n_sigma", -1.0, 100.0), ("dynatemp_range", 0.0, 100.0),
-                          ("dynatemp_exponent", 0.0, 100.0)):
+                          ("dynatemp_exponent", 0.0, 100.0), ("adaptive_target", -1.0, 1.0),
+                          ("adaptive_decay", 0.0, 1.0)):
         value = _number(body, field, lo, hi)
         if value is not None:
             out[field] = value

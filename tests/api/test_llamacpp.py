@@ -125,6 +125,13 @@ def test_the_request_sets_the_sampler_chain(daemon):
     letters = _post(daemon, {**body, "samplers": "edskt", "top_n_sigma": 1.5})["generation_settings"]
     assert letters["samplers"] == ["penalties", "dry", "top_n_sigma", "top_k", "temperature"]
     assert letters["repeat_penalty"] == 1.2 and letters["top_n_sigma"] == 1.5
+    # llama.cpp's other spellings: "top-k", "TopK", "temp", "nucleus"
+    spelled = _post(daemon, {**body, "samplers": ["Top-K", "topk", "nucleus", "temp"]})["generation_settings"]
+    assert spelled["samplers"] == ["top_k", "top_k", "top_p", "temperature"]
+    # adaptive-p: the draw, with its target and decay reported
+    adaptive = _post(daemon, {**body, "samplers": "ka", "adaptive_target": 0.3, "adaptive_decay": 0.8})
+    assert adaptive["generation_settings"]["samplers"] == ["top_k", "adaptive_p"]
+    assert adaptive["generation_settings"]["adaptive_target"] == 0.3 and adaptive["tokens_predicted"] == 3
     for bad, needle in (({"samplers": ["top_k", "mirror"]}, "unknown sampler 'mirror'"),
                         ({"samplers": "kq"}, "unknown sampler letter 'q'"), ({"samplers": 3}, "got an integer"),
                         ({"samplers": []}, "at least one")):

@@ -723,3 +723,39 @@ def test_dynamic_temperature_in_the_chain():
     assert not state.graph_samples
     with pytest.raises(AdmissionError):
         SamplingParams(dynatemp_range=-1.0, sampler_order=LLAMA_CPP_ORDER)
+
+
+def test_adaptive_p_draws_near_its_moving_target():
+    """llama.cpp's adaptive-p: with a target of 0.1 it avoids a token of probability 0.9 that a plain draw takes
+    nearly always; after each pick the decaying sums move by the pick's probability before the change, as
+    llama.cpp's accept does (weighted = p + decay * weighted, total = 1 + decay * total)."""
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, 0] = math.log(0.9)
+    logits[0, 1:11] = math.log(0.01)
+    chain = ("top_k", "adaptive_p")
+    plain = draw_many(SamplingParams(temperature=1.0, sampler_order=("top_k",)), logits, 64).tolist()
+    assert plain.count(0) > 48
+    params = SamplingParams(temperature=1.0, sampler_order=chain, adaptive_target=0.1, adaptive_decay=0.5, seed=4)
+    assert draw_many(params, logits, 64).tolist().count(0) < 4
+    sampler = Sampler(VOCAB)
+    state = sampler.add_sequence(params, [])
+    weighted, total = 0.1 / 0.5, 1 / 0.5
+    for _ in range(6):
+        token = int(sampler.sample(logits, [state]).token_ids[0])
+        p = 0.9 if token == 0 else 0.01
+        weighted, total = p + 0.5 * weighted, 1 + 0.5 * total
+        assert state.adaptive_sums.tolist() == pytest.approx([weighted, total], rel=1e-5)
+    # the reshaped logits, llama.cpp's formula written out
+    from flared.model.sampling import adaptive_p_logits
+
+    probs = torch.softmax(logits, dim=-1)
+    got = adaptive_p_logits(logits, probs, torch.tensor(0.25))[0]
+    for i in range(VOCAB):
+        if i > 10:
+            assert got[i].item() == float("-inf")
+        else:
+            dist = abs(probs[0, i].item() - 0.25) / 0.3
+            assert got[i].item() == pytest.approx(5.0 - 10.0 * dist * dist / (1.0 + dist), rel=1e-5)
+    # a negative target: a plain draw, no state
+    off = Sampler(VOCAB).add_sequence(SamplingParams(temperature=1.0, sampler_order=chain, adaptive_target=-1.0), [])
+    assert off.adaptive_sums is None
