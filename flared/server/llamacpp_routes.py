@@ -5,11 +5,11 @@ What llama.cpp's clients call outside its OpenAI-compatible API, translated onto
 /completion takes ``prompt`` (text, with the model's BOS where it takes one; or a token-id array, where strings may
 stand between the ids; or, as llama.cpp, several prompts: an array of strings, or an array whose items are strings
 or token arrays, at most 16, each completed on its own, answered as an array in prompt order when there is more than
-one, streamed with each chunk's ``index``), ``n_predict`` (-1, the default: until the context ends; 0: nothing
-generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``, ``repeat_penalty``,
-``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default 64, prompt included,
-as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``, ``false`` bans a token, or
-``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF) or ``json_schema``,
+one, streamed with each chunk's ``index``; ``n_cmpl`` completions a prompt), ``n_predict`` (-1, the default: until
+the context ends; 0: nothing generated), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``,
+``repeat_penalty``, ``presence_penalty`` and ``frequency_penalty`` (over the last ``repeat_last_n`` tokens, default
+64, prompt included, as llama.cpp), ``stop``, ``ignore_eos``, ``logit_bias`` (``[[id, bias], ...]``, ``false`` bans
+a token, or ``{"id": bias}``), ``n_probs`` (alternatives per token, 0-20), ``grammar`` (GBNF) or ``json_schema``,
 ``return_tokens`` and ``stream``; ``mirostat`` (1, 2) with ``mirostat_tau`` and ``mirostat_eta``,
 ``xtc_probability`` and ``xtc_threshold``, ``dry_multiplier``, ``dry_base``, ``dry_allowed_length``,
 ``dry_penalty_last_n`` and ``dry_sequence_breakers``, ``top_n_sigma`` (flared.model.sampling); for code completion
@@ -264,7 +264,8 @@ class LlamaCppRoutes:
         return await self._complete(request, body, [(ids, prefix + (typed or ""))], t0)
 
     async def _complete(self, request: Request, body: dict, prompts: list[tuple[list[int], str]], t0: int):
-        """Complete each prompt (one generation request each); one answer, or an array where there are several."""
+        """Complete each prompt ``n_cmpl`` times (one generation request each, prompt-major; the copies of a
+        prompt draw with seeds counting up from the request's); one answer, or an array where there are several."""
         context = self.state.manifest.capacities.context_tokens
         for k, (ids, _) in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
@@ -275,6 +276,8 @@ class LlamaCppRoutes:
                                      "no room to generate", ErrorKind.CONTEXT_LENGTH)
                 err.param = field
                 raise err
+        copies = _integer(body, "n_cmpl", 1, MAX_N) or _integer(body, "n", 1, MAX_N) or 1  # llama.cpp: "n" too
+        prompts = [p for p in prompts for _ in range(copies)]
         n_predict = _integer(body, "n_predict", -1, 1 << 31)
         n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS) or 0
         top_k = _integer(body, "top_k", -1, 1 << 31)
@@ -317,8 +320,8 @@ class LlamaCppRoutes:
             return StreamingResponse(only, headers=[("cache-control", "no-cache")])
         await prepare_samplers(self.state, opts)
         stop_ids = _stop_ids(self.state, opts)
-        reqs = [GenerateRequest(tuple(ids), (), sampling_params(self.state, each[k], len(ids), None, 0), stop_ids,
-                                grammar=grammar) for k, (ids, _) in enumerate(prompts)]
+        reqs = [GenerateRequest(tuple(ids), (), sampling_params(self.state, each[k], len(ids), None, k % copies),
+                                stop_ids, grammar=grammar) for k, (ids, _) in enumerate(prompts)]
         gen = self.state.start(reqs, opts.stop)
         request.disconnected.add_callback(gen.cancel)
         if stream:

@@ -162,3 +162,17 @@ def test_functions_on_a_template_without_tool_calls_name_the_field_sent(client):
     with pytest.raises(openai.BadRequestError, match="'tools'"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        tools=[{"type": "function", "function": fn[0]}])
+
+
+def test_llama_cpp_n_cmpl(daemon):
+    """/completion's n_cmpl (llama.cpp's; "n" too): each prompt completed that many times, prompt-major, the copies
+    drawing with seeds counting up from the request's."""
+    body = {"prompt": [PROMPT, "Hello, world!"], "n_predict": 5, "temperature": 1.5, "seed": 5, "n_cmpl": 2}
+    status, out = daemon.request("POST", "/completion", body)
+    assert status == 200 and [r["index"] for r in out] == [0, 1, 2, 3]
+    for k, (prompt, seed) in enumerate([(PROMPT, 5), (PROMPT, 6), ("Hello, world!", 5), ("Hello, world!", 6)]):
+        _, one = daemon.request("POST", "/completion", {**body, "prompt": prompt, "seed": seed, "n_cmpl": 1})
+        assert out[k]["content"] == one["content"] and out[k]["prompt"] == prompt
+    assert out[0]["content"] != out[1]["content"]  # the copies draw differently
+    _, by_n = daemon.request("POST", "/completion", {**body, "prompt": PROMPT, "n_cmpl": None, "n": 2})
+    assert [r["content"] for r in by_n] == [out[0]["content"], out[1]["content"]]
