@@ -308,6 +308,9 @@ class LlamaCppRoutes:
                         t_max_predict_ms=_integer(body, "t_max_predict_ms", 0, 1 << 31) or 0,
                         timings_per_token=bool(_boolean(body, "timings_per_token")))
         _integer(body, "t_max_prompt_ms", -1, 1 << 31)  # llama.cpp's is not enforced either (validated only)
+        if _boolean(body, "post_sampling_probs"):  # answering the raw logprobs' shape instead would mislead
+            raise _bad("post_sampling_probs", "is not supported: completion_probabilities are the model's "
+                       "log-probabilities before sampling", ErrorKind.UNSUPPORTED)
         if n_predict == 0:  # llama.cpp: the prompt is evaluated, nothing is generated
             summaries = [shape.pick(self._summary(k, text, ids, "", [], "limit", "", 0, 0, t0, t0, each[k]))
                          for k, (ids, text) in enumerate(prompts)]

@@ -177,6 +177,7 @@ def test_props(daemon):
     ({"prompt": "x", "n_probs": 50}, "'n_probs'"),
     ({"prompt": "x", "grammar": "root ::= ("}, "invalid grammar"),
     ({"prompt": "x " * 2000}, "this model's context holds 1024"),
+    ({"prompt": "x", "n_probs": 2, "post_sampling_probs": True}, "'post_sampling_probs': is not supported"),
 ])
 def test_errors(daemon, body, needle):
     assert needle in _post(daemon, body, 400)["error"]["message"]
