@@ -130,6 +130,9 @@ class SamplingParams:
     # draw
     adaptive_target: float = -1.0
     adaptive_decay: float = 0.9
+    # llama.cpp's post_sampling_probs: the logprobs (when asked) describe the distribution the draw was made from,
+    # after every stage of the chain, not the model's (a greedy row's: its token, certain)
+    post_sampling_probs: bool = False
     # llama.cpp's sampler chain (SAMPLER_STAGES names; its /completion's ``samplers``): the filters and the
     # temperature run in this order, each on what the ones before kept (LLAMA_CPP_ORDER: every filter at
     # temperature 1, the temperature scaling only what they kept). Empty (vLLM's and OpenAI's order): the
@@ -168,6 +171,8 @@ class SamplingParams:
         unknown = [n for n in self.sampler_order if n not in SAMPLER_STAGES]
         if unknown:
             raise bad(f"unknown sampler {unknown[0]!r}; the samplers are {', '.join(SAMPLER_STAGES)}")
+        if self.post_sampling_probs and (not self.sampler_order or self.mirostat):
+            raise bad("post_sampling_probs needs a sampler chain (sampler_order) and no mirostat")
         if not 0 <= self.adaptive_decay <= 1:
             raise bad(f"adaptive_decay must be in [0, 1], got {self.adaptive_decay}")
         if "infill" in self.sampler_order and (self.token_pieces is None or self.infill_eot < 0):
@@ -257,6 +262,8 @@ class SequenceSamplingState:
     mirostat_mu: torch.Tensor | None = None  # mirostat's running surprise bound (a device float, 2 tau at first)
     # adaptive-p's decaying sums of the picked tokens' probabilities and of the weights (device floats)
     adaptive_sums: torch.Tensor | None = None
+    # post_sampling_probs: the last draw's candidates and their log-probabilities (device tensors [C])
+    drawn_from: tuple[torch.Tensor, torch.Tensor] | None = None
     dry_breaker_ids: torch.Tensor | None = None
     # dry_restarts on the device: heads [S], tails [S, longest] (-1 past each tail's length), lengths [S]
     dry_restart_heads: torch.Tensor | None = None
@@ -545,6 +552,28 @@ class Sampler:
                 self.prompt_mask[slot].index_fill_(0, ids, True)
         return state
 
+    @staticmethod
+    def _post_sampling_logprobs(out: SampleOutput, i: int, state: SequenceSamplingState, token: torch.Tensor,
+                                max_logprobs: int) -> None:
+        """Row i's logprobs from the distribution its draw was made from (post_sampling_probs): the chosen token's,
+        and the likeliest candidates' (ids -1 and -inf past the candidates). A greedy row's token is certain."""
+        if state.params.greedy or state.drawn_from is None:
+            ids, lps = token[None], torch.zeros(1, dtype=torch.float32, device=token.device)
+        else:
+            ids, lps = state.drawn_from
+        state.drawn_from = None
+        picked = lps[ids == token]
+        chosen = picked[0] if picked.numel() else torch.tensor(float("-inf"), device=lps.device)
+        out.chosen_logprobs[i] = chosen
+        out.chosen_ranks[i] = (lps > chosen).sum() + 1
+        if max_logprobs > 0:
+            k = min(max_logprobs, lps.numel())
+            top_v, top_at = lps.float().topk(k)
+            out.top_logprobs[i] = float("-inf")
+            out.top_token_ids[i] = -1
+            out.top_logprobs[i, :k] = top_v
+            out.top_token_ids[i, :k] = ids[top_at]
+
     def release(self, state: SequenceSamplingState) -> None:
         if state.penalty_slot is not None:
             self._free_slots.append(state.penalty_slot)
@@ -584,6 +613,9 @@ class Sampler:
             out.chosen_ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
             if max_logprobs > 0:
                 out.top_logprobs, out.top_token_ids = raw_logprobs.topk(max_logprobs, dim=-1)
+            for i, s in enumerate(states):
+                if s.params.post_sampling_probs and s.params.logprobs is not None:
+                    self._post_sampling_logprobs(out, i, s, token_ids[i], max_logprobs)
 
         for i, s in enumerate(states):  # a thinking budget: ended yet?
             if s.thinking_open is not None:
@@ -968,7 +1000,17 @@ class Sampler:
                 logits, ids = infill_filter(logits, ids, p)
         if state.adaptive_sums is not None:  # adaptive-p is the draw
             return self._adaptive_p(logits, state, ids, vocab)
+        self._keep_drawn_from(state, logits, ids)
         return self._race(logits, [state], ids, vocab)[0]
+
+    @staticmethod
+    def _keep_drawn_from(state: SequenceSamplingState, logits: torch.Tensor, ids: torch.Tensor | None) -> None:
+        """post_sampling_probs: the candidates the draw is made from, with their log-probabilities."""
+        if state.params.post_sampling_probs:
+            row = logits[0].float()
+            cand = ids[0] if ids is not None else torch.arange(row.numel(), device=row.device)
+            keep = torch.isfinite(row)
+            state.drawn_from = (cand[keep], torch.log_softmax(row[keep], dim=0))
 
     def _adaptive_p(self, logits: torch.Tensor, state: SequenceSamplingState, ids: torch.Tensor | None,
                     vocab: int) -> torch.Tensor:
@@ -981,7 +1023,9 @@ class Sampler:
         sums = state.adaptive_sums
         probs = torch.softmax(logits.float(), dim=-1)
         target = (2 * min(max(p.adaptive_target, 0.0), 1.0) - sums[0] / sums[1]).clamp(0.0, 1.0)
-        token = self._race(adaptive_p_logits(logits, probs, target), [state], ids, vocab)[0]
+        shaped = adaptive_p_logits(logits, probs, target)
+        self._keep_drawn_from(state, shaped, ids)
+        token = self._race(shaped, [state], ids, vocab)[0]
         picked = probs[0, token] if ids is None else probs[0][ids[0] == token].sum()
         sums.mul_(decay).add_(torch.stack([picked, torch.ones_like(picked)]))
         return token

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from typing import Any
 
@@ -293,7 +294,8 @@ class LlamaCppRoutes:
             top_k=None if top_k is None else max(top_k, 0), min_p=_number(body, "min_p", 0.0, 1.0),
             seed=_seed(body), logit_bias=_logit_bias(body.get("logit_bias")),
             logprobs=n_probs if n_probs else None, stop=_stops(body.get("stop")), stop_token_ids=(),
-            ignore_eos=_boolean(body, "ignore_eos"), n=1, sampler_order=order, **penalties, **samplers)
+            ignore_eos=_boolean(body, "ignore_eos"), n=1, sampler_order=order, **penalties, **samplers,
+            post_sampling_probs=bool(_boolean(body, "post_sampling_probs")))
         _check_vocab(self.state, opts)
         if opts.top_p == 0.0:
             raise _bad("top_p", "must be > 0")
@@ -306,11 +308,9 @@ class LlamaCppRoutes:
                         fields=_response_fields(body.get("response_fields")),
                         n_indent=_integer(body, "n_indent", 0, 1 << 20) or 0,
                         t_max_predict_ms=_integer(body, "t_max_predict_ms", 0, 1 << 31) or 0,
-                        timings_per_token=bool(_boolean(body, "timings_per_token")))
+                        timings_per_token=bool(_boolean(body, "timings_per_token")),
+                        post_sampling_probs=opts.post_sampling_probs)
         _integer(body, "t_max_prompt_ms", -1, 1 << 31)  # llama.cpp's is not enforced either (validated only)
-        if _boolean(body, "post_sampling_probs"):  # answering the raw logprobs' shape instead would mislead
-            raise _bad("post_sampling_probs", "is not supported: completion_probabilities are the model's "
-                       "log-probabilities before sampling", ErrorKind.UNSUPPORTED)
         if n_predict == 0:  # llama.cpp: the prompt is evaluated, nothing is generated
             summaries = [shape.pick(self._summary(k, text, ids, "", [], "limit", "", 0, 0, t0, t0, each[k]))
                          for k, (ids, text) in enumerate(prompts)]
@@ -367,13 +367,24 @@ class LlamaCppRoutes:
         word = gen.matched_stop(index)
         return ("word", word) if word else ("eos", "")
 
-    def _probs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def _probs(self, lps: list[TokenLogprob], post: bool = False) -> list[dict[str, Any]]:
+        """completion_probabilities: each token's logprob and its alternatives' (``top_logprobs``); with
+        post_sampling_probs, probabilities of the distribution the draw was made from (``prob``, ``top_probs``:
+        its candidates only)."""
         fe = self.state.frontend
 
         def entry(tid: int, lp: float) -> dict[str, Any]:
             tok = fe.decode([tid])
-            return {"id": tid, "token": tok, "bytes": list(tok.encode("utf-8")), "logprob": lp}
-        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+            out = {"id": tid, "token": tok, "bytes": list(tok.encode("utf-8"))}
+            if post:
+                out["prob"] = math.exp(lp)
+            else:
+                out["logprob"] = lp
+            return out
+        top = "top_probs" if post else "top_logprobs"
+        return [{**entry(lp.token_id, lp.logprob),
+                 top: [entry(t, v) for t, v in lp.top if not post or (t >= 0 and v != float("-inf"))]}
+                for lp in lps]
 
     def _summary(self, index: int, prompt_text: str, ids: list[int], content: str, lps: list[TokenLogprob],
                  stop_type: str, stopping_word: str, predicted: int, cached: int, t0_ns: int, first_ns: int,
@@ -391,7 +402,7 @@ class LlamaCppRoutes:
             "timings": _timings(len(ids) - cached, predicted, t0_ns, first_ns),
         }
         if opts.logprobs:
-            out["completion_probabilities"] = self._probs(lps)
+            out["completion_probabilities"] = self._probs(lps, opts.post_sampling_probs)
         return out
 
     async def _stream(self, gen: Generation, w: ResponseWriter, prompts: list[tuple[list[int], str]], t0_ns: int,
@@ -415,7 +426,7 @@ class LlamaCppRoutes:
                         "stop": False, "id_slot": -1, "tokens_predicted": gen.choice_usage(k).num_generated_tokens,
                         "tokens_evaluated": len(ids)}
                     if shape.n_probs:
-                        chunk["completion_probabilities"] = self._probs(d.logprobs)
+                        chunk["completion_probabilities"] = self._probs(d.logprobs, shape.post_sampling_probs)
                     if shape.timings_per_token:  # llama.cpp's: the speeds so far on every chunk
                         chunk["timings"] = _timings(len(ids), gen.choice_usage(k).num_generated_tokens, t0_ns,
                                                     first_ns[k])
@@ -460,6 +471,7 @@ class _Output:
     n_indent: int  # stop at a line indented less than this (0: off)
     t_max_predict_ms: int  # stop once past this long after the first token, if a newline came (0: off)
     timings_per_token: bool = False  # streamed chunks carry the timings so far
+    post_sampling_probs: bool = False  # completion_probabilities as probabilities after the chain
 
     def pick(self, out: dict[str, Any]) -> dict[str, Any]:
         """llama.cpp's response_fields: each path that resolves, under its path as the key."""

@@ -112,6 +112,7 @@ def sampling_params(state, opts: SamplingOptions, num_prompt_tokens: int, defaul
         **_dry(state, opts, context),
         top_n_sigma=opts.top_n_sigma, dynatemp_range=opts.dynatemp_range, dynatemp_exponent=opts.dynatemp_exponent,
         adaptive_target=opts.adaptive_target, adaptive_decay=opts.adaptive_decay,
+        post_sampling_probs=opts.post_sampling_probs,
         # a dynamic temperature runs in the chain: in vLLM's order where the request has no chain of its own
         sampler_order=opts.sampler_order or (VLLM_ORDER if opts.dynatemp_range > 0 else ()),
         **_infill(state, opts),

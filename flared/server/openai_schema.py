@@ -86,6 +86,7 @@ class SamplingOptions:
     dynatemp_exponent: float = SamplingParams.dynatemp_exponent
     adaptive_target: float = SamplingParams.adaptive_target
     adaptive_decay: float = SamplingParams.adaptive_decay
+    post_sampling_probs: bool = False  # llama.cpp's: logprobs of the distribution drawn from (its /completion)
     sampler_order: tuple[str, ...] = ()  # llama.cpp's chain (SamplingParams says what it does); () = vLLM's order
 
     @property

@@ -162,6 +162,24 @@ def test_probabilities_stream_and_grammar(daemon):
     assert _post(daemon, {"prompt": SING, "n_predict": 0})["content"] == ""
 
 
+def test_post_sampling_probs(daemon):
+    """llama.cpp's post_sampling_probs: each token's probability in the distribution its draw was made from (here
+    top-k 2 at temperature 1: two candidates whose probabilities sum to 1), as ``prob`` and ``top_probs``; a greedy
+    row's token is certain."""
+    r = _post(daemon, {"prompt": "Sing:", "n_predict": 3, "temperature": 1.0, "top_k": 2, "seed": 2, "n_probs": 5,
+                       "post_sampling_probs": True})
+    for p in r["completion_probabilities"]:
+        assert "logprob" not in p and 0 < p["prob"] <= 1 and len(p["top_probs"]) == 2
+        assert sum(t["prob"] for t in p["top_probs"]) == pytest.approx(1.0, abs=1e-5)
+        assert p["prob"] in [t["prob"] for t in p["top_probs"]]
+    g = _post(daemon, {"prompt": SING, "n_predict": 2, "temperature": 0, "n_probs": 2, "post_sampling_probs": True})
+    assert all(p["prob"] == 1.0 and p["top_probs"] == [{k: p[k] for k in ("id", "token", "bytes", "prob")}]
+               for p in g["completion_probabilities"])
+    chunks = _stream(daemon, {"prompt": SING, "n_predict": 2, "temperature": 0, "n_probs": 1,
+                              "post_sampling_probs": True})
+    assert all(p["prob"] == 1.0 for c in chunks[:-1] for p in c.get("completion_probabilities", []))
+
+
 def test_props(daemon):
     status, p = daemon.request("GET", "/props")
     assert status == 200 and p["default_generation_settings"]["n_ctx"] == 1024 and p["total_slots"] >= 1
@@ -177,7 +195,6 @@ def test_props(daemon):
     ({"prompt": "x", "n_probs": 50}, "'n_probs'"),
     ({"prompt": "x", "grammar": "root ::= ("}, "invalid grammar"),
     ({"prompt": "x " * 2000}, "this model's context holds 1024"),
-    ({"prompt": "x", "n_probs": 2, "post_sampling_probs": True}, "'post_sampling_probs': is not supported"),
 ])
 def test_errors(daemon, body, needle):
     assert needle in _post(daemon, body, 400)["error"]["message"]

@@ -759,3 +759,29 @@ def test_adaptive_p_draws_near_its_moving_target():
     # a negative target: a plain draw, no state
     off = Sampler(VOCAB).add_sequence(SamplingParams(temperature=1.0, sampler_order=chain, adaptive_target=-1.0), [])
     assert off.adaptive_sums is None
+
+
+def test_post_sampling_logprobs_describe_the_distribution_drawn_from():
+    """post_sampling_probs: a chain row's logprobs are those of the candidates its draw was made from (top-k 3 at
+    temperature 0.5 here), padded with id -1 past them; a greedy row's token is certain; other rows keep the
+    model's."""
+    logits = logits_rows(1, seed=3)
+    sampler = Sampler(VOCAB, max_penalty_slots=3)
+    chain = SamplingParams(temperature=0.5, top_k=3, logprobs=5, seed=1, sampler_order=LLAMA_CPP_ORDER,
+                           post_sampling_probs=True)
+    greedy = SamplingParams(temperature=0.0, logprobs=2, sampler_order=LLAMA_CPP_ORDER, post_sampling_probs=True)
+    plain = SamplingParams(temperature=0.5, top_k=3, logprobs=2, seed=1, sampler_order=LLAMA_CPP_ORDER)
+    states = [sampler.add_sequence(p, []) for p in (chain, greedy, plain)]
+    out = sampler.sample(logits.expand(3, VOCAB).contiguous(), states)
+    vals, ids = logits[0].topk(3)
+    expected = torch.log_softmax(vals / 0.5, dim=0)
+    token = int(out.token_ids[0])
+    assert token in ids.tolist()
+    assert out.chosen_logprobs[0].item() == pytest.approx(expected[ids.tolist().index(token)].item(), abs=1e-5)
+    assert out.top_token_ids[0].tolist() == ids.tolist() + [-1, -1]
+    assert torch.allclose(out.top_logprobs[0, :3], expected, atol=1e-5)
+    assert out.chosen_logprobs[1].item() == 0.0 and out.top_token_ids[1, 0].item() == int(out.token_ids[1])
+    raw = torch.log_softmax(logits[0], dim=0)
+    assert out.chosen_logprobs[2].item() == pytest.approx(raw[int(out.token_ids[2])].item(), abs=1e-6)
+    with pytest.raises(AdmissionError):
+        SamplingParams(post_sampling_probs=True)  # no chain
