@@ -19,6 +19,9 @@ FAMILIES = (
     ("<PRE>", "<SUF>", "<MID>"),
 )
 FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>")  # repository context: a file's name and text after one
+# Tokens that end a fill where the model has them (llama.cpp's end-of-generation for FIM models: its pad, repository
+# and file separator tokens; CodeLlama's end of infill): a model that writes one has left the hole.
+FIM_ENDS = ("<|fim_pad|>", "<fim_pad>", "<|repo_name|>", "<reponame>", *FILE_SEPARATORS, "<EOT>", "▁<EOT>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,7 @@ class FimTokens:
     suffix: int
     middle: int
     file_sep: int | None  # marks each extra file of context (llama.cpp's input_extra), where the model has one
+    ends: frozenset[int] = frozenset()  # FIM_ENDS the model has: a fill stops at them
 
 
 def fim_tokens(tokenizer) -> FimTokens | None:
@@ -36,7 +40,8 @@ def fim_tokens(tokenizer) -> FimTokens | None:
         if all(i is not None for i in ids):
             sep = next((tokenizer.token_to_id(n) for n in FILE_SEPARATORS if tokenizer.token_to_id(n) is not None),
                        None)
-            return FimTokens(*ids, file_sep=sep)
+            ends = frozenset(t for t in (tokenizer.token_to_id(n) for n in FIM_ENDS) if t is not None)
+            return FimTokens(*ids, file_sep=sep, ends=ends)
     return None
 
 

@@ -262,9 +262,10 @@ class LlamaCppRoutes:
         typed = _string(body, "prompt")
         if typed:
             ids += await self.state.encode(typed, add_special_tokens=False)
-        return await self._complete(request, body, [(ids, prefix + (typed or ""))], t0)
+        return await self._complete(request, body, [(ids, prefix + (typed or ""))], t0, fim=True)
 
-    async def _complete(self, request: Request, body: dict, prompts: list[tuple[list[int], str]], t0: int):
+    async def _complete(self, request: Request, body: dict, prompts: list[tuple[list[int], str]], t0: int,
+                        fim: bool = False):
         """Complete each prompt ``n_cmpl`` times (one generation request each, prompt-major; the copies of a
         prompt draw with seeds counting up from the request's); one answer, or an array where there are several."""
         context = self.state.manifest.capacities.context_tokens
@@ -322,7 +323,7 @@ class LlamaCppRoutes:
                     await w.send_json_event(summary)
             return StreamingResponse(only, headers=[("cache-control", "no-cache")])
         await prepare_samplers(self.state, opts)
-        stop_ids = _stop_ids(self.state, opts)
+        stop_ids = _stop_ids(self.state, opts, fim=fim)  # a fill also stops at the model's FIM end tokens
         reqs = [GenerateRequest(tuple(ids), (), sampling_params(self.state, each[k], len(ids), None, k % copies),
                                 stop_ids, grammar=grammar) for k, (ids, _) in enumerate(prompts)]
         gen = self.state.start(reqs, opts.stop)

@@ -279,14 +279,15 @@ class OllamaRoutes:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools):
+    async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools,
+                     fim: bool = False):
         options = _options(self.state, body, len(prompt))
         grammar = await compile_grammar(self.state, parse_ollama_format(body.get("format")))
         await prepare_samplers(self.state, options)
         shape = OutputShape(self.state, rendered_text, tools)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
+                              stop_token_ids=_stop_ids(self.state, options, fim=fim), grammar=grammar)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         return gen, shape, options.logprobs is not None
 
@@ -334,7 +335,7 @@ class OllamaRoutes:
         if context:  # the earlier exchange's tokens, then this prompt (where the context ends is a boundary)
             endpoints = (len(context), *(len(context) + e for e in endpoints))
             ids = context + list(ids)
-        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None)
+        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None, fim=bool(suffix))
         return await self._respond(request, gen, shape, body, model, t0, chat=False, logprobs=lps)
 
     async def _respond(self, request: Request, gen: Generation, shape: OutputShape, body: dict, model: str,

@@ -127,7 +127,7 @@ def _infill(state, opts: SamplingOptions) -> dict[str, Any]:
     eos = tuple(state.manifest.tokens.eos_token_ids)
     if not eos:
         raise _bad("samplers", "the infill sampler needs an end-of-text token, and this model has none")
-    return {"infill_eog": frozenset(eos) | _stop_ids(state, opts), "infill_eot": eos[0],
+    return {"infill_eog": frozenset(eos) | _stop_ids(state, opts, fim=True), "infill_eot": eos[0],
             "token_pieces": token_pieces(state.frontend, state.vocab_size)}
 
 
@@ -243,10 +243,14 @@ def bad_word_sequences(fe, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...
     return tuple(seq for seq in dict.fromkeys(out) if seq)
 
 
-def _stop_ids(state, opts: SamplingOptions) -> frozenset[int]:
+def _stop_ids(state, opts: SamplingOptions, fim: bool = False) -> frozenset[int]:
+    """The request's stop tokens: its own, the model's end tokens (unless ignore_eos) and, for a fill in the middle
+    (``fim``), the tokens that end a fill (FimTokens.ends)."""
     ids = set(opts.stop_token_ids)
     if not opts.ignore_eos:
         ids.update(state.manifest.tokens.eos_token_ids)
+        if fim and state.fim is not None:
+            ids.update(state.fim.ends)
     return frozenset(ids)
 
 
@@ -616,7 +620,8 @@ class OpenAIRoutes:
             for j in range(k):
                 requests.append(GenerateRequest(
                     ids, (), sampling_params(self.state, made, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, pi * k + j),
-                    _stop_ids(self.state, req.options), grammar=grammar, cache_salt=req.extras.cache_salt,
+                    _stop_ids(self.state, req.options, fim=req.suffix is not None), grammar=grammar,
+                    cache_salt=req.extras.cache_salt,
                     priority=req.extras.priority))
         gen = self.state.start(requests, opts.stop, skip_special_tokens=opts.skip_special_tokens,
                                include_stop_str=opts.include_stop_str_in_output)

@@ -57,7 +57,9 @@ def test_fim_tokens_and_prompt_layout():
         t.add_special_tokens(names)
         return t
     qwen = fim_tokens(tokenizer(FIM_TOKENS))
-    assert (qwen.prefix, qwen.suffix, qwen.middle, qwen.file_sep) == (1, 2, 3, 4)
+    assert (qwen.prefix, qwen.suffix, qwen.middle, qwen.file_sep) == (1, 2, 3, 4) and qwen.ends == {4}
+    full = fim_tokens(tokenizer([*FIM_TOKENS, "<|fim_pad|>", "<|repo_name|>"]))
+    assert full.ends == {4, 5, 6}  # llama.cpp's end-of-generation tokens for FIM models
     star = fim_tokens(tokenizer(["<fim_prefix>", "<fim_middle>", "<fim_suffix>"]))
     assert (star.prefix, star.suffix, star.middle, star.file_sep) == (1, 3, 2, None)
     assert fim_tokens(tokenizer(["<fim_prefix>", "<fim_suffix>"])) is None  # no middle: not a FIM model
@@ -71,15 +73,17 @@ def test_each_route_runs_the_fim_prompt(fim_daemon):
     as_text = "<|fim_prefix|>" + PREFIX + "<|fim_suffix|>" + SUFFIX + "<|fim_middle|>"
     ref = client.completions.create(model="tiny", prompt=as_text, max_tokens=12, temperature=0)
     fim = client.completions.create(model="tiny", prompt=PREFIX, suffix=SUFFIX, max_tokens=12, temperature=0)
-    assert fim.usage.prompt_tokens == ref.usage.prompt_tokens and fim.choices[0].text == ref.choices[0].text
-    assert ref.choices[0].text  # the random model writes something
+    # the same tokens as the prompt sent as text; the fill stops where this random model writes <|file_sep|>, a
+    # token that ends a fill (test_a_fill_stops_at_the_model_s_fim_end_tokens), which the plain prompt runs past
+    assert fim.usage.prompt_tokens == ref.usage.prompt_tokens and ref.choices[0].text.startswith(fim.choices[0].text)
+    assert fim.choices[0].text and fim.choices[0].finish_reason == "stop"  # the random model writes something
     oc = ollama.Client(host=fim_daemon.base)
     assert oc.show("tiny").capabilities == ["completion", "insert"]  # what editors check before sending a suffix
     o = oc.generate(model="tiny", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": 12})
-    assert o.response == ref.choices[0].text and o.prompt_eval_count == ref.usage.prompt_tokens
+    assert o.response == fim.choices[0].text and o.prompt_eval_count == ref.usage.prompt_tokens
     status, inf = fim_daemon.request("POST", "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX,
                                                          "n_predict": 12, "temperature": 0})
-    assert status == 200 and inf["content"] == ref.choices[0].text
+    assert status == 200 and inf["content"] == fim.choices[0].text
     assert inf["tokens_evaluated"] == ref.usage.prompt_tokens
     status, extra = fim_daemon.request("POST", "/infill", {
         "input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4, "temperature": 0,
@@ -116,3 +120,22 @@ def test_llama_vim_s_request(fim_daemon):
     assert status == 200 and letters["generation_settings"]["samplers"] == ["top_k", "top_p", "infill"]
     status, err = fim_daemon.request("POST", "/infill", {**body, "response_fields": "content"})
     assert status == 400 and "'response_fields'" in err["error"]["message"]
+
+
+def test_a_fill_stops_at_the_model_s_fim_end_tokens(fim_daemon):
+    """The file separator (and the pad and repository tokens, where a model has them) end a fill, as llama.cpp
+    counts them end-of-generation for FIM models: forced by logit_bias, /infill and a completion with a suffix stop
+    at once; the same prompt as plain /completion tokens runs on."""
+    sep = 4  # <|file_sep|> in this tokenizer
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 6, "temperature": 0, "return_tokens": True,
+            "logit_bias": [[sep, 100.0]]}
+    status, fill = fim_daemon.request("POST", "/infill", body)
+    assert status == 200 and fill["tokens_predicted"] == 1 and fill["stop_type"] == "eos", fill
+    _, as_tokens = fim_daemon.request("POST", "/tokenize", {"content": "<|fim_prefix|>" + PREFIX + "<|fim_suffix|>"
+                                                            + SUFFIX + "<|fim_middle|>", "add_special": False})
+    status, plain = fim_daemon.request("POST", "/completion", {**body, "prompt": as_tokens["tokens"]})
+    assert status == 200 and plain["tokens_predicted"] == 6 and plain["tokens"] == [sep] * 6
+    status, oai = fim_daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": PREFIX, "suffix": SUFFIX,
+                                                                 "max_tokens": 6, "temperature": 0,
+                                                                 "logit_bias": {str(sep): 100}})
+    assert status == 200 and oai["usage"]["completion_tokens"] == 1 and oai["choices"][0]["finish_reason"] == "stop"
