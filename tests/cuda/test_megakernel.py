@@ -343,6 +343,25 @@ def test_executor_runs_the_megakernel_graphs_while_contexts_are_short(monkeypatc
         ex.close()
 
 
+def _same_bits_as(kind, context, *, reference: dict, build: dict) -> None:
+    """A one-row resident build with the ``build`` overrides gives the logits and K/V of one with ``reference``'s,
+    bit for bit, launch after launch."""
+    from flared.model.kernels import megakernel
+
+    model, dec = _decoder(kind, 1, [context])
+    kernels = [megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides=o)
+               for o in (reference, build)]
+    for kernel in kernels:
+        kernel.compile(PAGE)
+    assert kernels[0].resident_keys
+    dec.mega[(1, dec.mega_head)] = kernels[0]
+    ref, rk, rv = _step(dec, 1, mega=True)
+    dec.mega[(1, dec.mega_head)] = kernels[1]
+    for _ in range(3):
+        got, k, v = _step(dec, 1, mega=True)
+        assert torch.equal(got, ref) and torch.equal(k, rk) and torch.equal(v, rv)
+
+
 @pytest.mark.parametrize("hx", [1, 2, 4, 7])
 @pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("tailed", 400), ("long", 700), ("wide", 1)])
 def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, context, hx):
@@ -351,20 +370,7 @@ def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, contex
     P5 -> the next P1): the barrier build's logits and K/V bit for bit, launch after launch; past the resident
     keys (700) bit 0 exchanges the same words around the split path (its blocks poll q and the step's key and
     value, the head's last block writes attn as words)."""
-    from flared.model.kernels import megakernel
-
-    model, dec = _decoder(kind, 1, [context])
-    plain = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"HX": 0})
-    plain.compile(PAGE)
-    assert plain.resident_keys
-    dec.mega[(1, dec.mega_head)] = plain
-    ref, rk, rv = _step(dec, 1, mega=True)
-    hx = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"HX": hx})
-    hx.compile(PAGE)
-    dec.mega[(1, dec.mega_head)] = hx
-    for _ in range(3):
-        got, k, v = _step(dec, 1, mega=True)
-        assert torch.equal(got, ref) and torch.equal(k, rk) and torch.equal(v, rv)
+    _same_bits_as(kind, context, reference={"HX": 0}, build={"HX": hx})
 
 
 @pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("long", 700), ("wide", 1)])
@@ -373,17 +379,4 @@ def test_staged_o_rows_change_no_bit(kind, context):
     resident region during attention and P3 sums them in warp_dot's order, so the logits and K/V are those of the
     build without it bit for bit, launch after launch; past the resident keys (700) the blocks without an attention
     piece do."""
-    from flared.model.kernels import megakernel
-
-    model, dec = _decoder(kind, 1, [context])
-    plain = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head, overrides={"STAGE_O": 0})
-    plain.compile(PAGE)
-    assert plain.resident_keys
-    dec.mega[(1, dec.mega_head)] = plain
-    ref, rk, rv = _step(dec, 1, mega=True)
-    staged = megakernel.DecodeLayers(model, dec.k_pool, dec.v_pool, 1, head=dec.mega_head)
-    staged.compile(PAGE)
-    dec.mega[(1, dec.mega_head)] = staged
-    for _ in range(3):
-        got, k, v = _step(dec, 1, mega=True)
-        assert torch.equal(got, ref) and torch.equal(k, rk) and torch.equal(v, rv)
+    _same_bits_as(kind, context, reference={"STAGE_O": 0}, build={})
