@@ -203,11 +203,16 @@ class Frontend:
         self.tokenizer_sha256 = tokenizer_sha256
         self.template_defaults = dict(template_defaults or {})
         self.endpoint_strategy = EndpointStrategy(endpoint_strategy)
-        self._token_bytes = TokenBytes.from_tokenizer(tokenizer)
+        self._token_bytes = TokenBytes.from_tokenizer(tokenizer)  # None unless a byte-level BPE (see token_bytes)
         self._piece_ids = WindowPieceIds.from_tokenizer(tokenizer) if self._token_bytes is None else None
         self._check_settings(source)
         if chat_template is not None and self.endpoint_strategy is EndpointStrategy.AUTO_MARKS:
             chat_template.compile_auto_marks()  # at load, not on the first request
+
+    @property
+    def token_bytes(self) -> TokenBytes | None:
+        """Each token's bytes, where the tokenizer is a byte-level BPE (else None)."""
+        return self._token_bytes
 
     @classmethod
     def load(cls, tokenizer_path: str | os.PathLike, chat_template: str | os.PathLike | None, *,

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from flared.errors import AdmissionError, ErrorKind
-from flared.frontend.detokenizer import TokenBytes
 from flared.frontend.reasoning import opens_reasoning
 from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall
 from flared.model.sampling import VLLM_ORDER, SamplingParams
@@ -138,7 +137,7 @@ def token_pieces(fe, vocab_size: int) -> tuple[bytes, ...]:
     <0xNN> as that byte), b"" for special tokens and ids past the tokenizer."""
     spec = json.loads(fe.tokenizer.to_str())
     special = {e["id"] for e in spec.get("added_tokens", ()) if e.get("special")}
-    table = TokenBytes.from_tokenizer(fe.tokenizer)
+    table = fe.token_bytes
     out = []
     for t in range(vocab_size):
         if t in special:
@@ -166,10 +165,13 @@ def _dry(state, opts: SamplingOptions, context: int) -> dict[str, Any]:
 
 
 async def prepare_samplers(state, opts: SamplingOptions) -> None:
-    """Finding DRY's breaker tokens reads every token's text (tens of milliseconds for a new set of breakers): done
-    on a frontend worker before sampling_params needs it, not on the event loop."""
+    """Finding DRY's breaker tokens and the infill stage's token texts read every token's text (tens of
+    milliseconds, once per breaker set or model): done on a frontend worker before sampling_params needs them, not on
+    the event loop."""
     if opts.uses_dry:
         await state._in_pool(lambda: dry_sequences(state.frontend, state.vocab_size, opts.dry_sequence_breakers))
+    if "infill" in opts.sampler_order:
+        await state._in_pool(lambda: token_pieces(state.frontend, state.vocab_size))
 
 
 @functools.lru_cache(maxsize=4)
