@@ -409,7 +409,7 @@ def _extras(body: dict, stream: bool) -> ResponseExtras:
 
 # -- chat ------------------------------------------------------------------------------------------
 
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_ROLES = ("system", "developer", "user", "assistant", "tool")  # "function" messages become "tool" ones first
 
 
 def parse_chat(body: Any) -> ChatRequest:
