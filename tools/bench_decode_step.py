@@ -51,7 +51,7 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "mega hx6": (False, "cublas", None),
     "mega no stage o": (False, "cublas", None),
     "mega splits 4": (False, "cublas", None),
-    "mega res 272": (False, "cublas", None),
+    "mega res 256": (False, "cublas", None),
 }
 # megakernel variants built with replaced compile-time constants (megakernel.DecodeLayers' overrides)
 MEGA_OVERRIDES = {
@@ -59,9 +59,8 @@ MEGA_OVERRIDES = {
     "mega hx6": {"HX": 6},  # P1 -> P2 -> P3 by grid barriers (past the resident keys: before the seventeenth)
     "mega no stage o": {"STAGE_O": 0},  # the first o rows prefetched into L2 during attention (before the eighteenth)
     "mega splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention in up to 4 pieces (not 2)
-    # 16 more resident keys (194,288 B of shared memory at 8B, still under the 196 KB carve-out): resident up to
-    # 320 tokens, not 304
-    "mega res 272": {"RES_CAP": 272},
+    # 16 fewer resident keys at 8B (the build before the nineteenth session): resident up to 304 tokens, not 320
+    "mega res 256": {"RES_CAP": 256},
 }
 
 

@@ -40,23 +40,26 @@ def _shape(hidden, intermediate, heads, kv_heads, head_dim):
 
 
 def test_the_resident_attention_build_fits_its_keys_in_shared_memory():
-    """Llama-3.1-8B at one row on an H200 (227 KB a block): 256 keys resident in a 186 KB block, 48 more in the
-    product-input buffer during attention, so contexts to 304 tokens; the layout's sum is what the launch asks."""
+    """Llama-3.1-8B at one row on an H200 (227 KB a block): 272 keys resident in a 194,288-byte block (under the
+    196 KB carve-out), 48 more in the product-input buffer during attention, so contexts to 320 tokens; the
+    layout's sum is what the launch asks."""
     from flared.model.kernels import megakernel
 
     llama8b = _shape(4096, 14336, 32, 8, 128)
     assert megakernel.resident(llama8b, 1, False)
     assert not megakernel.resident(llama8b, 2, False) and not megakernel.resident(llama8b, 1, True)
     cap = megakernel.resident_cap(llama8b, megakernel.THREADS, 232448)
-    assert (cap, megakernel.resident_tail(llama8b)) == (256, 48)
+    assert (cap, megakernel.resident_tail(llama8b)) == (272, 48)
     total = megakernel.shared_bytes(llama8b, 1, megakernel.THREADS, res_cap=cap)
     # the non-resident layout with the product inputs only (no V staging), rounded to 16, then K and V rows
     plain = megakernel.shared_bytes(llama8b, 1, megakernel.THREADS)
-    assert total == -(-(plain - (16 * 32 * 128 - 14336) * 2) // 16) * 16 + 4 * 256 * 128
+    assert total == -(-(plain - (16 * 32 * 128 - 14336) * 2) // 16) * 16 + 4 * 272 * 128 == 194288
     assert total <= megakernel.RESIDENT_SHARED_BYTES
     # the region is at least the split path's staged V tiles (128 KB at 8B): a block that cannot hold those
     # holds no resident keys either
-    assert megakernel.resident_cap(llama8b, megakernel.THREADS, total - 1) == 0
+    assert megakernel.resident_cap(llama8b, megakernel.THREADS, total - 1) == 256
+    smallest = megakernel.shared_bytes(llama8b, 1, megakernel.THREADS, res_cap=256)
+    assert megakernel.resident_cap(llama8b, megakernel.THREADS, smallest - 1) == 0
     # short-row models (SmolLM2-135M) keep the split attention: their step is latency-bound, not per-block bound
     assert not megakernel.resident(_shape(576, 1536, 9, 3, 64), 1, False)
     # more than 16 query heads per kv head do not fit the 16-row operand

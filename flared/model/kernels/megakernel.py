@@ -34,9 +34,11 @@ LONG_ROW_SPLITS = 2  # the same for long-row models at one row (see splits_for),
 LONG_ROW_SPLIT_KEYS = 64
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
 RESIDENT_MAX_KEYS = 1024  # keys a resident-attention build holds at most (resident_cap)
-# Shared memory a resident build may take a block (the device's opt-in maximum caps it too): 256 keys at 8B in
-# 186 KB. With 227 KB (336 keys) the 8B launch ran 60-90 us slower at every context (H200).
-RESIDENT_SHARED_BYTES = 182 * 1024
+# Shared memory a resident build may take a block (the device's opt-in maximum caps it too): 272 keys at 8B in
+# 194,288 B, the most under the 196 KB carve-out, so resident up to 320 tokens. With 227 KB (336 keys) the 8B
+# launch ran 60-90 us slower at every context (H200). 272 against 256 keys, the whole 8B one-row step with a
+# 4,096-page pool (nineteenth session, one run): 3,962 vs 4,006 us at 312 tokens, 3,901 vs 3,902 at 192.
+RESIDENT_SHARED_BYTES = 190 * 1024
 # Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
 # output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
 # launch against the barrier build: 1 row 470 vs 512, 2 rows 561 vs 541, 4 rows 781 vs 626.
