@@ -250,7 +250,7 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
     out[f"{shape}_b1_gpu_idle"] = idle
     # The same steps by context length (decode step i attends over prompt_len + i + 1 tokens): where the
-    # average goes between short and long contexts (the megakernel's resident attention ends at 304 at 8B).
+    # average goes between short and long contexts (the megakernel's resident attention ends at 320 at 8B).
     spans, cells = [(prompt_len + 1, 256), (257, 304), (305, prompt_len + new_tokens)], []
     for lo, hi in spans:
         ns = [d for i, d in enumerate(r.decode_step_ns) if lo <= prompt_len + i + 1 <= hi]
@@ -259,6 +259,22 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
             out[f"{shape}_b1_gpu_us_per_step_{lo}_{hi}"] = sum(ns) / len(ns) / 1e3
     rows.append((shape, "batch-1 GPU us/step by context (tokens: us)", " | ".join(cells), "",
                  f"{len(r.decode_step_ns)} steps"))
+
+    # The same single stream with each decode step's upload on the model stream, ahead of its launch (A/B on
+    # this executor, its graphs and pool): off, on, off, on.
+    ab = {False: [], True: []}
+    for overlap in (False, True, False, True):
+        ex.overlap_uploads = overlap
+        r1 = run_flared(model, p, new_tokens, ex_pair=pair)
+        ab[overlap].append(((new_tokens - 1) / ((r1.finish_ns[0] - r1.first_token_ns[0]) / 1e9),
+                            r1.decode_gpu_ns / max(1, r1.steps_by_kind["DECODE"]) / 1e3,
+                            matched_prefix(r.tokens[0], r1.tokens[0])))
+    ex.overlap_uploads = True
+    cell = " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[False])
+    rows.append((shape, "batch-1 decode tok/s | GPU us/step, uploads on the model stream (A/B)", cell, "",
+                 "overlapped: " + " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[True])
+                 + f"; tokens = main run: {min(x[2] for v in ab.values() for x in v)}/{new_tokens}"))
+    out[f"{shape}_b1_upload_ab"] = {str(k): v for k, v in ab.items()}
 
     def single_stream_ab(model, env: dict, label: str, key: str) -> None:
         """The same single stream on an executor built with ``env`` set, beside the main run."""

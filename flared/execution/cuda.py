@@ -31,6 +31,7 @@ _MEMCPY_H2D = _rt.memcpyHostToDevice
 _MEMCPY_D2H = _rt.memcpyDeviceToHost
 # cudaEventDisableTiming is cheaper but these events time launches; cudaEventDefault keeps timing.
 _EVENT_DEFAULT = 0x0
+_EVENT_DISABLE_TIMING = 0x2
 _EVENT_BLOCKING_SYNC = 0x1
 _NOT_READY = 600  # cudaErrorNotReady
 
@@ -52,12 +53,14 @@ def check(operation: str, fn, *args):
 
 
 class Event:
-    """A CUDA event (timing enabled). ``query`` never blocks."""
+    """A CUDA event (timing enabled unless ``timing=False``: an ordering-only event, cheaper to record and wait
+    on). ``query`` never blocks."""
 
     __slots__ = ("ptr",)
 
-    def __init__(self):
-        self.ptr = check("cudaEventCreateWithFlags", _rt.eventCreateWithFlags, _EVENT_DEFAULT)
+    def __init__(self, timing: bool = True):
+        flags = _EVENT_DEFAULT if timing else _EVENT_DISABLE_TIMING
+        self.ptr = check("cudaEventCreateWithFlags", _rt.eventCreateWithFlags, flags)
 
     def record(self, stream_ptr: int) -> None:
         check("cudaEventRecord", _rt.eventRecord, self.ptr, stream_ptr)

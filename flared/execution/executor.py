@@ -11,7 +11,9 @@ One submission: pack the plan into a free pinned input frame (numpy views of
 the ExecutionManifest layout), enqueue on the model stream the uploads of
 the spans the step uses (others keep their device values), a start event,
 the graph launch through CuPy, the eager sampler for rows that need it, an
-end event; the copy stream waits on the end event and copies the sampled
+end event (a decode step's inputs go up on an upload stream instead, into
+the device region its frame owns, and the model stream only waits for that
+copy, which ran while the step before it did); the copy stream waits on the end event and copies the sampled
 tokens into the frame's pinned completion slot, then records a copied
 event. ``poll`` consumes the oldest frame once its copy is done, joins the
 tokens into the frame's completion records (flared._fast.frames) and frees
@@ -25,7 +27,7 @@ Rules:
   it empty (and is run with torch ops on the model stream, not a graph); a
   third submission gets None. FrameRing enforces it.
 - A failure while enqueueing poisons the executor: later submissions raise.
-- ``close()`` synchronises both streams before freeing pinned memory; if that
+- ``close()`` synchronises its streams before freeing pinned memory; if that
   fails, the pinned buffers are kept (the device may still write them).
 - No per-step device allocation on the graph path; one read-back per step
   (the completion copy) — labelled SYNC where the host waits.
@@ -83,8 +85,10 @@ class GraphExecutor:
         self.leaked = False
         self.model_stream = torch.cuda.Stream(device=self.device)
         self.copy_stream = torch.cuda.Stream(device=self.device)
+        self.upload_stream = torch.cuda.Stream(device=self.device)  # decode steps' inputs (GraphSet's regions)
         self._model_ptr = self.model_stream.cuda_stream
         self._copy_ptr = self.copy_stream.cuda_stream
+        self._upload_ptr = self.upload_stream.cuda_stream
         self.graphs = GraphSet(model, self.manifest, num_pages=num_pages, page_tokens=page_tokens,
                                num_state_rows=num_state_rows)
         self.decoder = self.graphs.decoder
@@ -106,11 +110,15 @@ class GraphExecutor:
         self._end = [cuda.Event() for _ in range(_NUM_FRAMES)]
         self._copied = [cuda.Event() for _ in range(_NUM_FRAMES)]
         self._copies_start = [cuda.Event() for _ in range(_NUM_FRAMES)]
+        self._uploaded = [cuda.Event(timing=False) for _ in range(_NUM_FRAMES)]
         self._pending = [_Pending() for _ in range(_NUM_FRAMES)]
         self._spans = {s.name: s for s in self.manifest.spans}
         self._input_ptr = self.graphs.input_ptr
         self._sampled_ptr = self.decoder.sampled.data_ptr()
         self.max_outstanding = 0  # most frames ever in flight at once (qualification reads it)
+        # Decode uploads on the upload stream into the frame's own region (False: into region 0 on the model
+        # stream, ahead of the launch, as before the nineteenth session; tools/bench_gpu.py's A/B sets it).
+        self.overlap_uploads = True
 
     def _pin(self, nbytes: int) -> cuda.PinnedBuffer:
         buf = cuda.PinnedBuffer(nbytes)
@@ -292,12 +300,22 @@ class GraphExecutor:
             v[f + "seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
             v[f + "steps"][i] = s.num_output_tokens
         v[f + "temperature"][n:batch_rows] = 0.0
+        execs = self.graphs.graph_execs
         if kind == "decode":
             # One copy: every decode span and the block-table rows up to the capacity (whole rows: they are
-            # contiguous; only the columns in use matter).
+            # contiguous; only the columns in use matter), into the frame's own device region on the upload
+            # stream. The graph that read this region last was this frame's previous step, which poll saw
+            # finish before the frame was free again, so the copy may run at once, beside the step in flight.
             offset, nbytes = self.manifest.decode_upload(batch_rows)
-            cuda.copy_h2d_async(self._input_ptr + offset, self._in_frames[frame].ptr + offset, nbytes,
-                                self._model_ptr)
+            region = frame if self.overlap_uploads else 0
+            dst = self.graphs.decode_region_ptr(region) + offset - self.graphs.decode_span_offset
+            if self.overlap_uploads:
+                cuda.copy_h2d_async(dst, self._in_frames[frame].ptr + offset, nbytes, self._upload_ptr)
+                self._uploaded[frame].record(self._upload_ptr)
+                cuda.stream_wait_event(self._model_ptr, self._uploaded[frame])
+            else:
+                cuda.copy_h2d_async(dst, self._in_frames[frame].ptr + offset, nbytes, self._model_ptr)
+            execs = self.graphs.decode_execs(region)
         else:
             for name in ("token_ids", "positions", "slot_ids"):
                 self._upload(frame, name, token_rows)
@@ -305,7 +323,7 @@ class GraphExecutor:
                          "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
-        cuda.graph_launch(self.graphs.graph_execs[key], self._model_ptr)
+        cuda.graph_launch(execs[key], self._model_ptr)
         eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
                       and not states[i].graph_samples]
         if eager_rows:
@@ -377,11 +395,12 @@ class GraphExecutor:
     # -- shutdown ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drain both streams, then free pinned memory. Idempotent; a failed drain keeps the memory."""
+        """Drain the streams, then free pinned memory. Idempotent; a failed drain keeps the memory."""
         if self.closed:
             return
         self.closed = True
         try:
+            cuda.stream_synchronize(self._upload_ptr)
             cuda.stream_synchronize(self._model_ptr)
             cuda.stream_synchronize(self._copy_ptr)
         except ExecutionError as exc:
@@ -390,5 +409,5 @@ class GraphExecutor:
         for buf in self._pinned:
             buf.free()
         self._pinned.clear()
-        for ev in self._start + self._end + self._copied + self._copies_start:
+        for ev in self._start + self._end + self._copied + self._copies_start + self._uploaded:
             ev.destroy()

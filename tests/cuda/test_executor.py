@@ -32,6 +32,11 @@ def test_greedy_tokens_match_cpu_path_and_transformers(hf, gpu_model):
     try:
         result = drive(make_scheduler(), ex, PROMPTS, [params()] * len(PROMPTS), clock_ns=lambda: next(ticks))
         assert ex.max_outstanding == 2  # the two-frame window was used
+        # every decode graph exists over both device regions of the decode inputs (one per frame), so the
+        # tokens below came from both
+        decode_keys = {k for k in ex.graphs.graph_execs if k[0] != "prefill"}
+        assert decode_keys and set(ex.graphs.graph_execs_b) == decode_keys
+        assert ex.graphs.decode_region_ptr(0) != ex.graphs.decode_region_ptr(1)
     finally:
         ex.close()
     cpu = drive(make_scheduler(), make_cpu_executor(serving_model(hf, "cpu")), PROMPTS, [params()] * len(PROMPTS))
