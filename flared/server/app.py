@@ -69,6 +69,8 @@ class ServingState:
                                            eos_token_ids=manifest.tokens.eos_token_ids)
         # The model's fill-in-the-middle tokens (flared.frontend.fim), or None.
         self.fim = fim_tokens(frontend.tokenizer)
+        # The Files and Batch APIs' store and running batches (flared.server.batch_routes), set by build_router.
+        self.batches = None
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -229,6 +231,8 @@ class ServingState:
                           skip_special_tokens=skip_special_tokens, include_stop_str=include_stop_str)
 
     def close(self) -> None:
+        if self.batches is not None:
+            self.batches.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -271,6 +275,10 @@ def build_router(state: ServingState) -> Router:
     from flared.server.decisions_routes import DecisionsRoutes
 
     DecisionsRoutes(state).register(router)
+    from flared.server.batch_routes import BatchRoutes
+
+    state.batches = BatchRoutes(state, router)  # its lines run through the routes above
+    state.batches.register(router)
     return router
 
 

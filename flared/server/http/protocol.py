@@ -317,8 +317,9 @@ class HttpProtocol(asyncio.Protocol):
                 raise HttpError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                 type="authentication_error", code="invalid_api_key",
                                 headers=[(b"www-authenticate", b"Bearer")])
-            if ex.content_length is not None and ex.content_length > cfg.body_limit_bytes:
-                raise body_too_large(cfg.body_limit_bytes)
+            limit = route.body_limit or cfg.body_limit_bytes
+            if ex.content_length is not None and ex.content_length > limit:
+                raise body_too_large(limit)
             if route.admit and server.admission is not None:
                 ex.release_permit = server.admission(request)
         except Exception as exc:  # HttpError, FlareError, or a bug in the admission hook
@@ -339,7 +340,7 @@ class HttpProtocol(asyncio.Protocol):
     def _on_body_data(self, data: bytes) -> None:
         ex = self._exchange
         ex.num_body_bytes += len(data)
-        limit = self._config.body_limit_bytes
+        limit = (ex.route.body_limit if ex.route is not None else None) or self._config.body_limit_bytes
         if ex.num_body_bytes > limit:
             if ex.over_limit:
                 return

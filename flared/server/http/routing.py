@@ -40,6 +40,9 @@ class Route:
     # The handler reads the body itself through request.stream() instead of
     # receiving it complete.
     stream_body: bool = False
+    # The most body bytes this route takes, in place of the server's
+    # body_limit_bytes (file uploads); None: the server's.
+    body_limit: int | None = None
 
 
 def _compile(pattern: str) -> re.Pattern[str] | None:
@@ -70,7 +73,8 @@ class Router:
         self._patterned: list[tuple[re.Pattern[str], str, dict[str, Route]]] = []
 
     def add(self, methods: str | tuple[str, ...] | list[str], pattern: str, handler: Handler, *,
-            public: bool = False, admit: bool = False, stream_body: bool = False) -> None:
+            public: bool = False, admit: bool = False, stream_body: bool = False,
+            body_limit: int | None = None) -> None:
         if isinstance(methods, str):
             methods = (methods,)
         regex = _compile(pattern)
@@ -88,7 +92,7 @@ class Router:
             method = method.upper()
             if method in table:
                 raise ValueError(f"route {method} {pattern} registered twice")
-            table[method] = Route(method, pattern, handler, public, admit, stream_body)
+            table[method] = Route(method, pattern, handler, public, admit, stream_body, body_limit)
 
     def route(self, methods: str | tuple[str, ...], pattern: str, **policy: bool) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:

@@ -1,0 +1,442 @@
+"""OpenAI's Files and Batch APIs: a JSONL file of requests run in the background, its answers a file to fetch.
+
+    POST   /v1/files                  multipart/form-data: ``file`` and ``purpose`` -> a file object
+    GET    /v1/files                  ?purpose=&limit=&order=&after= -> a list
+    GET    /v1/files/{id}             the file object;  DELETE /v1/files/{id}
+    GET    /v1/files/{id}/content     the file's bytes
+    POST   /v1/batches                {input_file_id, endpoint, completion_window: "24h", metadata} -> a batch
+    GET    /v1/batches                ?limit=&after= -> a list, newest first
+    GET    /v1/batches/{id}           the batch;  POST /v1/batches/{id}/cancel
+
+As OpenAI (and SGLang) serve them, so ``client.files.create(purpose="batch")`` and ``client.batches.create``
+of the openai SDK work unchanged. Each input line is ``{"custom_id", "method": "POST", "url", "body"}``;
+``url`` must be the batch's ``endpoint`` (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/v1/responses``). A file that is not such lines fails the batch (status ``failed``, ``errors`` names each
+bad line) before any request runs. Otherwise every line runs through the same route handler an HTTP request
+would reach, with the same admission (a line waits while the server is at its request limit), at most the
+core's concurrency at once. An answer with a 2xx status goes to the output file, any other to the error file,
+each line ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`` in input
+order. ``stream: true`` in a line is answered 400 on that line. Cancelling stops starting lines; the ones
+running finish, and the rest go to the error file with error ``batch_cancelled`` (after the window,
+``batch_expired``).
+
+Files and batches live in the daemon's memory (they do not survive a restart): at most FILE_LIMIT_BYTES a
+file and STORE_LIMIT_BYTES in all; a batch holds its input file until it ends, and a file another batch
+still reads cannot be deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from email.parser import BytesParser
+from email.policy import HTTP
+from typing import Any
+
+from flared.errors import AdmissionError, ErrorKind, FlareError
+from flared.server.http import Request, Response, Router
+from flared.server.http.flow import Disconnect
+from flared.server.http.messages import HttpError, StreamingResponse, error_response
+
+FILE_LIMIT_BYTES = 200 * 1000 * 1000  # OpenAI's limit on a batch input file
+STORE_LIMIT_BYTES = 1 << 30
+MAX_BATCH_LINES = 50_000  # OpenAI's limit on requests in one batch
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
+WINDOW_S = 24 * 3600  # the one completion window OpenAI offers, "24h"
+_FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def _id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def _bad(param: str, message: str) -> AdmissionError:
+    err = AdmissionError(f"'{param}' {message}")
+    err.param = param
+    return err
+
+
+def _missing(what: str, ident: str, param: str = "id") -> AdmissionError:
+    err = AdmissionError(f"no {what} {ident!r} on this server", ErrorKind.NOT_FOUND)
+    err.param = param
+    return err
+
+
+@dataclass
+class StoredFile:
+    id: str
+    filename: str
+    purpose: str
+    data: bytes
+    created_at: int
+
+    def describe(self) -> dict:
+        return {"id": self.id, "object": "file", "bytes": len(self.data), "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed", "expires_at": None,
+                "status_details": None}
+
+
+@dataclass
+class Batch:
+    id: str
+    endpoint: str
+    input_file_id: str
+    metadata: dict | None
+    created_at: int
+    status: str = "validating"
+    errors: list | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    times: dict = field(default_factory=dict)  # in_progress_at, finalizing_at, completed_at, ...
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    task: asyncio.Task | None = None
+
+    @property
+    def expires_at(self) -> int:
+        return self.created_at + WINDOW_S
+
+    def describe(self) -> dict:
+        out = {"id": self.id, "object": "batch", "endpoint": self.endpoint,
+               "errors": None if self.errors is None else {"object": "list", "data": self.errors},
+               "input_file_id": self.input_file_id, "completion_window": "24h", "status": self.status,
+               "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
+               "created_at": self.created_at, "expires_at": self.expires_at,
+               "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
+               "metadata": self.metadata}
+        for name in ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+                     "cancelled_at"):
+            out[name] = self.times.get(name)
+        return out
+
+
+def parse_multipart(content_type: str | None, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    """The fields of a multipart/form-data body: name -> (filename or None, bytes)."""
+    if not content_type or not content_type.lower().startswith("multipart/form-data"):
+        raise AdmissionError("expected a multipart/form-data body (the 'file' and 'purpose' fields)")
+    if "boundary=" not in content_type:
+        raise AdmissionError("multipart/form-data without a boundary")
+    message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n"
+                                                  + body)
+    if not message.is_multipart():
+        raise AdmissionError("the multipart/form-data body could not be parsed")
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue
+        payload = part.get_payload(decode=True)
+        fields[str(name)] = (part.get_filename(), payload if payload is not None else b"")
+    return fields
+
+
+def _page(items: list, query: dict, *, limit_max: int, default: int) -> tuple[list, bool]:
+    """``items`` (in listing order) after the ``after`` id, at most ``limit``; and whether more follow."""
+    after = query.get("after", [None])[0]
+    raw = query.get("limit", [str(default)])[0]
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise _bad("limit", f"must be an integer, got {raw!r}") from None
+    if not 1 <= limit <= limit_max:
+        raise _bad("limit", f"must be between 1 and {limit_max}")
+    if after:
+        ids = [x.id for x in items]
+        if after not in ids:
+            raise _bad("after", f"names no listed object ({after!r})")
+        items = items[ids.index(after) + 1:]
+    return items[:limit], len(items) > limit
+
+
+class BatchRoutes:
+    def __init__(self, state, router: Router):
+        self.state = state
+        self.router = router  # the routes each line is dispatched to
+        self.files: dict[str, StoredFile] = {}
+        self.batches: dict[str, Batch] = {}
+
+    def register(self, router: Router) -> None:
+        router.add("POST", "/v1/files", self.upload, body_limit=FILE_LIMIT_BYTES + (1 << 20))
+        router.add("GET", "/v1/files", self.list_files)
+        router.add("GET", "/v1/files/{file_id}", self.get_file)
+        router.add("DELETE", "/v1/files/{file_id}", self.delete_file)
+        router.add("GET", "/v1/files/{file_id}/content", self.file_content)
+        router.add("POST", "/v1/batches", self.create)
+        router.add("GET", "/v1/batches", self.list_batches)
+        router.add("GET", "/v1/batches/{batch_id}", self.get_batch)
+        router.add("POST", "/v1/batches/{batch_id}/cancel", self.cancel)
+
+    # -- files -------------------------------------------------------------------------------------
+
+    def _stored_bytes(self) -> int:
+        return sum(len(f.data) for f in self.files.values())
+
+    def _add_file(self, filename: str, purpose: str, data: bytes) -> StoredFile:
+        f = StoredFile(_id("file-"), filename, purpose, data, int(time.time()))
+        self.files[f.id] = f
+        return f
+
+    def _file(self, file_id: str, param: str = "file_id") -> StoredFile:
+        f = self.files.get(file_id)
+        if f is None:
+            raise _missing("file", file_id, param)
+        return f
+
+    async def upload(self, request: Request) -> Response:
+        fields = parse_multipart(request.header("content-type"), request.body or b"")
+        if "file" not in fields:
+            raise _bad("file", "is required (a multipart field holding the file)")
+        if "purpose" not in fields:
+            raise _bad("purpose", "is required")
+        purpose = fields["purpose"][1].decode("utf-8", "replace").strip()
+        if purpose not in PURPOSES:
+            raise _bad("purpose", f"must be one of {', '.join(PURPOSES)}; got {purpose!r}")
+        filename, data = fields["file"]
+        if len(data) > FILE_LIMIT_BYTES:
+            raise HttpError(413, f"the file is {len(data)} bytes; at most {FILE_LIMIT_BYTES} are taken",
+                            code="file_too_large")
+        if self._stored_bytes() + len(data) > STORE_LIMIT_BYTES:
+            raise AdmissionError(f"the server holds {self._stored_bytes()} bytes of files and takes at most "
+                                 f"{STORE_LIMIT_BYTES} in all: delete some first", ErrorKind.HTTP_CAPACITY)
+        return Response.json(self._add_file(filename or "upload", purpose, data).describe())
+
+    async def list_files(self, request: Request) -> Response:
+        purpose = request.query.get("purpose", [None])[0]
+        order = request.query.get("order", ["desc"])[0]
+        if order not in ("asc", "desc"):
+            raise _bad("order", "must be 'asc' or 'desc'")
+        items = [f for f in self.files.values() if purpose is None or f.purpose == purpose]
+        if order == "desc":
+            items.reverse()
+        page, more = _page(items, request.query, limit_max=10_000, default=10_000)
+        return Response.json({"object": "list", "data": [f.describe() for f in page], "has_more": more,
+                              "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
+
+    async def get_file(self, request: Request) -> Response:
+        return Response.json(self._file(request.params["file_id"]).describe())
+
+    async def file_content(self, request: Request) -> Response:
+        f = self._file(request.params["file_id"])
+        media = "application/jsonl" if f.filename.endswith(".jsonl") else "application/octet-stream"
+        return Response(f.data, media_type=media)
+
+    async def delete_file(self, request: Request) -> Response:
+        f = self._file(request.params["file_id"])
+        for b in self.batches.values():
+            if b.input_file_id == f.id and b.status not in _FINAL:
+                raise HttpError(409, f"file {f.id!r} is the input of batch {b.id!r}, which has not ended",
+                                code="file_in_use")
+        del self.files[f.id]
+        return Response.json({"id": f.id, "object": "file", "deleted": True})
+
+    # -- batches -----------------------------------------------------------------------------------
+
+    def _batch(self, batch_id: str) -> Batch:
+        b = self.batches.get(batch_id)
+        if b is None:
+            raise _missing("batch", batch_id, "batch_id")
+        return b
+
+    async def create(self, request: Request) -> Response:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise AdmissionError("the request body must be a JSON object")
+        input_file_id = body.get("input_file_id")
+        if not isinstance(input_file_id, str) or not input_file_id:
+            raise _bad("input_file_id", "is required (the id of an uploaded file of purpose 'batch')")
+        f = self._file(input_file_id, "input_file_id")
+        if f.purpose != "batch":
+            raise _bad("input_file_id", f"names a file of purpose {f.purpose!r}, not 'batch'")
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise _bad("endpoint", f"must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}")
+        window = body.get("completion_window", "24h")
+        if window != "24h":
+            raise _bad("completion_window", f"must be '24h'; got {window!r}")
+        metadata = body.get("metadata")
+        if metadata is not None:
+            if (not isinstance(metadata, dict) or len(metadata) > 16
+                    or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                               for k, v in metadata.items())):
+                raise _bad("metadata", "must be at most 16 string pairs (keys up to 64 characters, values up to 512)")
+        b = Batch(_id("batch_"), endpoint, f.id, metadata, int(time.time()))
+        self.batches[b.id] = b
+        b.task = asyncio.get_running_loop().create_task(self._run(b, f.data))
+        return Response.json(b.describe())
+
+    async def list_batches(self, request: Request) -> Response:
+        items = list(self.batches.values())[::-1]
+        page, more = _page(items, request.query, limit_max=100, default=20)
+        return Response.json({"object": "list", "data": [b.describe() for b in page], "has_more": more,
+                              "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
+
+    async def get_batch(self, request: Request) -> Response:
+        return Response.json(self._batch(request.params["batch_id"]).describe())
+
+    async def cancel(self, request: Request) -> Response:
+        b = self._batch(request.params["batch_id"])
+        if b.status in _FINAL:
+            raise AdmissionError(f"batch {b.id!r} has ended ({b.status}); it cannot be cancelled")
+        if b.status != "cancelling":
+            b.status = "cancelling"
+            b.times["cancelling_at"] = int(time.time())
+        return Response.json(b.describe())
+
+    # -- running a batch -----------------------------------------------------------------------------
+
+    def _validate(self, b: Batch, data: bytes) -> list[dict] | None:
+        """The input's lines, or None after recording why the file is not a batch (b.errors)."""
+        errors, lines, seen = [], [], set()
+
+        def bad(line: int, code: str, message: str, param: str | None = None) -> None:
+            errors.append({"code": code, "message": message, "param": param, "line": line})
+
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            bad(1, "invalid_file", f"the file is not UTF-8 (invalid byte at offset {exc.start})")
+            text = ""
+        for number, raw in enumerate(text.splitlines(), 1):
+            if not raw.strip():
+                continue
+            try:
+                item = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                bad(number, "invalid_json_line", f"line {number} is not JSON: {exc.msg}")
+                continue
+            if not isinstance(item, dict):
+                bad(number, "invalid_json_line", f"line {number} is not a JSON object")
+                continue
+            custom_id = item.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id:
+                bad(number, "missing_required_parameter", f"line {number} has no custom_id", "custom_id")
+            elif custom_id in seen:
+                bad(number, "duplicate_custom_id", f"custom_id {custom_id!r} appears more than once", "custom_id")
+            else:
+                seen.add(custom_id)
+            if item.get("method", "POST") != "POST":
+                bad(number, "invalid_method", f"line {number}: method must be POST", "method")
+            if item.get("url") != b.endpoint:
+                bad(number, "invalid_url", f"line {number}: url {item.get('url')!r} is not the batch's endpoint "
+                    f"{b.endpoint!r}", "url")
+            if not isinstance(item.get("body"), dict):
+                bad(number, "missing_required_parameter", f"line {number} has no body object", "body")
+            lines.append(item)
+        if not lines and not errors:
+            bad(1, "empty_file", "the input file holds no request lines")
+        if len(lines) > MAX_BATCH_LINES:
+            bad(MAX_BATCH_LINES + 1, "too_many_requests", f"a batch takes at most {MAX_BATCH_LINES} requests")
+        if errors:
+            b.errors = errors[:1000]
+            return None
+        return lines
+
+    async def _dispatch(self, url: str, body: dict) -> tuple[int, Any, str | None]:
+        """One line through its route's handler, with the route's admission: (status, body, request id)."""
+        if body.get("stream"):
+            return 400, json.loads(error_response(AdmissionError("'stream' is not available in a batch")).body), None
+        loop = asyncio.get_running_loop()
+        request = Request("POST", url.encode(), url, b"", [(b"content-type", b"application/json")], b"1.1", None,
+                          Disconnect(loop))
+        request.body = json.dumps(body).encode()
+        release = None
+        try:
+            route, request.params = self.router.resolve("POST", url)
+            # Wait for room (a 429) or for admission to resume (paused: a 503), as a client would retry; at
+            # shutdown the daemon cancels the batch instead.
+            while route.admit:
+                try:
+                    release = self.state.admit(request)
+                    break
+                except FlareError as exc:
+                    if exc.kind not in (ErrorKind.HTTP_CAPACITY, ErrorKind.UNAVAILABLE):
+                        raise
+                    await asyncio.sleep(0.05)
+            response = await route.handler(request)
+            if isinstance(response, StreamingResponse):
+                raise HttpError(500, "the route answered a stream in a batch", code="internal_error")
+        except Exception as exc:  # noqa: BLE001 - every failure becomes that line's error answer
+            response = error_response(exc)
+        finally:
+            if release is not None:
+                release()
+        rid = next((v.decode("latin-1") for k, v in response.headers if k == b"x-request-id"), None)
+        try:
+            answer = json.loads(response.body) if response.body else None
+        except ValueError:
+            answer = response.body.decode("utf-8", "replace")
+        if rid is None and isinstance(answer, dict) and isinstance(answer.get("id"), str):
+            rid = answer["id"]
+        return response.status, answer, rid
+
+    async def _run(self, b: Batch, data: bytes) -> None:
+        lines = self._validate(b, data)
+        if lines is None:
+            b.status = "failed"
+            b.times["failed_at"] = int(time.time())
+            return
+        b.total = len(lines)
+        b.status = "in_progress"
+        b.times["in_progress_at"] = int(time.time())
+        results: list[dict | None] = [None] * len(lines)
+        concurrency = max(1, int(self.state.manifest.capacities.concurrency))
+        next_line = 0
+
+        async def worker() -> None:
+            nonlocal next_line
+            while next_line < len(lines):
+                if b.status == "cancelling" or time.time() >= b.expires_at:
+                    return
+                i = next_line
+                next_line += 1
+                item = lines[i]
+                status, answer, rid = await self._dispatch(b.endpoint, item["body"])
+                results[i] = {"id": _id("batch_req_"), "custom_id": item["custom_id"],
+                              "response": {"status_code": status, "request_id": rid or _id("req_"), "body": answer},
+                              "error": None}
+                if 200 <= status < 300:
+                    b.completed += 1
+                else:
+                    b.failed += 1
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(lines)))))
+        finally:
+            b.status = "finalizing" if b.status == "in_progress" else b.status
+            b.times["finalizing_at"] = int(time.time())
+            ended = "cancelled" if b.status == "cancelling" else "expired" if time.time() >= b.expires_at else None
+            out, err = [], []
+            for item, result in zip(lines, results):
+                if result is None:  # never started: cancelled or past the window
+                    code = "batch_cancelled" if ended == "cancelled" else "batch_expired"
+                    result = {"id": _id("batch_req_"), "custom_id": item["custom_id"], "response": None,
+                              "error": {"code": code, "message": "the batch was cancelled before this request ran"
+                                        if code == "batch_cancelled" else "the batch's window ended before this "
+                                        "request ran"}}
+                    err.append(result)
+                elif 200 <= result["response"]["status_code"] < 300:
+                    out.append(result)
+                else:
+                    err.append(result)
+
+            def jsonl(rows: list[dict]) -> bytes:
+                return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
+                               for r in rows).encode()
+
+            if out:
+                b.output_file_id = self._add_file(f"{b.id}_output.jsonl", "batch_output", jsonl(out)).id
+            if err:
+                b.error_file_id = self._add_file(f"{b.id}_error.jsonl", "batch_output", jsonl(err)).id
+            b.status = ended or "completed"
+            b.times[f"{b.status}_at"] = int(time.time())
+
+    def close(self) -> None:
+        """Stop every running batch (the daemon is shutting down)."""
+        for b in self.batches.values():
+            if b.task is not None and not b.task.done():
+                b.task.cancel()
