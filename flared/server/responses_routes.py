@@ -1,4 +1,5 @@
-"""OpenAI Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}.
+"""OpenAI Responses API: POST /v1/responses, GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
+GET /v1/responses/{id}/input_items.
 
 An adapter over the one generation path: input items (messages,
 function_call, function_call_output) become chat-template messages; the
@@ -18,6 +19,12 @@ Rules:
 - ``tool_choice`` "required" or a named function, and ``text.format``
   json_object / json_schema, are enforced by a grammar (flared.server.structured).
 - ``reasoning.effort: "none"`` turns thinking off in the template.
+- ``background: true`` (with ``store``) answers at once with status ``queued`` and generates in the
+  background, holding an admission permit until it ends; GET polls it (``in_progress``, then ``completed``,
+  ``incomplete`` or ``failed``) and ``POST /v1/responses/{id}/cancel`` ends it (``cancelled``, with what it
+  had generated). Only background responses can be cancelled. Not with ``stream`` (poll instead).
+- ``GET /v1/responses/{id}/input_items`` lists the request's own input items (a string input as one user
+  message), each with an id, newest first by default (``order``, ``limit`` 1-100, ``after``).
 - ``include: ["message.output_text.logprobs"]`` fills output_text's ``logprobs`` (with ``top_logprobs``
   alternatives, 0-20) for every generated token, as chat completions' logprobs cover them; a stream's
   output_text deltas carry the logprobs of the tokens since the previous one, output_text.done all of them.
@@ -26,6 +33,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import secrets
@@ -66,15 +74,19 @@ class ResponseStore:
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES):
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+        # id -> (response, conversation so far, the request's own input items)
+        self._items: collections.OrderedDict[str, tuple[dict, list[dict], list[dict]]] = collections.OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._items[response["id"]] = (response, conversation)
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> None:
+        if input_items is None:
+            old = self._items.get(response["id"])
+            input_items = old[2] if old is not None else []
+        self._items[response["id"]] = (response, conversation, input_items)
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+    def get(self, rid: str) -> tuple[dict, list[dict], list[dict]] | None:
         item = self._items.get(rid)
         if item is not None:
             self._items.move_to_end(rid)
@@ -133,6 +145,26 @@ def translate_input(value: Any) -> list[dict]:
         else:
             raise _bad(f"{where}.type", f"input item of type {kind!r} is not supported", ErrorKind.UNSUPPORTED)
     return out
+
+
+def input_items(value: Any) -> list[dict]:
+    """The request's input as the items GET /v1/responses/{id}/input_items lists: a string as one user message of
+    input_text, each item with an id (its own where it had one)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    items = []
+    for item in value:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", _item_id({"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                                        "reasoning": "rs"}.get(kind, "item")))
+        items.append(item)
+    return items
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -259,11 +291,14 @@ class ResponsesRoutes:
     def __init__(self, state, store: ResponseStore | None = None):
         self.state = state
         self.store = store or ResponseStore()
+        self.running: dict[str, tuple[Generation, asyncio.Task]] = {}  # background responses still generating
 
     def register(self, router: Router) -> None:
         router.add("POST", "/v1/responses", self.create, admit=True)
         router.add("GET", "/v1/responses/{response_id}", self.retrieve)
         router.add("DELETE", "/v1/responses/{response_id}", self.delete)
+        router.add("POST", "/v1/responses/{response_id}/cancel", self.cancel)
+        router.add("GET", "/v1/responses/{response_id}/input_items", self.list_input_items)
 
     async def retrieve(self, request: Request) -> Response:
         item = self.store.get(request.params["response_id"])
@@ -273,9 +308,58 @@ class ResponsesRoutes:
 
     async def delete(self, request: Request) -> Response:
         rid = request.params["response_id"]
+        item = self.store.get(rid)
+        if item is not None and rid in self.running:  # a background response deleted while it runs stops, unstored
+            item[0]["store"] = False
+            self.running[rid][0].cancel()
         if not self.store.delete(rid):
             raise _not_found(rid)
         return Response.json({"id": rid, "object": "response", "deleted": True})
+
+    async def cancel(self, request: Request) -> Response:
+        rid = request.params["response_id"]
+        item = self.store.get(rid)
+        if item is None:
+            raise _not_found(rid)
+        resp = item[0]
+        if not resp.get("background"):
+            raise _bad("response_id", "only a background response can be cancelled")
+        running = self.running.get(rid)
+        if running is not None:
+            gen, task = running
+            resp["status"] = "cancelled"
+            gen.cancel()
+            # The model request ends at its next step; the answer then holds what it had generated.
+            await asyncio.wait([task], timeout=30.0)
+        elif resp["status"] != "cancelled":
+            raise _bad("response_id", f"the response has ended ({resp['status']}); it cannot be cancelled")
+        return Response.json(resp)
+
+    async def list_input_items(self, request: Request) -> Response:
+        rid = request.params["response_id"]
+        item = self.store.get(rid)
+        if item is None:
+            raise _not_found(rid)
+        q = request.query
+        order = q.get("order", ["desc"])[0]
+        if order not in ("asc", "desc"):
+            raise _bad("order", "must be 'asc' or 'desc'")
+        try:
+            limit = int(q.get("limit", ["20"])[0])
+        except ValueError:
+            raise _bad("limit", "must be an integer") from None
+        if not 1 <= limit <= 100:
+            raise _bad("limit", "must be between 1 and 100")
+        items = list(item[2]) if order == "asc" else list(reversed(item[2]))
+        after = q.get("after", [None])[0]
+        if after:
+            ids = [i["id"] for i in items]
+            if after not in ids:
+                raise _bad("after", f"names no input item of this response ({after!r})")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return Response.json({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     async def create(self, request: Request):
         body = json_object(request)
@@ -300,6 +384,13 @@ class ResponsesRoutes:
             raise _bad("tool_choice", "a forced tool call cannot be combined with 'text.format'")
         store = _boolean(body, "store", default=True)
         stream = _boolean(body, "stream")
+        background = _boolean(body, "background")
+        if background and not store:
+            raise _bad("background", "needs 'store' true: a background response is fetched by its id")
+        if background and stream:
+            raise _bad("stream", "cannot be combined with 'background' here: create the response, then poll "
+                       "GET /v1/responses/{id}", ErrorKind.UNSUPPORTED)
+        items = input_items(body.get("input"))
         offered = tools if choice != "none" else None
         rendered = await self.state.prepare_chat(messages, tools=offered, **_template_kwargs(body))
         # A forced call needs no tool format in the template: the grammar produces it.
@@ -311,8 +402,16 @@ class ResponsesRoutes:
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
                               stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
-        gen = self.state.start([req], (), skip_special_tokens=shape.skip_special_tokens)
-        request.disconnected.add_callback(gen.cancel)
+        # A background response holds a permit of its own until it ends (this request's goes with its answer).
+        release = self.state.admit(request) if background else None
+        try:
+            gen = self.state.start([req], (), skip_special_tokens=shape.skip_special_tokens)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if not background:
+            request.disconnected.add_callback(gen.cancel)
         resp = {
             "id": _item_id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": instructions,
@@ -323,11 +422,26 @@ class ResponsesRoutes:
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": choice, "tools": body.get("tools") or [], "top_p": options.top_p,
             "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},
+            "background": background,
         }
         logprobs = options.logprobs is not None
+        if store:
+            self.store.put(resp, conversation, items)  # found by id while it runs (background) or streams
         if stream:
             return StreamingResponse(lambda w: self._stream(gen, w, shape, resp, conversation, logprobs),
                                      headers=[("cache-control", "no-cache")])
+        if background:
+            resp["status"] = "queued"
+            answer = json.loads(json.dumps(resp))  # as it stands now; the task goes on changing resp
+            task = asyncio.get_running_loop().create_task(self._background(gen, shape, resp, conversation, logprobs,
+                                                                           release))
+            self.running[resp["id"]] = (gen, task)
+            return Response.json(answer)
+        out, finish = await self._collect(gen, shape, logprobs)
+        self._finish(resp, out, gen, finish, conversation)
+        return Response.json(resp)
+
+    async def _collect(self, gen: Generation, shape: OutputShape, logprobs: bool) -> tuple[_Output, str]:
         ((text, _ids, lps, finish),) = await gen.collect()
         parsed, calls = shape.parse(text)
         out = _Output()
@@ -340,16 +454,34 @@ class ResponsesRoutes:
                 part["logprobs"] = token_logprobs(self.state.frontend, lps)
         for i, c in enumerate(calls):
             out.call_item(i, c.id, c.name)["arguments"] = c.arguments
-        self._finish(resp, out, gen, finish, conversation)
-        return Response.json(resp)
+        return out, finish
+
+    async def _background(self, gen: Generation, shape: OutputShape, resp: dict, conversation: list[dict],
+                          logprobs: bool, release) -> None:
+        """A background response's generation, its result stored as each stage ends."""
+        try:
+            if resp["status"] == "queued":
+                resp["status"] = "in_progress"
+            out, finish = await self._collect(gen, shape, logprobs)
+            self._finish(resp, out, gen, "cancelled" if resp["status"] == "cancelled" else finish, conversation)
+        except Exception as exc:  # noqa: BLE001 - the failure is the response's result
+            gen.cancel()
+            err = json.loads(error_response(exc).body)["error"]
+            resp["status"] = "failed"
+            resp["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
+        finally:
+            self.running.pop(resp["id"], None)
+            release()
 
     def _finish(self, resp: dict, out: _Output, gen: Generation, finish: str, conversation: list[dict]) -> None:
         for item in out.items:
             if "status" in item:
-                item["status"] = "completed" if finish != "length" else "incomplete"
+                item["status"] = "completed" if finish not in ("length", "cancelled") else "incomplete"
         resp["output"] = out.items
         resp["usage"] = _usage(gen)
-        if finish == "length":
+        if finish == "cancelled":
+            resp["status"] = "cancelled"
+        elif finish == "length":
             resp["status"] = "incomplete"
             resp["incomplete_details"] = {"reason": "max_output_tokens"}
         else:
@@ -467,6 +599,8 @@ class ResponsesRoutes:
                         response=resp)
         except ClientDisconnected:
             gen.cancel()
+            if resp["status"] == "in_progress":
+                resp["status"] = "cancelled"  # as stored: the client went away before it ended
         except Exception as exc:  # the stream has started: a response.failed event ends it
             gen.cancel()
             err = json.loads(error_response(exc).body)["error"]

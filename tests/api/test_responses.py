@@ -140,3 +140,78 @@ def test_truncated_call_can_still_be_continued(client):
     r2 = client.responses.create(model="tiny", previous_response_id=r.id, temperature=0, max_output_tokens=40,
                                  reasoning={"effort": "none"}, input="Never mind.")
     assert r2.status == "completed" and r2.output_text == ANSWER
+
+
+def _poll(client, rid: str, timeout_s: float = 30.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress"):
+            return r
+        assert time.monotonic() < deadline, r.status
+        time.sleep(0.02)
+
+
+def test_a_background_response_is_polled_to_its_end(client):
+    r = client.responses.create(model="tiny", input=QUESTION, temperature=0, reasoning={"effort": "none"},
+                                background=True)
+    assert r.status == "queued" and r.background and r.output == []
+    done = _poll(client, r.id)
+    assert done.status == "completed" and done.output_text == ANSWER and done.usage.output_tokens == 2
+    # it continues a conversation like any stored response
+    follow = client.responses.create(model="tiny", input="And tomorrow?", previous_response_id=r.id, temperature=0,
+                                     reasoning={"effort": "none"})
+    assert follow.status == "completed"
+    with pytest.raises(openai.BadRequestError, match="ended"):
+        client.responses.cancel(r.id)
+    with pytest.raises(openai.BadRequestError, match="only a background"):
+        client.responses.cancel(follow.id)
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(model="tiny", input=QUESTION, background=True, store=False)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.create(model="tiny", input=QUESTION, background=True, stream=True)
+
+
+def test_cancelling_a_background_response_keeps_what_it_made(tiny_core_daemon):
+    """On the random-weight tiny model (its greedy answer runs to the context's end), cancelled at once."""
+    tiny = openai.OpenAI(base_url=tiny_core_daemon.base + "/v1", api_key="unused", max_retries=0)
+    model = tiny.models.list().data[0].id
+    r = tiny.responses.create(model=model, input="hello", temperature=0, max_output_tokens=200, background=True)
+    cancelled = tiny.responses.cancel(r.id)
+    assert cancelled.status == "cancelled"
+    done = _poll(tiny, r.id)
+    assert done.status == "cancelled" and done.usage.output_tokens < 200
+    assert tiny.responses.cancel(r.id).status == "cancelled"  # again: the same answer
+    # deleted while it runs: it stops and stays deleted
+    r2 = tiny.responses.create(model=model, input="hello again", temperature=0, max_output_tokens=200, background=True)
+    tiny.responses.delete(r2.id)
+    with pytest.raises(openai.NotFoundError):
+        tiny.responses.retrieve(r2.id)
+    full = _poll(tiny, tiny.responses.create(model=model, input="hello", temperature=0, max_output_tokens=200,
+                                             background=True).id)
+    assert full.status == "incomplete" and full.usage.output_tokens == 200
+    import time
+
+    time.sleep(0.3)
+    with pytest.raises(openai.NotFoundError):
+        tiny.responses.retrieve(r2.id)
+
+
+def test_input_items_list_the_request_s_own_input(client):
+    r = client.responses.create(model="tiny", temperature=0, reasoning={"effort": "none"}, input=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "input_text",
+                                                                                 "text": QUESTION}]}])
+    items = client.responses.input_items.list(r.id)
+    assert [i.role for i in items.data] == ["user", "system"]  # newest first
+    assert items.data[0].content[0].text == QUESTION and items.data[1].content[0].text == "Be brief."
+    asc = client.responses.input_items.list(r.id, order="asc", limit=1)
+    assert [i.role for i in asc.data] == ["system"] and asc.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=asc.data[0].id)
+    assert [i.role for i in rest.data] == ["user"] and not rest.has_more
+    plain = client.responses.create(model="tiny", input=QUESTION, temperature=0, reasoning={"effort": "none"})
+    (only,) = client.responses.input_items.list(plain.id).data
+    assert only.role == "user" and only.content[0].text == QUESTION and only.id.startswith("msg_")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
