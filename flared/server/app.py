@@ -71,6 +71,7 @@ class ServingState:
         self.fim = fim_tokens(frontend.tokenizer)
         # The Files and Batch APIs' store and running batches (flared.server.batch_routes), set by build_router.
         self.batches = None
+        self.message_batches = None  # Anthropic's Message Batches (flared.server.message_batches)
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -231,8 +232,9 @@ class ServingState:
                           skip_special_tokens=skip_special_tokens, include_stop_str=include_stop_str)
 
     def close(self) -> None:
-        if self.batches is not None:
-            self.batches.close()
+        for batches in (self.batches, self.message_batches):
+            if batches is not None:
+                batches.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -279,6 +281,10 @@ def build_router(state: ServingState) -> Router:
 
     state.batches = BatchRoutes(state, router)  # its lines run through the routes above
     state.batches.register(router)
+    from flared.server.message_batches import MessageBatchRoutes
+
+    state.message_batches = MessageBatchRoutes(state, router)
+    state.message_batches.register(router)
     return router
 
 

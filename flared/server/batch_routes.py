@@ -153,6 +153,47 @@ def _page(items: list, query: dict, *, limit_max: int, default: int) -> tuple[li
     return items[:limit], len(items) > limit
 
 
+async def dispatch(state, router: Router, url: str, body: dict, *,
+                   error=error_response) -> tuple[int, Any, str | None]:
+    """One batch line through its route's handler, with the route's admission: (status, body, request id).
+    ``error`` renders a failure before the handler answers (the route's own error shape)."""
+    if body.get("stream"):
+        return 400, json.loads(error(AdmissionError("'stream' is not available in a batch")).body), None
+    loop = asyncio.get_running_loop()
+    request = Request("POST", url.encode(), url, b"", [(b"content-type", b"application/json")], b"1.1", None,
+                      Disconnect(loop))
+    request.body = json.dumps(body).encode()
+    release = None
+    try:
+        route, request.params = router.resolve("POST", url)
+        # Wait for room (a 429) or for admission to resume (paused: a 503), as a client would retry; at
+        # shutdown the daemon cancels the batch instead.
+        while route.admit:
+            try:
+                release = state.admit(request)
+                break
+            except FlareError as exc:
+                if exc.kind not in (ErrorKind.HTTP_CAPACITY, ErrorKind.UNAVAILABLE):
+                    raise
+                await asyncio.sleep(0.05)
+        response = await route.handler(request)
+        if isinstance(response, StreamingResponse):
+            raise HttpError(500, "the route answered a stream in a batch", code="internal_error")
+    except Exception as exc:  # noqa: BLE001 - every failure becomes that line's error answer
+        response = error(exc)
+    finally:
+        if release is not None:
+            release()
+    rid = next((v.decode("latin-1") for k, v in response.headers if k == b"x-request-id"), None)
+    try:
+        answer = json.loads(response.body) if response.body else None
+    except ValueError:
+        answer = response.body.decode("utf-8", "replace")
+    if rid is None and isinstance(answer, dict) and isinstance(answer.get("id"), str):
+        rid = answer["id"]
+    return response.status, answer, rid
+
+
 class BatchRoutes:
     def __init__(self, state, router: Router):
         self.state = state
@@ -337,42 +378,7 @@ class BatchRoutes:
         return lines
 
     async def _dispatch(self, url: str, body: dict) -> tuple[int, Any, str | None]:
-        """One line through its route's handler, with the route's admission: (status, body, request id)."""
-        if body.get("stream"):
-            return 400, json.loads(error_response(AdmissionError("'stream' is not available in a batch")).body), None
-        loop = asyncio.get_running_loop()
-        request = Request("POST", url.encode(), url, b"", [(b"content-type", b"application/json")], b"1.1", None,
-                          Disconnect(loop))
-        request.body = json.dumps(body).encode()
-        release = None
-        try:
-            route, request.params = self.router.resolve("POST", url)
-            # Wait for room (a 429) or for admission to resume (paused: a 503), as a client would retry; at
-            # shutdown the daemon cancels the batch instead.
-            while route.admit:
-                try:
-                    release = self.state.admit(request)
-                    break
-                except FlareError as exc:
-                    if exc.kind not in (ErrorKind.HTTP_CAPACITY, ErrorKind.UNAVAILABLE):
-                        raise
-                    await asyncio.sleep(0.05)
-            response = await route.handler(request)
-            if isinstance(response, StreamingResponse):
-                raise HttpError(500, "the route answered a stream in a batch", code="internal_error")
-        except Exception as exc:  # noqa: BLE001 - every failure becomes that line's error answer
-            response = error_response(exc)
-        finally:
-            if release is not None:
-                release()
-        rid = next((v.decode("latin-1") for k, v in response.headers if k == b"x-request-id"), None)
-        try:
-            answer = json.loads(response.body) if response.body else None
-        except ValueError:
-            answer = response.body.decode("utf-8", "replace")
-        if rid is None and isinstance(answer, dict) and isinstance(answer.get("id"), str):
-            rid = answer["id"]
-        return response.status, answer, rid
+        return await dispatch(self.state, self.router, url, body)
 
     async def _run(self, b: Batch, data: bytes) -> None:
         lines = self._validate(b, data)
