@@ -135,8 +135,9 @@ def parse_multipart(content_type: str | None, body: bytes) -> dict[str, tuple[st
     return fields
 
 
-def _page(items: list, query: dict, *, limit_max: int, default: int) -> tuple[list, bool]:
-    """``items`` (in listing order) after the ``after`` id, at most ``limit``; and whether more follow."""
+def _listing(items: list, query: dict, *, limit_max: int, default: int) -> Response:
+    """OpenAI's list answer over ``items`` (each with ``id`` and ``describe()``, in listing order): those after the
+    ``after`` id, at most ``limit``."""
     after = query.get("after", [None])[0]
     raw = query.get("limit", [str(default)])[0]
     try:
@@ -150,7 +151,9 @@ def _page(items: list, query: dict, *, limit_max: int, default: int) -> tuple[li
         if after not in ids:
             raise _bad("after", f"names no listed object ({after!r})")
         items = items[ids.index(after) + 1:]
-    return items[:limit], len(items) > limit
+    page = items[:limit]
+    return Response.json({"object": "list", "data": [x.describe() for x in page], "has_more": len(items) > limit,
+                          "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
 
 
 async def dispatch(state, router: Router, url: str, body: dict, *,
@@ -254,9 +257,7 @@ class BatchRoutes:
         items = [f for f in self.files.values() if purpose is None or f.purpose == purpose]
         if order == "desc":
             items.reverse()
-        page, more = _page(items, request.query, limit_max=10_000, default=10_000)
-        return Response.json({"object": "list", "data": [f.describe() for f in page], "has_more": more,
-                              "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
+        return _listing(items, request.query, limit_max=10_000, default=10_000)
 
     async def get_file(self, request: Request) -> Response:
         return Response.json(self._file(request.params["file_id"]).describe())
@@ -311,10 +312,7 @@ class BatchRoutes:
         return Response.json(b.describe())
 
     async def list_batches(self, request: Request) -> Response:
-        items = list(self.batches.values())[::-1]
-        page, more = _page(items, request.query, limit_max=100, default=20)
-        return Response.json({"object": "list", "data": [b.describe() for b in page], "has_more": more,
-                              "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
+        return _listing(list(self.batches.values())[::-1], request.query, limit_max=100, default=20)
 
     async def get_batch(self, request: Request) -> Response:
         return Response.json(self._batch(request.params["batch_id"]).describe())
@@ -381,7 +379,8 @@ class BatchRoutes:
         return await dispatch(self.state, self.router, url, body)
 
     async def _run(self, b: Batch, data: bytes) -> None:
-        lines = self._validate(b, data)
+        # Parsing a large file (up to 200 MB) is a worker thread's job, not the event loop's.
+        lines = await asyncio.get_running_loop().run_in_executor(None, self._validate, b, data)
         if lines is None:
             b.status = "failed"
             b.times["failed_at"] = int(time.time())
