@@ -123,6 +123,91 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     sys.exit(code)
 
 
+@main.command("run-batch")
+@click.argument("core", required=False)
+@click.option("-i", "--input", "input_path", required=True,
+              help="JSONL file of requests, one {custom_id, method: POST, url, body} a line ('-': stdin).")
+@click.option("-o", "--output", "output_path", required=True,
+              help="Where the results go, one a line in input order ('-': stdout).")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), default=None, help="TOML config file.")
+@click.option("--max-active", type=int, default=None, help="Requests run at once (default: the core's concurrency).")
+@click.option("--served-name", "served_names", multiple=True, help="Extra model name the lines may use.")
+@click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Embedded default model only: the dtype to export it in.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+              show_default=True)
+def run_batch(core, input_path, output_path, config_path, max_active, served_names, torch_threads, cache_dir, dtype,
+              log_level):
+    """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results.
+
+    Each line's url is /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/rerank,
+    /v1/score or /v1/messages; each result line is {id, custom_id, response: {status_code, request_id, body},
+    error}. A file that is not such lines runs nothing and exits 1, naming each bad line."""
+    from flared.config import ServerConfig
+
+    try:
+        config = ServerConfig.from_toml(config_path) if config_path else ServerConfig()
+        overrides = {k: v for k, v in dict(max_active=max_active, torch_threads=torch_threads).items()
+                     if v is not None}
+        if served_names:
+            overrides["served_names"] = tuple(served_names)
+        # serve nothing outside: an ephemeral loopback port, no admin socket, no port file
+        config = dataclasses.replace(config, host="127.0.0.1", port=0, port_file=None, admin_socket=None,
+                                     api_key=None, api_key_file=None, log_level=log_level, **overrides)
+    except FlareError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    configure_logging(config.log_level, "plain")
+    try:
+        data = sys.stdin.buffer.read() if input_path == "-" else Path(input_path).read_bytes()
+    except OSError as e:
+        click.echo(f"error: cannot read {input_path}: {e}", err=True)
+        sys.exit(2)
+    try:
+        if core is None:
+            from flared.cli.ctl import default_cache_dir
+            from flared.core.default import ensure_default_core
+
+            core = ensure_default_core(cache_dir or default_cache_dir(), dtype)
+        from flared.runtime.session import LoadedSession
+
+        session = LoadedSession.load(Path(core), config)
+        code = asyncio.run(_run_batch_async(session, data, output_path))
+    except FlareError as e:
+        log.error("%s", e)
+        sys.exit(1)
+    sys.exit(code)
+
+
+async def _run_batch_async(session, data: bytes, output_path: str) -> int:
+    from flared.server.batch_routes import jsonl, run_offline
+
+    serving = await session.start()
+    try:
+        def report(done: int, total: int) -> None:
+            click.echo(f"run-batch: {done}/{total} requests done", err=True)
+
+        rows, errors = await run_offline(serving.state.batches, data, report=report)
+    finally:
+        await serving.close(0.0)
+    if errors is not None:
+        for e in errors:
+            click.echo(f"error: line {e['line']}: {e['message']} ({e['code']})", err=True)
+        return 1
+    out = jsonl(rows)
+    if output_path == "-":
+        sys.stdout.buffer.write(out)
+        sys.stdout.flush()
+    else:
+        Path(output_path).write_bytes(out)
+    ok = sum(1 for r in rows if r["response"] is not None and 200 <= r["response"]["status_code"] < 300)
+    click.echo(f"run-batch: {len(rows)} requests, {ok} answered 2xx, {len(rows) - ok} not; results in "
+               f"{output_path}", err=True)
+    return 0
+
+
 # Each startup stage asks systemd for this much more time (EXTEND_TIMEOUT_USEC),
 # so a long weight load or graph capture is not killed by TimeoutStartSec.
 STARTUP_STAGE_EXTEND_S = 300.0

@@ -45,6 +45,8 @@ FILE_LIMIT_BYTES = 200 * 1000 * 1000  # OpenAI's limit on a batch input file
 STORE_LIMIT_BYTES = 1 << 30
 MAX_BATCH_LINES = 50_000  # OpenAI's limit on requests in one batch
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# what a line of an offline file (flared run-batch) may name, each its own, as vLLM's run-batch takes them
+OFFLINE_ENDPOINTS = ENDPOINTS + ("/v1/rerank", "/v1/score", "/v1/messages")
 PURPOSES = ("batch", "assistants", "fine-tune", "vision", "user_data", "evals")
 WINDOW_S = 24 * 3600  # the one completion window OpenAI offers, "24h"
 _FINAL = ("completed", "failed", "expired", "cancelled")
@@ -52,6 +54,10 @@ _FINAL = ("completed", "failed", "expired", "cancelled")
 
 def _id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows).encode()
 
 
 def _bad(param: str, message: str) -> AdmissionError:
@@ -83,7 +89,7 @@ class StoredFile:
 @dataclass
 class Batch:
     id: str
-    endpoint: str
+    endpoint: str | None  # None: an offline file whose lines each name their url
     input_file_id: str
     metadata: dict | None
     created_at: int
@@ -93,6 +99,7 @@ class Batch:
     error_file_id: str | None = None
     times: dict = field(default_factory=dict)  # in_progress_at, finalizing_at, completed_at, ...
     total: int = 0
+    expired: bool = False  # the window ended before every line had started
     completed: int = 0
     failed: int = 0
     task: asyncio.Task | None = None
@@ -360,7 +367,11 @@ class BatchRoutes:
                 seen.add(custom_id)
             if item.get("method", "POST") != "POST":
                 bad(number, "invalid_method", f"line {number}: method must be POST", "method")
-            if item.get("url") != b.endpoint:
+            if b.endpoint is None:  # an offline file (flared run-batch): each line names its own
+                if item.get("url") not in OFFLINE_ENDPOINTS:
+                    bad(number, "invalid_url", f"line {number}: url {item.get('url')!r} is not one of "
+                        f"{', '.join(OFFLINE_ENDPOINTS)}", "url")
+            elif item.get("url") != b.endpoint:
                 bad(number, "invalid_url", f"line {number}: url {item.get('url')!r} is not the batch's endpoint "
                     f"{b.endpoint!r}", "url")
             if not isinstance(item.get("body"), dict):
@@ -385,6 +396,20 @@ class BatchRoutes:
             b.status = "failed"
             b.times["failed_at"] = int(time.time())
             return
+        rows = await self.execute(b, lines)
+        out = [r for r in rows if r["response"] is not None and 200 <= r["response"]["status_code"] < 300]
+        err = [r for r in rows if not (r["response"] is not None and 200 <= r["response"]["status_code"] < 300)]
+        if out:
+            b.output_file_id = self._add_file(f"{b.id}_output.jsonl", "batch_output", jsonl(out)).id
+        if err:
+            b.error_file_id = self._add_file(f"{b.id}_error.jsonl", "batch_output", jsonl(err)).id
+        b.status = "cancelled" if b.status == "cancelling" else "expired" if b.expired else "completed"
+        b.times[f"{b.status}_at"] = int(time.time())
+
+    async def execute(self, b: Batch, lines: list[dict]) -> list[dict]:
+        """Run ``lines`` (validated, each with its ``url``): one result row each, in input order, a line never
+        started (cancelled, or past the window) with its ``error``. ``b`` counts them as they end and leaves
+        ``status`` cancelling or finalizing (``expired`` set where the window ended first)."""
         b.total = len(lines)
         b.status = "in_progress"
         b.times["in_progress_at"] = int(time.time())
@@ -400,7 +425,7 @@ class BatchRoutes:
                 i = next_line
                 next_line += 1
                 item = lines[i]
-                status, answer, rid = await self._dispatch(b.endpoint, item["body"])
+                status, answer, rid = await self._dispatch(item["url"], item["body"])
                 results[i] = {"id": _id("batch_req_"), "custom_id": item["custom_id"],
                               "response": {"status_code": status, "request_id": rid or _id("req_"), "body": answer},
                               "error": None}
@@ -412,36 +437,41 @@ class BatchRoutes:
         try:
             await asyncio.gather(*(worker() for _ in range(min(concurrency, len(lines)))))
         finally:
-            b.status = "finalizing" if b.status == "in_progress" else b.status
+            if b.status == "in_progress":
+                b.expired = time.time() >= b.expires_at
+                b.status = "finalizing"
             b.times["finalizing_at"] = int(time.time())
-            ended = "cancelled" if b.status == "cancelling" else "expired" if time.time() >= b.expires_at else None
-            out, err = [], []
-            for item, result in zip(lines, results):
-                if result is None:  # never started: cancelled or past the window
-                    code = "batch_cancelled" if ended == "cancelled" else "batch_expired"
-                    result = {"id": _id("batch_req_"), "custom_id": item["custom_id"], "response": None,
-                              "error": {"code": code, "message": "the batch was cancelled before this request ran"
-                                        if code == "batch_cancelled" else "the batch's window ended before this "
-                                        "request ran"}}
-                    err.append(result)
-                elif 200 <= result["response"]["status_code"] < 300:
-                    out.append(result)
-                else:
-                    err.append(result)
-
-            def jsonl(rows: list[dict]) -> bytes:
-                return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
-                               for r in rows).encode()
-
-            if out:
-                b.output_file_id = self._add_file(f"{b.id}_output.jsonl", "batch_output", jsonl(out)).id
-            if err:
-                b.error_file_id = self._add_file(f"{b.id}_error.jsonl", "batch_output", jsonl(err)).id
-            b.status = ended or "completed"
-            b.times[f"{b.status}_at"] = int(time.time())
+        rows = []
+        for item, result in zip(lines, results):
+            if result is None:
+                cancelled = b.status == "cancelling"
+                result = {"id": _id("batch_req_"), "custom_id": item["custom_id"], "response": None,
+                          "error": {"code": "batch_cancelled" if cancelled else "batch_expired",
+                                    "message": "the batch was cancelled before this request ran" if cancelled
+                                    else "the batch's window ended before this request ran"}}
+            rows.append(result)
+        return rows
 
     def close(self) -> None:
         """Stop every running batch (the daemon is shutting down)."""
         for b in self.batches.values():
             if b.task is not None and not b.task.done():
                 b.task.cancel()
+
+
+async def run_offline(batches: BatchRoutes, data: bytes, *, report=None,
+                      report_every_s: float = 5.0) -> tuple[list[dict] | None, list[dict] | None]:
+    """An offline batch file (flared run-batch): each line's ``url`` one of OFFLINE_ENDPOINTS. Returns (result rows
+    in input order, None), or (None, the file's errors) when it is not such lines. ``report(done, total)`` is
+    called every ``report_every_s`` while it runs."""
+    b = Batch(_id("batch_"), None, "", None, int(time.time()))
+    lines = await asyncio.get_running_loop().run_in_executor(None, batches._validate, b, data)
+    if lines is None:
+        return None, b.errors
+    run = asyncio.ensure_future(batches.execute(b, lines))
+    while not run.done():
+        await asyncio.wait([run], timeout=report_every_s)
+        if report is not None and not run.done():
+            report(b.completed + b.failed, len(lines))
+    return run.result(), None
+

@@ -169,3 +169,34 @@ def test_an_upload_may_exceed_the_json_routes_body_limit(client, daemon):
     with pytest.raises(openai.APIStatusError) as too_big:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * (3 << 20)}])
     assert too_big.value.status_code == 413
+
+
+def test_flared_run_batch_runs_a_file_offline(tool_core, tmp_path):
+    """`flared run-batch -i in.jsonl -o out.jsonl CORE`, as vLLM's run-batch: each line names its own url; the
+    results come back one a line in input order, errors included; a file that is not such lines runs nothing."""
+    import subprocess
+    import sys
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "temperature": 0, "max_tokens": 8, "chat_template_kwargs": NO_THINK}
+    lines = [_line("chat", "/v1/chat/completions", chat),
+             _line("emb", "/v1/embeddings", {"model": "tiny", "input": "hello"}),
+             _line("cmpl", "/v1/completions", {"model": "tiny", "prompt": "Sing: la", "max_tokens": 3,
+                                               "temperature": 0}),
+             _line("bad", "/v1/chat/completions", {**chat, "temperature": -1})]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable, "-m", "flared.cli.daemon", "run-batch", "-i", str(src), "-o", str(out), "--served-name",
+           "tiny", str(tool_core)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in rows] == ["chat", "emb", "cmpl", "bad"]
+    assert [r["response"]["status_code"] for r in rows] == [200, 200, 200, 400]
+    assert rows[0]["response"]["body"]["choices"][0]["message"]["content"] == ANSWER
+    assert len(rows[1]["response"]["body"]["data"][0]["embedding"]) > 0
+    assert rows[2]["response"]["body"]["choices"][0]["text"] == " la" * 3
+    assert "4 requests, 3 answered 2xx" in done.stderr
+    src.write_text(lines[0] + "\n" + _line("x", "/v1/models", {}) + "\n")
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "line 2" in bad.stderr and "invalid_url" in bad.stderr
