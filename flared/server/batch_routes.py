@@ -355,6 +355,9 @@ class BatchRoutes:
             except json.JSONDecodeError as exc:
                 bad(number, "invalid_json_line", f"line {number} is not JSON: {exc.msg}")
                 continue
+            except (RecursionError, ValueError):
+                bad(number, "invalid_json_line", f"line {number} is nested too deeply or holds an invalid number")
+                continue
             if not isinstance(item, dict):
                 bad(number, "invalid_json_line", f"line {number} is not a JSON object")
                 continue
@@ -391,7 +394,12 @@ class BatchRoutes:
 
     async def _run(self, b: Batch, data: bytes) -> None:
         # Parsing a large file (up to 200 MB) is a worker thread's job, not the event loop's.
-        lines = await asyncio.get_running_loop().run_in_executor(None, self._validate, b, data)
+        try:
+            lines = await asyncio.get_running_loop().run_in_executor(None, self._validate, b, data)
+        except Exception as exc:  # noqa: BLE001 - a batch never stays validating
+            b.errors = [{"code": "invalid_file", "message": f"the file could not be read: {type(exc).__name__}",
+                         "param": None, "line": None}]
+            lines = None
         if lines is None:
             b.status = "failed"
             b.times["failed_at"] = int(time.time())

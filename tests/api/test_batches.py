@@ -200,3 +200,10 @@ def test_flared_run_batch_runs_a_file_offline(tool_core, tmp_path):
     src.write_text(lines[0] + "\n" + _line("x", "/v1/models", {}) + "\n")
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "line 2" in bad.stderr and "invalid_url" in bad.stderr
+
+
+def test_a_deeply_nested_line_fails_the_batch_cleanly(client):
+    f = _upload(client, ['{"custom_id": "a", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+    done = _wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                               completion_window="24h").id)
+    assert done.status == "failed" and done.errors.data[0].code == "invalid_json_line"
