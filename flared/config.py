@@ -76,6 +76,9 @@ class ServerConfig:
     # vLLM's per-request chat_template: a request may bring its own Jinja chat template (rendered in the same
     # sandbox as the model's). Off by default, as vLLM's --trust-request-chat-template: a 400 names this key.
     trust_request_chat_template: bool = False
+    # The chat template to serve instead of the core's own (vLLM's --chat-template, llama.cpp's
+    # --chat-template-file): a path to a Jinja file, or the template text itself where it is no file's path.
+    chat_template: str | None = None
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -117,6 +120,11 @@ class ServerConfig:
         need(self.reasoning_parser in ("auto", "none", "think", "mistral"), "reasoning_parser",
              "must be one of auto, none, think, mistral")
         need(self.embedding_pooling in ("last", "mean"), "embedding_pooling", "must be one of last, mean")
+        need(self.chat_template is None or (isinstance(self.chat_template, str) and bool(self.chat_template)),
+             "chat_template", "must be a nonempty path or template text")
+        if self.chat_template is not None and "{{" not in self.chat_template and "{%" not in self.chat_template:
+            need(Path(self.chat_template).expanduser().is_file(), "chat_template",
+                 f"{self.chat_template[:200]!r} is neither a file nor a Jinja template")
 
     def with_secrets(self) -> "ServerConfig":
         """The config with api_key read from api_key_file (first line, stripped)."""

@@ -67,11 +67,13 @@ def main() -> None:
               help="Admin Unix socket for flarectl (default $XDG_RUNTIME_DIR/flared/admin.sock).")
 @click.option("--no-admin-socket", is_flag=True, default=False, help="Serve no admin socket.")
 @click.option("--no-dashboard", is_flag=True, default=False, help="Plain logs even on a terminal.")
+@click.option("--chat-template", default=None,
+              help="Serve this chat template instead of the core's: a Jinja file, or the template text itself.")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
-        admin_socket, no_admin_socket, no_dashboard, debug_fail_after_steps):
+        admin_socket, no_admin_socket, no_dashboard, chat_template, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -80,7 +82,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         overrides = {k: v for k, v in dict(
             host=host, port=port, port_file=port_file, api_key=api_key, queue_capacity=queue_capacity,
             max_active=max_active, frontend_workers=frontend_workers, torch_threads=torch_threads,
-            log_level=log_level, log_format=log_format, admin_socket=admin_socket).items() if v is not None}
+            log_level=log_level, log_format=log_format, admin_socket=admin_socket,
+            chat_template=chat_template).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if no_prefix_cache:
@@ -132,14 +135,16 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None, help="TOML config file.")
 @click.option("--max-active", type=int, default=None, help="Requests run at once (default: the core's concurrency).")
 @click.option("--served-name", "served_names", multiple=True, help="Extra model name the lines may use.")
+@click.option("--chat-template", default=None,
+              help="Use this chat template instead of the core's: a Jinja file, or the template text itself.")
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="Embedded default model only: the dtype to export it in.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
-def run_batch(core, input_path, output_path, config_path, max_active, served_names, torch_threads, cache_dir, dtype,
-              log_level):
+def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
+              cache_dir, dtype, log_level):
     """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results.
 
     Each line's url is /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/rerank,
@@ -149,8 +154,8 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
 
     try:
         config = ServerConfig.from_toml(config_path) if config_path else ServerConfig()
-        overrides = {k: v for k, v in dict(max_active=max_active, torch_threads=torch_threads).items()
-                     if v is not None}
+        overrides = {k: v for k, v in dict(max_active=max_active, torch_threads=torch_threads,
+                                           chat_template=chat_template).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         # serve nothing outside: an ephemeral loopback port, no admin socket, no port file

@@ -17,10 +17,12 @@ that ties the whole stack together. Loading writes nothing to the terminal;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -144,12 +146,13 @@ class LoadedSession:
             eos_token=t.eos_token, eos_token_id=t.eos_token_ids[0] if t.eos_token else None,
             add_bos_token=t.add_bos_token)
         template = core.path / m.chat_template if m.chat_template else None
+        template_sha256 = m.assets[m.chat_template].sha256 if m.chat_template else None
         progress.report("loading frontend", m.model_name)
-        frontend = Frontend.load(
-            core.tokenizer_path, template,
-            tokenizer_sha256=m.assets[m.tokenizer].sha256,
-            template_sha256=m.assets[m.chat_template].sha256 if m.chat_template else None,
-            settings=settings)
+        with _served_template(config.chat_template) as override:
+            if override is not None:  # the operator's template in place of the core's (no digest to check)
+                template, template_sha256 = override, None
+            frontend = Frontend.load(core.tokenizer_path, template, tokenizer_sha256=m.assets[m.tokenizer].sha256,
+                                     template_sha256=template_sha256, settings=settings)
         runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
                                fail_after_steps=fail_after_steps, **_policy_kwargs(config))
         return cls(core=core, config=config, frontend=frontend, runtime=runtime, progress=progress)
@@ -303,6 +306,27 @@ class ServingSession:
             await self.admin.close(0.5)
             _unlink_quietly(self.admin_path)
         self.state.close()
+
+
+@contextlib.contextmanager
+def _served_template(value: str | None):
+    """ServerConfig.chat_template as a file the frontend can load: the path itself, or the template text (the
+    config checked it is one) in a temporary file, removed once loaded; None where none replaces the core's."""
+    if value is None:
+        yield None
+        return
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except OSError:  # a template's text can be too long to be a path
+        is_file = False
+    if is_file:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="flared-template-") as tmp:
+        inline = Path(tmp) / "chat_template.jinja"
+        inline.write_text(value, encoding="utf-8")
+        yield inline
 
 
 def bind_admin_socket(path: Path, group: str | None = None) -> socket.socket:
