@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flared.errors import AdmissionError
 from flared.server.batch_routes import parse_multipart
@@ -49,3 +51,15 @@ def test_what_the_openai_sdk_sends():
 def test_malformed_bodies_are_400s(content_type, body, message):
     with pytest.raises(AdmissionError, match=message):
         parse_multipart(content_type, body)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.sampled_from([b"--x", b"\r\n", b"\r\n\r\n", b"--", b"--x--", b"Content-Disposition: form-data; ",
+                                 b'name="a"', b"filename=", b'"', b"\\", b";", b" ", b"\t", b"data", b"\xff\x00"]),
+                max_size=30))
+def test_any_body_parses_or_is_a_400(pieces):
+    try:
+        fields = parse_multipart("multipart/form-data; boundary=x", b"".join(pieces))
+    except AdmissionError:
+        return
+    assert all(isinstance(k, str) and isinstance(v, bytes) for k, (_, v) in fields.items())
