@@ -79,6 +79,8 @@ class ServerConfig:
     # The chat template to serve instead of the core's own (vLLM's --chat-template, llama.cpp's
     # --chat-template-file): a path to a Jinja file, or the template text itself where it is no file's path.
     chat_template: str | None = None
+    # Browser origins that get CORS headers (vLLM's --allowed-origins); "*" for any; empty: no CORS headers.
+    cors_allow_origins: tuple[str, ...] = ()
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -120,6 +122,9 @@ class ServerConfig:
         need(self.reasoning_parser in ("auto", "none", "think", "mistral"), "reasoning_parser",
              "must be one of auto, none, think, mistral")
         need(self.embedding_pooling in ("last", "mean"), "embedding_pooling", "must be one of last, mean")
+        need(isinstance(self.cors_allow_origins, tuple)
+             and all(isinstance(o, str) and (o == "*" or "://" in o) for o in self.cors_allow_origins),
+             "cors_allow_origins", "must be a list of origins such as \"https://app.example\", or \"*\"")
         need(self.chat_template is None or (isinstance(self.chat_template, str) and bool(self.chat_template)),
              "chat_template", "must be a nonempty path or template text")
         if self.chat_template is not None and "{{" not in self.chat_template and "{%" not in self.chat_template:
@@ -160,11 +165,11 @@ class ServerConfig:
         values = dict(data)
         if "policy" in values:
             values["policy"] = _policy_from_mapping(values["policy"], where)
-        if "served_names" in values:
-            names = values["served_names"]
-            if not isinstance(names, list):
-                raise ConfigError(f"{where}: config key 'served_names': must be a list of strings")
-            values["served_names"] = tuple(names)
+        for key in ("served_names", "cors_allow_origins"):
+            if key in values:
+                if not isinstance(values[key], list):
+                    raise ConfigError(f"{where}: config key '{key}': must be a list of strings")
+                values[key] = tuple(values[key])
         try:
             return cls(**values)
         except ConfigError as e:

@@ -69,11 +69,13 @@ def main() -> None:
 @click.option("--no-dashboard", is_flag=True, default=False, help="Plain logs even on a terminal.")
 @click.option("--chat-template", default=None,
               help="Serve this chat template instead of the core's: a Jinja file, or the template text itself.")
+@click.option("--allowed-origins", default=None,
+              help="Browser origins that get CORS headers, comma-separated (e.g. https://app.example); '*': any.")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
-        admin_socket, no_admin_socket, no_dashboard, chat_template, debug_fail_after_steps):
+        admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -86,6 +88,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             chat_template=chat_template).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
+        if allowed_origins is not None:
+            overrides["cors_allow_origins"] = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
         if no_prefix_cache:
             overrides["prefix_cache"] = False
         if api_key_file is not None:

@@ -52,6 +52,9 @@ def test_example_config_loads(tmp_path):
     ("[policy]\ntoken_fairness = -1.0", "'policy'"),
     ("api_key = 'a'\napi_key_file = '/x'", "'api_key_file'"),
     ("[server]\nhost = ''", "'host'"),
+    ("cors_allow_origins = 'https://a.example'", "'cors_allow_origins'"),
+    ("cors_allow_origins = ['a.example']", "'cors_allow_origins'"),
+    ("chat_template = '/no/such/template.jinja'", "'chat_template'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"

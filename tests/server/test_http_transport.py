@@ -288,6 +288,13 @@ def test_cors_headers_and_preflight(start_server, connect):
     assert "POST" in reply.headers["access-control-allow-methods"]
     client.request("GET", "/health", headers=[("Origin", "https://other.example")])
     assert "access-control-allow-origin" not in client.read_response().headers
+    # the headers a browser SDK asks to send are allowed as asked (the openai SDK adds x-stainless-*)
+    asked = "authorization,content-type,x-stainless-os,x-stainless-lang"
+    client.request("OPTIONS", "/echo", headers=[("Origin", "https://app.example"),
+                                                ("Access-Control-Request-Method", "POST"),
+                                                ("Access-Control-Request-Headers", asked)])
+    reply = client.read_response()
+    assert reply.status == 204 and reply.headers["access-control-allow-headers"] == asked
 
 
 def test_http10_client_gets_close(server, connect):

@@ -282,7 +282,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._shutting_down:
             ex.keep_alive = False
 
-        token = origin = None
+        token = origin = requested_headers = None
         preflight = False
         # h11 enforces max_header_bytes only on a head that arrives in pieces;
         # one that arrives whole is measured here (4 = ": " + CRLF).
@@ -301,6 +301,8 @@ class HttpProtocol(asyncio.Protocol):
                 origin = value
             elif name == b"access-control-request-method":
                 preflight = True
+            elif name == b"access-control-request-headers":
+                requested_headers = value
         if origin is not None and cfg.cors_allow_origins:
             ex.cors_headers = server.cors_headers(origin)
 
@@ -309,7 +311,8 @@ class HttpProtocol(asyncio.Protocol):
                 raise HttpError(431, f"request header section exceeds {cfg.max_header_bytes} bytes",
                                 code="headers_too_large")
             if method == "OPTIONS":
-                self._respond_now(ex, self._options_response(route_path, preflight, ex.cors_headers is not None))
+                self._respond_now(ex, self._options_response(route_path, preflight, ex.cors_headers is not None,
+                                                             requested_headers))
                 return
             route, params = self._router.resolve(method, route_path)
             request.params = params
@@ -404,7 +407,8 @@ class HttpProtocol(asyncio.Protocol):
             self._linger()
 
     # -- answering --------------------------------------------------------------
-    def _options_response(self, path: str, preflight: bool, cors: bool) -> Response:
+    def _options_response(self, path: str, preflight: bool, cors: bool, requested_headers: bytes | None = None
+                          ) -> Response:
         if path == "*":
             allow = "GET, HEAD, POST, OPTIONS"
         else:
@@ -414,8 +418,11 @@ class HttpProtocol(asyncio.Protocol):
             allow = ", ".join(methods)
         headers = [(b"allow", allow.encode())]
         if preflight and cors:
+            # the headers the browser asks to send are allowed as asked (SDKs add their own: x-stainless-*,
+            # anthropic-version, ...); the origin check is what guards
+            allowed = requested_headers or b"authorization, content-type, x-api-key"
             headers += [(b"access-control-allow-methods", allow.encode()),
-                        (b"access-control-allow-headers", b"authorization, content-type, x-api-key"),
+                        (b"access-control-allow-headers", allowed),
                         (b"access-control-max-age", b"600")]
         return Response(status=204, headers=headers)
 
