@@ -81,6 +81,10 @@ class ServerConfig:
     chat_template: str | None = None
     # Browser origins that get CORS headers (vLLM's --allowed-origins); "*" for any; empty: no CORS headers.
     cors_allow_origins: tuple[str, ...] = ()
+    # HTTPS (vLLM's --ssl-certfile / --ssl-keyfile): the certificate chain and its private key, PEM files; both or
+    # neither. The admin socket stays plain (a local Unix socket).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -122,6 +126,11 @@ class ServerConfig:
         need(self.reasoning_parser in ("auto", "none", "think", "mistral"), "reasoning_parser",
              "must be one of auto, none, think, mistral")
         need(self.embedding_pooling in ("last", "mean"), "embedding_pooling", "must be one of last, mean")
+        for key in ("ssl_certfile", "ssl_keyfile"):
+            v = getattr(self, key)
+            need(v is None or (isinstance(v, str) and Path(v).expanduser().is_file()), key, "must be a readable file")
+        need((self.ssl_certfile is None) == (self.ssl_keyfile is None), "ssl_keyfile",
+             "give ssl_certfile and ssl_keyfile together")
         need(isinstance(self.cors_allow_origins, tuple)
              and all(isinstance(o, str) and (o == "*" or "://" in o) for o in self.cors_allow_origins),
              "cors_allow_origins", "must be a list of origins such as \"https://app.example\", or \"*\"")
@@ -143,6 +152,19 @@ class ServerConfig:
         if not key:
             raise ConfigError(f"config key 'api_key_file': {self.api_key_file} is empty", ErrorKind.VALIDATION)
         return dataclasses.replace(self, api_key=key, api_key_file=None)
+
+    def ssl_context(self):
+        """The server side TLS context of ssl_certfile and ssl_keyfile, or None (plain HTTP)."""
+        if self.ssl_certfile is None:
+            return None
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(str(Path(self.ssl_certfile).expanduser()), str(Path(self.ssl_keyfile).expanduser()))
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"config keys 'ssl_certfile' / 'ssl_keyfile': cannot load them: {e}") from None
+        return ctx
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "ServerConfig":

@@ -71,11 +71,14 @@ def main() -> None:
               help="Serve this chat template instead of the core's: a Jinja file, or the template text itself.")
 @click.option("--allowed-origins", default=None,
               help="Browser origins that get CORS headers, comma-separated (e.g. https://app.example); '*': any.")
+@click.option("--ssl-certfile", default=None, help="Serve HTTPS with this PEM certificate chain (and --ssl-keyfile).")
+@click.option("--ssl-keyfile", default=None, help="The private key of --ssl-certfile (PEM).")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
-        admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, debug_fail_after_steps):
+        admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
+        debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -85,7 +88,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             host=host, port=port, port_file=port_file, api_key=api_key, queue_capacity=queue_capacity,
             max_active=max_active, frontend_workers=frontend_workers, torch_threads=torch_threads,
             log_level=log_level, log_format=log_format, admin_socket=admin_socket,
-            chat_template=chat_template).items() if v is not None}
+            chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if allowed_origins is not None:
@@ -303,7 +306,8 @@ async def _serve_async(session, notifier, *, dashboard: bool = False, admin_defa
         except OSError as e:
             log.warning("no admin socket: %s", e)
     host, port = serving.address
-    log.info("listening on http://%s:%d (model %s)", host, port, session.manifest.model_name)
+    scheme = "https" if session.config.ssl_certfile else "http"
+    log.info("listening on %s://%s:%d (model %s)", scheme, host, port, session.manifest.model_name)
     if serving.admin_path:
         log.info("admin socket %s", serving.admin_path)
     if session.config.port_file:

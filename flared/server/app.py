@@ -294,4 +294,4 @@ def http_config(config, manifest) -> HttpConfig:
         host=config.host, port=config.port, body_limit_bytes=body_limit,
         header_timeout_s=config.header_timeout_s, keep_alive_timeout_s=config.keep_alive_timeout_s,
         max_connections=config.max_connections, shutdown_grace_s=config.shutdown_grace_s,
-        api_key=config.api_key, cors_allow_origins=config.cors_allow_origins)
+        api_key=config.api_key, cors_allow_origins=config.cors_allow_origins, ssl=config.ssl_context())

@@ -61,6 +61,8 @@ class HttpConfig:
     cors_allow_origins: tuple[str, ...] = ()
     # Listen backlog handed to the kernel.
     backlog: int = 1024
+    # TLS: an ssl.SSLContext with the server's certificate chain loaded (HTTPS); None serves plain HTTP.
+    ssl: object | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -73,10 +73,12 @@ class HttpServer:
         self._all_closed.set()
         cfg = self.config
         if sock is not None:
-            self._server = await self.loop.create_server(lambda: HttpProtocol(self), sock=sock, backlog=cfg.backlog)
+            self._server = await self.loop.create_server(lambda: HttpProtocol(self), sock=sock, backlog=cfg.backlog,
+                                                         ssl=cfg.ssl if sock.family != socket.AF_UNIX else None)
         else:
             self._server = await self.loop.create_server(
-                lambda: HttpProtocol(self), host=cfg.host, port=cfg.port, backlog=cfg.backlog, reuse_address=True)
+                lambda: HttpProtocol(self), host=cfg.host, port=cfg.port, backlog=cfg.backlog, reuse_address=True,
+                ssl=cfg.ssl)
         self._started_monotonic_s = time.monotonic()
         return self.address
 
