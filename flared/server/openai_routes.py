@@ -391,6 +391,16 @@ def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
             for c in calls]
 
 
+def _base_request_id(req, request: Request) -> str:
+    """The answer's id after its prefix, as vLLM's: the body's ``request_id``, else the client's X-Request-Id
+    header, else a random one."""
+    if req.extras.request_id:
+        return req.extras.request_id
+    if request.request_id is not None:
+        return request.request_id.decode("ascii")
+    return secrets.token_hex(12)
+
+
 class OpenAIRoutes:
     def __init__(self, state):
         self.state = state
@@ -446,7 +456,7 @@ class OpenAIRoutes:
         gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
                                and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)
         request.disconnected.add_callback(gen.cancel)
-        rid = "chatcmpl-" + (req.extras.request_id or secrets.token_hex(12))
+        rid = "chatcmpl-" + _base_request_id(req, request)
         # vLLM's echo: an answer that continues the assistant's last message starts with it
         last = req.messages[-1]
         echo = (last.get("content") or "") if req.echo and last["role"] == "assistant" else ""
@@ -589,7 +599,7 @@ class OpenAIRoutes:
                 texts[-1] = self.state.frontend.decode(list(ids))
             prompts.append(ids)
         n = opts.n
-        rid = "cmpl-" + (req.extras.request_id or secrets.token_hex(12))
+        rid = "cmpl-" + _base_request_id(req, request)
         echo = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
         # echo with logprobs: the prompt's own tokens lead the logprobs (the first without a value, as OpenAI's);
         # vLLM's prompt_logprobs: each choice carries its prompt's. One scoring pass serves both.

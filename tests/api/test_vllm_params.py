@@ -270,3 +270,16 @@ def test_priority_is_accepted_and_checked(client):
                                      extra_body={"priority": 3}).choices[0].text == " la la"
     with pytest.raises(openai.BadRequestError, match="priority"):
         _chat(client, priority="high")
+
+
+def test_the_x_request_id_header_names_the_answer(client):
+    """As vLLM: without a body request_id, the client's X-Request-Id makes the answer's id, and is echoed."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=ASK, temperature=0, max_tokens=4, extra_body=NO_THINK,
+        extra_headers={"X-Request-Id": "trace-7"})
+    assert raw.headers["x-request-id"] == "trace-7" and raw.parse().id == "chatcmpl-trace-7"
+    body_wins = _chat(client, request_id="from-body")
+    assert body_wins.id == "chatcmpl-from-body"
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="Sing: la", max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "trace-8"})
+    assert raw.parse().id == "cmpl-trace-8"

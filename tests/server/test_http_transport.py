@@ -603,3 +603,17 @@ def test_pipelined_admitted_requests_reuse_a_single_permit(start_server, connect
     one = b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     client.send(one * 3)
     assert [client.read_response().status for _ in range(3)] == [200, 200, 200]
+
+
+def test_x_request_id_is_echoed_or_made(server, connect):
+    """As vLLM's --enable-request-id-headers: every response carries X-Request-Id, the client's own where it sent
+    a usable one (1-128 visible ASCII characters)."""
+    client = connect(server)
+    client.request("GET", "/health", headers=[("X-Request-Id", "trace-42")])
+    assert client.read_response().headers["x-request-id"] == "trace-42"
+    client.request("GET", "/health")
+    made = client.read_response().headers["x-request-id"]
+    client.request("GET", "/no/such/route", headers=[("X-Request-Id", "x" * 129)])
+    reply = client.read_response()
+    assert reply.status == 404 and reply.headers["x-request-id"] not in ("x" * 129, made)
+    assert len(made) == 32 and int(made, 16) >= 0

@@ -43,6 +43,11 @@ class ClientDisconnected(ConnectionError):
     """The client went away; raised by writes and body reads after the disconnect."""
 
 
+def request_id_ok(value: bytes) -> bool:
+    """Whether a client's X-Request-Id may be echoed and used: 1-128 visible ASCII characters."""
+    return 0 < len(value) <= 128 and all(0x21 <= b <= 0x7E for b in value)
+
+
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}},
                       ensure_ascii=False, separators=(",", ":")).encode()
@@ -70,7 +75,7 @@ class Request:
     and the handler reads ``stream()``."""
 
     __slots__ = ("method", "target", "path", "query_string", "headers", "http_version", "client",
-                 "params", "body", "disconnected", "_body_stream", "_query")
+                 "params", "body", "disconnected", "request_id", "_body_stream", "_query")
 
     def __init__(self, method: str, target: bytes, path: str, query_string: bytes, headers: Headers,
                  http_version: bytes, client: tuple[str, int] | None, disconnected: Disconnect):
@@ -87,6 +92,8 @@ class Request:
         # Fires when the client goes away before the response is complete;
         # generating handlers await or poll it to cancel their request.
         self.disconnected = disconnected
+        # the client's X-Request-Id (1-128 visible ASCII characters), or None
+        self.request_id: bytes | None = None
         self._body_stream: BodyStream | None = None
         self._query: dict[str, list[str]] | None = None
 

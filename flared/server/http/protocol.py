@@ -39,6 +39,7 @@ import asyncio
 import hmac
 import http
 import logging
+import secrets
 from typing import TYPE_CHECKING
 from urllib.parse import unquote_to_bytes
 
@@ -62,6 +63,7 @@ from flared.server.http.messages import (
     StreamingResponse,
     error_body,
     error_response,
+    request_id_ok,
 )
 from flared.server.http.writer import ResponseWriter
 
@@ -90,7 +92,7 @@ class _Exchange:
 
     __slots__ = ("request", "route", "is_head", "content_length", "num_body_bytes", "body_parts", "body_stream",
                  "discard_body", "over_limit", "keep_alive", "handler_started", "response_started",
-                 "response_complete", "release_permit", "task", "cors_headers")
+                 "response_complete", "release_permit", "task", "cors_headers", "request_id")
 
     def __init__(self, request: Request, is_head: bool):
         self.request = request
@@ -112,6 +114,8 @@ class _Exchange:
         self.release_permit = None
         self.task: asyncio.Task[None] | None = None
         self.cors_headers: Headers | None = None
+        # the response's X-Request-Id: the client's own where it sent a usable one, else made up when needed
+        self.request_id: bytes | None = None
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -303,6 +307,8 @@ class HttpProtocol(asyncio.Protocol):
                 preflight = True
             elif name == b"access-control-request-headers":
                 requested_headers = value
+            elif name == b"x-request-id" and request_id_ok(value):
+                ex.request_id = request.request_id = value
         if origin is not None and cfg.cors_allow_origins:
             ex.cors_headers = server.cors_headers(origin)
 
@@ -450,6 +456,8 @@ class HttpProtocol(asyncio.Protocol):
             headers.append((b"content-type", media_type))
         if ex.cors_headers:
             headers += ex.cors_headers
+        # as vLLM's --enable-request-id-headers: the client's id echoed, else one made for this response
+        headers.append((b"x-request-id", ex.request_id or secrets.token_hex(16).encode()))
         if not ex.keep_alive:
             headers.append((b"connection", b"close"))
         return headers
