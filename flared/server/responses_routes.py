@@ -19,10 +19,11 @@ Rules:
 - ``tool_choice`` "required" or a named function, and ``text.format``
   json_object / json_schema, are enforced by a grammar (flared.server.structured).
 - ``reasoning.effort: "none"`` turns thinking off in the template.
-- ``background: true`` (with ``store``) answers at once with status ``queued`` and generates in the
-  background, holding an admission permit until it ends; GET polls it (``in_progress``, then ``completed``,
-  ``incomplete`` or ``failed``) and ``POST /v1/responses/{id}/cancel`` ends it (``cancelled``, with what it
-  had generated). Only background responses can be cancelled. Not with ``stream`` (poll instead).
+- ``background: true`` (with ``store``) generates in the background, holding an admission permit until it
+  ends: answered at once with status ``queued``, or with ``stream`` as a stream that the generation outlives.
+  GET polls it (``in_progress``, then ``completed``, ``incomplete`` or ``failed``); GET with ``stream=true``
+  replays its events after ``starting_after`` and follows them live; ``POST /v1/responses/{id}/cancel`` ends
+  it (``cancelled``, with what it had generated). Only background responses can be cancelled or re-streamed.
 - ``GET /v1/responses/{id}/input_items`` lists the request's own input items (a string input as one user
   message), each with an id, newest first by default (``order``, ``limit`` 1-100, ``after``).
 - ``include: ["message.output_text.logprobs"]`` fills output_text's ``logprobs`` (with ``top_logprobs``
@@ -46,6 +47,7 @@ from flared.runtime.request import GenerateRequest
 from flared.server.generation import Generation
 from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
 from flared.server.http.messages import ClientDisconnected, error_response
+from flared.server.http.sse import encode_json_event
 from flared.server.openai_routes import OutputShape, _stop_ids, check_model, sampling_params, token_logprobs
 from flared.server.structured import (
     GrammarSpec, compile_grammar, force_tool_call, parse_openai_forced_tool_choice, parse_responses_text_format,
@@ -95,8 +97,45 @@ class ResponseStore:
     def delete(self, rid: str) -> bool:
         return self._items.pop(rid, None) is not None
 
+    def __contains__(self, rid: str) -> bool:  # unlike get, leaves the order of use alone
+        return rid in self._items
+
     def __len__(self) -> int:
         return len(self._items)
+
+
+class _EventLog:
+    """A background response's stream events as they are made (``send_json_event``, the writer calls _stream
+    makes), encoded once; any number of readers follow it from a sequence number (``follow``)."""
+
+    def __init__(self):
+        self.events: list[bytes] = []  # index = sequence_number
+        self.done = False
+        self._changed = asyncio.Event()
+
+    async def send_json_event(self, obj: object, event: str | None = None) -> None:
+        self.events.append(encode_json_event(obj, event=event))
+        self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def follow(self, w: ResponseWriter, after: int) -> None:
+        """Write the events after sequence number ``after``, then each as it comes, until the last."""
+        i = max(after + 1, 0)
+        while True:
+            changed = self._changed
+            while i < len(self.events):
+                await w.write(self.events[i])
+                i += 1
+            if self.done:
+                return
+            await changed.wait()
 
 
 def _not_found(rid: str, field: str | None = None) -> AdmissionError:
@@ -292,6 +331,7 @@ class ResponsesRoutes:
         self.state = state
         self.store = store or ResponseStore()
         self.running: dict[str, tuple[Generation, asyncio.Task]] = {}  # background responses still generating
+        self.logs: dict[str, _EventLog] = {}  # background responses' stream events, while they are stored
 
     def register(self, router: Router) -> None:
         router.add("POST", "/v1/responses", self.create, admit=True)
@@ -300,11 +340,30 @@ class ResponsesRoutes:
         router.add("POST", "/v1/responses/{response_id}/cancel", self.cancel)
         router.add("GET", "/v1/responses/{response_id}/input_items", self.list_input_items)
 
-    async def retrieve(self, request: Request) -> Response:
-        item = self.store.get(request.params["response_id"])
+    async def retrieve(self, request: Request):
+        rid = request.params["response_id"]
+        item = self.store.get(rid)
         if item is None:
-            raise _not_found(request.params["response_id"])
-        return Response.json(item[0])
+            raise _not_found(rid)
+        if request.query.get("stream", ["false"])[0].lower() not in ("true", "1"):
+            return Response.json(item[0])
+        # a background response's events again, from after ``starting_after``, then live until it ends
+        log = self.logs.get(rid)
+        if log is None:
+            raise _bad("stream", "only a background response's events can be streamed again")
+        raw = request.query.get("starting_after", ["-1"])[0]
+        try:
+            after = int(raw)
+        except ValueError:
+            raise _bad("starting_after", f"must be an integer, got {raw!r}") from None
+        return StreamingResponse(lambda w: self._follow(log, w, after), headers=[("cache-control", "no-cache")])
+
+    @staticmethod
+    async def _follow(log: _EventLog, w: ResponseWriter, after: int) -> None:
+        try:
+            await log.follow(w, after)
+        except ClientDisconnected:
+            pass  # the response goes on generating; a later GET can pick the stream up again
 
     async def delete(self, request: Request) -> Response:
         rid = request.params["response_id"]
@@ -387,9 +446,6 @@ class ResponsesRoutes:
         background = _boolean(body, "background")
         if background and not store:
             raise _bad("background", "needs 'store' true: a background response is fetched by its id")
-        if background and stream:
-            raise _bad("stream", "cannot be combined with 'background' here: create the response, then poll "
-                       "GET /v1/responses/{id}", ErrorKind.UNSUPPORTED)
         items = input_items(body.get("input"))
         offered = tools if choice != "none" else None
         rendered = await self.state.prepare_chat(messages, tools=offered, **_template_kwargs(body))
@@ -427,16 +483,23 @@ class ResponsesRoutes:
         logprobs = options.logprobs is not None
         if store:
             self.store.put(resp, conversation, items)  # found by id while it runs (background) or streams
+        if background:
+            # its events go to a log that any number of streams follow (this one, if it streams, and later GETs
+            # with stream=true); the generation goes on when a reader leaves
+            resp["status"] = "queued"
+            answer = json.loads(json.dumps(resp))  # as it stands now; the task goes on changing resp
+            log = self.logs[resp["id"]] = _EventLog()
+            for old_id in [k for k in self.logs if k not in self.store]:
+                del self.logs[old_id]  # responses the store dropped
+            task = asyncio.get_running_loop().create_task(
+                self._background(gen, log, shape, resp, conversation, logprobs, release))
+            self.running[resp["id"]] = (gen, task)
+            if stream:
+                return StreamingResponse(lambda w: self._follow(log, w, -1), headers=[("cache-control", "no-cache")])
+            return Response.json(answer)
         if stream:
             return StreamingResponse(lambda w: self._stream(gen, w, shape, resp, conversation, logprobs),
                                      headers=[("cache-control", "no-cache")])
-        if background:
-            resp["status"] = "queued"
-            answer = json.loads(json.dumps(resp))  # as it stands now; the task goes on changing resp
-            task = asyncio.get_running_loop().create_task(self._background(gen, shape, resp, conversation, logprobs,
-                                                                           release))
-            self.running[resp["id"]] = (gen, task)
-            return Response.json(answer)
         out, finish = await self._collect(gen, shape, logprobs)
         self._finish(resp, out, gen, finish, conversation)
         return Response.json(resp)
@@ -456,20 +519,16 @@ class ResponsesRoutes:
             out.call_item(i, c.id, c.name)["arguments"] = c.arguments
         return out, finish
 
-    async def _background(self, gen: Generation, shape: OutputShape, resp: dict, conversation: list[dict],
-                          logprobs: bool, release) -> None:
-        """A background response's generation, its result stored as each stage ends."""
+    async def _background(self, gen: Generation, log: _EventLog, shape: OutputShape, resp: dict,
+                          conversation: list[dict], logprobs: bool, release) -> None:
+        """A background response's generation: its stream's events into ``log``, its result stored as it ends
+        (_stream's own handling: a failure is the response's result)."""
         try:
             if resp["status"] == "queued":
                 resp["status"] = "in_progress"
-            out, finish = await self._collect(gen, shape, logprobs)
-            self._finish(resp, out, gen, "cancelled" if resp["status"] == "cancelled" else finish, conversation)
-        except Exception as exc:  # noqa: BLE001 - the failure is the response's result
-            gen.cancel()
-            err = json.loads(error_response(exc).body)["error"]
-            resp["status"] = "failed"
-            resp["error"] = {"code": err.get("code") or "server_error", "message": err["message"]}
+            await self._stream(gen, log, shape, resp, conversation, logprobs)
         finally:
+            log.finish()
             self.running.pop(resp["id"], None)
             release()
 
@@ -594,6 +653,8 @@ class ResponsesRoutes:
                                 content_index=0, part=item["content"][0])
                     open_kind = "message"
             await close_open()
+            if resp["status"] == "cancelled":  # POST .../cancel ended it (a background response)
+                finish = "cancelled"
             self._finish(resp, out, gen, finish, conversation)
             await event("response.completed" if resp["status"] == "completed" else "response.incomplete",
                         response=resp)

@@ -170,8 +170,25 @@ def test_a_background_response_is_polled_to_its_end(client):
         client.responses.cancel(follow.id)
     with pytest.raises(openai.BadRequestError, match="store"):
         client.responses.create(model="tiny", input=QUESTION, background=True, store=False)
-    with pytest.raises(openai.BadRequestError, match="background"):
-        client.responses.create(model="tiny", input=QUESTION, background=True, stream=True)
+    with pytest.raises(openai.BadRequestError, match="background"):  # only background responses re-stream
+        list(client.responses.retrieve(follow.id, stream=True))
+
+
+def test_a_background_stream_can_be_picked_up_again(client):
+    """background + stream: the events as a plain stream's; GET with stream=true replays them after
+    starting_after (and would follow them live), the same bytes each time."""
+    events = list(client.responses.create(model="tiny", input=QUESTION, temperature=0, reasoning={"effort": "none"},
+                                          background=True, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    rid = events[0].response.id
+    assert _poll(client, rid).output_text == ANSWER
+    again = list(client.responses.retrieve(rid, stream=True, starting_after=2))
+    assert [e.sequence_number for e in again] == list(range(3, len(events)))
+    assert [e.type for e in again] == kinds[3:]
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events[3:]]
+    assert len(list(client.responses.retrieve(rid, stream=True))) == len(events)
 
 
 def test_cancelling_a_background_response_keeps_what_it_made(tiny_core_daemon):
@@ -179,8 +196,11 @@ def test_cancelling_a_background_response_keeps_what_it_made(tiny_core_daemon):
     tiny = openai.OpenAI(base_url=tiny_core_daemon.base + "/v1", api_key="unused", max_retries=0)
     model = tiny.models.list().data[0].id
     r = tiny.responses.create(model=model, input="hello", temperature=0, max_output_tokens=200, background=True)
+    live = tiny.responses.retrieve(r.id, stream=True)  # a reader following it live, from the start
     cancelled = tiny.responses.cancel(r.id)
     assert cancelled.status == "cancelled"
+    followed = list(live)
+    assert followed[0].type == "response.created" and followed[-1].response.status == "cancelled"
     done = _poll(tiny, r.id)
     assert done.status == "cancelled" and done.usage.output_tokens < 200
     assert tiny.responses.cancel(r.id).status == "cancelled"  # again: the same answer
