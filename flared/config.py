@@ -85,6 +85,8 @@ class ServerConfig:
     # neither. The admin socket stays plain (a local Unix socket).
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # The chat page at / (as llama.cpp's server serves its web UI); false: / is a 404.
+    web_ui: bool = True
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -113,6 +115,7 @@ class ServerConfig:
         need(isinstance(self.served_names, tuple) and all(isinstance(n, str) and n for n in self.served_names),
              "served_names", "must be a list of nonempty strings")
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
+        need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              "must be one of debug, info, warning, error")
         need(self.log_format in ("auto", "plain", "journal"), "log_format", "must be one of auto, plain, journal")

@@ -73,12 +73,13 @@ def main() -> None:
               help="Browser origins that get CORS headers, comma-separated (e.g. https://app.example); '*': any.")
 @click.option("--ssl-certfile", default=None, help="Serve HTTPS with this PEM certificate chain (and --ssl-keyfile).")
 @click.option("--ssl-keyfile", default=None, help="The private key of --ssl-certfile (PEM).")
+@click.option("--no-webui", is_flag=True, default=False, help="Serve no chat page at / (it is served by default).")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
-        debug_fail_after_steps):
+        no_webui, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -95,6 +96,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             overrides["cors_allow_origins"] = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
         if no_prefix_cache:
             overrides["prefix_cache"] = False
+        if no_webui:
+            overrides["web_ui"] = False
         if api_key_file is not None:
             overrides.update(api_key_file=api_key_file, api_key=None)
         elif api_key is not None:

@@ -72,6 +72,8 @@ class ServingState:
         # The Files and Batch APIs' store and running batches (flared.server.batch_routes), set by build_router.
         self.batches = None
         self.message_batches = None  # Anthropic's Message Batches (flared.server.message_batches)
+        self.web_ui = True  # ServerConfig.web_ui: the chat page at / (for browsers) and /ui
+        self.web_ui_page = None  # its handler, once build_router has added it
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -261,6 +263,8 @@ def build_router(state: ServingState) -> Router:
         return Response.json({"version": __version__})
 
     router.add("GET", "/version", version)
+    if state.web_ui:
+        state.web_ui_page = _add_web_ui(router)
     if state.metrics is not None:
         from flared.server.metrics import metrics_route
 
@@ -286,6 +290,31 @@ def build_router(state: ServingState) -> Router:
     state.message_batches = MessageBatchRoutes(state, router)
     state.message_batches.register(router)
     return router
+
+
+def _add_web_ui(router: Router):
+    """The chat page at / (flared.server.webui), public like /health: it holds nothing, and its API calls carry
+    the key the user types in. Its policy lets it load only its own script and talk only to this server."""
+    from importlib.resources import files
+
+    ui = files("flared.server.webui")
+    page = ui.joinpath("index.html").read_bytes()
+    script = ui.joinpath("chat.js").read_bytes()
+    guard = [("x-content-type-options", "nosniff"), ("cache-control", "no-cache"),
+             ("content-security-policy", "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                                         "frame-ancestors 'none'")]
+
+    async def index(request: Request) -> Response:
+        return Response(page, headers=guard, media_type="text/html; charset=utf-8")
+
+    async def chat_js(request: Request) -> Response:
+        return Response(script, headers=guard, media_type="text/javascript; charset=utf-8")
+
+    # "/" itself is Ollama's "Ollama is running" (its clients probe it): a browser asking for HTML gets the page
+    # there (ollama_routes.OllamaRoutes.root), and /ui always
+    router.add("GET", "/ui", index, public=True)
+    router.add("GET", "/ui/chat.js", chat_js, public=True)
+    return index
 
 
 def http_config(config, manifest) -> HttpConfig:

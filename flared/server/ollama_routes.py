@@ -192,13 +192,16 @@ class OllamaRoutes:
         router.add("POST", "/api/show", _ollama_errors(self.show))
         router.add("POST", "/api/chat", _ollama_errors(self.chat), admit=True)
         router.add("POST", "/api/generate", _ollama_errors(self.generate), admit=True)
-        router.add(("GET", "HEAD"), "/", self.root)
+        router.add(("GET", "HEAD"), "/", self.root, public=True)  # a probe, and the browser's chat page
         router.add("POST", "/api/pull", _ollama_errors(self.pull))
         for path in ("/api/create", "/api/copy", "/api/push"):
             router.add("POST", path, _ollama_errors(self.manage))
         router.add("DELETE", "/api/delete", _ollama_errors(self.manage))
 
     async def root(self, request: Request) -> Response:
+        # a browser (it asks for HTML) gets the chat page where one is served; Ollama's clients get its probe text
+        if self.state.web_ui_page is not None and "text/html" in (request.header("accept") or ""):
+            return await self.state.web_ui_page(request)
         return Response(b"Ollama is running", media_type="text/plain; charset=utf-8")
 
     async def pull(self, request: Request):
