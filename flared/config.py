@@ -31,7 +31,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     port_file: str | None = None
-    # Bearer token required on every route but /health and /metrics; or a
+    # Bearer token required on every route but /health, /ping, /metrics and the chat page; or a
     # file holding it (read at load, so the token stays out of the config
     # and the process list). At most one of the two.
     api_key: str | None = None
