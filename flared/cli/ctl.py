@@ -313,6 +313,10 @@ from flared.bench.cli import bench as _bench  # noqa: E402  (a client tool; impo
 
 main.add_command(_bench)
 
+from flared.cli.chat import chat as _chat  # noqa: E402  (a client of the HTTP API only)
+
+main.add_command(_chat)
+
 
 if __name__ == "__main__":
     main()
