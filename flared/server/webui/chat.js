@@ -45,6 +45,8 @@ async function streamChat({ base = "", apiKey = "", model, messages, temperature
     let events;
     [events, buffer] = parseSSE(buffer);
     for (const data of events) {
+      // a stop stops here, not after the events already read
+      if (signal && signal.aborted) throw signal.reason || new DOMException("stopped", "AbortError");
       if (data === "[DONE]") return { usage, finish };
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message || "the stream failed");
