@@ -197,6 +197,19 @@ def _listing(items: list, query: dict, *, limit_max: int, default: int) -> Respo
                           "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None})
 
 
+# Where a line of these routes names no priority, it runs at this one: behind interactive requests (priority 0) for
+# free slots and in the scheduler's value per duration, as a batch is the work that can wait.
+BATCH_PRIORITY = 1
+_PRIORITIZED = ("/v1/chat/completions", "/v1/completions")  # the routes that take vLLM's priority field
+
+
+def line_body(url: str, body: dict) -> dict:
+    """A line's body as it is dispatched: BATCH_PRIORITY where the route takes a priority and the line sets none."""
+    if url in _PRIORITIZED and "priority" not in body:
+        return {**body, "priority": BATCH_PRIORITY}
+    return body
+
+
 async def dispatch(state, router: Router, url: str, body: dict, *,
                    error=error_response) -> tuple[int, Any, str | None]:
     """One batch line through its route's handler, with the route's admission: (status, body, request id).
@@ -206,7 +219,7 @@ async def dispatch(state, router: Router, url: str, body: dict, *,
     loop = asyncio.get_running_loop()
     request = Request("POST", url.encode(), url, b"", [(b"content-type", b"application/json")], b"1.1", None,
                       Disconnect(loop))
-    request.body = json.dumps(body).encode()
+    request.body = json.dumps(line_body(url, body)).encode()
     release = None
     try:
         route, request.params = router.resolve("POST", url)

@@ -207,3 +207,13 @@ def test_a_deeply_nested_line_fails_the_batch_cleanly(client):
     done = _wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                completion_window="24h").id)
     assert done.status == "failed" and done.errors.data[0].code == "invalid_json_line"
+
+
+def test_batch_lines_yield_to_interactive_requests():
+    """Chat and text completion lines without a priority run at BATCH_PRIORITY (behind priority-0 requests); a
+    line's own priority, and the routes without one, are left alone."""
+    from flared.server.batch_routes import BATCH_PRIORITY, line_body
+
+    assert line_body("/v1/chat/completions", {"model": "m"}) == {"model": "m", "priority": BATCH_PRIORITY}
+    assert line_body("/v1/completions", {"priority": -3}) == {"priority": -3}
+    assert line_body("/v1/embeddings", {"input": "x"}) == {"input": "x"}

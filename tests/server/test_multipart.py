@@ -63,3 +63,4 @@ def test_any_body_parses_or_is_a_400(pieces):
     except AdmissionError:
         return
     assert all(isinstance(k, str) and isinstance(v, bytes) for k, (_, v) in fields.items())
+
