@@ -39,6 +39,7 @@ from flared.errors import AdmissionError, ErrorKind, FlareError
 from flared.server.http import Request, Response, Router
 from flared.server.http.flow import Disconnect
 from flared.server.http.messages import HttpError, StreamingResponse, error_response
+from flared.server.openai_schema import json_object
 
 FILE_LIMIT_BYTES = 200 * 1000 * 1000  # OpenAI's limit on a batch input file
 STORE_LIMIT_BYTES = 1 << 30
@@ -212,7 +213,7 @@ def line_body(url: str, body: dict) -> dict:
 
 async def dispatch(state, router: Router, url: str, body: dict, *,
                    error=error_response) -> tuple[int, Any, str | None]:
-    """One batch line through its route's handler, with the route's admission: (status, body, request id).
+    """One batch line through its route's handler, with the route's admission: (status, body, the answer's id).
     ``error`` renders a failure before the handler answers (the route's own error shape)."""
     if body.get("stream"):
         return 400, json.loads(error(AdmissionError("'stream' is not available in a batch")).body), None
@@ -241,14 +242,33 @@ async def dispatch(state, router: Router, url: str, body: dict, *,
     finally:
         if release is not None:
             release()
-    rid = next((v.decode("latin-1") for k, v in response.headers if k == b"x-request-id"), None)
     try:
         answer = json.loads(response.body) if response.body else None
     except ValueError:
         answer = response.body.decode("utf-8", "replace")
-    if rid is None and isinstance(answer, dict) and isinstance(answer.get("id"), str):
-        rid = answer["id"]
+    rid = answer["id"] if isinstance(answer, dict) and isinstance(answer.get("id"), str) else None
     return response.status, answer, rid
+
+
+async def run_lines(state, count: int, one, going) -> None:
+    """``await one(i)`` for i in 0..count-1, started in order, at most the core's concurrency at once; none starts
+    once ``going()`` is false (a cancel, the window's end)."""
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < count and going():
+            i = next_index
+            next_index += 1
+            await one(i)
+
+    concurrency = max(1, int(state.manifest.capacities.concurrency))
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+
+
+def _answered(row: dict) -> bool:
+    """A result row whose line was answered 2xx (the output file's; the rest go to the error file)."""
+    return row["response"] is not None and 200 <= row["response"]["status_code"] < 300
 
 
 class BatchRoutes:
@@ -270,9 +290,6 @@ class BatchRoutes:
         router.add("POST", "/v1/batches/{batch_id}/cancel", self.cancel)
 
     # -- files -------------------------------------------------------------------------------------
-
-    def _stored_bytes(self) -> int:
-        return sum(len(f.data) for f in self.files.values())
 
     def _add_file(self, filename: str, purpose: str, data: bytes) -> StoredFile:
         f = StoredFile(_id("file-"), filename, purpose, data, int(time.time()))
@@ -300,8 +317,9 @@ class BatchRoutes:
         if len(data) > FILE_LIMIT_BYTES:
             raise HttpError(413, f"the file is {len(data)} bytes; at most {FILE_LIMIT_BYTES} are taken",
                             code="file_too_large")
-        if self._stored_bytes() + len(data) > STORE_LIMIT_BYTES:
-            raise AdmissionError(f"the server holds {self._stored_bytes()} bytes of files and takes at most "
+        stored = sum(len(f.data) for f in self.files.values())
+        if stored + len(data) > STORE_LIMIT_BYTES:
+            raise AdmissionError(f"the server holds {stored} bytes of files and takes at most "
                                  f"{STORE_LIMIT_BYTES} in all: delete some first", ErrorKind.HTTP_CAPACITY)
         return Response.json(self._add_file(filename or "upload", purpose, data).describe())
 
@@ -341,9 +359,7 @@ class BatchRoutes:
         return b
 
     async def create(self, request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise AdmissionError("the request body must be a JSON object")
+        body = json_object(request)
         input_file_id = body.get("input_file_id")
         if not isinstance(input_file_id, str) or not input_file_id:
             raise _bad("input_file_id", "is required (the id of an uploaded file of purpose 'batch')")
@@ -438,9 +454,6 @@ class BatchRoutes:
             return None
         return lines
 
-    async def _dispatch(self, url: str, body: dict) -> tuple[int, Any, str | None]:
-        return await dispatch(self.state, self.router, url, body)
-
     async def _run(self, b: Batch, data: bytes) -> None:
         # Parsing a large file (up to 200 MB) is a worker thread's job, not the event loop's.
         try:
@@ -454,8 +467,8 @@ class BatchRoutes:
             b.times["failed_at"] = int(time.time())
             return
         rows = await self.execute(b, lines)
-        out = [r for r in rows if r["response"] is not None and 200 <= r["response"]["status_code"] < 300]
-        err = [r for r in rows if not (r["response"] is not None and 200 <= r["response"]["status_code"] < 300)]
+        out = [r for r in rows if _answered(r)]
+        err = [r for r in rows if not _answered(r)]
         if out:
             b.output_file_id = self._add_file(f"{b.id}_output.jsonl", "batch_output", jsonl(out)).id
         if err:
@@ -471,28 +484,21 @@ class BatchRoutes:
         b.status = "in_progress"
         b.times["in_progress_at"] = int(time.time())
         results: list[dict | None] = [None] * len(lines)
-        concurrency = max(1, int(self.state.manifest.capacities.concurrency))
-        next_line = 0
 
-        async def worker() -> None:
-            nonlocal next_line
-            while next_line < len(lines):
-                if b.status == "cancelling" or time.time() >= b.expires_at:
-                    return
-                i = next_line
-                next_line += 1
-                item = lines[i]
-                status, answer, rid = await self._dispatch(item["url"], item["body"])
-                results[i] = {"id": _id("batch_req_"), "custom_id": item["custom_id"],
-                              "response": {"status_code": status, "request_id": rid or _id("req_"), "body": answer},
-                              "error": None}
-                if 200 <= status < 300:
-                    b.completed += 1
-                else:
-                    b.failed += 1
+        async def one(i: int) -> None:
+            item = lines[i]
+            status, answer, rid = await dispatch(self.state, self.router, item["url"], item["body"])
+            results[i] = {"id": _id("batch_req_"), "custom_id": item["custom_id"],
+                          "response": {"status_code": status, "request_id": rid or _id("req_"), "body": answer},
+                          "error": None}
+            if 200 <= status < 300:
+                b.completed += 1
+            else:
+                b.failed += 1
 
         try:
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(lines)))))
+            await run_lines(self.state, len(lines), one,
+                            lambda: b.status != "cancelling" and time.time() < b.expires_at)
         finally:
             if b.status == "in_progress":
                 b.expired = time.time() >= b.expires_at

@@ -19,15 +19,15 @@ order: ``{"custom_id", "result": {"type": "succeeded", "message"}}``, or ``error
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from dataclasses import dataclass, field
 
 from flared.errors import AdmissionError, ErrorKind
 from flared.server.anthropic_routes import _anthropic_errors, anthropic_error
-from flared.server.batch_routes import WINDOW_S, _id, dispatch
+from flared.server.batch_routes import WINDOW_S, _id, dispatch, jsonl, run_lines
 from flared.server.http import Request, Response, Router
+from flared.server.openai_schema import json_object
 
 MAX_REQUESTS = 100_000
 _CUSTOM_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -37,10 +37,6 @@ def _iso(t: float | None) -> str | None:
     if t is None:
         return None
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
-
-
-def _bad(message: str) -> AdmissionError:
-    return AdmissionError(message)
 
 
 @dataclass
@@ -82,10 +78,9 @@ class MessageBatchRoutes:
         router.add("GET", "/v1/messages/batches/{batch_id}/results", _anthropic_errors(self.results))
         router.add("POST", "/v1/messages/batches/{batch_id}/cancel", _anthropic_errors(self.cancel))
 
-    @staticmethod
-    def _base(request: Request) -> str:
-        host = request.header("host") or "127.0.0.1"
-        return f"http://{host}"
+    def _base(self, request: Request) -> str:
+        """This server as the client reached it (results_url is absolute: the SDK fetches it as given)."""
+        return f"{self.state.scheme}://{request.header('host') or '127.0.0.1'}"
 
     def _batch(self, request: Request) -> MessageBatch:
         b = self.batches.get(request.params["batch_id"])
@@ -95,24 +90,22 @@ class MessageBatchRoutes:
         return b
 
     async def create(self, request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise _bad("the request body must be a JSON object")
+        body = json_object(request)
         requests = body.get("requests")
         if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_REQUESTS:
-            raise _bad(f"requests: must be an array of 1 to {MAX_REQUESTS} requests")
+            raise AdmissionError(f"requests: must be an array of 1 to {MAX_REQUESTS} requests")
         seen = set()
         for i, r in enumerate(requests):
             if not isinstance(r, dict):
-                raise _bad(f"requests.{i}: must be an object with custom_id and params")
+                raise AdmissionError(f"requests.{i}: must be an object with custom_id and params")
             cid = r.get("custom_id")
             if not isinstance(cid, str) or not _CUSTOM_ID.fullmatch(cid):
-                raise _bad(f"requests.{i}.custom_id: must be 1 to 64 letters, digits, '_' or '-'")
+                raise AdmissionError(f"requests.{i}.custom_id: must be 1 to 64 letters, digits, '_' or '-'")
             if cid in seen:
-                raise _bad(f"requests.{i}.custom_id: {cid!r} is used by an earlier request")
+                raise AdmissionError(f"requests.{i}.custom_id: {cid!r} is used by an earlier request")
             seen.add(cid)
             if not isinstance(r.get("params"), dict):
-                raise _bad(f"requests.{i}.params: must be an object (a /v1/messages request)")
+                raise AdmissionError(f"requests.{i}.params: must be an object (a /v1/messages request)")
         b = MessageBatch(_id("msgbatch_"), [{"custom_id": r["custom_id"], "params": r["params"]} for r in requests],
                          time.time())
         b.results = [None] * len(b.requests)
@@ -125,15 +118,15 @@ class MessageBatchRoutes:
         try:
             limit = int(q.get("limit", ["20"])[0])
         except ValueError:
-            raise _bad("limit: must be an integer") from None
+            raise AdmissionError("limit: must be an integer") from None
         if not 1 <= limit <= 1000:
-            raise _bad("limit: must be between 1 and 1000")
+            raise AdmissionError("limit: must be between 1 and 1000")
         items = list(self.batches.values())[::-1]
         ids = [b.id for b in items]
         for name in ("after_id", "before_id"):
             mark = q.get(name, [None])[0]
             if mark is not None and mark not in ids:
-                raise _bad(f"{name}: names no message batch ({mark!r})")
+                raise AdmissionError(f"{name}: names no message batch ({mark!r})")
         after, before = q.get("after_id", [None])[0], q.get("before_id", [None])[0]
         if before:  # the page just newer than it
             items = items[:ids.index(before)]
@@ -158,16 +151,15 @@ class MessageBatchRoutes:
     async def delete(self, request: Request) -> Response:
         b = self._batch(request)
         if b.status != "ended":
-            raise _bad(f"message batch {b.id!r} is still {b.status}: cancel it first, or wait until it ends")
+            raise AdmissionError(f"message batch {b.id!r} is still {b.status}: cancel it first, or wait until it ends")
         del self.batches[b.id]
         return Response.json({"id": b.id, "type": "message_batch_deleted"})
 
     async def results(self, request: Request) -> Response:
         b = self._batch(request)
         if b.status != "ended":
-            raise _bad(f"message batch {b.id!r} has not ended ({b.status}); its results come once it has")
-        text = "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in b.results)
-        return Response(text.encode(), media_type="application/binary")
+            raise AdmissionError(f"message batch {b.id!r} has not ended ({b.status}); its results come once it has")
+        return Response(jsonl(b.results), media_type="application/binary")
 
     def _end(self, b: MessageBatch) -> None:
         kind = "canceled" if b.status == "canceling" else "expired"
@@ -178,28 +170,20 @@ class MessageBatchRoutes:
         b.ended_at = time.time()
 
     async def _run(self, b: MessageBatch) -> None:
-        next_index = 0
+        async def one(i: int) -> None:
+            status, answer, _ = await dispatch(self.state, self.router, "/v1/messages", b.requests[i]["params"],
+                                               error=anthropic_error)
+            if 200 <= status < 300:
+                result = {"type": "succeeded", "message": answer}
+            else:
+                error = answer if isinstance(answer, dict) and answer.get("type") == "error" else {
+                    "type": "error", "error": {"type": "api_error", "message": str(answer)}}
+                result = {"type": "errored", "error": error}
+            b.results[i] = {"custom_id": b.requests[i]["custom_id"], "result": result}
 
-        async def worker() -> None:
-            nonlocal next_index
-            while next_index < len(b.requests):
-                if b.status != "in_progress" or time.time() >= b.created_at + WINDOW_S:
-                    return
-                i = next_index
-                next_index += 1
-                status, answer, _ = await dispatch(self.state, self.router, "/v1/messages", b.requests[i]["params"],
-                                                   error=anthropic_error)
-                if 200 <= status < 300:
-                    result = {"type": "succeeded", "message": answer}
-                else:
-                    error = answer if isinstance(answer, dict) and answer.get("type") == "error" else {
-                        "type": "error", "error": {"type": "api_error", "message": str(answer)}}
-                    result = {"type": "errored", "error": error}
-                b.results[i] = {"custom_id": b.requests[i]["custom_id"], "result": result}
-
-        concurrency = max(1, int(self.state.manifest.capacities.concurrency))
         try:
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(b.requests)))))
+            await run_lines(self.state, len(b.requests), one,
+                            lambda: b.status == "in_progress" and time.time() < b.created_at + WINDOW_S)
         finally:
             self._end(b)
 
