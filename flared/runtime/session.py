@@ -176,6 +176,7 @@ class LoadedSession:
         state.embedding_pooling = self.config.embedding_pooling
         state.trust_request_chat_template = self.config.trust_request_chat_template
         state.web_ui = self.config.web_ui
+        state.scheme = "https" if self.config.ssl_certfile else "http"
         server = HttpServer(build_router(state), http_config(self.config, m), admission=state.admit)
         self.progress.report("binding listener", f"{self.config.host}:{self.config.port}")
         admin = None

@@ -73,6 +73,7 @@ class ServingState:
         self.batches = None
         self.message_batches = None  # Anthropic's Message Batches (flared.server.message_batches)
         self.web_ui = True  # ServerConfig.web_ui: the chat page at / (for browsers) and /ui
+        self.scheme = "http"  # "https" where the listener speaks TLS (absolute URLs in answers use it)
         self.web_ui_page = None  # its handler, once build_router has added it
 
     # -- admission -----------------------------------------------------------------------------

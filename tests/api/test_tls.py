@@ -9,7 +9,9 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -69,6 +71,15 @@ def test_the_api_over_https(tool_core, tmp_path, pem):
             plain.request("GET", "/health")
             plain.getresponse().read()
         assert "listening on https://" in d.log()
+        # an absolute URL in an answer names the scheme the server speaks: the SDK fetches results_url as given
+        anth = anthropic.Anthropic(base_url=f"https://127.0.0.1:{d.port}", api_key="unused", max_retries=0,
+                                   http_client=anthropic.DefaultHttpxClient(verify=ctx))
+        batch = anth.messages.batches.create(requests=[{"custom_id": "a", "params": {
+            "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}}])
+        while (batch := anth.messages.batches.retrieve(batch.id)).processing_status != "ended":
+            time.sleep(0.05)
+        assert batch.results_url.startswith("https://")
+        assert [r.custom_id for r in anth.messages.batches.results(batch.id)] == ["a"]
     finally:
         d.kill()
 
