@@ -114,6 +114,8 @@ class GraphExecutor:
         self._pending = [_Pending() for _ in range(_NUM_FRAMES)]
         self._spans = {s.name: s for s in self.manifest.spans}
         self._input_ptr = self.graphs.input_ptr
+        # where a decode upload of manifest offset o lands: _decode_base[region] + o (the regions never move)
+        self._decode_base = tuple(self.graphs.decode_region_ptr(r) - self.graphs.decode_span_offset for r in (0, 1))
         self._sampled_ptr = self.decoder.sampled.data_ptr()
         self.max_outstanding = 0  # most frames ever in flight at once (qualification reads it)
         # Decode uploads on the upload stream into the frame's own region (False: into region 0 on the model
@@ -308,7 +310,7 @@ class GraphExecutor:
             # finish before the frame was free again, so the copy may run at once, beside the step in flight.
             offset, nbytes = self.manifest.decode_upload(batch_rows)
             region = frame if self.overlap_uploads else 0
-            dst = self.graphs.decode_region_ptr(region) + offset - self.graphs.decode_span_offset
+            dst = self._decode_base[region] + offset
             if self.overlap_uploads:
                 cuda.copy_h2d_async(dst, self._in_frames[frame].ptr + offset, nbytes, self._upload_ptr)
                 self._uploaded[frame].record(self._upload_ptr)
