@@ -117,14 +117,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     configure_logging(config.log_level, config.log_format)
     dashboard = not no_dashboard and sys.stderr.isatty()
     try:
-        if core is None:
-            from flared.cli.ctl import default_cache_dir
-            from flared.core.default import ensure_default_core
-
-            core = ensure_default_core(cache_dir or default_cache_dir(), dtype)
-        elif dtype != "auto":
-            log.warning("--dtype applies to the embedded default model; %s keeps the dtype it was exported in", core)
-        code = serve(Path(core), config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
+        code = serve(_core_path(core, cache_dir, dtype), config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
     except FlareError as e:
         log.error("%s", e)
@@ -134,6 +127,18 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         log.error("cannot start: %s", e)
         sys.exit(1)
     sys.exit(code)
+
+
+def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
+    """CORE as given, or the embedded default model's core (exported once into the cache, in ``dtype``)."""
+    if core is None:
+        from flared.cli.ctl import default_cache_dir
+        from flared.core.default import ensure_default_core
+
+        return Path(ensure_default_core(cache_dir or default_cache_dir(), dtype))
+    if dtype != "auto":
+        log.warning("--dtype applies to the embedded default model; %s keeps the dtype it was exported in", core)
+    return Path(core)
 
 
 @main.command("run-batch")
@@ -181,14 +186,9 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
         click.echo(f"error: cannot read {input_path}: {e}", err=True)
         sys.exit(2)
     try:
-        if core is None:
-            from flared.cli.ctl import default_cache_dir
-            from flared.core.default import ensure_default_core
-
-            core = ensure_default_core(cache_dir or default_cache_dir(), dtype)
         from flared.runtime.session import LoadedSession
 
-        session = LoadedSession.load(Path(core), config)
+        session = LoadedSession.load(_core_path(core, cache_dir, dtype), config)
         code = asyncio.run(_run_batch_async(session, data, output_path))
     except FlareError as e:
         log.error("%s", e)
