@@ -371,6 +371,7 @@ class ResponsesRoutes:
         if item is not None and rid in self.running:  # a background response deleted while it runs stops, unstored
             item[0]["store"] = False
             self.running[rid][0].cancel()
+        self.logs.pop(rid, None)
         if not self.store.delete(rid):
             raise _not_found(rid)
         return Response.json({"id": rid, "object": "response", "deleted": True})
