@@ -11,9 +11,10 @@ layer; a token at position ``p`` of a sequence lives in slot
   sequences, packed back to back in the token rows, whose K/V are already
   written to the pool; each sequence has its own block-table row and
   ``(num_cached_tokens, num_new_tokens)``, its cached prefix visible (chunked
-  prefill over a cached prefix); grid (packed query blocks, query heads);
-  causal by absolute position. ``paged_prefill_attention`` is its one-sequence
-  form.
+  prefill over a cached prefix); grid (query heads, packed query blocks), the
+  blocks walked from the last so the longest start first; causal by absolute
+  position, the mask applied only on the tiles that cross a block's diagonal.
+  ``paged_prefill_attention`` is its one-sequence form.
 
 Rules:
 - Every length a kernel needs is read on the device (context lengths, the
@@ -93,16 +94,82 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
 
 
 @triton.jit
+def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_end, kv_head, stride_kv_slot,
+                   stride_kv_head, qk_scale, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr):
+    """Online softmax of a query block over key positions [begin, end). MASKED: keys past ``key_end`` or
+    after a row's own position are hidden; otherwise every key of the range is visible to every row."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            valid = pos < key_end
+            page = tl.load(block_table + pos // PAGE_TOKENS, mask=valid, other=0)
+        else:
+            page = tl.load(block_table + pos // PAGE_TOKENS)
+        slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
+        kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
+        if MASKED:
+            k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(K + kv_off)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if MASKED:
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # A row can see nothing in a tile (all -inf); keep exp() finite by subtracting 0 then.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        if EXP2:
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+        else:
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(V + kv_off)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
                     stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
                     stride_bt_row, scale, num_seqs,
                     SEQS_PAD: tl.constexpr, PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    # Program p of axis 0 is the p-th query block of the packed chunks: sequence s owns blocks
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    HEADS_FAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr,
+                    EXP2: tl.constexpr):
+    # Program p of the block axis is the p-th query block of the packed chunks: sequence s owns blocks
     # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
     # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
+    # HEADS_FAST puts the heads on grid axis 0, so the blocks the GPU starts first are one query block of
+    # every head; HEAVY_FIRST walks the blocks from the last (a causal block's keys grow with its index),
+    # so the longest programs start first and the short ones fill the tail.
+    if HEADS_FAST:
+        head = tl.program_id(0)
+        pid = tl.program_id(1)
+        num_blocks = tl.num_programs(1)
+    else:
+        pid = tl.program_id(0)
+        head = tl.program_id(1)
+        num_blocks = tl.num_programs(0)
+    if HEAVY_FIRST:
+        pid = num_blocks - 1 - pid
     kv_head = head // GROUP
     offs_s = tl.arange(0, SEQS_PAD)
     s_mask = offs_s < num_seqs
@@ -128,34 +195,25 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
     # Keys up to this block's last real query position, inclusive; 0 for a block past the chunk's end.
     key_end = tl.minimum(num_cached + (block + 1) * BLOCK_M, num_cached + num_new)
     key_end = tl.where(block * BLOCK_M < num_new, key_end, 0)
+    if EXP2:
+        qk_scale = scale * 1.4426950408889634  # scores in log2 units: exp2 is the GPU's native exp
+    else:
+        qk_scale = scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, key_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < key_end
-        page = tl.load(block_table + pos // PAGE_TOKENS, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
-        kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row can see nothing in a tile (all -inf); keep exp() finite by subtracting 0 then.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if SPLIT_MASK:
+        # Keys before the block's first query position are visible to every row: whole tiles of them run
+        # without masks; the tiles from there to key_end (the diagonal) are masked.
+        full_end = tl.minimum((num_cached + block * BLOCK_M) // BLOCK_N * BLOCK_N, key_end)
+        m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, 0, full_end, q_pos, key_end, kv_head,
+                                       stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N,
+                                       IEEE, False, EXP2)
+    else:
+        full_end = 0
+    m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, full_end, key_end, q_pos, key_end, kv_head,
+                                   stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N, IEEE,
+                                   True, EXP2)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None])
@@ -182,31 +240,46 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, num_warps=4)
 
 
+# The bf16 prefill kernel's launch: tiles, warps, pipeline stages and the schedule knobs of _prefill_kernel.
+# tools/probe_prefill_attention.py times the alternatives; the knobs off with 128-row blocks of 8 warps are the
+# third session's kernel. On an H200 (docs/benchmarks.md, twentieth session) this setting took a 2048-token
+# 8B layer from 236 to 115 us, and 16 sequences of 128 tokens from 46 to 33 us.
+PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, heads_fast=True, heavy_first=True,
+                      split_mask=True, exp2=True)
+# float32 tiles are twice the bytes: smaller blocks keep them in shared memory; exp, not exp2, keeps float32
+# runs at the CPU path's roundings.
+PREFILL_CONFIG_F32 = dict(block_m=64, block_n=32, num_warps=4, num_stages=2, heads_fast=True, heavy_first=True,
+                          split_mask=True, exp2=False)
+
+
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                    block_tables: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
-                                   scale: float) -> None:
+                                   scale: float, config: dict | None = None) -> None:
     """Several sequences' chunks packed back to back in the rows of q (sequence s's rows start after the
     new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written).
     q [T_cap, nh, d]; out [T_cap, nh, d]; block_tables [B, max_pages] int32 (row s: sequence s);
-    chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding."""
+    chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding.
+    ``config``: PREFILL_CONFIG's keys, to override (benchmarks)."""
     capacity, num_heads, head_dim = q.shape
     num_seqs = chunk_meta.shape[0]
     num_kv_heads = k_pool.shape[1]
     if chunk_meta.stride(0) != 2 or chunk_meta.stride(1) != 1:
         raise ValueError("chunk_meta must be a contiguous [B, 2] tensor")
     ieee = q.dtype == torch.float32
-    # float32 tiles are twice the bytes: smaller blocks keep them in shared memory.
-    block_m, block_n = (64, 32) if ieee else (128, 64)
+    c = dict(PREFILL_CONFIG_F32 if ieee else PREFILL_CONFIG, **(config or {}))
+    block_m = c["block_m"]
     # At most cdiv(T, BLOCK_M) + B - 1 query blocks hold rows (each sequence adds at most one partial block).
-    grid = (triton.cdiv(capacity, block_m) + num_seqs - 1, num_heads)
+    blocks = triton.cdiv(capacity, block_m) + num_seqs - 1
+    grid = (num_heads, blocks) if c["heads_fast"] else (blocks, num_heads)
     _prefill_kernel[grid](
         q, k_pool, v_pool, out, block_tables, chunk_meta,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, num_seqs,
         # One compiled variant serves every batch up to 16 sequences (the lanes past num_seqs are masked).
         SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), PAGE_TOKENS=page_tokens,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
-        num_warps=8 if not ieee else 4, num_stages=2)
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=c["block_n"], IEEE=ieee,
+        HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"], EXP2=c["exp2"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
