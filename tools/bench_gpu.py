@@ -403,10 +403,23 @@ class _EchoRows(list):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="135m,8b")
+    ap.add_argument("--prefill-attention", default="",
+                    help="PREFILL_CONFIG overrides for the bf16 prefill attention kernel, as 'key=value ...' "
+                         "(tools/probe_prefill_attention.py's variants)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = _EchoRows()
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    from flared.model import triton_attention
+
+    if args.prefill_attention:
+        for item in args.prefill_attention.split():
+            key, value = item.split("=")
+            if key not in triton_attention.PREFILL_CONFIG:
+                ap.error(f"--prefill-attention: no setting {key!r} ({sorted(triton_attention.PREFILL_CONFIG)})")
+            triton_attention.PREFILL_CONFIG[key] = int(value)
+    out["prefill_attention"] = dict(triton_attention.PREFILL_CONFIG)
+    print(f"prefill attention {triton_attention.PREFILL_CONFIG}", file=sys.stderr, flush=True)
     for shape in args.shapes.split(","):
         try:
             bench_shape(shape, rows, out)

@@ -1,12 +1,14 @@
 """Kernel by kernel, where the real captured decode graph's GPU time goes at a given batch.
 
     python tools/profile_decode_step.py [--shapes 8b] [--rows 64] [--new-tokens 128] [--steps 20] [--json]
+    python tools/profile_decode_step.py --prefill-tokens 2048 [--shapes 8b] [--steps 5]
 
 Random weights (bench_gpu's shapes), the real GraphExecutor and scheduler: ``--rows`` streams of
 128-token prompts decode ``--new-tokens`` tokens each, so the graph's inputs hold a real step at context
 ~128 + new tokens. The decode graph of that batch is then launched ``--steps`` times under torch's
 profiler (CUPTI traces the kernels inside graph launches); kernels are summed by name per step, beside
-the step's time from two events. CUDA only.
+the step's time from two events. With ``--prefill-tokens T`` the graph profiled is instead the one-sequence
+prefill graph of T tokens, its inputs those of a fresh T-token prompt (the bench's TTFT case). CUDA only.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-tokens", type=int, default=0, help="profile this prefill graph instead")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out: dict = {}
@@ -43,12 +46,22 @@ def main(argv=None) -> int:
         pair = graph_executor(model)
         sched, ex = pair
         vocab = model.config.vocab_size
-        run_flared(model, prompts(vocab, args.rows, 128, seed=40), 4, ex_pair=pair)
-        r = run_flared(model, prompts(vocab, args.rows, 128, seed=4), args.new_tokens, ex_pair=pair)
-        steps = r.steps_by_kind["DECODE"]
-        drive_us = r.decode_gpu_ns / max(1, steps) / 1e3
-        context = 128 + args.new_tokens
-        key = ex.graphs.pick_decode(args.rows, False, context)
+        if args.prefill_tokens:
+            run_flared(model, prompts(vocab, 1, args.prefill_tokens, seed=40), 1, ex_pair=pair)
+            r = run_flared(model, prompts(vocab, 1, args.prefill_tokens, seed=4), 1, ex_pair=pair)
+            drive_us = r.first_token_ns[0] / 1e3
+            key = ex.graphs.pick("prefill", args.prefill_tokens, batch=1)
+            what = f"one {args.prefill_tokens}-token prompt"
+            drive_what = "drive's TTFT"
+        else:
+            run_flared(model, prompts(vocab, args.rows, 128, seed=40), 4, ex_pair=pair)
+            r = run_flared(model, prompts(vocab, args.rows, 128, seed=4), args.new_tokens, ex_pair=pair)
+            steps = r.steps_by_kind["DECODE"]
+            drive_us = r.decode_gpu_ns / max(1, steps) / 1e3
+            context = 128 + args.new_tokens
+            key = ex.graphs.pick_decode(args.rows, False, context)
+            what = f"{args.rows} rows, context ~{context}"
+            drive_what = "drive's decode steps"
         gexec = ex.graphs.graph_execs[key]
         stream = ex._model_ptr
         a, b = cuda.Event(), cuda.Event()
@@ -84,13 +97,13 @@ def main(argv=None) -> int:
         span_us = (last_end - first_ts) / args.steps if first_ts is not None else 0.0
         table = sorted(((n, c / args.steps, us / args.steps) for n, (c, us) in per_name.items()),
                        key=lambda t: -t[2])
-        print(f"== {shape}, {args.rows} rows, context ~{context}: graph {key}, step {step_us:.0f} us by events "
-              f"(drive's decode steps {drive_us:.0f} us); kernels sum {total_kernel_us:.0f} us, profiled span "
+        print(f"== {shape}, {what}: graph {key}, step {step_us:.0f} us by events "
+              f"({drive_what} {drive_us:.0f} us); kernels sum {total_kernel_us:.0f} us, profiled span "
               f"{span_us:.0f} us per step")
         print(f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel")
         for n, c, us in table:
             print(f"{us:9.1f} {c:6.0f} {us / max(c, 1e-9):8.2f}  {n[:110]}")
-        out[shape] = {"rows": args.rows, "context": context, "step_us": step_us, "drive_us": drive_us,
+        out[shape] = {"graph": list(key), "step_us": step_us, "drive_us": drive_us,
                       "kernel_sum_us": total_kernel_us, "span_us": span_us,
                       "kernels": [[n[:120], c, round(us, 2)] for n, c, us in table]}
         a.destroy()
