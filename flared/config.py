@@ -12,6 +12,7 @@ the CLI reads the environment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,9 @@ class ServerConfig:
     ssl_keyfile: str | None = None
     # The chat page at / (as llama.cpp's server serves its web UI); false: / is a 404.
     web_ui: bool = True
+    # LoRA adapters (PEFT directories) merged into the weights at load, in order, as llama.cpp's --lora and
+    # --lora-scaled: each (path, scale). In TOML a list of paths or [path, scale] pairs.
+    lora_adapters: tuple[tuple[str, float], ...] = ()
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -142,6 +146,16 @@ class ServerConfig:
         if self.chat_template is not None and "{{" not in self.chat_template and "{%" not in self.chat_template:
             need(Path(self.chat_template).expanduser().is_file(), "chat_template",
                  f"{self.chat_template[:200]!r} is neither a file nor a Jinja template")
+        need(isinstance(self.lora_adapters, tuple) and all(
+            isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and a[0] and _is_num(a[1])
+            and math.isfinite(a[1]) for a in self.lora_adapters),
+            "lora_adapters", "must be a list of adapter paths or [path, scale] pairs")
+        if self.lora_adapters:
+            from flared.model.lora import check_adapter_path
+
+            for path, _ in self.lora_adapters:
+                problem = check_adapter_path(path)
+                need(problem is None, "lora_adapters", problem or "")
 
     def with_secrets(self) -> "ServerConfig":
         """The config with api_key read from api_key_file (first line, stripped)."""
@@ -195,6 +209,13 @@ class ServerConfig:
                 if not isinstance(values[key], list):
                     raise ConfigError(f"{where}: config key '{key}': must be a list of strings")
                 values[key] = tuple(values[key])
+        if "lora_adapters" in values:
+            items = values["lora_adapters"]
+            if not isinstance(items, list):
+                raise ConfigError(f"{where}: config key 'lora_adapters': must be a list of adapter paths or "
+                                  f"[path, scale] pairs")
+            values["lora_adapters"] = tuple((item, 1.0) if isinstance(item, str) else
+                                            tuple(item) if isinstance(item, list) else item for item in items)
         try:
             return cls(**values)
         except ConfigError as e:

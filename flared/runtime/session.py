@@ -154,7 +154,8 @@ class LoadedSession:
             frontend = Frontend.load(core.tokenizer_path, template, tokenizer_sha256=m.assets[m.tokenizer].sha256,
                                      template_sha256=template_sha256, settings=settings)
         runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
-                               fail_after_steps=fail_after_steps, **_policy_kwargs(config))
+                               fail_after_steps=fail_after_steps, lora_adapters=config.lora_adapters,
+                               **_policy_kwargs(config))
         return cls(core=core, config=config, frontend=frontend, runtime=runtime, progress=progress)
 
     async def start(self) -> "ServingSession":

@@ -44,6 +44,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 from flared.errors import AdmissionError, ErrorKind, ExecutionError, FlareError
 from flared.runtime.request import (
@@ -188,8 +189,10 @@ def cuda_backend_available(dtype) -> bool:
 
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
-                 fail_after_steps: int | None = None, policy=None, pipeline: bool = True):
+                 fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=()):
         self.core = core
+        # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
+        self.lora_adapters = tuple(lora_adapters)
         # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
         # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
         self.pipeline = pipeline
@@ -253,11 +256,21 @@ class ModelRuntime:
             torch.set_num_threads(self.torch_threads)
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
-        model = DecoderModel(self.core.config, self.core.load_tensors(), dtype=dtype,
+        tensors = self.core.load_tensors()
+        identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
+        if self.lora_adapters:
+            from flared.model.lora import LoraAdapter, adapters_digest, merge_adapters
+
+            adapters = [LoraAdapter(Path(p), float(scale)) for p, scale in self.lora_adapters]
+            merge_adapters(tensors, self.core.config, adapters)
+            identity.update(adapters_digest(adapters))  # cached prefixes belong to the merged weights
+            log.info("merged LoRA adapters: %s", ", ".join(f"{p} (scale {s:g})" for p, s in self.lora_adapters))
+        identity = identity.digest()
+        model = DecoderModel(self.core.config, tensors, dtype=dtype,
                              device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
+        del tensors
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
-        identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode()).digest()
         if use_cuda:
             # CUDA graph executor (flared.execution.executor): captures the manifest's graphs here, before ready;
             # the scheduler then plans exactly the shapes it captured (multi-sequence prefill included).

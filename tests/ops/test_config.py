@@ -55,6 +55,9 @@ def test_example_config_loads(tmp_path):
     ("cors_allow_origins = 'https://a.example'", "'cors_allow_origins'"),
     ("cors_allow_origins = ['a.example']", "'cors_allow_origins'"),
     ("chat_template = '/no/such/template.jinja'", "'chat_template'"),
+    ("lora_adapters = '/srv/adapter'", "'lora_adapters'"),
+    ("lora_adapters = [['/srv/adapter', 'half']]", "'lora_adapters'"),
+    ("lora_adapters = ['/no/such/adapter']", "'lora_adapters'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
@@ -62,6 +65,17 @@ def test_bad_values_name_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError) as e:
         ServerConfig.from_toml(path)
     assert key in str(e.value) and str(path) in str(e.value)
+
+
+def test_lora_adapters_are_paths_or_path_scale_pairs(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+        (tmp_path / name / "adapter_model.safetensors").write_bytes(b"")
+    path = tmp_path / "lora.toml"
+    path.write_text(f"lora_adapters = ['{tmp_path / 'a'}', ['{tmp_path / 'b'}', 0.5]]\n")
+    cfg = ServerConfig.from_toml(path)
+    assert cfg.lora_adapters == ((str(tmp_path / "a"), 1.0), (str(tmp_path / "b"), 0.5))
 
 
 def test_policy_values_reach_the_config(tmp_path):

@@ -1,0 +1,197 @@
+"""LoRA adapters in PEFT's format, merged into a core's weights at load (as llama.cpp's ``--lora`` does).
+
+An adapter is a directory holding ``adapter_config.json`` and ``adapter_model.safetensors`` (what PEFT's
+``save_pretrained`` writes and what the Hugging Face hub serves). Each targeted linear layer W gets
+``W + scale * s * B @ A``, where ``s`` is the adapter's own scaling (``lora_alpha / r``, or
+``lora_alpha / sqrt(r)`` with rsLoRA; per-module ``alpha_pattern`` honoured) and ``scale`` the operator's
+(``--lora-scaled``). Targets: the attention and MLP projections (q/k/v into the fused qkv rows, o, gate/up
+into the fused gate_up rows, down), ``lm_head`` and ``embed_tokens`` when the model does not tie them.
+The sum is taken in float32 and rounded once to the weight's dtype.
+
+Refused, each with an error naming the adapter and what is wrong: DoRA, trained biases, ``modules_to_save``
+(whole replaced layers), fan-in/fan-out (Conv1D) layouts, a tied embedding or LM head as a target, an
+unknown module, an A without its B, and shapes that do not fit the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from flared.errors import CoreError, ErrorKind
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+# base_model.model.<module>.<lora_A|lora_B|lora_embedding_A|lora_embedding_B>[.<adapter name>][.weight]
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+                  r"(?:\.(?!weight$)[^.]+)?(?:\.weight)?$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)$")
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    path: Path  # the adapter's directory
+    scale: float = 1.0
+
+
+def adapter_dir(path: str | Path) -> Path:
+    """The adapter directory of ``path`` (the directory, or its adapter_model.safetensors)."""
+    p = Path(path).expanduser()
+    return p.parent if p.is_file() and p.name == WEIGHTS_NAME else p
+
+
+def check_adapter_path(path: str | Path) -> str | None:
+    """Why ``path`` is not a PEFT adapter directory, or None."""
+    d = adapter_dir(path)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (d / name).is_file():
+            return f"{d} has no {name} (a PEFT LoRA adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME})"
+    return None
+
+
+def adapters_digest(adapters) -> bytes:
+    """SHA-256 over every adapter's files and scale, in order: what the merged weights depend on."""
+    h = hashlib.sha256()
+    for a in adapters:
+        d = adapter_dir(a.path)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            h.update((d / name).read_bytes())
+        h.update(repr(float(a.scale)).encode())
+    return h.digest()
+
+
+def _bad(adapter: Path, what: str, kind: ErrorKind = ErrorKind.SOURCE_FORMAT) -> CoreError:
+    return CoreError(f"LoRA adapter {adapter}: {what}", kind)
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank/alpha patterns: the first key that matches the module name's end."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read_adapter(path: str | Path) -> tuple[dict, dict]:
+    """(adapter_config, tensors) of a PEFT adapter directory, after the checks of what can be merged."""
+    from safetensors.torch import load_file
+
+    d = adapter_dir(path)
+    problem = check_adapter_path(d)
+    if problem:
+        raise CoreError(problem, ErrorKind.SOURCE_FORMAT)
+    try:
+        cfg = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise _bad(d, f"{CONFIG_NAME} is not readable JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _bad(d, f"{CONFIG_NAME} is not a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise _bad(d, f"peft_type {cfg.get('peft_type')!r} is not LORA", ErrorKind.UNSUPPORTED_MODEL)
+    if cfg.get("use_dora"):
+        raise _bad(d, "DoRA adapters (use_dora) are not supported", ErrorKind.UNSUPPORTED_MODEL)
+    if cfg.get("fan_in_fan_out"):
+        raise _bad(d, "fan_in_fan_out (Conv1D layouts) is not supported", ErrorKind.UNSUPPORTED_MODEL)
+    if cfg.get("bias", "none") not in ("none", None):
+        raise _bad(d, f"trained biases (bias={cfg.get('bias')!r}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
+    if cfg.get("modules_to_save"):
+        raise _bad(d, f"modules_to_save {cfg['modules_to_save']} (whole replaced layers) are not supported",
+                   ErrorKind.UNSUPPORTED_MODEL)
+    alpha = cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise _bad(d, f"lora_alpha {alpha!r} is not a number")
+    try:
+        tensors = load_file(str(d / WEIGHTS_NAME), device="cpu")
+    except Exception as e:  # safetensors raises its own types besides OSError
+        raise _bad(d, f"{WEIGHTS_NAME} is not a readable safetensors file: {e}") from None
+    return cfg, tensors
+
+
+def _pairs(adapter: Path, tensors: dict) -> dict[str, dict]:
+    """module name -> {"A": tensor, "B": tensor, "embedding": bool}."""
+    out: dict[str, dict] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise _bad(adapter, f"tensor {key!r} is not a LoRA A or B matrix", ErrorKind.UNSUPPORTED_MODEL)
+        part = m["part"]
+        entry = out.setdefault(m["module"], {})
+        slot = "A" if part.endswith("A") else "B"
+        if slot in entry:
+            raise _bad(adapter, f"module {m['module']} has two {part} tensors")
+        entry[slot] = t
+        entry["embedding"] = part.startswith("lora_embedding")
+    for module, entry in out.items():
+        if "A" not in entry or "B" not in entry:
+            raise _bad(adapter, f"module {module} has lora_{'A' if 'A' not in entry else 'B'} missing")
+    if not out:
+        raise _bad(adapter, f"{WEIGHTS_NAME} holds no LoRA tensors")
+    return out
+
+
+def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
+    """(serving tensor name, first row, row count, delta transposed) that a PEFT module name adapts."""
+    c = config
+    if module == "lm_head":
+        if c.tie_word_embeddings:
+            raise _bad(adapter, "targets lm_head, which this model ties to its embeddings", ErrorKind.UNSUPPORTED_MODEL)
+        return "lm_head.weight", 0, c.vocab_size, False
+    if module == "model.embed_tokens":
+        if c.tie_word_embeddings:
+            raise _bad(adapter, "targets embed_tokens, which this model ties to its LM head",
+                       ErrorKind.UNSUPPORTED_MODEL)
+        return "embed.weight", 0, c.vocab_size, True
+    m = _LAYER.match(module)
+    if m is None or int(m[1]) >= c.num_layers:
+        raise _bad(adapter, f"module {module!r} is not a layer this model has (supported: the q/k/v/o and "
+                            f"gate/up/down projections of layers 0..{c.num_layers - 1}, lm_head, embed_tokens)",
+                   ErrorKind.UNSUPPORTED_MODEL)
+    layer, name = int(m[1]), m[2].split(".")[1]
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    rows = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
+            "o_proj": ("o", 0, c.hidden_size), "gate_proj": ("gate_up", 0, inter),
+            "up_proj": ("gate_up", inter, inter), "down_proj": ("down", 0, c.hidden_size)}[name]
+    return f"layers.{layer}.{rows[0]}.weight", rows[1], rows[2], False
+
+
+def merge_adapters(tensors: dict, config, adapters) -> dict:
+    """Every adapter of ``adapters`` (LoraAdapter, in order) added into the serving tensors (flared's names,
+    fused qkv and gate_up); returns ``tensors`` with the adapted weights replaced. Checks everything before
+    changing anything."""
+    plans = []
+    for a in adapters:
+        d = adapter_dir(a.path)
+        if not math.isfinite(float(a.scale)):
+            raise _bad(d, f"scale {a.scale!r} is not a finite number")
+        cfg, raw = read_adapter(d)
+        for module, entry in sorted(_pairs(d, raw).items()):
+            name, row, count, transposed = _target(config, module, d)
+            weight = tensors.get(name)
+            if weight is None:
+                raise _bad(d, f"targets {module}, but the core has no {name}", ErrorKind.UNSUPPORTED_MODEL)
+            A, B = entry["A"], entry["B"]
+            if entry["embedding"] != transposed:
+                raise _bad(d, f"{module}: {'embedding' if entry['embedding'] else 'linear'} LoRA tensors on a "
+                              f"{'embedding' if transposed else 'linear'} layer")
+            # linear: A [r, in], B [out, r]; embedding: A [r, vocab], B [hidden, r], delta (B @ A)^T
+            out_dim, in_dim = (weight.shape[1], count) if transposed else (count, weight.shape[1])
+            rank = A.shape[0]
+            if A.dim() != 2 or B.dim() != 2 or B.shape != (out_dim, rank) or A.shape != (rank, in_dim):
+                raise _bad(d, f"{module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not fit "
+                              f"a [{out_dim}, {in_dim}] layer at rank {rank}")
+            alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", cfg.get("r", rank)))
+            scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+            plans.append((name, row, count, transposed, A, B, float(a.scale) * scaling))
+    merged: dict = {}
+    for name, row, count, transposed, A, B, factor in plans:
+        if name not in merged:
+            merged[name] = tensors[name].float().clone()
+        delta = (B.float() @ A.float()) * factor
+        merged[name][row:row + count] += delta.t() if transposed else delta
+    for name, value in merged.items():
+        tensors[name] = value.to(tensors[name].dtype).contiguous()
+    return tensors
