@@ -146,6 +146,8 @@ class LlamaCppRoutes:
         router.add("GET", "/props", self.props)
         router.add("GET", "/slots", self.slots)
         router.add("POST", "/slots/{slot}", self.slot_action)
+        router.add("GET", "/lora-adapters", self.lora_adapters)
+        router.add("POST", "/lora-adapters", self.set_lora_adapters)
 
     def _defaults(self) -> dict[str, Any]:
         d = self.state.manifest.generation_defaults
@@ -190,6 +192,15 @@ class LlamaCppRoutes:
         raise HttpError(400, f"slot action {action!r} is not supported: the prefix cache keeps and reuses prompt "
                         "states by itself (nothing to save, restore or erase per slot)", type="not_supported_error",
                         param="action")
+
+    async def lora_adapters(self, request: Request) -> Response:
+        """llama.cpp's adapter list: the LoRA adapters merged into the weights at load (--lora, --lora-scaled)."""
+        adapters = getattr(self.state.runtime, "lora_adapters", ())
+        return Response.json([{"id": i, "path": path, "scale": scale} for i, (path, scale) in enumerate(adapters)])
+
+    async def set_lora_adapters(self, request: Request) -> Response:
+        raise HttpError(400, "LoRA adapters are merged into the weights at load: their scales cannot change while "
+                        "serving (restart with --lora-scaled PATH SCALE)", type="not_supported_error")
 
     async def props(self, request: Request) -> Response:
         m = self.state.manifest
