@@ -248,7 +248,7 @@ def test_lora_flags_reach_the_served_model(tiny_core, tiny_hf_llama, tmp_path):
 
 def test_flared_run_serves_the_merged_adapter_and_lists_it(tiny_core, tiny_hf_llama, tmp_path):
     """`flared run --lora-scaled DIR 2`: the completions answer differs from the base core's; GET /lora-adapters
-    (llama.cpp's route) lists the adapter and its scale; POST there is a 400 that says why."""
+    (llama.cpp's route) and `flarectl models` list the adapter and its scale; POST there is a 400 that says why."""
     from flared_testing.daemon import Daemon
     from transformers import LlamaForCausalLM
 
@@ -258,7 +258,7 @@ def test_flared_run_serves_the_merged_adapter_and_lists_it(tiny_core, tiny_hf_ll
     body = {"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": 8, "temperature": 0}
     answers = []
     for flags in ((), ("--lora-scaled", str(d), "2")):
-        daemon = Daemon(tiny_core, tmp_path, *flags)
+        daemon = Daemon(tiny_core, tmp_path, *flags, admin_socket=True)
         try:
             status, out = daemon.request("POST", "/v1/completions", body)
             assert status == 200, out
@@ -270,6 +270,7 @@ def test_flared_run_serves_the_merged_adapter_and_lists_it(tiny_core, tiny_hf_ll
             assert status == 400 and "merged into the weights at load" in refused["error"]["message"]
             if flags:
                 assert f"merged LoRA adapters: {d} (scale 2)" in daemon.log()
+                assert f"lora:        {d} (scale 2)" in daemon.ctl("models").stdout  # flarectl models
         finally:
             daemon.kill()
     assert answers[0] != answers[1]

@@ -36,6 +36,7 @@ def test_models(ops_daemon):
     assert res.returncode == 0, res.stderr
     body = json.loads(res.stdout)
     assert "tiny" in body["served_names"] and body["capacities"]["concurrency"] == 4
+    assert body["lora_adapters"] == []  # none merged (tests/model/test_lora.py serves one)
     assert "tiny" in ops_daemon.ctl("models").stdout
 
 
