@@ -91,6 +91,9 @@ class ServerConfig:
     # LoRA adapters (PEFT directories) merged into the weights at load, in order, as llama.cpp's --lora and
     # --lora-scaled: each (path, scale). In TOML a list of paths or [path, scale] pairs.
     lora_adapters: tuple[tuple[str, float], ...] = ()
+    # Per-request LoRA adapters (vLLM's --lora-modules): each (name, path) is served as a model of that name,
+    # run beside the base weights for the requests that name it (CPU backend). In TOML a table name = path.
+    lora_modules: tuple[tuple[str, str], ...] = ()
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -150,6 +153,16 @@ class ServerConfig:
             isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and a[0] and _is_num(a[1])
             and math.isfinite(a[1]) for a in self.lora_adapters),
             "lora_adapters", "must be a list of adapter paths or [path, scale] pairs")
+        need(isinstance(self.lora_modules, tuple) and all(
+            isinstance(m, tuple) and len(m) == 2 and all(isinstance(x, str) and x for x in m)
+            for m in self.lora_modules), "lora_modules", "must be a table of adapter names and paths")
+        names = [m[0] for m in self.lora_modules]
+        need(len(set(names)) == len(names), "lora_modules", f"names repeat: {names}")
+        for name, path in self.lora_modules:
+            from flared.model.lora import check_adapter_path
+
+            problem = check_adapter_path(path)
+            need(problem is None, "lora_modules", f"{name}: {problem}")
         if self.lora_adapters:
             from flared.model.lora import check_adapter_path
 
@@ -209,6 +222,11 @@ class ServerConfig:
                 if not isinstance(values[key], list):
                     raise ConfigError(f"{where}: config key '{key}': must be a list of strings")
                 values[key] = tuple(values[key])
+        if "lora_modules" in values:
+            table = values["lora_modules"]
+            if not isinstance(table, dict):
+                raise ConfigError(f"{where}: config key 'lora_modules': must be a table of adapter names and paths")
+            values["lora_modules"] = tuple(table.items())
         if "lora_adapters" in values:
             items = values["lora_adapters"]
             if not isinstance(items, list):

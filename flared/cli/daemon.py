@@ -37,17 +37,30 @@ log = logging.getLogger("flared")
 
 
 def _lora_options(fn):
-    """llama.cpp's --lora and --lora-scaled (each repeatable): PEFT adapters merged into the weights at load."""
+    """llama.cpp's --lora and --lora-scaled (each repeatable): PEFT adapters merged into the weights at load; vLLM's
+    --lora-modules NAME=PATH: adapters served per request under their own model names."""
+    fn = click.option("--lora-modules", "lora_modules", multiple=True, metavar="NAME=PATH",
+                      help="A LoRA adapter served as model NAME, run for the requests that name it (repeatable; "
+                           "CPU backend).")(fn)
     fn = click.option("--lora-scaled", "lora_scaled", type=(str, float), multiple=True, metavar="PATH SCALE",
                       help="A LoRA adapter merged at this scale (repeatable).")(fn)
     return click.option("--lora", "lora", multiple=True, metavar="PATH",
                         help="A LoRA adapter (a PEFT directory) merged into the weights at load (repeatable).")(fn)
 
 
-def _lora_overrides(lora, lora_scaled) -> dict:
-    if not lora and not lora_scaled:
-        return {}
-    return {"lora_adapters": tuple((p, 1.0) for p in lora) + tuple((p, float(s)) for p, s in lora_scaled)}
+def _lora_overrides(lora, lora_scaled, lora_modules) -> dict:
+    from flared.config import ConfigError
+
+    out = {}
+    if lora or lora_scaled:
+        out["lora_adapters"] = tuple((p, 1.0) for p in lora) + tuple((p, float(s)) for p, s in lora_scaled)
+    if lora_modules:
+        pairs = [m.partition("=") for m in lora_modules]
+        bad = [m for m, (name, eq, path) in zip(lora_modules, pairs) if not (name and eq and path)]
+        if bad:
+            raise ConfigError(f"--lora-modules {bad[0]!r}: give NAME=PATH")
+        out["lora_modules"] = tuple((name, path) for name, _, path in pairs)
+    return out
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "FLARED"})
@@ -94,7 +107,7 @@ def main() -> None:
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
-        no_webui, lora, lora_scaled, debug_fail_after_steps):
+        no_webui, lora, lora_scaled, lora_modules, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -113,7 +126,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             overrides["prefix_cache"] = False
         if no_webui:
             overrides["web_ui"] = False
-        overrides.update(_lora_overrides(lora, lora_scaled))
+        overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
         if api_key_file is not None:
             overrides.update(api_key_file=api_key_file, api_key=None)
         elif api_key is not None:
@@ -176,7 +189,7 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
               show_default=True)
 @_lora_options
 def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
-              cache_dir, dtype, log_level, lora, lora_scaled):
+              cache_dir, dtype, log_level, lora, lora_scaled, lora_modules):
     """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results.
 
     Each line's url is /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/rerank,
@@ -190,7 +203,7 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
                                            chat_template=chat_template).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
-        overrides.update(_lora_overrides(lora, lora_scaled))
+        overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
         # serve nothing outside: an ephemeral loopback port, no admin socket, no port file
         config = dataclasses.replace(config, host="127.0.0.1", port=0, port_file=None, admin_socket=None,
                                      api_key=None, api_key_file=None, log_level=log_level, **overrides)

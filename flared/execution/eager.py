@@ -120,6 +120,14 @@ class EagerExecutor:
             chunks.append(SequenceChunk(tokens, int(plan.token_starts[i]), block_tables[i], needs_logits=True))
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
+        adapters = [getattr(s, "lora", 0) if s is not None else 0 for s in states]
+        if any(adapters):  # per-request LoRA: each adapter's token rows (the chunks' rows are in order)
+            bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])
+            for adapter in sorted(set(adapters) - {0}):
+                token_rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in range(n)
+                                             if adapters[i] == adapter])
+                batch.lora_groups.append((adapter, torch.as_tensor(token_rows, dtype=torch.int64,
+                                                                   device=self.model.device)))
         scoring = [i for i in range(n) if score_from[i] is not None
                    and int(plan.token_starts[i]) + len(chunks[i].token_ids) > score_from[i]]
         if not scoring:

@@ -58,6 +58,9 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor | None = None  # [B_dec] int64: each decode row's context length
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     num_tokens: int = 0
+    # Per-request LoRA adapters (DecoderModel.lora_modules): (adapter index >= 1, its token rows [k] int64);
+    # rows of no group run the base weights alone.
+    lora_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], *, page_tokens: int, device: torch.device | str = "cpu",

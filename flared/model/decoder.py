@@ -207,6 +207,7 @@ class DecoderModel:
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
             and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.lora_modules: list[dict] = []  # set_lora_modules
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
@@ -221,10 +222,29 @@ class DecoderModel:
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
                             device=self.device)
 
+    def set_lora_modules(self, factors: list[dict]) -> None:
+        """Per-request LoRA adapters (flared.model.lora.lora_factors, one dict per adapter; adapter i + 1 of a
+        batch's lora_groups is factors[i]), kept apart from the weights: a row of adapter a adds
+        (x A^T) B^T to each product the adapter targets."""
+        self.lora_modules = [{name: [(row, count, A.to(self.device, self.dtype), B.to(self.device, self.dtype))
+                                     for row, count, A, B in parts] for name, parts in f.items()} for f in factors]
+
+    def _lora(self, batch: ForwardBatch, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the product of ``x`` with the serving tensor ``name``) plus each adapter row's low-rank term."""
+        for adapter, rows in batch.lora_groups:
+            parts = self.lora_modules[adapter - 1].get(name)
+            if not parts:
+                continue
+            xs = x.index_select(0, rows)
+            for row, count, A, B in parts:
+                y[rows, row:row + count] += (xs @ A.t()) @ B.t()
+        return y
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Returns logits [len(batch.logit_row_ids), vocab] float32."""
-        if (self.fused_decode and not batch.prefill_groups and batch.decode_row_ids is not None
+        if (self.fused_decode and not batch.prefill_groups and not batch.lora_groups
+                and batch.decode_row_ids is not None
                 and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
                 and kv.keys.dtype == torch.bfloat16):
             return self._forward_fused_decode(batch, kv)
@@ -366,9 +386,12 @@ class DecoderModel:
             num_decode = batch.decode_row_ids.shape[0]
             # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
+        lora = bool(batch.lora_groups)
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, eps)
             qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
+            if lora:
+                qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
             qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
             v = qkv[:, q_size + kv_size:]
             if layer.qk_norm is not None:
@@ -379,10 +402,19 @@ class DecoderModel:
             v = v.view(num_tokens, nkv, d)
             kv.write(index, batch.write_slot_ids, k, v)
             attn = self._attention(index, batch, kv, q, k, v, decode_masked)  # [T, nh * d]
-            h = h + layer.o(attn)
+            o = layer.o(attn)
+            if lora:
+                o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
+            h = h + o
             x = rms_norm(h, layer.mlp_norm, eps)
             gate_up = layer.gate_up(x)
-            h = h + layer.down(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:])
+            if lora:
+                gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
+            act = F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
+            down = layer.down(act)
+            if lora:
+                down = self._lora(batch, f"layers.{index}.down.weight", act, down)
+            h = h + down
         return h
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:

@@ -158,36 +158,42 @@ def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
     return f"layers.{layer}.{rows[0]}.weight", rows[1], rows[2], False
 
 
+def _terms(adapter: LoraAdapter, config, tensors: dict) -> list[tuple]:
+    """Every low-rank term of one adapter, checked against the serving tensors: (serving tensor name, first row,
+    row count, delta transposed, A, B, factor), the term being factor * B @ A (transposed: its transpose)."""
+    d = adapter_dir(adapter.path)
+    if not math.isfinite(float(adapter.scale)):
+        raise _bad(d, f"scale {adapter.scale!r} is not a finite number")
+    cfg, raw = read_adapter(d)
+    terms = []
+    for module, entry in sorted(_pairs(d, raw).items()):
+        name, row, count, transposed = _target(config, module, d)
+        weight = tensors.get(name)
+        if weight is None:
+            raise _bad(d, f"targets {module}, but the core has no {name}", ErrorKind.UNSUPPORTED_MODEL)
+        A, B = entry["A"], entry["B"]
+        if entry["embedding"] != transposed:
+            raise _bad(d, f"{module}: {'embedding' if entry['embedding'] else 'linear'} LoRA tensors on a "
+                          f"{'embedding' if transposed else 'linear'} layer")
+        # linear: A [r, in], B [out, r]; embedding: A [r, vocab], B [hidden, r], delta (B @ A)^T
+        out_dim, in_dim = (weight.shape[1], count) if transposed else (count, weight.shape[1])
+        rank = A.shape[0]
+        if A.dim() != 2 or B.dim() != 2 or B.shape != (out_dim, rank) or A.shape != (rank, in_dim):
+            raise _bad(d, f"{module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not fit "
+                          f"a [{out_dim}, {in_dim}] layer at rank {rank}")
+        alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", cfg.get("r", rank)))
+        scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+        terms.append((name, row, count, transposed, A, B, float(adapter.scale) * scaling))
+    return terms
+
+
 def merge_adapters(tensors: dict, config, adapters) -> dict:
     """Every adapter of ``adapters`` (LoraAdapter, in order) added into the serving tensors (flared's names,
     fused qkv and gate_up); returns ``tensors`` with the adapted weights replaced. Checks everything before
     changing anything."""
-    plans = []
-    for a in adapters:
-        d = adapter_dir(a.path)
-        if not math.isfinite(float(a.scale)):
-            raise _bad(d, f"scale {a.scale!r} is not a finite number")
-        cfg, raw = read_adapter(d)
-        for module, entry in sorted(_pairs(d, raw).items()):
-            name, row, count, transposed = _target(config, module, d)
-            weight = tensors.get(name)
-            if weight is None:
-                raise _bad(d, f"targets {module}, but the core has no {name}", ErrorKind.UNSUPPORTED_MODEL)
-            A, B = entry["A"], entry["B"]
-            if entry["embedding"] != transposed:
-                raise _bad(d, f"{module}: {'embedding' if entry['embedding'] else 'linear'} LoRA tensors on a "
-                              f"{'embedding' if transposed else 'linear'} layer")
-            # linear: A [r, in], B [out, r]; embedding: A [r, vocab], B [hidden, r], delta (B @ A)^T
-            out_dim, in_dim = (weight.shape[1], count) if transposed else (count, weight.shape[1])
-            rank = A.shape[0]
-            if A.dim() != 2 or B.dim() != 2 or B.shape != (out_dim, rank) or A.shape != (rank, in_dim):
-                raise _bad(d, f"{module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not fit "
-                              f"a [{out_dim}, {in_dim}] layer at rank {rank}")
-            alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", cfg.get("r", rank)))
-            scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-            plans.append((name, row, count, transposed, A, B, float(a.scale) * scaling))
+    terms = [t for a in adapters for t in _terms(a, config, tensors)]
     merged: dict = {}
-    for name, row, count, transposed, A, B, factor in plans:
+    for name, row, count, transposed, A, B, factor in terms:
         if name not in merged:
             merged[name] = tensors[name].float().clone()
         delta = (B.float() @ A.float()) * factor
@@ -195,3 +201,17 @@ def merge_adapters(tensors: dict, config, adapters) -> dict:
     for name, value in merged.items():
         tensors[name] = value.to(tensors[name].dtype).contiguous()
     return tensors
+
+
+def lora_factors(adapter: LoraAdapter, config, tensors: dict) -> dict:
+    """One adapter kept apart from the weights, for requests that name it (DecoderModel.set_lora_modules):
+    serving tensor name -> [(first row, row count, A [r, in], B [count, r] * factor)], float32. Only the layers'
+    products: an LM head or embedding term is refused (merge such adapters with --lora)."""
+    out: dict = {}
+    for name, row, count, transposed, A, B, factor in _terms(adapter, config, tensors):
+        if not name.startswith("layers."):
+            raise _bad(adapter_dir(adapter.path), f"a per-request adapter may target the layers' projections only, "
+                       f"not {name.removesuffix('.weight')} (merge it into the weights with --lora)",
+                       ErrorKind.UNSUPPORTED_MODEL)
+        out.setdefault(name, []).append((row, count, A.float(), B.float() * factor))
+    return out

@@ -269,6 +269,9 @@ class SequenceSamplingState:
     dry_restart_heads: torch.Tensor | None = None
     dry_restart_tails: torch.Tensor | None = None
     dry_restart_lens: torch.Tensor | None = None
+    # The request's per-request LoRA adapter (DecoderModel.lora_modules index + 1; 0: the base weights), which
+    # the eager executor groups the forward's rows by (not a sampling setting, but this is the row's state).
+    lora: int = 0
 
     @property
     def shapes_logits(self) -> bool:

@@ -48,6 +48,9 @@ class GenerateRequest:
     # vLLM's priority: lower runs sooner (its value counts 2 ** -priority times; FCFS orders by it), and a lower
     # value is admitted to a free slot before the waiting requests of higher values
     priority: int = 0
+    # vLLM's --lora-modules: the adapter the request's model name picked (1-based, ServerConfig.lora_modules
+    # order); 0 = the base weights.
+    lora: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

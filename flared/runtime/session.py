@@ -139,6 +139,12 @@ class LoadedSession:
         if config.served_names:
             m = dataclasses.replace(m, served_names=tuple(dict.fromkeys((*m.served_names, *config.served_names))))
             core = dataclasses.replace(core, manifest=m)
+        taken = [name for name, _ in config.lora_modules if name in (m.checkpoint_id, m.model_name, *m.served_names)]
+        if taken:
+            from flared.config import ConfigError
+
+            raise ConfigError(f"config key 'lora_modules': {taken[0]!r} already names the served model; give the "
+                              f"adapter a name of its own")
         t = m.tokens
         settings = TokenSettings(
             bos_token=t.bos_token if t.bos_token_id is not None else None,
@@ -155,6 +161,7 @@ class LoadedSession:
                                      template_sha256=template_sha256, settings=settings)
         runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
                                fail_after_steps=fail_after_steps, lora_adapters=config.lora_adapters,
+                               lora_modules=config.lora_modules,
                                **_policy_kwargs(config))
         return cls(core=core, config=config, frontend=frontend, runtime=runtime, progress=progress)
 
@@ -174,6 +181,7 @@ class LoadedSession:
                              http_permits=queue + max_active)
         state.metrics = ServerMetrics(self.runtime, state, max_slots=m.capacities.concurrency)
         state.tool_parser, state.reasoning_parser = self.config.tool_parser, self.config.reasoning_parser
+        state.lora_modules = {name: (k + 1, path) for k, (name, path) in enumerate(self.config.lora_modules)}
         state.embedding_pooling = self.config.embedding_pooling
         state.trust_request_chat_template = self.config.trust_request_chat_template
         state.web_ui = self.config.web_ui

@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from flared.errors import AdmissionError, ErrorKind, ExecutionError, FlareError
+from flared.errors import AdmissionError, CoreError, ErrorKind, ExecutionError, FlareError
 from flared.runtime.request import (
     ErrorEvent, EventSink, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent, as_error,
 )
@@ -189,10 +189,15 @@ def cuda_backend_available(dtype) -> bool:
 
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
-                 fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=()):
+                 fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
+                 lora_modules=()):
         self.core = core
         # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
         self.lora_adapters = tuple(lora_adapters)
+        # (name, path) of per-request adapters (vLLM's --lora-modules): a request's ``lora`` k runs adapter k - 1
+        # beside the weights; each one's prefix-cache identity is _lora_ids[k - 1].
+        self.lora_modules = tuple(lora_modules)
+        self._lora_ids: list[bytes] = []
         # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
         # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
         self.pipeline = pipeline
@@ -266,9 +271,24 @@ class ModelRuntime:
             identity.update(adapters_digest(adapters))  # cached prefixes belong to the merged weights
             log.info("merged LoRA adapters: %s", ", ".join(f"{p} (scale {s:g})" for p, s in self.lora_adapters))
         identity = identity.digest()
+        factors = []
+        if self.lora_modules:
+            from flared.model.lora import LoraAdapter, adapters_digest, lora_factors
+
+            if use_cuda:
+                raise CoreError("per-request LoRA adapters (lora_modules, --lora-modules) run on the CPU backend only "
+                                "for now; on a GPU, merge an adapter into the weights with --lora",
+                                ErrorKind.UNSUPPORTED_MODEL)
+            for name, path in self.lora_modules:
+                adapter = LoraAdapter(Path(path))
+                factors.append(lora_factors(adapter, self.core.config, tensors))
+                self._lora_ids.append(hashlib.sha256(b"flared.lora\0" + adapters_digest([adapter])).digest())
+            log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))
         model = DecoderModel(self.core.config, tensors, dtype=dtype,
                              device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
         del tensors
+        if factors:
+            model.set_lora_modules(factors)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
         if use_cuda:
@@ -337,6 +357,9 @@ class ModelRuntime:
                 raise AdmissionError(f"the model thread has failed: {self.failure}", ErrorKind.UNAVAILABLE)
             if self._stopping or self._thread is None:
                 raise AdmissionError("the model is not serving (stopping or not started)", ErrorKind.UNAVAILABLE)
+            if not 0 <= request.lora <= len(self.lora_modules):
+                raise AdmissionError(f"no LoRA adapter {request.lora} (this server has {len(self.lora_modules)})",
+                                     ErrorKind.VALIDATION)
             if request.score_from is not None and not getattr(self.executor, "supports_scoring", True):
                 raise AdmissionError("scored prompts are not served by the CUDA graph backend yet",
                                      ErrorKind.UNSUPPORTED)
@@ -533,6 +556,9 @@ class ModelRuntime:
                 conditioning = () if self.prefix_cache else ((0, os.urandom(32)),)
                 if req.cache_salt is not None and self.prefix_cache:
                     conditioning = ((0, _salt_identity(req.cache_salt)),)
+                if req.lora and self.prefix_cache:  # an adapter's prefixes are its own (K/V differ)
+                    salted = conditioning[0][1] if conditioning else b""
+                    conditioning = ((0, hashlib.sha256(self._lora_ids[req.lora - 1] + salted).digest()),)
                 if req.score_from is not None and self.prefix_cache:
                     conditioning = conditioning + ((req.score_from, os.urandom(32)),)
                 handle = self.scheduler.admit(
@@ -548,6 +574,7 @@ class ModelRuntime:
                     live.scores = []
                 live.sampler_state = self.executor.sampler.add_sequence(req.params, req.prompt_token_ids,
                                                                         grammar=live.grammar)
+                live.sampler_state.lora = req.lora
             except AdmissionError as e:
                 if e.kind is ErrorKind.MODEL_CAPACITY:
                     if self.scheduler.num_live == 0:

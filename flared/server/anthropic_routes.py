@@ -250,7 +250,7 @@ class AnthropicRoutes:
     async def _render(self, body: dict):
         if not isinstance(body, dict):
             raise _bad("body", f"must be a JSON object, got {_type(body)}")
-        check_model(self.state, _string(body, "model", required=True))
+        check_model(self.state, _string(body, "model", required=True), lora_ok=True)
         choice = _tool_choice(body)
         tools = translate_tools(body)
         if choice == "none":
@@ -282,7 +282,8 @@ class AnthropicRoutes:
         prompt = tuple(rendered.token_ids)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar,
+                              lora=check_model(self.state, body["model"], lora_ok=True))
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         request.disconnected.add_callback(gen.cancel)
         mid = "msg_" + secrets.token_hex(12)

@@ -58,6 +58,8 @@ class ServingState:
         # Tool-call and reasoning parser families (ServerConfig.tool_parser / reasoning_parser):
         # "auto" picks them from the chat template, "none" turns parsing off.
         self.tool_parser = "auto"
+        # ServerConfig.lora_modules: model name -> (GenerateRequest.lora, adapter path)
+        self.lora_modules: dict[str, tuple[int, str]] = {}
         self.reasoning_parser = "auto"
         self.embedding_pooling = "last"  # ServerConfig.embedding_pooling
         self.trust_request_chat_template = False  # ServerConfig.trust_request_chat_template

@@ -75,11 +75,11 @@ def _ollama_errors(handler):
     return wrapped
 
 
-def _model(state, body: dict) -> str:
+def _model(state, body: dict, *, lora_ok: bool = False) -> str:
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name:
         raise _bad("model", "is required")
-    check_model(state, name.removesuffix(":latest"))
+    check_model(state, name.removesuffix(":latest"), lora_ok=lora_ok)
     return name
 
 
@@ -288,15 +288,17 @@ class OllamaRoutes:
         grammar = await compile_grammar(self.state, parse_ollama_format(body.get("format")))
         await prepare_samplers(self.state, options)
         shape = OutputShape(self.state, rendered_text, tools)
+        # chat and generate checked the name (_model); the adapter it picks, 0 for the served model
+        lora = check_model(self.state, (body.get("model") or body.get("name")).removesuffix(":latest"), lora_ok=True)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options, fim=fim), grammar=grammar)
+                              stop_token_ids=_stop_ids(self.state, options, fim=fim), grammar=grammar, lora=lora)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         return gen, shape, options.logprobs is not None
 
     async def chat(self, request: Request):
         body = json_object(request)
-        model = _model(self.state, body)
+        model = _model(self.state, body, lora_ok=True)
         tools = parse_tools(body.get("tools"), "tools")
         t0 = time.monotonic_ns()
         rendered = await self.state.prepare_chat(_messages(body), tools=tools, **_template_kwargs(body))
@@ -306,7 +308,7 @@ class OllamaRoutes:
 
     async def generate(self, request: Request):
         body = json_object(request)
-        model = _model(self.state, body)
+        model = _model(self.state, body, lora_ok=True)
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise _bad("prompt", "must be a string")

@@ -47,12 +47,40 @@ def model_card(state) -> dict[str, Any]:
     }
 
 
-def check_model(state, name: str) -> None:
+def lora_card(state, name: str) -> dict[str, Any]:
+    """A per-request LoRA adapter's model card, as vLLM lists one: its root is the adapter's path, its parent the
+    served model."""
+    return {**model_card(state), "id": name, "root": state.lora_modules[name][1], "parent": state.manifest.model_name,
+            "aliases": []}
+
+
+def check_model(state, name: str, *, lora_ok: bool = False) -> int:
+    """The request's ``lora`` (0: the served model itself) for model ``name``: 404 for a name this server does not
+    serve; a per-request LoRA adapter's name (ServerConfig.lora_modules) only where ``lora_ok`` (generation
+    routes), else 400."""
     m = state.manifest
-    if name != m.checkpoint_id and name not in m.served_names:
+    if name == m.checkpoint_id or name in m.served_names:
+        return 0
+    adapter = state.lora_modules.get(name)
+    if adapter is not None:
+        if lora_ok:
+            return adapter[0]
+        err = AdmissionError(f"model {name!r} is a LoRA adapter, which serves the generation routes (chat, "
+                             f"completions, responses, messages, Ollama's generate and chat); this route runs "
+                             f"{m.model_name!r}", ErrorKind.VALIDATION)
+    else:
         err = AdmissionError(f"model {name!r} does not exist; this server serves {m.model_name!r}",
                              ErrorKind.NOT_FOUND)
-        err.param = "model"
+    err.param = "model"
+    raise err
+
+
+def _check_lora_scoring(lora: int, scoring: bool) -> None:
+    """Prompt scoring (prompt_logprobs, echoed logprobs) runs the served weights alone: refused for an adapter."""
+    if lora and scoring:
+        err = AdmissionError("prompt_logprobs and echoed logprobs are not served for a LoRA adapter model yet",
+                             ErrorKind.UNSUPPORTED)
+        err.param = "prompt_logprobs"
         raise err
 
 
@@ -412,18 +440,22 @@ class OpenAIRoutes:
         router.add("POST", "/v1/completions", self.completions, admit=True)
 
     async def list_models(self, request: Request) -> Response:
-        return Response.json({"object": "list", "data": [model_card(self.state)]})
+        cards = [model_card(self.state)] + [lora_card(self.state, name) for name in self.state.lora_modules]
+        return Response.json({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
-        check_model(self.state, request.params["model"])
+        name = request.params["model"]
+        if check_model(self.state, name, lora_ok=True):
+            return Response.json(lora_card(self.state, name))
         return Response.json(model_card(self.state))
 
     # -- chat ----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request):
         req = parse_chat(request.json())
-        check_model(self.state, req.model)
+        lora = check_model(self.state, req.model, lora_ok=True)
         _check_vocab(self.state, req.options)
+        _check_lora_scoring(lora, req.options.prompt_logprobs is not None)
         template = self.state.request_template(req.chat_template)
         rendered = await self.state.prepare_chat(
             req.messages, tools=req.tools, documents=req.documents, add_generation_prompt=req.add_generation_prompt,
@@ -451,7 +483,7 @@ class OpenAIRoutes:
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                             params=sampling_params(self.state, opts, len(prompt), None, i),
                             stop_token_ids=_stop_ids(self.state, opts), grammar=grammar,
-                            cache_salt=req.extras.cache_salt, priority=req.extras.priority)
+                            cache_salt=req.extras.cache_salt, priority=req.extras.priority, lora=lora)
             for i in range(opts.n)]
         gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
                                and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)
@@ -573,8 +605,10 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request):
         req = parse_completion(request.json())
-        check_model(self.state, req.model)
+        lora = check_model(self.state, req.model, lora_ok=True)
         _check_vocab(self.state, req.options)
+        _check_lora_scoring(lora, req.options.prompt_logprobs is not None
+                            or (req.echo and req.options.logprobs is not None))
         opts = req.options
         prompts: list[tuple[int, ...]] = []
         texts: list[str] = []
@@ -634,7 +668,7 @@ class OpenAIRoutes:
                     ids, (), sampling_params(self.state, made, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, pi * k + j),
                     _stop_ids(self.state, req.options, fim=req.suffix is not None), grammar=grammar,
                     cache_salt=req.extras.cache_salt,
-                    priority=req.extras.priority))
+                    priority=req.extras.priority, lora=lora))
         gen = self.state.start(requests, opts.stop, skip_special_tokens=opts.skip_special_tokens,
                                include_stop_str=opts.include_stop_str_in_output)
         request.disconnected.add_callback(gen.cancel)

@@ -424,7 +424,7 @@ class ResponsesRoutes:
     async def create(self, request: Request):
         body = json_object(request)
         model = _string(body, "model", required=True)
-        check_model(self.state, model)
+        lora = check_model(self.state, model, lora_ok=True)
         history: list[dict] = []
         prev = _string(body, "previous_response_id")
         if prev is not None:
@@ -458,7 +458,7 @@ class ResponsesRoutes:
         prompt = tuple(rendered.token_ids)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar)
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar, lora=lora)
         # A background response holds a permit of its own until it ends (this request's goes with its answer).
         release = self.state.admit(request) if background else None
         try:

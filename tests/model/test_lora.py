@@ -274,3 +274,100 @@ def test_flared_run_serves_the_merged_adapter_and_lists_it(tiny_core, tiny_hf_ll
         finally:
             daemon.kill()
     assert answers[0] != answers[1]
+
+
+def _batch_answer(tiny_core, tmp_path: Path, prompt, *flags) -> str:
+    """One greedy /v1/completions line through `flared run-batch` with ``flags``."""
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}}
+    src, out = tmp_path / "one.jsonl", tmp_path / "one-out.jsonl"
+    src.write_text(json.dumps(line) + "\n")
+    cmd = [sys.executable, "-m", "flared.cli.daemon", "run-batch", "-i", str(src), "-o", str(out), "--served-name",
+           "tiny", *flags, str(tiny_core)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = json.loads(out.read_text())
+    assert row["response"]["status_code"] == 200, row
+    return row["response"]["body"]["choices"][0]["text"]
+
+
+def test_lora_modules_serve_an_adapter_per_request_beside_the_base(tiny_core, tiny_hf_llama, tmp_path):
+    """vLLM's --lora-modules: `flared run --lora-modules sql=DIR` serves model "sql" with the adapter beside the
+    weights. Its answers equal the merged adapter's (--lora), the base model's stay the base's, both in one batch,
+    a base prompt's cached prefix is not reused for the adapter, /v1/models lists it, and routes that do not
+    generate refuse the name."""
+    import concurrent.futures
+
+    from flared_testing.daemon import Daemon
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32)
+    d = tmp_path / "adapter"
+    write_adapter(d, {k: v for k, v in hf_modules(hf).items() if k.startswith("model.layers.")})
+    prompt = list(range(3, 40))
+    base = _batch_answer(tiny_core, tmp_path, prompt)
+    merged = _batch_answer(tiny_core, tmp_path, prompt, "--lora", str(d))
+    assert merged != base
+    daemon = Daemon(tiny_core, tmp_path, "--lora-modules", f"sql={d}")
+    try:
+        def complete(model):
+            status, out = daemon.request("POST", "/v1/completions",
+                                         {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert status == 200, out
+            return out["choices"][0]["text"]
+
+        assert complete("tiny") == base  # first: its prefix is now cached
+        assert complete("sql") == merged  # not served from the base's cached prefix
+        assert complete("sql") == merged  # from its own
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # rows of both in the same steps
+            mixed = list(pool.map(complete, ["sql", "tiny", "sql", "tiny"]))
+        assert mixed == [merged, base, merged, base]
+        said = {}
+        for model in ("sql", "tiny"):  # each generating route runs the adapter its model name picks
+            messages = [{"role": "user", "content": "Paris is"}]
+            status, chat = daemon.request("POST", "/v1/chat/completions", {
+                "model": model, "messages": messages, "max_tokens": 6, "temperature": 0})
+            assert status == 200 and chat["model"] == model
+            status, msg = daemon.request("POST", "/v1/messages", {
+                "model": model, "messages": messages, "max_tokens": 6, "temperature": 0})
+            status2, resp = daemon.request("POST", "/v1/responses", {
+                "model": model, "input": messages, "max_output_tokens": 6, "temperature": 0})
+            status3, ollama = daemon.request("POST", "/api/chat", {
+                "model": model, "messages": messages, "stream": False, "options": {"temperature": 0, "num_predict": 6}})
+            assert (status, status2, status3) == (200, 200, 200), (msg, resp, ollama)
+            said[model] = [chat["choices"][0]["message"]["content"], msg["content"][0]["text"],
+                           resp["output"][0]["content"][0]["text"], ollama["message"]["content"]]
+            assert len(set(said[model])) == 1, said[model]
+        assert said["sql"] != said["tiny"]
+        status, models = daemon.request("GET", "/v1/models")
+        cards = {c["id"]: c for c in models["data"]}
+        assert cards["sql"]["parent"] == models["data"][0]["id"] != "sql" and cards["sql"]["root"] == str(d)
+        status, emb = daemon.request("POST", "/v1/embeddings", {"model": "sql", "input": "hi"})
+        assert status == 400 and "LoRA adapter" in emb["error"]["message"]
+        status, missing = daemon.request("POST", "/v1/completions", {"model": "nope", "prompt": "x"})
+        assert status == 404
+        assert "per-request LoRA adapters: sql" in daemon.log()
+    finally:
+        daemon.kill()
+
+
+def test_lora_modules_refuse_what_only_a_merge_can_serve(tiny_core, tiny_hf_llama, tmp_path):
+    """An LM-head adapter can only be merged; a malformed flag and a name the base model already has are refused."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32)
+    d = tmp_path / "head"
+    write_adapter(d, {"lm_head": hf_modules(hf)["lm_head"]})
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x"}}
+    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
+    cmd = [sys.executable, "-m", "flared.cli.daemon", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+           str(tmp_path / "out.jsonl"), "--lora-modules", f"head={d}", str(tiny_core)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "the layers' projections only" in done.stderr
+    bad = subprocess.run(cmd[:-3] + ["--lora-modules", "no-equals-sign", str(tiny_core)], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "NAME=PATH" in bad.stderr
+    write_adapter(tmp_path / "ok", {"model.layers.0.mlp.up_proj": hf_modules(hf)["model.layers.0.mlp.up_proj"]})
+    taken = subprocess.run(cmd[:-3] + ["--served-name", "tiny", "--lora-modules", f"tiny={tmp_path / 'ok'}",
+                                       str(tiny_core)], capture_output=True, text=True, timeout=120)
+    assert taken.returncode == 1 and "already names the served model" in taken.stderr

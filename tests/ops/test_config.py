@@ -58,6 +58,8 @@ def test_example_config_loads(tmp_path):
     ("lora_adapters = '/srv/adapter'", "'lora_adapters'"),
     ("lora_adapters = [['/srv/adapter', 'half']]", "'lora_adapters'"),
     ("lora_adapters = ['/no/such/adapter']", "'lora_adapters'"),
+    ("lora_modules = ['sql=/srv/adapter']", "'lora_modules'"),
+    ("lora_modules = {sql = '/no/such/adapter'}", "'lora_modules'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
@@ -67,7 +69,7 @@ def test_bad_values_name_the_key(tmp_path, text, key):
     assert key in str(e.value) and str(path) in str(e.value)
 
 
-def test_lora_adapters_are_paths_or_path_scale_pairs(tmp_path):
+def test_lora_adapters_are_paths_or_path_scale_pairs_and_lora_modules_a_table(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_config.json").write_text("{}")
@@ -76,6 +78,8 @@ def test_lora_adapters_are_paths_or_path_scale_pairs(tmp_path):
     path.write_text(f"lora_adapters = ['{tmp_path / 'a'}', ['{tmp_path / 'b'}', 0.5]]\n")
     cfg = ServerConfig.from_toml(path)
     assert cfg.lora_adapters == ((str(tmp_path / "a"), 1.0), (str(tmp_path / "b"), 0.5))
+    path.write_text(f"[lora_modules]\nsql = '{tmp_path / 'a'}'\nchat = '{tmp_path / 'b'}'\n")
+    assert ServerConfig.from_toml(path).lora_modules == (("sql", str(tmp_path / "a")), ("chat", str(tmp_path / "b")))
 
 
 def test_policy_values_reach_the_config(tmp_path):
