@@ -235,7 +235,7 @@ class OllamaRoutes:
         modified = datetime.datetime.fromtimestamp(self.state.created, datetime.timezone.utc).isoformat()
         models = [{"name": name, "model": name, "modified_at": modified, "size": size,
                    "digest": m.assets[m.tokenizer].sha256, "details": self._details()}
-                  for name in dict.fromkeys((m.model_name, *m.served_names)) if name]
+                  for name in dict.fromkeys((m.model_name, *m.served_names, *self.state.lora_modules)) if name]
         return Response.json({"models": models})
 
     async def running(self, request: Request) -> Response:
@@ -259,7 +259,7 @@ class OllamaRoutes:
 
     async def show(self, request: Request) -> Response:
         body = json_object(request)
-        _model(self.state, body)
+        _model(self.state, body, lora_ok=True)  # an adapter shows its base model's details
         m = self.state.manifest
         fe = self.state.frontend
         arch = m.architecture

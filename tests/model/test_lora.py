@@ -342,6 +342,9 @@ def test_lora_modules_serve_an_adapter_per_request_beside_the_base(tiny_core, ti
         status, models = daemon.request("GET", "/v1/models")
         cards = {c["id"]: c for c in models["data"]}
         assert cards["sql"]["parent"] == models["data"][0]["id"] != "sql" and cards["sql"]["root"] == str(d)
+        _, tags = daemon.request("GET", "/api/tags")  # Ollama's clients pick models from here, then /api/show
+        assert "sql" in [t["name"] for t in tags["models"]]
+        assert daemon.request("POST", "/api/show", {"model": "sql"})[0] == 200
         status, emb = daemon.request("POST", "/v1/embeddings", {"model": "sql", "input": "hi"})
         assert status == 400 and "LoRA adapter" in emb["error"]["message"]
         status, missing = daemon.request("POST", "/v1/completions", {"model": "nope", "prompt": "x"})
