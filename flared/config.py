@@ -94,6 +94,9 @@ class ServerConfig:
     # Per-request LoRA adapters (vLLM's --lora-modules): each (name, path) is served as a model of that name,
     # run beside the base weights for the requests that name it (CPU backend). In TOML a table name = path.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove
+    # per-request adapters while serving (a client then names files this server reads); off: those routes are 400.
+    runtime_lora_updating: bool = False
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -123,6 +126,7 @@ class ServerConfig:
              "served_names", "must be a list of nonempty strings")
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
+        need(isinstance(self.runtime_lora_updating, bool), "runtime_lora_updating", "must be true or false")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              "must be one of debug, info, warning, error")
         need(self.log_format in ("auto", "plain", "journal"), "log_format", "must be one of auto, plain, journal")

@@ -102,12 +102,14 @@ def main() -> None:
 @click.option("--ssl-keyfile", default=None, help="The private key of --ssl-certfile (PEM).")
 @click.option("--no-webui", is_flag=True, default=False, help="Serve no chat page at / (it is served by default).")
 @_lora_options
+@click.option("--allow-runtime-lora-updating", is_flag=True, default=False,
+              help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added while serving).")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
-        no_webui, lora, lora_scaled, lora_modules, debug_fail_after_steps):
+        no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -126,6 +128,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             overrides["prefix_cache"] = False
         if no_webui:
             overrides["web_ui"] = False
+        if allow_runtime_lora_updating:
+            overrides["runtime_lora_updating"] = True
         overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
         if api_key_file is not None:
             overrides.update(api_key_file=api_key_file, api_key=None)

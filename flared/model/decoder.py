@@ -207,7 +207,7 @@ class DecoderModel:
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
             and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        self.lora_modules: list[dict] = []  # set_lora_modules
+        self.lora_modules: list[dict | None] = []  # add_lora_module
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
@@ -222,12 +222,15 @@ class DecoderModel:
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
                             device=self.device)
 
-    def set_lora_modules(self, factors: list[dict]) -> None:
-        """Per-request LoRA adapters (flared.model.lora.lora_factors, one dict per adapter; adapter i + 1 of a
-        batch's lora_groups is factors[i]), kept apart from the weights: a row of adapter a adds
-        (x A^T) B^T to each product the adapter targets."""
-        self.lora_modules = [{name: [(row, count, A.to(self.device, self.dtype), B.to(self.device, self.dtype))
-                                     for row, count, A, B in parts] for name, parts in f.items()} for f in factors]
+    def add_lora_module(self, factors: dict) -> int:
+        """A per-request LoRA adapter (flared.model.lora.lora_factors), kept apart from the weights: a row of
+        adapter a (batch.lora_groups) adds (x A^T) B^T to each product the adapter targets. Returns a, its index
+        from 1. The entry is whole before it is appended, so a forward on the model thread never sees part of
+        it; a dropped adapter's entry becomes None and its index is never reused."""
+        entry = {name: [(row, count, A.to(self.device, self.dtype), B.to(self.device, self.dtype))
+                        for row, count, A, B in parts] for name, parts in factors.items()}
+        self.lora_modules.append(entry)
+        return len(self.lora_modules)
 
     def _lora(self, batch: ForwardBatch, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the product of ``x`` with the serving tensor ``name``) plus each adapter row's low-rank term."""

@@ -46,10 +46,13 @@ def adapter_dir(path: str | Path) -> Path:
 
 def check_adapter_path(path: str | Path) -> str | None:
     """Why ``path`` is not a PEFT adapter directory, or None."""
-    d = adapter_dir(path)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (d / name).is_file():
-            return f"{d} has no {name} (a PEFT LoRA adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME})"
+    try:
+        d = adapter_dir(path)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (d / name).is_file():
+                return f"{d} has no {name} (a PEFT LoRA adapter directory holds {CONFIG_NAME} and {WEIGHTS_NAME})"
+    except (OSError, ValueError) as e:  # a NUL byte, a name too long, a path the process may not look at
+        return f"{str(path)[:200]!r} is not a usable path: {e}"
     return None
 
 

@@ -182,6 +182,7 @@ class LoadedSession:
         state.metrics = ServerMetrics(self.runtime, state, max_slots=m.capacities.concurrency)
         state.tool_parser, state.reasoning_parser = self.config.tool_parser, self.config.reasoning_parser
         state.lora_modules = {name: (k + 1, path) for k, (name, path) in enumerate(self.config.lora_modules)}
+        state.runtime_lora_updating = self.config.runtime_lora_updating
         state.embedding_pooling = self.config.embedding_pooling
         state.trust_request_chat_template = self.config.trust_request_chat_template
         state.web_ui = self.config.web_ui

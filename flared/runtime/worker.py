@@ -198,6 +198,8 @@ class ModelRuntime:
         # beside the weights; each one's prefix-cache identity is _lora_ids[k - 1].
         self.lora_modules = tuple(lora_modules)
         self._lora_ids: list[bytes] = []
+        self._lora_dropping: set[int] = set()  # unloaded adapters whose factors go once no request holds them
+        self._weight_shapes: dict = {}  # serving tensor name -> a meta tensor of its shape (adapters loaded later)
         # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
         # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
         self.pipeline = pipeline
@@ -271,24 +273,20 @@ class ModelRuntime:
             identity.update(adapters_digest(adapters))  # cached prefixes belong to the merged weights
             log.info("merged LoRA adapters: %s", ", ".join(f"{p} (scale {s:g})" for p, s in self.lora_adapters))
         identity = identity.digest()
-        factors = []
-        if self.lora_modules:
-            from flared.model.lora import LoraAdapter, adapters_digest, lora_factors
-
-            if use_cuda:
-                raise CoreError("per-request LoRA adapters (lora_modules, --lora-modules) run on the CPU backend only "
-                                "for now; on a GPU, merge an adapter into the weights with --lora",
-                                ErrorKind.UNSUPPORTED_MODEL)
-            for name, path in self.lora_modules:
-                adapter = LoraAdapter(Path(path))
-                factors.append(lora_factors(adapter, self.core.config, tensors))
-                self._lora_ids.append(hashlib.sha256(b"flared.lora\0" + adapters_digest([adapter])).digest())
+        self._weight_shapes = {k: torch.empty(v.shape, device="meta") for k, v in tensors.items()}
+        if self.lora_modules and use_cuda:
+            raise CoreError("per-request LoRA adapters (lora_modules, --lora-modules) run on the CPU backend only "
+                            "for now; on a GPU, merge an adapter into the weights with --lora",
+                            ErrorKind.UNSUPPORTED_MODEL)
+        factors = [self._lora_factors(path) for _, path in self.lora_modules]
+        if factors:
             log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))
         model = DecoderModel(self.core.config, tensors, dtype=dtype,
                              device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
         del tensors
-        if factors:
-            model.set_lora_modules(factors)
+        for f, ident in factors:
+            model.add_lora_module(f)
+            self._lora_ids.append(ident)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
         if use_cuda:
@@ -322,6 +320,46 @@ class ModelRuntime:
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
                             graph_shapes=graph_shapes),
             self.policy if self.policy is not None else PolicyConfig())
+
+    def _lora_factors(self, path: str) -> tuple[dict, bytes]:
+        """A per-request adapter's factors (checked against the weights' shapes) and its prefix-cache identity."""
+        from flared.model.lora import LoraAdapter, adapters_digest, lora_factors
+
+        adapter = LoraAdapter(Path(path))
+        factors = lora_factors(adapter, self.core.config, self._weight_shapes)
+        return factors, hashlib.sha256(b"flared.lora\0" + adapters_digest([adapter])).digest()
+
+    def add_lora_module(self, name: str, path: str) -> int:
+        """Load a per-request adapter while serving (POST /v1/load_lora_adapter); returns its ``lora`` index.
+        The files are read on the caller's thread; CoreError for an adapter that does not fit the model."""
+        if self.model is None or self.model.device.type != "cpu":
+            raise AdmissionError("per-request LoRA adapters run on the CPU backend only for now",
+                                 ErrorKind.UNSUPPORTED)
+        factors, ident = self._lora_factors(path)
+        with self._lock:
+            index = self.model.add_lora_module(factors)
+            self._lora_ids.append(ident)
+            self.lora_modules = self.lora_modules + ((name, path),)
+        log.info("per-request LoRA adapter %s loaded (%s) as adapter %d", name, path, index)
+        return index
+
+    def remove_lora_module(self, index: int) -> None:
+        """Unload adapter ``index`` (POST /v1/unload_lora_adapter): no request may name it from now on; its factors
+        are dropped on the model thread once the requests already holding it are gone."""
+        with self._lock:
+            self._lora_dropping.add(index)
+            self._wake.notify()
+
+    def _drop_loras(self) -> None:
+        with self._lock:
+            dropping = set(self._lora_dropping)
+            queued = {live.request.lora for live in self._ingress}
+        held = queued | {live.request.lora for live in self._by_id.values()}
+        for index in dropping - held:
+            self.model.lora_modules[index - 1] = None
+            with self._lock:
+                self._lora_dropping.discard(index)
+            log.info("per-request LoRA adapter %d unloaded", index)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Cancel everything, drain, join. Idempotent."""
@@ -360,6 +398,10 @@ class ModelRuntime:
             if not 0 <= request.lora <= len(self.lora_modules):
                 raise AdmissionError(f"no LoRA adapter {request.lora} (this server has {len(self.lora_modules)})",
                                      ErrorKind.VALIDATION)
+            if request.lora and (request.lora in self._lora_dropping
+                                 or self.model.lora_modules[request.lora - 1] is None):
+                raise AdmissionError(f"LoRA adapter {self.lora_modules[request.lora - 1][0]!r} was unloaded",
+                                     ErrorKind.NOT_FOUND)
             if request.score_from is not None and not getattr(self.executor, "supports_scoring", True):
                 raise AdmissionError("scored prompts are not served by the CUDA graph backend yet",
                                      ErrorKind.UNSUPPORTED)
@@ -438,6 +480,8 @@ class ModelRuntime:
         """One loop turn; False when stopped and drained."""
         self._last_beat = time.monotonic()
         stopping = self._take_ingress()
+        if self._lora_dropping:
+            self._drop_loras()
         if not stopping:
             self._run_one_job()
         if stopping:

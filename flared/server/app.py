@@ -60,6 +60,7 @@ class ServingState:
         self.tool_parser = "auto"
         # ServerConfig.lora_modules: model name -> (GenerateRequest.lora, adapter path)
         self.lora_modules: dict[str, tuple[int, str]] = {}
+        self.runtime_lora_updating = False  # ServerConfig.runtime_lora_updating
         self.reasoning_parser = "auto"
         self.embedding_pooling = "last"  # ServerConfig.embedding_pooling
         self.trust_request_chat_template = False  # ServerConfig.trust_request_chat_template

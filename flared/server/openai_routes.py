@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import Any
 
-from flared.errors import AdmissionError, ErrorKind
+from flared.errors import AdmissionError, CoreError, ErrorKind
 from flared.frontend.reasoning import opens_reasoning
 from flared.frontend.toolcalls import OutputParser, ParsedDelta, ToolCall
 from flared.model.sampling import VLLM_ORDER, SamplingParams
@@ -436,8 +436,51 @@ class OpenAIRoutes:
     def register(self, router: Router) -> None:
         router.add("GET", "/v1/models", self.list_models)
         router.add("GET", "/v1/models/{model:path}", self.get_model)
+        router.add("POST", "/v1/load_lora_adapter", self.load_lora_adapter)
+        router.add("POST", "/v1/unload_lora_adapter", self.unload_lora_adapter)
         router.add("POST", "/v1/chat/completions", self.chat_completions, admit=True)
         router.add("POST", "/v1/completions", self.completions, admit=True)
+
+    def _lora_updates(self, request: Request) -> str:
+        """The adapter name a load or unload request gives (400 while runtime updating is off)."""
+        if not self.state.runtime_lora_updating:
+            raise AdmissionError("loading and unloading LoRA adapters while serving is off: start the server with "
+                                 "--allow-runtime-lora-updating (config runtime_lora_updating)", ErrorKind.VALIDATION)
+        body = json_object(request)
+        name = _string(body, "lora_name", required=True)
+        if not name:
+            raise _bad("lora_name", "must be a non-empty string")
+        return name
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime adapter loading: {lora_name, lora_path} becomes a model of that name (per request, as
+        --lora-modules). The answer is vLLM's plain-text line."""
+        name = self._lora_updates(request)
+        path = _string(json_object(request), "lora_path", required=True)
+        m = self.state.manifest
+        if name in self.state.lora_modules or name in (m.checkpoint_id, m.model_name, *m.served_names):
+            raise _bad("lora_name", f"the name {name!r} is taken (a loaded adapter or the served model)")
+        from flared.model.lora import check_adapter_path
+
+        problem = check_adapter_path(path)
+        if problem:
+            raise _bad("lora_path", problem)
+        try:
+            index = await self.state._in_pool(lambda: self.state.runtime.add_lora_module(name, path))
+        except (CoreError, OSError) as e:  # the adapter does not fit this model, or its files went: the client's
+            raise _bad("lora_path", str(e)) from None
+        self.state.lora_modules[name] = (index, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.".encode(), media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        name = self._lora_updates(request)
+        entry = self.state.lora_modules.pop(name, None)
+        if entry is None:
+            err = AdmissionError(f"the LoRA adapter {name!r} cannot be found", ErrorKind.NOT_FOUND)
+            err.param = "lora_name"
+            raise err
+        self.state.runtime.remove_lora_module(entry[0])
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.".encode(), media_type="text/plain")
 
     async def list_models(self, request: Request) -> Response:
         cards = [model_card(self.state)] + [lora_card(self.state, name) for name in self.state.lora_modules]

@@ -349,7 +349,57 @@ def test_lora_modules_serve_an_adapter_per_request_beside_the_base(tiny_core, ti
         assert status == 400 and "LoRA adapter" in emb["error"]["message"]
         status, missing = daemon.request("POST", "/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404
+        status, off = daemon.request("POST", "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(d)})
+        assert status == 400 and "--allow-runtime-lora-updating" in off["error"]["message"]
         assert "per-request LoRA adapters: sql" in daemon.log()
+    finally:
+        daemon.kill()
+
+
+def test_adapters_load_and_unload_while_serving(tiny_core, tiny_hf_llama, tmp_path):
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating): a loaded
+    adapter answers as the merged one, a taken name, a bad path and a misfit are 400s, an unloaded name is 404
+    and may be loaded again."""
+    from flared_testing.daemon import Daemon
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32)
+    d = tmp_path / "adapter"
+    write_adapter(d, {k: v for k, v in hf_modules(hf).items() if k.startswith("model.layers.")}, seed=5)
+    misfit = tmp_path / "misfit"
+    write_adapter(misfit, {"model.layers.0.self_attn.q_proj": (7, 7, False)})
+    prompt = list(range(3, 40))
+    base = _batch_answer(tiny_core, tmp_path, prompt)
+    merged = _batch_answer(tiny_core, tmp_path, prompt, "--lora", str(d))
+    daemon = Daemon(tiny_core, tmp_path, "--allow-runtime-lora-updating")
+    try:
+        def complete(model):
+            return daemon.request("POST", "/v1/completions",
+                                  {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+
+        def load(name, path):
+            return daemon.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+        assert complete("sql")[0] == 404
+        assert load("sql", d) == (200, b"Success: LoRA adapter 'sql' added successfully.")
+        assert complete("sql")[1]["choices"][0]["text"] == merged
+        assert complete("tiny")[1]["choices"][0]["text"] == base
+        status, taken = load("sql", d)
+        assert status == 400 and "taken" in taken["error"]["message"]
+        for path in (tmp_path / "nowhere", "bad\x00path", "x" * 5000):
+            status, missing = load("other", path)
+            assert status == 400 and missing["error"]["param"] == "lora_path", missing
+        status, bad = load("other", misfit)
+        assert status == 400 and "do not fit" in bad["error"]["message"]
+        assert "sql" in [c["id"] for c in daemon.request("GET", "/v1/models")[1]["data"]]
+        status, text = daemon.request("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"})
+        assert (status, text) == (200, b"Success: LoRA adapter 'sql' removed successfully.")
+        assert complete("sql")[0] == 404
+        assert daemon.request("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"})[0] == 404
+        assert load("sql", d)[0] == 200  # again, as a new adapter
+        assert complete("sql")[1]["choices"][0]["text"] == merged
+        log = daemon.log()
+        assert "adapter sql loaded" in log and "adapter 1 unloaded" in log  # the first one's factors are gone
     finally:
         daemon.kill()
 
