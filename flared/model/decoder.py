@@ -227,20 +227,35 @@ class DecoderModel:
         adapter a (batch.lora_groups) adds (x A^T) B^T to each product the adapter targets. Returns a, its index
         from 1. The entry is whole before it is appended, so a forward on the model thread never sees part of
         it; a dropped adapter's entry becomes None and its index is never reused."""
-        entry = {name: [(row, count, A.to(self.device, self.dtype), B.to(self.device, self.dtype))
-                        for row, count, A, B in parts] for name, parts in factors.items()}
+        entry = {}
+        for name, parts in factors.items():
+            # One product with every part's A stacked ([sum r, in]) serves the parts of a fused tensor (q and v of
+            # qkv): part i then takes its r_i columns of it into its rows.
+            a_all = torch.cat([A for _, _, A, _ in parts]).to(self.device, self.dtype)
+            offsets = [0]
+            for _, _, A, _ in parts:
+                offsets.append(offsets[-1] + A.shape[0])
+            entry[name] = (a_all.t().contiguous(),
+                           [(row, count, offsets[i], offsets[i + 1], B.to(self.device, self.dtype).t().contiguous())
+                            for i, (row, count, _, B) in enumerate(parts)])
         self.lora_modules.append(entry)
         return len(self.lora_modules)
 
     def _lora(self, batch: ForwardBatch, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the product of ``x`` with the serving tensor ``name``) plus each adapter row's low-rank term."""
         for adapter, rows in batch.lora_groups:
-            parts = self.lora_modules[adapter - 1].get(name)
-            if not parts:
+            entry = self.lora_modules[adapter - 1].get(name)
+            if entry is None:
                 continue
-            xs = x.index_select(0, rows)
-            for row, count, A, B in parts:
-                y[rows, row:row + count] += (xs @ A.t()) @ B.t()
+            a_t, parts = entry
+            whole = rows.shape[0] == x.shape[0]  # every row is this adapter's (one request, or all of one adapter)
+            low = (x if whole else x.index_select(0, rows)) @ a_t  # [rows, sum r]
+            for row, count, begin, end, b_t in parts:
+                term = low[:, begin:end] @ b_t
+                if whole:
+                    y[:, row:row + count] += term
+                else:
+                    y[rows, row:row + count] += term
         return y
 
     @torch.inference_mode()
