@@ -56,17 +56,6 @@ def check_adapter_path(path: str | Path) -> str | None:
     return None
 
 
-def adapters_digest(adapters) -> bytes:
-    """SHA-256 over every adapter's files and scale, in order: what the merged weights depend on."""
-    h = hashlib.sha256()
-    for a in adapters:
-        d = adapter_dir(a.path)
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
-            h.update((d / name).read_bytes())
-        h.update(repr(float(a.scale)).encode())
-    return h.digest()
-
-
 def _bad(adapter: Path, what: str, kind: ErrorKind = ErrorKind.SOURCE_FORMAT) -> CoreError:
     return CoreError(f"LoRA adapter {adapter}: {what}", kind)
 
@@ -79,16 +68,18 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def read_adapter(path: str | Path) -> tuple[dict, dict]:
-    """(adapter_config, tensors) of a PEFT adapter directory, after the checks of what can be merged."""
-    from safetensors.torch import load_file
+def read_adapter(path: str | Path) -> tuple[dict, dict, bytes]:
+    """(adapter_config, tensors, SHA-256 of both files) of a PEFT adapter directory, after the checks of what can
+    be merged. Each file is read once; the digest is what prefix-cache identities derive from."""
+    from safetensors.torch import load
 
     d = adapter_dir(path)
     problem = check_adapter_path(d)
     if problem:
         raise CoreError(problem, ErrorKind.SOURCE_FORMAT)
     try:
-        cfg = json.loads((d / CONFIG_NAME).read_text(encoding="utf-8"))
+        config_bytes = (d / CONFIG_NAME).read_bytes()
+        cfg = json.loads(config_bytes.decode("utf-8"))
     except (OSError, ValueError) as e:
         raise _bad(d, f"{CONFIG_NAME} is not readable JSON: {e}") from None
     if not isinstance(cfg, dict):
@@ -108,10 +99,12 @@ def read_adapter(path: str | Path) -> tuple[dict, dict]:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise _bad(d, f"lora_alpha {alpha!r} is not a number")
     try:
-        tensors = load_file(str(d / WEIGHTS_NAME), device="cpu")
+        weight_bytes = (d / WEIGHTS_NAME).read_bytes()
+        tensors = load(weight_bytes)
     except Exception as e:  # safetensors raises its own types besides OSError
         raise _bad(d, f"{WEIGHTS_NAME} is not a readable safetensors file: {e}") from None
-    return cfg, tensors
+    digest = hashlib.sha256(hashlib.sha256(config_bytes).digest() + hashlib.sha256(weight_bytes).digest()).digest()
+    return cfg, tensors, digest
 
 
 def _pairs(adapter: Path, tensors: dict) -> dict[str, dict]:
@@ -161,13 +154,14 @@ def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
     return f"layers.{layer}.{rows[0]}.weight", rows[1], rows[2], False
 
 
-def _terms(adapter: LoraAdapter, config, tensors: dict) -> list[tuple]:
+def _terms(adapter: LoraAdapter, config, tensors: dict) -> tuple[list[tuple], bytes]:
     """Every low-rank term of one adapter, checked against the serving tensors: (serving tensor name, first row,
-    row count, delta transposed, A, B, factor), the term being factor * B @ A (transposed: its transpose)."""
+    row count, delta transposed, A, B, factor), the term being factor * B @ A (transposed: its transpose); and
+    the adapter's digest (read_adapter)."""
     d = adapter_dir(adapter.path)
     if not math.isfinite(float(adapter.scale)):
         raise _bad(d, f"scale {adapter.scale!r} is not a finite number")
-    cfg, raw = read_adapter(d)
+    cfg, raw, digest = read_adapter(d)
     terms = []
     for module, entry in sorted(_pairs(d, raw).items()):
         name, row, count, transposed = _target(config, module, d)
@@ -187,14 +181,19 @@ def _terms(adapter: LoraAdapter, config, tensors: dict) -> list[tuple]:
         alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", cfg.get("r", rank)))
         scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
         terms.append((name, row, count, transposed, A, B, float(adapter.scale) * scaling))
-    return terms
+    return terms, digest
 
 
-def merge_adapters(tensors: dict, config, adapters) -> dict:
+def merge_adapters(tensors: dict, config, adapters) -> bytes:
     """Every adapter of ``adapters`` (LoraAdapter, in order) added into the serving tensors (flared's names,
-    fused qkv and gate_up); returns ``tensors`` with the adapted weights replaced. Checks everything before
-    changing anything."""
-    terms = [t for a in adapters for t in _terms(a, config, tensors)]
+    fused qkv and gate_up), in place. Checks everything before changing anything. Returns a digest of the
+    adapters and their scales, in order: what the merged weights depend on."""
+    terms: list[tuple] = []
+    h = hashlib.sha256()
+    for a in adapters:
+        adapter_terms, digest = _terms(a, config, tensors)
+        terms += adapter_terms
+        h.update(digest + repr(float(a.scale)).encode())
     merged: dict = {}
     for name, row, count, transposed, A, B, factor in terms:
         if name not in merged:
@@ -203,18 +202,20 @@ def merge_adapters(tensors: dict, config, adapters) -> dict:
         merged[name][row:row + count] += delta.t() if transposed else delta
     for name, value in merged.items():
         tensors[name] = value.to(tensors[name].dtype).contiguous()
-    return tensors
+    return h.digest()
 
 
-def lora_factors(adapter: LoraAdapter, config, tensors: dict) -> dict:
-    """One adapter kept apart from the weights, for requests that name it (DecoderModel.set_lora_modules):
-    serving tensor name -> [(first row, row count, A [r, in], B [count, r] * factor)], float32. Only the layers'
-    products: an LM head or embedding term is refused (merge such adapters with --lora)."""
+def lora_factors(adapter: LoraAdapter, config, tensors: dict) -> tuple[dict, bytes]:
+    """One adapter kept apart from the weights, for requests that name it (DecoderModel.add_lora_module):
+    serving tensor name -> [(first row, row count, A [r, in], B [count, r] * factor)], float32, and the
+    adapter's digest. Only the layers' products: an LM head or embedding term is refused (merge such adapters
+    with --lora)."""
     out: dict = {}
-    for name, row, count, transposed, A, B, factor in _terms(adapter, config, tensors):
+    terms, digest = _terms(adapter, config, tensors)
+    for name, row, count, transposed, A, B, factor in terms:
         if not name.startswith("layers."):
             raise _bad(adapter_dir(adapter.path), f"a per-request adapter may target the layers' projections only, "
                        f"not {name.removesuffix('.weight')} (merge it into the weights with --lora)",
                        ErrorKind.UNSUPPORTED_MODEL)
         out.setdefault(name, []).append((row, count, A.float(), B.float() * factor))
-    return out
+    return out, digest

@@ -266,11 +266,11 @@ class ModelRuntime:
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if self.lora_adapters:
-            from flared.model.lora import LoraAdapter, adapters_digest, merge_adapters
+            from flared.model.lora import LoraAdapter, merge_adapters
 
             adapters = [LoraAdapter(Path(p), float(scale)) for p, scale in self.lora_adapters]
-            merge_adapters(tensors, self.core.config, adapters)
-            identity.update(adapters_digest(adapters))  # cached prefixes belong to the merged weights
+            # cached prefixes belong to the merged weights
+            identity.update(merge_adapters(tensors, self.core.config, adapters))
             log.info("merged LoRA adapters: %s", ", ".join(f"{p} (scale {s:g})" for p, s in self.lora_adapters))
         identity = identity.digest()
         self._weight_shapes = {k: torch.empty(v.shape, device="meta") for k, v in tensors.items()}
@@ -323,11 +323,10 @@ class ModelRuntime:
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:
         """A per-request adapter's factors (checked against the weights' shapes) and its prefix-cache identity."""
-        from flared.model.lora import LoraAdapter, adapters_digest, lora_factors
+        from flared.model.lora import LoraAdapter, lora_factors
 
-        adapter = LoraAdapter(Path(path))
-        factors = lora_factors(adapter, self.core.config, self._weight_shapes)
-        return factors, hashlib.sha256(b"flared.lora\0" + adapters_digest([adapter])).digest()
+        factors, digest = lora_factors(LoraAdapter(Path(path)), self.core.config, self._weight_shapes)
+        return factors, hashlib.sha256(b"flared.lora\0" + digest).digest()
 
     def add_lora_module(self, name: str, path: str) -> int:
         """Load a per-request adapter while serving (POST /v1/load_lora_adapter); returns its ``lora`` index.

@@ -79,6 +79,15 @@ def peft_merge(hf, pairs: dict, cfg: dict, scale: float) -> None:
             weight += delta.t() if module == "model.embed_tokens" else delta
 
 
+def merged(src, adapters) -> dict:
+    """A copy of the tiny model's serving tensors with ``adapters`` merged in."""
+    from flared.model.lora import merge_adapters
+
+    tensors = dict(src.tensors)
+    merge_adapters(tensors, src.config, adapters)
+    return tensors
+
+
 def greedy_flared(src, tensors, prompts, max_tokens=12):
     from flared.execution.eager import EagerExecutor
     from flared.execution.offline import drive
@@ -118,7 +127,7 @@ def test_merged_adapter_matches_transformers_with_peft_merge(tiny_hf_llama, tmp_
     from transformers import LlamaForCausalLM
 
     from flared.model.loader import read_source
-    from flared.model.lora import LoraAdapter, merge_adapters
+    from flared.model.lora import LoraAdapter
 
     hf = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32).eval()
     base = greedy_hf(hf, PROMPTS)
@@ -130,13 +139,13 @@ def test_merged_adapter_matches_transformers_with_peft_merge(tiny_hf_llama, tmp_
     assert expected != base  # the adapter changes what the model says
 
     src = read_source(tiny_hf_llama)
-    tensors = merge_adapters(dict(src.tensors), src.config, [LoraAdapter(d, options["scale"])])
+    tensors = merged(src, [LoraAdapter(d, options["scale"])])
     assert greedy_flared(src, tensors, PROMPTS) == expected
 
 
 def test_two_adapters_add_up_and_scale_zero_changes_nothing(tiny_hf_llama, tmp_path):
     from flared.model.loader import read_source
-    from flared.model.lora import LoraAdapter, merge_adapters
+    from flared.model.lora import LoraAdapter
 
     src = read_source(tiny_hf_llama)
     modules = {"model.layers.0.self_attn.q_proj": (src.config.hidden_size, src.config.q_size, False),
@@ -144,11 +153,11 @@ def test_two_adapters_add_up_and_scale_zero_changes_nothing(tiny_hf_llama, tmp_p
     write_adapter(tmp_path / "a", modules, seed=1)
     write_adapter(tmp_path / "b", modules, seed=2)
     base = dict(src.tensors)
-    zero = merge_adapters(dict(src.tensors), src.config, [LoraAdapter(tmp_path / "a", 0.0)])
+    zero = merged(src, [LoraAdapter(tmp_path / "a", 0.0)])
     assert all(torch.equal(zero[k], base[k]) for k in base)
-    one = merge_adapters(dict(src.tensors), src.config, [LoraAdapter(tmp_path / "a"), LoraAdapter(tmp_path / "b")])
-    a = merge_adapters(dict(src.tensors), src.config, [LoraAdapter(tmp_path / "a")])
-    b = merge_adapters(dict(src.tensors), src.config, [LoraAdapter(tmp_path / "b")])
+    one = merged(src, [LoraAdapter(tmp_path / "a"), LoraAdapter(tmp_path / "b")])
+    a = merged(src, [LoraAdapter(tmp_path / "a")])
+    b = merged(src, [LoraAdapter(tmp_path / "b")])
     for k in base:
         torch.testing.assert_close(one[k] - base[k], (a[k] - base[k]) + (b[k] - base[k]), atol=1e-5, rtol=0)
     q = src.config.q_size
