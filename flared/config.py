@@ -162,17 +162,13 @@ class ServerConfig:
             for m in self.lora_modules), "lora_modules", "must be a table of adapter names and paths")
         names = [m[0] for m in self.lora_modules]
         need(len(set(names)) == len(names), "lora_modules", f"names repeat: {names}")
-        for name, path in self.lora_modules:
+        if self.lora_adapters or self.lora_modules:
             from flared.model.lora import check_adapter_path
 
-            problem = check_adapter_path(path)
-            need(problem is None, "lora_modules", f"{name}: {problem}")
-        if self.lora_adapters:
-            from flared.model.lora import check_adapter_path
-
-            for path, _ in self.lora_adapters:
+            for key, label, path in ([("lora_adapters", "", p) for p, _ in self.lora_adapters]
+                                     + [("lora_modules", f"{n}: ", p) for n, p in self.lora_modules]):
                 problem = check_adapter_path(path)
-                need(problem is None, "lora_adapters", problem or "")
+                need(problem is None, key, f"{label}{problem}")
 
     def with_secrets(self) -> "ServerConfig":
         """The config with api_key read from api_key_file (first line, stripped)."""

@@ -120,7 +120,7 @@ class EagerExecutor:
             chunks.append(SequenceChunk(tokens, int(plan.token_starts[i]), block_tables[i], needs_logits=True))
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
-        adapters = [getattr(s, "lora", 0) if s is not None else 0 for s in states]
+        adapters = [s.lora if s is not None else 0 for s in states]
         if any(adapters):  # per-request LoRA: each adapter's token rows (the chunks' rows are in order)
             bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])
             for adapter in sorted(set(adapters) - {0}):

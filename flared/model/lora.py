@@ -41,7 +41,11 @@ class LoraAdapter:
 def adapter_dir(path: str | Path) -> Path:
     """The adapter directory of ``path`` (the directory, or its adapter_model.safetensors)."""
     p = Path(path).expanduser()
-    return p.parent if p.is_file() and p.name == WEIGHTS_NAME else p
+    try:
+        weights_file = p.name == WEIGHTS_NAME and p.is_file()
+    except (OSError, ValueError):  # a NUL byte, a name too long: check_adapter_path says so
+        weights_file = False
+    return p.parent if weights_file else p
 
 
 def check_adapter_path(path: str | Path) -> str | None:

@@ -139,7 +139,9 @@ class LoadedSession:
         if config.served_names:
             m = dataclasses.replace(m, served_names=tuple(dict.fromkeys((*m.served_names, *config.served_names))))
             core = dataclasses.replace(core, manifest=m)
-        taken = [name for name, _ in config.lora_modules if name in (m.checkpoint_id, m.model_name, *m.served_names)]
+        from flared.server.openai_routes import names_served_model
+
+        taken = [name for name, _ in config.lora_modules if names_served_model(m, name)]
         if taken:
             from flared.config import ConfigError
 

@@ -248,9 +248,10 @@ class AnthropicRoutes:
         router.add("POST", "/v1/messages/count_tokens", _anthropic_errors(self.count_tokens))
 
     async def _render(self, body: dict):
+        """(rendered prompt, tools, the per-request LoRA adapter the model name picks)."""
         if not isinstance(body, dict):
             raise _bad("body", f"must be a JSON object, got {_type(body)}")
-        check_model(self.state, _string(body, "model", required=True), lora_ok=True)
+        lora = check_model(self.state, _string(body, "model", required=True), lora_ok=True)
         choice = _tool_choice(body)
         tools = translate_tools(body)
         if choice == "none":
@@ -260,15 +261,15 @@ class AnthropicRoutes:
         prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
         rendered = await self.state.prepare_chat(messages, tools=tools, add_generation_prompt=not prefill,
                                                  continue_final_message=prefill, **_template_kwargs(body))
-        return rendered, tools
+        return rendered, tools, lora
 
     async def count_tokens(self, request: Request) -> Response:
-        rendered, _ = await self._render(request.json())
+        rendered, _, _ = await self._render(request.json())
         return Response.json({"input_tokens": len(rendered.token_ids)})
 
     async def messages(self, request: Request):
         body = request.json()
-        rendered, tools = await self._render(body)
+        rendered, tools, lora = await self._render(body)
         options = _options(body)
         stream = _boolean(body, "stream")
         forced = _forced_tool(body)
@@ -282,8 +283,7 @@ class AnthropicRoutes:
         prompt = tuple(rendered.token_ids)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar,
-                              lora=check_model(self.state, body["model"], lora_ok=True))
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar, lora=lora)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         request.disconnected.add_callback(gen.cancel)
         mid = "msg_" + secrets.token_hex(12)

@@ -195,8 +195,8 @@ class LlamaCppRoutes:
 
     async def lora_adapters(self, request: Request) -> Response:
         """llama.cpp's adapter list: the LoRA adapters merged into the weights at load (--lora, --lora-scaled)."""
-        adapters = getattr(self.state.runtime, "lora_adapters", ())
-        return Response.json([{"id": i, "path": path, "scale": scale} for i, (path, scale) in enumerate(adapters)])
+        return Response.json([{"id": i, "path": path, "scale": scale}
+                              for i, (path, scale) in enumerate(self.state.runtime.lora_adapters)])
 
     async def set_lora_adapters(self, request: Request) -> Response:
         raise HttpError(400, "LoRA adapters are merged into the weights at load: their scales cannot change while "

@@ -75,12 +75,16 @@ def _ollama_errors(handler):
     return wrapped
 
 
-def _model(state, body: dict, *, lora_ok: bool = False) -> str:
+def _model(state, body: dict) -> str:
+    return _model_and_lora(state, body, lora_ok=False)[0]
+
+
+def _model_and_lora(state, body: dict, *, lora_ok: bool) -> tuple[str, int]:
+    """The request's model name and the per-request LoRA adapter it picks (check_model; 0: the served model)."""
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name:
         raise _bad("model", "is required")
-    check_model(state, name.removesuffix(":latest"), lora_ok=lora_ok)
-    return name
+    return name, check_model(state, name.removesuffix(":latest"), lora_ok=lora_ok)
 
 
 def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
@@ -259,7 +263,7 @@ class OllamaRoutes:
 
     async def show(self, request: Request) -> Response:
         body = json_object(request)
-        _model(self.state, body, lora_ok=True)  # an adapter shows its base model's details
+        _model_and_lora(self.state, body, lora_ok=True)  # an adapter shows its base model's details
         m = self.state.manifest
         fe = self.state.frontend
         arch = m.architecture
@@ -282,14 +286,12 @@ class OllamaRoutes:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools,
+    async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools, lora: int,
                      fim: bool = False):
         options = _options(self.state, body, len(prompt))
         grammar = await compile_grammar(self.state, parse_ollama_format(body.get("format")))
         await prepare_samplers(self.state, options)
         shape = OutputShape(self.state, rendered_text, tools)
-        # chat and generate checked the name (_model); the adapter it picks, 0 for the served model
-        lora = check_model(self.state, (body.get("model") or body.get("name")).removesuffix(":latest"), lora_ok=True)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
                               stop_token_ids=_stop_ids(self.state, options, fim=fim), grammar=grammar, lora=lora)
@@ -298,17 +300,17 @@ class OllamaRoutes:
 
     async def chat(self, request: Request):
         body = json_object(request)
-        model = _model(self.state, body, lora_ok=True)
+        model, lora = _model_and_lora(self.state, body, lora_ok=True)
         tools = parse_tools(body.get("tools"), "tools")
         t0 = time.monotonic_ns()
         rendered = await self.state.prepare_chat(_messages(body), tools=tools, **_template_kwargs(body))
         gen, shape, lps = await self._start(body, rendered.text, tuple(rendered.token_ids),
-                                            rendered.message_endpoints, tools)
+                                            rendered.message_endpoints, tools, lora)
         return await self._respond(request, gen, shape, body, model, t0, chat=True, logprobs=lps)
 
     async def generate(self, request: Request):
         body = json_object(request)
-        model = _model(self.state, body, lora_ok=True)
+        model, lora = _model_and_lora(self.state, body, lora_ok=True)
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise _bad("prompt", "must be a string")
@@ -340,7 +342,7 @@ class OllamaRoutes:
         if context:  # the earlier exchange's tokens, then this prompt (where the context ends is a boundary)
             endpoints = (len(context), *(len(context) + e for e in endpoints))
             ids = context + list(ids)
-        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None, fim=bool(suffix))
+        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None, lora, fim=bool(suffix))
         return await self._respond(request, gen, shape, body, model, t0, chat=False, logprobs=lps)
 
     async def _respond(self, request: Request, gen: Generation, shape: OutputShape, body: dict, model: str,

@@ -54,12 +54,17 @@ def lora_card(state, name: str) -> dict[str, Any]:
             "aliases": []}
 
 
+def names_served_model(manifest, name: str) -> bool:
+    """Whether ``name`` names the served model itself (its checkpoint id or a served name)."""
+    return name == manifest.checkpoint_id or name in manifest.served_names
+
+
 def check_model(state, name: str, *, lora_ok: bool = False) -> int:
     """The request's ``lora`` (0: the served model itself) for model ``name``: 404 for a name this server does not
     serve; a per-request LoRA adapter's name (ServerConfig.lora_modules) only where ``lora_ok`` (generation
     routes), else 400."""
     m = state.manifest
-    if name == m.checkpoint_id or name in m.served_names:
+    if names_served_model(m, name):
         return 0
     adapter = state.lora_modules.get(name)
     if adapter is not None:
@@ -441,8 +446,9 @@ class OpenAIRoutes:
         router.add("POST", "/v1/chat/completions", self.chat_completions, admit=True)
         router.add("POST", "/v1/completions", self.completions, admit=True)
 
-    def _lora_updates(self, request: Request) -> str:
-        """The adapter name a load or unload request gives (400 while runtime updating is off)."""
+    def _lora_updates(self, request: Request) -> tuple[dict, str]:
+        """The body of a load or unload request and the adapter name it gives (400 while runtime updating is
+        off)."""
         if not self.state.runtime_lora_updating:
             raise AdmissionError("loading and unloading LoRA adapters while serving is off: start the server with "
                                  "--allow-runtime-lora-updating (config runtime_lora_updating)", ErrorKind.VALIDATION)
@@ -450,22 +456,16 @@ class OpenAIRoutes:
         name = _string(body, "lora_name", required=True)
         if not name:
             raise _bad("lora_name", "must be a non-empty string")
-        return name
+        return body, name
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's runtime adapter loading: {lora_name, lora_path} becomes a model of that name (per request, as
         --lora-modules). The answer is vLLM's plain-text line."""
-        name = self._lora_updates(request)
-        path = _string(json_object(request), "lora_path", required=True)
-        m = self.state.manifest
-        if name in self.state.lora_modules or name in (m.checkpoint_id, m.model_name, *m.served_names):
+        body, name = self._lora_updates(request)
+        path = _string(body, "lora_path", required=True)
+        if name in self.state.lora_modules or names_served_model(self.state.manifest, name):
             raise _bad("lora_name", f"the name {name!r} is taken (a loaded adapter or the served model)")
-        from flared.model.lora import check_adapter_path
-
-        problem = check_adapter_path(path)
-        if problem:
-            raise _bad("lora_path", problem)
-        try:
+        try:  # a path that is no adapter directory is a CoreError too (lora.read_adapter checks it first)
             index = await self.state._in_pool(lambda: self.state.runtime.add_lora_module(name, path))
         except (CoreError, OSError) as e:  # the adapter does not fit this model, or its files went: the client's
             raise _bad("lora_path", str(e)) from None
@@ -473,7 +473,7 @@ class OpenAIRoutes:
         return Response(f"Success: LoRA adapter '{name}' added successfully.".encode(), media_type="text/plain")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        name = self._lora_updates(request)
+        _, name = self._lora_updates(request)
         entry = self.state.lora_modules.pop(name, None)
         if entry is None:
             err = AdmissionError(f"the LoRA adapter {name!r} cannot be found", ErrorKind.NOT_FOUND)
