@@ -88,37 +88,26 @@ def _post(port: int, path: str, data: bytes, read_response):
         return read_response(s, 120.0)
 
 
-# Routes whose example needs what the test model lacks (fill-in-the-middle tokens): a 400 saying so.
-NEEDS_FIM = {"/infill"}
-# Ollama's model management, which one prepared model does not do: a 400 saying so.
-NOT_SUPPORTED = {"/api/create", "/api/copy", "/api/push"}
-# Relevance judgments, which need single "yes" and "no" tokens the test model's vocabulary lacks: a 400 saying so.
-NEEDS_YES_NO = {"/v1/rerank", "/rerank", "/v1/score"}
-# A batch names an uploaded file (tests/api/test_batches.py runs them): the example's is not there, a 404.
-NEEDS_FILE = {"/v1/batches"}
-# Runtime LoRA loading is off on the test daemon (tests/model/test_lora.py turns it on): a 400 saying how.
-NEEDS_LORA_UPDATING = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+# Routes whose example cannot succeed on the test daemon: path -> (status, what the error body says).
+EXPECTED_REFUSALS = {
+    # fill-in-the-middle tokens, which the test model lacks
+    "/infill": (400, b"fill-in-the-middle"),
+    # relevance judgments need single "yes" and "no" tokens the test model's vocabulary lacks
+    **dict.fromkeys(("/v1/rerank", "/rerank", "/v1/score"), (400, b"no single token for 'yes' and 'no'")),
+    # a batch names an uploaded file (tests/api/test_batches.py runs them): the example's is not there
+    "/v1/batches": (404, b"no file"),
+    # runtime LoRA loading is off on the test daemon (tests/model/test_lora.py turns it on)
+    **dict.fromkeys(("/v1/load_lora_adapter", "/v1/unload_lora_adapter"), (400, b"--allow-runtime-lora-updating")),
+    # Ollama's model management, which one prepared model does not do
+    **dict.fromkeys(("/api/create", "/api/copy", "/api/push"), (400, b"not supported")),
+}
 
 
 def test_every_json_route_answers_its_example(raw_http):
     for path, example, _ in ROUTES:
         got = _post(raw_http.daemon.port, path, json.dumps(example).encode(), raw_http.read_response)
-        if path in NEEDS_FIM:
-            assert got is not None and got[0] == 400 and b"fill-in-the-middle" in got[2], (path, got)
-            continue
-        if path in NEEDS_YES_NO:
-            assert got is not None and got[0] == 400 and b"no single token for 'yes' and 'no'" in got[2], (path, got)
-            continue
-        if path in NEEDS_FILE:
-            assert got is not None and got[0] == 404 and b"no file" in got[2], (path, got)
-            continue
-        if path in NEEDS_LORA_UPDATING:
-            assert got is not None and got[0] == 400 and b"--allow-runtime-lora-updating" in got[2], (path, got)
-            continue
-        if path in NOT_SUPPORTED:
-            assert got is not None and got[0] == 400 and b"not supported" in got[2], (path, got)
-            continue
-        assert got is not None and got[0] == 200, (path, got)
+        status, says = EXPECTED_REFUSALS.get(path, (200, b""))
+        assert got is not None and got[0] == status and says in got[2], (path, got)
 
 
 @FUZZ
