@@ -413,11 +413,13 @@ def main(argv=None) -> int:
     from flared.model import triton_attention
 
     if args.prefill_attention:
-        for item in args.prefill_attention.split():
-            key, value = item.split("=")
-            if key not in triton_attention.PREFILL_CONFIG:
-                ap.error(f"--prefill-attention: no setting {key!r} ({sorted(triton_attention.PREFILL_CONFIG)})")
-            triton_attention.PREFILL_CONFIG[key] = int(value)
+        from probe_prefill_attention import parse_variant  # the probe's variant syntax (this directory)
+
+        overrides = parse_variant(args.prefill_attention)
+        unknown = sorted(set(overrides) - set(triton_attention.PREFILL_CONFIG))
+        if unknown:
+            ap.error(f"--prefill-attention: no setting {unknown[0]!r} ({sorted(triton_attention.PREFILL_CONFIG)})")
+        triton_attention.PREFILL_CONFIG.update(overrides)
     out["prefill_attention"] = dict(triton_attention.PREFILL_CONFIG)
     print(f"prefill attention {triton_attention.PREFILL_CONFIG}", file=sys.stderr, flush=True)
     for shape in args.shapes.split(","):
