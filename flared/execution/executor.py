@@ -1,11 +1,11 @@
 """The CUDA graph executor: ScheduledPlans run as captured graphs, two frames in flight.
 
 Same model-thread contract as the eager executor (``run(plan, block_tables,
-states) -> (records, duration_ns, logprobs)``, a ``sampler`` for per-request
-state) plus the asynchronous pair the two-frame window needs:
+states, score_from) -> (records, duration_ns, logprobs, scores)``, a ``sampler``
+for per-request state) plus the asynchronous pair the two-frame window needs:
 
-    fence = executor.submit(plan, block_tables, states)   # None: backpressure, poll first
-    done = executor.poll(block=False)                     # (fence, records, duration_ns, logprobs) or None
+    fence = executor.submit(plan, block_tables, states, score_from)  # None: backpressure, poll first
+    done = executor.poll(block=False)  # (fence, records, duration_ns, logprobs, scores) or None
 
 One submission: pack the plan into a free pinned input frame (numpy views of
 the ExecutionManifest layout), enqueue on the model stream the uploads of
@@ -23,6 +23,13 @@ Rules:
 - Prefill steps may carry several sequences (their chunks packed back to back,
   one sampled row each; a chunk that does not end its prompt samples nothing
   the host keeps); the scheduler plans them with ``graph_shapes``.
+- Scoring (a SCORED_PREFILL plan, or a participant whose ``score_from`` falls
+  in its chunk) runs the prefill graph's own forward eagerly on the model
+  stream, at the graph's capacities, instead of launching the graph (the graph
+  keeps only each chunk's last row), then scores the participant's positions
+  from the final hidden states as the eager executor does (the chunk's first
+  token from its state row's logits, read before the forward), and reads the
+  scores back with the step (SYNC).
 - Frames: ordinary decodes share the two-frame window; every other kind needs
   it empty (and is run with torch ops on the model stream, not a graph); a
   third submission gets None. FrameRing enforces it.
@@ -49,16 +56,21 @@ from flared.scheduler import CompletionRecords, GraphKind
 _NUM_FRAMES = 2
 
 
+# Rows of hidden states a scored step takes through the LM head at once (float32 logits: 256 MB at a 128K vocabulary).
+_SCORE_ROWS = 512
+
+
 class _Pending:
     """Host-side facts of one in-flight frame, read back by poll."""
 
-    __slots__ = ("num_participants", "logprob_rows", "logprob_out", "copies_timed")
+    __slots__ = ("num_participants", "logprob_rows", "logprob_out", "copies_timed", "scores")
 
     def __init__(self):
         self.num_participants = 0
         self.logprob_rows: list[tuple[int, int]] = []  # (participant, top_n)
         self.logprob_out = None
         self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
+        self.scores: list[list[float] | None] | None = None  # per participant, where the step scored
 
 
 class GraphExecutor:
@@ -145,30 +157,41 @@ class GraphExecutor:
 
     def run(self, plan, block_tables, states, score_from=None):
         """Synchronous: submit (draining older frames for room), then wait for this step.
-        Returns (records, duration_ns, logprobs, scores) like the eager executor; scoring
-        is not run on this backend yet (see supports_scoring), so scores are always None."""
-        if score_from is not None and any(s is not None for s in score_from):
-            raise ExecutionError("scoring is not supported by the CUDA graph executor", ErrorKind.UNSUPPORTED)
+        Returns (records, duration_ns, logprobs, scores) like the eager executor."""
         while True:
-            fence = self.submit(plan, block_tables, states)
+            fence = self.submit(plan, block_tables, states, score_from)
             if fence is not None:
                 break
             self.poll(block=True)
         while True:
             done = self.poll(block=True)
             if done is not None and done[0] == fence:
-                return done[1], done[2], done[3], [None] * plan.num_participants
+                return done[1], done[2], done[3], done[4]
 
-    # Scored prefill / scored continuations are not run on this backend yet; the model thread refuses
-    # such requests at admission (400) instead of failing here.
-    supports_scoring = False
+    @staticmethod
+    def _scoring(plan, score_from) -> list[tuple[int, int]]:
+        """(participant, first chunk index to score) for each participant that scores positions in this step:
+        a SCORED_PREFILL plan scores from position 1 (or its ``score_from``, if later), a prefill participant
+        from its ``score_from``."""
+        kind = plan.kind
+        if kind not in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
+            return []
+        out = []
+        for i in range(plan.num_participants):
+            first = score_from[i] if score_from is not None else None
+            if kind == GraphKind.SCORED_PREFILL:
+                first = 1 if first is None else max(1, first)
+            if first is None:
+                continue
+            start, count = int(plan.token_starts[i]), int(plan.num_tokens[i])
+            if start + count > first:
+                out.append((i, max(0, first - start)))
+        return out
 
-    def submit(self, plan, block_tables, states) -> int | None:
+    def submit(self, plan, block_tables, states, score_from=None) -> int | None:
         if self.closed:
             raise ExecutionError("the executor is closed", ErrorKind.EXECUTION)
         kind = plan.kind
-        if kind == GraphKind.SCORED_PREFILL:
-            raise ExecutionError("scored prefill is not supported by the CUDA graph executor", ErrorKind.UNSUPPORTED)
         klass = WINDOW if kind == GraphKind.DECODE else DRAINING
         if any(s is not None and getattr(s, "grammar", None) is not None for s in states):
             klass = EXCLUSIVE
@@ -182,12 +205,14 @@ class GraphExecutor:
             pending.logprob_rows = []
             pending.logprob_out = None
             pending.copies_timed = False
+            pending.scores = None
             with torch.cuda.stream(self.model_stream):
                 self._start[frame].record(self._model_ptr)
                 if kind == GraphKind.DECODE:
                     self._submit_graph(frame, plan, block_tables, states, "decode")
-                elif kind == GraphKind.PREFILL:
-                    self._submit_graph(frame, plan, block_tables, states, "prefill")
+                elif kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
+                    self._submit_graph(frame, plan, block_tables, states, "prefill",
+                                       self._scoring(plan, score_from))
                     if len(plan.copies):  # checkpoints at the chunks' ends, after the forward, timed apart
                         self._copies_start[frame].record(self._model_ptr)
                         self._snapshot_copies(plan.copies, to_snapshot=True)
@@ -214,7 +239,8 @@ class GraphExecutor:
             raise ExecutionError(f"submission of {plan.kind_name} step failed: {exc}", ErrorKind.POISONED) from exc
 
     def poll(self, block: bool = False):
-        """The oldest step's completion: (fence, CompletionRecords, gpu_duration_ns, logprobs), or None."""
+        """The oldest step's completion: (fence, CompletionRecords, gpu_duration_ns, logprobs, scores), or None;
+        ``scores[i]``: participant i's log-probabilities of the positions it scored this step, else None."""
         frame = self.ring.oldest()
         if frame < 0:
             return None
@@ -234,9 +260,10 @@ class GraphExecutor:
             for k, (i, top_n) in enumerate(pending.logprob_rows):
                 top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
                 logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
+        scores = pending.scores if pending.scores is not None else [None] * n
         self.ring.release(frame)
         return fence, CompletionRecords(handles=handles, consumed_tokens=consumed, generated_tokens=generated,
-                                        token_ids=token_ids, snapshot_ns=snapshot_ns), duration_ns, logprobs
+                                        token_ids=token_ids, snapshot_ns=snapshot_ns), duration_ns, logprobs, scores
 
     # -- graph steps -------------------------------------------------------------------------------
 
@@ -247,7 +274,7 @@ class GraphExecutor:
         src = self._in_frames[frame].ptr + span.offset_bytes
         cuda.copy_h2d_async(self._input_ptr + span.offset_bytes, src, row_bytes * count, self._model_ptr)
 
-    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str) -> None:
+    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str, scoring=()) -> None:
         v = self._in_views[frame]
         P = self.page_tokens
         n = plan.num_participants
@@ -325,7 +352,10 @@ class GraphExecutor:
                          "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
-        cuda.graph_launch(execs[key], self._model_ptr)
+        if scoring:
+            self._forward_scoring(frame, plan, batch_cap, cap, scoring)
+        else:
+            cuda.graph_launch(execs[key], self._model_ptr)
         eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
                       and not states[i].graph_samples]
         if eager_rows:
@@ -333,6 +363,43 @@ class GraphExecutor:
         for i in range(n):
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
+
+    def _forward_scoring(self, frame: int, plan, batch_cap: int, cap: int, scoring) -> None:
+        """The prefill graph's forward run eagerly (inputs already uploaded), then each scoring participant's
+        log P(token[p] | tokens[:p]) for its positions from ``scoring``'s first index on: the chunk's first
+        token from its state row's logits (the position before the chunk), every other from the final hidden
+        state of the row before it, through the LM head in blocks of rows. Scores are read back here."""
+        d = self.decoder
+        n = plan.num_participants
+        offsets = np.asarray(plan.token_offsets, dtype=np.int64)
+        counts = np.asarray(plan.num_tokens, dtype=np.int64)
+        state_rows = np.asarray(plan.state_rows, dtype=np.int64)
+        # the logits before each chunk, read before the forward overwrites the state rows
+        before = d.state_logits.index_select(0, torch.as_tensor(state_rows[[i for i, _ in scoring]]).to(self.device))
+        with torch.inference_mode():
+            hidden = d.prefill(batch_cap, cap)  # [cap, H], final-normed; the step's sampling ran as in the graph
+            parts = []
+            for k, (i, first) in enumerate(scoring):
+                offset, count = int(offsets[i]), int(counts[i])
+                tokens = torch.as_tensor(np.asarray(plan.tokens(i), dtype=np.int64)[first:]).to(self.device)
+                lps = []
+                if first == 0:
+                    lps.append(torch.log_softmax(before[k:k + 1].float(), dim=-1).gather(1, tokens[:1, None])[:, 0])
+                # hidden row r predicts chunk index r - offset + 1
+                lo, hi = offset + max(first, 1) - 1, offset + count - 1
+                for a in range(lo, hi, _SCORE_ROWS):
+                    b = min(hi, a + _SCORE_ROWS)
+                    logits = torch.nn.functional.linear(hidden[a:b], d.model.lm_head).float()
+                    want = tokens[a - offset + 1 - first:b - offset + 1 - first]
+                    lps.append(torch.log_softmax(logits, dim=-1).gather(1, want[:, None])[:, 0])
+                parts.append(torch.cat(lps))
+            flat = torch.cat(parts).tolist()  # SYNC: scored steps read their scores back with the step
+        scores: list[list[float] | None] = [None] * n
+        at = 0
+        for (i, first), part in zip(scoring, parts):
+            scores[i] = flat[at:at + part.numel()]
+            at += part.numel()
+        self._pending[frame].scores = scores
 
     # -- non-graph steps (rare: restores, terminal snapshots, resumed sampling) ----------------------
 

@@ -401,9 +401,6 @@ class ModelRuntime:
                                  or self.model.lora_modules[request.lora - 1] is None):
                 raise AdmissionError(f"LoRA adapter {self.lora_modules[request.lora - 1][0]!r} was unloaded",
                                      ErrorKind.NOT_FOUND)
-            if request.score_from is not None and not getattr(self.executor, "supports_scoring", True):
-                raise AdmissionError("scored prompts are not served by the CUDA graph backend yet",
-                                     ErrorKind.UNSUPPORTED)
             if len(self._outstanding_ids) >= self._max_pending:
                 raise AdmissionError(f"model admission is full ({self._max_pending} requests)",
                                      ErrorKind.MODEL_CAPACITY, hint=self.core.manifest.capacity_hint)
@@ -662,8 +659,8 @@ class ModelRuntime:
 
     def _submit(self, plan, now: int) -> None:
         """Launch one step without waiting for it (the GPU executor's two-frame window)."""
-        fence, handles, block_tables, states, _ = self._commit(plan, now)
-        if self.executor.submit(plan, block_tables, states) is None:
+        fence, handles, block_tables, states, score_from = self._commit(plan, now)
+        if self.executor.submit(plan, block_tables, states, score_from) is None:
             raise ExecutionError("the executor refused a step the scheduler allowed (window full)")
         self._inflight.append((fence, plan, handles, self._needs_empty_window(plan)))
 
@@ -673,8 +670,8 @@ class ModelRuntime:
         if polled is None:
             raise ExecutionError("the executor has no step in flight but the model thread expected one")
         fence, plan, handles, _ = self._inflight.popleft()
-        _, records, duration_ns, logprobs = polled
-        self._finish_step(plan, fence, handles, records, duration_ns, logprobs, [None] * len(handles))
+        _, records, duration_ns, logprobs, scores = polled
+        self._finish_step(plan, fence, handles, records, duration_ns, logprobs, scores)
 
     def _finish_step(self, plan, fence: int, handles: list[int], records, duration_ns: int, logprobs,
                      scores) -> None:

@@ -179,3 +179,67 @@ def test_submission_failure_poisons_the_executor(gpu_model):
         assert e2.value.kind == ErrorKind.POISONED
     finally:
         ex.close()
+
+
+def _score(executor, prompts, score_from):
+    """Each prompt's scores through ``executor.run`` under a fresh scheduler (the model thread's loop, one step at
+    a time): a prompt scored from position 1 is a scored prefill, a later ``score_from`` a scored continuation.
+    Returns (scores per prompt, steps by kind)."""
+    import collections
+
+    sched = make_scheduler()
+    now = 1
+    states, by_handle = [], {}
+    for i, (prompt, first) in enumerate(zip(prompts, score_from)):
+        states.append(executor.sampler.add_sequence(params(max_tokens=1), prompt))
+        by_handle[int(sched.admit(list(prompt), 1, now, score_prompt=first <= 1))] = i
+    scores = [[] for _ in prompts]
+    kinds = collections.Counter()
+    finished = set()
+    for _ in range(1000):
+        now += 1
+        plan = sched.plan(now)
+        if plan is None:
+            assert len(finished) == len(prompts)
+            break
+        handles = [int(h) for h in plan.handles]
+        fence = sched.last_committed_fence + 1
+        tables = [sched.block_table(h) for h in handles]
+        sched.commit(plan, fence)
+        kinds[plan.kind_name] += 1
+        records, duration, _, step_scores = executor.run(
+            plan, tables, [states[by_handle[h]] if h in by_handle else None for h in handles],
+            [score_from[by_handle[h]] if h in by_handle else None for h in handles])
+        for h, s in zip(handles, step_scores):
+            if s is not None:
+                scores[by_handle[h]].extend(s)
+        done = sched.complete(fence, records, duration, now)
+        released = {int(h) for h in done.retired}
+        for handle, _token in done.emitted:  # a scored prompt ends at its first token, as the model thread does
+            finished.add(int(handle))
+            if int(handle) not in released:
+                sched.finish(handle, now)
+    return scores, kinds
+
+
+def test_scored_prefill_and_continuations_match_the_cpu_path_and_transformers(hf, gpu_model):
+    """Scoring on the GPU (the prefill forward run eagerly, every scored position through the LM head): whole
+    prompts over several chunks (each chunk's first token scored from the state row's logits), a continuation
+    scored from mid-chunk and one from a chunk boundary, a two-token prompt; float32 scores equal the CPU
+    path's and transformers' log-softmax."""
+    prompts = [list(range(5, 305)), list(range(100, 300)), [7, 8], list(range(20, 280))]
+    score_from = [1, 150, 1, 128]
+    ex = make_executor(gpu_model)
+    try:
+        gpu, kinds = _score(ex, prompts, score_from)
+    finally:
+        ex.close()
+    cpu, _ = _score(make_cpu_executor(serving_model(hf, "cpu")), prompts, score_from)
+    assert kinds["SCORED_PREFILL"] >= 3 and kinds["PREFILL"] >= 2  # 300 tokens in 128-token chunks, two continuations
+    for prompt, first, g, c in zip(prompts, score_from, gpu, cpu):
+        assert len(g) == len(prompt) - first == len(c)
+        assert g == pytest.approx(c, abs=1e-4)
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([prompt], device="cuda")).logits[0].float(), dim=-1)
+        want = [lp[p - 1, prompt[p]].item() for p in range(first, len(prompt))]
+        assert g == pytest.approx(want, abs=2e-4)

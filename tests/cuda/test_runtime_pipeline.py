@@ -91,3 +91,59 @@ def test_two_frames_in_flight_give_the_same_tokens(bf16_core):
     finally:
         for rt in runtimes.values():
             rt.stop()
+
+
+def test_scored_prompts_on_the_gpu_runtime(bf16_core, tiny_hf_llama):
+    """The model thread on the CUDA graph executor serves scored prompts (echo / prompt_logprobs): a whole prompt
+    and a continuation, beside requests that generate in the same batches; scores close to transformers' float32
+    log-softmax (bf16 core), the generating requests' tokens unchanged by the scored ones."""
+    from transformers import LlamaForCausalLM
+
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import FinishEvent, GenerateRequest, ScoredEvent, TokenEvent
+    from flared_testing.runtime import run_requests
+
+    prompt = [40 + (7 * i) % 150 for i in range(150)]
+    generate = [GenerateRequest(tuple(prompt[:20 + i]), (), SamplingParams(max_tokens=16, temperature=0.0),
+                                frozenset()) for i in range(2)]
+    scored = [GenerateRequest(tuple(prompt), (), SamplingParams(max_tokens=1, temperature=0.0), frozenset(),
+                              score_from=first) for first in (1, 100)]
+    # /v1/decisions' pattern: options scored as continuations of one prompt that ends at a message boundary; the
+    # first option leaves a checkpoint there, the second restores it and scores from the restored state's logits
+    options = [tuple(prompt[:90]) + tuple(o) for o in ((5, 6, 7), (9, 10))]
+    decisions = [GenerateRequest(o, (90,), SamplingParams(max_tokens=1, temperature=0.0), frozenset(), score_from=90)
+                 for o in options]
+    rt = _started_runtime(open_core(bf16_core))
+    try:
+        alone = run_requests(rt, generate)
+        events = run_requests(rt, generate + scored)
+        decided = run_requests(rt, decisions[:1]) + run_requests(rt, decisions[1:])
+    finally:
+        rt.stop()
+    tokens = [[t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids] for ev in alone]
+    assert [[t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids] for ev in events[:2]] == tokens
+    model = LlamaForCausalLM.from_pretrained(tiny_hf_llama, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for request, ev in zip(scored, events[2:]):
+        assert isinstance(ev[0], ScoredEvent) and isinstance(ev[-1], FinishEvent), ev
+        want = [lp[p - 1, prompt[p]].item() for p in range(request.score_from, len(prompt))]
+        assert list(ev[0].logprobs) == pytest.approx(want, abs=0.1)  # bf16 weights and activations
+    assert rt.stats["launches_scored_prefill"] >= 1
+    assert decided[1][-1].num_cached_tokens >= 80  # the second option restored the prompt
+    for option, ev in zip(options, decided):
+        assert isinstance(ev[0], ScoredEvent) and isinstance(ev[-1], FinishEvent), ev
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([option])).logits[0].float(), dim=-1)
+        assert list(ev[0].logprobs) == pytest.approx([lp[p - 1, option[p]].item() for p in range(90, len(option))],
+                                                     abs=0.1)
+    assert type(rt.executor).__name__ == "GraphExecutor"
+
+
+def _started_runtime(core):
+    from flared.runtime.worker import ModelRuntime
+
+    rt = ModelRuntime(core, pipeline=True, prefix_cache=True)
+    rt.start(max_pending=16)
+    return rt

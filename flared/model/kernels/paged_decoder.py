@@ -319,7 +319,9 @@ class PagedCudaDecoder:
             attend.with_rope = with_rope
         return attend
 
-    def prefill(self, batch: int, capacity: int) -> None:
+    def prefill(self, batch: int, capacity: int) -> torch.Tensor:
+        """A prefill chunk of ``capacity`` token rows over ``batch`` sequences from the static inputs; samples each
+        sequence's last row and returns the final-normed hidden states [capacity, H] (a scored step reads them)."""
         s = self.inputs
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
@@ -330,6 +332,7 @@ class PagedCudaDecoder:
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
         self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch], s)
+        return x
 
     def _layers_mega(self, batch, tokens, rows, positions, slots, block_tables, context_lens,
                      head=None) -> torch.Tensor:
