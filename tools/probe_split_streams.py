@@ -1,6 +1,6 @@
 """The 8B step's 64-row products cut along their output rows into pieces launched side by side on parallel
-branches of one graph, against one cuBLASLt launch per product (EXPERIMENT: written without a GPU in the
-thirteenth session; not yet run).
+branches of one graph, against one cuBLASLt launch per product (written in the thirteenth session; run in the
+fourteenth: every cut lost to one launch, docs/benchmarks.md).
 
 cuBLASLt tiles qkv, o and down so that 86-96 of the H200's 132 multiprocessors have a block
 (tools/probe_lt_algos.py, twelfth session) and the rest stream nothing: qkv and o reach ~3 TB/s, down ~3.7,
