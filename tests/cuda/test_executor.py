@@ -219,6 +219,8 @@ def _score(executor, prompts, score_from):
             finished.add(int(handle))
             if int(handle) not in released:
                 sched.finish(handle, now)
+    else:
+        raise AssertionError("the scheduler was still planning after 1,000 steps")
     return scores, kinds
 
 
