@@ -36,6 +36,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b; IEEE float32 products (not TF32) where IEEE, so float32 runs keep the CPU path's roundings."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head, stride_bt_row,
                   scale, PAGE_TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -52,20 +60,14 @@ def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot
         slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
         kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
         k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = _dot(q, tl.trans(k), IEEE)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -113,10 +115,7 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
             k = tl.load(K + kv_off, mask=valid[:, None], other=0.0)
         else:
             k = tl.load(K + kv_off)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = _dot(q, tl.trans(k), IEEE)
         s = s * qk_scale
         if MASKED:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -138,10 +137,7 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
             v = tl.load(V + kv_off, mask=valid[:, None], other=0.0)
         else:
             v = tl.load(V + kv_off)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return m_i, l_i, acc
 
