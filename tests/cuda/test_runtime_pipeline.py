@@ -102,6 +102,7 @@ def test_scored_prompts_on_the_gpu_runtime(bf16_core, tiny_hf_llama):
     from flared.core.load import open_core
     from flared.model.sampling import SamplingParams
     from flared.runtime.request import FinishEvent, GenerateRequest, ScoredEvent, TokenEvent
+    from flared.runtime.worker import ModelRuntime
     from flared_testing.runtime import run_requests
 
     prompt = [40 + (7 * i) % 150 for i in range(150)]
@@ -114,7 +115,8 @@ def test_scored_prompts_on_the_gpu_runtime(bf16_core, tiny_hf_llama):
     options = [tuple(prompt[:90]) + tuple(o) for o in ((5, 6, 7), (9, 10))]
     decisions = [GenerateRequest(o, (90,), SamplingParams(max_tokens=1, temperature=0.0), frozenset(), score_from=90)
                  for o in options]
-    rt = _started_runtime(open_core(bf16_core))
+    rt = ModelRuntime(open_core(bf16_core), pipeline=True, prefix_cache=True)
+    rt.start(max_pending=16)
     try:
         alone = run_requests(rt, generate)
         events = run_requests(rt, generate + scored)
@@ -139,11 +141,3 @@ def test_scored_prompts_on_the_gpu_runtime(bf16_core, tiny_hf_llama):
         assert list(ev[0].logprobs) == pytest.approx([lp[p - 1, option[p]].item() for p in range(90, len(option))],
                                                      abs=0.1)
     assert type(rt.executor).__name__ == "GraphExecutor"
-
-
-def _started_runtime(core):
-    from flared.runtime.worker import ModelRuntime
-
-    rt = ModelRuntime(core, pipeline=True, prefix_cache=True)
-    rt.start(max_pending=16)
-    return rt
