@@ -52,6 +52,11 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "mega no stage o": (False, "cublas", None),
     "mega splits 4": (False, "cublas", None),
     "mega res 256": (False, "cublas", None),
+    "mega no pairs": (False, "cublas", None),
+    "mega pairs 257": (False, "cublas", None),
+    "mega pairs 129": (False, "cublas", None),
+    "mega quads 129": (False, "cublas", None),
+    "mega quads 257": (False, "cublas", None),
 }
 # megakernel variants built with replaced compile-time constants (megakernel.DecodeLayers' overrides)
 MEGA_OVERRIDES = {
@@ -61,6 +66,13 @@ MEGA_OVERRIDES = {
     "mega splits 4": {"SPLITS": 4},  # past the resident keys, each head's attention in up to 4 pieces (not 2)
     # 16 fewer resident keys at 8B (the build before the nineteenth session): resident up to 304 tokens, not 320
     "mega res 256": {"RES_CAP": 256},
+    # past one block's resident keys (320 at 8B) the split path, as before the twenty-second session, not a pair of
+    # resident blocks per kv head
+    "mega no pairs": {"RES_SPLIT": 1 << 30, "RES_SPLIT4": 0},
+    "mega pairs 257": {"RES_SPLIT": 257, "RES_SPLIT4": 0},  # pairs from 257 tokens, never four blocks
+    "mega pairs 129": {"RES_SPLIT": 129, "RES_SPLIT4": 0},  # and from 129
+    "mega quads 129": {"RES_SPLIT4": 129},  # four resident blocks a kv head from 129 tokens
+    "mega quads 257": {"RES_SPLIT4": 257},  # and from 257
 }
 
 

@@ -10,6 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 PAGE = 16
+# one resident block a kv head at every context (decode_layers.cu: RES_SPLIT no context reaches, RES_SPLIT4 off)
+NO_GROUPS = {"RES_SPLIT": 1 << 30, "RES_SPLIT4": 0}
 
 
 def _hf(kind, seed=0):
@@ -142,21 +144,35 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
 
 
 @pytest.mark.parametrize("kind, context, overrides", [
-    ("long", 200, {}),  # 2 query heads a kv head
-    ("long", 400, {}),  # every key resident (416 fit on an H200)
-    ("long", 700, {}),  # past RES_CAP + RES_TAIL: the split path, V tiles staged in the resident region
+    ("long", 100, {}),  # 2 query heads a kv head, one block
+    ("long", 200, {}),  # from 129 tokens a pair of resident blocks a kv head: keys [0, 112) and [112, 200)
+    ("long", 330, NO_GROUPS),  # every key in one block (336 fit on an H200 at this width)
+    ("long", 400, {"RES_SPLIT4": 0}),  # past RES_CAP (no tail room: a short MLP row): a pair, [0, 208) and [208, 400)
+    ("long", 400, {}),  # from 257 tokens four blocks: [0, 112), [112, 208), [208, 304), [304, 400)
+    ("long", 700, {}),  # four, past a pair's keys
+    ("long", 700, NO_GROUPS),  # past one block's keys without groups: the split path, V tiles in the resident region
+    ("long", 100, {"RES_SPLIT": 64}),  # a pair from 64 tokens: [0, 64) and [64, 100)
+    ("long", 33, {"RES_SPLIT": 32}),  # the shortest pair: [0, 32) and the step's own key
     ("wide", 1, {}),  # only the step's own key
-    ("wide", 300, {}),  # 9 query heads a kv head: rows 8.. of the 16-row operand
-    ("tailed", 400, {}),  # 384 resident, 16 copied into the product-input buffer during attention
+    ("wide", 300, {}),  # 9 query heads a kv head (rows 8.. of the 16-row operand); two kv heads' fours
+    ("wide", 300, {"RES_SPLIT4": 0}),  # the same in pairs
+    ("wide", 300, NO_GROUPS),  # and in one block a kv head
+    ("tailed", 340, NO_GROUPS),  # 320 resident, 20 copied into the product-input buffer during attention
+    ("tailed", 400, {"RES_SPLIT4": 0}),  # a pair
     ("tailed", 90, {"RES_CAP": 64}),  # 64 resident, 26 in the product-input buffer
-    ("llama64", 300, {"RES": 1}),  # head_dim 64, 8 warps, the LM head inside
-    ("qwen2", 129, {"RES": 1}),  # 3 query heads a kv head, QKV bias
-    ("llama128", 250, {"RES": 1}),  # Llama-3's grouping, one kv head
+    ("tailed", 128, {"RES_CAP": 64, "RES_SPLIT": 97}),  # past 64 + 32 keys of tail: a pair of 64 keys (2 * RES_CAP)
+    ("tailed", 128, {"RES_CAP": 64, "RES_SPLIT4": 128}),  # the shortest four: 32 keys a part
+    ("llama64", 300, {"RES": 1}),  # head_dim 64, 8 warps, the LM head inside; four blocks
+    ("qwen2", 129, {"RES": 1}),  # 3 query heads a kv head, QKV bias; a pair
+    ("llama128", 250, {"RES": 1}),  # Llama-3's grouping, one kv head; a pair
+    ("llama128", 250, {"RES": 1, "RES_SPLIT4": 129}),  # the same in four blocks
+    ("llama128", 250, {"RES": 1, **NO_GROUPS}),  # and in one
     ("llama128", 40, {"RES": 1, "RES_CAP": 16}),  # no tail room (a short MLP row): the split path
 ])
 def test_resident_attention_matches_the_fused_path(kind, context, overrides):
-    """One row's attention from keys the kv heads' blocks copied into shared memory a layer ahead (RES): the
-    fused path's logits to bfloat16 rounding, the same K/V written, and launch after launch the same bits."""
+    """One row's attention from keys the kv heads' blocks (or pairs of blocks, RES_SPLIT) copied into shared memory
+    a layer ahead (RES): the fused path's logits to bfloat16 rounding, the same K/V written, and launch after launch
+    the same bits."""
     from flared.model.kernels import megakernel
 
     model, dec = _decoder(kind, 1, [context])
@@ -363,20 +379,30 @@ def _same_bits_as(kind, context, *, reference: dict, build: dict) -> None:
 
 
 @pytest.mark.parametrize("hx", [1, 2, 4, 7])
-@pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("tailed", 400), ("long", 700), ("wide", 1)])
+@pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("tailed", 340), ("long", 700), ("wide", 1)])
 def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, context, hx):
     """HX: phase boundaries as tagged words instead of grid barriers (bit 0: P1 -> P2 -> P3, the resident blocks
     poll the queries and the step's key and value, every block polls the attention output; bit 1: P3 -> P4; bit 2:
-    P5 -> the next P1): the barrier build's logits and K/V bit for bit, launch after launch; past the resident
-    keys (700) bit 0 exchanges the same words around the split path (its blocks poll q and the step's key and
-    value, the head's last block writes attn as words)."""
-    _same_bits_as(kind, context, reference={"HX": 0}, build={"HX": hx})
+    P5 -> the next P1): the barrier build's logits and K/V bit for bit, launch after launch, with one resident
+    block a kv head (groups need bit 0: below); past the resident keys (700) bit 0 exchanges the same words around
+    the split path (its blocks poll q and the step's key and value, the head's last block writes attn as words)."""
+    _same_bits_as(kind, context, reference={"HX": 0, **NO_GROUPS}, build={"HX": hx, **NO_GROUPS})
 
 
-@pytest.mark.parametrize("kind, context", [("long", 200), ("wide", 300), ("long", 700), ("wide", 1)])
-def test_staged_o_rows_change_no_bit(kind, context):
+@pytest.mark.parametrize("kind, context, groups", [("long", 200, {}), ("wide", 300, {}), ("tailed", 400, {"RES_SPLIT4": 0}),
+                                                   ("long", 400, {})])
+def test_the_later_word_exchanges_around_resident_groups_change_no_bit(kind, context, groups):
+    """With groups of resident blocks, pairs or fours (which exchange their partials as words, so HX bit 0 only):
+    P3 -> P4 and P5 -> the next P1 as words too (bits 1 and 2) give bit 0's logits and K/V bit for bit, launch
+    after launch."""
+    _same_bits_as(kind, context, reference={"HX": 1, **groups}, build={"HX": 7, **groups})
+
+
+@pytest.mark.parametrize("kind, context, groups", [("long", 100, {}), ("wide", 300, {}), ("long", 200, {}),
+                                                   ("long", 700, NO_GROUPS), ("wide", 1, {})])
+def test_staged_o_rows_change_no_bit(kind, context, groups):
     """STAGE_O (the default where the rows fit): the non-resident blocks copy their warps' first o rows into the idle
     resident region during attention and P3 sums them in warp_dot's order, so the logits and K/V are those of the
-    build without it bit for bit, launch after launch; past the resident keys (700) the blocks without an attention
-    piece do."""
-    _same_bits_as(kind, context, reference={"STAGE_O": 0}, build={})
+    build without it bit for bit, launch after launch (beside fours at 300, a pair at 200); past the resident keys
+    (700 without groups) the blocks without an attention piece do."""
+    _same_bits_as(kind, context, reference={"STAGE_O": 0, **groups}, build=groups)

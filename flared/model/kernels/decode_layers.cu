@@ -10,8 +10,9 @@
 //   P2  paged decode attention: each (row, q head) split over spare blocks on long contexts (SPLIT_KEYS);
 //       rotary on q; each warp one slice of its block's keys in 32-key tiles (K rows to registers, V rows
 //       to shared memory by cp.async), online softmax; the block's warps merged in shared memory, a split
-//       head's partials merged by the last of its blocks to finish. RES (one row): one block per kv head over
-//       keys it copied into shared memory a layer ahead, on the tensor cores (explained where defined)
+//       head's partials merged by the last of its blocks to finish. RES (one row): one block per kv head (a pair
+//       on longer contexts) over keys it copied into shared memory a layer ahead, on the tensor cores (explained
+//       where defined)
 //   P3  o rows; residual += o
 //   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
 //   P5  down rows; residual += down
@@ -29,8 +30,8 @@
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
 // page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
 // PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, GEMV_BATCH_PAIR, SKIP
-// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined); RES, RES_CAP (one row's
-// attention from keys held in shared memory, explained where defined).
+// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined); RES, RES_CAP, RES_TAIL, RES_SPLIT
+// (one row's attention from keys held in shared memory, explained where defined).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
@@ -234,6 +235,13 @@ __device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag
 #ifndef RES_TAIL
 #define RES_TAIL 0  // keys past RES_CAP a resident launch stages in `vec` during P2 (a multiple of 16)
 #endif
+#ifndef RES_SPLIT
+#define RES_SPLIT 0  // with HX bit 0: the shortest context whose kv heads take two resident blocks each (0: past
+#endif               // RES_CAP + RES_TAIL, where one block's keys end), explained at res_attention
+#ifndef RES_SPLIT4
+#define RES_SPLIT4 0  // the same for four blocks each (0: never)
+#endif
+#define RES_PARTS 4   // resident blocks a kv head at most
 #define RS (D + 8)  // the queries' row stride in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
 #define GQ (NH / NKV)
 #ifndef HX
@@ -649,8 +657,13 @@ __device__ void merge_splits_ll(const u64* part, const u64* ml, unsigned int tag
 // own key and value (written by P1, read from L2) and the tensor cores: S = Q K^T and O = P V by mma.sync over
 // the group's query heads (rows of the 16-row operand; P rounded to bf16 as the fused Triton path's tl.dot
 // takes it), an online softmax per warp over 16-key chunks, the warps merged through the resident region.
-// Keys past RES_CAP (at most RES_TAIL more) are copied into `vec` (free during P2) at P2's start; longer
-// contexts take the split path above.
+// Keys past RES_CAP (at most RES_TAIL more) are copied into `vec` (free during P2) at P2's start.
+//
+// Longer contexts give each kv head a GROUP of n blocks (2 from RES_SPLIT tokens, 4 from RES_SPLIT4; with HX bit 0;
+// the last n * NKV blocks of the grid): part p holds keys [res_bound(p), res_bound(p + 1)), about a 1/n share, the
+// last one the step's own key. Parts 1.. send their unnormalised outputs and (max, sum) per query head to part 0
+// as tagged words; part 0 adds them to its own in part order and writes the head's outputs. A context no group
+// holds takes the split path above.
 //
 // Rows are D elements, unpadded: a row's 16-byte chunk c sits at chunk c ^ (key & 7), so the 8 rows an ldmatrix
 // reads at one logical chunk fall in 8 different bank groups.
@@ -680,20 +693,40 @@ __device__ __forceinline__ unsigned int pack_bf(float lo, float hi) {
 }
 
 // Key t's K row (V: add `rows` * D) in the resident region or, past RES_CAP, in the tail rows in `vec`; and the
-// shared address of its logical 16-byte chunk c.
+// shared address of its logical 16-byte chunk c. A block holds keys from `lo` on (the second block of a pair: sp).
 struct ResRows {
     bf16* kres;  // [RES_CAP][D] keys, then [RES_CAP][D] values
     bf16* tail;  // [RES_TAIL][D] keys, then [RES_TAIL][D] values
-    __device__ __forceinline__ bf16* k(int t) const { return t < RES_CAP ? kres + t * D : tail + (t - RES_CAP) * D; }
+    int lo;      // the first key held
+    __device__ __forceinline__ bf16* k(int t) const {
+        t -= lo;
+        return t < RES_CAP ? kres + t * D : tail + (t - RES_CAP) * D;
+    }
     __device__ __forceinline__ bf16* v(int t) const {
+        t -= lo;
         return t < RES_CAP ? kres + (RES_CAP + t) * D : tail + (RES_TAIL + t - RES_CAP) * D;
     }
 };
 
+// The end of the keys a block holding [lo, hi) of a `ctx`-key context copies a layer ahead: every key before the
+// step's own that its resident region holds.
+__device__ __forceinline__ int res_ahead(int lo, int hi, int ctx) { return min(min(ctx - 1, hi), lo + RES_CAP); }
+
+// The first key of part p of an n-block group over a ctx-key context: p/n of it, rounded up to 16 keys (ctx at p = n).
+__device__ __forceinline__ int res_bound(int p, int n, int ctx) {
+    return p >= n ? ctx : ((p * ctx + n - 1) / n + 15) / 16 * 16;
+}
+
+// Whether an n-block group takes a ctx-key context: every part's keys fit RES_CAP, and every part has keys (with
+// the rounding to 16, from 32 tokens for a pair and 32 n for more).
+__device__ __forceinline__ bool res_group_fits(int n, int ctx) {
+    return n == 2 ? ctx >= 32 && ctx <= 2 * RES_CAP : ctx >= 32 * n && (ctx + n - 1) / n + 16 <= RES_CAP;
+}
+
 __device__ __forceinline__ bf16* chunk_at(bf16* row, int t, int c) { return row + ((c ^ (t & 7)) * 8); }
 
 // Keys [lo, hi) of kv head g (one layer's pools kl, vl; row 0's block table) into their rows: one cp.async group,
-// waited for in P2. RESIDENT: every key is below RES_CAP (the copies a layer ahead).
+// waited for in P2. RESIDENT: every key is below rr.lo + RES_CAP (the copies a layer ahead).
 template <bool RESIDENT>
 __device__ __forceinline__ void res_copy(const bf16* kl, const bf16* vl, const int* __restrict__ bt, int g, int lo,
                                          int hi, const ResRows& rr) {
@@ -701,8 +734,8 @@ __device__ __forceinline__ void res_copy(const bf16* kl, const bf16* vl, const i
     for (int i = threadIdx.x; i < (hi - lo) * CPR; i += THREADS) {
         const int t = lo + i / CPR, c = i % CPR;
         const long long off = (((long long)bt[t / PAGE] * PAGE + t % PAGE) * NKV + g) * D + c * 8;
-        bf16* kr = RESIDENT ? rr.kres + t * D : rr.k(t);
-        bf16* vr = RESIDENT ? rr.kres + (RES_CAP + t) * D : rr.v(t);
+        bf16* kr = RESIDENT ? rr.kres + (t - rr.lo) * D : rr.k(t);
+        bf16* vr = RESIDENT ? rr.kres + (RES_CAP + t - rr.lo) * D : rr.v(t);
         const unsigned int dk = (unsigned int)__cvta_generic_to_shared(chunk_at(kr, t, c));
         const unsigned int dv = (unsigned int)__cvta_generic_to_shared(chunk_at(vr, t, c));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dk), "l"(kl + off) : "memory");
@@ -711,22 +744,27 @@ __device__ __forceinline__ void res_copy(const bf16* kl, const bf16* vl, const i
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// One row's attention for kv head g's GQ query heads: q rows raw in qkv (rotary applied here), keys [0, ctx)
-// (ctx <= RES_CAP + RES_TAIL) with [0, min(ctx - 1, RES_CAP)) copied a layer ahead; the rest, the step's own key
-// among them, copied now. The GQ heads' outputs to attn. Every thread of the block calls it.
+// One row's attention for kv head g's GQ query heads over keys [lo, hi) of the context's ctx: q rows raw in qkv
+// (rotary applied here), keys [lo, res_ahead) copied a layer ahead; the rest, the step's own key among them where
+// hi = ctx, copied now. The GQ heads' outputs to attn. Every thread of the block calls it.
 // HX (xq != nullptr): no grid barrier after P1 here. The queries and the step's own key and value come from P1's
 // tagged words of `tag_in` (the pool has the step's key too, but unordered with this read), and the outputs go out
 // as words of `tag_out` for P3 to poll.
+// A group of `parts` blocks (HX only; 1: a whole head): part 0 adds the partials of parts 1.. to its own; part p
+// >= 1 sends its partial (unnormalised outputs to xpart [p - 1][NH * D], (max, sum) to xml [p - 1][NH][2]) as
+// words of `tag_part`.
 __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, const bf16* vl,
                               const int* __restrict__ bt, int g, bf16* attn, const u64* xq, const u64* xk,
-                              const u64* xv, u64* xattn, unsigned int tag_in, unsigned int tag_out) {
+                              const u64* xv, u64* xattn, unsigned int tag_in, unsigned int tag_out, int lo, int hi,
+                              int part, int parts, u64* xpart, u64* xml, unsigned int tag_part) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int gi = lane / 4, tig = lane % 4;  // the mma fragments' row group and thread in group
-    const int ctx = sm.ctx[0], cur = ctx - 1;
-    const ResRows rr{sm.kres, sm.vec};
+    const int ctx = sm.ctx[0], cur = ctx - 1, last = hi - 1;
+    const ResRows rr{sm.kres, sm.vec, lo};
     const bool hx = (HX & 1) && xq != nullptr;
-    // the keys past RES_CAP and (without HX) the step's own key (cp.async.cg reads L2, where P1's writes are)
-    res_copy<false>(kl, vl, bt, g, min(cur, RES_CAP), hx ? cur : ctx, rr);
+    // the keys past the resident ones and (without HX) the step's own key (cp.async.cg reads L2, where P1's
+    // writes are)
+    res_copy<false>(kl, vl, bt, g, res_ahead(lo, hi, ctx), hi == ctx && hx ? cur : hi, rr);
     bf16* qb = (bf16*)sm.qs;  // [16][RS]: the group's roped queries in rows [0, GQ), zeros below (set at launch)
     for (int i = threadIdx.x; i < GQ * HALF; i += THREADS) {
         const int hh = i / HALF, d = i % HALF;
@@ -744,7 +782,7 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
         qb[hh * RS + d] = f2bf(x0 * sm.cs[d] + x1 * sm.sn[d]);
         qb[hh * RS + d + HALF] = f2bf(x1 * sm.cs[d + HALF] + x0 * sm.sn[d + HALF]);
     }
-    if (hx) {  // the step's own key and value into their rows, from the words
+    if (hx && hi == ctx) {  // the step's own key and value into their rows, from the words
         for (int i = threadIdx.x; i < 2 * D; i += THREADS) {
             const bool isv = i >= D;
             const int d = i % D;
@@ -762,15 +800,15 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    const int chunks = (ctx + 15) / 16;
+    const int chunks = (hi - lo + 15) / 16;
     for (int ch = warp; ch < chunks; ch += WARPS) {
-        const int k0 = ch * 16;
+        const int k0 = lo + ch * 16;
         float s[2][4];
 #pragma unroll
         for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
-            const int key = min(k0 + t * 8 + lane % 8, cur);  // past the context: a real row, masked below
+            const int key = min(k0 + t * 8 + lane % 8, last);  // past the block's keys: a real row, masked below
             const unsigned int krow = (unsigned int)__cvta_generic_to_shared(rr.k(key));
             const int sw = key & 7;
 #pragma unroll
@@ -783,13 +821,13 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
                 mma_bf16(s[t], a[1][0], a[1][1], a[1][2], a[1][3], b[2], b[3]);
             }
         }
-        // online softmax over the chunk (log2 domain); keys past the context weigh nothing
+        // online softmax over the chunk (log2 domain); keys past the block's weigh nothing
         float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
         for (int t = 0; t < 2; ++t)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const bool valid = k0 + t * 8 + 2 * tig + (j & 1) < ctx;
+                const bool valid = k0 + t * 8 + 2 * tig + (j & 1) < hi;
                 s[t][j] = valid ? s[t][j] * SCALE_LOG2 : NEG_INF;
                 if (j < 2) mx0 = fmaxf(mx0, s[t][j]);
                 else mx1 = fmaxf(mx1, s[t][j]);
@@ -819,7 +857,7 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
         // P as the A operand (its C layout is the A layout: rows gi, gi + 8; keys 2 tig.. of each 8)
         const unsigned int pa0 = pack_bf(p[0][0], p[0][1]), pa1 = pack_bf(p[0][2], p[0][3]);
         const unsigned int pa2 = pack_bf(p[1][0], p[1][1]), pa3 = pack_bf(p[1][2], p[1][3]);
-        const int key = min(k0 + (lane / 8) % 2 * 8 + lane % 8, cur);
+        const int key = min(k0 + (lane / 8) % 2 * 8 + lane % 8, last);
         const unsigned int vrow = (unsigned int)__cvta_generic_to_shared(rr.v(key));
         const int sw = key & 7;
 #pragma unroll
@@ -850,6 +888,7 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
     __syncthreads();
     for (int i = threadIdx.x; i < GQ * D; i += THREADS) {
         const int hh = i / D, d = i % D;
+        const int word = (g * GQ + hh) * D + d, mword = (g * GQ + hh) * 2;
         float mm = NEG_INF;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sml[(w * 16 + hh) * 2]);
@@ -860,6 +899,37 @@ __device__ void res_attention(const Smem& sm, const bf16* qkv, const bf16* kl, c
             const float f = mw == NEG_INF ? 0.f : exp2f(mw - mm);
             ll += sml[(w * 16 + hh) * 2 + 1] * f;
             acc += so[(w * GQ + hh) * D + d] * f;
+        }
+        if (part > 0) {  // a share for part 0 (every part has keys of the context: mm is finite)
+            const int q = part - 1;
+            st_ll(xpart + q * NH * D + word, acc, tag_part);
+            if (d == 0) {
+                st_ll(xml + q * NH * 2 + mword, mm, tag_part);
+                st_ll(xml + q * NH * 2 + mword + 1, ll, tag_part);
+            }
+            continue;
+        }
+        if (parts > 1) {  // the other parts' shares in part order, each against the larger max so far
+            u64 w[3 * (RES_PARTS - 1)];  // every word requested before the first is waited for
+#pragma unroll
+            for (int q = 0; q < RES_PARTS - 1; ++q) {
+                if (q + 1 < parts) {
+                    w[3 * q] = ld_ll(xml + q * NH * 2 + mword);
+                    w[3 * q + 1] = ld_ll(xml + q * NH * 2 + mword + 1);
+                    w[3 * q + 2] = ld_ll(xpart + q * NH * D + word);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < RES_PARTS - 1; ++q) {
+                if (q + 1 >= parts) break;
+                const float mq = wait_ll(xml + q * NH * 2 + mword, w[3 * q], tag_part);
+                const float lq = wait_ll(xml + q * NH * 2 + mword + 1, w[3 * q + 1], tag_part);
+                const float aq = wait_ll(xpart + q * NH * D + word, w[3 * q + 2], tag_part);
+                const float top = fmaxf(mm, mq), f = exp2f(mm - top), fq = exp2f(mq - top);
+                acc = acc * f + aq * fq;
+                ll = ll * f + lq * fq;
+                mm = top;
+            }
         }
         const float out = ll > 0.f ? acc / ll : 0.f;
         if (hx) st_ll(xattn + (g * GQ + hh) * D + d, round_bf(out), tag_out);
@@ -925,6 +995,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
     u64* ll_q = ll_ml + 2 * R * NH * SPLITS;     // [R][NH * D] q before the rotary
     u64* ll_k = ll_q + R * NH * D;               // [R][NKV * D] the step's keys (after the rotary)
     u64* ll_v = ll_k + R * NKV * D;              // [R][NKV * D] and values
+    u64* ll_rpart = ll_v + R * NKV * D;          // [RES_PARTS - 1][NH * D] resident groups' partials (RES: R = 1)
+    u64* ll_rml = ll_rpart + (RES_PARTS - 1) * NH * D;  // [RES_PARTS - 1][NH][2] their (max, sum)
     const unsigned int tag_base = ((epoch % 0xFFFFFu) + 1u) << 12;
 #define TAG(layer, ph) (tag_base | ((unsigned int)(layer) << 3) | (unsigned int)(ph))
 
@@ -972,22 +1044,34 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         splits = max(splits, 1);
     }
 
-    // RES: this launch's attention from resident keys (every block derives the same answer); the last NKV
-    // blocks hold one kv head each and copy layer 0's keys now.
-    const bool res = RES && (int)gridDim.x >= NKV && sm.ctx[0] >= 1 && sm.ctx[0] <= RES_CAP + RES_TAIL;
-    const int res_g = (int)blockIdx.x - ((int)gridDim.x - NKV);  // this block's kv head when >= 0
     // P1 -> P2 -> P3 by tagged words, around resident attention or past it around the split path
     constexpr bool hx = (HX & 1) != 0;
     constexpr bool hx2 = (HX & 2) != 0;  // P3 -> P4 by tagged words
     constexpr bool hx4 = (HX & 4) != 0;  // P5 -> the next P1 (and the final norm) by tagged words
+    // RES: this launch's attention from resident keys (every block derives the same answer); the last res_n * NKV
+    // blocks hold a kv head's keys each (res_n > 1: groups, with HX) and copy layer 0's keys now: part res_part of
+    // kv head res_g's group, part 0 in the last NKV blocks.
+    const int res_ctx = sm.ctx[0];
+    int res_n = 1;
+    if (RES && hx && RES_SPLIT4 && res_ctx >= RES_SPLIT4 && (int)gridDim.x >= 4 * NKV && res_group_fits(4, res_ctx))
+        res_n = 4;
+    else if (RES && hx && res_ctx >= (RES_SPLIT ? RES_SPLIT : RES_CAP + RES_TAIL + 1) && (int)gridDim.x >= 2 * NKV
+             && res_group_fits(2, res_ctx))
+        res_n = 2;
+    const bool res = RES && (int)gridDim.x >= NKV && res_ctx >= 1 && (res_ctx <= RES_CAP + RES_TAIL || res_n > 1);
+    const int res_i = (int)blockIdx.x - ((int)gridDim.x - res_n * NKV);  // >= 0: a resident block
+    const int res_g = res_i >= 0 ? res_i % NKV : -1;                     // its kv head
+    const int res_part = res_i >= 0 ? res_n - 1 - res_i / NKV : 0;
+    const int res_lo = res_bound(res_part, res_n, res_ctx);  // its keys [res_lo, res_hi)
+    const int res_hi = res_bound(res_part + 1, res_n, res_ctx);
     // this block stages its warps' first o rows (STAGE_O): past the resident keys, the blocks without attention
     const bool stage_o = STAGE_O && RES && (res ? res_g < 0 : (int)blockIdx.x >= R * NH * splits);
     if (RES && res) {
         bf16* qb = (bf16*)sm.qs;
         for (int i = GQ * RS + threadIdx.x; i < 16 * RS; i += THREADS) qb[i] = 0;
         if (res_g >= 0)
-            res_copy<true>(k_pool, v_pool, block_tables, res_g, 0, min(sm.ctx[0] - 1, RES_CAP),
-                           ResRows{sm.kres, sm.vec});
+            res_copy<true>(k_pool, v_pool, block_tables, res_g, res_lo, res_ahead(res_lo, res_hi, res_ctx),
+                           ResRows{sm.kres, sm.vec, res_lo});
     }
 
     constexpr bool PRE_H = Row<H>::PRE, PRE_O = Row<NH * D>::PRE, PRE_I = Row<I>::PRE;
@@ -1080,7 +1164,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
         if (RES && res && !(SKIP & 2)) {
             if (res_g >= 0)
                 res_attention(sm, qkv, kl, vl, block_tables, res_g, attn, hx ? ll_q : nullptr, ll_k, ll_v, ll_attn,
-                              TAG(layer, 1), TAG(layer, 2));
+                              TAG(layer, 1), TAG(layer, 2), res_lo, res_hi, res_part, res_n, ll_rpart, ll_rml,
+                              TAG(layer, 6));
         } else if (!(SKIP & 2)) {
             bf16* vst = (RES ? sm.kres : sm.vec) + warp * 32 * D;
             for (int unit = blockIdx.x; unit < R * NH * splits; unit += gridDim.x) {
@@ -1327,8 +1412,8 @@ flared_decode_layers(const long long* __restrict__ layers, bf16* k_pool, bf16* v
             load_norm(h, LP(layer, 5), sm, nullptr, (LL || hx2) ? ll_ha : nullptr, TAG(layer, 3));
             // the next layer's resident keys, copied during P4 and P5 (from P5 on: 9-21 us a launch slower at 8B)
             if (RES && res && res_g >= 0 && layer + 1 < L)
-                res_copy<true>(kl + pool_layer_stride, vl + pool_layer_stride, block_tables, res_g, 0,
-                         min(sm.ctx[0] - 1, RES_CAP), ResRows{sm.kres, sm.vec});
+                res_copy<true>(kl + pool_layer_stride, vl + pool_layer_stride, block_tables, res_g, res_lo,
+                               res_ahead(res_lo, res_hi, res_ctx), ResRows{sm.kres, sm.vec, res_lo});
             const bf16* wgu = LP(layer, 6);
             for (int j = gw; j < I; j += tw) {
                 float acc[2][R];

@@ -35,8 +35,8 @@ LONG_ROW_SPLIT_KEYS = 64
 MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decoder.mega_max_context)
 RESIDENT_MAX_KEYS = 1024  # keys a resident-attention build holds at most (resident_cap)
 # Shared memory a resident build may take a block (the device's opt-in maximum caps it too): 272 keys at 8B in
-# 194,288 B, the most under the 196 KB carve-out, so resident up to 320 tokens. With 227 KB (336 keys) the 8B
-# launch ran 60-90 us slower at every context (H200). 272 against 256 keys, the whole 8B one-row step with a
+# 194,288 B, the most under the 196 KB carve-out, so one block a kv head holds up to 320 tokens (groups: below).
+# With 227 KB (336 keys) the 8B launch ran 60-90 us slower at every context (H200). 272 against 256 keys, the whole 8B one-row step with a
 # 4,096-page pool (nineteenth session, one run): 3,962 vs 4,006 us at 312 tokens, 3,901 vs 3,902 at 192.
 RESIDENT_SHARED_BYTES = 190 * 1024
 # Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
@@ -56,6 +56,18 @@ LONG_ROW_GEMV_BATCH = 12
 # seventeenth session), the whole one-row step: 4,009-4,014 vs 4,082-4,092 at 344 tokens, 4,010 vs 4,094-4,097 at
 # 383; with a 4,096-page pool (bench_gpu's executor) 4,122-4,126 vs 4,170-4,176.
 HX_MAX_ROWS = 1
+# The shortest contexts whose one-row resident build gives each kv head a group of two blocks (RESIDENT_PAIR_FROM)
+# or four (RESIDENT_QUAD_FROM), each part holding its share of the keys (decode_layers.cu, RES_SPLIT, RES_SPLIT4; at
+# 8B a pair holds up to 544 keys, four up to 1,024). Llama-3.1-8B on the H200, the whole one-row step with a
+# 4,096-page pool (tools/bench_decode_step.py, twenty-second session), us:
+#   - pairs from 129 against one block a kv head (past 320 tokens the split path), one run: 3,928 vs 3,952 at 192
+#     tokens, 3,946 vs 4,024 at 288, 3,947 vs 4,071 at 336, 3,955 vs 4,074 at 384;
+#   - another machine, pairs from 129 | fours from 257 | fours from 129 | one block: 3,894 | 3,896 | 3,894 | 3,896
+#     at 192, 3,898 | 3,900 | 3,897 | 3,911 at 256, 3,909 | 3,896 | 3,901 | 3,976 at 320, 3,915 | 3,898 | 3,904 |
+#     4,020 at 384, 3,931 | 3,908 | 3,909 | 4,056 at 512.
+RESIDENT_PAIR_FROM = 129
+RESIDENT_QUAD_FROM = 257
+RESIDENT_PARTS = 4  # blocks a kv head's resident group has at most (decode_layers.cu, RES_PARTS)
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
@@ -275,6 +287,8 @@ class DecodeLayers:
             defines["HX"] = int(defines["HX"]) & 6  # bit 0 needs resident attention
         if int(defines["RES"]):
             defines.setdefault("RES_TAIL", resident_tail(model))
+            defines.setdefault("RES_SPLIT", RESIDENT_PAIR_FROM)
+            defines.setdefault("RES_SPLIT4", RESIDENT_QUAD_FROM)
         # keys of one kv head held in shared memory (0: not a resident build)
         self.resident_keys = int(defines["RES_CAP"]) if int(defines["RES"]) else 0
         self._defines = defines
@@ -313,7 +327,8 @@ class DecodeLayers:
         # the LL words: two residuals, attention outputs, activations, split partials with their (max, sum), q, k, v
         ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
                            + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2)
-                           + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+                           + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                           + (RESIDENT_PARTS - 1) * c.num_heads * (c.head_dim + 2))
         exchange = self.low_latency or int(defines["HX"])  # HX: some boundaries by the same words
         self.llbuf = torch.zeros(ll_words if exchange else 1, dtype=torch.int64, device=dev)
         self.head = head
