@@ -42,7 +42,7 @@ from flared.errors import ErrorKind, ExecutionError
 from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.sampling import Sampler, SequenceSamplingState
 from flared.runtime.request import TokenLogprob
-from flared.scheduler import GraphKind, plan_records
+from flared.scheduler import GraphKind, plan_records, scored_participants
 
 
 class EagerExecutor:
@@ -84,10 +84,8 @@ class EagerExecutor:
         rows = np.asarray(plan.state_rows, dtype=np.int64)
         scores: list[list[float] | None] = [None] * n
         if kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.SCORED_PREFILL):
-            starts = list(score_from) if score_from is not None else [None] * n
-            if kind == GraphKind.SCORED_PREFILL:
-                starts = [1 if s is None else max(1, s) for s in starts]
-            self._forward(plan, block_tables, states, rows, sampled, logprobs, starts, scores)
+            self._forward(plan, block_tables, states, rows, sampled, logprobs,
+                          scored_participants(plan, score_from), scores)
             if len(plan.copies):  # checkpoints at the chunks' ends, copied after the forward
                 copy_started = time.perf_counter_ns()
                 self._copy(plan.copies, to_snapshot=True)
@@ -107,7 +105,8 @@ class EagerExecutor:
             raise ExecutionError(f"the eager executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
         return plan_records(plan, sampled, snapshot_ns), time.perf_counter_ns() - started, logprobs, scores
 
-    def _forward(self, plan, block_tables, states, rows, sampled, logprobs, score_from, scores) -> None:
+    def _forward(self, plan, block_tables, states, rows, sampled, logprobs, scoring, scores) -> None:
+        """``scoring``: (participant, first position it scores), as scored_participants gives them."""
         n = plan.num_participants
         chunks = []
         for i in range(n):
@@ -128,24 +127,22 @@ class EagerExecutor:
                                              if adapters[i] == adapter])
                 batch.lora_groups.append((adapter, torch.as_tensor(token_rows, dtype=torch.int64,
                                                                    device=self.model.device)))
-        scoring = [i for i in range(n) if score_from[i] is not None
-                   and int(plan.token_starts[i]) + len(chunks[i].token_ids) > score_from[i]]
         if not scoring:
             logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
         else:
-            logits = self._forward_scoring(batch, chunks, plan, rows, score_from, scoring, scores)
+            logits = self._forward_scoring(batch, chunks, plan, rows, scoring, scores)
         self.state_logits.index_copy_(0, torch.as_tensor(rows), logits)
         sample_idx = [i for i in range(n) if plan.sample[i]]
         if sample_idx:
             self._sample(logits.index_select(0, torch.as_tensor(sample_idx)), sample_idx, rows, states,
                          sampled, logprobs)
 
-    def _forward_scoring(self, batch, chunks, plan, rows, score_from, scoring, scores) -> torch.Tensor:
+    def _forward_scoring(self, batch, chunks, plan, rows, scoring, scores) -> torch.Tensor:
         """Forward with logits at every position of the scoring participants' chunks;
         fills ``scores`` and returns each participant's last-position logits [n, vocab]."""
         n = len(chunks)
         bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])  # chunk rows are contiguous, in order
-        scoring_set = set(scoring)
+        scoring_set = {i for i, _ in scoring}
         row_ids, last_at = [], []
         for i in range(n):
             if i in scoring_set:
@@ -156,7 +153,7 @@ class EagerExecutor:
         # SequenceChunk asks only for last-position logits; widen the rows this forward returns.
         batch.logit_row_ids = torch.as_tensor(row_ids, dtype=torch.int64, device=batch.logit_row_ids.device)
         all_logits = self.model.forward(batch, self.kv)  # [len(row_ids), vocab]
-        for i in scoring:
+        for i, first in scoring:
             start = int(plan.token_starts[i])
             tokens = torch.as_tensor(np.asarray(chunks[i].token_ids, dtype=np.int64))
             first_row = last_at[i] - len(tokens) + 1
@@ -165,7 +162,7 @@ class EagerExecutor:
             predictors = torch.cat([self.state_logits[rows[i]][None, :].to(all_logits.dtype),
                                     all_logits[first_row:last_at[i]]])
             lp = torch.log_softmax(predictors.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
-            skip = max(0, score_from[i] - start)
+            skip = max(0, first - start)
             scores[i] = lp[skip:].tolist()
         return all_logits.index_select(0, torch.as_tensor(last_at, dtype=torch.int64, device=all_logits.device))
 

@@ -51,7 +51,7 @@ from flared.execution import cuda
 from flared.execution.graphs import ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_prefill
 from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
-from flared.scheduler import CompletionRecords, GraphKind
+from flared.scheduler import CompletionRecords, GraphKind, scored_participants
 
 _NUM_FRAMES = 2
 
@@ -168,26 +168,6 @@ class GraphExecutor:
             if done is not None and done[0] == fence:
                 return done[1], done[2], done[3], done[4]
 
-    @staticmethod
-    def _scoring(plan, score_from) -> list[tuple[int, int]]:
-        """(participant, first chunk index to score) for each participant that scores positions in this step:
-        a SCORED_PREFILL plan scores from position 1 (or its ``score_from``, if later), a prefill participant
-        from its ``score_from``."""
-        kind = plan.kind
-        if kind not in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
-            return []
-        out = []
-        for i in range(plan.num_participants):
-            first = score_from[i] if score_from is not None else None
-            if kind == GraphKind.SCORED_PREFILL:
-                first = 1 if first is None else max(1, first)
-            if first is None:
-                continue
-            start, count = int(plan.token_starts[i]), int(plan.num_tokens[i])
-            if start + count > first:
-                out.append((i, max(0, first - start)))
-        return out
-
     def submit(self, plan, block_tables, states, score_from=None) -> int | None:
         if self.closed:
             raise ExecutionError("the executor is closed", ErrorKind.EXECUTION)
@@ -211,8 +191,9 @@ class GraphExecutor:
                 if kind == GraphKind.DECODE:
                     self._submit_graph(frame, plan, block_tables, states, "decode")
                 elif kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
-                    self._submit_graph(frame, plan, block_tables, states, "prefill",
-                                       self._scoring(plan, score_from))
+                    scoring = [(i, max(0, first - int(plan.token_starts[i])))  # (participant, first chunk index)
+                               for i, first in scored_participants(plan, score_from)]
+                    self._submit_graph(frame, plan, block_tables, states, "prefill", scoring)
                     if len(plan.copies):  # checkpoints at the chunks' ends, after the forward, timed apart
                         self._copies_start[frame].record(self._model_ptr)
                         self._snapshot_copies(plan.copies, to_snapshot=True)

@@ -44,6 +44,20 @@ def plan_records(plan: ScheduledPlan, token_ids, snapshot_ns: int = 0) -> Comple
     )
 
 
+def scored_participants(plan: ScheduledPlan, score_from) -> list[tuple[int, int]]:
+    """(participant, first position it scores) for each participant of ``plan`` that scores positions this step:
+    from ``score_from[i]`` (None: it scores nothing), in a SCORED_PREFILL plan from position 1 or a later
+    ``score_from``; only participants whose chunk reaches that position."""
+    out = []
+    for i in range(plan.num_participants):
+        first = score_from[i] if score_from is not None else None
+        if plan.kind == GraphKind.SCORED_PREFILL:
+            first = 1 if first is None else max(1, first)
+        if first is not None and int(plan.token_starts[i]) + int(plan.num_tokens[i]) > first:
+            out.append((i, first))
+    return out
+
+
 __all__ = [
     "MAX_LIVE_REQUESTS",
     "REFRESH_CAP_NS",
@@ -56,6 +70,7 @@ __all__ = [
     "RequestPhase",
     "RequestScheduler",
     "ScheduledPlan",
+    "scored_participants",
     "SelectionPolicy",
     "SchedulerConfig",
     "Selection",
