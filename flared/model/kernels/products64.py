@@ -1,0 +1,266 @@
+"""Decode products at up to 64 rows on Hopper (products64.cu): out = x @ W^T with every multiprocessor streaming
+one tile of weight rows, TMA copies into a software pipeline and wgmma on the tensor cores.
+
+A ``Products64`` is one build (tile rows, stages, blocks a tile, epilogue) for one product shape; each weight matrix it
+multiplies gets a TMA tensor map (``weight_map``), made once at load, and each input buffer one too
+(``input_map``). The maps are plain 128-byte descriptors passed by value, so a CUDA graph records them with
+the launch.
+
+Needs sm_90a (TMA, wgmma, clusters) and CuPy's NVRTC; ``available()`` says whether this device has both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("products64.cu")
+ROWS = 64  # the matrix unit's M: one launch serves up to 64 rows
+BK = 64  # columns a pipeline stage (one 128-byte swizzle span of bf16)
+SHARED_LIMIT = 225 * 1024  # dynamic shared memory a block may take on sm_90 (227 KB) less its static barriers
+THREADS = 160  # one consumer warpgroup and a producer warp
+
+_CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_256B = 3
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def available() -> bool:
+    """A CUDA device of compute capability 9.0 (Hopper) with CuPy."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None  # the kernel loads through CuPy
+
+
+class TensorMap:
+    """A 2-D TMA descriptor over a row-major bf16 matrix [rows, cols], boxes of ``box_rows`` x 64 columns with
+    the 128-byte swizzle; ``param`` is the address of its 128 bytes (64-byte aligned) for a kernel launch."""
+
+    _encode = None
+
+    def __init__(self, tensor: torch.Tensor, box_rows: int):
+        assert tensor.dtype == torch.bfloat16 and tensor.dim() == 2 and tensor.stride(1) == 1
+        assert tensor.data_ptr() % 16 == 0 and (tensor.stride(0) * 2) % 16 == 0 and 1 <= box_rows <= 256
+        rows, cols = tensor.shape
+        self._raw = ctypes.create_string_buffer(128 + 64)
+        self.param = (ctypes.addressof(self._raw) + 63) & ~63
+        u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+        dims = (u64 * 2)(cols, rows)
+        strides = (u64 * 1)(tensor.stride(0) * 2)
+        box = (u32 * 2)(BK, box_rows)
+        elem = (u32 * 2)(1, 1)
+        status = self._encoder()(ctypes.c_void_p(self.param), _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                                 ctypes.c_void_p(tensor.data_ptr()), dims, strides, box, elem, 0,
+                                 _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_256B, 0)
+        if status != 0:
+            raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUDA status {status} "
+                               f"(matrix {rows}x{cols}, box {box_rows}x{BK})")
+        self.tensor = tensor  # the map holds its address: keep the memory alive
+
+    @classmethod
+    def _encoder(cls):
+        if cls._encode is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            fn = lib.cuTensorMapEncodeTiled
+            p64, p32 = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, p64, p64, p32, p32,
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            cls._encode = fn
+        return cls._encode
+
+
+def wgmma_source(n: int) -> str:
+    """``wgmma_n(d, a, b)``: d[64 x n] += A B for one 16-column step, both operands K-major in shared memory."""
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    binds = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (
+        "__device__ __forceinline__ void wgmma_n(float* d, u64 a, u64 b) {\n"
+        f'    asm volatile("{{ .reg .pred p; setp.eq.u32 p, 1, 1;\\n"\n'
+        f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{regs}, %{regs + 1}, '
+        f'p, 1, 1, 0, 0; }}"\n'
+        f"                 : {binds}\n"
+        '                 : "l"(a), "l"(b));\n'
+        "}\n")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One build of the kernel: ``bn`` weight rows a tile, ``stages`` pipeline stages of ``atoms`` 64-column
+    boxes, ``ksplit`` blocks (a cluster) sharing a tile's columns, ``epi`` 1 for the SwiGLU epilogue,
+    ``nacc`` accumulators taking turns, ``whint`` 1 to copy weights evict-first."""
+    bn: int
+    stages: int
+    atoms: int = 1
+    ksplit: int = 1
+    nacc: int = 1
+    epi: int = 0
+    whint: int = 0
+    wtiled: int = 0
+
+    def __post_init__(self):
+        if self.bn % 8 or not 8 <= self.bn <= 256 or (self.epi and (self.bn % 16 or self.wtiled)):
+            raise ValueError(f"tile rows {self.bn}: a multiple of 8 (16 with the SwiGLU epilogue) up to 256")
+        if self.ksplit not in (1, 2, 4) or self.shared_bytes > SHARED_LIMIT or self.stages < 2:
+            raise ValueError(f"{self}: a cluster of 1, 2 or 4, two stages or more and at most {SHARED_LIMIT} "
+                             "bytes of shared memory")
+
+    @staticmethod
+    def stage_bytes(bn: int, atoms: int) -> int:
+        return atoms * (ROWS + bn) * BK * 2
+
+    @property
+    def shared_bytes(self) -> int:
+        # + the 1,024-byte alignment of the stages; the partial tiles reuse the stages
+        return max(self.stages * self.stage_bytes(self.bn, self.atoms), ROWS * self.bn * 4) + 1024
+
+    def __str__(self) -> str:
+        extra = ((" swiglu" if self.epi else "") + (" evict-first" if self.whint else "")
+                 + (" tiled weights" if self.wtiled else ""))
+        return (f"{self.bn} rows, {self.stages} stages of {self.atoms * BK} columns, {self.ksplit} blocks a tile, "
+                f"{self.nacc} accumulators{extra}")
+
+
+_modules: dict = {}
+
+
+def _function(build: Build):
+    """The loaded kernel for ``build`` (compiled once a process)."""
+    if build in _modules:
+        return _modules[build][1]
+    import cupy
+    from cupy.cuda import nvrtc
+
+    src = SOURCE.read_text().replace("//@WGMMA@", wgmma_source(build.bn), 1)
+    defines = {"BN": build.bn, "STAGES": build.stages, "KSPLIT": build.ksplit, "EPI": build.epi,
+               "WHINT": build.whint, "ATOMS": build.atoms, "NACC": build.nacc, "WTILED": build.wtiled}
+    options = ["-arch=sm_90a", "-std=c++17", "--use_fast_math"] + [f"-D{k}={v}" for k, v in defines.items()]
+    prog = nvrtc.createProgram(src, "products64.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"products64.cu ({build}) did not compile:\n{nvrtc.getProgramLog(prog)}") from e
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    module = cupy.cuda.function.Module()
+    module.load(cubin)
+    fn = module.get_function("flared_products64")
+    cupy.cuda.driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, build.shared_bytes)
+    _modules[build] = (module, fn)
+    return fn
+
+
+class Products64:
+    """out[rows, n] = x[rows, k] @ W^T for one product shape and build; with ``build.epi`` W is gate_up ([gate
+    rows; up rows]) and out[rows, n / 2] = silu(gate) * up."""
+
+    def __init__(self, n: int, k: int, build: Build):
+        if k % (BK * build.atoms * build.ksplit):
+            raise ValueError(f"products64 ({build}) needs the inner size ({k}) a multiple of "
+                             f"{BK * build.atoms * build.ksplit}")
+        if n % build.bn:
+            raise ValueError(f"{n} weight rows do not split into tiles of {build.bn}")
+        self.n, self.k, self.build = n, k, build
+        self.blocks = n // build.bn * build.ksplit
+        self.out_cols = n // 2 if build.epi else n
+        self._fn = _function(build)
+
+    def weight_map(self, weight: torch.Tensor) -> TensorMap:
+        """The map for ``weight`` [n, k] (half-tile boxes for the SwiGLU epilogue); with tiled weights over a
+        copy laid out tile by tile (``tile_weight``), which the map keeps."""
+        assert tuple(weight.shape) == (self.n, self.k)
+        if self.build.epi:
+            return TensorMap(weight, self.build.bn // 2)
+        if self.build.wtiled:
+            return TensorMap(tile_weight(weight, self.build.bn), self.build.bn)
+        return TensorMap(weight, self.build.bn)
+
+    def input_map(self, x: torch.Tensor) -> TensorMap:
+        assert x.shape[1] == self.k and x.shape[0] <= ROWS
+        return TensorMap(x, ROWS)
+
+    def __call__(self, wmap: TensorMap, xmap: TensorMap, out: torch.Tensor, rows: int | None = None) -> None:
+        """Launch on torch's current stream (a graph capture records it)."""
+        from flared.execution.cuda import cupy
+
+        rows = xmap.tensor.shape[0] if rows is None else rows
+        assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[1] == self.out_cols
+        assert out.shape[0] >= rows
+        values = [ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(self.out_cols), ctypes.c_int32(rows),
+                  ctypes.c_int32(self.k)]
+        params = (ctypes.c_void_p * 6)(wmap.param, xmap.param, *[ctypes.addressof(v) for v in values])
+        cupy.cuda.driver.launchKernel(self._fn.ptr, self.blocks, 1, 1, THREADS, 1, 1, self.build.shared_bytes,
+                                      torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
+
+
+def tile_weight(weight: torch.Tensor, bn: int) -> torch.Tensor:
+    """[n, k] -> [n / bn * k / 64 * bn, 64]: tile t's 64-column box j at rows (t * k / 64 + j) * bn."""
+    n, k = weight.shape
+    return weight.view(n // bn, bn, k // BK, BK).permute(0, 2, 1, 3).contiguous().view(-1, BK)
+
+
+def plan(n: int, k: int, epi: bool, sms: int) -> Build:
+    """The build for an [n, k] product on ``sms`` multiprocessors: the tile (a multiple of 8 rows, 16 with the
+    SwiGLU epilogue, dividing n) whose waves of blocks stream the fewest rows a block, the fewer waves on a tie;
+    stages of 128 columns where k allows (64 with the epilogue's wide tiles), as many as fit; two accumulators
+    for tiles of up to 96 rows. (The H200's fastest at 8B: 48, 32, 224 and 32 rows for qkv, o, gate_up, down;
+    docs/benchmarks.md, twenty-third session.)"""
+    step = 16 if epi else 8
+    best = None
+    for bn in range(step, 257 if not epi else 225, step):
+        if n % bn or (epi and (n // 2) % (bn // 2)):
+            continue
+        waves = -(-(n // bn) // sms)
+        cost = (waves * bn, waves)
+        if best is None or cost < best[0]:
+            best = (cost, bn)
+    if best is None:
+        raise ValueError(f"no tile of up to 256 rows divides {n}")
+    bn = best[1]
+    atoms = 1 if epi or k % (2 * BK) else 2
+    stages = min(16, (SHARED_LIMIT - 1024) // Build.stage_bytes(bn, atoms))
+    return Build(bn, stages, atoms, 1, 2 if bn <= 96 else 1, epi=int(epi))
+
+
+def unsupported(model) -> str | None:
+    """Why a decoder's layers cannot run their products here, or None."""
+    c = model.config
+    if model.dtype != torch.bfloat16:
+        return "the kernel multiplies bf16"
+    layer = model.layers[0]
+    if layer.qkv.bias is not None or layer.o.bias is not None:
+        return "projection biases"
+    if c.hidden_size % BK or (c.num_heads * c.head_dim) % BK or c.intermediate_size % BK:
+        return f"inner sizes must be multiples of {BK}"
+    return None
+
+
+class DecoderProducts:
+    """The four products of every layer of a Llama-shaped decoder at up to 64 rows (qkv, o, gate_up with its
+    SiLU-mul, down): one build per product shape and one weight map per layer and product, made once."""
+
+    def __init__(self, model, sms: int):
+        c = model.config
+        nh_d = c.num_heads * c.head_dim
+        shapes = {"qkv": (nh_d + 2 * c.num_kv_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, nh_d),
+                  "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+        self.products = {p: Products64(n, k, plan(n, k, p == "gate_up", sms)) for p, (n, k) in shapes.items()}
+        self.maps = [{p: self.products[p].weight_map(getattr(layer, p).weight) for p in shapes}
+                     for layer in model.layers]
+
+    def __call__(self, product: str, layer: int, xmap: TensorMap, out: torch.Tensor) -> torch.Tensor:
+        self.products[product](self.maps[layer][product], xmap, out)
+        return out
+
+    def input_map(self, x: torch.Tensor) -> TensorMap:
+        """A map over an input buffer [rows <= 64, k] (every product of the same k shares it)."""
+        return TensorMap(x, ROWS)
