@@ -43,6 +43,7 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "mega": (False, "cublas", None),
     "mega nohead": (False, "cublas", None),
     "cublas lt": (False, "cublaslt", None),
+    "products64": (False, "cublaslt", None),  # the four products per layer through kernels/products64.py
     "cublas attn=1": (False, "cublas", 1),
     "cublas attn=2": (False, "cublas", 2),
     "cublas attn=4": (False, "cublas", 4),
@@ -135,6 +136,9 @@ def run_variant(dec, batch: int, variant: str, stream):
     mega = variant.startswith("mega")
     if mega and batch > dec.mega_limit:
         return None
+    if variant == "products64" and batch not in dec.p64_candidates:
+        return None
+    dec.p64_batches = {batch} if variant == "products64" else set()
     dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"
@@ -157,6 +161,7 @@ def run_variant(dec, batch: int, variant: str, stream):
         stream.synchronize()
     finally:
         paged_decoder.decode_splits = chosen
+        dec.p64_batches = set()
         torch.backends.cuda.preferred_blas_library("cublas")
         if variant in MEGA_OVERRIDES:
             dec.mega.pop(key, None)

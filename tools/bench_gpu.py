@@ -212,6 +212,12 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
             lt = " ".join(f"b{b}: {cal['lt_us'][b]:.0f} vs {cal['blas_us'][b]:.0f}" for b in cal["lt_us"])
             rows.append((shape, "decode graph us: cuBLASLt vs cuBLAS", lt, "",
                          f"cuBLASLt at {cal['lt_batches'] or 'no batch'}"))
+        if cal.get("p64_us"):
+            p64 = " ".join(f"b{b}: {cal['p64_us'][b]:.0f} vs {cal['p64_other_us'][b]:.0f}" for b in cal["p64_us"])
+            rows.append((shape, "decode graph us: products64 vs cuBLAS(Lt)", p64, "",
+                         f"products64 at {cal['p64_batches'] or 'no batch'}"))
+        if "products64_error" in cal:
+            rows.append((shape, "products64", "failed", "", cal["products64_error"][:60]))
         if "megakernel_error" in cal:
             rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
         out[f"{shape}_calibration"] = cal
@@ -345,27 +351,31 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_ttft_ms"] = ttft
     out[f"{shape}_hf_ttft_ms"] = hf_ms
     lt_batches = (cal or {}).get("lt_batches")
+    p64_batches = (cal or {}).get("p64_batches")
     ex.close()
     del pair, sched, ex
     torch.cuda.empty_cache()
 
-    # A/B in the same run: 64 streams with cuBLASLt pinned off, where calibration put some batch on it.
-    if lt_batches:
+    # A/B in the same run: 64 streams with products64 pinned off where calibration put some batch on it (the
+    # step then runs cuBLASLt's products), else with cuBLASLt pinned off where it did.
+    if p64_batches or lt_batches:
         import os
 
-        os.environ["FLARED_BLAS_LT"] = "0"
+        pin, label, what = (("FLARED_PRODUCTS64", "without products64", "with products64") if p64_batches
+                            else ("FLARED_BLAS_LT", "with cuBLAS only", "with cuBLASLt"))
+        os.environ[pin] = "0"
         try:
             plain = graph_executor(model)
         finally:
-            del os.environ["FLARED_BLAS_LT"]
+            del os.environ[pin]
         p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
         run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=50), 4, ex_pair=plain)
         r2 = run_flared(model, p, new_tokens, ex_pair=plain)
         agg2 = CONCURRENCY * new_tokens / (r2.wall_ns / 1e9)
         steps2 = r2.steps_by_kind["DECODE"]
-        rows.append((shape, "batch-64 output tok/s with cuBLAS only (A/B) | GPU us/decode step", f"{agg2:,.0f} | "
-                     f"{r2.decode_gpu_ns / max(1, steps2) / 1e3:.0f}", "", f"x{agg / agg2:.3f} with cuBLASLt"))
-        out[f"{shape}_b64_cublas_only_tok_s"] = agg2
+        rows.append((shape, f"batch-64 output tok/s {label} (A/B) | GPU us/decode step", f"{agg2:,.0f} | "
+                     f"{r2.decode_gpu_ns / max(1, steps2) / 1e3:.0f}", "", f"x{agg / agg2:.3f} {what}"))
+        out[f"{shape}_b64_{'no_products64' if p64_batches else 'cublas_only'}_tok_s"] = agg2
         plain[1].close()
         del plain
     del hf, model

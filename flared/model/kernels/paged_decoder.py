@@ -11,7 +11,8 @@ forwards with fixed shapes:
   step's tokens reach the host. Few-row decode runs the layers as cuBLAS +
   fused kernels, the skinny kernels, or the megakernel (kernels/megakernel.py),
   whichever ``calibrate`` found fastest; batches of 32 rows and up may run
-  their products through cuBLASLt (``lt_batches``, also calibrated).
+  their products through cuBLASLt (``lt_batches``) or, on Hopper, flared's own
+  product kernel (kernels/products64.py, ``p64_batches``), both calibrated.
 - ``prefill(batch_capacity, token_capacity)``: the chunks of up to B
   sequences packed back to back in rows 0..T-1 (sequence s's rows follow
   those of sequences 0..s-1), ``chunk_meta[s] = (num_cached_tokens,
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.kernels import fused, megakernel, skinny
+from flared.model.kernels import fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
 from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_rope,
                                            paged_decode_attention_split, paged_prefill_attention_varlen)
@@ -150,6 +151,18 @@ class PagedCudaDecoder:
                               if LT_MIN_ROWS <= b <= max_batch] if self.fused and pinned_lt != "0" else []
         if pinned_lt == "1":
             self.lt_batches = set(self.lt_candidates)
+        # Decode batches of 32 or 64 rows whose products run flared's Hopper kernel (kernels/products64.py: every
+        # multiprocessor streams one tile of weight rows; gate_up with the SiLU-mul in its epilogue), where
+        # calibrate finds it at least 1% faster than the cuBLAS(Lt) path. bf16 Llama-shaped layers on sm_90;
+        # FLARED_PRODUCTS64=0 never, =1 at every such batch.
+        self.p64_batches: set[int] = set()
+        self._p64: products64.DecoderProducts | None = None
+        pinned_p64 = os.environ.get("FLARED_PRODUCTS64")
+        self.p64_candidates = []
+        if self.fused and pinned_p64 != "0" and products64.available() and products64.unsupported(model) is None:
+            self.p64_candidates = [b for b in (32, 64) if b <= max_batch]
+        if pinned_p64 == "1":
+            self.p64_batches = set(self.p64_candidates)
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
@@ -185,6 +198,8 @@ class PagedCudaDecoder:
             self._calibrate_mega(stream, time_graph_us)
         if self.lt_candidates and "FLARED_BLAS_LT" not in os.environ:
             self._calibrate_lt(stream, time_graph_us)
+        if self.p64_candidates and "FLARED_PRODUCTS64" not in os.environ:
+            self._calibrate_p64(stream, time_graph_us)
 
     def _calibrate_lt(self, stream, time_graph_us) -> None:
         """Each candidate batch's decode graph with its products through cuBLAS and through cuBLASLt; cuBLASLt
@@ -200,6 +215,32 @@ class PagedCudaDecoder:
             if lt_us[batch] > 0.99 * blas_us[batch]:
                 self.lt_batches.discard(batch)
         self.calibration.update({"lt_us": lt_us, "blas_us": blas_us, "lt_batches": sorted(self.lt_batches)})
+
+    def _calibrate_p64(self, stream, time_graph_us) -> None:
+        """Each candidate batch's decode graph with its products through the BLAS path calibrated above and through
+        products64; products64 serves the batches where it is at least 1% faster. An error on the way (an NVRTC
+        build, a tensor map the driver refuses) leaves it off and is recorded as ``products64_error``."""
+        p64_us, other_us = {}, {}
+        try:
+            for batch in self.p64_candidates:
+                if batch <= self.mega_max_rows:
+                    continue
+                self.p64_batches.discard(batch)
+                other_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=False), stream)
+                self.p64_batches.add(batch)
+                p64_us[batch] = time_graph_us(lambda: self.decode(batch, False, mega=False), stream)
+                if p64_us[batch] > 0.99 * other_us[batch]:
+                    self.p64_batches.discard(batch)
+        except Exception as exc:  # noqa: BLE001 - NVRTC, CuPy and the driver raise many types
+            self.calibration["products64_error"] = f"{type(exc).__name__}: {exc}"
+            self.p64_batches.clear()
+        self.calibration.update({"p64_us": p64_us, "p64_other_us": other_us, "p64_batches": sorted(self.p64_batches)})
+
+    def products(self) -> products64.DecoderProducts:
+        """The layers' products64 builds and weight maps (made on first use, outside any capture)."""
+        if self._p64 is None:
+            self._p64 = products64.DecoderProducts(self.model, self.num_sms)
+        return self._p64
 
     @contextlib.contextmanager
     def _blas(self, batch: int):
@@ -290,8 +331,10 @@ class PagedCudaDecoder:
             self._finish(x, batch, full_sampling, rows, s)
             return
         tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
+        products = self.products() if batch in self.p64_batches else None
         with self._blas(batch):
-            x = self._layers(tokens, positions, slots, self._decode_attend(batch, block_tables, context_lens))
+            x = self._layers(tokens, positions, slots, self._decode_attend(batch, block_tables, context_lens),
+                             products)
             self._finish(x, batch, full_sampling, rows, s)
 
     def _decode_attend(self, batch, block_tables, context_lens):
@@ -350,10 +393,12 @@ class PagedCudaDecoder:
 
     # -- shared body -------------------------------------------------------------------------------
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
-        """Every layer; returns the final-normed hidden states [T, H]."""
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend,
+                products: products64.DecoderProducts | None = None) -> torch.Tensor:
+        """Every layer; returns the final-normed hidden states [T, H]. ``products``: the fused forward's products
+        through products64 (decode batches of up to 64 rows)."""
         if self.fused:
-            return self._layers_fused(tokens, positions, slots, attend)
+            return self._layers_fused(tokens, positions, slots, attend, products)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
@@ -410,9 +455,11 @@ class PagedCudaDecoder:
         fused.add_rms_norm(None, h, m.final_norm, x, eps)
         return x
 
-    def _layers_fused(self, tokens, positions, slots, attend) -> torch.Tensor:
+    def _layers_fused(self, tokens, positions, slots, attend, products=None) -> torch.Tensor:
         if tokens.shape[0] <= self.skinny_max_rows:
             return self._layers_skinny(tokens, positions, slots, attend)
+        if products is not None:
+            return self._layers_p64(tokens, positions, slots, attend, products)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
@@ -435,6 +482,38 @@ class PagedCudaDecoder:
             fused.silu_mul(F.linear(x, layer.gate_up.weight), act)
             after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
             fused.add_rms_norm(F.linear(act, layer.down.weight), h, after, x, eps)
+        return x
+
+    def _layers_p64(self, tokens, positions, slots, attend, products) -> torch.Tensor:
+        """The fused forward with its four products per layer through products64 (up to 64 rows, no biases): the
+        SiLU-mul inside gate_up's epilogue, the rest as ``_layers_fused``."""
+        m = self.model
+        c = self.config
+        num_tokens = tokens.shape[0]
+        nh, d = c.num_heads, c.head_dim
+        eps = c.rms_norm_eps
+        h, q, attn, act = self._activations(tokens)
+        x = torch.empty_like(h)
+        qkv = torch.empty(num_tokens, (nh + 2 * c.num_kv_heads) * d, dtype=h.dtype, device=h.device)
+        out = torch.empty_like(h)  # o's and down's results, before the residual add
+        # Tensor maps over the inputs (their addresses are fixed for a capture): x feeds qkv and gate_up.
+        x_map = products.input_map(x)
+        attn_map = products.input_map(attn.view(num_tokens, nh * d))
+        act_map = products.input_map(act)
+        with_rope = getattr(attend, "with_rope", None)
+        fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
+        for index, layer in enumerate(m.layers):
+            products("qkv", index, x_map, qkv)
+            if with_rope is not None:
+                with_rope(qkv, positions, slots, index, attn)
+            else:
+                fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
+                                    self.v_pool[index], num_heads=nh, num_kv_heads=c.num_kv_heads, head_dim=d)
+                attend(q, index, attn)
+            fused.add_rms_norm(products("o", index, attn_map, out), h, layer.mlp_norm, x, eps)
+            products("gate_up", index, x_map, act)
+            after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
+            fused.add_rms_norm(products("down", index, act_map, out), h, after, x, eps)
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor, s: StaticInputs) -> None:

@@ -1,0 +1,129 @@
+"""flared's Hopper product kernel (kernels/products64.py) against torch, and the decode step that runs its
+products through it (PagedCudaDecoder.p64_batches) against the same step through cuBLAS.
+
+The kernel sums in its own order, so products agree with torch to bfloat16 rounding; the SwiGLU epilogue
+rounds gate, up and silu(gate) as fused.silu_mul does. A captured graph must replay the step exactly.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _skip_unless_hopper():
+    from flared.model.kernels import products64
+
+    if not products64.available():
+        pytest.skip("products64 needs an sm_90 GPU and CuPy")
+
+
+@pytest.mark.parametrize("n, k, epi, rows", [
+    (6144, 4096, False, 64),  # Llama-3.1-8B's qkv, o, gate_up and down
+    (4096, 4096, False, 40),  # fewer rows than the matrix unit's 64: the rest read zeros, write nothing
+    (28672, 4096, True, 64),
+    (4096, 14336, False, 64),
+    (960, 576, False, 33),  # SmolLM2-135M's widths: 64-column stages, 8-row tiles
+    (3072, 576, True, 1),
+    (576, 1536, False, 64),
+])
+def test_products_match_torch(n, k, epi, rows):
+    from flared.model.kernels import products64
+    from flared.model.kernels.fused import silu_mul
+
+    _skip_unless_hopper()
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=g)).to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    build = products64.plan(n, k, epi, torch.cuda.get_device_properties(0).multi_processor_count)
+    prod = products64.Products64(n, k, build)
+    ref = torch.nn.functional.linear(x, w)
+    if epi:
+        act = torch.empty(rows, n // 2, device="cuda", dtype=torch.bfloat16)
+        silu_mul(ref, act)
+        ref = act
+    # a row past ``rows`` in the output buffer stays as it was
+    out = torch.full((rows + 1, prod.out_cols), 7.0, device="cuda", dtype=torch.bfloat16)
+    prod(prod.weight_map(w), prod.input_map(x), out, rows=rows)
+    torch.cuda.synchronize()
+    scale = ref.float().abs().max().item()
+    assert (out[:rows].float() - ref.float()).abs().max().item() <= 0.01 * scale, build
+    assert torch.all(out[rows] == 7.0)
+
+
+def test_builds_refuse_what_the_kernel_cannot_do():
+    from flared.model.kernels import products64
+
+    with pytest.raises(ValueError, match="multiple of 8"):
+        products64.Build(12, 4)
+    with pytest.raises(ValueError, match="shared memory"):
+        products64.Build(256, 16, atoms=2)
+    with pytest.raises(ValueError, match="inner size"):
+        products64.Products64(64, 96, products64.Build(32, 4))
+
+
+def _decoder(batch, contexts):
+    from test_megakernel import _decoder as build
+
+    model, dec = build("llama64", batch, contexts)
+    dec.mega_max_rows = 0
+    dec.skinny_max_rows = 0
+    return model, dec
+
+
+def _run(dec, batch):
+    k0, v0 = dec.k_pool.clone(), dec.v_pool.clone()
+    dec.decode(batch, False)
+    torch.cuda.synchronize()
+    result = dec.logits[:batch].clone(), dec.k_pool.clone(), dec.v_pool.clone()
+    dec.k_pool.copy_(k0)
+    dec.v_pool.copy_(v0)
+    return result
+
+
+@pytest.mark.parametrize("batch", [64, 32])
+def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch):
+    from flared.execution.graphs import time_graph_us
+
+    _skip_unless_hopper()
+    g = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(1, 400, (batch,), generator=g).tolist()
+    contexts[3] = 0  # a padding row
+    model, dec = _decoder(batch, contexts)
+    assert batch in dec.p64_candidates
+    dec.p64_batches = set()
+    ref, ref_k, ref_v = _run(dec, batch)
+    dec.p64_batches = {batch}
+    got, k, v = _run(dec, batch)
+    live = [r for r, c in enumerate(contexts) if c > 0]
+    scale = ref[live].abs().max().item()
+    assert (got[live] - ref[live]).abs().max().item() <= 0.03 * scale
+    assert torch.nn.functional.cosine_similarity(got[live], ref[live], dim=-1).min().item() > 0.999
+    # the K/V the step writes, to bfloat16 rounding of the qkv product
+    assert (k.float() - ref_k.float()).abs().max().item() < 0.05
+    assert (v.float() - ref_v.float()).abs().max().item() < 0.05
+    # captured and replayed: the eager products64 step's logits exactly
+    time_graph_us(lambda: dec.decode(batch, False), torch.cuda.Stream(), replays=3)
+    torch.cuda.synchronize()
+    assert torch.equal(dec.logits[live], got[live])
+
+
+def test_calibration_times_products64_per_batch():
+    from flared.execution.graphs import time_graph_us
+
+    _skip_unless_hopper()
+    model, dec = _decoder(64, [0] * 64)  # padding inputs, as GraphSet calibrates
+    dec._calibrate_p64(torch.cuda.Stream(), time_graph_us)
+    cal = dec.calibration
+    assert "products64_error" not in cal
+    assert set(cal["p64_us"]) == {32, 64} and set(cal["p64_other_us"]) == {32, 64}
+    assert cal["p64_batches"] == sorted(dec.p64_batches)
+    assert all((b in dec.p64_batches) == (cal["p64_us"][b] <= 0.99 * cal["p64_other_us"][b]) for b in (32, 64))
+
+
+def test_unsupported_models_say_why():
+    from flared.model.kernels import products64
+    from test_megakernel import _hf, _serving
+
+    _skip_unless_hopper()
+    assert products64.unsupported(_serving(_hf("qwen2").to("cuda"), torch.bfloat16)) == "projection biases"
+    assert products64.unsupported(_serving(_hf("llama64").to("cuda"), torch.float32)) == "the kernel multiplies bf16"
