@@ -1,7 +1,7 @@
 """The 8B decode step's products at 64 rows: cuBLASLt against flared's Hopper product kernel
-(flared/model/kernels/products64.cu: one tile of weight rows per multiprocessor, TMA copies into a pipeline of
-shared-memory stages, wgmma; inputs shared across a cluster by multicast; gate_up optionally with the SwiGLU
-epilogue, against cuBLASLt plus the SiLU-mul kernel).
+(flared/model/kernels/products64.cu: one tile of weight rows per multiprocessor, TMA copies into a ring of
+shared-memory stages, wgmma; gate_up optionally with the SwiGLU epilogue, against cuBLASLt plus the SiLU-mul
+kernel; weights in place or laid out tile by tile).
 
 Every build is first checked against torch on layer 0 in a child process (a build that hangs is cut off there
 and left out), then each product is timed over 32 layers of distinct weights in one graph, and the four
@@ -9,7 +9,7 @@ products' chain with each product's fastest build against cuBLASLt's.
 
     python tools/probe_wgmma64.py [--layers 32] [--builds quick|all] [--json]
 
-CUDA sm_90 only.
+CUDA sm_90 only. Twenty-third session: the builds that led to the decoder's (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,20 +40,19 @@ def builds(p: str, which: str) -> list[k64.Build]:
         nacc = 2 if bn <= 96 else 1
         for wtiled in (0, 1):
             for epi in ((1, 0) if p == "gate_up" and not wtiled else (0,)):
-                out.append(k64.Build(bn, stages, atoms, 1, nacc, epi=epi, wtiled=wtiled))
+                out.append(k64.Build(bn, stages, atoms, nacc, epi=epi, wtiled=wtiled))
     return out if which == "all" else out[:1]
 
 
 def name(b: k64.Build) -> str:
-    return (f"{b.bn}/{b.stages}x{b.atoms}/k{b.ksplit}/a{b.nacc}" + ("/swiglu" if b.epi else "")
-            + ("/ef" if b.whint else "") + ("/tiled" if b.wtiled else ""))
+    return f"{b.bn}/{b.stages}x{b.atoms}/a{b.nacc}" + ("/swiglu" if b.epi else "") + ("/tiled" if b.wtiled else "")
 
 
 def parse(s: str) -> k64.Build:
     parts = s.split("/")
     stages, atoms = parts[1].split("x")
-    return k64.Build(int(parts[0]), int(stages), int(atoms), int(parts[2][1:]), int(parts[3][1:]),
-                     epi=int("swiglu" in parts), whint=int("ef" in parts), wtiled=int("tiled" in parts))
+    return k64.Build(int(parts[0]), int(stages), int(atoms), int(parts[2][1:]), epi=int("swiglu" in parts),
+                     wtiled=int("tiled" in parts))
 
 
 def weights_for(w: dict, p: str, b: k64.Build) -> list:

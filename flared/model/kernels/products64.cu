@@ -2,23 +2,23 @@
 // float accumulation, bf16 results.
 //
 // cuBLASLt tiles these products so that a quarter to a third of the multiprocessors stream nothing
-// (docs/benchmarks.md, twelfth session). Here the grid is chosen to cover the chip once: a cluster of KSPLIT
-// blocks owns one tile of BN weight rows against all 64 input rows (the matrix unit's M side holds the rows,
-// N the weight rows), each block a 1 / KSPLIT share of the columns, so a block reads 1 / KSPLIT of the inputs
-// (which every tile reads again, from L2) for the same weight bytes. A producer thread streams the block's
-// weight rows and inputs through STAGES shared-memory stages of ATOMS 64-column boxes with TMA block copies
-// (128-byte swizzle), each stage completing on its own mbarrier; one consumer warpgroup multiplies each stage
-// with wgmma, NACC accumulators taking turns so that consecutive steps do not wait on each other, and hands a
-// stage back once the next stage's products are issued. The cluster's blocks then add their partial tiles
-// through distributed shared memory, in rank order, and the first block writes the tile.
+// (docs/benchmarks.md, twelfth session). Here the grid is chosen to cover the chip once: a block owns one
+// tile of BN weight rows against all 64 input rows (the matrix unit's M side holds the rows, N the weight
+// rows). A producer thread streams the tile's weight rows and the inputs (which every tile reads, from L2)
+// through STAGES shared-memory stages of ATOMS 64-column boxes with TMA block copies (128-byte swizzle), each
+// stage completing on its own mbarrier; one consumer warpgroup multiplies each stage with wgmma, NACC
+// accumulators taking turns so that consecutive steps do not wait on each other, and hands a stage back once
+// the next stage's products are issued. (Tried and slower: clusters sharing input stages by multicast, a
+// separate shallower ring for the inputs, a tile's columns split over a cluster that adds its partial tiles
+// through distributed shared memory: docs/benchmarks.md, twenty-third session.)
 //
 // EPI 1 is the SwiGLU epilogue for gate_up ([gate rows; up rows], n_out = I of each): a tile copies BN / 2
 // gate rows and the matching BN / 2 up rows side by side, and the block writes silu(gate) * up, each rounded
 // to bf16 first as the unfused path (fused.silu_mul) rounds them.
 //
-// Defines: BN (weight rows a tile, a multiple of 8, <= 256), ATOMS, STAGES, KSPLIT (1, 2 or 4), EPI (0 or 1),
-// NACC (accumulators), WHINT (1: weight copies hint L2 to evict them first), WTILED (1: the weights come laid
-// out tile by tile, [N / BN][K / 64][BN][64], so that a block's weight stream is one contiguous run).
+// Defines: BN (weight rows a tile, a multiple of 8, <= 256), ATOMS, STAGES, EPI (0 or 1), NACC
+// (accumulators), WTILED (1: the weights come laid out tile by tile, [N / BN][K / 64][BN][64], so that a
+// block's weight stream is one contiguous run).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -26,14 +26,8 @@ typedef unsigned short u16;
 
 struct __align__(64) TensorMap { u64 words[16]; };
 
-#ifndef KSPLIT
-#define KSPLIT 1
-#endif
 #ifndef EPI
 #define EPI 0
-#endif
-#ifndef WHINT
-#define WHINT 0
 #endif
 #ifndef WTILED
 #define WTILED 0
@@ -77,34 +71,8 @@ __device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
 }
 
 __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int c0, int c1) {
-#if WHINT
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                 " [%0], [%1, {%3, %4}], [%2], %5;"
-                 :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1), "l"(policy) : "memory");
-#else
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-                 :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cluster_sync() {
-#if KSPLIT > 1
-    asm volatile("barrier.cluster.arrive.aligned; barrier.cluster.wait.aligned;" ::: "memory");
-#else
-    __syncthreads();
-#endif
-}
-
-__device__ __forceinline__ u32 cluster_rank() {
-#if KSPLIT > 1
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-#else
-    return 0;
-#endif
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4}], [%2];" :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1) : "memory");
 }
 
 // A K-major operand in 128-byte-swizzled shared memory (8-row groups 1,024 bytes apart).
@@ -128,9 +96,6 @@ __device__ __forceinline__ float bf16_round(float v) {
 //@WGMMA@
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-#if KSPLIT > 1
-__cluster_dims__(KSPLIT, 1, 1)
-#endif
 flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, u16* __restrict__ out,
                   int n_out, int rows, int k)
 {
@@ -139,10 +104,8 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
     unsigned char* base = (unsigned char*)(((unsigned long long)dyn + 1023) & ~1023ull);
     __shared__ __align__(8) u64 full[STAGES], empty[STAGES];
     const u32 tid = threadIdx.x;
-    const u32 rank = cluster_rank();
-    const int tile = blockIdx.x / KSPLIT;
-    const int steps = k / (BK * ATOMS * KSPLIT);
-    const int col0 = rank * steps * ATOMS * BK;  // this block's share of the columns
+    const int tile = blockIdx.x;
+    const int steps = k / (BK * ATOMS);
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             bar_init(shared_addr(&full[s]), 1);
@@ -158,11 +121,12 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
         for (int kb = 0; kb < steps; ++kb) {
             const int s = kb % STAGES;
             if (kb >= STAGES) bar_wait(shared_addr(&empty[s]), ((kb / STAGES) & 1) ^ 1);
-            const u32 xs = shared_addr(base + s * STAGE_BYTES), ws = xs + ATOMS * X_ATOM, fb = shared_addr(&full[s]);
+            const u32 xs = shared_addr(base + s * STAGE_BYTES), ws = xs + ATOMS * X_ATOM;
+            const u32 fb = shared_addr(&full[s]);
             bar_expect(fb, STAGE_BYTES);
 #pragma unroll
             for (int a = 0; a < ATOMS; ++a) {
-                const int col = col0 + (kb * ATOMS + a) * BK;
+                const int col = (kb * ATOMS + a) * BK;
 #if EPI  // the tile's gate rows, then its up rows (n_out further on), as two half boxes
                 tma_load(ws + a * W_ATOM, &wmap, fb, col, tile * (BN / 2));
                 tma_load(ws + a * W_ATOM + (BN / 2) * BK * 2, &wmap, fb, col, n_out + tile * (BN / 2));
@@ -171,14 +135,12 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
 #else
                 tma_load(ws + a * W_ATOM, &wmap, fb, col, tile * BN);
 #endif
-                asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                             " [%0], [%1, {%3, %4}], [%2];"
-                             :: "r"(xs + a * X_ATOM), "l"((u64)&xmap), "r"(fb), "r"(col), "r"(0) : "memory");
+                tma_load(xs + a * X_ATOM, &xmap, fb, col, 0);
             }
         }
     }
-    float accs[NACC][BN / 2];
     if (tid < CONSUMERS) {  // the consumer warpgroup
+        float accs[NACC][BN / 2];
 #pragma unroll
         for (int c = 0; c < NACC; ++c)
 #pragma unroll
@@ -207,42 +169,18 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
         for (int c = 1; c < NACC; ++c)
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) accs[0][i] += accs[c][i];
-    }
-#if KSPLIT > 1
-    // Every stage has landed and been read: the ring holds the partial tiles now, [value][thread].
-    float* part = (float*)base;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads (async proxy) come first
-    if (tid < CONSUMERS && rank > 0) {
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) part[i * CONSUMERS + tid] = accs[0][i];
-    }
-    __syncwarp();
-    cluster_sync();
-    if (tid < CONSUMERS && rank == 0) {
-#pragma unroll
-        for (u32 r = 1; r < KSPLIT; ++r) {
-            u32 remote;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_addr(part + tid)), "r"(r));
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) {
-                float v;
-                asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote + i * CONSUMERS * 4));
-                accs[0][i] += v;
-            }
-        }
-    }
-#endif
-    if (tid < CONSUMERS && rank == 0) {
-        // accs[0][4j + {0,1}]: row 16 w + l / 4, weight rows 8 j + 2 (l % 4) + {0,1}; accs[0][4j + {2,3}]: row + 8
+
+        // accs[0][4j + {0,1}]: row 16 w + l / 4, weight rows 8 j + 2 (l % 4) + {0,1}; [4j + {2,3}]: row + 8
         const int w = tid / 32, l = tid % 32;
         const int r0 = 16 * w + l / 4;
+        float* acc = accs[0];
 #if EPI == 0
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             const int n = tile * BN + 8 * j + 2 * (l % 4);
             if (n < n_out) {
-                if (r0 < rows) *(u32*)(out + (u64)r0 * n_out + n) = pack_bf16(accs[0][4 * j], accs[0][4 * j + 1]);
-                if (r0 + 8 < rows) *(u32*)(out + (u64)(r0 + 8) * n_out + n) = pack_bf16(accs[0][4 * j + 2], accs[0][4 * j + 3]);
+                if (r0 < rows) *(u32*)(out + (u64)r0 * n_out + n) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
+                if (r0 + 8 < rows) *(u32*)(out + (u64)(r0 + 8) * n_out + n) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
             }
         }
 #else
@@ -253,7 +191,7 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
             float v[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float g = bf16_round(accs[0][4 * j + e]), u = bf16_round(accs[0][4 * (j + HALF / 8) + e]);
+                const float g = bf16_round(acc[4 * j + e]), u = bf16_round(acc[4 * (j + HALF / 8) + e]);
                 v[e] = bf16_round(g / (1.f + __expf(-g))) * u;  // silu rounded first, as silu_mul does
             }
             if (n < n_out) {
@@ -263,8 +201,4 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
         }
 #endif
     }
-#if KSPLIT > 1
-    __syncwarp();
-    cluster_sync();  // no block leaves while the first still reads its partial tile
-#endif
 }

@@ -1,12 +1,12 @@
 """Decode products at up to 64 rows on Hopper (products64.cu): out = x @ W^T with every multiprocessor streaming
 one tile of weight rows, TMA copies into a software pipeline and wgmma on the tensor cores.
 
-A ``Products64`` is one build (tile rows, stages, blocks a tile, epilogue) for one product shape; each weight matrix it
+A ``Products64`` is one build (tile rows, stages, accumulators, epilogue) for one product shape; each weight matrix it
 multiplies gets a TMA tensor map (``weight_map``), made once at load, and each input buffer one too
 (``input_map``). The maps are plain 128-byte descriptors passed by value, so a CUDA graph records them with
 the launch.
 
-Needs sm_90a (TMA, wgmma, clusters) and CuPy's NVRTC; ``available()`` says whether this device has both.
+Needs sm_90a (TMA, wgmma) and CuPy's NVRTC; ``available()`` says whether this device has both.
 """
 
 from __future__ import annotations
@@ -94,23 +94,20 @@ def wgmma_source(n: int) -> str:
 @dataclass(frozen=True)
 class Build:
     """One build of the kernel: ``bn`` weight rows a tile, ``stages`` pipeline stages of ``atoms`` 64-column
-    boxes, ``ksplit`` blocks (a cluster) sharing a tile's columns, ``epi`` 1 for the SwiGLU epilogue,
-    ``nacc`` accumulators taking turns, ``whint`` 1 to copy weights evict-first."""
+    boxes, ``nacc`` accumulators taking turns, ``epi`` 1 for the SwiGLU epilogue, ``wtiled`` 1 for weights laid
+    out tile by tile (``tile_weight``: a copy)."""
     bn: int
     stages: int
     atoms: int = 1
-    ksplit: int = 1
     nacc: int = 1
     epi: int = 0
-    whint: int = 0
     wtiled: int = 0
 
     def __post_init__(self):
         if self.bn % 8 or not 8 <= self.bn <= 256 or (self.epi and (self.bn % 16 or self.wtiled)):
             raise ValueError(f"tile rows {self.bn}: a multiple of 8 (16 with the SwiGLU epilogue) up to 256")
-        if self.ksplit not in (1, 2, 4) or self.shared_bytes > SHARED_LIMIT or self.stages < 2:
-            raise ValueError(f"{self}: a cluster of 1, 2 or 4, two stages or more and at most {SHARED_LIMIT} "
-                             "bytes of shared memory")
+        if self.shared_bytes > SHARED_LIMIT or self.stages < 2:
+            raise ValueError(f"{self}: two stages or more and at most {SHARED_LIMIT} bytes of shared memory")
 
     @staticmethod
     def stage_bytes(bn: int, atoms: int) -> int:
@@ -118,14 +115,11 @@ class Build:
 
     @property
     def shared_bytes(self) -> int:
-        # + the 1,024-byte alignment of the stages; the partial tiles reuse the stages
-        return max(self.stages * self.stage_bytes(self.bn, self.atoms), ROWS * self.bn * 4) + 1024
+        return self.stages * self.stage_bytes(self.bn, self.atoms) + 1024  # + the stages' 1,024-byte alignment
 
     def __str__(self) -> str:
-        extra = ((" swiglu" if self.epi else "") + (" evict-first" if self.whint else "")
-                 + (" tiled weights" if self.wtiled else ""))
-        return (f"{self.bn} rows, {self.stages} stages of {self.atoms * BK} columns, {self.ksplit} blocks a tile, "
-                f"{self.nacc} accumulators{extra}")
+        extra = (" swiglu" if self.epi else "") + (" tiled weights" if self.wtiled else "")
+        return f"{self.bn} rows, {self.stages} stages of {self.atoms * BK} columns, {self.nacc} accumulators{extra}"
 
 
 _modules: dict = {}
@@ -139,8 +133,8 @@ def _function(build: Build):
     from cupy.cuda import nvrtc
 
     src = SOURCE.read_text().replace("//@WGMMA@", wgmma_source(build.bn), 1)
-    defines = {"BN": build.bn, "STAGES": build.stages, "KSPLIT": build.ksplit, "EPI": build.epi,
-               "WHINT": build.whint, "ATOMS": build.atoms, "NACC": build.nacc, "WTILED": build.wtiled}
+    defines = {"BN": build.bn, "STAGES": build.stages, "EPI": build.epi, "ATOMS": build.atoms, "NACC": build.nacc,
+               "WTILED": build.wtiled}
     options = ["-arch=sm_90a", "-std=c++17", "--use_fast_math"] + [f"-D{k}={v}" for k, v in defines.items()]
     prog = nvrtc.createProgram(src, "products64.cu", [], [])
     try:
@@ -164,13 +158,12 @@ class Products64:
     rows; up rows]) and out[rows, n / 2] = silu(gate) * up."""
 
     def __init__(self, n: int, k: int, build: Build):
-        if k % (BK * build.atoms * build.ksplit):
-            raise ValueError(f"products64 ({build}) needs the inner size ({k}) a multiple of "
-                             f"{BK * build.atoms * build.ksplit}")
+        if k % (BK * build.atoms):
+            raise ValueError(f"products64 ({build}) needs the inner size ({k}) a multiple of {BK * build.atoms}")
         if n % build.bn:
             raise ValueError(f"{n} weight rows do not split into tiles of {build.bn}")
         self.n, self.k, self.build = n, k, build
-        self.blocks = n // build.bn * build.ksplit
+        self.blocks = n // build.bn
         self.out_cols = n // 2 if build.epi else n
         self._fn = _function(build)
 
@@ -228,7 +221,7 @@ def plan(n: int, k: int, epi: bool, sms: int) -> Build:
     bn = best[1]
     atoms = 1 if epi or k % (2 * BK) else 2
     stages = min(16, (SHARED_LIMIT - 1024) // Build.stage_bytes(bn, atoms))
-    return Build(bn, stages, atoms, 1, 2 if bn <= 96 else 1, epi=int(epi))
+    return Build(bn, stages, atoms, 2 if bn <= 96 else 1, epi=int(epi))
 
 
 def unsupported(model) -> str | None:
