@@ -50,39 +50,11 @@ def test_products_match_torch(n, k, epi, rows):
     assert torch.all(out[rows] == 7.0)
 
 
-def test_builds_refuse_what_the_kernel_cannot_do():
-    from flared.model.kernels import products64
-
-    with pytest.raises(ValueError, match="multiple of 8"):
-        products64.Build(12, 4)
-    with pytest.raises(ValueError, match="shared memory"):
-        products64.Build(256, 16, atoms=2)
-    with pytest.raises(ValueError, match="inner size"):
-        products64.Products64(64, 96, products64.Build(32, 4))
-
-
-def _decoder(batch, contexts):
-    from test_megakernel import _decoder as build
-
-    model, dec = build("llama64", batch, contexts)
-    dec.mega_max_rows = 0
-    dec.skinny_max_rows = 0
-    return model, dec
-
-
-def _run(dec, batch):
-    k0, v0 = dec.k_pool.clone(), dec.v_pool.clone()
-    dec.decode(batch, False)
-    torch.cuda.synchronize()
-    result = dec.logits[:batch].clone(), dec.k_pool.clone(), dec.v_pool.clone()
-    dec.k_pool.copy_(k0)
-    dec.v_pool.copy_(v0)
-    return result
-
-
 @pytest.mark.parametrize("batch", [64, 32])
 def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch):
     from flared.execution.graphs import time_graph_us
+    from test_blas_lt import _decoder
+    from test_megakernel import _step
 
     _skip_unless_hopper()
     g = torch.Generator().manual_seed(batch)
@@ -91,9 +63,9 @@ def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch
     model, dec = _decoder(batch, contexts)
     assert batch in dec.p64_candidates
     dec.p64_batches = set()
-    ref, ref_k, ref_v = _run(dec, batch)
+    ref, ref_k, ref_v = _step(dec, batch, mega=False)
     dec.p64_batches = {batch}
-    got, k, v = _run(dec, batch)
+    got, k, v = _step(dec, batch, mega=False)
     live = [r for r, c in enumerate(contexts) if c > 0]
     scale = ref[live].abs().max().item()
     assert (got[live] - ref[live]).abs().max().item() <= 0.03 * scale
@@ -109,6 +81,7 @@ def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch
 
 def test_calibration_times_products64_per_batch():
     from flared.execution.graphs import time_graph_us
+    from test_blas_lt import _decoder
 
     _skip_unless_hopper()
     model, dec = _decoder(64, [0] * 64)  # padding inputs, as GraphSet calibrates
