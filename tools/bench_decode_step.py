@@ -44,6 +44,7 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "mega nohead": (False, "cublas", None),
     "cublas lt": (False, "cublaslt", None),
     "products64": (False, "cublaslt", None),  # the four products per layer through kernels/products64.py
+    "products64 tiled": (False, "cublaslt", None),  # the same, qkv, o and down from tile-by-tile weight copies
     "cublas attn=1": (False, "cublas", 1),
     "cublas attn=2": (False, "cublas", 2),
     "cublas attn=4": (False, "cublas", 4),
@@ -136,9 +137,11 @@ def run_variant(dec, batch: int, variant: str, stream):
     mega = variant.startswith("mega")
     if mega and batch > dec.mega_limit:
         return None
-    if variant == "products64" and batch not in dec.p64_candidates:
+    if variant.startswith("products64") and batch not in dec.p64_candidates:
         return None
-    dec.p64_batches = {batch} if variant == "products64" else set()
+    dec.p64_batches = {batch} if variant.startswith("products64") else set()
+    if dec.p64_tiled != (variant == "products64 tiled"):
+        dec.p64_tiled, dec._p64 = variant == "products64 tiled", None  # the other weight layout's maps
     dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"

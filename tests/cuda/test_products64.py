@@ -50,8 +50,8 @@ def test_products_match_torch(n, k, epi, rows):
     assert torch.all(out[rows] == 7.0)
 
 
-@pytest.mark.parametrize("batch", [64, 32])
-def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch):
+@pytest.mark.parametrize("batch, tiled", [(64, False), (32, False), (64, True)])
+def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch, tiled):
     from flared.execution.graphs import time_graph_us
     from test_blas_lt import _decoder
     from test_megakernel import _step
@@ -62,6 +62,8 @@ def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch
     contexts[3] = 0  # a padding row
     model, dec = _decoder(batch, contexts)
     assert batch in dec.p64_candidates
+    dec.p64_tiled = tiled  # tile-by-tile weight copies for qkv, o and down
+    assert all(p.build.wtiled == (tiled and name != "gate_up") for name, p in dec.products().products.items())
     dec.p64_batches = set()
     ref, ref_k, ref_v = _step(dec, batch, mega=False)
     dec.p64_batches = {batch}

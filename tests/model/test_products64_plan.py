@@ -20,7 +20,9 @@ def test_plan_covers_the_chip_once_with_the_smallest_tile(n, k, epi, tile, atoms
     build = products64.plan(n, k, epi, 132)
     assert (build.bn, build.atoms, build.epi) == (tile, atoms, int(epi))
     assert n // build.bn <= 132 and build.shared_bytes <= products64.SHARED_LIMIT
-    assert build.stages >= 2 and build.nacc == (2 if tile <= 96 else 1)
+    assert build.stages >= 2 and build.nacc == (2 if tile <= 96 else 1) and not build.wtiled
+    # tile-by-tile weight copies: every product but gate_up (its gate and up halves come from two places)
+    assert products64.plan(n, k, epi, 132, tiled=True).wtiled == int(not epi)
 
 
 def test_plan_refuses_a_size_no_tile_divides():

@@ -163,6 +163,8 @@ class PagedCudaDecoder:
             self.p64_candidates = [b for b in (32, 64) if b <= max_batch]
         if pinned_p64 == "1":
             self.p64_batches = set(self.p64_candidates)
+        # FLARED_PRODUCTS64_TILED=1: qkv, o and down read tile-by-tile copies of their weights (more memory).
+        self.p64_tiled = os.environ.get("FLARED_PRODUCTS64_TILED") == "1"
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
@@ -237,7 +239,7 @@ class PagedCudaDecoder:
     def products(self) -> products64.DecoderProducts:
         """The layers' products64 builds and weight maps (made on first use, outside any capture)."""
         if self._p64 is None:
-            self._p64 = products64.DecoderProducts(self.model, self.num_sms)
+            self._p64 = products64.DecoderProducts(self.model, self.num_sms, self.p64_tiled)
         return self._p64
 
     @contextlib.contextmanager

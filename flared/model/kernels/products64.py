@@ -201,12 +201,12 @@ def tile_weight(weight: torch.Tensor, bn: int) -> torch.Tensor:
     return weight.view(n // bn, bn, k // BK, BK).permute(0, 2, 1, 3).contiguous().view(-1, BK)
 
 
-def plan(n: int, k: int, epi: bool, sms: int) -> Build:
+def plan(n: int, k: int, epi: bool, sms: int, tiled: bool = False) -> Build:
     """The build for an [n, k] product on ``sms`` multiprocessors: the tile (a multiple of 8 rows, 16 with the
     SwiGLU epilogue, dividing n) whose waves of blocks stream the fewest rows a block, the fewer waves on a tie;
     stages of 128 columns where k allows (64 with the epilogue's wide tiles), as many as fit; two accumulators
-    for tiles of up to 96 rows. (The H200's fastest at 8B: 48, 32, 224 and 32 rows for qkv, o, gate_up, down;
-    docs/benchmarks.md, twenty-third session.)"""
+    for tiles of up to 96 rows; with ``tiled``, weights laid out tile by tile (not with the epilogue). (The H200's
+    fastest at 8B: 48, 32, 224 and 32 rows for qkv, o, gate_up, down; docs/benchmarks.md, twenty-third session.)"""
     step = 16 if epi else 8
     best = None
     for bn in range(step, 257 if not epi else 225, step):
@@ -221,7 +221,7 @@ def plan(n: int, k: int, epi: bool, sms: int) -> Build:
     bn = best[1]
     atoms = 1 if epi or k % (2 * BK) else 2
     stages = min(16, (SHARED_LIMIT - 1024) // Build.stage_bytes(bn, atoms))
-    return Build(bn, stages, atoms, 2 if bn <= 96 else 1, epi=int(epi))
+    return Build(bn, stages, atoms, 2 if bn <= 96 else 1, epi=int(epi), wtiled=int(tiled and not epi))
 
 
 def unsupported(model) -> str | None:
@@ -239,14 +239,16 @@ def unsupported(model) -> str | None:
 
 class DecoderProducts:
     """The four products of every layer of a Llama-shaped decoder at up to 64 rows (qkv, o, gate_up with its
-    SiLU-mul, down): one build per product shape and one weight map per layer and product, made once."""
+    SiLU-mul, down): one build per product shape and one weight map per layer and product, made once. With
+    ``tiled``, qkv, o and down read copies of their weights laid out tile by tile (``tile_weight``: another
+    6.4 GB at 8B), which the H200 streamed faster (docs/benchmarks.md, twenty-third session)."""
 
-    def __init__(self, model, sms: int):
+    def __init__(self, model, sms: int, tiled: bool = False):
         c = model.config
         nh_d = c.num_heads * c.head_dim
         shapes = {"qkv": (nh_d + 2 * c.num_kv_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, nh_d),
                   "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
-        self.products = {p: Products64(n, k, plan(n, k, p == "gate_up", sms)) for p, (n, k) in shapes.items()}
+        self.products = {p: Products64(n, k, plan(n, k, p == "gate_up", sms, tiled)) for p, (n, k) in shapes.items()}
         self.maps = [{p: self.products[p].weight_map(getattr(layer, p).weight) for p in shapes}
                      for layer in model.layers]
 
