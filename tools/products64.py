@@ -68,11 +68,10 @@ def cublaslt_reference(x: dict, w: dict, y: dict, p: str) -> tuple[float, torch.
 def launch(function, blocks: int, threads: int, shared: int, values: list) -> None:
     """A CuPy-loaded kernel (``RawModule.get_function``) on torch's current stream (so a torch graph capture
     records it); ``values`` are the kernel's arguments as ctypes scalars."""
-    from flared.execution.cuda import cupy
+    from flared.execution.cuda import launch_kernel
 
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    cupy.cuda.driver.launchKernel(function.kernel.ptr, blocks, 1, 1, threads, 1, 1, shared,
-                                  torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
+    launch_kernel(function.kernel.ptr, blocks, threads, shared, torch.cuda.current_stream().cuda_stream,
+                  [ctypes.addressof(v) for v in values])
 
 
 def time_variants(variants: str, time_one) -> dict[str, float]:

@@ -133,6 +133,21 @@ def graph_launch(graph_exec: int, stream_ptr: int) -> None:
     check("cudaGraphLaunch", _rt.graphLaunch, graph_exec, stream_ptr)
 
 
+# -- kernels -----------------------------------------------------------------------------------------
+
+
+def launch_kernel(function: int, blocks: int, threads: int, shared_bytes: int, stream_ptr: int, args) -> None:
+    """Launch a loaded kernel (a ``CUfunction``) as ``blocks`` x ``threads`` with ``shared_bytes`` of dynamic shared
+    memory on a stream (torch's capturing stream records it into the graph); ``args``: the host address of each
+    argument's value, in order (a ctypes object's ``ctypes.addressof``, a tensor map's bytes)."""
+    params = (ctypes.c_void_p * len(args))(*args)
+    try:
+        cupy.cuda.driver.launchKernel(function, blocks, 1, 1, threads, 1, 1, shared_bytes, stream_ptr,
+                                      ctypes.addressof(params), 0)
+    except cupy.cuda.driver.CUDADriverError as exc:
+        raise _fail("cuLaunchKernel", exc) from exc
+
+
 def set_device(ordinal: int) -> None:
     """Make the device's primary context current on the calling thread (a worker thread needs it)."""
     check("cudaSetDevice", _rt.setDevice, ordinal)
@@ -143,4 +158,5 @@ def device_synchronize() -> None:
 
 
 __all__ = ["Event", "PinnedBuffer", "check", "copy_d2h_async", "copy_h2d_async", "cupy", "device_synchronize",
+           "launch_kernel",
            "graph_launch", "set_device", "stream_synchronize", "stream_wait_event"]

@@ -30,12 +30,16 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 def available() -> bool:
-    """A CUDA device of compute capability 9.0 (Hopper) with CuPy."""
+    """A CUDA device of compute capability 9.0 (Hopper) with CuPy (flared.execution.cuda imports)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    import importlib.util
+    import importlib
 
-    return importlib.util.find_spec("cupy") is not None  # the kernel loads through CuPy
+    try:
+        importlib.import_module("flared.execution.cuda")  # the kernel builds and launches through it
+    except ImportError:
+        return False
+    return True
 
 
 class TensorMap:
@@ -129,8 +133,9 @@ def _function(build: Build):
     """The loaded kernel for ``build`` (compiled once a process)."""
     if build in _modules:
         return _modules[build][1]
-    import cupy
-    from cupy.cuda import nvrtc
+    from flared.execution.cuda import cupy
+
+    nvrtc = cupy.cuda.nvrtc
 
     src = SOURCE.read_text().replace("//@WGMMA@", wgmma_source(build.bn), 1)
     defines = {"BN": build.bn, "STAGES": build.stages, "EPI": build.epi, "ATOMS": build.atoms, "NACC": build.nacc,
@@ -178,21 +183,26 @@ class Products64:
         return TensorMap(weight, self.build.bn)
 
     def input_map(self, x: torch.Tensor) -> TensorMap:
-        assert x.shape[1] == self.k and x.shape[0] <= ROWS
-        return TensorMap(x, ROWS)
+        assert x.shape[1] == self.k
+        return input_map(x)
 
     def __call__(self, wmap: TensorMap, xmap: TensorMap, out: torch.Tensor, rows: int | None = None) -> None:
         """Launch on torch's current stream (a graph capture records it)."""
-        from flared.execution.cuda import cupy
+        from flared.execution.cuda import launch_kernel
 
         rows = xmap.tensor.shape[0] if rows is None else rows
         assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[1] == self.out_cols
         assert out.shape[0] >= rows
         values = [ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(self.out_cols), ctypes.c_int32(rows),
                   ctypes.c_int32(self.k)]
-        params = (ctypes.c_void_p * 6)(wmap.param, xmap.param, *[ctypes.addressof(v) for v in values])
-        cupy.cuda.driver.launchKernel(self._fn.ptr, self.blocks, 1, 1, THREADS, 1, 1, self.build.shared_bytes,
-                                      torch.cuda.current_stream().cuda_stream, ctypes.addressof(params), 0)
+        launch_kernel(self._fn.ptr, self.blocks, THREADS, self.build.shared_bytes,
+                      torch.cuda.current_stream().cuda_stream, [wmap.param, xmap.param, *map(ctypes.addressof, values)])
+
+
+def input_map(x: torch.Tensor) -> TensorMap:
+    """A map over an input buffer [rows <= 64, k] (every product of the same k may share it)."""
+    assert x.shape[0] <= ROWS
+    return TensorMap(x, ROWS)
 
 
 def tile_weight(weight: torch.Tensor, bn: int) -> torch.Tensor:
@@ -256,6 +266,4 @@ class DecoderProducts:
         self.products[product](self.maps[layer][product], xmap, out)
         return out
 
-    def input_map(self, x: torch.Tensor) -> TensorMap:
-        """A map over an input buffer [rows <= 64, k] (every product of the same k shares it)."""
-        return TensorMap(x, ROWS)
+    input_map = staticmethod(input_map)
