@@ -395,9 +395,8 @@ class DecodeLayers:
         else:
             values += [u64(0), u64(0), u64(0), u64(0)]
         values.append(u64(self.llbuf.data_ptr()))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        stream = torch.cuda.current_stream(h.device).cuda_stream
-        # The driver call directly (CuPy's stream objects are not needed, and a launch inside a torch graph
-        # capture must be on torch's capturing stream).
-        self._cupy.cuda.driver.launchKernel(self._function, self.grid, 1, 1, self.threads, 1, 1, self.shared_mem, stream,
-                                            ctypes.addressof(params), 0)
+        from flared.execution.cuda import launch_kernel
+
+        # on torch's current stream: a launch inside a torch graph capture must be on the capturing stream
+        launch_kernel(self._function, self.grid, self.threads, self.shared_mem,
+                      torch.cuda.current_stream(h.device).cuda_stream, [ctypes.addressof(v) for v in values])
