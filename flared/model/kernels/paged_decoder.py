@@ -456,64 +456,50 @@ class PagedCudaDecoder:
         return x
 
     def _layers_fused(self, tokens, positions, slots, attend, products=None) -> torch.Tensor:
+        """``products``: the four products of each layer through products64 (decode, up to 64 rows, no biases; the
+        SiLU-mul inside gate_up's epilogue) instead of cuBLAS(Lt)."""
         if tokens.shape[0] <= self.skinny_max_rows:
             return self._layers_skinny(tokens, positions, slots, attend)
-        if products is not None:
-            return self._layers_p64(tokens, positions, slots, attend, products)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         h, q, attn, act = self._activations(tokens)
+        attn_rows = attn.view(num_tokens, nh * d)
         x = torch.empty_like(h)
+        if products is not None:
+            # tensor maps over the products' inputs (their addresses are fixed for a capture; x feeds qkv and
+            # gate_up), and the qkv, o and down results
+            x_map, attn_map, act_map = (products.input_map(t) for t in (x, attn_rows, act))
+            qkv_out = torch.empty(num_tokens, (nh + 2 * nkv) * d, dtype=h.dtype, device=h.device)
+            out = torch.empty_like(h)
         with_rope = getattr(attend, "with_rope", None)  # decode: rotary and KV write inside the attention kernel
         fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
         for index, layer in enumerate(m.layers):
-            qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
+            if products is not None:
+                qkv = products("qkv", index, x_map, qkv_out)
+            else:
+                qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
             if with_rope is not None:
                 with_rope(qkv, positions, slots, index, attn)
             else:
                 fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
                                     self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
                 attend(q, index, attn)
-            fused.add_rms_norm(F.linear(attn.view(num_tokens, nh * d), layer.o.weight, layer.o.bias), h,
-                               layer.mlp_norm, x, eps)
-            fused.silu_mul(F.linear(x, layer.gate_up.weight), act)
-            after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
-            fused.add_rms_norm(F.linear(act, layer.down.weight), h, after, x, eps)
-        return x
-
-    def _layers_p64(self, tokens, positions, slots, attend, products) -> torch.Tensor:
-        """The fused forward with its four products per layer through products64 (up to 64 rows, no biases): the
-        SiLU-mul inside gate_up's epilogue, the rest as ``_layers_fused``."""
-        m = self.model
-        c = self.config
-        num_tokens = tokens.shape[0]
-        nh, d = c.num_heads, c.head_dim
-        eps = c.rms_norm_eps
-        h, q, attn, act = self._activations(tokens)
-        x = torch.empty_like(h)
-        qkv = torch.empty(num_tokens, (nh + 2 * c.num_kv_heads) * d, dtype=h.dtype, device=h.device)
-        out = torch.empty_like(h)  # o's and down's results, before the residual add
-        # Tensor maps over the inputs (their addresses are fixed for a capture): x feeds qkv and gate_up.
-        x_map = products.input_map(x)
-        attn_map = products.input_map(attn.view(num_tokens, nh * d))
-        act_map = products.input_map(act)
-        with_rope = getattr(attend, "with_rope", None)
-        fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
-        for index, layer in enumerate(m.layers):
-            products("qkv", index, x_map, qkv)
-            if with_rope is not None:
-                with_rope(qkv, positions, slots, index, attn)
+            if products is not None:
+                o = products("o", index, attn_map, out)
             else:
-                fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
-                                    self.v_pool[index], num_heads=nh, num_kv_heads=c.num_kv_heads, head_dim=d)
-                attend(q, index, attn)
-            fused.add_rms_norm(products("o", index, attn_map, out), h, layer.mlp_norm, x, eps)
-            products("gate_up", index, x_map, act)
+                o = F.linear(attn_rows, layer.o.weight, layer.o.bias)
+            fused.add_rms_norm(o, h, layer.mlp_norm, x, eps)
+            if products is not None:
+                products("gate_up", index, x_map, act)
+                down = products("down", index, act_map, out)
+            else:
+                fused.silu_mul(F.linear(x, layer.gate_up.weight), act)
+                down = F.linear(act, layer.down.weight)
             after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
-            fused.add_rms_norm(products("down", index, act_map, out), h, after, x, eps)
+            fused.add_rms_norm(down, h, after, x, eps)
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor, s: StaticInputs) -> None:
