@@ -170,9 +170,9 @@ def test_megakernel_matches_the_fused_path(kind, contexts):
     ("llama128", 40, {"RES": 1, "RES_CAP": 16}),  # no tail room (a short MLP row): the split path
 ])
 def test_resident_attention_matches_the_fused_path(kind, context, overrides):
-    """One row's attention from keys the kv heads' blocks (or pairs of blocks, RES_SPLIT) copied into shared memory
-    a layer ahead (RES): the fused path's logits to bfloat16 rounding, the same K/V written, and launch after launch
-    the same bits."""
+    """One row's attention from keys the kv heads' blocks (or groups of two or four, RES_SPLIT and RES_SPLIT4)
+    copied into shared memory a layer ahead (RES): the fused path's logits to bfloat16 rounding, the same K/V
+    written, and launch after launch the same bits."""
     from flared.model.kernels import megakernel
 
     model, dec = _decoder(kind, 1, [context])
@@ -389,8 +389,8 @@ def test_the_word_exchange_around_resident_attention_changes_no_bit(kind, contex
     _same_bits_as(kind, context, reference={"HX": 0, **NO_GROUPS}, build={"HX": hx, **NO_GROUPS})
 
 
-@pytest.mark.parametrize("kind, context, groups", [("long", 200, {}), ("wide", 300, {}), ("tailed", 400, {"RES_SPLIT4": 0}),
-                                                   ("long", 400, {})])
+@pytest.mark.parametrize("kind, context, groups", [("long", 200, {}), ("wide", 300, {}),
+                                                   ("tailed", 400, {"RES_SPLIT4": 0}), ("long", 400, {})])
 def test_the_later_word_exchanges_around_resident_groups_change_no_bit(kind, context, groups):
     """With groups of resident blocks, pairs or fours (which exchange their partials as words, so HX bit 0 only):
     P3 -> P4 and P5 -> the next P1 as words too (bits 1 and 2) give bit 0's logits and K/V bit for bit, launch

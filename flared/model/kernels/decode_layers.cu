@@ -10,9 +10,9 @@
 //   P2  paged decode attention: each (row, q head) split over spare blocks on long contexts (SPLIT_KEYS);
 //       rotary on q; each warp one slice of its block's keys in 32-key tiles (K rows to registers, V rows
 //       to shared memory by cp.async), online softmax; the block's warps merged in shared memory, a split
-//       head's partials merged by the last of its blocks to finish. RES (one row): one block per kv head (a pair
-//       on longer contexts) over keys it copied into shared memory a layer ahead, on the tensor cores (explained
-//       where defined)
+//       head's partials merged by the last of its blocks to finish. RES (one row): one block per kv head (a group
+//       of two or four on longer contexts) over keys it copied into shared memory a layer ahead, on the tensor
+//       cores (explained where defined)
 //   P3  o rows; residual += o
 //   P4  RMSNorm -> gate and up rows in pairs -> act = silu(gate) * up
 //   P5  down rows; residual += down
@@ -30,8 +30,8 @@
 // Compile-time constants (-D): H, NH, NKV, D, I, L, R (rows), KMAX = max(H, NH*D, I), PAGE (tokens per KV
 // page), SPLITS, SPLIT_KEYS, THREADS, HAS_QKV_BIAS, HAS_O_BIAS, EPS, SCALE_LOG2 (softmax scale * log2 e),
 // PF_LINES (128-byte lines prefetched per lane per row), HEAD, HEAD_ROWS, GEMV_BATCH, GEMV_BATCH_PAIR, SKIP
-// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined); RES, RES_CAP, RES_TAIL, RES_SPLIT
-// (one row's attention from keys held in shared memory, explained where defined).
+// (diagnosis only); P1_BALANCE=0 (P1's rows in order, explained where defined); RES, RES_CAP, RES_TAIL, RES_SPLIT,
+// RES_SPLIT4, RES_PARTS (one row's attention from keys held in shared memory, explained where defined).
 //
 // Co-residency: the launcher gives one block per multiprocessor and checks that the block fits; a
 // barrier that waits far too long traps (a launch error) rather than hanging the GPU.
@@ -241,7 +241,9 @@ __device__ __forceinline__ void fetch_ll(const u64* src, int n, unsigned int tag
 #ifndef RES_SPLIT4
 #define RES_SPLIT4 0  // the same for four blocks each (0: never)
 #endif
-#define RES_PARTS 4   // resident blocks a kv head at most
+#ifndef RES_PARTS
+#define RES_PARTS 4   // resident blocks a kv head at most (megakernel.RESIDENT_PARTS sizes the words for it)
+#endif
 #define RS (D + 8)  // the queries' row stride in elements (272 bytes at D = 128: ldmatrix without bank conflicts)
 #define GQ (NH / NKV)
 #ifndef HX

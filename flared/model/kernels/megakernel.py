@@ -36,8 +36,9 @@ MAX_CONTEXT = 1024  # longest context a step may have to run it (see paged_decod
 RESIDENT_MAX_KEYS = 1024  # keys a resident-attention build holds at most (resident_cap)
 # Shared memory a resident build may take a block (the device's opt-in maximum caps it too): 272 keys at 8B in
 # 194,288 B, the most under the 196 KB carve-out, so one block a kv head holds up to 320 tokens (groups: below).
-# With 227 KB (336 keys) the 8B launch ran 60-90 us slower at every context (H200). 272 against 256 keys, the whole 8B one-row step with a
-# 4,096-page pool (nineteenth session, one run): 3,962 vs 4,006 us at 312 tokens, 3,901 vs 3,902 at 192.
+# With 227 KB (336 keys) the 8B launch ran 60-90 us slower at every context (H200). 272 against 256 keys, the whole
+# 8B one-row step with a 4,096-page pool (nineteenth session, one run): 3,962 vs 4,006 us at 312 tokens, 3,901 vs
+# 3,902 at 192.
 RESIDENT_SHARED_BYTES = 190 * 1024
 # Most rows calibration tries the tagged-word exchange at (low_latency): every block reads each phase's whole
 # output as 8-byte words, four times the bytes of the bf16 rows. On the H200 at 135M and 256 tokens, us a
@@ -67,7 +68,7 @@ HX_MAX_ROWS = 1
 #     4,020 at 384, 3,931 | 3,908 | 3,909 | 4,056 at 512.
 RESIDENT_PAIR_FROM = 129
 RESIDENT_QUAD_FROM = 257
-RESIDENT_PARTS = 4  # blocks a kv head's resident group has at most (decode_layers.cu, RES_PARTS)
+RESIDENT_PARTS = 4  # blocks a kv head's resident group has at most (decode_layers.cu's RES_PARTS; the LL words)
 PREFETCH_LINES = 0  # L2 prefetch of long next-phase rows, 128-byte lines per lane (measured slower: off)
 
 
@@ -289,6 +290,7 @@ class DecodeLayers:
             defines.setdefault("RES_TAIL", resident_tail(model))
             defines.setdefault("RES_SPLIT", RESIDENT_PAIR_FROM)
             defines.setdefault("RES_SPLIT4", RESIDENT_QUAD_FROM)
+            defines.setdefault("RES_PARTS", RESIDENT_PARTS)
         # keys of one kv head held in shared memory (0: not a resident build)
         self.resident_keys = int(defines["RES_CAP"]) if int(defines["RES"]) else 0
         self._defines = defines
@@ -327,8 +329,8 @@ class DecodeLayers:
         # the LL words: two residuals, attention outputs, activations, split partials with their (max, sum), q, k, v
         ll_words = rows * (2 * c.hidden_size + c.num_heads * c.head_dim + c.intermediate_size
                            + c.num_heads * int(defines["SPLITS"]) * (c.head_dim + 2)
-                           + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-                           + (RESIDENT_PARTS - 1) * c.num_heads * (c.head_dim + 2))
+                           + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        ll_words += (RESIDENT_PARTS - 1) * c.num_heads * (c.head_dim + 2)  # resident groups' partials (one row)
         exchange = self.low_latency or int(defines["HX"])  # HX: some boundaries by the same words
         self.llbuf = torch.zeros(ll_words if exchange else 1, dtype=torch.int64, device=dev)
         self.head = head
