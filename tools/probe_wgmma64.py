@@ -23,15 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from products64 import PRODUCTS, chain_gb, graph_us, operands, print_rows, probe_parser  # noqa: E402
+from products64 import (PRODUCTS, chain_gb, cublaslt_reference, graph_us, operands, print_rows,  # noqa: E402
+                        probe_parser)
 
 from flared.model.kernels import products64 as k64  # noqa: E402
 from flared.model.kernels.fused import silu_mul  # noqa: E402
 
 def builds(p: str, which: str) -> list[k64.Build]:
-    """128 blocks for each product, tiles of 1/128 of its weight rows; the fastest shapes of the last run
-    (2 boxes a stage, the most stages that fit, 2 accumulators where the tile is small), weights in place or
-    laid out tile by tile; gate_up with and without its SwiGLU epilogue; a few neighbours with tiled weights."""
+    """128 blocks for each product, tiles of 1/128 of its weight rows, 1-4 boxes a stage and the most stages that
+    fit, 2 accumulators where the tile is small; weights in place or laid out tile by tile; gate_up with and
+    without its SwiGLU epilogue (which reads its weights in place)."""
     n, k = PRODUCTS[p]
     bn = n // 128
     out = []
@@ -55,10 +56,6 @@ def parse(s: str) -> k64.Build:
                      wtiled=int("tiled" in parts))
 
 
-def weights_for(w: dict, p: str, b: k64.Build) -> list:
-    return w[p]
-
-
 def check(p: str, b: k64.Build, w: dict, x: dict) -> float:
     """Relative error of layer 0 against torch (SiLU-mul of torch's gate_up for the SwiGLU epilogue), two
     launches into a poisoned output; nan where wrong."""
@@ -70,7 +67,7 @@ def check(p: str, b: k64.Build, w: dict, x: dict) -> float:
         silu_mul(ref, act)
         ref = act
     ref = ref.float()
-    wm = prod.weight_map(weights_for(w, p, b)[0])
+    wm = prod.weight_map(w[p][0])
     xm = prod.input_map(x[p])
     err = 0.0
     for _ in range(2):
@@ -149,9 +146,8 @@ def main(argv=None) -> int:
     w, x, y = operands(64, L)
     rows, out, best = [], {"layers": L}, {}
     for p, (n, k) in PRODUCTS.items():
-        mb = n * k * 2 / 1e6
-        lt = graph_us(lambda: [torch.nn.functional.linear(x[p], w[p][i], out=y[p]) for i in range(L)]) / L
-        rows.append((p, "cuBLASLt", lt, mb / lt, ""))
+        mb, _, lt, row = cublaslt_reference(x, w, y, p)
+        rows.append(row)
         out[p] = {"cublaslt": round(lt, 2)}
         if p == "gate_up":
             act = torch.empty(64, n // 2, device="cuda", dtype=torch.bfloat16)
@@ -168,7 +164,7 @@ def main(argv=None) -> int:
                 continue
             b = parse(spec.split(":")[1])
             prod = k64.Products64(n, k, b)
-            maps = [prod.weight_map(t) for t in weights_for(w, p, b)]
+            maps = [prod.weight_map(t) for t in w[p]]
             xm = prod.input_map(x[p])
             dst = act if b.epi else y[p]
             us = graph_us(lambda: [prod(m, xm, dst) for m in maps]) / L
@@ -180,17 +176,16 @@ def main(argv=None) -> int:
     out["best"] = {key: [name(b), round(us, 2)] for key, (b, us) in best.items()}
 
     gb = chain_gb(L)
-    plain = [p for p in PRODUCTS]
-    if all(p in best for p in plain):
+    if all(p in best for p in PRODUCTS):
         prods, maps, xms = {}, {}, {}
         act = torch.empty(64, PRODUCTS["gate_up"][0] // 2, device="cuda", dtype=torch.bfloat16)
-        keys = {p: p for p in plain}
+        keys = {p: p for p in PRODUCTS}
         if "gate_up+silu" in best:
             keys["gate_up"] = "gate_up+silu"
         for p, key in keys.items():
             b = best[key][0]
             prods[p] = k64.Products64(*PRODUCTS[p], b)
-            maps[p] = [prods[p].weight_map(t) for t in weights_for(w, p, b)]
+            maps[p] = [prods[p].weight_map(t) for t in w[p]]
             xms[p] = prods[p].input_map(x[p])
 
         def lt_chain():
