@@ -45,6 +45,11 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "cublas lt": (False, "cublaslt", None),
     "products64": (False, "cublaslt", None),  # the four products per layer through kernels/products64.py
     "products64 tiled": (False, "cublaslt", None),  # the same, qkv, o and down from tile-by-tile weight copies
+    # with the add_rms_norm launches folded into the products and/or programmatic dependent launches
+    "products64 norms": (False, "cublaslt", None),
+    "products64 pdl": (False, "cublaslt", None),
+    "products64 pdl norms": (False, "cublaslt", None),
+    "products64 tiled pdl norms": (False, "cublaslt", None),
     "cublas attn=1": (False, "cublas", 1),
     "cublas attn=2": (False, "cublas", 2),
     "cublas attn=4": (False, "cublas", 4),
@@ -140,8 +145,10 @@ def run_variant(dec, batch: int, variant: str, stream):
     if variant.startswith("products64") and batch not in dec.p64_candidates:
         return None
     dec.p64_batches = {batch} if variant.startswith("products64") else set()
-    if dec.p64_tiled != (variant == "products64 tiled"):
-        dec.p64_tiled, dec._p64 = variant == "products64 tiled", None  # the other weight layout's maps
+    words = set(variant.split()[1:]) if variant.startswith("products64") else set()
+    setup = ("tiled" in words, "norms" in words, "pdl" in words)
+    if (dec.p64_tiled, dec.p64_fold, dec.p64_pdl) != setup:  # other builds (or the other weight layout's maps)
+        (dec.p64_tiled, dec.p64_fold, dec.p64_pdl), dec._p64 = setup, None
     dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"

@@ -136,16 +136,57 @@ def graph_launch(graph_exec: int, stream_ptr: int) -> None:
 # -- kernels -----------------------------------------------------------------------------------------
 
 
-def launch_kernel(function: int, blocks: int, threads: int, shared_bytes: int, stream_ptr: int, args) -> None:
+def launch_kernel(function: int, blocks: int, threads: int, shared_bytes: int, stream_ptr: int, args,
+                  pdl: bool = False) -> None:
     """Launch a loaded kernel (a ``CUfunction``) as ``blocks`` x ``threads`` with ``shared_bytes`` of dynamic shared
     memory on a stream (torch's capturing stream records it into the graph); ``args``: the host address of each
-    argument's value, in order (a ctypes object's ``ctypes.addressof``, a tensor map's bytes)."""
+    argument's value, in order (a ctypes object's ``ctypes.addressof``, a tensor map's bytes). With ``pdl`` it is
+    a programmatic dependent launch (``cuLaunchKernelEx``): its blocks may start before the kernel ahead of it on
+    the stream has finished, and must wait for it (``griddepcontrol.wait``) before reading its results."""
     params = (ctypes.c_void_p * len(args))(*args)
+    if pdl:
+        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1  # programmaticStreamSerializationAllowed (the union's first int)
+        config = _LaunchConfig(blocks, 1, 1, threads, 1, 1, shared_bytes, stream_ptr, ctypes.pointer(attr), 1)
+        status = _driver().cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function), params, None)
+        if status != 0:
+            raise ExecutionError(f"CUDA cuLaunchKernelEx failed (status {status})", ErrorKind.DEVICE)
+        return
     try:
         cupy.cuda.driver.launchKernel(function, blocks, 1, 1, threads, 1, 1, shared_bytes, stream_ptr,
                                       ctypes.addressof(params), 0)
     except cupy.cuda.driver.CUDADriverError as exc:
         raise _fail("cuLaunchKernel", exc) from exc
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding, then a 64-byte value union (8-byte aligned)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_libcuda = None
+
+
+def _driver():
+    """The CUDA driver library through ctypes, for the calls CuPy does not wrap (cuLaunchKernelEx)."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        _libcuda = lib
+    return _libcuda
 
 
 def set_device(ordinal: int) -> None:

@@ -2,8 +2,11 @@
 products through it (PagedCudaDecoder.p64_batches) against the same step through cuBLAS.
 
 The kernel sums in its own order, so products agree with torch to bfloat16 rounding; the SwiGLU epilogue
-rounds gate, up and silu(gate) as fused.silu_mul does. A captured graph must replay the step exactly.
+rounds gate, up and silu(gate) as fused.silu_mul does, and the residual epilogue and RMSNorm prologue (the
+folded add_rms_norm) round as fused.add_rms_norm does. A captured graph must replay the step exactly.
 """
+
+from dataclasses import replace
 
 import pytest
 
@@ -50,8 +53,80 @@ def test_products_match_torch(n, k, epi, rows):
     assert torch.all(out[rows] == 7.0)
 
 
-@pytest.mark.parametrize("batch, tiled", [(64, False), (32, False), (64, True)])
-def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch, tiled):
+@pytest.mark.parametrize("n, k, rows", [
+    (4096, 4096, 64),  # Llama-3.1-8B's o and down into the residual stream
+    (4096, 14336, 40),
+    (576, 1536, 33),  # SmolLM2-135M's down
+])
+def test_residual_epilogue_adds_into_h_and_leaves_each_rows_sum_of_squares(n, k, rows):
+    from flared.model.kernels import products64
+    from flared.model.kernels.fused import add_rms_norm
+
+    _skip_unless_hopper()
+    g = torch.Generator(device="cuda").manual_seed(n + k + 1)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=g)).to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    h = torch.randn(rows + 1, n, device="cuda", generator=g).to(torch.bfloat16)
+    build = replace(products64.plan(n, k, False, torch.cuda.get_device_properties(0).multi_processor_count), epi=2)
+    prod = products64.Products64(n, k, build)
+    ref_h, normed = h.clone(), torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    add_rms_norm(torch.nn.functional.linear(x, w), ref_h[:rows], torch.ones(n, device="cuda", dtype=torch.bfloat16),
+                 normed, 1e-5)
+    got_h = h.clone()
+    partials = torch.full((prod.blocks, products64.ROWS), float("nan"), device="cuda")
+    prod(prod.weight_map(w), prod.input_map(x), got_h, rows=rows, part_out=partials)
+    torch.cuda.synchronize()
+    assert (got_h[:rows].float() - ref_h[:rows].float()).abs().max().item() <= 0.02 * ref_h.float().abs().max().item()
+    assert torch.equal(got_h[rows], h[rows])  # a row past ``rows`` stays as it was
+    sums = partials[:, :rows].sum(0)
+    assert torch.allclose(sums, got_h[:rows].float().pow(2).sum(1), rtol=1e-4)
+
+
+@pytest.mark.parametrize("n, k, epi, rows", [
+    (6144, 4096, False, 64),  # Llama-3.1-8B's qkv and gate_up (two 64-column boxes a stage; the SwiGLU epilogue)
+    (28672, 4096, True, 64),
+    (960, 576, False, 33),  # SmolLM2-135M's
+    (3072, 576, True, 1),
+])
+def test_norm_prologue_matches_add_rms_norm_then_the_product(n, k, epi, rows):
+    from flared.model.kernels import products64
+    from flared.model.kernels.fused import add_rms_norm, silu_mul
+
+    _skip_unless_hopper()
+    eps = 1e-5
+    g = torch.Generator(device="cuda").manual_seed(n + k + 2)
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=g)).to(torch.bfloat16)
+    h = (3 * torch.randn(rows, k, device="cuda", generator=g)).to(torch.bfloat16)
+    norm_w = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+    x = torch.empty_like(h)
+    add_rms_norm(None, h.clone(), norm_w, x, eps)
+    ref = torch.nn.functional.linear(x, w)
+    build = replace(products64.plan(n, k, epi, torch.cuda.get_device_properties(0).multi_processor_count), norm=1)
+    prod = products64.Products64(n, k, build)
+    if epi:
+        act = torch.empty(rows, n // 2, device="cuda", dtype=torch.bfloat16)
+        silu_mul(ref, act)
+        ref = act
+    # the rows' sums of squares in three parts (over column thirds), as three residual tiles would leave them
+    partials = torch.zeros(3, products64.ROWS, device="cuda")
+    for part, cols in enumerate(h.float().pow(2).tensor_split(3, dim=1)):
+        partials[part, :rows] = cols.sum(1)
+    out = torch.full((rows, prod.out_cols), 7.0, device="cuda", dtype=torch.bfloat16)
+    prod(prod.weight_map(w), prod.input_map(h), out, part_in=partials, nparts=3, norm_weight=norm_w, eps=eps)
+    torch.cuda.synchronize()
+    assert (out.float() - ref.float()).abs().max().item() <= 0.01 * ref.float().abs().max().item(), build
+
+
+@pytest.mark.parametrize("batch, tiled, fold, pdl", [
+    (64, False, False, False),
+    (32, False, False, False),
+    (64, True, False, False),
+    (64, False, True, False),  # the add_rms_norm launches folded into the products
+    (64, False, False, True),  # programmatic dependent launches
+    (64, False, True, True),
+    (32, False, True, True),
+])
+def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch, tiled, fold, pdl):
     from flared.execution.graphs import time_graph_us
     from test_blas_lt import _decoder
     from test_megakernel import _step
@@ -63,6 +138,7 @@ def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch
     model, dec = _decoder(batch, contexts)
     assert batch in dec.p64_candidates
     dec.p64_tiled = tiled  # tile-by-tile weight copies for qkv, o and down
+    dec.p64_fold, dec.p64_pdl = fold, pdl
     assert all(p.build.wtiled == (tiled and name != "gate_up") for name, p in dec.products().products.items())
     dec.p64_batches = set()
     ref, ref_k, ref_v = _step(dec, batch, mega=False)

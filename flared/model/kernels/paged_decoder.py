@@ -165,6 +165,11 @@ class PagedCudaDecoder:
             self.p64_batches = set(self.p64_candidates)
         # FLARED_PRODUCTS64_TILED=1: qkv, o and down read tile-by-tile copies of their weights (more memory).
         self.p64_tiled = os.environ.get("FLARED_PRODUCTS64_TILED") == "1"
+        # Products launched as programmatic dependent launches (each streams its first weights while the kernel
+        # before it finishes: 8B 64-row step 5,047 against 5,187 us on the H200); FLARED_PRODUCTS64_PDL=0 plainly.
+        # FLARED_PRODUCTS64_NORMS=1 folds the layers' add_rms_norm launches into the products (slower so far).
+        self.p64_pdl = os.environ.get("FLARED_PRODUCTS64_PDL", "1") != "0"
+        self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS") == "1"
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
@@ -239,7 +244,8 @@ class PagedCudaDecoder:
     def products(self) -> products64.DecoderProducts:
         """The layers' products64 builds and weight maps (made on first use, outside any capture)."""
         if self._p64 is None:
-            self._p64 = products64.DecoderProducts(self.model, self.num_sms, self.p64_tiled)
+            self._p64 = products64.DecoderProducts(self.model, self.num_sms, self.p64_tiled, self.p64_fold,
+                                                   self.p64_pdl)
         return self._p64
 
     @contextlib.contextmanager
@@ -457,7 +463,8 @@ class PagedCudaDecoder:
 
     def _layers_fused(self, tokens, positions, slots, attend, products=None) -> torch.Tensor:
         """``products``: the four products of each layer through products64 (decode, up to 64 rows, no biases; the
-        SiLU-mul inside gate_up's epilogue) instead of cuBLAS(Lt)."""
+        SiLU-mul inside gate_up's epilogue) instead of cuBLAS(Lt); with its ``fold_norms``, the add_rms_norm
+        launches inside them too."""
         if tokens.shape[0] <= self.skinny_max_rows:
             return self._layers_skinny(tokens, positions, slots, attend)
         m = self.model
@@ -468,16 +475,19 @@ class PagedCudaDecoder:
         h, q, attn, act = self._activations(tokens)
         attn_rows = attn.view(num_tokens, nh * d)
         x = torch.empty_like(h)
+        fold = products is not None and products.fold_norms
         if products is not None:
-            # tensor maps over the products' inputs (their addresses are fixed for a capture; x feeds qkv and
-            # gate_up), and the qkv, o and down results
-            x_map, attn_map, act_map = (products.input_map(t) for t in (x, attn_rows, act))
+            # tensor maps over the products' inputs (their addresses are fixed for a capture; x, or h with folded
+            # norms, feeds qkv and gate_up), and the qkv, o and down results
+            x_map, h_map, attn_map, act_map = (products.input_map(t) for t in (x, h, attn_rows, act))
             qkv_out = torch.empty(num_tokens, (nh + 2 * nkv) * d, dtype=h.dtype, device=h.device)
             out = torch.empty_like(h)
         with_rope = getattr(attend, "with_rope", None)  # decode: rotary and KV write inside the attention kernel
         fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
         for index, layer in enumerate(m.layers):
-            if products is not None:
+            if fold and index:  # h normed by qkv itself, from the partial sums down left
+                qkv = products("qkv", index, h_map, qkv_out, layer.attn_norm)
+            elif products is not None:
                 qkv = products("qkv", index, x_map, qkv_out)
             else:
                 qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
@@ -487,6 +497,13 @@ class PagedCudaDecoder:
                 fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
                                     self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
                 attend(q, index, attn)
+            if fold:  # h += o, h += down inside the products; gate_up norms h as it loads it
+                products("o", index, attn_map, h)
+                products("gate_up", index, h_map, act, layer.mlp_norm)
+                products("down", index, act_map, h)
+                if index + 1 == len(m.layers):
+                    fused.add_rms_norm(None, h, m.final_norm, x, eps)
+                continue
             if products is not None:
                 o = products("o", index, attn_map, out)
             else:

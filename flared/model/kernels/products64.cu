@@ -16,8 +16,22 @@
 // gate rows and the matching BN / 2 up rows side by side, and the block writes silu(gate) * up, each rounded
 // to bf16 first as the unfused path (fused.silu_mul) rounds them.
 //
-// Defines: BN (weight rows a tile, a multiple of 8, <= 256), ATOMS, STAGES, EPI (0 or 1), NACC
-// (accumulators), WTILED (1: the weights come laid out tile by tile, [N / BN][K / 64][BN][64], so that a
+// EPI 2 is the residual epilogue for o and down: out is the residual stream h [rows, n_out], and the block adds
+// its tile into it (h = bf16(h + bf16(acc)), as fused.add_rms_norm adds) and writes each row's sum of squares
+// over its tile to part_out[tile][row]. NORM 1 is the matching prologue for qkv and gate_up: the input is h,
+// and each input stage is rewritten in shared memory to rms_norm(h) * norm_w (bf16(bf16(h * inv) * w), the
+// rounding of fused.add_rms_norm), where inv comes from the nparts partial sums of the product before, added in
+// a fixed order (a replay gives the same bits). Together they take the two add_rms_norm launches out of a layer.
+//
+// Programmatic dependent launch (PDL): launched with the attribute, a block may start while the kernel before
+// is still finishing. Its producer fills the ring's stages with weights (which no kernel writes) and then waits
+// (griddepcontrol.wait) before it loads any input; the consumers wait before they read partial sums or write.
+// Once the producer has issued its last copy it lets the next kernel launch (griddepcontrol.launch_dependents);
+// that kernel's own wait still holds it until this grid has finished and its writes are visible. Launched
+// without the attribute, both instructions do nothing.
+//
+// Defines: BN (weight rows a tile, a multiple of 8, <= 256), ATOMS, STAGES, EPI (0, 1 or 2), NORM (0 or 1),
+// NACC (accumulators), WTILED (1: the weights come laid out tile by tile, [N / BN][K / 64][BN][64], so that a
 // block's weight stream is one contiguous run).
 
 typedef unsigned long long u64;
@@ -31,6 +45,9 @@ struct __align__(64) TensorMap { u64 words[16]; };
 #endif
 #ifndef WTILED
 #define WTILED 0
+#endif
+#ifndef NORM
+#define NORM 0
 #endif
 
 #ifndef ATOMS
@@ -75,6 +92,23 @@ __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar,
                  " [%0], [%1, {%3, %4}], [%2];" :: "r"(dst), "l"((u64)map), "r"(bar), "r"(c0), "r"(c1) : "memory");
 }
 
+// A weight box (or its two half boxes with the SwiGLU epilogue) for step kb's atom a into ws.
+__device__ __forceinline__ void load_weights(u32 ws, const TensorMap* wmap, u32 bar, int kb, int a, int tile,
+                                             int n_out, int k) {
+    const int col = (kb * ATOMS + a) * BK;
+#if EPI == 1  // the tile's gate rows, then its up rows (n_out further on), as two half boxes
+    tma_load(ws + a * W_ATOM, wmap, bar, col, tile * (BN / 2));
+    tma_load(ws + a * W_ATOM + (BN / 2) * BK * 2, wmap, bar, col, n_out + tile * (BN / 2));
+#elif WTILED  // the weights laid out tile by tile, 64 columns a box: each block streams one contiguous run
+    tma_load(ws + a * W_ATOM, wmap, bar, 0, (tile * (k / BK) + col / BK) * BN);
+#else
+    tma_load(ws + a * W_ATOM, wmap, bar, col, tile * BN);
+#endif
+}
+
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
+
 // A K-major operand in 128-byte-swizzled shared memory (8-row groups 1,024 bytes apart).
 __device__ __forceinline__ u64 smem_desc(u32 addr) {
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
@@ -97,7 +131,8 @@ __device__ __forceinline__ float bf16_round(float v) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, u16* __restrict__ out,
-                  int n_out, int rows, int k)
+                  int n_out, int rows, int k, float* __restrict__ part_out, const float* __restrict__ part_in,
+                  int nparts, const u16* __restrict__ norm_w, float eps)
 {
     extern __shared__ __align__(1024) unsigned char dyn[];
     // stages 1,024-aligned: the swizzle works on shared-address bits
@@ -118,28 +153,54 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
     if (tid == CONSUMERS) {  // the producer
         asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&wmap) : "memory");
         asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&xmap) : "memory");
-        for (int kb = 0; kb < steps; ++kb) {
-            const int s = kb % STAGES;
-            if (kb >= STAGES) bar_wait(shared_addr(&empty[s]), ((kb / STAGES) & 1) ^ 1);
-            const u32 xs = shared_addr(base + s * STAGE_BYTES), ws = xs + ATOMS * X_ATOM;
-            const u32 fb = shared_addr(&full[s]);
+        // the first stages' weights before the kernel before has finished: no kernel writes them
+        const int head = steps < STAGES ? steps : STAGES;
+        for (int kb = 0; kb < head; ++kb) {
+            const u32 ws = shared_addr(base + kb * STAGE_BYTES) + ATOMS * X_ATOM, fb = shared_addr(&full[kb]);
             bar_expect(fb, STAGE_BYTES);
 #pragma unroll
-            for (int a = 0; a < ATOMS; ++a) {
-                const int col = (kb * ATOMS + a) * BK;
-#if EPI  // the tile's gate rows, then its up rows (n_out further on), as two half boxes
-                tma_load(ws + a * W_ATOM, &wmap, fb, col, tile * (BN / 2));
-                tma_load(ws + a * W_ATOM + (BN / 2) * BK * 2, &wmap, fb, col, n_out + tile * (BN / 2));
-#elif WTILED  // the weights laid out tile by tile, 64 columns a box: each block streams one contiguous run
-                tma_load(ws + a * W_ATOM, &wmap, fb, 0, (tile * (k / BK) + col / BK) * BN);
-#else
-                tma_load(ws + a * W_ATOM, &wmap, fb, col, tile * BN);
-#endif
-                tma_load(xs + a * X_ATOM, &xmap, fb, col, 0);
-            }
+            for (int a = 0; a < ATOMS; ++a) load_weights(ws, &wmap, fb, kb, a, tile, n_out, k);
         }
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        for (int kb = 0; kb < steps; ++kb) {
+            const int s = kb % STAGES;
+            const u32 xs = shared_addr(base + s * STAGE_BYTES), ws = xs + ATOMS * X_ATOM;
+            const u32 fb = shared_addr(&full[s]);
+            if (kb >= head) {
+                bar_wait(shared_addr(&empty[s]), ((kb / STAGES) & 1) ^ 1);
+                bar_expect(fb, STAGE_BYTES);
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a) load_weights(ws, &wmap, fb, kb, a, tile, n_out, k);
+            }
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) tma_load(xs + a * X_ATOM, &xmap, fb, (kb * ATOMS + a) * BK, 0);
+        }
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     }
     if (tid < CONSUMERS) {  // the consumer warpgroup
+        asm volatile("griddepcontrol.wait;" ::: "memory");  // before reading partial sums or writing anything
+#if NORM
+        // inv[row] = rsqrt(mean square + eps) from the partial sums, in a fixed order: the first half of the
+        // parts by threads 0-63, the second by 64-127, then their sum
+        __shared__ float inv_s[ROWS], half_s[ROWS];
+        {
+            const int r = tid % ROWS, second = tid / ROWS;
+            const int lo = second ? nparts / 2 : 0, hi = second ? nparts : nparts / 2;
+            float sum = 0.f;
+#pragma unroll 8
+            for (int b = lo; b < hi; ++b) sum += part_in[b * ROWS + r];
+            if (second) half_s[r] = sum;
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            if (!second) inv_s[r] = rsqrtf((sum + half_s[r]) / (float)k + eps);
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+        }
+        // each thread rewrites one 16-byte chunk of rows prow + 16 i (i < 4) of every input box: physical chunk
+        // tid % 8, which the 128-byte swizzle fills with logical columns 8 * (tid % 8 ^ prow % 8) onwards
+        const int prow = tid / 8, pchunk = tid % 8, lchunk = pchunk ^ (prow % 8);
+        float inv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) inv[i] = inv_s[prow + 16 * i];
+#endif
         float accs[NACC][BN / 2];
 #pragma unroll
         for (int c = 0; c < NACC; ++c)
@@ -149,8 +210,34 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
         // group is waited for and its stage handed back, so the tensor cores always have a group queued.
         for (int kb = 0; kb < steps; ++kb) {
             const int s = kb % STAGES;
+#if NORM
+            uint4 wv[ATOMS];
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a)
+                wv[a] = __ldg((const uint4*)(norm_w + (kb * ATOMS + a) * BK + 8 * lchunk));
+#endif
             bar_wait(shared_addr(&full[s]), (kb / STAGES) & 1);
             const u32 xs = shared_addr(base + s * STAGE_BYTES), ws = xs + ATOMS * X_ATOM;
+#if NORM
+#pragma unroll
+            for (int a = 0; a < ATOMS; ++a) {
+                const u32 wq[4] = {wv[a].x, wv[a].y, wv[a].z, wv[a].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    uint4* p = (uint4*)(base + s * STAGE_BYTES + a * X_ATOM + (prow + 16 * i) * 128 + pchunk * 16);
+                    uint4 v = *p;
+                    u32* e = (u32*)&v;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        e[q] = pack_bf16(bf16_round(bf16_lo(e[q]) * inv[i]) * bf16_lo(wq[q]),
+                                         bf16_round(bf16_hi(e[q]) * inv[i]) * bf16_hi(wq[q]));
+                    *p = v;
+                }
+            }
+            // the rewritten inputs to the tensor cores' (async) proxy, from every consumer thread
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+#endif
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < BK / 16; ++j)  // 16 columns (32 bytes) a step
@@ -182,6 +269,40 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
                 if (r0 < rows) *(u32*)(out + (u64)r0 * n_out + n) = pack_bf16(acc[4 * j], acc[4 * j + 1]);
                 if (r0 + 8 < rows) *(u32*)(out + (u64)(r0 + 8) * n_out + n) = pack_bf16(acc[4 * j + 2], acc[4 * j + 3]);
             }
+        }
+#elif EPI == 2
+        // h += the tile (rounded as fused.add_rms_norm rounds), and each row's sum of squares over the tile
+        float ss0 = 0.f, ss1 = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = tile * BN + 8 * j + 2 * (l % 4);
+            if (n < n_out) {
+                if (r0 < rows) {
+                    u32* p = (u32*)(out + (u64)r0 * n_out + n);
+                    const u32 hv = *p;
+                    const float a = bf16_round(bf16_lo(hv) + bf16_round(acc[4 * j]));
+                    const float b = bf16_round(bf16_hi(hv) + bf16_round(acc[4 * j + 1]));
+                    *p = pack_bf16(a, b);
+                    ss0 += a * a + b * b;
+                }
+                if (r0 + 8 < rows) {
+                    u32* p = (u32*)(out + (u64)(r0 + 8) * n_out + n);
+                    const u32 hv = *p;
+                    const float a = bf16_round(bf16_lo(hv) + bf16_round(acc[4 * j + 2]));
+                    const float b = bf16_round(bf16_hi(hv) + bf16_round(acc[4 * j + 3]));
+                    *p = pack_bf16(a, b);
+                    ss1 += a * a + b * b;
+                }
+            }
+        }
+        // the four lanes of a quad hold the same two rows
+        ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 1);
+        ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, 2);
+        ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 1);
+        ss1 += __shfl_xor_sync(0xFFFFFFFFu, ss1, 2);
+        if (l % 4 == 0) {
+            part_out[tile * ROWS + r0] = ss0;
+            part_out[tile * ROWS + r0 + 8] = ss1;
         }
 #else
 #define HALF (BN / 2)

@@ -12,7 +12,7 @@ Needs sm_90a (TMA, wgmma) and CuPy's NVRTC; ``available()`` says whether this de
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -98,17 +98,20 @@ def wgmma_source(n: int) -> str:
 @dataclass(frozen=True)
 class Build:
     """One build of the kernel: ``bn`` weight rows a tile, ``stages`` pipeline stages of ``atoms`` 64-column
-    boxes, ``nacc`` accumulators taking turns, ``epi`` 1 for the SwiGLU epilogue, ``wtiled`` 1 for weights laid
-    out tile by tile (``tile_weight``: a copy)."""
+    boxes, ``nacc`` accumulators taking turns, ``epi`` 1 for the SwiGLU epilogue and 2 for the residual one (out
+    is h; h += the product, and each row's sum of squares over the tile to a partials buffer), ``norm`` 1 for
+    the RMSNorm prologue (the input is h, normed in shared memory from the partials), ``wtiled`` 1 for weights
+    laid out tile by tile (``tile_weight``: a copy)."""
     bn: int
     stages: int
     atoms: int = 1
     nacc: int = 1
     epi: int = 0
     wtiled: int = 0
+    norm: int = 0
 
     def __post_init__(self):
-        if self.bn % 8 or not 8 <= self.bn <= 256 or (self.epi and (self.bn % 16 or self.wtiled)):
+        if self.bn % 8 or not 8 <= self.bn <= 256 or (self.epi == 1 and (self.bn % 16 or self.wtiled)):
             raise ValueError(f"tile rows {self.bn}: a multiple of 8 (16 with the SwiGLU epilogue) up to 256")
         if self.shared_bytes > SHARED_LIMIT or self.stages < 2:
             raise ValueError(f"{self}: two stages or more and at most {SHARED_LIMIT} bytes of shared memory")
@@ -122,7 +125,8 @@ class Build:
         return self.stages * self.stage_bytes(self.bn, self.atoms) + 1024  # + the stages' 1,024-byte alignment
 
     def __str__(self) -> str:
-        extra = (" swiglu" if self.epi else "") + (" tiled weights" if self.wtiled else "")
+        extra = ({1: " swiglu", 2: " residual"}.get(self.epi, "") + (" tiled weights" if self.wtiled else "")
+                 + (" rms-normed inputs" if self.norm else ""))
         return f"{self.bn} rows, {self.stages} stages of {self.atoms * BK} columns, {self.nacc} accumulators{extra}"
 
 
@@ -139,7 +143,7 @@ def _function(build: Build):
 
     src = SOURCE.read_text().replace("//@WGMMA@", wgmma_source(build.bn), 1)
     defines = {"BN": build.bn, "STAGES": build.stages, "EPI": build.epi, "ATOMS": build.atoms, "NACC": build.nacc,
-               "WTILED": build.wtiled}
+               "WTILED": build.wtiled, "NORM": build.norm}
     options = ["-arch=sm_90a", "-std=c++17", "--use_fast_math"] + [f"-D{k}={v}" for k, v in defines.items()]
     prog = nvrtc.createProgram(src, "products64.cu", [], [])
     try:
@@ -169,14 +173,14 @@ class Products64:
             raise ValueError(f"{n} weight rows do not split into tiles of {build.bn}")
         self.n, self.k, self.build = n, k, build
         self.blocks = n // build.bn
-        self.out_cols = n // 2 if build.epi else n
+        self.out_cols = n // 2 if build.epi == 1 else n
         self._fn = _function(build)
 
     def weight_map(self, weight: torch.Tensor) -> TensorMap:
         """The map for ``weight`` [n, k] (half-tile boxes for the SwiGLU epilogue); with tiled weights over a
         copy laid out tile by tile (``tile_weight``), which the map keeps."""
         assert tuple(weight.shape) == (self.n, self.k)
-        if self.build.epi:
+        if self.build.epi == 1:
             return TensorMap(weight, self.build.bn // 2)
         if self.build.wtiled:
             return TensorMap(tile_weight(weight, self.build.bn), self.build.bn)
@@ -186,17 +190,29 @@ class Products64:
         assert x.shape[1] == self.k
         return input_map(x)
 
-    def __call__(self, wmap: TensorMap, xmap: TensorMap, out: torch.Tensor, rows: int | None = None) -> None:
-        """Launch on torch's current stream (a graph capture records it)."""
+    def __call__(self, wmap: TensorMap, xmap: TensorMap, out: torch.Tensor, rows: int | None = None, *,
+                 part_out: torch.Tensor | None = None, part_in: torch.Tensor | None = None, nparts: int = 0,
+                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, pdl: bool = False) -> None:
+        """Launch on torch's current stream (a graph capture records it). The residual epilogue writes its
+        partial sums of squares to ``part_out`` [blocks, 64] (float32); the RMSNorm prologue reads ``nparts`` of
+        them from ``part_in`` and scales by ``norm_weight`` [k]. ``pdl``: a programmatic dependent launch."""
         from flared.execution.cuda import launch_kernel
 
         rows = xmap.tensor.shape[0] if rows is None else rows
         assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape[1] == self.out_cols
         assert out.shape[0] >= rows
+        if self.build.epi == 2:
+            assert part_out is not None and part_out.dtype == torch.float32 and part_out.numel() >= self.blocks * ROWS
+        if self.build.norm:
+            assert part_in is not None and part_in.dtype == torch.float32 and part_in.numel() >= nparts * ROWS > 0
+            assert norm_weight is not None and norm_weight.dtype == torch.bfloat16 and norm_weight.numel() == self.k
         values = [ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(self.out_cols), ctypes.c_int32(rows),
-                  ctypes.c_int32(self.k)]
+                  ctypes.c_int32(self.k), ctypes.c_uint64(0 if part_out is None else part_out.data_ptr()),
+                  ctypes.c_uint64(0 if part_in is None else part_in.data_ptr()), ctypes.c_int32(nparts),
+                  ctypes.c_uint64(0 if norm_weight is None else norm_weight.data_ptr()), ctypes.c_float(eps)]
         launch_kernel(self._fn.ptr, self.blocks, THREADS, self.build.shared_bytes,
-                      torch.cuda.current_stream().cuda_stream, [wmap.param, xmap.param, *map(ctypes.addressof, values)])
+                      torch.cuda.current_stream().cuda_stream, [wmap.param, xmap.param, *map(ctypes.addressof, values)],
+                      pdl=pdl)
 
 
 def input_map(x: torch.Tensor) -> TensorMap:
@@ -251,19 +267,46 @@ class DecoderProducts:
     """The four products of every layer of a Llama-shaped decoder at up to 64 rows (qkv, o, gate_up with its
     SiLU-mul, down): one build per product shape and one weight map per layer and product, made once. With
     ``tiled``, qkv, o and down read copies of their weights laid out tile by tile (``tile_weight``: another
-    6.4 GB at 8B), which the H200 streamed faster (docs/benchmarks.md, twenty-third session)."""
+    6.4 GB at 8B), which the H200 streamed faster (docs/benchmarks.md, twenty-third session).
 
-    def __init__(self, model, sms: int, tiled: bool = False):
+    With ``fold_norms`` the layer's two add_rms_norm launches go: o and down add into the residual stream h and
+    leave each row's partial sums of squares (``partials``), and gate_up and the next layer's qkv read h and norm
+    it as they load it (``qkv`` keeps a plain build for layer 0, whose input the step norms). With ``pdl`` every
+    launch is a programmatic dependent one: a product streams its first weights while the kernel before it
+    finishes."""
+
+    def __init__(self, model, sms: int, tiled: bool = False, fold_norms: bool = False, pdl: bool = False):
         c = model.config
         nh_d = c.num_heads * c.head_dim
         shapes = {"qkv": (nh_d + 2 * c.num_kv_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, nh_d),
                   "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
-        self.products = {p: Products64(n, k, plan(n, k, p == "gate_up", sms, tiled)) for p, (n, k) in shapes.items()}
+        builds = {p: plan(n, k, p == "gate_up", sms, tiled) for p, (n, k) in shapes.items()}
+        self.fold_norms, self.pdl, self.eps = fold_norms, pdl, c.rms_norm_eps
+        if fold_norms:
+            builds["qkv_norm"] = replace(builds["qkv"], norm=1)
+            builds["gate_up"] = replace(builds["gate_up"], norm=1)
+            builds["o"] = replace(builds["o"], epi=2)
+            builds["down"] = replace(builds["down"], epi=2)
+        self.products = {p: Products64(*shapes[p.removesuffix("_norm")], b) for p, b in builds.items()}
         self.maps = [{p: self.products[p].weight_map(getattr(layer, p).weight) for p in shapes}
                      for layer in model.layers]
+        self.nparts = max(self.products["o"].blocks, self.products["down"].blocks)
+        device = model.layers[0].qkv.weight.device
+        self.partials = torch.zeros(self.nparts, ROWS, dtype=torch.float32, device=device) if fold_norms else None
 
-    def __call__(self, product: str, layer: int, xmap: TensorMap, out: torch.Tensor) -> torch.Tensor:
-        self.products[product](self.maps[layer][product], xmap, out)
+    def __call__(self, product: str, layer: int, xmap: TensorMap, out: torch.Tensor,
+                 norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``product`` of ``layer``: out = x @ W^T (gate_up: its SiLU-mul). With ``fold_norms``, o and down add
+        into ``out`` (h), and qkv past layer 0 and gate_up take h's map and their RMSNorm's ``norm_weight``."""
+        build = product + "_norm" if product == "qkv" and norm_weight is not None else product
+        kernel = self.products[build]
+        parts = {}
+        if kernel.build.epi == 2:
+            parts = {"part_out": self.partials}
+        elif kernel.build.norm:
+            source = self.products["down" if product == "qkv" else "o"]
+            parts = {"part_in": self.partials, "nparts": source.blocks, "norm_weight": norm_weight, "eps": self.eps}
+        kernel(self.maps[layer][product], xmap, out, pdl=self.pdl, **parts)
         return out
 
     input_map = staticmethod(input_map)
