@@ -166,10 +166,11 @@ class PagedCudaDecoder:
         # FLARED_PRODUCTS64_TILED=1: qkv, o and down read tile-by-tile copies of their weights (more memory).
         self.p64_tiled = os.environ.get("FLARED_PRODUCTS64_TILED") == "1"
         # Products launched as programmatic dependent launches (each streams its first weights while the kernel
-        # before it finishes: 8B 64-row step 5,047 against 5,187 us on the H200); FLARED_PRODUCTS64_PDL=0 plainly.
-        # FLARED_PRODUCTS64_NORMS=1 folds the layers' add_rms_norm launches into the products (slower so far).
+        # before it finishes), with the layers' add_rms_norm launches folded into them (products64.DecoderProducts).
+        # 8B 64-row step on the H200: 5,202 us plainly, 5,044-5,055 with PDL, 4,960-5,014 with both (docs/
+        # benchmarks.md, twenty-fourth session). FLARED_PRODUCTS64_PDL=0 / FLARED_PRODUCTS64_NORMS=0 turn them off.
         self.p64_pdl = os.environ.get("FLARED_PRODUCTS64_PDL", "1") != "0"
-        self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS") == "1"
+        self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS", "1") != "0"
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
@@ -477,16 +478,16 @@ class PagedCudaDecoder:
         x = torch.empty_like(h)
         fold = products is not None and products.fold_norms
         if products is not None:
-            # tensor maps over the products' inputs (their addresses are fixed for a capture; x, or h with folded
-            # norms, feeds qkv and gate_up), and the qkv, o and down results
-            x_map, h_map, attn_map, act_map = (products.input_map(t) for t in (x, h, attn_rows, act))
+            # tensor maps over the products' inputs (their addresses are fixed for a capture; x feeds qkv and
+            # gate_up), and the qkv, o and down results
+            x_map, attn_map, act_map = (products.input_map(t) for t in (x, attn_rows, act))
             qkv_out = torch.empty(num_tokens, (nh + 2 * nkv) * d, dtype=h.dtype, device=h.device)
             out = torch.empty_like(h)
         with_rope = getattr(attend, "with_rope", None)  # decode: rotary and KV write inside the attention kernel
         fused.add_rms_norm(None, h, m.layers[0].attn_norm, x, eps)
         for index, layer in enumerate(m.layers):
-            if fold and index:  # h normed by qkv itself, from the partial sums down left
-                qkv = products("qkv", index, h_map, qkv_out, layer.attn_norm)
+            if fold and index:  # x = h * attn_norm from down; qkv scales its rows by their inverse RMS
+                qkv = products("qkv", index, x_map, qkv_out, normed=True)
             elif products is not None:
                 qkv = products("qkv", index, x_map, qkv_out)
             else:
@@ -497,11 +498,12 @@ class PagedCudaDecoder:
                 fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
                                     self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
                 attend(q, index, attn)
-            if fold:  # h += o, h += down inside the products; gate_up norms h as it loads it
-                products("o", index, attn_map, h)
-                products("gate_up", index, h_map, act, layer.mlp_norm)
-                products("down", index, act_map, h)
-                if index + 1 == len(m.layers):
+            if fold:  # h += o and h += down inside the products, each leaving x = h * the next norm's weight
+                after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
+                products("o", index, attn_map, h, layer.mlp_norm, x)
+                products("gate_up", index, x_map, act)
+                products("down", index, act_map, h, after, x)
+                if index + 1 == len(m.layers):  # the LM head's input: the final norm in full
                     fused.add_rms_norm(None, h, m.final_norm, x, eps)
                 continue
             if products is not None:

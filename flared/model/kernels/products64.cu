@@ -17,11 +17,12 @@
 // to bf16 first as the unfused path (fused.silu_mul) rounds them.
 //
 // EPI 2 is the residual epilogue for o and down: out is the residual stream h [rows, n_out], and the block adds
-// its tile into it (h = bf16(h + bf16(acc)), as fused.add_rms_norm adds) and writes each row's sum of squares
-// over its tile to part_out[tile][row]. NORM 1 is the matching prologue for qkv and gate_up: the input is h,
-// and each input stage is rewritten in shared memory to rms_norm(h) * norm_w (bf16(bf16(h * inv) * w), the
-// rounding of fused.add_rms_norm), where inv comes from the nparts partial sums of the product before, added in
-// a fixed order (a replay gives the same bits). Together they take the two add_rms_norm launches out of a layer.
+// its tile into it (h = bf16(h + bf16(acc)), as fused.add_rms_norm adds), writes xw_out = bf16(h * norm_w) (the
+// next RMSNorm's weight) and each row's sum of squares over its tile to part_out[tile][row]. NORM 1 is the
+// matching side for qkv and gate_up: the input is that xw, and the epilogue scales row r by inv[r] = rsqrt(mean
+// square + eps) before anything else, inv from the nparts partial sums of the product before, added in a fixed
+// order (a replay gives the same bits). So rms_norm(h) * w is rounded once, where fused.add_rms_norm rounds
+// bf16(bf16(h * inv) * w), and the layer's two add_rms_norm launches go.
 //
 // Programmatic dependent launch (PDL): launched with the attribute, a block may start while the kernel before
 // is still finishing. Its producer fills the ring's stages with weights (which no kernel writes) and then waits
@@ -132,7 +133,7 @@ __device__ __forceinline__ float bf16_round(float v) {
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant__ TensorMap xmap, u16* __restrict__ out,
                   int n_out, int rows, int k, float* __restrict__ part_out, const float* __restrict__ part_in,
-                  int nparts, const u16* __restrict__ norm_w, float eps)
+                  int nparts, const u16* __restrict__ norm_w, float eps, u16* __restrict__ xw_out)
 {
     extern __shared__ __align__(1024) unsigned char dyn[];
     // stages 1,024-aligned: the swizzle works on shared-address bits
@@ -194,12 +195,19 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
             if (!second) inv_s[r] = rsqrtf((sum + half_s[r]) / (float)k + eps);
             asm volatile("bar.sync 1, 128;" ::: "memory");
         }
-        // each thread rewrites one 16-byte chunk of rows prow + 16 i (i < 4) of every input box: physical chunk
-        // tid % 8, which the 128-byte swizzle fills with logical columns 8 * (tid % 8 ^ prow % 8) onwards
-        const int prow = tid / 8, pchunk = tid % 8, lchunk = pchunk ^ (prow % 8);
-        float inv[4];
+        const float inv0 = inv_s[16 * (tid / 32) + (tid % 32) / 4];  // the epilogue's rows r0 and r0 + 8
+        const float inv1 = inv_s[16 * (tid / 32) + (tid % 32) / 4 + 8];
+#endif
+#if EPI == 2
+        // this thread's h values of the tile (rows r0 and r0 + 8), read now, while the weights stream
+        const int r0_ = 16 * (tid / 32) + (tid % 32) / 4;
+        u32 hpre[BN / 8][2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) inv[i] = inv_s[prow + 16 * i];
+        for (int j = 0; j < BN / 8; ++j) {
+            const int n = tile * BN + 8 * j + 2 * (tid % 4);
+            hpre[j][0] = (n < n_out && r0_ < rows) ? *(const u32*)(out + (u64)r0_ * n_out + n) : 0u;
+            hpre[j][1] = (n < n_out && r0_ + 8 < rows) ? *(const u32*)(out + (u64)(r0_ + 8) * n_out + n) : 0u;
+        }
 #endif
         float accs[NACC][BN / 2];
 #pragma unroll
@@ -210,34 +218,8 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
         // group is waited for and its stage handed back, so the tensor cores always have a group queued.
         for (int kb = 0; kb < steps; ++kb) {
             const int s = kb % STAGES;
-#if NORM
-            uint4 wv[ATOMS];
-#pragma unroll
-            for (int a = 0; a < ATOMS; ++a)
-                wv[a] = __ldg((const uint4*)(norm_w + (kb * ATOMS + a) * BK + 8 * lchunk));
-#endif
             bar_wait(shared_addr(&full[s]), (kb / STAGES) & 1);
             const u32 xs = shared_addr(base + s * STAGE_BYTES), ws = xs + ATOMS * X_ATOM;
-#if NORM
-#pragma unroll
-            for (int a = 0; a < ATOMS; ++a) {
-                const u32 wq[4] = {wv[a].x, wv[a].y, wv[a].z, wv[a].w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    uint4* p = (uint4*)(base + s * STAGE_BYTES + a * X_ATOM + (prow + 16 * i) * 128 + pchunk * 16);
-                    uint4 v = *p;
-                    u32* e = (u32*)&v;
-#pragma unroll
-                    for (int q = 0; q < 4; ++q)
-                        e[q] = pack_bf16(bf16_round(bf16_lo(e[q]) * inv[i]) * bf16_lo(wq[q]),
-                                         bf16_round(bf16_hi(e[q]) * inv[i]) * bf16_hi(wq[q]));
-                    *p = v;
-                }
-            }
-            // the rewritten inputs to the tensor cores' (async) proxy, from every consumer thread
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            asm volatile("bar.sync 1, 128;" ::: "memory");
-#endif
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
             for (int j = 0; j < BK / 16; ++j)  // 16 columns (32 bytes) a step
@@ -261,6 +243,15 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
         const int w = tid / 32, l = tid % 32;
         const int r0 = 16 * w + l / 4;
         float* acc = accs[0];
+#if NORM
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            acc[4 * j] *= inv0;
+            acc[4 * j + 1] *= inv0;
+            acc[4 * j + 2] *= inv1;
+            acc[4 * j + 3] *= inv1;
+        }
+#endif
 #if EPI == 0
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
@@ -271,27 +262,25 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
             }
         }
 #elif EPI == 2
-        // h += the tile (rounded as fused.add_rms_norm rounds), and each row's sum of squares over the tile
+        // h += the tile (rounded as fused.add_rms_norm rounds), xw = h * the next norm's weight, and each row's
+        // sum of squares over the tile
         float ss0 = 0.f, ss1 = 0.f;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             const int n = tile * BN + 8 * j + 2 * (l % 4);
             if (n < n_out) {
-                if (r0 < rows) {
-                    u32* p = (u32*)(out + (u64)r0 * n_out + n);
-                    const u32 hv = *p;
-                    const float a = bf16_round(bf16_lo(hv) + bf16_round(acc[4 * j]));
-                    const float b = bf16_round(bf16_hi(hv) + bf16_round(acc[4 * j + 1]));
-                    *p = pack_bf16(a, b);
-                    ss0 += a * a + b * b;
-                }
-                if (r0 + 8 < rows) {
-                    u32* p = (u32*)(out + (u64)(r0 + 8) * n_out + n);
-                    const u32 hv = *p;
-                    const float a = bf16_round(bf16_lo(hv) + bf16_round(acc[4 * j + 2]));
-                    const float b = bf16_round(bf16_hi(hv) + bf16_round(acc[4 * j + 3]));
-                    *p = pack_bf16(a, b);
-                    ss1 += a * a + b * b;
+                const u32 wn = *(const u32*)(norm_w + n);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = r0 + 8 * half;
+                    if (r < rows) {
+                        const u32 hv = hpre[j][half];
+                        const float a = bf16_round(bf16_lo(hv) + bf16_round(acc[4 * j + 2 * half]));
+                        const float b = bf16_round(bf16_hi(hv) + bf16_round(acc[4 * j + 2 * half + 1]));
+                        *(u32*)(out + (u64)r * n_out + n) = pack_bf16(a, b);
+                        *(u32*)(xw_out + (u64)r * n_out + n) = pack_bf16(a * bf16_lo(wn), b * bf16_hi(wn));
+                        if (half) ss1 += a * a + b * b; else ss0 += a * a + b * b;
+                    }
                 }
             }
         }

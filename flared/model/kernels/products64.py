@@ -99,9 +99,10 @@ def wgmma_source(n: int) -> str:
 class Build:
     """One build of the kernel: ``bn`` weight rows a tile, ``stages`` pipeline stages of ``atoms`` 64-column
     boxes, ``nacc`` accumulators taking turns, ``epi`` 1 for the SwiGLU epilogue and 2 for the residual one (out
-    is h; h += the product, and each row's sum of squares over the tile to a partials buffer), ``norm`` 1 for
-    the RMSNorm prologue (the input is h, normed in shared memory from the partials), ``wtiled`` 1 for weights
-    laid out tile by tile (``tile_weight``: a copy)."""
+    is h; h += the product, h * the next norm's weight to another buffer, and each row's sum of squares over the
+    tile to a partials buffer), ``norm`` 1 for the other side of that RMSNorm (the input is h * weight, and the
+    epilogue scales each row by its inverse RMS from the partials), ``wtiled`` 1 for weights laid out tile by
+    tile (``tile_weight``: a copy)."""
     bn: int
     stages: int
     atoms: int = 1
@@ -126,7 +127,7 @@ class Build:
 
     def __str__(self) -> str:
         extra = ({1: " swiglu", 2: " residual"}.get(self.epi, "") + (" tiled weights" if self.wtiled else "")
-                 + (" rms-normed inputs" if self.norm else ""))
+                 + (" rms-normed rows" if self.norm else ""))
         return f"{self.bn} rows, {self.stages} stages of {self.atoms * BK} columns, {self.nacc} accumulators{extra}"
 
 
@@ -192,10 +193,12 @@ class Products64:
 
     def __call__(self, wmap: TensorMap, xmap: TensorMap, out: torch.Tensor, rows: int | None = None, *,
                  part_out: torch.Tensor | None = None, part_in: torch.Tensor | None = None, nparts: int = 0,
-                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, pdl: bool = False) -> None:
-        """Launch on torch's current stream (a graph capture records it). The residual epilogue writes its
-        partial sums of squares to ``part_out`` [blocks, 64] (float32); the RMSNorm prologue reads ``nparts`` of
-        them from ``part_in`` and scales by ``norm_weight`` [k]. ``pdl``: a programmatic dependent launch."""
+                 norm_weight: torch.Tensor | None = None, xw_out: torch.Tensor | None = None, eps: float = 0.0,
+                 pdl: bool = False) -> None:
+        """Launch on torch's current stream (a graph capture records it). The residual epilogue adds into ``out``
+        (h), writes h * ``norm_weight`` [n] to ``xw_out`` and its partial sums of squares to ``part_out``
+        [blocks, 64] (float32); the norm side reads ``nparts`` of them from ``part_in``. ``pdl``: a programmatic
+        dependent launch."""
         from flared.execution.cuda import launch_kernel
 
         rows = xmap.tensor.shape[0] if rows is None else rows
@@ -203,13 +206,15 @@ class Products64:
         assert out.shape[0] >= rows
         if self.build.epi == 2:
             assert part_out is not None and part_out.dtype == torch.float32 and part_out.numel() >= self.blocks * ROWS
+            assert norm_weight is not None and norm_weight.dtype == torch.bfloat16 and norm_weight.numel() == self.n
+            assert xw_out is not None and xw_out.shape == out.shape and xw_out.dtype == torch.bfloat16
         if self.build.norm:
             assert part_in is not None and part_in.dtype == torch.float32 and part_in.numel() >= nparts * ROWS > 0
-            assert norm_weight is not None and norm_weight.dtype == torch.bfloat16 and norm_weight.numel() == self.k
         values = [ctypes.c_uint64(out.data_ptr()), ctypes.c_int32(self.out_cols), ctypes.c_int32(rows),
                   ctypes.c_int32(self.k), ctypes.c_uint64(0 if part_out is None else part_out.data_ptr()),
                   ctypes.c_uint64(0 if part_in is None else part_in.data_ptr()), ctypes.c_int32(nparts),
-                  ctypes.c_uint64(0 if norm_weight is None else norm_weight.data_ptr()), ctypes.c_float(eps)]
+                  ctypes.c_uint64(0 if norm_weight is None else norm_weight.data_ptr()), ctypes.c_float(eps),
+                  ctypes.c_uint64(0 if xw_out is None else xw_out.data_ptr())]
         launch_kernel(self._fn.ptr, self.blocks, THREADS, self.build.shared_bytes,
                       torch.cuda.current_stream().cuda_stream, [wmap.param, xmap.param, *map(ctypes.addressof, values)],
                       pdl=pdl)
@@ -269,11 +274,11 @@ class DecoderProducts:
     ``tiled``, qkv, o and down read copies of their weights laid out tile by tile (``tile_weight``: another
     6.4 GB at 8B), which the H200 streamed faster (docs/benchmarks.md, twenty-third session).
 
-    With ``fold_norms`` the layer's two add_rms_norm launches go: o and down add into the residual stream h and
-    leave each row's partial sums of squares (``partials``), and gate_up and the next layer's qkv read h and norm
-    it as they load it (``qkv`` keeps a plain build for layer 0, whose input the step norms). With ``pdl`` every
-    launch is a programmatic dependent one: a product streams its first weights while the kernel before it
-    finishes."""
+    With ``fold_norms`` the layer's two add_rms_norm launches go: o and down add into the residual stream h, write
+    h times the next RMSNorm's weight for the next product to read, and leave each row's partial sums of squares
+    (``partials``), from which gate_up and the next layer's qkv scale their rows (``qkv`` keeps a plain build for
+    layer 0, whose input the step norms). With ``pdl`` every launch is a programmatic dependent one: a product
+    streams its first weights while the kernel before it finishes."""
 
     def __init__(self, model, sms: int, tiled: bool = False, fold_norms: bool = False, pdl: bool = False):
         c = model.config
@@ -295,17 +300,19 @@ class DecoderProducts:
         self.partials = torch.zeros(self.nparts, ROWS, dtype=torch.float32, device=device) if fold_norms else None
 
     def __call__(self, product: str, layer: int, xmap: TensorMap, out: torch.Tensor,
-                 norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, xw: torch.Tensor | None = None,
+                 normed: bool = False) -> torch.Tensor:
         """``product`` of ``layer``: out = x @ W^T (gate_up: its SiLU-mul). With ``fold_norms``, o and down add
-        into ``out`` (h), and qkv past layer 0 and gate_up take h's map and their RMSNorm's ``norm_weight``."""
-        build = product + "_norm" if product == "qkv" and norm_weight is not None else product
+        into ``out`` (h) and write h * ``norm_weight`` to ``xw``, and qkv past layer 0 (``normed``) and gate_up
+        read that and scale their rows."""
+        build = "qkv_norm" if product == "qkv" and normed else product
         kernel = self.products[build]
         parts = {}
         if kernel.build.epi == 2:
-            parts = {"part_out": self.partials}
+            parts = {"part_out": self.partials, "norm_weight": norm_weight, "xw_out": xw}
         elif kernel.build.norm:
             source = self.products["down" if product == "qkv" else "o"]
-            parts = {"part_in": self.partials, "nparts": source.blocks, "norm_weight": norm_weight, "eps": self.eps}
+            parts = {"part_in": self.partials, "nparts": source.blocks, "eps": self.eps}
         kernel(self.maps[layer][product], xmap, out, pdl=self.pdl, **parts)
         return out
 
