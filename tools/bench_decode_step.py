@@ -18,7 +18,11 @@ Each row gives microseconds per step, the step's weight bytes over that time aga
 first variant's.
 
     python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512[,1024...]]
-                                      [--pool-pages N] [--json]
+                                      [--pool-pages N] [--profile] [--json]
+
+``--profile`` also replays each variant's graph under torch.profiler and prints where its GPU time goes, kernel
+by kernel (products64 launches named qkv / o / gate_up / down by their order in a layer). With programmatic
+dependent launches a kernel's span includes its early start, so the spans add up to more than the step.
 
 CUDA only. Prints one table; with --json, one JSON object as the last line.
 """
@@ -50,6 +54,7 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "products64 pdl": (False, "cublaslt", None),
     "products64 pdl norms": (False, "cublaslt", None),
     "products64 tiled pdl norms": (False, "cublaslt", None),
+    "products64 pdl norms attn": (False, "cublaslt", None),  # and the attention between qkv and o with PDL too
     "cublas attn=1": (False, "cublas", 1),
     "cublas attn=2": (False, "cublas", 2),
     "cublas attn=4": (False, "cublas", 4),
@@ -132,7 +137,41 @@ def set_context(inputs, context: int) -> None:
                           + (context - 1) % PAGE_TOKENS)
 
 
-def run_variant(dec, batch: int, variant: str, stream):
+def profile_graph(dec, batch: int, stream, replays: int = 5) -> list[tuple[str, int, float]]:
+    """(kernel, launches a step, us a step) of the decode step's graph, the costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        dec.decode(batch, False)  # warm (compiles) outside the capture
+    stream.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        dec.decode(batch, False)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    totals: dict[str, list] = {}
+    products = ("qkv", "o", "gate_up", "down")
+    seen = 0
+    for e in kernels:
+        name = e.name
+        if "products64" in name:
+            name = f"products64 {products[seen % 4]}"
+            seen += 1
+        elif len(name) > 60:
+            name = name[:57] + "..."
+        t = totals.setdefault(name, [0, 0.0])
+        t[0] += 1
+        t[1] += e.time_range.end - e.time_range.start
+    del graph
+    return sorted(((n, c // replays, us / replays) for n, (c, us) in totals.items()), key=lambda r: -r[2])
+
+
+def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
     from flared.execution.graphs import time_graph_us
     from flared.model.kernels import paged_decoder, skinny
 
@@ -149,6 +188,7 @@ def run_variant(dec, batch: int, variant: str, stream):
     setup = ("tiled" in words, "norms" in words, "pdl" in words)
     if (dec.p64_tiled, dec.p64_fold, dec.p64_pdl) != setup:  # other builds (or the other weight layout's maps)
         (dec.p64_tiled, dec.p64_fold, dec.p64_pdl), dec._p64 = setup, None
+    dec.attn_pdl = "attn" in words
     dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"
@@ -166,6 +206,7 @@ def run_variant(dec, batch: int, variant: str, stream):
         paged_decoder.decode_splits = lambda *args, **kwargs: splits
     try:
         us = time_graph_us(lambda: dec.decode(batch, False), stream, replays=30)
+        kernels = profile_graph(dec, batch, stream) if profile else None
         with torch.cuda.stream(stream):
             dec.decode(batch, False)
         stream.synchronize()
@@ -177,7 +218,7 @@ def run_variant(dec, batch: int, variant: str, stream):
             dec.mega.pop(key, None)
             if replaced is not None:
                 dec.mega[key] = replaced
-    return us, dec.sampled[:batch].tolist(), dec.logits[:batch].clone()
+    return us, dec.sampled[:batch].tolist(), dec.logits[:batch].clone(), kernels
 
 
 def main() -> int:
@@ -188,6 +229,7 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--pool-pages", type=int, default=0,
                     help="KV pool pages (default: the rows' own); bench_gpu's executor has 4,096 (134 MB a layer at 8B)")
+    ap.add_argument("--profile", action="store_true", help="each variant's GPU time kernel by kernel")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -205,10 +247,10 @@ def main() -> int:
             for batch in batches:
                 ref = None
                 for variant in args.variants.split(","):
-                    got = run_variant(dec, batch, variant, stream)
+                    got = run_variant(dec, batch, variant, stream, args.profile)
                     if got is None:
                         continue
-                    us, tokens, logits = got
+                    us, tokens, logits, kernels = got
                     if ref is None:
                         ref = (tokens, logits)
                     same = sum(a == b for a, b in zip(tokens, ref[0]))
@@ -217,6 +259,11 @@ def main() -> int:
                           f"  {same:>6}/{batch:<7}  {diff:16.4f}", flush=True)
                     key = f"{shape}|{batch}|{variant}" if len(contexts) == 1 else f"{shape}|{batch}|{context}|{variant}"
                     result[key] = {"us": round(us, 1), "tokens_same": same, "logit_diff": round(diff, 4)}
+                    if kernels is not None:
+                        for name, count, kus in kernels[:14]:
+                            print(f"{'':22} {kus:9.1f} us  {count:4d} x  {name}", flush=True)
+                        print(f"{'':22} {sum(r[2] for r in kernels):9.1f} us  in all (spans)", flush=True)
+                        result[key]["profile"] = {name: round(kus, 1) for name, _, kus in kernels}
         del model, dec
         torch.cuda.empty_cache()
     if args.json:

@@ -404,7 +404,7 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
                         stride_qkv, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head, stride_bt_row, scale,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -420,6 +420,8 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
     pos = tl.load(Positions + row)
     cos = tl.load(Cos + pos * HEAD_DIM + offs_d).to(tl.float32)
     sin = tl.load(Sin + pos * HEAD_DIM + offs_d).to(tl.float32)
+    if USE_GDC:  # a programmatic dependent launch: the projection's rows are ready once the kernel before is done
+        tl.extra.cuda.gdc_wait()
     base = QKV + row * stride_qkv
     q = tl.load(base + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
     q_rot = tl.load(base + heads[:, None] * HEAD_DIM + rot[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
@@ -447,6 +449,8 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
     m_i = tl.where(newest, m_new, m_i)
     l_i = tl.where(newest, l_new, l_i)
     acc = tl.where(newest, acc_new, acc)
+    if USE_GDC:  # the next kernel (the o product) may launch and start streaming its weights
+        tl.extra.cuda.gdc_launch_dependents()
     if NUM_SPLITS == 1:
         # Padding rows (context 0) have l_i == 0: write zeros, never NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -465,12 +469,15 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos_table: torch.Tensor, sin_
                                 context_lens: torch.Tensor, *, num_heads: int, page_tokens: int, scale: float,
                                 num_splits: int = 1, part_acc: torch.Tensor | None = None,
                                 part_m: torch.Tensor | None = None, part_l: torch.Tensor | None = None,
-                                block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> None:
+                                block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+                                pdl: bool = False) -> None:
     """rope_write_kv followed by paged_decode_attention (or its split form with ``num_splits`` > 1 and the
     scratch), in one kernel (two when split), half precision. qkv [B, (nh + 2 nkv) d] rows of the projection;
     tables [positions, d]; positions / slots [B] int64 (the new token's); out [B, nh, d]; the rest as
     paged_decode_attention. Each row's newest position (context_len - 1) is the token being written.
-    ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` are tuning knobs (tools/probe_decode_attention.py)."""
+    ``block_n`` (keys per tile), ``num_warps`` and ``num_stages`` are tuning knobs (tools/probe_decode_attention.py).
+    ``pdl``: a programmatic dependent launch (Hopper): it reads the step's positions and tables while the kernel
+    before it (the qkv product) finishes, and lets the next kernel launch before it writes its output."""
     batch = qkv.shape[0]
     num_kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
     group = num_heads // num_kv_heads
@@ -484,6 +491,7 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos_table: torch.Tensor, sin_
         block_tables.stride(0), scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
         GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        USE_GDC=pdl, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **({"launch_pdl": True} if pdl else {}))
     if num_splits > 1:
         _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)

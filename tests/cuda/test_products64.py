@@ -123,16 +123,17 @@ def test_normed_rows_match_add_rms_norm_then_the_product(n, k, epi, rows):
     assert (out.float() - ref.float()).abs().max().item() <= 0.01 * ref.float().abs().max().item(), build
 
 
-@pytest.mark.parametrize("batch, tiled, fold, pdl", [
-    (64, False, False, False),
-    (32, False, False, False),
-    (64, True, False, False),
-    (64, False, True, False),  # the add_rms_norm launches folded into the products
-    (64, False, False, True),  # programmatic dependent launches
-    (64, False, True, True),
-    (32, False, True, True),
+@pytest.mark.parametrize("batch, tiled, fold, pdl, attn_pdl", [
+    (64, False, False, False, False),
+    (32, False, False, False, False),
+    (64, True, False, False, False),
+    (64, False, True, False, False),  # the add_rms_norm launches folded into the products
+    (64, False, False, True, False),  # programmatic dependent launches
+    (64, False, True, True, False),
+    (32, False, True, True, False),
+    (64, False, True, True, True),  # the attention between qkv and o too
 ])
-def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch, tiled, fold, pdl):
+def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch, tiled, fold, pdl, attn_pdl):
     from flared.execution.graphs import time_graph_us
     from test_blas_lt import _decoder
     from test_megakernel import _step
@@ -144,7 +145,7 @@ def test_decode_step_through_products64_matches_cublas_and_replays_exactly(batch
     model, dec = _decoder(batch, contexts)
     assert batch in dec.p64_candidates
     dec.p64_tiled = tiled  # tile-by-tile weight copies for qkv, o and down
-    dec.p64_fold, dec.p64_pdl = fold, pdl
+    dec.p64_fold, dec.p64_pdl, dec.attn_pdl = fold, pdl, attn_pdl
     assert all(p.build.wtiled == (tiled and name != "gate_up") for name, p in dec.products().products.items())
     dec.p64_batches = set()
     ref, ref_k, ref_v = _step(dec, batch, mega=False)

@@ -170,6 +170,9 @@ class PagedCudaDecoder:
         # 8B 64-row step on the H200: 5,202 us plainly, 5,044-5,055 with PDL, 4,960-5,014 with both (docs/
         # benchmarks.md, twenty-fourth session). FLARED_PRODUCTS64_PDL=0 / FLARED_PRODUCTS64_NORMS=0 turn them off.
         self.p64_pdl = os.environ.get("FLARED_PRODUCTS64_PDL", "1") != "0"
+        # The decode attention between the qkv and o products launched the same way (Triton's launch_pdl): 4,857 /
+        # 4,867 against 4,918 / 4,915 us (8B, 64 rows, H200). FLARED_ATTENTION_PDL=0 launches it plainly.
+        self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0"
         self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS", "1") != "0"
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
@@ -339,13 +342,14 @@ class PagedCudaDecoder:
             return
         tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
         products = self.products() if batch in self.p64_batches else None
+        attend = self._decode_attend(batch, block_tables, context_lens, pdl=products is not None and self.attn_pdl)
         with self._blas(batch):
-            x = self._layers(tokens, positions, slots, self._decode_attend(batch, block_tables, context_lens),
-                             products)
+            x = self._layers(tokens, positions, slots, attend, products)
             self._finish(x, batch, full_sampling, rows, s)
 
-    def _decode_attend(self, batch, block_tables, context_lens):
-        """The decode attention of the layered forwards: split over the context where ``decode_splits`` says."""
+    def _decode_attend(self, batch, block_tables, context_lens, pdl: bool = False):
+        """The decode attention of the layered forwards: split over the context where ``decode_splits`` says;
+        ``pdl``: the fused rotary-and-attention kernel as a programmatic dependent launch."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
         def attend(q, layer, out):
@@ -363,7 +367,7 @@ class PagedCudaDecoder:
                                         self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                         num_heads=self.config.num_heads, page_tokens=self.page_tokens,
                                         scale=self.model.scale, num_splits=splits, part_acc=self.part_acc,
-                                        part_m=self.part_m, part_l=self.part_l)
+                                        part_m=self.part_m, part_l=self.part_l, pdl=pdl)
 
         if self.rope_in_attention:
             attend.with_rope = with_rope

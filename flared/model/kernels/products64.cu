@@ -188,7 +188,7 @@ flared_products64(const __grid_constant__ TensorMap wmap, const __grid_constant_
             const int r = tid % ROWS, second = tid / ROWS;
             const int lo = second ? nparts / 2 : 0, hi = second ? nparts : nparts / 2;
             float sum = 0.f;
-#pragma unroll 8
+#pragma unroll 32  // the loads in flight together: one or two round trips to L2, not eight
             for (int b = lo; b < hi; ++b) sum += part_in[b * ROWS + r];
             if (second) half_s[r] = sum;
             asm volatile("bar.sync 1, 128;" ::: "memory");
