@@ -170,10 +170,10 @@ class PagedCudaDecoder:
         # 8B 64-row step on the H200: 5,202 us plainly, 5,044-5,055 with PDL, 4,960-5,014 with both (docs/
         # benchmarks.md, twenty-fourth session). FLARED_PRODUCTS64_PDL=0 / FLARED_PRODUCTS64_NORMS=0 turn them off.
         self.p64_pdl = os.environ.get("FLARED_PRODUCTS64_PDL", "1") != "0"
+        self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS", "1") != "0"
         # The decode attention between the qkv and o products launched the same way (Triton's launch_pdl): 4,857 /
         # 4,867 against 4,918 / 4,915 us (8B, 64 rows, H200). FLARED_ATTENTION_PDL=0 launches it plainly.
         self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0"
-        self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS", "1") != "0"
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
