@@ -365,6 +365,15 @@ def _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits,
         HEAD_DIM=head_dim, num_warps=4)
 
 
+def supports_pdl() -> bool:
+    """Whether this Triton has the programmatic-dependent-launch intrinsics (``paged_decode_attention_rope(pdl=)``)."""
+    try:
+        from triton.language.extra import cuda  # the kernels reach it as tl.extra.cuda
+    except ImportError:
+        return False
+    return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
 def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
     """Context splits that give a decode step about two programs per SM (1 = the plain kernel)."""
     return max(1, min(max_splits, -(-2 * num_sms // (batch * num_kv_heads))))

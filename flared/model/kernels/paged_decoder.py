@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from flared.model.kernels import fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
 from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_rope,
-                                           paged_decode_attention_split, paged_prefill_attention_varlen)
+                                           paged_decode_attention_split, paged_prefill_attention_varlen,
+                                           supports_pdl)
 
 
 LT_MIN_ROWS = 32  # smallest decode batch calibrate tries on cuBLASLt (16 rows measured 2% slower on the H200)
@@ -173,7 +174,7 @@ class PagedCudaDecoder:
         self.p64_fold = os.environ.get("FLARED_PRODUCTS64_NORMS", "1") != "0"
         # The decode attention between the qkv and o products launched the same way (Triton's launch_pdl): 4,857 /
         # 4,867 against 4,918 / 4,915 us (8B, 64 rows, H200). FLARED_ATTENTION_PDL=0 launches it plainly.
-        self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0"
+        self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0" and supports_pdl()
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
         if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
