@@ -7,7 +7,7 @@ transformers runs ``generate`` with its dynamic cache (the issue's compiled
 static-cache figures are quoted, not re-measured: compiling costs minutes of
 device time).
 
-    python tools/bench_gpu.py [--shapes 8b,135m] [--json]
+    python tools/bench_gpu.py [--shapes 8b,135m] [--b64-only] [--ab-env NAME=VALUE] [--json]
 
 Prints a table; with --json, one JSON object as the last line. CUDA only.
 """
@@ -152,7 +152,7 @@ def matched_prefix(a, b):
 
 
 def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tokens=256, prompt_len=128,
-                ab_mega=True):
+                ab_mega=True, b64_only=False, ab_env=""):
     vocab = SHAPES[shape]["vocab_size"]
     # Exact parity on float32 (small shape only: an 8B float32 copy is 32 GB and adds nothing).
     if shape == "135m":
@@ -222,92 +222,93 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
             rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
         out[f"{shape}_calibration"] = cal
 
-    p = prompts(vocab, 1, 32, seed=3)
-    ours = run_flared(model, p, parity_tokens, ex_pair=pair).tokens[0]
-    ref, _ = hf_generate(hf, p, parity_tokens)
-    same = matched_prefix(ours, ref[0])
-    agree = sum(a == b for a, b in zip(ours, ref[0]))
-    rows.append((shape, "bf16 greedy tokens = transformers (prefix / total)",
-                 f"{same} / {agree} of {len(ours)}|{len(ref[0])}",
-                 "", "bf16: rounding may flip a near-tie"))
-    out[f"{shape}_bf16_parity_prefix"] = same
+    if not b64_only:
+        p = prompts(vocab, 1, 32, seed=3)
+        ours = run_flared(model, p, parity_tokens, ex_pair=pair).tokens[0]
+        ref, _ = hf_generate(hf, p, parity_tokens)
+        same = matched_prefix(ours, ref[0])
+        agree = sum(a == b for a, b in zip(ours, ref[0]))
+        rows.append((shape, "bf16 greedy tokens = transformers (prefix / total)",
+                     f"{same} / {agree} of {len(ours)}|{len(ref[0])}",
+                     "", "bf16: rounding may flip a near-tie"))
+        out[f"{shape}_bf16_parity_prefix"] = same
 
-    # Single stream: 128-token prompt, 256 new tokens.
-    p = prompts(vocab, 1, prompt_len, seed=4)
-    # Warm-up on other prompts (the same prompt would be a prefix-cache hit): times the shapes once.
-    run_flared(model, prompts(vocab, 1, prompt_len, seed=40), 16, ex_pair=pair)
-    ex.max_outstanding = 0
-    r = run_flared(model, p, new_tokens, ex_pair=pair)
-    out[f"{shape}_b1_max_frames_in_flight"] = ex.max_outstanding
-    decode_s = (r.finish_ns[0] - r.first_token_ns[0]) / 1e9
-    tps = (new_tokens - 1) / decode_s
-    _, hf_s = hf_generate(hf, p, 64)
-    hf_tps = 64 / hf_s
-    rows.append((shape, "batch-1 decode tok/s", f"{tps:,.0f}", f"{hf_tps:,.0f}", f"x{tps / hf_tps:.2f}"))
-    out[f"{shape}_b1_tok_s"] = tps
-    out[f"{shape}_b1_hf_tok_s"] = hf_tps
-    steps = r.steps_by_kind["DECODE"]
-    host_us = r.decode_host_ns / max(1, steps) / 1e3
-    gpu_us = r.decode_gpu_ns / max(1, steps) / 1e3
-    idle = 1 - r.gpu_ns / r.wall_ns
-    rows.append((shape, "batch-1 host us/step | GPU us/step | GPU idle", f"{host_us:.0f} | {gpu_us:.0f} | {idle:.0%}",
-                 "", f"frames in flight <= {ex.max_outstanding}"))
-    out[f"{shape}_b1_host_us_per_step"] = host_us
-    out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
-    out[f"{shape}_b1_gpu_idle"] = idle
-    # The same steps by context length (decode step i attends over prompt_len + i + 1 tokens): where the
-    # average goes between short and long contexts (the megakernel's resident attention ends at 320 at 8B).
-    spans, cells = [(prompt_len + 1, 256), (257, 304), (305, prompt_len + new_tokens)], []
-    for lo, hi in spans:
-        ns = [d for i, d in enumerate(r.decode_step_ns) if lo <= prompt_len + i + 1 <= hi]
-        if ns:
-            cells.append(f"{lo}-{hi}: {sum(ns) / len(ns) / 1e3:.0f}")
-            out[f"{shape}_b1_gpu_us_per_step_{lo}_{hi}"] = sum(ns) / len(ns) / 1e3
-    rows.append((shape, "batch-1 GPU us/step by context (tokens: us)", " | ".join(cells), "",
-                 f"{len(r.decode_step_ns)} steps"))
+        # Single stream: 128-token prompt, 256 new tokens.
+        p = prompts(vocab, 1, prompt_len, seed=4)
+        # Warm-up on other prompts (the same prompt would be a prefix-cache hit): times the shapes once.
+        run_flared(model, prompts(vocab, 1, prompt_len, seed=40), 16, ex_pair=pair)
+        ex.max_outstanding = 0
+        r = run_flared(model, p, new_tokens, ex_pair=pair)
+        out[f"{shape}_b1_max_frames_in_flight"] = ex.max_outstanding
+        decode_s = (r.finish_ns[0] - r.first_token_ns[0]) / 1e9
+        tps = (new_tokens - 1) / decode_s
+        _, hf_s = hf_generate(hf, p, 64)
+        hf_tps = 64 / hf_s
+        rows.append((shape, "batch-1 decode tok/s", f"{tps:,.0f}", f"{hf_tps:,.0f}", f"x{tps / hf_tps:.2f}"))
+        out[f"{shape}_b1_tok_s"] = tps
+        out[f"{shape}_b1_hf_tok_s"] = hf_tps
+        steps = r.steps_by_kind["DECODE"]
+        host_us = r.decode_host_ns / max(1, steps) / 1e3
+        gpu_us = r.decode_gpu_ns / max(1, steps) / 1e3
+        idle = 1 - r.gpu_ns / r.wall_ns
+        rows.append((shape, "batch-1 host us/step | GPU us/step | GPU idle", f"{host_us:.0f} | {gpu_us:.0f} | {idle:.0%}",
+                     "", f"frames in flight <= {ex.max_outstanding}"))
+        out[f"{shape}_b1_host_us_per_step"] = host_us
+        out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
+        out[f"{shape}_b1_gpu_idle"] = idle
+        # The same steps by context length (decode step i attends over prompt_len + i + 1 tokens): where the
+        # average goes between short and long contexts (the megakernel's resident attention ends at 320 at 8B).
+        spans, cells = [(prompt_len + 1, 256), (257, 304), (305, prompt_len + new_tokens)], []
+        for lo, hi in spans:
+            ns = [d for i, d in enumerate(r.decode_step_ns) if lo <= prompt_len + i + 1 <= hi]
+            if ns:
+                cells.append(f"{lo}-{hi}: {sum(ns) / len(ns) / 1e3:.0f}")
+                out[f"{shape}_b1_gpu_us_per_step_{lo}_{hi}"] = sum(ns) / len(ns) / 1e3
+        rows.append((shape, "batch-1 GPU us/step by context (tokens: us)", " | ".join(cells), "",
+                     f"{len(r.decode_step_ns)} steps"))
 
-    # The same single stream with each decode step's upload on the model stream, ahead of its launch (A/B on
-    # this executor, its graphs and pool): off, on, off, on.
-    ab = {False: [], True: []}
-    for overlap in (False, True, False, True):
-        ex.overlap_uploads = overlap
-        r1 = run_flared(model, p, new_tokens, ex_pair=pair)
-        ab[overlap].append(((new_tokens - 1) / ((r1.finish_ns[0] - r1.first_token_ns[0]) / 1e9),
-                            r1.decode_gpu_ns / max(1, r1.steps_by_kind["DECODE"]) / 1e3,
-                            matched_prefix(r.tokens[0], r1.tokens[0])))
-    ex.overlap_uploads = True
-    cell = " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[False])
-    rows.append((shape, "batch-1 decode tok/s | GPU us/step, uploads on the model stream (A/B)", cell, "",
-                 "overlapped: " + " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[True])
-                 + f"; tokens = main run: {min(x[2] for v in ab.values() for x in v)}/{new_tokens}"))
-    out[f"{shape}_b1_upload_ab"] = {str(k): v for k, v in ab.items()}
+        # The same single stream with each decode step's upload on the model stream, ahead of its launch (A/B on
+        # this executor, its graphs and pool): off, on, off, on.
+        ab = {False: [], True: []}
+        for overlap in (False, True, False, True):
+            ex.overlap_uploads = overlap
+            r1 = run_flared(model, p, new_tokens, ex_pair=pair)
+            ab[overlap].append(((new_tokens - 1) / ((r1.finish_ns[0] - r1.first_token_ns[0]) / 1e9),
+                                r1.decode_gpu_ns / max(1, r1.steps_by_kind["DECODE"]) / 1e3,
+                                matched_prefix(r.tokens[0], r1.tokens[0])))
+        ex.overlap_uploads = True
+        cell = " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[False])
+        rows.append((shape, "batch-1 decode tok/s | GPU us/step, uploads on the model stream (A/B)", cell, "",
+                     "overlapped: " + " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[True])
+                     + f"; tokens = main run: {min(x[2] for v in ab.values() for x in v)}/{new_tokens}"))
+        out[f"{shape}_b1_upload_ab"] = {str(k): v for k, v in ab.items()}
 
-    def single_stream_ab(model, env: dict, label: str, key: str) -> None:
-        """The same single stream on an executor built with ``env`` set, beside the main run."""
-        import os
+        def single_stream_ab(model, env: dict, label: str, key: str) -> None:
+            """The same single stream on an executor built with ``env`` set, beside the main run."""
+            import os
 
-        os.environ.update(env)
-        try:
-            plain = graph_executor(model, concurrency=1, num_pages=64)
-        finally:
-            for name in env:
-                del os.environ[name]
-        run_flared(model, prompts(vocab, 1, prompt_len, seed=41), 16, ex_pair=plain)
-        r0 = run_flared(model, p, new_tokens, ex_pair=plain)
-        tps0 = (new_tokens - 1) / ((r0.finish_ns[0] - r0.first_token_ns[0]) / 1e9)
-        gpu0 = r0.decode_gpu_ns / max(1, r0.steps_by_kind["DECODE"]) / 1e3
-        same0 = matched_prefix(r.tokens[0], r0.tokens[0])
-        rows.append((shape, f"batch-1 decode tok/s {label} | GPU us/step", f"{tps0:,.0f} | {gpu0:.0f}", "",
-                     f"tokens = main run: {same0}/{new_tokens}"))
-        out[f"{shape}_b1_{key}_tok_s"] = tps0
-        out[f"{shape}_b1_{key}_gpu_us_per_step"] = gpu0
-        out[f"{shape}_b1_mega_vs_{key}_prefix"] = same0
-        plain[1].close()
-        del plain
+            os.environ.update(env)
+            try:
+                plain = graph_executor(model, concurrency=1, num_pages=64)
+            finally:
+                for name in env:
+                    del os.environ[name]
+            run_flared(model, prompts(vocab, 1, prompt_len, seed=41), 16, ex_pair=plain)
+            r0 = run_flared(model, p, new_tokens, ex_pair=plain)
+            tps0 = (new_tokens - 1) / ((r0.finish_ns[0] - r0.first_token_ns[0]) / 1e9)
+            gpu0 = r0.decode_gpu_ns / max(1, r0.steps_by_kind["DECODE"]) / 1e3
+            same0 = matched_prefix(r.tokens[0], r0.tokens[0])
+            rows.append((shape, f"batch-1 decode tok/s {label} | GPU us/step", f"{tps0:,.0f} | {gpu0:.0f}", "",
+                         f"tokens = main run: {same0}/{new_tokens}"))
+            out[f"{shape}_b1_{key}_tok_s"] = tps0
+            out[f"{shape}_b1_{key}_gpu_us_per_step"] = gpu0
+            out[f"{shape}_b1_mega_vs_{key}_prefix"] = same0
+            plain[1].close()
+            del plain
 
-    # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with).
-    if ab_mega:
-        single_stream_ab(model, {"FLARED_MEGAKERNEL": "0"}, "without the megakernel", "no_mega")
+        # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with).
+        if ab_mega:
+            single_stream_ab(model, {"FLARED_MEGAKERNEL": "0"}, "without the megakernel", "no_mega")
 
     # 64 streams: 128-token prompts, 256 new tokens, admitted together; output tokens over the whole run.
     p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
@@ -330,26 +331,27 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_b64_prefill_steps"] = prefill_steps
     out[f"{shape}_b64_decode_steps"] = steps
     out[f"{shape}_b64_non_decode_gpu_ms"] = (r.gpu_ns - r.decode_gpu_ns) / 1e6
-    # A/B in the same run: the same executor under a scheduler that plans one-sequence prefill chunks only
-    # (the default shapes: what ran before multi-sequence prefill graphs).
-    one_seq = (scheduler(CONCURRENCY, ex.decoder.num_pages)[0], ex)
-    run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=51), 4, ex_pair=one_seq)
-    r1 = run_flared(model, p, new_tokens, ex_pair=one_seq)
-    agg1 = CONCURRENCY * new_tokens / (r1.wall_ns / 1e9)
-    rows.append((shape, "batch-64 output tok/s, one-sequence prefill only (A/B)", f"{agg1:,.0f}", "",
-                 f"x{agg / agg1:.2f} batched; steps {dict(r1.steps_by_kind)}"))
-    out[f"{shape}_b64_one_seq_prefill_tok_s"] = agg1
-    out[f"{shape}_b64_one_seq_prefill_steps"] = dict(r1.steps_by_kind)
+    if not b64_only:  # the rest of the single-model rows
+        # A/B in the same run: the same executor under a scheduler that plans one-sequence prefill chunks only
+        # (the default shapes: what ran before multi-sequence prefill graphs).
+        one_seq = (scheduler(CONCURRENCY, ex.decoder.num_pages)[0], ex)
+        run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=51), 4, ex_pair=one_seq)
+        r1 = run_flared(model, p, new_tokens, ex_pair=one_seq)
+        agg1 = CONCURRENCY * new_tokens / (r1.wall_ns / 1e9)
+        rows.append((shape, "batch-64 output tok/s, one-sequence prefill only (A/B)", f"{agg1:,.0f}", "",
+                     f"x{agg / agg1:.2f} batched; steps {dict(r1.steps_by_kind)}"))
+        out[f"{shape}_b64_one_seq_prefill_tok_s"] = agg1
+        out[f"{shape}_b64_one_seq_prefill_steps"] = dict(r1.steps_by_kind)
 
-    # 2048-token prompt: time to first token (best of 3).
-    # A fresh prompt each time: a repeated one would be served from the prefix cache.
-    ttft = min(run_flared(model, prompts(vocab, 1, 2048, seed=60 + i), 1, ex_pair=pair).first_token_ns[0]
-               for i in range(3)) / 1e6
-    p = prompts(vocab, 1, 2048, seed=60)
-    hf_ms = hf_ttft(hf, p[0]) * 1e3
-    rows.append((shape, "2048-token prompt TTFT ms", f"{ttft:.1f}", f"{hf_ms:.1f}", f"x{hf_ms / ttft:.2f}"))
-    out[f"{shape}_ttft_ms"] = ttft
-    out[f"{shape}_hf_ttft_ms"] = hf_ms
+        # 2048-token prompt: time to first token (best of 3).
+        # A fresh prompt each time: a repeated one would be served from the prefix cache.
+        ttft = min(run_flared(model, prompts(vocab, 1, 2048, seed=60 + i), 1, ex_pair=pair).first_token_ns[0]
+                   for i in range(3)) / 1e6
+        p = prompts(vocab, 1, 2048, seed=60)
+        hf_ms = hf_ttft(hf, p[0]) * 1e3
+        rows.append((shape, "2048-token prompt TTFT ms", f"{ttft:.1f}", f"{hf_ms:.1f}", f"x{hf_ms / ttft:.2f}"))
+        out[f"{shape}_ttft_ms"] = ttft
+        out[f"{shape}_hf_ttft_ms"] = hf_ms
     lt_batches = (cal or {}).get("lt_batches")
     p64_batches = (cal or {}).get("p64_batches")
     ex.close()
@@ -357,17 +359,28 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     torch.cuda.empty_cache()
 
     # A/B in the same run: 64 streams with products64 pinned off where calibration put some batch on it (the
-    # step then runs cuBLASLt's products), else with cuBLASLt pinned off where it did.
-    if p64_batches or lt_batches:
+    # step then runs cuBLASLt's products), else with cuBLASLt pinned off where it did; or under ``ab_env``.
+    if ab_env or p64_batches or lt_batches:
         import os
 
-        pin, label, what = (("FLARED_PRODUCTS64", "without products64", "with products64") if p64_batches
-                            else ("FLARED_BLAS_LT", "with cuBLAS only", "with cuBLASLt"))
-        os.environ[pin] = "0"
+        if ab_env:
+            name, _, value = ab_env.partition("=")
+            env, label, what, key = {name: value}, f"with {ab_env}", "without it", "ab_env"
+        elif p64_batches:
+            env, label, what, key = {"FLARED_PRODUCTS64": "0"}, "without products64", "with products64", \
+                "no_products64"
+        else:
+            env, label, what, key = {"FLARED_BLAS_LT": "0"}, "with cuBLAS only", "with cuBLASLt", "cublas_only"
+        saved = {n: os.environ.get(n) for n in env}
+        os.environ.update(env)
         try:
             plain = graph_executor(model)
         finally:
-            del os.environ[pin]
+            for n, v in saved.items():
+                if v is None:
+                    os.environ.pop(n, None)
+                else:
+                    os.environ[n] = v
         p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
         run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=50), 4, ex_pair=plain)
         r2 = run_flared(model, p, new_tokens, ex_pair=plain)
@@ -375,7 +388,9 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
         steps2 = r2.steps_by_kind["DECODE"]
         rows.append((shape, f"batch-64 output tok/s {label} (A/B) | GPU us/decode step", f"{agg2:,.0f} | "
                      f"{r2.decode_gpu_ns / max(1, steps2) / 1e3:.0f}", "", f"x{agg / agg2:.3f} {what}"))
-        out[f"{shape}_b64_{'no_products64' if p64_batches else 'cublas_only'}_tok_s"] = agg2
+        out[f"{shape}_b64_{key}_tok_s"] = agg2
+        if ab_env:
+            out[f"{shape}_b64_ab_env"] = ab_env
         plain[1].close()
         del plain
     del hf, model
@@ -416,6 +431,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-attention", default="",
                     help="PREFILL_CONFIG overrides for the bf16 prefill attention kernel, as 'key=value ...' "
                          "(tools/probe_prefill_attention.py's variants)")
+    ap.add_argument("--b64-only", action="store_true",
+                    help="only the 64-stream rows (and their A/B): no parity, batch-1 or TTFT rows")
+    ap.add_argument("--ab-env", default="",
+                    help="NAME=VALUE: the 64-stream A/B row builds its executor with this set (default: products64 "
+                         "or cuBLASLt pinned off, whichever calibration took)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     rows = _EchoRows()
@@ -434,7 +454,7 @@ def main(argv=None) -> int:
     print(f"prefill attention {triton_attention.PREFILL_CONFIG}", file=sys.stderr, flush=True)
     for shape in args.shapes.split(","):
         try:
-            bench_shape(shape, rows, out)
+            bench_shape(shape, rows, out, b64_only=args.b64_only, ab_env=args.ab_env)
         except Exception as exc:  # noqa: BLE001 - report the failure in the table, keep the other shape
             import traceback
 
