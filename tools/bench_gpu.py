@@ -151,41 +151,55 @@ def matched_prefix(a, b):
     return n
 
 
-def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tokens=256, prompt_len=128,
-                ab_mega=True, b64_only=False, ab_env=""):
-    vocab = SHAPES[shape]["vocab_size"]
-    # Exact parity on float32 (small shape only: an 8B float32 copy is 32 GB and adds nothing).
-    if shape == "135m":
-        hf32 = make_hf(shape, torch.float32)
-        m32 = serving(hf32, torch.float32)
-        pair = graph_executor(m32, concurrency=4, num_pages=512)
-        p = prompts(vocab, 2, 32, seed=7)
-        ours = run_flared(m32, p, parity_tokens, ex_pair=pair).tokens
-        ref, _ = hf_generate(hf32, p, parity_tokens)
-        cpu = cpu_tokens(hf32, p, parity_tokens)
-        exact = [matched_prefix(a, b) for a, b in zip(ours, ref)]
-        cpu_exact = [matched_prefix(a, b) for a, b in zip(ours, cpu)]
-        rows.append((shape, "fp32 greedy tokens = transformers", f"{min(exact)}/{parity_tokens}", "",
-                     "exact" if min(exact) == parity_tokens else "DIFFERS"))
-        rows.append((shape, "fp32 greedy tokens = flared CPU path", f"{min(cpu_exact)}/{parity_tokens}", "",
-                     "exact" if min(cpu_exact) == parity_tokens else "DIFFERS"))
-        out[f"{shape}_fp32_parity_hf"] = exact
-        out[f"{shape}_fp32_parity_cpu"] = cpu_exact
-        pair[1].close()
-        del hf32, m32, pair
-        torch.cuda.empty_cache()
+@contextlib.contextmanager
+def env_set(env: dict):
+    """``env`` in os.environ for the block (an executor reads its FLARED_* settings when built), then each
+    name back as it was."""
+    import os
 
-    hf = make_hf(shape, torch.bfloat16)
-    model = serving(hf, torch.bfloat16)
-    t = time.perf_counter()
-    pair = graph_executor(model)
-    out[f"{shape}_capture_s"] = round(time.perf_counter() - t, 2)
-    sched, ex = pair
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def fp32_parity(shape: str, rows: list, out: dict, parity_tokens: int) -> None:
+    """Greedy tokens on float32 against transformers and flared's CPU path (exact parity)."""
+    vocab = SHAPES[shape]["vocab_size"]
+    hf32 = make_hf(shape, torch.float32)
+    m32 = serving(hf32, torch.float32)
+    pair = graph_executor(m32, concurrency=4, num_pages=512)
+    p = prompts(vocab, 2, 32, seed=7)
+    ours = run_flared(m32, p, parity_tokens, ex_pair=pair).tokens
+    ref, _ = hf_generate(hf32, p, parity_tokens)
+    cpu = cpu_tokens(hf32, p, parity_tokens)
+    exact = [matched_prefix(a, b) for a, b in zip(ours, ref)]
+    cpu_exact = [matched_prefix(a, b) for a, b in zip(ours, cpu)]
+    rows.append((shape, "fp32 greedy tokens = transformers", f"{min(exact)}/{parity_tokens}", "",
+                 "exact" if min(exact) == parity_tokens else "DIFFERS"))
+    rows.append((shape, "fp32 greedy tokens = flared CPU path", f"{min(cpu_exact)}/{parity_tokens}", "",
+                 "exact" if min(cpu_exact) == parity_tokens else "DIFFERS"))
+    out[f"{shape}_fp32_parity_hf"] = exact
+    out[f"{shape}_fp32_parity_cpu"] = cpu_exact
+    pair[1].close()
+    del hf32, m32, pair
+    torch.cuda.empty_cache()
+
+
+def executor_rows(shape: str, ex, build_s: float, rows: list, out: dict) -> dict:
+    """The executor's graphs, build time and capture-time calibration; returns the calibration."""
+    out[f"{shape}_capture_s"] = round(build_s, 2)
     num_graphs = len(ex.graphs.graph_execs)
     batched = ex.manifest.prefill_batch_shapes
     batched_s = sum(sec for (kind, b, _, _), sec in ex.graphs.key_seconds.items() if kind == "prefill" and b > 1)
     rows.append((shape, "graphs (multi-seq prefill) | executor build s | of it multi-seq",
-                 f"{num_graphs} ({len(batched)}) | {out[f'{shape}_capture_s']:.1f} | {batched_s:.1f}", "",
+                 f"{num_graphs} ({len(batched)}) | {build_s:.1f} | {batched_s:.1f}", "",
                  f"graph capture alone {ex.graphs.capture_s:.1f} s"))
     out[f"{shape}_graphs"] = num_graphs
     out[f"{shape}_prefill_batch_shapes"] = [list(x) for x in batched]
@@ -194,127 +208,136 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_graph_seconds"] = {f"{k[0]}-{k[1]}x{k[2]}-{int(k[3])}": round(v, 3)
                                      for k, v in ex.graphs.key_seconds.items()}
     cal = ex.graphs.decoder.calibration
-    if cal:
-        if "skinny_us" in cal:
-            rows.append((shape, "batch-1 decode graph us: skinny kernels | cuBLAS (capture-time pick)",
-                         f"{cal['skinny_us']:.0f} | {cal['cublas_us']:.0f}", "",
-                         "skinny" if cal["skinny_max_rows"] else "cuBLAS"))
-        if cal.get("mega_us"):
-            mega = " ".join(f"b{b}: {cal['mega_us'][b]:.0f} vs {cal['mega_other_us'][b]:.0f}" for b in cal["mega_us"])
-            rows.append((shape, "decode graph us: megakernel vs the pick without it", mega, "",
-                         f"megakernel up to {cal['mega_max_rows']} rows"))
-        if cal.get("mega_ll_us"):
-            ll = " ".join(f"b{b}: {cal['mega_ll_us'][b]:.0f} vs {cal['mega_barrier_us'][b]:.0f}"
-                          for b in cal["mega_ll_us"])
-            rows.append((shape, "megakernel graph us: tagged words vs barriers", ll, "",
-                         f"tagged words at {cal['mega_ll_rows'] or 'no batch'}"))
-        if cal.get("lt_us"):
-            lt = " ".join(f"b{b}: {cal['lt_us'][b]:.0f} vs {cal['blas_us'][b]:.0f}" for b in cal["lt_us"])
-            rows.append((shape, "decode graph us: cuBLASLt vs cuBLAS", lt, "",
-                         f"cuBLASLt at {cal['lt_batches'] or 'no batch'}"))
-        if cal.get("p64_us"):
-            p64 = " ".join(f"b{b}: {cal['p64_us'][b]:.0f} vs {cal['p64_other_us'][b]:.0f}" for b in cal["p64_us"])
-            rows.append((shape, "decode graph us: products64 vs cuBLAS(Lt)", p64, "",
-                         f"products64 at {cal['p64_batches'] or 'no batch'}"))
-        if "products64_error" in cal:
-            rows.append((shape, "products64", "failed", "", cal["products64_error"][:60]))
-        if "megakernel_error" in cal:
-            rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
-        out[f"{shape}_calibration"] = cal
+    if not cal:
+        return {}
+    if "skinny_us" in cal:
+        rows.append((shape, "batch-1 decode graph us: skinny kernels | cuBLAS (capture-time pick)",
+                     f"{cal['skinny_us']:.0f} | {cal['cublas_us']:.0f}", "",
+                     "skinny" if cal["skinny_max_rows"] else "cuBLAS"))
+    if cal.get("mega_us"):
+        mega = " ".join(f"b{b}: {cal['mega_us'][b]:.0f} vs {cal['mega_other_us'][b]:.0f}" for b in cal["mega_us"])
+        rows.append((shape, "decode graph us: megakernel vs the pick without it", mega, "",
+                     f"megakernel up to {cal['mega_max_rows']} rows"))
+    if cal.get("mega_ll_us"):
+        ll = " ".join(f"b{b}: {cal['mega_ll_us'][b]:.0f} vs {cal['mega_barrier_us'][b]:.0f}"
+                      for b in cal["mega_ll_us"])
+        rows.append((shape, "megakernel graph us: tagged words vs barriers", ll, "",
+                     f"tagged words at {cal['mega_ll_rows'] or 'no batch'}"))
+    if cal.get("lt_us"):
+        lt = " ".join(f"b{b}: {cal['lt_us'][b]:.0f} vs {cal['blas_us'][b]:.0f}" for b in cal["lt_us"])
+        rows.append((shape, "decode graph us: cuBLASLt vs cuBLAS", lt, "",
+                     f"cuBLASLt at {cal['lt_batches'] or 'no batch'}"))
+    if cal.get("p64_us"):
+        p64 = " ".join(f"b{b}: {cal['p64_us'][b]:.0f} vs {cal['p64_other_us'][b]:.0f}" for b in cal["p64_us"])
+        rows.append((shape, "decode graph us: products64 vs cuBLAS(Lt)", p64, "",
+                     f"products64 at {cal['p64_batches'] or 'no batch'}"))
+    if "products64_error" in cal:
+        rows.append((shape, "products64", "failed", "", cal["products64_error"][:60]))
+    if "megakernel_error" in cal:
+        rows.append((shape, "megakernel", "failed", "", cal["megakernel_error"][:60]))
+    out[f"{shape}_calibration"] = cal
+    return cal
 
-    if not b64_only:
-        p = prompts(vocab, 1, 32, seed=3)
-        ours = run_flared(model, p, parity_tokens, ex_pair=pair).tokens[0]
-        ref, _ = hf_generate(hf, p, parity_tokens)
-        same = matched_prefix(ours, ref[0])
-        agree = sum(a == b for a, b in zip(ours, ref[0]))
-        rows.append((shape, "bf16 greedy tokens = transformers (prefix / total)",
-                     f"{same} / {agree} of {len(ours)}|{len(ref[0])}",
-                     "", "bf16: rounding may flip a near-tie"))
-        out[f"{shape}_bf16_parity_prefix"] = same
 
-        # Single stream: 128-token prompt, 256 new tokens.
-        p = prompts(vocab, 1, prompt_len, seed=4)
-        # Warm-up on other prompts (the same prompt would be a prefix-cache hit): times the shapes once.
-        run_flared(model, prompts(vocab, 1, prompt_len, seed=40), 16, ex_pair=pair)
-        ex.max_outstanding = 0
-        r = run_flared(model, p, new_tokens, ex_pair=pair)
-        out[f"{shape}_b1_max_frames_in_flight"] = ex.max_outstanding
-        decode_s = (r.finish_ns[0] - r.first_token_ns[0]) / 1e9
-        tps = (new_tokens - 1) / decode_s
-        _, hf_s = hf_generate(hf, p, 64)
-        hf_tps = 64 / hf_s
-        rows.append((shape, "batch-1 decode tok/s", f"{tps:,.0f}", f"{hf_tps:,.0f}", f"x{tps / hf_tps:.2f}"))
-        out[f"{shape}_b1_tok_s"] = tps
-        out[f"{shape}_b1_hf_tok_s"] = hf_tps
-        steps = r.steps_by_kind["DECODE"]
-        host_us = r.decode_host_ns / max(1, steps) / 1e3
-        gpu_us = r.decode_gpu_ns / max(1, steps) / 1e3
-        idle = 1 - r.gpu_ns / r.wall_ns
-        rows.append((shape, "batch-1 host us/step | GPU us/step | GPU idle", f"{host_us:.0f} | {gpu_us:.0f} | {idle:.0%}",
-                     "", f"frames in flight <= {ex.max_outstanding}"))
-        out[f"{shape}_b1_host_us_per_step"] = host_us
-        out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
-        out[f"{shape}_b1_gpu_idle"] = idle
-        # The same steps by context length (decode step i attends over prompt_len + i + 1 tokens): where the
-        # average goes between short and long contexts (the megakernel's resident attention ends at 320 at 8B).
-        spans, cells = [(prompt_len + 1, 256), (257, 304), (305, prompt_len + new_tokens)], []
-        for lo, hi in spans:
-            ns = [d for i, d in enumerate(r.decode_step_ns) if lo <= prompt_len + i + 1 <= hi]
-            if ns:
-                cells.append(f"{lo}-{hi}: {sum(ns) / len(ns) / 1e3:.0f}")
-                out[f"{shape}_b1_gpu_us_per_step_{lo}_{hi}"] = sum(ns) / len(ns) / 1e3
-        rows.append((shape, "batch-1 GPU us/step by context (tokens: us)", " | ".join(cells), "",
-                     f"{len(r.decode_step_ns)} steps"))
+def single_stream(shape: str, hf, model, pair, rows: list, out: dict, *, parity_tokens: int, new_tokens: int,
+                  prompt_len: int, ab_mega: bool) -> None:
+    """bf16 parity, then one stream (128-token prompt, 256 new tokens): its speed, host and GPU time per step,
+    GPU time by context, and two A/Bs (uploads on the model stream; the decode megakernel off)."""
+    vocab = SHAPES[shape]["vocab_size"]
+    ex = pair[1]
+    p = prompts(vocab, 1, 32, seed=3)
+    ours = run_flared(model, p, parity_tokens, ex_pair=pair).tokens[0]
+    ref, _ = hf_generate(hf, p, parity_tokens)
+    same = matched_prefix(ours, ref[0])
+    agree = sum(a == b for a, b in zip(ours, ref[0]))
+    rows.append((shape, "bf16 greedy tokens = transformers (prefix / total)",
+                 f"{same} / {agree} of {len(ours)}|{len(ref[0])}",
+                 "", "bf16: rounding may flip a near-tie"))
+    out[f"{shape}_bf16_parity_prefix"] = same
 
-        # The same single stream with each decode step's upload on the model stream, ahead of its launch (A/B on
-        # this executor, its graphs and pool): off, on, off, on.
-        ab = {False: [], True: []}
-        for overlap in (False, True, False, True):
-            ex.overlap_uploads = overlap
-            r1 = run_flared(model, p, new_tokens, ex_pair=pair)
-            ab[overlap].append(((new_tokens - 1) / ((r1.finish_ns[0] - r1.first_token_ns[0]) / 1e9),
-                                r1.decode_gpu_ns / max(1, r1.steps_by_kind["DECODE"]) / 1e3,
-                                matched_prefix(r.tokens[0], r1.tokens[0])))
-        ex.overlap_uploads = True
-        cell = " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[False])
-        rows.append((shape, "batch-1 decode tok/s | GPU us/step, uploads on the model stream (A/B)", cell, "",
-                     "overlapped: " + " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[True])
-                     + f"; tokens = main run: {min(x[2] for v in ab.values() for x in v)}/{new_tokens}"))
-        out[f"{shape}_b1_upload_ab"] = {str(k): v for k, v in ab.items()}
+    p = prompts(vocab, 1, prompt_len, seed=4)
+    # Warm-up on other prompts (the same prompt would be a prefix-cache hit): times the shapes once.
+    run_flared(model, prompts(vocab, 1, prompt_len, seed=40), 16, ex_pair=pair)
+    ex.max_outstanding = 0
+    r = run_flared(model, p, new_tokens, ex_pair=pair)
+    out[f"{shape}_b1_max_frames_in_flight"] = ex.max_outstanding
+    decode_s = (r.finish_ns[0] - r.first_token_ns[0]) / 1e9
+    tps = (new_tokens - 1) / decode_s
+    _, hf_s = hf_generate(hf, p, 64)
+    hf_tps = 64 / hf_s
+    rows.append((shape, "batch-1 decode tok/s", f"{tps:,.0f}", f"{hf_tps:,.0f}", f"x{tps / hf_tps:.2f}"))
+    out[f"{shape}_b1_tok_s"] = tps
+    out[f"{shape}_b1_hf_tok_s"] = hf_tps
+    steps = r.steps_by_kind["DECODE"]
+    host_us = r.decode_host_ns / max(1, steps) / 1e3
+    gpu_us = r.decode_gpu_ns / max(1, steps) / 1e3
+    idle = 1 - r.gpu_ns / r.wall_ns
+    rows.append((shape, "batch-1 host us/step | GPU us/step | GPU idle", f"{host_us:.0f} | {gpu_us:.0f} | {idle:.0%}",
+                 "", f"frames in flight <= {ex.max_outstanding}"))
+    out[f"{shape}_b1_host_us_per_step"] = host_us
+    out[f"{shape}_b1_gpu_us_per_step"] = gpu_us
+    out[f"{shape}_b1_gpu_idle"] = idle
+    # The same steps by context length (decode step i attends over prompt_len + i + 1 tokens): where the
+    # average goes between short and long contexts (the megakernel's resident attention ends at 320 at 8B).
+    spans, cells = [(prompt_len + 1, 256), (257, 304), (305, prompt_len + new_tokens)], []
+    for lo, hi in spans:
+        ns = [d for i, d in enumerate(r.decode_step_ns) if lo <= prompt_len + i + 1 <= hi]
+        if ns:
+            cells.append(f"{lo}-{hi}: {sum(ns) / len(ns) / 1e3:.0f}")
+            out[f"{shape}_b1_gpu_us_per_step_{lo}_{hi}"] = sum(ns) / len(ns) / 1e3
+    rows.append((shape, "batch-1 GPU us/step by context (tokens: us)", " | ".join(cells), "",
+                 f"{len(r.decode_step_ns)} steps"))
 
-        def single_stream_ab(model, env: dict, label: str, key: str) -> None:
-            """The same single stream on an executor built with ``env`` set, beside the main run."""
-            import os
+    # The same single stream with each decode step's upload on the model stream, ahead of its launch (A/B on
+    # this executor, its graphs and pool): off, on, off, on.
+    ab = {False: [], True: []}
+    for overlap in (False, True, False, True):
+        ex.overlap_uploads = overlap
+        r1 = run_flared(model, p, new_tokens, ex_pair=pair)
+        ab[overlap].append(((new_tokens - 1) / ((r1.finish_ns[0] - r1.first_token_ns[0]) / 1e9),
+                            r1.decode_gpu_ns / max(1, r1.steps_by_kind["DECODE"]) / 1e3,
+                            matched_prefix(r.tokens[0], r1.tokens[0])))
+    ex.overlap_uploads = True
+    cell = " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[False])
+    rows.append((shape, "batch-1 decode tok/s | GPU us/step, uploads on the model stream (A/B)", cell, "",
+                 "overlapped: " + " / ".join(f"{t:,.0f} | {g:.0f}" for t, g, _ in ab[True])
+                 + f"; tokens = main run: {min(x[2] for v in ab.values() for x in v)}/{new_tokens}"))
+    out[f"{shape}_b1_upload_ab"] = {str(k): v for k, v in ab.items()}
+    if not ab_mega:
+        return
 
-            os.environ.update(env)
-            try:
-                plain = graph_executor(model, concurrency=1, num_pages=64)
-            finally:
-                for name in env:
-                    del os.environ[name]
-            run_flared(model, prompts(vocab, 1, prompt_len, seed=41), 16, ex_pair=plain)
-            r0 = run_flared(model, p, new_tokens, ex_pair=plain)
-            tps0 = (new_tokens - 1) / ((r0.finish_ns[0] - r0.first_token_ns[0]) / 1e9)
-            gpu0 = r0.decode_gpu_ns / max(1, r0.steps_by_kind["DECODE"]) / 1e3
-            same0 = matched_prefix(r.tokens[0], r0.tokens[0])
-            rows.append((shape, f"batch-1 decode tok/s {label} | GPU us/step", f"{tps0:,.0f} | {gpu0:.0f}", "",
-                         f"tokens = main run: {same0}/{new_tokens}"))
-            out[f"{shape}_b1_{key}_tok_s"] = tps0
-            out[f"{shape}_b1_{key}_gpu_us_per_step"] = gpu0
-            out[f"{shape}_b1_mega_vs_{key}_prefix"] = same0
-            plain[1].close()
-            del plain
+    # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with), on an
+    # executor of its own.
+    with env_set({"FLARED_MEGAKERNEL": "0"}):
+        plain = graph_executor(model, concurrency=1, num_pages=64)
+    run_flared(model, prompts(vocab, 1, prompt_len, seed=41), 16, ex_pair=plain)
+    r0 = run_flared(model, p, new_tokens, ex_pair=plain)
+    tps0 = (new_tokens - 1) / ((r0.finish_ns[0] - r0.first_token_ns[0]) / 1e9)
+    gpu0 = r0.decode_gpu_ns / max(1, r0.steps_by_kind["DECODE"]) / 1e3
+    same0 = matched_prefix(r.tokens[0], r0.tokens[0])
+    rows.append((shape, "batch-1 decode tok/s without the megakernel | GPU us/step", f"{tps0:,.0f} | {gpu0:.0f}", "",
+                 f"tokens = main run: {same0}/{new_tokens}"))
+    out[f"{shape}_b1_no_mega_tok_s"] = tps0
+    out[f"{shape}_b1_no_mega_gpu_us_per_step"] = gpu0
+    out[f"{shape}_b1_mega_vs_no_mega_prefix"] = same0
+    plain[1].close()
+    del plain
 
-        # The same single stream without the decode megakernel (the skinny-or-cuBLAS pick it competes with).
-        if ab_mega:
-            single_stream_ab(model, {"FLARED_MEGAKERNEL": "0"}, "without the megakernel", "no_mega")
 
-    # 64 streams: 128-token prompts, 256 new tokens, admitted together; output tokens over the whole run.
+def streams64(shape: str, model, pair, *, new_tokens: int, prompt_len: int):
+    """64 streams: 128-token prompts, 256 new tokens, admitted together (after a warm-up on other prompts);
+    returns (output tokens a second over the whole run, the run, the prompts)."""
+    vocab = SHAPES[shape]["vocab_size"]
     p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
     run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=50), 4, ex_pair=pair)
     r = run_flared(model, p, new_tokens, ex_pair=pair)
-    agg = CONCURRENCY * new_tokens / (r.wall_ns / 1e9)
+    return CONCURRENCY * new_tokens / (r.wall_ns / 1e9), r, p
+
+
+def streams64_rows(shape: str, hf, model, pair, rows: list, out: dict, *, new_tokens: int, prompt_len: int) -> float:
+    """The 64 streams beside transformers' generate on the same prompts, with host and GPU time per step and the
+    prefill steps; returns flared's output tokens a second."""
+    agg, r, p = streams64(shape, model, pair, new_tokens=new_tokens, prompt_len=prompt_len)
     _, hf_s = hf_generate(hf, p, new_tokens)
     hf_agg = CONCURRENCY * new_tokens / hf_s
     rows.append((shape, "batch-64 output tok/s", f"{agg:,.0f}", f"{hf_agg:,.0f}", f"x{agg / hf_agg:.2f}"))
@@ -331,68 +354,82 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     out[f"{shape}_b64_prefill_steps"] = prefill_steps
     out[f"{shape}_b64_decode_steps"] = steps
     out[f"{shape}_b64_non_decode_gpu_ms"] = (r.gpu_ns - r.decode_gpu_ns) / 1e6
-    if not b64_only:  # the rest of the single-model rows
-        # A/B in the same run: the same executor under a scheduler that plans one-sequence prefill chunks only
-        # (the default shapes: what ran before multi-sequence prefill graphs).
-        one_seq = (scheduler(CONCURRENCY, ex.decoder.num_pages)[0], ex)
-        run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=51), 4, ex_pair=one_seq)
-        r1 = run_flared(model, p, new_tokens, ex_pair=one_seq)
-        agg1 = CONCURRENCY * new_tokens / (r1.wall_ns / 1e9)
-        rows.append((shape, "batch-64 output tok/s, one-sequence prefill only (A/B)", f"{agg1:,.0f}", "",
-                     f"x{agg / agg1:.2f} batched; steps {dict(r1.steps_by_kind)}"))
-        out[f"{shape}_b64_one_seq_prefill_tok_s"] = agg1
-        out[f"{shape}_b64_one_seq_prefill_steps"] = dict(r1.steps_by_kind)
+    return agg
 
-        # 2048-token prompt: time to first token (best of 3).
-        # A fresh prompt each time: a repeated one would be served from the prefix cache.
-        ttft = min(run_flared(model, prompts(vocab, 1, 2048, seed=60 + i), 1, ex_pair=pair).first_token_ns[0]
-                   for i in range(3)) / 1e6
-        p = prompts(vocab, 1, 2048, seed=60)
-        hf_ms = hf_ttft(hf, p[0]) * 1e3
-        rows.append((shape, "2048-token prompt TTFT ms", f"{ttft:.1f}", f"{hf_ms:.1f}", f"x{hf_ms / ttft:.2f}"))
-        out[f"{shape}_ttft_ms"] = ttft
-        out[f"{shape}_hf_ttft_ms"] = hf_ms
-    lt_batches = (cal or {}).get("lt_batches")
-    p64_batches = (cal or {}).get("p64_batches")
-    ex.close()
-    del pair, sched, ex
+
+def one_seq_prefill_and_ttft(shape: str, hf, model, pair, agg: float, rows: list, out: dict, *, new_tokens: int,
+                             prompt_len: int) -> None:
+    """A/B: the 64 streams under a scheduler of one-sequence prefill chunks only (what ran before multi-sequence
+    prefill graphs); then a 2048-token prompt's time to first token (best of 3) beside transformers'."""
+    vocab = SHAPES[shape]["vocab_size"]
+    ex = pair[1]
+    one_seq = (scheduler(CONCURRENCY, ex.decoder.num_pages)[0], ex)
+    p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
+    run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=51), 4, ex_pair=one_seq)
+    r1 = run_flared(model, p, new_tokens, ex_pair=one_seq)
+    agg1 = CONCURRENCY * new_tokens / (r1.wall_ns / 1e9)
+    rows.append((shape, "batch-64 output tok/s, one-sequence prefill only (A/B)", f"{agg1:,.0f}", "",
+                 f"x{agg / agg1:.2f} batched; steps {dict(r1.steps_by_kind)}"))
+    out[f"{shape}_b64_one_seq_prefill_tok_s"] = agg1
+    out[f"{shape}_b64_one_seq_prefill_steps"] = dict(r1.steps_by_kind)
+
+    # A fresh prompt each time: a repeated one would be served from the prefix cache.
+    ttft = min(run_flared(model, prompts(vocab, 1, 2048, seed=60 + i), 1, ex_pair=pair).first_token_ns[0]
+               for i in range(3)) / 1e6
+    p = prompts(vocab, 1, 2048, seed=60)
+    hf_ms = hf_ttft(hf, p[0]) * 1e3
+    rows.append((shape, "2048-token prompt TTFT ms", f"{ttft:.1f}", f"{hf_ms:.1f}", f"x{hf_ms / ttft:.2f}"))
+    out[f"{shape}_ttft_ms"] = ttft
+    out[f"{shape}_hf_ttft_ms"] = hf_ms
+
+
+def streams64_ab(shape: str, model, agg: float, cal: dict, ab_env: str, rows: list, out: dict, *, new_tokens: int,
+                 prompt_len: int) -> None:
+    """A/B in the same run: the 64 streams on an executor built with ``ab_env`` set, else with products64 pinned
+    off where calibration put some batch on it (the step then runs cuBLASLt's products), else with cuBLASLt
+    pinned off where it did; nothing where none of these applies."""
+    if ab_env:
+        name, _, value = ab_env.partition("=")
+        env, label, what, key = {name: value}, f"with {ab_env}", "without it", "ab_env"
+    elif cal.get("p64_batches"):
+        env, label, what, key = {"FLARED_PRODUCTS64": "0"}, "without products64", "with products64", "no_products64"
+    elif cal.get("lt_batches"):
+        env, label, what, key = {"FLARED_BLAS_LT": "0"}, "with cuBLAS only", "with cuBLASLt", "cublas_only"
+    else:
+        return
+    with env_set(env):
+        plain = graph_executor(model)
+    agg2, r2, _ = streams64(shape, model, plain, new_tokens=new_tokens, prompt_len=prompt_len)
+    steps2 = r2.steps_by_kind["DECODE"]
+    rows.append((shape, f"batch-64 output tok/s {label} (A/B) | GPU us/decode step", f"{agg2:,.0f} | "
+                 f"{r2.decode_gpu_ns / max(1, steps2) / 1e3:.0f}", "", f"x{agg / agg2:.3f} {what}"))
+    out[f"{shape}_b64_{key}_tok_s"] = agg2
+    if ab_env:
+        out[f"{shape}_b64_ab_env"] = ab_env
+    plain[1].close()
+    del plain
+
+
+def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tokens=256, prompt_len=128,
+                ab_mega=True, b64_only=False, ab_env=""):
+    """Every row for one shape; ``b64_only``: only the executor's and the 64 streams' (with their A/B)."""
+    if shape == "135m" and not b64_only:  # an 8B float32 copy is 32 GB and adds nothing
+        fp32_parity(shape, rows, out, parity_tokens)
+    hf = make_hf(shape, torch.bfloat16)
+    model = serving(hf, torch.bfloat16)
+    t = time.perf_counter()
+    pair = graph_executor(model)
+    cal = executor_rows(shape, pair[1], time.perf_counter() - t, rows, out)
+    sizes = dict(new_tokens=new_tokens, prompt_len=prompt_len)
+    if not b64_only:
+        single_stream(shape, hf, model, pair, rows, out, parity_tokens=parity_tokens, ab_mega=ab_mega, **sizes)
+    agg = streams64_rows(shape, hf, model, pair, rows, out, **sizes)
+    if not b64_only:
+        one_seq_prefill_and_ttft(shape, hf, model, pair, agg, rows, out, **sizes)
+    pair[1].close()
+    del pair
     torch.cuda.empty_cache()
-
-    # A/B in the same run: 64 streams with products64 pinned off where calibration put some batch on it (the
-    # step then runs cuBLASLt's products), else with cuBLASLt pinned off where it did; or under ``ab_env``.
-    if ab_env or p64_batches or lt_batches:
-        import os
-
-        if ab_env:
-            name, _, value = ab_env.partition("=")
-            env, label, what, key = {name: value}, f"with {ab_env}", "without it", "ab_env"
-        elif p64_batches:
-            env, label, what, key = {"FLARED_PRODUCTS64": "0"}, "without products64", "with products64", \
-                "no_products64"
-        else:
-            env, label, what, key = {"FLARED_BLAS_LT": "0"}, "with cuBLAS only", "with cuBLASLt", "cublas_only"
-        saved = {n: os.environ.get(n) for n in env}
-        os.environ.update(env)
-        try:
-            plain = graph_executor(model)
-        finally:
-            for n, v in saved.items():
-                if v is None:
-                    os.environ.pop(n, None)
-                else:
-                    os.environ[n] = v
-        p = prompts(vocab, CONCURRENCY, prompt_len, seed=5)
-        run_flared(model, prompts(vocab, CONCURRENCY, prompt_len, seed=50), 4, ex_pair=plain)
-        r2 = run_flared(model, p, new_tokens, ex_pair=plain)
-        agg2 = CONCURRENCY * new_tokens / (r2.wall_ns / 1e9)
-        steps2 = r2.steps_by_kind["DECODE"]
-        rows.append((shape, f"batch-64 output tok/s {label} (A/B) | GPU us/decode step", f"{agg2:,.0f} | "
-                     f"{r2.decode_gpu_ns / max(1, steps2) / 1e3:.0f}", "", f"x{agg / agg2:.3f} {what}"))
-        out[f"{shape}_b64_{key}_tok_s"] = agg2
-        if ab_env:
-            out[f"{shape}_b64_ab_env"] = ab_env
-        plain[1].close()
-        del plain
+    streams64_ab(shape, model, agg, cal, ab_env, rows, out, **sizes)
     del hf, model
     torch.cuda.empty_cache()
 
