@@ -10,6 +10,8 @@ list times each context on the same build):
 - ``lt``: the same products through cuBLASLt (``torch.backends.cuda.preferred_blas_library``);
 - ``mega``: every layer in one persistent kernel (kernels/megakernel.py), where the batch fits it, with the
   LM head and greedy argmax inside it; ``mega nohead``: the same with the LM head and sampling after it;
+- ``cuda``: the decode attention through the CUDA kernel (kernels/decode_attention.cu, FLARED_CUDA_ATTENTION=1)
+  where it applies; every other variant runs the Triton one;
 - ``attn=N``: decode attention over N context splits (1 = the one-pass kernel) instead of
   ``decode_splits``' choice.
 
@@ -55,6 +57,9 @@ VARIANTS = {  # name: (skinny kernels, BLAS library, attention splits (None = de
     "products64 pdl norms": (False, "cublaslt", None),
     "products64 tiled pdl norms": (False, "cublaslt", None),
     "products64 pdl norms attn": (False, "cublaslt", None),  # and the attention between qkv and o with PDL too
+    # "cuda": the decode attention through kernels/decode_attention.cu where it applies (the others: Triton)
+    "products64 pdl norms attn cuda": (False, "cublaslt", None),
+    "cublas lt cuda": (False, "cublaslt", None),
     "cublas attn=1": (False, "cublas", 1),
     "cublas attn=2": (False, "cublas", 2),
     "cublas attn=4": (False, "cublas", 4),
@@ -189,6 +194,7 @@ def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
     if (dec.p64_tiled, dec.p64_fold, dec.p64_pdl) != setup:  # other builds (or the other weight layout's maps)
         (dec.p64_tiled, dec.p64_fold, dec.p64_pdl), dec._p64 = setup, None
     dec.attn_pdl = "attn" in words
+    dec.attn_build = dec.cuda_attention_build() if "cuda" in variant.split() else None
     dec.skinny_max_rows = skinny.MAX_ROWS if use_skinny else 0
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"

@@ -1,7 +1,8 @@
 """Decode attention at a large batch, as a step pays it: the separate rotary/KV-write kernel plus attention
 against the fused kernel (paged_decode_attention_rope), the fused kernel's tile and warp choices, and the
 same pool laid out head-major ([kv head, slot, d]: a program's keys of a page contiguous; the kernels take
-the pool's strides, so only the layout changes).
+the pool's strides, so only the layout changes); and the CUDA kernel (kernels/decode_attention.cu) in each of its
+tuning builds, with its largest output difference from the Triton kernel.
 
 Every layer gets its own KV pool region (as a step walks 32 layers' pools, nothing stays in L2), pages
 scattered; every row at the same context. Each variant is captured for all layers into one graph.
@@ -106,6 +107,31 @@ def main(argv=None) -> int:
     for splits in (2, 4):
         variants.append((f"fused, split {splits} + combine", fused(num_splits=splits, part_acc=part_acc, part_m=part_m,
                                                                   part_l=part_l)))
+    # The CUDA kernel (kernels/decode_attention.cu) in each tuning build, and its largest difference from the
+    # Triton kernel's output on the same operands (layer 0).
+    from flared.model.kernels import decode_attention as cuda_attention
+
+    def cuda(build):
+        def fn():
+            for i in range(L):
+                cuda_attention.decode_attention_rope(qkv, cos, sin, positions, slots, k_pool[i], v_pool[i], out, tables,
+                                                     lens, num_heads=nh, page_tokens=P, scale=scale, build=build)
+        return fn
+
+    diffs = {}
+    if cuda_attention.available():
+        ref = torch.empty_like(out)
+        paged_decode_attention_rope(qkv, cos, sin, positions, slots, k_pool[0], v_pool[0], ref, tables, lens,
+                                    num_heads=nh, page_tokens=P, scale=scale)
+        default = cuda_attention.default_build(nh // nkv, d, P)
+        for prefetch, blocks in ((1, 2), (1, 3), (0, 3), (0, 4), (1, 1)):
+            build = cuda_attention.Build(nh // nkv, d, P, prefetch=prefetch, blocks_per_sm=blocks)
+            name = f"CUDA, prefetch {prefetch}, {blocks} blocks/SM" + (" (default)" * (build == default))
+            mine = torch.empty_like(out)
+            cuda_attention.decode_attention_rope(qkv, cos, sin, positions, slots, k_pool[0], v_pool[0], mine,
+                                                 tables, lens, num_heads=nh, page_tokens=P, scale=scale, build=build)
+            diffs[name] = float((mine.float() - ref.float()).abs().max())
+            variants.append((name, cuda(build)))
     for bn in () if args.quick else (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):
@@ -119,11 +145,12 @@ def main(argv=None) -> int:
             print(f"{name}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
     base = res[variants[0][0]]
     print(f"{B} rows, context {ctx}, {kv_mb:.1f} MB of K/V per layer")
-    print(f"{'variant':45} {'us/layer':>9} {'TB/s':>6} {'vs before':>9}")
+    print(f"{'variant':52} {'us/layer':>9} {'TB/s':>6} {'vs before':>9} {'max |diff| vs Triton':>20}")
     for name, us in sorted(res.items(), key=lambda kv: kv[1]):
-        print(f"{name:45} {us:9.2f} {kv_mb / us:6.2f} {us - base:+9.2f}")
+        diff = f"{diffs[name]:20.4f}" if name in diffs else ""
+        print(f"{name:52} {us:9.2f} {kv_mb / us:6.2f} {us - base:+9.2f} {diff}")
     if args.json:
-        print(json.dumps({"rows": B, "context": ctx, "us_per_layer": res}))
+        print(json.dumps({"rows": B, "context": ctx, "us_per_layer": res, "max_abs_diff_vs_triton": diffs}))
     return 0
 
 

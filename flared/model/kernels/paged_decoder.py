@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.kernels import fused, megakernel, products64, skinny
+from flared.model.kernels import decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
 from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_rope,
                                            paged_decode_attention_split, paged_prefill_attention_varlen,
@@ -112,6 +112,14 @@ class PagedCudaDecoder:
         # Decode steps of the layered fused forward rope their q and k and write the KV slot inside the attention
         # kernel (paged_decode_attention_rope); FLARED_ROPE_ATTENTION=0 keeps the separate kernel (benchmarks).
         self.rope_in_attention = os.environ.get("FLARED_ROPE_ATTENTION") != "0"
+        # FLARED_CUDA_ATTENTION=1: where a decode step's attention is one share per (row, kv head)
+        # (decode_splits), the tensor-core CUDA kernel (kernels/decode_attention.cu) runs it instead of the Triton
+        # one. Off by default: it matches Triton alone but made the 8B 64-row step slower (docs/benchmarks.md,
+        # twenty-sixth session). ``attn_build`` is the build it runs (None: Triton).
+        self.attn_build = None
+        if self.rope_in_attention and os.environ.get("FLARED_CUDA_ATTENTION") == "1":
+            self.attn_build = self.cuda_attention_build()
+
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
@@ -188,6 +196,17 @@ class PagedCudaDecoder:
         self.pinned_ll = os.environ.get("FLARED_MEGAKERNEL_LL")
         if self.pinned_ll == "1":
             self.mega_ll_rows = {1 << i for i in range(self.mega_limit.bit_length())}
+
+    def cuda_attention_build(self):
+        """The CUDA decode attention's build for this model, loaded (never inside a graph capture); None where it
+        cannot run (it says why in ``decode_attention.unsupported``)."""
+        c = self.config
+        if (decode_attention.unsupported(c.num_heads, c.num_kv_heads, c.head_dim, self.model.dtype) is not None
+                or self.page_tokens % 16 or not decode_attention.available()):
+            return None
+        build = decode_attention.default_build(c.num_heads // c.num_kv_heads, c.head_dim, self.page_tokens)
+        decode_attention.load(build)
+        return build
 
     def calibrate(self, stream) -> None:
         """Pick the few-row decode path for this model and GPU by timing captured graphs (before the real
@@ -364,6 +383,12 @@ class PagedCudaDecoder:
 
         def with_rope(qkv, positions, slots, layer, out):
             """The rotary, the KV write and the attention from the QKV projection's rows, in one kernel."""
+            if splits == 1 and self.attn_build is not None:
+                decode_attention.decode_attention_rope(
+                    qkv, self.model.rope_cos, self.model.rope_sin_signed, positions, slots, self.k_pool[layer],
+                    self.v_pool[layer], out, block_tables, context_lens, num_heads=self.config.num_heads,
+                    page_tokens=self.page_tokens, scale=self.model.scale, build=self.attn_build, pdl=pdl)
+                return
             paged_decode_attention_rope(qkv, self.model.rope_cos, self.model.rope_sin_signed, positions, slots,
                                         self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                         num_heads=self.config.num_heads, page_tokens=self.page_tokens,
