@@ -15,12 +15,13 @@ Rules:
 - Threads are OpenMP's, the runtime torch uses (see linear.pyx).
 """
 
-from libc.stdint cimport int64_t, uint16_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint16_t, uintptr_t
 
 cdef extern from "decode_kernel.h" nogil:
     int FL_DEC_MAX_ROWS
     int FL_ATTN_MAX_GROUP
     int FL_ATTN_MAX_DIM
+    int FL_LORA_MAX_RANK
     ctypedef struct fl_decode_args_t:
         int rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, window, threads
         float eps, scale
@@ -40,19 +41,27 @@ cdef extern from "decode_kernel.h" nogil:
         uint16_t *q
         uint16_t *attn
         uint16_t *act
+        const int32_t *lora_rows
+        const int64_t *lora_table
+        uint16_t *lora_low
+        int lora_rank
     int fl_decode_supported()
     void fl_decode_layers(const fl_decode_args_t *a)
 
 SUPPORTED = bool(fl_decode_supported())
 MAX_ROWS = FL_DEC_MAX_ROWS
+LORA_MAX_RANK = FL_LORA_MAX_RANK  # the most low-rank columns (all of one product's stacked A) an adapter may have
 
 
 def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int head_dim, int intermediate,
                   int num_layers, float eps, float scale, int window, int64_t num_slots, int64_t stride_slots,
                   uintptr_t layer_ptrs, uintptr_t cos, uintptr_t sin, uintptr_t positions, uintptr_t write_slots,
                   uintptr_t gather_slots, uintptr_t lens, uintptr_t k_cache, uintptr_t v_cache, uintptr_t h,
-                  uintptr_t x, uintptr_t qkv, uintptr_t q, uintptr_t attn, uintptr_t act, int threads=1):
-    """See the module docstring. ``x`` holds ``threads`` * rows * hidden elements (one norm buffer per thread)."""
+                  uintptr_t x, uintptr_t qkv, uintptr_t q, uintptr_t attn, uintptr_t act, int threads=1,
+                  uintptr_t lora_rows=0, uintptr_t lora_table=0, uintptr_t lora_low=0, int lora_rank=0):
+    """See the module docstring. ``x`` holds ``threads`` * rows * hidden elements (one norm buffer per thread).
+    Per-request LoRA rows (decode_kernel.h): ``lora_rows`` int32 [rows] (each row's adapter slot, -1 none),
+    ``lora_table`` int64 [slots, num_layers, 4, 4], ``lora_low`` bf16 [rows, lora_rank] scratch."""
     if not SUPPORTED:
         raise RuntimeError("decode_layers: this CPU lacks AVX-512 BF16 (check SUPPORTED first)")
     if not 0 < rows <= FL_DEC_MAX_ROWS:
@@ -68,6 +77,8 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     if 0 in (layer_ptrs, cos, sin, positions, write_slots, gather_slots, lens, k_cache, v_cache, h, x, qkv, q,
              attn, act):
         raise ValueError("decode_layers: null data pointer")
+    if lora_rows and (not lora_table or not lora_low or not 0 < lora_rank <= FL_LORA_MAX_RANK):
+        raise ValueError(f"decode_layers: LoRA rows need a table, scratch and a rank in 1..{FL_LORA_MAX_RANK}")
     cdef fl_decode_args_t a
     a.rows = rows
     a.hidden = hidden
@@ -97,5 +108,9 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     a.q = <uint16_t *>q
     a.attn = <uint16_t *>attn
     a.act = <uint16_t *>act
+    a.lora_rows = <const int32_t *>lora_rows
+    a.lora_table = <const int64_t *>lora_table
+    a.lora_low = <uint16_t *>lora_low
+    a.lora_rank = lora_rank
     with nogil:
         fl_decode_layers(&a)

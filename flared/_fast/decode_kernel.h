@@ -22,6 +22,15 @@
  * int64. Per layer, 9 addresses (0 = absent): attn_norm, qkv, qkv_bias, qk_norm ([heads + kv_heads,
  * head_dim]), o, o_bias, mlp_norm, gate_up ([2 * intermediate, hidden]: gate rows then up rows), down; the
  * four weights packed as linear_kernel.h says. intermediate must be a multiple of 64.
+ *
+ * Per-request LoRA adapters (lora_rows non-null): a row of adapter slot s >= 0 adds (x A^T) B^T to each
+ * product its adapter targets, rounded as DecoderModel._lora rounds it: low = bf16(x A^T) over the adapter's
+ * stacked A (a phase of its own before the product, per row), then per output feature bf16(low B^T) added to the
+ * product (after its bias, before a residual add). lora_table [slots, num_layers, 4, 4] int64: for qkv, o,
+ * gate_up and down in that order, (A^T address [in, R] bf16, R, parts address, part count; 0 parts: the adapter
+ * leaves the product alone); a part is 5 int64: (first output feature, feature count, first column of low, one
+ * past its last, B^T address [columns, feature count] bf16). lora_low [rows, lora_rank] is scratch, lora_rank
+ * >= every R (at most FL_LORA_MAX_RANK).
  */
 #ifndef FLARED_DECODE_KERNEL_H
 #define FLARED_DECODE_KERNEL_H
@@ -36,6 +45,7 @@
 
 #define FL_DEC_MAX_ROWS 64
 #define FL_DEC_PTRS 9
+#define FL_LORA_MAX_RANK 1024
 
 typedef struct {
     int rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers, window, threads;
@@ -51,6 +61,10 @@ typedef struct {
     uint16_t *q;    /* [rows, heads * head_dim] */
     uint16_t *attn; /* [rows, heads * head_dim] */
     uint16_t *act;  /* [rows, intermediate] */
+    const int32_t *lora_rows;   /* [rows] adapter slot, -1 none; 0: no adapter rows */
+    const int64_t *lora_table;  /* [slots, num_layers, 4, 4] */
+    uint16_t *lora_low;         /* [rows, lora_rank] */
+    int lora_rank;
 } fl_decode_args_t;
 
 #if FL_HAVE_X86
@@ -64,30 +78,97 @@ FL_TARGET static void fl_dec_group(const uint16_t *packed, int g, const uint16_t
                      rows - r < FL_GEMM_RB ? rows - r : FL_GEMM_RB, FL_GROUP);
 }
 
-/* Group g of x @ w^T (+ bias): into y [rows, out], or, with residual, y += that (rounded as two ops). */
-FL_TARGET static void fl_dec_linear(const uint16_t *packed, const uint16_t *bias, const uint16_t *x, uint16_t *y,
-                                    int residual, int rows, int out, int in, int g) {
+/* The LoRA table's entry for adapter slot `slot`, layer `layer`, product `target` (0 qkv, 1 o, 2 gate_up, 3 down). */
+static inline const int64_t *fl_lora_entry(const fl_decode_args_t *a, int slot, int layer, int target) {
+    return a->lora_table + (((size_t)slot * a->num_layers + layer) * 4 + target) * 4;
+}
+
+/* Row r's low = bf16(x[r] @ A^T) for `target`, where its adapter has a term there (float32 sums in input order). */
+FL_TARGET static void fl_dec_lora_low(const fl_decode_args_t *a, int layer, int target, const uint16_t *x, int in,
+                                      int r) {
+    const int slot = a->lora_rows[r];
+    if (slot < 0) return;
+    const int64_t *e = fl_lora_entry(a, slot, layer, target);
+    if (e[3] == 0) return;
+    const uint16_t *at = (const uint16_t *)(uintptr_t)e[0];
+    const int rank = (int)e[1];
+    float acc[FL_LORA_MAX_RANK];
+    for (int k = 0; k < rank; k++) acc[k] = 0.0f;
+    const uint16_t *xr = x + (size_t)r * in;
+    for (int i = 0; i < in; i++) {
+        const float xi = fl_bf16_widen(xr[i]);
+        const uint16_t *row = at + (size_t)i * rank;
+        for (int k = 0; k < rank; k++) acc[k] += xi * fl_bf16_widen(row[k]);
+    }
+    uint16_t *low = a->lora_low + (size_t)r * a->lora_rank;
+    for (int k = 0; k < rank; k++) low[k] = fl_bf16_round(acc[k]);
+}
+
+/* vals [rows, n] (row stride `stride`), output features col0.. of `target`: each adapter row's term added,
+ * vals = bf16(vals + bf16(low B^T)), as the per-op path's y += term. */
+FL_TARGET static void fl_dec_lora_add(const fl_decode_args_t *a, int layer, int target, int rows, int col0, int n,
+                                      uint16_t *vals, size_t stride) {
+    for (int r = 0; r < rows; r++) {
+        const int slot = a->lora_rows[r];
+        if (slot < 0) continue;
+        const int64_t *e = fl_lora_entry(a, slot, layer, target);
+        const int64_t *parts = (const int64_t *)(uintptr_t)e[2];
+        const uint16_t *low = a->lora_low + (size_t)r * a->lora_rank;
+        for (int64_t p = 0; p < e[3]; p++) {
+            const int64_t *part = parts + 5 * p;
+            const int first = (int)part[0], count = (int)part[1], begin = (int)part[2], end = (int)part[3];
+            const uint16_t *bt = (const uint16_t *)(uintptr_t)part[4];
+            const int lo = col0 > first ? col0 : first;
+            const int hi = col0 + n < first + count ? col0 + n : first + count;
+            if (lo >= hi) continue;
+            float acc[FL_GROUP];
+            for (int j = 0; j < hi - lo; j++) acc[j] = 0.0f;
+            for (int k = 0; k < end - begin; k++) {
+                const float lk = fl_bf16_widen(low[begin + k]);
+                const uint16_t *brow = bt + (size_t)k * count + (lo - first);
+                for (int j = 0; j < hi - lo; j++) acc[j] += lk * fl_bf16_widen(brow[j]);
+            }
+            uint16_t *v = vals + (size_t)r * stride + (lo - col0);
+            for (int j = 0; j < hi - lo; j++)
+                v[j] = fl_bf16_round(fl_bf16_widen(v[j]) + fl_bf16_widen(fl_bf16_round(acc[j])));
+        }
+    }
+}
+
+/* Group g of x @ w^T (+ bias, + each adapter row's LoRA term for `target`): into y [rows, out], or, with
+ * residual, y += that (rounded as separate ops). */
+FL_TARGET static void fl_dec_linear(const fl_decode_args_t *a, int layer, int target, const uint16_t *packed,
+                                    const uint16_t *bias, const uint16_t *x, uint16_t *y, int residual, int rows,
+                                    int out, int in, int g) {
     uint16_t tile[FL_DEC_MAX_ROWS * FL_GROUP];
     fl_dec_group(packed, g, x, rows, in, tile);
     int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
+    if (bias)
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < n; j++) {
+                uint16_t *v = tile + (size_t)r * FL_GROUP + j;
+                *v = fl_bf16_round(fl_bf16_widen(*v) + fl_bf16_widen(bias[j0 + j]));
+            }
+    if (a->lora_rows) fl_dec_lora_add(a, layer, target, rows, j0, n, tile, FL_GROUP);
     for (int r = 0; r < rows; r++) {
         uint16_t *dst = y + (size_t)r * out + j0;
         const uint16_t *src = tile + (size_t)r * FL_GROUP;
-        for (int j = 0; j < n; j++) {
-            uint16_t v = src[j];
-            if (bias) v = fl_bf16_round(fl_bf16_widen(v) + fl_bf16_widen(bias[j0 + j]));
-            dst[j] = residual ? fl_bf16_round(fl_bf16_widen(dst[j]) + fl_bf16_widen(v)) : v;
-        }
+        for (int j = 0; j < n; j++) dst[j] = residual ? fl_bf16_round(fl_bf16_widen(dst[j]) + fl_bf16_widen(src[j]))
+                                                      : src[j];
     }
 }
 
 /* act[:, 64g:64g + 64] = silu(gate) * up (intermediate is a multiple of 64, so up's group is
  * intermediate / 64 + g); silu as torch computes it on bf16: x / (1 + exp(-x)) in float32, rounded. */
-FL_TARGET static void fl_dec_gate_up(const uint16_t *packed, const uint16_t *x, uint16_t *act, int rows, int inter,
-                                     int in, int g) {
+FL_TARGET static void fl_dec_gate_up(const fl_decode_args_t *a, int layer, const uint16_t *packed, const uint16_t *x,
+                                     uint16_t *act, int rows, int inter, int in, int g) {
     uint16_t gate[FL_DEC_MAX_ROWS * FL_GROUP], up[FL_DEC_MAX_ROWS * FL_GROUP];
     fl_dec_group(packed, g, x, rows, in, gate);
     fl_dec_group(packed, inter / FL_GROUP + g, x, rows, in, up);
+    if (a->lora_rows) {
+        fl_dec_lora_add(a, layer, 2, rows, g * FL_GROUP, FL_GROUP, gate, FL_GROUP);
+        fl_dec_lora_add(a, layer, 2, rows, inter + g * FL_GROUP, FL_GROUP, up, FL_GROUP);
+    }
     for (int r = 0; r < rows; r++) {
         const uint16_t *gr = gate + (size_t)r * FL_GROUP, *ur = up + (size_t)r * FL_GROUP;
         uint16_t *dst = act + (size_t)r * inter + (size_t)g * FL_GROUP;
@@ -163,6 +244,7 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
     const int hidden_groups = (hidden + FL_GROUP - 1) / FL_GROUP;
     const int mlp_groups = inter / FL_GROUP;
     const int tasks = rows * a->num_kv_heads;
+    const int lora = a->lora_rows != 0;
 #pragma omp parallel num_threads(a->threads)
     {
         uint16_t *x = a->x + (size_t)omp_get_thread_num() * rows * hidden;
@@ -170,20 +252,36 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
             const int64_t *p = a->layer_ptrs + (size_t)layer * FL_DEC_PTRS;
 #define FL_PTR(i) ((const uint16_t *)(uintptr_t)p[i])
             fl_bf16_rms_norm(a->h, FL_PTR(0), x, rows, hidden, a->eps);
+            if (lora) {
+#pragma omp for schedule(dynamic)
+                for (int r = 0; r < rows; r++) fl_dec_lora_low(a, layer, 0, x, hidden, r);
+            }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < qkv_groups; g++)
-                fl_dec_linear(FL_PTR(1), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden, g);
+                fl_dec_linear(a, layer, 0, FL_PTR(1), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden, g);
 #pragma omp for schedule(dynamic)
             for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads);
+            if (lora) {
+#pragma omp for schedule(dynamic)
+                for (int r = 0; r < rows; r++) fl_dec_lora_low(a, layer, 1, a->attn, q_width, r);
+            }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < hidden_groups; g++)
-                fl_dec_linear(FL_PTR(4), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width, g);
+                fl_dec_linear(a, layer, 1, FL_PTR(4), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width, g);
             fl_bf16_rms_norm(a->h, FL_PTR(6), x, rows, hidden, a->eps);
+            if (lora) {
 #pragma omp for schedule(dynamic)
-            for (int g = 0; g < mlp_groups; g++) fl_dec_gate_up(FL_PTR(7), x, a->act, rows, inter, hidden, g);
+                for (int r = 0; r < rows; r++) fl_dec_lora_low(a, layer, 2, x, hidden, r);
+            }
+#pragma omp for schedule(dynamic)
+            for (int g = 0; g < mlp_groups; g++) fl_dec_gate_up(a, layer, FL_PTR(7), x, a->act, rows, inter, hidden, g);
+            if (lora) {
+#pragma omp for schedule(dynamic)
+                for (int r = 0; r < rows; r++) fl_dec_lora_low(a, layer, 3, a->act, inter, r);
+            }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < hidden_groups; g++)
-                fl_dec_linear(FL_PTR(8), 0, a->act, a->h, 1, rows, hidden, inter, g);
+                fl_dec_linear(a, layer, 3, FL_PTR(8), 0, a->act, a->h, 1, rows, hidden, inter, g);
 #undef FL_PTR
         }
     }

@@ -65,6 +65,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 # float32 gains (measured: SmolLM2 single-stream step 51 ms -> 23 ms). Above _SPLIT_MAX_ROWS rows the GEMM
 # kernel is better (measured on SmolLM2's matrices: with 2 threads the split wins up to 8 rows, with 1
 # thread up to 4).
+# A per-request LoRA adapter's entry (DecoderModel.add_lora_module) holds, beside its products' factors, this key:
+# the adapter as the one-call decode step's table (decode_kernel.h), or None where that step cannot take it.
+FUSED_LORA = "one-call decode table"
+_LORA_PRODUCTS = ("qkv", "o", "gate_up", "down")  # decode_kernel.h's order
+
 _SPLIT_PARTS = 2
 _SPLIT_MAX_ROWS = 8
 _SPLIT_MAX_ROWS_ONE_THREAD = 4
@@ -238,8 +243,28 @@ class DecoderModel:
             entry[name] = (a_all.t().contiguous(),
                            [(row, count, offsets[i], offsets[i + 1], B.to(self.device, self.dtype).t().contiguous())
                             for i, (row, count, _, B) in enumerate(parts)])
+        if self.fused_decode:
+            entry[FUSED_LORA] = self._fused_lora_table(entry)
         self.lora_modules.append(entry)
         return len(self.lora_modules)
+
+    def _fused_lora_table(self, entry: dict):
+        """The adapter's factors as decode_kernel.h's LoRA table ([num_layers, 4, 4] int64, with the part rows it
+        points at: (table, parts)), or None where the one-call step cannot take it (a product other than the
+        four, or more stacked low-rank columns than it holds); its rows then take the per-op path."""
+        table = torch.zeros(self.config.num_layers, len(_LORA_PRODUCTS), 4, dtype=torch.int64)
+        keep = []
+        for name, (a_t, parts) in entry.items():
+            pieces = name.split(".")
+            if (len(pieces) != 4 or pieces[0] != "layers" or pieces[2] not in _LORA_PRODUCTS
+                    or a_t.shape[1] > _cpu_decode.LORA_MAX_RANK):
+                return None
+            rows = torch.tensor([[row, count, begin, end, b_t.data_ptr()] for row, count, begin, end, b_t in parts],
+                                dtype=torch.int64)
+            keep.append(rows)
+            table[int(pieces[1]), _LORA_PRODUCTS.index(pieces[2])] = torch.tensor(
+                [a_t.data_ptr(), a_t.shape[1], rows.data_ptr(), len(parts)])
+        return table, keep
 
     def _lora(self, batch: ForwardBatch, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the product of ``x`` with the serving tensor ``name``) plus each adapter row's low-rank term."""
@@ -261,7 +286,8 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Returns logits [len(batch.logit_row_ids), vocab] float32."""
-        if (self.fused_decode and not batch.prefill_groups and not batch.lora_groups
+        if (self.fused_decode and not batch.prefill_groups
+                and all(self.lora_modules[a - 1].get(FUSED_LORA) is not None for a, _ in batch.lora_groups)
                 and batch.decode_row_ids is not None
                 and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
                 and kv.keys.dtype == torch.bfloat16):
@@ -437,7 +463,7 @@ class DecoderModel:
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """A decode-only batch (row i = decode row i) through flared/_fast/decode.pyx; same result as forward's
-        per-op path up to silu's exp rounding."""
+        per-op path up to silu's exp rounding (and, on per-request LoRA rows, the low-rank sums' order)."""
         c = self.config
         rows = batch.num_tokens
         threads = max(1, torch.get_num_threads())
@@ -450,6 +476,18 @@ class DecoderModel:
                        buf(rows, c.q_size), buf(rows, c.intermediate_size))
             self._decode_scratch[(rows, threads)] = scratch
         x, qkv, q, attn, act = scratch
+        lora = {}
+        if batch.lora_groups:  # each adapter's table at a slot, each row its adapter's slot (-1: the base)
+            slots = torch.full((rows,), -1, dtype=torch.int32)
+            tables = []
+            for slot, (adapter, members) in enumerate(batch.lora_groups):
+                tables.append(self.lora_modules[adapter - 1][FUSED_LORA][0])
+                slots[members] = slot
+            table = torch.stack(tables)
+            rank = max(1, max(int(t[:, :, 1].max()) for t in tables))
+            low = torch.empty(rows, rank, dtype=torch.bfloat16)
+            lora = dict(lora_rows=slots.data_ptr(), lora_table=table.data_ptr(), lora_low=low.data_ptr(),
+                        lora_rank=rank)
         h = self.embed.index_select(0, batch.input_ids)  # [rows, H], updated in place by every layer
         _cpu_decode.decode_layers(
             rows=rows, hidden=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -459,7 +497,7 @@ class DecoderModel:
             positions=batch.positions.data_ptr(), write_slots=batch.write_slot_ids.data_ptr(),
             gather_slots=batch.decode_gather_slot_ids.data_ptr(), lens=batch.decode_context_lens.data_ptr(),
             k_cache=kv.keys.data_ptr(), v_cache=kv.values.data_ptr(), h=h.data_ptr(), x=x.data_ptr(),
-            qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads)
+            qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads, **lora)
         last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
         return self.lm_head_linear(last).float()
 

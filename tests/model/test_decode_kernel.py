@@ -72,6 +72,86 @@ def test_fused_step_matches_the_per_op_path(model, rows, threads, monkeypatch):
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
 
 
+def _random_adapter(model, rank: int, seed: int, products=("qkv", "o", "gate_up", "down")) -> int:
+    """A per-request adapter of random factors on ``products`` (qkv: its q and v parts; gate_up: both), sized so
+    its terms move the logits; returns its index (DecoderModel.add_lora_module)."""
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
+             "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
+             "gate_up": [(0, c.intermediate_size, c.hidden_size), (c.intermediate_size, c.intermediate_size,
+                                                                   c.hidden_size)]}
+    factors = {}
+    for layer in range(c.num_layers):
+        for product in products:
+            factors[f"layers.{layer}.{product}.weight"] = [
+                (row, count, torch.randn(rank, width, generator=g) / width ** 0.5,
+                 torch.randn(count, rank, generator=g) * 0.5) for row, count, width in spans[product]]
+    return model.add_lora_module(factors)
+
+
+@pytest.mark.parametrize("rows, threads", [(1, 1), (5, 2), (13, 2)])
+def test_fused_step_with_lora_rows_matches_the_per_op_path(model, rows, threads, monkeypatch):
+    """Rows of two per-request adapters (one on every product, one on o and down only) beside base rows: the
+    one-call step adds their terms where the per-op path (DecoderModel._lora) does, rounded the same way; only
+    the low-rank sums' order differs."""
+    from flared.model.decoder import FUSED_LORA
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if not hasattr(model, "_test_adapters"):
+        model._test_adapters = (_random_adapter(model, 8, 1), _random_adapter(model, 4, 2, ("o", "down")))
+    first, second = model._test_adapters
+    assert model.lora_modules[first - 1][FUSED_LORA] is not None
+    kv, batch = _decode_batch(model, rows, np.random.default_rng(100 + rows))
+    members = {first: [r for r in range(rows) if r % 3 == 0], second: [r for r in range(rows) if r % 3 == 1]}
+    batch.lora_groups = [(a, torch.tensor(m, dtype=torch.int64)) for a, m in members.items() if m]
+    before = (kv.keys.clone(), kv.values.clone())
+    fused = model.forward(batch, kv)
+    fused_kv = (kv.keys.clone(), kv.values.clone())
+    kv.keys.copy_(before[0])
+    kv.values.copy_(before[1])
+    model.fused_decode = False
+    try:
+        plain = model.forward(batch, kv)
+        plain_kv = (kv.keys.clone(), kv.values.clone())
+        batch.lora_groups = []
+        kv.keys.copy_(before[0])
+        kv.values.copy_(before[1])
+        base = model.forward(batch, kv)
+    finally:
+        model.fused_decode = True
+    scale = plain.abs().max().item()
+    adapted = members[first]
+    assert (plain[adapted] - base[adapted]).abs().max().item() > 0.05 * scale  # the adapter moves its rows
+    assert (fused - plain).abs().max().item() <= 0.03 * scale
+    assert torch.nn.functional.cosine_similarity(fused, plain, dim=-1).min().item() > 0.999
+    base_rows = [r for r in range(rows) if r % 3 == 2]  # base rows beside adapter rows: untouched
+    if base_rows:
+        assert (fused[base_rows] - base[base_rows]).abs().max().item() <= 2e-3 * scale
+    for got, want in zip(fused_kv, plain_kv):  # the K/V written, through the adapters' qkv terms
+        assert (got.float() - want.float()).abs().max().item() <= 0.03 * want.float().abs().max().item()
+
+
+def test_an_adapter_the_one_call_step_cannot_take_keeps_the_per_op_path(model):
+    from flared.model.decoder import FUSED_LORA
+
+    c = model.config
+    too_wide = model.add_lora_module({"layers.0.o.weight": [
+        (0, c.hidden_size, torch.zeros(decode.LORA_MAX_RANK + 1, c.q_size), torch.zeros(c.hidden_size,
+                                                                                     decode.LORA_MAX_RANK + 1))]})
+    assert model.lora_modules[too_wide - 1][FUSED_LORA] is None
+    kv, batch = _decode_batch(model, 2, np.random.default_rng(5))
+    batch.lora_groups = [(too_wide, torch.tensor([0], dtype=torch.int64))]
+    calls = []
+    real = model._forward_fused_decode
+    model._forward_fused_decode = lambda *a: calls.append(1) or real(*a)
+    try:
+        out = model.forward(batch, kv)
+    finally:
+        del model._forward_fused_decode
+    assert calls == [] and out.shape == (2, c.vocab_size)
+
+
 def test_greedy_tokens_match_on_smollm2(smollm2_source):
     from flared.model.runner import ModelRunner
     from flared.model.sampling import SamplingParams
@@ -103,3 +183,5 @@ def test_bad_arguments_are_refused():
         decode.decode_layers(**{**good, "head_dim": 15})
     with pytest.raises(ValueError, match="null"):
         decode.decode_layers(**{**good, "h": 0})
+    with pytest.raises(ValueError, match="LoRA"):
+        decode.decode_layers(**{**good, "lora_rows": 1, "lora_table": 1, "lora_low": 1, "lora_rank": 0})
