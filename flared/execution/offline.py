@@ -39,9 +39,11 @@ class DriveResult:
     decode_step_ns: list[int] = field(default_factory=list)  # each decode step's device duration, in order
 
 
-def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_ns=time.monotonic_ns) -> DriveResult:
+def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_ns=time.monotonic_ns,
+          loras=None) -> DriveResult:
     """``clock_ns`` is the scheduler's clock (tests pass a fake one: the scheduler stops stacking a second
-    step behind one that runs past its estimate, which a slow or loaded host can trigger)."""
+    step behind one that runs past its estimate, which a slow or loaded host can trigger). ``loras``: each
+    request's per-request LoRA adapter (DecoderModel.add_lora_module's index; 0 the base), as the worker sets it."""
     clock = time.perf_counter_ns
     t0 = clock()
     n = len(prompts)
@@ -49,6 +51,8 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
     by_handle: dict[int, int] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         states.append(executor.sampler.add_sequence(p, prompt))
+        if loras is not None:
+            states[-1].lora = loras[i]
         handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns())
         by_handle[int(handle)] = i
     result = DriveResult([[] for _ in range(n)], [0] * n, [0] * n)

@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Per-request LoRA on the CPU: decode tok/s of streams under an adapter through the one-call bf16 decode step
+(its LoRA terms, flared/_fast/decode_kernel.h) against the same streams on the per-op path (how adapter rows ran
+before), with the base model's streams as the reference, all in one run.
+
+The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 behind the scheduler and the eager executor
+(what ``flared run`` serves on a CPU), a random rank-``--rank`` adapter on every product of every layer (q and v
+of qkv, o, gate and up, down), registered as a per-request adapter (DecoderModel.add_lora_module). Greedy decode
+of ``--tokens`` tokens from 8-token prompts; decode tok/s = streams x (tokens - 1) over the time from the first
+stream's first token to the last token. Each figure is the best of ``--repeats``, the variants alternating (the
+machine may be shared). The adapter's tokens from both paths are compared position by position: both are bf16
+and sum the low-rank products in different orders, so a stream's tokens part at the first near-tie and differ
+after it (the same holds between any two bf16 summation orders; only float32 is held to token parity).
+
+    .venv/bin/python tools/bench_lora_cpu.py [--rank 16] [--tokens 64] [--streams 1,8] [--repeats 3] [--json]
+
+Prints a table; with --json, one JSON object as the last line. Needs AVX-512 BF16 (the one-call step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PAGE_TOKENS = 16
+CONTEXT = 1024
+
+
+def load_model():
+    from bench_model import gguf_path  # the embedded GGUF's path (this directory)
+
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    source = read_source(gguf_path())
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, max_positions=CONTEXT)
+    if not model.fused_decode:
+        raise SystemExit("the one-call bf16 decode step does not run here (no AVX-512 BF16)")
+    return model
+
+
+def add_adapter(model, rank: int) -> int:
+    """A random per-request adapter on every product (scaled so that it changes the text); returns its index."""
+    c = model.config
+    g = torch.Generator().manual_seed(rank)
+    spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
+             "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
+             "gate_up": [(0, c.intermediate_size, c.hidden_size),
+                         (c.intermediate_size, c.intermediate_size, c.hidden_size)]}
+    factors = {f"layers.{layer}.{product}.weight": [
+        (row, count, torch.randn(rank, width, generator=g) / width ** 0.5, torch.randn(count, rank, generator=g) * 0.05)
+        for row, count, width in parts] for layer in range(c.num_layers) for product, parts in spans.items()}
+    return model.add_lora_module(factors)
+
+
+def executor(model, streams: int):
+    from flared.execution.eager import EagerExecutor
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    num_pages = streams * CONTEXT // PAGE_TOKENS
+    sched = RequestScheduler(SchedulerConfig(
+        model_identity=hashlib.sha256(b"bench-lora").digest(), max_live_requests=streams, num_pages=num_pages,
+        num_snapshots=4 * streams, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=512),
+        PolicyConfig())
+    ex = EagerExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=streams + 1,
+                       num_snapshots=4 * streams, vocab_size=model.config.vocab_size, max_live=streams)
+    return sched, ex
+
+
+def run(model, pair, streams: int, tokens: int, adapter: int, seed: int):
+    """(decode tok/s, token lists) for ``streams`` fresh prompts (a new seed each run: no prefix-cache hits)."""
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, model.config.vocab_size, (8,), generator=g).tolist() for _ in range(streams)]
+    params = [SamplingParams(temperature=0, max_tokens=tokens)] * streams
+    r = drive(*pair, prompts, params, loras=[adapter] * streams)
+    span = (max(r.finish_ns) - min(r.first_token_ns)) / 1e9
+    return streams * (tokens - 1) / span, r.tokens
+
+
+def main(argv=None) -> int:
+    from flared.model.decoder import FUSED_LORA
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    model = load_model()
+    adapter = add_adapter(model, args.rank)
+    entry = model.lora_modules[adapter - 1]
+    table = entry[FUSED_LORA]
+    out = {"rank": args.rank, "tokens": args.tokens, "threads": torch.get_num_threads(), "streams": {}}
+    print(f"SmolLM2-135M bf16, {torch.get_num_threads()} threads, a rank-{args.rank} adapter on every product, "
+          f"{args.tokens} tokens a stream; decode tok/s, best of {args.repeats}")
+    print(f"{'streams':>7} {'base':>9} {'adapter, one-call step':>23} {'adapter, per-op path':>21} {'ratio':>7}"
+          f" {'same tokens':>13}")
+    for streams in (int(s) for s in args.streams.split(",")):
+        pair = executor(model, streams)
+        run(model, pair, streams, 8, adapter, seed=999)  # warm-up: buffers for this row count
+        best = {"base": 0.0, "fused": 0.0, "per_op": 0.0}
+        same = []
+        for rep in range(args.repeats):
+            for name in best:
+                entry[FUSED_LORA] = None if name == "per_op" else table
+                tps, toks = run(model, pair, streams, args.tokens, 0 if name == "base" else adapter, seed=rep)
+                best[name] = max(best[name], tps)
+                if name == "fused":
+                    fused_tokens = toks
+                elif name == "per_op":
+                    same.append(sum(a == b for x, y in zip(fused_tokens, toks) for a, b in zip(x, y)))
+        entry[FUSED_LORA] = table
+        ratio = best["fused"] / best["per_op"]
+        print(f"{streams:7d} {best['base']:9.1f} {best['fused']:23.1f} {best['per_op']:21.1f} {ratio:6.2f}x"
+              f" {min(same):>6}/{streams * args.tokens}")
+        out["streams"][streams] = {"base_tok_s": best["base"], "lora_fused_tok_s": best["fused"],
+                                   "lora_per_op_tok_s": best["per_op"], "fused_over_per_op": ratio,
+                                   "tokens_equal": min(same), "tokens": streams * args.tokens}
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
