@@ -10,7 +10,9 @@ of ``--tokens`` tokens from 8-token prompts; decode tok/s = streams x (tokens - 
 stream's first token to the last token. Each figure is the best of ``--repeats``, the variants alternating (the
 machine may be shared). The adapter's tokens from both paths are compared position by position: both are bf16
 and sum the low-rank products in different orders, so a stream's tokens part at the first near-tie and differ
-after it (the same holds between any two bf16 summation orders; only float32 is held to token parity).
+after it (the same holds between any two bf16 summation orders; only float32 is held to token parity). Then the
+two paths' logits on the same tokens (teacher-forced, 8 rows x 64 steps), against each other and against a
+float32 copy of the weights and adapter.
 
     .venv/bin/python tools/bench_lora_cpu.py [--rank 16] [--tokens 64] [--streams 1,8] [--repeats 3] [--json]
 
@@ -34,21 +36,26 @@ PAGE_TOKENS = 16
 CONTEXT = 1024
 
 
-def load_model():
+def load_source():
     from bench_model import gguf_path  # the embedded GGUF's path (this directory)
 
-    from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
 
-    source = read_source(gguf_path())
+    return read_source(gguf_path())
+
+
+def load_model():
+    from flared.model.decoder import DecoderModel
+
+    source = load_source()
     model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, max_positions=CONTEXT)
     if not model.fused_decode:
         raise SystemExit("the one-call bf16 decode step does not run here (no AVX-512 BF16)")
     return model
 
 
-def add_adapter(model, rank: int) -> int:
-    """A random per-request adapter on every product (scaled so that it changes the text); returns its index."""
+def adapter_factors(model, rank: int) -> dict:
+    """A random adapter on every product (scaled so that it changes the text), as lora_factors gives one."""
     c = model.config
     g = torch.Generator().manual_seed(rank)
     spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
@@ -58,7 +65,53 @@ def add_adapter(model, rank: int) -> int:
     factors = {f"layers.{layer}.{product}.weight": [
         (row, count, torch.randn(rank, width, generator=g) / width ** 0.5, torch.randn(count, rank, generator=g) * 0.05)
         for row, count, width in parts] for layer in range(c.num_layers) for product, parts in spans.items()}
-    return model.add_lora_module(factors)
+    return factors
+
+
+def agreement(model, adapter: int, reference, ref_adapter: int, rows: int = 8, steps: int = 64) -> dict:
+    """The two paths' logits on the same tokens: ``rows`` adapter rows prefilled, then ``steps`` decode steps
+    fed the one-call path's greedy tokens, each step run by both paths and by ``reference`` (a float32 copy of
+    the weights and adapter), each with a KV cache of its own. Gives the largest difference between the two
+    paths over the steps and each path's largest difference from the reference (over the largest logit), and
+    the argmax flips between the two paths."""
+    from flared.model.batch import ForwardBatch, SequenceChunk
+    from flared.model.decoder import FUSED_LORA
+
+    entry = model.lora_modules[adapter - 1]
+    table = entry[FUSED_LORA]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, model.config.vocab_size, (8,), generator=g).tolist() for _ in range(rows)]
+    tables = [list(range(8 * r, 8 * r + 8)) for r in range(rows)]
+    paths = {"one_call": (model, adapter, table), "per_op": (model, adapter, None), "fp32": (reference, ref_adapter,
+                                                                                            None)}
+    kvs = {name: m.make_kv_cache(num_pages=8 * rows, page_tokens=PAGE_TOKENS) for name, (m, _, _) in paths.items()}
+
+    def forward(name, chunks, group_rows):
+        m, a, fused = paths[name]
+        if m is model:
+            entry[FUSED_LORA] = fused
+        batch = ForwardBatch.build(chunks, page_tokens=PAGE_TOKENS)
+        batch.lora_groups = [(a, torch.arange(group_rows))]
+        try:
+            return m.forward(batch, kvs[name]).double()
+        finally:
+            entry[FUSED_LORA] = table
+
+    for name in paths:
+        last = forward(name, [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)], 8 * rows)
+    tokens, lens = last.argmax(-1).tolist(), [len(p) for p in prompts]
+    worst = {"one_call_vs_per_op": 0.0, "one_call_vs_fp32": 0.0, "per_op_vs_fp32": 0.0}
+    flips = 0
+    for step in range(steps):
+        chunks = [SequenceChunk([t], n, tb) for t, n, tb in zip(tokens, lens, tables)]
+        out = {name: forward(name, chunks, rows) for name in paths}
+        scale = out["fp32"].abs().max().item()
+        for pair in worst:
+            a, b = pair.split("_vs_")
+            worst[pair] = max(worst[pair], (out[a] - out[b]).abs().max().item() / scale)
+        flips += int((out["one_call"].argmax(-1) != out["per_op"].argmax(-1)).sum())
+        tokens, lens = out["one_call"].argmax(-1).tolist(), [n + 1 for n in lens]
+    return {"rows": rows, "steps": steps, "argmax_flips": flips, **worst}
 
 
 def executor(model, streams: int):
@@ -100,7 +153,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model = load_model()
-    adapter = add_adapter(model, args.rank)
+    factors = adapter_factors(model, args.rank)
+    adapter = model.add_lora_module(factors)
     entry = model.lora_modules[adapter - 1]
     table = entry[FUSED_LORA]
     out = {"rank": args.rank, "tokens": args.tokens, "threads": torch.get_num_threads(), "streams": {}}
@@ -129,6 +183,15 @@ def main(argv=None) -> int:
         out["streams"][streams] = {"base_tok_s": best["base"], "lora_fused_tok_s": best["fused"],
                                    "lora_per_op_tok_s": best["per_op"], "fused_over_per_op": ratio,
                                    "tokens_equal": min(same), "tokens": streams * args.tokens}
+    from flared.model.decoder import DecoderModel
+
+    reference = DecoderModel(model.config, load_source().tensors, dtype=torch.float32, max_positions=CONTEXT)
+    agree = agreement(model, adapter, reference, reference.add_lora_module(factors))
+    out["agreement"] = agree
+    print(f"logits, teacher-forced, {agree['rows']} adapter rows x {agree['steps']} steps, the largest difference "
+          f"over the largest logit: one-call vs per-op {agree['one_call_vs_per_op']:.2%} "
+          f"({agree['argmax_flips']} argmax flips of {agree['rows'] * agree['steps']}); against a float32 copy: "
+          f"one-call {agree['one_call_vs_fp32']:.2%}, per-op {agree['per_op_vs_fp32']:.2%}")
     if args.json:
         print(json.dumps(out))
     return 0
