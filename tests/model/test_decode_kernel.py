@@ -41,25 +41,42 @@ def _decode_batch(model, rows: int, rng):
     return kv, ForwardBatch.build(chunks, page_tokens=PAGE, sliding_window=model.config.sliding_window)
 
 
+def _per_op(model, kv, batch, before):
+    """The batch through the per-op path from the KV cache ``before``: (logits, the K/V it leaves); the cache is
+    put back to ``before``."""
+    kv.keys.copy_(before[0])
+    kv.values.copy_(before[1])
+    model.fused_decode = False
+    try:
+        logits = model.forward(batch, kv)
+    finally:
+        model.fused_decode = True
+    after = (kv.keys.clone(), kv.values.clone())
+    kv.keys.copy_(before[0])
+    kv.values.copy_(before[1])
+    return logits, after
+
+
+def _both_paths(model, kv, batch):
+    """The batch through the one-call step, then through the per-op path from the same cache: (one-call
+    logits, its K/V, per-op logits, its K/V, the cache before)."""
+    before = (kv.keys.clone(), kv.values.clone())
+    fused = model.forward(batch, kv)
+    fused_kv = (kv.keys.clone(), kv.values.clone())
+    plain, plain_kv = _per_op(model, kv, batch, before)
+    return fused, fused_kv, plain, plain_kv, before
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_step_matches_the_per_op_path(model, rows, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     kv, batch = _decode_batch(model, rows, np.random.default_rng(rows))
-    before = (kv.keys.clone(), kv.values.clone())
-    fused = model.forward(batch, kv)
-    fused_kv = (kv.keys.clone(), kv.values.clone())
-    kv.keys.copy_(before[0])
-    kv.values.copy_(before[1])
-    model.fused_decode = False
-    try:
-        plain = model.forward(batch, kv)
-    finally:
-        model.fused_decode = True
+    fused, fused_kv, plain, plain_kv, _ = _both_paths(model, kv, batch)
     # The new K/V: rope and the copies round exactly as the torch ops do (Qwen3's per-head norm may differ by
     # an ulp where torch's rsqrt and ours round apart).
     exact = not model.config.qk_norm
-    for got, want in zip(fused_kv, (kv.keys, kv.values)):
+    for got, want in zip(fused_kv, plain_kv):
         if exact:
             assert torch.equal(got, want)
         else:
@@ -105,21 +122,9 @@ def test_fused_step_with_lora_rows_matches_the_per_op_path(model, rows, threads,
     kv, batch = _decode_batch(model, rows, np.random.default_rng(100 + rows))
     members = {first: [r for r in range(rows) if r % 3 == 0], second: [r for r in range(rows) if r % 3 == 1]}
     batch.lora_groups = [(a, torch.tensor(m, dtype=torch.int64)) for a, m in members.items() if m]
-    before = (kv.keys.clone(), kv.values.clone())
-    fused = model.forward(batch, kv)
-    fused_kv = (kv.keys.clone(), kv.values.clone())
-    kv.keys.copy_(before[0])
-    kv.values.copy_(before[1])
-    model.fused_decode = False
-    try:
-        plain = model.forward(batch, kv)
-        plain_kv = (kv.keys.clone(), kv.values.clone())
-        batch.lora_groups = []
-        kv.keys.copy_(before[0])
-        kv.values.copy_(before[1])
-        base = model.forward(batch, kv)
-    finally:
-        model.fused_decode = True
+    fused, fused_kv, plain, plain_kv, before = _both_paths(model, kv, batch)
+    batch.lora_groups = []
+    base, _ = _per_op(model, kv, batch, before)
     scale = plain.abs().max().item()
     adapted = members[first]
     assert (plain[adapted] - base[adapted]).abs().max().item() > 0.05 * scale  # the adapter moves its rows
