@@ -59,17 +59,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+# A per-request LoRA adapter's entry (DecoderModel.add_lora_module) holds, beside its products' factors, this key:
+# the adapter as the one-call decode step's table (decode_kernel.h), or None where that step cannot take it.
+FUSED_LORA = "one-call decode table"
+_LORA_PRODUCTS = ("qkv", "o", "gate_up", "down")  # decode_kernel.h's order
+
 # Decode-sized matmuls (few rows) are memory-bound matrix-vector products. A plain F.linear runs them on
 # one core at about half the memory bandwidth of this kind of CPU; splitting the weight rows into
 # _SPLIT_PARTS blocks and running them as one bmm lets ATen spread the blocks over the threads. Only
 # float32 gains (measured: SmolLM2 single-stream step 51 ms -> 23 ms). Above _SPLIT_MAX_ROWS rows the GEMM
 # kernel is better (measured on SmolLM2's matrices: with 2 threads the split wins up to 8 rows, with 1
 # thread up to 4).
-# A per-request LoRA adapter's entry (DecoderModel.add_lora_module) holds, beside its products' factors, this key:
-# the adapter as the one-call decode step's table (decode_kernel.h), or None where that step cannot take it.
-FUSED_LORA = "one-call decode table"
-_LORA_PRODUCTS = ("qkv", "o", "gate_up", "down")  # decode_kernel.h's order
-
 _SPLIT_PARTS = 2
 _SPLIT_MAX_ROWS = 8
 _SPLIT_MAX_ROWS_ONE_THREAD = 4
