@@ -22,7 +22,6 @@ Prints a table; with --json, one JSON object as the last line. Needs AVX-512 BF1
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -32,8 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PAGE_TOKENS = 16
-CONTEXT = 1024
+from bench_gpu import CONTEXT_TOKENS as CONTEXT, PAGE_TOKENS, scheduler  # noqa: E402  the benchmarks' scheduler
 
 
 def load_source():
@@ -54,18 +52,20 @@ def load_model():
     return model
 
 
-def adapter_factors(model, rank: int) -> dict:
-    """A random adapter on every product (scaled so that it changes the text), as lora_factors gives one."""
+def adapter_factors(model, rank: int, *, seed: int | None = None, scale: float = 0.05,
+                    products=("qkv", "o", "down", "gate_up")) -> dict:
+    """A random adapter on ``products`` of every layer (qkv: its q and v parts; gate_up: both), as lora_factors
+    gives one: A scaled to unit-size outputs, B by ``scale`` (0.05 changes the text; tests/model use larger)."""
     c = model.config
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(rank if seed is None else seed)
     spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
              "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
              "gate_up": [(0, c.intermediate_size, c.hidden_size),
                          (c.intermediate_size, c.intermediate_size, c.hidden_size)]}
-    factors = {f"layers.{layer}.{product}.weight": [
-        (row, count, torch.randn(rank, width, generator=g) / width ** 0.5, torch.randn(count, rank, generator=g) * 0.05)
-        for row, count, width in parts] for layer in range(c.num_layers) for product, parts in spans.items()}
-    return factors
+    return {f"layers.{layer}.{product}.weight": [
+        (row, count, torch.randn(rank, width, generator=g) / width ** 0.5,
+         torch.randn(count, rank, generator=g) * scale) for row, count, width in spans[product]]
+        for layer in range(c.num_layers) for product in products}
 
 
 def agreement(model, adapter: int, reference, ref_adapter: int, rows: int = 8, steps: int = 64) -> dict:
@@ -116,13 +116,8 @@ def agreement(model, adapter: int, reference, ref_adapter: int, rows: int = 8, s
 
 def executor(model, streams: int):
     from flared.execution.eager import EagerExecutor
-    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
-    num_pages = streams * CONTEXT // PAGE_TOKENS
-    sched = RequestScheduler(SchedulerConfig(
-        model_identity=hashlib.sha256(b"bench-lora").digest(), max_live_requests=streams, num_pages=num_pages,
-        num_snapshots=4 * streams, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=512),
-        PolicyConfig())
+    sched, num_pages = scheduler(streams, streams * 1024 // PAGE_TOKENS)  # 1,024 tokens a stream
     ex = EagerExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=streams + 1,
                        num_snapshots=4 * streams, vocab_size=model.config.vocab_size, max_live=streams)
     return sched, ex

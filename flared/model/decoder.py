@@ -249,9 +249,10 @@ class DecoderModel:
         return len(self.lora_modules)
 
     def _fused_lora_table(self, entry: dict):
-        """The adapter's factors as decode_kernel.h's LoRA table ([num_layers, 4, 4] int64, with the part rows it
-        points at: (table, parts)), or None where the one-call step cannot take it (a product other than the
-        four, or more stacked low-rank columns than it holds); its rows then take the per-op path."""
+        """The adapter's factors as decode_kernel.h's LoRA table: (table [num_layers, 4, 4] int64, its widest
+        stacked rank (the step's scratch width), the part rows the table points at), or None where the one-call
+        step cannot take it (a product other than the four, or more stacked low-rank columns than it holds); its
+        rows then take the per-op path."""
         table = torch.zeros(self.config.num_layers, len(_LORA_PRODUCTS), 4, dtype=torch.int64)
         keep = []
         for name, (a_t, parts) in entry.items():
@@ -264,7 +265,7 @@ class DecoderModel:
             keep.append(rows)
             table[int(pieces[1]), _LORA_PRODUCTS.index(pieces[2])] = torch.tensor(
                 [a_t.data_ptr(), a_t.shape[1], rows.data_ptr(), len(parts)])
-        return table, keep
+        return table, max(1, int(table[:, :, 1].max())), keep
 
     def _lora(self, batch: ForwardBatch, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the product of ``x`` with the serving tensor ``name``) plus each adapter row's low-rank term."""
@@ -479,12 +480,13 @@ class DecoderModel:
         lora = {}
         if batch.lora_groups:  # each adapter's table at a slot, each row its adapter's slot (-1: the base)
             slots = torch.full((rows,), -1, dtype=torch.int32)
-            tables = []
+            tables, rank = [], 1
             for slot, (adapter, members) in enumerate(batch.lora_groups):
-                tables.append(self.lora_modules[adapter - 1][FUSED_LORA][0])
+                adapter_table, adapter_rank, _ = self.lora_modules[adapter - 1][FUSED_LORA]
+                tables.append(adapter_table)
+                rank = max(rank, adapter_rank)
                 slots[members] = slot
             table = torch.stack(tables)
-            rank = max(1, max(int(t[:, :, 1].max()) for t in tables))
             low = torch.empty(rows, rank, dtype=torch.bfloat16)
             lora = dict(lora_rows=slots.data_ptr(), lora_table=table.data_ptr(), lora_low=low.data_ptr(),
                         lora_rank=rank)

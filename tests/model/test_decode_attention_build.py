@@ -23,6 +23,7 @@ def test_what_it_cannot_run_says_why():
     assert "head dim" in unsupported(32, 8, 96, torch.bfloat16)
     assert "at most 8" in unsupported(128, 8, 128, torch.bfloat16)
     assert "query heads" in unsupported(30, 8, 128, torch.bfloat16)
+    assert "multiple of 16" in unsupported(32, 8, 128, torch.bfloat16, page_tokens=8)
     with pytest.raises(ValueError, match="multiple of 16"):
         Build(4, 128, 8)
     with pytest.raises(ValueError):

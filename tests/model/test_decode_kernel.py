@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -89,22 +92,13 @@ def test_fused_step_matches_the_per_op_path(model, rows, threads, monkeypatch):
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
 
 
-def _random_adapter(model, rank: int, seed: int, products=("qkv", "o", "gate_up", "down")) -> int:
-    """A per-request adapter of random factors on ``products`` (qkv: its q and v parts; gate_up: both), sized so
-    its terms move the logits; returns its index (DecoderModel.add_lora_module)."""
-    c = model.config
-    g = torch.Generator().manual_seed(seed)
-    spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
-             "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
-             "gate_up": [(0, c.intermediate_size, c.hidden_size), (c.intermediate_size, c.intermediate_size,
-                                                                   c.hidden_size)]}
-    factors = {}
-    for layer in range(c.num_layers):
-        for product in products:
-            factors[f"layers.{layer}.{product}.weight"] = [
-                (row, count, torch.randn(rank, width, generator=g) / width ** 0.5,
-                 torch.randn(count, rank, generator=g) * 0.5) for row, count, width in spans[product]]
-    return model.add_lora_module(factors)
+def _random_adapter(model, rank: int, seed: int, products=("qkv", "o", "down", "gate_up")) -> int:
+    """A per-request adapter of random factors on ``products`` (tools/bench_lora_cpu.py's), sized so its terms
+    move these small models' logits; returns its index (DecoderModel.add_lora_module)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from bench_lora_cpu import adapter_factors
+
+    return model.add_lora_module(adapter_factors(model, rank, seed=seed, scale=0.5, products=products))
 
 
 @pytest.mark.parametrize("rows, threads", [(1, 1), (5, 2), (13, 2)])

@@ -55,30 +55,26 @@ def default_build(group: int, head_dim: int, page_tokens: int) -> Build:
     return Build(group, head_dim, page_tokens)
 
 
-def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why the kernel cannot serve this attention shape (None: it can)."""
+def unsupported(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                page_tokens: int = 16) -> str | None:
+    """Why the kernel cannot serve this attention shape and page size (None: it can)."""
     if dtype != torch.bfloat16:
         return f"{dtype} (the kernel is bf16)"
     if num_heads % num_kv_heads:
         return f"{num_heads} query heads over {num_kv_heads} kv heads"
     try:
-        default_build(num_heads // num_kv_heads, head_dim, 16)
+        default_build(num_heads // num_kv_heads, head_dim, page_tokens)
     except ValueError as e:
         return str(e)
     return None
 
 
 def available() -> bool:
-    """A CUDA device of compute capability 9.0 or later with CuPy (flared.execution.cuda imports)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        return False
-    import importlib
+    """The device and CuPy that products64 needs (compute capability 9.0): the only one this kernel was built and
+    measured on."""
+    from flared.model.kernels import products64
 
-    try:
-        importlib.import_module("flared.execution.cuda")
-    except ImportError:
-        return False
-    return True
+    return products64.available()
 
 
 _kernels: dict[Build, tuple] = {}

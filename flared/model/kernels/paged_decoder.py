@@ -201,8 +201,8 @@ class PagedCudaDecoder:
         """The CUDA decode attention's build for this model, loaded (never inside a graph capture); None where it
         cannot run (it says why in ``decode_attention.unsupported``)."""
         c = self.config
-        if (decode_attention.unsupported(c.num_heads, c.num_kv_heads, c.head_dim, self.model.dtype) is not None
-                or self.page_tokens % 16 or not decode_attention.available()):
+        if (decode_attention.unsupported(c.num_heads, c.num_kv_heads, c.head_dim, self.model.dtype,
+                                         self.page_tokens) is not None or not decode_attention.available()):
             return None
         build = decode_attention.default_build(c.num_heads // c.num_kv_heads, c.head_dim, self.page_tokens)
         decode_attention.load(build)
