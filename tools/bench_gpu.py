@@ -9,6 +9,9 @@ device time).
 
     python tools/bench_gpu.py [--shapes 8b,135m] [--b64-only] [--ab-env NAME=VALUE] [--json]
 
+The executors prefill in chunks of 2,048 tokens, up to 16 prompts a graph; FLARED_BENCH_PREFILL=TOKENS:SEQUENCES
+sets both (the chunk at most the 4,096-token context), also as an A/B through --ab-env.
+
 Prints a table; with --json, one JSON object as the last line. CUDA only.
 """
 
@@ -18,6 +21,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +44,15 @@ PAGE_TOKENS = 16
 CONTEXT_TOKENS = 4096
 CONCURRENCY = 64
 PREFILL_CHUNK = 2048
+
+
+def prefill_setup() -> tuple[int, int]:
+    """(prefill chunk tokens, most sequences a prefill graph) of the executors built now: the daemon's defaults,
+    or FLARED_BENCH_PREFILL=TOKENS:SEQUENCES (an A/B through --ab-env)."""
+    from flared.execution.graphs import PREFILL_MAX_BATCH
+
+    tokens, _, seqs = os.environ.get("FLARED_BENCH_PREFILL", "").partition(":")
+    return int(tokens or PREFILL_CHUNK), int(seqs or PREFILL_MAX_BATCH)
 
 
 @contextlib.contextmanager
@@ -82,17 +95,21 @@ def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=()):
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"bench").digest(), max_live_requests=concurrency, num_pages=num_pages,
         num_snapshots=4 * concurrency, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT_TOKENS,
-        prefill_chunk_size=PREFILL_CHUNK, graph_shapes=tuple(graph_shapes)), PolicyConfig()), num_pages
+        prefill_chunk_size=min(prefill_setup()[0], CONTEXT_TOKENS), graph_shapes=tuple(graph_shapes)), PolicyConfig()), num_pages
 
 
 def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None):
     """The executor (multi-sequence prefill graphs by default, as the daemon captures them) and a scheduler
     that plans exactly its captured shapes."""
     from flared.execution.executor import GraphExecutor
+    from flared.execution.graphs import default_prefill_batch_shapes
 
     num_pages = num_pages or concurrency * CONTEXT_TOKENS // PAGE_TOKENS // 4
     batches = tuple(1 << i for i in range(concurrency.bit_length()) if 1 << i <= concurrency)
-    prefill = tuple(64 << i for i in range(8) if 64 << i <= PREFILL_CHUNK)
+    chunk, most = prefill_setup()
+    prefill = tuple(64 << i for i in range(8) if 64 << i <= chunk)
+    if prefill_batch_shapes is None:
+        prefill_batch_shapes = default_prefill_batch_shapes(concurrency, prefill, most)
     ex = GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                        num_snapshots=4 * concurrency, vocab_size=model.config.vocab_size, max_live=concurrency,
                        decode_batch_sizes=batches, prefill_token_sizes=prefill,
@@ -155,8 +172,6 @@ def matched_prefix(a, b):
 def env_set(env: dict):
     """``env`` in os.environ for the block (an executor reads its FLARED_* settings when built), then each
     name back as it was."""
-    import os
-
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:

@@ -74,16 +74,18 @@ PREFILL_BATCH_MIN_TOKENS = 128
 PREFILL_MIN_TOKENS_PER_SEQUENCE = 32
 
 
-def default_prefill_batch_shapes(concurrency: int, prefill_token_sizes) -> tuple[tuple[int, int], ...]:
+def default_prefill_batch_shapes(concurrency: int, prefill_token_sizes,
+                                 max_batch: int = PREFILL_MAX_BATCH) -> tuple[tuple[int, int], ...]:
     """(batch, tokens) capacities of the multi-sequence prefill graphs a core captures by default.
 
     Batching prompts pays most where a prefill step is bound by reading the weights (a few hundred tokens
     on a large model: one pass serves every prompt of the cohort); at the chunk size it saves the per-step
     overhead of many small chunks. The count stays small: each graph is one more capture at load (the
-    graphs share one memory pool, which the largest sizes): at concurrency 64 and chunk 2048, 17 graphs."""
+    graphs share one memory pool, which the largest sizes): at concurrency 64 and chunk 2048, 17 graphs.
+    ``max_batch``: the most sequences a graph takes."""
     shapes = []
     b = 2
-    while b <= min(concurrency, PREFILL_MAX_BATCH):
+    while b <= min(concurrency, max_batch):
         for t in sorted(set(int(t) for t in prefill_token_sizes)):
             if t >= max(PREFILL_BATCH_MIN_TOKENS, PREFILL_MIN_TOKENS_PER_SEQUENCE * b):
                 shapes.append((b, t))

@@ -40,6 +40,10 @@ def test_default_batch_shapes_are_powers_of_two_within_concurrency_and_chunk():
     assert {b for b, _ in default_prefill_batch_shapes(3, sizes)} == {2}
     assert default_prefill_batch_shapes(1, sizes) == ()
     assert default_prefill_batch_shapes(64, (64,)) == ()
+    # a larger cap: a cohort of 64 short prompts in one 8,192-token graph
+    wide = default_prefill_batch_shapes(64, sizes + (4096, 8192), max_batch=64)
+    assert (64, 8192) in wide and (32, 1024) in wide and (64, 1024) not in wide
+    assert max(b for b, _ in wide) == 64 and len(wide) == 32
 
 
 def test_layout_covers_the_largest_prefill_batch():
