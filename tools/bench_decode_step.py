@@ -13,7 +13,8 @@ list times each context on the same build):
 - ``cuda``: the decode attention through the CUDA kernel (kernels/decode_attention.cu, FLARED_CUDA_ATTENTION=1)
   where it applies; every other variant runs the Triton one;
 - ``attn=N``: decode attention over N context splits (1 = the one-pass kernel) instead of
-  ``decode_splits``' choice.
+  ``decode_splits``' choice; a products64 variant takes the word ``splits=N`` for the same
+  ("products64 pdl norms attn splits=2": any mix of the products64 words names a variant).
 
 Each row gives microseconds per step, the step's weight bytes over that time against the bandwidth floor
 (weights / 4.25 TB/s, the H200's measured copy rate), and whether its greedy tokens and logits equal the
@@ -180,7 +181,8 @@ def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
     from flared.execution.graphs import time_graph_us
     from flared.model.kernels import paged_decoder, skinny
 
-    use_skinny, blas, splits = VARIANTS[variant]
+    # a products64 variant may also be named by its words in any mix ("products64 pdl norms attn splits=2")
+    use_skinny, blas, splits = VARIANTS.get(variant) or VARIANTS[variant.split()[0]]
     if use_skinny and batch > skinny.MAX_ROWS:
         return None
     mega = variant.startswith("mega")
@@ -208,6 +210,7 @@ def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
                                                 overrides=MEGA_OVERRIDES[variant])
         dec.mega[key].compile(dec.page_tokens)
     chosen = paged_decoder.decode_splits
+    splits = next((int(w[7:]) for w in words if w.startswith("splits=")), splits)
     if splits is not None:
         paged_decoder.decode_splits = lambda *args, **kwargs: splits
     try:

@@ -1,8 +1,8 @@
-"""Where a single-stream decode step's GPU time goes besides its graph: the executor's per-step work on
+"""Where a decode step's GPU time goes besides its graph: the executor's per-step work on
 the model stream (events, the input upload, the graph launch, the completion copy on the copy stream)
-timed piece by piece around the real captured batch-1 decode graph.
+timed piece by piece around the real captured decode graph of ``--concurrency`` rows (default 1).
 
-    python tools/probe_step_gaps.py [--shapes 135m,8b] [--steps 200] [--json]
+    python tools/probe_step_gaps.py [--shapes 135m,8b] [--concurrency 1] [--steps 200] [--json]
 
 Random weights (bench_gpu's shapes), the real GraphExecutor and scheduler: one warm 256-token drive
 first (so the graph's inputs hold a real step at context ~384), then each variant launches the same
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="135m,8b")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=1, help="streams of the drive, rows of the timed graph")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out: dict = {}
@@ -48,14 +49,15 @@ def main(argv=None) -> int:
         model = serving(hf, torch.bfloat16)
         del hf
         torch.cuda.empty_cache()
-        pair = graph_executor(model, concurrency=1, num_pages=64)
+        rows_ = args.concurrency
+        pair = graph_executor(model, concurrency=rows_, num_pages=64 * rows_)
         sched, ex = pair
         vocab = model.config.vocab_size
-        run_flared(model, prompts(vocab, 1, 128, seed=40), 16, ex_pair=pair)
-        r = run_flared(model, prompts(vocab, 1, 128, seed=4), 256, ex_pair=pair)
-        tps = 255 / ((r.finish_ns[0] - r.first_token_ns[0]) / 1e9)
+        run_flared(model, prompts(vocab, rows_, 128, seed=40), 16, ex_pair=pair)
+        r = run_flared(model, prompts(vocab, rows_, 128, seed=4), 256, ex_pair=pair)
+        tps = 255 * rows_ / ((max(r.finish_ns) - max(r.first_token_ns)) / 1e9)
         gpu_us = r.decode_gpu_ns / max(1, r.steps_by_kind["DECODE"]) / 1e3
-        key = ex.graphs.pick_decode(1, False, 384)
+        key = ex.graphs.pick_decode(rows_, False, 384)
         gexec = ex.graphs.graph_execs[key]
         offset, nbytes = ex.manifest.decode_upload(key[1])
         stream = ex._model_ptr
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
             cuda.graph_launch(gexec, stream)
             ev[1].record(stream)
             cuda.stream_wait_event(copy_stream, ev[1])
-            cuda.copy_d2h_async(tok_host, sampled, 8, copy_stream)
+            cuda.copy_d2h_async(tok_host, sampled, 8 * rows_, copy_stream)
             ev[2].record(copy_stream)
 
         def full_step_kernel_upload():
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
             cuda.graph_launch(gexec, stream)
             ev[1].record(stream)
             cuda.stream_wait_event(copy_stream, ev[1])
-            cuda.copy_d2h_async(tok_host, sampled, 8, copy_stream)
+            cuda.copy_d2h_async(tok_host, sampled, 8 * rows_, copy_stream)
             ev[2].record(copy_stream)
 
         variants = [("graph launches only", graph_only), ("+ H2D memcpy of the inputs", memcpy_graph),
