@@ -10,8 +10,9 @@
 // heads as the columns, because the QK^T accumulators of the two halves, as bf16 pairs, are then its B operand
 // as they stand. Keys and values go straight from the pool into the operand registers (16-byte loads, past L1),
 // with no shared-memory staging, in an order of the head dimensions that the sums do not see:
-//   - for QK^T, lane (g, t) (g = lane / 4, t = lane % 4) loads key g's dimensions [D/4 t, D/4 (t + 1)) and the
-//     query fragments are gathered in the same order;
+//   - for QK^T, lane (g, t) (g = lane / 4, t = lane % 4) loads key g's dimensions [D/4 t, D/4 (t + 1)) and reads
+//     the query words in the same order from shared memory at each step (held in registers they pushed the
+//     four-blocks build past 128 registers, into spills);
 //   - for V^T, lane (g, t) loads dimensions [D/8 g, D/8 (g + 1)) of keys 2t, 2t + 1, 2t + 8 and 2t + 9: rows g
 //     and g + 8 of every product (dimensions D/8 g + 2r and + 1 of product r), so its outputs are those
 //     dimensions of heads 2t and 2t + 1.
@@ -103,14 +104,17 @@ __device__ __forceinline__ void load_pool(Block& b, const u16* kcol, const u16* 
 
 // The block's keys folded into the warp's softmax: m (uniform over a row's four lanes), l (this lane's share
 // of row g's sum), o[r] the accumulators of output product r (O^T: rows dimensions, columns heads 2t and 2t + 1).
-__device__ __forceinline__ void consume(const Block& b, const u32 (&qa)[KSTEPS][2], int first, int limit,
+__device__ __forceinline__ void consume(const Block& b, const uint2* qa, int first, int limit,
                                         float scale_log2, float& m, float& l, float (&o)[MPROD][4], int t) {
     float s[2][2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int j = 0; j < KSTEPS; j++) mma(c, qa[j][0], 0u, qa[j][1], 0u, b.k[h][2 * j], b.k[h][2 * j + 1]);
+        for (int j = 0; j < KSTEPS; j++) {
+            const uint2 q = qa[j];  // from shared memory: the registers go to keys in flight
+            mma(c, q.x, 0u, q.y, 0u, b.k[h][2 * j], b.k[h][2 * j + 1]);
+        }
 #pragma unroll
         for (int e = 0; e < 2; e++) s[h][e] = first + 8 * h + 2 * t + e < limit ? c[e] * scale_log2 : NEG_INF;
     }
@@ -150,7 +154,7 @@ flared_decode_attention(const u16* __restrict__ qkv, int stride_qkv, const u16* 
                         u16* __restrict__ out, int stride_o_row, int stride_o_head,
                         const int* __restrict__ block_tables, int stride_bt, const int* __restrict__ context_lens,
                         int num_heads, int num_kv_heads, float scale_log2) {
-    __shared__ __align__(16) u16 q_s[GROUP][D];
+    __shared__ __align__(16) u16 q_s[8][D];  // rows past the group stay zero: A's rows g >= GROUP
     __shared__ __align__(16) u16 knew_s[D];
     __shared__ __align__(16) u16 vnew_s[D];
     __shared__ float m_s[WARPS][GROUP], l_s[WARPS][GROUP];
@@ -169,6 +173,7 @@ flared_decode_attention(const u16* __restrict__ qkv, int stride_qkv, const u16* 
     // The rotary and the new token's K and V (a thread a dimension).
     const bool mine = tid < D;
     const float cs = mine ? bf2f(cos_t[pos * D + tid]) : 0.f, sn = mine ? bf2f(sin_t[pos * D + tid]) : 0.f;
+    for (int i = GROUP * D + tid; i < 8 * D; i += THREADS) q_s[i / D][i % D] = 0;
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (mine) {
         const int d = tid, partner = (tid + D / 2) % D;
@@ -188,15 +193,8 @@ flared_decode_attention(const u16* __restrict__ qkv, int stride_qkv, const u16* 
     }
     __syncthreads();
 
-    // The query group as A fragments (rows g < GROUP), k step j in the order the keys are loaded.
-    u32 qa[KSTEPS][2];
-#pragma unroll
-    for (int j = 0; j < KSTEPS; j++) {
-        const u32* qw = (const u32*)q_s[g < GROUP ? g : 0];
-        const int w = (D / 4 * t + 4 * j) / 2;
-        qa[j][0] = g < GROUP ? qw[w] : 0u;
-        qa[j][1] = g < GROUP ? qw[w + 1] : 0u;
-    }
+    // Lane (g, t)'s query words for k step j: qa[j] (dimensions D/4 t + 4j .. + 3, the order the keys load in).
+    const uint2* qa = (const uint2*)q_s[g] + D / 16 * t;
     float m = NEG_BIG, l = 0.f, o[MPROD][4];
 #pragma unroll
     for (int r = 0; r < MPROD; r++) o[r][0] = o[r][1] = o[r][2] = o[r][3] = 0.f;

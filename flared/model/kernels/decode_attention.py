@@ -32,8 +32,8 @@ class Build:
     group: int
     head_dim: int
     page_tokens: int
-    prefetch: int = 1
-    blocks_per_sm: int = 2
+    prefetch: int = 0
+    blocks_per_sm: int = 4
 
     def __post_init__(self):
         if self.head_dim not in (64, 128):
@@ -51,7 +51,8 @@ class Build:
 
 
 def default_build(group: int, head_dim: int, page_tokens: int) -> Build:
-    """The build the decoder runs."""
+    """The build the decoder runs: no prefetch and four blocks a multiprocessor (the fastest alone at 64 rows:
+    20.55 us a layer at 8B and 256 tokens, docs/benchmarks.md, twenty-seventh session)."""
     return Build(group, head_dim, page_tokens)
 
 
