@@ -145,8 +145,6 @@ def set_context(inputs, context: int) -> None:
 
 def profile_graph(dec, batch: int, stream, replays: int = 5) -> list[tuple[str, int, float]]:
     """(kernel, launches a step, us a step) of the decode step's graph, the costliest first."""
-    from torch.profiler import ProfilerActivity, profile
-
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         dec.decode(batch, False)  # warm (compiles) outside the capture
@@ -155,25 +153,38 @@ def profile_graph(dec, batch: int, stream, replays: int = 5) -> list[tuple[str, 
         dec.decode(batch, False)
     graph.replay()
     torch.cuda.synchronize()
+    products = ("qkv", "o", "gate_up", "down")
+    seen = [0]
+
+    def product_named(name: str) -> str:  # products64 launches by their order in a layer
+        if "products64" not in name:
+            return name
+        seen[0] += 1
+        return f"products64 {products[(seen[0] - 1) % 4]}"
+
+    kernels = kernel_times(graph, replays, product_named)
+    del graph
+    return kernels
+
+
+def kernel_times(graph, replays: int = 5, rename=None) -> list[tuple[str, int, float]]:
+    """(kernel, launches a replay, us a replay) of a captured graph under torch.profiler, the costliest first;
+    ``rename`` maps each launch's kernel name, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     totals: dict[str, list] = {}
-    products = ("qkv", "o", "gate_up", "down")
-    seen = 0
     for e in kernels:
-        name = e.name
-        if "products64" in name:
-            name = f"products64 {products[seen % 4]}"
-            seen += 1
-        elif len(name) > 60:
+        name = rename(e.name) if rename else e.name
+        if len(name) > 60:
             name = name[:57] + "..."
         t = totals.setdefault(name, [0, 0.0])
         t[0] += 1
         t[1] += e.time_range.end - e.time_range.start
-    del graph
     return sorted(((n, c // replays, us / replays) for n, (c, us) in totals.items()), key=lambda r: -r[2])
 
 

@@ -49,15 +49,15 @@ def main(argv=None) -> int:
         model = serving(hf, torch.bfloat16)
         del hf
         torch.cuda.empty_cache()
-        rows_ = args.concurrency
-        pair = graph_executor(model, concurrency=rows_, num_pages=64 * rows_)
+        streams = args.concurrency
+        pair = graph_executor(model, concurrency=streams, num_pages=64 * streams)
         sched, ex = pair
         vocab = model.config.vocab_size
-        run_flared(model, prompts(vocab, rows_, 128, seed=40), 16, ex_pair=pair)
-        r = run_flared(model, prompts(vocab, rows_, 128, seed=4), 256, ex_pair=pair)
-        tps = 255 * rows_ / ((max(r.finish_ns) - max(r.first_token_ns)) / 1e9)
+        run_flared(model, prompts(vocab, streams, 128, seed=40), 16, ex_pair=pair)
+        r = run_flared(model, prompts(vocab, streams, 128, seed=4), 256, ex_pair=pair)
+        tps = 255 * streams / ((max(r.finish_ns) - max(r.first_token_ns)) / 1e9)
         gpu_us = r.decode_gpu_ns / max(1, r.steps_by_kind["DECODE"]) / 1e3
-        key = ex.graphs.pick_decode(rows_, False, 384)
+        key = ex.graphs.pick_decode(streams, False, 384)
         gexec = ex.graphs.graph_execs[key]
         offset, nbytes = ex.manifest.decode_upload(key[1])
         stream = ex._model_ptr
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
             cuda.graph_launch(gexec, stream)
             ev[1].record(stream)
             cuda.stream_wait_event(copy_stream, ev[1])
-            cuda.copy_d2h_async(tok_host, sampled, 8 * rows_, copy_stream)
+            cuda.copy_d2h_async(tok_host, sampled, 8 * streams, copy_stream)
             ev[2].record(copy_stream)
 
         def full_step_kernel_upload():
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             cuda.graph_launch(gexec, stream)
             ev[1].record(stream)
             cuda.stream_wait_event(copy_stream, ev[1])
-            cuda.copy_d2h_async(tok_host, sampled, 8 * rows_, copy_stream)
+            cuda.copy_d2h_async(tok_host, sampled, 8 * streams, copy_stream)
             ev[2].record(copy_stream)
 
         variants = [("graph launches only", graph_only), ("+ H2D memcpy of the inputs", memcpy_graph),

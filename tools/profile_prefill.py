@@ -60,26 +60,9 @@ def build(shape: str, seqs: int, tokens: int):
     return model, dec
 
 
-def kernels_of(graph, replays: int = 5) -> list[tuple[str, int, float]]:
-    """(kernel, launches a step, us a step), the costliest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    totals: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        name = e.name if len(e.name) <= 70 else e.name[:67] + "..."
-        entry = totals.setdefault(name, [0, 0.0])
-        entry[0] += 1
-        entry[1] += e.time_range.end - e.time_range.start
-    return sorted(((n, c // replays, us / replays) for n, (c, us) in totals.items()), key=lambda r: -r[2])
-
-
 def main() -> int:
+    from bench_decode_step import kernel_times
+
     from flared.execution.graphs import time_graph_us
 
     ap = argparse.ArgumentParser()
@@ -98,7 +81,7 @@ def main() -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         dec.prefill(args.seqs, rows)
-    kernels = kernels_of(graph)
+    kernels = kernel_times(graph)
     del graph
 
     c = model.config
