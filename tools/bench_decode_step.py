@@ -188,9 +188,10 @@ def kernel_times(graph, replays: int = 5, rename=None) -> list[tuple[str, int, f
     return sorted(((n, c // replays, us / replays) for n, (c, us) in totals.items()), key=lambda r: -r[2])
 
 
-def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
-    from flared.execution.graphs import time_graph_us
-    from flared.model.kernels import paged_decoder, skinny
+def apply_variant(dec, batch: int, variant: str) -> tuple[str, int | None] | None:
+    """Set ``dec`` up to run ``variant`` at ``batch`` rows (None where it cannot): returns the BLAS library it
+    selected and the attention splits it asks for (None: decode_splits' choice)."""
+    from flared.model.kernels import skinny
 
     # a products64 variant may also be named by its words in any mix ("products64 pdl norms attn splits=2")
     use_skinny, blas, splits = VARIANTS.get(variant) or VARIANTS[variant.split()[0]]
@@ -212,6 +213,18 @@ def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
     dec.mega_max_rows = batch if mega else 0
     dec.mega_head = variant != "mega nohead"
     torch.backends.cuda.preferred_blas_library(blas)
+    splits = next((int(w[7:]) for w in words if w.startswith("splits=")), splits)
+    return blas, splits
+
+
+def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
+    from flared.execution.graphs import time_graph_us
+    from flared.model.kernels import paged_decoder
+
+    applied = apply_variant(dec, batch, variant)
+    if applied is None:
+        return None
+    _, splits = applied
     key, replaced = (batch, dec.mega_head), None
     if variant in MEGA_OVERRIDES:
         from flared.model.kernels import megakernel
@@ -221,7 +234,6 @@ def run_variant(dec, batch: int, variant: str, stream, profile: bool = False):
                                                 overrides=MEGA_OVERRIDES[variant])
         dec.mega[key].compile(dec.page_tokens)
     chosen = paged_decoder.decode_splits
-    splits = next((int(w[7:]) for w in words if w.startswith("splits=")), splits)
     if splits is not None:
         paged_decoder.decode_splits = lambda *args, **kwargs: splits
     try:
