@@ -53,13 +53,16 @@ _SHARED_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("top_p", "float32", ("B",)),
     ("seeds", "int64", ("B",)),
     ("steps", "int64", ("B",)),
+    # per-request LoRA adapter of each token row (a request's ``lora``: 0 = the base weights); read only by a
+    # decoder with adapters (PagedCudaDecoder.lora)
+    ("lora_ids", "int32", ("T",)),
 )
 # A decode step's inputs get their own spans ("decode_" + the field, one row per decode row: D = the largest
 # decode batch), back to back with the block tables last, so one copy from the pinned frame carries a whole
 # step (ExecutionManifest.decode_upload) instead of one per field, each of which cost the GPU microseconds at
 # batch 1.
 _DECODE_ORDER = ("token_ids", "positions", "slot_ids", "state_rows", "context_lens", "temperature", "top_k",
-                 "top_p", "seeds", "steps", "block_tables")
+                 "top_p", "seeds", "steps", "lora_ids", "block_tables")
 _BY_NAME = {name: (dtype, shape) for name, dtype, shape in _SHARED_FIELDS}
 INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = _SHARED_FIELDS + tuple(
     ("decode_" + name, _BY_NAME[name][0], ("D",) + _BY_NAME[name][1][1:]) for name in _DECODE_ORDER)
@@ -256,7 +259,7 @@ class ExecutionManifest:
 
 
 def pack_prefill(views: dict[str, np.ndarray], plan, block_tables, *, page_tokens: int, scratch_slot: int,
-                 batch_capacity: int, token_capacity: int) -> int:
+                 batch_capacity: int, token_capacity: int, adapters=None) -> int:
     """Write a prefill plan's graph inputs into host views of the manifest layout (a pinned frame).
 
     The participants' chunks go back to back in the token rows, in plan order (the plan's flat token_ids
@@ -264,8 +267,10 @@ def pack_prefill(views: dict[str, np.ndarray], plan, block_tables, *, page_token
     ``token_starts[i]..``, each writing its K/V to the slot its own block table maps. Per sequence:
     its block-table row i, ``chunk_meta[i] = (token_starts[i], num_tokens[i])``, ``logit_rows[i]`` = its
     last row, ``state_rows[i]``. Padding: rows past the tokens write the scratch slot; sequences past the
-    participants get meta (0, 0), state row 0 (the scratch row) and logit row 0. Returns the block-table
-    rows in use (the participants)."""
+    participants get meta (0, 0), state row 0 (the scratch row) and logit row 0. ``adapters``: each
+    participant's per-request LoRA adapter (its request's ``lora``), written to each of its token rows'
+    ``lora_ids`` (padding rows 0, the base weights); None leaves that span alone (a decoder without adapters
+    never reads it). Returns the block-table rows in use (the participants)."""
     P = page_tokens
     n = plan.num_participants
     starts = np.asarray(plan.token_starts, dtype=np.int64)
@@ -296,7 +301,49 @@ def pack_prefill(views: dict[str, np.ndarray], plan, block_tables, *, page_token
     meta[n:batch_capacity] = 0
     v["logit_rows"][:n] = np.maximum(offsets[1:] - 1, 0)
     v["logit_rows"][n:batch_capacity] = 0
+    if adapters is not None:
+        v["lora_ids"][:total] = np.repeat(np.asarray(adapters, dtype=np.int32)[:n], counts)
+        v["lora_ids"][total:token_capacity] = 0
     return n
+
+
+def pack_decode(views: dict[str, np.ndarray], plan, block_tables, *, page_tokens: int, scratch_slot: int,
+                capacity: int, adapters=None) -> None:
+    """Write a decode plan's graph inputs into the decode spans (``decode_`` + the field) of host views of the
+    manifest layout (a pinned frame), all but the sampling fields (the caller's, as for a prefill).
+
+    Row i is participant i's one new token (the plan's; -1 = what its state row sampled last, read on the
+    device) at position ``token_starts[i]``, writing its K/V to the slot its block table maps there, with
+    context ``token_starts[i] + 1``; its block-table row holds the pages up to that position. ``adapters``:
+    each participant's per-request LoRA adapter, into ``lora_ids`` (None leaves that span alone, as in
+    ``pack_prefill``). Rows past the participants, up to ``capacity``: token 0 at position 0, the scratch slot,
+    state row 0 (the scratch row), context 0, the base weights."""
+    P = page_tokens
+    n = plan.num_participants
+    if n > capacity:
+        raise ExecutionError(f"a decode of {n} rows does not fit the graph ({capacity})", ErrorKind.MODEL_CAPACITY)
+    f = "decode_"
+    v = views
+    starts = np.asarray(plan.token_starts, dtype=np.int64)[:n]
+    offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n]
+    v[f + "token_ids"][:n] = np.asarray(plan.token_ids, dtype=np.int64)[offsets]
+    v[f + "token_ids"][n:capacity] = 0
+    v[f + "positions"][:n] = starts
+    v[f + "positions"][n:capacity] = 0
+    tables = v[f + "block_tables"]
+    for i in range(n):
+        pages_used = int(starts[i]) // P + 1
+        tables[i, :pages_used] = block_tables[i][:pages_used]
+    pages_of = tables[np.arange(n), starts // P].astype(np.int64)
+    v[f + "slot_ids"][:n] = pages_of * P + starts % P
+    v[f + "slot_ids"][n:capacity] = scratch_slot
+    v[f + "state_rows"][:n] = np.asarray(plan.state_rows, dtype=np.int64)[:n]
+    v[f + "state_rows"][n:capacity] = 0
+    v[f + "context_lens"][:n] = starts + 1
+    v[f + "context_lens"][n:capacity] = 0
+    if adapters is not None:
+        v[f + "lora_ids"][:n] = np.asarray(adapters, dtype=np.int32)[:n]
+        v[f + "lora_ids"][n:capacity] = 0
 
 
 def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) -> float:
@@ -333,7 +380,9 @@ class GraphSet:
     """Device inputs, the paged decoder and its captured graphs (CUDA only)."""
 
     def __init__(self, model, manifest: ExecutionManifest, *, num_pages: int, page_tokens: int,
-                 num_state_rows: int):
+                 num_state_rows: int, lora=None):
+        """``lora``: the per-request LoRA adapters (kernels/lora_rows.StackedLora) the decoder's graphs run for
+        the rows that name one (``lora_ids``); None: none."""
         import torch
 
         from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
@@ -369,7 +418,7 @@ class GraphSet:
         self.decoder = PagedCudaDecoder(model, self.inputs, decode_inputs=self.decode_inputs,
                                         num_pages=num_pages, page_tokens=page_tokens,
                                         num_state_rows=num_state_rows, max_batch=manifest.max_batch,
-                                        max_tokens=manifest.max_tokens)
+                                        max_tokens=manifest.max_tokens, lora=lora)
         self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs: dict[tuple[str, int, int, bool], int] = {}
         # the decode graphs again, over decode_region_b (decode_execs(1))
@@ -412,6 +461,7 @@ class GraphSet:
             s.top_p.fill_(1.0)
             s.seeds.zero_()
             s.steps.zero_()
+            s.lora_ids.zero_()
 
     def _run_eager(self, key) -> None:
         kind, batch, tokens, full = key

@@ -180,3 +180,65 @@ def test_a_continued_chunk_starts_at_its_cached_prefix():
     assert v["chunk_meta"][i].tolist() == [17, 23]
     assert v["token_ids"][row:row + 23].tolist() == prompts[3][17:]
     assert v["logit_rows"][i] == row + 22
+
+
+def test_each_token_row_gets_its_sequences_lora_adapter():
+    """Per-request LoRA: pack_prefill writes each participant's adapter to all of its token rows (padding rows: 0,
+    the base weights); without adapters the span is left alone (a decoder without adapters never reads it)."""
+    _, plan, tables, _ = first_prefill_plan()
+    big = manifest(batch_shapes=((8, 256),), prefill_token_sizes=(64, 256))
+    v = big.host_views(np.full(big.total_bytes, 0xAB, dtype=np.uint8))  # stale bytes everywhere
+    stale = v["lora_ids"].copy()
+    pack_prefill(v, plan, tables, page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, batch_capacity=8, token_capacity=256)
+    assert np.array_equal(v["lora_ids"], stale)
+    pack_prefill(v, plan, tables, page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, batch_capacity=8, token_capacity=256,
+                 adapters=[2, 0, 1, 2])
+    assert v["lora_ids"][:128].tolist() == [2] * 100 + [0] * 10 + [1] + [2] * 17
+    assert (v["lora_ids"][128:256] == 0).all()
+    assert v["lora_ids"].dtype == np.int32
+
+
+def test_a_decode_plan_packs_into_the_decode_spans():
+    """pack_decode (the GraphExecutor's decode packing): row i is participant i's token at its next position,
+    writing the slot its block table maps, with its adapter in lora_ids; rows up to the graph's capacity are
+    padding (scratch slot, state row 0, context 0, the base weights). Nothing outside the decode spans moves."""
+    from flared.execution.graphs import DECODE_FIELDS, pack_decode
+    from flared.scheduler import plan_records
+
+    _, plan, _, prompts, sched = first_prefill_plan(with_scheduler=True)
+    sched.commit(plan, 1)
+    sched.complete(1, plan_records(plan, np.where(np.asarray(plan.sample) > 0, 11, -1)), 1_000_000, 3)
+    for now in range(4, 40):  # the cut prompt's next chunk comes first
+        dec = sched.plan(now)
+        if dec is None or dec.kind == GraphKind.DECODE:
+            break
+        sched.commit(dec, now)
+        sched.complete(now, plan_records(dec, np.full(dec.num_participants, 11)), 1_000_000, now)
+    assert dec is not None and dec.kind == GraphKind.DECODE and dec.num_participants == 4
+    n = dec.num_participants
+    tables = [sched.block_table(int(h)) for h in dec.handles]
+    starts = [int(s) for s in dec.token_starts]
+    assert starts == [len(prompts[[int(h) for h in plan.handles].index(int(h))]) for h in dec.handles]
+    m = manifest(decode_batch_sizes=(1, 2, 4, 8))  # a decode graph of 8 rows: 4 padding rows
+    v = m.host_views(np.full(m.total_bytes, 0xAB, dtype=np.uint8))  # stale bytes everywhere
+    before = {name: v[name].copy() for name in v if name not in DECODE_FIELDS}
+    pack_decode(v, dec, tables, page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, capacity=8, adapters=[1, 0, 3, 1])
+    pad = [0] * 4
+    assert v["decode_token_ids"].tolist() == [int(dec.token_ids[int(o)]) for o in dec.token_offsets[:n]] + pad
+    assert v["decode_positions"].tolist() == starts + pad
+    want_slots = [int(tables[i][p // PAGE]) * PAGE + p % PAGE for i, p in enumerate(starts)]
+    assert v["decode_slot_ids"].tolist() == want_slots + [SCRATCH_SLOT] * 4
+    assert v["decode_state_rows"].tolist() == [int(r) for r in dec.state_rows] + pad
+    assert v["decode_context_lens"].tolist() == [p + 1 for p in starts] + pad
+    assert v["decode_lora_ids"].tolist() == [1, 0, 3, 1] + pad
+    for i, p in enumerate(starts):
+        assert v["decode_block_tables"][i, :p // PAGE + 1].tolist() == list(tables[i][:p // PAGE + 1])
+    assert all(np.array_equal(v[name], before[name]) for name in before)
+    offset, nbytes = m.decode_upload(8)  # the step's one upload carries the adapters too
+    lora = m.span("decode_lora_ids")
+    assert offset <= lora.offset_bytes and lora.offset_bytes + lora.nbytes <= offset + nbytes
+    stale = v["decode_lora_ids"].copy()
+    pack_decode(v, dec, tables, page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, capacity=8)  # no adapters: left alone
+    assert np.array_equal(v["decode_lora_ids"], stale)
+    with pytest.raises(ExecutionError, match="does not fit"):
+        pack_decode(v, dec, tables, page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, capacity=2)
