@@ -48,7 +48,8 @@ import torch
 from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
 from flared.errors import ErrorKind, ExecutionError
 from flared.execution import cuda
-from flared.execution.graphs import ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_prefill
+from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
+                                     pack_prefill)
 from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind, scored_participants
@@ -76,10 +77,11 @@ class _Pending:
 class GraphExecutor:
     def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
                  vocab_size: int, max_live: int, decode_batch_sizes, prefill_token_sizes,
-                 max_pages_per_sequence: int, prefill_batch_shapes=None):
+                 max_pages_per_sequence: int, prefill_batch_shapes=None, lora=None):
         """``prefill_batch_shapes``: (batch, tokens) capacities of multi-sequence prefill graphs; None = the
         default (graphs.default_prefill_batch_shapes), () = one-sequence prefill graphs only. The scheduler
-        must plan with ``graph_shapes`` (what was captured)."""
+        must plan with ``graph_shapes`` (what was captured). ``lora``: the per-request LoRA adapters
+        (kernels/lora_rows.StackedLora) the graphs run for rows whose state names one (``lora``); None: none."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens
@@ -102,7 +104,7 @@ class GraphExecutor:
         self._copy_ptr = self.copy_stream.cuda_stream
         self._upload_ptr = self.upload_stream.cuda_stream
         self.graphs = GraphSet(model, self.manifest, num_pages=num_pages, page_tokens=page_tokens,
-                               num_state_rows=num_state_rows)
+                               num_state_rows=num_state_rows, lora=lora)
         self.decoder = self.graphs.decoder
         c = model.config
         snap_shape = (num_snapshots, c.num_layers, page_tokens, c.num_kv_heads, c.head_dim)
@@ -263,39 +265,22 @@ class GraphExecutor:
         rows = np.asarray(plan.state_rows, dtype=np.int64)
         sample_flags = np.asarray(plan.sample, dtype=bool)
         scratch = self.decoder.scratch_slot
+        # each row's per-request LoRA adapter, where the graphs run adapters (else lora_ids is never read)
+        adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
         if kind == "decode":
             key = self.graphs.pick_decode(n, any(s is not None and s.params.temperature > 0 for s in states),
                                           int(starts[:n].max()) + 1 if n else 0)
             cap = key[1]
             f = "decode_"  # decode graphs read the decode spans, uploaded in one copy below
-            offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n]
-            v[f + "token_ids"][:n] = np.asarray(plan.token_ids, dtype=np.int64)[offsets]
-            v[f + "token_ids"][n:cap] = 0
-            v[f + "positions"][:n] = starts
-            v[f + "positions"][n:cap] = 0
-            tables = v[f + "block_tables"]
-            width = 0
-            for i in range(n):
-                bt = block_tables[i]
-                pages_used = int(starts[i]) // P + 1
-                tables[i, :pages_used] = bt[:pages_used]
-                width = max(width, pages_used)
-            pages_of = tables[np.arange(n), starts // P].astype(np.int64)
-            v[f + "slot_ids"][:n] = pages_of * P + starts % P
-            v[f + "slot_ids"][n:cap] = scratch
-            v[f + "state_rows"][:n] = rows
-            v[f + "state_rows"][n:cap] = 0
-            v[f + "context_lens"][:n] = starts + 1
-            v[f + "context_lens"][n:cap] = 0
-            token_rows = cap
+            pack_decode(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, capacity=cap, adapters=adapters)
         else:
             f = ""
             offsets = np.asarray(plan.token_offsets, dtype=np.int64)
             key = self.graphs.pick("prefill", int(offsets[n]), batch=n)
             _, batch_cap, cap, _ = key
             width = pack_prefill(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, batch_capacity=batch_cap,
-                                 token_capacity=cap)
-            token_rows = cap
+                                 token_capacity=cap, adapters=adapters)
+        token_rows = cap
         batch_rows = cap if kind == "decode" else batch_cap
         # Sampling parameters (graph sampler) and per-row step counters.
         for i in range(n):
@@ -327,7 +312,7 @@ class GraphExecutor:
                 cuda.copy_h2d_async(dst, self._in_frames[frame].ptr + offset, nbytes, self._model_ptr)
             execs = self.graphs.decode_execs(region)
         else:
-            for name in ("token_ids", "positions", "slot_ids"):
+            for name in ("token_ids", "positions", "slot_ids") + (("lora_ids",) if adapters is not None else ()):
                 self._upload(frame, name, token_rows)
             for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "seeds", "steps",
                          "chunk_meta", "logit_rows"):

@@ -22,6 +22,10 @@ forwards with fixed shapes:
   scratch row no request owns) and logit row 0: they attend to nothing and
   what they sample lands in the scratch row.
 
+With per-request LoRA adapters (``lora``, a kernels/lora_rows.StackedLora) every product of both forwards
+adds the adapter terms of the rows that name one (``lora_ids``); the paths that cannot take the extra
+products (the skinny kernels, the megakernel, products64) are then off.
+
 Shapes: T = token capacity, B = batch capacity, nh/nkv = heads, d = head dim,
 V = vocab. Pool: per layer [slots + page_tokens, nkv, d].
 
@@ -72,11 +76,15 @@ class StaticInputs:
     top_p: torch.Tensor  # [B_max] float32
     seeds: torch.Tensor  # [B_max] int64
     steps: torch.Tensor  # [B_max] int64, tokens drawn so far by the row
+    # [T_max] int32: each token row's per-request LoRA adapter (0 = the base weights); read only with ``lora``
+    lora_ids: torch.Tensor | None = None
 
 
 class PagedCudaDecoder:
     def __init__(self, model, inputs: StaticInputs, *, num_pages: int, page_tokens: int, num_state_rows: int,
-                 max_batch: int, max_tokens: int, decode_inputs: StaticInputs | None = None):
+                 max_batch: int, max_tokens: int, decode_inputs: StaticInputs | None = None, lora=None):
+        """``lora``: per-request LoRA adapters (kernels/lora_rows.StackedLora), fixed for the decoder's life (the
+        graphs capture it); None: none, and the forwards are what they are without adapters."""
         c = model.config
         if model.device.type != "cuda":
             raise ValueError("PagedCudaDecoder needs a DecoderModel on a CUDA device")
@@ -122,12 +130,15 @@ class PagedCudaDecoder:
 
         self.max_batch = max_batch
         self.max_tokens = max_tokens
+        # Per-request LoRA adapters: the layered forwards add each product's adapter terms (_with_lora). The skinny
+        # kernels, the megakernel and products64 have no place for them and stay off.
+        self.lora = lora
         # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
         self.fused = dtype in (torch.bfloat16, torch.float16) and not c.qk_norm
         # Decode batches up to this many rows run five fused kernels per layer (kernels/skinny.py);
         # FLARED_SKINNY_MAX_ROWS=0 turns them off (benchmarks compare both).
         self.skinny_max_rows = 0
-        if self.fused and c.head_dim % 32 == 0:
+        if self.fused and c.head_dim % 32 == 0 and lora is None:
             pinned = int(os.environ.get("FLARED_SKINNY_MAX_ROWS", skinny.MAX_ROWS))
             self.skinny_max_rows = min(skinny.MAX_ROWS, pinned)
         # Half-precision decode at small batch splits each row's context over several programs
@@ -168,7 +179,8 @@ class PagedCudaDecoder:
         self._p64: products64.DecoderProducts | None = None
         pinned_p64 = os.environ.get("FLARED_PRODUCTS64")
         self.p64_candidates = []
-        if self.fused and pinned_p64 != "0" and products64.available() and products64.unsupported(model) is None:
+        if (self.fused and pinned_p64 != "0" and lora is None and products64.available()
+                and products64.unsupported(model) is None):
             self.p64_candidates = [b for b in (32, 64) if b <= max_batch]
         if pinned_p64 == "1":
             self.p64_batches = set(self.p64_candidates)
@@ -184,7 +196,7 @@ class PagedCudaDecoder:
         # 4,867 against 4,918 / 4,915 us (8B, 64 rows, H200). FLARED_ATTENTION_PDL=0 launches it plainly.
         self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0" and supports_pdl()
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
-        if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
+        if self.fused and pinned_mega != "0" and lora is None and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
             if pinned_mega == "1":
                 self.mega_max_rows = self.mega_limit
@@ -364,7 +376,7 @@ class PagedCudaDecoder:
         products = self.products() if batch in self.p64_batches else None
         attend = self._decode_attend(batch, block_tables, context_lens, pdl=products is not None and self.attn_pdl)
         with self._blas(batch):
-            x = self._layers(tokens, positions, slots, attend, products)
+            x = self._layers(tokens, positions, slots, attend, products, self._lora_step(s.lora_ids, batch))
             self._finish(x, batch, full_sampling, rows, s)
 
     def _decode_attend(self, batch, block_tables, context_lens, pdl: bool = False):
@@ -410,7 +422,8 @@ class PagedCudaDecoder:
             paged_prefill_attention_varlen(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, meta,
                                            page_tokens=self.page_tokens, scale=self.model.scale)
 
-        x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend)
+        x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend,
+                         lora=self._lora_step(s.lora_ids, capacity))
         self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch], s)
         return x
 
@@ -430,12 +443,29 @@ class PagedCudaDecoder:
 
     # -- shared body -------------------------------------------------------------------------------
 
+    def _lora_step(self, lora_ids: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+        """The step's LoRA column mask (StackedLora.masks) from the first ``rows`` of ``lora_ids``, made once a
+        forward and read by every product's _with_lora; None without adapters."""
+        if self.lora is None:
+            return None
+        if lora_ids is None:
+            raise ValueError("a decoder with per-request LoRA adapters needs the lora_ids input")
+        return self.lora.masks(lora_ids[:rows], self.model.dtype)
+
+    def _with_lora(self, lora: torch.Tensor | None, layer: int, product: str, x: torch.Tensor,
+                   y: torch.Tensor) -> torch.Tensor:
+        """``y`` (``x`` times the layer's ``product`` weight) plus the adapter terms of the rows that name one, in
+        place; ``y`` itself when the step has no mask (``lora`` None: no adapters loaded)."""
+        if lora is None:
+            return y
+        return self.lora.add(layer, product, x, y, lora)
+
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend,
-                products: products64.DecoderProducts | None = None) -> torch.Tensor:
+                products: products64.DecoderProducts | None = None, lora: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer; returns the final-normed hidden states [T, H]. ``products``: the fused forward's products
-        through products64 (decode batches of up to 64 rows)."""
+        through products64 (decode batches of up to 64 rows). ``lora``: the step's LoRA mask (_lora_step)."""
         if self.fused:
-            return self._layers_fused(tokens, positions, slots, attend, products)
+            return self._layers_fused(tokens, positions, slots, attend, products, lora)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
@@ -449,6 +479,7 @@ class PagedCudaDecoder:
         for index, layer in enumerate(m.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.attn_norm, eps)
             qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)  # [T, q_size + 2 * kv_size]
+            qkv = self._with_lora(lora, index, "qkv", x, qkv)
             qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
@@ -456,11 +487,12 @@ class PagedCudaDecoder:
             self.k_pool[index].index_copy_(0, slots, qk[:, nh:])
             self.v_pool[index].index_copy_(0, slots, qkv[:, q_size + kv_size:].view(num_tokens, nkv, d))
             attend(qk[:, :nh], index, attn)
-            h = h + F.linear(attn.view(num_tokens, nh * d), layer.o.weight, layer.o.bias)
+            attn_rows = attn.view(num_tokens, nh * d)
+            h = h + self._with_lora(lora, index, "o", attn_rows, F.linear(attn_rows, layer.o.weight, layer.o.bias))
             x = F.rms_norm(h, (h.shape[-1],), layer.mlp_norm, eps)
-            gate_up = F.linear(x, layer.gate_up.weight)
-            h = h + F.linear(F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:],
-                             layer.down.weight)
+            gate_up = self._with_lora(lora, index, "gate_up", x, F.linear(x, layer.gate_up.weight))
+            act = F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
+            h = h + self._with_lora(lora, index, "down", act, F.linear(act, layer.down.weight))
         return F.rms_norm(h, (h.shape[-1],), m.final_norm, eps)
 
     def _activations(self, tokens):
@@ -492,10 +524,11 @@ class PagedCudaDecoder:
         fused.add_rms_norm(None, h, m.final_norm, x, eps)
         return x
 
-    def _layers_fused(self, tokens, positions, slots, attend, products=None) -> torch.Tensor:
+    def _layers_fused(self, tokens, positions, slots, attend, products=None, lora=None) -> torch.Tensor:
         """``products``: the four products of each layer through products64 (decode, up to 64 rows, no biases; the
         SiLU-mul inside gate_up's epilogue) instead of cuBLAS(Lt); with its ``fold_norms``, the add_rms_norm
-        launches inside them too."""
+        launches inside them too. ``lora``: the step's LoRA mask (_lora_step; never with ``products``, which a
+        decoder with adapters does not run)."""
         if tokens.shape[0] <= self.skinny_max_rows:
             return self._layers_skinny(tokens, positions, slots, attend)
         m = self.model
@@ -521,7 +554,7 @@ class PagedCudaDecoder:
             elif products is not None:
                 qkv = products("qkv", index, x_map, qkv_out)
             else:
-                qkv = F.linear(x, layer.qkv.weight, layer.qkv.bias)
+                qkv = self._with_lora(lora, index, "qkv", x, F.linear(x, layer.qkv.weight, layer.qkv.bias))
             if with_rope is not None:
                 with_rope(qkv, positions, slots, index, attn)
             else:
@@ -539,14 +572,14 @@ class PagedCudaDecoder:
             if products is not None:
                 o = products("o", index, attn_map, out)
             else:
-                o = F.linear(attn_rows, layer.o.weight, layer.o.bias)
+                o = self._with_lora(lora, index, "o", attn_rows, F.linear(attn_rows, layer.o.weight, layer.o.bias))
             fused.add_rms_norm(o, h, layer.mlp_norm, x, eps)
             if products is not None:
                 products("gate_up", index, x_map, act)
                 down = products("down", index, act_map, out)
             else:
-                fused.silu_mul(F.linear(x, layer.gate_up.weight), act)
-                down = F.linear(act, layer.down.weight)
+                fused.silu_mul(self._with_lora(lora, index, "gate_up", x, F.linear(x, layer.gate_up.weight)), act)
+                down = self._with_lora(lora, index, "down", act, F.linear(act, layer.down.weight))
             after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
             fused.add_rms_norm(down, h, after, x, eps)
         return x
