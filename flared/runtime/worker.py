@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from flared.errors import AdmissionError, CoreError, ErrorKind, ExecutionError, FlareError
+from flared.errors import AdmissionError, ErrorKind, ExecutionError, FlareError
 from flared.runtime.request import (
     ErrorEvent, EventSink, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent, as_error,
 )
@@ -274,10 +274,6 @@ class ModelRuntime:
             log.info("merged LoRA adapters: %s", ", ".join(f"{p} (scale {s:g})" for p, s in self.lora_adapters))
         identity = identity.digest()
         self._weight_shapes = {k: torch.empty(v.shape, device="meta") for k, v in tensors.items()}
-        if self.lora_modules and use_cuda:
-            raise CoreError("per-request LoRA adapters (lora_modules, --lora-modules) run on the CPU backend only "
-                            "for now; on a GPU, merge an adapter into the weights with --lora",
-                            ErrorKind.UNSUPPORTED_MODEL)
         factors = [self._lora_factors(path) for _, path in self.lora_modules]
         if factors:
             log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))
@@ -287,6 +283,15 @@ class ModelRuntime:
         for f, ident in factors:
             model.add_lora_module(f)
             self._lora_ids.append(ident)
+        stacked = None
+        if factors and use_cuda:
+            # The CUDA graphs run every adapter at once, its factors stacked per product (kernels/lora_rows.py);
+            # a row's lora_ids input picks its adapter's columns.
+            from flared.model.kernels.lora_rows import StackedLora
+
+            stacked = StackedLora(self.core.config, [f for f, _ in factors], dtype=dtype, device=model.device)
+            log.info("per-request LoRA adapters stacked for the CUDA graphs: %d columns, %.1f MB", stacked.rank,
+                     stacked.nbytes / 1e6)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
         if use_cuda:
@@ -299,7 +304,8 @@ class ModelRuntime:
                                           vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
                                           decode_batch_sizes=caps.decode_batch_sizes,
                                           prefill_token_sizes=caps.prefill_token_sizes,
-                                          max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens))
+                                          max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens),
+                                          lora=stacked)
             graph_shapes = self.executor.graph_shapes
             log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
             from flared.model.kernels.megakernel import describe_decode_paths
@@ -332,8 +338,8 @@ class ModelRuntime:
         """Load a per-request adapter while serving (POST /v1/load_lora_adapter); returns its ``lora`` index.
         The files are read on the caller's thread; CoreError for an adapter that does not fit the model."""
         if self.model is None or self.model.device.type != "cpu":
-            raise AdmissionError("per-request LoRA adapters run on the CPU backend only for now",
-                                 ErrorKind.UNSUPPORTED)
+            raise AdmissionError("loading a per-request LoRA adapter while serving runs on the CPU backend only: the "
+                                 "CUDA graphs take their adapters at start (--lora-modules)", ErrorKind.UNSUPPORTED)
         factors, ident = self._lora_factors(path)
         with self._lock:
             index = self.model.add_lora_module(factors)
