@@ -1,0 +1,233 @@
+"""Per-request LoRA adapters on the CUDA graph executor (kernels/lora_rows.StackedLora, PagedCudaDecoder.lora).
+
+float32: greedy tokens of requests under two adapters and of base requests, in the same batched prefill and
+decode graphs, equal the CPU path's (DecoderModel._lora), exactly. bfloat16: the fused forward's logits with
+each adapter track a float32 reference of the CPU path, prefill and decode; the captured graphs serve mixed
+batches; and the model thread (ModelRuntime, --lora-modules) runs adapters on the GPU from their PEFT files.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_models import PAGE_TOKENS, make_cpu_executor, make_executor, make_scheduler, serving_model  # noqa: E402
+
+F = torch.nn.functional
+# 100 + 10 + 1 + 40 tokens: one batched prefill cohort of both adapters and the base, the last prompt cut at the
+# cohort's capacity (it continues in a chunk of its own)
+PROMPTS = [list(range(5, 105)), list(range(200, 210)), [7], list(range(300, 340))]
+LORAS = [1, 0, 2, 0]
+BATCH_SHAPES = ((2, 64), (2, 128), (4, 128))
+
+
+def random_factors(config, rank, seed, products=("qkv", "o", "gate_up", "down"), scale=0.1):
+    """A per-request adapter as lora.lora_factors gives one (its scale folded into B): random factors on
+    ``products`` of every layer (q and v of qkv; gate and up of gate_up), sized to move the tiny model's tokens."""
+    c = config
+    g = torch.Generator().manual_seed(seed)
+    spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
+             "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
+             "gate_up": [(0, c.intermediate_size, c.hidden_size),
+                         (c.intermediate_size, c.intermediate_size, c.hidden_size)]}
+    return {f"layers.{layer}.{product}.weight": [
+        (row, count, torch.randn(rank, width, generator=g) / width ** 0.5,
+         torch.randn(count, rank, generator=g) * scale) for row, count, width in spans[product]]
+        for layer in range(c.num_layers) for product in products}
+
+
+def two_adapters(config):
+    """Adapter 1: rank 4 on every product; adapter 2: rank 8 on qkv and down only."""
+    return [random_factors(config, 4, seed=1), random_factors(config, 8, seed=2, products=("qkv", "down"))]
+
+
+def greedy(executor, scheduler, loras, max_tokens=16, prompts=PROMPTS):
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    ticks = iter(range(1, 10**9))  # a fake scheduler clock: no step looks late, decodes overlap
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(prompts)
+    return drive(scheduler, executor, prompts, params, loras=loras, clock_ns=lambda: next(ticks)).tokens
+
+
+def cpu_model(hf, factors):
+    """The CPU path's float32 model over the same weights, with ``factors`` as per-request adapters 1, 2, ..."""
+    model = serving_model(hf, "cpu")
+    for f in factors:
+        model.add_lora_module(f)
+    return model
+
+
+def test_float32_greedy_tokens_with_mixed_adapters_match_the_cpu_path(hf):
+    from flared.model.kernels.lora_rows import StackedLora
+
+    gpu = serving_model(hf)
+    factors = two_adapters(gpu.config)
+    stacked = StackedLora(gpu.config, factors, dtype=torch.float32, device="cuda")
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, lora=stacked)
+    try:
+        assert ex.decoder.lora is stacked
+        got = greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), LORAS)
+    finally:
+        ex.close()
+    cpu = cpu_model(hf, factors)
+    assert got == greedy(make_cpu_executor(cpu), make_scheduler(), LORAS)
+    base = greedy(make_cpu_executor(cpu), make_scheduler(), None)
+    for tokens, base_tokens, adapter in zip(got, base, LORAS):  # the adapters moved their requests' tokens only
+        assert (tokens == base_tokens) == (adapter == 0)
+
+
+def _gpu_prefill_then_decode(dec, inputs, tokens, nxt, adapter):
+    """One sequence's prefill chunk (pages 0.. in order: slot = position) then one decode step of token ``nxt``,
+    both run eagerly on ``dec`` through the executor's static inputs with ``adapter`` on every row: (every prefill
+    row's logits [n, V], the decode step's logits [V]), float32 on the host."""
+    n, cap = len(tokens), 64
+    s, d = inputs
+    with torch.inference_mode():
+        s.token_ids[:cap] = 0
+        s.token_ids[:n] = torch.tensor(tokens)
+        s.positions[:cap] = 0
+        s.positions[:n] = torch.arange(n)
+        s.slot_ids[:cap] = dec.scratch_slot
+        s.slot_ids[:n] = torch.arange(n)
+        s.block_tables[0, :8] = torch.arange(8)
+        s.chunk_meta.zero_()
+        s.chunk_meta[0, 1] = n
+        s.logit_rows.zero_()
+        s.logit_rows[0] = n - 1
+        s.state_rows.zero_()
+        s.state_rows[0] = 1
+        s.temperature.zero_()
+        s.lora_ids[:cap] = 0
+        s.lora_ids[:n] = adapter
+        h = dec.prefill(1, cap)
+        prefill = F.linear(h[:n], dec.model.lm_head).float()
+        d.token_ids[0] = nxt
+        d.positions[0] = n
+        d.slot_ids[0] = n
+        d.state_rows[0] = 1
+        d.block_tables[0, :8] = torch.arange(8)
+        d.context_lens[0] = n + 1
+        d.temperature[0] = 0
+        d.lora_ids[0] = adapter
+        dec.decode(1, False, mega=False)
+        torch.cuda.synchronize()
+        return prefill.cpu(), dec.logits[0].cpu()
+
+
+def _cpu_prefill_then_decode(model, tokens, nxt, adapter):
+    """The same on the CPU path (DecoderModel, its own KV cache)."""
+    from flared.model.batch import ForwardBatch, SequenceChunk
+    from flared.model.decoder import rms_norm
+
+    n = len(tokens)
+    kv = model.make_kv_cache(num_pages=8, page_tokens=PAGE_TOKENS)
+    with torch.inference_mode():
+        batch = ForwardBatch.build([SequenceChunk(tokens, 0, list(range(8)))], page_tokens=PAGE_TOKENS)
+        if adapter:
+            batch.lora_groups = [(adapter, torch.arange(n))]
+        h = model._layers_forward(batch, kv)
+        prefill = F.linear(rms_norm(h, model.final_norm, model.config.rms_norm_eps), model.lm_head).float()
+        step = ForwardBatch.build([SequenceChunk([nxt], n, list(range(8)))], page_tokens=PAGE_TOKENS)
+        if adapter:
+            step.lora_groups = [(adapter, torch.tensor([0]))]
+        return prefill, model.forward(step, kv)[0]
+
+
+def test_bfloat16_fused_forward_with_adapters_tracks_the_cpu_path(hf):
+    """The half-precision executor runs the fused layer loop with the LoRA hooks (the skinny kernels, the
+    megakernel and products64 stay off): each adapter's prefill and decode logits agree with the float32 CPU
+    path's to bf16 rounding, far closer than an adapter moves them; the captured graphs serve a mixed batch, where
+    one prompt under one adapter gives the same tokens twice and other tokens under another adapter or none."""
+    from flared.model.kernels.lora_rows import StackedLora
+
+    model = serving_model(hf, dtype=torch.bfloat16)
+    factors = two_adapters(model.config)
+    stacked = StackedLora(model.config, factors, dtype=torch.bfloat16, device="cuda")
+    assert all(a.dtype == torch.bfloat16 for pair in stacked.factors.values() for a in pair)
+    ex = make_executor(model, prefill_batch_shapes=BATCH_SHAPES, lora=stacked)
+    try:
+        dec = ex.decoder
+        assert dec.fused and dec.skinny_max_rows == 0 and dec.mega_max_rows == 0 and not dec.p64_batches
+        assert not any(k[0] == "decode_mega" for k in ex.graphs.graph_execs)
+        prompt = list(range(300, 340))
+        reference = cpu_model(hf, factors)
+        want = {a: _cpu_prefill_then_decode(reference, prompt, 77, a) for a in (0, 1, 2)}
+        for adapter in (0, 1, 2):
+            got = _gpu_prefill_then_decode(dec, (ex.graphs.inputs, ex.graphs.decode_inputs), prompt, 77, adapter)
+            for g, w, base in zip(got, want[adapter], want[0]):
+                scale = w.abs().max().item()
+                assert (g - w).abs().max().item() <= 0.05 * scale
+                assert F.cosine_similarity(g.reshape(-1, w.shape[-1]), w.reshape(-1, w.shape[-1]), dim=-1).min() > 0.995
+                if adapter:
+                    assert (w - base).abs().max().item() > 0.2 * scale
+        tokens = greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), [1, 0, 1, 2], prompts=[prompt] * 4)
+    finally:
+        ex.close()
+    assert all(len(t) == 16 for t in tokens)
+    assert tokens[0] == tokens[2] and tokens[3] != tokens[0] and tokens[1] not in (tokens[0], tokens[3])
+
+
+def _write_peft_adapter(directory: Path, config, r=4, alpha=8, seed=0) -> None:
+    """A PEFT adapter directory (save_pretrained's files) on q, v, o and down of every layer."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    c = config
+    shapes = {"self_attn.q_proj": (c.hidden_size, c.q_size), "self_attn.v_proj": (c.hidden_size, c.kv_size),
+              "self_attn.o_proj": (c.q_size, c.hidden_size), "mlp.down_proj": (c.intermediate_size, c.hidden_size)}
+    tensors = {}
+    for layer in range(c.num_layers):
+        for name, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.3
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"],
+        "bias": "none"}))
+
+
+def test_the_model_thread_serves_lora_modules_on_the_gpu(tiny_hf_llama, tmp_path):
+    """ModelRuntime with --lora-modules on a bf16 core: the GraphExecutor's decoder gets the stacked adapter,
+    requests naming it get other tokens than the base's in the same steps (the same tokens each time), and loading
+    another adapter while serving is refused with a message that says why."""
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared.errors import AdmissionError, ErrorKind
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    core = tmp_path / "tiny-bf16"
+    export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                   prefill_chunk_tokens=128))
+    opened = open_core(core)
+    adapter = tmp_path / "adapter"
+    _write_peft_adapter(adapter, opened.config)
+    rt = ModelRuntime(opened, prefix_cache=False, lora_modules=(("sql", str(adapter)),))
+    rt.start(max_pending=16)
+    try:
+        assert type(rt.executor).__name__ == "GraphExecutor"
+        assert rt.executor.decoder.lora is not None and rt.executor.decoder.lora.num_adapters == 1
+        prompt = tuple([5, 17, 40, 99, 7] * 4)
+
+        def request(lora):
+            return GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0), frozenset(), lora=lora)
+
+        out = []
+        for events in run_requests(rt, [request(1), request(0), request(1), request(0)]):
+            assert not isinstance(events[-1], ErrorEvent), events[-1]
+            out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        assert out[0] == out[2] and out[1] == out[3] and out[0] != out[1]
+        with pytest.raises(AdmissionError, match="CPU backend only") as refused:
+            rt.add_lora_module("other", str(adapter))
+        assert refused.value.kind == ErrorKind.UNSUPPORTED
+    finally:
+        rt.stop()
