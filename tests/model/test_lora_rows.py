@@ -30,8 +30,8 @@ def adapters(tiny_hf_llama, tmp_path_factory):
     picks = [
         (dict(r=4, alpha=8, seed=1), [m for m in modules if m.startswith("model.layers.0.")]
          + ["model.layers.1.self_attn.o_proj"]),
-        (dict(r=8, alpha=4, seed=2, use_rslora=True), ["model.layers.0.self_attn.q_proj",
-                                                       "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]),
+        (dict(r=8, alpha=4, seed=2, use_rslora=True),
+         ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]),
         (dict(r=2, alpha=2, seed=3), ["model.layers.1.self_attn.o_proj"]),
     ]
     shapes = {k: torch.empty(v.shape, device="meta") for k, v in src.tensors.items()}
