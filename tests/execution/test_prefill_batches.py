@@ -196,6 +196,9 @@ def test_each_token_row_gets_its_sequences_lora_adapter():
     assert v["lora_ids"][:128].tolist() == [2] * 100 + [0] * 10 + [1] + [2] * 17
     assert (v["lora_ids"][128:256] == 0).all()
     assert v["lora_ids"].dtype == np.int32
+    # one id per token row, as token_ids; the decode spans hold one per decode row
+    assert big.span("lora_ids").shape == big.span("token_ids").shape == (256,)
+    assert big.span("decode_lora_ids").shape == big.span("decode_token_ids").shape == (4,)
 
 
 def test_a_decode_plan_packs_into_the_decode_spans():
