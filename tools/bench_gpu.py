@@ -99,9 +99,9 @@ def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=()):
         prefill_chunk_size=prefill_setup()[0], graph_shapes=tuple(graph_shapes)), PolicyConfig()), num_pages
 
 
-def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None):
+def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None, lora=None):
     """The executor (multi-sequence prefill graphs by default, as the daemon captures them) and a scheduler
-    that plans exactly its captured shapes."""
+    that plans exactly its captured shapes; ``lora``: per-request adapters (kernels/lora_rows.StackedLora)."""
     from flared.execution.executor import GraphExecutor
     from flared.execution.graphs import default_prefill_batch_shapes
 
@@ -114,7 +114,8 @@ def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch
     ex = GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                        num_snapshots=4 * concurrency, vocab_size=model.config.vocab_size, max_live=concurrency,
                        decode_batch_sizes=batches, prefill_token_sizes=prefill,
-                       max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes)
+                       max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes,
+                       lora=lora)
     sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes)
     return sched, ex
 

@@ -52,11 +52,11 @@ def load_model():
     return model
 
 
-def adapter_factors(model, rank: int, *, seed: int | None = None, scale: float = 0.05,
+def adapter_factors(config, rank: int, *, seed: int | None = None, scale: float = 0.05,
                     products=("qkv", "o", "down", "gate_up")) -> dict:
     """A random adapter on ``products`` of every layer (qkv: its q and v parts; gate_up: both), as lora_factors
     gives one: A scaled to unit-size outputs, B by ``scale`` (0.05 changes the text; tests/model use larger)."""
-    c = model.config
+    c = config
     g = torch.Generator().manual_seed(rank if seed is None else seed)
     spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
              "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     model = load_model()
-    factors = adapter_factors(model, args.rank)
+    factors = adapter_factors(model.config, args.rank)
     adapter = model.add_lora_module(factors)
     entry = model.lora_modules[adapter - 1]
     table = entry[FUSED_LORA]

@@ -26,18 +26,12 @@ BATCH_SHAPES = ((2, 64), (2, 128), (4, 128))
 
 
 def random_factors(config, rank, seed, products=("qkv", "o", "gate_up", "down"), scale=0.1):
-    """A per-request adapter as lora.lora_factors gives one (its scale folded into B): random factors on
-    ``products`` of every layer (q and v of qkv; gate and up of gate_up), sized to move the tiny model's tokens."""
-    c = config
-    g = torch.Generator().manual_seed(seed)
-    spans = {"qkv": [(0, c.q_size, c.hidden_size), (c.q_size + c.kv_size, c.kv_size, c.hidden_size)],
-             "o": [(0, c.hidden_size, c.q_size)], "down": [(0, c.hidden_size, c.intermediate_size)],
-             "gate_up": [(0, c.intermediate_size, c.hidden_size),
-                         (c.intermediate_size, c.intermediate_size, c.hidden_size)]}
-    return {f"layers.{layer}.{product}.weight": [
-        (row, count, torch.randn(rank, width, generator=g) / width ** 0.5,
-         torch.randn(count, rank, generator=g) * scale) for row, count, width in spans[product]]
-        for layer in range(c.num_layers) for product in products}
+    """A per-request adapter as lora.lora_factors gives one (tools/bench_lora_cpu.py's random factors: q and v of
+    qkv, gate and up of gate_up), sized to move the tiny model's tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from bench_lora_cpu import adapter_factors
+
+    return adapter_factors(config, rank, seed=seed, scale=scale, products=products)
 
 
 def two_adapters(config):

@@ -98,7 +98,7 @@ def _random_adapter(model, rank: int, seed: int, products=("qkv", "o", "down", "
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     from bench_lora_cpu import adapter_factors
 
-    return model.add_lora_module(adapter_factors(model, rank, seed=seed, scale=0.5, products=products))
+    return model.add_lora_module(adapter_factors(model.config, rank, seed=seed, scale=0.5, products=products))
 
 
 @pytest.mark.parametrize("rows, threads", [(1, 1), (5, 2), (13, 2)])
