@@ -281,7 +281,9 @@ class ModelRuntime:
                              device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
         del tensors
         for f, ident in factors:
-            model.add_lora_module(f)
+            # On CUDA the graphs run the stacked copy below; the model's entry only marks the adapter live (an
+            # unloaded one's becomes None), so it holds no second copy of the factors on the GPU.
+            model.add_lora_module({} if use_cuda else f)
             self._lora_ids.append(ident)
         stacked = None
         if factors and use_cuda:

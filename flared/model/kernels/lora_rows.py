@@ -25,14 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from flared.model.loader import serving_tensor_shapes
+
 PRODUCTS = ("qkv", "o", "gate_up", "down")
-
-
-def _product_shape(config, product: str) -> tuple[int, int]:
-    """(in features K, out features N) of a layer's product in the serving layout."""
-    c = config
-    return {"qkv": (c.hidden_size, c.q_size + 2 * c.kv_size), "o": (c.q_size, c.hidden_size),
-            "gate_up": (c.hidden_size, 2 * c.intermediate_size), "down": (c.intermediate_size, c.hidden_size)}[product]
 
 
 def _key(name: str) -> tuple[int, str]:
@@ -53,7 +48,6 @@ class StackedLora:
     def __init__(self, config, adapters, *, dtype: torch.dtype, device: torch.device | str):
         adapters = list(adapters)
         self.num_adapters = len(adapters)
-        self.dtype = dtype
         widths = []
         for factors in adapters:
             width = 0
@@ -61,7 +55,7 @@ class StackedLora:
                 _key(name)
                 width = max(width, sum(A.shape[0] for _, _, A, _ in parts))
             widths.append(width)
-        self.offsets = [0]
+        self.offsets = [0]  # adapter k + 1's first column
         for width in widths:
             self.offsets.append(self.offsets[-1] + width)
         self.rank = self.offsets[-1]  # R: the stacked columns of all adapters
@@ -69,12 +63,13 @@ class StackedLora:
         self.column_adapter = torch.repeat_interleave(torch.arange(1, self.num_adapters + 1, dtype=torch.int32),
                                                       torch.tensor(widths, dtype=torch.int64)).to(device)
         self.factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        shapes = serving_tensor_shapes(config)  # name -> (out features N, in features K)
         stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for k, factors in enumerate(adapters):
             for name, parts in (factors or {}).items():
                 layer, product = _key(name)
                 if (layer, product) not in stacked:
-                    in_features, out_features = _product_shape(config, product)
+                    out_features, in_features = shapes[name]
                     stacked[(layer, product)] = (torch.zeros(in_features, self.rank),
                                                  torch.zeros(self.rank, out_features))
                 a_cat, b_cat = stacked[(layer, product)]
