@@ -269,7 +269,8 @@ class GraphExecutor:
         adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
         if kind == "decode":
             key = self.graphs.pick_decode(n, any(s is not None and s.params.temperature > 0 for s in states),
-                                          int(starts[:n].max()) + 1 if n else 0)
+                                          int(starts[:n].max()) + 1 if n else 0,
+                                          adapters=adapters is not None and any(adapters[:n]))
             cap = key[1]
             f = "decode_"  # decode graphs read the decode spans, uploaded in one copy below
             pack_decode(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, capacity=cap, adapters=adapters)

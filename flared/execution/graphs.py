@@ -167,12 +167,16 @@ class ExecutionManifest:
         return graph_key(kind, b, tokens, True)
 
     def pick_decode(self, rows: int, full_sampling: bool, longest_context: int, *, mega_rows: int,
-                    mega_max_context: int) -> tuple[str, int, int, bool]:
+                    mega_max_context: int, adapters: bool = False) -> tuple[str, int, int, bool]:
         """The decode graph for ``rows`` rows: the megakernel's (kind "decode_mega", captured for capacities up
         to ``mega_rows``) while the step's longest context is at most ``mega_max_context``, else the plain one.
         The megakernel's attention gives each (row, head) one block, so long contexts run slower there than in
-        the split-context kernels of the plain graphs."""
+        the split-context kernels of the plain graphs. ``adapters``: some row of the step names a per-request
+        LoRA adapter, so it takes the graph that adds the adapter terms (kind "decode_lora", the layered forward;
+        a decoder with adapters captures it beside the others, which the steps without an adapter row keep)."""
         key = self.pick("decode", rows, full_sampling)
+        if adapters:
+            return graph_key("decode_lora", key[1], key[2], key[3])
         if key[1] <= mega_rows and longest_context <= mega_max_context:
             return graph_key("decode_mega", key[1], key[2], key[3])
         return key
@@ -469,6 +473,8 @@ class GraphSet:
             self.decoder.decode(batch, full, mega=False)
         elif kind == "decode_mega":
             self.decoder.decode(batch, full, mega=True)
+        elif kind == "decode_lora":
+            self.decoder.decode(batch, full, mega=False, adapters=True)
         else:
             self.decoder.prefill(batch, tokens)
 
@@ -481,6 +487,10 @@ class GraphSet:
             # takes them while the step's longest context is short enough (see pick_decode).
             if b <= self.decoder.mega_max_rows:
                 keys += [graph_key("decode_mega", b, b, False), graph_key("decode_mega", b, b, True)]
+            # With per-request LoRA adapters, a third pair adds their terms (the layered forward); steps with no
+            # adapter row keep the graphs above, the fastest paths (pick_decode).
+            if self.decoder.lora is not None:
+                keys += [graph_key("decode_lora", b, b, False), graph_key("decode_lora", b, b, True)]
         # Largest first (token rows, then batch rows): later, smaller graphs reuse the pool's blocks.
         return sorted(keys, key=lambda k: (-k[2], -k[1], k[0], k[3]))
 
@@ -541,7 +551,10 @@ class GraphSet:
         """The key of the smallest captured graph that holds the step (ExecutionManifest.pick)."""
         return self.manifest.pick(kind, size, full_sampling, batch=batch)
 
-    def pick_decode(self, rows: int, full_sampling: bool, longest_context: int) -> tuple[str, int, int, bool]:
-        """ExecutionManifest.pick_decode with the decoder's megakernel rows (0 when it is off) and context limit."""
+    def pick_decode(self, rows: int, full_sampling: bool, longest_context: int,
+                    adapters: bool = False) -> tuple[str, int, int, bool]:
+        """ExecutionManifest.pick_decode with the decoder's megakernel rows (0 when it is off) and context limit;
+        ``adapters``: a row of the step names a LoRA adapter (only a decoder with adapters has those graphs)."""
         return self.manifest.pick_decode(rows, full_sampling, longest_context, mega_rows=self.decoder.mega_max_rows,
-                                         mega_max_context=self.decoder.mega_max_context)
+                                         mega_max_context=self.decoder.mega_max_context,
+                                         adapters=adapters and self.decoder.lora is not None)

@@ -108,7 +108,7 @@ def _gpu_prefill_then_decode(dec, inputs, tokens, nxt, adapter):
         d.context_lens[0] = n + 1
         d.temperature[0] = 0
         d.lora_ids[0] = adapter
-        dec.decode(1, False, mega=False)
+        dec.decode(1, False, mega=False, adapters=True)
         torch.cuda.synchronize()
         return prefill.cpu(), dec.logits[0].cpu()
 
@@ -133,10 +133,11 @@ def _cpu_prefill_then_decode(model, tokens, nxt, adapter):
 
 
 def test_bfloat16_fused_forward_with_adapters_tracks_the_cpu_path(hf):
-    """The half-precision executor runs the fused layer loop with the LoRA hooks (the skinny kernels, the
-    megakernel and products64 stay off): each adapter's prefill and decode logits agree with the float32 CPU
-    path's to bf16 rounding, far closer than an adapter moves them; the captured graphs serve a mixed batch, where
-    one prompt under one adapter gives the same tokens twice and other tokens under another adapter or none."""
+    """The half-precision executor runs the fused layer loop with the LoRA hooks (prefill, and decode steps with
+    ``adapters``, for which it captures a "decode_lora" graph of every decode capacity over both input regions):
+    each adapter's prefill and decode logits agree with the float32 CPU path's to bf16 rounding, far closer than an
+    adapter moves them; the captured graphs serve a mixed batch, where one prompt under one adapter gives the same
+    tokens twice and other tokens under another adapter or none."""
     from flared.model.kernels.lora_rows import StackedLora
 
     model = serving_model(hf, dtype=torch.bfloat16)
@@ -146,8 +147,10 @@ def test_bfloat16_fused_forward_with_adapters_tracks_the_cpu_path(hf):
     ex = make_executor(model, prefill_batch_shapes=BATCH_SHAPES, lora=stacked)
     try:
         dec = ex.decoder
-        assert dec.fused and dec.skinny_max_rows == 0 and dec.mega_max_rows == 0 and not dec.p64_batches
-        assert not any(k[0] == "decode_mega" for k in ex.graphs.graph_execs)
+        assert dec.fused
+        want_keys = {("decode_lora", b, b, full) for b in (1, 2, 4) for full in (False, True)}
+        for execs in (ex.graphs.graph_execs, ex.graphs.graph_execs_b):
+            assert {k for k in execs if k[0] == "decode_lora"} == want_keys
         prompt = list(range(300, 340))
         reference = cpu_model(hf, factors)
         want = {a: _cpu_prefill_then_decode(reference, prompt, 77, a) for a in (0, 1, 2)}
@@ -164,6 +167,70 @@ def test_bfloat16_fused_forward_with_adapters_tracks_the_cpu_path(hf):
         ex.close()
     assert all(len(t) == 16 for t in tokens)
     assert tokens[0] == tokens[2] and tokens[3] != tokens[0] and tokens[1] not in (tokens[0], tokens[3])
+
+
+def test_steps_without_an_adapter_row_take_the_graphs_without_adapters(hf, monkeypatch):
+    """With adapters loaded, a decode step whose rows all run the base weights takes the graphs an executor without
+    adapters has (here the skinny kernels, pinned on): base requests get the same tokens as there, bit for bit. A step
+    with an adapter row takes a "decode_lora" graph, and once the adapter requests finish the base ones go back."""
+    from flared.execution.offline import drive
+    from flared.model.kernels.lora_rows import StackedLora
+    from flared.model.sampling import SamplingParams
+
+    monkeypatch.setenv("FLARED_SKINNY_MAX_ROWS", "4")
+    monkeypatch.setenv("FLARED_MEGAKERNEL", "0")
+    model = serving_model(hf, dtype=torch.bfloat16)
+    plain = make_executor(model, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        assert plain.decoder.skinny_max_rows == 4
+        base = greedy(plain, make_scheduler(graph_shapes=plain.graph_shapes), None)
+    finally:
+        plain.close()
+    stacked = StackedLora(model.config, two_adapters(model.config), dtype=torch.bfloat16, device="cuda")
+    ex = make_executor(model, prefill_batch_shapes=BATCH_SHAPES, lora=stacked)
+    picked = []
+    real = ex.graphs.pick_decode
+
+    def record(rows, full, longest, adapters=False):
+        key = real(rows, full, longest, adapters=adapters)
+        picked.append(key[0])
+        return key
+
+    monkeypatch.setattr(ex.graphs, "pick_decode", record)
+    try:
+        assert ex.decoder.skinny_max_rows == 4
+        assert greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), [0, 0, 0, 0]) == base
+        assert set(picked) == {"decode"}
+        picked.clear()
+        ticks = iter(range(1, 10**9))
+        # the adapter requests stop after 4 tokens, the base ones run on to 16
+        params = [SamplingParams(temperature=0.0, max_tokens=4 if a else 16) for a in LORAS]
+        mixed = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, PROMPTS, params, loras=LORAS,
+                      clock_ns=lambda: next(ticks)).tokens
+    finally:
+        ex.close()
+    assert [len(t) for t in mixed] == [4, 16, 4, 16]
+    assert "decode_lora" in picked and picked[-1] == "decode"  # the base requests' last steps left the adapters' graphs
+
+
+@pytest.mark.parametrize("rows,rank,n", [(1, 16, 6144), (5, 40, 576), (33, 100, 4096), (64, 24, 28672)])
+def test_lora_expand_equals_the_torch_ops(rows, rank, n):
+    """fused.lora_expand (the mask and the product back up in one launch) against mask.mul_ then addmm_: the same
+    bf16 result up to the order of a float32 sum; masked rows keep their bits."""
+    from flared.model.kernels import fused
+
+    g = torch.Generator(device="cuda").manual_seed(rows + rank)
+    low = torch.randn(rows, rank, device="cuda", generator=g).to(torch.bfloat16)
+    mask = (torch.rand(rows, rank, device="cuda", generator=g) < 0.5).to(torch.bfloat16)
+    mask[0] = 0
+    b = (torch.randn(rank, n, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    y = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    want = y.clone().addmm_(low * mask, b)
+    got = fused.lora_expand(low, mask, b, y.clone())
+    exact = (want.float() - y.float()).abs().max().item()
+    assert exact > 0 or rows == 1
+    assert torch.equal(got[0], y[0])
+    assert (got.float() - want.float()).abs().max().item() <= 0.02 * max(1.0, want.float().abs().max().item())
 
 
 def _write_peft_adapter(directory: Path, config, r=4, alpha=8, seed=0) -> None:

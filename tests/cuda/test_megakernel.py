@@ -342,8 +342,8 @@ def test_executor_runs_the_megakernel_graphs_while_contexts_are_short(monkeypatc
         picked = []
         real = ex.graphs.pick_decode
 
-        def record(rows, full, longest):
-            key = real(rows, full, longest)
+        def record(rows, full, longest, adapters=False):
+            key = real(rows, full, longest, adapters=adapters)
             picked.append((longest, key[0]))
             return key
 

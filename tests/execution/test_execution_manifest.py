@@ -138,3 +138,6 @@ def test_pick_decode_takes_the_megakernel_graphs_only_for_short_contexts():
     assert pick(1, False, 10, mega_rows=0, mega_max_context=1024) == ("decode", 1, 1, False)
     with pytest.raises(ExecutionError, match="no decode graph holds 9"):
         pick(9, False, 10, mega_rows=8, mega_max_context=1024)
+    # a step with a LoRA adapter row: the graph that adds the adapters' terms, never the megakernel's
+    assert pick(3, False, 100, mega_rows=4, mega_max_context=1024, adapters=True) == ("decode_lora", 4, 4, False)
+    assert pick(5, True, 2000, mega_rows=0, mega_max_context=1024, adapters=True) == ("decode_lora", 8, 8, True)

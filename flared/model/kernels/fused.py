@@ -196,3 +196,38 @@ def head_epilogue(logits: torch.Tensor, out: torch.Tensor, state_out: torch.Tens
     if greedy:
         _head_argmax_kernel[(batch,)](part_val, part_idx, rows, sampled, last_token, n_chunks,
                                       PARTS=triton.next_power_of_2(n_chunks), num_warps=1)
+
+
+@triton.jit
+def _lora_expand_kernel(Low, Mask, B, Y, rows, rank, n, stride_low, stride_mask, stride_b, stride_y,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rm < rows
+    col_ok = rn < n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rr < rank
+        tile = row_ok[:, None] & r_ok[None, :]
+        low = tl.load(Low + rm[:, None] * stride_low + rr[None, :], mask=tile, other=0.0)
+        keep = tl.load(Mask + rm[:, None] * stride_mask + rr[None, :], mask=tile, other=0.0)
+        b = tl.load(B + rr[:, None] * stride_b + rn[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+        acc += tl.dot(low * keep, b)  # the mask is 0/1: the product in the low-rank dtype is exact
+    out = Y + rm[:, None] * stride_y + rn[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    y = tl.load(out, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out, (y + acc).to(Y.dtype.element_ty), mask=ok)
+
+
+def lora_expand(low: torch.Tensor, mask: torch.Tensor, b: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y [M, N] += (low [M, R] * mask [M, R]) @ b [R, N], in place, in one launch (what ``mask.mul_`` then
+    ``y.addmm_`` do in two): the back-up half of the per-request LoRA terms (kernels/lora_rows.StackedLora.add).
+    Half precision, rows contiguous in their last dimension; the sum in float32, rounded once into y."""
+    rows, rank = low.shape
+    n = y.shape[1]
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, 64))
+    _lora_expand_kernel[grid](low, mask, b, y, rows, rank, n, low.stride(0), mask.stride(0), b.stride(0), y.stride(0),
+                              BLOCK_M=block_m, BLOCK_R=32, BLOCK_N=64, num_warps=4)
+    return y

@@ -22,9 +22,11 @@ forwards with fixed shapes:
   scratch row no request owns) and logit row 0: they attend to nothing and
   what they sample lands in the scratch row.
 
-With per-request LoRA adapters (``lora``, a kernels/lora_rows.StackedLora) every product of both forwards
-adds the adapter terms of the rows that name one (``lora_ids``); the paths that cannot take the extra
-products (the skinny kernels, the megakernel, products64) are then off.
+With per-request LoRA adapters (``lora``, a kernels/lora_rows.StackedLora) every product of the prefill forward
+adds the adapter terms of the rows that name one (``lora_ids``), and so does a decode step run with ``adapters``
+(the layered forward through cuBLAS: the skinny kernels, the megakernel and products64 have no place for the
+extra products). A decode step without ``adapters`` runs the fastest path as if no adapter were loaded; the
+executor takes it for every step in which no row names an adapter (GraphSet's "decode_lora" graphs).
 
 Shapes: T = token capacity, B = batch capacity, nh/nkv = heads, d = head dim,
 V = vocab. Pool: per layer [slots + page_tokens, nkv, d].
@@ -130,15 +132,15 @@ class PagedCudaDecoder:
 
         self.max_batch = max_batch
         self.max_tokens = max_tokens
-        # Per-request LoRA adapters: the layered forwards add each product's adapter terms (_with_lora). The skinny
-        # kernels, the megakernel and products64 have no place for them and stay off.
+        # Per-request LoRA adapters: prefill and the decode steps run with ``adapters`` add each product's adapter
+        # terms (_with_lora), through the layered forward; the other decode steps keep the paths chosen below.
         self.lora = lora
         # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
         self.fused = dtype in (torch.bfloat16, torch.float16) and not c.qk_norm
         # Decode batches up to this many rows run five fused kernels per layer (kernels/skinny.py);
         # FLARED_SKINNY_MAX_ROWS=0 turns them off (benchmarks compare both).
         self.skinny_max_rows = 0
-        if self.fused and c.head_dim % 32 == 0 and lora is None:
+        if self.fused and c.head_dim % 32 == 0:
             pinned = int(os.environ.get("FLARED_SKINNY_MAX_ROWS", skinny.MAX_ROWS))
             self.skinny_max_rows = min(skinny.MAX_ROWS, pinned)
         # Half-precision decode at small batch splits each row's context over several programs
@@ -179,7 +181,7 @@ class PagedCudaDecoder:
         self._p64: products64.DecoderProducts | None = None
         pinned_p64 = os.environ.get("FLARED_PRODUCTS64")
         self.p64_candidates = []
-        if (self.fused and pinned_p64 != "0" and lora is None and products64.available()
+        if (self.fused and pinned_p64 != "0" and products64.available()
                 and products64.unsupported(model) is None):
             self.p64_candidates = [b for b in (32, 64) if b <= max_batch]
         if pinned_p64 == "1":
@@ -196,7 +198,7 @@ class PagedCudaDecoder:
         # 4,867 against 4,918 / 4,915 us (8B, 64 rows, H200). FLARED_ATTENTION_PDL=0 launches it plainly.
         self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0" and supports_pdl()
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
-        if self.fused and pinned_mega != "0" and lora is None and megakernel.unsupported(model) is None:
+        if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
             if pinned_mega == "1":
                 self.mega_max_rows = self.mega_limit
@@ -352,15 +354,22 @@ class PagedCudaDecoder:
 
     # -- forwards (capturable) ---------------------------------------------------------------------
 
-    def decode(self, batch: int, full_sampling: bool, mega: bool | None = None) -> None:
-        """``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows`` allows (None)."""
+    def decode(self, batch: int, full_sampling: bool, mega: bool | None = None, adapters: bool = False) -> None:
+        """``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows`` allows (None).
+        ``adapters``: add the per-request LoRA adapters' terms of the rows that name one (``lora_ids``), through the
+        layered forward on cuBLAS (no megakernel, skinny kernels or products64); False: the rows run the base
+        weights whatever their ids."""
+        if adapters and self.lora is None:
+            raise ValueError("a decode step with adapters needs a decoder with per-request LoRA adapters")
         s = self.decode_inputs
         rows = s.state_rows[:batch]
         block_tables = s.block_tables[:batch]
         context_lens = s.context_lens[:batch]
 
         if mega is None:
-            mega = batch <= self.mega_max_rows
+            mega = batch <= self.mega_max_rows and not adapters
+        if mega and adapters:
+            raise ValueError("the megakernel has no place for LoRA adapter terms")
         tokens, positions, slots = s.token_ids[:batch], s.positions[:batch], s.slot_ids[:batch]
         if mega and self.mega_head:  # the kernel writes the logits and, when greedy, the tokens
             head = (self.logits, self.state_logits, rows, self.sampled, self.last_token, not full_sampling)
@@ -373,10 +382,11 @@ class PagedCudaDecoder:
             self._finish(x, batch, full_sampling, rows, s)
             return
         tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
-        products = self.products() if batch in self.p64_batches else None
+        products = self.products() if batch in self.p64_batches and not adapters else None
         attend = self._decode_attend(batch, block_tables, context_lens, pdl=products is not None and self.attn_pdl)
         with self._blas(batch):
-            x = self._layers(tokens, positions, slots, attend, products, self._lora_step(s.lora_ids, batch))
+            lora = self._lora_step(s.lora_ids, batch) if adapters else None
+            x = self._layers(tokens, positions, slots, attend, products, lora)
             self._finish(x, batch, full_sampling, rows, s)
 
     def _decode_attend(self, batch, block_tables, context_lens, pdl: bool = False):
@@ -527,9 +537,9 @@ class PagedCudaDecoder:
     def _layers_fused(self, tokens, positions, slots, attend, products=None, lora=None) -> torch.Tensor:
         """``products``: the four products of each layer through products64 (decode, up to 64 rows, no biases; the
         SiLU-mul inside gate_up's epilogue) instead of cuBLAS(Lt); with its ``fold_norms``, the add_rms_norm
-        launches inside them too. ``lora``: the step's LoRA mask (_lora_step; never with ``products``, which a
-        decoder with adapters does not run)."""
-        if tokens.shape[0] <= self.skinny_max_rows:
+        launches inside them too. ``lora``: the step's LoRA mask (_lora_step; never with ``products``, and never
+        through the skinny kernels, which have no place for the adapter terms)."""
+        if lora is None and tokens.shape[0] <= self.skinny_max_rows:
             return self._layers_skinny(tokens, positions, slots, attend)
         m = self.model
         c = self.config
