@@ -25,7 +25,10 @@ Rules:
 - Scores, the running max and the softmax sum stay float32 for every dtype;
   float32 inputs use IEEE dots (not TF32) so float32 runs match the CPU path
   and transformers to rounding.
-- No sliding window here: the GPU backend refuses such models before capture.
+- Sliding windows (Mistral): ``window`` > 0 lets a query at position p see
+  the keys at positions (p - window, p] only, as transformers' sliding-window
+  mask does; 0 (the default) sees every earlier key. The window is a compile-
+  time constant: models without one run the kernels as they were.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _window_start(end, WINDOW: tl.constexpr):
+    """The first key position a query at position ``end`` - 1 sees: ``end`` - WINDOW (not below 0) with a sliding
+    window, else 0."""
+    if WINDOW > 0:
+        return tl.maximum(end - WINDOW, 0)
+    return end * 0
 
 
 @triton.jit
@@ -77,17 +89,18 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
                    stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
                    stride_bt_row, scale,
                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(ContextLens + row)
+    first = _window_start(context_len, WINDOW)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0)
-    _, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, 0, context_len, stride_kv_slot, stride_kv_head,
+    _, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, first, context_len, stride_kv_slot, stride_kv_head,
                                 stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE)
     # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -98,14 +111,16 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
 @triton.jit
 def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_end, kv_head, stride_kv_slot,
                    stride_kv_head, qk_scale, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr):
-    """Online softmax of a query block over key positions [begin, end). MASKED: keys past ``key_end`` or
-    after a row's own position are hidden; otherwise every key of the range is visible to every row."""
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr,
+                   WINDOW: tl.constexpr):
+    """Online softmax of a query block over key positions [begin, end). MASKED: keys past ``key_end``, after a
+    row's own position or (WINDOW > 0) WINDOW or more before it are hidden; otherwise every key of the range is
+    visible to every row."""
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         if MASKED:
-            valid = pos < key_end
+            valid = (pos < key_end) & (pos < end)  # a range's last tile stops at its end (the window's edge)
             page = tl.load(block_table + pos // PAGE_TOKENS, mask=valid, other=0)
         else:
             page = tl.load(block_table + pos // PAGE_TOKENS)
@@ -119,6 +134,8 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
         s = s * qk_scale
         if MASKED:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
@@ -149,7 +166,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
                     SEQS_PAD: tl.constexpr, PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                     HEADS_FAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr,
-                    EXP2: tl.constexpr):
+                    EXP2: tl.constexpr, WINDOW: tl.constexpr = 0):
     # Program p of the block axis is the p-th query block of the packed chunks: sequence s owns blocks
     # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
     # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
@@ -198,18 +215,35 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    first_q = num_cached + block * BLOCK_M
+    # With a window, the block's first row sees no key before ``lo``; keys from ``all_lo`` on are inside every
+    # row's window (its last row's, key_end - 1, starts latest). Without one both are 0.
+    lo = _window_start(first_q + 1, WINDOW)
+    all_lo = _window_start(key_end, WINDOW)
     if SPLIT_MASK:
-        # Keys before the block's first query position are visible to every row: whole tiles of them run
-        # without masks; the tiles from there to key_end (the diagonal) are masked.
-        full_end = tl.minimum((num_cached + block * BLOCK_M) // BLOCK_N * BLOCK_N, key_end)
-        m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, 0, full_end, q_pos, key_end, kv_head,
-                                       stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N,
-                                       IEEE, False, EXP2)
+        # Keys before the block's first query position that every row's window holds are visible to every row:
+        # they run without masks; the tiles before them (the window's edge) and from the block's first position
+        # to key_end (the diagonal) are masked.
+        full_end = tl.minimum(first_q // BLOCK_N * BLOCK_N, key_end)
+        if WINDOW > 0:
+            # the unmasked tiles end at full_end and start at or after all_lo, in whole tiles (their last one must
+            # not run past full_end); the masked edge takes the keys from lo up to them
+            unmasked_from = tl.maximum(lo, tl.minimum(all_lo, full_end))
+            full_end = tl.maximum(full_end, unmasked_from)
+            edge_end = full_end - (full_end - unmasked_from) // BLOCK_N * BLOCK_N
+            m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, lo, edge_end, q_pos, key_end,
+                                           kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
+                                           BLOCK_N, IEEE, True, EXP2, WINDOW)
+        else:
+            edge_end = 0
+        m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, edge_end, full_end, q_pos, key_end,
+                                       kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
+                                       BLOCK_N, IEEE, False, EXP2, WINDOW)
     else:
-        full_end = 0
+        full_end = lo
     m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, full_end, key_end, q_pos, key_end, kv_head,
                                    stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N, IEEE,
-                                   True, EXP2)
+                                   True, EXP2, WINDOW)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None])
@@ -222,9 +256,10 @@ def _group_pad(group: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, page_tokens: int,
-                           scale: float) -> None:
+                           scale: float, window: int = 0) -> None:
     """q [B, nh, d]; k_pool/v_pool [slots, nkv, d]; out [B, nh, d];
-    block_tables [B, max_pages] int32; context_lens [B] int32 (0 = padding row)."""
+    block_tables [B, max_pages] int32; context_lens [B] int32 (0 = padding row); ``window``: a sliding window's
+    keys (0: none)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -233,7 +268,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale,
         PAGE_TOKENS=page_tokens, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
-        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, num_warps=4)
+        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, WINDOW=window, num_warps=4)
 
 
 # The bf16 prefill kernel's launch: tiles, warps, pipeline stages and the schedule knobs of _prefill_kernel.
@@ -250,9 +285,10 @@ PREFILL_CONFIG_F32 = dict(block_m=64, block_n=32, num_warps=4, num_stages=2, hea
 
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                    block_tables: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
-                                   scale: float, config: dict | None = None) -> None:
+                                   scale: float, config: dict | None = None, window: int = 0) -> None:
     """Several sequences' chunks packed back to back in the rows of q (sequence s's rows start after the
-    new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written).
+    new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written); ``window``: a sliding
+    window's keys (0: none).
     q [T_cap, nh, d]; out [T_cap, nh, d]; block_tables [B, max_pages] int32 (row s: sequence s);
     chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding.
     ``config``: PREFILL_CONFIG's keys, to override (benchmarks)."""
@@ -275,17 +311,17 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
         SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), PAGE_TOKENS=page_tokens,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=c["block_n"], IEEE=ieee,
         HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"], EXP2=c["exp2"],
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+        WINDOW=window, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                             block_table: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
-                            scale: float) -> None:
+                            scale: float, window: int = 0) -> None:
     """One sequence (the varlen kernel with B = 1): q [T_cap, nh, d] (rows past the chunk ignored);
     out [T_cap, nh, d]; block_table [max_pages] int32; chunk_meta [2] int32 = (num_cached_tokens,
     num_new_tokens)."""
     paged_prefill_attention_varlen(q, k_pool, v_pool, out, block_table.view(1, -1), chunk_meta.view(1, 2),
-                                   page_tokens=page_tokens, scale=scale)
+                                   page_tokens=page_tokens, scale=scale, window=window)
 
 
 # -- split-context decode (flash-decoding) -----------------------------------------------------------
@@ -298,10 +334,12 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 
 
 @triton.jit
-def _split_share(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key positions [begin, end) of context share ``split``: whole tiles, the last share shorter or empty."""
-    share = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * share
+def _split_share(context_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Key positions [begin, end) of context share ``split`` of the keys the row's query sees (its last WINDOW
+    with a sliding window): whole tiles, the last share shorter or empty."""
+    first = _window_start(context_len, WINDOW)
+    share = tl.cdiv(tl.cdiv(context_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    begin = first + split * share
     return begin, tl.minimum(begin + share, context_len)
 
 
@@ -310,12 +348,12 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
                          stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row, scale,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_TOKENS: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + row)
-    begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N)
+    begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N, WINDOW)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
@@ -382,7 +420,7 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int =
 def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, part_acc: torch.Tensor,
                                  part_m: torch.Tensor, part_l: torch.Tensor, *, num_splits: int, page_tokens: int,
-                                 scale: float) -> None:
+                                 scale: float, window: int = 0) -> None:
     """As ``paged_decode_attention`` (half precision), over ``num_splits`` context shares per row and kv head.
     Scratch: part_acc [>= B * nh * num_splits * d], part_m / part_l [>= B * nh * num_splits], float32."""
     batch, num_heads, head_dim = q.shape
@@ -393,7 +431,8 @@ def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         q, k_pool, v_pool, part_acc, part_m, part_l, block_tables, context_lens,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), scale,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
-        GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=64 if head_dim <= 128 else 32, num_warps=4)
+        GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=64 if head_dim <= 128 else 32, WINDOW=window,
+        num_warps=4)
     _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)
 
 
@@ -413,12 +452,13 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
                         stride_qkv, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head, stride_bt_row, scale,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False):
+                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False,
+                        WINDOW: tl.constexpr = 0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + row)
-    begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N)
+    begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N, WINDOW)
     newest = (context_len > 0) & (begin < context_len) & (end == context_len)  # this share ends at the new token
     half: tl.constexpr = HEAD_DIM // 2
     offs_g = tl.arange(0, GROUP_PAD)
@@ -479,7 +519,7 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos_table: torch.Tensor, sin_
                                 num_splits: int = 1, part_acc: torch.Tensor | None = None,
                                 part_m: torch.Tensor | None = None, part_l: torch.Tensor | None = None,
                                 block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-                                pdl: bool = False) -> None:
+                                pdl: bool = False, window: int = 0) -> None:
     """rope_write_kv followed by paged_decode_attention (or its split form with ``num_splits`` > 1 and the
     scratch), in one kernel (two when split), half precision. qkv [B, (nh + 2 nkv) d] rows of the projection;
     tables [positions, d]; positions / slots [B] int64 (the new token's); out [B, nh, d]; the rest as
@@ -500,7 +540,7 @@ def paged_decode_attention_rope(qkv: torch.Tensor, cos_table: torch.Tensor, sin_
         block_tables.stride(0), scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
         GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
-        USE_GDC=pdl, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        USE_GDC=pdl, WINDOW=window, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({"launch_pdl": True} if pdl else {}))
     if num_splits > 1:
         _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)

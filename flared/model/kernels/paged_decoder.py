@@ -90,12 +90,13 @@ class PagedCudaDecoder:
         c = model.config
         if model.device.type != "cuda":
             raise ValueError("PagedCudaDecoder needs a DecoderModel on a CUDA device")
-        if c.sliding_window is not None:
-            raise ValueError("the CUDA attention kernels have no sliding window")
         if c.head_dim & (c.head_dim - 1):
             raise ValueError(f"head_dim {c.head_dim} is not a power of two (Triton tiles need one)")
         self.model = model
         self.config = c
+        # A sliding window's keys (Mistral): the Triton attention kernels see only the last ``window`` keys of a
+        # query; 0 without one. The megakernel and the CUDA attention have no window and stay off for such models.
+        self.window = c.sliding_window or 0
         self.inputs = inputs
         # Decode steps read their own views (GraphSet: the decode spans, one upload per step); else ``inputs``.
         self.decode_inputs = decode_inputs if decode_inputs is not None else inputs
@@ -213,8 +214,10 @@ class PagedCudaDecoder:
 
     def cuda_attention_build(self):
         """The CUDA decode attention's build for this model, loaded (never inside a graph capture); None where it
-        cannot run (it says why in ``decode_attention.unsupported``)."""
+        cannot run (it says why in ``decode_attention.unsupported``; it has no sliding window either)."""
         c = self.config
+        if self.window:
+            return None
         if (decode_attention.unsupported(c.num_heads, c.num_kv_heads, c.head_dim, self.model.dtype,
                                          self.page_tokens) is not None or not decode_attention.available()):
             return None
@@ -398,10 +401,11 @@ class PagedCudaDecoder:
             if splits > 1:
                 paged_decode_attention_split(q, self.k_pool[layer], self.v_pool[layer], out, block_tables,
                                              context_lens, self.part_acc, self.part_m, self.part_l,
-                                             num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale)
+                                             num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale,
+                                             window=self.window)
             else:
                 paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
-                                       page_tokens=self.page_tokens, scale=self.model.scale)
+                                       page_tokens=self.page_tokens, scale=self.model.scale, window=self.window)
 
         def with_rope(qkv, positions, slots, layer, out):
             """The rotary, the KV write and the attention from the QKV projection's rows, in one kernel."""
@@ -415,7 +419,7 @@ class PagedCudaDecoder:
                                         self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                         num_heads=self.config.num_heads, page_tokens=self.page_tokens,
                                         scale=self.model.scale, num_splits=splits, part_acc=self.part_acc,
-                                        part_m=self.part_m, part_l=self.part_l, pdl=pdl)
+                                        part_m=self.part_m, part_l=self.part_l, pdl=pdl, window=self.window)
 
         if self.rope_in_attention:
             attend.with_rope = with_rope
@@ -430,7 +434,7 @@ class PagedCudaDecoder:
 
         def attend(q, layer, out):
             paged_prefill_attention_varlen(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, meta,
-                                           page_tokens=self.page_tokens, scale=self.model.scale)
+                                           page_tokens=self.page_tokens, scale=self.model.scale, window=self.window)
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend,
                          lora=self._lora_step(s.lora_ids, capacity))
