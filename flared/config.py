@@ -97,6 +97,12 @@ class ServerConfig:
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove
     # per-request adapters while serving (a client then names files this server reads); off: those routes are 400.
     runtime_lora_updating: bool = False
+    # Speculative decoding by prompt lookup (vLLM's ngram method; CPU backend): up to this many draft tokens a step
+    # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred
+    # before in their prompt and output. 0 = off.
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -127,6 +133,13 @@ class ServerConfig:
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
         need(isinstance(self.runtime_lora_updating, bool), "runtime_lora_updating", "must be true or false")
+        from flared.scheduler.config import MAX_SPECULATIVE_TOKENS
+
+        need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+             "speculative_tokens", f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}")
+        need(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
+             and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+             "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              "must be one of debug, info, warning, error")
         need(self.log_format in ("auto", "plain", "journal"), "log_format", "must be one of auto, plain, journal")

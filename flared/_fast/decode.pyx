@@ -45,6 +45,7 @@ cdef extern from "decode_kernel.h" nogil:
         const int64_t *lora_table
         uint16_t *lora_low
         int lora_rank
+        int shared_sequences
     int fl_decode_supported()
     void fl_decode_layers(const fl_decode_args_t *a)
 
@@ -58,10 +59,13 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
                   uintptr_t layer_ptrs, uintptr_t cos, uintptr_t sin, uintptr_t positions, uintptr_t write_slots,
                   uintptr_t gather_slots, uintptr_t lens, uintptr_t k_cache, uintptr_t v_cache, uintptr_t h,
                   uintptr_t x, uintptr_t qkv, uintptr_t q, uintptr_t attn, uintptr_t act, int threads=1,
-                  uintptr_t lora_rows=0, uintptr_t lora_table=0, uintptr_t lora_low=0, int lora_rank=0):
+                  uintptr_t lora_rows=0, uintptr_t lora_table=0, uintptr_t lora_low=0, int lora_rank=0,
+                  bint shared_sequences=False):
     """See the module docstring. ``x`` holds ``threads`` * rows * hidden elements (one norm buffer per thread).
     Per-request LoRA rows (decode_kernel.h): ``lora_rows`` int32 [rows] (each row's adapter slot, -1 none),
-    ``lora_table`` int64 [slots, num_layers, 4, 4], ``lora_low`` bf16 [rows, lora_rank] scratch."""
+    ``lora_table`` int64 [slots, num_layers, 4, 4], ``lora_low`` bf16 [rows, lora_rank] scratch.
+    ``shared_sequences``: rows may be consecutive positions of one sequence (every row's K/V is written before
+    any row attends, so each sees the rows before it)."""
     if not SUPPORTED:
         raise RuntimeError("decode_layers: this CPU lacks AVX-512 BF16 (check SUPPORTED first)")
     if not 0 < rows <= FL_DEC_MAX_ROWS:
@@ -112,5 +116,6 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     a.lora_table = <const int64_t *>lora_table
     a.lora_low = <uint16_t *>lora_low
     a.lora_rank = lora_rank
+    a.shared_sequences = shared_sequences
     with nogil:
         fl_decode_layers(&a)

@@ -65,6 +65,10 @@ typedef struct {
     const int64_t *lora_table;  /* [slots, num_layers, 4, 4] */
     uint16_t *lora_low;         /* [rows, lora_rank] */
     int lora_rank;
+    /* Rows may be consecutive positions of one sequence (a speculative step's last token and drafts): phase 3
+     * writes every row's k and v before any row attends (one more barrier a layer), so a row sees the keys of the
+     * rows before it. 0: each (row, kv head) writes then attends at once (rows are distinct sequences). */
+    int shared_sequences;
 } fl_decode_args_t;
 
 #if FL_HAVE_X86
@@ -205,8 +209,9 @@ FL_TARGET static void fl_dec_rope_head(const uint16_t *src, const uint16_t *norm
     }
 }
 
-/* Phase 3 for one (row, kv head) of layer `layer`. */
-FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int row, int kv_head) {
+/* Phase 3 for one (row, kv head) of layer `layer`: rope and the KV write (`write`), the attention (`attend`). */
+FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int row, int kv_head, int write,
+                                    int attend) {
     const int d = a->head_dim, nh = a->num_heads, nkv = a->num_kv_heads, group = nh / nkv;
     const int64_t *p = a->layer_ptrs + (size_t)layer * FL_DEC_PTRS;
     const uint16_t *qk_norm = (const uint16_t *)(uintptr_t)p[3];
@@ -214,16 +219,19 @@ FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int ro
     const uint16_t *src = a->qkv + (size_t)row * qkv_width;
     const int64_t pos = a->positions[row];
     const uint16_t *cos = a->cos + pos * d, *sin = a->sin + pos * d;
-    for (int g = 0; g < group; g++) {
-        int head = kv_head * group + g;
-        fl_dec_rope_head(src + (size_t)head * d, qk_norm ? qk_norm + (size_t)head * d : 0, a->eps, cos, sin,
-                         a->q + ((size_t)row * nh + head) * d, d);
-    }
     const int64_t layer_base = (int64_t)layer * nkv * a->num_slots;
-    const int64_t slot = (layer_base + (int64_t)kv_head * a->num_slots + a->write_slots[row]) * d;
-    fl_dec_rope_head(src + (size_t)(nh + kv_head) * d, qk_norm ? qk_norm + (size_t)(nh + kv_head) * d : 0, a->eps,
-                     cos, sin, a->k_cache + slot, d);
-    memcpy(a->v_cache + slot, src + (size_t)(nh + nkv + kv_head) * d, (size_t)d * sizeof(uint16_t));
+    if (write) {
+        for (int g = 0; g < group; g++) {
+            int head = kv_head * group + g;
+            fl_dec_rope_head(src + (size_t)head * d, qk_norm ? qk_norm + (size_t)head * d : 0, a->eps, cos, sin,
+                             a->q + ((size_t)row * nh + head) * d, d);
+        }
+        const int64_t slot = (layer_base + (int64_t)kv_head * a->num_slots + a->write_slots[row]) * d;
+        fl_dec_rope_head(src + (size_t)(nh + kv_head) * d, qk_norm ? qk_norm + (size_t)(nh + kv_head) * d : 0,
+                         a->eps, cos, sin, a->k_cache + slot, d);
+        memcpy(a->v_cache + slot, src + (size_t)(nh + nkv + kv_head) * d, (size_t)d * sizeof(uint16_t));
+    }
+    if (!attend) return;
     int len = (int)a->lens[row];
     int begin = a->window > 0 && len > a->window ? len - a->window : 0;
     if (FL_ATTN_HAVE_BF16 && d % 32 == 0)
@@ -259,8 +267,15 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < qkv_groups; g++)
                 fl_dec_linear(a, layer, 0, FL_PTR(1), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden, g);
+            if (a->shared_sequences) {
 #pragma omp for schedule(dynamic)
-            for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads);
+                for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads, 1, 0);
+#pragma omp for schedule(dynamic)
+                for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads, 0, 1);
+            } else {
+#pragma omp for schedule(dynamic)
+                for (int t = 0; t < tasks; t++) fl_dec_attend(a, layer, t / a->num_kv_heads, t % a->num_kv_heads, 1, 1);
+            }
             if (lora) {
 #pragma omp for schedule(dynamic)
                 for (int r = 0; r < rows; r++) fl_dec_lora_low(a, layer, 1, a->attn, q_width, r);

@@ -24,7 +24,7 @@ from libc.stdlib cimport qsort
 
 from flared._fast.request cimport (
     Request, ScheduledPlan, K_INITIALIZE, K_RESTORE, K_SNAPSHOT, K_PREFILL, K_SCORED_PREFILL,
-    K_RESUME_SAMPLING, K_DECODE, NUM_KINDS, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
+    K_RESUME_SAMPLING, K_DECODE, K_SPECULATIVE, NUM_KINDS, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
     PH_RESUME, PH_DECODE, PH_TERMINAL, PH_DRAINING,
 )
 from flared._fast.timing cimport GraphTimings, ShapeTiming, TIMING_UNMEASURED, TIMING_FRESH, TIMING_STALE
@@ -433,7 +433,7 @@ cdef class SelectionPolicy:
         served = {}
         for i in range(n):
             r = plan._requests[i]
-            served[r.slot] = (counts[i] if plan.kind != K_DECODE else 1, sample[i])
+            served[r.slot] = (counts[i] if plan.kind != K_DECODE and plan.kind != K_SPECULATIVE else 1, sample[i])
         cdef double x_exp, tokens, delivered
         cdef double tau = self._adaptation_ns
         for x in slots:

@@ -92,6 +92,14 @@ cdef class Request:
     # value_scale = 2 ** -priority (priority clamped to +-16); FCFS orders by (priority, arrival).
     cdef readonly int64_t priority
     cdef readonly double value_scale
+    # Speculative decoding may feed this request drafts (a greedy request whose tokens nothing but the logits
+    # decide: RequestScheduler.admit's ``speculate``).
+    cdef readonly bint speculate
+    # Its drafts a step at most now (starts at 1; doubles after a round that kept every draft, up to
+    # speculative_tokens; halves after one that kept none), and, once that reached 0, the generation rounds left
+    # before it tries 1 again.
+    cdef readonly int32_t spec_cap
+    cdef readonly int32_t spec_cooldown
     # Scratch used by plan(); never read across calls.
     cdef double _weight
     cdef double _wait_rate

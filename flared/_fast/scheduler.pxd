@@ -35,12 +35,18 @@ cdef class RequestScheduler:
     # Terminal captures are funded by this fraction of a request's measured decode time.
     cdef double _extra_work_fraction
     cdef bint _initialize_state
+    # Speculative decoding by prompt lookup (SchedulerConfig.speculative_tokens; 0 = off)
+    cdef int32_t _spec_tokens
+    cdef int32_t _lookup_max
+    cdef int32_t _lookup_min
 
     cdef Request _get(self, int64_t handle)
     cdef bint _ensure_pages(self, int64_t n) except -1
     cdef int32_t _take_snapshot(self) except -2
     cdef _reclaim(self, list reusable)
-    cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns)
+    cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=*)
+    cdef tuple _propose(self, Request r)
+    cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
     cdef tuple _copy_row(self, int32_t snapshot_id, Request r, int64_t endpoint)
     cdef _advance_phase(self, Request r, int kind)
     cdef int64_t _publish(self, Request r, int64_t fence) except -2

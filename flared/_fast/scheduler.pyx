@@ -39,7 +39,7 @@ from flared._fast.policy cimport SelectionPolicy, _Candidate
 from flared._fast.prefix cimport Checkpoint, PrefixCheckpointCache, PrefixHistory
 from flared._fast.request cimport (
     Request, ScheduledPlan, SLOT_BITS, SLOT_MASK, MAX_SLOTS, K_INITIALIZE, K_RESTORE, K_SNAPSHOT,
-    K_PREFILL, K_SCORED_PREFILL, K_RESUME_SAMPLING, K_DECODE, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
+    K_PREFILL, K_SCORED_PREFILL, K_RESUME_SAMPLING, K_DECODE, K_SPECULATIVE, PH_INITIALIZE, PH_RESTORE, PH_PREFILL,
     PH_RESUME, PH_DECODE, PH_TERMINAL, PH_DRAINING,
 )
 from flared._fast.timing cimport GraphTimings, ShapeTiming, TIMING_UNMEASURED, TIMING_FRESH, TIMING_STALE
@@ -53,19 +53,34 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 cnp.import_array()
 
 _LAUNCH_KEYS = ["launches_" + k.name.lower() for k in GraphKind]
+# Tokens a speculative step feeds in all (each request's last token and its drafts), where the cohort is smaller.
+SPECULATIVE_MAX_TOKENS = 64
+# Generation rounds a request whose draft cap fell to 0 goes without drafts before it tries one again.
+SPECULATIVE_COOLDOWN = 16
 
 # What one frame reported, one entry per plan participant in plan order:
 # handles int64, cumulative consumed/generated token counts int64, and the
 # sampled token id (int32, -1 where the step samples nothing); snapshot_ns:
 # the GPU time of a prefill frame's checkpoint copies (plan.copies), when
-# the executor timed them apart (0: not timed).
-CompletionRecords = namedtuple("CompletionRecords", "handles consumed_tokens generated_tokens token_ids snapshot_ns",
-                               defaults=(0,))
+# the executor timed them apart (0: not timed); accepted_drafts: in a
+# speculative frame, per participant the draft tokens its step confirmed, in
+# order (they come before token_ids[i], the step's own next token), else None.
+CompletionRecords = namedtuple("CompletionRecords",
+                               "handles consumed_tokens generated_tokens token_ids snapshot_ns accepted_drafts",
+                               defaults=(0, None))
 # emitted: (handle, token_id) accepted for publication, in order;
 # finished: handles that hit their output or context limit in this frame;
 # retired: handles whose slot and resources were released;
 # published: checkpoint ids created by this frame's snapshots.
 CompletionResult = namedtuple("CompletionResult", "emitted finished retired published")
+
+
+cdef tuple _timing_shape(ScheduledPlan plan):
+    """The shape whose timings a plan's duration updates: its own, except that a speculative step is the decode
+    cohort the policy chose (and priced by the decode shape's estimate), with drafts added."""
+    if plan.kind == K_SPECULATIVE:
+        return (K_DECODE, plan.batch_capacity, plan.batch_capacity)
+    return plan.shape
 
 
 cdef int64_t _next_scheduler_id = 1
@@ -111,6 +126,16 @@ cdef class RequestScheduler:
             self.counters["launches_" + k.name.lower()] = 0
         self._extra_work_fraction = config.checkpoint_extra_work_fraction
         self._initialize_state = config.initialize_state
+        self._spec_tokens = getattr(config, "speculative_tokens", 0)
+        self._lookup_max = getattr(config, "prompt_lookup_max", 4)
+        self._lookup_min = getattr(config, "prompt_lookup_min", 2)
+        # Speculative decoding's figures (the dashboard's acceptance length and depth): draft tokens fed and kept,
+        # request rounds that were offered at least one draft, and every request round of a generation step
+        # (decode or speculative; the denominator of depth).
+        self.counters["speculative_drafted"] = 0
+        self.counters["speculative_accepted"] = 0
+        self.counters["speculative_rounds"] = 0
+        self.counters["generation_rounds"] = 0
 
     # ------------------------------------------------------------------
     # queries
@@ -156,12 +181,15 @@ cdef class RequestScheduler:
         conditioning=(),
         bint score_prompt=False,
         int64_t priority=0,
+        bint speculate=False,
     ):
         """Admit a request; returns its handle.
 
         ``message_boundaries``: token endpoints of complete messages (checkpoint
         candidates). ``conditioning``: (position, 32-byte identity) events.
         ``priority``: vLLM's (lower runs sooner; Request.value_scale).
+        ``speculate``: speculative steps may feed this request drafts (the caller vouches that its next tokens are
+        the logits' argmax and nothing else: greedy, nothing that shapes the logits).
         Raises AdmissionError (CONTEXT_LENGTH, VALIDATION, MODEL_CAPACITY).
         """
         prompt = np.array(prompt_tokens, dtype=np.int32).reshape(-1)
@@ -252,6 +280,9 @@ cdef class RequestScheduler:
         r.token_price = 1.0
         r.delivery_price = 1.0
         r.priority = priority
+        r.speculate = speculate
+        r.spec_cap = min(1, self._spec_tokens)  # one draft first: wider only once drafts are kept
+        r.spec_cooldown = 0
         r.value_scale = 2.0 ** (-max(-16, min(16, priority)))
         if hit is not None:
             r.phase = PH_RESTORE
@@ -321,17 +352,56 @@ cdef class RequestScheduler:
             return None  # the window drains for it
         if best.state != TIMING_FRESH and n_inflight:
             return None  # unmeasured/stale shapes run alone
-        return self._build_plan(best, now_ns)
+        # A decode cohort chosen with the window empty may become a speculative step: drafts need every token of
+        # their request known on the host, and a speculative step runs alone.
+        return self._build_plan(best, now_ns, self._spec_tokens > 0 and n_inflight == 0 and best.kind == K_DECODE)
 
-    cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns):
+    cdef tuple _propose(self, Request r):
+        """Draft tokens for ``r`` by prompt lookup: its latest n tokens (n from prompt_lookup_max down to
+        prompt_lookup_min), found again earlier in its prompt and output, and what followed them there (the latest
+        such place with as many tokens after it as the cap, else the earliest); as many as its cap (spec_cap) and the
+        output limit allow (the step adds one token of its own)."""
+        cdef int64_t cap = min(<int64_t>r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
+        if cap <= 0 or not r.output_tokens:
+            return ()
+        seq = np.concatenate([r._prompt, np.asarray(r.output_tokens, dtype=np.int32)])
+        cdef Py_ssize_t L = seq.shape[0], n, i
+        for n in range(min(<Py_ssize_t>self._lookup_max, L - 1), self._lookup_min - 1, -1):
+            # every window of n tokens that ends before the last token, against the last n tokens
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)
+            hits = np.flatnonzero((windows == seq[L - n:]).all(axis=1))
+            if hits.shape[0]:
+                # the latest place followed by a full cap of tokens; else the earliest (the longest continuation)
+                full = hits[hits + n + cap <= L]
+                i = (full[full.shape[0] - 1] if full.shape[0] else hits[0]) + n
+                return tuple(int(t) for t in seq[i:i + cap])
+        return ()
+
+    cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=False):
         cdef Py_ssize_t n = len(c.requests), i, j
         cdef ScheduledPlan p = ScheduledPlan.__new__(ScheduledPlan)
+        cdef int kind = c.kind
+        drafts = None
+        cdef Py_ssize_t budget
+        if speculate:
+            drafts = [self._propose(<Request>x) if (<Request>x).speculate else () for x in c.requests]
+            # At most SPECULATIVE_MAX_TOKENS tokens fed in all (the CPU's one-call decode step takes 64 rows):
+            # the requests earlier in the cohort keep their drafts first.
+            budget = max(SPECULATIVE_MAX_TOKENS, n) - n
+            for i in range(n):
+                drafts[i] = drafts[i][:budget]
+                budget -= len(drafts[i])
+            if any(drafts):
+                kind = K_SPECULATIVE
+            else:
+                drafts = None
         p.scheduler_id = self.scheduler_id
         p.plan_id = self._next_plan_id
         self._next_plan_id += 1
-        p.kind = c.kind
+        p.kind = kind
         p.batch_capacity = c.batch
-        p.token_capacity = c.tokens
+        # a speculative step's width: the most tokens one request feeds (its last token and its drafts)
+        p.token_capacity = c.tokens if drafts is None else 1 + max(len(d) for d in drafts)
         p.planned_ns = now_ns
         p.estimated_duration_ns = c.estimate_ns
         p.exclusive = c.state != TIMING_FRESH
@@ -357,7 +427,6 @@ cdef class RequestScheduler:
         cdef Request r
         cdef int64_t take, start, P = self.page_tokens, first, last, total_pages = 0, total_tokens = 0
         cdef Py_ssize_t k
-        cdef int kind = c.kind
         takes = c.takes
         for i in range(n):
             r = c.requests[i]
@@ -369,12 +438,14 @@ cdef class RequestScheduler:
             st_v[i] = start
             if kind == K_DECODE:
                 take = 1
+            elif kind == K_SPECULATIVE:
+                take = 1 + len(drafts[i])
             elif kind == K_PREFILL or kind == K_SCORED_PREFILL:
                 take = takes[i]
             else:
                 take = 0
             n_v[i] = take
-            if kind == K_DECODE or kind == K_RESUME_SAMPLING:
+            if kind == K_DECODE or kind == K_RESUME_SAMPLING or kind == K_SPECULATIVE:
                 sm_v[i] = 1
             elif (kind == K_PREFILL or kind == K_SCORED_PREFILL) and start + take == r.prompt_len:
                 sm_v[i] = 1
@@ -401,9 +472,12 @@ cdef class RequestScheduler:
                 pg_v[k] = r._block_table[fb_v[i] + j]
                 j += 1
             start = st_v[i]
-            if kind == K_DECODE:
+            if kind == K_DECODE or kind == K_SPECULATIVE:
                 j = start - r.prompt_len
                 tk_v[to_v[i]] = r.output_tokens[j] if j < len(r.output_tokens) else -1
+                if kind == K_SPECULATIVE:
+                    for j in range(1, n_v[i]):
+                        tk_v[to_v[i] + j] = drafts[i][j - 1]
             else:
                 for j in range(n_v[i]):
                     tk_v[to_v[i] + j] = r._prompt[start + j]
@@ -482,8 +556,9 @@ cdef class RequestScheduler:
                 # Rate normalizers for fairness: what this request would get
                 # from this graph alone. Unmeasured graphs contribute none.
                 if counts[i] > 0:
-                    r.token_ns_per_token = est / counts[i]
-                if plan.kind == K_DECODE:
+                    # a speculative step serves one certain token (its drafts may all fail)
+                    r.token_ns_per_token = est / (1 if plan.kind == K_SPECULATIVE else counts[i])
+                if plan.kind == K_DECODE or plan.kind == K_SPECULATIVE:
                     r.delivery_interval_ns = est
             if plan.kind == K_RESTORE:
                 self.cache.mark_used(r.base, fence)
@@ -491,7 +566,7 @@ cdef class RequestScheduler:
         if self._inflight:
             starts_ns = max(starts_ns, (<ScheduledPlan>self._inflight[len(self._inflight) - 1][1]).expected_finish_ns)
         plan.expected_finish_ns = starts_ns + plan.estimated_duration_ns
-        self.timings.note_attempt(plan.shape, plan.planned_ns)
+        self.timings.note_attempt(_timing_shape(plan), plan.planned_ns)
         if plan.refresh:
             self.refresh_credit_ns -= plan.estimated_duration_ns
             self.counters["refreshes"] += 1
@@ -523,22 +598,36 @@ cdef class RequestScheduler:
         cdef const int32_t[::1] counts = plan.num_tokens
         cdef const uint8_t[::1] sample = plan.sample
         cdef Request r
+        cdef int kind = plan.kind
+        cdef int64_t accepted = 0
+        drafts_kept = records.accepted_drafts if kind == K_SPECULATIVE else None
+        if kind == K_SPECULATIVE and (drafts_kept is None or len(drafts_kept) != n):
+            raise ExecutionError(f"speculative frame {fence} reports no accepted drafts for its {n} participants")
         for i in range(n):
             r = plan._requests[i]
             if hv[i] != r.handle or hv[i] & SLOT_MASK != r.slot:
                 raise ExecutionError(f"frame {fence} record {i}: handle {hv[i]} is not participant {r.handle}")
-            if cv[i] != starts[i] + counts[i] or cv[i] < r.num_computed_tokens or cv[i] > self.context_capacity:
+            if kind == K_SPECULATIVE:
+                # the fed token and the confirmed drafts are consumed; each confirmed draft is one more output
+                accepted = len(drafts_kept[i])
+                if accepted >= counts[i] or cv[i] != starts[i] + 1 + accepted:
+                    raise ExecutionError(f"frame {fence} record {i}: consumed {cv[i]} with {accepted} drafts kept "
+                                         f"of {counts[i] - 1}, expected {starts[i] + 1 + accepted}")
+                if gv[i] != g_end[i] + accepted or gv[i] > r.max_output_tokens:
+                    raise ExecutionError(f"frame {fence} record {i}: generated {gv[i]}, expected {g_end[i] + accepted}")
+                if any(int(t) < 0 for t in drafts_kept[i]):
+                    raise ExecutionError(f"frame {fence} record {i}: a kept draft has no token id")
+            elif cv[i] != starts[i] + counts[i] or cv[i] < r.num_computed_tokens or cv[i] > self.context_capacity:
                 raise ExecutionError(
                     f"frame {fence} record {i}: consumed {cv[i]}, expected {starts[i] + counts[i]}"
                 )
-            if gv[i] != g_end[i] or gv[i] < r.num_generated_tokens or gv[i] > r.max_output_tokens:
+            elif gv[i] != g_end[i] or gv[i] < r.num_generated_tokens or gv[i] > r.max_output_tokens:
                 raise ExecutionError(f"frame {fence} record {i}: generated {gv[i]}, expected {g_end[i]}")
             if sample[i] and tv[i] < 0:
                 raise ExecutionError(f"frame {fence} record {i}: sampled no token")
 
         self._inflight.pop(0)
         self.completed_fence = fence
-        cdef int kind = plan.kind
         cdef int64_t copy_rows = plan.copies.shape[0], copy_cap = 1
         snapshot_ns = records.snapshot_ns
         if copy_rows and snapshot_ns and (kind == K_PREFILL or kind == K_SCORED_PREFILL):
@@ -549,7 +638,7 @@ cdef class RequestScheduler:
             self.timings.observe((K_SNAPSHOT, copy_cap, 0), int(snapshot_ns), now_ns)
             if isinstance(duration_ns, int):  # the prefill shape keeps its own time
                 duration_ns = max(1, duration_ns - int(snapshot_ns))
-        cdef int64_t measured = self.timings.observe(plan.shape, duration_ns, now_ns, embedding_wait_ns)
+        cdef int64_t measured = self.timings.observe(_timing_shape(plan), duration_ns, now_ns, embedding_wait_ns)
         if plan.refresh:
             self.refresh_credit_ns += plan.estimated_duration_ns - measured
         elif measured > 0:
@@ -560,6 +649,8 @@ cdef class RequestScheduler:
         emitted = []
         finished = []
         published = []
+        if kind == K_DECODE or kind == K_SPECULATIVE:
+            self.counters["generation_rounds"] += n
         for i in range(n):
             r = plan._requests[i]
             r.inflight -= 1
@@ -567,6 +658,24 @@ cdef class RequestScheduler:
             r.num_computed_tokens = cv[i]
             if counts[i] > 0 or sample[i]:
                 r.last_progress_ns = now_ns
+            if kind == K_SPECULATIVE:
+                # The rejected drafts were scheduled but not consumed: the next step feeds from here (their K/V
+                # slots are written over). The kept drafts are outputs, before the step's own token.
+                r.num_scheduled_tokens = cv[i]
+                r.num_scheduled_samples = gv[i]
+                self.counters["speculative_drafted"] += counts[i] - 1
+                self.counters["speculative_accepted"] += len(drafts_kept[i])
+                self.counters["speculative_rounds"] += counts[i] > 1
+                if counts[i] > 1:
+                    self._adapt_drafts(r, counts[i] - 1, len(drafts_kept[i]))
+                for t in drafts_kept[i]:
+                    r.output_tokens.append(int(t))
+                    if not r.finished and not r.cancelled:
+                        emitted.append((r.handle, int(t)))
+            if (kind == K_DECODE or (kind == K_SPECULATIVE and counts[i] == 1)) and r.spec_cooldown > 0:
+                r.spec_cooldown -= 1
+                if r.spec_cooldown == 0:
+                    r.spec_cap = 1
             if sample[i]:
                 r.num_generated_tokens = gv[i]
                 # Kept even after a stop: a pipelined decode may already have
@@ -599,6 +708,17 @@ cdef class RequestScheduler:
             self.selection.update_prices(self._slots, plan, measured)
         retired = self._retire_drained()
         return CompletionResult(emitted, finished, retired, published)
+
+    cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept):
+        """A request's draft cap after a round that offered ``offered`` drafts and kept ``kept``: twice as many after
+        all were kept (at most speculative_tokens), half after none was; at 0 it rests SPECULATIVE_COOLDOWN rounds,
+        then tries one again. Drafts nobody keeps make every step of the cohort wider for nothing."""
+        if kept == offered:
+            r.spec_cap = min(self._spec_tokens, max(1, 2 * r.spec_cap))
+        elif kept == 0:
+            r.spec_cap //= 2
+            if r.spec_cap == 0:
+                r.spec_cooldown = SPECULATIVE_COOLDOWN
 
     cdef _advance_phase(self, Request r, int kind):
         if r.phase == PH_INITIALIZE:

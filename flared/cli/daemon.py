@@ -104,12 +104,18 @@ def main() -> None:
 @_lora_options
 @click.option("--allow-runtime-lora-updating", is_flag=True, default=False,
               help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added while serving).")
+@click.option("--speculative-tokens", type=int, default=None,
+              help="Speculative decoding by prompt lookup (CPU backend): up to N draft tokens a step for greedy "
+                   "requests, copied from earlier in their prompt and output (default 0: off).")
+@click.option("--prompt-lookup-max", type=int, default=None, help="Longest n-gram prompt lookup matches (default 4).")
+@click.option("--prompt-lookup-min", type=int, default=None, help="Shortest n-gram prompt lookup matches (default 2).")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
-        no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, debug_fail_after_steps):
+        no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, speculative_tokens, prompt_lookup_max,
+        prompt_lookup_min, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -119,7 +125,9 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             host=host, port=port, port_file=port_file, api_key=api_key, queue_capacity=queue_capacity,
             max_active=max_active, frontend_workers=frontend_workers, torch_threads=torch_threads,
             log_level=log_level, log_format=log_format, admin_socket=admin_socket,
-            chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile).items() if v is not None}
+            chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+            speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max,
+            prompt_lookup_min=prompt_lookup_min).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if allowed_origins is not None:

@@ -168,8 +168,11 @@ class DashboardModel:
             ("generation throughput", f"{self.generation_tps:,.1f} tok/s"),
             ("drafter steps", str(c.get("drafter_steps", 0))),
             ("verification steps", str(c.get("launches_speculative", 0))),
-            ("acceptance length", "—"),
-            ("depth", "—"),
+            # accepted drafts per request round offered one; drafts offered per generation round (speculative
+            # decoding by prompt lookup: copy-only proposals, so no drafter steps)
+            ("acceptance length", _ratio(c.get("speculative_accepted", 0), c.get("speculative_rounds", 0))),
+            ("depth", _ratio(c.get("speculative_drafted", 0), c.get("generation_rounds", 0))
+             if c.get("speculative_rounds", 0) else "—"),
             ("active / queued", f"{rt.get('live_slots', 0)} / {queued}"),
             ("completed / failed", f"{c.get('finished', 0)} / {rt.get('failed_requests', 0)}"),
             ("cancelled", str(c.get("cancelled", 0))),
@@ -273,3 +276,7 @@ class DashboardModel:
 
 def _ms(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f}"
+
+
+def _ratio(num: int, den: int) -> str:
+    return "—" if not den else f"{num / den:.2f}"

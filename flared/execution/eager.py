@@ -42,7 +42,7 @@ from flared.errors import ErrorKind, ExecutionError
 from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.sampling import Sampler, SequenceSamplingState
 from flared.runtime.request import TokenLogprob
-from flared.scheduler import GraphKind, plan_records, scored_participants
+from flared.scheduler import CompletionRecords, GraphKind, plan_records, scored_participants
 
 
 class EagerExecutor:
@@ -90,6 +90,9 @@ class EagerExecutor:
                 copy_started = time.perf_counter_ns()
                 self._copy(plan.copies, to_snapshot=True)
                 snapshot_ns = time.perf_counter_ns() - copy_started
+        elif kind == GraphKind.SPECULATIVE:
+            records = self._speculate(plan, block_tables, states, rows, sampled, logprobs)
+            return records, time.perf_counter_ns() - started, logprobs, scores
         elif kind == GraphKind.RESUME_SAMPLING:
             sample_idx = [i for i in range(n) if plan.sample[i]]
             if sample_idx:
@@ -136,6 +139,73 @@ class EagerExecutor:
         if sample_idx:
             self._sample(logits.index_select(0, torch.as_tensor(sample_idx)), sample_idx, rows, states,
                          sampled, logprobs)
+
+    def _speculate(self, plan, block_tables, states, rows, sampled, logprobs) -> CompletionRecords:
+        """A speculative step: participant i feeds its last token and its drafts (plan.tokens(i)[1:]), each token a
+        decode row of its own at its position (ForwardBatch.shared_sequences: the rows of one request see each
+        other's keys; the bf16 one-call decode step takes up to 64 rows). The drafts are kept while each equals
+        the greedy token of the row before it; the first greedy token that differs (or the one after the last
+        draft) is the step's own token. Participants without drafts sample as in a decode step. The state row
+        keeps the logits of its last kept position, as after a decode step there."""
+        n = plan.num_participants
+        chunks = []
+        fed = []
+        for i in range(n):
+            tokens = np.asarray(plan.tokens(i), dtype=np.int64).copy()
+            if tokens[0] < 0:
+                tokens[0] = self.state_last_token[rows[i]]
+                if tokens[0] < 0:
+                    raise ExecutionError(f"plan {plan.plan_id}: participant {i} has no previous token to feed")
+            fed.append(tokens)
+            start = int(plan.token_starts[i])
+            chunks.extend(SequenceChunk(tokens[j:j + 1], start + j, block_tables[i], needs_logits=True)
+                          for j in range(tokens.shape[0]))
+        batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
+                                   sliding_window=self.model.config.sliding_window)
+        batch.shared_sequences = True
+        bounds = np.cumsum([0] + [t.shape[0] for t in fed])
+        adapters = [s.lora if s is not None else 0 for s in states]
+        for adapter in sorted(set(adapters) - {0}):
+            token_rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in range(n)
+                                         if adapters[i] == adapter])
+            batch.lora_groups.append((adapter, torch.as_tensor(token_rows, dtype=torch.int64,
+                                                               device=self.model.device)))
+        logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]
+        greedy = logits.argmax(dim=-1).tolist()  # SYNC: the step's one read-back
+        kept: list[tuple[int, ...]] = []
+        last_rows = []
+        plain = []
+        for i in range(n):
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            drafts = fed[i][1:]
+            a = 0
+            while a < len(drafts) and greedy[lo + a] == int(drafts[a]):
+                a += 1
+            kept.append(tuple(int(t) for t in drafts[:a]))
+            last_rows.append(lo + a)
+            if hi - lo == 1:
+                plain.append(i)
+                continue
+            token = greedy[lo + a]
+            sampled[i] = token
+            self.state_last_token[rows[i]] = token
+            s = states[i]
+            if s is not None:  # what a draw per kept token would have advanced (the RNG counter, the history)
+                for t in drafts[:a].tolist() + [token]:
+                    if s.history is not None and s.history_len < s.history.numel():
+                        s.history[s.history_len] = t
+                        s.history_len += 1
+                    s.num_output_tokens += 1
+        last = logits.index_select(0, torch.as_tensor(last_rows, dtype=torch.int64, device=logits.device))
+        self.state_logits.index_copy_(0, torch.as_tensor(rows), last.float())
+        if plain:
+            self._sample(last.index_select(0, torch.as_tensor(plain)), plain, rows, states, sampled, logprobs)
+        starts = np.asarray(plan.token_starts, dtype=np.int64)
+        accepted = np.asarray([len(k) for k in kept], dtype=np.int64)
+        return CompletionRecords(handles=np.asarray(plan.handles, dtype=np.int64),
+                                 consumed_tokens=starts + 1 + accepted,
+                                 generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64) + accepted,
+                                 token_ids=sampled.copy(), accepted_drafts=kept)
 
     def _forward_scoring(self, batch, chunks, plan, rows, scoring, scores) -> torch.Tensor:
         """Forward with logits at every position of the scoring participants' chunks;

@@ -61,6 +61,9 @@ class ForwardBatch:
     # Per-request LoRA adapters (DecoderModel.lora_modules): (adapter index >= 1, its token rows [k] int64);
     # rows of no group run the base weights alone.
     lora_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Decode rows may be consecutive positions of one sequence (a speculative step feeds a request's last token and
+    # its drafts as rows of their own): every row's K/V is written before any row attends.
+    shared_sequences: bool = False
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], *, page_tokens: int, device: torch.device | str = "cpu",

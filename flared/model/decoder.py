@@ -499,7 +499,8 @@ class DecoderModel:
             positions=batch.positions.data_ptr(), write_slots=batch.write_slot_ids.data_ptr(),
             gather_slots=batch.decode_gather_slot_ids.data_ptr(), lens=batch.decode_context_lens.data_ptr(),
             k_cache=kv.keys.data_ptr(), v_cache=kv.values.data_ptr(), h=h.data_ptr(), x=x.data_ptr(),
-            qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads, **lora)
+            qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads,
+            shared_sequences=batch.shared_sequences, **lora)
         last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
         return self.lm_head_linear(last).float()
 

@@ -243,6 +243,15 @@ class SamplingParams:
     def uses_dry(self) -> bool:
         return self.dry_multiplier > 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Each token is the argmax of the model's logits and nothing else: greedy, with nothing that shapes the
+        logits (bias, penalties, allowed ids, min_tokens, bad words, a thinking budget, DRY) and no log-probabilities
+        to report. Speculative decoding may verify such a request's drafts against a plain argmax."""
+        return (self.greedy and not self.logit_bias and not self.uses_penalties and self.allowed_token_ids is None
+                and self.min_tokens == 0 and not self.bad_words and self.thinking_budget is None
+                and not self.uses_dry and self.logprobs is None)
+
 
 @dataclass
 class SequenceSamplingState:

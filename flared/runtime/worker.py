@@ -190,8 +190,12 @@ def cuda_backend_available(dtype) -> bool:
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
-                 lora_modules=()):
+                 lora_modules=(), speculative=(0, 4, 2)):
         self.core = core
+        # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
+        # The eager executor verifies drafts; the CUDA graph executor has no speculative graphs, so it stays off there.
+        self.speculative = tuple(speculative)
+        self.spec_tokens = 0  # what load() turned on (0 on CUDA)
         # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
         self.lora_adapters = tuple(lora_adapters)
         # (name, path) of per-request adapters (vLLM's --lora-modules): a request's ``lora`` k runs adapter k - 1
@@ -322,11 +326,20 @@ class ModelRuntime:
                                           vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
             graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
             log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
+        spec_tokens = self.speculative[0]
+        if spec_tokens and use_cuda:
+            log.warning("speculative decoding runs on the CPU backend only: off on the CUDA graph executor")
+            spec_tokens = 0
+        elif spec_tokens:
+            log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",
+                     spec_tokens, self.speculative[2], self.speculative[1])
+        self.spec_tokens = spec_tokens
         self.scheduler = RequestScheduler(
             SchedulerConfig(model_identity=identity, max_live_requests=caps.concurrency, num_pages=caps.kv_pages,
                             num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
-                            graph_shapes=graph_shapes),
+                            graph_shapes=graph_shapes, speculative_tokens=spec_tokens,
+                            prompt_lookup_max=self.speculative[1], prompt_lookup_min=self.speculative[2]),
             self.policy if self.policy is not None else PolicyConfig())
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:
@@ -615,7 +628,10 @@ class ModelRuntime:
                     conditioning=conditioning,
                     # Scoring the whole prompt: no shared context to reuse, the scheduler's scored prefill fits.
                     score_prompt=req.score_from is not None and req.score_from <= 1,
-                    priority=req.priority)
+                    priority=req.priority,
+                    # drafts are checked against the plain argmax: only requests whose tokens are nothing else
+                    speculate=bool(self.spec_tokens) and req.params.argmax_only and req.grammar is None
+                    and req.score_from is None)
                 if req.grammar is not None and live.grammar is None:
                     live.grammar = req.grammar.matcher()
                 if req.score_from is not None:

@@ -97,6 +97,10 @@ def default_graph_shapes(concurrency: int, prefill_chunk_size: int) -> tuple[tup
     return tuple(shapes)
 
 
+# Draft tokens a speculative step may feed per request.
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # 32-byte model/recipe identity mixed into every prefix key.
@@ -120,6 +124,13 @@ class SchedulerConfig:
     # Fresh requests need an INITIALIZE step (models with recurrent state).
     initialize_state: bool = False
     selection: Selection = Selection.VALUE_PER_DURATION
+    # Speculative decoding by prompt lookup (vLLM's "ngram" method): a decode step that runs alone may feed each
+    # eligible request up to this many draft tokens after its last one, copied from where the request's latest
+    # prompt_lookup_max .. prompt_lookup_min tokens last occurred earlier in its prompt and output; the step keeps
+    # the drafts its own greedy tokens confirm, and one more. 0 = off.
+    speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self):
         if len(self.model_identity) != 32:
@@ -137,6 +148,10 @@ class SchedulerConfig:
         object.__setattr__(self, "selection", Selection(self.selection))
         if not 0 <= self.checkpoint_extra_work_fraction <= 1:
             raise ValueError("checkpoint_extra_work_fraction must be within 0..1")
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not self.graph_shapes:
             object.__setattr__(self, "graph_shapes", default_graph_shapes(self.max_live_requests, chunk))
         for kind, batch, tokens in self.graph_shapes:

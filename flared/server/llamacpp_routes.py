@@ -166,10 +166,11 @@ class LlamaCppRoutes:
                 self.state.runtime.snapshot().get("live_slots", 0) >= m.capacities.concurrency:
             raise HttpError(503, "no slot available", type="unavailable_error", code="unavailable")
         live = {row["slot"]: row for row in self.state.runtime.request_rows()}
+        speculative = bool(getattr(self.state.runtime, "spec_tokens", 0))  # prompt lookup on (--speculative-tokens)
         out = []
         for slot in range(m.capacities.concurrency):
             row = live.get(slot)
-            entry: dict[str, Any] = {"id": slot, "id_task": -1, "n_ctx": context, "speculative": False,
+            entry: dict[str, Any] = {"id": slot, "id_task": -1, "n_ctx": context, "speculative": speculative,
                                      "is_processing": row is not None}
             if row is not None:
                 p = row["params"]

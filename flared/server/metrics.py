@@ -52,6 +52,9 @@ _SCHEDULER_COUNTERS = (
     ("flare_checkpoint_publications", "Unique prefix checkpoints published ready (duplicates excluded).",
      "publications"),
     ("flare_checkpoint_evictions", "Prefix checkpoints logically evicted to free pages or snapshots.", "evictions"),
+    ("flare_speculative_draft_tokens", "Draft tokens speculative steps fed (prompt lookup).", "speculative_drafted"),
+    ("flare_speculative_accepted_tokens", "Draft tokens speculative steps confirmed and emitted.",
+     "speculative_accepted"),
 )
 
 

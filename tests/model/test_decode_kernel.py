@@ -184,3 +184,33 @@ def test_bad_arguments_are_refused():
         decode.decode_layers(**{**good, "h": 0})
     with pytest.raises(ValueError, match="LoRA"):
         decode.decode_layers(**{**good, "lora_rows": 1, "lora_table": 1, "lora_low": 1, "lora_rank": 0})
+
+
+def test_rows_of_one_sequence_see_each_other_with_shared_sequences(model):
+    """A speculative step's rows (ForwardBatch.shared_sequences): two sequences each feeding three consecutive
+    positions as decode rows of one call; every row's logits and the K/V left equal the same tokens fed one step at
+    a time (each row sees the keys the rows before it wrote in the same call)."""
+    rng = np.random.default_rng(7)
+    kv = model.make_kv_cache(num_pages=8, page_tokens=PAGE)
+    tables = [np.array([5, 1, 6, 2]), np.array([0, 7, 3, 4])]
+    lengths = [21, 40]  # past the mistral fixture's 16-token window
+    for table, n in zip(tables, lengths):
+        model.forward(ForwardBatch.build([SequenceChunk(rng.integers(3, 500, n), 0, table)], page_tokens=PAGE), kv)
+    fed = [rng.integers(3, 500, 3), rng.integers(3, 500, 3)]
+    before = (kv.keys.clone(), kv.values.clone())
+    window = model.config.sliding_window
+    rows = [SequenceChunk(fed[s][j:j + 1], lengths[s] + j, tables[s]) for s in range(2) for j in range(3)]
+    batch = ForwardBatch.build(rows, page_tokens=PAGE, sliding_window=window)
+    batch.shared_sequences = True
+    together = model.forward(batch, kv)
+    after = (kv.keys.clone(), kv.values.clone())
+    kv.keys.copy_(before[0])
+    kv.values.copy_(before[1])
+    one_by_one = []
+    for j in range(3):
+        step = ForwardBatch.build([SequenceChunk(fed[s][j:j + 1], lengths[s] + j, tables[s]) for s in range(2)],
+                                  page_tokens=PAGE, sliding_window=window)
+        one_by_one.append(model.forward(step, kv))
+    want = torch.stack([one_by_one[j][s] for s in range(2) for j in range(3)])
+    assert torch.equal(together, want)
+    assert torch.equal(after[0], kv.keys) and torch.equal(after[1], kv.values)

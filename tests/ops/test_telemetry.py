@@ -145,3 +145,22 @@ def test_request_history_strip_marks_the_graphs_that_served_it():
     assert strip0[0] == "P" and strip0[-1] == "D" and "s" in strip0[1:-1]
     assert set(strip1[:-1]) == {"."} and strip1[-1] == "D"
     assert len(strip0) == len(strip1) >= 5
+
+
+def test_overview_shows_speculative_figures_once_there_are_drafts():
+    """Acceptance length = drafts kept per request round offered one; depth = drafts fed per generation round; — before
+    the first draft; verification steps count speculative steps (prompt lookup has no drafter steps)."""
+    def overview(counters):
+        snap = _snapshot()
+        snap["runtime"]["counters"] = counters
+        rt = _Runtime()
+        model = DashboardModel()
+        model.update(TelemetryFeed(rt, lambda: snap).poll(0, now_ns=10**9))
+        lines = model.render(100, 30)
+        return {k: line.split()[-1] for line in lines for k in ("acceptance", "depth", "verification", "drafter")
+                if line.strip().startswith(k)}
+
+    assert overview({}) == {"drafter": "0", "verification": "0", "acceptance": "—", "depth": "—"}
+    got = overview({"launches_speculative": 5, "speculative_drafted": 12, "speculative_accepted": 9,
+                    "speculative_rounds": 6, "generation_rounds": 24})
+    assert got == {"drafter": "0", "verification": "5", "acceptance": "1.50", "depth": "0.50"}

@@ -1,0 +1,238 @@
+"""Speculative decoding by prompt lookup (SchedulerConfig.speculative_tokens, the eager executor's SPECULATIVE steps).
+
+The scheduler proposes drafts from where a request's latest tokens occurred before in its prompt and output, only
+for requests admitted with ``speculate`` and only with nothing in flight; a speculative completion keeps the
+confirmed drafts and the step's own token, rolls back the rest, and is validated like every other record. End to
+end (the scheduler, the eager executor, the model thread) the tokens are exactly those of plain decoding, in fewer
+steps, for greedy requests beside sampled ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from flared.errors import ExecutionError
+from flared.scheduler import CompletionRecords, GraphKind, PolicyConfig, RequestScheduler, SchedulerConfig
+
+
+def _scheduler(spec=3, **kw):
+    return RequestScheduler(SchedulerConfig(model_identity=hashlib.sha256(b"spec").digest(), max_live_requests=4,
+                                            num_pages=64, num_snapshots=16, page_tokens=16, context_capacity=256,
+                                            prefill_chunk_size=64, speculative_tokens=spec, **kw), PolicyConfig())
+
+
+def _prefill(s, prompt, first_token, max_tokens=10, speculate=True):
+    """Admit ``prompt`` and run its prefill step, which samples ``first_token``; returns the handle."""
+    h = s.admit(prompt, max_tokens, 1, speculate=speculate)
+    now = 2
+    while True:
+        plan = s.plan(now)
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        tokens = [first_token if x else -1 for x in plan.sample]
+        s.complete(fence, _records(plan, tokens), 1000, now)
+        now += 1
+        if s.request(h).num_generated_tokens:
+            return h
+
+
+def _records(plan, tokens, accepted=None):
+    starts = np.asarray(plan.token_starts, dtype=np.int64)
+    kept = np.asarray([len(a) for a in accepted], dtype=np.int64) if accepted is not None else None
+    consumed = starts + (1 + kept if kept is not None else np.asarray(plan.num_tokens, dtype=np.int64))
+    generated = np.asarray(plan.generated_ends, dtype=np.int64) + (kept if kept is not None else 0)
+    return CompletionRecords(handles=np.asarray(plan.handles, dtype=np.int64), consumed_tokens=consumed,
+                             generated_tokens=generated, token_ids=np.asarray(tokens, dtype=np.int64),
+                             accepted_drafts=accepted)
+
+
+def test_drafts_come_from_an_earlier_occurrence_and_the_kept_ones_are_emitted():
+    s = _scheduler(spec=3)
+    # prompt + the first token: 1 5 6 7 8 9 5 6 7 | 8: its last four tokens "5 6 7 8" occur at 1, followed by 9
+    h = _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
+    plan = s.plan(10)
+    assert plan.kind == GraphKind.SPECULATIVE
+    assert list(plan.tokens(0)) == [8, 9]  # one draft first
+    assert list(plan.positions(0)) == [9, 10]
+    fence = s.last_committed_fence + 1
+    s.commit(plan, fence)
+    done = s.complete(fence, _records(plan, [5], accepted=[(9,)]), 1000, 11)
+    assert done.emitted == [(h, 9), (h, 5)]
+    assert s.request(h).spec_cap == 2  # all kept: twice as many next time
+    # ... 7 8 9 5: "7 8 9 5" occurs at 3, followed by 6 7
+    plan = s.plan(12)
+    assert list(plan.tokens(0)) == [5, 6, 7] and plan.token_capacity == 3
+    fence = s.last_committed_fence + 1
+    s.commit(plan, fence)
+    done = s.complete(fence, _records(plan, [42], accepted=[(6,)]), 1000, 13)
+    assert done.emitted == [(h, 6), (h, 42)]
+    r = s.request(h)
+    assert r.num_computed_tokens == r.num_scheduled_tokens == 13  # 9 prompt, then 8 9, then 5 6
+    assert r.num_generated_tokens == r.num_scheduled_samples == 5
+    assert list(r.output_tokens) == [8, 9, 5, 6, 42]
+    assert s.counters["speculative_drafted"] == 3 and s.counters["speculative_accepted"] == 2
+    assert s.counters["speculative_rounds"] == 2 and s.counters["generation_rounds"] == 2
+    # the next step feeds the step's own token from the position after the kept drafts
+    plan = s.plan(14)
+    assert plan.token_starts[0] == 13 and plan.tokens(0)[0] == 42
+    s.check_integrity()
+
+
+def test_drafts_stop_at_the_output_limit_and_need_speculate_and_a_match():
+    s = _scheduler(spec=8)
+    h = _prefill(s, [3, 4, 3, 4, 3], first_token=4, max_tokens=3)
+    plan = s.plan(10)
+    # two more outputs allowed: one draft and the step's own token
+    assert plan.kind == GraphKind.SPECULATIVE and plan.num_tokens[0] == 2
+    fence = s.last_committed_fence + 1
+    s.commit(plan, fence)
+    done = s.complete(fence, _records(plan, [3], accepted=[(3,)]), 1000, 11)
+    assert done.emitted == [(h, 3), (h, 3)] and done.finished == [h]
+
+    s = _scheduler(spec=4)
+    _prefill(s, [3, 4, 3, 4, 3], first_token=4, speculate=False)
+    assert s.plan(10).kind == GraphKind.DECODE  # not admitted for speculation
+    s = _scheduler(spec=4)
+    _prefill(s, [1, 2, 3, 4, 5], first_token=6)
+    assert s.plan(10).kind == GraphKind.DECODE  # nothing to look up
+    s = _scheduler(spec=0)
+    _prefill(s, [3, 4, 3, 4, 3], first_token=4)
+    assert s.plan(10).kind == GraphKind.DECODE  # off
+
+
+def test_a_request_whose_drafts_fail_drafts_less_then_rests():
+    """One draft first; kept all: the cap doubles (1 -> 2 -> 4, the most); kept none: it halves (4 -> 2 -> 1 -> 0),
+    then SPECULATIVE_COOLDOWN plain rounds, then one draft again."""
+    from flared._fast.scheduler import SPECULATIVE_COOLDOWN
+
+    s = _scheduler(spec=4)
+    h = _prefill(s, [3, 4] * 10, first_token=3, max_tokens=100)
+    now = 10
+
+    def step(accept_all: bool):
+        nonlocal now
+        plan = s.plan(now)
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        drafts = tuple(int(t) for t in plan.tokens(0)[1:])
+        kept = drafts if accept_all else ()
+        token = 4 if (s.request(h).output_tokens[-1] if not kept else kept[-1]) == 3 else 3  # keep "3 4" going
+        records = _records(plan, [token], accepted=[kept]) if plan.kind == GraphKind.SPECULATIVE else \
+            _records(plan, [token])
+        s.complete(fence, records, 1000, now)
+        now += 1
+        return len(drafts)
+
+    assert [step(True) for _ in range(4)] == [1, 2, 4, 4]
+    assert [step(False) for _ in range(3)] == [4, 2, 1]
+    assert s.request(h).spec_cap == 0
+    assert [step(False) for _ in range(SPECULATIVE_COOLDOWN)] == [0] * SPECULATIVE_COOLDOWN
+    assert [step(True) for _ in range(4)] == [1, 2, 4, 4]
+
+
+def test_bad_speculative_records_are_refused_before_anything_changes():
+    s = _scheduler(spec=3)
+    h = _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
+    plan = s.plan(10)
+    fence = s.last_committed_fence + 1
+    s.commit(plan, fence)
+    with pytest.raises(ExecutionError, match="no accepted drafts"):
+        s.complete(fence, _records(plan, [42]), 1000, 11)
+    with pytest.raises(ExecutionError, match="drafts kept"):
+        s.complete(fence, _records(plan, [42], accepted=[(9, 5)]), 1000, 11)
+    bad = _records(plan, [42], accepted=[(9,)])._replace(consumed_tokens=np.asarray([13], dtype=np.int64))
+    with pytest.raises(ExecutionError, match="consumed 13"):
+        s.complete(fence, bad, 1000, 11)
+    assert s.request(h).num_generated_tokens == 1 and len(s.request(h).output_tokens) == 1
+    done = s.complete(fence, _records(plan, [42], accepted=[()]), 1000, 11)  # no draft kept: one token, as decode
+    assert done.emitted == [(h, 42)] and s.request(h).num_computed_tokens == 10
+
+
+def test_config_bounds():
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        _scheduler(spec=17)
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        _scheduler(spec=2, prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+def _drive(tiny_hf_llama, spec, prompts, params):
+    from flared.execution.eager import EagerExecutor
+    from flared.execution.offline import drive
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    src = read_source(tiny_hf_llama)
+    model = DecoderModel(src.config, src.tensors, dtype=torch.float32, device="cpu", max_positions=256)
+    s = _scheduler(spec=spec)
+    ex = EagerExecutor(model, num_pages=64, page_tokens=16, num_state_rows=5, num_snapshots=16,
+                       vocab_size=src.config.vocab_size, max_live=4)
+    return drive(s, ex, prompts, params, speculate=True), s
+
+
+def test_speculative_steps_give_the_tokens_of_plain_decoding(tiny_hf_llama):
+    """A repetitive prompt (drafts found and kept), a plain one and a seeded sampled request (never speculated,
+    riding in the speculative steps as in a decode step): every token as without speculation, in fewer steps."""
+    from flared.model.sampling import SamplingParams
+
+    prompts = [[11, 12, 13, 14, 15, 16] * 8, list(range(20, 70)), [7, 8, 9]]
+    params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=30),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=25)]
+    plain, _ = _drive(tiny_hf_llama, 0, prompts, params)
+    fast, s = _drive(tiny_hf_llama, 4, prompts, params)
+    assert fast.tokens == plain.tokens
+    assert [len(t) for t in fast.tokens] == [40, 30, 25]
+    assert fast.steps_by_kind["SPECULATIVE"] > 0 and s.counters["speculative_accepted"] > 0
+    decode_steps = lambda r: r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"]  # noqa: E731
+    assert decode_steps(fast) < decode_steps(plain)
+
+
+def test_the_model_thread_speculates_for_greedy_requests(tiny_core):
+    """ModelRuntime(speculative=...): greedy requests get the same tokens and stop strings/EOS as without; a request
+    with logprobs is never speculated (its logprobs come with every token)."""
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import FinishEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    prompt = tuple([40, 41, 42, 43, 44] * 10)
+    requests = [GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0), frozenset({2})),
+                GenerateRequest(prompt[:23], (), SamplingParams(max_tokens=16, temperature=0.0, logprobs=2),
+                                frozenset({2}))]
+
+    def serve(speculative):
+        rt = ModelRuntime(open_core(tiny_core), torch_threads=1, prefix_cache=False, speculative=speculative)
+        rt.start(max_pending=8)
+        try:
+            events = run_requests(rt, requests)
+            return events, dict(rt.scheduler.counters)
+        finally:
+            rt.stop()
+
+    plain, _ = serve((0, 4, 2))
+    fast, counters = serve((4, 4, 2))
+    for a, b in zip(plain, fast):
+        assert [t for e in a if isinstance(e, TokenEvent) for t in e.token_ids] == \
+            [t for e in b if isinstance(e, TokenEvent) for t in e.token_ids]
+        assert isinstance(b[-1], FinishEvent) and b[-1].reason == a[-1].reason
+    assert all(e.logprobs is not None for e in fast[1] if isinstance(e, TokenEvent))
+    assert counters["launches_speculative"] > 0 and counters["speculative_accepted"] > 0
+
+
+def test_server_config_and_flags_name_bad_values():
+    from click.testing import CliRunner
+
+    from flared.cli.daemon import main
+    from flared.config import ConfigError, ServerConfig
+
+    assert ServerConfig(speculative_tokens=4).speculative_tokens == 4
+    with pytest.raises(ConfigError, match="speculative_tokens"):
+        ServerConfig(speculative_tokens=17)
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        ServerConfig(speculative_tokens=2, prompt_lookup_min=5)
+    out = CliRunner().invoke(main, ["run", "--speculative-tokens", "-1", "--no-admin-socket"])
+    assert out.exit_code == 2 and "speculative_tokens" in out.output

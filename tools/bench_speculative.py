@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Speculative decoding by prompt lookup on the CPU: greedy streams with ``--speculative-tokens`` drafts a step
+against the same streams without, in one run.
+
+The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 behind the scheduler and the eager executor
+(what ``flared run`` serves on a CPU). Three workloads of chat prompts (ChatML, the model's template):
+``quote`` asks it to repeat a passage (much of the answer is in the prompt), ``edit`` to fix a typo in a code
+snippet (some of it is), ``chat`` an open question (little of it is: the overhead). Each stream generates
+``--tokens`` tokens (EOS ignored, as a load generator's ignore_eos); tok/s = streams x tokens over the whole run,
+from admission to the last token (the prompts' prefill is the same work in both variants). Each figure is the best
+of ``--repeats``, the variants alternating. Also: the decode and speculative steps each variant took, the drafts fed
+and kept, and how many streams' tokens equal the plain run's (they should all: a speculative step's rows go
+through the same one-call decode step, tests/model/test_decode_kernel.py).
+
+    .venv/bin/python tools/bench_speculative.py [--draft 4] [--tokens 96] [--streams 1,8] [--repeats 3] [--json]
+
+Prints a table; with --json, one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lora_cpu import load_model  # noqa: E402  the embedded model in bf16, the one-call decode step
+
+PASSAGE = ("The lighthouse stood at the edge of the harbour for two hundred years. Every night its keeper climbed "
+           "the one hundred and twelve steps, trimmed the wick, polished the great lens and wound the clockwork "
+           "that turned it. Ships far out at sea saw the beam sweep the water once every ten seconds and knew "
+           "exactly where the rocks began.")
+CODE = ("def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+        "    return total / len(vales)\n\n\ndef variance(values):\n    m = mean(values)\n"
+        "    return sum((v - m) ** 2 for v in values) / len(values)\n")
+WORKLOADS = {
+    "quote": "Repeat the following text exactly, word for word:\n\n" + PASSAGE,
+    "edit": "Fix the typo in this Python code and return the whole corrected code:\n\n" + CODE,
+    "chat": "What are three good habits for staying healthy? Explain each one briefly.",
+}
+
+
+def tokenizer():
+    from tokenizers import Tokenizer
+
+    from flared.cli.ctl import default_cache_dir
+    from flared.core.default import ensure_default_core
+
+    core = Path(ensure_default_core(default_cache_dir(), "bfloat16"))
+    return Tokenizer.from_file(str(core / "tokenizer.json"))
+
+
+def chat_prompt(tok, text: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
+
+
+def run(model, prompts, tokens: int, draft: int) -> dict:
+    from flared.execution.eager import EagerExecutor
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    n = len(prompts)
+    pages = n * 1024 // 16
+    sched = RequestScheduler(SchedulerConfig(
+        model_identity=hashlib.sha256(b"bench-spec").digest(), max_live_requests=n, num_pages=pages,
+        num_snapshots=4 * n, page_tokens=16, context_capacity=1024, prefill_chunk_size=512,
+        speculative_tokens=draft), PolicyConfig())
+    ex = EagerExecutor(model, num_pages=pages, page_tokens=16, num_state_rows=n + 1, num_snapshots=4 * n,
+                       vocab_size=model.config.vocab_size, max_live=n)
+    params = [SamplingParams(temperature=0.0, max_tokens=tokens)] * n
+    r = drive(sched, ex, prompts, params, speculate=True)
+    return {"tok_s": n * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
+            "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
+            "speculative_steps": r.steps_by_kind["SPECULATIVE"],
+            "drafted": sched.counters["speculative_drafted"], "accepted": sched.counters["speculative_accepted"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", type=int, default=4, help="speculative_tokens")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    model = load_model()
+    tok = tokenizer()
+    out = {"draft": args.draft, "tokens": args.tokens, "threads": torch.get_num_threads()}
+    print(f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'steps':>11} "
+          f"{'kept/fed':>11} {'same':>6}")
+    for name in args.workloads.split(","):
+        for streams in (int(s) for s in args.streams.split(",")):
+            prompts = [chat_prompt(tok, WORKLOADS[name])] * streams
+            run(model, prompts, 8, args.draft)  # warm both paths
+            best: dict[str, dict] = {}
+            for _ in range(args.repeats):
+                for variant, draft in (("plain", 0), ("spec", args.draft)):
+                    started = time.perf_counter()
+                    got = run(model, prompts, args.tokens, draft)
+                    got["wall_s"] = time.perf_counter() - started
+                    if variant not in best or got["tok_s"] > best[variant]["tok_s"]:
+                        best[variant] = got
+            plain, spec = best["plain"], best["spec"]
+            same = sum(a == b for a, b in zip(plain["tokens"], spec["tokens"]))
+            ratio = spec["tok_s"] / plain["tok_s"]
+            print(f"{name:8} {streams:>7} {plain['tok_s']:12.1f} {spec['tok_s']:11.1f} {ratio:6.2f} "
+                  f"{plain['steps']:>5} -> {spec['steps']:<3} {spec['accepted']:>5}/{spec['drafted']:<5} "
+                  f"{same:>3}/{streams}", flush=True)
+            out[f"{name}|{streams}"] = {"plain_tok_s": round(plain["tok_s"], 1), "spec_tok_s": round(spec["tok_s"], 1),
+                                        "ratio": round(ratio, 3), "plain_steps": plain["steps"],
+                                        "spec_steps": spec["steps"], "drafted": spec["drafted"],
+                                        "accepted": spec["accepted"], "same_tokens": same}
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
