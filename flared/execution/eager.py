@@ -111,25 +111,11 @@ class EagerExecutor:
     def _forward(self, plan, block_tables, states, rows, sampled, logprobs, scoring, scores) -> None:
         """``scoring``: (participant, first position it scores), as scored_participants gives them."""
         n = plan.num_participants
-        chunks = []
-        for i in range(n):
-            tokens = np.asarray(plan.tokens(i), dtype=np.int64)
-            if (tokens < 0).any():
-                tokens = tokens.copy()
-                tokens[tokens < 0] = self.state_last_token[rows[i]]
-                if (tokens < 0).any():
-                    raise ExecutionError(f"plan {plan.plan_id}: participant {i} has no previous token to feed")
-            chunks.append(SequenceChunk(tokens, int(plan.token_starts[i]), block_tables[i], needs_logits=True))
+        chunks = [SequenceChunk(self._fed_tokens(plan, i, rows), int(plan.token_starts[i]), block_tables[i],
+                                needs_logits=True) for i in range(n)]
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
-        adapters = [s.lora if s is not None else 0 for s in states]
-        if any(adapters):  # per-request LoRA: each adapter's token rows (the chunks' rows are in order)
-            bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])
-            for adapter in sorted(set(adapters) - {0}):
-                token_rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in range(n)
-                                             if adapters[i] == adapter])
-                batch.lora_groups.append((adapter, torch.as_tensor(token_rows, dtype=torch.int64,
-                                                                   device=self.model.device)))
+        self._group_lora_rows(batch, states, np.cumsum([0] + [len(c.token_ids) for c in chunks]))
         if not scoring:
             logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
         else:
@@ -140,6 +126,27 @@ class EagerExecutor:
             self._sample(logits.index_select(0, torch.as_tensor(sample_idx)), sample_idx, rows, states,
                          sampled, logprobs)
 
+    def _fed_tokens(self, plan, i: int, rows) -> np.ndarray:
+        """Participant i's tokens to feed: the plan's, a -1 (its state row's last sampled token, not yet known
+        when the plan was made) replaced from ``state_last_token``."""
+        tokens = np.asarray(plan.tokens(i), dtype=np.int64)
+        if (tokens < 0).any():
+            tokens = tokens.copy()
+            tokens[tokens < 0] = self.state_last_token[rows[i]]
+            if (tokens < 0).any():
+                raise ExecutionError(f"plan {plan.plan_id}: participant {i} has no previous token to feed")
+        return tokens
+
+    def _group_lora_rows(self, batch, states, bounds) -> None:
+        """Per-request LoRA: each adapter's token rows into ``batch.lora_groups``; participant i owns the batch's
+        rows bounds[i]..bounds[i + 1] (its rows are contiguous, in participant order)."""
+        adapters = [s.lora if s is not None else 0 for s in states]
+        for adapter in sorted(set(adapters) - {0}):
+            token_rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in range(len(adapters))
+                                         if adapters[i] == adapter])
+            batch.lora_groups.append((adapter, torch.as_tensor(token_rows, dtype=torch.int64,
+                                                               device=self.model.device)))
+
     def _speculate(self, plan, block_tables, states, rows, sampled, logprobs) -> CompletionRecords:
         """A speculative step: participant i feeds its last token and its drafts (plan.tokens(i)[1:]), each token a
         decode row of its own at its position (ForwardBatch.shared_sequences: the rows of one request see each
@@ -148,28 +155,14 @@ class EagerExecutor:
         draft) is the step's own token. Participants without drafts sample as in a decode step. The state row
         keeps the logits of its last kept position, as after a decode step there."""
         n = plan.num_participants
-        chunks = []
-        fed = []
-        for i in range(n):
-            tokens = np.asarray(plan.tokens(i), dtype=np.int64).copy()
-            if tokens[0] < 0:
-                tokens[0] = self.state_last_token[rows[i]]
-                if tokens[0] < 0:
-                    raise ExecutionError(f"plan {plan.plan_id}: participant {i} has no previous token to feed")
-            fed.append(tokens)
-            start = int(plan.token_starts[i])
-            chunks.extend(SequenceChunk(tokens[j:j + 1], start + j, block_tables[i], needs_logits=True)
-                          for j in range(tokens.shape[0]))
+        fed = [self._fed_tokens(plan, i, rows) for i in range(n)]
+        chunks = [SequenceChunk(tokens[j:j + 1], int(plan.token_starts[i]) + j, block_tables[i], needs_logits=True)
+                  for i, tokens in enumerate(fed) for j in range(tokens.shape[0])]
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
         batch.shared_sequences = True
         bounds = np.cumsum([0] + [t.shape[0] for t in fed])
-        adapters = [s.lora if s is not None else 0 for s in states]
-        for adapter in sorted(set(adapters) - {0}):
-            token_rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in range(n)
-                                         if adapters[i] == adapter])
-            batch.lora_groups.append((adapter, torch.as_tensor(token_rows, dtype=torch.int64,
-                                                               device=self.model.device)))
+        self._group_lora_rows(batch, states, bounds)
         logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]
         greedy = logits.argmax(dim=-1).tolist()  # SYNC: the step's one read-back
         kept: list[tuple[int, ...]] = []
@@ -189,13 +182,8 @@ class EagerExecutor:
             token = greedy[lo + a]
             sampled[i] = token
             self.state_last_token[rows[i]] = token
-            s = states[i]
-            if s is not None:  # what a draw per kept token would have advanced (the RNG counter, the history)
-                for t in drafts[:a].tolist() + [token]:
-                    if s.history is not None and s.history_len < s.history.numel():
-                        s.history[s.history_len] = t
-                        s.history_len += 1
-                    s.num_output_tokens += 1
+            if states[i] is not None:
+                self.sampler.advance(states[i], drafts[:a].tolist() + [token])
         last = logits.index_select(0, torch.as_tensor(last_rows, dtype=torch.int64, device=logits.device))
         self.state_logits.index_copy_(0, torch.as_tensor(rows), last.float())
         if plain:

@@ -652,6 +652,18 @@ class Sampler:
             s.num_output_tokens += 1
         return out
 
+    def advance(self, state: SequenceSamplingState, token_ids: list[int]) -> None:
+        """``state`` as ``sample`` leaves it after drawing ``token_ids`` one by one, for a row whose tokens were
+        chosen outside it as the logits' argmax (SamplingParams.argmax_only: no penalty tables, thinking budget,
+        grammar or log-probabilities to update): its history and its draw counter."""
+        if not state.params.argmax_only or state.grammar is not None:
+            raise ValueError("advance() serves argmax-only rows; sample() keeps every other row's state")
+        for token in token_ids:
+            if state.history is not None and state.history_len < state.history.numel():
+                state.history[state.history_len] = token
+                state.history_len += 1
+            state.num_output_tokens += 1
+
     def apply_bias_and_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """``logits`` after logit bias, then repetition/frequency/presence penalties: a copy, or the
         input itself when no row has any (the input is never modified). Greedy rows take their argmax
