@@ -7,7 +7,8 @@ transformers runs ``generate`` with its dynamic cache (the issue's compiled
 static-cache figures are quoted, not re-measured: compiling costs minutes of
 device time).
 
-    python tools/bench_gpu.py [--shapes 8b,135m] [--b64-only | --parity-only] [--ab-env NAME=VALUE] [--json]
+    python tools/bench_gpu.py [--shapes 8b,135m,mistral7b] [--b64-only | --b1-only | --parity-only]
+                              [--ab-env NAME=VALUE] [--json]
 
 The executors prefill in chunks of 2,048 tokens, up to 16 prompts a graph; FLARED_BENCH_PREFILL=TOKENS:SEQUENCES
 sets both (the chunk at most the 4,096-token context), also as an A/B through --ab-env.
@@ -36,6 +37,10 @@ SHAPES = {
                max_position_embeddings=131072, tie_word_embeddings=False,
                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Mistral-7B-v0.1's shape: a 4,096-token sliding window (the decode megakernel serves contexts inside it)
+    "mistral7b": dict(arch="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096, tie_word_embeddings=False),
     "135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                  num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, rms_norm_eps=1e-5,
                  max_position_embeddings=8192, tie_word_embeddings=True),
@@ -67,12 +72,15 @@ def default_dtype(dtype):
 
 
 def make_hf(shape: str, dtype: torch.dtype, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**SHAPES[shape], bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    fields = dict(SHAPES[shape])
+    config_cls, model_cls = ((MistralConfig, MistralForCausalLM) if fields.pop("arch", "llama") == "mistral"
+                             else (LlamaConfig, LlamaForCausalLM))
+    cfg = config_cls(**fields, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     with default_dtype(dtype), torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).eval()
+        model = model_cls(cfg).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -435,8 +443,9 @@ def streams64_ab(shape: str, model, agg: float, cal: dict, ab_env: str, rows: li
 
 
 def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tokens=256, prompt_len=128,
-                ab_mega=True, b64_only=False, ab_env=""):
-    """Every row for one shape; ``b64_only``: only the executor's and the 64 streams' (with their A/B)."""
+                ab_mega=True, b64_only=False, ab_env="", b1_only=False):
+    """Every row for one shape; ``b64_only``: only the executor's and the 64 streams' (with their A/B);
+    ``b1_only``: only the executor's and the single stream's."""
     if shape == "135m" and not b64_only:  # an 8B float32 copy is 32 GB and adds nothing
         fp32_parity(shape, rows, out, parity_tokens)
     hf = make_hf(shape, torch.bfloat16)
@@ -447,6 +456,9 @@ def bench_shape(shape: str, rows: list, out: dict, *, parity_tokens=128, new_tok
     sizes = dict(new_tokens=new_tokens, prompt_len=prompt_len)
     if not b64_only:
         single_stream(shape, hf, model, pair, rows, out, parity_tokens=parity_tokens, ab_mega=ab_mega, **sizes)
+    if b1_only:
+        pair[1].close()
+        return
     agg = streams64_rows(shape, hf, model, pair, rows, out, **sizes)
     if not b64_only:
         one_seq_prefill_and_ttft(shape, hf, model, pair, agg, rows, out, **sizes)
@@ -494,6 +506,8 @@ def main(argv=None) -> int:
                          "(tools/probe_prefill_attention.py's variants)")
     ap.add_argument("--b64-only", action="store_true",
                     help="only the 64-stream rows (and their A/B): no parity, batch-1 or TTFT rows")
+    ap.add_argument("--b1-only", action="store_true",
+                    help="only the executor's and the single stream's rows (with the megakernel A/B)")
     ap.add_argument("--parity-only", action="store_true",
                     help="only the float32 greedy-token parity rows, for every shape given (8B: against transformers)")
     ap.add_argument("--ab-env", default="",
@@ -520,7 +534,7 @@ def main(argv=None) -> int:
             if args.parity_only:
                 fp32_parity(shape, rows, out, 128, cpu=shape != "8b")
                 continue
-            bench_shape(shape, rows, out, b64_only=args.b64_only, ab_env=args.ab_env)
+            bench_shape(shape, rows, out, b64_only=args.b64_only, ab_env=args.ab_env, b1_only=args.b1_only)
         except Exception as exc:  # noqa: BLE001 - report the failure in the table, keep the other shape
             import traceback
 

@@ -15,7 +15,8 @@ NO_GROUPS = {"RES_SPLIT": 1 << 30, "RES_SPLIT4": 0}
 
 
 def _hf(kind, seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
     common = dict(vocab_size=512, num_hidden_layers=3, max_position_embeddings=1024, tie_word_embeddings=False,
@@ -44,6 +45,10 @@ def _hf(kind, seed=0):
         cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1,
                           **common)
         return LlamaForCausalLM(cfg)
+    if kind == "mistral":  # a 48-token sliding window: the megakernel serves contexts inside it
+        cfg = MistralConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                            sliding_window=48, **common)
+        return MistralForCausalLM(cfg)
     cfg = Qwen2Config(hidden_size=384, intermediate_size=768, num_attention_heads=6, num_key_value_heads=2, **common)
     return Qwen2ForCausalLM(cfg)  # QKV bias, head_dim 64, GQA 3:1
 
@@ -93,7 +98,7 @@ def _step(dec, batch, mega):
     dec.skinny_max_rows = 0
     dec.mega_max_rows = batch if mega else 0
     k0, v0 = dec.k_pool.clone(), dec.v_pool.clone()
-    dec.decode(batch, False)
+    dec.decode(batch, False, mega=mega)
     torch.cuda.synchronize()
     result = dec.logits[:batch].clone(), dec.k_pool.clone(), dec.v_pool.clone()
     dec.k_pool.copy_(k0)
@@ -113,6 +118,7 @@ def _step(dec, batch, mega):
     ("smollm", [255, 3]),
     ("smollm", [600]),
     ("qwen2", [300, 17, 129, 1, 0, 2, 999, 48]),
+    ("mistral", [48, 9, 0, 1]),  # every context inside the window (the longest fills it)
 ])
 def test_megakernel_matches_the_fused_path(kind, contexts):
     from flared.model.kernels import megakernel
@@ -406,3 +412,46 @@ def test_staged_o_rows_change_no_bit(kind, context, groups):
     build without it bit for bit, launch after launch (beside fours at 300, a pair at 200); past the resident keys
     (700 without groups) the blocks without an attention piece do."""
     _same_bits_as(kind, context, reference={"STAGE_O": 0, **groups}, build=groups)
+
+
+def test_a_window_model_runs_the_megakernel_while_contexts_fit_the_window(monkeypatch):
+    """A sliding-window model (Mistral, window 48): the megakernel has no window, so the decoder caps its contexts
+    at the window and the executor takes its graphs only while every context is inside it; the plain graphs
+    (windowed Triton attention) after that. Greedy output is repeatable, and the first token (the prefill's)
+    is the megakernel-free executor's."""
+    from gpu_models import make_executor, make_scheduler
+
+    from flared.execution.offline import drive
+    from flared.model.kernels import megakernel
+    from flared.model.sampling import SamplingParams
+
+    model = _serving(_hf("mistral").eval().to(device="cuda", dtype=torch.bfloat16), torch.bfloat16)
+    assert model.config.sliding_window == 48 and megakernel.unsupported(model) is None
+    p = SamplingParams(max_tokens=24, temperature=0.0)
+    prompt = [list(range(5, 40))]  # 35 tokens + 24 new: contexts 36..59 cross the window
+    monkeypatch.setenv("FLARED_MEGAKERNEL", "0")
+    ex = make_executor(model)
+    try:
+        plain = drive(make_scheduler(), ex, prompt, [p]).tokens
+    finally:
+        ex.close()
+    monkeypatch.setenv("FLARED_MEGAKERNEL", "1")
+    ex = make_executor(model)
+    try:
+        assert ex.decoder.window == 48 and ex.decoder.mega_max_context == 48 and ex.decoder.mega_max_rows == 4
+        picked = []
+        real = ex.graphs.pick_decode
+
+        def record(rows, full, longest, adapters=False):
+            key = real(rows, full, longest, adapters=adapters)
+            picked.append((longest, key[0]))
+            return key
+
+        monkeypatch.setattr(ex.graphs, "pick_decode", record)
+        first = drive(make_scheduler(), ex, prompt, [p]).tokens
+        again = drive(make_scheduler(), ex, prompt, [p]).tokens
+    finally:
+        ex.close()
+    assert first == again and len(first[0]) == 24 and first[0][0] == plain[0][0]
+    assert all(kind == ("decode_mega" if longest <= 48 else "decode") for longest, kind in picked)
+    assert {kind for _, kind in picked} == {"decode", "decode_mega"}

@@ -9,9 +9,10 @@ registers (the kernel source says how the work is split and rounded).
 
 It is compiled with NVRTC through CuPy, once per (model shape, row count), with the shapes as
 compile-time constants. It serves bfloat16 Llama-family decoders (the rotary tables already carry any
-rope scaling) with head dims 64 or 128, no q/k norm and no sliding window (``unsupported`` says why
-not otherwise). It can gather the rows' embeddings itself (``tokens``) and, compiled with
-``head=True``, run the LM head and greedy argmax too (``HEAD_INSIDE``: by default).
+rope scaling) with head dims 64 or 128 and no q/k norm (``unsupported`` says why not otherwise). It has
+no sliding window: a window model's steps run it only while every context is inside the window. It can
+gather the rows' embeddings itself (``tokens``) and, compiled with ``head=True``, run the LM head and
+greedy argmax too (``HEAD_INSIDE``: by default).
 ``PagedCudaDecoder.calibrate`` times it against the other decode paths and keeps it only where it is
 faster.
 """
@@ -100,8 +101,6 @@ def unsupported(model) -> str | None:
         return f"dtype {model.dtype} (bfloat16 only)"
     if c.qk_norm:
         return "q/k norm"
-    if c.sliding_window is not None:
-        return "sliding window"
     if c.head_dim not in (64, 128):
         return f"head_dim {c.head_dim} (64 or 128)"
     if c.num_heads % c.num_kv_heads:

@@ -95,7 +95,8 @@ class PagedCudaDecoder:
         self.model = model
         self.config = c
         # A sliding window's keys (Mistral): the Triton attention kernels see only the last ``window`` keys of a
-        # query; 0 without one. The megakernel and the CUDA attention have no window and stay off for such models.
+        # query; 0 without one. The megakernel has no window: it serves such a model's steps while every context is
+        # inside the window (mega_max_context below). The CUDA attention stays off for them.
         self.window = c.sliding_window or 0
         self.inputs = inputs
         # Decode steps read their own views (GraphSet: the decode spans, one upload per step); else ``inputs``.
@@ -161,6 +162,8 @@ class PagedCudaDecoder:
         # Steps whose longest context is longer run the plain graphs (GraphSet.pick_decode): the megakernel's
         # attention is one block per (row, head), the split kernels spread long contexts wider.
         self.mega_max_context = int(os.environ.get("FLARED_MEGAKERNEL_MAX_CONTEXT", megakernel.MAX_CONTEXT))
+        if self.window:  # a query at p with p + 1 <= window sees every key: the window masks nothing yet
+            self.mega_max_context = min(self.mega_max_context, self.window)
         # The LM head, logits writes and greedy argmax inside the megakernel too (megakernel.HEAD_INSIDE);
         # FLARED_MEGAKERNEL_HEAD=0/1 pins it.
         pinned_head = os.environ.get("FLARED_MEGAKERNEL_HEAD")
@@ -369,8 +372,8 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         context_lens = s.context_lens[:batch]
 
-        if mega is None:
-            mega = batch <= self.mega_max_rows and not adapters
+        if mega is None:  # (a window model's contexts are not known here: GraphSet.pick_decode checks them)
+            mega = batch <= self.mega_max_rows and not adapters and not self.window
         if mega and adapters:
             raise ValueError("the megakernel has no place for LoRA adapter terms")
         tokens, positions, slots = s.token_ids[:batch], s.positions[:batch], s.slot_ids[:batch]
