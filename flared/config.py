@@ -92,11 +92,16 @@ class ServerConfig:
     # --lora-scaled: each (path, scale). In TOML a list of paths or [path, scale] pairs.
     lora_adapters: tuple[tuple[str, float], ...] = ()
     # Per-request LoRA adapters (vLLM's --lora-modules): each (name, path) is served as a model of that name,
-    # run beside the base weights for the requests that name it (CPU backend). In TOML a table name = path.
+    # run beside the base weights for the requests that name it (CPU and CUDA backends). In TOML a table name = path.
     lora_modules: tuple[tuple[str, str], ...] = ()
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove
     # per-request adapters while serving (a client then names files this server reads); off: those routes are 400.
     runtime_lora_updating: bool = False
+    # With runtime_lora_updating on the CUDA graph executor (vLLM's --max-loras / --max-lora-rank): the graphs are
+    # captured with room for this many per-request adapters at once (--lora-modules included), each of rank up
+    # to max_lora_rank. The room is GPU memory whether used or not (docs/gpu.md). The CPU backend has no such limit.
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # Speculative decoding by prompt lookup (vLLM's ngram method; CPU backend): up to this many draft tokens a step
     # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred
     # before in their prompt and output. 0 = off.
@@ -133,6 +138,9 @@ class ServerConfig:
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
         need(isinstance(self.runtime_lora_updating, bool), "runtime_lora_updating", "must be true or false")
+        for key, most in (("max_loras", 256), ("max_lora_rank", 1024)):
+            v = getattr(self, key)
+            need(_is_int(v) and 1 <= v <= most, key, f"must be an integer in 1..{most}")
         from flared.scheduler.config import MAX_SPECULATIVE_TOKENS
 
         need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,

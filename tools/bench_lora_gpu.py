@@ -13,11 +13,17 @@ product of every layer (q and v of qkv, o, gate and up, down), stacked for the g
   products still run);
 - ``adapter rows``: the same executor, every stream under the adapter.
 
+With ``--slots N`` two more: the executor the daemon builds with --allow-runtime-lora-updating --max-loras N
+--max-lora-rank RANK (N empty slots in every product of every layer, StackedLora's slots), the adapter written
+into one after capture (GraphExecutor.install_lora, as POST /v1/load_lora_adapter does): ``slots, base rows``
+and ``slots, adapter rows`` (what the room for adapters loaded while serving costs).
+
 tok/s = streams x tokens over the whole run (prefill included), best of ``--repeats``, the variants alternating.
 "tokens = no adapters" counts the streams whose tokens equal the first variant's: base rows on the adapter
 executor run other kernels (bf16 near-ties may part them), adapter rows must differ.
 
-    python3 tools/bench_lora_gpu.py [--shapes 135m,8b] [--rank 16] [--streams 1,64] [--tokens 256] [--json]
+    python3 tools/bench_lora_gpu.py [--shapes 135m,8b] [--rank 16] [--streams 1,64] [--tokens 256] [--slots 4]
+                                    [--json]
 
 CUDA only. Prints a table; with --json, one JSON object as the last line.
 """
@@ -61,6 +67,14 @@ def bench_shape(shape: str, args, rows: list, out: dict) -> None:
              "with": graph_executor(model, concurrency, lora=stacked)}
     variants = (("no adapters", "no adapters", 0), ("adapter loaded, base rows", "with", 0),
                 ("adapter rows", "with", 1))
+    if args.slots:
+        room = StackedLora(model.config, [], dtype=torch.bfloat16, device=model.device, slots=args.slots,
+                           slot_width=3 * args.rank)
+        pairs["slots"] = graph_executor(model, concurrency, lora=room)
+        pairs["slots"][1].install_lora(factors, 1)
+        torch.cuda.synchronize()
+        out[f"{shape}_slots_mb"] = round(room.nbytes / 1e6, 1)
+        variants += (("slots, base rows", "slots", 0), ("slots, adapter rows", "slots", 1))
     vocab = SHAPES[shape]["vocab_size"]
     try:
         for streams in args.streams:
@@ -93,11 +107,13 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=0, help="also the executor with this many adapter slots")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
     rows: list = []
-    out = {"device": torch.cuda.get_device_name(), "rank": args.rank, "prompt": args.prompt, "tokens": args.tokens}
+    out = {"device": torch.cuda.get_device_name(), "rank": args.rank, "prompt": args.prompt, "tokens": args.tokens,
+           "slots": args.slots}
     print(f"{'shape':6} {'streams':>7}  {'variant':28} {'tok/s':>10} {'vs none':>8}  tokens = no adapters")
     for shape in args.shapes.split(","):
         rows.clear()

@@ -104,6 +104,11 @@ def main() -> None:
 @_lora_options
 @click.option("--allow-runtime-lora-updating", is_flag=True, default=False,
               help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added while serving).")
+@click.option("--max-loras", type=int, default=None,
+              help="With --allow-runtime-lora-updating on a GPU: adapters the CUDA graphs hold at once (default 4).")
+@click.option("--max-lora-rank", type=int, default=None,
+              help="With --allow-runtime-lora-updating on a GPU: the largest adapter rank loaded while serving "
+                   "(default 16).")
 @click.option("--speculative-tokens", type=int, default=None,
               help="Speculative decoding by prompt lookup (CPU backend): up to N draft tokens a step for greedy "
                    "requests, copied from earlier in their prompt and output (default 0: off).")
@@ -114,8 +119,8 @@ def main() -> None:
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
-        no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, speculative_tokens, prompt_lookup_max,
-        prompt_lookup_min, debug_fail_after_steps):
+        no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
+        speculative_tokens, prompt_lookup_max, prompt_lookup_min, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -127,7 +132,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             log_level=log_level, log_format=log_format, admin_socket=admin_socket,
             chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max,
-            prompt_lookup_min=prompt_lookup_min).items() if v is not None}
+            prompt_lookup_min=prompt_lookup_min, max_loras=max_loras,
+            max_lora_rank=max_lora_rank).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if allowed_origins is not None:

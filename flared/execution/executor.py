@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
-from flared.errors import ErrorKind, ExecutionError
+from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
                                      pack_prefill)
@@ -427,6 +427,33 @@ class GraphExecutor:
             pending.logprob_out = ([chosen[k] for k, _, _ in want],
                                    [top_v[k] for k, _, _ in want] if top_v else None,
                                    [top_i[k] for k, _, _ in want] if top_i else None)
+
+    # -- per-request LoRA adapters loaded while serving -----------------------------------------------
+
+    def install_lora(self, factors: dict, index: int) -> int:
+        """Write adapter ``index`` (lora.lora_factors' factors) into a free slot of the graphs' stack
+        (StackedLora.install) on the model stream, behind the steps in flight; returns the slot. AdmissionError
+        (503) when every slot holds an adapter."""
+        stack = self.decoder.lora
+        if stack is None or stack.slots is None:
+            raise AdmissionError("this executor's graphs were captured without LoRA slots (start the server with "
+                                 "--allow-runtime-lora-updating)", ErrorKind.UNSUPPORTED)
+        slot = stack.free_slot()
+        if slot is None:
+            raise AdmissionError(f"all {stack.slots} LoRA adapter slots hold adapters: unload one (its slot frees "
+                                 "once its last request ends) or start with a larger --max-loras",
+                                 ErrorKind.MODEL_CAPACITY)
+        with torch.cuda.stream(self.model_stream):
+            stack.install(slot, factors, index)
+        return slot
+
+    def release_lora(self, index: int) -> None:
+        """Adapter ``index``'s slot (if it has one) belongs to no adapter from the next step on."""
+        stack = self.decoder.lora
+        slot = stack.slot_of(index) if stack is not None else None
+        if slot is not None:
+            with torch.cuda.stream(self.model_stream):
+                stack.release(slot)
 
     # -- shutdown ----------------------------------------------------------------------------------
 

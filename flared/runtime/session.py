@@ -164,6 +164,8 @@ class LoadedSession:
         runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
                                fail_after_steps=fail_after_steps, lora_adapters=config.lora_adapters,
                                lora_modules=config.lora_modules,
+                               lora_slots=config.max_loras if config.runtime_lora_updating else None,
+                               max_lora_rank=config.max_lora_rank,
                                speculative=(config.speculative_tokens, config.prompt_lookup_max,
                                             config.prompt_lookup_min),
                                **_policy_kwargs(config))

@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from flared.errors import AdmissionError, ErrorKind, ExecutionError, FlareError
+from flared.errors import AdmissionError, CoreError, ErrorKind, ExecutionError, FlareError
 from flared.runtime.request import (
     ErrorEvent, EventSink, FinishEvent, GenerateRequest, ScoredEvent, TokenEvent, as_error,
 )
@@ -58,6 +58,8 @@ log = logging.getLogger("flared.runtime")
 IDLE_WAIT_S = 0.5
 # /health fails when the loop has not turned for this long (a wedged step).
 STALL_LIMIT_S = 60.0
+# How long POST /v1/load_lora_adapter waits for the model thread to write an adapter into the CUDA graphs' slots.
+LORA_INSTALL_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass
@@ -93,6 +95,26 @@ class ModelJob:
 
     def result(self):
         raise NotImplementedError
+
+
+@dataclasses.dataclass
+class _LoraInstall(ModelJob):
+    """A per-request LoRA adapter loaded while serving on the CUDA graph executor: the model thread writes its
+    factors into a free slot between steps (ModelRuntime._install_lora); the result is its ``lora`` index."""
+    runtime: object  # ModelRuntime
+    name: str
+    path: str
+    factors: dict
+    ident: bytes
+    done: object
+    index: int = 0
+
+    def step(self, model, budget: int, stats) -> bool:
+        self.index = self.runtime._install_lora(self.name, self.path, self.factors, self.ident)
+        return True
+
+    def result(self):
+        return self.index
 
 
 @dataclasses.dataclass
@@ -190,7 +212,7 @@ def cuda_backend_available(dtype) -> bool:
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
-                 lora_modules=(), speculative=(0, 4, 2)):
+                 lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16):
         self.core = core
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
         # The eager executor verifies drafts; the CUDA graph executor has no speculative graphs, so it stays off there.
@@ -203,6 +225,11 @@ class ModelRuntime:
         self.lora_modules = tuple(lora_modules)
         self._lora_ids: list[bytes] = []
         self._lora_dropping: set[int] = set()  # unloaded adapters whose factors go once no request holds them
+        # Adapters loaded while serving on the CUDA graph executor (vLLM's --max-loras / --max-lora-rank): the
+        # graphs are captured with this many adapter slots, each for ranks up to max_lora_rank (StackedLora's
+        # slots). None: the graphs hold the start adapters only, and loading more while serving is refused there.
+        self.lora_slots = lora_slots
+        self.max_lora_rank = max_lora_rank
         self._weight_shapes: dict = {}  # serving tensor name -> a meta tensor of its shape (adapters loaded later)
         # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
         # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
@@ -290,14 +317,17 @@ class ModelRuntime:
             model.add_lora_module({} if use_cuda else f)
             self._lora_ids.append(ident)
         stacked = None
-        if factors and use_cuda:
+        if (factors or self.lora_slots) and use_cuda:
             # The CUDA graphs run every adapter at once, its factors stacked per product (kernels/lora_rows.py);
-            # a row's lora_ids input picks its adapter's columns.
+            # a row's lora_ids input picks its adapter's columns. With slots, every product of every layer has
+            # room for lora_slots adapters (a fused qkv stacks q, k and v: three times the rank).
             from flared.model.kernels.lora_rows import StackedLora
 
-            stacked = StackedLora(self.core.config, [f for f, _ in factors], dtype=dtype, device=model.device)
-            log.info("per-request LoRA adapters stacked for the CUDA graphs: %d columns, %.1f MB", stacked.rank,
-                     stacked.nbytes / 1e6)
+            slots = None if self.lora_slots is None else max(self.lora_slots, len(factors))
+            stacked = StackedLora(self.core.config, [f for f, _ in factors], dtype=dtype, device=model.device,
+                                  slots=slots, slot_width=3 * self.max_lora_rank if slots else None)
+            log.info("per-request LoRA adapters stacked for the CUDA graphs: %d columns%s, %.1f MB", stacked.rank,
+                     f" ({slots} slots)" if slots else "", stacked.nbytes / 1e6)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
         if use_cuda:
@@ -351,16 +381,62 @@ class ModelRuntime:
 
     def add_lora_module(self, name: str, path: str) -> int:
         """Load a per-request adapter while serving (POST /v1/load_lora_adapter); returns its ``lora`` index.
-        The files are read on the caller's thread; CoreError for an adapter that does not fit the model."""
-        if self.model is None or self.model.device.type != "cpu":
-            raise AdmissionError("loading a per-request LoRA adapter while serving runs on the CPU backend only: the "
-                                 "CUDA graphs take their adapters at start (--lora-modules)", ErrorKind.UNSUPPORTED)
+        The files are read on the caller's thread; CoreError for an adapter that does not fit the model. On the
+        CUDA graph executor the model thread writes it into a free slot of the graphs' stack between steps
+        (the caller waits for that); AdmissionError when there are no slots or none is free."""
+        if self.model is None:
+            raise AdmissionError("the model is not loaded", ErrorKind.UNAVAILABLE)
+        if self.model.device.type != "cpu":
+            return self._add_lora_on_gpu(name, path)
         factors, ident = self._lora_factors(path)
         with self._lock:
             index = self.model.add_lora_module(factors)
             self._lora_ids.append(ident)
             self.lora_modules = self.lora_modules + ((name, path),)
         log.info("per-request LoRA adapter %s loaded (%s) as adapter %d", name, path, index)
+        return index
+
+    def _add_lora_on_gpu(self, name: str, path: str) -> int:
+        from flared.model.kernels.lora_rows import stacked_width
+
+        stack = getattr(self.executor, "decoder", None) and self.executor.decoder.lora
+        if not stack or stack.slots is None:
+            raise AdmissionError("loading a per-request LoRA adapter while serving needs adapter slots in the CUDA "
+                                 "graphs: start the server with --allow-runtime-lora-updating (--max-loras slots)",
+                                 ErrorKind.UNSUPPORTED)
+        factors, ident = self._lora_factors(path)
+        rank = max((A.shape[0] for parts in factors.values() for _, _, A, _ in parts), default=0)
+        if stacked_width(factors) > stack.slot_width:
+            raise CoreError(f"{path}: the adapter's rank {rank} is over the slots' {stack.slot_width // 3} (start "
+                            "the server with a larger --max-lora-rank)", ErrorKind.VALIDATION)
+        finished = threading.Event()
+        outcome: list = []
+
+        def done(result, error) -> None:
+            outcome.append((result, error))
+            finished.set()
+
+        self.submit_job(_LoraInstall(self, name, path, factors, ident, done))
+        if not finished.wait(LORA_INSTALL_TIMEOUT_S):
+            raise AdmissionError(f"loading LoRA adapter {name!r} did not finish in {LORA_INSTALL_TIMEOUT_S:g} s",
+                                 ErrorKind.UNAVAILABLE)
+        index, error = outcome[0]
+        if error is not None:
+            raise error
+        log.info("per-request LoRA adapter %s loaded (%s) as adapter %d, slot %d", name, path, index,
+                 stack.slot_of(index))
+        return index
+
+    def _install_lora(self, name: str, path: str, factors: dict, ident: bytes) -> int:
+        """The model thread's half of _add_lora_on_gpu: the next index, its factors into a free slot (on the
+        model stream, behind the steps in flight), then the index becomes nameable."""
+        index = len(self.model.lora_modules) + 1  # only this thread appends to it
+        self.executor.install_lora(factors, index)
+        with self._lock:
+            if self.model.add_lora_module({}) != index:
+                raise ExecutionError(f"LoRA adapter index {index} was taken while its slot was written")
+            self._lora_ids.append(ident)
+            self.lora_modules = self.lora_modules + ((name, path),)
         return index
 
     def remove_lora_module(self, index: int) -> None:
@@ -377,6 +453,9 @@ class ModelRuntime:
         held = queued | {live.request.lora for live in self._by_id.values()}
         for index in dropping - held:
             self.model.lora_modules[index - 1] = None
+            release = getattr(self.executor, "release_lora", None)
+            if release is not None:  # its slot in the CUDA graphs' stack takes another adapter from now on
+                release(index)
             with self._lock:
                 self._lora_dropping.discard(index)
             log.info("per-request LoRA adapter %d unloaded", index)

@@ -8,6 +8,7 @@ batches; and the model thread (ModelRuntime, --lora-modules) runs adapters on th
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -287,8 +288,109 @@ def test_the_model_thread_serves_lora_modules_on_the_gpu(tiny_hf_llama, tmp_path
             assert not isinstance(events[-1], ErrorEvent), events[-1]
             out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
         assert out[0] == out[2] and out[1] == out[3] and out[0] != out[1]
-        with pytest.raises(AdmissionError, match="CPU backend only") as refused:
-            rt.add_lora_module("other", str(adapter))
+        with pytest.raises(AdmissionError, match="needs adapter slots") as refused:
+            rt.add_lora_module("other", str(adapter))  # started without --allow-runtime-lora-updating's slots
         assert refused.value.kind == ErrorKind.UNSUPPORTED
+    finally:
+        rt.stop()
+
+
+def test_float32_adapters_installed_into_slots_match_the_cpu_path(hf):
+    """A stack captured with two empty slots (adapters loaded while serving): adapters written into the slots after
+    capture (GraphExecutor.install_lora, on the model stream) give the float32 greedy tokens of the CPU path,
+    exactly; a third finds no slot (503); a released slot takes the first adapter back under a new index."""
+    from flared.errors import AdmissionError, ErrorKind
+    from flared.model.kernels.lora_rows import StackedLora
+
+    gpu = serving_model(hf)
+    factors = two_adapters(gpu.config)
+    stacked = StackedLora(gpu.config, [], dtype=torch.float32, device="cuda", slots=2, slot_width=24)
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, lora=stacked)
+    try:
+        base = greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), None)
+        assert [ex.install_lora(f, k + 1) for k, f in enumerate(factors)] == [0, 1]
+        with pytest.raises(AdmissionError, match="all 2 LoRA adapter slots") as full:
+            ex.install_lora(factors[0], 3)
+        assert full.value.kind == ErrorKind.MODEL_CAPACITY
+        got = greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), LORAS)
+        ex.release_lora(1)
+        assert ex.install_lora(factors[0], 3) == 0
+        again = greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), [3, 0, 2, 0])
+        gone = greedy(ex, make_scheduler(graph_shapes=ex.graph_shapes), [1, 1, 1, 1])  # 1 has no slot now
+    finally:
+        ex.close()
+    cpu = cpu_model(hf, factors)
+    want = greedy(make_cpu_executor(cpu), make_scheduler(), LORAS)
+    assert got == want and again == want
+    assert gone == base == greedy(make_cpu_executor(cpu), make_scheduler(), None)
+    assert all((t == b) == (a == 0) for t, b, a in zip(got, base, LORAS))
+
+
+def test_the_model_thread_loads_and_unloads_adapters_on_the_gpu_while_serving(tiny_hf_llama, tmp_path):
+    """ModelRuntime with adapter slots (--allow-runtime-lora-updating --max-loras 1 --max-lora-rank 8) on a bf16
+    core: an adapter loaded while serving gives the tokens the same adapter gives when given at start; with the
+    slot taken another load is a 503; an adapter over the rank is refused; unloading frees the slot once the
+    model thread drops it, and the next adapter takes it under a new index."""
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared.errors import AdmissionError, CoreError, ErrorKind
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    core = tmp_path / "tiny-bf16"
+    export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                   prefill_chunk_tokens=128))
+    opened = open_core(core)
+    first, second, wide = tmp_path / "first", tmp_path / "second", tmp_path / "wide"
+    _write_peft_adapter(first, opened.config, seed=1)
+    _write_peft_adapter(second, opened.config, seed=2)
+    _write_peft_adapter(wide, opened.config, r=16, seed=3)
+    prompt = tuple([5, 17, 40, 99, 7] * 4)
+
+    def tokens(rt, loras):
+        out = []
+        for events in run_requests(rt, [GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0),
+                                                        frozenset(), lora=a) for a in loras]):
+            assert not isinstance(events[-1], ErrorEvent), events[-1]
+            out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        return out
+
+    at_start = ModelRuntime(opened, prefix_cache=False, lora_modules=(("first", str(first)),), lora_slots=1,
+                            max_lora_rank=8)
+    at_start.start(max_pending=16)
+    try:
+        assert at_start.executor.decoder.lora.slot_adapter == [1]
+        want = tokens(at_start, [1, 0])
+    finally:
+        at_start.stop()
+    rt = ModelRuntime(opened, prefix_cache=False, lora_slots=1, max_lora_rank=8)
+    rt.start(max_pending=16)
+    try:
+        stack = rt.executor.decoder.lora
+        assert stack.slots == 1 and stack.slot_width == 24 and stack.slot_adapter == [-1]
+        base = tokens(rt, [0, 0])
+        assert base == [want[1]] * 2
+        assert rt.add_lora_module("first", str(first)) == 1 and stack.slot_adapter == [1]
+        loaded = tokens(rt, [1, 0, 1])
+        assert loaded == [want[0], want[1], want[0]] and want[0] != want[1]
+        with pytest.raises(AdmissionError, match="all 1 LoRA adapter slots") as full:
+            rt.add_lora_module("second", str(second))
+        assert full.value.kind == ErrorKind.MODEL_CAPACITY
+        with pytest.raises(CoreError, match="rank 16 is over the slots' 8") as over:
+            rt.add_lora_module("wide", str(wide))
+        assert over.value.kind == ErrorKind.VALIDATION
+        rt.remove_lora_module(1)
+        for _ in range(200):
+            if stack.free_slot() == 0:
+                break
+            time.sleep(0.01)
+        assert stack.slot_adapter == [-1]
+        assert rt.add_lora_module("second", str(second)) == 2 and stack.slot_adapter == [2]
+        swapped = tokens(rt, [2, 0])
+        assert swapped[1] == want[1] and swapped[0] not in (want[0], want[1])
+        with pytest.raises(AdmissionError, match="was unloaded"):
+            tokens(rt, [1])
     finally:
         rt.stop()

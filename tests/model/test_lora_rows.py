@@ -147,3 +147,54 @@ def test_a_name_outside_the_layers_products_is_refused(adapters):
     src, factors = adapters
     with pytest.raises(ValueError, match="layers' products"):
         StackedLora(src.config, [{"lm_head.weight": []}], dtype=torch.float32, device="cpu")
+
+
+def test_slots_take_adapters_loaded_later_and_release_them(adapters):
+    """A stack laid out with slots (for adapters loaded while serving): an adapter installed into a slot gives
+    its rows the terms of a stack built with it from the start, and it is picked by the index it was installed
+    as; a released slot's columns go to no row; the slot then takes another adapter under a new index."""
+    from flared.model.kernels.lora_rows import StackedLora, stacked_width
+    from flared.model.loader import serving_tensor_shapes
+
+    src, factors = adapters
+    widest = max(stacked_width(f) for f in factors)
+    assert widest == 16  # adapter 2: q and v at rank 8
+    slotted = StackedLora(src.config, [factors[2]], dtype=torch.float32, device="cpu", slots=2, slot_width=12)
+    assert slotted.slot_width == 12 and slotted.rank == 24 and slotted.slot_adapter == [1, -1]
+    assert len(slotted.factors) == src.config.num_layers * len(PRODUCTS)  # room in every product
+    assert slotted.free_slot() == 1 and slotted.slot_of(1) == 0
+    with pytest.raises(ValueError, match="needs 16 stacked columns"):
+        slotted.install(1, factors[1], 2)  # wider than a slot
+    slotted.install(1, factors[0], 5)
+    assert slotted.slot_adapter == [1, 5] and slotted.free_slot() is None and slotted.slot_of(5) == 1
+    with pytest.raises(ValueError, match="holds adapter 5"):
+        slotted.install(1, factors[0], 6)
+    plain = StackedLora(src.config, [factors[2], factors[0]], dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    ids_slotted = torch.tensor([0, 5, 1, 5, 2], dtype=torch.int32)  # 2: nobody's index here
+    ids_plain = torch.tensor([0, 2, 1, 2, 0], dtype=torch.int32)
+    m_slotted = slotted.masks(ids_slotted, torch.float32)
+    m_plain = plain.masks(ids_plain, torch.float32)
+    serving = serving_tensor_shapes(src.config)
+    for layer in range(src.config.num_layers):
+        for product in PRODUCTS:
+            out_features, in_features = serving[f"layers.{layer}.{product}.weight"]
+            x = torch.randn(5, in_features, generator=g)
+            y = torch.randn(5, out_features, generator=g)
+            got = slotted.add(layer, product, x, y.clone(), m_slotted)
+            want = plain.add(layer, product, x, y.clone(), m_plain)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[[0, 4]], y[[0, 4]])  # base rows and an index no slot holds keep their bits
+    slotted.release(1)
+    assert slotted.slot_adapter == [1, -1] and slotted.slot_of(5) is None and slotted.free_slot() == 1
+    x = torch.randn(2, src.config.hidden_size, generator=g)
+    y = torch.randn(2, serving["layers.0.qkv.weight"][0], generator=g)
+    released = slotted.add(0, "qkv", x, y.clone(), slotted.masks(torch.tensor([5, 0], dtype=torch.int32),
+                                                                 torch.float32))
+    assert torch.equal(released, y)  # the released adapter's rows get no terms
+    slotted.install(1, factors[2], 7)  # the slot takes another adapter, under a new index
+    o_in = torch.randn(1, src.config.q_size, generator=g)
+    again = slotted.add(1, "o", o_in, torch.zeros(1, src.config.hidden_size),
+                        slotted.masks(torch.tensor([7], dtype=torch.int32), torch.float32))
+    torch.testing.assert_close(again, plain.add(1, "o", o_in, torch.zeros(1, src.config.hidden_size),
+                                                plain.masks(torch.tensor([1], dtype=torch.int32), torch.float32)))

@@ -60,6 +60,8 @@ def test_example_config_loads(tmp_path):
     ("lora_adapters = ['/no/such/adapter']", "'lora_adapters'"),
     ("lora_modules = ['sql=/srv/adapter']", "'lora_modules'"),
     ("lora_modules = {sql = '/no/such/adapter'}", "'lora_modules'"),
+    ("max_loras = 0", "'max_loras'"),
+    ("max_lora_rank = 8.5", "'max_lora_rank'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
