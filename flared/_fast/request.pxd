@@ -100,6 +100,10 @@ cdef class Request:
     # before it tries 1 again.
     cdef readonly int32_t spec_cap
     cdef readonly int32_t spec_cooldown
+    # Its drafts kept and its rounds that rejected one, decayed (SPECULATIVE_DECAY a round): the chance that
+    # its next draft is kept, spec_kept / (spec_kept + spec_rejected), prices each draft it is offered.
+    cdef readonly double spec_kept
+    cdef readonly double spec_rejected
     # Scratch used by plan(); never read across calls.
     cdef double _weight
     cdef double _wait_rate

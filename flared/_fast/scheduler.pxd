@@ -39,6 +39,8 @@ cdef class RequestScheduler:
     cdef int32_t _spec_tokens
     cdef int32_t _lookup_max
     cdef int32_t _lookup_min
+    # A step's duration against the tokens it feeds (decode and speculative steps): what a draft costs.
+    cdef readonly object row_cost
 
     cdef Request _get(self, int64_t handle)
     cdef bint _ensure_pages(self, int64_t n) except -1
@@ -47,6 +49,7 @@ cdef class RequestScheduler:
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=*)
     cdef tuple _propose(self, Request r)
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
+    cdef list _priced_drafts(self, list requests, list drafts)
     cdef tuple _copy_row(self, int32_t snapshot_id, Request r, int64_t endpoint)
     cdef _advance_phase(self, Request r, int kind)
     cdef int64_t _publish(self, Request r, int64_t fence) except -2

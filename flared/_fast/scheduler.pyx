@@ -57,6 +57,37 @@ _LAUNCH_KEYS = ["launches_" + k.name.lower() for k in GraphKind]
 SPECULATIVE_MAX_TOKENS = 64
 # Generation rounds a request whose draft cap fell to 0 goes without drafts before it tries one again.
 SPECULATIVE_COOLDOWN = 16
+# How much of a request's draft record (kept drafts, rejecting rounds) carries to its next round; its prior is one
+# of each (a first draft is kept with probability 1/2).
+SPECULATIVE_DECAY = 0.8
+# How much of the step cost fit (RowCost) carries to the next step.
+ROW_COST_DECAY = 0.97
+
+
+cdef class RowCost:
+    """A decode or speculative step's duration against the tokens it feeds, fitted as ``a + b * tokens`` by least
+    squares over the steps seen, each step weighing ROW_COST_DECAY times less with every later one. ``fit()`` is
+    None until the tokens fed have varied enough to tell b (a run of equal steps forgets that)."""
+
+    cdef readonly double w, x, y, xx, xy
+
+    def observe(self, double tokens, double duration_ns):
+        self.w = ROW_COST_DECAY * self.w + 1.0
+        self.x = ROW_COST_DECAY * self.x + tokens
+        self.y = ROW_COST_DECAY * self.y + duration_ns
+        self.xx = ROW_COST_DECAY * self.xx + tokens * tokens
+        self.xy = ROW_COST_DECAY * self.xy + tokens * duration_ns
+
+    def fit(self):
+        """(a, b): ns a step, ns a token fed; None while the tokens fed have a variance under 1/4."""
+        if self.w < 2.0:
+            return None
+        cdef double mean_x = self.x / self.w
+        cdef double var_x = self.xx / self.w - mean_x * mean_x
+        if var_x < 0.25:
+            return None
+        cdef double b = (self.xy / self.w - mean_x * self.y / self.w) / var_x
+        return (self.y / self.w - b * mean_x, b)
 
 # What one frame reported, one entry per plan participant in plan order:
 # handles int64, cumulative consumed/generated token counts int64, and the
@@ -127,6 +158,7 @@ cdef class RequestScheduler:
         self._extra_work_fraction = config.checkpoint_extra_work_fraction
         self._initialize_state = config.initialize_state
         self._spec_tokens = getattr(config, "speculative_tokens", 0)
+        self.row_cost = RowCost()
         self._lookup_max = getattr(config, "prompt_lookup_max", 4)
         self._lookup_min = getattr(config, "prompt_lookup_min", 2)
         # Speculative decoding's figures (the dashboard's acceptance length and depth): draft tokens fed and kept,
@@ -135,6 +167,7 @@ cdef class RequestScheduler:
         self.counters["speculative_drafted"] = 0
         self.counters["speculative_accepted"] = 0
         self.counters["speculative_rounds"] = 0
+        self.counters["speculative_priced_out"] = 0  # drafts proposed and left out as not worth their cost
         self.counters["generation_rounds"] = 0
 
     # ------------------------------------------------------------------
@@ -282,6 +315,7 @@ cdef class RequestScheduler:
         r.priority = priority
         r.speculate = speculate
         r.spec_cap = min(1, self._spec_tokens)  # one draft first: wider only once drafts are kept
+        r.spec_kept = r.spec_rejected = 1.0
         r.spec_cooldown = 0
         r.value_scale = 2.0 ** (-max(-16, min(16, priority)))
         if hit is not None:
@@ -365,15 +399,24 @@ cdef class RequestScheduler:
         if cap <= 0 or not r.output_tokens:
             return ()
         seq = np.concatenate([r._prompt, np.asarray(r.output_tokens, dtype=np.int32)])
-        cdef Py_ssize_t L = seq.shape[0], n, i
+        cdef Py_ssize_t L = seq.shape[0], n, k, i
+        # Each earlier place j of the last token (j < L - 1), and how many tokens up to it match the latest ones
+        # (at most prompt_lookup_max): an n-gram match ends at j, and its continuation starts at j + 1.
+        ends = np.flatnonzero(seq[:L - 1] == seq[L - 1])
+        if not ends.shape[0]:
+            return ()
+        matched = np.ones(ends.shape[0], dtype=np.int64)
+        alive = np.ones(ends.shape[0], dtype=bool)
+        for k in range(1, min(<Py_ssize_t>self._lookup_max, L - 1)):
+            alive &= ends >= k
+            alive[alive] = seq[ends[alive] - k] == seq[L - 1 - k]
+            matched += alive
         for n in range(min(<Py_ssize_t>self._lookup_max, L - 1), self._lookup_min - 1, -1):
-            # every window of n tokens that ends before the last token, against the last n tokens
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:L - 1], n)
-            hits = np.flatnonzero((windows == seq[L - n:]).all(axis=1))
+            hits = ends[matched >= n]
             if hits.shape[0]:
                 # the latest place followed by a full cap of tokens; else the earliest (the longest continuation)
-                full = hits[hits + n + cap <= L]
-                i = (full[full.shape[0] - 1] if full.shape[0] else hits[0]) + n
+                full = hits[hits + 1 + cap <= L]
+                i = (full[full.shape[0] - 1] if full.shape[0] else hits[0]) + 1
                 return tuple(int(t) for t in seq[i:i + cap])
         return ()
 
@@ -391,6 +434,7 @@ cdef class RequestScheduler:
             for i in range(n):
                 drafts[i] = drafts[i][:budget]
                 budget -= len(drafts[i])
+            drafts = self._priced_drafts(c.requests, drafts)
             if any(drafts):
                 kind = K_SPECULATIVE
             else:
@@ -639,6 +683,11 @@ cdef class RequestScheduler:
             if isinstance(duration_ns, int):  # the prefill shape keeps its own time
                 duration_ns = max(1, duration_ns - int(snapshot_ns))
         cdef int64_t measured = self.timings.observe(_timing_shape(plan), duration_ns, now_ns, embedding_wait_ns)
+        cdef int64_t fed = 0
+        if self._spec_tokens and measured > 0 and (kind == K_DECODE or kind == K_SPECULATIVE):
+            for i in range(n):
+                fed += counts[i]
+            self.row_cost.observe(<double>fed, <double>measured)
         if plan.refresh:
             self.refresh_credit_ns += plan.estimated_duration_ns - measured
         elif measured > 0:
@@ -709,10 +758,44 @@ cdef class RequestScheduler:
         retired = self._retire_drained()
         return CompletionResult(emitted, finished, retired, published)
 
+    cdef list _priced_drafts(self, list requests, list drafts):
+        """The drafts worth their cost: with the step cost fit (RowCost: a + b per token fed), a draft whose chance
+        of being kept (its request's record to the power of its depth) is g joins while g / b beats the step's
+        expected tokens per ns so far, best first; so a wide step of drafts seldom kept is cut back to the cohort's
+        own tokens, and a cheap one keeps them all. Without a fit (the tokens fed have not varied yet), or where a
+        token costs nothing, every draft stays."""
+        fit = self.row_cost.fit()
+        if fit is None or fit[1] <= 0:
+            return drafts
+        cdef double a = fit[0], b = fit[1]
+        cdef Py_ssize_t n = len(requests), i, best
+        cdef double tokens = n, cost = max(a + b * n, b * n), g
+        cdef Request r
+        kept = [0] * n
+        chance = []
+        for i in range(n):
+            r = requests[i]
+            chance.append(r.spec_kept / (r.spec_kept + r.spec_rejected))
+        while True:
+            best, g = -1, 0.0
+            for i in range(n):
+                if kept[i] < len(drafts[i]) and chance[i] ** (kept[i] + 1) > g:
+                    best, g = i, chance[i] ** (kept[i] + 1)
+            if best < 0 or g * cost <= b * tokens:
+                break
+            kept[best] += 1
+            tokens += g
+            cost += b
+        self.counters["speculative_priced_out"] += sum(len(drafts[i]) - kept[i] for i in range(n))
+        return [drafts[i][:kept[i]] for i in range(n)]
+
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept):
         """A request's draft cap after a round that offered ``offered`` drafts and kept ``kept``: twice as many after
         all were kept (at most speculative_tokens), half after none was; at 0 it rests SPECULATIVE_COOLDOWN rounds,
-        then tries one again. Drafts nobody keeps make every step of the cohort wider for nothing."""
+        then tries one again. Drafts nobody keeps make every step of the cohort wider for nothing. The request's
+        record (spec_kept, spec_rejected) decays by SPECULATIVE_DECAY and takes this round in."""
+        r.spec_kept = SPECULATIVE_DECAY * r.spec_kept + kept
+        r.spec_rejected = SPECULATIVE_DECAY * r.spec_rejected + (kept < offered)
         if kept == offered:
             r.spec_cap = min(self._spec_tokens, max(1, 2 * r.spec_cap))
         elif kept == 0:

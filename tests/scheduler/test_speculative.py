@@ -134,6 +134,80 @@ def test_a_request_whose_drafts_fail_drafts_less_then_rests():
     assert [step(True) for _ in range(4)] == [1, 2, 4, 4]
 
 
+def _lookup(seq, cap, longest=4, shortest=2):
+    """The prompt lookup the scheduler does, written plainly: the latest n tokens (n from longest down) found
+    earlier; the latest such place followed by cap tokens, else the earliest; what follows it."""
+    L = len(seq)
+    for n in range(min(longest, L - 1), shortest - 1, -1):
+        hits = [h for h in range(L - n) if seq[h:h + n] == seq[L - n:]]
+        if hits:
+            full = [h for h in hits if h + n + cap <= L]
+            i = (full[-1] if full else hits[0]) + n
+            return seq[i:i + cap]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_drafts_are_the_plain_prompt_lookup(seed):
+    """Random prompts over a few symbols, every draft kept (the cap climbs 1, 2, 4, 8): each step's drafts are
+    what the plain lookup above gives for the request's tokens so far."""
+    rng = np.random.default_rng(seed)
+    s = _scheduler(spec=8)
+    prompt = [int(t) for t in rng.integers(0, 3 + seed % 3, size=int(rng.integers(6, 40)))]
+    h = _prefill(s, prompt, first_token=int(rng.integers(0, 3)), max_tokens=60)
+    now, seen, finished = 10, 0, False
+    while not finished:
+        r = s.request(h)
+        seq = prompt + list(r.output_tokens)
+        plan = s.plan(now)
+        drafts = [int(t) for t in plan.tokens(0)[1:]]
+        assert drafts == _lookup(seq, min(r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1))
+        seen += bool(drafts)
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        token = int(rng.integers(0, 3))
+        if plan.kind == GraphKind.SPECULATIVE:
+            done = s.complete(fence, _records(plan, [token], accepted=[tuple(drafts)]), 1000, now)
+        else:
+            done = s.complete(fence, _records(plan, [token]), 1000, now)
+        finished = h in done.finished
+        now += 1
+    assert seen
+
+
+@pytest.mark.parametrize("base_ns, per_token_ns, drafts_priced", [(10_000_000, 100_000, False),
+                                                                   (100_000, 10_000_000, True)])
+def test_drafts_are_priced_by_what_a_fed_token_costs(base_ns, per_token_ns, drafts_priced):
+    """The steps take base + per token fed. Every draft is kept, so the cap climbs to 4 and the tokens fed vary
+    (RowCost's fit). Where a token fed costs 1% of a step, drafts stay; where it costs 100 times the step's base,
+    a draft (even one kept 4 times in 5) costs more time than it saves on average: the step decodes plainly
+    and counts the drafts it left out."""
+    s = _scheduler(spec=4)
+    h = _prefill(s, [3, 4] * 10, first_token=3, max_tokens=200)
+    now = 10
+    kinds = []
+    for _ in range(8):
+        plan = s.plan(now)
+        kinds.append(plan.kind)
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        drafts = tuple(int(t) for t in plan.tokens(0)[1:])
+        last = drafts[-1] if drafts else s.request(h).output_tokens[-1]
+        token = 4 if last == 3 else 3
+        fed = int(sum(plan.num_tokens))
+        records = (_records(plan, [token], accepted=[drafts]) if plan.kind == GraphKind.SPECULATIVE
+                   else _records(plan, [token]))
+        s.complete(fence, records, base_ns + per_token_ns * fed, now)
+        now += 1
+    a, b = s.row_cost.fit()
+    assert b == pytest.approx(per_token_ns, rel=1e-6) and a == pytest.approx(base_ns, rel=1e-6)
+    assert kinds[:3] == [GraphKind.SPECULATIVE] * 3  # 1, 2, 4 drafts: no fit before the tokens fed varied
+    if drafts_priced:
+        assert kinds[-1] == GraphKind.DECODE and s.counters["speculative_priced_out"] > 0
+    else:
+        assert set(kinds) == {GraphKind.SPECULATIVE} and s.counters["speculative_priced_out"] == 0
+
+
 def test_bad_speculative_records_are_refused_before_anything_changes():
     s = _scheduler(spec=3)
     h = _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
