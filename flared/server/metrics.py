@@ -55,6 +55,8 @@ _SCHEDULER_COUNTERS = (
     ("flare_speculative_draft_tokens", "Draft tokens speculative steps fed (prompt lookup).", "speculative_drafted"),
     ("flare_speculative_accepted_tokens", "Draft tokens speculative steps confirmed and emitted.",
      "speculative_accepted"),
+    ("flare_speculative_priced_out_tokens", "Draft tokens proposed and left out as worth less than their cost.",
+     "speculative_priced_out"),
 )
 
 
