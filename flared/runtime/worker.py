@@ -423,7 +423,7 @@ class ModelRuntime:
         index, error = outcome[0]
         if error is not None:
             raise error
-        log.info("per-request LoRA adapter %s loaded (%s) as adapter %d, slot %d", name, path, index,
+        log.info("per-request LoRA adapter %s loaded (%s) as adapter %d, slot %s", name, path, index,
                  stack.slot_of(index))
         return index
 

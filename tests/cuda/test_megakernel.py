@@ -330,6 +330,20 @@ def test_unsupported_models_say_why():
         megakernel.DecodeLayers(model, None, None, 1)
 
 
+def _record_picks(monkeypatch, ex) -> list:
+    """(longest context, graph kind) of every decode graph ``ex`` picks from now on."""
+    picked = []
+    real = ex.graphs.pick_decode
+
+    def record(rows, full, longest, adapters=False):
+        key = real(rows, full, longest, adapters=adapters)
+        picked.append((longest, key[0]))
+        return key
+
+    monkeypatch.setattr(ex.graphs, "pick_decode", record)
+    return picked
+
+
 def test_executor_runs_the_megakernel_graphs_while_contexts_are_short(monkeypatch):
     """Forced on, the executor captures megakernel decode graphs beside the plain ones and takes them only
     while the step's longest context is within the limit; greedy output is repeatable across drives."""
@@ -345,15 +359,7 @@ def test_executor_runs_the_megakernel_graphs_while_contexts_are_short(monkeypatc
     try:
         mega_keys = {(k[0], k[1]) for k in ex.graphs.graph_execs if k[0] == "decode_mega"}
         assert mega_keys == {("decode_mega", 1), ("decode_mega", 2), ("decode_mega", 4)}
-        picked = []
-        real = ex.graphs.pick_decode
-
-        def record(rows, full, longest, adapters=False):
-            key = real(rows, full, longest, adapters=adapters)
-            picked.append((longest, key[0]))
-            return key
-
-        monkeypatch.setattr(ex.graphs, "pick_decode", record)
+        picked = _record_picks(monkeypatch, ex)
         p = SamplingParams(max_tokens=24, temperature=0.0)
         first = drive(make_scheduler(), ex, [list(range(5, 30))], [p])
         again = drive(make_scheduler(), ex, [list(range(5, 30))], [p])
@@ -439,15 +445,7 @@ def test_a_window_model_runs_the_megakernel_while_contexts_fit_the_window(monkey
     ex = make_executor(model)
     try:
         assert ex.decoder.window == 48 and ex.decoder.mega_max_context == 48 and ex.decoder.mega_max_rows == 4
-        picked = []
-        real = ex.graphs.pick_decode
-
-        def record(rows, full, longest, adapters=False):
-            key = real(rows, full, longest, adapters=adapters)
-            picked.append((longest, key[0]))
-            return key
-
-        monkeypatch.setattr(ex.graphs, "pick_decode", record)
+        picked = _record_picks(monkeypatch, ex)
         first = drive(make_scheduler(), ex, prompt, [p]).tokens
         again = drive(make_scheduler(), ex, prompt, [p]).tokens
     finally:
