@@ -108,9 +108,13 @@ class _LoraInstall(ModelJob):
     ident: bytes
     done: object
     index: int = 0
+    # Set under the runtime's lock: the model thread began writing the slot (started), or the caller gave up
+    # waiting before that (abandoned: the job then writes nothing, so no slot is left taken with no name).
+    started: bool = False
+    abandoned: bool = False
 
     def step(self, model, budget: int, stats) -> bool:
-        self.index = self.runtime._install_lora(self.name, self.path, self.factors, self.ident)
+        self.index = self.runtime._install_lora(self)
         return True
 
     def result(self):
@@ -416,10 +420,15 @@ class ModelRuntime:
             outcome.append((result, error))
             finished.set()
 
-        self.submit_job(_LoraInstall(self, name, path, factors, ident, done))
+        job = _LoraInstall(self, name, path, factors, ident, done)
+        self.submit_job(job)
         if not finished.wait(LORA_INSTALL_TIMEOUT_S):
-            raise AdmissionError(f"loading LoRA adapter {name!r} did not finish in {LORA_INSTALL_TIMEOUT_S:g} s",
-                                 ErrorKind.UNAVAILABLE)
+            with self._lock:
+                job.abandoned = not job.started
+            if job.abandoned:
+                raise AdmissionError(f"loading LoRA adapter {name!r}: the model thread did not take it up in "
+                                     f"{LORA_INSTALL_TIMEOUT_S:g} s", ErrorKind.UNAVAILABLE)
+            finished.wait()  # it is being written: a few copies
         index, error = outcome[0]
         if error is not None:
             raise error
@@ -427,16 +436,20 @@ class ModelRuntime:
                  stack.slot_of(index))
         return index
 
-    def _install_lora(self, name: str, path: str, factors: dict, ident: bytes) -> int:
+    def _install_lora(self, job: _LoraInstall) -> int:
         """The model thread's half of _add_lora_on_gpu: the next index, its factors into a free slot (on the
         model stream, behind the steps in flight), then the index becomes nameable."""
+        with self._lock:
+            if job.abandoned:
+                raise AdmissionError("the caller stopped waiting for this adapter", ErrorKind.UNAVAILABLE)
+            job.started = True
         index = len(self.model.lora_modules) + 1  # only this thread appends to it
-        self.executor.install_lora(factors, index)
+        self.executor.install_lora(job.factors, index)
         with self._lock:
             if self.model.add_lora_module({}) != index:
                 raise ExecutionError(f"LoRA adapter index {index} was taken while its slot was written")
-            self._lora_ids.append(ident)
-            self.lora_modules = self.lora_modules + ((name, path),)
+            self._lora_ids.append(job.ident)
+            self.lora_modules = self.lora_modules + ((job.name, job.path),)
         return index
 
     def remove_lora_module(self, index: int) -> None:

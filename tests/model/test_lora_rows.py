@@ -198,3 +198,21 @@ def test_slots_take_adapters_loaded_later_and_release_them(adapters):
                         slotted.masks(torch.tensor([7], dtype=torch.int32), torch.float32))
     torch.testing.assert_close(again, plain.add(1, "o", o_in, torch.zeros(1, src.config.hidden_size),
                                                 plain.masks(torch.tensor([1], dtype=torch.int32), torch.float32)))
+
+
+def test_an_adapter_load_its_caller_gave_up_on_writes_nothing(tiny_core):
+    """POST /v1/load_lora_adapter on the GPU waits for the model thread's job (_LoraInstall); a caller that gave
+    up before the job began leaves no adapter behind: the job refuses to write, and no index is taken."""
+    from flared.core.load import open_core
+    from flared.errors import AdmissionError
+    from flared.runtime.worker import ModelRuntime, _LoraInstall
+
+    rt = ModelRuntime(open_core(tiny_core), prefix_cache=False)
+    rt.start(max_pending=4)
+    try:
+        job = _LoraInstall(rt, "late", "/nowhere", {}, b"id", done=lambda *_: None, abandoned=True)
+        with pytest.raises(AdmissionError, match="stopped waiting"):
+            job.step(rt.model, 0, rt.stats)
+        assert not job.started and rt.lora_modules == () and rt.model.lora_modules == []
+    finally:
+        rt.stop()
