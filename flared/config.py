@@ -102,7 +102,7 @@ class ServerConfig:
     # to max_lora_rank. The room is GPU memory whether used or not (docs/gpu.md). The CPU backend has no such limit.
     max_loras: int = 4
     max_lora_rank: int = 16
-    # Speculative decoding by prompt lookup (vLLM's ngram method; CPU backend): up to this many draft tokens a step
+    # Speculative decoding by prompt lookup (vLLM's ngram method): up to this many draft tokens a step
     # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred
     # before in their prompt and output. 0 = off.
     speculative_tokens: int = 0

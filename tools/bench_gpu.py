@@ -96,18 +96,21 @@ def serving(hf, dtype: torch.dtype, device="cuda"):
     return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT_TOKENS)
 
 
-def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=()):
-    """``graph_shapes``: the executor's (GraphExecutor.graph_shapes); () = the defaults (one-sequence prefill)."""
+def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=(), speculative_tokens=0):
+    """``graph_shapes``: the executor's (GraphExecutor.graph_shapes); () = the defaults (one-sequence prefill);
+    ``speculative_tokens``: prompt-lookup drafts a step, run as the executor's prefill graphs."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     num_pages = num_pages or concurrency * CONTEXT_TOKENS // PAGE_TOKENS // 4
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"bench").digest(), max_live_requests=concurrency, num_pages=num_pages,
         num_snapshots=4 * concurrency, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT_TOKENS,
-        prefill_chunk_size=prefill_setup()[0], graph_shapes=tuple(graph_shapes)), PolicyConfig()), num_pages
+        prefill_chunk_size=prefill_setup()[0], graph_shapes=tuple(graph_shapes), speculative_tokens=speculative_tokens,
+        speculative_prefill_graphs=speculative_tokens > 0), PolicyConfig()), num_pages
 
 
-def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None, lora=None):
+def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None, lora=None,
+                   speculative_tokens=0):
     """The executor (multi-sequence prefill graphs by default, as the daemon captures them) and a scheduler
     that plans exactly its captured shapes; ``lora``: per-request adapters (kernels/lora_rows.StackedLora)."""
     from flared.execution.executor import GraphExecutor
@@ -123,8 +126,8 @@ def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch
                        num_snapshots=4 * concurrency, vocab_size=model.config.vocab_size, max_live=concurrency,
                        decode_batch_sizes=batches, prefill_token_sizes=prefill,
                        max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes,
-                       lora=lora)
-    sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes)
+                       lora=lora, speculative=speculative_tokens > 0)
+    sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes, speculative_tokens)
     return sched, ex
 
 

@@ -104,6 +104,9 @@ cdef class Request:
     # its next draft is kept, spec_kept / (spec_kept + spec_rejected), prices each draft it is offered.
     cdef readonly double spec_kept
     cdef readonly double spec_rejected
+    # Generation rounds left before a step with this request in flight stops taking decode steps behind it so
+    # that it can speculate: set after a round in which the lookup gave it no draft (or none worth its cost).
+    cdef readonly int32_t spec_rest
     # Scratch used by plan(); never read across calls.
     cdef double _weight
     cdef double _wait_rate
@@ -126,6 +129,8 @@ cdef class ScheduledPlan:
     cdef readonly int64_t expected_finish_ns
     # Unmeasured or stale shape: must run alone, then be measured.
     cdef readonly bint exclusive
+    # The plan looked up drafts (a decode cohort chosen with the window empty, speculation on).
+    cdef readonly bint spec_tried
     cdef readonly bint refresh
     cdef readonly double value
     cdef readonly double score

@@ -41,6 +41,8 @@ cdef class RequestScheduler:
     cdef int32_t _lookup_min
     # A step's duration against the tokens it feeds (decode and speculative steps): what a draft costs.
     cdef readonly object row_cost
+    # With speculative_prefill_graphs: (batch capacity, token capacity) of the PREFILL shapes; else None.
+    cdef list _spec_shapes
 
     cdef Request _get(self, int64_t handle)
     cdef bint _ensure_pages(self, int64_t n) except -1
@@ -50,6 +52,7 @@ cdef class RequestScheduler:
     cdef tuple _propose(self, Request r)
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
     cdef list _priced_drafts(self, list requests, list drafts)
+    cdef bint _drains_to_speculate(self, list requests)
     cdef tuple _copy_row(self, int32_t snapshot_id, Request r, int64_t endpoint)
     cdef _advance_phase(self, Request r, int kind)
     cdef int64_t _publish(self, Request r, int64_t fence) except -2

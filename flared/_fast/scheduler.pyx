@@ -57,6 +57,9 @@ _LAUNCH_KEYS = ["launches_" + k.name.lower() for k in GraphKind]
 SPECULATIVE_MAX_TOKENS = 64
 # Generation rounds a request whose draft cap fell to 0 goes without drafts before it tries one again.
 SPECULATIVE_COOLDOWN = 16
+# Generation rounds a request whose lookup found no draft worth feeding lets decode steps stack behind the one in
+# flight (pipelined) before it drains the window to look again.
+SPECULATIVE_MISS_REST = 8
 # How much of a request's draft record (kept drafts, rejecting rounds) carries to its next round; its prior is one
 # of each (a first draft is kept with probability 1/2).
 SPECULATIVE_DECAY = 0.8
@@ -159,6 +162,9 @@ cdef class RequestScheduler:
         self._initialize_state = config.initialize_state
         self._spec_tokens = getattr(config, "speculative_tokens", 0)
         self.row_cost = RowCost()
+        self._spec_shapes = None
+        if getattr(config, "speculative_prefill_graphs", False):
+            self._spec_shapes = sorted((b, t) for kind, b, t in config.graph_shapes if kind == K_PREFILL)
         self._lookup_max = getattr(config, "prompt_lookup_max", 4)
         self._lookup_min = getattr(config, "prompt_lookup_min", 2)
         # Speculative decoding's figures (the dashboard's acceptance length and depth): draft tokens fed and kept,
@@ -386,6 +392,8 @@ cdef class RequestScheduler:
             return None  # the window drains for it
         if best.state != TIMING_FRESH and n_inflight:
             return None  # unmeasured/stale shapes run alone
+        if n_inflight and self._spec_tokens and self._drains_to_speculate(best.requests):
+            return None  # the window drains, so that the cohort's drafts can be looked up
         # A decode cohort chosen with the window empty may become a speculative step: drafts need every token of
         # their request known on the host, and a speculative step runs alone.
         return self._build_plan(best, now_ns, self._spec_tokens > 0 and n_inflight == 0 and best.kind == K_DECODE)
@@ -431,6 +439,8 @@ cdef class RequestScheduler:
             # At most SPECULATIVE_MAX_TOKENS tokens fed in all (the CPU's one-call decode step takes 64 rows):
             # the requests earlier in the cohort keep their drafts first.
             budget = max(SPECULATIVE_MAX_TOKENS, n) - n
+            if self._spec_shapes is not None:  # the step runs as the largest prefill graph that holds the cohort
+                budget = min(budget, max([t for b, t in self._spec_shapes if b >= n], default=n) - n)
             for i in range(n):
                 drafts[i] = drafts[i][:budget]
                 budget -= len(drafts[i])
@@ -443,6 +453,7 @@ cdef class RequestScheduler:
         p.plan_id = self._next_plan_id
         self._next_plan_id += 1
         p.kind = kind
+        p.spec_tried = speculate
         p.batch_capacity = c.batch
         # a speculative step's width: the most tokens one request feeds (its last token and its drafts)
         p.token_capacity = c.tokens if drafts is None else 1 + max(len(d) for d in drafts)
@@ -721,6 +732,10 @@ cdef class RequestScheduler:
                     r.output_tokens.append(int(t))
                     if not r.finished and not r.cancelled:
                         emitted.append((r.handle, int(t)))
+            if plan.spec_tried and r.speculate and counts[i] == 1:  # no draft this round: stack a few rounds
+                r.spec_rest = SPECULATIVE_MISS_REST
+            elif kind == K_DECODE and r.spec_rest > 0:
+                r.spec_rest -= 1
             if (kind == K_DECODE or (kind == K_SPECULATIVE and counts[i] == 1)) and r.spec_cooldown > 0:
                 r.spec_cooldown -= 1
                 if r.spec_cooldown == 0:
@@ -757,6 +772,17 @@ cdef class RequestScheduler:
             self.selection.update_prices(self._slots, plan, measured)
         retired = self._retire_drained()
         return CompletionResult(emitted, finished, retired, published)
+
+    cdef bint _drains_to_speculate(self, list requests):
+        """Whether a decode cohort chosen with a step in flight should wait for an empty window instead of
+        stacking: some request in it may speculate, drafts at its cap, and its last lookup did not come up empty
+        (spec_rest). Drafts need every token of their request on the host."""
+        cdef Request r
+        for x in requests:
+            r = x
+            if r.speculate and r.spec_cap > 0 and r.spec_rest == 0:
+                return True
+        return False
 
     cdef list _priced_drafts(self, list requests, list drafts):
         """The drafts worth their cost: with the step cost fit (RowCost: a + b per token fed), a draft whose chance

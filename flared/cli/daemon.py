@@ -110,7 +110,7 @@ def main() -> None:
               help="With --allow-runtime-lora-updating on a GPU: the largest adapter rank loaded while serving "
                    "(default 16).")
 @click.option("--speculative-tokens", type=int, default=None,
-              help="Speculative decoding by prompt lookup (CPU backend): up to N draft tokens a step for greedy "
+              help="Speculative decoding by prompt lookup: up to N draft tokens a step for greedy "
                    "requests, copied from earlier in their prompt and output (default 0: off).")
 @click.option("--prompt-lookup-max", type=int, default=None, help="Longest n-gram prompt lookup matches (default 4).")
 @click.option("--prompt-lookup-min", type=int, default=None, help="Shortest n-gram prompt lookup matches (default 2).")

@@ -64,7 +64,7 @@ _SCORE_ROWS = 512
 class _Pending:
     """Host-side facts of one in-flight frame, read back by poll."""
 
-    __slots__ = ("num_participants", "logprob_rows", "logprob_out", "copies_timed", "scores")
+    __slots__ = ("num_participants", "logprob_rows", "logprob_out", "copies_timed", "scores", "spec")
 
     def __init__(self):
         self.num_participants = 0
@@ -72,16 +72,21 @@ class _Pending:
         self.logprob_out = None
         self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
         self.scores: list[list[float] | None] | None = None  # per participant, where the step scored
+        # a speculative step: (every fed row's logits on the device, token offsets, fed tokens, state rows, states)
+        self.spec = None
 
 
 class GraphExecutor:
     def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
                  vocab_size: int, max_live: int, decode_batch_sizes, prefill_token_sizes,
-                 max_pages_per_sequence: int, prefill_batch_shapes=None, lora=None):
+                 max_pages_per_sequence: int, prefill_batch_shapes=None, lora=None, speculative: bool = False):
         """``prefill_batch_shapes``: (batch, tokens) capacities of multi-sequence prefill graphs; None = the
         default (graphs.default_prefill_batch_shapes), () = one-sequence prefill graphs only. The scheduler
         must plan with ``graph_shapes`` (what was captured). ``lora``: the per-request LoRA adapters
-        (kernels/lora_rows.StackedLora) the graphs run for rows whose state names one (``lora``); None: none."""
+        (kernels/lora_rows.StackedLora) the graphs run for rows whose state names one (``lora``); None: none.
+        ``speculative``: serve SPECULATIVE steps (prompt-lookup drafts; the scheduler needs
+        speculative_prefill_graphs): each runs as a prefill graph, and every fed row's greedy token verifies
+        the drafts (_submit_speculative)."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens
@@ -104,7 +109,8 @@ class GraphExecutor:
         self._copy_ptr = self.copy_stream.cuda_stream
         self._upload_ptr = self.upload_stream.cuda_stream
         self.graphs = GraphSet(model, self.manifest, num_pages=num_pages, page_tokens=page_tokens,
-                               num_state_rows=num_state_rows, lora=lora)
+                               num_state_rows=num_state_rows, lora=lora, keep_prefill_hidden=speculative)
+        self.speculative = speculative
         self.decoder = self.graphs.decoder
         c = model.config
         snap_shape = (num_snapshots, c.num_layers, page_tokens, c.num_kv_heads, c.head_dim)
@@ -118,6 +124,10 @@ class GraphExecutor:
         self._in_views = [self.manifest.host_views(f.array) for f in self._in_frames]
         self._token_frames = [self._pin(8 * self.manifest.max_batch) for _ in range(_NUM_FRAMES)]
         self._tokens = [f.array.view(np.int64) for f in self._token_frames]
+        # A speculative step's greedy token at every fed row (a prefill graph's token rows), device and pinned.
+        spec_rows = self.manifest.max_tokens if speculative else 1
+        self._spec_greedy = torch.zeros(spec_rows, dtype=torch.int64, device=self.device)
+        self._greedy_frames = [self._pin(8 * spec_rows) for _ in range(_NUM_FRAMES)]
         self.ring = FrameRing()
         self.table = CompletionTable(self.max_slots)
         self._start = [cuda.Event() for _ in range(_NUM_FRAMES)]
@@ -188,10 +198,13 @@ class GraphExecutor:
             pending.logprob_out = None
             pending.copies_timed = False
             pending.scores = None
+            pending.spec = None
             with torch.cuda.stream(self.model_stream):
                 self._start[frame].record(self._model_ptr)
                 if kind == GraphKind.DECODE:
                     self._submit_graph(frame, plan, block_tables, states, "decode")
+                elif kind == GraphKind.SPECULATIVE and self.speculative:
+                    self._submit_speculative(frame, plan, block_tables, states)
                 elif kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
                     scoring = [(i, max(0, first - int(plan.token_starts[i])))  # (participant, first chunk index)
                                for i, first in scored_participants(plan, score_from)]
@@ -206,6 +219,10 @@ class GraphExecutor:
             cuda.stream_wait_event(self._copy_ptr, self._end[frame])
             if n:
                 cuda.copy_d2h_async(self._token_frames[frame].ptr, self._sampled_ptr, 8 * n, self._copy_ptr)
+            if pending.spec is not None:  # every fed row's greedy token
+                rows = int(pending.spec[1][-1])
+                cuda.copy_d2h_async(self._greedy_frames[frame].ptr, self._spec_greedy.data_ptr(), 8 * rows,
+                                    self._copy_ptr)
             self._copied[frame].record(self._copy_ptr)
             fence = self.ring.submitted(frame)
             self.max_outstanding = max(self.max_outstanding, self.ring.outstanding)
@@ -244,9 +261,14 @@ class GraphExecutor:
                 top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
                 logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
         scores = pending.scores if pending.scores is not None else [None] * n
+        accepted = None
+        if pending.spec is not None:
+            consumed, generated, token_ids, accepted = self._verify_drafts(frame, pending, consumed, generated,
+                                                                           token_ids)
         self.ring.release(frame)
         return fence, CompletionRecords(handles=handles, consumed_tokens=consumed, generated_tokens=generated,
-                                        token_ids=token_ids, snapshot_ns=snapshot_ns), duration_ns, logprobs, scores
+                                        token_ids=token_ids, snapshot_ns=snapshot_ns,
+                                        accepted_drafts=accepted), duration_ns, logprobs, scores
 
     # -- graph steps -------------------------------------------------------------------------------
 
@@ -330,6 +352,58 @@ class GraphExecutor:
         for i in range(n):
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
+        return key
+
+    def _submit_speculative(self, frame: int, plan, block_tables, states) -> None:
+        """A speculative step as a prefill graph: each participant's last token and drafts at consecutive
+        positions, every fed token writing its K/V before any attends (as a prefill chunk over its cached
+        prefix). The graph samples each participant's last row as a prefill does; then the LM head over every
+        fed row (the graph's kept hidden rows) gives each row's greedy token, read back with the step."""
+        key = self._submit_graph(frame, plan, block_tables, states, "prefill")
+        offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:plan.num_participants + 1]
+        total = int(offsets[-1])
+        hidden = self.graphs.prefill_hidden[key][:total]
+        logits = torch.nn.functional.linear(hidden, self.decoder.model.lm_head).float()  # as the graphs' head
+        torch.argmax(logits, dim=-1, out=self._spec_greedy[:total])
+        self._pending[frame].spec = (logits, offsets, np.asarray(plan.token_ids, dtype=np.int64)[:total],
+                                     np.asarray(plan.state_rows, dtype=np.int64), list(states))
+
+    def _verify_drafts(self, frame: int, pending: _Pending, consumed, generated, token_ids):
+        """poll's half of a speculative step: a participant's drafts are kept while each equals the greedy token
+        of the row before it, and the greedy token after the last kept one is its own (the one-draft-less
+        participants keep what the graph sampled). Its state row then gets that row's logits and token, on the
+        model stream before any later step. Returns the step's consumed and generated counts, tokens and kept
+        drafts."""
+        logits, offsets, fed, rows, states = pending.spec
+        pending.spec = None
+        greedy = self._greedy_frames[frame].array.view(np.int64)
+        consumed, generated, token_ids = consumed.copy(), generated.copy(), token_ids.copy()
+        kept: list[tuple[int, ...]] = []
+        fix_rows, fix_at, fix_tokens = [], [], []
+        for i in range(len(rows)):
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            a = 0
+            while lo + 1 + a < hi and int(greedy[lo + a]) == int(fed[lo + 1 + a]):
+                a += 1
+            kept.append(tuple(int(t) for t in fed[lo + 1:lo + 1 + a]))
+            if hi - lo == 1:
+                continue
+            consumed[i] -= hi - lo - 1 - a
+            generated[i] += a
+            token_ids[i] = int(greedy[lo + a])
+            fix_rows.append(int(rows[i]))
+            fix_at.append(lo + a)
+            fix_tokens.append(int(token_ids[i]))
+            if states[i] is not None:
+                states[i].num_output_tokens += a
+        if fix_rows:
+            d = self.decoder
+            with torch.cuda.stream(self.model_stream):
+                index = torch.as_tensor(fix_rows, dtype=torch.int64).to(self.device)
+                d.state_logits.index_copy_(0, index, logits.index_select(
+                    0, torch.as_tensor(fix_at, dtype=torch.int64).to(self.device)))
+                d.last_token.index_copy_(0, index, torch.as_tensor(fix_tokens, dtype=torch.int64).to(self.device))
+        return consumed, generated, token_ids, kept
 
     def _forward_scoring(self, frame: int, plan, batch_cap: int, cap: int, scoring) -> None:
         """The prefill graph's forward run eagerly (inputs already uploaded), then each scoring participant's

@@ -384,9 +384,11 @@ class GraphSet:
     """Device inputs, the paged decoder and its captured graphs (CUDA only)."""
 
     def __init__(self, model, manifest: ExecutionManifest, *, num_pages: int, page_tokens: int,
-                 num_state_rows: int, lora=None):
+                 num_state_rows: int, lora=None, keep_prefill_hidden: bool = False):
         """``lora``: the per-request LoRA adapters (kernels/lora_rows.StackedLora) the decoder's graphs run for
-        the rows that name one (``lora_ids``); None: none."""
+        the rows that name one (``lora_ids``); None: none. ``keep_prefill_hidden``: each prefill graph's final
+        hidden rows stay where its replays write them (``prefill_hidden``; a speculative step reads every
+        row's greedy token from them) instead of going back to the pool for later captures."""
         import torch
 
         from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
@@ -425,6 +427,8 @@ class GraphSet:
                                         max_tokens=manifest.max_tokens, lora=lora)
         self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs: dict[tuple[str, int, int, bool], int] = {}
+        self.keep_prefill_hidden = keep_prefill_hidden
+        self.prefill_hidden: dict[tuple[str, int, int, bool], torch.Tensor] = {}  # key -> [token capacity, H]
         # the decode graphs again, over decode_region_b (decode_execs(1))
         self.graphs_b: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs_b: dict[tuple[str, int, int, bool], int] = {}
@@ -467,7 +471,8 @@ class GraphSet:
             s.steps.zero_()
             s.lora_ids.zero_()
 
-    def _run_eager(self, key) -> None:
+    def _run_eager(self, key):
+        """Run graph ``key``'s work on the current stream; a prefill returns its final hidden rows."""
         kind, batch, tokens, full = key
         if kind == "decode":
             self.decoder.decode(batch, full, mega=False)
@@ -476,7 +481,7 @@ class GraphSet:
         elif kind == "decode_lora":
             self.decoder.decode(batch, full, mega=False, adapters=True)
         else:
-            self.decoder.prefill(batch, tokens)
+            return self.decoder.prefill(batch, tokens)
 
     def keys(self) -> list[tuple[str, int, int, bool]]:
         m = self.manifest
@@ -523,7 +528,9 @@ class GraphSet:
                     t = time.perf_counter()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool, stream=stream):
-                        self._run_eager(key)
+                        hidden = self._run_eager(key)
+                    if hidden is not None and self.keep_prefill_hidden:
+                        self.prefill_hidden[key] = hidden
                     self.graphs[key] = g
                     self.graph_execs[key] = int(g.raw_cuda_graph_exec())
                     if key[0] != "prefill":  # again over region 1

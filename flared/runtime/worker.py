@@ -219,9 +219,9 @@ class ModelRuntime:
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16):
         self.core = core
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
-        # The eager executor verifies drafts; the CUDA graph executor has no speculative graphs, so it stays off there.
+        # The eager executor verifies drafts as decode rows; the CUDA graph executor as a prefill graph.
         self.speculative = tuple(speculative)
-        self.spec_tokens = 0  # what load() turned on (0 on CUDA)
+        self.spec_tokens = 0  # what load() turned on
         # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
         self.lora_adapters = tuple(lora_adapters)
         # (name, path) of per-request adapters (vLLM's --lora-modules): a request's ``lora`` k runs adapter k - 1
@@ -345,7 +345,7 @@ class ModelRuntime:
                                           decode_batch_sizes=caps.decode_batch_sizes,
                                           prefill_token_sizes=caps.prefill_token_sizes,
                                           max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens),
-                                          lora=stacked)
+                                          lora=stacked, speculative=self.speculative[0] > 0)
             graph_shapes = self.executor.graph_shapes
             log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
             from flared.model.kernels.megakernel import describe_decode_paths
@@ -361,10 +361,7 @@ class ModelRuntime:
             graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
             log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
         spec_tokens = self.speculative[0]
-        if spec_tokens and use_cuda:
-            log.warning("speculative decoding runs on the CPU backend only: off on the CUDA graph executor")
-            spec_tokens = 0
-        elif spec_tokens:
+        if spec_tokens:
             log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",
                      spec_tokens, self.speculative[2], self.speculative[1])
         self.spec_tokens = spec_tokens
@@ -373,7 +370,8 @@ class ModelRuntime:
                             num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
                             graph_shapes=graph_shapes, speculative_tokens=spec_tokens,
-                            prompt_lookup_max=self.speculative[1], prompt_lookup_min=self.speculative[2]),
+                            prompt_lookup_max=self.speculative[1], prompt_lookup_min=self.speculative[2],
+                            speculative_prefill_graphs=use_cuda),
             self.policy if self.policy is not None else PolicyConfig())
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:

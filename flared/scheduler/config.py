@@ -131,6 +131,10 @@ class SchedulerConfig:
     speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # The executor runs a speculative step as one of its prefill graphs (the CUDA graph executor: every fed token
+    # writes its K/V before any attends, and the step's hidden rows give every position's greedy token): a
+    # cohort speculates only where a PREFILL shape holds it, its tokens at most that shape's capacity.
+    speculative_prefill_graphs: bool = False
 
     def __post_init__(self):
         if len(self.model_identity) != 32:

@@ -38,16 +38,17 @@ def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=()):
         graph_shapes=tuple(graph_shapes)), PolicyConfig())
 
 
-def make_executor(model, concurrency=4, num_pages=128, chunk=128, prefill_batch_shapes=(), lora=None):
+def make_executor(model, concurrency=4, num_pages=128, chunk=128, prefill_batch_shapes=(), lora=None,
+                  speculative=False):
     """One-sequence prefill graphs unless ``prefill_batch_shapes`` lists (batch, tokens) ones; ``lora``: per-request
-    LoRA adapters (a StackedLora)."""
+    LoRA adapters (a StackedLora); ``speculative``: serve speculative steps."""
     from flared.execution.executor import GraphExecutor
 
     return GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                          num_snapshots=16, vocab_size=model.config.vocab_size, max_live=concurrency,
                          decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(64, chunk),
                          max_pages_per_sequence=CONTEXT // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes,
-                         lora=lora)
+                         lora=lora, speculative=speculative)
 
 
 def make_cpu_executor(model, concurrency=4, num_pages=128):

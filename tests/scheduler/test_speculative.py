@@ -208,6 +208,64 @@ def test_drafts_are_priced_by_what_a_fed_token_costs(base_ns, per_token_ns, draf
         assert set(kinds) == {GraphKind.SPECULATIVE} and s.counters["speculative_priced_out"] == 0
 
 
+def test_with_prefill_graphs_a_cohort_speculates_only_where_a_prefill_shape_holds_it():
+    """speculative_prefill_graphs (the CUDA graph executor runs a speculative step as a prefill graph): with one
+    captured prefill shape of one sequence, a lone request speculates and a cohort of two decodes plainly."""
+    from flared.scheduler import default_graph_shapes
+
+    shapes = tuple(x for x in default_graph_shapes(4, 64) if x[0] != GraphKind.PREFILL) + ((GraphKind.PREFILL, 1, 64),)
+    s = _scheduler(spec=3, graph_shapes=shapes, speculative_prefill_graphs=True)
+    _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
+    assert s.plan(10).kind == GraphKind.SPECULATIVE
+    s = _scheduler(spec=3, graph_shapes=shapes, speculative_prefill_graphs=True)
+    handles = [s.admit(p, 10, 1, speculate=True) for p in ([1, 5, 6, 7, 8, 9, 5, 6, 7], [2, 5, 6, 7, 8, 9, 5, 6, 7])]
+    now = 2
+    while not all(s.request(h).num_generated_tokens for h in handles):
+        plan = s.plan(now)
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        spec = plan.kind == GraphKind.SPECULATIVE  # the first request alone, while the second one's prefill waits
+        s.complete(fence, _records(plan, [8 if x else -1 for x in plan.sample],
+                                   accepted=[()] * plan.num_participants if spec else None), 1000, now)
+        now += 1
+    plan = s.plan(now)
+    assert plan.kind == GraphKind.DECODE and plan.num_participants == 2
+
+
+def test_a_step_in_flight_drains_for_speculation_until_the_lookup_comes_up_empty():
+    """With a decode in flight, a decode cohort would stack behind it (pipelined), but drafts need every token on
+    the host: a request that may speculate lets the window drain instead, unless a recent round's lookup found
+    it no draft. Such a miss lets SPECULATIVE_MISS_REST stacked rounds go by first. Without speculation decodes
+    always stack."""
+    from flared._fast.scheduler import SPECULATIVE_MISS_REST
+
+    def stacked_rounds(s, h, limit=40):
+        """Rounds that stacked behind the one in flight before a plan drained the window (up to ``limit``)."""
+        first = s.plan(10)  # the window is empty: speculation (if on) looks up drafts, finds none
+        s.commit(first, s.last_committed_fence + 1)
+        inflight, now, rounds = first, 11, 0
+        while rounds < limit:
+            nxt = s.plan(now)
+            if nxt is None:
+                break
+            assert nxt.kind == GraphKind.DECODE and not nxt.spec_tried
+            s.commit(nxt, s.last_committed_fence + 1)
+            s.complete(s.last_committed_fence - 1, _records(inflight, [8]), 1000, now + 1)
+            inflight, now, rounds = nxt, now + 2, rounds + 1
+        return rounds
+
+    for spec, want in ((3, SPECULATIVE_MISS_REST), (0, 40)):
+        s = _scheduler(spec=spec)
+        h = _prefill(s, [1, 2, 3, 4, 5], first_token=6, max_tokens=100)  # nothing to look up
+        warm = s.plan(10)  # one decode round measures the decode shape (unmeasured shapes never stack)
+        s.commit(warm, s.last_committed_fence + 1)
+        s.complete(s.last_committed_fence, _records(warm, [7]), 1000, 10)
+        # one round stacks while the first plan's lookup is in flight (the warm round missed), then the rest
+        assert stacked_rounds(s, h) == (want if spec == 0 else want + 1)
+        if spec:
+            assert s.request(h).spec_rest == 0
+
+
 def test_bad_speculative_records_are_refused_before_anything_changes():
     s = _scheduler(spec=3)
     h = _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)

@@ -1,0 +1,98 @@
+"""Speculative decoding by prompt lookup on the CUDA graph executor (GraphExecutor(speculative=True)).
+
+A speculative step runs as a prefill graph (every fed token writes its K/V before any attends); the LM head
+over the graph's kept hidden rows gives every fed row's greedy token, and poll keeps the drafts those confirm.
+float32: the tokens equal plain decoding's and the CPU path's, exactly, in fewer steps. The model thread
+serves speculation on the GPU (bf16).
+"""
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_models import CONTEXT, PAGE_TOKENS, make_cpu_executor, make_executor, serving_model  # noqa: E402
+
+# prompts that repeat themselves: the lookup finds drafts in them and in the output
+PROMPTS = [[3, 4, 5, 6, 7, 8] * 8, list(range(100, 140)) * 2, [9, 10, 11] * 5, list(range(200, 210))]
+BATCH_SHAPES = ((2, 64), (2, 128), (4, 128))
+
+
+def _scheduler(graph_shapes=(), spec=4, prefill_graphs=True):
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    return RequestScheduler(SchedulerConfig(
+        model_identity=hashlib.sha256(b"cuda-spec").digest(), max_live_requests=4, num_pages=128, num_snapshots=16,
+        page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=128, graph_shapes=tuple(graph_shapes),
+        speculative_tokens=spec, speculative_prefill_graphs=prefill_graphs), PolicyConfig())
+
+
+def _drive(ex, sched, prompts, max_tokens=40, speculate=True):
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    ticks = iter(range(1, 10**9))
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(prompts)
+    return drive(sched, ex, prompts, params, speculate=speculate, clock_ns=lambda: next(ticks))
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "four"])
+def test_float32_speculative_tokens_equal_plain_decoding(hf, prompts):
+    gpu = serving_model(hf)
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        plain = _drive(ex, _scheduler(ex.graph_shapes, spec=0), prompts, speculate=False)
+    finally:
+        ex.close()
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=True)
+    try:
+        sched = _scheduler(ex.graph_shapes)
+        got = _drive(ex, sched, prompts)
+        again = _drive(ex, _scheduler(ex.graph_shapes), prompts)
+    finally:
+        ex.close()
+    assert got.tokens == plain.tokens == again.tokens
+    assert got.steps_by_kind["SPECULATIVE"] > 0 and sched.counters["speculative_accepted"] > 0
+    assert got.steps_by_kind["SPECULATIVE"] + got.steps_by_kind["DECODE"] < plain.steps_by_kind["DECODE"]
+    cpu = _drive(make_cpu_executor(serving_model(hf, "cpu")), _scheduler(prefill_graphs=False), prompts)
+    assert cpu.tokens == got.tokens
+
+
+def test_the_model_thread_speculates_on_the_gpu(tiny_hf_llama, tmp_path):
+    """ModelRuntime(speculative=...) on a bf16 core: the GraphExecutor takes SPECULATIVE steps, greedy requests
+    get the same tokens each time, a sampled one rides along, and the counters count the drafts."""
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    core = tmp_path / "tiny-bf16"
+    export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                   prefill_chunk_tokens=128))
+    rt = ModelRuntime(open_core(core), prefix_cache=False, speculative=(4, 4, 2))
+    rt.start(max_pending=16)
+    try:
+        assert type(rt.executor).__name__ == "GraphExecutor" and rt.executor.speculative and rt.spec_tokens == 4
+        prompt = tuple([5, 17, 40, 99, 7] * 6)
+
+        def run():
+            reqs = [GenerateRequest(prompt, (), SamplingParams(max_tokens=24, temperature=0.0), frozenset()),
+                    GenerateRequest(prompt, (), SamplingParams(max_tokens=24, temperature=0.8, seed=3), frozenset())]
+            out = []
+            for events in run_requests(rt, reqs):
+                assert not isinstance(events[-1], ErrorEvent), events[-1]
+                out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+            return out
+
+        first, second = run(), run()
+        assert first[0] == second[0] and len(first[0]) == 24 and len(first[1]) == 24
+        assert rt.scheduler.counters["speculative_drafted"] > 0
+        assert rt.scheduler.counters["launches_speculative"] > 0
+    finally:
+        rt.stop()

@@ -1,0 +1,113 @@
+"""Speculative decoding by prompt lookup on the GPU: greedy streams through the CUDA graph executor with
+``--draft`` drafts a step (each speculative step a prefill graph) against the same streams without, in one run.
+
+Random bf16 weights of each shape (bench_gpu's). Prompts: ``--prompt`` tokens, a random run of a quarter of that
+repeated four times, so the lookup finds drafts; what the random model then keeps is what it keeps (reported).
+tok/s = streams x tokens over the whole run (prefill included), best of ``--repeats``, the two alternating; "same"
+counts the streams whose tokens equal plain decoding's (bf16: the verify step's prefill graph rounds otherwise
+than the decode graphs, so near-ties may part them; float32 equality is tests/cuda/test_speculative_gpu.py's).
+
+    python3 tools/bench_speculative_gpu.py [--shapes 135m,8b] [--streams 1,4] [--draft 4] [--tokens 256] [--json]
+
+CUDA only. Prints a table; with --json, one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import SHAPES, graph_executor, greedy, make_hf, serving  # noqa: E402
+
+
+def repeating_prompts(vocab: int, streams: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(streams):
+        run = torch.randint(3, vocab, (max(1, length // 4),), generator=g).tolist()
+        out.append((run * 4)[:length])
+    return out
+
+
+def run(pair, prompts, tokens: int, speculate: bool) -> dict:
+    from flared.execution.offline import drive
+
+    sched, ex = pair
+    before = dict(sched.counters)
+    r = drive(sched, ex, prompts, [greedy(tokens)] * len(prompts), speculate=speculate)
+    return {"tok_s": len(prompts) * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
+            "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
+            "spec_steps": r.steps_by_kind["SPECULATIVE"],
+            "drafted": sched.counters["speculative_drafted"] - before.get("speculative_drafted", 0),
+            "accepted": sched.counters["speculative_accepted"] - before.get("speculative_accepted", 0)}
+
+
+@torch.inference_mode()
+def bench_shape(shape: str, args, out: dict) -> list:
+    hf = make_hf(shape, torch.bfloat16)
+    model = serving(hf, torch.bfloat16)
+    del hf
+    torch.cuda.empty_cache()
+    concurrency = max(args.streams)
+    plain = graph_executor(model, concurrency)
+    spec = graph_executor(model, concurrency, speculative_tokens=args.draft)
+    vocab = SHAPES[shape]["vocab_size"]
+    rows = []
+    try:
+        for streams in args.streams:
+            p = repeating_prompts(vocab, streams, args.prompt, seed=7)
+            run(plain, repeating_prompts(vocab, streams, args.prompt, seed=70), 8, False)
+            run(spec, repeating_prompts(vocab, streams, args.prompt, seed=71), 8, True)
+            best = {}
+            for _ in range(args.repeats):
+                for name, pair, on in (("plain", plain, False), ("spec", spec, True)):
+                    r = run(pair, p, args.tokens, on)
+                    if r["tok_s"] > best.get(name, {"tok_s": 0})["tok_s"]:
+                        best[name] = r
+            same = sum(a == b for a, b in zip(best["spec"]["tokens"], best["plain"]["tokens"]))
+            row = {"plain_tok_s": round(best["plain"]["tok_s"], 1), "spec_tok_s": round(best["spec"]["tok_s"], 1),
+                   "ratio": round(best["spec"]["tok_s"] / best["plain"]["tok_s"], 3),
+                   "plain_steps": best["plain"]["steps"], "spec_steps": best["spec"]["steps"],
+                   "speculative_steps": best["spec"]["spec_steps"], "drafted": best["spec"]["drafted"],
+                   "accepted": best["spec"]["accepted"], "same_tokens": same}
+            out[f"{shape}|{streams}"] = row
+            rows.append((shape, streams, row))
+    finally:
+        plain[1].close()
+        spec[1].close()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="135m,8b")
+    ap.add_argument("--streams", default="1,4")
+    ap.add_argument("--draft", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    out = {"device": torch.cuda.get_device_name(), "draft": args.draft, "prompt": args.prompt, "tokens": args.tokens}
+    print(f"{'shape':6} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'steps':>12} "
+          f"{'kept/fed':>10} same")
+    for shape in args.shapes.split(","):
+        for _, streams, r in bench_shape(shape, args, out):
+            print(f"{shape:6} {streams:>7} {r['plain_tok_s']:11,.0f} {r['spec_tok_s']:10,.0f} {r['ratio']:6.2f} "
+                  f"{r['plain_steps']:>5} -> {r['spec_steps']:<4} {r['accepted']:>4}/{r['drafted']:<5} "
+                  f"{r['same_tokens']}/{streams}", flush=True)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
