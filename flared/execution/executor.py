@@ -370,8 +370,8 @@ class GraphExecutor:
 
     def _verify_drafts(self, frame: int, pending: _Pending, consumed, generated, token_ids):
         """poll's half of a speculative step: a participant's drafts are kept while each equals the greedy token
-        of the row before it, and the greedy token after the last kept one is its own (the one-draft-less
-        participants keep what the graph sampled). Its state row then gets that row's logits and token, on the
+        of the row before it, and the greedy token after the last kept one is its own (participants without
+        drafts keep what the graph sampled). Its state row then gets that row's logits and token, on the
         model stream before any later step. Returns the step's consumed and generated counts, tokens and kept
         drafts."""
         logits, offsets, fed, rows, states = pending.spec
