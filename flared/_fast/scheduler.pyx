@@ -776,8 +776,12 @@ cdef class RequestScheduler:
     cdef bint _drains_to_speculate(self, list requests):
         """Whether a decode cohort chosen with a step in flight should wait for an empty window instead of
         stacking: some request in it may speculate, drafts at its cap, and its last lookup did not come up empty
-        (spec_rest). Drafts need every token of their request on the host."""
+        (spec_rest); and, where steps speculate as prefill graphs, one holds the cohort. Drafts need every token
+        of their request on the host."""
         cdef Request r
+        cdef Py_ssize_t n = len(requests)
+        if self._spec_shapes is not None and not any(b >= n for b, t in self._spec_shapes):
+            return False
         for x in requests:
             r = x
             if r.speculate and r.spec_cap > 0 and r.spec_rest == 0:

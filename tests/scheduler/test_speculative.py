@@ -218,7 +218,7 @@ def test_with_prefill_graphs_a_cohort_speculates_only_where_a_prefill_shape_hold
     _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
     assert s.plan(10).kind == GraphKind.SPECULATIVE
     s = _scheduler(spec=3, graph_shapes=shapes, speculative_prefill_graphs=True)
-    handles = [s.admit(p, 10, 1, speculate=True) for p in ([1, 5, 6, 7, 8, 9, 5, 6, 7], [2, 5, 6, 7, 8, 9, 5, 6, 7])]
+    handles = [s.admit(p, 40, 1, speculate=True) for p in ([1, 5, 6, 7, 8, 9, 5, 6, 7], [2, 5, 6, 7, 8, 9, 5, 6, 7])]
     now = 2
     while not all(s.request(h).num_generated_tokens for h in handles):
         plan = s.plan(now)
@@ -230,6 +230,19 @@ def test_with_prefill_graphs_a_cohort_speculates_only_where_a_prefill_shape_hold
         now += 1
     plan = s.plan(now)
     assert plan.kind == GraphKind.DECODE and plan.num_participants == 2
+    s.commit(plan, s.last_committed_fence + 1)
+    s.complete(s.last_committed_fence, _records(plan, [8, 8]), 1000, now)
+    # no prefill shape holds the pair, so their decodes stack behind one in flight, past any miss's rest (no
+    # window drains for drafts they cannot have)
+    inflight = s.plan(now + 1)
+    s.commit(inflight, s.last_committed_fence + 1)
+    for k in range(12):
+        nxt = s.plan(now + 2 + 2 * k)
+        assert nxt is not None and nxt.kind == GraphKind.DECODE and nxt.num_participants == 2
+        s.commit(nxt, s.last_committed_fence + 1)
+        s.complete(s.last_committed_fence - 1, _records(inflight, [8, 8]), 1000, now + 3 + 2 * k)
+        inflight = nxt
+    assert all(s.request(h).spec_rest == 0 for h in handles)
 
 
 def test_a_step_in_flight_drains_for_speculation_until_the_lookup_comes_up_empty():
