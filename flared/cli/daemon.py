@@ -105,7 +105,8 @@ def main() -> None:
 @click.option("--allow-runtime-lora-updating", is_flag=True, default=False,
               help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added while serving).")
 @click.option("--max-loras", type=int, default=None,
-              help="With --allow-runtime-lora-updating on a GPU: adapters the CUDA graphs hold at once (default 4).")
+              help="With --allow-runtime-lora-updating on a GPU: adapters the CUDA graphs hold at once "
+                   "(default 4).")
 @click.option("--max-lora-rank", type=int, default=None,
               help="With --allow-runtime-lora-updating on a GPU: the largest adapter rank loaded while serving "
                    "(default 16).")
