@@ -131,6 +131,8 @@ cdef class ScheduledPlan:
     cdef readonly bint exclusive
     # The plan looked up drafts (a decode cohort chosen with the window empty, speculation on).
     cdef readonly bint spec_tried
+    # Drafts the lookup proposed and the plan left out as not worth their cost (counted when committed).
+    cdef readonly int32_t priced_out
     cdef readonly bint refresh
     cdef readonly double value
     cdef readonly double score

@@ -51,7 +51,7 @@ cdef class RequestScheduler:
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=*)
     cdef tuple _propose(self, Request r)
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
-    cdef list _priced_drafts(self, list requests, list drafts)
+    cdef list _priced_drafts(self, list requests, list drafts, ScheduledPlan p)
     cdef bint _drains_to_speculate(self, list requests)
     cdef tuple _copy_row(self, int32_t snapshot_id, Request r, int64_t endpoint)
     cdef _advance_phase(self, Request r, int kind)

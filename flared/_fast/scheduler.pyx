@@ -444,7 +444,7 @@ cdef class RequestScheduler:
             for i in range(n):
                 drafts[i] = drafts[i][:budget]
                 budget -= len(drafts[i])
-            drafts = self._priced_drafts(c.requests, drafts)
+            drafts = self._priced_drafts(c.requests, drafts, p)
             if any(drafts):
                 kind = K_SPECULATIVE
             else:
@@ -629,6 +629,7 @@ cdef class RequestScheduler:
         self.last_committed_fence = fence
         self._inflight.append((fence, plan))
         self.counters[_LAUNCH_KEYS[plan.kind]] += 1
+        self.counters["speculative_priced_out"] += plan.priced_out
 
     def complete(self, int64_t fence, records, duration_ns, int64_t now_ns, int64_t embedding_wait_ns=0):
         """Apply one frame's completion records (in fence order).
@@ -788,12 +789,12 @@ cdef class RequestScheduler:
                 return True
         return False
 
-    cdef list _priced_drafts(self, list requests, list drafts):
+    cdef list _priced_drafts(self, list requests, list drafts, ScheduledPlan p):
         """The drafts worth their cost: with the step cost fit (RowCost: a + b per token fed), a draft whose chance
         of being kept (its request's record to the power of its depth) is g joins while g / b beats the step's
         expected tokens per ns so far, best first; so a wide step of drafts seldom kept is cut back to the cohort's
         own tokens, and a cheap one keeps them all. Without a fit (the tokens fed have not varied yet), or where a
-        token costs nothing, every draft stays."""
+        token costs nothing, every draft stays. ``p.priced_out`` gets the number left out."""
         fit = self.row_cost.fit()
         if fit is None or fit[1] <= 0:
             return drafts
@@ -816,7 +817,7 @@ cdef class RequestScheduler:
             kept[best] += 1
             tokens += g
             cost += b
-        self.counters["speculative_priced_out"] += sum(len(drafts[i]) - kept[i] for i in range(n))
+        p.priced_out = sum(len(drafts[i]) - kept[i] for i in range(n))
         return [drafts[i][:kept[i]] for i in range(n)]
 
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept):

@@ -78,7 +78,7 @@ class StackedLora:
                  slots: int | None = None, slot_width: int | None = None):
         adapters = list(adapters)
         self.num_adapters = len(adapters)
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.dtype = dtype
         widths = [stacked_width(factors) for factors in adapters]
         self.slots = slots
         if slots is None:
@@ -101,21 +101,21 @@ class StackedLora:
         self.factors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         shapes = serving_tensor_shapes(config)  # name -> (out features N, in features K)
         stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def room(layer: int, product: str) -> tuple[torch.Tensor, torch.Tensor]:
+            """The product's float32 A_cat [K, R] and B_cat [R, N], zeros when new."""
+            if (layer, product) not in stacked:
+                out_features, in_features = shapes[f"layers.{layer}.{product}.weight"]
+                stacked[(layer, product)] = (torch.zeros(in_features, self.rank), torch.zeros(self.rank, out_features))
+            return stacked[(layer, product)]
+
         if slots is not None:  # every product of every layer, for whatever an adapter loaded later targets
             for layer in range(config.num_layers):
                 for product in PRODUCTS:
-                    out_features, in_features = shapes[f"layers.{layer}.{product}.weight"]
-                    stacked[(layer, product)] = (torch.zeros(in_features, self.rank),
-                                                 torch.zeros(self.rank, out_features))
+                    room(layer, product)
         for k, factors in enumerate(adapters):
             for name, parts in (factors or {}).items():
-                layer, product = _key(name)
-                if (layer, product) not in stacked:
-                    out_features, in_features = shapes[name]
-                    stacked[(layer, product)] = (torch.zeros(in_features, self.rank),
-                                                 torch.zeros(self.rank, out_features))
-                a_cat, b_cat = stacked[(layer, product)]
-                _write(a_cat, b_cat, self.offsets[k], parts)
+                _write(*room(*_key(name)), self.offsets[k], parts)
         for key, (a_cat, b_cat) in stacked.items():
             self.factors[key] = (a_cat.to(device=device, dtype=dtype).contiguous(),
                                  b_cat.to(device=device, dtype=dtype).contiguous())
@@ -139,11 +139,9 @@ class StackedLora:
             raise ValueError(f"no LoRA slot {slot} (slots: {self.slots})")
         if self.slot_adapter[slot] != -1:
             raise ValueError(f"LoRA slot {slot} holds adapter {self.slot_adapter[slot]}")
-        if stacked_width(factors) > self.slot_width:
-            raise ValueError(f"the adapter needs {stacked_width(factors)} stacked columns; a slot has "
-                             f"{self.slot_width}")
-        for name in factors:
-            _key(name)
+        width = stacked_width(factors)  # (it checks every name too)
+        if width > self.slot_width:
+            raise ValueError(f"the adapter needs {width} stacked columns; a slot has {self.slot_width}")
         column = self.offsets[slot]
         for (layer, product), (a_cat, b_cat) in self.factors.items():
             a_block = torch.zeros(a_cat.shape[0], self.slot_width)
