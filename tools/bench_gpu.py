@@ -96,9 +96,10 @@ def serving(hf, dtype: torch.dtype, device="cuda"):
     return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT_TOKENS)
 
 
-def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=(), speculative_tokens=0):
+def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=(), speculative_tokens=0, spec_max_rows=0):
     """``graph_shapes``: the executor's (GraphExecutor.graph_shapes); () = the defaults (one-sequence prefill);
-    ``speculative_tokens``: prompt-lookup drafts a step, run as the executor's prefill graphs."""
+    ``speculative_tokens``: prompt-lookup drafts a step, up to ``spec_max_rows`` tokens a step in all (the
+    executor's GraphExecutor.spec_max_rows)."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     num_pages = num_pages or concurrency * CONTEXT_TOKENS // PAGE_TOKENS // 4
@@ -106,7 +107,7 @@ def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=(), speculat
         model_identity=hashlib.sha256(b"bench").digest(), max_live_requests=concurrency, num_pages=num_pages,
         num_snapshots=4 * concurrency, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT_TOKENS,
         prefill_chunk_size=prefill_setup()[0], graph_shapes=tuple(graph_shapes), speculative_tokens=speculative_tokens,
-        speculative_prefill_graphs=speculative_tokens > 0), PolicyConfig()), num_pages
+        speculative_max_rows=spec_max_rows), PolicyConfig()), num_pages
 
 
 def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch_shapes=None, lora=None,
@@ -126,8 +127,8 @@ def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch
                        num_snapshots=4 * concurrency, vocab_size=model.config.vocab_size, max_live=concurrency,
                        decode_batch_sizes=batches, prefill_token_sizes=prefill,
                        max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes,
-                       lora=lora, speculative=speculative_tokens > 0)
-    sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes, speculative_tokens)
+                       lora=lora, speculative=speculative_tokens)
+    sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes, speculative_tokens, ex.spec_max_rows)
     return sched, ex
 
 

@@ -1,10 +1,11 @@
 """Speculative decoding by prompt lookup on the GPU: greedy streams through the CUDA graph executor with
-``--draft`` drafts a step (each speculative step a prefill graph) against the same streams without, in one run.
+``--draft`` drafts a step (each speculative step a decode graph, a row per fed token) against the same streams
+without, in one run.
 
 Random bf16 weights of each shape (bench_gpu's). Prompts: ``--prompt`` tokens, a random run of a quarter of that
 repeated four times, so the lookup finds drafts; what the random model then keeps is what it keeps (reported).
 tok/s = streams x tokens over the whole run (prefill included), best of ``--repeats``, the two alternating; "same"
-counts the streams whose tokens equal plain decoding's (bf16: the verify step's prefill graph rounds otherwise
+counts the streams whose tokens equal plain decoding's (bf16: the verify step's graph rounds otherwise
 than the decode graphs, so near-ties may part them; float32 equality is tests/cuda/test_speculative_gpu.py's).
 
     python3 tools/bench_speculative_gpu.py [--shapes 135m,8b] [--streams 1,4] [--draft 4] [--tokens 256] [--json]

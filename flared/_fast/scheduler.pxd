@@ -41,8 +41,8 @@ cdef class RequestScheduler:
     cdef int32_t _lookup_min
     # A step's duration against the tokens it feeds (decode and speculative steps): what a draft costs.
     cdef readonly object row_cost
-    # With speculative_prefill_graphs: (batch capacity, token capacity) of the PREFILL shapes; else None.
-    cdef list _spec_shapes
+    # The most tokens a speculative step feeds in all (SchedulerConfig.speculative_max_rows, at most 64).
+    cdef Py_ssize_t _spec_rows
 
     cdef Request _get(self, int64_t handle)
     cdef bint _ensure_pages(self, int64_t n) except -1

@@ -162,9 +162,7 @@ cdef class RequestScheduler:
         self._initialize_state = config.initialize_state
         self._spec_tokens = getattr(config, "speculative_tokens", 0)
         self.row_cost = RowCost()
-        self._spec_shapes = None
-        if getattr(config, "speculative_prefill_graphs", False):
-            self._spec_shapes = sorted((b, t) for kind, b, t in config.graph_shapes if kind == K_PREFILL)
+        self._spec_rows = min(SPECULATIVE_MAX_TOKENS, config.speculative_max_rows or SPECULATIVE_MAX_TOKENS)
         self._lookup_max = getattr(config, "prompt_lookup_max", 4)
         self._lookup_min = getattr(config, "prompt_lookup_min", 2)
         # Speculative decoding's figures (the dashboard's acceptance length and depth): draft tokens fed and kept,
@@ -436,11 +434,9 @@ cdef class RequestScheduler:
         cdef Py_ssize_t budget
         if speculate:
             drafts = [self._propose(<Request>x) if (<Request>x).speculate else () for x in c.requests]
-            # At most SPECULATIVE_MAX_TOKENS tokens fed in all (the CPU's one-call decode step takes 64 rows):
-            # the requests earlier in the cohort keep their drafts first.
-            budget = max(SPECULATIVE_MAX_TOKENS, n) - n
-            if self._spec_shapes is not None:  # the step runs as the largest prefill graph that holds the cohort
-                budget = min(budget, max([t for b, t in self._spec_shapes if b >= n], default=n) - n)
+            # At most _spec_rows tokens fed in all (the CPU's one-call decode step takes 64 rows; the GPU's
+            # speculative graphs a row per token): the requests earlier in the cohort keep their drafts first.
+            budget = max(self._spec_rows, n) - n
             for i in range(n):
                 drafts[i] = drafts[i][:budget]
                 budget -= len(drafts[i])
@@ -777,11 +773,11 @@ cdef class RequestScheduler:
     cdef bint _drains_to_speculate(self, list requests):
         """Whether a decode cohort chosen with a step in flight should wait for an empty window instead of
         stacking: some request in it may speculate, drafts at its cap, and its last lookup did not come up empty
-        (spec_rest); and, where steps speculate as prefill graphs, one holds the cohort. Drafts need every token
-        of their request on the host."""
+        (spec_rest); and the step has room for a draft beside the cohort's own tokens (_spec_rows). Drafts need
+        every token of their request on the host."""
         cdef Request r
         cdef Py_ssize_t n = len(requests)
-        if self._spec_shapes is not None and not any(b >= n for b, t in self._spec_shapes):
+        if n >= self._spec_rows:
             return False
         for x in requests:
             r = x

@@ -49,7 +49,7 @@ from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, Fr
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
-                                     pack_prefill)
+                                     pack_prefill, speculative_batch_sizes, speculative_rows)
 from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind, scored_participants
@@ -72,7 +72,7 @@ class _Pending:
         self.logprob_out = None
         self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
         self.scores: list[list[float] | None] | None = None  # per participant, where the step scored
-        # a speculative step: (every fed row's logits on the device, token offsets, fed tokens, state rows, states)
+        # a speculative step: (every row's logits on the device, token offsets, fed tokens, state rows, states)
         self.spec = None
 
 
@@ -84,15 +84,20 @@ class GraphExecutor:
         default (graphs.default_prefill_batch_shapes), () = one-sequence prefill graphs only. The scheduler
         must plan with ``graph_shapes`` (what was captured). ``lora``: the per-request LoRA adapters
         (kernels/lora_rows.StackedLora) the graphs run for rows whose state names one (``lora``); None: none.
-        ``speculative``: serve SPECULATIVE steps (prompt-lookup drafts; the scheduler needs
-        speculative_prefill_graphs): each runs as a prefill graph, and every fed row's greedy token verifies
-        the drafts (_submit_speculative)."""
+        ``speculative``: the most draft tokens a request feeds a SPECULATIVE step (prompt lookup; 0 = none):
+        each such step runs as a decode graph with a row per fed token (kind "decode_spec", captured for
+        ``spec_batch_sizes``; the scheduler must cap a step's tokens at ``spec_max_rows``), and every row's
+        greedy token verifies the drafts (_submit_speculative)."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens
         self.max_live = max_live
         if prefill_batch_shapes is None:
             prefill_batch_shapes = default_prefill_batch_shapes(max_live, prefill_token_sizes)
+        self.spec_batch_sizes = speculative_batch_sizes(max_live, speculative)
+        self.spec_max_rows = max(self.spec_batch_sizes, default=0)
+        # a speculative step's rows are decode rows: the decode spans (and graphs) reach its capacities too
+        decode_batch_sizes = sorted(set(decode_batch_sizes) | set(self.spec_batch_sizes))
         self.manifest = ExecutionManifest.build(decode_batch_sizes=decode_batch_sizes,
                                                 prefill_token_sizes=prefill_token_sizes,
                                                 max_pages_per_sequence=max_pages_per_sequence,
@@ -109,8 +114,8 @@ class GraphExecutor:
         self._copy_ptr = self.copy_stream.cuda_stream
         self._upload_ptr = self.upload_stream.cuda_stream
         self.graphs = GraphSet(model, self.manifest, num_pages=num_pages, page_tokens=page_tokens,
-                               num_state_rows=num_state_rows, lora=lora, keep_prefill_hidden=speculative)
-        self.speculative = speculative
+                               num_state_rows=num_state_rows, lora=lora, spec_batch_sizes=self.spec_batch_sizes)
+        self.speculative = speculative > 0
         self.decoder = self.graphs.decoder
         c = model.config
         snap_shape = (num_snapshots, c.num_layers, page_tokens, c.num_kv_heads, c.head_dim)
@@ -124,10 +129,8 @@ class GraphExecutor:
         self._in_views = [self.manifest.host_views(f.array) for f in self._in_frames]
         self._token_frames = [self._pin(8 * self.manifest.max_batch) for _ in range(_NUM_FRAMES)]
         self._tokens = [f.array.view(np.int64) for f in self._token_frames]
-        # A speculative step's greedy token at every fed row (a prefill graph's token rows), device and pinned.
-        spec_rows = self.manifest.max_tokens if speculative else 1
-        self._spec_greedy = torch.zeros(spec_rows, dtype=torch.int64, device=self.device)
-        self._greedy_frames = [self._pin(8 * spec_rows) for _ in range(_NUM_FRAMES)]
+        # A speculative step's token at every row (one per fed token), read back beside the participants' own.
+        self._greedy_frames = [self._pin(8 * max(1, self.spec_max_rows)) for _ in range(_NUM_FRAMES)]
         self.ring = FrameRing()
         self.table = CompletionTable(self.max_slots)
         self._start = [cuda.Event() for _ in range(_NUM_FRAMES)]
@@ -219,10 +222,9 @@ class GraphExecutor:
             cuda.stream_wait_event(self._copy_ptr, self._end[frame])
             if n:
                 cuda.copy_d2h_async(self._token_frames[frame].ptr, self._sampled_ptr, 8 * n, self._copy_ptr)
-            if pending.spec is not None:  # every fed row's greedy token
+            if pending.spec is not None:  # every row's token (a participant's rows from token offset on)
                 rows = int(pending.spec[1][-1])
-                cuda.copy_d2h_async(self._greedy_frames[frame].ptr, self._spec_greedy.data_ptr(), 8 * rows,
-                                    self._copy_ptr)
+                cuda.copy_d2h_async(self._greedy_frames[frame].ptr, self._sampled_ptr, 8 * rows, self._copy_ptr)
             self._copied[frame].record(self._copy_ptr)
             fence = self.ring.submitted(frame)
             self.max_outstanding = max(self.max_outstanding, self.ring.outstanding)
@@ -289,9 +291,14 @@ class GraphExecutor:
         scratch = self.decoder.scratch_slot
         # each row's per-request LoRA adapter, where the graphs run adapters (else lora_ids is never read)
         adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
-        if kind == "decode":
-            key = self.graphs.pick_decode(n, any(s is not None and s.params.temperature > 0 for s in states),
-                                          int(starts[:n].max()) + 1 if n else 0,
+        full_sampling = any(s is not None and s.params.temperature > 0 for s in states)
+        if kind == "decode_spec":
+            key = self.graphs.pick_speculative(n, full_sampling)
+            cap = key[1]
+            f = "decode_"
+            pack_decode(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, capacity=cap, adapters=adapters)
+        elif kind == "decode":
+            key = self.graphs.pick_decode(n, full_sampling, int(starts[:n].max()) + 1 if n else 0,
                                           adapters=adapters is not None and any(adapters[:n]))
             cap = key[1]
             f = "decode_"  # decode graphs read the decode spans, uploaded in one copy below
@@ -303,8 +310,9 @@ class GraphExecutor:
             _, batch_cap, cap, _ = key
             width = pack_prefill(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, batch_capacity=batch_cap,
                                  token_capacity=cap, adapters=adapters)
+        decode = kind != "prefill"
         token_rows = cap
-        batch_rows = cap if kind == "decode" else batch_cap
+        batch_rows = cap if decode else batch_cap
         # Sampling parameters (graph sampler) and per-row step counters.
         for i in range(n):
             s = states[i]
@@ -319,7 +327,7 @@ class GraphExecutor:
             v[f + "steps"][i] = s.num_output_tokens
         v[f + "temperature"][n:batch_rows] = 0.0
         execs = self.graphs.graph_execs
-        if kind == "decode":
+        if decode:
             # One copy: every decode span and the block-table rows up to the capacity (whole rows: they are
             # contiguous; only the columns in use matter), into the frame's own device region on the upload
             # stream. The graph that read this region last was this frame's previous step, which poll saw
@@ -355,25 +363,35 @@ class GraphExecutor:
         return key
 
     def _submit_speculative(self, frame: int, plan, block_tables, states) -> None:
-        """A speculative step as a prefill graph: each participant's last token and drafts at consecutive
-        positions, every fed token writing its K/V before any attends (as a prefill chunk over its cached
-        prefix). The graph samples each participant's last row as a prefill does; then the LM head over every
-        fed row (the graph's kept hidden rows) gives each row's greedy token, read back with the step."""
-        key = self._submit_graph(frame, plan, block_tables, states, "prefill")
-        offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:plan.num_participants + 1]
-        total = int(offsets[-1])
-        hidden = self.graphs.prefill_hidden[key][:total]
-        logits = torch.nn.functional.linear(hidden, self.decoder.model.lm_head).float()  # as the graphs' head
-        torch.argmax(logits, dim=-1, out=self._spec_greedy[:total])
-        self._pending[frame].spec = (logits, offsets, np.asarray(plan.token_ids, dtype=np.int64)[:total],
-                                     np.asarray(plan.state_rows, dtype=np.int64), list(states))
+        """A speculative step as a decode graph with a row per fed token (kind "decode_spec"): participant i's
+        last token and drafts are rows offsets[i].. at consecutive positions, each with the participant's block
+        table and its own context, so row j attends to the positions up to its own. The graph writes every row's
+        K/V before any row attends (its rotary and KV write run apart from the attention), and samples every
+        row; a participant with drafts is greedy, so its rows' tokens are the greedy tokens that verify them
+        (poll, _verify_drafts). A participant's lone row samples into its state row as a decode row does; the
+        rows of one with drafts sample into the scratch state row 0, and poll gives its state row the logits and
+        token of the row after its last kept draft."""
+        n = plan.num_participants
+        rows, part = speculative_rows(plan)
+        offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
+        widths = np.diff(offsets)
+        row_states = [states[i] for i in part]
+        pending = self._pending[frame]
+        self._submit_graph(frame, rows, [block_tables[i] for i in part], row_states, "decode_spec")
+        for i in np.flatnonzero(widths > 1):  # one output token at submit, as a decode row; poll adds the kept
+            if states[i] is not None:
+                states[i].num_output_tokens -= int(widths[i]) - 1
+        # eager-sampled rows (log-probabilities and the like) are lone rows: name their participants
+        pending.logprob_rows = [(int(part[r]), top_n) for r, top_n in pending.logprob_rows]
+        pending.spec = (self.decoder.logits, offsets, np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
+                        np.asarray(plan.state_rows, dtype=np.int64)[:n], list(states))
 
     def _verify_drafts(self, frame: int, pending: _Pending, consumed, generated, token_ids):
         """poll's half of a speculative step: a participant's drafts are kept while each equals the greedy token
-        of the row before it, and the greedy token after the last kept one is its own (participants without
-        drafts keep what the graph sampled). Its state row then gets that row's logits and token, on the
-        model stream before any later step. Returns the step's consumed and generated counts, tokens and kept
-        drafts."""
+        of the row before it, and the greedy token after the last kept one is its own (a participant without
+        drafts keeps what its row sampled). A participant with drafts then gets that row's logits and token in
+        its state row, on the model stream before any later step. Returns the step's consumed and generated
+        counts, tokens and kept drafts."""
         logits, offsets, fed, rows, states = pending.spec
         pending.spec = None
         greedy = self._greedy_frames[frame].array.view(np.int64)
@@ -386,11 +404,11 @@ class GraphExecutor:
             while lo + 1 + a < hi and int(greedy[lo + a]) == int(fed[lo + 1 + a]):
                 a += 1
             kept.append(tuple(int(t) for t in fed[lo + 1:lo + 1 + a]))
+            token_ids[i] = int(greedy[lo + a])
             if hi - lo == 1:
                 continue
             consumed[i] -= hi - lo - 1 - a
             generated[i] += a
-            token_ids[i] = int(greedy[lo + a])
             fix_rows.append(int(rows[i]))
             fix_at.append(lo + a)
             fix_tokens.append(int(token_ids[i]))

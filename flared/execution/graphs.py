@@ -96,6 +96,24 @@ def default_prefill_batch_shapes(concurrency: int, prefill_token_sizes,
     return tuple(shapes)
 
 
+# The most rows a speculative step's decode graph takes (the scheduler's SPECULATIVE_MAX_TOKENS: its cohort's last
+# tokens and drafts in all).
+SPEC_MAX_ROWS = 64
+
+
+def speculative_batch_sizes(concurrency: int, draft_tokens: int) -> tuple[int, ...]:
+    """Row capacities of the speculative decode graphs ("decode_spec") an executor captures where requests feed up
+    to ``draft_tokens`` drafts a step: powers of two from 2 up to the first that holds every live request's last
+    token and drafts, at most SPEC_MAX_ROWS; () without drafts."""
+    if draft_tokens <= 0:
+        return ()
+    most = min(SPEC_MAX_ROWS, concurrency * (1 + draft_tokens))
+    sizes = [2]
+    while sizes[-1] < most:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
 @dataclass(frozen=True)
 class Span:
     name: str
@@ -350,6 +368,37 @@ def pack_decode(views: dict[str, np.ndarray], plan, block_tables, *, page_tokens
         v[f + "lora_ids"][n:capacity] = 0
 
 
+@dataclass
+class SpeculativeRows:
+    """A speculative step laid out as decode rows, a row per fed token (what pack_decode reads of a plan)."""
+    num_participants: int  # rows
+    token_starts: np.ndarray  # each row's position
+    token_offsets: np.ndarray  # 0, 1, ... (a token a row)
+    token_ids: np.ndarray
+    state_rows: np.ndarray
+    sample: np.ndarray
+
+
+def speculative_rows(plan) -> tuple[SpeculativeRows, np.ndarray]:
+    """A SPECULATIVE plan as decode rows, and each row's participant: participant i's fed tokens (its last token,
+    then its drafts) are rows token_offsets[i].. at consecutive positions from its start, each with the
+    participant's sample flag. A participant with drafts gets the scratch state row 0 on every row (its state row
+    takes the kept row's logits and token after the step); one without keeps its own."""
+    n = plan.num_participants
+    offsets = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
+    widths = np.diff(offsets)
+    part = np.repeat(np.arange(n), widths)
+    depth = np.arange(len(part)) - offsets[part]
+    state_rows = np.asarray(plan.state_rows, dtype=np.int64)[:n]
+    rows = SpeculativeRows(num_participants=len(part),
+                           token_starts=np.asarray(plan.token_starts, dtype=np.int64)[part] + depth,
+                           token_offsets=np.arange(len(part) + 1, dtype=np.int64),
+                           token_ids=np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
+                           state_rows=np.where(widths[part] > 1, 0, state_rows[part]),
+                           sample=np.asarray(plan.sample, dtype=np.uint8)[part])
+    return rows, part
+
+
 def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) -> float:
     """GPU microseconds per call of ``fn`` as a CUDA graph pays them (launch gaps included): ``fn`` runs
     once eagerly (Triton compiles and autotunes there, never inside a capture), is captured
@@ -384,11 +433,11 @@ class GraphSet:
     """Device inputs, the paged decoder and its captured graphs (CUDA only)."""
 
     def __init__(self, model, manifest: ExecutionManifest, *, num_pages: int, page_tokens: int,
-                 num_state_rows: int, lora=None, keep_prefill_hidden: bool = False):
+                 num_state_rows: int, lora=None, spec_batch_sizes=()):
         """``lora``: the per-request LoRA adapters (kernels/lora_rows.StackedLora) the decoder's graphs run for
-        the rows that name one (``lora_ids``); None: none. ``keep_prefill_hidden``: each prefill graph's final
-        hidden rows stay where its replays write them (``prefill_hidden``; a speculative step reads every
-        row's greedy token from them) instead of going back to the pool for later captures."""
+        the rows that name one (``lora_ids``); None: none. ``spec_batch_sizes``: the row capacities of the
+        speculative decode graphs (kind "decode_spec": a row per fed token, every row's K/V written before any row
+        attends; speculative_batch_sizes), each of them also a decode capacity of ``manifest``; () = none."""
         import torch
 
         from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
@@ -427,8 +476,10 @@ class GraphSet:
                                         max_tokens=manifest.max_tokens, lora=lora)
         self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs: dict[tuple[str, int, int, bool], int] = {}
-        self.keep_prefill_hidden = keep_prefill_hidden
-        self.prefill_hidden: dict[tuple[str, int, int, bool], torch.Tensor] = {}  # key -> [token capacity, H]
+        missing = set(spec_batch_sizes) - set(manifest.decode_batch_sizes)
+        if missing:
+            raise ValueError(f"speculative capacities {sorted(missing)} are not decode capacities of the manifest")
+        self.spec_batch_sizes = tuple(sorted(spec_batch_sizes))
         # the decode graphs again, over decode_region_b (decode_execs(1))
         self.graphs_b: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs_b: dict[tuple[str, int, int, bool], int] = {}
@@ -480,6 +531,8 @@ class GraphSet:
             self.decoder.decode(batch, full, mega=True)
         elif kind == "decode_lora":
             self.decoder.decode(batch, full, mega=False, adapters=True)
+        elif kind == "decode_spec":  # a decoder with adapters runs their terms for the rows that name one
+            self.decoder.decode(batch, full, mega=False, adapters=self.decoder.lora is not None, speculative=True)
         else:
             return self.decoder.prefill(batch, tokens)
 
@@ -496,6 +549,8 @@ class GraphSet:
             # adapter row keep the graphs above, the fastest paths (pick_decode).
             if self.decoder.lora is not None:
                 keys += [graph_key("decode_lora", b, b, False), graph_key("decode_lora", b, b, True)]
+        for b in self.spec_batch_sizes:
+            keys += [graph_key("decode_spec", b, b, False), graph_key("decode_spec", b, b, True)]
         # Largest first (token rows, then batch rows): later, smaller graphs reuse the pool's blocks.
         return sorted(keys, key=lambda k: (-k[2], -k[1], k[0], k[3]))
 
@@ -528,9 +583,7 @@ class GraphSet:
                     t = time.perf_counter()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=pool, stream=stream):
-                        hidden = self._run_eager(key)
-                    if hidden is not None and self.keep_prefill_hidden:
-                        self.prefill_hidden[key] = hidden
+                        self._run_eager(key)
                     self.graphs[key] = g
                     self.graph_execs[key] = int(g.raw_cuda_graph_exec())
                     if key[0] != "prefill":  # again over region 1
@@ -557,6 +610,14 @@ class GraphSet:
     def pick(self, kind: str, size: int, full_sampling: bool = True, *, batch: int = 1) -> tuple[str, int, int, bool]:
         """The key of the smallest captured graph that holds the step (ExecutionManifest.pick)."""
         return self.manifest.pick(kind, size, full_sampling, batch=batch)
+
+    def pick_speculative(self, rows: int, full_sampling: bool) -> tuple[str, int, int, bool]:
+        """The smallest speculative decode graph that holds ``rows`` rows (a row per fed token)."""
+        for cap in self.spec_batch_sizes:
+            if cap >= rows:
+                return graph_key("decode_spec", cap, cap, full_sampling)
+        raise ExecutionError(f"no speculative graph holds {rows} rows (captured: {self.spec_batch_sizes})",
+                             ErrorKind.MODEL_CAPACITY)
 
     def pick_decode(self, rows: int, full_sampling: bool, longest_context: int,
                     adapters: bool = False) -> tuple[str, int, int, bool]:

@@ -345,7 +345,7 @@ class ModelRuntime:
                                           decode_batch_sizes=caps.decode_batch_sizes,
                                           prefill_token_sizes=caps.prefill_token_sizes,
                                           max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens),
-                                          lora=stacked, speculative=self.speculative[0] > 0)
+                                          lora=stacked, speculative=self.speculative[0])
             graph_shapes = self.executor.graph_shapes
             log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
             from flared.model.kernels.megakernel import describe_decode_paths
@@ -371,7 +371,7 @@ class ModelRuntime:
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
                             graph_shapes=graph_shapes, speculative_tokens=spec_tokens,
                             prompt_lookup_max=self.speculative[1], prompt_lookup_min=self.speculative[2],
-                            speculative_prefill_graphs=use_cuda),
+                            speculative_max_rows=self.executor.spec_max_rows if use_cuda else 0),
             self.policy if self.policy is not None else PolicyConfig())
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:

@@ -131,10 +131,10 @@ class SchedulerConfig:
     speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # The executor runs a speculative step as one of its prefill graphs (the CUDA graph executor: every fed token
-    # writes its K/V before any attends, and the step's hidden rows give every position's greedy token): a
-    # cohort speculates only where a PREFILL shape holds it, its tokens at most that shape's capacity.
-    speculative_prefill_graphs: bool = False
+    # The most tokens a speculative step feeds in all (its cohort's last tokens and drafts): the CUDA graph
+    # executor runs one as a decode graph with a row per token, of up to its spec_max_rows rows, so a cohort of
+    # that many requests or more does not speculate. 0: SPECULATIVE_MAX_TOKENS (64, the CPU's one-call step).
+    speculative_max_rows: int = 0
 
     def __post_init__(self):
         if len(self.model_identity) != 32:
@@ -154,6 +154,8 @@ class SchedulerConfig:
             raise ValueError("checkpoint_extra_work_fraction must be within 0..1")
         if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be 0..{MAX_SPECULATIVE_TOKENS}")
+        if self.speculative_max_rows < 0:
+            raise ValueError("speculative_max_rows must be 0 (the default) or more")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not self.graph_shapes:

@@ -39,9 +39,9 @@ def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=()):
 
 
 def make_executor(model, concurrency=4, num_pages=128, chunk=128, prefill_batch_shapes=(), lora=None,
-                  speculative=False):
+                  speculative=0):
     """One-sequence prefill graphs unless ``prefill_batch_shapes`` lists (batch, tokens) ones; ``lora``: per-request
-    LoRA adapters (a StackedLora); ``speculative``: serve speculative steps."""
+    LoRA adapters (a StackedLora); ``speculative``: serve speculative steps of up to that many drafts a request."""
     from flared.execution.executor import GraphExecutor
 
     return GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,

@@ -1,7 +1,7 @@
-"""Speculative decoding by prompt lookup on the CUDA graph executor (GraphExecutor(speculative=True)).
+"""Speculative decoding by prompt lookup on the CUDA graph executor (GraphExecutor(speculative=N)).
 
-A speculative step runs as a prefill graph (every fed token writes its K/V before any attends); the LM head
-over the graph's kept hidden rows gives every fed row's greedy token, and poll keeps the drafts those confirm.
+A speculative step runs as a decode graph with a row per fed token (every row writes its K/V before any row
+attends); each row's greedy token verifies the draft after it, and poll keeps the drafts those confirm.
 float32: the tokens equal plain decoding's and the CPU path's, exactly, in fewer steps. The model thread
 serves speculation on the GPU (bf16).
 """
@@ -22,13 +22,14 @@ PROMPTS = [[3, 4, 5, 6, 7, 8] * 8, list(range(100, 140)) * 2, [9, 10, 11] * 5, l
 BATCH_SHAPES = ((2, 64), (2, 128), (4, 128))
 
 
-def _scheduler(graph_shapes=(), spec=4, prefill_graphs=True):
+def _scheduler(graph_shapes=(), spec=4, max_rows=0):
+    """``max_rows``: the executor's spec_max_rows (0: the CPU's)."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"cuda-spec").digest(), max_live_requests=4, num_pages=128, num_snapshots=16,
         page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=128, graph_shapes=tuple(graph_shapes),
-        speculative_tokens=spec, speculative_prefill_graphs=prefill_graphs), PolicyConfig())
+        speculative_tokens=spec, speculative_max_rows=max_rows), PolicyConfig())
 
 
 def _drive(ex, sched, prompts, max_tokens=40, speculate=True):
@@ -48,18 +49,60 @@ def test_float32_speculative_tokens_equal_plain_decoding(hf, prompts):
         plain = _drive(ex, _scheduler(ex.graph_shapes, spec=0), prompts, speculate=False)
     finally:
         ex.close()
-    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=True)
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
     try:
-        sched = _scheduler(ex.graph_shapes)
+        assert ex.spec_batch_sizes == (2, 4, 8, 16, 32) and ex.spec_max_rows == 32  # 4 requests x (1 + 4 drafts)
+        sched = _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows)
         got = _drive(ex, sched, prompts)
-        again = _drive(ex, _scheduler(ex.graph_shapes), prompts)
+        again = _drive(ex, _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows), prompts)
     finally:
         ex.close()
     assert got.tokens == plain.tokens == again.tokens
     assert got.steps_by_kind["SPECULATIVE"] > 0 and sched.counters["speculative_accepted"] > 0
     assert got.steps_by_kind["SPECULATIVE"] + got.steps_by_kind["DECODE"] < plain.steps_by_kind["DECODE"]
-    cpu = _drive(make_cpu_executor(serving_model(hf, "cpu")), _scheduler(prefill_graphs=False), prompts)
+    cpu = _drive(make_cpu_executor(serving_model(hf, "cpu")), _scheduler(), prompts)
     assert cpu.tokens == got.tokens
+
+
+def test_float32_a_sampled_request_rides_along_and_a_small_cap_still_verifies(hf):
+    """A cohort of greedy requests with drafts and a sampled one (its lone row samples as a decode row does,
+    seeded): the greedy tokens equal plain decoding's and the sampled stream equals its own plain run's; with the
+    scheduler's cap at 2 rows (one draft for a lone request) the greedy tokens still equal plain decoding's."""
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    gpu = serving_model(hf)
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=32), SamplingParams(temperature=0.9, seed=11, max_tokens=32),
+              SamplingParams(temperature=0.0, max_tokens=32)]
+
+    def run(ex, sched, speculate):
+        ticks = iter(range(1, 10**9))
+        return drive(sched, ex, prompts, params, speculate=speculate, clock_ns=lambda: next(ticks))
+
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        plain = run(ex, _scheduler(ex.graph_shapes, spec=0), False)
+    finally:
+        ex.close()
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
+    try:
+        sched = _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows)
+        got = run(ex, sched, True)
+        capped_sched = _scheduler(ex.graph_shapes, max_rows=2)
+        capped = _drive(ex, capped_sched, PROMPTS[:1])
+    finally:
+        ex.close()
+    assert got.steps_by_kind["SPECULATIVE"] > 0 and sched.counters["speculative_accepted"] > 0
+    assert got.tokens == plain.tokens
+    assert capped_sched.counters["speculative_accepted"] > 0
+    assert capped_sched.counters["speculative_drafted"] == capped.steps_by_kind["SPECULATIVE"]  # one draft a step
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        alone = _drive(ex, _scheduler(ex.graph_shapes, spec=0), PROMPTS[:1], speculate=False)
+    finally:
+        ex.close()
+    assert capped.tokens == alone.tokens
 
 
 def test_the_model_thread_speculates_on_the_gpu(tiny_hf_llama, tmp_path):

@@ -245,3 +245,52 @@ def test_a_decode_plan_packs_into_the_decode_spans():
     assert np.array_equal(v["decode_lora_ids"], stale)
     with pytest.raises(ExecutionError, match="does not fit"):
         pack_decode(v, dec, tables, page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, capacity=2)
+
+
+def test_speculative_batch_sizes_hold_every_live_requests_drafts_up_to_64():
+    from flared.execution.graphs import speculative_batch_sizes
+
+    assert speculative_batch_sizes(4, 0) == ()
+    assert speculative_batch_sizes(1, 4) == (2, 4, 8)  # 1 x (1 + 4) = 5 rows
+    assert speculative_batch_sizes(4, 4) == (2, 4, 8, 16, 32)
+    assert speculative_batch_sizes(64, 8) == (2, 4, 8, 16, 32, 64)
+    assert speculative_batch_sizes(1, 1) == (2,)
+
+
+def test_a_speculative_plan_packs_as_a_decode_row_per_fed_token():
+    """speculative_rows + pack_decode (the GraphExecutor's speculative step): a request's last token and drafts
+    are rows at consecutive positions, each writing the slot its block table maps there with context up to
+    itself, on the scratch state row 0; a request without drafts is one row on its own state row."""
+    from flared.execution.graphs import pack_decode, speculative_rows
+    from flared.scheduler import plan_records
+
+    m = manifest(decode_batch_sizes=(1, 2, 4, 8))
+    s = RequestScheduler(SchedulerConfig(
+        model_identity=hashlib.sha256(b"spec-rows").digest(), max_live_requests=4, num_pages=128,
+        num_snapshots=16, page_tokens=PAGE, context_capacity=512, prefill_chunk_size=128,
+        graph_shapes=m.scheduler_graph_shapes(4), speculative_tokens=3, speculative_max_rows=8), PolicyConfig())
+    # the first prompt repeats (drafts 9 after "5 6 7 8"), ending one token before a page ends; the second never
+    # speculates
+    prompts = [[1] * 7 + [5, 6, 7, 8, 9, 5, 6, 7], [2, 3, 4]]
+    handles = [s.admit(p, 20, 1, speculate=i == 0) for i, p in enumerate(prompts)]
+    now = 2
+    while not all(s.request(h).num_generated_tokens for h in handles):
+        plan = s.plan(now)
+        s.commit(plan, s.last_committed_fence + 1)
+        s.complete(s.last_committed_fence, plan_records(plan, np.where(np.asarray(plan.sample) > 0, 8, -1)),
+                   1000, now)
+        now += 1
+    plan = s.plan(now)
+    assert plan.kind == GraphKind.SPECULATIVE and list(plan.num_tokens) == [2, 1]
+    rows, part = speculative_rows(plan)
+    assert part.tolist() == [0, 0, 1] and rows.num_participants == 3
+    tables = [s.block_table(int(h)) for h in plan.handles]
+    v = m.host_views(np.full(m.total_bytes, 0xAB, dtype=np.uint8))
+    pack_decode(v, rows, [tables[i] for i in part], page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, capacity=4)
+    assert v["decode_token_ids"][:4].tolist() == [8, 9, 8, 0]
+    assert v["decode_positions"][:4].tolist() == [15, 16, 3, 0]  # the draft at 16 opens the first prompt's second page
+    assert v["decode_context_lens"][:4].tolist() == [16, 17, 4, 0]
+    assert v["decode_state_rows"][:4].tolist() == [0, 0, int(plan.state_rows[1]), 0]
+    want = [int(tables[0][0]) * PAGE + 15, int(tables[0][1]) * PAGE, int(tables[1][0]) * PAGE + 3, SCRATCH_SLOT]
+    assert v["decode_slot_ids"][:4].tolist() == want
+    assert v["decode_block_tables"][1, :2].tolist() == list(tables[0][:2])

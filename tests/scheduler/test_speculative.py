@@ -208,16 +208,21 @@ def test_drafts_are_priced_by_what_a_fed_token_costs(base_ns, per_token_ns, draf
         assert set(kinds) == {GraphKind.SPECULATIVE} and s.counters["speculative_priced_out"] == 0
 
 
-def test_with_prefill_graphs_a_cohort_speculates_only_where_a_prefill_shape_holds_it():
-    """speculative_prefill_graphs (the CUDA graph executor runs a speculative step as a prefill graph): with one
-    captured prefill shape of one sequence, a lone request speculates and a cohort of two decodes plainly."""
-    from flared.scheduler import default_graph_shapes
-
-    shapes = tuple(x for x in default_graph_shapes(4, 64) if x[0] != GraphKind.PREFILL) + ((GraphKind.PREFILL, 1, 64),)
-    s = _scheduler(spec=3, graph_shapes=shapes, speculative_prefill_graphs=True)
-    _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
-    assert s.plan(10).kind == GraphKind.SPECULATIVE
-    s = _scheduler(spec=3, graph_shapes=shapes, speculative_prefill_graphs=True)
+def test_speculative_max_rows_caps_a_steps_tokens_and_a_cohort_that_fills_it_decodes_plainly():
+    """speculative_max_rows (the CUDA graph executor's largest speculative graph): with 2, a lone request whose
+    cap has widened to two drafts still feeds one (its last token and one draft fill the step), and a cohort of
+    two decodes plainly."""
+    for max_rows, second in ((0, [5, 6, 7]), (2, [5, 6])):
+        s = _scheduler(spec=3, speculative_max_rows=max_rows)
+        h = _prefill(s, [1, 5, 6, 7, 8, 9, 5, 6, 7], first_token=8)
+        plan = s.plan(10)
+        assert plan.kind == GraphKind.SPECULATIVE and list(plan.tokens(0)) == [8, 9]
+        s.commit(plan, s.last_committed_fence + 1)
+        s.complete(s.last_committed_fence, _records(plan, [5], accepted=[(9,)]), 1000, 11)
+        assert s.request(h).spec_cap == 2
+        plan = s.plan(12)
+        assert plan.kind == GraphKind.SPECULATIVE and list(plan.tokens(0)) == second
+    s = _scheduler(spec=3, speculative_max_rows=2)
     handles = [s.admit(p, 40, 1, speculate=True) for p in ([1, 5, 6, 7, 8, 9, 5, 6, 7], [2, 5, 6, 7, 8, 9, 5, 6, 7])]
     now = 2
     while not all(s.request(h).num_generated_tokens for h in handles):
@@ -232,8 +237,8 @@ def test_with_prefill_graphs_a_cohort_speculates_only_where_a_prefill_shape_hold
     assert plan.kind == GraphKind.DECODE and plan.num_participants == 2
     s.commit(plan, s.last_committed_fence + 1)
     s.complete(s.last_committed_fence, _records(plan, [8, 8]), 1000, now)
-    # no prefill shape holds the pair, so their decodes stack behind one in flight, past any miss's rest (no
-    # window drains for drafts they cannot have)
+    # the pair fills the step, so their decodes stack behind one in flight, past any miss's rest (no window
+    # drains for drafts they cannot have)
     inflight = s.plan(now + 1)
     s.commit(inflight, s.last_committed_fence + 1)
     for k in range(12):

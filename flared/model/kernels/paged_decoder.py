@@ -360,20 +360,25 @@ class PagedCudaDecoder:
 
     # -- forwards (capturable) ---------------------------------------------------------------------
 
-    def decode(self, batch: int, full_sampling: bool, mega: bool | None = None, adapters: bool = False) -> None:
+    def decode(self, batch: int, full_sampling: bool, mega: bool | None = None, adapters: bool = False,
+               speculative: bool = False) -> None:
         """``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows`` allows (None).
         ``adapters``: add the per-request LoRA adapters' terms of the rows that name one (``lora_ids``), through the
         layered forward on cuBLAS (no megakernel, skinny kernels or products64); False: the rows run the base
-        weights whatever their ids."""
+        weights whatever their ids. ``speculative``: rows of one sequence at consecutive positions may share the
+        step (a speculative step's last token and drafts), so every row writes its K/V before any row attends
+        (the rotary and KV write run apart from the attention; never the megakernel)."""
         if adapters and self.lora is None:
             raise ValueError("a decode step with adapters needs a decoder with per-request LoRA adapters")
+        if speculative and mega:
+            raise ValueError("the megakernel attends as it writes: it cannot run a speculative step's rows")
         s = self.decode_inputs
         rows = s.state_rows[:batch]
         block_tables = s.block_tables[:batch]
         context_lens = s.context_lens[:batch]
 
         if mega is None:  # (a window model's contexts are not known here: GraphSet.pick_decode checks them)
-            mega = batch <= self.mega_max_rows and not adapters and not self.window
+            mega = batch <= self.mega_max_rows and not adapters and not self.window and not speculative
         if mega and adapters:
             raise ValueError("the megakernel has no place for LoRA adapter terms")
         tokens, positions, slots = s.token_ids[:batch], s.positions[:batch], s.slot_ids[:batch]
@@ -389,15 +394,17 @@ class PagedCudaDecoder:
             return
         tokens = torch.where(tokens < 0, self.last_token.index_select(0, rows), tokens)
         products = self.products() if batch in self.p64_batches and not adapters else None
-        attend = self._decode_attend(batch, block_tables, context_lens, pdl=products is not None and self.attn_pdl)
+        attend = self._decode_attend(batch, block_tables, context_lens, pdl=products is not None and self.attn_pdl,
+                                     fused_rope=not speculative)
         with self._blas(batch):
             lora = self._lora_step(s.lora_ids, batch) if adapters else None
             x = self._layers(tokens, positions, slots, attend, products, lora)
             self._finish(x, batch, full_sampling, rows, s)
 
-    def _decode_attend(self, batch, block_tables, context_lens, pdl: bool = False):
+    def _decode_attend(self, batch, block_tables, context_lens, pdl: bool = False, fused_rope: bool = True):
         """The decode attention of the layered forwards: split over the context where ``decode_splits`` says;
-        ``pdl``: the fused rotary-and-attention kernel as a programmatic dependent launch."""
+        ``pdl``: the fused rotary-and-attention kernel as a programmatic dependent launch; ``fused_rope`` False:
+        never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
         def attend(q, layer, out):
@@ -424,7 +431,7 @@ class PagedCudaDecoder:
                                         scale=self.model.scale, num_splits=splits, part_acc=self.part_acc,
                                         part_m=self.part_m, part_l=self.part_l, pdl=pdl, window=self.window)
 
-        if self.rope_in_attention:
+        if self.rope_in_attention and fused_rope:
             attend.with_rope = with_rope
         return attend
 
