@@ -45,7 +45,7 @@ def run(pair, prompts, tokens: int, speculate: bool) -> dict:
     r = drive(sched, ex, prompts, [greedy(tokens)] * len(prompts), speculate=speculate)
     return {"tok_s": len(prompts) * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
             "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
-            "spec_steps": r.steps_by_kind["SPECULATIVE"],
+            "spec_steps": r.steps_by_kind["SPECULATIVE"], "gpu_us": r.gpu_ns / 1e3, "host_us": r.host_ns / 1e3,
             "drafted": sched.counters["speculative_drafted"] - before.get("speculative_drafted", 0),
             "accepted": sched.counters["speculative_accepted"] - before.get("speculative_accepted", 0)}
 
@@ -77,7 +77,10 @@ def bench_shape(shape: str, args, out: dict) -> list:
                    "ratio": round(best["spec"]["tok_s"] / best["plain"]["tok_s"], 3),
                    "plain_steps": best["plain"]["steps"], "spec_steps": best["spec"]["steps"],
                    "speculative_steps": best["spec"]["spec_steps"], "drafted": best["spec"]["drafted"],
-                   "accepted": best["spec"]["accepted"], "same_tokens": same}
+                   "accepted": best["spec"]["accepted"], "same_tokens": same,
+                   # GPU and host time a step (drive's gpu_ns and host_ns over its steps)
+                   **{f"{k}_{t}_us_per_step": round(best[k][f"{t}_us"] / best[k]["steps"], 1)
+                      for k in ("plain", "spec") for t in ("gpu", "host")}}
             out[f"{shape}|{streams}"] = row
             rows.append((shape, streams, row))
     finally:
@@ -99,12 +102,14 @@ def main() -> int:
     args.streams = [int(s) for s in args.streams.split(",")]
     out = {"device": torch.cuda.get_device_name(), "draft": args.draft, "prompt": args.prompt, "tokens": args.tokens}
     print(f"{'shape':6} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'steps':>12} "
-          f"{'kept/fed':>10} same")
+          f"{'kept/fed':>10} same  {'GPU/host us a step, plain':>25} {'spec':>13}")
     for shape in args.shapes.split(","):
         for _, streams, r in bench_shape(shape, args, out):
             print(f"{shape:6} {streams:>7} {r['plain_tok_s']:11,.0f} {r['spec_tok_s']:10,.0f} {r['ratio']:6.2f} "
                   f"{r['plain_steps']:>5} -> {r['spec_steps']:<4} {r['accepted']:>4}/{r['drafted']:<5} "
-                  f"{r['same_tokens']}/{streams}", flush=True)
+                  f"{r['same_tokens']}/{streams}  {r['plain_gpu_us_per_step']:>12,.0f} / "
+                  f"{r['plain_host_us_per_step']:<10,.0f}{r['spec_gpu_us_per_step']:>6,.0f} / "
+                  f"{r['spec_host_us_per_step']:<6,.0f}", flush=True)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -417,10 +417,9 @@ class GraphExecutor:
         if fix_rows:
             d = self.decoder
             with torch.cuda.stream(self.model_stream):
-                index = torch.as_tensor(fix_rows, dtype=torch.int64).to(self.device)
-                d.state_logits.index_copy_(0, index, logits.index_select(
-                    0, torch.as_tensor(fix_at, dtype=torch.int64).to(self.device)))
-                d.last_token.index_copy_(0, index, torch.as_tensor(fix_tokens, dtype=torch.int64).to(self.device))
+                index, at, tokens = torch.as_tensor([fix_rows, fix_at, fix_tokens], dtype=torch.int64).to(self.device)
+                d.state_logits.index_copy_(0, index, logits.index_select(0, at))
+                d.last_token.index_copy_(0, index, tokens)
         return consumed, generated, token_ids, kept
 
     def _forward_scoring(self, frame: int, plan, batch_cap: int, cap: int, scoring) -> None:
