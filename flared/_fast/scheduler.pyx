@@ -404,26 +404,30 @@ cdef class RequestScheduler:
         cdef int64_t cap = min(<int64_t>r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
         if cap <= 0 or not r.output_tokens:
             return ()
-        seq = np.concatenate([r._prompt, np.asarray(r.output_tokens, dtype=np.int32)])
-        cdef Py_ssize_t L = seq.shape[0], n, k, i
-        # Each earlier place j of the last token (j < L - 1), and how many tokens up to it match the latest ones
-        # (at most prompt_lookup_max): an n-gram match ends at j, and its continuation starts at j + 1.
-        ends = np.flatnonzero(seq[:L - 1] == seq[L - 1])
-        if not ends.shape[0]:
-            return ()
-        matched = np.ones(ends.shape[0], dtype=np.int64)
-        alive = np.ones(ends.shape[0], dtype=bool)
-        for k in range(1, min(<Py_ssize_t>self._lookup_max, L - 1)):
-            alive &= ends >= k
-            alive[alive] = seq[ends[alive] - k] == seq[L - 1 - k]
-            matched += alive
+        cdef list out = r.output_tokens
+        cdef Py_ssize_t P = r._prompt.shape[0], L = P + len(out), n, j, m, earliest, latest_full, i
+        seq = np.empty(L, np.int32)
+        cdef int32_t[::1] sv = seq
+        sv[:P] = r._prompt
+        for i in range(L - P):
+            sv[P + i] = out[i]
+        # An n-gram match ends at each earlier place j (j < L - 1) where the latest n tokens occur again, and its
+        # continuation starts at j + 1: plain loops (a few hundred tokens, n <= prompt_lookup_max).
         for n in range(min(<Py_ssize_t>self._lookup_max, L - 1), self._lookup_min - 1, -1):
-            hits = ends[matched >= n]
-            if hits.shape[0]:
+            earliest = latest_full = -1
+            for j in range(n - 1, L - 1):
+                m = 0
+                while m < n and sv[j - m] == sv[L - 1 - m]:
+                    m += 1
+                if m == n:
+                    if earliest < 0:
+                        earliest = j
+                    if j + 1 + cap <= L:
+                        latest_full = j
+            if earliest >= 0:
                 # the latest place followed by a full cap of tokens; else the earliest (the longest continuation)
-                full = hits[hits + 1 + cap <= L]
-                i = (full[full.shape[0] - 1] if full.shape[0] else hits[0]) + 1
-                return tuple(int(t) for t in seq[i:i + cap])
+                i = (latest_full if latest_full >= 0 else earliest) + 1
+                return tuple([sv[j] for j in range(i, min(i + cap, L))])
         return ()
 
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=False):
