@@ -4,7 +4,9 @@
     .venv/bin/python tools/bench_scheduler.py [--json] [--quick]
 
 (a) host time of one decode step (plan + commit + complete) with 1, 16 and
-    64 live requests, median and p99 in us, against the 100 us target;
+    64 live requests, median and p99 in us, against the 100 us target; the
+    same for a speculative step (every request's drafts looked up; 1, 16
+    and 32 live);
 (b) prefix hashing throughput on 100k-token prompts: PrefixHistory against a
     straightforward Python loop over hashlib.blake2b per 64-token block (the
     loop computes the same keys; the run checks they agree);
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flared.cache import PrefixHistory  # noqa: E402
 from flared.errors import AdmissionError  # noqa: E402
 from flared.scheduler import (  # noqa: E402
+    CompletionRecords,
     GraphKind,
     PolicyConfig,
     RequestScheduler,
@@ -115,6 +118,54 @@ def bench_decode_step(num_live: int, num_steps: int) -> dict:
         t3 = clock()
         assert plan.kind == GraphKind.DECODE and plan.num_participants == num_live
         samples.append((t1 - t0 + t3 - t2) / 1000)
+    return {"median_us": percentile(samples, 50), "p99_us": percentile(samples, 99)}
+
+
+def spec_records(plan, period: int):
+    """Records of a step in which every draft is kept and each token continues a repeating run of ``period``
+    tokens (so every request keeps finding drafts)."""
+    n = plan.num_participants
+    starts = np.asarray(plan.token_starts, dtype=np.int64)[:n]
+    generated = np.asarray(plan.generated_ends, dtype=np.int64)[:n]
+    accepted = None
+    if plan.kind == GraphKind.SPECULATIVE:
+        offsets = np.asarray(plan.token_offsets, dtype=np.int64)
+        accepted = [tuple(int(t) for t in plan.token_ids[offsets[i] + 1:offsets[i + 1]]) for i in range(n)]
+        kept = np.asarray([len(a) for a in accepted], dtype=np.int64)
+        consumed, generated = starts + 1 + kept, generated + kept
+    else:
+        consumed = starts + np.asarray(plan.num_tokens, dtype=np.int64)[:n]
+    tokens = np.where(np.asarray(plan.sample)[:n] > 0, consumed % period, -1)
+    return CompletionRecords(handles=np.asarray(plan.handles, dtype=np.int64), consumed_tokens=consumed,
+                             generated_tokens=generated, token_ids=tokens, accepted_drafts=accepted)
+
+
+def bench_speculative_step(num_live: int, num_steps: int, period: int = 32) -> dict:
+    """(a) for speculative steps: prompts that repeat a run of ``period`` tokens, 4 drafts a request at most,
+    every draft kept: each step's plan looks up every request's drafts."""
+    cfg = SchedulerConfig(
+        model_identity=MODEL, max_live_requests=64, num_pages=32768, num_snapshots=256,
+        page_tokens=16, context_capacity=8192, prefill_chunk_size=512, speculative_tokens=4,
+    )
+    s = RequestScheduler(cfg, PolicyConfig())
+    for _ in range(num_live):
+        s.admit([t % period for t in range(256)], 6000, 0, speculate=True)
+    now, fence, samples = 0, 0, []
+    clock = time.perf_counter_ns
+    while len(samples) < num_steps:
+        t0 = clock()
+        plan = s.plan(now)
+        fence += 1
+        s.commit(plan, fence)
+        t1 = clock()
+        rec = spec_records(plan, period)  # the executor's job, not timed
+        d = gpu_cost_ns(plan)
+        now += d
+        t2 = clock()
+        s.complete(fence, rec, d, now)
+        t3 = clock()
+        if plan.kind == GraphKind.SPECULATIVE and plan.num_participants == num_live:
+            samples.append((t1 - t0 + t3 - t2) / 1000)
     return {"median_us": percentile(samples, 50), "p99_us": percentile(samples, 99)}
 
 
@@ -283,6 +334,15 @@ def main() -> None:
         out["decode_step_us_median"][n] = round(r["median_us"], 1)
         out["decode_step_us_p99"][n] = round(r["p99_us"], 1)
         print(f"{n:>6} {r['median_us']:>10.1f} {r['p99_us']:>10.1f} {100:>10} {r['median_us'] / 100:>14.2f}")
+
+    print("\n(a) the same for a speculative step (4 drafts a request looked up, every draft kept)")
+    print(f"{'live':>6} {'median us':>10} {'p99 us':>10}")
+    out["speculative_step_us_median"], out["speculative_step_us_p99"] = {}, {}
+    for n in (1, 16, 32):  # (64 requests fill a step's 64 tokens: no room for drafts)
+        r = bench_speculative_step(n, steps // 4)
+        out["speculative_step_us_median"][n] = round(r["median_us"], 1)
+        out["speculative_step_us_p99"][n] = round(r["p99_us"], 1)
+        print(f"{n:>6} {r['median_us']:>10.1f} {r['p99_us']:>10.1f}")
 
     print("\n(b) prefix hashing, 100k-token prompt (keys checked equal)")
     h = bench_hashing(100_000, 3 if args.quick else 7)
