@@ -102,6 +102,11 @@ class ServerConfig:
     # to max_lora_rank. The room is GPU memory whether used or not (docs/gpu.md). The CPU backend has no such limit.
     max_loras: int = 4
     max_lora_rank: int = 16
+    # vLLM's --max-cpu-loras: with runtime_lora_updating on the CUDA graph executor, up to this many adapters may be
+    # loaded (their factors kept in host memory), more than the max_loras the graphs hold: a request naming one that
+    # holds no slot brings it in, in place of the adapter least recently asked for that no running request uses
+    # (it waits, and the requests behind it go on, while every slot is in use). None: max_loras (no swapping).
+    max_cpu_loras: int | None = None
     # Speculative decoding by prompt lookup (vLLM's ngram method): up to this many draft tokens a step
     # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred
     # before in their prompt and output. 0 = off.
@@ -141,6 +146,9 @@ class ServerConfig:
         for key, most in (("max_loras", 256), ("max_lora_rank", 1024)):
             v = getattr(self, key)
             need(_is_int(v) and 1 <= v <= most, key, f"must be an integer in 1..{most}")
+        need(self.max_cpu_loras is None or (_is_int(self.max_cpu_loras) and _is_int(self.max_loras)
+                                             and self.max_loras <= self.max_cpu_loras <= 4096),
+             "max_cpu_loras", "must be an integer from max_loras up to 4096")
         from flared.scheduler.config import MAX_SPECULATIVE_TOKENS
 
         need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,

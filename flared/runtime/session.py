@@ -166,6 +166,7 @@ class LoadedSession:
                                lora_modules=config.lora_modules,
                                lora_slots=config.max_loras if config.runtime_lora_updating else None,
                                max_lora_rank=config.max_lora_rank,
+                               max_cpu_loras=config.max_cpu_loras if config.runtime_lora_updating else None,
                                speculative=(config.speculative_tokens, config.prompt_lookup_max,
                                             config.prompt_lookup_min),
                                **_policy_kwargs(config))

@@ -216,7 +216,8 @@ def cuda_backend_available(dtype) -> bool:
 class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
-                 lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16):
+                 lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None):
         self.core = core
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
         # The eager executor verifies drafts as decode rows; the CUDA graph executor as a prefill graph.
@@ -234,6 +235,15 @@ class ModelRuntime:
         # slots). None: the graphs hold the start adapters only, and loading more while serving is refused there.
         self.lora_slots = lora_slots
         self.max_lora_rank = max_lora_rank
+        # vLLM's --max-cpu-loras (with slots, on the CUDA graph executor): up to this many adapters loaded, more than
+        # the slots; each one's factors stay in host memory (_lora_host, index -> factors) and a request brings its
+        # adapter into a slot as it is admitted (_lora_resident), in place of the idle one asked for least recently
+        # (_lora_used: index -> admission tick). None: no more adapters than slots, each keeping its slot.
+        self.max_cpu_loras = max_cpu_loras
+        self._lora_swapping = False
+        self._lora_host: dict[int, dict] = {}
+        self._lora_used: dict[int, int] = {}
+        self._lora_ticks = 0
         self._weight_shapes: dict = {}  # serving tensor name -> a meta tensor of its shape (adapters loaded later)
         # With an executor that has submit/poll (CUDA graphs), up to two decode steps are in flight: the
         # host plans, packs and launches step N+1 while the GPU runs step N. False: one step at a time.
@@ -332,6 +342,11 @@ class ModelRuntime:
                                   slots=slots, slot_width=3 * self.max_lora_rank if slots else None)
             log.info("per-request LoRA adapters stacked for the CUDA graphs: %d columns%s, %.1f MB", stacked.rank,
                      f" ({slots} slots)" if slots else "", stacked.nbytes / 1e6)
+            if slots and self.max_cpu_loras is not None and self.max_cpu_loras > slots:
+                self._lora_swapping = True
+                self._lora_host = {i + 1: f for i, (f, _) in enumerate(factors)}  # swappable like later ones
+                log.info("up to %d per-request LoRA adapters loaded, swapped into the %d slots as requests need them",
+                         self.max_cpu_loras, slots)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
         if use_cuda:
@@ -430,8 +445,9 @@ class ModelRuntime:
         index, error = outcome[0]
         if error is not None:
             raise error
-        log.info("per-request LoRA adapter %s loaded (%s) as adapter %d, slot %s", name, path, index,
-                 stack.slot_of(index))
+        slot = stack.slot_of(index)
+        log.info("per-request LoRA adapter %s loaded (%s) as adapter %d, %s", name, path, index,
+                 "in host memory until a request names it" if slot is None else f"slot {slot}")
         return index
 
     def _install_lora(self, job: _LoraInstall) -> int:
@@ -442,7 +458,16 @@ class ModelRuntime:
                 raise AdmissionError("the caller stopped waiting for this adapter", ErrorKind.UNAVAILABLE)
             job.started = True
         index = len(self.model.lora_modules) + 1  # only this thread appends to it
-        self.executor.install_lora(job.factors, index)
+        if not self._lora_swapping or self.executor.decoder.lora.free_slot() is not None:
+            self.executor.install_lora(job.factors, index)  # (503 when no slot is free)
+        else:
+            loaded = sum(m is not None for m in self.model.lora_modules)
+            if loaded >= self.max_cpu_loras:
+                raise AdmissionError(f"{loaded} LoRA adapters are loaded, the most --max-cpu-loras allows: unload one "
+                                     "first", ErrorKind.MODEL_CAPACITY)
+            # in host memory only: the first request that names it brings it into a slot (_lora_resident)
+        if self._lora_swapping:
+            self._lora_host[index] = job.factors
         with self._lock:
             if self.model.add_lora_module({}) != index:
                 raise ExecutionError(f"LoRA adapter index {index} was taken while its slot was written")
@@ -464,6 +489,8 @@ class ModelRuntime:
         held = queued | {live.request.lora for live in self._by_id.values()}
         for index in dropping - held:
             self.model.lora_modules[index - 1] = None
+            self._lora_host.pop(index, None)
+            self._lora_used.pop(index, None)
             release = getattr(self.executor, "release_lora", None)
             if release is not None:  # its slot in the CUDA graphs' stack takes another adapter from now on
                 release(index)
@@ -697,11 +724,41 @@ class ModelRuntime:
             i -= 1
         pending.insert(i, live)
 
+    def _lora_resident(self, index: int) -> bool:
+        """With adapter swapping: whether adapter ``index`` holds a slot of the CUDA graphs' stack, bringing it into
+        a free one, or into the slot of the loaded adapter asked for least recently that no admitted request uses
+        (its factors stay in host memory). False: every slot is in use; the request naming it waits. The copies
+        run on the model stream, behind the steps in flight, so no step sees a half-written slot."""
+        stack = self.executor.decoder.lora
+        self._lora_ticks += 1
+        if stack.slot_of(index) is not None:
+            self._lora_used[index] = self._lora_ticks
+            return True
+        factors = self._lora_host.get(index)
+        if factors is None:
+            raise AdmissionError(f"LoRA adapter {index} was unloaded", ErrorKind.NOT_FOUND)
+        if stack.free_slot() is None:
+            held = {live.request.lora for live in self._by_id.values() if live.handle}
+            idle = [i for i in stack.slot_adapter if i != -1 and i not in held]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda i: self._lora_used.get(i, 0))
+            self.executor.release_lora(victim)
+            log.info("per-request LoRA adapter %d leaves its slot for adapter %d", victim, index)
+        self.executor.install_lora(factors, index)
+        self.stats["lora_swaps_in"] += 1
+        self._lora_used[index] = self._lora_ticks
+        return True
+
     def _admit(self, now: int) -> None:
-        while self._pending:
-            live = self._pending[0]
+        i = 0
+        while i < len(self._pending):
+            live = self._pending[i]
             req = live.request
             try:
+                if req.lora and self._lora_swapping and not self._lora_resident(req.lora):
+                    i += 1  # its adapter waits for a slot; the requests behind it go on
+                    continue
                 # Without the prefix cache, a fresh random conditioning identity at
                 # position 0 makes every key of this request unique: nothing is reused.
                 conditioning = () if self.prefix_cache else ((0, os.urandom(32)),)
@@ -733,16 +790,16 @@ class ModelRuntime:
                 if e.kind is ErrorKind.MODEL_CAPACITY:
                     if self.scheduler.num_live == 0:
                         # Nothing will free room: this request can never fit.
-                        self._pending.popleft()
+                        del self._pending[i]
                         self._terminal(live, ErrorEvent(e))
                         self._forget(live)
                         continue
                     return  # wait for a slot or pages
-                self._pending.popleft()
+                del self._pending[i]
                 self._terminal(live, ErrorEvent(e))
                 self._forget(live)
                 continue
-            self._pending.popleft()
+            del self._pending[i]
             live.handle = handle
             live.reused_tokens = int(self.scheduler.request(handle).reused_tokens)
             self._by_handle[handle] = live

@@ -123,6 +123,8 @@ class _RuntimeCollector:
         yield _counter("flare_generation_tokens", "Output tokens committed by the model (EOS and withheld included).",
                        rt.get("generated_tokens", 0))
         yield _counter("flare_model_steps", "Model-thread steps (graphs submitted).", rt.get("steps", 0))
+        yield _counter("flare_lora_swaps_in", "Per-request LoRA adapters written into a slot of the CUDA graphs after "
+                       "their load (--max-cpu-loras swapping).", rt.get("lora_swaps_in", 0))
         yield _counter("flare_embedded_sequences", "Inputs embedded (/v1/embeddings, /api/embed, /api/embeddings).",
                        rt.get("embedded_sequences", 0))
         yield _counter("flare_embedded_tokens", "Tokens run through the model for embeddings.",

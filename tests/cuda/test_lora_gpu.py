@@ -394,3 +394,70 @@ def test_the_model_thread_loads_and_unloads_adapters_on_the_gpu_while_serving(ti
             tokens(rt, [1])
     finally:
         rt.stop()
+
+
+def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_path):
+    """--max-cpu-loras 2 with one slot: a second adapter loads into host memory; a request naming it brings it into
+    the slot in place of the idle first one, and gives the tokens that adapter gives when it holds the slot from
+    the start; requests for both at once take turns in the slot (the base request beside them does not wait); a
+    third load is a 503; an unloaded adapter's requests are refused."""
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared.errors import AdmissionError, ErrorKind
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    core = tmp_path / "tiny-bf16"
+    export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                   prefill_chunk_tokens=128))
+    opened = open_core(core)
+    paths = {name: tmp_path / name for name in ("first", "second", "third")}
+    for seed, path in enumerate(paths.values(), 1):
+        _write_peft_adapter(path, opened.config, seed=seed)
+    prompt = tuple([5, 17, 40, 99, 7] * 4)
+
+    def tokens(rt, loras):
+        out = []
+        for events in run_requests(rt, [GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0),
+                                                        frozenset(), lora=a) for a in loras]):
+            assert not isinstance(events[-1], ErrorEvent), events[-1]
+            out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        return out
+
+    want = {}
+    for name in ("first", "second"):
+        at_start = ModelRuntime(opened, prefix_cache=False, lora_modules=((name, str(paths[name])),), lora_slots=1,
+                                max_lora_rank=8)
+        at_start.start(max_pending=16)
+        try:
+            want[name], want["base"] = tokens(at_start, [1, 0])
+        finally:
+            at_start.stop()
+    assert len({tuple(v) for v in want.values()}) == 3
+    rt = ModelRuntime(opened, prefix_cache=False, lora_slots=1, max_lora_rank=8, max_cpu_loras=2)
+    rt.start(max_pending=16)
+    try:
+        stack = rt.executor.decoder.lora
+        assert rt.add_lora_module("first", str(paths["first"])) == 1 and stack.slot_adapter == [1]
+        assert rt.add_lora_module("second", str(paths["second"])) == 2 and stack.slot_adapter == [1]
+        with pytest.raises(AdmissionError, match="2 LoRA adapters are loaded") as full:
+            rt.add_lora_module("third", str(paths["third"]))
+        assert full.value.kind == ErrorKind.MODEL_CAPACITY
+        assert tokens(rt, [2]) == [want["second"]] and stack.slot_adapter == [2]
+        assert rt.stats["lora_swaps_in"] == 1
+        assert tokens(rt, [1, 2, 0, 1]) == [want["first"], want["second"], want["base"], want["first"]]
+        # the slot held 2: both adapters served means 1 came in, then 2 again if it went last (either order)
+        assert rt.stats["lora_swaps_in"] >= 2
+        rt.remove_lora_module(2)
+        for _ in range(200):
+            if 2 not in rt._lora_host:
+                break
+            time.sleep(0.01)
+        with pytest.raises(AdmissionError, match="was unloaded"):
+            tokens(rt, [2])
+        assert rt.add_lora_module("third", str(paths["third"])) == 3
+        assert tokens(rt, [1]) == [want["first"]]
+    finally:
+        rt.stop()

@@ -62,6 +62,8 @@ def test_example_config_loads(tmp_path):
     ("lora_modules = {sql = '/no/such/adapter'}", "'lora_modules'"),
     ("max_loras = 0", "'max_loras'"),
     ("max_lora_rank = 8.5", "'max_lora_rank'"),
+    ("max_cpu_loras = 2", "'max_cpu_loras'"),  # under max_loras (4)
+    ("max_cpu_loras = 'many'", "'max_cpu_loras'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
@@ -82,6 +84,13 @@ def test_lora_adapters_are_paths_or_path_scale_pairs_and_lora_modules_a_table(tm
     assert cfg.lora_adapters == ((str(tmp_path / "a"), 1.0), (str(tmp_path / "b"), 0.5))
     path.write_text(f"[lora_modules]\nsql = '{tmp_path / 'a'}'\nchat = '{tmp_path / 'b'}'\n")
     assert ServerConfig.from_toml(path).lora_modules == (("sql", str(tmp_path / "a")), ("chat", str(tmp_path / "b")))
+
+
+def test_max_cpu_loras_reaches_the_config(tmp_path):
+    path = tmp_path / "l.toml"
+    path.write_text("runtime_lora_updating = true\nmax_loras = 2\nmax_cpu_loras = 8\n")
+    cfg = ServerConfig.from_toml(path)
+    assert (cfg.max_loras, cfg.max_cpu_loras) == (2, 8) and ServerConfig().max_cpu_loras is None
 
 
 def test_policy_values_reach_the_config(tmp_path):
