@@ -220,7 +220,7 @@ class ModelRuntime:
                  max_cpu_loras: int | None = None):
         self.core = core
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
-        # The eager executor verifies drafts as decode rows; the CUDA graph executor as a prefill graph.
+        # Both executors verify drafts as decode rows (the CUDA graph executor in its speculative decode graphs).
         self.speculative = tuple(speculative)
         self.spec_tokens = 0  # what load() turned on
         # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
