@@ -103,22 +103,29 @@ def bench_decode_step(num_live: int, num_steps: int) -> dict:
             if plan.num_participants == num_live and plan.estimated_duration_ns > 0:
                 break
     samples = []
-    clock = time.perf_counter_ns
     for _ in range(num_steps):
-        t0 = clock()
-        plan = s.plan(now)
-        fence += 1
-        s.commit(plan, fence)
-        t1 = clock()
-        rec = records_for(plan, rng)  # the executor's job, not timed
-        d = gpu_cost_ns(plan)
-        now += d
-        t2 = clock()
-        s.complete(fence, rec, d, now)
-        t3 = clock()
+        plan, now, fence, us = timed_step(s, now, fence, lambda p: records_for(p, rng))
         assert plan.kind == GraphKind.DECODE and plan.num_participants == num_live
-        samples.append((t1 - t0 + t3 - t2) / 1000)
+        samples.append(us)
     return {"median_us": percentile(samples, 50), "p99_us": percentile(samples, 99)}
+
+
+def timed_step(s, now: int, fence: int, records) -> tuple:
+    """One step: plan, commit, the executor's records (``records(plan)``, not timed) and the synthetic GPU time,
+    complete. Returns (plan, now, fence, host microseconds of plan + commit + complete)."""
+    clock = time.perf_counter_ns
+    t0 = clock()
+    plan = s.plan(now)
+    fence += 1
+    s.commit(plan, fence)
+    t1 = clock()
+    rec = records(plan)
+    d = gpu_cost_ns(plan)
+    now += d
+    t2 = clock()
+    s.complete(fence, rec, d, now)
+    t3 = clock()
+    return plan, now, fence, (t1 - t0 + t3 - t2) / 1000
 
 
 def spec_records(plan, period: int):
@@ -151,21 +158,10 @@ def bench_speculative_step(num_live: int, num_steps: int, period: int = 32) -> d
     for _ in range(num_live):
         s.admit([t % period for t in range(256)], 6000, 0, speculate=True)
     now, fence, samples = 0, 0, []
-    clock = time.perf_counter_ns
     while len(samples) < num_steps:
-        t0 = clock()
-        plan = s.plan(now)
-        fence += 1
-        s.commit(plan, fence)
-        t1 = clock()
-        rec = spec_records(plan, period)  # the executor's job, not timed
-        d = gpu_cost_ns(plan)
-        now += d
-        t2 = clock()
-        s.complete(fence, rec, d, now)
-        t3 = clock()
+        plan, now, fence, us = timed_step(s, now, fence, lambda p: spec_records(p, period))
         if plan.kind == GraphKind.SPECULATIVE and plan.num_participants == num_live:
-            samples.append((t1 - t0 + t3 - t2) / 1000)
+            samples.append(us)
     return {"median_us": percentile(samples, 50), "p99_us": percentile(samples, 99)}
 
 

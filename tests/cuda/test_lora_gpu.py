@@ -295,6 +295,21 @@ def test_the_model_thread_serves_lora_modules_on_the_gpu(tiny_hf_llama, tmp_path
         rt.stop()
 
 
+def _greedy_tokens(rt, loras):
+    """12 greedy tokens of one repeating prompt for each adapter index in ``loras`` (0: none), run at once."""
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
+    from flared_testing.runtime import run_requests
+
+    prompt = tuple([5, 17, 40, 99, 7] * 4)
+    out = []
+    for events in run_requests(rt, [GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0),
+                                                    frozenset(), lora=a) for a in loras]):
+        assert not isinstance(events[-1], ErrorEvent), events[-1]
+        out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+    return out
+
+
 def test_float32_adapters_installed_into_slots_match_the_cpu_path(hf):
     """A stack captured with two empty slots (adapters loaded while serving): adapters written into the slots after
     capture (GraphExecutor.install_lora, on the model stream) give the float32 greedy tokens of the CPU path,
@@ -334,10 +349,7 @@ def test_the_model_thread_loads_and_unloads_adapters_on_the_gpu_while_serving(ti
     from flared.core.export import ExportOptions, export_core
     from flared.core.load import open_core
     from flared.errors import AdmissionError, CoreError, ErrorKind
-    from flared.model.sampling import SamplingParams
-    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
     from flared.runtime.worker import ModelRuntime
-    from flared_testing.runtime import run_requests
 
     core = tmp_path / "tiny-bf16"
     export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
@@ -347,22 +359,13 @@ def test_the_model_thread_loads_and_unloads_adapters_on_the_gpu_while_serving(ti
     _write_peft_adapter(first, opened.config, seed=1)
     _write_peft_adapter(second, opened.config, seed=2)
     _write_peft_adapter(wide, opened.config, r=16, seed=3)
-    prompt = tuple([5, 17, 40, 99, 7] * 4)
-
-    def tokens(rt, loras):
-        out = []
-        for events in run_requests(rt, [GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0),
-                                                        frozenset(), lora=a) for a in loras]):
-            assert not isinstance(events[-1], ErrorEvent), events[-1]
-            out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
-        return out
 
     at_start = ModelRuntime(opened, prefix_cache=False, lora_modules=(("first", str(first)),), lora_slots=1,
                             max_lora_rank=8)
     at_start.start(max_pending=16)
     try:
         assert at_start.executor.decoder.lora.slot_adapter == [1]
-        want = tokens(at_start, [1, 0])
+        want = _greedy_tokens(at_start, [1, 0])
     finally:
         at_start.stop()
     rt = ModelRuntime(opened, prefix_cache=False, lora_slots=1, max_lora_rank=8)
@@ -370,10 +373,10 @@ def test_the_model_thread_loads_and_unloads_adapters_on_the_gpu_while_serving(ti
     try:
         stack = rt.executor.decoder.lora
         assert stack.slots == 1 and stack.slot_width == 24 and stack.slot_adapter == [-1]
-        base = tokens(rt, [0, 0])
+        base = _greedy_tokens(rt, [0, 0])
         assert base == [want[1]] * 2
         assert rt.add_lora_module("first", str(first)) == 1 and stack.slot_adapter == [1]
-        loaded = tokens(rt, [1, 0, 1])
+        loaded = _greedy_tokens(rt, [1, 0, 1])
         assert loaded == [want[0], want[1], want[0]] and want[0] != want[1]
         with pytest.raises(AdmissionError, match="all 1 LoRA adapter slots") as full:
             rt.add_lora_module("second", str(second))
@@ -388,10 +391,10 @@ def test_the_model_thread_loads_and_unloads_adapters_on_the_gpu_while_serving(ti
             time.sleep(0.01)
         assert stack.slot_adapter == [-1]
         assert rt.add_lora_module("second", str(second)) == 2 and stack.slot_adapter == [2]
-        swapped = tokens(rt, [2, 0])
+        swapped = _greedy_tokens(rt, [2, 0])
         assert swapped[1] == want[1] and swapped[0] not in (want[0], want[1])
         with pytest.raises(AdmissionError, match="was unloaded"):
-            tokens(rt, [1])
+            _greedy_tokens(rt, [1])
     finally:
         rt.stop()
 
@@ -404,10 +407,7 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
     from flared.core.export import ExportOptions, export_core
     from flared.core.load import open_core
     from flared.errors import AdmissionError, ErrorKind
-    from flared.model.sampling import SamplingParams
-    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
     from flared.runtime.worker import ModelRuntime
-    from flared_testing.runtime import run_requests
 
     core = tmp_path / "tiny-bf16"
     export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
@@ -416,15 +416,6 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
     paths = {name: tmp_path / name for name in ("first", "second", "third")}
     for seed, path in enumerate(paths.values(), 1):
         _write_peft_adapter(path, opened.config, seed=seed)
-    prompt = tuple([5, 17, 40, 99, 7] * 4)
-
-    def tokens(rt, loras):
-        out = []
-        for events in run_requests(rt, [GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0),
-                                                        frozenset(), lora=a) for a in loras]):
-            assert not isinstance(events[-1], ErrorEvent), events[-1]
-            out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
-        return out
 
     want = {}
     for name in ("first", "second"):
@@ -432,7 +423,7 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
                                 max_lora_rank=8)
         at_start.start(max_pending=16)
         try:
-            want[name], want["base"] = tokens(at_start, [1, 0])
+            want[name], want["base"] = _greedy_tokens(at_start, [1, 0])
         finally:
             at_start.stop()
     assert len({tuple(v) for v in want.values()}) == 3
@@ -445,9 +436,9 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
         with pytest.raises(AdmissionError, match="2 LoRA adapters are loaded") as full:
             rt.add_lora_module("third", str(paths["third"]))
         assert full.value.kind == ErrorKind.MODEL_CAPACITY
-        assert tokens(rt, [2]) == [want["second"]] and stack.slot_adapter == [2]
+        assert _greedy_tokens(rt, [2]) == [want["second"]] and stack.slot_adapter == [2]
         assert rt.stats["lora_swaps_in"] == 1
-        assert tokens(rt, [1, 2, 0, 1]) == [want["first"], want["second"], want["base"], want["first"]]
+        assert _greedy_tokens(rt, [1, 2, 0, 1]) == [want["first"], want["second"], want["base"], want["first"]]
         # the slot held 2: both adapters served means 1 came in, then 2 again if it went last (either order)
         assert rt.stats["lora_swaps_in"] >= 2
         rt.remove_lora_module(2)
@@ -456,8 +447,8 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
                 break
             time.sleep(0.01)
         with pytest.raises(AdmissionError, match="was unloaded"):
-            tokens(rt, [2])
+            _greedy_tokens(rt, [2])
         assert rt.add_lora_module("third", str(paths["third"])) == 3
-        assert tokens(rt, [1]) == [want["first"]]
+        assert _greedy_tokens(rt, [1]) == [want["first"]]
     finally:
         rt.stop()
