@@ -72,7 +72,7 @@ class _Pending:
         self.logprob_out = None
         self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
         self.scores: list[list[float] | None] | None = None  # per participant, where the step scored
-        # a speculative step: (every row's logits on the device, token offsets, fed tokens, state rows, states)
+        # a speculative step: (token offsets, fed tokens, state rows, states); its rows' logits are the decoder's
         self.spec = None
 
 
@@ -223,7 +223,7 @@ class GraphExecutor:
             if n:
                 cuda.copy_d2h_async(self._token_frames[frame].ptr, self._sampled_ptr, 8 * n, self._copy_ptr)
             if pending.spec is not None:  # every row's token (a participant's rows from token offset on)
-                rows = int(pending.spec[1][-1])
+                rows = int(pending.spec[0][-1])
                 cuda.copy_d2h_async(self._greedy_frames[frame].ptr, self._sampled_ptr, 8 * rows, self._copy_ptr)
             self._copied[frame].record(self._copy_ptr)
             fence = self.ring.submitted(frame)
@@ -360,7 +360,6 @@ class GraphExecutor:
         for i in range(n):
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
-        return key
 
     def _submit_speculative(self, frame: int, plan, block_tables, states) -> None:
         """A speculative step as a decode graph with a row per fed token (kind "decode_spec"): participant i's
@@ -383,7 +382,7 @@ class GraphExecutor:
                 states[i].num_output_tokens -= int(widths[i]) - 1
         # eager-sampled rows (log-probabilities and the like) are lone rows: name their participants
         pending.logprob_rows = [(int(part[r]), top_n) for r, top_n in pending.logprob_rows]
-        pending.spec = (self.decoder.logits, offsets, np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
+        pending.spec = (offsets, np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
                         np.asarray(plan.state_rows, dtype=np.int64)[:n], list(states))
 
     def _verify_drafts(self, frame: int, pending: _Pending, consumed, generated, token_ids):
@@ -392,7 +391,7 @@ class GraphExecutor:
         drafts keeps what its row sampled). A participant with drafts then gets that row's logits and token in
         its state row, on the model stream before any later step. Returns the step's consumed and generated
         counts, tokens and kept drafts."""
-        logits, offsets, fed, rows, states = pending.spec
+        offsets, fed, rows, states = pending.spec
         pending.spec = None
         greedy = self._greedy_frames[frame].array.view(np.int64)
         consumed, generated, token_ids = consumed.copy(), generated.copy(), token_ids.copy()
@@ -418,7 +417,7 @@ class GraphExecutor:
             d = self.decoder
             with torch.cuda.stream(self.model_stream):
                 index, at, tokens = torch.as_tensor([fix_rows, fix_at, fix_tokens], dtype=torch.int64).to(self.device)
-                d.state_logits.index_copy_(0, index, logits.index_select(0, at))
+                d.state_logits.index_copy_(0, index, d.logits.index_select(0, at))
                 d.last_token.index_copy_(0, index, tokens)
         return consumed, generated, token_ids, kept
 

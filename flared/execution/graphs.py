@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flared._fast.scheduler import SPECULATIVE_MAX_TOKENS
 from flared.errors import ErrorKind, ExecutionError
 
 SPAN_ALIGN_BYTES = 256
@@ -96,18 +97,13 @@ def default_prefill_batch_shapes(concurrency: int, prefill_token_sizes,
     return tuple(shapes)
 
 
-# The most rows a speculative step's decode graph takes (the scheduler's SPECULATIVE_MAX_TOKENS: its cohort's last
-# tokens and drafts in all).
-SPEC_MAX_ROWS = 64
-
-
 def speculative_batch_sizes(concurrency: int, draft_tokens: int) -> tuple[int, ...]:
     """Row capacities of the speculative decode graphs ("decode_spec") an executor captures where requests feed up
     to ``draft_tokens`` drafts a step: powers of two from 2 up to the first that holds every live request's last
-    token and drafts, at most SPEC_MAX_ROWS; () without drafts."""
+    token and drafts, at most the scheduler's SPECULATIVE_MAX_TOKENS (a step's tokens in all); () without drafts."""
     if draft_tokens <= 0:
         return ()
-    most = min(SPEC_MAX_ROWS, concurrency * (1 + draft_tokens))
+    most = min(SPECULATIVE_MAX_TOKENS, concurrency * (1 + draft_tokens))
     sizes = [2]
     while sizes[-1] < most:
         sizes.append(sizes[-1] * 2)
@@ -522,8 +518,8 @@ class GraphSet:
             s.steps.zero_()
             s.lora_ids.zero_()
 
-    def _run_eager(self, key):
-        """Run graph ``key``'s work on the current stream; a prefill returns its final hidden rows."""
+    def _run_eager(self, key) -> None:
+        """Run graph ``key``'s work on the current stream."""
         kind, batch, tokens, full = key
         if kind == "decode":
             self.decoder.decode(batch, full, mega=False)
@@ -534,7 +530,7 @@ class GraphSet:
         elif kind == "decode_spec":  # a decoder with adapters runs their terms for the rows that name one
             self.decoder.decode(batch, full, mega=False, adapters=self.decoder.lora is not None, speculative=True)
         else:
-            return self.decoder.prefill(batch, tokens)
+            self.decoder.prefill(batch, tokens)
 
     def keys(self) -> list[tuple[str, int, int, bool]]:
         m = self.manifest
