@@ -50,6 +50,7 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
                                      pack_prefill, speculative_batch_sizes, speculative_rows)
+from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind, scored_participants
@@ -79,7 +80,8 @@ class _Pending:
 class GraphExecutor:
     def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
                  vocab_size: int, max_live: int, decode_batch_sizes, prefill_token_sizes,
-                 max_pages_per_sequence: int, prefill_batch_shapes=None, lora=None, speculative: bool = False):
+                 max_pages_per_sequence: int, prefill_batch_shapes=None, lora=None, speculative: bool = False,
+                 kv_cache_dtype: str = "auto"):
         """``prefill_batch_shapes``: (batch, tokens) capacities of multi-sequence prefill graphs; None = the
         default (graphs.default_prefill_batch_shapes), () = one-sequence prefill graphs only. The scheduler
         must plan with ``graph_shapes`` (what was captured). ``lora``: the per-request LoRA adapters
@@ -87,7 +89,9 @@ class GraphExecutor:
         ``speculative``: the most draft tokens a request feeds a SPECULATIVE step (prompt lookup; 0 = none):
         each such step runs as a decode graph with a row per fed token (kind "decode_spec", captured for
         ``spec_batch_sizes``; the scheduler must cap a step's tokens at ``spec_max_rows``), and every row's
-        greedy token verifies the drafts (_submit_speculative)."""
+        greedy token verifies the drafts (_submit_speculative). ``kv_cache_dtype``: "auto" (the model's dtype) or
+        "fp8" / "fp8_e4m3" (vLLM's --kv-cache-dtype): the KV pool and the prefix cache's snapshots in float8 e4m3,
+        half the bytes of bf16 (kv_cache.kv_pool_dtype)."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens
@@ -114,13 +118,14 @@ class GraphExecutor:
         self._copy_ptr = self.copy_stream.cuda_stream
         self._upload_ptr = self.upload_stream.cuda_stream
         self.graphs = GraphSet(model, self.manifest, num_pages=num_pages, page_tokens=page_tokens,
-                               num_state_rows=num_state_rows, lora=lora, spec_batch_sizes=self.spec_batch_sizes)
+                               num_state_rows=num_state_rows, lora=lora, spec_batch_sizes=self.spec_batch_sizes,
+                               kv_dtype=kv_pool_dtype(kv_cache_dtype, model.dtype))
         self.speculative = speculative > 0
         self.decoder = self.graphs.decoder
         c = model.config
         snap_shape = (num_snapshots, c.num_layers, page_tokens, c.num_kv_heads, c.head_dim)
-        self.snap_keys = torch.zeros(snap_shape, dtype=model.dtype, device=self.device)
-        self.snap_values = torch.zeros(snap_shape, dtype=model.dtype, device=self.device)
+        self.snap_keys = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
+        self.snap_values = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
         self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)
         self.sampler = Sampler(vocab_size, device=self.device, max_penalty_slots=max_live)
         self.graphs.capture(self.model_stream)

@@ -429,11 +429,12 @@ class GraphSet:
     """Device inputs, the paged decoder and its captured graphs (CUDA only)."""
 
     def __init__(self, model, manifest: ExecutionManifest, *, num_pages: int, page_tokens: int,
-                 num_state_rows: int, lora=None, spec_batch_sizes=()):
+                 num_state_rows: int, lora=None, spec_batch_sizes=(), kv_dtype=None):
         """``lora``: the per-request LoRA adapters (kernels/lora_rows.StackedLora) the decoder's graphs run for
         the rows that name one (``lora_ids``); None: none. ``spec_batch_sizes``: the row capacities of the
         speculative decode graphs (kind "decode_spec": a row per fed token, every row's K/V written before any row
-        attends; speculative_batch_sizes), each of them also a decode capacity of ``manifest``; () = none."""
+        attends; speculative_batch_sizes), each of them also a decode capacity of ``manifest``; () = none.
+        ``kv_dtype``: the KV pool's element type (PagedCudaDecoder's; None: the model's)."""
         import torch
 
         from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
@@ -469,7 +470,7 @@ class GraphSet:
         self.decoder = PagedCudaDecoder(model, self.inputs, decode_inputs=self.decode_inputs,
                                         num_pages=num_pages, page_tokens=page_tokens,
                                         num_state_rows=num_state_rows, max_batch=manifest.max_batch,
-                                        max_tokens=manifest.max_tokens, lora=lora)
+                                        max_tokens=manifest.max_tokens, lora=lora, kv_dtype=kv_dtype)
         self.graphs: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs: dict[tuple[str, int, int, bool], int] = {}
         missing = set(spec_batch_sizes) - set(manifest.decode_batch_sizes)

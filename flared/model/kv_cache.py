@@ -28,6 +28,21 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros
 
 
+FP8_KV = torch.float8_e4m3fn  # kv_cache_dtype "fp8": the CUDA pool's element type
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_pool_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type for a ``kv_cache_dtype`` setting (vLLM's --kv-cache-dtype): "auto" keeps the
+    model's; "fp8" or "fp8_e4m3" stores float8 e4m3 without a scale (values past +-448 saturate), which the CUDA
+    pool alone holds (flared.model.kernels.paged_decoder)."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8_KV
+    raise ValueError(f"kv_cache_dtype {name!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 class PagedKVCache:
     def __init__(self, config: ModelConfig, *, num_pages: int, page_tokens: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):

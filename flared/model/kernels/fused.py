@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flared.model.triton_attention import kv_value
+
 
 @triton.jit
 def _add_rms_norm_kernel(X, Residual, Weight, Out, stride_row, width, eps, HAS_X: tl.constexpr,
@@ -87,9 +89,9 @@ def _rope_write_kernel(QKV, Cos, Sin, Positions, Slots, QOut, KPool, VPool,
     k_rot = tl.load(kbase + kh[:, None] * HEAD_DIM + rot[None, :], mask=km[:, None], other=0.0).to(tl.float32)
     k_out = k * cos[None, :] + k_rot * sin[None, :]
     dst = slot.to(tl.int64) * stride_kv_slot + kh[:, None] * HEAD_DIM + d[None, :]
-    tl.store(KPool + dst, k_out.to(KPool.dtype.element_ty), mask=km[:, None])
+    tl.store(KPool + dst, kv_value(k_out.to(QKV.dtype.element_ty), KPool), mask=km[:, None])
     v = tl.load(kbase + NUM_KV_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + d[None, :], mask=km[:, None])
-    tl.store(VPool + dst, v, mask=km[:, None])
+    tl.store(VPool + dst, kv_value(v, VPool), mask=km[:, None])
 
 
 def rope_write_kv(qkv: torch.Tensor, cos_table: torch.Tensor, sin_signed_table: torch.Tensor,

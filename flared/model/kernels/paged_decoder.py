@@ -51,13 +51,33 @@ import torch
 import torch.nn.functional as F
 
 from flared.model.kernels import decode_attention, fused, megakernel, products64, skinny
+from flared.model.kv_cache import FP8_KV
 from flared.model.kernels.sampling import sample_full, sample_greedy
-from flared.model.triton_attention import (decode_splits, paged_decode_attention, paged_decode_attention_rope,
-                                           paged_decode_attention_split, paged_prefill_attention_varlen,
-                                           supports_pdl)
+from flared.model.triton_attention import (FP8_MAX, decode_splits, paged_decode_attention,
+                                           paged_decode_attention_rope, paged_decode_attention_split,
+                                           paged_prefill_attention_varlen, supports_pdl)
 
 
 LT_MIN_ROWS = 32  # smallest decode batch calibrate tries on cuBLASLt (16 rows measured 2% slower on the H200)
+
+def fp8_kv_unsupported(device) -> str | None:
+    """Why a float8 KV pool cannot run on ``device`` (Triton converts float8 e4m3 from compute capability 8.9:
+    Ada, Hopper and later), or None."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"a float8 KV cache needs compute capability 8.9 or newer (Ada, Hopper); "
+                f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
+    return None
+
+
+def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """pool [slots, nkv, d] (one layer's K or V) at ``slots`` <- x [T, nkv, d] in the activation dtype; into a
+    float8 pool saturated at +-448, as the Triton kernels store (torch's own conversion would give NaN)."""
+    if pool.dtype == x.dtype:
+        pool.index_copy_(0, slots, x)
+        return
+    x = x.float().clamp(-FP8_MAX, FP8_MAX).to(pool.dtype)
+    pool.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
 
 
 @dataclass
@@ -84,9 +104,12 @@ class StaticInputs:
 
 class PagedCudaDecoder:
     def __init__(self, model, inputs: StaticInputs, *, num_pages: int, page_tokens: int, num_state_rows: int,
-                 max_batch: int, max_tokens: int, decode_inputs: StaticInputs | None = None, lora=None):
+                 max_batch: int, max_tokens: int, decode_inputs: StaticInputs | None = None, lora=None,
+                 kv_dtype: torch.dtype | None = None):
         """``lora``: per-request LoRA adapters (kernels/lora_rows.StackedLora), fixed for the decoder's life (the
-        graphs capture it); None: none, and the forwards are what they are without adapters."""
+        graphs capture it); None: none, and the forwards are what they are without adapters. ``kv_dtype``: the KV
+        pool's element type, the model's (None) or torch.float8_e4m3fn (``kv_pool_dtype``: half the bytes, read by
+        the Triton attention kernels only; the megakernel and the CUDA attention stay off)."""
         c = model.config
         if model.device.type != "cuda":
             raise ValueError("PagedCudaDecoder needs a DecoderModel on a CUDA device")
@@ -108,8 +131,17 @@ class PagedCudaDecoder:
         # One extra page: padding rows write their K/V there, never into a live page.
         self.scratch_slot = num_pages * page_tokens
         pool_shape = (c.num_layers, (num_pages + 1) * page_tokens, c.num_kv_heads, c.head_dim)
-        self.k_pool = torch.zeros(pool_shape, dtype=dtype, device=self.device)
-        self.v_pool = torch.zeros(pool_shape, dtype=dtype, device=self.device)
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in (dtype, FP8_KV):
+            raise ValueError(f"a KV pool holds {dtype} or {FP8_KV}, not {self.kv_dtype}")
+        if self.kv_dtype == FP8_KV:
+            if dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"a float8 KV pool serves half-precision models, not {dtype}")
+            problem = fp8_kv_unsupported(self.device)
+            if problem is not None:
+                raise ValueError(problem)
+        self.k_pool = torch.zeros(pool_shape, dtype=self.kv_dtype, device=self.device)
+        self.v_pool = torch.zeros(pool_shape, dtype=self.kv_dtype, device=self.device)
         self.last_token = torch.zeros(num_state_rows, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(max_batch, c.vocab_size, dtype=torch.float32, device=self.device)
         # Per state row, the logits of its last computed position (snapshots and full-prompt hits read them).
@@ -202,7 +234,8 @@ class PagedCudaDecoder:
         # 4,867 against 4,918 / 4,915 us (8B, 64 rows, H200). FLARED_ATTENTION_PDL=0 launches it plainly.
         self.attn_pdl = os.environ.get("FLARED_ATTENTION_PDL", "1") != "0" and supports_pdl()
         pinned_mega = os.environ.get("FLARED_MEGAKERNEL")
-        if self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None:
+        if (self.fused and pinned_mega != "0" and megakernel.unsupported(model) is None
+                and self.kv_dtype == dtype):  # the megakernel reads and writes the pool in the model's dtype
             self.mega_limit = min(max_batch, megakernel.max_rows(model))
             if pinned_mega == "1":
                 self.mega_max_rows = self.mega_limit
@@ -217,9 +250,10 @@ class PagedCudaDecoder:
 
     def cuda_attention_build(self):
         """The CUDA decode attention's build for this model, loaded (never inside a graph capture); None where it
-        cannot run (it says why in ``decode_attention.unsupported``; it has no sliding window either)."""
+        cannot run (it says why in ``decode_attention.unsupported``; it has no sliding window either, and reads
+        no float8 pool)."""
         c = self.config
-        if self.window:
+        if self.window or self.kv_dtype != self.model.dtype:
             return None
         if (decode_attention.unsupported(c.num_heads, c.num_kv_heads, c.head_dim, self.model.dtype,
                                          self.page_tokens) is not None or not decode_attention.available()):
@@ -508,8 +542,8 @@ class PagedCudaDecoder:
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
-            self.k_pool[index].index_copy_(0, slots, qk[:, nh:])
-            self.v_pool[index].index_copy_(0, slots, qkv[:, q_size + kv_size:].view(num_tokens, nkv, d))
+            write_kv(self.k_pool[index], slots, qk[:, nh:])
+            write_kv(self.v_pool[index], slots, qkv[:, q_size + kv_size:].view(num_tokens, nkv, d))
             attend(qk[:, :nh], index, attn)
             attn_rows = attn.view(num_tokens, nh * d)
             h = h + self._with_lora(lora, index, "o", attn_rows, F.linear(attn_rows, layer.o.weight, layer.o.bias))

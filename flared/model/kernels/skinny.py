@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flared.model.triton_attention import kv_value
+
 MAX_ROWS = 16
 _BLOCK_M = 16
 
@@ -118,21 +120,22 @@ def _skinny_kernel(X, W, Bias, Out, NormW, Cos, Sin, Positions, Slots, KPool, VP
             sin_hi = tl.load(Sin + t_lo + half, mask=mask2, other=0.0).to(tl.float32)
             out_lo = a * cos_lo + b * sin_lo
             out_hi = b * cos_hi + a * sin_hi
+            # (each branch's pointer has its own name: a float8 pool's pointers are not the activations' type)
             if head < NUM_HEADS:
-                dst = Out + offs_m[:, None] * stride_out + head * HEAD_DIM + in_head[None, :]
-                tl.store(dst, out_lo.to(Out.dtype.element_ty), mask=mask2)
-                tl.store(dst + half, out_hi.to(Out.dtype.element_ty), mask=mask2)
+                q_dst = Out + offs_m[:, None] * stride_out + head * HEAD_DIM + in_head[None, :]
+                tl.store(q_dst, out_lo.to(Out.dtype.element_ty), mask=mask2)
+                tl.store(q_dst + half, out_hi.to(Out.dtype.element_ty), mask=mask2)
             else:
                 slot = tl.load(Slots + offs_m, mask=m_mask, other=0).to(tl.int64)
-                dst = KPool + slot[:, None] * stride_kv_slot + (head - NUM_HEADS) * HEAD_DIM + in_head[None, :]
-                tl.store(dst, out_lo.to(KPool.dtype.element_ty), mask=mask2)
-                tl.store(dst + half, out_hi.to(KPool.dtype.element_ty), mask=mask2)
+                k_dst = KPool + slot[:, None] * stride_kv_slot + (head - NUM_HEADS) * HEAD_DIM + in_head[None, :]
+                tl.store(k_dst, kv_value(out_lo.to(Out.dtype.element_ty), KPool), mask=mask2)
+                tl.store(k_dst + half, kv_value(out_hi.to(Out.dtype.element_ty), KPool), mask=mask2)
         else:
             slot = tl.load(Slots + offs_m, mask=m_mask, other=0).to(tl.int64)
-            dst = VPool + slot[:, None] * stride_kv_slot + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM + \
+            v_dst = VPool + slot[:, None] * stride_kv_slot + (head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM + \
                 in_head[None, :]
-            tl.store(dst, a.to(VPool.dtype.element_ty), mask=mask2)
-            tl.store(dst + half, b.to(VPool.dtype.element_ty), mask=mask2)
+            tl.store(v_dst, kv_value(a.to(Out.dtype.element_ty), VPool), mask=mask2)
+            tl.store(v_dst + half, kv_value(b.to(Out.dtype.element_ty), VPool), mask=mask2)
 
 
 _CONFIGS = [
