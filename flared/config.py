@@ -107,6 +107,10 @@ class ServerConfig:
     # holds no slot brings it in, in place of the adapter least recently asked for that no running request uses
     # (it waits, and the requests behind it go on, while every slot is in use). None: max_loras (no swapping).
     max_cpu_loras: int | None = None
+    # vLLM's --kv-cache-dtype: "auto" keeps the KV cache in the model's dtype; "fp8" (or "fp8_e4m3") stores keys and
+    # values as float8 e4m3 on the CUDA graph executor: half the bytes of bf16 to hold and to read each step, at a
+    # precision of 3 mantissa bits, no scale (values past +-448 saturate). The CPU backend refuses it at load.
+    kv_cache_dtype: str = "auto"
     # Speculative decoding by prompt lookup (vLLM's ngram method): up to this many draft tokens a step
     # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred
     # before in their prompt and output. 0 = off.
@@ -149,7 +153,10 @@ class ServerConfig:
         need(self.max_cpu_loras is None or (_is_int(self.max_cpu_loras) and _is_int(self.max_loras)
                                              and self.max_loras <= self.max_cpu_loras <= 4096),
              "max_cpu_loras", "must be an integer from max_loras up to 4096")
+        from flared.model.kv_cache import KV_CACHE_DTYPES
         from flared.scheduler.config import MAX_SPECULATIVE_TOKENS
+
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
 
         need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "speculative_tokens", f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}")

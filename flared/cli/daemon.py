@@ -113,6 +113,9 @@ def main() -> None:
 @click.option("--max-cpu-loras", type=int, default=None,
               help="With --allow-runtime-lora-updating on a GPU: adapters that may be loaded at once, their factors "
                    "in host memory, swapped into the --max-loras slots as requests need them (default: max-loras).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default=None,
+              help="KV cache element type: auto (the model's) or fp8 (float8 e4m3 on a GPU: half the memory and "
+                   "the bytes each step reads; default auto).")
 @click.option("--speculative-tokens", type=int, default=None,
               help="Speculative decoding by prompt lookup: up to N draft tokens a step for greedy "
                    "requests, copied from earlier in their prompt and output (default 0: off).")
@@ -124,7 +127,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
-        max_cpu_loras,
+        max_cpu_loras, kv_cache_dtype,
         speculative_tokens, prompt_lookup_max, prompt_lookup_min, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
@@ -138,7 +141,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max,
             prompt_lookup_min=prompt_lookup_min, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras).items() if v is not None}
+            max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            kv_cache_dtype=kv_cache_dtype).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if allowed_origins is not None:

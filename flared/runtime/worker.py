@@ -217,8 +217,11 @@ class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto"):
         self.core = core
+        # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (the CUDA graph executor's pool
+        # and snapshots in float8 e4m3: half the bytes of bf16; the CPU backend refuses it at load).
+        self.kv_cache_dtype = kv_cache_dtype
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
         # Both executors verify drafts as decode rows (the CUDA graph executor in its speculative decode graphs).
         self.speculative = tuple(speculative)
@@ -308,8 +311,14 @@ class ModelRuntime:
             torch.set_num_threads(self.torch_threads)
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
+        if self.kv_cache_dtype != "auto" and not use_cuda:
+            raise CoreError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs the CUDA graph executor (a GPU with "
+                            f"compute capability 8.9 or newer); this {m.dtype} core runs on the CPU, whose KV "
+                            f"cache is {m.dtype} (use kv_cache_dtype \"auto\")", ErrorKind.VALIDATION)
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
+        if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
+            identity.update(f"|kv {self.kv_cache_dtype}".encode())
         if self.lora_adapters:
             from flared.model.lora import LoraAdapter, merge_adapters
 
@@ -360,12 +369,14 @@ class ModelRuntime:
                                           decode_batch_sizes=caps.decode_batch_sizes,
                                           prefill_token_sizes=caps.prefill_token_sizes,
                                           max_pages_per_sequence=-(-caps.context_tokens // caps.page_tokens),
-                                          lora=stacked, speculative=self.speculative[0])
+                                          lora=stacked, speculative=self.speculative[0],
+                                          kv_cache_dtype=self.kv_cache_dtype)
             graph_shapes = self.executor.graph_shapes
-            log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
+            dec = self.executor.decoder
+            log.info("executor: CUDA graphs on %s (%s; KV cache %s, %.1f GiB)", torch.cuda.get_device_name(), m.dtype,
+                     str(dec.kv_dtype).removeprefix("torch."), dec.kv_bytes / 2**30)
             from flared.model.kernels.megakernel import describe_decode_paths
 
-            dec = self.executor.decoder
             log.info("executor: %s", describe_decode_paths(
                 skinny_max_rows=dec.skinny_max_rows, mega_max_rows=dec.mega_max_rows,
                 mega_max_context=dec.mega_max_context, calibration=dec.calibration))

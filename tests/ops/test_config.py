@@ -64,6 +64,8 @@ def test_example_config_loads(tmp_path):
     ("max_lora_rank = 8.5", "'max_lora_rank'"),
     ("max_cpu_loras = 2", "'max_cpu_loras'"),  # under max_loras (4)
     ("max_cpu_loras = 'many'", "'max_cpu_loras'"),
+    ("kv_cache_dtype = 'int4'", "'kv_cache_dtype'"),
+    ("kv_cache_dtype = 8", "'kv_cache_dtype'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
@@ -91,6 +93,39 @@ def test_max_cpu_loras_reaches_the_config(tmp_path):
     path.write_text("runtime_lora_updating = true\nmax_loras = 2\nmax_cpu_loras = 8\n")
     cfg = ServerConfig.from_toml(path)
     assert (cfg.max_loras, cfg.max_cpu_loras) == (2, 8) and ServerConfig().max_cpu_loras is None
+
+
+def test_kv_cache_dtype_reaches_the_config(tmp_path):
+    path = tmp_path / "kv.toml"
+    for value in ("fp8", "fp8_e4m3", "auto"):
+        path.write_text(f"kv_cache_dtype = '{value}'\n")
+        assert ServerConfig.from_toml(path).kv_cache_dtype == value
+    assert ServerConfig().kv_cache_dtype == "auto"
+
+
+def test_a_float8_kv_cache_is_refused_on_the_cpu_backend(tiny_core):
+    """The CPU eager executor keeps its cache in the model's dtype: asking for fp8 there fails the load with an
+    error that says why and what to set, before any weight is read."""
+    from flared.core.load import open_core
+    from flared.errors import CoreError
+    from flared.runtime.worker import ModelRuntime
+
+    rt = ModelRuntime(open_core(tiny_core), kv_cache_dtype="fp8")
+    with pytest.raises(CoreError, match="kv_cache_dtype 'fp8' needs the CUDA graph executor") as e:
+        rt.start(max_pending=4)
+    assert 'kv_cache_dtype "auto"' in str(e.value)
+    assert rt.executor is None
+
+
+def test_kv_pool_dtype_names():
+    import torch
+
+    from flared.model.kv_cache import kv_pool_dtype
+
+    assert kv_pool_dtype("auto", torch.bfloat16) is torch.bfloat16
+    assert kv_pool_dtype("fp8", torch.bfloat16) is kv_pool_dtype("fp8_e4m3", torch.float16) is torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="auto, fp8, fp8_e4m3"):
+        kv_pool_dtype("fp16", torch.bfloat16)
 
 
 def test_policy_values_reach_the_config(tmp_path):
