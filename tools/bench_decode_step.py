@@ -21,7 +21,7 @@ Each row gives microseconds per step, the step's weight bytes over that time aga
 first variant's.
 
     python tools/bench_decode_step.py [--shapes 135m,8b] [--batches 1,4,16,64] [--context 512[,1024...]]
-                                      [--pool-pages N] [--profile] [--json]
+                                      [--pool-pages N] [--kv-cache-dtype auto|fp8] [--profile] [--json]
 
 ``--profile`` also replays each variant's graph under torch.profiler and prints where its GPU time goes, kernel
 by kernel (products64 launches named qkv / o / gate_up / down by their order in a layer). With programmatic
@@ -94,10 +94,11 @@ MEGA_OVERRIDES = {
 }
 
 
-def build(shape: str, max_batch: int, context: int, pool_pages: int = 0):
+def build(shape: str, max_batch: int, context: int, pool_pages: int = 0, kv_cache_dtype: str = "auto"):
     from bench_gpu import make_hf, serving
 
     from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
+    from flared.model.kv_cache import kv_pool_dtype
 
     hf = make_hf(shape, torch.bfloat16)
     model = serving(hf, torch.bfloat16)
@@ -124,7 +125,7 @@ def build(shape: str, max_batch: int, context: int, pool_pages: int = 0):
         steps=torch.zeros(b, dtype=i64, device=dev))
     set_context(inputs, context)
     dec = PagedCudaDecoder(model, inputs, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=b + 1,
-                           max_batch=b, max_tokens=t)
+                           max_batch=b, max_tokens=t, kv_dtype=kv_pool_dtype(kv_cache_dtype, model.dtype))
     # A filled cache: attention reads real-looking K/V at every position.
     g = torch.Generator(device=dev).manual_seed(0)
     for pool in (dec.k_pool, dec.v_pool):
@@ -262,16 +263,19 @@ def main() -> int:
     ap.add_argument("--pool-pages", type=int, default=0,
                     help="KV pool pages (default: the rows' own); bench_gpu's executor has 4,096 (134 MB a layer at 8B)")
     ap.add_argument("--profile", action="store_true", help="each variant's GPU time kernel by kernel")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="the KV pool's element type (fp8: float8 e4m3; the megakernel and CUDA attention skip it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.context.split(",")]
-    result = {"context": contexts[0] if len(contexts) == 1 else contexts, "copy_tb_s": COPY_TB_S}
+    result = {"context": contexts[0] if len(contexts) == 1 else contexts, "copy_tb_s": COPY_TB_S,
+              "kv_cache_dtype": args.kv_cache_dtype}
     print(f"{'shape':6} {'batch':>5} {'context':>7}  {'variant':18} {'us/step':>9} {'% of floor':>10}"
           f"  {'tokens = first':>14}  {'max |logit diff|':>16}")
     stream = torch.cuda.Stream()
     for shape in args.shapes.split(","):
-        model, dec, weight_bytes = build(shape, max(batches), max(contexts), args.pool_pages)
+        model, dec, weight_bytes = build(shape, max(batches), max(contexts), args.pool_pages, args.kv_cache_dtype)
         floor_us = weight_bytes / (COPY_TB_S * 1e12) * 1e6
         result[f"{shape}_floor_us"] = round(floor_us, 1)
         for context in contexts:

@@ -11,7 +11,8 @@ device time).
                               [--ab-env NAME=VALUE] [--json]
 
 The executors prefill in chunks of 2,048 tokens, up to 16 prompts a graph; FLARED_BENCH_PREFILL=TOKENS:SEQUENCES
-sets both (the chunk at most the 4,096-token context), also as an A/B through --ab-env.
+sets both (the chunk at most the 4,096-token context), also as an A/B through --ab-env; likewise
+FLARED_BENCH_KV_CACHE_DTYPE=fp8 builds the executors with a float8 KV cache (GraphExecutor's kv_cache_dtype).
 
 Prints a table; with --json, one JSON object as the last line. CUDA only.
 """
@@ -127,7 +128,8 @@ def graph_executor(model, concurrency=CONCURRENCY, num_pages=None, prefill_batch
                        num_snapshots=4 * concurrency, vocab_size=model.config.vocab_size, max_live=concurrency,
                        decode_batch_sizes=batches, prefill_token_sizes=prefill,
                        max_pages_per_sequence=CONTEXT_TOKENS // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes,
-                       lora=lora, speculative=speculative_tokens)
+                       lora=lora, speculative=speculative_tokens,
+                       kv_cache_dtype=os.environ.get("FLARED_BENCH_KV_CACHE_DTYPE", "auto"))
     sched, _ = scheduler(concurrency, num_pages, ex.graph_shapes, speculative_tokens, ex.spec_max_rows)
     return sched, ex
 

@@ -2,12 +2,13 @@
 against the fused kernel (paged_decode_attention_rope), the fused kernel's tile and warp choices, and the
 same pool laid out head-major ([kv head, slot, d]: a program's keys of a page contiguous; the kernels take
 the pool's strides, so only the layout changes); and the CUDA kernel (kernels/decode_attention.cu) in each of its
-tuning builds, with its largest output difference from the Triton kernel.
+tuning builds, with its largest output difference from the Triton kernel; and the Triton kernels over float8
+pools (kv_cache_dtype fp8; ``--fp8-grid``: their tile and warp choices).
 
 Every layer gets its own KV pool region (as a step walks 32 layers' pools, nothing stays in L2), pages
 scattered; every row at the same context. Each variant is captured for all layers into one graph.
 
-    python tools/probe_decode_attention.py [--rows 64] [--context 256] [--json]
+    python tools/probe_decode_attention.py [--rows 64] [--context 256] [--quick] [--fp8-grid] [--json]
 
 CUDA only; Llama-3.1-8B's attention shape (32 q heads, 8 kv heads, head dim 128), bf16.
 """
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="leave out the tile/warp/stage grid")
+    ap.add_argument("--fp8-grid", action="store_true", help="the fused kernel's tile and warp grid on float8 pools")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     B, ctx, L = args.rows, args.context, args.layers
@@ -132,6 +134,20 @@ def main(argv=None) -> int:
                                                  tables, lens, num_heads=nh, page_tokens=P, scale=scale, build=build)
             diffs[name] = float((mine.float() - ref.float()).abs().max())
             variants.append((name, cuda(build)))
+    # The same operands in float8 pools (kv_cache_dtype fp8): half the bytes, widened in the kernel.
+    k8, v8 = k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn)
+
+    def attention_only_fp8():
+        for i in range(L):
+            paged_decode_attention(q, k8[i], v8[i], out, tables, lens, page_tokens=P, scale=scale)
+
+    variants += [("float8 pool: attention alone", attention_only_fp8),
+                 ("float8 pool: fused, defaults", fused(pools=(k8, v8)))]
+    if args.fp8_grid:
+        for bn in (32, 64, 128):
+            for warps in (2, 4, 8):
+                variants.append((f"float8 pool: fused, {bn} keys, {warps} warps",
+                                 fused(pools=(k8, v8), block_n=bn, num_warps=warps)))
     for bn in () if args.quick else (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):
@@ -148,7 +164,8 @@ def main(argv=None) -> int:
     print(f"{'variant':52} {'us/layer':>9} {'TB/s':>6} {'vs before':>9} {'max |diff| vs Triton':>20}")
     for name, us in sorted(res.items(), key=lambda kv: kv[1]):
         diff = f"{diffs[name]:20.4f}" if name in diffs else ""
-        print(f"{name:52} {us:9.2f} {kv_mb / us:6.2f} {us - base:+9.2f} {diff}")
+        mb = kv_mb / 2 if name.startswith("float8") else kv_mb  # a float8 pool holds one byte a value
+        print(f"{name:52} {us:9.2f} {mb / us:6.2f} {us - base:+9.2f} {diff}")
     if args.json:
         print(json.dumps({"rows": B, "context": ctx, "us_per_layer": res, "max_abs_diff_vs_triton": diffs}))
     return 0
