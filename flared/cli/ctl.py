@@ -236,6 +236,9 @@ def models(admin_socket, as_json):
     click.echo(f"  names:       {', '.join(body['served_names'])}")
     click.echo(f"  context:     {caps.get('context_tokens')} tokens, concurrency {caps.get('concurrency')}")
     click.echo(f"  core:        {body['core']}")
+    kv = body.get("kv_cache") or {}
+    if kv:
+        click.echo(f"  kv cache:    {kv['dtype']}, {kv['bytes'] / 2**20:,.1f} MiB")
     for adapter in body.get("lora_adapters", []):
         click.echo(f"  lora:        {adapter['path']} (scale {adapter['scale']:g})")
 

@@ -67,6 +67,12 @@ class EagerExecutor:
         return (self.kv.num_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
                 + 4 * (self.state_logits.numel() + self.snap_logits.numel()))
 
+    @property
+    def kv_cache(self) -> tuple[str, int]:
+        """(element type, bytes) of the KV cache: the pool and the prefix cache's K/V snapshots."""
+        return (str(self.kv.dtype).removeprefix("torch."),
+                self.kv.num_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size())
+
     # -- plan execution --------------------------------------------------------------------------
 
     @torch.inference_mode()

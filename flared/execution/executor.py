@@ -164,6 +164,11 @@ class GraphExecutor:
         return self.decoder.kv_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
 
     @property
+    def kv_cache(self) -> tuple[str, int]:
+        """(element type, bytes) of the KV cache: the pool and the prefix cache's K/V snapshots."""
+        return str(self.decoder.kv_dtype).removeprefix("torch."), self.num_bytes
+
+    @property
     def graph_shapes(self) -> tuple[tuple[int, int, int], ...]:
         """``SchedulerConfig.graph_shapes`` for this executor: the decode and prefill (batch, tokens) graphs
         it captured, and the default shapes of the kinds it runs without a graph."""

@@ -576,6 +576,15 @@ class ModelRuntime:
             self._cancels.append(request_id)
             self._wake.notify()
 
+    def kv_cache_info(self) -> dict:
+        """The KV cache's element type (``dtype``: "bfloat16", "float8_e4m3fn", ...) and ``bytes`` (the pool and the
+        prefix cache's K/V snapshots) once the model is loaded; {} before."""
+        ex = self.executor
+        if ex is None:
+            return {}
+        dtype, nbytes = ex.kv_cache
+        return {"dtype": dtype, "bytes": int(nbytes)}
+
     def snapshot(self) -> dict:
         """Gauges and counters for metrics and tests (independent reads)."""
         s = self.scheduler

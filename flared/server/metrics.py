@@ -143,6 +143,12 @@ class _RuntimeCollector:
         yield _gauge("flare_reusable_pages", "KV pages free for new use (fence completed).", rt.get("free_pages", 0))
         yield _gauge("flare_reusable_snapshots", "State snapshots free for new use.", rt.get("free_snapshots", 0))
         yield _gauge("flare_kv_pages", "KV pages in the pool.", rt.get("total_pages", 0))
+        kv = m.runtime.kv_cache_info()
+        if kv:
+            kv_bytes = GaugeMetricFamily("flare_kv_cache_bytes", "Bytes of the KV cache (pool and prefix snapshots), "
+                                         "by element type (kv_cache_dtype).", labels=["dtype"])
+            kv_bytes.add_metric([kv["dtype"]], kv["bytes"])
+            yield kv_bytes
         cache = m.cache_sizes()
         yield _gauge("flare_cached_checkpoints", "Prefix checkpoints held by the cache.", cache[0])
         yield _gauge("flare_cached_pages", "KV pages owned by cached prefix checkpoints.", cache[1])

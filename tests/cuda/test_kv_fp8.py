@@ -280,6 +280,8 @@ def test_the_model_thread_serves_a_float8_cache_with_prefix_hits(bf16_core):
     rt.start(max_pending=16)
     try:
         assert rt.executor.decoder.k_pool.dtype == FP8
+        info = rt.kv_cache_info()  # /admin/models and flare_kv_cache_bytes{dtype}
+        assert info["dtype"] == "float8_e4m3fn" and info["bytes"] == rt.executor.num_bytes
         prompt = [5, 17, 40, 99, 7] * 9  # 45 tokens: two full pages cached
         cold = tokens(rt, [prompt], temperature=0.0)
         warm = tokens(rt, [prompt], temperature=0.0)

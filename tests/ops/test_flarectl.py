@@ -37,7 +37,9 @@ def test_models(ops_daemon):
     body = json.loads(res.stdout)
     assert "tiny" in body["served_names"] and body["capacities"]["concurrency"] == 4
     assert body["lora_adapters"] == []  # none merged (tests/model/test_lora.py serves one)
-    assert "tiny" in ops_daemon.ctl("models").stdout
+    assert body["kv_cache"]["dtype"] in ("float32", "bfloat16") and body["kv_cache"]["bytes"] > 0
+    human = ops_daemon.ctl("models").stdout
+    assert "tiny" in human and f"kv cache:    {body['kv_cache']['dtype']}" in human
 
 
 def test_pause_gives_503_drain_waits_resume_reopens(ops_daemon):

@@ -66,10 +66,12 @@ def test_every_documented_series_is_exposed(ops_daemon):
     undocumented = {n for n in fams if n + "_total" not in documented and n not in documented
                     and not n.endswith("_created")}
     assert not undocumented, undocumented
-    # No request label anywhere: labels come from closed sets.
+    # No request label anywhere: labels come from closed sets (dtype: the KV cache's element type).
     for samples in fams.values():
         for s in samples:
-            assert set(s.labels) <= {"kind", "state", "le"}, s
+            assert set(s.labels) <= {"kind", "state", "le", "dtype"}, s
+    (kv,) = fams["flare_kv_cache_bytes"]
+    assert kv.labels["dtype"] in ("float32", "bfloat16") and kv.value > 0
 
 
 def test_counters_move_with_traffic(ops_daemon):
