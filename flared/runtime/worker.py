@@ -770,14 +770,30 @@ class ModelRuntime:
         self._lora_used[index] = self._lora_ticks
         return True
 
+    def _lora_victim(self, spared: set[int]) -> int | None:
+        """The adapter holding a slot, outside ``spared``, asked for least recently: the one a request waiting for a
+        slot has the requests behind it leave alone until it drains (None: every holder is spared)."""
+        held = [i for i in self.executor.decoder.lora.slot_adapter if i != -1 and i not in spared]
+        return min(held, key=lambda i: self._lora_used.get(i, 0)) if held else None
+
     def _admit(self, now: int) -> None:
         i = 0
+        # With adapter swapping: adapters whose requests wait this turn. A request whose adapter finds every slot in
+        # use waits, and so do the requests behind it naming its adapter or the slot holder it waits on
+        # (_lora_victim): that one's running requests finish and no later one takes their place, so an adapter in
+        # constant use cannot keep another out. Base requests and the other adapters' go on.
+        blocked: set[int] = set()
         while i < len(self._pending):
             live = self._pending[i]
             req = live.request
             try:
-                if req.lora and self._lora_swapping and not self._lora_resident(req.lora):
-                    i += 1  # its adapter waits for a slot; the requests behind it go on
+                if req.lora and self._lora_swapping and (req.lora in blocked or not self._lora_resident(req.lora)):
+                    if req.lora not in blocked:
+                        blocked.add(req.lora)
+                        victim = self._lora_victim(blocked)
+                        if victim is not None:
+                            blocked.add(victim)
+                    i += 1  # it waits for a slot; the requests behind it go on
                     continue
                 # Without the prefix cache, a fresh random conditioning identity at
                 # position 0 makes every key of this request unique: nothing is reused.

@@ -403,7 +403,8 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
     """--max-cpu-loras 2 with one slot: a second adapter loads into host memory; a request naming it brings it into
     the slot in place of the idle first one, and gives the tokens that adapter gives when it holds the slot from
     the start; requests for both at once take turns in the slot (the base request beside them does not wait); a
-    third load is a 503; an unloaded adapter's requests are refused."""
+    third load is a 503; an unloaded adapter's requests are refused; an adapter kept busy by a stream of requests
+    does not keep another out of the slot."""
     from flared.core.export import ExportOptions, export_core
     from flared.core.load import open_core
     from flared.errors import AdmissionError, ErrorKind
@@ -450,5 +451,61 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
             _greedy_tokens(rt, [2])
         assert rt.add_lora_module("third", str(paths["third"])) == 3
         assert _greedy_tokens(rt, [1]) == [want["first"]]
+        # An adapter in constant use does not keep another out of the slot: with three requests for "third"
+        # always in flight, one for "first" gets the slot once those admitted before it finish.
+        order, tokens = _stream_with_one_other(rt, stream_lora=3, other_lora=1, total=24, in_flight=3)
+        assert tokens[1] == [want["first"]]
+        assert order.index("other") <= 12, order
     finally:
         rt.stop()
+
+
+def _stream_with_one_other(rt, *, stream_lora, other_lora, total, in_flight):
+    """``total`` greedy requests naming ``stream_lora``, ``in_flight`` at a time (a new one as each ends), and one
+    naming ``other_lora`` submitted once three of them have finished. Returns the order of finishes ("stream" /
+    "other") and {adapter: [tokens of each of its requests]}."""
+    import asyncio
+
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, EventSink, FinishEvent, GenerateRequest, TokenEvent
+
+    prompt = tuple([5, 17, 40, 99, 7] * 4)
+
+    def request(lora):
+        return GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0), frozenset(), lora=lora)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        events: dict[int, list] = {}
+        kinds: dict[int, str] = {}
+        submitted = 0
+        order: list[str] = []
+
+        def submit(kind, lora):
+            key = len(kinds)
+            kinds[key], events[key] = kind, []
+            rt.submit(request(lora), EventSink(loop, queue, key))
+
+        for _ in range(in_flight):
+            submit("stream", stream_lora)
+            submitted += 1
+        while len(order) < total + 1:
+            key, e = await queue.get()
+            events[key].append(e)
+            assert not isinstance(e, ErrorEvent), e
+            if not isinstance(e, FinishEvent):
+                continue
+            order.append(kinds[key])
+            if order.count("stream") == 3 and "other" not in kinds.values():
+                submit("other", other_lora)
+            if kinds[key] == "stream" and submitted < total:
+                submit("stream", stream_lora)
+                submitted += 1
+        tokens: dict[int, list] = {}
+        for key, evs in events.items():
+            lora = stream_lora if kinds[key] == "stream" else other_lora
+            tokens.setdefault(lora, []).append([t for e in evs if isinstance(e, TokenEvent) for t in e.token_ids])
+        return order, tokens
+
+    return asyncio.run(go())
