@@ -1,6 +1,7 @@
 """A small random-weight Llama on the GPU with a GraphExecutor and a scheduler around it."""
 
 import hashlib
+import math
 
 import torch
 
@@ -56,3 +57,15 @@ def make_cpu_executor(model, concurrency=4, num_pages=128):
 
     return EagerExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                          num_snapshots=16, vocab_size=model.config.vocab_size, max_live=concurrency)
+
+
+def attention_reference(q, k_seq, v_seq, q_positions):
+    """Attention in float64: q [n, nh, d]; k_seq/v_seq [L, nkv, d]; query i sees keys 0..q_positions[i] ->
+    [n, nh, d]."""
+    nh, nkv = q.shape[1], k_seq.shape[1]
+    k = k_seq.double().repeat_interleave(nh // nkv, dim=1)
+    v = v_seq.double().repeat_interleave(nh // nkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
+    keys = torch.arange(k.shape[0], device=q.device)
+    scores = scores.masked_fill(keys[None, None, :] > q_positions[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)

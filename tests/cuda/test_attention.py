@@ -1,21 +1,10 @@
 """Triton paged attention against a float64 reference on random data (fresh inputs, scattered pages)."""
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-
-def reference(q, k_seq, v_seq, q_positions):
-    """q [n, nh, d]; k_seq/v_seq [L, nkv, d]; query i sees keys 0..q_positions[i] -> [n, nh, d] float64."""
-    nh, nkv = q.shape[1], k_seq.shape[1]
-    k = k_seq.double().repeat_interleave(nh // nkv, dim=1)
-    v = v_seq.double().repeat_interleave(nh // nkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
-    keys = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(keys[None, None, :] > q_positions[None, :, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+from gpu_models import attention_reference as reference  # noqa: E402
 
 
 def make_pool(num_pages, page_tokens, nkv, d, dtype):

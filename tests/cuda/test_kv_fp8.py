@@ -12,11 +12,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from gpu_models import attention_reference as reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -36,17 +36,6 @@ def pools(num_pages, nkv, d, seed=0):
     k8 = (torch.randn(shape, device="cuda", generator=g) * 3).to(FP8)
     v8 = (torch.randn(shape, device="cuda", generator=g) * 3).to(FP8)
     return k8, v8, k8.to(BF16), v8.to(BF16)
-
-
-def reference(q, k_seq, v_seq, q_positions):
-    """q [n, nh, d]; k_seq/v_seq [L, nkv, d]; query i sees keys 0..q_positions[i] -> [n, nh, d] float64."""
-    nh, nkv = q.shape[1], k_seq.shape[1]
-    k = k_seq.double().repeat_interleave(nh // nkv, dim=1)
-    v = v_seq.double().repeat_interleave(nh // nkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(q.shape[-1])
-    keys = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(keys[None, None, :] > q_positions[None, :, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
 
 
 def seq_kv(pool, table, length):
@@ -243,16 +232,6 @@ def make_executor_fp8(model):
                          vocab_size=model.config.vocab_size, max_live=4, decode_batch_sizes=(1, 2, 4),
                          prefill_token_sizes=(64, 128), max_pages_per_sequence=CONTEXT // PAGE_TOKENS,
                          prefill_batch_shapes=(), kv_cache_dtype="fp8")
-
-
-@pytest.fixture(scope="module")
-def bf16_core(tiny_hf_llama, tmp_path_factory):
-    from flared.core.export import ExportOptions, export_core
-
-    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
-    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
-                                                  prefill_chunk_tokens=128))
-    return out
 
 
 def test_the_model_thread_serves_a_float8_cache_with_prefix_hits(bf16_core):

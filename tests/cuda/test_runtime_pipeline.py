@@ -14,16 +14,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module")
-def bf16_core(tiny_hf_llama, tmp_path_factory):
-    from flared.core.export import ExportOptions, export_core
-
-    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
-    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
-                                                  prefill_chunk_tokens=128))
-    return out
-
-
 def _run(runtime, requests):
     """(tokens, chosen-token logprobs) per request; an error fails the test."""
     from flared.runtime.request import ErrorEvent, TokenEvent
