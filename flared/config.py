@@ -157,7 +157,6 @@ class ServerConfig:
         from flared.scheduler.config import MAX_SPECULATIVE_TOKENS
 
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
-
         need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "speculative_tokens", f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}")
         need(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)

@@ -318,7 +318,7 @@ class ModelRuntime:
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
-            identity.update(f"|kv {self.kv_cache_dtype}".encode())
+            identity.update(b"|kv float8_e4m3fn")  # "fp8" and "fp8_e4m3" name the same pool
         if self.lora_adapters:
             from flared.model.lora import LoraAdapter, merge_adapters
 

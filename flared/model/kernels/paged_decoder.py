@@ -51,14 +51,15 @@ import torch
 import torch.nn.functional as F
 
 from flared.model.kernels import decode_attention, fused, megakernel, products64, skinny
-from flared.model.kv_cache import FP8_KV
 from flared.model.kernels.sampling import sample_full, sample_greedy
+from flared.model.kv_cache import FP8_KV
 from flared.model.triton_attention import (FP8_MAX, decode_splits, paged_decode_attention,
                                            paged_decode_attention_rope, paged_decode_attention_split,
                                            paged_prefill_attention_varlen, supports_pdl)
 
 
 LT_MIN_ROWS = 32  # smallest decode batch calibrate tries on cuBLASLt (16 rows measured 2% slower on the H200)
+
 
 def fp8_kv_unsupported(device) -> str | None:
     """Why a float8 KV pool cannot run on ``device`` (Triton converts float8 e4m3 from compute capability 8.9:
