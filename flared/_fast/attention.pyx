@@ -25,11 +25,11 @@ cdef extern from "attention_kernel.h" nogil:
     int FL_ATTN_HAVE_BF16
     void fl_decode_attention_task(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
                                   int64_t stride_slots, int begin, int length, int row, int kv_head, int num_heads,
-                                  int group, int head_dim, int64_t num_slots, float scale, int bf16)
-    void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                                  int group, int head_dim, int64_t num_slots, float scale, int bf16, int kv_fp8)
+    void fl_decode_attention_task_bf16(const uint16_t *q, const void *k, const void *v, uint16_t *out,
                                        const int64_t *slots, int64_t stride_slots, int begin, int length, int row,
                                        int kv_head, int num_heads, int group, int head_dim, int64_t num_slots,
-                                       float scale)
+                                       float scale, int kv_fp8)
 
 cdef extern from "linear_kernel.h" nogil:
     int fl_bf16_supported()
@@ -42,8 +42,10 @@ BF16_FAST = bool(FL_ATTN_HAVE_BF16 and fl_bf16_supported())
 
 def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_t out_ptr, uintptr_t slots_ptr,
                      int64_t stride_slots, uintptr_t lens_ptr, int rows, int num_heads, int num_kv_heads,
-                     int head_dim, int64_t num_slots, float scale, int window=0, bint bf16=False, int threads=1):
-    """See the module docstring. ``lens_ptr`` points at int64 context lengths, one per row."""
+                     int head_dim, int64_t num_slots, float scale, int window=0, bint bf16=False, int threads=1,
+                     bint kv_fp8=False):
+    """See the module docstring. ``lens_ptr`` points at int64 context lengths, one per row. ``kv_fp8`` (with
+    ``bf16``): K and V hold float8 e4m3 (kv_cache_dtype fp8), widened exactly as they are read."""
     if rows <= 0 or num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"decode_attention: bad shape rows={rows} heads={num_heads} kv_heads={num_kv_heads}")
     if num_heads // num_kv_heads > FL_ATTN_MAX_GROUP or not 0 < head_dim <= FL_ATTN_MAX_DIM:
@@ -55,6 +57,8 @@ def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_
     cdef int num_tasks = rows * num_kv_heads
     cdef int task, row, length, begin
     cdef bint fast = bf16 and BF16_FAST and head_dim % 32 == 0
+    if kv_fp8 and not bf16:
+        raise ValueError("decode_attention: a float8 cache serves bfloat16 queries")
     if threads < 1:
         threads = 1
     for task in prange(num_tasks, nogil=True, num_threads=threads, schedule="dynamic"):
@@ -64,11 +68,11 @@ def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_
         if window > 0 and length > window:
             begin = length - window
         if fast:
-            fl_decode_attention_task_bf16(<const uint16_t *>q_ptr, <const uint16_t *>k_ptr, <const uint16_t *>v_ptr,
+            fl_decode_attention_task_bf16(<const uint16_t *>q_ptr, <const void *>k_ptr, <const void *>v_ptr,
                                           <uint16_t *>out_ptr, <const int64_t *>slots_ptr, stride_slots, begin,
                                           length, row, task % num_kv_heads, num_heads, group, head_dim, num_slots,
-                                          scale)
+                                          scale, kv_fp8)
         else:
             fl_decode_attention_task(<const void *>q_ptr, <const void *>k_ptr, <const void *>v_ptr, <void *>out_ptr,
                                      <const int64_t *>slots_ptr, stride_slots, begin, length, row,
-                                     task % num_kv_heads, num_heads, group, head_dim, num_slots, scale, bf16)
+                                     task % num_kv_heads, num_heads, group, head_dim, num_slots, scale, bf16, kv_fp8)

@@ -8,6 +8,8 @@
  * Layouts (one layer): K, V [num_kv_heads, num_slots, head_dim]; q and out [rows, num_heads, head_dim];
  * slots [rows, stride_slots] int64 (a row's token t lives in slot slots[row * stride_slots + t]).
  * Element type float32 (bf16 == 0) or bfloat16 (bf16 == 1); bfloat16 output rounds to nearest-even.
+ * K and V may instead be float8 e4m3 (kv_fp8 == 1, with bf16 == 1: kv_cache_dtype fp8, one byte a value, no
+ * scale), widened exactly as they are read (fl_fp8_to_float, fl_fp8x32_to_bf16).
  *
  * target_clones builds AVX-512, AVX2 and baseline copies; the loader picks one for this CPU.
  */
@@ -30,12 +32,49 @@ typedef union {
     float values[FL_ATTN_MAX_DIM];
 } fl_attn_row_t;
 
-/* Row ``index`` of ``base`` as float32: float32 data in place, bfloat16 widened into ``buf``. */
+/* float8 e4m3 (fn) to float32, exactly: exponent field E >= 1 is 2^(E-7) (1 + M/8), E == 0 is M * 2^-9. The
+ * NaN pattern (0x7f) reads as 480: no writer here or in torch's path (kv_cache.to_storage) stores it. */
+static inline float fl_fp8_to_float(uint8_t b) {
+    union { uint32_t u; float f; } r;
+    uint32_t mag = b & 0x7Fu;
+    if (mag >= 8u) {
+        r.u = (mag + (120u << 3)) << 20;
+    } else {
+        r.f = (float)mag * 0.001953125f;
+    }
+    r.u |= (uint32_t)(b & 0x80u) << 24;
+    return r.f;
+}
+
+/* float32 to float8 e4m3 (fn), to nearest even, saturated at +-448 (as torch's path: clamp, then convert). */
+static inline uint8_t fl_fp8_from_float(float x) {
+    union { float f; uint32_t u; } v;
+    v.f = x;
+    uint8_t sign = (uint8_t)((v.u >> 24) & 0x80u);
+    v.u &= 0x7FFFFFFFu;
+    if (v.f != v.f) return sign | 0x7Fu;
+    if (v.f >= 448.0f) return sign | 0x7Eu;
+    if (v.f < 0.015625f) return sign | (uint8_t)nearbyintf(v.f * 512.0f); /* below 2^-6: steps of 2^-9 */
+    uint32_t base = v.u >> 20, rest = v.u & 0xFFFFFu; /* exponent and 3 mantissa bits; the rest rounds */
+    if (rest > 0x80000u || (rest == 0x80000u && (base & 1u))) base++;
+    return sign | (uint8_t)(base - (120u << 3));
+}
+
+/* Row ``index`` of ``base`` as float32: float32 data in place, bfloat16 (or, with ``fp8``, float8 e4m3) widened
+ * into ``buf``. */
 static inline const float *fl_attn_row(const void *base, int64_t index, int head_dim, int bf16,
                                        fl_attn_row_t *buf) {
     if (!bf16) return (const float *)base + index * head_dim;
     const uint16_t *p = (const uint16_t *)base + index * head_dim;
     for (int i = 0; i < head_dim; i++) buf->bits[i] = (uint32_t)p[i] << 16;
+    return buf->values;
+}
+
+static inline const float *fl_attn_kv_row(const void *base, int64_t index, int head_dim, int bf16, int fp8,
+                                          fl_attn_row_t *buf) {
+    if (!fp8) return fl_attn_row(base, index, head_dim, bf16, buf);
+    const uint8_t *p = (const uint8_t *)base + index * head_dim;
+    for (int i = 0; i < head_dim; i++) buf->values[i] = fl_fp8_to_float(p[i]);
     return buf->values;
 }
 
@@ -64,7 +103,7 @@ static inline float fl_attn_exp(float x) {
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void fl_decode_attention_task(const void *q, const void *k, const void *v, void *out, const int64_t *slots,
                               int64_t stride_slots, int begin, int len, int row, int kv_head, int num_heads,
-                              int group, int head_dim, int64_t num_slots, float scale, int bf16) {
+                              int group, int head_dim, int64_t num_slots, float scale, int bf16, int kv_fp8) {
     float qf[FL_ATTN_MAX_GROUP][FL_ATTN_MAX_DIM];
     float acc[FL_ATTN_MAX_GROUP][FL_ATTN_MAX_DIM];
     float s[FL_ATTN_MAX_GROUP][FL_ATTN_TILE];
@@ -89,7 +128,7 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
         /* Scores as [group, TILE] = q [group, d] x K^T [d, TILE]: K's tile is stored transposed so the
          * innermost loop runs along the tile's keys (constant length, contiguous: one vector FMA each). */
         for (int j = 0; j < n; j++) {
-            const float *krow = fl_attn_row(k, head_base + row_slots[t0 + j], head_dim, bf16, &row_buf);
+            const float *krow = fl_attn_kv_row(k, head_base + row_slots[t0 + j], head_dim, bf16, kv_fp8, &row_buf);
             for (int i = 0; i < head_dim; i++) kt[i][j] = krow[i];
         }
         for (int j = n; j < FL_ATTN_TILE; j++)
@@ -115,7 +154,7 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
             for (int i = 0; i < head_dim; i++) acc[g][i] *= alpha;
         }
         for (int j = 0; j < n; j++) {
-            const float *vrow = fl_attn_row(v, head_base + row_slots[t0 + j], head_dim, bf16, &row_buf);
+            const float *vrow = fl_attn_kv_row(v, head_base + row_slots[t0 + j], head_dim, bf16, kv_fp8, &row_buf);
             for (int g = 0; g < group; g++) {
                 float p = s[g][j];
                 for (int i = 0; i < head_dim; i++) acc[g][i] += p * vrow[i];
@@ -141,7 +180,8 @@ void fl_decode_attention_task(const void *q, const void *k, const void *v, void 
  * keys in pairs: the two V rows interleaved (unpacklo/hi) and the two probabilities rounded to bf16 (as
  * torch's path rounds probs to the value dtype before its bmm), so one VDPBF16PS adds both keys' terms
  * for 16 dimensions; the accumulators hold the dimensions in the interleaved order, undone at the end.
- * Same contract as fl_decode_attention_task with bf16 == 1; ~4x faster at 32 rows x 500 keys. */
+ * Same contract as fl_decode_attention_task with bf16 == 1; ~4x faster at 32 rows x 500 keys. A float8 pool's
+ * rows (kv_fp8) widen to bf16 in registers (fl_fp8x32_to_bf16), exactly, and then take the same products. */
 #if defined(__x86_64__) && \
     ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #include <immintrin.h>
@@ -185,11 +225,31 @@ FL_ATTN_BF16_TARGET static inline __m512 fl_attn_exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 32 float8 e4m3 values at ``p`` as 32 bf16 (exact): E >= 1 by moving the exponent field (bias 7 -> 127),
+ * zero and the subnormals (M * 2^-9) from a table, then the sign. */
+FL_ATTN_BF16_TARGET static inline __m512i fl_fp8x32_to_bf16(const uint8_t *p) {
+    static const uint16_t small[32] __attribute__((aligned(64))) = {
+        0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    __m512i sub = _mm512_permutexvar_epi16(mag, _mm512_load_si512((const void *)small));
+    __m512i r = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, sub);
+    return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+
+/* 32 values of a K or V row from element ``i``: bf16 as they are, float8 widened. */
+FL_ATTN_BF16_TARGET static inline __m512i fl_attn_kv32(const void *row, int i, int kv_fp8) {
+    if (kv_fp8) return fl_fp8x32_to_bf16((const uint8_t *)row + i);
+    return _mm512_loadu_si512((const void *)((const uint16_t *)row + i));
+}
+
 FL_ATTN_BF16_TARGET
-static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+static void fl_decode_attention_task_bf16(const uint16_t *q, const void *k, const void *v, uint16_t *out,
                                           const int64_t *slots, int64_t stride_slots, int begin, int len, int row,
                                           int kv_head, int num_heads, int group, int head_dim, int64_t num_slots,
-                                          float scale) {
+                                          float scale, int kv_fp8) {
+    const int64_t kv_size = kv_fp8 ? 1 : 2; /* bytes a K/V element */
     const int chunks = head_dim / 32;
     const int64_t *row_slots = slots + (int64_t)row * stride_slots;
     const int64_t head_base = (int64_t)kv_head * num_slots;
@@ -197,6 +257,7 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
     float acc[FL_ATTN_MAX_GROUP][FL_ATTN_MAX_DIM] __attribute__((aligned(64)));
     float m[FL_ATTN_MAX_GROUP], l[FL_ATTN_MAX_GROUP];
     uint32_t pairs[FL_ATTN_MAX_GROUP][8];
+    __m512i kwide[16][FL_ATTN_MAX_DIM / 32]; /* kv_fp8: a tile's keys as bf16 */
     for (int g = 0; g < group; g++) {
         const uint16_t *qrow = q + ((int64_t)row * num_heads + kv_head * group + g) * head_dim;
         for (int c = 0; c < chunks; c++) qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(qrow + 32 * c));
@@ -208,18 +269,21 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
     for (int t0 = begin; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? len - t0 : 16;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        const uint16_t *krow[16], *vrow[16];
+        const uint8_t *krow[16], *vrow[16];
         for (int j = 0; j < 16; j++) { /* past the end: the last key again, masked out below */
             int64_t slot = row_slots[t0 + (j < n ? j : n - 1)];
-            krow[j] = k + (head_base + slot) * head_dim;
-            vrow[j] = v + (head_base + slot) * head_dim;
+            krow[j] = (const uint8_t *)k + (head_base + slot) * head_dim * kv_size;
+            vrow[j] = (const uint8_t *)v + (head_base + slot) * head_dim * kv_size;
         }
+        if (kv_fp8) /* the tile's keys widened once, not once per query head of the group */
+            for (int j = 0; j < 16; j++)
+                for (int c = 0; c < chunks; c++) kwide[j][c] = fl_fp8x32_to_bf16(krow[j] + 32 * c);
         for (int g = 0; g < group; g++) {
             __m512 t[16];
             for (int j = 0; j < 16; j++) {
                 __m512 dot = _mm512_setzero_ps();
                 for (int c = 0; c < chunks; c++)
-                    dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512((const void *)(krow[j] + 32 * c)),
+                    dot = _mm512_dpbf16_ps(dot, (__m512bh)(kv_fp8 ? kwide[j][c] : fl_attn_kv32(krow[j], 32 * c, 0)),
                                            qv[g][c]);
                 t[j] = dot;
             }
@@ -236,10 +300,10 @@ static void fl_decode_attention_task_bf16(const uint16_t *q, const uint16_t *k, 
             _mm256_storeu_si256((__m256i *)pairs[g], (__m256i)_mm512_cvtneps_pbh(pv));
         }
         for (int jp = 0; 2 * jp < n; jp++) {
-            const uint16_t *va = vrow[2 * jp], *vb = vrow[2 * jp + 1];
+            const uint8_t *va = vrow[2 * jp], *vb = vrow[2 * jp + 1];
             for (int c = 0; c < chunks; c++) {
-                __m512i a = _mm512_loadu_si512((const void *)(va + 32 * c));
-                __m512i b = _mm512_loadu_si512((const void *)(vb + 32 * c));
+                __m512i a = fl_attn_kv32(va, 32 * c, kv_fp8);
+                __m512i b = fl_attn_kv32(vb, 32 * c, kv_fp8);
                 __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
                 for (int g = 0; g < group; g++) {
                     __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pairs[g][jp]);

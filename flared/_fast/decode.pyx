@@ -33,8 +33,9 @@ cdef extern from "decode_kernel.h" nogil:
         const int64_t *write_slots
         const int64_t *gather_slots
         const int64_t *lens
-        uint16_t *k_cache
-        uint16_t *v_cache
+        void *k_cache
+        void *v_cache
+        int kv_fp8
         uint16_t *h
         uint16_t *x
         uint16_t *qkv
@@ -60,12 +61,13 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
                   uintptr_t gather_slots, uintptr_t lens, uintptr_t k_cache, uintptr_t v_cache, uintptr_t h,
                   uintptr_t x, uintptr_t qkv, uintptr_t q, uintptr_t attn, uintptr_t act, int threads=1,
                   uintptr_t lora_rows=0, uintptr_t lora_table=0, uintptr_t lora_low=0, int lora_rank=0,
-                  bint shared_sequences=False):
+                  bint shared_sequences=False, bint kv_fp8=False):
     """See the module docstring. ``x`` holds ``threads`` * rows * hidden elements (one norm buffer per thread).
     Per-request LoRA rows (decode_kernel.h): ``lora_rows`` int32 [rows] (each row's adapter slot, -1 none),
     ``lora_table`` int64 [slots, num_layers, 4, 4], ``lora_low`` bf16 [rows, lora_rank] scratch.
     ``shared_sequences``: rows may be consecutive positions of one sequence (every row's K/V is written before
-    any row attends, so each sees the rows before it)."""
+    any row attends, so each sees the rows before it). ``kv_fp8``: the caches hold float8 e4m3 (kv_cache_dtype
+    fp8), one byte a value, written to nearest even and saturated at +-448 as torch's path stores them."""
     if not SUPPORTED:
         raise RuntimeError("decode_layers: this CPU lacks AVX-512 BF16 (check SUPPORTED first)")
     if not 0 < rows <= FL_DEC_MAX_ROWS:
@@ -104,8 +106,9 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     a.write_slots = <const int64_t *>write_slots
     a.gather_slots = <const int64_t *>gather_slots
     a.lens = <const int64_t *>lens
-    a.k_cache = <uint16_t *>k_cache
-    a.v_cache = <uint16_t *>v_cache
+    a.k_cache = <void *>k_cache
+    a.v_cache = <void *>v_cache
+    a.kv_fp8 = kv_fp8
     a.h = <uint16_t *>h
     a.x = <uint16_t *>x
     a.qkv = <uint16_t *>qkv

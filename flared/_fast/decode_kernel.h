@@ -54,7 +54,8 @@ typedef struct {
     const int64_t *layer_ptrs; /* [num_layers, FL_DEC_PTRS] */
     const uint16_t *cos, *sin;
     const int64_t *positions, *write_slots, *gather_slots, *lens;
-    uint16_t *k_cache, *v_cache;
+    void *k_cache, *v_cache; /* bf16, or float8 e4m3 with kv_fp8 (written to nearest even, saturated) */
+    int kv_fp8;
     uint16_t *h;    /* [rows, hidden], updated in place */
     uint16_t *x;    /* [threads, rows, hidden] scratch */
     uint16_t *qkv;  /* [rows, (heads + 2 * kv_heads) * head_dim] */
@@ -227,21 +228,32 @@ FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int ro
                              a->q + ((size_t)row * nh + head) * d, d);
         }
         const int64_t slot = (layer_base + (int64_t)kv_head * a->num_slots + a->write_slots[row]) * d;
-        fl_dec_rope_head(src + (size_t)(nh + kv_head) * d, qk_norm ? qk_norm + (size_t)(nh + kv_head) * d : 0,
-                         a->eps, cos, sin, a->k_cache + slot, d);
-        memcpy(a->v_cache + slot, src + (size_t)(nh + nkv + kv_head) * d, (size_t)d * sizeof(uint16_t));
+        const uint16_t *k_src = src + (size_t)(nh + kv_head) * d, *v_src = src + (size_t)(nh + nkv + kv_head) * d;
+        const uint16_t *k_norm = qk_norm ? qk_norm + (size_t)(nh + kv_head) * d : 0;
+        if (a->kv_fp8) {
+            uint16_t k_row[FL_ATTN_MAX_DIM];
+            fl_dec_rope_head(k_src, k_norm, a->eps, cos, sin, k_row, d);
+            uint8_t *k_dst = (uint8_t *)a->k_cache + slot, *v_dst = (uint8_t *)a->v_cache + slot;
+            for (int i = 0; i < d; i++) {
+                k_dst[i] = fl_fp8_from_float(fl_bf16_widen(k_row[i]));
+                v_dst[i] = fl_fp8_from_float(fl_bf16_widen(v_src[i]));
+            }
+        } else {
+            fl_dec_rope_head(k_src, k_norm, a->eps, cos, sin, (uint16_t *)a->k_cache + slot, d);
+            memcpy((uint16_t *)a->v_cache + slot, v_src, (size_t)d * sizeof(uint16_t));
+        }
     }
     if (!attend) return;
     int len = (int)a->lens[row];
     int begin = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t layer_bytes = layer_base * d * (a->kv_fp8 ? 1 : 2);
+    const void *k_layer = (const uint8_t *)a->k_cache + layer_bytes, *v_layer = (const uint8_t *)a->v_cache + layer_bytes;
     if (FL_ATTN_HAVE_BF16 && d % 32 == 0)
-        fl_decode_attention_task_bf16(a->q, a->k_cache + layer_base * d, a->v_cache + layer_base * d, a->attn,
-                                      a->gather_slots, a->stride_slots, begin, len, row, kv_head, nh, group, d,
-                                      a->num_slots, a->scale);
+        fl_decode_attention_task_bf16(a->q, k_layer, v_layer, a->attn, a->gather_slots, a->stride_slots, begin, len,
+                                      row, kv_head, nh, group, d, a->num_slots, a->scale, a->kv_fp8);
     else
-        fl_decode_attention_task(a->q, a->k_cache + layer_base * d, a->v_cache + layer_base * d, a->attn,
-                                 a->gather_slots, a->stride_slots, begin, len, row, kv_head, nh, group, d,
-                                 a->num_slots, a->scale, 1);
+        fl_decode_attention_task(a->q, k_layer, v_layer, a->attn, a->gather_slots, a->stride_slots, begin, len, row,
+                                 kv_head, nh, group, d, a->num_slots, a->scale, 1, a->kv_fp8);
 }
 
 static void fl_decode_layers(const fl_decode_args_t *a) {

@@ -40,6 +40,7 @@ import torch
 
 from flared.errors import ErrorKind, ExecutionError
 from flared.model.batch import ForwardBatch, SequenceChunk
+from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler, SequenceSamplingState
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind, plan_records, scored_participants
@@ -47,18 +48,23 @@ from flared.scheduler import CompletionRecords, GraphKind, plan_records, scored_
 
 class EagerExecutor:
     def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
-                 vocab_size: int, max_live: int):
+                 vocab_size: int, max_live: int, kv_cache_dtype: str = "auto"):
+        """``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" / "fp8_e4m3": the pool and the snapshots in float8
+        e4m3 (PagedKVCache's storage_dtype); decode rows then attend through the torch path, not the Cython
+        kernels, which read the model's dtype."""
         self.model = model
         self.page_tokens = page_tokens
-        self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens)
+        self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens,
+                                      storage_dtype=kv_pool_dtype(kv_cache_dtype, model.dtype))
         # Rows = slots + 1 (row 0 pads). float32: sampling reads these directly.
         self.state_logits = torch.zeros(num_state_rows, vocab_size, dtype=torch.float32)
         self.state_last_token = np.full(num_state_rows, -1, dtype=np.int64)
-        # A snapshot page holds what kv.gather returns for one page's slots, per layer.
+        # A snapshot page holds what kv.gather returns for one page's slots, per layer, at the pool's precision
+        # (a float8 pool's values widen and narrow back exactly).
         page_shape = tuple(self.kv.gather(0, torch.arange(page_tokens))[0].shape)
         kv_shape = (num_snapshots, self.kv.num_layers, *page_shape)
-        self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.dtype)
-        self.snap_values = torch.zeros(kv_shape, dtype=self.kv.dtype)
+        self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.storage_dtype)
+        self.snap_values = torch.zeros(kv_shape, dtype=self.kv.storage_dtype)
         self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32)
         self.sampler = Sampler(vocab_size, device=model.device, max_penalty_slots=max_live)
 
@@ -70,7 +76,7 @@ class EagerExecutor:
     @property
     def kv_cache(self) -> tuple[str, int]:
         """(element type, bytes) of the KV cache: the pool and the prefix cache's K/V snapshots."""
-        return (str(self.kv.dtype).removeprefix("torch."),
+        return (str(self.kv.storage_dtype).removeprefix("torch."),
                 self.kv.num_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size())
 
     # -- plan execution --------------------------------------------------------------------------

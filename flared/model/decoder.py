@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
-from flared.model.kv_cache import PagedKVCache
+from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
 from flared.model.rope import rope_tables
 
@@ -223,9 +223,11 @@ class DecoderModel:
                   addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.packed), addr(l.down.packed)]
                  for l in self.layers], dtype=torch.int64)
 
-    def make_kv_cache(self, *, num_pages: int, page_tokens: int) -> PagedKVCache:
+    def make_kv_cache(self, *, num_pages: int, page_tokens: int,
+                      storage_dtype: torch.dtype | None = None) -> PagedKVCache:
+        """``storage_dtype``: float8 e4m3 for a kv_cache_dtype fp8 cache (PagedKVCache); None: the model's."""
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
-                            device=self.device)
+                            device=self.device, storage_dtype=storage_dtype)
 
     def add_lora_module(self, factors: dict) -> int:
         """A per-request LoRA adapter (flared.model.lora.lora_factors), kept apart from the weights: a row of
@@ -291,7 +293,7 @@ class DecoderModel:
                 and all(self.lora_modules[a - 1].get(FUSED_LORA) is not None for a, _ in batch.lora_groups)
                 and batch.decode_row_ids is not None
                 and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
-                and kv.keys.dtype == torch.bfloat16):
+                and kv.storage_dtype in (torch.bfloat16, FP8_KV)):
             return self._forward_fused_decode(batch, kv)
         h = self._layers_forward(batch, kv)
         last = h.index_select(0, batch.logit_row_ids)
@@ -426,8 +428,10 @@ class DecoderModel:
         cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
         sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
+        # The Cython decode attention reads pools of the model's dtype, and float8 ones under bf16 queries.
+        native = self.cpu_decode_attention and (kv.storage_dtype == self.dtype or self.dtype == torch.bfloat16)
         decode_masked = None
-        if batch.decode_attn_mask is not None and not self.cpu_decode_attention:
+        if batch.decode_attn_mask is not None and not native:
             num_decode = batch.decode_row_ids.shape[0]
             # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
@@ -446,7 +450,7 @@ class DecoderModel:
             k = qk[:, nh:]
             v = v.view(num_tokens, nkv, d)
             kv.write(index, batch.write_slot_ids, k, v)
-            attn = self._attention(index, batch, kv, q, k, v, decode_masked)  # [T, nh * d]
+            attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
             o = layer.o(attn)
             if lora:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
@@ -500,19 +504,20 @@ class DecoderModel:
             gather_slots=batch.decode_gather_slot_ids.data_ptr(), lens=batch.decode_context_lens.data_ptr(),
             k_cache=kv.keys.data_ptr(), v_cache=kv.values.data_ptr(), h=h.data_ptr(), x=x.data_ptr(),
             qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads,
-            shared_sequences=batch.shared_sequences, **lora)
+            shared_sequences=batch.shared_sequences, kv_fp8=kv.storage_dtype == FP8_KV, **lora)
         last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
         return self.lm_head_linear(last).float()
 
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, decode_masked: torch.Tensor | None) -> torch.Tensor:
-        """q [T, nh, d]; k, v [T, nkv, d] (this forward's, already in the cache) -> [T, nh * d]."""
+                   v: torch.Tensor, decode_masked: torch.Tensor | None, native: bool) -> torch.Tensor:
+        """q [T, nh, d]; k, v [T, nkv, d] (this forward's, already in the cache) -> [T, nh * d]. ``native``: decode
+        rows through the Cython kernel (flared/_fast/attention.pyx), else the torch path."""
         c = self.config
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // nkv
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
-        if batch.decode_row_ids is not None and self.cpu_decode_attention:
+        if batch.decode_row_ids is not None and native:
             num_decode = batch.decode_row_ids.shape[0]
             qd = (q[:num_decode] if decode_only else q.index_select(0, batch.decode_row_ids)).contiguous()
             o = torch.empty(num_decode, nh * d, dtype=q.dtype)
@@ -520,7 +525,8 @@ class DecoderModel:
                 qd.data_ptr(), kv.keys[layer].data_ptr(), kv.values[layer].data_ptr(), o.data_ptr(),
                 batch.decode_gather_slot_ids.data_ptr(), batch.decode_max_context,
                 batch.decode_context_lens.data_ptr(), num_decode, nh, nkv, d, kv.num_slots, self.scale,
-                c.sliding_window or 0, q.dtype == torch.bfloat16, torch.get_num_threads())
+                c.sliding_window or 0, q.dtype == torch.bfloat16, torch.get_num_threads(),
+                kv.storage_dtype == FP8_KV)
             if decode_only:
                 return o
             out.index_copy_(0, batch.decode_row_ids, o)
@@ -546,9 +552,10 @@ class DecoderModel:
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
             if g.attn_mask is None:
-                # No cached prefix: the chunk's own keys are the whole context, no gather needed.
-                keys = k[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
-                values = v[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)
+                # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
+                # holds them: a float8 pool's rounding included).
+                keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
+                values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qg, keys, values, is_causal=True, scale=self.scale,
                                                    enable_gqa=group > 1)
             else:

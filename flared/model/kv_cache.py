@@ -28,14 +28,14 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros
 
 
-FP8_KV = torch.float8_e4m3fn  # kv_cache_dtype "fp8": the CUDA pool's element type
+FP8_KV = torch.float8_e4m3fn  # kv_cache_dtype "fp8": the pool's element type
+FP8_MAX = 448.0  # float8 e4m3 (fn)'s largest finite value
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def kv_pool_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV pool's element type for a ``kv_cache_dtype`` setting (vLLM's --kv-cache-dtype): "auto" keeps the
-    model's; "fp8" or "fp8_e4m3" stores float8 e4m3 without a scale (values past +-448 saturate), which the CUDA
-    pool alone holds (flared.model.kernels.paged_decoder)."""
+    model's; "fp8" or "fp8_e4m3" stores float8 e4m3 without a scale (values past +-448 saturate)."""
     if name == "auto":
         return model_dtype
     if name in ("fp8", "fp8_e4m3"):
@@ -43,35 +43,67 @@ def kv_pool_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv_cache_dtype {name!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
 
 
+def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a pool of element type ``dtype`` stores it: itself, or float8 saturated at +-448 (torch's own
+    conversion gives NaN past it), as the Triton kernels store (flared.model.triton_attention.kv_value)."""
+    if x.dtype == dtype:
+        return x
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
 class PagedKVCache:
     def __init__(self, config: ModelConfig, *, num_pages: int, page_tokens: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", storage_dtype: torch.dtype | None = None):
+        """``dtype``: the keys and values a forward writes and reads (the model's); ``storage_dtype``: what the
+        pool holds, ``dtype`` (None) or float8 e4m3 (kv_cache_dtype fp8: half the bytes of bf16; ``write``
+        stores through ``to_storage`` and ``gather`` widens back to ``dtype``)."""
         if num_pages <= 0 or page_tokens <= 0:
             raise ValueError(f"num_pages ({num_pages}) and page_tokens ({page_tokens}) must be positive")
+        storage_dtype = dtype if storage_dtype is None else storage_dtype
+        if storage_dtype not in (dtype, FP8_KV):
+            raise ValueError(f"a KV cache of {dtype} stores {dtype} or {FP8_KV}, not {storage_dtype}")
         self.num_pages = num_pages
         self.page_tokens = page_tokens
         self.num_slots = num_pages * page_tokens
         self.num_layers = config.num_layers
         self.dtype = dtype
+        self.storage_dtype = storage_dtype
         self.device = torch.device(device)
         # [layer, kv_head, slot, head_dim]: a gather along the slot axis yields [kv_head, tokens, head_dim],
         # which batched attention reads as [kv_head * sequences, context, head_dim] without another copy.
         shape = (config.num_layers, config.num_kv_heads, self.num_slots, config.head_dim)
         if self.device.type == "cpu":
-            self.keys, self.values = host_zeros(shape, dtype), host_zeros(shape, dtype)
+            self.keys, self.values = host_zeros(shape, storage_dtype), host_zeros(shape, storage_dtype)
         else:
-            self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.values = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.keys = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+        # A float8 pool is indexed through byte views (torch's index kernels take no float8 on the CPU).
+        self._narrow = storage_dtype != dtype
+        self._key_bytes = self.keys.view(torch.uint8) if self._narrow else self.keys
+        self._value_bytes = self.values.view(torch.uint8) if self._narrow else self.values
 
     @property
     def num_bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (keys or values in ``dtype``) as a later ``gather`` returns them: itself, or through float8 and
+        back (a forward that attends to its own fresh keys uses these, so every reader sees the same key)."""
+        return x if not self._narrow else to_storage(x, self.storage_dtype).to(self.dtype)
+
     def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """slot_ids [T] int64; keys/values [T, kv_heads, head_dim]."""
-        self.keys[layer].index_copy_(1, slot_ids, keys.transpose(0, 1))
-        self.values[layer].index_copy_(1, slot_ids, values.transpose(0, 1))
+        for pool, x in ((self._key_bytes, keys), (self._value_bytes, values)):
+            x = x.transpose(0, 1)
+            if self._narrow:
+                x = to_storage(x, self.storage_dtype).view(torch.uint8)
+            pool[layer].index_copy_(1, slot_ids, x)
 
     def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim], contiguous copies."""
-        return self.keys[layer].index_select(1, slot_ids), self.values[layer].index_select(1, slot_ids)
+        """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim] in ``dtype``, contiguous copies."""
+        keys = self._key_bytes[layer].index_select(1, slot_ids)
+        values = self._value_bytes[layer].index_select(1, slot_ids)
+        if self._narrow:
+            keys = keys.view(self.storage_dtype).to(self.dtype)
+            values = values.view(self.storage_dtype).to(self.dtype)
+        return keys, values

@@ -42,13 +42,10 @@ import triton
 import triton.language as tl
 
 
-FP8_MAX = 448.0  # float8 e4m3 (fn)'s largest finite value
-
-
 @triton.jit
 def kv_value(x, Pool):
     """``x`` as the KV pool ``Pool`` stores it: its element type; into a float8 pool saturated at +-448 (e4m3's
-    largest finite value) where a plain conversion would overflow to NaN."""
+    largest finite value, kv_cache.FP8_MAX) where a plain conversion would overflow to NaN."""
     if Pool.dtype.element_ty == tl.float8e4nv:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
     return x.to(Pool.dtype.element_ty)

@@ -219,8 +219,8 @@ class ModelRuntime:
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto"):
         self.core = core
-        # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (the CUDA graph executor's pool
-        # and snapshots in float8 e4m3: half the bytes of bf16; the CPU backend refuses it at load).
+        # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
+        # snapshots in float8 e4m3: half the bytes of bf16).
         self.kv_cache_dtype = kv_cache_dtype
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
         # Both executors verify drafts as decode rows (the CUDA graph executor in its speculative decode graphs).
@@ -311,10 +311,6 @@ class ModelRuntime:
             torch.set_num_threads(self.torch_threads)
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
-        if self.kv_cache_dtype != "auto" and not use_cuda:
-            raise CoreError(f"kv_cache_dtype {self.kv_cache_dtype!r} needs the CUDA graph executor (a GPU with "
-                            f"compute capability 8.9 or newer); this {m.dtype} core runs on the CPU, whose KV "
-                            f"cache is {m.dtype} (use kv_cache_dtype \"auto\")", ErrorKind.VALIDATION)
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
@@ -383,9 +379,12 @@ class ModelRuntime:
         else:
             self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
                                           num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
-                                          vocab_size=self.core.config.vocab_size, max_live=caps.concurrency)
+                                          vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
+                                          kv_cache_dtype=self.kv_cache_dtype)
             graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
-            log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
+            kv_dtype, kv_bytes = self.executor.kv_cache
+            log.info("executor: eager on the CPU (%s, %d threads; KV cache %s, %.1f MiB)", m.dtype,
+                     torch.get_num_threads(), kv_dtype, kv_bytes / 2**20)
         spec_tokens = self.speculative[0]
         if spec_tokens:
             log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",

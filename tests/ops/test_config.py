@@ -103,20 +103,6 @@ def test_kv_cache_dtype_reaches_the_config(tmp_path):
     assert ServerConfig().kv_cache_dtype == "auto"
 
 
-def test_a_float8_kv_cache_is_refused_on_the_cpu_backend(tiny_core):
-    """The CPU eager executor keeps its cache in the model's dtype: asking for fp8 there fails the load with an
-    error that says why and what to set, before any weight is read."""
-    from flared.core.load import open_core
-    from flared.errors import CoreError
-    from flared.runtime.worker import ModelRuntime
-
-    rt = ModelRuntime(open_core(tiny_core), kv_cache_dtype="fp8")
-    with pytest.raises(CoreError, match="kv_cache_dtype 'fp8' needs the CUDA graph executor") as e:
-        rt.start(max_pending=4)
-    assert 'kv_cache_dtype "auto"' in str(e.value)
-    assert rt.executor is None
-
-
 def test_kv_pool_dtype_names():
     import torch
 

@@ -52,8 +52,8 @@ import torch.nn.functional as F
 
 from flared.model.kernels import decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy
-from flared.model.kv_cache import FP8_KV
-from flared.model.triton_attention import (FP8_MAX, decode_splits, paged_decode_attention,
+from flared.model.kv_cache import FP8_KV, to_storage
+from flared.model.triton_attention import (decode_splits, paged_decode_attention,
                                            paged_decode_attention_rope, paged_decode_attention_split,
                                            paged_prefill_attention_varlen, supports_pdl)
 
@@ -73,12 +73,11 @@ def fp8_kv_unsupported(device) -> str | None:
 
 def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool [slots, nkv, d] (one layer's K or V) at ``slots`` <- x [T, nkv, d] in the activation dtype; into a
-    float8 pool saturated at +-448, as the Triton kernels store (torch's own conversion would give NaN)."""
+    float8 pool saturated at +-448, as the Triton kernels store (kv_cache.to_storage)."""
     if pool.dtype == x.dtype:
         pool.index_copy_(0, slots, x)
         return
-    x = x.float().clamp(-FP8_MAX, FP8_MAX).to(pool.dtype)
-    pool.view(torch.uint8).index_copy_(0, slots, x.view(torch.uint8))
+    pool.view(torch.uint8).index_copy_(0, slots, to_storage(x, pool.dtype).view(torch.uint8))
 
 
 @dataclass
