@@ -60,8 +60,7 @@ static inline uint8_t fl_fp8_from_float(float x) {
     return sign | (uint8_t)(base - (120u << 3));
 }
 
-/* Row ``index`` of ``base`` as float32: float32 data in place, bfloat16 (or, with ``fp8``, float8 e4m3) widened
- * into ``buf``. */
+/* Row ``index`` of ``base`` as float32: float32 data in place, bfloat16 widened into ``buf``. */
 static inline const float *fl_attn_row(const void *base, int64_t index, int head_dim, int bf16,
                                        fl_attn_row_t *buf) {
     if (!bf16) return (const float *)base + index * head_dim;
@@ -70,6 +69,7 @@ static inline const float *fl_attn_row(const void *base, int64_t index, int head
     return buf->values;
 }
 
+/* A K or V row as fl_attn_row gives it, or with ``fp8`` a float8 e4m3 row widened into ``buf``. */
 static inline const float *fl_attn_kv_row(const void *base, int64_t index, int head_dim, int bf16, int fp8,
                                           fl_attn_row_t *buf) {
     if (!fp8) return fl_attn_row(base, index, head_dim, bf16, buf);
