@@ -108,8 +108,9 @@ class ServerConfig:
     # (it waits, and the requests behind it go on, while every slot is in use). None: max_loras (no swapping).
     max_cpu_loras: int | None = None
     # vLLM's --kv-cache-dtype: "auto" keeps the KV cache in the model's dtype; "fp8" (or "fp8_e4m3") stores keys and
-    # values as float8 e4m3: half the bytes of bf16 to hold and to read each step, at a precision of 3 mantissa
-    # bits, no scale (values past +-448 saturate). GPUs of compute capability 8.9+ and the CPU backend.
+    # values as float8 e4m3: the core's KV memory holds twice a bf16 core's pages, and a decode step reads half the
+    # bytes of bf16, at a precision of 3 mantissa bits, no scale (values past +-448 saturate). GPUs of compute
+    # capability 8.9+ and the CPU backend.
     kv_cache_dtype: str = "auto"
     # Speculative decoding by prompt lookup (vLLM's ngram method): up to this many draft tokens a step
     # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred

@@ -114,8 +114,8 @@ def main() -> None:
               help="With --allow-runtime-lora-updating on a GPU: adapters that may be loaded at once, their factors "
                    "in host memory, swapped into the --max-loras slots as requests need them (default: max-loras).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default=None,
-              help="KV cache element type: auto (the model's) or fp8 (float8 e4m3: half the memory and the bytes "
-                   "each decode step reads; default auto).")
+              help="KV cache element type: auto (the model's) or fp8 (float8 e4m3: twice the cached tokens in the "
+                   "same memory, half the bytes each decode step reads; default auto).")
 @click.option("--speculative-tokens", type=int, default=None,
               help="Speculative decoding by prompt lookup: up to N draft tokens a step for greedy "
                    "requests, copied from earlier in their prompt and output (default 0: off).")

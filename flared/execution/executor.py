@@ -91,7 +91,7 @@ class GraphExecutor:
         ``spec_batch_sizes``; the scheduler must cap a step's tokens at ``spec_max_rows``), and every row's
         greedy token verifies the drafts (_submit_speculative). ``kv_cache_dtype``: "auto" (the model's dtype) or
         "fp8" / "fp8_e4m3" (vLLM's --kv-cache-dtype): the KV pool and the prefix cache's snapshots in float8 e4m3,
-        half the bytes of bf16 (kv_cache.kv_pool_dtype)."""
+        one byte a value (kv_cache.kv_pool_dtype)."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens

@@ -354,12 +354,19 @@ class ModelRuntime:
                          self.max_cpu_loras, slots)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
+        kv_pages = caps.kv_pages
+        if self.kv_cache_dtype != "auto":
+            # The core's KV budget (kv_pages at the model's dtype) holds more float8 pages, one byte a value, as
+            # vLLM's float8 cache holds twice the tokens in the same memory.
+            kv_pages = caps.kv_pages * dtype.itemsize
+            log.info("KV cache in float8 e4m3: %d pages of %d tokens in the memory of the core's %d %s pages",
+                     kv_pages, caps.page_tokens, caps.kv_pages, m.dtype)
         if use_cuda:
             # CUDA graph executor (flared.execution.executor): captures the manifest's graphs here, before ready;
             # the scheduler then plans exactly the shapes it captured (multi-sequence prefill included).
             from flared.execution.executor import GraphExecutor
 
-            self.executor = GraphExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
+            self.executor = GraphExecutor(model, num_pages=kv_pages, page_tokens=caps.page_tokens,
                                           num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
                                           vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
                                           decode_batch_sizes=caps.decode_batch_sizes,
@@ -377,7 +384,7 @@ class ModelRuntime:
                 skinny_max_rows=dec.skinny_max_rows, mega_max_rows=dec.mega_max_rows,
                 mega_max_context=dec.mega_max_context, calibration=dec.calibration))
         else:
-            self.executor = EagerExecutor(model, num_pages=caps.kv_pages, page_tokens=caps.page_tokens,
+            self.executor = EagerExecutor(model, num_pages=kv_pages, page_tokens=caps.page_tokens,
                                           num_state_rows=caps.concurrency + 1, num_snapshots=num_snapshots,
                                           vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
                                           kv_cache_dtype=self.kv_cache_dtype)
@@ -391,7 +398,7 @@ class ModelRuntime:
                      spec_tokens, self.speculative[2], self.speculative[1])
         self.spec_tokens = spec_tokens
         self.scheduler = RequestScheduler(
-            SchedulerConfig(model_identity=identity, max_live_requests=caps.concurrency, num_pages=caps.kv_pages,
+            SchedulerConfig(model_identity=identity, max_live_requests=caps.concurrency, num_pages=kv_pages,
                             num_snapshots=num_snapshots, page_tokens=caps.page_tokens,
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
                             graph_shapes=graph_shapes, speculative_tokens=spec_tokens,
