@@ -247,7 +247,8 @@ FL_TARGET static void fl_dec_attend(const fl_decode_args_t *a, int layer, int ro
     int len = (int)a->lens[row];
     int begin = a->window > 0 && len > a->window ? len - a->window : 0;
     const int64_t layer_bytes = layer_base * d * (a->kv_fp8 ? 1 : 2);
-    const void *k_layer = (const uint8_t *)a->k_cache + layer_bytes, *v_layer = (const uint8_t *)a->v_cache + layer_bytes;
+    const void *k_layer = (const uint8_t *)a->k_cache + layer_bytes;
+    const void *v_layer = (const uint8_t *)a->v_cache + layer_bytes;
     if (FL_ATTN_HAVE_BF16 && d % 32 == 0)
         fl_decode_attention_task_bf16(a->q, k_layer, v_layer, a->attn, a->gather_slots, a->stride_slots, begin, len,
                                       row, kv_head, nh, group, d, a->num_slots, a->scale, a->kv_fp8);
