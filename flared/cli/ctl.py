@@ -238,7 +238,7 @@ def models(admin_socket, as_json):
     click.echo(f"  core:        {body['core']}")
     kv = body.get("kv_cache") or {}
     if kv:
-        click.echo(f"  kv cache:    {kv['dtype']}, {kv['bytes'] / 2**20:,.1f} MiB")
+        click.echo(f"  kv cache:    {kv['dtype']}, {kv['pages']:,} pages, {kv['bytes'] / 2**20:,.1f} MiB")
     for adapter in body.get("lora_adapters", []):
         click.echo(f"  lora:        {adapter['path']} (scale {adapter['scale']:g})")
 

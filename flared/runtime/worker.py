@@ -583,13 +583,14 @@ class ModelRuntime:
             self._wake.notify()
 
     def kv_cache_info(self) -> dict:
-        """The KV cache's element type (``dtype``: "bfloat16", "float8_e4m3fn", ...) and ``bytes`` (the pool and the
-        prefix cache's K/V snapshots) once the model is loaded; {} before."""
-        ex = self.executor
-        if ex is None:
+        """The KV cache's element type (``dtype``: "bfloat16", "float8_e4m3fn", ...), ``pages`` (the pool's: the
+        core's kv_pages, more with a float8 cache) and ``bytes`` (the pool and the prefix cache's K/V snapshots)
+        once the model is loaded; {} before."""
+        ex, s = self.executor, self.scheduler
+        if ex is None or s is None:
             return {}
         dtype, nbytes = ex.kv_cache
-        return {"dtype": dtype, "bytes": int(nbytes)}
+        return {"dtype": dtype, "pages": int(s.pages.num_pages), "bytes": int(nbytes)}
 
     def snapshot(self) -> dict:
         """Gauges and counters for metrics and tests (independent reads)."""

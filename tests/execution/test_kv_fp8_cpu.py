@@ -65,7 +65,9 @@ def _serve(core, kv_cache_dtype, prompts, repeat_first=False):
                 assert isinstance(events[-1], FinishEvent)
                 cached.append(events[-1].num_cached_tokens)
                 tokens.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
-        return tokens, cached, {**rt.kv_cache_info(), "pages": rt.snapshot()["total_pages"]}
+        info = rt.kv_cache_info()
+        assert info["pages"] == rt.snapshot()["total_pages"]
+        return tokens, cached, info
     finally:
         rt.stop()
 

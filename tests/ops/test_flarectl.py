@@ -38,6 +38,7 @@ def test_models(ops_daemon):
     assert "tiny" in body["served_names"] and body["capacities"]["concurrency"] == 4
     assert body["lora_adapters"] == []  # none merged (tests/model/test_lora.py serves one)
     assert body["kv_cache"]["dtype"] in ("float32", "bfloat16") and body["kv_cache"]["bytes"] > 0
+    assert body["kv_cache"]["pages"] == body["capacities"]["kv_pages"]  # a float8 cache would hold more
     human = ops_daemon.ctl("models").stdout
     assert "tiny" in human and f"kv cache:    {body['kv_cache']['dtype']}" in human
 
