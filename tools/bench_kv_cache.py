@@ -2,17 +2,18 @@
 """The KV cache's element type on the CPU: a float8 cache (``--kv-cache-dtype fp8``) against the model's dtype, in
 one run.
 
-The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 behind the scheduler and the eager executor
+The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 (or ``--dtype``) behind the scheduler and the eager executor
 (what ``flared run`` serves on a CPU). Each stream gets its own random prompt of ``--prompt`` tokens and generates
 ``--tokens`` greedy tokens; decode tok/s counts the tokens after each stream's first over the decode phase (from
 the last first token to the last token), so the prompts' prefill is left out. Each figure is the best of
 ``--repeats``, the two caches alternating. Also: the KV cache's bytes and how many streams' first tokens equal the
 model-dtype cache's (later tokens part where float8's rounding flips a near-tie).
 
-The Cython kernels (flared/_fast/attention.pyx, decode.pyx) read a float8 cache in place, widening each row to bf16
-as they load it; a float32 model's float8 cache takes the torch path.
+The Cython kernels (flared/_fast/attention.pyx, decode.pyx) read a float8 cache in place, widening each row as they
+load it. ``--dtype float32`` runs the model in float32 (no one-call decode step; the portable attention task).
 
-    .venv/bin/python tools/bench_kv_cache.py [--prompt 1024] [--tokens 64] [--streams 1,8] [--repeats 3] [--json]
+    .venv/bin/python tools/bench_kv_cache.py [--prompt 1024] [--tokens 64] [--streams 1,8] [--repeats 3]
+                                             [--dtype bfloat16|float32] [--json]
 
 Prints a table; with --json, one JSON object as the last line. The GPU's figures: tools/bench_gpu.py --ab-env
 FLARED_BENCH_KV_CACHE_DTYPE=fp8 and tools/bench_decode_step.py --kv-cache-dtype fp8.
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lora_cpu import load_model  # noqa: E402  the embedded model in bf16, the one-call decode step
+from bench_lora_cpu import CONTEXT, load_model, load_source  # noqa: E402  the embedded model, its GGUF
 
 
 def run(model, prompts, tokens: int, kv_cache_dtype: str) -> dict:
@@ -60,12 +61,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens a stream")
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="the model's (float32: a CPU without AVX-512 BF16 serves the embedded model so)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    model = load_model()
+    if args.dtype == "bfloat16":
+        model = load_model()
+    else:
+        from flared.model.decoder import DecoderModel
+
+        source = load_source()
+        model = DecoderModel(source.config, source.tensors, dtype=torch.float32, max_positions=CONTEXT)
     vocab = model.config.vocab_size
-    out = {"prompt": args.prompt, "tokens": args.tokens, "threads": torch.get_num_threads()}
-    print(f"{'streams':>7} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'ratio':>6} {'bf16 KV MiB':>12} {'fp8 KV MiB':>11} "
+    out = {"prompt": args.prompt, "tokens": args.tokens, "threads": torch.get_num_threads(), "dtype": args.dtype}
+    print(f"{'streams':>7} {'auto tok/s':>11} {'fp8 tok/s':>10} {'ratio':>6} {'auto KV MiB':>12} {'fp8 KV MiB':>11} "
           f"{'first tokens equal':>19}")
     for streams in (int(s) for s in args.streams.split(",")):
         g = torch.Generator().manual_seed(streams)

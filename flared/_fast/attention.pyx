@@ -44,8 +44,9 @@ def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_
                      int64_t stride_slots, uintptr_t lens_ptr, int rows, int num_heads, int num_kv_heads,
                      int head_dim, int64_t num_slots, float scale, int window=0, bint bf16=False, int threads=1,
                      bint kv_fp8=False):
-    """See the module docstring. ``lens_ptr`` points at int64 context lengths, one per row. ``kv_fp8`` (with
-    ``bf16``): K and V hold float8 e4m3 (kv_cache_dtype fp8), widened exactly as they are read."""
+    """See the module docstring. ``lens_ptr`` points at int64 context lengths, one per row. ``kv_fp8``: K and V
+    hold float8 e4m3 (kv_cache_dtype fp8), widened exactly as they are read; q and out stay float32 or bfloat16
+    as ``bf16`` says."""
     if rows <= 0 or num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"decode_attention: bad shape rows={rows} heads={num_heads} kv_heads={num_kv_heads}")
     if num_heads // num_kv_heads > FL_ATTN_MAX_GROUP or not 0 < head_dim <= FL_ATTN_MAX_DIM:
@@ -57,8 +58,6 @@ def decode_attention(uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr, uintptr_
     cdef int num_tasks = rows * num_kv_heads
     cdef int task, row, length, begin
     cdef bint fast = bf16 and BF16_FAST and head_dim % 32 == 0
-    if kv_fp8 and not bf16:
-        raise ValueError("decode_attention: a float8 cache serves bfloat16 queries")
     if threads < 1:
         threads = 1
     for task in prange(num_tasks, nogil=True, num_threads=threads, schedule="dynamic"):

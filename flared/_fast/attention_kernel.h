@@ -8,8 +8,8 @@
  * Layouts (one layer): K, V [num_kv_heads, num_slots, head_dim]; q and out [rows, num_heads, head_dim];
  * slots [rows, stride_slots] int64 (a row's token t lives in slot slots[row * stride_slots + t]).
  * Element type float32 (bf16 == 0) or bfloat16 (bf16 == 1); bfloat16 output rounds to nearest-even.
- * K and V may instead be float8 e4m3 (kv_fp8 == 1, with bf16 == 1: kv_cache_dtype fp8, one byte a value, no
- * scale), widened exactly as they are read (fl_fp8_to_float, fl_fp8x32_to_bf16).
+ * K and V may instead be float8 e4m3 (kv_fp8 == 1: kv_cache_dtype fp8, one byte a value, no scale), widened
+ * exactly as they are read (fl_fp8_to_float, fl_fp8x32_to_bf16); q and out keep their type.
  *
  * target_clones builds AVX-512, AVX2 and baseline copies; the loader picks one for this CPU.
  */
@@ -35,13 +35,11 @@ typedef union {
 /* float8 e4m3 (fn) to float32, exactly: exponent field E >= 1 is 2^(E-7) (1 + M/8), E == 0 is M * 2^-9. The
  * NaN pattern (0x7f) reads as 480: no writer here or in torch's path (kv_cache.to_storage) stores it. */
 static inline float fl_fp8_to_float(uint8_t b) {
-    union { uint32_t u; float f; } r;
-    uint32_t mag = b & 0x7Fu;
-    if (mag >= 8u) {
-        r.u = (mag + (120u << 3)) << 20;
-    } else {
-        r.f = (float)mag * 0.001953125f;
-    }
+    const uint32_t mag = b & 0x7Fu;
+    union { uint32_t u; float f; } normal, r;
+    normal.u = (mag + (120u << 3)) << 20;
+    const float small = (float)mag * 0.001953125f;
+    r.f = mag >= 8u ? normal.f : small; /* both computed, then selected: a row's loop vectorises */
     r.u |= (uint32_t)(b & 0x80u) << 24;
     return r.f;
 }
@@ -70,11 +68,48 @@ static inline const float *fl_attn_row(const void *base, int64_t index, int head
 }
 
 /* A K or V row as fl_attn_row gives it, or with ``fp8`` a float8 e4m3 row widened into ``buf``. */
+/* Every float8 e4m3 byte's value (fl_fp8_to_float's, generated from torch's float8_e4m3fn; 0x7f/0xff as 480):
+ * the portable task widens a row by table, one load a value. */
+static const float fl_fp8_values[256] = {
+    0.0f, 0.001953125f, 0.00390625f, 0.005859375f, 0.0078125f, 0.009765625f, 0.01171875f, 0.013671875f,
+    0.015625f, 0.017578125f, 0.01953125f, 0.021484375f, 0.0234375f, 0.025390625f, 0.02734375f, 0.029296875f,
+    0.03125f, 0.03515625f, 0.0390625f, 0.04296875f, 0.046875f, 0.05078125f, 0.0546875f, 0.05859375f,
+    0.0625f, 0.0703125f, 0.078125f, 0.0859375f, 0.09375f, 0.1015625f, 0.109375f, 0.1171875f,
+    0.125f, 0.140625f, 0.15625f, 0.171875f, 0.1875f, 0.203125f, 0.21875f, 0.234375f,
+    0.25f, 0.28125f, 0.3125f, 0.34375f, 0.375f, 0.40625f, 0.4375f, 0.46875f,
+    0.5f, 0.5625f, 0.625f, 0.6875f, 0.75f, 0.8125f, 0.875f, 0.9375f,
+    1.0f, 1.125f, 1.25f, 1.375f, 1.5f, 1.625f, 1.75f, 1.875f,
+    2.0f, 2.25f, 2.5f, 2.75f, 3.0f, 3.25f, 3.5f, 3.75f,
+    4.0f, 4.5f, 5.0f, 5.5f, 6.0f, 6.5f, 7.0f, 7.5f,
+    8.0f, 9.0f, 10.0f, 11.0f, 12.0f, 13.0f, 14.0f, 15.0f,
+    16.0f, 18.0f, 20.0f, 22.0f, 24.0f, 26.0f, 28.0f, 30.0f,
+    32.0f, 36.0f, 40.0f, 44.0f, 48.0f, 52.0f, 56.0f, 60.0f,
+    64.0f, 72.0f, 80.0f, 88.0f, 96.0f, 104.0f, 112.0f, 120.0f,
+    128.0f, 144.0f, 160.0f, 176.0f, 192.0f, 208.0f, 224.0f, 240.0f,
+    256.0f, 288.0f, 320.0f, 352.0f, 384.0f, 416.0f, 448.0f, 480.0f,
+    -0.0f, -0.001953125f, -0.00390625f, -0.005859375f, -0.0078125f, -0.009765625f, -0.01171875f, -0.013671875f,
+    -0.015625f, -0.017578125f, -0.01953125f, -0.021484375f, -0.0234375f, -0.025390625f, -0.02734375f, -0.029296875f,
+    -0.03125f, -0.03515625f, -0.0390625f, -0.04296875f, -0.046875f, -0.05078125f, -0.0546875f, -0.05859375f,
+    -0.0625f, -0.0703125f, -0.078125f, -0.0859375f, -0.09375f, -0.1015625f, -0.109375f, -0.1171875f,
+    -0.125f, -0.140625f, -0.15625f, -0.171875f, -0.1875f, -0.203125f, -0.21875f, -0.234375f,
+    -0.25f, -0.28125f, -0.3125f, -0.34375f, -0.375f, -0.40625f, -0.4375f, -0.46875f,
+    -0.5f, -0.5625f, -0.625f, -0.6875f, -0.75f, -0.8125f, -0.875f, -0.9375f,
+    -1.0f, -1.125f, -1.25f, -1.375f, -1.5f, -1.625f, -1.75f, -1.875f,
+    -2.0f, -2.25f, -2.5f, -2.75f, -3.0f, -3.25f, -3.5f, -3.75f,
+    -4.0f, -4.5f, -5.0f, -5.5f, -6.0f, -6.5f, -7.0f, -7.5f,
+    -8.0f, -9.0f, -10.0f, -11.0f, -12.0f, -13.0f, -14.0f, -15.0f,
+    -16.0f, -18.0f, -20.0f, -22.0f, -24.0f, -26.0f, -28.0f, -30.0f,
+    -32.0f, -36.0f, -40.0f, -44.0f, -48.0f, -52.0f, -56.0f, -60.0f,
+    -64.0f, -72.0f, -80.0f, -88.0f, -96.0f, -104.0f, -112.0f, -120.0f,
+    -128.0f, -144.0f, -160.0f, -176.0f, -192.0f, -208.0f, -224.0f, -240.0f,
+    -256.0f, -288.0f, -320.0f, -352.0f, -384.0f, -416.0f, -448.0f, -480.0f,
+};
+
 static inline const float *fl_attn_kv_row(const void *base, int64_t index, int head_dim, int bf16, int fp8,
                                           fl_attn_row_t *buf) {
     if (!fp8) return fl_attn_row(base, index, head_dim, bf16, buf);
     const uint8_t *p = (const uint8_t *)base + index * head_dim;
-    for (int i = 0; i < head_dim; i++) buf->values[i] = fl_fp8_to_float(p[i]);
+    for (int i = 0; i < head_dim; i++) buf->values[i] = fl_fp8_values[p[i]];
     return buf->values;
 }
 

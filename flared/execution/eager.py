@@ -50,8 +50,8 @@ class EagerExecutor:
     def __init__(self, model, *, num_pages: int, page_tokens: int, num_state_rows: int, num_snapshots: int,
                  vocab_size: int, max_live: int, kv_cache_dtype: str = "auto"):
         """``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" / "fp8_e4m3": the pool and the snapshots in float8
-        e4m3 (PagedKVCache's storage_dtype). A bf16 model's Cython kernels read and write it in place; a float32
-        model's decode rows take the torch path over it."""
+        e4m3 (PagedKVCache's storage_dtype), which the Cython decode attention (and a bf16 model's one-call decode
+        step) reads in place."""
         self.model = model
         self.page_tokens = page_tokens
         self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens,

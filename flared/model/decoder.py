@@ -428,8 +428,8 @@ class DecoderModel:
         cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
         sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
-        # The Cython decode attention reads pools of the model's dtype, and float8 ones under bf16 queries.
-        native = self.cpu_decode_attention and (kv.storage_dtype == self.dtype or self.dtype == torch.bfloat16)
+        # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
+        native = self.cpu_decode_attention and kv.storage_dtype in (self.dtype, FP8_KV)
         decode_masked = None
         if batch.decode_attn_mask is not None and not native:
             num_decode = batch.decode_row_ids.shape[0]
