@@ -9,7 +9,7 @@
  * slots [rows, stride_slots] int64 (a row's token t lives in slot slots[row * stride_slots + t]).
  * Element type float32 (bf16 == 0) or bfloat16 (bf16 == 1); bfloat16 output rounds to nearest-even.
  * K and V may instead be float8 e4m3 (kv_fp8 == 1: kv_cache_dtype fp8, one byte a value, no scale), widened
- * exactly as they are read (fl_fp8_to_float, fl_fp8x32_to_bf16); q and out keep their type.
+ * exactly as they are read (fl_fp8_values, fl_fp8x32_to_bf16); q and out keep their type.
  *
  * target_clones builds AVX-512, AVX2 and baseline copies; the loader picks one for this CPU.
  */
@@ -31,18 +31,6 @@ typedef union {
     uint32_t bits[FL_ATTN_MAX_DIM];
     float values[FL_ATTN_MAX_DIM];
 } fl_attn_row_t;
-
-/* float8 e4m3 (fn) to float32, exactly: exponent field E >= 1 is 2^(E-7) (1 + M/8), E == 0 is M * 2^-9. The
- * NaN pattern (0x7f) reads as 480: no writer here or in torch's path (kv_cache.to_storage) stores it. */
-static inline float fl_fp8_to_float(uint8_t b) {
-    const uint32_t mag = b & 0x7Fu;
-    union { uint32_t u; float f; } normal, r;
-    normal.u = (mag + (120u << 3)) << 20;
-    const float small = (float)mag * 0.001953125f;
-    r.f = mag >= 8u ? normal.f : small; /* both computed, then selected: a row's loop vectorises */
-    r.u |= (uint32_t)(b & 0x80u) << 24;
-    return r.f;
-}
 
 /* float32 to float8 e4m3 (fn), to nearest even, saturated at +-448 (as torch's path: clamp, then convert). */
 static inline uint8_t fl_fp8_from_float(float x) {
@@ -68,8 +56,9 @@ static inline const float *fl_attn_row(const void *base, int64_t index, int head
 }
 
 /* A K or V row as fl_attn_row gives it, or with ``fp8`` a float8 e4m3 row widened into ``buf``. */
-/* Every float8 e4m3 byte's value (fl_fp8_to_float's, generated from torch's float8_e4m3fn; 0x7f/0xff as 480):
- * the portable task widens a row by table, one load a value. */
+/* Every float8 e4m3 byte's value, exactly (generated from torch's float8_e4m3fn: E >= 1 is 2^(E-7) (1 + M/8),
+ * E == 0 is M * 2^-9; the NaN patterns 0x7f/0xff read as +-480, which no writer here or in torch's path
+ * (kv_cache.to_storage) stores): the portable task widens a row by table, one load a value. */
 static const float fl_fp8_values[256] = {
     0.0f, 0.001953125f, 0.00390625f, 0.005859375f, 0.0078125f, 0.009765625f, 0.01171875f, 0.013671875f,
     0.015625f, 0.017578125f, 0.01953125f, 0.021484375f, 0.0234375f, 0.025390625f, 0.02734375f, 0.029296875f,
