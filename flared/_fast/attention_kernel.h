@@ -55,7 +55,6 @@ static inline const float *fl_attn_row(const void *base, int64_t index, int head
     return buf->values;
 }
 
-/* A K or V row as fl_attn_row gives it, or with ``fp8`` a float8 e4m3 row widened into ``buf``. */
 /* Every float8 e4m3 byte's value, exactly (generated from torch's float8_e4m3fn: E >= 1 is 2^(E-7) (1 + M/8),
  * E == 0 is M * 2^-9; the NaN patterns 0x7f/0xff read as +-480, which no writer here or in torch's path
  * (kv_cache.to_storage) stores): the portable task widens a row by table, one load a value. */
@@ -94,6 +93,7 @@ static const float fl_fp8_values[256] = {
     -256.0f, -288.0f, -320.0f, -352.0f, -384.0f, -416.0f, -448.0f, -480.0f,
 };
 
+/* A K or V row as fl_attn_row gives it, or with ``fp8`` a float8 e4m3 row widened into ``buf``. */
 static inline const float *fl_attn_kv_row(const void *base, int64_t index, int head_dim, int bf16, int fp8,
                                           fl_attn_row_t *buf) {
     if (!fp8) return fl_attn_row(base, index, head_dim, bf16, buf);
