@@ -70,8 +70,7 @@ class EagerExecutor:
 
     @property
     def num_bytes(self) -> int:
-        return (self.kv.num_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
-                + 4 * (self.state_logits.numel() + self.snap_logits.numel()))
+        return self.kv_cache[1] + 4 * (self.state_logits.numel() + self.snap_logits.numel())
 
     @property
     def kv_cache(self) -> tuple[str, int]:

@@ -220,7 +220,7 @@ class ModelRuntime:
                  max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto"):
         self.core = core
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
-        # snapshots in float8 e4m3: half the bytes of bf16).
+        # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
         self.kv_cache_dtype = kv_cache_dtype
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
         # Both executors verify drafts as decode rows (the CUDA graph executor in its speculative decode graphs).
@@ -359,8 +359,6 @@ class ModelRuntime:
             # The core's KV budget (kv_pages at the model's dtype) holds more float8 pages, one byte a value, as
             # vLLM's float8 cache holds twice the tokens in the same memory.
             kv_pages = caps.kv_pages * dtype.itemsize
-            log.info("KV cache in float8 e4m3: %d pages of %d tokens in the memory of the core's %d %s pages",
-                     kv_pages, caps.page_tokens, caps.kv_pages, m.dtype)
         if use_cuda:
             # CUDA graph executor (flared.execution.executor): captures the manifest's graphs here, before ready;
             # the scheduler then plans exactly the shapes it captured (multi-sequence prefill included).
@@ -376,8 +374,7 @@ class ModelRuntime:
                                           kv_cache_dtype=self.kv_cache_dtype)
             graph_shapes = self.executor.graph_shapes
             dec = self.executor.decoder
-            log.info("executor: CUDA graphs on %s (%s; KV cache %s, %.1f GiB)", torch.cuda.get_device_name(), m.dtype,
-                     str(dec.kv_dtype).removeprefix("torch."), dec.kv_bytes / 2**30)
+            log.info("executor: CUDA graphs on %s (%s)", torch.cuda.get_device_name(), m.dtype)
             from flared.model.kernels.megakernel import describe_decode_paths
 
             log.info("executor: %s", describe_decode_paths(
@@ -389,9 +386,10 @@ class ModelRuntime:
                                           vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
                                           kv_cache_dtype=self.kv_cache_dtype)
             graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
-            kv_dtype, kv_bytes = self.executor.kv_cache
-            log.info("executor: eager on the CPU (%s, %d threads; KV cache %s, %.1f MiB)", m.dtype,
-                     torch.get_num_threads(), kv_dtype, kv_bytes / 2**20)
+            log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
+        kv_dtype, kv_bytes = self.executor.kv_cache
+        log.info("KV cache: %s, %d pages of %d tokens (the core's %d at %s), %.1f MiB with the prefix snapshots",
+                 kv_dtype, kv_pages, caps.page_tokens, caps.kv_pages, m.dtype, kv_bytes / 2**20)
         spec_tokens = self.speculative[0]
         if spec_tokens:
             log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",

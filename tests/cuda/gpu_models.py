@@ -40,16 +40,17 @@ def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=()):
 
 
 def make_executor(model, concurrency=4, num_pages=128, chunk=128, prefill_batch_shapes=(), lora=None,
-                  speculative=0):
+                  speculative=0, kv_cache_dtype="auto"):
     """One-sequence prefill graphs unless ``prefill_batch_shapes`` lists (batch, tokens) ones; ``lora``: per-request
-    LoRA adapters (a StackedLora); ``speculative``: serve speculative steps of up to that many drafts a request."""
+    LoRA adapters (a StackedLora); ``speculative``: serve speculative steps of up to that many drafts a request;
+    ``kv_cache_dtype``: GraphExecutor's ("fp8": a float8 KV cache)."""
     from flared.execution.executor import GraphExecutor
 
     return GraphExecutor(model, num_pages=num_pages, page_tokens=PAGE_TOKENS, num_state_rows=concurrency + 1,
                          num_snapshots=16, vocab_size=model.config.vocab_size, max_live=concurrency,
                          decode_batch_sizes=(1, 2, 4), prefill_token_sizes=(64, chunk),
                          max_pages_per_sequence=CONTEXT // PAGE_TOKENS, prefill_batch_shapes=prefill_batch_shapes,
-                         lora=lora, speculative=speculative)
+                         lora=lora, speculative=speculative, kv_cache_dtype=kv_cache_dtype)
 
 
 def make_cpu_executor(model, concurrency=4, num_pages=128):

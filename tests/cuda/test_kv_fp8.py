@@ -202,7 +202,7 @@ def test_a_float8_decoder_turns_off_what_reads_bf16_pools():
 
     model = serving_model(tiny_hf(), dtype=BF16)
     ex = make_executor(model)
-    ex8 = make_executor_fp8(model)
+    ex8 = make_executor(model, kv_cache_dtype="fp8")
     try:
         dec = ex8.decoder
         assert dec.k_pool.dtype == FP8 and ex8.snap_keys.dtype == FP8
@@ -221,17 +221,6 @@ def test_a_float8_decoder_turns_off_what_reads_bf16_pools():
     finally:
         ex.close()
         ex8.close()
-
-
-def make_executor_fp8(model):
-    from gpu_models import CONTEXT, PAGE_TOKENS
-
-    from flared.execution.executor import GraphExecutor
-
-    return GraphExecutor(model, num_pages=128, page_tokens=PAGE_TOKENS, num_state_rows=5, num_snapshots=16,
-                         vocab_size=model.config.vocab_size, max_live=4, decode_batch_sizes=(1, 2, 4),
-                         prefill_token_sizes=(64, 128), max_pages_per_sequence=CONTEXT // PAGE_TOKENS,
-                         prefill_batch_shapes=(), kv_cache_dtype="fp8")
 
 
 def test_the_model_thread_serves_a_float8_cache_with_prefix_hits(bf16_core):
