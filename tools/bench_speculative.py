@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Speculative decoding by prompt lookup on the CPU: greedy streams with ``--speculative-tokens`` drafts a step
-against the same streams without, in one run.
+"""Speculative decoding by prompt lookup on the CPU: greedy streams (or sampled ones, ``--temperature``) with
+``--draft`` drafts a step against the same streams without, in one run.
 
 The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 behind the scheduler and the eager executor
 (what ``flared run`` serves on a CPU). Three workloads of chat prompts (ChatML, the model's template):
@@ -10,9 +10,11 @@ snippet (some of it is), ``chat`` an open question (little of it is: the overhea
 from admission to the last token (the prompts' prefill is the same work in both variants). Each figure is the best
 of ``--repeats``, the variants alternating. Also: the decode and speculative steps each variant took, the drafts fed
 and kept, and how many streams' tokens equal the plain run's (they should all: a speculative step's rows go
-through the same one-call decode step, tests/model/test_decode_kernel.py).
+through the same one-call decode step, tests/model/test_decode_kernel.py, and a sampled stream's rows draw with
+its seed at their own positions). Sampled streams are seeded, stream i with seed i, in both variants.
 
-    .venv/bin/python tools/bench_speculative.py [--draft 4] [--tokens 96] [--streams 1,8] [--repeats 3] [--json]
+    .venv/bin/python tools/bench_speculative.py [--draft 4] [--tokens 96] [--streams 1,8] [--repeats 3]
+        [--temperature 0.7 --top-p 0.9] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -60,7 +62,7 @@ def chat_prompt(tok, text: str) -> list[int]:
     return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
 
 
-def run(model, prompts, tokens: int, draft: int) -> dict:
+def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     from flared.execution.eager import EagerExecutor
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams
@@ -74,7 +76,7 @@ def run(model, prompts, tokens: int, draft: int) -> dict:
         speculative_tokens=draft), PolicyConfig())
     ex = EagerExecutor(model, num_pages=pages, page_tokens=16, num_state_rows=n + 1, num_snapshots=4 * n,
                        vocab_size=model.config.vocab_size, max_live=n)
-    params = [SamplingParams(temperature=0.0, max_tokens=tokens)] * n
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=tokens) for i in range(n)]
     r = drive(sched, ex, prompts, params, speculate=True)
     return {"tok_s": n * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
             "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
@@ -89,21 +91,25 @@ def main() -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy streams")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     model = load_model()
     tok = tokenizer()
-    out = {"draft": args.draft, "tokens": args.tokens, "threads": torch.get_num_threads()}
+    out = {"draft": args.draft, "tokens": args.tokens, "temperature": args.temperature, "top_p": args.top_p,
+           "threads": torch.get_num_threads()}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     print(f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'steps':>11} "
           f"{'kept/fed':>11} {'same':>6}")
     for name in args.workloads.split(","):
         for streams in (int(s) for s in args.streams.split(",")):
             prompts = [chat_prompt(tok, WORKLOADS[name])] * streams
-            run(model, prompts, 8, args.draft)  # warm both paths
+            run(model, prompts, 8, args.draft, **sampling)  # warm both paths
             best: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for variant, draft in (("plain", 0), ("spec", args.draft)):
-                    got = run(model, prompts, args.tokens, draft)
+                    got = run(model, prompts, args.tokens, draft, **sampling)
                     if variant not in best or got["tok_s"] > best[variant]["tok_s"]:
                         best[variant] = got
             plain, spec = best["plain"], best["spec"]

@@ -162,9 +162,10 @@ class EagerExecutor:
         """A speculative step: participant i feeds its last token and its drafts (plan.tokens(i)[1:]), each token a
         decode row of its own at its position (ForwardBatch.shared_sequences: the rows of one request see each
         other's keys; the bf16 one-call decode step takes up to 64 rows). The drafts are kept while each equals
-        the greedy token of the row before it; the first greedy token that differs (or the one after the last
-        draft) is the step's own token. Participants without drafts sample as in a decode step. The state row
-        keeps the logits of its last kept position, as after a decode step there."""
+        the token drawn at the row before it (_draw_fed: the argmax, or the request's own draw at that position);
+        the first drawn token that differs (or the one after the last draft) is the step's own token, so the
+        tokens are those plain decoding draws. Participants without drafts sample as in a decode step. The state
+        row keeps the logits of its last kept position, as after a decode step there."""
         n = plan.num_participants
         fed = [self._fed_tokens(plan, i, rows) for i in range(n)]
         chunks = [SequenceChunk(tokens[j:j + 1], int(plan.token_starts[i]) + j, block_tables[i], needs_logits=True)
@@ -175,7 +176,7 @@ class EagerExecutor:
         bounds = np.cumsum([0] + [t.shape[0] for t in fed])
         self._group_lora_rows(batch, states, bounds)
         logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]
-        greedy = logits.argmax(dim=-1).tolist()  # SYNC: the step's one read-back
+        drawn = self._draw_fed(logits, states, bounds).tolist()  # SYNC: the step's one read-back
         kept: list[tuple[int, ...]] = []
         last_rows = []
         plain = []
@@ -183,14 +184,14 @@ class EagerExecutor:
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             drafts = fed[i][1:]
             a = 0
-            while a < len(drafts) and greedy[lo + a] == int(drafts[a]):
+            while a < len(drafts) and drawn[lo + a] == int(drafts[a]):
                 a += 1
             kept.append(tuple(int(t) for t in drafts[:a]))
             last_rows.append(lo + a)
             if hi - lo == 1:
                 plain.append(i)
                 continue
-            token = greedy[lo + a]
+            token = drawn[lo + a]
             sampled[i] = token
             self.state_last_token[rows[i]] = token
             if states[i] is not None:
@@ -205,6 +206,28 @@ class EagerExecutor:
                                  consumed_tokens=starts + 1 + accepted,
                                  generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64) + accepted,
                                  token_ids=sampled.copy(), accepted_drafts=kept)
+
+    def speculates(self, params) -> bool:
+        """Whether a request with these sampling params may feed drafts: _speculate draws at every fed position
+        through the sampler (SamplingParams.position_only)."""
+        return params.position_only
+
+    def _draw_fed(self, logits, states, bounds) -> torch.Tensor:
+        """The token drawn at every fed row of a speculative step [rows]: the argmax for a greedy request's rows
+        (SamplingParams.argmax_only), else the sampler's draw with the row's own draw count (Sampler.at_position:
+        row j of a request draws as its state will j tokens on). A lone row's entry is unused (it samples as a
+        decode row does)."""
+        drawn = logits.argmax(dim=-1)
+        rows, row_states = [], []
+        for i, s in enumerate(states):
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            if hi - lo > 1 and s is not None and not s.params.argmax_only:
+                rows.extend(range(lo, hi))
+                row_states.extend(self.sampler.at_position(s, j) for j in range(hi - lo))
+        if rows:
+            at = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
+            drawn.index_copy_(0, at, self.sampler.sample(logits.index_select(0, at).float(), row_states).token_ids)
+        return drawn
 
     def _forward_scoring(self, batch, chunks, plan, rows, scoring, scores) -> torch.Tensor:
         """Forward with logits at every position of the scoring participants' chunks;

@@ -89,9 +89,10 @@ class GraphExecutor:
         ``speculative``: the most draft tokens a request feeds a SPECULATIVE step (prompt lookup; 0 = none):
         each such step runs as a decode graph with a row per fed token (kind "decode_spec", captured for
         ``spec_batch_sizes``; the scheduler must cap a step's tokens at ``spec_max_rows``), and every row's
-        greedy token verifies the drafts (_submit_speculative). ``kv_cache_dtype``: "auto" (the model's dtype) or
-        "fp8" / "fp8_e4m3" (vLLM's --kv-cache-dtype): the KV pool and the prefix cache's snapshots in float8 e4m3,
-        one byte a value (kv_cache.kv_pool_dtype)."""
+        token (the argmax, or the request's own draw at that position) verifies the drafts
+        (_submit_speculative). ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (vLLM's
+        --kv-cache-dtype): the KV pool and the prefix cache's snapshots in float8 e4m3, one byte a value
+        (kv_cache.kv_pool_dtype)."""
         self.model = model
         self.device = model.device
         self.page_tokens = page_tokens
@@ -135,7 +136,7 @@ class GraphExecutor:
         self._token_frames = [self._pin(8 * self.manifest.max_batch) for _ in range(_NUM_FRAMES)]
         self._tokens = [f.array.view(np.int64) for f in self._token_frames]
         # A speculative step's token at every row (one per fed token), read back beside the participants' own.
-        self._greedy_frames = [self._pin(8 * max(1, self.spec_max_rows)) for _ in range(_NUM_FRAMES)]
+        self._drawn_frames = [self._pin(8 * max(1, self.spec_max_rows)) for _ in range(_NUM_FRAMES)]
         self.ring = FrameRing()
         self.table = CompletionTable(self.max_slots)
         self._start = [cuda.Event() for _ in range(_NUM_FRAMES)]
@@ -234,7 +235,7 @@ class GraphExecutor:
                 cuda.copy_d2h_async(self._token_frames[frame].ptr, self._sampled_ptr, 8 * n, self._copy_ptr)
             if pending.spec is not None:  # every row's token (a participant's rows from token offset on)
                 rows = int(pending.spec[0][-1])
-                cuda.copy_d2h_async(self._greedy_frames[frame].ptr, self._sampled_ptr, 8 * rows, self._copy_ptr)
+                cuda.copy_d2h_async(self._drawn_frames[frame].ptr, self._sampled_ptr, 8 * rows, self._copy_ptr)
             self._copied[frame].record(self._copy_ptr)
             fence = self.ring.submitted(frame)
             self.max_outstanding = max(self.max_outstanding, self.ring.outstanding)
@@ -291,7 +292,8 @@ class GraphExecutor:
         src = self._in_frames[frame].ptr + span.offset_bytes
         cuda.copy_h2d_async(self._input_ptr + span.offset_bytes, src, row_bytes * count, self._model_ptr)
 
-    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str, scoring=()) -> None:
+    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str, scoring=(), ahead=None) -> None:
+        """``ahead`` (speculative steps): per row, how many tokens past its state's draw count the row draws at."""
         v = self._in_views[frame]
         P = self.page_tokens
         n = plan.num_participants
@@ -334,7 +336,7 @@ class GraphExecutor:
             v[f + "top_k"][i] = p.top_k
             v[f + "top_p"][i] = p.top_p
             v[f + "seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
-            v[f + "steps"][i] = s.num_output_tokens
+            v[f + "steps"][i] = s.num_output_tokens + (int(ahead[i]) if ahead is not None else 0)
         v[f + "temperature"][n:batch_rows] = 0.0
         execs = self.graphs.graph_execs
         if decode:
@@ -371,12 +373,18 @@ class GraphExecutor:
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
 
+    def speculates(self, params) -> bool:
+        """Whether a request with these sampling params may feed drafts: the graph's own sampler draws every one of
+        its rows (SamplingParams.graph_drawable)."""
+        return params.graph_drawable
+
     def _submit_speculative(self, frame: int, plan, block_tables, states) -> None:
         """A speculative step as a decode graph with a row per fed token (kind "decode_spec"): participant i's
         last token and drafts are rows offsets[i].. at consecutive positions, each with the participant's block
         table and its own context, so row j attends to the positions up to its own. The graph writes every row's
         K/V before any row attends (its rotary and KV write run apart from the attention), and samples every
-        row; a participant with drafts is greedy, so its rows' tokens are the greedy tokens that verify them
+        row, row j of a participant at its draw count plus j, so a participant's rows draw the tokens that plain
+        decoding would draw at those positions (the argmax for a greedy one) and verify its drafts
         (poll, _verify_drafts). A participant's lone row samples into its state row as a decode row does; the
         rows of one with drafts sample into the scratch state row 0, and poll gives its state row the logits and
         token of the row after its last kept draft."""
@@ -386,7 +394,8 @@ class GraphExecutor:
         widths = np.diff(offsets)
         row_states = [states[i] for i in part]
         pending = self._pending[frame]
-        self._submit_graph(frame, rows, [block_tables[i] for i in part], row_states, "decode_spec")
+        ahead = np.arange(len(part), dtype=np.int64) - offsets[part]  # row j of a participant draws j tokens on
+        self._submit_graph(frame, rows, [block_tables[i] for i in part], row_states, "decode_spec", ahead=ahead)
         for i in np.flatnonzero(widths > 1):  # one output token at submit, as a decode row; poll adds the kept
             if states[i] is not None:
                 states[i].num_output_tokens -= int(widths[i]) - 1
@@ -396,24 +405,24 @@ class GraphExecutor:
                         np.asarray(plan.state_rows, dtype=np.int64)[:n], list(states))
 
     def _verify_drafts(self, frame: int, pending: _Pending, consumed, generated, token_ids):
-        """poll's half of a speculative step: a participant's drafts are kept while each equals the greedy token
-        of the row before it, and the greedy token after the last kept one is its own (a participant without
+        """poll's half of a speculative step: a participant's drafts are kept while each equals the token drawn
+        at the row before it, and the token drawn after the last kept one is its own (a participant without
         drafts keeps what its row sampled). A participant with drafts then gets that row's logits and token in
         its state row, on the model stream before any later step. Returns the step's consumed and generated
         counts, tokens and kept drafts."""
         offsets, fed, rows, states = pending.spec
         pending.spec = None
-        greedy = self._greedy_frames[frame].array.view(np.int64)
+        drawn = self._drawn_frames[frame].array.view(np.int64)
         consumed, generated, token_ids = consumed.copy(), generated.copy(), token_ids.copy()
         kept: list[tuple[int, ...]] = []
         fix_rows, fix_at, fix_tokens = [], [], []
         for i in range(len(rows)):
             lo, hi = int(offsets[i]), int(offsets[i + 1])
             a = 0
-            while lo + 1 + a < hi and int(greedy[lo + a]) == int(fed[lo + 1 + a]):
+            while lo + 1 + a < hi and int(drawn[lo + a]) == int(fed[lo + 1 + a]):
                 a += 1
             kept.append(tuple(int(t) for t in fed[lo + 1:lo + 1 + a]))
-            token_ids[i] = int(greedy[lo + a])
+            token_ids[i] = int(drawn[lo + a])
             if hi - lo == 1:
                 continue
             consumed[i] -= hi - lo - 1 - a

@@ -44,7 +44,7 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
     """``clock_ns`` is the scheduler's clock (tests pass a fake one: the scheduler stops stacking a second
     step behind one that runs past its estimate, which a slow or loaded host can trigger). ``loras``: each
     request's per-request LoRA adapter (DecoderModel.add_lora_module's index; 0 the base), as the worker sets it.
-    ``speculate``: admit the requests whose tokens are the plain argmax (SamplingParams.argmax_only) for speculative
+    ``speculate``: admit the requests whose drafts the executor can verify (its ``speculates``) for speculative
     steps, as the worker does (the scheduler's speculative_tokens turns them on)."""
     clock = time.perf_counter_ns
     t0 = clock()
@@ -55,7 +55,7 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
         states.append(executor.sampler.add_sequence(p, prompt))
         if loras is not None:
             states[-1].lora = loras[i]
-        handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns(), speculate=speculate and p.argmax_only)
+        handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns(), speculate=speculate and executor.speculates(p))
         by_handle[int(handle)] = i
     result = DriveResult([[] for _ in range(n)], [0] * n, [0] * n)
     finished = 0

@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup on the CUDA graph executor (GraphExecutor(speculative=N)).
 
 A speculative step runs as a decode graph with a row per fed token (every row writes its K/V before any row
-attends); each row's greedy token verifies the draft after it, and poll keeps the drafts those confirm.
+attends); each row's token (the argmax, or a sampled request's draw at that position) verifies the draft after it,
+and poll keeps the drafts those confirm.
 float32: the tokens equal plain decoding's and the CPU path's, exactly, in fewer steps. The model thread
 serves speculation on the GPU (bf16).
 """
@@ -103,6 +104,47 @@ def test_float32_a_sampled_request_rides_along_and_a_small_cap_still_verifies(hf
     finally:
         ex.close()
     assert capped.tokens == alone.tokens
+
+
+def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(hf):
+    """Seeded sampled requests (temperature, top-k, top-p) feed drafts too: the graph draws row j of a request at
+    its draw count plus j, a draft is kept where the draw equals it, and the tokens are plain decoding's, draw for
+    draw. A min-p request (not the graph sampler's) rides along without drafts. (The tiny random model's logits
+    spread about 0.2: its temperatures are scaled to match a trained model's, or no draft would be drawn.)"""
+    import dataclasses
+
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    gpu = serving_model(hf)
+    prompts = PROMPTS
+    params = [SamplingParams(temperature=0.02, seed=3, max_tokens=40),
+              SamplingParams(temperature=0.02, top_k=4, top_p=0.9, seed=8, max_tokens=40),
+              SamplingParams(temperature=0.03, seed=1, max_tokens=40),
+              SamplingParams(temperature=0.02, min_p=0.05, seed=2, max_tokens=40)]
+
+    def run(ex, sched, params, speculate):
+        ticks = iter(range(1, 10**9))
+        return drive(sched, ex, prompts, params, speculate=speculate, clock_ns=lambda: next(ticks))
+
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        plain = run(ex, _scheduler(ex.graph_shapes, spec=0), params, False)
+        greedy = run(ex, _scheduler(ex.graph_shapes, spec=0),
+                     [dataclasses.replace(p, temperature=0.0) for p in params], False)
+    finally:
+        ex.close()
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
+    try:
+        assert [ex.speculates(p) for p in params] == [True, True, True, False]
+        sched = _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows)
+        got = run(ex, sched, params, True)
+    finally:
+        ex.close()
+    assert got.tokens == plain.tokens
+    assert sched.counters["speculative_accepted"] > 0
+    assert sched.counters["speculative_drafted"] > sched.counters["speculative_accepted"]
+    assert greedy.tokens != plain.tokens
 
 
 def test_the_model_thread_speculates_on_the_gpu(tiny_hf_llama, tmp_path):

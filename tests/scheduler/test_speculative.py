@@ -9,6 +9,7 @@ steps, for greedy requests beside sampled ones.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -340,9 +341,30 @@ def test_speculative_steps_give_the_tokens_of_plain_decoding(tiny_hf_llama):
     assert decode_steps(fast) < decode_steps(plain)
 
 
-def test_the_model_thread_speculates_for_greedy_requests(tiny_core):
-    """ModelRuntime(speculative=...): greedy requests get the same tokens and stop strings/EOS as without; a request
-    with logprobs is never speculated (its logprobs come with every token)."""
+def test_sampled_requests_speculate_and_draw_what_plain_decoding_draws(tiny_hf_llama):
+    """Seeded sampled requests (temperature, top-k, top-p, min-p, a logit bias) feed drafts too: each fed row draws
+    with its own position's draw count, a draft is kept where the draw equals it, and the tokens are plain
+    decoding's, draw for draw. Some drafts are kept, some not, and the draws are not the argmax. (The tiny random
+    model's logits spread about 0.2 where a trained model's spread several units: its temperatures are scaled to
+    match, or no draft would ever be drawn.)"""
+    from flared.model.sampling import SamplingParams
+
+    prompts = [[11, 12, 13, 14, 15, 16] * 8, [30, 31, 32, 33] * 10, list(range(20, 70))]
+    params = [SamplingParams(temperature=0.02, seed=3, max_tokens=40),
+              SamplingParams(temperature=0.02, top_k=4, top_p=0.9, seed=8, max_tokens=40),
+              SamplingParams(temperature=0.02, min_p=0.05, logit_bias={5: 0.1}, seed=1, max_tokens=30)]
+    plain, _ = _drive(tiny_hf_llama, 0, prompts, params)
+    fast, s = _drive(tiny_hf_llama, 4, prompts, params)
+    assert fast.tokens == plain.tokens
+    assert s.counters["speculative_accepted"] > 0
+    assert s.counters["speculative_drafted"] > s.counters["speculative_accepted"]
+    greedy, _ = _drive(tiny_hf_llama, 0, prompts, [dataclasses.replace(p, temperature=0.0) for p in params])
+    assert greedy.tokens != plain.tokens
+
+
+def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
+    """ModelRuntime(speculative=...): greedy and seeded sampled requests get the same tokens and stop strings/EOS
+    as without; a request with logprobs is never speculated (its logprobs come with every token)."""
     from flared.core.load import open_core
     from flared.model.sampling import SamplingParams
     from flared.runtime.request import FinishEvent, GenerateRequest, TokenEvent
@@ -352,6 +374,8 @@ def test_the_model_thread_speculates_for_greedy_requests(tiny_core):
     prompt = tuple([40, 41, 42, 43, 44] * 10)
     requests = [GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0), frozenset({2})),
                 GenerateRequest(prompt[:23], (), SamplingParams(max_tokens=16, temperature=0.0, logprobs=2),
+                                frozenset({2})),
+                GenerateRequest(prompt[3:], (), SamplingParams(max_tokens=32, temperature=0.02, top_k=8, seed=9),
                                 frozenset({2}))]
 
     def serve(speculative):
