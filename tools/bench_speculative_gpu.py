@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup on the GPU: greedy streams through the CUDA graph executor with
+"""Speculative decoding by prompt lookup on the GPU: greedy streams (or sampled ones, ``--temperature``, each
+stream seeded with its index) through the CUDA graph executor with
 ``--draft`` drafts a step (each speculative step a decode graph, a row per fed token) against the same streams
 without, in one run.
 
@@ -7,8 +8,12 @@ repeated four times, so the lookup finds drafts; what the random model then keep
 tok/s = streams x tokens over the whole run (prefill included), best of ``--repeats``, the two alternating; "same"
 counts the streams whose tokens equal plain decoding's (bf16: the verify step's graph rounds otherwise
 than the decode graphs, so near-ties may part them; float32 equality is tests/cuda/test_speculative_gpu.py's).
+A random model's logits are flat (135M: about 0.5 apart, so at temperature 0.7 its likeliest token has a chance
+of 0.0002, where a trained model's on repeated text is near 1): sampled runs here use temperatures like 0.03
+(likeliest token ~0.65) to stand for a trained model's draws.
 
-    python3 tools/bench_speculative_gpu.py [--shapes 135m,8b] [--streams 1,4] [--draft 4] [--tokens 256] [--json]
+    python3 tools/bench_speculative_gpu.py [--shapes 135m,8b] [--streams 1,4] [--draft 4] [--tokens 256]
+        [--temperature 0.03 --top-p 0.9] [--json]
 
 CUDA only. Prints a table; with --json, one JSON object as the last line.
 """
@@ -37,12 +42,16 @@ def repeating_prompts(vocab: int, streams: int, length: int, seed: int) -> list[
     return out
 
 
-def run(pair, prompts, tokens: int, speculate: bool) -> dict:
+def run(pair, prompts, tokens: int, speculate: bool, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
 
     sched, ex = pair
     before = dict(sched.counters)
-    r = drive(sched, ex, prompts, [greedy(tokens)] * len(prompts), speculate=speculate)
+    params = ([greedy(tokens)] * len(prompts) if temperature == 0 else
+              [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=tokens)
+               for i in range(len(prompts))])
+    r = drive(sched, ex, prompts, params, speculate=speculate)
     return {"tok_s": len(prompts) * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
             "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
             "spec_steps": r.steps_by_kind["SPECULATIVE"], "gpu_us": r.gpu_ns / 1e3, "host_us": r.host_ns / 1e3,
@@ -69,7 +78,7 @@ def bench_shape(shape: str, args, out: dict) -> list:
             best = {}
             for _ in range(args.repeats):
                 for name, pair, on in (("plain", plain, False), ("spec", spec, True)):
-                    r = run(pair, p, args.tokens, on)
+                    r = run(pair, p, args.tokens, on, args.temperature, args.top_p)
                     if r["tok_s"] > best.get(name, {"tok_s": 0})["tok_s"]:
                         best[name] = r
             same = sum(a == b for a, b in zip(best["spec"]["tokens"], best["plain"]["tokens"]))
@@ -97,10 +106,13 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy streams")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.streams = [int(s) for s in args.streams.split(",")]
-    out = {"device": torch.cuda.get_device_name(), "draft": args.draft, "prompt": args.prompt, "tokens": args.tokens}
+    out = {"device": torch.cuda.get_device_name(), "draft": args.draft, "prompt": args.prompt, "tokens": args.tokens,
+           "temperature": args.temperature, "top_p": args.top_p}
     print(f"{'shape':6} {'streams':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'steps':>12} "
           f"{'kept/fed':>10} same  {'GPU/host us a step, plain':>25} {'spec':>13}")
     for shape in args.shapes.split(","):

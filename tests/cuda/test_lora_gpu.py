@@ -462,8 +462,9 @@ def test_the_model_thread_swaps_adapters_through_the_slots(tiny_hf_llama, tmp_pa
 
 def _stream_with_one_other(rt, *, stream_lora, other_lora, total, in_flight):
     """``total`` greedy requests naming ``stream_lora``, ``in_flight`` at a time (a new one as each ends), and one
-    naming ``other_lora`` submitted once three of them have finished. Returns the order of finishes ("stream" /
-    "other") and {adapter: [tokens of each of its requests]}."""
+    naming ``other_lora`` submitted once three of them have finished. The stream's requests run 7, 12 and 17
+    tokens in turn, so they end at different steps and the adapter is never out of use between them. Returns the
+    order of finishes ("stream" / "other") and {adapter: [tokens of each of its requests]}."""
     import asyncio
 
     from flared.model.sampling import SamplingParams
@@ -471,8 +472,9 @@ def _stream_with_one_other(rt, *, stream_lora, other_lora, total, in_flight):
 
     prompt = tuple([5, 17, 40, 99, 7] * 4)
 
-    def request(lora):
-        return GenerateRequest(prompt, (), SamplingParams(max_tokens=12, temperature=0.0), frozenset(), lora=lora)
+    def request(lora, max_tokens):
+        return GenerateRequest(prompt, (), SamplingParams(max_tokens=max_tokens, temperature=0.0), frozenset(),
+                               lora=lora)
 
     async def go():
         loop = asyncio.get_running_loop()
@@ -485,7 +487,7 @@ def _stream_with_one_other(rt, *, stream_lora, other_lora, total, in_flight):
         def submit(kind, lora):
             key = len(kinds)
             kinds[key], events[key] = kind, []
-            rt.submit(request(lora), EventSink(loop, queue, key))
+            rt.submit(request(lora, 12 if kind == "other" else (7, 12, 17)[key % 3]), EventSink(loop, queue, key))
 
         for _ in range(in_flight):
             submit("stream", stream_lora)
