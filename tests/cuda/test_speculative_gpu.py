@@ -110,7 +110,8 @@ def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(h
     """Seeded sampled requests (temperature, top-k, top-p) feed drafts too: the graph draws row j of a request at
     its draw count plus j, a draft is kept where the draw equals it, and the tokens are plain decoding's, draw for
     draw. A min-p request (not the graph sampler's) rides along without drafts. (The tiny random model's logits
-    spread about 0.2: its temperatures are scaled to match a trained model's, or no draft would be drawn.)"""
+    spread about 0.2: its temperatures are scaled down to where its draws mostly follow the loops its argmax
+    makes, as a trained model's draws follow a passage it copies, or the lookup would find no draft.)"""
     import dataclasses
 
     from flared.execution.offline import drive
@@ -118,10 +119,10 @@ def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(h
 
     gpu = serving_model(hf)
     prompts = PROMPTS
-    params = [SamplingParams(temperature=0.02, seed=3, max_tokens=40),
-              SamplingParams(temperature=0.02, top_k=4, top_p=0.9, seed=8, max_tokens=40),
-              SamplingParams(temperature=0.03, seed=1, max_tokens=40),
-              SamplingParams(temperature=0.02, min_p=0.05, seed=2, max_tokens=40)]
+    params = [SamplingParams(temperature=0.003, seed=3, max_tokens=48),
+              SamplingParams(temperature=0.01, top_k=4, top_p=0.95, seed=8, max_tokens=48),
+              SamplingParams(temperature=0.006, seed=1, max_tokens=48),
+              SamplingParams(temperature=0.02, min_p=0.05, seed=2, max_tokens=48)]
 
     def run(ex, sched, params, speculate):
         ticks = iter(range(1, 10**9))
