@@ -50,6 +50,7 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
                                      pack_prefill, speculative_batch_sizes, speculative_rows)
+from flared.model.kernels import FULL, GREEDY, TEMPERATURE
 from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
@@ -303,7 +304,11 @@ class GraphExecutor:
         scratch = self.decoder.scratch_slot
         # each row's per-request LoRA adapter, where the graphs run adapters (else lora_ids is never read)
         adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
-        full_sampling = any(s is not None and s.params.temperature > 0 for s in states)
+        # The sampler the step's graph needs: greedy while no row draws; temperature alone (no sort) while no
+        # drawing row has a top-k or top-p; else the full one.
+        drawing = [s.params for s in states if s is not None and s.params.temperature > 0]
+        full_sampling = (GREEDY if not drawing else
+                         TEMPERATURE if all(p.top_k == 0 and p.top_p >= 1.0 for p in drawing) else FULL)
         if kind == "decode_spec":
             key = self.graphs.pick_speculative(n, full_sampling)
             cap = key[1]

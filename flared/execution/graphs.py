@@ -12,7 +12,7 @@ decoder as ``StaticInputs``, warms every shape eagerly (Triton compiles,
 cuBLAS picks kernels), then captures: prefill graphs for each (batch, token)
 capacity (one sequence per graph at every token capacity, and the
 multi-sequence shapes whose chunks are packed back to back) and decode
-graphs for each batch capacity (greedy and full sampling), largest first,
+graphs for each batch capacity (greedy, full and temperature-only sampling), largest first,
 all in one graph memory pool, on the model stream.
 ``launch(key, stream)`` replays through CuPy's ``cudaGraphLaunch``.
 
@@ -36,6 +36,7 @@ import numpy as np
 
 from flared._fast.scheduler import SPECULATIVE_MAX_TOKENS
 from flared.errors import ErrorKind, ExecutionError
+from flared.model.kernels import FULL, GREEDY, TEMPERATURE
 
 SPAN_ALIGN_BYTES = 256
 
@@ -189,8 +190,8 @@ class ExecutionManifest:
         LoRA adapter, so it takes the graph that adds the adapter terms (kind "decode_lora", the layered forward;
         a decoder with adapters captures it beside the others, which the steps without an adapter row keep)."""
         key = self.pick("decode", rows, full_sampling)
-        if adapters:
-            return graph_key("decode_lora", key[1], key[2], key[3])
+        if adapters:  # captured greedy and FULL only
+            return graph_key("decode_lora", key[1], key[2], FULL if key[3] else GREEDY)
         if key[1] <= mega_rows and longest_context <= mega_max_context:
             return graph_key("decode_mega", key[1], key[2], key[3])
         return key
@@ -419,9 +420,10 @@ def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) ->
     return start.elapsed_time(end) * 1e3 / (replays * calls_per_graph)
 
 
-def graph_key(kind: str, batch: int, tokens: int, full_sampling: bool = True) -> tuple[str, int, int, bool]:
-    """(kind, batch capacity, token capacity, full sampling); a decode graph has tokens == batch, a prefill
-    graph always samples fully."""
+def graph_key(kind: str, batch: int, tokens: int, full_sampling: int = True) -> tuple[str, int, int, bool]:
+    """(kind, batch capacity, token capacity, sampler); a decode graph has tokens == batch, a prefill graph always
+    samples fully. The sampler is kernels.sampling's GREEDY (0/False), FULL (1/True: temperature, top-k and
+    top-p) or TEMPERATURE (2: temperature alone, no sort; plain and megakernel decode graphs)."""
     return (kind, batch, tokens, full_sampling)
 
 
@@ -537,11 +539,11 @@ class GraphSet:
         m = self.manifest
         keys = [graph_key("prefill", b, t) for b, t in m.prefill_shapes]
         for b in m.decode_batch_sizes:
-            keys += [graph_key("decode", b, b, False), graph_key("decode", b, b, True)]
-            # Batches the decode megakernel serves (after calibrate) get a second pair of graphs; the executor
+            keys += [graph_key("decode", b, b, v) for v in (GREEDY, FULL, TEMPERATURE)]
+            # Batches the decode megakernel serves (after calibrate) get a second set of graphs; the executor
             # takes them while the step's longest context is short enough (see pick_decode).
             if b <= self.decoder.mega_max_rows:
-                keys += [graph_key("decode_mega", b, b, False), graph_key("decode_mega", b, b, True)]
+                keys += [graph_key("decode_mega", b, b, v) for v in (GREEDY, FULL, TEMPERATURE)]
             # With per-request LoRA adapters, a third pair adds their terms (the layered forward); steps with no
             # adapter row keep the graphs above, the fastest paths (pick_decode).
             if self.decoder.lora is not None:
@@ -608,11 +610,12 @@ class GraphSet:
         """The key of the smallest captured graph that holds the step (ExecutionManifest.pick)."""
         return self.manifest.pick(kind, size, full_sampling, batch=batch)
 
-    def pick_speculative(self, rows: int, full_sampling: bool) -> tuple[str, int, int, bool]:
-        """The smallest speculative decode graph that holds ``rows`` rows (a row per fed token)."""
+    def pick_speculative(self, rows: int, full_sampling: int) -> tuple[str, int, int, bool]:
+        """The smallest speculative decode graph that holds ``rows`` rows (a row per fed token; captured greedy and
+        FULL only)."""
         for cap in self.spec_batch_sizes:
             if cap >= rows:
-                return graph_key("decode_spec", cap, cap, full_sampling)
+                return graph_key("decode_spec", cap, cap, FULL if full_sampling else GREEDY)
         raise ExecutionError(f"no speculative graph holds {rows} rows (captured: {self.spec_batch_sizes})",
                              ErrorKind.MODEL_CAPACITY)
 

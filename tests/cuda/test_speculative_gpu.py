@@ -142,9 +142,10 @@ def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(h
         got = run(ex, sched, params, True)
     finally:
         ex.close()
+    # (how many drafts are fed follows the scheduler's pricing over measured GPU times, so whether one is
+    # rejected varies from run to run: the CPU's case holds that)
     assert got.tokens == plain.tokens
     assert sched.counters["speculative_accepted"] > 0
-    assert sched.counters["speculative_drafted"] > sched.counters["speculative_accepted"]
     assert greedy.tokens != plain.tokens
 
 

@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from flared.model.kernels import decode_attention, fused, megakernel, products64, skinny
-from flared.model.kernels.sampling import sample_full, sample_greedy
+from flared.model.kernels import FULL, TEMPERATURE
+from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
 from flared.model.kv_cache import FP8_KV, to_storage
 from flared.model.triton_attention import (decode_splits, paged_decode_attention,
                                            paged_decode_attention_rope, paged_decode_attention_split,
@@ -394,9 +395,11 @@ class PagedCudaDecoder:
 
     # -- forwards (capturable) ---------------------------------------------------------------------
 
-    def decode(self, batch: int, full_sampling: bool, mega: bool | None = None, adapters: bool = False,
+    def decode(self, batch: int, full_sampling: int, mega: bool | None = None, adapters: bool = False,
                speculative: bool = False) -> None:
-        """``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows`` allows (None).
+        """``full_sampling``: the sampler (kernels.sampling's graph variants): GREEDY (0/False), FULL (1/True) or
+        TEMPERATURE (2). ``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows``
+        allows (None).
         ``adapters``: add the per-request LoRA adapters' terms of the rows that name one (``lora_ids``), through the
         layered forward on cuBLAS (no megakernel, skinny kernels or products64); False: the rows run the base
         weights whatever their ids. ``speculative``: rows of one sequence at consecutive positions may share the
@@ -420,7 +423,7 @@ class PagedCudaDecoder:
             head = (self.logits, self.state_logits, rows, self.sampled, self.last_token, not full_sampling)
             self._layers_mega(batch, tokens, rows, positions, slots, block_tables, context_lens, head)
             if full_sampling:
-                self._sample(self.logits[:batch], batch, True, rows, s)
+                self._sample(self.logits[:batch], batch, full_sampling, rows, s)
             return
         if mega:
             x = self._layers_mega(batch, tokens, rows, positions, slots, block_tables, context_lens)
@@ -642,7 +645,7 @@ class PagedCudaDecoder:
             fused.add_rms_norm(down, h, after, x, eps)
         return x
 
-    def _finish(self, h: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor, s: StaticInputs) -> None:
+    def _finish(self, h: torch.Tensor, batch: int, full_sampling: int, rows: torch.Tensor, s: StaticInputs) -> None:
         logits = F.linear(h, self.model.lm_head)  # [batch, V]; h is already final-normed
         if not self.head_fused:
             logits = logits.float()
@@ -651,16 +654,19 @@ class PagedCudaDecoder:
             self._sample(logits, batch, full_sampling, rows, s)
         elif full_sampling:
             fused.head_epilogue(logits, self.logits, self.state_logits, rows)
-            self._sample(self.logits[:batch], batch, True, rows, s)
+            self._sample(self.logits[:batch], batch, full_sampling, rows, s)
         else:
             fused.head_epilogue(logits, self.logits, self.state_logits, rows, self.head_partials, self.sampled,
                                 self.last_token)
 
-    def _sample(self, logits: torch.Tensor, batch: int, full_sampling: bool, rows: torch.Tensor,
+    def _sample(self, logits: torch.Tensor, batch: int, full_sampling: int, rows: torch.Tensor,
                 s: StaticInputs) -> None:
         """The step's tokens from its logits [batch, V] (sampling inputs from ``s``) into ``sampled`` and the state
-        rows' ``last_token``."""
-        if full_sampling:
+        rows' ``last_token``. ``full_sampling``: the graph variant (kernels.sampling): GREEDY (0/False), FULL
+        (1/True: temperature, top-k, top-p) or TEMPERATURE (2: temperature alone, no sort)."""
+        if full_sampling == TEMPERATURE:
+            tokens = sample_race(logits, s.temperature[:batch], s.seeds[:batch], s.steps[:batch])
+        elif full_sampling == FULL:
             tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
                                  s.steps[:batch])
         else:

@@ -1,0 +1,125 @@
+"""The decode graphs' samplers (flared/model/kernels/sampling.py): the race over the whole vocabulary with no sort
+(the TEMPERATURE graphs), and the full sampler's top-k/top-p masks over the same race, so a row draws the same
+token in either; and the executor picking the TEMPERATURE graphs for steps whose drawing rows have no top-k or
+top-p."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _reference_race(logits, temperature, seeds, steps):
+    """The race in float64 on the host: argmax over x / T - log(-log u), u from uniform_noise's hash."""
+    from flared.model.kernels.sampling import uniform_noise
+
+    ids = torch.arange(logits.shape[1], device=logits.device)[None, :].expand_as(logits)
+    u = uniform_noise(seeds[:, None], steps[:, None], ids).double()
+    score = logits.double() / temperature.double()[:, None] - torch.log(-torch.log(u))
+    return torch.where(temperature == 0, logits.argmax(dim=-1), score.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("batch, vocab", [(1, 49152), (5, 1000), (64, 128256)])
+def test_the_race_draws_the_reference_s_token(batch, vocab):
+    """Each row's token is the float64 race's (ties between scores are improbable at these sizes), greedy rows'
+    the argmax; rows spread over several programs agree with one."""
+    from flared.model.kernels.sampling import sample_race
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    logits = torch.randn(batch, vocab, device="cuda", generator=g) * 4
+    temperature = torch.tensor([0.0 if i % 4 == 3 else 0.3 + 0.2 * i for i in range(batch)], device="cuda")
+    seeds = torch.arange(batch, device="cuda", dtype=torch.int64) * 7919 + (1 << 40)
+    steps = torch.arange(batch, device="cuda", dtype=torch.int64) * 3
+    got = sample_race(logits, temperature, seeds, steps)
+    assert torch.equal(got, _reference_race(logits, temperature, seeds, steps))
+
+
+def test_the_race_follows_the_distribution():
+    """Over 4,000 steps of one row the draws' frequencies match softmax(x / T) (within 4 standard errors); a
+    masked (-inf) token is never drawn."""
+    from flared.model.kernels.sampling import sample_race
+
+    n = 4000
+    x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")], device="cuda")
+    t = 0.8
+    draws = sample_race(x.expand(n, -1).contiguous(), torch.full((n,), t, device="cuda"),
+                        torch.full((n,), 12345, dtype=torch.int64, device="cuda"),
+                        torch.arange(n, dtype=torch.int64, device="cuda"))
+    counts = torch.bincount(draws, minlength=6).double().cpu() / n
+    p = torch.softmax(x / t, dim=0).double().cpu()
+    assert counts[5] == 0
+    for i in range(5):
+        assert abs(counts[i] - p[i]) < 4 * math.sqrt(p[i] * (1 - p[i]) / n), (i, counts, p)
+
+
+def test_the_full_sampler_keeps_its_masks_and_draws_as_the_race():
+    """sample_full: a row with top-k draws among its k likeliest, a row with top-p among its nucleus; a row with
+    neither draws what sample_race draws for it (the TEMPERATURE graphs), so its tokens do not depend on the graph
+    its step took."""
+    from flared.model.kernels.sampling import sample_full, sample_race
+
+    n, vocab = 256, 4096
+    g = torch.Generator(device="cuda").manual_seed(3)
+    row = torch.randn(vocab, device="cuda", generator=g) * 3
+    logits = row.expand(n, -1).contiguous()
+    seeds = torch.full((n,), 99, dtype=torch.int64, device="cuda")
+    steps = torch.arange(n, dtype=torch.int64, device="cuda")
+    temperature = torch.full((n,), 1.0, device="cuda")
+    top_k = torch.tensor([5 if i % 3 == 0 else 0 for i in range(n)], dtype=torch.int32, device="cuda")
+    top_p = torch.tensor([0.5 if i % 3 == 1 else 1.0 for i in range(n)], device="cuda")
+    got = sample_full(logits, temperature, top_k, top_p, seeds, steps).cpu()
+    order = row.argsort(descending=True).cpu()
+    probs = torch.softmax(row.double(), dim=0).cpu()
+    nucleus = set(order[:int((probs[order].cumsum(0) - probs[order] < 0.5).sum())].tolist())
+    top5 = set(order[:5].tolist())
+    race = sample_race(logits, temperature, seeds, steps).cpu()
+    for i in range(n):
+        if i % 3 == 0:
+            assert int(got[i]) in top5
+        elif i % 3 == 1:
+            assert int(got[i]) in nucleus
+        else:
+            assert got[i] == race[i]
+    assert len({int(got[i]) for i in range(2, n, 3)}) > 10  # the plain rows draw widely
+
+
+def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
+    """A temperature-only request's steps take the TEMPERATURE graphs, one with a top-p the FULL graphs, a greedy
+    one the GREEDY graphs; the temperature-only request draws the same tokens alone and beside the top-p one (its
+    steps then take the FULL graphs)."""
+    from gpu_models import make_executor, make_scheduler, serving_model
+
+    from flared.execution.offline import drive
+    from flared.model.kernels import FULL, GREEDY, TEMPERATURE
+    from flared.model.sampling import SamplingParams
+
+    ex = make_executor(serving_model(hf))
+    picked = []
+    real = ex.graphs.pick_decode
+
+    def record(*args, **kwargs):
+        key = real(*args, **kwargs)
+        picked.append(key[3])
+        return key
+
+    monkeypatch.setattr(ex.graphs, "pick_decode", record)
+    plain = SamplingParams(temperature=0.02, seed=5, max_tokens=24)
+    nucleus = SamplingParams(temperature=0.02, top_p=0.9, seed=6, max_tokens=24)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    try:
+        alone = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts[:1], [plain])
+        assert set(picked) == {TEMPERATURE}
+        picked.clear()
+        both = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, [plain, nucleus])
+        assert FULL in picked
+        picked.clear()
+        drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts[1:], [greedy])
+        assert set(picked) == {GREEDY}
+    finally:
+        ex.close()
+    assert both.tokens[0] == alone.tokens[0]
