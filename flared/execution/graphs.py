@@ -422,7 +422,7 @@ def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) ->
 
 def graph_key(kind: str, batch: int, tokens: int, full_sampling: int = True) -> tuple[str, int, int, bool]:
     """(kind, batch capacity, token capacity, sampler); a decode graph has tokens == batch, a prefill graph always
-    samples fully. The sampler is kernels.sampling's GREEDY (0/False), FULL (1/True: temperature, top-k and
+    samples fully. The sampler is flared.model.kernels' GREEDY (0/False), FULL (1/True: temperature, top-k and
     top-p) or TEMPERATURE (2: temperature alone, no sort; plain and megakernel decode graphs)."""
     return (kind, batch, tokens, full_sampling)
 

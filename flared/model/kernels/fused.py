@@ -132,6 +132,33 @@ HEAD_PROGRAMS = 264  # programs the head epilogue aims for (two per H200 multipr
 
 
 @triton.jit
+def lanes_take(y, cols, lane_v, lane_i):
+    """Lanes' running maxima and their first indices after one more block (strict >: an earlier block keeps a
+    tie)."""
+    take = y > lane_v
+    return tl.where(take, y, lane_v), tl.where(take, cols, lane_i)
+
+
+@triton.jit
+def lanes_first_max(lane_v, lane_i, start):
+    """The lanes' largest value and the first index holding it (``start`` where every lane is -inf)."""
+    m = tl.max(lane_v, 0)
+    first = tl.min(tl.where(lane_v == m, lane_i, 2147483647), 0)
+    return m, tl.where(m == float("-inf"), start, first)
+
+
+@triton.jit
+def parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS: tl.constexpr):
+    """A row's index from its parts' maxima: the one the first part with the largest value holds (int64)."""
+    p = tl.arange(0, PARTS)
+    mask = p < n_chunks
+    v = tl.load(PartVal + row * n_chunks + p, mask=mask, other=float("-inf"))
+    m = tl.max(v, 0)
+    j = tl.min(tl.where(mask & (v == m), p, PARTS), 0)
+    return tl.load(PartIdx + row * n_chunks + j).to(tl.int64)
+
+
+@triton.jit
 def _head_widen_kernel(Logits, Out, StateOut, Rows, PartVal, PartIdx, vocab, chunk, n_chunks, stride_in,
                        stride_out, stride_state, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -150,13 +177,9 @@ def _head_widen_kernel(Logits, Out, StateOut, Rows, PartVal, PartIdx, vocab, chu
         tl.store(StateOut + srow * stride_state + cols, x, mask=mask)
         if GREEDY:
             y = tl.where(x == x, x, float("inf"))  # NaN counts as the largest, as torch.argmax has it
-            take = y > lane_v
-            lane_i = tl.where(take, cols, lane_i)
-            lane_v = tl.where(take, y, lane_v)
+            lane_v, lane_i = lanes_take(y, cols, lane_v, lane_i)
     if GREEDY:
-        m = tl.max(lane_v, 0)
-        first = tl.min(tl.where(lane_v == m, lane_i, 2147483647), 0)  # the first index holding the maximum
-        first = tl.where(m == float("-inf"), start, first)
+        m, first = lanes_first_max(lane_v, lane_i, start)
         tl.store(PartVal + row * n_chunks + part, m)
         tl.store(PartIdx + row * n_chunks + part, first)
 
@@ -164,12 +187,7 @@ def _head_widen_kernel(Logits, Out, StateOut, Rows, PartVal, PartIdx, vocab, chu
 @triton.jit
 def _head_argmax_kernel(PartVal, PartIdx, Rows, Sampled, LastToken, n_chunks, PARTS: tl.constexpr):
     row = tl.program_id(0)
-    p = tl.arange(0, PARTS)
-    mask = p < n_chunks
-    v = tl.load(PartVal + row * n_chunks + p, mask=mask, other=float("-inf"))
-    m = tl.max(v, 0)
-    j = tl.min(tl.where(mask & (v == m), p, PARTS), 0)  # the first part holding the maximum
-    token = tl.load(PartIdx + row * n_chunks + j).to(tl.int64)
+    token = parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS)
     tl.store(Sampled + row, token)
     tl.store(LastToken + tl.load(Rows + row), token)
 

@@ -50,8 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.kernels import decode_attention, fused, megakernel, products64, skinny
-from flared.model.kernels import FULL, TEMPERATURE
+from flared.model.kernels import FULL, TEMPERATURE, decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
 from flared.model.kv_cache import FP8_KV, to_storage
 from flared.model.triton_attention import (decode_splits, paged_decode_attention,
@@ -397,8 +396,8 @@ class PagedCudaDecoder:
 
     def decode(self, batch: int, full_sampling: int, mega: bool | None = None, adapters: bool = False,
                speculative: bool = False) -> None:
-        """``full_sampling``: the sampler (kernels.sampling's graph variants): GREEDY (0/False), FULL (1/True) or
-        TEMPERATURE (2). ``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows``
+        """``full_sampling``: the sampler (flared.model.kernels' graph variants): GREEDY (0/False), FULL (1/True)
+        or TEMPERATURE (2). ``mega``: run the layers as the megakernel (True), not (False), or where ``mega_max_rows``
         allows (None).
         ``adapters``: add the per-request LoRA adapters' terms of the rows that name one (``lora_ids``), through the
         layered forward on cuBLAS (no megakernel, skinny kernels or products64); False: the rows run the base
@@ -662,7 +661,7 @@ class PagedCudaDecoder:
     def _sample(self, logits: torch.Tensor, batch: int, full_sampling: int, rows: torch.Tensor,
                 s: StaticInputs) -> None:
         """The step's tokens from its logits [batch, V] (sampling inputs from ``s``) into ``sampled`` and the state
-        rows' ``last_token``. ``full_sampling``: the graph variant (kernels.sampling): GREEDY (0/False), FULL
+        rows' ``last_token``. ``full_sampling``: the graph variant (flared.model.kernels): GREEDY (0/False), FULL
         (1/True: temperature, top-k, top-p) or TEMPERATURE (2: temperature alone, no sort)."""
         if full_sampling == TEMPERATURE:
             tokens = sample_race(logits, s.temperature[:batch], s.seeds[:batch], s.steps[:batch])

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flared.model.kernels.fused import lanes_first_max, lanes_take, parts_first_max
+
 _M31 = 0x7FFFFFFF
 RACE_BLOCK = 2048  # logits per program iteration of the race
 RACE_PROGRAMS = 264  # programs the race aims for (two per H200 multiprocessor)
@@ -94,12 +96,8 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, voca
         else:
             y = x
         y = tl.where(x == x, y, float("inf"))
-        take = y > lane_v
-        lane_i = tl.where(take, cols, lane_i)
-        lane_v = tl.where(take, y, lane_v)
-    m = tl.max(lane_v, 0)
-    first = tl.min(tl.where(lane_v == m, lane_i, 2147483647), 0)
-    first = tl.where(m == float("-inf"), start, first)
+        lane_v, lane_i = lanes_take(y, cols, lane_v, lane_i)
+    m, first = lanes_first_max(lane_v, lane_i, start)
     tl.store(PartVal + row * n_chunks + part, m)
     tl.store(PartIdx + row * n_chunks + part, first)
 
@@ -107,12 +105,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, voca
 @triton.jit
 def _race_pick_kernel(PartVal, PartIdx, Out, n_chunks, PARTS: tl.constexpr):
     row = tl.program_id(0)
-    p = tl.arange(0, PARTS)
-    mask = p < n_chunks
-    v = tl.load(PartVal + row * n_chunks + p, mask=mask, other=float("-inf"))
-    m = tl.max(v, 0)
-    j = tl.min(tl.where(mask & (v == m), p, PARTS), 0)  # the first part holding the maximum
-    tl.store(Out + row, tl.load(PartIdx + row * n_chunks + j).to(tl.int64))
+    tl.store(Out + row, parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS))
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
