@@ -85,13 +85,15 @@ class EagerExecutor:
             score_from: list[int | None] | None = None):
         """Execute ``plan``. ``block_tables[i]`` / ``states[i]`` / ``score_from[i]``:
         participant i's whole block table, sampler state and first scored position.
-        Returns (records, duration_ns, logprobs, scores)."""
+        Returns (records, duration_ns, logprobs, scores); ``logprobs[i]``: participant i's TokenLogprob, None, or
+        (a speculative step's participant with drafts) a tuple of them, one a token it emits: its kept drafts',
+        then its own."""
         started = time.perf_counter_ns()
         n = plan.num_participants
         kind = plan.kind
         sampled = np.full(n, -1, dtype=np.int64)
         snapshot_ns = 0
-        logprobs: list[TokenLogprob | None] = [None] * n
+        logprobs: list[TokenLogprob | tuple[TokenLogprob, ...] | None] = [None] * n
         rows = np.asarray(plan.state_rows, dtype=np.int64)
         scores: list[list[float] | None] = [None] * n
         if kind in (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.SCORED_PREFILL):
@@ -176,7 +178,11 @@ class EagerExecutor:
         bounds = np.cumsum([0] + [t.shape[0] for t in fed])
         self._group_lora_rows(batch, states, bounds)
         logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]
-        drawn = self._draw_fed(logits, states, bounds).tolist()  # SYNC: the step's one read-back
+        drawn_rows, out, at, owners = self._draw_fed(logits, states, bounds)
+        drawn = drawn_rows.tolist()  # SYNC: the step's one read-back
+        row_logprobs = {}  # the rows of requests that ask for log-probabilities
+        if out is not None and out.chosen_logprobs is not None:
+            row_logprobs = self._token_logprobs(out, drawn, at, [states[i] for i in owners])
         kept: list[tuple[int, ...]] = []
         last_rows = []
         plain = []
@@ -196,6 +202,8 @@ class EagerExecutor:
             self.state_last_token[rows[i]] = token
             if states[i] is not None:
                 self.sampler.advance(states[i], drafts[:a].tolist() + [token])
+                if states[i].params.logprobs is not None:  # one a token: the kept drafts', then its own
+                    logprobs[i] = tuple(row_logprobs[r] for r in range(lo, lo + a + 1))
         last = logits.index_select(0, torch.as_tensor(last_rows, dtype=torch.int64, device=logits.device))
         self.state_logits.index_copy_(0, torch.as_tensor(rows), last.float())
         if plain:
@@ -212,22 +220,41 @@ class EagerExecutor:
         through the sampler (SamplingParams.position_only)."""
         return params.position_only
 
-    def _draw_fed(self, logits, states, bounds) -> torch.Tensor:
+    def _draw_fed(self, logits, states, bounds):
         """The token drawn at every fed row of a speculative step [rows]: the argmax for a greedy request's rows
         (SamplingParams.argmax_only), else the sampler's draw with the row's own draw count (Sampler.at_position:
         row j of a request draws as its state will j tokens on). A lone row's entry is unused (it samples as a
-        decode row does)."""
+        decode row does). Returns (tokens, the sampler's SampleOutput or None, the rows it drew, their
+        participants)."""
         drawn = logits.argmax(dim=-1)
-        rows, row_states = [], []
+        rows, owners, row_states = [], [], []
         for i, s in enumerate(states):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             if hi - lo > 1 and s is not None and not s.params.argmax_only:
                 rows.extend(range(lo, hi))
+                owners.extend([i] * (hi - lo))
                 row_states.extend(self.sampler.at_position(s, j) for j in range(hi - lo))
-        if rows:
-            at = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
-            drawn.index_copy_(0, at, self.sampler.sample(logits.index_select(0, at).float(), row_states).token_ids)
-        return drawn
+        if not rows:
+            return drawn, None, rows, owners
+        at = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
+        out = self.sampler.sample(logits.index_select(0, at).float(), row_states)
+        drawn.index_copy_(0, at, out.token_ids)
+        return drawn, out, rows, owners
+
+    @staticmethod
+    def _token_logprobs(out, tokens, rows, states) -> dict:
+        """{rows[k]: TokenLogprob of tokens[rows[k]]} from a SampleOutput's k-th row, for the rows whose state asks
+        for log-probabilities (states[k]; the top ``logprobs`` alternatives)."""
+        chosen = out.chosen_logprobs.tolist()
+        top_v = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_i = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        got = {}
+        for k, (r, s) in enumerate(zip(rows, states)):
+            if s is not None and s.params.logprobs is not None:
+                top_n = s.params.logprobs
+                top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
+                got[r] = TokenLogprob(tokens[r], chosen[k], top)
+        return got
 
     def _forward_scoring(self, batch, chunks, plan, rows, scoring, scores) -> torch.Tensor:
         """Forward with logits at every position of the scoring participants' chunks;
@@ -264,19 +291,12 @@ class EagerExecutor:
             raise ExecutionError("a sampling participant has no sampler state")
         out = self.sampler.sample(logits, row_states)
         tokens = out.token_ids.tolist()  # SYNC: the step's one read-back
-        want = [i for i, s in zip(sample_idx, row_states) if s.params.logprobs is not None]
-        if want and out.chosen_logprobs is not None:
-            chosen = out.chosen_logprobs.tolist()
-            top_v = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_i = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        if out.chosen_logprobs is not None:
+            for k, lp in self._token_logprobs(out, tokens, range(len(sample_idx)), row_states).items():
+                logprobs[sample_idx[k]] = lp
         for k, i in enumerate(sample_idx):
             sampled[i] = tokens[k]
             self.state_last_token[rows[i]] = tokens[k]
-            s = row_states[k]
-            if s.params.logprobs is not None and out.chosen_logprobs is not None:
-                top_n = s.params.logprobs
-                top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
-                logprobs[i] = TokenLogprob(tokens[k], chosen[k], top)
 
     def _copy(self, copies, *, to_snapshot: bool) -> None:
         """Snapshot/restore rows (snapshot_id, state_row, page_id or -1, tokens in the page).

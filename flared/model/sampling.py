@@ -256,12 +256,12 @@ class SamplingParams:
     def position_only(self) -> bool:
         """Each token depends only on its own position: that position's logits, the seed and the count of tokens
         drawn before it, nothing the earlier tokens leave behind (penalties, bad words, DRY, a thinking budget,
-        mirostat's or adaptive-p's running state) and no log-probabilities to report. Speculative decoding may
-        verify such a request's draft by drawing at the position before it, with that position's count, and keep
-        the draft where the draw equals it: the tokens are plain decoding's, draw for draw (with a draft proposed
-        as certain, drawing and comparing is the rejection step of speculative sampling)."""
+        mirostat's or adaptive-p's running state). Speculative decoding may verify such a request's draft by
+        drawing at the position before it, with that position's count, and keep the draft where the draw equals
+        it: the tokens (and their log-probabilities) are plain decoding's, draw for draw (with a draft proposed as
+        certain, drawing and comparing is the rejection step of speculative sampling)."""
         return (not self.uses_penalties and not self.bad_words and self.thinking_budget is None
-                and not self.uses_dry and self.logprobs is None and self.mirostat == 0
+                and not self.uses_dry and self.mirostat == 0
                 and not ("adaptive_p" in self.sampler_order and self.adaptive_target >= 0))
 
     @property
@@ -269,7 +269,7 @@ class SamplingParams:
         """A decode graph's own sampler draws every token of this request (temperature, top-k and top-p, the
         temperature first, on logits nothing shapes), whatever its state: SequenceSamplingState.graph_samples
         holds at every position."""
-        return (self.position_only and not self.logit_bias and self.allowed_token_ids is None
+        return (self.position_only and self.logprobs is None and not self.logit_bias and self.allowed_token_ids is None
                 and self.min_tokens == 0 and self.min_p == 0 and self.typical_p == 1.0 and self.xtc_probability == 0
                 and self.top_n_sigma <= 0 and self.dynatemp_range == 0
                 and (not self.sampler_order or (self.top_p == 1.0 and self.sampler_order == LLAMA_CPP_ORDER)))
@@ -685,8 +685,8 @@ class Sampler:
     def advance(self, state: SequenceSamplingState, token_ids: list[int]) -> None:
         """``state`` as ``sample`` leaves it after drawing ``token_ids`` one by one, for a row whose tokens were
         drawn outside it (its argmax, or ``sample`` on ``at_position`` copies) and whose params are position-only
-        (SamplingParams.position_only: no penalty tables, thinking budget, grammar or log-probabilities to
-        update): its history and its draw counter."""
+        (SamplingParams.position_only: no penalty tables, thinking budget or grammar to update): its history and
+        its draw counter."""
         if not state.params.position_only or state.grammar is not None:
             raise ValueError("advance() serves position-only rows; sample() keeps every other row's state")
         for token in token_ids:

@@ -902,6 +902,7 @@ class ModelRuntime:
                              len(handles), int(duration_ns), handles,
                              estimate_ns=int(plan.estimated_duration_ns))
         index = {h: i for i, h in enumerate(handles)}
+        spoken: dict[int, int] = {}  # a speculative participant's tokens emitted so far this step
         # Handles this completion already released (a last token at max_tokens): nothing left to finish.
         released = {int(h) for h in result.retired}
         for h, chunk_scores in zip(handles, scores):
@@ -935,6 +936,10 @@ class ModelRuntime:
                 live.last_output_ns = done_ns
                 live.num_bursts += 1
             lp = logprobs[index[handle]]
+            if isinstance(lp, tuple):  # a speculative step's: one a token, the kept drafts' then its own
+                k = spoken.get(handle, 0)
+                spoken[handle] = k + 1
+                lp = lp[k] if k < len(lp) else None
             live.sink.put(TokenEvent((token,), (lp,) if lp is not None else None))
             if token in live.request.stop_token_ids:
                 self._end(live, "stop")

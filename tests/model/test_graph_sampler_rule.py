@@ -37,7 +37,7 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     (SamplingParams(temperature=0.8, bad_words=((4, 5),)), False, False),
     (SamplingParams(temperature=0.8, mirostat=2), False, False),
     (SamplingParams(temperature=0.8, dry_multiplier=0.8), False, False),
-    (SamplingParams(temperature=0.8, logprobs=2), False, False),
+    (SamplingParams(temperature=0.8, logprobs=2), True, False),
 ])
 def test_which_requests_speculative_steps_can_verify(params, position_only, graph_drawable):
     """position_only: every draw is a function of its position's logits, the seed and the draw count, so a

@@ -364,7 +364,8 @@ def test_sampled_requests_speculate_and_draw_what_plain_decoding_draws(tiny_hf_l
 
 def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
     """ModelRuntime(speculative=...): greedy and seeded sampled requests get the same tokens and stop strings/EOS
-    as without; a request with logprobs is never speculated (its logprobs come with every token)."""
+    as without; requests with logprobs speculate too, and every token, kept draft or not, comes with the
+    log-probabilities plain decoding gives it."""
     from flared.core.load import open_core
     from flared.model.sampling import SamplingParams
     from flared.runtime.request import FinishEvent, GenerateRequest, TokenEvent
@@ -373,9 +374,11 @@ def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
 
     prompt = tuple([40, 41, 42, 43, 44] * 10)
     requests = [GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0), frozenset({2})),
-                GenerateRequest(prompt[:23], (), SamplingParams(max_tokens=16, temperature=0.0, logprobs=2),
+                GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0, logprobs=2),
                                 frozenset({2})),
                 GenerateRequest(prompt[3:], (), SamplingParams(max_tokens=32, temperature=0.02, top_k=8, seed=9),
+                                frozenset({2})),
+                GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.01, seed=4, logprobs=3),
                                 frozenset({2}))]
 
     def serve(speculative):
@@ -393,7 +396,13 @@ def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
         assert [t for e in a if isinstance(e, TokenEvent) for t in e.token_ids] == \
             [t for e in b if isinstance(e, TokenEvent) for t in e.token_ids]
         assert isinstance(b[-1], FinishEvent) and b[-1].reason == a[-1].reason
-    assert all(e.logprobs is not None for e in fast[1] if isinstance(e, TokenEvent))
+    for i in (1, 3):
+        got = [lp for e in fast[i] if isinstance(e, TokenEvent) for lp in e.logprobs]
+        want = [lp for e in plain[i] if isinstance(e, TokenEvent) for lp in e.logprobs]
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert g.token_id == w.token_id and [t for t, _ in g.top] == [t for t, _ in w.top]
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
     assert counters["launches_speculative"] > 0 and counters["speculative_accepted"] > 0
 
 
