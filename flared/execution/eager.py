@@ -178,7 +178,7 @@ class EagerExecutor:
         bounds = np.cumsum([0] + [t.shape[0] for t in fed])
         self._group_lora_rows(batch, states, bounds)
         logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]
-        drawn_rows, out, at, owners = self._draw_fed(logits, states, bounds)
+        drawn_rows, out, at, owners = self._draw_fed(logits, states, bounds, fed)
         drawn = drawn_rows.tolist()  # SYNC: the step's one read-back
         row_logprobs = {}  # the rows of requests that ask for log-probabilities
         if out is not None and out.chosen_logprobs is not None:
@@ -217,15 +217,15 @@ class EagerExecutor:
 
     def speculates(self, params) -> bool:
         """Whether a request with these sampling params may feed drafts: _speculate draws at every fed position
-        through the sampler (SamplingParams.position_only)."""
-        return params.position_only
+        through the sampler, its penalties counting the drafts before it (SamplingParams.counts_only)."""
+        return params.counts_only
 
-    def _draw_fed(self, logits, states, bounds):
+    def _draw_fed(self, logits, states, bounds, fed):
         """The token drawn at every fed row of a speculative step [rows]: the argmax for a greedy request's rows
-        (SamplingParams.argmax_only), else the sampler's draw with the row's own draw count (Sampler.at_position:
-        row j of a request draws as its state will j tokens on). A lone row's entry is unused (it samples as a
-        decode row does). Returns (tokens, the sampler's SampleOutput or None, the rows it drew, their
-        participants)."""
+        (SamplingParams.argmax_only), else the sampler's draw at the row's own position (Sampler.at_position: row
+        j of a request draws as its state will once the j drafts before the row are drawn, its draw count and
+        penalty counts moved on by them). A lone row's entry is unused (it samples as a decode row does). Returns
+        (tokens, the sampler's SampleOutput or None, the rows it drew, their participants)."""
         drawn = logits.argmax(dim=-1)
         rows, owners, row_states = [], [], []
         for i, s in enumerate(states):
@@ -233,7 +233,7 @@ class EagerExecutor:
             if hi - lo > 1 and s is not None and not s.params.argmax_only:
                 rows.extend(range(lo, hi))
                 owners.extend([i] * (hi - lo))
-                row_states.extend(self.sampler.at_position(s, j) for j in range(hi - lo))
+                row_states.extend(self.sampler.at_position(s, fed[i][1:1 + j]) for j in range(hi - lo))
         if not rows:
             return drawn, None, rows, owners
         at = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)

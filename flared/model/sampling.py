@@ -260,8 +260,14 @@ class SamplingParams:
         drawing at the position before it, with that position's count, and keep the draft where the draw equals
         it: the tokens (and their log-probabilities) are plain decoding's, draw for draw (with a draft proposed as
         certain, drawing and comparing is the rejection step of speculative sampling)."""
-        return (not self.uses_penalties and not self.bad_words and self.thinking_budget is None
-                and not self.uses_dry and self.mirostat == 0
+        return self.counts_only and not self.uses_penalties
+
+    @property
+    def counts_only(self) -> bool:
+        """As position_only, but repetition, frequency and presence penalties (windowed or not) are allowed: the
+        earlier tokens shape a draw only through the penalty tables, which a draw ahead of the state can count
+        with the tokens in between (Sampler.at_position)."""
+        return (not self.bad_words and self.thinking_budget is None and not self.uses_dry and self.mirostat == 0
                 and not ("adaptive_p" in self.sampler_order and self.adaptive_target >= 0))
 
     @property
@@ -303,6 +309,9 @@ class SequenceSamplingState:
     # The request's per-request LoRA adapter (DecoderModel.lora_modules index + 1; 0: the base weights), which
     # the eager executor groups the forward's rows by (not a sampling setting, but this is the row's state).
     lora: int = 0
+    # Sampler.at_position's copies: the tokens between the state's tables and the copy's row (a speculative step's
+    # drafts before it), which its penalties count; a copy's draw changes no table or history (None: a state)
+    ahead: tuple[int, ...] | None = None
 
     @property
     def shapes_logits(self) -> bool:
@@ -628,7 +637,6 @@ class Sampler:
         biased = self.apply_bias_and_penalties(logits, states)
         raw_logits, logits = logits, self._apply_grammar_masks(biased, states, owned=biased is not logits)
         self._yield_to_grammar(raw_logits, logits, states)
-        penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
 
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
@@ -656,8 +664,20 @@ class Sampler:
                 if s.params.thinking_start is not None:
                     s.thinking_open |= token_ids[i] == s.params.thinking_start
                 s.thinking_open &= token_ids[i] != s.params.thinking_end
+        states_kept = [i for i, s in enumerate(states) if s.ahead is None]  # at_position's copies change nothing
+        if len(states_kept) == len(states):
+            self._record_drawn(states, token_ids)
+        elif states_kept:
+            self._record_drawn([states[i] for i in states_kept],
+                               token_ids.index_select(0, torch.tensor(states_kept, device=self.device)))
+        return out
+
+    def _record_drawn(self, states: list[SequenceSamplingState], token_ids: torch.Tensor) -> None:
+        """Each state after drawing its token (``token_ids`` [len(states)]): its penalty counts (a full window
+        forgets its oldest token as the new one enters), its history and its draw count."""
+        penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
         if penalty_rows:
-            for i in penalty_rows:  # a full window forgets its oldest token as the new one enters
+            for i in penalty_rows:
                 s, n = states[i], states[i].params.penalty_last_n
                 if n and s.history_len >= n:
                     oldest = s.history[s.history_len - n:s.history_len - n + 1]
@@ -672,28 +692,26 @@ class Sampler:
                 s.history[s.history_len:s.history_len + 1] = token_ids[i:i + 1]
                 s.history_len += 1
             s.num_output_tokens += 1
-        return out
 
-    def at_position(self, state: SequenceSamplingState, ahead: int) -> SequenceSamplingState:
-        """A throwaway copy of a position-only row's state (SamplingParams.position_only) as it will be ``ahead``
-        tokens later: ``sample`` on it draws what ``state`` would draw there, from that position's logits, and
-        leaves ``state`` as it is (speculative steps draw at every fed position)."""
-        if not state.params.position_only or state.grammar is not None:
-            raise ValueError("at_position() serves position-only rows without a grammar")
-        return dataclasses.replace(state, num_output_tokens=state.num_output_tokens + ahead)
+    def at_position(self, state: SequenceSamplingState, before) -> SequenceSamplingState:
+        """A throwaway copy of a row's state as it will be once the tokens ``before`` are drawn (its params
+        SamplingParams.counts_only): ``sample`` on it draws what ``state`` would draw there, from that position's
+        logits (its penalties counting ``before`` too), and changes neither ``state`` nor the sampler's tables
+        (speculative steps draw at every fed position)."""
+        if not state.params.counts_only or state.grammar is not None:
+            raise ValueError("at_position() serves rows whose draws the penalty tables alone tie to earlier tokens")
+        before = tuple(int(t) for t in before)
+        return dataclasses.replace(state, num_output_tokens=state.num_output_tokens + len(before), ahead=before)
 
     def advance(self, state: SequenceSamplingState, token_ids: list[int]) -> None:
         """``state`` as ``sample`` leaves it after drawing ``token_ids`` one by one, for a row whose tokens were
-        drawn outside it (its argmax, or ``sample`` on ``at_position`` copies) and whose params are position-only
-        (SamplingParams.position_only: no penalty tables, thinking budget or grammar to update): its history and
-        its draw counter."""
-        if not state.params.position_only or state.grammar is not None:
-            raise ValueError("advance() serves position-only rows; sample() keeps every other row's state")
+        drawn outside it (its argmax, or ``sample`` on ``at_position`` copies) and whose params are counts-only
+        (SamplingParams.counts_only: no thinking budget, bad words, DRY or grammar to follow): its penalty
+        counts, history and draw counter."""
+        if not state.params.counts_only or state.grammar is not None or state.ahead is not None:
+            raise ValueError("advance() serves counts-only rows; sample() keeps every other row's state")
         for token in token_ids:
-            if state.history is not None and state.history_len < state.history.numel():
-                state.history[state.history_len] = token
-                state.history_len += 1
-            state.num_output_tokens += 1
+            self._record_drawn([state], torch.tensor([int(token)], dtype=torch.int64, device=self.device))
 
     def apply_bias_and_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """``logits`` after logit bias, then repetition/frequency/presence penalties: a copy, or the
@@ -868,6 +886,9 @@ class Sampler:
         row_ids = torch.tensor(rows, dtype=torch.int64, device=dev)
         slots = torch.tensor([states[i].penalty_slot for i in rows], dtype=torch.int64, device=dev)
         counts = self.output_counts.index_select(0, slots)  # [P, V]
+        for k, i in enumerate(rows):  # at_position's copies also count the tokens between their state and them
+            if states[i].ahead:
+                self._count_ahead(counts[k], states[i])
         seen_in_output = counts > 0
         seen = seen_in_output | self.prompt_mask.index_select(0, slots)
         rep = torch.tensor([states[i].params.repetition_penalty for i in rows], device=dev)[:, None]
@@ -878,6 +899,21 @@ class Sampler:
         sub = torch.where(seen, penalised, sub)
         sub = sub - freq * counts.to(sub.dtype) - pres * seen_in_output.to(sub.dtype)
         logits.index_copy_(0, row_ids, sub)
+
+    @staticmethod
+    def _count_ahead(counts: torch.Tensor, state: SequenceSamplingState) -> None:
+        """``counts`` [V] (a copy of the state's penalty counts) as ``_record_drawn`` leaves them after drawing
+        ``state.ahead`` one by one: each token counted, and with a window (penalty_last_n) its oldest token
+        forgotten as each enters."""
+        ahead = torch.as_tensor(state.ahead, dtype=torch.int64, device=counts.device)
+        counts.index_add_(0, ahead, torch.ones_like(ahead, dtype=torch.int32))
+        n, h = state.params.penalty_last_n, state.history_len
+        if n:
+            leaving = [p for p in range(h - n, h - n + len(state.ahead)) if p >= 0]
+            if leaving:
+                ids = torch.cat([state.history[[p for p in leaving if p < h]],
+                                 ahead[[p - h for p in leaving if p >= h]]])
+                counts.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
 
     def _uniform(self, state: SequenceSamplingState, out: torch.Tensor) -> torch.Tensor:
         """``out`` (one per vocabulary id) filled with the row's uniforms for this step, from its own seed and

@@ -817,8 +817,8 @@ class ModelRuntime:
                     # Scoring the whole prompt: no shared context to reuse, the scheduler's scored prefill fits.
                     score_prompt=req.score_from is not None and req.score_from <= 1,
                     priority=req.priority,
-                    # drafts are checked by drawing at their positions: only requests whose every draw depends
-                    # on its position alone (the executor says which: SamplingParams.position_only on the CPU)
+                    # drafts are checked by drawing at their positions: only requests whose draws the executor
+                    # can make there (SamplingParams.counts_only on the CPU, graph_drawable on the GPU)
                     speculate=bool(self.spec_tokens) and self.executor.speculates(req.params)
                     and req.grammar is None and req.score_from is None)
                 if req.grammar is not None and live.grammar is None:

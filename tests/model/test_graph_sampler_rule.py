@@ -25,45 +25,58 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     assert state.graph_samples is not eager
 
 
-@pytest.mark.parametrize("params, position_only, graph_drawable", [
-    (SamplingParams(temperature=0.0), True, True),
-    (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3), True, True),
-    (SamplingParams(temperature=0.8, top_k=40, sampler_order=LLAMA_CPP_ORDER), True, True),
-    (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True, False),
-    (SamplingParams(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05), True, False),
-    (SamplingParams(temperature=0.8, min_tokens=3, min_tokens_banned=frozenset({1}), max_tokens=8), True, False),
-    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), True, False),
-    (SamplingParams(temperature=0.8, repetition_penalty=1.2), False, False),
-    (SamplingParams(temperature=0.8, bad_words=((4, 5),)), False, False),
-    (SamplingParams(temperature=0.8, mirostat=2), False, False),
-    (SamplingParams(temperature=0.8, dry_multiplier=0.8), False, False),
-    (SamplingParams(temperature=0.8, logprobs=2), True, False),
+@pytest.mark.parametrize("params, counts_only, position_only, graph_drawable", [
+    (SamplingParams(temperature=0.0), True, True, True),
+    (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3), True, True, True),
+    (SamplingParams(temperature=0.8, top_k=40, sampler_order=LLAMA_CPP_ORDER), True, True, True),
+    (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True, True, False),
+    (SamplingParams(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05), True, True, False),
+    (SamplingParams(temperature=0.8, min_tokens=3, min_tokens_banned=frozenset({1}), max_tokens=8), True, True,
+     False),
+    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), True, True, False),
+    (SamplingParams(temperature=0.8, logprobs=2), True, True, False),
+    (SamplingParams(temperature=0.8, repetition_penalty=1.2, frequency_penalty=1.5, seed=4), True, False, False),
+    (SamplingParams(temperature=0.0, frequency_penalty=1.0), True, False, False),
+    # llama.cpp's window: three tokens, prompt included, so the tokens drawn ahead push out the prompt's and
+    # then their own
+    (SamplingParams(temperature=0.8, repetition_penalty=2.0, presence_penalty=1.0, penalty_last_n=3, seed=2), True,
+     False, False),
+    (SamplingParams(temperature=0.8, bad_words=((4, 5),)), False, False, False),
+    (SamplingParams(temperature=0.8, mirostat=2), False, False, False),
+    (SamplingParams(temperature=0.8, dry_multiplier=0.8), False, False, False),
 ])
-def test_which_requests_speculative_steps_can_verify(params, position_only, graph_drawable):
-    """position_only: every draw is a function of its position's logits, the seed and the draw count, so a
-    speculative step may draw at every fed position (the CPU executor); graph_drawable: also one the decode graph's
-    sampler takes at every position (the GPU executor). A position-only state drawn ahead with at_position draws
-    what it draws when it gets there; at_position refuses any other."""
+def test_which_requests_speculative_steps_can_verify(params, counts_only, position_only, graph_drawable):
+    """counts_only: every draw is a function of its position's logits, the seed, the draw count and (through the
+    penalty tables) the tokens before it, so a speculative step may draw at every fed position (the CPU executor);
+    position_only: without penalties; graph_drawable: also one the decode graph's sampler takes at every position
+    (the GPU executor). A state drawn ahead with at_position, given the tokens in between, draws what it draws
+    when it gets there, and changes nothing; advance then leaves it as drawing did. at_position refuses any
+    other. The rows' logits are one peaked row, so without counting the tokens in between the penalties would
+    let a drawn-ahead row repeat what the state would not."""
     import torch
 
-    assert params.position_only is position_only and params.graph_drawable is graph_drawable
-    if graph_drawable:
-        assert params.position_only
+    assert params.counts_only is counts_only and params.position_only is position_only
+    assert params.graph_drawable is graph_drawable
     sampler = Sampler(64)
     state = sampler.add_sequence(params, [1, 2, 3])
-    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(7)) * 3
-    if not position_only:
+    row = torch.zeros(64)
+    row[[7, 9, 11, 13]] = torch.tensor([5.0, 4.6, 4.3, 4.0])
+    rows = row.expand(8, 64).contiguous()
+    if not counts_only:
         with pytest.raises(ValueError):
-            sampler.at_position(state, 1)
+            sampler.at_position(state, [1])
         return
-    ahead = [sampler.at_position(state, j) for j in range(6)]
-    if graph_drawable:
-        assert all(s.graph_samples for s in ahead)
-    at_once = sampler.sample(rows, ahead).token_ids.tolist()
-    assert state.num_output_tokens == 0  # the copies moved, not the state
-    one_by_one = [int(sampler.sample(rows[j:j + 1], [state]).token_ids[0]) for j in range(6)]
-    assert at_once == one_by_one
+    one_by_one = [int(sampler.sample(rows[j:j + 1], [state]).token_ids[0]) for j in range(8)]  # plain decoding
     fresh = sampler.add_sequence(params, [1, 2, 3])
     fresh.seed = state.seed
+    tables = [sampler.output_counts.clone(), sampler.prompt_mask.clone()]
+    ahead = [sampler.at_position(fresh, one_by_one[:j]) for j in range(8)]
+    if graph_drawable:
+        assert all(s.graph_samples for s in ahead)
+    assert sampler.sample(rows, ahead).token_ids.tolist() == one_by_one
+    assert fresh.num_output_tokens == 0 and fresh.history_len == state.history_len - 8 * (fresh.history is not None)
+    assert torch.equal(tables[0], sampler.output_counts) and torch.equal(tables[1], sampler.prompt_mask)
     sampler.advance(fresh, one_by_one)
-    assert fresh.num_output_tokens == state.num_output_tokens == 6
+    assert fresh.num_output_tokens == state.num_output_tokens == 8
+    if fresh.penalty_slot is not None:
+        assert torch.equal(sampler.output_counts[fresh.penalty_slot], sampler.output_counts[state.penalty_slot])

@@ -362,6 +362,24 @@ def test_sampled_requests_speculate_and_draw_what_plain_decoding_draws(tiny_hf_l
     assert greedy.tokens != plain.tokens
 
 
+def test_requests_with_penalties_speculate_and_count_the_drafts_before_each_row(tiny_hf_llama):
+    """Repetition, frequency and presence penalties, over the whole output (vLLM's) or a window of the last 8
+    tokens (llama.cpp's repeat_last_n): each fed row's penalties count the drafts before it, so the tokens are
+    plain decoding's; drafts are kept and rejected."""
+    from flared.model.sampling import SamplingParams
+
+    prompts = [[11, 12, 13, 14, 15, 16] * 8, [30, 31, 32, 33] * 10, [11, 12, 13, 14, 15, 16] * 6]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.1, penalty_last_n=8,
+                             max_tokens=40),
+              SamplingParams(temperature=0.02, repetition_penalty=1.3, frequency_penalty=0.1, presence_penalty=0.05,
+                             penalty_last_n=8, seed=3, max_tokens=40),
+              SamplingParams(temperature=0.0, repetition_penalty=1.05, max_tokens=40)]
+    plain, _ = _drive(tiny_hf_llama, 0, prompts, params)
+    fast, s = _drive(tiny_hf_llama, 4, prompts, params)
+    assert fast.tokens == plain.tokens
+    assert 0 < s.counters["speculative_accepted"] < s.counters["speculative_drafted"]
+
+
 def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
     """ModelRuntime(speculative=...): greedy and seeded sampled requests get the same tokens and stop strings/EOS
     as without; requests with logprobs speculate too, and every token, kept draft or not, comes with the
