@@ -215,22 +215,24 @@ class EagerExecutor:
                                  generated_tokens=np.asarray(plan.generated_ends, dtype=np.int64) + accepted,
                                  token_ids=sampled.copy(), accepted_drafts=kept)
 
-    def speculates(self, params) -> bool:
-        """Whether a request with these sampling params may feed drafts: _speculate draws at every fed position
-        through the sampler, its penalties counting the drafts before it (SamplingParams.counts_only)."""
+    def speculates(self, params, grammar: bool = False) -> bool:
+        """Whether a request with these sampling params (and a grammar, or not) may feed drafts: _speculate draws
+        at every fed position through the sampler, its penalties counting the drafts before it and its grammar's
+        mask the one after them (SamplingParams.counts_only, Sampler.at_position)."""
         return params.counts_only
 
     def _draw_fed(self, logits, states, bounds, fed):
         """The token drawn at every fed row of a speculative step [rows]: the argmax for a greedy request's rows
-        (SamplingParams.argmax_only), else the sampler's draw at the row's own position (Sampler.at_position: row
-        j of a request draws as its state will once the j drafts before the row are drawn, its draw count and
-        penalty counts moved on by them). A lone row's entry is unused (it samples as a decode row does). Returns
-        (tokens, the sampler's SampleOutput or None, the rows it drew, their participants)."""
+        (SamplingParams.argmax_only, no grammar), else the sampler's draw at the row's own position
+        (Sampler.at_position: row j of a request draws as its state will once the j drafts before the row are
+        drawn, its draw count, penalty counts and grammar mask moved on by them). A lone row's entry is unused (it
+        samples as a decode row does). Returns (tokens, the sampler's SampleOutput or None, the rows it drew,
+        their participants)."""
         drawn = logits.argmax(dim=-1)
         rows, owners, row_states = [], [], []
         for i, s in enumerate(states):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
-            if hi - lo > 1 and s is not None and not s.params.argmax_only:
+            if hi - lo > 1 and s is not None and (not s.params.argmax_only or s.grammar is not None):
                 rows.extend(range(lo, hi))
                 owners.extend([i] * (hi - lo))
                 row_states.extend(self.sampler.at_position(s, fed[i][1:1 + j]) for j in range(hi - lo))

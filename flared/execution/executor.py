@@ -378,10 +378,10 @@ class GraphExecutor:
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
 
-    def speculates(self, params) -> bool:
-        """Whether a request with these sampling params may feed drafts: the graph's own sampler draws every one of
-        its rows (SamplingParams.graph_drawable)."""
-        return params.graph_drawable
+    def speculates(self, params, grammar: bool = False) -> bool:
+        """Whether a request with these sampling params (and a grammar, or not) may feed drafts: the graph's own
+        sampler draws every one of its rows (SamplingParams.graph_drawable, no grammar)."""
+        return params.graph_drawable and not grammar
 
     def _submit_speculative(self, frame: int, plan, block_tables, states) -> None:
         """A speculative step as a decode graph with a row per fed token (kind "decode_spec"): participant i's

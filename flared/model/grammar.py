@@ -20,7 +20,9 @@ Rules:
 
 from __future__ import annotations
 
+import array
 import collections
+import ctypes
 import json
 import threading
 from typing import Any
@@ -131,6 +133,20 @@ class GrammarMatcher:
             self.num_consumed += 1
         return ok
 
+    def ahead(self, tokens, num_words: int) -> AheadMask:
+        """The allowed-token bitmask for the token after ``tokens`` (a speculative step's drafts, not drawn yet),
+        ``num_words`` 32-bit words, with the matcher left where it was. Where the grammar does not allow every
+        one of ``tokens``, the mask is the one before the first it refuses (no draw there is kept: that draft
+        cannot equal a draw the grammar allows)."""
+        words = array.array("I", bytes(4 * num_words))
+        n = self._m.try_consume_tokens(list(tokens)) if tokens else 0
+        try:
+            self._m.unsafe_compute_mask_ptr(words.buffer_info()[0], 4 * num_words)
+        finally:
+            if n:
+                self._m.rollback(n)
+        return AheadMask(words)
+
     @property
     def failed(self) -> bool:
         return self._m.is_error()
@@ -147,6 +163,20 @@ class GrammarMatcher:
     @property
     def stopped(self) -> bool:
         return self._m.is_stopped()
+
+
+class AheadMask:
+    """A grammar position's bitmask computed ahead (GrammarMatcher.ahead), standing in for the matcher in a
+    Sampler.at_position copy: fill_bitmask writes it, and it never fails."""
+
+    __slots__ = ("_words",)
+    failed = False
+
+    def __init__(self, words: array.array):
+        self._words = words
+
+    def fill_bitmask(self, words_ptr: int, num_bytes: int) -> None:
+        ctypes.memmove(words_ptr, self._words.buffer_info()[0], min(num_bytes, 4 * len(self._words)))
 
 
 class GrammarCompiler:

@@ -696,19 +696,24 @@ class Sampler:
     def at_position(self, state: SequenceSamplingState, before) -> SequenceSamplingState:
         """A throwaway copy of a row's state as it will be once the tokens ``before`` are drawn (its params
         SamplingParams.counts_only): ``sample`` on it draws what ``state`` would draw there, from that position's
-        logits (its penalties counting ``before`` too), and changes neither ``state`` nor the sampler's tables
-        (speculative steps draw at every fed position)."""
-        if not state.params.counts_only or state.grammar is not None:
+        logits (its penalties counting ``before`` too, its grammar's mask the one after them: GrammarMatcher.ahead),
+        and changes neither ``state``, its grammar, nor the sampler's tables (speculative steps draw at every fed
+        position)."""
+        if not state.params.counts_only:
             raise ValueError("at_position() serves rows whose draws the penalty tables alone tie to earlier tokens")
         before = tuple(int(t) for t in before)
-        return dataclasses.replace(state, num_output_tokens=state.num_output_tokens + len(before), ahead=before)
+        grammar = state.grammar
+        if grammar is not None and not grammar.failed:
+            grammar = grammar.ahead(before, (self.vocab_size + 31) // 32)
+        return dataclasses.replace(state, num_output_tokens=state.num_output_tokens + len(before), ahead=before,
+                                   grammar=grammar)
 
     def advance(self, state: SequenceSamplingState, token_ids: list[int]) -> None:
         """``state`` as ``sample`` leaves it after drawing ``token_ids`` one by one, for a row whose tokens were
         drawn outside it (its argmax, or ``sample`` on ``at_position`` copies) and whose params are counts-only
-        (SamplingParams.counts_only: no thinking budget, bad words, DRY or grammar to follow): its penalty
-        counts, history and draw counter."""
-        if not state.params.counts_only or state.grammar is not None or state.ahead is not None:
+        (SamplingParams.counts_only: no thinking budget, bad words or DRY to follow): its penalty counts, history
+        and draw counter. (A grammar follows the tokens where the model thread consumes them.)"""
+        if not state.params.counts_only or state.ahead is not None:
             raise ValueError("advance() serves counts-only rows; sample() keeps every other row's state")
         for token in token_ids:
             self._record_drawn([state], torch.tensor([int(token)], dtype=torch.int64, device=self.device))

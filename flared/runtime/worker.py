@@ -819,8 +819,8 @@ class ModelRuntime:
                     priority=req.priority,
                     # drafts are checked by drawing at their positions: only requests whose draws the executor
                     # can make there (SamplingParams.counts_only on the CPU, graph_drawable on the GPU)
-                    speculate=bool(self.spec_tokens) and self.executor.speculates(req.params)
-                    and req.grammar is None and req.score_from is None)
+                    speculate=bool(self.spec_tokens) and req.score_from is None
+                    and self.executor.speculates(req.params, grammar=req.grammar is not None))
                 if req.grammar is not None and live.grammar is None:
                     live.grammar = req.grammar.matcher()
                 if req.score_from is not None:

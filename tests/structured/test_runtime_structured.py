@@ -140,3 +140,62 @@ def test_annotations_pass_and_grammars_compile_once(compiler):
     assert compiler.json_schema(json.loads(json.dumps(schema))) is first  # cached by canonical text
     m1, m2 = first.matcher(), first.matcher()
     assert m1 is not m2 and not m1.failed
+
+
+def test_a_matcher_s_mask_ahead_of_drafts_leaves_it_where_it_was(compiler, tiny_core):
+    """GrammarMatcher.ahead: the mask after some tokens, as a matcher that consumed them gives it, with the matcher
+    back where it was; past a token the grammar refuses, the mask before that token."""
+    import array
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
+    grammar = compiler.json_schema({"type": "array", "items": {"const": "fox"}, "minItems": 3, "maxItems": 3})
+    text = tok.encode('["fox","fox","fox"]', add_special_tokens=False).ids
+    words = (open_core(tiny_core).config.vocab_size + 31) // 32
+
+    def mask(m):
+        w = array.array("I", bytes(4 * words))
+        m.fill_bitmask(w.buffer_info()[0], 4 * words)
+        return w.tobytes()
+
+    m = grammar.matcher()
+    start = mask(m)
+    for j in range(len(text)):
+        ahead = m.ahead(text[:j], words)
+        assert mask(m) == start and m.num_consumed == 0
+        walked = grammar.matcher()
+        assert all(walked.consume(t) for t in text[:j])
+        assert mask(ahead) == mask(walked)
+    bad = tok.encode("[7", add_special_tokens=False).ids
+    assert mask(m.ahead(bad, words)) == mask(m.ahead(bad[:1], words))
+
+
+def test_constrained_requests_speculate_under_each_row_s_own_mask(compiler, tiny_core):
+    """With speculative decoding on, constrained requests feed drafts: each fed row draws under the grammar's mask
+    after the drafts before it, the matcher comes back, and the model thread consumes what is kept. A greedy and a
+    seeded sampled request give plain decoding's tokens and valid JSON, with drafts kept."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
+    schema = {"type": "array", "items": {"const": "the quick fox"}, "minItems": 6, "maxItems": 6}
+    grammar = compiler.json_schema(schema)
+    prompt = tok.encode("<|im_start|>user\nList it.<|im_end|>\n<|im_start|>assistant\n").ids
+    requests = [_request(prompt, grammar, max_tokens=64, temperature=0.0),
+                _request(prompt, grammar, max_tokens=64, temperature=0.7, seed=3)]
+
+    def serve(speculative):
+        rt = ModelRuntime(open_core(tiny_core), torch_threads=1, prefix_cache=False, speculative=speculative)
+        rt.start(max_pending=8)
+        try:
+            return _run(rt, requests), dict(rt.scheduler.counters)
+        finally:
+            rt.stop()
+
+    plain, _ = serve((0, 4, 2))
+    fast, counters = serve((4, 4, 2))
+    for a, b in zip(plain, fast):
+        assert _tokens(a) == _tokens(b)
+        assert isinstance(b[-1], FinishEvent) and b[-1].reason == "stop"
+        assert json.loads(tok.decode(_tokens(b)[:-1])) == ["the quick fox"] * 6
+    assert counters["launches_speculative"] > 0 and counters["speculative_accepted"] > 0
