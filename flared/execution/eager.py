@@ -217,17 +217,17 @@ class EagerExecutor:
 
     def speculates(self, params, grammar: bool = False) -> bool:
         """Whether a request with these sampling params (and a grammar, or not) may feed drafts: _speculate draws
-        at every fed position through the sampler, its penalties counting the drafts before it and its grammar's
-        mask the one after them (SamplingParams.counts_only, Sampler.at_position)."""
-        return params.counts_only
+        at every fed position through the sampler, with what the drafts before it change: penalty counts, history,
+        a thinking budget, the grammar's mask (SamplingParams.replayable, Sampler.at_position)."""
+        return params.replayable
 
     def _draw_fed(self, logits, states, bounds, fed):
         """The token drawn at every fed row of a speculative step [rows]: the argmax for a greedy request's rows
         (SamplingParams.argmax_only, no grammar), else the sampler's draw at the row's own position
         (Sampler.at_position: row j of a request draws as its state will once the j drafts before the row are
-        drawn, its draw count, penalty counts and grammar mask moved on by them). A lone row's entry is unused (it
-        samples as a decode row does). Returns (tokens, the sampler's SampleOutput or None, the rows it drew,
-        their participants)."""
+        drawn, its draw count, penalty counts, history and grammar mask moved on by them). A lone row's entry is
+        unused (it samples as a decode row does). Returns (tokens, the sampler's SampleOutput or None, the rows it
+        drew, their participants)."""
         drawn = logits.argmax(dim=-1)
         rows, owners, row_states = [], [], []
         for i, s in enumerate(states):

@@ -260,15 +260,16 @@ class SamplingParams:
         drawing at the position before it, with that position's count, and keep the draft where the draw equals
         it: the tokens (and their log-probabilities) are plain decoding's, draw for draw (with a draft proposed as
         certain, drawing and comparing is the rejection step of speculative sampling)."""
-        return self.counts_only and not self.uses_penalties
+        return (self.replayable and not self.uses_penalties and not self.bad_words and self.thinking_budget is None
+                and not self.uses_dry)
 
     @property
-    def counts_only(self) -> bool:
-        """As position_only, but repetition, frequency and presence penalties (windowed or not) are allowed: the
-        earlier tokens shape a draw only through the penalty tables, which a draw ahead of the state can count
-        with the tokens in between (Sampler.at_position)."""
-        return (not self.bad_words and self.thinking_budget is None and not self.uses_dry and self.mirostat == 0
-                and not ("adaptive_p" in self.sampler_order and self.adaptive_target >= 0))
+    def replayable(self) -> bool:
+        """A draw ahead of the state can be made given the tokens in between (Sampler.at_position): the earlier
+        tokens shape a draw only through what they are (penalty counts, bad words' and DRY's history, whether a
+        thinking budget's reasoning is open), not through what earlier draws computed (mirostat's and
+        adaptive-p's running sums)."""
+        return self.mirostat == 0 and not ("adaptive_p" in self.sampler_order and self.adaptive_target >= 0)
 
     @property
     def graph_drawable(self) -> bool:
@@ -659,8 +660,8 @@ class Sampler:
                 if s.params.post_sampling_probs and s.params.logprobs is not None:
                     self._post_sampling_logprobs(out, i, s, token_ids[i], max_logprobs)
 
-        for i, s in enumerate(states):  # a thinking budget: ended yet?
-            if s.thinking_open is not None:
+        for i, s in enumerate(states):  # a thinking budget: ended yet? (at_position's copies change nothing)
+            if s.thinking_open is not None and s.ahead is None:
                 if s.params.thinking_start is not None:
                     s.thinking_open |= token_ids[i] == s.params.thinking_start
                 s.thinking_open &= token_ids[i] != s.params.thinking_end
@@ -695,27 +696,48 @@ class Sampler:
 
     def at_position(self, state: SequenceSamplingState, before) -> SequenceSamplingState:
         """A throwaway copy of a row's state as it will be once the tokens ``before`` are drawn (its params
-        SamplingParams.counts_only): ``sample`` on it draws what ``state`` would draw there, from that position's
-        logits (its penalties counting ``before`` too, its grammar's mask the one after them: GrammarMatcher.ahead),
-        and changes neither ``state``, its grammar, nor the sampler's tables (speculative steps draw at every fed
-        position)."""
-        if not state.params.counts_only:
-            raise ValueError("at_position() serves rows whose draws the penalty tables alone tie to earlier tokens")
+        SamplingParams.replayable): ``sample`` on it draws what ``state`` would draw there, from that position's
+        logits. Its penalties count ``before`` too; its history (bad words, DRY, a penalty window) ends with them;
+        a thinking budget's reasoning is open or closed after them; its grammar's mask is the one after them
+        (GrammarMatcher.ahead). Neither ``state``, its grammar, nor the sampler's tables change (speculative steps
+        draw at every fed position)."""
+        if not state.params.replayable:
+            raise ValueError("at_position() serves rows whose draws depend on earlier tokens only through what "
+                             "they are")
         before = tuple(int(t) for t in before)
-        grammar = state.grammar
-        if grammar is not None and not grammar.failed:
-            grammar = grammar.ahead(before, (self.vocab_size + 31) // 32)
-        return dataclasses.replace(state, num_output_tokens=state.num_output_tokens + len(before), ahead=before,
-                                   grammar=grammar)
+        changes = dict(num_output_tokens=state.num_output_tokens + len(before), ahead=before)
+        if state.grammar is not None and not state.grammar.failed:
+            changes["grammar"] = state.grammar.ahead(before, (self.vocab_size + 31) // 32)
+        if before and state.history is not None:
+            history = state.history.clone()
+            end = min(state.history_len + len(before), history.numel())
+            history[state.history_len:end] = torch.as_tensor(before[:end - state.history_len], dtype=torch.int64)
+            changes.update(history=history, history_len=end)
+        if before and state.thinking_open is not None:
+            is_open = state.thinking_open.clone()
+            p = state.params
+            for t in before:  # as sample() follows each token: the start marker opens, the end marker closes
+                if p.thinking_start is not None and t == p.thinking_start:
+                    is_open.fill_(True)
+                if t == p.thinking_end:
+                    is_open.fill_(False)
+            changes["thinking_open"] = is_open
+        return dataclasses.replace(state, **changes)
 
     def advance(self, state: SequenceSamplingState, token_ids: list[int]) -> None:
         """``state`` as ``sample`` leaves it after drawing ``token_ids`` one by one, for a row whose tokens were
-        drawn outside it (its argmax, or ``sample`` on ``at_position`` copies) and whose params are counts-only
-        (SamplingParams.counts_only: no thinking budget, bad words or DRY to follow): its penalty counts, history
-        and draw counter. (A grammar follows the tokens where the model thread consumes them.)"""
-        if not state.params.counts_only or state.ahead is not None:
+        drawn outside it (its argmax, or ``sample`` on ``at_position`` copies; SamplingParams.replayable): its
+        penalty counts, history, thinking budget and draw counter. (A grammar follows the tokens where the model
+        thread consumes them.)"""
+        if not state.params.replayable or state.ahead is not None:
             raise ValueError("advance() serves counts-only rows; sample() keeps every other row's state")
+        p = state.params
         for token in token_ids:
+            if state.thinking_open is not None:
+                if p.thinking_start is not None and int(token) == p.thinking_start:
+                    state.thinking_open.fill_(True)
+                if int(token) == p.thinking_end:
+                    state.thinking_open.fill_(False)
             self._record_drawn([state], torch.tensor([int(token)], dtype=torch.int64, device=self.device))
 
     def apply_bias_and_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
@@ -912,12 +934,12 @@ class Sampler:
         forgotten as each enters."""
         ahead = torch.as_tensor(state.ahead, dtype=torch.int64, device=counts.device)
         counts.index_add_(0, ahead, torch.ones_like(ahead, dtype=torch.int32))
-        n, h = state.params.penalty_last_n, state.history_len
-        if n:
+        n = state.params.penalty_last_n
+        if n:  # the copy's history ends with its ahead tokens (at_position): the state's ended before them
+            h = state.history_len - len(state.ahead)
             leaving = [p for p in range(h - n, h - n + len(state.ahead)) if p >= 0]
             if leaving:
-                ids = torch.cat([state.history[[p for p in leaving if p < h]],
-                                 ahead[[p - h for p in leaving if p >= h]]])
+                ids = state.history[leaving]
                 counts.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
 
     def _uniform(self, state: SequenceSamplingState, out: torch.Tensor) -> torch.Tensor:

@@ -818,7 +818,7 @@ class ModelRuntime:
                     score_prompt=req.score_from is not None and req.score_from <= 1,
                     priority=req.priority,
                     # drafts are checked by drawing at their positions: only requests whose draws the executor
-                    # can make there (SamplingParams.counts_only on the CPU, graph_drawable on the GPU)
+                    # can make there (SamplingParams.replayable on the CPU, graph_drawable on the GPU)
                     speculate=bool(self.spec_tokens) and req.score_from is None
                     and self.executor.speculates(req.params, grammar=req.grammar is not None))
                 if req.grammar is not None and live.grammar is None:

@@ -25,7 +25,7 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     assert state.graph_samples is not eager
 
 
-@pytest.mark.parametrize("params, counts_only, position_only, graph_drawable", [
+@pytest.mark.parametrize("params, replayable, position_only, graph_drawable", [
     (SamplingParams(temperature=0.0), True, True, True),
     (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3), True, True, True),
     (SamplingParams(temperature=0.8, top_k=40, sampler_order=LLAMA_CPP_ORDER), True, True, True),
@@ -41,42 +41,56 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     # then their own
     (SamplingParams(temperature=0.8, repetition_penalty=2.0, presence_penalty=1.0, penalty_last_n=3, seed=2), True,
      False, False),
-    (SamplingParams(temperature=0.8, bad_words=((4, 5),)), False, False, False),
+    # bad words and DRY read the history, which a drawn-ahead copy extends with the tokens in between
+    (SamplingParams(temperature=0.0, bad_words=((7, 7), (11,))), True, False, False),  # 7 never twice running
+    (SamplingParams(temperature=0.8, dry_multiplier=3.0, dry_allowed_length=1, seed=6), True, False, False),
+    # a thinking budget: open from the start; after 3 tokens (or none) only the end marker (13) until it is drawn
+    (SamplingParams(temperature=0.0, thinking_budget=3, thinking_end=13), True, False, False),
+    (SamplingParams(temperature=0.0, thinking_budget=0, thinking_end=13), True, False, False),
     (SamplingParams(temperature=0.8, mirostat=2), False, False, False),
-    (SamplingParams(temperature=0.8, dry_multiplier=0.8), False, False, False),
+    (SamplingParams(temperature=0.8, adaptive_target=0.5, sampler_order=("temperature", "adaptive_p")), False,
+     False, False),
 ])
-def test_which_requests_speculative_steps_can_verify(params, counts_only, position_only, graph_drawable):
-    """counts_only: every draw is a function of its position's logits, the seed, the draw count and (through the
-    penalty tables) the tokens before it, so a speculative step may draw at every fed position (the CPU executor);
-    position_only: without penalties; graph_drawable: also one the decode graph's sampler takes at every position
-    (the GPU executor). A state drawn ahead with at_position, given the tokens in between, draws what it draws
-    when it gets there, and changes nothing; advance then leaves it as drawing did. at_position refuses any
-    other. The rows' logits are one peaked row, so without counting the tokens in between the penalties would
-    let a drawn-ahead row repeat what the state would not."""
+def test_which_requests_speculative_steps_can_verify(params, replayable, position_only, graph_drawable):
+    """replayable: every draw is a function of its position's logits, the seed, the draw count and what the tokens
+    before it are (penalty counts, bad words' and DRY's history, a thinking budget), so a speculative step may
+    draw at every fed position (the CPU executor); position_only: none of those; graph_drawable: also one the
+    decode graph's sampler takes at every position (the GPU executor). A state drawn ahead with at_position,
+    given the tokens in between, draws what it draws when it gets there, and changes nothing; advance then leaves
+    it as drawing did. at_position refuses any other. The rows' logits are one peaked row, so a drawn-ahead row
+    that did not see the tokens in between would repeat what the state would not."""
     import torch
 
-    assert params.counts_only is counts_only and params.position_only is position_only
+    assert params.replayable is replayable and params.position_only is position_only
     assert params.graph_drawable is graph_drawable
     sampler = Sampler(64)
     state = sampler.add_sequence(params, [1, 2, 3])
     row = torch.zeros(64)
     row[[7, 9, 11, 13]] = torch.tensor([5.0, 4.6, 4.3, 4.0])
     rows = row.expand(8, 64).contiguous()
-    if not counts_only:
+    if not replayable:
         with pytest.raises(ValueError):
             sampler.at_position(state, [1])
         return
     one_by_one = [int(sampler.sample(rows[j:j + 1], [state]).token_ids[0]) for j in range(8)]  # plain decoding
     fresh = sampler.add_sequence(params, [1, 2, 3])
     fresh.seed = state.seed
-    tables = [sampler.output_counts.clone(), sampler.prompt_mask.clone()]
+    before = (sampler.output_counts.clone(), sampler.prompt_mask.clone(),
+              None if fresh.history is None else fresh.history.clone(),
+              None if fresh.thinking_open is None else fresh.thinking_open.clone())
     ahead = [sampler.at_position(fresh, one_by_one[:j]) for j in range(8)]
     if graph_drawable:
         assert all(s.graph_samples for s in ahead)
     assert sampler.sample(rows, ahead).token_ids.tolist() == one_by_one
     assert fresh.num_output_tokens == 0 and fresh.history_len == state.history_len - 8 * (fresh.history is not None)
-    assert torch.equal(tables[0], sampler.output_counts) and torch.equal(tables[1], sampler.prompt_mask)
+    assert torch.equal(before[0], sampler.output_counts) and torch.equal(before[1], sampler.prompt_mask)
+    assert before[2] is None or torch.equal(before[2], fresh.history)
+    assert before[3] is None or torch.equal(before[3], fresh.thinking_open)
     sampler.advance(fresh, one_by_one)
     assert fresh.num_output_tokens == state.num_output_tokens == 8
     if fresh.penalty_slot is not None:
         assert torch.equal(sampler.output_counts[fresh.penalty_slot], sampler.output_counts[state.penalty_slot])
+    if fresh.history is not None:
+        assert torch.equal(fresh.history, state.history) and fresh.history_len == state.history_len
+    if fresh.thinking_open is not None:
+        assert bool(fresh.thinking_open) == bool(state.thinking_open)

@@ -325,13 +325,14 @@ def _drive(tiny_hf_llama, spec, prompts, params):
 
 
 def test_speculative_steps_give_the_tokens_of_plain_decoding(tiny_hf_llama):
-    """A repetitive prompt (drafts found and kept), a plain one and a seeded sampled request (never speculated,
-    riding in the speculative steps as in a decode step): every token as without speculation, in fewer steps."""
+    """A repetitive prompt (drafts found and kept), a plain one and a seeded mirostat request (never speculated:
+    its running bound follows each earlier draw's distribution; it rides in the speculative steps as in a decode
+    step): every token as without speculation, in fewer steps."""
     from flared.model.sampling import SamplingParams
 
     prompts = [[11, 12, 13, 14, 15, 16] * 8, list(range(20, 70)), [7, 8, 9]]
     params = [SamplingParams(temperature=0, max_tokens=40), SamplingParams(temperature=0, max_tokens=30),
-              SamplingParams(temperature=0.9, seed=5, max_tokens=25)]
+              SamplingParams(temperature=0.9, mirostat=2, seed=5, max_tokens=25)]
     plain, _ = _drive(tiny_hf_llama, 0, prompts, params)
     fast, s = _drive(tiny_hf_llama, 4, prompts, params)
     assert fast.tokens == plain.tokens
@@ -378,6 +379,24 @@ def test_requests_with_penalties_speculate_and_count_the_drafts_before_each_row(
     fast, s = _drive(tiny_hf_llama, 4, prompts, params)
     assert fast.tokens == plain.tokens
     assert 0 < s.counters["speculative_accepted"] < s.counters["speculative_drafted"]
+
+
+def test_requests_with_bad_words_dry_or_a_thinking_budget_speculate_too(tiny_hf_llama):
+    """Bad words and DRY read the output so far, a thinking budget whether reasoning is still open: each fed row
+    sees the drafts before it there too, so the tokens are plain decoding's, with drafts kept."""
+    from flared.model.sampling import SamplingParams
+
+    prompts = [[11, 12, 13, 14, 15, 16] * 8, [30, 31, 32, 33] * 10, [11, 12, 13, 14, 15, 16] * 6]
+    plain_out, _ = _drive(tiny_hf_llama, 0, prompts, [SamplingParams(temperature=0.0, max_tokens=40)] * 3)
+    loop = plain_out.tokens[0][:3]  # what the first request repeats: ban one of its pairs, end thinking on another
+    params = [SamplingParams(temperature=0.0, bad_words=((loop[0], loop[1]),), max_tokens=40),
+              SamplingParams(temperature=0.02, dry_multiplier=0.05, dry_allowed_length=3, seed=3, max_tokens=40),
+              SamplingParams(temperature=0.0, thinking_budget=6, thinking_end=loop[2], max_tokens=40)]
+    plain, _ = _drive(tiny_hf_llama, 0, prompts, params)
+    fast, s = _drive(tiny_hf_llama, 4, prompts, params)
+    assert fast.tokens == plain.tokens
+    assert plain.tokens != plain_out.tokens  # the settings change what is drawn
+    assert s.counters["speculative_accepted"] > 0
 
 
 def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
