@@ -293,8 +293,8 @@ class GraphExecutor:
         src = self._in_frames[frame].ptr + span.offset_bytes
         cuda.copy_h2d_async(self._input_ptr + span.offset_bytes, src, row_bytes * count, self._model_ptr)
 
-    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str, scoring=(), ahead=None) -> None:
-        """``ahead`` (speculative steps): per row, how many tokens past its state's draw count the row draws at."""
+    def _submit_graph(self, frame: int, plan, block_tables, states, kind: str, scoring=(), depths=None) -> None:
+        """``depths`` (speculative steps): per row, how many tokens past its state's draw count the row draws at."""
         v = self._in_views[frame]
         P = self.page_tokens
         n = plan.num_participants
@@ -341,7 +341,7 @@ class GraphExecutor:
             v[f + "top_k"][i] = p.top_k
             v[f + "top_p"][i] = p.top_p
             v[f + "seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
-            v[f + "steps"][i] = s.num_output_tokens + (int(ahead[i]) if ahead is not None else 0)
+            v[f + "steps"][i] = s.num_output_tokens + (int(depths[i]) if depths is not None else 0)
         v[f + "temperature"][n:batch_rows] = 0.0
         execs = self.graphs.graph_execs
         if decode:
@@ -399,8 +399,8 @@ class GraphExecutor:
         widths = np.diff(offsets)
         row_states = [states[i] for i in part]
         pending = self._pending[frame]
-        ahead = np.arange(len(part), dtype=np.int64) - offsets[part]  # row j of a participant draws j tokens on
-        self._submit_graph(frame, rows, [block_tables[i] for i in part], row_states, "decode_spec", ahead=ahead)
+        # row j of a participant draws j tokens past its state's draw count
+        self._submit_graph(frame, rows, [block_tables[i] for i in part], row_states, "decode_spec", depths=rows.depths)
         for i in np.flatnonzero(widths > 1):  # one output token at submit, as a decode row; poll adds the kept
             if states[i] is not None:
                 states[i].num_output_tokens -= int(widths[i]) - 1

@@ -374,6 +374,7 @@ class SpeculativeRows:
     token_ids: np.ndarray
     state_rows: np.ndarray
     sample: np.ndarray
+    depths: np.ndarray  # each row's place among its participant's fed tokens (0: its last token, j: draft j)
 
 
 def speculative_rows(plan) -> tuple[SpeculativeRows, np.ndarray]:
@@ -392,7 +393,7 @@ def speculative_rows(plan) -> tuple[SpeculativeRows, np.ndarray]:
                            token_offsets=np.arange(len(part) + 1, dtype=np.int64),
                            token_ids=np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
                            state_rows=np.where(widths[part] > 1, 0, state_rows[part]),
-                           sample=np.asarray(plan.sample, dtype=np.uint8)[part])
+                           sample=np.asarray(plan.sample, dtype=np.uint8)[part], depths=depth)
     return rows, part
 
 

@@ -660,22 +660,26 @@ class Sampler:
                 if s.params.post_sampling_probs and s.params.logprobs is not None:
                     self._post_sampling_logprobs(out, i, s, token_ids[i], max_logprobs)
 
-        for i, s in enumerate(states):  # a thinking budget: ended yet? (at_position's copies change nothing)
-            if s.thinking_open is not None and s.ahead is None:
-                if s.params.thinking_start is not None:
-                    s.thinking_open |= token_ids[i] == s.params.thinking_start
-                s.thinking_open &= token_ids[i] != s.params.thinking_end
-        states_kept = [i for i, s in enumerate(states) if s.ahead is None]  # at_position's copies change nothing
-        if len(states_kept) == len(states):
-            self._record_drawn(states, token_ids)
-        elif states_kept:
-            self._record_drawn([states[i] for i in states_kept],
-                               token_ids.index_select(0, torch.tensor(states_kept, device=self.device)))
+        kept = [i for i, s in enumerate(states) if s.ahead is None]  # at_position's copies change nothing
+        if kept:
+            self._record_drawn([states[i] for i in kept], token_ids if len(kept) == len(states) else
+                               token_ids.index_select(0, torch.tensor(kept, device=self.device)))
         return out
 
+    @staticmethod
+    def _follow_thinking(is_open: torch.Tensor, params: SamplingParams, token) -> None:
+        """A thinking budget's open flag after ``token`` (an id, or a 0-d device tensor: no sync): the start marker
+        opens the reasoning, the end marker closes it."""
+        if params.thinking_start is not None:
+            is_open |= token == params.thinking_start
+        is_open &= token != params.thinking_end
+
     def _record_drawn(self, states: list[SequenceSamplingState], token_ids: torch.Tensor) -> None:
-        """Each state after drawing its token (``token_ids`` [len(states)]): its penalty counts (a full window
-        forgets its oldest token as the new one enters), its history and its draw count."""
+        """Each state after drawing its token (``token_ids`` [len(states)]): its thinking budget's flag, its penalty
+        counts (a full window forgets its oldest token as the new one enters), its history and its draw count."""
+        for i, s in enumerate(states):
+            if s.thinking_open is not None:
+                self._follow_thinking(s.thinking_open, s.params, token_ids[i])
         penalty_rows = [i for i, s in enumerate(states) if s.penalty_slot is not None]
         if penalty_rows:
             for i in penalty_rows:
@@ -715,12 +719,8 @@ class Sampler:
             changes.update(history=history, history_len=end)
         if before and state.thinking_open is not None:
             is_open = state.thinking_open.clone()
-            p = state.params
-            for t in before:  # as sample() follows each token: the start marker opens, the end marker closes
-                if p.thinking_start is not None and t == p.thinking_start:
-                    is_open.fill_(True)
-                if t == p.thinking_end:
-                    is_open.fill_(False)
+            for t in before:
+                self._follow_thinking(is_open, state.params, t)
             changes["thinking_open"] = is_open
         return dataclasses.replace(state, **changes)
 
@@ -730,15 +730,10 @@ class Sampler:
         penalty counts, history, thinking budget and draw counter. (A grammar follows the tokens where the model
         thread consumes them.)"""
         if not state.params.replayable or state.ahead is not None:
-            raise ValueError("advance() serves counts-only rows; sample() keeps every other row's state")
-        p = state.params
-        for token in token_ids:
-            if state.thinking_open is not None:
-                if p.thinking_start is not None and int(token) == p.thinking_start:
-                    state.thinking_open.fill_(True)
-                if int(token) == p.thinking_end:
-                    state.thinking_open.fill_(False)
-            self._record_drawn([state], torch.tensor([int(token)], dtype=torch.int64, device=self.device))
+            raise ValueError("advance() serves replayable rows; sample() keeps every other row's state")
+        tokens = torch.as_tensor([int(t) for t in token_ids], dtype=torch.int64, device=self.device)
+        for k in range(tokens.numel()):  # one at a time, as sample() draws them (a penalty window's order)
+            self._record_drawn([state], tokens[k:k + 1])
 
     def apply_bias_and_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """``logits`` after logit bias, then repetition/frequency/presence penalties: a copy, or the

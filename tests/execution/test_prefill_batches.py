@@ -284,6 +284,7 @@ def test_a_speculative_plan_packs_as_a_decode_row_per_fed_token():
     assert plan.kind == GraphKind.SPECULATIVE and list(plan.num_tokens) == [2, 1]
     rows, part = speculative_rows(plan)
     assert part.tolist() == [0, 0, 1] and rows.num_participants == 3
+    assert rows.depths.tolist() == [0, 1, 0]  # the last token, the draft; the other participant's last token
     tables = [s.block_table(int(h)) for h in plan.handles]
     v = m.host_views(np.full(m.total_bytes, 0xAB, dtype=np.uint8))
     pack_decode(v, rows, [tables[i] for i in part], page_tokens=PAGE, scratch_slot=SCRATCH_SLOT, capacity=4)

@@ -142,7 +142,7 @@ def test_annotations_pass_and_grammars_compile_once(compiler):
     assert m1 is not m2 and not m1.failed
 
 
-def test_a_matcher_s_mask_ahead_of_drafts_leaves_it_where_it_was(compiler, tiny_core):
+def test_a_matcher_s_mask_ahead_of_drafts_leaves_it_where_it_was(runtime, compiler, tiny_core):
     """GrammarMatcher.ahead: the mask after some tokens, as a matcher that consumed them gives it, with the matcher
     back where it was; past a token the grammar refuses, the mask before that token."""
     import array
@@ -152,7 +152,7 @@ def test_a_matcher_s_mask_ahead_of_drafts_leaves_it_where_it_was(compiler, tiny_
     tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
     grammar = compiler.json_schema({"type": "array", "items": {"const": "fox"}, "minItems": 3, "maxItems": 3})
     text = tok.encode('["fox","fox","fox"]', add_special_tokens=False).ids
-    words = (open_core(tiny_core).config.vocab_size + 31) // 32
+    words = (runtime.core.config.vocab_size + 31) // 32
 
     def mask(m):
         w = array.array("I", bytes(4 * words))

@@ -36,26 +36,8 @@ import triton.language as tl
 
 from flared.model.kernels.fused import lanes_first_max, lanes_take, parts_first_max
 
-_M31 = 0x7FFFFFFF
 RACE_BLOCK = 2048  # logits per program iteration of the race
 RACE_PROGRAMS = 264  # programs the race aims for (two per H200 multiprocessor)
-
-
-def _mix(x: torch.Tensor, multiplier: int, shift: int) -> torch.Tensor:
-    x = x ^ (x >> shift)
-    return (x * multiplier) & _M31
-
-
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """seeds, steps [B, 1] int64; token_ids [B, V] int64 -> [B, V] float32 in (0, 1]."""
-    x = (seeds & _M31) ^ ((seeds >> 31) & _M31)
-    x = (x * 0x6C8E9CF5 + (steps & _M31)) & _M31
-    x = _mix(x, 0x45D9F3B, 16)
-    x = (x * 0x2C1B3C6D + token_ids) & _M31
-    x = _mix(x, 0x297A2D39, 15)
-    x = _mix(x, 0x5BD1E995, 13)
-    x = x ^ (x >> 16)
-    return (x.to(torch.float32) + 1.0) * (1.0 / 2147483648.0)
 
 
 @triton.jit
@@ -68,7 +50,8 @@ def _mix_tl(x, multiplier: tl.constexpr, shift: tl.constexpr):
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, vocab, chunk, n_chunks, stride,
                        BLOCK: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
-    Score: x / T - log(-log u), u from uniform_noise's hash of (seed, step, token id); a row at temperature 0
+    Score: x / T - log(-log u), u in (0, 1] from a counter hash of (seed, step, token id) (its torch form:
+    tests/cuda/test_graph_sampler.py's uniform_noise); a row at temperature 0
     scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax."""
     row = tl.program_id(0)
     part = tl.program_id(1)
