@@ -1,7 +1,7 @@
 """The decode graphs' samplers (flared/model/kernels/sampling.py): the race over the whole vocabulary with no sort
-(the TEMPERATURE graphs), and the full sampler's top-k/top-p masks over the same race, so a row draws the same
-token in either; and the executor picking the TEMPERATURE graphs for steps whose drawing rows have no top-k or
-top-p."""
+(the TEMPERATURE graphs), and the full sampler's top-k/top-p masks over the same race (found by the walk up the
+ranking, no sort), so a row draws the same token in either; and the executor picking the TEMPERATURE graphs for
+steps whose drawing rows have no top-k or top-p."""
 
 import math
 import sys
@@ -104,6 +104,61 @@ def test_the_full_sampler_keeps_its_masks_and_draws_as_the_race():
         else:
             assert got[i] == race[i]
     assert len({int(got[i]) for i in range(2, n, 3)}) > 10  # the plain rows draw widely
+
+
+def _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps):
+    """Top-k/top-p by a stable sort in float64 (rank: larger logit first, smaller id first among equal ones), then
+    the float64 race over the kept tokens; the argmax at temperature 0."""
+    batch, vocab = logits.shape
+    masked = torch.full_like(logits, float("-inf"), dtype=torch.float64)
+    for r in range(batch):
+        x = logits[r].double()
+        order = torch.sort(x, descending=True, stable=True).indices
+        probs = torch.softmax(x / max(float(temperature[r]), 1e-5), 0)[order]
+        k = int(top_k[r]) if int(top_k[r]) > 0 else vocab
+        keep = (torch.arange(vocab, device=x.device) < k) & (probs.cumsum(0) - probs < float(top_p[r]))
+        masked[r, order[keep]] = x[order[keep]]
+    return _reference_race(masked, temperature, seeds, steps).where(temperature > 0, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("batch, vocab, spread", [(24, 3000, 2.0), (8, 49152, 0.5), (64, 128256, 3.0)])
+def test_the_walk_draws_the_masked_race_s_token(batch, vocab, spread):
+    """sample_full's token for every row is the float64 race's over the row's top-k/top-p tokens, at several steps:
+    logits rounded to bf16 (many equal logits: ranks among them by id), top-k 1 to 1,000, top-p 0.01 to 1, greedy
+    rows, rows with masked (-inf) tokens; the walk's passes are reported, 0 for rows without masks."""
+    from flared.model.kernels.sampling import sample_full
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = (torch.randn(batch, vocab, device="cuda", generator=g) * spread).bfloat16().float()
+    logits[1, ::3] = float("-inf")
+    ks = [0, 1, 2, 5, 40, 1000]
+    ps = [1.0, 0.01, 0.3, 0.9, 0.95]
+    top_k = torch.tensor([ks[i % len(ks)] for i in range(batch)], dtype=torch.int32, device="cuda")
+    top_p = torch.tensor([ps[i % len(ps)] for i in range(batch)], device="cuda")
+    temperature = torch.tensor([0.0 if i % 7 == 6 else 0.4 + 0.1 * (i % 9) for i in range(batch)], device="cuda")
+    seeds = torch.arange(batch, device="cuda", dtype=torch.int64) * 104729 + (3 << 33)
+    for step in range(3):
+        steps = torch.full((batch,), step * 17, dtype=torch.int64, device="cuda")
+        passes = torch.full((batch,), -1, dtype=torch.int32, device="cuda")
+        got = sample_full(logits, temperature, top_k, top_p, seeds, steps, passes)
+        want = _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps)
+        assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
+        walks = (temperature > 0) & ((top_k > 0) | (top_p < 1))
+        assert bool((passes[~walks] == 0).all()) and bool((passes[walks] >= 1).all()), passes.tolist()
+
+
+def test_the_walk_keeps_only_the_top_token_at_top_k_1():
+    """Top-k 1 is the argmax at any temperature; a row whose logits are all equal takes its first id."""
+    from flared.model.kernels.sampling import sample_full
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(32, 49152, device="cuda", generator=g) * 0.2
+    logits[5] = 1.0
+    n = logits.shape[0]
+    got = sample_full(logits, torch.full((n,), 2.0, device="cuda"), torch.ones(n, dtype=torch.int32, device="cuda"),
+                      torch.ones(n, device="cuda"), torch.arange(n, dtype=torch.int64, device="cuda"),
+                      torch.arange(n, dtype=torch.int64, device="cuda"))
+    assert torch.equal(got, logits.argmax(dim=-1)) and int(got[5]) == 0
 
 
 def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):

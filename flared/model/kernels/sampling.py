@@ -1,11 +1,11 @@
 """Sampling on the GPU inside a captured graph: no host sync, fixed shapes.
 
 ``sample_greedy`` is the argmax; ``sample_race`` draws each row at its
-temperature from the whole vocabulary (no sort: one pass, the graphs of steps
-whose sampled rows have no top-k or top-p); ``sample_full`` applies
-temperature, top-k and top-p per row (a sort for the masks) and draws with
-the same race, so a row draws the same token in either. Rows with
-temperature 0 take the argmax in every one.
+temperature from the whole vocabulary (one pass, the graphs of steps whose
+sampled rows have no top-k or top-p); ``sample_full`` applies temperature,
+top-k and top-p per row with no sort and draws with the same race, so a row
+draws the same token in either. Rows with temperature 0 take the argmax in
+every one.
 
 Graph variants (the fourth field of a graph key, kernels.GREEDY, FULL and
 TEMPERATURE) pick among them.
@@ -21,6 +21,22 @@ Rules:
   space that is argmax(x_i / T - log E_i) over the kept tokens (the Gumbel-max
   trick), with no softmax: the Triton kernels below, in blocks of the
   vocabulary across programs, then one pick per row.
+- Top-k and top-p keep a prefix of the row in rank order (larger logit
+  first, the smaller id first among equal logits, as a stable sort): token i
+  is kept iff fewer than k tokens rank before it and their probability mass
+  is below p. ``sample_full`` finds the race's winner among the kept tokens
+  without sorting: the winner over all tokens is checked (a pass counting
+  the tokens ranked before it and their mass); if it is not kept, nothing
+  ranked after it is either, so the next candidate is the race's winner among
+  the tokens ranked before it (same scores), and so on. The candidates climb
+  the ranking, so the walk ends. The token is the masked race's exactly.
+- The race's CANDIDATES best-scored tokens are checked in one pass, and the
+  walk follows them while its next candidate is among them (every token
+  scored above a candidate is one): a draw inside the nucleus, or a few
+  tokens outside it, costs one pass whatever the row, so a step's time does
+  not swing with its draws (the scheduler stops stacking a second step
+  behind one that overruns its estimate). Past them the walk takes a pass a
+  candidate: on flat rows with a small top-k about log(V / k) passes.
 - Integer arithmetic stays below 2**62 (31-bit lanes times 31-bit
   constants) so int64 never overflows.
 - Penalties, logit bias, min-p and log-probabilities are not here: the
@@ -38,6 +54,10 @@ from flared.model.kernels.fused import lanes_first_max, lanes_take, parts_first_
 
 RACE_BLOCK = 2048  # logits per program iteration of the race
 RACE_PROGRAMS = 264  # programs the race aims for (two per H200 multiprocessor)
+WALK_BLOCK = 8192  # logits per iteration of the top-k/top-p walk (one program a row; tools/bench_graph_sampler.py)
+WALK_WARPS = 32
+CANDIDATES = 4  # the race's best tokens a row's first walk pass checks at once
+LIST_BLOCK = 2048  # logits per iteration of that pass
 
 
 @triton.jit
@@ -47,24 +67,35 @@ def _mix_tl(x, multiplier: tl.constexpr, shift: tl.constexpr):
 
 
 @triton.jit
-def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, vocab, chunk, n_chunks, stride,
-                       BLOCK: tl.constexpr):
+def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, Scores, PartMax, PartSum,
+                       vocab, chunk, n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(-log u), u in (0, 1] from a counter hash of (seed, step, token id) (its torch form:
     tests/cuda/test_graph_sampler.py's uniform_noise); a row at temperature 0
-    scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax."""
+    scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax.
+    FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
+    first index among equal ones); for a row with top-k or top-p also the scores into Scores [B, vocab] and the
+    chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(Temperature + row)
     seed = tl.load(Seeds + row)
     step = tl.load(Steps + row)
+    walks = False
+    if FULL:
+        walks = (t > 0) & ((tl.load(TopK + row) > 0) | (tl.load(TopP + row) < 1.0))
     h = (seed & 0x7FFFFFFF) ^ ((seed >> 31) & 0x7FFFFFFF)
     h = (h * 0x6C8E9CF5 + (step & 0x7FFFFFFF)) & 0x7FFFFFFF
     h = _mix_tl(h, 0x45D9F3B, 16)
     start = part * chunk
     stop = tl.minimum(start + chunk, vocab)
-    lane_v = tl.full((BLOCK,), float("-inf"), tl.float32)
-    lane_i = tl.zeros((BLOCK,), tl.int32)
+    # Per lane its largest scores, largest first (FULL: four; strict >: an earlier block keeps a tie).
+    v0 = tl.full((BLOCK,), float("-inf"), tl.float32)
+    i0 = tl.zeros((BLOCK,), tl.int32)
+    v1, i1, v2, i2, v3, i3 = v0, i0, v0, i0, v0, i0
+    lane_m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_s = tl.zeros((BLOCK,), tl.float32)
+    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
     for base in range(start, stop, BLOCK):
         cols = base + tl.arange(0, BLOCK)
         mask = cols < stop
@@ -79,10 +110,49 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, voca
         else:
             y = x
         y = tl.where(x == x, y, float("inf"))
-        lane_v, lane_i = lanes_take(y, cols, lane_v, lane_i)
-    m, first = lanes_first_max(lane_v, lane_i, start)
-    tl.store(PartVal + row * n_chunks + part, m)
-    tl.store(PartIdx + row * n_chunks + part, first)
+        if FULL:
+            g0 = y > v0
+            g1 = y > v1
+            g2 = y > v2
+            g3 = y > v3
+            v3 = tl.where(g2, v2, tl.where(g3, y, v3))
+            i3 = tl.where(g2, i2, tl.where(g3, cols, i3))
+            v2 = tl.where(g1, v1, tl.where(g2, y, v2))
+            i2 = tl.where(g1, i1, tl.where(g2, cols, i2))
+            v1 = tl.where(g0, v0, tl.where(g1, y, v1))
+            i1 = tl.where(g0, i0, tl.where(g1, cols, i1))
+            v0 = tl.where(g0, y, v0)
+            i0 = tl.where(g0, cols, i0)
+        else:
+            v0, i0 = lanes_take(y, cols, v0, i0)
+        if walks:
+            tl.store(Scores + row * vocab + cols, y, mask=mask)
+            v = x * inv_t
+            m = tl.maximum(lane_m, v)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(v - m_safe)
+            lane_m = m
+    if FULL:
+        # The chunk's four largest: each round takes the largest lane head (its first index) and pops that lane.
+        out = (row * n_chunks + part) * J
+        for j in tl.static_range(J):
+            m, first = lanes_first_max(v0, i0, start)
+            tl.store(PartVal + out + j, m)
+            tl.store(PartIdx + out + j, first)
+            hit = (i0 == first) & (v0 == m)
+            v0, i0 = tl.where(hit, v1, v0), tl.where(hit, i1, i0)
+            v1, i1 = tl.where(hit, v2, v1), tl.where(hit, i2, i1)
+            v2, i2 = tl.where(hit, v3, v2), tl.where(hit, i3, i2)
+            v3 = tl.where(hit, float("-inf"), v3)
+    else:
+        m, first = lanes_first_max(v0, i0, start)
+        tl.store(PartVal + row * n_chunks + part, m)
+        tl.store(PartIdx + row * n_chunks + part, first)
+    if walks:
+        top = tl.max(lane_m, 0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        tl.store(PartMax + row * n_chunks + part, top)
+        tl.store(PartSum + row * n_chunks + part, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
 
 
 @triton.jit
@@ -91,20 +161,127 @@ def _race_pick_kernel(PartVal, PartIdx, Out, n_chunks, PARTS: tl.constexpr):
     tl.store(Out + row, parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS))
 
 
+@triton.jit
+def _extract(vec, lanes, j):
+    """Element j of a small vector (a candidate's field)."""
+    return tl.sum(tl.where(lanes == j, vec, 0), 0)
+
+
+@triton.jit
+def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, PartVal, PartIdx, PartMax, PartSum, Out, Passes, vocab,
+                 n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr, J: tl.constexpr):
+    """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
+    at temperature > 0 with top-k or top-p) one pass checking all of them: the walk follows them while its next
+    candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
+    passes each row took."""
+    row = tl.program_id(0)
+    t = tl.load(Temperature + row)
+    k = tl.load(TopK + row)
+    p = tl.load(TopP + row)
+    # The row's J largest scores over all parts, largest first, the first index among equal ones.
+    q = tl.arange(0, PARTS)
+    qmask = q < n_chunks * J
+    pv = tl.load(PartVal + row * n_chunks * J + q, mask=qmask, other=float("-inf"))
+    pi = tl.load(PartIdx + row * n_chunks * J + q, mask=qmask, other=2147483647)
+    lanes = tl.arange(0, J)
+    cy = tl.full((J,), float("-inf"), tl.float32)
+    ci = tl.zeros((J,), tl.int32)
+    for j in tl.static_range(J):
+        m = tl.max(pv, 0)
+        first = tl.min(tl.where(pv == m, pi, 2147483647), 0)
+        cy = tl.where(lanes == j, m, cy)
+        ci = tl.where(lanes == j, first, ci)
+        pv = tl.where((pi == first) & (pv == m), float("-inf"), pv)
+    c = _extract(ci, lanes, 0).to(tl.int64)
+    passes = row * 0
+    if (t > 0) & ((k > 0) | (p < 1.0)):
+        pm = tl.load(PartMax + row * n_chunks + q, mask=q < n_chunks, other=float("-inf"))
+        ps = tl.load(PartSum + row * n_chunks + q, mask=q < n_chunks, other=0.0)
+        top = tl.max(pm, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(ps * tl.exp(pm - top), 0)
+        inv_t = 1.0 / t
+        # A candidate is kept iff fewer than max_before tokens rank before it and their mass is below max_mass.
+        max_before = tl.where(k > 0, k, 2147483647)
+        max_mass = tl.where(p < 1.0, p * total, float("inf"))
+        valid = cy > float("-inf")
+        cx = tl.load(Logits + row * stride + ci, mask=valid, other=float("-inf"))
+        # One pass: for every candidate the tokens ranked before it (a larger logit, or an equal one at a smaller
+        # id) and their mass.
+        lane_n = tl.zeros((LIST, J), tl.int32)
+        lane_w = tl.zeros((LIST, J), tl.float32)
+        for base in range(0, vocab, LIST):
+            cols = base + tl.arange(0, LIST)
+            x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+            ahead = ((cols < vocab)[:, None] & ((x[:, None] > cx[None, :])
+                                                 | ((x[:, None] == cx[None, :]) & (cols[:, None] < ci[None, :]))))
+            lane_n += ahead.to(tl.int32)
+            lane_w += tl.where(ahead, tl.exp(x * inv_t - top)[:, None], 0.0)
+        kept = ((tl.sum(lane_n, 0) < max_before) & (tl.sum(lane_w, 0) < max_mass)) | ~valid
+        passes += 1
+        # Walk the candidates: after a rejected one the next is the best-scored candidate ranked before it, if
+        # any (every token scored above a candidate is a candidate); past them, c is the last rejected one.
+        cur = row * 0
+        walking = t > 0
+        listed = t > 0
+        for _ in tl.static_range(J):
+            if walking & listed:
+                if _extract(kept.to(tl.int32), lanes, cur) > 0:
+                    walking = t < 0
+                else:
+                    xcur = _extract(cx, lanes, cur)
+                    icur = _extract(ci, lanes, cur)
+                    before = valid & ((cx > xcur) | ((cx == xcur) & (ci < icur)))
+                    nxt = tl.min(tl.where(before, lanes, J), 0)
+                    listed = nxt < J
+                    cur = tl.where(listed, nxt, cur)
+        c = _extract(ci, lanes, cur).to(tl.int64)
+        # Past the candidates: a pass a candidate, starting from the last rejected one (checked again: its pass
+        # also finds the next candidate).
+        walking = walking & ~listed
+        while walking:
+            xc = tl.load(Logits + row * stride + c)
+            lane_n1 = tl.zeros((BLOCK,), tl.int32)
+            lane_w1 = tl.zeros((BLOCK,), tl.float32)
+            lane_v = tl.full((BLOCK,), float("-inf"), tl.float32)
+            lane_i = tl.zeros((BLOCK,), tl.int32)
+            for base in range(0, vocab, BLOCK):
+                cols = base + tl.arange(0, BLOCK)
+                x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+                ahead1 = (cols < vocab) & ((x > xc) | ((x == xc) & (cols < c)))
+                lane_n1 += ahead1.to(tl.int32)
+                lane_w1 += tl.where(ahead1, tl.exp(x * inv_t - top), 0.0)
+                y = tl.load(Scores + row * vocab + cols, mask=ahead1, other=float("-inf"))
+                lane_v, lane_i = lanes_take(tl.where(ahead1, y, float("-inf")), cols, lane_v, lane_i)
+            best, nxt1 = lanes_first_max(lane_v, lane_i, 0)
+            passes += 1
+            kept1 = (tl.sum(lane_n1, 0) < max_before) & (tl.sum(lane_w1, 0) < max_mass)
+            # Nothing ranked before the candidate (or only NaN scores): it is the top-ranked token; keep it.
+            walking = (best > float("-inf")) & ~kept1
+            c = tl.where(walking, nxt1.to(tl.int64), c)
+    tl.store(Out + row, c)
+    tl.store(Passes + row, passes)
+
+
+def _parts(batch: int, vocab: int) -> tuple[int, int]:
+    blocks = triton.cdiv(vocab, RACE_BLOCK)
+    per_row = max(1, min(blocks, triton.cdiv(RACE_PROGRAMS, batch)))
+    chunk = triton.cdiv(blocks, per_row) * RACE_BLOCK
+    return chunk, triton.cdiv(vocab, chunk)
+
+
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 steps: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32 (-inf: a token the row may not draw); temperature [B] float32; seeds/steps [B]
     int64 -> [B] int64: each row's draw at its temperature from its logits (the argmax at temperature 0)."""
     batch, vocab = logits.shape
-    blocks = triton.cdiv(vocab, RACE_BLOCK)
-    per_row = max(1, min(blocks, triton.cdiv(RACE_PROGRAMS, batch)))
-    chunk = triton.cdiv(blocks, per_row) * RACE_BLOCK
-    n_chunks = triton.cdiv(vocab, chunk)
+    chunk, n_chunks = _parts(batch, vocab)
     part_val = torch.empty(batch, n_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, vocab, chunk,
-                                          n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, num_warps=8)
+    _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
+                                          part_val, part_val, part_val, vocab, chunk, n_chunks, logits.stride(0),
+                                          BLOCK=RACE_BLOCK, FULL=False, J=1, num_warps=8)
     _race_pick_kernel[(batch,)](part_val, part_idx, out, n_chunks, PARTS=triton.next_power_of_2(n_chunks),
                                 num_warps=1)
     return out
@@ -116,19 +293,26 @@ def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+                seeds: torch.Tensor, steps: torch.Tensor, passes: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
-    seeds/steps [B] int64 -> [B] int64."""
-    vocab = logits.shape[-1]
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperature.clamp_min(1e-5)[:, None]
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.where(top_k > 0, top_k, vocab).to(torch.int64)
-    # The first token is always kept: its mass_before is 0 < top_p and rank 0 < k.
-    keep = (ranks[None, :] < k[:, None]) & (mass_before < top_p[:, None])
-    kept = torch.zeros_like(keep).scatter_(1, sorted_ids, keep)  # back in vocabulary order
-    drawn = sample_race(torch.where(kept, logits, float("-inf")), temperature, seeds, steps)
-    return torch.where(temperature == 0, greedy, drawn)
+    seeds/steps [B] int64 -> [B] int64: the race's draw among each row's top-k/top-p tokens (the argmax at
+    temperature 0). ``passes`` ([B] int32, optional): the walk's passes over each row (0: no walk)."""
+    batch, vocab = logits.shape
+    chunk, n_chunks = _parts(batch, vocab)
+    dev = logits.device
+    part_val = torch.empty(batch, n_chunks, CANDIDATES, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(batch, n_chunks, CANDIDATES, dtype=torch.int32, device=dev)
+    part_max = torch.empty(batch, n_chunks, dtype=torch.float32, device=dev)
+    part_sum = torch.empty(batch, n_chunks, dtype=torch.float32, device=dev)
+    scores = torch.empty(batch, vocab, dtype=torch.float32, device=dev)
+    out = torch.empty(batch, dtype=torch.int64, device=dev)
+    if passes is None:
+        passes = torch.empty(batch, dtype=torch.int32, device=dev)
+    _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
+                                          scores, part_max, part_sum, vocab, chunk, n_chunks, logits.stride(0),
+                                          BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES, num_warps=8)
+    _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, part_val, part_idx, part_max, part_sum, out,
+                           passes, vocab, n_chunks, logits.stride(0),
+                           PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
+                           J=CANDIDATES, num_warps=WALK_WARPS)
+    return out

@@ -1,0 +1,218 @@
+"""The decode graphs' top-k/top-p sampler: the walk up the ranking (``sample_full``, no sort) against the sort it
+replaced, in one run.
+
+Kernels (always): each sampler captured in a CUDA graph over fixed logits, the step counter advanced inside the
+graph so every replay draws anew; microseconds a call from CUDA events over ``--replays`` replays, beside the
+race without masks (``sample_race``, the TEMPERATURE graphs' sampler: the floor). Two kinds of rows: "zipf"
+(probabilities falling as rank^-2 in a shuffled vocabulary, as a trained model's next token; its nucleus is a few
+tokens) and "flat" (normal logits, std 0.5: a random model's). "passes": the walk's mean passes over a row.
+
+Serving (``--serving``): sampled streams (temperature ``--temperature``, top-p 0.95 or top-k 40, each seeded with
+its index) through the graph executor with each sampler captured into its graphs, tok/s over the whole run
+(prefill included), best of ``--repeats``, the two alternating; temperature alone (TEMPERATURE graphs) beside.
+Random bf16 weights of bench_gpu's shapes.
+
+    python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--json]
+
+CUDA only. Prints tables; with --json, one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PARAMS = {"top-p 0.95": (0, 0.95), "top-k 40": (40, 1.0), "top-k 40 + top-p 0.9": (40, 0.9)}
+
+
+def sort_sample_full(logits, temperature, top_k, top_p, seeds, steps, passes=None):
+    """The sampler the walk replaced (main until the thirty-fourth session): sort each row for the masks, then the
+    same race over the kept tokens."""
+    from flared.model.kernels.sampling import sample_race
+
+    vocab = logits.shape[-1]
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / temperature.clamp_min(1e-5)[:, None]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab).to(torch.int64)
+    keep = (ranks[None, :] < k[:, None]) & (mass_before < top_p[:, None])
+    kept = torch.zeros_like(keep).scatter_(1, sorted_ids, keep)
+    drawn = sample_race(torch.where(kept, logits, float("-inf")), temperature, seeds, steps)
+    return torch.where(temperature == 0, greedy, drawn)
+
+
+def rows_of(kind: str, batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if kind == "flat":
+        return torch.randn(batch, vocab, device="cuda", generator=g) * 0.5
+    rank = torch.arange(1, vocab + 1, device="cuda", dtype=torch.float32)
+    out = torch.empty(batch, vocab, device="cuda")
+    for b in range(batch):
+        out[b] = (-2.0 * rank.log())[torch.randperm(vocab, device="cuda", generator=g)]
+    return out
+
+
+def time_graph(fn, replays: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+@torch.inference_mode()
+def bench_kernels(args, out: dict, tag: str = "") -> None:
+    from flared.model.kernels.sampling import sample_full, sample_race
+
+    print(f"{'rows x vocab':>14} {'kind':5} {'params':21} {'kept':>7} {'sort us':>8} {'walk us':>8} {'ratio':>6} "
+          f"{'passes':>6} {'race us':>8}")
+    for shape in args.kernel_shapes.split(","):
+        batch, vocab = (int(v) for v in shape.split("x"))
+        for kind in ("zipf", "flat"):
+            logits = rows_of(kind, batch, vocab)
+            temperature = torch.full((batch,), args.temperature, device="cuda")
+            seeds = torch.arange(batch, dtype=torch.int64, device="cuda") * 7919 + 11
+            steps = torch.zeros(batch, dtype=torch.int64, device="cuda")
+            race_us = time_graph(lambda: (sample_race(logits, temperature, seeds, steps), steps.add_(1)),
+                                 args.replays)
+            for name, (k, p) in PARAMS.items():
+                top_k = torch.full((batch,), k, dtype=torch.int32, device="cuda")
+                top_p = torch.full((batch,), p, device="cuda")
+                probs = torch.softmax(logits[0] / args.temperature, 0).sort(descending=True).values
+                kept = int(min(k or vocab, int(((probs.cumsum(0) - probs) < p).sum())))
+                passes = torch.zeros(batch, dtype=torch.int32, device="cuda")
+                total = torch.zeros(batch, dtype=torch.int64, device="cuda")
+                sort_us = time_graph(lambda: (sort_sample_full(logits, temperature, top_k, top_p, seeds, steps),
+                                              steps.add_(1)), args.replays)
+                steps.zero_()
+                walk_us = time_graph(lambda: (sample_full(logits, temperature, top_k, top_p, seeds, steps, passes),
+                                              total.add_(passes), steps.add_(1)), args.replays)
+                mean_passes = float(total.sum()) / batch / (args.replays + 8)  # 3 eager runs + 5 warm replays
+                row = {"sort_us": round(sort_us, 1), "walk_us": round(walk_us, 1),
+                       "ratio": round(sort_us / walk_us, 2), "passes": round(mean_passes, 2),
+                       "race_us": round(race_us, 1), "kept_row0": kept}
+                out[f"kernel|{tag}{shape}|{kind}|{name}"] = row
+                print(f"{shape:>14} {kind:5} {name:21} {kept:>7} {sort_us:8.1f} {walk_us:8.1f} "
+                      f"{row['ratio']:6.2f} {row['passes']:6.2f} {race_us:8.1f}", flush=True)
+
+
+@torch.inference_mode()
+def bench_serving(args, out: dict) -> None:
+    import flared.model.kernels.paged_decoder as pd
+    from bench_gpu import SHAPES, graph_executor, make_hf, prompts, serving
+
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    print(f"\n{'shape':6} {'streams':>7} {'params':21} {'sort tok/s':>10} {'walk tok/s':>10} {'ratio':>6} "
+          f"{'temperature alone':>17}   GPU us a step (sort / walk / alone)")
+    for shape in args.shapes.split(","):
+        hf = make_hf(shape, torch.bfloat16)
+        model = serving(hf, torch.bfloat16)
+        del hf
+        torch.cuda.empty_cache()
+        concurrency = max(args.streams)
+        walk_fn = pd.sample_full
+        pairs = {}
+        try:
+            pd.sample_full = sort_sample_full
+            pairs["sort"] = graph_executor(model, concurrency)
+            pd.sample_full = walk_fn
+            pairs["walk"] = graph_executor(model, concurrency)
+            vocab = SHAPES[shape]["vocab_size"]
+            for streams in args.streams:
+                for name, (k, top_p) in list(PARAMS.items())[:2]:
+                    params = [SamplingParams(temperature=args.temperature, top_k=k, top_p=top_p, seed=i,
+                                             max_tokens=args.tokens) for i in range(streams)]
+                    alone = [SamplingParams(temperature=args.temperature, seed=i, max_tokens=args.tokens)
+                             for i in range(streams)]
+                    best = {}
+                    for repeat in range(args.repeats):
+                        # Fresh prompts every repeat (the same for sort and walk, in their own schedulers;
+                        # others for the run alone): no run resumes another's cached prompts.
+                        seed = 1000 * streams + 10 * repeat + len(out)
+                        p = prompts(vocab, streams, args.prompt, seed=seed)
+                        for label, pair, ps, pr in (("sort", pairs["sort"], params, p),
+                                                    ("walk", pairs["walk"], params, p),
+                                                    ("alone", pairs["walk"], alone,
+                                                     prompts(vocab, streams, args.prompt, seed=seed + 1))):
+                            r = drive(pair[0], pair[1], pr, ps)
+                            tok_s = streams * args.tokens / (r.wall_ns / 1e9)
+                            steps = sum(r.steps_by_kind.values())
+                            if tok_s > best.get(label, (0, 0))[0]:
+                                best[label] = (tok_s, r.gpu_ns / 1e3 / max(1, steps), r.tokens)
+                    row = {"sort_tok_s": round(best["sort"][0], 1), "walk_tok_s": round(best["walk"][0], 1),
+                           "ratio": round(best["walk"][0] / best["sort"][0], 3),
+                           "alone_tok_s": round(best["alone"][0], 1),
+                           "gpu_us_per_step": [round(best[x][1], 1) for x in ("sort", "walk", "alone")],
+                           "same_tokens": sum(a == b for a, b in zip(best["sort"][2], best["walk"][2]))}
+                    out[f"serving|{shape}|{streams}|{name}"] = row
+                    print(f"{shape:6} {streams:>7} {name:21} {row['sort_tok_s']:10,.0f} {row['walk_tok_s']:10,.0f} "
+                          f"{row['ratio']:6.2f} {row['alone_tok_s']:17,.0f}   "
+                          f"{' / '.join(f'{v:,.0f}' for v in row['gpu_us_per_step'])}  "
+                          f"(same tokens {row['same_tokens']}/{streams})", flush=True)
+        finally:
+            pd.sample_full = walk_fn
+            for pair in pairs.values():
+                pair[1].close()
+        del model
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel-shapes", default="1x49152,16x49152,64x49152,1x128256,64x128256", help="'': none")
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--walk-variants", default="", help="BLOCK/WARPS,...: the walk kernel's shapes to time")
+    ap.add_argument("--serving", action="store_true")
+    ap.add_argument("--shapes", default="135m")
+    ap.add_argument("--streams", default="1,16,64")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    out = {"device": torch.cuda.get_device_name(), "temperature": args.temperature}
+    if args.walk_variants:
+        import flared.model.kernels.sampling as sampling
+
+        for variant in args.walk_variants.split(","):
+            sampling.WALK_BLOCK, sampling.WALK_WARPS = (int(v) for v in variant.split("/"))
+            print(f"\nwalk: {sampling.WALK_BLOCK} logits an iteration, {sampling.WALK_WARPS} warps")
+            bench_kernels(args, out, f"{variant}|")
+    elif args.kernel_shapes:
+        bench_kernels(args, out)
+    if args.serving:
+        bench_serving(args, out)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
