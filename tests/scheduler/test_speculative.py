@@ -311,17 +311,30 @@ def test_config_bounds():
 
 
 def _drive(tiny_hf_llama, spec, prompts, params):
+    """The requests through the scheduler and the eager executor. Each step's duration is modelled from the tokens
+    it feeds (2 ms + 50 us a token) in place of the host's measured time, and the scheduler's clock advances by
+    it: the policy prices drafts from step durations, so on a loaded machine measured times would change which
+    drafts are fed (the tokens would not change; the step counts the tests compare would)."""
     from flared.execution.eager import EagerExecutor
     from flared.execution.offline import drive
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
 
+    clock = [0]
+
+    class ModelledTime(EagerExecutor):
+        def run(self, plan, tables, states):
+            records, _measured, *rest = super().run(plan, tables, states)
+            duration = 2_000_000 + 50_000 * int(np.sum(plan.num_tokens))
+            clock[0] += duration
+            return (records, duration, *rest)
+
     src = read_source(tiny_hf_llama)
     model = DecoderModel(src.config, src.tensors, dtype=torch.float32, device="cpu", max_positions=256)
     s = _scheduler(spec=spec)
-    ex = EagerExecutor(model, num_pages=64, page_tokens=16, num_state_rows=5, num_snapshots=16,
-                       vocab_size=src.config.vocab_size, max_live=4)
-    return drive(s, ex, prompts, params, speculate=True), s
+    ex = ModelledTime(model, num_pages=64, page_tokens=16, num_state_rows=5, num_snapshots=16,
+                      vocab_size=src.config.vocab_size, max_live=4)
+    return drive(s, ex, prompts, params, speculate=True, clock_ns=lambda: clock[0]), s
 
 
 def test_speculative_steps_give_the_tokens_of_plain_decoding(tiny_hf_llama):
