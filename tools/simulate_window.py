@@ -1,16 +1,18 @@
 """The two-frame model-thread loop on a simulated clock: the real scheduler, no model.
 
     python tools/simulate_window.py [--shape 135m] [--streams 64] [--prompt 128] [--new 256]
-                                    [--jitter 0.1] [--runs 5] [--cold] [--json]
+                                    [--jitter 0.1] [--runs 5] [--cold] [--cached N] [--json]
 
 ``offline.drive`` (the loop bench_gpu measures) runs the real RequestScheduler against ``SimExecutor``:
 the executor's submit/poll contract (two frames in flight at most, completions in order) whose steps
 take the GPU durations measured on the H200 (docs/benchmarks.md, eighth session), with ``--jitter``
 relative noise, and whose host costs (planning + packing + launch, completion) advance the same clock.
 Every token is 7 (requests finish by length). As bench_gpu does, a 4-token drive on other prompts
-measures the shapes first (``--cold`` skips it). It prints, per run, the decode steps, their batch sizes,
-how often the loop drained the window, and the output tok/s the simulated clock gives, so scheduler
-changes can be judged on CPU before a GPU run. Durations are a model, not a measurement.
+measures the shapes first (``--cold`` skips it); ``--cached N`` drives the measured prompts N times before, so
+the measured drive resumes every prompt from the prefix cache (its restore steps' sizes are printed). It prints,
+per run, the decode steps, their batch sizes, how often the loop drained the window, and the output tok/s the
+simulated clock gives, so scheduler changes can be judged on CPU before a GPU run. Durations are a model, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class SimExecutor:
         self.drained_decode_rows: list[int] = []  # the rows of each decode step that found the window empty
         self.drains = 0
         self.last_token_ns = 0
+        self.restore_rows: list[int] = []  # the rows of each restore step (cached prompts resumed)
 
     @property
     def outstanding(self) -> int:
@@ -88,6 +91,8 @@ class SimExecutor:
         n = plan.num_participants
         if plan.kind_name == "DECODE":
             self.decode_rows.append(n)
+        elif plan.kind_name == "RESTORE":
+            self.restore_rows.append(n)
         records = plan_records(plan, np.where(np.asarray(plan.sample) == 1, 7, -1), copies_ns)
         self.frames.append((self.gpu_free_at, records, dur, plan.kind_name))
         return len(self.frames)
@@ -100,7 +105,10 @@ class SimExecutor:
         return (None, records, dur)
 
 
-def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, seed: int, warm: bool = True) -> dict:
+def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, seed: int, warm: bool = True,
+             cached: int = 0) -> dict:
+    """``cached``: drives of the measured prompts before the measured one, so its prompts are all in the prefix
+    cache and resume (restore + resume-sampling) instead of prefilling."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_gpu import PREFILL_CHUNK, scheduler
 
@@ -120,15 +128,17 @@ def simulate(shape: str, streams: int, prompt: int, new: int, jitter: float, see
     if warm:
         other = [[3 + rng.randrange(1000) for _ in range(prompt)] for _ in range(streams)]
         drive(sched, ex, other, [SamplingParams(temperature=0.0, max_tokens=4)] * streams, clock_ns=lambda: ex.now)
-    ex.decode_rows, ex.drained_decode_rows, ex.drains, t0 = [], [], 0, ex.now
     prompts = [[3 + rng.randrange(1000) for _ in range(prompt)] for _ in range(streams)]
     params = [SamplingParams(temperature=0.0, max_tokens=new)] * streams
+    for _ in range(cached):
+        drive(sched, ex, prompts, params, clock_ns=lambda: ex.now)
+    ex.decode_rows, ex.drained_decode_rows, ex.drains, ex.restore_rows, t0 = [], [], 0, [], ex.now
     r = drive(sched, ex, prompts, params, clock_ns=lambda: ex.now)
     assert all(len(t) == new for t in r.tokens)
     rows = collections.Counter(ex.decode_rows)
     return {"decode_steps": len(ex.decode_rows), "steps": dict(r.steps_by_kind), "drains": ex.drains,
             "tok_s": streams * new / ((ex.last_token_ns - t0) / 1e9),
-            "rows": dict(sorted(rows.items())), "first_rows": ex.decode_rows[:40],
+            "rows": dict(sorted(rows.items())), "first_rows": ex.decode_rows[:40], "restore_rows": ex.restore_rows,
             "drained_rows": dict(sorted(collections.Counter(ex.drained_decode_rows).items()))}
 
 
@@ -141,17 +151,22 @@ def main(argv=None) -> int:
     ap.add_argument("--jitter", type=float, default=0.1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="no warm drive: the measured run meets unmeasured shapes")
+    ap.add_argument("--cached", type=int, default=0,
+                    help="drives of the measured prompts first: the measured one resumes them from the prefix cache")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = []
     print(f"{'run':>3} {'decode steps':>12} {'drains':>6} {'tok/s':>9}  decode rows (count)")
     for run in range(args.runs):
-        res = simulate(args.shape, args.streams, args.prompt, args.new, args.jitter, seed=run, warm=not args.cold)
+        res = simulate(args.shape, args.streams, args.prompt, args.new, args.jitter, seed=run, warm=not args.cold,
+                       cached=args.cached)
         out.append(res)
-        print(f"{run:3d} {res['decode_steps']:12d} {res['drains']:6d} {res['tok_s']:9,.0f}  {res['rows']}")
+        print(f"{run:3d} {res['decode_steps']:12d} {res['drains']:6d} {res['tok_s']:9,.0f}  {res['rows']}"
+              + (f"  restores {res['restore_rows']}" if res["restore_rows"] else ""))
     print("first decode steps' rows (last run):", out[-1]["first_rows"])
     if args.json:
-        print(json.dumps({"shape": args.shape, "streams": args.streams, "cold": args.cold, "runs": out}))
+        print(json.dumps({"shape": args.shape, "streams": args.streams, "cold": args.cold, "cached": args.cached,
+                          "runs": out}))
     return 0
 
 
