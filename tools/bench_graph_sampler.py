@@ -12,7 +12,12 @@ its index) through the graph executor with each sampler captured into its graphs
 (prefill included), best of ``--repeats``, the two alternating; temperature alone (TEMPERATURE graphs) beside.
 Random bf16 weights of bench_gpu's shapes.
 
-    python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--json]
+Features (``--features``): the same serving drive, top-p 0.95 streams against the same streams each with one more
+setting: min-p (drawn in the graphs' sampler), and a repetition penalty, log-probabilities or a logit bias, which the
+graphs' sampler does not take, so those rows are drawn by the torch Sampler after the graph (the executor's eager
+rows): tok/s, host and GPU us a step.
+
+    python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
 
 CUDA only. Prints tables; with --json, one JSON object as the last line.
 """
@@ -182,6 +187,53 @@ def bench_serving(args, out: dict) -> None:
         torch.cuda.empty_cache()
 
 
+FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1": {"repetition_penalty": 1.1},
+            "+ logprobs 5": {"logprobs": 5}, "+ logit bias": {"logit_bias": {t: -2.0 for t in range(100, 110)}}}
+
+
+def bench_features(args, out: dict) -> None:
+    from bench_gpu import SHAPES, graph_executor, make_hf, prompts, serving
+
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams
+
+    print(f"\n{'shape':6} {'streams':>7} {'params':18} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
+          f"{'GPU us/step':>11} {'steps':>6}")
+    for shape in args.shapes.split(","):
+        hf = make_hf(shape, torch.bfloat16)
+        model = serving(hf, torch.bfloat16)
+        del hf
+        torch.cuda.empty_cache()
+        pair = graph_executor(model, max(args.streams))
+        vocab = SHAPES[shape]["vocab_size"]
+        try:
+            for streams in args.streams:
+                best = {}
+                for repeat in range(args.repeats):
+                    for j, (name, extra) in enumerate(FEATURES.items()):
+                        params = [SamplingParams(temperature=args.temperature, top_p=0.95, seed=i,
+                                                 max_tokens=args.tokens, **extra) for i in range(streams)]
+                        pr = prompts(vocab, streams, args.prompt, seed=7000 * streams + 100 * repeat + j)
+                        r = drive(pair[0], pair[1], pr, params)
+                        steps = max(1, sum(r.steps_by_kind.values()))
+                        tok_s = streams * args.tokens / (r.wall_ns / 1e9)
+                        if tok_s > best.get(name, {}).get("tok_s", 0):
+                            best[name] = {"tok_s": round(tok_s, 1),
+                                          "host_us_per_step": round(r.host_ns / 1e3 / steps, 1),
+                                          "gpu_us_per_step": round(r.gpu_ns / 1e3 / steps, 1), "steps": steps}
+                base = best["top-p 0.95"]["tok_s"]
+                for name, row in best.items():
+                    row["ratio"] = round(row["tok_s"] / base, 3)
+                    out[f"features|{shape}|{streams}|{name}"] = row
+                    print(f"{shape:6} {streams:>7} {name:18} {row['tok_s']:8,.0f} {row['ratio']:6.2f} "
+                          f"{row['host_us_per_step']:12,.0f} {row['gpu_us_per_step']:11,.0f} {row['steps']:6}",
+                          flush=True)
+        finally:
+            pair[1].close()
+        del model
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel-shapes", default="1x49152,16x49152,64x49152,1x128256,64x128256", help="'': none")
@@ -189,6 +241,7 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--walk-variants", default="", help="BLOCK/WARPS,...: the walk kernel's shapes to time")
     ap.add_argument("--serving", action="store_true")
+    ap.add_argument("--features", action="store_true")
     ap.add_argument("--shapes", default="135m")
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--prompt", type=int, default=128)
@@ -209,6 +262,8 @@ def main() -> int:
         bench_kernels(args, out)
     if args.serving:
         bench_serving(args, out)
+    if args.features:
+        bench_features(args, out)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -50,7 +50,7 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
                                      pack_prefill, speculative_batch_sizes, speculative_rows)
-from flared.model.kernels import FULL, GREEDY, TEMPERATURE
+from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler
 from flared.runtime.request import TokenLogprob
@@ -304,11 +304,12 @@ class GraphExecutor:
         scratch = self.decoder.scratch_slot
         # each row's per-request LoRA adapter, where the graphs run adapters (else lora_ids is never read)
         adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
-        # The sampler the step's graph needs: greedy while no row draws; temperature alone (no sort) while no
-        # drawing row has a top-k or top-p; else the full one.
+        # The sampler the step's graph needs: greedy while no row draws; temperature alone (no masks) while no
+        # drawing row has a min-p, top-k or top-p; else the full one.
         drawing = [s.params for s in states if s is not None and s.params.temperature > 0]
         full_sampling = (GREEDY if not drawing else
-                         TEMPERATURE if all(p.top_k == 0 and p.top_p >= 1.0 for p in drawing) else FULL)
+                         TEMPERATURE if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p <= 0 for p in drawing)
+                         else FULL)
         if kind == "decode_spec":
             key = self.graphs.pick_speculative(n, full_sampling)
             cap = key[1]
@@ -340,6 +341,8 @@ class GraphExecutor:
             v[f + "temperature"][i] = p.temperature
             v[f + "top_k"][i] = p.top_k
             v[f + "top_p"][i] = p.top_p
+            # llama.cpp's chain judges min-p on the unscaled logits (graph_samples: its top-p is off)
+            v[f + "min_p_log"][i] = min_p_log_threshold(p.min_p, p.temperature, bool(p.sampler_order))
             v[f + "seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
             v[f + "steps"][i] = s.num_output_tokens + (int(depths[i]) if depths is not None else 0)
         v[f + "temperature"][n:batch_rows] = 0.0
@@ -362,7 +365,7 @@ class GraphExecutor:
         else:
             for name in ("token_ids", "positions", "slot_ids") + (("lora_ids",) if adapters is not None else ()):
                 self._upload(frame, name, token_rows)
-            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "seeds", "steps",
+            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "min_p_log", "seeds", "steps",
                          "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)

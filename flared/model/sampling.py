@@ -273,11 +273,11 @@ class SamplingParams:
 
     @property
     def graph_drawable(self) -> bool:
-        """A decode graph's own sampler draws every token of this request (temperature, top-k and top-p, the
-        temperature first, on logits nothing shapes), whatever its state: SequenceSamplingState.graph_samples
+        """A decode graph's own sampler draws every token of this request (temperature, min-p, top-k and top-p,
+        the temperature first, on logits nothing shapes), whatever its state: SequenceSamplingState.graph_samples
         holds at every position."""
         return (self.position_only and self.logprobs is None and not self.logit_bias and self.allowed_token_ids is None
-                and self.min_tokens == 0 and self.min_p == 0 and self.typical_p == 1.0 and self.xtc_probability == 0
+                and self.min_tokens == 0 and self.typical_p == 1.0 and self.xtc_probability == 0
                 and self.top_n_sigma <= 0 and self.dynatemp_range == 0
                 and (not self.sampler_order or (self.top_p == 1.0 and self.sampler_order == LLAMA_CPP_ORDER)))
 
@@ -325,11 +325,11 @@ class SequenceSamplingState:
 
     @property
     def graph_samples(self) -> bool:
-        """A decode graph's own sampler can draw this row's token: it takes temperature, top-k and top-p, the
-        temperature first (vLLM's order), on logits nothing shaped; everything else runs in this Sampler after
-        the graph (the GPU executor's eager rows)."""
+        """A decode graph's own sampler can draw this row's token: it takes temperature, min-p, top-k and top-p,
+        the temperature first (vLLM's order; llama.cpp's default chain without its top-p), on logits nothing
+        shaped; everything else runs in this Sampler after the graph (the GPU executor's eager rows)."""
         p = self.params
-        return not (self.grammar is not None or self.shapes_logits or p.min_p > 0 or p.typical_p < 1.0
+        return not (self.grammar is not None or self.shapes_logits or p.typical_p < 1.0
                     or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0 or p.top_n_sigma > 0
                     or p.dynatemp_range > 0
                     # llama.cpp's chain: its top-p judges the unscaled logits, and another chain than its default

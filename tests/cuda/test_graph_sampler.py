@@ -1,7 +1,7 @@
 """The decode graphs' samplers (flared/model/kernels/sampling.py): the race over the whole vocabulary with no sort
-(the TEMPERATURE graphs), and the full sampler's top-k/top-p masks over the same race (found by the walk up the
-ranking, no sort), so a row draws the same token in either; and the executor picking the TEMPERATURE graphs for
-steps whose drawing rows have no top-k or top-p."""
+(the TEMPERATURE graphs), and the full sampler's min-p/top-k/top-p masks over the same race (found by the walk up
+the ranking, no sort), so a row draws the same token in either; and the executor picking the TEMPERATURE graphs for
+steps whose drawing rows have no min-p, top-k or top-p."""
 
 import math
 import sys
@@ -106,17 +106,26 @@ def test_the_full_sampler_keeps_its_masks_and_draws_as_the_race():
     assert len({int(got[i]) for i in range(2, n, 3)}) > 10  # the plain rows draw widely
 
 
-def _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps):
-    """Top-k/top-p by a stable sort in float64 (rank: larger logit first, smaller id first among equal ones), then
-    the float64 race over the kept tokens; the argmax at temperature 0."""
+def _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps, min_p_log=None):
+    """Min-p/top-k/top-p by a stable sort in float64 (rank: larger logit first, smaller id first among equal ones),
+    then the float64 race over the kept tokens; the argmax at temperature 0. Min-p (``min_p_log``, the kernel's
+    threshold: kept iff x / T >= max x / T + min_p_log, judged in float32 as the kernel does) first; top-p's mass
+    is then a share of what min-p kept."""
     batch, vocab = logits.shape
     masked = torch.full_like(logits, float("-inf"), dtype=torch.float64)
     for r in range(batch):
         x = logits[r].double()
         order = torch.sort(x, descending=True, stable=True).indices
-        probs = torch.softmax(x / max(float(temperature[r]), 1e-5), 0)[order]
+        t = max(float(temperature[r]), 1e-5)
+        probs = torch.softmax(x / t, 0)[order]
+        kept_by_min_p = torch.ones(vocab, dtype=torch.bool, device=x.device)
+        if min_p_log is not None and float(min_p_log[r]) > float("-inf"):
+            scaled = logits[r].float() * (1.0 / temperature[r:r + 1].float())
+            kept_by_min_p = (scaled >= scaled.max() + min_p_log[r].float())[order]
+            probs = probs / probs[kept_by_min_p].sum()
         k = int(top_k[r]) if int(top_k[r]) > 0 else vocab
-        keep = (torch.arange(vocab, device=x.device) < k) & (probs.cumsum(0) - probs < float(top_p[r]))
+        keep = (kept_by_min_p & (torch.arange(vocab, device=x.device) < k)
+                & (probs.cumsum(0) - probs < float(top_p[r])))
         masked[r, order[keep]] = x[order[keep]]
     return _reference_race(masked, temperature, seeds, steps).where(temperature > 0, logits.argmax(dim=-1))
 
@@ -145,6 +154,39 @@ def test_the_walk_draws_the_masked_race_s_token(batch, vocab, spread):
         assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
         walks = (temperature > 0) & ((top_k > 0) | (top_p < 1))
         assert bool((passes[~walks] == 0).all()) and bool((passes[walks] >= 1).all()), passes.tolist()
+
+
+@pytest.mark.parametrize("batch, vocab, spread", [(24, 3000, 2.0), (8, 49152, 0.5), (64, 128256, 3.0)])
+def test_the_walk_draws_the_masked_race_s_token_with_min_p(batch, vocab, spread):
+    """With min-p (vLLM's order: first, top-p then judging shares of what it kept) beside top-k and top-p, and rows
+    without it: every row's token is the float64 reference's; a row with min-p alone walks; min-p 1 keeps only the
+    row's largest logits."""
+    from flared.model.kernels import min_p_log_threshold
+    from flared.model.kernels.sampling import sample_full
+
+    g = torch.Generator(device="cuda").manual_seed(vocab + 1)
+    logits = (torch.randn(batch, vocab, device="cuda", generator=g) * spread).bfloat16().float()
+    logits[2, ::5] = float("-inf")
+    ks = [0, 0, 5, 40, 1000]
+    ps = [1.0, 0.9, 1.0, 0.95, 0.3, 0.99]
+    mps = [0.05, 0.0, 0.2, 1e-4, 0.6, 1.0, 0.01]
+    top_k = torch.tensor([ks[i % len(ks)] for i in range(batch)], dtype=torch.int32, device="cuda")
+    top_p = torch.tensor([ps[i % len(ps)] for i in range(batch)], device="cuda")
+    temperature = torch.tensor([0.0 if i % 8 == 7 else 0.5 + 0.15 * (i % 6) for i in range(batch)], device="cuda")
+    min_p_log = torch.tensor([min_p_log_threshold(mps[i % len(mps)], float(temperature[i])) for i in range(batch)],
+                             device="cuda")
+    seeds = torch.arange(batch, device="cuda", dtype=torch.int64) * 7727 + (5 << 35)
+    for step in range(3):
+        steps = torch.full((batch,), step * 29 + 1, dtype=torch.int64, device="cuda")
+        passes = torch.full((batch,), -1, dtype=torch.int32, device="cuda")
+        got = sample_full(logits, temperature, top_k, top_p, seeds, steps, passes, min_p_log=min_p_log)
+        want = _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps, min_p_log)
+        assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
+        walks = (temperature > 0) & ((top_k > 0) | (top_p < 1) | (min_p_log > float("-inf")))
+        assert bool((passes[~walks] == 0).all()) and bool((passes[walks] >= 1).all()), passes.tolist()
+        for i in range(batch):
+            if mps[i % len(mps)] == 1.0 and float(temperature[i]) > 0:
+                assert float(logits[i, got[i]]) == float(logits[i].max())
 
 
 def test_the_walk_keeps_only_the_top_token_at_top_k_1():
@@ -197,3 +239,42 @@ def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
     finally:
         ex.close()
     assert both.tokens[0] == alone.tokens[0]
+
+
+def test_min_p_requests_are_drawn_in_the_graphs(hf, monkeypatch):
+    """A min-p request (vLLM's order, or llama.cpp's chain without its top-p) takes the FULL graphs and is never
+    sampled after them by the torch Sampler; at min-p 1 every token is the argmax, as greedy decoding's."""
+    from gpu_models import make_executor, make_scheduler, serving_model
+
+    from flared.execution.offline import drive
+    from flared.model.kernels import FULL
+    from flared.model.sampling import LLAMA_CPP_ORDER, SamplingParams
+
+    ex = make_executor(serving_model(hf))
+    picked = []
+    real = ex.graphs.pick_decode
+
+    def record(*args, **kwargs):
+        key = real(*args, **kwargs)
+        picked.append(key[3])
+        return key
+
+    def eager(*args, **kwargs):
+        raise AssertionError("a min-p row was sampled after the graph")
+
+    monkeypatch.setattr(ex.graphs, "pick_decode", record)
+    monkeypatch.setattr(ex, "_eager_sample", eager)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6]
+    params = [SamplingParams(temperature=0.5, min_p=0.1, seed=1, max_tokens=24),
+              SamplingParams(temperature=0.5, top_k=20, min_p=0.05, sampler_order=LLAMA_CPP_ORDER, seed=2,
+                             max_tokens=24),
+              SamplingParams(temperature=3.0, min_p=1.0, seed=3, max_tokens=24)]
+    try:
+        got = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
+        assert set(picked) == {FULL}
+        greedy = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts,
+                       [SamplingParams(temperature=0.0, max_tokens=24)] * 3)  # the same batch shapes
+    finally:
+        ex.close()
+    assert all(len(t) == 24 for t in got.tokens)
+    assert got.tokens[2] == greedy.tokens[2]

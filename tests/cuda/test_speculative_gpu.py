@@ -110,9 +110,9 @@ def test_float32_a_sampled_request_rides_along_and_a_small_cap_still_verifies(hf
 
 
 def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(hf):
-    """Seeded sampled requests (temperature, top-k, top-p) feed drafts too: the graph draws row j of a request at
-    its draw count plus j, a draft is kept where the draw equals it, and the tokens are plain decoding's, draw for
-    draw. A min-p request is not the graph sampler's: it would ride along without drafts. (The tiny random model's
+    """Seeded sampled requests (temperature, top-k, top-p, min-p) feed drafts too: the graph draws row j of a
+    request at its draw count plus j, a draft is kept where the draw equals it, and the tokens are plain decoding's,
+    draw for draw. A typical-p request is not the graph sampler's: it would ride along without drafts. (The tiny random model's
     logits spread about 0.2: its temperatures are scaled down to where its draws mostly follow the loops its
     argmax makes, as a trained model's draws follow a passage it copies, or the lookup would find no draft.)"""
     import dataclasses
@@ -124,7 +124,7 @@ def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(h
     prompts = PROMPTS[:3]
     params = [SamplingParams(temperature=0.003, seed=3, max_tokens=48),
               SamplingParams(temperature=0.01, top_k=4, top_p=0.95, seed=8, max_tokens=48),
-              SamplingParams(temperature=0.006, seed=1, max_tokens=48)]
+              SamplingParams(temperature=0.006, min_p=0.1, seed=1, max_tokens=48)]
 
     def run(ex, sched, params, speculate):
         ticks = iter(range(1, 10**9))
@@ -140,7 +140,7 @@ def test_float32_sampled_requests_speculate_and_draw_what_plain_decoding_draws(h
     ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
     try:
         assert all(ex.speculates(p) for p in params)
-        assert not ex.speculates(SamplingParams(temperature=0.02, min_p=0.05))
+        assert not ex.speculates(SamplingParams(temperature=0.02, typical_p=0.9))
         sched = _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows)
         got = run(ex, sched, params, True)
     finally:

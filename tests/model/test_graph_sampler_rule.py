@@ -1,6 +1,6 @@
 """Which rows the GPU executor samples eagerly (after the graph) instead of in the graph's own sampler, which
-takes temperature, top-k and top-p with the temperature first (vLLM's order): everything that sampler does not
-do, llama.cpp's chain with a top-p (its filters judge the distribution before the temperature), and any chain but
+takes temperature, min-p, top-k and top-p with the temperature first (vLLM's order): everything that sampler does
+not do, llama.cpp's chain with a top-p (its filters judge the distribution before the temperature), and any chain but
 llama.cpp's default (it may leave out the temperature or top-k)."""
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
     (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), True),
     (SamplingParams(temperature=0.8, top_k=40, sampler_order=("top_k",)), True),  # no temperature in the chain
     (SamplingParams(temperature=0.8, top_n_sigma=1.0), True),
-    (SamplingParams(temperature=0.8, min_p=0.05), True),
+    (SamplingParams(temperature=0.8, min_p=0.05), False),
+    (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05), False),
+    (SamplingParams(temperature=0.8, top_k=40, min_p=0.05, sampler_order=LLAMA_CPP_ORDER), False),
+    (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True),
+    (SamplingParams(temperature=0.8, min_p=0.05, typical_p=0.9), True),
     (SamplingParams(temperature=0.8, xtc_probability=0.5), True),
     (SamplingParams(temperature=0.8, mirostat=2), True),
 ])
@@ -30,6 +34,7 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3), True, True, True),
     (SamplingParams(temperature=0.8, top_k=40, sampler_order=LLAMA_CPP_ORDER), True, True, True),
     (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True, True, False),
+    (SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=5), True, True, True),
     (SamplingParams(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05), True, True, False),
     (SamplingParams(temperature=0.8, min_tokens=3, min_tokens_banned=frozenset({1}), max_tokens=8), True, True,
      False),

@@ -100,6 +100,8 @@ class StaticInputs:
     steps: torch.Tensor  # [B_max] int64, tokens drawn so far by the row
     # [T_max] int32: each token row's per-request LoRA adapter (0 = the base weights); read only with ``lora``
     lora_ids: torch.Tensor | None = None
+    # [B_max] float32: each row's min-p as kernels.min_p_log_threshold (-inf = off); None: no min-p
+    min_p_log: torch.Tensor | None = None
 
 
 class PagedCudaDecoder:
@@ -662,12 +664,13 @@ class PagedCudaDecoder:
                 s: StaticInputs) -> None:
         """The step's tokens from its logits [batch, V] (sampling inputs from ``s``) into ``sampled`` and the state
         rows' ``last_token``. ``full_sampling``: the graph variant (flared.model.kernels): GREEDY (0/False), FULL
-        (1/True: temperature, top-k, top-p) or TEMPERATURE (2: temperature alone, no sort)."""
+        (1/True: temperature, min-p, top-k, top-p) or TEMPERATURE (2: temperature alone, no sort)."""
         if full_sampling == TEMPERATURE:
             tokens = sample_race(logits, s.temperature[:batch], s.seeds[:batch], s.steps[:batch])
         elif full_sampling == FULL:
             tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
-                                 s.steps[:batch])
+                                 s.steps[:batch],
+                                 min_p_log=s.min_p_log[:batch] if s.min_p_log is not None else None)
         else:
             tokens = sample_greedy(logits)
         self.sampled[:batch].copy_(tokens)

@@ -2,9 +2,9 @@
 
 ``sample_greedy`` is the argmax; ``sample_race`` draws each row at its
 temperature from the whole vocabulary (one pass, the graphs of steps whose
-sampled rows have no top-k or top-p); ``sample_full`` applies temperature,
-top-k and top-p per row with no sort and draws with the same race, so a row
-draws the same token in either. Rows with temperature 0 take the argmax in
+sampled rows have no top-k, top-p or min-p); ``sample_full`` applies
+temperature, min-p, top-k and top-p per row with no sort and draws with the
+same race, so a row draws the same token in either. Rows with temperature 0 take the argmax in
 every one.
 
 Graph variants (the fourth field of a graph key, kernels.GREEDY, FULL and
@@ -21,11 +21,20 @@ Rules:
   space that is argmax(x_i / T - log E_i) over the kept tokens (the Gumbel-max
   trick), with no softmax: the Triton kernels below, in blocks of the
   vocabulary across programs, then one pick per row.
-- Top-k and top-p keep a prefix of the row in rank order (larger logit
-  first, the smaller id first among equal logits, as a stable sort): token i
-  is kept iff fewer than k tokens rank before it and their probability mass
-  is below p. ``sample_full`` finds the race's winner among the kept tokens
-  without sorting: the winner over all tokens is checked (a pass counting
+- Min-p, top-k and top-p keep a prefix of the row in rank order (larger
+  logit first, the smaller id first among equal logits, as a stable sort):
+  token i is kept iff its probability is at least min_p times the largest
+  (x_i / T >= max x / T + log min_p: a threshold in the row's scaled logits,
+  its log handed in), fewer than k tokens rank before it and their
+  probability mass is below p. That mass is a share of the row's, or with
+  min-p of the tokens min-p keeps (vLLM's order: min-p first, the rest on
+  what it kept, renormalised). Not renormalised after top-k: with both
+  top-k and top-p, top-p judges shares of the whole row (the CPU
+  sampler, vLLM and llama.cpp renormalise over the k), so such a row may
+  keep more of its k tokens here (the same where the k tokens hold nearly
+  all the mass, as a trained model's top 40 usually do; docs/gpu.md).
+  ``sample_full`` finds the race's winner among the kept tokens without
+  sorting: the winner over all tokens is checked (a pass counting
   the tokens ranked before it and their mass); if it is not kept, nothing
   ranked after it is either, so the next candidate is the race's winner among
   the tokens ranked before it (same scores), and so on. The candidates climb
@@ -39,7 +48,7 @@ Rules:
   candidate: on flat rows with a small top-k about log(V / k) passes.
 - Integer arithmetic stays below 2**62 (31-bit lanes times 31-bit
   constants) so int64 never overflows.
-- Penalties, logit bias, min-p and log-probabilities are not here: the
+- Penalties, logit bias and log-probabilities are not here: the
   executor runs ``flared.model.sampling.Sampler`` on the graph's logits for
   rows that ask for them.
 """
@@ -67,14 +76,15 @@ def _mix_tl(x, multiplier: tl.constexpr, shift: tl.constexpr):
 
 
 @triton.jit
-def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, Scores, PartMax, PartSum,
-                       vocab, chunk, n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr):
+def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Scores, PartMax,
+                       PartSum, vocab, chunk, n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr,
+                       J: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(-log u), u in (0, 1] from a counter hash of (seed, step, token id) (its torch form:
     tests/cuda/test_graph_sampler.py's uniform_noise); a row at temperature 0
     scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax.
     FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
-    first index among equal ones); for a row with top-k or top-p also the scores into Scores [B, vocab] and the
+    first index among equal ones); for a row with top-k, top-p or min-p also the scores into Scores [B, vocab] and the
     chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk."""
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -83,7 +93,8 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     step = tl.load(Steps + row)
     walks = False
     if FULL:
-        walks = (t > 0) & ((tl.load(TopK + row) > 0) | (tl.load(TopP + row) < 1.0))
+        walks = (t > 0) & ((tl.load(TopK + row) > 0) | (tl.load(TopP + row) < 1.0)
+                           | (tl.load(MinP + row) > float("-inf")))
     h = (seed & 0x7FFFFFFF) ^ ((seed >> 31) & 0x7FFFFFFF)
     h = (h * 0x6C8E9CF5 + (step & 0x7FFFFFFF)) & 0x7FFFFFFF
     h = _mix_tl(h, 0x45D9F3B, 16)
@@ -168,16 +179,18 @@ def _extract(vec, lanes, j):
 
 
 @triton.jit
-def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, PartVal, PartIdx, PartMax, PartSum, Out, Passes, vocab,
-                 n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr, J: tl.constexpr):
+def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx, PartMax, PartSum, Out, Passes,
+                 vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr,
+                 J: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
-    at temperature > 0 with top-k or top-p) one pass checking all of them: the walk follows them while its next
+    at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its next
     candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
     passes each row took."""
     row = tl.program_id(0)
     t = tl.load(Temperature + row)
     k = tl.load(TopK + row)
     p = tl.load(TopP + row)
+    mp = tl.load(MinP + row)  # log min-p in the row's scaled logits; -inf: off
     # The row's J largest scores over all parts, largest first, the first index among equal ones.
     q = tl.arange(0, PARTS)
     qmask = q < n_chunks * J
@@ -194,30 +207,38 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, PartVal, PartIdx, Part
         pv = tl.where((pi == first) & (pv == m), float("-inf"), pv)
     c = _extract(ci, lanes, 0).to(tl.int64)
     passes = row * 0
-    if (t > 0) & ((k > 0) | (p < 1.0)):
+    if (t > 0) & ((k > 0) | (p < 1.0) | (mp > float("-inf"))):
         pm = tl.load(PartMax + row * n_chunks + q, mask=q < n_chunks, other=float("-inf"))
         ps = tl.load(PartSum + row * n_chunks + q, mask=q < n_chunks, other=0.0)
         top = tl.max(pm, 0)
         top = tl.where(top == float("-inf"), 0.0, top)
         total = tl.sum(ps * tl.exp(pm - top), 0)
         inv_t = 1.0 / t
-        # A candidate is kept iff fewer than max_before tokens rank before it and their mass is below max_mass.
+        # Min-p keeps the tokens whose scaled logit is at least thr (the largest always).
+        thr = top + mp
+        # A candidate is kept iff min-p keeps it, fewer than max_before tokens rank before it and their mass is
+        # below max_mass (p times the mass min-p keeps, which the first pass adds up).
         max_before = tl.where(k > 0, k, 2147483647)
-        max_mass = tl.where(p < 1.0, p * total, float("inf"))
         valid = cy > float("-inf")
         cx = tl.load(Logits + row * stride + ci, mask=valid, other=float("-inf"))
         # One pass: for every candidate the tokens ranked before it (a larger logit, or an equal one at a smaller
-        # id) and their mass.
+        # id) and their mass; and the mass of the tokens min-p keeps.
         lane_n = tl.zeros((LIST, J), tl.int32)
         lane_w = tl.zeros((LIST, J), tl.float32)
+        lane_z = tl.zeros((LIST,), tl.float32)
         for base in range(0, vocab, LIST):
             cols = base + tl.arange(0, LIST)
             x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
             ahead = ((cols < vocab)[:, None] & ((x[:, None] > cx[None, :])
                                                  | ((x[:, None] == cx[None, :]) & (cols[:, None] < ci[None, :]))))
+            e = tl.exp(x * inv_t - top)
             lane_n += ahead.to(tl.int32)
-            lane_w += tl.where(ahead, tl.exp(x * inv_t - top)[:, None], 0.0)
-        kept = ((tl.sum(lane_n, 0) < max_before) & (tl.sum(lane_w, 0) < max_mass)) | ~valid
+            lane_w += tl.where(ahead, e[:, None], 0.0)
+            lane_z += tl.where(x * inv_t >= thr, e, 0.0)
+        kept_mass = tl.where(mp > float("-inf"), tl.sum(lane_z, 0), total)
+        max_mass = tl.where(p < 1.0, p * kept_mass, float("inf"))
+        kept = (((tl.sum(lane_n, 0) < max_before) & (tl.sum(lane_w, 0) < max_mass) & (cx * inv_t >= thr))
+                | ~valid)
         passes += 1
         # Walk the candidates: after a rejected one the next is the best-scored candidate ranked before it, if
         # any (every token scored above a candidate is a candidate); past them, c is the last rejected one.
@@ -255,7 +276,7 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, PartVal, PartIdx, Part
                 lane_v, lane_i = lanes_take(tl.where(ahead1, y, float("-inf")), cols, lane_v, lane_i)
             best, nxt1 = lanes_first_max(lane_v, lane_i, 0)
             passes += 1
-            kept1 = (tl.sum(lane_n1, 0) < max_before) & (tl.sum(lane_w1, 0) < max_mass)
+            kept1 = (tl.sum(lane_n1, 0) < max_before) & (tl.sum(lane_w1, 0) < max_mass) & (xc * inv_t >= thr)
             # Nothing ranked before the candidate (or only NaN scores): it is the top-ranked token; keep it.
             walking = (best > float("-inf")) & ~kept1
             c = tl.where(walking, nxt1.to(tl.int64), c)
@@ -280,7 +301,8 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     part_idx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
-                                          part_val, part_val, part_val, vocab, chunk, n_chunks, logits.stride(0),
+                                          temperature, part_val, part_val, part_val, vocab, chunk, n_chunks,
+                                          logits.stride(0),
                                           BLOCK=RACE_BLOCK, FULL=False, J=1, num_warps=8)
     _race_pick_kernel[(batch,)](part_val, part_idx, out, n_chunks, PARTS=triton.next_power_of_2(n_chunks),
                                 num_warps=1)
@@ -293,10 +315,13 @@ def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                seeds: torch.Tensor, steps: torch.Tensor, passes: torch.Tensor | None = None) -> torch.Tensor:
+                seeds: torch.Tensor, steps: torch.Tensor, passes: torch.Tensor | None = None,
+                min_p_log: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
-    seeds/steps [B] int64 -> [B] int64: the race's draw among each row's top-k/top-p tokens (the argmax at
-    temperature 0). ``passes`` ([B] int32, optional): the walk's passes over each row (0: no walk)."""
+    seeds/steps [B] int64 -> [B] int64: the race's draw among each row's min-p/top-k/top-p tokens (the argmax at
+    temperature 0). ``passes`` ([B] int32, optional): the walk's passes over each row (0: no walk).
+    ``min_p_log`` ([B] float32, optional): each row's min-p as the log of the least probability ratio to the most
+    likely token in its scaled logits (kernels.min_p_log_threshold; -inf or None: off)."""
     batch, vocab = logits.shape
     chunk, n_chunks = _parts(batch, vocab)
     dev = logits.device
@@ -308,11 +333,13 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     out = torch.empty(batch, dtype=torch.int64, device=dev)
     if passes is None:
         passes = torch.empty(batch, dtype=torch.int32, device=dev)
+    if min_p_log is None:
+        min_p_log = torch.full((batch,), float("-inf"), dtype=torch.float32, device=dev)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          scores, part_max, part_sum, vocab, chunk, n_chunks, logits.stride(0),
-                                          BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES, num_warps=8)
-    _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, part_val, part_idx, part_max, part_sum, out,
-                           passes, vocab, n_chunks, logits.stride(0),
+                                          min_p_log, scores, part_max, part_sum, vocab, chunk, n_chunks,
+                                          logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES, num_warps=8)
+    _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, part_val, part_idx, part_max,
+                           part_sum, out, passes, vocab, n_chunks, logits.stride(0),
                            PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
                            J=CANDIDATES, num_warps=WALK_WARPS)
     return out
