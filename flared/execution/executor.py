@@ -52,7 +52,7 @@ from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefil
                                      pack_prefill, speculative_batch_sizes, speculative_rows)
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kv_cache import kv_pool_dtype
-from flared.model.sampling import Sampler
+from flared.model.sampling import Sampler, on_device
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind, scored_participants
 
@@ -269,8 +269,8 @@ class GraphExecutor:
         duration_ns = self._end[frame].elapsed_ns(self._start[frame])
         snapshot_ns = self._end[frame].elapsed_ns(self._copies_start[frame]) if pending.copies_timed else 0
         logprobs: list[TokenLogprob | None] = [None] * n
-        if pending.logprob_rows:
-            chosen, top_v, top_i = pending.logprob_out
+        if pending.logprob_rows:  # copied behind the step (_eager_sample), which copied.synchronize saw finish
+            chosen, top_v, top_i = (None if t is None else t.tolist() for t in pending.logprob_out)
             for k, (i, top_n) in enumerate(pending.logprob_rows):
                 top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
                 logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
@@ -528,22 +528,22 @@ class GraphExecutor:
     def _eager_sample(self, logits, sample_idx, rows, states, pending: _Pending) -> None:
         """flared.model.sampling.Sampler on the GPU for rows the graph sampler cannot serve."""
         d = self.decoder
-        idx = torch.as_tensor(sample_idx, dtype=torch.int64).to(self.device)
+        # (indices through pinned memory, no wait: the host keeps running ahead of the step's graph)
+        idx = on_device(list(sample_idx), self.device, dtype=torch.int64)
         row_states = [states[i] for i in sample_idx]
         out = self.sampler.sample(logits.index_select(0, idx), row_states)
         d.sampled.index_copy_(0, idx, out.token_ids)
-        d.last_token.index_copy_(0, torch.as_tensor(np.asarray(rows)[sample_idx]).to(self.device), out.token_ids)
+        d.last_token.index_copy_(0, on_device(np.asarray(rows)[sample_idx].tolist(), self.device, dtype=torch.int64),
+                                 out.token_ids)
         want = [(k, i, s.params.logprobs) for k, (i, s) in enumerate(zip(sample_idx, row_states))
                 if s.params.logprobs is not None]
         if want and out.chosen_logprobs is not None:
-            # SYNC: logprob rows are rare (opt-in per request); read them with the step.
-            chosen = out.chosen_logprobs.tolist()
-            top_v = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_i = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            # The rows' log-probabilities to pinned host memory behind the step (before its end event, which the
+            # token copy waits on), read in poll: no sync here.
+            at = on_device([k for k, _, _ in want], self.device, dtype=torch.int64)
             pending.logprob_rows = [(i, top_n) for _, i, top_n in want]
-            pending.logprob_out = ([chosen[k] for k, _, _ in want],
-                                   [top_v[k] for k, _, _ in want] if top_v else None,
-                                   [top_i[k] for k, _, _ in want] if top_i else None)
+            pending.logprob_out = tuple(None if t is None else t.index_select(0, at).to("cpu", non_blocking=True)
+                                        for t in (out.chosen_logprobs, out.top_logprobs, out.top_token_ids))
 
     # -- per-request LoRA adapters loaded while serving -----------------------------------------------
 

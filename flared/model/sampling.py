@@ -509,6 +509,15 @@ def shortlist(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     return (vals, ids, lse) if bool(ok.all()) else None
 
 
+def on_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device: to a GPU through pinned
+    memory and a copy queued on the current stream (torch.tensor(..., device=cuda) copies synchronously, so the
+    host would wait for the step's graph before each of the sampler's small tensors)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _row_seed(seed: int, step: int) -> int:
     # splitmix64 of (seed, step): decorrelates neighbouring steps and seeds, stays in 63 bits for manual_seed.
     z = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
@@ -642,7 +651,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, dtype=torch.int64, device=self.device)
+            rows = on_device(sampled_rows, self.device, dtype=torch.int64)
             drawn = self._draw(logits.index_select(0, rows), [states[i] for i in sampled_rows])
             token_ids.index_copy_(0, rows, drawn)
         for i, p in enumerate(params):
@@ -663,7 +672,7 @@ class Sampler:
         kept = [i for i, s in enumerate(states) if s.ahead is None]  # at_position's copies change nothing
         if kept:
             self._record_drawn([states[i] for i in kept], token_ids if len(kept) == len(states) else
-                               token_ids.index_select(0, torch.tensor(kept, device=self.device)))
+                               token_ids.index_select(0, on_device(kept, self.device)))
         return out
 
     @staticmethod
@@ -688,8 +697,8 @@ class Sampler:
                     oldest = s.history[s.history_len - n:s.history_len - n + 1]
                     self.output_counts[s.penalty_slot].index_add_(0, oldest, torch.full_like(oldest, -1,
                                                                                              dtype=torch.int32))
-            slots = torch.tensor([states[i].penalty_slot for i in penalty_rows], dtype=torch.int64, device=self.device)
-            chosen_tokens = token_ids.index_select(0, torch.tensor(penalty_rows, dtype=torch.int64, device=self.device))
+            slots = on_device([states[i].penalty_slot for i in penalty_rows], self.device, dtype=torch.int64)
+            chosen_tokens = token_ids.index_select(0, on_device(penalty_rows, self.device, dtype=torch.int64))
             self.output_counts.index_put_((slots, chosen_tokens),
                                           torch.ones_like(chosen_tokens, dtype=torch.int32), accumulate=True)
         for i, s in enumerate(states):
@@ -801,7 +810,7 @@ class Sampler:
         exponent = (longest - p.dry_allowed_length).clamp_min(0).to(row.dtype)
         if p.dry_base > 1.000001:  # llama.cpp's clamp: base ** exponent stays a finite float
             exponent = exponent.clamp_max(float(int(88.7228391 / math.log(p.dry_base))))
-        penalty = p.dry_multiplier * torch.pow(torch.tensor(p.dry_base, dtype=row.dtype, device=dev), exponent)
+        penalty = p.dry_multiplier * torch.pow(on_device(p.dry_base, dev, dtype=row.dtype), exponent)
         hit = longest >= p.dry_allowed_length
         if state.dry_breaker_ids.numel():
             hit[state.dry_breaker_ids] = False
@@ -846,7 +855,7 @@ class Sampler:
                 and s.banned_ids is not None and s.num_output_tokens < s.params.min_tokens]
         if not rows:
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        index = on_device(rows, logits.device, dtype=torch.int64)
         dead = torch.isneginf(logits.index_select(0, index)).all(dim=-1).tolist()  # a sync, for such rows only
         for i, is_dead in zip(rows, dead):
             if is_dead:
@@ -887,7 +896,7 @@ class Sampler:
             logits = logits.clone()
         if len(rows) == logits.shape[0]:
             return logits.masked_fill_(banned, float("-inf"))
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        index = on_device(rows, logits.device, dtype=torch.int64)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
         return logits
 
@@ -900,22 +909,22 @@ class Sampler:
                     cols.append(token)
                     values.append(float(bias))
         if rows:
-            index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
-            logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True)
+            index = (on_device(rows, self.device), on_device(cols, self.device))
+            logits.index_put_(index, on_device(values, self.device, dtype=logits.dtype), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState], rows: list[int]) -> None:
         dev = self.device
-        row_ids = torch.tensor(rows, dtype=torch.int64, device=dev)
-        slots = torch.tensor([states[i].penalty_slot for i in rows], dtype=torch.int64, device=dev)
+        row_ids = on_device(rows, dev, dtype=torch.int64)
+        slots = on_device([states[i].penalty_slot for i in rows], dev, dtype=torch.int64)
         counts = self.output_counts.index_select(0, slots)  # [P, V]
         for k, i in enumerate(rows):  # at_position's copies also count the tokens between their state and them
             if states[i].ahead:
                 self._count_ahead(counts[k], states[i])
         seen_in_output = counts > 0
         seen = seen_in_output | self.prompt_mask.index_select(0, slots)
-        rep = torch.tensor([states[i].params.repetition_penalty for i in rows], device=dev)[:, None]
-        freq = torch.tensor([states[i].params.frequency_penalty for i in rows], device=dev)[:, None]
-        pres = torch.tensor([states[i].params.presence_penalty for i in rows], device=dev)[:, None]
+        rep = on_device([states[i].params.repetition_penalty for i in rows], dev)[:, None]
+        freq = on_device([states[i].params.frequency_penalty for i in rows], dev)[:, None]
+        pres = on_device([states[i].params.presence_penalty for i in rows], dev)[:, None]
         sub = logits.index_select(0, row_ids)
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalised, sub)
@@ -964,7 +973,7 @@ class Sampler:
             b = torch.log(head[:-1] / head[1:])
             s_hat = (t * b).sum() / (t * t).sum()
             eps = s_hat - 1
-            n = torch.tensor(float(vocab), device=x.device)
+            n = on_device(float(vocab), x.device)
             k = ((eps * torch.exp2(mu)) / (1 - torch.pow(n, -eps))) ** (1 / s_hat)
             k = torch.nan_to_num(k, nan=1.0, posinf=float(vocab)).clamp(1, vocab).floor()
             keep_sorted = torch.arange(vocab, device=x.device) < k
@@ -988,8 +997,8 @@ class Sampler:
             if s.params.xtc_probability > 0:
                 self._generator.manual_seed(_row_seed(s.seed ^ _XTC_SALT, s.num_output_tokens))
                 coins[i] = torch.rand((), generator=self._generator, device=dev)
-        chance = torch.tensor([p.xtc_probability for p in params], device=dev)[:, None]
-        threshold = torch.tensor([p.xtc_threshold for p in params], device=dev)[:, None]
+        chance = on_device([p.xtc_probability for p in params], dev)[:, None]
+        threshold = on_device([p.xtc_threshold for p in params], dev)[:, None]
         probs = torch.softmax(logits, dim=-1)
         above = probs >= threshold
         least = torch.where(above, probs, float("inf")).min(dim=-1, keepdim=True).values
@@ -1007,42 +1016,42 @@ class Sampler:
                 out[i] = self._draw_chain(logits[i:i + 1], states[i])
             rest = [i for i in range(len(states)) if not params[i].sampler_order]
             if rest:
-                idx = torch.tensor(rest, dtype=torch.int64, device=dev)
+                idx = on_device(rest, dev, dtype=torch.int64)
                 out.index_copy_(0, idx, self._draw(logits.index_select(0, idx), [states[i] for i in rest]))
             return out
-        temperature = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        temperature = on_device([p.temperature for p in params], dev)[:, None]
         logits = logits / temperature
         if any(p.top_n_sigma > 0 for p in params):
-            logits = top_n_sigma_filter(logits, torch.tensor([p.top_n_sigma for p in params], device=dev)[:, None])
+            logits = top_n_sigma_filter(logits, on_device([p.top_n_sigma for p in params], dev)[:, None])
         if any(p.min_p > 0 for p in params):
-            logits = min_p_filter(logits, torch.tensor([p.min_p for p in params], device=dev)[:, None])
+            logits = min_p_filter(logits, on_device([p.min_p for p in params], dev)[:, None])
         if any(p.typical_p < 1.0 for p in params):
-            typical = torch.tensor([p.typical_p for p in params], device=dev)[:, None]
+            typical = on_device([p.typical_p for p in params], dev)[:, None]
             logits = typical_filter(logits, typical)
         vocab = logits.shape[-1]
         # Candidates sorted by logit: a top-k when every row has one (much cheaper than sorting the
         # vocabulary), else the whole sorted vocabulary. Either way a row keeps the same tokens.
         candidate_ids = None
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+            top_p = on_device([p.top_p for p in params], dev)[:, None]
             whole = None  # with a shortlist: each row's log normaliser over the whole vocabulary
             if all(p.top_k > 0 for p in params):
                 logits, candidate_ids = logits.topk(min(max(p.top_k for p in params), vocab), dim=-1)
             else:
-                short = shortlist(logits, torch.tensor([p.top_k for p in params], device=dev)[:, None], top_p)
+                short = shortlist(logits, on_device([p.top_k for p in params], dev)[:, None], top_p)
                 if short is not None:
                     logits, candidate_ids, whole = short
                 else:
                     logits, candidate_ids = logits.sort(dim=-1, descending=True)
             num_candidates = logits.shape[-1]
-            top_k = torch.tensor([min(p.top_k, num_candidates) if p.top_k > 0 else num_candidates for p in params],
-                                 device=dev)[:, None]
+            top_k = on_device([min(p.top_k, num_candidates) if p.top_k > 0 else num_candidates for p in params],
+                              dev)[:, None]
             ranks = torch.arange(num_candidates, device=dev)[None, :]
             logits = logits.masked_fill(ranks >= top_k, float("-inf"))
             if whole is None:
                 sorted_probs = torch.softmax(logits, dim=-1)
             else:  # rows without a top-k judge the whole vocabulary's probabilities; the others their k tokens'
-                has_k = torch.tensor([p.top_k > 0 for p in params], device=dev)[:, None]
+                has_k = on_device([p.top_k > 0 for p in params], dev)[:, None]
                 norm = torch.where(has_k, torch.logsumexp(logits, dim=-1, keepdim=True), whole)
                 sorted_probs = torch.exp(logits - norm)
             logits = logits.masked_fill(top_p_cut(sorted_probs, top_p), float("-inf"))
@@ -1083,12 +1092,12 @@ class Sampler:
             if stage == "temperature":
                 logits = dynamic_temperature(logits, p) if p.dynatemp_range > 0 else logits / p.temperature
             elif stage == "top_n_sigma" and p.top_n_sigma > 0:
-                logits = top_n_sigma_filter(logits, torch.tensor([[p.top_n_sigma]], device=dev))
+                logits = top_n_sigma_filter(logits, on_device([[p.top_n_sigma]], dev))
             elif stage == "top_k" and p.top_k > 0:
                 logits, keep = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1)
                 ids = keep if ids is None else ids.gather(1, keep)
             elif stage == "typ_p" and p.typical_p < 1.0:
-                logits = typical_filter(logits, torch.tensor([[p.typical_p]], device=dev))
+                logits = typical_filter(logits, on_device([[p.typical_p]], dev))
             elif stage == "top_p" and p.top_p < 1.0:
                 short = None if ids is not None else shortlist(logits, torch.zeros(1, 1, dtype=torch.int64),
                                                                torch.tensor([[p.top_p]]))
