@@ -51,6 +51,10 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 _MASK64 = (1 << 64) - 1
 DRY_MAX_MATCH = 64  # DRY's repeat lengths are counted to this many tokens (the default base makes that ~1e15)
 _XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coin
+# The least exponential a race draws (Sampler._race; kernels.sampling.E_FLOOR is the same on the GPU): a uniform
+# of 0 would give E = 0, and its token would win whatever its probability.
+E_FLOOR = 2.0 ** -24
+
 # llama.cpp's sampler names (its ``samplers``) as SamplingParams.sampler_order takes them. "penalties" and "dry" are
 # listed for the record: they shape the logits before any filter wherever they stand (Sampler.sample).
 SAMPLER_STAGES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature",
@@ -980,7 +984,7 @@ class Sampler:
             keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
         kept = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
         uniform = self._uniform(state, torch.empty(vocab, dtype=torch.float32, device=x.device))
-        exponential = (-torch.log1p(-uniform)).clamp_min_(torch.finfo(kept.dtype).tiny)
+        exponential = (-torch.log1p(-uniform)).clamp_min_(E_FLOOR)  # as _race
         token = (kept / exponential).argmax()
         surprise = -torch.log2(kept[token])
         mu.sub_(p.mirostat_eta * (surprise - p.mirostat_tau))
@@ -1072,8 +1076,10 @@ class Sampler:
             self._uniform(s, uniform[i])  # in place: no vocabulary-sized copy per row and token
         if candidate_ids is not None:
             uniform = uniform.gather(1, candidate_ids)
-        # uniform in [0, 1) -> E in [0, inf); a zero E would turn a zero-probability token into 0/0 = NaN.
-        exponential = (-torch.log1p(-uniform)).clamp_min_(torch.finfo(probs.dtype).tiny)
+        # uniform in [0, 1) -> E in [0, inf). A uniform of 0 (2^-24 a token) gives E = 0, which would make its
+        # token win whatever its probability (and 0/0 = NaN for a masked one): E stops at 2^-24, the E of the
+        # next uniform up (kernels.sampling.E_FLOOR, the GPU race's floor).
+        exponential = (-torch.log1p(-uniform)).clamp_min_(E_FLOOR)
         choice = (probs / exponential).argmax(dim=-1)
         if candidate_ids is None:
             return choice

@@ -35,10 +35,10 @@ def uniform_noise(seeds, steps, token_ids):
 
 
 def _reference_race(logits, temperature, seeds, steps):
-    """The race in float64: argmax over x / T - log(-log u), u from uniform_noise."""
+    """The race in float64: argmax over x / T - log(max(-log u, 2^-24)), u from uniform_noise."""
     ids = torch.arange(logits.shape[1], device=logits.device)[None, :].expand_as(logits)
     u = uniform_noise(seeds[:, None], steps[:, None], ids).double()
-    score = logits.double() / temperature.double()[:, None] - torch.log(-torch.log(u))
+    score = logits.double() / temperature.double()[:, None] - torch.log((-torch.log(u)).clamp_min(2.0 ** -24))
     return torch.where(temperature == 0, logits.argmax(dim=-1), score.argmax(dim=-1))
 
 
@@ -55,6 +55,28 @@ def test_the_race_draws_the_reference_s_token(batch, vocab):
     steps = torch.arange(batch, device="cuda", dtype=torch.int64) * 3
     got = sample_race(logits, temperature, seeds, steps)
     assert torch.equal(got, _reference_race(logits, temperature, seeds, steps))
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_token_holding_nearly_all_the_mass_is_always_drawn(full):
+    """Every other token of these rows has probability e^-40 (5e-13 together): in 2,560 draws none may win. The
+    noise's u rounds to 1 for 64 of the 2^31 hashes; -log(u) = 0 then scored that token +inf, and it won whatever
+    its probability (about one row-step in 260 at 128,256 tokens): E now stops at 2^-24."""
+    from flared.model.kernels.sampling import sample_full, sample_race
+
+    rows, vocab = 256, 128256
+    logits = torch.full((rows, vocab), -40.0, device="cuda")
+    logits[:, 7] = 0.0
+    temperature = torch.ones(rows, device="cuda")
+    seeds = torch.arange(rows, device="cuda", dtype=torch.int64) * 7919 + 11
+    for step in range(10):
+        steps = torch.full((rows,), step, dtype=torch.int64, device="cuda")
+        if full:  # the FULL graphs' race (no masks: a mask would reject such a winner and walk on)
+            got = sample_full(logits, temperature, torch.zeros(rows, dtype=torch.int32, device="cuda"),
+                              torch.ones(rows, device="cuda"), seeds, steps)
+        else:
+            got = sample_race(logits, temperature, seeds, steps)
+        assert bool((got == 7).all()), (step, got[got != 7].tolist())
 
 
 def test_the_race_follows_the_distribution():

@@ -785,3 +785,18 @@ def test_post_sampling_logprobs_describe_the_distribution_drawn_from():
     assert out.chosen_logprobs[2].item() == pytest.approx(raw[int(out.token_ids[2])].item(), abs=1e-6)
     with pytest.raises(AdmissionError):
         SamplingParams(post_sampling_probs=True)  # no chain
+
+
+def test_a_token_holding_nearly_all_the_mass_is_always_drawn():
+    """Every other token of these rows has probability e^-40 (2e-13 together): in 6,400 draws none may win. The
+    race's noise must never make one: a uniform of exactly 0 (2^-24 a token with torch's float32 draws, about one
+    row-step in 340 at 49,152 tokens) gave E = 0, clamped to the smallest float, and that token won whatever its
+    probability."""
+    vocab, rows = 49152, 64
+    logits = torch.full((rows, vocab), -40.0)
+    logits[:, 7] = 0.0
+    sampler = Sampler(vocab)
+    states = [sampler.add_sequence(SamplingParams(temperature=1.0, seed=i), []) for i in range(rows)]
+    for step in range(100):
+        drawn = sampler.sample(logits, states).token_ids
+        assert bool((drawn == 7).all()), (step, drawn[drawn != 7].tolist())

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from flared.model.kernels.fused import lanes_first_max, lanes_take, parts_first_max
 
+E_FLOOR = 2.0 ** -24  # the least exponential the race's noise makes (flared.model.sampling.E_FLOOR: the same)
 RACE_BLOCK = 2048  # logits per program iteration of the race
 RACE_PROGRAMS = 264  # programs the race aims for (two per H200 multiprocessor)
 WALK_BLOCK = 8192  # logits per iteration of the top-k/top-p walk (one program a row; tools/bench_graph_sampler.py)
@@ -80,7 +81,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
                        PartSum, vocab, chunk, n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr,
                        J: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
-    Score: x / T - log(-log u), u in (0, 1] from a counter hash of (seed, step, token id) (its torch form:
+    Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its torch form:
     tests/cuda/test_graph_sampler.py's uniform_noise); a row at temperature 0
     scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax.
     FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
@@ -117,7 +118,10 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
             z = _mix_tl(z, 0x5BD1E995, 13)
             z = z ^ (z >> 16)
             u = (z.to(tl.float32) + 1.0) * (1.0 / 2147483648.0)
-            y = x / t - tl.log(-tl.log(u))
+            # u rounds to 1 for 64 of the 2**31 hashes, where -log(u) = 0 would score +inf: a token of any
+            # probability would win (about one row-step in 260 at 128,256 tokens). E = -log(u) stops at the
+            # least E of the u below 1, 2**-24.
+            y = x / t - tl.log(tl.maximum(-tl.log(u), E_FLOOR))
         else:
             y = x
         y = tl.where(x == x, y, float("inf"))
