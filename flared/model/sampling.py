@@ -17,9 +17,13 @@ filtered by top-n-sigma, min-p, typical-p, top-k, top-p and XTC, and drawn
 rows (v1, v2) are drawn by mirostat after their temperature.
 
 Rules:
-- Reproducible draws: a row's randomness comes only from its own seed and the
-  number of tokens it has drawn so far (a generator reseeded per row per
-  step), never from its place in the batch or from other rows.
+- Reproducible draws: a row's randomness comes only from its own seed, the
+  number of tokens it has drawn so far and the token's id, never from its
+  place in the batch or from other rows. On the CPU the draw's noise is the
+  GPU graphs' counter hash (flared._fast.race), so a seeded request draws the
+  same tokens on either backend where the logits and the kept tokens agree;
+  rows a GPU executor leaves to this Sampler draw from a generator reseeded
+  per row per step.
 - Penalty state lives on the device in a slot table (output counts, prompt
   mask) owned by the sampler; a sequence holds a slot only if it uses a
   penalty, from ``add_sequence`` to ``release``.
@@ -46,9 +50,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flared._fast.race import race_draw
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1  # a seed as the race's hash takes it (the GPU executor uploads the same)
 DRY_MAX_MATCH = 64  # DRY's repeat lengths are counted to this many tokens (the default base makes that ~1e15)
 _XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coin
 # The least exponential a race draws (Sampler._race; kernels.sampling.E_FLOOR is the same on the GPU): a uniform
@@ -1063,13 +1069,32 @@ class Sampler:
             logits = self._xtc(logits, states)
         return self._race(logits, states, candidate_ids, vocab)
 
-    def _race(self, logits: torch.Tensor, states: list[SequenceSamplingState], candidate_ids: torch.Tensor | None = None,
-              vocab: int | None = None) -> torch.Tensor:
+    def _race(self, logits: torch.Tensor, states: list[SequenceSamplingState],
+              candidate_ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
         """The draw from filtered logits [S, C]: C candidates (``candidate_ids`` [S, C] of a ``vocab``-wide row), or
         the whole row.
-        Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E is drawn for every vocabulary id from the
-        row's own generator, so a token's noise never depends on the candidate set, the batch or the order the
-        filters ran in."""
+        Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. A token's E is a function of the row's seed,
+        its draw count and the token's id, so a token's noise never depends on the candidate set, the batch or the
+        order the filters ran in. On the CPU E comes from the GPU graphs' counter hash (flared._fast.race, in
+        log space: the argmax of x - log E), so a seeded row draws what the graphs' sampler draws from the same
+        logits; on a GPU (the rows its graphs do not sample) from the row's own generator."""
+        if self.device.type == "cpu":
+            return self._race_hashed(logits, states, candidate_ids)
+        return self._race_generator(logits, states, candidate_ids, vocab)
+
+    @staticmethod
+    def _race_hashed(logits: torch.Tensor, states: list[SequenceSamplingState],
+                     candidate_ids: torch.Tensor | None) -> torch.Tensor:
+        """_race on the CPU: flared._fast.race over the scores, the GPU graphs' noise."""
+        seeds = np.fromiter((s.seed & _MASK63 for s in states), dtype=np.int64, count=len(states))
+        steps = np.fromiter((s.num_output_tokens for s in states), dtype=np.int64, count=len(states))
+        ids = None if candidate_ids is None else candidate_ids.contiguous().numpy()
+        return torch.from_numpy(race_draw(logits.float().contiguous().numpy(), ids, seeds, steps))
+
+    def _race_generator(self, logits: torch.Tensor, states: list[SequenceSamplingState],
+                        candidate_ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
+        """_race on a GPU: E from the row's generator, reseeded from (seed, draw count), for every vocabulary id
+        (its uniforms gathered at the candidates), so a token's E does not depend on the candidates either."""
         probs = torch.softmax(logits, dim=-1)
         uniform = torch.empty(len(states), vocab or logits.shape[-1], dtype=probs.dtype, device=self.device)
         for i, s in enumerate(states):

@@ -14,8 +14,9 @@ Rules:
 - A row's draw depends only on (seed, step, token id): the noise is a
   counter-based hash, not a stateful generator, so a replayed graph draws
   fresh numbers each step from the uploaded step counters, and a row's
-  choice does not depend on its batch neighbours. Draws are reproducible on
-  this backend; they are not the CPU sampler's draws (different RNG).
+  choice does not depend on its batch neighbours. The CPU sampler draws
+  with the same noise (flared._fast.race), so a seeded request draws the
+  same tokens on either backend where the logits and the kept tokens agree.
 - The draw is the exponential-race form of categorical sampling:
   argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i. In log
   space that is argmax(x_i / T - log E_i) over the kept tokens (the Gumbel-max

@@ -1,0 +1,81 @@
+"""The CPU sampler's draw (flared._fast.race): the GPU graphs' race, token for token, over the same scores; its
+noise a function of (seed, step, token id) alone; draws that follow the distribution."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flared._fast.race import race_draw
+from flared_testing.race import reference_race
+
+
+def _draw(scores, seeds, steps, ids=None):
+    return torch.from_numpy(race_draw(scores.float().contiguous().numpy(), None if ids is None else ids.numpy(),
+                                      seeds.numpy(), steps.numpy()))
+
+
+@pytest.mark.parametrize("rows, vocab, spread", [(16, 3000, 0.5), (8, 49152, 8.0), (4, 128256, 3.0)])
+def test_the_draw_is_the_reference_race_s(rows, vocab, spread):
+    """Every row's token is the float64 race's over the hash the GPU kernels use, for flat rows (nothing pruned)
+    and peaked ones (most of the row pruned), at several steps and seeds up to 63 bits."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=g) * spread
+    temperature = torch.tensor([0.3 + 0.25 * (i % 5) for i in range(rows)])
+    seeds = torch.tensor([(i * 0x9E3779B97F4A7C15) & ((1 << 63) - 1) for i in range(rows)], dtype=torch.int64)
+    for step in (0, 1, 77, 1 << 40):
+        steps = torch.full((rows,), step, dtype=torch.int64)
+        got = _draw(logits / temperature[:, None], seeds, steps)
+        assert torch.equal(got, reference_race(logits, temperature, seeds, steps)), step
+
+
+def test_candidates_draw_as_the_masked_row():
+    """Drawing among named candidates (in any order) gives the token the whole row gives with everything else
+    masked: a token's noise does not depend on which others are candidates."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=g) * 2
+    seeds = torch.arange(6, dtype=torch.int64) * 1009 + 5
+    for step in range(5):
+        steps = torch.full((6,), step, dtype=torch.int64)
+        vals, ids = logits.topk(300, dim=-1)
+        perm = torch.randperm(300, generator=g)
+        masked = torch.full_like(logits, float("-inf")).scatter(1, ids, vals)
+        assert torch.equal(_draw(vals[:, perm], seeds, steps, ids[:, perm].contiguous()),
+                           _draw(masked, seeds, steps))
+
+
+def test_nan_wins_and_a_row_without_finite_scores_gives_its_first_column():
+    x = torch.full((3, 64), float("-inf"))
+    x[0, 40] = float("nan")
+    x[0, 50] = float("nan")
+    x[0, 3] = 5.0
+    x[2, 9] = 1.0
+    got = _draw(x, torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]))
+    assert got.tolist() == [40, 0, 9]
+    ids = torch.tensor([[7, 3, 5]] * 3)
+    assert _draw(torch.full((3, 3), float("-inf")), torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0]),
+                 ids).tolist() == [7, 7, 7]
+
+
+def test_draws_follow_softmax():
+    """Over 20,000 steps of one row, each token's frequency is within 4 standard errors of softmax(x)."""
+    x = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0, -8.0] + [-30.0] * 57])
+    p = torch.softmax(x[0].double(), 0)
+    n = 20000
+    counts = np.zeros(64)
+    for step in range(n):
+        counts[int(_draw(x, torch.tensor([12345]), torch.tensor([step]))[0])] += 1
+    for i in range(7):
+        assert abs(counts[i] / n - p[i]) < 4 * math.sqrt(p[i] * (1 - p[i]) / n) + 1e-9, (i, counts[:7] / n, p[:7])
+    assert counts[7:].sum() == 0
+
+
+def test_shapes_are_checked():
+    with pytest.raises(ValueError):
+        race_draw(np.zeros((2, 4), np.float32), None, np.zeros(3, np.int64), np.zeros(2, np.int64))
+    with pytest.raises(ValueError):
+        race_draw(np.zeros((2, 4), np.float32), np.zeros((2, 3), np.int64), np.zeros(2, np.int64),
+                  np.zeros(2, np.int64))
