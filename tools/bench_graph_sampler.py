@@ -124,10 +124,21 @@ def bench_kernels(args, out: dict, tag: str = "") -> None:
                       f"{row['ratio']:6.2f} {row['passes']:6.2f} {race_us:8.1f}", flush=True)
 
 
+def random_model(shape: str):
+    """bench_gpu's random bf16 weights of ``shape`` as a serving DecoderModel (transformers' copy freed)."""
+    from bench_gpu import make_hf, serving
+
+    hf = make_hf(shape, torch.bfloat16)
+    model = serving(hf, torch.bfloat16)
+    del hf
+    torch.cuda.empty_cache()
+    return model
+
+
 @torch.inference_mode()
 def bench_serving(args, out: dict) -> None:
     import flared.model.kernels.paged_decoder as pd
-    from bench_gpu import SHAPES, graph_executor, make_hf, prompts, serving
+    from bench_gpu import SHAPES, graph_executor, prompts
 
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams
@@ -135,10 +146,7 @@ def bench_serving(args, out: dict) -> None:
     print(f"\n{'shape':6} {'streams':>7} {'params':21} {'sort tok/s':>10} {'walk tok/s':>10} {'ratio':>6} "
           f"{'temperature alone':>17}   GPU us a step (sort / walk / alone)")
     for shape in args.shapes.split(","):
-        hf = make_hf(shape, torch.bfloat16)
-        model = serving(hf, torch.bfloat16)
-        del hf
-        torch.cuda.empty_cache()
+        model = random_model(shape)
         concurrency = max(args.streams)
         walk_fn = pd.sample_full
         pairs = {}
@@ -192,7 +200,7 @@ FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1
 
 
 def bench_features(args, out: dict) -> None:
-    from bench_gpu import SHAPES, graph_executor, make_hf, prompts, serving
+    from bench_gpu import SHAPES, graph_executor, prompts
 
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams
@@ -200,10 +208,7 @@ def bench_features(args, out: dict) -> None:
     print(f"\n{'shape':6} {'streams':>7} {'params':18} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
           f"{'GPU us/step':>11} {'steps':>6}")
     for shape in args.shapes.split(","):
-        hf = make_hf(shape, torch.bfloat16)
-        model = serving(hf, torch.bfloat16)
-        del hf
-        torch.cuda.empty_cache()
+        model = random_model(shape)
         pair = graph_executor(model, max(args.streams))
         vocab = SHAPES[shape]["vocab_size"]
         try:

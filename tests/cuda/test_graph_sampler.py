@@ -198,15 +198,9 @@ def test_the_walk_keeps_only_the_top_token_at_top_k_1():
     assert torch.equal(got, logits.argmax(dim=-1)) and int(got[5]) == 0
 
 
-def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
-    """A temperature-only request's steps take the TEMPERATURE graphs, one with a top-p the FULL graphs, a greedy
-    one the GREEDY graphs; the temperature-only request draws the same tokens alone and beside the top-p one (its
-    steps then take the FULL graphs)."""
-    from gpu_models import make_executor, make_scheduler, serving_model
-
-    from flared.execution.offline import drive
-    from flared.model.kernels import FULL, GREEDY, TEMPERATURE
-    from flared.model.sampling import SamplingParams
+def _recording_executor(hf, monkeypatch):
+    """A graph executor over ``hf``'s weights and the list its decode steps' sampler variants go into."""
+    from gpu_models import make_executor, serving_model
 
     ex = make_executor(serving_model(hf))
     picked = []
@@ -218,6 +212,20 @@ def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
         return key
 
     monkeypatch.setattr(ex.graphs, "pick_decode", record)
+    return ex, picked
+
+
+def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
+    """A temperature-only request's steps take the TEMPERATURE graphs, one with a top-p the FULL graphs, a greedy
+    one the GREEDY graphs; the temperature-only request draws the same tokens alone and beside the top-p one (its
+    steps then take the FULL graphs)."""
+    from gpu_models import make_scheduler
+
+    from flared.execution.offline import drive
+    from flared.model.kernels import FULL, GREEDY, TEMPERATURE
+    from flared.model.sampling import SamplingParams
+
+    ex, picked = _recording_executor(hf, monkeypatch)
     plain = SamplingParams(temperature=0.02, seed=5, max_tokens=24)
     nucleus = SamplingParams(temperature=0.02, top_p=0.9, seed=6, max_tokens=24)
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
@@ -239,25 +247,17 @@ def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
 def test_min_p_requests_are_drawn_in_the_graphs(hf, monkeypatch):
     """A min-p request (vLLM's order, or llama.cpp's chain without its top-p) takes the FULL graphs and is never
     sampled after them by the torch Sampler; at min-p 1 every token is the argmax, as greedy decoding's."""
-    from gpu_models import make_executor, make_scheduler, serving_model
+    from gpu_models import make_scheduler
 
     from flared.execution.offline import drive
     from flared.model.kernels import FULL
     from flared.model.sampling import LLAMA_CPP_ORDER, SamplingParams
 
-    ex = make_executor(serving_model(hf))
-    picked = []
-    real = ex.graphs.pick_decode
-
-    def record(*args, **kwargs):
-        key = real(*args, **kwargs)
-        picked.append(key[3])
-        return key
+    ex, picked = _recording_executor(hf, monkeypatch)
 
     def eager(*args, **kwargs):
         raise AssertionError("a min-p row was sampled after the graph")
 
-    monkeypatch.setattr(ex.graphs, "pick_decode", record)
     monkeypatch.setattr(ex, "_eager_sample", eager)
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6]
     params = [SamplingParams(temperature=0.5, min_p=0.1, seed=1, max_tokens=24),
