@@ -4,8 +4,8 @@
 temperature from the whole vocabulary (one pass, the graphs of steps whose
 sampled rows have no top-k, top-p or min-p); ``sample_full`` applies
 temperature, min-p, top-k and top-p per row with no sort and draws with the
-same race, so a row draws the same token in either. Rows with temperature 0 take the argmax in
-every one.
+same race, so a row draws the same token in either. Rows with temperature 0
+take the argmax in every one.
 
 Graph variants (the fourth field of a graph key, kernels.GREEDY, FULL and
 TEMPERATURE) pick among them.
@@ -82,12 +82,13 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
                        PartSum, vocab, chunk, n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr,
                        J: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
-    Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its torch form:
-    tests/cuda/test_graph_sampler.py's uniform_noise); a row at temperature 0
+    Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its
+    torch form: tests/flared_testing/race.py's uniform_noise; on the CPU flared/_fast/race.pyx); a row at
+    temperature 0
     scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax.
     FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
-    first index among equal ones); for a row with top-k, top-p or min-p also the scores into Scores [B, vocab] and the
-    chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk."""
+    first index among equal ones); for a row with top-k, top-p or min-p also the scores into Scores [B, vocab] and
+    the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(Temperature + row)
@@ -188,8 +189,8 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx
                  vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr,
                  J: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
-    at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its next
-    candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
+    at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its
+    next candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
     passes each row took."""
     row = tl.program_id(0)
     t = tl.load(Temperature + row)
