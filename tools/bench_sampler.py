@@ -9,9 +9,10 @@ each with and without a top-k.
     python tools/bench_sampler.py [--rows 8] [--vocab 49152] [--steps 30] [--json]
 
 ``--race``: instead, the draw itself: the CPU's race over the GPU graphs' counter hash (flared._fast.race, which
-skips the noise of tokens too far below the best) against the generator race it replaced (a torch generator
-reseeded per row, uniforms for the whole vocabulary: Sampler._race_generator, what a GPU's eager rows still use),
-per configuration, both in the same run, alternating. ``--embedded N``: the rows are the embedded SmolLM2-135M's
+skips the noise of tokens too far below the best; top-p rows without a top-k walk up the ranking instead of
+sorting) against what it replaced (a torch generator reseeded per row, uniforms for the whole vocabulary:
+Sampler._race_generator, what a GPU's eager rows still use; top-p from the shortlist or a sort), per
+configuration, both in the same run, alternating. ``--embedded N``: the rows are the embedded SmolLM2-135M's
 next-token logits at N positions of a fixed chat text (transformers reading its GGUF, float32), divided by 0.8
 for the temperature as the sampler does, instead of normal logits.
 
@@ -86,19 +87,21 @@ def embedded_logits(rows: int) -> torch.Tensor:
 
 
 def bench_race(args, logits: torch.Tensor, out: dict) -> None:
-    hashed = Sampler._race
+    hashed, walks = Sampler._race, Sampler._walks
     out["race"] = {}
     print(f"{'configuration':42} {'hash race':>10} {'generator':>10} {'ratio':>7}")
     for name, params in RACE_CONFIGS.items():
         best = {"hash": float("inf"), "generator": float("inf")}
         for _ in range(3):
             for label in best:
-                Sampler._race = hashed if label == "hash" else (
-                    lambda self, x, states, ids=None, vocab=None: self._race_generator(x, states, ids, vocab))
+                if label == "generator":
+                    Sampler._race = lambda self, x, states, ids=None, vocab=None: self._race_generator(x, states, ids,
+                                                                                                      vocab)
+                    Sampler._walks = lambda self, params: False
                 try:
                     best[label] = min(best[label], step_ms(logits, params, args.steps))
                 finally:
-                    Sampler._race = hashed
+                    Sampler._race, Sampler._walks = hashed, walks
         print(f"{name:42} {best['hash']:10.2f} {best['generator']:10.2f} {best['generator'] / best['hash']:6.2f}x")
         out["race"][name] = {"hash_ms": round(best["hash"], 3), "generator_ms": round(best["generator"], 3)}
 

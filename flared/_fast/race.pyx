@@ -13,10 +13,17 @@ wins (the smallest id among NaNs), as on the GPU; a row with nothing finite give
 The noise is bounded: E >= E_FLOOR makes -log E at most G_MAX, so once a row has a best score b, a token whose
 score is below b - G_MAX cannot win and its noise is not computed. A trained model's next-token row has most of
 its vocabulary that far below the top at usual temperatures, so most of the row is one comparison a token.
+
+``race_top_p(scores, log_z, top_p, seeds, steps)``: the same race among each row's top-p tokens, found without
+sorting, as the GPU graphs' walk finds them (kernels/sampling.py): rank is the larger score first, the smaller id
+first among equal ones; a token is kept iff the probability mass ranked before it, exp(score - log_z) summed, is
+below top_p (log_z: the row's log normaliser over its finite scores). The race's winner over the whole row is
+checked; if it is not kept, nothing ranked after it is either, so the next candidate is the race's winner among
+the tokens ranked before it, and so on up the ranking: one pass a candidate, and the first is nearly always kept.
 """
 
 from cython.parallel cimport prange
-from libc.math cimport INFINITY, logf
+from libc.math cimport INFINITY, exp, logf
 from libc.stdint cimport int64_t
 
 import numpy as np
@@ -117,4 +124,56 @@ def race_draw(scores, ids, seeds, steps):
         for r in prange(rows, schedule="static"):  # rows apart on OpenMP's threads (torch's pool: libgomp)
             o[r] = _draw_row(score_base + r * n, id_base + r * n if named else NULL, n, named,
                              _row_hash(se[r] & M63, st[r]))
+    return out
+
+
+cdef int64_t _walk_row(const float* x, Py_ssize_t n, double log_z, double top_p, int64_t h) noexcept nogil:
+    """One row of race_top_p."""
+    cdef int64_t c = _draw_row(x, NULL, n, False, h)
+    cdef Py_ssize_t j
+    cdef float xc, v, y, best
+    cdef int64_t nxt
+    cdef double mass
+    if top_p >= 1.0 or x[c] != x[c]:
+        return c
+    while True:
+        xc = x[c]
+        mass = 0.0
+        best = -INFINITY
+        nxt = -1
+        for j in range(n):
+            v = x[j]
+            if v > xc or (v == xc and j < c):  # ranked before c
+                mass += exp(<double>v - log_z)
+                if v + G_SKIP < best:
+                    continue
+                y = v + _noise(h, j)
+                if y > best or (y == best and j < nxt):
+                    best = y
+                    nxt = j
+        if mass < top_p or nxt < 0:  # kept, or nothing ranks before it (the top token is always kept)
+            return c
+        c = nxt
+
+
+def race_top_p(scores, log_z, top_p, seeds, steps):
+    """See the module docstring. scores: float32 [rows, n] (C-contiguous, the whole row: -inf where a token may
+    not be drawn); log_z: float64 [rows]; top_p: float64 [rows] (1: no top-p); seeds, steps: int64 [rows]."""
+    cdef const float[:, ::1] s = scores
+    cdef const double[::1] lz = log_z, tp = top_p
+    cdef const int64_t[::1] se = seeds, st = steps
+    cdef Py_ssize_t rows = s.shape[0], n = s.shape[1], r
+    if se.shape[0] != rows or st.shape[0] != rows or lz.shape[0] != rows or tp.shape[0] != rows:
+        raise ValueError(f"race_top_p: {rows} rows of scores, but {lz.shape[0]} normalisers, {tp.shape[0]} "
+                         f"top-p values, {se.shape[0]} seeds and {st.shape[0]} steps")
+    out = np.empty(rows, dtype=np.int64)
+    if rows == 0:
+        return out
+    if n == 0:
+        raise ValueError("race_top_p: rows without scores")
+    cdef int64_t[::1] o = out
+    cdef const float* base = &s[0, 0]
+    with nogil:
+        for r in prange(rows, schedule="static"):
+            o[r] = _walk_row(base + r * n, n, lz[r], tp[r], _row_hash(se[r] & M63, st[r]))
     return out

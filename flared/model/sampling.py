@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flared._fast.race import race_draw
+from flared._fast.race import race_draw, race_top_p
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 
 _MASK64 = (1 << 64) - 1
@@ -1039,6 +1039,8 @@ class Sampler:
             typical = on_device([p.typical_p for p in params], dev)[:, None]
             logits = typical_filter(logits, typical)
         vocab = logits.shape[-1]
+        if self._walks(params):
+            return self._walk_top_p(logits, states)
         # Candidates sorted by logit: a top-k when every row has one (much cheaper than sorting the
         # vocabulary), else the whole sorted vocabulary. Either way a row keeps the same tokens.
         candidate_ids = None
@@ -1083,13 +1085,32 @@ class Sampler:
         return self._race_generator(logits, states, candidate_ids, vocab)
 
     @staticmethod
-    def _race_hashed(logits: torch.Tensor, states: list[SequenceSamplingState],
-                     candidate_ids: torch.Tensor | None) -> torch.Tensor:
-        """_race on the CPU: flared._fast.race over the scores, the GPU graphs' noise."""
+    def _seeds_and_steps(states: list[SequenceSamplingState]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' seeds and draw counts as flared._fast.race's hash takes them."""
         seeds = np.fromiter((s.seed & _MASK63 for s in states), dtype=np.int64, count=len(states))
         steps = np.fromiter((s.num_output_tokens for s in states), dtype=np.int64, count=len(states))
+        return seeds, steps
+
+    def _race_hashed(self, logits: torch.Tensor, states: list[SequenceSamplingState],
+                     candidate_ids: torch.Tensor | None) -> torch.Tensor:
+        """_race on the CPU: flared._fast.race over the scores, the GPU graphs' noise."""
         ids = None if candidate_ids is None else candidate_ids.contiguous().numpy()
-        return torch.from_numpy(race_draw(logits.float().contiguous().numpy(), ids, seeds, steps))
+        return torch.from_numpy(race_draw(logits.float().contiguous().numpy(), ids, *self._seeds_and_steps(states)))
+
+    def _walks(self, params: list[SamplingParams]) -> bool:
+        """Whether _draw takes _walk_top_p: on the CPU, where a row has a top-p and none a top-k or XTC."""
+        return (self.device.type == "cpu" and any(p.top_p < 1.0 for p in params)
+                and not any(p.top_k > 0 or p.xtc_probability > 0 for p in params))
+
+    def _walk_top_p(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """Top-p rows without a top-k or XTC on the CPU (scaled, filtered logits [S, V]): flared._fast.race's walk
+        up the ranking from the race's winner (no sort, no shortlist), judging each candidate by the mass ranked
+        before it, a share of what the earlier filters kept; the masked race's token, as the sorted path gives
+        it (and the GPU graphs' walk)."""
+        x = logits.float().contiguous()
+        log_z = torch.logsumexp(x, dim=-1).double().numpy()
+        top_p = np.fromiter((s.params.top_p for s in states), dtype=np.float64, count=len(states))
+        return torch.from_numpy(race_top_p(x.numpy(), log_z, top_p, *self._seeds_and_steps(states)))
 
     def _race_generator(self, logits: torch.Tensor, states: list[SequenceSamplingState],
                         candidate_ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:

@@ -79,3 +79,58 @@ def test_shapes_are_checked():
     with pytest.raises(ValueError):
         race_draw(np.zeros((2, 4), np.float32), np.zeros((2, 3), np.int64), np.zeros(2, np.int64),
                   np.zeros(2, np.int64))
+
+
+def _reference_top_p(scores, top_p, seeds, steps):
+    """Top-p by a stable sort in float64 (larger score first, smaller id first among equal ones; shares of the
+    finite scores' mass), then the float64 race over the kept tokens."""
+    masked = torch.full_like(scores, float("-inf"))
+    for r in range(scores.shape[0]):
+        x = scores[r].double()
+        order = torch.sort(x, descending=True, stable=True).indices
+        probs = torch.softmax(x, 0)[order]
+        keep = probs.cumsum(0) - probs < float(top_p[r])
+        keep[0] = True
+        masked[r, order[keep]] = scores[r, order[keep]]
+    return reference_race(masked, torch.ones(scores.shape[0]), seeds, steps)
+
+
+@pytest.mark.parametrize("rows, vocab, spread", [(24, 3000, 0.5), (8, 49152, 4.0), (4, 128256, 2.0)])
+def test_the_top_p_walk_draws_the_masked_race_s_token(rows, vocab, spread):
+    """race_top_p's token is the float64 masked race's: top-p 0.01 to 1 (one keeps one token), flat and peaked rows,
+    rows with masked (-inf) tokens, equal scores ranked by id, several steps."""
+    from flared._fast.race import race_top_p
+
+    g = torch.Generator().manual_seed(vocab + 7)
+    scores = (torch.randn(rows, vocab, generator=g) * spread).bfloat16().float()  # many equal scores
+    scores[1, ::3] = float("-inf")
+    ps = [0.95, 0.01, 0.5, 0.9, 1.0, 0.99]
+    top_p = torch.tensor([ps[i % len(ps)] for i in range(rows)], dtype=torch.float64)
+    seeds = torch.arange(rows, dtype=torch.int64) * 104729 + (3 << 33)
+    log_z = torch.logsumexp(scores, dim=-1).double()
+    for step in range(3):
+        steps = torch.full((rows,), step * 17, dtype=torch.int64)
+        got = torch.from_numpy(race_top_p(scores.numpy(), log_z.numpy(), top_p.numpy(), seeds.numpy(), steps.numpy()))
+        want = _reference_top_p(scores, top_p, seeds, steps)
+        assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
+
+
+def test_the_sampler_s_top_p_rows_draw_as_its_sorted_path():
+    """Sampler rows with top-p (and min-p before it) and no top-k take the walk on the CPU; their tokens are the
+    sorted path's (a top-k row in the batch sends every row there), step after step."""
+    from flared.model.sampling import Sampler, SamplingParams
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 5000, generator=g) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=1.2, top_p=0.5, seed=2),
+              SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05, seed=3),
+              SamplingParams(temperature=0.9, seed=4), SamplingParams(temperature=0.6, top_p=0.3, seed=5),
+              SamplingParams(temperature=1.0, top_p=0.99, seed=6)]
+    walked, sampler = Sampler(5000), Sampler(5000)
+    a = [walked.add_sequence(p, []) for p in params]
+    b = [sampler.add_sequence(p, []) for p in params]
+    with_k = sampler.add_sequence(SamplingParams(temperature=1.0, top_k=5000, seed=9), [])
+    for _ in range(20):
+        got = walked.sample(logits, a).token_ids
+        sorted_path = sampler.sample(torch.cat([logits, logits[:1]]), b + [with_k]).token_ids[:6]
+        assert torch.equal(got, sorted_path)
