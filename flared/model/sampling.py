@@ -499,7 +499,8 @@ def top_p_cut(sorted_probs: torch.Tensor, top_p: torch.Tensor | float) -> torch.
     return cut
 
 
-# Top-p on the CPU first tries the rows' SHORTLIST most likely tokens: where they hold every token top-k and top-p
+# Top-p on the CPU, where a row of the batch also has a top-k or XTC (else the walk, Sampler._walk_top_p) and in
+# llama.cpp's chain, first tries the rows' SHORTLIST most likely tokens: where they hold every token top-k and top-p
 # keep (nearly always), that is a top-k instead of a sort of the whole vocabulary (tools/bench_sampler.py, 8 rows of
 # SmolLM2's 49,152 ids: 8.4 ms a step against 19.8 in vLLM's order, 9.1 against 38.4 in llama.cpp's chain). On a
 # GPU deciding it would cost a host sync, so the vocabulary is sorted there.
