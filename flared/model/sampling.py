@@ -659,12 +659,15 @@ class Sampler:
         raw_logits, logits = logits, self._apply_grammar_masks(biased, states, owned=biased is not logits)
         self._yield_to_grammar(raw_logits, logits, states)
 
-        token_ids = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
-        if sampled_rows:
-            rows = on_device(sampled_rows, self.device, dtype=torch.int64)
-            drawn = self._draw(logits.index_select(0, rows), [states[i] for i in sampled_rows])
-            token_ids.index_copy_(0, rows, drawn)
+        if len(sampled_rows) == num_rows:  # every row draws: no argmax, no copy of the rows
+            token_ids = self._draw(logits, states).to(torch.int64)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            if sampled_rows:
+                rows = on_device(sampled_rows, self.device, dtype=torch.int64)
+                drawn = self._draw(logits.index_select(0, rows), [states[i] for i in sampled_rows])
+                token_ids.index_copy_(0, rows, drawn)
         for i, p in enumerate(params):
             if p.mirostat and not p.greedy:
                 token_ids[i] = self._draw_mirostat(logits[i], states[i])
