@@ -61,12 +61,12 @@ cdef inline float _noise(int64_t h, int64_t token) noexcept nogil:
     return -logf(e)
 
 
-cdef int64_t _draw_row(const float* x, const int64_t* ids, Py_ssize_t n, bint named, int64_t h) noexcept nogil:
-    """One row: n scores, their ids where ``named`` (else the column is the id), the row's hash."""
+cdef int64_t _draw_row(const float* x, const int64_t* ids, Py_ssize_t n, int64_t h) noexcept nogil:
+    """One row: n scores, their ids (NULL: the column is the id), the row's hash."""
     cdef Py_ssize_t i, top = 0
     cdef float v, best = -INFINITY, y
     cdef int64_t token, best_id = -1
-    cdef bint found = False
+    cdef bint found = False, named = ids != NULL
     # the largest score first: its noisy score is a high bar early, so most of the row skips the noise
     for i in range(n):
         v = x[i]
@@ -122,14 +122,14 @@ def race_draw(scores, ids, seeds, steps):
     cdef const float* score_base = &s[0, 0]
     with nogil:
         for r in prange(rows, schedule="static"):  # rows apart on OpenMP's threads (torch's pool: libgomp)
-            o[r] = _draw_row(score_base + r * n, id_base + r * n if named else NULL, n, named,
+            o[r] = _draw_row(score_base + r * n, id_base + r * n if named else NULL, n,
                              _row_hash(se[r] & M63, st[r]))
     return out
 
 
 cdef int64_t _walk_row(const float* x, Py_ssize_t n, double log_z, double top_p, int64_t h) noexcept nogil:
     """One row of race_top_p."""
-    cdef int64_t c = _draw_row(x, NULL, n, False, h)
+    cdef int64_t c = _draw_row(x, NULL, n, h)
     cdef Py_ssize_t j
     cdef float xc, v, y, best
     cdef int64_t nxt

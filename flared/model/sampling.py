@@ -57,7 +57,7 @@ _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1  # a seed as the race's hash takes it (the GPU executor uploads the same)
 DRY_MAX_MATCH = 64  # DRY's repeat lengths are counted to this many tokens (the default base makes that ~1e15)
 _XTC_SALT = 0x5854435F434F494E  # a second stream per (seed, step) for XTC's coin
-# The least exponential a race draws (Sampler._race; kernels.sampling.E_FLOOR is the same on the GPU): a uniform
+# The least exponential a race draws (Sampler._race; kernels.sampling.E_FLOOR takes it for the GPU): a uniform
 # of 0 would give E = 0, and its token would win whatever its probability.
 E_FLOOR = 2.0 ** -24
 
@@ -661,7 +661,7 @@ class Sampler:
 
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy and not p.mirostat]
         if len(sampled_rows) == num_rows:  # every row draws: no argmax, no copy of the rows
-            token_ids = self._draw(logits, states).to(torch.int64)
+            token_ids = self._draw(logits, states)
         else:
             token_ids = logits.argmax(dim=-1)
             if sampled_rows:

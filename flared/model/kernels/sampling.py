@@ -61,10 +61,11 @@ import triton
 import triton.language as tl
 
 from flared.model.kernels.fused import lanes_first_max, lanes_take, parts_first_max
+from flared.model.sampling import E_FLOOR as CPU_E_FLOOR
 
-# The least exponential the race's noise makes (flared.model.sampling.E_FLOOR: the same); a constexpr, as a global a
-# kernel reads must be (Triton refuses other globals when it compiles, which its interpreter does not check)
-E_FLOOR = tl.constexpr(2.0 ** -24)
+# The least exponential the race's noise makes (the CPU sampler's); a constexpr, as a global a kernel reads must be
+# (Triton refuses other globals when it compiles, which its interpreter does not check)
+E_FLOOR = tl.constexpr(CPU_E_FLOOR)
 RACE_BLOCK = 2048  # logits per program iteration of the race
 RACE_PROGRAMS = 264  # programs the race aims for (two per H200 multiprocessor)
 WALK_BLOCK = 8192  # logits per iteration of the top-k/top-p walk (one program a row; tools/bench_graph_sampler.py)
