@@ -13,9 +13,10 @@ its index) through the graph executor with each sampler captured into its graphs
 Random bf16 weights of bench_gpu's shapes.
 
 Features (``--features``): the same serving drive, top-p 0.95 streams against the same streams each with one more
-setting: min-p (drawn in the graphs' sampler), and a repetition penalty, log-probabilities or a logit bias, which the
-graphs' sampler does not take, so those rows are drawn by the torch Sampler after the graph (the executor's eager
-rows): tok/s, host and GPU us a step.
+setting: min-p (drawn in the graphs' sampler), a repetition penalty or a logit bias (shaped and drawn in the graphs'
+sampler from the Sampler's slot tables; "(eager)": the same streams with that turned off, so the torch Sampler
+shapes and draws them after the graph, as before), and log-probabilities, which the graphs' sampler does not take
+(the executor's eager rows): tok/s, host and GPU us a step.
 
     python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
 
@@ -195,17 +196,22 @@ def bench_serving(args, out: dict) -> None:
         torch.cuda.empty_cache()
 
 
+BIAS = {t: -2.0 for t in range(100, 110)}
 FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1": {"repetition_penalty": 1.1},
-            "+ logprobs 5": {"logprobs": 5}, "+ logit bias": {"logit_bias": {t: -2.0 for t in range(100, 110)}}}
+            "+ repetition (eager)": {"repetition_penalty": 1.1, "_eager": True},
+            "+ freq/presence": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
+            "+ logprobs 5": {"logprobs": 5}, "+ logit bias": {"logit_bias": BIAS},
+            "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True}}
 
 
 def bench_features(args, out: dict) -> None:
     from bench_gpu import SHAPES, graph_executor, prompts
 
     from flared.execution.offline import drive
-    from flared.model.sampling import SamplingParams
+    from flared.model.sampling import SamplingParams, SequenceSamplingState
 
-    print(f"\n{'shape':6} {'streams':>7} {'params':18} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
+    graph_shaped = SequenceSamplingState.graph_shaped
+    print(f"\n{'shape':6} {'streams':>7} {'params':20} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
           f"{'GPU us/step':>11} {'steps':>6}")
     for shape in args.shapes.split(","):
         model = random_model(shape)
@@ -216,10 +222,17 @@ def bench_features(args, out: dict) -> None:
                 best = {}
                 for repeat in range(args.repeats):
                     for j, (name, extra) in enumerate(FEATURES.items()):
+                        extra = dict(extra)
+                        eager = extra.pop("_eager", False)
                         params = [SamplingParams(temperature=args.temperature, top_p=0.95, seed=i,
                                                  max_tokens=args.tokens, **extra) for i in range(streams)]
                         pr = prompts(vocab, streams, args.prompt, seed=7000 * streams + 100 * repeat + j)
-                        r = drive(pair[0], pair[1], pr, params)
+                        if eager:  # the rows shaped and drawn by the torch Sampler after the graph
+                            SequenceSamplingState.graph_shaped = property(lambda self: False)
+                        try:
+                            r = drive(pair[0], pair[1], pr, params)
+                        finally:
+                            SequenceSamplingState.graph_shaped = graph_shaped
                         steps = max(1, sum(r.steps_by_kind.values()))
                         tok_s = streams * args.tokens / (r.wall_ns / 1e9)
                         if tok_s > best.get(name, {}).get("tok_s", 0):
@@ -230,7 +243,7 @@ def bench_features(args, out: dict) -> None:
                 for name, row in best.items():
                     row["ratio"] = round(row["tok_s"] / base, 3)
                     out[f"features|{shape}|{streams}|{name}"] = row
-                    print(f"{shape:6} {streams:>7} {name:18} {row['tok_s']:8,.0f} {row['ratio']:6.2f} "
+                    print(f"{shape:6} {streams:>7} {name:20} {row['tok_s']:8,.0f} {row['ratio']:6.2f} "
                           f"{row['host_us_per_step']:12,.0f} {row['gpu_us_per_step']:11,.0f} {row['steps']:6}",
                           flush=True)
         finally:

@@ -129,7 +129,10 @@ class GraphExecutor:
         self.snap_keys = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
         self.snap_values = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
         self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)
-        self.sampler = Sampler(vocab_size, device=self.device, max_penalty_slots=max_live)
+        # the graphs' samplers shape rows with logit bias and penalties from the Sampler's slot tables
+        self.sampler = Sampler(vocab_size, device=self.device, max_penalty_slots=max_live, graph_tables=True,
+                               stream=self.model_stream)
+        self.decoder.shape_tables = self.sampler.shape_tables()
         self.graphs.capture(self.model_stream)
         # Pinned frames: inputs (manifest layout) and completion tokens (one int64 per batch row).
         self._in_frames = [self._pin(self.manifest.total_bytes) for _ in range(_NUM_FRAMES)]
@@ -304,10 +307,13 @@ class GraphExecutor:
         scratch = self.decoder.scratch_slot
         # each row's per-request LoRA adapter, where the graphs run adapters (else lora_ids is never read)
         adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
-        # The sampler the step's graph needs: greedy while no row draws; temperature alone (no masks) while no
-        # drawing row has a min-p, top-k or top-p; else the full one.
+        # Rows whose bias and penalties the graph's sampler applies from the Sampler's tables.
+        shaped = [i for i in range(n) if sample_flags[i] and states[i] is not None and states[i].graph_shaped
+                  and states[i].graph_samples]
+        # The sampler the step's graph needs: greedy while no row draws or is shaped; temperature alone (no masks)
+        # while no drawing row has a min-p, top-k or top-p; else the full one.
         drawing = [s.params for s in states if s is not None and s.params.temperature > 0]
-        full_sampling = (GREEDY if not drawing else
+        full_sampling = (GREEDY if not drawing and not shaped else
                          TEMPERATURE if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p <= 0 for p in drawing)
                          else FULL)
         if kind == "decode_spec":
@@ -332,6 +338,9 @@ class GraphExecutor:
         token_rows = cap
         batch_rows = cap if decode else batch_cap
         # Sampling parameters (graph sampler) and per-row step counters.
+        v[f + "shape_slot"][:batch_rows] = -1
+        for i in shaped:
+            v[f + "shape_slot"][i] = states[i].penalty_slot
         for i in range(n):
             s = states[i]
             if s is None or not sample_flags[i]:
@@ -365,8 +374,8 @@ class GraphExecutor:
         else:
             for name in ("token_ids", "positions", "slot_ids") + (("lora_ids",) if adapters is not None else ()):
                 self._upload(frame, name, token_rows)
-            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "min_p_log", "seeds", "steps",
-                         "chunk_meta", "logit_rows"):
+            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "min_p_log", "shape_slot",
+                         "seeds", "steps", "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
         if scoring:

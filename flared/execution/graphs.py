@@ -54,6 +54,8 @@ _SHARED_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("top_k", "int32", ("B",)),
     ("top_p", "float32", ("B",)),
     ("min_p_log", "float32", ("B",)),  # kernels.min_p_log_threshold: -inf = no min-p
+    # the Sampler slot whose bias and penalty tables shape the row before its draw (kernels.sampling); -1: none
+    ("shape_slot", "int32", ("B",)),
     ("seeds", "int64", ("B",)),
     ("steps", "int64", ("B",)),
     # per-request LoRA adapter of each token row (a request's ``lora``: 0 = the base weights); read only by a
@@ -65,7 +67,7 @@ _SHARED_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 # step (ExecutionManifest.decode_upload) instead of one per field, each of which cost the GPU microseconds at
 # batch 1.
 _DECODE_ORDER = ("token_ids", "positions", "slot_ids", "state_rows", "context_lens", "temperature", "top_k",
-                 "top_p", "min_p_log", "seeds", "steps", "lora_ids", "block_tables")
+                 "top_p", "min_p_log", "shape_slot", "seeds", "steps", "lora_ids", "block_tables")
 _BY_NAME = {name: (dtype, shape) for name, dtype, shape in _SHARED_FIELDS}
 INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = _SHARED_FIELDS + tuple(
     ("decode_" + name, _BY_NAME[name][0], ("D",) + _BY_NAME[name][1][1:]) for name in _DECODE_ORDER)
@@ -520,6 +522,7 @@ class GraphSet:
             s.top_k.zero_()
             s.top_p.fill_(1.0)
             s.min_p_log.fill_(float("-inf"))
+            s.shape_slot.fill_(-1)
             s.seeds.zero_()
             s.steps.zero_()
             s.lora_ids.zero_()

@@ -46,6 +46,7 @@ import dataclasses
 import math
 import secrets
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -298,6 +299,8 @@ class SequenceSamplingState:
     seed: int  # resolved: the request's seed, or a random one
     num_output_tokens: int = 0  # tokens drawn so far; the counter of the per-row RNG
     penalty_slot: int | None = None  # row of the sampler's penalty tables, when penalties are used
+    # the slot's tables hold the row's logit bias and penalties (Sampler graph_tables): a graph may shape the row
+    tabled: bool = False
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the sampler's device
     banned_ids: torch.Tensor | None = None  # params.min_tokens_banned on the sampler's device
@@ -334,12 +337,21 @@ class SequenceSamplingState:
                 or (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
 
     @property
+    def graph_shaped(self) -> bool:
+        """The row's logits change before its draw, and only by what its slot's tables hold (logit bias and
+        penalties over the whole prompt and output): a graph's sampler shapes it (kernels.sampling)."""
+        p = self.params
+        return (self.tabled and self.allowed_ids is None and not p.bad_words and self.thinking_open is None
+                and not p.uses_dry and not (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
+
+    @property
     def graph_samples(self) -> bool:
         """A decode graph's own sampler can draw this row's token: it takes temperature, min-p, top-k and top-p,
         the temperature first (vLLM's order; llama.cpp's default chain without its top-p), on logits nothing
-        shaped; everything else runs in this Sampler after the graph (the GPU executor's eager rows)."""
+        shaped but the slot tables' bias and penalties (graph_shaped); everything else runs in this Sampler after
+        the graph (the GPU executor's eager rows)."""
         p = self.params
-        return not (self.grammar is not None or self.shapes_logits or p.typical_p < 1.0
+        return not (self.grammar is not None or (self.shapes_logits and not self.graph_shaped) or p.typical_p < 1.0
                     or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0 or p.top_n_sigma > 0
                     or p.dynatemp_range > 0
                     # llama.cpp's chain: its top-p judges the unscaled logits, and another chain than its default
@@ -537,16 +549,49 @@ def _row_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+class ShapeTables(NamedTuple):
+    """A Sampler's slot tables that a GPU graph's sampler shapes rows from (``Sampler.shape_tables``;
+    flared.model.kernels.sampling): ``counts`` [S, V] int32 (each output token's count), ``prompt`` [S, V] uint8 (1:
+    in the prompt), ``bias`` [S, V] float32 (the request's logit bias) and ``params`` [S, 3] float32 (repetition,
+    frequency and presence penalties)."""
+    counts: torch.Tensor
+    prompt: torch.Tensor
+    bias: torch.Tensor
+    params: torch.Tensor
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, *, device: torch.device | str = "cpu", max_penalty_slots: int = 32):
+    def __init__(self, vocab_size: int, *, device: torch.device | str = "cpu", max_penalty_slots: int = 32,
+                 graph_tables: bool = False, stream=None):
+        """``graph_tables``: also keep each slot's logit bias and penalties as tables a GPU graph's sampler reads
+        (``shape_tables``; kernels.sampling): then a request with logit bias alone holds a slot too. ``stream``:
+        the stream add_sequence writes the tables on (the GPU executor's model stream, so that a graph launched
+        after it sees them); None: the current one."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.stream = stream
         self.output_counts = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.int32, device=self.device)
         self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
+        self.bias_table = self.slot_params = None
+        if graph_tables:
+            self.bias_table = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.float32, device=self.device)
+            self.slot_params = torch.zeros(max_penalty_slots, 3, dtype=torch.float32, device=self.device)
         self._free_slots = list(range(max_penalty_slots - 1, -1, -1))
         self._generator = torch.Generator(device=self.device)
 
+    def shape_tables(self) -> ShapeTables | None:
+        """The tables a graph's sampler shapes slot rows from, or None without ``graph_tables``."""
+        if self.bias_table is None:
+            return None
+        return ShapeTables(self.output_counts, self.prompt_mask.view(torch.uint8), self.bias_table, self.slot_params)
+
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
+        if self.stream is None:
+            return self._add_sequence(params, prompt_token_ids, grammar)
+        with torch.cuda.stream(self.stream):
+            return self._add_sequence(params, prompt_token_ids, grammar)
+
+    def _add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         for field, ids in (("logit_bias", params.logit_bias or ()),
                            ("allowed_token_ids", params.allowed_token_ids or ()),
                            ("min_tokens_banned", params.min_tokens_banned),
@@ -598,13 +643,27 @@ class Sampler:
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
-        if params.uses_penalties:
+        # a graph shapes a row from the tables where they hold everything the row's bias and penalties need:
+        # penalties over the whole prompt and output (a window's oldest token is the eager path's history)
+        tabled = self.bias_table is not None and not windowed and (params.uses_penalties or bool(params.logit_bias))
+        if params.uses_penalties or tabled:
             if not self._free_slots:
                 raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
             slot = self._free_slots.pop()
             state.penalty_slot = slot
+            state.tabled = tabled
             self.output_counts[slot].zero_()
             self.prompt_mask[slot].zero_()
+            if tabled:
+                self.slot_params[slot] = on_device([params.repetition_penalty, params.frequency_penalty,
+                                                    params.presence_penalty], self.device, dtype=torch.float32)
+                self.bias_table[slot].zero_()
+                if params.logit_bias:
+                    tokens = list(params.logit_bias)
+                    self.bias_table[slot].index_put_(
+                        (on_device(tokens, self.device, dtype=torch.int64),),
+                        on_device([float(params.logit_bias[t]) for t in tokens], self.device, dtype=torch.float32),
+                        accumulate=True)
             if windowed:
                 # llama.cpp's window: the counts cover the prompt's last N tokens and then the output's
                 ids = state.history[max(0, state.history_len - params.penalty_last_n):state.history_len]

@@ -198,6 +198,64 @@ def test_the_walk_keeps_only_the_top_token_at_top_k_1():
     assert torch.equal(got, logits.argmax(dim=-1)) and int(got[5]) == 0
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
+    """Rows naming a Sampler slot (logit bias; repetition over the prompt and output; frequency and presence over
+    the output) draw the tokens the unshaped kernels draw from the torch Sampler's shaped logits, greedy rows too;
+    their shaped rows are left in the logits and the drawn tokens counted in their slots. A row naming no slot is
+    read as it is and counts nothing."""
+    from flared.model.kernels.sampling import sample_full, sample_race
+    from flared.model.sampling import Sampler, SamplingParams
+
+    vocab, dev = 3000, torch.device("cuda")
+    sampler = Sampler(vocab, device=dev, max_penalty_slots=8, graph_tables=True)
+    params = [SamplingParams(temperature=0.9, repetition_penalty=1.6, frequency_penalty=0.4, presence_penalty=0.8),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=1.0),
+              SamplingParams(temperature=1.1, logit_bias={5: 3.0, 7: -100.0, 2999: 0.25}),
+              SamplingParams(temperature=0.7),  # no slot
+              SamplingParams(temperature=0.5, frequency_penalty=-0.5, logit_bias={11: 1.5}),
+              SamplingParams(temperature=0.0, logit_bias={42: 1e4})]  # greedy, forced by its bias
+    g = torch.Generator(device="cuda").manual_seed(7)
+    prompts = [torch.randint(0, vocab, (50,), generator=g, device=dev).tolist() for _ in params]
+    states = [sampler.add_sequence(p, prompt) for p, prompt in zip(params, prompts)]
+    for s in states:  # earlier output: counts of up to three
+        if s.penalty_slot is not None:
+            drawn = torch.randint(0, 200, (60,), generator=g, device=dev)
+            sampler.output_counts[s.penalty_slot].index_add_(0, drawn, torch.ones_like(drawn, dtype=torch.int32))
+    assert [s.graph_shaped for s in states] == [True, True, True, False, True, True]
+    batch = len(states)
+    logits = torch.randn(batch, vocab, device=dev, generator=g) * 3
+    shaped = sampler.apply_bias_and_penalties(logits, states)
+    slots = torch.tensor([-1 if s.penalty_slot is None else s.penalty_slot for s in states], dtype=torch.int32,
+                         device=dev)
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    seeds = torch.arange(batch, dtype=torch.int64, device=dev) * 7919 + 3
+    counts_before = sampler.output_counts.clone()
+    for step in range(6):
+        steps = torch.full((batch,), step, dtype=torch.int64, device=dev)
+        buffer = logits.clone()
+        if full:
+            top_k = torch.tensor([0, 0, 40, 0, 0, 0], dtype=torch.int32, device=dev)
+            top_p = torch.tensor([0.9, 1.0, 0.95, 0.8, 1.0, 1.0], device=dev)
+            want = sample_full(shaped.clone(), temperature, top_k, top_p, seeds, steps)
+            counts = sampler.output_counts.clone()
+            got = sample_full(buffer, temperature, top_k, top_p, seeds, steps,
+                              shape=(slots, sampler.shape_tables()))
+        else:
+            want = sample_race(shaped.clone(), temperature, seeds, steps)
+            counts = sampler.output_counts.clone()
+            got = sample_race(buffer, temperature, seeds, steps, shape=(slots, sampler.shape_tables()))
+        assert torch.equal(got, want), step
+        assert torch.allclose(buffer, shaped, rtol=1e-6, atol=1e-5)
+        assert torch.equal(buffer[3], logits[3])
+        for i, s in enumerate(states):
+            if s.penalty_slot is not None:
+                counts[s.penalty_slot, int(got[i])] += 1
+        assert torch.equal(sampler.output_counts, counts), step
+        sampler.output_counts.copy_(counts_before)  # each step draws from the same shaped rows
+    assert int(got[5]) == 42
+
+
 def _recording_executor(hf, monkeypatch):
     """A graph executor over ``hf``'s weights and the list its decode steps' sampler variants go into."""
     from gpu_models import make_executor, serving_model
@@ -273,3 +331,42 @@ def test_min_p_requests_are_drawn_in_the_graphs(hf, monkeypatch):
         ex.close()
     assert all(len(t) == 24 for t in got.tokens)
     assert got.tokens[2] == greedy.tokens[2]
+
+
+def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
+    """Requests with logit bias or vLLM's penalties take the TEMPERATURE or FULL graphs, greedy ones too, and are
+    never sampled after them by the torch Sampler: greedy rows give the tokens the torch Sampler gives them (fp32
+    weights), a bias that forces a token draws only it, and a seeded drawing request repeats itself."""
+    from gpu_models import make_scheduler
+
+    from flared.execution.offline import drive
+    from flared.model.kernels import GREEDY
+    from flared.model.sampling import SamplingParams, SequenceSamplingState
+
+    ex, picked = _recording_executor(hf, monkeypatch)
+    real_eager = ex._eager_sample
+
+    def eager(*args, **kwargs):
+        raise AssertionError("a bias or penalty row was sampled after the graph")
+
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6, [12, 13] * 7]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, presence_penalty=0.7, max_tokens=24),
+              SamplingParams(temperature=0.0, frequency_penalty=1.5, logit_bias={3: 2.5, 9: -4.0}, max_tokens=24),
+              SamplingParams(temperature=0.0, logit_bias={17: 1e4}, max_tokens=24),
+              SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, logit_bias={20: 1.0}, seed=9,
+                             max_tokens=24)]
+    try:
+        monkeypatch.setattr(ex, "_eager_sample", eager)
+        got = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
+        assert GREEDY not in picked
+        again = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
+        # the same requests sampled after the graph by the torch Sampler
+        monkeypatch.setattr(ex, "_eager_sample", real_eager)
+        monkeypatch.setattr(SequenceSamplingState, "graph_shaped", property(lambda self: False))
+        eager_run = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts[:3], params[:3])
+    finally:
+        ex.close()
+    assert all(len(t) == 24 for t in got.tokens)
+    assert got.tokens[:3] == eager_run.tokens
+    assert set(got.tokens[2]) == {17}
+    assert got.tokens == again.tokens

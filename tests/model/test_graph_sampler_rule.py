@@ -29,6 +29,51 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     assert state.graph_samples is not eager
 
 
+@pytest.mark.parametrize("params, graph", [
+    (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5), True),
+    (SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logit_bias={3: -100.0}), True),
+    # llama.cpp's window forgets its oldest token, which only the eager path's history holds
+    (SamplingParams(temperature=0.8, repetition_penalty=1.1, penalty_last_n=64), False),
+    (SamplingParams(temperature=0.8, repetition_penalty=1.1, logprobs=1), False),
+    (SamplingParams(temperature=0.0, frequency_penalty=1.0, bad_words=((7,),)), False),
+    (SamplingParams(temperature=0.8, logit_bias={3: 2.0}, allowed_token_ids=(3, 4, 5)), False),
+])
+def test_with_graph_tables_bias_and_penalties_are_drawn_in_the_graph(params, graph):
+    """A Sampler keeping graph tables (the GPU executor's) gives a request with logit bias or vLLM's penalties a
+    slot whose tables hold them, and the graph's sampler shapes and draws its rows: the bias and three penalties
+    in the slot's tables, its prompt marked, its counts zero."""
+    import torch
+
+    sampler = Sampler(64, max_penalty_slots=2, graph_tables=True)
+    state = sampler.add_sequence(params, [1, 2, 2])
+    assert state.graph_samples is graph
+    if not graph:  # (a row the graph does not draw may still be tabled: its logprobs make it eager)
+        return
+    assert state.graph_shaped
+    slot = state.penalty_slot
+    assert slot is not None and state.tabled
+    assert sampler.slot_params[slot].tolist() == pytest.approx(
+        [params.repetition_penalty, params.frequency_penalty, params.presence_penalty])
+    want = torch.zeros(64)
+    for token, bias in (params.logit_bias or {}).items():
+        want[token] = bias
+    assert torch.equal(sampler.bias_table[slot], want)
+    assert sampler.prompt_mask[slot].nonzero().flatten().tolist() == [1, 2]
+    assert not sampler.output_counts[slot].any()
+    tables = sampler.shape_tables()
+    assert tables.prompt.dtype == torch.uint8 and tables.bias.data_ptr() == sampler.bias_table.data_ptr()
+    sampler.release(state)
+    again = sampler.add_sequence(SamplingParams(temperature=0.8, logit_bias={5: 1.0}), [])  # the slot, reset
+    assert again.penalty_slot == slot and sampler.bias_table[slot].nonzero().flatten().tolist() == [5]
+    assert not sampler.prompt_mask[slot].any()
+
+
+def test_without_graph_tables_logit_bias_takes_no_slot():
+    state = Sampler(64, max_penalty_slots=1).add_sequence(SamplingParams(temperature=0.8, logit_bias={3: 2.0}), [1])
+    assert state.penalty_slot is None and not state.tabled and not state.graph_samples
+
+
 @pytest.mark.parametrize("params, replayable, position_only, graph_drawable", [
     (SamplingParams(temperature=0.0), True, True, True),
     (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3), True, True, True),

@@ -19,22 +19,36 @@ def _compile(fn, names_types: str, constexprs: dict):
 
 
 PARTS = ("Logits:*fp32 Temperature:*fp32 Seeds:*i64 Steps:*i64 PartVal:*fp32 PartIdx:*i32 TopK:*i32 TopP:*fp32 "
-         "MinP:*fp32 Scores:*fp32 PartMax:*fp32 PartSum:*fp32 vocab:i32 chunk:i32 n_chunks:i32 stride:i32")
+         "MinP:*fp32 Scores:*fp32 PartMax:*fp32 PartSum:*fp32 Slots:*i32 Counts:*i32 Prompt:*u8 Bias:*fp32 "
+         "Params:*fp32 vocab:i32 chunk:i32 n_chunks:i32 stride:i32")
+PICK = "PartVal:*fp32 PartIdx:*i32 Out:*i64 Slots:*i32 Counts:*i32 vocab:i32 n_chunks:i32"
 WALK = ("Logits:*fp32 Scores:*fp32 Temperature:*fp32 TopK:*i32 TopP:*fp32 MinP:*fp32 PartVal:*fp32 PartIdx:*i32 "
-        "PartMax:*fp32 PartSum:*fp32 Out:*i64 Passes:*i32 vocab:i32 n_chunks:i32 stride:i32")
+        "PartMax:*fp32 PartSum:*fp32 Out:*i64 Passes:*i32 Slots:*i32 Counts:*i32 vocab:i32 n_chunks:i32 stride:i32")
 
 
 @pytest.mark.parametrize("full, j", [(False, 1), (True, 4)])
-def test_the_race_compiles(full, j):
+@pytest.mark.parametrize("shape", [False, True])  # rows shaped by the Sampler's bias and penalty tables
+def test_the_race_compiles(full, j, shape):
     from flared.model.kernels import sampling
 
-    kernel = _compile(sampling._race_parts_kernel, PARTS, {"BLOCK": sampling.RACE_BLOCK, "FULL": full, "J": j})
+    kernel = _compile(sampling._race_parts_kernel, PARTS, {"BLOCK": sampling.RACE_BLOCK, "FULL": full, "J": j,
+                                                           "SHAPE": shape})
     assert "ptx" in kernel.asm
 
 
-def test_the_walk_compiles():
+@pytest.mark.parametrize("shape", [False, True])
+def test_the_pick_compiles(shape):
+    from flared.model.kernels import sampling
+
+    kernel = _compile(sampling._race_pick_kernel, PICK, {"PARTS": 64, "SHAPE": shape})
+    assert "ptx" in kernel.asm
+
+
+@pytest.mark.parametrize("shape", [False, True])
+def test_the_walk_compiles(shape):
     from flared.model.kernels import sampling
 
     kernel = _compile(sampling._walk_kernel, WALK, {"PARTS": 64, "BLOCK": sampling.WALK_BLOCK,
-                                                     "LIST": sampling.LIST_BLOCK, "J": sampling.CANDIDATES})
+                                                     "LIST": sampling.LIST_BLOCK, "J": sampling.CANDIDATES,
+                                                     "SHAPE": shape})
     assert "ptx" in kernel.asm

@@ -102,6 +102,8 @@ class StaticInputs:
     lora_ids: torch.Tensor | None = None
     # [B_max] float32: each row's min-p as kernels.min_p_log_threshold (-inf = off); None: no min-p
     min_p_log: torch.Tensor | None = None
+    # [B_max] int32: the Sampler slot whose tables shape the row (PagedCudaDecoder.shape_tables; -1 = none)
+    shape_slot: torch.Tensor | None = None
 
 
 class PagedCudaDecoder:
@@ -146,6 +148,9 @@ class PagedCudaDecoder:
         self.v_pool = torch.zeros(pool_shape, dtype=self.kv_dtype, device=self.device)
         self.last_token = torch.zeros(num_state_rows, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(max_batch, c.vocab_size, dtype=torch.float32, device=self.device)
+        # The Sampler's bias and penalty tables (kernels.sampling.ShapeTables) the graphs' samplers shape rows
+        # from; set before capture (GraphExecutor), None: no row is shaped.
+        self.shape_tables = None
         # Per state row, the logits of its last computed position (snapshots and full-prompt hits read them).
         self.state_logits = torch.zeros(num_state_rows, c.vocab_size, dtype=torch.float32, device=self.device)
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
@@ -664,13 +669,17 @@ class PagedCudaDecoder:
                 s: StaticInputs) -> None:
         """The step's tokens from its logits [batch, V] (sampling inputs from ``s``) into ``sampled`` and the state
         rows' ``last_token``. ``full_sampling``: the graph variant (flared.model.kernels): GREEDY (0/False), FULL
-        (1/True: temperature, min-p, top-k, top-p) or TEMPERATURE (2: temperature alone, no sort)."""
+        (1/True: temperature, min-p, top-k, top-p) or TEMPERATURE (2: temperature alone, no sort). With
+        ``shape_tables``, the FULL and TEMPERATURE samplers first shape the rows that name a slot (``shape_slot``)
+        by its bias and penalties, in ``logits`` (``state_logits`` keeps the model's), and count their tokens."""
+        shape = ((s.shape_slot[:batch], self.shape_tables)
+                 if self.shape_tables is not None and s.shape_slot is not None else None)
         if full_sampling == TEMPERATURE:
-            tokens = sample_race(logits, s.temperature[:batch], s.seeds[:batch], s.steps[:batch])
+            tokens = sample_race(logits, s.temperature[:batch], s.seeds[:batch], s.steps[:batch], shape=shape)
         elif full_sampling == FULL:
             tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
                                  s.steps[:batch],
-                                 min_p_log=s.min_p_log[:batch] if s.min_p_log is not None else None)
+                                 min_p_log=s.min_p_log[:batch] if s.min_p_log is not None else None, shape=shape)
         else:
             tokens = sample_greedy(logits)
         self.sampled[:batch].copy_(tokens)

@@ -49,9 +49,17 @@ Rules:
   candidate: on flat rows with a small top-k about log(V / k) passes.
 - Integer arithmetic stays below 2**62 (31-bit lanes times 31-bit
   constants) so int64 never overflows.
-- Penalties, logit bias and log-probabilities are not here: the
-  executor runs ``flared.model.sampling.Sampler`` on the graph's logits for
-  rows that ask for them.
+- Logit bias and repetition, frequency and presence penalties (vLLM's:
+  repetition over the prompt and output, the other two over the output)
+  come from the Sampler's slot tables (``ShapeTables``): a row naming a slot
+  has its logits shaped by the race's first pass, bias first, as the
+  Sampler shapes them, and written back, so that the walk and everything
+  after read the shaped row; the pick then counts the drawn token in the
+  slot's output counts. Rows naming no slot (-1) are read as they are.
+- Log-probabilities, penalties over a window (llama.cpp's repeat_last_n),
+  DRY, bad words, allowed ids and the rest are not here: the executor runs
+  ``flared.model.sampling.Sampler`` on the graph's logits for rows that ask
+  for them.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ import triton.language as tl
 
 from flared.model.kernels.fused import lanes_first_max, lanes_take, parts_first_max
 from flared.model.sampling import E_FLOOR as CPU_E_FLOOR
+from flared.model.sampling import ShapeTables
 
 # The least exponential the race's noise makes (the CPU sampler's); a constexpr, as a global a kernel reads must be
 # (Triton refuses other globals when it compiles, which its interpreter does not check)
@@ -81,9 +90,32 @@ def _mix_tl(x, multiplier: tl.constexpr, shift: tl.constexpr):
 
 
 @triton.jit
+def _shaped(x, cols, mask, slot, vocab, Counts, Prompt, Bias, Params):
+    """A row's logits x (its columns cols) after its slot's logit bias and then its penalties, as
+    flared.model.sampling.Sampler.apply_bias_and_penalties shapes them."""
+    at = slot.to(tl.int64) * vocab + cols
+    x = x + tl.load(Bias + at, mask=mask, other=0.0)
+    count = tl.load(Counts + at, mask=mask, other=0)
+    in_output = count > 0
+    seen = in_output | (tl.load(Prompt + at, mask=mask, other=0) != 0)
+    rep = tl.load(Params + slot * 3)
+    freq = tl.load(Params + slot * 3 + 1)
+    pres = tl.load(Params + slot * 3 + 2)
+    x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
+    return x - freq * count.to(tl.float32) - pres * in_output.to(tl.float32)
+
+
+@triton.jit
+def _count_drawn(token, slot, vocab, Counts):
+    """The drawn token counted in its row's slot (rows naming no slot: nothing)."""
+    if slot >= 0:
+        tl.atomic_add(Counts + slot.to(tl.int64) * vocab + token, 1)
+
+
+@triton.jit
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Scores, PartMax,
-                       PartSum, vocab, chunk, n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr,
-                       J: tl.constexpr):
+                       PartSum, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks, stride,
+                       BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its
     torch form: tests/flared_testing/race.py's uniform_noise; on the CPU flared/_fast/race.pyx); a row at
@@ -91,10 +123,12 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax.
     FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
     first index among equal ones); for a row with top-k, top-p or min-p also the scores into Scores [B, vocab] and
-    the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk."""
+    the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk. SHAPE: a row naming a
+    slot (Slots) is shaped first (``_shaped``) and written back into Logits."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(Temperature + row)
+    slot = tl.load(Slots + row) if SHAPE else -1
     seed = tl.load(Seeds + row)
     step = tl.load(Steps + row)
     walks = False
@@ -117,6 +151,10 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
         cols = base + tl.arange(0, BLOCK)
         mask = cols < stop
         x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if SHAPE:
+            if slot >= 0:
+                x = _shaped(x, cols, mask, slot, vocab, Counts, Prompt, Bias, Params)
+                tl.store(Logits + row * stride + cols, x, mask=mask)
         if t > 0:
             z = (h * 0x2C1B3C6D + cols.to(tl.int64)) & 0x7FFFFFFF
             z = _mix_tl(z, 0x297A2D39, 15)
@@ -176,9 +214,13 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
 
 
 @triton.jit
-def _race_pick_kernel(PartVal, PartIdx, Out, n_chunks, PARTS: tl.constexpr):
+def _race_pick_kernel(PartVal, PartIdx, Out, Slots, Counts, vocab, n_chunks, PARTS: tl.constexpr,
+                      SHAPE: tl.constexpr):
     row = tl.program_id(0)
-    tl.store(Out + row, parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS))
+    token = parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS)
+    tl.store(Out + row, token)
+    if SHAPE:
+        _count_drawn(token, tl.load(Slots + row), vocab, Counts)
 
 
 @triton.jit
@@ -189,8 +231,8 @@ def _extract(vec, lanes, j):
 
 @triton.jit
 def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx, PartMax, PartSum, Out, Passes,
-                 vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr,
-                 J: tl.constexpr):
+                 Slots, Counts, vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr,
+                 J: tl.constexpr, SHAPE: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
     at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its
     next candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
@@ -291,6 +333,8 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx
             c = tl.where(walking, nxt1.to(tl.int64), c)
     tl.store(Out + row, c)
     tl.store(Passes + row, passes)
+    if SHAPE:  # the race kernel shaped the row (before this kernel's reads) and leaves the count to the pick
+        _count_drawn(c, tl.load(Slots + row), vocab, Counts)
 
 
 def _parts(batch: int, vocab: int) -> tuple[int, int]:
@@ -300,21 +344,32 @@ def _parts(batch: int, vocab: int) -> tuple[int, int]:
     return chunk, triton.cdiv(vocab, chunk)
 
 
+def _shape_args(shape, like: torch.Tensor) -> tuple:
+    """The race's Slots, Counts, Prompt, Bias and Params arguments (placeholders without ``shape``)."""
+    if shape is None:
+        return (like,) * 5
+    slots, tables = shape
+    return (slots, tables.counts, tables.prompt, tables.bias, tables.params)
+
+
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                steps: torch.Tensor) -> torch.Tensor:
+                steps: torch.Tensor, shape: tuple[torch.Tensor, ShapeTables] | None = None) -> torch.Tensor:
     """logits [B, V] float32 (-inf: a token the row may not draw); temperature [B] float32; seeds/steps [B]
-    int64 -> [B] int64: each row's draw at its temperature from its logits (the argmax at temperature 0)."""
+    int64 -> [B] int64: each row's draw at its temperature from its logits (the argmax at temperature 0).
+    ``shape``: (slots [B] int32, the Sampler's tables): rows naming a slot (not -1) are shaped by its bias and
+    penalties first (written back into ``logits``) and their tokens counted in it."""
     batch, vocab = logits.shape
     chunk, n_chunks = _parts(batch, vocab)
     part_val = torch.empty(batch, n_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    shaping = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
-                                          temperature, part_val, part_val, part_val, vocab, chunk, n_chunks,
-                                          logits.stride(0),
-                                          BLOCK=RACE_BLOCK, FULL=False, J=1, num_warps=8)
-    _race_pick_kernel[(batch,)](part_val, part_idx, out, n_chunks, PARTS=triton.next_power_of_2(n_chunks),
-                                num_warps=1)
+                                          temperature, part_val, part_val, part_val, *shaping, vocab, chunk,
+                                          n_chunks, logits.stride(0),
+                                          BLOCK=RACE_BLOCK, FULL=False, J=1, SHAPE=shape is not None, num_warps=8)
+    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], vocab, n_chunks,
+                                PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, num_warps=1)
     return out
 
 
@@ -325,12 +380,14 @@ def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 seeds: torch.Tensor, steps: torch.Tensor, passes: torch.Tensor | None = None,
-                min_p_log: torch.Tensor | None = None) -> torch.Tensor:
+                min_p_log: torch.Tensor | None = None,
+                shape: tuple[torch.Tensor, ShapeTables] | None = None) -> torch.Tensor:
     """logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
     seeds/steps [B] int64 -> [B] int64: the race's draw among each row's min-p/top-k/top-p tokens (the argmax at
     temperature 0). ``passes`` ([B] int32, optional): the walk's passes over each row (0: no walk).
     ``min_p_log`` ([B] float32, optional): each row's min-p as the log of the least probability ratio to the most
-    likely token in its scaled logits (kernels.min_p_log_threshold; -inf or None: off)."""
+    likely token in its scaled logits (kernels.min_p_log_threshold; -inf or None: off). ``shape``: as
+    ``sample_race``'s."""
     batch, vocab = logits.shape
     chunk, n_chunks = _parts(batch, vocab)
     dev = logits.device
@@ -344,11 +401,13 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         passes = torch.empty(batch, dtype=torch.int32, device=dev)
     if min_p_log is None:
         min_p_log = torch.full((batch,), float("-inf"), dtype=torch.float32, device=dev)
+    shaping = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, scores, part_max, part_sum, vocab, chunk, n_chunks,
-                                          logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES, num_warps=8)
+                                          min_p_log, scores, part_max, part_sum, *shaping, vocab, chunk, n_chunks,
+                                          logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES,
+                                          SHAPE=shape is not None, num_warps=8)
     _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, part_val, part_idx, part_max,
-                           part_sum, out, passes, vocab, n_chunks, logits.stride(0),
+                           part_sum, out, passes, shaping[0], shaping[1], vocab, n_chunks, logits.stride(0),
                            PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
-                           J=CANDIDATES, num_warps=WALK_WARPS)
+                           J=CANDIDATES, SHAPE=shape is not None, num_warps=WALK_WARPS)
     return out
