@@ -15,8 +15,9 @@ Random bf16 weights of bench_gpu's shapes.
 Features (``--features``): the same serving drive, top-p 0.95 streams against the same streams each with one more
 setting: min-p (drawn in the graphs' sampler), a repetition penalty or a logit bias (shaped and drawn in the graphs'
 sampler from the Sampler's slot tables; "(eager)": the same streams with that turned off, so the torch Sampler
-shapes and draws them after the graph, as before), and log-probabilities, which the graphs' sampler does not take
-(the executor's eager rows): tok/s, host and GPU us a step.
+shapes and draws them after the graph, as before), and log-probabilities, which the graphs' sampler draws and the
+executor takes beside the draw ("(eager)": the torch Sampler draws those rows after the graph, as before): tok/s,
+host and GPU us a step.
 
     python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
 
@@ -200,7 +201,8 @@ BIAS = {t: -2.0 for t in range(100, 110)}
 FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1": {"repetition_penalty": 1.1},
             "+ repetition (eager)": {"repetition_penalty": 1.1, "_eager": True},
             "+ freq/presence": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
-            "+ logprobs 5": {"logprobs": 5}, "+ logit bias": {"logit_bias": BIAS},
+            "+ logprobs 5": {"logprobs": 5}, "+ logprobs 5 (eager)": {"logprobs": 5, "_eager": "graph_samples"},
+            "+ logit bias": {"logit_bias": BIAS},
             "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True}}
 
 
@@ -210,7 +212,7 @@ def bench_features(args, out: dict) -> None:
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams, SequenceSamplingState
 
-    graph_shaped = SequenceSamplingState.graph_shaped
+    graph_shaped, graph_samples = SequenceSamplingState.graph_shaped, SequenceSamplingState.graph_samples
     print(f"\n{'shape':6} {'streams':>7} {'params':20} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
           f"{'GPU us/step':>11} {'steps':>6}")
     for shape in args.shapes.split(","):
@@ -227,12 +229,14 @@ def bench_features(args, out: dict) -> None:
                         params = [SamplingParams(temperature=args.temperature, top_p=0.95, seed=i,
                                                  max_tokens=args.tokens, **extra) for i in range(streams)]
                         pr = prompts(vocab, streams, args.prompt, seed=7000 * streams + 100 * repeat + j)
-                        if eager:  # the rows shaped and drawn by the torch Sampler after the graph
-                            SequenceSamplingState.graph_shaped = property(lambda self: False)
+                        if eager:  # the rows shaped or drawn by the torch Sampler after the graph
+                            setattr(SequenceSamplingState, eager if isinstance(eager, str) else "graph_shaped",
+                                    property(lambda self: False))
                         try:
                             r = drive(pair[0], pair[1], pr, params)
                         finally:
                             SequenceSamplingState.graph_shaped = graph_shaped
+                            SequenceSamplingState.graph_samples = graph_samples
                         steps = max(1, sum(r.steps_by_kind.values()))
                         tok_s = streams * args.tokens / (r.wall_ns / 1e9)
                         if tok_s > best.get(name, {}).get("tok_s", 0):

@@ -66,12 +66,13 @@ _SCORE_ROWS = 512
 class _Pending:
     """Host-side facts of one in-flight frame, read back by poll."""
 
-    __slots__ = ("num_participants", "logprob_rows", "logprob_out", "copies_timed", "scores", "spec")
+    __slots__ = ("num_participants", "logprobs", "copies_timed", "scores", "spec")
 
     def __init__(self):
         self.num_participants = 0
-        self.logprob_rows: list[tuple[int, int]] = []  # (participant, top_n)
-        self.logprob_out = None
+        # groups of rows' log-probabilities copied to pinned host memory behind the step: ([(row, top_n)], (chosen
+        # [k], top values [k, n] or None, top ids [k, n] or None)), rows named by participant once submit returns
+        self.logprobs: list[tuple[list[tuple[int, int]], tuple]] = []
         self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
         self.scores: list[list[float] | None] | None = None  # per participant, where the step scored
         # a speculative step: (token offsets, fed tokens, state rows, states); its rows' logits are the decoder's
@@ -212,8 +213,7 @@ class GraphExecutor:
             n = plan.num_participants
             pending = self._pending[frame]
             pending.num_participants = n
-            pending.logprob_rows = []
-            pending.logprob_out = None
+            pending.logprobs = []
             pending.copies_timed = False
             pending.scores = None
             pending.spec = None
@@ -272,9 +272,10 @@ class GraphExecutor:
         duration_ns = self._end[frame].elapsed_ns(self._start[frame])
         snapshot_ns = self._end[frame].elapsed_ns(self._copies_start[frame]) if pending.copies_timed else 0
         logprobs: list[TokenLogprob | None] = [None] * n
-        if pending.logprob_rows:  # copied behind the step (_eager_sample), which copied.synchronize saw finish
-            chosen, top_v, top_i = (None if t is None else t.tolist() for t in pending.logprob_out)
-            for k, (i, top_n) in enumerate(pending.logprob_rows):
+        # copied behind the step (_eager_sample, _graph_logprobs), which copied.synchronize saw finish
+        for rows, out in pending.logprobs:
+            chosen, top_v, top_i = (None if t is None else t.tolist() for t in out)
+            for k, (i, top_n) in enumerate(rows):
                 top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
                 logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
         scores = pending.scores if pending.scores is not None else [None] * n
@@ -386,6 +387,10 @@ class GraphExecutor:
                       and not states[i].graph_samples]
         if eager_rows:
             self._eager_sample(self.decoder.logits, eager_rows, rows, states, self._pending[frame])
+        logprob_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
+                        and states[i].params.logprobs is not None and states[i].graph_samples]
+        if logprob_rows:
+            self._graph_logprobs(logprob_rows, rows, states, self._pending[frame])
         for i in range(n):
             if sample_flags[i] and states[i] is not None and i not in eager_rows:
                 states[i].num_output_tokens += 1
@@ -416,8 +421,8 @@ class GraphExecutor:
         for i in np.flatnonzero(widths > 1):  # one output token at submit, as a decode row; poll adds the kept
             if states[i] is not None:
                 states[i].num_output_tokens -= int(widths[i]) - 1
-        # eager-sampled rows (log-probabilities and the like) are lone rows: name their participants
-        pending.logprob_rows = [(int(part[r]), top_n) for r, top_n in pending.logprob_rows]
+        # rows with log-probabilities are lone rows: name their participants
+        pending.logprobs = [([(int(part[r]), top_n) for r, top_n in group], out) for group, out in pending.logprobs]
         pending.spec = (offsets, np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
                         np.asarray(plan.state_rows, dtype=np.int64)[:n], list(states))
 
@@ -550,9 +555,27 @@ class GraphExecutor:
             # The rows' log-probabilities to pinned host memory behind the step (before its end event, which the
             # token copy waits on), read in poll: no sync here.
             at = on_device([k for k, _, _ in want], self.device, dtype=torch.int64)
-            pending.logprob_rows = [(i, top_n) for _, i, top_n in want]
-            pending.logprob_out = tuple(None if t is None else t.index_select(0, at).to("cpu", non_blocking=True)
-                                        for t in (out.chosen_logprobs, out.top_logprobs, out.top_token_ids))
+            pending.logprobs.append(([(i, top_n) for _, i, top_n in want],
+                                     tuple(None if t is None else t.index_select(0, at).to("cpu", non_blocking=True)
+                                           for t in (out.chosen_logprobs, out.top_logprobs, out.top_token_ids))))
+
+    def _graph_logprobs(self, sample_idx, rows, states, pending: _Pending) -> None:
+        """Log-probabilities of rows the graph drew (the model's own distribution, as the Sampler gives them: the
+        log-softmax of the logits before bias, penalties and temperature; the drawn token's and the likeliest
+        ``logprobs``), from the state rows' logits, which the graph wrote before it shaped or drew any row; copied
+        to pinned host memory behind the step, as _eager_sample's."""
+        d = self.decoder
+        state_rows = on_device(np.asarray(rows)[sample_idx].tolist(), self.device, dtype=torch.int64)
+        raw = torch.log_softmax(d.state_logits.index_select(0, state_rows).float(), dim=-1)
+        chosen = raw.gather(1, d.sampled.index_select(0, on_device(list(sample_idx), self.device,
+                                                                   dtype=torch.int64))[:, None])[:, 0]
+        top_n = max(states[i].params.logprobs for i in sample_idx)
+        top_v = top_i = None
+        if top_n > 0:
+            top_v, top_i = raw.topk(top_n, dim=-1)
+        pending.logprobs.append(([(i, states[i].params.logprobs) for i in sample_idx],
+                                 tuple(None if t is None else t.to("cpu", non_blocking=True)
+                                       for t in (chosen, top_v, top_i))))
 
     # -- per-request LoRA adapters loaded while serving -----------------------------------------------
 

@@ -348,11 +348,13 @@ class SequenceSamplingState:
     def graph_samples(self) -> bool:
         """A decode graph's own sampler can draw this row's token: it takes temperature, min-p, top-k and top-p,
         the temperature first (vLLM's order; llama.cpp's default chain without its top-p), on logits nothing
-        shaped but the slot tables' bias and penalties (graph_shaped); everything else runs in this Sampler after
-        the graph (the GPU executor's eager rows)."""
+        shaped but the slot tables' bias and penalties (graph_shaped); log-probabilities of the model's own
+        distribution are taken beside it (not post_sampling_probs: the distribution drawn from); everything else
+        runs in this Sampler after the graph (the GPU executor's eager rows)."""
         p = self.params
         return not (self.grammar is not None or (self.shapes_logits and not self.graph_shaped) or p.typical_p < 1.0
-                    or p.logprobs is not None or p.mirostat != 0 or p.xtc_probability > 0 or p.top_n_sigma > 0
+                    or (p.logprobs is not None and p.post_sampling_probs) or p.mirostat != 0
+                    or p.xtc_probability > 0 or p.top_n_sigma > 0
                     or p.dynatemp_range > 0
                     # llama.cpp's chain: its top-p judges the unscaled logits, and another chain than its default
                     # may leave out the temperature or top-k, or run them twice

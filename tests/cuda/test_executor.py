@@ -114,7 +114,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(gpu_model):
     assert all(0 <= t < 512 for row in a for t in row)
 
 
-def test_rows_with_penalties_and_logprobs_use_the_eager_sampler(gpu_model):
+def test_a_strong_repetition_penalty_with_logprobs_adds_no_repeats(gpu_model):
     from flared.execution.offline import drive
 
     ex = make_executor(gpu_model)

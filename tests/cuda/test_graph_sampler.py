@@ -370,3 +370,60 @@ def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
     assert got.tokens[:3] == eager_run.tokens
     assert set(got.tokens[2]) == {17}
     assert got.tokens == again.tokens
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(hf, monkeypatch, shaped):
+    """Rows asking for log-probabilities (of the model's distribution) are drawn by the graphs, their logprobs
+    taken beside the draw from the logits the graph wrote before shaping any row: greedy rows, one with penalties
+    (the steps take the TEMPERATURE graphs) or none (the GREEDY graphs, whose head takes the argmax), get the
+    tokens, chosen log-probabilities and top-n the torch Sampler gives them after the graph."""
+    from gpu_models import make_scheduler
+
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams, SequenceSamplingState
+
+    ex, _ = _recording_executor(hf, monkeypatch)
+    seen: list = []
+    real_poll = ex.poll
+
+    def poll(*args, **kwargs):
+        got = real_poll(*args, **kwargs)
+        if got is not None:
+            seen.append([lp for lp in got[3]])
+        return got
+
+    monkeypatch.setattr(ex, "poll", poll)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6]
+    params = [SamplingParams(temperature=0.0, logprobs=3, max_tokens=16),
+              SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=1.5, logit_bias={3: 1.0},
+                             max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=16)]
+    if not shaped:
+        prompts, params = prompts[::2], params[::2]
+
+    def run():
+        seen.clear()
+        r = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
+        return r.tokens, [lp for step in seen for lp in step if lp is not None]
+
+    try:
+        real_eager = ex._eager_sample
+
+        def eager(*args, **kwargs):
+            raise AssertionError("a logprob row was sampled after the graph")
+
+        monkeypatch.setattr(ex, "_eager_sample", eager)
+        tokens, graph_lps = run()
+        monkeypatch.setattr(ex, "_eager_sample", real_eager)
+        monkeypatch.setattr(SequenceSamplingState, "graph_samples", property(lambda self: False))
+        eager_tokens, eager_lps = run()
+    finally:
+        ex.close()
+    assert tokens == eager_tokens
+    assert len(graph_lps) == len(eager_lps) == (32 if shaped else 16)
+    for a, b in zip(graph_lps, eager_lps):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    assert sum(len(lp.top) == 3 for lp in graph_lps) == 16

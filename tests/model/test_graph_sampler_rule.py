@@ -21,6 +21,9 @@ from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
     (SamplingParams(temperature=0.8, top_k=40, min_p=0.05, sampler_order=LLAMA_CPP_ORDER), False),
     (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True),
     (SamplingParams(temperature=0.8, min_p=0.05, typical_p=0.9), True),
+    (SamplingParams(temperature=0.8, top_p=0.9, logprobs=5), False),  # taken beside the graph's draw
+    (SamplingParams(temperature=0.8, top_k=40, logprobs=5, sampler_order=LLAMA_CPP_ORDER, post_sampling_probs=True),
+     True),
     (SamplingParams(temperature=0.8, xtc_probability=0.5), True),
     (SamplingParams(temperature=0.8, mirostat=2), True),
 ])
@@ -35,7 +38,10 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     (SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logit_bias={3: -100.0}), True),
     # llama.cpp's window forgets its oldest token, which only the eager path's history holds
     (SamplingParams(temperature=0.8, repetition_penalty=1.1, penalty_last_n=64), False),
-    (SamplingParams(temperature=0.8, repetition_penalty=1.1, logprobs=1), False),
+    # log-probabilities of the model's distribution are taken beside the graph's draw; of the one drawn from not
+    (SamplingParams(temperature=0.8, repetition_penalty=1.1, logprobs=1), True),
+    (SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, logprobs=1, sampler_order=LLAMA_CPP_ORDER,
+                    post_sampling_probs=True), False),
     (SamplingParams(temperature=0.0, frequency_penalty=1.0, bad_words=((7,),)), False),
     (SamplingParams(temperature=0.8, logit_bias={3: 2.0}, allowed_token_ids=(3, 4, 5)), False),
 ])
