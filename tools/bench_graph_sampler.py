@@ -13,11 +13,10 @@ its index) through the graph executor with each sampler captured into its graphs
 Random bf16 weights of bench_gpu's shapes.
 
 Features (``--features``): the same serving drive, top-p 0.95 streams against the same streams each with one more
-setting: min-p (drawn in the graphs' sampler), a repetition penalty or a logit bias (shaped and drawn in the graphs'
-sampler from the Sampler's slot tables; "(eager)": the same streams with that turned off, so the torch Sampler
-shapes and draws them after the graph, as before), and log-probabilities, which the graphs' sampler draws and the
-executor takes beside the draw ("(eager)": the torch Sampler draws those rows after the graph, as before): tok/s,
-host and GPU us a step.
+setting: min-p (drawn in the graphs' sampler); a repetition penalty (vLLM's, or llama.cpp's over the last 64 tokens)
+or a logit bias, shaped and drawn in the graphs' sampler from the Sampler's slot tables; log-probabilities, drawn
+by the graphs and taken by the executor beside the draw. "(eager)": the same streams drawn by the torch Sampler
+after the graph, as before. tok/s, host and GPU us a step.
 
     python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
 
@@ -201,6 +200,8 @@ BIAS = {t: -2.0 for t in range(100, 110)}
 FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1": {"repetition_penalty": 1.1},
             "+ repetition (eager)": {"repetition_penalty": 1.1, "_eager": True},
             "+ freq/presence": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
+            "+ repeat_last_n 64": {"repetition_penalty": 1.1, "penalty_last_n": 64},
+            "+ repeat_last_n (eager)": {"repetition_penalty": 1.1, "penalty_last_n": 64, "_eager": True},
             "+ logprobs 5": {"logprobs": 5}, "+ logprobs 5 (eager)": {"logprobs": 5, "_eager": "graph_samples"},
             "+ logit bias": {"logit_bias": BIAS},
             "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True}}
@@ -213,7 +214,7 @@ def bench_features(args, out: dict) -> None:
     from flared.model.sampling import SamplingParams, SequenceSamplingState
 
     graph_shaped, graph_samples = SequenceSamplingState.graph_shaped, SequenceSamplingState.graph_samples
-    print(f"\n{'shape':6} {'streams':>7} {'params':20} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
+    print(f"\n{'shape':6} {'streams':>7} {'params':22} {'tok/s':>8} {'ratio':>6} {'host us/step':>12} "
           f"{'GPU us/step':>11} {'steps':>6}")
     for shape in args.shapes.split(","):
         model = random_model(shape)
@@ -223,7 +224,10 @@ def bench_features(args, out: dict) -> None:
             for streams in args.streams:
                 best = {}
                 for repeat in range(args.repeats):
+                    chosen = {"top-p 0.95", *filter(None, args.feature_names.split(","))}
                     for j, (name, extra) in enumerate(FEATURES.items()):
+                        if args.feature_names and name not in chosen:
+                            continue
                         extra = dict(extra)
                         eager = extra.pop("_eager", False)
                         params = [SamplingParams(temperature=args.temperature, top_p=0.95, seed=i,
@@ -247,7 +251,7 @@ def bench_features(args, out: dict) -> None:
                 for name, row in best.items():
                     row["ratio"] = round(row["tok_s"] / base, 3)
                     out[f"features|{shape}|{streams}|{name}"] = row
-                    print(f"{shape:6} {streams:>7} {name:20} {row['tok_s']:8,.0f} {row['ratio']:6.2f} "
+                    print(f"{shape:6} {streams:>7} {name:22} {row['tok_s']:8,.0f} {row['ratio']:6.2f} "
                           f"{row['host_us_per_step']:12,.0f} {row['gpu_us_per_step']:11,.0f} {row['steps']:6}",
                           flush=True)
         finally:
@@ -264,6 +268,7 @@ def main() -> int:
     ap.add_argument("--walk-variants", default="", help="BLOCK/WARPS,...: the walk kernel's shapes to time")
     ap.add_argument("--serving", action="store_true")
     ap.add_argument("--features", action="store_true")
+    ap.add_argument("--feature-names", default="", help="comma list: only these --features rows (top-p always)")
     ap.add_argument("--shapes", default="135m")
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--prompt", type=int, default=128)

@@ -301,6 +301,8 @@ class SequenceSamplingState:
     penalty_slot: int | None = None  # row of the sampler's penalty tables, when penalties are used
     # the slot's tables hold the row's logit bias and penalties (Sampler graph_tables): a graph may shape the row
     tabled: bool = False
+    # a tabled row's llama.cpp window that slides within the request (its ring's length; 0: none)
+    ring_window: int = 0
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the sampler's device
     banned_ids: torch.Tensor | None = None  # params.min_tokens_banned on the sampler's device
@@ -551,15 +553,26 @@ def _row_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+# The longest llama.cpp penalty window (repeat_last_n) a GPU graph's sampler keeps in its ring; a longer window
+# that slides within the request leaves its rows to the torch Sampler (its history).
+GRAPH_WINDOW = 1024
+
+
 class ShapeTables(NamedTuple):
     """A Sampler's slot tables that a GPU graph's sampler shapes rows from (``Sampler.shape_tables``;
-    flared.model.kernels.sampling): ``counts`` [S, V] int32 (each output token's count), ``prompt`` [S, V] uint8 (1:
-    in the prompt), ``bias`` [S, V] float32 (the request's logit bias) and ``params`` [S, 3] float32 (repetition,
-    frequency and presence penalties)."""
+    flared.model.kernels.sampling): ``counts`` [S, V] int32 (each output token's count; with a window, each count
+    over the window's tokens, prompt included), ``prompt`` [S, V] uint8 (1: in the prompt), ``bias`` [S, V]
+    float32 (the request's logit bias), ``params`` [S, 3] float32 (repetition, frequency and presence penalties),
+    and for llama.cpp's window (repeat_last_n): ``window`` [S] int32 (its length N, 0: none or one that never
+    slides), ``ring`` [S, GRAPH_WINDOW] int32 (the window's tokens, position p at p % N) and ``lens`` [S] int64 (the
+    tokens so far, prompt included)."""
     counts: torch.Tensor
     prompt: torch.Tensor
     bias: torch.Tensor
     params: torch.Tensor
+    window: torch.Tensor
+    ring: torch.Tensor
+    lens: torch.Tensor
 
 
 class Sampler:
@@ -574,10 +587,14 @@ class Sampler:
         self.stream = stream
         self.output_counts = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.int32, device=self.device)
         self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
-        self.bias_table = self.slot_params = None
+        self.bias_table = self.slot_params = self.slot_window = self.ring = self.slot_lens = None
         if graph_tables:
-            self.bias_table = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.float32, device=self.device)
-            self.slot_params = torch.zeros(max_penalty_slots, 3, dtype=torch.float32, device=self.device)
+            slots = max_penalty_slots
+            self.bias_table = torch.zeros(slots, vocab_size, dtype=torch.float32, device=self.device)
+            self.slot_params = torch.zeros(slots, 3, dtype=torch.float32, device=self.device)
+            self.slot_window = torch.zeros(slots, dtype=torch.int32, device=self.device)
+            self.ring = torch.zeros(slots, GRAPH_WINDOW, dtype=torch.int32, device=self.device)
+            self.slot_lens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self._free_slots = list(range(max_penalty_slots - 1, -1, -1))
         self._generator = torch.Generator(device=self.device)
 
@@ -585,7 +602,8 @@ class Sampler:
         """The tables a graph's sampler shapes slot rows from, or None without ``graph_tables``."""
         if self.bias_table is None:
             return None
-        return ShapeTables(self.output_counts, self.prompt_mask.view(torch.uint8), self.bias_table, self.slot_params)
+        return ShapeTables(self.output_counts, self.prompt_mask.view(torch.uint8), self.bias_table, self.slot_params,
+                           self.slot_window, self.ring, self.slot_lens)
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         if self.stream is None:
@@ -645,9 +663,12 @@ class Sampler:
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
-        # a graph shapes a row from the tables where they hold everything the row's bias and penalties need:
-        # penalties over the whole prompt and output (a window's oldest token is the eager path's history)
-        tabled = self.bias_table is not None and not windowed and (params.uses_penalties or bool(params.logit_bias))
+        # a graph shapes a row from the tables where they hold everything the row's bias and penalties need: a
+        # window that slides is kept in the slot's ring, up to GRAPH_WINDOW tokens
+        prompt_len = len(prompt_token_ids)
+        slides = windowed and params.penalty_last_n < prompt_len + params.max_tokens
+        tabled = (self.bias_table is not None and (params.uses_penalties or bool(params.logit_bias))
+                  and not (slides and params.penalty_last_n > GRAPH_WINDOW))
         if params.uses_penalties or tabled:
             if not self._free_slots:
                 raise ExecutionError("no free penalty slot in the sampler", ErrorKind.MODEL_CAPACITY)
@@ -659,6 +680,13 @@ class Sampler:
             if tabled:
                 self.slot_params[slot] = on_device([params.repetition_penalty, params.frequency_penalty,
                                                     params.presence_penalty], self.device, dtype=torch.float32)
+                state.ring_window = params.penalty_last_n if slides else 0
+                self.slot_window[slot] = state.ring_window
+                self.slot_lens[slot] = prompt_len
+                if slides:  # the prompt's last N tokens, position p at p % N
+                    first = max(0, prompt_len - params.penalty_last_n)
+                    at = torch.arange(first, prompt_len, dtype=torch.int64, device=self.device) % params.penalty_last_n
+                    self.ring[slot].index_copy_(0, at, state.history[first:prompt_len].to(torch.int32))
                 self.bias_table[slot].zero_()
                 if params.logit_bias:
                     tokens = list(params.logit_bias)
@@ -750,6 +778,17 @@ class Sampler:
                                token_ids.index_select(0, on_device(kept, self.device)))
         return out
 
+    def _advance_ring(self, slot: int, n: int, token: torch.Tensor) -> None:
+        """A window's ring after drawing ``token`` ([1]): the token n places back leaves the counts (once the window
+        is full) and the new one takes its place (kernels.sampling's _count_drawn does the same in a graph; the
+        caller counts the new token)."""
+        length = self.slot_lens[slot:slot + 1]
+        at = length % n
+        leaving = self.ring[slot].index_select(0, at).to(torch.int64)
+        self.output_counts[slot].index_add_(0, leaving, -(length >= n).to(torch.int32))
+        self.ring[slot].index_copy_(0, at, token.to(torch.int32))
+        self.slot_lens[slot] += 1
+
     @staticmethod
     def _follow_thinking(is_open: torch.Tensor, params: SamplingParams, token) -> None:
         """A thinking budget's open flag after ``token`` (an id, or a 0-d device tensor: no sync): the start marker
@@ -768,7 +807,9 @@ class Sampler:
         if penalty_rows:
             for i in penalty_rows:
                 s, n = states[i], states[i].params.penalty_last_n
-                if n and s.history_len >= n:
+                if s.ring_window:  # the slot's ring, as a graph's sampler keeps it (no sync: all on the device)
+                    self._advance_ring(s.penalty_slot, s.ring_window, token_ids[i:i + 1])
+                elif n and s.history_len >= n:
                     oldest = s.history[s.history_len - n:s.history_len - n + 1]
                     self.output_counts[s.penalty_slot].index_add_(0, oldest, torch.full_like(oldest, -1,
                                                                                              dtype=torch.int32))

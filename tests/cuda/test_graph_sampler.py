@@ -256,6 +256,46 @@ def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
     assert int(got[5]) == 42
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_shaped_greedy_rows_step_by_step_as_the_sampler_draws_them(full):
+    """Greedy rows with penalties, over the whole output (vLLM's) or over llama.cpp's sliding window of prompt and
+    output (the slot's ring), drawn step after step by the graphs' kernels from one Sampler's tables, give the
+    tokens and counts a Sampler without tables gives them from the same logits."""
+    from flared.model.kernels.sampling import sample_full, sample_race
+    from flared.model.sampling import Sampler, SamplingParams
+
+    vocab, dev = 64, torch.device("cuda")
+    params = [SamplingParams(temperature=0.0, repetition_penalty=3.0, presence_penalty=0.5, max_tokens=40),
+              SamplingParams(temperature=0.0, repetition_penalty=2.5, frequency_penalty=0.3, penalty_last_n=3,
+                             max_tokens=40),
+              SamplingParams(temperature=0.0, presence_penalty=2.0, penalty_last_n=1, max_tokens=40),
+              SamplingParams(temperature=0.0, repetition_penalty=4.0, penalty_last_n=6, logit_bias={9: 0.5},
+                             max_tokens=40)]
+    prompts = [[3, 4, 3, 5], [1, 2, 1, 2, 7], [6], [8, 9, 10, 11, 12, 13, 14, 15]]
+    graph, plain = (Sampler(vocab, device=dev, max_penalty_slots=4, graph_tables=True),
+                    Sampler(vocab, device=dev, max_penalty_slots=4))
+    states = [graph.add_sequence(p, q) for p, q in zip(params, prompts)]
+    refs = [plain.add_sequence(p, q) for p, q in zip(params, prompts)]
+    assert [s.ring_window for s in states] == [0, 3, 1, 6] and all(s.graph_shaped for s in states)
+    slots = torch.tensor([s.penalty_slot for s in states], dtype=torch.int32, device=dev)
+    batch = len(states)
+    zeros = torch.zeros(batch, device=dev)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(30):
+        # a few likely low ids, so that the penalties keep changing the argmax
+        logits = torch.randn(batch, vocab, device=dev, generator=g) + torch.linspace(3.0, 0.0, vocab, device=dev)
+        want = plain.sample(logits, refs).token_ids
+        seeds = steps = torch.zeros(batch, dtype=torch.int64, device=dev)
+        if full:
+            got = sample_full(logits.clone(), zeros, torch.zeros(batch, dtype=torch.int32, device=dev),
+                              torch.ones(batch, device=dev), seeds, steps, shape=(slots, graph.shape_tables()))
+        else:
+            got = sample_race(logits.clone(), zeros, seeds, steps, shape=(slots, graph.shape_tables()))
+        assert torch.equal(got, want), step
+        for s, r in zip(states, refs):
+            assert torch.equal(graph.output_counts[s.penalty_slot], plain.output_counts[r.penalty_slot]), step
+
+
 def _recording_executor(hf, monkeypatch):
     """A graph executor over ``hf``'s weights and the list its decode steps' sampler variants go into."""
     from gpu_models import make_executor, serving_model
@@ -353,8 +393,9 @@ def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, presence_penalty=0.7, max_tokens=24),
               SamplingParams(temperature=0.0, frequency_penalty=1.5, logit_bias={3: 2.5, 9: -4.0}, max_tokens=24),
               SamplingParams(temperature=0.0, logit_bias={17: 1e4}, max_tokens=24),
-              SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, logit_bias={20: 1.0}, seed=9,
-                             max_tokens=24)]
+              # llama.cpp's window (repeat_last_n), sliding over the prompt and output
+              SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, penalty_last_n=6,
+                             logit_bias={20: 1.0}, seed=9, max_tokens=24)]
     try:
         monkeypatch.setattr(ex, "_eager_sample", eager)
         got = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
@@ -363,11 +404,13 @@ def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
         # the same requests sampled after the graph by the torch Sampler
         monkeypatch.setattr(ex, "_eager_sample", real_eager)
         monkeypatch.setattr(SequenceSamplingState, "graph_shaped", property(lambda self: False))
-        eager_run = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts[:3], params[:3])
+        # (the same batch: the same graphs, so the greedy rows' logits are the same bits)
+        eager_run = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
     finally:
         ex.close()
     assert all(len(t) == 24 for t in got.tokens)
-    assert got.tokens[:3] == eager_run.tokens
+    for i in range(3):
+        assert got.tokens[i] == eager_run.tokens[i], i
     assert set(got.tokens[2]) == {17}
     assert got.tokens == again.tokens
 
@@ -422,6 +465,9 @@ def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(h
         ex.close()
     assert tokens == eager_tokens
     assert len(graph_lps) == len(eager_lps) == (32 if shaped else 16)
+    # each request's in order (the first asks for a top 3, the second for none; steps may order them otherwise)
+    graph_lps = sorted(graph_lps, key=lambda lp: -len(lp.top))
+    eager_lps = sorted(eager_lps, key=lambda lp: -len(lp.top))
     for a, b in zip(graph_lps, eager_lps):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]

@@ -36,8 +36,11 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     (SamplingParams(temperature=0.8, min_p=0.05, logit_bias={3: 2.0}), True),
     (SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5), True),
     (SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logit_bias={3: -100.0}), True),
-    # llama.cpp's window forgets its oldest token, which only the eager path's history holds
-    (SamplingParams(temperature=0.8, repetition_penalty=1.1, penalty_last_n=64), False),
+    # llama.cpp's window, kept in the slot's ring; one longer than the ring that slides within the request is left
+    # to the eager path's history, one that never slides needs no ring
+    (SamplingParams(temperature=0.8, repetition_penalty=1.1, penalty_last_n=64, max_tokens=200), True),
+    (SamplingParams(temperature=0.8, repetition_penalty=1.1, penalty_last_n=2000, max_tokens=4000), False),
+    (SamplingParams(temperature=0.8, repetition_penalty=1.1, penalty_last_n=5000, max_tokens=16), True),
     # log-probabilities of the model's distribution are taken beside the graph's draw; of the one drawn from not
     (SamplingParams(temperature=0.8, repetition_penalty=1.1, logprobs=1), True),
     (SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, logprobs=1, sampler_order=LLAMA_CPP_ORDER,
@@ -65,8 +68,15 @@ def test_with_graph_tables_bias_and_penalties_are_drawn_in_the_graph(params, gra
     for token, bias in (params.logit_bias or {}).items():
         want[token] = bias
     assert torch.equal(sampler.bias_table[slot], want)
-    assert sampler.prompt_mask[slot].nonzero().flatten().tolist() == [1, 2]
-    assert not sampler.output_counts[slot].any()
+    if params.penalty_last_n:  # the window's counts hold the prompt's last N tokens; the ring them, where it slides
+        assert sampler.output_counts[slot].tolist()[:3] == [0, 1, 2] and not sampler.prompt_mask[slot].any()
+        assert state.ring_window == (64 if params.penalty_last_n == 64 else 0)
+        assert int(sampler.slot_window[slot]) == state.ring_window and int(sampler.slot_lens[slot]) == 3
+        if state.ring_window:
+            assert sampler.ring[slot, :3].tolist() == [1, 2, 2]
+    else:
+        assert sampler.prompt_mask[slot].nonzero().flatten().tolist() == [1, 2]
+        assert not sampler.output_counts[slot].any()
     tables = sampler.shape_tables()
     assert tables.prompt.dtype == torch.uint8 and tables.bias.data_ptr() == sampler.bias_table.data_ptr()
     sampler.release(state)
@@ -150,3 +160,24 @@ def test_which_requests_speculative_steps_can_verify(params, replayable, positio
         assert torch.equal(fresh.history, state.history) and fresh.history_len == state.history_len
     if fresh.thinking_open is not None:
         assert bool(fresh.thinking_open) == bool(state.thinking_open)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_a_window_kept_in_the_ring_counts_as_the_history_does(window):
+    """The eager path of a Sampler keeping graph tables advances a tabled window's ring (as a graph's sampler
+    does) instead of reading its history; its counts and greedy tokens stay those of a Sampler without tables."""
+    import torch
+
+    g = torch.Generator().manual_seed(window)
+    params = SamplingParams(temperature=0.0, repetition_penalty=3.0, presence_penalty=0.5, frequency_penalty=0.25,
+                            penalty_last_n=window, max_tokens=40)
+    tables, plain = Sampler(16, max_penalty_slots=1, graph_tables=True), Sampler(16, max_penalty_slots=1)
+    prompt = [3, 4, 3, 5]
+    a, b = tables.add_sequence(params, prompt), plain.add_sequence(params, prompt)
+    assert a.tabled and a.ring_window == window and not b.tabled
+    for step in range(30):
+        logits = torch.randn(1, 16, generator=g) + torch.linspace(2.0, 0.0, 16)  # low ids likelier
+        got, want = tables.sample(logits, [a]).token_ids, plain.sample(logits, [b]).token_ids
+        assert torch.equal(got, want), step
+        assert torch.equal(tables.output_counts[0], plain.output_counts[0]), step
+        assert int(tables.output_counts[0].sum()) == min(window, len(prompt) + step + 1)

@@ -21,9 +21,11 @@ def _compile(fn, names_types: str, constexprs: dict):
 PARTS = ("Logits:*fp32 Temperature:*fp32 Seeds:*i64 Steps:*i64 PartVal:*fp32 PartIdx:*i32 TopK:*i32 TopP:*fp32 "
          "MinP:*fp32 Scores:*fp32 PartMax:*fp32 PartSum:*fp32 Slots:*i32 Counts:*i32 Prompt:*u8 Bias:*fp32 "
          "Params:*fp32 vocab:i32 chunk:i32 n_chunks:i32 stride:i32")
-PICK = "PartVal:*fp32 PartIdx:*i32 Out:*i64 Slots:*i32 Counts:*i32 vocab:i32 n_chunks:i32"
+PICK = ("PartVal:*fp32 PartIdx:*i32 Out:*i64 Slots:*i32 Counts:*i32 Window:*i32 Ring:*i32 Lens:*i64 vocab:i32 "
+        "n_chunks:i32")
 WALK = ("Logits:*fp32 Scores:*fp32 Temperature:*fp32 TopK:*i32 TopP:*fp32 MinP:*fp32 PartVal:*fp32 PartIdx:*i32 "
-        "PartMax:*fp32 PartSum:*fp32 Out:*i64 Passes:*i32 Slots:*i32 Counts:*i32 vocab:i32 n_chunks:i32 stride:i32")
+        "PartMax:*fp32 PartSum:*fp32 Out:*i64 Passes:*i32 Slots:*i32 Counts:*i32 Window:*i32 Ring:*i32 Lens:*i64 "
+        "vocab:i32 n_chunks:i32 stride:i32")
 
 
 @pytest.mark.parametrize("full, j", [(False, 1), (True, 4)])
@@ -40,7 +42,7 @@ def test_the_race_compiles(full, j, shape):
 def test_the_pick_compiles(shape):
     from flared.model.kernels import sampling
 
-    kernel = _compile(sampling._race_pick_kernel, PICK, {"PARTS": 64, "SHAPE": shape})
+    kernel = _compile(sampling._race_pick_kernel, PICK, {"PARTS": 64, "SHAPE": shape, "RING": 1024})
     assert "ptx" in kernel.asm
 
 
@@ -50,5 +52,5 @@ def test_the_walk_compiles(shape):
 
     kernel = _compile(sampling._walk_kernel, WALK, {"PARTS": 64, "BLOCK": sampling.WALK_BLOCK,
                                                      "LIST": sampling.LIST_BLOCK, "J": sampling.CANDIDATES,
-                                                     "SHAPE": shape})
+                                                     "SHAPE": shape, "RING": 1024})
     assert "ptx" in kernel.asm

@@ -56,8 +56,11 @@ Rules:
   Sampler shapes them, and written back, so that the walk and everything
   after read the shaped row; the pick then counts the drawn token in the
   slot's output counts. Rows naming no slot (-1) are read as they are.
-- Log-probabilities, penalties over a window (llama.cpp's repeat_last_n),
-  DRY, bad words, allowed ids and the rest are not here: the executor runs
+  llama.cpp's penalties over a window (repeat_last_n) use the same tables:
+  the counts then cover the window's tokens, prompt included, and the pick
+  also takes the token N places back out of them, from the slot's ring.
+- Log-probabilities are taken by the executor beside the draw. DRY, bad
+  words, allowed ids and the rest are not here: the executor runs
   ``flared.model.sampling.Sampler`` on the graph's logits for rows that ask
   for them.
 """
@@ -106,10 +109,21 @@ def _shaped(x, cols, mask, slot, vocab, Counts, Prompt, Bias, Params):
 
 
 @triton.jit
-def _count_drawn(token, slot, vocab, Counts):
-    """The drawn token counted in its row's slot (rows naming no slot: nothing)."""
+def _count_drawn(token, slot, vocab, Counts, Window, Ring, Lens, RING: tl.constexpr):
+    """The drawn token counted in its row's slot (rows naming no slot: nothing); with a window of N tokens
+    (llama.cpp's repeat_last_n) the token N places back leaves the counts once the window is full, and the new one
+    takes its place in the ring (flared.model.sampling.Sampler._advance_ring)."""
     if slot >= 0:
-        tl.atomic_add(Counts + slot.to(tl.int64) * vocab + token, 1)
+        row_counts = Counts + slot.to(tl.int64) * vocab
+        tl.atomic_add(row_counts + token, 1)
+        n = tl.load(Window + slot)
+        if n > 0:
+            length = tl.load(Lens + slot)
+            at = Ring + slot.to(tl.int64) * RING + length % n
+            if length >= n:
+                tl.atomic_add(row_counts + tl.load(at), -1)
+            tl.store(at, token.to(tl.int32))
+            tl.store(Lens + slot, length + 1)
 
 
 @triton.jit
@@ -214,13 +228,13 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
 
 
 @triton.jit
-def _race_pick_kernel(PartVal, PartIdx, Out, Slots, Counts, vocab, n_chunks, PARTS: tl.constexpr,
-                      SHAPE: tl.constexpr):
+def _race_pick_kernel(PartVal, PartIdx, Out, Slots, Counts, Window, Ring, Lens, vocab, n_chunks,
+                      PARTS: tl.constexpr, SHAPE: tl.constexpr, RING: tl.constexpr):
     row = tl.program_id(0)
     token = parts_first_max(PartVal, PartIdx, row, n_chunks, PARTS)
     tl.store(Out + row, token)
     if SHAPE:
-        _count_drawn(token, tl.load(Slots + row), vocab, Counts)
+        _count_drawn(token, tl.load(Slots + row), vocab, Counts, Window, Ring, Lens, RING)
 
 
 @triton.jit
@@ -231,8 +245,8 @@ def _extract(vec, lanes, j):
 
 @triton.jit
 def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx, PartMax, PartSum, Out, Passes,
-                 Slots, Counts, vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr,
-                 J: tl.constexpr, SHAPE: tl.constexpr):
+                 Slots, Counts, Window, Ring, Lens, vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                 LIST: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr, RING: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
     at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its
     next candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
@@ -334,7 +348,7 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx
     tl.store(Out + row, c)
     tl.store(Passes + row, passes)
     if SHAPE:  # the race kernel shaped the row (before this kernel's reads) and leaves the count to the pick
-        _count_drawn(c, tl.load(Slots + row), vocab, Counts)
+        _count_drawn(c, tl.load(Slots + row), vocab, Counts, Window, Ring, Lens, RING)
 
 
 def _parts(batch: int, vocab: int) -> tuple[int, int]:
@@ -345,11 +359,12 @@ def _parts(batch: int, vocab: int) -> tuple[int, int]:
 
 
 def _shape_args(shape, like: torch.Tensor) -> tuple:
-    """The race's Slots, Counts, Prompt, Bias and Params arguments (placeholders without ``shape``)."""
+    """The kernels' Slots, Counts, Prompt, Bias, Params, Window, Ring and Lens arguments (placeholders without
+    ``shape``) and the ring's length."""
     if shape is None:
-        return (like,) * 5
-    slots, tables = shape
-    return (slots, tables.counts, tables.prompt, tables.bias, tables.params)
+        return (like,) * 8, 1
+    slots, t = shape
+    return (slots, t.counts, t.prompt, t.bias, t.params, t.window, t.ring, t.lens), t.ring.shape[1]
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -363,13 +378,14 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     part_val = torch.empty(batch, n_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    shaping = _shape_args(shape, logits)
+    shaping, ring = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
-                                          temperature, part_val, part_val, part_val, *shaping, vocab, chunk,
+                                          temperature, part_val, part_val, part_val, *shaping[:5], vocab, chunk,
                                           n_chunks, logits.stride(0),
                                           BLOCK=RACE_BLOCK, FULL=False, J=1, SHAPE=shape is not None, num_warps=8)
-    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], vocab, n_chunks,
-                                PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, num_warps=1)
+    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
+                                PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, RING=ring,
+                                num_warps=1)
     return out
 
 
@@ -401,13 +417,14 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         passes = torch.empty(batch, dtype=torch.int32, device=dev)
     if min_p_log is None:
         min_p_log = torch.full((batch,), float("-inf"), dtype=torch.float32, device=dev)
-    shaping = _shape_args(shape, logits)
+    shaping, ring = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, scores, part_max, part_sum, *shaping, vocab, chunk, n_chunks,
+                                          min_p_log, scores, part_max, part_sum, *shaping[:5], vocab, chunk, n_chunks,
                                           logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES,
                                           SHAPE=shape is not None, num_warps=8)
     _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, part_val, part_idx, part_max,
-                           part_sum, out, passes, shaping[0], shaping[1], vocab, n_chunks, logits.stride(0),
-                           PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
-                           J=CANDIDATES, SHAPE=shape is not None, num_warps=WALK_WARPS)
+                           part_sum, out, passes, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
+                           logits.stride(0), PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK,
+                           LIST=LIST_BLOCK, J=CANDIDATES, SHAPE=shape is not None, RING=ring,
+                           num_warps=WALK_WARPS)
     return out
