@@ -26,7 +26,8 @@ Rules:
   per row per step.
 - Penalty state lives on the device in a slot table (output counts, prompt
   mask) owned by the sampler; a sequence holds a slot only if it uses a
-  penalty, from ``add_sequence`` to ``release``.
+  penalty (or, where the sampler keeps graph tables for a GPU executor, a
+  logit bias: ``ShapeTables``), from ``add_sequence`` to ``release``.
 - ``sample`` advances each state (step counter, output counts) itself, on the
   device, without a host sync; reading the chosen ids back is the caller's one
   sync per step.
