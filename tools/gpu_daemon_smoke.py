@@ -10,7 +10,9 @@ tokenizer trained on the spot, so nothing is downloaded), exports it as a
 bf16 core, starts `flared run` (which picks the CUDA graph executor), and
 checks: greedy answers are repeatable, the prefix cache reuses a repeated
 conversation, a streamed answer equals the non-streamed one, n concurrent
-streams all finish; it reports single-stream and 32-stream output tok/s seen
+streams all finish, a request with a logit bias, penalties and logprobs (which the graphs shape and draw)
+answers with its biased token and three logprobs a token and repeats itself under its seed, an Ollama request with
+llama.cpp's window (repeat_last_n) answers; it reports single-stream and 32-stream output tok/s seen
 by the clients (HTTP, SSE and detokenizing included), and exits the daemon
 with SIGTERM (exit 0 expected). The figures are end-to-end serving numbers,
 not the graph-only numbers of tools/bench_gpu.py.
@@ -148,6 +150,21 @@ def main() -> int:
         lps = sc["choices"][0]["logprobs"]["token_logprobs"] if ss == 200 else []
         results["prompt_logprobs_ok"] = ss == 200 and len(lps) > 1 and lps[0] is None and all(
             v is not None and v <= 0 for v in lps[1:])
+        # Sampling the graphs shape and draw (bias, penalties, llama.cpp's window) with logprobs beside them.
+        shaped = {"model": "m", "messages": msgs, "max_tokens": 8, "temperature": 0.8, "seed": 5,
+                  "ignore_eos": True, "logprobs": True, "top_logprobs": 3, "frequency_penalty": 0.5,
+                  "presence_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"100": 100}}
+        s3, c = post(port, "/v1/chat/completions", shaped)
+        s4, d = post(port, "/v1/chat/completions", shaped)
+        content = c["choices"][0]["logprobs"]["content"] if s3 == 200 else []
+        results["bias_penalties_logprobs_ok"] = (
+            s3 == s4 == 200 and len(content) == 8 and len({e["token"] for e in content}) == 1
+            and all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 for e in content)
+            and c["choices"][0]["message"]["content"] == d["choices"][0]["message"]["content"])
+        s5, o = post(port, "/api/generate", {"model": "m", "prompt": "Sentence number 5 talks about", "stream": False,
+                                             "options": {"repeat_penalty": 1.3, "repeat_last_n": 8, "seed": 3,
+                                                         "temperature": 0.7, "num_predict": 32}})
+        results["ollama_repeat_last_n_ok"] = s5 == 200 and o.get("eval_count", 0) > 0
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -165,7 +182,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(results))
     ok = (results.get("greedy_repeatable") and results.get("stream_equals") and results.get("streams32_all_ok")
-          and results.get("embeddings_ok") and results.get("prompt_logprobs_ok") and results.get("exit_code") == 0)
+          and results.get("embeddings_ok") and results.get("prompt_logprobs_ok") and results.get("exit_code") == 0
+          and results.get("bias_penalties_logprobs_ok") and results.get("ollama_repeat_last_n_ok"))
     return 0 if ok else 1
 
 
