@@ -481,8 +481,9 @@ class BatchRoutes:
         started (cancelled, or past the window) with its ``error``. ``b`` counts them as they end and leaves
         ``status`` cancelling or finalizing (``expired`` set where the window ended first)."""
         b.total = len(lines)
-        b.status = "in_progress"
-        b.times["in_progress_at"] = int(time.time())
+        if b.status != "cancelling":  # a cancel that came while the file was validated holds: no line starts
+            b.status = "in_progress"
+            b.times["in_progress_at"] = int(time.time())
         results: list[dict | None] = [None] * len(lines)
 
         async def one(i: int) -> None:
