@@ -16,6 +16,11 @@ configuration, both in the same run, alternating. ``--embedded N``: the rows are
 next-token logits at N positions of a fixed chat text (transformers reading its GGUF, float32), divided by 0.8
 for the temperature as the sampler does, instead of normal logits.
 
+``--penalties``: instead, a step's cost with repetition, frequency and presence penalties (vLLM's, and llama.cpp's
+over the last 64 tokens) on top-p 0.95 rows with a 128-token prompt: the one pass a row of flared._fast.penalties
+against the torch expressions it replaced (Sampler._penalties_torch), both in the same run, alternating, beside
+the rows without penalties.
+
 Prints one table; with --json, one JSON object as the last line.
 """
 
@@ -42,9 +47,9 @@ CONFIGS = {
 }
 
 
-def step_ms(logits: torch.Tensor, params: dict, steps: int) -> float:
+def step_ms(logits: torch.Tensor, params: dict, steps: int, prompt=()) -> float:
     sampler = Sampler(logits.shape[-1], max_penalty_slots=logits.shape[0])
-    states = [sampler.add_sequence(SamplingParams(temperature=0.8, seed=i, **params), [])
+    states = [sampler.add_sequence(SamplingParams(temperature=0.8, seed=i, **params), list(prompt))
               for i in range(logits.shape[0])]
     for _ in range(3):
         sampler.sample(logits, states)
@@ -106,6 +111,35 @@ def bench_race(args, logits: torch.Tensor, out: dict) -> None:
         out["race"][name] = {"hash_ms": round(best["hash"], 3), "generator_ms": round(best["generator"], 3)}
 
 
+PENALTY_CONFIGS = {
+    "top-p 0.95, no penalties": {},
+    "+ repetition 1.1": {"repetition_penalty": 1.1},
+    "+ frequency 0.3, presence 0.3": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
+    "+ all three": {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.3},
+    "+ repetition 1.1, last 64": {"repetition_penalty": 1.1, "penalty_last_n": 64},
+}
+
+
+def bench_penalties(args, logits: torch.Tensor, out: dict) -> None:
+    one_pass = Sampler._apply_penalties
+    prompt = range(100, 228)
+    out["penalties"] = {}
+    print(f"{'configuration':42} {'one pass':>10} {'torch':>10} {'ratio':>7}")
+    for name, extra in PENALTY_CONFIGS.items():
+        params = {"top_p": 0.95, "max_tokens": 1000, **extra}
+        best = {"one pass": float("inf"), "torch": float("inf")}
+        for _ in range(3):
+            for label in best:
+                if label == "torch":
+                    Sampler._apply_penalties = Sampler._penalties_torch
+                try:
+                    best[label] = min(best[label], step_ms(logits, params, args.steps, prompt))
+                finally:
+                    Sampler._apply_penalties = one_pass
+        print(f"{name:42} {best['one pass']:10.2f} {best['torch']:10.2f} {best['torch'] / best['one pass']:6.2f}x")
+        out["penalties"][name] = {"one_pass_ms": round(best["one pass"], 3), "torch_ms": round(best["torch"], 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
@@ -114,6 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spread", type=float, default=5.0, help="std of the logits (5: the top 1,024 ids hold ~99%%)")
     ap.add_argument("--race", action="store_true", help="the draw: hash race against the generator race")
     ap.add_argument("--embedded", type=int, default=0, help="N: the embedded model's logits at N positions")
+    ap.add_argument("--penalties", action="store_true", help="the penalties: one pass a row against torch's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -125,9 +160,9 @@ def main(argv=None) -> int:
     shortlist = sampling.SHORTLIST
     out = {"rows": args.rows, "vocab": args.vocab, "threads": torch.get_num_threads(), "configs": {}}
     print(f"{args.rows} rows, {args.vocab} ids, {torch.get_num_threads()} threads; ms per step")
-    if args.race:
+    if args.race or args.penalties:
         out["logits"] = f"embedded model, {args.embedded} positions" if args.embedded else f"normal, std {args.spread}"
-        bench_race(args, logits, out)
+        (bench_race if args.race else bench_penalties)(args, logits, out)
         if args.json:
             print(json.dumps(out))
         return 0

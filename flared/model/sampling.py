@@ -52,6 +52,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from flared._fast.penalties import apply_penalties
 from flared._fast.race import race_draw, race_top_p
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 
@@ -1030,6 +1031,20 @@ class Sampler:
             logits.index_put_(index, on_device(values, self.device, dtype=logits.dtype), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SequenceSamplingState], rows: list[int]) -> None:
+        """The penalties of ``rows`` (their states' slots) in ``logits``, in place: on the CPU one pass a row
+        (flared._fast.penalties, the same float32 operations as _penalties_torch); on a GPU, or for at_position's
+        copies (whose counts also take the tokens between), _penalties_torch."""
+        if (self.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous()
+                and not any(states[i].ahead for i in rows)):
+            apply_penalties(logits.numpy(), self.output_counts.numpy(), self.prompt_mask.numpy().view(np.uint8),
+                            np.asarray(rows, dtype=np.int64),
+                            np.asarray([states[i].penalty_slot for i in rows], dtype=np.int64),
+                            *(np.asarray([getattr(states[i].params, name) for i in rows], dtype=np.float32)
+                              for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")))
+            return
+        self._penalties_torch(logits, states, rows)
+
+    def _penalties_torch(self, logits: torch.Tensor, states: list[SequenceSamplingState], rows: list[int]) -> None:
         dev = self.device
         row_ids = on_device(rows, dev, dtype=torch.int64)
         slots = on_device([states[i].penalty_slot for i in rows], dev, dtype=torch.int64)
