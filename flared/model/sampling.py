@@ -342,8 +342,9 @@ class SequenceSamplingState:
 
     @property
     def graph_shaped(self) -> bool:
-        """The row's logits change before its draw, and only by what its slot's tables hold (logit bias and
-        penalties over the whole prompt and output): a graph's sampler shapes it (kernels.sampling)."""
+        """The row's logits change before its draw, and only by what its slot's tables hold (logit bias, and
+        penalties over the whole prompt and output or over llama.cpp's window): a graph's sampler shapes it
+        (kernels.sampling)."""
         p = self.params
         return (self.tabled and self.allowed_ids is None and not p.bad_words and self.thinking_open is None
                 and not p.uses_dry and not (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
