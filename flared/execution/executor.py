@@ -52,7 +52,7 @@ from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefil
                                      pack_prefill, speculative_batch_sizes, speculative_rows)
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kv_cache import kv_pool_dtype
-from flared.model.sampling import Sampler, on_device
+from flared.model.sampling import Sampler, graph_step_rows, on_device
 from flared.runtime.request import TokenLogprob
 from flared.scheduler import CompletionRecords, GraphKind, scored_participants
 
@@ -308,9 +308,9 @@ class GraphExecutor:
         scratch = self.decoder.scratch_slot
         # each row's per-request LoRA adapter, where the graphs run adapters (else lora_ids is never read)
         adapters = [s.lora if s is not None else 0 for s in states] if self.decoder.lora is not None else None
-        # Rows whose bias and penalties the graph's sampler applies from the Sampler's tables.
-        shaped = [i for i in range(n) if sample_flags[i] and states[i] is not None and states[i].graph_shaped
-                  and states[i].graph_samples]
+        # The rows the graph's sampler draws, those it shapes from the Sampler's tables (bias, penalties), those
+        # the torch Sampler draws after the graph, and those whose logprobs are taken beside the graph's draw.
+        in_graph, shaped, eager_rows, logprob_rows = graph_step_rows(states[:n], sample_flags[:n])
         # The sampler the step's graph needs: greedy while no row draws or is shaped; temperature alone (no masks)
         # while no drawing row has a min-p, top-k or top-p; else the full one.
         drawing = [s.params for s in states if s is not None and s.params.temperature > 0]
@@ -383,16 +383,12 @@ class GraphExecutor:
             self._forward_scoring(frame, plan, batch_cap, cap, scoring)
         else:
             cuda.graph_launch(execs[key], self._model_ptr)
-        eager_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
-                      and not states[i].graph_samples]
         if eager_rows:
             self._eager_sample(self.decoder.logits, eager_rows, rows, states, self._pending[frame])
-        logprob_rows = [i for i in range(n) if sample_flags[i] and states[i] is not None
-                        and states[i].params.logprobs is not None and states[i].graph_samples]
         if logprob_rows:
             self._graph_logprobs(logprob_rows, rows, states, self._pending[frame])
         for i in range(n):
-            if sample_flags[i] and states[i] is not None and i not in eager_rows:
+            if in_graph[i]:
                 states[i].num_output_tokens += 1
 
     def speculates(self, params, grammar: bool = False) -> bool:

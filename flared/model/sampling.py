@@ -366,6 +366,26 @@ class SequenceSamplingState:
                     or (bool(p.sampler_order) and (p.top_p < 1.0 or p.sampler_order != LLAMA_CPP_ORDER)))
 
 
+def graph_step_rows(states, sample_flags) -> tuple[list[bool], list[int], list[int], list[int]]:
+    """How a GPU step's rows are drawn, each row's properties read once: (per row, whether the graph's sampler draws
+    it; the rows of those it shapes from the slot tables (graph_shaped); the rows the torch Sampler draws after the
+    graph; the rows of the graph's whose log-probabilities the executor takes beside the draw). A row that samples
+    nothing, or has no state, is in none of them."""
+    in_graph, shaped, eager, logprobs = [], [], [], []
+    for i, (state, flag) in enumerate(zip(states, sample_flags)):
+        drawn = bool(flag) and state is not None
+        graph = drawn and state.graph_samples
+        in_graph.append(graph)
+        if graph:
+            if state.graph_shaped:
+                shaped.append(i)
+            if state.params.logprobs is not None:
+                logprobs.append(i)
+        elif drawn:
+            eager.append(i)
+    return in_graph, shaped, eager, logprobs
+
+
 @dataclass
 class SampleOutput:
     token_ids: torch.Tensor  # [B] int64

@@ -181,3 +181,22 @@ def test_a_window_kept_in_the_ring_counts_as_the_history_does(window):
         assert torch.equal(got, want), step
         assert torch.equal(tables.output_counts[0], plain.output_counts[0]), step
         assert int(tables.output_counts[0].sum()) == min(window, len(prompt) + step + 1)
+
+
+def test_a_gpu_step_sorts_its_rows_once():
+    """graph_step_rows: which of a step's rows the graph draws (shaping some from the tables, taking logprobs
+    beside others) and which the torch Sampler draws after it; rows that sample nothing or have no state are in
+    none."""
+    from flared.model.sampling import graph_step_rows
+
+    sampler = Sampler(64, max_penalty_slots=4, graph_tables=True)
+    params = [SamplingParams(temperature=0.8, top_p=0.9),  # the graph, as it is
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=2),  # the graph, shaped, logprobs
+              SamplingParams(temperature=0.8, typical_p=0.9),  # the torch Sampler
+              SamplingParams(temperature=0.8, logit_bias={3: 1.0}),  # the graph, shaped; not sampling this step
+              SamplingParams(temperature=0.8, logprobs=0)]  # the graph, logprobs
+    states = [sampler.add_sequence(p, [1, 2]) for p in params] + [None]
+    flags = [True, True, True, False, True, True]
+    in_graph, shaped, eager, logprobs = graph_step_rows(states, flags)
+    assert in_graph == [True, True, False, False, True, False]
+    assert (shaped, eager, logprobs) == ([1], [2], [1, 4])
