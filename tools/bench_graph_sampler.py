@@ -15,8 +15,9 @@ Random bf16 weights of bench_gpu's shapes.
 Features (``--features``): the same serving drive, top-p 0.95 streams against the same streams each with one more
 setting: min-p (drawn in the graphs' sampler); a repetition penalty (vLLM's, or llama.cpp's over the last 64 tokens)
 or a logit bias, shaped and drawn in the graphs' sampler from the Sampler's slot tables; log-probabilities, drawn
-by the graphs and taken by the executor beside the draw. "(eager)": the same streams drawn by the torch Sampler
-after the graph, as before. tok/s, host and GPU us a step.
+by the graphs and taken by the executor beside the draw; top-k 40 beside the top-p (top-p then judges shares of
+the k: the walk finds each row's 40th largest logit first); llama.cpp's default chain with top-k 40 and min-p 0.05.
+"(eager)": the same streams drawn by the torch Sampler after the graph, as before. tok/s, host and GPU us a step.
 
     python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
 
@@ -35,23 +36,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from flared.model.sampling import LLAMA_CPP_ORDER  # noqa: E402
+
 PARAMS = {"top-p 0.95": (0, 0.95), "top-k 40": (40, 1.0), "top-k 40 + top-p 0.9": (40, 0.9)}
 
 
 def sort_sample_full(logits, temperature, top_k, top_p, seeds, steps, passes=None):
     """The sampler the walk replaced (main until the thirty-fourth session): sort each row for the masks, then the
-    same race over the kept tokens."""
+    same race over the kept tokens; top-p on shares of the k tokens (renormalised), as the walk now judges it."""
     from flared.model.kernels.sampling import sample_race
 
     vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)
     scaled = logits / temperature.clamp_min(1e-5)[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
     ranks = torch.arange(vocab, device=logits.device)
     k = torch.where(top_k > 0, top_k, vocab).to(torch.int64)
-    keep = (ranks[None, :] < k[:, None]) & (mass_before < top_p[:, None])
+    in_k = ranks[None, :] < k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~in_k, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = in_k & (mass_before < top_p[:, None])
     kept = torch.zeros_like(keep).scatter_(1, sorted_ids, keep)
     drawn = sample_race(torch.where(kept, logits, float("-inf")), temperature, seeds, steps)
     return torch.where(temperature == 0, greedy, drawn)
@@ -204,7 +208,13 @@ FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1
             "+ repeat_last_n (eager)": {"repetition_penalty": 1.1, "penalty_last_n": 64, "_eager": True},
             "+ logprobs 5": {"logprobs": 5}, "+ logprobs 5 (eager)": {"logprobs": 5, "_eager": "graph_samples"},
             "+ logit bias": {"logit_bias": BIAS},
-            "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True}}
+            "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True},
+            # top-p on shares of the k tokens: the walk first finds each row's 40th largest logit
+            "+ top-k 40": {"top_k": 40},
+            # llama.cpp's default chain (top-k, top-p on the unscaled logits, min-p, the temperature last)
+            "llama.cpp chain": {"top_k": 40, "min_p": 0.05, "sampler_order": LLAMA_CPP_ORDER},
+            "llama.cpp chain (eager)": {"top_k": 40, "min_p": 0.05, "sampler_order": LLAMA_CPP_ORDER,
+                                        "_eager": "graph_samples"}}
 
 
 def bench_features(args, out: dict) -> None:

@@ -351,8 +351,9 @@ class GraphExecutor:
             v[f + "temperature"][i] = p.temperature
             v[f + "top_k"][i] = p.top_k
             v[f + "top_p"][i] = p.top_p
-            # llama.cpp's chain judges min-p on the unscaled logits (graph_samples: its top-p is off)
+            # llama.cpp's chain judges its filters on the unscaled logits (graph_samples: its default chain)
             v[f + "min_p_log"][i] = min_p_log_threshold(p.min_p, p.temperature, bool(p.sampler_order))
+            v[f + "chain"][i] = 1 if p.sampler_order else 0
             v[f + "seeds"][i] = s.seed & 0x7FFFFFFFFFFFFFFF
             v[f + "steps"][i] = s.num_output_tokens + (int(depths[i]) if depths is not None else 0)
         v[f + "temperature"][n:batch_rows] = 0.0
@@ -375,8 +376,8 @@ class GraphExecutor:
         else:
             for name in ("token_ids", "positions", "slot_ids") + (("lora_ids",) if adapters is not None else ()):
                 self._upload(frame, name, token_rows)
-            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "min_p_log", "shape_slot",
-                         "seeds", "steps", "chunk_meta", "logit_rows"):
+            for name in ("state_rows", "context_lens", "temperature", "top_k", "top_p", "min_p_log", "chain",
+                         "shape_slot", "seeds", "steps", "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
         if scoring:

@@ -54,6 +54,9 @@ _SHARED_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("top_k", "int32", ("B",)),
     ("top_p", "float32", ("B",)),
     ("min_p_log", "float32", ("B",)),  # kernels.min_p_log_threshold: -inf = no min-p
+    # 1: the row follows llama.cpp's default sampler chain (its filters judge the unscaled logits, top-p before
+    # min-p; kernels.sampling.sample_full's ``chain``); 0: vLLM's order
+    ("chain", "int32", ("B",)),
     # the Sampler slot whose bias and penalty tables shape the row before its draw (kernels.sampling); -1: none
     ("shape_slot", "int32", ("B",)),
     ("seeds", "int64", ("B",)),
@@ -67,7 +70,7 @@ _SHARED_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 # step (ExecutionManifest.decode_upload) instead of one per field, each of which cost the GPU microseconds at
 # batch 1.
 _DECODE_ORDER = ("token_ids", "positions", "slot_ids", "state_rows", "context_lens", "temperature", "top_k",
-                 "top_p", "min_p_log", "shape_slot", "seeds", "steps", "lora_ids", "block_tables")
+                 "top_p", "min_p_log", "chain", "shape_slot", "seeds", "steps", "lora_ids", "block_tables")
 _BY_NAME = {name: (dtype, shape) for name, dtype, shape in _SHARED_FIELDS}
 INPUT_FIELDS: tuple[tuple[str, str, tuple[str, ...]], ...] = _SHARED_FIELDS + tuple(
     ("decode_" + name, _BY_NAME[name][0], ("D",) + _BY_NAME[name][1][1:]) for name in _DECODE_ORDER)
@@ -522,6 +525,7 @@ class GraphSet:
             s.top_k.zero_()
             s.top_p.fill_(1.0)
             s.min_p_log.fill_(float("-inf"))
+            s.chain.zero_()
             s.shape_slot.fill_(-1)
             s.seeds.zero_()
             s.steps.zero_()

@@ -287,12 +287,12 @@ class SamplingParams:
     @property
     def graph_drawable(self) -> bool:
         """A decode graph's own sampler draws every token of this request (temperature, min-p, top-k and top-p,
-        the temperature first, on logits nothing shapes), whatever its state: SequenceSamplingState.graph_samples
-        holds at every position."""
+        in vLLM's order or llama.cpp's default chain, on logits nothing shapes), whatever its state:
+        SequenceSamplingState.graph_samples holds at every position."""
         return (self.position_only and self.logprobs is None and not self.logit_bias and self.allowed_token_ids is None
                 and self.min_tokens == 0 and self.typical_p == 1.0 and self.xtc_probability == 0
                 and self.top_n_sigma <= 0 and self.dynatemp_range == 0
-                and (not self.sampler_order or (self.top_p == 1.0 and self.sampler_order == LLAMA_CPP_ORDER)))
+                and (not self.sampler_order or self.sampler_order == LLAMA_CPP_ORDER))
 
 
 @dataclass
@@ -351,19 +351,20 @@ class SequenceSamplingState:
 
     @property
     def graph_samples(self) -> bool:
-        """A decode graph's own sampler can draw this row's token: it takes temperature, min-p, top-k and top-p,
-        the temperature first (vLLM's order; llama.cpp's default chain without its top-p), on logits nothing
-        shaped but the slot tables' bias and penalties (graph_shaped); log-probabilities of the model's own
-        distribution are taken beside it (not post_sampling_probs: the distribution drawn from); everything else
-        runs in this Sampler after the graph (the GPU executor's eager rows)."""
+        """A decode graph's own sampler can draw this row's token: it takes temperature, min-p, top-k and top-p in
+        vLLM's order (the temperature first) or in llama.cpp's default chain (the filters on the unscaled logits,
+        the temperature last), on logits nothing shaped but the slot tables' bias and penalties (graph_shaped);
+        log-probabilities of the model's own distribution are taken beside it (not post_sampling_probs: the
+        distribution drawn from); everything else runs in this Sampler after the graph (the GPU executor's eager
+        rows)."""
         p = self.params
         return not (self.grammar is not None or (self.shapes_logits and not self.graph_shaped) or p.typical_p < 1.0
                     or (p.logprobs is not None and p.post_sampling_probs) or p.mirostat != 0
                     or p.xtc_probability > 0 or p.top_n_sigma > 0
                     or p.dynatemp_range > 0
-                    # llama.cpp's chain: its top-p judges the unscaled logits, and another chain than its default
-                    # may leave out the temperature or top-k, or run them twice
-                    or (bool(p.sampler_order) and (p.top_p < 1.0 or p.sampler_order != LLAMA_CPP_ORDER)))
+                    # another chain than llama.cpp's default may leave out the temperature or top-k, or run them
+                    # twice
+                    or (bool(p.sampler_order) and p.sampler_order != LLAMA_CPP_ORDER))
 
 
 def graph_step_rows(states, sample_flags) -> tuple[list[bool], list[int], list[int], list[int]]:

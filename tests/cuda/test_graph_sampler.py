@@ -101,26 +101,28 @@ def test_the_full_sampler_keeps_its_masks_and_draws_as_the_race():
     assert len({int(got[i]) for i in range(2, n, 3)}) > 10  # the plain rows draw widely
 
 
-def _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps, min_p_log=None):
+def _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps, min_p_log=None, chain=None):
     """Min-p/top-k/top-p by a stable sort in float64 (rank: larger logit first, smaller id first among equal ones),
     then the float64 race over the kept tokens; the argmax at temperature 0. Min-p (``min_p_log``, the kernel's
-    threshold: kept iff x / T >= max x / T + min_p_log, judged in float32 as the kernel does) first; top-p's mass
-    is then a share of what min-p kept."""
+    threshold: kept iff x / T >= max x / T + min_p_log, judged in float32 as the kernel does). vLLM's order: min-p
+    and top-k first, top-p on shares of what both kept, at temperature T. ``chain`` 1 (llama.cpp's default chain):
+    top-k, then top-p on shares of the k at temperature 1, then min-p."""
     batch, vocab = logits.shape
     masked = torch.full_like(logits, float("-inf"), dtype=torch.float64)
     for r in range(batch):
         x = logits[r].double()
         order = torch.sort(x, descending=True, stable=True).indices
         t = max(float(temperature[r]), 1e-5)
-        probs = torch.softmax(x / t, 0)[order]
+        chained = chain is not None and int(chain[r]) != 0
+        probs = torch.softmax(x / (1.0 if chained else t), 0)[order]
         kept_by_min_p = torch.ones(vocab, dtype=torch.bool, device=x.device)
         if min_p_log is not None and float(min_p_log[r]) > float("-inf"):
             scaled = logits[r].float() * (1.0 / temperature[r:r + 1].float())
             kept_by_min_p = (scaled >= scaled.max() + min_p_log[r].float())[order]
-            probs = probs / probs[kept_by_min_p].sum()
         k = int(top_k[r]) if int(top_k[r]) > 0 else vocab
-        keep = (kept_by_min_p & (torch.arange(vocab, device=x.device) < k)
-                & (probs.cumsum(0) - probs < float(top_p[r])))
+        in_k = torch.arange(vocab, device=x.device) < k
+        probs = probs / probs[in_k if chained else in_k & kept_by_min_p].sum()
+        keep = kept_by_min_p & in_k & (probs.cumsum(0) - probs < float(top_p[r]))
         masked[r, order[keep]] = x[order[keep]]
     return _reference_race(masked, temperature, seeds, steps).where(temperature > 0, logits.argmax(dim=-1))
 
@@ -152,10 +154,12 @@ def test_the_walk_draws_the_masked_race_s_token(batch, vocab, spread):
 
 
 @pytest.mark.parametrize("batch, vocab, spread", [(24, 3000, 2.0), (8, 49152, 0.5), (64, 128256, 3.0)])
-def test_the_walk_draws_the_masked_race_s_token_with_min_p(batch, vocab, spread):
-    """With min-p (vLLM's order: first, top-p then judging shares of what it kept) beside top-k and top-p, and rows
-    without it: every row's token is the float64 reference's; a row with min-p alone walks; min-p 1 keeps only the
-    row's largest logits."""
+@pytest.mark.parametrize("chained", [False, True])
+def test_the_walk_draws_the_masked_race_s_token_with_min_p(batch, vocab, spread, chained):
+    """With min-p beside top-k and top-p, and rows without it: every row's token is the float64 reference's; a row
+    with min-p alone walks; min-p 1 keeps only the row's largest logits. vLLM's order (min-p first, top-p then
+    judging shares of what min-p and top-k kept) and, ``chained``, every other row in llama.cpp's chain (top-p on
+    shares of the k at temperature 1, min-p after it)."""
     from flared.model.kernels import min_p_log_threshold
     from flared.model.kernels.sampling import sample_full
 
@@ -168,20 +172,63 @@ def test_the_walk_draws_the_masked_race_s_token_with_min_p(batch, vocab, spread)
     top_k = torch.tensor([ks[i % len(ks)] for i in range(batch)], dtype=torch.int32, device="cuda")
     top_p = torch.tensor([ps[i % len(ps)] for i in range(batch)], device="cuda")
     temperature = torch.tensor([0.0 if i % 8 == 7 else 0.5 + 0.15 * (i % 6) for i in range(batch)], device="cuda")
-    min_p_log = torch.tensor([min_p_log_threshold(mps[i % len(mps)], float(temperature[i])) for i in range(batch)],
-                             device="cuda")
+    chain = torch.tensor([int(chained and i % 2 == 1) for i in range(batch)], dtype=torch.int32, device="cuda")
+    min_p_log = torch.tensor([min_p_log_threshold(mps[i % len(mps)], float(temperature[i]), bool(chain[i]))
+                              for i in range(batch)], device="cuda")
     seeds = torch.arange(batch, device="cuda", dtype=torch.int64) * 7727 + (5 << 35)
     for step in range(3):
         steps = torch.full((batch,), step * 29 + 1, dtype=torch.int64, device="cuda")
         passes = torch.full((batch,), -1, dtype=torch.int32, device="cuda")
-        got = sample_full(logits, temperature, top_k, top_p, seeds, steps, passes, min_p_log=min_p_log)
-        want = _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps, min_p_log)
+        got = sample_full(logits, temperature, top_k, top_p, seeds, steps, passes, min_p_log=min_p_log,
+                          chain=chain if chained else None)
+        want = _reference_masked_race(logits, temperature, top_k, top_p, seeds, steps, min_p_log, chain)
         assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
         walks = (temperature > 0) & ((top_k > 0) | (top_p < 1) | (min_p_log > float("-inf")))
         assert bool((passes[~walks] == 0).all()) and bool((passes[walks] >= 1).all()), passes.tolist()
         for i in range(batch):
             if mps[i % len(mps)] == 1.0 and float(temperature[i]) > 0:
                 assert float(logits[i, got[i]]) == float(logits[i].max())
+
+
+@pytest.mark.parametrize("vocab", [3000, 49152])
+def test_top_k_and_top_p_draw_the_cpu_sampler_s_token(vocab):
+    """Top-p judges shares of the k tokens (renormalised, as the CPU Sampler, vLLM and llama.cpp do), in vLLM's
+    order and in llama.cpp's chain (at temperature 1, min-p after top-p): on rows where the k hold little of the
+    mass, with min-p on some, every row's token equals the CPU Sampler's (the same race noise) at each step;
+    not renormalising would keep more of the k on these rows."""
+    from flared.model.kernels import min_p_log_threshold
+    from flared.model.kernels.sampling import sample_full
+    from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
+
+    rows = 12
+    g = torch.Generator(device="cuda").manual_seed(vocab + 7)
+    # Flat (the k hold little of the mass) and float32: no equal logits, which the CPU Sampler's topk may rank
+    # otherwise than by id
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 0.7
+    params = []
+    for i in range(rows):
+        order = LLAMA_CPP_ORDER if i % 2 else ()
+        params.append(SamplingParams(temperature=[0.7, 1.0, 1.6][i % 3], top_k=[40, 200, 7][i % 3],
+                                     top_p=[0.5, 0.9, 0.3, 0.95][i % 4], min_p=0.6 if i % 4 == 3 else 0.0,
+                                     seed=1000 + i, sampler_order=order))
+    cpu = Sampler(vocab, device="cpu")
+    states = [cpu.add_sequence(p, []) for p in params]
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p_log = torch.tensor([min_p_log_threshold(p.min_p, p.temperature, bool(p.sampler_order)) for p in params],
+                             device=dev)
+    chain = torch.tensor([int(bool(p.sampler_order)) for p in params], dtype=torch.int32, device=dev)
+    seeds = torch.tensor([s.seed for s in states], dtype=torch.int64, device=dev)
+    for step in range(4):
+        steps = torch.full((rows,), step, dtype=torch.int64, device=dev)
+        got = sample_full(logits, temperature, top_k, top_p, seeds, steps, min_p_log=min_p_log, chain=chain)
+        want = cpu.sample(logits.cpu(), states).token_ids
+        assert got.cpu().tolist() == want.tolist(), step
+    # The old rule (top-p on shares of the whole row) keeps every one of a flat row's k here: the cases differ.
+    plain = _reference_masked_race(logits, temperature, top_k, torch.ones_like(top_p), seeds, steps)
+    assert sum(int(a != b) for a, b in zip(got.tolist(), plain.tolist())) > 0
 
 
 def test_the_walk_keeps_only_the_top_token_at_top_k_1():
@@ -343,8 +390,9 @@ def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
 
 
 def test_min_p_requests_are_drawn_in_the_graphs(hf, monkeypatch):
-    """A min-p request (vLLM's order, or llama.cpp's chain without its top-p) takes the FULL graphs and is never
-    sampled after them by the torch Sampler; at min-p 1 every token is the argmax, as greedy decoding's."""
+    """A min-p request (vLLM's order, or llama.cpp's default chain, with its top-p or without) takes the FULL graphs
+    and is never sampled after them by the torch Sampler; at min-p 1 every token is the argmax, as greedy
+    decoding's."""
     from gpu_models import make_scheduler
 
     from flared.execution.offline import drive
@@ -357,16 +405,18 @@ def test_min_p_requests_are_drawn_in_the_graphs(hf, monkeypatch):
         raise AssertionError("a min-p row was sampled after the graph")
 
     monkeypatch.setattr(ex, "_eager_sample", eager)
-    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6]
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6, [8, 1, 8] * 5]
     params = [SamplingParams(temperature=0.5, min_p=0.1, seed=1, max_tokens=24),
               SamplingParams(temperature=0.5, top_k=20, min_p=0.05, sampler_order=LLAMA_CPP_ORDER, seed=2,
                              max_tokens=24),
-              SamplingParams(temperature=3.0, min_p=1.0, seed=3, max_tokens=24)]
+              SamplingParams(temperature=3.0, min_p=1.0, seed=3, max_tokens=24),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, sampler_order=LLAMA_CPP_ORDER,
+                             seed=4, max_tokens=24)]
     try:
         got = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
         assert set(picked) == {FULL}
         greedy = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts,
-                       [SamplingParams(temperature=0.0, max_tokens=24)] * 3)  # the same batch shapes
+                       [SamplingParams(temperature=0.0, max_tokens=24)] * 4)  # the same batch shapes
     finally:
         ex.close()
     assert all(len(t) == 24 for t in got.tokens)

@@ -1,6 +1,6 @@
 """Which rows the GPU executor samples eagerly (after the graph) instead of in the graph's own sampler, which
-takes temperature, min-p, top-k and top-p with the temperature first (vLLM's order): everything that sampler does
-not do, llama.cpp's chain with a top-p (its filters judge the distribution before the temperature), and any chain but
+takes temperature, min-p, top-k and top-p in vLLM's order (the temperature first) or in llama.cpp's default chain
+(its filters judge the distribution before the temperature): everything that sampler does not do, and any chain but
 llama.cpp's default (it may leave out the temperature or top-k)."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
 @pytest.mark.parametrize("params, eager", [
     (SamplingParams(temperature=0.8, top_k=40, top_p=0.95), False),
     (SamplingParams(temperature=0.8, top_k=40, sampler_order=LLAMA_CPP_ORDER), False),  # top-k: order-blind
-    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), True),
+    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), False),
+    (SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, sampler_order=LLAMA_CPP_ORDER), False),
+    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=("top_p", "temperature")), True),
     (SamplingParams(temperature=0.8, top_k=40, sampler_order=("top_k",)), True),  # no temperature in the chain
     (SamplingParams(temperature=0.8, top_n_sigma=1.0), True),
     (SamplingParams(temperature=0.8, min_p=0.05), False),
@@ -99,7 +101,7 @@ def test_without_graph_tables_logit_bias_takes_no_slot():
     (SamplingParams(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05), True, True, False),
     (SamplingParams(temperature=0.8, min_tokens=3, min_tokens_banned=frozenset({1}), max_tokens=8), True, True,
      False),
-    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), True, True, False),
+    (SamplingParams(temperature=0.8, top_p=0.95, sampler_order=LLAMA_CPP_ORDER), True, True, True),
     (SamplingParams(temperature=0.8, logprobs=2), True, True, False),
     (SamplingParams(temperature=0.8, repetition_penalty=1.2, frequency_penalty=1.5, seed=4), True, False, False),
     (SamplingParams(temperature=0.0, frequency_penalty=1.0), True, False, False),

@@ -102,6 +102,8 @@ class StaticInputs:
     lora_ids: torch.Tensor | None = None
     # [B_max] float32: each row's min-p as kernels.min_p_log_threshold (-inf = off); None: no min-p
     min_p_log: torch.Tensor | None = None
+    # [B_max] int32: 1 where the row follows llama.cpp's default sampler chain (sample_full's ``chain``); None: none
+    chain: torch.Tensor | None = None
     # [B_max] int32: the Sampler slot whose tables shape the row (PagedCudaDecoder.shape_tables; -1 = none)
     shape_slot: torch.Tensor | None = None
 
@@ -679,7 +681,8 @@ class PagedCudaDecoder:
         elif full_sampling == FULL:
             tokens = sample_full(logits, s.temperature[:batch], s.top_k[:batch], s.top_p[:batch], s.seeds[:batch],
                                  s.steps[:batch],
-                                 min_p_log=s.min_p_log[:batch] if s.min_p_log is not None else None, shape=shape)
+                                 min_p_log=s.min_p_log[:batch] if s.min_p_log is not None else None, shape=shape,
+                                 chain=s.chain[:batch] if s.chain is not None else None)
         else:
             tokens = sample_greedy(logits)
         self.sampled[:batch].copy_(tokens)

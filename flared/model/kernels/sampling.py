@@ -27,13 +27,14 @@ Rules:
   token i is kept iff its probability is at least min_p times the largest
   (x_i / T >= max x / T + log min_p: a threshold in the row's scaled logits,
   its log handed in), fewer than k tokens rank before it and their
-  probability mass is below p. That mass is a share of the row's, or with
-  min-p of the tokens min-p keeps (vLLM's order: min-p first, the rest on
-  what it kept, renormalised). Not renormalised after top-k: with both
-  top-k and top-p, top-p judges shares of the whole row (the CPU
-  sampler, vLLM and llama.cpp renormalise over the k), so such a row may
-  keep more of its k tokens here (the same where the k tokens hold nearly
-  all the mass, as a trained model's top 40 usually do; docs/gpu.md).
+  probability mass is below p. That mass is a share of what the filters
+  before top-p kept (renormalised, as the CPU sampler, vLLM and llama.cpp
+  judge it): in vLLM's order of the tokens min-p and top-k keep, at
+  temperature T; in llama.cpp's default chain (a row's ``chain``: top-k,
+  top-p, min-p, then the temperature) of the k tokens at temperature 1. The
+  k tokens' mass needs the row's k-th largest logit: a radix select, four
+  passes counting a byte of the logits' bits each, only for rows with both
+  top-k and top-p.
   ``sample_full`` finds the race's winner among the kept tokens without
   sorting: the winner over all tokens is checked (a pass counting
   the tokens ranked before it and their mass); if it is not kept, nothing
@@ -127,9 +128,43 @@ def _count_drawn(token, slot, vocab, Counts, Window, Ring, Lens, RING: tl.conste
 
 
 @triton.jit
-def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Scores, PartMax,
-                       PartSum, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks, stride,
-                       BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr):
+def _order_key(x):
+    """x's float32 bits as an int64 in [0, 2**32) ordered as x is (-0 taken as +0, which it equals)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True).to(tl.int64)
+    low = bits & 0xFFFFFFFF
+    return tl.where(bits < 0, low ^ 0xFFFFFFFF, low | 0x80000000)
+
+
+@triton.jit
+def _kth_largest(Logits, row, stride, vocab, k, BLOCK: tl.constexpr):
+    """A row's k-th largest logit (1 <= k <= vocab, equal logits counted one by one) and how many of the logits equal
+    to it are among its k largest: a radix select over ``_order_key``'s 32 bits, a byte a pass, each pass counting
+    the next byte of the keys whose bytes so far are the k-th's."""
+    prefix = (row * 0).to(tl.int64)
+    need = k
+    bins = tl.arange(0, 256)
+    for r in tl.static_range(4):
+        hist = tl.zeros((256,), tl.int32)
+        for base in range(0, vocab, BLOCK):
+            cols = base + tl.arange(0, BLOCK)
+            valid = cols < vocab
+            key = _order_key(tl.load(Logits + row * stride + cols, mask=valid, other=0.0))
+            match = valid & ((key >> (32 - 8 * r)) == prefix)
+            hist += tl.histogram(((key >> (24 - 8 * r)) & 255).to(tl.int32), 256, mask=match)
+        # The byte: the largest whose keys, with those of every larger byte, number at least ``need``.
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        byte = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
+        need -= tl.sum(tl.where(bins > byte, hist, 0), 0)
+        prefix = prefix * 256 + byte
+    bits = tl.where(prefix >= 0x80000000, prefix ^ 0x80000000, prefix ^ 0xFFFFFFFF)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True), need
+
+
+@triton.jit
+def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Chain, Scores,
+                       PartMax, PartSum, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks, stride,
+                       BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
+                       CHAIN: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its
     torch form: tests/flared_testing/race.py's uniform_noise; on the CPU flared/_fast/race.pyx); a row at
@@ -137,8 +172,9 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     scores x itself (its argmax). -inf logits (masked) never win; NaN counts as the largest, as in torch.argmax.
     FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
     first index among equal ones); for a row with top-k, top-p or min-p also the scores into Scores [B, vocab] and
-    the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk. SHAPE: a row naming a
-    slot (Slots) is shaped first (``_shaped``) and written back into Logits."""
+    the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk (CHAIN: a row of
+    llama.cpp's chain, Chain 1, judges at temperature 1: x for x / T). SHAPE: a row naming a slot (Slots) is shaped
+    first (``_shaped``) and written back into Logits."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(Temperature + row)
@@ -160,7 +196,9 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     v1, i1, v2, i2, v3, i3 = v0, i0, v0, i0, v0, i0
     lane_m = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_s = tl.zeros((BLOCK,), tl.float32)
-    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+    inv_judge = 1.0 / tl.where(t > 0, t, 1.0)  # the scale the walk's masses judge the logits at (_walk_kernel)
+    if CHAIN:
+        inv_judge = tl.where(tl.load(Chain + row) != 0, 1.0, inv_judge)
     for base in range(start, stop, BLOCK):
         cols = base + tl.arange(0, BLOCK)
         mask = cols < stop
@@ -199,7 +237,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
             v0, i0 = lanes_take(y, cols, v0, i0)
         if walks:
             tl.store(Scores + row * vocab + cols, y, mask=mask)
-            v = x * inv_t
+            v = x * inv_judge
             m = tl.maximum(lane_m, v)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(v - m_safe)
@@ -244,13 +282,15 @@ def _extract(vec, lanes, j):
 
 
 @triton.jit
-def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx, PartMax, PartSum, Out, Passes,
-                 Slots, Counts, Window, Ring, Lens, vocab, n_chunks, stride, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-                 LIST: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr, RING: tl.constexpr):
+def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, PartIdx, PartMax, PartSum, Out,
+                 Passes, Slots, Counts, Window, Ring, Lens, vocab, n_chunks, stride, PARTS: tl.constexpr,
+                 BLOCK: tl.constexpr, LIST: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr, RING: tl.constexpr,
+                 CHAIN: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
     at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its
-    next candidate is among them (module docstring), and only past them goes on a pass a candidate. Passes: the
-    passes each row took."""
+    next candidate is among them (module docstring), and only past them goes on a pass a candidate. A row with both
+    top-k (under the vocabulary) and top-p first finds its k-th largest logit (``_kth_largest``, four passes), so
+    that top-p judges shares of the k tokens. Passes: the passes each row took (the select's not counted)."""
     row = tl.program_id(0)
     t = tl.load(Temperature + row)
     k = tl.load(TopK + row)
@@ -273,34 +313,52 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx
     c = _extract(ci, lanes, 0).to(tl.int64)
     passes = row * 0
     if (t > 0) & ((k > 0) | (p < 1.0) | (mp > float("-inf"))):
+        # Masses judge the logits at 1 / T (vLLM's order: the temperature first), or at 1 (llama.cpp's chain: its
+        # filters before the temperature); the parts' maxima and sums are at that scale.
+        chain = tl.load(Chain + row) != 0 if CHAIN else t < 0  # (t > 0 here: without CHAIN, never)
+        inv_t = 1.0 / t
+        inv_judge = tl.where(chain, 1.0, inv_t)
         pm = tl.load(PartMax + row * n_chunks + q, mask=q < n_chunks, other=float("-inf"))
         ps = tl.load(PartSum + row * n_chunks + q, mask=q < n_chunks, other=0.0)
         top = tl.max(pm, 0)
         top = tl.where(top == float("-inf"), 0.0, top)
         total = tl.sum(ps * tl.exp(pm - top), 0)
-        inv_t = 1.0 / t
-        # Min-p keeps the tokens whose scaled logit is at least thr (the largest always).
-        thr = top + mp
+        # Min-p keeps the tokens whose logit at 1 / T is at least thr (the largest always; a chain row's threshold
+        # is its min-p's at 1 / T: kernels.min_p_log_threshold). top * inv_t is max x / T exactly: the scaling keeps
+        # the order of the row.
+        thr = tl.where(chain, top * inv_t, top) + mp
+        # Top-p's mass is a share of what the filters before it keep: with top-k under the vocabulary, the k
+        # largest logits (their k-th, xk, and how many equal to it are among them: need); in vLLM's order also min-p
+        # (its tokens and the k are both a prefix of the ranking, so the shorter's mass is theirs).
+        select = (k > 0) & (k < vocab) & (p < 1.0)
+        xk = top * 0.0 + float("inf")
+        need = k * 0
+        if select:
+            xk, need = _kth_largest(Logits, row, stride, vocab, k, BLOCK)
         # A candidate is kept iff min-p keeps it, fewer than max_before tokens rank before it and their mass is
-        # below max_mass (p times the mass min-p keeps, which the first pass adds up).
+        # below max_mass (p times that share, which the first pass adds up).
         max_before = tl.where(k > 0, k, 2147483647)
         valid = cy > float("-inf")
         cx = tl.load(Logits + row * stride + ci, mask=valid, other=float("-inf"))
         # One pass: for every candidate the tokens ranked before it (a larger logit, or an equal one at a smaller
-        # id) and their mass; and the mass of the tokens min-p keeps.
+        # id) and their mass; and the masses of the tokens min-p keeps and of those above the k-th largest.
         lane_n = tl.zeros((LIST, J), tl.int32)
         lane_w = tl.zeros((LIST, J), tl.float32)
         lane_z = tl.zeros((LIST,), tl.float32)
+        lane_k = tl.zeros((LIST,), tl.float32)
         for base in range(0, vocab, LIST):
             cols = base + tl.arange(0, LIST)
             x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
             ahead = ((cols < vocab)[:, None] & ((x[:, None] > cx[None, :])
                                                  | ((x[:, None] == cx[None, :]) & (cols[:, None] < ci[None, :]))))
-            e = tl.exp(x * inv_t - top)
+            e = tl.exp(x * inv_judge - top)
             lane_n += ahead.to(tl.int32)
             lane_w += tl.where(ahead, e[:, None], 0.0)
             lane_z += tl.where(x * inv_t >= thr, e, 0.0)
-        kept_mass = tl.where(mp > float("-inf"), tl.sum(lane_z, 0), total)
+            lane_k += tl.where(x > xk, e, 0.0)
+        kept_mass = tl.where((mp > float("-inf")) & ~chain, tl.sum(lane_z, 0), total)
+        top_k_mass = tl.sum(lane_k, 0) + need.to(tl.float32) * tl.exp(xk * inv_judge - top)
+        kept_mass = tl.where(select, tl.minimum(kept_mass, top_k_mass), kept_mass)
         max_mass = tl.where(p < 1.0, p * kept_mass, float("inf"))
         kept = (((tl.sum(lane_n, 0) < max_before) & (tl.sum(lane_w, 0) < max_mass) & (cx * inv_t >= thr))
                 | ~valid)
@@ -336,7 +394,7 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, PartVal, PartIdx
                 x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
                 ahead1 = (cols < vocab) & ((x > xc) | ((x == xc) & (cols < c)))
                 lane_n1 += ahead1.to(tl.int32)
-                lane_w1 += tl.where(ahead1, tl.exp(x * inv_t - top), 0.0)
+                lane_w1 += tl.where(ahead1, tl.exp(x * inv_judge - top), 0.0)
                 y = tl.load(Scores + row * vocab + cols, mask=ahead1, other=float("-inf"))
                 lane_v, lane_i = lanes_take(tl.where(ahead1, y, float("-inf")), cols, lane_v, lane_i)
             best, nxt1 = lanes_first_max(lane_v, lane_i, 0)
@@ -380,9 +438,9 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     shaping, ring = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
-                                          temperature, part_val, part_val, part_val, *shaping[:5], vocab, chunk,
-                                          n_chunks, logits.stride(0),
-                                          BLOCK=RACE_BLOCK, FULL=False, J=1, SHAPE=shape is not None, num_warps=8)
+                                          temperature, seeds, part_val, part_val, part_val, *shaping[:5], vocab, chunk,
+                                          n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=False, J=1,
+                                          SHAPE=shape is not None, CHAIN=False, num_warps=8)
     _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
                                 PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, RING=ring,
                                 num_warps=1)
@@ -397,13 +455,17 @@ def sample_greedy(logits: torch.Tensor) -> torch.Tensor:
 def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 seeds: torch.Tensor, steps: torch.Tensor, passes: torch.Tensor | None = None,
                 min_p_log: torch.Tensor | None = None,
-                shape: tuple[torch.Tensor, ShapeTables] | None = None) -> torch.Tensor:
+                shape: tuple[torch.Tensor, ShapeTables] | None = None,
+                chain: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
     seeds/steps [B] int64 -> [B] int64: the race's draw among each row's min-p/top-k/top-p tokens (the argmax at
     temperature 0). ``passes`` ([B] int32, optional): the walk's passes over each row (0: no walk).
     ``min_p_log`` ([B] float32, optional): each row's min-p as the log of the least probability ratio to the most
     likely token in its scaled logits (kernels.min_p_log_threshold; -inf or None: off). ``shape``: as
-    ``sample_race``'s."""
+    ``sample_race``'s. ``chain`` ([B] int32, optional): 1 where a row follows llama.cpp's default sampler chain
+    (SamplingParams.sampler_order LLAMA_CPP_ORDER: top-k, then top-p on the unscaled logits' shares of the k, then
+    min-p, the temperature last); 0 or None: vLLM's order (the temperature, min-p, top-k, then top-p on shares of
+    what those kept)."""
     batch, vocab = logits.shape
     chunk, n_chunks = _parts(batch, vocab)
     dev = logits.device
@@ -418,13 +480,14 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if min_p_log is None:
         min_p_log = torch.full((batch,), float("-inf"), dtype=torch.float32, device=dev)
     shaping, ring = _shape_args(shape, logits)
+    chained = chain if chain is not None else top_k
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, scores, part_max, part_sum, *shaping[:5], vocab, chunk, n_chunks,
-                                          logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES,
-                                          SHAPE=shape is not None, num_warps=8)
-    _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, part_val, part_idx, part_max,
-                           part_sum, out, passes, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
+                                          min_p_log, chained, scores, part_max, part_sum, *shaping[:5], vocab, chunk,
+                                          n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES,
+                                          SHAPE=shape is not None, CHAIN=chain is not None, num_warps=8)
+    _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, chained, part_val, part_idx,
+                           part_max, part_sum, out, passes, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
                            logits.stride(0), PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK,
                            LIST=LIST_BLOCK, J=CANDIDATES, SHAPE=shape is not None, RING=ring,
-                           num_warps=WALK_WARPS)
+                           CHAIN=chain is not None, num_warps=WALK_WARPS)
     return out
