@@ -165,6 +165,23 @@ def main() -> int:
                                              "options": {"repeat_penalty": 1.3, "repeat_last_n": 8, "seed": 3,
                                                          "temperature": 0.7, "num_predict": 32}})
         results["ollama_repeat_last_n_ok"] = s5 == 200 and o.get("eval_count", 0) > 0
+        # llama.cpp's /completion: its default chain with top-k, top-p and min-p, drawn in the graphs, seeded
+        chain = {"prompt": "Sentence number 9 talks about", "n_predict": 32, "top_k": 40, "top_p": 0.9,
+                 "min_p": 0.05, "temperature": 0.8, "seed": 9, "ignore_eos": True}
+        s6, e = post(port, "/completion", chain)
+        s7, f = post(port, "/completion", chain)
+        results["llamacpp_chain_ok"] = (s6 == s7 == 200 and e.get("tokens_predicted") == 32
+                                        and e.get("content") == f.get("content"))
+
+        def run_chain(i):
+            return post(port, "/completion", {**chain, "prompt": f"Sentence number {i} talks about", "seed": i,
+                                              "n_predict": 256})
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            list(pool.map(run_chain, range(32)))  # warm
+            t = time.perf_counter()
+            outs = list(pool.map(run_chain, range(32)))
+            dt = time.perf_counter() - t
+        results["llamacpp_chain_streams32_tok_s"] = round(sum(o[1].get("tokens_predicted", 0) for o in outs) / dt, 1)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -183,7 +200,8 @@ def main() -> int:
         print(json.dumps(results))
     ok = (results.get("greedy_repeatable") and results.get("stream_equals") and results.get("streams32_all_ok")
           and results.get("embeddings_ok") and results.get("prompt_logprobs_ok") and results.get("exit_code") == 0
-          and results.get("bias_penalties_logprobs_ok") and results.get("ollama_repeat_last_n_ok"))
+          and results.get("bias_penalties_logprobs_ok") and results.get("ollama_repeat_last_n_ok")
+          and results.get("llamacpp_chain_ok"))
     return 0 if ok else 1
 
 

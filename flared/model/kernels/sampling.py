@@ -85,6 +85,10 @@ WALK_BLOCK = 8192  # logits per iteration of the top-k/top-p walk (one program a
 WALK_WARPS = 32
 CANDIDATES = 4  # the race's best tokens a row's first walk pass checks at once
 LIST_BLOCK = 2048  # logits per iteration of that pass
+# A row with top-k and top-p: the race's lane maxima the walk's select starts from (at most, over a row's chunks),
+# and the logits it then selects among (at most; more, or k above what the maxima hold: four passes over the row)
+TOPS_MAX = 1024
+KEPT = 2048
 
 
 @triton.jit
@@ -136,13 +140,43 @@ def _order_key(x):
 
 
 @triton.jit
+def _next_byte(hist, need, prefix):
+    """One round of a radix select: from the 256-bin counts of the next byte of the keys matching ``prefix``, the
+    byte holding the ``need``-th largest (the largest whose keys, with those of every larger byte, number at least
+    ``need``), ``need`` among that byte's keys, and the prefix with it."""
+    bins = tl.arange(0, 256)
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    byte = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
+    return need - tl.sum(tl.where(bins > byte, hist, 0), 0), prefix * 256 + byte
+
+
+@triton.jit
+def _from_key(prefix):
+    """The float32 whose _order_key is ``prefix``."""
+    bits = tl.where(prefix >= 0x80000000, prefix ^ 0x80000000, prefix ^ 0xFFFFFFFF)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kth_of(x, k):
+    """The k-th largest of a vector x (1 <= k <= its length; equal values counted one by one) and how many of the
+    values equal to it are among its k largest: a radix select over ``_order_key``'s 32 bits, a byte a round."""
+    key = _order_key(x)
+    prefix = (k * 0).to(tl.int64)
+    need = k
+    for r in tl.static_range(4):
+        match = (key >> (32 - 8 * r)) == prefix
+        hist = tl.histogram(((key >> (24 - 8 * r)) & 255).to(tl.int32), 256, mask=match)
+        need, prefix = _next_byte(hist, need, prefix)
+    return _from_key(prefix), need
+
+
+@triton.jit
 def _kth_largest(Logits, row, stride, vocab, k, BLOCK: tl.constexpr):
-    """A row's k-th largest logit (1 <= k <= vocab, equal logits counted one by one) and how many of the logits equal
-    to it are among its k largest: a radix select over ``_order_key``'s 32 bits, a byte a pass, each pass counting
-    the next byte of the keys whose bytes so far are the k-th's."""
+    """``_kth_of`` over a whole row of Logits, a pass over the row a byte (the rows the compacted select below
+    cannot take)."""
     prefix = (row * 0).to(tl.int64)
     need = k
-    bins = tl.arange(0, 256)
     for r in tl.static_range(4):
         hist = tl.zeros((256,), tl.int32)
         for base in range(0, vocab, BLOCK):
@@ -151,20 +185,43 @@ def _kth_largest(Logits, row, stride, vocab, k, BLOCK: tl.constexpr):
             key = _order_key(tl.load(Logits + row * stride + cols, mask=valid, other=0.0))
             match = valid & ((key >> (32 - 8 * r)) == prefix)
             hist += tl.histogram(((key >> (24 - 8 * r)) & 255).to(tl.int32), 256, mask=match)
-        # The byte: the largest whose keys, with those of every larger byte, number at least ``need``.
-        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-        byte = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
-        need -= tl.sum(tl.where(bins > byte, hist, 0), 0)
-        prefix = prefix * 256 + byte
-    bits = tl.where(prefix >= 0x80000000, prefix ^ 0x80000000, prefix ^ 0xFFFFFFFF)
-    return bits.to(tl.int32).to(tl.float32, bitcast=True), need
+        need, prefix = _next_byte(hist, need, prefix)
+    return _from_key(prefix), need
+
+
+@triton.jit
+def _top_k_logit(Logits, Tops, Kept, row, stride, vocab, k, n_tops, BLOCK: tl.constexpr, TOPS: tl.constexpr,
+                 KEPT: tl.constexpr):
+    """A row's k-th largest logit and how many of those equal to it are among its k largest. The race left each
+    chunk's largest lane maxima in Tops (n_tops of them, distinct tokens): their k-th largest, low, is at most the
+    row's k-th. One pass copies the row's logits >= low into Kept (KEPT of them at most: usually a few more than
+    k), and the select runs on those alone; where more are >= low (or Tops holds fewer than k), four passes over
+    the whole row (_kth_largest)."""
+    lanes = tl.arange(0, TOPS)
+    tops = tl.load(Tops + row * n_tops + lanes, mask=lanes < n_tops, other=float("-inf"))
+    low, _ = _kth_of(tops, k)
+    n = k * 0
+    for base in range(0, vocab, BLOCK):
+        cols = base + tl.arange(0, BLOCK)
+        x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+        take = (cols < vocab) & (x >= low)
+        at = n + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(Kept + row * KEPT + at, x, mask=take & (at < KEPT))
+        n += tl.sum(take.to(tl.int32), 0)
+    if (n <= KEPT) & (low > float("-inf")):
+        tl.debug_barrier()  # the copies above, by other threads of the program, before the loads below
+        slots = tl.arange(0, KEPT)
+        xk, need = _kth_of(tl.load(Kept + row * KEPT + slots, mask=slots < n, other=float("-inf")), k)
+    else:
+        xk, need = _kth_largest(Logits, row, stride, vocab, k, BLOCK)
+    return xk, need
 
 
 @triton.jit
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Chain, Scores,
-                       PartMax, PartSum, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks, stride,
+                       PartMax, PartSum, Tops, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks, stride,
                        BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
-                       CHAIN: tl.constexpr):
+                       CHAIN: tl.constexpr, TOPS_PER: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its
     torch form: tests/flared_testing/race.py's uniform_noise; on the CPU flared/_fast/race.pyx); a row at
@@ -173,8 +230,10 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     FULL: the chunk's J largest scores (PartVal/PartIdx [B, n_chunks, J], largest first, the
     first index among equal ones); for a row with top-k, top-p or min-p also the scores into Scores [B, vocab] and
     the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk (CHAIN: a row of
-    llama.cpp's chain, Chain 1, judges at temperature 1: x for x / T). SHAPE: a row naming a slot (Slots) is shaped
-    first (``_shaped``) and written back into Logits."""
+    llama.cpp's chain, Chain 1, judges at temperature 1: x for x / T); for a row with both top-k (under the
+    vocabulary) and top-p also the chunk's TOPS_PER largest lane maxima of x into Tops [B, n_chunks, TOPS_PER] (the
+    walk's ``_top_k_logit``). SHAPE: a row naming a slot (Slots) is shaped first (``_shaped``) and written back into
+    Logits."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(Temperature + row)
@@ -182,9 +241,12 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     seed = tl.load(Seeds + row)
     step = tl.load(Steps + row)
     walks = False
+    selects = False
     if FULL:
-        walks = (t > 0) & ((tl.load(TopK + row) > 0) | (tl.load(TopP + row) < 1.0)
-                           | (tl.load(MinP + row) > float("-inf")))
+        k = tl.load(TopK + row)
+        p = tl.load(TopP + row)
+        walks = (t > 0) & ((k > 0) | (p < 1.0) | (tl.load(MinP + row) > float("-inf")))
+        selects = walks & (k > 0) & (k < vocab) & (p < 1.0)
     h = (seed & 0x7FFFFFFF) ^ ((seed >> 31) & 0x7FFFFFFF)
     h = (h * 0x6C8E9CF5 + (step & 0x7FFFFFFF)) & 0x7FFFFFFF
     h = _mix_tl(h, 0x45D9F3B, 16)
@@ -196,6 +258,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     v1, i1, v2, i2, v3, i3 = v0, i0, v0, i0, v0, i0
     lane_m = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_s = tl.zeros((BLOCK,), tl.float32)
+    lane_x = tl.full((BLOCK,), float("-inf"), tl.float32)
     inv_judge = 1.0 / tl.where(t > 0, t, 1.0)  # the scale the walk's masses judge the logits at (_walk_kernel)
     if CHAIN:
         inv_judge = tl.where(tl.load(Chain + row) != 0, 1.0, inv_judge)
@@ -242,6 +305,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(v - m_safe)
             lane_m = m
+            lane_x = tl.maximum(lane_x, x)
     if FULL:
         # The chunk's four largest: each round takes the largest lane head (its first index) and pops that lane.
         out = (row * n_chunks + part) * J
@@ -263,6 +327,13 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
         top_safe = tl.where(top == float("-inf"), 0.0, top)
         tl.store(PartMax + row * n_chunks + part, top)
         tl.store(PartSum + row * n_chunks + part, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
+    if TOPS_PER > 0:
+        if selects:  # the largest lane maxima, a lane each (distinct tokens)
+            lanes = tl.arange(0, BLOCK)
+            for j in tl.static_range(TOPS_PER):
+                m = tl.max(lane_x, 0)
+                tl.store(Tops + (row * n_chunks + part) * TOPS_PER + j, m)
+                lane_x = tl.where(lanes == tl.min(tl.where(lane_x == m, lanes, BLOCK), 0), float("-inf"), lane_x)
 
 
 @triton.jit
@@ -282,15 +353,15 @@ def _extract(vec, lanes, j):
 
 
 @triton.jit
-def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, PartIdx, PartMax, PartSum, Out,
-                 Passes, Slots, Counts, Window, Ring, Lens, vocab, n_chunks, stride, PARTS: tl.constexpr,
-                 BLOCK: tl.constexpr, LIST: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr, RING: tl.constexpr,
-                 CHAIN: tl.constexpr):
+def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, PartIdx, PartMax, PartSum, Tops,
+                 Kept, Out, Passes, Slots, Counts, Window, Ring, Lens, vocab, n_chunks, n_tops, stride,
+                 PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
+                 RING: tl.constexpr, CHAIN: tl.constexpr, TOPS: tl.constexpr, KEPT: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
     at temperature > 0 with top-k, top-p or min-p) one pass checking all of them: the walk follows them while its
     next candidate is among them (module docstring), and only past them goes on a pass a candidate. A row with both
-    top-k (under the vocabulary) and top-p first finds its k-th largest logit (``_kth_largest``, four passes), so
-    that top-p judges shares of the k tokens. Passes: the passes each row took (the select's not counted)."""
+    top-k (under the vocabulary) and top-p first finds its k-th largest logit (``_top_k_logit``: a pass, usually),
+    so that top-p judges shares of the k tokens. Passes: the passes each row took (the select's not counted)."""
     row = tl.program_id(0)
     t = tl.load(Temperature + row)
     k = tl.load(TopK + row)
@@ -334,7 +405,7 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, 
         xk = top * 0.0 + float("inf")
         need = k * 0
         if select:
-            xk, need = _kth_largest(Logits, row, stride, vocab, k, BLOCK)
+            xk, need = _top_k_logit(Logits, Tops, Kept, row, stride, vocab, k, n_tops, BLOCK, TOPS, KEPT)
         # A candidate is kept iff min-p keeps it, fewer than max_before tokens rank before it and their mass is
         # below max_mass (p times that share, which the first pass adds up).
         max_before = tl.where(k > 0, k, 2147483647)
@@ -438,9 +509,9 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     shaping, ring = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
-                                          temperature, seeds, part_val, part_val, part_val, *shaping[:5], vocab, chunk,
-                                          n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=False, J=1,
-                                          SHAPE=shape is not None, CHAIN=False, num_warps=8)
+                                          temperature, seeds, part_val, part_val, part_val, part_val, *shaping[:5],
+                                          vocab, chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=False, J=1,
+                                          SHAPE=shape is not None, CHAIN=False, TOPS_PER=0, num_warps=8)
     _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
                                 PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, RING=ring,
                                 num_warps=1)
@@ -474,6 +545,10 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     part_max = torch.empty(batch, n_chunks, dtype=torch.float32, device=dev)
     part_sum = torch.empty(batch, n_chunks, dtype=torch.float32, device=dev)
     scores = torch.empty(batch, vocab, dtype=torch.float32, device=dev)
+    # Each chunk's largest lane maxima for the rows with top-k and top-p (_top_k_logit), at most TOPS_MAX a row
+    tops_per = min(16, 1 << max(0, (TOPS_MAX // n_chunks).bit_length() - 1))
+    tops = torch.empty(batch, n_chunks, tops_per, dtype=torch.float32, device=dev)
+    kept = torch.empty(batch, KEPT, dtype=torch.float32, device=dev)
     out = torch.empty(batch, dtype=torch.int64, device=dev)
     if passes is None:
         passes = torch.empty(batch, dtype=torch.int32, device=dev)
@@ -482,12 +557,15 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     shaping, ring = _shape_args(shape, logits)
     chained = chain if chain is not None else top_k
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, chained, scores, part_max, part_sum, *shaping[:5], vocab, chunk,
-                                          n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=True, J=CANDIDATES,
-                                          SHAPE=shape is not None, CHAIN=chain is not None, num_warps=8)
+                                          min_p_log, chained, scores, part_max, part_sum, tops, *shaping[:5], vocab,
+                                          chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=True,
+                                          J=CANDIDATES, SHAPE=shape is not None, CHAIN=chain is not None,
+                                          TOPS_PER=tops_per, num_warps=8)
     _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, chained, part_val, part_idx,
-                           part_max, part_sum, out, passes, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
-                           logits.stride(0), PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK,
-                           LIST=LIST_BLOCK, J=CANDIDATES, SHAPE=shape is not None, RING=ring,
-                           CHAIN=chain is not None, num_warps=WALK_WARPS)
+                           part_max, part_sum, tops, kept, out, passes, shaping[0], shaping[1], *shaping[5:], vocab,
+                           n_chunks, n_chunks * tops_per, logits.stride(0),
+                           PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
+                           J=CANDIDATES, SHAPE=shape is not None, RING=ring, CHAIN=chain is not None,
+                           TOPS=max(128, triton.next_power_of_2(n_chunks * tops_per)), KEPT=KEPT,
+                           num_warps=WALK_WARPS)
     return out
