@@ -19,12 +19,12 @@ def _compile(fn, names_types: str, constexprs: dict):
 
 
 PARTS = ("Logits:*fp32 Temperature:*fp32 Seeds:*i64 Steps:*i64 PartVal:*fp32 PartIdx:*i32 TopK:*i32 TopP:*fp32 "
-         "MinP:*fp32 Chain:*i32 Scores:*fp32 PartMax:*fp32 PartSum:*fp32 Tops:*fp32 Slots:*i32 Counts:*i32 "
-         "Prompt:*u8 Bias:*fp32 Params:*fp32 vocab:i32 chunk:i32 n_chunks:i32 stride:i32")
+         "MinP:*fp32 Chain:*i32 Scores:*fp32 PartMax:*fp32 PartSum:*fp32 Tops:*fp32 Taken:*i32 Slots:*i32 "
+         "Counts:*i32 Prompt:*u8 Bias:*fp32 Params:*fp32 vocab:i32 chunk:i32 n_chunks:i32 stride:i32")
 PICK = ("PartVal:*fp32 PartIdx:*i32 Out:*i64 Slots:*i32 Counts:*i32 Window:*i32 Ring:*i32 Lens:*i64 vocab:i32 "
         "n_chunks:i32")
 WALK = ("Logits:*fp32 Scores:*fp32 Temperature:*fp32 TopK:*i32 TopP:*fp32 MinP:*fp32 Chain:*i32 PartVal:*fp32 "
-        "PartIdx:*i32 PartMax:*fp32 PartSum:*fp32 Tops:*fp32 Kept:*fp32 Out:*i64 Passes:*i32 Slots:*i32 "
+        "PartIdx:*i32 PartMax:*fp32 PartSum:*fp32 Tops:*fp32 Kept:*fp32 Taken:*i32 Out:*i64 Passes:*i32 Slots:*i32 "
         "Counts:*i32 Window:*i32 Ring:*i32 Lens:*i64 vocab:i32 n_chunks:i32 n_tops:i32 stride:i32")
 
 
@@ -56,5 +56,5 @@ def test_the_walk_compiles(shape, chain):
     kernel = _compile(sampling._walk_kernel, WALK, {"PARTS": 64, "BLOCK": sampling.WALK_BLOCK,
                                                      "LIST": sampling.LIST_BLOCK, "J": sampling.CANDIDATES,
                                                      "SHAPE": shape, "RING": 1024, "CHAIN": chain,
-                                                     "TOPS": 1024, "KEPT": sampling.KEPT})
+                                                     "TOPS": 256, "KEPT": sampling.KEPT})
     assert "ptx" in kernel.asm

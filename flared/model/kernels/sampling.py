@@ -85,10 +85,11 @@ WALK_BLOCK = 8192  # logits per iteration of the top-k/top-p walk (one program a
 WALK_WARPS = 32
 CANDIDATES = 4  # the race's best tokens a row's first walk pass checks at once
 LIST_BLOCK = 2048  # logits per iteration of that pass
-# A row with top-k and top-p: the race's lane maxima the walk's select starts from (at most, over a row's chunks),
-# and the logits it then selects among (at most; more, or k above what the maxima hold: four passes over the row)
-TOPS_MAX = 1024
-KEPT = 2048
+# A row with top-k and top-p: the race's lane maxima the walk's select starts from (about, over a row's chunks; at
+# most 16 a chunk), and the logits it then selects among (at most; more, or a k above what the maxima hold: four
+# passes over the row)
+TOPS_AIM = 128
+KEPT = 1024
 
 
 @triton.jit
@@ -190,13 +191,13 @@ def _kth_largest(Logits, row, stride, vocab, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _top_k_logit(Logits, Tops, Kept, row, stride, vocab, k, n_tops, BLOCK: tl.constexpr, TOPS: tl.constexpr,
-                 KEPT: tl.constexpr):
+def _top_k_logit(Logits, Tops, Kept, Taken, row, stride, vocab, k, n_tops, BLOCK: tl.constexpr,
+                 TOPS: tl.constexpr, KEPT: tl.constexpr):
     """A row's k-th largest logit and how many of those equal to it are among its k largest. The race left each
     chunk's largest lane maxima in Tops (n_tops of them, distinct tokens): their k-th largest, low, is at most the
     row's k-th. One pass copies the row's logits >= low into Kept (KEPT of them at most: usually a few more than
-    k), and the select runs on those alone; where more are >= low (or Tops holds fewer than k), four passes over
-    the whole row (_kth_largest)."""
+    k; each takes a place by an atomic count in Taken[row], which the race zeroed), and the select runs on those
+    alone; where more are >= low (or Tops holds fewer than k), four passes over the whole row (_kth_largest)."""
     lanes = tl.arange(0, TOPS)
     tops = tl.load(Tops + row * n_tops + lanes, mask=lanes < n_tops, other=float("-inf"))
     low, _ = _kth_of(tops, k)
@@ -205,7 +206,7 @@ def _top_k_logit(Logits, Tops, Kept, row, stride, vocab, k, n_tops, BLOCK: tl.co
         cols = base + tl.arange(0, BLOCK)
         x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
         take = (cols < vocab) & (x >= low)
-        at = n + tl.cumsum(take.to(tl.int32), 0) - 1
+        at = tl.atomic_add(Taken + row + cols * 0, 1, mask=take)
         tl.store(Kept + row * KEPT + at, x, mask=take & (at < KEPT))
         n += tl.sum(take.to(tl.int32), 0)
     if (n <= KEPT) & (low > float("-inf")):
@@ -219,8 +220,8 @@ def _top_k_logit(Logits, Tops, Kept, row, stride, vocab, k, n_tops, BLOCK: tl.co
 
 @triton.jit
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Chain, Scores,
-                       PartMax, PartSum, Tops, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks, stride,
-                       BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
+                       PartMax, PartSum, Tops, Taken, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks,
+                       stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
                        CHAIN: tl.constexpr, TOPS_PER: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its
@@ -232,8 +233,8 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
     the chunk's largest x / T and sum of exp(x / T - that) into PartMax/PartSum, for the walk (CHAIN: a row of
     llama.cpp's chain, Chain 1, judges at temperature 1: x for x / T); for a row with both top-k (under the
     vocabulary) and top-p also the chunk's TOPS_PER largest lane maxima of x into Tops [B, n_chunks, TOPS_PER] (the
-    walk's ``_top_k_logit``). SHAPE: a row naming a slot (Slots) is shaped first (``_shaped``) and written back into
-    Logits."""
+    walk's ``_top_k_logit``, whose count in Taken [B] the row's first program zeroes). SHAPE: a row naming a slot
+    (Slots) is shaped first (``_shaped``) and written back into Logits."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(Temperature + row)
@@ -329,6 +330,8 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
         tl.store(PartSum + row * n_chunks + part, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
     if TOPS_PER > 0:
         if selects:  # the largest lane maxima, a lane each (distinct tokens)
+            if part == 0:
+                tl.store(Taken + row, 0)
             lanes = tl.arange(0, BLOCK)
             for j in tl.static_range(TOPS_PER):
                 m = tl.max(lane_x, 0)
@@ -354,7 +357,7 @@ def _extract(vec, lanes, j):
 
 @triton.jit
 def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, PartIdx, PartMax, PartSum, Tops,
-                 Kept, Out, Passes, Slots, Counts, Window, Ring, Lens, vocab, n_chunks, n_tops, stride,
+                 Kept, Taken, Out, Passes, Slots, Counts, Window, Ring, Lens, vocab, n_chunks, n_tops, stride,
                  PARTS: tl.constexpr, BLOCK: tl.constexpr, LIST: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
                  RING: tl.constexpr, CHAIN: tl.constexpr, TOPS: tl.constexpr, KEPT: tl.constexpr):
     """One program a row: the race's J best tokens from the parts' lists (its winner first), then (a row
@@ -405,7 +408,7 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, 
         xk = top * 0.0 + float("inf")
         need = k * 0
         if select:
-            xk, need = _top_k_logit(Logits, Tops, Kept, row, stride, vocab, k, n_tops, BLOCK, TOPS, KEPT)
+            xk, need = _top_k_logit(Logits, Tops, Kept, Taken, row, stride, vocab, k, n_tops, BLOCK, TOPS, KEPT)
         # A candidate is kept iff min-p keeps it, fewer than max_before tokens rank before it and their mass is
         # below max_mass (p times that share, which the first pass adds up).
         max_before = tl.where(k > 0, k, 2147483647)
@@ -509,7 +512,8 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     shaping, ring = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
-                                          temperature, seeds, part_val, part_val, part_val, part_val, *shaping[:5],
+                                          temperature, seeds, part_val, part_val, part_val, part_val, part_idx,
+                                          *shaping[:5],
                                           vocab, chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=False, J=1,
                                           SHAPE=shape is not None, CHAIN=False, TOPS_PER=0, num_warps=8)
     _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
@@ -546,9 +550,10 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     part_sum = torch.empty(batch, n_chunks, dtype=torch.float32, device=dev)
     scores = torch.empty(batch, vocab, dtype=torch.float32, device=dev)
     # Each chunk's largest lane maxima for the rows with top-k and top-p (_top_k_logit), at most TOPS_MAX a row
-    tops_per = min(16, 1 << max(0, (TOPS_MAX // n_chunks).bit_length() - 1))
+    tops_per = min(16, triton.next_power_of_2(triton.cdiv(TOPS_AIM, n_chunks)))
     tops = torch.empty(batch, n_chunks, tops_per, dtype=torch.float32, device=dev)
     kept = torch.empty(batch, KEPT, dtype=torch.float32, device=dev)
+    taken = torch.empty(batch, dtype=torch.int32, device=dev)
     out = torch.empty(batch, dtype=torch.int64, device=dev)
     if passes is None:
         passes = torch.empty(batch, dtype=torch.int32, device=dev)
@@ -557,13 +562,14 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     shaping, ring = _shape_args(shape, logits)
     chained = chain if chain is not None else top_k
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, chained, scores, part_max, part_sum, tops, *shaping[:5], vocab,
+                                          min_p_log, chained, scores, part_max, part_sum, tops, taken, *shaping[:5],
+                                          vocab,
                                           chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=True,
                                           J=CANDIDATES, SHAPE=shape is not None, CHAIN=chain is not None,
                                           TOPS_PER=tops_per, num_warps=8)
     _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, chained, part_val, part_idx,
-                           part_max, part_sum, tops, kept, out, passes, shaping[0], shaping[1], *shaping[5:], vocab,
-                           n_chunks, n_chunks * tops_per, logits.stride(0),
+                           part_max, part_sum, tops, kept, taken, out, passes, shaping[0], shaping[1], *shaping[5:],
+                           vocab, n_chunks, n_chunks * tops_per, logits.stride(0),
                            PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
                            J=CANDIDATES, SHAPE=shape is not None, RING=ring, CHAIN=chain is not None,
                            TOPS=max(128, triton.next_power_of_2(n_chunks * tops_per)), KEPT=KEPT,
