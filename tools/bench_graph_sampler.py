@@ -16,7 +16,9 @@ Features (``--features``): the same serving drive, top-p 0.95 streams against th
 setting: min-p (drawn in the graphs' sampler); a repetition penalty (vLLM's, or llama.cpp's over the last 64 tokens)
 or a logit bias, shaped and drawn in the graphs' sampler from the Sampler's slot tables; log-probabilities, drawn
 by the graphs and taken by the executor beside the draw; top-k 40 beside the top-p (top-p then judges shares of
-the k: the walk finds each row's 40th largest logit first); llama.cpp's default chain with top-k 40 and min-p 0.05.
+the k: the walk finds each row's 40th largest logit first); llama.cpp's default chain with top-k 40 and min-p 0.05;
+allowed_token_ids (every seventh id), as -inf in the slot's bias row; min_tokens over the whole run (three ids
+banned).
 "(eager)": the same streams drawn by the torch Sampler after the graph, as before. tok/s, host and GPU us a step.
 
     python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
@@ -201,6 +203,7 @@ def bench_serving(args, out: dict) -> None:
 
 
 BIAS = {t: -2.0 for t in range(100, 110)}
+ALLOWED = tuple(range(0, 40000, 7))
 FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1": {"repetition_penalty": 1.1},
             "+ repetition (eager)": {"repetition_penalty": 1.1, "_eager": True},
             "+ freq/presence": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
@@ -209,6 +212,12 @@ FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1
             "+ logprobs 5": {"logprobs": 5}, "+ logprobs 5 (eager)": {"logprobs": 5, "_eager": "graph_samples"},
             "+ logit bias": {"logit_bias": BIAS},
             "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True},
+            # vLLM's allowed_token_ids (every 7th id): -inf for the rest in the slot's bias row
+            "+ allowed ids": {"allowed_token_ids": ALLOWED},
+            "+ allowed ids (eager)": {"allowed_token_ids": ALLOWED, "_eager": True},
+            # vLLM's min_tokens (every token: the run ignores EOS): EOS-like ids banned in the slot's tables
+            "+ min_tokens": {"min_tokens": 256, "min_tokens_banned": frozenset({0, 1, 2})},
+            "+ min_tokens (eager)": {"min_tokens": 256, "min_tokens_banned": frozenset({0, 1, 2}), "_eager": True},
             # top-p on shares of the k tokens: the walk first finds each row's 40th largest logit
             "+ top-k 40": {"top_k": 40},
             # llama.cpp's default chain (top-k, top-p on the unscaled logits, min-p, the temperature last)

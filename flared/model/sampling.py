@@ -303,6 +303,10 @@ class SequenceSamplingState:
     penalty_slot: int | None = None  # row of the sampler's penalty tables, when penalties are used
     # the slot's tables hold the row's logit bias and penalties (Sampler graph_tables): a graph may shape the row
     tabled: bool = False
+    # the slot's bias row also holds the row's bans (-inf): allowed_token_ids' complement and bad words of one token
+    bans_tabled: bool = False
+    # the slot's tables hold min_tokens and the ids it bans (slot_params, slot_bans)
+    min_tabled: bool = False
     # a tabled row's llama.cpp window that slides within the request (its ring's length; 0: none)
     ring_window: int = 0
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
@@ -342,12 +346,13 @@ class SequenceSamplingState:
 
     @property
     def graph_shaped(self) -> bool:
-        """The row's logits change before its draw, and only by what its slot's tables hold (logit bias, and
-        penalties over the whole prompt and output or over llama.cpp's window): a graph's sampler shapes it
-        (kernels.sampling)."""
+        """The row's logits change before its draw, and only by what its slot's tables hold (logit bias, allowed
+        ids and bad words of one token as -inf in the bias row, min_tokens' bans, and penalties over the whole
+        prompt and output or over llama.cpp's window): a graph's sampler shapes it (kernels.sampling)."""
         p = self.params
-        return (self.tabled and self.allowed_ids is None and not p.bad_words and self.thinking_open is None
-                and not p.uses_dry and not (self.banned_ids is not None and self.num_output_tokens < p.min_tokens))
+        return (self.tabled and (self.bans_tabled or (self.allowed_ids is None and not p.bad_words))
+                and self.thinking_open is None and not p.uses_dry
+                and (self.min_tabled or not (self.banned_ids is not None and self.num_output_tokens < p.min_tokens)))
 
     @property
     def graph_samples(self) -> bool:
@@ -580,16 +585,21 @@ def _row_seed(seed: int, step: int) -> int:
 # The longest llama.cpp penalty window (repeat_last_n) a GPU graph's sampler keeps in its ring; a longer window
 # that slides within the request leaves its rows to the torch Sampler (its history).
 GRAPH_WINDOW = 1024
+# The most ids min_tokens bans (EOS and the stop ids) that a GPU graph's sampler keeps for a slot; a request banning
+# more is drawn by the torch Sampler until it has its min_tokens.
+GRAPH_BANS = 8
 
 
 class ShapeTables(NamedTuple):
     """A Sampler's slot tables that a GPU graph's sampler shapes rows from (``Sampler.shape_tables``;
     flared.model.kernels.sampling): ``counts`` [S, V] int32 (each output token's count; with a window, each count
     over the window's tokens, prompt included), ``prompt`` [S, V] uint8 (1: in the prompt), ``bias`` [S, V]
-    float32 (the request's logit bias), ``params`` [S, 3] float32 (repetition, frequency and presence penalties),
-    and for llama.cpp's window (repeat_last_n): ``window`` [S] int32 (its length N, 0: none or one that never
-    slides), ``ring`` [S, GRAPH_WINDOW] int32 (the window's tokens, position p at p % N) and ``lens`` [S] int64 (the
-    tokens so far, prompt included)."""
+    float32 (the request's logit bias; -inf where allowed_token_ids or a bad word of one token bans the token),
+    ``params`` [S, 4] float32 (repetition, frequency and presence penalties, and min_tokens: while a row has
+    drawn fewer, the ids in ``bans`` [S, GRAPH_BANS] int32, -1 past them, are -inf), and for llama.cpp's window
+    (repeat_last_n): ``window`` [S] int32 (its length N, 0: none or one that never slides), ``ring`` [S,
+    GRAPH_WINDOW] int32 (the window's tokens, position p at p % N) and ``lens`` [S] int64 (the tokens so far,
+    prompt included)."""
     counts: torch.Tensor
     prompt: torch.Tensor
     bias: torch.Tensor
@@ -597,6 +607,7 @@ class ShapeTables(NamedTuple):
     window: torch.Tensor
     ring: torch.Tensor
     lens: torch.Tensor
+    bans: torch.Tensor
 
 
 class Sampler:
@@ -611,11 +622,12 @@ class Sampler:
         self.stream = stream
         self.output_counts = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.int32, device=self.device)
         self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
-        self.bias_table = self.slot_params = self.slot_window = self.ring = self.slot_lens = None
+        self.bias_table = self.slot_params = self.slot_window = self.ring = self.slot_lens = self.slot_bans = None
         if graph_tables:
             slots = max_penalty_slots
             self.bias_table = torch.zeros(slots, vocab_size, dtype=torch.float32, device=self.device)
-            self.slot_params = torch.zeros(slots, 3, dtype=torch.float32, device=self.device)
+            self.slot_params = torch.zeros(slots, 4, dtype=torch.float32, device=self.device)
+            self.slot_bans = torch.full((slots, GRAPH_BANS), -1, dtype=torch.int32, device=self.device)
             self.slot_window = torch.zeros(slots, dtype=torch.int32, device=self.device)
             self.ring = torch.zeros(slots, GRAPH_WINDOW, dtype=torch.int32, device=self.device)
             self.slot_lens = torch.zeros(slots, dtype=torch.int64, device=self.device)
@@ -627,7 +639,7 @@ class Sampler:
         if self.bias_table is None:
             return None
         return ShapeTables(self.output_counts, self.prompt_mask.view(torch.uint8), self.bias_table, self.slot_params,
-                           self.slot_window, self.ring, self.slot_lens)
+                           self.slot_window, self.ring, self.slot_lens, self.slot_bans)
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         if self.stream is None:
@@ -687,11 +699,16 @@ class Sampler:
         if params.bad_words:
             state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
                          for seq in params.bad_words]
-        # a graph shapes a row from the tables where they hold everything the row's bias and penalties need: a
-        # window that slides is kept in the slot's ring, up to GRAPH_WINDOW tokens
+        # a graph shapes a row from the tables where they hold everything the row's bias, bans and penalties need:
+        # a window that slides is kept in the slot's ring, up to GRAPH_WINDOW tokens; allowed ids and bad words of
+        # one token are bans for good (-inf in the bias row), a longer bad word depends on the output (eager)
         prompt_len = len(prompt_token_ids)
         slides = windowed and params.penalty_last_n < prompt_len + params.max_tokens
-        tabled = (self.bias_table is not None and (params.uses_penalties or bool(params.logit_bias))
+        bans = params.allowed_token_ids is not None or bool(params.bad_words)
+        bans_tabled = bans and all(len(seq) == 1 for seq in params.bad_words)
+        min_tabled = state.banned_ids is not None and len(params.min_tokens_banned) <= GRAPH_BANS
+        tabled = (self.bias_table is not None
+                  and (params.uses_penalties or bool(params.logit_bias) or bans_tabled or min_tabled)
                   and not (slides and params.penalty_last_n > GRAPH_WINDOW))
         if params.uses_penalties or tabled:
             if not self._free_slots:
@@ -699,11 +716,18 @@ class Sampler:
             slot = self._free_slots.pop()
             state.penalty_slot = slot
             state.tabled = tabled
+            state.bans_tabled = tabled and bans_tabled
+            state.min_tabled = tabled and min_tabled
             self.output_counts[slot].zero_()
             self.prompt_mask[slot].zero_()
             if tabled:
                 self.slot_params[slot] = on_device([params.repetition_penalty, params.frequency_penalty,
-                                                    params.presence_penalty], self.device, dtype=torch.float32)
+                                                    params.presence_penalty,
+                                                    float(params.min_tokens) if state.min_tabled else 0.0],
+                                                   self.device, dtype=torch.float32)
+                banned = sorted(params.min_tokens_banned) if state.min_tabled else []
+                self.slot_bans[slot] = on_device(banned + [-1] * (GRAPH_BANS - len(banned)), self.device,
+                                                 dtype=torch.int32)
                 state.ring_window = params.penalty_last_n if slides else 0
                 self.slot_window[slot] = state.ring_window
                 self.slot_lens[slot] = prompt_len
@@ -718,6 +742,14 @@ class Sampler:
                         (on_device(tokens, self.device, dtype=torch.int64),),
                         on_device([float(params.logit_bias[t]) for t in tokens], self.device, dtype=torch.float32),
                         accumulate=True)
+                if state.bans_tabled:
+                    if state.allowed_ids is not None:
+                        kept = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+                        kept[state.allowed_ids] = True
+                        self.bias_table[slot].masked_fill_(~kept, float("-inf"))
+                    if params.bad_words:
+                        ids = on_device([seq[0] for seq in params.bad_words], self.device, dtype=torch.int64)
+                        self.bias_table[slot].index_fill_(0, ids, float("-inf"))
             if windowed:
                 # llama.cpp's window: the counts cover the prompt's last N tokens and then the output's
                 ids = state.history[max(0, state.history_len - params.penalty_last_n):state.history_len]

@@ -251,9 +251,9 @@ def test_the_walk_keeps_only_the_top_token_at_top_k_1():
 @pytest.mark.parametrize("full", [False, True])
 def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
     """Rows naming a Sampler slot (logit bias; repetition over the prompt and output; frequency and presence over
-    the output) draw the tokens the unshaped kernels draw from the torch Sampler's shaped logits, greedy rows too;
-    their shaped rows are left in the logits and the drawn tokens counted in their slots. A row naming no slot is
-    read as it is and counts nothing."""
+    the output; allowed ids and bad words of one token, as -inf in the bias row) draw the tokens the unshaped
+    kernels draw from the torch Sampler's shaped logits, greedy rows too; their shaped rows are left in the logits
+    and the drawn tokens counted in their slots. A row naming no slot is read as it is and counts nothing."""
     from flared.model.kernels.sampling import sample_full, sample_race
     from flared.model.sampling import Sampler, SamplingParams
 
@@ -264,7 +264,11 @@ def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
               SamplingParams(temperature=1.1, logit_bias={5: 3.0, 7: -100.0, 2999: 0.25}),
               SamplingParams(temperature=0.7),  # no slot
               SamplingParams(temperature=0.5, frequency_penalty=-0.5, logit_bias={11: 1.5}),
-              SamplingParams(temperature=0.0, logit_bias={42: 1e4})]  # greedy, forced by its bias
+              SamplingParams(temperature=0.0, logit_bias={42: 1e4}),  # greedy, forced by its bias
+              SamplingParams(temperature=0.8, allowed_token_ids=(3, 4, 5, 17, 2000), logit_bias={4: 1.0}),
+              SamplingParams(temperature=0.0, bad_words=((9,), (12,)), repetition_penalty=1.2),  # greedy, 9 banned
+              # greedy, 42 its argmax but banned for its first 3 tokens
+              SamplingParams(temperature=0.0, min_tokens=3, min_tokens_banned=frozenset({42, 77}), max_tokens=8)]
     g = torch.Generator(device="cuda").manual_seed(7)
     prompts = [torch.randint(0, vocab, (50,), generator=g, device=dev).tolist() for _ in params]
     states = [sampler.add_sequence(p, prompt) for p, prompt in zip(params, prompts)]
@@ -272,21 +276,25 @@ def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
         if s.penalty_slot is not None:
             drawn = torch.randint(0, 200, (60,), generator=g, device=dev)
             sampler.output_counts[s.penalty_slot].index_add_(0, drawn, torch.ones_like(drawn, dtype=torch.int32))
-    assert [s.graph_shaped for s in states] == [True, True, True, False, True, True]
+    assert [s.graph_shaped for s in states] == [True, True, True, False, True, True, True, True, True]
     batch = len(states)
     logits = torch.randn(batch, vocab, device=dev, generator=g) * 3
-    shaped = sampler.apply_bias_and_penalties(logits, states)
+    logits[7, 9] = 50.0  # the argmax, but banned
+    logits[8, 42] = 60.0
     slots = torch.tensor([-1 if s.penalty_slot is None else s.penalty_slot for s in states], dtype=torch.int32,
                          device=dev)
     temperature = torch.tensor([p.temperature for p in params], device=dev)
     seeds = torch.arange(batch, dtype=torch.int64, device=dev) * 7919 + 3
     counts_before = sampler.output_counts.clone()
     for step in range(6):
+        for s in states:  # min_tokens' bans hold while fewer are drawn
+            s.num_output_tokens = step
+        shaped = sampler.apply_bias_and_penalties(logits, states)
         steps = torch.full((batch,), step, dtype=torch.int64, device=dev)
         buffer = logits.clone()
         if full:
-            top_k = torch.tensor([0, 0, 40, 0, 0, 0], dtype=torch.int32, device=dev)
-            top_p = torch.tensor([0.9, 1.0, 0.95, 0.8, 1.0, 1.0], device=dev)
+            top_k = torch.tensor([0, 0, 40, 0, 0, 0, 3, 0, 0], dtype=torch.int32, device=dev)
+            top_p = torch.tensor([0.9, 1.0, 0.95, 0.8, 1.0, 1.0, 0.9, 1.0, 1.0], device=dev)
             want = sample_full(shaped.clone(), temperature, top_k, top_p, seeds, steps)
             counts = sampler.output_counts.clone()
             got = sample_full(buffer, temperature, top_k, top_p, seeds, steps,
@@ -303,7 +311,8 @@ def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
                 counts[s.penalty_slot, int(got[i])] += 1
         assert torch.equal(sampler.output_counts, counts), step
         sampler.output_counts.copy_(counts_before)  # each step draws from the same shaped rows
-    assert int(got[5]) == 42
+        assert (int(got[8]) == 42) is (step >= 3), step
+    assert int(got[5]) == 42 and int(got[6]) in (3, 4, 5, 17, 2000) and int(got[7]) not in (9, 12)
 
 
 @pytest.mark.parametrize("full", [False, True])
@@ -427,9 +436,10 @@ def test_min_p_requests_are_drawn_in_the_graphs(hf, monkeypatch):
 
 
 def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
-    """Requests with logit bias or vLLM's penalties take the TEMPERATURE or FULL graphs, greedy ones too, and are
-    never sampled after them by the torch Sampler: greedy rows give the tokens the torch Sampler gives them (fp32
-    weights), a bias that forces a token draws only it, and a seeded drawing request repeats itself."""
+    """Requests with logit bias, vLLM's penalties, allowed ids, bad words of one token or min_tokens take the
+    TEMPERATURE or FULL graphs, greedy ones too, and are never sampled after them by the torch Sampler: greedy rows
+    give the tokens the torch Sampler gives them (fp32 weights), a bias that forces a token draws only it, banned
+    tokens are never drawn, and a seeded drawing request repeats itself."""
     from gpu_models import make_scheduler
 
     from flared.execution.offline import drive
@@ -443,8 +453,11 @@ def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
         raise AssertionError("a bias or penalty row was sampled after the graph")
 
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6, [12, 13] * 7]
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, presence_penalty=0.7, max_tokens=24),
-              SamplingParams(temperature=0.0, frequency_penalty=1.5, logit_bias={3: 2.5, 9: -4.0}, max_tokens=24),
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, presence_penalty=0.7, max_tokens=24,
+                             min_tokens=6, min_tokens_banned=frozenset({0, 1, 2, 5, 6, 7, 8})),
+              # allowed ids and a bad word of one token: -inf in the slot's bias row
+              SamplingParams(temperature=0.0, frequency_penalty=1.5, logit_bias={3: 2.5, 9: -4.0}, max_tokens=24,
+                             allowed_token_ids=(3, 9, 21, 22, 23, 24), bad_words=((22,),)),
               SamplingParams(temperature=0.0, logit_bias={17: 1e4}, max_tokens=24),
               # llama.cpp's window (repeat_last_n), sliding over the prompt and output
               SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, penalty_last_n=6,
@@ -465,6 +478,8 @@ def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
     for i in range(3):
         assert got.tokens[i] == eager_run.tokens[i], i
     assert set(got.tokens[2]) == {17}
+    assert set(got.tokens[1]) <= {3, 9, 21, 23, 24}
+    assert not set(got.tokens[0][:6]) & {0, 1, 2, 5, 6, 7, 8}
     assert got.tokens == again.tokens
 
 

@@ -47,13 +47,20 @@ def test_the_graph_sampler_draws_only_what_it_can(params, eager):
     (SamplingParams(temperature=0.8, repetition_penalty=1.1, logprobs=1), True),
     (SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1, logprobs=1, sampler_order=LLAMA_CPP_ORDER,
                     post_sampling_probs=True), False),
-    (SamplingParams(temperature=0.0, frequency_penalty=1.0, bad_words=((7,),)), False),
-    (SamplingParams(temperature=0.8, logit_bias={3: 2.0}, allowed_token_ids=(3, 4, 5)), False),
+    # allowed ids and bad words of one token: -inf in the slot's bias row; a longer bad word depends on the output
+    (SamplingParams(temperature=0.0, frequency_penalty=1.0, bad_words=((7,),)), True),
+    (SamplingParams(temperature=0.8, logit_bias={3: 2.0}, allowed_token_ids=(3, 4, 5)), True),
+    (SamplingParams(temperature=0.8, allowed_token_ids=(3, 4), bad_words=((4,), (9,))), True),
+    (SamplingParams(temperature=0.8, bad_words=((7,), (7, 8))), False),
+    # min_tokens: its bans (EOS and the stop ids, up to GRAPH_BANS) in the slot's tables while fewer are drawn
+    (SamplingParams(temperature=0.8, min_tokens=3, min_tokens_banned=frozenset({1, 9}), max_tokens=8), True),
+    (SamplingParams(temperature=0.0, min_tokens=3, min_tokens_banned=frozenset(range(20, 29)), max_tokens=8), False),
 ])
 def test_with_graph_tables_bias_and_penalties_are_drawn_in_the_graph(params, graph):
-    """A Sampler keeping graph tables (the GPU executor's) gives a request with logit bias or vLLM's penalties a
-    slot whose tables hold them, and the graph's sampler shapes and draws its rows: the bias and three penalties
-    in the slot's tables, its prompt marked, its counts zero."""
+    """A Sampler keeping graph tables (the GPU executor's) gives a request with logit bias, vLLM's penalties,
+    allowed ids or bad words of one token a slot whose tables hold them, and the graph's sampler shapes and draws
+    its rows: the bias (-inf where a token is banned) and three penalties in the slot's tables, its prompt marked,
+    its counts zero."""
     import torch
 
     sampler = Sampler(64, max_penalty_slots=2, graph_tables=True)
@@ -65,11 +72,28 @@ def test_with_graph_tables_bias_and_penalties_are_drawn_in_the_graph(params, gra
     slot = state.penalty_slot
     assert slot is not None and state.tabled
     assert sampler.slot_params[slot].tolist() == pytest.approx(
-        [params.repetition_penalty, params.frequency_penalty, params.presence_penalty])
+        [params.repetition_penalty, params.frequency_penalty, params.presence_penalty, params.min_tokens])
+    bans = sorted(params.min_tokens_banned)
+    assert sampler.slot_bans[slot].tolist() == bans + [-1] * (sampler.slot_bans.shape[1] - len(bans))
     want = torch.zeros(64)
     for token, bias in (params.logit_bias or {}).items():
         want[token] = bias
+    if params.allowed_token_ids is not None:
+        banned = torch.ones(64, dtype=torch.bool)
+        banned[list(params.allowed_token_ids)] = False
+        want[banned] = float("-inf")
+    for (token,) in params.bad_words:
+        want[token] = float("-inf")
     assert torch.equal(sampler.bias_table[slot], want)
+    # the eager path shapes the row as the tables do
+    logits = torch.randn(1, 64)
+    x = logits[0] + want
+    if params.uses_penalties:
+        seen = torch.zeros(64, dtype=torch.bool)
+        seen[[1, 2]] = True
+        x = torch.where(seen, torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty), x)
+    x[bans] = float("-inf")
+    assert torch.equal(sampler.apply_bias_and_penalties(logits, [state])[0], x)
     if params.penalty_last_n:  # the window's counts hold the prompt's last N tokens; the ring them, where it slides
         assert sampler.output_counts[slot].tolist()[:3] == [0, 1, 2] and not sampler.prompt_mask[slot].any()
         assert state.ring_window == (64 if params.penalty_last_n == 64 else 0)

@@ -60,8 +60,12 @@ Rules:
   llama.cpp's penalties over a window (repeat_last_n) use the same tables:
   the counts then cover the window's tokens, prompt included, and the pick
   also takes the token N places back out of them, from the slot's ring.
-- Log-probabilities are taken by the executor beside the draw. DRY, bad
-  words, allowed ids and the rest are not here: the executor runs
+- A request's allowed_token_ids and bad words of one token are bans for
+  good: -inf in its slot's bias row, shaped with the bias. min_tokens' bans
+  (EOS and the stop ids, up to GRAPH_BANS) hold while the row's step count
+  is under it.
+- Log-probabilities are taken by the executor beside the draw. DRY, longer
+  bad words, a thinking budget and the rest are not here: the executor runs
   ``flared.model.sampling.Sampler`` on the graph's logits for rows that ask
   for them.
 """
@@ -99,17 +103,21 @@ def _mix_tl(x, multiplier: tl.constexpr, shift: tl.constexpr):
 
 
 @triton.jit
-def _shaped(x, cols, mask, slot, vocab, Counts, Prompt, Bias, Params):
-    """A row's logits x (its columns cols) after its slot's logit bias and then its penalties, as
+def _shaped(x, cols, mask, slot, step, vocab, Counts, Prompt, Bias, Params, Bans, BANS: tl.constexpr):
+    """A row's logits x (its columns cols) after its slot's logit bias (and bans), min_tokens' bans while the row
+    has drawn fewer (``step`` so far) and then its penalties, as
     flared.model.sampling.Sampler.apply_bias_and_penalties shapes them."""
     at = slot.to(tl.int64) * vocab + cols
     x = x + tl.load(Bias + at, mask=mask, other=0.0)
+    if step.to(tl.float32) < tl.load(Params + slot * 4 + 3):
+        for j in tl.static_range(BANS):
+            x = tl.where(cols == tl.load(Bans + slot * BANS + j), float("-inf"), x)
     count = tl.load(Counts + at, mask=mask, other=0)
     in_output = count > 0
     seen = in_output | (tl.load(Prompt + at, mask=mask, other=0) != 0)
-    rep = tl.load(Params + slot * 3)
-    freq = tl.load(Params + slot * 3 + 1)
-    pres = tl.load(Params + slot * 3 + 2)
+    rep = tl.load(Params + slot * 4)
+    freq = tl.load(Params + slot * 4 + 1)
+    pres = tl.load(Params + slot * 4 + 2)
     x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
     return x - freq * count.to(tl.float32) - pres * in_output.to(tl.float32)
 
@@ -220,9 +228,9 @@ def _top_k_logit(Logits, Tops, Kept, Taken, row, stride, vocab, k, n_tops, BLOCK
 
 @triton.jit
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Chain, Scores,
-                       PartMax, PartSum, Tops, Taken, Slots, Counts, Prompt, Bias, Params, vocab, chunk, n_chunks,
-                       stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr, SHAPE: tl.constexpr,
-                       CHAIN: tl.constexpr, TOPS_PER: tl.constexpr):
+                       PartMax, PartSum, Tops, Taken, Slots, Counts, Prompt, Bias, Params, Bans, vocab, chunk,
+                       n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr,
+                       SHAPE: tl.constexpr, CHAIN: tl.constexpr, TOPS_PER: tl.constexpr, BANS: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
     Score: x / T - log(max(-log u, E_FLOOR)), u in (0, 1] from a counter hash of (seed, step, token id) (its
     torch form: tests/flared_testing/race.py's uniform_noise; on the CPU flared/_fast/race.pyx); a row at
@@ -269,7 +277,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
         x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if SHAPE:
             if slot >= 0:
-                x = _shaped(x, cols, mask, slot, vocab, Counts, Prompt, Bias, Params)
+                x = _shaped(x, cols, mask, slot, step, vocab, Counts, Prompt, Bias, Params, Bans, BANS)
                 tl.store(Logits + row * stride + cols, x, mask=mask)
         if t > 0:
             z = (h * 0x2C1B3C6D + cols.to(tl.int64)) & 0x7FFFFFFF
@@ -491,12 +499,13 @@ def _parts(batch: int, vocab: int) -> tuple[int, int]:
 
 
 def _shape_args(shape, like: torch.Tensor) -> tuple:
-    """The kernels' Slots, Counts, Prompt, Bias, Params, Window, Ring and Lens arguments (placeholders without
-    ``shape``) and the ring's length."""
+    """The kernels' Slots, Counts, Prompt, Bias, Params, Bans, Window, Ring and Lens arguments (placeholders
+    without ``shape``), the ring's length and the bans' count a slot."""
     if shape is None:
-        return (like,) * 8, 1
+        return (like,) * 9, 1, 1
     slots, t = shape
-    return (slots, t.counts, t.prompt, t.bias, t.params, t.window, t.ring, t.lens), t.ring.shape[1]
+    return (slots, t.counts, t.prompt, t.bias, t.params, t.bans, t.window, t.ring, t.lens), t.ring.shape[1], \
+        t.bans.shape[1]
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -510,13 +519,13 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     part_val = torch.empty(batch, n_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, n_chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    shaping, ring = _shape_args(shape, logits)
+    shaping, ring, bans = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
                                           temperature, seeds, part_val, part_val, part_val, part_val, part_idx,
-                                          *shaping[:5],
+                                          *shaping[:6],
                                           vocab, chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=False, J=1,
-                                          SHAPE=shape is not None, CHAIN=False, TOPS_PER=0, num_warps=8)
-    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[5:], vocab, n_chunks,
+                                          SHAPE=shape is not None, CHAIN=False, TOPS_PER=0, BANS=bans, num_warps=8)
+    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[6:], vocab, n_chunks,
                                 PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, RING=ring,
                                 num_warps=1)
     return out
@@ -559,16 +568,16 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         passes = torch.empty(batch, dtype=torch.int32, device=dev)
     if min_p_log is None:
         min_p_log = torch.full((batch,), float("-inf"), dtype=torch.float32, device=dev)
-    shaping, ring = _shape_args(shape, logits)
+    shaping, ring, bans = _shape_args(shape, logits)
     chained = chain if chain is not None else top_k
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, chained, scores, part_max, part_sum, tops, taken, *shaping[:5],
+                                          min_p_log, chained, scores, part_max, part_sum, tops, taken, *shaping[:6],
                                           vocab,
                                           chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=True,
                                           J=CANDIDATES, SHAPE=shape is not None, CHAIN=chain is not None,
-                                          TOPS_PER=tops_per, num_warps=8)
+                                          TOPS_PER=tops_per, BANS=bans, num_warps=8)
     _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, chained, part_val, part_idx,
-                           part_max, part_sum, tops, kept, taken, out, passes, shaping[0], shaping[1], *shaping[5:],
+                           part_max, part_sum, tops, kept, taken, out, passes, shaping[0], shaping[1], *shaping[6:],
                            vocab, n_chunks, n_chunks * tops_per, logits.stride(0),
                            PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
                            J=CANDIDATES, SHAPE=shape is not None, RING=ring, CHAIN=chain is not None,
