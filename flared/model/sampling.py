@@ -571,6 +571,8 @@ def on_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     host would wait for the step's graph before each of the sampler's small tensors)."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    if isinstance(values, (list, tuple)) and not values:  # nothing to copy (and no empty pinned block)
+        return torch.empty(0, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
@@ -661,43 +663,40 @@ class Sampler:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         state = SequenceSamplingState(params=params, seed=seed, grammar=grammar)
         if params.allowed_token_ids is not None:
-            state.allowed_ids = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.int64,
-                                             device=self.device)
+            state.allowed_ids = on_device(sorted(set(params.allowed_token_ids)), self.device, torch.int64)
         if params.min_tokens > 0 and params.min_tokens_banned:
-            state.banned_ids = torch.tensor(sorted(params.min_tokens_banned), dtype=torch.int64, device=self.device)
+            state.banned_ids = on_device(sorted(params.min_tokens_banned), self.device, torch.int64)
         if params.thinking_budget is not None:
             # open from the start, or only where the prompt (its last marker) or the output opened it
             prompt = list(prompt_token_ids)
             last = {t: i for i, t in enumerate(prompt) if t in (params.thinking_start, params.thinking_end)}
             is_open = params.thinking_start is None or (last.get(params.thinking_start, -1)
                                                         > last.get(params.thinking_end, -1))
-            state.thinking_open = torch.tensor(is_open, dtype=torch.bool, device=self.device)
+            state.thinking_open = on_device(is_open, self.device, torch.bool)
         if params.mirostat:
-            state.mirostat_mu = torch.tensor(2.0 * params.mirostat_tau, dtype=torch.float32, device=self.device)
+            state.mirostat_mu = on_device(2.0 * params.mirostat_tau, self.device, torch.float32)
         if "adaptive_p" in params.sampler_order and params.adaptive_target >= 0:
             decay = min(max(params.adaptive_decay, 0.0), 0.99)  # llama.cpp's clamp
-            state.adaptive_sums = torch.tensor([params.adaptive_target / (1 - decay), 1 / (1 - decay)],
-                                               dtype=torch.float32, device=self.device)
+            state.adaptive_sums = on_device([params.adaptive_target / (1 - decay), 1 / (1 - decay)], self.device,
+                                            torch.float32)
         windowed = params.uses_penalties and params.penalty_last_n > 0
         if params.uses_dry or params.bad_words or windowed:
             prompt = list(prompt_token_ids)
             state.history = torch.zeros(len(prompt) + params.max_tokens, dtype=torch.int64, device=self.device)
             if prompt:
-                state.history[:len(prompt)] = torch.as_tensor(prompt, dtype=torch.int64).to(self.device)
+                state.history[:len(prompt)] = on_device(prompt, self.device, torch.int64)
             state.history_len = len(prompt)
         if params.uses_dry:
-            state.dry_breaker_ids = torch.tensor(sorted(params.dry_breakers), dtype=torch.int64, device=self.device)
+            state.dry_breaker_ids = on_device(sorted(params.dry_breakers), self.device, torch.int64)
             if params.dry_restarts:
                 longest = max(len(tail) for _, tail in params.dry_restarts)
-                state.dry_restart_heads = torch.tensor([h for h, _ in params.dry_restarts], dtype=torch.int64,
-                                                       device=self.device)
-                state.dry_restart_tails = torch.tensor([list(t) + [-1] * (longest - len(t))
-                                                        for _, t in params.dry_restarts], dtype=torch.int64,
-                                                       device=self.device)
-                state.dry_restart_lens = torch.tensor([len(t) for _, t in params.dry_restarts], dtype=torch.int64,
-                                                      device=self.device)
+                state.dry_restart_heads = on_device([h for h, _ in params.dry_restarts], self.device, torch.int64)
+                state.dry_restart_tails = on_device([list(t) + [-1] * (longest - len(t))
+                                                     for _, t in params.dry_restarts], self.device, torch.int64)
+                state.dry_restart_lens = on_device([len(t) for _, t in params.dry_restarts], self.device,
+                                                   torch.int64)
         if params.bad_words:
-            state.bad = [(torch.tensor(seq[:-1], dtype=torch.int64, device=self.device), seq[-1])
+            state.bad = [(on_device(list(seq[:-1]), self.device, torch.int64), seq[-1])
                          for seq in params.bad_words]
         # a graph shapes a row from the tables where they hold everything the row's bias, bans and penalties need:
         # a window that slides is kept in the slot's ring, up to GRAPH_WINDOW tokens; allowed ids and bad words of
@@ -756,7 +755,7 @@ class Sampler:
                 if ids.numel():
                     self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
                 return state
-            ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.int64).to(self.device)
+            ids = on_device(list(prompt_token_ids), self.device, torch.int64)
             if ids.numel():
                 self.prompt_mask[slot].index_fill_(0, ids, True)
         return state
