@@ -132,15 +132,15 @@ def test_the_walk_draws_the_masked_race_s_token(batch, vocab, spread):
     """sample_full's token for every row is the float64 race's over the row's top-k/top-p tokens, at several steps:
     logits rounded to bf16 (many equal logits: ranks among them by id), a row of equal logits, top-k 1 to 1,000
     (beside a top-p: the select on the logits above the race's lane maxima, or over the whole row where k is more
-    than those hold or too many logits tie), top-p 0.01 to 1, greedy rows, rows with masked (-inf) tokens; the
-    walk's passes are reported, 0 for rows without masks."""
+    than those hold, 100 and 1,000 at 64 rows, or too many logits tie), top-p 0.01 to 1, greedy rows, rows with
+    masked (-inf) tokens; the walk's passes are reported, 0 for rows without masks."""
     from flared.model.kernels.sampling import sample_full
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
     logits = (torch.randn(batch, vocab, device="cuda", generator=g) * spread).bfloat16().float()
     logits[1, ::3] = float("-inf")
     logits[3] = 0.5  # every logit equal: the k are the first k ids (top-k 5, top-p 0.9)
-    ks = [0, 1, 2, 5, 40, 1000]
+    ks = [0, 1, 2, 5, 40, 1000, 100]
     ps = [1.0, 0.01, 0.3, 0.9, 0.95]
     top_k = torch.tensor([ks[i % len(ks)] for i in range(batch)], dtype=torch.int32, device="cuda")
     top_p = torch.tensor([ps[i % len(ps)] for i in range(batch)], device="cuda")

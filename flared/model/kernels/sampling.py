@@ -32,9 +32,10 @@ Rules:
   judge it): in vLLM's order of the tokens min-p and top-k keep, at
   temperature T; in llama.cpp's default chain (a row's ``chain``: top-k,
   top-p, min-p, then the temperature) of the k tokens at temperature 1. The
-  k tokens' mass needs the row's k-th largest logit: a radix select, four
-  passes counting a byte of the logits' bits each, only for rows with both
-  top-k and top-p.
+  k tokens' mass needs the row's k-th largest logit, found only for rows
+  with both top-k and top-p (``_top_k_logit``): from the race's lane maxima
+  a bound below it, one pass copying the logits above the bound, and a
+  radix select over their bits.
   ``sample_full`` finds the race's winner among the kept tokens without
   sorting: the winner over all tokens is checked (a pass counting
   the tokens ranked before it and their mass); if it is not kept, nothing
@@ -208,16 +209,19 @@ def _top_k_logit(Logits, Tops, Kept, Taken, row, stride, vocab, k, n_tops, BLOCK
     alone; where more are >= low (or Tops holds fewer than k), four passes over the whole row (_kth_largest)."""
     lanes = tl.arange(0, TOPS)
     tops = tl.load(Tops + row * n_tops + lanes, mask=lanes < n_tops, other=float("-inf"))
-    low, _ = _kth_of(tops, k)
-    n = k * 0
-    for base in range(0, vocab, BLOCK):
-        cols = base + tl.arange(0, BLOCK)
-        x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
-        take = (cols < vocab) & (x >= low)
-        at = tl.atomic_add(Taken + row + cols * 0, 1, mask=take)
-        tl.store(Kept + row * KEPT + at, x, mask=take & (at < KEPT))
-        n += tl.sum(take.to(tl.int32), 0)
-    if (n <= KEPT) & (low > float("-inf")):
+    low, _ = _kth_of(tops, k)  # -inf (or NaN past TOPS) where the maxima hold fewer than k finite logits
+    n = k * 0 + KEPT + 1
+    if low > float("-inf"):
+        n = k * 0
+        for base in range(0, vocab, BLOCK):
+            cols = base + tl.arange(0, BLOCK)
+            x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+            take = (cols < vocab) & (x >= low)
+            # (no more places taken once the copy overflows: a flat row would queue an atomic a logit)
+            at = tl.atomic_add(Taken + row + cols * 0, 1, mask=take & (n <= KEPT))
+            tl.store(Kept + row * KEPT + at, x, mask=take & (n <= KEPT) & (at < KEPT))
+            n += tl.sum(take.to(tl.int32), 0)
+    if n <= KEPT:
         tl.debug_barrier()  # the copies above, by other threads of the program, before the loads below
         slots = tl.arange(0, KEPT)
         xk, need = _kth_of(tl.load(Kept + row * KEPT + slots, mask=slots < n, other=float("-inf")), k)
