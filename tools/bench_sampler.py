@@ -16,6 +16,10 @@ configuration, both in the same run, alternating. ``--embedded N``: the rows are
 next-token logits at N positions of a fixed chat text (transformers reading its GGUF, float32), divided by 0.8
 for the temperature as the sampler does, instead of normal logits.
 
+``--chain``: instead, rows of llama.cpp's default chain (/completion) with top-k, top-p and min-p: drawn batched
+(Sampler._draw_default_chain) against a row at a time through _draw_chain (what every chain row took before), both
+in the same run, alternating.
+
 ``--penalties``: instead, a step's cost with repetition, frequency and presence penalties (vLLM's, and llama.cpp's
 over the last 64 tokens) on top-p 0.95 rows with a 128-token prompt: the one pass a row of flared._fast.penalties
 against the torch expressions it replaced (Sampler._penalties_torch), both in the same run, alternating, beside
@@ -140,6 +144,33 @@ def bench_penalties(args, logits: torch.Tensor, out: dict) -> None:
         out["penalties"][name] = {"one_pass_ms": round(best["one pass"], 3), "torch_ms": round(best["torch"], 3)}
 
 
+CHAIN_CONFIGS = {
+    "top-k 40, top-p 0.95, min-p 0.05": {"top_k": 40, "top_p": 0.95, "min_p": 0.05},
+    "top-p 0.95, min-p 0.05": {"top_p": 0.95, "min_p": 0.05},
+    "top-k 40": {"top_k": 40},
+    "min-p 0.05": {"min_p": 0.05},
+}
+
+
+def bench_chain(args, logits: torch.Tensor, out: dict) -> None:
+    plain = sampling.plain_default_chain
+    out["chain"] = {}
+    print(f"{'llama.cpp default chain':42} {'batched':>10} {'a row':>10} {'ratio':>7}")
+    for name, extra in CHAIN_CONFIGS.items():
+        params = {"sampler_order": LLAMA_CPP_ORDER, **extra}
+        best = {"batched": float("inf"), "a row": float("inf")}
+        for _ in range(3):
+            for label in best:
+                if label == "a row":  # every chain row through _draw_chain, one at a time (before)
+                    sampling.plain_default_chain = lambda p: False
+                try:
+                    best[label] = min(best[label], step_ms(logits, params, args.steps))
+                finally:
+                    sampling.plain_default_chain = plain
+        print(f"{name:42} {best['batched']:10.2f} {best['a row']:10.2f} {best['a row'] / best['batched']:6.2f}x")
+        out["chain"][name] = {"batched_ms": round(best["batched"], 3), "row_ms": round(best["a row"], 3)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
@@ -149,6 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--race", action="store_true", help="the draw: hash race against the generator race")
     ap.add_argument("--embedded", type=int, default=0, help="N: the embedded model's logits at N positions")
     ap.add_argument("--penalties", action="store_true", help="the penalties: one pass a row against torch's")
+    ap.add_argument("--chain", action="store_true", help="llama.cpp's default chain: batched against a row at a time")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -160,9 +192,9 @@ def main(argv=None) -> int:
     shortlist = sampling.SHORTLIST
     out = {"rows": args.rows, "vocab": args.vocab, "threads": torch.get_num_threads(), "configs": {}}
     print(f"{args.rows} rows, {args.vocab} ids, {torch.get_num_threads()} threads; ms per step")
-    if args.race or args.penalties:
+    if args.race or args.penalties or args.chain:
         out["logits"] = f"embedded model, {args.embedded} positions" if args.embedded else f"normal, std {args.spread}"
-        (bench_race if args.race else bench_penalties)(args, logits, out)
+        (bench_race if args.race else bench_penalties if args.penalties else bench_chain)(args, logits, out)
         if args.json:
             print(json.dumps(out))
         return 0

@@ -372,6 +372,13 @@ class SequenceSamplingState:
                     or (bool(p.sampler_order) and p.sampler_order != LLAMA_CPP_ORDER))
 
 
+def plain_default_chain(p: SamplingParams) -> bool:
+    """A row of llama.cpp's default chain whose only stages at work are top-k, top-p, min-p and the temperature
+    (Sampler._draw_default_chain draws such rows batched; the GPU graphs' sampler takes them too)."""
+    return (p.sampler_order == LLAMA_CPP_ORDER and p.typical_p == 1.0 and p.xtc_probability == 0
+            and p.top_n_sigma <= 0 and p.dynatemp_range == 0 and not p.post_sampling_probs and p.mirostat == 0)
+
+
 def graph_step_rows(states, sample_flags) -> tuple[list[bool], list[int], list[int], list[int]]:
     """How a GPU step's rows are drawn, each row's properties read once: (per row, whether the graph's sampler draws
     it; the rows of those it shapes from the slot tables (graph_shaped); the rows the torch Sampler draws after the
@@ -1195,14 +1202,17 @@ class Sampler:
         dev = self.device
         params = [s.params for s in states]
         chained = [i for i, p in enumerate(params) if p.sampler_order]
-        if chained:  # rows with their own order, one at a time; the rest batched below
+        if chained:  # rows with their own order apart (llama.cpp's plain default chain batched); the rest below
             out = torch.empty(len(states), dtype=torch.int64, device=dev)
+            plain = [i for i in chained if plain_default_chain(params[i])]
             for i in chained:
-                out[i] = self._draw_chain(logits[i:i + 1], states[i])
-            rest = [i for i in range(len(states)) if not params[i].sampler_order]
-            if rest:
-                idx = on_device(rest, dev, dtype=torch.int64)
-                out.index_copy_(0, idx, self._draw(logits.index_select(0, idx), [states[i] for i in rest]))
+                if i not in plain:
+                    out[i] = self._draw_chain(logits[i:i + 1], states[i])
+            for rows, draw in ((plain, self._draw_default_chain),
+                               ([i for i in range(len(states)) if not params[i].sampler_order], self._draw)):
+                if rows:
+                    idx = on_device(rows, dev, dtype=torch.int64)
+                    out.index_copy_(0, idx, draw(logits.index_select(0, idx), [states[i] for i in rows]))
             return out
         temperature = on_device([p.temperature for p in params], dev)[:, None]
         logits = logits / temperature
@@ -1216,35 +1226,54 @@ class Sampler:
         vocab = logits.shape[-1]
         if self._walks(params):
             return self._walk_top_p(logits, states)
-        # Candidates sorted by logit: a top-k when every row has one (much cheaper than sorting the
-        # vocabulary), else the whole sorted vocabulary. Either way a row keeps the same tokens.
-        candidate_ids = None
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_p = on_device([p.top_p for p in params], dev)[:, None]
-            whole = None  # with a shortlist: each row's log normaliser over the whole vocabulary
-            if all(p.top_k > 0 for p in params):
-                logits, candidate_ids = logits.topk(min(max(p.top_k for p in params), vocab), dim=-1)
-            else:
-                short = shortlist(logits, on_device([p.top_k for p in params], dev)[:, None], top_p)
-                if short is not None:
-                    logits, candidate_ids, whole = short
-                else:
-                    logits, candidate_ids = logits.sort(dim=-1, descending=True)
-            num_candidates = logits.shape[-1]
-            top_k = on_device([min(p.top_k, num_candidates) if p.top_k > 0 else num_candidates for p in params],
-                              dev)[:, None]
-            ranks = torch.arange(num_candidates, device=dev)[None, :]
-            logits = logits.masked_fill(ranks >= top_k, float("-inf"))
-            if whole is None:
-                sorted_probs = torch.softmax(logits, dim=-1)
-            else:  # rows without a top-k judge the whole vocabulary's probabilities; the others their k tokens'
-                has_k = on_device([p.top_k > 0 for p in params], dev)[:, None]
-                norm = torch.where(has_k, torch.logsumexp(logits, dim=-1, keepdim=True), whole)
-                sorted_probs = torch.exp(logits - norm)
-            logits = logits.masked_fill(top_p_cut(sorted_probs, top_p), float("-inf"))
+        logits, candidate_ids = self._top_k_top_p(logits, params)
         if any(p.xtc_probability > 0 for p in params):
             logits = self._xtc(logits, states)
         return self._race(logits, states, candidate_ids, vocab)
+
+    def _draw_default_chain(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+        """Rows of llama.cpp's default chain with nothing but top-k, top-p, min-p and the temperature
+        (plain_default_chain), batched: what _draw_chain draws for each, every filter on the unscaled logits (top-k;
+        top-p on shares of what top-k kept; min-p against the likeliest), then the temperature and the draw."""
+        params = [s.params for s in states]
+        vocab = logits.shape[-1]
+        logits, candidate_ids = self._top_k_top_p(logits, params)
+        if any(p.min_p > 0 for p in params):
+            logits = min_p_filter(logits, on_device([p.min_p for p in params], self.device)[:, None])
+        logits = logits / on_device([p.temperature for p in params], self.device)[:, None]
+        return self._race(logits, states, candidate_ids, vocab)
+
+    def _top_k_top_p(self, logits: torch.Tensor, params: list[SamplingParams]):
+        """(logits, candidate ids or None) after each row's top-k and top-p, top-p on shares of what top-k kept
+        (and of what the filters before kept: their -inf logits hold no share). The candidates, sorted by logit:
+        a top-k when every row has one (much cheaper than sorting the vocabulary), else the rows' shortlist or the
+        whole sorted vocabulary; either way a row keeps the same tokens. Rows with neither: as they are."""
+        if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            return logits, None
+        dev = self.device
+        vocab = logits.shape[-1]
+        top_p = on_device([p.top_p for p in params], dev)[:, None]
+        whole = None  # with a shortlist: each row's log normaliser over the whole vocabulary
+        if all(p.top_k > 0 for p in params):
+            logits, candidate_ids = logits.topk(min(max(p.top_k for p in params), vocab), dim=-1)
+        else:
+            short = shortlist(logits, on_device([p.top_k for p in params], dev)[:, None], top_p)
+            if short is not None:
+                logits, candidate_ids, whole = short
+            else:
+                logits, candidate_ids = logits.sort(dim=-1, descending=True)
+        num_candidates = logits.shape[-1]
+        top_k = on_device([min(p.top_k, num_candidates) if p.top_k > 0 else num_candidates for p in params],
+                          dev)[:, None]
+        ranks = torch.arange(num_candidates, device=dev)[None, :]
+        logits = logits.masked_fill(ranks >= top_k, float("-inf"))
+        if whole is None:
+            sorted_probs = torch.softmax(logits, dim=-1)
+        else:  # rows without a top-k judge the whole vocabulary's probabilities; the others their k tokens'
+            has_k = on_device([p.top_k > 0 for p in params], dev)[:, None]
+            norm = torch.where(has_k, torch.logsumexp(logits, dim=-1, keepdim=True), whole)
+            sorted_probs = torch.exp(logits - norm)
+        return logits.masked_fill(top_p_cut(sorted_probs, top_p), float("-inf")), candidate_ids
 
     def _race(self, logits: torch.Tensor, states: list[SequenceSamplingState],
               candidate_ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:

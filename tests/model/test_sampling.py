@@ -558,6 +558,40 @@ def test_the_cpu_shortlist_draws_what_the_sorted_vocabulary_draws(monkeypatch, r
     assert torch.equal(short, draws())
 
 
+@pytest.mark.parametrize("rows", [
+    # llama.cpp's default chain with top-k, top-p and min-p, mixed: the shortlist (rows without a top-k), then sorted
+    [{"top_k": 40, "top_p": 0.9, "min_p": 0.05}, {"top_p": 0.8}, {"min_p": 0.2}, {"top_k": 7, "temperature": 1.7},
+     {"top_p": 0.95, "min_p": 0.3, "temperature": 0.4}, {}],
+    [{"top_k": 40, "top_p": 0.5}, {"top_k": 3, "min_p": 0.1}, {"top_k": 200, "top_p": 0.95, "temperature": 1.3}],
+    [{"top_p": 0.9}, {"top_p": 0.5, "min_p": 0.05}],
+    # beside rows of another chain and of vLLM's order, and a row of the default chain with XTC (a row at a time)
+    [{"top_k": 40, "top_p": 0.9}, {"top_p": 0.9, "sampler_order": ("top_p", "temperature")},
+     {"top_k": 20, "top_p": 0.9, "sampler_order": ()}, {"top_p": 0.9, "xtc_probability": 0.5}],
+])
+def test_llama_cpp_default_chain_rows_draw_batched_what_they_draw_alone(rows):
+    """Rows of llama.cpp's default chain with nothing but top-k, top-p, min-p and the temperature are drawn batched
+    (Sampler._draw_default_chain): every row draws, step after step, what it draws through its own chain a row at a
+    time (_draw_chain, the reference), whatever rows it is batched with."""
+    vocab = 6000
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(len(rows), vocab, generator=g) * 2.0
+    params = [SamplingParams(**{"temperature": 0.8, "seed": 30 + i, "sampler_order": LLAMA_CPP_ORDER, **kw})
+              for i, kw in enumerate(rows)]
+    batched, alone = Sampler(vocab, max_penalty_slots=len(rows)), Sampler(vocab, max_penalty_slots=len(rows))
+    states = [batched.add_sequence(p, []) for p in params]
+    singles = [alone.add_sequence(p, []) for p in params]
+    for step in range(16):
+        got = batched.sample(logits, states).token_ids.tolist()
+        want = []
+        for i, s in enumerate(singles):
+            if s.params.sampler_order:
+                want.append(int(alone._draw_chain(logits[i:i + 1], s)))
+            else:
+                want.append(int(alone._draw(logits[i:i + 1], [s])[0]))
+            s.num_output_tokens += 1
+        assert got == want, step
+
+
 def _infill_reference(cands, eog, eot, pieces):
     """llama.cpp's infill sampler as it is written, on an array of (id, logit) the stages before kept: the token
     ids a draw can give (those kept with a finite logit), or {eot} where it falls back to that token."""
