@@ -20,6 +20,9 @@ first among equal ones; a token is kept iff the probability mass ranked before i
 below top_p (log_z: the row's log normaliser over its finite scores). The race's winner over the whole row is
 checked; if it is not kept, nothing ranked after it is either, so the next candidate is the race's winner among
 the tokens ranked before it, and so on up the ranking: one pass a candidate, and the first is nearly always kept.
+For llama.cpp's chain (filters on the logits before the temperature, min-p after top-p) a row's ``judge`` takes
+its scores back to those logits for the mass, and a ``floor`` on them keeps min-p's tokens too (both keep a prefix
+of the ranking, so the walk is the same).
 """
 
 from cython.parallel cimport prange
@@ -127,14 +130,15 @@ def race_draw(scores, ids, seeds, steps):
     return out
 
 
-cdef int64_t _walk_row(const float* x, Py_ssize_t n, double log_z, double top_p, int64_t h) noexcept nogil:
+cdef int64_t _walk_row(const float* x, Py_ssize_t n, double log_z, double top_p, double judge, double floor,
+                       int64_t h) noexcept nogil:
     """One row of race_top_p."""
     cdef int64_t c = _draw_row(x, NULL, n, h)
     cdef Py_ssize_t j
     cdef float xc, v, y, best
     cdef int64_t nxt
     cdef double mass
-    if top_p >= 1.0 or x[c] != x[c]:
+    if (top_p >= 1.0 and floor == -INFINITY) or x[c] != x[c]:
         return c
     while True:
         xc = x[c]
@@ -144,28 +148,39 @@ cdef int64_t _walk_row(const float* x, Py_ssize_t n, double log_z, double top_p,
         for j in range(n):
             v = x[j]
             if v > xc or (v == xc and j < c):  # ranked before c
-                mass += exp(<double>v - log_z)
+                mass += exp(<double>v * judge - log_z)
                 if v + G_SKIP < best:
                     continue
                 y = v + _noise(h, j)
                 if y > best or (y == best and j < nxt):
                     best = y
                     nxt = j
-        if mass < top_p or nxt < 0:  # kept, or nothing ranks before it (the top token is always kept)
+        # kept, or nothing ranks before it (the top token is always kept)
+        if ((top_p >= 1.0 or mass < top_p) and <double>xc * judge >= floor) or nxt < 0:
             return c
         c = nxt
 
 
-def race_top_p(scores, log_z, top_p, seeds, steps):
+def race_top_p(scores, log_z, top_p, seeds, steps, judge=None, floor=None):
     """See the module docstring. scores: float32 [rows, n] (C-contiguous, the whole row: -inf where a token may
-    not be drawn); log_z: float64 [rows]; top_p: float64 [rows] (1: no top-p); seeds, steps: int64 [rows]."""
+    not be drawn); log_z: float64 [rows]; top_p: float64 [rows] (1: no top-p); seeds, steps: int64 [rows]. judge
+    (float64 [rows], or None: ones): what a score is multiplied by for the logit top-p judges (llama.cpp's chain
+    judges the logits before the temperature: the row's T, log_z then their normaliser); floor (float64 [rows], or
+    None: none): the least judged logit kept besides (llama.cpp's min-p after its top-p: -inf for none)."""
+    rows_in = scores.shape[0]
+    if judge is None:
+        judge = np.ones(rows_in, dtype=np.float64)
+    if floor is None:
+        floor = np.full(rows_in, -np.inf, dtype=np.float64)
     cdef const float[:, ::1] s = scores
-    cdef const double[::1] lz = log_z, tp = top_p
+    cdef const double[::1] lz = log_z, tp = top_p, jd = judge, fl = floor
     cdef const int64_t[::1] se = seeds, st = steps
     cdef Py_ssize_t rows = s.shape[0], n = s.shape[1], r
-    if se.shape[0] != rows or st.shape[0] != rows or lz.shape[0] != rows or tp.shape[0] != rows:
+    if (se.shape[0] != rows or st.shape[0] != rows or lz.shape[0] != rows or tp.shape[0] != rows
+            or jd.shape[0] != rows or fl.shape[0] != rows):
         raise ValueError(f"race_top_p: {rows} rows of scores, but {lz.shape[0]} normalisers, {tp.shape[0]} "
-                         f"top-p values, {se.shape[0]} seeds and {st.shape[0]} steps")
+                         f"top-p values, {jd.shape[0]} judges, {fl.shape[0]} floors, {se.shape[0]} seeds and "
+                         f"{st.shape[0]} steps")
     out = np.empty(rows, dtype=np.int64)
     if rows == 0:
         return out
@@ -175,5 +190,5 @@ def race_top_p(scores, log_z, top_p, seeds, steps):
     cdef const float* base = &s[0, 0]
     with nogil:
         for r in prange(rows, schedule="static"):
-            o[r] = _walk_row(base + r * n, n, lz[r], tp[r], _row_hash(se[r] & M63, st[r]))
+            o[r] = _walk_row(base + r * n, n, lz[r], tp[r], jd[r], fl[r], _row_hash(se[r] & M63, st[r]))
     return out

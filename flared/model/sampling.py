@@ -1234,9 +1234,19 @@ class Sampler:
     def _draw_default_chain(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
         """Rows of llama.cpp's default chain with nothing but top-k, top-p, min-p and the temperature
         (plain_default_chain), batched: what _draw_chain draws for each, every filter on the unscaled logits (top-k;
-        top-p on shares of what top-k kept; min-p against the likeliest), then the temperature and the draw."""
+        top-p on shares of what top-k kept; min-p against the likeliest), then the temperature and the draw. On the
+        CPU with no top-k in the batch, the walk up the ranking (_walk_top_p) instead of a shortlist."""
         params = [s.params for s in states]
         vocab = logits.shape[-1]
+        if self.device.type == "cpu" and not any(p.top_k > 0 for p in params):
+            x = logits.float()
+            floor = (x.max(dim=-1).values.double().numpy()
+                     + np.fromiter((math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params),
+                                   dtype=np.float64, count=len(params)))
+            return self._walk_top_p(x / on_device([p.temperature for p in params], self.device)[:, None], states,
+                                    log_z=torch.logsumexp(x, dim=-1).double().numpy(),
+                                    judge=np.fromiter((p.temperature for p in params), dtype=np.float64,
+                                                      count=len(params)), floor=floor)
         logits, candidate_ids = self._top_k_top_p(logits, params)
         if any(p.min_p > 0 for p in params):
             logits = min_p_filter(logits, on_device([p.min_p for p in params], self.device)[:, None])
@@ -1306,15 +1316,20 @@ class Sampler:
         return (self.device.type == "cpu" and any(p.top_p < 1.0 for p in params)
                 and not any(p.top_k > 0 or p.xtc_probability > 0 for p in params))
 
-    def _walk_top_p(self, logits: torch.Tensor, states: list[SequenceSamplingState]) -> torch.Tensor:
+    def _walk_top_p(self, logits: torch.Tensor, states: list[SequenceSamplingState], log_z=None, judge=None,
+                    floor=None) -> torch.Tensor:
         """Top-p rows without a top-k or XTC on the CPU (scaled, filtered logits [S, V]): flared._fast.race's walk
         up the ranking from the race's winner (no sort, no shortlist), judging each candidate by the mass ranked
         before it, a share of what the earlier filters kept; the masked race's token, as the sorted path gives
-        it (and the GPU graphs' walk)."""
+        it (and the GPU graphs' walk). llama.cpp's chain rows (_draw_default_chain) judge the logits before the
+        temperature: ``judge`` (each row's T), ``log_z`` (their normaliser) and ``floor`` (min-p's least logit,
+        after top-p) as race_top_p takes them."""
         x = logits.float().contiguous()
-        log_z = torch.logsumexp(x, dim=-1).double().numpy()
+        if log_z is None:
+            log_z = torch.logsumexp(x, dim=-1).double().numpy()
         top_p = np.fromiter((s.params.top_p for s in states), dtype=np.float64, count=len(states))
-        return torch.from_numpy(race_top_p(x.numpy(), log_z, top_p, *self._seeds_and_steps(states)))
+        return torch.from_numpy(race_top_p(x.numpy(), log_z, top_p, *self._seeds_and_steps(states), judge=judge,
+                                           floor=floor))
 
     def _race_generator(self, logits: torch.Tensor, states: list[SequenceSamplingState],
                         candidate_ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:

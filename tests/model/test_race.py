@@ -115,6 +115,42 @@ def test_the_top_p_walk_draws_the_masked_race_s_token(rows, vocab, spread):
         assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
 
 
+def test_the_top_p_walk_judges_llama_cpp_s_logits_and_its_min_p_after():
+    """With a judge (the row's temperature: top-p judges the logits before it) and a floor (llama.cpp's min-p
+    after top-p), race_top_p's token is the float64 reference's: top-p on shares of the judged logits, min-p's
+    floor on them too, the race on the scores."""
+    from flared._fast.race import race_top_p
+
+    rows, vocab = 12, 4000
+    g = torch.Generator().manual_seed(23)
+    logits = torch.randn(rows, vocab, generator=g) * 2.0
+    temps = [0.4, 1.0, 1.7, 0.8]
+    ps = [0.9, 0.5, 1.0, 0.3, 0.95, 1.0]
+    mps = [0.0, 0.05, 0.3, 0.0]
+    t = torch.tensor([temps[i % 4] for i in range(rows)], dtype=torch.float64)
+    scores = (logits / t.float()[:, None]).contiguous()
+    top_p = torch.tensor([ps[i % 6] for i in range(rows)], dtype=torch.float64)
+    floor = torch.tensor([float(logits[i].max()) + math.log(mps[i % 4]) if mps[i % 4] else -math.inf
+                          for i in range(rows)], dtype=torch.float64)
+    log_z = torch.logsumexp(logits.double(), dim=-1)
+    seeds = torch.arange(rows, dtype=torch.int64) * 7 + 1
+    for step in range(4):
+        steps = torch.full((rows,), step, dtype=torch.int64)
+        got = torch.from_numpy(race_top_p(scores.numpy(), log_z.numpy(), top_p.numpy(), seeds.numpy(),
+                                          steps.numpy(), judge=t.numpy(), floor=floor.numpy()))
+        masked = torch.full_like(scores, float("-inf"))
+        for r in range(rows):
+            x = logits[r].double()
+            order = torch.sort(scores[r].double(), descending=True, stable=True).indices
+            probs = torch.softmax(x, 0)[order]
+            keep = (probs.cumsum(0) - probs < float(top_p[r])) | (top_p[r] >= 1.0)
+            keep &= x[order] >= float(floor[r])
+            keep[0] = True
+            masked[r, order[keep]] = scores[r, order[keep]]
+        want = reference_race(masked, torch.ones(rows), seeds, steps)
+        assert torch.equal(got, want), (step, (got != want).nonzero().flatten().tolist())
+
+
 def test_the_sampler_s_top_p_rows_draw_as_its_sorted_path():
     """Sampler rows with top-p (and min-p before it) and no top-k take the walk on the CPU; their tokens are the
     sorted path's (a top-k row in the batch sends every row there), step after step."""

@@ -564,14 +564,18 @@ def test_the_cpu_shortlist_draws_what_the_sorted_vocabulary_draws(monkeypatch, r
      {"top_p": 0.95, "min_p": 0.3, "temperature": 0.4}, {}],
     [{"top_k": 40, "top_p": 0.5}, {"top_k": 3, "min_p": 0.1}, {"top_k": 200, "top_p": 0.95, "temperature": 1.3}],
     [{"top_p": 0.9}, {"top_p": 0.5, "min_p": 0.05}],
+    # no top-k in the batch: the walk up the ranking, judging the logits before the temperature, min-p after top-p
+    [{"top_p": 0.8}, {"min_p": 0.2}, {"top_p": 0.95, "min_p": 0.3, "temperature": 0.4}, {},
+     {"top_p": 0.5, "temperature": 1.6}, {"top_p": 0.3, "min_p": 0.5, "temperature": 2.5}],
     # beside rows of another chain and of vLLM's order, and a row of the default chain with XTC (a row at a time)
     [{"top_k": 40, "top_p": 0.9}, {"top_p": 0.9, "sampler_order": ("top_p", "temperature")},
      {"top_k": 20, "top_p": 0.9, "sampler_order": ()}, {"top_p": 0.9, "xtc_probability": 0.5}],
 ])
 def test_llama_cpp_default_chain_rows_draw_batched_what_they_draw_alone(rows):
     """Rows of llama.cpp's default chain with nothing but top-k, top-p, min-p and the temperature are drawn batched
-    (Sampler._draw_default_chain): every row draws, step after step, what it draws through its own chain a row at a
-    time (_draw_chain, the reference), whatever rows it is batched with."""
+    (Sampler._draw_default_chain; with no top-k in the batch by the walk up the ranking): every row draws, step after
+    step, what it draws through its own chain a row at a time (_draw_chain, the reference), whatever rows it is
+    batched with."""
     vocab = 6000
     g = torch.Generator().manual_seed(17)
     logits = torch.randn(len(rows), vocab, generator=g) * 2.0
