@@ -285,14 +285,20 @@ class SamplingParams:
         return self.mirostat == 0 and not ("adaptive_p" in self.sampler_order and self.adaptive_target >= 0)
 
     @property
-    def graph_drawable(self) -> bool:
-        """A decode graph's own sampler draws every token of this request (temperature, min-p, top-k and top-p,
-        in vLLM's order or llama.cpp's default chain, on logits nothing shapes), whatever its state:
-        SequenceSamplingState.graph_samples holds at every position."""
-        return (self.position_only and self.logprobs is None and not self.logit_bias and self.allowed_token_ids is None
-                and self.min_tokens == 0 and self.typical_p == 1.0 and self.xtc_probability == 0
-                and self.top_n_sigma <= 0 and self.dynatemp_range == 0
+    def basic_filters(self) -> bool:
+        """The only filters at work are the temperature, min-p, top-k and top-p, in vLLM's order or llama.cpp's
+        default chain (another chain may leave out the temperature or top-k, or run them twice): what the GPU
+        graphs' sampler and Sampler._draw_default_chain draw from."""
+        return (self.typical_p == 1.0 and self.xtc_probability == 0 and self.top_n_sigma <= 0
+                and self.dynatemp_range == 0 and self.mirostat == 0
                 and (not self.sampler_order or self.sampler_order == LLAMA_CPP_ORDER))
+
+    @property
+    def graph_drawable(self) -> bool:
+        """A decode graph's own sampler draws every token of this request (basic_filters, on logits nothing
+        shapes), whatever its state: SequenceSamplingState.graph_samples holds at every position."""
+        return (self.position_only and self.logprobs is None and not self.logit_bias and self.allowed_token_ids is None
+                and self.min_tokens == 0 and self.basic_filters)
 
 
 @dataclass
@@ -363,20 +369,14 @@ class SequenceSamplingState:
         distribution drawn from); everything else runs in this Sampler after the graph (the GPU executor's eager
         rows)."""
         p = self.params
-        return not (self.grammar is not None or (self.shapes_logits and not self.graph_shaped) or p.typical_p < 1.0
-                    or (p.logprobs is not None and p.post_sampling_probs) or p.mirostat != 0
-                    or p.xtc_probability > 0 or p.top_n_sigma > 0
-                    or p.dynatemp_range > 0
-                    # another chain than llama.cpp's default may leave out the temperature or top-k, or run them
-                    # twice
-                    or (bool(p.sampler_order) and p.sampler_order != LLAMA_CPP_ORDER))
+        return p.basic_filters and not (self.grammar is not None or (self.shapes_logits and not self.graph_shaped)
+                                        or (p.logprobs is not None and p.post_sampling_probs))
 
 
 def plain_default_chain(p: SamplingParams) -> bool:
     """A row of llama.cpp's default chain whose only stages at work are top-k, top-p, min-p and the temperature
     (Sampler._draw_default_chain draws such rows batched; the GPU graphs' sampler takes them too)."""
-    return (p.sampler_order == LLAMA_CPP_ORDER and p.typical_p == 1.0 and p.xtc_probability == 0
-            and p.top_n_sigma <= 0 and p.dynatemp_range == 0 and not p.post_sampling_probs and p.mirostat == 0)
+    return p.sampler_order == LLAMA_CPP_ORDER and p.basic_filters and not p.post_sampling_probs
 
 
 def graph_step_rows(states, sample_flags) -> tuple[list[bool], list[int], list[int], list[int]]:
@@ -1204,9 +1204,11 @@ class Sampler:
         chained = [i for i, p in enumerate(params) if p.sampler_order]
         if chained:  # rows with their own order apart (llama.cpp's plain default chain batched); the rest below
             out = torch.empty(len(states), dtype=torch.int64, device=dev)
-            plain = [i for i in chained if plain_default_chain(params[i])]
+            plain = []
             for i in chained:
-                if i not in plain:
+                if plain_default_chain(params[i]):
+                    plain.append(i)
+                else:
                     out[i] = self._draw_chain(logits[i:i + 1], states[i])
             for rows, draw in ((plain, self._draw_default_chain),
                                ([i for i in range(len(states)) if not params[i].sampler_order], self._draw)):
@@ -1238,19 +1240,18 @@ class Sampler:
         CPU with no top-k in the batch, the walk up the ranking (_walk_top_p) instead of a shortlist."""
         params = [s.params for s in states]
         vocab = logits.shape[-1]
+        temperature = [p.temperature for p in params]
         if self.device.type == "cpu" and not any(p.top_k > 0 for p in params):
             x = logits.float()
-            floor = (x.max(dim=-1).values.double().numpy()
-                     + np.fromiter((math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params),
-                                   dtype=np.float64, count=len(params)))
-            return self._walk_top_p(x / on_device([p.temperature for p in params], self.device)[:, None], states,
+            floor = x.max(dim=-1).values.double().numpy() + np.array(
+                [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], dtype=np.float64)
+            return self._walk_top_p(x / torch.tensor(temperature)[:, None], states,
                                     log_z=torch.logsumexp(x, dim=-1).double().numpy(),
-                                    judge=np.fromiter((p.temperature for p in params), dtype=np.float64,
-                                                      count=len(params)), floor=floor)
+                                    judge=np.array(temperature, dtype=np.float64), floor=floor)
         logits, candidate_ids = self._top_k_top_p(logits, params)
         if any(p.min_p > 0 for p in params):
             logits = min_p_filter(logits, on_device([p.min_p for p in params], self.device)[:, None])
-        logits = logits / on_device([p.temperature for p in params], self.device)[:, None]
+        logits = logits / on_device(temperature, self.device)[:, None]
         return self._race(logits, states, candidate_ids, vocab)
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list[SamplingParams]):
