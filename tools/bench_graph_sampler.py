@@ -19,7 +19,11 @@ by the graphs and taken by the executor beside the draw; top-k 40 beside the top
 the k: the walk finds each row's 40th largest logit first); llama.cpp's default chain with top-k 40 and min-p 0.05;
 allowed_token_ids (every seventh id), as -inf in the slot's bias row; min_tokens over the whole run (three ids
 banned).
-"(eager)": the same streams drawn by the torch Sampler after the graph, as before. tok/s, host and GPU us a step.
+"(eager)": the same streams drawn by the torch Sampler after the graph, as before; "(torch ops)": drawn by the
+graphs, their logprobs from torch's ops behind the graph (before the thirty-eighth session's kernel). tok/s, host and
+GPU us a step.
+
+Log-probabilities (``--logprob-shapes 1x49152,...``): the logprobs kernel against those torch ops, us a call.
 
     python3 tools/bench_graph_sampler.py [--shapes 135m] [--streams 1,16,64] [--serving] [--features] [--json]
 
@@ -93,6 +97,36 @@ def time_graph(fn, replays: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / replays
+
+
+@torch.inference_mode()
+def bench_logprob_kernel(args, out: dict) -> None:
+    """The log-probabilities of drawn tokens (kernels.sampling.row_logprobs, one kernel behind the graph) against
+    the torch ops the executor ran before (index_select, log_softmax, gather, topk), each captured in a graph over
+    normal logits (std 3) of every row; us a call."""
+    from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, row_logprobs
+
+    print(f"\n{'rows x vocab':>14} {'top n':>5} {'torch us':>8} {'kernel us':>9} {'ratio':>6}")
+    for shape in args.logprob_shapes.split(","):
+        rows, vocab = (int(v) for v in shape.split("x"))
+        logits = torch.randn(rows, vocab, device="cuda") * 3
+        sampled = torch.randint(0, vocab, (rows,), device="cuda")
+        index = torch.arange(rows, device="cuda")
+        result = torch.empty(rows, 1 + 2 * GRAPH_LOGPROBS, device="cuda")
+        scratch = LogprobScratch(rows, vocab, "cuda")
+        for top_n in (5, 20):
+            lp_args = torch.stack([index, index, torch.full_like(index, top_n)])
+
+            def ops():
+                raw = torch.log_softmax(logits.index_select(0, index), dim=-1)
+                raw.gather(1, sampled.index_select(0, index)[:, None])
+                raw.topk(top_n, dim=-1)
+
+            torch_us = time_graph(ops, args.replays)
+            kernel_us = time_graph(lambda: row_logprobs(logits, lp_args, sampled, result, scratch), args.replays)
+            out[f"logprobs|{shape}|{top_n}"] = {"torch_us": round(torch_us, 1), "kernel_us": round(kernel_us, 1),
+                                                "ratio": round(torch_us / kernel_us, 2)}
+            print(f"{shape:>14} {top_n:5} {torch_us:8.1f} {kernel_us:9.1f} {torch_us / kernel_us:6.2f}", flush=True)
 
 
 @torch.inference_mode()
@@ -210,6 +244,10 @@ FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1
             "+ repeat_last_n 64": {"repetition_penalty": 1.1, "penalty_last_n": 64},
             "+ repeat_last_n (eager)": {"repetition_penalty": 1.1, "penalty_last_n": 64, "_eager": True},
             "+ logprobs 5": {"logprobs": 5}, "+ logprobs 5 (eager)": {"logprobs": 5, "_eager": "graph_samples"},
+            # the graphs draw, the logprobs from torch's ops behind them (before the thirty-eighth session)
+            "+ logprobs 5 (torch ops)": {"logprobs": 5, "_executor": {"logprob_kernel": False}},
+            "+ logprobs 20": {"logprobs": 20},
+            "+ logprobs 20 (torch ops)": {"logprobs": 20, "_executor": {"logprob_kernel": False}},
             "+ logit bias": {"logit_bias": BIAS},
             "+ logit bias (eager)": {"logit_bias": BIAS, "_eager": True},
             # vLLM's allowed_token_ids (every 7th id): -inf for the rest in the slot's bias row
@@ -249,15 +287,21 @@ def bench_features(args, out: dict) -> None:
                             continue
                         extra = dict(extra)
                         eager = extra.pop("_eager", False)
+                        settings = extra.pop("_executor", {})
                         params = [SamplingParams(temperature=args.temperature, top_p=0.95, seed=i,
                                                  max_tokens=args.tokens, **extra) for i in range(streams)]
                         pr = prompts(vocab, streams, args.prompt, seed=7000 * streams + 100 * repeat + j)
                         if eager:  # the rows shaped or drawn by the torch Sampler after the graph
                             setattr(SequenceSamplingState, eager if isinstance(eager, str) else "graph_shaped",
                                     property(lambda self: False))
+                        before = {key: getattr(pair[1], key) for key in settings}
+                        for key, value in settings.items():
+                            setattr(pair[1], key, value)
                         try:
                             r = drive(pair[0], pair[1], pr, params)
                         finally:
+                            for key, value in before.items():
+                                setattr(pair[1], key, value)
                             SequenceSamplingState.graph_shaped = graph_shaped
                             SequenceSamplingState.graph_samples = graph_samples
                         steps = max(1, sum(r.steps_by_kind.values()))
@@ -285,6 +329,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--walk-variants", default="", help="BLOCK/WARPS,...: the walk kernel's shapes to time")
+    ap.add_argument("--logprob-shapes", default="", help="ROWSxVOCAB,...: time the logprobs kernel ('': not)")
     ap.add_argument("--serving", action="store_true")
     ap.add_argument("--features", action="store_true")
     ap.add_argument("--feature-names", default="", help="comma list: only these --features rows (top-p always)")
@@ -306,6 +351,8 @@ def main() -> int:
             bench_kernels(args, out, f"{variant}|")
     elif args.kernel_shapes:
         bench_kernels(args, out)
+    if args.logprob_shapes:
+        bench_logprob_kernel(args, out)
     if args.serving:
         bench_serving(args, out)
     if args.features:

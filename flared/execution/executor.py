@@ -51,6 +51,7 @@ from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
                                      pack_prefill, speculative_batch_sizes, speculative_rows)
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
+from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, row_logprobs
 from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler, graph_step_rows, on_device
 from flared.runtime.request import TokenLogprob
@@ -66,13 +67,16 @@ _SCORE_ROWS = 512
 class _Pending:
     """Host-side facts of one in-flight frame, read back by poll."""
 
-    __slots__ = ("num_participants", "logprobs", "copies_timed", "scores", "spec")
+    __slots__ = ("num_participants", "logprobs", "row_logprobs", "copies_timed", "scores", "spec")
 
     def __init__(self):
         self.num_participants = 0
         # groups of rows' log-probabilities copied to pinned host memory behind the step: ([(row, top_n)], (chosen
         # [k], top values [k, n] or None, top ids [k, n] or None)), rows named by participant once submit returns
         self.logprobs: list[tuple[list[tuple[int, int]], tuple]] = []
+        # rows whose log-probabilities kernels.sampling.row_logprobs took into the frame's pinned results, in
+        # their order there: [(row, top_n)], rows named by participant once submit returns
+        self.row_logprobs: list[tuple[int, int]] = []
         self.copies_timed = False  # a prefill's checkpoint copies ran between _copies_start and _end
         self.scores: list[list[float] | None] | None = None  # per participant, where the step scored
         # a speculative step: (token offsets, fed tokens, state rows, states); its rows' logits are the decoder's
@@ -155,6 +159,22 @@ class GraphExecutor:
         # where a decode upload of manifest offset o lands: _decode_base[region] + o (the regions never move)
         self._decode_base = tuple(self.graphs.decode_region_ptr(r) - self.graphs.decode_span_offset for r in (0, 1))
         self._sampled_ptr = self.decoder.sampled.data_ptr()
+        # Log-probabilities of the rows the graphs draw (kernels.sampling.row_logprobs): a kernel behind the step's
+        # graph, its results read back beside the tokens. Per frame its arguments (pinned, then on the device) and
+        # results (on the device, then pinned); one scratch for both (the kernels run in turn on the model stream).
+        cap = self.manifest.max_batch
+        width = 1 + 2 * GRAPH_LOGPROBS
+        self._lp_arg_frames = [self._pin(8 * 3 * cap) for _ in range(_NUM_FRAMES)]
+        self._lp_args_host = [f.array.view(np.int64).reshape(3, cap) for f in self._lp_arg_frames]
+        self._lp_args = torch.zeros(_NUM_FRAMES, 3, cap, dtype=torch.int64, device=self.device)
+        self._lp_out = torch.zeros(_NUM_FRAMES, cap, width, dtype=torch.float32, device=self.device)
+        self._lp_scratch = LogprobScratch(cap, self.decoder.state_logits.shape[1], self.device)
+        self._lp_frames = [self._pin(4 * cap * width) for _ in range(_NUM_FRAMES)]
+        self._lp_host = [(f.array.view(np.float32).reshape(cap, width), f.array.view(np.int32).reshape(cap, width))
+                         for f in self._lp_frames]
+        # False: every logprob row takes torch's ops, as before the thirty-eighth session (tools/bench_graph_sampler's
+        # A/B sets it)
+        self.logprob_kernel = True
         self.max_outstanding = 0  # most frames ever in flight at once (qualification reads it)
         # Decode uploads on the upload stream into the frame's own region (False: into region 0 on the model
         # stream, ahead of the launch, as before the nineteenth session; tools/bench_gpu.py's A/B sets it).
@@ -214,6 +234,7 @@ class GraphExecutor:
             pending = self._pending[frame]
             pending.num_participants = n
             pending.logprobs = []
+            pending.row_logprobs = []
             pending.copies_timed = False
             pending.scores = None
             pending.spec = None
@@ -240,6 +261,9 @@ class GraphExecutor:
             if pending.spec is not None:  # every row's token (a participant's rows from token offset on)
                 rows = int(pending.spec[0][-1])
                 cuda.copy_d2h_async(self._drawn_frames[frame].ptr, self._sampled_ptr, 8 * rows, self._copy_ptr)
+            if pending.row_logprobs:
+                cuda.copy_d2h_async(self._lp_frames[frame].ptr, self._lp_out[frame].data_ptr(),
+                                    self._lp_out.stride(1) * 4 * len(pending.row_logprobs), self._copy_ptr)
             self._copied[frame].record(self._copy_ptr)
             fence = self.ring.submitted(frame)
             self.max_outstanding = max(self.max_outstanding, self.ring.outstanding)
@@ -278,6 +302,12 @@ class GraphExecutor:
             for k, (i, top_n) in enumerate(rows):
                 top = tuple(zip(top_i[k][:top_n], top_v[k][:top_n])) if top_n and top_i is not None else ()
                 logprobs[i] = TokenLogprob(int(token_ids[i]), chosen[k], top)
+        if pending.row_logprobs:
+            values, ids = self._lp_host[frame]
+            for k, (i, top_n) in enumerate(pending.row_logprobs):
+                top = tuple(zip(ids[k, 1 + GRAPH_LOGPROBS:1 + GRAPH_LOGPROBS + top_n].tolist(),
+                                values[k, 1:1 + top_n].tolist()))
+                logprobs[i] = TokenLogprob(int(token_ids[i]), float(values[k, 0]), top)
         scores = pending.scores if pending.scores is not None else [None] * n
         accepted = None
         if pending.spec is not None:
@@ -387,7 +417,7 @@ class GraphExecutor:
         if eager_rows:
             self._eager_sample(self.decoder.logits, eager_rows, rows, states, self._pending[frame])
         if logprob_rows:
-            self._graph_logprobs(logprob_rows, rows, states, self._pending[frame])
+            self._graph_logprobs(frame, logprob_rows, rows, states, self._pending[frame])
         for i in range(n):
             if in_graph[i]:
                 states[i].num_output_tokens += 1
@@ -420,6 +450,7 @@ class GraphExecutor:
                 states[i].num_output_tokens -= int(widths[i]) - 1
         # rows with log-probabilities are lone rows: name their participants
         pending.logprobs = [([(int(part[r]), top_n) for r, top_n in group], out) for group, out in pending.logprobs]
+        pending.row_logprobs = [(int(part[r]), top_n) for r, top_n in pending.row_logprobs]
         pending.spec = (offsets, np.asarray(plan.token_ids, dtype=np.int64)[:len(part)],
                         np.asarray(plan.state_rows, dtype=np.int64)[:n], list(states))
 
@@ -556,12 +587,28 @@ class GraphExecutor:
                                      tuple(None if t is None else t.index_select(0, at).to("cpu", non_blocking=True)
                                            for t in (out.chosen_logprobs, out.top_logprobs, out.top_token_ids))))
 
-    def _graph_logprobs(self, sample_idx, rows, states, pending: _Pending) -> None:
+    def _graph_logprobs(self, frame: int, sample_idx, rows, states, pending: _Pending) -> None:
         """Log-probabilities of rows the graph drew (the model's own distribution, as the Sampler gives them: the
         log-softmax of the logits before bias, penalties and temperature; the drawn token's and the likeliest
-        ``logprobs``), from the state rows' logits, which the graph wrote before it shaped or drew any row; copied
-        to pinned host memory behind the step, as _eager_sample's."""
+        ``logprobs``), from the state rows' logits, which the graph wrote before it shaped or drew any row: one
+        kernel (kernels.sampling.row_logprobs) behind the graph, its results copied to the frame's pinned memory
+        behind the step (submit). Rows asking for more than GRAPH_LOGPROBS take torch's ops, copied as
+        _eager_sample's."""
         d = self.decoder
+        vocab = d.state_logits.shape[1]
+        wants = [min(states[i].params.logprobs, vocab) for i in sample_idx]
+        if self.logprob_kernel and max(wants) <= GRAPH_LOGPROBS:
+            k = len(sample_idx)
+            args = self._lp_args_host[frame]
+            args[0, :k] = np.asarray(rows)[sample_idx]
+            args[1, :k] = sample_idx
+            args[2, :k] = wants
+            cuda.copy_h2d_async(self._lp_args[frame].data_ptr(), self._lp_arg_frames[frame].ptr, args.nbytes,
+                                self._model_ptr)
+            row_logprobs(d.state_logits, self._lp_args[frame], d.sampled, self._lp_out[frame], self._lp_scratch,
+                         rows=k)
+            pending.row_logprobs = list(zip(sample_idx, wants))
+            return
         state_rows = on_device(np.asarray(rows)[sample_idx].tolist(), self.device, dtype=torch.int64)
         raw = torch.log_softmax(d.state_logits.index_select(0, state_rows).float(), dim=-1)
         chosen = raw.gather(1, d.sampled.index_select(0, on_device(list(sample_idx), self.device,

@@ -483,12 +483,13 @@ def test_bias_and_penalty_requests_are_drawn_in_the_graphs(hf, monkeypatch):
     assert got.tokens == again.tokens
 
 
-@pytest.mark.parametrize("shaped", [True, False])
-def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(hf, monkeypatch, shaped):
+@pytest.mark.parametrize("shaped, top", [(True, 3), (False, 3), (True, 40)])
+def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(hf, monkeypatch, shaped, top):
     """Rows asking for log-probabilities (of the model's distribution) are drawn by the graphs, their logprobs
     taken beside the draw from the logits the graph wrote before shaping any row: greedy rows, one with penalties
     (the steps take the TEMPERATURE graphs) or none (the GREEDY graphs, whose head takes the argmax), get the
-    tokens, chosen log-probabilities and top-n the torch Sampler gives them after the graph."""
+    tokens, chosen log-probabilities and top-n the torch Sampler gives them after the graph: from one kernel
+    behind the graph (kernels.sampling.row_logprobs), or torch's ops for a top-n over GRAPH_LOGPROBS."""
     from gpu_models import make_scheduler
 
     from flared.execution.offline import drive
@@ -506,7 +507,7 @@ def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(h
 
     monkeypatch.setattr(ex, "poll", poll)
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6]
-    params = [SamplingParams(temperature=0.0, logprobs=3, max_tokens=16),
+    params = [SamplingParams(temperature=0.0, logprobs=top, max_tokens=16),
               SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=1.5, logit_bias={3: 1.0},
                              max_tokens=16),
               SamplingParams(temperature=0.0, max_tokens=16)]
@@ -533,11 +534,11 @@ def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(h
         ex.close()
     assert tokens == eager_tokens
     assert len(graph_lps) == len(eager_lps) == (32 if shaped else 16)
-    # each request's in order (the first asks for a top 3, the second for none; steps may order them otherwise)
+    # each request's in order (the first asks for a top n, the second for none; steps may order them otherwise)
     graph_lps = sorted(graph_lps, key=lambda lp: -len(lp.top))
     eager_lps = sorted(eager_lps, key=lambda lp: -len(lp.top))
     for a, b in zip(graph_lps, eager_lps):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
-    assert sum(len(lp.top) == 3 for lp in graph_lps) == 16
+    assert sum(len(lp.top) == top for lp in graph_lps) == 16

@@ -58,3 +58,21 @@ def test_the_walk_compiles(shape, chain):
                                                      "SHAPE": shape, "RING": 1024, "CHAIN": chain,
                                                      "TOPS": 256, "KEPT": sampling.KEPT})
     assert "ptx" in kernel.asm
+
+
+def test_the_logprobs_kernels_compile():
+    from flared.model.kernels import sampling
+
+    rows = "Logits:*fp32 Args:*i64 "
+    kernels = [
+        _compile(sampling._logprob_parts_kernel, rows + "PartMax:*fp32 PartSum:*fp32 Tops:*fp32 Taken:*i32 stride:i32 "
+                 "vocab:i32 chunk:i32 n_chunks:i32 cap:i32", {"BLOCK": sampling.RACE_BLOCK, "TOPS_PER": 8}),
+        _compile(sampling._logprob_copy_kernel, rows + "Tops:*fp32 Taken:*i32 KeptV:*fp32 KeptI:*i32 stride:i32 "
+                 "vocab:i32 chunk:i32 n_tops:i32 cap:i32", {"BLOCK": sampling.RACE_BLOCK, "TOPS": 256,
+                                                           "KEPT": sampling.KEPT}),
+        _compile(sampling._logprob_rank_kernel, rows + "Sampled:*i64 PartMax:*fp32 PartSum:*fp32 Taken:*i32 "
+                 "KeptV:*fp32 KeptI:*i32 OutF:*fp32 OutI:*i32 stride:i32 vocab:i32 n_chunks:i32 cap:i32",
+                 {"PARTS": 32, "BLOCK": sampling.LOGPROB_BLOCK, "KEPT": sampling.KEPT, "MAXN": sampling.GRAPH_LOGPROBS,
+                  "RANKED": sampling.LOGPROB_RANKED}),
+    ]
+    assert all("ptx" in k.asm for k in kernels)

@@ -65,10 +65,10 @@ Rules:
   good: -inf in its slot's bias row, shaped with the bias. min_tokens' bans
   (EOS and the stop ids, up to GRAPH_BANS) hold while the row's step count
   is under it.
-- Log-probabilities are taken by the executor beside the draw. DRY, longer
-  bad words, a thinking budget and the rest are not here: the executor runs
-  ``flared.model.sampling.Sampler`` on the graph's logits for rows that ask
-  for them.
+- Log-probabilities are taken by the executor beside the draw (``row_logprobs``: three small kernels behind
+  the graph; the chunks' maxima and sums, a bound from their lane maxima, the copies above it ranked).
+- DRY, longer bad words, a thinking budget and the rest are not here: the executor runs
+  ``flared.model.sampling.Sampler`` on the graph's logits for rows that ask for them.
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ LIST_BLOCK = 2048  # logits per iteration of that pass
 # passes over the row)
 TOPS_AIM = 128
 KEPT = 1024
+# Log-probabilities (row_logprobs): the most top logprobs a row gets from the kernel (a request asking for more
+# takes the torch ops), and the logits per iteration of its passes
+GRAPH_LOGPROBS = 32
+LOGPROB_BLOCK = 8192  # (the last stage's passes over a flat row: a program a row, many loads in flight)
+LOGPROB_WARPS = 32
+LOGPROB_RANKED = 64  # copies a row's top n are ranked among at once (more: one reduction a top logprob)
 
 
 @triton.jit
@@ -493,6 +499,180 @@ def _walk_kernel(Logits, Scores, Temperature, TopK, TopP, MinP, Chain, PartVal, 
     tl.store(Passes + row, passes)
     if SHAPE:  # the race kernel shaped the row (before this kernel's reads) and leaves the count to the pick
         _count_drawn(c, tl.load(Slots + row), vocab, Counts, Window, Ring, Lens, RING)
+
+
+@triton.jit
+def _logprob_parts_kernel(Logits, Args, PartMax, PartSum, Tops, Taken, stride, vocab, chunk, n_chunks, cap,
+                          BLOCK: tl.constexpr, TOPS_PER: tl.constexpr):
+    """row_logprobs' first stage, a program a row's chunk: the chunk's largest logit and sum of exp(x - that), and
+    its TOPS_PER largest lane maxima (distinct tokens) into Tops; the row's first program zeroes its count in
+    Taken."""
+    r = tl.program_id(0)
+    part = tl.program_id(1)
+    n = tl.load(Args + 2 * cap + r)
+    if n >= 0:
+        row = tl.load(Args + r)
+        start = part * chunk
+        stop = tl.minimum(start + chunk, vocab)
+        lane_m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_s = tl.zeros((BLOCK,), tl.float32)
+        for base in range(start, stop, BLOCK):
+            cols = base + tl.arange(0, BLOCK)
+            x = tl.load(Logits + row * stride + cols, mask=cols < stop, other=float("-inf"))
+            m = tl.maximum(lane_m, x)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(x - m_safe)
+            lane_m = m
+        top = tl.max(lane_m, 0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        tl.store(PartMax + r * n_chunks + part, top)
+        tl.store(PartSum + r * n_chunks + part, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
+        if part == 0:
+            tl.store(Taken + r, 0)
+        lanes = tl.arange(0, BLOCK)
+        for j in tl.static_range(TOPS_PER):
+            m = tl.max(lane_m, 0)
+            tl.store(Tops + (r * n_chunks + part) * TOPS_PER + j, m)
+            lane_m = tl.where(lanes == tl.min(tl.where(lane_m == m, lanes, BLOCK), 0), float("-inf"), lane_m)
+
+
+@triton.jit
+def _logprob_copy_kernel(Logits, Args, Tops, Taken, KeptV, KeptI, stride, vocab, chunk, n_tops, cap,
+                         BLOCK: tl.constexpr, TOPS: tl.constexpr, KEPT: tl.constexpr):
+    """The second stage, a program a row's chunk (rows wanting a top n > 0): the n-th largest of the row's lane
+    maxima, low, is at most its n-th largest logit; the chunk's logits >= low go to KeptV/KeptI (KEPT a row at
+    most), each block's places taken by one atomic count in Taken. Fewer than n finite maxima: Taken past KEPT."""
+    r = tl.program_id(0)
+    part = tl.program_id(1)
+    n = tl.load(Args + 2 * cap + r)
+    if n > 0:
+        row = tl.load(Args + r)
+        t = tl.arange(0, TOPS)
+        low, _ = _kth_of(tl.load(Tops + r * n_tops + t, mask=t < n_tops, other=float("-inf")), n)
+        if low > float("-inf"):
+            start = part * chunk
+            stop = tl.minimum(start + chunk, vocab)
+            for base in range(start, stop, BLOCK):
+                cols = base + tl.arange(0, BLOCK)
+                x = tl.load(Logits + row * stride + cols, mask=cols < stop, other=float("-inf"))
+                take = (cols < stop) & (x >= low)
+                count = tl.sum(take.to(tl.int32), 0)
+                if count > 0:
+                    first = tl.atomic_add(Taken + r, count)
+                    at = first + tl.cumsum(take.to(tl.int32), 0) - 1
+                    tl.store(KeptV + r * KEPT + at, x, mask=take & (at < KEPT))
+                    tl.store(KeptI + r * KEPT + at, cols, mask=take & (at < KEPT))
+        elif part == 0:
+            tl.atomic_add(Taken + r, KEPT + 1)
+
+
+@triton.jit
+def _logprob_rank_kernel(Logits, Args, Sampled, PartMax, PartSum, Taken, KeptV, KeptI, OutF, OutI, stride, vocab,
+                         n_chunks, cap, PARTS: tl.constexpr, BLOCK: tl.constexpr, KEPT: tl.constexpr,
+                         MAXN: tl.constexpr, RANKED: tl.constexpr):
+    """The last stage, a program a row: the log-normaliser from the chunks' maxima and sums, the drawn token's
+    log-probability and (n > 0) the n largest of the copies, ranked against each other (up to RANKED copies at
+    once; more: one reduction a top logprob). Where the copy overflowed KEPT (a flat row, many equal logits), the
+    n-th largest from four passes over the row (``_kth_largest``) and exactly n tokens copied in id order."""
+    r = tl.program_id(0)
+    n = tl.load(Args + 2 * cap + r)
+    if n >= 0:
+        row = tl.load(Args + r)
+        q = tl.arange(0, PARTS)
+        pm = tl.load(PartMax + r * n_chunks + q, mask=q < n_chunks, other=float("-inf"))
+        ps = tl.load(PartSum + r * n_chunks + q, mask=q < n_chunks, other=0.0)
+        top = tl.max(pm, 0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        log_z = top_safe + tl.log(tl.sum(ps * tl.exp(pm - top_safe), 0))
+        out = r * (1 + 2 * MAXN)
+        tl.store(OutF + out, tl.load(Logits + row * stride + tl.load(Sampled + tl.load(Args + cap + r))) - log_z)
+        if n > 0:
+            count = tl.load(Taken + r)
+            if count > KEPT:  # the n-th largest exactly, then the n tokens in id order
+                xn, need = _kth_largest(Logits, row, stride, vocab, n, BLOCK)
+                count = count * 0
+                equal = count * 0
+                for base in range(0, vocab, BLOCK):
+                    cols = base + tl.arange(0, BLOCK)
+                    x = tl.load(Logits + row * stride + cols, mask=cols < vocab, other=float("-inf"))
+                    tie = (cols < vocab) & (x == xn)
+                    take = ((cols < vocab) & (x > xn)) | (tie & (equal + tl.cumsum(tie.to(tl.int32), 0) <= need))
+                    at = count + tl.cumsum(take.to(tl.int32), 0) - 1
+                    tl.store(KeptV + r * KEPT + at, x, mask=take)
+                    tl.store(KeptI + r * KEPT + at, cols, mask=take)
+                    count += tl.sum(take.to(tl.int32), 0)
+                    equal += tl.sum(tie.to(tl.int32), 0)
+                tl.debug_barrier()  # the copies above, by other threads of the program, before the loads below
+            # one key a token, ordered as (logit, -id): distinct, so a token's rank is how many keys are larger
+            if count <= RANKED:  # (usually a few more than n)
+                slots = tl.arange(0, RANKED)
+                held = slots < count
+                kv = tl.load(KeptV + r * KEPT + slots, mask=held, other=0.0)
+                ki = tl.load(KeptI + r * KEPT + slots, mask=held, other=0)
+                key = tl.where(held, (_order_key(kv) << 31) | (0x7FFFFFFF - ki.to(tl.int64)), -1)
+                rank = tl.sum((key[None, :] > key[:, None]).to(tl.int32), 1)
+                place = held & (rank < n)
+                tl.store(OutF + out + 1 + rank, kv - log_z, mask=place)
+                tl.store(OutI + out + 1 + MAXN + rank, ki, mask=place)
+            else:  # (names of their own: Triton types a name alike in both branches)
+                every = tl.arange(0, KEPT)
+                copied = every < count
+                values = tl.load(KeptV + r * KEPT + every, mask=copied, other=0.0)
+                ids = tl.load(KeptI + r * KEPT + every, mask=copied, other=0).to(tl.int64)
+                keys = tl.where(copied, (_order_key(values) << 31) | (0x7FFFFFFF - ids), -1)
+                for j in range(0, tl.minimum(n, MAXN)):
+                    best = tl.max(keys, 0)
+                    tl.store(OutF + out + 1 + j, _from_key(best >> 31) - log_z)
+                    tl.store(OutI + out + 1 + MAXN + j, (0x7FFFFFFF - (best & 0x7FFFFFFF)).to(tl.int32))
+                    keys = tl.where(keys == best, -1, keys)
+
+
+class LogprobScratch:
+    """row_logprobs' device scratch for up to ``rows`` rows of ``vocab`` logits (allocated once: a step allocates
+    nothing)."""
+
+    def __init__(self, rows: int, vocab: int, device):
+        chunks = triton.cdiv(vocab, RACE_BLOCK)  # the most a row is cut into (_parts)
+        self.parts = torch.empty(2, rows * chunks, dtype=torch.float32, device=device)
+        # (n chunks leave n * _tops_per(n) < 2 * (max(TOPS_AIM, GRAPH_LOGPROBS) + n) maxima a row)
+        self.tops = torch.empty(rows * 2 * (max(TOPS_AIM, GRAPH_LOGPROBS) + chunks), dtype=torch.float32,
+                                device=device)
+        self.taken = torch.empty(rows, dtype=torch.int32, device=device)
+        self.kept = torch.empty(2, rows * KEPT, dtype=torch.float32, device=device)
+
+
+def _tops_per(n_chunks: int) -> int:
+    """Lane maxima a chunk leaves for a row's bound: about TOPS_AIM a row, at least GRAPH_LOGPROBS."""
+    return triton.next_power_of_2(triton.cdiv(max(TOPS_AIM, GRAPH_LOGPROBS), n_chunks))
+
+
+def row_logprobs(logits: torch.Tensor, args: torch.Tensor, sampled: torch.Tensor, out: torch.Tensor,
+                 scratch: LogprobScratch, rows: int | None = None) -> None:
+    """Log-probabilities of drawn tokens with no host sync: ``args`` [3, cap] int64 (per row its row of ``logits``
+    [S, V] float32, its token's index in ``sampled`` [B] int64, and how many top logprobs it wants, at most
+    GRAPH_LOGPROBS and V; -1: no row) -> ``out`` [cap, 1 + 2 * GRAPH_LOGPROBS] float32: the token's log-softmax,
+    then the top ones, larger first (the smaller id first among equal logits), then their ids (those columns' bytes
+    are int32). ``rows``: only the first ``rows`` (default: cap). Three kernels: each row's chunks' maxima, sums and
+    lane maxima, as the race cuts a row; their n-th largest, a bound below the row's n-th, and the logits above it
+    copied; the copies ranked."""
+    cap = args.shape[1]
+    vocab = logits.shape[1]
+    rows = cap if rows is None else rows
+    chunk, n_chunks = _parts(rows, vocab)
+    tops_per = _tops_per(n_chunks)
+    n_tops = n_chunks * tops_per
+    part_max, part_sum = scratch.parts[0], scratch.parts[1]
+    kept_v, kept_i = scratch.kept[0], scratch.kept[1].view(torch.int32)
+    _logprob_parts_kernel[(rows, n_chunks)](logits, args, part_max, part_sum, scratch.tops, scratch.taken,
+                                            logits.stride(0), vocab, chunk, n_chunks, cap, BLOCK=RACE_BLOCK,
+                                            TOPS_PER=tops_per, num_warps=8)
+    _logprob_copy_kernel[(rows, n_chunks)](logits, args, scratch.tops, scratch.taken, kept_v, kept_i,
+                                           logits.stride(0), vocab, chunk, n_tops, cap, BLOCK=RACE_BLOCK,
+                                           TOPS=triton.next_power_of_2(n_tops), KEPT=KEPT, num_warps=8)
+    _logprob_rank_kernel[(rows,)](logits, args, sampled, part_max, part_sum, scratch.taken, kept_v, kept_i, out,
+                                  out.view(torch.int32), logits.stride(0), vocab, n_chunks, cap,
+                                  PARTS=triton.next_power_of_2(n_chunks), BLOCK=LOGPROB_BLOCK, KEPT=KEPT,
+                                  MAXN=GRAPH_LOGPROBS, RANKED=LOGPROB_RANKED, num_warps=LOGPROB_WARPS)
 
 
 def _parts(batch: int, vocab: int) -> tuple[int, int]:
