@@ -169,6 +169,12 @@ class GraphExecutor:
         self._lp_args = torch.zeros(_NUM_FRAMES, 3, cap, dtype=torch.int64, device=self.device)
         self._lp_out = torch.zeros(_NUM_FRAMES, cap, width, dtype=torch.float32, device=self.device)
         self._lp_scratch = LogprobScratch(cap, self.decoder.state_logits.shape[1], self.device)
+        # compiled now (a request's first logprobs would otherwise wait seconds for Triton): a launch with no row
+        with torch.cuda.stream(self.model_stream):
+            self._lp_args[:, 2].fill_(-1)
+            row_logprobs(self.decoder.state_logits, self._lp_args[0], self.decoder.sampled, self._lp_out[0],
+                         self._lp_scratch)
+        self.model_stream.synchronize()
         self._lp_frames = [self._pin(4 * cap * width) for _ in range(_NUM_FRAMES)]
         self._lp_host = [(f.array.view(np.float32).reshape(cap, width), f.array.view(np.int32).reshape(cap, width))
                          for f in self._lp_frames]

@@ -101,6 +101,7 @@ GRAPH_LOGPROBS = 32
 LOGPROB_BLOCK = 8192  # (the last stage's passes over a flat row: a program a row, many loads in flight)
 LOGPROB_WARPS = 32
 LOGPROB_RANKED = 64  # copies a row's top n are ranked among at once (more: one reduction a top logprob)
+LOGPROB_CHUNK_BLOCKS = 2  # race blocks in a chunk of row_logprobs' first two kernels (12 chunks at 49,152 tokens)
 
 
 @triton.jit
@@ -627,23 +628,25 @@ def _logprob_rank_kernel(Logits, Args, Sampled, PartMax, PartSum, Taken, KeptV, 
                     keys = tl.where(keys == best, -1, keys)
 
 
+def _logprob_parts(vocab: int) -> tuple[int, int, int]:
+    """How row_logprobs cuts a row: (chunk, chunks, lane maxima a chunk leaves). Fixed by the vocabulary alone, not
+    by the rows of a step, so that each kernel compiles once (GraphExecutor warms them at load) instead of once a
+    new count of rows mid-serving. About TOPS_AIM maxima a row, at least GRAPH_LOGPROBS."""
+    chunk = LOGPROB_CHUNK_BLOCKS * RACE_BLOCK
+    n_chunks = triton.cdiv(vocab, chunk)
+    return chunk, n_chunks, triton.next_power_of_2(triton.cdiv(max(TOPS_AIM, GRAPH_LOGPROBS), n_chunks))
+
+
 class LogprobScratch:
     """row_logprobs' device scratch for up to ``rows`` rows of ``vocab`` logits (allocated once: a step allocates
     nothing)."""
 
     def __init__(self, rows: int, vocab: int, device):
-        chunks = triton.cdiv(vocab, RACE_BLOCK)  # the most a row is cut into (_parts)
-        self.parts = torch.empty(2, rows * chunks, dtype=torch.float32, device=device)
-        # (n chunks leave n * _tops_per(n) < 2 * (max(TOPS_AIM, GRAPH_LOGPROBS) + n) maxima a row)
-        self.tops = torch.empty(rows * 2 * (max(TOPS_AIM, GRAPH_LOGPROBS) + chunks), dtype=torch.float32,
-                                device=device)
+        _, n_chunks, tops_per = _logprob_parts(vocab)
+        self.parts = torch.empty(2, rows * n_chunks, dtype=torch.float32, device=device)
+        self.tops = torch.empty(rows * n_chunks * tops_per, dtype=torch.float32, device=device)
         self.taken = torch.empty(rows, dtype=torch.int32, device=device)
         self.kept = torch.empty(2, rows * KEPT, dtype=torch.float32, device=device)
-
-
-def _tops_per(n_chunks: int) -> int:
-    """Lane maxima a chunk leaves for a row's bound: about TOPS_AIM a row, at least GRAPH_LOGPROBS."""
-    return triton.next_power_of_2(triton.cdiv(max(TOPS_AIM, GRAPH_LOGPROBS), n_chunks))
 
 
 def row_logprobs(logits: torch.Tensor, args: torch.Tensor, sampled: torch.Tensor, out: torch.Tensor,
@@ -653,13 +656,12 @@ def row_logprobs(logits: torch.Tensor, args: torch.Tensor, sampled: torch.Tensor
     GRAPH_LOGPROBS and V; -1: no row) -> ``out`` [cap, 1 + 2 * GRAPH_LOGPROBS] float32: the token's log-softmax,
     then the top ones, larger first (the smaller id first among equal logits), then their ids (those columns' bytes
     are int32). ``rows``: only the first ``rows`` (default: cap). Three kernels: each row's chunks' maxima, sums and
-    lane maxima, as the race cuts a row; their n-th largest, a bound below the row's n-th, and the logits above it
-    copied; the copies ranked."""
+    lane maxima (_logprob_parts); their n-th largest, a bound below the row's n-th, and the logits above it copied;
+    the copies ranked."""
     cap = args.shape[1]
     vocab = logits.shape[1]
     rows = cap if rows is None else rows
-    chunk, n_chunks = _parts(rows, vocab)
-    tops_per = _tops_per(n_chunks)
+    chunk, n_chunks, tops_per = _logprob_parts(vocab)
     n_tops = n_chunks * tops_per
     part_max, part_sum = scratch.parts[0], scratch.parts[1]
     kept_v, kept_i = scratch.kept[0], scratch.kept[1].view(torch.int32)
