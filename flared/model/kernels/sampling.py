@@ -238,6 +238,25 @@ def _top_k_logit(Logits, Tops, Kept, Taken, row, stride, vocab, k, n_tops, BLOCK
 
 
 @triton.jit
+def _store_chunk_mass(PartMax, PartSum, at, lane_m, lane_s):
+    """A chunk's largest value and its sum of exp(v - that), from its lanes' running maxima and sums."""
+    top = tl.max(lane_m, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    tl.store(PartMax + at, top)
+    tl.store(PartSum + at, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
+
+
+@triton.jit
+def _store_lane_maxima(Tops, at, lane_x, BLOCK: tl.constexpr, TOPS_PER: tl.constexpr):
+    """The TOPS_PER largest of a chunk's lane maxima (a lane each: distinct tokens), largest first, at Tops + at."""
+    lanes = tl.arange(0, BLOCK)
+    for j in tl.static_range(TOPS_PER):
+        m = tl.max(lane_x, 0)
+        tl.store(Tops + at + j, m)
+        lane_x = tl.where(lanes == tl.min(tl.where(lane_x == m, lanes, BLOCK), 0), float("-inf"), lane_x)
+
+
+@triton.jit
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Chain, Scores,
                        PartMax, PartSum, Tops, Taken, Slots, Counts, Prompt, Bias, Params, Bans, vocab, chunk,
                        n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr,
@@ -343,19 +362,12 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
         tl.store(PartVal + row * n_chunks + part, m)
         tl.store(PartIdx + row * n_chunks + part, first)
     if walks:
-        top = tl.max(lane_m, 0)
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        tl.store(PartMax + row * n_chunks + part, top)
-        tl.store(PartSum + row * n_chunks + part, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
+        _store_chunk_mass(PartMax, PartSum, row * n_chunks + part, lane_m, lane_s)
     if TOPS_PER > 0:
         if selects:  # the largest lane maxima, a lane each (distinct tokens)
             if part == 0:
                 tl.store(Taken + row, 0)
-            lanes = tl.arange(0, BLOCK)
-            for j in tl.static_range(TOPS_PER):
-                m = tl.max(lane_x, 0)
-                tl.store(Tops + (row * n_chunks + part) * TOPS_PER + j, m)
-                lane_x = tl.where(lanes == tl.min(tl.where(lane_x == m, lanes, BLOCK), 0), float("-inf"), lane_x)
+            _store_lane_maxima(Tops, (row * n_chunks + part) * TOPS_PER, lane_x, BLOCK, TOPS_PER)
 
 
 @triton.jit
@@ -524,17 +536,10 @@ def _logprob_parts_kernel(Logits, Args, PartMax, PartSum, Tops, Taken, stride, v
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(x - m_safe)
             lane_m = m
-        top = tl.max(lane_m, 0)
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        tl.store(PartMax + r * n_chunks + part, top)
-        tl.store(PartSum + r * n_chunks + part, tl.sum(lane_s * tl.exp(lane_m - top_safe), 0))
+        _store_chunk_mass(PartMax, PartSum, r * n_chunks + part, lane_m, lane_s)
         if part == 0:
             tl.store(Taken + r, 0)
-        lanes = tl.arange(0, BLOCK)
-        for j in tl.static_range(TOPS_PER):
-            m = tl.max(lane_m, 0)
-            tl.store(Tops + (r * n_chunks + part) * TOPS_PER + j, m)
-            lane_m = tl.where(lanes == tl.min(tl.where(lane_m == m, lanes, BLOCK), 0), float("-inf"), lane_m)
+        _store_lane_maxima(Tops, (r * n_chunks + part) * TOPS_PER, lane_m, BLOCK, TOPS_PER)
 
 
 @triton.jit
