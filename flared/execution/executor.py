@@ -159,8 +159,8 @@ class GraphExecutor:
         # where a decode upload of manifest offset o lands: _decode_base[region] + o (the regions never move)
         self._decode_base = tuple(self.graphs.decode_region_ptr(r) - self.graphs.decode_span_offset for r in (0, 1))
         self._sampled_ptr = self.decoder.sampled.data_ptr()
-        # Log-probabilities of the rows the graphs draw (kernels.sampling.row_logprobs): a kernel behind the step's
-        # graph, its results read back beside the tokens. Per frame its arguments (pinned, then on the device) and
+        # Log-probabilities of the rows the graphs draw (kernels.sampling.row_logprobs): kernels behind the step's
+        # graph, their results read back beside the tokens. Per frame its arguments (pinned, then on the device) and
         # results (on the device, then pinned); one scratch for both (the kernels run in turn on the model stream).
         cap = self.manifest.max_batch
         width = 1 + 2 * GRAPH_LOGPROBS
@@ -596,10 +596,10 @@ class GraphExecutor:
     def _graph_logprobs(self, frame: int, sample_idx, rows, states, pending: _Pending) -> None:
         """Log-probabilities of rows the graph drew (the model's own distribution, as the Sampler gives them: the
         log-softmax of the logits before bias, penalties and temperature; the drawn token's and the likeliest
-        ``logprobs``), from the state rows' logits, which the graph wrote before it shaped or drew any row: one
-        kernel (kernels.sampling.row_logprobs) behind the graph, its results copied to the frame's pinned memory
-        behind the step (submit). Rows asking for more than GRAPH_LOGPROBS take torch's ops, copied as
-        _eager_sample's."""
+        ``logprobs``), from the state rows' logits, which the graph wrote before it shaped or drew any row: three
+        small kernels (kernels.sampling.row_logprobs) behind the graph, their results copied to the frame's pinned
+        memory behind the step (submit). A step with a row asking for more than GRAPH_LOGPROBS takes torch's ops,
+        copied as _eager_sample's."""
         d = self.decoder
         vocab = d.state_logits.shape[1]
         wants = [min(states[i].params.logprobs, vocab) for i in sample_idx]
