@@ -20,8 +20,9 @@ the k: the walk finds each row's 40th largest logit first); llama.cpp's default 
 allowed_token_ids (every seventh id), as -inf in the slot's bias row; min_tokens over the whole run (three ids
 banned).
 "(eager)": the same streams drawn by the torch Sampler after the graph, as before; "(torch ops)": drawn by the
-graphs, their logprobs from torch's ops behind the graph (before the thirty-eighth session's kernel). tok/s, host and
-GPU us a step.
+graphs, their logprobs from torch's ops behind the graph (before the thirty-eighth session's kernel); "(launched)": the
+logprobs kernels launched from Python each step rather than as one captured graph (the thirty-eighth session's).
+tok/s, host and GPU us a step.
 
 Log-probabilities (``--logprob-shapes 1x49152,...``): the logprobs kernel against those torch ops, us a call.
 
@@ -246,6 +247,8 @@ FEATURES = {"top-p 0.95": {}, "+ min-p 0.05": {"min_p": 0.05}, "+ repetition 1.1
             "+ logprobs 5": {"logprobs": 5}, "+ logprobs 5 (eager)": {"logprobs": 5, "_eager": "graph_samples"},
             # the graphs draw, the logprobs from torch's ops behind them (before the thirty-eighth session)
             "+ logprobs 5 (torch ops)": {"logprobs": 5, "_executor": {"logprob_kernel": False}},
+            # the kernels launched from Python each step instead of as a captured graph (the thirty-eighth session's)
+            "+ logprobs 5 (launched)": {"logprobs": 5, "_executor": {"logprob_graphs": False}},
             "+ logprobs 20": {"logprobs": 20},
             "+ logprobs 20 (torch ops)": {"logprobs": 20, "_executor": {"logprob_kernel": False}},
             "+ logit bias": {"logit_bias": BIAS},

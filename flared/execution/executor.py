@@ -42,6 +42,8 @@ Rules:
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -175,16 +177,50 @@ class GraphExecutor:
             row_logprobs(self.decoder.state_logits, self._lp_args[0], self.decoder.sampled, self._lp_out[0],
                          self._lp_scratch)
         self.model_stream.synchronize()
+        # ... then captured, a graph a frame and a power-of-two count of rows (rows past a step's own wanting -1,
+        # which the kernels skip): one launch of about 2 us of host time, where Triton's three launches from Python
+        # cost tens of microseconds each (docs/benchmarks.md, thirty-ninth session)
+        self._lp_buckets = sorted({min(1 << i, cap) for i in range(max(1, cap).bit_length() + 1)})
+        self._lp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._lp_execs: dict[tuple[int, int], int] = {}
+        self._capture_logprob_graphs()
         self._lp_frames = [self._pin(4 * cap * width) for _ in range(_NUM_FRAMES)]
         self._lp_host = [(f.array.view(np.float32).reshape(cap, width), f.array.view(np.int32).reshape(cap, width))
                          for f in self._lp_frames]
         # False: every logprob row takes torch's ops, as before the thirty-eighth session (tools/bench_graph_sampler's
         # A/B sets it)
         self.logprob_kernel = True
+        # False: the kernels launched from Python each step, as in the thirty-eighth session (the A/B again)
+        self.logprob_graphs = True
         self.max_outstanding = 0  # most frames ever in flight at once (qualification reads it)
         # Decode uploads on the upload stream into the frame's own region (False: into region 0 on the model
         # stream, ahead of the launch, as before the nineteenth session; tools/bench_gpu.py's A/B sets it).
         self.overlap_uploads = True
+
+    def _capture_logprob_graphs(self) -> None:
+        """row_logprobs over each frame's arguments and results, for each count of rows in _lp_buckets, captured on
+        the model stream (the kernels allocate nothing, so no pool is shared with the step graphs)."""
+        d = self.decoder
+        gc_was_enabled = gc.isenabled()
+        gc.collect()  # a graph freed by the collector while a capture is open invalidates it (GraphSet.capture)
+        gc.disable()
+        try:
+            with torch.cuda.stream(self.model_stream):
+                for frame in range(_NUM_FRAMES):
+                    for rows in self._lp_buckets:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, stream=self.model_stream):
+                            row_logprobs(d.state_logits, self._lp_args[frame], d.sampled, self._lp_out[frame],
+                                         self._lp_scratch, rows=rows)
+                        self._lp_graphs[frame, rows] = g
+                        self._lp_execs[frame, rows] = int(g.raw_cuda_graph_exec())
+            self.model_stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types; the core must not become ready
+            raise ExecutionError(f"capture of the logprob graphs failed: {type(exc).__name__}: {exc}",
+                                 ErrorKind.DEVICE) from exc
+        finally:
+            if gc_was_enabled:
+                gc.enable()
 
     def _pin(self, nbytes: int) -> cuda.PinnedBuffer:
         buf = cuda.PinnedBuffer(nbytes)
@@ -609,10 +645,15 @@ class GraphExecutor:
             args[0, :k] = np.asarray(rows)[sample_idx]
             args[1, :k] = sample_idx
             args[2, :k] = wants
+            args[2, k:] = -1  # the bucket's rows past k (an earlier step's stay behind otherwise)
             cuda.copy_h2d_async(self._lp_args[frame].data_ptr(), self._lp_arg_frames[frame].ptr, args.nbytes,
                                 self._model_ptr)
-            row_logprobs(d.state_logits, self._lp_args[frame], d.sampled, self._lp_out[frame], self._lp_scratch,
-                         rows=k)
+            if self.logprob_graphs:
+                bucket = next(b for b in self._lp_buckets if b >= k)
+                cuda.graph_launch(self._lp_execs[frame, bucket], self._model_ptr)
+            else:
+                row_logprobs(d.state_logits, self._lp_args[frame], d.sampled, self._lp_out[frame],
+                             self._lp_scratch, rows=k)
             pending.row_logprobs = list(zip(sample_idx, wants))
             return
         state_rows = on_device(np.asarray(rows)[sample_idx].tolist(), self.device, dtype=torch.int64)

@@ -542,3 +542,54 @@ def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(h
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
     assert sum(len(lp.top) == top for lp in graph_lps) == 16
+
+
+def test_logprob_graphs_as_the_count_of_rows_falls(hf, monkeypatch):
+    """The logprob kernels run as small graphs captured for power-of-two counts of rows; four greedy logprob
+    requests ending one after another (4, 3, 2, 1 rows a step: buckets 4, 4, 2, 1, a step's rows past its own count
+    set to none) get the torch Sampler's logprobs, and the same values as the kernels launched one by one
+    (``logprob_graphs`` False)."""
+    from gpu_models import make_scheduler
+
+    from flared.execution.offline import drive
+    from flared.model.sampling import SamplingParams, SequenceSamplingState
+
+    ex, _ = _recording_executor(hf, monkeypatch)
+    seen: list = []
+    real_poll = ex.poll
+
+    def poll(*args, **kwargs):
+        got = real_poll(*args, **kwargs)
+        if got is not None:
+            seen.extend((int(h), lp) for h, lp in zip(got[1].handles, got[3]) if lp is not None)
+        return got
+
+    monkeypatch.setattr(ex, "poll", poll)
+    prompts = [[5 + i, 6, 7 + 2 * i, 8] * 3 for i in range(4)]  # the executor's four slots
+    params = [SamplingParams(temperature=0.0, logprobs=3, max_tokens=m) for m in (3, 6, 10, 16)]
+
+    def run():
+        seen.clear()
+        r = drive(make_scheduler(graph_shapes=ex.graph_shapes), ex, prompts, params)
+        by_handle: dict[int, list] = {}
+        for h, lp in seen:
+            by_handle.setdefault(h, []).append(lp)
+        return r.tokens, [by_handle[h] for h in sorted(by_handle)]
+
+    try:
+        assert ex.logprob_graphs
+        tokens, graph_lps = run()
+        ex.logprob_graphs = False
+        launched_tokens, launched_lps = run()
+        monkeypatch.setattr(SequenceSamplingState, "graph_samples", property(lambda self: False))
+        eager_tokens, eager_lps = run()
+    finally:
+        ex.close()
+    assert tokens == launched_tokens == eager_tokens
+    assert [len(x) for x in graph_lps] == [3, 6, 10, 16]
+    assert graph_lps == launched_lps
+    for ours, theirs in zip(graph_lps, eager_lps):
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
