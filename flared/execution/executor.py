@@ -452,6 +452,9 @@ class GraphExecutor:
                          "shape_slot", "seeds", "steps", "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
+        # Grammar rows the graph draws: their masks for this step into the slots' tables, on the model stream ahead
+        # of the launch (such a step has nothing in flight: the worker drains the window for it)
+        self.sampler.stage_grammar_masks([states[i] for i in shaped if states[i].graph_grammar])
         if scoring:
             self._forward_scoring(frame, plan, batch_cap, cap, scoring)
         else:

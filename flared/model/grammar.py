@@ -165,6 +165,33 @@ class GrammarMatcher:
         return self._m.is_stopped()
 
 
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def fill_bitmasks(targets, words_ptr: int, row_bytes: int, rows: int) -> None:
+    """Each (GrammarMatcher, row) pair's mask for its next token at ``words_ptr + row * row_bytes`` (``rows`` rows
+    of memory there), computed in parallel on llguidance's threads with the GIL released: a step's constrained
+    rows cost about one mask's time, not their sum. A failed matcher's row allows every id (its request is
+    ending); an AheadMask (a speculative copy's) is copied as it is."""
+    global _executor
+    live = []
+    for m, row in targets:
+        if not isinstance(m, GrammarMatcher):
+            m.fill_bitmask(words_ptr + row * row_bytes, row_bytes)
+        elif m.failed:
+            ctypes.memset(words_ptr + row * row_bytes, 0xFF, row_bytes)
+        else:
+            live.append((m._m, row))
+    if len(live) == 1:  # (the thread pool's hand-off costs more than one mask)
+        live[0][0].unsafe_compute_mask_ptr(words_ptr + live[0][1] * row_bytes, row_bytes)
+    elif live:
+        with _executor_lock:
+            if _executor is None:
+                _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr(live, words_ptr, row_bytes, rows)
+
+
 class AheadMask:
     """A grammar position's bitmask computed ahead (GrammarMatcher.ahead), standing in for the matcher in a
     Sampler.at_position copy: fill_bitmask writes it, and it never fails."""

@@ -43,6 +43,7 @@ Rules:
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import math
 import secrets
@@ -316,6 +317,8 @@ class SequenceSamplingState:
     # a tabled row's llama.cpp window that slides within the request (its ring's length; 0: none)
     ring_window: int = 0
     grammar: object | None = None  # flared.model.grammar.GrammarMatcher of a constrained request
+    # the grammar's mask goes through the slot's tables (Sampler.stage_grammar_masks): a graph's sampler applies it
+    grammar_tabled: bool = False
     allowed_ids: torch.Tensor | None = None  # params.allowed_token_ids on the sampler's device
     banned_ids: torch.Tensor | None = None  # params.min_tokens_banned on the sampler's device
     # The prompt's and output's tokens in order on the device, their count known on the host (one more per drawn
@@ -357,7 +360,7 @@ class SequenceSamplingState:
         prompt and output or over llama.cpp's window): a graph's sampler shapes it (kernels.sampling)."""
         p = self.params
         return (self.tabled and (self.bans_tabled or (self.allowed_ids is None and not p.bad_words))
-                and self.thinking_open is None and not p.uses_dry
+                and self.thinking_open is None and not p.uses_dry and self.graph_grammar is not False
                 and (self.min_tabled or not (self.banned_ids is not None and self.num_output_tokens < p.min_tokens)))
 
     @property
@@ -369,8 +372,17 @@ class SequenceSamplingState:
         distribution drawn from); everything else runs in this Sampler after the graph (the GPU executor's eager
         rows)."""
         p = self.params
-        return p.basic_filters and not (self.grammar is not None or (self.shapes_logits and not self.graph_shaped)
+        return p.basic_filters and not (self.graph_grammar is False or (self.shapes_logits and not self.graph_shaped)
                                         or (p.logprobs is not None and p.post_sampling_probs))
+
+    @property
+    def graph_grammar(self) -> bool | None:
+        """None: no grammar; True: a grammar whose mask for the step the executor stages in the slot's tables
+        (Sampler.stage_grammar_masks), so a graph's sampler shapes and draws the row; False: one the torch Sampler
+        masks after the graph (not tabled, or a speculative step's copy, whose drafts each need their own mask)."""
+        if self.grammar is None:
+            return None
+        return self.grammar_tabled and self.ahead is None
 
 
 def plain_default_chain(p: SamplingParams) -> bool:
@@ -609,7 +621,8 @@ class ShapeTables(NamedTuple):
     drawn fewer, the ids in ``bans`` [S, GRAPH_BANS] int32, -1 past them, are -inf), and for llama.cpp's window
     (repeat_last_n): ``window`` [S] int32 (its length N, 0: none or one that never slides), ``ring`` [S,
     GRAPH_WINDOW] int32 (the window's tokens, position p at p % N) and ``lens`` [S] int64 (the tokens so far,
-    prompt included)."""
+    prompt included); ``grammar`` [S] int32 (1: the slot's request is grammar-constrained, its mask for the step
+    in ``masks`` [S, ceil(V / 32)] int32, token 32 w + b allowed where bit b of word w is set)."""
     counts: torch.Tensor
     prompt: torch.Tensor
     bias: torch.Tensor
@@ -618,6 +631,8 @@ class ShapeTables(NamedTuple):
     ring: torch.Tensor
     lens: torch.Tensor
     bans: torch.Tensor
+    grammar: torch.Tensor
+    masks: torch.Tensor
 
 
 class Sampler:
@@ -633,6 +648,7 @@ class Sampler:
         self.output_counts = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.int32, device=self.device)
         self.prompt_mask = torch.zeros(max_penalty_slots, vocab_size, dtype=torch.bool, device=self.device)
         self.bias_table = self.slot_params = self.slot_window = self.ring = self.slot_lens = self.slot_bans = None
+        self.slot_grammar = self.grammar_masks = self._masks_host = None
         if graph_tables:
             slots = max_penalty_slots
             self.bias_table = torch.zeros(slots, vocab_size, dtype=torch.float32, device=self.device)
@@ -641,6 +657,12 @@ class Sampler:
             self.slot_window = torch.zeros(slots, dtype=torch.int32, device=self.device)
             self.ring = torch.zeros(slots, GRAPH_WINDOW, dtype=torch.int32, device=self.device)
             self.slot_lens = torch.zeros(slots, dtype=torch.int64, device=self.device)
+            words = (vocab_size + 31) // 32
+            self.slot_grammar = torch.zeros(slots, dtype=torch.int32, device=self.device)
+            self.grammar_masks = torch.zeros(slots, words, dtype=torch.int32, device=self.device)
+            # staged here (llguidance writes through a pointer), copied to grammar_masks on ``stream``
+            self._masks_host = torch.zeros(slots, words, dtype=torch.int32,
+                                           pin_memory=self.device.type == "cuda")
         self._free_slots = list(range(max_penalty_slots - 1, -1, -1))
         self._generator = torch.Generator(device=self.device)
 
@@ -649,7 +671,8 @@ class Sampler:
         if self.bias_table is None:
             return None
         return ShapeTables(self.output_counts, self.prompt_mask.view(torch.uint8), self.bias_table, self.slot_params,
-                           self.slot_window, self.ring, self.slot_lens, self.slot_bans)
+                           self.slot_window, self.ring, self.slot_lens, self.slot_bans, self.slot_grammar,
+                           self.grammar_masks)
 
     def add_sequence(self, params: SamplingParams, prompt_token_ids, grammar=None) -> SequenceSamplingState:
         if self.stream is None:
@@ -719,8 +742,11 @@ class Sampler:
         bans = params.allowed_token_ids is not None or bool(params.bad_words)
         bans_tabled = bans and all(len(seq) == 1 for seq in params.bad_words)
         min_tabled = state.banned_ids is not None and len(params.min_tokens_banned) <= GRAPH_BANS
+        # a grammar with min_tokens' bans stays with the torch Sampler: where the grammar allows only banned ids
+        # (the output is complete) it redoes the row without the bans (_yield_to_grammar)
+        grammar_tabled = grammar is not None and state.banned_ids is None
         tabled = (self.bias_table is not None
-                  and (params.uses_penalties or bool(params.logit_bias) or bans_tabled or min_tabled)
+                  and (params.uses_penalties or bool(params.logit_bias) or bans_tabled or min_tabled or grammar_tabled)
                   and not (slides and params.penalty_last_n > GRAPH_WINDOW))
         if params.uses_penalties or tabled:
             if not self._free_slots:
@@ -730,6 +756,7 @@ class Sampler:
             state.tabled = tabled
             state.bans_tabled = tabled and bans_tabled
             state.min_tabled = tabled and min_tabled
+            state.grammar_tabled = tabled and grammar_tabled
             self.output_counts[slot].zero_()
             self.prompt_mask[slot].zero_()
             if tabled:
@@ -742,6 +769,7 @@ class Sampler:
                                                  dtype=torch.int32)
                 state.ring_window = params.penalty_last_n if slides else 0
                 self.slot_window[slot] = state.ring_window
+                self.slot_grammar[slot] = int(state.grammar_tabled)
                 self.slot_lens[slot] = prompt_len
                 if slides:  # the prompt's last N tokens, position p at p % N
                     first = max(0, prompt_len - params.penalty_last_n)
@@ -794,6 +822,23 @@ class Sampler:
             out.top_token_ids[i] = -1
             out.top_logprobs[i, :k] = top_v
             out.top_token_ids[i, :k] = ids[top_at]
+
+    def stage_grammar_masks(self, states: list[SequenceSamplingState]) -> None:
+        """The step's masks of ``states`` (rows a graph's sampler draws under a grammar: graph_grammar) into their
+        slots' rows of ``grammar_masks``: computed in parallel into pinned memory (grammar.fill_bitmasks), then one
+        copy on ``stream``, ahead of the step's graph launched after it there. The step must have nothing in flight
+        before it (its masks need every earlier token consumed; the staging rows are rewritten each step)."""
+        if not states:
+            return
+        from flared.model.grammar import fill_bitmasks
+
+        slots = [s.penalty_slot for s in states]
+        host = self._masks_host
+        fill_bitmasks([(s.grammar, slot) for s, slot in zip(states, slots)], host.data_ptr(), 4 * host.shape[1],
+                      host.shape[0])
+        lo, hi = min(slots), max(slots) + 1  # one copy (rows between hold other slots' stale masks: unread)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.grammar_masks[lo:hi].copy_(host[lo:hi], non_blocking=True)
 
     def release(self, state: SequenceSamplingState) -> None:
         if state.penalty_slot is not None:
@@ -1054,13 +1099,14 @@ class Sampler:
         rows = [i for i, s in enumerate(states) if s.grammar is not None and not s.grammar.failed]
         if not rows:
             return logits
+        from flared.model.grammar import fill_bitmasks
+
         vocab = logits.shape[-1]
         num_words = (vocab + 31) // 32
         # Host bitmask (llguidance writes through a pointer), one row per constrained request.
         bitmask = torch.empty(len(rows), num_words, dtype=torch.int32)
         row_bytes = num_words * 4
-        for k, i in enumerate(rows):
-            states[i].grammar.fill_bitmask(bitmask[k].data_ptr(), row_bytes)
+        fill_bitmasks([(states[i].grammar, k) for k, i in enumerate(rows)], bitmask.data_ptr(), row_bytes, len(rows))
         # [R, W] int32 words -> [R, W * 32] bits: id = 32 * word + bit, and on a little-endian host that is
         # byte order with LSB-first bits. numpy's unpackbits does it in one pass; torch's int32 shifts with
         # broadcasting were ~100x slower on the CPU.

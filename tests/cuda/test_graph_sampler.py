@@ -316,6 +316,70 @@ def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
 
 
 @pytest.mark.parametrize("full", [False, True])
+def test_grammar_rows_are_masked_from_their_slots_tables(full):
+    """Grammar-constrained rows (their masks staged into the slots' tables by Sampler.stage_grammar_masks) draw the
+    tokens the unshaped kernels draw from the logits the torch Sampler masks, greedy rows and rows with a bias and
+    penalties too, step after step with a new mask each step; a row whose slot holds no grammar is not masked."""
+    import array
+
+    from flared.model.grammar import AheadMask
+    from flared.model.kernels.sampling import sample_full, sample_race
+    from flared.model.sampling import Sampler, SamplingParams
+
+    vocab, dev = 3000, torch.device("cuda")
+    words = (vocab + 31) // 32
+    sampler = Sampler(vocab, device=dev, max_penalty_slots=8, graph_tables=True)
+    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, repetition_penalty=1.4, logit_bias={5: 2.0}),
+              SamplingParams(temperature=0.0, logit_bias={7: 1e4}),  # no grammar: its bias wins
+              SamplingParams(temperature=0.7)]  # no slot
+    grammared = [True, True, True, False, False]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    states = []
+    for p, has in zip(params, grammared):
+        prompt = torch.randint(0, vocab, (20,), generator=g, device=dev).tolist()
+        states.append(sampler.add_sequence(p, prompt, grammar=AheadMask(array.array("I", bytes(4 * words)))
+                                           if has else None))
+    assert [s.graph_grammar for s in states] == [True, True, True, None, None]
+    assert [s.graph_shaped for s in states] == [True, True, True, True, False]
+    assert all(s.graph_samples for s in states)
+    batch = len(states)
+    slots = torch.tensor([-1 if s.penalty_slot is None else s.penalty_slot for s in states], dtype=torch.int32,
+                         device=dev)
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    seeds = torch.arange(batch, dtype=torch.int64, device=dev) * 131 + 5
+    for step in range(5):
+        allowed = torch.rand(batch, vocab, generator=g, device=dev) < 0.05
+        allowed[:, 7] = False  # row 3's forced token: only its own (unmasked) row may draw it
+        bits = allowed[:, :words * 32] if vocab % 32 == 0 else torch.nn.functional.pad(allowed, (0, 32 * words - vocab))
+        packed = (bits.view(batch, words, 32).to(torch.int64) << torch.arange(32, device=dev)).sum(-1)
+        for i, s in enumerate(states):
+            if s.grammar is not None:
+                s.grammar = AheadMask(array.array("I", packed[i].to(torch.int64).cpu().numpy().astype("uint32")))
+        logits = torch.randn(batch, vocab, device=dev, generator=g) * 3
+        shaped = sampler.apply_bias_and_penalties(logits, states)
+        for i, has in enumerate(grammared):
+            if has:
+                shaped[i] = shaped[i].masked_fill(~allowed[i], float("-inf"))
+        sampler.stage_grammar_masks([s for s in states if s.graph_grammar])
+        steps = torch.full((batch,), step, dtype=torch.int64, device=dev)
+        buffer = logits.clone()
+        if full:
+            top_k = torch.tensor([0, 0, 20, 0, 0], dtype=torch.int32, device=dev)
+            top_p = torch.tensor([0.9, 1.0, 0.95, 1.0, 0.8], device=dev)
+            want = sample_full(shaped.clone(), temperature, top_k, top_p, seeds, steps)
+            got = sample_full(buffer, temperature, top_k, top_p, seeds, steps, shape=(slots, sampler.shape_tables()))
+        else:
+            want = sample_race(shaped.clone(), temperature, seeds, steps)
+            got = sample_race(buffer, temperature, seeds, steps, shape=(slots, sampler.shape_tables()))
+        assert torch.equal(got, want), step
+        assert torch.allclose(buffer[:4], shaped[:4], rtol=1e-6, atol=1e-5)
+        for i in range(3):
+            assert bool(allowed[i, int(got[i])]), (step, i)
+        assert int(got[3]) == 7
+
+
+@pytest.mark.parametrize("full", [False, True])
 def test_shaped_greedy_rows_step_by_step_as_the_sampler_draws_them(full):
     """Greedy rows with penalties, over the whole output (vLLM's) or over llama.cpp's sliding window of prompt and
     output (the slot's ring), drawn step after step by the graphs' kernels from one Sampler's tables, give the

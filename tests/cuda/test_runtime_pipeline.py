@@ -7,6 +7,7 @@ allowed_token_ids give the same tokens either way, and the pipelined runtime rea
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -131,3 +132,76 @@ def test_scored_prompts_on_the_gpu_runtime(bf16_core, tiny_hf_llama):
         assert list(ev[0].logprobs) == pytest.approx([lp[p - 1, option[p]].item() for p in range(90, len(option))],
                                                      abs=0.1)
     assert type(rt.executor).__name__ == "GraphExecutor"
+
+
+def test_grammar_rows_are_drawn_by_the_graphs(bf16_core, monkeypatch):
+    """Grammar-constrained requests on the CUDA graph executor: their masks are staged in the Sampler's slot tables
+    and the graphs' sampler draws them (no row sampled after the graph). Greedy ones give the tokens the torch
+    Sampler's masks give them (the same graph logits), sampled ones valid documents."""
+    from tokenizers import Tokenizer
+
+    from flared.core.load import open_core
+    from flared.model.grammar import GrammarCompiler
+    from flared.model.sampling import SamplingParams, SequenceSamplingState
+    from flared.runtime.request import FinishEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    enum = {"enum": ["fox", "dog", "Paris", "hello world"]}
+    records = {"type": "array", "minItems": 2, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "age"], "additionalProperties": False}}
+    rt = ModelRuntime(open_core(bf16_core), pipeline=True, prefix_cache=False)
+    rt.start(max_pending=16)
+    core = rt.core
+    tok = Tokenizer.from_file(str(bf16_core / core.manifest.tokenizer))
+    eos = core.manifest.tokens.eos_token_ids
+    compiler = GrammarCompiler((bf16_core / core.manifest.tokenizer).read_text(), vocab_size=core.config.vocab_size,
+                               eos_token_ids=eos)
+    prompt = tuple(tok.encode("<|im_start|>user\nPick one.<|im_end|>\n<|im_start|>assistant\n").ids)
+    stop = frozenset(eos)
+
+    def request(grammar=None, **kw):
+        return GenerateRequest(prompt, (), SamplingParams(max_tokens=80, **kw), stop,
+                               grammar=None if grammar is None else compiler.json_schema(grammar))
+
+    batch = [request(enum, temperature=0.0), request(records, temperature=0.0), request(temperature=0.0),
+             request(enum, temperature=1.0, seed=3), request(records, temperature=0.9, top_p=0.9, seed=4)]
+    staged = []
+    real_stage = rt.executor.sampler.stage_grammar_masks
+    eager_rows = []
+    real_eager = rt.executor._eager_sample
+
+    def stage(states):
+        staged.append(len(states))
+        return real_stage(states)
+
+    def eager(logits, rows, *args, **kwargs):
+        eager_rows.append(len(rows))
+        return real_eager(logits, rows, *args, **kwargs)
+
+    def tokens(events):
+        assert isinstance(events[-1], FinishEvent), events[-1]
+        return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+    try:
+        monkeypatch.setattr(rt.executor.sampler, "stage_grammar_masks", stage)
+        monkeypatch.setattr(rt.executor, "_eager_sample", eager)
+        graph = [tokens(ev) for ev in run_requests(rt, batch)]
+        assert sum(staged) > 0 and not eager_rows  # every constrained row drawn by the graphs
+        monkeypatch.setattr(SequenceSamplingState, "graph_grammar",
+                            property(lambda self: None if self.grammar is None else False))
+        eager_run = [tokens(ev) for ev in run_requests(rt, batch)]
+        assert eager_rows  # the torch Sampler masked them this time
+    finally:
+        rt.stop()
+    assert graph[2] == eager_run[2]
+    assert graph[:2] == eager_run[:2]  # greedy: the argmax of the same masked logits
+    for i, schema in ((0, enum), (1, records), (3, enum), (4, records)):
+        text = tok.decode([t for t in graph[i] if t not in eos])
+        value = json.loads(text)
+        if schema is enum:
+            assert value in enum["enum"], text
+        else:
+            assert 2 <= len(value) <= 3 and all(set(r) == {"name", "age"} for r in value), text

@@ -20,7 +20,8 @@ def _compile(fn, names_types: str, constexprs: dict):
 
 PARTS = ("Logits:*fp32 Temperature:*fp32 Seeds:*i64 Steps:*i64 PartVal:*fp32 PartIdx:*i32 TopK:*i32 TopP:*fp32 "
          "MinP:*fp32 Chain:*i32 Scores:*fp32 PartMax:*fp32 PartSum:*fp32 Tops:*fp32 Taken:*i32 Slots:*i32 "
-         "Counts:*i32 Prompt:*u8 Bias:*fp32 Params:*fp32 Bans:*i32 vocab:i32 chunk:i32 n_chunks:i32 stride:i32")
+         "Counts:*i32 Prompt:*u8 Bias:*fp32 Params:*fp32 Bans:*i32 Grammar:*i32 Masks:*i32 vocab:i32 chunk:i32 "
+         "n_chunks:i32 stride:i32")
 PICK = ("PartVal:*fp32 PartIdx:*i32 Out:*i64 Slots:*i32 Counts:*i32 Window:*i32 Ring:*i32 Lens:*i64 vocab:i32 "
         "n_chunks:i32")
 WALK = ("Logits:*fp32 Scores:*fp32 Temperature:*fp32 TopK:*i32 TopP:*fp32 MinP:*fp32 Chain:*i32 PartVal:*fp32 "

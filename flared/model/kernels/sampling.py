@@ -65,6 +65,9 @@ Rules:
   good: -inf in its slot's bias row, shaped with the bias. min_tokens' bans
   (EOS and the stop ids, up to GRAPH_BANS) hold while the row's step count
   is under it.
+- A grammar-constrained request's mask for the step (llguidance's bitmask, written by the executor into the
+  slot's row of the Sampler's ``masks`` before the graph's launch) is -inf for the ids it clears, shaped with
+  the bias while the slot's ``grammar`` flag is set.
 - Log-probabilities are taken by the executor beside the draw (``row_logprobs``: three small kernels behind
   the graph; the chunks' maxima and sums, a bound from their lane maxima, the copies above it ranked).
 - DRY, longer bad words, a thinking budget and the rest are not here: the executor runs
@@ -111,12 +114,17 @@ def _mix_tl(x, multiplier: tl.constexpr, shift: tl.constexpr):
 
 
 @triton.jit
-def _shaped(x, cols, mask, slot, step, vocab, Counts, Prompt, Bias, Params, Bans, BANS: tl.constexpr):
-    """A row's logits x (its columns cols) after its slot's logit bias (and bans), min_tokens' bans while the row
-    has drawn fewer (``step`` so far) and then its penalties, as
-    flared.model.sampling.Sampler.apply_bias_and_penalties shapes them."""
+def _shaped(x, cols, mask, slot, step, vocab, Counts, Prompt, Bias, Params, Bans, Grammar, Masks,
+            BANS: tl.constexpr):
+    """A row's logits x (its columns cols) after its slot's logit bias (and bans), its grammar's mask for this
+    step (a slot whose Grammar flag is set: -inf where its bit in Masks [S, ceil(V / 32)] int32 is clear, token
+    32 w + b at bit b of word w), min_tokens' bans while the row has drawn fewer (``step`` so far) and then its
+    penalties, as flared.model.sampling.Sampler.apply_bias_and_penalties and its grammar masks shape them."""
     at = slot.to(tl.int64) * vocab + cols
     x = x + tl.load(Bias + at, mask=mask, other=0.0)
+    if tl.load(Grammar + slot) != 0:
+        words = tl.load(Masks + slot.to(tl.int64) * ((vocab + 31) // 32) + cols // 32, mask=mask, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
     if step.to(tl.float32) < tl.load(Params + slot * 4 + 3):
         for j in tl.static_range(BANS):
             x = tl.where(cols == tl.load(Bans + slot * BANS + j), float("-inf"), x)
@@ -258,7 +266,8 @@ def _store_lane_maxima(Tops, at, lane_x, BLOCK: tl.constexpr, TOPS_PER: tl.const
 
 @triton.jit
 def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK, TopP, MinP, Chain, Scores,
-                       PartMax, PartSum, Tops, Taken, Slots, Counts, Prompt, Bias, Params, Bans, vocab, chunk,
+                       PartMax, PartSum, Tops, Taken, Slots, Counts, Prompt, Bias, Params, Bans, Grammar, Masks,
+                       vocab, chunk,
                        n_chunks, stride, BLOCK: tl.constexpr, FULL: tl.constexpr, J: tl.constexpr,
                        SHAPE: tl.constexpr, CHAIN: tl.constexpr, TOPS_PER: tl.constexpr, BANS: tl.constexpr):
     """Each program: one row's chunk of the vocabulary; its largest race score and the first index holding it.
@@ -307,7 +316,8 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
         x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if SHAPE:
             if slot >= 0:
-                x = _shaped(x, cols, mask, slot, step, vocab, Counts, Prompt, Bias, Params, Bans, BANS)
+                x = _shaped(x, cols, mask, slot, step, vocab, Counts, Prompt, Bias, Params, Bans, Grammar, Masks,
+                            BANS)
                 tl.store(Logits + row * stride + cols, x, mask=mask)
         if t > 0:
             z = (h * 0x2C1B3C6D + cols.to(tl.int64)) & 0x7FFFFFFF
@@ -690,13 +700,13 @@ def _parts(batch: int, vocab: int) -> tuple[int, int]:
 
 
 def _shape_args(shape, like: torch.Tensor) -> tuple:
-    """The kernels' Slots, Counts, Prompt, Bias, Params, Bans, Window, Ring and Lens arguments (placeholders
-    without ``shape``), the ring's length and the bans' count a slot."""
+    """The kernels' Slots, Counts, Prompt, Bias, Params, Bans, Grammar, Masks, Window, Ring and Lens arguments
+    (placeholders without ``shape``), the ring's length and the bans' count a slot."""
     if shape is None:
-        return (like,) * 9, 1, 1
+        return (like,) * 11, 1, 1
     slots, t = shape
-    return (slots, t.counts, t.prompt, t.bias, t.params, t.bans, t.window, t.ring, t.lens), t.ring.shape[1], \
-        t.bans.shape[1]
+    return (slots, t.counts, t.prompt, t.bias, t.params, t.bans, t.grammar, t.masks, t.window, t.ring, t.lens), \
+        t.ring.shape[1], t.bans.shape[1]
 
 
 def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -713,10 +723,10 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     shaping, ring, bans = _shape_args(shape, logits)
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, seeds, temperature,
                                           temperature, seeds, part_val, part_val, part_val, part_val, part_idx,
-                                          *shaping[:6],
+                                          *shaping[:8],
                                           vocab, chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=False, J=1,
                                           SHAPE=shape is not None, CHAIN=False, TOPS_PER=0, BANS=bans, num_warps=8)
-    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[6:], vocab, n_chunks,
+    _race_pick_kernel[(batch,)](part_val, part_idx, out, shaping[0], shaping[1], *shaping[8:], vocab, n_chunks,
                                 PARTS=triton.next_power_of_2(n_chunks), SHAPE=shape is not None, RING=ring,
                                 num_warps=1)
     return out
@@ -762,13 +772,13 @@ def sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     shaping, ring, bans = _shape_args(shape, logits)
     chained = chain if chain is not None else top_k
     _race_parts_kernel[(batch, n_chunks)](logits, temperature, seeds, steps, part_val, part_idx, top_k, top_p,
-                                          min_p_log, chained, scores, part_max, part_sum, tops, taken, *shaping[:6],
+                                          min_p_log, chained, scores, part_max, part_sum, tops, taken, *shaping[:8],
                                           vocab,
                                           chunk, n_chunks, logits.stride(0), BLOCK=RACE_BLOCK, FULL=True,
                                           J=CANDIDATES, SHAPE=shape is not None, CHAIN=chain is not None,
                                           TOPS_PER=tops_per, BANS=bans, num_warps=8)
     _walk_kernel[(batch,)](logits, scores, temperature, top_k, top_p, min_p_log, chained, part_val, part_idx,
-                           part_max, part_sum, tops, kept, taken, out, passes, shaping[0], shaping[1], *shaping[6:],
+                           part_max, part_sum, tops, kept, taken, out, passes, shaping[0], shaping[1], *shaping[8:],
                            vocab, n_chunks, n_chunks * tops_per, logits.stride(0),
                            PARTS=triton.next_power_of_2(n_chunks * CANDIDATES), BLOCK=WALK_BLOCK, LIST=LIST_BLOCK,
                            J=CANDIDATES, SHAPE=shape is not None, RING=ring, CHAIN=chain is not None,
