@@ -24,6 +24,7 @@ import array
 import collections
 import ctypes
 import json
+import os
 import threading
 from typing import Any
 
@@ -171,8 +172,10 @@ _executor_lock = threading.Lock()
 
 def fill_bitmasks(targets, words_ptr: int, row_bytes: int, rows: int) -> None:
     """Each (GrammarMatcher, row) pair's mask for its next token at ``words_ptr + row * row_bytes`` (``rows`` rows
-    of memory there), computed in parallel on llguidance's threads with the GIL released: a step's constrained
-    rows cost about one mask's time, not their sum. A failed matcher's row allows every id (its request is
+    of memory there). On a host of 8 or more CPUs the masks are computed on four of llguidance's threads (the GIL
+    released): 64 masks of SmolLM2's vocabulary early in a JSON document took 0.48 ms on the H200 host's 16 cores
+    against 1.03 one after another (its default of 12 threads: 0.92); on a 2-core box threads were slower over a
+    whole run (docs/benchmarks.md, thirty-ninth session). A failed matcher's row allows every id (its request is
     ending); an AheadMask (a speculative copy's) is copied as it is."""
     global _executor
     live = []
@@ -183,13 +186,14 @@ def fill_bitmasks(targets, words_ptr: int, row_bytes: int, rows: int) -> None:
             ctypes.memset(words_ptr + row * row_bytes, 0xFF, row_bytes)
         else:
             live.append((m._m, row))
-    if len(live) == 1:  # (the thread pool's hand-off costs more than one mask)
-        live[0][0].unsafe_compute_mask_ptr(words_ptr + live[0][1] * row_bytes, row_bytes)
-    elif live:
+    if len(live) > 1 and (os.cpu_count() or 1) >= 8:
         with _executor_lock:
             if _executor is None:
-                _executor = llguidance.LLExecutor()
+                _executor = llguidance.LLExecutor(num_threads=4)
         _executor.unsafe_compute_mask_ptr(live, words_ptr, row_bytes, rows)
+        return
+    for m, row in live:
+        m.unsafe_compute_mask_ptr(words_ptr + row * row_bytes, row_bytes)
 
 
 class AheadMask:

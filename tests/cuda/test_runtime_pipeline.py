@@ -185,10 +185,16 @@ def test_grammar_rows_are_drawn_by_the_graphs(bf16_core, monkeypatch):
         assert isinstance(events[-1], FinishEvent), events[-1]
         return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
 
+    reasons = []
+
+    def finished(events):
+        reasons.append(events[-1].reason)
+        return tokens(events)
+
     try:
         monkeypatch.setattr(rt.executor.sampler, "stage_grammar_masks", stage)
         monkeypatch.setattr(rt.executor, "_eager_sample", eager)
-        graph = [tokens(ev) for ev in run_requests(rt, batch)]
+        graph = [finished(ev) for ev in run_requests(rt, batch)]
         assert sum(staged) > 0 and not eager_rows  # every constrained row drawn by the graphs
         monkeypatch.setattr(SequenceSamplingState, "graph_grammar",
                             property(lambda self: None if self.grammar is None else False))
@@ -199,9 +205,15 @@ def test_grammar_rows_are_drawn_by_the_graphs(bf16_core, monkeypatch):
     assert graph[2] == eager_run[2]
     assert graph[:2] == eager_run[:2]  # greedy: the argmax of the same masked logits
     for i, schema in ((0, enum), (1, records), (3, enum), (4, records)):
-        text = tok.decode([t for t in graph[i] if t not in eos])
+        body = [t for t in graph[i] if t not in eos]
+        matcher = compiler.json_schema(schema).matcher()
+        assert all(matcher.consume(t) for t in body), i  # every token inside the grammar
+        if reasons[i] != "stop":  # a document max_tokens cut short: its prefix is all it has
+            continue
+        text = tok.decode(body)
         value = json.loads(text)
         if schema is enum:
             assert value in enum["enum"], text
         else:
             assert 2 <= len(value) <= 3 and all(set(r) == {"name", "age"} for r in value), text
+    assert reasons[0] == reasons[3] == "stop"

@@ -199,3 +199,67 @@ def test_constrained_requests_speculate_under_each_row_s_own_mask(compiler, tiny
         assert isinstance(b[-1], FinishEvent) and b[-1].reason == "stop"
         assert json.loads(tok.decode(_tokens(b)[:-1])) == ["the quick fox"] * 6
     assert counters["launches_speculative"] > 0 and counters["speculative_accepted"] > 0
+
+
+@pytest.mark.parametrize("cpus", [2, 16])  # one after another, and on llguidance's threads
+def test_fill_bitmasks_writes_each_rows_mask(compiler, monkeypatch, cpus):
+    """grammar.fill_bitmasks writes each matcher's mask at its row (the same words as the matcher's own
+    fill_bitmask), all ones for a failed matcher, and an AheadMask's words as they are; rows it is not given are
+    left alone."""
+    import array
+    import os
+
+    import numpy as np
+
+    from flared.model.grammar import AheadMask, fill_bitmasks
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    words = (compiler.vocab_size + 31) // 32
+    grammar = compiler.json_schema(ENUM)
+    ms = [grammar.matcher() for _ in range(3)]
+    first = np.zeros(words, dtype=np.int32)
+    ms[1].fill_bitmask(first.ctypes.data, first.nbytes)
+    allowed = np.nonzero(np.unpackbits(first.view(np.uint8), bitorder="little"))[0]
+    assert ms[1].consume(int(allowed[-1]))  # one matcher a token further on: its mask differs
+    failed = grammar.matcher()
+    failed.consume(compiler.vocab_size - 1)  # outside the enum: the matcher fails
+    failed.consume(compiler.vocab_size - 1)
+    assert failed.failed
+    ahead = AheadMask(array.array("I", range(words)))
+    out = np.full((7, words), 7, dtype=np.int32)
+    fill_bitmasks([(ms[0], 0), (ms[1], 2), (failed, 3), (ahead, 4), (ms[2], 6)], out.ctypes.data, 4 * words, 7)
+    want = np.zeros((3, words), dtype=np.int32)
+    for k, m in enumerate(ms):
+        m.fill_bitmask(want[k].ctypes.data, 4 * words)
+    assert (out[0] == want[0]).all() and (out[2] == want[1]).all() and (out[6] == want[2]).all()
+    assert (out[3] == -1).all()
+    assert (out[4].view(np.uint32) == np.arange(words)).all()
+    assert (out[1] == 7).all() and (out[5] == 7).all()
+    assert want[0].any()
+
+
+def test_the_sampler_stages_grammar_masks_in_its_slot_tables(compiler):
+    """With graph tables, a constrained request holds a slot (flagged in ``slot_grammar``) and is drawn by a
+    graph's sampler; stage_grammar_masks copies its mask into its slot's row of ``grammar_masks``. A request with
+    min_tokens' bans, and a Sampler without graph tables, leave the constrained row to the torch Sampler."""
+    import numpy as np
+
+    from flared.model.sampling import Sampler
+
+    vocab = compiler.vocab_size
+    sampler = Sampler(vocab, max_penalty_slots=4, graph_tables=True)
+    grammar = compiler.json_schema(ENUM)
+    free = sampler.add_sequence(SamplingParams(temperature=0.0, logit_bias={3: 1.0}), [1, 2])
+    constrained = sampler.add_sequence(SamplingParams(temperature=0.7), [1, 2], grammar=grammar.matcher())
+    banned = sampler.add_sequence(SamplingParams(temperature=0.7, min_tokens=3, min_tokens_banned=frozenset({2})),
+                                  [1, 2], grammar=grammar.matcher())
+    assert (free.graph_grammar, constrained.graph_grammar, banned.graph_grammar) == (None, True, False)
+    assert constrained.graph_samples and constrained.graph_shaped and not banned.graph_samples
+    assert sampler.slot_grammar[constrained.penalty_slot] == 1 and sampler.slot_grammar[free.penalty_slot] == 0
+    sampler.stage_grammar_masks([constrained])
+    want = np.zeros((vocab + 31) // 32, dtype=np.int32)
+    constrained.grammar.fill_bitmask(want.ctypes.data, want.nbytes)
+    assert (sampler.grammar_masks[constrained.penalty_slot].numpy() == want).all()
+    plain = Sampler(vocab, max_penalty_slots=4).add_sequence(SamplingParams(temperature=0.7), [1, 2],
+                                                             grammar=grammar.matcher())
+    assert plain.graph_grammar is False and not plain.graph_samples
