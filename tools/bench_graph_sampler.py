@@ -102,7 +102,7 @@ def time_graph(fn, replays: int) -> float:
 
 @torch.inference_mode()
 def bench_logprob_kernel(args, out: dict) -> None:
-    """The log-probabilities of drawn tokens (kernels.sampling.row_logprobs, one kernel behind the graph) against
+    """The log-probabilities of drawn tokens (kernels.sampling.row_logprobs, three kernels behind the graph) against
     the torch ops the executor ran before (index_select, log_softmax, gather, topk), each captured in a graph over
     normal logits (std 3) of every row; us a call."""
     from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, row_logprobs

@@ -32,9 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_structured import VARIANTS  # noqa: E402
-
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from gpu_daemon_smoke import TEMPLATE  # noqa: E402
 
 
 def embedded_tokenizer_json() -> str:

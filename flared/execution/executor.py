@@ -42,16 +42,14 @@ Rules:
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import torch
 
 from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
-from flared.execution.graphs import (ExecutionManifest, GraphSet, default_prefill_batch_shapes, pack_decode,
-                                     pack_prefill, speculative_batch_sizes, speculative_rows)
+from flared.execution.graphs import (ExecutionManifest, GraphSet, collector_paused, default_prefill_batch_shapes,
+                                     pack_decode, pack_prefill, speculative_batch_sizes, speculative_rows)
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, row_logprobs
 from flared.model.kv_cache import kv_pool_dtype
@@ -201,11 +199,8 @@ class GraphExecutor:
         """row_logprobs over each frame's arguments and results, for each count of rows in _lp_buckets, captured on
         the model stream (the kernels allocate nothing, so no pool is shared with the step graphs)."""
         d = self.decoder
-        gc_was_enabled = gc.isenabled()
-        gc.collect()  # a graph freed by the collector while a capture is open invalidates it (GraphSet.capture)
-        gc.disable()
         try:
-            with torch.cuda.stream(self.model_stream):
+            with collector_paused(), torch.cuda.stream(self.model_stream):
                 for frame in range(_NUM_FRAMES):
                     for rows in self._lp_buckets:
                         g = torch.cuda.CUDAGraph()
@@ -218,9 +213,6 @@ class GraphExecutor:
         except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types; the core must not become ready
             raise ExecutionError(f"capture of the logprob graphs failed: {type(exc).__name__}: {exc}",
                                  ErrorKind.DEVICE) from exc
-        finally:
-            if gc_was_enabled:
-                gc.enable()
 
     def _pin(self, nbytes: int) -> cuda.PinnedBuffer:
         buf = cuda.PinnedBuffer(nbytes)

@@ -29,6 +29,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 
@@ -403,6 +404,21 @@ def speculative_rows(plan) -> tuple[SpeculativeRows, np.ndarray]:
     return rows, part
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Around CUDA graph captures: a graph object destroyed while a capture is open (an unreachable executor's
+    graphs, freed by the cyclic garbage collector at any allocation) invalidates that capture, so collect first and
+    keep the collector off until the captures are done."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def time_graph_us(fn, stream, *, calls_per_graph: int = 1, replays: int = 20) -> float:
     """GPU microseconds per call of ``fn`` as a CUDA graph pays them (launch gaps included): ``fn`` runs
     once eagerly (Triton compiles and autotunes there, never inside a capture), is captured
@@ -570,14 +586,8 @@ class GraphSet:
         import torch
 
         started = time.perf_counter()
-        # A CUDA graph object destroyed while a capture is open (an unreachable executor's graphs, freed by
-        # the cyclic garbage collector at any allocation) invalidates that capture: collect first, and keep
-        # the collector off until every graph is captured.
-        gc.collect()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
         try:
-            with torch.inference_mode(), torch.cuda.stream(stream):
+            with collector_paused(), torch.inference_mode(), torch.cuda.stream(stream):
                 self._reset_inputs()
                 self.decoder.calibrate(stream)
                 self._reset_inputs()
@@ -611,9 +621,6 @@ class GraphSet:
             raise
         except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types; the core must not become ready
             raise ExecutionError(f"CUDA graph capture failed: {type(exc).__name__}: {exc}", ErrorKind.DEVICE) from exc
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         self.capture_s = time.perf_counter() - started
 
     def pick(self, kind: str, size: int, full_sampling: bool = True, *, batch: int = 1) -> tuple[str, int, int, bool]:

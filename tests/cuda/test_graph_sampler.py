@@ -436,6 +436,23 @@ def _recording_executor(hf, monkeypatch):
     return ex, picked
 
 
+def _logprob_executor(hf, monkeypatch, keep):
+    """A graph executor over ``hf``'s weights and the list ``keep(seen, completion)`` files each polled step's
+    logprobs into."""
+    ex, _ = _recording_executor(hf, monkeypatch)
+    seen: list = []
+    real_poll = ex.poll
+
+    def poll(*args, **kwargs):
+        got = real_poll(*args, **kwargs)
+        if got is not None:
+            keep(seen, got)
+        return got
+
+    monkeypatch.setattr(ex, "poll", poll)
+    return ex, seen
+
+
 def test_temperature_only_steps_take_the_graphs_without_a_sort(hf, monkeypatch):
     """A temperature-only request's steps take the TEMPERATURE graphs, one with a top-p the FULL graphs, a greedy
     one the GREEDY graphs; the temperature-only request draws the same tokens alone and beside the top-p one (its
@@ -559,17 +576,7 @@ def test_logprob_rows_are_drawn_in_the_graphs_with_the_torch_samplers_logprobs(h
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams, SequenceSamplingState
 
-    ex, _ = _recording_executor(hf, monkeypatch)
-    seen: list = []
-    real_poll = ex.poll
-
-    def poll(*args, **kwargs):
-        got = real_poll(*args, **kwargs)
-        if got is not None:
-            seen.append([lp for lp in got[3]])
-        return got
-
-    monkeypatch.setattr(ex, "poll", poll)
+    ex, seen = _logprob_executor(hf, monkeypatch, lambda seen, got: seen.append(list(got[3])))
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [4, 3, 2] * 6]
     params = [SamplingParams(temperature=0.0, logprobs=top, max_tokens=16),
               SamplingParams(temperature=0.0, logprobs=0, repetition_penalty=1.5, logit_bias={3: 1.0},
@@ -618,17 +625,8 @@ def test_logprob_graphs_as_the_count_of_rows_falls(hf, monkeypatch):
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams, SequenceSamplingState
 
-    ex, _ = _recording_executor(hf, monkeypatch)
-    seen: list = []
-    real_poll = ex.poll
-
-    def poll(*args, **kwargs):
-        got = real_poll(*args, **kwargs)
-        if got is not None:
-            seen.extend((int(h), lp) for h, lp in zip(got[1].handles, got[3]) if lp is not None)
-        return got
-
-    monkeypatch.setattr(ex, "poll", poll)
+    ex, seen = _logprob_executor(hf, monkeypatch, lambda seen, got: seen.extend(
+        (int(h), lp) for h, lp in zip(got[1].handles, got[3]) if lp is not None))
     prompts = [[5 + i, 6, 7 + 2 * i, 8] * 3 for i in range(4)]  # the executor's four slots
     params = [SamplingParams(temperature=0.0, logprobs=3, max_tokens=m) for m in (3, 6, 10, 16)]
 

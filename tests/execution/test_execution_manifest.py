@@ -141,3 +141,25 @@ def test_pick_decode_takes_the_megakernel_graphs_only_for_short_contexts():
     # a step with a LoRA adapter row: the graph that adds the adapters' terms, never the megakernel's
     assert pick(3, False, 100, mega_rows=4, mega_max_context=1024, adapters=True) == ("decode_lora", 4, 4, False)
     assert pick(5, True, 2000, mega_rows=0, mega_max_context=1024, adapters=True) == ("decode_lora", 8, 8, True)
+
+
+def test_the_collector_is_off_during_captures_and_restored_after():
+    """collector_paused (around every CUDA graph capture) turns the cyclic collector off inside, and back on only
+    where it was on, also when the captures raise."""
+    import gc
+
+    from flared.execution.graphs import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with collector_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

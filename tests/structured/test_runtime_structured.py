@@ -223,7 +223,6 @@ def test_fill_bitmasks_writes_each_rows_mask(compiler, monkeypatch, cpus):
     assert ms[1].consume(int(allowed[-1]))  # one matcher a token further on: its mask differs
     failed = grammar.matcher()
     failed.consume(compiler.vocab_size - 1)  # outside the enum: the matcher fails
-    failed.consume(compiler.vocab_size - 1)
     assert failed.failed
     ahead = AheadMask(array.array("I", range(words)))
     out = np.full((7, words), 7, dtype=np.int32)

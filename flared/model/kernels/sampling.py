@@ -246,6 +246,14 @@ def _top_k_logit(Logits, Tops, Kept, Taken, row, stride, vocab, k, n_tops, BLOCK
 
 
 @triton.jit
+def _lanes_mass(lane_m, lane_s, v):
+    """Each lane's running maximum and sum of exp(v - that maximum) with the values ``v`` taken in."""
+    m = tl.maximum(lane_m, v)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m, lane_s * tl.exp(lane_m - m_safe) + tl.exp(v - m_safe)
+
+
+@triton.jit
 def _store_chunk_mass(PartMax, PartSum, at, lane_m, lane_s):
     """A chunk's largest value and its sum of exp(v - that), from its lanes' running maxima and sums."""
     top = tl.max(lane_m, 0)
@@ -349,11 +357,7 @@ def _race_parts_kernel(Logits, Temperature, Seeds, Steps, PartVal, PartIdx, TopK
             v0, i0 = lanes_take(y, cols, v0, i0)
         if walks:
             tl.store(Scores + row * vocab + cols, y, mask=mask)
-            v = x * inv_judge
-            m = tl.maximum(lane_m, v)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(v - m_safe)
-            lane_m = m
+            lane_m, lane_s = _lanes_mass(lane_m, lane_s, x * inv_judge)
             lane_x = tl.maximum(lane_x, x)
     if FULL:
         # The chunk's four largest: each round takes the largest lane head (its first index) and pops that lane.
@@ -542,10 +546,7 @@ def _logprob_parts_kernel(Logits, Args, PartMax, PartSum, Tops, Taken, stride, v
         for base in range(start, stop, BLOCK):
             cols = base + tl.arange(0, BLOCK)
             x = tl.load(Logits + row * stride + cols, mask=cols < stop, other=float("-inf"))
-            m = tl.maximum(lane_m, x)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            lane_s = lane_s * tl.exp(lane_m - m_safe) + tl.exp(x - m_safe)
-            lane_m = m
+            lane_m, lane_s = _lanes_mass(lane_m, lane_s, x)
         _store_chunk_mass(PartMax, PartSum, r * n_chunks + part, lane_m, lane_s)
         if part == 0:
             tl.store(Taken + r, 0)
