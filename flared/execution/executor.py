@@ -33,6 +33,11 @@ Rules:
 - Frames: ordinary decodes share the two-frame window; every other kind needs
   it empty (and is run with torch ops on the model stream, not a graph); a
   third submission gets None. FrameRing enforces it.
+- Rows under a grammar (the step has the window to itself) are drawn after the step's graph: the graph is
+  launched first and takes their argmax unshaped; their masks are computed on the host while it runs, staged
+  in their Sampler slots, and a small captured graph (kernels.sampling.draw_rows) draws them from their model
+  logits as the graph's sampler would have, over the graph's tokens. The host's mask time and the forward
+  overlap instead of adding up.
 - A failure while enqueueing poisons the executor: later submissions raise.
 - ``close()`` synchronises its streams before freeing pinned memory; if that
   fails, the pinned buffers are kept (the device may still write them).
@@ -41,6 +46,8 @@ Rules:
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -51,7 +58,7 @@ from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, collector_paused, default_prefill_batch_shapes,
                                      pack_decode, pack_prefill, speculative_batch_sizes, speculative_rows)
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
-from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, row_logprobs
+from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, RowDraws, draw_rows, row_logprobs
 from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler, graph_step_rows, on_device
 from flared.runtime.request import TokenLogprob
@@ -59,6 +66,8 @@ from flared.scheduler import CompletionRecords, GraphKind, scored_participants
 
 _NUM_FRAMES = 2
 
+
+log = logging.getLogger("flared.execution")
 
 # Rows of hidden states a scored step takes through the LM head at once (float32 logits: 256 MB at a 128K vocabulary).
 _SCORE_ROWS = 512
@@ -190,6 +199,20 @@ class GraphExecutor:
         self.logprob_kernel = True
         # False: the kernels launched from Python each step, as in the thirty-eighth session (the A/B again)
         self.logprob_graphs = True
+        # Grammar rows drawn after the step's graph (kernels.sampling.draw_rows), so their masks are computed on the
+        # host while the graph runs rather than before its launch: one argument block on the device and one pinned
+        # (a grammar step runs alone in the window, so one serves every frame), and a graph a power-of-two count of
+        # rows up to the live requests
+        rows_cap = max(1, min(cap, max_live))
+        self._gd = RowDraws(rows_cap, self.decoder.state_logits.shape[1], self.device)
+        self._gd_frame = self._pin(self._gd.nbytes)
+        self._gd_host = self._gd.views(self._gd_frame.array)
+        self._gd_buckets = sorted({min(1 << i, rows_cap) for i in range(rows_cap.bit_length() + 1)})
+        self._gd_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._gd_execs: dict[int, int] = {}
+        # False: a grammar step's masks are computed and staged before its graph's launch, whose sampler draws the
+        # rows, as in the thirty-ninth session (tools/bench_structured_gpu's A/B sets it; so does a failed capture)
+        self.grammar_after = self._capture_grammar_draws()
         self.max_outstanding = 0  # most frames ever in flight at once (qualification reads it)
         # Decode uploads on the upload stream into the frame's own region (False: into region 0 on the model
         # stream, ahead of the launch, as before the nineteenth session; tools/bench_gpu.py's A/B sets it).
@@ -213,6 +236,37 @@ class GraphExecutor:
         except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types; the core must not become ready
             raise ExecutionError(f"capture of the logprob graphs failed: {type(exc).__name__}: {exc}",
                                  ErrorKind.DEVICE) from exc
+
+    def _capture_grammar_draws(self) -> bool:
+        """draw_rows over the argument block for each count of rows in _gd_buckets: each compiled by a run with no
+        row (every index -1), then captured on the model stream, in one pool of their own. False (logged) if that
+        fails: grammar rows are then drawn by the step's graphs, their masks staged before the launch, which serve
+        them as well, only slower."""
+        d = self.decoder
+        tables = d.shape_tables
+        try:
+            with collector_paused(), torch.inference_mode(), torch.cuda.stream(self.model_stream):
+                self._gd.i64[0].fill_(-1)
+                self._gd.i32[0].fill_(-1)
+                for rows in self._gd_buckets:
+                    draw_rows(d.state_logits, self._gd, tables, d.sampled, d.last_token, rows)
+                self.model_stream.synchronize()
+                pool = torch.cuda.graph_pool_handle()
+                for rows in reversed(self._gd_buckets):  # largest first: the smaller reuse its memory
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=self.model_stream):
+                        draw_rows(d.state_logits, self._gd, tables, d.sampled, d.last_token, rows)
+                    self._gd_graphs[rows] = g
+                    self._gd_execs[rows] = int(g.raw_cuda_graph_exec())
+            self.model_stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types
+            log.warning("grammar rows will be drawn by the step graphs, their masks before the launch: capture of "
+                        "the grammar draw graphs failed: %s: %s", type(exc).__name__, exc)
+            self._gd_graphs.clear()
+            self._gd_execs.clear()
+            self.model_stream.synchronize()
+            return False
+        return True
 
     def _pin(self, nbytes: int) -> cuda.PinnedBuffer:
         buf = cuda.PinnedBuffer(nbytes)
@@ -375,9 +429,16 @@ class GraphExecutor:
         # The rows the graph's sampler draws, those it shapes from the Sampler's tables (bias, penalties), those
         # the torch Sampler draws after the graph, and those whose logprobs are taken beside the graph's draw.
         in_graph, shaped, eager_rows, logprob_rows = graph_step_rows(states[:n], sample_flags[:n])
+        # Rows under a grammar the graphs' sampler takes (graph_grammar): drawn after the graph (_draw_grammar_rows),
+        # their masks computed while it runs; the graph takes their argmax unshaped, which that draw overwrites.
+        apart = [i for i in shaped if states[i].graph_grammar] if self.grammar_after else []
+        skip = set(apart)
+        if apart:
+            shaped = [i for i in shaped if i not in skip]
         # The sampler the step's graph needs: greedy while no row draws or is shaped; temperature alone (no masks)
         # while no drawing row has a min-p, top-k or top-p; else the full one.
-        drawing = [s.params for s in states if s is not None and s.params.temperature > 0]
+        drawing = [s.params for i, s in enumerate(states)
+                   if s is not None and s.params.temperature > 0 and i not in skip]
         full_sampling = (GREEDY if not drawing and not shaped else
                          TEMPERATURE if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p <= 0 for p in drawing)
                          else FULL)
@@ -408,7 +469,7 @@ class GraphExecutor:
             v[f + "shape_slot"][i] = states[i].penalty_slot
         for i in range(n):
             s = states[i]
-            if s is None or not sample_flags[i]:
+            if s is None or not sample_flags[i] or i in skip:
                 v[f + "temperature"][i] = 0.0
                 continue
             p = s.params
@@ -444,13 +505,15 @@ class GraphExecutor:
                          "shape_slot", "seeds", "steps", "chunk_meta", "logit_rows"):
                 self._upload(frame, name, batch_rows)
             self._upload(frame, "block_tables", width)
-        # Grammar rows the graph draws: their masks for this step into the slots' tables, on the model stream ahead
-        # of the launch (such a step has nothing in flight: the worker drains the window for it)
+        # Grammar rows the graph draws (grammar_after off): their masks for this step into the slots' tables, on the
+        # model stream ahead of the launch (such a step has nothing in flight: the worker drains the window for it)
         self.sampler.stage_grammar_masks([states[i] for i in shaped if states[i].graph_grammar])
         if scoring:
             self._forward_scoring(frame, plan, batch_cap, cap, scoring)
         else:
             cuda.graph_launch(execs[key], self._model_ptr)
+        if apart:  # before the logprobs, which read the drawn tokens
+            self._draw_grammar_rows(apart, rows, states)
         if eager_rows:
             self._eager_sample(self.decoder.logits, eager_rows, rows, states, self._pending[frame])
         if logprob_rows:
@@ -458,6 +521,40 @@ class GraphExecutor:
         for i in range(n):
             if in_graph[i]:
                 states[i].num_output_tokens += 1
+
+    def _draw_grammar_rows(self, apart: list[int], rows, states) -> None:
+        """Rows ``apart`` (participants under a grammar, graph_grammar) drawn behind the step's graph on the model
+        stream: their masks computed now, while the graph runs, and staged in their slots' tables
+        (Sampler.stage_grammar_masks), then one copy of their arguments and one captured draw_rows graph, which
+        gathers their model logits from the state rows, shapes them by their slots (bias, penalties, the mask),
+        draws each as the graph's sampler would have and writes the tokens where the graph wrote its own."""
+        self.sampler.stage_grammar_masks([states[i] for i in apart])
+        k = len(apart)
+        bucket = next(b for b in self._gd_buckets if b >= k)
+        i64, i32, f32 = self._gd_host
+        i64[0, :k] = apart
+        i64[1, :k] = np.asarray(rows)[apart]
+        for j, i in enumerate(apart):
+            s = states[i]
+            p = s.params
+            i64[2, j] = s.seed & 0x7FFFFFFFFFFFFFFF
+            i64[3, j] = s.num_output_tokens
+            i32[0, j] = s.penalty_slot
+            i32[1, j] = p.top_k
+            i32[2, j] = 1 if p.sampler_order else 0
+            f32[0, j] = p.temperature
+            f32[1, j] = p.top_p
+            f32[2, j] = min_p_log_threshold(p.min_p, p.temperature, bool(p.sampler_order))
+        # the bucket's rows past k: none (an earlier step's would be drawn and placed again otherwise)
+        i64[0, k:bucket] = -1
+        i64[1:, k:bucket] = 0
+        i32[0, k:bucket] = -1
+        i32[1:, k:bucket] = 0
+        f32[0, k:bucket] = 0.0
+        f32[1, k:bucket] = 1.0
+        f32[2, k:bucket] = float("-inf")
+        cuda.copy_h2d_async(self._gd.block.data_ptr(), self._gd_frame.ptr, self._gd.nbytes, self._model_ptr)
+        cuda.graph_launch(self._gd_execs[bucket], self._model_ptr)
 
     def speculates(self, params, grammar: bool = False) -> bool:
         """Whether a request with these sampling params (and a grammar, or not) may feed drafts: the graph's own

@@ -379,6 +379,99 @@ def test_grammar_rows_are_masked_from_their_slots_tables(full):
         assert int(got[3]) == 7
 
 
+def test_rows_drawn_apart_draw_what_the_batch_draws():
+    """draw_rows (the executor's grammar rows, drawn after the step's graph once their masks are staged) gives each
+    of its rows the token the whole batch's sampler gives it: gathered from its state row, shaped by its slot (its
+    grammar's mask, bias, penalties), with its own temperature, top-k, top-p, min-p and chain; the token lands at
+    its index and state row, counted in its slot, and nothing else is written (the bucket's spare rows none)."""
+    import array
+
+    import numpy as np
+
+    from flared.model.grammar import AheadMask
+    from flared.model.kernels import min_p_log_threshold
+    from flared.model.kernels.sampling import RowDraws, draw_rows, sample_full
+    from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
+
+    vocab, dev = 3000, torch.device("cuda")
+    words = (vocab + 31) // 32
+    sampler = Sampler(vocab, device=dev, max_penalty_slots=8, graph_tables=True)
+    params = [SamplingParams(temperature=0.9, top_p=0.9),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, repetition_penalty=1.4, logit_bias={5: 2.0}, top_k=20),
+              SamplingParams(temperature=0.0, logit_bias={7: 1e4}),  # no grammar: drawn in the batch
+              SamplingParams(temperature=0.7),  # no slot
+              SamplingParams(temperature=1.2, min_p=0.05, frequency_penalty=0.3),
+              SamplingParams(temperature=0.6, top_k=30, top_p=0.8, min_p=0.01, sampler_order=LLAMA_CPP_ORDER)]
+    grammared = [True, True, True, False, False, True, True]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    states = []
+    for p, has in zip(params, grammared):
+        prompt = torch.randint(0, vocab, (20,), generator=g, device=dev).tolist()
+        states.append(sampler.add_sequence(p, prompt, grammar=AheadMask(array.array("I", bytes(4 * words)))
+                                           if has else None))
+    assert [bool(s.graph_grammar) for s in states] == grammared
+    batch = len(states)
+    apart = [i for i, has in enumerate(grammared) if has]
+    slots = torch.tensor([-1 if s.penalty_slot is None else s.penalty_slot for s in states], dtype=torch.int32,
+                         device=dev)
+    temperature = torch.tensor([p.temperature for p in params], device=dev)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int32, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p_log = torch.tensor([min_p_log_threshold(p.min_p, p.temperature, bool(p.sampler_order)) for p in params],
+                             dtype=torch.float32, device=dev)
+    chains = torch.tensor([1 if p.sampler_order else 0 for p in params], dtype=torch.int32, device=dev)
+    seeds = torch.arange(batch, dtype=torch.int64, device=dev) * 977 + 13
+    state_rows = [9, 2, 14, 0, 5, 11, 7]  # each row's logits at its state row
+    draws = RowDraws(8, vocab, dev)
+    host = np.zeros(draws.nbytes, dtype=np.uint8)
+    i64, i32, f32 = draws.views(host)
+    for step in range(4):
+        allowed = torch.rand(batch, vocab, generator=g, device=dev) < 0.05
+        bits = torch.nn.functional.pad(allowed, (0, 32 * words - vocab))
+        packed = (bits.view(batch, words, 32).to(torch.int64) << torch.arange(32, device=dev)).sum(-1)
+        for i, s in enumerate(states):
+            if s.grammar is not None:
+                s.grammar = AheadMask(array.array("I", packed[i].cpu().numpy().astype("uint32")))
+        sampler.stage_grammar_masks([states[i] for i in apart])
+        logits = torch.randn(batch, vocab, device=dev, generator=g) * 3
+        steps = torch.full((batch,), step, dtype=torch.int64, device=dev)
+        counts_before = sampler.output_counts.clone()
+        want = sample_full(logits.clone(), temperature, top_k, top_p, seeds, steps, min_p_log=min_p_log,
+                           shape=(slots, sampler.shape_tables()), chain=chains)
+        counts_want = sampler.output_counts.clone()
+        sampler.output_counts.copy_(counts_before)
+        state_logits = torch.randn(16, vocab, device=dev, generator=g)
+        state_logits[state_rows] = logits
+        kept = state_logits.clone()
+        sampled = torch.full((batch,), -7, dtype=torch.int64, device=dev)
+        last_token = torch.full((16,), -9, dtype=torch.int64, device=dev)
+        k = len(apart)
+        i64[0, :k], i64[1, :k] = apart, [state_rows[i] for i in apart]
+        i64[2, :k], i64[3, :k] = seeds[apart].cpu().numpy(), step
+        i32[0, :k], i32[1, :k], i32[2, :k] = slots[apart].cpu().numpy(), top_k[apart].cpu().numpy(), \
+            chains[apart].cpu().numpy()
+        f32[0, :k], f32[1, :k], f32[2, :k] = temperature[apart].cpu().numpy(), top_p[apart].cpu().numpy(), \
+            min_p_log[apart].cpu().numpy()
+        i64[0, k:], i64[1:, k:], i32[0, k:], i32[1:, k:] = -1, 0, -1, 0
+        f32[0, k:], f32[1, k:], f32[2, k:] = 0.0, 1.0, float("-inf")
+        draws.block.copy_(torch.from_numpy(host).to(dev))
+        draw_rows(state_logits, draws, sampler.shape_tables(), sampled, last_token, rows=8)
+        assert torch.equal(state_logits, kept)
+        for i in range(batch):
+            if i in apart:
+                assert int(sampled[i]) == int(want[i]), (step, i)
+                assert int(last_token[state_rows[i]]) == int(want[i]), (step, i)
+                assert bool(allowed[i, int(want[i])]), (step, i)
+            else:
+                assert int(sampled[i]) == -7 and int(last_token[state_rows[i]]) == -9, (step, i)
+        for i in apart:  # counted in the drawn rows' slots as the batch counts them
+            slot = states[i].penalty_slot
+            assert torch.equal(sampler.output_counts[slot], counts_want[slot]), (step, i)
+        assert torch.equal(sampler.output_counts[states[3].penalty_slot], counts_before[states[3].penalty_slot])
+        sampler.output_counts.copy_(counts_want)
+
+
 @pytest.mark.parametrize("full", [False, True])
 def test_shaped_greedy_rows_step_by_step_as_the_sampler_draws_them(full):
     """Greedy rows with penalties, over the whole output (vLLM's) or over llama.cpp's sliding window of prompt and

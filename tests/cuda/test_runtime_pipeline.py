@@ -136,7 +136,9 @@ def test_scored_prompts_on_the_gpu_runtime(bf16_core, tiny_hf_llama):
 
 def test_grammar_rows_are_drawn_by_the_graphs(bf16_core, monkeypatch):
     """Grammar-constrained requests on the CUDA graph executor: their masks are staged in the Sampler's slot tables
-    and the graphs' sampler draws them (no row sampled after the graph). Greedy ones give the tokens the torch
+    and drawn by graphs (no row sampled by the torch Sampler): by the draw_rows graph behind the step's graph, their
+    masks computed while it ran (the default), each the same token as the step's graph's sampler draws with the
+    masks staged before its launch (grammar_after off), seeded rows too. Greedy ones give the tokens the torch
     Sampler's masks give them (the same graph logits), sampled ones valid documents."""
     from tokenizers import Tokenizer
 
@@ -172,6 +174,12 @@ def test_grammar_rows_are_drawn_by_the_graphs(bf16_core, monkeypatch):
     real_stage = rt.executor.sampler.stage_grammar_masks
     eager_rows = []
     real_eager = rt.executor._eager_sample
+    apart = []
+    real_apart = rt.executor._draw_grammar_rows
+
+    def draw_apart(rows, *args):
+        apart.append(len(rows))
+        return real_apart(rows, *args)
 
     def stage(states):
         staged.append(len(states))
@@ -194,8 +202,17 @@ def test_grammar_rows_are_drawn_by_the_graphs(bf16_core, monkeypatch):
     try:
         monkeypatch.setattr(rt.executor.sampler, "stage_grammar_masks", stage)
         monkeypatch.setattr(rt.executor, "_eager_sample", eager)
+        assert rt.executor.grammar_after  # its draw_rows graphs captured
+        monkeypatch.setattr(rt.executor, "_draw_grammar_rows", draw_apart)
         graph = [finished(ev) for ev in run_requests(rt, batch)]
         assert sum(staged) > 0 and not eager_rows  # every constrained row drawn by the graphs
+        assert sum(apart) == sum(staged)  # ... behind the step's graph
+        rt.executor.grammar_after = False
+        del staged[:], apart[:]
+        before = [tokens(ev) for ev in run_requests(rt, batch)]
+        assert sum(staged) > 0 and not apart and not eager_rows  # by the step's graph itself
+        assert before == graph
+        rt.executor.grammar_after = True
         monkeypatch.setattr(SequenceSamplingState, "graph_grammar",
                             property(lambda self: None if self.grammar is None else False))
         eager_run = [tokens(ev) for ev in run_requests(rt, batch)]

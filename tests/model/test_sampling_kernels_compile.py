@@ -77,3 +77,10 @@ def test_the_logprobs_kernels_compile():
                   "RANKED": sampling.LOGPROB_RANKED}),
     ]
     assert all("ptx" in k.asm for k in kernels)
+
+
+def test_the_drawn_rows_placing_kernel_compiles():
+    from flared.model.kernels import sampling
+
+    kernel = _compile(sampling._place_drawn_kernel, "Tokens:*i64 Args:*i64 Sampled:*i64 LastToken:*i64 cap:i32", {})
+    assert "ptx" in kernel.asm

@@ -66,8 +66,9 @@ Rules:
   (EOS and the stop ids, up to GRAPH_BANS) hold while the row's step count
   is under it.
 - A grammar-constrained request's mask for the step (llguidance's bitmask, written by the executor into the
-  slot's row of the Sampler's ``masks`` before the graph's launch) is -inf for the ids it clears, shaped with
-  the bias while the slot's ``grammar`` flag is set.
+  slot's row of the Sampler's ``masks``) is -inf for the ids it clears, shaped with the bias while the slot's
+  ``grammar`` flag is set. The executor computes the masks while the step's graph runs and draws those rows
+  behind it (``draw_rows``: their logits gathered from their state rows, the same kernels over them alone).
 - Log-probabilities are taken by the executor beside the draw (``row_logprobs``: three small kernels behind
   the graph; the chunks' maxima and sums, a bound from their lane maxima, the copies above it ranked).
 - DRY, longer bad words, a thinking budget and the rest are not here: the executor runs
@@ -691,6 +692,61 @@ def row_logprobs(logits: torch.Tensor, args: torch.Tensor, sampled: torch.Tensor
                                   out.view(torch.int32), logits.stride(0), vocab, n_chunks, cap,
                                   PARTS=triton.next_power_of_2(n_chunks), BLOCK=LOGPROB_BLOCK, KEPT=KEPT,
                                   MAXN=GRAPH_LOGPROBS, RANKED=LOGPROB_RANKED, num_warps=LOGPROB_WARPS)
+
+
+class RowDraws:
+    """``draw_rows``' arguments for up to ``cap`` rows, on the device in one block of ``nbytes`` (its host copy has
+    the same layout: ``views`` of either, so one copy uploads them): ``i64`` [4, cap] per row its index in
+    ``sampled`` (-1: no row), its state row, seed and step; ``i32`` [3, cap] its Sampler slot (-1: none), top-k and
+    chain flag; ``f32`` [3, cap] its temperature, top-p and min-p threshold (kernels.min_p_log_threshold); and
+    ``logits`` [cap, V] float32, the scratch its state row's logits are gathered into."""
+
+    def __init__(self, cap: int, vocab: int, device):
+        self.cap = cap
+        self.nbytes = cap * (4 * 8 + 3 * 4 + 3 * 4)
+        self.block = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.i64, self.i32, self.f32 = self.views(self.block)
+        self.logits = torch.zeros(cap, vocab, dtype=torch.float32, device=device)
+
+    def views(self, block):
+        """(i64, i32, f32) over ``block``: this object's device bytes, or a host copy's (a numpy uint8 array)."""
+        cap = self.cap
+        a, b = 4 * 8 * cap, 4 * 8 * cap + 3 * 4 * cap
+        if isinstance(block, torch.Tensor):
+            return (block[:a].view(torch.int64).view(4, cap), block[a:b].view(torch.int32).view(3, cap),
+                    block[b:].view(torch.float32).view(3, cap))
+        import numpy as np
+
+        return (block[:a].view(np.int64).reshape(4, cap), block[a:b].view(np.int32).reshape(3, cap),
+                block[b:self.nbytes].view(np.float32).reshape(3, cap))
+
+
+@triton.jit
+def _place_drawn_kernel(Tokens, Args, Sampled, LastToken, cap):
+    """Row k's token into ``Sampled`` at its index and ``LastToken`` at its state row (RowDraws.i64's first two
+    rows); a row with index -1 is none."""
+    k = tl.program_id(0)
+    at = tl.load(Args + k)
+    if at >= 0:
+        token = tl.load(Tokens + k)
+        tl.store(Sampled + at, token)
+        tl.store(LastToken + tl.load(Args + cap + k), token)
+
+
+def draw_rows(state_logits: torch.Tensor, draws: RowDraws, tables: ShapeTables, sampled: torch.Tensor,
+              last_token: torch.Tensor, rows: int) -> None:
+    """The first ``rows`` rows of ``draws`` drawn apart from a step's batch, after it: each row's logits gathered
+    from ``state_logits`` [S, V] (the model's, unshaped), shaped by its slot's tables and drawn by ``sample_full``
+    with its own parameters, the token written to ``sampled`` [B] and ``last_token`` [S] (int64) and counted in its
+    slot. A row draws what it would have drawn in the batch (a draw depends on its seed, step and logits alone), so
+    the executor draws a grammar's rows this way once their masks, computed while the step's graph ran, are staged
+    (GraphExecutor.grammar_after). No host sync; captured as a graph a count of rows."""
+    i64, i32, f32 = draws.i64, draws.i32, draws.f32
+    logits = draws.logits[:rows]
+    torch.index_select(state_logits, 0, i64[1, :rows], out=logits)
+    tokens = sample_full(logits, f32[0, :rows], i32[1, :rows], f32[1, :rows], i64[2, :rows], i64[3, :rows],
+                         min_p_log=f32[2, :rows], shape=(i32[0, :rows], tables), chain=i32[2, :rows])
+    _place_drawn_kernel[(rows,)](tokens, i64, sampled, last_token, draws.cap, num_warps=1)
 
 
 def _parts(batch: int, vocab: int) -> tuple[int, int]:
