@@ -233,7 +233,10 @@ class GrammarCompiler:
     def json_schema(self, schema: Any) -> CompiledGrammar:
         """A grammar for JSON documents valid under ``schema`` (True or {} = any JSON value)."""
         check_schema(schema)
-        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        # the schema's own key order (llguidance writes an object's properties in their order here, as OpenAI's
+        # structured outputs promise: sorted keys would make a {"name", "arguments"} tool call write its arguments
+        # first); the cache key is the same text, so schemas that differ only in order compile apart
+        text = json.dumps(schema, separators=(",", ":"))
         return self._compile("json:" + text,
                              lambda: llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS))
 

@@ -52,6 +52,27 @@ def _request(prompt, grammar=None, max_tokens=24, **kw):
     return GenerateRequest(tuple(prompt), (), SamplingParams(max_tokens=max_tokens, **kw), eos, grammar=grammar)
 
 
+def test_objects_keep_the_schema_s_property_order(compiler, tiny_core):
+    """A schema's properties are written in the order it declares them (OpenAI's structured outputs promise it;
+    a forced tool call names its function before its arguments), not sorted; the same properties in another order
+    are another grammar."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
+    props = {"name": {"type": "string"}, "age": {"type": "integer"}}
+
+    def accepts(schema, text):
+        matcher = compiler.json_schema(schema).matcher()
+        return all(matcher.consume(t) for t in tok.encode(text, add_special_tokens=False).ids) and matcher.accepting
+
+    declared = {"type": "object", "properties": props, "required": ["name", "age"], "additionalProperties": False}
+    reverse = dict(declared, properties=dict(reversed(list(props.items()))))
+    assert accepts(declared, '{"name":"x","age":1}')
+    assert not accepts(declared, '{"age":1,"name":"x"}')
+    assert accepts(reverse, '{"age":1,"name":"x"}')
+    assert not accepts(reverse, '{"name":"x","age":1}')
+
+
 def test_masks_touch_only_constrained_rows(runtime, compiler, tiny_core):
     from tokenizers import Tokenizer
 

@@ -25,9 +25,10 @@ SCHEMAS = [
         "name": {"type": "string", "minLength": 1, "maxLength": 12},
         "age": {"type": "integer", "minimum": 0, "maximum": 120}},
         "required": ["name", "age"], "additionalProperties": False}),
+    # (celsius first: after "sky" the tiny greedy model writes a number's decimals past any budget)
     ("weather", {"type": "object", "properties": {
-        "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]},
-        "celsius": {"type": "number", "minimum": -40, "maximum": 50}},
+        "celsius": {"type": "number", "minimum": -40, "maximum": 50},
+        "sky": {"enum": ["sunny", "cloudy", "rainy", "snowy"]}},
         "required": ["sky", "celsius"], "additionalProperties": False}),
     ("tags", {"type": "object", "properties": {
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
