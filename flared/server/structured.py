@@ -263,20 +263,33 @@ class ForcedToolParser(ToolParser):
 
     Named: the whole output is the arguments object, streamed as argument
     deltas as it arrives (the grammar guarantees it is that JSON). Any tool:
-    the output is a JSON array of calls, announced when it is complete. An
-    output cut short by max_tokens stays a truncated call (named) or
-    becomes content (any).
+    the output is a JSON array of calls, each announced whole as soon as its
+    object is complete (a stream shows the first call while the model writes
+    the next). An output cut short by max_tokens stays a truncated call
+    (named); any tool: the calls completed before the cut are calls, the
+    unfinished rest is content (all of it, if no call was complete).
     """
 
     name = "forced"
     forced_name: str | None = None
+    _decoder = json.JSONDecoder()
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self._announced = False
+        self._opened = False  # any tool: the array's "[" read
+        self._ended = False  # any tool: its "]" read
+        self._raw = ""  # any tool: the whole output, content if no call parses
+
+    def push(self, text: str):
+        if self.forced_name is None:
+            self._raw += text
+        return super().push(text)
 
     def _step(self, final: bool) -> bool:
-        if self.forced_name is not None and self._buf:
+        if self.forced_name is None:
+            return self._next_call()
+        if self._buf:
             if not self._announced:
                 self._announced = True
                 self._emit_calls([self._announce(self.forced_name)])
@@ -285,24 +298,47 @@ class ForcedToolParser(ToolParser):
             self._buf = ""
         return False
 
+    def _next_call(self) -> bool:
+        """Any tool: the array's next call out of the buffer once its object is complete; True when one was."""
+        text = self._buf.lstrip()
+        if self._ended or not text:
+            return False
+        if not self._opened:
+            if text[0] != "[":
+                return False
+            self._opened = True
+            text = text[1:].lstrip()
+        if self.calls and text[:1] == ",":
+            text = text[1:].lstrip()
+        if text[:1] == "]":
+            self._ended = True
+            self._buf = ""
+            return False
+        try:
+            value, end = self._decoder.raw_decode(text)
+        except ValueError:  # not complete yet
+            self._buf = text
+            return False
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value):
+            self._buf = text
+            return False
+        delta = self._announce(value["name"])
+        delta.arguments = json.dumps(value["arguments"], ensure_ascii=False)
+        self.calls[delta.index].arguments = delta.arguments
+        self._emit_calls([delta])
+        self._close(delta.index, None)
+        self._buf = text[end:]
+        return True
+
     def _finish_rest(self) -> None:
         if self.forced_name is not None:
             if self._announced:
                 self._close(0, None)
             return
-        try:
-            value = json.loads(self._buf)
-            calls = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in value]
-        except (ValueError, TypeError, KeyError):
-            self._emit_content(self._buf)
-            self._buf = ""
-            return
-        for fn, arguments in calls:
-            delta = self._announce(fn)
-            delta.arguments = arguments
-            self.calls[delta.index].arguments = arguments
-            self._emit_calls([delta])
-            self._close(delta.index, None)
+        if not self.calls:
+            self._emit_content(self._raw)
+        elif not self._ended:
+            self._emit_content(self._buf.lstrip().removeprefix(",").lstrip())
         self._buf = ""
 
 

@@ -191,3 +191,42 @@ def test_tool_history_on_a_template_without_tools_is_a_clear_400(smol_daemon):
     # The same template renders plain turns as before.
     r = oai.chat.completions.create(model="smollm2-135m-instruct", max_tokens=4, messages=messages[:1])
     assert r.choices[0].message.content
+
+
+def _forced_parser():
+    from flared.server.structured import ForcedToolParser
+
+    return type("AnyTool", (ForcedToolParser,), {"forced_name": None})(TOOLS)
+
+
+def test_any_tool_calls_are_announced_as_each_completes():
+    """tool_choice required / any: each call of the array is announced whole once its object closes (a stream sees
+    the first while the second is written), arguments re-serialised from the parsed JSON, the brackets and commas
+    never content."""
+    first = '{"name":"get_weather","arguments":{"city":"Paris","days":3}}'
+    second = '{"name":"get_time","arguments":{"zone":"CET"}}'
+    text = "[" + first + ", " + second + "]"
+    parser = _forced_parser()
+    seen = []
+    for i in range(0, len(text), 5):  # token-sized pieces
+        out = parser.push(text[i:i + 5])
+        assert out.content == ""
+        seen += [(i, c.name, c.arguments) for c in out.calls]
+    end = parser.finish()
+    assert end.content == "" and not end.calls
+    assert [(name, json.loads(args)) for _, name, args in seen] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": "CET"})]
+    assert seen[0][0] < len(first) + 5 < seen[1][0]  # the first came out before the second was written
+    assert [c.name for c in parser.calls] == ["get_weather", "get_time"] and parser.num_closed == 2
+
+
+def test_any_tool_output_cut_short_keeps_its_complete_calls():
+    """Cut by max_tokens: the calls completed before the cut are calls, the unfinished one is content; with no
+    complete call the whole output is content, as before."""
+    parser = _forced_parser()
+    out = parser.parse('[{"name":"get_time","arguments":{"zone":"UTC"}},{"name":"get_weather","argu')
+    assert [c.name for c in out.calls] == ["get_time"] and json.loads(out.calls[0].arguments) == {"zone": "UTC"}
+    assert out.content == '{"name":"get_weather","argu'
+    parser = _forced_parser()
+    out = parser.parse('[{"name":"get_time","argum')
+    assert not out.calls and out.content == '[{"name":"get_time","argum'
