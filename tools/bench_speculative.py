@@ -5,7 +5,10 @@
 The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 behind the scheduler and the eager executor
 (what ``flared run`` serves on a CPU). Three workloads of chat prompts (ChatML, the model's template):
 ``quote`` asks it to repeat a passage (much of the answer is in the prompt), ``edit`` to fix a typo in a code
-snippet (some of it is), ``chat`` an open question (little of it is: the overhead). Each stream generates
+snippet (some of it is), ``chat`` an open question (little of it is: the overhead); with OpenAI's predicted
+outputs (the request's ``prediction``, where the drafts are looked up first), ``edit+pred`` is ``edit`` predicted to
+answer the corrected code, and ``write+pred`` asks for such code from a description (not in the prompt) predicted
+to be that code, beside ``write`` without the prediction. Each stream generates
 ``--tokens`` tokens (EOS ignored, as a load generator's ignore_eos); tok/s = streams x tokens over the whole run,
 from admission to the last token (the prompts' prefill is the same work in both variants). Each figure is the best
 of ``--repeats``, the variants alternating. Also: the decode and speculative steps each variant took, the drafts fed
@@ -14,7 +17,7 @@ through the same one-call decode step, tests/model/test_decode_kernel.py, and a 
 its seed at their own positions). Sampled streams are seeded, stream i with seed i, in both variants.
 
     .venv/bin/python tools/bench_speculative.py [--draft 4] [--tokens 96] [--streams 1,8] [--repeats 3]
-        [--temperature 0.7 --top-p 0.9] [--json]
+        [--temperature 0.7 --top-p 0.9] [--workloads edit,edit+pred,write,write+pred] [--dtype float32] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -32,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lora_cpu import load_model  # noqa: E402  the embedded model in bf16, the one-call decode step
+from bench_lora_cpu import load_model, load_source  # noqa: E402  the embedded model in bf16, the one-call decode step
 
 PASSAGE = ("The lighthouse stood at the edge of the harbour for two hundred years. Every night its keeper climbed "
            "the one hundred and twelve steps, trimmed the wick, polished the great lens and wound the clockwork "
@@ -45,7 +48,12 @@ WORKLOADS = {
     "quote": "Repeat the following text exactly, word for word:\n\n" + PASSAGE,
     "edit": "Fix the typo in this Python code and return the whole corrected code:\n\n" + CODE,
     "chat": "What are three good habits for staying healthy? Explain each one briefly.",
+    "write": "Write a Python function mean(values) that returns the mean of a list of numbers, and a function "
+             "variance(values) that uses it.",
 }
+WORKLOADS["edit+pred"] = WORKLOADS["edit"]
+WORKLOADS["write+pred"] = WORKLOADS["write"]
+PREDICTIONS = {"edit+pred": CODE.replace("vales", "values"), "write+pred": CODE.replace("vales", "values")}
 
 
 def tokenizer():
@@ -62,7 +70,8 @@ def chat_prompt(tok, text: str) -> list[int]:
     return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).ids
 
 
-def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p: float = 1.0,
+        prediction=None) -> dict:
     from flared.execution.eager import EagerExecutor
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams
@@ -77,7 +86,7 @@ def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p
     ex = EagerExecutor(model, num_pages=pages, page_tokens=16, num_state_rows=n + 1, num_snapshots=4 * n,
                        vocab_size=model.config.vocab_size, max_live=n)
     params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=tokens) for i in range(n)]
-    r = drive(sched, ex, prompts, params, speculate=True)
+    r = drive(sched, ex, prompts, params, speculate=True, predictions=None if prediction is None else [prediction] * n)
     return {"tok_s": n * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
             "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
             "speculative_steps": r.steps_by_kind["SPECULATIVE"],
@@ -89,27 +98,37 @@ def main() -> int:
     ap.add_argument("--draft", type=int, default=4, help="speculative_tokens")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--streams", default="1,8")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default="quote,edit,chat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy streams")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="float32: the eager forward, for hosts without AVX-512 BF16 (what flared run serves there)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    model = load_model()
+    if args.dtype == "bfloat16":
+        model = load_model()
+    else:
+        from flared.model.decoder import DecoderModel
+
+        source = load_source()
+        model = DecoderModel(source.config, source.tensors, dtype=torch.float32, max_positions=1024)
     tok = tokenizer()
     out = {"draft": args.draft, "tokens": args.tokens, "temperature": args.temperature, "top_p": args.top_p,
-           "threads": torch.get_num_threads()}
+           "threads": torch.get_num_threads(), "dtype": args.dtype}
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     print(f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'steps':>11} "
           f"{'kept/fed':>11} {'same':>6}")
     for name in args.workloads.split(","):
         for streams in (int(s) for s in args.streams.split(",")):
             prompts = [chat_prompt(tok, WORKLOADS[name])] * streams
+            prediction = (tuple(tok.encode(PREDICTIONS[name], add_special_tokens=False).ids)
+                          if name in PREDICTIONS else None)
             run(model, prompts, 8, args.draft, **sampling)  # warm both paths
             best: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for variant, draft in (("plain", 0), ("spec", args.draft)):
-                    got = run(model, prompts, args.tokens, draft, **sampling)
+                    got = run(model, prompts, args.tokens, draft, prediction=prediction, **sampling)
                     if variant not in best or got["tok_s"] > best[variant]["tok_s"]:
                         best[variant] = got
             plain, spec = best["plain"], best["spec"]

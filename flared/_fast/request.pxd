@@ -95,6 +95,9 @@ cdef class Request:
     # Speculative decoding may feed this request drafts (a greedy request whose tokens nothing but the logits
     # decide: RequestScheduler.admit's ``speculate``).
     cdef readonly bint speculate
+    # OpenAI's predicted output (token ids; empty: none): the lookup's first source of drafts
+    cdef readonly object prediction
+    cdef int32_t[::1] _prediction
     # Its drafts a step at most now (starts at 1; doubles after a round that kept every draft, up to
     # speculative_tokens; halves after one that kept none), and, once that reached 0, the generation rounds left
     # before it tries 1 again.

@@ -50,6 +50,7 @@ cdef class RequestScheduler:
     cdef _reclaim(self, list reusable)
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=*)
     cdef tuple _propose(self, Request r)
+    cdef tuple _predicted(self, Request r, int32_t[::1] sv, Py_ssize_t outputs, int64_t cap)
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
     cdef list _priced_drafts(self, list requests, list drafts, ScheduledPlan p)
     cdef bint _drains_to_speculate(self, list requests)

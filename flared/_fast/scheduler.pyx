@@ -219,6 +219,7 @@ cdef class RequestScheduler:
         bint score_prompt=False,
         int64_t priority=0,
         bint speculate=False,
+        prediction=(),
     ):
         """Admit a request; returns its handle.
 
@@ -226,7 +227,9 @@ cdef class RequestScheduler:
         candidates). ``conditioning``: (position, 32-byte identity) events.
         ``priority``: vLLM's (lower runs sooner; Request.value_scale).
         ``speculate``: speculative steps may feed this request drafts (the caller vouches that its next tokens are
-        the logits' argmax and nothing else: greedy, nothing that shapes the logits).
+        the logits' argmax and nothing else: greedy, nothing that shapes the logits). ``prediction``: token ids
+        the client expects the output to resemble (OpenAI's predicted outputs), where its drafts are looked up
+        first.
         Raises AdmissionError (CONTEXT_LENGTH, VALIDATION, MODEL_CAPACITY).
         """
         prompt = np.array(prompt_tokens, dtype=np.int32).reshape(-1)
@@ -318,6 +321,8 @@ cdef class RequestScheduler:
         r.delivery_price = 1.0
         r.priority = priority
         r.speculate = speculate
+        r.prediction = np.array(prediction, dtype=np.int32).reshape(-1)
+        r._prediction = r.prediction
         r.spec_cap = min(1, self._spec_tokens)  # one draft first: wider only once drafts are kept
         r.spec_kept = r.spec_rejected = 1.0
         r.spec_cooldown = 0
@@ -400,7 +405,8 @@ cdef class RequestScheduler:
         """Draft tokens for ``r`` by prompt lookup: its latest n tokens (n from prompt_lookup_max down to
         prompt_lookup_min), found again earlier in its prompt and output, and what followed them there (the latest
         such place with as many tokens after it as the cap, else the earliest); as many as its cap (spec_cap) and the
-        output limit allow (the step adds one token of its own)."""
+        output limit allow (the step adds one token of its own). A request with a predicted output looks there
+        first (_predicted)."""
         cdef int64_t cap = min(<int64_t>r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
         if cap <= 0 or not r.output_tokens:
             return ()
@@ -411,6 +417,10 @@ cdef class RequestScheduler:
         sv[:P] = r._prompt
         for i in range(L - P):
             sv[P + i] = out[i]
+        if r._prediction.shape[0]:
+            drafts = self._predicted(r, sv, len(out), cap)
+            if drafts:
+                return drafts
         # An n-gram match ends at each earlier place j (j < L - 1) where the latest n tokens occur again, and its
         # continuation starts at j + 1: plain loops (a few hundred tokens, n <= prompt_lookup_max).
         for n in range(min(<Py_ssize_t>self._lookup_max, L - 1), self._lookup_min - 1, -1):
@@ -428,6 +438,29 @@ cdef class RequestScheduler:
                 # the latest place followed by a full cap of tokens; else the earliest (the longest continuation)
                 i = (latest_full if latest_full >= 0 else earliest) + 1
                 return tuple([sv[j] for j in range(i, min(i + cap, L))])
+        return ()
+
+    cdef tuple _predicted(self, Request r, int32_t[::1] sv, Py_ssize_t outputs, int64_t cap):
+        """Drafts from ``r``'s predicted output: its latest n tokens (n from prompt_lookup_max down to
+        prompt_lookup_min, or to 1 while the output is shorter than that, and at most the output's length) found in
+        the prediction, at the place nearest the output's own position (an edited text keeps its order, so the
+        prediction's place for the output's k-th token is about k), and what follows them there."""
+        cdef int32_t[::1] pv = r._prediction
+        cdef Py_ssize_t Q = pv.shape[0], L = sv.shape[0], n, j, m, best, gap, best_gap
+        cdef Py_ssize_t low = min(<Py_ssize_t>self._lookup_min, outputs)
+        for n in range(min(<Py_ssize_t>self._lookup_max, outputs), max(low, 1) - 1, -1):
+            best = -1
+            best_gap = Q + L
+            for j in range(n - 1, Q - 1):  # a match ending at j with at least one token after it
+                m = 0
+                while m < n and pv[j - m] == sv[L - 1 - m]:
+                    m += 1
+                if m == n:
+                    gap = j - (outputs - 1) if j >= outputs - 1 else outputs - 1 - j
+                    if gap < best_gap:
+                        best, best_gap = j, gap
+            if best >= 0:
+                return tuple([pv[j] for j in range(best + 1, min(best + 1 + cap, Q))])
         return ()
 
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=False):

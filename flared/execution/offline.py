@@ -40,12 +40,13 @@ class DriveResult:
 
 
 def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_ns=time.monotonic_ns,
-          loras=None, speculate: bool = False) -> DriveResult:
+          loras=None, speculate: bool = False, predictions=None) -> DriveResult:
     """``clock_ns`` is the scheduler's clock (tests pass a fake one: the scheduler stops stacking a second
     step behind one that runs past its estimate, which a slow or loaded host can trigger). ``loras``: each
     request's per-request LoRA adapter (DecoderModel.add_lora_module's index; 0 the base), as the worker sets it.
     ``speculate``: admit the requests whose drafts the executor can verify (its ``speculates``) for speculative
-    steps, as the worker does (the scheduler's speculative_tokens turns them on)."""
+    steps, as the worker does (the scheduler's speculative_tokens turns them on). ``predictions``: each request's
+    predicted output (token ids; GenerateRequest.prediction), or None."""
     clock = time.perf_counter_ns
     t0 = clock()
     n = len(prompts)
@@ -55,7 +56,8 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
         states.append(executor.sampler.add_sequence(p, prompt))
         if loras is not None:
             states[-1].lora = loras[i]
-        handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns(), speculate=speculate and executor.speculates(p))
+        handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns(), speculate=speculate and executor.speculates(p),
+                                 prediction=predictions[i] if predictions is not None else ())
         by_handle[int(handle)] = i
     result = DriveResult([[] for _ in range(n)], [0] * n, [0] * n)
     finished = 0

@@ -51,6 +51,9 @@ class GenerateRequest:
     # vLLM's --lora-modules: the adapter the request's model name picked (1-based, ServerConfig.lora_modules
     # order); 0 = the base weights.
     lora: int = 0
+    # OpenAI's predicted output (chat ``prediction``) as token ids: with speculative decoding on, the scheduler
+    # looks up this request's drafts there first (the tokens are the same with it or without it)
+    prediction: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,8 @@ class FinishEvent:
     num_generated_tokens: int
     queue_ns: int  # admission to first scheduled step
     first_token_ns: int  # admission to first token (0 when none)
+    num_drafted: int = 0  # draft tokens speculative steps fed this request
+    num_accepted_drafts: int = 0  # ... of which it kept (the rest were computed and dropped)
 
 
 @dataclasses.dataclass(frozen=True)

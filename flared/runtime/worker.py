@@ -80,6 +80,8 @@ class _Live:
     num_bursts: int = 0
     grammar: object = None  # flared.model.grammar.GrammarMatcher of a constrained request
     scores: list | None = None  # a scoring request's log-probabilities so far
+    drafted: int = 0  # draft tokens its speculative steps fed, and kept
+    accepted_drafts: int = 0
 
 
 class ModelJob:
@@ -820,7 +822,8 @@ class ModelRuntime:
                     # drafts are checked by drawing at their positions: only requests whose draws the executor
                     # can make there (SamplingParams.replayable on the CPU, graph_drawable on the GPU)
                     speculate=bool(self.spec_tokens) and req.score_from is None
-                    and self.executor.speculates(req.params, grammar=req.grammar is not None))
+                    and self.executor.speculates(req.params, grammar=req.grammar is not None),
+                    prediction=req.prediction)
                 if req.grammar is not None and live.grammar is None:
                     live.grammar = req.grammar.matcher()
                 if req.score_from is not None:
@@ -902,6 +905,12 @@ class ModelRuntime:
                              len(handles), int(duration_ns), handles,
                              estimate_ns=int(plan.estimated_duration_ns))
         index = {h: i for i, h in enumerate(handles)}
+        if kind_name == "speculative" and records.accepted_drafts is not None:  # each participant's drafts fed, kept
+            for i, h in enumerate(handles):
+                live = self._by_handle.get(h)
+                if live is not None:
+                    live.drafted += int(plan.num_tokens[i]) - 1
+                    live.accepted_drafts += len(records.accepted_drafts[i])
         spoken: dict[int, int] = {}  # a speculative participant's tokens emitted so far this step
         # Handles this completion already released (a last token at max_tokens): nothing left to finish.
         released = {int(h) for h in result.retired}
@@ -955,7 +964,8 @@ class ModelRuntime:
         req = live.request
         self._terminal(live, FinishEvent(
             reason, len(req.prompt_token_ids), live.reused_tokens, live.num_generated,
-            live.scheduled_ns - live.admitted_ns if live.scheduled_ns else 0, live.first_token_ns - live.admitted_ns if live.first_token_ns else 0))
+            live.scheduled_ns - live.admitted_ns if live.scheduled_ns else 0,
+            live.first_token_ns - live.admitted_ns if live.first_token_ns else 0, live.drafted, live.accepted_drafts))
 
     def _terminal(self, live: _Live, event) -> None:
         if live.terminal_sent:

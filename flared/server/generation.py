@@ -54,6 +54,8 @@ class ChoiceUsage:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    num_drafted: int = 0  # speculative draft tokens fed (FinishEvent.num_drafted), and kept
+    num_accepted_drafts: int = 0
 
 
 class _Choice:
@@ -132,6 +134,8 @@ class Generation:
         total = ChoiceUsage()
         for c in self._choices:
             total.num_generated_tokens += c.usage.num_generated_tokens
+            total.num_drafted += c.usage.num_drafted
+            total.num_accepted_drafts += c.usage.num_accepted_drafts
         # Choices of one prompt share it: report it once per distinct prompt.
         seen: set[tuple[int, ...]] = set()
         for c in self._choices:
@@ -235,6 +239,8 @@ class Generation:
     def _on_finish(self, index: int, choice: _Choice, event: FinishEvent) -> ChoiceDelta | None:
         choice.done = True
         choice.usage.num_cached_tokens = event.num_cached_tokens
+        choice.usage.num_drafted = event.num_drafted
+        choice.usage.num_accepted_drafts = event.num_accepted_drafts
         if choice.final_sent:
             return None
         tail = choice.detok.finish()

@@ -302,12 +302,18 @@ def _check_vocab(state, opts: SamplingOptions) -> None:
 
 def _usage(gen: Generation) -> dict[str, Any]:
     u = gen.usage()
-    return {
+    out = {
         "prompt_tokens": u.num_prompt_tokens,
         "completion_tokens": u.num_generated_tokens,
         "total_tokens": u.num_prompt_tokens + u.num_generated_tokens,
         "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens},
     }
+    if any(gen.request(i).prediction for i in range(gen.num_choices)):
+        # a predicted output: the draft tokens speculative decoding took from it (looked up there first) and kept,
+        # and those it computed and dropped (0 and 0 with speculation off: the prediction then changes nothing)
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": u.num_accepted_drafts,
+                                            "rejected_prediction_tokens": u.num_drafted - u.num_accepted_drafts}
+    return out
 
 
 def token_logprobs(fe, lps: list[TokenLogprob], *, as_ids: bool = False) -> list[dict[str, Any]]:
@@ -522,11 +528,16 @@ class OpenAIRoutes:
             spec = force_tool_call(shape, req.tools, req.forced_tool)
         grammar = await compile_grammar(self.state, spec)
         await prepare_samplers(self.state, opts)
+        prediction = ()
+        if req.prediction:
+            text = req.prediction
+            prediction = tuple(await self.state._in_pool(lambda: self.state.frontend.encode(text)))
         requests = [
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                             params=sampling_params(self.state, opts, len(prompt), None, i),
                             stop_token_ids=_stop_ids(self.state, opts), grammar=grammar,
-                            cache_salt=req.extras.cache_salt, priority=req.extras.priority, lora=lora)
+                            cache_salt=req.extras.cache_salt, priority=req.extras.priority, lora=lora,
+                            prediction=prediction)
             for i in range(opts.n)]
         gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
                                and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)

@@ -118,6 +118,9 @@ class ChatRequest:
     # OpenAI's deprecated ``functions``: the answer names its call ``message.function_call`` (one call), with
     # finish reason "function_call"
     legacy_functions: bool = False
+    # OpenAI's predicted output (``prediction``: {"type": "content", "content": text or text parts}): where
+    # speculative decoding looks up drafts first; None: none
+    prediction: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +443,7 @@ def parse_chat(body: Any) -> ChatRequest:
         elif content is None and role != "assistant":
             raise _bad(f"{where}.content", "is required")
         out.append(msg)
-    _reject_unsupported(body, ("audio", "prediction"))
+    _reject_unsupported(body, ("audio",))
     tools = parse_tools(body.get("tools"), "tools")
     forced_tool = parse_openai_forced_tool_choice(body.get("tool_choice"),
                                                   parallel=_boolean(body, "parallel_tool_calls", default=True))
@@ -485,7 +488,19 @@ def parse_chat(body: Any) -> ChatRequest:
         chat_template=_string(body, "chat_template"),
         extras=_extras(body, stream),
         legacy_functions=legacy,
+        prediction=_prediction(body.get("prediction")),
     )
+
+
+def _prediction(value: Any) -> str | None:
+    """OpenAI's ``prediction``: ``{"type": "content", "content": text or an array of text parts}`` -> the text."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise _bad("prediction", 'must be {"type": "content", "content": ...}')
+    if "content" not in value:
+        raise _bad("prediction.content", "is required")
+    return join_text_parts(value["content"], "prediction.content")
 
 
 def _from_legacy_functions(body: dict) -> dict:

@@ -114,6 +114,20 @@ def test_n_choices_share_the_prompt_prefill(client, daemon):
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == singles
 
 
+def test_a_predicted_output_changes_no_token_and_reports_its_drafts(client):
+    """OpenAI's ``prediction`` (text or text parts) is accepted; the answer is the one without it, and usage
+    reports the prediction's accepted and rejected tokens (none here: this daemon does not speculate)."""
+    plain = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=12, temperature=0)
+    text = plain.choices[0].message.content
+    for content in (text, [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]):
+        r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=12, temperature=0,
+                                           prediction={"type": "content", "content": content})
+        assert r.choices[0].message.content == text
+        details = r.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens == 0 and details.rejected_prediction_tokens == 0
+    assert plain.usage.completion_tokens_details is None
+
+
 def test_stop_string_cuts_the_text_and_finishes_with_stop(client):
     full = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=24, temperature=0).choices[0].text
     assert len(full) > 6
@@ -162,6 +176,10 @@ def test_async_concurrent_streams_equal_their_sequential_results(client, daemon)
     (json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 10_000}).encode(), 400,
      "maximum context length is 256 tokens"),
     (json.dumps({"model": "other", "messages": MSGS}).encode(), 404, "does not exist"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "prediction": {"type": "text", "content": "x"}}).encode(), 400,
+     "'prediction'"),
+    (json.dumps({"model": MODEL, "messages": MSGS, "prediction": {"type": "content", "content": 5}}).encode(), 400,
+     "'prediction.content'"),
 ])
 def test_bad_requests_get_json_errors_and_the_daemon_keeps_serving(daemon, raw, status, needle):
     got, body = daemon.request("POST", "/v1/chat/completions", raw=raw)

@@ -26,9 +26,9 @@ def _scheduler(spec=3, **kw):
                                             prefill_chunk_size=64, speculative_tokens=spec, **kw), PolicyConfig())
 
 
-def _prefill(s, prompt, first_token, max_tokens=10, speculate=True):
+def _prefill(s, prompt, first_token, max_tokens=10, speculate=True, prediction=()):
     """Admit ``prompt`` and run its prefill step, which samples ``first_token``; returns the handle."""
-    h = s.admit(prompt, max_tokens, 1, speculate=speculate)
+    h = s.admit(prompt, max_tokens, 1, speculate=speculate, prediction=prediction)
     now = 2
     while True:
         plan = s.plan(now)
@@ -174,6 +174,74 @@ def test_drafts_are_the_plain_prompt_lookup(seed):
         finished = h in done.finished
         now += 1
     assert seen
+
+
+def _predicted_lookup(prediction, seq, outputs, cap, longest=4, shortest=2):
+    """The lookup in a predicted output, written plainly: the output's latest n tokens (n from longest down to
+    shortest, or to 1 while the output is shorter; at most its length) found in the prediction with a token after
+    them, at the place nearest the output's own position (the earlier on a tie); what follows. None: no match."""
+    for n in range(min(longest, outputs), max(min(shortest, outputs), 1) - 1, -1):
+        ends = [j for j in range(n - 1, len(prediction) - 1) if prediction[j - n + 1:j + 1] == seq[len(seq) - n:]]
+        if ends:
+            j = min(ends, key=lambda e: (abs(e - (outputs - 1)), e))
+            return prediction[j + 1:j + 1 + cap]
+    return None
+
+
+def test_a_predicted_output_is_where_drafts_are_looked_up_first():
+    """OpenAI's predicted outputs: drafts come from the prediction before the prompt, from the first output token on
+    (a 1-token match while the output is shorter than the shortest n-gram); an output that follows the prediction
+    is drafted whole, the cap climbing as drafts are kept. (The nearest-place rule: the randomized test below.)"""
+    s = _scheduler(spec=4)
+    prediction = [30, 31, 7, 8, 50, 51, 52, 7, 8, 60, 61, 62, 63]
+    prompt = [1, 2, 3, 30, 31, 99]
+    h = _prefill(s, prompt, first_token=30, max_tokens=len(prediction), prediction=prediction)
+    now, caps, emitted = 10, [], [30]
+    while True:
+        plan = s.plan(now)
+        r = s.request(h)
+        k, cap = len(r.output_tokens), min(r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
+        drafts = tuple(int(t) for t in plan.tokens(0)[1:])
+        assert list(drafts) == prediction[k:k + cap]  # (the prompt's "30 31" would have given 99 first)
+        caps.append(cap)
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        token = prediction[k + len(drafts)]  # the model writes what was predicted
+        done = s.complete(fence, _records(plan, [token], accepted=[drafts]), 1000, now)
+        emitted += [t for handle, t in done.emitted if handle == h]
+        now += 1
+        if h in done.finished:
+            break
+    assert caps[:3] == [1, 2, 4] and len(caps) == 4 and emitted == prediction
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_drafts_are_the_plain_predicted_lookup_then_the_prompt_lookup(seed):
+    """Random prompts, predictions and outputs over a few symbols, every draft kept: each step's drafts are the
+    plain predicted lookup's, or where it finds nothing the plain prompt lookup's."""
+    rng = np.random.default_rng(100 + seed)
+    s = _scheduler(spec=8)
+    prompt = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(6, 30)))]
+    prediction = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 40)))]
+    h = _prefill(s, prompt, first_token=int(rng.integers(0, 4)), max_tokens=50, prediction=prediction)
+    now, finished = 10, False
+    while not finished:
+        r = s.request(h)
+        out = list(r.output_tokens)
+        cap = min(r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
+        plan = s.plan(now)
+        drafts = [int(t) for t in plan.tokens(0)[1:]]
+        want = _predicted_lookup(prediction, prompt + out, len(out), cap) if cap > 0 else []
+        assert drafts == (want if want else _lookup(prompt + out, cap) if cap > 0 else [])
+        fence = s.last_committed_fence + 1
+        s.commit(plan, fence)
+        token = int(rng.integers(0, 4))
+        if plan.kind == GraphKind.SPECULATIVE:
+            done = s.complete(fence, _records(plan, [token], accepted=[tuple(drafts)]), 1000, now)
+        else:
+            done = s.complete(fence, _records(plan, [token]), 1000, now)
+        finished = h in done.finished
+        now += 1
 
 
 @pytest.mark.parametrize("base_ns, per_token_ns, drafts_priced", [(10_000_000, 100_000, False),
@@ -462,6 +530,43 @@ def test_the_model_thread_speculates_for_greedy_and_sampled_requests(tiny_core):
     fast, counters = serve((4, 4, 2), together=False)
     same(serve((0, 4, 2), together=False)[0], fast)
     assert counters["launches_speculative"] > 0 and counters["speculative_accepted"] > 0
+
+
+def test_a_predicted_output_feeds_drafts_and_changes_no_token(tiny_core):
+    """OpenAI's predicted outputs at the model thread: a greedy request whose prediction is its plain output gets
+    the same tokens in fewer steps than speculation without it, its FinishEvent counting the drafts fed and kept;
+    a prediction unlike the output changes no token either."""
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import FinishEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    prompt = tuple(range(60, 100))
+
+    def serve(speculative, prediction=()):
+        rt = ModelRuntime(open_core(tiny_core), torch_threads=1, prefix_cache=False, speculative=speculative)
+        rt.start(max_pending=4)
+        try:
+            (events,) = run_requests(rt, [GenerateRequest(prompt, (), SamplingParams(max_tokens=40, temperature=0.0),
+                                                          frozenset(), prediction=tuple(prediction))])
+            return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids], events[-1], \
+                dict(rt.scheduler.counters)
+        finally:
+            rt.stop()
+
+    tokens, end, _ = serve((0, 4, 2))
+    assert len(tokens) == 40 and end.num_drafted == end.num_accepted_drafts == 0
+    looked_up, end_lookup, lookup = serve((4, 4, 2))
+    predicted, end_predicted, counters = serve((4, 4, 2), tokens)
+    assert looked_up == predicted == tokens
+    assert isinstance(end_predicted, FinishEvent) and end_predicted.num_accepted_drafts >= 30
+    assert end_predicted.num_drafted >= end_predicted.num_accepted_drafts
+    assert counters["speculative_accepted"] == end_predicted.num_accepted_drafts
+    assert end_predicted.num_accepted_drafts > end_lookup.num_accepted_drafts
+    assert counters["generation_rounds"] < lookup["generation_rounds"]
+    unlike, _, _ = serve((4, 4, 2), [7, 8, 9] * 20)
+    assert unlike == tokens
 
 
 def test_server_config_and_flags_name_bad_values():
