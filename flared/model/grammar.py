@@ -10,6 +10,11 @@ Rules:
   sees them: a keyword that would constrain the output but is not enforced is
   a ``GrammarError`` naming it (a 400 at the route), never silently dropped.
   Annotations (title, description, examples, ...) are accepted and ignored.
+- An object schema that lists its properties and says nothing of others
+  allows no others (``closed_objects``): the reading of vLLM's default
+  grammar backend (xgrammar's strict mode) and llama.cpp's, where plain JSON
+  Schema would let a model append keys nobody asked for. ``additionalProperties:
+  true`` (or a schema) keeps them open. Properties keep the schema's order.
 - A matcher never raises for a token the grammar rejects: it enters an error
   state and stays there; ``consume`` returns False and ``error`` says why.
   The model thread turns that into an ErrorEvent for that request only.
@@ -98,6 +103,35 @@ def check_schema(schema: Any, path: str = "#") -> None:
         else:
             raise GrammarError(f"JSON schema keyword {key!r} at {path} is not supported by constrained decoding",
                                key)
+
+
+def closed_objects(schema: Any, *, merged: bool = False, open_defs: bool | None = None) -> Any:
+    """A copy of ``schema`` (checked: check_schema's keywords) in which every object schema with ``properties``
+    and no word on others (``additionalProperties``) allows no others. Left as they are: an object that combines
+    subschemas (anyOf, oneOf, allOf, $ref: its properties come from them too) and an allOf member (``merged``:
+    closed, it would forbid its siblings' properties); while the schema has an allOf anywhere, the $defs entries
+    themselves (one may be an allOf member through a $ref)."""
+    if not isinstance(schema, dict):
+        return schema
+    if open_defs is None:
+        open_defs = '"allOf"' in json.dumps(schema)
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+            defs = key != "properties"
+            out[key] = {name: closed_objects(sub, merged=defs and open_defs, open_defs=open_defs)
+                        for name, sub in value.items()}
+        elif key in _SCHEMA_ONE_KEYWORDS:
+            out[key] = ([closed_objects(sub, open_defs=open_defs) for sub in value] if isinstance(value, list)
+                        else closed_objects(value, open_defs=open_defs))
+        elif key in _SCHEMA_LIST_KEYWORDS and isinstance(value, list):
+            out[key] = [closed_objects(sub, merged=key == "allOf", open_defs=open_defs) for sub in value]
+        else:
+            out[key] = value
+    if ("properties" in schema and "additionalProperties" not in schema and not merged
+            and not any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref"))):
+        out["additionalProperties"] = False
+    return out
 
 
 class CompiledGrammar:
@@ -236,7 +270,7 @@ class GrammarCompiler:
         # the schema's own key order (llguidance writes an object's properties in their order here, as OpenAI's
         # structured outputs promise: sorted keys would make a {"name", "arguments"} tool call write its arguments
         # first); the cache key is the same text, so schemas that differ only in order compile apart
-        text = json.dumps(schema, separators=(",", ":"))
+        text = json.dumps(closed_objects(schema), separators=(",", ":"))
         return self._compile("json:" + text,
                              lambda: llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS))
 

@@ -73,6 +73,35 @@ def test_objects_keep_the_schema_s_property_order(compiler, tiny_core):
     assert not accepts(reverse, '{"name":"x","age":1}')
 
 
+def test_objects_that_list_properties_allow_no_others_unless_they_say_so(compiler, tiny_core):
+    """As vLLM's default backend and llama.cpp read schemas: an object listing properties and silent on others
+    takes no others (nested ones too, and a property named "properties"); additionalProperties true keeps them
+    open; allOf members are merged, not closed one against another; const values are left alone."""
+    from tokenizers import Tokenizer
+
+    from flared.model.grammar import closed_objects
+
+    tok = Tokenizer.from_file(str(tiny_core / "tokenizer.json"))
+
+    def accepts(schema, text):
+        matcher = compiler.json_schema(schema).matcher()
+        return all(matcher.consume(t) for t in tok.encode(text, add_special_tokens=False).ids) and matcher.accepting
+
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "pet": {
+        "type": "object", "properties": {"kind": {"type": "string"}}}}, "required": ["name"]}
+    assert accepts(person, '{"name":"x","pet":{"kind":"cat"}}')
+    assert not accepts(person, '{"name":"x","age":3}')
+    assert not accepts(person, '{"name":"x","pet":{"kind":"cat","age":3}}')
+    assert accepts(dict(person, additionalProperties=True), '{"name":"x","age":3}')
+    assert accepts({"type": "object", "properties": {"properties": {"type": "integer"}}}, '{"properties":1}')
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}}], "required": ["a", "b"]}
+    assert accepts(merged, '{"a":1,"b":2}')
+    assert closed_objects({"const": {"properties": {}}}) == {"const": {"properties": {}}}
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # json_object: any object
+    assert closed_objects(person)["additionalProperties"] is False and "additionalProperties" not in person
+
+
 def test_masks_touch_only_constrained_rows(runtime, compiler, tiny_core):
     from tokenizers import Tokenizer
 
