@@ -3,6 +3,7 @@
 the ranking, no sort), so a row draws the same token in either; and the executor picking the TEMPERATURE graphs for
 steps whose drawing rows have no min-p, top-k or top-p."""
 
+import array
 import math
 import sys
 from pathlib import Path
@@ -315,19 +316,42 @@ def test_rows_naming_a_slot_are_shaped_as_the_sampler_shapes_them(full):
     assert int(got[5]) == 42 and int(got[6]) in (3, 4, 5, 17, 2000) and int(got[7]) not in (9, 12)
 
 
+def _grammar_states(sampler, params, grammared, g, vocab):
+    """A state per params, from a random 20-token prompt; those ``grammared`` under a grammar (an AheadMask that
+    allows nothing until _give_masks gives it one)."""
+    from flared.model.grammar import AheadMask
+
+    words = (vocab + 31) // 32
+    states = []
+    for p, has in zip(params, grammared):
+        prompt = torch.randint(0, vocab, (20,), generator=g, device=g.device).tolist()
+        states.append(sampler.add_sequence(p, prompt, grammar=AheadMask(array.array("I", bytes(4 * words)))
+                                           if has else None))
+    return states
+
+
+def _give_masks(states, allowed):
+    """Each grammar state's mask for the step: row i of ``allowed`` [rows, V] bool, packed 32 ids a word."""
+    from flared.model.grammar import AheadMask
+
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    bits = torch.nn.functional.pad(allowed, (0, 32 * words - vocab))
+    packed = (bits.view(rows, words, 32).to(torch.int64) << torch.arange(32, device=allowed.device)).sum(-1)
+    for i, s in enumerate(states):
+        if s.grammar is not None:
+            s.grammar = AheadMask(array.array("I", packed[i].cpu().numpy().astype("uint32")))
+
+
 @pytest.mark.parametrize("full", [False, True])
 def test_grammar_rows_are_masked_from_their_slots_tables(full):
     """Grammar-constrained rows (their masks staged into the slots' tables by Sampler.stage_grammar_masks) draw the
     tokens the unshaped kernels draw from the logits the torch Sampler masks, greedy rows and rows with a bias and
     penalties too, step after step with a new mask each step; a row whose slot holds no grammar is not masked."""
-    import array
-
-    from flared.model.grammar import AheadMask
     from flared.model.kernels.sampling import sample_full, sample_race
     from flared.model.sampling import Sampler, SamplingParams
 
     vocab, dev = 3000, torch.device("cuda")
-    words = (vocab + 31) // 32
     sampler = Sampler(vocab, device=dev, max_penalty_slots=8, graph_tables=True)
     params = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.8, repetition_penalty=1.4, logit_bias={5: 2.0}),
@@ -335,11 +359,7 @@ def test_grammar_rows_are_masked_from_their_slots_tables(full):
               SamplingParams(temperature=0.7)]  # no slot
     grammared = [True, True, True, False, False]
     g = torch.Generator(device="cuda").manual_seed(3)
-    states = []
-    for p, has in zip(params, grammared):
-        prompt = torch.randint(0, vocab, (20,), generator=g, device=dev).tolist()
-        states.append(sampler.add_sequence(p, prompt, grammar=AheadMask(array.array("I", bytes(4 * words)))
-                                           if has else None))
+    states = _grammar_states(sampler, params, grammared, g, vocab)
     assert [s.graph_grammar for s in states] == [True, True, True, None, None]
     assert [s.graph_shaped for s in states] == [True, True, True, True, False]
     assert all(s.graph_samples for s in states)
@@ -351,11 +371,7 @@ def test_grammar_rows_are_masked_from_their_slots_tables(full):
     for step in range(5):
         allowed = torch.rand(batch, vocab, generator=g, device=dev) < 0.05
         allowed[:, 7] = False  # row 3's forced token: only its own (unmasked) row may draw it
-        bits = allowed[:, :words * 32] if vocab % 32 == 0 else torch.nn.functional.pad(allowed, (0, 32 * words - vocab))
-        packed = (bits.view(batch, words, 32).to(torch.int64) << torch.arange(32, device=dev)).sum(-1)
-        for i, s in enumerate(states):
-            if s.grammar is not None:
-                s.grammar = AheadMask(array.array("I", packed[i].to(torch.int64).cpu().numpy().astype("uint32")))
+        _give_masks(states, allowed)
         logits = torch.randn(batch, vocab, device=dev, generator=g) * 3
         shaped = sampler.apply_bias_and_penalties(logits, states)
         for i, has in enumerate(grammared):
@@ -384,17 +400,13 @@ def test_rows_drawn_apart_draw_what_the_batch_draws():
     of its rows the token the whole batch's sampler gives it: gathered from its state row, shaped by its slot (its
     grammar's mask, bias, penalties), with its own temperature, top-k, top-p, min-p and chain; the token lands at
     its index and state row, counted in its slot, and nothing else is written (the bucket's spare rows none)."""
-    import array
-
     import numpy as np
 
-    from flared.model.grammar import AheadMask
     from flared.model.kernels import min_p_log_threshold
     from flared.model.kernels.sampling import RowDraws, draw_rows, sample_full
     from flared.model.sampling import LLAMA_CPP_ORDER, Sampler, SamplingParams
 
     vocab, dev = 3000, torch.device("cuda")
-    words = (vocab + 31) // 32
     sampler = Sampler(vocab, device=dev, max_penalty_slots=8, graph_tables=True)
     params = [SamplingParams(temperature=0.9, top_p=0.9),
               SamplingParams(temperature=0.0),
@@ -405,11 +417,7 @@ def test_rows_drawn_apart_draw_what_the_batch_draws():
               SamplingParams(temperature=0.6, top_k=30, top_p=0.8, min_p=0.01, sampler_order=LLAMA_CPP_ORDER)]
     grammared = [True, True, True, False, False, True, True]
     g = torch.Generator(device="cuda").manual_seed(11)
-    states = []
-    for p, has in zip(params, grammared):
-        prompt = torch.randint(0, vocab, (20,), generator=g, device=dev).tolist()
-        states.append(sampler.add_sequence(p, prompt, grammar=AheadMask(array.array("I", bytes(4 * words)))
-                                           if has else None))
+    states = _grammar_states(sampler, params, grammared, g, vocab)
     assert [bool(s.graph_grammar) for s in states] == grammared
     batch = len(states)
     apart = [i for i, has in enumerate(grammared) if has]
@@ -428,11 +436,7 @@ def test_rows_drawn_apart_draw_what_the_batch_draws():
     i64, i32, f32 = draws.views(host)
     for step in range(4):
         allowed = torch.rand(batch, vocab, generator=g, device=dev) < 0.05
-        bits = torch.nn.functional.pad(allowed, (0, 32 * words - vocab))
-        packed = (bits.view(batch, words, 32).to(torch.int64) << torch.arange(32, device=dev)).sum(-1)
-        for i, s in enumerate(states):
-            if s.grammar is not None:
-                s.grammar = AheadMask(array.array("I", packed[i].cpu().numpy().astype("uint32")))
+        _give_masks(states, allowed)
         sampler.stage_grammar_masks([states[i] for i in apart])
         logits = torch.randn(batch, vocab, device=dev, generator=g) * 3
         steps = torch.full((batch,), step, dtype=torch.int64, device=dev)

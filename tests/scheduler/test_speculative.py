@@ -156,24 +156,31 @@ def test_drafts_are_the_plain_prompt_lookup(seed):
     s = _scheduler(spec=8)
     prompt = [int(t) for t in rng.integers(0, 3 + seed % 3, size=int(rng.integers(6, 40)))]
     h = _prefill(s, prompt, first_token=int(rng.integers(0, 3)), max_tokens=60)
+    seen = _keep_every_draft(s, h, rng, 3, lambda r, cap: _lookup(prompt + list(r.output_tokens), cap))
+    assert seen
+
+
+def _keep_every_draft(s, h, rng, symbols: int, want) -> int:
+    """Run request ``h`` to its end, each step's own token random over ``symbols`` and every draft kept, checking
+    each step's drafts against ``want(request, cap)`` ([] where the cap is 0); how many steps had drafts."""
     now, seen, finished = 10, 0, False
     while not finished:
         r = s.request(h)
-        seq = prompt + list(r.output_tokens)
+        cap = min(r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
         plan = s.plan(now)
         drafts = [int(t) for t in plan.tokens(0)[1:]]
-        assert drafts == _lookup(seq, min(r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1))
+        assert drafts == (want(r, cap) if cap > 0 else [])
         seen += bool(drafts)
         fence = s.last_committed_fence + 1
         s.commit(plan, fence)
-        token = int(rng.integers(0, 3))
+        token = int(rng.integers(0, symbols))
         if plan.kind == GraphKind.SPECULATIVE:
             done = s.complete(fence, _records(plan, [token], accepted=[tuple(drafts)]), 1000, now)
         else:
             done = s.complete(fence, _records(plan, [token]), 1000, now)
         finished = h in done.finished
         now += 1
-    assert seen
+    return seen
 
 
 def _predicted_lookup(prediction, seq, outputs, cap, longest=4, shortest=2):
@@ -224,24 +231,12 @@ def test_drafts_are_the_plain_predicted_lookup_then_the_prompt_lookup(seed):
     prompt = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(6, 30)))]
     prediction = [int(t) for t in rng.integers(0, 4, size=int(rng.integers(1, 40)))]
     h = _prefill(s, prompt, first_token=int(rng.integers(0, 4)), max_tokens=50, prediction=prediction)
-    now, finished = 10, False
-    while not finished:
-        r = s.request(h)
+
+    def want(r, cap):
         out = list(r.output_tokens)
-        cap = min(r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
-        plan = s.plan(now)
-        drafts = [int(t) for t in plan.tokens(0)[1:]]
-        want = _predicted_lookup(prediction, prompt + out, len(out), cap) if cap > 0 else []
-        assert drafts == (want if want else _lookup(prompt + out, cap) if cap > 0 else [])
-        fence = s.last_committed_fence + 1
-        s.commit(plan, fence)
-        token = int(rng.integers(0, 4))
-        if plan.kind == GraphKind.SPECULATIVE:
-            done = s.complete(fence, _records(plan, [token], accepted=[tuple(drafts)]), 1000, now)
-        else:
-            done = s.complete(fence, _records(plan, [token]), 1000, now)
-        finished = h in done.finished
-        now += 1
+        return _predicted_lookup(prediction, prompt + out, len(out), cap) or _lookup(prompt + out, cap)
+
+    _keep_every_draft(s, h, rng, 4, want)
 
 
 @pytest.mark.parametrize("base_ns, per_token_ns, drafts_priced", [(10_000_000, 100_000, False),
