@@ -531,7 +531,9 @@ class OpenAIRoutes:
         prediction = ()
         if req.prediction:
             text = req.prediction
-            prediction = tuple(await self.state._in_pool(lambda: self.state.frontend.encode(text)))
+            ids = await self.state._in_pool(lambda: self.state.frontend.encode(text))
+            # (no answer outgrows the context: a longer prediction would only slow each step's lookup)
+            prediction = tuple(ids[:self.state.manifest.capacities.context_tokens])
         requests = [
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                             params=sampling_params(self.state, opts, len(prompt), None, i),
