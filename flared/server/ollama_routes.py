@@ -15,7 +15,7 @@ Rules:
   repeat_penalty, presence_penalty and frequency_penalty over the last
   repeat_last_n tokens (default 64, prompt included, as Ollama), seed, stop,
   num_ctx (at most the core's context; a smaller value limits prompt +
-  output), mirostat (1, 2) with mirostat_tau and mirostat_eta, and
+  output; ``num_keep``: see below), mirostat (1, 2) with mirostat_tau and mirostat_eta, and
   llama.cpp's XTC and DRY options under their llama.cpp names. Options that only
   tune Ollama's own runtime (num_thread, num_gpu, ...) are ignored, as they
   are meaningless here.
@@ -23,6 +23,13 @@ Rules:
   in a message chunk as soon as it is complete; reasoning goes to ``thinking``;
   ``think: false`` turns thinking off in the template.
 - ``format`` ("json" or a JSON schema) is enforced by the grammar engine.
+- A prompt that does not fit num_ctx (else the core's context) is cut as
+  Ollama cuts it, never refused, unless ``truncate`` is false (then a 400):
+  a chat drops its oldest messages, keeping the system messages and the
+  last message, while what is left does not fit (Ollama's chatPrompt); a
+  prompt still too long keeps its first ``num_keep`` tokens (default 4)
+  and its end, filling half the context so the answer has the other half
+  (the runner's cut, logged as a warning).
 - /api/generate answers Ollama's ``context`` (the exchange's token ids) and
   continues after one passed back.
 - Errors are ``{"error": message}`` with the daemon's status codes.
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import time
 from typing import Any
 
@@ -52,6 +60,8 @@ from flared.server.openai_schema import (MAX_TOP_LOGPROBS, SamplingOptions, _bad
                                          json_object, llama_penalties, llama_samplers, parse_tools,
                                          reasoning_effort_kwargs)
 from flared.server.structured import compile_grammar, parse_ollama_format
+
+log = logging.getLogger("flared.server")
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API generation whose fields we serve; clients gate features on it
 _NDJSON = "application/x-ndjson"
@@ -87,16 +97,47 @@ def _model_and_lora(state, body: dict, *, lora_ok: bool) -> tuple[str, int]:
     return name, check_model(state, name.removesuffix(":latest"), lora_ok=lora_ok)
 
 
-def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
+def _options_object(body: dict) -> dict:
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
         raise _bad("options", f"must be an object, got {_type(opts)}")
+    return opts
+
+
+def _context_limit(state, body: dict) -> int:
+    """The request's context: options.num_ctx, else the core's (num_ctx above it is a 400)."""
     context = state.manifest.capacities.context_tokens
-    num_ctx = _integer(opts, "num_ctx", 1, 1 << 31)
+    num_ctx = _integer(_options_object(body), "num_ctx", 1, 1 << 31)
     if num_ctx is not None and num_ctx > context:
         raise _bad("options.num_ctx", f"is {num_ctx}, but this model's context is {context} tokens "
                    f"({state.manifest.context_hint})")
-    limit = num_ctx or context
+    return num_ctx or context
+
+
+def _truncates(body: dict) -> bool:
+    """Ollama's ``truncate`` (default true): cut a prompt that does not fit rather than refuse it."""
+    return _boolean(body, "truncate", default=True)
+
+
+def _cut_prompt(body: dict, ids: list[int], endpoints, limit: int) -> tuple[list[int], tuple[int, ...]]:
+    """A prompt of ``limit`` tokens or more cut as Ollama's runner cuts it: its first num_keep tokens (options,
+    default 4) and its end, num_keep + (limit - num_keep) // 2 tokens in all (half the context left for the
+    answer); the message endpoints that survive, moved. Fitting prompts (or ``truncate`` false) pass as they are."""
+    if len(ids) < limit or not _truncates(body):
+        return ids, tuple(endpoints)
+    keep = _integer(_options_object(body), "num_keep", 0, 1 << 31)
+    keep = min(4 if keep is None or keep < 0 else keep, limit - 1)
+    new = keep + (limit - keep) // 2
+    discard = len(ids) - new
+    log.warning("truncating input prompt: limit=%d prompt=%d keep=%d new=%d", limit, len(ids), keep, new)
+    moved = tuple(e if e <= keep else e - discard for e in endpoints if e <= keep or e - discard > keep)
+    return ids[:keep] + ids[keep + discard:], moved
+
+
+def _options(state, body: dict, num_prompt_tokens: int) -> SamplingOptions:
+    opts = _options_object(body)
+    context = state.manifest.capacities.context_tokens
+    limit = _context_limit(state, body)
     if num_prompt_tokens >= limit:
         raise AdmissionError(f"the prompt has {num_prompt_tokens} tokens, more than num_ctx {limit} allows",
                              ErrorKind.CONTEXT_LENGTH, hint=state.manifest.context_hint)
@@ -303,10 +344,32 @@ class OllamaRoutes:
         model, lora = _model_and_lora(self.state, body, lora_ok=True)
         tools = parse_tools(body.get("tools"), "tools")
         t0 = time.monotonic_ns()
-        rendered = await self.state.prepare_chat(_messages(body), tools=tools, **_template_kwargs(body))
-        gen, shape, lps = await self._start(body, rendered.text, tuple(rendered.token_ids),
-                                            rendered.message_endpoints, tools, lora)
+        messages = _messages(body)
+        kwargs = _template_kwargs(body)
+        rendered = await self.state.prepare_chat(messages, tools=tools, **kwargs)
+        limit = _context_limit(self.state, body)
+        if len(rendered.token_ids) >= limit and _truncates(body):
+            rendered = await self._fit_messages(messages, rendered, limit, tools, kwargs)
+        ids, endpoints = _cut_prompt(body, list(rendered.token_ids), rendered.message_endpoints, limit)
+        gen, shape, lps = await self._start(body, rendered.text, tuple(ids), endpoints, tools, lora)
         return await self._respond(request, gen, shape, body, model, t0, chat=True, logprobs=lps)
+
+    async def _fit_messages(self, messages: list[dict], rendered, limit: int, tools, kwargs):
+        """Ollama's chatPrompt: the latest messages that fit in ``limit`` tokens, the last one always, with the
+        system messages before them; ``rendered`` (all of them) when not even two fit."""
+        best = None
+        for start in range(len(messages) - 1, 0, -1):  # one more earlier message a round, while it fits
+            kept = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
+            candidate = await self.state.prepare_chat(kept, tools=tools, **kwargs)
+            if len(candidate.token_ids) >= limit:
+                break
+            best = candidate
+        if best is None:  # only the last message, with the system messages before it
+            kept = [m for m in messages[:-1] if m["role"] == "system"] + messages[-1:]
+            best = await self.state.prepare_chat(kept, tools=tools, **kwargs)
+        log.warning("truncating input messages which exceed context length: kept the latest of %d messages",
+                    len(messages))
+        return best
 
     async def generate(self, request: Request):
         body = json_object(request)
@@ -342,6 +405,7 @@ class OllamaRoutes:
         if context:  # the earlier exchange's tokens, then this prompt (where the context ends is a boundary)
             endpoints = (len(context), *(len(context) + e for e in endpoints))
             ids = context + list(ids)
+        ids, endpoints = _cut_prompt(body, list(ids), endpoints, _context_limit(self.state, body))
         gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None, lora, fim=bool(suffix))
         return await self._respond(request, gen, shape, body, model, t0, chat=False, logprobs=lps)
 

@@ -108,6 +108,27 @@ def test_generate_and_options(client):
     assert e.value.status_code == 404
 
 
+def test_prompts_past_num_ctx_are_cut_as_ollama_cuts_them(client, daemon):
+    """A chat whose history does not fit num_ctx keeps its system message and latest messages (Ollama's
+    chatPrompt), a prompt still too long its first num_keep tokens and its end, half the context; the answer (a
+    function of the prompt's end here) is the one without the cut. ``truncate: false`` is a 400 instead."""
+    system = {"role": "system", "content": "You are terse."}
+    history = [m for i in range(30) for m in ({"role": "user", "content": f"Question {i} about the weather?"},
+                                              {"role": "assistant", "content": f"Answer {i}: it is mild."})]
+    messages = [system, *history, *ASK]
+    options = {"temperature": 0, "num_predict": 40, "num_ctx": 160}
+    r = client.chat(model="tiny", messages=messages, think=False, options=options)
+    assert r.message.content == ANSWER and r.prompt_eval_count < 160
+    whole = client.chat(model="tiny", messages=messages, think=False, options=dict(options, num_ctx=1024))
+    assert whole.message.content == ANSWER and whole.prompt_eval_count > 160  # the same without the cut
+    status, body = daemon.request("POST", "/api/chat", {"model": "tiny", "messages": messages, "think": False,
+                                                         "stream": False, "options": options, "truncate": False})
+    assert status == 400 and "num_ctx 160" in body["error"]
+    long_prompt = "word " * 400 + "What is the weather in Paris?"
+    r = client.generate(model="tiny", prompt=long_prompt, think=False, options=dict(options, num_keep=8))
+    assert r.response == ANSWER and r.prompt_eval_count == 8 + (160 - 8) // 2
+
+
 def test_format_json_is_enforced(client):
     r = client.generate(model="tiny", prompt="Give me JSON.", think=False, format="json",
                         options={"temperature": 0, "num_predict": 30})
