@@ -119,6 +119,13 @@ def _truncates(body: dict) -> bool:
     return _boolean(body, "truncate", default=True)
 
 
+def _answer_room(body: dict, limit: int) -> int:
+    """What a chat cut to fit keeps free for the answer (Ollama would shift the context while generating; this
+    server does not): num_predict where one is set, else half the context, at most half."""
+    num_predict = _integer(_options_object(body), "num_predict", -2, 1 << 31)
+    return min(num_predict if num_predict is not None and num_predict > 0 else limit, limit // 2)
+
+
 def _cut_prompt(body: dict, ids: list[int], endpoints, limit: int) -> tuple[list[int], tuple[int, ...]]:
     """A prompt of ``limit`` tokens or more cut as Ollama's runner cuts it: its first num_keep tokens (options,
     default 4) and its end, num_keep + (limit - num_keep) // 2 tokens in all (half the context left for the
@@ -349,14 +356,14 @@ class OllamaRoutes:
         rendered = await self.state.prepare_chat(messages, tools=tools, **kwargs)
         limit = _context_limit(self.state, body)
         if len(rendered.token_ids) >= limit and _truncates(body):
-            rendered = await self._fit_messages(messages, rendered, limit, tools, kwargs)
+            rendered = await self._fit_messages(messages, limit - _answer_room(body, limit), tools, kwargs)
         ids, endpoints = _cut_prompt(body, list(rendered.token_ids), rendered.message_endpoints, limit)
         gen, shape, lps = await self._start(body, rendered.text, tuple(ids), endpoints, tools, lora)
         return await self._respond(request, gen, shape, body, model, t0, chat=True, logprobs=lps)
 
-    async def _fit_messages(self, messages: list[dict], rendered, limit: int, tools, kwargs):
-        """Ollama's chatPrompt: the latest messages that fit in ``limit`` tokens, the last one always, with the
-        system messages before them; ``rendered`` (all of them) when not even two fit."""
+    async def _fit_messages(self, messages: list[dict], limit: int, tools, kwargs):
+        """Ollama's chatPrompt: the latest messages that fit in ``limit`` tokens (the context less _answer_room),
+        the last one always, with the system messages before them."""
         best = None
         for start in range(len(messages) - 1, 0, -1):  # one more earlier message a round, while it fits
             kept = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
