@@ -51,7 +51,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     # flared/_fast/norm.pyx: torch runs a bf16 rms_norm as ~10 ops (~35 us a call, 61 calls per
     # SmolLM2 decode step); the kernel rounds at the same steps as transformers' LlamaRMSNorm.
     if (_cpu_norm is not None and x.dtype == torch.bfloat16 and weight is not None and x.dim() == 2
-            and x.device.type == "cpu" and weight.is_contiguous() and weight.shape[0] == x.shape[1]):
+            and x.device.type == "cpu" and weight.is_contiguous() and weight.shape[0] == x.shape[1]
+            and x.shape[0] > 0):  # (no rows: a prefill chunk that keeps no logits)
         x = x.contiguous()
         out = torch.empty_like(x)
         _cpu_norm.bf16_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)

@@ -100,3 +100,14 @@ def test_bfloat16_runs_and_mostly_agrees(tiny):
     bf16 = make_runner(tiny, dtype=torch.bfloat16).generate([prompt], [SamplingParams(temperature=0, max_tokens=8)])[0]
     assert len(bf16.token_ids) == 8
     assert bf16.token_ids[0] == fp32.token_ids[0]
+
+
+def test_bfloat16_prompts_longer_than_a_prefill_chunk(tiny):
+    """A bf16 prompt of several prefill chunks: the chunks before its last keep no logits (a forward with no
+    logit rows), which the bf16 norm kernel once refused ('empty shape rows=0'), failing `flarectl generate` on
+    a bf16 core for any prompt over its chunk."""
+    prompt = [(5 * i + 3) % 90 + 1 for i in range(21)]  # three chunks of 8
+    params = [SamplingParams(temperature=0, max_tokens=4)]
+    bf16 = make_runner(tiny, dtype=torch.bfloat16).generate([prompt], params)[0]
+    fp32 = make_runner(tiny).generate([prompt], params)[0]
+    assert len(bf16.token_ids) == 4 and bf16.token_ids[0] == fp32.token_ids[0]
