@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""bf16 matrix products on CPUs with AVX-512 BF16, over packed weights (kernel in linear_kernel.h).
+"""bf16 matrix products on x86-64 CPUs, over packed weights (kernels in linear_kernel.h): AVX-512 BF16's
+VDPBF16PS where the CPU has it, else AVX2 with FMA (the pairs widened to float32 by a shift and a mask).
 
 ``bf16_linear(packed_ptr, x_ptr, out_ptr, rows, out_features, in_features, threads)`` computes
 out[rows, out_features] = x[rows, in_features] @ weight[out_features, in_features]^T, where ``packed_ptr``
@@ -24,11 +25,17 @@ from libc.stdint cimport int64_t, uint16_t, uintptr_t
 cdef extern from "linear_kernel.h" nogil:
     int FL_GROUP
     int fl_bf16_supported()
+    int fl_avx2_supported()
     void fl_gemm_groups(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows, int out,
                         int inp, int g0, int g1)
+    void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                             int out, int inp, int g0, int g1)
 
-# True when this CPU (and build) can run the kernel; when False, bf16_linear must not be called.
-BF16_SUPPORTED = bool(fl_bf16_supported())
+# The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
+KERNEL = "avx512_bf16" if fl_bf16_supported() else "avx2" if fl_avx2_supported() else None
+# True when some kernel runs here.
+BF16_SUPPORTED = KERNEL is not None
+cdef bint _native = KERNEL == "avx512_bf16"
 # Output features per packed group (the packed weight's rows are padded to a multiple of this).
 GROUP_FEATURES = FL_GROUP
 
@@ -37,7 +44,7 @@ def bf16_linear(uintptr_t packed_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int ro
                 int in_features, int threads=1):
     """out = x @ weight^T over ``threads`` threads (the calling one included); see the module docstring."""
     if not BF16_SUPPORTED:
-        raise RuntimeError("bf16_linear: this CPU lacks AVX-512 BF16 (check BF16_SUPPORTED first)")
+        raise RuntimeError("bf16_linear: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
     if rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % 2:
         raise ValueError(f"bf16_linear: bad shape rows={rows} out={out_features} in={in_features} (in must be even)")
     if packed_ptr == 0 or x_ptr == 0 or out_ptr == 0:
@@ -49,9 +56,15 @@ def bf16_linear(uintptr_t packed_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int ro
     cdef int g
     if threads <= 1 or groups == 1:
         with nogil:
-            fl_gemm_groups(w, x, y, out_features, rows, out_features, in_features, 0, groups)
+            if _native:
+                fl_gemm_groups(w, x, y, out_features, rows, out_features, in_features, 0, groups)
+            else:
+                fl_gemm_groups_avx2(w, x, y, out_features, rows, out_features, in_features, 0, groups)
         return
     if threads > groups:
         threads = groups
     for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
-        fl_gemm_groups(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
+        if _native:
+            fl_gemm_groups(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
+        else:
+            fl_gemm_groups_avx2(w, x, y, out_features, rows, out_features, in_features, g, g + 1)

@@ -118,11 +118,102 @@ FL_TARGET static void fl_gemm_groups(const uint16_t *packed, const uint16_t *x, 
     }
 }
 
+/* ---- The same products on CPUs with AVX2 and FMA but no AVX-512 BF16 (fl_gemm_groups_avx2) ----------------
+ *
+ * Same packed layout and results within the same bounds: each 32-bit word of a group holds a feature's input pair
+ * (2k in its low half, 2k + 1 in its high half), so one shift and one mask widen a load of 8 words into the
+ * 8 features' float32 weights for input 2k and for 2k + 1, exactly; two FMAs per row add them in (odd input
+ * first, as VDPBF16PS does; the products of two bf16 values are exact in float32). 32 features (half a group)
+ * by up to FL_AVX2_RB rows at a time keep the accumulators in 16 registers. Rounding to bf16 as above. */
+#define FL_AVX2_TARGET __attribute__((target("avx2,fma")))
+#define FL_AVX2_RB 2
+
+__attribute__((unused)) static int fl_avx2_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* 8 float32 -> 8 bf16, round to nearest-even, NaN kept quiet. */
+FL_AVX2_TARGET static inline __m128i fl_avx2_round(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));  /* signed compare: mag < 2^31 */
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    /* the 8 low halves, in order */
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    return _mm_packus_epi32(lo, hi);
+}
+
+/* Rows [0, RB) of x against features [h * 32, h * 32 + 32) of one packed group: y[r * ldy + i] for i < 32. */
+FL_AVX2_TARGET static inline __attribute__((always_inline)) void fl_avx2_block(
+        const uint16_t *group, int h, const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int pairs,
+        const int RB) {
+    __m256 acc[4][FL_AVX2_RB];
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int b = 0; b < 4; b++)
+        for (int r = 0; r < RB; r++) acc[b][r] = _mm256_setzero_ps();
+    for (int k = 0; k < pairs; k++) {
+        const uint16_t *wk = group + (size_t)k * (2 * FL_GROUP) + 64 * h;
+        __m256 xe[FL_AVX2_RB], xo[FL_AVX2_RB];
+        for (int r = 0; r < RB; r++) {
+            uint32_t pair;
+            memcpy(&pair, x + (size_t)r * ldx + 2 * k, sizeof pair);
+            xe[r] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair << 16)));
+            xo[r] = _mm256_castsi256_ps(_mm256_set1_epi32((int)(pair & 0xffff0000u)));
+        }
+        for (int b = 0; b < 4; b++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wk + 16 * b));
+            __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            for (int r = 0; r < RB; r++) {
+                acc[b][r] = _mm256_fmadd_ps(wo, xo[r], acc[b][r]);
+                acc[b][r] = _mm256_fmadd_ps(we, xe[r], acc[b][r]);
+            }
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int b = 0; b < 4; b++)
+            _mm_storeu_si128((__m128i *)(y + (size_t)r * ldy + 8 * b), fl_avx2_round(acc[b][r]));
+}
+
+/* Groups [g0, g1) of y [rows, ldy] = x [rows, in] @ w^T, as fl_gemm_groups. */
+FL_AVX2_TARGET __attribute__((unused)) static void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy,
+                                               int rows, int out, int in, int g0, int g1) {
+    uint16_t tile[FL_AVX2_RB * 32];
+    for (int g = g0; g < g1; g++) {
+        const uint16_t *group = packed + (size_t)g * FL_GROUP * in;
+        for (int h = 0; h < 2; h++) {
+            int j0 = g * FL_GROUP + 32 * h;
+            if (j0 >= out) break;
+            int n = out - j0 < 32 ? out - j0 : 32;
+            for (int r = 0; r < rows; r += FL_AVX2_RB) {
+                int rb = rows - r < FL_AVX2_RB ? rows - r : FL_AVX2_RB;
+                uint16_t *dst = n == 32 ? y + (size_t)r * ldy + j0 : tile;
+                int64_t ld = n == 32 ? ldy : 32;
+                if (rb == 1)
+                    fl_avx2_block(group, h, x + (size_t)r * in, in, dst, ld, in / 2, 1);
+                else
+                    fl_avx2_block(group, h, x + (size_t)r * in, in, dst, ld, in / 2, FL_AVX2_RB);
+                if (n != 32)
+                    for (int i = 0; i < rb; i++)
+                        memcpy(y + (size_t)(r + i) * ldy + j0, tile + (size_t)i * 32, (size_t)n * 2);
+            }
+        }
+    }
+}
+
 #else  /* not x86-64 (or an old compiler): the caller keeps torch's path */
 
 static int fl_bf16_supported(void) { return 0; }
+static int fl_avx2_supported(void) { return 0; }
 static void fl_gemm_groups(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                            int out, int in, int g0, int g1) {
+    (void)packed; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
+}
+static void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                                int out, int in, int g0, int g1) {
     (void)packed; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
 }
 
