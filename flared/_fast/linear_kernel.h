@@ -25,7 +25,10 @@
 #define FLARED_LINEAR_KERNEL_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 /* avx512bf16 intrinsics need gcc >= 10 or clang >= 9; older compilers build the fallback. */
 #if defined(__x86_64__) && \
@@ -124,7 +127,8 @@ FL_TARGET static void fl_gemm_groups(const uint16_t *packed, const uint16_t *x, 
  * (2k in its low half, 2k + 1 in its high half), so one shift and one mask widen a load of 8 words into the
  * 8 features' float32 weights for input 2k and for 2k + 1, exactly; two FMAs per row add them in (odd input
  * first, as VDPBF16PS does; the products of two bf16 values are exact in float32). 32 features (half a group)
- * by up to FL_AVX2_RB rows at a time keep the accumulators in 16 registers. Rounding to bf16 as above. */
+ * by up to FL_AVX2_RB rows at a time keep the accumulators in 16 registers. Rounding to bf16 as above. From
+ * FL_AVX2_MANY rows on, a group is widened once into float32 scratch instead (fl_avx2_many). */
 #define FL_AVX2_TARGET __attribute__((target("avx2,fma")))
 #define FL_AVX2_RB 2
 
@@ -178,9 +182,78 @@ FL_AVX2_TARGET static inline __attribute__((always_inline)) void fl_avx2_block(
             _mm_storeu_si128((__m128i *)(y + (size_t)r * ldy + 8 * b), fl_avx2_round(acc[b][r]));
 }
 
+/* Many rows (FL_AVX2_MANY or more: prefill chunks, wide decode steps): the widening is paid once a group, not once a
+ * row pair. The group is widened into float32 [in][64] (scratch wf), each block of up to 6 rows of x into float32
+ * (xf), and 6 rows by 16 features at a time accumulate in 12 registers, one FMA a weight a row, the inputs in
+ * order. */
+#define FL_AVX2_MANY 8
+#define FL_AVX2_MB 6
+
+FL_AVX2_TARGET static inline __attribute__((always_inline)) void fl_avx2_many_block(
+        const float *wf, const float *xf, int in, uint16_t *tile, const int RB) {
+    for (int s = 0; s < 4; s++) {
+        __m256 acc[FL_AVX2_MB][2];
+        for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        const float *w = wf + 16 * s;
+        for (int i = 0; i < in; i++) {
+            __m256 w0 = _mm256_loadu_ps(w + (size_t)i * FL_GROUP), w1 = _mm256_loadu_ps(w + (size_t)i * FL_GROUP + 8);
+            for (int r = 0; r < RB; r++) {
+                __m256 b = _mm256_broadcast_ss(xf + (size_t)r * in + i);
+                acc[r][0] = _mm256_fmadd_ps(w0, b, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w1, b, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            _mm_storeu_si128((__m128i *)(tile + r * FL_GROUP + 16 * s), fl_avx2_round(acc[r][0]));
+            _mm_storeu_si128((__m128i *)(tile + r * FL_GROUP + 16 * s + 8), fl_avx2_round(acc[r][1]));
+        }
+    }
+}
+
+/* One group against every row: y's columns [j0, j0 + n). wf: in * 64 floats, xf: 6 * in floats. */
+FL_AVX2_TARGET static void fl_avx2_many(const uint16_t *group, const uint16_t *x, uint16_t *y, int64_t ldy,
+                                        int rows, int in, int j0, int n, float *wf, float *xf) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int k = 0; k < in / 2; k++)
+        for (int b = 0; b < 8; b++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(group + (size_t)k * (2 * FL_GROUP) + 16 * b));
+            _mm256_storeu_ps(wf + (size_t)(2 * k) * FL_GROUP + 8 * b, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_storeu_ps(wf + (size_t)(2 * k + 1) * FL_GROUP + 8 * b,
+                             _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+        }
+    uint16_t tile[FL_AVX2_MB * FL_GROUP];
+    for (int r0 = 0; r0 < rows; r0 += FL_AVX2_MB) {
+        int rb = rows - r0 < FL_AVX2_MB ? rows - r0 : FL_AVX2_MB;
+        for (int r = 0; r < rb; r++)
+            for (int i = 0; i < in; i++) xf[(size_t)r * in + i] = fl_bf16_widen(x[(size_t)(r0 + r) * in + i]);
+        switch (rb) {
+            case 1: fl_avx2_many_block(wf, xf, in, tile, 1); break;
+            case 2: fl_avx2_many_block(wf, xf, in, tile, 2); break;
+            case 3: fl_avx2_many_block(wf, xf, in, tile, 3); break;
+            case 4: fl_avx2_many_block(wf, xf, in, tile, 4); break;
+            case 5: fl_avx2_many_block(wf, xf, in, tile, 5); break;
+            default: fl_avx2_many_block(wf, xf, in, tile, FL_AVX2_MB); break;
+        }
+        for (int r = 0; r < rb; r++)
+            memcpy(y + (size_t)(r0 + r) * ldy + j0, tile + (size_t)r * FL_GROUP, (size_t)n * 2);
+    }
+}
+
 /* Groups [g0, g1) of y [rows, ldy] = x [rows, in] @ w^T, as fl_gemm_groups. */
 FL_AVX2_TARGET __attribute__((unused)) static void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy,
                                                int rows, int out, int in, int g0, int g1) {
+    if (rows >= FL_AVX2_MANY) {
+        float *wf = (float *)malloc(sizeof(float) * ((size_t)in * FL_GROUP + (size_t)FL_AVX2_MB * in));
+        if (wf != NULL) {
+            for (int g = g0; g < g1; g++) {
+                int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
+                fl_avx2_many(packed + (size_t)g * FL_GROUP * in, x, y, ldy, rows, in, j0, n, wf,
+                             wf + (size_t)in * FL_GROUP);
+            }
+            free(wf);
+            return;
+        }  /* out of memory: the pairs kernel below needs none */
+    }
     uint16_t tile[FL_AVX2_RB * 32];
     for (int g = g0; g < g1; g++) {
         const uint16_t *group = packed + (size_t)g * FL_GROUP * in;

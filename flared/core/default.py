@@ -60,9 +60,9 @@ def cpu_has_bf16() -> bool:
 def preferred_dtype() -> str:
     """The dtype the daemon serves the embedded model in when none is asked for: bfloat16 on a CUDA
     GPU or a CPU with native bfloat16 (half the bytes per decode step, twice the GEMM rate), or one where
-    flared's bf16 products run on AVX2 (half the bytes: decode 1.5x float32 at one stream, 2x at 8, 1.47x at
-    32 on the fortieth session's AVX2 host, a prompt's prefill 17% slower), else float32. Parity with
-    transformers is held on float32; see docs/model.md."""
+    flared's bf16 products run on AVX2 (half the bytes: on the fortieth session's AVX2 host decode ran 1.5-2x
+    float32 at 1 to 32 rows and a 721-token prefill 4-9% faster), else float32. Parity with transformers is
+    held on float32; see docs/model.md."""
     try:
         import torch
 
