@@ -239,18 +239,32 @@ FL_AVX2_TARGET static void fl_avx2_many(const uint16_t *group, const uint16_t *x
     }
 }
 
+/* fl_avx2_many's scratch for `floats` floats: one buffer a thread, grown as needed and kept (the OpenMP threads
+ * live as long as the process; a group's call would otherwise pay a fresh mapping and its page faults), or NULL
+ * when memory runs out. */
+static float *fl_avx2_scratch(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t size = 0;
+    if (floats > size) {
+        float *grown = (float *)realloc(buffer, sizeof(float) * floats);
+        if (grown == NULL) return NULL;
+        buffer = grown;
+        size = floats;
+    }
+    return buffer;
+}
+
 /* Groups [g0, g1) of y [rows, ldy] = x [rows, in] @ w^T, as fl_gemm_groups. */
 FL_AVX2_TARGET __attribute__((unused)) static void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy,
                                                int rows, int out, int in, int g0, int g1) {
     if (rows >= FL_AVX2_MANY) {
-        float *wf = (float *)malloc(sizeof(float) * ((size_t)in * FL_GROUP + (size_t)FL_AVX2_MB * in));
+        float *wf = fl_avx2_scratch((size_t)in * FL_GROUP + (size_t)FL_AVX2_MB * in);
         if (wf != NULL) {
             for (int g = g0; g < g1; g++) {
                 int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
                 fl_avx2_many(packed + (size_t)g * FL_GROUP * in, x, y, ldy, rows, in, j0, n, wf,
                              wf + (size_t)in * FL_GROUP);
             }
-            free(wf);
             return;
         }  /* out of memory: the pairs kernel below needs none */
     }

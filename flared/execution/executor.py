@@ -67,6 +67,19 @@ from flared.scheduler import CompletionRecords, GraphKind, scored_participants
 _NUM_FRAMES = 2
 
 
+def _pow2_buckets(cap: int) -> list[int]:
+    """The powers of two below ``cap``, and ``cap``: the row counts a set of small graphs is captured for."""
+    return sorted({min(1 << i, cap) for i in range(max(1, cap).bit_length() + 1)})
+
+
+def _captured(fn, stream, pool=None) -> tuple[torch.cuda.CUDAGraph, int]:
+    """``fn`` captured as a CUDA graph on ``stream`` (in ``pool``, if given): the graph and its executable."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=stream):
+        fn()
+    return g, int(g.raw_cuda_graph_exec())
+
+
 log = logging.getLogger("flared.execution")
 
 # Rows of hidden states a scored step takes through the LM head at once (float32 logits: 256 MB at a 128K vocabulary).
@@ -187,7 +200,7 @@ class GraphExecutor:
         # ... then captured, a graph a frame and a power-of-two count of rows (rows past a step's own wanting -1,
         # which the kernels skip): one launch of about 2 us of host time, where Triton's three launches from Python
         # cost tens of microseconds each (docs/benchmarks.md, thirty-ninth session)
-        self._lp_buckets = sorted({min(1 << i, cap) for i in range(max(1, cap).bit_length() + 1)})
+        self._lp_buckets = _pow2_buckets(cap)
         self._lp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._lp_execs: dict[tuple[int, int], int] = {}
         self._capture_logprob_graphs()
@@ -207,7 +220,7 @@ class GraphExecutor:
         self._gd = RowDraws(rows_cap, self.decoder.state_logits.shape[1], self.device)
         self._gd_frame = self._pin(self._gd.nbytes)
         self._gd_host = self._gd.views(self._gd_frame.array)
-        self._gd_buckets = sorted({min(1 << i, rows_cap) for i in range(rows_cap.bit_length() + 1)})
+        self._gd_buckets = _pow2_buckets(rows_cap)
         self._gd_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._gd_execs: dict[int, int] = {}
         # False: a grammar step's masks are computed and staged before its graph's launch, whose sampler draws the
@@ -226,12 +239,10 @@ class GraphExecutor:
             with collector_paused(), torch.cuda.stream(self.model_stream):
                 for frame in range(_NUM_FRAMES):
                     for rows in self._lp_buckets:
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g, stream=self.model_stream):
-                            row_logprobs(d.state_logits, self._lp_args[frame], d.sampled, self._lp_out[frame],
-                                         self._lp_scratch, rows=rows)
-                        self._lp_graphs[frame, rows] = g
-                        self._lp_execs[frame, rows] = int(g.raw_cuda_graph_exec())
+                        self._lp_graphs[frame, rows], self._lp_execs[frame, rows] = _captured(
+                            lambda: row_logprobs(d.state_logits, self._lp_args[frame], d.sampled,
+                                                 self._lp_out[frame], self._lp_scratch, rows=rows),
+                            self.model_stream)
             self.model_stream.synchronize()
         except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types; the core must not become ready
             raise ExecutionError(f"capture of the logprob graphs failed: {type(exc).__name__}: {exc}",
@@ -253,11 +264,9 @@ class GraphExecutor:
                 self.model_stream.synchronize()
                 pool = torch.cuda.graph_pool_handle()
                 for rows in reversed(self._gd_buckets):  # largest first: the smaller reuse its memory
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=self.model_stream):
-                        draw_rows(d.state_logits, self._gd, tables, d.sampled, d.last_token, rows)
-                    self._gd_graphs[rows] = g
-                    self._gd_execs[rows] = int(g.raw_cuda_graph_exec())
+                    self._gd_graphs[rows], self._gd_execs[rows] = _captured(
+                        lambda: draw_rows(d.state_logits, self._gd, tables, d.sampled, d.last_token, rows),
+                        self.model_stream, pool)
             self.model_stream.synchronize()
         except Exception as exc:  # noqa: BLE001 - torch/Triton raise many types
             log.warning("grammar rows will be drawn by the step graphs, their masks before the launch: capture of "
@@ -431,7 +440,9 @@ class GraphExecutor:
         in_graph, shaped, eager_rows, logprob_rows = graph_step_rows(states[:n], sample_flags[:n])
         # Rows under a grammar the graphs' sampler takes (graph_grammar): drawn after the graph (_draw_grammar_rows),
         # their masks computed while it runs; the graph takes their argmax unshaped, which that draw overwrites.
-        apart = [i for i in shaped if states[i].graph_grammar] if self.grammar_after else []
+        # With grammar_after off, their masks are staged before the launch and the graph's sampler draws them.
+        grammar_rows = [i for i in shaped if states[i].graph_grammar]
+        apart = grammar_rows if self.grammar_after else []
         skip = set(apart)
         if apart:
             shaped = [i for i in shaped if i not in skip]
@@ -507,7 +518,8 @@ class GraphExecutor:
             self._upload(frame, "block_tables", width)
         # Grammar rows the graph draws (grammar_after off): their masks for this step into the slots' tables, on the
         # model stream ahead of the launch (such a step has nothing in flight: the worker drains the window for it)
-        self.sampler.stage_grammar_masks([states[i] for i in shaped if states[i].graph_grammar])
+        if not apart:
+            self.sampler.stage_grammar_masks([states[i] for i in grammar_rows])
         if scoring:
             self._forward_scoring(frame, plan, batch_cap, cap, scoring)
         else:
