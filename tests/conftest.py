@@ -98,3 +98,61 @@ def start_daemon(tmp_path):
     for d in started:
         d.kill()
 
+
+
+# A SmolVLM-Instruct chat template (as the checkpoints ship it): content is always a list of parts.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+SMOLVLM_IMAGE_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>",
+                        *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]]
+# Tiles of 32 pixels in 8-pixel patches, pixel shuffle 2: 4 x 4 patches -> 4 image tokens a tile. Images are
+# resized to a longest edge of 96: up to 3 x 3 tiles and the global one.
+SMOLVLM_PREPROCESSOR = {
+    "image_processor_type": "SmolVLMImageProcessor", "do_convert_rgb": True, "do_resize": True,
+    "size": {"longest_edge": 96}, "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True,
+    "do_image_splitting": True, "max_image_size": {"longest_edge": 32}}
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_smolvlm(tmp_path_factory) -> Path:
+    """A random-weight SmolVLM (Idefics3 family: SigLIP-style tower, pixel shuffle, Llama decoder) with its
+    tokenizer's image tokens, SmolVLM's chat template and image processor settings."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    d = tmp_path_factory.mktemp("hf-smolvlm")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<end_of_utterance>", *SMOLVLM_IMAGE_TOKENS]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<end_of_utterance>", "pad_token": "<|endoftext|>",
+        "chat_template": SMOLVLM_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(SMOLVLM_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({"image_seq_len": 4, "processor_class": "SmolVLMProcessor"}))
+    cfg = SmolVLMConfig(
+        text_config=dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8, initializer_range=0.2),
+        scale_factor=2, image_token_id=tok.token_to_id("<image>"), tie_word_embeddings=False,
+        eos_token_id=tok.token_to_id("<end_of_utterance>"))
+    torch.manual_seed(0)
+    SmolVLMForConditionalGeneration(cfg).eval().save_pretrained(d, safe_serialization=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_core(tiny_hf_smolvlm, tmp_path_factory) -> Path:
+    from flared.core.export import ExportOptions, export_core
+
+    out = tmp_path_factory.mktemp("cores") / "smolvlm"
+    export_core(tiny_hf_smolvlm, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return out

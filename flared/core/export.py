@@ -45,6 +45,7 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 512
 DEFAULT_MAX_CONTEXT_TOKENS = 8192
 DEFAULT_KV_CACHE_MIB = 2048
 WEIGHT_SHARD_BYTES = 4 << 30
+VISION_WEIGHTS = "vision.safetensors"
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -131,9 +132,21 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         shard_bytes += nbytes
     weight_files.append(_write_shard(save_file, staging, len(weight_files), shard))
     del shard
+    vision = None
+    if src.vision is not None:
+        processor = _read_image_processor(source, src.vision)
+        vision_tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
+                          for k, t in src.vision_tensors.items()}
+        save_file(vision_tensors, str(staging / VISION_WEIGHTS),
+                  metadata={"format": "pt", "producer": f"flared {__version__}"})
+        del vision_tensors
+        weight_files_extra = [VISION_WEIGHTS]
+        vision = {"config": src.vision.to_dict(), "processor": processor.to_dict(), "weights": VISION_WEIGHTS}
+    else:
+        weight_files_extra = []
 
     (staging / "tokenizer.json").write_text(assets.tokenizer_json, encoding="utf-8")
-    files = [*weight_files, "tokenizer.json"]
+    files = [*weight_files, *weight_files_extra, "tokenizer.json"]
     if assets.chat_template is not None:
         (staging / "chat_template.jinja").write_text(assets.chat_template, encoding="utf-8")
         files.append("chat_template.jinja")
@@ -159,7 +172,7 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             "logprobs": True,
             "tools": "tools" in template,
             "reasoning": "<think>" in template or "enable_thinking" in template,
-            "vision": False,
+            "vision": vision is not None,
         },
         context_hint="raise the context limit with 'flarectl export --context N' (up to the model's own limit)",
         capacity_hint="raise live requests with 'flarectl export --concurrency N' (at most 64)",
@@ -169,6 +182,7 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         tokenizer="tokenizer.json",
         chat_template="chat_template.jinja" if assets.chat_template is not None else None,
         assets={f: Asset(sha256=sha256_file(staging / f), size_bytes=(staging / f).stat().st_size) for f in files},
+        vision=vision,
     )
     (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return manifest
@@ -256,6 +270,30 @@ def _read_hf_assets(src: Path) -> _Assets:
     eos = _token_text(tcfg.get("eos_token"))
     return _assets_from(tokenizer_json, template, bos, eos, gcfg.get("eos_token_id"), tcfg.get("pad_token"),
                         gcfg, where=tok_path)
+
+
+def _read_image_processor(src: Path, vision):
+    """The tile processor a vision checkpoint's preprocessor_config.json (and processor_config.json) describe."""
+    from flared.errors import FrontendError
+    from flared.frontend.images import TileProcessor
+
+    pre = _read_json(src / "preprocessor_config.json", required=True)
+    proc = _read_json(src / "processor_config.json", required=False)
+    if not isinstance(pre, dict) or (proc is not None and not isinstance(proc, dict)):
+        raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
+                        ErrorKind.SOURCE_FORMAT)
+    declared = (proc or {}).get("image_seq_len")
+    if declared is not None and declared != vision.image_seq_len:
+        raise CoreError(f"{src / 'processor_config.json'}: image_seq_len {declared} disagrees with the vision tower's "
+                        f"{vision.image_seq_len} rows per tile", ErrorKind.SOURCE_FORMAT)
+    try:
+        processor = TileProcessor.from_hf(pre, proc, image_seq_len=vision.image_seq_len)
+    except FrontendError as e:
+        raise CoreError(f"{src / 'preprocessor_config.json'}: {e}", ErrorKind.SOURCE_FORMAT) from None
+    if processor.tile != vision.image_size:
+        raise CoreError(f"{src / 'preprocessor_config.json'}: tiles of {processor.tile} pixels, but the vision tower "
+                        f"takes {vision.image_size}", ErrorKind.UNSUPPORTED_MODEL)
+    return processor
 
 
 def _read_gguf_assets(src: Path) -> _Assets:

@@ -52,6 +52,46 @@ class Core:
         check_serving_tensors(tensors, self.config, source=str(self.path))
         return tensors
 
+    @property
+    def vision_config(self):
+        """The image tower's ``flared.model.vision.VisionConfig``; None for a text-only core."""
+        from flared.model.vision import VisionConfig
+
+        v = self.manifest.vision
+        if v is None:
+            return None
+        try:
+            return VisionConfig.from_dict(v["config"])
+        except CoreError as e:
+            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.config': {e}", e.kind) from None
+
+    def image_processor(self):
+        """The ``flared.frontend.images.TileProcessor`` a vision core's prompts are prepared with (None: text)."""
+        from flared.errors import FrontendError
+        from flared.frontend.images import TileProcessor
+
+        if self.manifest.vision is None:
+            return None
+        try:
+            return TileProcessor.from_dict(self.manifest.vision["processor"])
+        except (FrontendError, KeyError, TypeError, ValueError) as e:
+            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.processor': {e}",
+                            ErrorKind.CORE_FORMAT) from None
+
+    def load_vision_tensors(self) -> dict:
+        """The image tower's tensors (hash-checked by open_core), names and shapes checked."""
+        from safetensors.torch import load_file
+
+        from flared.model.vision import check_vision_tensors
+
+        path = self.path / self.manifest.vision["weights"]
+        try:
+            tensors = load_file(str(path), device="cpu")
+        except Exception as e:  # safetensors raises its own types besides OSError
+            raise CoreError(f"{path}: not a readable safetensors file: {e}", ErrorKind.CORE_FORMAT) from None
+        check_vision_tensors(tensors, self.vision_config, source=str(path))
+        return tensors
+
 
 def open_core(path: str | Path, *, verify_hashes: bool = True) -> Core:
     from flared.model.config import ModelConfig
@@ -62,6 +102,12 @@ def open_core(path: str | Path, *, verify_hashes: bool = True) -> Core:
         config = ModelConfig.from_dict(manifest.model)
     except CoreError as e:
         raise CoreError(f"{path / 'manifest.json'}: field 'model': {e}", e.kind) from None
+    core = Core(path=path, manifest=manifest, config=config)
+    if manifest.vision is not None:
+        vision = core.vision_config
+        if vision.text_hidden_size != config.hidden_size:
+            raise CoreError(f"{path / 'manifest.json'}: vision rows of {vision.text_hidden_size} features do not fit "
+                            f"the decoder's hidden size {config.hidden_size}", ErrorKind.CORE_FORMAT)
     if verify_hashes:
         verify_assets(path, manifest)
-    return Core(path=path, manifest=manifest, config=config)
+    return core

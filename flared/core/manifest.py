@@ -88,6 +88,9 @@ class Manifest:
     tokenizer: str  # tokenizer.json file name
     chat_template: str | None  # template file name, None if the model has none
     assets: dict[str, Asset]  # every file above -> its hash and size
+    # A vision-language core's image side: {"config": VisionConfig.to_dict(), "processor": TileProcessor.to_dict(),
+    # "weights": the tower's safetensors file}; None for a text-only model.
+    vision: dict[str, Any] | None = None
 
     @property
     def model_name(self) -> str:
@@ -234,6 +237,18 @@ def parse_manifest(path: Path, data: Any) -> Manifest:
     if not all(isinstance(v, bool) for v in capabilities.values()):
         raise r.fail("field 'capabilities' must map names to booleans")
 
+    vision = r.field("vision", dict, optional=True)
+    if vision is not None:
+        if set(vision) != {"config", "processor", "weights"}:
+            raise r.fail("field 'vision' must hold exactly 'config', 'processor' and 'weights'")
+        if not isinstance(vision["config"], dict) or not isinstance(vision["processor"], dict):
+            raise r.fail("fields 'vision.config' and 'vision.processor' must be objects")
+        if not isinstance(vision["weights"], str):
+            raise r.fail("field 'vision.weights' must be a file name")
+        _check_asset_name(r, vision["weights"])
+        if vision["weights"] not in assets:
+            raise r.fail(f"file {vision['weights']!r} is not listed in 'assets'")
+
     m = Manifest(
         checkpoint_id=r.field("checkpoint_id", str),
         created_by=r.field("created_by", str),
@@ -252,6 +267,7 @@ def parse_manifest(path: Path, data: Any) -> Manifest:
         tokenizer=tokenizer,
         chat_template=chat_template,
         assets=assets,
+        vision=vision,
     )
     if not m.checkpoint_id:
         raise r.fail("field 'checkpoint_id' must not be empty")

@@ -43,6 +43,7 @@ import torch
 
 from flared.errors import CoreError, ErrorKind
 from flared.model.config import ModelConfig, from_hf_config
+from flared.model.vision import VisionConfig
 
 
 @dataclass
@@ -50,6 +51,9 @@ class SourceModel:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # serving layout, CPU tensors
     source_kind: str  # "hf" | "gguf"
+    # A vision-language checkpoint's image tower (flared.model.vision): its config and serving-layout tensors.
+    vision: VisionConfig | None = None
+    vision_tensors: dict[str, torch.Tensor] | None = None
 
 
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -139,7 +143,17 @@ def _read_hf_dir(directory: Path) -> SourceModel:
         raise CoreError(f"{config_path} is not valid JSON: {exc}", ErrorKind.SOURCE_FORMAT) from None
     if not isinstance(hf_config, dict):
         raise CoreError(f"{config_path} is not a JSON object", ErrorKind.SOURCE_FORMAT)
-    config = from_hf_config(hf_config, source=str(config_path))
+    from flared.model.vision import hf_vision_to_serving, vision_from_hf
+
+    vision = vision_from_hf(hf_config, source=str(config_path))
+    if vision is not None:
+        # The decoder of a vision-language checkpoint is its text_config's model, under model.text_model.*
+        text = dict(hf_config["text_config"])
+        text.setdefault("model_type", "llama")
+        text.setdefault("tie_word_embeddings", bool(hf_config.get("tie_word_embeddings", False)))
+        config = from_hf_config(text, source=f"{config_path} (text_config)")
+    else:
+        config = from_hf_config(hf_config, source=str(config_path))
 
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
@@ -156,9 +170,15 @@ def _read_hf_dir(directory: Path) -> SourceModel:
     hf_tensors: dict[str, torch.Tensor] = {}
     for name in files:
         hf_tensors.update(_load_safetensors_file(directory / name))
+    vision_tensors = None
+    if vision is not None:
+        vision_tensors = hf_vision_to_serving(hf_tensors, vision, source=str(directory))
+        text_prefix = "model.text_model."
+        hf_tensors = {("model." + k[len(text_prefix):] if k.startswith(text_prefix) else k): v
+                      for k, v in hf_tensors.items() if not k.startswith(("model.vision_model.", "model.connector."))}
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory))
     check_serving_tensors(tensors, config, source=str(directory))
-    return SourceModel(config=config, tensors=tensors, source_kind="hf")
+    return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
 
 
 def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: str) -> dict[str, torch.Tensor]:
