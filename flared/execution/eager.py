@@ -128,7 +128,9 @@ class EagerExecutor:
                                 needs_logits=True) for i in range(n)]
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
-        self._group_lora_rows(batch, states, np.cumsum([0] + [len(c.token_ids) for c in chunks]))
+        bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])
+        self._group_lora_rows(batch, states, bounds)
+        self._place_images(batch, states, chunks, bounds)
         if not scoring:
             logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
         else:
@@ -149,6 +151,23 @@ class EagerExecutor:
             if (tokens < 0).any():
                 raise ExecutionError(f"plan {plan.plan_id}: participant {i} has no previous token to feed")
         return tokens
+
+    def _place_images(self, batch, states, chunks, bounds) -> None:
+        """Image rows: where participant i's chunk feeds positions of its request's image tokens, those rows take
+        the request's image rows (VisionInput.features) in place of the tokens' embeddings."""
+        rows, values = [], []
+        for i, state in enumerate(states):
+            vision = getattr(state, "vision", None)
+            if vision is None:
+                continue
+            start = chunks[i].num_cached_tokens
+            lo, hi = np.searchsorted(vision.positions, [start, start + len(chunks[i].token_ids)])
+            if hi > lo:
+                rows.append(vision.positions[lo:hi] - start + bounds[i])
+                values.append(vision.features[lo:hi])
+        if rows:
+            batch.embed_rows = torch.as_tensor(np.concatenate(rows), dtype=torch.int64, device=self.model.device)
+            batch.embed_values = torch.cat(values).to(self.model.device)
 
     def _group_lora_rows(self, batch, states, bounds) -> None:
         """Per-request LoRA: each adapter's token rows into ``batch.lora_groups``; participant i owns the batch's

@@ -115,10 +115,39 @@ class RenderedChat:
     message_endpoints: tuple[int, ...]
     # The byte endpoints they came from (UTF-8 offsets into text), including ones a token crosses.
     byte_endpoints: tuple[int, ...]
+    # A vision model's images (flared.frontend.images.PreparedImage), in prompt order: each one's placeholder
+    # was replaced by its prompt text before tokenizing. Set by the caller that prepared them.
+    images: tuple = ()
 
     @property
     def prompt_bytes(self) -> bytes:
         return self.text.encode("utf-8")
+
+
+def _expand_images(text: str, char_endpoints, prompts: tuple[str, ...], placeholder: str):
+    """``text`` with its k-th ``placeholder`` replaced by ``prompts[k]``, and the endpoints moved with it."""
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != len(prompts):
+        raise FrontendError(f"the chat template wrote {len(pieces) - 1} image placeholders ({placeholder}) for "
+                            f"{len(prompts)} images (a message's text may not spell {placeholder})",
+                            ErrorKind.VALIDATION)
+    out, starts, at = [pieces[0]], [], len(pieces[0])  # starts: (old offset just past a placeholder, growth)
+    growth = 0
+    for prompt, piece in zip(prompts, pieces[1:]):
+        at += len(placeholder)
+        growth += len(prompt) - len(placeholder)
+        starts.append((at, growth))
+        out += (prompt, piece)
+        at += len(piece)
+
+    def moved(c: int) -> int:
+        shift = 0
+        for end, g in starts:
+            if c >= end:
+                shift = g
+        return c + shift
+
+    return "".join(out), [moved(c) for c in char_endpoints]
 
 
 def _sha256(data: bytes) -> str:
@@ -305,6 +334,7 @@ class Frontend:
     def render_chat(self, messages, *, tools=None, documents=None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, inputs_are_json: bool = True,
                     add_special_tokens: bool = False, template: ChatTemplate | None = None,
+                    image_prompts: tuple[str, ...] = (), image_placeholder: str = "<image>",
                     **template_kwargs) -> RenderedChat:
         """Render and tokenize a chat; find the token index where each complete message ends.
 
@@ -313,6 +343,8 @@ class Frontend:
         ``add_special_tokens``: the tokenizer's own special tokens (a BOS) around the rendered text, which
         templates usually write themselves (vLLM's chat field of that name, default false).
         ``template``: a request's own template in place of the model's (vLLM's chat_template field).
+        ``image_prompts``: one text per image part of the messages, in order; each ``image_placeholder`` the
+        template writes becomes the next one (a vision model's image tokens), before tokenizing.
         """
         template = template if template is not None else self.chat_template
         if template is None:
@@ -342,6 +374,8 @@ class Frontend:
         else:
             char_endpoints = self._prefix_endpoints(template, messages, text, tools, documents, kwargs,
                                                     inputs_are_json)
+        if image_prompts:
+            text, char_endpoints = _expand_images(text, char_endpoints, image_prompts, image_placeholder)
         char_endpoints = sorted({c for c in char_endpoints if 0 < c < len(text)})
         encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return RenderedChat(

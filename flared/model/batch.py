@@ -64,6 +64,10 @@ class ForwardBatch:
     # Decode rows may be consecutive positions of one sequence (a speculative step feeds a request's last token and
     # its drafts as rows of their own): every row's K/V is written before any row attends.
     shared_sequences: bool = False
+    # Image rows (a vision-language model): the forward puts embed_values[i] in place of token row embed_rows[i]'s
+    # embedding (the rows of an image's tokens; flared.model.vision); None: every row embeds its token.
+    embed_rows: torch.Tensor | None = None  # [k] int64
+    embed_values: torch.Tensor | None = None  # [k, hidden]
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], *, page_tokens: int, device: torch.device | str = "cpu",

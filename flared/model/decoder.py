@@ -214,6 +214,8 @@ class DecoderModel:
             and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.lora_modules: list[dict | None] = []  # add_lora_module
+        # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
+        self.vision = None
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
@@ -290,7 +292,7 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Returns logits [len(batch.logit_row_ids), vocab] float32."""
-        if (self.fused_decode and not batch.prefill_groups
+        if (self.fused_decode and not batch.prefill_groups and batch.embed_rows is None
                 and all(self.lora_modules[a - 1].get(FUSED_LORA) is not None for a, _ in batch.lora_groups)
                 and batch.decode_row_ids is not None
                 and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
@@ -429,6 +431,8 @@ class DecoderModel:
         cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
         sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
+        if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
+            h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
         native = self.cpu_decode_attention and kv.storage_dtype in (self.dtype, FP8_KV)
         decode_masked = None

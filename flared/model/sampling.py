@@ -340,6 +340,9 @@ class SequenceSamplingState:
     # The request's per-request LoRA adapter (DecoderModel.lora_modules index + 1; 0: the base weights), which
     # the eager executor groups the forward's rows by (not a sampling setting, but this is the row's state).
     lora: int = 0
+    # The request's image rows (flared.runtime.request.VisionInput): the eager executor puts them in place of the
+    # image tokens' embeddings when a forward feeds those positions (like lora, the row's state, not a setting).
+    vision: object = None
     # Sampler.at_position's copies: the tokens between the state's tables and the copy's row (a speculative step's
     # drafts before it), which its penalties count; a copy's draw changes no table or history (None: a state)
     ahead: tuple[int, ...] | None = None

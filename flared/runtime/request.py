@@ -21,10 +21,34 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
+
 from flared.errors import FlareError
 from flared.model.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
 _request_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionInput:
+    """A prompt's images, ready for the decoder: the rows the image tower made for each image token."""
+    positions: np.ndarray  # int64 [N]: prompt indices of the image tokens, ascending
+    features: torch.Tensor  # [N, hidden]: row i replaces the embedding at positions[i]
+    # (index of each image's first image token, its 32-byte identity): prefix-cache conditioning, so a cached
+    # prompt is reused only up to the first image that differs
+    spans: tuple[tuple[int, bytes], ...]
+
+    def shifted(self, cut: int) -> "VisionInput | None":
+        """The same images after the prompt's first ``cut`` tokens are dropped (None: a cut into an image)."""
+        if cut == 0:
+            return self
+        if len(self.positions) and self.positions[0] < cut:
+            return None
+        return VisionInput(self.positions - cut, self.features, tuple((p - cut, i) for p, i in self.spans))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +78,8 @@ class GenerateRequest:
     # OpenAI's predicted output (chat ``prediction``) as token ids: with speculative decoding on, the scheduler
     # looks up this request's drafts there first (the tokens are the same with it or without it)
     prediction: tuple[int, ...] = ()
+    # A vision-language model's images (VisionInput); None: a text prompt
+    vision: VisionInput | None = None
 
 
 @dataclasses.dataclass(frozen=True)

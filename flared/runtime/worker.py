@@ -175,6 +175,36 @@ class EmbeddingJob(ModelJob):
 
 
 @dataclasses.dataclass
+class VisionJob(ModelJob):
+    """Image tiles through the model's image tower (flared.model.vision): the result is their rows [tiles *
+    image_seq_len, hidden] in the model's dtype, on its device. A few tiles a turn, so that a large image shares
+    the thread with the steps of live requests."""
+    pixel_values: object  # float32 [tiles, 3, S, S] (numpy or torch)
+    done: object
+    parts: list = dataclasses.field(default_factory=list)
+    _tiles_done: int = 0
+
+    def step(self, model, budget: int, stats) -> bool:
+        import torch
+
+        vision = model.vision
+        if vision is None:
+            raise ExecutionError("this model has no image tower", ErrorKind.UNSUPPORTED)
+        # a tile costs about its patch count in tokens of tower work
+        per_turn = max(1, budget // vision.config.patches_per_side ** 2)
+        tiles = torch.as_tensor(self.pixel_values[self._tiles_done:self._tiles_done + per_turn])
+        self.parts.append(vision.encode(tiles))
+        self._tiles_done += tiles.shape[0]
+        stats["vision_tiles"] += tiles.shape[0]
+        return self._tiles_done >= len(self.pixel_values)
+
+    def result(self):
+        import torch
+
+        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+
+
+@dataclasses.dataclass
 class PromptLogprobsJob(ModelJob):
     """One prompt's token logprobs (``DecoderModel.prompt_logprobs``): for p >= 1, (logprob, top alternatives,
     rank)."""
@@ -332,6 +362,14 @@ class ModelRuntime:
         model = DecoderModel(self.core.config, tensors, dtype=dtype,
                              device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
         del tensors
+        if self.core.manifest.vision is not None and not use_cuda:
+            # Images on the CPU executor; the CUDA graphs take token ids only, so there the core serves text.
+            from flared.model.vision import VisionEncoder
+
+            model.vision = VisionEncoder(self.core.vision_config, self.core.load_vision_tensors(), dtype=dtype,
+                                         device=model.device)
+            log.info("image tower: %d layers, %d-pixel tiles of %d rows", model.vision.config.num_layers,
+                     model.vision.config.image_size, model.vision.config.image_seq_len)
         for f, ident in factors:
             # On CUDA the graphs run the stacked copy below; the model's entry only marks the adapter live (an
             # unloaded one's becomes None), so it holds no second copy of the factors on the GPU.
@@ -812,6 +850,8 @@ class ModelRuntime:
                     conditioning = ((0, hashlib.sha256(self._lora_ids[req.lora - 1] + salted).digest()),)
                 if req.score_from is not None and self.prefix_cache:
                     conditioning = conditioning + ((req.score_from, os.urandom(32)),)
+                if req.vision is not None and self.prefix_cache:  # a cached prefix holds its images' rows
+                    conditioning = conditioning + tuple((int(p), ident) for p, ident in req.vision.spans)
                 handle = self.scheduler.admit(
                     list(req.prompt_token_ids), req.params.max_tokens, now,
                     message_boundaries=req.message_endpoints if self.prefix_cache else (),
@@ -831,6 +871,7 @@ class ModelRuntime:
                 live.sampler_state = self.executor.sampler.add_sequence(req.params, req.prompt_token_ids,
                                                                         grammar=live.grammar)
                 live.sampler_state.lora = req.lora
+                live.sampler_state.vision = req.vision
             except AdmissionError as e:
                 if e.kind is ErrorKind.MODEL_CAPACITY:
                     if self.scheduler.num_live == 0:

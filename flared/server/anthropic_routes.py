@@ -104,7 +104,7 @@ def translate_messages(body: dict) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise _bad(f"{where}.content", f"must be a string or an array of content blocks, got {_type(content)}")
-        text: list[str] = []
+        text: list[dict] = []  # text parts, and image parts of a user turn (one list: their order matters)
         calls: list[dict] = []
         for j, b in enumerate(content):
             bw = f"{where}.content[{j}]"
@@ -112,7 +112,9 @@ def translate_messages(body: dict) -> list[dict]:
             if kind == "text":
                 if not isinstance(b.get("text"), str):
                     raise _bad(f"{bw}.text", "must be a string")
-                text.append(b["text"])
+                text.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and role == "user":
+                text.append({"type": "image", "image": _image_source(b, bw), "param": bw})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier reasoning is not replayed into the prompt, as the templates do
             elif kind == "tool_use" and role == "assistant":
@@ -122,7 +124,7 @@ def translate_messages(body: dict) -> list[dict]:
                               "function": {"name": b["name"], "arguments": b.get("input", {})}})
             elif kind == "tool_result" and role == "user":
                 if text:
-                    out.append({"role": "user", "content": "".join(text)})
+                    out.append({"role": "user", "content": _joined(text)})
                     text = []
                 result = b.get("content", "")
                 out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
@@ -131,10 +133,32 @@ def translate_messages(body: dict) -> list[dict]:
                 raise _bad(bw, f"content block of type {kind!r} is not supported in a {role} message "
                            "(this model takes text)", ErrorKind.UNSUPPORTED)
         if calls:
-            out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
+            out.append({"role": "assistant", "content": _joined(text) or None, "tool_calls": calls})
         elif text or role == "assistant":
-            out.append({"role": role, "content": "".join(text)})
+            out.append({"role": role, "content": _joined(text)})
     return out
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    """A turn's text, or its parts in order where it holds images."""
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _image_source(block: dict, where: str) -> str:
+    """An image block's source as a data URL (``base64``) or its ``url`` (refused where images are read)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad(f"{where}.source", "must be an object")
+    if source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str) or not data:
+            raise _bad(f"{where}.source", "a base64 source needs 'media_type' and 'data' strings")
+        return f"data:{media};base64,{data}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise _bad(f"{where}.source.type", "must be 'base64' (or 'url')")
 
 
 def translate_tools(body: dict) -> list[dict] | None:
@@ -281,9 +305,11 @@ class AnthropicRoutes:
         shape = OutputShape(self.state, rendered.text, None if forced or output_format else tools)
         grammar = await compile_grammar(self.state, force_tool_call(shape, tools, forced) if forced else output_format)
         prompt = tuple(rendered.token_ids)
+        vision = await self.state.vision_input(rendered)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar, lora=lora)
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar, lora=lora,
+                              vision=vision)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         request.disconnected.add_callback(gen.cancel)
         mid = "msg_" + secrets.token_hex(12)

@@ -16,19 +16,23 @@ Admission (the reference's two levels):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
+import numpy as np
 
 from flared.errors import AdmissionError, ErrorKind, FrontendError
 from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
+from flared.frontend.images import TileProcessor, decode_image
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
-from flared.runtime.worker import EmbeddingJob, PromptLogprobsJob
+from flared.runtime.request import VisionInput
+from flared.runtime.worker import EmbeddingJob, PromptLogprobsJob, VisionJob
 from flared.server.anthropic_routes import AnthropicRoutes
 from flared.server.embeddings import EmbeddingRoutes
 from flared.server.rerank import RerankRoutes
@@ -39,6 +43,39 @@ from flared.server.openai_routes import OpenAIRoutes
 from flared.server.responses_routes import ResponsesRoutes
 from flared.server.systemone_routes import SystemOneRoutes
 from flared.server.structured import StructuredOutput
+
+
+# Images: at most this many a request, each at most this many bytes (decoded from base64). The HTTP body limit of a
+# vision core grows by their base64 size.
+MAX_IMAGES_PER_REQUEST = 8
+IMAGE_BYTES_LIMIT = 10 << 20
+
+
+def image_parts(messages) -> list[tuple[str, dict]]:
+    """Every image part of a parsed conversation, in order: (its request field, the part)."""
+    found = []
+    if isinstance(messages, list):
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                found += [(part.get("param", "messages"), part) for part in content
+                          if isinstance(part, dict) and part.get("type") == "image"]
+    return found
+
+
+def parts_for_template(messages):
+    """A vision model's templates read content as a list of parts: string contents as one text part, and
+    image parts as {"type": "image"} alone (the source stays with the request)."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            m = {**m, "content": [{"type": "text", "text": content}]}
+        elif isinstance(content, list):
+            m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p
+                                  for p in content]}
+        out.append(m)
+    return out
 
 
 class ServingState:
@@ -78,6 +115,12 @@ class ServingState:
         self.web_ui = True  # ServerConfig.web_ui: the chat page at / (for browsers) and /ui
         self.scheme = "http"  # "https" where the listener speaks TLS (absolute URLs in answers use it)
         self.web_ui_page = None  # its handler, once build_router has added it
+        # A vision-language core's image preparation (flared.frontend.images.TileProcessor), or None.
+        self.image_processor = None
+        self.image_token_id = -1
+        if manifest.vision is not None:
+            self.image_processor = TileProcessor.from_dict(manifest.vision["processor"])
+            self.image_token_id = int(manifest.vision["config"]["image_token_id"])
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -115,8 +158,26 @@ class ServingState:
             self.frontend_busy -= 1
 
     async def prepare_chat(self, messages, **kwargs):
+        """Render and tokenize a chat on a frontend worker. Image parts ({"type": "image", "image": source,
+        "param": where}, as the API parsers write them) are decoded and prepared there too, and their
+        placeholders expanded: the result's ``images`` holds them (``vision_input`` runs the tower on them)."""
+        images = image_parts(messages)
+        if images:
+            self._check_images(images)
+            kwargs["image_prompts"] = ()  # filled on the worker, below
+        if self.image_processor is not None:
+            messages = parts_for_template(messages)
+
+        def render():
+            prepared = self._prepare_images(images) if images else ()
+            if prepared:
+                kwargs["image_prompts"] = tuple(p.prompt for p in prepared)
+                kwargs["image_placeholder"] = self.image_processor.image_token
+            rendered = self.frontend.render_chat(messages, **kwargs)
+            return dataclasses.replace(rendered, images=prepared) if prepared else rendered
+
         try:
-            return await self._in_pool(lambda: self.frontend.render_chat(messages, **kwargs))
+            return await self._in_pool(render)
         except FrontendError as exc:
             # A template without tools fails on a tool-call history in its own words ("'dict object' has no
             # attribute 'content'"); say what the request asked of it.
@@ -128,6 +189,73 @@ class ServingState:
                 err.param = "messages"
                 raise err from None
             raise
+
+    # -- images (a vision-language core) -------------------------------------------------------------
+
+    @property
+    def takes_images(self) -> bool:
+        """The core has an image tower and the executor runs it (the CPU's; the CUDA graphs take text only)."""
+        return (self.image_processor is not None
+                and getattr(getattr(self.runtime, "model", None), "vision", None) is not None)
+
+    def _check_images(self, images) -> None:
+        param, part = images[0]
+        if not self.takes_images:
+            why = ("this model takes text" if self.image_processor is None else
+                   "this server runs the model's CUDA graphs, which take text only so far; serve it on the CPU "
+                   "executor for images")
+            err = AdmissionError(f"'{param}': content part of type {part.get('type')!r} is not supported ({why})",
+                                 ErrorKind.UNSUPPORTED)
+            err.param = param
+            raise err
+        if len(images) > MAX_IMAGES_PER_REQUEST:
+            err = AdmissionError(f"'{images[MAX_IMAGES_PER_REQUEST][0]}': at most {MAX_IMAGES_PER_REQUEST} images "
+                                 "a request", ErrorKind.VALIDATION)
+            err.param = images[MAX_IMAGES_PER_REQUEST][0]
+            raise err
+
+    def _prepare_images(self, images) -> tuple:
+        """Decode and tile every image (on a frontend worker); a bad one is a 400 naming its part."""
+        prepared, tokens = [], 0
+        context = self.manifest.capacities.context_tokens
+        for param, part in images:
+            try:
+                decoded = decode_image(part.get("image"), max_bytes=IMAGE_BYTES_LIMIT)
+                image = self.image_processor.prepare(decoded)
+            except FrontendError as exc:
+                err = AdmissionError(f"'{param}': {exc}", exc.kind)
+                err.param = param
+                raise err from None
+            tokens += image.num_image_tokens
+            if tokens >= context:
+                err = AdmissionError(f"'{param}': the images take {tokens} tokens, more than the context of "
+                                     f"{context} tokens", ErrorKind.CONTEXT_LENGTH,
+                                     hint=self.manifest.context_hint)
+                err.param = param
+                raise err
+            prepared.append(image)
+        return tuple(prepared)
+
+    async def vision_input(self, rendered, prompt_ids=None, cut: int = 0):
+        """The images of a rendered chat through the image tower (on the model thread, between its steps), as the
+        GenerateRequest's ``vision``; None for a chat without images. ``cut``: prompt tokens dropped from the
+        front (truncation); a cut into an image is a 400."""
+        if not rendered.images:
+            return None
+        ids = np.asarray(rendered.token_ids, dtype=np.int64)
+        positions = np.flatnonzero(ids == self.image_token_id)
+        counts = [image.num_image_tokens for image in rendered.images]
+        if len(positions) != sum(counts):
+            raise AdmissionError(f"'messages': the prompt holds {len(positions)} image tokens where its images make "
+                                 f"{sum(counts)} (does a message's text spell an image token?)", ErrorKind.VALIDATION)
+        starts = np.cumsum([0] + counts[:-1])
+        spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, rendered.images))
+        pixels = np.concatenate([image.pixel_values for image in rendered.images])
+        features = await self._run_job(lambda done: VisionJob(pixels, done))
+        vision = VisionInput(positions, features, spans).shifted(cut)
+        if vision is None:
+            raise AdmissionError("'truncate_prompt_tokens': the cut would fall inside an image", ErrorKind.VALIDATION)
+        return vision
 
     def _template_source(self, template=None) -> str | None:
         template = template if template is not None else self.frontend.chat_template
@@ -323,6 +451,8 @@ def _add_web_ui(router: Router):
 
 def http_config(config, manifest) -> HttpConfig:
     body_limit = config.body_limit_bytes or (1 << 20) + 32 * manifest.capacities.context_tokens
+    if manifest.vision is not None and not config.body_limit_bytes:  # base64 images
+        body_limit += MAX_IMAGES_PER_REQUEST * (IMAGE_BYTES_LIMIT * 4 // 3 + 1024)
     return HttpConfig(
         host=config.host, port=config.port, body_limit_bytes=body_limit,
         header_timeout_s=config.header_timeout_s, keep_alive_timeout_s=config.keep_alive_timeout_s,

@@ -185,6 +185,17 @@ def _context(state, body: dict) -> list[int]:
     return list(context)
 
 
+def _with_images(text: str, images, where: str):
+    """Ollama's ``images`` (base64 strings) beside a message's text: the content as parts, the images first (as
+    Ollama's vision templates place them); the text alone when there are none."""
+    if images is None or images == []:
+        return text
+    if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
+        raise _bad(where, "must be an array of base64-encoded images")
+    parts: list[dict] = [{"type": "image", "image": x, "param": f"{where}[{k}]"} for k, x in enumerate(images)]
+    return parts + [{"type": "text", "text": text}]
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -193,13 +204,11 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise _bad(f"messages[{i}].role", "must be system, user, assistant or tool")
-        if m.get("images"):
-            raise _bad(f"messages[{i}].images", "images are not supported (this model takes text)",
-                       ErrorKind.UNSUPPORTED)
         content = m.get("content") or ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content", "must be a string")
-        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        msg: dict[str, Any] = {"role": m["role"], "content": _with_images(content, m.get("images"),
+                                                                           f"messages[{i}].images")}
         if m.get("tool_calls"):
             msg["tool_calls"] = [{"type": "function", "function": {
                 "name": (c.get("function") or {}).get("name"),
@@ -307,6 +316,8 @@ class OllamaRoutes:
             caps.append("thinking")
         if self.state.fim is not None:
             caps.append("insert")  # Ollama's name for models that take a suffix (fill in the middle)
+        if self.state.takes_images:
+            caps.append("vision")
         return caps
 
     async def show(self, request: Request) -> Response:
@@ -335,14 +346,15 @@ class OllamaRoutes:
     # -- generation ----------------------------------------------------------------------------
 
     async def _start(self, body: dict, rendered_text: str, prompt: tuple[int, ...], endpoints, tools, lora: int,
-                     fim: bool = False):
+                     fim: bool = False, vision=None):
         options = _options(self.state, body, len(prompt))
         grammar = await compile_grammar(self.state, parse_ollama_format(body.get("format")))
         await prepare_samplers(self.state, options)
         shape = OutputShape(self.state, rendered_text, tools)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options, fim=fim), grammar=grammar, lora=lora)
+                              stop_token_ids=_stop_ids(self.state, options, fim=fim), grammar=grammar, lora=lora,
+                              vision=vision)
         gen = self.state.start([req], options.stop, skip_special_tokens=shape.skip_special_tokens)
         return gen, shape, options.logprobs is not None
 
@@ -358,7 +370,13 @@ class OllamaRoutes:
         if len(rendered.token_ids) >= limit and _truncates(body):
             rendered = await self._fit_messages(messages, limit - _answer_room(body, limit), tools, kwargs)
         ids, endpoints = _cut_prompt(body, list(rendered.token_ids), rendered.message_endpoints, limit)
-        gen, shape, lps = await self._start(body, rendered.text, tuple(ids), endpoints, tools, lora)
+        vision = None
+        if rendered.images:
+            if len(ids) != len(rendered.token_ids):  # the cut keeps the front and the end: images would move
+                raise AdmissionError(f"the messages kept with their images take {len(rendered.token_ids)} tokens, "
+                                     f"more than num_ctx {limit} allows", ErrorKind.CONTEXT_LENGTH)
+            vision = await self.state.vision_input(rendered)
+        gen, shape, lps = await self._start(body, rendered.text, tuple(ids), endpoints, tools, lora, vision=vision)
         return await self._respond(request, gen, shape, body, model, t0, chat=True, logprobs=lps)
 
     async def _fit_messages(self, messages: list[dict], limit: int, tools, kwargs):
@@ -384,9 +402,12 @@ class OllamaRoutes:
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise _bad("prompt", "must be a string")
-        for field in ("images", "template"):
-            if body.get(field):
-                raise _bad(field, "is not supported by this server", ErrorKind.UNSUPPORTED)
+        if body.get("template"):
+            raise _bad("template", "is not supported by this server", ErrorKind.UNSUPPORTED)
+        images = body.get("images")
+        if images and (body.get("suffix") or _boolean(body, "raw")):
+            raise _bad("images", "images go with a templated prompt (not with 'raw' or 'suffix')",
+                       ErrorKind.UNSUPPORTED)
         suffix = body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
             raise _bad("suffix", "must be a string")
@@ -406,14 +427,22 @@ class OllamaRoutes:
         else:
             system = body.get("system")
             messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + \
-                [{"role": "user", "content": prompt}]
+                [{"role": "user", "content": _with_images(prompt, images, "images")}]
             rendered = await self.state.prepare_chat(messages, **_template_kwargs(body))
             ids, text, endpoints = rendered.token_ids, rendered.text, rendered.message_endpoints
         if context:  # the earlier exchange's tokens, then this prompt (where the context ends is a boundary)
             endpoints = (len(context), *(len(context) + e for e in endpoints))
             ids = context + list(ids)
+        whole = len(ids)
         ids, endpoints = _cut_prompt(body, list(ids), endpoints, _context_limit(self.state, body))
-        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None, lora, fim=bool(suffix))
+        vision = None
+        if images:
+            if len(ids) != whole:
+                raise AdmissionError(f"the prompt with its images takes {whole} tokens, more than num_ctx "
+                                     f"{_context_limit(self.state, body)} allows", ErrorKind.CONTEXT_LENGTH)
+            vision = await self.state.vision_input(rendered, cut=-len(context) if context else 0)
+        gen, shape, lps = await self._start(body, text, tuple(ids), endpoints, None, lora, fim=bool(suffix),
+                                            vision=vision)
         return await self._respond(request, gen, shape, body, model, t0, chat=False, logprobs=lps)
 
     async def _respond(self, request: Request, gen: Generation, shape: OutputShape, body: dict, model: str,

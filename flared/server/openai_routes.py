@@ -43,7 +43,7 @@ def model_card(state) -> dict[str, Any]:
         "parent": None,
         "max_model_len": m.capacities.context_tokens,
         "aliases": [n for n in m.served_names if n and n != m.model_name],
-        "capabilities": dict(m.capabilities),
+        "capabilities": {**m.capabilities, "vision": state.takes_images},
     }
 
 
@@ -517,6 +517,9 @@ class OpenAIRoutes:
         prompt = truncated(tuple(rendered.token_ids), opts, self.state.manifest.capacities.context_tokens)
         cut = len(rendered.token_ids) - len(prompt)
         endpoints = tuple(e - cut for e in rendered.message_endpoints if e > cut)
+        if rendered.images and opts.prompt_logprobs is not None:
+            raise _bad("prompt_logprobs", "is not supported for prompts with images")
+        vision = await self.state.vision_input(rendered, cut=cut)
         prompt_lps = None
         if opts.prompt_logprobs is not None:
             check_prompt_fits(self.state, [prompt])
@@ -539,7 +542,7 @@ class OpenAIRoutes:
                             params=sampling_params(self.state, opts, len(prompt), None, i),
                             stop_token_ids=_stop_ids(self.state, opts), grammar=grammar,
                             cache_salt=req.extras.cache_salt, priority=req.extras.priority, lora=lora,
-                            prediction=prediction)
+                            prediction=prediction, vision=vision)
             for i in range(opts.n)]
         gen = self.state.start(requests, opts.stop, skip_special_tokens=shape.skip_special_tokens
                                and opts.skip_special_tokens, include_stop_str=opts.include_stop_str_in_output)
@@ -548,6 +551,8 @@ class OpenAIRoutes:
         # vLLM's echo: an answer that continues the assistant's last message starts with it
         last = req.messages[-1]
         echo = (last.get("content") or "") if req.echo and last["role"] == "assistant" else ""
+        if isinstance(echo, list):  # an assistant message with images: its text
+            echo = "".join(p["text"] for p in echo if p.get("type") == "text")
         if req.stream:
             return StreamingResponse(lambda w: self._stream_chat(gen, w, req, rid, shape, prompt, echo),
                                      headers=[("cache-control", "no-cache")])

@@ -222,6 +222,43 @@ def join_text_parts(content: Any, where: str, text_types: tuple[str, ...] = ("te
     return "".join(parts)
 
 
+def image_source(part: dict, where: str) -> str:
+    """The image an OpenAI image part carries: ``image_url`` as {"url": ...} or a bare string (vLLM's), or a
+    Responses ``input_image``'s ``image_url``; a data URL (remote URLs are refused where the image is read)."""
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+        where += ".image_url.url"
+    else:
+        where += ".image_url"
+    if not isinstance(url, str) or not url:
+        raise _bad(where, "must be a non-empty string (a data URL such as data:image/png;base64,...)")
+    return url
+
+
+def content_with_images(content: Any, where: str, text_types: tuple[str, ...] = ("text",),
+                        image_types: tuple[str, ...] = ("image_url",)) -> str | list:
+    """``join_text_parts``' text, or, where the content holds images, its parts in order: text parts as
+    {"type": "text", "text"} and images as {"type": "image", "image": source, "param": field} (the serving
+    state checks the model takes images, decodes them and renders the template with them)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in image_types
+                                                for p in content):
+        return join_text_parts(content, where, text_types)
+    parts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") in image_types:
+            parts.append({"type": "image", "image": image_source(part, at), "param": at})
+        else:
+            if not isinstance(part, dict) or part.get("type") not in text_types:
+                kind = part.get("type") if isinstance(part, dict) else _type(part)
+                raise _bad(at, f"content part of type {kind!r} is not supported", ErrorKind.UNSUPPORTED)
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"{at}.text", "must be a string")
+            parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
 def _reject_unsupported(body: dict, fields: tuple[str, ...]) -> None:
     for field in fields:
         if body.get(field) not in (None, [], False):
@@ -437,7 +474,7 @@ def parse_chat(body: Any) -> ChatRequest:
         msg = dict(m)
         content = m.get("content")
         if isinstance(content, list):
-            msg["content"] = join_text_parts(content, f"{where}.content", ("text", "input_text"))
+            msg["content"] = content_with_images(content, f"{where}.content", ("text", "input_text"))
         elif content is not None and not isinstance(content, str):
             raise _bad(f"{where}.content", f"must be a string or an array of content parts, got {_type(content)}")
         elif content is None and role != "assistant":

@@ -61,6 +61,7 @@ from flared.server.openai_schema import (
     _number,
     _string,
     _type,
+    content_with_images,
     join_text_parts,
     json_object,
     parse_tool_choice,
@@ -165,7 +166,8 @@ def translate_input(value: Any) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": join_text_parts(item.get("content"), f"{where}.content", _TEXT_PARTS)})
+                        "content": content_with_images(item.get("content"), f"{where}.content", _TEXT_PARTS,
+                                                       ("input_image",))})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise _bad(where, "a function_call needs 'name' and 'arguments' strings")
@@ -456,9 +458,11 @@ class ResponsesRoutes:
             self.state, force_tool_call(shape, offered, forced) if forced else text_format)
         options = _options(body)
         prompt = tuple(rendered.token_ids)
+        vision = await self.state.vision_input(rendered)
         req = GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                               params=sampling_params(self.state, options, len(prompt), None, 0),
-                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar, lora=lora)
+                              stop_token_ids=_stop_ids(self.state, options), grammar=grammar, lora=lora,
+                              vision=vision)
         # A background response holds a permit of its own until it ends (this request's goes with its answer).
         release = self.state.admit(request) if background else None
         try:

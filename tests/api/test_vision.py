@@ -1,0 +1,207 @@
+"""Images through a vision-language core, end to end: a random-weight SmolVLM (Idefics3 family) exported and
+served by a real `flared run`, its greedy tokens checked against transformers' SmolVLMForConditionalGeneration
+on the same weights, prompt and pixels (transformers' own image processor and prompt expansion)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+from conftest import SMOLVLM_PREPROCESSOR  # noqa: E402 - after the skips
+
+NEW_TOKENS = 12
+
+
+def _image(seed: int, size=(70, 50)):
+    rng = np.random.default_rng(seed)
+    return PIL.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def _data_url(image, fmt="PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _ids(resp) -> list[int]:
+    return [int(t["token"].split(":", 1)[1]) for t in resp["choices"][0]["logprobs"]["content"]]
+
+
+def _assert_greedy(resp, expected: list[int], what) -> None:
+    """Our greedy tokens are transformers', up to a near tie (float32 sums in another order): where they first
+    differ, transformers' token must be within 1e-3 of ours in our logprobs; after it the two texts part."""
+    got = _ids(resp)
+    assert len(got) == len(expected), what
+    for k, (g, e) in enumerate(zip(got, expected)):
+        if g != e:
+            step = resp["choices"][0]["logprobs"]["content"][k]
+            top = {t["token"]: t["logprob"] for t in step["top_logprobs"]}
+            assert step["logprob"] - top.get(f"token_id:{e}", -1e9) < 1e-3, (what, k, got, expected)
+            return
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf_smolvlm):
+    """Greedy tokens transformers makes for [image, text] user turns."""
+    import torch
+    from transformers import PreTrainedTokenizerFast, SmolVLMForConditionalGeneration
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    model = SmolVLMForConditionalGeneration.from_pretrained(tiny_hf_smolvlm, dtype=torch.float32).eval()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_hf_smolvlm / "tokenizer.json"))
+    tok.chat_template = json.loads((tiny_hf_smolvlm / "tokenizer_config.json").read_text())["chat_template"]
+    settings = {k: v for k, v in SMOLVLM_PREPROCESSOR.items() if k != "image_processor_type"}
+    processor = SmolVLMImageProcessorPil(**settings)
+
+    def run(images, text: str):
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+        out = processor(images=[images], return_row_col_info=True, return_tensors="pt")
+        pieces = prompt.split("<image>")
+        expanded = pieces[0]
+        for k, piece in enumerate(pieces[1:]):
+            expanded += get_image_prompt_string(out["rows"][0][k], out["cols"][0][k], 4, "<fake_token_around_image>",
+                                                "<image>", "<global-img>") + piece
+        ids = tok(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"],
+                                 pixel_attention_mask=out["pixel_attention_mask"], max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        return ids.shape[1], gen[0, ids.shape[1]:].tolist()
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def vlm_daemon(tiny_vlm_core, tmp_path_factory):
+    from flared_testing.daemon import Daemon
+
+    d = Daemon(tiny_vlm_core, tmp_path_factory.mktemp("vlm-daemon"))
+    yield d
+    d.kill()
+
+
+def _ask(daemon, images, text, **kw):
+    content = [{"type": "image_url", "image_url": {"url": _data_url(im)}} for im in images]
+    content.append({"type": "text", "text": text})
+    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
+                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True,
+                               **kw)
+    assert status == 200, body
+    return body
+
+
+def test_export_records_the_image_tower(tiny_vlm_core):
+    from flared.core.load import open_core
+
+    core = open_core(tiny_vlm_core)
+    assert core.manifest.capabilities["vision"] is True
+    assert core.vision_config.image_seq_len == 4
+    assert core.image_processor().tile == 32
+    assert set(core.load_vision_tensors()) >= {"patch_embed.weight", "proj.weight", "layers.1.qkv.weight"}
+
+
+def test_greedy_tokens_match_transformers(vlm_daemon, reference):
+    a, b = _image(1), _image(2, (40, 90))
+    for images, text in (([a], "What is in the picture?"), ([b], "What is in the picture?"),
+                         ([a, b], "Compare them."), ([b, a], "Compare them."), ([a], "What is in the picture?")):
+        body = _ask(vlm_daemon, images, text)
+        num_prompt, expected = reference(images, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt
+        _assert_greedy(body, expected, (len(images), text))
+
+
+def test_a_cached_prompt_is_reused_only_with_the_same_image(vlm_daemon, reference):
+    """The prefix cache keys image tokens by the image: the same text with another image recomputes from the
+    image on (and still matches transformers), the same image again reuses the cached prompt."""
+    text = "Describe the image in one word, please, with as much care as you can muster."
+    a, c = _image(3, (96, 64)), _image(4, (96, 64))
+    first = _ask(vlm_daemon, [a], text)
+    other = _ask(vlm_daemon, [c], text)
+    again = _ask(vlm_daemon, [a], text)
+    _assert_greedy(other, reference([c], text)[1], "other image")
+    _assert_greedy(first, reference([a], text)[1], "first")
+    assert _ids(first) == _ids(again)
+    cached = lambda body: (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # noqa: E731
+    assert cached(again) > cached(other)
+
+
+def test_bad_images_are_a_400_naming_the_part(vlm_daemon):
+    def ask(part):
+        return vlm_daemon.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], max_tokens=2)
+
+    status, body = ask({"type": "image_url", "image_url": {"url": "data:image/png;base64,not-base64!"}})
+    assert status == 400 and body["error"]["param"] == "messages[0].content[1]", body
+    status, body = ask({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}})
+    assert status == 400 and "data URL" in body["error"]["message"], body
+    status, body = ask({"type": "image_url", "image_url": {}})
+    assert status == 400 and body["error"]["param"] == "messages[0].content[1].image_url.url", body
+    too_many = [{"type": "image_url", "image_url": {"url": _data_url(_image(k, (8, 8)))}} for k in range(9)]
+    status, body = vlm_daemon.chat([{"role": "user", "content": too_many}], max_tokens=2)
+    assert status == 400 and "at most 8 images" in body["error"]["message"], body
+    # the daemon serves on
+    assert _ask(vlm_daemon, [_image(5)], "hi")["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_text_model_refuses_images(start_daemon, tiny_core):
+    d = start_daemon(tiny_core)
+    status, body = d.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(_image(1))}}, {"type": "text", "text": "hi"}]}],
+        max_tokens=2)
+    assert status == 400 and "this model takes text" in body["error"]["message"], body
+    assert body["error"]["param"] == "messages[0].content[0]"
+
+
+
+def test_every_api_shape_takes_images(vlm_daemon):
+    """Anthropic image blocks, Ollama's images (chat and generate) and Responses' input_image give the answer
+    the OpenAI chat route gives for the same image and text (all greedy)."""
+    image, text = _image(7, (64, 40)), "What is it?"
+    url = _data_url(image)
+    b64 = url.split(",", 1)[1]
+    status, openai = vlm_daemon.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}],
+        max_tokens=NEW_TOKENS, temperature=0)
+    assert status == 200, openai
+    expected = openai["choices"][0]["message"]["content"]
+    assert expected
+
+    status, body = vlm_daemon.request("POST", "/v1/messages", {
+        "model": "tiny", "max_tokens": NEW_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+            {"type": "text", "text": text}]}]})
+    assert status == 200 and body["content"][0]["text"] == expected, body
+
+    status, body = vlm_daemon.request("POST", "/api/chat", {
+        "model": "tiny", "stream": False, "options": {"temperature": 0, "num_predict": NEW_TOKENS},
+        "messages": [{"role": "user", "content": text, "images": [b64]}]})
+    assert status == 200 and body["message"]["content"] == expected, body
+
+    status, body = vlm_daemon.request("POST", "/api/generate", {
+        "model": "tiny", "stream": False, "prompt": text, "images": [b64],
+        "options": {"temperature": 0, "num_predict": NEW_TOKENS}})
+    assert status == 200 and body["response"] == expected, body
+
+    status, body = vlm_daemon.request("POST", "/v1/responses", {
+        "model": "tiny", "max_output_tokens": NEW_TOKENS, "temperature": 0, "store": False, "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                         {"type": "input_text", "text": text}]}]})
+    assert status == 200 and body["output"][-1]["content"][0]["text"] == expected, body
+
+    status, body = vlm_daemon.request("GET", "/v1/models")
+    assert body["data"][0]["capabilities"]["vision"] is True
+    status, body = vlm_daemon.request("POST", "/api/show", {"model": "tiny"})
+    assert "vision" in body["capabilities"]
+    status, body = vlm_daemon.request("POST", "/v1/messages", {
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
+    assert status == 400 and "data URL" in body["error"]["message"], body
