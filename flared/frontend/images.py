@@ -1,4 +1,4 @@
-"""Images for vision-language models: decoding what a client sends, and SmolVLM / Idefics3 preprocessing.
+"""Images for vision-language models: decoding what a client sends; SmolVLM / Idefics3 and Qwen2-VL preprocessing.
 
 ``decode_image`` turns a data URL, a bare base64 string (Ollama's ``images``) or raw bytes into an upright RGB
 ``PIL.Image`` (a ``DecodedImage``). Only PNG, JPEG and WebP stills are accepted, and the pixel count is checked
@@ -23,6 +23,21 @@ transformers converts a PIL image to RGB by compositing it onto white when it ha
 ``transparency`` entry, and with ``Image.convert("RGB")`` otherwise; it does not apply EXIF orientation to PIL
 images it is given. ``decode_image`` applies EXIF orientation first (a phone photo must come out upright) and
 then converts the same way (``DecodedImage.from_pil`` is that conversion alone).
+
+``PatchProcessor`` reproduces transformers' ``Qwen2VLImageProcessorPil`` (Qwen2-VL; Qwen2.5-VL uses the same
+image processor) number for number:
+
+1. ``do_resize``: transformers' ``smart_resize``: both edges rounded (Python's round, half to even) to multiples
+   of ``patch_size * merge_size``; if that holds more than ``max_pixels`` pixels, both edges are scaled by
+   sqrt(pixels / max_pixels) and rounded *down* to multiples (at least one multiple); if fewer than
+   ``min_pixels``, scaled by sqrt(min_pixels / pixels) and rounded *up*. An image whose aspect ratio is over
+   200 is refused. One Pillow resize of the uint8 RGB image (``resample``, BICUBIC by default), always made.
+2. ``do_rescale`` / ``do_normalize`` exactly as for the tiles (one 256-entry table per channel).
+3. The image is cut into ``patch_size`` squares, ordered block by block: each ``merge_size`` x ``merge_size``
+   block of patches (the patches one merged image token covers) in row-major order, blocks in row-major order.
+   Each row of ``pixel_values`` is one patch flattened as [channel, temporal, y, x], the one image repeated
+   over the ``temporal_patch_size`` frames. The grid (t, h, w) is (1, height / patch, width / patch), and the
+   prompt holds ``h * w / merge_size**2`` image tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ import re
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -57,6 +73,22 @@ HF_DEFAULT_STD = (0.5, 0.5, 0.5)  # IMAGENET_STANDARD_STD
 LANCZOS = 1  # PIL.Image.Resampling.LANCZOS
 RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
 PROCESSOR_TYPES = ("Idefics3ImageProcessor", "SmolVLMImageProcessor")  # with or without a Fast / Pil suffix
+
+# transformers' Qwen2-VL image processor class defaults (Qwen2.5-VL uses the same processor).
+QWEN_PATCH_SIZE = 14
+QWEN_TEMPORAL_PATCH_SIZE = 2
+QWEN_MERGE_SIZE = 2
+QWEN_MIN_PIXELS = 56 * 56  # size.shortest_edge
+QWEN_MAX_PIXELS = 28 * 28 * 1280  # size.longest_edge
+QWEN_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN
+QWEN_STD = (0.26862954, 0.26130258, 0.27577711)  # OPENAI_CLIP_STD
+QWEN_IMAGE_TOKEN = "<|image_pad|>"
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
+MAX_ASPECT_RATIO = 200  # smart_resize refuses longer / shorter edge above this
+PATCH_PROCESSOR_TYPES = ("Qwen2VLImageProcessor",)  # with or without a Fast / Pil suffix (Qwen2.5-VL's too)
+# processor_class values that tell the family when a config has no image_processor_type
+_TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
+_PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -318,12 +350,15 @@ def _wide_grayscale_to_8bit(im: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    pixel_values: np.ndarray  # float32 [num_tiles, 3, tile, tile], C-contiguous
-    rows: int  # tile rows (0 when the image was not split)
+    # float32, C-contiguous. TileProcessor: [num_tiles, 3, tile, tile]. PatchProcessor: [t * h * w,
+    # 3 * temporal_patch_size * patch_size**2], transformers' Qwen2-VL ``pixel_values`` for this one image.
+    pixel_values: np.ndarray
+    rows: int  # tile rows (0 when the image was not split, and always 0 for a PatchProcessor)
     cols: int
     prompt: str  # the text that replaces one image placeholder in the rendered prompt
-    num_image_tokens: int  # how many image tokens ``prompt`` holds (num_tiles * image_seq_len)
+    num_image_tokens: int  # how many image tokens ``prompt`` holds (tiles * image_seq_len; t*h*w / merge**2)
     identity: bytes  # 32-byte sha256 over the DecodedImage digest + the processor settings
+    grid: tuple[int, int, int] | None = None  # PatchProcessor: (t, h, w) in patches (``image_grid_thw``)
 
 
 def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -393,6 +428,76 @@ def _triple(field: str, value) -> tuple[float, float, float]:
     return tuple(_finite(field, v) for v in value)
 
 
+def _check_pixel_settings(proc) -> None:
+    """Validate (and normalize in place) the settings TileProcessor and PatchProcessor share."""
+    if type(proc.resample) is not int or proc.resample not in RESAMPLE_NAMES:
+        raise _field_error("resample", proc.resample, "a PIL resampling filter id 0-5")
+    object.__setattr__(proc, "image_mean", _triple("image_mean", proc.image_mean))
+    std = _triple("image_std", proc.image_std)
+    if 0.0 in std:
+        raise _field_error("image_std", proc.image_std, "non-zero")
+    object.__setattr__(proc, "image_std", std)
+    factor = _finite("rescale_factor", proc.rescale_factor)
+    if factor <= 0:
+        raise _field_error("rescale_factor", proc.rescale_factor, "positive")
+    object.__setattr__(proc, "rescale_factor", factor)
+    for name in ("do_resize", "do_rescale", "do_normalize"):
+        _flag(name, getattr(proc, name))
+
+
+def _value_table(proc) -> np.ndarray:
+    """[3, 256] float32: what rescale then normalize make of each uint8 value in each channel, computed with
+    transformers' operations and dtypes (float64 rescale cast to float32, float32 normalize)."""
+    x = np.arange(256, dtype=np.uint8)
+    x = (x.astype(np.float64) * proc.rescale_factor).astype(np.float32) if proc.do_rescale \
+        else x.astype(np.float32)
+    if not proc.do_normalize:
+        return np.stack([x, x, x])
+    mean = np.asarray(proc.image_mean, dtype=np.float32)
+    std = np.asarray(proc.image_std, dtype=np.float32)
+    return ((x[None, :] - mean[:, None]) / std[:, None]).astype(np.float32)
+
+
+def _hf_config(preprocessor_config, processor_config) -> tuple[dict, dict]:
+    """(image processor settings, processor settings): newer transformers save the former nested in
+    processor_config.json as "image_processor"."""
+    if processor_config is not None and not isinstance(processor_config, dict):
+        raise _error(f"the processor config must be a JSON object, got {type(processor_config).__name__}")
+    processor_config = processor_config or {}
+    nested = processor_config.get("image_processor")
+    if not preprocessor_config and isinstance(nested, dict):
+        preprocessor_config = nested
+    cfg = preprocessor_config or {}
+    if not isinstance(cfg, dict):
+        raise _error(f"the image processor config must be a JSON object, got {type(cfg).__name__}")
+    return cfg, processor_config
+
+
+def _check_type(cfg: dict, accepted: tuple[str, ...]) -> None:
+    kind = cfg.get("image_processor_type")
+    if kind is not None:
+        base = kind.removesuffix("Fast").removesuffix("Pil") if isinstance(kind, str) else kind
+        if base not in accepted:
+            raise _field_error("image_processor_type", kind, " or ".join(accepted))
+
+
+def _settings_from_dict(cls, d, kind: str, what: str):
+    if not isinstance(d, dict):
+        raise _error(f"a {what} must be a JSON object, got {type(d).__name__}")
+    d = dict(d)
+    got = d.pop("kind", kind)
+    if got != kind:
+        raise _error(f"these are not {what} settings (kind {got!r}, expected {kind!r})")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise _error(f"unknown {what} settings: {', '.join(unknown)}")
+    try:
+        return cls(**d)
+    except TypeError as e:  # a required setting is missing
+        raise _error(f"incomplete {what} settings: {e}") from None
+
+
 def _edge(field: str, value) -> int:
     if isinstance(value, dict) and "longest_edge" in value:
         return _positive_int(f"{field}.longest_edge", value["longest_edge"])
@@ -403,6 +508,8 @@ def _edge(field: str, value) -> int:
 class TileProcessor:
     """SmolVLM / Idefics3 preprocessing (transformers' ``SmolVLMImageProcessorPil`` /
     ``Idefics3ImageProcessorPil``, which are the same) and the prompt text for one image."""
+
+    kind: ClassVar[str] = "tiles"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
 
     longest_edge: int  # preprocessor_config "size": {"longest_edge": N}
     tile: int  # "max_image_size": {"longest_edge": N}
@@ -425,23 +532,11 @@ class TileProcessor:
         if self.tile > MAX_IMAGE_SIZE:
             raise _field_error("max_image_size.longest_edge", self.tile, f"at most {MAX_IMAGE_SIZE}")
         _flag("do_image_splitting", self.split)
-        if type(self.resample) is not int or self.resample not in RESAMPLE_NAMES:
-            raise _field_error("resample", self.resample, "a PIL resampling filter id 0-5")
-        object.__setattr__(self, "image_mean", _triple("image_mean", self.image_mean))
-        std = _triple("image_std", self.image_std)
-        if 0.0 in std:
-            raise _field_error("image_std", self.image_std, "non-zero")
-        object.__setattr__(self, "image_std", std)
-        factor = _finite("rescale_factor", self.rescale_factor)
-        if factor <= 0:
-            raise _field_error("rescale_factor", self.rescale_factor, "positive")
-        object.__setattr__(self, "rescale_factor", factor)
+        _check_pixel_settings(self)
         _positive_int("image_seq_len", self.image_seq_len)
         for name in ("image_token", "fake_token", "global_token"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise _field_error(name, getattr(self, name), "a non-empty string")
-        for name in ("do_resize", "do_rescale", "do_normalize"):
-            _flag(name, getattr(self, name))
 
     # -- configuration ------------------------------------------------------------------------------------
 
@@ -453,18 +548,8 @@ class TileProcessor:
         ``processor_config`` that says otherwise is an error (the model would reject the prompt).
         ``do_convert_rgb`` is not read (a ``DecodedImage`` is RGB already; transformers with it off only works on
         RGB input anyway) and neither is ``do_pad`` (it only pads a batch to its largest image's tile count)."""
-        processor_config = processor_config or {}
-        nested = processor_config.get("image_processor")
-        if not preprocessor_config and isinstance(nested, dict):
-            preprocessor_config = nested  # newer transformers save everything in processor_config.json
-        cfg = preprocessor_config or {}
-        if not isinstance(cfg, dict):
-            raise _error(f"the image processor config must be a JSON object, got {type(cfg).__name__}")
-        kind = cfg.get("image_processor_type")
-        if kind is not None:
-            base = kind.removesuffix("Fast").removesuffix("Pil") if isinstance(kind, str) else kind
-            if base not in PROCESSOR_TYPES:
-                raise _field_error("image_processor_type", kind, " or ".join(PROCESSOR_TYPES))
+        cfg, processor_config = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, PROCESSOR_TYPES)
         seq = processor_config.get("image_seq_len", image_seq_len)
         if seq != image_seq_len:
             raise _error(f"processor setting 'image_seq_len' is {seq!r} but the model takes {image_seq_len} "
@@ -486,23 +571,18 @@ class TileProcessor:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        d["kind"] = self.kind
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> TileProcessor:
-        if not isinstance(d, dict):
-            raise _error(f"a tile processor must be a JSON object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise _error(f"unknown tile processor settings: {', '.join(unknown)}")
-        try:
-            return cls(**d)
-        except TypeError as e:  # a required setting is missing
-            raise _error(f"incomplete tile processor settings: {e}") from None
+        """The settings ``to_dict`` wrote; "kind" may be absent (what flared wrote before patch processors)."""
+        return _settings_from_dict(cls, d, cls.kind, "tile processor")
 
     def _settings_bytes(self) -> bytes:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        d = self.to_dict()
+        del d["kind"]  # identities stay what they were before "kind" existed
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
     # -- geometry -----------------------------------------------------------------------------------------
 
@@ -538,16 +618,8 @@ class TileProcessor:
     # -- pixels -------------------------------------------------------------------------------------------
 
     def _lut(self) -> np.ndarray:
-        """[3, 256] float32: what rescale then normalize make of each uint8 value in each channel, computed
-        with transformers' operations and dtypes (float64 rescale cast to float32, float32 normalize)."""
-        x = np.arange(256, dtype=np.uint8)
-        x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32) if self.do_rescale \
-            else x.astype(np.float32)
-        if not self.do_normalize:
-            return np.stack([x, x, x])
-        mean = np.asarray(self.image_mean, dtype=np.float32)
-        std = np.asarray(self.image_std, dtype=np.float32)
-        return ((x[None, :] - mean[:, None]) / std[:, None]).astype(np.float32)
+        """[3, 256] float32: rescale then normalize of each uint8 value in each channel (``_value_table``)."""
+        return _value_table(self)
 
     def prepare(self, image: DecodedImage) -> PreparedImage:
         im = image.image
@@ -586,3 +658,228 @@ class TileProcessor:
             num_image_tokens=len(tiles) * self.image_seq_len,
             identity=identity,
         )
+
+
+# ------------------------------------------------------------------------------------- Qwen2-VL patches
+
+def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) after transformers' Qwen2-VL ``smart_resize``: multiples of ``factor`` near the
+    original size, scaled down to at most ``max_pixels`` or up to at least ``min_pixels``. The float
+    operations are the ones transformers makes, in the same order, so the rounding agrees."""
+    long, short = max(height, width), min(height, width)
+    if long / short > MAX_ASPECT_RATIO:
+        raise _error(f"the image is {width}x{height} pixels: its long edge is more than {MAX_ASPECT_RATIO} times "
+                     f"its short edge, which this model's image processor refuses")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _pixel_range(cfg: dict) -> tuple[int, int]:
+    """(min_pixels, max_pixels) as transformers' Qwen2-VL image processor reads them: ``size`` (the class
+    default where absent) with "shortest_edge" / "longest_edge", each overridden by a top-level
+    ``min_pixels`` / ``max_pixels`` (those win over ``size``)."""
+    size = cfg.get("size")
+    if size is None:
+        size = {"shortest_edge": QWEN_MIN_PIXELS, "longest_edge": QWEN_MAX_PIXELS}
+    if not isinstance(size, dict):
+        raise _field_error("size", size, 'an object with "shortest_edge" and "longest_edge" (pixel counts)')
+    size = dict(size)
+    sources = {"shortest_edge": "size.shortest_edge", "longest_edge": "size.longest_edge"}
+    for top, key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if cfg.get(top) is not None:
+            size[key] = cfg[top]
+            size.pop(top, None)
+            sources[key] = top
+    if set(size) != {"shortest_edge", "longest_edge"}:
+        raise _field_error("size", cfg.get("size"), 'an object with "shortest_edge" and "longest_edge" (or '
+                           'top-level "min_pixels" and "max_pixels")')
+    lo = _positive_int(sources["shortest_edge"], size["shortest_edge"])
+    hi = _positive_int(sources["longest_edge"], size["longest_edge"])
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class PatchProcessor:
+    """Qwen2-VL / Qwen2.5-VL preprocessing (transformers' ``Qwen2VLImageProcessorPil``) and the prompt text for
+    one image: the image token repeated once per merged patch block."""
+
+    kind: ClassVar[str] = "patches"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int  # size.shortest_edge (or "min_pixels"): a pixel count, not an edge
+    max_pixels: int  # size.longest_edge (or "max_pixels")
+    resample: int  # PIL resample filter id (BICUBIC = 3)
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    image_token: str = QWEN_IMAGE_TOKEN
+
+    def __post_init__(self):
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            _positive_int(name, getattr(self, name))
+        if self.min_pixels > self.max_pixels:
+            raise _field_error("min_pixels", self.min_pixels, f"at most max_pixels ({self.max_pixels})")
+        _check_pixel_settings(self)
+        if not isinstance(self.image_token, str) or not self.image_token:
+            raise _field_error("image_token", self.image_token, "a non-empty string")
+
+    # -- configuration ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None) -> PatchProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
+        defaults for missing fields. ``do_convert_rgb`` is not read (a ``DecodedImage`` is RGB already)."""
+        cfg, _ = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, PATCH_PROCESSOR_TYPES)
+        min_pixels, max_pixels = _pixel_range(cfg)
+        return cls(
+            patch_size=cfg.get("patch_size", QWEN_PATCH_SIZE),
+            temporal_patch_size=cfg.get("temporal_patch_size", QWEN_TEMPORAL_PATCH_SIZE),
+            merge_size=cfg.get("merge_size", QWEN_MERGE_SIZE),
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            resample=cfg.get("resample", BICUBIC),
+            image_mean=cfg.get("image_mean", QWEN_MEAN),
+            image_std=cfg.get("image_std", QWEN_STD),
+            rescale_factor=cfg.get("rescale_factor", 1 / 255),
+            do_resize=cfg.get("do_resize", True),
+            do_rescale=cfg.get("do_rescale", True),
+            do_normalize=cfg.get("do_normalize", True),
+        )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        d["kind"] = self.kind
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PatchProcessor:
+        return _settings_from_dict(cls, d, cls.kind, "patch processor")
+
+    def _settings_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    # -- geometry -----------------------------------------------------------------------------------------
+
+    @property
+    def factor(self) -> int:
+        """Edges are multiples of this many pixels: one merged block of patches."""
+        return self.patch_size * self.merge_size
+
+    def _resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) the image is patched at."""
+        if self.do_resize:
+            return _smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        f = self.factor
+        if height % f or width % f:  # transformers' reshape would fail
+            raise _error(f"the image is {width}x{height} pixels; without resizing, this model takes images whose "
+                         f"width and height are multiples of {f}")
+        return height, width
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """(t, h, w) in patches for a width x height image (transformers' ``image_grid_thw`` row)."""
+        h, w = self._resized_size(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        """How many image tokens ``prepare`` gives a width x height image, without resizing anything."""
+        t, h, w = self.grid(width, height)
+        return t * h * w // self.merge_size ** 2
+
+    def prompt(self, num_image_tokens: int) -> str:
+        """The text for one image (transformers' ``Qwen2VLProcessor.replace_image_token``)."""
+        return self.image_token * num_image_tokens
+
+    # -- pixels -------------------------------------------------------------------------------------------
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        im = image.image
+        if im.mode != "RGB":
+            raise _error(f"internal: a decoded image must be RGB, got {im.mode}", ErrorKind.EXECUTION)
+        height, width = self._resized_size(im.width, im.height)
+        if self.do_resize:
+            im = im.resize((width, height), resample=self.resample)
+        pixels = np.asarray(im)  # [H, W, 3] uint8
+        if pixels.shape != (height, width, 3):  # cannot happen
+            raise _error(f"internal: resized to {pixels.shape}, not {height}x{width}", ErrorKind.EXECUTION)
+        p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = height // p, width // p
+        # [block row, patch row in block, y, block col, patch col in block, x, channel]
+        # -> [block row, block col, patch row in block, patch col in block, channel, y, x]
+        blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+        patches = blocks.reshape(gh * gw, 3, p * p)  # uint8 copy, in merge-block order
+        lut = _value_table(self)
+        out = np.empty((gh * gw, 3, frames, p * p), dtype=np.float32)
+        for c in range(3):
+            out[:, c] = lut[c][patches[:, c]][:, None, :]  # the same image in every temporal frame
+        out = out.reshape(gh * gw, 3 * frames * p * p)
+        tokens = gh * gw // (m * m)
+        identity = hashlib.sha256(b"flared.patch-processor.v1\0" + image.digest + self._settings_bytes()).digest()
+        return PreparedImage(
+            pixel_values=out,
+            rows=0,
+            cols=0,
+            prompt=self.prompt(tokens),
+            num_image_tokens=tokens,
+            identity=identity,
+            grid=(1, gh, gw),
+        )
+
+
+# -------------------------------------------------------------------------------------------- dispatch
+
+def _family(cfg: dict, processor_config: dict) -> str:
+    kind = cfg.get("image_processor_type")
+    if kind is not None:
+        base = kind.removesuffix("Fast").removesuffix("Pil") if isinstance(kind, str) else kind
+        if base in PROCESSOR_TYPES:
+            return TileProcessor.kind
+        if base in PATCH_PROCESSOR_TYPES:
+            return PatchProcessor.kind
+        raise _field_error("image_processor_type", kind, " or ".join(PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES))
+    for source in (cfg, processor_config):
+        cls_name = source.get("processor_class")
+        if cls_name in _PATCH_PROCESSOR_CLASSES:
+            return PatchProcessor.kind
+        if cls_name in _TILE_PROCESSOR_CLASSES:
+            return TileProcessor.kind
+    return TileProcessor.kind  # what flared read before it knew patch processors
+
+
+def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
+                            image_seq_len: int | None) -> TileProcessor | PatchProcessor:
+    """The image processor a checkpoint's ``preprocessor_config.json`` (and ``processor_config.json``) describe,
+    chosen by ``image_processor_type`` (else ``processor_class``; neither: tiles). A tile processor needs the
+    model's ``image_seq_len`` (image tokens per tile); a patch processor ignores it."""
+    cfg, proc = _hf_config(preprocessor_config, processor_config)
+    if _family(cfg, proc) == PatchProcessor.kind:
+        return PatchProcessor.from_hf(preprocessor_config, processor_config)
+    if image_seq_len is None:
+        raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
+    return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
+
+
+def image_processor_from_dict(d: dict) -> TileProcessor | PatchProcessor:
+    """The processor a ``to_dict`` wrote, by its "kind" ("tiles" where absent: written before patch processors)."""
+    if not isinstance(d, dict):
+        raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
+    kind = d.get("kind", TileProcessor.kind)
+    for cls in (TileProcessor, PatchProcessor):
+        if kind == cls.kind:
+            return cls.from_dict(d)
+    raise _error(f"unknown image processor kind {kind!r}; expected {TileProcessor.kind!r} or {PatchProcessor.kind!r}")

@@ -150,6 +150,7 @@ def _check_parity(cls, cfg: dict, pil: Image.Image, seq_len: int = 3) -> Prepare
     assert (got.rows, got.cols) == (ref["rows"][0][0], ref["cols"][0][0])
     assert tp.num_tiles(*pil.size) == want.shape[0]
     assert got.num_image_tokens == want.shape[0] * seq_len == got.prompt.count(tp.image_token)
+    assert got.grid is None  # patch processors only
     return got
 
 
@@ -353,7 +354,10 @@ def test_scalar_mean_std_like_transformers():
 def test_to_dict_round_trip_and_identity():
     tp = TileProcessor.from_hf(SMOLVLM_REAL, {"image_seq_len": 64}, image_seq_len=64)
     d = json.loads(json.dumps(tp.to_dict()))
-    assert TileProcessor.from_dict(d) == tp
+    assert TileProcessor.from_dict(d) == tp and d["kind"] == TileProcessor.kind == "tiles"
+    assert TileProcessor.from_dict({k: v for k, v in d.items() if k != "kind"}) == tp  # written before "kind"
+    with pytest.raises(FrontendError, match="kind"):
+        TileProcessor.from_dict(dict(d, kind="patches"))
     with pytest.raises(FrontendError, match="bogus"):
         TileProcessor.from_dict(dict(d, bogus=1))
     with pytest.raises(FrontendError, match="incomplete"):
@@ -367,6 +371,8 @@ def test_to_dict_round_trip_and_identity():
            TileProcessor.from_dict(dict(small.to_dict(), resample=2)).prepare(a).identity}
     assert len(ids) == 3 and all(len(i) == 32 for i in ids)
     assert small.prepare(a).identity == TileProcessor.from_dict(small.to_dict()).prepare(a).identity
+    # the identity is what it was before to_dict had a "kind" (caches keyed on it stay valid)
+    assert small.prepare(a).identity.hex()[:16] == "d7e2ecb76ee92713"
 
 
 # ------------------------------------------------------------------------------------------------ decoding
