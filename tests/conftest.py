@@ -156,3 +156,73 @@ def tiny_vlm_core(tiny_hf_smolvlm, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cores") / "smolvlm"
     export_core(tiny_hf_smolvlm, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
     return out
+
+
+# Qwen2-VL-Instruct's chat template (Qwen2.5-VL ships the same one).
+QWEN_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# 14-pixel patches merged 2 x 2; images resized to between 4 and 36 merged patches (16 x 16 .. 84 x 84 pixels).
+QWEN_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
+    "min_pixels": 4 * 28 * 28, "max_pixels": 36 * 28 * 28, "patch_size": 14, "temporal_patch_size": 2,
+    "merge_size": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
+def build_tiny_qwen_vl(d: Path, family: str) -> Path:
+    """A random-weight Qwen2-VL or Qwen2.5-VL (windowed tower, one full-attention layer) with its tokenizer's
+    vision tokens, Qwen's chat template and image processor settings."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": QWEN_VL_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(QWEN_VL_PREPROCESSOR))
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>"), tie_word_embeddings=False)
+    ids = dict(image_token_id=tok.token_to_id("<|image_pad|>"), video_token_id=tok.token_to_id("<|video_pad|>"),
+               vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+               vision_end_token_id=tok.token_to_id("<|vision_end|>"), tie_word_embeddings=False)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, initializer_range=0.2)
+        config, model = Qwen2VLConfig(text_config=text, vision_config=vision, **ids), Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
+                      fullatt_block_indexes=[1], initializer_range=0.2)
+        config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+        model = Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(0)
+    model(config).eval().save_pretrained(d, safe_serialization=True)
+    return d
+
+
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+def tiny_qwen_vl(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(family, checkpoint, exported core) of a tiny random Qwen VL model."""
+    from flared.core.export import ExportOptions, export_core
+
+    d = build_tiny_qwen_vl(tmp_path_factory.mktemp(f"hf-{request.param}"), request.param)
+    out = tmp_path_factory.mktemp("cores") / request.param
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return request.param, d, out

@@ -275,24 +275,33 @@ def _read_hf_assets(src: Path) -> _Assets:
 def _read_image_processor(src: Path, vision):
     """The tile processor a vision checkpoint's preprocessor_config.json (and processor_config.json) describe."""
     from flared.errors import FrontendError
-    from flared.frontend.images import TileProcessor
+    from flared.frontend.images import TileProcessor, image_processor_from_hf
 
     pre = _read_json(src / "preprocessor_config.json", required=True)
     proc = _read_json(src / "processor_config.json", required=False)
     if not isinstance(pre, dict) or (proc is not None and not isinstance(proc, dict)):
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
+    tiles = not vision.grid_based
     declared = (proc or {}).get("image_seq_len")
-    if declared is not None and declared != vision.image_seq_len:
+    if tiles and declared is not None and declared != vision.image_seq_len:
         raise CoreError(f"{src / 'processor_config.json'}: image_seq_len {declared} disagrees with the vision tower's "
                         f"{vision.image_seq_len} rows per tile", ErrorKind.SOURCE_FORMAT)
     try:
-        processor = TileProcessor.from_hf(pre, proc, image_seq_len=vision.image_seq_len)
+        processor = image_processor_from_hf(pre, proc, image_seq_len=vision.image_seq_len if tiles else None)
     except FrontendError as e:
         raise CoreError(f"{src / 'preprocessor_config.json'}: {e}", ErrorKind.SOURCE_FORMAT) from None
-    if processor.tile != vision.image_size:
+    if isinstance(processor, TileProcessor) != tiles:
+        raise CoreError(f"{src / 'preprocessor_config.json'}: its image processor does not fit a {vision.family} "
+                        "tower", ErrorKind.UNSUPPORTED_MODEL)
+    if tiles and processor.tile != vision.image_size:
         raise CoreError(f"{src / 'preprocessor_config.json'}: tiles of {processor.tile} pixels, but the vision tower "
                         f"takes {vision.image_size}", ErrorKind.UNSUPPORTED_MODEL)
+    if not tiles and (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != (
+            vision.patch_size, vision.scale_factor, vision.temporal_patch_size):
+        raise CoreError(f"{src / 'preprocessor_config.json'}: patches of {processor.patch_size} pixels merged "
+                        f"{processor.merge_size} x {processor.merge_size}, but the vision tower takes "
+                        f"{vision.patch_size} and {vision.scale_factor}", ErrorKind.UNSUPPORTED_MODEL)
     return processor
 
 

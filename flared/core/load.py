@@ -66,14 +66,14 @@ class Core:
             raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.config': {e}", e.kind) from None
 
     def image_processor(self):
-        """The ``flared.frontend.images.TileProcessor`` a vision core's prompts are prepared with (None: text)."""
+        """The ``flared.frontend.images`` processor a vision core's prompts are prepared with (None: text)."""
         from flared.errors import FrontendError
-        from flared.frontend.images import TileProcessor
+        from flared.frontend.images import image_processor_from_dict
 
         if self.manifest.vision is None:
             return None
         try:
-            return TileProcessor.from_dict(self.manifest.vision["processor"])
+            return image_processor_from_dict(self.manifest.vision["processor"])
         except (FrontendError, KeyError, TypeError, ValueError) as e:
             raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.processor': {e}",
                             ErrorKind.CORE_FORMAT) from None

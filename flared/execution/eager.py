@@ -154,20 +154,32 @@ class EagerExecutor:
 
     def _place_images(self, batch, states, chunks, bounds) -> None:
         """Image rows: where participant i's chunk feeds positions of its request's image tokens, those rows take
-        the request's image rows (VisionInput.features) in place of the tokens' embeddings."""
-        rows, values = [], []
+        the request's image rows (VisionInput.features) in place of the tokens' embeddings. A request with 3D
+        rope positions (Qwen VL) gives its rows theirs: the prompt's own, index + delta after it."""
+        rows, values, mrope = [], [], None
         for i, state in enumerate(states):
             vision = getattr(state, "vision", None)
             if vision is None:
                 continue
             start = chunks[i].num_cached_tokens
-            lo, hi = np.searchsorted(vision.positions, [start, start + len(chunks[i].token_ids)])
+            count = len(chunks[i].token_ids)
+            lo, hi = np.searchsorted(vision.positions, [start, start + count])
             if hi > lo:
                 rows.append(vision.positions[lo:hi] - start + bounds[i])
                 values.append(vision.features[lo:hi])
+            if vision.mrope is not None:
+                if mrope is None:
+                    mrope = batch.positions.cpu().numpy()[None].repeat(3, axis=0)
+                index = np.arange(start, start + count)
+                inside = index < vision.mrope.shape[1]
+                own = np.where(inside, 0, index + vision.mrope_delta)[None].repeat(3, axis=0)
+                own[:, inside] = vision.mrope[:, index[inside]]
+                mrope[:, bounds[i]:bounds[i] + count] = own
         if rows:
             batch.embed_rows = torch.as_tensor(np.concatenate(rows), dtype=torch.int64, device=self.model.device)
             batch.embed_values = torch.cat(values).to(self.model.device)
+        if mrope is not None:
+            batch.mrope_positions = torch.as_tensor(mrope, dtype=torch.int64, device=self.model.device)
 
     def _group_lora_rows(self, batch, states, bounds) -> None:
         """Per-request LoRA: each adapter's token rows into ``batch.lora_groups``; participant i owns the batch's
@@ -194,6 +206,9 @@ class EagerExecutor:
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
         batch.shared_sequences = True
+        if any(getattr(getattr(s, "vision", None), "mrope", None) is not None for s in states):
+            raise ExecutionError("speculative steps do not take 3D rope positions (the worker does not speculate "
+                                 "for such requests)")
         bounds = np.cumsum([0] + [t.shape[0] for t in fed])
         self._group_lora_rows(batch, states, bounds)
         logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]

@@ -68,6 +68,9 @@ class ForwardBatch:
     # embedding (the rows of an image's tokens; flared.model.vision); None: every row embeds its token.
     embed_rows: torch.Tensor | None = None  # [k] int64
     embed_values: torch.Tensor | None = None  # [k, hidden]
+    # Qwen VL's 3D rope (DecoderModel.set_mrope): every row's (temporal, row, column) position [3, T] int64, where
+    # a row of a prompt with images needs them; None: each row's position on all three.
+    mrope_positions: torch.Tensor | None = None
 
     @classmethod
     def build(cls, chunks: list[SequenceChunk], *, page_tokens: int, device: torch.device | str = "cpu",

@@ -216,6 +216,7 @@ class DecoderModel:
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
+        self._mrope_sections: torch.Tensor | None = None  # set_mrope
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
@@ -225,6 +226,24 @@ class DecoderModel:
                 [[addr(l.attn_norm), addr(l.qkv.packed), addr(l.qkv.bias), addr(l.qk_norm), addr(l.o.packed),
                   addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.packed), addr(l.down.packed)]
                  for l in self.layers], dtype=torch.int64)
+
+    def set_mrope(self, section: tuple[int, ...]) -> None:
+        """Qwen VL's multimodal rope: head_dim / 2 frequency slots split into (temporal, row, column) sections,
+        the same split on both halves of the head (rotate-half). Rows whose batch carries mrope_positions turn
+        each slot by its section's position; a text row's three positions are equal (plain rope)."""
+        half = self.config.head_dim // 2
+        if sum(section) != half:
+            raise ValueError(f"mrope sections {section} do not add up to head_dim / 2 = {half}")
+        slots = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+        self._mrope_sections = torch.cat((slots, slots)).to(self.device)
+
+    def _mrope(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T, 1, d] rows of a rope table, slot j at positions[section of j]."""
+        if self._mrope_sections is None:
+            raise ValueError("this model has no mRoPE sections (set_mrope)")
+        per_axis = table[positions]  # [3, T, d]
+        index = self._mrope_sections.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return per_axis.gather(0, index)[0][:, None, :]
 
     def make_kv_cache(self, *, num_pages: int, page_tokens: int,
                       storage_dtype: torch.dtype | None = None) -> PagedKVCache:
@@ -293,6 +312,7 @@ class DecoderModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Returns logits [len(batch.logit_row_ids), vocab] float32."""
         if (self.fused_decode and not batch.prefill_groups and batch.embed_rows is None
+                and batch.mrope_positions is None
                 and all(self.lora_modules[a - 1].get(FUSED_LORA) is not None for a, _ in batch.lora_groups)
                 and batch.decode_row_ids is not None
                 and batch.num_tokens <= _cpu_decode.MAX_ROWS and batch.decode_max_context <= self.max_positions
@@ -428,8 +448,12 @@ class DecoderModel:
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.q_size, c.kv_size
         eps = c.rms_norm_eps
-        cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
-        sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
+        if batch.mrope_positions is None:
+            cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
+            sin = self.rope_sin_signed.index_select(0, batch.positions)[:, None, :]
+        else:  # each frequency slot turns by the position its mRoPE section names
+            cos = self._mrope(self.rope_cos, batch.mrope_positions)
+            sin = self._mrope(self.rope_sin_signed, batch.mrope_positions)
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))

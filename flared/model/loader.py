@@ -143,15 +143,11 @@ def _read_hf_dir(directory: Path) -> SourceModel:
         raise CoreError(f"{config_path} is not valid JSON: {exc}", ErrorKind.SOURCE_FORMAT) from None
     if not isinstance(hf_config, dict):
         raise CoreError(f"{config_path} is not a JSON object", ErrorKind.SOURCE_FORMAT)
-    from flared.model.vision import hf_vision_to_serving, vision_from_hf
+    from flared.model.vision import hf_vision_to_serving, text_config_of, vision_from_hf
 
     vision = vision_from_hf(hf_config, source=str(config_path))
-    if vision is not None:
-        # The decoder of a vision-language checkpoint is its text_config's model, under model.text_model.*
-        text = dict(hf_config["text_config"])
-        text.setdefault("model_type", "llama")
-        text.setdefault("tie_word_embeddings", bool(hf_config.get("tie_word_embeddings", False)))
-        config = from_hf_config(text, source=f"{config_path} (text_config)")
+    if vision is not None:  # the decoder of a vision-language checkpoint is its text config's model
+        config = from_hf_config(text_config_of(hf_config), source=f"{config_path} (text_config)")
     else:
         config = from_hf_config(hf_config, source=str(config_path))
 
@@ -173,9 +169,12 @@ def _read_hf_dir(directory: Path) -> SourceModel:
     vision_tensors = None
     if vision is not None:
         vision_tensors = hf_vision_to_serving(hf_tensors, vision, source=str(directory))
-        text_prefix = "model.text_model."
-        hf_tensors = {("model." + k[len(text_prefix):] if k.startswith(text_prefix) else k): v
-                      for k, v in hf_tensors.items() if not k.startswith(("model.vision_model.", "model.connector."))}
+        # its decoder's tensors under model.text_model.* (Idefics3) or model.language_model.* (transformers 5's
+        # Qwen VL layout; older checkpoints keep model.*), the tower's elsewhere
+        text_prefixes = ("model.text_model.", "model.language_model.")
+        hf_tensors = {next(("model." + k[len(p):] for p in text_prefixes if k.startswith(p)), k): v
+                      for k, v in hf_tensors.items()
+                      if not k.startswith(("model.vision_model.", "model.connector.", "visual.", "model.visual."))}
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory))
     check_serving_tensors(tensors, config, source=str(directory))
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)

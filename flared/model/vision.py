@@ -45,29 +45,41 @@ import torch.nn.functional as F
 from flared.errors import CoreError, ErrorKind
 
 # model_type of the checkpoint's config.json -> our vision family
-HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3"}
-_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
+                         "qwen2_5_vl": "qwen2_5_vl"}
+_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "quick_gelu": "quick", "silu": "silu"}
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3"
+    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl"
     hidden_size: int  # D
     intermediate_size: int  # I
     num_layers: int
     num_heads: int
     patch_size: int  # p
-    image_size: int  # S: a tile's side in pixels
+    image_size: int  # S: a tile's side in pixels (idefics3; 0 for the Qwen families' any-size images)
     layer_norm_eps: float
-    hidden_act: str  # "gelu_pytorch_tanh" | "gelu"
-    scale_factor: int  # pixel shuffle s
+    hidden_act: str  # "gelu_pytorch_tanh" | "gelu" | "quick_gelu" (qwen2_vl) | "silu" (qwen2_5_vl's SwiGLU)
+    scale_factor: int  # pixel shuffle s (idefics3), the patch merge (Qwen: merge_size)
     text_hidden_size: int  # the decoder's hidden size
     image_token_id: int  # the prompt token whose embeddings the tower's rows replace
+    # Qwen families: frames per patch, rope theta of the tower's 2D rope, the window of windowed layers (pixels,
+    # qwen2_5_vl) and the layers that attend over the whole image, and the decoder's mRoPE split of head_dim / 2
+    # into (temporal, height, width) frequency slots.
+    temporal_patch_size: int = 0
+    rope_theta: float = 10000.0
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.family not in set(HF_VISION_MODEL_TYPES.values()):
             raise CoreError(f"vision family {self.family!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "patch_size", "image_size",
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "patch_size",
                      "scale_factor", "text_hidden_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -79,17 +91,36 @@ class VisionConfig:
                             f"(supported: {', '.join(_ACTIVATIONS)})", ErrorKind.UNSUPPORTED_MODEL)
         if self.hidden_size % self.num_heads:
             raise CoreError(f"vision hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        side = self.image_size // self.patch_size
-        if self.image_size % self.patch_size or side % self.scale_factor:
-            raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches "
-                            f"({self.patch_size}) in blocks of scale_factor {self.scale_factor}")
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if self.family in QWEN_FAMILIES:
+            if self.temporal_patch_size <= 0 or (self.hidden_size // self.num_heads) % 4:
+                raise CoreError("a Qwen vision tower needs a temporal_patch_size and a head size divisible by 4")
+            if len(self.mrope_section) != 3 or any(not isinstance(x, int) or x <= 0 for x in self.mrope_section):
+                raise CoreError(f"mrope_section must be three positive integers, got {self.mrope_section!r}")
+            if self.family == "qwen2_5_vl" and (self.window_size <= 0
+                                                or self.window_size % (self.patch_size * self.scale_factor)):
+                raise CoreError(f"window_size {self.window_size} must be a positive multiple of patch_size x "
+                                "spatial_merge_size")
+            return
+        side = self.image_size // self.patch_size
+        if self.image_size <= 0 or self.image_size % self.patch_size or side % self.scale_factor:
+            raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches "
+                            f"({self.patch_size}) in blocks of scale_factor {self.scale_factor}")
+
+    @property
+    def grid_based(self) -> bool:
+        """Images of any size as a patch grid (the Qwen families), not whole tiles."""
+        return self.family in QWEN_FAMILIES
 
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
+
+    @property
+    def patches_per_tile(self) -> int:
+        return self.patches_per_side ** 2
 
     @property
     def image_seq_len(self) -> int:
@@ -97,18 +128,24 @@ class VisionConfig:
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["full_attention_layers"] = list(self.full_attention_layers)
+        d["mrope_section"] = list(self.mrope_section)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> VisionConfig:
         if not isinstance(d, dict):
             raise CoreError(f"vision config must be an object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) != names:
-            raise CoreError(f"vision config keys {sorted(d)} are not {sorted(names)}")
+        fields = dataclasses.fields(cls)
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}
+        unknown = sorted(set(d) - {f.name for f in fields})
+        if unknown or not required <= set(d):
+            raise CoreError(f"vision config keys {sorted(d)}: unknown {unknown}, missing {sorted(required - set(d))}")
         values = dict(d)
-        if isinstance(values["layer_norm_eps"], int) and not isinstance(values["layer_norm_eps"], bool):
-            values["layer_norm_eps"] = float(values["layer_norm_eps"])
+        for name in ("layer_norm_eps", "rope_theta"):
+            if isinstance(values.get(name), int) and not isinstance(values[name], bool):
+                values[name] = float(values[name])
         return cls(**values)
 
 
@@ -117,13 +154,15 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     family = HF_VISION_MODEL_TYPES.get(hf.get("model_type"))
     if family is None:
         return None
-    v, t = hf.get("vision_config"), hf.get("text_config")
+    v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
     if not isinstance(v, dict) or not isinstance(t, dict):
         raise CoreError(f"{source}: a {hf.get('model_type')} config needs vision_config and text_config objects",
                         ErrorKind.SOURCE_FORMAT)
-    if v.get("num_channels", 3) != 3:
+    if v.get("num_channels", v.get("in_channels", v.get("in_chans", 3))) != 3:
         raise CoreError(f"{source}: vision num_channels must be 3", ErrorKind.UNSUPPORTED_MODEL)
     try:
+        if family in QWEN_FAMILIES:
+            return _qwen_vision_from_hf(family, hf, v, t)
         return VisionConfig(
             family=family,
             hidden_size=int(v.get("hidden_size", 1152)),
@@ -144,8 +183,68 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
         raise CoreError(f"{source}: bad vision value: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
+def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
+    """A vision checkpoint's decoder config, as a text model's config.json would say it: Idefics3's Llama
+    text_config; the Qwen VL families' Qwen2 (text_config, or the top level of older configs) with the mRoPE
+    split taken out (a text token's three positions are equal, which is plain rope)."""
+    family = HF_VISION_MODEL_TYPES[hf["model_type"]]
+    if family not in QWEN_FAMILIES:
+        text = dict(hf["text_config"])
+        text.setdefault("model_type", "llama")
+    else:
+        text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
+            k: v for k, v in hf.items() if k != "vision_config"}
+        text["model_type"] = "qwen2"
+        for key in ("rope_parameters", "rope_scaling"):
+            params = text.get(key)
+            if isinstance(params, dict) and "mrope_section" in params:
+                params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved")}
+                if params.get("type") == "mrope" or params.get("rope_type") == "mrope":
+                    params.pop("type", None)
+                    params["rope_type"] = "default"
+                text[key] = params
+    text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False)))
+    return text
+
+
+def mrope_section_of(text: dict[str, Any]) -> list[int] | None:
+    """The mRoPE split a Qwen VL text config declares (transformers 5's rope_parameters, or rope_scaling)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key)
+        if isinstance(params, dict) and params.get("mrope_section") is not None:
+            return [int(x) for x in params["mrope_section"]]
+    return None
+
+
+def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfig:
+    rope = v.get("rope_parameters") if isinstance(v.get("rope_parameters"), dict) else {}
+    if family == "qwen2_vl":
+        embed = int(v.get("embed_dim", 1280))
+        hidden, intermediate = embed, int(embed * float(v.get("mlp_ratio", 4)))
+        out, act = int(v.get("hidden_size", t["hidden_size"])), str(v.get("hidden_act", "quick_gelu"))
+    else:
+        hidden, intermediate = int(v.get("hidden_size", 1280)), int(v.get("intermediate_size", 3420))
+        out, act = int(v.get("out_hidden_size", t["hidden_size"])), str(v.get("hidden_act", "silu"))
+    section = mrope_section_of(t) or [16, 24, 24]
+    return VisionConfig(
+        family=family, hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
+        patch_size=int(v.get("patch_size", 14)), image_size=0, layer_norm_eps=1e-6, hidden_act=act,
+        scale_factor=int(v.get("spatial_merge_size", 2)), text_hidden_size=out,
+        image_token_id=int(hf.get("image_token_id", 151655)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        window_size=int(v.get("window_size", 0)) if family == "qwen2_5_vl" else 0,
+        full_attention_layers=tuple(int(x) for x in v.get("fullatt_block_indexes", ()))
+        if family == "qwen2_5_vl" else (),
+        mrope_section=tuple(section),
+    )
+
+
 def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, i = c.hidden_size, c.intermediate_size
+    if c.grid_based:
+        return _qwen_tensor_shapes(c)
     shapes: dict[str, tuple[int, ...]] = {
         "patch_embed.weight": (d, 3, c.patch_size, c.patch_size),
         "patch_embed.bias": (d,),
@@ -160,6 +259,32 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                        p + "qkv.bias": (3 * d,), p + "o.weight": (d, d), p + "o.bias": (d,),
                        p + "norm2.weight": (d,), p + "norm2.bias": (d,), p + "fc1.weight": (i, d),
                        p + "fc1.bias": (i,), p + "fc2.weight": (d, i), p + "fc2.bias": (d,)})
+    return shapes
+
+
+def _qwen_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Qwen towers: patch_embed.weight [D, 3, T, p, p] (no bias); per layer norm1/norm2 (LayerNorm weight and
+    bias; RMSNorm weight only on qwen2_5_vl), qkv, o, and fc1/fc2 (qwen2_vl) or gate_up [2I, D] + down (qwen2_5_vl,
+    with biases); merger: merger_norm, merger_fc1 [4D, 4D], merger_fc2 [hidden, 4D], with biases."""
+    d, i, m2 = c.hidden_size, c.intermediate_size, c.scale_factor ** 2
+    rms = c.family == "qwen2_5_vl"
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.weight": (d, 3, c.temporal_patch_size, c.patch_size, c.patch_size),
+        "merger_norm.weight": (d,), "merger_fc1.weight": (d * m2, d * m2), "merger_fc1.bias": (d * m2,),
+        "merger_fc2.weight": (c.text_hidden_size, d * m2), "merger_fc2.bias": (c.text_hidden_size,),
+    }
+    if not rms:
+        shapes["merger_norm.bias"] = (d,)
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        shapes.update({p + "norm1.weight": (d,), p + "norm2.weight": (d,), p + "qkv.weight": (3 * d, d),
+                       p + "qkv.bias": (3 * d,), p + "o.weight": (d, d), p + "o.bias": (d,)})
+        if rms:
+            shapes.update({p + "gate_up.weight": (2 * i, d), p + "gate_up.bias": (2 * i,),
+                           p + "down.weight": (d, i), p + "down.bias": (d,)})
+        else:
+            shapes.update({p + "norm1.bias": (d,), p + "norm2.bias": (d,), p + "fc1.weight": (i, d),
+                           p + "fc1.bias": (i,), p + "fc2.weight": (d, i), p + "fc2.bias": (d,)})
     return shapes
 
 
@@ -184,6 +309,8 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
+    if c.grid_based:
+        return _qwen_vision_to_serving(hf, c, take, source)
     vm = "model.vision_model."
     out = {
         "patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
@@ -209,6 +336,40 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
     return out
 
 
+def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
+    vm = "visual." if "visual.patch_embed.proj.weight" in hf else "model.visual."
+    out = {"patch_embed.weight": take(vm + "patch_embed.proj.weight"),
+           "merger_norm.weight": take(vm + "merger.ln_q.weight"),
+           "merger_fc1.weight": take(vm + "merger.mlp.0.weight"), "merger_fc1.bias": take(vm + "merger.mlp.0.bias"),
+           "merger_fc2.weight": take(vm + "merger.mlp.2.weight"), "merger_fc2.bias": take(vm + "merger.mlp.2.bias")}
+    rms = c.family == "qwen2_5_vl"
+    if not rms:
+        out["merger_norm.bias"] = take(vm + "merger.ln_q.bias")
+    for n in range(c.num_layers):
+        hp, sp = f"{vm}blocks.{n}.", f"layers.{n}."
+        out.update({sp + "qkv.weight": take(hp + "attn.qkv.weight"), sp + "qkv.bias": take(hp + "attn.qkv.bias"),
+                    sp + "o.weight": take(hp + "attn.proj.weight"), sp + "o.bias": take(hp + "attn.proj.bias"),
+                    sp + "norm1.weight": take(hp + "norm1.weight"), sp + "norm2.weight": take(hp + "norm2.weight")})
+        if rms:
+            for kind in ("weight", "bias"):
+                out[f"{sp}gate_up.{kind}"] = torch.cat([take(f"{hp}mlp.gate_proj.{kind}"),
+                                                        take(f"{hp}mlp.up_proj.{kind}")])
+                out[f"{sp}down.{kind}"] = take(f"{hp}mlp.down_proj.{kind}")
+        else:
+            for ours in ("norm1.bias", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+                out[sp + ours] = take(hp + ours if ours.startswith("norm") else hp + "mlp." + ours)
+    out = {k: v.contiguous() for k, v in out.items()}
+    check_vision_tensors(out, c, source=source)
+    return out
+
+
+def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu"):
+    """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
+    cls = QwenVisionEncoder if config.grid_based else VisionEncoder
+    return cls(config, tensors, dtype=dtype, device=device)
+
+
 class VisionEncoder:
     """The tower on one device; ``encode`` turns tiles into decoder embedding rows."""
 
@@ -222,10 +383,12 @@ class VisionEncoder:
         self._approximate = _ACTIVATIONS[config.hidden_act]
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, *, max_tiles: int = 8) -> torch.Tensor:
+    def encode(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 8) -> torch.Tensor:
         """``pixel_values`` [tiles, 3, S, S] -> [tiles * image_seq_len, text_hidden] in the model's dtype, the
         tiles' rows in order; ``max_tiles`` tiles run at a time (bounds the activations' memory)."""
         c = self.config
+        if grid is not None:
+            raise ValueError("Idefics3 towers take whole tiles, not a patch grid")
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, c.image_size, c.image_size):
             raise ValueError(f"tiles must be [n, 3, {c.image_size}, {c.image_size}], got {tuple(pixel_values.shape)}")
         parts = [self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))
@@ -257,3 +420,151 @@ class VisionEncoder:
         h = h.permute(0, 2, 1, 3).reshape(n, side // s, side // s, d * s * s)  # [n, col block, row block, ...]
         h = h.permute(0, 2, 1, 3).reshape(n * (side // s) ** 2, d * s * s)
         return F.linear(h, w["proj.weight"])
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2.5-VL's RMSNorm: float32 statistics, the weight applied in the input's dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def grid_position_ids(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """[t*h*w, 2] (row, column) of every patch, in the tower's order: merge x merge blocks row-major, the
+    patches of a block row-major within it, each frame alike."""
+    t, h, w = grid
+    rows = torch.arange(h)[:, None].expand(h, w)
+    cols = torch.arange(w)[None, :].expand(h, w)
+    shape = (h // merge, merge, w // merge, merge)
+    rows = rows.reshape(shape).transpose(1, 2).flatten()
+    cols = cols.reshape(shape).transpose(1, 2).flatten()
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
+
+
+def window_order(grid: tuple[int, int, int], merge: int, window_merged: int) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: the order of the merged blocks (window by window, row-major within one) and each
+    window's length in patches. ``window_merged``: a window's side in merged blocks."""
+    t, h, w = grid
+    gh, gw = h // merge, w // merge
+    index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+    pad_h, pad_w = -gh % window_merged, -gw % window_merged
+    padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
+    nh, nw = (gh + pad_h) // window_merged, (gw + pad_w) // window_merged
+    padded = padded.reshape(t, nh, window_merged, nw, window_merged).permute(0, 1, 3, 2, 4)
+    padded = padded.reshape(t * nh * nw, window_merged * window_merged)
+    lengths = [int(n) * merge * merge for n in (padded >= 0).sum(1).tolist() if n]
+    return padded[padded >= 0], lengths
+
+
+class QwenVisionEncoder:
+    """Qwen2-VL and Qwen2.5-VL towers: one image's patches (any size, a grid of t x h x w patches) -> its rows
+    [t*h*w / merge^2, hidden]. Conv3d patch embedding, layers with a 2D rope over (row, column) and bidirectional
+    attention over the whole image (qwen2_vl; qwen2_5_vl's full_attention_layers) or within windows of
+    window_size pixels (qwen2_5_vl's other layers), then the merger (norm, merge^2 patches a row, two linears
+    with GELU)."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        check_vision_tensors(tensors, config, source="vision tensors")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in tensors.items()}
+        half = config.hidden_size // config.num_heads // 2  # rows and columns share the head's rotation
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if self.config.family == "qwen2_5_vl":
+            return _rms(x, self.w[name + ".weight"], 1e-6)
+        return F.layer_norm(x, (x.shape[-1],), self.w[name + ".weight"], self.w[name + ".bias"], 1e-6)
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        if self.config.family == "qwen2_5_vl":
+            gate, up = F.linear(x, w[p + "gate_up.weight"], w[p + "gate_up.bias"]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w[p + "down.weight"], w[p + "down.bias"])
+        mid = F.linear(x, w[p + "fc1.weight"], w[p + "fc1.bias"])
+        mid = mid * torch.sigmoid(1.702 * mid) if self.config.hidden_act == "quick_gelu" else F.gelu(mid)
+        return F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, *, grid=None) -> torch.Tensor:
+        c, w = self.config, self.w
+        if grid is None:
+            raise ValueError("a Qwen vision tower needs the image's patch grid (t, h, w)")
+        t, h, wd = (int(x) for x in grid)
+        n = t * h * wd
+        width = 3 * c.temporal_patch_size * c.patch_size ** 2
+        if tuple(pixel_values.shape) != (n, width) or h % c.scale_factor or wd % c.scale_factor:
+            raise ValueError(f"patches must be [{n}, {width}] for grid {grid}, got {tuple(pixel_values.shape)}")
+        x = pixel_values.to(self.device, self.dtype).view(n, 3, c.temporal_patch_size, c.patch_size, c.patch_size)
+        x = F.conv3d(x, w["patch_embed.weight"], stride=w["patch_embed.weight"].shape[2:]).view(n, c.hidden_size)
+        angles = grid_position_ids((t, h, wd), c.scale_factor).float()[..., None] * self.inv_freq  # [n, 2, d/4]
+        angles = angles.flatten(1)
+        angles = torch.cat((angles, angles), dim=-1).to(self.device)  # [n, head_dim]
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+        unit = c.scale_factor ** 2
+        frames = [h * wd] * t  # whole-image attention: each frame its own segment
+        order = None
+        windows = frames
+        if c.family == "qwen2_5_vl":
+            merged, windows = window_order((t, h, wd), c.scale_factor, c.window_size // c.scale_factor // c.patch_size)
+            order = (merged[:, None] * unit + torch.arange(unit)).flatten().to(self.device)
+            x, cos, sin = x[order], cos[order], sin[order]
+        full_mask, window_mask = _segment_mask(frames, self.device), _segment_mask(windows, self.device)
+        heads, d = c.num_heads, c.hidden_size
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            full = c.family == "qwen2_vl" or i in c.full_attention_layers
+            qkv = F.linear(self._norm(x, p + "norm1"), w[p + "qkv.weight"], w[p + "qkv.bias"])
+            q, k, v = qkv.view(n, 3, heads, d // heads).unbind(1)  # each [n, heads, head_dim]
+            q32, k32 = q.float(), k.float()
+            q = (q32 * cos + _rotate_half(q32) * sin).to(x.dtype)
+            k = (k32 * cos + _rotate_half(k32) * sin).to(x.dtype)
+            mask = full_mask if full else window_mask
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                  attn_mask=mask)
+            x = x + F.linear(attn.transpose(0, 1).reshape(n, d), w[p + "o.weight"], w[p + "o.bias"])
+            x = x + self._mlp(self._norm(x, p + "norm2"), p)
+        merged_rows = self._norm(x, "merger_norm").view(n // unit, d * unit)
+        out = F.linear(F.gelu(F.linear(merged_rows, w["merger_fc1.weight"], w["merger_fc1.bias"])),
+                       w["merger_fc2.weight"], w["merger_fc2.bias"])
+        if order is not None:  # back to the image's own order of merged blocks
+            out = out[torch.argsort(merged.to(self.device))]
+        return out
+
+
+def _segment_mask(lengths: list[int], device) -> torch.Tensor | None:
+    """Attention within consecutive segments of the given lengths (None: one segment, attend everywhere)."""
+    if len(lengths) == 1:
+        return None
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+    return seg[:, None] == seg[None, :]
+
+
+def mrope_positions(token_ids, image_spans: list[tuple[int, int, tuple[int, int, int]]], merge: int):
+    """Qwen VL's 3D positions of a prompt (temporal, row, column) [3, L] int64 and the delta that later tokens
+    add to their index. ``image_spans``: (first index, token count, patch grid) of each image's tokens. Text
+    counts one position a token on all three rows; an image's tokens sit at its start position plus their
+    merged (row, column), and the text after it starts past the image's longer side."""
+    import numpy as np
+
+    length = len(token_ids)
+    pos = np.empty((3, length), dtype=np.int64)
+    cur = at = 0
+    for start, count, (t, h, w) in image_spans:
+        gh, gw = h // merge, w // merge
+        if start < at or count != t * gh * gw or start + count > length:
+            raise ValueError("image spans must be in order, inside the prompt, one token per merged patch")
+        pos[:, at:start] = cur + np.arange(start - at)
+        cur += start - at
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        pos[:, start:start + count] = cur + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
+        cur += max(gh, gw)
+        at = start + count
+    pos[:, at:] = cur + np.arange(length - at)
+    return pos, int(pos.max()) + 1 - length if length else 0

@@ -41,14 +41,28 @@ class VisionInput:
     # (index of each image's first image token, its 32-byte identity): prefix-cache conditioning, so a cached
     # prompt is reused only up to the first image that differs
     spans: tuple[tuple[int, bytes], ...]
+    # Qwen VL's 3D rope: the prompt's (temporal, row, column) positions [3, L] int64, and what a later token
+    # adds to its index (flared.model.vision.mrope_positions); None: plain positions
+    mrope: np.ndarray | None = None
+    mrope_delta: int = 0
 
     def shifted(self, cut: int) -> "VisionInput | None":
-        """The same images after the prompt's first ``cut`` tokens are dropped (None: a cut into an image)."""
+        """The same images after the prompt's first ``cut`` tokens are dropped, or, for a negative cut, after
+        -cut text tokens are put before it (None: a cut into an image)."""
         if cut == 0:
             return self
         if len(self.positions) and self.positions[0] < cut:
             return None
-        return VisionInput(self.positions - cut, self.features, tuple((p - cut, i) for p, i in self.spans))
+        mrope = self.mrope
+        if mrope is not None:  # the tokens dropped or added are text: one position each
+            if cut > 0:
+                mrope = mrope[:, cut:] - cut
+            else:
+                import numpy as np
+
+                mrope = np.concatenate([np.broadcast_to(np.arange(-cut), (3, -cut)), mrope - cut], axis=1)
+        return dataclasses.replace(self, positions=self.positions - cut,
+                                   spans=tuple((p - cut, i) for p, i in self.spans), mrope=mrope)
 
 
 @dataclasses.dataclass(frozen=True)

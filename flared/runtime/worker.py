@@ -176,12 +176,13 @@ class EmbeddingJob(ModelJob):
 
 @dataclasses.dataclass
 class VisionJob(ModelJob):
-    """Image tiles through the model's image tower (flared.model.vision): the result is their rows [tiles *
-    image_seq_len, hidden] in the model's dtype, on its device. A few tiles a turn, so that a large image shares
-    the thread with the steps of live requests."""
-    pixel_values: object  # float32 [tiles, 3, S, S] (numpy or torch)
+    """Images through the model's image tower (flared.model.vision): the result is each image's rows [its
+    num_image_tokens, hidden] in the model's dtype, on its device, in order. A tiled image runs a few tiles a
+    turn, so that a large image shares the thread with the steps of live requests."""
+    images: list  # flared.frontend.images.PreparedImage
     done: object
-    parts: list = dataclasses.field(default_factory=list)
+    parts: list = dataclasses.field(default_factory=list)  # finished images' rows
+    _pending: list = dataclasses.field(default_factory=list)  # the current image's rows so far
     _tiles_done: int = 0
 
     def step(self, model, budget: int, stats) -> bool:
@@ -190,18 +191,26 @@ class VisionJob(ModelJob):
         vision = model.vision
         if vision is None:
             raise ExecutionError("this model has no image tower", ErrorKind.UNSUPPORTED)
+        image = self.images[len(self.parts)]
+        pixels = torch.as_tensor(image.pixel_values)
+        if image.grid is not None:  # patches of one image attend to each other: the whole image at once
+            self.parts.append(vision.encode(pixels, grid=image.grid))
+            stats["vision_images"] += 1
+            return len(self.parts) == len(self.images)
         # a tile costs about its patch count in tokens of tower work
-        per_turn = max(1, budget // vision.config.patches_per_side ** 2)
-        tiles = torch.as_tensor(self.pixel_values[self._tiles_done:self._tiles_done + per_turn])
-        self.parts.append(vision.encode(tiles))
+        per_turn = max(1, budget // vision.config.patches_per_tile)
+        tiles = pixels[self._tiles_done:self._tiles_done + per_turn]
+        self._pending.append(vision.encode(tiles))
         self._tiles_done += tiles.shape[0]
         stats["vision_tiles"] += tiles.shape[0]
-        return self._tiles_done >= len(self.pixel_values)
+        if self._tiles_done == pixels.shape[0]:
+            self.parts.append(torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0])
+            self._pending, self._tiles_done = [], 0
+            stats["vision_images"] += 1
+        return len(self.parts) == len(self.images)
 
     def result(self):
-        import torch
-
-        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        return self.parts
 
 
 @dataclasses.dataclass
@@ -364,12 +373,13 @@ class ModelRuntime:
         del tensors
         if self.core.manifest.vision is not None and not use_cuda:
             # Images on the CPU executor; the CUDA graphs take token ids only, so there the core serves text.
-            from flared.model.vision import VisionEncoder
+            from flared.model.vision import vision_encoder
 
-            model.vision = VisionEncoder(self.core.vision_config, self.core.load_vision_tensors(), dtype=dtype,
-                                         device=model.device)
-            log.info("image tower: %d layers, %d-pixel tiles of %d rows", model.vision.config.num_layers,
-                     model.vision.config.image_size, model.vision.config.image_seq_len)
+            config = self.core.vision_config
+            model.vision = vision_encoder(config, self.core.load_vision_tensors(), dtype=dtype, device=model.device)
+            if config.mrope_section:
+                model.set_mrope(config.mrope_section)
+            log.info("image tower (%s): %d layers", config.family, config.num_layers)
         for f, ident in factors:
             # On CUDA the graphs run the stacked copy below; the model's entry only marks the adapter live (an
             # unloaded one's becomes None), so it holds no second copy of the factors on the GPU.
@@ -862,6 +872,7 @@ class ModelRuntime:
                     # drafts are checked by drawing at their positions: only requests whose draws the executor
                     # can make there (SamplingParams.replayable on the CPU, graph_drawable on the GPU)
                     speculate=bool(self.spec_tokens) and req.score_from is None
+                    and (req.vision is None or req.vision.mrope is None)  # drafts would need 3D positions
                     and self.executor.speculates(req.params, grammar=req.grammar is not None),
                     prediction=req.prediction)
                 if req.grammar is not None and live.grammar is None:

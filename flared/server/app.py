@@ -16,17 +16,20 @@ Admission (the reference's two levels):
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
 import numpy as np
+import torch
 
 from flared.errors import AdmissionError, ErrorKind, FrontendError
 from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
-from flared.frontend.images import TileProcessor, decode_image
+from flared.frontend.images import decode_image, image_processor_from_dict
+from flared.model.vision import mrope_positions
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.server.generation import Generation
@@ -49,6 +52,8 @@ from flared.server.structured import StructuredOutput
 # vision core grows by their base64 size.
 MAX_IMAGES_PER_REQUEST = 8
 IMAGE_BYTES_LIMIT = 10 << 20
+# Recent images' tower rows kept for later requests (a conversation about one image re-sends it every turn).
+IMAGE_ROWS_CACHE_BYTES = 256 << 20
 
 
 def image_parts(messages) -> list[tuple[str, dict]]:
@@ -118,9 +123,15 @@ class ServingState:
         # A vision-language core's image preparation (flared.frontend.images.TileProcessor), or None.
         self.image_processor = None
         self.image_token_id = -1
+        self._image_rows: collections.OrderedDict = collections.OrderedDict()  # identity -> tower rows
+        self._image_rows_bytes = 0
+        self.mrope_merge = 0  # Qwen VL: the patch merge of its 3D rope positions (0: plain positions)
         if manifest.vision is not None:
-            self.image_processor = TileProcessor.from_dict(manifest.vision["processor"])
-            self.image_token_id = int(manifest.vision["config"]["image_token_id"])
+            self.image_processor = image_processor_from_dict(manifest.vision["processor"])
+            config = manifest.vision["config"]
+            self.image_token_id = int(config["image_token_id"])
+            if config.get("mrope_section"):
+                self.mrope_merge = int(config["scale_factor"])
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -236,7 +247,7 @@ class ServingState:
             prepared.append(image)
         return tuple(prepared)
 
-    async def vision_input(self, rendered, prompt_ids=None, cut: int = 0):
+    async def vision_input(self, rendered, cut: int = 0):
         """The images of a rendered chat through the image tower (on the model thread, between its steps), as the
         GenerateRequest's ``vision``; None for a chat without images. ``cut``: prompt tokens dropped from the
         front (truncation); a cut into an image is a 400."""
@@ -250,12 +261,45 @@ class ServingState:
                                  f"{sum(counts)} (does a message's text spell an image token?)", ErrorKind.VALIDATION)
         starts = np.cumsum([0] + counts[:-1])
         spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, rendered.images))
-        pixels = np.concatenate([image.pixel_values for image in rendered.images])
-        features = await self._run_job(lambda done: VisionJob(pixels, done))
-        vision = VisionInput(positions, features, spans).shifted(cut)
+        mrope, delta = None, 0
+        if self.mrope_merge:  # Qwen VL: 3D rope positions, each image's tokens a block of its merged grid
+            blocks = []
+            for s, count, image in zip(starts, counts, rendered.images):
+                first = int(positions[s])
+                if positions[s + count - 1] - first != count - 1:
+                    raise AdmissionError("'messages': an image's tokens are not contiguous in the prompt",
+                                         ErrorKind.VALIDATION)
+                blocks.append((first, count, image.grid))
+            mrope, delta = mrope_positions(rendered.token_ids, blocks, self.mrope_merge)
+        rows = await self.image_rows(rendered.images)
+        features = torch.cat(rows) if len(rows) > 1 else rows[0]
+        vision = VisionInput(positions, features, spans, mrope, delta).shifted(cut)
         if vision is None:
             raise AdmissionError("'truncate_prompt_tokens': the cut would fall inside an image", ErrorKind.VALIDATION)
         return vision
+
+    async def image_rows(self, images) -> list:
+        """Each image's rows from the image tower, the same image's (by identity) from a bounded LRU cache of
+        recent ones: a conversation about one image runs the tower once, not at every turn."""
+        have = {image.identity: self._image_rows[image.identity] for image in images
+                if image.identity in self._image_rows}
+        unique = list({image.identity: image for image in images if image.identity not in have}.values())
+        if unique:
+            for image, rows in zip(unique, await self._run_job(lambda done: VisionJob(unique, done))):
+                have[image.identity] = rows
+                self._remember_rows(image.identity, rows)
+        for identity in have:
+            if identity in self._image_rows:
+                self._image_rows.move_to_end(identity)
+        return [have[image.identity] for image in images]
+
+    def _remember_rows(self, identity: bytes, rows) -> None:
+        nbytes = rows.numel() * rows.element_size()
+        self._image_rows[identity] = rows
+        self._image_rows_bytes += nbytes
+        while self._image_rows_bytes > IMAGE_ROWS_CACHE_BYTES and len(self._image_rows) > 1:
+            _, old = self._image_rows.popitem(last=False)
+            self._image_rows_bytes -= old.numel() * old.element_size()
 
     def _template_source(self, template=None) -> str | None:
         template = template if template is not None else self.frontend.chat_template

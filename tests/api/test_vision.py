@@ -4,47 +4,17 @@ on the same weights, prompt and pixels (transformers' own image processor and pr
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
 from conftest import SMOLVLM_PREPROCESSOR  # noqa: E402 - after the skips
+from flared_testing.vision import assert_greedy, data_url, noise_image, token_ids  # noqa: E402
 
 NEW_TOKENS = 12
-
-
-def _image(seed: int, size=(70, 50)):
-    rng = np.random.default_rng(seed)
-    return PIL.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
-
-
-def _data_url(image, fmt="PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _ids(resp) -> list[int]:
-    return [int(t["token"].split(":", 1)[1]) for t in resp["choices"][0]["logprobs"]["content"]]
-
-
-def _assert_greedy(resp, expected: list[int], what) -> None:
-    """Our greedy tokens are transformers', up to a near tie (float32 sums in another order): where they first
-    differ, transformers' token must be within 1e-3 of ours in our logprobs; after it the two texts part."""
-    got = _ids(resp)
-    assert len(got) == len(expected), what
-    for k, (g, e) in enumerate(zip(got, expected)):
-        if g != e:
-            step = resp["choices"][0]["logprobs"]["content"][k]
-            top = {t["token"]: t["logprob"] for t in step["top_logprobs"]}
-            assert step["logprob"] - top.get(f"token_id:{e}", -1e9) < 1e-3, (what, k, got, expected)
-            return
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +61,7 @@ def vlm_daemon(tiny_vlm_core, tmp_path_factory):
 
 
 def _ask(daemon, images, text, **kw):
-    content = [{"type": "image_url", "image_url": {"url": _data_url(im)}} for im in images]
+    content = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
     content.append({"type": "text", "text": text})
     status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
                                logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True,
@@ -111,28 +81,53 @@ def test_export_records_the_image_tower(tiny_vlm_core):
 
 
 def test_greedy_tokens_match_transformers(vlm_daemon, reference):
-    a, b = _image(1), _image(2, (40, 90))
+    a, b = noise_image(1), noise_image(2, (40, 90))
     for images, text in (([a], "What is in the picture?"), ([b], "What is in the picture?"),
                          ([a, b], "Compare them."), ([b, a], "Compare them."), ([a], "What is in the picture?")):
         body = _ask(vlm_daemon, images, text)
         num_prompt, expected = reference(images, text)
         assert body["usage"]["prompt_tokens"] == num_prompt
-        _assert_greedy(body, expected, (len(images), text))
+        assert_greedy(body, expected, (len(images), text))
 
 
 def test_a_cached_prompt_is_reused_only_with_the_same_image(vlm_daemon, reference):
     """The prefix cache keys image tokens by the image: the same text with another image recomputes from the
     image on (and still matches transformers), the same image again reuses the cached prompt."""
     text = "Describe the image in one word, please, with as much care as you can muster."
-    a, c = _image(3, (96, 64)), _image(4, (96, 64))
+    a, c = noise_image(3, (96, 64)), noise_image(4, (96, 64))
     first = _ask(vlm_daemon, [a], text)
     other = _ask(vlm_daemon, [c], text)
     again = _ask(vlm_daemon, [a], text)
-    _assert_greedy(other, reference([c], text)[1], "other image")
-    _assert_greedy(first, reference([a], text)[1], "first")
-    assert _ids(first) == _ids(again)
+    assert_greedy(other, reference([c], text)[1], "other image")
+    assert_greedy(first, reference([a], text)[1], "first")
+    assert token_ids(first) == token_ids(again)
     cached = lambda body: (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # noqa: E731
     assert cached(again) > cached(other)
+
+
+def _tower_runs(daemon) -> float:
+    status, text = daemon.request("GET", "/metrics")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text.decode()):
+        if family.name == "flare_vision_images":
+            return family.samples[0].value
+    raise AssertionError("no flare_vision_images metric")
+
+
+def test_an_image_sent_again_reuses_its_tower_rows(vlm_daemon, reference):
+    """A conversation re-sends its image every turn: the tower runs once for it (the rows of recent images are
+    kept), and the answer is still transformers'."""
+    image = noise_image(11, (50, 50))
+    before = _tower_runs(vlm_daemon)
+    first = _ask(vlm_daemon, [image], "Look at this.")
+    assert _tower_runs(vlm_daemon) == before + 1
+    second = _ask(vlm_daemon, [image], "And now, what do you see in it?")
+    third = _ask(vlm_daemon, [image, image], "Twice.")  # one image twice in a prompt: one run, none here
+    assert _tower_runs(vlm_daemon) == before + 1
+    assert_greedy(first, reference([image], "Look at this.")[1], "first")
+    assert_greedy(second, reference([image], "And now, what do you see in it?")[1], "second")
+    assert_greedy(third, reference([image, image], "Twice.")[1], "twice")
 
 
 def test_bad_images_are_a_400_naming_the_part(vlm_daemon):
@@ -145,17 +140,17 @@ def test_bad_images_are_a_400_naming_the_part(vlm_daemon):
     assert status == 400 and "data URL" in body["error"]["message"], body
     status, body = ask({"type": "image_url", "image_url": {}})
     assert status == 400 and body["error"]["param"] == "messages[0].content[1].image_url.url", body
-    too_many = [{"type": "image_url", "image_url": {"url": _data_url(_image(k, (8, 8)))}} for k in range(9)]
+    too_many = [{"type": "image_url", "image_url": {"url": data_url(noise_image(k, (8, 8)))}} for k in range(9)]
     status, body = vlm_daemon.chat([{"role": "user", "content": too_many}], max_tokens=2)
     assert status == 400 and "at most 8 images" in body["error"]["message"], body
     # the daemon serves on
-    assert _ask(vlm_daemon, [_image(5)], "hi")["choices"][0]["finish_reason"] == "length"
+    assert _ask(vlm_daemon, [noise_image(5)], "hi")["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_text_model_refuses_images(start_daemon, tiny_core):
     d = start_daemon(tiny_core)
     status, body = d.chat([{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": _data_url(_image(1))}}, {"type": "text", "text": "hi"}]}],
+        {"type": "image_url", "image_url": {"url": data_url(noise_image(1))}}, {"type": "text", "text": "hi"}]}],
         max_tokens=2)
     assert status == 400 and "this model takes text" in body["error"]["message"], body
     assert body["error"]["param"] == "messages[0].content[0]"
@@ -165,8 +160,8 @@ def test_a_text_model_refuses_images(start_daemon, tiny_core):
 def test_every_api_shape_takes_images(vlm_daemon):
     """Anthropic image blocks, Ollama's images (chat and generate) and Responses' input_image give the answer
     the OpenAI chat route gives for the same image and text (all greedy)."""
-    image, text = _image(7, (64, 40)), "What is it?"
-    url = _data_url(image)
+    image, text = noise_image(7, (64, 40)), "What is it?"
+    url = data_url(image)
     b64 = url.split(",", 1)[1]
     status, openai = vlm_daemon.chat([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}],

@@ -31,6 +31,8 @@ def test_content_parts_are_joined_and_max_completion_tokens_wins():
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "'messages[0].role'", ErrorKind.VALIDATION),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "'messages[0].content'", ErrorKind.VALIDATION),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "'messages[0].content[0].image_url'", ErrorKind.VALIDATION),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "'messages[0].content[0]'", ErrorKind.UNSUPPORTED),
     ({"model": "m", "messages": MSG, "temperature": "hot"}, "'temperature'", ErrorKind.VALIDATION),
     ({"model": "m", "messages": MSG, "temperature": 3}, "'temperature'", ErrorKind.VALIDATION),

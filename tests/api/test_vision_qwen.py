@@ -1,0 +1,104 @@
+"""Qwen2-VL and Qwen2.5-VL cores end to end: random-weight models exported and served by a real `flared run`,
+their greedy tokens checked against transformers on the same weights, prompt and pixels (transformers' own image
+processor, prompt expansion and 3D rope positions). The decoder runs mRoPE; the tower a 2D rope over any image
+size, windowed on Qwen2.5-VL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+from conftest import QWEN_VL_PREPROCESSOR  # noqa: E402 - after the skips
+from flared_testing.vision import assert_greedy, data_url, noise_image, token_ids  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def served(tiny_qwen_vl, tmp_path_factory):
+    from flared_testing.daemon import Daemon
+
+    family, checkpoint, core = tiny_qwen_vl
+    d = Daemon(core, tmp_path_factory.mktemp(f"{family}-daemon"))
+    yield family, checkpoint, d
+    d.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    """Greedy tokens transformers makes for a user turn of images then text."""
+    import torch
+    from transformers import AutoModelForImageTextToText, PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    _, checkpoint, _ = served
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
+    tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in QWEN_VL_PREPROCESSOR.items()
+                                            if k != "image_processor_type"})
+
+    def run(images, text: str):
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+        out = processor(images=images, return_tensors="pt")
+        pieces = prompt.split("<|image_pad|>")
+        expanded = pieces[0]
+        for grid, piece in zip(out["image_grid_thw"].tolist(), pieces[1:]):
+            expanded += "<|image_pad|>" * (grid[0] * grid[1] * grid[2] // 4) + piece
+        ids = tok(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        mm = (ids == model.config.image_token_id).int()
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=mm,
+                                 pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return ids.shape[1], gen[0, ids.shape[1]:].tolist()
+
+    return run
+
+
+def _ask(daemon, images, text, **kw):
+    content = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    content.append({"type": "text", "text": text})
+    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
+                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True,
+                               **kw)
+    assert status == 200, body
+    return body
+
+
+def test_greedy_tokens_match_transformers(served, reference):
+    family, _, daemon = served
+    wide, tall, small = noise_image(21, (90, 40)), noise_image(22, (30, 100)), noise_image(23, (12, 12))
+    for images, text in (([wide], "What is in the picture?"), ([tall], "And this one?"), ([small], "Tiny."),
+                         ([wide, tall], "Compare them."), ([tall, wide], "Compare them.")):
+        body = _ask(daemon, images, text)
+        num_prompt, expected = reference(images, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt, (family, len(images))
+        assert_greedy(body, expected, (family, len(images), text))
+
+
+def test_text_requests_and_images_share_the_daemon(served, reference):
+    """Text-only requests on a VL core run plain positions beside a request with 3D ones, in one batch."""
+    import concurrent.futures
+
+    family, _, daemon = served
+    image = noise_image(24, (64, 64))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        text_jobs = [pool.submit(daemon.chat, [{"role": "user", "content": f"Say something {k}."}], max_tokens=8,
+                                 temperature=0) for k in range(3)]
+        vision = pool.submit(_ask, daemon, [image], "Describe it.")
+        texts = [job.result() for job in text_jobs]
+        body = vision.result()
+    assert all(status == 200 for status, _ in texts)
+    assert_greedy(body, reference([image], "Describe it.")[1], family)
+    again = [daemon.chat([{"role": "user", "content": f"Say something {k}."}], max_tokens=8, temperature=0)[1]
+             for k in range(3)]
+    assert [t["choices"][0]["message"]["content"] for _, t in texts] == \
+        [t["choices"][0]["message"]["content"] for t in again]
+    assert token_ids(_ask(daemon, [image], "Describe it.")) == token_ids(body)  # prefix-cached this time
