@@ -242,6 +242,20 @@ def _salt_identity(salt: str) -> bytes:
     return hashlib.sha256(b"flared.cache_salt\0" + salt.encode("utf-8")).digest()
 
 
+def tower_dtype(dtype):
+    """The dtype an image tower runs in on the CPU: a bf16 core's in float32 unless the CPU has native bf16
+    products (AVX-512 BF16). torch's bf16 matmul elsewhere ran the towers 6.4x slower than float32
+    (tools/bench_vision.py on an AVX2 host); the tower's rows are cast to the decoder's dtype."""
+    import torch
+
+    if dtype == torch.bfloat16:
+        from flared._fast.linear import KERNEL
+
+        if KERNEL != "avx512_bf16":
+            return torch.float32
+    return dtype
+
+
 def cuda_backend_available(dtype) -> bool:
     """The CUDA graph backend serves bf16/fp16 cores when torch sees a GPU and CuPy and Triton import;
     anything else runs on the CPU eager executor."""
@@ -376,10 +390,12 @@ class ModelRuntime:
             from flared.model.vision import vision_encoder
 
             config = self.core.vision_config
-            model.vision = vision_encoder(config, self.core.load_vision_tensors(), dtype=dtype, device=model.device)
+            model.vision = vision_encoder(config, self.core.load_vision_tensors(), dtype=tower_dtype(dtype),
+                                          device=model.device)
             if config.mrope_section:
                 model.set_mrope(config.mrope_section)
-            log.info("image tower (%s): %d layers", config.family, config.num_layers)
+            log.info("image tower (%s): %d layers in %s", config.family, config.num_layers,
+                     str(model.vision.dtype).removeprefix("torch."))
         for f, ident in factors:
             # On CUDA the graphs run the stacked copy below; the model's entry only marks the adapter live (an
             # unloaded one's becomes None), so it holds no second copy of the factors on the GPU.

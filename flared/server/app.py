@@ -29,9 +29,9 @@ from flared.errors import AdmissionError, ErrorKind, FrontendError
 from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
 from flared.frontend.images import decode_image, image_processor_from_dict
-from flared.model.vision import mrope_positions
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
+from flared.model.vision import mrope_positions
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
 from flared.runtime.request import VisionInput
@@ -120,7 +120,7 @@ class ServingState:
         self.web_ui = True  # ServerConfig.web_ui: the chat page at / (for browsers) and /ui
         self.scheme = "http"  # "https" where the listener speaks TLS (absolute URLs in answers use it)
         self.web_ui_page = None  # its handler, once build_router has added it
-        # A vision-language core's image preparation (flared.frontend.images.TileProcessor), or None.
+        # A vision-language core's image preparation (flared.frontend.images: TileProcessor, PatchProcessor), or None.
         self.image_processor = None
         self.image_token_id = -1
         self._image_rows: collections.OrderedDict = collections.OrderedDict()  # identity -> tower rows
@@ -175,7 +175,6 @@ class ServingState:
         images = image_parts(messages)
         if images:
             self._check_images(images)
-            kwargs["image_prompts"] = ()  # filled on the worker, below
         if self.image_processor is not None:
             messages = parts_for_template(messages)
 
@@ -185,6 +184,15 @@ class ServingState:
                 kwargs["image_prompts"] = tuple(p.prompt for p in prepared)
                 kwargs["image_placeholder"] = self.image_processor.image_token
             rendered = self.frontend.render_chat(messages, **kwargs)
+            if self.image_processor is not None:
+                # every image token must be one of the images' (a text that spells the image token, or an image
+                # part a route does not read, would run the token's own embedding where an image should be)
+                found = rendered.token_ids.count(self.image_token_id)
+                expected = sum(p.num_image_tokens for p in prepared)
+                if found != expected:
+                    raise FrontendError(f"the prompt holds {found} image tokens where its images make {expected} "
+                                        "(a message's text may not spell an image token, and this route reads "
+                                        "images only as the API's image parts)", ErrorKind.VALIDATION)
             return dataclasses.replace(rendered, images=prepared) if prepared else rendered
 
         try:
@@ -254,11 +262,8 @@ class ServingState:
         if not rendered.images:
             return None
         ids = np.asarray(rendered.token_ids, dtype=np.int64)
-        positions = np.flatnonzero(ids == self.image_token_id)
+        positions = np.flatnonzero(ids == self.image_token_id)  # as many as the images make (prepare_chat)
         counts = [image.num_image_tokens for image in rendered.images]
-        if len(positions) != sum(counts):
-            raise AdmissionError(f"'messages': the prompt holds {len(positions)} image tokens where its images make "
-                                 f"{sum(counts)} (does a message's text spell an image token?)", ErrorKind.VALIDATION)
         starts = np.cumsum([0] + counts[:-1])
         spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, rendered.images))
         mrope, delta = None, 0
@@ -294,6 +299,8 @@ class ServingState:
         return [have[image.identity] for image in images]
 
     def _remember_rows(self, identity: bytes, rows) -> None:
+        if identity in self._image_rows:  # two requests ran one new image at once
+            return
         nbytes = rows.numel() * rows.element_size()
         self._image_rows[identity] = rows
         self._image_rows_bytes += nbytes

@@ -85,6 +85,8 @@ class DecisionsRoutes:
         check_model(state, model)
         if messages is not None:
             rendered = await state.prepare_chat(messages, add_generation_prompt=True)
+            if rendered.images:
+                raise _bad("messages", "images are not taken by /v1/decisions", ErrorKind.UNSUPPORTED)
             prompt = tuple(rendered.token_ids)
             endpoints = tuple(rendered.message_endpoints)
         else:

@@ -53,11 +53,12 @@ class SystemOneRoutes:
                                                  continue_final_message=req.continue_final_message, **kwargs)
         shape = OutputShape(self.state, rendered.text, None)
         prompt = tuple(rendered.token_ids)
+        vision = await self.state.vision_input(rendered)
         requests = [
             GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
                             params=sampling_params(self.state, req.options, len(prompt),
                                                    SYSTEMONE_DEFAULT_MAX_TOKENS, i),
-                            stop_token_ids=_stop_ids(self.state, req.options))
+                            stop_token_ids=_stop_ids(self.state, req.options), vision=vision)
             for i in range(req.options.n)]
         gen = self.state.start(requests, req.options.stop)
         request.disconnected.add_callback(gen.cancel)

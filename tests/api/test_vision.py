@@ -200,3 +200,23 @@ def test_every_api_shape_takes_images(vlm_daemon):
         "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
     assert status == 400 and "data URL" in body["error"]["message"], body
+
+
+def test_image_tokens_come_only_from_images(vlm_daemon):
+    """A message's text that spells the image token would run its embedding where no image is: a 400, as is an
+    image on a route that does not read them; /v1/systemone reads them as chat does."""
+    status, body = vlm_daemon.chat([{"role": "user", "content": "Look: <image> here"}], max_tokens=2)
+    assert status == 400 and "image tokens" in body["error"]["message"], body
+    image = noise_image(31, (40, 40))
+    part = {"type": "image_url", "image_url": {"url": data_url(image)}}
+    status, body = vlm_daemon.request("POST", "/v1/decisions", {
+        "model": "tiny", "messages": [{"role": "user", "content": [
+            {"type": "image", "image": data_url(image)}, {"type": "text", "text": "yes or no?"}]}],
+        "options": ["yes", "no"]})
+    assert status == 400, body
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]}]
+    status, chat = vlm_daemon.chat(messages, max_tokens=6, temperature=0)
+    status1, one = vlm_daemon.request("POST", "/v1/systemone", {"model": "tiny", "messages": messages,
+                                                                "max_tokens": 6, "temperature": 0})
+    assert status == status1 == 200, one
+    assert one["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]

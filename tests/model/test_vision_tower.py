@@ -1,0 +1,96 @@
+"""Image towers (flared.model.vision) against transformers' on the same random weights, and Qwen VL's 3D rope
+positions against transformers' get_rope_index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024)
+QWEN_TEXT = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+
+
+def _model(family: str):
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, SmolVLMConfig, SmolVLMForConditionalGeneration)
+
+    torch.manual_seed(0)
+    if family == "smolvlm":
+        cfg = SmolVLMConfig(text_config={**TEXT, "model_type": "llama"}, scale_factor=2, image_token_id=300,
+                            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=64, patch_size=8))
+        return SmolVLMForConditionalGeneration(cfg).eval()
+    ids = dict(image_token_id=390, video_token_id=392, vision_start_token_id=391, vision_end_token_id=393)
+    if family == "qwen2_vl":
+        cfg = Qwen2VLConfig(text_config=QWEN_TEXT, **ids, vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, initializer_range=0.2))
+        return Qwen2VLForConditionalGeneration(cfg).eval()
+    cfg = Qwen2_5_VLConfig(text_config=QWEN_TEXT, **ids, vision_config=dict(
+        depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
+        fullatt_block_indexes=[1], initializer_range=0.2))
+    return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def _ours(model, dtype=torch.float32):
+    from flared.model.vision import hf_vision_to_serving, vision_encoder, vision_from_hf
+
+    config = vision_from_hf(model.config.to_dict())
+    tensors = hf_vision_to_serving({k: v.detach() for k, v in model.state_dict().items()}, config, source="test")
+    return vision_encoder(config, tensors, dtype=dtype)
+
+
+@pytest.mark.parametrize("family, grid", [
+    ("smolvlm", None), ("qwen2_vl", (1, 6, 8)), ("qwen2_vl", (1, 2, 2)),
+    # windows of 2 x 2 merged blocks: a 5 x 7 grid of blocks leaves ragged windows on two edges
+    ("qwen2_5_vl", (1, 10, 14)), ("qwen2_5_vl", (1, 4, 4)), ("qwen2_5_vl", (1, 16, 6))])
+def test_tower_rows_equal_transformers(family, grid):
+    model = _model(family)
+    ours = _ours(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        if grid is None:
+            pixels = torch.randn(3, 3, 64, 64)
+            expected = torch.cat(list(model.model.get_image_features(pixels[None]).pooler_output))
+        else:
+            pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14)
+            expected = model.model.get_image_features(pixels, torch.tensor([grid])).pooler_output
+            expected = torch.cat(list(expected)) if isinstance(expected, (list, tuple)) else expected
+    got = ours.encode(pixels, grid=grid)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # bf16 towers differ by bf16 rounding only
+    torch.testing.assert_close(_ours(model, torch.bfloat16).encode(pixels, grid=grid).float(), expected,
+                               rtol=0.05, atol=0.05 * expected.abs().max().item())
+
+
+def test_tower_inputs_are_checked():
+    ours = _ours(_model("qwen2_vl"))
+    with pytest.raises(ValueError, match="patch grid"):
+        ours.encode(torch.zeros(4, 1176))
+    with pytest.raises(ValueError, match="patches must be"):
+        ours.encode(torch.zeros(5, 1176), grid=(1, 2, 2))
+    with pytest.raises(ValueError, match="tiles must be"):
+        _ours(_model("smolvlm")).encode(torch.zeros(1, 3, 32, 32))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_mrope_positions_equal_transformers(family):
+    """Text, an image of 3 x 4 merged patches, text, an image of 2 x 1, text: positions and the delta."""
+    from flared.model.vision import mrope_positions
+
+    model = _model(family)
+    grids = [(1, 6, 8), (1, 4, 2)]
+    ids = [5, 6, 391] + [390] * 12 + [393, 7, 8, 9, 391] + [390] * 2 + [393, 10]
+    starts = [3, 20]
+    expected, expected_delta = model.model.get_rope_index(
+        torch.tensor([ids]), mm_token_type_ids=(torch.tensor([ids]) == 390).int(),
+        image_grid_thw=torch.tensor(grids))
+    positions, delta = mrope_positions(ids, [(s, 12 if k == 0 else 2, g) for k, (s, g) in
+                                             enumerate(zip(starts, grids))], 2)
+    assert positions.tolist() == expected[:, 0].tolist()
+    assert delta == int(expected_delta)
+    with pytest.raises(ValueError):
+        mrope_positions(ids, [(3, 11, grids[0])], 2)

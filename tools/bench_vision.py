@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Image towers on the CPU: flared's (flared.model.vision) against transformers' on the same random weights of
+real shapes, in one run.
+
+For each shape, a transformers model of that vision config (with a one-layer text model beside it: only the
+tower and connector run) is built with random weights; flared's tower is loaded from the same tensors
+(hf_vision_to_serving). One image's worth of input runs through both: transformers' ``get_image_features`` and
+flared's ``encode``, alternating, best of ``--repeats``; the rows of the two are compared (max abs difference).
+
+Shapes (the towers of the released checkpoints):
+  smolvlm-256m   SigLIP-B/16 at 512 px, 12 layers of 768, pixel shuffle 4 (SmolVLM-256M/500M): ``--tiles`` tiles
+  qwen2-vl-2b    32 layers of 1280, 2D rope, whole-image attention (Qwen2-VL-2B/7B): a ``--side`` px image
+  qwen2.5-vl-3b  32 layers of 1280, windows of 112 px, 4 full layers, SwiGLU (Qwen2.5-VL-3B/7B): the same image
+
+    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b] [--tiles 2]
+        [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
+
+Prints a table; with --json, one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TEXT = dict(vocab_size=512, hidden_size=0, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=2048)
+SHAPES = {
+    "smolvlm-256m": ("smolvlm", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                     num_attention_heads=12, image_size=512, patch_size=16), 576, dict(scale_factor=4)),
+    "qwen2-vl-2b": ("qwen2_vl", dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4,
+                                     patch_size=14, spatial_merge_size=2, temporal_patch_size=2), 1536, {}),
+    "qwen2.5-vl-3b": ("qwen2_5_vl", dict(depth=32, hidden_size=1280, out_hidden_size=2048, intermediate_size=3420,
+                                         num_heads=16, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                         window_size=112, fullatt_block_indexes=[7, 15, 23, 31]), 2048, {}),
+}
+
+
+def build(shape: str):
+    """(transformers model, flared VisionConfig, serving tensors) of random weights."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, SmolVLMConfig, SmolVLMForConditionalGeneration)
+
+    from flared.model.vision import hf_vision_to_serving, vision_from_hf
+
+    family, vision, text_hidden, extra = SHAPES[shape]
+    text = {**TEXT, "hidden_size": text_hidden, "model_type": "llama" if family == "smolvlm" else None}
+    text = {k: v for k, v in text.items() if v is not None}
+    if family == "smolvlm":
+        cls, cfg = SmolVLMForConditionalGeneration, SmolVLMConfig(text_config=text, vision_config=vision, **extra)
+    elif family == "qwen2_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+        cls, cfg = Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision)
+    else:
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+        cls, cfg = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    hf_config = cfg.to_dict()
+    config = vision_from_hf(hf_config)
+    tensors = hf_vision_to_serving({k: v.detach() for k, v in model.state_dict().items()}, config, source=shape)
+    return model, config, tensors
+
+
+def inputs(config, args):
+    """(transformers' args, flared's args, description) of one image."""
+    if config.grid_based:
+        side = args.side // (config.patch_size * config.scale_factor) * config.scale_factor
+        grid = (1, side, side)
+        patches = torch.randn(side * side, 3 * config.temporal_patch_size * config.patch_size ** 2)
+        return ((patches, torch.tensor([grid])), (patches, grid),
+                f"{args.side} px: {side * side} patches, {side * side // 4} rows")
+    tiles = torch.randn(args.tiles, 3, config.image_size, config.image_size)
+    return ((tiles[None],), (tiles, None), f"{args.tiles} tiles: {args.tiles * config.image_seq_len} rows")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b")
+    parser.add_argument("--tiles", type=int, default=2)
+    parser.add_argument("--side", type=int, default=448)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    from flared.model.vision import vision_encoder
+
+    rows = []
+    for shape in args.shapes.split(","):
+        model, config, tensors = build(shape)
+        hf_args, our_args, what = inputs(config, args)
+        for dtype_name in args.dtypes.split(","):
+            dtype = getattr(torch, dtype_name)
+            model.to(dtype)
+            ours = vision_encoder(config, tensors, dtype=dtype)
+            best = {"transformers": float("inf"), "flared": float("inf")}
+            out = {}
+            for _ in range(args.repeats):
+                for name in best:
+                    started = time.perf_counter()
+                    with torch.inference_mode():
+                        if name == "transformers":
+                            a = [x.to(dtype) if x.is_floating_point() else x for x in hf_args]
+                            result = model.model.get_image_features(*a).pooler_output
+                            result = torch.cat(list(result)) if isinstance(result, (list, tuple)) else result
+                        else:
+                            result = ours.encode(our_args[0], grid=our_args[1])
+                    best[name] = min(best[name], time.perf_counter() - started)
+                    out[name] = result.float()
+            diff = (out["transformers"] - out["flared"]).abs().max().item()
+            rows.append({"shape": shape, "dtype": dtype_name, "input": what, "transformers_s": best["transformers"],
+                         "flared_s": best["flared"], "speedup": best["transformers"] / best["flared"],
+                         "max_abs_diff": diff})
+        del model, tensors
+    print(f"{'shape':<14} {'dtype':<9} {'input':<34} {'transformers s':>14} {'flared s':>9} {'ratio':>6} "
+          f"{'max |diff|':>10}")
+    for r in rows:
+        print(f"{r['shape']:<14} {r['dtype']:<9} {r['input']:<34} {r['transformers_s']:>14.3f} {r['flared_s']:>9.3f} "
+              f"{r['speedup']:>5.2f}x {r['max_abs_diff']:>10.2e}")
+    print(f"threads: {torch.get_num_threads()}, best of {args.repeats}")
+    if args.json:
+        print(json.dumps({"rows": rows, "threads": torch.get_num_threads(), "repeats": args.repeats}))
+
+
+if __name__ == "__main__":
+    main()
