@@ -180,13 +180,19 @@ QWEN_VL_PREPROCESSOR = {
     "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 
+# Qwen3-VL: 16-pixel patches (32-pixel merged blocks), mean and std 0.5.
+QWEN3_VL_PREPROCESSOR = {**QWEN_VL_PREPROCESSOR, "patch_size": 16, "min_pixels": 4 * 32 * 32,
+                         "max_pixels": 36 * 32 * 32, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
 def build_tiny_qwen_vl(d: Path, family: str) -> Path:
-    """A random-weight Qwen2-VL or Qwen2.5-VL (windowed tower, one full-attention layer) with its tokenizer's
-    vision tokens, Qwen's chat template and image processor settings."""
+    """A random-weight Qwen2-VL, Qwen2.5-VL (windowed tower, one full-attention layer) or Qwen3-VL (learned
+    position table, two DeepStack layers, Qwen3 decoder with interleaved mRoPE) with its tokenizer's vision
+    tokens, Qwen's chat template and image processor settings."""
     import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
+                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
     train_tiny_tokenizer(d)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -196,7 +202,8 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
     (d / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "chat_template": QWEN_VL_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    (d / "preprocessor_config.json").write_text(json.dumps(QWEN_VL_PREPROCESSOR))
+    (d / "preprocessor_config.json").write_text(json.dumps(
+        QWEN3_VL_PREPROCESSOR if family == "qwen3_vl" else QWEN_VL_PREPROCESSOR))
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
@@ -207,6 +214,12 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
     if family == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, initializer_range=0.2)
         config, model = Qwen2VLConfig(text_config=text, vision_config=vision, **ids), Qwen2VLForConditionalGeneration
+    elif family == "qwen3_vl":
+        text = {**text, "num_hidden_layers": 3, "head_dim": 16, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0, 1], initializer_range=0.2)
+        config, model = Qwen3VLConfig(text_config=text, vision_config=vision, **ids), Qwen3VLForConditionalGeneration
     else:
         vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
                       fullatt_block_indexes=[1], initializer_range=0.2)
@@ -217,7 +230,7 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
     return d
 
 
-@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def tiny_qwen_vl(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """(family, checkpoint, exported core) of a tiny random Qwen VL model."""
     from flared.core.export import ExportOptions, export_core

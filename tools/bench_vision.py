@@ -11,9 +11,10 @@ Shapes (the towers of the released checkpoints):
   smolvlm-256m   SigLIP-B/16 at 512 px, 12 layers of 768, pixel shuffle 4 (SmolVLM-256M/500M): ``--tiles`` tiles
   qwen2-vl-2b    32 layers of 1280, 2D rope, whole-image attention (Qwen2-VL-2B/7B): a ``--side`` px image
   qwen2.5-vl-3b  32 layers of 1280, windows of 112 px, 4 full layers, SwiGLU (Qwen2.5-VL-3B/7B): the same image
+  qwen3-vl-2b    24 layers of 1024, 16 px patches, resampled position table, 3 DeepStack mergers (Qwen3-VL-2B)
 
-    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b] [--tiles 2]
-        [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
+    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b]
+        [--tiles 2] [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -40,13 +41,17 @@ SHAPES = {
     "qwen2.5-vl-3b": ("qwen2_5_vl", dict(depth=32, hidden_size=1280, out_hidden_size=2048, intermediate_size=3420,
                                          num_heads=16, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                                          window_size=112, fullatt_block_indexes=[7, 15, 23, 31]), 2048, {}),
+    "qwen3-vl-2b": ("qwen3_vl", dict(depth=24, hidden_size=1024, out_hidden_size=2048, intermediate_size=4096,
+                                     num_heads=16, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                                     num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17]), 2048, {}),
 }
 
 
 def build(shape: str):
     """(transformers model, flared VisionConfig, serving tensors) of random weights."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration, SmolVLMConfig, SmolVLMForConditionalGeneration)
+                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              SmolVLMConfig, SmolVLMForConditionalGeneration)
 
     from flared.model.vision import hf_vision_to_serving, vision_from_hf
 
@@ -58,6 +63,11 @@ def build(shape: str):
     elif family == "qwen2_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
         cls, cfg = Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision)
+    elif family == "qwen3_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                                   "mrope_interleaved": True}
+        text["head_dim"] = 128
+        cls, cfg = Qwen3VLForConditionalGeneration, Qwen3VLConfig(text_config=text, vision_config=vision)
     else:
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
         cls, cfg = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(text_config=text, vision_config=vision)
@@ -83,7 +93,7 @@ def inputs(config, args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b")
+    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b")
     parser.add_argument("--tiles", type=int, default=2)
     parser.add_argument("--side", type=int, default=448)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -108,8 +118,12 @@ def main() -> None:
                     with torch.inference_mode():
                         if name == "transformers":
                             a = [x.to(dtype) if x.is_floating_point() else x for x in hf_args]
-                            result = model.model.get_image_features(*a).pooler_output
+                            features = model.model.get_image_features(*a)
+                            result = features.pooler_output
                             result = torch.cat(list(result)) if isinstance(result, (list, tuple)) else result
+                            stack = getattr(features, "deepstack_features", None)
+                            if stack:  # Qwen3-VL: flared's rows carry them after the embedding's
+                                result = torch.cat([result, *(torch.cat(list(f)) for f in stack)], dim=-1)
                         else:
                             result = ours.encode(our_args[0], grid=our_args[1])
                     best[name] = min(best[name], time.perf_counter() - started)

@@ -177,7 +177,11 @@ class EagerExecutor:
                 mrope[:, bounds[i]:bounds[i] + count] = own
         if rows:
             batch.embed_rows = torch.as_tensor(np.concatenate(rows), dtype=torch.int64, device=self.model.device)
-            batch.embed_values = torch.cat(values).to(self.model.device)
+            values = torch.cat(values).to(self.model.device)
+            hidden = self.model.config.hidden_size
+            batch.embed_values = values[:, :hidden]
+            if values.shape[1] > hidden:  # the tower's DeepStack rows follow the embedding's
+                batch.deepstack_values = list(values[:, hidden:].split(hidden, dim=1))
         if mrope is not None:
             batch.mrope_positions = torch.as_tensor(mrope, dtype=torch.int64, device=self.model.device)
 

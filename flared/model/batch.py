@@ -68,6 +68,8 @@ class ForwardBatch:
     # embedding (the rows of an image's tokens; flared.model.vision); None: every row embeds its token.
     embed_rows: torch.Tensor | None = None  # [k] int64
     embed_values: torch.Tensor | None = None  # [k, hidden]
+    # Qwen3-VL's DeepStack: after decoder layer j, deepstack_values[j] [k, hidden] is added to rows embed_rows
+    deepstack_values: list[torch.Tensor] | None = None
     # Qwen VL's 3D rope (DecoderModel.set_mrope): every row's (temporal, row, column) position [3, T] int64, where
     # a row of a prompt with images needs them; None: each row's position on all three.
     mrope_positions: torch.Tensor | None = None

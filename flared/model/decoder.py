@@ -227,14 +227,21 @@ class DecoderModel:
                   addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.packed), addr(l.down.packed)]
                  for l in self.layers], dtype=torch.int64)
 
-    def set_mrope(self, section: tuple[int, ...]) -> None:
+    def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
         """Qwen VL's multimodal rope: head_dim / 2 frequency slots split into (temporal, row, column) sections,
         the same split on both halves of the head (rotate-half). Rows whose batch carries mrope_positions turn
-        each slot by its section's position; a text row's three positions are equal (plain rope)."""
+        each slot by its section's position; a text row's three positions are equal (plain rope). Qwen2-VL's
+        sections are runs of slots; Qwen3-VL's ``interleaved`` ones alternate t, h, w from the first slot (h and
+        w for as many slots as their sections, t for the rest)."""
         half = self.config.head_dim // 2
         if sum(section) != half:
             raise ValueError(f"mrope sections {section} do not add up to head_dim / 2 = {half}")
-        slots = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+        if interleaved:
+            slots = torch.zeros(half, dtype=torch.int64)
+            for axis in (1, 2):
+                slots[axis:section[axis] * 3:3] = axis
+        else:
+            slots = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
         self._mrope_sections = torch.cat((slots, slots)).to(self.device)
 
     def _mrope(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -493,6 +500,9 @@ class DecoderModel:
             if lora:
                 down = self._lora(batch, f"layers.{index}.down.weight", act, down)
             h = h + down
+            if batch.deepstack_values is not None and index < len(batch.deepstack_values):
+                # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
+                h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
         return h
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:

@@ -47,14 +47,14 @@ from flared.errors import CoreError, ErrorKind
 
 # model_type of the checkpoint's config.json -> our vision family
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
-                         "qwen2_5_vl": "qwen2_5_vl"}
+                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "quick_gelu": "quick", "silu": "silu"}
-QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl"
+    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl"
     hidden_size: int  # D
     intermediate_size: int  # I
     num_layers: int
@@ -74,10 +74,16 @@ class VisionConfig:
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
     mrope_section: tuple[int, ...] = ()
+    # qwen3_vl: a learned square table of position rows, resampled (bilinear) to each image's grid; the layers
+    # whose output also feeds the decoder (DeepStack: each through its own merger, added to the image tokens'
+    # hidden state after decoder layer 0, 1, ...); and the decoder's interleaved mRoPE (t, h, w slots alternate)
+    position_table: int = 0
+    deepstack_layers: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
-        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.family not in set(HF_VISION_MODEL_TYPES.values()):
             raise CoreError(f"vision family {self.family!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "patch_size",
@@ -96,6 +102,11 @@ class VisionConfig:
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
         if self.family in QWEN_FAMILIES:
+            if self.family == "qwen3_vl" and (self.position_table <= 0 or math.isqrt(self.position_table) ** 2
+                                              != self.position_table):
+                raise CoreError(f"position_table {self.position_table} must be a square number of rows")
+            if any(not 0 <= i < self.num_layers for i in self.deepstack_layers):
+                raise CoreError(f"deepstack_layers {self.deepstack_layers} must be tower layers")
             if self.temporal_patch_size <= 0 or (self.hidden_size // self.num_heads) % 4:
                 raise CoreError("a Qwen vision tower needs a temporal_patch_size and a head size divisible by 4")
             if len(self.mrope_section) != 3 or any(not isinstance(x, int) or x <= 0 for x in self.mrope_section):
@@ -109,6 +120,11 @@ class VisionConfig:
         if self.image_size <= 0 or self.image_size % self.patch_size or side % self.scale_factor:
             raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches "
                             f"({self.patch_size}) in blocks of scale_factor {self.scale_factor}")
+
+    @property
+    def rows_width(self) -> int:
+        """Features per image token the tower gives: the embedding, then each DeepStack layer's."""
+        return self.text_hidden_size * (1 + len(self.deepstack_layers))
 
     @property
     def grid_based(self) -> bool:
@@ -130,8 +146,8 @@ class VisionConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["full_attention_layers"] = list(self.full_attention_layers)
-        d["mrope_section"] = list(self.mrope_section)
+        for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
+            d[name] = list(getattr(self, name))
         return d
 
     @classmethod
@@ -195,7 +211,7 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
-        text["model_type"] = "qwen2"
+        text["model_type"] = "qwen3" if family == "qwen3_vl" else "qwen2"
         for key in ("rope_parameters", "rope_scaling"):
             params = text.get(key)
             if isinstance(params, dict) and "mrope_section" in params:
@@ -219,14 +235,22 @@ def mrope_section_of(text: dict[str, Any]) -> list[int] | None:
 
 def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfig:
     rope = v.get("rope_parameters") if isinstance(v.get("rope_parameters"), dict) else {}
+    extra = {}
     if family == "qwen2_vl":
         embed = int(v.get("embed_dim", 1280))
         hidden, intermediate = embed, int(embed * float(v.get("mlp_ratio", 4)))
         out, act = int(v.get("hidden_size", t["hidden_size"])), str(v.get("hidden_act", "quick_gelu"))
+    elif family == "qwen3_vl":
+        hidden, intermediate = int(v.get("hidden_size", 1152)), int(v.get("intermediate_size", 4304))
+        out, act = int(v.get("out_hidden_size", t["hidden_size"])), str(v.get("hidden_act", "gelu_pytorch_tanh"))
+        params = t.get("rope_parameters") or t.get("rope_scaling") or {}
+        extra = dict(position_table=int(v.get("num_position_embeddings", 2304)),
+                     deepstack_layers=tuple(int(x) for x in v.get("deepstack_visual_indexes", (8, 16, 24))),
+                     mrope_interleaved=bool(params.get("mrope_interleaved", True)))
     else:
         hidden, intermediate = int(v.get("hidden_size", 1280)), int(v.get("intermediate_size", 3420))
         out, act = int(v.get("out_hidden_size", t["hidden_size"])), str(v.get("hidden_act", "silu"))
-    section = mrope_section_of(t) or [16, 24, 24]
+    section = mrope_section_of(t) or ([24, 20, 20] if family == "qwen3_vl" else [16, 24, 24])
     return VisionConfig(
         family=family, hidden_size=hidden, intermediate_size=intermediate,
         num_layers=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
@@ -238,7 +262,7 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
         window_size=int(v.get("window_size", 0)) if family == "qwen2_5_vl" else 0,
         full_attention_layers=tuple(int(x) for x in v.get("fullatt_block_indexes", ()))
         if family == "qwen2_5_vl" else (),
-        mrope_section=tuple(section),
+        mrope_section=tuple(section), **extra,
     )
 
 
@@ -276,6 +300,13 @@ def _qwen_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     }
     if not rms:
         shapes["merger_norm.bias"] = (d,)
+    if c.family == "qwen3_vl":  # a biased patch conv, the position table, and a merger per DeepStack layer
+        shapes.update({"patch_embed.bias": (d,), "pos_embed.weight": (c.position_table, d)})
+        for j in range(len(c.deepstack_layers)):
+            p = f"deepstack.{j}."
+            shapes.update({p + "norm.weight": (d * m2,), p + "norm.bias": (d * m2,),
+                           p + "fc1.weight": (d * m2, d * m2), p + "fc1.bias": (d * m2,),
+                           p + "fc2.weight": (c.text_hidden_size, d * m2), p + "fc2.bias": (c.text_hidden_size,)})
     for n in range(c.num_layers):
         p = f"layers.{n}."
         shapes.update({p + "norm1.weight": (d,), p + "norm2.weight": (d,), p + "qkv.weight": (3 * d, d),
@@ -339,13 +370,26 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
 
 def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
     vm = "visual." if "visual.patch_embed.proj.weight" in hf else "model.visual."
-    out = {"patch_embed.weight": take(vm + "patch_embed.proj.weight"),
-           "merger_norm.weight": take(vm + "merger.ln_q.weight"),
-           "merger_fc1.weight": take(vm + "merger.mlp.0.weight"), "merger_fc1.bias": take(vm + "merger.mlp.0.bias"),
-           "merger_fc2.weight": take(vm + "merger.mlp.2.weight"), "merger_fc2.bias": take(vm + "merger.mlp.2.bias")}
+    out = {"patch_embed.weight": take(vm + "patch_embed.proj.weight")}
     rms = c.family == "qwen2_5_vl"
-    if not rms:
-        out["merger_norm.bias"] = take(vm + "merger.ln_q.bias")
+    if c.family == "qwen3_vl":
+        out.update({"patch_embed.bias": take(vm + "patch_embed.proj.bias"),
+                    "pos_embed.weight": take(vm + "pos_embed.weight")})
+        mergers = [("merger_", vm + "merger.")] + [(f"deepstack.{j}.", f"{vm}deepstack_merger_list.{j}.")
+                                                    for j in range(len(c.deepstack_layers))]
+        for ours, theirs in mergers:
+            for kind in ("weight", "bias"):
+                out[f"{ours}norm.{kind}"] = take(f"{theirs}norm.{kind}")
+                out[f"{ours}fc1.{kind}"] = take(f"{theirs}linear_fc1.{kind}")
+                out[f"{ours}fc2.{kind}"] = take(f"{theirs}linear_fc2.{kind}")
+    else:
+        out.update({"merger_norm.weight": take(vm + "merger.ln_q.weight"),
+                    "merger_fc1.weight": take(vm + "merger.mlp.0.weight"),
+                    "merger_fc1.bias": take(vm + "merger.mlp.0.bias"),
+                    "merger_fc2.weight": take(vm + "merger.mlp.2.weight"),
+                    "merger_fc2.bias": take(vm + "merger.mlp.2.bias")})
+        if not rms:
+            out["merger_norm.bias"] = take(vm + "merger.ln_q.bias")
     for n in range(c.num_layers):
         hp, sp = f"{vm}blocks.{n}.", f"layers.{n}."
         out.update({sp + "qkv.weight": take(hp + "attn.qkv.weight"), sp + "qkv.bias": take(hp + "attn.qkv.bias"),
@@ -357,8 +401,9 @@ def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str,
                                                         take(f"{hp}mlp.up_proj.{kind}")])
                 out[f"{sp}down.{kind}"] = take(f"{hp}mlp.down_proj.{kind}")
         else:
+            mlp = "mlp.linear_" if c.family == "qwen3_vl" else "mlp."
             for ours in ("norm1.bias", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
-                out[sp + ours] = take(hp + ours if ours.startswith("norm") else hp + "mlp." + ours)
+                out[sp + ours] = take(hp + ours if ours.startswith("norm") else hp + mlp + ours)
     out = {k: v.contiguous() for k, v in out.items()}
     check_vision_tensors(out, c, source=source)
     return out
@@ -489,8 +534,34 @@ class QwenVisionEncoder:
             gate, up = F.linear(x, w[p + "gate_up.weight"], w[p + "gate_up.bias"]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, w[p + "down.weight"], w[p + "down.bias"])
         mid = F.linear(x, w[p + "fc1.weight"], w[p + "fc1.bias"])
-        mid = mid * torch.sigmoid(1.702 * mid) if self.config.hidden_act == "quick_gelu" else F.gelu(mid)
+        approximate = _ACTIVATIONS[self.config.hidden_act]
+        mid = mid * torch.sigmoid(1.702 * mid) if approximate == "quick" else F.gelu(mid, approximate=approximate)
         return F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+
+    def _merge(self, x: torch.Tensor, prefix: str, *, norm_after_shuffle: bool) -> torch.Tensor:
+        """merge^2 patches a row, through a merger's norm (before the shuffle, or after it for DeepStack's) and
+        its two linears with GELU between."""
+        w, width = self.w, x.shape[-1] * self.config.scale_factor ** 2
+        rows = (self._norm(x.reshape(-1, width), prefix + "norm") if norm_after_shuffle
+                else self._norm(x, prefix + "norm").reshape(-1, width))
+        return F.linear(F.gelu(F.linear(rows, w[prefix + "fc1.weight"], w[prefix + "fc1.bias"])),
+                        w[prefix + "fc2.weight"], w[prefix + "fc2.bias"])
+
+    def _table_positions(self, grid: tuple[int, int, int], order: torch.Tensor) -> torch.Tensor:
+        """qwen3_vl: the learned square position table resampled bilinearly (corners aligned) to the image's
+        grid, a row per patch in the tower's order (``order``: each patch's (row, column))."""
+        side = math.isqrt(self.config.position_table)
+        _, h, w = grid
+        taps, weights = [], []
+        for index, size in ((order[:, 0], h), (order[:, 1], w)):
+            src = index.float() * (side - 1) / max(size - 1, 1)
+            floor = torch.floor(src)
+            offsets = torch.arange(2)
+            taps.append((floor.long()[:, None] + offsets).clamp(0, side - 1))
+            weights.append((1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0))
+        index = (taps[0][:, :, None] * side + taps[1][:, None, :]).reshape(-1, 4).to(self.device)
+        weight = (weights[0][:, :, None] * weights[1][:, None, :]).reshape(-1, 4).to(self.device)
+        return (self.w["pos_embed.weight"][index].float() * weight[:, :, None]).sum(1).to(self.dtype)
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, *, grid=None) -> torch.Tensor:
@@ -503,20 +574,25 @@ class QwenVisionEncoder:
         if tuple(pixel_values.shape) != (n, width) or h % c.scale_factor or wd % c.scale_factor:
             raise ValueError(f"patches must be [{n}, {width}] for grid {grid}, got {tuple(pixel_values.shape)}")
         x = pixel_values.to(self.device, self.dtype).view(n, 3, c.temporal_patch_size, c.patch_size, c.patch_size)
-        x = F.conv3d(x, w["patch_embed.weight"], stride=w["patch_embed.weight"].shape[2:]).view(n, c.hidden_size)
-        angles = grid_position_ids((t, h, wd), c.scale_factor).float()[..., None] * self.inv_freq  # [n, 2, d/4]
+        x = F.conv3d(x, w["patch_embed.weight"], w.get("patch_embed.bias"),
+                     stride=w["patch_embed.weight"].shape[2:]).view(n, c.hidden_size)
+        order = grid_position_ids((t, h, wd), c.scale_factor)
+        if c.position_table:
+            x = x + self._table_positions((t, h, wd), order)
+        angles = order.float()[..., None] * self.inv_freq  # [n, 2, d/4]
         angles = angles.flatten(1)
         angles = torch.cat((angles, angles), dim=-1).to(self.device)  # [n, head_dim]
         cos, sin = angles.cos()[:, None], angles.sin()[:, None]
         unit = c.scale_factor ** 2
         frames = [h * wd] * t  # whole-image attention: each frame its own segment
-        order = None
+        window = None  # qwen2_5_vl: the merged blocks' order, window by window
         windows = frames
         if c.family == "qwen2_5_vl":
-            merged, windows = window_order((t, h, wd), c.scale_factor, c.window_size // c.scale_factor // c.patch_size)
-            order = (merged[:, None] * unit + torch.arange(unit)).flatten().to(self.device)
-            x, cos, sin = x[order], cos[order], sin[order]
+            window, windows = window_order((t, h, wd), c.scale_factor, c.window_size // c.scale_factor // c.patch_size)
+            rows = (window[:, None] * unit + torch.arange(unit)).flatten().to(self.device)
+            x, cos, sin = x[rows], cos[rows], sin[rows]
         heads, d = c.num_heads, c.hidden_size
+        deepstack = []
         for i in range(c.num_layers):
             p = f"layers.{i}."
             full = c.family == "qwen2_vl" or i in c.full_attention_layers
@@ -528,11 +604,14 @@ class QwenVisionEncoder:
             attn = _segments_attention(q, k, v, frames if full else windows)
             x = x + F.linear(attn.reshape(n, d), w[p + "o.weight"], w[p + "o.bias"])
             x = x + self._mlp(self._norm(x, p + "norm2"), p)
-        merged_rows = self._norm(x, "merger_norm").view(n // unit, d * unit)
-        out = F.linear(F.gelu(F.linear(merged_rows, w["merger_fc1.weight"], w["merger_fc1.bias"])),
-                       w["merger_fc2.weight"], w["merger_fc2.bias"])
-        if order is not None:  # back to the image's own order of merged blocks
-            out = out[torch.argsort(merged.to(self.device))]
+            if i in c.deepstack_layers:
+                j = c.deepstack_layers.index(i)
+                deepstack.append(self._merge(x, f"deepstack.{j}.", norm_after_shuffle=True))
+        out = self._merge(x, "merger_", norm_after_shuffle=False)
+        if deepstack:  # [rows, (1 + k) * hidden]: the embedding, then each DeepStack layer's rows
+            out = torch.cat([out, *deepstack], dim=-1)
+        if window is not None:  # back to the image's own order of merged blocks
+            out = out[torch.argsort(window.to(self.device))]
         return out
 
 

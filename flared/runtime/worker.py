@@ -393,7 +393,7 @@ class ModelRuntime:
             model.vision = vision_encoder(config, self.core.load_vision_tensors(), dtype=tower_dtype(dtype),
                                           device=model.device)
             if config.mrope_section:
-                model.set_mrope(config.mrope_section)
+                model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
             log.info("image tower (%s): %d layers in %s", config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))
         for f, ident in factors:

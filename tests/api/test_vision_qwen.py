@@ -1,7 +1,8 @@
-"""Qwen2-VL and Qwen2.5-VL cores end to end: random-weight models exported and served by a real `flared run`,
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL cores end to end: random-weight models exported and served by a real `flared run`,
 their greedy tokens checked against transformers on the same weights, prompt and pixels (transformers' own image
-processor, prompt expansion and 3D rope positions). The decoder runs mRoPE; the tower a 2D rope over any image
-size, windowed on Qwen2.5-VL."""
+processor, prompt expansion and 3D rope positions). The decoder runs mRoPE (interleaved on Qwen3-VL, with
+DeepStack rows added after its first layers); the tower a 2D rope over any image size, windowed on Qwen2.5-VL,
+with a resampled position table on Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from conftest import QWEN_VL_PREPROCESSOR  # noqa: E402 - after the skips
 from flared_testing.vision import assert_greedy, data_url, noise_image, token_ids  # noqa: E402
 
 NEW_TOKENS = 12
@@ -39,8 +39,8 @@ def reference(served):
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
     tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in QWEN_VL_PREPROCESSOR.items()
-                                            if k != "image_processor_type"})
+    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
 
     def run(images, text: str):
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]

@@ -15,7 +15,8 @@ QWEN_TEXT = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1
 
 def _model(family: str):
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration, SmolVLMConfig, SmolVLMForConditionalGeneration)
+                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              SmolVLMConfig, SmolVLMForConditionalGeneration)
 
     torch.manual_seed(0)
     if family == "smolvlm":
@@ -28,6 +29,13 @@ def _model(family: str):
         cfg = Qwen2VLConfig(text_config=QWEN_TEXT, **ids, vision_config=dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, initializer_range=0.2))
         return Qwen2VLForConditionalGeneration(cfg).eval()
+    if family == "qwen3_vl":
+        rope = {**QWEN_TEXT["rope_parameters"], "mrope_interleaved": True}
+        text = {**QWEN_TEXT, "head_dim": 16, "rope_parameters": rope}
+        cfg = Qwen3VLConfig(text_config=text, **ids, vision_config=dict(
+            depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 2], initializer_range=0.2))
+        return Qwen3VLForConditionalGeneration(cfg).eval()
     cfg = Qwen2_5_VLConfig(text_config=QWEN_TEXT, **ids, vision_config=dict(
         depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
         fullatt_block_indexes=[1], initializer_range=0.2))
@@ -45,7 +53,9 @@ def _ours(model, dtype=torch.float32):
 @pytest.mark.parametrize("family, grid", [
     ("smolvlm", None), ("qwen2_vl", (1, 6, 8)), ("qwen2_vl", (1, 2, 2)),
     # windows of 2 x 2 merged blocks: a 5 x 7 grid of blocks leaves ragged windows on two edges
-    ("qwen2_5_vl", (1, 10, 14)), ("qwen2_5_vl", (1, 4, 4)), ("qwen2_5_vl", (1, 16, 6))])
+    ("qwen2_5_vl", (1, 10, 14)), ("qwen2_5_vl", (1, 4, 4)), ("qwen2_5_vl", (1, 16, 6)),
+    # a position table of 8 x 8 resampled to grids smaller and larger than it; DeepStack rows after the main ones
+    ("qwen3_vl", (1, 6, 8)), ("qwen3_vl", (1, 2, 2)), ("qwen3_vl", (1, 12, 20))])
 def test_tower_rows_equal_transformers(family, grid):
     model = _model(family)
     ours = _ours(model)
@@ -55,9 +65,13 @@ def test_tower_rows_equal_transformers(family, grid):
             pixels = torch.randn(3, 3, 64, 64)
             expected = torch.cat(list(model.model.get_image_features(pixels[None]).pooler_output))
         else:
-            pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14)
-            expected = model.model.get_image_features(pixels, torch.tensor([grid])).pooler_output
+            patch = 16 if family == "qwen3_vl" else 14
+            pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * patch * patch)
+            out = model.model.get_image_features(pixels, torch.tensor([grid]))
+            expected = out.pooler_output
             expected = torch.cat(list(expected)) if isinstance(expected, (list, tuple)) else expected
+            if family == "qwen3_vl":
+                expected = torch.cat([expected, *(torch.cat(list(f)) for f in out.deepstack_features)], dim=-1)
     got = ours.encode(pixels, grid=grid)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -76,7 +90,7 @@ def test_tower_inputs_are_checked():
         _ours(_model("smolvlm")).encode(torch.zeros(1, 3, 32, 32))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_mrope_positions_equal_transformers(family):
     """Text, an image of 3 x 4 merged patches, text, an image of 2 x 1, text: positions and the delta."""
     from flared.model.vision import mrope_positions
