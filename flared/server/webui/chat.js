@@ -61,7 +61,15 @@ async function streamChat({ base = "", apiKey = "", model, messages, temperature
   return { usage, finish };
 }
 
-if (typeof module !== "undefined") module.exports = { parseSSE, streamChat };
+// A user turn's content: the text alone, or (with images: data URLs) OpenAI's parts, the images first.
+function userContent(text, images) {
+  if (!images || images.length === 0) return text;
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  if (text) parts.push({ type: "text", text });
+  return parts;
+}
+
+if (typeof module !== "undefined") module.exports = { parseSSE, streamChat, userContent };
 
 if (typeof document !== "undefined") {
   const $ = (id) => document.getElementById(id);
@@ -75,6 +83,33 @@ if (typeof document !== "undefined") {
   let history = [];
   let model = null;
   let running = null;
+  let images = [];  // data URLs attached to the next message
+  const attached = $("attached"), pick = $("pick");
+
+  function showAttached() {
+    attached.textContent = "";
+    images.forEach((url, i) => {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "attached image " + (i + 1);
+      img.addEventListener("click", () => { images.splice(i, 1); showAttached(); });
+      attached.appendChild(img);
+    });
+  }
+
+  pick.addEventListener("change", async () => {
+    for (const file of pick.files) {
+      images.push(await new Promise((resolve, reject) => {
+        const reader = new FileReader();
+        reader.onload = () => resolve(reader.result);
+        reader.onerror = () => reject(reader.error);
+        reader.readAsDataURL(file);
+      }));
+    }
+    pick.value = "";
+    showAttached();
+  });
+  $("attach").addEventListener("click", () => pick.click());
 
   function bubble(role) {
     const div = document.createElement("div");
@@ -88,8 +123,10 @@ if (typeof document !== "undefined") {
     try {
       const resp = await fetch("/v1/models", { headers });
       if (!resp.ok) throw new Error(resp.status === 401 ? "this server needs an API key (settings)" : resp.statusText);
-      model = (await resp.json()).data[0].id;
+      const card = (await resp.json()).data[0];
+      model = card.id;
       $("model").textContent = model;
+      $("attach").hidden = !(card.capabilities && card.capabilities.vision);
       status.textContent = "";
     } catch (e) {
       status.textContent = "cannot list models: " + e.message;
@@ -98,12 +135,21 @@ if (typeof document !== "undefined") {
 
   async function ask() {
     const text = input.value.trim();
-    if (!text || running) return;
+    if ((!text && images.length === 0) || running) return;
     if (!model) await loadModel();
     if (!model) return;
     input.value = "";
-    history.push({ role: "user", content: text });
-    bubble("user").textContent = text;
+    history.push({ role: "user", content: userContent(text, images) });
+    const mine = bubble("user");
+    for (const url of images) {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = "your image";
+      mine.appendChild(img);
+    }
+    mine.appendChild(document.createTextNode(text));
+    images = [];
+    showAttached();
     const out = bubble("assistant");
     const thinking = document.createElement("details");
     thinking.innerHTML = "<summary>thinking</summary>";
@@ -159,7 +205,13 @@ if (typeof document !== "undefined") {
 
   send.addEventListener("click", ask);
   stop.addEventListener("click", () => running && running.abort());
-  $("new").addEventListener("click", () => { if (running) running.abort(); history = []; log.textContent = ""; });
+  $("new").addEventListener("click", () => {
+    if (running) running.abort();
+    history = [];
+    images = [];
+    showAttached();
+    log.textContent = "";
+  });
   $("api-key").addEventListener("change", loadModel);
   input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); ask(); }
