@@ -210,9 +210,9 @@ class EagerExecutor:
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
         batch.shared_sequences = True
-        if any(getattr(getattr(s, "vision", None), "mrope", None) is not None for s in states):
-            raise ExecutionError("speculative steps do not take 3D rope positions (the worker does not speculate "
-                                 "for such requests)")
+        # rows of requests with 3D rope positions (Qwen VL with images) take theirs: index + the prompt's delta
+        self._place_images(batch, [states[i] for i, tokens in enumerate(fed) for _ in range(tokens.shape[0])],
+                           chunks, np.arange(len(chunks) + 1))
         bounds = np.cumsum([0] + [t.shape[0] for t in fed])
         self._group_lora_rows(batch, states, bounds)
         logits = self.model.forward(batch, self.kv)  # [every fed token, vocab]

@@ -888,7 +888,6 @@ class ModelRuntime:
                     # drafts are checked by drawing at their positions: only requests whose draws the executor
                     # can make there (SamplingParams.replayable on the CPU, graph_drawable on the GPU)
                     speculate=bool(self.spec_tokens) and req.score_from is None
-                    and (req.vision is None or req.vision.mrope is None)  # drafts would need 3D positions
                     and self.executor.speculates(req.params, grammar=req.grammar is not None),
                     prediction=req.prediction)
                 if req.grammar is not None and live.grammar is None:

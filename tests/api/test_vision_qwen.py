@@ -102,3 +102,35 @@ def test_text_requests_and_images_share_the_daemon(served, reference):
     assert [t["choices"][0]["message"]["content"] for _, t in texts] == \
         [t["choices"][0]["message"]["content"] for t in again]
     assert token_ids(_ask(daemon, [image], "Describe it.")) == token_ids(body)  # prefix-cached this time
+
+
+def test_speculative_steps_keep_3d_positions(served, reference, tmp_path):
+    """With speculative decoding, a request with images has its drafts checked at its own 3D positions: a
+    prediction of the answer (OpenAI's predicted outputs) is accepted, and the tokens are still transformers'."""
+    from flared_testing.daemon import Daemon
+    from tokenizers import Tokenizer
+
+    family, checkpoint, _ = served
+    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    text = "Tell me about it."
+    for seed in range(25, 35):  # an image whose answer's text tokenizes back to it (random weights write bytes)
+        image = noise_image(seed, (70, 44))
+        expected = reference([image], text)[1]
+        answer = tok.decode(expected)
+        round_trip = tok.encode(answer, add_special_tokens=False).ids[:6] == expected[:6]
+        if round_trip:
+            break
+    from flared.core.export import ExportOptions, export_core
+
+    core = tmp_path / "core"
+    export_core(checkpoint, core, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    d = Daemon(core, tmp_path, "--speculative-tokens", "4")
+    try:
+        body = _ask(d, [image], text, prediction={"type": "content", "content": answer})
+    finally:
+        d.kill()
+    assert_greedy(body, expected, family)
+    drafts = body["usage"]["completion_tokens_details"]
+    assert drafts["accepted_prediction_tokens"] + drafts["rejected_prediction_tokens"] > 0, body["usage"]
+    if round_trip:  # the prediction holds the answer's own tokens: some are kept
+        assert drafts["accepted_prediction_tokens"] > 0, body["usage"]
