@@ -38,6 +38,20 @@ image processor) number for number:
    Each row of ``pixel_values`` is one patch flattened as [channel, temporal, y, x], the one image repeated
    over the ``temporal_patch_size`` frames. The grid (t, h, w) is (1, height / patch, width / patch), and the
    prompt holds ``h * w / merge_size**2`` image tokens.
+
+``PixtralProcessor`` reproduces transformers' ``PixtralImageProcessorPil`` as ``PixtralProcessor`` (the processor
+Pixtral-12B and Mistral3 / Mistral-Small-3.1 use) calls it, number for number:
+
+1. ``do_resize``: the resize unit is ``patch_size * merge_size`` (the processor hands the image processor that as
+   its patch size; merge_size is processor_config.json's ``spatial_merge_size``). An image whose long edge is over
+   ``size.longest_edge`` is scaled down by ``long / longest_edge``, both edges rounded *down*; then both edges are
+   rounded *up* to multiples of the unit, so small images are never scaled up beyond that rounding. One Pillow
+   resize of the uint8 RGB image (``resample``, BICUBIC by default), always made. An image so thin that its short
+   edge rounds down to 0 pixels is refused (transformers fails on it).
+2. ``do_rescale`` / ``do_normalize`` exactly as for the tiles (one 256-entry table per channel).
+3. ``pixel_values`` is the one image, [3, H, W] (transformers pads a batch to its largest image; one image is not
+   padded). The grid is (1, H / patch_size, W / patch_size) patches; the prompt holds rows = H / unit lines of
+   cols = W / unit ``[IMG]`` tokens, each line ended by ``[IMG_BREAK]``, the last one by ``[IMG_END]`` instead.
 """
 
 from __future__ import annotations
@@ -86,9 +100,22 @@ QWEN_IMAGE_TOKEN = "<|image_pad|>"
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer / shorter edge above this
 PATCH_PROCESSOR_TYPES = ("Qwen2VLImageProcessor",)  # with or without a Fast / Pil suffix (Qwen2.5-VL's too)
+
+# transformers' Pixtral image processor and PixtralProcessor class defaults (Pixtral-12B's values; Mistral3 /
+# Mistral-Small-3.1 configs say patch 14, longest edge 1540, spatial_merge_size 2)
+PIXTRAL_PATCH_SIZE = 16
+PIXTRAL_LONGEST_EDGE = 1024
+PIXTRAL_MERGE_SIZE = 1
+PIXTRAL_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN
+PIXTRAL_STD = (0.26862954, 0.26130258, 0.27577711)  # OPENAI_CLIP_STD
+PIXTRAL_IMAGE_TOKEN = "[IMG]"
+PIXTRAL_BREAK_TOKEN = "[IMG_BREAK]"
+PIXTRAL_END_TOKEN = "[IMG_END]"
+PIXTRAL_PROCESSOR_TYPES = ("PixtralImageProcessor",)  # with or without a Fast / Pil suffix
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+_PIXTRAL_PROCESSOR_CLASSES = ("PixtralProcessor",)  # Pixtral-12B and Mistral3 alike
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -352,13 +379,18 @@ def _wide_grayscale_to_8bit(im: Image.Image) -> Image.Image:
 class PreparedImage:
     # float32, C-contiguous. TileProcessor: [num_tiles, 3, tile, tile]. PatchProcessor: [t * h * w,
     # 3 * temporal_patch_size * patch_size**2], transformers' Qwen2-VL ``pixel_values`` for this one image.
+    # PixtralProcessor: [3, H, W], transformers' Pixtral ``pixel_values[0]`` for this one image.
     pixel_values: np.ndarray
-    rows: int  # tile rows (0 when the image was not split, and always 0 for a PatchProcessor)
-    cols: int
+    # tile rows (0 when the image was not split, and always 0 for a PatchProcessor); PixtralProcessor: lines of
+    # image tokens in the prompt
+    rows: int
+    cols: int  # tile columns; PixtralProcessor: image tokens per line
     prompt: str  # the text that replaces one image placeholder in the rendered prompt
-    num_image_tokens: int  # how many image tokens ``prompt`` holds (tiles * image_seq_len; t*h*w / merge**2)
+    # how many image tokens ``prompt`` holds (tiles * image_seq_len; t*h*w / merge**2; rows * cols)
+    num_image_tokens: int
     identity: bytes  # 32-byte sha256 over the DecodedImage digest + the processor settings
-    grid: tuple[int, int, int] | None = None  # PatchProcessor: (t, h, w) in patches (``image_grid_thw``)
+    # PatchProcessor: (t, h, w) in patches (``image_grid_thw``); PixtralProcessor: (1, H / patch, W / patch)
+    grid: tuple[int, int, int] | None = None
 
 
 def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
@@ -841,6 +873,178 @@ class PatchProcessor:
         )
 
 
+# ------------------------------------------------------------------------------ Pixtral / Mistral3 lines
+
+def _square_patch(field: str, value) -> int:
+    """A patch size given as a number or as transformers' ``{"height": N, "width": N}`` (square only)."""
+    if isinstance(value, dict):
+        if set(value) != {"height", "width"} or value["height"] != value["width"]:
+            raise _field_error(field, value, 'a positive integer or {"height": N, "width": N} with equal sides')
+        value = value["height"]
+    return _positive_int(field, value)
+
+
+def _pixtral_size(height: int, width: int, longest: int, unit: int) -> tuple[int, int]:
+    """(height, width) after transformers' Pixtral ``get_resize_output_image_size``: scaled down (rounded down)
+    to fit ``longest`` x ``longest`` when larger, then rounded up to multiples of ``unit``. The float operations
+    are the ones transformers makes, in the same order, so the rounding agrees. (0, n) or (n, 0) for an image
+    too thin to keep a pixel of its short edge."""
+    ratio = max(height / longest, width / longest)
+    if ratio > 1:
+        height = math.floor(height / ratio)
+        width = math.floor(width / ratio)
+    return (height + unit - 1) // unit * unit, (width + unit - 1) // unit * unit
+
+
+@dataclass(frozen=True)
+class PixtralProcessor:
+    """Pixtral-12B / Mistral3 (Mistral-Small-3.1) preprocessing (transformers' ``PixtralImageProcessorPil`` as
+    ``PixtralProcessor`` drives it) and the prompt text for one image: lines of ``[IMG]`` tokens, each ended by
+    ``[IMG_BREAK]``, the last by ``[IMG_END]``."""
+
+    kind: ClassVar[str] = "pixtral"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+
+    patch_size: int  # the vision tower's patch edge (16 Pixtral-12B, 14 Mistral-Small-3.1)
+    longest_edge: int  # size.longest_edge: larger images are scaled down to fit
+    merge_size: int  # processor_config.json "spatial_merge_size": merge_size**2 patches make one image token
+    resample: int  # PIL resample filter id (BICUBIC = 3)
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    image_token: str = PIXTRAL_IMAGE_TOKEN
+    break_token: str = PIXTRAL_BREAK_TOKEN
+    end_token: str = PIXTRAL_END_TOKEN
+
+    def __post_init__(self):
+        for name in ("patch_size", "longest_edge", "merge_size"):
+            _positive_int(name, getattr(self, name))
+        _check_pixel_settings(self)
+        for name in ("image_token", "break_token", "end_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+        for name in ("break_token", "end_token"):
+            if getattr(self, name) == self.image_token:
+                raise _field_error(name, getattr(self, name), f"other than image_token {self.image_token!r}")
+
+    # -- configuration ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None) -> PixtralProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` and ``processor_config.json``, with transformers'
+        defaults for missing fields. The processor config gives ``spatial_merge_size`` (default 1), the three
+        tokens and the patch size: transformers' PixtralProcessor passes its own ``patch_size`` (times the merge
+        size) to the image processor, so it wins over the image processor's; the latter (else 16) is used where
+        the processor config has none. ``do_convert_rgb`` and ``do_pad`` are not read (a ``DecodedImage`` is RGB
+        already; padding only evens out a batch)."""
+        cfg, proc = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, PIXTRAL_PROCESSOR_TYPES)
+        if cfg.get("do_center_crop"):
+            raise _field_error("do_center_crop", cfg["do_center_crop"], "false (Pixtral images are not cropped)")
+        patch = _square_patch("patch_size", cfg.get("patch_size", PIXTRAL_PATCH_SIZE))  # checked even if unused
+        if proc.get("patch_size") is not None:
+            patch = _square_patch("patch_size", proc["patch_size"])
+        return cls(
+            patch_size=patch,
+            longest_edge=_edge("size", cfg.get("size", {"longest_edge": PIXTRAL_LONGEST_EDGE})),
+            merge_size=_positive_int("spatial_merge_size", proc.get("spatial_merge_size", PIXTRAL_MERGE_SIZE)),
+            resample=cfg.get("resample", BICUBIC),
+            image_mean=cfg.get("image_mean", PIXTRAL_MEAN),
+            image_std=cfg.get("image_std", PIXTRAL_STD),
+            rescale_factor=cfg.get("rescale_factor", 1 / 255),
+            do_resize=cfg.get("do_resize", True),
+            do_rescale=cfg.get("do_rescale", True),
+            do_normalize=cfg.get("do_normalize", True),
+            image_token=proc.get("image_token", PIXTRAL_IMAGE_TOKEN),
+            break_token=proc.get("image_break_token", PIXTRAL_BREAK_TOKEN),
+            end_token=proc.get("image_end_token", PIXTRAL_END_TOKEN),
+        )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        d["kind"] = self.kind
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PixtralProcessor:
+        return _settings_from_dict(cls, d, cls.kind, "pixtral processor")
+
+    def _settings_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    # -- geometry -----------------------------------------------------------------------------------------
+
+    @property
+    def factor(self) -> int:
+        """Edges are multiples of this many pixels: the patches one image token covers."""
+        return self.patch_size * self.merge_size
+
+    def _resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) the image is patched at."""
+        f = self.factor
+        if not self.do_resize:
+            if height % f or width % f:
+                raise _error(f"the image is {width}x{height} pixels; without resizing, this model takes images "
+                             f"whose width and height are multiples of {f}")
+            return height, width
+        h, w = _pixtral_size(height, width, self.longest_edge, f)
+        if h == 0 or w == 0:
+            raise _error(f"the image is {width}x{height} pixels: scaled to fit {self.longest_edge} pixels, its "
+                         f"short edge would be less than one pixel, which this model's image processor refuses")
+        return h, w
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """(1, h, w) in patches (before merging) for a width x height image."""
+        h, w = self._resized_size(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def lines(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, cols) of image tokens in the prompt for a width x height image."""
+        h, w = self._resized_size(width, height)
+        return h // self.factor, w // self.factor
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        """How many image tokens ``prepare`` gives a width x height image, without resizing anything."""
+        rows, cols = self.lines(width, height)
+        return rows * cols
+
+    def prompt(self, rows: int, cols: int) -> str:
+        """The text for one image (transformers' ``PixtralProcessor.replace_image_token``)."""
+        line = self.image_token * cols
+        return (line + self.break_token) * (rows - 1) + line + self.end_token
+
+    # -- pixels -------------------------------------------------------------------------------------------
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        im = image.image
+        if im.mode != "RGB":
+            raise _error(f"internal: a decoded image must be RGB, got {im.mode}", ErrorKind.EXECUTION)
+        height, width = self._resized_size(im.width, im.height)
+        if self.do_resize:
+            im = im.resize((width, height), resample=self.resample)
+        pixels = np.asarray(im)  # [H, W, 3] uint8
+        if pixels.shape != (height, width, 3):  # cannot happen
+            raise _error(f"internal: resized to {pixels.shape}, not {height}x{width}", ErrorKind.EXECUTION)
+        lut = _value_table(self)
+        out = np.empty((3, height, width), dtype=np.float32)
+        for c in range(3):
+            out[c] = lut[c][pixels[:, :, c]]
+        rows, cols = height // self.factor, width // self.factor
+        identity = hashlib.sha256(b"flared.pixtral-processor.v1\0" + image.digest + self._settings_bytes()).digest()
+        return PreparedImage(
+            pixel_values=out,
+            rows=rows,
+            cols=cols,
+            prompt=self.prompt(rows, cols),
+            num_image_tokens=rows * cols,
+            identity=identity,
+            grid=(1, height // self.patch_size, width // self.patch_size),
+        )
+
+
 # -------------------------------------------------------------------------------------------- dispatch
 
 def _family(cfg: dict, processor_config: dict) -> str:
@@ -851,35 +1055,47 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return TileProcessor.kind
         if base in PATCH_PROCESSOR_TYPES:
             return PatchProcessor.kind
-        raise _field_error("image_processor_type", kind, " or ".join(PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES))
+        if base in PIXTRAL_PROCESSOR_TYPES:
+            return PixtralProcessor.kind
+        raise _field_error("image_processor_type", kind,
+                           " or ".join(PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
             return PatchProcessor.kind
+        if cls_name in _PIXTRAL_PROCESSOR_CLASSES:
+            return PixtralProcessor.kind
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
 
 
+ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor
+
+
 def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
-                            image_seq_len: int | None) -> TileProcessor | PatchProcessor:
+                            image_seq_len: int | None) -> ImageProcessor:
     """The image processor a checkpoint's ``preprocessor_config.json`` (and ``processor_config.json``) describe,
     chosen by ``image_processor_type`` (else ``processor_class``; neither: tiles). A tile processor needs the
-    model's ``image_seq_len`` (image tokens per tile); a patch processor ignores it."""
+    model's ``image_seq_len`` (image tokens per tile); patch and Pixtral processors ignore it."""
     cfg, proc = _hf_config(preprocessor_config, processor_config)
-    if _family(cfg, proc) == PatchProcessor.kind:
+    family = _family(cfg, proc)
+    if family == PatchProcessor.kind:
         return PatchProcessor.from_hf(preprocessor_config, processor_config)
+    if family == PixtralProcessor.kind:
+        return PixtralProcessor.from_hf(preprocessor_config, processor_config)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
 
 
-def image_processor_from_dict(d: dict) -> TileProcessor | PatchProcessor:
+def image_processor_from_dict(d: dict) -> ImageProcessor:
     """The processor a ``to_dict`` wrote, by its "kind" ("tiles" where absent: written before patch processors)."""
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
-    for cls in (TileProcessor, PatchProcessor):
+    classes = (TileProcessor, PatchProcessor, PixtralProcessor)
+    for cls in classes:
         if kind == cls.kind:
             return cls.from_dict(d)
-    raise _error(f"unknown image processor kind {kind!r}; expected {TileProcessor.kind!r} or {PatchProcessor.kind!r}")
+    raise _error(f"unknown image processor kind {kind!r}; expected " + " or ".join(repr(c.kind) for c in classes))
