@@ -239,3 +239,55 @@ def tiny_qwen_vl(request, tmp_path_factory) -> tuple[str, Path, Path]:
     out = tmp_path_factory.mktemp("cores") / request.param
     export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
     return request.param, d, out
+
+
+# A Mistral-style chat template that places [IMG] where a user turn's image parts stand.
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for block in message['content'] %}"
+    "{% if block['type'] == 'text' %}{{ block['text'] }}{% elif block['type'] == 'image' %}[IMG]{% endif %}"
+    "{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}")
+# 8-pixel patches merged 2 x 2, images scaled down to a longest edge of 64 pixels.
+MISTRAL3_PREPROCESSOR = {
+    "image_processor_type": "PixtralImageProcessor", "patch_size": 8, "size": {"longest_edge": 64},
+    "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Mistral3 (Pixtral tower, patch merger, Mistral decoder)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-mistral3")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": MISTRAL3_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(MISTRAL3_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    text = dict(model_type="mistral", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, sliding_window=None, initializer_range=0.2,
+                bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"), tie_word_embeddings=False)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, patch_size=8, image_size=64, initializer_range=0.2)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
+                            spatial_merge_size=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Mistral3ForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "mistral3"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out

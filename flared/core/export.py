@@ -297,7 +297,7 @@ def _read_image_processor(src: Path, vision):
     if tiles and processor.tile != vision.image_size:
         raise CoreError(f"{src / 'preprocessor_config.json'}: tiles of {processor.tile} pixels, but the vision tower "
                         f"takes {vision.image_size}", ErrorKind.UNSUPPORTED_MODEL)
-    if not tiles and (processor.patch_size, processor.merge_size, processor.temporal_patch_size) != (
+    if not tiles and (processor.patch_size, processor.merge_size, getattr(processor, "temporal_patch_size", 0)) != (
             vision.patch_size, vision.scale_factor, vision.temporal_patch_size):
         raise CoreError(f"{src / 'preprocessor_config.json'}: patches of {processor.patch_size} pixels merged "
                         f"{processor.merge_size} x {processor.merge_size}, but the vision tower takes "

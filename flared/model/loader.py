@@ -171,10 +171,16 @@ def _read_hf_dir(directory: Path) -> SourceModel:
         vision_tensors = hf_vision_to_serving(hf_tensors, vision, source=str(directory))
         # its decoder's tensors under model.text_model.* (Idefics3) or model.language_model.* (transformers 5's
         # Qwen VL layout; older checkpoints keep model.*), the tower's elsewhere
-        text_prefixes = ("model.text_model.", "model.language_model.")
-        hf_tensors = {next(("model." + k[len(p):] for p in text_prefixes if k.startswith(p)), k): v
-                      for k, v in hf_tensors.items()
-                      if not k.startswith(("model.vision_model.", "model.connector.", "visual.", "model.visual."))}
+        renames = {"model.text_model.": "model.", "model.language_model.": "model.",
+                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # Mistral3's
+        tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
+                 "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+        hf_tensors = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
+                      for k, v in hf_tensors.items() if not k.startswith(tower)}
+        if not config.tie_word_embeddings and "lm_head.weight" not in hf_tensors:  # the composite config ties them
+            import dataclasses
+
+            config = dataclasses.replace(config, tie_word_embeddings=True)
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory))
     check_serving_tensors(tensors, config, source=str(directory))
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)

@@ -47,14 +47,15 @@ from flared.errors import CoreError, ErrorKind
 
 # model_type of the checkpoint's config.json -> our vision family
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
-                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
+                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "quick_gelu": "quick", "silu": "silu"}
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of patches
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl"
+    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3)
     hidden_size: int  # D
     intermediate_size: int  # I
     num_layers: int
@@ -80,6 +81,11 @@ class VisionConfig:
     position_table: int = 0
     deepstack_layers: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    # pixtral (Mistral3): the layer whose output feeds the projector (-1: the last), the projector's biases and
+    # its RMSNorm's epsilon
+    feature_layer: int = -1
+    projector_bias: bool = False
+    projector_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -101,6 +107,10 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if self.family == "pixtral":
+            if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
+                raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
+            return
         if self.family in QWEN_FAMILIES:
             if self.family == "qwen3_vl" and (self.position_table <= 0 or math.isqrt(self.position_table) ** 2
                                               != self.position_table):
@@ -128,8 +138,8 @@ class VisionConfig:
 
     @property
     def grid_based(self) -> bool:
-        """Images of any size as a patch grid (the Qwen families), not whole tiles."""
-        return self.family in QWEN_FAMILIES
+        """Images of any size as a patch grid (the Qwen families, Pixtral), not whole tiles."""
+        return self.family in GRID_FAMILIES
 
     @property
     def patches_per_side(self) -> int:
@@ -160,7 +170,7 @@ class VisionConfig:
         if unknown or not required <= set(d):
             raise CoreError(f"vision config keys {sorted(d)}: unknown {unknown}, missing {sorted(required - set(d))}")
         values = dict(d)
-        for name in ("layer_norm_eps", "rope_theta"):
+        for name in ("layer_norm_eps", "rope_theta", "projector_eps"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -172,6 +182,9 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     if family is None:
         return None
     v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
+    if family == "pixtral" and isinstance(v, dict) and v.get("model_type", "pixtral") != "pixtral":
+        raise CoreError(f"{source}: a mistral3 vision tower of type {v.get('model_type')!r} is not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
     if not isinstance(v, dict) or not isinstance(t, dict):
         raise CoreError(f"{source}: a {hf.get('model_type')} config needs vision_config and text_config objects",
                         ErrorKind.SOURCE_FORMAT)
@@ -180,6 +193,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     try:
         if family in QWEN_FAMILIES:
             return _qwen_vision_from_hf(family, hf, v, t)
+        if family == "pixtral":
+            return _pixtral_vision_from_hf(hf, v, t)
         return VisionConfig(
             family=family,
             hidden_size=int(v.get("hidden_size", 1152)),
@@ -207,7 +222,7 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     family = HF_VISION_MODEL_TYPES[hf["model_type"]]
     if family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
-        text.setdefault("model_type", "llama")
+        text.setdefault("model_type", "mistral" if family == "pixtral" else "llama")
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
@@ -231,6 +246,29 @@ def mrope_section_of(text: dict[str, Any]) -> list[int] | None:
         if isinstance(params, dict) and params.get("mrope_section") is not None:
             return [int(x) for x in params["mrope_section"]]
     return None
+
+
+def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    layer = hf.get("vision_feature_layer", -1)
+    if not isinstance(layer, int):
+        raise CoreError("vision_feature_layer: only one feature layer is supported", ErrorKind.UNSUPPORTED_MODEL)
+    if hf.get("projector_hidden_act", "gelu") != "gelu":
+        raise CoreError(f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not supported (only gelu)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    hidden, heads = int(v.get("hidden_size", 1024)), int(v.get("num_attention_heads", 16))
+    if int(v.get("head_dim") or hidden // heads) != hidden // heads:
+        raise CoreError("a pixtral head_dim other than hidden_size / heads is not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    rope = v.get("rope_parameters") if isinstance(v.get("rope_parameters"), dict) else {}
+    return VisionConfig(
+        family="pixtral", hidden_size=hidden, intermediate_size=int(v.get("intermediate_size", 4096)),
+        num_layers=int(v.get("num_hidden_layers", 24)), num_heads=heads, patch_size=int(v.get("patch_size", 16)),
+        image_size=0, layer_norm_eps=1e-5, hidden_act=str(v.get("hidden_act", "gelu")),
+        scale_factor=int(hf.get("spatial_merge_size", 2)),
+        text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("image_token_index", 10)),
+        rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))), feature_layer=layer,
+        projector_bias=bool(hf.get("multimodal_projector_bias", False)),
+        projector_eps=float(t.get("rms_norm_eps", 1e-5)))
 
 
 def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfig:
@@ -268,6 +306,8 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
 
 def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, i = c.hidden_size, c.intermediate_size
+    if c.family == "pixtral":
+        return _pixtral_tensor_shapes(c)
     if c.grid_based:
         return _qwen_tensor_shapes(c)
     shapes: dict[str, tuple[int, ...]] = {
@@ -284,6 +324,24 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                        p + "qkv.bias": (3 * d,), p + "o.weight": (d, d), p + "o.bias": (d,),
                        p + "norm2.weight": (d,), p + "norm2.bias": (d,), p + "fc1.weight": (i, d),
                        p + "fc1.bias": (i,), p + "fc2.weight": (d, i), p + "fc2.bias": (d,)})
+    return shapes
+
+
+def _pixtral_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Pixtral (Mistral3): patch_embed.weight [D, 3, p, p] (no bias), pre_norm; per layer norm1, qkv (fused, no
+    bias), o, norm2, gate_up [2I, D], down (RMSNorms, no biases); projector: proj_norm [D], merge
+    [D, D * s^2], proj_fc1 [hidden, D], proj_fc2 [hidden, hidden] (biases where projector_bias)."""
+    d, i, h = c.hidden_size, c.intermediate_size, c.text_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "pre_norm.weight": (d,),
+        "proj_norm.weight": (d,), "merge.weight": (d, d * c.scale_factor ** 2),
+        "proj_fc1.weight": (h, d), "proj_fc2.weight": (h, h)}
+    if c.projector_bias:
+        shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        shapes.update({p + "norm1.weight": (d,), p + "qkv.weight": (3 * d, d), p + "o.weight": (d, d),
+                       p + "norm2.weight": (d,), p + "gate_up.weight": (2 * i, d), p + "down.weight": (d, i)})
     return shapes
 
 
@@ -341,6 +399,8 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
+    if c.family == "pixtral":
+        return _pixtral_vision_to_serving(hf, c, take, source)
     if c.grid_based:
         return _qwen_vision_to_serving(hf, c, take, source)
     vm = "model.vision_model."
@@ -409,10 +469,33 @@ def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str,
     return out
 
 
+def _pixtral_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
+    prefix = "model." if "model.vision_tower.patch_conv.weight" in hf else ""
+    vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
+    out = {"patch_embed.weight": take(vt + "patch_conv.weight"), "pre_norm.weight": take(vt + "ln_pre.weight"),
+           "proj_norm.weight": take(mp + "norm.weight"), "merge.weight": take(mp + "patch_merger.merging_layer.weight"),
+           "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight")}
+    if c.projector_bias:
+        out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
+    for n in range(c.num_layers):
+        hp, sp = f"{vt}transformer.layers.{n}.", f"layers.{n}."
+        out.update({
+            sp + "norm1.weight": take(hp + "attention_norm.weight"), sp + "norm2.weight": take(hp + "ffn_norm.weight"),
+            sp + "qkv.weight": torch.cat([take(f"{hp}attention.{x}_proj.weight") for x in "qkv"]),
+            sp + "o.weight": take(hp + "attention.o_proj.weight"),
+            sp + "gate_up.weight": torch.cat([take(hp + "feed_forward.gate_proj.weight"),
+                                              take(hp + "feed_forward.up_proj.weight")]),
+            sp + "down.weight": take(hp + "feed_forward.down_proj.weight")})
+    out = {k: v.contiguous() for k, v in out.items()}
+    check_vision_tensors(out, c, source=source)
+    return out
+
+
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    cls = QwenVisionEncoder if config.grid_based else VisionEncoder
+    cls = (PixtralVisionEncoder if config.family == "pixtral" else QwenVisionEncoder if config.grid_based
+           else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
 
 
@@ -652,3 +735,63 @@ def mrope_positions(token_ids, image_spans: list[tuple[int, int, tuple[int, int,
         at = start + count
     pos[:, at:] = cur + np.arange(length - at)
     return pos, int(pos.max()) + 1 - length if length else 0
+
+
+class PixtralVisionEncoder:
+    """Pixtral's tower with Mistral3's projector: one image (any size in whole patches) -> its rows
+    [(h / s) * (w / s), hidden], merged blocks row-major (the order of the prompt's [IMG] tokens). Patch conv,
+    RMSNorm, layers with a 2D rope (rows turn by the even frequencies, columns by the odd) and bidirectional
+    attention over the image, gated MLPs; then RMSNorm, the s x s patch merger, two linears with GELU."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        check_vision_tensors(tensors, config, source="vision tensors")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in tensors.items()}
+        head = config.hidden_size // config.num_heads
+        inv = 1.0 / (config.rope_theta ** (torch.arange(0, head, 2, dtype=torch.float) / head))
+        self.inv_rows, self.inv_cols = inv[0::2], inv[1::2]
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation (Pixtral's config names it: silu on the released models, gelu by default)."""
+        kind = _ACTIVATIONS[self.config.hidden_act]
+        if kind == "silu":
+            return F.silu(x)
+        return x * torch.sigmoid(1.702 * x) if kind == "quick" else F.gelu(x, approximate=kind)
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, *, grid=None) -> torch.Tensor:
+        c, w = self.config, self.w
+        if grid is None:
+            raise ValueError("a Pixtral tower needs the image's patch grid (1, h, w)")
+        _, h, wd = (int(x) for x in grid)
+        s = c.scale_factor
+        if tuple(pixel_values.shape) != (3, h * c.patch_size, wd * c.patch_size) or h % s or wd % s:
+            raise ValueError(f"pixels must be [3, {h * c.patch_size}, {wd * c.patch_size}] for grid {grid} in "
+                             f"whole {s} x {s} blocks, got {tuple(pixel_values.shape)}")
+        x = F.conv2d(pixel_values.to(self.device, self.dtype)[None], w["patch_embed.weight"], stride=c.patch_size)
+        x = _rms(x[0].flatten(1).T, w["pre_norm.weight"], c.layer_norm_eps)  # [h*w, D], patches row-major
+        n, d, heads = h * wd, c.hidden_size, c.num_heads
+        rows = torch.arange(h).repeat_interleave(wd).float()
+        cols = torch.arange(wd).repeat(h).float()
+        angles = torch.cat((rows[:, None] * self.inv_rows, cols[:, None] * self.inv_cols), dim=-1)
+        angles = torch.cat((angles, angles), dim=-1).to(self.device)
+        cos, sin = angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
+        # feature_layer indexes the hidden states: 0 the patches' own, k after k layers, -1 after all
+        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        for i in range(layers):
+            p = f"layers.{i}."
+            q, k, v = F.linear(_rms(x, w[p + "norm1.weight"], c.layer_norm_eps), w[p + "qkv.weight"]).view(
+                n, 3, heads, d // heads).unbind(1)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            attn = _segments_attention(q, k, v, [n])
+            x = x + F.linear(attn.reshape(n, d), w[p + "o.weight"])
+            gate, up = F.linear(_rms(x, w[p + "norm2.weight"], c.layer_norm_eps), w[p + "gate_up.weight"]).chunk(2, -1)
+            x = x + F.linear(self._act(gate) * up, w[p + "down.weight"])
+        x = _rms(x, w["proj_norm.weight"], c.projector_eps)
+        blocks = F.unfold(x.view(h, wd, d).permute(2, 0, 1)[None], kernel_size=s, stride=s)  # [1, D*s*s, blocks]
+        x = F.linear(blocks[0].T, w["merge.weight"])
+        x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
+        return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))

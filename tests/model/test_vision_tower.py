@@ -14,15 +14,25 @@ QWEN_TEXT = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 1
 
 
 def _model(family: str):
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              SmolVLMConfig, SmolVLMForConditionalGeneration)
+    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, Qwen2_5_VLConfig,
+                              Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                              Qwen3VLConfig, Qwen3VLForConditionalGeneration, SmolVLMConfig,
+                              SmolVLMForConditionalGeneration)
 
     torch.manual_seed(0)
+    if family.startswith("mistral3"):  # Pixtral's tower: gelu by transformers' default, silu on the releases
+        act = family.split("-")[1]
+        cfg = Mistral3Config(
+            text_config={**TEXT, "model_type": "mistral", "sliding_window": None}, image_token_index=300,
+            spatial_merge_size=2, vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
+                                                     num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                                                     patch_size=8, hidden_act=act, initializer_range=0.2))
+        return Mistral3ForConditionalGeneration(cfg).eval()
     if family == "smolvlm":
         cfg = SmolVLMConfig(text_config={**TEXT, "model_type": "llama"}, scale_factor=2, image_token_id=300,
                             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                               num_attention_heads=2, image_size=64, patch_size=8))
+                                               num_attention_heads=2, image_size=64, patch_size=8,
+                                               initializer_range=0.2))
         return SmolVLMForConditionalGeneration(cfg).eval()
     ids = dict(image_token_id=390, video_token_id=392, vision_start_token_id=391, vision_end_token_id=393)
     if family == "qwen2_vl":
@@ -55,7 +65,8 @@ def _ours(model, dtype=torch.float32):
     # windows of 2 x 2 merged blocks: a 5 x 7 grid of blocks leaves ragged windows on two edges
     ("qwen2_5_vl", (1, 10, 14)), ("qwen2_5_vl", (1, 4, 4)), ("qwen2_5_vl", (1, 16, 6)),
     # a position table of 8 x 8 resampled to grids smaller and larger than it; DeepStack rows after the main ones
-    ("qwen3_vl", (1, 6, 8)), ("qwen3_vl", (1, 2, 2)), ("qwen3_vl", (1, 12, 20))])
+    ("qwen3_vl", (1, 6, 8)), ("qwen3_vl", (1, 2, 2)), ("qwen3_vl", (1, 12, 20)),
+    ("mistral3-gelu", (1, 6, 8)), ("mistral3-silu", (1, 4, 12)), ("mistral3-silu", (1, 2, 2))])
 def test_tower_rows_equal_transformers(family, grid):
     model = _model(family)
     ours = _ours(model)
@@ -64,6 +75,12 @@ def test_tower_rows_equal_transformers(family, grid):
         if grid is None:
             pixels = torch.randn(3, 3, 64, 64)
             expected = torch.cat(list(model.model.get_image_features(pixels[None]).pooler_output))
+        elif family.startswith("mistral3"):
+            pixels = torch.randn(3, grid[1] * 8, grid[2] * 8)
+            sizes = torch.tensor([[grid[1] * 8, grid[2] * 8]])
+            tower = model.model.vision_tower(pixels[None], image_sizes=sizes, output_hidden_states=True,
+                                             return_dict=True)
+            expected = model.model.multi_modal_projector(tower.hidden_states[-1].squeeze(0), sizes)
         else:
             patch = 16 if family == "qwen3_vl" else 14
             pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * patch * patch)

@@ -1,0 +1,81 @@
+"""Mistral3 (Mistral-Small-3.1's architecture: Pixtral tower, patch merger, Mistral decoder) end to end: a
+random-weight model exported and served by a real `flared run`, its greedy tokens checked against transformers'
+Mistral3ForConditionalGeneration on the same weights, prompt and pixels (transformers' Pixtral image processor;
+the image as rows of [IMG] tokens, each row ended by [IMG_BREAK], the last by [IMG_END])."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+from flared_testing.vision import assert_greedy, data_url, noise_image  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_mistral3, tmp_path_factory):
+    from flared_testing.daemon import Daemon
+
+    d = Daemon(tiny_mistral3[1], tmp_path_factory.mktemp("mistral3-daemon"))
+    yield d
+    d.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_mistral3):
+    import torch
+    from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    checkpoint = tiny_mistral3[0]
+    model = Mistral3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    # transformers' PixtralProcessor (its module needs torchvision, not installed here) hands the image processor
+    # patch x merge as its patch size, and writes each image as rows of [IMG] ended by [IMG_BREAK], the last by
+    # [IMG_END] (tests/frontend/test_images_pixtral.py checks that rule against its own code)
+    settings = {**settings, "patch_size": 8 * 2}
+    images = PixtralImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+
+    def run(pictures, text: str):
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
+        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+        out = images(pictures, return_tensors="pt")
+        pieces = prompt.split("[IMG]")
+        expanded = pieces[0]
+        for (h, w), piece in zip(out["image_sizes"].tolist(), pieces[1:]):
+            rows = ["[IMG]" * (w // 16) + "[IMG_BREAK]"] * (h // 16)
+            expanded += "".join(rows)[:-len("[IMG_BREAK]")] + "[IMG_END]" + piece
+        ids = tok(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"], image_sizes=out["image_sizes"],
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return ids.shape[1], gen[0, ids.shape[1]:].tolist()
+
+    return run
+
+
+def _ask(daemon, pictures, text):
+    content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
+    content.append({"type": "text", "text": text})
+    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
+                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True)
+    assert status == 200, body
+    return body
+
+
+def test_greedy_tokens_match_transformers(daemon, reference):
+    wide, tall, small = noise_image(51, (90, 40)), noise_image(52, (30, 100)), noise_image(53, (20, 12))
+    for pictures, text in (([wide], "What is in the picture?"), ([tall], "And this one?"), ([small], "Tiny."),
+                           ([wide, tall], "Compare them."), ([tall, wide], "Compare them.")):
+        body = _ask(daemon, pictures, text)
+        num_prompt, expected = reference(pictures, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt, len(pictures)
+        assert_greedy(body, expected, (len(pictures), text))
+
