@@ -12,8 +12,9 @@ Shapes (the towers of the released checkpoints):
   qwen2-vl-2b    32 layers of 1280, 2D rope, whole-image attention (Qwen2-VL-2B/7B): a ``--side`` px image
   qwen2.5-vl-3b  32 layers of 1280, windows of 112 px, 4 full layers, SwiGLU (Qwen2.5-VL-3B/7B): the same image
   qwen3-vl-2b    24 layers of 1024, 16 px patches, resampled position table, 3 DeepStack mergers (Qwen3-VL-2B)
+  mistral3-24b   Pixtral: 24 layers of 1024, 14 px patches, 2D rope, SwiGLU; projector to 5120 (Mistral-Small-3.1)
 
-    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b]
+    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b]
         [--tiles 2] [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
@@ -44,25 +45,33 @@ SHAPES = {
     "qwen3-vl-2b": ("qwen3_vl", dict(depth=24, hidden_size=1024, out_hidden_size=2048, intermediate_size=4096,
                                      num_heads=16, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                                      num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17]), 2048, {}),
+    "mistral3-24b": ("mistral3", dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
+                                      num_hidden_layers=24, num_attention_heads=16, head_dim=64, patch_size=14,
+                                      hidden_act="silu", image_size=1540), 5120, dict(spatial_merge_size=2)),
 }
 
 
 def build(shape: str):
     """(transformers model, flared VisionConfig, serving tensors) of random weights."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              SmolVLMConfig, SmolVLMForConditionalGeneration)
+    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, Qwen2_5_VLConfig,
+                              Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                              Qwen3VLConfig, Qwen3VLForConditionalGeneration, SmolVLMConfig,
+                              SmolVLMForConditionalGeneration)
 
     from flared.model.vision import hf_vision_to_serving, vision_from_hf
 
     family, vision, text_hidden, extra = SHAPES[shape]
-    text = {**TEXT, "hidden_size": text_hidden, "model_type": "llama" if family == "smolvlm" else None}
+    text = {**TEXT, "hidden_size": text_hidden,
+            "model_type": {"smolvlm": "llama", "mistral3": "mistral"}.get(family)}
     text = {k: v for k, v in text.items() if v is not None}
     if family == "smolvlm":
         cls, cfg = SmolVLMForConditionalGeneration, SmolVLMConfig(text_config=text, vision_config=vision, **extra)
     elif family == "qwen2_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
         cls, cfg = Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision)
+    elif family == "mistral3":
+        text["head_dim"] = 128
+        cls, cfg = Mistral3ForConditionalGeneration, Mistral3Config(text_config=text, vision_config=vision, **extra)
     elif family == "qwen3_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
                                    "mrope_interleaved": True}
@@ -81,6 +90,13 @@ def build(shape: str):
 
 def inputs(config, args):
     """(transformers' args, flared's args, description) of one image."""
+    if config.family == "pixtral":
+        unit = config.patch_size * config.scale_factor
+        side = args.side // unit * unit
+        pixels = torch.randn(3, side, side)
+        grid = (1, side // config.patch_size, side // config.patch_size)
+        return ((pixels[None], torch.tensor([[side, side]])), (pixels, grid),
+                f"{side} px: {grid[1] * grid[2]} patches, {grid[1] * grid[2] // 4} rows")
     if config.grid_based:
         side = args.side // (config.patch_size * config.scale_factor) * config.scale_factor
         grid = (1, side, side)
@@ -93,7 +109,7 @@ def inputs(config, args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b")
+    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b")
     parser.add_argument("--tiles", type=int, default=2)
     parser.add_argument("--side", type=int, default=448)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -118,10 +134,17 @@ def main() -> None:
                     with torch.inference_mode():
                         if name == "transformers":
                             a = [x.to(dtype) if x.is_floating_point() else x for x in hf_args]
-                            features = model.model.get_image_features(*a)
-                            result = features.pooler_output
+                            if config.family == "pixtral":  # its get_image_features fails here; what it runs:
+                                tower = model.model.vision_tower(a[0], image_sizes=a[1], output_hidden_states=True,
+                                                                 return_dict=True)
+                                result = model.model.multi_modal_projector(tower.hidden_states[-1].squeeze(0),
+                                                                           a[1])
+                                features = None
+                            else:
+                                features = model.model.get_image_features(*a)
+                                result = features.pooler_output
                             result = torch.cat(list(result)) if isinstance(result, (list, tuple)) else result
-                            stack = getattr(features, "deepstack_features", None)
+                            stack = getattr(features, "deepstack_features", None) if features is not None else None
                             if stack:  # Qwen3-VL: flared's rows carry them after the embedding's
                                 result = torch.cat([result, *(torch.cat(list(f)) for f in stack)], dim=-1)
                         else:
