@@ -24,11 +24,13 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+_LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3")
@@ -61,8 +63,20 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before rope (Qwen3)
     attention_out_bias: bool = False  # bias on the output projection (Llama with attention_bias)
     sliding_window: int | None = None  # every layer attends to at most this many keys (Mistral)
+    # Gemma 3: the embedding rows scaled by sqrt(hidden) (the tied LM head stays unscaled), the MLP's
+    # activation, a norm after attention and after the MLP as well ("sandwich"), the query scale
+    # (query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5), each layer's window (0: the whole context) and
+    # the windowed layers' rope theta (plain rope; the global layers take rope_theta and rope_scaling).
+    embed_scale: bool = False
+    hidden_act: str = "silu"
+    sandwich_norm: bool = False
+    attention_scale: float | None = None
+    layer_windows: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_windows is not None:
+            object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
         if self.architecture not in ARCHITECTURES:
             raise _unsupported(f"architecture {self.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -85,6 +99,30 @@ class ModelConfig:
             raise CoreError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise _unsupported(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        if self.layer_windows is not None and (len(self.layer_windows) != self.num_layers or any(
+                not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in self.layer_windows)):
+            raise CoreError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0")
+        for name in ("attention_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value <= 0):
+                raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
+        for name in ("embed_scale", "sandwich_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def graph_capable(self) -> bool:
+        """The CUDA graphs' kernels run this model (Gemma 3's layers they do not)."""
+        return self.architecture != "gemma3"
+
+    def window_of(self, layer: int) -> int:
+        """The keys layer ``layer`` attends to at most (0: all of them)."""
+        if self.layer_windows is not None:
+            return self.layer_windows[layer]
+        return self.sliding_window or 0
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -102,23 +140,27 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         if d["rope_scaling"] is not None:
             d["rope_scaling"] = dict(d["rope_scaling"])
+        if d["layer_windows"] is not None:
+            d["layer_windows"] = list(d["layer_windows"])
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
         if not isinstance(d, dict):
             raise CoreError(f"model config must be an object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
         unknown = sorted(set(d) - names)
-        missing = sorted(names - set(d))
+        # the fields added with Gemma 3 may be absent (cores written before them): they take their defaults
+        missing = sorted(names - _LATER_FIELDS - set(d))
         if unknown:
             raise CoreError(f"model config has unknown keys: {', '.join(unknown)}")
         if missing:
             raise CoreError(f"model config is missing keys: {', '.join(missing)}")
         values = dict(d)
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
-        for name in ("rms_norm_eps", "rope_theta"):
-            if isinstance(values[name], int) and not isinstance(values[name], bool):
+        for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta"):
+            if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
 
@@ -165,6 +207,8 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
 def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face ``config.json`` dict; ``source`` names it in errors."""
     model_type = hf.get("model_type")
+    if model_type == "gemma3_text":
+        return _gemma3_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -207,6 +251,53 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             attention_out_bias=out_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
         )
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+
+
+def _gemma3_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Gemma 3's text model (gemma3_text; a gemma3 checkpoint's text_config)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise _unsupported(f"{source}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise _unsupported(f"{source}: {key} is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise _unsupported(f"{source}: use_bidirectional_attention is not supported")
+    try:
+        layers = int(hf["num_hidden_layers"])
+        window = int(hf.get("sliding_window") or 4096)
+        types = hf.get("layer_types")
+        if types is None:  # older configs: every sliding_window_pattern-th layer is global
+            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+            raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
+                            "sliding_attention", ErrorKind.SOURCE_FORMAT)
+        params = hf.get("rope_parameters")
+        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # transformers 5
+            theta, scaling = _rope_from_hf({"rope_parameters": dict(params["full_attention"])}, source)
+            local_theta = float(params.get("sliding_attention", {}).get("rope_theta", 10000.0))
+        else:
+            theta, scaling = _rope_from_hf(hf, source)
+            local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or 256)
+        bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            architecture="gemma3", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, qk_norm=True,
+            attention_out_bias=bias, embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+            attention_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+            local_rope_theta=local_theta)
     except KeyError as exc:
         raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
     except (TypeError, ValueError) as exc:

@@ -151,7 +151,8 @@ def _gather_packed(linears: list[_Linear]) -> None:
 
 
 class _Layer:
-    __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down")
+    __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
+                 "window")
 
 
 class DecoderModel:
@@ -185,6 +186,9 @@ class DecoderModel:
                                            w(p + "k_norm.weight").expand(config.num_kv_heads, -1)])
             layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias"))
             layer.mlp_norm = w(p + "mlp_norm.weight")
+            layer.post_attn_norm = opt(p + "post_attn_norm.weight")  # Gemma 3's sandwich norms
+            layer.post_mlp_norm = opt(p + "post_mlp_norm.weight")
+            layer.window = config.window_of(i)
             layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
             layer.down = _Linear(w(p + "down.weight"), None)
             self.layers.append(layer)
@@ -197,7 +201,15 @@ class DecoderModel:
         # rope three ops (roll, mul, addcmul) on the joint q/k block.
         half = config.head_dim // 2
         self.rope_sin_signed = torch.cat((-rope_sin[:, :half], rope_sin[:, half:]), dim=-1)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale or config.head_dim ** -0.5
+        # Gemma 3's windowed layers turn by plain rope at local_rope_theta; its embedding rows are scaled by
+        # sqrt(hidden) in the model's dtype (as transformers rounds it)
+        self.rope_local = None
+        if config.local_rope_theta is not None:
+            cos_l, sin_l = rope_tables(config, self.max_positions, dtype=dtype, device=self.device, local=True)
+            self.rope_local = (cos_l, torch.cat((-sin_l[:, :half], sin_l[:, half:]), dim=-1))
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=self.device)
+                            if config.embed_scale else None)
         # Decode rows on the CPU attend through flared/_fast/attention.pyx, which reads the KV pages in
         # place; the torch path first gathers a [rows, context] copy of them (most of a decode step's
         # attention time at 32 rows of long context). False keeps the torch path (A/B, other devices).
@@ -210,6 +222,7 @@ class DecoderModel:
         # single-stream step dispatching ~15 small torch ops per layer. Rounding follows the per-op path.
         self.fused_decode = (
             _cpu_decode is not None and _cpu_decode.SUPPORTED and self.cpu_decode_attention
+            and config.graph_capable  # the one-call step is the Llama-type layer
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
             and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
@@ -461,7 +474,12 @@ class DecoderModel:
         else:  # each frequency slot turns by the position its mRoPE section names
             cos = self._mrope(self.rope_cos, batch.mrope_positions)
             sin = self._mrope(self.rope_sin_signed, batch.mrope_positions)
+        local = None
+        if self.rope_local is not None:  # windowed layers' rope
+            local = tuple(t.index_select(0, batch.positions)[:, None, :] for t in self.rope_local)
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
@@ -475,13 +493,14 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, eps)
             qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
+            layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             if lora:
                 qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
             qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
             v = qkv[:, q_size + kv_size:]
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+            qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
             q = qk[:, :nh]
             k = qk[:, nh:]
             v = v.view(num_tokens, nkv, d)
@@ -490,15 +509,21 @@ class DecoderModel:
             o = layer.o(attn)
             if lora:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
+            if layer.post_attn_norm is not None:
+                o = rms_norm(o, layer.post_attn_norm, eps)
             h = h + o
             x = rms_norm(h, layer.mlp_norm, eps)
             gate_up = layer.gate_up(x)
             if lora:
                 gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
-            act = F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
+            gate = gate_up[:, :c.intermediate_size]
+            gate = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+            act = gate * gate_up[:, c.intermediate_size:]
             down = layer.down(act)
             if lora:
                 down = self._lora(batch, f"layers.{index}.down.weight", act, down)
+            if layer.post_mlp_norm is not None:
+                down = rms_norm(down, layer.post_mlp_norm, eps)
             h = h + down
             if batch.deepstack_values is not None and index < len(batch.deepstack_values):
                 # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
@@ -547,6 +572,26 @@ class DecoderModel:
         last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
         return self.lm_head_linear(last).float()
 
+    def _windowed(self, batch: ForwardBatch, window: int):
+        """(decode rows' mask [1, B, 1, L] True = masked, each prefill group's [q_len, L] True = attend) for layers
+        of one window, made once a batch: the batch's own masks know only the whole-context layers."""
+        cache = batch.__dict__.setdefault("_window_masks", {})
+        if window not in cache:
+            decode = None
+            if batch.decode_row_ids is not None:
+                key = torch.arange(batch.decode_max_context, device=self.device)
+                lens = batch.decode_context_lens[:, None]
+                keep = (key[None, :] < lens) & (key[None, :] > lens - 1 - window)
+                decode = ~keep.view(1, -1, 1, batch.decode_max_context)
+            groups = []
+            for g in batch.prefill_groups:
+                length = g.gather_slot_ids.shape[0]
+                q_pos = torch.arange(length - (g.row_end - g.row_start), length, device=self.device)[:, None]
+                k_pos = torch.arange(length, device=self.device)[None, :]
+                groups.append((k_pos <= q_pos) & (k_pos > q_pos - window))
+            cache[window] = (decode, groups)
+        return cache[window]
+
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, decode_masked: torch.Tensor | None, native: bool) -> torch.Tensor:
         """q [T, nh, d]; k, v [T, nkv, d] (this forward's, already in the cache) -> [T, nh * d]. ``native``: decode
@@ -564,7 +609,7 @@ class DecoderModel:
                 qd.data_ptr(), kv.keys[layer].data_ptr(), kv.values[layer].data_ptr(), o.data_ptr(),
                 batch.decode_gather_slot_ids.data_ptr(), batch.decode_max_context,
                 batch.decode_context_lens.data_ptr(), num_decode, nh, nkv, d, kv.num_slots, self.scale,
-                c.sliding_window or 0, q.dtype == torch.bfloat16, torch.get_num_threads(),
+                c.window_of(layer), q.dtype == torch.bfloat16, torch.get_num_threads(),
                 kv.storage_dtype == FP8_KV)
             if decode_only:
                 return o
@@ -580,6 +625,8 @@ class DecoderModel:
             qd = q if decode_only else q.index_select(0, batch.decode_row_ids)
             qd = qd.view(num_decode, nkv, group, d).transpose(0, 1).reshape(nkv * num_decode, group, d)
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [nkv * B, group, L]
+            if c.layer_windows is not None and c.window_of(layer):
+                decode_masked = self._windowed(batch, c.window_of(layer))[0]
             scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(q.dtype)
             o = torch.bmm(probs, values)  # [nkv * B, group, d]
@@ -587,10 +634,16 @@ class DecoderModel:
             if decode_only:
                 return o  # decode rows are then exactly rows 0..B-1 in order
             out.index_copy_(0, batch.decode_row_ids, o)
-        for g in batch.prefill_groups:
+        window_masks = (self._windowed(batch, c.window_of(layer))[1]
+                        if c.layer_windows is not None and c.window_of(layer) else None)
+        for gi, g in enumerate(batch.prefill_groups):
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
-            if g.attn_mask is None:
+            if window_masks is not None:  # a windowed layer (Gemma 3): the group's keys in its window
+                keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
+                o = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0),
+                                                   attn_mask=window_masks[gi], scale=self.scale, enable_gqa=group > 1)
+            elif g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
                 # holds them: a float8 pool's rounding included).
                 keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]

@@ -79,6 +79,9 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_out_bias:
             shapes[p + "o.bias"] = (c.hidden_size,)
         shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
+        if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
+            shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
+            shapes[p + "post_mlp_norm.weight"] = (c.hidden_size,)
         shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
@@ -146,8 +149,14 @@ def _read_hf_dir(directory: Path) -> SourceModel:
     from flared.model.vision import hf_vision_to_serving, text_config_of, vision_from_hf
 
     vision = vision_from_hf(hf_config, source=str(config_path))
+    # Gemma 3's vision-language checkpoints (4B and up) serve as their text model: its tower is not read yet
+    text_of_multimodal = hf_config.get("model_type") == "gemma3"
     if vision is not None:  # the decoder of a vision-language checkpoint is its text config's model
         config = from_hf_config(text_config_of(hf_config), source=f"{config_path} (text_config)")
+    elif text_of_multimodal:
+        text = {**(hf_config.get("text_config") or {}), "model_type": "gemma3_text"}
+        text.setdefault("tie_word_embeddings", bool(hf_config.get("tie_word_embeddings", True)))
+        config = from_hf_config(text, source=f"{config_path} (text_config)")
     else:
         config = from_hf_config(hf_config, source=str(config_path))
 
@@ -167,8 +176,9 @@ def _read_hf_dir(directory: Path) -> SourceModel:
     for name in files:
         hf_tensors.update(_load_safetensors_file(directory / name))
     vision_tensors = None
-    if vision is not None:
-        vision_tensors = hf_vision_to_serving(hf_tensors, vision, source=str(directory))
+    if vision is not None or text_of_multimodal:
+        if vision is not None:
+            vision_tensors = hf_vision_to_serving(hf_tensors, vision, source=str(directory))
         # its decoder's tensors under model.text_model.* (Idefics3) or model.language_model.* (transformers 5's
         # Qwen VL layout; older checkpoints keep model.*), the tower's elsewhere
         renames = {"model.text_model.": "model.", "model.language_model.": "model.",
@@ -193,6 +203,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
+    if config.architecture == "gemma3":
+        return _gemma3_to_serving(take, config)
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
@@ -211,6 +223,36 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "o.bias"] = take(attn + "o_proj.bias")
         out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
         out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
+        out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _gemma3_to_serving(take, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Gemma 3's tensors in the serving layout. Its RMSNorms scale by (1 + weight): the serving norms hold
+    1 + weight (added in float32, as transformers computes it), so the forward's norms are the usual ones. Its
+    post_attention_layernorm follows attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm
+    is the pre-MLP norm."""
+    def norm(name: str) -> torch.Tensor:
+        return take(name).float() + 1.0
+
+    out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        hp, sp = f"model.layers.{i}.", f"layers.{i}."
+        attn = hp + "self_attn."
+        out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
+        out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
+        out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
+        out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
+        out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
+        if config.attention_bias:
+            out[sp + "qkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"], dim=0)
+            out[sp + "o.bias"] = take(attn + "o_proj.bias")
+        out[sp + "q_norm.weight"] = norm(attn + "q_norm.weight")
+        out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
+        out[sp + "o.weight"] = take(attn + "o_proj.weight")
+        out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")])
         out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -16,11 +16,12 @@ import torch
 from flared.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] float32."""
+def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
+    """[head_dim // 2] float32. ``local``: the windowed layers' plain rope at local_rope_theta (Gemma 3)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -41,10 +42,10 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(config: ModelConfig, num_positions: int, *, dtype: torch.dtype,
-                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device | str, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [num_positions, head_dim] in ``dtype``; halves repeated
     for the rotate-half layout."""
-    inv_freq = inverse_frequencies(config)
+    inv_freq = inverse_frequencies(config, local=local)
     positions = torch.arange(num_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)

@@ -366,6 +366,10 @@ class ModelRuntime:
             torch.set_num_threads(self.torch_threads)
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
+        if use_cuda and not self.core.config.graph_capable:
+            log.warning("the CUDA graphs' kernels do not run %s layers: serving on the CPU executor",
+                        self.core.config.architecture)
+            use_cuda = False
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision

@@ -31,6 +31,13 @@ FAMILIES = {
     "qwen3": ("qwen3", dict(head_dim=32)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
+    # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on
+    # the global layers
+    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=24, rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                          "rope_theta": 1000000.0}})),
 }
 
 

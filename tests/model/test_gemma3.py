@@ -1,0 +1,149 @@
+"""Gemma 3 (gemma3_text) beyond the shared parity tests (test_parity_hf.py runs the family's logits, greedy tokens,
+embeddings and prompt logprobs against transformers): the torch decode-attention path's windows, bf16, the
+config's round trip through a core's manifest, and a daemon serving an exported Gemma 3 core."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from .conftest import build_hf_checkpoint  # noqa: E402
+from .test_parity_hf import make_prompts, run_paged_greedy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    directory = build_hf_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"))
+    return directory, AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def test_torch_decode_path_keeps_each_layers_window(gemma3):
+    """Decode rows through the gather + bmm path (another device's, or a pool the Cython kernel cannot read):
+    the windowed layer's mask is its own, the global layer's the whole context."""
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    directory, hf_model = gemma3
+    source = read_source(directory)
+    model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    model.cpu_decode_attention = False
+    prompts = make_prompts(source.config.vocab_size, seed=3)
+    for prompt, (out, logits) in zip(prompts, run_paged_greedy(model, prompts, num_new_tokens=20, page_tokens=4,
+                                                               chunk_tokens=7)):
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        assert (expected - logits).abs().max().item() < 1e-4
+
+
+def test_bf16_follows_float32(gemma3):
+    from flared.model.loader import read_source
+    from flared.model.runner import ModelRunner
+    from flared.model.sampling import SamplingParams
+
+    directory, _ = gemma3
+    source = read_source(directory)
+    prompts = make_prompts(source.config.vocab_size, seed=4)[:2]
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = ModelRunner(source.config, source.tensors, dtype=dtype, num_pages=32, page_tokens=8, max_batch=2)
+        results = runner.generate(prompts, [SamplingParams(temperature=0, max_tokens=1, logprobs=5)] * 2)
+        logits[dtype] = [r.logprobs[0].top for r in results]
+    for a, b in zip(logits[torch.float32], logits[torch.bfloat16]):
+        a, b = dict(a), dict(b)
+        shared = a.keys() & b.keys()
+        assert len(shared) >= 4  # the same likely tokens (a near tie may swap two of them)
+        assert max(abs(a[t] - b[t]) for t in shared) < 0.05
+
+
+def test_config_round_trips_and_old_manifests_still_load(gemma3):
+    from flared.model.config import ModelConfig
+    from flared.model.loader import read_source
+
+    config = read_source(gemma3[0]).config
+    assert config.architecture == "gemma3" and config.layer_windows == (8, 0) and not config.graph_capable
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    old = {k: v for k, v in config.to_dict().items() if k not in ("embed_scale", "hidden_act", "sandwich_norm",
+                                                                   "attention_scale", "layer_windows",
+                                                                   "local_rope_theta")}
+    old["architecture"] = "llama"
+    assert ModelConfig.from_dict(old).hidden_act == "silu"  # a core written before these fields
+
+
+def test_a_gemma3_core_serves_transformers_tokens(gemma3, tmp_path):
+    """Exported with a chat template and served by flared run: greedy chat tokens equal transformers'
+    generate on the same prompt ids."""
+    from flared_testing.daemon import Daemon
+
+    from flared.core.export import ExportOptions, export_core
+
+    directory, hf_model = gemma3
+    vocab = hf_model.config.vocab_size
+    # a byte-level tokenizer of the model's vocabulary, and a Gemma-style template
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    chars = [chr(c) for c in range(33, 33 + vocab - 3)]
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(chars)}},
+                                     unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>"])
+    tok.save(str(directory / "tokenizer.json"))
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<model>{% endif %}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "chat_template": template}))
+    core = tmp_path / "core"
+    export_core(directory, core, ExportOptions(concurrency=2, context_tokens=256, prefill_chunk_tokens=64))
+    d = Daemon(core, tmp_path)
+    try:
+        status, body = d.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
+                              temperature=0, ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True)
+    finally:
+        d.kill()
+    assert status == 200, body
+    got = [int(t["token"].split(":")[1]) for t in body["choices"][0]["logprobs"]["content"]]
+    prompt = tok.encode("<bos><user>Tell me a story about a fox.<model>".replace("<bos>", ""),
+                        add_special_tokens=False).ids
+    prompt = [2] + prompt
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                     max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == expected[0, len(prompt):].tolist()
+    assert np.unique(got).size > 1
+
+
+def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as gemma3 (vision-language) checkpoints: export reads their text model (the
+    image tower is not read yet), and its logits are transformers' on text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    text = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8, initializer_range=0.2,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                  patch_size=8)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                     image_token_index=300, boi_token_index=301,
+                                                     eoi_token_index=302)).eval()
+    hf.save_pretrained(tmp_path)
+    source = read_source(tmp_path)
+    assert source.config.architecture == "gemma3" and source.vision is None
+    model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    prompts = make_prompts(400, seed=5)[:2]
+    for prompt, (out, logits) in zip(prompts, run_paged_greedy(model, prompts, num_new_tokens=12, page_tokens=4,
+                                                               chunk_tokens=5)):
+        with torch.no_grad():
+            expected = hf(input_ids=torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        assert (expected - logits).abs().max().item() < 1e-4
