@@ -536,12 +536,57 @@ def _edge(field: str, value) -> int:
     raise _field_error(field, value, 'an object with "longest_edge"')
 
 
+class _Processor:
+    """What the three processors share: their settings as a JSON-able dict (``to_dict``/``from_dict``, with the
+    "kind" image_processor_from_dict dispatches on), an image's identity (a versioned tag, the decoded pixels'
+    digest and the settings), and the RGB check."""
+
+    kind: ClassVar[str]
+    label: ClassVar[str]  # how errors name it
+    identity_tag: ClassVar[bytes]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        d["kind"] = self.kind
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return _settings_from_dict(cls, d, cls.kind, cls.label)
+
+    def _settings_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    def _identity(self, image: DecodedImage) -> bytes:
+        return hashlib.sha256(self.identity_tag + image.digest + self._settings_bytes()).digest()
+
+    @staticmethod
+    def _rgb(image: DecodedImage) -> Image.Image:
+        if image.image.mode != "RGB":
+            raise _error(f"internal: a decoded image must be RGB, got {image.image.mode}", ErrorKind.EXECUTION)
+        return image.image
+
+    def _resized_pixels(self, image: DecodedImage) -> np.ndarray:
+        """[H, W, 3] uint8 at the size ``_resized_size`` gives (processors of any-size images)."""
+        im = self._rgb(image)
+        height, width = self._resized_size(im.width, im.height)
+        if self.do_resize:
+            im = im.resize((width, height), resample=self.resample)
+        pixels = np.asarray(im)
+        if pixels.shape != (height, width, 3):  # cannot happen
+            raise _error(f"internal: resized to {pixels.shape}, not {height}x{width}", ErrorKind.EXECUTION)
+        return pixels
+
+
 @dataclass(frozen=True)
-class TileProcessor:
+class TileProcessor(_Processor):
     """SmolVLM / Idefics3 preprocessing (transformers' ``SmolVLMImageProcessorPil`` /
     ``Idefics3ImageProcessorPil``, which are the same) and the prompt text for one image."""
 
     kind: ClassVar[str] = "tiles"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "tile processor"
+    identity_tag: ClassVar[bytes] = b"flared.tile-processor.v1\0"
 
     longest_edge: int  # preprocessor_config "size": {"longest_edge": N}
     tile: int  # "max_image_size": {"longest_edge": N}
@@ -600,17 +645,6 @@ class TileProcessor:
             do_normalize=cfg.get("do_normalize", True),
         )
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        d["kind"] = self.kind
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TileProcessor:
-        """The settings ``to_dict`` wrote; "kind" may be absent (what flared wrote before patch processors)."""
-        return _settings_from_dict(cls, d, cls.kind, "tile processor")
-
     def _settings_bytes(self) -> bytes:
         d = self.to_dict()
         del d["kind"]  # identities stay what they were before "kind" existed
@@ -654,9 +688,7 @@ class TileProcessor:
         return _value_table(self)
 
     def prepare(self, image: DecodedImage) -> PreparedImage:
-        im = image.image
-        if im.mode != "RGB":
-            raise _error(f"internal: a decoded image must be RGB, got {im.mode}", ErrorKind.EXECUTION)
+        im = self._rgb(image)
         if self.do_resize:
             h, w = _longest_edge_size(im.height, im.width, self.longest_edge)
             im = im.resize((w, h), resample=self.resample)
@@ -681,7 +713,7 @@ class TileProcessor:
         out = np.empty(chw.shape, dtype=np.float32)
         for c in range(3):
             out[:, c] = lut[c][chw[:, c]]
-        identity = hashlib.sha256(b"flared.tile-processor.v1\0" + image.digest + self._settings_bytes()).digest()
+        identity = self._identity(image)
         return PreparedImage(
             pixel_values=out,
             rows=rows,
@@ -740,11 +772,13 @@ def _pixel_range(cfg: dict) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class PatchProcessor:
+class PatchProcessor(_Processor):
     """Qwen2-VL / Qwen2.5-VL preprocessing (transformers' ``Qwen2VLImageProcessorPil``) and the prompt text for
     one image: the image token repeated once per merged patch block."""
 
     kind: ClassVar[str] = "patches"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "patch processor"
+    identity_tag: ClassVar[bytes] = b"flared.patch-processor.v1\0"
 
     patch_size: int
     temporal_patch_size: int
@@ -793,18 +827,6 @@ class PatchProcessor:
             do_normalize=cfg.get("do_normalize", True),
         )
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        d["kind"] = self.kind
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PatchProcessor:
-        return _settings_from_dict(cls, d, cls.kind, "patch processor")
-
-    def _settings_bytes(self) -> bytes:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
     # -- geometry -----------------------------------------------------------------------------------------
 
@@ -840,15 +862,8 @@ class PatchProcessor:
     # -- pixels -------------------------------------------------------------------------------------------
 
     def prepare(self, image: DecodedImage) -> PreparedImage:
-        im = image.image
-        if im.mode != "RGB":
-            raise _error(f"internal: a decoded image must be RGB, got {im.mode}", ErrorKind.EXECUTION)
-        height, width = self._resized_size(im.width, im.height)
-        if self.do_resize:
-            im = im.resize((width, height), resample=self.resample)
-        pixels = np.asarray(im)  # [H, W, 3] uint8
-        if pixels.shape != (height, width, 3):  # cannot happen
-            raise _error(f"internal: resized to {pixels.shape}, not {height}x{width}", ErrorKind.EXECUTION)
+        pixels = self._resized_pixels(image)  # [H, W, 3] uint8
+        height, width = pixels.shape[:2]
         p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = height // p, width // p
         # [block row, patch row in block, y, block col, patch col in block, x, channel]
@@ -861,7 +876,7 @@ class PatchProcessor:
             out[:, c] = lut[c][patches[:, c]][:, None, :]  # the same image in every temporal frame
         out = out.reshape(gh * gw, 3 * frames * p * p)
         tokens = gh * gw // (m * m)
-        identity = hashlib.sha256(b"flared.patch-processor.v1\0" + image.digest + self._settings_bytes()).digest()
+        identity = self._identity(image)
         return PreparedImage(
             pixel_values=out,
             rows=0,
@@ -897,12 +912,14 @@ def _pixtral_size(height: int, width: int, longest: int, unit: int) -> tuple[int
 
 
 @dataclass(frozen=True)
-class PixtralProcessor:
+class PixtralProcessor(_Processor):
     """Pixtral-12B / Mistral3 (Mistral-Small-3.1) preprocessing (transformers' ``PixtralImageProcessorPil`` as
     ``PixtralProcessor`` drives it) and the prompt text for one image: lines of ``[IMG]`` tokens, each ended by
     ``[IMG_BREAK]``, the last by ``[IMG_END]``."""
 
     kind: ClassVar[str] = "pixtral"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "pixtral processor"
+    identity_tag: ClassVar[bytes] = b"flared.pixtral-processor.v1\0"
 
     patch_size: int  # the vision tower's patch edge (16 Pixtral-12B, 14 Mistral-Small-3.1)
     longest_edge: int  # size.longest_edge: larger images are scaled down to fit
@@ -962,18 +979,6 @@ class PixtralProcessor:
             end_token=proc.get("image_end_token", PIXTRAL_END_TOKEN),
         )
 
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        d["kind"] = self.kind
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> PixtralProcessor:
-        return _settings_from_dict(cls, d, cls.kind, "pixtral processor")
-
-    def _settings_bytes(self) -> bytes:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
     # -- geometry -----------------------------------------------------------------------------------------
 
@@ -1019,21 +1024,14 @@ class PixtralProcessor:
     # -- pixels -------------------------------------------------------------------------------------------
 
     def prepare(self, image: DecodedImage) -> PreparedImage:
-        im = image.image
-        if im.mode != "RGB":
-            raise _error(f"internal: a decoded image must be RGB, got {im.mode}", ErrorKind.EXECUTION)
-        height, width = self._resized_size(im.width, im.height)
-        if self.do_resize:
-            im = im.resize((width, height), resample=self.resample)
-        pixels = np.asarray(im)  # [H, W, 3] uint8
-        if pixels.shape != (height, width, 3):  # cannot happen
-            raise _error(f"internal: resized to {pixels.shape}, not {height}x{width}", ErrorKind.EXECUTION)
+        pixels = self._resized_pixels(image)  # [H, W, 3] uint8
+        height, width = pixels.shape[:2]
         lut = _value_table(self)
         out = np.empty((3, height, width), dtype=np.float32)
         for c in range(3):
             out[c] = lut[c][pixels[:, :, c]]
         rows, cols = height // self.factor, width // self.factor
-        identity = hashlib.sha256(b"flared.pixtral-processor.v1\0" + image.digest + self._settings_bytes()).digest()
+        identity = self._identity(image)
         return PreparedImage(
             pixel_values=out,
             rows=rows,

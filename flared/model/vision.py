@@ -499,8 +499,8 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
     return cls(config, tensors, dtype=dtype, device=device)
 
 
-class VisionEncoder:
-    """The tower on one device; ``encode`` turns tiles into decoder embedding rows."""
+class _Tower:
+    """A tower's weights on one device, checked against its config (the three towers' common part)."""
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -509,6 +509,14 @@ class VisionEncoder:
         self.dtype = dtype
         self.device = torch.device(device)
         self.w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in tensors.items()}
+
+
+class VisionEncoder(_Tower):
+    """The Idefics3 tower on one device; ``encode`` turns tiles into decoder embedding rows."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__(config, tensors, dtype=dtype, device=device)
         self._approximate = _ACTIVATIONS[config.hidden_act]
 
     @torch.inference_mode()
@@ -589,7 +597,7 @@ def window_order(grid: tuple[int, int, int], merge: int, window_merged: int) -> 
     return padded[padded >= 0], lengths
 
 
-class QwenVisionEncoder:
+class QwenVisionEncoder(_Tower):
     """Qwen2-VL and Qwen2.5-VL towers: one image's patches (any size, a grid of t x h x w patches) -> its rows
     [t*h*w / merge^2, hidden]. Conv3d patch embedding, layers with a 2D rope over (row, column) and bidirectional
     attention over the whole image (qwen2_vl; qwen2_5_vl's full_attention_layers) or within windows of
@@ -598,11 +606,7 @@ class QwenVisionEncoder:
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        check_vision_tensors(tensors, config, source="vision tensors")
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in tensors.items()}
+        super().__init__(config, tensors, dtype=dtype, device=device)
         half = config.hidden_size // config.num_heads // 2  # rows and columns share the head's rotation
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
 
@@ -737,7 +741,7 @@ def mrope_positions(token_ids, image_spans: list[tuple[int, int, tuple[int, int,
     return pos, int(pos.max()) + 1 - length if length else 0
 
 
-class PixtralVisionEncoder:
+class PixtralVisionEncoder(_Tower):
     """Pixtral's tower with Mistral3's projector: one image (any size in whole patches) -> its rows
     [(h / s) * (w / s), hidden], merged blocks row-major (the order of the prompt's [IMG] tokens). Patch conv,
     RMSNorm, layers with a 2D rope (rows turn by the even frequencies, columns by the odd) and bidirectional
@@ -745,11 +749,7 @@ class PixtralVisionEncoder:
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        check_vision_tensors(tensors, config, source="vision tensors")
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in tensors.items()}
+        super().__init__(config, tensors, dtype=dtype, device=device)
         head = config.hidden_size // config.num_heads
         inv = 1.0 / (config.rope_theta ** (torch.arange(0, head, 2, dtype=torch.float) / head))
         self.inv_rows, self.inv_cols = inv[0::2], inv[1::2]

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
 from conftest import SMOLVLM_PREPROCESSOR  # noqa: E402 - after the skips
-from flared_testing.vision import assert_greedy, data_url, noise_image, token_ids  # noqa: E402
+from flared_testing.vision import ask_greedy, assert_greedy, data_url, noise_image, token_ids  # noqa: E402
 
 NEW_TOKENS = 12
 
@@ -61,13 +61,7 @@ def vlm_daemon(tiny_vlm_core, tmp_path_factory):
 
 
 def _ask(daemon, images, text, **kw):
-    content = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
-    content.append({"type": "text", "text": text})
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True,
-                               **kw)
-    assert status == 200, body
-    return body
+    return ask_greedy(daemon, images, text, NEW_TOKENS, **kw)
 
 
 def test_export_records_the_image_tower(tiny_vlm_core):

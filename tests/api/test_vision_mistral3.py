@@ -12,7 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import assert_greedy, data_url, noise_image  # noqa: E402
+from flared_testing.vision import ask_greedy, assert_greedy, noise_image  # noqa: E402
 
 NEW_TOKENS = 12
 
@@ -61,13 +61,8 @@ def reference(tiny_mistral3):
     return run
 
 
-def _ask(daemon, pictures, text):
-    content = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures]
-    content.append({"type": "text", "text": text})
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True)
-    assert status == 200, body
-    return body
+def _ask(daemon, images, text, **kw):
+    return ask_greedy(daemon, images, text, NEW_TOKENS, **kw)
 
 
 def test_greedy_tokens_match_transformers(daemon, reference):

@@ -38,3 +38,14 @@ def assert_greedy(resp, expected: list[int], what) -> None:
             top = {t["token"]: t["logprob"] for t in step["top_logprobs"]}
             assert step["logprob"] - top.get(f"token_id:{e}", -1e9) < 1e-3, (what, k, got, expected)
             return
+
+
+def ask_greedy(daemon, images, text: str, max_tokens: int, **kw):
+    """One user turn of images then text through /v1/chat/completions, greedy, ``max_tokens`` tokens (EOS
+    ignored), with the token ids (``token_ids``) and three alternatives a step (``assert_greedy``)."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    content.append({"type": "text", "text": text})
+    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
+                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
+    assert status == 200, body
+    return body
