@@ -513,6 +513,14 @@ def _check_type(cfg: dict, accepted: tuple[str, ...]) -> None:
             raise _field_error("image_processor_type", kind, " or ".join(accepted))
 
 
+def _pixel_settings(cfg: dict, resample: int, mean, std) -> dict:
+    """The resize filter, rescale and normalize settings every processor reads, with transformers' defaults."""
+    return dict(resample=cfg.get("resample", resample), image_mean=cfg.get("image_mean", mean),
+                image_std=cfg.get("image_std", std), rescale_factor=cfg.get("rescale_factor", 1 / 255),
+                do_resize=cfg.get("do_resize", True), do_rescale=cfg.get("do_rescale", True),
+                do_normalize=cfg.get("do_normalize", True))
+
+
 def _settings_from_dict(cls, d, kind: str, what: str):
     if not isinstance(d, dict):
         raise _error(f"a {what} must be a JSON object, got {type(d).__name__}")
@@ -635,14 +643,8 @@ class TileProcessor(_Processor):
             longest_edge=_edge("size", cfg.get("size", {"longest_edge": HF_DEFAULT_LONGEST_EDGE})),
             tile=_edge("max_image_size", cfg.get("max_image_size", {"longest_edge": HF_DEFAULT_TILE})),
             split=cfg.get("do_image_splitting", True),
-            resample=cfg.get("resample", LANCZOS),
-            image_mean=cfg.get("image_mean", HF_DEFAULT_MEAN),
-            image_std=cfg.get("image_std", HF_DEFAULT_STD),
-            rescale_factor=cfg.get("rescale_factor", 1 / 255),
+            **_pixel_settings(cfg, LANCZOS, HF_DEFAULT_MEAN, HF_DEFAULT_STD),
             image_seq_len=image_seq_len,
-            do_resize=cfg.get("do_resize", True),
-            do_rescale=cfg.get("do_rescale", True),
-            do_normalize=cfg.get("do_normalize", True),
         )
 
     def _settings_bytes(self) -> bytes:
@@ -818,15 +820,8 @@ class PatchProcessor(_Processor):
             merge_size=cfg.get("merge_size", QWEN_MERGE_SIZE),
             min_pixels=min_pixels,
             max_pixels=max_pixels,
-            resample=cfg.get("resample", BICUBIC),
-            image_mean=cfg.get("image_mean", QWEN_MEAN),
-            image_std=cfg.get("image_std", QWEN_STD),
-            rescale_factor=cfg.get("rescale_factor", 1 / 255),
-            do_resize=cfg.get("do_resize", True),
-            do_rescale=cfg.get("do_rescale", True),
-            do_normalize=cfg.get("do_normalize", True),
+            **_pixel_settings(cfg, BICUBIC, QWEN_MEAN, QWEN_STD),
         )
-
 
     # -- geometry -----------------------------------------------------------------------------------------
 
@@ -967,18 +962,11 @@ class PixtralProcessor(_Processor):
             patch_size=patch,
             longest_edge=_edge("size", cfg.get("size", {"longest_edge": PIXTRAL_LONGEST_EDGE})),
             merge_size=_positive_int("spatial_merge_size", proc.get("spatial_merge_size", PIXTRAL_MERGE_SIZE)),
-            resample=cfg.get("resample", BICUBIC),
-            image_mean=cfg.get("image_mean", PIXTRAL_MEAN),
-            image_std=cfg.get("image_std", PIXTRAL_STD),
-            rescale_factor=cfg.get("rescale_factor", 1 / 255),
-            do_resize=cfg.get("do_resize", True),
-            do_rescale=cfg.get("do_rescale", True),
-            do_normalize=cfg.get("do_normalize", True),
+            **_pixel_settings(cfg, BICUBIC, PIXTRAL_MEAN, PIXTRAL_STD),
             image_token=proc.get("image_token", PIXTRAL_IMAGE_TOKEN),
             break_token=proc.get("image_break_token", PIXTRAL_BREAK_TOKEN),
             end_token=proc.get("image_end_token", PIXTRAL_END_TOKEN),
         )
-
 
     # -- geometry -----------------------------------------------------------------------------------------
 
