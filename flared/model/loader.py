@@ -269,9 +269,9 @@ def _gguf_field(reader, key: str, default=None):
 
 def _gguf_config(reader, source: str) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise CoreError(f"{source}: GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)",
-                        ErrorKind.UNSUPPORTED_MODEL)
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
+        raise CoreError(f"{source}: GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3, "
+                        "gemma3)", ErrorKind.UNSUPPORTED_MODEL)
     tensor_names = {t.name for t in reader.tensors}
 
     def need(key: str):
@@ -300,6 +300,18 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         vocab_size = len(tokens)
     head_dim = _gguf_field(reader, f"{arch}.attention.key_length") or hidden_size // num_heads
     has_bias = "blk.0.attn_q.bias" in tensor_names
+    gemma = {}
+    if arch == "gemma3":
+        # What llama.cpp assumes of Gemma 3 GGUFs: every sixth layer global (unless the file says its pattern), the
+        # others windowed with plain rope at theta 10000; 27B (62 layers) scales queries by (hidden / heads)^-0.5,
+        # the others by head_dim^-0.5 (transformers' query_pre_attn_scalar). The norms hold 1 + w already.
+        layers = int(need("block_count"))
+        window = int(_gguf_field(reader, f"{arch}.attention.sliding_window", 4096))
+        pattern = int(_gguf_field(reader, f"{arch}.attention.sliding_window_pattern", 6))
+        gemma = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+                     attention_scale=(hidden_size / num_heads if layers == 62 else int(head_dim)) ** -0.5,
+                     layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
+                     local_rope_theta=10000.0)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab_size),
@@ -317,6 +329,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         attention_bias=has_bias,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+        **gemma,
     )
 
 
@@ -335,6 +348,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_down.weight": "down.weight",
     "attn_q_norm.weight": "q_norm.weight",
     "attn_k_norm.weight": "k_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",  # Gemma 3's norms after attention and the MLP
+    "post_ffw_norm.weight": "post_mlp_norm.weight",
 }
 
 
