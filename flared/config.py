@@ -118,6 +118,16 @@ class ServerConfig:
     speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # Images named by URL (vision cores): http(s) URLs are fetched, as vLLM and OpenAI do, within
+    # media_fetch_timeout_s, redirects to at most 3 more hosts; allowed_media_domains (vLLM's
+    # --allowed-media-domains) limits the hosts (empty: any); media_fetch = false refuses remote URLs. file:// URLs
+    # are read only under allowed_local_media_path (vLLM's --allowed-local-media-path; unset: refused).
+    media_fetch: bool = True
+    media_fetch_timeout_s: float = 5.0
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    # vLLM's --limit-mm-per-prompt image=N: images one request may carry.
+    max_images_per_request: int = 8
     # Scheduler policy coefficients (the [policy] table).
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -198,6 +208,16 @@ class ServerConfig:
             for m in self.lora_modules), "lora_modules", "must be a table of adapter names and paths")
         names = [m[0] for m in self.lora_modules]
         need(len(set(names)) == len(names), "lora_modules", f"names repeat: {names}")
+        need(isinstance(self.media_fetch, bool), "media_fetch", "must be true or false")
+        need(_is_num(self.media_fetch_timeout_s) and 0 < self.media_fetch_timeout_s <= 600, "media_fetch_timeout_s",
+             "must be a number of seconds in (0, 600]")
+        need(isinstance(self.allowed_media_domains, tuple) and all(
+            isinstance(d, str) and d and "/" not in d for d in self.allowed_media_domains),
+            "allowed_media_domains", "must be a list of host names such as \"images.example.com\"")
+        need(self.allowed_local_media_path is None or (isinstance(self.allowed_local_media_path, str) and Path(
+            self.allowed_local_media_path).expanduser().is_dir()), "allowed_local_media_path", "must be a directory")
+        need(isinstance(self.max_images_per_request, int) and not isinstance(self.max_images_per_request, bool)
+             and 0 <= self.max_images_per_request <= 64, "max_images_per_request", "must be an integer in 0..64")
         if self.lora_adapters or self.lora_modules:
             from flared.model.lora import check_adapter_path
 
@@ -253,7 +273,7 @@ class ServerConfig:
         values = dict(data)
         if "policy" in values:
             values["policy"] = _policy_from_mapping(values["policy"], where)
-        for key in ("served_names", "cors_allow_origins"):
+        for key in ("served_names", "cors_allow_origins", "allowed_media_domains"):
             if key in values:
                 if not isinstance(values[key], list):
                     raise ConfigError(f"{where}: config key '{key}': must be a list of strings")

@@ -121,6 +121,14 @@ def main() -> None:
                    "requests, copied from earlier in their prompt and output (default 0: off).")
 @click.option("--prompt-lookup-max", type=int, default=None, help="Longest n-gram prompt lookup matches (default 4).")
 @click.option("--prompt-lookup-min", type=int, default=None, help="Shortest n-gram prompt lookup matches (default 2).")
+@click.option("--allowed-media-domains", default=None,
+              help="Fetch image URLs only from these hosts, comma-separated (default: any host).")
+@click.option("--allowed-local-media-path", default=None,
+              help="Read file:// image URLs under this directory (default: refused).")
+@click.option("--no-media-fetch", is_flag=True, default=False,
+              help="Refuse http(s) image URLs (images then come as base64 data URLs only).")
+@click.option("--limit-mm-per-prompt", default=None,
+              help="Images a request may carry: image=N or vLLM's JSON {\"image\": N} (default 8).")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
@@ -128,7 +136,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype,
-        speculative_tokens, prompt_lookup_max, prompt_lookup_min, debug_fail_after_steps):
+        speculative_tokens, prompt_lookup_max, prompt_lookup_min, allowed_media_domains, allowed_local_media_path,
+        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps):
     """Serve CORE (a core directory; omitted: the embedded default model)."""
     from flared.config import ServerConfig
 
@@ -153,6 +162,15 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             overrides["web_ui"] = False
         if allow_runtime_lora_updating:
             overrides["runtime_lora_updating"] = True
+        if allowed_media_domains is not None:
+            overrides["allowed_media_domains"] = tuple(
+                d.strip().lower() for d in allowed_media_domains.split(",") if d.strip())
+        if allowed_local_media_path is not None:
+            overrides["allowed_local_media_path"] = allowed_local_media_path
+        if no_media_fetch:
+            overrides["media_fetch"] = False
+        if limit_mm_per_prompt is not None:
+            overrides["max_images_per_request"] = _image_limit(limit_mm_per_prompt)
         overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
         if api_key_file is not None:
             overrides.update(api_key_file=api_key_file, api_key=None)
@@ -183,6 +201,22 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         log.error("cannot start: %s", e)
         sys.exit(1)
     sys.exit(code)
+
+
+def _image_limit(text: str) -> int:
+    """--limit-mm-per-prompt: "image=N" or vLLM's JSON {"image": N} (other modalities are not served)."""
+    import json
+
+    from flared.config import ConfigError
+
+    try:
+        value = json.loads(text) if text.strip().startswith("{") else dict(
+            (k.strip(), int(v)) for k, v in (item.split("=", 1) for item in text.split(",") if item.strip()))
+    except (ValueError, TypeError):
+        raise ConfigError(f"--limit-mm-per-prompt: {text!r} is neither image=N nor a JSON object") from None
+    if not isinstance(value, dict) or set(value) - {"image"} or not isinstance(value.get("image", 8), int):
+        raise ConfigError(f"--limit-mm-per-prompt: {text!r} must give an integer for image (the one modality served)")
+    return value.get("image", 8)
 
 
 def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:

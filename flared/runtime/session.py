@@ -177,6 +177,7 @@ class LoadedSession:
         from flared.server.app import ServingState, build_router, http_config
         from flared.server.http import HttpServer
 
+        from flared.server.media import MediaFetcher
         from flared.server.metrics import ServerMetrics
 
         m = self.manifest
@@ -193,6 +194,11 @@ class LoadedSession:
         state.runtime_lora_updating = self.config.runtime_lora_updating
         state.embedding_pooling = self.config.embedding_pooling
         state.trust_request_chat_template = self.config.trust_request_chat_template
+        state.media = MediaFetcher(fetch_remote=self.config.media_fetch,
+                                   allowed_domains=tuple(d.lower() for d in self.config.allowed_media_domains),
+                                   local_root=self.config.allowed_local_media_path,
+                                   timeout_s=self.config.media_fetch_timeout_s)
+        state.max_images = self.config.max_images_per_request
         state.web_ui = self.config.web_ui
         state.scheme = "https" if self.config.ssl_certfile else "http"
         server = HttpServer(build_router(state), http_config(self.config, m), admission=state.admit)

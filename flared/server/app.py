@@ -32,6 +32,7 @@ from flared.frontend.images import decode_image, image_processor_from_dict
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.model.vision import mrope_positions
+from flared.server.media import MediaFetcher, is_media_url
 from flared.server.generation import Generation
 from flared.server.http import HttpConfig, Request, Response, Router
 from flared.runtime.request import VisionInput
@@ -48,8 +49,8 @@ from flared.server.systemone_routes import SystemOneRoutes
 from flared.server.structured import StructuredOutput
 
 
-# Images: at most this many a request, each at most this many bytes (decoded from base64). The HTTP body limit of a
-# vision core grows by their base64 size.
+# Images: at most this many a request (by default; ServerConfig.max_images_per_request), each at most this many
+# bytes (decoded from base64, or fetched). The HTTP body limit of a vision core grows by their base64 size.
 MAX_IMAGES_PER_REQUEST = 8
 IMAGE_BYTES_LIMIT = 10 << 20
 # Recent images' tower rows kept for later requests (a conversation about one image re-sends it every turn).
@@ -123,6 +124,8 @@ class ServingState:
         # A vision-language core's image preparation (flared.frontend.images: TileProcessor, PatchProcessor), or None.
         self.image_processor = None
         self.image_token_id = -1
+        self.media = MediaFetcher()  # image URLs (ServerConfig's media settings, set by the serving session)
+        self.max_images = MAX_IMAGES_PER_REQUEST  # ServerConfig.max_images_per_request
         self._image_rows: collections.OrderedDict = collections.OrderedDict()  # identity -> tower rows
         self._image_rows_bytes = 0
         self.mrope_merge = 0  # Qwen VL: the patch merge of its 3D rope positions (0: plain positions)
@@ -227,10 +230,11 @@ class ServingState:
                                  ErrorKind.UNSUPPORTED)
             err.param = param
             raise err
-        if len(images) > MAX_IMAGES_PER_REQUEST:
-            err = AdmissionError(f"'{images[MAX_IMAGES_PER_REQUEST][0]}': at most {MAX_IMAGES_PER_REQUEST} images "
-                                 "a request", ErrorKind.VALIDATION)
-            err.param = images[MAX_IMAGES_PER_REQUEST][0]
+        if len(images) > self.max_images:
+            param = images[self.max_images][0]
+            many = f"{self.max_images} image{'s' if self.max_images != 1 else ''}"
+            err = AdmissionError(f"'{param}': at most {many} a request", ErrorKind.VALIDATION)
+            err.param = param
             raise err
 
     def _prepare_images(self, images) -> tuple:
@@ -239,7 +243,10 @@ class ServingState:
         context = self.manifest.capacities.context_tokens
         for param, part in images:
             try:
-                decoded = decode_image(part.get("image"), max_bytes=IMAGE_BYTES_LIMIT)
+                source = part.get("image")
+                if is_media_url(source):  # fetched (http, https) or read (file) here, on the frontend worker
+                    source = self.media.fetch(source, max_bytes=IMAGE_BYTES_LIMIT)
+                decoded = decode_image(source, max_bytes=IMAGE_BYTES_LIMIT)
                 image = self.image_processor.prepare(decoded)
             except FrontendError as exc:
                 err = AdmissionError(f"'{param}': {exc}", exc.kind)
@@ -503,7 +510,7 @@ def _add_web_ui(router: Router):
 def http_config(config, manifest) -> HttpConfig:
     body_limit = config.body_limit_bytes or (1 << 20) + 32 * manifest.capacities.context_tokens
     if manifest.vision is not None and not config.body_limit_bytes:  # base64 images
-        body_limit += MAX_IMAGES_PER_REQUEST * (IMAGE_BYTES_LIMIT * 4 // 3 + 1024)
+        body_limit += config.max_images_per_request * (IMAGE_BYTES_LIMIT * 4 // 3 + 1024)
     return HttpConfig(
         host=config.host, port=config.port, body_limit_bytes=body_limit,
         header_timeout_s=config.header_timeout_s, keep_alive_timeout_s=config.keep_alive_timeout_s,

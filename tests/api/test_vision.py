@@ -130,8 +130,10 @@ def test_bad_images_are_a_400_naming_the_part(vlm_daemon):
 
     status, body = ask({"type": "image_url", "image_url": {"url": "data:image/png;base64,not-base64!"}})
     assert status == 400 and body["error"]["param"] == "messages[0].content[1]", body
-    status, body = ask({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}})
-    assert status == 400 and "data URL" in body["error"]["message"], body
+    status, body = ask({"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/cat.png"}})
+    assert status == 400 and "fetching the image from 127.0.0.1 failed" in body["error"]["message"], body
+    status, body = ask({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}})
+    assert status == 400 and "file:// image URLs are not read" in body["error"]["message"], body
     status, body = ask({"type": "image_url", "image_url": {}})
     assert status == 400 and body["error"]["param"] == "messages[0].content[1].image_url.url", body
     too_many = [{"type": "image_url", "image_url": {"url": data_url(noise_image(k, (8, 8)))}} for k in range(9)]
@@ -192,8 +194,8 @@ def test_every_api_shape_takes_images(vlm_daemon):
     assert "vision" in body["capabilities"]
     status, body = vlm_daemon.request("POST", "/v1/messages", {
         "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
-    assert status == 400 and "data URL" in body["error"]["message"], body
+            {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:1/a.png"}}]}]})
+    assert status == 400 and "fetching the image" in body["error"]["message"], body
 
 
 def test_image_tokens_come_only_from_images(vlm_daemon):
@@ -255,3 +257,94 @@ def test_the_chat_page_sends_images(vlm_daemon, tmp_path):
     assert out["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"]
     page = chat_js.read_text()
     assert "capabilities.vision" in page
+
+
+class _Images:
+    """A local HTTP server for image URLs: /cat.png, /big.png (past the byte limit), /missing (404) and
+    /elsewhere (a redirect to the same server by the name localhost)."""
+
+    def __init__(self, png: bytes):
+        import http.server
+        import threading
+
+        files = {"/cat.png": png}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                port = self.server.server_address[1]
+                if self.path == "/elsewhere":
+                    self.send_response(302)
+                    self.send_header("Location", f"http://localhost:{port}/cat.png")
+                    self.end_headers()
+                elif self.path == "/big.png":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.end_headers()
+                    self.wfile.write(b"\0" * ((10 << 20) + 10))
+                elif self.path in files:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "image/png")
+                    self.end_headers()
+                    self.wfile.write(files[self.path])
+                else:
+                    self.send_error(404)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_image_urls_are_fetched_as_vllm_fetches_them(vlm_daemon, tiny_vlm_core, tmp_path):
+    """An http(s) image URL gives the answer its bytes give as a data URL; a 404, a file past the byte limit and a
+    refused connection are 400s saying so; file:// URLs are read only under --allowed-local-media-path, and
+    --allowed-media-domains holds for redirects too."""
+    import base64
+
+    from flared_testing.daemon import Daemon
+
+    image = noise_image(61, (40, 30))
+    url = data_url(image)
+    png = base64.b64decode(url.split(",", 1)[1])
+    server = _Images(png)
+
+    def ask(daemon, source):
+        return daemon.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": source}},
+                                                          {"type": "text", "text": "What?"}]}],
+                           max_tokens=6, temperature=0)
+
+    try:
+        expected = ask(vlm_daemon, url)[1]["choices"][0]["message"]["content"]
+        status, body = ask(vlm_daemon, server.base + "/cat.png")
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
+        status, body = ask(vlm_daemon, server.base + "/missing")
+        assert status == 400 and "HTTP 404" in body["error"]["message"], body
+        status, body = ask(vlm_daemon, server.base + "/big.png")
+        assert status == 400 and "larger than" in body["error"]["message"], body
+        assert ask(vlm_daemon, server.base + "/elsewhere")[0] == 200  # any host: the redirect is followed
+
+        (tmp_path / "media").mkdir()
+        (tmp_path / "media" / "cat.png").write_bytes(png)
+        d = Daemon(tiny_vlm_core, tmp_path, "--allowed-media-domains", "127.0.0.1",
+                   "--allowed-local-media-path", str(tmp_path / "media"), "--limit-mm-per-prompt", "image=1")
+        try:
+            status, body = ask(d, (tmp_path / "media" / "cat.png").as_uri())
+            assert status == 200 and body["choices"][0]["message"]["content"] == expected, body
+            status, body = ask(d, (tmp_path / "media" / ".." / "daemon.log").as_uri())
+            assert status == 400 and "only under" in body["error"]["message"], body
+            assert ask(d, server.base + "/cat.png")[0] == 200
+            status, body = ask(d, server.base + "/elsewhere")  # to localhost, not an allowed host
+            assert status == 400 and "not localhost" in body["error"]["message"], body
+            status, body = d.chat([{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "image_url", "image_url": {"url": url}}]}],
+                max_tokens=2)
+            assert status == 400 and "at most 1 image a request" in body["error"]["message"], body
+        finally:
+            d.kill()
+    finally:
+        server.close()
