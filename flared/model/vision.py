@@ -146,10 +146,6 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
     @property
-    def patches_per_tile(self) -> int:
-        return self.patches_per_side ** 2
-
-    @property
     def image_seq_len(self) -> int:
         """Text-embedding rows one tile becomes."""
         return self.patches_per_side ** 2 // self.scale_factor ** 2
@@ -510,6 +506,20 @@ class _Tower:
         self.device = torch.device(device)
         self.w = {k: v.to(device=self.device, dtype=dtype).contiguous() for k, v in tensors.items()}
 
+    def encode(self, pixel_values: torch.Tensor, *, grid=None) -> torch.Tensor:
+        """The image's rows (``stages`` run through at once)."""
+        stages = self.stages(pixel_values, grid=grid)
+        while True:
+            try:
+                next(stages)
+            except StopIteration as done:
+                return done.value
+
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
+        """A generator over the tower's layers: it yields after each and returns the rows, so the model thread
+        can run a large image a few layers a turn between other requests' steps."""
+        raise NotImplementedError
+
 
 class VisionEncoder(_Tower):
     """The Idefics3 tower on one device; ``encode`` turns tiles into decoder embedding rows."""
@@ -520,19 +530,21 @@ class VisionEncoder(_Tower):
         self._approximate = _ACTIVATIONS[config.hidden_act]
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 8) -> torch.Tensor:
+    def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
         """``pixel_values`` [tiles, 3, S, S] -> [tiles * image_seq_len, text_hidden] in the model's dtype, the
-        tiles' rows in order; ``max_tiles`` tiles run at a time (bounds the activations' memory)."""
+        tiles' rows in order; ``max_tiles`` tiles run at a time (bounds the activations' memory and a layer's
+        time). A generator that yields after every layer and returns the rows (``encode`` runs it through)."""
         c = self.config
         if grid is not None:
             raise ValueError("Idefics3 towers take whole tiles, not a patch grid")
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, c.image_size, c.image_size):
             raise ValueError(f"tiles must be [n, 3, {c.image_size}, {c.image_size}], got {tuple(pixel_values.shape)}")
-        parts = [self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))
-                 for i in range(0, pixel_values.shape[0], max_tiles)]
+        parts = []
+        for i in range(0, pixel_values.shape[0], max_tiles):
+            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _tiles(self, x: torch.Tensor) -> torch.Tensor:
+    def _tiles(self, x: torch.Tensor):
         c, w = self.config, self.w
         n = x.shape[0]
         d, heads = c.hidden_size, c.num_heads
@@ -549,6 +561,7 @@ class VisionEncoder(_Tower):
             x2 = F.layer_norm(h, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
             mid = F.gelu(F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"]), approximate=self._approximate)
             h = h + F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+            yield
         h = F.layer_norm(h, (d,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
         # Pixel shuffle: each s x s block of patches (row-major blocks) becomes one row of its patches' features,
         # in the order Idefics3's connector lays them out.
@@ -651,7 +664,7 @@ class QwenVisionEncoder(_Tower):
         return (self.w["pos_embed.weight"][index].float() * weight[:, :, None]).sum(1).to(self.dtype)
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, *, grid=None) -> torch.Tensor:
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
         c, w = self.config, self.w
         if grid is None:
             raise ValueError("a Qwen vision tower needs the image's patch grid (t, h, w)")
@@ -694,6 +707,7 @@ class QwenVisionEncoder(_Tower):
             if i in c.deepstack_layers:
                 j = c.deepstack_layers.index(i)
                 deepstack.append(self._merge(x, f"deepstack.{j}.", norm_after_shuffle=True))
+            yield
         out = self._merge(x, "merger_", norm_after_shuffle=False)
         if deepstack:  # [rows, (1 + k) * hidden]: the embedding, then each DeepStack layer's rows
             out = torch.cat([out, *deepstack], dim=-1)
@@ -762,7 +776,7 @@ class PixtralVisionEncoder(_Tower):
         return x * torch.sigmoid(1.702 * x) if kind == "quick" else F.gelu(x, approximate=kind)
 
     @torch.inference_mode()
-    def encode(self, pixel_values: torch.Tensor, *, grid=None) -> torch.Tensor:
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
         c, w = self.config, self.w
         if grid is None:
             raise ValueError("a Pixtral tower needs the image's patch grid (1, h, w)")
@@ -790,6 +804,7 @@ class PixtralVisionEncoder(_Tower):
             x = x + F.linear(attn.reshape(n, d), w[p + "o.weight"])
             gate, up = F.linear(_rms(x, w[p + "norm2.weight"], c.layer_norm_eps), w[p + "gate_up.weight"]).chunk(2, -1)
             x = x + F.linear(self._act(gate) * up, w[p + "down.weight"])
+            yield
         x = _rms(x, w["proj_norm.weight"], c.projector_eps)
         blocks = F.unfold(x.view(h, wd, d).permute(2, 0, 1)[None], kernel_size=s, stride=s)  # [1, D*s*s, blocks]
         x = F.linear(blocks[0].T, w["merge.weight"])

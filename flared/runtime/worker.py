@@ -174,16 +174,22 @@ class EmbeddingJob(ModelJob):
         return torch.cat(self.parts)
 
 
+# A turn of the model thread runs an image tower's layers for about this long before the turn's step: a large
+# image then holds other requests' tokens back by a layer or so (~0.1-0.3 s of a 2B tower on a CPU), not by its
+# whole tower (seconds). FLARED_TOWER_TURN_S sets it (tools/bench_vision_stall.py compares).
+TOWER_TURN_S = float(os.environ.get("FLARED_TOWER_TURN_S", "0.02"))
+
+
 @dataclasses.dataclass
 class VisionJob(ModelJob):
     """Images through the model's image tower (flared.model.vision): the result is each image's rows [its
-    num_image_tokens, hidden] in the model's dtype, on its device, in order. A tiled image runs a few tiles a
-    turn, so that a large image shares the thread with the steps of live requests."""
+    num_image_tokens, hidden] in the model's dtype, on its device, in order. A turn runs the tower's layers for
+    about ``turn_s`` (at least one layer), so that a large image shares the thread with live requests' steps."""
     images: list  # flared.frontend.images.PreparedImage
     done: object
+    turn_s: float = TOWER_TURN_S
     parts: list = dataclasses.field(default_factory=list)  # finished images' rows
-    _pending: list = dataclasses.field(default_factory=list)  # the current image's rows so far
-    _tiles_done: int = 0
+    _stages: object = None  # the current image's tower, a generator over its layers
 
     def step(self, model, budget: int, stats) -> bool:
         import torch
@@ -191,23 +197,23 @@ class VisionJob(ModelJob):
         vision = model.vision
         if vision is None:
             raise ExecutionError("this model has no image tower", ErrorKind.UNSUPPORTED)
-        image = self.images[len(self.parts)]
-        pixels = torch.as_tensor(image.pixel_values)
-        if image.grid is not None:  # patches of one image attend to each other: the whole image at once
-            self.parts.append(vision.encode(pixels, grid=image.grid))
-            stats["vision_images"] += 1
-            return len(self.parts) == len(self.images)
-        # a tile costs about its patch count in tokens of tower work
-        per_turn = max(1, budget // vision.config.patches_per_tile)
-        tiles = pixels[self._tiles_done:self._tiles_done + per_turn]
-        self._pending.append(vision.encode(tiles))
-        self._tiles_done += tiles.shape[0]
-        stats["vision_tiles"] += tiles.shape[0]
-        if self._tiles_done == pixels.shape[0]:
-            self.parts.append(torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0])
-            self._pending, self._tiles_done = [], 0
-            stats["vision_images"] += 1
-        return len(self.parts) == len(self.images)
+        started = time.perf_counter()
+        while len(self.parts) < len(self.images):
+            image = self.images[len(self.parts)]
+            if self._stages is None:
+                self._stages = vision.stages(torch.as_tensor(image.pixel_values), grid=image.grid)
+            try:
+                next(self._stages)
+            except StopIteration as finished:
+                self.parts.append(finished.value)
+                self._stages = None
+                stats["vision_images"] += 1
+                if image.grid is None:
+                    stats["vision_tiles"] += len(image.pixel_values)
+                continue
+            if time.perf_counter() - started >= self.turn_s:
+                return False
+        return True
 
     def result(self):
         return self.parts

@@ -125,3 +125,33 @@ def test_mrope_positions_equal_transformers(family):
     assert delta == int(expected_delta)
     with pytest.raises(ValueError):
         mrope_positions(ids, [(3, 11, grids[0])], 2)
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_5_vl"])
+def test_a_vision_job_runs_its_tower_a_layer_a_turn(family):
+    """The model thread runs an image tower between other requests' steps: with no time budget a turn runs one
+    layer, so a large image holds their tokens back by a layer, not by the whole tower; the rows are the same."""
+    import collections
+    import types
+
+    import numpy as np
+
+    from flared.runtime.worker import VisionJob
+
+    ours = _ours(_model(family))
+    rng = np.random.default_rng(0)
+    if family == "smolvlm":
+        images = [types.SimpleNamespace(pixel_values=rng.standard_normal((2, 3, 64, 64), dtype=np.float32), grid=None),
+                  types.SimpleNamespace(pixel_values=rng.standard_normal((1, 3, 64, 64), dtype=np.float32), grid=None)]
+    else:
+        images = [types.SimpleNamespace(pixel_values=rng.standard_normal((n, 1176), dtype=np.float32), grid=g)
+                  for n, g in ((140, (1, 10, 14)), (16, (1, 4, 4)))]
+    job = VisionJob(images, done=None, turn_s=0.0)
+    stats, turns = collections.Counter(), 1
+    while not job.step(types.SimpleNamespace(vision=ours), 512, stats):
+        turns += 1
+    assert turns == 2 * ours.config.num_layers + 1  # a layer a turn, each image's rows made on the turn after
+    for image, rows in zip(images, job.result()):
+        torch.testing.assert_close(rows, ours.encode(torch.as_tensor(image.pixel_values), grid=image.grid),
+                                   rtol=0, atol=0)
+    assert stats["vision_images"] == 2
