@@ -84,7 +84,7 @@ def serve(core: Path, work: Path, turn_s: str):
     port_file = work / f"port-{turn_s}"
     env = {**os.environ, "FLARED_TOWER_TURN_S": turn_s}
     proc = subprocess.Popen([sys.executable, "-m", "flared.cli.daemon", "run", str(core), "--port", "0",
-                             "--port-file", str(port_file), "--no-dashboard", "--no-admin-socket"],
+                             "--port-file", str(port_file), "--no-dashboard", "--no-admin-socket", "--served-name", "x"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         if port_file.exists() and port_file.read_text().endswith("\n"):
@@ -137,10 +137,15 @@ def main() -> None:
     import numpy as np
     from PIL import Image
 
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (args.image_side, args.image_side, 3),
-                                                      dtype=np.uint8)).save(buf, "PNG")
-    image_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    seeds = iter(range(1000))
+
+    def image_url() -> str:
+        """A new image each time: the server keeps recent images' tower rows (and prompts), which would skip
+        the tower on a repeat."""
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(next(seeds)).integers(0, 256, (args.image_side, args.image_side, 3),
+                                                                  dtype=np.uint8)).save(buf, "PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         core = build_core(work)
@@ -148,8 +153,8 @@ def main() -> None:
         for name, turn_s in (("a layer a turn (0.02 s)", "0.02"), ("whole tower a turn (before)", "1e9")):
             proc, base = serve(core, work, turn_s)
             try:
-                one_run(base, image_url, 16)  # warm up (first-call costs)
-                runs = [one_run(base, image_url, args.tokens) for _ in range(args.repeats)]
+                one_run(base, image_url(), 16)  # warm up (first-call costs)
+                runs = [one_run(base, image_url(), args.tokens) for _ in range(args.repeats)]
             finally:
                 proc.kill()
                 proc.wait()
