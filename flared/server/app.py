@@ -226,7 +226,8 @@ class ServingState:
             why = ("this model takes text" if self.image_processor is None else
                    "this server runs the model's CUDA graphs, which take text only so far; serve it on the CPU "
                    "executor for images")
-            err = AdmissionError(f"'{param}': content part of type {part.get('type')!r} is not supported ({why})",
+            kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
+            err = AdmissionError(f"'{param}': content part of type {kind!r} is not supported ({why})",
                                  ErrorKind.UNSUPPORTED)
             err.param = param
             raise err

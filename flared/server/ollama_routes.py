@@ -192,7 +192,8 @@ def _with_images(text: str, images, where: str):
         return text
     if not isinstance(images, list) or not all(isinstance(x, str) and x for x in images):
         raise _bad(where, "must be an array of base64-encoded images")
-    parts: list[dict] = [{"type": "image", "image": x, "param": f"{where}[{k}]"} for k, x in enumerate(images)]
+    parts: list[dict] = [{"type": "image", "image": x, "param": f"{where}[{k}]", "sent_as": "images"}
+                         for k, x in enumerate(images)]
     return parts + [{"type": "text", "text": text}]
 
 

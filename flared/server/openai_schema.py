@@ -248,7 +248,7 @@ def content_with_images(content: Any, where: str, text_types: tuple[str, ...] = 
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if isinstance(part, dict) and part.get("type") in image_types:
-            parts.append({"type": "image", "image": image_source(part, at), "param": at})
+            parts.append({"type": "image", "image": image_source(part, at), "param": at, "sent_as": part["type"]})
         else:
             if not isinstance(part, dict) or part.get("type") not in text_types:
                 kind = part.get("type") if isinstance(part, dict) else _type(part)

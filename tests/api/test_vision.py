@@ -148,7 +148,7 @@ def test_a_text_model_refuses_images(start_daemon, tiny_core):
     status, body = d.chat([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(noise_image(1))}}, {"type": "text", "text": "hi"}]}],
         max_tokens=2)
-    assert status == 400 and "this model takes text" in body["error"]["message"], body
+    assert status == 400 and "'image_url' is not supported (this model takes text)" in body["error"]["message"], body
     assert body["error"]["param"] == "messages[0].content[0]"
 
 
