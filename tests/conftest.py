@@ -291,3 +291,55 @@ def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("cores") / "mistral3"
     export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
     return d, out
+
+
+# LLaVA-1.5's chat template, without transformers' {% generation %} markers.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+# CLIP's preparation at 28 pixels: the shortest edge resized to 28, a 28 x 28 center crop, 7-pixel patches (16).
+LLAVA_PREPROCESSOR = {
+    "image_processor_type": "CLIPImageProcessor", "do_resize": True, "size": {"shortest_edge": 28}, "resample": 3,
+    "do_center_crop": True, "crop_size": {"height": 28, "width": 28}, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight LLaVA-1.5 (CLIP tower, two-linear projector, Llama)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-llava")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<s>", "</s>", "<image>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAVA_TEMPLATE}))
+    (d / "preprocessor_config.json").write_text(json.dumps(LLAVA_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaProcessor", "patch_size": 7, "vision_feature_select_strategy": "default",
+        "image_token": "<image>", "num_additional_image_tokens": 1}))
+    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                initializer_range=0.2, tie_word_embeddings=False)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
+                         image_seq_length=16)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # CLIP's own init ignores initializer_range: widen it
+        if "vision_tower" in name or "projector" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "llava"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out

@@ -272,32 +272,42 @@ def _read_hf_assets(src: Path) -> _Assets:
                         gcfg, where=tok_path)
 
 
+# the image processor kind (flared.frontend.images) each vision family's checkpoints ship
+_PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
+                    "pixtral": "pixtral", "llava": "crop"}
+
+
 def _read_image_processor(src: Path, vision):
-    """The tile processor a vision checkpoint's preprocessor_config.json (and processor_config.json) describe."""
+    """The image processor a vision checkpoint's preprocessor_config.json (and processor_config.json) describe,
+    checked against the tower it feeds."""
     from flared.errors import FrontendError
-    from flared.frontend.images import TileProcessor, image_processor_from_hf
+    from flared.frontend.images import image_processor_from_hf
 
     pre = _read_json(src / "preprocessor_config.json", required=True)
     proc = _read_json(src / "processor_config.json", required=False)
     if not isinstance(pre, dict) or (proc is not None and not isinstance(proc, dict)):
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
-    tiles = not vision.grid_based
+    kind = _PROCESSOR_KINDS[vision.family]
+    fixed = kind in ("tiles", "crop")  # a fixed number of image tokens per tile / image
     declared = (proc or {}).get("image_seq_len")
-    if tiles and declared is not None and declared != vision.image_seq_len:
+    if kind == "tiles" and declared is not None and declared != vision.image_seq_len:
         raise CoreError(f"{src / 'processor_config.json'}: image_seq_len {declared} disagrees with the vision tower's "
                         f"{vision.image_seq_len} rows per tile", ErrorKind.SOURCE_FORMAT)
     try:
-        processor = image_processor_from_hf(pre, proc, image_seq_len=vision.image_seq_len if tiles else None)
+        processor = image_processor_from_hf(pre, proc, image_seq_len=vision.image_seq_len if fixed else None)
     except FrontendError as e:
         raise CoreError(f"{src / 'preprocessor_config.json'}: {e}", ErrorKind.SOURCE_FORMAT) from None
-    if isinstance(processor, TileProcessor) != tiles:
-        raise CoreError(f"{src / 'preprocessor_config.json'}: its image processor does not fit a {vision.family} "
-                        "tower", ErrorKind.UNSUPPORTED_MODEL)
-    if tiles and processor.tile != vision.image_size:
+    if processor.kind != kind:
+        raise CoreError(f"{src / 'preprocessor_config.json'}: its image processor ({processor.kind}) does not fit a "
+                        f"{vision.family} tower", ErrorKind.UNSUPPORTED_MODEL)
+    if kind == "tiles" and processor.tile != vision.image_size:
         raise CoreError(f"{src / 'preprocessor_config.json'}: tiles of {processor.tile} pixels, but the vision tower "
                         f"takes {vision.image_size}", ErrorKind.UNSUPPORTED_MODEL)
-    if not tiles and (processor.patch_size, processor.merge_size, getattr(processor, "temporal_patch_size", 0)) != (
+    if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):
+        raise CoreError(f"{src / 'preprocessor_config.json'}: crops of {processor.crop_width}x{processor.crop_height} "
+                        f"pixels, but the vision tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)
+    if not fixed and (processor.patch_size, processor.merge_size, getattr(processor, "temporal_patch_size", 0)) != (
             vision.patch_size, vision.scale_factor, vision.temporal_patch_size):
         raise CoreError(f"{src / 'preprocessor_config.json'}: patches of {processor.patch_size} pixels merged "
                         f"{processor.merge_size} x {processor.merge_size}, but the vision tower takes "

@@ -52,6 +52,12 @@ Pixtral-12B and Mistral3 / Mistral-Small-3.1 use) calls it, number for number:
 3. ``pixel_values`` is the one image, [3, H, W] (transformers pads a batch to its largest image; one image is not
    padded). The grid is (1, H / patch_size, W / patch_size) patches; the prompt holds rows = H / unit lines of
    cols = W / unit ``[IMG]`` tokens, each line ended by ``[IMG_BREAK]``, the last one by ``[IMG_END]`` instead.
+
+``CropProcessor`` reproduces transformers' ``CLIPImageProcessorPil`` and ``LlavaImageProcessorPil`` (LLaVA-1.5 and
+other CLIP-tower models) number for number: (LLaVA's ``do_pad`` only) pad to a square of ``int(mean * 255)``,
+resize so the short edge is ``size.shortest_edge`` (the long one truncated), center-crop to ``crop_size``, rescale
+and normalize as above. ``pixel_values`` is [3, crop height, crop width]; the prompt is the image token repeated
+as many times as the model makes image tokens of one image (``image_seq_len``, given by the caller).
 """
 
 from __future__ import annotations
@@ -112,10 +118,16 @@ PIXTRAL_IMAGE_TOKEN = "[IMG]"
 PIXTRAL_BREAK_TOKEN = "[IMG_BREAK]"
 PIXTRAL_END_TOKEN = "[IMG_END]"
 PIXTRAL_PROCESSOR_TYPES = ("PixtralImageProcessor",)  # with or without a Fast / Pil suffix
+# transformers' CLIP / LLaVA image processor class defaults and LlavaProcessor's image token
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # OPENAI_CLIP_STD
+CLIP_IMAGE_TOKEN = "<image>"
+CROP_PROCESSOR_TYPES = ("CLIPImageProcessor", "LlavaImageProcessor")  # with or without a Fast / Pil suffix
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 _PIXTRAL_PROCESSOR_CLASSES = ("PixtralProcessor",)  # Pixtral-12B and Mistral3 alike
+_CROP_PROCESSOR_CLASSES = ("LlavaProcessor",)
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -380,6 +392,7 @@ class PreparedImage:
     # float32, C-contiguous. TileProcessor: [num_tiles, 3, tile, tile]. PatchProcessor: [t * h * w,
     # 3 * temporal_patch_size * patch_size**2], transformers' Qwen2-VL ``pixel_values`` for this one image.
     # PixtralProcessor: [3, H, W], transformers' Pixtral ``pixel_values[0]`` for this one image.
+    # CropProcessor: [3, crop_height, crop_width], transformers' CLIP / LLaVA ``pixel_values[0]``.
     pixel_values: np.ndarray
     # tile rows (0 when the image was not split, and always 0 for a PatchProcessor); PixtralProcessor: lines of
     # image tokens in the prompt
@@ -1031,6 +1044,199 @@ class PixtralProcessor(_Processor):
         )
 
 
+# ------------------------------------------------------------------------------ CLIP / LLaVA-1.5 crops
+
+def _shortest_edge_size(height: int, width: int, shortest: int) -> tuple[int, int]:
+    """(height, width) after transformers' ``get_resize_output_image_size(default_to_square=False)``: the short
+    edge becomes ``shortest`` (up or down), the long one ``int(shortest * long / short)`` (truncated), the
+    float operations in transformers' order."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = shortest, int(shortest * long / short)
+    return (new_long, new_short) if width <= height else (new_short, new_long)
+
+
+def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[height, width, C] from the middle of ``pixels`` ([H, W, C]) as transformers' ``center_crop`` takes it:
+    offsets rounded down; an image smaller than the crop is first put on a black (zero) canvas, offsets there
+    rounded up."""
+    h, w = pixels.shape[:2]
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0:
+        return pixels[top:top + height, left:left + width]
+    nh, nw = max(height, h), max(width, w)
+    top_pad, left_pad = math.ceil((nh - h) / 2), math.ceil((nw - w) / 2)
+    canvas = np.zeros((nh, nw) + pixels.shape[2:], dtype=pixels.dtype)
+    canvas[top_pad:top_pad + h, left_pad:left_pad + w] = pixels
+    top, left = top + top_pad, left + left_pad
+    return canvas[max(0, top):min(nh, top + height), max(0, left):min(nw, left + width)]
+
+
+def _crop_size(field: str, value) -> tuple[int, int]:
+    """(height, width) from transformers' ``crop_size``: ``{"height": H, "width": W}`` or one number (a square)."""
+    if isinstance(value, dict):
+        if set(value) != {"height", "width"}:
+            raise _field_error(field, value, 'a positive integer or {"height": H, "width": W}')
+        return _positive_int(f"{field}.height", value["height"]), _positive_int(f"{field}.width", value["width"])
+    n = _positive_int(field, value)
+    return n, n
+
+
+def _shortest_edge(field: str, value) -> int:
+    """``size`` as CLIP reads it: ``{"shortest_edge": N}`` or one number (transformers' default_to_square=False)."""
+    if isinstance(value, dict):
+        if set(value) != {"shortest_edge"}:
+            raise _field_error(field, value, 'a positive integer or {"shortest_edge": N}')
+        return _positive_int(f"{field}.shortest_edge", value["shortest_edge"])
+    return _positive_int(field, value)
+
+
+@dataclass(frozen=True)
+class CropProcessor(_Processor):
+    """CLIP-tower models such as LLaVA-1.5 (transformers' ``CLIPImageProcessorPil``, and
+    ``LlavaImageProcessorPil`` with its ``do_pad``) and the prompt text for one image: the image token repeated
+    ``image_seq_len`` times, what ``LlavaProcessor`` expands ``<image>`` into.
+
+    1. ``pad_to_square`` (LLaVA's ``do_pad``): the image is centred (offset rounded down) on a square of its long
+       edge filled with ``int(mean * 255)`` per channel.
+    2. ``do_resize``: the short edge becomes ``shortest_edge``, the long one follows the aspect ratio, truncated
+       (``_shortest_edge_size``). One Pillow resize of the uint8 RGB image (``resample``, BICUBIC by default).
+    3. ``do_center_crop``: the middle ``crop_height`` x ``crop_width`` (``_center_crop``; zero-padded where the
+       image is smaller).
+    4. ``do_rescale`` / ``do_normalize`` exactly as for the tiles (one 256-entry table per channel).
+    ``pixel_values`` is [3, crop_height, crop_width] (without the crop, the resized image's size)."""
+
+    kind: ClassVar[str] = "crop"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "crop processor"
+    identity_tag: ClassVar[bytes] = b"flared.crop-processor.v1\0"
+
+    shortest_edge: int  # size.shortest_edge
+    crop_height: int  # crop_size.height
+    crop_width: int  # crop_size.width
+    resample: int  # PIL resample filter id (BICUBIC = 3)
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    image_seq_len: int  # image tokens the model makes of one image (from the vision tower)
+    do_center_crop: bool = True
+    pad_to_square: bool = False  # LlavaImageProcessor's do_pad (CLIP has none)
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    image_token: str = CLIP_IMAGE_TOKEN
+
+    def __post_init__(self):
+        for name in ("shortest_edge", "crop_height", "crop_width", "image_seq_len"):
+            _positive_int(name, getattr(self, name))
+        _check_pixel_settings(self)
+        for name in ("do_center_crop", "pad_to_square"):
+            _flag(name, getattr(self, name))
+        if self.pad_to_square:
+            bad = [m for m in self.image_mean if not 0 <= int(m * 255) <= 255]
+            if bad:  # transformers' uint8 canvas could not hold the colour
+                raise _field_error("image_mean", list(self.image_mean), "within 0-1 to pad with it (do_pad)")
+        if not isinstance(self.image_token, str) or not self.image_token:
+            raise _field_error("image_token", self.image_token, "a non-empty string")
+
+    # -- configuration ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None, *,
+                image_seq_len: int | None) -> CropProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
+        defaults for missing fields. ``image_seq_len`` is the model's image tokens per image (from its vision
+        tower); where the processor config has ``patch_size``, LlavaProcessor's count from it (patches of the
+        crop, plus ``num_additional_image_tokens``, less one for the "default" feature strategy) must agree.
+        ``do_pad`` is read for LLaVA only (CLIP's base class pads a batch, which one image never needs);
+        ``do_convert_rgb`` is not read (a ``DecodedImage`` is RGB already)."""
+        cfg, proc = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, CROP_PROCESSOR_TYPES)
+        if image_seq_len is None:
+            raise _error("image processor setting 'image_seq_len' is needed for a crop processor (CLIP / LLaVA)")
+        crop_h, crop_w = _crop_size("crop_size", cfg.get("crop_size", {"height": 224, "width": 224}))
+        kind = cfg.get("image_processor_type")
+        if kind is not None:
+            llava = kind.removesuffix("Fast").removesuffix("Pil") == "LlavaImageProcessor"
+        else:
+            llava = any(src.get("processor_class") in _CROP_PROCESSOR_CLASSES for src in (cfg, proc))
+        pad = _flag("do_pad", cfg.get("do_pad", False)) if llava else False
+        self = cls(
+            shortest_edge=_shortest_edge("size", cfg.get("size", {"shortest_edge": 224})),
+            crop_height=crop_h,
+            crop_width=crop_w,
+            do_center_crop=cfg.get("do_center_crop", True),
+            pad_to_square=pad,
+            **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD),
+            image_seq_len=image_seq_len,
+            image_token=proc.get("image_token", CLIP_IMAGE_TOKEN),
+        )
+        if proc.get("patch_size") is not None and self.do_center_crop:
+            p = _positive_int("patch_size", proc["patch_size"])
+            extra = proc.get("num_additional_image_tokens", 0)
+            if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+                raise _field_error("num_additional_image_tokens", extra, "a non-negative integer")
+            n = (crop_h // p) * (crop_w // p) + extra - (proc.get("vision_feature_select_strategy") == "default")
+            if n != image_seq_len:
+                raise _error(f"the processor config makes {n} image tokens per image but the model takes "
+                             f"{image_seq_len}")
+        return self
+
+    # -- geometry -----------------------------------------------------------------------------------------
+
+    def output_size(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) of ``pixel_values`` for a width x height image."""
+        if self.pad_to_square:
+            height = width = max(height, width)
+        if self.do_resize:
+            height, width = _shortest_edge_size(height, width, self.shortest_edge)
+        if self.do_center_crop:
+            return self.crop_height, self.crop_width
+        return height, width
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        """How many image tokens ``prepare`` gives an image: always ``image_seq_len``."""
+        return self.image_seq_len
+
+    def prompt(self) -> str:
+        """The text for one image (transformers' ``LlavaProcessor.replace_image_token``)."""
+        return self.image_token * self.image_seq_len
+
+    # -- pixels -------------------------------------------------------------------------------------------
+
+    def _padded(self, im: Image.Image) -> Image.Image:
+        if not self.pad_to_square or im.width == im.height:
+            return im
+        side = max(im.width, im.height)
+        colour = tuple(int(m * 255) for m in self.image_mean)
+        canvas = Image.new("RGB", (side, side), colour)
+        canvas.paste(im, ((side - im.width) // 2, (side - im.height) // 2))
+        return canvas
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        im = self._padded(self._rgb(image))
+        if self.do_resize:
+            h, w = _shortest_edge_size(im.height, im.width, self.shortest_edge)
+            im = im.resize((w, h), resample=self.resample)
+        pixels = np.asarray(im)  # [H, W, 3] uint8
+        if self.do_center_crop:
+            pixels = _center_crop(pixels, self.crop_height, self.crop_width)
+        expected = self.output_size(image.width, image.height)
+        if pixels.shape != expected + (3,):  # cannot happen
+            raise _error(f"internal: cropped to {pixels.shape}, not {expected}", ErrorKind.EXECUTION)
+        lut = _value_table(self)
+        out = np.empty((3,) + expected, dtype=np.float32)
+        for c in range(3):
+            out[c] = lut[c][pixels[:, :, c]]
+        identity = self._identity(image)
+        return PreparedImage(
+            pixel_values=out,
+            rows=0,
+            cols=0,
+            prompt=self.prompt(),
+            num_image_tokens=self.image_seq_len,
+            identity=identity,
+        )
+
+
 # -------------------------------------------------------------------------------------------- dispatch
 
 def _family(cfg: dict, processor_config: dict) -> str:
@@ -1043,33 +1249,40 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return PatchProcessor.kind
         if base in PIXTRAL_PROCESSOR_TYPES:
             return PixtralProcessor.kind
-        raise _field_error("image_processor_type", kind,
-                           " or ".join(PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES))
+        if base in CROP_PROCESSOR_TYPES:
+            return CropProcessor.kind
+        raise _field_error("image_processor_type", kind, " or ".join(
+            PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
             return PatchProcessor.kind
         if cls_name in _PIXTRAL_PROCESSOR_CLASSES:
             return PixtralProcessor.kind
+        if cls_name in _CROP_PROCESSOR_CLASSES:
+            return CropProcessor.kind
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
 
 
-ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor
+ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor
 
 
 def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
                             image_seq_len: int | None) -> ImageProcessor:
     """The image processor a checkpoint's ``preprocessor_config.json`` (and ``processor_config.json``) describe,
     chosen by ``image_processor_type`` (else ``processor_class``; neither: tiles). A tile processor needs the
-    model's ``image_seq_len`` (image tokens per tile); patch and Pixtral processors ignore it."""
+    model's ``image_seq_len`` (image tokens per tile), a crop processor too (image tokens per image); patch and
+    Pixtral processors ignore it."""
     cfg, proc = _hf_config(preprocessor_config, processor_config)
     family = _family(cfg, proc)
     if family == PatchProcessor.kind:
         return PatchProcessor.from_hf(preprocessor_config, processor_config)
     if family == PixtralProcessor.kind:
         return PixtralProcessor.from_hf(preprocessor_config, processor_config)
+    if family == CropProcessor.kind:
+        return CropProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
@@ -1080,7 +1293,7 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
-    classes = (TileProcessor, PatchProcessor, PixtralProcessor)
+    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor)
     for cls in classes:
         if kind == cls.kind:
             return cls.from_dict(d)

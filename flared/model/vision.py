@@ -47,7 +47,7 @@ from flared.errors import CoreError, ErrorKind
 
 # model_type of the checkpoint's config.json -> our vision family
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
-                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral"}
+                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "quick_gelu": "quick", "silu": "silu"}
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of patches
@@ -55,7 +55,7 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3)
+    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP)
     hidden_size: int  # D
     intermediate_size: int  # I
     num_layers: int
@@ -86,6 +86,8 @@ class VisionConfig:
     feature_layer: int = -1
     projector_bias: bool = False
     projector_eps: float = 1e-5
+    # llava (a CLIP tower): "default" drops the class token's row, "full" keeps it
+    feature_select: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -107,7 +109,11 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        if self.family == "pixtral":
+        if self.family in ("pixtral", "llava"):
+            if self.feature_select not in ("default", "full"):
+                raise CoreError(f"vision feature_select {self.feature_select!r} must be default or full")
+            if self.family == "llava" and (self.image_size <= 0 or self.image_size % self.patch_size):
+                raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches")
             if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
                 raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
             return
@@ -147,7 +153,9 @@ class VisionConfig:
 
     @property
     def image_seq_len(self) -> int:
-        """Text-embedding rows one tile becomes."""
+        """Text-embedding rows one tile (llava: one image) becomes."""
+        if self.family == "llava":
+            return self.patches_per_side ** 2 + (self.feature_select == "full")
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
     def to_dict(self) -> dict:
@@ -178,6 +186,9 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     if family is None:
         return None
     v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
+    if family == "llava" and isinstance(v, dict) and v.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise CoreError(f"{source}: a llava vision tower of type {v.get('model_type')!r} is not supported (CLIP "
+                        "only)", ErrorKind.UNSUPPORTED_MODEL)
     if family == "pixtral" and isinstance(v, dict) and v.get("model_type", "pixtral") != "pixtral":
         raise CoreError(f"{source}: a mistral3 vision tower of type {v.get('model_type')!r} is not supported",
                         ErrorKind.UNSUPPORTED_MODEL)
@@ -191,6 +202,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _qwen_vision_from_hf(family, hf, v, t)
         if family == "pixtral":
             return _pixtral_vision_from_hf(hf, v, t)
+        if family == "llava":
+            return _llava_vision_from_hf(hf, v, t)
         return VisionConfig(
             family=family,
             hidden_size=int(v.get("hidden_size", 1152)),
@@ -242,6 +255,25 @@ def mrope_section_of(text: dict[str, Any]) -> list[int] | None:
         if isinstance(params, dict) and params.get("mrope_section") is not None:
             return [int(x) for x in params["mrope_section"]]
     return None
+
+
+def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    layer = hf.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        raise CoreError("vision_feature_layer: only one feature layer is supported", ErrorKind.UNSUPPORTED_MODEL)
+    if hf.get("projector_hidden_act", "gelu") != "gelu":
+        raise CoreError(f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not supported (only gelu)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    return VisionConfig(
+        family="llava", hidden_size=int(v.get("hidden_size", 1024)), intermediate_size=int(v.get("intermediate_size",
+                                                                                                 4096)),
+        num_layers=int(v.get("num_hidden_layers", 24)), num_heads=int(v.get("num_attention_heads", 16)),
+        patch_size=int(v.get("patch_size", 14)), image_size=int(v.get("image_size", 336)),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)), hidden_act=str(v.get("hidden_act", "quick_gelu")),
+        scale_factor=1, text_hidden_size=int(t["hidden_size"]),
+        image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 32000))), feature_layer=layer,
+        projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+        feature_select=str(hf.get("vision_feature_select_strategy", "default")))
 
 
 def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
@@ -304,6 +336,8 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, i = c.hidden_size, c.intermediate_size
     if c.family == "pixtral":
         return _pixtral_tensor_shapes(c)
+    if c.family == "llava":
+        return _llava_tensor_shapes(c)
     if c.grid_based:
         return _qwen_tensor_shapes(c)
     shapes: dict[str, tuple[int, ...]] = {
@@ -314,6 +348,26 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
         "post_norm.bias": (d,),
         "proj.weight": (c.text_hidden_size, d * c.scale_factor ** 2),
     }
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        shapes.update({p + "norm1.weight": (d,), p + "norm1.bias": (d,), p + "qkv.weight": (3 * d, d),
+                       p + "qkv.bias": (3 * d,), p + "o.weight": (d, d), p + "o.bias": (d,),
+                       p + "norm2.weight": (d,), p + "norm2.bias": (d,), p + "fc1.weight": (i, d),
+                       p + "fc1.bias": (i,), p + "fc2.weight": (d, i), p + "fc2.bias": (d,)})
+    return shapes
+
+
+def _llava_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """LLaVA's CLIP tower: patch_embed.weight (no bias), class_embed [D], pos_embed [1 + P, D], pre_norm (weight and
+    bias), layers as Idefics3's (LayerNorms, fused biased qkv, o, fc1, fc2); projector proj_fc1 [hidden, D],
+    proj_fc2 [hidden, hidden] (biases where projector_bias)."""
+    d, i, h = c.hidden_size, c.intermediate_size, c.text_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "class_embed": (d,),
+        "pos_embed.weight": (c.patches_per_side ** 2 + 1, d), "pre_norm.weight": (d,), "pre_norm.bias": (d,),
+        "proj_fc1.weight": (h, d), "proj_fc2.weight": (h, h)}
+    if c.projector_bias:
+        shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
     for n in range(c.num_layers):
         p = f"layers.{n}."
         shapes.update({p + "norm1.weight": (d,), p + "norm1.bias": (d,), p + "qkv.weight": (3 * d, d),
@@ -397,6 +451,8 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
 
     if c.family == "pixtral":
         return _pixtral_vision_to_serving(hf, c, take, source)
+    if c.family == "llava":
+        return _llava_vision_to_serving(hf, c, take, source)
     if c.grid_based:
         return _qwen_vision_to_serving(hf, c, take, source)
     vm = "model.vision_model."
@@ -465,6 +521,32 @@ def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str,
     return out
 
 
+def _llava_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
+    prefix = "model." if "model.vision_tower.embeddings.patch_embedding.weight" in hf else ""
+    vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
+    out = {"patch_embed.weight": take(vt + "embeddings.patch_embedding.weight"),
+           "class_embed": take(vt + "embeddings.class_embedding"),
+           "pos_embed.weight": take(vt + "embeddings.position_embedding.weight"),
+           "pre_norm.weight": take(vt + "pre_layrnorm.weight"), "pre_norm.bias": take(vt + "pre_layrnorm.bias"),
+           "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight")}
+    if c.projector_bias:
+        out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
+    for n in range(c.num_layers):
+        hp, sp = f"{vt}encoder.layers.{n}.", f"layers.{n}."
+        attn = hp + "self_attn."
+        out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
+        out[sp + "qkv.bias"] = torch.cat([take(f"{attn}{x}_proj.bias") for x in "qkv"])
+        for kind in ("weight", "bias"):
+            out[f"{sp}o.{kind}"] = take(f"{attn}out_proj.{kind}")
+            out[f"{sp}norm1.{kind}"] = take(f"{hp}layer_norm1.{kind}")
+            out[f"{sp}norm2.{kind}"] = take(f"{hp}layer_norm2.{kind}")
+            out[f"{sp}fc1.{kind}"] = take(f"{hp}mlp.fc1.{kind}")
+            out[f"{sp}fc2.{kind}"] = take(f"{hp}mlp.fc2.{kind}")
+    out = {k: v.contiguous() for k, v in out.items()}
+    check_vision_tensors(out, c, source=source)
+    return out
+
+
 def _pixtral_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.patch_conv.weight" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
@@ -490,8 +572,8 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[s
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    cls = (PixtralVisionEncoder if config.family == "pixtral" else QwenVisionEncoder if config.grid_based
-           else VisionEncoder)
+    cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder}.get(
+        config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
 
 
@@ -808,5 +890,41 @@ class PixtralVisionEncoder(_Tower):
         x = _rms(x, w["proj_norm.weight"], c.projector_eps)
         blocks = F.unfold(x.view(h, wd, d).permute(2, 0, 1)[None], kernel_size=s, stride=s)  # [1, D*s*s, blocks]
         x = F.linear(blocks[0].T, w["merge.weight"])
+        x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
+        return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
+
+
+class LlavaVisionEncoder(_Tower):
+    """LLaVA-1.5's CLIP tower and projector: one image [3, S, S] -> its rows [(S / p)^2 (+1), hidden]. Patch conv,
+    the class token before the patches, learned positions, a pre-LayerNorm, the layers up to feature_layer (CLIP's
+    hidden states: 0 the embeddings, -2 before the last layer), the class row dropped ("default"), then two
+    linears with GELU."""
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
+        c, w = self.config, self.w
+        if grid is not None or tuple(pixel_values.shape) != (3, c.image_size, c.image_size):
+            raise ValueError(f"a CLIP tower takes one [3, {c.image_size}, {c.image_size}] image, got "
+                             f"{tuple(pixel_values.shape)}")
+        d, heads = c.hidden_size, c.num_heads
+        x = F.conv2d(pixel_values.to(self.device, self.dtype)[None], w["patch_embed.weight"], stride=c.patch_size)
+        x = torch.cat([w["class_embed"][None], x[0].flatten(1).T]) + w["pos_embed.weight"]  # [1 + P, D]
+        x = F.layer_norm(x, (d,), w["pre_norm.weight"], w["pre_norm.bias"], c.layer_norm_eps)
+        n = x.shape[0]
+        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        approximate = _ACTIVATIONS[c.hidden_act]
+        for i in range(layers):
+            p = f"layers.{i}."
+            x1 = F.layer_norm(x, (d,), w[p + "norm1.weight"], w[p + "norm1.bias"], c.layer_norm_eps)
+            q, k, v = F.linear(x1, w[p + "qkv.weight"], w[p + "qkv.bias"]).view(n, 3, heads, d // heads).unbind(1)
+            attn = _segments_attention(q, k, v, [n])
+            x = x + F.linear(attn.reshape(n, d), w[p + "o.weight"], w[p + "o.bias"])
+            x2 = F.layer_norm(x, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
+            mid = F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"])
+            mid = mid * torch.sigmoid(1.702 * mid) if approximate == "quick" else F.gelu(mid, approximate=approximate)
+            x = x + F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+            yield
+        if c.feature_select == "default":
+            x = x[1:]
         x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))

@@ -478,7 +478,7 @@ def test_image_processor_from_hf_dispatch():
     assert image_processor_from_hf({}, dict(MISTRAL3_PROC, image_processor=MISTRAL3), image_seq_len=None) == \
         PixtralProcessor.from_hf(MISTRAL3, MISTRAL3_PROC)
     with pytest.raises(FrontendError, match="'image_processor_type'") as info:
-        image_processor_from_hf({"image_processor_type": "CLIPImageProcessor"}, None, image_seq_len=4)
+        image_processor_from_hf({"image_processor_type": "SiglipImageProcessor"}, None, image_seq_len=4)
     assert "PixtralImageProcessor" in str(info.value) and "Qwen2VLImageProcessor" in str(info.value)
 
 

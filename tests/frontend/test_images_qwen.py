@@ -390,7 +390,7 @@ def test_image_processor_from_hf_dispatch():
         image_processor_from_hf(TILE_CFG, None, image_seq_len=None)
     assert info.value.kind is ErrorKind.VALIDATION
     with pytest.raises(FrontendError, match="'image_processor_type'") as info:
-        image_processor_from_hf({"image_processor_type": "CLIPImageProcessor"}, None, image_seq_len=4)
+        image_processor_from_hf({"image_processor_type": "SiglipImageProcessor"}, None, image_seq_len=4)
     assert "Qwen2VLImageProcessor" in str(info.value) and "Idefics3ImageProcessor" in str(info.value)
 
 
