@@ -333,7 +333,7 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
 
 
 def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
-    d, i = c.hidden_size, c.intermediate_size
+    d = c.hidden_size
     if c.family == "pixtral":
         return _pixtral_tensor_shapes(c)
     if c.family == "llava":
@@ -348,6 +348,13 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
         "post_norm.bias": (d,),
         "proj.weight": (c.text_hidden_size, d * c.scale_factor ** 2),
     }
+    return {**shapes, **_vit_layer_shapes(c)}
+
+
+def _vit_layer_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """The SigLIP / CLIP layers of Idefics3's and LLaVA's towers: LayerNorms, fused biased qkv, o, fc1, fc2."""
+    d, i = c.hidden_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
     for n in range(c.num_layers):
         p = f"layers.{n}."
         shapes.update({p + "norm1.weight": (d,), p + "norm1.bias": (d,), p + "qkv.weight": (3 * d, d),
@@ -361,20 +368,14 @@ def _llava_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     """LLaVA's CLIP tower: patch_embed.weight (no bias), class_embed [D], pos_embed [1 + P, D], pre_norm (weight and
     bias), layers as Idefics3's (LayerNorms, fused biased qkv, o, fc1, fc2); projector proj_fc1 [hidden, D],
     proj_fc2 [hidden, hidden] (biases where projector_bias)."""
-    d, i, h = c.hidden_size, c.intermediate_size, c.text_hidden_size
+    d, h = c.hidden_size, c.text_hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "class_embed": (d,),
         "pos_embed.weight": (c.patches_per_side ** 2 + 1, d), "pre_norm.weight": (d,), "pre_norm.bias": (d,),
         "proj_fc1.weight": (h, d), "proj_fc2.weight": (h, h)}
     if c.projector_bias:
         shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
-    for n in range(c.num_layers):
-        p = f"layers.{n}."
-        shapes.update({p + "norm1.weight": (d,), p + "norm1.bias": (d,), p + "qkv.weight": (3 * d, d),
-                       p + "qkv.bias": (3 * d,), p + "o.weight": (d, d), p + "o.bias": (d,),
-                       p + "norm2.weight": (d,), p + "norm2.bias": (d,), p + "fc1.weight": (i, d),
-                       p + "fc1.bias": (i,), p + "fc2.weight": (d, i), p + "fc2.bias": (d,)})
-    return shapes
+    return {**shapes, **_vit_layer_shapes(c)}
 
 
 def _pixtral_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -464,17 +465,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         "post_norm.bias": take(vm + "post_layernorm.bias"),
         "proj.weight": take("model.connector.modality_projection.proj.weight"),
     }
-    for n in range(c.num_layers):
-        hp, sp = f"{vm}encoder.layers.{n}.", f"layers.{n}."
-        attn = hp + "self_attn."
-        out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"], dim=0)
-        out[sp + "qkv.bias"] = torch.cat([take(f"{attn}{x}_proj.bias") for x in "qkv"], dim=0)
-        out[sp + "o.weight"] = take(attn + "out_proj.weight")
-        out[sp + "o.bias"] = take(attn + "out_proj.bias")
-        for ours, theirs in (("norm1", "layer_norm1"), ("norm2", "layer_norm2"), ("fc1", "mlp.fc1"),
-                             ("fc2", "mlp.fc2")):
-            out[f"{sp}{ours}.weight"] = take(f"{hp}{theirs}.weight")
-            out[f"{sp}{ours}.bias"] = take(f"{hp}{theirs}.bias")
+    out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", c.num_layers))
     out = {k: v.contiguous() for k, v in out.items()}
     check_vision_tensors(out, c, source=source)
     return out
@@ -521,6 +512,20 @@ def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str,
     return out
 
 
+def _vit_layers_to_serving(take, prefix: str, num_layers: int) -> dict[str, torch.Tensor]:
+    """SigLIP / CLIP encoder layers (transformers' names under ``prefix``) in the serving layout."""
+    out = {}
+    for n in range(num_layers):
+        hp, sp = f"{prefix}{n}.", f"layers.{n}."
+        attn = hp + "self_attn."
+        for kind in ("weight", "bias"):
+            out[f"{sp}qkv.{kind}"] = torch.cat([take(f"{attn}{x}_proj.{kind}") for x in "qkv"])
+            for ours, theirs in (("o", "self_attn.out_proj"), ("norm1", "layer_norm1"), ("norm2", "layer_norm2"),
+                                 ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
+                out[f"{sp}{ours}.{kind}"] = take(f"{hp}{theirs}.{kind}")
+    return out
+
+
 def _llava_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.embeddings.patch_embedding.weight" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
@@ -531,17 +536,7 @@ def _llava_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str
            "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight")}
     if c.projector_bias:
         out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
-    for n in range(c.num_layers):
-        hp, sp = f"{vt}encoder.layers.{n}.", f"layers.{n}."
-        attn = hp + "self_attn."
-        out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
-        out[sp + "qkv.bias"] = torch.cat([take(f"{attn}{x}_proj.bias") for x in "qkv"])
-        for kind in ("weight", "bias"):
-            out[f"{sp}o.{kind}"] = take(f"{attn}out_proj.{kind}")
-            out[f"{sp}norm1.{kind}"] = take(f"{hp}layer_norm1.{kind}")
-            out[f"{sp}norm2.{kind}"] = take(f"{hp}layer_norm2.{kind}")
-            out[f"{sp}fc1.{kind}"] = take(f"{hp}mlp.fc1.{kind}")
-            out[f"{sp}fc2.{kind}"] = take(f"{hp}mlp.fc2.{kind}")
+    out.update(_vit_layers_to_serving(take, vt + "encoder.layers.", c.num_layers))
     out = {k: v.contiguous() for k, v in out.items()}
     check_vision_tensors(out, c, source=source)
     return out
@@ -609,7 +604,6 @@ class VisionEncoder(_Tower):
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         super().__init__(config, tensors, dtype=dtype, device=device)
-        self._approximate = _ACTIVATIONS[config.hidden_act]
 
     @torch.inference_mode()
     def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
@@ -628,21 +622,11 @@ class VisionEncoder(_Tower):
 
     def _tiles(self, x: torch.Tensor):
         c, w = self.config, self.w
-        n = x.shape[0]
-        d, heads = c.hidden_size, c.num_heads
+        n, d = x.shape[0], c.hidden_size
         h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size)  # [n, D, side, side]
         h = h.flatten(2).transpose(1, 2) + w["pos_embed.weight"]  # [n, P, D]: whole tiles, position = patch index
-        patches = h.shape[1]
         for i in range(c.num_layers):
-            p = f"layers.{i}."
-            x1 = F.layer_norm(h, (d,), w[p + "norm1.weight"], w[p + "norm1.bias"], c.layer_norm_eps)
-            qkv = F.linear(x1, w[p + "qkv.weight"], w[p + "qkv.bias"]).view(n, patches, 3, heads, d // heads)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [n, heads, P, head_dim]
-            attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, patches, d)
-            h = h + F.linear(attn, w[p + "o.weight"], w[p + "o.bias"])
-            x2 = F.layer_norm(h, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
-            mid = F.gelu(F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"]), approximate=self._approximate)
-            h = h + F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+            h = _vit_layer(h, w, f"layers.{i}.", c)
             yield
         h = F.layer_norm(h, (d,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
         # Pixel shuffle: each s x s block of patches (row-major blocks) becomes one row of its patches' features,
@@ -652,6 +636,27 @@ class VisionEncoder(_Tower):
         h = h.permute(0, 2, 1, 3).reshape(n, side // s, side // s, d * s * s)  # [n, col block, row block, ...]
         h = h.permute(0, 2, 1, 3).reshape(n * (side // s) ** 2, d * s * s)
         return F.linear(h, w["proj.weight"])
+
+
+def _activation(x: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    kind = _ACTIVATIONS[hidden_act]
+    if kind == "silu":
+        return F.silu(x)
+    return x * torch.sigmoid(1.702 * x) if kind == "quick" else F.gelu(x, approximate=kind)
+
+
+def _vit_layer(h: torch.Tensor, w: dict, p: str, c: VisionConfig) -> torch.Tensor:
+    """One SigLIP / CLIP encoder layer over [n, P, D] (every patch attends to every other of its image)."""
+    n, patches, d = h.shape
+    heads = c.num_heads
+    x1 = F.layer_norm(h, (d,), w[p + "norm1.weight"], w[p + "norm1.bias"], c.layer_norm_eps)
+    q, k, v = F.linear(x1, w[p + "qkv.weight"], w[p + "qkv.bias"]).view(n, patches, 3, heads, d // heads).permute(
+        2, 0, 3, 1, 4)  # each [n, heads, P, head_dim]
+    attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, patches, d)
+    h = h + F.linear(attn, w[p + "o.weight"], w[p + "o.bias"])
+    x2 = F.layer_norm(h, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
+    mid = _activation(F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"]), c.hidden_act)
+    return h + F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -715,9 +720,7 @@ class QwenVisionEncoder(_Tower):
         if self.config.family == "qwen2_5_vl":
             gate, up = F.linear(x, w[p + "gate_up.weight"], w[p + "gate_up.bias"]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, w[p + "down.weight"], w[p + "down.bias"])
-        mid = F.linear(x, w[p + "fc1.weight"], w[p + "fc1.bias"])
-        approximate = _ACTIVATIONS[self.config.hidden_act]
-        mid = mid * torch.sigmoid(1.702 * mid) if approximate == "quick" else F.gelu(mid, approximate=approximate)
+        mid = _activation(F.linear(x, w[p + "fc1.weight"], w[p + "fc1.bias"]), self.config.hidden_act)
         return F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
 
     def _merge(self, x: torch.Tensor, prefix: str, *, norm_after_shuffle: bool) -> torch.Tensor:
@@ -850,13 +853,6 @@ class PixtralVisionEncoder(_Tower):
         inv = 1.0 / (config.rope_theta ** (torch.arange(0, head, 2, dtype=torch.float) / head))
         self.inv_rows, self.inv_cols = inv[0::2], inv[1::2]
 
-    def _act(self, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP's activation (Pixtral's config names it: silu on the released models, gelu by default)."""
-        kind = _ACTIVATIONS[self.config.hidden_act]
-        if kind == "silu":
-            return F.silu(x)
-        return x * torch.sigmoid(1.702 * x) if kind == "quick" else F.gelu(x, approximate=kind)
-
     @torch.inference_mode()
     def stages(self, pixel_values: torch.Tensor, *, grid=None):
         c, w = self.config, self.w
@@ -885,7 +881,8 @@ class PixtralVisionEncoder(_Tower):
             attn = _segments_attention(q, k, v, [n])
             x = x + F.linear(attn.reshape(n, d), w[p + "o.weight"])
             gate, up = F.linear(_rms(x, w[p + "norm2.weight"], c.layer_norm_eps), w[p + "gate_up.weight"]).chunk(2, -1)
-            x = x + F.linear(self._act(gate) * up, w[p + "down.weight"])
+            # the gated MLP's activation: Pixtral's config names it (silu on the released models, gelu by default)
+            x = x + F.linear(_activation(gate, c.hidden_act) * up, w[p + "down.weight"])
             yield
         x = _rms(x, w["proj_norm.weight"], c.projector_eps)
         blocks = F.unfold(x.view(h, wd, d).permute(2, 0, 1)[None], kernel_size=s, stride=s)  # [1, D*s*s, blocks]
@@ -906,25 +903,15 @@ class LlavaVisionEncoder(_Tower):
         if grid is not None or tuple(pixel_values.shape) != (3, c.image_size, c.image_size):
             raise ValueError(f"a CLIP tower takes one [3, {c.image_size}, {c.image_size}] image, got "
                              f"{tuple(pixel_values.shape)}")
-        d, heads = c.hidden_size, c.num_heads
+        d = c.hidden_size
         x = F.conv2d(pixel_values.to(self.device, self.dtype)[None], w["patch_embed.weight"], stride=c.patch_size)
         x = torch.cat([w["class_embed"][None], x[0].flatten(1).T]) + w["pos_embed.weight"]  # [1 + P, D]
         x = F.layer_norm(x, (d,), w["pre_norm.weight"], w["pre_norm.bias"], c.layer_norm_eps)
-        n = x.shape[0]
+        x = x[None]  # [1, 1 + P, D]
         layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
-        approximate = _ACTIVATIONS[c.hidden_act]
         for i in range(layers):
-            p = f"layers.{i}."
-            x1 = F.layer_norm(x, (d,), w[p + "norm1.weight"], w[p + "norm1.bias"], c.layer_norm_eps)
-            q, k, v = F.linear(x1, w[p + "qkv.weight"], w[p + "qkv.bias"]).view(n, 3, heads, d // heads).unbind(1)
-            attn = _segments_attention(q, k, v, [n])
-            x = x + F.linear(attn.reshape(n, d), w[p + "o.weight"], w[p + "o.bias"])
-            x2 = F.layer_norm(x, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
-            mid = F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"])
-            mid = mid * torch.sigmoid(1.702 * mid) if approximate == "quick" else F.gelu(mid, approximate=approximate)
-            x = x + F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+            x = _vit_layer(x, w, f"layers.{i}.", c)
             yield
-        if c.feature_select == "default":
-            x = x[1:]
+        x = x[0, 1:] if c.feature_select == "default" else x[0]
         x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
