@@ -116,8 +116,10 @@ class RenderedChat:
     # The byte endpoints they came from (UTF-8 offsets into text), including ones a token crosses.
     byte_endpoints: tuple[int, ...]
     # A vision model's images (flared.frontend.images.PreparedImage), in prompt order: each one's placeholder
-    # was replaced by its prompt text before tokenizing. Set by the caller that prepared them.
+    # was replaced by its prompt text before tokenizing; and where their tokens sit (flared.runtime.request's
+    # VisionInput, its rows not yet made). Set by the caller that prepared them.
     images: tuple = ()
+    vision: object = None
 
     @property
     def prompt_bytes(self) -> bytes:

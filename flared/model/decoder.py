@@ -575,7 +575,7 @@ class DecoderModel:
     def _windowed(self, batch: ForwardBatch, window: int):
         """(decode rows' mask [1, B, 1, L] True = masked, each prefill group's [q_len, L] True = attend) for layers
         of one window, made once a batch: the batch's own masks know only the whole-context layers."""
-        cache = batch.__dict__.setdefault("_window_masks", {})
+        cache = batch.window_masks
         if window not in cache:
             decode = None
             if batch.decode_row_ids is not None:

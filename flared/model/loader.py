@@ -203,38 +203,11 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
-    if config.architecture == "gemma3":
-        return _gemma3_to_serving(take, config)
-    out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.norm.weight")}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
-    for i in range(config.num_layers):
-        hp, sp = f"model.layers.{i}.", f"layers.{i}."
-        attn = hp + "self_attn."
-        out[sp + "attn_norm.weight"] = take(hp + "input_layernorm.weight")
-        out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
-        if config.attention_bias:
-            out[sp + "qkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"], dim=0)
-        if config.qk_norm:
-            out[sp + "q_norm.weight"] = take(attn + "q_norm.weight")
-            out[sp + "k_norm.weight"] = take(attn + "k_norm.weight")
-        out[sp + "o.weight"] = take(attn + "o_proj.weight")
-        if config.attention_out_bias:
-            out[sp + "o.bias"] = take(attn + "o_proj.bias")
-        out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
-        out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
-        out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
-    return {k: v.contiguous() for k, v in out.items()}
-
-
-def _gemma3_to_serving(take, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Gemma 3's tensors in the serving layout. Its RMSNorms scale by (1 + weight): the serving norms hold
-    1 + weight (added in float32, as transformers computes it), so the forward's norms are the usual ones. Its
-    post_attention_layernorm follows attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm
-    is the pre-MLP norm."""
-    def norm(name: str) -> torch.Tensor:
-        return take(name).float() + 1.0
-
+    # Gemma 3's RMSNorms scale by (1 + weight): its serving norms hold 1 + weight (added in float32, as
+    # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
+    # attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm is its pre-MLP norm.
+    gemma = config.architecture == "gemma3"
+    norm = (lambda name: take(name).float() + 1.0) if gemma else take
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
@@ -242,17 +215,22 @@ def _gemma3_to_serving(take, config: ModelConfig) -> dict[str, torch.Tensor]:
         hp, sp = f"model.layers.{i}.", f"layers.{i}."
         attn = hp + "self_attn."
         out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
-        out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
-        out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
-        out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
         out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
         if config.attention_bias:
             out[sp + "qkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"], dim=0)
-            out[sp + "o.bias"] = take(attn + "o_proj.bias")
-        out[sp + "q_norm.weight"] = norm(attn + "q_norm.weight")
-        out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
+        if config.qk_norm:
+            out[sp + "q_norm.weight"] = norm(attn + "q_norm.weight")
+            out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
         out[sp + "o.weight"] = take(attn + "o_proj.weight")
-        out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")])
+        if config.attention_out_bias:
+            out[sp + "o.bias"] = take(attn + "o_proj.bias")
+        if gemma:
+            out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
+            out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
+            out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
+        else:
+            out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+        out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
         out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
     return {k: v.contiguous() for k, v in out.items()}
 

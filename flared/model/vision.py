@@ -450,12 +450,14 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
-    if c.family == "pixtral":
-        return _pixtral_vision_to_serving(hf, c, take, source)
-    if c.family == "llava":
-        return _llava_vision_to_serving(hf, c, take, source)
-    if c.grid_based:
-        return _qwen_vision_to_serving(hf, c, take, source)
+    to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving}.get(
+        c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
+    out = {k: v.contiguous() for k, v in to_serving(hf, c, take).items()}
+    check_vision_tensors(out, c, source=source)
+    return out
+
+
+def _idefics3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     vm = "model.vision_model."
     out = {
         "patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
@@ -466,12 +468,10 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         "proj.weight": take("model.connector.modality_projection.proj.weight"),
     }
     out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", c.num_layers))
-    out = {k: v.contiguous() for k, v in out.items()}
-    check_vision_tensors(out, c, source=source)
     return out
 
 
-def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
+def _qwen_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     vm = "visual." if "visual.patch_embed.proj.weight" in hf else "model.visual."
     out = {"patch_embed.weight": take(vm + "patch_embed.proj.weight")}
     rms = c.family == "qwen2_5_vl"
@@ -507,8 +507,6 @@ def _qwen_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str,
             mlp = "mlp.linear_" if c.family == "qwen3_vl" else "mlp."
             for ours in ("norm1.bias", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
                 out[sp + ours] = take(hp + ours if ours.startswith("norm") else hp + mlp + ours)
-    out = {k: v.contiguous() for k, v in out.items()}
-    check_vision_tensors(out, c, source=source)
     return out
 
 
@@ -526,7 +524,7 @@ def _vit_layers_to_serving(take, prefix: str, num_layers: int) -> dict[str, torc
     return out
 
 
-def _llava_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
+def _llava_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.embeddings.patch_embedding.weight" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
     out = {"patch_embed.weight": take(vt + "embeddings.patch_embedding.weight"),
@@ -537,12 +535,10 @@ def _llava_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str
     if c.projector_bias:
         out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
     out.update(_vit_layers_to_serving(take, vt + "encoder.layers.", c.num_layers))
-    out = {k: v.contiguous() for k, v in out.items()}
-    check_vision_tensors(out, c, source=source)
     return out
 
 
-def _pixtral_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[str, torch.Tensor]:
+def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.patch_conv.weight" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
     out = {"patch_embed.weight": take(vt + "patch_conv.weight"), "pre_norm.weight": take(vt + "ln_pre.weight"),
@@ -559,8 +555,6 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take, source: str) -> dict[s
             sp + "gate_up.weight": torch.cat([take(hp + "feed_forward.gate_proj.weight"),
                                               take(hp + "feed_forward.up_proj.weight")]),
             sp + "down.weight": take(hp + "feed_forward.down_proj.weight")})
-    out = {k: v.contiguous() for k, v in out.items()}
-    check_vision_tensors(out, c, source=source)
     return out
 
 

@@ -38,8 +38,8 @@ class VisionInput:
     """A prompt's images, ready for the decoder: the rows the image tower made for each image token."""
     positions: np.ndarray  # int64 [N]: prompt indices of the image tokens, ascending
     # [N, hidden]: row i replaces the embedding at positions[i] (Qwen3-VL: [N, (1 + k) * hidden], its k DeepStack
-    # layers' rows after the embedding's)
-    features: torch.Tensor
+    # layers' rows after the embedding's); None until the tower has made them
+    features: torch.Tensor | None
     # (index of each image's first image token, its 32-byte identity): prefix-cache conditioning, so a cached
     # prompt is reused only up to the first image that differs
     spans: tuple[tuple[int, bytes], ...]

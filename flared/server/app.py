@@ -46,6 +46,7 @@ from flared.server.ollama_routes import OllamaRoutes
 from flared.server.openai_routes import OpenAIRoutes
 from flared.server.responses_routes import ResponsesRoutes
 from flared.server.systemone_routes import SystemOneRoutes
+from flared.server.openai_schema import _bad
 from flared.server.structured import StructuredOutput
 
 
@@ -196,7 +197,9 @@ class ServingState:
                     raise FrontendError(f"the prompt holds {found} image tokens where its images make {expected} "
                                         "(a message's text may not spell an image token, and this route reads "
                                         "images only as the API's image parts)", ErrorKind.VALIDATION)
-            return dataclasses.replace(rendered, images=prepared) if prepared else rendered
+            if not prepared:
+                return rendered
+            return dataclasses.replace(rendered, images=prepared, vision=self._image_layout(rendered, prepared))
 
         try:
             return await self._in_pool(render)
@@ -227,16 +230,10 @@ class ServingState:
                    "this server runs the model's CUDA graphs, which take text only so far; serve it on the CPU "
                    "executor for images")
             kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
-            err = AdmissionError(f"'{param}': content part of type {kind!r} is not supported ({why})",
-                                 ErrorKind.UNSUPPORTED)
-            err.param = param
-            raise err
+            raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
         if len(images) > self.max_images:
-            param = images[self.max_images][0]
             many = f"{self.max_images} image{'s' if self.max_images != 1 else ''}"
-            err = AdmissionError(f"'{param}': at most {many} a request", ErrorKind.VALIDATION)
-            err.param = param
-            raise err
+            raise _bad(images[self.max_images][0], f"at most {many} a request")
 
     def _prepare_images(self, images) -> tuple:
         """Decode and tile every image (on a frontend worker); a bad one is a 400 naming its part."""
@@ -250,18 +247,32 @@ class ServingState:
                 decoded = decode_image(source, max_bytes=IMAGE_BYTES_LIMIT)
                 image = self.image_processor.prepare(decoded)
             except FrontendError as exc:
-                err = AdmissionError(f"'{param}': {exc}", exc.kind)
-                err.param = param
-                raise err from None
+                raise _bad(param, str(exc), exc.kind) from None
             tokens += image.num_image_tokens
             if tokens >= context:
-                err = AdmissionError(f"'{param}': the images take {tokens} tokens, more than the context of "
-                                     f"{context} tokens", ErrorKind.CONTEXT_LENGTH,
-                                     hint=self.manifest.context_hint)
-                err.param = param
-                raise err
+                raise _bad(param, f"the images take {tokens} tokens, more than the context of {context} tokens "
+                                  f"({self.manifest.context_hint})", ErrorKind.CONTEXT_LENGTH)
             prepared.append(image)
         return tuple(prepared)
+
+    def _image_layout(self, rendered, images) -> VisionInput:
+        """Where a rendered chat's images sit (on the frontend worker): their tokens' positions, each image's span
+        and identity, and Qwen VL's 3D rope positions; the rows come later (``vision_input``)."""
+        ids = np.asarray(rendered.token_ids, dtype=np.int64)
+        positions = np.flatnonzero(ids == self.image_token_id)  # as many as the images make (checked by the caller)
+        counts = [image.num_image_tokens for image in images]
+        starts = np.cumsum([0] + counts[:-1])
+        spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, images))
+        mrope, delta = None, 0
+        if self.mrope_merge:  # Qwen VL: 3D rope positions, each image's tokens a block of its merged grid
+            blocks = []
+            for s, count, image in zip(starts, counts, images):
+                first = int(positions[s])
+                if positions[s + count - 1] - first != count - 1:
+                    raise FrontendError("an image's tokens are not contiguous in the prompt", ErrorKind.VALIDATION)
+                blocks.append((first, count, image.grid))
+            mrope, delta = mrope_positions(rendered.token_ids, blocks, self.mrope_merge)
+        return VisionInput(positions, None, spans, mrope, delta)
 
     async def vision_input(self, rendered, cut: int = 0):
         """The images of a rendered chat through the image tower (on the model thread, between its steps), as the
@@ -269,26 +280,11 @@ class ServingState:
         front (truncation); a cut into an image is a 400."""
         if not rendered.images:
             return None
-        ids = np.asarray(rendered.token_ids, dtype=np.int64)
-        positions = np.flatnonzero(ids == self.image_token_id)  # as many as the images make (prepare_chat)
-        counts = [image.num_image_tokens for image in rendered.images]
-        starts = np.cumsum([0] + counts[:-1])
-        spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, rendered.images))
-        mrope, delta = None, 0
-        if self.mrope_merge:  # Qwen VL: 3D rope positions, each image's tokens a block of its merged grid
-            blocks = []
-            for s, count, image in zip(starts, counts, rendered.images):
-                first = int(positions[s])
-                if positions[s + count - 1] - first != count - 1:
-                    raise AdmissionError("'messages': an image's tokens are not contiguous in the prompt",
-                                         ErrorKind.VALIDATION)
-                blocks.append((first, count, image.grid))
-            mrope, delta = mrope_positions(rendered.token_ids, blocks, self.mrope_merge)
         rows = await self.image_rows(rendered.images)
         features = torch.cat(rows) if len(rows) > 1 else rows[0]
-        vision = VisionInput(positions, features, spans, mrope, delta).shifted(cut)
+        vision = dataclasses.replace(rendered.vision, features=features).shifted(cut)
         if vision is None:
-            raise AdmissionError("'truncate_prompt_tokens': the cut would fall inside an image", ErrorKind.VALIDATION)
+            raise _bad("truncate_prompt_tokens", "the cut would fall inside an image")
         return vision
 
     async def image_rows(self, images) -> list:
