@@ -49,3 +49,14 @@ def ask_greedy(daemon, images, text: str, max_tokens: int, **kw):
                                logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
     assert status == 200, body
     return body
+
+
+def metric(daemon, name: str) -> float:
+    """A counter's value (its first sample) from the daemon's /metrics, parsed as Prometheus does."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = daemon.request("GET", "/metrics")
+    for family in text_string_to_metric_families(text.decode()):
+        if family.name == name:
+            return family.samples[0].value
+    raise AssertionError(f"no {name} metric")

@@ -561,7 +561,3 @@ def test_sixteen_bit_grayscale_is_scaled_not_clipped():
     np.testing.assert_array_equal(np.asarray(decoded.image)[0, :, 0], [0, 1, 128, 255])
     trns = decode_image(_encode(Image.fromarray(values), "PNG", transparency=257))
     np.testing.assert_array_equal(np.asarray(trns.image)[0, :, 0], [0, 255, 128, 255])
-
-
-def test_default_limits():
-    assert DEFAULT_MAX_IMAGE_BYTES == 20 << 20 and DEFAULT_MAX_IMAGE_PIXELS == 8192 * 8192
