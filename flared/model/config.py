@@ -33,10 +33,14 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
 _ROPE_SCALING_KEYS = {
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    # YaRN (Qwen2.5/Qwen3 long context, DeepSeek): stored resolved, as transformers computes it: the correction
+    # band's rotations (beta_fast, beta_slow), whether its bounds are rounded out (truncate) and the factor cos and
+    # sin are scaled by (attention_factor).
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"},
 }
 
 
@@ -56,7 +60,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None = plain rope; else {"rope_type": "linear"|"llama3", ...params}
+    rope_scaling: dict | None  # None = plain rope; else {"rope_type": "linear"|"llama3"|"yarn", ...params}
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on the q, k and v projections (Qwen2; Llama with attention_bias)
@@ -174,10 +178,12 @@ def _check_rope_scaling(rope_scaling: dict) -> None:
     expected = _ROPE_SCALING_KEYS[rope_type] | {"rope_type"}
     if set(rope_scaling) != expected:
         raise CoreError(f"rope_scaling {rope_type} needs exactly the keys {sorted(expected)}, got {sorted(rope_scaling)}")
-    for key in expected - {"rope_type"}:
+    for key in expected - {"rope_type", "truncate"}:
         value = rope_scaling[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise CoreError(f"rope_scaling {key} must be a positive number, got {value!r}")
+    if "truncate" in expected and not isinstance(rope_scaling["truncate"], bool):
+        raise CoreError(f"rope_scaling truncate must be a boolean, got {rope_scaling['truncate']!r}")
 
 
 def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
@@ -199,9 +205,33 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     if rope_type not in ROPE_SCALING_TYPES:
         raise _unsupported(f"{source}: rope scaling type {rope_type!r} is not supported "
                            f"(supported: default, {', '.join(ROPE_SCALING_TYPES)})")
+    if rope_type == "yarn":
+        return float(theta), yarn_parameters(scaling, hf)
     keep = {k: float(scaling[k]) if k != "original_max_position_embeddings" else int(scaling[k])
             for k in _ROPE_SCALING_KEYS[rope_type] if k in scaling}
     return float(theta), {"rope_type": rope_type, **keep}
+
+
+def yarn_parameters(scaling: dict[str, Any], hf: dict[str, Any]) -> dict:
+    """YaRN's parameters resolved as transformers resolves them: the original context from the config's top level,
+    the rope parameters or max_position_embeddings; a missing factor from the two contexts (DeepSeek); the attention
+    factor from the factor (and mscale / mscale_all_dim) when not given; beta_fast 32, beta_slow 1, truncate on."""
+    original = int(hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or hf.get("max_position_embeddings", 2048))
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else int(hf.get("max_position_embeddings", original)) / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    truncate = scaling.get("truncate", True)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+            "attention_factor": float(attention), "truncate": truncate if isinstance(truncate, bool) else bool(truncate)}
 
 
 def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:

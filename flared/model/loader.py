@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from flared.errors import CoreError, ErrorKind
-from flared.model.config import ModelConfig, from_hf_config
+from flared.model.config import ModelConfig, from_hf_config, yarn_parameters
 from flared.model.vision import VisionConfig
 
 
@@ -262,6 +262,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        rope_scaling = _gguf_yarn(reader, arch, source, need)
     elif scaling_type != "none":
         raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
     if "rope_freqs.weight" in tensor_names:
@@ -309,6 +311,24 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         **gemma,
     )
+
+
+def _gguf_yarn(reader, arch: str, source: str, need) -> dict:
+    """YaRN as llama.cpp's converter writes it (factor, original context, optional betas); a log multiplier or an
+    extra attention factor (DeepSeek's, gpt-oss') is refused rather than guessed."""
+    for key, plain in (("yarn_log_multiplier", (0.0,)), ("attn_factor", (1.0,)), ("yarn_attn_factor", (1.0,)),
+                       ("yarn_ext_factor", (-1.0, 1.0))):  # -1: llama.cpp's "as the type says"
+        value = _gguf_field(reader, f"{arch}.rope.scaling.{key}")
+        if value is not None and float(value) not in plain:
+            raise CoreError(f"{source}: GGUF YaRN with {arch}.rope.scaling.{key} = {value} is not supported",
+                            ErrorKind.UNSUPPORTED_MODEL)
+    scaling = {"factor": float(need("rope.scaling.factor")),
+               "original_max_position_embeddings": int(need("rope.scaling.original_context_length"))}
+    for key in ("beta_fast", "beta_slow"):
+        value = _gguf_field(reader, f"{arch}.rope.scaling.yarn_{key}")
+        if value is not None:
+            scaling[key] = float(value)
+    return yarn_parameters(scaling, {})
 
 
 def _unpermute_qk(rows: np.ndarray, num_heads: int) -> np.ndarray:

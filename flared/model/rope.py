@@ -3,8 +3,9 @@
 ``rope_tables`` precomputes cos/sin for every position the runner can reach,
 once, so a forward only gathers rows by position. The frequencies follow
 transformers exactly (same float32 arithmetic), including Llama 3's
-wavelength-dependent scaling and plain linear scaling; other rope types never
-reach here (``ModelConfig`` refuses them).
+wavelength-dependent scaling, plain linear scaling and YaRN (whose attention
+factor scales the tables, as transformers scales cos and sin); other rope types
+never reach here (``ModelConfig`` refuses them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Te
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_frequencies(inv_freq, dim, theta, scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -41,6 +44,26 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Te
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _yarn_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (slowed
+    by ``factor``), those that turn more than beta_fast times kept, a linear ramp between."""
+    original = scaling["original_max_position_embeddings"]
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling["beta_fast"]), dimension(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # as transformers rounds it
+    return 1.0 / (scaling["factor"] * pos_freqs) * (1 - keep) + inv_freq * keep
+
+
 def rope_tables(config: ModelConfig, num_positions: int, *, dtype: torch.dtype,
                 device: torch.device | str, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [num_positions, head_dim] in ``dtype``; halves repeated
@@ -49,4 +72,8 @@ def rope_tables(config: ModelConfig, num_positions: int, *, dtype: torch.dtype,
     positions = torch.arange(num_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    cos, sin = emb.cos(), emb.sin()
+    scaling = None if local else config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)

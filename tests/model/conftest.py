@@ -29,6 +29,9 @@ FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=16, head_dim=16)),
     "qwen2": ("qwen2", dict()),
     "qwen3": ("qwen3", dict(head_dim=32)),
+    # YaRN (Qwen's long-context setting): positions past the original 64 are interpolated, cos/sin scaled
+    "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                                            "original_max_position_embeddings": 64})),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on
