@@ -1,4 +1,5 @@
-"""The eager executor: runs a ScheduledPlan with torch on the CPU, synchronously.
+"""The eager executor: runs a ScheduledPlan with torch, synchronously, on the model's device: the CPU, or a GPU for
+the models the CUDA graphs' kernels do not run (Gemma 3, mixtures of experts).
 
 It owns the device state the scheduler's logical ids refer to:
 - the paged KV cache (page ids are the scheduler's page ids);
@@ -57,15 +58,17 @@ class EagerExecutor:
         self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens,
                                       storage_dtype=kv_pool_dtype(kv_cache_dtype, model.dtype))
         # Rows = slots + 1 (row 0 pads). float32: sampling reads these directly.
-        self.state_logits = torch.zeros(num_state_rows, vocab_size, dtype=torch.float32)
+        # On the model's device (a GPU for models the CUDA graphs do not run): the logits never leave it.
+        self.device = model.device
+        self.state_logits = torch.zeros(num_state_rows, vocab_size, dtype=torch.float32, device=self.device)
         self.state_last_token = np.full(num_state_rows, -1, dtype=np.int64)
         # A snapshot page holds what kv.gather returns for one page's slots, per layer, at the pool's precision
         # (a float8 pool's values widen and narrow back exactly).
-        page_shape = tuple(self.kv.gather(0, torch.arange(page_tokens))[0].shape)
+        page_shape = tuple(self.kv.gather(0, torch.arange(page_tokens, device=self.device))[0].shape)
         kv_shape = (num_snapshots, self.kv.num_layers, *page_shape)
-        self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.storage_dtype)
-        self.snap_values = torch.zeros(kv_shape, dtype=self.kv.storage_dtype)
-        self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32)
+        self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.storage_dtype, device=self.device)
+        self.snap_values = torch.zeros(kv_shape, dtype=self.kv.storage_dtype, device=self.device)
+        self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)
         self.sampler = Sampler(vocab_size, device=model.device, max_penalty_slots=max_live)
 
     @property
@@ -109,7 +112,7 @@ class EagerExecutor:
         elif kind == GraphKind.RESUME_SAMPLING:
             sample_idx = [i for i in range(n) if plan.sample[i]]
             if sample_idx:
-                logits = self.state_logits.index_select(0, torch.as_tensor(rows[sample_idx]))
+                logits = self.state_logits.index_select(0, self._index(rows[sample_idx]))
                 self._sample(logits, sample_idx, rows, states, sampled, logprobs)
         elif kind == GraphKind.SNAPSHOT:
             self._copy(plan.copies, to_snapshot=True)
@@ -135,11 +138,15 @@ class EagerExecutor:
             logits = self.model.forward(batch, self.kv)  # [n, vocab]: every participant's last position
         else:
             logits = self._forward_scoring(batch, chunks, plan, rows, scoring, scores)
-        self.state_logits.index_copy_(0, torch.as_tensor(rows), logits)
+        self.state_logits.index_copy_(0, self._index(rows), logits)
         sample_idx = [i for i in range(n) if plan.sample[i]]
         if sample_idx:
-            self._sample(logits.index_select(0, torch.as_tensor(sample_idx)), sample_idx, rows, states,
+            self._sample(logits.index_select(0, self._index(sample_idx)), sample_idx, rows, states,
                          sampled, logprobs)
+
+    def _index(self, values) -> torch.Tensor:
+        """int64 indices on the model's device."""
+        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
 
     def _fed_tokens(self, plan, i: int, rows) -> np.ndarray:
         """Participant i's tokens to feed: the plan's, a -1 (its state row's last sampled token, not yet known
@@ -242,10 +249,10 @@ class EagerExecutor:
                 self.sampler.advance(states[i], drafts[:a].tolist() + [token])
                 if states[i].params.logprobs is not None:  # one a token: the kept drafts', then its own
                     logprobs[i] = tuple(row_logprobs[r] for r in range(lo, lo + a + 1))
-        last = logits.index_select(0, torch.as_tensor(last_rows, dtype=torch.int64, device=logits.device))
-        self.state_logits.index_copy_(0, torch.as_tensor(rows), last.float())
+        last = logits.index_select(0, self._index(last_rows))
+        self.state_logits.index_copy_(0, self._index(rows), last.float())
         if plain:
-            self._sample(last.index_select(0, torch.as_tensor(plain)), plain, rows, states, sampled, logprobs)
+            self._sample(last.index_select(0, self._index(plain)), plain, rows, states, sampled, logprobs)
         starts = np.asarray(plan.token_starts, dtype=np.int64)
         accepted = np.asarray([len(k) for k in kept], dtype=np.int64)
         return CompletionRecords(handles=np.asarray(plan.handles, dtype=np.int64),
@@ -314,7 +321,7 @@ class EagerExecutor:
         all_logits = self.model.forward(batch, self.kv)  # [len(row_ids), vocab]
         for i, first in scoring:
             start = int(plan.token_starts[i])
-            tokens = torch.as_tensor(np.asarray(chunks[i].token_ids, dtype=np.int64))
+            tokens = self._index(chunks[i].token_ids)
             first_row = last_at[i] - len(tokens) + 1
             # Logits predicting positions start .. start+len-1: the row state before this chunk, then
             # the chunk's own positions except its last.

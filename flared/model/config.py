@@ -28,9 +28,13 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                  # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
+                  "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
-_LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta"}
+_LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
+                 "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
+                 "shared_expert_intermediate_size"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
@@ -77,6 +81,15 @@ class ModelConfig:
     attention_scale: float | None = None
     layer_windows: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): every layer's MLP is num_experts SwiGLU experts of
+    # expert_intermediate_size, each token through the experts_per_token its router scores highest (softmax over
+    # all experts, the chosen weights renormalised to sum 1 when norm_topk_prob), plus Qwen2-MoE's shared expert
+    # (shared_expert_intermediate_size > 0) scaled by sigmoid(its gate). 0 experts: the dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -113,14 +126,26 @@ class ModelConfig:
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
-        for name in ("embed_scale", "sandwich_norm"):
+        for name in ("embed_scale", "sandwich_norm", "norm_topk_prob"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
+        for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.expert_intermediate_size):
+            raise CoreError(f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts a token "
+                            f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
+                            f"{self.expert_intermediate_size})")
+        if not self.num_experts and (self.experts_per_token or self.expert_intermediate_size
+                                     or self.shared_expert_intermediate_size):
+            raise CoreError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size need "
+                            "num_experts > 0")
 
     @property
     def graph_capable(self) -> bool:
-        """The CUDA graphs' kernels run this model (Gemma 3's layers they do not)."""
-        return self.architecture != "gemma3"
+        """The CUDA graphs' kernels run this model (Gemma 3's layers and routed experts they do not)."""
+        return self.architecture != "gemma3" and not self.num_experts
 
     def window_of(self, layer: int) -> int:
         """The keys layer ``layer`` attends to at most (0: all of them)."""
@@ -257,11 +282,12 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         architecture = HF_MODEL_TYPES[model_type]
         attention_bias = bool(hf.get("attention_bias", False))
         if architecture == "qwen2":
-            qkv_bias, out_bias = True, False
+            qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
         else:
             # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
             qkv_bias, out_bias = attention_bias, attention_bias
-        sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
+        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
+        moe = _experts_from_hf(hf, model_type, source)
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
@@ -280,11 +306,32 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             qk_norm=architecture == "qwen3",
             attention_out_bias=out_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
+            **moe,
         )
     except KeyError as exc:
         raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+
+
+def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
+    """ModelConfig's expert fields for a mixture-of-experts config ({} for a dense one)."""
+    if model_type == "mixtral":  # Mixtral always renormalises the chosen experts' weights
+        return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                    expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = [i for i in range(layers) if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step]
+    if dense:
+        raise _unsupported(f"{source}: dense MLP layers in a mixture-of-experts model (layers {dense[:8]}, from "
+                           "mlp_only_layers / decoder_sparse_step) are not supported")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # (transformers 5 saves Qwen3-MoE's under this name)
+    return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
+                expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
 
 
 def _gemma3_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

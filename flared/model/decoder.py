@@ -152,7 +152,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
-                 "window")
+                 "window", "router", "experts", "shared")
 
 
 class DecoderModel:
@@ -189,13 +189,23 @@ class DecoderModel:
             layer.post_attn_norm = opt(p + "post_attn_norm.weight")  # Gemma 3's sandwich norms
             layer.post_mlp_norm = opt(p + "post_mlp_norm.weight")
             layer.window = config.window_of(i)
-            layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
-            layer.down = _Linear(w(p + "down.weight"), None)
+            layer.router = layer.experts = layer.shared = None
+            if config.num_experts:  # a routed MLP: each expert's two products, the router's, the shared expert's
+                layer.gate_up = layer.down = None
+                layer.router = _Linear(w(p + "router.weight"), None)
+                gate_up, down = w(p + "experts.gate_up.weight"), w(p + "experts.down.weight")
+                layer.experts = [(_Linear(gate_up[e], None), _Linear(down[e], None)) for e in range(config.num_experts)]
+                del gate_up, down
+                if config.shared_expert_intermediate_size:
+                    layer.shared = (_Linear(w(p + "shared.gate_up.weight"), None),
+                                    _Linear(w(p + "shared.down.weight"), None), _Linear(w(p + "shared.gate.weight"), None))
+            else:
+                layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
+                layer.down = _Linear(w(p + "down.weight"), None)
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, None)
         if self.device.type == "cpu":
-            _gather_packed([lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                           + [self.lm_head_linear])
+            _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]: folding the sign into the table makes
         # rope three ops (roll, mul, addcmul) on the joint q/k block.
@@ -239,6 +249,13 @@ class DecoderModel:
                 [[addr(l.attn_norm), addr(l.qkv.packed), addr(l.qkv.bias), addr(l.qk_norm), addr(l.o.packed),
                   addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.packed), addr(l.down.packed)]
                  for l in self.layers], dtype=torch.int64)
+
+    @staticmethod
+    def _linears(layer: _Layer) -> list[_Linear]:
+        """Every product of a layer."""
+        mlp = [layer.gate_up, layer.down] if layer.experts is None else \
+            [layer.router, *(lin for pair in layer.experts for lin in pair), *(layer.shared or ())]
+        return [layer.qkv, layer.o, *mlp]
 
     def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
         """Qwen VL's multimodal rope: head_dim / 2 frequency slots split into (temporal, row, column) sections,
@@ -513,15 +530,16 @@ class DecoderModel:
                 o = rms_norm(o, layer.post_attn_norm, eps)
             h = h + o
             x = rms_norm(h, layer.mlp_norm, eps)
-            gate_up = layer.gate_up(x)
-            if lora:
-                gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
-            gate = gate_up[:, :c.intermediate_size]
-            gate = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-            act = gate * gate_up[:, c.intermediate_size:]
-            down = layer.down(act)
-            if lora:
-                down = self._lora(batch, f"layers.{index}.down.weight", act, down)
+            if layer.experts is not None:
+                down = self._routed_mlp(layer, x)
+            else:
+                gate_up = layer.gate_up(x)
+                if lora:
+                    gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
+                act = self._activation(gate_up)
+                down = layer.down(act)
+                if lora:
+                    down = self._lora(batch, f"layers.{index}.down.weight", act, down)
             if layer.post_mlp_norm is not None:
                 down = rms_norm(down, layer.post_mlp_norm, eps)
             h = h + down
@@ -529,6 +547,45 @@ class DecoderModel:
                 # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
                 h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
         return h
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 I] gate rows then up rows -> act(gate) * up [T, I]."""
+        inter = gate_up.shape[1] // 2
+        gate = gate_up[:, :inter]
+        gate = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        return gate * gate_up[:, inter:]
+
+    def _routed_mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts MLP over the normed rows x [T, H], as transformers computes it: the router's softmax
+        (float32) over all experts, the top experts_per_token kept (renormalised when norm_topk_prob), each expert
+        run once over the rows that chose it, its output scaled by their weights and summed into theirs; plus the
+        shared expert scaled by sigmoid(its gate)."""
+        c = self.config
+        k = c.experts_per_token
+        probs = torch.softmax(layer.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)  # [T, k]
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # the (row, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
+        rows = order // k
+        row_weights = weights.flatten().index_select(0, order)[:, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            gate_up, down = layer.experts[expert]
+            mine = rows[start:start + count]
+            y = down(self._activation(gate_up(x.index_select(0, mine))))
+            out.index_add_(0, mine, y * row_weights[start:start + count])
+            start += count
+        if layer.shared is not None:
+            gate_up, down, gate = layer.shared
+            out = out + torch.sigmoid(gate(x)) * down(self._activation(gate_up(x)))
+        return out
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """A decode-only batch (row i = decode row i) through flared/_fast/decode.pyx; same result as forward's

@@ -18,6 +18,15 @@ naming the forward reads (``serving_tensor_shapes`` lists it):
     layers.{i}.gate_up.weight     [2 * intermediate, hidden]        gate rows, then up rows
     layers.{i}.down.weight        [hidden, intermediate]
 
+A mixture-of-experts layer (``config.num_experts`` E, expert_intermediate_size I) has, for gate_up and down:
+
+    layers.{i}.router.weight              [E, hidden]
+    layers.{i}.experts.gate_up.weight     [E, 2 * I, hidden]     each expert's gate rows, then its up rows
+    layers.{i}.experts.down.weight        [E, hidden, I]
+    layers.{i}.shared.gate_up.weight      [2 * S, hidden]        shared_expert_intermediate_size S > 0 only
+    layers.{i}.shared.down.weight         [hidden, S]
+    layers.{i}.shared.gate.weight         [1, hidden]            the shared expert's sigmoid gate
+
 Fusing q/k/v and gate/up turns three (two) small matmuls per layer into one,
 which is what matters on a CPU at decode batch sizes.
 
@@ -82,6 +91,16 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
             shapes[p + "post_mlp_norm.weight"] = (c.hidden_size,)
+        if c.num_experts:
+            e, inter, shared = c.num_experts, c.expert_intermediate_size, c.shared_expert_intermediate_size
+            shapes[p + "router.weight"] = (e, c.hidden_size)
+            shapes[p + "experts.gate_up.weight"] = (e, 2 * inter, c.hidden_size)
+            shapes[p + "experts.down.weight"] = (e, c.hidden_size, inter)
+            if shared:
+                shapes[p + "shared.gate_up.weight"] = (2 * shared, c.hidden_size)
+                shapes[p + "shared.down.weight"] = (c.hidden_size, shared)
+                shapes[p + "shared.gate.weight"] = (1, c.hidden_size)
+            continue
         shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
@@ -230,9 +249,36 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
         else:
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+        if config.num_experts:
+            out.update(_hf_experts(hf, hp, sp, config, take))
+            continue
         out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
         out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """One mixture-of-experts layer's serving tensors from a checkpoint's: each expert's own projections, as the
+    released checkpoints store them (Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral's
+    block_sparse_moe.experts.{e}.w1 / w3 / w2), or transformers 5's stacked mlp.experts.gate_up_proj / down_proj."""
+    mixtral = hp + "block_sparse_moe.gate.weight" in hf
+    block = hp + ("block_sparse_moe." if mixtral else "mlp.")
+    out = {sp + "router.weight": take(block + "gate.weight")}
+    if block + "experts.gate_up_proj" in hf:
+        out[sp + "experts.gate_up.weight"] = take(block + "experts.gate_up_proj")
+        out[sp + "experts.down.weight"] = take(block + "experts.down_proj")
+    else:
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        experts = [f"{block}experts.{e}." for e in range(config.num_experts)]
+        out[sp + "experts.gate_up.weight"] = torch.stack([
+            torch.cat([take(x + f"{gate}.weight"), take(x + f"{up}.weight")]) for x in experts])
+        out[sp + "experts.down.weight"] = torch.stack([take(x + f"{down}.weight") for x in experts])
+    if config.shared_expert_intermediate_size:
+        shared = block + "shared_expert."
+        out[sp + "shared.gate_up.weight"] = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
+        out[sp + "shared.down.weight"] = take(shared + "down_proj.weight")
+        out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
+    return out
 
 
 # ---------------------------------------------------------------- GGUF
@@ -245,11 +291,36 @@ def _gguf_field(reader, key: str, default=None):
     return field.contents()
 
 
+# GGUF architecture -> ours; qwen2moe / qwen3moe are their families with routed experts (as is a llama file with
+# llama.expert_count: Mixtral)
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2moe": "qwen2",
+                       "qwen3moe": "qwen3"}
+
+
+def _gguf_experts(reader, arch: str, source: str, need) -> dict:
+    """ModelConfig's expert fields from llama.cpp's keys ({} for a dense model). Whether the chosen experts' weights
+    are renormalised: expert_weights_norm where the file says it, else what llama.cpp does for the architecture
+    (Mixtral and Qwen3-MoE yes, Qwen2-MoE no). Gating other than softmax (DeepSeek's sigmoid) is refused."""
+    experts = int(_gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    gating = _gguf_field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise CoreError(f"{source}: GGUF expert gating function {gating} is not supported (softmax only)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    size = _gguf_field(reader, f"{arch}.expert_feed_forward_length") or need("feed_forward_length")
+    norm = _gguf_field(reader, f"{arch}.expert_weights_norm")
+    return dict(num_experts=experts, experts_per_token=int(need("expert_used_count")),
+                expert_intermediate_size=int(size), norm_topk_prob=bool(arch != "qwen2moe" if norm is None else norm),
+                shared_expert_intermediate_size=int(_gguf_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+                                                    or 0))
+
+
 def _gguf_config(reader, source: str) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3"):
-        raise CoreError(f"{source}: GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3, "
-                        "gemma3)", ErrorKind.UNSUPPORTED_MODEL)
+    if arch not in _GGUF_ARCHITECTURES:
+        raise CoreError(f"{source}: GGUF architecture {arch!r} is not supported (supported: "
+                        f"{', '.join(_GGUF_ARCHITECTURES)})", ErrorKind.UNSUPPORTED_MODEL)
     tensor_names = {t.name for t in reader.tensors}
 
     def need(key: str):
@@ -292,11 +363,13 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                      attention_scale=(hidden_size / num_heads if layers == 62 else int(head_dim)) ** -0.5,
                      layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
                      local_rope_theta=10000.0)
+    experts = _gguf_experts(reader, arch, source, need)
     return ModelConfig(
-        architecture=arch,
+        architecture=_GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab_size),
         hidden_size=hidden_size,
-        intermediate_size=int(need("feed_forward_length")),
+        intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")
+                              or experts.get("expert_intermediate_size") or need("feed_forward_length")),
         num_layers=int(need("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
@@ -310,6 +383,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         **gemma,
+        **experts,
     )
 
 
@@ -391,7 +465,18 @@ def _read_gguf(path: Path) -> SourceModel:
         out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
         if config.attention_bias:
             out[sp + "qkv.bias"] = torch.cat([take(gp + f"attn_{x}.bias") for x in "qkv"], dim=0)
-        out[sp + "gate_up.weight"] = torch.cat([take(gp + "ffn_gate.weight"), take(gp + "ffn_up.weight")], dim=0)
+        if config.num_experts:
+            out[sp + "router.weight"] = take(gp + "ffn_gate_inp.weight")
+            out[sp + "experts.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_exps.weight"),
+                                                           take(gp + "ffn_up_exps.weight")], dim=1)
+            out[sp + "experts.down.weight"] = take(gp + "ffn_down_exps.weight")
+            if config.shared_expert_intermediate_size:
+                out[sp + "shared.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_shexp.weight"),
+                                                              take(gp + "ffn_up_shexp.weight")])
+                out[sp + "shared.down.weight"] = take(gp + "ffn_down_shexp.weight")
+                out[sp + "shared.gate.weight"] = take(gp + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+        else:
+            out[sp + "gate_up.weight"] = torch.cat([take(gp + "ffn_gate.weight"), take(gp + "ffn_up.weight")], dim=0)
         for gguf_name, serving_name in _GGUF_LAYER_NAMES.items():
             if gp + gguf_name in raw:
                 out[sp + serving_name] = raw[gp + gguf_name]

@@ -5,7 +5,8 @@ An adapter is a directory holding ``adapter_config.json`` and ``adapter_model.sa
 ``W + scale * s * B @ A``, where ``s`` is the adapter's own scaling (``lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with rsLoRA; per-module ``alpha_pattern`` honoured) and ``scale`` the operator's
 (``--lora-scaled``). Targets: the attention and MLP projections (q/k/v into the fused qkv rows, o, gate/up
-into the fused gate_up rows, down), ``lm_head`` and ``embed_tokens`` when the model does not tie them.
+into the fused gate_up rows, down; a mixture-of-experts model's attention only), ``lm_head`` and
+``embed_tokens`` when the model does not tie them.
 The sum is taken in float32 and rounded once to the weight's dtype.
 
 Refused, each with an error naming the adapter and what is wrong: DoRA, trained biases, ``modules_to_save``
@@ -145,6 +146,10 @@ def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
             raise _bad(adapter, "targets embed_tokens, which this model ties to its LM head",
                        ErrorKind.UNSUPPORTED_MODEL)
         return "embed.weight", 0, c.vocab_size, True
+    if c.num_experts and (".mlp." in module or ".block_sparse_moe." in module):
+        raise _bad(adapter, f"module {module!r} is in a mixture-of-experts MLP, which adapters do not reach here "
+                            "(supported on this model: the q/k/v/o projections, lm_head, embed_tokens)",
+                   ErrorKind.UNSUPPORTED_MODEL)
     m = _LAYER.match(module)
     if m is None or int(m[1]) >= c.num_layers:
         raise _bad(adapter, f"module {module!r} is not a layer this model has (supported: the q/k/v/o and "

@@ -372,9 +372,12 @@ class ModelRuntime:
             torch.set_num_threads(self.torch_threads)
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
+        device = "cuda" if use_cuda else "cpu"
         if use_cuda and not self.core.config.graph_capable:
-            log.warning("the CUDA graphs' kernels do not run %s layers: serving on the CPU executor",
-                        self.core.config.architecture)
+            # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's routing)
+            c = self.core.config
+            log.warning("the CUDA graphs' kernels do not run %s: serving on the GPU with the eager executor",
+                        "routed experts" if c.num_experts else f"{c.architecture} layers")
             use_cuda = False
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
@@ -392,8 +395,7 @@ class ModelRuntime:
         factors = [self._lora_factors(path) for _, path in self.lora_modules]
         if factors:
             log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))
-        model = DecoderModel(self.core.config, tensors, dtype=dtype,
-                             device="cuda" if use_cuda else "cpu", max_positions=caps.context_tokens)
+        model = DecoderModel(self.core.config, tensors, dtype=dtype, device=device, max_positions=caps.context_tokens)
         del tensors
         if self.core.manifest.vision is not None and not use_cuda:
             # Images on the CPU executor; the CUDA graphs take token ids only, so there the core serves text.
@@ -462,7 +464,10 @@ class ModelRuntime:
                                           vocab_size=self.core.config.vocab_size, max_live=caps.concurrency,
                                           kv_cache_dtype=self.kv_cache_dtype)
             graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
-            log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
+            if model.device.type == "cpu":
+                log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
+            else:
+                log.info("executor: eager on %s (%s)", torch.cuda.get_device_name(), m.dtype)
         kv_dtype, kv_bytes = self.executor.kv_cache
         log.info("KV cache: %s, %d pages of %d tokens (the core's %d at %s), %.1f MiB with the prefix snapshots",
                  kv_dtype, kv_pages, caps.page_tokens, caps.kv_pages, m.dtype, kv_bytes / 2**20)
@@ -494,7 +499,7 @@ class ModelRuntime:
         (the caller waits for that); AdmissionError when there are no slots or none is free."""
         if self.model is None:
             raise AdmissionError("the model is not loaded", ErrorKind.UNAVAILABLE)
-        if self.model.device.type != "cpu":
+        if getattr(self.executor, "decoder", None) is not None:  # the CUDA graphs' stacked adapters
             return self._add_lora_on_gpu(name, path)
         factors, ident = self._lora_factors(path)
         with self._lock:

@@ -14,47 +14,11 @@ import torch
 # make every op as slow as a scheduler quantum.
 torch.set_num_threads(1)
 
-TINY_COMMON = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-    # Wider init than the default 0.02 so logits are spread out and greedy argmax has no near-ties.
-    initializer_range=0.2, tie_word_embeddings=False,
-)
+# The tiny random checkpoints of every family live in tests/flared_testing/checkpoints.py (the GPU tests build them
+# too); re-exported for this folder's tests.
+from flared_testing.checkpoints import FAMILIES, build_hf_checkpoint  # noqa: E402
 
-FAMILIES = {
-    "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                             rope_theta=500000.0)),
-    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
-    "mistral": ("mistral", dict(sliding_window=16, head_dim=16)),
-    "qwen2": ("qwen2", dict()),
-    "qwen3": ("qwen3", dict(head_dim=32)),
-    # YaRN (Qwen's long-context setting): positions past the original 64 are interpolated, cos/sin scaled
-    "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
-                                                            "original_max_position_embeddings": 64})),
-    # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
-    "qwen3_wide": ("qwen3", dict(head_dim=128)),
-    # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on
-    # the global layers
-    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                                   query_pre_attn_scalar=24, rope_parameters={
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                          "rope_theta": 1000000.0}})),
-}
-
-
-def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
-    """Save a random-weight float32 model of ``family`` as safetensors under ``directory``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, extra = FAMILIES[family]
-    config = AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
+__all__ = ["FAMILIES", "build_hf_checkpoint"]
 
 
 def smollm2_gguf_path() -> Path | None:

@@ -79,45 +79,10 @@ def test_config_round_trips_and_old_manifests_still_load(gemma3):
 def test_a_gemma3_core_serves_transformers_tokens(gemma3, tmp_path):
     """Exported with a chat template and served by flared run: greedy chat tokens equal transformers'
     generate on the same prompt ids."""
-    from flared_testing.daemon import Daemon
-
-    from flared.core.export import ExportOptions, export_core
+    from flared_testing.served import assert_served_greedy_equals_transformers
 
     directory, hf_model = gemma3
-    vocab = hf_model.config.vocab_size
-    # a byte-level tokenizer of the model's vocabulary, and a Gemma-style template
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-
-    chars = [chr(c) for c in range(33, 33 + vocab - 3)]
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(chars)}},
-                                     unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<pad>", "<eos>", "<bos>"])
-    tok.save(str(directory / "tokenizer.json"))
-    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                "{% if add_generation_prompt %}<model>{% endif %}")
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<eos>", "chat_template": template}))
-    core = tmp_path / "core"
-    export_core(directory, core, ExportOptions(concurrency=2, context_tokens=256, prefill_chunk_tokens=64))
-    d = Daemon(core, tmp_path)
-    try:
-        status, body = d.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
-                              temperature=0, ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True)
-    finally:
-        d.kill()
-    assert status == 200, body
-    got = [int(t["token"].split(":")[1]) for t in body["choices"][0]["logprobs"]["content"]]
-    prompt = tok.encode("<bos><user>Tell me a story about a fox.<model>".replace("<bos>", ""),
-                        add_special_tokens=False).ids
-    prompt = [2] + prompt
-    assert body["usage"]["prompt_tokens"] == len(prompt)
-    with torch.no_grad():
-        expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                     max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert got == expected[0, len(prompt):].tolist()
-    assert np.unique(got).size > 1
+    assert_served_greedy_equals_transformers(directory, hf_model, tmp_path)
 
 
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path):

@@ -45,6 +45,14 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
     w.add_uint32(f"{arch}.block_count", cfg["num_hidden_layers"])
     w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if experts:  # llama.cpp's mixture-of-experts keys
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
     w.add_uint32(f"{arch}.attention.head_count", heads)
     w.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
     w.add_uint32(f"{arch}.attention.key_length", head_dim)
@@ -56,7 +64,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
 
     def add(name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.ndim == 2:
+        if array.ndim >= 2 and not name.endswith("_inp.weight"):  # (routers stay F32, as llama.cpp keeps them)
             w.add_tensor(name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
         else:
             w.add_tensor(name, array)
@@ -79,9 +87,12 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
         add(f"blk.{i}.attn_norm.weight", t[p + "input_layernorm.weight"])
         add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
-        add(f"blk.{i}.ffn_gate.weight", t[p + "mlp.gate_proj.weight"])
-        add(f"blk.{i}.ffn_up.weight", t[p + "mlp.up_proj.weight"])
-        add(f"blk.{i}.ffn_down.weight", t[p + "mlp.down_proj.weight"])
+        if experts:
+            write_experts(add, t, p, i, experts)
+        else:
+            add(f"blk.{i}.ffn_gate.weight", t[p + "mlp.gate_proj.weight"])
+            add(f"blk.{i}.ffn_up.weight", t[p + "mlp.up_proj.weight"])
+            add(f"blk.{i}.ffn_down.weight", t[p + "mlp.down_proj.weight"])
         if p + "self_attn.q_norm.weight" in t:
             add(f"blk.{i}.attn_q_norm.weight", t[p + "self_attn.q_norm.weight"])
             add(f"blk.{i}.attn_k_norm.weight", t[p + "self_attn.k_norm.weight"])
@@ -89,6 +100,22 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_experts(add, t: dict, p: str, i: int, experts: int) -> None:
+    """A mixture-of-experts layer as llama.cpp's converter writes it: the router, each projection's experts
+    stacked [experts, out, in], Qwen2-MoE's shared expert and its gate."""
+    mixtral = f"{p}block_sparse_moe.gate.weight" in t
+    block = p + ("block_sparse_moe." if mixtral else "mlp.")
+    add(f"blk.{i}.ffn_gate_inp.weight", t[block + "gate.weight"])
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {x: f"{x}_proj" for x in ("gate", "up", "down")}
+    for ours, theirs in names.items():
+        add(f"blk.{i}.ffn_{ours}_exps.weight",
+            np.stack([t[f"{block}experts.{e}.{theirs}.weight"] for e in range(experts)]))
+    if block + "shared_expert_gate.weight" in t:
+        add(f"blk.{i}.ffn_gate_inp_shexp.weight", t[block + "shared_expert_gate.weight"][0])
+        for x in ("gate", "up", "down"):
+            add(f"blk.{i}.ffn_{x}_shexp.weight", t[f"{block}shared_expert.{x}_proj.weight"])
 
 
 @pytest.mark.parametrize("family", sorted(CASES))

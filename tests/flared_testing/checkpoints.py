@@ -1,0 +1,57 @@
+"""Tiny random-weight Hugging Face checkpoints of every family flared runs (float32 safetensors), shared by the model
+tests (tests/model/) and the GPU tests (tests/cuda/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_COMMON = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+    # Wider init than the default 0.02 so logits are spread out and greedy argmax has no near-ties.
+    initializer_range=0.2, tie_word_embeddings=False,
+)
+
+FAMILIES = {
+    "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                             rope_theta=500000.0)),
+    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=16, head_dim=16)),
+    "qwen2": ("qwen2", dict()),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    # YaRN (Qwen's long-context setting): positions past the original 64 are interpolated, cos/sin scaled
+    "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                                            "original_max_position_embeddings": 64})),
+    # Mixtures of experts: Mixtral (chosen weights renormalised), Qwen2-MoE (a gated shared expert, raw softmax
+    # weights), Qwen3-MoE (q/k norms, renormalised)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                    norm_topk_prob=True)),
+    # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
+    "qwen3_wide": ("qwen3", dict(head_dim=128)),
+    # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on
+    # the global layers
+    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                   query_pre_attn_scalar=24, rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                          "rope_theta": 1000000.0}})),
+}
+
+
+def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
+    """Save a random-weight float32 model of ``family`` as safetensors under ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
