@@ -87,8 +87,8 @@ def time_hf(model, prompts: list[list[int]], num_tokens: int, pad_id: int) -> fl
 
     width = max(len(p) for p in prompts)
     # Left padding, as transformers wants for batched decoder-only generation.
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     clock = _StepClock()
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=num_tokens,

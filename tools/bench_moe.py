@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Decode throughput of a mixture-of-experts model: flared's runtime against transformers' ``generate``.
+
+Both sides build the same random-weight Qwen3-MoE (a shape below, fewer layers with ``--layers``) and run greedy
+decoding of the same token ids in the same dtype, on the CPU or on the GPU (``--device cuda``: flared's eager
+executor path, the one a GPU machine serves experts with), alternately in one process. Decode tok/s counts each
+batch's N-1 decode tokens over the decode phase only (tools/bench_model.py's method), best of ``--repeats``.
+
+    .venv/bin/python tools/bench_moe.py [--shape small] [--batches 1,8] [--json]           (the CPU figures)
+    python3 tools/bench_moe.py --device cuda --shape 30b-a3b --layers 12 --dtype bfloat16 --json   (on the GPU)
+
+Prints a table; with ``--json`` the last line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import decode_tok_s, time_hf, time_ours  # noqa: E402
+
+from flared.model.loader import _hf_to_serving  # noqa: E402
+from flared.model.config import from_hf_config  # noqa: E402
+from flared.model.runner import ModelRunner  # noqa: E402
+
+SHAPES = {
+    # a Qwen3-MoE of a few hundred million parameters: the CPU's
+    "small": dict(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+                  num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, vocab_size=32000),
+    # Qwen3-30B-A3B's layer (48 of them in the model)
+    "30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                    head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                    vocab_size=151936),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens a sequence")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens a sequence")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    dtype = getattr(torch, args.dtype)
+    config = Qwen3MoeConfig(**shape, intermediate_size=4 * shape["hidden_size"], norm_topk_prob=True,
+                            max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with torch.device(args.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # the same weights in flared's layout, as the loader reads a per-expert checkpoint
+    state = hf.state_dict()  # (transformers 5's stacked experts, which the loader reads too; shared, not copied)
+    ours_config = from_hf_config(config.to_dict())
+    tensors = _hf_to_serving(state, ours_config, source="bench")
+    batches = [int(b) for b in args.batches.split(",")]
+    runner = ModelRunner(ours_config, tensors, dtype=dtype, device=args.device, num_pages=512, page_tokens=16,
+                         max_batch=max(batches), prefill_chunk_tokens=4096)
+    del tensors, state
+    params = sum(t.numel() for t in hf.parameters())
+    active = params - config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 * \
+        config.hidden_size * config.moe_intermediate_size
+    print(f"Qwen3-MoE {args.shape}, {config.num_hidden_layers} layers: {params / 1e9:.2f}B parameters, "
+          f"{active / 1e9:.2f}B active, {args.dtype} on {args.device} (built in {time.perf_counter() - started:.0f} s)",
+          file=sys.stderr)
+    gen = torch.Generator().manual_seed(1)
+    figures = {}
+    for batch in batches:
+        prompts = [torch.randint(3, config.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
+        time_ours(runner, prompts, 2)
+        time_hf(hf, prompts, 2, 0)
+        timers = {"flared": lambda n: time_ours(runner, prompts, n), "transformers": lambda n: time_hf(hf, prompts, n, 0)}
+        tok_s = decode_tok_s(timers, batch, args.tokens, args.repeats)
+        figures[batch] = tok_s
+        print(f"  batch {batch:3d}: flared {tok_s['flared']:9.1f} tok/s   transformers {tok_s['transformers']:9.1f} "
+              f"tok/s   x{tok_s['flared'] / tok_s['transformers']:.2f}", file=sys.stderr, flush=True)
+    print("\n| shape | device | dtype | batch | flared decode tok/s | transformers decode tok/s | ratio |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for batch, f in figures.items():
+        print(f"| {args.shape} ({config.num_hidden_layers} layers) | {args.device} | {args.dtype} | {batch} | "
+              f"{f['flared']:,.1f} | {f['transformers']:,.1f} | {f['flared'] / f['transformers']:.2f} |")
+    if args.json:
+        print(json.dumps({"shape": args.shape, "layers": config.num_hidden_layers, "device": args.device,
+                          "dtype": args.dtype, "params_b": round(params / 1e9, 3), "active_b": round(active / 1e9, 3),
+                          **{f"batch{b}": {"flared_tok_s": round(f["flared"], 1),
+                                           "transformers_tok_s": round(f["transformers"], 1),
+                                           "ratio": round(f["flared"] / f["transformers"], 3)}
+                             for b, f in figures.items()}}))
+
+
+if __name__ == "__main__":
+    main()
