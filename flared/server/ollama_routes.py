@@ -335,6 +335,9 @@ class OllamaRoutes:
                              ("num_key_value_heads", "attention.head_count_kv"), ("vocab_size", "vocab_size")):
             if ours in cfg:
                 info[f"{arch}.{theirs}"] = cfg[ours]
+        if cfg.get("num_experts"):  # a mixture of experts: llama.cpp's keys for it
+            info[f"{arch}.expert_count"] = cfg["num_experts"]
+            info[f"{arch}.expert_used_count"] = cfg["experts_per_token"]
         d = m.generation_defaults
         params = "\n".join(f"{k} {v}" for k, v in (("temperature", d.get("temperature")), ("top_k", d.get("top_k")),
                                                      ("top_p", d.get("top_p"))) if v is not None)

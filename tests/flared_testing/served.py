@@ -29,9 +29,10 @@ def write_char_tokenizer(directory: Path, vocab: int):
 
 
 def assert_served_greedy_equals_transformers(directory: Path, hf_model, tmp_path: Path, *, max_tokens: int = 16,
-                                             daemon_args: tuple[str, ...] = ()) -> list[int]:
+                                             daemon_args: tuple[str, ...] = (), also=None) -> list[int]:
     """Export ``directory`` (a checkpoint of ``hf_model``'s weights), serve it, ask one greedy chat question; the
-    tokens must be transformers' greedy continuation of the same prompt ids. Returns them."""
+    tokens must be transformers' greedy continuation of the same prompt ids. ``also(daemon)``: more checks on the
+    running daemon. Returns the tokens."""
     import numpy as np
     import torch
     from flared_testing.daemon import Daemon
@@ -45,6 +46,8 @@ def assert_served_greedy_equals_transformers(directory: Path, hf_model, tmp_path
     try:
         status, body = d.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=max_tokens,
                               temperature=0, ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True)
+        if also is not None:
+            also(d)
     finally:
         d.kill()
     assert status == 200, body

@@ -166,4 +166,10 @@ def test_a_moe_core_serves_transformers_tokens(tmp_path):
 
     directory = build_hf_checkpoint("qwen2_moe", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    assert_served_greedy_equals_transformers(directory, hf, tmp_path)
+
+    def shows_its_experts(daemon):  # Ollama's /api/show names them as llama.cpp does
+        status, body = daemon.request("POST", "/api/show", {"model": "tiny"})
+        assert status == 200, body
+        assert body["model_info"]["qwen2.expert_count"] == 8 and body["model_info"]["qwen2.expert_used_count"] == 2
+
+    assert_served_greedy_equals_transformers(directory, hf, tmp_path, also=shows_its_experts)
