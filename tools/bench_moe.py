@@ -3,7 +3,8 @@
 
 Both sides build the same random-weight Qwen3-MoE (a shape below, fewer layers with ``--layers``) and run greedy
 decoding of the same token ids in the same dtype, on the CPU or on the GPU (``--device cuda``: flared's eager
-executor path, the one a GPU machine serves experts with), alternately in one process. Decode tok/s counts each
+executor path, the one a GPU machine serves experts with; there also "flared (expert loop)", the same runner with
+DecoderModel.grouped_experts off), alternately in one process. Decode tok/s counts each
 batch's N-1 decode tokens over the decode phase only (tools/bench_model.py's method), best of ``--repeats``.
 
     .venv/bin/python tools/bench_moe.py [--shape small] [--batches 1,8] [--json]           (the CPU figures)
@@ -84,6 +85,15 @@ def main() -> None:
     print(f"Qwen3-MoE {args.shape}, {config.num_hidden_layers} layers: {params / 1e9:.2f}B parameters, "
           f"{active / 1e9:.2f}B active, {args.dtype} on {args.device} (built in {time.perf_counter() - started:.0f} s)",
           file=sys.stderr)
+    grouped = runner.model.grouped_experts
+
+    def looped(n: int, prompts) -> float:
+        runner.model.grouped_experts = False
+        try:
+            return time_ours(runner, prompts, n)
+        finally:
+            runner.model.grouped_experts = grouped
+
     gen = torch.Generator().manual_seed(1)
     figures = {}
     for batch in batches:
@@ -91,22 +101,26 @@ def main() -> None:
         time_ours(runner, prompts, 2)
         time_hf(hf, prompts, 2, 0)
         timers = {"flared": lambda n: time_ours(runner, prompts, n), "transformers": lambda n: time_hf(hf, prompts, n, 0)}
+        if grouped:  # the A/B: the same runner with the loop over experts
+            timers["flared (expert loop)"] = lambda n: looped(n, prompts)
         tok_s = decode_tok_s(timers, batch, args.tokens, args.repeats)
         figures[batch] = tok_s
-        print(f"  batch {batch:3d}: flared {tok_s['flared']:9.1f} tok/s   transformers {tok_s['transformers']:9.1f} "
-              f"tok/s   x{tok_s['flared'] / tok_s['transformers']:.2f}", file=sys.stderr, flush=True)
-    print("\n| shape | device | dtype | batch | flared decode tok/s | transformers decode tok/s | ratio |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        print(f"  batch {batch:3d}: " + "   ".join(f"{k} {v:9.1f} tok/s" for k, v in tok_s.items()),
+              file=sys.stderr, flush=True)
+    variants = [v for v in figures[batches[0]] if v != "transformers"]
+    print("\n| shape | device | dtype | batch | " + " | ".join(f"{v} tok/s, ratio" for v in variants)
+          + " | transformers tok/s |")
+    print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: |")
     for batch, f in figures.items():
         print(f"| {args.shape} ({config.num_hidden_layers} layers) | {args.device} | {args.dtype} | {batch} | "
-              f"{f['flared']:,.1f} | {f['transformers']:,.1f} | {f['flared'] / f['transformers']:.2f} |")
+              + " | ".join(f"{f[v]:,.1f}, {f[v] / f['transformers']:.2f}" for v in variants)
+              + f" | {f['transformers']:,.1f} |")
     if args.json:
         print(json.dumps({"shape": args.shape, "layers": config.num_hidden_layers, "device": args.device,
                           "dtype": args.dtype, "params_b": round(params / 1e9, 3), "active_b": round(active / 1e9, 3),
-                          **{f"batch{b}": {"flared_tok_s": round(f["flared"], 1),
-                                           "transformers_tok_s": round(f["transformers"], 1),
-                                           "ratio": round(f["flared"] / f["transformers"], 3)}
-                             for b, f in figures.items()}}))
+                          "grouped_experts": grouped,
+                          **{f"batch{b}|{v}": {"tok_s": round(f[v], 1), "ratio": round(f[v] / f["transformers"], 3)}
+                             for b, f in figures.items() for v in f}}))
 
 
 if __name__ == "__main__":

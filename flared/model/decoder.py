@@ -39,6 +39,9 @@ try:
     from flared._fast import attention as _cpu_attention
 except ImportError:  # as above: decode attention keeps the gather + bmm path
     _cpu_attention = None
+# torch's grouped product (rows grouped by offsets, one matrix a group): torch >= 2.10's public name, else the
+# private one, else none
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 try:
     from flared._fast import decode as _cpu_decode
 except ImportError:  # as above: bf16 decode steps keep the per-op path
@@ -152,7 +155,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
-                 "window", "router", "experts", "shared")
+                 "window", "router", "experts", "shared", "expert_stacks")
 
 
 class DecoderModel:
@@ -189,12 +192,14 @@ class DecoderModel:
             layer.post_attn_norm = opt(p + "post_attn_norm.weight")  # Gemma 3's sandwich norms
             layer.post_mlp_norm = opt(p + "post_mlp_norm.weight")
             layer.window = config.window_of(i)
-            layer.router = layer.experts = layer.shared = None
+            layer.router = layer.experts = layer.shared = layer.expert_stacks = None
             if config.num_experts:  # a routed MLP: each expert's two products, the router's, the shared expert's
                 layer.gate_up = layer.down = None
                 layer.router = _Linear(w(p + "router.weight"), None)
                 gate_up, down = w(p + "experts.gate_up.weight"), w(p + "experts.down.weight")
                 layer.experts = [(_Linear(gate_up[e], None), _Linear(down[e], None)) for e in range(config.num_experts)]
+                if layer.experts[0][0].packed is None:  # (the experts' weights are views of these: no copy)
+                    layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout
                 del gate_up, down
                 if config.shared_expert_intermediate_size:
                     layer.shared = (_Linear(w(p + "shared.gate_up.weight"), None),
@@ -236,6 +241,10 @@ class DecoderModel:
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
             and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        # Routed experts on a GPU in bf16: every expert's rows in two grouped products (torch's grouped_mm) with no
+        # host sync, instead of a loop over the experts hit; False keeps the loop (A/B: tools/bench_moe.py).
+        self.grouped_experts = (bool(config.num_experts) and self.device.type == "cuda" and dtype == torch.bfloat16
+                                and _grouped_mm is not None)
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
@@ -569,10 +578,27 @@ class DecoderModel:
         weights = weights.to(x.dtype)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (row, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=c.num_experts).tolist()
         rows = order // k
         row_weights = weights.flatten().index_select(0, order)[:, None]
         out = torch.zeros_like(x)
+        if self.grouped_experts and layer.expert_stacks is not None:
+            # group g's rows end at offsets[g]: two grouped products over every chosen (row, expert) pair at once
+            gate_up_t, down_t = layer.expert_stacks
+            counts = torch.zeros(c.num_experts, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offsets = counts.cumsum(0, dtype=torch.int32)
+            act = self._activation(_grouped_mm(x.index_select(0, rows), gate_up_t, offs=offsets))
+            out.index_add_(0, rows, _grouped_mm(act, down_t, offs=offsets) * row_weights)
+        else:
+            self._expert_loop(layer, x, flat, rows, row_weights, out)
+        if layer.shared is not None:
+            gate_up, down, gate = layer.shared
+            out = out + torch.sigmoid(gate(x)) * down(self._activation(gate_up(x)))
+        return out
+
+    def _expert_loop(self, layer: _Layer, x, flat, rows, row_weights, out) -> None:
+        """Each expert hit runs once over its rows (one host sync for the counts)."""
+        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
         start = 0
         for expert, count in enumerate(counts):
             if not count:
@@ -582,10 +608,6 @@ class DecoderModel:
             y = down(self._activation(gate_up(x.index_select(0, mine))))
             out.index_add_(0, mine, y * row_weights[start:start + count])
             start += count
-        if layer.shared is not None:
-            gate_up, down, gate = layer.shared
-            out = out + torch.sigmoid(gate(x)) * down(self._activation(gate_up(x)))
-        return out
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """A decode-only batch (row i = decode row i) through flared/_fast/decode.pyx; same result as forward's
