@@ -115,6 +115,8 @@ def translate_messages(body: dict) -> list[dict]:
                 text.append({"type": "text", "text": b["text"]})
             elif kind == "image" and role == "user":
                 text.append({"type": "image", "image": _image_source(b, bw), "param": bw})
+            elif kind == "document" and role == "user":
+                text.append({"type": "text", "text": _document_text(b, bw)})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # earlier reasoning is not replayed into the prompt, as the templates do
             elif kind == "tool_use" and role == "assistant":
@@ -144,6 +146,36 @@ def _joined(parts: list[dict]) -> str | list[dict]:
     if any(p["type"] == "image" for p in parts):
         return parts
     return "".join(p["text"] for p in parts)
+
+
+def _document_text(block: dict, where: str) -> str:
+    """A plain-text document block (source ``text``, or ``content``: a string or text blocks) as the prompt's text:
+    its title, its context and its text, a blank line between. PDF sources (``base64``, ``url``, ``file``) are
+    refused: nothing here reads PDFs."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad(f"{where}.source", "must be an object")
+    citations = block.get("citations")
+    if isinstance(citations, dict) and citations.get("enabled"):
+        raise _bad(f"{where}.citations", "citations are not supported", ErrorKind.UNSUPPORTED)
+    kind = source.get("type")
+    if kind == "text":
+        if not isinstance(source.get("data"), str):
+            raise _bad(f"{where}.source.data", "must be a string")
+        body = source["data"]
+    elif kind == "content":
+        body = join_text_parts(source.get("content"), f"{where}.source.content")
+    else:
+        raise _bad(f"{where}.source", f"a document source of type {kind!r} is not supported (PDFs are not read "
+                   "here): send the document's text as a 'text' or 'content' source", ErrorKind.UNSUPPORTED)
+    parts = []
+    for key in ("title", "context"):
+        value = block.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"{where}.{key}", "must be a string")
+        if value:
+            parts.append(value)
+    return "\n\n".join(parts + [body])
 
 
 def _image_source(block: dict, where: str) -> str:

@@ -118,3 +118,31 @@ def test_thinking_budget_ends_the_reasoning(client):
     assert cut.usage.output_tokens == full.usage.output_tokens - 1  # the reasoning's one token left out
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 40})  # not under max_tokens
+
+
+def test_text_documents_are_read_and_pdfs_refused(client):
+    """document blocks with a text or content source become the prompt's text (title, context, text); a PDF source
+    is a 400 naming it."""
+    doc = {"type": "document", "title": "Weather report", "context": "From this morning.",
+           "source": {"type": "text", "media_type": "text/plain", "data": "Paris: sunny, 24 degrees."}}
+    question = {"type": "text", "text": "What is the weather in Paris?"}
+    plain = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [question]}])
+    with_doc = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [doc, question]}])
+    as_text = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Weather report\n\nFrom this morning.\n\nParis: sunny, 24 degrees."}, question]}])
+    assert plain.input_tokens < with_doc.input_tokens == as_text.input_tokens
+    content_doc = {"type": "document", "source": {"type": "content", "content": [
+        {"type": "text", "text": "Paris: sunny, "}, {"type": "text", "text": "24 degrees."}]}}
+    m = client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [content_doc,
+                                                                                                 question]}],
+                               extra_body=GREEDY)
+    assert m.type == "message" and m.usage.input_tokens > plain.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}},
+            question]}])
+    message = e.value.body["error"]["message"]
+    assert "messages[0].content[0].source" in message and "PDF" in message
+    with pytest.raises(anthropic.BadRequestError, match="citations"):
+        client.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            dict(doc, citations={"enabled": True}), question]}])
