@@ -30,11 +30,13 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # SmolLM2 ships as model_type "llama".
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                   # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
-                  "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+                  "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
+                  # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
+                  "smollm3": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
-                 "shared_expert_intermediate_size"}
+                 "shared_expert_intermediate_size", "nope_layers"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
@@ -90,10 +92,14 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # Layers whose queries and keys are not rotated at all (SmolLM3's "NoPE" layers), in order.
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+        if isinstance(self.nope_layers, list):
+            object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
         if self.architecture not in ARCHITECTURES:
             raise _unsupported(f"architecture {self.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -137,6 +143,10 @@ class ModelConfig:
             raise CoreError(f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts a token "
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
+        if not isinstance(self.nope_layers, tuple) or list(self.nope_layers) != sorted(set(self.nope_layers)) or any(
+                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise CoreError(f"nope_layers must list layers of 0..{self.num_layers - 1} in order, got "
+                            f"{self.nope_layers!r}")
         if not self.num_experts and (self.experts_per_token or self.expert_intermediate_size
                                      or self.shared_expert_intermediate_size):
             raise CoreError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size need "
@@ -145,7 +155,7 @@ class ModelConfig:
     @property
     def graph_capable(self) -> bool:
         """The CUDA graphs' kernels run this model (Gemma 3's layers and routed experts they do not)."""
-        return self.architecture != "gemma3" and not self.num_experts
+        return self.architecture != "gemma3" and not self.num_experts and not self.nope_layers
 
     def window_of(self, layer: int) -> int:
         """The keys layer ``layer`` attends to at most (0: all of them)."""
@@ -171,6 +181,7 @@ class ModelConfig:
             d["rope_scaling"] = dict(d["rope_scaling"])
         if d["layer_windows"] is not None:
             d["layer_windows"] = list(d["layer_windows"])
+        d["nope_layers"] = list(d["nope_layers"])
         return d
 
     @classmethod
@@ -288,6 +299,13 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             qkv_bias, out_bias = attention_bias, attention_bias
         sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
         moe = _experts_from_hf(hf, model_type, source)
+        nope = ()
+        if model_type == "smollm3":
+            rope_on = hf.get("no_rope_layers")  # (transformers' name: 1 = rotated, 0 = not)
+            if rope_on is None:
+                interval = int(hf.get("no_rope_layer_interval") or 4)
+                rope_on = [int((i + 1) % interval != 0) for i in range(int(hf["num_hidden_layers"]))]
+            nope = tuple(i for i, on in enumerate(rope_on) if not on)
         return ModelConfig(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
@@ -306,6 +324,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             qk_norm=architecture == "qwen3",
             attention_out_bias=out_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
+            nope_layers=nope,
             **moe,
         )
     except KeyError as exc:

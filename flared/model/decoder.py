@@ -155,7 +155,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
-                 "window", "router", "experts", "shared", "expert_stacks")
+                 "window", "router", "experts", "shared", "expert_stacks", "rope")
 
 
 class DecoderModel:
@@ -192,6 +192,7 @@ class DecoderModel:
             layer.post_attn_norm = opt(p + "post_attn_norm.weight")  # Gemma 3's sandwich norms
             layer.post_mlp_norm = opt(p + "post_mlp_norm.weight")
             layer.window = config.window_of(i)
+            layer.rope = i not in config.nope_layers
             layer.router = layer.experts = layer.shared = layer.expert_stacks = None
             if config.num_experts:  # a routed MLP: each expert's two products, the router's, the shared expert's
                 layer.gate_up = layer.down = None
@@ -526,7 +527,8 @@ class DecoderModel:
             v = qkv[:, q_size + kv_size:]
             if layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
-            qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
+            if layer.rope:  # (SmolLM3's NoPE layers attend unrotated)
+                qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
             q = qk[:, :nh]
             k = qk[:, nh:]
             v = v.view(num_tokens, nkv, d)

@@ -294,7 +294,7 @@ def _gguf_field(reader, key: str, default=None):
 # GGUF architecture -> ours; qwen2moe / qwen3moe are their families with routed experts (as is a llama file with
 # llama.expert_count: Mixtral)
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2moe": "qwen2",
-                       "qwen3moe": "qwen3"}
+                       "qwen3moe": "qwen3", "smollm3": "llama"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -364,6 +364,9 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                      layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
                      local_rope_theta=10000.0)
     experts = _gguf_experts(reader, arch, source, need)
+    nope = ()
+    if arch == "smollm3":  # llama.cpp's rule for SmolLM3: every fourth layer unrotated
+        nope = tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
     return ModelConfig(
         architecture=_GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab_size),
@@ -382,6 +385,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         attention_bias=has_bias,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+        nope_layers=nope,
         **gemma,
         **experts,
     )
@@ -435,7 +439,7 @@ def _read_gguf(path: Path) -> SourceModel:
     except Exception as exc:  # a truncated or foreign file fails inside numpy memmap/struct parsing
         raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
     config = _gguf_config(reader, source)
-    permute = config.architecture == "llama"
+    permute = config.architecture == "llama"  # (SmolLM3's converter permutes as Llama's does)
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

@@ -32,6 +32,9 @@ FAMILIES = {
                                     shared_expert_intermediate_size=48, norm_topk_prob=False)),
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                     norm_topk_prob=True)),
+    # SmolLM3: Llama with every fourth layer unrotated (4 layers: the last is)
+    "smollm3": ("smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on

@@ -81,7 +81,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if name not in t:
                     continue
                 values = t[name]
-                if arch == "llama" and ours != "attn_v":
+                if arch in ("llama", "smollm3") and ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
