@@ -32,7 +32,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
                   "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
                   # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
-                  "smollm3": "llama"}
+                  "smollm3": "llama",
+                  # Phi-3 / Phi-4: Llama's layer with q/k/v and gate/up stored fused, a sliding window where set
+                  "phi3": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -226,8 +228,13 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     """Read rope theta and scaling from either the transformers 5 ``rope_parameters``
     or the older ``rope_theta`` + ``rope_scaling`` keys."""
     params = hf.get("rope_parameters")
+    partial = (params if isinstance(params, dict) and "partial_rotary_factor" in params else hf).get(
+        "partial_rotary_factor", 1.0)
+    if partial is not None and float(partial) != 1.0:
+        raise _unsupported(f"{source}: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
     if isinstance(params, dict):
         scaling = dict(params)
+        scaling.pop("partial_rotary_factor", None)
         theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
     else:
         theta = hf.get("rope_theta", 10000.0)
@@ -297,7 +304,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         else:
             # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
             qkv_bias, out_bias = attention_bias, attention_bias
-        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
+        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
         moe = _experts_from_hf(hf, model_type, source)
         nope = ()
         if model_type == "smollm3":

@@ -234,7 +234,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         hp, sp = f"model.layers.{i}.", f"layers.{i}."
         attn = hp + "self_attn."
         out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
-        out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
+        if attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
+            out[sp + "qkv.weight"] = hf[attn + "qkv_proj.weight"]
+        else:
+            out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
         if config.attention_bias:
             out[sp + "qkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"], dim=0)
         if config.qk_norm:
@@ -252,7 +255,11 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         if config.num_experts:
             out.update(_hf_experts(hf, hp, sp, config, take))
             continue
-        out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")], dim=0)
+        if hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows
+            out[sp + "gate_up.weight"] = hf[hp + "mlp.gate_up_proj.weight"]
+        else:
+            out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")],
+                                                   dim=0)
         out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -294,7 +301,7 @@ def _gguf_field(reader, key: str, default=None):
 # GGUF architecture -> ours; qwen2moe / qwen3moe are their families with routed experts (as is a llama file with
 # llama.expert_count: Mixtral)
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2moe": "qwen2",
-                       "qwen3moe": "qwen3", "smollm3": "llama"}
+                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -337,6 +344,9 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         rope_scaling = _gguf_yarn(reader, arch, source, need)
     elif scaling_type != "none":
         raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
+    if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
+        raise CoreError(f"{source}: GGUF long-context rope factors (Phi-3's longrope) are not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
     if "rope_freqs.weight" in tensor_names:
         # llama3-style rope stored as per-frequency factors; we only read it from HF configs.
         raise CoreError(f"{source}: GGUF rope frequency factors (rope_freqs) are not supported",
@@ -350,6 +360,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
             raise CoreError(f"{source}: GGUF metadata has neither {arch}.vocab_size nor a token list", ErrorKind.SOURCE_FORMAT)
         vocab_size = len(tokens)
     head_dim = _gguf_field(reader, f"{arch}.attention.key_length") or hidden_size // num_heads
+    rotated = _gguf_field(reader, f"{arch}.rope.dimension_count")
+    if rotated is not None and int(rotated) != int(head_dim):
+        raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of head_dim "
+                        f"{head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
     has_bias = "blk.0.attn_q.bias" in tensor_names
     gemma = {}
     if arch == "gemma3":
@@ -386,6 +400,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         nope_layers=nope,
+        sliding_window=int(_gguf_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
+        if arch == "phi3" else None,
         **gemma,
         **experts,
     )
@@ -439,7 +455,8 @@ def _read_gguf(path: Path) -> SourceModel:
     except Exception as exc:  # a truncated or foreign file fails inside numpy memmap/struct parsing
         raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
     config = _gguf_config(reader, source)
-    permute = config.architecture == "llama"  # (SmolLM3's converter permutes as Llama's does)
+    # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
+    permute = _gguf_field(reader, "general.architecture") in ("llama", "smollm3")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -466,7 +483,10 @@ def _read_gguf(path: Path) -> SourceModel:
         out["lm_head.weight"] = take("output.weight")
     for i in range(config.num_layers):
         gp, sp = f"blk.{i}.", f"layers.{i}."
-        out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
+        if gp + "attn_qkv.weight" in raw:  # Phi-3's fused projection
+            out[sp + "qkv.weight"] = raw[gp + "attn_qkv.weight"]
+        else:
+            out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
         if config.attention_bias:
             out[sp + "qkv.bias"] = torch.cat([take(gp + f"attn_{x}.bias") for x in "qkv"], dim=0)
         if config.num_experts:
@@ -479,6 +499,8 @@ def _read_gguf(path: Path) -> SourceModel:
                                                               take(gp + "ffn_up_shexp.weight")])
                 out[sp + "shared.down.weight"] = take(gp + "ffn_down_shexp.weight")
                 out[sp + "shared.gate.weight"] = take(gp + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+        elif gp + "ffn_gate.weight" not in raw and gp + "ffn_up.weight" in raw:  # Phi-3's ffn_up holds gate, then up
+            out[sp + "gate_up.weight"] = raw[gp + "ffn_up.weight"]
         else:
             out[sp + "gate_up.weight"] = torch.cat([take(gp + "ffn_gate.weight"), take(gp + "ffn_up.weight")], dim=0)
         for gguf_name, serving_name in _GGUF_LAYER_NAMES.items():

@@ -35,6 +35,8 @@ FAMILIES = {
     # SmolLM3: Llama with every fourth layer unrotated (4 layers: the last is)
     "smollm3": ("smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2)),
+    # Phi-3 / Phi-4: fused q/k/v and gate/up projections, a sliding window
+    "phi3": ("phi3", dict(sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on

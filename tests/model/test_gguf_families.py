@@ -45,6 +45,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
     w.add_uint32(f"{arch}.block_count", cfg["num_hidden_layers"])
     w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
+    if arch == "phi3" and cfg.get("sliding_window"):
+        w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     if experts:  # llama.cpp's mixture-of-experts keys
         w.add_uint32(f"{arch}.expert_count", experts)
@@ -75,6 +77,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         add("output.weight", t["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if p + "self_attn.qkv_proj.weight" in t:  # Phi-3's fused projections, as llama.cpp keeps them
+            add(f"blk.{i}.attn_qkv.weight", t[p + "self_attn.qkv_proj.weight"])
         for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
             for kind in ("weight", "bias"):
                 name = f"{p}self_attn.{theirs}.{kind}"
@@ -89,6 +93,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
         if experts:
             write_experts(add, t, p, i, experts)
+        elif p + "mlp.gate_up_proj.weight" in t:
+            add(f"blk.{i}.ffn_up.weight", t[p + "mlp.gate_up_proj.weight"])
+            add(f"blk.{i}.ffn_down.weight", t[p + "mlp.down_proj.weight"])
         else:
             add(f"blk.{i}.ffn_gate.weight", t[p + "mlp.gate_proj.weight"])
             add(f"blk.{i}.ffn_up.weight", t[p + "mlp.up_proj.weight"])

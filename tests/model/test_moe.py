@@ -33,10 +33,14 @@ EXPERT_FIELDS = ("num_experts", "experts_per_token", "expert_intermediate_size",
 def last_logits(model: DecoderModel, prompt: list[int]) -> torch.Tensor:
     """The last token's logits, the prompt run as two chunks over scattered pages (the second sees the first
     through the cache)."""
-    kv = model.make_kv_cache(num_pages=12, page_tokens=4)
-    pages = [6, 2, 0, 5, 9, 1]
-    model.forward(ForwardBatch.build([SequenceChunk(prompt[:9], 0, pages, needs_logits=False)], page_tokens=4), kv)
-    return model.forward(ForwardBatch.build([SequenceChunk(prompt[9:], 9, pages)], page_tokens=4), kv)[0]
+    count = -(-len(prompt) // 4)
+    kv = model.make_kv_cache(num_pages=count + 6, page_tokens=4)
+    pages = torch.randperm(count + 6, generator=torch.Generator().manual_seed(0))[:count].tolist()
+    window = model.config.sliding_window
+    model.forward(ForwardBatch.build([SequenceChunk(prompt[:9], 0, pages, needs_logits=False)], page_tokens=4,
+                                     sliding_window=window), kv)
+    return model.forward(ForwardBatch.build([SequenceChunk(prompt[9:], 9, pages)], page_tokens=4,
+                                            sliding_window=window), kv)[0]
 
 
 def hf_last_logits(directory, prompt: list[int]) -> torch.Tensor:
