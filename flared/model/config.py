@@ -34,11 +34,15 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
                   "smollm3": "llama",
                   # Phi-3 / Phi-4: Llama's layer with q/k/v and gate/up stored fused, a sliding window where set
-                  "phi3": "llama"}
+                  "phi3": "llama",
+                  # IBM Granite 3: Llama with scalar multipliers on the embeddings, the residual branches, the
+                  # attention scores and the logits
+                  "granite": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
-                 "shared_expert_intermediate_size", "nope_layers"}
+                 "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
+                 "logits_scaling"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
@@ -96,6 +100,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # Layers whose queries and keys are not rotated at all (SmolLM3's "NoPE" layers), in order.
     nope_layers: tuple[int, ...] = ()
+    # Granite: the embedding rows times embedding_multiplier, each residual branch (attention's, the MLP's) times
+    # residual_multiplier before it is added, the logits divided by logits_scaling (None: 1); its
+    # attention_multiplier is attention_scale.
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -129,7 +139,8 @@ class ModelConfig:
         if self.layer_windows is not None and (len(self.layer_windows) != self.num_layers or any(
                 not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in self.layer_windows)):
             raise CoreError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0")
-        for name in ("attention_scale", "local_rope_theta"):
+        for name in ("attention_scale", "local_rope_theta", "embedding_multiplier", "residual_multiplier",
+                     "logits_scaling"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
@@ -157,7 +168,9 @@ class ModelConfig:
     @property
     def graph_capable(self) -> bool:
         """The CUDA graphs' kernels run this model (Gemma 3's layers and routed experts they do not)."""
-        return self.architecture != "gemma3" and not self.num_experts and not self.nope_layers
+        return (self.architecture != "gemma3" and not self.num_experts and not self.nope_layers
+                and self.attention_scale is None and self.embedding_multiplier is None
+                and self.residual_multiplier is None and self.logits_scaling is None)
 
     def window_of(self, layer: int) -> int:
         """The keys layer ``layer`` attends to at most (0: all of them)."""
@@ -201,7 +214,8 @@ class ModelConfig:
             raise CoreError(f"model config is missing keys: {', '.join(missing)}")
         values = dict(d)
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
-        for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta"):
+        for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
+                     "residual_multiplier", "logits_scaling"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -333,11 +347,22 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             sliding_window=int(sliding_window) if sliding_window else None,
             nope_layers=nope,
             **moe,
+            **_granite_from_hf(hf, model_type),
         )
     except KeyError as exc:
         raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+
+
+def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
+    """Granite's multipliers ({} for other families)."""
+    if model_type != "granite":
+        return {}
+    return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                logits_scaling=float(hf.get("logits_scaling", 1.0)),
+                attention_scale=float(hf.get("attention_multiplier", 1.0)))
 
 
 def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:

@@ -368,7 +368,14 @@ class DecoderModel:
         h = self._layers_forward(batch, kv)
         last = h.index_select(0, batch.logit_row_ids)
         last = rms_norm(last, self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head_linear(last).float()
+        return self._logits(last)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows -> float32 logits (Granite's divided by its logits_scaling, in the model's dtype)."""
+        y = self.lm_head_linear(x)
+        if self.config.logits_scaling is not None:
+            y = y / self.config.logits_scaling
+        return y.float()
 
     @torch.inference_mode()
     def pooled_embeddings(self, token_lists: list[list[int]], *, pooling: str = "last", normalize: bool = True,
@@ -449,7 +456,7 @@ class DecoderModel:
             for a in range(start, end, rows_per_chunk):
                 b = min(end, a + rows_per_chunk)
                 x = rms_norm(h[a - start:b - start].contiguous(), self.final_norm, self.config.rms_norm_eps)
-                lp = torch.log_softmax(self.lm_head_linear(x).float(), dim=-1)
+                lp = torch.log_softmax(self._logits(x), dim=-1)
                 chosen_lp = lp.gather(1, targets[a:b, None])
                 ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
                 chosen = chosen_lp[:, 0].tolist()
@@ -507,6 +514,8 @@ class DecoderModel:
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if c.embedding_multiplier is not None:  # Granite's (a Python float, as transformers multiplies)
+            h = h * c.embedding_multiplier
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
@@ -539,6 +548,8 @@ class DecoderModel:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
             if layer.post_attn_norm is not None:
                 o = rms_norm(o, layer.post_attn_norm, eps)
+            if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
+                o = o * c.residual_multiplier
             h = h + o
             x = rms_norm(h, layer.mlp_norm, eps)
             if layer.experts is not None:
@@ -553,6 +564,8 @@ class DecoderModel:
                     down = self._lora(batch, f"layers.{index}.down.weight", act, down)
             if layer.post_mlp_norm is not None:
                 down = rms_norm(down, layer.post_mlp_norm, eps)
+            if c.residual_multiplier is not None:
+                down = down * c.residual_multiplier
             h = h + down
             if batch.deepstack_values is not None and index < len(batch.deepstack_values):
                 # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
@@ -651,7 +664,7 @@ class DecoderModel:
             qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads,
             shared_sequences=batch.shared_sequences, kv_fp8=kv.storage_dtype == FP8_KV, **lora)
         last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
-        return self.lm_head_linear(last).float()
+        return self._logits(last)
 
     def _windowed(self, batch: ForwardBatch, window: int):
         """(decode rows' mask [1, B, 1, L] True = masked, each prefill group's [q_len, L] True = attend) for layers

@@ -301,7 +301,7 @@ def _gguf_field(reader, key: str, default=None):
 # GGUF architecture -> ours; qwen2moe / qwen3moe are their families with routed experts (as is a llama file with
 # llama.expert_count: Mixtral)
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2moe": "qwen2",
-                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama"}
+                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -378,6 +378,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                      layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
                      local_rope_theta=10000.0)
     experts = _gguf_experts(reader, arch, source, need)
+    granite = {}
+    if arch == "granite":  # its multipliers, under llama.cpp's names
+        granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
+                       logits_scaling=float(need("logit_scale")), attention_scale=float(need("attention.scale")))
     nope = ()
     if arch == "smollm3":  # llama.cpp's rule for SmolLM3: every fourth layer unrotated
         nope = tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
@@ -404,6 +408,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         if arch == "phi3" else None,
         **gemma,
         **experts,
+        **granite,
     )
 
 
@@ -456,7 +461,7 @@ def _read_gguf(path: Path) -> SourceModel:
         raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
     config = _gguf_config(reader, source)
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = _gguf_field(reader, "general.architecture") in ("llama", "smollm3")
+    permute = _gguf_field(reader, "general.architecture") in ("llama", "smollm3", "granite")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

@@ -163,6 +163,8 @@ class EmbeddingJob(ModelJob):
         if self.project:
             rows = model.lm_head[list(self.project)].float()  # [len(project), hidden]
             vectors = vectors.to(rows.device) @ rows.T
+            if model.config.logits_scaling is not None:  # Granite's logits are divided by it
+                vectors = vectors / model.config.logits_scaling
         self.parts.append(vectors.cpu())
         stats[f"{self.counter}_sequences"] += end - start
         stats[f"{self.counter}_tokens"] += count

@@ -37,6 +37,9 @@ FAMILIES = {
                                 eos_token_id=2)),
     # Phi-3 / Phi-4: fused q/k/v and gate/up projections, a sliding window
     "phi3": ("phi3", dict(sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
+    "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
+                                logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on

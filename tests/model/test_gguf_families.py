@@ -45,6 +45,10 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
     w.add_uint32(f"{arch}.block_count", cfg["num_hidden_layers"])
     w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        for ours, theirs in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                             ("logit_scale", "logits_scaling"), ("attention.scale", "attention_multiplier")):
+            w.add_float32(f"{arch}.{ours}", cfg[theirs])
     if arch == "phi3" and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
@@ -85,7 +89,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if name not in t:
                     continue
                 values = t[name]
-                if arch in ("llama", "smollm3") and ours != "attn_v":
+                if arch in ("llama", "smollm3", "granite") and ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])

@@ -1,0 +1,43 @@
+"""IBM Granite 3 beyond the shared parity tests (test_parity_hf.py runs the family's logits, greedy tokens,
+embeddings and prompt logprobs against transformers): its multipliers from a GGUF as llama.cpp writes one, and the
+config's round trip through a core's manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from flared.model.config import ModelConfig  # noqa: E402
+from flared.model.decoder import DecoderModel  # noqa: E402
+from flared.model.loader import read_source  # noqa: E402
+
+from .conftest import build_hf_checkpoint  # noqa: E402
+from .test_gguf_families import write_gguf  # noqa: E402
+from .test_moe import hf_last_logits, last_logits  # noqa: E402
+
+MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_scale")
+
+
+def test_a_gguf_reads_as_its_checkpoint(tmp_path):
+    hf_dir = build_hf_checkpoint("granite", tmp_path / "hf")
+    write_gguf(hf_dir, tmp_path / "m.gguf", "granite", Q.F32)
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir)
+    for name in MULTIPLIERS:
+        assert getattr(source.config, name) == pytest.approx(getattr(reference.config, name)), name
+    prompt = torch.randint(0, source.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+def test_config_round_trips(tmp_path):
+    config = read_source(build_hf_checkpoint("granite", tmp_path)).config
+    assert (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling,
+            config.attention_scale) == (6.0, 0.4, 3.0, 0.09)
+    assert not config.graph_capable  # the CUDA graphs' kernels have no multipliers: the eager executor serves it
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
