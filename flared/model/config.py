@@ -24,11 +24,12 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                  "gemma2": "gemma2",
                   # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
                   "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
                   # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
@@ -42,7 +43,7 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling"}
+                 "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
@@ -106,6 +107,9 @@ class ModelConfig:
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     logits_scaling: float | None = None
+    # Gemma 2: attention scores and final logits squashed to (-cap, cap) by cap * tanh(x / cap) (None: not).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -140,7 +144,7 @@ class ModelConfig:
                 not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in self.layer_windows)):
             raise CoreError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0")
         for name in ("attention_scale", "local_rope_theta", "embedding_multiplier", "residual_multiplier",
-                     "logits_scaling"):
+                     "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
@@ -168,7 +172,7 @@ class ModelConfig:
     @property
     def graph_capable(self) -> bool:
         """The CUDA graphs' kernels run this model (Gemma 3's layers and routed experts they do not)."""
-        return (self.architecture != "gemma3" and not self.num_experts and not self.nope_layers
+        return (self.architecture not in ("gemma2", "gemma3") and not self.num_experts and not self.nope_layers
                 and self.attention_scale is None and self.embedding_multiplier is None
                 and self.residual_multiplier is None and self.logits_scaling is None)
 
@@ -215,7 +219,7 @@ class ModelConfig:
         values = dict(d)
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
-                     "residual_multiplier", "logits_scaling"):
+                     "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -294,8 +298,8 @@ def yarn_parameters(scaling: dict[str, Any], hf: dict[str, Any]) -> dict:
 def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
     """Translate a Hugging Face ``config.json`` dict; ``source`` names it in errors."""
     model_type = hf.get("model_type")
-    if model_type == "gemma3_text":
-        return _gemma3_from_hf(hf, source)
+    if model_type in ("gemma3_text", "gemma2"):
+        return _gemma_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -385,22 +389,25 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
 
 
-def _gemma3_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
-    """Gemma 3's text model (gemma3_text; a gemma3 checkpoint's text_config)."""
+def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """Gemma 3's text model (gemma3_text; a gemma3 checkpoint's text_config) or Gemma 2 (gemma2: no q/k norms, one
+    rope for every layer, every other layer windowed, soft-capped attention scores and logits)."""
+    gemma2 = model_type == "gemma2"
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise _unsupported(f"{source}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise _unsupported(f"{source}: {key} is not supported")
+    if not gemma2:
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise _unsupported(f"{source}: {key} is not supported for Gemma 3")
     if hf.get("use_bidirectional_attention"):
         raise _unsupported(f"{source}: use_bidirectional_attention is not supported")
     try:
         layers = int(hf["num_hidden_layers"])
         window = int(hf.get("sliding_window") or 4096)
         types = hf.get("layer_types")
-        if types is None:  # older configs: every sliding_window_pattern-th layer is global
-            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        if types is None:  # older configs: every sliding_window_pattern-th layer is global (Gemma 2: every other)
+            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or (2 if gemma2 else 6))
             types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
         if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
             raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
@@ -411,21 +418,26 @@ def _gemma3_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             local_theta = float(params.get("sliding_attention", {}).get("rope_theta", 10000.0))
         else:
             theta, scaling = _rope_from_hf(hf, source)
-            local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+            local_theta = None if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or 256)
         bias = bool(hf.get("attention_bias", False))
+        caps = {}
+        if gemma2:
+            caps = {key: float(hf[key]) if hf.get(key) is not None else None
+                    for key in ("attn_logit_softcapping", "final_logit_softcapping")}
         return ModelConfig(
-            architecture="gemma3", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            architecture="gemma2" if gemma2 else "gemma3", vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, qk_norm=True,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 8192 if gemma2 else 131072)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, qk_norm=not gemma2,
             attention_out_bias=bias, embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
             attention_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
             layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-            local_rope_theta=local_theta)
+            local_rope_theta=local_theta, **caps)
     except KeyError as exc:
         raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
     except (TypeError, ValueError) as exc:

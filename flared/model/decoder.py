@@ -48,6 +48,11 @@ except ImportError:  # as above: bf16 decode steps keep the per-op path
     _cpu_decode = None
 
 
+def _soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's squashing of attention scores and logits into (-cap, cap)."""
+    return torch.tanh(x / cap) * cap
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # One fused op (statistics in float32 for every dtype); matches transformers' LlamaRMSNorm to
     # float32 rounding, which the parity tests check. bfloat16 rows on the CPU go through
@@ -231,6 +236,7 @@ class DecoderModel:
         # attention time at 32 rows of long context). False keeps the torch path (A/B, other devices).
         self.cpu_decode_attention = (
             _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and config.attn_logit_softcapping is None  # (the kernel does not soft-cap scores: Gemma 2 takes torch's)
             and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
             and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
         # bf16 decode-only steps of up to _cpu_decode.MAX_ROWS (64) rows on a CPU with AVX-512 BF16 run every
@@ -375,6 +381,8 @@ class DecoderModel:
         y = self.lm_head_linear(x)
         if self.config.logits_scaling is not None:
             y = y / self.config.logits_scaling
+        if self.config.final_logit_softcapping is not None:  # Gemma 2
+            y = _soft_cap(y, self.config.final_logit_softcapping)
         return y.float()
 
     @torch.inference_mode()
@@ -686,6 +694,26 @@ class DecoderModel:
             cache[window] = (decode, groups)
         return cache[window]
 
+    def _prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor | None) -> torch.Tensor:
+        """q [1, nh, q_len, d] over keys, values [1, nkv, L, d]; ``mask`` [q_len, L] True = attend (None: causal,
+        the queries being the last q_len keys). Soft-capped scores (Gemma 2) in plain ops, as SDPA has no cap."""
+        group = q.shape[1] // keys.shape[1]
+        cap = self.config.attn_logit_softcapping
+        if cap is None:
+            if mask is None:
+                return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
+                                                      enable_gqa=group > 1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=group > 1)
+        q_len, length = q.shape[2], keys.shape[2]
+        if mask is None:
+            mask = torch.ones(q_len, length, dtype=torch.bool, device=q.device).tril(length - q_len)
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = _soft_cap((q @ keys.transpose(-1, -2)) * self.scale, cap)
+        probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+        return probs @ values
+
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, decode_masked: torch.Tensor | None, native: bool) -> torch.Tensor:
         """q [T, nh, d]; k, v [T, nkv, d] (this forward's, already in the cache) -> [T, nh * d]. ``native``: decode
@@ -719,6 +747,8 @@ class DecoderModel:
             qd = q if decode_only else q.index_select(0, batch.decode_row_ids)
             qd = qd.view(num_decode, nkv, group, d).transpose(0, 1).reshape(nkv * num_decode, group, d)
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [nkv * B, group, L]
+            if c.attn_logit_softcapping is not None:
+                scores = _soft_cap(scores, c.attn_logit_softcapping)
             if c.layer_windows is not None and c.window_of(layer):
                 decode_masked = self._windowed(batch, c.window_of(layer))[0]
             scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))
@@ -735,18 +765,15 @@ class DecoderModel:
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
             if window_masks is not None:  # a windowed layer (Gemma 3): the group's keys in its window
                 keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
-                o = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0),
-                                                   attn_mask=window_masks[gi], scale=self.scale, enable_gqa=group > 1)
+                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi])
             elif g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
                 # holds them: a float8 pool's rounding included).
                 keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
                 values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qg, keys, values, is_causal=True, scale=self.scale,
-                                                   enable_gqa=group > 1)
+                o = self._prefill_attention(qg, keys, values, None)
             else:
                 keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
-                o = F.scaled_dot_product_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=g.attn_mask,
-                                                   scale=self.scale, enable_gqa=group > 1)
+                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), g.attn_mask)
             out[g.row_start:g.row_end] = o[0].transpose(0, 1).reshape(q_len, nh * d)
         return out

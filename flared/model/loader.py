@@ -225,7 +225,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     # Gemma 3's RMSNorms scale by (1 + weight): its serving norms hold 1 + weight (added in float32, as
     # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
     # attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm is its pre-MLP norm.
-    gemma = config.architecture == "gemma3"
+    gemma = config.architecture in ("gemma2", "gemma3")
     norm = (lambda name: take(name).float() + 1.0) if gemma else take
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
     if not config.tie_word_embeddings:
@@ -300,7 +300,8 @@ def _gguf_field(reader, key: str, default=None):
 
 # GGUF architecture -> ours; qwen2moe / qwen3moe are their families with routed experts (as is a llama file with
 # llama.expert_count: Mixtral)
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "qwen2moe": "qwen2",
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
+                       "qwen2moe": "qwen2",
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama"}
 
 
@@ -377,6 +378,16 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                      attention_scale=(hidden_size / num_heads if layers == 62 else int(head_dim)) ** -0.5,
                      layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
                      local_rope_theta=10000.0)
+    elif arch == "gemma2":
+        # llama.cpp's Gemma 2: every other layer windowed (the even ones), one rope, soft caps from the file; 27B (46
+        # layers) scales queries by (hidden / heads)^-0.5, the others by head_dim^-0.5. Norms hold 1 + w.
+        layers = int(need("block_count"))
+        window = int(_gguf_field(reader, f"{arch}.attention.sliding_window", 4096))
+        caps = {key: float(value) if (value := _gguf_field(reader, f"{arch}.{key}")) is not None else None
+                for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        gemma = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+                     attention_scale=(hidden_size / num_heads if layers == 46 else int(head_dim)) ** -0.5,
+                     layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
     experts = _gguf_experts(reader, arch, source, need)
     granite = {}
     if arch == "granite":  # its multipliers, under llama.cpp's names

@@ -165,6 +165,9 @@ class EmbeddingJob(ModelJob):
             vectors = vectors.to(rows.device) @ rows.T
             if model.config.logits_scaling is not None:  # Granite's logits are divided by it
                 vectors = vectors / model.config.logits_scaling
+            if model.config.final_logit_softcapping is not None:  # Gemma 2's are soft-capped
+                cap = model.config.final_logit_softcapping
+                vectors = (vectors / cap).tanh() * cap
         self.parts.append(vectors.cpu())
         stats[f"{self.counter}_sequences"] += end - start
         stats[f"{self.counter}_tokens"] += count

@@ -25,6 +25,9 @@ FAMILIES = {
     # YaRN (Qwen's long-context setting): positions past the original 64 are interpolated, cos/sin scaled
     "qwen3_yarn": ("qwen3", dict(head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
                                                             "original_max_position_embeddings": 64})),
+    # Gemma 2: every other layer windowed, soft-capped scores and logits (caps low enough to bite on these weights)
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=8.0)),
     # Mixtures of experts: Mixtral (chosen weights renormalised), Qwen2-MoE (a gated shared expert, raw softmax
     # weights), Qwen3-MoE (q/k norms, renormalised)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),

@@ -119,54 +119,23 @@ def test_a_gemma3_gguf_reads_as_llama_cpp_writes_it(tmp_path):
     every sixth layer global, no q/k permutation): its logits are the original checkpoint's. The GGUF carries no
     query_pre_attn_scalar: llama.cpp takes head_dim (what the released models use, 27B aside), as the checkpoint
     here does."""
-    import gguf
-    from safetensors.numpy import load_file
+    from gguf import GGMLQuantizationType as Q
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
-    from flared.model.batch import ForwardBatch, SequenceChunk
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
+
+    from .test_gguf_families import write_gguf
+    from .test_moe import hf_last_logits, last_logits
 
     config = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
                               initializer_range=0.2, max_position_embeddings=256, query_pre_attn_scalar=16)
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "hf")
-    t = load_file(tmp_path / "hf" / "model.safetensors")
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
-    for key, value in (("context_length", 256), ("embedding_length", 64), ("block_count", 6),
-                       ("feed_forward_length", 96), ("attention.head_count", 4), ("attention.head_count_kv", 2),
-                       ("attention.key_length", 16), ("attention.value_length", 16), ("attention.sliding_window", 8),
-                       ("vocab_size", 300)):
-        w.add_uint32(f"gemma3.{key}", value)
-    w.add_float32("gemma3.rope.freq_base", 1000000.0)
-    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", t["model.norm.weight"] + 1)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-    for i in range(6):
-        p = f"model.layers.{i}."
-        for theirs, ours in names.items():
-            w.add_tensor(f"blk.{i}.{ours}.weight", t[f"{p}{theirs}.weight"] + 1)
-        for theirs, ours in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
-                             ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
-                             ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down")):
-            w.add_tensor(f"blk.{i}.{ours}.weight", t[f"{p}{theirs}.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
+    write_gguf(tmp_path / "hf", tmp_path / "g.gguf", "gemma3", Q.F32)
     source = read_source(tmp_path / "g.gguf")
     assert source.config.layer_windows == (8, 8, 8, 8, 8, 0) and source.config.tie_word_embeddings
-    model = DecoderModel(source.config, source.tensors)
-    kv = model.make_kv_cache(num_pages=8, page_tokens=4)
     prompt = np.random.default_rng(3).integers(0, 300, size=21).tolist()
-    model.forward(ForwardBatch.build([SequenceChunk(prompt[:10], 0, [6, 2, 0, 5, 1, 3])], page_tokens=4), kv)
-    ours = model.forward(ForwardBatch.build([SequenceChunk(prompt[10:], 10, [6, 2, 0, 5, 1, 3])], page_tokens=4), kv)
-    original = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = original(torch.tensor([prompt])).logits[0, -1]
-    assert (ours[0] - expected).abs().max().item() < 1e-4
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(tmp_path / "hf", prompt)).abs().max().item() < 1e-4

@@ -39,7 +39,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     t = load_file(hf_dir / "model.safetensors")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    theta = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    rope = cfg.get("rope_parameters") or {}
+    theta = (rope.get("full_attention") or rope).get("rope_theta", 10000.0)  # (Gemma 3's per layer type)
+    gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
@@ -49,7 +51,10 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         for ours, theirs in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
                              ("logit_scale", "logits_scaling"), ("attention.scale", "attention_multiplier")):
             w.add_float32(f"{arch}.{ours}", cfg[theirs])
-    if arch == "phi3" and cfg.get("sliding_window"):
+    if arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            w.add_float32(f"{arch}.{key}", cfg[key])
+    if arch in ("phi3", "gemma2", "gemma3") and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     if experts:  # llama.cpp's mixture-of-experts keys
@@ -76,7 +81,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
             w.add_tensor(name, array)
 
     add("token_embd.weight", t["model.embed_tokens.weight"])
-    add("output_norm.weight", t["model.norm.weight"])
+    # llama.cpp's converter stores Gemma's (1 + w) norms as 1 + w
+    norm = (lambda name: t[name] + 1) if gemma else (lambda name: t[name])
+    add("output_norm.weight", norm("model.norm.weight"))
     if "lm_head.weight" in t and not cfg.get("tie_word_embeddings"):
         add("output.weight", t["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
@@ -93,8 +100,13 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
-        add(f"blk.{i}.attn_norm.weight", t[p + "input_layernorm.weight"])
-        add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_norm.weight", norm(p + "input_layernorm.weight"))
+        if gemma:  # norms after attention and the MLP, and the pre-MLP norm under its own name
+            add(f"blk.{i}.post_attention_norm.weight", norm(p + "post_attention_layernorm.weight"))
+            add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
+            add(f"blk.{i}.post_ffw_norm.weight", norm(p + "post_feedforward_layernorm.weight"))
+        else:
+            add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
         if experts:
             write_experts(add, t, p, i, experts)
         elif p + "mlp.gate_up_proj.weight" in t:
@@ -105,8 +117,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
             add(f"blk.{i}.ffn_up.weight", t[p + "mlp.up_proj.weight"])
             add(f"blk.{i}.ffn_down.weight", t[p + "mlp.down_proj.weight"])
         if p + "self_attn.q_norm.weight" in t:
-            add(f"blk.{i}.attn_q_norm.weight", t[p + "self_attn.q_norm.weight"])
-            add(f"blk.{i}.attn_k_norm.weight", t[p + "self_attn.k_norm.weight"])
+            add(f"blk.{i}.attn_q_norm.weight", norm(p + "self_attn.q_norm.weight"))
+            add(f"blk.{i}.attn_k_norm.weight", norm(p + "self_attn.k_norm.weight"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
