@@ -112,6 +112,10 @@ class ServerConfig:
     # bytes of bf16, at a precision of 3 mantissa bits, no scale (values past +-448 saturate). GPUs of compute
     # capability 8.9+ and the CPU backend.
     kv_cache_dtype: str = "auto"
+    # vLLM's --enforce-eager: on a GPU, the eager executor (torch's forward, no CUDA graphs) serves every core, as
+    # it does those the graphs' kernels do not run. Slower; images on a vision core's GPU need it (the graphs take
+    # text only). No effect on a CPU.
+    enforce_eager: bool = False
     # Speculative decoding by prompt lookup (vLLM's ngram method): up to this many draft tokens a step
     # for greedy requests, copied from where their latest prompt_lookup_max .. prompt_lookup_min tokens occurred
     # before in their prompt and output. 0 = off.
@@ -158,6 +162,7 @@ class ServerConfig:
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
         need(isinstance(self.runtime_lora_updating, bool), "runtime_lora_updating", "must be true or false")
+        need(isinstance(self.enforce_eager, bool), "enforce_eager", "must be true or false")
         for key, most in (("max_loras", 256), ("max_lora_rank", 1024)):
             v = getattr(self, key)
             need(_is_int(v) and 1 <= v <= most, key, f"must be an integer in 1..{most}")

@@ -167,7 +167,7 @@ class LoadedSession:
                                lora_slots=config.max_loras if config.runtime_lora_updating else None,
                                max_lora_rank=config.max_lora_rank,
                                max_cpu_loras=config.max_cpu_loras if config.runtime_lora_updating else None,
-                               kv_cache_dtype=config.kv_cache_dtype,
+                               kv_cache_dtype=config.kv_cache_dtype, enforce_eager=config.enforce_eager,
                                speculative=(config.speculative_tokens, config.prompt_lookup_max,
                                             config.prompt_lookup_min),
                                **_policy_kwargs(config))

@@ -283,11 +283,13 @@ class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto"):
+                 max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False):
         self.core = core
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
         self.kv_cache_dtype = kv_cache_dtype
+        # vLLM's --enforce-eager: a GPU serves through the eager executor, without graphs
+        self.enforce_eager = enforce_eager
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
         # Both executors verify drafts as decode rows (the CUDA graph executor in its speculative decode graphs).
         self.speculative = tuple(speculative)
@@ -378,7 +380,10 @@ class ModelRuntime:
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
         device = "cuda" if use_cuda else "cpu"
-        if use_cuda and not self.core.config.graph_capable:
+        if use_cuda and self.enforce_eager:
+            log.info("enforce_eager: serving on the GPU with the eager executor (no CUDA graphs)")
+            use_cuda = False
+        elif use_cuda and not self.core.config.graph_capable:
             # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's routing)
             c = self.core.config
             log.warning("the CUDA graphs' kernels do not run %s: serving on the GPU with the eager executor",
@@ -403,11 +408,13 @@ class ModelRuntime:
         model = DecoderModel(self.core.config, tensors, dtype=dtype, device=device, max_positions=caps.context_tokens)
         del tensors
         if self.core.manifest.vision is not None and not use_cuda:
-            # Images on the CPU executor; the CUDA graphs take token ids only, so there the core serves text.
+            # Images on the eager executor (the CPU's, or a GPU's with enforce_eager); the CUDA graphs take token
+            # ids only, so there the core serves text.
             from flared.model.vision import vision_encoder
 
             config = self.core.vision_config
-            model.vision = vision_encoder(config, self.core.load_vision_tensors(), dtype=tower_dtype(dtype),
+            model.vision = vision_encoder(config, self.core.load_vision_tensors(),
+                                          dtype=tower_dtype(dtype) if model.device.type == "cpu" else dtype,
                                           device=model.device)
             if config.mrope_section:
                 model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)

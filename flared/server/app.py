@@ -227,8 +227,8 @@ class ServingState:
         param, part = images[0]
         if not self.takes_images:
             why = ("this model takes text" if self.image_processor is None else
-                   "this server runs the model's CUDA graphs, which take text only so far; serve it on the CPU "
-                   "executor for images")
+                   "this server runs the model's CUDA graphs, which take text only so far; serve it with "
+                   "--enforce-eager, or on the CPU, for images")
             kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
         if len(images) > self.max_images:

@@ -66,6 +66,7 @@ def test_example_config_loads(tmp_path):
     ("max_cpu_loras = 'many'", "'max_cpu_loras'"),
     ("kv_cache_dtype = 'int4'", "'kv_cache_dtype'"),
     ("kv_cache_dtype = 8", "'kv_cache_dtype'"),
+    ("enforce_eager = 'yes'", "'enforce_eager'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
@@ -101,6 +102,18 @@ def test_kv_cache_dtype_reaches_the_config(tmp_path):
         path.write_text(f"kv_cache_dtype = '{value}'\n")
         assert ServerConfig.from_toml(path).kv_cache_dtype == value
     assert ServerConfig().kv_cache_dtype == "auto"
+
+
+def test_enforce_eager_reaches_the_runtime(tmp_path):
+    """The flag and the key both set it; on this CPU machine the daemon serves as it would anyway."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "eager.toml"
+    path.write_text("enforce_eager = true\n")
+    assert ServerConfig.from_toml(path).enforce_eager and not ServerConfig().enforce_eager
+    out = subprocess.run([sys.executable, "-m", "flared.cli.daemon", "run", "--help"], capture_output=True, text=True)
+    assert "--enforce-eager" in out.stdout
 
 
 def test_kv_pool_dtype_names():
