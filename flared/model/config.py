@@ -24,12 +24,15 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                   "gemma2": "gemma2",
+                  # OLMo 2 / OLMo 3: norms after attention and the MLP only, q/k norms over all heads (OLMo 3: three
+                  # windowed layers in four, their own rope)
+                  "olmo2": "olmo2", "olmo3": "olmo2",
                   # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
                   "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
                   # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
@@ -43,7 +46,7 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"}
+                 "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
@@ -110,6 +113,10 @@ class ModelConfig:
     # Gemma 2: attention scores and final logits squashed to (-cap, cap) by cap * tanh(x / cap) (None: not).
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # OLMo 2: no norm before attention and the MLP (pre_norm False: only the sandwich's norms after them), and q/k
+    # norms each over the whole projection, all heads at once ([nh * d], [nkv * d]) instead of per head.
+    pre_norm: bool = True
+    qk_norm_whole: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -149,7 +156,7 @@ class ModelConfig:
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
-        for name in ("embed_scale", "sandwich_norm", "norm_topk_prob"):
+        for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -172,7 +179,7 @@ class ModelConfig:
     @property
     def graph_capable(self) -> bool:
         """The CUDA graphs' kernels run this model (Gemma 3's layers and routed experts they do not)."""
-        return (self.architecture not in ("gemma2", "gemma3") and not self.num_experts and not self.nope_layers
+        return (self.architecture in ("llama", "qwen2", "qwen3") and not self.num_experts and not self.nope_layers
                 and self.attention_scale is None and self.embedding_multiplier is None
                 and self.residual_multiplier is None and self.logits_scaling is None)
 
@@ -300,6 +307,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
     model_type = hf.get("model_type")
     if model_type in ("gemma3_text", "gemma2"):
         return _gemma_from_hf(hf, source, model_type)
+    if model_type in ("olmo2", "olmo3"):
+        return _olmo_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -387,6 +396,50 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
     return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
+
+
+def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """OLMo 2 and OLMo 3: Llama's projections; a norm after attention and after the MLP (none before); q and k
+    normed over all heads; OLMo 3's windowed layers (layer_types) turn by their own plain rope."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    try:
+        layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
+        windows, local_theta = None, None
+        params = hf.get("rope_parameters")
+        if model_type == "olmo3":
+            types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                               for i in range(layers)]
+            if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+                raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
+                                "sliding_attention", ErrorKind.SOURCE_FORMAT)
+            window = int(hf.get("sliding_window") or 4096)
+            windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # per layer type
+            theta, scaling = _rope_from_hf({"rope_parameters": dict(params["full_attention"])}, source)
+            sliding = params.get("sliding_attention") or {}
+            if sliding.get("rope_type", "default") != "default":
+                raise _unsupported(f"{source}: scaled rope on the windowed layers is not supported")
+            local_theta = float(sliding.get("rope_theta", theta))
+        else:
+            theta, scaling = _rope_from_hf(hf, source)
+            local_theta = theta if windows else None
+        bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            architecture="olmo2", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=bias, qk_norm=True,
+            attention_out_bias=bias, sandwich_norm=True, pre_norm=False, qk_norm_whole=True, layer_windows=windows,
+            local_rope_theta=local_theta if windows else None)
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
 def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

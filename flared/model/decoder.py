@@ -185,15 +185,17 @@ class DecoderModel:
         for i in range(config.num_layers):
             p = f"layers.{i}."
             layer = _Layer()
-            layer.attn_norm = w(p + "attn_norm.weight")
+            layer.attn_norm = opt(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
             layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
-            if config.qk_norm:
+            if config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
+                layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
+            elif config.qk_norm:
                 layer.qk_norm = torch.cat([w(p + "q_norm.weight").expand(config.num_heads, -1),
                                            w(p + "k_norm.weight").expand(config.num_kv_heads, -1)])
             layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias"))
-            layer.mlp_norm = w(p + "mlp_norm.weight")
+            layer.mlp_norm = opt(p + "mlp_norm.weight")
             layer.post_attn_norm = opt(p + "post_attn_norm.weight")  # Gemma 3's sandwich norms
             layer.post_mlp_norm = opt(p + "post_mlp_norm.weight")
             layer.window = config.window_of(i)
@@ -535,14 +537,19 @@ class DecoderModel:
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
         lora = bool(batch.lora_groups)
         for index, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, eps)
+            x = rms_norm(h, layer.attn_norm, eps) if layer.attn_norm is not None else h
             qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             if lora:
                 qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
             qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
             v = qkv[:, q_size + kv_size:]
-            if layer.qk_norm is not None:
+            if c.qk_norm_whole:
+                q_weight, k_weight = layer.qk_norm
+                qk = torch.cat([rms_norm(qkv[:, :q_size], q_weight, eps),
+                                rms_norm(qkv[:, q_size:q_size + kv_size], k_weight, eps)], dim=1)
+                qk = qk.view(num_tokens, nh + nkv, d)
+            elif layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
             if layer.rope:  # (SmolLM3's NoPE layers attend unrotated)
                 qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
@@ -559,7 +566,7 @@ class DecoderModel:
             if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
                 o = o * c.residual_multiplier
             h = h + o
-            x = rms_norm(h, layer.mlp_norm, eps)
+            x = rms_norm(h, layer.mlp_norm, eps) if layer.mlp_norm is not None else h
             if layer.experts is not None:
                 down = self._routed_mlp(layer, x)
             else:

@@ -77,17 +77,19 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        shapes[p + "attn_norm.weight"] = (c.hidden_size,)
+        if c.pre_norm:
+            shapes[p + "attn_norm.weight"] = (c.hidden_size,)
         shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
         if c.attention_bias:
             shapes[p + "qkv.bias"] = (qkv_rows,)
-        if c.qk_norm:
-            shapes[p + "q_norm.weight"] = (c.head_dim,)
-            shapes[p + "k_norm.weight"] = (c.head_dim,)
+        if c.qk_norm:  # (OLMo 2's over all heads at once)
+            shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else c.head_dim,)
+            shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else c.head_dim,)
         shapes[p + "o.weight"] = (c.hidden_size, c.q_size)
         if c.attention_out_bias:
             shapes[p + "o.bias"] = (c.hidden_size,)
-        shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
+        if c.pre_norm:
+            shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
             shapes[p + "post_mlp_norm.weight"] = (c.hidden_size,)
@@ -233,7 +235,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     for i in range(config.num_layers):
         hp, sp = f"model.layers.{i}.", f"layers.{i}."
         attn = hp + "self_attn."
-        out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
+        if config.pre_norm:
+            out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
         if attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
             out[sp + "qkv.weight"] = hf[attn + "qkv_proj.weight"]
         else:
@@ -250,6 +253,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
             out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
+        elif not config.pre_norm:  # OLMo 2: its post_attention_layernorm follows attention; no pre-MLP norm
+            out[sp + "post_attn_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+            out[sp + "post_mlp_norm.weight"] = take(hp + "post_feedforward_layernorm.weight")
         else:
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
         if config.num_experts:
@@ -302,7 +308,7 @@ def _gguf_field(reader, key: str, default=None):
 # llama.expert_count: Mixtral)
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
                        "qwen2moe": "qwen2",
-                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama"}
+                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -388,6 +394,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         gemma = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
                      attention_scale=(hidden_size / num_heads if layers == 46 else int(head_dim)) ** -0.5,
                      layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
+    elif arch == "olmo2":  # norms after attention and the MLP only, q/k norms over all heads
+        gemma = dict(sandwich_norm=True, pre_norm=False, qk_norm_whole=True)
     experts = _gguf_experts(reader, arch, source, need)
     granite = {}
     if arch == "granite":  # its multipliers, under llama.cpp's names

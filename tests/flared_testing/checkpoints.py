@@ -28,6 +28,13 @@ FAMILIES = {
     # Gemma 2: every other layer windowed, soft-capped scores and logits (caps low enough to bite on these weights)
     "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=8.0)),
+    # OLMo 2: norms after attention and the MLP only, q/k norms over all heads; OLMo 3 adds three windowed layers
+    # in four with their own rope (4 layers: the last is global, with yarn)
+    "olmo2": ("olmo2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "olmo3": ("olmo3", dict(num_hidden_layers=4, sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 50000.0,
+                                                                "original_max_position_embeddings": 64}})),
     # Mixtures of experts: Mixtral (chosen weights renormalised), Qwen2-MoE (a gated shared expert, raw softmax
     # weights), Qwen3-MoE (q/k norms, renormalised)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
@@ -64,5 +71,9 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    with torch.no_grad():  # norms start as ones (or zeros, Gemma's 1 + w): vary them, so a norm's weight counts
+        for name, param in model.named_parameters():
+            if "norm" in name and param.dim() == 1:
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -59,7 +59,8 @@ def test_bf16_follows_float32(gemma3):
         a, b = dict(a), dict(b)
         shared = a.keys() & b.keys()
         assert len(shared) >= 4  # the same likely tokens (a near tie may swap two of them)
-        assert max(abs(a[t] - b[t]) for t in shared) < 0.05
+        # bf16 rounding (transformers' own bf16 parts from its float32 by as much); a wrong layer moves whole units
+        assert max(abs(a[t] - b[t]) for t in shared) < 0.1
 
 
 def test_config_round_trips_and_old_manifests_still_load(gemma3):
