@@ -116,13 +116,15 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     caps = _capacities(config, options)
 
     dtype = getattr(torch, options.dtype)
+    # Gemma's norms hold 1 + w: kept in float32 (a few kilobytes), as its RMSNorm computes 1 + w in float32
+    float_norms = config.architecture in ("gemma2", "gemma3")
     weight_files = []
     shard: dict[str, Any] = {}
     shard_bytes = 0
     for name in sorted(src.tensors):
         t = src.tensors.pop(name)  # pop: keep peak memory at one copy of the model
         if t.is_floating_point():
-            t = t.to(dtype)
+            t = t.to(torch.float32 if float_norms and name.endswith("norm.weight") else dtype)
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         if shard and shard_bytes + nbytes > WEIGHT_SHARD_BYTES:

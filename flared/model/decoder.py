@@ -58,6 +58,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     # float32 rounding, which the parity tests check. bfloat16 rows on the CPU go through
     # flared/_fast/norm.pyx: torch runs a bf16 rms_norm as ~10 ops (~35 us a call, 61 calls per
     # SmolLM2 decode step); the kernel rounds at the same steps as transformers' LlamaRMSNorm.
+    if weight is not None and weight.dtype != x.dtype:
+        # Gemma's norms (float32 weights holding 1 + w): normed and scaled in float32, rounded once, as Gemma's
+        # RMSNorm computes it
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     if (_cpu_norm is not None and x.dtype == torch.bfloat16 and weight is not None and x.dim() == 2
             and x.device.type == "cpu" and weight.is_contiguous() and weight.shape[0] == x.shape[1]
             and x.shape[0] > 0):  # (no rows: a prefill chunk that keeps no logits)
@@ -178,26 +182,34 @@ class DecoderModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in tensors else None
 
+        # Gemma's norm weights (1 + w) stay float32: its RMSNorm scales in float32 and rounds once (rms_norm)
+        float_norms = config.architecture in ("gemma2", "gemma3")
+
+        def norm(name: str) -> torch.Tensor | None:
+            if name not in tensors:
+                return None
+            return tensors[name].to(device=self.device, dtype=torch.float32 if float_norms else dtype).contiguous()
+
         self.embed = w("embed.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        self.final_norm = w("final_norm.weight")
+        self.final_norm = norm("final_norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
             layer = _Layer()
-            layer.attn_norm = opt(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
+            layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
             layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
             if config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
                 layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
             elif config.qk_norm:
-                layer.qk_norm = torch.cat([w(p + "q_norm.weight").expand(config.num_heads, -1),
-                                           w(p + "k_norm.weight").expand(config.num_kv_heads, -1)])
+                layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1),
+                                           norm(p + "k_norm.weight").expand(config.num_kv_heads, -1)])
             layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias"))
-            layer.mlp_norm = opt(p + "mlp_norm.weight")
-            layer.post_attn_norm = opt(p + "post_attn_norm.weight")  # Gemma 3's sandwich norms
-            layer.post_mlp_norm = opt(p + "post_mlp_norm.weight")
+            layer.mlp_norm = norm(p + "mlp_norm.weight")
+            layer.post_attn_norm = norm(p + "post_attn_norm.weight")  # Gemma's and OLMo's sandwich norms
+            layer.post_mlp_norm = norm(p + "post_mlp_norm.weight")
             layer.window = config.window_of(i)
             layer.rope = i not in config.nope_layers
             layer.router = layer.experts = layer.shared = layer.expert_stacks = None
@@ -549,6 +561,8 @@ class DecoderModel:
                 qk = torch.cat([rms_norm(qkv[:, :q_size], q_weight, eps),
                                 rms_norm(qkv[:, q_size:q_size + kv_size], k_weight, eps)], dim=1)
                 qk = qk.view(num_tokens, nh + nkv, d)
+            elif layer.qk_norm is not None and layer.qk_norm.dtype != qk.dtype:  # Gemma's: in float32, one rounding
+                qk = (rms_norm(qk.float(), None, eps) * layer.qk_norm).to(qk.dtype)
             elif layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
             if layer.rope:  # (SmolLM3's NoPE layers attend unrotated)

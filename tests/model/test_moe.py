@@ -88,25 +88,6 @@ def test_the_stacked_expert_layout_reads_as_the_per_expert_one(tmp_path):
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
 
 
-def test_bf16_follows_float32(tmp_path):
-    from flared.model.runner import ModelRunner
-    from flared.model.sampling import SamplingParams
-
-    source = read_source(build_hf_checkpoint("qwen3_moe", tmp_path))
-    prompts = make_prompts(source.config.vocab_size, seed=4)[:2]
-    tops = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        runner = ModelRunner(source.config, source.tensors, dtype=dtype, num_pages=32, page_tokens=8, max_batch=2)
-        results = runner.generate(prompts, [SamplingParams(temperature=0, max_tokens=1, logprobs=5)] * 2)
-        tops[dtype] = [dict(r.logprobs[0].top) for r in results]
-    for a, b in zip(tops[torch.float32], tops[torch.bfloat16]):
-        shared = a.keys() & b.keys()
-        assert len(shared) >= 4  # the same likely tokens (a near tie may swap two of them)
-        # bf16 rounding: transformers' own bf16 parts from its float32 by up to 0.06 on these weights (a wrong route
-        # moves a logprob by whole units)
-        assert max(abs(a[t] - b[t]) for t in shared) < 0.1
-
-
 def test_config_round_trips_and_checks_its_experts(tmp_path):
     config = read_source(build_hf_checkpoint("qwen2_moe", tmp_path)).config
     assert (config.num_experts, config.experts_per_token, config.expert_intermediate_size,
