@@ -6,10 +6,12 @@ forward and the prepared core's manifest share. It is built from a Hugging Face
 round-trips through ``to_dict``/``from_dict`` for the manifest.
 
 Rules:
-- Every family we run is a pre-norm decoder with RMSNorm, rotary embeddings
-  (rotate-half layout), grouped-query attention and a SwiGLU MLP. The
-  differences between families are flags here (``attention_bias``,
-  ``qk_norm``...), never a branch on the family name inside the forward.
+- Every family we run is a decoder with RMSNorm, rotary embeddings
+  (rotate-half layout), grouped-query attention and a gated MLP (dense or
+  routed experts). The differences between families are flags here
+  (``attention_bias``, ``qk_norm``, ``sandwich_norm``, ``pre_norm``,
+  ``num_experts``, ``nope_layers``, multipliers and soft caps...), never a
+  branch on the family name inside the forward.
 - Anything we cannot run exactly (another activation, a rope scaling type we do
   not implement, Qwen2's per-layer sliding windows) is refused with
   ``CoreError(kind=UNSUPPORTED_MODEL)`` at construction, never approximated.
@@ -66,7 +68,7 @@ def _unsupported(what: str) -> CoreError:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -178,7 +180,8 @@ class ModelConfig:
 
     @property
     def graph_capable(self) -> bool:
-        """The CUDA graphs' kernels run this model (Gemma 3's layers and routed experts they do not)."""
+        """The CUDA graphs' kernels run this model: the Llama/Qwen layer, without routed experts, unrotated layers,
+        Granite's multipliers or a query scale of its own (Gemma's and OLMo's layers they do not run either)."""
         return (self.architecture in ("llama", "qwen2", "qwen3") and not self.num_experts and not self.nope_layers
                 and self.attention_scale is None and self.embedding_multiplier is None
                 and self.residual_multiplier is None and self.logits_scaling is None)
