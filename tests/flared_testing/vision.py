@@ -1,4 +1,5 @@
-"""Helpers the vision tests share: images as data URLs, and greedy tokens checked against transformers'."""
+"""Helpers the vision tests share: test images (noise, gradients, every PIL mode), images as data URLs, and greedy
+tokens checked against transformers'."""
 
 from __future__ import annotations
 
@@ -14,6 +15,68 @@ def noise_image(seed: int, size=(70, 50)):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def noise_rgb(width: int, height: int, seed: int = 4321):
+    """Random RGB pixels, a different image for every size and seed."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed + width * 7919 + height)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def gradient(width: int, height: int):
+    """A smooth RGB gradient (compresses well and survives JPEG roughly intact)."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    arr = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
+    return Image.fromarray(arr.astype(np.uint8))
+
+
+def encode(image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def reopen(image, fmt: str, **kw):
+    """``image`` saved as ``fmt`` and decoded again (what a client's file is when it arrives)."""
+    from PIL import Image
+
+    out = Image.open(io.BytesIO(encode(image, fmt, **kw)))
+    out.load()
+    return out
+
+
+def mode_images(width: int = 61, height: int = 37, seed: int = 11, border: int = 4) -> dict:
+    """A gradient in each PIL mode a client may send: RGB, RGBA and LA (random alpha, its first ``border`` rows clear
+    and last opaque), L, 1, palette without and with a transparent index, and RGB with a tRNS colour; keyed by mode
+    ("+..." where the mode alone does not say it)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = gradient(width, height)
+    alpha = rng.integers(0, 256, (height, width), dtype=np.uint8)
+    alpha[:border] = 0
+    alpha[-border:] = 255
+    rgba = base.copy()
+    rgba.putalpha(Image.fromarray(alpha))
+    la = base.convert("L")
+    la.putalpha(Image.fromarray(alpha))
+    pal = base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+    pal_t = pal.copy()
+    pal_t.info["transparency"] = 3
+    return {
+        "RGB": base,
+        "RGBA": rgba,
+        "L": base.convert("L"),
+        "LA": la,
+        "P": reopen(pal, "PNG"),
+        "P+transparency": reopen(pal_t, "PNG"),
+        "1": base.convert("1"),
+        "RGB+tRNS": reopen(base, "PNG", transparency=tuple(int(v) for v in np.asarray(base)[border + 1, border + 2])),
+    }
 
 
 def data_url(image, fmt="PNG") -> str:

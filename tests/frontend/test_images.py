@@ -7,6 +7,7 @@ Parity: the same PIL image goes to transformers' PIL image processors and to ``T
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import struct
@@ -15,6 +16,9 @@ import zlib
 
 import numpy as np
 import pytest
+from flared_testing.vision import encode as _encode
+from flared_testing.vision import gradient as _smooth
+from flared_testing.vision import mode_images, noise_rgb, reopen
 from PIL import Image
 
 from flared.errors import ErrorKind, FrontendError
@@ -32,32 +36,11 @@ from flared.frontend.images import (
 RNG_SEED = 1234
 
 
-def _rgb(width: int, height: int, seed: int = RNG_SEED) -> Image.Image:
-    rng = np.random.default_rng(seed + width * 7919 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def _smooth(width: int, height: int) -> Image.Image:
-    """A gradient (compresses well and survives JPEG roughly intact)."""
-    y, x = np.mgrid[0:height, 0:width]
-    arr = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
-    return Image.fromarray(arr.astype(np.uint8))
-
-
-def _encode(im: Image.Image, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    return buf.getvalue()
+_rgb = functools.partial(noise_rgb, seed=RNG_SEED)
 
 
 def _data_url(data: bytes, media: str) -> str:
     return f"data:{media};base64," + base64.b64encode(data).decode()
-
-
-def _reopen(im: Image.Image, fmt: str, **kw) -> Image.Image:
-    out = Image.open(io.BytesIO(_encode(im, fmt, **kw)))
-    out.load()
-    return out
 
 
 def _png_chunk(kind: bytes, body: bytes) -> bytes:
@@ -165,30 +148,11 @@ def test_geometries_match_transformers(hf, cfg, split):
 
 
 def _mode_images() -> dict[str, Image.Image]:
+    """flared_testing's modes, and 16-bit grey and CMYK (a JPEG) beside them."""
     rng = np.random.default_rng(7)
-    base = _smooth(45, 29)
-    rgba = base.copy()
-    alpha = rng.integers(0, 256, (29, 45), dtype=np.uint8)
-    alpha[:5] = 0
-    alpha[-5:] = 255
-    rgba.putalpha(Image.fromarray(alpha))
-    la = base.convert("L")
-    la.putalpha(Image.fromarray(alpha))
-    pal = base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
-    pal.info["transparency"] = 3
     u16 = Image.fromarray((np.arange(45 * 29, dtype=np.uint16).reshape(29, 45) * 40).astype(np.uint16))
-    cmyk = _reopen(Image.fromarray(rng.integers(0, 256, (29, 45, 4), dtype=np.uint8), mode="CMYK"), "JPEG")
-    return {
-        "RGB": base,
-        "RGBA": rgba,
-        "LA": la,
-        "L": base.convert("L"),
-        "1": base.convert("1"),
-        "P+transparency": _reopen(pal, "PNG"),
-        "RGB+tRNS": _reopen(base, "PNG", transparency=tuple(int(v) for v in np.asarray(base)[3, 4])),
-        "I;16": _reopen(u16, "PNG"),
-        "CMYK-JPEG": cmyk,
-    }
+    cmyk = reopen(Image.fromarray(rng.integers(0, 256, (29, 45, 4), dtype=np.uint8), mode="CMYK"), "JPEG")
+    return {**mode_images(45, 29, seed=7, border=5), "I;16": reopen(u16, "PNG"), "CMYK-JPEG": cmyk}
 
 
 def test_modes_match_transformers(hf):

@@ -18,6 +18,9 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+from flared_testing.vision import gradient as _smooth
+from flared_testing.vision import mode_images
+from flared_testing.vision import noise_rgb as _rgb
 from PIL import Image
 
 from flared.errors import ErrorKind, FrontendError
@@ -83,23 +86,10 @@ def _hf_processor(cfg: dict, proc_cfg: dict | None):
     return p
 
 
-def _rgb(width: int, height: int, seed: int = 4321) -> Image.Image:
-    rng = np.random.default_rng(seed + width * 7919 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def _smooth(width: int, height: int) -> Image.Image:
-    y, x = np.mgrid[0:height, 0:width]
-    arr = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
-    return Image.fromarray(arr.astype(np.uint8))
 
 
-def _reopen(im: Image.Image, fmt: str, **kw) -> Image.Image:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    out = Image.open(io.BytesIO(buf.getvalue()))
-    out.load()
-    return out
 
 
 # mistral-community/pixtral-12b preprocessor_config.json and processor_config.json
@@ -189,33 +179,10 @@ def test_resize_rule():
     assert pp.grid(333, 101) == (1, 4, 12) and pp.lines(333, 101) == (2, 6)  # 96 x 29 -> 96 x 32
 
 
-def _mode_images() -> dict[str, Image.Image]:
-    rng = np.random.default_rng(11)
-    base = _smooth(61, 37)
-    alpha = rng.integers(0, 256, (37, 61), dtype=np.uint8)
-    alpha[:4] = 0
-    alpha[-4:] = 255
-    rgba = base.copy()
-    rgba.putalpha(Image.fromarray(alpha))
-    la = base.convert("L")
-    la.putalpha(Image.fromarray(alpha))
-    pal = base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
-    pal_t = pal.copy()
-    pal_t.info["transparency"] = 3
-    return {
-        "RGB": base,
-        "RGBA": rgba,
-        "L": base.convert("L"),
-        "LA": la,
-        "P": _reopen(pal, "PNG"),
-        "P+transparency": _reopen(pal_t, "PNG"),
-        "1": base.convert("1"),
-        "RGB+tRNS": _reopen(base, "PNG", transparency=tuple(int(v) for v in np.asarray(base)[5, 6])),
-    }
 
 
 def test_modes_match_transformers():
-    images = _mode_images()
+    images = mode_images()
     assert images["P"].mode == "P" and "transparency" not in images["P"].info
     assert images["P+transparency"].mode == "P" and "transparency" in images["P+transparency"].info
     for name in ("a", "b", "d"):

@@ -7,11 +7,12 @@ Parity: the same PIL image goes to transformers' ``Qwen2VLImageProcessorPil`` an
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
 import pytest
+from flared_testing.vision import mode_images
+from flared_testing.vision import noise_rgb as _rgb
 from PIL import Image
 
 from flared.errors import ErrorKind, FrontendError
@@ -34,23 +35,10 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa
 # ----------------------------------------------------------------------------------------------- helpers
 
 
-def _rgb(width: int, height: int, seed: int = 4321) -> Image.Image:
-    rng = np.random.default_rng(seed + width * 7919 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def _smooth(width: int, height: int) -> Image.Image:
-    y, x = np.mgrid[0:height, 0:width]
-    arr = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
-    return Image.fromarray(arr.astype(np.uint8))
 
 
-def _reopen(im: Image.Image, fmt: str, **kw) -> Image.Image:
-    buf = io.BytesIO()
-    im.save(buf, fmt, **kw)
-    out = Image.open(io.BytesIO(buf.getvalue()))
-    out.load()
-    return out
 
 
 # Qwen/Qwen2-VL-2B-Instruct preprocessor_config.json (Qwen2.5-VL's differ only in processor_class)
@@ -157,33 +145,10 @@ def test_grids_cover_up_and_down_scaling():
     assert pp.grid(31, 3100) == (1, 80, 2) and pp.num_image_tokens_for(31, 3100) == 40 > 16
 
 
-def _mode_images() -> dict[str, Image.Image]:
-    rng = np.random.default_rng(11)
-    base = _smooth(61, 37)
-    alpha = rng.integers(0, 256, (37, 61), dtype=np.uint8)
-    alpha[:4] = 0
-    alpha[-4:] = 255
-    rgba = base.copy()
-    rgba.putalpha(Image.fromarray(alpha))
-    la = base.convert("L")
-    la.putalpha(Image.fromarray(alpha))
-    pal = base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
-    pal_t = pal.copy()
-    pal_t.info["transparency"] = 3
-    return {
-        "RGB": base,
-        "RGBA": rgba,
-        "L": base.convert("L"),
-        "LA": la,
-        "P": _reopen(pal, "PNG"),
-        "P+transparency": _reopen(pal_t, "PNG"),
-        "1": base.convert("1"),
-        "RGB+tRNS": _reopen(base, "PNG", transparency=tuple(int(v) for v in np.asarray(base)[5, 6])),
-    }
 
 
 def test_modes_match_transformers():
-    images = _mode_images()
+    images = mode_images()
     assert images["P"].mode == "P" and "transparency" not in images["P"].info
     assert images["P+transparency"].mode == "P" and "transparency" in images["P+transparency"].info
     for cfg in (SMALL_A, SMALL_B):
