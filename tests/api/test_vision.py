@@ -12,7 +12,9 @@ transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
 from conftest import SMOLVLM_PREPROCESSOR  # noqa: E402 - after the skips
-from flared_testing.vision import ask_greedy, assert_greedy, data_url, metric, noise_image, token_ids  # noqa: E402
+from flared_testing.vision import (  # noqa: E402
+    ask_greedy, assert_cases_match, assert_greedy, data_url, metric, noise_image, reference_tokenizer, token_ids,
+)
 
 NEW_TOKENS = 12
 
@@ -21,13 +23,12 @@ NEW_TOKENS = 12
 def reference(tiny_hf_smolvlm):
     """Greedy tokens transformers makes for [image, text] user turns."""
     import torch
-    from transformers import PreTrainedTokenizerFast, SmolVLMForConditionalGeneration
+    from transformers import SmolVLMForConditionalGeneration
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
     model = SmolVLMForConditionalGeneration.from_pretrained(tiny_hf_smolvlm, dtype=torch.float32).eval()
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_hf_smolvlm / "tokenizer.json"))
-    tok.chat_template = json.loads((tiny_hf_smolvlm / "tokenizer_config.json").read_text())["chat_template"]
+    tok = reference_tokenizer(tiny_hf_smolvlm)
     settings = {k: v for k, v in SMOLVLM_PREPROCESSOR.items() if k != "image_processor_type"}
     processor = SmolVLMImageProcessorPil(**settings)
 
@@ -76,12 +77,9 @@ def test_export_records_the_image_tower(tiny_vlm_core):
 
 def test_greedy_tokens_match_transformers(vlm_daemon, reference):
     a, b = noise_image(1), noise_image(2, (40, 90))
-    for images, text in (([a], "What is in the picture?"), ([b], "What is in the picture?"),
-                         ([a, b], "Compare them."), ([b, a], "Compare them."), ([a], "What is in the picture?")):
-        body = _ask(vlm_daemon, images, text)
-        num_prompt, expected = reference(images, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt
-        assert_greedy(body, expected, (len(images), text))
+    assert_cases_match(vlm_daemon, reference, (([a], "What is in the picture?"), ([b], "What is in the picture?"),
+                                               ([a, b], "Compare them."), ([b, a], "Compare them."),
+                                               ([a], "What is in the picture?")), NEW_TOKENS)
 
 
 def test_a_cached_prompt_is_reused_only_with_the_same_image(vlm_daemon, reference):

@@ -4,14 +4,14 @@ the same weights, prompt and pixels (transformers' CLIP image processor; <image>
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import ask_greedy, assert_greedy, noise_image  # noqa: E402
+from flared_testing.vision import (  # noqa: E402
+    assert_cases_match, noise_image, processor_settings, reference_tokenizer,
+)
 
 NEW_TOKENS = 12
 
@@ -28,15 +28,13 @@ def daemon(tiny_llava, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_llava):
     import torch
-    from transformers import LlavaForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     checkpoint = tiny_llava[0]
     model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
-    tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
-    images = CLIPImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+    tok = reference_tokenizer(checkpoint, bos_token="<s>", eos_token="</s>")
+    images = CLIPImageProcessorPil(**processor_settings(checkpoint))
 
     def run(pictures, text: str):
         content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
@@ -54,9 +52,5 @@ def reference(tiny_llava):
 
 def test_greedy_tokens_match_transformers(daemon, reference):
     wide, tall = noise_image(71, (90, 40)), noise_image(72, (30, 100))
-    for pictures, text in (([wide], "What is in the picture?"), ([tall], "And this one?"),
-                           ([wide, tall], "Compare them.")):
-        body = ask_greedy(daemon, pictures, text, NEW_TOKENS)
-        num_prompt, expected = reference(pictures, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, len(pictures)
-        assert_greedy(body, expected, (len(pictures), text))
+    assert_cases_match(daemon, reference, (([wide], "What is in the picture?"), ([tall], "And this one?"),
+                                           ([wide, tall], "Compare them.")), NEW_TOKENS)

@@ -5,14 +5,14 @@ the image as rows of [IMG] tokens, each row ended by [IMG_BREAK], the last by [I
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import ask_greedy, assert_greedy, noise_image  # noqa: E402
+from flared_testing.vision import (  # noqa: E402
+    ask_greedy, assert_cases_match, noise_image, processor_settings, reference_tokenizer,
+)
 
 NEW_TOKENS = 12
 
@@ -29,19 +29,16 @@ def daemon(tiny_mistral3, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_mistral3):
     import torch
-    from transformers import Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import Mistral3ForConditionalGeneration
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     checkpoint = tiny_mistral3[0]
     model = Mistral3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
-    tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    tok = reference_tokenizer(checkpoint, bos_token="<s>", eos_token="</s>")
     # transformers' PixtralProcessor (its module needs torchvision, not installed here) hands the image processor
     # patch x merge as its patch size, and writes each image as rows of [IMG] ended by [IMG_BREAK], the last by
     # [IMG_END] (tests/frontend/test_images_pixtral.py checks that rule against its own code)
-    settings = {**settings, "patch_size": 8 * 2}
-    images = PixtralImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+    images = PixtralImageProcessorPil(**processor_settings(checkpoint, patch_size=8 * 2))
 
     def run(pictures, text: str):
         content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
@@ -67,10 +64,7 @@ def _ask(daemon, images, text, **kw):
 
 def test_greedy_tokens_match_transformers(daemon, reference):
     wide, tall, small = noise_image(51, (90, 40)), noise_image(52, (30, 100)), noise_image(53, (20, 12))
-    for pictures, text in (([wide], "What is in the picture?"), ([tall], "And this one?"), ([small], "Tiny."),
-                           ([wide, tall], "Compare them."), ([tall, wide], "Compare them.")):
-        body = _ask(daemon, pictures, text)
-        num_prompt, expected = reference(pictures, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, len(pictures)
-        assert_greedy(body, expected, (len(pictures), text))
+    assert_cases_match(daemon, reference, (([wide], "What is in the picture?"), ([tall], "And this one?"),
+                                           ([small], "Tiny."), ([wide, tall], "Compare them."),
+                                           ([tall, wide], "Compare them.")), NEW_TOKENS)
 

@@ -6,14 +6,15 @@ with a resampled position table on Qwen3-VL."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import ask_greedy, assert_greedy, metric, noise_image, token_ids  # noqa: E402
+from flared_testing.vision import (  # noqa: E402
+    ask_greedy, assert_cases_match, assert_greedy, metric, noise_image, processor_settings, reference_tokenizer,
+    token_ids,
+)
 
 NEW_TOKENS = 12
 
@@ -32,15 +33,13 @@ def served(tiny_qwen_vl, tmp_path_factory):
 def reference(served):
     """Greedy tokens transformers makes for a user turn of images then text."""
     import torch
-    from transformers import AutoModelForImageTextToText, PreTrainedTokenizerFast
+    from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     _, checkpoint, _ = served
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"))
-    tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
-    processor = Qwen2VLImageProcessorPil(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+    tok = reference_tokenizer(checkpoint)
+    processor = Qwen2VLImageProcessorPil(**processor_settings(checkpoint))
 
     def run(images, text: str):
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
@@ -69,12 +68,9 @@ def _ask(daemon, images, text, **kw):
 def test_greedy_tokens_match_transformers(served, reference):
     family, _, daemon = served
     wide, tall, small = noise_image(21, (90, 40)), noise_image(22, (30, 100)), noise_image(23, (12, 12))
-    for images, text in (([wide], "What is in the picture?"), ([tall], "And this one?"), ([small], "Tiny."),
-                         ([wide, tall], "Compare them."), ([tall, wide], "Compare them.")):
-        body = _ask(daemon, images, text)
-        num_prompt, expected = reference(images, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, (family, len(images))
-        assert_greedy(body, expected, (family, len(images), text))
+    assert_cases_match(daemon, reference, (([wide], "What is in the picture?"), ([tall], "And this one?"),
+                                           ([small], "Tiny."), ([wide, tall], "Compare them."),
+                                           ([tall, wide], "Compare them.")), NEW_TOKENS, label=(family,))
 
 
 def test_text_requests_and_images_share_the_daemon(served, reference):

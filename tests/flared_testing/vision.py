@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 
@@ -80,9 +81,32 @@ def mode_images(width: int = 61, height: int = 37, seed: int = 11, border: int =
 
 
 def data_url(image, fmt="PNG") -> str:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(encode(image, fmt)).decode()
+
+
+def reference_tokenizer(checkpoint, **special_tokens):
+    """transformers' fast tokenizer of a test checkpoint's tokenizer.json, with its chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), **special_tokens)
+    tok.chat_template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    return tok
+
+
+def processor_settings(checkpoint, **overrides) -> dict:
+    """A test checkpoint's preprocessor_config.json as keyword arguments for transformers' image processor class."""
+    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    return {k: v for k, v in {**settings, **overrides}.items() if k != "image_processor_type"}
+
+
+def assert_cases_match(daemon, reference, cases, max_tokens: int, label=()) -> None:
+    """Each (images, text) user turn asked greedily of the daemon: its prompt length and tokens are what
+    ``reference(images, text)`` (transformers) gives."""
+    for images, text in cases:
+        body = ask_greedy(daemon, images, text, max_tokens)
+        num_prompt, expected = reference(images, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt, (*label, len(images))
+        assert_greedy(body, expected, (*label, len(images), text))
 
 
 def token_ids(resp) -> list[int]:
