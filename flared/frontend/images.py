@@ -557,14 +557,24 @@ def _edge(field: str, value) -> int:
     raise _field_error(field, value, 'an object with "longest_edge"')
 
 
+@dataclass(frozen=True, kw_only=True)
 class _Processor:
-    """What the three processors share: their settings as a JSON-able dict (``to_dict``/``from_dict``, with the
+    """What the processors share: the pixel settings every transformers image processor has (resample filter,
+    mean/std, rescale, the do_* switches), their settings as a JSON-able dict (``to_dict``/``from_dict``, with the
     "kind" image_processor_from_dict dispatches on), an image's identity (a versioned tag, the decoded pixels'
     digest and the settings), and the RGB check."""
 
     kind: ClassVar[str]
     label: ClassVar[str]  # how errors name it
     identity_tag: ClassVar[bytes]
+
+    resample: int  # PIL resample filter id (BICUBIC = 3, LANCZOS = 1)
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -600,7 +610,7 @@ class _Processor:
         return pixels
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TileProcessor(_Processor):
     """SmolVLM / Idefics3 preprocessing (transformers' ``SmolVLMImageProcessorPil`` /
     ``Idefics3ImageProcessorPil``, which are the same) and the prompt text for one image."""
@@ -612,17 +622,10 @@ class TileProcessor(_Processor):
     longest_edge: int  # preprocessor_config "size": {"longest_edge": N}
     tile: int  # "max_image_size": {"longest_edge": N}
     split: bool  # "do_image_splitting"
-    resample: int  # PIL resample filter id ("resample"; LANCZOS = 1)
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    rescale_factor: float
     image_seq_len: int  # image tokens per tile (processor_config.json "image_seq_len")
     image_token: str = "<image>"
     fake_token: str = "<fake_token_around_image>"
     global_token: str = "<global-img>"
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
 
     def __post_init__(self):
         _positive_int("size.longest_edge", self.longest_edge)
@@ -786,7 +789,7 @@ def _pixel_range(cfg: dict) -> tuple[int, int]:
     return lo, hi
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PatchProcessor(_Processor):
     """Qwen2-VL / Qwen2.5-VL preprocessing (transformers' ``Qwen2VLImageProcessorPil``) and the prompt text for
     one image: the image token repeated once per merged patch block."""
@@ -800,13 +803,6 @@ class PatchProcessor(_Processor):
     merge_size: int
     min_pixels: int  # size.shortest_edge (or "min_pixels"): a pixel count, not an edge
     max_pixels: int  # size.longest_edge (or "max_pixels")
-    resample: int  # PIL resample filter id (BICUBIC = 3)
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    rescale_factor: float
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
     image_token: str = QWEN_IMAGE_TOKEN
 
     def __post_init__(self):
@@ -919,7 +915,7 @@ def _pixtral_size(height: int, width: int, longest: int, unit: int) -> tuple[int
     return (height + unit - 1) // unit * unit, (width + unit - 1) // unit * unit
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PixtralProcessor(_Processor):
     """Pixtral-12B / Mistral3 (Mistral-Small-3.1) preprocessing (transformers' ``PixtralImageProcessorPil`` as
     ``PixtralProcessor`` drives it) and the prompt text for one image: lines of ``[IMG]`` tokens, each ended by
@@ -932,13 +928,6 @@ class PixtralProcessor(_Processor):
     patch_size: int  # the vision tower's patch edge (16 Pixtral-12B, 14 Mistral-Small-3.1)
     longest_edge: int  # size.longest_edge: larger images are scaled down to fit
     merge_size: int  # processor_config.json "spatial_merge_size": merge_size**2 patches make one image token
-    resample: int  # PIL resample filter id (BICUBIC = 3)
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    rescale_factor: float
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
     image_token: str = PIXTRAL_IMAGE_TOKEN
     break_token: str = PIXTRAL_BREAK_TOKEN
     end_token: str = PIXTRAL_END_TOKEN
@@ -1090,7 +1079,7 @@ def _shortest_edge(field: str, value) -> int:
     return _positive_int(field, value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CropProcessor(_Processor):
     """CLIP-tower models such as LLaVA-1.5 (transformers' ``CLIPImageProcessorPil``, and
     ``LlavaImageProcessorPil`` with its ``do_pad``) and the prompt text for one image: the image token repeated
@@ -1112,16 +1101,9 @@ class CropProcessor(_Processor):
     shortest_edge: int  # size.shortest_edge
     crop_height: int  # crop_size.height
     crop_width: int  # crop_size.width
-    resample: int  # PIL resample filter id (BICUBIC = 3)
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    rescale_factor: float
     image_seq_len: int  # image tokens the model makes of one image (from the vision tower)
     do_center_crop: bool = True
     pad_to_square: bool = False  # LlavaImageProcessor's do_pad (CLIP has none)
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
     image_token: str = CLIP_IMAGE_TOKEN
 
     def __post_init__(self):
