@@ -257,13 +257,20 @@ def mrope_section_of(text: dict[str, Any]) -> list[int] | None:
     return None
 
 
-def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
-    layer = hf.get("vision_feature_layer", -2)
+def _feature_layer(hf: dict, default: int) -> int:
+    """The tower layer a LLaVA-style model (LLaVA, Mistral3) takes its features from; its projector's activation
+    must be gelu."""
+    layer = hf.get("vision_feature_layer", default)
     if not isinstance(layer, int):
         raise CoreError("vision_feature_layer: only one feature layer is supported", ErrorKind.UNSUPPORTED_MODEL)
     if hf.get("projector_hidden_act", "gelu") != "gelu":
         raise CoreError(f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not supported (only gelu)",
                         ErrorKind.UNSUPPORTED_MODEL)
+    return layer
+
+
+def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    layer = _feature_layer(hf, -2)
     return VisionConfig(
         family="llava", hidden_size=int(v.get("hidden_size", 1024)), intermediate_size=int(v.get("intermediate_size",
                                                                                                  4096)),
@@ -277,12 +284,7 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
 
 
 def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
-    layer = hf.get("vision_feature_layer", -1)
-    if not isinstance(layer, int):
-        raise CoreError("vision_feature_layer: only one feature layer is supported", ErrorKind.UNSUPPORTED_MODEL)
-    if hf.get("projector_hidden_act", "gelu") != "gelu":
-        raise CoreError(f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not supported (only gelu)",
-                        ErrorKind.UNSUPPORTED_MODEL)
+    layer = _feature_layer(hf, -1)
     hidden, heads = int(v.get("hidden_size", 1024)), int(v.get("num_attention_heads", 16))
     if int(v.get("head_dim") or hidden // heads) != hidden // heads:
         raise CoreError("a pixtral head_dim other than hidden_size / heads is not supported",
