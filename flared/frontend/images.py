@@ -551,6 +551,15 @@ def _settings_from_dict(cls, d, kind: str, what: str):
         raise _error(f"incomplete {what} settings: {e}") from None
 
 
+def _whole_units(width: int, height: int, unit: int) -> tuple[int, int]:
+    """(height, width) of an image a patch processor takes unresized: both must be multiples of its unit (patch x
+    merge), or transformers' reshape would fail."""
+    if height % unit or width % unit:
+        raise _error(f"the image is {width}x{height} pixels; without resizing, this model takes images whose width "
+                     f"and height are multiples of {unit}")
+    return height, width
+
+
 def _edge(field: str, value) -> int:
     if isinstance(value, dict) and "longest_edge" in value:
         return _positive_int(f"{field}.longest_edge", value["longest_edge"])
@@ -843,11 +852,7 @@ class PatchProcessor(_Processor):
         """(height, width) the image is patched at."""
         if self.do_resize:
             return _smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
-        f = self.factor
-        if height % f or width % f:  # transformers' reshape would fail
-            raise _error(f"the image is {width}x{height} pixels; without resizing, this model takes images whose "
-                         f"width and height are multiples of {f}")
-        return height, width
+        return _whole_units(width, height, self.factor)
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(t, h, w) in patches for a width x height image (transformers' ``image_grid_thw`` row)."""
@@ -979,13 +984,9 @@ class PixtralProcessor(_Processor):
 
     def _resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) the image is patched at."""
-        f = self.factor
         if not self.do_resize:
-            if height % f or width % f:
-                raise _error(f"the image is {width}x{height} pixels; without resizing, this model takes images "
-                             f"whose width and height are multiples of {f}")
-            return height, width
-        h, w = _pixtral_size(height, width, self.longest_edge, f)
+            return _whole_units(width, height, self.factor)
+        h, w = _pixtral_size(height, width, self.longest_edge, self.factor)
         if h == 0 or w == 0:
             raise _error(f"the image is {width}x{height} pixels: scaled to fit {self.longest_edge} pixels, its "
                          f"short edge would be less than one pixel, which this model's image processor refuses")
