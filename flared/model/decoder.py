@@ -391,13 +391,22 @@ class DecoderModel:
         return self._logits(last)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Final-normed rows -> float32 logits (Granite's divided by its logits_scaling, in the model's dtype)."""
-        y = self.lm_head_linear(x)
+        """Final-normed rows -> float32 logits (scaled and capped in the model's dtype, as transformers does)."""
+        return self._finish_logits(self.lm_head_linear(x)).float()
+
+    def _finish_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """The LM head's products as the family's logits: Granite's divided by logits_scaling, Gemma 2's soft-capped."""
         if self.config.logits_scaling is not None:
             y = y / self.config.logits_scaling
-        if self.config.final_logit_softcapping is not None:  # Gemma 2
+        if self.config.final_logit_softcapping is not None:
             y = _soft_cap(y, self.config.final_logit_softcapping)
-        return y.float()
+        return y
+
+    def token_logits(self, vectors: torch.Tensor, token_ids) -> torch.Tensor:
+        """Final-normed hidden vectors [n, hidden] -> float32 logits of only ``token_ids`` [n, len(token_ids)]: those
+        rows of the LM head (what rerank and score read)."""
+        rows = self.lm_head[list(token_ids)].float()
+        return self._finish_logits(vectors.to(rows.device) @ rows.T)
 
     @torch.inference_mode()
     def pooled_embeddings(self, token_lists: list[list[int]], *, pooling: str = "last", normalize: bool = True,

@@ -372,7 +372,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of head_dim "
                         f"{head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
     has_bias = "blk.0.attn_q.bias" in tensor_names
-    gemma = {}
+    layer_flags = {}  # how the family's layer differs from Llama's
     if arch == "gemma3":
         # What llama.cpp assumes of Gemma 3 GGUFs: every sixth layer global (unless the file says its pattern), the
         # others windowed with plain rope at theta 10000; 27B (62 layers) scales queries by (hidden / heads)^-0.5,
@@ -380,10 +380,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layers = int(need("block_count"))
         window = int(_gguf_field(reader, f"{arch}.attention.sliding_window", 4096))
         pattern = int(_gguf_field(reader, f"{arch}.attention.sliding_window_pattern", 6))
-        gemma = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
-                     attention_scale=(hidden_size / num_heads if layers == 62 else int(head_dim)) ** -0.5,
-                     layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
-                     local_rope_theta=10000.0)
+        layer_flags = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+                           attention_scale=(hidden_size / num_heads if layers == 62 else int(head_dim)) ** -0.5,
+                           layer_windows=tuple(0 if (i + 1) % pattern == 0 else window for i in range(layers)),
+                           local_rope_theta=10000.0)
     elif arch == "gemma2":
         # llama.cpp's Gemma 2: every other layer windowed (the even ones), one rope, soft caps from the file; 27B (46
         # layers) scales queries by (hidden / heads)^-0.5, the others by head_dim^-0.5. Norms hold 1 + w.
@@ -391,11 +391,11 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         window = int(_gguf_field(reader, f"{arch}.attention.sliding_window", 4096))
         caps = {key: float(value) if (value := _gguf_field(reader, f"{arch}.{key}")) is not None else None
                 for key in ("attn_logit_softcapping", "final_logit_softcapping")}
-        gemma = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
-                     attention_scale=(hidden_size / num_heads if layers == 46 else int(head_dim)) ** -0.5,
-                     layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
+        layer_flags = dict(embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+                           attention_scale=(hidden_size / num_heads if layers == 46 else int(head_dim)) ** -0.5,
+                           layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
     elif arch == "olmo2":  # norms after attention and the MLP only, q/k norms over all heads
-        gemma = dict(sandwich_norm=True, pre_norm=False, qk_norm_whole=True)
+        layer_flags = dict(sandwich_norm=True, pre_norm=False, qk_norm_whole=True)
     experts = _gguf_experts(reader, arch, source, need)
     granite = {}
     if arch == "granite":  # its multipliers, under llama.cpp's names
@@ -425,7 +425,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         nope_layers=nope,
         sliding_window=int(_gguf_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
         if arch == "phi3" else None,
-        **gemma,
+        **layer_flags,
         **experts,
         **granite,
     )

@@ -161,13 +161,7 @@ class EmbeddingJob(ModelJob):
             vectors = model.pooled_embeddings(self.token_lists[start:end], pooling=self.pooling,
                                               normalize=self.normalize, chunk_tokens=budget)
         if self.project:
-            rows = model.lm_head[list(self.project)].float()  # [len(project), hidden]
-            vectors = vectors.to(rows.device) @ rows.T
-            if model.config.logits_scaling is not None:  # Granite's logits are divided by it
-                vectors = vectors / model.config.logits_scaling
-            if model.config.final_logit_softcapping is not None:  # Gemma 2's are soft-capped
-                cap = model.config.final_logit_softcapping
-                vectors = (vectors / cap).tanh() * cap
+            vectors = model.token_logits(vectors, self.project)
         self.parts.append(vectors.cpu())
         stats[f"{self.counter}_sequences"] += end - start
         stats[f"{self.counter}_tokens"] += count

@@ -77,3 +77,27 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def last_logits(model, prompt: list[int]) -> torch.Tensor:
+    """A DecoderModel's logits for the last token of ``prompt`` (at least 10 tokens), run as two chunks over
+    scattered pages (the second sees the first through the cache)."""
+    from flared.model.batch import ForwardBatch, SequenceChunk
+
+    count = -(-len(prompt) // 4)
+    kv = model.make_kv_cache(num_pages=count + 6, page_tokens=4)
+    pages = torch.randperm(count + 6, generator=torch.Generator().manual_seed(0))[:count].tolist()
+    window = model.config.sliding_window
+    model.forward(ForwardBatch.build([SequenceChunk(prompt[:9], 0, pages, needs_logits=False)], page_tokens=4,
+                                     sliding_window=window), kv)
+    return model.forward(ForwardBatch.build([SequenceChunk(prompt[9:], 9, pages)], page_tokens=4,
+                                            sliding_window=window), kv)[0]
+
+
+def hf_last_logits(directory, prompt: list[int]) -> torch.Tensor:
+    """transformers' logits for the last token of ``prompt`` on the checkpoint in ``directory`` (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1]

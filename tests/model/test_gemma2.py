@@ -19,7 +19,7 @@ from flared.model.loader import read_source  # noqa: E402
 
 from .conftest import build_hf_checkpoint  # noqa: E402
 from .test_gguf_families import write_gguf  # noqa: E402
-from .test_moe import hf_last_logits, last_logits  # noqa: E402
+from flared_testing.checkpoints import hf_last_logits, last_logits  # noqa: E402
 
 
 def test_a_gguf_reads_as_its_checkpoint(tmp_path):

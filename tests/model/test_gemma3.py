@@ -106,7 +106,7 @@ def test_a_gemma3_gguf_reads_as_llama_cpp_writes_it(tmp_path):
     from flared.model.loader import read_source
 
     from .test_gguf_families import write_gguf
-    from .test_moe import hf_last_logits, last_logits
+    from flared_testing.checkpoints import hf_last_logits, last_logits
 
     config = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,

@@ -16,10 +16,11 @@ transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from flared.errors import CoreError, ErrorKind  # noqa: E402
-from flared.model.batch import ForwardBatch, SequenceChunk  # noqa: E402
 from flared.model.config import ModelConfig  # noqa: E402
 from flared.model.decoder import DecoderModel  # noqa: E402
 from flared.model.loader import read_source  # noqa: E402
+
+from flared_testing.checkpoints import hf_last_logits, last_logits  # noqa: E402
 
 from .conftest import build_hf_checkpoint  # noqa: E402
 from .test_gguf_families import write_gguf  # noqa: E402
@@ -28,25 +29,6 @@ from .test_parity_hf import make_prompts, run_paged_greedy  # noqa: E402
 
 EXPERT_FIELDS = ("num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size")
-
-
-def last_logits(model: DecoderModel, prompt: list[int]) -> torch.Tensor:
-    """The last token's logits, the prompt run as two chunks over scattered pages (the second sees the first
-    through the cache)."""
-    count = -(-len(prompt) // 4)
-    kv = model.make_kv_cache(num_pages=count + 6, page_tokens=4)
-    pages = torch.randperm(count + 6, generator=torch.Generator().manual_seed(0))[:count].tolist()
-    window = model.config.sliding_window
-    model.forward(ForwardBatch.build([SequenceChunk(prompt[:9], 0, pages, needs_logits=False)], page_tokens=4,
-                                     sliding_window=window), kv)
-    return model.forward(ForwardBatch.build([SequenceChunk(prompt[9:], 9, pages)], page_tokens=4,
-                                            sliding_window=window), kv)[0]
-
-
-def hf_last_logits(directory, prompt: list[int]) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([prompt])).logits[0, -1]
 
 
 @pytest.mark.parametrize("family,arch,matrices", [("mixtral", "llama", Q.F32), ("qwen2_moe", "qwen2moe", Q.F32),
