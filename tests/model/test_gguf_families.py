@@ -100,18 +100,15 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
-        if arch == "olmo2":  # norms after attention and the MLP only
-            add(f"blk.{i}.post_attention_norm.weight", t[p + "post_attention_layernorm.weight"])
-            add(f"blk.{i}.post_ffw_norm.weight", t[p + "post_feedforward_layernorm.weight"])
-        else:
+        # the layer's norms: Llama's two before; Gemma's four (the pre-MLP one under its own name); OLMo 2's two after
+        if arch != "olmo2":
             add(f"blk.{i}.attn_norm.weight", norm(p + "input_layernorm.weight"))
-        if arch == "olmo2":
-            pass
-        elif gemma:  # norms after attention and the MLP, and the pre-MLP norm under its own name
+        if gemma or arch == "olmo2":
             add(f"blk.{i}.post_attention_norm.weight", norm(p + "post_attention_layernorm.weight"))
-            add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
             add(f"blk.{i}.post_ffw_norm.weight", norm(p + "post_feedforward_layernorm.weight"))
-        else:
+        if gemma:
+            add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
+        elif arch != "olmo2":
             add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
         if experts:
             write_experts(add, t, p, i, experts)
