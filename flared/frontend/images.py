@@ -607,6 +607,16 @@ class _Processor:
             raise _error(f"internal: a decoded image must be RGB, got {image.image.mode}", ErrorKind.EXECUTION)
         return image.image
 
+    def _normalized(self, values: np.ndarray, channel_axis: int) -> np.ndarray:
+        """uint8 ``values`` -> float32 of the same shape: each channel (along ``channel_axis``) rescaled then
+        normalized, through ``_value_table``."""
+        lut = _value_table(self)
+        out = np.empty(values.shape, dtype=np.float32)
+        for c in range(3):
+            at = (slice(None),) * channel_axis + (c,)
+            out[at] = lut[c][values[at]]
+        return out
+
     def _resized_pixels(self, image: DecodedImage) -> np.ndarray:
         """[H, W, 3] uint8 at the size ``_resized_size`` gives (processors of any-size images)."""
         im = self._rgb(image)
@@ -710,10 +720,6 @@ class TileProcessor(_Processor):
 
     # -- pixels -------------------------------------------------------------------------------------------
 
-    def _lut(self) -> np.ndarray:
-        """[3, 256] float32: rescale then normalize of each uint8 value in each channel (``_value_table``)."""
-        return _value_table(self)
-
     def prepare(self, image: DecodedImage) -> PreparedImage:
         im = self._rgb(image)
         if self.do_resize:
@@ -735,11 +741,7 @@ class TileProcessor(_Processor):
             tiles = [pixels]
         if any(x.shape != (t, t, 3) for x in tiles):  # cannot happen: sizes are whole tiles by construction
             raise _error(f"internal: tile shapes {[x.shape for x in tiles]} are not {t}x{t}", ErrorKind.EXECUTION)
-        chw = np.stack(tiles).transpose(0, 3, 1, 2)  # [N, 3, t, t] uint8
-        lut = self._lut()
-        out = np.empty(chw.shape, dtype=np.float32)
-        for c in range(3):
-            out[:, c] = lut[c][chw[:, c]]
+        out = self._normalized(np.stack(tiles).transpose(0, 3, 1, 2), 1)  # [N, 3, t, t]
         identity = self._identity(image)
         return PreparedImage(
             pixel_values=out,
@@ -879,10 +881,8 @@ class PatchProcessor(_Processor):
         # -> [block row, block col, patch row in block, patch col in block, channel, y, x]
         blocks = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
         patches = blocks.reshape(gh * gw, 3, p * p)  # uint8 copy, in merge-block order
-        lut = _value_table(self)
-        out = np.empty((gh * gw, 3, frames, p * p), dtype=np.float32)
-        for c in range(3):
-            out[:, c] = lut[c][patches[:, c]][:, None, :]  # the same image in every temporal frame
+        # the same image in every temporal frame
+        out = np.repeat(self._normalized(patches, 1)[:, :, None, :], frames, axis=2)
         out = out.reshape(gh * gw, 3 * frames * p * p)
         tokens = gh * gw // (m * m)
         identity = self._identity(image)
@@ -1017,10 +1017,7 @@ class PixtralProcessor(_Processor):
     def prepare(self, image: DecodedImage) -> PreparedImage:
         pixels = self._resized_pixels(image)  # [H, W, 3] uint8
         height, width = pixels.shape[:2]
-        lut = _value_table(self)
-        out = np.empty((3, height, width), dtype=np.float32)
-        for c in range(3):
-            out[c] = lut[c][pixels[:, :, c]]
+        out = self._normalized(pixels.transpose(2, 0, 1), 0)  # [3, H, W]
         rows, cols = height // self.factor, width // self.factor
         identity = self._identity(image)
         return PreparedImage(
@@ -1205,10 +1202,7 @@ class CropProcessor(_Processor):
         expected = self.output_size(image.width, image.height)
         if pixels.shape != expected + (3,):  # cannot happen
             raise _error(f"internal: cropped to {pixels.shape}, not {expected}", ErrorKind.EXECUTION)
-        lut = _value_table(self)
-        out = np.empty((3,) + expected, dtype=np.float32)
-        for c in range(3):
-            out[c] = lut[c][pixels[:, :, c]]
+        out = self._normalized(pixels.transpose(2, 0, 1), 0)  # [3, H, W]
         identity = self._identity(image)
         return PreparedImage(
             pixel_values=out,
