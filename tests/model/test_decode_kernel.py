@@ -132,8 +132,11 @@ def test_fused_step_over_a_float8_cache_matches_the_other_paths(model, rows, thr
         else:
             assert torch.equal(got, same_inputs)
             assert torch.equal(got[0], other[0])
-    for plain in (per_op, torch_path):
-        assert (fused - plain).abs().max().item() <= 2e-2 * plain.abs().max().item()
+    scale = per_op.abs().max().item()
+    assert (fused - per_op).abs().max().item() <= 2e-3 * scale  # the same attention kernel
+    # The torch path rounds the scores and the probabilities to bf16 (the kernel keeps them float32): with torch 2.13
+    # that parts it from the kernels by up to ~3% of the largest logit on these random models at 8 rows.
+    assert (fused - torch_path).abs().max().item() <= 5e-2 * scale
     assert torch.equal(fused.argmax(-1), per_op.argmax(-1))
     # Qwen3's keys can round a float8 step apart (above), which may flip a near-tie of these random models
     agree = (fused.argmax(-1) == torch_path.argmax(-1)).sum().item()
