@@ -48,10 +48,11 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
-                 "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole"}
+                 "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole",
+                 "rotary_dim"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
 _ROPE_SCALING_KEYS = {
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -59,7 +60,15 @@ _ROPE_SCALING_KEYS = {
     # band's rotations (beta_fast, beta_slow), whether its bounds are rounded out (truncate) and the factor cos and
     # sin are scaled by (attention_factor).
     "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"},
+    # LongRoPE (Phi-3.5, Phi-3 128k, Phi-4-mini): each frequency divided by a per-frequency factor, the short table
+    # where the served context fits the original one, the long table where it does not (one table for a whole
+    # context, as vLLM and llama.cpp choose it: cached keys never change tables); cos and sin scaled by
+    # attention_factor, resolved as transformers resolves it.
+    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"},
+    # Per-frequency divisors alone: llama.cpp's rope_freqs tensor (how its GGUFs carry Llama 3.1's rope scaling).
+    "factors": {"factors"},
 }
+_FACTOR_TABLES = ("short_factor", "long_factor", "factors")
 
 
 def _unsupported(what: str) -> CoreError:
@@ -119,6 +128,9 @@ class ModelConfig:
     # norms each over the whole projection, all heads at once ([nh * d], [nkv * d]) instead of per head.
     pre_norm: bool = True
     qk_norm_whole: bool = False
+    # Partial rotary embeddings (Phi-4-mini): only each head's first rotary_dim dimensions are rotated (rotate-half
+    # within them), the rest pass unrotated. None: the whole head.
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -145,8 +157,16 @@ class ModelConfig:
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise CoreError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.rotary_dim is not None and (not isinstance(self.rotary_dim, int) or isinstance(self.rotary_dim, bool)
+                                            or self.rotary_dim % 2 or not 0 < self.rotary_dim < self.head_dim):
+            raise CoreError(f"rotary_dim must be an even number below head_dim {self.head_dim} or null, got "
+                            f"{self.rotary_dim!r}")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+            for key in _FACTOR_TABLES:
+                if key in self.rope_scaling and len(self.rope_scaling[key]) != self.rope_dim // 2:
+                    raise CoreError(f"rope_scaling {key} needs one factor per rotated pair ({self.rope_dim // 2}), "
+                                    f"got {len(self.rope_scaling[key])}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise _unsupported(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
         if self.layer_windows is not None and (len(self.layer_windows) != self.num_layers or any(
@@ -180,17 +200,36 @@ class ModelConfig:
 
     @property
     def graph_capable(self) -> bool:
-        """The CUDA graphs' kernels run this model: the Llama/Qwen layer, without routed experts, unrotated layers,
-        Granite's multipliers or a query scale of its own (Gemma's and OLMo's layers they do not run either)."""
-        return (self.architecture in ("llama", "qwen2", "qwen3") and not self.num_experts and not self.nope_layers
-                and self.attention_scale is None and self.embedding_multiplier is None
-                and self.residual_multiplier is None and self.logits_scaling is None)
+        """The CUDA graphs' kernels run this model (graph_obstacle names what keeps them from it)."""
+        return self.graph_obstacle is None
+
+    @property
+    def graph_obstacle(self) -> str | None:
+        """What of this model the CUDA graphs' kernels do not run (they run the Llama/Qwen layer), or None."""
+        if self.architecture not in ("llama", "qwen2", "qwen3"):
+            return f"{self.architecture} layers"
+        if self.num_experts:
+            return "routed experts"
+        if self.nope_layers:
+            return "unrotated (NoPE) layers"
+        if self.rotary_dim is not None:
+            return "partial rotary embeddings"
+        if self.embedding_multiplier is not None or self.residual_multiplier is not None or self.logits_scaling is not None:
+            return "Granite's multipliers"
+        if self.attention_scale is not None:
+            return "a query scale of its own"
+        return None
 
     def window_of(self, layer: int) -> int:
         """The keys layer ``layer`` attends to at most (0: all of them)."""
         if self.layer_windows is not None:
             return self.layer_windows[layer]
         return self.sliding_window or 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head that rope turns (the whole head unless rotary_dim says fewer)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -207,7 +246,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         if d["rope_scaling"] is not None:
-            d["rope_scaling"] = dict(d["rope_scaling"])
+            d["rope_scaling"] = {k: list(v) if k in _FACTOR_TABLES else v for k, v in d["rope_scaling"].items()}
         if d["layer_windows"] is not None:
             d["layer_windows"] = list(d["layer_windows"])
         d["nope_layers"] = list(d["nope_layers"])
@@ -245,9 +284,12 @@ def _check_rope_scaling(rope_scaling: dict) -> None:
     if set(rope_scaling) != expected:
         raise CoreError(f"rope_scaling {rope_type} needs exactly the keys {sorted(expected)}, got {sorted(rope_scaling)}")
     for key in expected - {"rope_type", "truncate"}:
-        value = rope_scaling[key]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise CoreError(f"rope_scaling {key} must be a positive number, got {value!r}")
+        table = key in _FACTOR_TABLES
+        values = rope_scaling[key] if table else [rope_scaling[key]]
+        if not isinstance(values, (list, tuple)) or not values or any(
+                not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 for v in values):
+            what = "a list of positive numbers" if table else "a positive number"
+            raise CoreError(f"rope_scaling {key} must be {what}, got {rope_scaling[key]!r}")
     if "truncate" in expected and not isinstance(rope_scaling["truncate"], bool):
         raise CoreError(f"rope_scaling truncate must be a boolean, got {rope_scaling['truncate']!r}")
 
@@ -256,13 +298,9 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     """Read rope theta and scaling from either the transformers 5 ``rope_parameters``
     or the older ``rope_theta`` + ``rope_scaling`` keys."""
     params = hf.get("rope_parameters")
-    partial = (params if isinstance(params, dict) and "partial_rotary_factor" in params else hf).get(
-        "partial_rotary_factor", 1.0)
-    if partial is not None and float(partial) != 1.0:
-        raise _unsupported(f"{source}: partial rotary embeddings (partial_rotary_factor {partial}) are not supported")
     if isinstance(params, dict):
         scaling = dict(params)
-        scaling.pop("partial_rotary_factor", None)
+        scaling.pop("partial_rotary_factor", None)  # (rotary_dim_from_hf reads it)
         theta = scaling.pop("rope_theta", hf.get("rope_theta", 10000.0))
     else:
         theta = hf.get("rope_theta", 10000.0)
@@ -273,14 +311,54 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     if rope_type in (None, "default"):
         return float(theta), None
-    if rope_type not in ROPE_SCALING_TYPES:
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names, as transformers reads them
+        rope_type = "longrope"
+    if rope_type not in ROPE_SCALING_TYPES or rope_type == "factors":
         raise _unsupported(f"{source}: rope scaling type {rope_type!r} is not supported "
-                           f"(supported: default, {', '.join(ROPE_SCALING_TYPES)})")
+                           f"(supported: default, linear, llama3, yarn, longrope)")
     if rope_type == "yarn":
         return float(theta), yarn_parameters(scaling, hf)
+    if rope_type == "longrope":
+        return float(theta), longrope_parameters(scaling, hf)
     keep = {k: float(scaling[k]) if k != "original_max_position_embeddings" else int(scaling[k])
             for k in _ROPE_SCALING_KEYS[rope_type] if k in scaling}
     return float(theta), {"rope_type": rope_type, **keep}
+
+
+def rotary_dim_from_hf(hf: dict[str, Any], head_dim: int) -> int | None:
+    """ModelConfig.rotary_dim from ``partial_rotary_factor`` (top level, in rope_parameters or in one of its layer
+    types' entries), as transformers sizes it: int(head_dim * factor); None for the whole head."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    found = [p["partial_rotary_factor"] for p in (hf, params, *params.values())
+             if isinstance(p, dict) and p.get("partial_rotary_factor") is not None]
+    dim = int(head_dim * float(found[0])) if found else head_dim
+    return None if dim == head_dim else dim
+
+
+def _partial_rotary(hf: dict[str, Any], head_dim: int, source: str, supported: bool) -> int | None:
+    """rotary_dim for a family whose transformers model rotates part of the head (Phi-3's); refused for the others
+    (their transformers models ignore the factor, so a checkpoint that sets it is one we would misread)."""
+    dim = rotary_dim_from_hf(hf, head_dim)
+    if dim is not None and not supported:
+        raise _unsupported(f"{source}: partial rotary embeddings (rotary dimensions {dim} of {head_dim}) are not "
+                           f"supported for model_type {hf.get('model_type')!r}")
+    return dim
+
+
+def longrope_parameters(scaling: dict[str, Any], hf: dict[str, Any]) -> dict:
+    """LongRoPE's parameters resolved as transformers resolves them: the original context from the config's top level
+    (Phi-3 keeps it there), the rope parameters or max_position_embeddings; a missing factor from the two contexts; the
+    attention factor sqrt(1 + ln(factor) / ln(original)) when not given (1 for a factor <= 1)."""
+    original = int(hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or hf.get("max_position_embeddings", 4096))
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else int(hf.get("max_position_embeddings", original)) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in scaling["short_factor"]],
+            "long_factor": [float(x) for x in scaling["long_factor"]], "original_max_position_embeddings": original,
+            "attention_factor": float(attention)}
 
 
 def yarn_parameters(scaling: dict[str, Any], hf: dict[str, Any]) -> dict:
@@ -362,6 +440,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             attention_out_bias=out_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
             nope_layers=nope,
+            rotary_dim=_partial_rotary(hf, int(head_dim), source, model_type == "phi3"),
             **moe,
             **_granite_from_hf(hf, model_type),
         )
@@ -410,6 +489,7 @@ def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
         layers = int(hf["num_hidden_layers"])
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
+        _partial_rotary(hf, head_dim, source, False)
         windows, local_theta = None, None
         params = hf.get("rope_parameters")
         if model_type == "olmo3":
@@ -477,6 +557,7 @@ def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelCon
             local_theta = None if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
         num_heads = int(hf["num_attention_heads"])
         head_dim = int(hf.get("head_dim") or 256)
+        _partial_rotary(hf, head_dim, source, False)
         bias = bool(hf.get("attention_bias", False))
         caps = {}
         if gemma2:

@@ -233,8 +233,9 @@ class DecoderModel:
             _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]: folding the sign into the table makes
-        # rope three ops (roll, mul, addcmul) on the joint q/k block.
-        half = config.head_dim // 2
+        # rope three ops (roll, mul, addcmul) on the joint q/k block (on its first rope_dim columns where the
+        # rotary embedding is partial).
+        half = config.rope_dim // 2
         self.rope_sin_signed = torch.cat((-rope_sin[:, :half], rope_sin[:, half:]), dim=-1)
         self.scale = config.attention_scale or config.head_dim ** -0.5
         # Gemma 3's windowed layers turn by plain rope at local_rope_theta; its embedding rows are scaled by
@@ -294,6 +295,8 @@ class DecoderModel:
         sections are runs of slots; Qwen3-VL's ``interleaved`` ones alternate t, h, w from the first slot (h and
         w for as many slots as their sections, t for the rest)."""
         half = self.config.head_dim // 2
+        if self.config.rotary_dim is not None:
+            raise ValueError("multimodal rope over a partial rotary embedding is not supported")
         if sum(section) != half:
             raise ValueError(f"mrope sections {section} do not add up to head_dim / 2 = {half}")
         if interleaved:
@@ -532,6 +535,7 @@ class DecoderModel:
         num_tokens = batch.num_tokens
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.q_size, c.kv_size
+        rope_dim = c.rope_dim
         eps = c.rms_norm_eps
         if batch.mrope_positions is None:
             cos = self.rope_cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, d]
@@ -574,8 +578,12 @@ class DecoderModel:
                 qk = (rms_norm(qk.float(), None, eps) * layer.qk_norm).to(qk.dtype)
             elif layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
-            if layer.rope:  # (SmolLM3's NoPE layers attend unrotated)
+            if layer.rope and rope_dim == d:  # (SmolLM3's NoPE layers attend unrotated)
                 qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
+            elif layer.rope:  # Phi-4-mini's partial rotary: the first rope_dim columns of each head turn
+                turned = qk[..., :rope_dim]
+                qk = torch.cat((torch.addcmul(turned * layer_cos, turned.roll(rope_dim // 2, dims=-1), layer_sin),
+                                qk[..., rope_dim:]), dim=-1)
             q = qk[:, :nh]
             k = qk[:, nh:]
             v = v.view(num_tokens, nkv, d)

@@ -352,12 +352,21 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     elif scaling_type != "none":
         raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
     if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
-        raise CoreError(f"{source}: GGUF long-context rope factors (Phi-3's longrope) are not supported",
-                        ErrorKind.UNSUPPORTED_MODEL)
+        if rope_scaling is not None:
+            raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} beside long/short rope factors is not "
+                            "supported", ErrorKind.UNSUPPORTED_MODEL)
+        # Phi-3's LongRoPE, as llama.cpp's converter writes it: both tables as tensors, the attention factor and the
+        # original context as keys
+        rope_scaling = {"rope_type": "longrope", "short_factor": _gguf_vector(reader, "rope_factors_short.weight", source),
+                        "long_factor": _gguf_vector(reader, "rope_factors_long.weight", source),
+                        "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+                        "attention_factor": float(_gguf_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0))}
     if "rope_freqs.weight" in tensor_names:
-        # llama3-style rope stored as per-frequency factors; we only read it from HF configs.
-        raise CoreError(f"{source}: GGUF rope frequency factors (rope_freqs) are not supported",
-                        ErrorKind.UNSUPPORTED_MODEL)
+        # Llama 3.1's rope scaling as llama.cpp stores it: a divisor per frequency
+        if rope_scaling is not None:
+            raise CoreError(f"{source}: GGUF rope scaling {rope_scaling['rope_type']!r} beside rope_freqs is not "
+                            "supported", ErrorKind.UNSUPPORTED_MODEL)
+        rope_scaling = {"rope_type": "factors", "factors": _gguf_vector(reader, "rope_freqs.weight", source)}
     num_heads = int(need("attention.head_count"))
     hidden_size = int(need("embedding_length"))
     vocab_size = _gguf_field(reader, f"{arch}.vocab_size")
@@ -368,9 +377,12 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         vocab_size = len(tokens)
     head_dim = _gguf_field(reader, f"{arch}.attention.key_length") or hidden_size // num_heads
     rotated = _gguf_field(reader, f"{arch}.rope.dimension_count")
+    rotary_dim = None
     if rotated is not None and int(rotated) != int(head_dim):
-        raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of head_dim "
-                        f"{head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
+        if arch != "phi3":  # (llama.cpp's converter permutes q/k over the whole head for the others)
+            raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of "
+                            f"head_dim {head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
+        rotary_dim = int(rotated)
     has_bias = "blk.0.attn_q.bias" in tensor_names
     layer_flags = {}  # how the family's layer differs from Llama's
     if arch == "gemma3":
@@ -423,12 +435,24 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         nope_layers=nope,
+        rotary_dim=rotary_dim,
         sliding_window=int(_gguf_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
         if arch == "phi3" else None,
         **layer_flags,
         **experts,
         **granite,
     )
+
+
+def _gguf_vector(reader, name: str, source: str) -> list[float]:
+    """A small F32 tensor's values (rope factor tables)."""
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        raise CoreError(f"{source}: GGUF has no tensor {name}", ErrorKind.SOURCE_FORMAT)
+    if tensor.tensor_type.name != "F32":
+        raise CoreError(f"{source}: GGUF tensor {name} is {tensor.tensor_type.name}, expected F32",
+                        ErrorKind.SOURCE_FORMAT)
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).ravel()]
 
 
 def _gguf_yarn(reader, arch: str, source: str, need) -> dict:

@@ -3,9 +3,11 @@
 ``rope_tables`` precomputes cos/sin for every position the runner can reach,
 once, so a forward only gathers rows by position. The frequencies follow
 transformers exactly (same float32 arithmetic), including Llama 3's
-wavelength-dependent scaling, plain linear scaling and YaRN (whose attention
-factor scales the tables, as transformers scales cos and sin); other rope types
-never reach here (``ModelConfig`` refuses them).
+wavelength-dependent scaling, plain linear scaling, YaRN and LongRoPE (whose
+attention factors scale the tables, as transformers scales cos and sin) and
+llama.cpp's per-frequency divisors; other rope types never reach here
+(``ModelConfig`` refuses them). Partial rotary embeddings make the tables
+``rotary_dim`` wide: only that many of each head's dimensions turn.
 """
 
 from __future__ import annotations
@@ -17,14 +19,23 @@ import torch
 from flared.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
-    """[head_dim // 2] float32. ``local``: the windowed layers' plain rope at local_rope_theta (Gemma 3)."""
-    dim = config.head_dim
+def inverse_frequencies(config: ModelConfig, *, local: bool = False, context: int | None = None) -> torch.Tensor:
+    """[rope_dim // 2] float32. ``local``: the windowed layers' plain rope at local_rope_theta (Gemma 3).
+    ``context``: the longest sequence served (LongRoPE takes its long factors where it passes the original context)."""
+    dim = config.rope_dim
     theta = config.local_rope_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    powers = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / powers
     scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] in ("longrope", "factors"):
+        if scaling["rope_type"] == "factors":
+            table = scaling["factors"]
+        else:
+            long = context is not None and context > scaling["original_max_position_embeddings"]
+            table = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(table, dtype=torch.float32) * powers)
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "yarn":
@@ -66,14 +77,14 @@ def _yarn_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, scaling: d
 
 def rope_tables(config: ModelConfig, num_positions: int, *, dtype: torch.dtype,
                 device: torch.device | str, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [num_positions, head_dim] in ``dtype``; halves repeated
-    for the rotate-half layout."""
-    inv_freq = inverse_frequencies(config, local=local)
+    """(cos, sin), each [num_positions, rope_dim] in ``dtype``; halves repeated
+    for the rotate-half layout. ``num_positions`` is the longest sequence served."""
+    inv_freq = inverse_frequencies(config, local=local, context=num_positions)
     positions = torch.arange(num_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     scaling = None if local else config.rope_scaling
-    if scaling is not None and scaling["rope_type"] == "yarn":
+    if scaling is not None and scaling["rope_type"] in ("yarn", "longrope"):
         cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)

@@ -379,14 +379,20 @@ class ModelRuntime:
             use_cuda = False
         elif use_cuda and not self.core.config.graph_capable:
             # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's routing)
-            c = self.core.config
             log.warning("the CUDA graphs' kernels do not run %s: serving on the GPU with the eager executor",
-                        "routed experts" if c.num_experts else f"{c.architecture} layers")
+                        self.core.config.graph_obstacle)
             use_cuda = False
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
             identity.update(b"|kv float8_e4m3fn")  # "fp8" and "fp8_e4m3" name the same pool
+        scaling = self.core.config.rope_scaling
+        if scaling is not None and scaling["rope_type"] == "longrope":  # cached keys turned by one table of the two
+            long = caps.context_tokens > scaling["original_max_position_embeddings"]
+            identity.update(b"|longrope long" if long else b"|longrope short")
+            log.info("LongRoPE: a context of %d tokens %s the original %d: the %s factors", caps.context_tokens,
+                     "passes" if long else "fits", scaling["original_max_position_embeddings"],
+                     "long" if long else "short")
         if self.lora_adapters:
             from flared.model.lora import LoraAdapter, merge_adapters
 

@@ -47,6 +47,13 @@ FAMILIES = {
                                 eos_token_id=2)),
     # Phi-3 / Phi-4: fused q/k/v and gate/up projections, a sliding window
     "phi3": ("phi3", dict(sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Phi-4-mini: Phi-3's layer with half of each head rotated and LongRoPE (here its short factors, the served context
+    # fitting the original one, and an attention factor), tied embeddings. Long factors: tests/model/test_phi3.py.
+    "phi4_mini": ("phi3", dict(tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               original_max_position_embeddings=512, rope_parameters={
+                                   "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                   "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.2, 2.5, 4.0, 9.0],
+                                   "attention_factor": 1.1})),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),

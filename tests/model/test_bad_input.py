@@ -76,7 +76,8 @@ def test_missing_tensor(llama_dir, tmp_path):
 
 @pytest.mark.parametrize("change, what", [
     ({"model_type": "gpt_bigcode"}, "gpt_bigcode"),
-    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}}, "longrope"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}, "dynamic"),
+    ({"rope_parameters": {"rope_type": "factors", "factors": [2.0] * 8, "rope_theta": 10000.0}}, "factors"),
     ({"hidden_act": "gelu"}, "gelu"),
 ])
 def test_unsupported_architecture(llama_dir, tmp_path, change, what):

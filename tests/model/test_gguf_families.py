@@ -5,6 +5,8 @@ and logits within 1e-4 through our paged forward."""
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -68,7 +70,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
     w.add_uint32(f"{arch}.attention.key_length", head_dim)
     w.add_uint32(f"{arch}.attention.value_length", head_dim)
-    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    rotated = int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0))
+    w.add_uint32(f"{arch}.rope.dimension_count", rotated)
     w.add_float32(f"{arch}.rope.freq_base", theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
@@ -80,6 +83,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         else:
             w.add_tensor(name, array)
 
+    for name, values in rope_factor_tensors(cfg, w, arch, theta, rotated).items():
+        w.add_tensor(name, values)
     add("token_embd.weight", t["model.embed_tokens.weight"])
     # llama.cpp's converter stores Gemma's (1 + w) norms as 1 + w
     norm = (lambda name: t[name] + 1) if gemma else (lambda name: t[name])
@@ -126,6 +131,35 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
+    """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
+    (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        divisors = []
+        for freq in 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+            wavelen = 2 * math.pi / freq
+            if wavelen < old / high:
+                divisors.append(1.0)
+            elif wavelen > old / low:
+                divisors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / factor + smooth))
+        return {"rope_freqs.weight": np.array(divisors, dtype=np.float32)}
+    if rope.get("rope_type") != "longrope":
+        return {}
+    original = cfg["original_max_position_embeddings"]
+    scale = cfg["max_position_embeddings"] / original
+    w.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+    w.add_float32(f"{arch}.rope.scaling.attn_factor",
+                  math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
 
 
 def write_experts(add, t: dict, p: str, i: int, experts: int) -> None:
@@ -177,3 +211,22 @@ def test_gguf_family_matches_transformers(family, tmp_path):
         with torch.no_grad():
             expected = original(torch.tensor([prompt])).logits[0, -1].float()
         assert (ours - expected).abs().max().item() < 1e-4
+
+
+def test_llama3_rope_scaling_as_llama_cpp_stores_it(tmp_path):
+    """llama.cpp's GGUFs carry Llama 3.1's rope scaling as rope_freqs (a divisor per frequency): such a file reads to
+    the checkpoint's rope tables (within float32 rounding: the divisors are 1 / blends) and logits."""
+    from flared.model.rope import rope_tables
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint("llama3", tmp_path / "hf")
+    write_gguf(hf_dir, tmp_path / "m.gguf", "llama", Q.F32)
+    source = read_source(tmp_path / "m.gguf")
+    assert source.config.rope_scaling["rope_type"] == "factors"
+    reference = read_source(hf_dir).config
+    for ours, theirs in zip(rope_tables(source.config, 512, dtype=torch.float32, device="cpu"),
+                            rope_tables(reference, 512, dtype=torch.float32, device="cpu")):
+        assert (ours - theirs).abs().max().item() < 1e-4
+    prompt = np.random.default_rng(5).integers(0, source.config.vocab_size, size=90).tolist()  # past the original 64
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
