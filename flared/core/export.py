@@ -116,8 +116,9 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     caps = _capacities(config, options)
 
     dtype = getattr(torch, options.dtype)
-    # Gemma's norms hold 1 + w: kept in float32 (a few kilobytes), as its RMSNorm computes 1 + w in float32
-    float_norms = config.architecture in ("gemma2", "gemma3")
+    # Gemma's norms hold 1 + w: kept in float32 (a few kilobytes), as its RMSNorm computes 1 + w in float32; so are
+    # gpt-oss' (transformers keeps them float32)
+    float_norms = config.float_norms
     weight_files = []
     shard: dict[str, Any] = {}
     shard_bytes = 0

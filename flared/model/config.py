@@ -26,7 +26,7 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
@@ -43,13 +43,15 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "phi3": "llama",
                   # IBM Granite 3: Llama with scalar multipliers on the embeddings, the residual branches, the
                   # attention scores and the logits
-                  "granite": "llama"}
+                  "granite": "llama",
+                  # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
+                  "gpt_oss": "gpt_oss"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
                  "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole",
-                 "rotary_dim"}
+                 "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -131,6 +133,15 @@ class ModelConfig:
     # Partial rotary embeddings (Phi-4-mini): only each head's first rotary_dim dimensions are rotated (rotate-half
     # within them), the rest pass unrotated. None: the whole head.
     rotary_dim: int | None = None
+    # gpt-oss: a learned logit per query head in every softmax of attention (a "sink" that takes weight and gives no
+    # value: layers.i.sinks); biases on the router and the experts' two products; the router's top experts_per_token
+    # logits softmaxed among themselves (instead of a softmax over all experts, then the top); the experts' clamped
+    # SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) (None: SiLU).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    router_topk_softmax: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -173,12 +184,14 @@ class ModelConfig:
                 not isinstance(w, int) or isinstance(w, bool) or w < 0 for w in self.layer_windows)):
             raise CoreError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0")
         for name in ("attention_scale", "local_rope_theta", "embedding_multiplier", "residual_multiplier",
-                     "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"):
+                     "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "swiglu_limit",
+                     "swiglu_alpha"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
-        for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole"):
+        for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
+                     "expert_bias", "router_topk_softmax"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -194,9 +207,12 @@ class ModelConfig:
             raise CoreError(f"nope_layers must list layers of 0..{self.num_layers - 1} in order, got "
                             f"{self.nope_layers!r}")
         if not self.num_experts and (self.experts_per_token or self.expert_intermediate_size
-                                     or self.shared_expert_intermediate_size):
-            raise CoreError("experts_per_token, expert_intermediate_size and shared_expert_intermediate_size need "
-                            "num_experts > 0")
+                                     or self.shared_expert_intermediate_size or self.expert_bias
+                                     or self.router_topk_softmax or self.swiglu_limit is not None):
+            raise CoreError("experts_per_token, expert_intermediate_size, shared_expert_intermediate_size, expert_bias, "
+                            "router_topk_softmax and swiglu_limit need num_experts > 0")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise CoreError("swiglu_limit and swiglu_alpha go together")
 
     @property
     def graph_capable(self) -> bool:
@@ -225,6 +241,12 @@ class ModelConfig:
         if self.layer_windows is not None:
             return self.layer_windows[layer]
         return self.sliding_window or 0
+
+    @property
+    def float_norms(self) -> bool:
+        """Norm weights kept in float32 whatever the model's dtype, scaling in float32 with one rounding: Gemma's
+        (holding 1 + w, as its RMSNorm computes it) and gpt-oss' (transformers keeps them float32)."""
+        return self.architecture in ("gemma2", "gemma3", "gpt_oss")
 
     @property
     def rope_dim(self) -> int:
@@ -268,7 +290,8 @@ class ModelConfig:
         values = dict(d)
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
-                     "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping"):
+                     "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping",
+                     "swiglu_limit", "swiglu_alpha"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -390,6 +413,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         return _gemma_from_hf(hf, source, model_type)
     if model_type in ("olmo2", "olmo3"):
         return _olmo_from_hf(hf, source, model_type)
+    if model_type == "gpt_oss":
+        return _gpt_oss_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -478,6 +503,47 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
     return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
+
+
+# transformers' GptOssConfig defaults where a config.json leaves them out
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """gpt-oss: Llama's layer (biased projections) with attention sinks, every other layer windowed (layer_types), YaRN,
+    and routed experts with biases, a top-k-then-softmax router and a clamped SwiGLU."""
+    try:
+        layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
+        _partial_rotary(hf, head_dim, source, False)
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(layers)]
+        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+            raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
+                            "sliding_attention", ErrorKind.SOURCE_FORMAT)
+        window = int(hf.get("sliding_window") or 128)
+        if not isinstance(hf.get("rope_parameters") or hf.get("rope_scaling"), dict):
+            hf = {**hf, "rope_parameters": {**_GPT_OSS_ROPE, "rope_theta": float(hf.get("rope_theta", 150000.0))}}
+        theta, scaling = _rope_from_hf(hf, source)
+        bias = bool(hf.get("attention_bias", True))
+        return ModelConfig(
+            architecture="gpt_oss", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=bias, qk_norm=False,
+            attention_out_bias=bias, layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+            num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
+            experts_per_token=int(hf.get("num_experts_per_tok", 4)), expert_intermediate_size=int(hf["intermediate_size"]),
+            attention_sinks=True, expert_bias=True, router_topk_softmax=True,
+            swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
 def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

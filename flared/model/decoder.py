@@ -48,6 +48,13 @@ except ImportError:  # as above: bf16 decode steps keep the per-op path
     _cpu_decode = None
 
 
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] along the last axis, the sink's column dropped: float32 scores [..., L] and sinks
+    broadcastable to [..., 1] -> probabilities [..., L] that sum to under 1 (gpt-oss)."""
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def _soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap): Gemma 2's squashing of attention scores and logits into (-cap, cap)."""
     return torch.tanh(x / cap) * cap
@@ -164,7 +171,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
-                 "window", "router", "experts", "shared", "expert_stacks", "rope")
+                 "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks")
 
 
 class DecoderModel:
@@ -182,8 +189,8 @@ class DecoderModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in tensors else None
 
-        # Gemma's norm weights (1 + w) stay float32: its RMSNorm scales in float32 and rounds once (rms_norm)
-        float_norms = config.architecture in ("gemma2", "gemma3")
+        # Gemma's norm weights (1 + w) and gpt-oss' stay float32: their RMSNorm scales in float32 and rounds once
+        float_norms = config.float_norms
 
         def norm(name: str) -> torch.Tensor | None:
             if name not in tensors:
@@ -212,12 +219,18 @@ class DecoderModel:
             layer.post_mlp_norm = norm(p + "post_mlp_norm.weight")
             layer.window = config.window_of(i)
             layer.rope = i not in config.nope_layers
-            layer.router = layer.experts = layer.shared = layer.expert_stacks = None
+            layer.sinks = opt(p + "sinks")  # gpt-oss' attention sinks [nh]
+            layer.router = layer.experts = layer.shared = layer.expert_stacks = layer.expert_biases = None
             if config.num_experts:  # a routed MLP: each expert's two products, the router's, the shared expert's
                 layer.gate_up = layer.down = None
-                layer.router = _Linear(w(p + "router.weight"), None)
+                layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
                 gate_up, down = w(p + "experts.gate_up.weight"), w(p + "experts.down.weight")
-                layer.experts = [(_Linear(gate_up[e], None), _Linear(down[e], None)) for e in range(config.num_experts)]
+                if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
+                    layer.expert_biases = (w(p + "experts.gate_up.bias"), w(p + "experts.down.bias"))
+                biases = layer.expert_biases or (None, None)
+                layer.experts = [(_Linear(gate_up[e], None if biases[0] is None else biases[0][e]),
+                                  _Linear(down[e], None if biases[1] is None else biases[1][e]))
+                                 for e in range(config.num_experts)]
                 if layer.experts[0][0].packed is None:  # (the experts' weights are views of these: no copy)
                     layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout
                 del gate_up, down
@@ -252,6 +265,7 @@ class DecoderModel:
         self.cpu_decode_attention = (
             _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and config.attn_logit_softcapping is None  # (the kernel does not soft-cap scores: Gemma 2 takes torch's)
+            and not config.attention_sinks  # (nor weigh sinks: gpt-oss takes torch's)
             and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
             and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
         # bf16 decode-only steps of up to _cpu_decode.MAX_ROWS (64) rows on a CPU with AVX-512 BF16 run every
@@ -625,6 +639,16 @@ class DecoderModel:
         gate = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
         return gate * gate_up[:, inter:]
 
+    def _expert_activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """An expert's [T, 2 I] gate rows then up rows -> [T, I]: the MLP's activation, or gpt-oss' clamped SwiGLU."""
+        limit = self.config.swiglu_limit
+        if limit is None:
+            return self._activation(gate_up)
+        inter = gate_up.shape[1] // 2
+        gate = gate_up[:, :inter].clamp(max=limit)
+        up = gate_up[:, inter:].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.config.swiglu_alpha))
+
     def _routed_mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts MLP over the normed rows x [T, H], as transformers computes it: the router's softmax
         (float32) over all experts, the top experts_per_token kept (renormalised when norm_topk_prob), each expert
@@ -632,8 +656,12 @@ class DecoderModel:
         shared expert scaled by sigmoid(its gate)."""
         c = self.config
         k = c.experts_per_token
-        probs = torch.softmax(layer.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(k, dim=-1)  # [T, k]
+        if c.router_topk_softmax:  # gpt-oss: the top logits, softmaxed among themselves
+            top, chosen = layer.router(x).topk(k, dim=-1)
+            weights = torch.softmax(top.float(), dim=-1)
+        else:
+            probs = torch.softmax(layer.router(x).float(), dim=-1)
+            weights, chosen = probs.topk(k, dim=-1)  # [T, k]
         if c.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -648,8 +676,14 @@ class DecoderModel:
             counts = torch.zeros(c.num_experts, dtype=torch.int32, device=x.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
-            act = self._activation(_grouped_mm(x.index_select(0, rows), gate_up_t, offs=offsets))
-            out.index_add_(0, rows, _grouped_mm(act, down_t, offs=offsets) * row_weights)
+            gate_up = _grouped_mm(x.index_select(0, rows), gate_up_t, offs=offsets)
+            if layer.expert_biases is not None:  # each row its expert's biases
+                experts = flat.index_select(0, order)
+                gate_up = gate_up + layer.expert_biases[0].index_select(0, experts)
+            y = _grouped_mm(self._expert_activation(gate_up), down_t, offs=offsets)
+            if layer.expert_biases is not None:
+                y = y + layer.expert_biases[1].index_select(0, experts)
+            out.index_add_(0, rows, y * row_weights)
         else:
             self._expert_loop(layer, x, flat, rows, row_weights, out)
         if layer.shared is not None:
@@ -666,7 +700,7 @@ class DecoderModel:
                 continue
             gate_up, down = layer.experts[expert]
             mine = rows[start:start + count]
-            y = down(self._activation(gate_up(x.index_select(0, mine))))
+            y = down(self._expert_activation(gate_up(x.index_select(0, mine))))
             out.index_add_(0, mine, y * row_weights[start:start + count])
             start += count
 
@@ -733,12 +767,13 @@ class DecoderModel:
         return cache[window]
 
     def _prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           mask: torch.Tensor | None) -> torch.Tensor:
+                           mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, nh, q_len, d] over keys, values [1, nkv, L, d]; ``mask`` [q_len, L] True = attend (None: causal,
-        the queries being the last q_len keys). Soft-capped scores (Gemma 2) in plain ops, as SDPA has no cap."""
+        the queries being the last q_len keys). Soft-capped scores (Gemma 2) and sinks (gpt-oss: a logit per head
+        [nh] in each softmax) in plain ops, as SDPA has neither."""
         group = q.shape[1] // keys.shape[1]
         cap = self.config.attn_logit_softcapping
-        if cap is None:
+        if cap is None and sinks is None:
             if mask is None:
                 return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=group > 1)
@@ -748,9 +783,13 @@ class DecoderModel:
         if mask is None:
             mask = torch.ones(q_len, length, dtype=torch.bool, device=q.device).tril(length - q_len)
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        scores = _soft_cap((q @ keys.transpose(-1, -2)) * self.scale, cap)
-        probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
-        return probs @ values
+        scores = (q @ keys.transpose(-1, -2)) * self.scale
+        if cap is not None:
+            scores = _soft_cap(scores, cap)
+        scores = scores.float().masked_fill(~mask, float("-inf"))
+        if sinks is None:
+            return torch.softmax(scores, dim=-1).to(q.dtype) @ values
+        return _softmax_with_sinks(scores, sinks.float().view(1, -1, 1, 1)).to(q.dtype) @ values
 
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, decode_masked: torch.Tensor | None, native: bool) -> torch.Tensor:
@@ -759,6 +798,7 @@ class DecoderModel:
         c = self.config
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // nkv
+        sinks = self.layers[layer].sinks
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
         if batch.decode_row_ids is not None and native:
@@ -790,7 +830,11 @@ class DecoderModel:
             if c.layer_windows is not None and c.window_of(layer):
                 decode_masked = self._windowed(batch, c.window_of(layer))[0]
             scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            else:  # each query head's sink: [nh] as [nkv, 1, group, 1] beside its rows' scores
+                sink = sinks.float().view(nkv, 1, group, 1).expand(nkv, num_decode, group, 1)
+                probs = _softmax_with_sinks(scores, sink.reshape(nkv * num_decode, group, 1)).to(q.dtype)
             o = torch.bmm(probs, values)  # [nkv * B, group, d]
             o = o.view(nkv, num_decode, group, d).transpose(0, 1).reshape(num_decode, nh * d)
             if decode_only:
@@ -803,15 +847,15 @@ class DecoderModel:
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
             if window_masks is not None:  # a windowed layer (Gemma 3): the group's keys in its window
                 keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
-                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi])
+                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi], sinks)
             elif g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
                 # holds them: a float8 pool's rounding included).
                 keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
                 values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
-                o = self._prefill_attention(qg, keys, values, None)
+                o = self._prefill_attention(qg, keys, values, None, sinks)
             else:
                 keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
-                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), g.attn_mask)
+                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), g.attn_mask, sinks)
             out[g.row_start:g.row_end] = o[0].transpose(0, 1).reshape(q_len, nh * d)
         return out

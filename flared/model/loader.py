@@ -88,6 +88,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "o.weight"] = (c.hidden_size, c.q_size)
         if c.attention_out_bias:
             shapes[p + "o.bias"] = (c.hidden_size,)
+        if c.attention_sinks:
+            shapes[p + "sinks"] = (c.num_heads,)
         if c.pre_norm:
             shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
@@ -98,6 +100,10 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "router.weight"] = (e, c.hidden_size)
             shapes[p + "experts.gate_up.weight"] = (e, 2 * inter, c.hidden_size)
             shapes[p + "experts.down.weight"] = (e, c.hidden_size, inter)
+            if c.expert_bias:
+                shapes[p + "router.bias"] = (e,)
+                shapes[p + "experts.gate_up.bias"] = (e, 2 * inter)
+                shapes[p + "experts.down.bias"] = (e, c.hidden_size)
             if shared:
                 shapes[p + "shared.gate_up.weight"] = (2 * shared, c.hidden_size)
                 shapes[p + "shared.down.weight"] = (c.hidden_size, shared)
@@ -249,6 +255,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         out[sp + "o.weight"] = take(attn + "o_proj.weight")
         if config.attention_out_bias:
             out[sp + "o.bias"] = take(attn + "o_proj.bias")
+        if config.attention_sinks:
+            out[sp + "sinks"] = take(attn + "sinks")
         if gemma:
             out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
             out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
@@ -258,6 +266,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_feedforward_layernorm.weight")
         else:
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+        if config.expert_bias:
+            out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
+            continue
         if config.num_experts:
             out.update(_hf_experts(hf, hp, sp, config, take))
             continue
@@ -294,6 +305,45 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     return out
 
 
+def _hf_gpt_oss_experts(hf: dict[str, torch.Tensor], block: str, sp: str, take) -> dict[str, torch.Tensor]:
+    """gpt-oss' routed MLP: the biased router; the experts' products as transformers holds them ([E, H, 2 I] with
+    gate and up columns interleaved, [E, I, H]) or as OpenAI released them (MXFP4: ``*_blocks`` and ``*_scales``, rows
+    [E, 2 I, H] and [E, H, I]), with their biases, in our layout (gate rows, then up rows)."""
+
+    def product(name: str, transposed: torch.Tensor | None = None) -> torch.Tensor:  # [E, out, in]
+        if block + f"experts.{name}_blocks" in hf:
+            return mxfp4_dequantize(take(block + f"experts.{name}_blocks"), take(block + f"experts.{name}_scales"))
+        return take(block + f"experts.{name}").transpose(1, 2)
+
+    def gate_then_up(rows: torch.Tensor) -> torch.Tensor:  # interleaved (gate, up) pairs along dim 1 -> gate, up
+        return torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1)
+
+    return {sp + "router.weight": take(block + "router.weight"), sp + "router.bias": take(block + "router.bias"),
+            sp + "experts.gate_up.weight": gate_then_up(product("gate_up_proj")),
+            sp + "experts.gate_up.bias": gate_then_up(take(block + "experts.gate_up_proj_bias")),
+            sp + "experts.down.weight": product("down_proj"),
+            sp + "experts.down.bias": take(block + "experts.down_proj_bias")}
+
+
+# MXFP4's 4-bit codes (e2m1): sign, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+_FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 tensors -> bfloat16 (which holds every value exactly): ``blocks`` [E, ..., G, 16] uint8 (two
+    codes a byte, the low nibble first), ``scales`` [E, ..., G] uint8 (a power of two for each group of 32, biased by
+    127) -> [E, ..., G * 32]. One expert at a time, to keep the index tensors small."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise CoreError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                        f"{scales.dtype} do not pair", ErrorKind.SOURCE_FORMAT)
+    out = torch.empty(*scales.shape[:-1], scales.shape[-1] * 32, dtype=torch.bfloat16)
+    for e in range(blocks.shape[0]):
+        codes = torch.stack([blocks[e] & 0x0F, blocks[e] >> 4], dim=-1).flatten(-2).int()  # [..., G, 32]
+        values = torch.ldexp(_FP4_VALUES[codes], (scales[e].int() - 127)[..., None].float())
+        out[e] = values.flatten(-2)
+    return out
+
+
 # ---------------------------------------------------------------- GGUF
 
 
@@ -308,7 +358,8 @@ def _gguf_field(reader, key: str, default=None):
 # llama.expert_count: Mixtral)
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
                        "qwen2moe": "qwen2",
-                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2"}
+                       "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
+                       "gpt-oss": "gpt_oss"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -408,7 +459,17 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                            layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
     elif arch == "olmo2":  # norms after attention and the MLP only, q/k norms over all heads
         layer_flags = dict(sandwich_norm=True, pre_norm=False, qk_norm_whole=True)
+    elif arch == "gpt-oss":
+        # What llama.cpp assumes of gpt-oss: the even layers windowed, attention sinks, biased experts softmaxed
+        # among the chosen, the clamped SwiGLU at alpha 1.702, limit 7
+        layers = int(need("block_count"))
+        window = int(need("attention.sliding_window"))
+        layer_flags = dict(layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)),
+                           attention_sinks=True, expert_bias=True, router_topk_softmax=True, swiglu_limit=7.0,
+                           swiglu_alpha=1.702)
     experts = _gguf_experts(reader, arch, source, need)
+    if arch == "gpt-oss":
+        experts["norm_topk_prob"] = False  # (the softmax over the chosen sums to 1 already)
     granite = {}
     if arch == "granite":  # its multipliers, under llama.cpp's names
         granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
@@ -537,6 +598,13 @@ def _read_gguf(path: Path) -> SourceModel:
             out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
         if config.attention_bias:
             out[sp + "qkv.bias"] = torch.cat([take(gp + f"attn_{x}.bias") for x in "qkv"], dim=0)
+        if config.attention_sinks:
+            out[sp + "sinks"] = take(gp + "attn_sinks.weight")
+        if config.expert_bias:  # gpt-oss: a biased router and experts
+            out[sp + "router.bias"] = take(gp + "ffn_gate_inp.bias")
+            out[sp + "experts.gate_up.bias"] = torch.cat([take(gp + "ffn_gate_exps.bias"), take(gp + "ffn_up_exps.bias")],
+                                                         dim=1)
+            out[sp + "experts.down.bias"] = take(gp + "ffn_down_exps.bias")
         if config.num_experts:
             out[sp + "router.weight"] = take(gp + "ffn_gate_inp.weight")
             out[sp + "experts.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_exps.weight"),
@@ -554,5 +622,7 @@ def _read_gguf(path: Path) -> SourceModel:
         for gguf_name, serving_name in _GGUF_LAYER_NAMES.items():
             if gp + gguf_name in raw:
                 out[sp + serving_name] = raw[gp + gguf_name]
+        if config.architecture == "gpt_oss" and sp + "post_attn_norm.weight" in out:
+            out[sp + "mlp_norm.weight"] = out.pop(sp + "post_attn_norm.weight")  # its name for the norm before the MLP
     check_serving_tensors(out, config, source=source)
     return SourceModel(config=config, tensors=out, source_kind="gguf")

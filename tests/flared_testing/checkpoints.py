@@ -54,6 +54,13 @@ FAMILIES = {
                                    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                    "short_factor": [1.0, 1.3, 2.1, 3.7], "long_factor": [1.2, 2.5, 4.0, 9.0],
                                    "attention_factor": 1.1})),
+    # gpt-oss: attention sinks, a windowed then a global layer, YaRN (untruncated), four experts with biases, two a
+    # token by a top-k-then-softmax router, the clamped SwiGLU (a limit low enough to clamp these weights)
+    "gpt_oss": ("gpt_oss", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                sliding_window=8, swiglu_limit=1.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                 "truncate": False, "original_max_position_embeddings": 64,
+                                                 "rope_theta": 150000.0})),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -78,9 +85,9 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
-    with torch.no_grad():  # norms start as ones (or zeros, Gemma's 1 + w): vary them, so a norm's weight counts
+    with torch.no_grad():  # norms start as ones (or zeros, Gemma's 1 + w), biases as zeros: vary them, so each counts
         for name, param in model.named_parameters():
-            if "norm" in name and param.dim() == 1:
+            if ("norm" in name and param.dim() == 1) or ("bias" in name and not param.any()):
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

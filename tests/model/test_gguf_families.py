@@ -56,14 +56,18 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             w.add_float32(f"{arch}.{key}", cfg[key])
-    if arch in ("phi3", "gemma2", "gemma3") and cfg.get("sliding_window"):
+    if arch == "gpt-oss":  # its converter's yarn keys
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     if experts:  # llama.cpp's mixture-of-experts keys
         w.add_uint32(f"{arch}.expert_count", experts)
         w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
-        if cfg.get("moe_intermediate_size"):
-            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        if cfg.get("moe_intermediate_size") or arch == "gpt-oss":
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
     w.add_uint32(f"{arch}.attention.head_count", heads)
@@ -78,7 +82,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
 
     def add(name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.ndim >= 2 and not name.endswith("_inp.weight"):  # (routers stay F32, as llama.cpp keeps them)
+        if array.ndim >= 2 and not name.endswith(("_inp.weight", ".bias")):  # (routers, biases stay F32, as in llama.cpp)
             w.add_tensor(name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
         else:
             w.add_tensor(name, array)
@@ -105,6 +109,10 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
+        if p + "self_attn.o_proj.bias" in t:
+            add(f"blk.{i}.attn_output.bias", t[p + "self_attn.o_proj.bias"])
+        if p + "self_attn.sinks" in t:
+            add(f"blk.{i}.attn_sinks.weight", t[p + "self_attn.sinks"])
         # the layer's norms: Llama's two before; Gemma's four (the pre-MLP one under its own name); OLMo 2's two after
         if arch != "olmo2":
             add(f"blk.{i}.attn_norm.weight", norm(p + "input_layernorm.weight"))
@@ -113,8 +121,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
             add(f"blk.{i}.post_ffw_norm.weight", norm(p + "post_feedforward_layernorm.weight"))
         if gemma:
             add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
-        elif arch != "olmo2":
-            add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        elif arch != "olmo2":  # (gpt-oss' converter names the norm before the MLP post_attention_norm)
+            add(f"blk.{i}.{'post_attention' if arch == 'gpt-oss' else 'ffn'}_norm.weight",
+                t[p + "post_attention_layernorm.weight"])
         if experts:
             write_experts(add, t, p, i, experts)
         elif p + "mlp.gate_up_proj.weight" in t:
@@ -165,6 +174,17 @@ def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict
 def write_experts(add, t: dict, p: str, i: int, experts: int) -> None:
     """A mixture-of-experts layer as llama.cpp's converter writes it: the router, each projection's experts
     stacked [experts, out, in], Qwen2-MoE's shared expert and its gate."""
+    if f"{p}mlp.router.weight" in t:  # gpt-oss: biased router and experts, gate and up columns interleaved
+        block = p + "mlp."
+        add(f"blk.{i}.ffn_gate_inp.weight", t[block + "router.weight"])
+        add(f"blk.{i}.ffn_gate_inp.bias", t[block + "router.bias"])
+        gate_up, bias = t[block + "experts.gate_up_proj"].transpose(0, 2, 1), t[block + "experts.gate_up_proj_bias"]
+        for ours, columns in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+            add(f"blk.{i}.ffn_{ours}_exps.weight", gate_up[:, columns])
+            add(f"blk.{i}.ffn_{ours}_exps.bias", bias[:, columns])
+        add(f"blk.{i}.ffn_down_exps.weight", t[block + "experts.down_proj"].transpose(0, 2, 1))
+        add(f"blk.{i}.ffn_down_exps.bias", t[block + "experts.down_proj_bias"])
+        return
     mixtral = f"{p}block_sparse_moe.gate.weight" in t
     block = p + ("block_sparse_moe." if mixtral else "mlp.")
     add(f"blk.{i}.ffn_gate_inp.weight", t[block + "gate.weight"])

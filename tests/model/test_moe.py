@@ -142,7 +142,7 @@ def test_a_moe_core_serves_transformers_tokens(tmp_path):
     assert_served_greedy_equals_transformers(directory, hf, tmp_path, also=shows_its_experts)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss"])
 def test_grouped_expert_products_equal_the_loop(family, tmp_path):
     """The GPU's grouped path (every expert's rows in two grouped products, no host sync) run here on the CPU, where
     torch has the kernel: the same logits as the loop over experts, prefill chunks and decode rows mixed."""
