@@ -1,5 +1,5 @@
 """Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``)
-split from the answer, incrementally.
+split from the answer, incrementally (gpt-oss' harmony channels: toolcalls.HarmonyToolParser).
 
 Rules:
 - Text arrives in arbitrary chunks (a marker may be split at any character);
@@ -40,7 +40,15 @@ class ReasoningFormat:
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
 MISTRAL_THINK = ReasoningFormat("mistral", "[THINK]", "[/THINK]", needs_special_tokens=True)
-FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK)}
+# gpt-oss' harmony: reasoning is the analysis channel's messages, read by toolcalls.HarmonyToolParser with the
+# answer and the calls (the markers here name the channel; OutputParser hands the whole text to that parser)
+HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", needs_special_tokens=True)
+FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, HARMONY)}
+
+
+def is_harmony_template(source: str) -> bool:
+    """A chat template that writes gpt-oss' harmony messages."""
+    return "<|channel|>" in source and "<|message|>" in source
 
 
 def reasoning_format_for_template(source: str | None, override: str = "auto") -> ReasoningFormat | None:
@@ -49,6 +57,8 @@ def reasoning_format_for_template(source: str | None, override: str = "auto") ->
         return None
     if override != "auto":
         return FORMATS[override]
+    if source and is_harmony_template(source):
+        return HARMONY
     for fmt in (THINK, MISTRAL_THINK):
         if source and fmt.start in source and fmt.end in source:
             return fmt

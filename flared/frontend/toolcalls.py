@@ -24,7 +24,11 @@ Families (chosen from the chat template, overridable in ServerConfig):
 ``<|python_tag|>``, several joined by ``;``), ``mistral``
 (``[TOOL_CALLS][{…}, …]`` or ``[TOOL_CALLS]name[ARGS]{…}``), ``deepseek``
 (``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``), ``functionary``
-(``<function=name>{…}</function>``).
+(``<function=name>{…}</function>``), ``harmony`` (gpt-oss: messages on
+channels, ``<|channel|>analysis<|message|>…<|end|>`` reasoning,
+``…final<|message|>…`` the answer, ``commentary to=functions.name …
+<|message|>{…}<|call|>`` a call; the one family whose parser also splits out
+the reasoning).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import re
 import secrets
 from typing import Any
 
-from flared.frontend.reasoning import ReasoningFormat, ReasoningParser, held_suffix
+from flared.frontend.reasoning import HARMONY, ReasoningFormat, ReasoningParser, held_suffix, is_harmony_template
 
 
 @dataclasses.dataclass
@@ -375,7 +379,7 @@ class ToolParser:
         """The whole text at once."""
         a = self.push(text)
         b = self.finish()
-        return ParsedDelta(a.content + b.content, a.calls + b.calls)
+        return ParsedDelta(a.content + b.content, a.calls + b.calls, a.reasoning + b.reasoning)
 
     def _step(self, final: bool) -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -1019,9 +1023,94 @@ class FunctionaryToolParser(ToolParser):
         self._state = "text"
 
 
+class HarmonyToolParser(ToolParser):
+    """gpt-oss' harmony format: the output is messages, each ``[<|start|>assistant]<|channel|>C[ to=R][
+    <|constrain|>json]<|message|>BODY`` ended by ``<|end|>`` (or the stop tokens ``<|return|>`` / ``<|call|>``, or
+    the next ``<|start|>``). The analysis channel's bodies are reasoning; a message to ``functions.NAME`` (when the
+    request has tools) is a call of NAME with BODY as its arguments; the others' bodies (final, commentary
+    preambles) are content. Output that does not open with a header is content as it came."""
+
+    name = "harmony"
+    needs_special_tokens = True
+    _MESSAGE = "<|message|>"
+    _ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")
+    _START, _HEADER, _BODY, _PLAIN = range(4)
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._state = self._START
+        self._kind = "content"  # the open message's body: content, reasoning or call
+        self._call = -1
+
+    def _step(self, final: bool) -> bool:
+        if self._state == self._START:
+            lead = self._buf.lstrip()
+            if not lead or (not final and "<|".startswith(lead)):
+                return False
+            self._state = self._HEADER if lead.startswith("<|") else self._PLAIN
+            return True
+        if self._state == self._PLAIN:
+            self._out.content += self._buf
+            self._buf = ""
+            return False
+        if self._state == self._HEADER:
+            i = self._buf.find(self._MESSAGE)
+            if i < 0:
+                if final:
+                    self._buf = ""  # a header the output ended inside: nothing of a message
+                return False
+            self._open(self._buf[:i])
+            self._buf = self._buf[i + len(self._MESSAGE):]
+            self._state = self._BODY
+            return True
+        found = [(i, m) for m in self._ENDS if (i := self._buf.find(m)) >= 0]
+        if found:
+            i, marker = min(found)
+            self._body(self._buf[:i])
+            self._buf = self._buf[i + (0 if marker == "<|start|>" else len(marker)):]  # (a start opens the next)
+            self._close_message()
+            self._state = self._HEADER
+            return True
+        keep = 0 if final else max(held_suffix(self._buf, m) for m in self._ENDS)
+        self._body(self._buf[:len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep:]
+        return False
+
+    def _open(self, header: str) -> None:
+        """A message's header (role, channel, recipient, constraint) decides where its body goes."""
+        channel = re.search(r"<\|channel\|>\s*(\w+)", header)
+        recipient = re.search(r"\bto=([^\s<]+)", header)
+        if recipient and recipient.group(1).startswith("functions.") and self.tools:
+            self._kind = "call"
+            self._emit_calls([self._announce(recipient.group(1)[len("functions."):])])
+            self._call = len(self.calls) - 1
+        else:
+            self._kind = "reasoning" if channel and channel.group(1) == "analysis" else "content"
+
+    def _body(self, text: str) -> None:
+        if not text:
+            return
+        if self._kind == "reasoning":
+            self._out.reasoning += text
+        elif self._kind == "content":
+            self._out.content += text
+        else:
+            self.calls[self._call].arguments += text
+            self._out.calls.append(ToolCallDelta(self._call, None, None, text))
+
+    def _close_message(self) -> None:
+        if self._kind == "call":
+            self._close(self._call, None)
+        self._kind = "content"
+
+    def _finish_rest(self) -> None:
+        if self._state == self._BODY:
+            self._close_message()
+
+
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
-                        DeepSeekToolParser, FunctionaryToolParser)
+                        DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser)
 }
 
 
@@ -1033,6 +1122,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return PARSERS[override]
     if not source:
         return None
+    if is_harmony_template(source):
+        return HarmonyToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:
@@ -1047,10 +1138,14 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
 
 
 class OutputParser:
-    """One choice's text -> reasoning, content and tool calls (reasoning first, tools in the answer)."""
+    """One choice's text -> reasoning, content and tool calls (reasoning first, tools in the answer; harmony's
+    channels carry all three, so its parser reads the whole text)."""
 
     def __init__(self, tool_parser: ToolParser | None, reasoning: ReasoningFormat | None = None, *,
                  starts_inside: bool = False):
+        if reasoning is HARMONY:
+            tool_parser = tool_parser if isinstance(tool_parser, HarmonyToolParser) else HarmonyToolParser()
+            reasoning = None
         self.tools = tool_parser
         self.reasoning = ReasoningParser(reasoning, starts_inside=starts_inside) if reasoning else None
 
@@ -1068,8 +1163,8 @@ class OutputParser:
         d = self.tools.push(content) if content else ParsedDelta()
         if final:
             e = self.tools.finish()
-            d = ParsedDelta(d.content + e.content, d.calls + e.calls)
-        d.reasoning = reasoning
+            d = ParsedDelta(d.content + e.content, d.calls + e.calls, d.reasoning + e.reasoning)
+        d.reasoning = reasoning + d.reasoning
         return d
 
     def push(self, text: str) -> ParsedDelta:

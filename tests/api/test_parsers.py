@@ -75,10 +75,23 @@ CASES = {
          "Sure.", [("get_weather", {"city": "Paris"}), ("f", {"x": "</function>"})]),
         ("<function=ping>{}</function>\nDone.", "Done.", [("ping", {})]),
     ],
+    "harmony": [  # (the analysis channel's reasoning: test_harmony_every_split)
+        ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', "",
+         [("get_weather", {"city": "Paris", "days": 3})]),
+        ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.<|return|>",
+         "It is 4.", []),
+        ('<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant<|channel|>commentary '
+         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|end|><|start|>assistant to='
+         'functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>', "Checking both.",
+         [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]),
+        ("A plain answer, <|channel|> and all.", "A plain answer, <|channel|> and all.", []),
+    ],
 }
 
 MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "[TOOL_CALLS]", "[ARGS]",
-           "<|python_tag|>", "tool▁call", "<think>", "</think>", "[THINK]", "[/THINK]")
+           "<|python_tag|>", "tool▁call", "<think>", "</think>", "[THINK]", "[/THINK]", "<|channel|>", "<|message|>",
+           "<|end|>", "<|start|>", "<|call|>", "<|constrain|>")
 
 
 def chunkings(text: str):
@@ -185,6 +198,36 @@ def test_reasoning_then_tool_call_every_split():
         check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris"})])
 
 
+HARMONY_CASES = [
+    # (text, tools, reasoning, content, calls)
+    ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>Four.", None,
+     "Two and two.", "Four.", []),
+    ('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather '
+     '<|constrain|>json<|message|>{"city": "Paris"}', WEATHER_TOOLS, "Call it.", "", [("get_weather", {"city": "Paris"})]),
+    # no tools in the request: a message to a function is the model's text, not a call
+    ('<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>', None, "",
+     '{"city": "Paris"}', []),
+    ("<|channel|>analysis<|message|>cut off by max_tokens", None, "cut off by max_tokens", "", []),
+    ("<|channel|>analys", None, "", "", []),  # (an unfinished header is no message)
+]
+
+
+@pytest.mark.parametrize("case", range(len(HARMONY_CASES)))
+def test_harmony_every_split(case):
+    """gpt-oss' channels: the analysis channel is reasoning, final the answer, a message to functions.NAME a call; the
+    harmony reasoning format hands the whole text to the harmony parser, with tools or without."""
+    from flared.frontend.reasoning import HARMONY
+
+    text, tools, want_reasoning, want_content, want_calls = HARMONY_CASES[case]
+    tool_parser = PARSERS["harmony"] if tools else None
+    for chunks in chunkings(text):
+        content, reasoning, deltas, parser = run(
+            lambda: OutputParser(tool_parser(tools) if tool_parser else None, HARMONY), chunks)
+        assert ("".join(content), reasoning) == (want_content, want_reasoning), chunks
+        assert not any(m in piece for piece in content for m in MARKERS), chunks
+        check_calls(deltas, parser.calls, want_calls)
+
+
 def test_selection_from_templates():
     assert tool_parser_for_template("{{ '<tool_call>' }}").name == "hermes"
     assert tool_parser_for_template("<tool_call><function={{ n }}>").name == "qwen3_coder"
@@ -194,6 +237,9 @@ def test_selection_from_templates():
     assert tool_parser_for_template("{{ messages }}") is None
     assert tool_parser_for_template("<tool_call>", "none") is None
     assert tool_parser_for_template("", "mistral").name == "mistral"
+    harmony = "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|><think></think>"
+    assert tool_parser_for_template(harmony).name == "harmony"
+    assert reasoning_format_for_template(harmony).name == "harmony"  # (before <think>: harmony's channels win)
     assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
     assert reasoning_format_for_template("<think></think>", "none") is None
     assert opens_reasoning("<|im_start|>assistant\n<think>\n", THINK)
