@@ -1,7 +1,7 @@
-"""Models the CUDA graphs' kernels do not run (mixtures of experts, Gemma 3) serve on the GPU through the eager
-executor (its torch forward on CUDA; tests/model/test_cuda_device.py holds that forward to transformers on the GPU):
-a bf16 core's daemon says so, and its greedy chat tokens are transformers' bf16 tokens on the same GPU. Skipped
-without a GPU (tests/cuda/conftest.py)."""
+"""Models the CUDA graphs' kernels do not run (mixtures of experts, Gemma 3, gpt-oss, partial rotary) serve on the
+GPU through the eager executor (its torch forward on CUDA; tests/model/test_cuda_device.py holds that forward to
+transformers on the GPU): a bf16 core's daemon says so, and its greedy chat tokens are transformers' bf16 tokens on the
+same GPU. Skipped without a GPU (tests/cuda/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "gpt_oss", "phi4_mini"])
 def test_a_core_the_graphs_do_not_run_serves_on_the_gpu(family, tmp_path, start_daemon):
     from flared_testing.checkpoints import build_hf_checkpoint
     from flared_testing.served import write_char_tokenizer
