@@ -110,7 +110,7 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
 
     from flared.model.loader import read_source
 
-    src = read_source(source)
+    src = read_source(source, dtype=getattr(torch, options.dtype))  # (a GGUF read straight to the core's dtype)
     assets = _read_gguf_assets(source) if src.source_kind == "gguf" else _read_hf_assets(source)
     config = src.config
     caps = _capacities(config, options)

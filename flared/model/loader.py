@@ -129,13 +129,15 @@ def check_serving_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig,
             raise CoreError(f"{source}: tensor {name} has dtype {tensors[name].dtype}, expected a floating type")
 
 
-def read_source(path: str | os.PathLike) -> SourceModel:
-    """Read a Hugging Face checkpoint directory or a ``.gguf`` file."""
+def read_source(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> SourceModel:
+    """Read a Hugging Face checkpoint directory or a ``.gguf`` file. ``dtype``: the dtype the reader's caller will
+    serve in; a GGUF's matrices, dequantized to float32 one at a time, are kept in it (an export to bfloat16 then holds
+    the model at 2 bytes a weight, not 4), its vectors (norms, biases) in float32."""
     p = Path(path)
     if p.is_dir():
         return _read_hf_dir(p)
     if p.is_file() and p.suffix.lower() == ".gguf":
-        return _read_gguf(p)
+        return _read_gguf(p, dtype)
     if not p.exists():
         raise CoreError(f"model source {p} does not exist", ErrorKind.CORE_MISSING)
     raise CoreError(f"model source {p} is neither a checkpoint directory nor a .gguf file", ErrorKind.SOURCE_FORMAT)
@@ -554,7 +556,7 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _read_gguf(path: Path) -> SourceModel:
+def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     import gguf
     from gguf.quants import dequantize
 
@@ -580,6 +582,9 @@ def _read_gguf(path: Path) -> SourceModel:
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             values = _unpermute_qk(values, heads)
         raw[t.name] = torch.from_numpy(np.ascontiguousarray(values))
+        if dtype is not None and values.ndim >= 2:
+            raw[t.name] = raw[t.name].to(dtype)
+        del values
 
     def take(name: str) -> torch.Tensor:
         try:

@@ -250,3 +250,15 @@ def test_llama3_rope_scaling_as_llama_cpp_stores_it(tmp_path):
     prompt = np.random.default_rng(5).integers(0, source.config.vocab_size, size=90).tolist()  # past the original 64
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
+    """read_source(dtype=...) keeps a GGUF's matrices in the serving dtype as it dequantizes them (export's peak
+    memory: 2 bytes a weight for bfloat16): the same values as reading in float32 and casting, vectors float32."""
+    hf_dir = build_hf_checkpoint("qwen2", tmp_path / "hf")
+    write_gguf(hf_dir, tmp_path / "m.gguf", "qwen2", Q.Q8_0)
+    wide, narrow = read_source(tmp_path / "m.gguf"), read_source(tmp_path / "m.gguf", dtype=torch.bfloat16)
+    assert wide.tensors.keys() == narrow.tensors.keys()
+    for name, value in wide.tensors.items():
+        expected = value.to(torch.bfloat16) if value.dim() >= 2 else value
+        assert narrow.tensors[name].dtype == expected.dtype and torch.equal(narrow.tensors[name], expected), name
