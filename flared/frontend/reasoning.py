@@ -1,4 +1,5 @@
-"""Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``)
+"""Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``, Seed-OSS'
+``<seed:think>…</seed:think>``)
 split from the answer, incrementally (gpt-oss' harmony channels: toolcalls.HarmonyToolParser).
 
 Rules:
@@ -40,10 +41,11 @@ class ReasoningFormat:
 
 THINK = ReasoningFormat("think", "<think>", "</think>")
 MISTRAL_THINK = ReasoningFormat("mistral", "[THINK]", "[/THINK]", needs_special_tokens=True)
+SEED_THINK = ReasoningFormat("seed", "<seed:think>", "</seed:think>", needs_special_tokens=True)  # Seed-OSS
 # gpt-oss' harmony: reasoning is the analysis channel's messages, read by toolcalls.HarmonyToolParser with the
 # answer and the calls (the markers here name the channel; OutputParser hands the whole text to that parser)
 HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", needs_special_tokens=True)
-FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, HARMONY)}
+FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, HARMONY)}
 
 
 def is_harmony_template(source: str) -> bool:
@@ -59,7 +61,7 @@ def reasoning_format_for_template(source: str | None, override: str = "auto") ->
         return FORMATS[override]
     if source and is_harmony_template(source):
         return HARMONY
-    for fmt in (THINK, MISTRAL_THINK):
+    for fmt in (THINK, MISTRAL_THINK, SEED_THINK):
         if source and fmt.start in source and fmt.end in source:
             return fmt
     return None

@@ -24,7 +24,8 @@ Families (chosen from the chat template, overridable in ServerConfig):
 ``<|python_tag|>``, several joined by ``;``), ``mistral``
 (``[TOOL_CALLS][{…}, …]`` or ``[TOOL_CALLS]name[ARGS]{…}``), ``deepseek``
 (``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``), ``functionary``
-(``<function=name>{…}</function>``), ``harmony`` (gpt-oss: messages on
+(``<function=name>{…}</function>``), ``seed_oss`` (Qwen3-Coder's tags in
+``<seed:tool_call>…</seed:tool_call>``), ``harmony`` (gpt-oss: messages on
 channels, ``<|channel|>analysis<|message|>…<|end|>`` reasoning,
 ``…final<|message|>…`` the answer, ``commentary to=functions.name …
 <|message|>{…}<|call|>`` a call; the one family whose parser also splits out
@@ -615,6 +616,14 @@ class Qwen3CoderToolParser(ToolParser):
         self._state = "text"
 
 
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """Seed-OSS: Qwen3-Coder's function and parameter tags inside ``<seed:tool_call>…</seed:tool_call>``."""
+
+    name = "seed_oss"
+    needs_special_tokens = True  # (its markers are added tokens the detokenizer would skip)
+    OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+
+
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.x JSON calls: the output starts with ``{"name": …, "parameters": {…}}`` (or
     ``<|python_tag|>``); several calls are joined by ``;``. Anything else is plain content."""
@@ -1110,7 +1119,7 @@ class HarmonyToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
-                        DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser)
+                        DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser)
 }
 
 
@@ -1124,6 +1133,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return None
     if is_harmony_template(source):
         return HarmonyToolParser
+    if "<seed:tool_call>" in source:
+        return SeedOssToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

@@ -45,7 +45,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # attention scores and the logits
                   "granite": "llama",
                   # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
-                  "gpt_oss": "gpt_oss"}
+                  "gpt_oss": "gpt_oss",
+                  # ByteDance Seed-OSS: Llama with q/k/v biases (attention_bias) apart from o's (attention_out_bias)
+                  "seed_oss": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -434,6 +436,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         attention_bias = bool(hf.get("attention_bias", False))
         if architecture == "qwen2":
             qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
+        elif model_type == "seed_oss":
+            qkv_bias, out_bias = attention_bias, bool(hf.get("attention_out_bias", False))
         else:
             # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
             qkv_bias, out_bias = attention_bias, attention_bias

@@ -361,7 +361,7 @@ def _gguf_field(reader, key: str, default=None):
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
                        "qwen2moe": "qwen2",
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
-                       "gpt-oss": "gpt_oss"}
+                       "gpt-oss": "gpt_oss", "seed_oss": "llama"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from flared.frontend.reasoning import (
     MISTRAL_THINK,
+    SEED_THINK,
     THINK,
     ReasoningParser,
     opens_reasoning,
@@ -75,6 +76,12 @@ CASES = {
          "Sure.", [("get_weather", {"city": "Paris"}), ("f", {"x": "</function>"})]),
         ("<function=ping>{}</function>\nDone.", "Done.", [("ping", {})]),
     ],
+    "seed_oss": [
+        ("Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+         "<parameter=days>3</parameter>\n</function>\n</seed:tool_call>", "Checking.",
+         [("get_weather", {"city": "Paris", "days": 3})]),
+        ("No <seed:tool call here.", "No <seed:tool call here.", []),
+    ],
     "harmony": [  # (the analysis channel's reasoning: test_harmony_every_split)
         ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
          'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', "",
@@ -91,7 +98,8 @@ CASES = {
 
 MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "[TOOL_CALLS]", "[ARGS]",
            "<|python_tag|>", "tool▁call", "<think>", "</think>", "[THINK]", "[/THINK]", "<|channel|>", "<|message|>",
-           "<|end|>", "<|start|>", "<|call|>", "<|constrain|>")
+           "<|end|>", "<|start|>", "<|call|>", "<|constrain|>", "<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
+           "</seed:think>")
 
 
 def chunkings(text: str):
@@ -170,7 +178,12 @@ def _mistral(text: str) -> str:
     return text.replace("<think>", "[THINK]").replace("</think>", "[/THINK]")
 
 
+def _seed(text: str) -> str:
+    return text.replace("<think>", "<seed:think>").replace("</think>", "</seed:think>")
+
+
 REASONING_CASES += [(_mistral(t), inside, r, _mistral(c), MISTRAL_THINK) for t, inside, r, c in REASONING_CASES[:3]]
+REASONING_CASES += [(_seed(t), inside, r, _seed(c), SEED_THINK) for t, inside, r, c in REASONING_CASES[:3]]
 
 
 @pytest.mark.parametrize("case", range(len(REASONING_CASES)))
@@ -185,7 +198,7 @@ def test_reasoning_every_split(case):
             c.append(b)
         a, b = parser.finish()
         assert ("".join(r) + a, "".join(c) + b) == (want_reasoning, want_content), chunks
-        assert not any(m in x for x in c + r for m in ("</think>", "[/THINK]"))
+        assert not any(m in x for x in c + r for m in ("</think>", "[/THINK]", "</seed:think>"))
 
 
 def test_reasoning_then_tool_call_every_split():
@@ -266,6 +279,7 @@ CORPUS_FAMILIES = {
     "HuggingFaceTB-SmolLM3-3B.jinja": (None, "think"),
     "google-gemma-2-2b-it.jinja": (None, None),
     "microsoft-Phi-3.5-mini-instruct.jinja": (None, None),
+    "ByteDance-Seed-OSS.jinja": ("seed_oss", "seed"),
 }
 
 
