@@ -47,13 +47,17 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
                   "gpt_oss": "gpt_oss",
                   # ByteDance Seed-OSS: Llama with q/k/v biases (attention_bias) apart from o's (attention_out_bias)
-                  "seed_oss": "llama"}
+                  "seed_oss": "llama",
+                  # GLM-4 (0414): Llama with q/k/v biases, norms after attention and the MLP too, half of each head
+                  # rotated by interleaved pairs (read permuted to rotate-half: rope_interleaved)
+                  "glm4": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
                  "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole",
-                 "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha"}
+                 "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha",
+                 "rope_interleaved"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -139,6 +143,9 @@ class ModelConfig:
     # value: layers.i.sinks); biases on the router and the experts' two products; the router's top experts_per_token
     # logits softmaxed among themselves (instead of a softmax over all experts, then the top); the experts' clamped
     # SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit) (None: SiLU).
+    # The checkpoint's q/k rows rotate interleaved pairs (GLM-4's GPT-J-style rope): the loader (and a LoRA adapter's
+    # q/k terms) permute each head's rotated rows to the rotate-half order the forward uses.
+    rope_interleaved: bool = False
     attention_sinks: bool = False
     expert_bias: bool = False
     router_topk_softmax: bool = False
@@ -193,7 +200,7 @@ class ModelConfig:
                                       or not math.isfinite(value) or value <= 0):
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
-                     "expert_bias", "router_topk_softmax"):
+                     "expert_bias", "router_topk_softmax", "rope_interleaved"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -232,6 +239,8 @@ class ModelConfig:
             return "unrotated (NoPE) layers"
         if self.rotary_dim is not None:
             return "partial rotary embeddings"
+        if self.sandwich_norm or not self.pre_norm:
+            return "norms after attention and the MLP"
         if self.embedding_multiplier is not None or self.residual_multiplier is not None or self.logits_scaling is not None:
             return "Granite's multipliers"
         if self.attention_scale is not None:
@@ -433,7 +442,10 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         head_dim = hf.get("head_dim") or hidden_size // num_heads
         theta, scaling = _rope_from_hf(hf, source)
         architecture = HF_MODEL_TYPES[model_type]
-        attention_bias = bool(hf.get("attention_bias", False))
+        attention_bias = bool(hf.get("attention_bias", model_type == "glm4"))  # (transformers' defaults)
+        if model_type == "glm4" and rotary_dim_from_hf(hf, int(head_dim)) is None and "partial_rotary_factor" not in \
+                (hf.get("rope_parameters") or {}):
+            hf = {**hf, "partial_rotary_factor": 0.5}  # GLM-4 rotates half of each head unless it says otherwise
         if architecture == "qwen2":
             qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
         elif model_type == "seed_oss":
@@ -442,6 +454,9 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
             qkv_bias, out_bias = attention_bias, attention_bias
         sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
+        glm = model_type == "glm4"
+        if glm:
+            qkv_bias, out_bias = attention_bias, False
         moe = _experts_from_hf(hf, model_type, source)
         nope = ()
         if model_type == "smollm3":
@@ -469,7 +484,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             attention_out_bias=out_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
             nope_layers=nope,
-            rotary_dim=_partial_rotary(hf, int(head_dim), source, model_type == "phi3"),
+            rotary_dim=_partial_rotary(hf, int(head_dim), source, model_type in ("phi3", "glm4")),
+            sandwich_norm=glm, rope_interleaved=glm,
             **moe,
             **_granite_from_hf(hf, model_type),
         )

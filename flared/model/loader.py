@@ -245,12 +245,19 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         attn = hp + "self_attn."
         if config.pre_norm:
             out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
+        def qkv(kind: str) -> list[torch.Tensor]:  # q, k, v (GLM-4's q and k rows turned to rotate-half order)
+            q, k, v = (take(attn + f"{x}_proj.{kind}") for x in "qkv")
+            if config.rope_interleaved:
+                q = interleaved_rope_rows(q, config.num_heads, config)
+                k = interleaved_rope_rows(k, config.num_kv_heads, config)
+            return [q, k, v]
+
         if attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
             out[sp + "qkv.weight"] = hf[attn + "qkv_proj.weight"]
         else:
-            out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"], dim=0)
+            out[sp + "qkv.weight"] = torch.cat(qkv("weight"), dim=0)
         if config.attention_bias:
-            out[sp + "qkv.bias"] = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"], dim=0)
+            out[sp + "qkv.bias"] = torch.cat(qkv("bias"), dim=0)
         if config.qk_norm:
             out[sp + "q_norm.weight"] = norm(attn + "q_norm.weight")
             out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
@@ -259,7 +266,11 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "o.bias"] = take(attn + "o_proj.bias")
         if config.attention_sinks:
             out[sp + "sinks"] = take(attn + "sinks")
-        if gemma:
+        if hp + "post_self_attn_layernorm.weight" in hf:  # GLM-4's four norms (post_attention_layernorm: Llama's)
+            out[sp + "post_attn_norm.weight"] = take(hp + "post_self_attn_layernorm.weight")
+            out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+            out[sp + "post_mlp_norm.weight"] = take(hp + "post_mlp_layernorm.weight")
+        elif gemma:
             out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
             out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
@@ -305,6 +316,15 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         out[sp + "shared.down.weight"] = take(shared + "down_proj.weight")
         out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
     return out
+
+
+def interleaved_rope_rows(rows: torch.Tensor, num_heads: int, config: ModelConfig) -> torch.Tensor:
+    """q or k rows [num_heads * head_dim, ...] whose heads rotate interleaved pairs (x0, y0, x1, y1, ...: GLM-4's rope)
+    reordered so each head's rotated rows read (x0, x1, ..., y0, y1, ...), the rotate-half order: the same turn, and
+    q . k unchanged (q and k take the same order)."""
+    d, r = config.head_dim, config.rope_dim
+    order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)])
+    return rows.reshape(num_heads, d, *rows.shape[1:])[:, order].reshape(rows.shape)
 
 
 def _hf_gpt_oss_experts(hf: dict[str, torch.Tensor], block: str, sp: str, take) -> dict[str, torch.Tensor]:

@@ -5,8 +5,9 @@ An adapter is a directory holding ``adapter_config.json`` and ``adapter_model.sa
 ``W + scale * s * B @ A``, where ``s`` is the adapter's own scaling (``lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with rsLoRA; per-module ``alpha_pattern`` honoured) and ``scale`` the operator's
 (``--lora-scaled``). Targets: the attention and MLP projections (q/k/v into the fused qkv rows, o, gate/up
-into the fused gate_up rows, down; a mixture-of-experts model's attention only), ``lm_head`` and
-``embed_tokens`` when the model does not tie them.
+into the fused gate_up rows, down; Phi-3's and GLM-4's own fused qkv_proj / gate_up_proj; GLM-4's q/k rows in the
+loader's rotate-half order; a mixture-of-experts model's attention only), ``lm_head`` and ``embed_tokens`` when the
+model does not tie them.
 The sum is taken in float32 and rounded once to the weight's dtype.
 
 Refused, each with an error naming the adapter and what is wrong: DoRA, trained biases, ``modules_to_save``
@@ -30,7 +31,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 # base_model.model.<module>.<lora_A|lora_B|lora_embedding_A|lora_embedding_B>[.<adapter name>][.weight]
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
                   r"(?:\.(?!weight$)[^.]+)?(?:\.weight)?$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn\.(?:q|k|v|o|qkv)_proj|mlp\.(?:gate|up|down|gate_up)_proj)$")
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,11 @@ def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
                    ErrorKind.UNSUPPORTED_MODEL)
     layer, name = int(m[1]), m[2].split(".")[1]
     q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    # (Phi-3's and GLM-4's fused qkv_proj and gate_up_proj are our fused rows whole)
     rows = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-            "o_proj": ("o", 0, c.hidden_size), "gate_proj": ("gate_up", 0, inter),
-            "up_proj": ("gate_up", inter, inter), "down_proj": ("down", 0, c.hidden_size)}[name]
+            "qkv_proj": ("qkv", 0, q + 2 * kv), "o_proj": ("o", 0, c.hidden_size), "gate_proj": ("gate_up", 0, inter),
+            "up_proj": ("gate_up", inter, inter), "gate_up_proj": ("gate_up", 0, 2 * inter),
+            "down_proj": ("down", 0, c.hidden_size)}[name]
     return f"layers.{layer}.{rows[0]}.weight", rows[1], rows[2], False
 
 
@@ -187,6 +190,11 @@ def _terms(adapter: LoraAdapter, config, tensors: dict) -> tuple[list[tuple], by
         if A.dim() != 2 or B.dim() != 2 or B.shape != (out_dim, rank) or A.shape != (rank, in_dim):
             raise _bad(d, f"{module}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} do not fit "
                           f"a [{out_dim}, {in_dim}] layer at rank {rank}")
+        if config.rope_interleaved and module.endswith(("q_proj", "k_proj")):  # the rows the loader reordered
+            from flared.model.loader import interleaved_rope_rows
+
+            B = interleaved_rope_rows(B, config.num_heads if module.endswith("q_proj") else config.num_kv_heads,
+                                      config)
         alpha = _pattern_value(cfg.get("alpha_pattern"), module, cfg.get("lora_alpha", cfg.get("r", rank)))
         scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
         terms.append((name, row, count, transposed, A, B, float(adapter.scale) * scaling))

@@ -64,6 +64,8 @@ FAMILIES = {
     # Seed-OSS: Llama with q/k/v biases and none on o, an explicit head_dim
     "seed_oss": ("seed_oss", dict(head_dim=32, attention_bias=True, attention_out_bias=False, pad_token_id=0,
                                   bos_token_id=1, eos_token_id=2)),
+    # GLM-4 (0414): q/k/v biases, four norms a layer, half of each head rotated by interleaved pairs, fused gate_up
+    "glm4": ("glm4", dict(head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),

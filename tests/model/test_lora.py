@@ -433,3 +433,30 @@ def test_lora_modules_refuse_what_only_a_merge_can_serve(tiny_core, tiny_hf_llam
     taken = subprocess.run(cmd[:-3] + ["--served-name", "tiny", "--lora-modules", f"tiny={tmp_path / 'ok'}",
                                        str(tiny_core)], capture_output=True, text=True, timeout=120)
     assert taken.returncode == 1 and "already names the served model" in taken.stderr
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_fused_and_reordered_projections_take_their_adapters(family, tmp_path):
+    """Phi-3's and GLM-4's fused qkv_proj / gate_up_proj are our fused rows whole; GLM-4's q and k rows, which the
+    loader reorders to rotate-half, take their adapter's rows in the same order: greedy tokens as transformers gives
+    them on PEFT's merge."""
+    from flared_testing.checkpoints import build_hf_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from flared.model.loader import read_source
+    from flared.model.lora import LoraAdapter
+
+    directory = build_hf_checkpoint(family, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    base = greedy_hf(hf, PROMPTS)
+    modules = {f"model.layers.{i}.{name}": (mod.in_features, mod.out_features, False)
+               for i, layer in enumerate(hf.model.layers) for name, mod in layer.named_modules()
+               if isinstance(mod, torch.nn.Linear)}
+    assert any(m.endswith("gate_up_proj") for m in modules)
+    d = tmp_path / "adapter"
+    pairs = write_adapter(d, modules)
+    peft_merge(hf, pairs, json.loads((d / "adapter_config.json").read_text()), 1.0)
+    expected = greedy_hf(hf, PROMPTS)
+    assert expected != base
+    src = read_source(directory)
+    assert greedy_flared(src, merged(src, [LoraAdapter(d, 1.0)]), PROMPTS) == expected
