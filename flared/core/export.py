@@ -125,7 +125,9 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     for name in sorted(src.tensors):
         t = src.tensors.pop(name)  # pop: keep peak memory at one copy of the model
         if t.is_floating_point():
-            t = t.to(torch.float32 if float_norms and name.endswith("norm.weight") else dtype)
+            # (DeepSeek-V3-style routers stay float32, as transformers keeps them)
+            keep = (float_norms and name.endswith("norm.weight")) or (config.router_sigmoid and ".router." in name)
+            t = t.to(torch.float32 if keep else dtype)
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()
         if shard and shard_bytes + nbytes > WEIGHT_SHARD_BYTES:

@@ -50,14 +50,18 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "seed_oss": "llama",
                   # GLM-4 (0414): Llama with q/k/v biases, norms after attention and the MLP too, half of each head
                   # rotated by interleaved pairs (read permuted to rotate-half: rope_interleaved)
-                  "glm4": "llama"}
+                  "glm4": "llama",
+                  # GLM-4.5 / 4.6 (Air): Llama with q/k/v biases (optional q/k norms), half of each head rotated,
+                  # the first layer dense and the rest DeepSeek-V3-routed experts plus a shared expert
+                  "glm4_moe": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
                  "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole",
                  "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha",
-                 "rope_interleaved"}
+                 "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
+                 "routed_scaling", "shared_expert_gate"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -121,6 +125,18 @@ class ModelConfig:
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # Layers of a mixture-of-experts model whose MLP is the dense one of intermediate_size (GLM-4.5's first, Qwen's
+    # mlp_only_layers), in order.
+    dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V3-style routing (GLM-4.5): sigmoid scores (the router in float32); each expert's correction bias
+    # (layers.i.router.correction_bias) added for the choice only; the experts in expert_groups groups, a token choosing
+    # among the expert_groups_per_token groups whose two best scores sum highest; the chosen scores (renormalised when
+    # norm_topk_prob) times routed_scaling (None: 1). shared_expert_gate False: the shared expert is added ungated.
+    router_sigmoid: bool = False
+    expert_groups: int = 1
+    expert_groups_per_token: int = 1
+    routed_scaling: float | None = None
+    shared_expert_gate: bool = True
     # Layers whose queries and keys are not rotated at all (SmolLM3's "NoPE" layers), in order.
     nope_layers: tuple[int, ...] = ()
     # Granite: the embedding rows times embedding_multiplier, each residual branch (attention's, the MLP's) times
@@ -155,8 +171,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
-        if isinstance(self.nope_layers, list):
-            object.__setattr__(self, "nope_layers", tuple(self.nope_layers))
+        for name in ("nope_layers", "dense_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.architecture not in ARCHITECTURES:
             raise _unsupported(f"architecture {self.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -194,13 +211,13 @@ class ModelConfig:
             raise CoreError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0")
         for name in ("attention_scale", "local_rope_theta", "embedding_multiplier", "residual_multiplier",
                      "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "swiglu_limit",
-                     "swiglu_alpha"):
+                     "swiglu_alpha", "routed_scaling"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
-                     "expert_bias", "router_topk_softmax", "rope_interleaved"):
+                     "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -211,15 +228,29 @@ class ModelConfig:
             raise CoreError(f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts a token "
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
-        if not isinstance(self.nope_layers, tuple) or list(self.nope_layers) != sorted(set(self.nope_layers)) or any(
-                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in self.nope_layers):
-            raise CoreError(f"nope_layers must list layers of 0..{self.num_layers - 1} in order, got "
-                            f"{self.nope_layers!r}")
+        for name in ("nope_layers", "dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or list(value) != sorted(set(value)) or any(
+                    not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in value):
+                raise CoreError(f"{name} must list layers of 0..{self.num_layers - 1} in order, got {value!r}")
+        if self.dense_layers and not self.num_experts:
+            raise CoreError("dense_layers needs num_experts > 0")
+        for name in ("expert_groups", "expert_groups_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CoreError(f"model config {name} must be a positive integer, got {value!r}")
+        if self.expert_groups > 1 and (not self.router_sigmoid or self.num_experts % self.expert_groups
+                                       or self.num_experts // self.expert_groups < 2
+                                       or self.expert_groups_per_token > self.expert_groups):
+            raise CoreError(f"{self.expert_groups} expert groups ({self.expert_groups_per_token} a token) do not "
+                            f"divide {self.num_experts} sigmoid-routed experts into groups of two or more")
+        if self.router_sigmoid and (not self.num_experts or self.router_topk_softmax):
+            raise CoreError("router_sigmoid needs num_experts > 0 and excludes router_topk_softmax")
         if not self.num_experts and (self.experts_per_token or self.expert_intermediate_size
                                      or self.shared_expert_intermediate_size or self.expert_bias
                                      or self.router_topk_softmax or self.swiglu_limit is not None):
-            raise CoreError("experts_per_token, expert_intermediate_size, shared_expert_intermediate_size, expert_bias, "
-                            "router_topk_softmax and swiglu_limit need num_experts > 0")
+            raise CoreError("experts_per_token, expert_intermediate_size, shared_expert_intermediate_size, "
+                            "expert_bias, router_topk_softmax and swiglu_limit need num_experts > 0")
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
             raise CoreError("swiglu_limit and swiglu_alpha go together")
 
@@ -241,7 +272,7 @@ class ModelConfig:
             return "partial rotary embeddings"
         if self.sandwich_norm or not self.pre_norm:
             return "norms after attention and the MLP"
-        if self.embedding_multiplier is not None or self.residual_multiplier is not None or self.logits_scaling is not None:
+        if any(m is not None for m in (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling)):
             return "Granite's multipliers"
         if self.attention_scale is not None:
             return "a query scale of its own"
@@ -283,6 +314,7 @@ class ModelConfig:
         if d["layer_windows"] is not None:
             d["layer_windows"] = list(d["layer_windows"])
         d["nope_layers"] = list(d["nope_layers"])
+        d["dense_layers"] = list(d["dense_layers"])
         return d
 
     @classmethod
@@ -302,7 +334,7 @@ class ModelConfig:
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping",
-                     "swiglu_limit", "swiglu_alpha"):
+                     "swiglu_limit", "swiglu_alpha", "routed_scaling"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -321,7 +353,8 @@ def _check_rope_scaling(rope_scaling: dict) -> None:
         table = key in _FACTOR_TABLES
         values = rope_scaling[key] if table else [rope_scaling[key]]
         if not isinstance(values, (list, tuple)) or not values or any(
-                not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0 for v in values):
+                not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0
+                for v in values):
             what = "a list of positive numbers" if table else "a positive number"
             raise CoreError(f"rope_scaling {key} must be {what}, got {rope_scaling[key]!r}")
     if "truncate" in expected and not isinstance(rope_scaling["truncate"], bool):
@@ -345,8 +378,8 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     if rope_type in (None, "default"):
         return float(theta), None
-    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names, as transformers reads them
-        rope_type = "longrope"
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # (Phi-3's older names, as transformers reads them)
     if rope_type not in ROPE_SCALING_TYPES or rope_type == "factors":
         raise _unsupported(f"{source}: rope scaling type {rope_type!r} is not supported "
                            f"(supported: default, linear, llama3, yarn, longrope)")
@@ -443,13 +476,15 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         theta, scaling = _rope_from_hf(hf, source)
         architecture = HF_MODEL_TYPES[model_type]
         attention_bias = bool(hf.get("attention_bias", model_type == "glm4"))  # (transformers' defaults)
-        if model_type == "glm4" and rotary_dim_from_hf(hf, int(head_dim)) is None and "partial_rotary_factor" not in \
-                (hf.get("rope_parameters") or {}):
+        if model_type in ("glm4", "glm4_moe") and rotary_dim_from_hf(hf, int(head_dim)) is None and \
+                "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
             hf = {**hf, "partial_rotary_factor": 0.5}  # GLM-4 rotates half of each head unless it says otherwise
         if architecture == "qwen2":
             qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
         elif model_type == "seed_oss":
             qkv_bias, out_bias = attention_bias, bool(hf.get("attention_out_bias", False))
+        elif model_type == "glm4_moe":
+            qkv_bias, out_bias = attention_bias, False
         else:
             # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
             qkv_bias, out_bias = attention_bias, attention_bias
@@ -480,11 +515,11 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
-            qk_norm=architecture == "qwen3",
+            qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm")),
             attention_out_bias=out_bias,
             sliding_window=int(sliding_window) if sliding_window else None,
             nope_layers=nope,
-            rotary_dim=_partial_rotary(hf, int(head_dim), source, model_type in ("phi3", "glm4")),
+            rotary_dim=_partial_rotary(hf, int(head_dim), source, model_type in ("phi3", "glm4", "glm4_moe")),
             sandwich_norm=glm, rope_interleaved=glm,
             **moe,
             **_granite_from_hf(hf, model_type),
@@ -510,19 +545,28 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
     if model_type == "mixtral":  # Mixtral always renormalises the chosen experts' weights
         return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
                     expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
-    if model_type not in ("qwen2_moe", "qwen3_moe"):
+    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe"):
         return {}
     layers = int(hf["num_hidden_layers"])
+    if model_type == "glm4_moe":  # the first first_k_dense_replace layers dense; DeepSeek-V3's routing
+        experts = hf.get("n_routed_experts") or hf["num_local_experts"]
+        return dict(num_experts=int(experts), experts_per_token=int(hf.get("num_experts_per_tok", 8)),
+                    expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                    shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
+                    * int(hf.get("n_shared_experts", 1)),
+                    shared_expert_gate=False, router_sigmoid=True, expert_groups=int(hf.get("n_group") or 1),
+                    expert_groups_per_token=int(hf.get("topk_group") or 1),
+                    routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                    dense_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace", 1))))))
     step = int(hf.get("decoder_sparse_step") or 1)
-    dense = [i for i in range(layers) if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step]
-    if dense:
-        raise _unsupported(f"{source}: dense MLP layers in a mixture-of-experts model (layers {dense[:8]}, from "
-                           "mlp_only_layers / decoder_sparse_step) are not supported")
+    dense = tuple(i for i in range(layers) if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step)
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     experts = hf.get("num_experts") or hf["num_local_experts"]  # (transformers 5 saves Qwen3-MoE's under this name)
     return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared)
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
+                dense_layers=dense)
 
 
 # transformers' GptOssConfig defaults where a config.json leaves them out
@@ -557,7 +601,8 @@ def _gpt_oss_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=bias, qk_norm=False,
             attention_out_bias=bias, layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
             num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
-            experts_per_token=int(hf.get("num_experts_per_tok", 4)), expert_intermediate_size=int(hf["intermediate_size"]),
+            experts_per_token=int(hf.get("num_experts_per_tok", 4)),
+            expert_intermediate_size=int(hf["intermediate_size"]),
             attention_sinks=True, expert_bias=True, router_topk_softmax=True,
             swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
     except KeyError as exc:

@@ -171,7 +171,8 @@ def _gather_packed(linears: list[_Linear]) -> None:
 
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
-                 "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks")
+                 "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
+                 "correction_bias")
 
 
 class DecoderModel:
@@ -221,9 +222,14 @@ class DecoderModel:
             layer.rope = i not in config.nope_layers
             layer.sinks = opt(p + "sinks")  # gpt-oss' attention sinks [nh]
             layer.router = layer.experts = layer.shared = layer.expert_stacks = layer.expert_biases = None
-            if config.num_experts:  # a routed MLP: each expert's two products, the router's, the shared expert's
+            layer.correction_bias = None
+            if config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
                 layer.gate_up = layer.down = None
-                layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
+                if config.router_sigmoid:  # (DeepSeek-V3-style routing: the router and its bias in float32)
+                    layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
+                    layer.correction_bias = tensors[p + "router.correction_bias"].to(self.device, torch.float32)
+                else:
+                    layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
                 gate_up, down = w(p + "experts.gate_up.weight"), w(p + "experts.down.weight")
                 if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
                     layer.expert_biases = (w(p + "experts.gate_up.bias"), w(p + "experts.down.bias"))
@@ -235,8 +241,9 @@ class DecoderModel:
                     layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout
                 del gate_up, down
                 if config.shared_expert_intermediate_size:
+                    gate = _Linear(w(p + "shared.gate.weight"), None) if config.shared_expert_gate else None
                     layer.shared = (_Linear(w(p + "shared.gate_up.weight"), None),
-                                    _Linear(w(p + "shared.down.weight"), None), _Linear(w(p + "shared.gate.weight"), None))
+                                    _Linear(w(p + "shared.down.weight"), None), gate)
             else:
                 layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
                 layer.down = _Linear(w(p + "down.weight"), None)
@@ -299,7 +306,8 @@ class DecoderModel:
     def _linears(layer: _Layer) -> list[_Linear]:
         """Every product of a layer."""
         mlp = [layer.gate_up, layer.down] if layer.experts is None else \
-            [layer.router, *(lin for pair in layer.experts for lin in pair), *(layer.shared or ())]
+            [layer.router, *(lin for pair in layer.experts for lin in pair),
+             *(lin for lin in layer.shared or () if lin is not None)]
         return [layer.qkv, layer.o, *mlp]
 
     def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
@@ -656,13 +664,15 @@ class DecoderModel:
         shared expert scaled by sigmoid(its gate)."""
         c = self.config
         k = c.experts_per_token
-        if c.router_topk_softmax:  # gpt-oss: the top logits, softmaxed among themselves
+        if c.router_sigmoid:
+            weights, chosen = self._sigmoid_route(layer, x)
+        elif c.router_topk_softmax:  # gpt-oss: the top logits, softmaxed among themselves
             top, chosen = layer.router(x).topk(k, dim=-1)
             weights = torch.softmax(top.float(), dim=-1)
         else:
             probs = torch.softmax(layer.router(x).float(), dim=-1)
             weights, chosen = probs.topk(k, dim=-1)  # [T, k]
-        if c.norm_topk_prob:
+        if c.norm_topk_prob and not c.router_sigmoid:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         flat = chosen.flatten()
@@ -688,8 +698,29 @@ class DecoderModel:
             self._expert_loop(layer, x, flat, rows, row_weights, out)
         if layer.shared is not None:
             gate_up, down, gate = layer.shared
-            out = out + torch.sigmoid(gate(x)) * down(self._activation(gate_up(x)))
+            shared = down(self._activation(gate_up(x)))
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out
+
+    def _sigmoid_route(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing, as transformers computes GLM-4.5's: float32 sigmoid scores; the choice by score plus
+        the expert's correction bias, among the expert_groups_per_token groups whose two best sum highest; the
+        chosen experts' scores (renormalised when norm_topk_prob) times routed_scaling. -> (weights, chosen) [T, k]."""
+        c = self.config
+        scores = layer.router(x.float()).sigmoid()  # [T, E]
+        choice = scores + layer.correction_bias
+        if c.expert_groups > 1:
+            per_group = choice.view(-1, c.expert_groups, c.num_experts // c.expert_groups)
+            best = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            kept = torch.zeros_like(best, dtype=torch.bool).scatter_(
+                1, best.topk(c.expert_groups_per_token, dim=-1, sorted=False)[1], True)
+            choice = choice.masked_fill(~kept.repeat_interleave(c.num_experts // c.expert_groups, dim=1),
+                                        float("-inf"))
+        chosen = choice.topk(c.experts_per_token, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * (c.routed_scaling or 1.0), chosen
 
     def _expert_loop(self, layer: _Layer, x, flat, rows, row_weights, out) -> None:
         """Each expert hit runs once over its rows (one host sync for the counts)."""

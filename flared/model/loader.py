@@ -95,9 +95,11 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
             shapes[p + "post_mlp_norm.weight"] = (c.hidden_size,)
-        if c.num_experts:
+        if c.num_experts and i not in c.dense_layers:
             e, inter, shared = c.num_experts, c.expert_intermediate_size, c.shared_expert_intermediate_size
             shapes[p + "router.weight"] = (e, c.hidden_size)
+            if c.router_sigmoid:
+                shapes[p + "router.correction_bias"] = (e,)
             shapes[p + "experts.gate_up.weight"] = (e, 2 * inter, c.hidden_size)
             shapes[p + "experts.down.weight"] = (e, c.hidden_size, inter)
             if c.expert_bias:
@@ -107,7 +109,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if shared:
                 shapes[p + "shared.gate_up.weight"] = (2 * shared, c.hidden_size)
                 shapes[p + "shared.down.weight"] = (c.hidden_size, shared)
-                shapes[p + "shared.gate.weight"] = (1, c.hidden_size)
+                if c.shared_expert_gate:
+                    shapes[p + "shared.gate.weight"] = (1, c.hidden_size)
             continue
         shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
@@ -282,7 +285,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         if config.expert_bias:
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
             continue
-        if config.num_experts:
+        if config.num_experts and i not in config.dense_layers:
             out.update(_hf_experts(hf, hp, sp, config, take))
             continue
         if hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows
@@ -301,6 +304,8 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     mixtral = hp + "block_sparse_moe.gate.weight" in hf
     block = hp + ("block_sparse_moe." if mixtral else "mlp.")
     out = {sp + "router.weight": take(block + "gate.weight")}
+    if config.router_sigmoid:  # (GLM-4.5's gate holds its correction bias)
+        out[sp + "router.correction_bias"] = take(block + "gate.e_score_correction_bias")
     if block + "experts.gate_up_proj" in hf:
         out[sp + "experts.gate_up.weight"] = take(block + "experts.gate_up_proj")
         out[sp + "experts.down.weight"] = take(block + "experts.down_proj")
@@ -311,10 +316,11 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
             torch.cat([take(x + f"{gate}.weight"), take(x + f"{up}.weight")]) for x in experts])
         out[sp + "experts.down.weight"] = torch.stack([take(x + f"{down}.weight") for x in experts])
     if config.shared_expert_intermediate_size:
-        shared = block + "shared_expert."
+        shared = block + ("shared_expert." if config.shared_expert_gate else "shared_experts.")  # (Qwen's, GLM's)
         out[sp + "shared.gate_up.weight"] = torch.cat([take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")])
         out[sp + "shared.down.weight"] = take(shared + "down_proj.weight")
-        out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
+        if config.shared_expert_gate:
+            out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
     return out
 
 
@@ -430,7 +436,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                             "supported", ErrorKind.UNSUPPORTED_MODEL)
         # Phi-3's LongRoPE, as llama.cpp's converter writes it: both tables as tensors, the attention factor and the
         # original context as keys
-        rope_scaling = {"rope_type": "longrope", "short_factor": _gguf_vector(reader, "rope_factors_short.weight", source),
+        rope_scaling = {"rope_type": "longrope",
+                        "short_factor": _gguf_vector(reader, "rope_factors_short.weight", source),
                         "long_factor": _gguf_vector(reader, "rope_factors_long.weight", source),
                         "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
                         "attention_factor": float(_gguf_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0))}
@@ -627,10 +634,10 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "sinks"] = take(gp + "attn_sinks.weight")
         if config.expert_bias:  # gpt-oss: a biased router and experts
             out[sp + "router.bias"] = take(gp + "ffn_gate_inp.bias")
-            out[sp + "experts.gate_up.bias"] = torch.cat([take(gp + "ffn_gate_exps.bias"), take(gp + "ffn_up_exps.bias")],
-                                                         dim=1)
+            out[sp + "experts.gate_up.bias"] = torch.cat(
+                [take(gp + "ffn_gate_exps.bias"), take(gp + "ffn_up_exps.bias")], dim=1)
             out[sp + "experts.down.bias"] = take(gp + "ffn_down_exps.bias")
-        if config.num_experts:
+        if config.num_experts and i not in config.dense_layers:
             out[sp + "router.weight"] = take(gp + "ffn_gate_inp.weight")
             out[sp + "experts.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_exps.weight"),
                                                            take(gp + "ffn_up_exps.weight")], dim=1)

@@ -216,7 +216,8 @@ HARMONY_CASES = [
     ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>Four.", None,
      "Two and two.", "Four.", []),
     ('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather '
-     '<|constrain|>json<|message|>{"city": "Paris"}', WEATHER_TOOLS, "Call it.", "", [("get_weather", {"city": "Paris"})]),
+     '<|constrain|>json<|message|>{"city": "Paris"}', WEATHER_TOOLS, "Call it.", "",
+     [("get_weather", {"city": "Paris"})]),
     # no tools in the request: a message to a function is the model's text, not a call
     ('<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>', None, "",
      '{"city": "Paris"}', []),

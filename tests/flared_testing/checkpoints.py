@@ -58,14 +58,20 @@ FAMILIES = {
     # token by a top-k-then-softmax router, the clamped SwiGLU (a limit low enough to clamp these weights)
     "gpt_oss": ("gpt_oss", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                                 sliding_window=8, swiglu_limit=1.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                                 "truncate": False, "original_max_position_embeddings": 64,
-                                                 "rope_theta": 150000.0})),
+                                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
     # Seed-OSS: Llama with q/k/v biases and none on o, an explicit head_dim
     "seed_oss": ("seed_oss", dict(head_dim=32, attention_bias=True, attention_out_bias=False, pad_token_id=0,
                                   bos_token_id=1, eos_token_id=2)),
     # GLM-4 (0414): q/k/v biases, four norms a layer, half of each head rotated by interleaved pairs, fused gate_up
     "glm4": ("glm4", dict(head_dim=32, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # GLM-4.5: half-rotated heads with q/k norms, a dense first layer, then 8 experts in 4 groups (2 groups a token,
+    # 3 experts a token by sigmoid scores plus correction biases, scaled by 2.5) beside a shared expert
+    "glm4_moe": ("glm4_moe", dict(num_hidden_layers=3, head_dim=32, n_routed_experts=8, num_experts_per_tok=3,
+                                  moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+                                  attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -94,6 +100,9 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if ("norm" in name and param.dim() == 1) or ("bias" in name and not param.any()):
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
+        for name, buffer in model.named_buffers():  # (GLM-4.5's router correction biases are buffers)
+            if name.endswith("correction_bias"):
+                buffer.add_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 

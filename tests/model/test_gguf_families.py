@@ -67,7 +67,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         w.add_uint32(f"{arch}.expert_count", experts)
         w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
         if cfg.get("moe_intermediate_size") or arch == "gpt-oss":
-            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+            w.add_uint32(f"{arch}.expert_feed_forward_length",
+                         cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
     w.add_uint32(f"{arch}.attention.head_count", heads)
@@ -82,7 +83,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
 
     def add(name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if array.ndim >= 2 and not name.endswith(("_inp.weight", ".bias")):  # (routers, biases stay F32, as in llama.cpp)
+        # (routers and biases stay F32, as llama.cpp keeps them)
+        if array.ndim >= 2 and not name.endswith(("_inp.weight", ".bias")):
             w.add_tensor(name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
         else:
             w.add_tensor(name, array)

@@ -86,14 +86,28 @@ def test_config_round_trips_and_checks_its_experts(tmp_path):
         dataclasses.replace(config, num_experts=0)
 
 
-def test_dense_layers_among_expert_layers_are_refused(tmp_path):
-    from transformers import AutoConfig
+@pytest.mark.parametrize("change", [{"mlp_only_layers": [1]}, {"decoder_sparse_step": 2}])
+def test_dense_layers_among_expert_layers_are_served(change, tmp_path):
+    """Qwen-MoE's mlp_only_layers and decoder_sparse_step make some layers dense (intermediate_size): those layers take
+    the dense MLP, the others their experts, as transformers computes them."""
+    import json
 
-    hf = AutoConfig.for_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[1]).to_dict()
-    with pytest.raises(CoreError, match="dense MLP layers") as info:
-        from flared.model.config import from_hf_config
-        from_hf_config(hf)
-    assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+    from flared_testing.checkpoints import FAMILIES, build_hf_checkpoint, hf_last_logits, last_logits
+
+    model_type, extra = FAMILIES["qwen3_moe"]
+    FAMILIES["qwen3_moe_dense"] = (model_type, {**extra, "num_hidden_layers": 4, **change})
+    try:
+        directory = build_hf_checkpoint("qwen3_moe_dense", tmp_path / "hf")
+    finally:
+        del FAMILIES["qwen3_moe_dense"]
+    source = read_source(directory)
+    assert source.config.dense_layers == ((1,) if "mlp_only_layers" in change else (0, 2))
+    dense = source.config.dense_layers[0]
+    assert f"layers.{dense}.gate_up.weight" in source.tensors and f"layers.{dense}.router.weight" not in source.tensors
+    assert json.loads(json.dumps(source.config.to_dict()))["dense_layers"] == list(source.config.dense_layers)
+    prompt = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(7)).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(directory, prompt)).abs().max().item() < 1e-4
 
 
 def test_adapters_reach_attention_not_experts(tmp_path):
@@ -142,7 +156,7 @@ def test_a_moe_core_serves_transformers_tokens(tmp_path):
     assert_served_greedy_equals_transformers(directory, hf, tmp_path, also=shows_its_experts)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "glm4_moe"])
 def test_grouped_expert_products_equal_the_loop(family, tmp_path):
     """The GPU's grouped path (every expert's rows in two grouped products, no host sync) run here on the CPU, where
     torch has the kernel: the same logits as the loop over experts, prefill chunks and decode rows mixed."""

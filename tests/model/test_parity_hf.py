@@ -236,7 +236,7 @@ def test_next_token_logits_job_matches_transformers(family_checkpoint):
         assert (out[i] - ref[list(answers)]).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item()), family
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "glm4", "gpt_oss", "granite", "olmo3", "phi4_mini",
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "glm4", "glm4_moe", "gpt_oss", "granite", "olmo3", "phi4_mini",
                                     "qwen3_moe", "smollm3"])
 def test_bf16_follows_float32(family, tmp_path):
     """The families whose layers are not Llama's, in bf16: the same likely next tokens as float32, their logprobs
