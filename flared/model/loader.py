@@ -387,26 +387,40 @@ def _gguf_field(reader, key: str, default=None):
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
                        "qwen2moe": "qwen2",
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
-                       "gpt-oss": "gpt_oss", "seed_oss": "llama"}
+                       "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
     """ModelConfig's expert fields from llama.cpp's keys ({} for a dense model). Whether the chosen experts' weights
     are renormalised: expert_weights_norm where the file says it, else what llama.cpp does for the architecture
-    (Mixtral and Qwen3-MoE yes, Qwen2-MoE no). Gating other than softmax (DeepSeek's sigmoid) is refused."""
+    (Mixtral and Qwen3-MoE yes, Qwen2-MoE no). Sigmoid gating is DeepSeek-V3's routing (GLM-4.5): its groups, scale,
+    leading dense layers and ungated shared experts from their keys."""
     experts = int(_gguf_field(reader, f"{arch}.expert_count", 0) or 0)
     if not experts:
         return {}
-    gating = _gguf_field(reader, f"{arch}.expert_gating_func")
-    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise CoreError(f"{source}: GGUF expert gating function {gating} is not supported (softmax only)",
+
+    def field(key: str, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    gating = field("expert_gating_func")
+    if gating not in (None, 1, 2):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, _SIGMOID
+        raise CoreError(f"{source}: GGUF expert gating function {gating} is not supported (softmax, sigmoid)",
                         ErrorKind.UNSUPPORTED_MODEL)
-    size = _gguf_field(reader, f"{arch}.expert_feed_forward_length") or need("feed_forward_length")
-    norm = _gguf_field(reader, f"{arch}.expert_weights_norm")
-    return dict(num_experts=experts, experts_per_token=int(need("expert_used_count")),
-                expert_intermediate_size=int(size), norm_topk_prob=bool(arch != "qwen2moe" if norm is None else norm),
-                shared_expert_intermediate_size=int(_gguf_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
-                                                    or 0))
+    size = int(field("expert_feed_forward_length") or need("feed_forward_length"))
+    norm = field("expert_weights_norm")
+    out = dict(num_experts=experts, experts_per_token=int(need("expert_used_count")), expert_intermediate_size=size,
+               norm_topk_prob=bool(arch != "qwen2moe" if norm is None else norm),
+               shared_expert_intermediate_size=int(field("expert_shared_feed_forward_length", 0) or 0))
+    if gating == 2:
+        out.update(router_sigmoid=True, shared_expert_gate=False,
+                   shared_expert_intermediate_size=size * int(field("expert_shared_count", 0) or 0),
+                   expert_groups=int(field("expert_group_count", 1) or 1),
+                   expert_groups_per_token=int(field("expert_group_used_count", 1) or 1),
+                   routed_scaling=float(field("expert_weights_scale", 1.0) or 1.0))
+    dense = int(field("leading_dense_block_count", 0) or 0)
+    if dense:
+        out["dense_layers"] = tuple(range(dense))
+    return out
 
 
 def _gguf_config(reader, source: str) -> ModelConfig:
@@ -459,7 +473,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     rotated = _gguf_field(reader, f"{arch}.rope.dimension_count")
     rotary_dim = None
     if rotated is not None and int(rotated) != int(head_dim):
-        if arch != "phi3":  # (llama.cpp's converter permutes q/k over the whole head for the others)
+        if arch not in ("phi3", "glm4", "glm4moe"):  # (llama.cpp's converter permutes whole heads for the others)
             raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of "
                             f"head_dim {head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
         rotary_dim = int(rotated)
@@ -488,6 +502,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                            layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
     elif arch == "olmo2":  # norms after attention and the MLP only, q/k norms over all heads
         layer_flags = dict(sandwich_norm=True, pre_norm=False, qk_norm_whole=True)
+    elif arch == "glm4":  # four norms a layer; q/k rows as released: interleaved pairs (llama.cpp's "norm" rope)
+        layer_flags = dict(sandwich_norm=True, rope_interleaved=True)
     elif arch == "gpt-oss":
         # What llama.cpp assumes of gpt-oss: the even layers windowed, attention sinks, biased experts softmaxed
         # among the chosen, the clamped SwiGLU at alpha 1.702, limit 7
@@ -512,7 +528,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         hidden_size=hidden_size,
         intermediate_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")
                               or experts.get("expert_intermediate_size") or need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        # (GLM-4.5's multi-token-prediction layers follow the model's in block_count)
+        num_layers=int(need("block_count")) - int(_gguf_field(reader, f"{arch}.nextn_predict_layers", 0) or 0),
         num_heads=num_heads,
         num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(head_dim),
@@ -605,9 +622,12 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         except Exception as exc:
             raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
                             ErrorKind.SOURCE_FORMAT) from None
-        if permute and (".attn_q." in t.name or ".attn_k." in t.name):
+        if (permute or config.rope_interleaved) and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
-            values = _unpermute_qk(values, heads)
+            if permute:
+                values = _unpermute_qk(values, heads)
+            else:  # GLM-4's interleaved pairs, turned to rotate-half as from its checkpoint
+                values = interleaved_rope_rows(torch.from_numpy(values), heads, config).numpy()
         raw[t.name] = torch.from_numpy(np.ascontiguousarray(values))
         if dtype is not None and values.ndim >= 2:
             raw[t.name] = raw[t.name].to(dtype)
@@ -637,6 +657,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "experts.gate_up.bias"] = torch.cat(
                 [take(gp + "ffn_gate_exps.bias"), take(gp + "ffn_up_exps.bias")], dim=1)
             out[sp + "experts.down.bias"] = take(gp + "ffn_down_exps.bias")
+        if config.router_sigmoid and i not in config.dense_layers:
+            out[sp + "router.correction_bias"] = take(gp + "exp_probs_b.bias")
         if config.num_experts and i not in config.dense_layers:
             out[sp + "router.weight"] = take(gp + "ffn_gate_inp.weight")
             out[sp + "experts.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_exps.weight"),
@@ -646,7 +668,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
                 out[sp + "shared.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_shexp.weight"),
                                                               take(gp + "ffn_up_shexp.weight")])
                 out[sp + "shared.down.weight"] = take(gp + "ffn_down_shexp.weight")
-                out[sp + "shared.gate.weight"] = take(gp + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+                if config.shared_expert_gate:
+                    out[sp + "shared.gate.weight"] = take(gp + "ffn_gate_inp_shexp.weight").reshape(1, -1)
         elif gp + "ffn_gate.weight" not in raw and gp + "ffn_up.weight" in raw:  # Phi-3's ffn_up holds gate, then up
             out[sp + "gate_up.weight"] = raw[gp + "ffn_up.weight"]
         else:
@@ -654,7 +677,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         for gguf_name, serving_name in _GGUF_LAYER_NAMES.items():
             if gp + gguf_name in raw:
                 out[sp + serving_name] = raw[gp + gguf_name]
-        if config.architecture == "gpt_oss" and sp + "post_attn_norm.weight" in out:
-            out[sp + "mlp_norm.weight"] = out.pop(sp + "post_attn_norm.weight")  # its name for the norm before the MLP
+        if not config.sandwich_norm and config.pre_norm and sp + "post_attn_norm.weight" in out:
+            # (gpt-oss' and GLM-4.5's name for the norm before the MLP)
+            out[sp + "mlp_norm.weight"] = out.pop(sp + "post_attn_norm.weight")
     check_serving_tensors(out, config, source=source)
     return SourceModel(config=config, tensors=out, source_kind="gguf")

@@ -62,7 +62,15 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
     if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if arch == "glm4moe":  # DeepSeek-V3's routing, as its converter writes it
+        w.add_uint32(f"{arch}.expert_gating_func", 2)
+        w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
+        w.add_bool(f"{arch}.expert_weights_norm", cfg["norm_topk_prob"])
+        w.add_uint32(f"{arch}.expert_shared_count", cfg["n_shared_experts"])
+        w.add_uint32(f"{arch}.leading_dense_block_count", cfg["first_k_dense_replace"])
+        w.add_uint32(f"{arch}.expert_group_count", cfg["n_group"])
+        w.add_uint32(f"{arch}.expert_group_used_count", cfg["topk_group"])
     if experts:  # llama.cpp's mixture-of-experts keys
         w.add_uint32(f"{arch}.expert_count", experts)
         w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
@@ -123,10 +131,14 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
             add(f"blk.{i}.post_ffw_norm.weight", norm(p + "post_feedforward_layernorm.weight"))
         if gemma:
             add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
-        elif arch != "olmo2":  # (gpt-oss' converter names the norm before the MLP post_attention_norm)
-            add(f"blk.{i}.{'post_attention' if arch == 'gpt-oss' else 'ffn'}_norm.weight",
+        elif arch != "olmo2":  # (gpt-oss' and GLM-4.5's converters name the norm before the MLP post_attention_norm)
+            add(f"blk.{i}.{'post_attention' if arch in ('gpt-oss', 'glm4moe') else 'ffn'}_norm.weight",
                 t[p + "post_attention_layernorm.weight"])
-        if experts:
+        if arch == "glm4":  # its norms after attention and the MLP
+            add(f"blk.{i}.post_attention_norm.weight", t[p + "post_self_attn_layernorm.weight"])
+            add(f"blk.{i}.post_ffw_norm.weight", t[p + "post_mlp_layernorm.weight"])
+        routers = ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight")
+        if experts and any(p + name in t for name in routers):  # (GLM-4.5's dense first layers have none)
             write_experts(add, t, p, i, experts)
         elif p + "mlp.gate_up_proj.weight" in t:
             add(f"blk.{i}.ffn_up.weight", t[p + "mlp.gate_up_proj.weight"])
@@ -198,6 +210,10 @@ def write_experts(add, t: dict, p: str, i: int, experts: int) -> None:
         add(f"blk.{i}.ffn_gate_inp_shexp.weight", t[block + "shared_expert_gate.weight"][0])
         for x in ("gate", "up", "down"):
             add(f"blk.{i}.ffn_{x}_shexp.weight", t[f"{block}shared_expert.{x}_proj.weight"])
+    if block + "gate.e_score_correction_bias" in t:  # GLM-4.5: the router's correction bias, ungated shared experts
+        add(f"blk.{i}.exp_probs_b.bias", t[block + "gate.e_score_correction_bias"])
+        for x in ("gate", "up", "down"):
+            add(f"blk.{i}.ffn_{x}_shexp.weight", t[f"{block}shared_experts.{x}_proj.weight"])
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
@@ -264,3 +280,23 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
     for name, value in wide.tensors.items():
         expected = value.to(torch.bfloat16) if value.dim() >= 2 else value
         assert narrow.tensors[name].dtype == expected.dtype and torch.equal(narrow.tensors[name], expected), name
+
+
+@pytest.mark.parametrize("family, arch", [("seed_oss", "seed_oss"), ("glm4", "glm4"), ("glm4_moe", "glm4moe")])
+def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
+    """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
+    permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
+    scale, correction biases, shared experts and dense first layer): the checkpoint's config and logits."""
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_gguf(hf_dir, tmp_path / "m.gguf", arch, Q.F32)
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    for field in ("attention_bias", "attention_out_bias", "head_dim", "num_heads", "num_kv_heads", "qk_norm",
+                  "rotary_dim", "rope_interleaved", "sandwich_norm", "num_experts", "experts_per_token",
+                  "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token", "routed_scaling",
+                  "shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob"):
+        assert getattr(source.config, field) == getattr(reference, field), field
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
