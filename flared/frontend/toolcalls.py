@@ -24,7 +24,8 @@ Families (chosen from the chat template, overridable in ServerConfig):
 ``<|python_tag|>``, several joined by ``;``), ``mistral``
 (``[TOOL_CALLS][{…}, …]`` or ``[TOOL_CALLS]name[ARGS]{…}``), ``deepseek``
 (``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``), ``functionary``
-(``<function=name>{…}</function>``), ``seed_oss`` (Qwen3-Coder's tags in
+(``<function=name>{…}</function>``), ``glm45`` (``<tool_call>name<arg_key>k</arg_key>
+<arg_value>v</arg_value></tool_call>``), ``seed_oss`` (Qwen3-Coder's tags in
 ``<seed:tool_call>…</seed:tool_call>``), ``harmony`` (gpt-oss: messages on
 channels, ``<|channel|>analysis<|message|>…<|end|>`` reasoning,
 ``…final<|message|>…`` the answer, ``commentary to=functions.name …
@@ -624,6 +625,109 @@ class SeedOssToolParser(Qwen3CoderToolParser):
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 
 
+class Glm45ToolParser(ToolParser):
+    """GLM-4.5 / 4.6 / 4.7: ``<tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>…</tool_call>``.
+
+    Arguments stream one key/value pair at a time, each value typed by the tool's JSON schema as Qwen3-Coder's are
+    (a string parameter keeps its text; others are read as JSON where they parse)."""
+
+    name = "glm45"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    _KEY, _KEY_END, _VALUE, _VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "text"  # text | name | args | key | value
+        self._index = -1
+        self._nargs = 0
+        self._key = ""
+        self._types: dict[str, Any] = {}
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "text":
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._state = "name"
+            return True
+        if self._state == "name":  # the function's name: up to a newline, the first key or the end of the call
+            ends = [i for i in (self._buf.find("\n"), self._buf.find(self._KEY), self._buf.find(self.CLOSE)) if i >= 0]
+            if not ends:
+                if final:  # the output ended inside the name: the text is the model's
+                    self._emit_content(self.OPEN + self._buf)
+                    self._buf, self._state = "", "text"
+                return False
+            name = self._buf[:min(ends)].strip()
+            if not name or any(c in name for c in "<>{}\"'"):  # not a call after all: give the text back
+                self._emit_content(self.OPEN)
+                self._state = "text"
+                return True
+            self._buf = self._buf[min(ends):]
+            d = self._announce(name)
+            self._index, self._nargs = d.index, 0
+            self._types = _param_types(self.tools, name)
+            self._emit_calls([d])
+            self._state = "args"
+            return True
+        if self._state == "args":
+            lead = self._buf.lstrip()
+            for tag, state in ((self._KEY, "key"), (self.CLOSE, None)):
+                if lead.startswith(tag):
+                    self._buf = lead[len(tag):]
+                    if state is None:
+                        self._end_call()
+                    else:
+                        self._state = state
+                    return True
+            if final or not any(t.startswith(lead) for t in (self._KEY, self.CLOSE)):
+                if final or lead:  # something else inside a call: it ends there
+                    self._end_call()
+                    self._buf = lead
+                    return bool(lead)
+            return False
+        if self._state == "key":
+            i = self._buf.find(self._KEY_END)
+            if i < 0:
+                return False
+            self._key, self._buf = self._buf[:i].strip(), self._buf[i + len(self._KEY_END):]
+            self._state = "value"
+            return True
+        # value: after its opening tag, up to its closing one
+        lead = self._buf.lstrip()
+        if not lead.startswith(self._VALUE):
+            if not final and self._VALUE.startswith(lead):
+                return False
+            self._buf, value = lead, ""
+        else:
+            i = lead.find(self._VALUE_END, len(self._VALUE))
+            if i < 0:
+                if not final:
+                    return False
+                i = len(lead)
+            value, self._buf = lead[len(self._VALUE):i], lead[i + len(self._VALUE_END):]
+        piece = ("{" if self._nargs == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + \
+            json.dumps(_convert_param(value, self._types.get(self._key)), ensure_ascii=False)
+        self._nargs += 1
+        self.calls[self._index].arguments += piece
+        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+        self._state = "args"
+        return True
+
+    def _end_call(self) -> None:
+        piece = "{}" if self._nargs == 0 else "}"
+        self.calls[self._index].arguments += piece
+        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
+        self._close(self._index, None)
+        self._state = "text"
+
+    def _finish_rest(self) -> None:
+        if self._state in ("args", "key", "value"):
+            self._end_call()
+        elif self._buf and self._state == "text":
+            self._emit_content(self._buf)
+        self._buf = ""
+        self._state = "text"
+
+
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.x JSON calls: the output starts with ``{"name": …, "parameters": {…}}`` (or
     ``<|python_tag|>``); several calls are joined by ``;``. Anything else is plain content."""
@@ -1119,7 +1223,8 @@ class HarmonyToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
-                        DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser)
+                        DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
+                        Glm45ToolParser)
 }
 
 
@@ -1135,6 +1240,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return HarmonyToolParser
     if "<seed:tool_call>" in source:
         return SeedOssToolParser
+    if "<arg_key>" in source:
+        return Glm45ToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

@@ -82,6 +82,16 @@ CASES = {
          [("get_weather", {"city": "Paris", "days": 3})]),
         ("No <seed:tool call here.", "No <seed:tool call here.", []),
     ],
+    "glm45": [
+        ("Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>", "Let me check.",
+         [("get_weather", {"city": "Paris", "days": 3})]),
+        # GLM-4.7's: no newline after the name; a value with tags and quotes inside; two calls
+        ('<tool_call>get_weather<arg_key>city</arg_key><arg_value>"a<b>c"</arg_value></tool_call>\n'
+         "<tool_call>ping</tool_call>", "", [("get_weather", {"city": '"a<b>c"'}), ("ping", {})]),
+        ("A <tool_call> that is not one: <tool_call>{bad}</tool_call>", "A <tool_call> that is not one: "
+         "<tool_call>{bad}</tool_call>", []),
+    ],
     "harmony": [  # (the analysis channel's reasoning: test_harmony_every_split)
         ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
          'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', "",
@@ -99,7 +109,7 @@ CASES = {
 MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "[TOOL_CALLS]", "[ARGS]",
            "<|python_tag|>", "tool▁call", "<think>", "</think>", "[THINK]", "[/THINK]", "<|channel|>", "<|message|>",
            "<|end|>", "<|start|>", "<|call|>", "<|constrain|>", "<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
-           "</seed:think>")
+           "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
 
 def chunkings(text: str):
@@ -253,6 +263,8 @@ def test_selection_from_templates():
     assert tool_parser_for_template("", "mistral").name == "mistral"
     harmony = "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|><think></think>"
     assert tool_parser_for_template(harmony).name == "harmony"
+    glm = "<tool_call>{{ tc.name }}\n{% for k, v in args %}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>"
+    assert tool_parser_for_template(glm).name == "glm45"
     assert reasoning_format_for_template(harmony).name == "harmony"  # (before <think>: harmony's channels win)
     assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
     assert reasoning_format_for_template("<think></think>", "none") is None
