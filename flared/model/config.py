@@ -44,6 +44,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # IBM Granite 3: Llama with scalar multipliers on the embeddings, the residual branches, the
                   # attention scores and the logits
                   "granite": "llama",
+                  # IBM Granite 4.0 (micro): Granite 3 with its MLP named shared_mlp, rope or none on every layer; the
+                  # hybrids' Mamba layers and its experts are refused
+                  "granitemoehybrid": "llama",
                   # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
                   "gpt_oss": "gpt_oss",
                   # ByteDance Seed-OSS: Llama with q/k/v biases (attention_bias) apart from o's (attention_out_bias)
@@ -465,6 +468,15 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise _unsupported(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    if model_type == "granitemoehybrid":
+        kinds = sorted(set(hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"])
+                       - {"attention", "full_attention"})
+        if kinds or hf.get("num_local_experts"):
+            raise _unsupported(f"{source}: Granite 4.0 with {', '.join(kinds) or 'mamba'} layers"
+                               f"{' and experts' if hf.get('num_local_experts') else ''} is not supported (the "
+                               "attention-only Granite 4.0 models are)")
+        # its one MLP is the shared expert's, sized by shared_intermediate_size; rope unless it says none
+        hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
     if hf.get("mlp_bias"):
         raise _unsupported(f"{source}: mlp_bias is not supported")
     if hf.get("use_sliding_window"):
@@ -494,6 +506,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             qkv_bias, out_bias = attention_bias, False
         moe = _experts_from_hf(hf, model_type, source)
         nope = ()
+        if model_type == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
+            nope = tuple(range(int(hf["num_hidden_layers"])))
         if model_type == "smollm3":
             rope_on = hf.get("no_rope_layers")  # (transformers' name: 1 = rotated, 0 = not)
             if rope_on is None:
@@ -532,7 +546,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
     """Granite's multipliers ({} for other families)."""
-    if model_type != "granite":
+    if model_type not in ("granite", "granitemoehybrid"):
         return {}
     return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(hf.get("residual_multiplier", 1.0)),

@@ -290,6 +290,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             continue
         if hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows
             out[sp + "gate_up.weight"] = hf[hp + "mlp.gate_up_proj.weight"]
+        elif hp + "shared_mlp.input_linear.weight" in hf:  # Granite 4.0's: gate rows, then up rows
+            out[sp + "gate_up.weight"] = hf[hp + "shared_mlp.input_linear.weight"]
+            out[sp + "down.weight"] = take(hp + "shared_mlp.output_linear.weight")
+            continue
         else:
             out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")],
                                                    dim=0)

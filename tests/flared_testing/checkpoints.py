@@ -75,6 +75,11 @@ FAMILIES = {
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Granite 4.0 micro: Granite's multipliers, the MLP named shared_mlp, attention layers only with rope
+    "granite4": ("granitemoehybrid", dict(layer_types=["attention", "attention"], position_embedding_type="rope",
+                                          num_local_experts=0, shared_intermediate_size=96, embedding_multiplier=6.0,
+                                          residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=3.0,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on

@@ -1,6 +1,6 @@
-"""IBM Granite 3 beyond the shared parity tests (test_parity_hf.py runs the family's logits, greedy tokens,
-embeddings and prompt logprobs against transformers): its multipliers from a GGUF as llama.cpp writes one, and the
-config's round trip through a core's manifest."""
+"""IBM Granite 3 and 4.0 beyond the shared parity tests (test_parity_hf.py runs the granite and granite4 families
+against transformers): its multipliers from a GGUF as llama.cpp writes one, the config's round trip through a core's
+manifest, Granite 4.0 without rope, and its hybrids refused."""
 
 from __future__ import annotations
 
@@ -41,3 +41,30 @@ def test_config_round_trips(tmp_path):
             config.attention_scale) == (6.0, 0.4, 3.0, 0.09)
     assert not config.graph_capable  # the CUDA graphs' kernels have no multipliers: the eager executor serves it
     assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_granite_4_without_rope_turns_no_layer(tmp_path):
+    """Granite 4.0's position_embedding_type other than rope: every layer unrotated, as transformers runs it (the
+    granite4 family in test_parity_hf.py is the rope one)."""
+    hf_dir = build_hf_checkpoint("granite4", tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["position_embedding_type"] = None
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    source = read_source(hf_dir)
+    assert source.config.nope_layers == (0, 1)
+    prompt = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("change, what", [({"layer_types": ["mamba", "attention"]}, "mamba layers"),
+                                          ({"num_local_experts": 4}, "experts")])
+def test_granite_4_hybrids_are_refused_by_name(tmp_path, change, what):
+    from flared.errors import CoreError, ErrorKind
+
+    hf_dir = build_hf_checkpoint("granite4", tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CoreError, match=what) as info:
+        read_source(hf_dir)
+    assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
