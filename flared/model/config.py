@@ -47,6 +47,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # IBM Granite 4.0 (micro): Granite 3 with its MLP named shared_mlp, rope or none on every layer; the
                   # hybrids' Mamba layers and its experts are refused
                   "granitemoehybrid": "llama",
+                  # LG EXAONE 4.0: OLMo 2's norms after attention and the MLP with per-head q/k norms, three windowed
+                  # layers in four, the global ones unrotated (_exaone_from_hf)
+                  "exaone4": "llama",
                   # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
                   "gpt_oss": "gpt_oss",
                   # ByteDance Seed-OSS: Llama with q/k/v biases (attention_bias) apart from o's (attention_out_bias)
@@ -462,6 +465,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         return _olmo_from_hf(hf, source, model_type)
     if model_type == "gpt_oss":
         return _gpt_oss_from_hf(hf, source)
+    if model_type == "exaone4":
+        return _exaone_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -581,6 +586,47 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
                 dense_layers=dense)
+
+
+def _exaone_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """EXAONE 4.0: Llama's projections with a norm after attention and after the MLP and none before, per-head q/k
+    norms; with a sliding window, the windowed layers (layer_types, or sliding_window_pattern: every n-th global, or a
+    string of L and G repeated) turn by rope and the global ones not at all."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    try:
+        layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
+        _partial_rotary(hf, head_dim, source, False)
+        window = hf.get("sliding_window", 4096)  # (transformers' default; null: every layer global and rotated)
+        windows, nope = None, ()
+        if window:
+            types = hf.get("layer_types")
+            pattern = hf.get("sliding_window_pattern") or 4
+            if types is None and isinstance(pattern, str):
+                types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                         for i in range(layers)]
+            elif types is None:
+                types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+            if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+                raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
+                                "sliding_attention", ErrorKind.SOURCE_FORMAT)
+            windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+            nope = tuple(i for i, t in enumerate(types) if t == "full_attention")
+        theta, scaling = _rope_from_hf(hf, source)
+        return ModelConfig(
+            architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=False, qk_norm=True,
+            sandwich_norm=True, pre_norm=False, layer_windows=windows, nope_layers=nope)
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
 # transformers' GptOssConfig defaults where a config.json leaves them out

@@ -80,6 +80,10 @@ FAMILIES = {
                                           num_local_experts=0, shared_intermediate_size=96, embedding_multiplier=6.0,
                                           residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=3.0,
                                           pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
+    # the fourth global and unrotated
+    "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on
