@@ -6,9 +6,10 @@ forward and the prepared core's manifest share. It is built from a Hugging Face
 round-trips through ``to_dict``/``from_dict`` for the manifest.
 
 Rules:
-- Every family we run is a decoder with RMSNorm, rotary embeddings
-  (rotate-half layout), grouped-query attention and a gated MLP (dense or
-  routed experts). The differences between families are flags here
+- Every family we run is a decoder with RMSNorm (Cohere: LayerNorm), rotary
+  embeddings (rotate-half layout; checkpoints that turn interleaved pairs are
+  reordered to it on reading), grouped-query attention and a gated MLP (dense
+  or routed experts). The differences between families are flags here
   (``attention_bias``, ``qk_norm``, ``sandwich_norm``, ``pre_norm``,
   ``num_experts``, ``nope_layers``, multipliers and soft caps...), never a
   branch on the family name inside the forward.
@@ -50,6 +51,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # LG EXAONE 4.0: OLMo 2's norms after attention and the MLP with per-head q/k norms, three windowed
                   # layers in four, the global ones unrotated (_exaone_from_hf)
                   "exaone4": "llama",
+                  # Cohere Command R / R7B / A, Aya: LayerNorm, attention and MLP in parallel, interleaved rope, scaled
+                  # logits; cohere2's windowed layers rotated, its global ones not (_cohere_from_hf)
+                  "cohere": "llama", "cohere2": "llama",
                   # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
                   "gpt_oss": "gpt_oss",
                   # ByteDance Seed-OSS: Llama with q/k/v biases (attention_bias) apart from o's (attention_out_bias)
@@ -67,7 +71,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole",
                  "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha",
                  "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
-                 "routed_scaling", "shared_expert_gate"}
+                 "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -143,6 +147,10 @@ class ModelConfig:
     expert_groups_per_token: int = 1
     routed_scaling: float | None = None
     shared_expert_gate: bool = True
+    # Cohere: every norm a LayerNorm without bias (mean-centred, in float32: its weights kept float32); attention and
+    # the MLP read the same normed input and both add to the residual (one norm a layer).
+    layer_norm: bool = False
+    parallel_block: bool = False
     # Layers whose queries and keys are not rotated at all (SmolLM3's "NoPE" layers), in order.
     nope_layers: tuple[int, ...] = ()
     # Granite: the embedding rows times embedding_multiplier, each residual branch (attention's, the MLP's) times
@@ -223,7 +231,8 @@ class ModelConfig:
                                       or not math.isfinite(value) or value <= 0):
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
-                     "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate"):
+                     "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
+                     "layer_norm", "parallel_block"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -278,6 +287,8 @@ class ModelConfig:
             return "partial rotary embeddings"
         if self.sandwich_norm or not self.pre_norm:
             return "norms after attention and the MLP"
+        if self.layer_norm or self.parallel_block:
+            return "Cohere's LayerNorm and parallel attention and MLP"
         if any(m is not None for m in (self.embedding_multiplier, self.residual_multiplier, self.logits_scaling)):
             return "Granite's multipliers"
         if self.attention_scale is not None:
@@ -294,7 +305,7 @@ class ModelConfig:
     def float_norms(self) -> bool:
         """Norm weights kept in float32 whatever the model's dtype, scaling in float32 with one rounding: Gemma's
         (holding 1 + w, as its RMSNorm computes it) and gpt-oss' (transformers keeps them float32)."""
-        return self.architecture in ("gemma2", "gemma3", "gpt_oss")
+        return self.architecture in ("gemma2", "gemma3", "gpt_oss") or self.layer_norm
 
     @property
     def rope_dim(self) -> int:
@@ -467,6 +478,8 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         return _gpt_oss_from_hf(hf, source)
     if model_type == "exaone4":
         return _exaone_from_hf(hf, source)
+    if model_type in ("cohere", "cohere2"):
+        return _cohere_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -586,6 +599,47 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
                 dense_layers=dense)
+
+
+def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """Cohere (Command R, Aya Expanse) and Cohere2 (Command R7B, Command A): one LayerNorm a layer, attention and the MLP
+    in parallel, rope turning interleaved pairs (reordered on reading: rope_interleaved), logits times logit_scale;
+    Cohere2's windowed layers (three in four) rotated and its global ones not. Per-head q/k LayerNorms are refused."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    if hf.get("use_qk_norm"):
+        raise _unsupported(f"{source}: Cohere's q/k LayerNorms (use_qk_norm) are not supported")
+    try:
+        layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
+        _partial_rotary(hf, head_dim, source, False)
+        windows, nope = None, ()
+        if model_type == "cohere2":
+            pattern = int(hf.get("sliding_window_pattern") or 4)
+            types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                              for i in range(layers)]
+            if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+                raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
+                                "sliding_attention", ErrorKind.SOURCE_FORMAT)
+            window = int(hf.get("sliding_window") or 4096)
+            windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+            nope = tuple(i for i, t in enumerate(types) if t == "full_attention")
+        theta, scaling = _rope_from_hf(hf, source)
+        bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
+            rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, qk_norm=False,
+            attention_out_bias=bias, layer_windows=windows, nope_layers=nope, rope_interleaved=True,
+            layer_norm=True, parallel_block=True, logits_scaling=1.0 / float(hf.get("logit_scale", 0.0625)))
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
 def _exaone_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

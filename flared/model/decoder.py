@@ -412,7 +412,7 @@ class DecoderModel:
             return self._forward_fused_decode(batch, kv)
         h = self._layers_forward(batch, kv)
         last = h.index_select(0, batch.logit_row_ids)
-        last = rms_norm(last, self.final_norm, self.config.rms_norm_eps)
+        last = self._norm(last, self.final_norm)
         return self._logits(last)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -457,7 +457,7 @@ class DecoderModel:
             for i in short:
                 n = len(token_lists[i])
                 rows = h[row + n - 1:row + n] if pooling == "last" else h[row:row + n]
-                out[i] = rms_norm(rows.contiguous(), self.final_norm, eps).float().mean(dim=0)
+                out[i] = self._norm(rows.contiguous(), self.final_norm).float().mean(dim=0)
                 row += n
         for i, tokens in enumerate(token_lists):
             if out[i] is None:
@@ -480,11 +480,11 @@ class DecoderModel:
             if pooling == "last":
                 total = h[-1:]
             else:
-                part = rms_norm(h.contiguous(), self.final_norm, eps).float().sum(dim=0)
+                part = self._norm(h.contiguous(), self.final_norm).float().sum(dim=0)
                 total = part if total is None else total + part
             if start + h.shape[0] < len(tokens):
                 yield None
-        yield (rms_norm(total.contiguous(), self.final_norm, eps).float()[0] if pooling == "last"
+        yield (self._norm(total.contiguous(), self.final_norm).float()[0] if pooling == "last"
                else total / len(tokens))
 
     def prompt_logprobs(self, token_ids: list[int], top: int = 0, *, page_tokens: int = 16,
@@ -511,7 +511,7 @@ class DecoderModel:
             end = min(start + h.shape[0], n - 1)  # positions start .. end - 1 predict a next token
             for a in range(start, end, rows_per_chunk):
                 b = min(end, a + rows_per_chunk)
-                x = rms_norm(h[a - start:b - start].contiguous(), self.final_norm, self.config.rms_norm_eps)
+                x = self._norm(h[a - start:b - start].contiguous(), self.final_norm)
                 lp = torch.log_softmax(self._logits(x), dim=-1)
                 chosen_lp = lp.gather(1, targets[a:b, None])
                 ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
@@ -584,7 +584,7 @@ class DecoderModel:
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
         lora = bool(batch.lora_groups)
         for index, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, eps) if layer.attn_norm is not None else h
+            x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             if lora:
@@ -615,11 +615,12 @@ class DecoderModel:
             if lora:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
             if layer.post_attn_norm is not None:
-                o = rms_norm(o, layer.post_attn_norm, eps)
+                o = self._norm(o, layer.post_attn_norm)
             if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
                 o = o * c.residual_multiplier
             h = h + o
-            x = rms_norm(h, layer.mlp_norm, eps) if layer.mlp_norm is not None else h
+            if not c.parallel_block:  # (Cohere's MLP reads the attention's normed input x)
+                x = self._norm(h, layer.mlp_norm) if layer.mlp_norm is not None else h
             if layer.experts is not None:
                 down = self._routed_mlp(layer, x)
             else:
@@ -631,7 +632,7 @@ class DecoderModel:
                 if lora:
                     down = self._lora(batch, f"layers.{index}.down.weight", act, down)
             if layer.post_mlp_norm is not None:
-                down = rms_norm(down, layer.post_mlp_norm, eps)
+                down = self._norm(down, layer.post_mlp_norm)
             if c.residual_multiplier is not None:
                 down = down * c.residual_multiplier
             h = h + down
@@ -639,6 +640,13 @@ class DecoderModel:
                 # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
                 h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
         return h
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The family's norm of the rows of x: RMSNorm, or Cohere's LayerNorm (mean-centred, no bias, in float32 with
+        float32 weights, rounded once)."""
+        if self.config.layer_norm:
+            return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, self.config.rms_norm_eps).to(x.dtype)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 I] gate rows then up rows -> act(gate) * up [T, I]."""
@@ -774,7 +782,7 @@ class DecoderModel:
             k_cache=kv.keys.data_ptr(), v_cache=kv.values.data_ptr(), h=h.data_ptr(), x=x.data_ptr(),
             qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(), threads=threads,
             shared_sequences=batch.shared_sequences, kv_fp8=kv.storage_dtype == FP8_KV, **lora)
-        last = rms_norm(h.index_select(0, batch.logit_row_ids), self.final_norm, c.rms_norm_eps)
+        last = self._norm(h.index_select(0, batch.logit_row_ids), self.final_norm)
         return self._logits(last)
 
     def _windowed(self, batch: ForwardBatch, window: int):

@@ -90,7 +90,7 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "o.bias"] = (c.hidden_size,)
         if c.attention_sinks:
             shapes[p + "sinks"] = (c.num_heads,)
-        if c.pre_norm:
+        if c.pre_norm and not c.parallel_block:  # (Cohere's MLP reads attention's normed input)
             shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
@@ -280,7 +280,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         elif not config.pre_norm:  # OLMo 2: its post_attention_layernorm follows attention; no pre-MLP norm
             out[sp + "post_attn_norm.weight"] = take(hp + "post_attention_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_feedforward_layernorm.weight")
-        else:
+        elif not config.parallel_block:
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
         if config.expert_bias:
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
@@ -391,7 +391,8 @@ def _gguf_field(reader, key: str, default=None):
 _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
                        "qwen2moe": "qwen2",
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
-                       "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama"}
+                       "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
+                       "command-r": "llama", "cohere2": "llama"}
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -506,6 +507,15 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                            layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)), **caps)
     elif arch == "olmo2":  # norms after attention and the MLP only, q/k norms over all heads
         layer_flags = dict(sandwich_norm=True, pre_norm=False, qk_norm_whole=True)
+    elif arch in ("command-r", "cohere2"):
+        # Cohere's: LayerNorms, parallel attention and MLP, q/k rows as released (interleaved pairs), scaled logits;
+        # Cohere2's three windowed layers in four rotated, the fourth not, as llama.cpp assumes
+        layer_flags = dict(layer_norm=True, parallel_block=True, rope_interleaved=True,
+                           logits_scaling=1.0 / float(need("logit_scale")))
+        if arch == "cohere2":
+            layers, window = int(need("block_count")), int(need("attention.sliding_window"))
+            layer_flags.update(layer_windows=tuple(window if i % 4 < 3 else 0 for i in range(layers)),
+                               nope_layers=tuple(i for i in range(layers) if i % 4 == 3))
     elif arch == "glm4":  # four norms a layer; q/k rows as released: interleaved pairs (llama.cpp's "norm" rope)
         layer_flags = dict(sandwich_norm=True, rope_interleaved=True)
     elif arch == "gpt-oss":
@@ -523,9 +533,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     if arch == "granite":  # its multipliers, under llama.cpp's names
         granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
                        logits_scaling=float(need("logit_scale")), attention_scale=float(need("attention.scale")))
-    nope = ()
     if arch == "smollm3":  # llama.cpp's rule for SmolLM3: every fourth layer unrotated
-        nope = tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
+        layer_flags["nope_layers"] = tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
     return ModelConfig(
         architecture=_GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab_size),
@@ -537,7 +546,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(head_dim),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=float(need("attention.layer_norm_epsilon" if layer_flags.get("layer_norm")
+                                else "attention.layer_norm_rms_epsilon")),
         rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(need("context_length")),
@@ -545,7 +555,6 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         attention_bias=has_bias,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
-        nope_layers=nope,
         rotary_dim=rotary_dim,
         sliding_window=int(_gguf_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
         if arch == "phi3" else None,

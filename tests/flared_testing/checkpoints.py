@@ -84,6 +84,11 @@ FAMILIES = {
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Cohere (Command R, Aya): LayerNorm, attention and MLP in parallel, interleaved rope, scaled logits; Cohere2
+    # (Command R7B / A): three windowed layers in four rotated, the fourth global and unrotated
+    "cohere": ("cohere", dict(logit_scale=0.3, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "cohere2": ("cohere2", dict(num_hidden_layers=4, sliding_window=8, logit_scale=0.25, pad_token_id=0,
+                                bos_token_id=1, eos_token_id=2)),
     # transformers' GGUF loader does not read head_dim for qwen3 and falls back to Qwen3Config's 128.
     "qwen3_wide": ("qwen3", dict(head_dim=128)),
     # Gemma 3: a windowed layer (8 keys, local rope) then a global one, its own query scale, linear rope scaling on

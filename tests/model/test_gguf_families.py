@@ -86,7 +86,13 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     rotated = int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0))
     w.add_uint32(f"{arch}.rope.dimension_count", rotated)
     w.add_float32(f"{arch}.rope.freq_base", theta)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if arch in ("command-r", "cohere2"):  # Cohere's LayerNorm epsilon, logit scale and window
+        w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
+        w.add_float32(f"{arch}.logit_scale", cfg["logit_scale"])
+        if cfg.get("sliding_window"):
+            w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+    else:
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
 
     def add(name: str, array: np.ndarray) -> None:
@@ -131,7 +137,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
             add(f"blk.{i}.post_ffw_norm.weight", norm(p + "post_feedforward_layernorm.weight"))
         if gemma:
             add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
-        elif arch != "olmo2":  # (gpt-oss' and GLM-4.5's converters name the norm before the MLP post_attention_norm)
+        elif arch != "olmo2" and p + "post_attention_layernorm.weight" in t:  # (not Cohere's: one norm a layer)
+            # (gpt-oss' and GLM-4.5's converters name the norm before the MLP post_attention_norm)
             add(f"blk.{i}.{'post_attention' if arch in ('gpt-oss', 'glm4moe') else 'ffn'}_norm.weight",
                 t[p + "post_attention_layernorm.weight"])
         if arch == "glm4":  # its norms after attention and the MLP
@@ -282,11 +289,13 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
         assert narrow.tensors[name].dtype == expected.dtype and torch.equal(narrow.tensors[name], expected), name
 
 
-@pytest.mark.parametrize("family, arch", [("seed_oss", "seed_oss"), ("glm4", "glm4"), ("glm4_moe", "glm4moe")])
+@pytest.mark.parametrize("family, arch", [("seed_oss", "seed_oss"), ("glm4", "glm4"), ("glm4_moe", "glm4moe"),
+                                          ("cohere", "command-r"), ("cohere2", "cohere2")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
-    scale, correction biases, shared experts and dense first layer): the checkpoint's config and logits."""
+    scale, correction biases, shared experts and dense first layer; Cohere: LayerNorms, interleaved q/k rows, the logit
+    scale, Cohere2's windows): the checkpoint's config and logits."""
     from flared_testing.checkpoints import hf_last_logits, last_logits
 
     hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
@@ -295,7 +304,8 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
     for field in ("attention_bias", "attention_out_bias", "head_dim", "num_heads", "num_kv_heads", "qk_norm",
                   "rotary_dim", "rope_interleaved", "sandwich_norm", "num_experts", "experts_per_token",
                   "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token", "routed_scaling",
-                  "shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob"):
+                  "shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob", "layer_norm",
+                  "parallel_block", "layer_windows", "nope_layers"):
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
