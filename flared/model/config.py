@@ -468,7 +468,17 @@ def yarn_parameters(scaling: dict[str, Any], hf: dict[str, Any]) -> dict:
 
 
 def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
-    """Translate a Hugging Face ``config.json`` dict; ``source`` names it in errors."""
+    """Translate a Hugging Face ``config.json`` dict; ``source`` names it in errors (a missing or malformed value is
+    a SOURCE_FORMAT error naming it, a family or feature we do not run an UNSUPPORTED_MODEL one)."""
+    try:
+        return _from_hf(hf, source)
+    except KeyError as exc:
+        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+
+
+def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type in ("gemma3_text", "gemma2"):
         return _gemma_from_hf(hf, source, model_type)
@@ -483,9 +493,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported(f"{source}: hidden_act {act!r} is not supported (only silu)")
+    _check_silu(hf, source)
     if model_type == "granitemoehybrid":
         kinds = sorted(set(hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"])
                        - {"attention", "full_attention"})
@@ -499,67 +507,72 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         raise _unsupported(f"{source}: mlp_bias is not supported")
     if hf.get("use_sliding_window"):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
-    try:
-        num_heads = int(hf["num_attention_heads"])
-        hidden_size = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden_size // num_heads
-        theta, scaling = _rope_from_hf(hf, source)
-        architecture = HF_MODEL_TYPES[model_type]
-        attention_bias = bool(hf.get("attention_bias", model_type == "glm4"))  # (transformers' defaults)
-        if model_type in ("glm4", "glm4_moe") and rotary_dim_from_hf(hf, int(head_dim)) is None and \
-                "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
-            hf = {**hf, "partial_rotary_factor": 0.5}  # GLM-4 rotates half of each head unless it says otherwise
-        if architecture == "qwen2":
-            qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
-        elif model_type == "seed_oss":
-            qkv_bias, out_bias = attention_bias, bool(hf.get("attention_out_bias", False))
-        elif model_type == "glm4_moe":
-            qkv_bias, out_bias = attention_bias, False
-        else:
-            # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
-            qkv_bias, out_bias = attention_bias, attention_bias
-        sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
-        glm = model_type == "glm4"
-        if glm:
-            qkv_bias, out_bias = attention_bias, False
-        moe = _experts_from_hf(hf, model_type, source)
-        nope = ()
-        if model_type == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
-            nope = tuple(range(int(hf["num_hidden_layers"])))
-        if model_type == "smollm3":
-            rope_on = hf.get("no_rope_layers")  # (transformers' name: 1 = rotated, 0 = not)
-            if rope_on is None:
-                interval = int(hf.get("no_rope_layer_interval") or 4)
-                rope_on = [int((i + 1) % interval != 0) for i in range(int(hf["num_hidden_layers"]))]
-            nope = tuple(i for i, on in enumerate(rope_on) if not on)
-        return ModelConfig(
-            architecture=architecture,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden_size,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm")),
-            attention_out_bias=out_bias,
-            sliding_window=int(sliding_window) if sliding_window else None,
-            nope_layers=nope,
-            rotary_dim=_partial_rotary(hf, int(head_dim), source, model_type in ("phi3", "glm4", "glm4_moe")),
-            sandwich_norm=glm, rope_interleaved=glm,
-            **moe,
-            **_granite_from_hf(hf, model_type),
-        )
-    except KeyError as exc:
-        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
-    except (TypeError, ValueError) as exc:
-        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    sizes = _sizes(hf)
+    architecture = HF_MODEL_TYPES[model_type]
+    glm = model_type in ("glm4", "glm4_moe")
+    if glm and rotary_dim_from_hf(hf, sizes["head_dim"]) is None and \
+            "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
+        hf = {**hf, "partial_rotary_factor": 0.5}  # GLM rotates half of each head unless it says otherwise
+    theta, scaling = _rope_from_hf(hf, source)
+    attention_bias = bool(hf.get("attention_bias", model_type == "glm4"))  # (transformers' defaults)
+    if architecture == "qwen2":
+        qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
+    elif glm or model_type == "seed_oss":  # q/k/v biases apart from o's (Seed-OSS: attention_out_bias)
+        qkv_bias, out_bias = attention_bias, bool(hf.get("attention_out_bias", False))
+    else:
+        # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
+        qkv_bias, out_bias = attention_bias, attention_bias
+    sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
+    nope = ()
+    if model_type == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
+        nope = tuple(range(sizes["num_layers"]))
+    if model_type == "smollm3":
+        rope_on = hf.get("no_rope_layers")  # (transformers' name: 1 = rotated, 0 = not)
+        if rope_on is None:
+            interval = int(hf.get("no_rope_layer_interval") or 4)
+            rope_on = [int((i + 1) % interval != 0) for i in range(sizes["num_layers"])]
+        nope = tuple(i for i, on in enumerate(rope_on) if not on)
+    return ModelConfig(
+        architecture=architecture, **sizes,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        attention_bias=qkv_bias,
+        qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm")),
+        attention_out_bias=out_bias,
+        sliding_window=int(sliding_window) if sliding_window else None,
+        nope_layers=nope,
+        rotary_dim=_partial_rotary(hf, sizes["head_dim"], source, model_type in ("phi3", "glm4", "glm4_moe")),
+        sandwich_norm=model_type == "glm4", rope_interleaved=model_type == "glm4",
+        **_experts_from_hf(hf, model_type, source),
+        **_granite_from_hf(hf, model_type),
+    )
+
+
+def _check_silu(hf: dict[str, Any], source: str) -> None:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise _unsupported(f"{source}: hidden_act {act!r} is not supported (only silu)")
+
+
+def _sizes(hf: dict[str, Any], *, head_dim: int | None = None, max_positions: int = 2048, tied: bool = False) -> dict:
+    """ModelConfig's sizes from a config.json; ``head_dim``, ``max_positions``, ``tied``: the family's defaults where
+    the file says nothing (head_dim: else hidden / heads)."""
+    heads = int(hf["num_attention_heads"])
+    return dict(vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+                intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or head_dim or int(hf["hidden_size"]) // heads),
+                max_position_embeddings=int(hf.get("max_position_embeddings", max_positions)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", tied)))
+
+
+def _layer_windows(hf: dict[str, Any], layers: int, source: str, window: int, sliding) -> tuple[int, ...]:
+    """Each layer's window (0: global) from the config's layer_types (full_attention / sliding_attention) or, where it
+    has none, the family's rule ``sliding(i)``."""
+    types = hf.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
+                        "sliding_attention", ErrorKind.SOURCE_FORMAT)
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
@@ -605,82 +618,44 @@ def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelCo
     """Cohere (Command R, Aya Expanse) and Cohere2 (Command R7B, Command A): one LayerNorm a layer, attention and the MLP
     in parallel, rope turning interleaved pairs (reordered on reading: rope_interleaved), logits times logit_scale;
     Cohere2's windowed layers (three in four) rotated and its global ones not. Per-head q/k LayerNorms are refused."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
+    _check_silu(hf, source)
     if hf.get("use_qk_norm"):
         raise _unsupported(f"{source}: Cohere's q/k LayerNorms (use_qk_norm) are not supported")
-    try:
-        layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
-        _partial_rotary(hf, head_dim, source, False)
-        windows, nope = None, ()
-        if model_type == "cohere2":
-            pattern = int(hf.get("sliding_window_pattern") or 4)
-            types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                              for i in range(layers)]
-            if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-                raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
-                                "sliding_attention", ErrorKind.SOURCE_FORMAT)
-            window = int(hf.get("sliding_window") or 4096)
-            windows = tuple(window if t == "sliding_attention" else 0 for t in types)
-            nope = tuple(i for i, t in enumerate(types) if t == "full_attention")
-        theta, scaling = _rope_from_hf(hf, source)
-        bias = bool(hf.get("attention_bias", False))
-        return ModelConfig(
-            architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
-            rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, qk_norm=False,
-            attention_out_bias=bias, layer_windows=windows, nope_layers=nope, rope_interleaved=True,
-            layer_norm=True, parallel_block=True, logits_scaling=1.0 / float(hf.get("logit_scale", 0.0625)))
-    except KeyError as exc:
-        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    sizes = _sizes(hf, max_positions=8192, tied=True)
+    _partial_rotary(hf, sizes["head_dim"], source, False)
+    windows = None
+    if model_type == "cohere2":
+        pattern = int(hf.get("sliding_window_pattern") or 4)
+        windows = _layer_windows(hf, sizes["num_layers"], source, int(hf.get("sliding_window") or 4096),
+                                 lambda i: (i + 1) % pattern)
+    theta, scaling = _rope_from_hf(hf, source)
+    bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=bias, qk_norm=False, attention_out_bias=bias, layer_windows=windows,
+        nope_layers=tuple(i for i, w in enumerate(windows or ()) if not w), rope_interleaved=True, layer_norm=True,
+        parallel_block=True, logits_scaling=1.0 / float(hf.get("logit_scale", 0.0625)))
 
 
 def _exaone_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """EXAONE 4.0: Llama's projections with a norm after attention and after the MLP and none before, per-head q/k
     norms; with a sliding window, the windowed layers (layer_types, or sliding_window_pattern: every n-th global, or a
     string of L and G repeated) turn by rope and the global ones not at all."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
-    try:
-        layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
-        _partial_rotary(hf, head_dim, source, False)
-        window = hf.get("sliding_window", 4096)  # (transformers' default; null: every layer global and rotated)
-        windows, nope = None, ()
-        if window:
-            types = hf.get("layer_types")
-            pattern = hf.get("sliding_window_pattern") or 4
-            if types is None and isinstance(pattern, str):
-                types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
-                         for i in range(layers)]
-            elif types is None:
-                types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
-            if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-                raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
-                                "sliding_attention", ErrorKind.SOURCE_FORMAT)
-            windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
-            nope = tuple(i for i, t in enumerate(types) if t == "full_attention")
-        theta, scaling = _rope_from_hf(hf, source)
-        return ModelConfig(
-            architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=False, qk_norm=True,
-            sandwich_norm=True, pre_norm=False, layer_windows=windows, nope_layers=nope)
-    except KeyError as exc:
-        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
-    except (TypeError, ValueError) as exc:
-        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    _check_silu(hf, source)
+    sizes = _sizes(hf)
+    _partial_rotary(hf, sizes["head_dim"], source, False)
+    window = hf.get("sliding_window", 4096)  # (transformers' default; null: every layer global and rotated)
+    windows = None
+    if window:
+        pattern = hf.get("sliding_window_pattern") or 4
+        sliding = (lambda i: pattern[i % len(pattern)] == "L") if isinstance(pattern, str) else \
+            (lambda i: (i + 1) % int(pattern))
+        windows = _layer_windows(hf, sizes["num_layers"], source, int(window), sliding)
+    theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=True, sandwich_norm=True, pre_norm=False,
+        layer_windows=windows, nope_layers=tuple(i for i, w in enumerate(windows or ()) if not w))
 
 
 # transformers' GptOssConfig defaults where a config.json leaves them out
@@ -691,83 +666,48 @@ _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 def _gpt_oss_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """gpt-oss: Llama's layer (biased projections) with attention sinks, every other layer windowed (layer_types), YaRN,
     and routed experts with biases, a top-k-then-softmax router and a clamped SwiGLU."""
-    try:
-        layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
-        _partial_rotary(hf, head_dim, source, False)
-        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                          for i in range(layers)]
-        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-            raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
-                            "sliding_attention", ErrorKind.SOURCE_FORMAT)
-        window = int(hf.get("sliding_window") or 128)
-        if not isinstance(hf.get("rope_parameters") or hf.get("rope_scaling"), dict):
-            hf = {**hf, "rope_parameters": {**_GPT_OSS_ROPE, "rope_theta": float(hf.get("rope_theta", 150000.0))}}
-        theta, scaling = _rope_from_hf(hf, source)
-        bias = bool(hf.get("attention_bias", True))
-        return ModelConfig(
-            architecture="gpt_oss", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=bias, qk_norm=False,
-            attention_out_bias=bias, layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-            num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
-            experts_per_token=int(hf.get("num_experts_per_tok", 4)),
-            expert_intermediate_size=int(hf["intermediate_size"]),
-            attention_sinks=True, expert_bias=True, router_topk_softmax=True,
-            swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
-    except KeyError as exc:
-        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
-    except (TypeError, ValueError) as exc:
-        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    sizes = _sizes(hf, max_positions=131072)
+    _partial_rotary(hf, sizes["head_dim"], source, False)
+    windows = _layer_windows(hf, sizes["num_layers"], source, int(hf.get("sliding_window") or 128),
+                             lambda i: (i + 1) % 2)
+    if not isinstance(hf.get("rope_parameters") or hf.get("rope_scaling"), dict):
+        hf = {**hf, "rope_parameters": {**_GPT_OSS_ROPE, "rope_theta": float(hf.get("rope_theta", 150000.0))}}
+    theta, scaling = _rope_from_hf(hf, source)
+    bias = bool(hf.get("attention_bias", True))
+    return ModelConfig(
+        architecture="gpt_oss", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=bias, qk_norm=False, attention_out_bias=bias, layer_windows=windows,
+        num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
+        experts_per_token=int(hf.get("num_experts_per_tok", 4)), expert_intermediate_size=sizes["intermediate_size"],
+        attention_sinks=True, expert_bias=True, router_topk_softmax=True,
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
 def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     """OLMo 2 and OLMo 3: Llama's projections; a norm after attention and after the MLP (none before); q and k
     normed over all heads; OLMo 3's windowed layers (layer_types) turn by their own plain rope."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported (only silu)")
-    try:
-        layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads)
-        _partial_rotary(hf, head_dim, source, False)
-        windows, local_theta = None, None
-        params = hf.get("rope_parameters")
-        if model_type == "olmo3":
-            types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
-                                               for i in range(layers)]
-            if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-                raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
-                                "sliding_attention", ErrorKind.SOURCE_FORMAT)
-            window = int(hf.get("sliding_window") or 4096)
-            windows = tuple(window if t == "sliding_attention" else 0 for t in types)
-        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # per layer type
-            theta, scaling = _rope_from_hf({"rope_parameters": dict(params["full_attention"])}, source)
-            sliding = params.get("sliding_attention") or {}
-            if sliding.get("rope_type", "default") != "default":
-                raise _unsupported(f"{source}: scaled rope on the windowed layers is not supported")
-            local_theta = float(sliding.get("rope_theta", theta))
-        else:
-            theta, scaling = _rope_from_hf(hf, source)
-            local_theta = theta if windows else None
-        bias = bool(hf.get("attention_bias", False))
-        return ModelConfig(
-            architecture="olmo2", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), attention_bias=bias, qk_norm=True,
-            attention_out_bias=bias, sandwich_norm=True, pre_norm=False, qk_norm_whole=True, layer_windows=windows,
-            local_rope_theta=local_theta if windows else None)
-    except KeyError as exc:
-        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
-    except (TypeError, ValueError) as exc:
-        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    _check_silu(hf, source)
+    sizes = _sizes(hf, max_positions=4096)
+    _partial_rotary(hf, sizes["head_dim"], source, False)
+    windows = None
+    if model_type == "olmo3":
+        windows = _layer_windows(hf, sizes["num_layers"], source, int(hf.get("sliding_window") or 4096),
+                                 lambda i: (i + 1) % 4)
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # per layer type
+        theta, scaling = _rope_from_hf({"rope_parameters": dict(params["full_attention"])}, source)
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise _unsupported(f"{source}: scaled rope on the windowed layers is not supported")
+        local_theta = float(sliding.get("rope_theta", theta))
+    else:
+        theta, scaling = _rope_from_hf(hf, source)
+        local_theta = theta
+    bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        architecture="olmo2", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=bias, qk_norm=True, attention_out_bias=bias, sandwich_norm=True,
+        pre_norm=False, qk_norm_whole=True, layer_windows=windows, local_rope_theta=local_theta if windows else None)
 
 
 def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
@@ -783,44 +723,27 @@ def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelCon
                 raise _unsupported(f"{source}: {key} is not supported for Gemma 3")
     if hf.get("use_bidirectional_attention"):
         raise _unsupported(f"{source}: use_bidirectional_attention is not supported")
-    try:
-        layers = int(hf["num_hidden_layers"])
-        window = int(hf.get("sliding_window") or 4096)
-        types = hf.get("layer_types")
-        if types is None:  # older configs: every sliding_window_pattern-th layer is global (Gemma 2: every other)
-            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or (2 if gemma2 else 6))
-            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-        if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
-            raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
-                            "sliding_attention", ErrorKind.SOURCE_FORMAT)
-        params = hf.get("rope_parameters")
-        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # transformers 5
-            theta, scaling = _rope_from_hf({"rope_parameters": dict(params["full_attention"])}, source)
-            local_theta = float(params.get("sliding_attention", {}).get("rope_theta", 10000.0))
-        else:
-            theta, scaling = _rope_from_hf(hf, source)
-            local_theta = None if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or 256)
-        _partial_rotary(hf, head_dim, source, False)
-        bias = bool(hf.get("attention_bias", False))
-        caps = {}
-        if gemma2:
-            caps = {key: float(hf[key]) if hf.get(key) is not None else None
-                    for key in ("attn_logit_softcapping", "final_logit_softcapping")}
-        return ModelConfig(
-            architecture="gemma2" if gemma2 else "gemma3", vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]), num_layers=layers, num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads), head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192 if gemma2 else 131072)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, qk_norm=not gemma2,
-            attention_out_bias=bias, embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
-            attention_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-            layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-            local_rope_theta=local_theta, **caps)
-    except KeyError as exc:
-        raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
-    except (TypeError, ValueError) as exc:
-        raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    sizes = _sizes(hf, head_dim=256, max_positions=8192 if gemma2 else 131072, tied=True)
+    # older configs without layer_types: every sliding_window_pattern-th layer is global (Gemma 2: every other)
+    pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or (2 if gemma2 else 6))
+    windows = _layer_windows(hf, sizes["num_layers"], source, int(hf.get("sliding_window") or 4096),
+                             lambda i: (i + 1) % pattern)
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # transformers 5
+        theta, scaling = _rope_from_hf({"rope_parameters": dict(params["full_attention"])}, source)
+        local_theta = float(params.get("sliding_attention", {}).get("rope_theta", 10000.0))
+    else:
+        theta, scaling = _rope_from_hf(hf, source)
+        local_theta = None if gemma2 else float(hf.get("rope_local_base_freq", 10000.0))
+    _partial_rotary(hf, sizes["head_dim"], source, False)
+    bias = bool(hf.get("attention_bias", False))
+    caps = {}
+    if gemma2:
+        caps = {key: float(hf[key]) if hf.get(key) is not None else None
+                for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return ModelConfig(
+        architecture="gemma2" if gemma2 else "gemma3", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=bias, qk_norm=not gemma2, attention_out_bias=bias,
+        embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+        attention_scale=float(hf.get("query_pre_attn_scalar") or sizes["head_dim"]) ** -0.5, layer_windows=windows,
+        local_rope_theta=local_theta, **caps)

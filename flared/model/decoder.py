@@ -448,7 +448,6 @@ class DecoderModel:
         longest = max(len(t) for t in token_lists)
         if longest > self.max_positions:
             raise ValueError(f"a sequence of {longest} tokens is longer than the model's {self.max_positions}")
-        eps = self.config.rms_norm_eps
         out: list[torch.Tensor | None] = [None] * len(token_lists)
         short = [i for i, t in enumerate(token_lists) if len(t) <= chunk_tokens]
         if short:
@@ -474,7 +473,6 @@ class DecoderModel:
         """One sequence's pooled embedding (as ``pooled_embeddings``, not scaled) a prefill chunk at a time:
         yields None after each chunk but the last, then the vector [hidden] float32, so a caller can run other
         work between chunks."""
-        eps = self.config.rms_norm_eps
         total = None
         for start, h in self._chunked_prefill(list(tokens), chunk_tokens, page_tokens):
             if pooling == "last":

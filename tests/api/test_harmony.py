@@ -12,7 +12,6 @@ tokens join several markers where a marker repeats: its next token depends on th
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from flared_testing.daemon import Daemon
