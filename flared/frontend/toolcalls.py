@@ -358,6 +358,21 @@ class ToolParser:
             self._held_ws = ""
             self._out.calls.extend(deltas)
 
+    def _typed_argument(self, index: int, count: int, key: str, value: str, kind: Any) -> None:
+        """Call ``index``'s next key/value pair (its ``count``-th) as JSON text, the value typed by the tool's schema
+        (``kind``), streamed as a delta."""
+        piece = ("{" if count == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": " + \
+            json.dumps(_convert_param(value, kind), ensure_ascii=False)
+        self.calls[index].arguments += piece
+        self._emit_calls([ToolCallDelta(index, None, None, piece)])
+
+    def _close_arguments(self, index: int, count: int) -> None:
+        """Call ``index``'s arguments object closed after ``count`` pairs, and the call with it."""
+        piece = "{}" if count == 0 else "}"
+        self.calls[index].arguments += piece
+        self._emit_calls([ToolCallDelta(index, None, None, piece)])
+        self._close(index, None)
+
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()
         return out
@@ -583,19 +598,13 @@ class Qwen3CoderToolParser(ToolParser):
             value = value[1:]
         if value.endswith("\n"):
             value = value[:-1]
-        piece = ("{" if self._nparams == 0 else ", ") + json.dumps(self._param, ensure_ascii=False) + ": " + \
-            json.dumps(_convert_param(value, self._types.get(self._param)), ensure_ascii=False)
+        self._typed_argument(self._index, self._nparams, self._param, value, self._types.get(self._param))
         self._nparams += 1
-        self.calls[self._index].arguments += piece
-        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
         self._state = "function"
         return True
 
     def _end_call(self) -> None:
-        piece = "{}" if self._nparams == 0 else "}"
-        self.calls[self._index].arguments += piece
-        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
-        self._close(self._index, None)
+        self._close_arguments(self._index, self._nparams)
         lead = self._buf.lstrip()
         if lead.startswith(self.CLOSE):
             self._buf = lead[len(self.CLOSE):]
@@ -704,19 +713,13 @@ class Glm45ToolParser(ToolParser):
                     return False
                 i = len(lead)
             value, self._buf = lead[len(self._VALUE):i], lead[i + len(self._VALUE_END):]
-        piece = ("{" if self._nargs == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + \
-            json.dumps(_convert_param(value, self._types.get(self._key)), ensure_ascii=False)
+        self._typed_argument(self._index, self._nargs, self._key, value, self._types.get(self._key))
         self._nargs += 1
-        self.calls[self._index].arguments += piece
-        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
         self._state = "args"
         return True
 
     def _end_call(self) -> None:
-        piece = "{}" if self._nargs == 0 else "}"
-        self.calls[self._index].arguments += piece
-        self._emit_calls([ToolCallDelta(self._index, None, None, piece)])
-        self._close(self._index, None)
+        self._close_arguments(self._index, self._nargs)
         self._state = "text"
 
     def _finish_rest(self) -> None:

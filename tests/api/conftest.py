@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from flared_testing.daemon import Daemon
+from flared_testing.scripted import script_successors
 
 TOOL_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -119,16 +120,7 @@ def tool_hf_dir(tmp_path_factory) -> Path:
     successors[ids["\n\n"]] = ids[ANSWER]
     successors[ids[ANSWER]] = 2
     successors[ids[LOOP]] = ids[LOOP]
-    with torch.no_grad():
-        for layer in model.model.layers:
-            # zero output projections: the residual stream stays the current token's embedding
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = model.model.embed_tokens.weight
-        for nxt in set(successors.values()):
-            # logit ~ 10 * sqrt(hidden) for each (current, next) pair, ~0 for unrelated rows
-            model.lm_head.weight[nxt] = sum(10.0 * emb[cur] / emb[cur].norm()
-                                            for cur, n in successors.items() if n == nxt)
+    script_successors(model, successors)
     model.save_pretrained(d, safe_serialization=True)
     return d
 

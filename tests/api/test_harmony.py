@@ -15,6 +15,7 @@ import json
 
 import pytest
 from flared_testing.daemon import Daemon
+from flared_testing.scripted import script_successors
 
 TEMPLATE = """\
 {%- if tools %}<|start|>developer<|message|># Tools
@@ -79,14 +80,7 @@ def harmony_daemon(tmp_path_factory):
     successors = {ids[a]: ids[b] for a, b in zip(chain, chain[1:])}
     successors[ids["<|message|>"]] = ids[ANSWER]
     successors[ids[ANSWER]] = ids["<|return|>"]
-    with torch.no_grad():  # the logits follow the current token only (conftest.py's construction)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = model.model.embed_tokens.weight
-        for nxt in set(successors.values()):
-            model.lm_head.weight[nxt] = sum(10.0 * emb[cur] / emb[cur].norm()
-                                            for cur, n in successors.items() if n == nxt)
+    script_successors(model, successors)
     model.save_pretrained(d, safe_serialization=True)
     core = tmp_path_factory.mktemp("cores") / "harmony"
     export_core(d, core, ExportOptions(concurrency=2, context_tokens=1024, prefill_chunk_tokens=256))
