@@ -358,6 +358,14 @@ class ToolParser:
             self._held_ws = ""
             self._out.calls.extend(deltas)
 
+    def _announce_typed(self, name: str) -> int:
+        """A key/value family's call of ``name`` announced (its parameters' schema types in ``self._types``); its
+        index."""
+        d = self._announce(name)
+        self._types = _param_types(self.tools, name)
+        self._emit_calls([d])
+        return d.index
+
     def _typed_argument(self, index: int, count: int, key: str, value: str, kind: Any) -> None:
         """Call ``index``'s next key/value pair (its ``count``-th) as JSON text, the value typed by the tool's schema
         (``kind``), streamed as a delta."""
@@ -554,10 +562,7 @@ class Qwen3CoderToolParser(ToolParser):
             name = m.group(1).strip()
             self._raw += self._buf[:m.end()]
             self._buf = self._buf[m.end():]
-            d = self._announce(name)
-            self._index, self._nparams = d.index, 0
-            self._types = _param_types(self.tools, name)
-            self._emit_calls([d])
+            self._index, self._nparams = self._announce_typed(name), 0
             self._state = "function"
             return True
         if self._state == "function":
@@ -671,10 +676,7 @@ class Glm45ToolParser(ToolParser):
                 self._state = "text"
                 return True
             self._buf = self._buf[min(ends):]
-            d = self._announce(name)
-            self._index, self._nargs = d.index, 0
-            self._types = _param_types(self.tools, name)
-            self._emit_calls([d])
+            self._index, self._nargs = self._announce_typed(name), 0
             self._state = "args"
             return True
         if self._state == "args":

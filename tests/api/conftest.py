@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from flared_testing.daemon import Daemon
-from flared_testing.scripted import script_successors
+from flared_testing.scripted import bpe_tokenizer, script_successors
 
 TOOL_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -84,17 +84,7 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital 
 
 
 def _train_tokenizer(directory: Path):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.add_tokens([AddedToken(t, normalized=False) for t in ADDED])
-    tok.save(str(directory / "tokenizer.json"))
-    return tok
+    return bpe_tokenizer(directory, CORPUS, special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], added=ADDED)
 
 
 @pytest.fixture(scope="session")

@@ -20,19 +20,14 @@ FIM_TOKENS = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|
 def fim_daemon(tmp_path_factory):
     import torch
     from flared_testing.daemon import Daemon
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from flared_testing.scripted import bpe_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-fim")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", *FIM_TOKENS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([PREFIX + SUFFIX, "def mul(x, y):\n    return x * y\n"] * 20, trainer)
-    tok.save(str(d / "tokenizer.json"))
+    tok = bpe_tokenizer(d, [PREFIX + SUFFIX, "def mul(x, y):\n    return x * y\n"],
+                        special=["<|endoftext|>", *FIM_TOKENS], vocab_size=400)
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                          "tokenizer_class": "PreTrainedTokenizerFast"}))
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import json
 
 import pytest
 from flared_testing.daemon import Daemon
-from flared_testing.scripted import script_successors
+from flared_testing.scripted import bpe_tokenizer, script_successors
 
 TEMPLATE = """\
 {%- if tools %}<|start|>developer<|message|># Tools
@@ -53,20 +53,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def harmony_daemon(tmp_path_factory):
     import torch
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-harmony")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is the weather in Paris today?", "sunny cloudy celsius"] * 20, trainer)
-    tok.add_tokens([AddedToken(t, normalized=False) for t in ADDED])
-    tok.save(str(d / "tokenizer.json"))
+    tok = bpe_tokenizer(d, ["What is the weather in Paris today?", "sunny cloudy celsius"], special=SPECIAL,
+                        added=ADDED)
     (d / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|return|>", "pad_token": "<|endoftext|>", "chat_template": TEMPLATE,
         "tokenizer_class": "PreTrainedTokenizerFast"}))

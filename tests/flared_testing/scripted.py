@@ -19,3 +19,20 @@ def script_successors(model, successors: dict[int, int]) -> None:
         for nxt in set(successors.values()):
             model.lm_head.weight[nxt] = sum(10.0 * emb[cur] / emb[cur].norm()
                                             for cur, n in successors.items() if n == nxt)
+
+
+def bpe_tokenizer(directory, corpus: list[str], *, special: list[str], added: list[str] = (), vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained on ``corpus`` (twenty passes) with ``special`` tokens and ``added`` ones
+    (matched as written), saved as ``directory``/tokenizer.json; returns it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(corpus) * 20, trainer)
+    if added:
+        tok.add_tokens([AddedToken(t, normalized=False) for t in added])
+    tok.save(str(directory / "tokenizer.json"))
+    return tok
