@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Decode throughput of a mixture-of-experts model: flared's runtime against transformers' ``generate``.
 
-Both sides build the same random-weight Qwen3-MoE (a shape below, fewer layers with ``--layers``) and run greedy
+Both sides build the same random-weight Qwen3-MoE (or, with ``--family``, a gpt-oss or GLM-4.5 of the same sizes:
+their routers, biases, activations and shared expert; a shape below, fewer layers with ``--layers``) and run greedy
 decoding of the same token ids in the same dtype, on the CPU or on the GPU (``--device cuda``: flared's eager
 executor path, the one a GPU machine serves experts with; there also "flared (expert loop)", the same runner with
 DecoderModel.grouped_experts off), alternately in one process. Decode tok/s counts each
@@ -44,9 +45,31 @@ SHAPES = {
 }
 
 
+def hf_config(family: str, shape: dict):
+    """The transformers config of ``family`` at ``shape``'s sizes: (config, experts, experts a token, expert size)."""
+    import transformers
+
+    e, k, inter = shape["num_experts"], shape["num_experts_per_tok"], shape["moe_intermediate_size"]
+    common = {key: shape[key] for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                          "num_key_value_heads", "head_dim", "vocab_size")}
+    common.update(max_position_embeddings=4096, tie_word_embeddings=False)
+    if family == "gpt_oss":  # (its experts are intermediate_size wide; every other layer windowed)
+        config = transformers.GptOssConfig(**common, num_local_experts=e, num_experts_per_tok=k, intermediate_size=inter,
+                                           sliding_window=128)
+    elif family == "glm4_moe":  # (a dense first layer, sigmoid routing, a shared expert)
+        config = transformers.Glm4MoeConfig(**common, n_routed_experts=e, num_experts_per_tok=k,
+                                            moe_intermediate_size=inter, intermediate_size=4 * shape["hidden_size"],
+                                            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+    else:
+        config = transformers.Qwen3MoeConfig(**common, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=inter,
+                                             intermediate_size=4 * shape["hidden_size"], norm_topk_prob=True)
+    return config, e, k, inter
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "gpt_oss", "glm4_moe"))
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -59,14 +82,13 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
     dtype = getattr(torch, args.dtype)
-    config = Qwen3MoeConfig(**shape, intermediate_size=4 * shape["hidden_size"], norm_topk_prob=True,
-                            max_position_embeddings=4096, tie_word_embeddings=False)
+    config, experts, per_token, expert_size = hf_config(args.family, shape)
     torch.manual_seed(0)
     started = time.perf_counter()
     with torch.device(args.device):
@@ -80,9 +102,9 @@ def main() -> None:
                          max_batch=max(batches), prefill_chunk_tokens=4096)
     del tensors, state
     params = sum(t.numel() for t in hf.parameters())
-    active = params - config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 * \
-        config.hidden_size * config.moe_intermediate_size
-    print(f"Qwen3-MoE {args.shape}, {config.num_hidden_layers} layers: {params / 1e9:.2f}B parameters, "
+    moe_layers = config.num_hidden_layers - len(ours_config.dense_layers)
+    active = params - moe_layers * (experts - per_token) * 3 * config.hidden_size * expert_size
+    print(f"{args.family} {args.shape}, {config.num_hidden_layers} layers: {params / 1e9:.2f}B parameters, "
           f"{active / 1e9:.2f}B active, {args.dtype} on {args.device} (built in {time.perf_counter() - started:.0f} s)",
           file=sys.stderr)
     grouped = runner.model.grouped_experts
@@ -108,15 +130,15 @@ def main() -> None:
         print(f"  batch {batch:3d}: " + "   ".join(f"{k} {v:9.1f} tok/s" for k, v in tok_s.items()),
               file=sys.stderr, flush=True)
     variants = [v for v in figures[batches[0]] if v != "transformers"]
-    print("\n| shape | device | dtype | batch | " + " | ".join(f"{v} tok/s, ratio" for v in variants)
+    print("\n| family | shape | device | dtype | batch | " + " | ".join(f"{v} tok/s, ratio" for v in variants)
           + " | transformers tok/s |")
-    print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: |")
+    print("| --- | --- | --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: |")
     for batch, f in figures.items():
-        print(f"| {args.shape} ({config.num_hidden_layers} layers) | {args.device} | {args.dtype} | {batch} | "
+        print(f"| {args.family} | {args.shape} ({config.num_hidden_layers} layers) | {args.device} | {args.dtype} | {batch} | "
               + " | ".join(f"{f[v]:,.1f}, {f[v] / f['transformers']:.2f}" for v in variants)
               + f" | {f['transformers']:,.1f} |")
     if args.json:
-        print(json.dumps({"shape": args.shape, "layers": config.num_hidden_layers, "device": args.device,
+        print(json.dumps({"family": args.family, "shape": args.shape, "layers": config.num_hidden_layers, "device": args.device,
                           "dtype": args.dtype, "params_b": round(params / 1e9, 3), "active_b": round(active / 1e9, 3),
                           "grouped_experts": grouped,
                           **{f"batch{b}|{v}": {"tok_s": round(f[v], 1), "ratio": round(f[v] / f["transformers"], 3)}

@@ -158,18 +158,19 @@ def test_a_moe_core_serves_transformers_tokens(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "glm4_moe"])
 def test_grouped_expert_products_equal_the_loop(family, tmp_path):
-    """The GPU's grouped path (every expert's rows in two grouped products, no host sync) run here on the CPU, where
-    torch has the kernel: the same logits as the loop over experts, prefill chunks and decode rows mixed."""
+    """The grouped path (every expert's rows in two grouped products, no host sync: a GPU's in bf16, the CPU's in
+    float32) against the loop over experts: the same logits, prefill chunks and decode rows mixed."""
     from flared.model import decoder
 
     if decoder._grouped_mm is None:
         pytest.skip("this torch has no grouped_mm")
     source = read_source(build_hf_checkpoint(family, tmp_path))
     model = DecoderModel(source.config, source.tensors)
-    assert not model.grouped_experts  # (on by default on a GPU in bf16 only)
+    assert model.grouped_experts  # (float32 on the CPU)
+    assert not DecoderModel(source.config, source.tensors, dtype=torch.bfloat16).grouped_experts  # (packed kernels)
     prompts = make_prompts(source.config.vocab_size, seed=11)
-    loop = run_paged_greedy(model, prompts, num_new_tokens=8, page_tokens=4, chunk_tokens=5)
-    model.grouped_experts = True
     grouped = run_paged_greedy(model, prompts, num_new_tokens=8, page_tokens=4, chunk_tokens=5)
+    model.grouped_experts = False
+    loop = run_paged_greedy(model, prompts, num_new_tokens=8, page_tokens=4, chunk_tokens=5)
     for (out_a, logits_a), (out_b, logits_b) in zip(loop, grouped):
         assert out_a == out_b and (logits_a - logits_b).abs().max().item() < 1e-4
