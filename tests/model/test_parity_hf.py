@@ -78,6 +78,16 @@ def family_checkpoint(request, tmp_path_factory):
     return request.param, directory, hf_model
 
 
+def test_config_round_trips_through_a_manifest(family_checkpoint):
+    """Every family's ModelConfig (its rope tables, layer lists, flags) comes back equal from a core manifest's JSON."""
+    import json
+
+    from flared.model.config import ModelConfig
+
+    config = read_source(family_checkpoint[1]).config
+    assert ModelConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
 def test_paged_chunked_logits_match_transformers(family_checkpoint):
     family, directory, hf_model = family_checkpoint
     source = read_source(directory)
