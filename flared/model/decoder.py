@@ -42,6 +42,20 @@ except ImportError:  # as above: decode attention keeps the gather + bmm path
 # torch's grouped product (rows grouped by offsets, one matrix a group): torch >= 2.10's public name, else the
 # private one, else none
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _cpu_grouped_mm_works() -> bool:
+    """Whether this torch runs grouped_mm on the CPU in float32 (older builds have it for CUDA only)."""
+    if _grouped_mm is None:
+        return False
+    try:
+        out = _grouped_mm(torch.ones(3, 8), torch.ones(2, 8, 4), offs=torch.tensor([1, 3], dtype=torch.int32))
+        return tuple(out.shape) == (3, 4)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+_CPU_GROUPED_MM = _cpu_grouped_mm_works()
 try:
     from flared._fast import decode as _cpu_decode
 except ImportError:  # as above: bf16 decode steps keep the per-op path
@@ -290,7 +304,8 @@ class DecoderModel:
         # False keeps the loop (the A/B).
         self.grouped_experts = bool(config.num_experts) and _grouped_mm is not None and (
             (self.device.type == "cuda" and dtype == torch.bfloat16)
-            or (self.device.type == "cpu" and dtype == torch.float32))
+            or (self.device.type == "cpu" and dtype == torch.float32 and _CPU_GROUPED_MM
+                and config.hidden_size % 4 == 0 and config.expert_intermediate_size % 4 == 0))  # (16-byte strides)
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
