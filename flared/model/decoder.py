@@ -204,7 +204,8 @@ class DecoderModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in tensors else None
 
-        # Gemma's norm weights (1 + w) and gpt-oss' stay float32: their RMSNorm scales in float32 and rounds once
+        # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
+        # once (ModelConfig.float_norms)
         float_norms = config.float_norms
 
         def norm(name: str) -> torch.Tensor | None:
