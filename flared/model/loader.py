@@ -342,7 +342,7 @@ def _hf_gpt_oss_experts(hf: dict[str, torch.Tensor], block: str, sp: str, take) 
     gate and up columns interleaved, [E, I, H]) or as OpenAI released them (MXFP4: ``*_blocks`` and ``*_scales``, rows
     [E, 2 I, H] and [E, H, I]), with their biases, in our layout (gate rows, then up rows)."""
 
-    def product(name: str, transposed: torch.Tensor | None = None) -> torch.Tensor:  # [E, out, in]
+    def product(name: str) -> torch.Tensor:  # [E, out, in]
         if block + f"experts.{name}_blocks" in hf:
             return mxfp4_dequantize(take(block + f"experts.{name}_blocks"), take(block + f"experts.{name}_scales"))
         return take(block + f"experts.{name}").transpose(1, 2)
