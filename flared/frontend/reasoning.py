@@ -1,5 +1,5 @@
 """Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``, Seed-OSS'
-``<seed:think>…</seed:think>``)
+``<seed:think>…</seed:think>``, Cohere's ``<|START_THINKING|>…<|END_THINKING|>``)
 split from the answer, incrementally (gpt-oss' harmony channels: toolcalls.HarmonyToolParser).
 
 Rules:
@@ -42,10 +42,11 @@ class ReasoningFormat:
 THINK = ReasoningFormat("think", "<think>", "</think>")
 MISTRAL_THINK = ReasoningFormat("mistral", "[THINK]", "[/THINK]", needs_special_tokens=True)
 SEED_THINK = ReasoningFormat("seed", "<seed:think>", "</seed:think>", needs_special_tokens=True)  # Seed-OSS
+COHERE_THINK = ReasoningFormat("cohere", "<|START_THINKING|>", "<|END_THINKING|>", needs_special_tokens=True)
 # gpt-oss' harmony: reasoning is the analysis channel's messages, read by toolcalls.HarmonyToolParser with the
 # answer and the calls (the markers here name the channel; OutputParser hands the whole text to that parser)
 HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", needs_special_tokens=True)
-FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, HARMONY)}
+FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, HARMONY)}
 
 
 def is_harmony_template(source: str) -> bool:
@@ -61,7 +62,7 @@ def reasoning_format_for_template(source: str | None, override: str = "auto") ->
         return FORMATS[override]
     if source and is_harmony_template(source):
         return HARMONY
-    for fmt in (THINK, MISTRAL_THINK, SEED_THINK):
+    for fmt in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK):
         if source and fmt.start in source and fmt.end in source:
             return fmt
     return None

@@ -26,7 +26,8 @@ Families (chosen from the chat template, overridable in ServerConfig):
 (``<｜tool▁calls▁begin｜>…<｜tool▁sep｜>…``), ``functionary``
 (``<function=name>{…}</function>``), ``glm45`` (``<tool_call>name<arg_key>k</arg_key>
 <arg_value>v</arg_value></tool_call>``), ``seed_oss`` (Qwen3-Coder's tags in
-``<seed:tool_call>…</seed:tool_call>``), ``harmony`` (gpt-oss: messages on
+``<seed:tool_call>…</seed:tool_call>``), ``cohere`` (Command A / R7B:
+``<|START_ACTION|>[{"tool_name": …, "parameters": …}]<|END_ACTION|>``), ``harmony`` (gpt-oss: messages on
 channels, ``<|channel|>analysis<|message|>…<|end|>`` reasoning,
 ``…final<|message|>…`` the answer, ``commentary to=functions.name …
 <|message|>{…}<|call|>`` a call; the one family whose parser also splits out
@@ -228,7 +229,6 @@ def _scan_object(s: str) -> tuple[dict[str, tuple[int, int | None]], int | None]
         i = v_end
 
 
-_NAME_KEYS = ("name",)
 _ARGS_KEYS = ("arguments", "parameters")
 
 
@@ -258,7 +258,7 @@ class _JsonCall:
             return []
         out = []
         if self.index is None:
-            span = keys.get("name")
+            span = keys.get(self.parser.NAME_KEY)
             if span is None or span[1] is None:
                 return []
             name = json.loads(s[span[0]:span[1]])
@@ -289,7 +289,7 @@ class _JsonCall:
             keys, _ = _scan_object(s)
         except (ValueError, _NotACall):
             obj = keys = None
-        ok = isinstance(obj, dict) and isinstance(obj.get("name"), str)
+        ok = isinstance(obj, dict) and isinstance(obj.get(self.parser.NAME_KEY), str)
         if not ok:
             if self.index is None:
                 return None
@@ -318,6 +318,7 @@ class ToolParser:
     name = ""
     # True when the family's markers are special tokens the detokenizer would otherwise skip.
     needs_special_tokens = False
+    NAME_KEY = "name"  # a JSON-bodied call's key for the function's name
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
@@ -925,6 +926,32 @@ class MistralToolParser(ToolParser):
         self._buf = ""
 
 
+class CohereToolParser(MistralToolParser):
+    """Command A / Command R7B: ``<|START_ACTION|>[{"tool_call_id": …, "tool_name": …, "parameters": {…}}, …]
+    <|END_ACTION|>``; the answer's ``<|START_RESPONSE|>`` / ``<|END_RESPONSE|>`` markers are not content."""
+
+    name = "cohere"
+    OPEN, ARGS = "<|START_ACTION|>", "\x00"  # (no named form)
+    NAME_KEY = "tool_name"
+    _DROPPED = ("<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>")
+
+    def _step(self, final: bool) -> bool:
+        if self._state != "text":
+            return super()._step(final)
+        found = [(i, m) for m in (self.OPEN, *self._DROPPED) if (i := self._buf.find(m)) >= 0]
+        if found:
+            i, marker = min(found)
+            self._emit_content(self._buf[:i])
+            self._buf = self._buf[i + len(marker):]
+            if marker == self.OPEN:
+                self._state = "head"
+            return True
+        keep = 0 if final else max(held_suffix(self._buf, m) for m in (self.OPEN, *self._DROPPED))
+        self._emit_content(self._buf[:len(self._buf) - keep])
+        self._buf = self._buf[len(self._buf) - keep:]
+        return False
+
+
 class DeepSeekToolParser(ToolParser):
     """DeepSeek V3/R1 (``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name\\n```json\\n{…}\\n```<｜tool▁call▁end｜>``)
     and V3.1 (``<｜tool▁call▁begin｜>name<｜tool▁sep｜>{…}<｜tool▁call▁end｜>``)."""
@@ -1229,7 +1256,7 @@ class HarmonyToolParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
-                        Glm45ToolParser)
+                        Glm45ToolParser, CohereToolParser)
 }
 
 
@@ -1247,6 +1274,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return SeedOssToolParser
     if "<arg_key>" in source:
         return Glm45ToolParser
+    if "<|START_ACTION|>" in source:
+        return CohereToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

@@ -92,6 +92,12 @@ CASES = {
         ("A <tool_call> that is not one: <tool_call>{bad}</tool_call>", "A <tool_call> that is not one: "
          "<tool_call>{bad}</tool_call>", []),
     ],
+    "cohere": [
+        ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
+         '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
+         "<|END_ACTION|>", "", [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
+        ("<|START_RESPONSE|>It is sunny in Paris.<|END_RESPONSE|>", "It is sunny in Paris.", []),
+    ],
     "harmony": [  # (the analysis channel's reasoning: test_harmony_every_split)
         ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
          'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>', "",
@@ -109,7 +115,9 @@ CASES = {
 MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "[TOOL_CALLS]", "[ARGS]",
            "<|python_tag|>", "tool▁call", "<think>", "</think>", "[THINK]", "[/THINK]", "<|channel|>", "<|message|>",
            "<|end|>", "<|start|>", "<|call|>", "<|constrain|>", "<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
-           "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+           "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+           "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
+           "<|END_THINKING|>")
 
 
 def chunkings(text: str):
@@ -221,6 +229,19 @@ def test_reasoning_then_tool_call_every_split():
         check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris"})])
 
 
+def test_cohere_thinking_then_action_every_split():
+    """Command A's reasoning block, then its action list: reasoning apart, the call, no marker in the content."""
+    from flared.frontend.reasoning import COHERE_THINK
+
+    text = ('<|START_THINKING|>I will look it up.<|END_THINKING|><|START_ACTION|>[{"tool_call_id": "0", '
+            '"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>')
+    for chunks in chunkings(text):
+        content, reasoning, deltas, parser = run(lambda: OutputParser(PARSERS["cohere"](WEATHER_TOOLS), COHERE_THINK),
+                                                 chunks)
+        assert ("".join(content), reasoning) == ("", "I will look it up."), chunks
+        check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris"})])
+
+
 HARMONY_CASES = [
     # (text, tools, reasoning, content, calls)
     ("<|channel|>analysis<|message|>Two and two.<|end|><|start|>assistant<|channel|>final<|message|>Four.", None,
@@ -265,6 +286,9 @@ def test_selection_from_templates():
     assert tool_parser_for_template(harmony).name == "harmony"
     glm = "<tool_call>{{ tc.name }}\n{% for k, v in args %}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>"
     assert tool_parser_for_template(glm).name == "glm45"
+    command_a = "<|START_THINKING|>{{ t }}<|END_THINKING|><|START_ACTION|>{{ calls }}<|END_ACTION|>"
+    assert tool_parser_for_template(command_a).name == "cohere"
+    assert reasoning_format_for_template(command_a).name == "cohere"
     assert reasoning_format_for_template(harmony).name == "harmony"  # (before <think>: harmony's channels win)
     assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
     assert reasoning_format_for_template("<think></think>", "none") is None
