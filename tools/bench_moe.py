@@ -54,15 +54,16 @@ def hf_config(family: str, shape: dict):
                                           "num_key_value_heads", "head_dim", "vocab_size")}
     common.update(max_position_embeddings=4096, tie_word_embeddings=False)
     if family == "gpt_oss":  # (its experts are intermediate_size wide; every other layer windowed)
-        config = transformers.GptOssConfig(**common, num_local_experts=e, num_experts_per_tok=k, intermediate_size=inter,
-                                           sliding_window=128)
+        config = transformers.GptOssConfig(**common, num_local_experts=e, num_experts_per_tok=k,
+                                           intermediate_size=inter, sliding_window=128)
     elif family == "glm4_moe":  # (a dense first layer, sigmoid routing, a shared expert)
         config = transformers.Glm4MoeConfig(**common, n_routed_experts=e, num_experts_per_tok=k,
                                             moe_intermediate_size=inter, intermediate_size=4 * shape["hidden_size"],
                                             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
     else:
-        config = transformers.Qwen3MoeConfig(**common, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=inter,
-                                             intermediate_size=4 * shape["hidden_size"], norm_topk_prob=True)
+        config = transformers.Qwen3MoeConfig(**common, num_experts=e, num_experts_per_tok=k,
+                                             moe_intermediate_size=inter, intermediate_size=4 * shape["hidden_size"],
+                                             norm_topk_prob=True)
     return config, e, k, inter
 
 
@@ -134,7 +135,8 @@ def main() -> None:
           + " | transformers tok/s |")
     print("| --- | --- | --- | --- | ---: | " + " | ".join("---:" for _ in variants) + " | ---: |")
     for batch, f in figures.items():
-        print(f"| {args.family} | {args.shape} ({config.num_hidden_layers} layers) | {args.device} | {args.dtype} | {batch} | "
+        print(f"| {args.family} | {args.shape} ({config.num_hidden_layers} layers) | {args.device} | {args.dtype} "
+              f"| {batch} | "
               + " | ".join(f"{f[v]:,.1f}, {f[v] / f['transformers']:.2f}" for v in variants)
               + f" | {f['transformers']:,.1f} |")
     if args.json:

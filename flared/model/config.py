@@ -615,8 +615,8 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
 
 
 def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
-    """Cohere (Command R, Aya Expanse) and Cohere2 (Command R7B, Command A): one LayerNorm a layer, attention and the MLP
-    in parallel, rope turning interleaved pairs (reordered on reading: rope_interleaved), logits times logit_scale;
+    """Cohere (Command R, Aya Expanse) and Cohere2 (Command R7B, Command A): one LayerNorm a layer, attention and the
+    MLP in parallel, rope turning interleaved pairs (reordered on reading: rope_interleaved), logits times logit_scale;
     Cohere2's windowed layers (three in four) rotated and its global ones not. Per-head q/k LayerNorms are refused."""
     _check_silu(hf, source)
     if hf.get("use_qk_norm"):
