@@ -126,7 +126,7 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         t = src.tensors.pop(name)  # pop: keep peak memory at one copy of the model
         if t.is_floating_point():
             # (DeepSeek-V3-style routers stay float32, as transformers keeps them)
-            keep = (float_norms and name.endswith("norm.weight")) or (config.router_sigmoid and ".router." in name)
+            keep = (float_norms and name.endswith("norm.weight")) or (config.router_float32 and ".router." in name)
             t = t.to(torch.float32 if keep else dtype)
         t = t.contiguous()
         nbytes = t.numel() * t.element_size()

@@ -27,7 +27,7 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
@@ -63,7 +63,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "glm4": "llama",
                   # GLM-4.5 / 4.6 (Air): Llama with q/k/v biases (optional q/k norms), half of each head rotated,
                   # the first layer dense and the rest DeepSeek-V3-routed experts plus a shared expert
-                  "glm4_moe": "llama"}
+                  "glm4_moe": "llama",
+                  # DeepSeek V2 (Lite, Coder-V2-Lite) and V3 (R1, Moonlight, Kimi K2): multi-head latent attention and
+                  # routed experts (_deepseek_from_hf)
+                  "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -71,7 +74,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "pre_norm", "qk_norm_whole",
                  "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha",
                  "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
-                 "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block"}
+                 "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
+                 "v_head_dim"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -151,6 +155,13 @@ class ModelConfig:
     # the MLP read the same normed input and both add to the residual (one norm a layer).
     layer_norm: bool = False
     parallel_block: bool = False
+    # DeepSeek's multi-head latent attention (kv_lora_rank > 0): queries from the hidden state (or through a
+    # q_lora_rank-wide normed bottleneck), keys and values from a kv_lora_rank-wide normed latent, each head's key
+    # sharing one rotated part (the first rotary_dim of head_dim, as the loader orders them); values v_head_dim wide
+    # (the cache holds them padded to head_dim). The serving layout's q/q_a/q_b, kv_a and kv_b replace qkv.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
     # Layers whose queries and keys are not rotated at all (SmolLM3's "NoPE" layers), in order.
     nope_layers: tuple[int, ...] = ()
     # Granite: the embedding rows times embedding_multiplier, each residual branch (attention's, the MLP's) times
@@ -261,6 +272,16 @@ class ModelConfig:
                             f"divide {self.num_experts} sigmoid-routed experts into groups of two or more")
         if self.router_sigmoid and (not self.num_experts or self.router_topk_softmax):
             raise CoreError("router_sigmoid needs num_experts > 0 and excludes router_topk_softmax")
+        for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if self.kv_lora_rank and not (self.rotary_dim and 0 < self.v_head_dim <= self.head_dim
+                                      and self.num_kv_heads == self.num_heads and not self.attention_bias):
+            raise CoreError("latent attention (kv_lora_rank) needs a rotated part (rotary_dim), values of 1 to "
+                            "head_dim (v_head_dim), a key/value head per query head and no attention bias")
+        if not self.kv_lora_rank and (self.q_lora_rank or self.v_head_dim):
+            raise CoreError("q_lora_rank and v_head_dim need kv_lora_rank > 0")
         if not self.num_experts and (self.experts_per_token or self.expert_intermediate_size
                                      or self.shared_expert_intermediate_size or self.expert_bias
                                      or self.router_topk_softmax or self.swiglu_limit is not None):
@@ -277,6 +298,8 @@ class ModelConfig:
     @property
     def graph_obstacle(self) -> str | None:
         """What of this model the CUDA graphs' kernels do not run (they run the Llama/Qwen layer), or None."""
+        if self.kv_lora_rank:
+            return "multi-head latent attention"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -306,6 +329,11 @@ class ModelConfig:
         """Norm weights kept in float32 whatever the model's dtype, scaling in float32 with one rounding: Gemma's
         (holding 1 + w, as its RMSNorm computes it) and gpt-oss' (transformers keeps them float32)."""
         return self.architecture in ("gemma2", "gemma3", "gpt_oss") or self.layer_norm
+
+    @property
+    def router_float32(self) -> bool:
+        """The router's weights and products kept float32, as transformers keeps DeepSeek's and GLM-4.5's."""
+        return self.router_sigmoid or bool(self.kv_lora_rank)
 
     @property
     def rope_dim(self) -> int:
@@ -490,6 +518,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _exaone_from_hf(hf, source)
     if model_type in ("cohere", "cohere2"):
         return _cohere_from_hf(hf, source, model_type)
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -612,6 +642,49 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
                 dense_layers=dense)
+
+
+def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """DeepSeek V2 and V3 (and their kin: Moonlight, Kimi K2): multi-head latent attention (its rotated part turning
+    interleaved pairs, reordered on reading; YaRN's mscale_all_dim folded into the query scale, as transformers folds
+    it) and routed experts beside a shared one after the first_k_dense_replace dense layers: V2's softmax scores (the
+    chosen ones times routed_scaling_factor, never renormalised, as transformers computes them), V3's grouped sigmoid
+    routing. V2's group-limited routing (DeepSeek-V2 236B) is refused by name."""
+    _check_silu(hf, source)
+    if hf.get("attention_bias"):
+        raise _unsupported(f"{source}: attention_bias on latent attention is not supported")
+    nope, rope, v_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"]), int(hf["v_head_dim"])
+    heads = int(hf["num_attention_heads"])
+    sizes = {**_sizes({**hf, "head_dim": nope + rope}), "num_kv_heads": heads}
+    v3 = model_type == "deepseek_v3"
+    if not v3 and hf.get("topk_method", "greedy") != "greedy":
+        raise _unsupported(f"{source}: DeepSeek-V2's topk_method {hf.get('topk_method')!r} is not supported (greedy)")
+    theta, scaling = _rope_from_hf(hf, source)
+    scale = None
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if scaling is not None and scaling["rope_type"] == "yarn" and params.get("mscale_all_dim"):
+        mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(scaling["factor"]) + 1.0 \
+            if scaling["factor"] > 1 else 1.0
+        scale = (nope + rope) ** -0.5 * mscale * mscale
+    experts = int(hf.get("n_routed_experts") or 0)
+    moe = {}
+    if experts:
+        layers = sizes["num_layers"]
+        moe = dict(num_experts=experts, experts_per_token=int(hf["num_experts_per_tok"]),
+                   expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                   shared_expert_intermediate_size=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts")
+                                                                                         or 0),
+                   shared_expert_gate=False, routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                   dense_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False)
+        if v3:
+            moe.update(router_sigmoid=True, expert_groups=int(hf.get("n_group") or 1),
+                       expert_groups_per_token=int(hf.get("topk_group") or 1))
+    return ModelConfig(
+        architecture="deepseek2", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=False, attention_scale=scale, rotary_dim=rope,
+        rope_interleaved=bool(hf.get("rope_interleave", True)) if v3 else True, kv_lora_rank=int(hf["kv_lora_rank"]),
+        q_lora_rank=int(hf.get("q_lora_rank") or 0), v_head_dim=v_dim, **moe)
 
 
 def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

@@ -186,7 +186,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
-                 "correction_bias")
+                 "correction_bias", "latent")
 
 
 class DecoderModel:
@@ -221,7 +221,16 @@ class DecoderModel:
             p = f"layers.{i}."
             layer = _Layer()
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
-            layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
+            layer.latent = None
+            if config.kv_lora_rank:  # DeepSeek's latent attention: (q or q_a, q_a's norm, q_b), kv_a, its norm, kv_b
+                q = (_Linear(w(p + "q_a.weight"), None), norm(p + "q_a_norm.weight"),
+                     _Linear(w(p + "q_b.weight"), None)) if config.q_lora_rank else \
+                    (None, None, _Linear(w(p + "q.weight"), None))
+                layer.latent = (*q, _Linear(w(p + "kv_a.weight"), None), norm(p + "kv_a_norm.weight"),
+                                _Linear(w(p + "kv_b.weight"), None))
+                layer.qkv = None
+            else:
+                layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
             if config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
@@ -240,10 +249,11 @@ class DecoderModel:
             layer.correction_bias = None
             if config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
                 layer.gate_up = layer.down = None
-                if config.router_sigmoid:  # (DeepSeek-V3-style routing: the router and its bias in float32)
+                if config.router_float32:  # (DeepSeek's and GLM-4.5's routers, their biases in float32)
                     layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
+                if config.router_sigmoid:
                     layer.correction_bias = tensors[p + "router.correction_bias"].to(self.device, torch.float32)
-                else:
+                if not config.router_float32:
                     layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
                 gate_up, down = w(p + "experts.gate_up.weight"), w(p + "experts.down.weight")
                 if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
@@ -327,7 +337,8 @@ class DecoderModel:
         mlp = [layer.gate_up, layer.down] if layer.experts is None else \
             [layer.router, *(lin for pair in layer.experts for lin in pair),
              *(lin for lin in layer.shared or () if lin is not None)]
-        return [layer.qkv, layer.o, *mlp]
+        attention = [layer.qkv] if layer.latent is None else [x for x in layer.latent if isinstance(x, _Linear)]
+        return [*attention, layer.o, *mlp]
 
     def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
         """Qwen VL's multimodal rope: head_dim / 2 frequency slots split into (temporal, row, column) sections,
@@ -602,7 +613,7 @@ class DecoderModel:
         lora = bool(batch.lora_groups)
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
-            qkv = layer.qkv(x)  # [T, q_size + 2 * kv_size]
+            qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             if lora:
                 qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
@@ -628,6 +639,8 @@ class DecoderModel:
             v = v.view(num_tokens, nkv, d)
             kv.write(index, batch.write_slot_ids, k, v)
             attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
+            if c.v_head_dim:  # (latent attention's values fill the first v_head_dim of each head's d)
+                attn = attn.view(num_tokens, nh, d)[..., :c.v_head_dim].reshape(num_tokens, nh * c.v_head_dim)
             o = layer.o(attn)
             if lora:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
@@ -657,6 +670,22 @@ class DecoderModel:
                 # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
                 h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
         return h
+
+    def _latent_qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's latent attention as the fused layout's [T, q_size + 2 * kv_size] (a key/value head per query
+        head): queries from x (through q_a's normed bottleneck); the latent (kv_a's first kv_lora_rank, normed) through
+        kv_b to each head's unrotated key part and value; every head's key led by the one shared rotated part (kv_a's
+        last rope_dim); values padded with zeros to head_dim."""
+        c = self.config
+        q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b = layer.latent
+        rows, nh, d, r = x.shape[0], c.num_heads, c.head_dim, c.rope_dim
+        q = q_b(rms_norm(q_a(x), q_a_norm, c.rms_norm_eps)) if q_a is not None else q_b(x)
+        compressed = kv_a(x)
+        latent = rms_norm(compressed[:, :c.kv_lora_rank].contiguous(), kv_a_norm, c.rms_norm_eps)
+        kv_b_out = kv_b(latent).view(rows, nh, d - r + c.v_head_dim)
+        k = torch.cat([compressed[:, None, c.kv_lora_rank:].expand(rows, nh, r), kv_b_out[..., :d - r]], dim=-1)
+        v = torch.cat([kv_b_out[..., d - r:], x.new_zeros(rows, nh, d - c.v_head_dim)], dim=-1)
+        return torch.cat([q, k.reshape(rows, nh * d), v.reshape(rows, nh * d)], dim=1)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The family's norm of the rows of x: RMSNorm, or Cohere's LayerNorm (mean-centred, no bias, in float32 with
@@ -695,10 +724,13 @@ class DecoderModel:
             top, chosen = layer.router(x).topk(k, dim=-1)
             weights = torch.softmax(top.float(), dim=-1)
         else:
-            probs = torch.softmax(layer.router(x).float(), dim=-1)
+            logits = layer.router(x.float() if c.router_float32 else x)
+            probs = torch.softmax(logits.float(), dim=-1)
             weights, chosen = probs.topk(k, dim=-1)  # [T, k]
         if c.norm_topk_prob and not c.router_sigmoid:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if c.routed_scaling is not None and not c.router_sigmoid:  # (DeepSeek-V2's: the chosen scores scaled)
+            weights = weights * c.routed_scaling
         weights = weights.to(x.dtype)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (row, slot) pairs grouped by expert

@@ -79,13 +79,16 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         if c.pre_norm:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
-        shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
+        if c.kv_lora_rank:  # DeepSeek's latent attention in place of the fused q/k/v
+            shapes.update(_latent_attention_shapes(c, p))
+        else:
+            shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
         if c.attention_bias:
             shapes[p + "qkv.bias"] = (qkv_rows,)
         if c.qk_norm:  # (OLMo 2's over all heads at once)
             shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else c.head_dim,)
             shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else c.head_dim,)
-        shapes[p + "o.weight"] = (c.hidden_size, c.q_size)
+        shapes[p + "o.weight"] = (c.hidden_size, c.num_heads * (c.v_head_dim or c.head_dim))
         if c.attention_out_bias:
             shapes[p + "o.bias"] = (c.hidden_size,)
         if c.attention_sinks:
@@ -114,6 +117,20 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             continue
         shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+def _latent_attention_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A latent-attention layer's projections: q (or q_a, its norm and q_b), kv_a (the latent and the shared rotated
+    key part), its norm, kv_b (each head's unrotated key part and value from the latent)."""
+    shapes = {p + "kv_a.weight": (c.kv_lora_rank + c.rope_dim, c.hidden_size),
+              p + "kv_a_norm.weight": (c.kv_lora_rank,),
+              p + "kv_b.weight": (c.num_heads * (c.head_dim - c.rope_dim + c.v_head_dim), c.kv_lora_rank)}
+    if c.q_lora_rank:
+        shapes.update({p + "q_a.weight": (c.q_lora_rank, c.hidden_size), p + "q_a_norm.weight": (c.q_lora_rank,),
+                       p + "q_b.weight": (c.q_size, c.q_lora_rank)})
+    else:
+        shapes[p + "q.weight"] = (c.q_size, c.hidden_size)
     return shapes
 
 
@@ -248,6 +265,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         attn = hp + "self_attn."
         if config.pre_norm:
             out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
+
         def qkv(kind: str) -> list[torch.Tensor]:  # q, k, v (GLM-4's q and k rows turned to rotate-half order)
             q, k, v = (take(attn + f"{x}_proj.{kind}") for x in "qkv")
             if config.rope_interleaved:
@@ -255,7 +273,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                 k = interleaved_rope_rows(k, config.num_kv_heads, config)
             return [q, k, v]
 
-        if attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
+        if config.kv_lora_rank:
+            out.update(_hf_latent_attention(attn, sp, config, take))
+        elif attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
             out[sp + "qkv.weight"] = hf[attn + "qkv_proj.weight"]
         else:
             out[sp + "qkv.weight"] = torch.cat(qkv("weight"), dim=0)
@@ -325,6 +345,30 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         out[sp + "shared.down.weight"] = take(shared + "down_proj.weight")
         if config.shared_expert_gate:
             out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
+    return out
+
+
+def _hf_latent_attention(attn: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """DeepSeek's latent attention from its checkpoint: each head's query rows (nope, then the rotated part) reordered
+    to the rotated part first (its interleaved pairs to rotate-half), and the shared rotated key rows at kv_a's end
+    likewise; kv_b as released (each head's unrotated key part, then its value)."""
+    d, r = config.head_dim, config.rope_dim
+    turned = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]) if config.rope_interleaved else torch.arange(r)
+    head = torch.cat([d - r + turned, torch.arange(d - r)])  # per head: the rotated part first, then the rest
+
+    def queries(rows: torch.Tensor) -> torch.Tensor:
+        return rows.reshape(config.num_heads, d, -1)[:, head].reshape(rows.shape)
+
+    kv_a = take(attn + "kv_a_proj_with_mqa.weight")
+    out = {sp + "kv_a.weight": torch.cat([kv_a[:config.kv_lora_rank], kv_a[config.kv_lora_rank:][turned]]),
+           sp + "kv_a_norm.weight": take(attn + "kv_a_layernorm.weight"),
+           sp + "kv_b.weight": take(attn + "kv_b_proj.weight")}
+    if config.q_lora_rank:
+        out.update({sp + "q_a.weight": take(attn + "q_a_proj.weight"),
+                    sp + "q_a_norm.weight": take(attn + "q_a_layernorm.weight"),
+                    sp + "q_b.weight": queries(take(attn + "q_b_proj.weight"))})
+    else:
+        out[sp + "q.weight"] = queries(take(attn + "q_proj.weight"))
     return out
 
 

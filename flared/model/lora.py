@@ -147,6 +147,9 @@ def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
             raise _bad(adapter, "targets embed_tokens, which this model ties to its LM head",
                        ErrorKind.UNSUPPORTED_MODEL)
         return "embed.weight", 0, c.vocab_size, True
+    if c.kv_lora_rank and ".self_attn." in module:
+        raise _bad(adapter, f"module {module!r} is in latent attention, which adapters do not reach here",
+                   ErrorKind.UNSUPPORTED_MODEL)
     if c.num_experts and (".mlp." in module or ".block_sparse_moe." in module):
         raise _bad(adapter, f"module {module!r} is in a mixture-of-experts MLP, which adapters do not reach here "
                             "(supported on this model: the q/k/v/o projections, lm_head, embed_tokens)",

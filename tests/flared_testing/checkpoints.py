@@ -72,6 +72,23 @@ FAMILIES = {
                                   moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
                                   routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
                                   attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # DeepSeek V2 (Lite): latent attention without a query bottleneck, YaRN with DeepSeek's mscales, a dense first
+    # layer, softmax-routed experts scaled by routed_scaling_factor beside shared ones
+    "deepseek_v2": ("deepseek_v2", dict(num_hidden_layers=3, num_key_value_heads=4, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=12,
+                                        kv_lora_rank=32, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+                                        routed_scaling_factor=1.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        rope_parameters={"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 64, "mscale": 0.707,
+                                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})),
+    # DeepSeek V3 (R1, Moonlight, Kimi K2): a query bottleneck, interleaved rope, grouped sigmoid routing
+    "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=3, num_key_value_heads=4, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=12,
+                                        kv_lora_rank=32, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                                        n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
+                                        bos_token_id=1, eos_token_id=2)),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
