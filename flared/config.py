@@ -187,7 +187,7 @@ class ServerConfig:
         need(not (self.api_key and self.api_key_file), "api_key_file", "give api_key or api_key_file, not both")
         need(isinstance(self.policy, PolicyConfig), "policy", "must be a [policy] table")
         tool_parsers = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek", "functionary",
-                        "harmony", "seed_oss", "glm45", "cohere")
+                        "harmony", "seed_oss", "glm45", "cohere", "minimax_m2")
         need(self.tool_parser in tool_parsers, "tool_parser", f"must be one of {', '.join(tool_parsers)}")
         need(self.reasoning_parser in ("auto", "none", "think", "mistral", "seed", "cohere", "harmony"),
              "reasoning_parser", "must be one of auto, none, think, mistral, seed, cohere, harmony")

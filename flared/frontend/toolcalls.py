@@ -520,6 +520,8 @@ class Qwen3CoderToolParser(ToolParser):
 
     name = "qwen3_coder"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    # the function's and a parameter's opening tags (their names captured), the tags that close them
+    FUNC_OPEN, FUNC_END, PARAM_OPEN, PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"
     _FUNC = re.compile(r"\s*<function=([^>\n]+)>")
     _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>")
 
@@ -551,8 +553,8 @@ class Qwen3CoderToolParser(ToolParser):
             m = self._FUNC.match(self._buf)
             if m is None:
                 lead = self._buf.lstrip()
-                undecided = not lead or "<function=".startswith(lead) or (
-                    lead.startswith("<function=") and ">" not in lead)
+                undecided = not lead or self.FUNC_OPEN.startswith(lead) or (
+                    lead.startswith(self.FUNC_OPEN) and ">" not in lead)
                 if undecided and not final:
                     return False
                 # not a call after all: give the text back as content
@@ -574,8 +576,8 @@ class Qwen3CoderToolParser(ToolParser):
                 self._state = "param"
                 return True
             lead = self._buf.lstrip()
-            if lead.startswith("</function>"):
-                self._buf = lead[len("</function>"):]
+            if lead.startswith(self.FUNC_END):
+                self._buf = lead[len(self.FUNC_END):]
                 self._end_call()
                 return True
             if lead.startswith(self.CLOSE):
@@ -586,17 +588,17 @@ class Qwen3CoderToolParser(ToolParser):
         # param value, up to its closing tag; searched from where the last search stopped (a long
         # value is not re-searched on every token)
         start = self._searched
-        i = self._buf.find("</parameter>", start)
+        i = self._buf.find(self.PARAM_END, start)
         if i < 0:
-            j = self._buf.find("<parameter=", start)
-            k = self._buf.find("</function>", start)
+            j = self._buf.find(self.PARAM_OPEN, start)
+            k = self._buf.find(self.FUNC_END, start)
             ends = [x for x in (j, k) if x >= 0]
             if not ends:
-                self._searched = max(0, len(self._buf) - len("</parameter>") + 1)
+                self._searched = max(0, len(self._buf) - len(self.PARAM_END) + 1)
                 return False
             i, skip = min(ends), 0  # an unclosed parameter: the next tag ends it
         else:
-            skip = len("</parameter>")
+            skip = len(self.PARAM_END)
         self._searched = 0
         value = self._buf[:i]
         self._buf = self._buf[i + skip:]
@@ -623,7 +625,7 @@ class Qwen3CoderToolParser(ToolParser):
             self._emit_content(self._raw + self._buf)
         elif self._state in ("function", "param"):
             if self._state == "param" and self._buf.strip():
-                self._buf += "</parameter>"
+                self._buf += self.PARAM_END
                 self._step(final=True)
             self._end_call()
         elif self._buf and self._state == "text":
@@ -732,6 +734,36 @@ class Glm45ToolParser(ToolParser):
             self._emit_content(self._buf)
         self._buf = ""
         self._state = "text"
+
+
+class MiniMaxToolParser(Qwen3CoderToolParser):
+    """MiniMax-M2: ``<minimax:tool_call><invoke name="f"><parameter name="x">v</parameter></invoke>
+    </minimax:tool_call>``, one block holding any number of invocations (typed as Qwen3-Coder's parameters)."""
+
+    name = "minimax_m2"
+    needs_special_tokens = True  # (its markers are added tokens the detokenizer would skip)
+    OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+    FUNC_OPEN, FUNC_END, PARAM_OPEN, PARAM_END = '<invoke name="', "</invoke>", '<parameter name="', "</parameter>"
+    _FUNC = re.compile(r'\s*<invoke name="([^"\n]+)">')
+    _PARAM = re.compile(r'\s*<parameter name="([^"\n]+)">')
+
+    def _end_call(self) -> None:  # (another invocation may follow inside the same block)
+        self._close_arguments(self._index, self._nparams)
+        self._state = "between"
+
+    def _step(self, final: bool) -> bool:
+        if self._state != "between":
+            return super()._step(final)
+        lead = self._buf.lstrip()
+        if lead.startswith(self.CLOSE):
+            self._buf, self._state = lead[len(self.CLOSE):], "text"
+        elif lead.startswith(self.FUNC_OPEN):
+            self._buf, self._state, self._raw = lead, "call", ""
+        elif not final and (self.CLOSE.startswith(lead) or self.FUNC_OPEN.startswith(lead)):
+            return False  # (undecided)
+        else:
+            self._state = "text"
+        return True
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -1256,7 +1288,7 @@ class HarmonyToolParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
-                        Glm45ToolParser, CohereToolParser)
+                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser)
 }
 
 
@@ -1272,6 +1304,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return HarmonyToolParser
     if "<seed:tool_call>" in source:
         return SeedOssToolParser
+    if "<minimax:tool_call>" in source:
+        return MiniMaxToolParser
     if "<arg_key>" in source:
         return Glm45ToolParser
     if "<|START_ACTION|>" in source:

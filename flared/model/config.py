@@ -66,7 +66,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "glm4_moe": "llama",
                   # DeepSeek V2 (Lite, Coder-V2-Lite) and V3 (R1, Moonlight, Kimi K2): multi-head latent attention and
                   # routed experts (_deepseek_from_hf)
-                  "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                  "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                  # MiniMax-M2: q/k normed over all heads, part of each head rotated, sigmoid-routed experts with
+                  # correction biases
+                  "minimax_m2": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -443,7 +446,7 @@ def rotary_dim_from_hf(hf: dict[str, Any], head_dim: int) -> int | None:
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     found = [p["partial_rotary_factor"] for p in (hf, params, *params.values())
              if isinstance(p, dict) and p.get("partial_rotary_factor") is not None]
-    dim = int(head_dim * float(found[0])) if found else head_dim
+    dim = int(head_dim * float(found[0])) if found else int(hf.get("rotary_dim") or head_dim)  # (MiniMax's key)
     return None if dim == head_dim else dim
 
 
@@ -566,11 +569,13 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         architecture=architecture, **sizes,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         attention_bias=qkv_bias,
-        qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm")),
+        qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm"))
+        or model_type == "minimax_m2", qk_norm_whole=model_type == "minimax_m2",
         attention_out_bias=out_bias,
         sliding_window=int(sliding_window) if sliding_window else None,
         nope_layers=nope,
-        rotary_dim=_partial_rotary(hf, sizes["head_dim"], source, model_type in ("phi3", "glm4", "glm4_moe")),
+        rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
+                                   model_type in ("phi3", "glm4", "glm4_moe", "minimax_m2")),
         sandwich_norm=model_type == "glm4", rope_interleaved=model_type == "glm4",
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
@@ -620,6 +625,9 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
     if model_type == "mixtral":  # Mixtral always renormalises the chosen experts' weights
         return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
                     expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if model_type == "minimax_m2":  # every layer's experts sigmoid-routed, their chosen scores renormalised
+        return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                    expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True, router_sigmoid=True)
     if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe"):
         return {}
     layers = int(hf["num_hidden_layers"])

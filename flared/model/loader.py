@@ -328,8 +328,9 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     mixtral = hp + "block_sparse_moe.gate.weight" in hf
     block = hp + ("block_sparse_moe." if mixtral else "mlp.")
     out = {sp + "router.weight": take(block + "gate.weight")}
-    if config.router_sigmoid:  # (GLM-4.5's gate holds its correction bias)
-        out[sp + "router.correction_bias"] = take(block + "gate.e_score_correction_bias")
+    if config.router_sigmoid:  # (GLM-4.5's gate holds its correction bias, MiniMax-M2's block)
+        bias = block + "gate.e_score_correction_bias"
+        out[sp + "router.correction_bias"] = take(bias if bias in hf else block + "e_score_correction_bias")
     if block + "experts.gate_up_proj" in hf:
         out[sp + "experts.gate_up.weight"] = take(block + "experts.gate_up_proj")
         out[sp + "experts.down.weight"] = take(block + "experts.down_proj")

@@ -92,6 +92,13 @@ CASES = {
         ("A <tool_call> that is not one: <tool_call>{bad}</tool_call>", "A <tool_call> that is not one: "
          "<tool_call>{bad}</tool_call>", []),
     ],
+    "minimax_m2": [
+        ('Checking both.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+         '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_weather">\n<parameter name="city">Oslo'
+         "</parameter>\n</invoke>\n</minimax:tool_call>", "Checking both.",
+         [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
+        ("No <minimax:tool call here.", "No <minimax:tool call here.", []),
+    ],
     "cohere": [
         ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
          '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
@@ -117,7 +124,7 @@ MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<paramet
            "<|end|>", "<|start|>", "<|call|>", "<|constrain|>", "<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
            "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
            "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
-           "<|END_THINKING|>")
+           "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>")
 
 
 def chunkings(text: str):
@@ -317,6 +324,7 @@ CORPUS_FAMILIES = {
     "google-gemma-2-2b-it.jinja": (None, None),
     "microsoft-Phi-3.5-mini-instruct.jinja": (None, None),
     "ByteDance-Seed-OSS.jinja": ("seed_oss", "seed"),
+    "MiniMax-M2.jinja": ("minimax_m2", "think"),
 }
 
 

@@ -89,6 +89,11 @@ FAMILIES = {
                                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                         n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
                                         bos_token_id=1, eos_token_id=2)),
+    # MiniMax-M2: q/k normed over all heads, half of each head rotated, sigmoid routing with correction biases
+    "minimax_m2": ("minimax_m2", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5})),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),

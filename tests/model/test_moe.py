@@ -156,7 +156,7 @@ def test_a_moe_core_serves_transformers_tokens(tmp_path):
     assert_served_greedy_equals_transformers(directory, hf, tmp_path, also=shows_its_experts)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "deepseek_v2", "minimax_m2"])
 def test_grouped_expert_products_equal_the_loop(family, tmp_path):
     """The grouped path (every expert's rows in two grouped products, no host sync: a GPU's in bf16, the CPU's in
     float32) against the loop over experts: the same logits, prefill chunks and decode rows mixed."""
