@@ -69,7 +69,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
                   # MiniMax-M2: q/k normed over all heads, part of each head rotated, sigmoid-routed experts with
                   # correction biases
-                  "minimax_m2": "llama"}
+                  "minimax_m2": "llama",
+                  # Baidu ERNIE 4.5 (dense): Llama with rope turning interleaved pairs (reordered on reading)
+                  "ernie4_5": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -536,11 +538,13 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                                "attention-only Granite 4.0 models are)")
         # its one MLP is the shared expert's, sized by shared_intermediate_size; rope unless it says none
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
-    if hf.get("mlp_bias"):
-        raise _unsupported(f"{source}: mlp_bias is not supported")
+    if hf.get("mlp_bias") or (model_type == "ernie4_5" and hf.get("use_bias")):
+        raise _unsupported(f"{source}: {'use_bias' if model_type == 'ernie4_5' else 'mlp_bias'} (biases on the MLP) "
+                           "is not supported")
     if hf.get("use_sliding_window"):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
-    sizes = _sizes(hf)
+    ernie = model_type == "ernie4_5"
+    sizes = _sizes(hf, head_dim=128 if ernie else None, tied=ernie)  # (transformers' ERNIE defaults)
     architecture = HF_MODEL_TYPES[model_type]
     glm = model_type in ("glm4", "glm4_moe")
     if glm and rotary_dim_from_hf(hf, sizes["head_dim"]) is None and \
@@ -576,7 +580,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
                                    model_type in ("phi3", "glm4", "glm4_moe", "minimax_m2")),
-        sandwich_norm=model_type == "glm4", rope_interleaved=model_type == "glm4",
+        sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm4", "ernie4_5"),
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
     )

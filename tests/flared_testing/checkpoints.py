@@ -94,6 +94,9 @@ FAMILIES = {
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                        "partial_rotary_factor": 0.5})),
+    # ERNIE 4.5 (0.3B): Llama with rope turning interleaved pairs over the whole head, tied embeddings
+    "ernie4_5": ("ernie4_5", dict(head_dim=16, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2)),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),

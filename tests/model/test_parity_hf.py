@@ -246,8 +246,8 @@ def test_next_token_logits_job_matches_transformers(family_checkpoint):
         assert (out[i] - ref[list(answers)]).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item()), family
 
 
-@pytest.mark.parametrize("family", ["cohere2", "deepseek_v2", "exaone4", "gemma2", "gemma3", "glm4", "glm4_moe",
-                                    "gpt_oss", "granite", "olmo3", "phi4_mini", "qwen3_moe", "smollm3"])
+@pytest.mark.parametrize("family", ["cohere2", "deepseek_v2", "ernie4_5", "exaone4", "gemma2", "gemma3", "glm4",
+                                    "glm4_moe", "gpt_oss", "granite", "olmo3", "phi4_mini", "qwen3_moe", "smollm3"])
 def test_bf16_follows_float32(family, tmp_path):
     """The families whose layers are not Llama's, in bf16: the same likely next tokens as float32, their logprobs
     parted from float32's by no more than twice what transformers' own bf16 parts from its float32 (0.03-0.13 on
