@@ -152,10 +152,11 @@ def check_serving_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig,
 def read_source(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> SourceModel:
     """Read a Hugging Face checkpoint directory or a ``.gguf`` file. ``dtype``: the dtype the reader's caller will
     serve in; a GGUF's matrices, dequantized to float32 one at a time, are kept in it (an export to bfloat16 then holds
-    the model at 2 bytes a weight, not 4), its vectors (norms, biases) in float32."""
+    the model at 2 bytes a weight, not 4), its vectors (norms, biases) in float32; so are a block-scaled fp8
+    checkpoint's dequantized matrices (float32 when no dtype is given)."""
     p = Path(path)
     if p.is_dir():
-        return _read_hf_dir(p)
+        return _read_hf_dir(p, dtype)
     if p.is_file() and p.suffix.lower() == ".gguf":
         return _read_gguf(p, dtype)
     if not p.exists():
@@ -185,7 +186,7 @@ def _load_safetensors_file(path: Path) -> dict[str, torch.Tensor]:
         raise CoreError(f"tensor file {path} is not a readable safetensors file: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
-def _read_hf_dir(directory: Path) -> SourceModel:
+def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config_path = directory / "config.json"
     try:
         hf_config = json.loads(config_path.read_text())
@@ -197,6 +198,15 @@ def _read_hf_dir(directory: Path) -> SourceModel:
         raise CoreError(f"{config_path} is not a JSON object", ErrorKind.SOURCE_FORMAT)
     from flared.model.vision import hf_vision_to_serving, text_config_of, vision_from_hf
 
+    quantization = hf_config.get("quantization_config")
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    fp8_block = quantization.get("weight_block_size") if method == "fp8" else None
+    if method not in (None, "mxfp4", "fp8") or (method == "fp8" and not (
+            isinstance(fp8_block, list) and len(fp8_block) == 2 and all(isinstance(b, int) and b > 0
+                                                                        for b in fp8_block))):
+        raise CoreError(f"{config_path}: quantization_config {method!r}"
+                        f"{' without a weight_block_size' if method == 'fp8' else ''} is not supported (read: "
+                        "block-scaled fp8, gpt-oss' mxfp4, or an unquantized checkpoint)", ErrorKind.UNSUPPORTED_MODEL)
     vision = vision_from_hf(hf_config, source=str(config_path))
     # Gemma 3's vision-language checkpoints (4B and up) serve as their text model: its tower is not read yet
     text_of_multimodal = hf_config.get("model_type") == "gemma3"
@@ -224,6 +234,8 @@ def _read_hf_dir(directory: Path) -> SourceModel:
     hf_tensors: dict[str, torch.Tensor] = {}
     for name in files:
         hf_tensors.update(_load_safetensors_file(directory / name))
+    if fp8_block is not None:
+        _dequantize_fp8_blocks(hf_tensors, tuple(fp8_block), dtype or torch.float32, source=str(directory))
     vision_tensors = None
     if vision is not None or text_of_multimodal:
         if vision is not None:
@@ -243,6 +255,26 @@ def _read_hf_dir(directory: Path) -> SourceModel:
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory))
     check_serving_tensors(tensors, config, source=str(directory))
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
+
+
+def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype, *,
+                           source: str) -> None:
+    """A block-scaled fp8 checkpoint's matrices (Qwen3's, DeepSeek V3's, MiniMax-M2's *-FP8 releases: float8 weights,
+    each [block] tile times its ``weight_scale_inv``) as ``dtype``, in place, a tensor at a time (the float8 copy
+    dropped as its dequantized one lands); the matrices left unquantized pass unchanged."""
+    rows_block, cols_block = block
+    for name in [n for n in hf if n.endswith(".weight_scale_inv")]:
+        scale = hf.pop(name).float()
+        weight_name = name[:-len("_scale_inv")]
+        weight = hf.get(weight_name)
+        if weight is None or weight.dim() != 2 or weight.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CoreError(f"{source}: {name} scales no float8 matrix {weight_name}", ErrorKind.SOURCE_FORMAT)
+        rows, cols = weight.shape
+        if scale.shape != (-(-rows // rows_block), -(-cols // cols_block)):
+            raise CoreError(f"{source}: {name} is {tuple(scale.shape)}, not one scale per {list(block)} tile of "
+                            f"{weight_name} {tuple(weight.shape)}", ErrorKind.SOURCE_FORMAT)
+        tiles = scale.repeat_interleave(rows_block, 0)[:rows].repeat_interleave(cols_block, 1)[:, :cols]
+        hf[weight_name] = (weight.float() * tiles).to(dtype)
 
 
 def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: str) -> dict[str, torch.Tensor]:
