@@ -186,11 +186,12 @@ class ServerConfig:
             need(v is None or (isinstance(v, str) and bool(v)), key, "must be a nonempty path")
         need(not (self.api_key and self.api_key_file), "api_key_file", "give api_key or api_key_file, not both")
         need(isinstance(self.policy, PolicyConfig), "policy", "must be a [policy] table")
-        tool_parsers = ("auto", "none", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek", "functionary",
-                        "harmony", "seed_oss", "glm45", "cohere", "minimax_m2")
-        need(self.tool_parser in tool_parsers, "tool_parser", f"must be one of {', '.join(tool_parsers)}")
-        need(self.reasoning_parser in ("auto", "none", "think", "mistral", "seed", "cohere", "harmony"),
-             "reasoning_parser", "must be one of auto, none, think, mistral, seed, cohere, harmony")
+        from flared.frontend.reasoning import FORMATS
+        from flared.frontend.toolcalls import PARSERS
+
+        for key, known in (("tool_parser", PARSERS), ("reasoning_parser", FORMATS)):  # (the parsers' own names)
+            names = ("auto", "none", *known)
+            need(getattr(self, key) in names, key, f"must be one of {', '.join(names)}")
         need(self.embedding_pooling in ("last", "mean"), "embedding_pooling", "must be one of last, mean")
         for key in ("ssl_certfile", "ssl_keyfile"):
             v = getattr(self, key)

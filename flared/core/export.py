@@ -110,14 +110,14 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
 
     from flared.model.loader import read_source
 
-    src = read_source(source, dtype=getattr(torch, options.dtype))  # (a GGUF read straight to the core's dtype)
+    dtype = getattr(torch, options.dtype)
+    src = read_source(source, dtype=dtype)  # (quantized sources dequantized straight to the core's dtype)
     assets = _read_gguf_assets(source) if src.source_kind == "gguf" else _read_hf_assets(source)
     config = src.config
     caps = _capacities(config, options)
 
-    dtype = getattr(torch, options.dtype)
-    # Gemma's norms hold 1 + w: kept in float32 (a few kilobytes), as its RMSNorm computes 1 + w in float32; so are
-    # gpt-oss' (transformers keeps them float32)
+    # Norms kept in float32 (a few kilobytes) where the family scales in float32 (ModelConfig.float_norms: Gemma's
+    # 1 + w, gpt-oss', Cohere's)
     float_norms = config.float_norms
     weight_files = []
     shard: dict[str, Any] = {}

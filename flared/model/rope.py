@@ -19,6 +19,12 @@ import torch
 from flared.model.config import ModelConfig
 
 
+def longrope_is_long(scaling: dict, context: int | None) -> bool:
+    """Whether LongRoPE's long factors turn a core serving ``context`` tokens: where it passes the original context
+    (one table for the whole context, as vLLM and llama.cpp choose it)."""
+    return context is not None and context > scaling["original_max_position_embeddings"]
+
+
 def inverse_frequencies(config: ModelConfig, *, local: bool = False, context: int | None = None) -> torch.Tensor:
     """[rope_dim // 2] float32. ``local``: the windowed layers' plain rope at local_rope_theta (Gemma 3).
     ``context``: the longest sequence served (LongRoPE takes its long factors where it passes the original context)."""
@@ -33,8 +39,7 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False, context: in
         if scaling["rope_type"] == "factors":
             table = scaling["factors"]
         else:
-            long = context is not None and context > scaling["original_max_position_embeddings"]
-            table = scaling["long_factor" if long else "short_factor"]
+            table = scaling["long_factor" if longrope_is_long(scaling, context) else "short_factor"]
         return 1.0 / (torch.tensor(table, dtype=torch.float32) * powers)
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]

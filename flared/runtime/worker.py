@@ -388,7 +388,9 @@ class ModelRuntime:
             identity.update(b"|kv float8_e4m3fn")  # "fp8" and "fp8_e4m3" name the same pool
         scaling = self.core.config.rope_scaling
         if scaling is not None and scaling["rope_type"] == "longrope":  # cached keys turned by one table of the two
-            long = caps.context_tokens > scaling["original_max_position_embeddings"]
+            from flared.model.rope import longrope_is_long
+
+            long = longrope_is_long(scaling, caps.context_tokens)
             identity.update(b"|longrope long" if long else b"|longrope short")
             log.info("LongRoPE: a context of %d tokens %s the original %d: the %s factors", caps.context_tokens,
                      "passes" if long else "fits", scaling["original_max_position_embeddings"],
