@@ -212,9 +212,9 @@ def _capacities(config, options: ExportOptions) -> Capacities:
         raise CoreError("context must be at least 64 tokens", ErrorKind.VALIDATION)
     chunk = min(options.prefill_chunk_tokens, context - context % 64)
     page = options.page_tokens
-    # Bytes of K and V for one page across all layers, at the serving dtype.
+    # Bytes of K and V for one page across the layers that keep them (not Gated DeltaNet's), at the serving dtype.
     elem_bytes = 4 if options.dtype == "float32" else 2
-    page_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * page * elem_bytes
+    page_bytes = 2 * len(config.kv_layers) * config.num_kv_heads * config.head_dim * page * elem_bytes
     pages_per_request = math.ceil(context / page)
     budget_pages = (options.kv_cache_mib << 20) // page_bytes
     kv_pages = min(options.concurrency * pages_per_request, budget_pages)

@@ -5,7 +5,10 @@ It owns the device state the scheduler's logical ids refer to:
 - the paged KV cache (page ids are the scheduler's page ids);
 - per state row (slot + 1; row 0 is padding) the logits of the row's last
   computed position, so a snapshot can later resume sampling from it;
-- per snapshot id a copy of one partial KV page and of those logits.
+- per snapshot id a copy of one partial KV page and of those logits;
+- for a model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5), the recurrent
+  state of every state row and snapshot (flared.model.recurrent): state row r
+  is recurrent row r, snapshot s recurrent row num_state_rows + s.
 
 Plan kinds on this backend:
 - PREFILL / DECODE: one forward over every participant's tokens (a token id
@@ -13,11 +16,16 @@ Plan kinds on this backend:
   in flight when it plans, but the contract allows it). Sampled rows draw
   with the request's sampler state. Every participant's last-position logits
   are kept in its state row.
-- SNAPSHOT: state row logits -> snapshot; partial page -> snapshot page.
+- SNAPSHOT: state row logits (and recurrent state) -> snapshot; partial page -> snapshot page.
 - RESTORE: snapshot -> state row; snapshot page -> the request's page.
 - RESUME_SAMPLING: sample from the state row's logits (a full prompt hit).
-- INITIALIZE: nothing to reset for attention-only models.
+- INITIALIZE: a fresh request's recurrent state zeroed (the scheduler plans it
+  for models with recurrent layers: SchedulerConfig.initialize_state).
 - SCORED_PREFILL: a PREFILL that also scores every fed token (position >= 1).
+
+A recurrent model's state row must hold the state after exactly the tokens a
+request's KV pages hold, so its requests never feed drafts (``speculates``:
+rejected drafts would have advanced the state past the kept tokens).
 
 Scoring (``score_from[i]`` set, or a SCORED_PREFILL plan): participant i also
 gets log P(token[p] | tokens[:p]) for each token p >= score_from it feeds. The
@@ -56,7 +64,9 @@ class EagerExecutor:
         self.model = model
         self.page_tokens = page_tokens
         self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens,
-                                      storage_dtype=kv_pool_dtype(kv_cache_dtype, model.dtype))
+                                      storage_dtype=kv_pool_dtype(kv_cache_dtype, model.dtype),
+                                      state_rows=num_state_rows + num_snapshots)
+        self.num_state_rows = num_state_rows
         # Rows = slots + 1 (row 0 pads). float32: sampling reads these directly.
         # On the model's device (a GPU for models the CUDA graphs do not run): the logits never leave it.
         self.device = model.device
@@ -73,7 +83,12 @@ class EagerExecutor:
 
     @property
     def num_bytes(self) -> int:
-        return self.kv_cache[1] + 4 * (self.state_logits.numel() + self.snap_logits.numel())
+        return self.kv_cache[1] + 4 * (self.state_logits.numel() + self.snap_logits.numel()) + self.recurrent_bytes
+
+    @property
+    def recurrent_bytes(self) -> int:
+        """The recurrent state's bytes (state rows and snapshots; 0 for an attention-only model)."""
+        return 0 if self.kv.states is None else self.kv.states.num_bytes
 
     @property
     def kv_cache(self) -> tuple[str, int]:
@@ -120,6 +135,8 @@ class EagerExecutor:
             self._copy(plan.copies, to_snapshot=False)
         elif kind == GraphKind.INITIALIZE:
             self.state_last_token[rows] = -1
+            if self.kv.states is not None:
+                self.kv.states.reset(rows)
         else:
             raise ExecutionError(f"the eager executor cannot run {plan.kind_name} steps", ErrorKind.UNSUPPORTED)
         return plan_records(plan, sampled, snapshot_ns), time.perf_counter_ns() - started, logprobs, scores
@@ -128,7 +145,7 @@ class EagerExecutor:
         """``scoring``: (participant, first position it scores), as scored_participants gives them."""
         n = plan.num_participants
         chunks = [SequenceChunk(self._fed_tokens(plan, i, rows), int(plan.token_starts[i]), block_tables[i],
-                                needs_logits=True) for i in range(n)]
+                                needs_logits=True, state_row=int(rows[i])) for i in range(n)]
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.model.config.sliding_window)
         bounds = np.cumsum([0] + [len(c.token_ids) for c in chunks])
@@ -263,8 +280,9 @@ class EagerExecutor:
     def speculates(self, params, grammar: bool = False) -> bool:
         """Whether a request with these sampling params (and a grammar, or not) may feed drafts: _speculate draws
         at every fed position through the sampler, with what the drafts before it change: penalty counts, history,
-        a thinking budget, the grammar's mask (SamplingParams.replayable, Sampler.at_position)."""
-        return params.replayable
+        a thinking budget, the grammar's mask (SamplingParams.replayable, Sampler.at_position). Never on a model with
+        recurrent layers, whose state a rejected draft would have moved on."""
+        return params.replayable and self.kv.states is None
 
     def _draw_fed(self, logits, states, bounds, fed):
         """The token drawn at every fed row of a speculative step [rows]: the argmax for a greedy request's rows
@@ -359,6 +377,10 @@ class EagerExecutor:
             else:
                 self.state_logits[state_row] = self.snap_logits[snapshot_id]
                 self.state_last_token[state_row] = -1
+            if self.kv.states is not None:  # the recurrent state goes with them
+                snapshot_row = self.num_state_rows + int(snapshot_id)
+                self.kv.states.copy(*((int(state_row), snapshot_row) if to_snapshot else
+                                      (snapshot_row, int(state_row))))
             if page_id < 0:
                 continue
             slots = torch.arange(page_id * P, (page_id + 1) * P, dtype=torch.int64, device=self.kv.device)

@@ -34,6 +34,9 @@ class SequenceChunk:
     num_cached_tokens: int  # tokens of this sequence already in the KV cache
     page_ids: list[int] | np.ndarray  # block table; must cover num_cached_tokens + len(token_ids)
     needs_logits: bool = True  # logits for the last new token
+    # The sequence's row of the cache's recurrent state (a model with Gated DeltaNet layers; flared.model.recurrent):
+    # it holds the state after the num_cached_tokens tokens, and the forward advances it past these. -1: none.
+    state_row: int = -1
 
 
 @dataclass
@@ -43,6 +46,7 @@ class PrefillGroup:
     gather_slot_ids: torch.Tensor  # [context_len] slots of every token 0..context_len-1
     # None when the plain causal mask applies (no cached prefix, no window); else bool [q_len, context_len]
     attn_mask: torch.Tensor | None
+    state_row: int = -1  # the sequence's recurrent state row (SequenceChunk.state_row)
 
 
 @dataclass
@@ -56,6 +60,8 @@ class ForwardBatch:
     decode_attn_mask: torch.Tensor | None  # [B_dec, 1, 1, max_context] bool, True = attend
     decode_max_context: int
     decode_context_lens: torch.Tensor | None = None  # [B_dec] int64: each decode row's context length
+    decode_state_rows: torch.Tensor | None = None  # [B_dec] int64: each decode row's recurrent state row
+    has_state_rows: bool = False  # every chunk named its state row
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     num_tokens: int = 0
     # Per-request LoRA adapters (DecoderModel.lora_modules): (adapter index >= 1, its token rows [k] int64);
@@ -86,7 +92,8 @@ class ForwardBatch:
         decode_rows: list[int] = []
         decode_slots: list[np.ndarray] = []
         decode_lens: list[int] = []
-        prefill: list[tuple[int, int, np.ndarray, int]] = []
+        decode_states: list[int] = []
+        prefill: list[tuple[int, int, np.ndarray, int, int]] = []
         row = 0
         for chunk in chunks:
             tokens = np.asarray(chunk.token_ids, dtype=np.int64)
@@ -109,8 +116,9 @@ class ForwardBatch:
                 decode_rows.append(row)
                 decode_slots.append(all_slots)
                 decode_lens.append(context_len)
+                decode_states.append(chunk.state_row)
             else:
-                prefill.append((row, row + num_new, all_slots, start))
+                prefill.append((row, row + num_new, all_slots, start, chunk.state_row))
             row += num_new
 
         def t(a) -> torch.Tensor:
@@ -123,6 +131,7 @@ class ForwardBatch:
             logit_row_ids=t(np.asarray(logit_rows, dtype=np.int64)),
             decode_row_ids=None, decode_gather_slot_ids=None, decode_attn_mask=None, decode_max_context=0,
             num_tokens=row,
+            has_state_rows=all(chunk.state_row >= 0 for chunk in chunks),
         )
         if decode_rows:
             max_context = max(decode_lens)
@@ -139,7 +148,8 @@ class ForwardBatch:
             batch.decode_attn_mask = torch.as_tensor(mask[:, None, None, :]).to(device)
             batch.decode_max_context = max_context
             batch.decode_context_lens = t(np.asarray(decode_lens, dtype=np.int64))
-        for row_start, row_end, slots, start in prefill:
+            batch.decode_state_rows = t(np.asarray(decode_states, dtype=np.int64))
+        for row_start, row_end, slots, start, state_row in prefill:
             context_len = slots.shape[0]
             attn_mask = None
             if start > 0 or sliding_window is not None:
@@ -149,5 +159,5 @@ class ForwardBatch:
                 if sliding_window is not None:
                     m &= k_pos > q_pos - sliding_window
                 attn_mask = torch.as_tensor(m).to(device)
-            batch.prefill_groups.append(PrefillGroup(row_start, row_end, t(slots), attn_mask))
+            batch.prefill_groups.append(PrefillGroup(row_start, row_end, t(slots), attn_mask, state_row))
         return batch

@@ -27,7 +27,7 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2", "qwen3_next")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
@@ -71,7 +71,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # correction biases
                   "minimax_m2": "llama",
                   # Baidu ERNIE 4.5 (dense): Llama with rope turning interleaved pairs (reordered on reading)
-                  "ernie4_5": "llama"}
+                  "ernie4_5": "llama",
+                  # Qwen3-Next, Qwen3.5 (dense and MoE): three Gated DeltaNet layers (a recurrent state per sequence,
+                  # no KV cache) to one gated attention layer; Gemma's (1 + w) norms (_qwen3_next_from_hf)
+                  "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -80,7 +83,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "rotary_dim", "attention_sinks", "expert_bias", "router_topk_softmax", "swiglu_limit", "swiglu_alpha",
                  "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
                  "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
-                 "v_head_dim"}
+                 "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
+                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -197,11 +201,24 @@ class ModelConfig:
     router_topk_softmax: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    # Qwen3-Next / Qwen3.5's hybrid layers: linear_layers are Gated DeltaNet layers, which keep no keys and values
+    # but a recurrent state per sequence (a [linear_value_heads, linear_key_dim, linear_value_dim] float32 matrix and
+    # the last linear_conv_kernel - 1 inputs of a causal depthwise convolution over q, k and v): linear_key_heads
+    # query/key heads of linear_key_dim, linear_value_heads value heads of linear_value_dim. attn_output_gate: the
+    # other (attention) layers' q projection also gives a gate per query column, the attention's output times
+    # sigmoid(gate) before o (the gate's rows follow q, k and v in the serving layout's qkv).
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
-        for name in ("nope_layers", "dense_layers"):
+        for name in ("nope_layers", "dense_layers", "linear_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.architecture not in ARCHITECTURES:
@@ -248,7 +265,7 @@ class ModelConfig:
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
-                     "layer_norm", "parallel_block"):
+                     "layer_norm", "parallel_block", "attn_output_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -259,7 +276,7 @@ class ModelConfig:
             raise CoreError(f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts a token "
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
-        for name in ("nope_layers", "dense_layers"):
+        for name in ("nope_layers", "dense_layers", "linear_layers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or list(value) != sorted(set(value)) or any(
                     not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in value):
@@ -294,6 +311,20 @@ class ModelConfig:
                             "expert_bias, router_topk_softmax and swiglu_limit need num_experts > 0")
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
             raise CoreError("swiglu_limit and swiglu_alpha go together")
+        linear_sizes = ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
+                        "linear_conv_kernel")
+        for name in linear_sizes:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if self.linear_layers and (any(getattr(self, n) == 0 for n in linear_sizes) or self.linear_conv_kernel < 2
+                                   or self.linear_value_heads % self.linear_key_heads
+                                   or len(self.linear_layers) == self.num_layers):
+            raise CoreError("Gated DeltaNet layers (linear_layers) need key and value heads (the value heads a "
+                            "multiple of the key heads), their sizes, a convolution of 2 or more inputs, and at "
+                            "least one attention layer")
+        if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
+            raise CoreError(f"{', '.join(linear_sizes)} need linear_layers")
 
     @property
     def graph_capable(self) -> bool:
@@ -305,6 +336,8 @@ class ModelConfig:
         """What of this model the CUDA graphs' kernels do not run (they run the Llama/Qwen layer), or None."""
         if self.kv_lora_rank:
             return "multi-head latent attention"
+        if self.linear_layers:
+            return "Gated DeltaNet (linear attention) layers"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -333,7 +366,23 @@ class ModelConfig:
     def float_norms(self) -> bool:
         """Norm weights kept in float32 whatever the model's dtype, scaling in float32 with one rounding: Gemma's
         (holding 1 + w, as its RMSNorm computes it) and gpt-oss' (transformers keeps them float32)."""
-        return self.architecture in ("gemma2", "gemma3", "gpt_oss") or self.layer_norm
+        return self.architecture in ("gemma2", "gemma3", "gpt_oss", "qwen3_next") or self.layer_norm
+
+    @property
+    def norm_plus_one(self) -> bool:
+        """The checkpoint's norms scale by (1 + w), Gemma's and Qwen3-Next's RMSNorm: the serving norms hold 1 + w."""
+        return self.architecture in ("gemma2", "gemma3", "qwen3_next")
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the KV cache (all but the Gated DeltaNet ones), in order."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """A Gated DeltaNet layer's convolved channels: its q, k and v columns."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     @property
     def router_float32(self) -> bool:
@@ -365,6 +414,7 @@ class ModelConfig:
             d["layer_windows"] = list(d["layer_windows"])
         d["nope_layers"] = list(d["nope_layers"])
         d["dense_layers"] = list(d["dense_layers"])
+        d["linear_layers"] = list(d["linear_layers"])
         return d
 
     @classmethod
@@ -525,6 +575,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _cohere_from_hf(hf, source, model_type)
     if model_type in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_from_hf(hf, source, model_type)
+    if HF_MODEL_TYPES.get(model_type) == "qwen3_next":
+        return _qwen3_next_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -654,6 +706,46 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                 expert_intermediate_size=int(hf["moe_intermediate_size"]),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
                 dense_layers=dense)
+
+
+def _qwen3_next_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """Qwen3-Next and Qwen3.5 (text; dense or MoE): layer_types (or every full_attention_interval-th layer) attention,
+    the rest Gated DeltaNet; the attention layers' queries with an output gate, per-head q/k norms, a quarter of each
+    head rotated; Qwen2-MoE's routed experts and gated shared expert (Qwen3.5-MoE always renormalises the chosen)."""
+    _check_silu(hf, source)
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise CoreError(f"{source}: layer_types must name each of the {layers} layers linear_attention or "
+                        "full_attention", ErrorKind.SOURCE_FORMAT)
+    sizes = _sizes(hf, head_dim=256, max_positions=32768)
+    if not hf.get("rotary_dim") and "partial_rotary_factor" not in hf and \
+            "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
+        hf = {**hf, "partial_rotary_factor": 0.25}  # (transformers' default for the family)
+    theta, scaling = _rope_from_hf(hf, source)
+    experts = {}
+    if hf.get("num_experts"):
+        step = int(hf.get("decoder_sparse_step") or 1)
+        experts = dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                       expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=model_type == "qwen3_5_moe_text" or bool(hf.get("norm_topk_prob", True)),
+                       shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                       dense_layers=tuple(i for i in range(layers)
+                                          if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step))
+    return ModelConfig(
+        architecture="qwen3_next", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=bool(hf.get("attention_bias", False)),
+        attention_out_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
+        rotary_dim=rotary_dim_from_hf(hf, sizes["head_dim"]), attn_output_gate=True,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        linear_key_heads=int(hf.get("linear_num_key_heads", 16)),
+        linear_value_heads=int(hf.get("linear_num_value_heads", 32)),
+        linear_key_dim=int(hf.get("linear_key_head_dim", 128)),
+        linear_value_dim=int(hf.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **experts)
 
 
 def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

@@ -25,6 +25,7 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
+from flared.model.recurrent import chunked_gated_delta, gated_delta_step, prepare
 from flared.model.rope import rope_tables
 
 try:
@@ -186,7 +187,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
-                 "correction_bias", "latent")
+                 "correction_bias", "latent", "linear", "kv_index")
 
 
 class DecoderModel:
@@ -217,12 +218,19 @@ class DecoderModel:
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = norm("final_norm.weight")
         self.layers: list[_Layer] = []
+        kv_index = {layer: j for j, layer in enumerate(config.kv_layers)}  # (the KV cache holds these layers')
         for i in range(config.num_layers):
             p = f"layers.{i}."
             layer = _Layer()
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
-            layer.latent = None
-            if config.kv_lora_rank:  # DeepSeek's latent attention: (q or q_a, q_a's norm, q_b), kv_a, its norm, kv_b
+            layer.latent = layer.linear = None
+            layer.kv_index = kv_index.get(i, -1)
+            if i in config.linear_layers:  # Gated DeltaNet: (in projection, conv [C, K], dt_bias, -exp(A_log), norm)
+                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), w(p + "dt_bias"),
+                                -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
+                                w(p + "linear_norm.weight"))
+                layer.qkv = None
+            elif config.kv_lora_rank:  # DeepSeek's latent attention: (q or q_a, q_a's norm, q_b), kv_a, its norm, kv_b
                 q = (_Linear(w(p + "q_a.weight"), None), norm(p + "q_a_norm.weight"),
                      _Linear(w(p + "q_b.weight"), None)) if config.q_lora_rank else \
                     (None, None, _Linear(w(p + "q.weight"), None))
@@ -233,7 +241,9 @@ class DecoderModel:
                 layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
-            if config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
+            if layer.linear is not None:
+                pass
+            elif config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
                 layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
             elif config.qk_norm:
                 layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1),
@@ -337,20 +347,18 @@ class DecoderModel:
         mlp = [layer.gate_up, layer.down] if layer.experts is None else \
             [layer.router, *(lin for pair in layer.experts for lin in pair),
              *(lin for lin in layer.shared or () if lin is not None)]
-        attention = [layer.qkv] if layer.latent is None else [x for x in layer.latent if isinstance(x, _Linear)]
+        attention = [x for x in (layer.latent or layer.linear or (layer.qkv,)) if isinstance(x, _Linear)]
         return [*attention, layer.o, *mlp]
 
     def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
-        """Qwen VL's multimodal rope: head_dim / 2 frequency slots split into (temporal, row, column) sections,
-        the same split on both halves of the head (rotate-half). Rows whose batch carries mrope_positions turn
+        """Qwen VL's multimodal rope: the rotated dimensions' rope_dim / 2 frequency slots split into (temporal, row,
+        column) sections, the same split on both halves of them (rotate-half). Rows whose batch carries mrope_positions turn
         each slot by its section's position; a text row's three positions are equal (plain rope). Qwen2-VL's
         sections are runs of slots; Qwen3-VL's ``interleaved`` ones alternate t, h, w from the first slot (h and
         w for as many slots as their sections, t for the rest)."""
-        half = self.config.head_dim // 2
-        if self.config.rotary_dim is not None:
-            raise ValueError("multimodal rope over a partial rotary embedding is not supported")
+        half = self.config.rope_dim // 2  # (Qwen3.5 rotates a quarter of each head: its sections split that)
         if sum(section) != half:
-            raise ValueError(f"mrope sections {section} do not add up to head_dim / 2 = {half}")
+            raise ValueError(f"mrope sections {section} do not add up to the rotated dimensions / 2 = {half}")
         if interleaved:
             slots = torch.zeros(half, dtype=torch.int64)
             for axis in (1, 2):
@@ -367,11 +375,14 @@ class DecoderModel:
         index = self._mrope_sections.view(1, 1, -1).expand(1, positions.shape[1], -1)
         return per_axis.gather(0, index)[0][:, None, :]
 
-    def make_kv_cache(self, *, num_pages: int, page_tokens: int,
-                      storage_dtype: torch.dtype | None = None) -> PagedKVCache:
-        """``storage_dtype``: float8 e4m3 for a kv_cache_dtype fp8 cache (PagedKVCache); None: the model's."""
+    def make_kv_cache(self, *, num_pages: int, page_tokens: int, storage_dtype: torch.dtype | None = None,
+                      state_rows: int = 0) -> PagedKVCache:
+        """``storage_dtype``: float8 e4m3 for a kv_cache_dtype fp8 cache (PagedKVCache); None: the model's.
+        ``state_rows``: rows of recurrent state beside it, for a model with Gated DeltaNet layers (whose sequences
+        then name theirs: SequenceChunk.state_row)."""
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
-                            device=self.device, storage_dtype=storage_dtype)
+                            device=self.device, storage_dtype=storage_dtype,
+                            state_rows=state_rows if self.config.linear_layers else 0)
 
     def add_lora_module(self, factors: dict) -> int:
         """A per-request LoRA adapter (flared.model.lora.lora_factors), kept apart from the weights: a row of
@@ -555,12 +566,11 @@ class DecoderModel:
     def _prefill(self, token_lists: list[list[int]], page_tokens: int) -> torch.Tensor:
         """The residual stream [sum of lengths, hidden] of whole sequences run together on a scratch KV cache."""
         chunks, first_page = [], 0
-        for tokens in token_lists:
+        for row, tokens in enumerate(token_lists):
             pages = -(-len(tokens) // page_tokens)
-            chunks.append(SequenceChunk(tokens, 0, list(range(first_page, first_page + pages))))
+            chunks.append(SequenceChunk(tokens, 0, list(range(first_page, first_page + pages)), state_row=row))
             first_page += pages
-        kv = PagedKVCache(self.config, num_pages=first_page, page_tokens=page_tokens, dtype=self.dtype,
-                          device=self.device)
+        kv = self.make_kv_cache(num_pages=first_page, page_tokens=page_tokens, state_rows=len(token_lists))
         batch = ForwardBatch.build(chunks, page_tokens=page_tokens, device=self.device,
                                    sliding_window=self.config.sliding_window)
         return self._layers_forward(batch, kv)
@@ -570,10 +580,10 @@ class DecoderModel:
         order on one scratch KV cache (each attends to the ones before, as chunked prefill does)."""
         n = len(tokens)
         pages = -(-n // page_tokens)
-        kv = PagedKVCache(self.config, num_pages=pages, page_tokens=page_tokens, dtype=self.dtype, device=self.device)
+        kv = self.make_kv_cache(num_pages=pages, page_tokens=page_tokens, state_rows=1)
         for start in range(0, n, chunk_tokens):
             end = min(n, start + chunk_tokens)
-            chunk = SequenceChunk(tokens[start:end], start, list(range(-(-end // page_tokens))))
+            chunk = SequenceChunk(tokens[start:end], start, list(range(-(-end // page_tokens))), state_row=0)
             batch = ForwardBatch.build([chunk], page_tokens=page_tokens, device=self.device,
                                        sliding_window=self.config.sliding_window)
             yield start, self._layers_forward(batch, kv)
@@ -611,14 +621,20 @@ class DecoderModel:
             # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
         lora = bool(batch.lora_groups)
+        if c.linear_layers and (kv.states is None or not batch.has_state_rows):
+            raise ValueError("a model with Gated DeltaNet layers needs a cache with state rows (make_kv_cache's "
+                             "state_rows) and each sequence's row (SequenceChunk.state_row)")
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
+            if layer.linear is not None:
+                h = self._residual_and_mlp(index, layer, batch, h, x, self._gated_delta(index, layer, batch, kv, x))
+                continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             if lora:
                 qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
             qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
-            v = qkv[:, q_size + kv_size:]
+            v = qkv[:, q_size + kv_size:q_size + 2 * kv_size]
             if c.qk_norm_whole:
                 q_weight, k_weight = layer.qk_norm
                 qk = torch.cat([rms_norm(qkv[:, :q_size], q_weight, eps),
@@ -637,39 +653,101 @@ class DecoderModel:
             q = qk[:, :nh]
             k = qk[:, nh:]
             v = v.view(num_tokens, nkv, d)
-            kv.write(index, batch.write_slot_ids, k, v)
+            kv.write(layer.kv_index, batch.write_slot_ids, k, v)
             attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
             if c.v_head_dim:  # (latent attention's values fill the first v_head_dim of each head's d)
                 attn = attn.view(num_tokens, nh, d)[..., :c.v_head_dim].reshape(num_tokens, nh * c.v_head_dim)
+            if c.attn_output_gate:  # Qwen3-Next: the output times sigmoid of the gate's rows (after v's)
+                attn = attn * torch.sigmoid(qkv[:, q_size + 2 * kv_size:])
             o = layer.o(attn)
             if lora:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
-            if layer.post_attn_norm is not None:
-                o = self._norm(o, layer.post_attn_norm)
-            if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
-                o = o * c.residual_multiplier
-            h = h + o
-            if not c.parallel_block:  # (Cohere's MLP reads the attention's normed input x)
-                x = self._norm(h, layer.mlp_norm) if layer.mlp_norm is not None else h
-            if layer.experts is not None:
-                down = self._routed_mlp(layer, x)
-            else:
-                gate_up = layer.gate_up(x)
-                if lora:
-                    gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
-                act = self._activation(gate_up)
-                down = layer.down(act)
-                if lora:
-                    down = self._lora(batch, f"layers.{index}.down.weight", act, down)
-            if layer.post_mlp_norm is not None:
-                down = self._norm(down, layer.post_mlp_norm)
-            if c.residual_multiplier is not None:
-                down = down * c.residual_multiplier
-            h = h + down
-            if batch.deepstack_values is not None and index < len(batch.deepstack_values):
-                # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
-                h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
+            h = self._residual_and_mlp(index, layer, batch, h, x, o)
         return h
+
+    def _residual_and_mlp(self, index: int, layer: _Layer, batch: ForwardBatch, h: torch.Tensor, x: torch.Tensor,
+                          o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer ``index`` after its token mixer (attention or Gated DeltaNet) gave ``o`` from the normed
+        input ``x``: o added to the residual ``h`` (normed, scaled as the family does), then the MLP's (or the
+        experts') output likewise. Returns the new residual."""
+        c = self.config
+        lora = bool(batch.lora_groups)
+        if layer.post_attn_norm is not None:
+            o = self._norm(o, layer.post_attn_norm)
+        if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
+            o = o * c.residual_multiplier
+        h = h + o
+        if not c.parallel_block:  # (Cohere's MLP reads the attention's normed input x)
+            x = self._norm(h, layer.mlp_norm) if layer.mlp_norm is not None else h
+        if layer.experts is not None:
+            down = self._routed_mlp(layer, x)
+        else:
+            gate_up = layer.gate_up(x)
+            if lora:
+                gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
+            act = self._activation(gate_up)
+            down = layer.down(act)
+            if lora:
+                down = self._lora(batch, f"layers.{index}.down.weight", act, down)
+        if layer.post_mlp_norm is not None:
+            down = self._norm(down, layer.post_mlp_norm)
+        if c.residual_multiplier is not None:
+            down = down * c.residual_multiplier
+        h = h + down
+        if batch.deepstack_values is not None and index < len(batch.deepstack_values):
+            # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
+            h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
+        return h
+
+    def _gated_delta(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache,
+                     x: torch.Tensor) -> torch.Tensor:
+        """A Gated DeltaNet layer over the normed rows x [T, H] -> its output projection's [T, H]: the input
+        projection's q, k, v through the causal convolution (each sequence's last kernel - 1 inputs before its
+        tokens from its state row) and SiLU, then the gated delta rule from the row's state matrix (decode rows one
+        step each, batched; a prefill chunk in the chunked form), the outputs RMS-normed per head, times SiLU(z),
+        through o. Each sequence's row is left holding its state after these tokens."""
+        c = self.config
+        project, conv_weight, dt_bias, decay_scale, norm_weight = layer.linear
+        states = kv.states
+        j = states.layer_index[index]
+        nk, nv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
+        channels, value = c.linear_conv_dim, nv * dv
+        kernel = conv_weight.shape[1]
+        mixed = project(x)  # [T, q k v | z | b | a]
+        z = mixed[:, channels:channels + value]
+        b = mixed[:, channels + value:channels + value + nv]
+        a = mixed[:, channels + value + nv:]
+        g = decay_scale * F.softplus(a.float() + dt_bias.float())  # [T, nv], log decays <= 0
+        beta = torch.sigmoid(b).float()
+        qkv = mixed[:, :channels]
+        out = x.new_empty(x.shape[0], nv, dv)
+
+        def split(conv_out: torch.Tensor):  # [rows, C] -> prepared q, k [rows, nv, dk], v [rows, nv, dv]
+            q, k, v = conv_out.split([nk * dk, nk * dk, value], dim=-1)
+            q, k = prepare(q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), nv)
+            return q, k, v.reshape(-1, nv, dv)
+
+        if batch.decode_row_ids is not None:
+            rows, state_rows = batch.decode_row_ids, batch.decode_state_rows
+            window = torch.cat([states.conv[j].index_select(0, state_rows),
+                                qkv.index_select(0, rows)[:, :, None]], dim=-1)  # [B, C, K]
+            states.conv[j].index_copy_(0, state_rows, window[:, :, 1:])
+            conv_out = F.silu((window * conv_weight).sum(dim=-1))
+            state = states.ssm[j].index_select(0, state_rows)
+            o = gated_delta_step(*split(conv_out), g.index_select(0, rows), beta.index_select(0, rows), state)
+            states.ssm[j].index_copy_(0, state_rows, state)
+            out.index_copy_(0, rows, o.to(out.dtype))
+        for group in batch.prefill_groups:
+            lo, hi, row = group.row_start, group.row_end, group.state_row
+            inputs = torch.cat([states.conv[j, row], qkv[lo:hi].t()], dim=-1)  # [C, K - 1 + L]
+            states.conv[j, row] = inputs[:, -(kernel - 1):]
+            conv_out = F.silu(F.conv1d(inputs[None], conv_weight[:, None, :], groups=channels)[0]).t()  # [L, C]
+            o = chunked_gated_delta(*split(conv_out), g[lo:hi], beta[lo:hi], states.ssm[j, row])
+            out[lo:hi] = o.to(out.dtype)
+        # Qwen3-Next's gated RMSNorm: normed in float32, times the weight in the model's dtype, times SiLU(z) in float32
+        normed = F.rms_norm(out.float(), (dv,), None, c.rms_norm_eps).to(x.dtype) * norm_weight
+        gated = (normed.float() * F.silu(z.float().view(-1, nv, dv))).to(x.dtype)
+        return layer.o(gated.view(-1, value))
 
     def _latent_qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek's latent attention as the fused layout's [T, q_size + 2 * kv_size] (a key/value head per query
@@ -887,6 +965,7 @@ class DecoderModel:
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // nkv
         sinks = self.layers[layer].sinks
+        cached = self.layers[layer].kv_index  # (the KV cache's index of this layer)
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
         if batch.decode_row_ids is not None and native:
@@ -894,7 +973,7 @@ class DecoderModel:
             qd = (q[:num_decode] if decode_only else q.index_select(0, batch.decode_row_ids)).contiguous()
             o = torch.empty(num_decode, nh * d, dtype=q.dtype)
             _cpu_attention.decode_attention(
-                qd.data_ptr(), kv.keys[layer].data_ptr(), kv.values[layer].data_ptr(), o.data_ptr(),
+                qd.data_ptr(), kv.keys[cached].data_ptr(), kv.values[cached].data_ptr(), o.data_ptr(),
                 batch.decode_gather_slot_ids.data_ptr(), batch.decode_max_context,
                 batch.decode_context_lens.data_ptr(), num_decode, nh, nkv, d, kv.num_slots, self.scale,
                 c.window_of(layer), q.dtype == torch.bfloat16, torch.get_num_threads(),
@@ -905,7 +984,7 @@ class DecoderModel:
         elif batch.decode_row_ids is not None:
             num_decode = batch.decode_row_ids.shape[0]
             max_context = batch.decode_max_context
-            keys, values = kv.gather(layer, batch.decode_gather_slot_ids)  # [nkv, B * L, d]
+            keys, values = kv.gather(cached, batch.decode_gather_slot_ids)  # [nkv, B * L, d]
             keys = keys.view(nkv * num_decode, max_context, d)
             values = values.view(nkv * num_decode, max_context, d)
             # Grouped query heads share their kv head: fold the group into the query axis ([nkv * B, group, d])
@@ -934,7 +1013,7 @@ class DecoderModel:
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
             if window_masks is not None:  # a windowed layer (Gemma 3): the group's keys in its window
-                keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
+                keys, values = kv.gather(cached, g.gather_slot_ids)  # [nkv, L, d]
                 o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi], sinks)
             elif g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
@@ -943,7 +1022,7 @@ class DecoderModel:
                 values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
                 o = self._prefill_attention(qg, keys, values, None, sinks)
             else:
-                keys, values = kv.gather(layer, g.gather_slot_ids)  # [nkv, L, d]
+                keys, values = kv.gather(cached, g.gather_slot_ids)  # [nkv, L, d]
                 o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), g.attn_mask, sinks)
             out[g.row_start:g.row_end] = o[0].transpose(0, 1).reshape(q_len, nh * d)
         return out

@@ -53,10 +53,12 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class PagedKVCache:
     def __init__(self, config: ModelConfig, *, num_pages: int, page_tokens: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", storage_dtype: torch.dtype | None = None):
+                 device: torch.device | str = "cpu", storage_dtype: torch.dtype | None = None, state_rows: int = 0):
         """``dtype``: the keys and values a forward writes and reads (the model's); ``storage_dtype``: what the
         pool holds, ``dtype`` (None) or float8 e4m3 (kv_cache_dtype fp8: half the bytes of bf16; ``write``
-        stores through ``to_storage`` and ``gather`` widens back to ``dtype``)."""
+        stores through ``to_storage`` and ``gather`` widens back to ``dtype``). Only the layers that attend
+        (``config.kv_layers``) have keys and values here: a model with Gated DeltaNet layers keeps their recurrent
+        state in ``states`` instead (flared.model.recurrent), ``state_rows`` rows of it (at least one needed)."""
         if num_pages <= 0 or page_tokens <= 0:
             raise ValueError(f"num_pages ({num_pages}) and page_tokens ({page_tokens}) must be positive")
         storage_dtype = dtype if storage_dtype is None else storage_dtype
@@ -65,13 +67,13 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.page_tokens = page_tokens
         self.num_slots = num_pages * page_tokens
-        self.num_layers = config.num_layers
+        self.num_layers = len(config.kv_layers)
         self.dtype = dtype
         self.storage_dtype = storage_dtype
         self.device = torch.device(device)
         # [layer, kv_head, slot, head_dim]: a gather along the slot axis yields [kv_head, tokens, head_dim],
         # which batched attention reads as [kv_head * sequences, context, head_dim] without another copy.
-        shape = (config.num_layers, config.num_kv_heads, self.num_slots, config.head_dim)
+        shape = (self.num_layers, config.num_kv_heads, self.num_slots, config.head_dim)
         if self.device.type == "cpu":
             self.keys, self.values = host_zeros(shape, storage_dtype), host_zeros(shape, storage_dtype)
         else:
@@ -81,9 +83,17 @@ class PagedKVCache:
         self._narrow = storage_dtype != dtype
         self._key_bytes = self.keys.view(torch.uint8) if self._narrow else self.keys
         self._value_bytes = self.values.view(torch.uint8) if self._narrow else self.values
+        self.states = None
+        if config.linear_layers:
+            if state_rows <= 0:
+                raise ValueError("a model with Gated DeltaNet layers needs state rows beside its KV cache")
+            from flared.model.recurrent import RecurrentState
+
+            self.states = RecurrentState(config, state_rows, dtype=dtype, device=self.device)
 
     @property
     def num_bytes(self) -> int:
+        """The pool's bytes (the recurrent states' apart: ``states.num_bytes``)."""
         return 2 * self.keys.numel() * self.keys.element_size()
 
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:

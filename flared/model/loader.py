@@ -68,31 +68,35 @@ class SourceModel:
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the serving layout for ``config`` and its shape."""
     c = config
-    qkv_rows = c.q_size + 2 * c.kv_size
+    qkv_rows = c.q_size * (2 if c.attn_output_gate else 1) + 2 * c.kv_size  # (the output gate's rows after v's)
     shapes: dict[str, tuple[int, ...]] = {
         "embed.weight": (c.vocab_size, c.hidden_size),
         "final_norm.weight": (c.hidden_size,),
     }
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    linear = set(c.linear_layers)
     for i in range(c.num_layers):
         p = f"layers.{i}."
         if c.pre_norm:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
-        if c.kv_lora_rank:  # DeepSeek's latent attention in place of the fused q/k/v
-            shapes.update(_latent_attention_shapes(c, p))
+        if i in linear:
+            shapes.update(_gated_delta_shapes(c, p))
         else:
-            shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
-        if c.attention_bias:
-            shapes[p + "qkv.bias"] = (qkv_rows,)
-        if c.qk_norm:  # (OLMo 2's over all heads at once)
-            shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else c.head_dim,)
-            shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else c.head_dim,)
-        shapes[p + "o.weight"] = (c.hidden_size, c.num_heads * (c.v_head_dim or c.head_dim))
-        if c.attention_out_bias:
-            shapes[p + "o.bias"] = (c.hidden_size,)
-        if c.attention_sinks:
-            shapes[p + "sinks"] = (c.num_heads,)
+            if c.kv_lora_rank:  # DeepSeek's latent attention in place of the fused q/k/v
+                shapes.update(_latent_attention_shapes(c, p))
+            else:
+                shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
+            if c.attention_bias:
+                shapes[p + "qkv.bias"] = (qkv_rows,)
+            if c.qk_norm:  # (OLMo 2's over all heads at once)
+                shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else c.head_dim,)
+                shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else c.head_dim,)
+            shapes[p + "o.weight"] = (c.hidden_size, c.num_heads * (c.v_head_dim or c.head_dim))
+            if c.attention_out_bias:
+                shapes[p + "o.bias"] = (c.hidden_size,)
+            if c.attention_sinks:
+                shapes[p + "sinks"] = (c.num_heads,)
         if c.pre_norm and not c.parallel_block:  # (Cohere's MLP reads attention's normed input)
             shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
@@ -118,6 +122,17 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
+
+
+def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors: one input projection (q, k, v, the output gate z, the update strengths b and
+    the decay inputs a, each head's in order), the causal convolution over q, k and v [channels, kernel], the decay's
+    bias and log scale per value head, the gated output norm [value dim] and the output projection."""
+    value = c.linear_value_heads * c.linear_value_dim
+    return {p + "linear_in.weight": (c.linear_conv_dim + value + 2 * c.linear_value_heads, c.hidden_size),
+            p + "conv.weight": (c.linear_conv_dim, c.linear_conv_kernel),
+            p + "dt_bias": (c.linear_value_heads,), p + "a_log": (c.linear_value_heads,),
+            p + "linear_norm.weight": (c.linear_value_dim,), p + "o.weight": (c.hidden_size, value)}
 
 
 def _latent_attention_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -209,12 +224,13 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
                         "block-scaled fp8, gpt-oss' mxfp4, or an unquantized checkpoint)", ErrorKind.UNSUPPORTED_MODEL)
     vision = vision_from_hf(hf_config, source=str(config_path))
     # Gemma 3's vision-language checkpoints (4B and up) serve as their text model: its tower is not read yet
-    text_of_multimodal = hf_config.get("model_type") == "gemma3"
+    text_of_multimodal = _TEXT_OF_MULTIMODAL.get(hf_config.get("model_type"))
     if vision is not None:  # the decoder of a vision-language checkpoint is its text config's model
         config = from_hf_config(text_config_of(hf_config), source=f"{config_path} (text_config)")
     elif text_of_multimodal:
-        text = {**(hf_config.get("text_config") or {}), "model_type": "gemma3_text"}
-        text.setdefault("tie_word_embeddings", bool(hf_config.get("tie_word_embeddings", True)))
+        text = {**(hf_config.get("text_config") or {}), "model_type": text_of_multimodal}
+        text.setdefault("tie_word_embeddings", bool(hf_config.get("tie_word_embeddings",
+                                                                  text_of_multimodal == "gemma3_text")))
         config = from_hf_config(text, source=f"{config_path} (text_config)")
     else:
         config = from_hf_config(hf_config, source=str(config_path))
@@ -257,6 +273,10 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
 
 
+# model_type of a vision-language checkpoint served as its text model -> its text config's model_type
+_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
+
+
 def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype, *,
                            source: str) -> None:
     """A block-scaled fp8 checkpoint's matrices (Qwen3's, DeepSeek V3's, MiniMax-M2's *-FP8 releases: float8 weights,
@@ -288,7 +308,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
     # attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm is its pre-MLP norm.
     gemma = config.architecture in ("gemma2", "gemma3")
-    norm = (lambda name: take(name).float() + 1.0) if gemma else take
+    norm = (lambda name: take(name).float() + 1.0) if config.norm_plus_one else take  # (Qwen3-Next's too)
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
@@ -305,19 +325,32 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                 k = interleaved_rope_rows(k, config.num_kv_heads, config)
             return [q, k, v]
 
-        if config.kv_lora_rank:
+        if i in config.linear_layers:
+            out.update(_hf_gated_delta(hp + "linear_attn.", sp, config, hf, take))
+        elif config.kv_lora_rank:
             out.update(_hf_latent_attention(attn, sp, config, take))
+        elif config.attn_output_gate:  # Qwen3-Next: each head's q rows, then its gate's: the gates' rows after v's
+            q, k, v = qkv("weight")
+            q = q.view(config.num_heads, 2, config.head_dim, -1)
+            out[sp + "qkv.weight"] = torch.cat([q[:, 0].reshape(config.q_size, -1), k, v,
+                                                q[:, 1].reshape(config.q_size, -1)])
         elif attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
             out[sp + "qkv.weight"] = hf[attn + "qkv_proj.weight"]
         else:
             out[sp + "qkv.weight"] = torch.cat(qkv("weight"), dim=0)
-        if config.attention_bias:
+        if config.attention_bias and i not in config.linear_layers:
+            if config.attn_output_gate:
+                raise CoreError(f"{source}: attention biases with an output gate are not supported",
+                                ErrorKind.UNSUPPORTED_MODEL)
             out[sp + "qkv.bias"] = torch.cat(qkv("bias"), dim=0)
-        if config.qk_norm:
+        if i in config.linear_layers:
+            pass
+        elif config.qk_norm:
             out[sp + "q_norm.weight"] = norm(attn + "q_norm.weight")
             out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
-        out[sp + "o.weight"] = take(attn + "o_proj.weight")
-        if config.attention_out_bias:
+        if i not in config.linear_layers:
+            out[sp + "o.weight"] = take(attn + "o_proj.weight")
+        if config.attention_out_bias and i not in config.linear_layers:
             out[sp + "o.bias"] = take(attn + "o_proj.bias")
         if config.attention_sinks:
             out[sp + "sinks"] = take(attn + "sinks")
@@ -332,8 +365,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         elif not config.pre_norm:  # OLMo 2: its post_attention_layernorm follows attention; no pre-MLP norm
             out[sp + "post_attn_norm.weight"] = take(hp + "post_attention_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_feedforward_layernorm.weight")
-        elif not config.parallel_block:
-            out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+        elif not config.parallel_block:  # (Qwen3-Next's of 1 + w)
+            out[sp + "mlp_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
         if config.expert_bias:
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
             continue
@@ -379,6 +412,26 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         if config.shared_expert_gate:
             out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
     return out
+
+
+def _hf_gated_delta(la: str, sp: str, config: ModelConfig, hf: dict[str, torch.Tensor], take) -> dict[str, torch.Tensor]:
+    """A Gated DeltaNet layer from its checkpoint: Qwen3.5's separate in_proj_qkv / _z / _b / _a, or Qwen3-Next's
+    in_proj_qkvz and in_proj_ba, which group each key head's q, k, its value heads' v and z (and b, a) together:
+    regrouped to all heads' q, then k, v, z, b, a (value head g * r + j is key head g's j-th)."""
+    nk, nv, dk, dv = config.linear_key_heads, config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    if la + "in_proj_qkv.weight" in hf:
+        parts = [take(la + f"in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")]
+    else:
+        r = nv // nk
+        qkvz = take(la + "in_proj_qkvz.weight").reshape(nk, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+        b, a = take(la + "in_proj_ba.weight").reshape(nk, 2 * r, -1).split([r, r], dim=1)
+        parts = [torch.cat([x.reshape(-1, x.shape[-1]) for x in (q, k, v)]), *(x.reshape(-1, x.shape[-1])
+                                                                              for x in (z, b, a))]
+    conv = take(la + "conv1d.weight")
+    return {sp + "linear_in.weight": torch.cat(parts), sp + "conv.weight": conv.reshape(conv.shape[0], -1),
+            sp + "dt_bias": take(la + "dt_bias"), sp + "a_log": take(la + "A_log"),
+            sp + "linear_norm.weight": take(la + "norm.weight"), sp + "o.weight": take(la + "out_proj.weight")}
 
 
 def _hf_latent_attention(attn: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
@@ -469,7 +522,9 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "qwen2moe": "qwen2",
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
-                       "command-r": "llama", "cohere2": "llama"}
+                       "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
+                       "qwen35moe": "qwen3_next"}
+_GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
 def _gguf_experts(reader, arch: str, source: str, need) -> dict:
@@ -555,7 +610,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     rotated = _gguf_field(reader, f"{arch}.rope.dimension_count")
     rotary_dim = None
     if rotated is not None and int(rotated) != int(head_dim):
-        if arch not in ("phi3", "glm4", "glm4moe"):  # (llama.cpp's converter permutes whole heads for the others)
+        if arch not in ("phi3", "glm4", "glm4moe", *_GATED_DELTA_GGUF):  # (llama.cpp's converter permutes whole heads for the others)
             raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of "
                             f"head_dim {head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
         rotary_dim = int(rotated)
@@ -603,6 +658,17 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layer_flags = dict(layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)),
                            attention_sinks=True, expert_bias=True, router_topk_softmax=True, swiglu_limit=7.0,
                            swiglu_alpha=1.702)
+    elif arch in _GATED_DELTA_GGUF:
+        # Qwen3-Next / Qwen3.5: every full_attention_interval-th layer gated attention, the rest Gated DeltaNet
+        # (llama.cpp's ssm keys: the key heads as groups, the value heads as the time step rank)
+        layers = int(need("block_count")) - int(_gguf_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+        interval = int(_gguf_field(reader, f"{arch}.full_attention_interval", 4))
+        value_heads = int(need("ssm.time_step_rank"))
+        layer_flags = dict(attn_output_gate=True, linear_layers=tuple(i for i in range(layers) if (i + 1) % interval),
+                           linear_key_heads=int(need("ssm.group_count")), linear_value_heads=value_heads,
+                           linear_key_dim=int(need("ssm.state_size")),
+                           linear_value_dim=int(need("ssm.inner_size")) // value_heads,
+                           linear_conv_kernel=int(need("ssm.conv_kernel")))
     experts = _gguf_experts(reader, arch, source, need)
     if arch == "gpt-oss":
         experts["norm_topk_prob"] = False  # (the softmax over the chosen sums to 1 already)
@@ -630,7 +696,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         max_position_embeddings=int(need("context_length")),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=has_bias,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm=any(n.endswith(".attn_q_norm.weight") for n in tensor_names),  # (a hybrid's first layer has none)
         attention_out_bias="blk.0.attn_output.bias" in tensor_names,
         rotary_dim=rotary_dim,
         sliding_window=int(_gguf_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
@@ -700,8 +766,9 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     except Exception as exc:  # a truncated or foreign file fails inside numpy memmap/struct parsing
         raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
     config = _gguf_config(reader, source)
+    arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = _gguf_field(reader, "general.architecture") in ("llama", "smollm3", "granite")
+    permute = arch in ("llama", "smollm3", "granite")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -734,7 +801,13 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         out["lm_head.weight"] = take("output.weight")
     for i in range(config.num_layers):
         gp, sp = f"blk.{i}.", f"layers.{i}."
-        if gp + "attn_qkv.weight" in raw:  # Phi-3's fused projection
+        if i in config.linear_layers:
+            out.update(_gguf_gated_delta(raw, gp, sp, config, tiled=arch != "qwen3next", take=take))
+        elif config.attn_output_gate:  # attn_q: each head's q rows, then its gate's (as transformers holds q_proj)
+            q = take(gp + "attn_q.weight").view(config.num_heads, 2, config.head_dim, -1)
+            out[sp + "qkv.weight"] = torch.cat([q[:, 0].reshape(config.q_size, -1), take(gp + "attn_k.weight"),
+                                                take(gp + "attn_v.weight"), q[:, 1].reshape(config.q_size, -1)])
+        elif gp + "attn_qkv.weight" in raw:  # Phi-3's fused projection
             out[sp + "qkv.weight"] = raw[gp + "attn_qkv.weight"]
         else:
             out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
@@ -772,3 +845,36 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "mlp_norm.weight"] = out.pop(sp + "post_attn_norm.weight")
     check_serving_tensors(out, config, source=source)
     return SourceModel(config=config, tensors=out, source_kind="gguf")
+
+
+def _gguf_gated_delta(raw: dict, gp: str, sp: str, config: ModelConfig, *, tiled: bool, take) -> dict:
+    """A Gated DeltaNet layer as llama.cpp's converter writes it: attn_qkv (q, k, v), attn_gate (z), Qwen3-Next's
+    ssm_ba (each key head's b rows, then its a rows) or Qwen3.5's ssm_beta / ssm_alpha, ssm_conv1d [C, K], ssm_dt's
+    bias, ssm_a = -exp(A_log), ssm_norm (its own weight, not 1 + w), ssm_out. Qwen3.5's files hold the value heads
+    ``tiled`` (value head j of key head g at j * key_heads + g, for ggml's broadcast): put back in transformers' order
+    (g * per_key + j), which the forward's repeat of q and k heads assumes."""
+    nk, nv, dk, dv = config.linear_key_heads, config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
+    per_key = nv // nk
+
+    def grouped(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:  # tiled value heads -> grouped
+        if not tiled or per_key == 1:
+            return t
+        shape = list(t.shape)
+        t = t.reshape(*shape[:dim], per_key, nk, width, *shape[dim + 1:]).transpose(dim, dim + 1)
+        return t.reshape(shape)
+
+    qkv, conv = take(gp + "attn_qkv.weight"), take(gp + "ssm_conv1d.weight")
+    keys = 2 * nk * dk
+    qkv = torch.cat([qkv[:keys], grouped(qkv[keys:], 0, dv)])
+    conv = torch.cat([conv[:keys], grouped(conv[keys:], 0, dv)])
+    if gp + "ssm_ba.weight" in raw:
+        b, a = take(gp + "ssm_ba.weight").reshape(nk, 2 * per_key, -1).split([per_key, per_key], dim=1)
+        b, a = b.reshape(nv, -1), a.reshape(nv, -1)
+    else:
+        b, a = (grouped(take(gp + f"ssm_{x}.weight"), 0, 1) for x in ("beta", "alpha"))
+    decay = grouped(take(gp + "ssm_a").float(), 0, 1)
+    return {sp + "linear_in.weight": torch.cat([qkv, grouped(take(gp + "attn_gate.weight"), 0, dv), b, a]),
+            sp + "conv.weight": conv.reshape(conv.shape[0], -1),
+            sp + "dt_bias": grouped(take(gp + "ssm_dt.bias"), 0, 1), sp + "a_log": (-decay).log(),
+            sp + "linear_norm.weight": take(gp + "ssm_norm.weight"),
+            sp + "o.weight": grouped(take(gp + "ssm_out.weight"), 1, dv)}

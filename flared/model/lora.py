@@ -154,6 +154,12 @@ def _target(config, module: str, adapter: Path) -> tuple[str, int, int, bool]:
         raise _bad(adapter, f"module {module!r} is in a mixture-of-experts MLP, which adapters do not reach here "
                             "(supported on this model: the q/k/v/o projections, lm_head, embed_tokens)",
                    ErrorKind.UNSUPPORTED_MODEL)
+    if c.linear_layers and ".linear_attn." in module:
+        raise _bad(adapter, f"module {module!r} is in a Gated DeltaNet layer, which adapters do not reach here",
+                   ErrorKind.UNSUPPORTED_MODEL)
+    if c.attn_output_gate and module.endswith("self_attn.q_proj"):
+        raise _bad(adapter, f"module {module!r} also projects the attention's output gate, which adapters do not "
+                            "reach here (k, v, o and the MLP's projections do)", ErrorKind.UNSUPPORTED_MODEL)
     m = _LAYER.match(module)
     if m is None or int(m[1]) >= c.num_layers:
         raise _bad(adapter, f"module {module!r} is not a layer this model has (supported: the q/k/v/o and "

@@ -68,6 +68,7 @@ class _Sequence:
     state: SequenceSamplingState | None = None
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    state_row: int = -1  # its row of the cache's recurrent state (a model with Gated DeltaNet layers), while running
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     timings: GenerationTimings = field(default_factory=GenerationTimings)
@@ -86,7 +87,8 @@ class ModelRunner:
         self.num_pages = num_pages
         self.max_context_tokens = min(num_pages * page_tokens, config.max_position_embeddings)
         self.model = DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=self.max_context_tokens)
-        self.kv = self.model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens)
+        self.kv = self.model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens, state_rows=max_batch)
+        self._free_state_rows = list(range(max_batch))  # (a running sequence holds one; at most max_batch run)
         self.allocator = PageAllocator(num_pages)
         self.sampler = Sampler(config.vocab_size, device=self.model.device, max_penalty_slots=max_batch)
         self._num_reserved_pages = 0
@@ -136,6 +138,9 @@ class ModelRunner:
             waiting.popleft()
             self._num_reserved_pages += seq.num_reserved_pages
             seq.state = self.sampler.add_sequence(seq.params, seq.prompt)
+            seq.state_row = self._free_state_rows.pop()
+            if self.kv.states is not None:
+                self.kv.states.reset([seq.state_row])
             seq.timings.num_prompt_tokens = int(seq.prompt.shape[0])
             if seq.params.logprobs is not None:
                 seq.logprobs = []
@@ -149,6 +154,9 @@ class ModelRunner:
         seq.num_reserved_pages = 0
         if seq.state is not None:
             self.sampler.release(seq.state)
+        if seq.state_row >= 0:
+            self._free_state_rows.append(seq.state_row)
+            seq.state_row = -1
 
     def step(self, running: list[_Sequence], stop_token_ids) -> list[_Sequence]:
         """One forward + sample over ``running``; returns the sequences that finished (already retired)."""
@@ -174,7 +182,8 @@ class ModelRunner:
             missing_pages = self._pages_for(context_len) - len(seq.page_ids)
             if missing_pages > 0:
                 seq.page_ids.extend(self.allocator.allocate(missing_pages).tolist())
-            chunks.append(SequenceChunk(new_tokens, seq.num_computed_tokens, seq.page_ids, needs_logits))
+            chunks.append(SequenceChunk(new_tokens, seq.num_computed_tokens, seq.page_ids, needs_logits,
+                                        state_row=seq.state_row))
         batch = ForwardBatch.build(chunks, page_tokens=self.page_tokens, device=self.model.device,
                                    sliding_window=self.config.sliding_window)
         logits = self.model.forward(batch, self.kv)

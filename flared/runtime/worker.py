@@ -446,6 +446,11 @@ class ModelRuntime:
                          self.max_cpu_loras, slots)
         self.model = model
         num_snapshots = max(16, 4 * caps.concurrency)
+        config = self.core.config
+        if config.linear_layers:
+            # A Gated DeltaNet model's snapshots hold its recurrent state (Qwen3.5-9B's: 50 MB a row, float32): one
+            # a live request, eight at least, keeps the prefix cache's exact checkpoints (multi-turn chats) in bounds
+            num_snapshots = max(8, caps.concurrency)
         kv_pages = caps.kv_pages
         if self.kv_cache_dtype != "auto":
             # The core's KV budget (kv_pages at the model's dtype) holds more float8 pages, one byte a value, as
@@ -485,7 +490,15 @@ class ModelRuntime:
         kv_dtype, kv_bytes = self.executor.kv_cache
         log.info("KV cache: %s, %d pages of %d tokens (the core's %d at %s), %.1f MiB with the prefix snapshots",
                  kv_dtype, kv_pages, caps.page_tokens, caps.kv_pages, m.dtype, kv_bytes / 2**20)
+        if config.linear_layers:
+            log.info("recurrent state (%d Gated DeltaNet layers of %d): %d rows (%d live, %d prefix snapshots), "
+                     "%.1f MiB", len(config.linear_layers), config.num_layers, caps.concurrency + 1 + num_snapshots,
+                     caps.concurrency + 1, num_snapshots, self.executor.recurrent_bytes / 2**20)
         spec_tokens = self.speculative[0]
+        if spec_tokens and config.linear_layers:
+            log.warning("speculative decoding is off for this model: its Gated DeltaNet layers' state cannot take back "
+                        "a rejected draft")
+            spec_tokens = 0
         if spec_tokens:
             log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",
                      spec_tokens, self.speculative[2], self.speculative[1])
@@ -496,7 +509,8 @@ class ModelRuntime:
                             context_capacity=caps.context_tokens, prefill_chunk_size=caps.prefill_chunk_tokens,
                             graph_shapes=graph_shapes, speculative_tokens=spec_tokens,
                             prompt_lookup_max=self.speculative[1], prompt_lookup_min=self.speculative[2],
-                            speculative_max_rows=self.executor.spec_max_rows if use_cuda else 0),
+                            speculative_max_rows=self.executor.spec_max_rows if use_cuda else 0,
+                            initialize_state=bool(config.linear_layers)),
             self.policy if self.policy is not None else PolicyConfig())
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:

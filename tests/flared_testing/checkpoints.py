@@ -14,6 +14,9 @@ TINY_COMMON = dict(
     initializer_range=0.2, tie_word_embeddings=False,
 )
 
+_GATED_DELTA = dict(layer_types=["linear_attention", "full_attention"], head_dim=16, initializer_range=0.1, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=16)
+
 FAMILIES = {
     "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -97,6 +100,15 @@ FAMILIES = {
     # ERNIE 4.5 (0.3B): Llama with rope turning interleaved pairs over the whole head, tied embeddings
     "ernie4_5": ("ernie4_5", dict(head_dim=16, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
                                   eos_token_id=2)),
+    # Qwen3.5 (dense) and Qwen3-Next / Qwen3.5-MoE: three Gated DeltaNet layers to one gated attention layer with a
+    # quarter of each head rotated; two value heads a key head; Qwen3-Next's experts with a gated shared expert
+    "qwen3_5": ("qwen3_5_text", dict(_GATED_DELTA, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "qwen3_next": ("qwen3_next", dict(_GATED_DELTA, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(_GATED_DELTA, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -152,12 +164,12 @@ def last_logits(model, prompt: list[int]) -> torch.Tensor:
     from flared.model.batch import ForwardBatch, SequenceChunk
 
     count = -(-len(prompt) // 4)
-    kv = model.make_kv_cache(num_pages=count + 6, page_tokens=4)
+    kv = model.make_kv_cache(num_pages=count + 6, page_tokens=4, state_rows=1)
     pages = torch.randperm(count + 6, generator=torch.Generator().manual_seed(0))[:count].tolist()
     window = model.config.sliding_window
-    model.forward(ForwardBatch.build([SequenceChunk(prompt[:9], 0, pages, needs_logits=False)], page_tokens=4,
-                                     sliding_window=window), kv)
-    return model.forward(ForwardBatch.build([SequenceChunk(prompt[9:], 9, pages)], page_tokens=4,
+    model.forward(ForwardBatch.build([SequenceChunk(prompt[:9], 0, pages, needs_logits=False, state_row=0)],
+                                     page_tokens=4, sliding_window=window), kv)
+    return model.forward(ForwardBatch.build([SequenceChunk(prompt[9:], 9, pages, state_row=0)], page_tokens=4,
                                             sliding_window=window), kv)[0]
 
 

@@ -44,7 +44,10 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     rope = cfg.get("rope_parameters") or {}
     theta = (rope.get("full_attention") or rope).get("rope_theta", 10000.0)  # (Gemma 3's per layer type)
     gemma = arch in ("gemma2", "gemma3")
+    gated_delta = arch in ("qwen3next", "qwen35", "qwen35moe")  # (their converter also stores norms as 1 + w)
     w = gguf.GGUFWriter(str(path), arch)
+    if gated_delta:
+        write_gated_delta_keys(w, arch, cfg)
     w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
     w.add_uint32(f"{arch}.block_count", cfg["num_hidden_layers"])
@@ -106,13 +109,15 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     for name, values in rope_factor_tensors(cfg, w, arch, theta, rotated).items():
         w.add_tensor(name, values)
     add("token_embd.weight", t["model.embed_tokens.weight"])
-    # llama.cpp's converter stores Gemma's (1 + w) norms as 1 + w
-    norm = (lambda name: t[name] + 1) if gemma else (lambda name: t[name])
+    # llama.cpp's converter stores Gemma's and Qwen3-Next's (1 + w) norms as 1 + w
+    norm = (lambda name: t[name] + 1) if gemma or gated_delta else (lambda name: t[name])
     add("output_norm.weight", norm("model.norm.weight"))
     if "lm_head.weight" in t and not cfg.get("tie_word_embeddings"):
         add("output.weight", t["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if p + "linear_attn.conv1d.weight" in t:
+            write_gated_delta(add, t, p + "linear_attn.", i, cfg, tiled=arch != "qwen3next")
         if p + "self_attn.qkv_proj.weight" in t:  # Phi-3's fused projections, as llama.cpp keeps them
             add(f"blk.{i}.attn_qkv.weight", t[p + "self_attn.qkv_proj.weight"])
         for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
@@ -124,7 +129,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if arch in ("llama", "smollm3", "granite") and ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
-        add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
+        if p + "self_attn.o_proj.weight" in t:
+            add(f"blk.{i}.attn_output.weight", t[p + "self_attn.o_proj.weight"])
         if p + "self_attn.o_proj.bias" in t:
             add(f"blk.{i}.attn_output.bias", t[p + "self_attn.o_proj.bias"])
         if p + "self_attn.sinks" in t:
@@ -139,8 +145,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
             add(f"blk.{i}.ffn_norm.weight", norm(p + "pre_feedforward_layernorm.weight"))
         elif arch != "olmo2" and p + "post_attention_layernorm.weight" in t:  # (not Cohere's: one norm a layer)
             # (gpt-oss' and GLM-4.5's converters name the norm before the MLP post_attention_norm)
-            add(f"blk.{i}.{'post_attention' if arch in ('gpt-oss', 'glm4moe') else 'ffn'}_norm.weight",
-                t[p + "post_attention_layernorm.weight"])
+            add(f"blk.{i}.{'post_attention' if arch in ('gpt-oss', 'glm4moe') or gated_delta else 'ffn'}_norm.weight",
+                norm(p + "post_attention_layernorm.weight"))
         if arch == "glm4":  # its norms after attention and the MLP
             add(f"blk.{i}.post_attention_norm.weight", t[p + "post_self_attn_layernorm.weight"])
             add(f"blk.{i}.post_ffw_norm.weight", t[p + "post_mlp_layernorm.weight"])
@@ -161,6 +167,60 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_gated_delta_keys(w, arch: str, cfg: dict) -> None:
+    """Qwen3-Next's and Qwen3.5's keys as llama.cpp's converter writes them: the key heads as the ssm group count, the
+    value heads as its time step rank, the key head size as its state size; the attention layers' interval (the
+    converter reads full_attention_interval; the tiny checkpoints give layer_types, each interval-th attention)."""
+    types = cfg["layer_types"]
+    interval = types.index("full_attention") + 1
+    assert all((t == "full_attention") == ((i + 1) % interval == 0) for i, t in enumerate(types))
+    w.add_uint32(f"{arch}.ssm.conv_kernel", cfg["linear_conv_kernel_dim"])
+    w.add_uint32(f"{arch}.ssm.state_size", cfg["linear_key_head_dim"])
+    w.add_uint32(f"{arch}.ssm.group_count", cfg["linear_num_key_heads"])
+    w.add_uint32(f"{arch}.ssm.time_step_rank", cfg["linear_num_value_heads"])
+    w.add_uint32(f"{arch}.ssm.inner_size", cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_uint32(f"{arch}.full_attention_interval", interval)
+
+
+def write_gated_delta(add, t: dict, la: str, i: int, cfg: dict, *, tiled: bool) -> None:
+    """A Gated DeltaNet layer as llama.cpp's converter writes it: Qwen3-Next's in_proj_qkvz regrouped into attn_qkv (all
+    heads' q, then k, then v) and attn_gate (z), in_proj_ba as ssm_ba; Qwen3.5's in_proj_qkv / _z / _b / _a as attn_qkv,
+    attn_gate, ssm_beta, ssm_alpha with every value-head axis reordered from grouped to tiled (head j of key head g to
+    j * key_heads + g); conv1d squeezed; ssm_a = -exp(A_log); dt_bias as ssm_dt.bias; the gated norm as is."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    per_key = nv // nk
+
+    def tile(a: np.ndarray, axis: int, width: int) -> np.ndarray:
+        if not tiled:
+            return a
+        shape = a.shape
+        a = a.reshape(*shape[:axis], nk, per_key, width, *shape[axis + 1:])
+        return np.swapaxes(a, axis, axis + 1).reshape(shape)
+
+    keys = 2 * nk * dk
+    conv = t[la + "conv1d.weight"].squeeze(1)
+    if la + "in_proj_qkvz.weight" in t:
+        grouped = t[la + "in_proj_qkvz.weight"].reshape(nk, 2 * dk + 2 * per_key * dv, -1)
+        q, k, v, z = np.split(grouped, np.cumsum([dk, dk, per_key * dv]), axis=1)
+        qkv = np.concatenate([x.reshape(-1, x.shape[-1]) for x in (q, k, v)])
+        add(f"blk.{i}.attn_gate.weight", z.reshape(-1, z.shape[-1]))
+        add(f"blk.{i}.ssm_ba.weight", t[la + "in_proj_ba.weight"])
+    else:
+        qkv = t[la + "in_proj_qkv.weight"]
+        qkv = np.concatenate([qkv[:keys], tile(qkv[keys:], 0, dv)])
+        conv = np.concatenate([conv[:keys], tile(conv[keys:], 0, dv)])
+        add(f"blk.{i}.attn_gate.weight", tile(t[la + "in_proj_z.weight"], 0, dv))
+        add(f"blk.{i}.ssm_beta.weight", tile(t[la + "in_proj_b.weight"], 0, 1))
+        add(f"blk.{i}.ssm_alpha.weight", tile(t[la + "in_proj_a.weight"], 0, 1))
+    add(f"blk.{i}.attn_qkv.weight", qkv)
+    add(f"blk.{i}.ssm_conv1d.weight", conv)
+    add(f"blk.{i}.ssm_a", -np.exp(tile(t[la + "A_log"], 0, 1)))
+    add(f"blk.{i}.ssm_dt.bias", tile(t[la + "dt_bias"], 0, 1))
+    add(f"blk.{i}.ssm_norm.weight", t[la + "norm.weight"])
+    add(f"blk.{i}.ssm_out.weight", tile(t[la + "out_proj.weight"], 1, dv))
 
 
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
@@ -290,7 +350,8 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
 
 
 @pytest.mark.parametrize("family, arch", [("seed_oss", "seed_oss"), ("glm4", "glm4"), ("glm4_moe", "glm4moe"),
-                                          ("cohere", "command-r"), ("cohere2", "cohere2")])
+                                          ("cohere", "command-r"), ("cohere2", "cohere2"), ("qwen3_next", "qwen3next"),
+                                          ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -305,7 +366,8 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "rotary_dim", "rope_interleaved", "sandwich_norm", "num_experts", "experts_per_token",
                   "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token", "routed_scaling",
                   "shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob", "layer_norm",
-                  "parallel_block", "layer_windows", "nope_layers"):
+                  "parallel_block", "layer_windows", "nope_layers", "linear_layers", "linear_key_heads",
+                  "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate"):
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)

@@ -29,7 +29,7 @@ def run_paged_greedy(model: DecoderModel, prompts, *, num_new_tokens: int, page_
     """Drive the forward directly: sequence i joins at step i, so prefill chunks of
     later sequences share forwards with decode steps of earlier ones. Returns, per
     sequence, the generated ids and the logits each was chosen from."""
-    kv = model.make_kv_cache(num_pages=64, page_tokens=page_tokens)
+    kv = model.make_kv_cache(num_pages=64, page_tokens=page_tokens, state_rows=len(prompts))
     allocator = PageAllocator(64)
     state = [dict(prompt=p, computed=0, pages=[], out=[], logits=[]) for p in prompts]
     step = 0
@@ -47,7 +47,7 @@ def run_paged_greedy(model: DecoderModel, prompts, *, num_new_tokens: int, page_
             missing = -(-context // page_tokens) - len(s["pages"])
             if missing > 0:
                 s["pages"].extend(allocator.allocate(missing).tolist())
-            chunks.append(SequenceChunk(new, s["computed"], s["pages"], needs))
+            chunks.append(SequenceChunk(new, s["computed"], s["pages"], needs, state_row=state.index(s)))
             owners.append((s, needs))
         batch = ForwardBatch.build(chunks, page_tokens=page_tokens, sliding_window=model.config.sliding_window,
                                    device=model.device)
@@ -247,7 +247,8 @@ def test_next_token_logits_job_matches_transformers(family_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["cohere2", "deepseek_v2", "ernie4_5", "exaone4", "gemma2", "gemma3", "glm4",
-                                    "glm4_moe", "gpt_oss", "granite", "olmo3", "phi4_mini", "qwen3_moe", "smollm3"])
+                                    "glm4_moe", "gpt_oss", "granite", "olmo3", "phi4_mini", "qwen3_5", "qwen3_moe",
+                                    "qwen3_next", "smollm3"])
 def test_bf16_follows_float32(family, tmp_path):
     """The families whose layers are not Llama's, in bf16: the same likely next tokens as float32, their logprobs
     parted from float32's by no more than twice what transformers' own bf16 parts from its float32 (0.03-0.13 on

@@ -1,0 +1,123 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5): the recurrent state its layers keep per sequence, and the gated delta rule.
+
+A Gated DeltaNet layer keeps no keys and values. Each sequence has, per such layer:
+- a state matrix S [value_heads, key_dim, value_dim] (float32), which every token decays by exp(g) and then
+  corrects toward that token's value (the delta rule: S += k (beta (v - S^T k))^T), and which the token's query
+  reads (o = S^T q);
+- the last ``kernel - 1`` inputs of the causal depthwise convolution over q, k and v (the model's dtype).
+
+``RecurrentState`` holds these for a fixed number of *state rows*. A row is a sequence's for its life: the eager
+executor gives each live request's state row (and each prefix-cache snapshot) one, zeroes it when a request starts
+(the scheduler's INITIALIZE step), and copies rows to and from snapshots as it copies a partial KV page, so a prefix
+taken from the cache resumes from the exact state its endpoint had. A sequence's row must hold the state after
+exactly the tokens the KV cache holds for it: a forward that feeds a sequence tokens advances its row past them.
+
+Prefill chunks run the chunked form (``chunked_gated_delta``: 64 tokens at a time as products, the state carried
+between chunks); decode rows one recurrent step each, batched over the rows (``gated_delta_step``). Both follow
+transformers' torch reference (float32 throughout, q and k L2-normed, q scaled by key_dim ** -0.5).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flared.model.config import ModelConfig
+
+CHUNK_TOKENS = 64
+
+
+class RecurrentState:
+    def __init__(self, config: ModelConfig, rows: int, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        """``rows`` state rows for every Gated DeltaNet layer of ``config``; ``dtype``: the convolution inputs' (the
+        model's). Rows start zeroed (a fresh sequence's state)."""
+        if rows <= 0:
+            raise ValueError(f"a recurrent state needs at least one row, got {rows}")
+        c = config
+        self.rows = rows
+        self.layer_index = {layer: j for j, layer in enumerate(c.linear_layers)}
+        n = len(c.linear_layers)
+        self.conv = torch.zeros(n, rows, c.linear_conv_dim, c.linear_conv_kernel - 1, dtype=dtype, device=device)
+        self.ssm = torch.zeros(n, rows, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim,
+                               dtype=torch.float32, device=device)
+
+    @staticmethod
+    def row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+        """Bytes one state row holds across the layers."""
+        c = config
+        per_layer = (c.linear_conv_dim * (c.linear_conv_kernel - 1) * dtype.itemsize
+                     + 4 * c.linear_value_heads * c.linear_key_dim * c.linear_value_dim)
+        return len(c.linear_layers) * per_layer
+
+    @property
+    def num_bytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+    def reset(self, rows) -> None:
+        """Zero ``rows`` (a sequence starting from nothing)."""
+        index = torch.as_tensor(rows, dtype=torch.int64, device=self.conv.device).reshape(-1)
+        self.conv.index_fill_(1, index, 0)
+        self.ssm.index_fill_(1, index, 0)
+
+    def copy(self, source: int, destination: int) -> None:
+        """Row ``destination`` becomes a copy of row ``source`` (a snapshot taken or restored)."""
+        self.conv[:, destination] = self.conv[:, source]
+        self.ssm[:, destination] = self.ssm[:, source]
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, value_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [..., key_heads, key_dim] -> float32 [..., value_heads, key_dim]: each key head repeated for its value
+    heads, L2-normed, q scaled by key_dim ** -0.5."""
+    repeat = value_heads // q.shape[-2]
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
+    q, k = _l2norm(q.float()), _l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k
+
+
+def gated_delta_step(q, k, v, g, beta, state):
+    """One token for each of B sequences: q, k [B, nv, dk] (prepared), v [B, nv, dv], g, beta [B, nv] (float32),
+    state [B, nv, dk, dv] float32 (updated in place) -> the outputs [B, nv, dv] float32."""
+    state.mul_(g.exp()[..., None, None])
+    remembered = torch.einsum("bhkv,bhk->bhv", state, k)
+    delta = (v.float() - remembered) * beta[..., None]
+    state.add_(k[..., :, None] * delta[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", state, q)
+
+
+def chunked_gated_delta(q, k, v, g, beta, state):
+    """One sequence's L tokens: q, k [L, nv, dk] (prepared), v [L, nv, dv], g, beta [L, nv] (float32), state [nv, dk,
+    dv] float32 (replaced in place by the state after the L tokens) -> the outputs [L, nv, dv] float32. CHUNK_TOKENS
+    tokens at a time: within a chunk the delta rule's updates are solved as one triangular system (the UT transform)
+    and read as a masked product; the state carries the chunks before it."""
+    length = q.shape[0]
+    size = CHUNK_TOKENS
+    pad = -length % size
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [nv, L', d]
+    g, beta = (F.pad(x.float().transpose(0, 1), (0, pad)) for x in (g, beta))  # [nv, L']
+    heads = q.shape[0]
+    q, k, v = (x.reshape(heads, -1, size, x.shape[-1]) for x in (q, k, v))  # [nv, N, C, d]
+    g, beta = g.reshape(heads, -1, size), beta.reshape(heads, -1, size)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(dim=-1)  # the log decay from each chunk's start
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [nv, N, C, C]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [nv, N, 1, 1]
+    out = torch.empty_like(values)
+    s = state
+    for i in range(values.shape[1]):
+        fresh = values[:, i] - k_decayed[:, i] @ s
+        out[:, i] = q[:, i] @ s + inner[:, i] @ fresh
+        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ fresh
+    state.copy_(s)
+    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1)

@@ -1,0 +1,161 @@
+"""Qwen3-Next and Qwen3.5: Gated DeltaNet layers (a recurrent state per sequence beside the KV cache of the gated
+attention layers), against transformers on random weights, and served by the daemon with its prefix cache, whose
+exact checkpoints carry the recurrent state (the other families' parity runs are in test_parity_hf.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from flared.errors import CoreError, ErrorKind
+from flared.model.config import from_hf_config
+from flared.model.decoder import DecoderModel
+from flared.model.loader import read_source
+from flared.model.recurrent import chunked_gated_delta, gated_delta_step, prepare
+
+from .conftest import build_hf_checkpoint
+from .test_lora import write_adapter
+
+
+def test_layer_types_default_to_every_fourth_layer_attending():
+    hf = dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16)
+    config = from_hf_config(hf)
+    assert config.linear_layers == (0, 1, 2, 4, 5, 6) and config.kv_layers == (3, 7)
+    assert config.rotary_dim == 4 and config.attn_output_gate and config.graph_obstacle.startswith("Gated DeltaNet")
+    assert from_hf_config({**hf, "full_attention_interval": 2}).kv_layers == (1, 3, 5, 7)
+    with pytest.raises(CoreError, match="linear_attention or full_attention") as info:
+        from_hf_config({**hf, "layer_types": ["mamba"] * 8})
+    assert info.value.kind == ErrorKind.SOURCE_FORMAT
+
+
+def test_chunked_and_step_forms_agree():
+    """The chunked form over a sequence equals one recurrent step a token (state and outputs), across a chunk
+    boundary and from a state carried in."""
+    g = torch.Generator().manual_seed(0)
+    length, nk, nv, dk, dv = 150, 2, 4, 8, 16
+    q, k = prepare(torch.randn(length, nk, dk, generator=g), torch.randn(length, nk, dk, generator=g), nv)
+    v = torch.randn(length, nv, dv, generator=g)
+    decay = -torch.rand(length, nv, generator=g) * 2
+    beta = torch.rand(length, nv, generator=g)
+    start = torch.randn(nv, dk, dv, generator=g) * 0.1
+    chunked_state = start.clone()
+    chunked = chunked_gated_delta(q, k, v, decay, beta, chunked_state)
+    state = start.clone()[None]
+    steps = torch.cat([gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], state)
+                       for t in range(length)])
+    assert (chunked - steps).abs().max().item() < 1e-4
+    assert (chunked_state - state[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_the_kv_cache_holds_only_the_attention_layers(family, tmp_path):
+    source = read_source(build_hf_checkpoint(family, tmp_path))
+    config = source.config
+    model = DecoderModel(config, source.tensors)
+    kv = model.make_kv_cache(num_pages=4, page_tokens=8, state_rows=3)
+    assert kv.keys.shape[0] == len(config.kv_layers) == 1 and kv.states.ssm.shape[:2] == (1, 3)
+    assert "layers.0.qkv.weight" not in source.tensors and "layers.1.qkv.weight" in source.tensors
+    # q rows, k, v, then the output gate's rows
+    assert source.tensors["layers.1.qkv.weight"].shape[0] == 2 * config.q_size + 2 * config.kv_size
+    with pytest.raises(ValueError, match="state rows"):
+        model.make_kv_cache(num_pages=4, page_tokens=8)
+
+
+def test_a_qwen3_5_checkpoint_reads_its_decoder_and_tower(tmp_path):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration (decoder under model.language_model, a tower under
+    model.visual): its decoder's logits on text are the whole model's; its tower is Qwen3-VL's without DeepStack
+    (images end to end: tests/api/test_vision_qwen.py)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from flared_testing.checkpoints import last_logits
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                initializer_range=0.1)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=500,
+                                                       video_token_id=501, vision_start_token_id=502,
+                                                       vision_end_token_id=503)).eval()
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
+    source = read_source(tmp_path)
+    assert source.config.linear_layers == (0,) and not source.config.tie_word_embeddings
+    assert source.vision.family == "qwen3_vl" and source.vision.deepstack_layers == ()
+    assert source.vision.mrope_section == (11, 11, 10)  # (transformers' default split of the 64 rotated dimensions)
+    prompt = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = hf(input_ids=torch.tensor([prompt])).logits[0, -1]
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - expected).abs().max().item() < 1e-4
+
+
+def test_adapters_do_not_reach_the_gated_delta_layers_or_the_gated_queries(tmp_path):
+    from flared.model.lora import LoraAdapter, merge_adapters
+
+    source = read_source(build_hf_checkpoint("qwen3_5", tmp_path / "hf"))
+    write_adapter(tmp_path / "v", {"model.layers.1.self_attn.v_proj": (64, 32, False)})
+    tensors = dict(source.tensors)
+    merge_adapters(tensors, source.config, [LoraAdapter(tmp_path / "v")])  # v, k, o and the MLP are reached
+    for module, what in (("model.layers.0.linear_attn.in_proj_qkv", "Gated DeltaNet"),
+                         ("model.layers.1.self_attn.q_proj", "output gate")):
+        write_adapter(tmp_path / "bad", {module: (64, 64, False)})
+        with pytest.raises(CoreError, match=what) as info:
+            merge_adapters(dict(source.tensors), source.config, [LoraAdapter(tmp_path / "bad")])
+        assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+
+
+def _greedy(hf, prompt: list[int], count: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=count, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(tmp_path):
+    """A Qwen3-Next core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
+    from the prefix cache (its checkpoint restores the recurrent state beside the KV pages) with the same tokens; a
+    follow-up turn resumes from the first turn's checkpoint and still gives transformers' tokens on the whole prompt.
+    Prompt-lookup speculation is asked for and not used (a rejected draft would move the recurrent state on)."""
+    from flared_testing.served import assert_served_greedy_equals_transformers
+
+    directory = build_hf_checkpoint("qwen3_next", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story about a fox."}]
+
+    def ask(daemon, messages):
+        status, body = daemon.chat(messages, max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                                   return_tokens_as_token_ids=True)
+        assert status == 200, body
+        tokens = [int(t["token"].split(":")[1]) for t in body["choices"][0]["logprobs"]["content"]]
+        return tokens, body["usage"]["prompt_tokens_details"]["cached_tokens"], body
+
+    def turns(daemon):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+        def prompt_ids(messages):
+            text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<model>"
+            return [2] + tok.encode(text, add_special_tokens=False).ids
+
+        tokens, cached, body = ask(daemon, first)
+        assert tokens == _greedy(hf, prompt_ids(first), 12)
+        again, cached_again, _ = ask(daemon, first)
+        assert again == tokens and cached_again > 0
+        follow = first + [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                          {"role": "user", "content": "And then?"}]
+        more, cached_more, _ = ask(daemon, follow)
+        assert cached_more > 0
+        assert more == _greedy(hf, prompt_ids(follow), 12)
+        status, metrics = daemon.request("GET", "/metrics")
+        assert status == 200
+
+    assert_served_greedy_equals_transformers(directory, hf, tmp_path, daemon_args=("--speculative-tokens", "4"),
+                                             also=turns)
