@@ -203,7 +203,7 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "chat_template": QWEN_VL_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
     (d / "preprocessor_config.json").write_text(json.dumps(
-        QWEN3_VL_PREPROCESSOR if family == "qwen3_vl" else QWEN_VL_PREPROCESSOR))
+        QWEN3_VL_PREPROCESSOR if family in ("qwen3_vl", "qwen3_5") else QWEN_VL_PREPROCESSOR))
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
@@ -220,6 +220,17 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
         vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
                       num_position_embeddings=64, deepstack_visual_indexes=[0, 1], initializer_range=0.2)
         config, model = Qwen3VLConfig(text_config=text, vision_config=vision, **ids), Qwen3VLForConditionalGeneration
+    elif family == "qwen3_5":  # Qwen3-VL's tower (no DeepStack), a Gated DeltaNet layer then a gated attention one
+        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        text = {**text, "head_dim": 32, "layer_types": ["linear_attention", "full_attention"], "initializer_range": 0.1,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                "linear_value_head_dim": 16, "rope_parameters": {
+                    "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                    "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
+                      num_position_embeddings=64, initializer_range=0.2)
+        config, model = Qwen3_5Config(text_config=text, vision_config=vision, **ids), Qwen3_5ForConditionalGeneration
     else:
         vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, window_size=56,
                       fullatt_block_indexes=[1], initializer_range=0.2)
@@ -230,7 +241,7 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
     return d
 
 
-@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def tiny_qwen_vl(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """(family, checkpoint, exported core) of a tiny random Qwen VL model."""
     from flared.core.export import ExportOptions, export_core

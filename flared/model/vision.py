@@ -47,7 +47,11 @@ from flared.errors import CoreError, ErrorKind
 
 # model_type of the checkpoint's config.json -> our vision family
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
-                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava"}
+                         "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava",
+                         # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
+                         "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl"}
+# a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
+_QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "quick_gelu": "quick", "silu": "silu"}
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of patches
@@ -235,7 +239,7 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
-        text["model_type"] = "qwen3" if family == "qwen3_vl" else "qwen2"
+        text["model_type"] = _QWEN_TEXT_MODEL_TYPES.get(hf["model_type"], "qwen2")
         for key in ("rope_parameters", "rope_scaling"):
             params = text.get(key)
             if isinstance(params, dict) and "mrope_section" in params:
@@ -313,12 +317,15 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
         out, act = int(v.get("out_hidden_size", t["hidden_size"])), str(v.get("hidden_act", "gelu_pytorch_tanh"))
         params = t.get("rope_parameters") or t.get("rope_scaling") or {}
         extra = dict(position_table=int(v.get("num_position_embeddings", 2304)),
-                     deepstack_layers=tuple(int(x) for x in v.get("deepstack_visual_indexes", (8, 16, 24))),
+                     deepstack_layers=tuple(int(x) for x in v.get(  # (Qwen3.5's tower has none)
+                         "deepstack_visual_indexes", (8, 16, 24) if hf.get("model_type") == "qwen3_vl" else ())),
                      mrope_interleaved=bool(params.get("mrope_interleaved", True)))
     else:
         hidden, intermediate = int(v.get("hidden_size", 1280)), int(v.get("intermediate_size", 3420))
         out, act = int(v.get("out_hidden_size", t["hidden_size"])), str(v.get("hidden_act", "silu"))
-    section = mrope_section_of(t) or ([24, 20, 20] if family == "qwen3_vl" else [16, 24, 24])
+    # (transformers' defaults: Qwen3.5 splits its 64 rotated dimensions' 32 slots)
+    section = mrope_section_of(t) or ([11, 11, 10] if hf.get("model_type") in ("qwen3_5", "qwen3_5_moe") else
+                                      [24, 20, 20] if family == "qwen3_vl" else [16, 24, 24])
     return VisionConfig(
         family=family, hidden_size=hidden, intermediate_size=intermediate,
         num_layers=int(v.get("depth", 32)), num_heads=int(v.get("num_heads", 16)),
