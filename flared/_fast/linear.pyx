@@ -20,12 +20,13 @@ Rules:
 """
 
 from cython.parallel cimport prange
-from libc.stdint cimport int64_t, uint16_t, uintptr_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t, uintptr_t
 
 cdef extern from "linear_kernel.h" nogil:
     int FL_GROUP
     int fl_bf16_supported()
     int fl_avx2_supported()
+    int fl_flush_denormals(int flush)
     void fl_gemm_groups(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows, int out,
                         int inp, int g0, int g1)
     void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
@@ -68,3 +69,56 @@ def bf16_linear(uintptr_t packed_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int ro
             fl_gemm_groups(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
         else:
             fl_gemm_groups_avx2(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
+
+
+def flush_denormals(int threads=1, bint flush=True):
+    """Denormal floats flushed to zero (x86's FTZ and DAZ; ``flush`` False: not) on the calling thread and on every
+    thread of its OpenMP team of ``threads`` (torch's intra-op workers, which libgomp keeps for later parallel regions
+    of this thread), where x86 would otherwise take dozens of times longer over them. Returns whether the calling
+    thread flushed them before; None off x86-64 (nothing changed)."""
+    cdef int t
+    cdef int before = fl_flush_denormals(flush)
+    if not before & 2:
+        return None
+    if threads > 1:
+        for t in prange(threads, nogil=True, num_threads=threads, schedule="static", chunksize=1):
+            fl_flush_denormals(flush)
+    return bool(before & 1)
+
+
+def bf16_unpack(uintptr_t packed_ptr, uintptr_t out_ptr, int out_features, int in_features, int threads=1):
+    """The packed layout back to the weight: out[out_features, in_features] (bfloat16, row-major) from
+    ``packed_ptr`` (flared.model.decoder.pack_bf16's layout), a group of FL_GROUP output features a task. Within a
+    group the packed [in / 2, FL_GROUP] pairs are transposed as 32-bit words: each packed row read once, its words
+    written to the group's FL_GROUP output rows. The caller owns every check (as for bf16_linear)."""
+    if out_features <= 0 or in_features <= 0 or in_features % 2:
+        raise ValueError(f"bf16_unpack: bad shape out={out_features} in={in_features} (in must be even)")
+    if packed_ptr == 0 or out_ptr == 0:
+        raise ValueError("bf16_unpack: null data pointer")
+    cdef const uint32_t *src = <const uint32_t *>packed_ptr
+    cdef uint32_t *dst = <uint32_t *>out_ptr
+    cdef int half = in_features // 2
+    cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
+    cdef int g
+    if threads < 1:
+        threads = 1
+    for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
+        _unpack_group(src, dst, g, half, out_features)
+
+
+cdef void _unpack_group(const uint32_t *src, uint32_t *dst, int g, int half, int out_features) noexcept nogil:
+    """One group: in tiles of 16 packed rows, each tile's words written as 16-word (one cache line) runs of the
+    group's output rows."""
+    cdef const uint32_t *block = src + <int64_t>g * half * FL_GROUP
+    cdef uint32_t *out = dst + <int64_t>g * FL_GROUP * half
+    cdef int rows = out_features - g * FL_GROUP
+    cdef int i0, i, o, end
+    if rows > FL_GROUP:
+        rows = FL_GROUP
+    for i0 in range(0, half, 16):
+        end = i0 + 16
+        if end > half:
+            end = half
+        for o in range(rows):
+            for i in range(i0, end):
+                out[<int64_t>o * half + i] = block[<int64_t>i * FL_GROUP + o]

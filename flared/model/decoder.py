@@ -29,9 +29,9 @@ from flared.model.recurrent import chunked_gated_delta, gated_delta_step, prepar
 from flared.model.rope import rope_tables
 
 try:
-    from flared._fast.linear import BF16_SUPPORTED, GROUP_FEATURES, bf16_linear
+    from flared._fast.linear import BF16_SUPPORTED, GROUP_FEATURES, bf16_linear, bf16_unpack, flush_denormals
 except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
-    BF16_SUPPORTED, GROUP_FEATURES, bf16_linear = False, 64, None
+    BF16_SUPPORTED, GROUP_FEATURES, bf16_linear, bf16_unpack, flush_denormals = False, 64, None, None, None
 try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
@@ -57,6 +57,10 @@ def _cpu_grouped_mm_works() -> bool:
 
 
 _CPU_GROUPED_MM = _cpu_grouped_mm_works()
+try:
+    from flared._fast import delta as _cpu_delta
+except ImportError:  # as above: the decode step's gated delta rule keeps torch's ops
+    _cpu_delta = None
 try:
     from flared._fast import decode as _cpu_decode
 except ImportError:  # as above: bf16 decode steps keep the per-op path
@@ -114,6 +118,36 @@ _SPLIT_MAX_ROWS_ONE_THREAD = 4
 # the weight on every call). Only the packed copy is kept.
 
 
+def _cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tile products (Intel Sapphire Rapids and later: /proc/cpuinfo's amx_bf16)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+# On a CPU with AMX, torch's bf16 products of many rows (oneDNN) outrun the packed kernel by far: on a Xeon with
+# amx_bf16 (2 threads, a [7168, 1024] matrix) 3.1 ms against 4.2 at 64 rows and 5.9 against 33.7 at 512, counting the
+# transposing copy back to [out, in] (unpack_bf16: 2.3 ms) that keeps a single packed copy of each weight; at 32 rows
+# and fewer the packed kernel stays ahead (2.2 ms against 3.0). A prefill chunk's products of this many rows or more
+# take that path (tools/bench_cpu_kernels.py's "unpacked + torch" column); None: never (no AMX: there the packed
+# kernel kept up with torch's even at 256 rows).
+UNPACK_MIN_ROWS = 64 if _cpu_has_amx() else None
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_bf16's layout back to the weight [out_features, in] (a copy; flared/_fast/linear.pyx's bf16_unpack, over
+    the model thread's threads: 1.2 ms for a [7168, 1024] matrix on 2 threads, against 2.3 for torch's transpose)."""
+    in_features = packed.shape[1] * 2
+    out = torch.empty(out_features, in_features, dtype=torch.bfloat16)
+    bf16_unpack(packed.data_ptr(), out.data_ptr(), out_features, in_features, torch.get_num_threads())
+    return out
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] bf16 (in even) -> linear_kernel.h's layout: groups of GROUP_FEATURES output features, each
     [in / 2, GROUP_FEATURES, 2], zero rows past ``out``."""
@@ -152,6 +186,8 @@ class _Linear:
             if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
                 raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match bf16 weight "
                                  f"[{self.out_features}, {self.in_features}]")
+            if UNPACK_MIN_ROWS is not None and num_rows >= UNPACK_MIN_ROWS:  # (AMX: torch's product, see above)
+                return F.linear(x, unpack_bf16(self.packed, self.out_features), self.bias)
             y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
             if num_rows:
                 x = x.contiguous()  # the kernel reads raw row-major memory
@@ -327,6 +363,17 @@ class DecoderModel:
             (self.device.type == "cuda" and dtype == torch.bfloat16)
             or (self.device.type == "cpu" and dtype == torch.float32 and _CPU_GROUPED_MM
                 and config.hidden_size % 4 == 0 and config.expert_intermediate_size % 4 == 0))  # (16-byte strides)
+        # A Gated DeltaNet state decays by exp(g) every token: in a fast-decaying head its old directions sink into
+        # denormal floats, which x86 handles dozens of times slower (a 512-token prefill of Qwen3.5-0.8B's first 8
+        # layers: 1.9x slower without the flush; tools/bench_hybrid.py). On the CPU such a model's forwards run with
+        # denormals flushed to zero (flared/_fast/linear.pyx: on the model thread and its OpenMP workers, as GPUs
+        # do), the threads' previous mode back after each forward.
+        self.flush_denormals = (bool(config.linear_layers) and self.device.type == "cpu"
+                                and flush_denormals is not None)
+        # Decode rows' gated delta rule on the CPU in place on their state rows (flared/_fast/delta.pyx), instead of
+        # gathering the rows, torch's ops, and scattering them back. False keeps torch's (the A/B).
+        self.cpu_delta_step = (bool(config.linear_layers) and self.device.type == "cpu" and _cpu_delta is not None
+                               and config.linear_value_dim <= _cpu_delta.MAX_VALUE_DIM)
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
@@ -591,6 +638,17 @@ class DecoderModel:
     def _layers_forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Every decoder layer over the batch's tokens (their K/V written to ``kv``): the residual stream
         [T, hidden] before the final norm."""
+        if not self.flush_denormals:
+            return self._layer_stack(batch, kv)
+        threads = torch.get_num_threads()
+        before = flush_denormals(threads, True)
+        try:
+            return self._layer_stack(batch, kv)
+        finally:
+            if not before:
+                flush_denormals(threads, False)
+
+    def _layer_stack(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         c = self.config
         num_tokens = batch.num_tokens
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -733,15 +791,27 @@ class DecoderModel:
                                 qkv.index_select(0, rows)[:, :, None]], dim=-1)  # [B, C, K]
             states.conv[j].index_copy_(0, state_rows, window[:, :, 1:])
             conv_out = F.silu((window * conv_weight).sum(dim=-1))
-            state = states.ssm[j].index_select(0, state_rows)
-            o = gated_delta_step(*split(conv_out), g.index_select(0, rows), beta.index_select(0, rows), state)
-            states.ssm[j].index_copy_(0, state_rows, state)
+            if self.cpu_delta_step:  # in place on the rows (the layer's state [rows, nv, dk, dv] is contiguous)
+                q, k, v = split(conv_out)
+                q, k = q.contiguous(), k.contiguous()
+                v = v.float().contiguous()
+                step_g, step_beta = g.index_select(0, rows), beta.index_select(0, rows)
+                o = torch.empty(rows.shape[0], nv, dv, dtype=torch.float32)
+                _cpu_delta.gated_delta_step(
+                    states.ssm[j].data_ptr(), state_rows.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                    step_g.data_ptr(), step_beta.data_ptr(), o.data_ptr(), rows.shape[0], nv, dk, dv,
+                    torch.get_num_threads())
+            else:
+                state = states.ssm[j].index_select(0, state_rows)
+                o = gated_delta_step(*split(conv_out), g.index_select(0, rows), beta.index_select(0, rows), state)
+                states.ssm[j].index_copy_(0, state_rows, state)
             out.index_copy_(0, rows, o.to(out.dtype))
         for group in batch.prefill_groups:
             lo, hi, row = group.row_start, group.row_end, group.state_row
             inputs = torch.cat([states.conv[j, row], qkv[lo:hi].t()], dim=-1)  # [C, K - 1 + L]
             states.conv[j, row] = inputs[:, -(kernel - 1):]
-            conv_out = F.silu(F.conv1d(inputs[None], conv_weight[:, None, :], groups=channels)[0]).t()  # [L, C]
+            # [L, C] row-major: each head's q and k then normalize over contiguous columns (10x the transposed's speed)
+            conv_out = F.silu(F.conv1d(inputs[None], conv_weight[:, None, :], groups=channels)[0]).t().contiguous()
             o = chunked_gated_delta(*split(conv_out), g[lo:hi], beta[lo:hi], states.ssm[j, row])
             out[lo:hi] = o.to(out.dtype)
         # Qwen3-Next's gated RMSNorm: normed in float32, times the weight in the model's dtype, times SiLU(z) in float32

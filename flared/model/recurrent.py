@@ -72,10 +72,10 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def prepare(q: torch.Tensor, k: torch.Tensor, value_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k [..., key_heads, key_dim] -> float32 [..., value_heads, key_dim]: each key head repeated for its value
     heads, L2-normed, q scaled by key_dim ** -0.5."""
+    q, k = _l2norm(q.float()), _l2norm(k.float())
     repeat = value_heads // q.shape[-2]
     if repeat > 1:
         q, k = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
-    q, k = _l2norm(q.float()), _l2norm(k.float())
     return q * q.shape[-1] ** -0.5, k
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "gpt_oss", "phi4_mini"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "gpt_oss", "phi4_mini", "qwen3_next"])
 def test_a_core_the_graphs_do_not_run_serves_on_the_gpu(family, tmp_path, start_daemon):
     from flared_testing.checkpoints import build_hf_checkpoint
     from flared_testing.served import write_char_tokenizer

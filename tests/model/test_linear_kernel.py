@@ -151,6 +151,32 @@ def test_linear_wrapper_bias_and_noncontiguous_input():
     assert odd.packed is None and torch.equal(odd(many[:, :95]), F.linear(many[:, :95], w[:, :95]))
 
 
+@needs_isa
+@pytest.mark.parametrize("out_features, in_features", SMOLLM2_SHAPES[:4] + ODD_SHAPES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_unpack_gives_the_weight_back(out_features, in_features, threads):
+    """bf16_unpack: the packed layout back to the exact weight (group tails, odd sizes, any thread count)."""
+    if in_features % 2:
+        pytest.skip("packing needs an even input size")
+    w = torch.randn(out_features, in_features).to(torch.bfloat16)
+    out, packed = torch.empty_like(w), pack_bf16(w)
+    linear_mod.bf16_unpack(packed.data_ptr(), out.data_ptr(), out_features, in_features, threads)
+    assert torch.equal(out, w)
+
+
+@needs_isa
+def test_many_rows_take_torchs_product_where_it_is_faster(monkeypatch):
+    """At UNPACK_MIN_ROWS rows and more (set on a CPU with AMX) _Linear unpacks its weight and runs torch's product:
+    the same values as torch's F.linear on the original weight, bias included; fewer rows keep the kernel."""
+    w, b = torch.randn(130, 578).to(torch.bfloat16), torch.randn(130).to(torch.bfloat16)
+    lin = _Linear(w.clone(), b)
+    monkeypatch.setattr(decoder_mod, "UNPACK_MIN_ROWS", 16)
+    x = torch.randn(20, 578).to(torch.bfloat16)
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    few = torch.randn(15, 578).to(torch.bfloat16)
+    assert torch.equal(lin(few), kernel(w, few, 1).add_(b))
+
+
 def test_wrapper_off_without_isa(monkeypatch):
     """Where the ISA is missing the wrapper must not pick the kernel (CI machines may differ)."""
     monkeypatch.setattr(decoder_mod, "BF16_SUPPORTED", False)

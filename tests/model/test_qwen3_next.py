@@ -52,6 +52,25 @@ def test_chunked_and_step_forms_agree():
     assert (chunked_state - state[0]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_decode_step_equals_torchs(dtype, tmp_path):
+    """Decode rows' gated delta rule in place on their state rows (flared/_fast/delta.pyx) against the gather, torch's
+    ops and the scatter: the same logits through mixed prefill and decode batches, the same greedy tokens."""
+    from .test_parity_hf import make_prompts, run_paged_greedy
+
+    source = read_source(build_hf_checkpoint("qwen3_5", tmp_path))
+    model = DecoderModel(source.config, source.tensors, dtype=dtype)
+    if not model.cpu_delta_step:
+        pytest.skip("flared/_fast/delta.pyx is not built")
+    prompts = make_prompts(source.config.vocab_size, seed=5)
+    fast = run_paged_greedy(model, prompts, num_new_tokens=12, page_tokens=4, chunk_tokens=5)
+    model.cpu_delta_step = False
+    plain = run_paged_greedy(model, prompts, num_new_tokens=12, page_tokens=4, chunk_tokens=5)
+    for (tokens, logits), (plain_tokens, plain_logits) in zip(fast, plain):
+        assert tokens == plain_tokens
+        assert (logits - plain_logits).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.1)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_the_kv_cache_holds_only_the_attention_layers(family, tmp_path):
     source = read_source(build_hf_checkpoint(family, tmp_path))

@@ -1,0 +1,151 @@
+#!/usr/bin/env python
+"""A Gated DeltaNet hybrid (Qwen3.5's layer mix): flared's runtime against transformers, decode and prefill.
+
+Both sides build the same random-weight Qwen3.5 text model (three Gated DeltaNet layers to one gated attention
+layer) at a shape below and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
+the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
+prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
+carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
+zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
+with the same flush around its calls.
+
+    .venv/bin/python tools/bench_hybrid.py [--shape 0.8b] [--layers 8] [--dtype bfloat16] [--json]
+
+Prints a table; with ``--json`` the last line is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import decode_tok_s, time_hf, time_ours  # noqa: E402
+
+from flared._fast.linear import flush_denormals  # noqa: E402
+from flared.model.config import from_hf_config  # noqa: E402
+from flared.model.loader import _hf_to_serving  # noqa: E402
+from flared.model.runner import ModelRunner  # noqa: E402
+from flared.model.sampling import SamplingParams  # noqa: E402
+
+SHAPES = {
+    # Qwen3.5-0.8B's sizes (24 layers, 18 of them Gated DeltaNet; tied embeddings of a 248k vocabulary)
+    "0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+    # a small one for quick runs
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16,
+                  linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000, tie_word_embeddings=False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="0.8b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's, a multiple of 4 (0: all)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--tokens", type=int, default=24, help="new tokens a sequence")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens a decoding sequence")
+    ap.add_argument("--prefill", type=int, default=1024, help="tokens of the prefill timing's prompt (0: none)")
+    ap.add_argument("--chunk", type=int, default=512, help="flared's prefill chunk")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    dtype = getattr(torch, args.dtype)
+    config = transformers.Qwen3_5TextConfig(**shape, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    ours_config = from_hf_config(config.to_dict())
+    tensors = _hf_to_serving(hf.state_dict(), ours_config, source="bench")
+    batches = [int(b) for b in args.batches.split(",")]
+    runner = ModelRunner(ours_config, tensors, dtype=dtype, num_pages=512, page_tokens=16, max_batch=max(batches),
+                         prefill_chunk_tokens=max(args.chunk, args.prompt))
+    del tensors
+    params = sum(t.numel() for t in hf.parameters())
+    layers = config.num_hidden_layers
+    print(f"qwen3_5 {args.shape}, {layers} layers ({len(ours_config.linear_layers)} Gated DeltaNet): "
+          f"{params / 1e9:.2f}B parameters, {args.dtype}, {args.threads} threads (built in "
+          f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    def flushed(fn):
+        def run(*a):
+            before = flush_denormals(args.threads, True)
+            try:
+                return fn(*a)
+            finally:
+                if not before:
+                    flush_denormals(args.threads, False)
+        return run
+
+    gen = torch.Generator().manual_seed(1)
+    figures: dict = {}
+    for batch in batches:
+        prompts = [torch.randint(3, config.vocab_size, (args.prompt,), generator=gen).tolist() for _ in range(batch)]
+        time_ours(runner, prompts, 2)
+        time_hf(hf, prompts, 2, 0)
+        tok_s = decode_tok_s({"flared": lambda n: time_ours(runner, prompts, n),
+                              "transformers": lambda n: time_hf(hf, prompts, n, 0),
+                              "transformers (FTZ)": flushed(lambda n: time_hf(hf, prompts, n, 0))},
+                             batch, args.tokens, args.repeats)
+        figures[f"decode batch {batch} tok/s"] = tok_s
+        print(f"  decode batch {batch:3d}: " + "   ".join(f"{k} {v:8.1f} tok/s" for k, v in tok_s.items()),
+              file=sys.stderr, flush=True)
+    if args.prefill:
+        prompt = torch.randint(3, config.vocab_size, (args.prefill,), generator=gen).tolist()
+        runner.prefill_chunk_tokens = args.chunk
+
+        def ours() -> float:
+            started = time.perf_counter()
+            runner.generate([prompt], [SamplingParams(temperature=0, max_tokens=1)])
+            return time.perf_counter() - started
+
+        def theirs() -> float:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                hf(torch.tensor([prompt]), logits_to_keep=1)
+            return time.perf_counter() - started
+
+        sides = {"flared": ours, "transformers": theirs, "transformers (FTZ)": flushed(theirs)}
+        best = {name: float("inf") for name in sides}
+        for name, side in sides.items():
+            side()
+        for _ in range(args.repeats):
+            for name, side in sides.items():
+                best[name] = min(best[name], side())
+        figures[f"prefill {args.prefill} s"] = best
+        print(f"  prefill {args.prefill}: " + "   ".join(f"{k} {v:.3f} s" for k, v in best.items()),
+              file=sys.stderr, flush=True)
+    print(f"\n| qwen3_5 {args.shape} ({layers} layers), {args.dtype}, {args.threads} threads | flared | transformers "
+          "| ratio | transformers (FTZ) | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, f in figures.items():
+        def ratio(theirs: float) -> float:
+            return f["flared"] / theirs if "tok/s" in name else theirs / f["flared"]
+        print(f"| {name} | {f['flared']:,.3f} | {f['transformers']:,.3f} | {ratio(f['transformers']):.2f} "
+              f"| {f['transformers (FTZ)']:,.3f} | {ratio(f['transformers (FTZ)']):.2f} |")
+    if args.json:
+        print(json.dumps({"shape": args.shape, "layers": layers, "dtype": args.dtype, "threads": args.threads,
+                          "params_b": round(params / 1e9, 3),
+                          **{name: {k: round(v, 4) for k, v in f.items()} for name, f in figures.items()}}))
+
+
+if __name__ == "__main__":
+    main()
