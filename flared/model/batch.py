@@ -62,6 +62,9 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor | None = None  # [B_dec] int64: each decode row's context length
     decode_state_rows: torch.Tensor | None = None  # [B_dec] int64: each decode row's recurrent state row
     has_state_rows: bool = False  # every chunk named its state row
+    # The state rows of the chunks that start a sequence (no cached tokens): the forward zeroes them first, so a
+    # sequence's recurrent state starts from nothing whatever its row held before (whoever drives the forward)
+    fresh_state_rows: torch.Tensor | None = None
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     num_tokens: int = 0
     # Per-request LoRA adapters (DecoderModel.lora_modules): (adapter index >= 1, its token rows [k] int64);
@@ -133,6 +136,9 @@ class ForwardBatch:
             num_tokens=row,
             has_state_rows=all(chunk.state_row >= 0 for chunk in chunks),
         )
+        fresh = [chunk.state_row for chunk in chunks if chunk.num_cached_tokens == 0 and chunk.state_row >= 0]
+        if fresh:
+            batch.fresh_state_rows = t(np.asarray(fresh, dtype=np.int64))
         if decode_rows:
             max_context = max(decode_lens)
             gather = np.zeros((len(decode_rows), max_context), dtype=np.int64)

@@ -682,6 +682,8 @@ class DecoderModel:
         if c.linear_layers and (kv.states is None or not batch.has_state_rows):
             raise ValueError("a model with Gated DeltaNet layers needs a cache with state rows (make_kv_cache's "
                              "state_rows) and each sequence's row (SequenceChunk.state_row)")
+        if kv.states is not None and batch.fresh_state_rows is not None:  # sequences that start here start at zero
+            kv.states.reset(batch.fresh_state_rows)
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             if layer.linear is not None:

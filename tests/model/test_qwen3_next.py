@@ -71,6 +71,28 @@ def test_the_cpu_decode_step_equals_torchs(dtype, tmp_path):
         assert (logits - plain_logits).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.1)
 
 
+def test_a_sequence_starts_from_a_zero_state_whatever_its_row_held(tmp_path):
+    """A chunk with no cached tokens starts its sequence: its state row is zeroed first (whoever drives the forward:
+    the daemon's INITIALIZE step does the same), and a chunk that continues a sequence reads its row as it is."""
+    from flared.model.batch import ForwardBatch, SequenceChunk
+
+    source = read_source(build_hf_checkpoint("qwen3_5", tmp_path))
+    model = DecoderModel(source.config, source.tensors)
+    kv = model.make_kv_cache(num_pages=8, page_tokens=4, state_rows=2)
+    prompt = list(range(5, 17))
+
+    def run(row: int, tokens, start: int = 0):
+        return model.forward(ForwardBatch.build([SequenceChunk(tokens, start, list(range(4)), state_row=row)],
+                                                page_tokens=4), kv)[0]
+
+    clean = run(0, prompt)
+    kv.states.ssm.normal_()  # every row full of another sequence's (here: noise) state
+    kv.states.conv.normal_()
+    assert torch.equal(run(1, prompt), clean)
+    kv.states.ssm[:, 1].normal_()
+    assert not torch.allclose(run(1, prompt[-1:], len(prompt) - 1), clean, atol=1e-3)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_the_kv_cache_holds_only_the_attention_layers(family, tmp_path):
     source = read_source(build_hf_checkpoint(family, tmp_path))
