@@ -27,7 +27,7 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2", "qwen3_next")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2", "qwen3_next", "lfm2")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
@@ -74,7 +74,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "ernie4_5": "llama",
                   # Qwen3-Next, Qwen3.5 (dense and MoE): three Gated DeltaNet layers (a recurrent state per sequence,
                   # no KV cache) to one gated attention layer; Gemma's (1 + w) norms (_qwen3_next_from_hf)
-                  "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next"}
+                  "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next",
+                  # Liquid LFM2 (dense, MoE): gated short convolutions (a convolution state per sequence) between
+                  # attention layers with per-head q/k norms (_lfm2_from_hf)
+                  "lfm2": "lfm2", "lfm2_moe": "lfm2"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -84,7 +87,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
                  "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
-                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate"}
+                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "short_conv"}
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -214,6 +217,10 @@ class ModelConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
     attn_output_gate: bool = False
+    # LFM2: linear_layers are gated short convolutions instead: the input projection's B, C and x (hidden each), B * x
+    # through a causal depthwise convolution of linear_conv_kernel inputs, times C, through o; the convolution's last
+    # linear_conv_kernel - 1 inputs are the sequence's state (no key/value heads).
+    short_conv: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -265,7 +272,7 @@ class ModelConfig:
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
-                     "layer_norm", "parallel_block", "attn_output_gate"):
+                     "layer_norm", "parallel_block", "attn_output_gate", "short_conv"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -317,12 +324,17 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
-        if self.linear_layers and (any(getattr(self, n) == 0 for n in linear_sizes) or self.linear_conv_kernel < 2
-                                   or self.linear_value_heads % self.linear_key_heads
-                                   or len(self.linear_layers) == self.num_layers):
+        if self.short_conv and (not self.linear_layers or self.linear_conv_kernel < 2
+                                or any(getattr(self, n) for n in linear_sizes[:4])):
+            raise CoreError("short convolution layers (short_conv) need linear_layers and a convolution of 2 or more "
+                            "inputs, and no key or value heads")
+        if self.linear_layers and not self.short_conv and (
+                any(getattr(self, n) == 0 for n in linear_sizes) or self.linear_conv_kernel < 2
+                or self.linear_value_heads % self.linear_key_heads):
             raise CoreError("Gated DeltaNet layers (linear_layers) need key and value heads (the value heads a "
-                            "multiple of the key heads), their sizes, a convolution of 2 or more inputs, and at "
-                            "least one attention layer")
+                            "multiple of the key heads), their sizes and a convolution of 2 or more inputs")
+        if self.linear_layers and len(self.linear_layers) == self.num_layers:
+            raise CoreError("a model with linear_layers needs at least one attention layer")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
             raise CoreError(f"{', '.join(linear_sizes)} need linear_layers")
 
@@ -337,7 +349,7 @@ class ModelConfig:
         if self.kv_lora_rank:
             return "multi-head latent attention"
         if self.linear_layers:
-            return "Gated DeltaNet (linear attention) layers"
+            return "short convolution layers" if self.short_conv else "Gated DeltaNet (linear attention) layers"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -381,7 +393,9 @@ class ModelConfig:
 
     @property
     def linear_conv_dim(self) -> int:
-        """A Gated DeltaNet layer's convolved channels: its q, k and v columns."""
+        """A linear layer's convolved channels: a Gated DeltaNet layer's q, k and v columns, LFM2's hidden ones."""
+        if self.short_conv:
+            return self.hidden_size
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     @property
@@ -577,6 +591,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _deepseek_from_hf(hf, source, model_type)
     if HF_MODEL_TYPES.get(model_type) == "qwen3_next":
         return _qwen3_next_from_hf(hf, source, model_type)
+    if model_type in ("lfm2", "lfm2_moe"):
+        return _lfm2_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -746,6 +762,54 @@ def _qwen3_next_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Mod
         linear_key_dim=int(hf.get("linear_key_head_dim", 128)),
         linear_value_dim=int(hf.get("linear_value_head_dim", 128)),
         linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **experts)
+
+
+def lfm2_feed_forward_size(hf: dict[str, Any]) -> int:
+    """LFM2's MLP width as transformers (and llama.cpp's converter) size it: block_ff_dim (or intermediate_size), taken
+    to two thirds, times block_ffn_dim_multiplier, rounded up to block_multiple_of, when block_auto_adjust_ff_dim."""
+    size = int(hf.get("block_ff_dim") or hf["intermediate_size"])
+    if hf.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        if hf.get("block_ffn_dim_multiplier") is not None:
+            size = int(float(hf["block_ffn_dim_multiplier"]) * size)
+        multiple = int(hf.get("block_multiple_of", 256))
+        size = multiple * ((size + multiple - 1) // multiple)
+    return size
+
+
+def _lfm2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """Liquid LFM2 and LFM2-MoE: layer_types (or full_attn_idxs) name the attention layers, the rest gated short
+    convolutions; per-head q/k RMSNorms; rope theta 1e6 unless said; LFM2's MLP width adjusted (lfm2_feed_forward_size);
+    LFM2-MoE's first num_dense_layers dense, the rest sigmoid-routed experts with correction biases (expert_bias)."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        attends = hf.get("full_attn_idxs")
+        attends = set(range(layers)) if attends is None else set(attends)
+        types = ["full_attention" if i in attends else "conv" for i in range(layers)]
+    if len(types) != layers or set(types) - {"conv", "full_attention"}:
+        raise CoreError(f"{source}: layer_types must name each of the {layers} layers conv or full_attention",
+                        ErrorKind.SOURCE_FORMAT)
+    if hf.get("conv_bias"):
+        raise _unsupported(f"{source}: LFM2 with conv_bias (biases on the short convolution's projections) is not "
+                           "supported")
+    moe = model_type == "lfm2_moe"
+    hf = {**hf, "intermediate_size": int(hf["intermediate_size"]) if moe else lfm2_feed_forward_size(hf),
+          "rms_norm_eps": hf.get("norm_eps", 1e-5), "rope_theta": hf.get("rope_theta", 1e6),
+          "tie_word_embeddings": hf.get("tie_word_embeddings", hf.get("tie_embedding", True))}
+    theta, scaling = _rope_from_hf(hf, source)
+    experts = {}
+    if moe:
+        experts = dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                       expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_sigmoid=True,
+                       shared_expert_gate=False, routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                       dense_layers=tuple(range(min(layers, int(hf.get("num_dense_layers", 2))))))
+    return ModelConfig(
+        architecture="lfm2", **_sizes(hf, max_positions=128000, tied=True), rms_norm_eps=float(hf["rms_norm_eps"]),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"), short_conv=True,
+        linear_conv_kernel=int(hf.get("conv_L_cache", 3)), **experts)
 
 
 def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

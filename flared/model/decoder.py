@@ -261,7 +261,10 @@ class DecoderModel:
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
             layer.latent = layer.linear = None
             layer.kv_index = kv_index.get(i, -1)
-            if i in config.linear_layers:  # Gated DeltaNet: (in projection, conv [C, K], dt_bias, -exp(A_log), norm)
+            if i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
+                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
+                layer.qkv = None
+            elif i in config.linear_layers:  # Gated DeltaNet: (in projection, conv [C, K], dt_bias, -exp(A_log), norm)
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), w(p + "dt_bias"),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
                                 w(p + "linear_norm.weight"))
@@ -368,11 +371,11 @@ class DecoderModel:
         # layers: 1.9x slower without the flush; tools/bench_hybrid.py). On the CPU such a model's forwards run with
         # denormals flushed to zero (flared/_fast/linear.pyx: on the model thread and its OpenMP workers, as GPUs
         # do), the threads' previous mode back after each forward.
-        self.flush_denormals = (bool(config.linear_layers) and self.device.type == "cpu"
-                                and flush_denormals is not None)
+        gated_delta = bool(config.linear_layers) and not config.short_conv
+        self.flush_denormals = gated_delta and self.device.type == "cpu" and flush_denormals is not None
         # Decode rows' gated delta rule on the CPU in place on their state rows (flared/_fast/delta.pyx), instead of
         # gathering the rows, torch's ops, and scattering them back. False keeps torch's (the A/B).
-        self.cpu_delta_step = (bool(config.linear_layers) and self.device.type == "cpu" and _cpu_delta is not None
+        self.cpu_delta_step = (gated_delta and self.device.type == "cpu" and _cpu_delta is not None
                                and config.linear_value_dim <= _cpu_delta.MAX_VALUE_DIM)
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
@@ -687,7 +690,8 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             if layer.linear is not None:
-                h = self._residual_and_mlp(index, layer, batch, h, x, self._gated_delta(index, layer, batch, kv, x))
+                mixer = self._short_conv if c.short_conv else self._gated_delta
+                h = self._residual_and_mlp(index, layer, batch, h, x, mixer(index, layer, batch, kv, x))
                 continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
@@ -772,7 +776,6 @@ class DecoderModel:
         j = states.layer_index[index]
         nk, nv, dk, dv = c.linear_key_heads, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim
         channels, value = c.linear_conv_dim, nv * dv
-        kernel = conv_weight.shape[1]
         mixed = project(x)  # [T, q k v | z | b | a]
         z = mixed[:, channels:channels + value]
         b = mixed[:, channels + value:channels + value + nv]
@@ -787,12 +790,10 @@ class DecoderModel:
             q, k = prepare(q.reshape(-1, nk, dk), k.reshape(-1, nk, dk), nv)
             return q, k, v.reshape(-1, nv, dv)
 
+        convolved = F.silu(self._causal_conv(states.conv[j], batch, qkv, conv_weight))  # [T, C] row-major
         if batch.decode_row_ids is not None:
             rows, state_rows = batch.decode_row_ids, batch.decode_state_rows
-            window = torch.cat([states.conv[j].index_select(0, state_rows),
-                                qkv.index_select(0, rows)[:, :, None]], dim=-1)  # [B, C, K]
-            states.conv[j].index_copy_(0, state_rows, window[:, :, 1:])
-            conv_out = F.silu((window * conv_weight).sum(dim=-1))
+            conv_out = convolved.index_select(0, rows)
             if self.cpu_delta_step:  # in place on the rows (the layer's state [rows, nv, dk, dv] is contiguous)
                 q, k, v = split(conv_out)
                 q, k = q.contiguous(), k.contiguous()
@@ -810,16 +811,44 @@ class DecoderModel:
             out.index_copy_(0, rows, o.to(out.dtype))
         for group in batch.prefill_groups:
             lo, hi, row = group.row_start, group.row_end, group.state_row
-            inputs = torch.cat([states.conv[j, row], qkv[lo:hi].t()], dim=-1)  # [C, K - 1 + L]
-            states.conv[j, row] = inputs[:, -(kernel - 1):]
-            # [L, C] row-major: each head's q and k then normalize over contiguous columns (10x the transposed's speed)
-            conv_out = F.silu(F.conv1d(inputs[None], conv_weight[:, None, :], groups=channels)[0]).t().contiguous()
-            o = chunked_gated_delta(*split(conv_out), g[lo:hi], beta[lo:hi], states.ssm[j, row])
+            o = chunked_gated_delta(*split(convolved[lo:hi]), g[lo:hi], beta[lo:hi], states.ssm[j, row])
             out[lo:hi] = o.to(out.dtype)
         # Qwen3-Next's gated RMSNorm: normed in float32, times the weight in the model's dtype, times SiLU(z) in float32
         normed = F.rms_norm(out.float(), (dv,), None, c.rms_norm_eps).to(x.dtype) * norm_weight
         gated = (normed.float() * F.silu(z.float().view(-1, nv, dv))).to(x.dtype)
         return layer.o(gated.view(-1, value))
+
+    def _short_conv(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache,
+                    x: torch.Tensor) -> torch.Tensor:
+        """LFM2's gated short convolution over the normed rows x [T, H] -> [T, H]: the projection's B, C and x, B * x
+        through the causal convolution (each sequence's last kernel - 1 inputs from its state row), times C, through
+        o."""
+        project, conv_weight = layer.linear
+        gate_b, gate_c, values = project(x).chunk(3, dim=-1)
+        convolved = self._causal_conv(kv.states.conv[kv.states.layer_index[index]], batch, gate_b * values,
+                                      conv_weight)
+        return layer.o(gate_c * convolved)
+
+    @staticmethod
+    def _causal_conv(conv_state: torch.Tensor, batch: ForwardBatch, inputs: torch.Tensor,
+                     weight: torch.Tensor) -> torch.Tensor:
+        """A causal depthwise convolution over each sequence's rows of inputs [T, C] (weight [C, K]), each sequence's
+        last K - 1 inputs before its rows from its state row of ``conv_state`` [rows, C, K - 1], which is left holding
+        the last K - 1 inputs after them -> [T, C] row-major, in the inputs' dtype (transformers' causal_conv1d)."""
+        kernel = weight.shape[1]
+        out = torch.empty_like(inputs)
+        if batch.decode_row_ids is not None:  # one input each: the state's K - 1 and it, times the weight
+            rows, state_rows = batch.decode_row_ids, batch.decode_state_rows
+            window = torch.cat([conv_state.index_select(0, state_rows), inputs.index_select(0, rows)[:, :, None]],
+                               dim=-1)  # [B, C, K]
+            conv_state.index_copy_(0, state_rows, window[:, :, 1:])
+            out.index_copy_(0, rows, (window * weight).sum(dim=-1))
+        for group in batch.prefill_groups:
+            lo, hi, row = group.row_start, group.row_end, group.state_row
+            joined = torch.cat([conv_state[row], inputs[lo:hi].t()], dim=-1)  # [C, K - 1 + L]
+            conv_state[row] = joined[:, -(kernel - 1):]
+            out[lo:hi] = F.conv1d(joined[None], weight[:, None, :], groups=weight.shape[0])[0].t()
+        return out
 
     def _latent_qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """DeepSeek's latent attention as the fused layout's [T, q_size + 2 * kv_size] (a key/value head per query

@@ -128,6 +128,9 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's tensors: one input projection (q, k, v, the output gate z, the update strengths b and
     the decay inputs a, each head's in order), the causal convolution over q, k and v [channels, kernel], the decay's
     bias and log scale per value head, the gated output norm [value dim] and the output projection."""
+    if c.short_conv:  # LFM2's: B, C and x from one projection, the convolution over B * x, o
+        return {p + "linear_in.weight": (3 * c.hidden_size, c.hidden_size),
+                p + "conv.weight": (c.hidden_size, c.linear_conv_kernel), p + "o.weight": (c.hidden_size, c.hidden_size)}
     value = c.linear_value_heads * c.linear_value_dim
     return {p + "linear_in.weight": (c.linear_conv_dim + value + 2 * c.linear_value_heads, c.hidden_size),
             p + "conv.weight": (c.linear_conv_dim, c.linear_conv_kernel),
@@ -304,6 +307,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
+    if config.architecture == "lfm2":
+        return _hf_lfm2(hf, config, take)
+
     # Gemma 3's RMSNorms scale by (1 + weight): its serving norms hold 1 + weight (added in float32, as
     # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
     # attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm is its pre-MLP norm.
@@ -412,6 +418,48 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         if config.shared_expert_gate:
             out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
     return out
+
+
+def _hf_lfm2(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """LFM2's checkpoint: operator_norm / ffn_norm before the mixer and the MLP, attention's q/k_layernorm and
+    out_proj, the short convolution's in_proj (B, C, x), conv [hidden, 1, kernel] and out_proj, the MLP's w1 (gate),
+    w3 (up), w2 (down); the final norm is embedding_norm. LFM2-MoE's expert layers: feed_forward.gate (the router),
+    its expert_bias (the correction biases), each expert's w1 / w3 / w2."""
+    out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.embedding_norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        hp, sp = f"model.layers.{i}.", f"layers.{i}."
+        out[sp + "attn_norm.weight"] = take(hp + "operator_norm.weight")
+        out[sp + "mlp_norm.weight"] = take(hp + "ffn_norm.weight")
+        if i in config.linear_layers:
+            conv = take(hp + "conv.conv.weight")
+            out.update({sp + "linear_in.weight": take(hp + "conv.in_proj.weight"),
+                        sp + "conv.weight": conv.reshape(conv.shape[0], -1),
+                        sp + "o.weight": take(hp + "conv.out_proj.weight")})
+        else:
+            attn = hp + "self_attn."
+            out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"])
+            out[sp + "o.weight"] = take(attn + "out_proj.weight")
+            out[sp + "q_norm.weight"] = take(attn + "q_layernorm.weight")
+            out[sp + "k_norm.weight"] = take(attn + "k_layernorm.weight")
+        ff = hp + "feed_forward."
+        if config.num_experts and i not in config.dense_layers:
+            out[sp + "router.weight"] = take(ff + "gate.weight")
+            bias = hf.get(ff + "expert_bias")  # (use_expert_bias false: none, which is a zero correction)
+            out[sp + "router.correction_bias"] = bias if bias is not None else torch.zeros(config.num_experts)
+            if ff + "experts.gate_up_proj" in hf:
+                out[sp + "experts.gate_up.weight"] = take(ff + "experts.gate_up_proj")
+                out[sp + "experts.down.weight"] = take(ff + "experts.down_proj")
+            else:
+                experts = [f"{ff}experts.{e}." for e in range(config.num_experts)]
+                out[sp + "experts.gate_up.weight"] = torch.stack([torch.cat([take(x + "w1.weight"),
+                                                                             take(x + "w3.weight")]) for x in experts])
+                out[sp + "experts.down.weight"] = torch.stack([take(x + "w2.weight") for x in experts])
+        else:
+            out[sp + "gate_up.weight"] = torch.cat([take(ff + "w1.weight"), take(ff + "w3.weight")])
+            out[sp + "down.weight"] = take(ff + "w2.weight")
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def _hf_gated_delta(la: str, sp: str, config: ModelConfig, hf: dict[str, torch.Tensor], take) -> dict[str, torch.Tensor]:
@@ -523,7 +571,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
-                       "qwen35moe": "qwen3_next"}
+                       "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -658,6 +706,14 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layer_flags = dict(layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)),
                            attention_sinks=True, expert_bias=True, router_topk_softmax=True, swiglu_limit=7.0,
                            swiglu_alpha=1.702)
+    elif arch in ("lfm2", "lfm2moe"):
+        # LFM2: the short convolution layers are those whose head_count_kv (a list, one a layer) is 0
+        per_layer = _gguf_field(reader, f"{arch}.attention.head_count_kv")
+        if not isinstance(per_layer, list) or len(per_layer) != int(need("block_count")):
+            raise CoreError(f"{source}: GGUF {arch}.attention.head_count_kv must give each layer its kv heads",
+                            ErrorKind.SOURCE_FORMAT)
+        layer_flags = dict(linear_layers=tuple(i for i, n in enumerate(per_layer) if not n), short_conv=True,
+                           linear_conv_kernel=int(need("shortconv.l_cache")), num_kv_heads=max(per_layer))
     elif arch in _GATED_DELTA_GGUF:
         # Qwen3-Next / Qwen3.5: every full_attention_interval-th layer gated attention, the rest Gated DeltaNet
         # (llama.cpp's ssm keys: the key heads as groups, the value heads as the time step rank)
@@ -687,7 +743,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         # (GLM-4.5's multi-token-prediction layers follow the model's in block_count)
         num_layers=int(need("block_count")) - int(_gguf_field(reader, f"{arch}.nextn_predict_layers", 0) or 0),
         num_heads=num_heads,
-        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        **({} if "num_kv_heads" in layer_flags else
+           {"num_kv_heads": int(_gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads))}),
         head_dim=int(head_dim),
         rms_norm_eps=float(need("attention.layer_norm_epsilon" if layer_flags.get("layer_norm")
                                 else "attention.layer_norm_rms_epsilon")),
@@ -796,12 +853,18 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         except KeyError:
             raise CoreError(f"{source}: GGUF has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
-    out = {"embed.weight": take("token_embd.weight"), "final_norm.weight": take("output_norm.weight")}
+    # (LFM2's final norm is its embedding_norm: token_embd_norm)
+    out = {"embed.weight": take("token_embd.weight"),
+           "final_norm.weight": take("token_embd_norm.weight" if config.short_conv else "output_norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("output.weight")
     for i in range(config.num_layers):
         gp, sp = f"blk.{i}.", f"layers.{i}."
-        if i in config.linear_layers:
+        if i in config.linear_layers and config.short_conv:  # LFM2's shortconv.in_proj / conv / out_proj
+            out.update({sp + "linear_in.weight": take(gp + "shortconv.in_proj.weight"),
+                        sp + "conv.weight": take(gp + "shortconv.conv.weight"),
+                        sp + "o.weight": take(gp + "shortconv.out_proj.weight")})
+        elif i in config.linear_layers:
             out.update(_gguf_gated_delta(raw, gp, sp, config, tiled=arch != "qwen3next", take=take))
         elif config.attn_output_gate:  # attn_q: each head's q rows, then its gate's (as transformers holds q_proj)
             q = take(gp + "attn_q.weight").view(config.num_heads, 2, config.head_dim, -1)

@@ -1,10 +1,13 @@
-"""Gated DeltaNet (Qwen3-Next, Qwen3.5): the recurrent state its layers keep per sequence, and the gated delta rule.
+"""Recurrent layers' state per sequence (Qwen3-Next's and Qwen3.5's Gated DeltaNet, LFM2's short convolutions), and
+the gated delta rule.
 
 A Gated DeltaNet layer keeps no keys and values. Each sequence has, per such layer:
 - a state matrix S [value_heads, key_dim, value_dim] (float32), which every token decays by exp(g) and then
   corrects toward that token's value (the delta rule: S += k (beta (v - S^T k))^T), and which the token's query
   reads (o = S^T q);
 - the last ``kernel - 1`` inputs of the causal depthwise convolution over q, k and v (the model's dtype).
+
+An LFM2 short-convolution layer keeps only its convolution's last ``kernel - 1`` inputs (hidden wide).
 
 ``RecurrentState`` holds these for a fixed number of *state rows*. A row is a sequence's for its life: the eager
 executor gives each live request's state row (and each prefix-cache snapshot) one, zeroes it when a request starts
@@ -38,31 +41,34 @@ class RecurrentState:
         self.layer_index = {layer: j for j, layer in enumerate(c.linear_layers)}
         n = len(c.linear_layers)
         self.conv = torch.zeros(n, rows, c.linear_conv_dim, c.linear_conv_kernel - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(n, rows, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim,
-                               dtype=torch.float32, device=device)
+        self.ssm = None if c.short_conv else torch.zeros(n, rows, c.linear_value_heads, c.linear_key_dim,
+                                                         c.linear_value_dim, dtype=torch.float32, device=device)
 
     @staticmethod
     def row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
         """Bytes one state row holds across the layers."""
         c = config
         per_layer = (c.linear_conv_dim * (c.linear_conv_kernel - 1) * dtype.itemsize
-                     + 4 * c.linear_value_heads * c.linear_key_dim * c.linear_value_dim)
+                     + 4 * c.linear_value_heads * c.linear_key_dim * c.linear_value_dim)  # (0 for short convolutions)
         return len(c.linear_layers) * per_layer
 
     @property
     def num_bytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+        tensors = (self.conv,) if self.ssm is None else (self.conv, self.ssm)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self, rows) -> None:
         """Zero ``rows`` (a sequence starting from nothing)."""
         index = torch.as_tensor(rows, dtype=torch.int64, device=self.conv.device).reshape(-1)
         self.conv.index_fill_(1, index, 0)
-        self.ssm.index_fill_(1, index, 0)
+        if self.ssm is not None:
+            self.ssm.index_fill_(1, index, 0)
 
     def copy(self, source: int, destination: int) -> None:
         """Row ``destination`` becomes a copy of row ``source`` (a snapshot taken or restored)."""
         self.conv[:, destination] = self.conv[:, source]
-        self.ssm[:, destination] = self.ssm[:, source]
+        if self.ssm is not None:
+            self.ssm[:, destination] = self.ssm[:, source]
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

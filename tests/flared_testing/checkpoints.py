@@ -109,6 +109,13 @@ FAMILIES = {
     "qwen3_5_moe": ("qwen3_5_moe_text", dict(_GATED_DELTA, num_experts=8, num_experts_per_tok=2,
                                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                              pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Liquid LFM2: a gated short convolution layer then an attention layer with q/k norms (its MLP sized 2/3 of
+    # intermediate_size rounded up to 256); LFM2-MoE: a dense layer, then sigmoid-routed experts with biases
+    "lfm2": ("lfm2", dict(layer_types=["conv", "full_attention"], norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
+                          eos_token_id=2)),
+    "lfm2_moe": ("lfm2_moe", dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3,
+                                  num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Granite 3: multipliers on the embeddings, residual branches, attention scores and logits
     "granite": ("granite", dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.09,
                                 logits_scaling=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -151,8 +158,8 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if ("norm" in name and param.dim() == 1) or ("bias" in name and not param.any()):
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
-        for name, buffer in model.named_buffers():  # (GLM-4.5's router correction biases are buffers)
-            if name.endswith("correction_bias"):
+        for name, buffer in model.named_buffers():  # (GLM-4.5's and LFM2-MoE's router correction biases are buffers)
+            if name.endswith(("correction_bias", "expert_bias")):
                 buffer.add_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -223,6 +223,85 @@ def write_gated_delta(add, t: dict, la: str, i: int, cfg: dict, *, tiled: bool) 
     add(f"blk.{i}.ssm_out.weight", tile(t[la + "out_proj.weight"], 1, dv))
 
 
+def write_lfm2_gguf(hf_dir, path, arch: str) -> None:
+    """An LFM2 / LFM2-MoE checkpoint as llama.cpp's converter writes it (F32): head_count_kv a list with 0 for each
+    short convolution layer, shortconv.l_cache, the MLP's adjusted width, embedding_norm as token_embd_norm, the
+    convolution squeezed to [hidden, kernel]; LFM2-MoE's sigmoid gating, leading dense layers, stacked experts and
+    expert_bias as exp_probs_b."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from flared.model.config import lfm2_feed_forward_size
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", layers), ("attention.head_count", heads), ("vocab_size", cfg["vocab_size"]),
+                       ("shortconv.l_cache", cfg["conv_L_cache"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.head_count_kv",
+                [cfg["num_key_value_heads"] if kind != "conv" else 0 for kind in cfg["layer_types"]])
+    w.add_uint32(f"{arch}.feed_forward_length",
+                 cfg["intermediate_size"] if arch == "lfm2moe" else lfm2_feed_forward_size(cfg))
+    w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["norm_eps"])
+    if arch == "lfm2moe":
+        w.add_uint32(f"{arch}.expert_count", cfg["num_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        w.add_uint32(f"{arch}.leading_dense_block_count", cfg["num_dense_layers"])
+        w.add_uint32(f"{arch}.expert_gating_func", 2)
+    for name, value in (("token_embd.weight", t["model.embed_tokens.weight"]),
+                        ("token_embd_norm.weight", t["model.embedding_norm.weight"]),
+                        ("output.weight", t.get("lm_head.weight"))):
+        if value is not None and not (name == "output.weight" and cfg.get("tie_word_embeddings")):
+            w.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        names = {"attn_norm.weight": "operator_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+                 "shortconv.in_proj.weight": "conv.in_proj.weight", "shortconv.out_proj.weight": "conv.out_proj.weight",
+                 "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+                 "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.out_proj.weight",
+                 "attn_q_norm.weight": "self_attn.q_layernorm.weight",
+                 "attn_k_norm.weight": "self_attn.k_layernorm.weight", "ffn_gate.weight": "feed_forward.w1.weight",
+                 "ffn_up.weight": "feed_forward.w3.weight", "ffn_down.weight": "feed_forward.w2.weight",
+                 "ffn_gate_inp.weight": "feed_forward.gate.weight", "exp_probs_b.bias": "feed_forward.expert_bias"}
+        for ours, theirs in names.items():
+            if p + theirs in t:
+                w.add_tensor(b + ours, np.ascontiguousarray(t[p + theirs], dtype=np.float32))
+        if p + "conv.conv.weight" in t:
+            w.add_tensor(b + "shortconv.conv.weight", np.ascontiguousarray(t[p + "conv.conv.weight"][:, 0]))
+        if p + "feed_forward.gate.weight" in t:
+            for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                w.add_tensor(f"{b}ffn_{ours}_exps.weight", np.ascontiguousarray(np.stack(
+                    [t[f"{p}feed_forward.experts.{e}.{theirs}.weight"] for e in range(cfg["num_experts"])])))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family, arch", [("lfm2", "lfm2"), ("lfm2_moe", "lfm2moe")])
+def test_an_lfm2_gguf_reads_as_its_checkpoint(family, arch, tmp_path):
+    """LFM2's GGUFs (its short convolution layers marked by a zero in head_count_kv) read to the checkpoint's config and
+    logits."""
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_lfm2_gguf(hf_dir, tmp_path / "m.gguf", arch)
+    import dataclasses
+
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert abs(source.config.rms_norm_eps - reference.rms_norm_eps) < 1e-12  # (a float32 key)
+    assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
     """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
     (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""

@@ -1,6 +1,7 @@
-"""Qwen3-Next and Qwen3.5: Gated DeltaNet layers (a recurrent state per sequence beside the KV cache of the gated
-attention layers), against transformers on random weights, and served by the daemon with its prefix cache, whose
-exact checkpoints carry the recurrent state (the other families' parity runs are in test_parity_hf.py)."""
+"""Hybrid models: Qwen3-Next's and Qwen3.5's Gated DeltaNet layers, LFM2's gated short convolutions (a recurrent
+state per sequence beside the KV cache of the attention layers), against transformers on random weights, and served
+by the daemon with its prefix cache, whose exact checkpoints carry the recurrent state (the families' parity runs are
+in test_parity_hf.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,22 @@ from flared.model.recurrent import chunked_gated_delta, gated_delta_step, prepar
 
 from .conftest import build_hf_checkpoint
 from .test_lora import write_adapter
+
+
+def test_lfm2_reads_its_layer_kinds_and_mlp_width():
+    """LFM2's config: the attention layers from layer_types or full_attn_idxs, the rest short convolutions; its MLP
+    two thirds of block_ff_dim, times the multiplier, rounded up to block_multiple_of; biased convolutions refused."""
+    hf = dict(model_type="lfm2", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, block_ff_dim=1000, block_multiple_of=64, block_ffn_dim_multiplier=1.5,
+              full_attn_idxs=[1, 3])
+    config = from_hf_config(hf)
+    assert config.short_conv and config.linear_layers == (0, 2) and config.kv_layers == (1, 3)
+    assert config.intermediate_size == 1024 and config.rope_theta == 1e6 and config.tie_word_embeddings
+    assert config.linear_conv_dim == 64 and config.graph_obstacle == "short convolution layers"
+    assert from_hf_config({**hf, "block_auto_adjust_ff_dim": False}).intermediate_size == 1000
+    with pytest.raises(CoreError, match="conv_bias") as info:
+        from_hf_config({**hf, "conv_bias": True})
+    assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
 
 
 def test_layer_types_default_to_every_fourth_layer_attending():
@@ -159,14 +176,15 @@ def _greedy(hf, prompt: list[int], count: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(tmp_path):
-    """A Qwen3-Next core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(family, tmp_path):
+    """A Qwen3-Next or LFM2 core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
     from the prefix cache (its checkpoint restores the recurrent state beside the KV pages) with the same tokens; a
     follow-up turn resumes from the first turn's checkpoint and still gives transformers' tokens on the whole prompt.
     Prompt-lookup speculation is asked for and not used (a rejected draft would move the recurrent state on)."""
     from flared_testing.served import assert_served_greedy_equals_transformers
 
-    directory = build_hf_checkpoint("qwen3_next", tmp_path / "hf")
+    directory = build_hf_checkpoint(family, tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story about a fox."}]
 
