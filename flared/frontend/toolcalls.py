@@ -27,7 +27,9 @@ Families (chosen from the chat template, overridable in ServerConfig):
 (``<function=name>{…}</function>``), ``glm45`` (``<tool_call>name<arg_key>k</arg_key>
 <arg_value>v</arg_value></tool_call>``), ``seed_oss`` (Qwen3-Coder's tags in
 ``<seed:tool_call>…</seed:tool_call>``), ``cohere`` (Command A / R7B:
-``<|START_ACTION|>[{"tool_name": …, "parameters": …}]<|END_ACTION|>``), ``harmony`` (gpt-oss: messages on
+``<|START_ACTION|>[{"tool_name": …, "parameters": …}]<|END_ACTION|>``), ``lfm2`` (Liquid LFM2:
+``<|tool_call_start|>[name(key=value, …), …]<|tool_call_end|>``, Python calls with literal keyword
+arguments), ``harmony`` (gpt-oss: messages on
 channels, ``<|channel|>analysis<|message|>…<|end|>`` reasoning,
 ``…final<|message|>…`` the answer, ``commentary to=functions.name …
 <|message|>{…}<|call|>`` a call; the one family whose parser also splits out
@@ -36,6 +38,7 @@ the reasoning).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -1200,6 +1203,112 @@ class FunctionaryToolParser(ToolParser):
         self._state = "text"
 
 
+def pythonic_calls(text: str) -> list[tuple[str, dict]] | None:
+    """A Python list of calls (or one call) with literal keyword arguments -> [(name, arguments)], as vLLM's pythonic
+    parser reads them: the name a (dotted) identifier, each argument a Python literal (strings, numbers, lists,
+    dicts, True / False / None, and JSON's true / false / null); None where the text is anything else (positional
+    arguments, expressions, a syntax error)."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    calls = []
+    for item in node.elts if isinstance(node, ast.List) else [node]:
+        if not isinstance(item, ast.Call) or item.args:
+            return None
+        name = _dotted_name(item.func)
+        if name is None:
+            return None
+        arguments = {}
+        for keyword in item.keywords:
+            if keyword.arg is None:  # (**spread)
+                return None
+            try:
+                arguments[keyword.arg] = _literal(keyword.value)
+            except ValueError:
+                return None
+        calls.append((name, arguments))
+    return calls
+
+
+def _dotted_name(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted_name(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node) -> Any:
+    """A call argument's value: a Python literal, JSON's bare true / false / null inside it too."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(x) for x in node.elts]
+    if isinstance(node, ast.Tuple):
+        return [_literal(x) for x in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("a ** inside a dict is not a literal")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    value = ast.literal_eval(node)  # (strings, numbers, True / False / None; raises ValueError otherwise)
+    if isinstance(value, (set, frozenset, bytes, complex)):
+        raise ValueError("not JSON")
+    return value
+
+
+class Lfm2ToolParser(ToolParser):
+    """Liquid LFM2's ``<|tool_call_start|>[get_weather(city="Paris"), ...]<|tool_call_end|>``: each block a Python
+    list of calls (pythonic_calls), its calls sent whole when the block closes; a block that is no such list stays
+    content, markers included."""
+
+    name = "lfm2"
+    needs_special_tokens = True
+    OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._inside = False
+
+    def _step(self, final: bool) -> bool:
+        if not self._inside:
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._inside = True
+            return True
+        i = self._buf.find(self.CLOSE)
+        if i < 0:
+            return False
+        body, self._buf = self._buf[:i], self._buf[i + len(self.CLOSE):]
+        self._inside = False
+        self._send(body, self.CLOSE)
+        return True
+
+    def _send(self, body: str, close: str) -> None:
+        calls = pythonic_calls(body)
+        if calls is None:
+            self._emit_content(self.OPEN + body + close)
+            return
+        for name, arguments in calls:
+            announced = self._announce(name)
+            text = json.dumps(arguments, ensure_ascii=False)
+            self.calls[announced.index].arguments = text
+            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
+            self._close(announced.index, None)
+
+    def _finish_rest(self) -> None:
+        if self._inside:  # a block cut off (max_tokens): a whole list in it is still its calls
+            self._inside = False
+            self._send(self._buf, "")
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+
+
 class HarmonyToolParser(ToolParser):
     """gpt-oss' harmony format: the output is messages, each ``[<|start|>assistant]<|channel|>C[ to=R][
     <|constrain|>json]<|message|>BODY`` ended by ``<|end|>`` (or the stop tokens ``<|return|>`` / ``<|call|>``, or
@@ -1288,7 +1397,7 @@ class HarmonyToolParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
-                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser)
+                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser)
 }
 
 
@@ -1310,6 +1419,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return Glm45ToolParser
     if "<|START_ACTION|>" in source:
         return CohereToolParser
+    if "<|tool_call_start|>" in source:
+        return Lfm2ToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

@@ -99,6 +99,19 @@ CASES = {
          [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
         ("No <minimax:tool call here.", "No <minimax:tool call here.", []),
     ],
+    "lfm2": [
+        ('Let me check.<|tool_call_start|>[get_weather(city="Paris", days=3), get_weather(city=\'Oslo\', '
+         'zip=None)]<|tool_call_end|>Checking now.', "Let me check.Checking now.",
+         [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo", "zip": None})]),
+        ('<|tool_call_start|>[search(query="a ] b <|tool_call_end", filters={"tags": ["x", true], "n": 1.5})]'
+         '<|tool_call_end|>', "", [("search", {"query": "a ] b <|tool_call_end", "filters": {"tags": ["x", True],
+                                                                                       "n": 1.5}})]),
+        ("<|tool_call_start|>[ping()]<|tool_call_end|>", "", [("ping", {})]),
+        # not a call list (a positional argument, an expression): the model's text, markers included
+        ('<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>',
+         '<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>', []),
+        ("No <|tool_call here.", "No <|tool_call here.", []),
+    ],
     "cohere": [
         ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
          '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
@@ -295,6 +308,8 @@ def test_selection_from_templates():
     assert tool_parser_for_template(glm).name == "glm45"
     command_a = "<|START_THINKING|>{{ t }}<|END_THINKING|><|START_ACTION|>{{ calls }}<|END_ACTION|>"
     assert tool_parser_for_template(command_a).name == "cohere"
+    lfm2 = "List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|> ... <|tool_call_start|>"
+    assert tool_parser_for_template(lfm2).name == "lfm2"
     assert reasoning_format_for_template(command_a).name == "cohere"
     assert reasoning_format_for_template(harmony).name == "harmony"  # (before <think>: harmony's channels win)
     assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
