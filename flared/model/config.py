@@ -87,7 +87,10 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
                  "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
-                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "short_conv"}
+                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias"}
+
+# What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
+LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
@@ -217,10 +220,15 @@ class ModelConfig:
     linear_value_dim: int = 0
     linear_conv_kernel: int = 0
     attn_output_gate: bool = False
-    # LFM2: linear_layers are gated short convolutions instead: the input projection's B, C and x (hidden each), B * x
-    # through a causal depthwise convolution of linear_conv_kernel inputs, times C, through o; the convolution's last
-    # linear_conv_kernel - 1 inputs are the sequence's state (no key/value heads).
-    short_conv: bool = False
+    # What the linear layers are (LINEAR_KINDS; "" without them): "gated_delta" (above); "short_conv" (LFM2: the input
+    # projection's B, C and x, hidden each, B * x through a causal depthwise convolution of linear_conv_kernel inputs,
+    # times C, through o; the convolution's last linear_conv_kernel - 1 inputs are the sequence's state; no heads);
+    # "mamba2" (Granite 4.0-H's Mamba-2 mixer: linear_value_heads heads of linear_value_dim channels, linear_key_heads
+    # groups of B and C of linear_key_dim state each; a [heads, state, head channels] float32 state per sequence, decayed
+    # by exp(dt A) and fed dt * x B^T every token, read by C; a D skip; a gated grouped RMSNorm before o).
+    # linear_conv_bias: the convolution has a bias (Mamba-2's).
+    linear_kind: str = ""
+    linear_conv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -272,7 +280,7 @@ class ModelConfig:
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
-                     "layer_norm", "parallel_block", "attn_output_gate", "short_conv"):
+                     "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -324,15 +332,19 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
-        if self.short_conv and (not self.linear_layers or self.linear_conv_kernel < 2
-                                or any(getattr(self, n) for n in linear_sizes[:4])):
-            raise CoreError("short convolution layers (short_conv) need linear_layers and a convolution of 2 or more "
-                            "inputs, and no key or value heads")
+        if self.linear_kind not in ("", *LINEAR_KINDS) or bool(self.linear_kind) != bool(self.linear_layers):
+            raise CoreError(f"linear_kind must be one of {', '.join(LINEAR_KINDS)} for linear_layers (and empty "
+                            f"without them), got {self.linear_kind!r}")
+        if self.short_conv and (self.linear_conv_kernel < 2 or any(getattr(self, n) for n in linear_sizes[:4])):
+            raise CoreError("short convolution layers need a convolution of 2 or more inputs, and no key or value "
+                            "heads")
+        if self.linear_conv_bias and self.linear_kind != "mamba2":
+            raise CoreError("linear_conv_bias needs Mamba-2 layers")
         if self.linear_layers and not self.short_conv and (
                 any(getattr(self, n) == 0 for n in linear_sizes) or self.linear_conv_kernel < 2
                 or self.linear_value_heads % self.linear_key_heads):
-            raise CoreError("Gated DeltaNet layers (linear_layers) need key and value heads (the value heads a "
-                            "multiple of the key heads), their sizes and a convolution of 2 or more inputs")
+            raise CoreError("Gated DeltaNet and Mamba-2 layers need key heads (groups) and value heads (the value "
+                            "heads a multiple of the key heads), their sizes and a convolution of 2 or more inputs")
         if self.linear_layers and len(self.linear_layers) == self.num_layers:
             raise CoreError("a model with linear_layers needs at least one attention layer")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
@@ -349,7 +361,8 @@ class ModelConfig:
         if self.kv_lora_rank:
             return "multi-head latent attention"
         if self.linear_layers:
-            return "short convolution layers" if self.short_conv else "Gated DeltaNet (linear attention) layers"
+            return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers"}.get(
+                self.linear_kind, "Gated DeltaNet (linear attention) layers")
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -390,6 +403,11 @@ class ModelConfig:
         """The layers that keep keys and values in the KV cache (all but the Gated DeltaNet ones), in order."""
         linear = set(self.linear_layers)
         return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
+    def short_conv(self) -> bool:
+        """The linear layers are LFM2's gated short convolutions."""
+        return self.linear_kind == "short_conv"
 
     @property
     def linear_conv_dim(self) -> int:
@@ -597,14 +615,11 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
     _check_silu(hf, source)
+    granite_hybrid = {}
     if model_type == "granitemoehybrid":
-        kinds = sorted(set(hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"])
-                       - {"attention", "full_attention"})
-        if kinds or hf.get("num_local_experts"):
-            raise _unsupported(f"{source}: Granite 4.0 with {', '.join(kinds) or 'mamba'} layers"
-                               f"{' and experts' if hf.get('num_local_experts') else ''} is not supported (the "
-                               "attention-only Granite 4.0 models are)")
-        # its one MLP is the shared expert's, sized by shared_intermediate_size; rope unless it says none
+        granite_hybrid = _granite_hybrid_from_hf(hf, source)
+        # its dense MLP is the shared expert's, sized by shared_intermediate_size (beside the experts where it has
+        # them: the experts' size is intermediate_size); rope unless it says none
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
     if hf.get("mlp_bias") or (model_type == "ernie4_5" and hf.get("use_bias")):
         raise _unsupported(f"{source}: {'use_bias' if model_type == 'ernie4_5' else 'mlp_bias'} (biases on the MLP) "
@@ -651,6 +666,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm4", "ernie4_5"),
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
+        **granite_hybrid,
     )
 
 
@@ -680,6 +696,39 @@ def _layer_windows(hf: dict[str, Any], layers: int, source: str, window: int, sl
         raise CoreError(f"{source}: layer_types must name each of the {layers} layers full_attention or "
                         "sliding_attention", ErrorKind.SOURCE_FORMAT)
     return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _granite_hybrid_from_hf(hf: dict[str, Any], source: str) -> dict:
+    """Granite 4.0's layers (layer_types or layers_block_type: mamba / linear_attention, attention / full_attention):
+    the Mamba-2 mixers' sizes (mamba_n_heads of mamba_d_head, "auto": the expanded width over the heads;
+    mamba_n_groups groups of mamba_d_state), and its experts (the router's top logits softmaxed among themselves,
+    intermediate_size wide, beside the ungated shared MLP)."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * layers
+    mamba = {"mamba", "linear_attention"}
+    if len(types) != layers or set(types) - mamba - {"attention", "full_attention"}:
+        raise CoreError(f"{source}: layer_types must name each of the {layers} layers mamba or attention",
+                        ErrorKind.SOURCE_FORMAT)
+    out: dict[str, Any] = {}
+    linear = tuple(i for i, t in enumerate(types) if t in mamba)
+    if linear:
+        if hf.get("mamba_proj_bias"):
+            raise _unsupported(f"{source}: Granite 4.0 with mamba_proj_bias (biased Mamba projections) is not "
+                               "supported")
+        inner = int(hf.get("mamba_expand", 2)) * int(hf["hidden_size"])
+        heads = int(hf.get("mamba_n_heads", 128))
+        head = hf.get("mamba_d_head", "auto")
+        out.update(linear_layers=linear, linear_kind="mamba2", linear_value_heads=heads,
+                   linear_value_dim=inner // heads if head in (None, "auto") else int(head),
+                   linear_key_heads=int(hf.get("mamba_n_groups", 1)), linear_key_dim=int(hf.get("mamba_d_state", 256)),
+                   linear_conv_kernel=int(hf.get("mamba_d_conv", 4)),
+                   linear_conv_bias=bool(hf.get("mamba_conv_bias", True)))
+    if hf.get("num_local_experts"):
+        out.update(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                   expert_intermediate_size=int(hf["intermediate_size"]), router_topk_softmax=True,
+                   shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)),
+                   shared_expert_gate=False)
+    return out
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
@@ -761,7 +810,7 @@ def _qwen3_next_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Mod
         linear_value_heads=int(hf.get("linear_num_value_heads", 32)),
         linear_key_dim=int(hf.get("linear_key_head_dim", 128)),
         linear_value_dim=int(hf.get("linear_value_head_dim", 128)),
-        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), **experts)
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), linear_kind="gated_delta", **experts)
 
 
 def lfm2_feed_forward_size(hf: dict[str, Any]) -> int:
@@ -808,7 +857,7 @@ def _lfm2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
     return ModelConfig(
         architecture="lfm2", **_sizes(hf, max_positions=128000, tied=True), rms_norm_eps=float(hf["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True,
-        linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"), short_conv=True,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"), linear_kind="short_conv",
         linear_conv_kernel=int(hf.get("conv_L_cache", 3)), **experts)
 
 

@@ -25,7 +25,8 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.recurrent import chunked_gated_delta, gated_delta_step, prepare
+from flared.model.recurrent import (chunked_gated_delta, chunked_linear_attention, gated_delta_step,
+                                    linear_attention_step, prepare)
 from flared.model.rope import rope_tables
 
 try:
@@ -264,6 +265,13 @@ class DecoderModel:
             if i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
                 layer.qkv = None
+            elif i in config.linear_layers and config.linear_kind == "mamba2":
+                # (in projection, conv [C, K], its bias, dt_bias, -exp(A_log), D, the gated norm's weight)
+                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
+                                tensors[p + "dt_bias"].to(self.device, torch.float32),
+                                -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
+                                tensors[p + "d"].to(self.device, torch.float32), w(p + "linear_norm.weight"))
+                layer.qkv = None
             elif i in config.linear_layers:  # Gated DeltaNet: (in projection, conv [C, K], dt_bias, -exp(A_log), norm)
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), w(p + "dt_bias"),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
@@ -371,8 +379,9 @@ class DecoderModel:
         # layers: 1.9x slower without the flush; tools/bench_hybrid.py). On the CPU such a model's forwards run with
         # denormals flushed to zero (flared/_fast/linear.pyx: on the model thread and its OpenMP workers, as GPUs
         # do), the threads' previous mode back after each forward.
-        gated_delta = bool(config.linear_layers) and not config.short_conv
-        self.flush_denormals = gated_delta and self.device.type == "cpu" and flush_denormals is not None
+        gated_delta = config.linear_kind == "gated_delta"
+        self.flush_denormals = (config.linear_kind in ("gated_delta", "mamba2") and self.device.type == "cpu"
+                                and flush_denormals is not None)  # (Mamba-2's states decay too)
         # Decode rows' gated delta rule on the CPU in place on their state rows (flared/_fast/delta.pyx), instead of
         # gathering the rows, torch's ops, and scattering them back. False keeps torch's (the A/B).
         self.cpu_delta_step = (gated_delta and self.device.type == "cpu" and _cpu_delta is not None
@@ -690,7 +699,7 @@ class DecoderModel:
         for index, layer in enumerate(self.layers):
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             if layer.linear is not None:
-                mixer = self._short_conv if c.short_conv else self._gated_delta
+                mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2}.get(c.linear_kind, self._gated_delta)
                 h = self._residual_and_mlp(index, layer, batch, h, x, mixer(index, layer, batch, kv, x))
                 continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
@@ -828,6 +837,45 @@ class DecoderModel:
         convolved = self._causal_conv(kv.states.conv[kv.states.layer_index[index]], batch, gate_b * values,
                                       conv_weight)
         return layer.o(gate_c * convolved)
+
+    def _mamba2(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache,
+                x: torch.Tensor) -> torch.Tensor:
+        """A Mamba-2 mixer over the normed rows x [T, H] -> [T, H], as transformers' torch path computes it: the
+        projection's z, x B C (through the causal convolution, its bias and SiLU) and dt (softplus(dt + dt_bias)); the
+        state space scan in float32 (each head's state decayed by exp(dt A), fed dt x B^T, read by C: linear attention
+        with B, C shared by the heads of a group), plus D x; y times SiLU(z), RMS-normed in groups, times the norm's
+        weight, through o."""
+        c = self.config
+        project, conv_weight, conv_bias, dt_bias, decay_scale, skip, norm_weight = layer.linear
+        states = kv.states
+        j = states.layer_index[index]
+        heads, head, groups, size = c.linear_value_heads, c.linear_value_dim, c.linear_key_heads, c.linear_key_dim
+        inner, rows = heads * head, x.shape[0]
+        z, xbc, dt = project(x).split([inner, c.linear_conv_dim, heads], dim=-1)
+        convolved = self._causal_conv(states.conv[j], batch, xbc, conv_weight)
+        if conv_bias is not None:
+            convolved = convolved + conv_bias
+        xs, b, cq = F.silu(convolved).split([inner, groups * size, groups * size], dim=-1)
+        dt = F.softplus(dt.float() + dt_bias)  # [T, heads]
+        xs = xs.float().view(rows, heads, head)
+        q = cq.float().view(rows, groups, size).repeat_interleave(heads // groups, dim=1)
+        k = b.float().view(rows, groups, size).repeat_interleave(heads // groups, dim=1)
+        v = xs * dt[..., None]
+        g = dt * decay_scale
+        out = torch.empty(rows, heads, head, dtype=torch.float32, device=x.device)
+        if batch.decode_row_ids is not None:
+            decode, state_rows = batch.decode_row_ids, batch.decode_state_rows
+            state = states.ssm[j].index_select(0, state_rows)
+            out.index_copy_(0, decode, linear_attention_step(q[decode], k[decode], v[decode], g[decode], state))
+            states.ssm[j].index_copy_(0, state_rows, state)
+        for group in batch.prefill_groups:
+            lo, hi = group.row_start, group.row_end
+            out[lo:hi] = chunked_linear_attention(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi],
+                                                  states.ssm[j, group.state_row])
+        y = (out + skip[:, None] * xs).to(x.dtype).view(rows, inner)
+        gated = (y.float() * F.silu(z.float())).view(rows, groups, inner // groups)
+        normed = F.rms_norm(gated, (inner // groups,), None, c.rms_norm_eps).view(rows, inner)
+        return layer.o(norm_weight * normed.to(x.dtype))
 
     @staticmethod
     def _causal_conv(conv_state: torch.Tensor, batch: ForwardBatch, inputs: torch.Tensor,

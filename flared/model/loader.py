@@ -132,6 +132,15 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         return {p + "linear_in.weight": (3 * c.hidden_size, c.hidden_size),
                 p + "conv.weight": (c.hidden_size, c.linear_conv_kernel), p + "o.weight": (c.hidden_size, c.hidden_size)}
     value = c.linear_value_heads * c.linear_value_dim
+    if c.linear_kind == "mamba2":  # z, then x, B, C (convolved), then dt; D and the gated grouped norm
+        shapes = {p + "linear_in.weight": (value + c.linear_conv_dim + c.linear_value_heads, c.hidden_size),
+                  p + "conv.weight": (c.linear_conv_dim, c.linear_conv_kernel),
+                  p + "dt_bias": (c.linear_value_heads,), p + "a_log": (c.linear_value_heads,),
+                  p + "d": (c.linear_value_heads,), p + "linear_norm.weight": (value,),
+                  p + "o.weight": (c.hidden_size, value)}
+        if c.linear_conv_bias:
+            shapes[p + "conv.bias"] = (c.linear_conv_dim,)
+        return shapes
     return {p + "linear_in.weight": (c.linear_conv_dim + value + 2 * c.linear_value_heads, c.hidden_size),
             p + "conv.weight": (c.linear_conv_dim, c.linear_conv_kernel),
             p + "dt_bias": (c.linear_value_heads,), p + "a_log": (c.linear_value_heads,),
@@ -331,7 +340,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                 k = interleaved_rope_rows(k, config.num_kv_heads, config)
             return [q, k, v]
 
-        if i in config.linear_layers:
+        if i in config.linear_layers and config.linear_kind == "mamba2":
+            out.update(_hf_mamba2(hp + "mamba.", sp, config, take))
+        elif i in config.linear_layers:
             out.update(_hf_gated_delta(hp + "linear_attn.", sp, config, hf, take))
         elif config.kv_lora_rank:
             out.update(_hf_latent_attention(attn, sp, config, take))
@@ -396,6 +407,13 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     """One mixture-of-experts layer's serving tensors from a checkpoint's: each expert's own projections, as the
     released checkpoints store them (Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj, Mixtral's
     block_sparse_moe.experts.{e}.w1 / w3 / w2), or transformers 5's stacked mlp.experts.gate_up_proj / down_proj."""
+    if hp + "block_sparse_moe.input_linear.weight" in hf:  # Granite's: stacked [E, 2 I, H] and [E, H, I], shared_mlp
+        block = hp + "block_sparse_moe."
+        return {sp + "router.weight": take(block + "router.layer.weight"),
+                sp + "experts.gate_up.weight": take(block + "input_linear.weight"),
+                sp + "experts.down.weight": take(block + "output_linear.weight"),
+                sp + "shared.gate_up.weight": take(hp + "shared_mlp.input_linear.weight"),
+                sp + "shared.down.weight": take(hp + "shared_mlp.output_linear.weight")}
     mixtral = hp + "block_sparse_moe.gate.weight" in hf
     block = hp + ("block_sparse_moe." if mixtral else "mlp.")
     out = {sp + "router.weight": take(block + "gate.weight")}
@@ -417,6 +435,18 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         out[sp + "shared.down.weight"] = take(shared + "down_proj.weight")
         if config.shared_expert_gate:
             out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
+    return out
+
+
+def _hf_mamba2(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """A Mamba-2 mixer (Granite 4.0-H's ``mamba``): in_proj (z, x B C, dt), conv1d [channels, 1, kernel] and its bias,
+    dt_bias, A_log, D, the gated norm, out_proj."""
+    conv = take(mp + "conv1d.weight")
+    out = {sp + "linear_in.weight": take(mp + "in_proj.weight"), sp + "conv.weight": conv.reshape(conv.shape[0], -1),
+           sp + "dt_bias": take(mp + "dt_bias"), sp + "a_log": take(mp + "A_log"), sp + "d": take(mp + "D"),
+           sp + "linear_norm.weight": take(mp + "norm.weight"), sp + "o.weight": take(mp + "out_proj.weight")}
+    if config.linear_conv_bias:
+        out[sp + "conv.bias"] = take(mp + "conv1d.bias")
     return out
 
 
@@ -712,7 +742,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         if not isinstance(per_layer, list) or len(per_layer) != int(need("block_count")):
             raise CoreError(f"{source}: GGUF {arch}.attention.head_count_kv must give each layer its kv heads",
                             ErrorKind.SOURCE_FORMAT)
-        layer_flags = dict(linear_layers=tuple(i for i, n in enumerate(per_layer) if not n), short_conv=True,
+        layer_flags = dict(linear_layers=tuple(i for i, n in enumerate(per_layer) if not n), linear_kind="short_conv",
                            linear_conv_kernel=int(need("shortconv.l_cache")), num_kv_heads=max(per_layer))
     elif arch in _GATED_DELTA_GGUF:
         # Qwen3-Next / Qwen3.5: every full_attention_interval-th layer gated attention, the rest Gated DeltaNet
@@ -720,7 +750,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layers = int(need("block_count")) - int(_gguf_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
         interval = int(_gguf_field(reader, f"{arch}.full_attention_interval", 4))
         value_heads = int(need("ssm.time_step_rank"))
-        layer_flags = dict(attn_output_gate=True, linear_layers=tuple(i for i in range(layers) if (i + 1) % interval),
+        layer_flags = dict(attn_output_gate=True, linear_kind="gated_delta",
+                           linear_layers=tuple(i for i in range(layers) if (i + 1) % interval),
                            linear_key_heads=int(need("ssm.group_count")), linear_value_heads=value_heads,
                            linear_key_dim=int(need("ssm.state_size")),
                            linear_value_dim=int(need("ssm.inner_size")) // value_heads,

@@ -7,7 +7,10 @@ A Gated DeltaNet layer keeps no keys and values. Each sequence has, per such lay
   reads (o = S^T q);
 - the last ``kernel - 1`` inputs of the causal depthwise convolution over q, k and v (the model's dtype).
 
-An LFM2 short-convolution layer keeps only its convolution's last ``kernel - 1`` inputs (hidden wide).
+An LFM2 short-convolution layer keeps only its convolution's last ``kernel - 1`` inputs (hidden wide). A Mamba-2
+layer (Granite 4.0-H) keeps a state per head too, [state size, head channels], decayed by exp(dt A) and fed
+dt x B^T every token and read by C: linear attention with a decay and no delta rule (``chunked_linear_attention``,
+``linear_attention_step``), B and C as its keys and queries, dt x as its values.
 
 ``RecurrentState`` holds these for a fixed number of *state rows*. A row is a sequence's for its life: the eager
 executor gives each live request's state row (and each prefix-cache snapshot) one, zeroes it when a request starts
@@ -125,5 +128,41 @@ def chunked_gated_delta(q, k, v, g, beta, state):
         fresh = values[:, i] - k_decayed[:, i] @ s
         out[:, i] = q[:, i] @ s + inner[:, i] @ fresh
         s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ fresh
+    state.copy_(s)
+    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1)
+
+
+def linear_attention_step(q, k, v, g, state):
+    """One token for each of B sequences, without the delta rule (Mamba-2): q, k [B, h, dk], v [B, h, dv], g [B, h]
+    (float32), state [B, h, dk, dv] float32 (updated in place: exp(g) S + k v^T) -> the outputs S^T q [B, h, dv]."""
+    state.mul_(g.exp()[..., None, None])
+    state.add_(k[..., :, None] * v[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", state, q)
+
+
+def chunked_linear_attention(q, k, v, g, state):
+    """One sequence's L tokens without the delta rule (Mamba-2's state space duality): q, k [L, h, dk], v [L, h, dv],
+    g [L, h] (float32 log decays), state [h, dk, dv] float32 (replaced in place by the state after the L tokens) ->
+    [L, h, dv]: o_t = sum over s <= t of exp(g_s+1 + ... + g_t) (q_t . k_s) v_s, plus the decayed state read by q_t.
+    CHUNK_TOKENS tokens at a time as products, the state carried between chunks."""
+    length = q.shape[0]
+    size = CHUNK_TOKENS
+    pad = -length % size
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [h, L', d]
+    g = F.pad(g.float().transpose(0, 1), (0, pad))
+    heads = q.shape[0]
+    q, k, v = (x.reshape(heads, -1, size, x.shape[-1]) for x in (q, k, v))  # [h, N, C, d]
+    cum = g.reshape(heads, -1, size).cumsum(dim=-1)
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [h, N, C, C]
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    s = state
+    for i in range(v.shape[1]):
+        out[:, i] = inner[:, i] @ v[:, i] + q[:, i] @ s
+        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v[:, i]
     state.copy_(s)
     return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1)

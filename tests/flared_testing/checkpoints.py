@@ -17,6 +17,12 @@ TINY_COMMON = dict(
 _GATED_DELTA = dict(layer_types=["linear_attention", "full_attention"], head_dim=16, initializer_range=0.1, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=8, linear_value_head_dim=16)
 
+_GRANITE_HYBRID = dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                       mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=96,
+                       position_embedding_type="nope", embedding_multiplier=6.0, residual_multiplier=0.4,
+                       attention_multiplier=0.09, logits_scaling=3.0, initializer_range=0.1, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2)
+
 FAMILIES = {
     "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -124,6 +130,11 @@ FAMILIES = {
                                           num_local_experts=0, shared_intermediate_size=96, embedding_multiplier=6.0,
                                           residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=3.0,
                                           pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Granite 4.0-H: a Mamba-2 layer (4 heads of 32 in 2 groups of a 16-wide state, a biased convolution) then an
+    # unrotated attention layer, Granite's multipliers; its MoE variant's experts (top logits softmaxed) and shared MLP
+    "granite4_h": ("granitemoehybrid", dict(_GRANITE_HYBRID, num_local_experts=0)),
+    "granite4_h_moe": ("granitemoehybrid", dict(_GRANITE_HYBRID, num_local_experts=8, num_experts_per_tok=2,
+                                                intermediate_size=32)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,

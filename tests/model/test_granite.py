@@ -57,9 +57,12 @@ def test_granite_4_without_rope_turns_no_layer(tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("change, what", [({"layer_types": ["mamba", "attention"]}, "mamba layers"),
-                                          ({"num_local_experts": 4}, "experts")])
-def test_granite_4_hybrids_are_refused_by_name(tmp_path, change, what):
+@pytest.mark.parametrize("change, what, kind", [
+    ({"layer_types": ["mamba", "attention"], "mamba_proj_bias": True}, "mamba_proj_bias", "UNSUPPORTED_MODEL"),
+    ({"layer_types": ["mamba", "cross_attention"]}, "mamba or attention", "SOURCE_FORMAT")])
+def test_granite_4_layers_it_cannot_serve_are_refused_by_name(tmp_path, change, what, kind):
+    """Granite 4.0's hybrids (Mamba-2 layers, experts) serve (tests/model/test_parity_hf.py's granite4_h families);
+    biased Mamba projections and unknown layer kinds are refused naming them."""
     from flared.errors import CoreError, ErrorKind
 
     hf_dir = build_hf_checkpoint("granite4", tmp_path / "hf")
@@ -67,4 +70,4 @@ def test_granite_4_hybrids_are_refused_by_name(tmp_path, change, what):
     (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(CoreError, match=what) as info:
         read_source(hf_dir)
-    assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+    assert info.value.kind == getattr(ErrorKind, kind)
