@@ -601,7 +601,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
-                       "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2"}
+                       "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -736,14 +736,26 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layer_flags = dict(layer_windows=tuple(window if i % 2 == 0 else 0 for i in range(layers)),
                            attention_sinks=True, expert_bias=True, router_topk_softmax=True, swiglu_limit=7.0,
                            swiglu_alpha=1.702)
-    elif arch in ("lfm2", "lfm2moe"):
-        # LFM2: the short convolution layers are those whose head_count_kv (a list, one a layer) is 0
+    elif arch in ("lfm2", "lfm2moe", "granitehybrid"):
+        # LFM2's and Granite 4.0-H's recurrent layers are those whose head_count_kv (a list, one a layer) is 0
         per_layer = _gguf_field(reader, f"{arch}.attention.head_count_kv")
-        if not isinstance(per_layer, list) or len(per_layer) != int(need("block_count")):
+        layers = int(need("block_count"))
+        if not isinstance(per_layer, list) or len(per_layer) != layers:
             raise CoreError(f"{source}: GGUF {arch}.attention.head_count_kv must give each layer its kv heads",
                             ErrorKind.SOURCE_FORMAT)
-        layer_flags = dict(linear_layers=tuple(i for i, n in enumerate(per_layer) if not n), linear_kind="short_conv",
-                           linear_conv_kernel=int(need("shortconv.l_cache")), num_kv_heads=max(per_layer))
+        linear = tuple(i for i, n in enumerate(per_layer) if not n)
+        layer_flags = dict(linear_layers=linear, num_kv_heads=max(per_layer))
+        if arch != "granitehybrid":
+            layer_flags.update(linear_kind="short_conv", linear_conv_kernel=int(need("shortconv.l_cache")))
+        elif linear:  # Mamba-2 (the heads as the ssm time step rank, its groups' B and C state_size wide)
+            heads = int(need("ssm.time_step_rank"))
+            layer_flags.update(linear_kind="mamba2", linear_value_heads=heads,
+                               linear_value_dim=int(need("ssm.inner_size")) // heads,
+                               linear_key_heads=int(need("ssm.group_count")), linear_key_dim=int(need("ssm.state_size")),
+                               linear_conv_kernel=int(need("ssm.conv_kernel")),
+                               linear_conv_bias=f"blk.{linear[0]}.ssm_conv1d.bias" in tensor_names)
+        if arch == "granitehybrid" and not _gguf_field(reader, f"{arch}.rope.scaling.finetuned", True):
+            layer_flags["nope_layers"] = tuple(range(layers))  # (its converter's flag for "no rope": Granite 4.0-H)
     elif arch in _GATED_DELTA_GGUF:
         # Qwen3-Next / Qwen3.5: every full_attention_interval-th layer gated attention, the rest Gated DeltaNet
         # (llama.cpp's ssm keys: the key heads as groups, the value heads as the time step rank)
@@ -759,8 +771,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     experts = _gguf_experts(reader, arch, source, need)
     if arch == "gpt-oss":
         experts["norm_topk_prob"] = False  # (the softmax over the chosen sums to 1 already)
+    if arch == "granitehybrid" and experts:  # Granite's router: the top logits softmaxed; its shared MLP ungated
+        experts.update(norm_topk_prob=False, router_topk_softmax=True, shared_expert_gate=False)
     granite = {}
-    if arch == "granite":  # its multipliers, under llama.cpp's names
+    if arch in ("granite", "granitehybrid"):  # its multipliers, under llama.cpp's names
         granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
                        logits_scaling=float(need("logit_scale")), attention_scale=float(need("attention.scale")))
     if arch == "smollm3":  # llama.cpp's rule for SmolLM3: every fourth layer unrotated
@@ -856,7 +870,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = arch in ("llama", "smollm3", "granite")
+    permute = arch in ("llama", "smollm3", "granite", "granitehybrid")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -895,6 +909,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out.update({sp + "linear_in.weight": take(gp + "shortconv.in_proj.weight"),
                         sp + "conv.weight": take(gp + "shortconv.conv.weight"),
                         sp + "o.weight": take(gp + "shortconv.out_proj.weight")})
+        elif i in config.linear_layers and config.linear_kind == "mamba2":
+            out.update(_gguf_mamba2(gp, sp, config, take))
         elif i in config.linear_layers:
             out.update(_gguf_gated_delta(raw, gp, sp, config, tiled=arch != "qwen3next", take=take))
         elif config.attn_output_gate:  # attn_q: each head's q rows, then its gate's (as transformers holds q_proj)
@@ -939,6 +955,18 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "mlp_norm.weight"] = out.pop(sp + "post_attn_norm.weight")
     check_serving_tensors(out, config, source=source)
     return SourceModel(config=config, tensors=out, source_kind="gguf")
+
+
+def _gguf_mamba2(gp: str, sp: str, config: ModelConfig, take) -> dict:
+    """A Mamba-2 mixer as llama.cpp's converter writes it: ssm_in, ssm_conv1d [C, K] (and its bias), ssm_dt's bias,
+    ssm_a = -exp(A_log) and ssm_d as [heads, 1], ssm_norm as [groups, inner / groups], ssm_out."""
+    out = {sp + "linear_in.weight": take(gp + "ssm_in.weight"), sp + "conv.weight": take(gp + "ssm_conv1d.weight"),
+           sp + "dt_bias": take(gp + "ssm_dt.bias"), sp + "a_log": (-take(gp + "ssm_a").float().reshape(-1)).log(),
+           sp + "d": take(gp + "ssm_d").reshape(-1), sp + "linear_norm.weight": take(gp + "ssm_norm.weight").reshape(-1),
+           sp + "o.weight": take(gp + "ssm_out.weight")}
+    if config.linear_conv_bias:
+        out[sp + "conv.bias"] = take(gp + "ssm_conv1d.bias")
+    return out
 
 
 def _gguf_gated_delta(raw: dict, gp: str, sp: str, config: ModelConfig, *, tiled: bool, take) -> dict:

@@ -302,6 +302,110 @@ def test_an_lfm2_gguf_reads_as_its_checkpoint(family, arch, tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
+def write_granite_hybrid_gguf(hf_dir, path) -> None:
+    """A Granite 4.0-H checkpoint as llama.cpp's converter writes it (F32): head_count_kv a list with 0 for each Mamba
+    layer, the ssm keys (inner size, state size, groups, heads as the time step rank, kernel), rope_scaling_finetuned
+    false for "no rope", Granite's multipliers; the mixers' ssm_in / conv1d (squeezed, biased) / dt bias / A as -exp
+    and D as [heads, 1] / the norm as [groups, inner / groups] / ssm_out; the attention's q/k rows permuted; the
+    experts' input_linear split into gate and up stacks, the shared MLP as *_shexp (or the dense MLP)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    arch, layers, heads = "granitehybrid", cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv_heads, hidden = cfg["num_key_value_heads"], cfg["hidden_size"]
+    inner, groups = cfg["mamba_expand"] * hidden, cfg["mamba_n_groups"]
+    experts = cfg.get("num_local_experts") or 0
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", 2 ** 20), ("embedding_length", hidden), ("block_count", layers),
+                       ("attention.head_count", heads), ("vocab_size", cfg["vocab_size"]),
+                       ("feed_forward_length", cfg["shared_intermediate_size"]),
+                       ("ssm.conv_kernel", cfg["mamba_d_conv"]), ("ssm.state_size", cfg["mamba_d_state"]),
+                       ("ssm.group_count", groups), ("ssm.inner_size", inner),
+                       ("ssm.time_step_rank", cfg["mamba_n_heads"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.head_count_kv", [kv_heads if k == "full_attention" else 0
+                                                   for k in cfg["layer_types"]])
+    w.add_bool(f"{arch}.rope.scaling.finetuned", False)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    for ours, theirs in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                         ("logit_scale", "logits_scaling"), ("attention.scale", "attention_multiplier")):
+        w.add_float32(f"{arch}.{ours}", cfg[theirs])
+    if experts:
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["intermediate_size"])
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_intermediate_size"])
+
+    def add(name: str, array) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("output_norm.weight", t["model.norm.weight"])
+    if not cfg.get("tie_word_embeddings"):
+        add("output.weight", t["lm_head.weight"])
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(b + "ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        if p + "mamba.in_proj.weight" in t:
+            m = p + "mamba."
+            add(b + "ssm_in.weight", t[m + "in_proj.weight"])
+            add(b + "ssm_conv1d.weight", t[m + "conv1d.weight"][:, 0])
+            add(b + "ssm_conv1d.bias", t[m + "conv1d.bias"])
+            add(b + "ssm_dt.bias", t[m + "dt_bias"])
+            add(b + "ssm_a", -np.exp(t[m + "A_log"])[:, None])
+            add(b + "ssm_d", t[m + "D"][:, None])
+            add(b + "ssm_norm.weight", t[m + "norm.weight"].reshape(groups, inner // groups))
+            add(b + "ssm_out.weight", t[m + "out_proj.weight"])
+        else:
+            a = p + "self_attn."
+            add(b + "attn_q.weight", permute_for_llama_cpp(t[a + "q_proj.weight"], heads))
+            add(b + "attn_k.weight", permute_for_llama_cpp(t[a + "k_proj.weight"], kv_heads))
+            add(b + "attn_v.weight", t[a + "v_proj.weight"])
+            add(b + "attn_output.weight", t[a + "o_proj.weight"])
+        gate, up = np.split(t[p + "shared_mlp.input_linear.weight"], 2)
+        suffix = "_shexp" if experts else ""
+        add(f"{b}ffn_gate{suffix}.weight", gate)
+        add(f"{b}ffn_up{suffix}.weight", up)
+        add(f"{b}ffn_down{suffix}.weight", t[p + "shared_mlp.output_linear.weight"])
+        if experts:
+            e = p + "block_sparse_moe."
+            add(b + "ffn_gate_inp.weight", t[e + "router.layer.weight"])
+            gate_exps, up_exps = np.split(t[e + "input_linear.weight"], 2, axis=1)
+            add(b + "ffn_gate_exps.weight", gate_exps)
+            add(b + "ffn_up_exps.weight", up_exps)
+            add(b + "ffn_down_exps.weight", t[e + "output_linear.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["granite4_h", "granite4_h_moe"])
+def test_a_granite_4_h_gguf_reads_as_its_checkpoint(family, tmp_path):
+    """Granite 4.0-H's GGUFs (Mamba-2 layers marked by a zero in head_count_kv, no rope flagged) read to the
+    checkpoint's config (but the context, which llama.cpp writes as 2^20 for a model without rope) and logits."""
+    import dataclasses
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_granite_hybrid_gguf(hf_dir, tmp_path / "m.gguf")
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert source.config.max_position_embeddings == 2 ** 20
+    floats = ("rms_norm_eps", "embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_scale")
+    for name in floats:  # (float32 keys)
+        assert abs(getattr(source.config, name) - getattr(reference, name)) < 1e-6 * getattr(reference, name)
+    assert dataclasses.replace(source.config, max_position_embeddings=reference.max_position_embeddings,
+                               **{name: getattr(reference, name) for name in floats}) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
     """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
     (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""
