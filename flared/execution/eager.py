@@ -6,7 +6,7 @@ It owns the device state the scheduler's logical ids refer to:
 - per state row (slot + 1; row 0 is padding) the logits of the row's last
   computed position, so a snapshot can later resume sampling from it;
 - per snapshot id a copy of one partial KV page and of those logits;
-- for a model with Gated DeltaNet layers (Qwen3-Next, Qwen3.5), the recurrent
+- for a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2, Granite 4.0-H), the recurrent
   state of every state row and snapshot (flared.model.recurrent): state row r
   is recurrent row r, snapshot s recurrent row num_state_rows + s.
 

@@ -34,7 +34,7 @@ class SequenceChunk:
     num_cached_tokens: int  # tokens of this sequence already in the KV cache
     page_ids: list[int] | np.ndarray  # block table; must cover num_cached_tokens + len(token_ids)
     needs_logits: bool = True  # logits for the last new token
-    # The sequence's row of the cache's recurrent state (a model with Gated DeltaNet layers; flared.model.recurrent):
+    # The sequence's row of the cache's recurrent state (a model with recurrent layers; flared.model.recurrent):
     # it holds the state after the num_cached_tokens tokens, and the forward advances it past these. -1: none.
     state_row: int = -1
 

@@ -437,7 +437,7 @@ class DecoderModel:
     def make_kv_cache(self, *, num_pages: int, page_tokens: int, storage_dtype: torch.dtype | None = None,
                       state_rows: int = 0) -> PagedKVCache:
         """``storage_dtype``: float8 e4m3 for a kv_cache_dtype fp8 cache (PagedKVCache); None: the model's.
-        ``state_rows``: rows of recurrent state beside it, for a model with Gated DeltaNet layers (whose sequences
+        ``state_rows``: rows of recurrent state beside it, for a model with recurrent layers (whose sequences
         then name theirs: SequenceChunk.state_row)."""
         return PagedKVCache(self.config, num_pages=num_pages, page_tokens=page_tokens, dtype=self.dtype,
                             device=self.device, storage_dtype=storage_dtype,
@@ -692,7 +692,7 @@ class DecoderModel:
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
         lora = bool(batch.lora_groups)
         if c.linear_layers and (kv.states is None or not batch.has_state_rows):
-            raise ValueError("a model with Gated DeltaNet layers needs a cache with state rows (make_kv_cache's "
+            raise ValueError("a model with recurrent layers needs a cache with state rows (make_kv_cache's "
                              "state_rows) and each sequence's row (SequenceChunk.state_row)")
         if kv.states is not None and batch.fresh_state_rows is not None:  # sequences that start here start at zero
             kv.states.reset(batch.fresh_state_rows)

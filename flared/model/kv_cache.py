@@ -57,7 +57,7 @@ class PagedKVCache:
         """``dtype``: the keys and values a forward writes and reads (the model's); ``storage_dtype``: what the
         pool holds, ``dtype`` (None) or float8 e4m3 (kv_cache_dtype fp8: half the bytes of bf16; ``write``
         stores through ``to_storage`` and ``gather`` widens back to ``dtype``). Only the layers that attend
-        (``config.kv_layers``) have keys and values here: a model with Gated DeltaNet layers keeps their recurrent
+        (``config.kv_layers``) have keys and values here: a model with recurrent layers keeps their
         state in ``states`` instead (flared.model.recurrent), ``state_rows`` rows of it (at least one needed)."""
         if num_pages <= 0 or page_tokens <= 0:
             raise ValueError(f"num_pages ({num_pages}) and page_tokens ({page_tokens}) must be positive")
@@ -86,7 +86,7 @@ class PagedKVCache:
         self.states = None
         if config.linear_layers:
             if state_rows <= 0:
-                raise ValueError("a model with Gated DeltaNet layers needs state rows beside its KV cache")
+                raise ValueError("a model with recurrent layers needs state rows beside its KV cache")
             from flared.model.recurrent import RecurrentState
 
             self.states = RecurrentState(config, state_rows, dtype=dtype, device=self.device)

@@ -68,7 +68,7 @@ class _Sequence:
     state: SequenceSamplingState | None = None
     page_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    state_row: int = -1  # its row of the cache's recurrent state (a model with Gated DeltaNet layers), while running
+    state_row: int = -1  # its row of the cache's recurrent state (a model with recurrent layers), while running
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     timings: GenerationTimings = field(default_factory=GenerationTimings)

@@ -448,7 +448,7 @@ class ModelRuntime:
         num_snapshots = max(16, 4 * caps.concurrency)
         config = self.core.config
         if config.linear_layers:
-            # A Gated DeltaNet model's snapshots hold its recurrent state (Qwen3.5-9B's: 50 MB a row, float32): one
+            # A recurrent model's snapshots hold its state rows (Qwen3.5-9B's: 50 MB a row, float32): one
             # a live request, eight at least, keeps the prefix cache's exact checkpoints (multi-turn chats) in bounds
             num_snapshots = max(8, caps.concurrency)
         kv_pages = caps.kv_pages
@@ -491,13 +491,14 @@ class ModelRuntime:
         log.info("KV cache: %s, %d pages of %d tokens (the core's %d at %s), %.1f MiB with the prefix snapshots",
                  kv_dtype, kv_pages, caps.page_tokens, caps.kv_pages, m.dtype, kv_bytes / 2**20)
         if config.linear_layers:
-            log.info("recurrent state (%d Gated DeltaNet layers of %d): %d rows (%d live, %d prefix snapshots), "
-                     "%.1f MiB", len(config.linear_layers), config.num_layers, caps.concurrency + 1 + num_snapshots,
-                     caps.concurrency + 1, num_snapshots, self.executor.recurrent_bytes / 2**20)
+            log.info("recurrent state (%d %s of %d): %d rows (%d live, %d prefix snapshots), %.1f MiB",
+                     len(config.linear_layers), config.graph_obstacle, config.num_layers,
+                     caps.concurrency + 1 + num_snapshots, caps.concurrency + 1, num_snapshots,
+                     self.executor.recurrent_bytes / 2**20)
         spec_tokens = self.speculative[0]
         if spec_tokens and config.linear_layers:
-            log.warning("speculative decoding is off for this model: its Gated DeltaNet layers' state cannot take back "
-                        "a rejected draft")
+            log.warning("speculative decoding is off for this model: its recurrent layers' state cannot take back a "
+                        "rejected draft")
             spec_tokens = 0
         if spec_tokens:
             log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",
