@@ -379,12 +379,12 @@ class DecoderModel:
         # layers: 1.9x slower without the flush; tools/bench_hybrid.py). On the CPU such a model's forwards run with
         # denormals flushed to zero (flared/_fast/linear.pyx: on the model thread and its OpenMP workers, as GPUs
         # do), the threads' previous mode back after each forward.
-        gated_delta = config.linear_kind == "gated_delta"
-        self.flush_denormals = (config.linear_kind in ("gated_delta", "mamba2") and self.device.type == "cpu"
-                                and flush_denormals is not None)  # (Mamba-2's states decay too)
-        # Decode rows' gated delta rule on the CPU in place on their state rows (flared/_fast/delta.pyx), instead of
-        # gathering the rows, torch's ops, and scattering them back. False keeps torch's (the A/B).
-        self.cpu_delta_step = (gated_delta and self.device.type == "cpu" and _cpu_delta is not None
+        decaying = config.linear_kind in ("gated_delta", "mamba2")  # (Mamba-2's states decay too)
+        self.flush_denormals = decaying and self.device.type == "cpu" and flush_denormals is not None
+        # Decode rows' gated delta rule (and Mamba-2's decayed update) on the CPU in place on their state rows
+        # (flared/_fast/delta.pyx), instead of gathering the rows, torch's ops, and scattering them back. False keeps
+        # torch's (the A/B).
+        self.cpu_delta_step = (decaying and self.device.type == "cpu" and _cpu_delta is not None
                                and config.linear_value_dim <= _cpu_delta.MAX_VALUE_DIM)
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
@@ -863,7 +863,15 @@ class DecoderModel:
         v = xs * dt[..., None]
         g = dt * decay_scale
         out = torch.empty(rows, heads, head, dtype=torch.float32, device=x.device)
-        if batch.decode_row_ids is not None:
+        if batch.decode_row_ids is not None and self.cpu_delta_step:  # in place on the rows (flared/_fast/delta.pyx)
+            decode, state_rows = batch.decode_row_ids, batch.decode_state_rows
+            q_rows, k_rows, v_rows, g_rows = (t.index_select(0, decode).contiguous() for t in (q, k, v, g))
+            step = torch.empty(decode.shape[0], heads, head, dtype=torch.float32)
+            _cpu_delta.decay_step(states.ssm[j].data_ptr(), state_rows.data_ptr(), q_rows.data_ptr(),
+                                  k_rows.data_ptr(), v_rows.data_ptr(), g_rows.data_ptr(), step.data_ptr(),
+                                  decode.shape[0], heads, size, head, torch.get_num_threads())
+            out.index_copy_(0, decode, step)
+        elif batch.decode_row_ids is not None:
             decode, state_rows = batch.decode_row_ids, batch.decode_state_rows
             state = states.ssm[j].index_select(0, state_rows)
             out.index_copy_(0, decode, linear_attention_step(q[decode], k[decode], v[decode], g[decode], state))

@@ -69,13 +69,15 @@ def test_chunked_and_step_forms_agree():
     assert (chunked_state - state[0]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "granite4_h"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_decode_step_equals_torchs(dtype, tmp_path):
-    """Decode rows' gated delta rule in place on their state rows (flared/_fast/delta.pyx) against the gather, torch's
-    ops and the scatter: the same logits through mixed prefill and decode batches, the same greedy tokens."""
+def test_the_cpu_decode_step_equals_torchs(family, dtype, tmp_path):
+    """Decode rows' gated delta rule (Qwen3.5) and decayed update (Mamba-2: Granite 4.0-H) in place on their state rows
+    (flared/_fast/delta.pyx) against the gather, torch's ops and the scatter: the same logits through mixed prefill and
+    decode batches, the same greedy tokens."""
     from .test_parity_hf import make_prompts, run_paged_greedy
 
-    source = read_source(build_hf_checkpoint("qwen3_5", tmp_path))
+    source = read_source(build_hf_checkpoint(family, tmp_path))
     model = DecoderModel(source.config, source.tensors, dtype=dtype)
     if not model.cpu_delta_step:
         pytest.skip("flared/_fast/delta.pyx is not built")
