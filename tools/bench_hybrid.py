@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""A Gated DeltaNet hybrid (Qwen3.5's layer mix): flared's runtime against transformers, decode and prefill.
+"""Hybrid models (recurrent layers beside attention): flared's runtime against transformers, decode and prefill.
 
-Both sides build the same random-weight Qwen3.5 text model (three Gated DeltaNet layers to one gated attention
-layer) at a shape below and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
+Both sides build the same random-weight model of ``--family`` at a shape below: a Qwen3.5 text model (three Gated
+DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers) or a
+Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
 the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
 prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
 carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
 zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
 with the same flush around its calls.
 
-    .venv/bin/python tools/bench_hybrid.py [--shape 0.8b] [--layers 8] [--dtype bfloat16] [--json]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h] [--shape default|small] [--layers 8]
+        [--dtype bfloat16] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
 """
@@ -36,22 +38,45 @@ from flared.model.loader import _hf_to_serving  # noqa: E402
 from flared.model.runner import ModelRunner  # noqa: E402
 from flared.model.sampling import SamplingParams  # noqa: E402
 
+# family -> shape -> the transformers config's sizes (the "default" shapes: Qwen3.5 of 0.75B parameters in the
+# layout of the 0.8B model, tied embeddings of a 248k vocabulary; LFM2 of 1.2B in the layout of LFM2-1.2B, 6 of 16
+# layers attending; Granite 4.0-H of 1.5B, 4 of 24 layers attending, 32 Mamba heads of 64 over a 128-wide state)
 SHAPES = {
-    # Qwen3.5-0.8B's sizes (24 layers, 18 of them Gated DeltaNet; tied embeddings of a 248k vocabulary)
-    "0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                 linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
-    # a small one for quick runs
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16,
-                  linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000, tie_word_embeddings=False),
+    "qwen3_5": {
+        "default": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320,
+                        tie_word_embeddings=True),
+        "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16,
+                      linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000, tie_word_embeddings=False),
+    },
+    "lfm2": {
+        "default": dict(hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=65536, full_attn_idxs=[2, 5, 8, 10, 12, 14]),
+        "small": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=32000, full_attn_idxs=[2, 5]),
+    },
+    "granite4_h": {
+        "default": dict(hidden_size=1024, intermediate_size=4096, shared_intermediate_size=4096, num_hidden_layers=24,
+                        num_attention_heads=16, num_key_value_heads=4, vocab_size=100352, num_local_experts=0,
+                        layer_types=["attention" if i % 6 == 5 else "mamba" for i in range(24)], mamba_n_heads=32,
+                        mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, position_embedding_type="nope",
+                        tie_word_embeddings=True),
+        "small": dict(hidden_size=512, intermediate_size=1536, shared_intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=32000, num_local_experts=0,
+                      layer_types=["attention" if i % 4 == 3 else "mamba" for i in range(8)], mamba_n_heads=16,
+                      mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, position_embedding_type="nope"),
+    },
 }
+CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="0.8b", choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's, a multiple of 4 (0: all)")
+    ap.add_argument("--family", default="qwen3_5", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="default", choices=("default", "small"))
+    ap.add_argument("--layers", type=int, default=0, help="only the shape's first layers (0: all)")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--tokens", type=int, default=24, help="new tokens a sequence")
@@ -66,11 +91,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
-    shape = dict(SHAPES[args.shape])
+    shape = dict(SHAPES[args.family][args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+        for key in ("layer_types", "full_attn_idxs"):
+            if key in shape:
+                shape[key] = [x for x in shape[key] if key == "layer_types" or x < args.layers][:args.layers]
     dtype = getattr(torch, args.dtype)
-    config = transformers.Qwen3_5TextConfig(**shape, max_position_embeddings=8192)
+    config = getattr(transformers, CONFIGS[args.family])(**shape, max_position_embeddings=8192)
     torch.manual_seed(0)
     started = time.perf_counter()
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -82,7 +110,8 @@ def main() -> None:
     del tensors
     params = sum(t.numel() for t in hf.parameters())
     layers = config.num_hidden_layers
-    print(f"qwen3_5 {args.shape}, {layers} layers ({len(ours_config.linear_layers)} Gated DeltaNet): "
+    print(f"{args.family} {args.shape}, {layers} layers ({len(ours_config.linear_layers)} "
+          f"{ours_config.graph_obstacle}): "
           f"{params / 1e9:.2f}B parameters, {args.dtype}, {args.threads} threads (built in "
           f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
     def flushed(fn):
@@ -133,7 +162,7 @@ def main() -> None:
         figures[f"prefill {args.prefill} s"] = best
         print(f"  prefill {args.prefill}: " + "   ".join(f"{k} {v:.3f} s" for k, v in best.items()),
               file=sys.stderr, flush=True)
-    print(f"\n| qwen3_5 {args.shape} ({layers} layers), {args.dtype}, {args.threads} threads | flared | transformers "
+    print(f"\n| {args.family} {args.shape} ({layers} layers), {args.dtype}, {args.threads} threads | flared | transformers "
           "| ratio | transformers (FTZ) | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, f in figures.items():
@@ -142,7 +171,7 @@ def main() -> None:
         print(f"| {name} | {f['flared']:,.3f} | {f['transformers']:,.3f} | {ratio(f['transformers']):.2f} "
               f"| {f['transformers (FTZ)']:,.3f} | {ratio(f['transformers (FTZ)']):.2f} |")
     if args.json:
-        print(json.dumps({"shape": args.shape, "layers": layers, "dtype": args.dtype, "threads": args.threads,
+        print(json.dumps({"family": args.family, "shape": args.shape, "layers": layers, "dtype": args.dtype, "threads": args.threads,
                           "params_b": round(params / 1e9, 3),
                           **{name: {k: round(v, 4) for k, v in f.items()} for name, f in figures.items()}}))
 
