@@ -39,8 +39,8 @@ from flared.model.runner import ModelRunner  # noqa: E402
 from flared.model.sampling import SamplingParams  # noqa: E402
 
 # family -> shape -> the transformers config's sizes (the "default" shapes: Qwen3.5 of 0.75B parameters in the
-# layout of the 0.8B model, tied embeddings of a 248k vocabulary; LFM2 of 1.2B in the layout of LFM2-1.2B, 6 of 16
-# layers attending; Granite 4.0-H of 1.5B, 4 of 24 layers attending, 32 Mamba heads of 64 over a 128-wide state)
+# layout of the 0.8B model, tied embeddings of a 248k vocabulary; LFM2 of 1.17B in the layout of LFM2-1.2B, 6 of 16
+# layers attending; Granite 4.0-H of 0.55B, 4 of 24 layers attending, 32 Mamba heads of 64 over a 128-wide state)
 SHAPES = {
     "qwen3_5": {
         "default": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,

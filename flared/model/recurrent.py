@@ -1,5 +1,5 @@
-"""Recurrent layers' state per sequence (Qwen3-Next's and Qwen3.5's Gated DeltaNet, LFM2's short convolutions), and
-the gated delta rule.
+"""Recurrent layers' state per sequence (Qwen3-Next's and Qwen3.5's Gated DeltaNet, LFM2's short convolutions,
+Granite 4.0-H's Mamba-2), and their scans.
 
 A Gated DeltaNet layer keeps no keys and values. Each sequence has, per such layer:
 - a state matrix S [value_heads, key_dim, value_dim] (float32), which every token decays by exp(g) and then
@@ -35,7 +35,7 @@ CHUNK_TOKENS = 64
 
 class RecurrentState:
     def __init__(self, config: ModelConfig, rows: int, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        """``rows`` state rows for every Gated DeltaNet layer of ``config``; ``dtype``: the convolution inputs' (the
+        """``rows`` state rows for every recurrent layer of ``config``; ``dtype``: the convolution inputs' (the
         model's). Rows start zeroed (a fresh sequence's state)."""
         if rows <= 0:
             raise ValueError(f"a recurrent state needs at least one row, got {rows}")
@@ -46,14 +46,6 @@ class RecurrentState:
         self.conv = torch.zeros(n, rows, c.linear_conv_dim, c.linear_conv_kernel - 1, dtype=dtype, device=device)
         self.ssm = None if c.short_conv else torch.zeros(n, rows, c.linear_value_heads, c.linear_key_dim,
                                                          c.linear_value_dim, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def row_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes one state row holds across the layers."""
-        c = config
-        per_layer = (c.linear_conv_dim * (c.linear_conv_kernel - 1) * dtype.itemsize
-                     + 4 * c.linear_value_heads * c.linear_key_dim * c.linear_value_dim)  # (0 for short convolutions)
-        return len(c.linear_layers) * per_layer
 
     @property
     def num_bytes(self) -> int:
@@ -98,23 +90,36 @@ def gated_delta_step(q, k, v, g, beta, state):
     return torch.einsum("bhkv,bhk->bhv", state, q)
 
 
+def _chunks(q, k, v, *per_token):
+    """A sequence's [L, heads, d] q, k, v and [L, heads] per-token values (the log decays first) as float32 chunks of
+    CHUNK_TOKENS (zero-padded: a padded token neither decays nor writes): [heads, N, C, d] and [heads, N, C]; and the
+    decays within each chunk, cum (the log decay from the chunk's start, [heads, N, C]) and exp(cum_t - cum_s) for
+    s <= t ([heads, N, C, C], 0 above the diagonal)."""
+    size = CHUNK_TOKENS
+    pad = -q.shape[0] % size
+    heads = q.shape[1]
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, size, x.shape[-1])
+               for x in (q, k, v))
+    per_token = [F.pad(x.float().transpose(0, 1), (0, pad)).reshape(heads, -1, size) for x in per_token]
+    cum = per_token[0].cumsum(dim=-1)
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    return q, k, v, per_token[1:], cum, decay
+
+
+def _unchunk(out: torch.Tensor, length: int) -> torch.Tensor:
+    """[heads, N, C, d] chunks back to a sequence's [length, heads, d]."""
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
+
+
 def chunked_gated_delta(q, k, v, g, beta, state):
     """One sequence's L tokens: q, k [L, nv, dk] (prepared), v [L, nv, dv], g, beta [L, nv] (float32), state [nv, dk,
     dv] float32 (replaced in place by the state after the L tokens) -> the outputs [L, nv, dv] float32. CHUNK_TOKENS
     tokens at a time: within a chunk the delta rule's updates are solved as one triangular system (the UT transform)
     and read as a masked product; the state carries the chunks before it."""
     length = q.shape[0]
-    size = CHUNK_TOKENS
-    pad = -length % size
-    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [nv, L', d]
-    g, beta = (F.pad(x.float().transpose(0, 1), (0, pad)) for x in (g, beta))  # [nv, L']
-    heads = q.shape[0]
-    q, k, v = (x.reshape(heads, -1, size, x.shape[-1]) for x in (q, k, v))  # [nv, N, C, d]
-    g, beta = g.reshape(heads, -1, size), beta.reshape(heads, -1, size)
+    q, k, v, (beta,), cum, decay = _chunks(q, k, v, g, beta)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    cum = g.cumsum(dim=-1)  # the log decay from each chunk's start
-    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [nv, N, C, C]
     system = (k_beta @ k.transpose(-1, -2)) * decay
     values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     k_decayed = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
@@ -129,7 +134,7 @@ def chunked_gated_delta(q, k, v, g, beta, state):
         out[:, i] = q[:, i] @ s + inner[:, i] @ fresh
         s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ fresh
     state.copy_(s)
-    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1)
+    return _unchunk(out, length)
 
 
 def linear_attention_step(q, k, v, g, state):
@@ -146,15 +151,7 @@ def chunked_linear_attention(q, k, v, g, state):
     [L, h, dv]: o_t = sum over s <= t of exp(g_s+1 + ... + g_t) (q_t . k_s) v_s, plus the decayed state read by q_t.
     CHUNK_TOKENS tokens at a time as products, the state carried between chunks."""
     length = q.shape[0]
-    size = CHUNK_TOKENS
-    pad = -length % size
-    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [h, L', d]
-    g = F.pad(g.float().transpose(0, 1), (0, pad))
-    heads = q.shape[0]
-    q, k, v = (x.reshape(heads, -1, size, x.shape[-1]) for x in (q, k, v))  # [h, N, C, d]
-    cum = g.reshape(heads, -1, size).cumsum(dim=-1)
-    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [h, N, C, C]
+    q, k, v, _, cum, decay = _chunks(q, k, v, g)
     inner = (q @ k.transpose(-1, -2)) * decay
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
@@ -165,4 +162,4 @@ def chunked_linear_attention(q, k, v, g, state):
         out[:, i] = inner[:, i] @ v[:, i] + q[:, i] @ s
         s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v[:, i]
     state.copy_(s)
-    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1)
+    return _unchunk(out, length)
