@@ -29,11 +29,29 @@ def gated_delta_step(uintptr_t ssm_ptr, uintptr_t rows_ptr, uintptr_t q_ptr, uin
                      uintptr_t g_ptr, uintptr_t beta_ptr, uintptr_t out_ptr, int batch, int heads, int key_dim,
                      int value_dim, int threads=1):
     """See the module docstring."""
-    if batch <= 0 or heads <= 0 or key_dim <= 0 or not 0 < value_dim <= MAX_VALUE_DIM:
-        raise ValueError(f"gated_delta_step: bad sizes batch={batch} heads={heads} key_dim={key_dim} "
-                         f"value_dim={value_dim}")
-    if 0 in (ssm_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr):
+    if beta_ptr == 0:
         raise ValueError("gated_delta_step: null data pointer")
+    _steps(ssm_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, batch, heads, key_dim, value_dim,
+           threads)
+
+
+def decay_step(uintptr_t ssm_ptr, uintptr_t rows_ptr, uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr,
+               uintptr_t g_ptr, uintptr_t out_ptr, int batch, int heads, int key_dim, int value_dim, int threads=1):
+    """Linear attention's decode step with a decay and no delta rule (Mamba-2's scan: k = B, v = dt x, q = C), in
+    place on the state rows, one pass over each: S <- exp(g) S + k v^T; out = S^T q. Arguments as gated_delta_step's
+    (no beta)."""
+    _steps(ssm_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, 0, out_ptr, batch, heads, key_dim, value_dim, threads)
+
+
+cdef _steps(uintptr_t ssm_ptr, uintptr_t rows_ptr, uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr,
+            uintptr_t g_ptr, uintptr_t beta_ptr, uintptr_t out_ptr, int batch, int heads, int key_dim, int value_dim,
+            int threads):
+    """Every (sequence, head) pair's step, a task each: the gated delta rule's, or (beta_ptr 0) the decayed one."""
+    if batch <= 0 or heads <= 0 or key_dim <= 0 or not 0 < value_dim <= MAX_VALUE_DIM:
+        raise ValueError(f"recurrent step: bad sizes batch={batch} heads={heads} key_dim={key_dim} "
+                         f"value_dim={value_dim}")
+    if 0 in (ssm_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, out_ptr):
+        raise ValueError("recurrent step: null data pointer")
     cdef float *ssm = <float *>ssm_ptr
     cdef const int64_t *rows = <const int64_t *>rows_ptr
     cdef const float *q = <const float *>q_ptr
@@ -42,15 +60,20 @@ def gated_delta_step(uintptr_t ssm_ptr, uintptr_t rows_ptr, uintptr_t q_ptr, uin
     cdef const float *g = <const float *>g_ptr
     cdef const float *beta = <const float *>beta_ptr
     cdef float *out = <float *>out_ptr
+    cdef float *state
     cdef int task, tasks = batch * heads
     if threads < 1:
         threads = 1
     if threads > tasks:
         threads = tasks
     for task in prange(tasks, nogil=True, num_threads=threads, schedule="static"):
-        _head_step(ssm + (rows[task // heads] * heads + task % heads) * <int64_t>key_dim * value_dim,
-                   q + <int64_t>task * key_dim, k + <int64_t>task * key_dim, v + <int64_t>task * value_dim,
-                   g[task], beta[task], out + <int64_t>task * value_dim, key_dim, value_dim)
+        state = ssm + (rows[task // heads] * heads + task % heads) * <int64_t>key_dim * value_dim
+        if beta != NULL:
+            _head_step(state, q + <int64_t>task * key_dim, k + <int64_t>task * key_dim, v + <int64_t>task * value_dim,
+                       g[task], beta[task], out + <int64_t>task * value_dim, key_dim, value_dim)
+        else:
+            _head_decay(state, q + <int64_t>task * key_dim, k + <int64_t>task * key_dim,
+                        v + <int64_t>task * value_dim, g[task], out + <int64_t>task * value_dim, key_dim, value_dim)
 
 
 cdef void _head_step(float *state, const float *q, const float *k, const float *v, float g, float beta, float *out,
@@ -78,32 +101,6 @@ cdef void _head_step(float *state, const float *q, const float *k, const float *
             row[j] = decay * row[j] + kk * delta[j]
             out[j] = out[j] + row[j] * qk
 
-
-def decay_step(uintptr_t ssm_ptr, uintptr_t rows_ptr, uintptr_t q_ptr, uintptr_t k_ptr, uintptr_t v_ptr,
-               uintptr_t g_ptr, uintptr_t out_ptr, int batch, int heads, int key_dim, int value_dim, int threads=1):
-    """Linear attention's decode step with a decay and no delta rule (Mamba-2's scan: k = B, v = dt x, q = C), in
-    place on the state rows, one pass over each: S <- exp(g) S + k v^T; out = S^T q. Arguments as gated_delta_step's
-    (no beta)."""
-    if batch <= 0 or heads <= 0 or key_dim <= 0 or not 0 < value_dim <= MAX_VALUE_DIM:
-        raise ValueError(f"decay_step: bad sizes batch={batch} heads={heads} key_dim={key_dim} value_dim={value_dim}")
-    if 0 in (ssm_ptr, rows_ptr, q_ptr, k_ptr, v_ptr, g_ptr, out_ptr):
-        raise ValueError("decay_step: null data pointer")
-    cdef float *ssm = <float *>ssm_ptr
-    cdef const int64_t *rows = <const int64_t *>rows_ptr
-    cdef const float *q = <const float *>q_ptr
-    cdef const float *k = <const float *>k_ptr
-    cdef const float *v = <const float *>v_ptr
-    cdef const float *g = <const float *>g_ptr
-    cdef float *out = <float *>out_ptr
-    cdef int task, tasks = batch * heads
-    if threads < 1:
-        threads = 1
-    if threads > tasks:
-        threads = tasks
-    for task in prange(tasks, nogil=True, num_threads=threads, schedule="static"):
-        _head_decay(ssm + (rows[task // heads] * heads + task % heads) * <int64_t>key_dim * value_dim,
-                    q + <int64_t>task * key_dim, k + <int64_t>task * key_dim, v + <int64_t>task * value_dim,
-                    g[task], out + <int64_t>task * value_dim, key_dim, value_dim)
 
 
 cdef void _head_decay(float *state, const float *q, const float *k, const float *v, float g, float *out,
