@@ -5,7 +5,8 @@
   stream from memory as in a decode step, plus the 49152 x 576 LM head) at several row counts: flared's
   packed kernel (flared/_fast/linear.pyx) against torch's bf16 ``F.linear``; one "step" is every product
   of the model once. The packed weights sit where DecoderModel puts them (one mapping in huge pages);
-  "4 KiB pages" is the same kernel over plain copies; "unpacked + torch" copies each packed weight back to
+  "4 KiB pages" is the same kernel over plain copies; on a CPU with AMX the kernel runs on AMX tiles, and
+  "AVX-512 kernel" is its VDPBF16PS path (linear.amx_min_rows(0)); "unpacked + torch" copies each packed weight back to
   [out, in] (decoder.unpack_bf16) and runs torch's product, DecoderModel's path for UNPACK_MIN_ROWS rows and more
   on a CPU with AMX.
 - decode attention: SmolLM2's heads (9 query, 3 kv, head_dim 64) over paged slots, 30 layers: flared's
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flared._fast import attention  # noqa: E402
-from flared._fast.linear import BF16_SUPPORTED, bf16_linear  # noqa: E402
+from flared._fast.linear import AMX, BF16_SUPPORTED, amx_min_rows, bf16_linear  # noqa: E402
 from flared.model.decoder import UNPACK_MIN_ROWS, _gather_packed, _Linear, pack_bf16, unpack_bf16  # noqa: E402
 from flared.model.host_memory import host_zeros  # noqa: E402
 
@@ -88,10 +89,21 @@ def bench_products(rows_list, repeats: int, threads: int) -> list[dict]:
             for w, p in zip(weights, packed):
                 F.linear(xs[w.shape[1]], unpack_bf16(p, w.shape[0]))
 
-        times = alternate({"flared": flared_over(packed), "flared_4k": flared_over(packed_4k), "torch": torch_step,
-                           "unpacked": unpacked_step}, repeats)
+        steps = {"flared": flared_over(packed), "flared_4k": flared_over(packed_4k), "torch": torch_step,
+                 "unpacked": unpacked_step}
+        if AMX:
+            def avx512_step(step=flared_over(packed)):
+                fewest = amx_min_rows()
+                amx_min_rows(0)
+                try:
+                    step()
+                finally:
+                    amx_min_rows(fewest)
+            steps["avx512"] = avx512_step
+        times = alternate(steps, repeats)
         out.append({"rows": rows, "flared_ms": times["flared"] * 1e3, "flared_4k_pages_ms": times["flared_4k"] * 1e3,
                     "torch_ms": times["torch"] * 1e3, "unpacked_torch_ms": times["unpacked"] * 1e3,
+                    "avx512_kernel_ms": times["avx512"] * 1e3 if AMX else None,
                     "flared_gflops": FLOPS_PER_ROW * rows / times["flared"] / 1e9,
                     "ratio": times["torch"] / times["flared"]})
     return out
@@ -154,12 +166,14 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     products = bench_products([1, 8, 32, 64, 256, 512], args.repeats, args.threads)
     attn = bench_attention([(1, 2000), (8, 500), (32, 500)], args.repeats, args.threads)
-    print(f"bf16 products, SmolLM2-135M (30 layers + LM head, weights from memory), {args.threads} threads "
-          f"(DecoderModel unpacks from {UNPACK_MIN_ROWS} rows)" if UNPACK_MIN_ROWS else "(no AMX: never unpacked)")
-    print(f"{'rows':>5} {'flared ms':>10} {'same, 4 KiB pages':>18} {'torch ms':>9} {'unpacked + torch ms':>20} "
-          f"{'flared GFLOP/s':>15} {'ratio':>6}")
+    unpacks = f"DecoderModel unpacks from {UNPACK_MIN_ROWS} rows" if UNPACK_MIN_ROWS else "DecoderModel never unpacks"
+    print(f"bf16 products, SmolLM2-135M (30 layers + LM head, weights from memory), {args.threads} threads ({unpacks})")
+    print(f"flared's kernel: {'AMX tiles' if AMX else 'AVX-512 BF16 (or AVX2)'}")
+    print(f"{'rows':>5} {'flared ms':>10} {'same, 4 KiB pages':>18} {'AVX-512 kernel ms':>18} {'torch ms':>9} "
+          f"{'unpacked + torch ms':>20} {'flared GFLOP/s':>15} {'ratio':>6}")
     for r in products:
-        print(f"{r['rows']:5d} {r['flared_ms']:10.2f} {r['flared_4k_pages_ms']:18.2f} {r['torch_ms']:9.2f} "
+        avx512 = f"{r['avx512_kernel_ms']:18.2f}" if r["avx512_kernel_ms"] is not None else f"{'-':>18}"
+        print(f"{r['rows']:5d} {r['flared_ms']:10.2f} {r['flared_4k_pages_ms']:18.2f} {avx512} {r['torch_ms']:9.2f} "
               f"{r['unpacked_torch_ms']:20.2f} {r['flared_gflops']:15.0f} {r['ratio']:5.2f}x")
     print("\nbf16 decode attention, 30 layers, 9/3 heads x 64")
     print(f"{'rows':>5} {'context':>8} {'flared ms':>10} {'same, 4 KiB pages':>18} {'torch ms':>9} {'ratio':>6}")
@@ -167,7 +181,7 @@ def main() -> int:
         print(f"{r['rows']:5d} {r['context']:8d} {r['flared_ms']:10.2f} {r['flared_4k_pages_ms']:18.2f} "
               f"{r['torch_ms']:9.2f} {r['ratio']:5.2f}x")
     if args.json:
-        print(json.dumps({"threads": args.threads, "unpack_min_rows": UNPACK_MIN_ROWS, "products": products,
+        print(json.dumps({"threads": args.threads, "amx": AMX, "unpack_min_rows": UNPACK_MIN_ROWS, "products": products,
                           "decode_attention": attn}))
     return 0
 

@@ -17,6 +17,8 @@ Rules:
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uintptr_t
 
+from flared._fast.linear import amx_min_rows
+
 cdef extern from "decode_kernel.h" nogil:
     int FL_DEC_MAX_ROWS
     int FL_ATTN_MAX_GROUP
@@ -47,6 +49,7 @@ cdef extern from "decode_kernel.h" nogil:
         uint16_t *lora_low
         int lora_rank
         int shared_sequences
+        int amx
     int fl_decode_supported()
     void fl_decode_layers(const fl_decode_args_t *a)
 
@@ -120,5 +123,7 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     a.lora_low = <uint16_t *>lora_low
     a.lora_rank = lora_rank
     a.shared_sequences = shared_sequences
+    fewest = amx_min_rows()  # (the AMX tiles where linear.pyx's products take them: the same results)
+    a.amx = 1 if fewest and rows >= fewest else 0
     with nogil:
         fl_decode_layers(&a)

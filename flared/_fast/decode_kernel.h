@@ -70,14 +70,21 @@ typedef struct {
      * writes every row's k and v before any row attends (one more barrier a layer), so a row sees the keys of the
      * rows before it. 0: each (row, kv head) writes then attends at once (rows are distinct sequences). */
     int shared_sequences;
+    /* The products run on AMX tiles (linear_kernel.h's fl_amx_group) where their inputs are a multiple of 32 wide, as
+     * bf16_linear runs them (the same sums in the same order: the per-op path's results bit for bit). */
+    int amx;
 } fl_decode_args_t;
 
 #if FL_HAVE_X86
 
 /* Group g (output features 64g..) of x [rows, in] @ w^T, w packed (linear_kernel.h), into tile [rows, 64]. */
 FL_TARGET static void fl_dec_group(const uint16_t *packed, int g, const uint16_t *x, int rows, int in,
-                                   uint16_t *tile) {
+                                   uint16_t *tile, int amx) {
     const uint16_t *group = packed + (size_t)g * FL_GROUP * in;
+    if (amx && in % 32 == 0) {
+        fl_amx_group(group, x, in, tile, FL_GROUP, rows, in / 2, FL_GROUP);
+        return;
+    }
     for (int r = 0; r < rows; r += FL_GEMM_RB)
         fl_gemm_rows(group, x + (size_t)r * in, in, tile + (size_t)r * FL_GROUP, FL_GROUP, in / 2,
                      rows - r < FL_GEMM_RB ? rows - r : FL_GEMM_RB, FL_GROUP);
@@ -146,7 +153,7 @@ FL_TARGET static void fl_dec_linear(const fl_decode_args_t *a, int layer, int ta
                                     const uint16_t *bias, const uint16_t *x, uint16_t *y, int residual, int rows,
                                     int out, int in, int g) {
     uint16_t tile[FL_DEC_MAX_ROWS * FL_GROUP];
-    fl_dec_group(packed, g, x, rows, in, tile);
+    fl_dec_group(packed, g, x, rows, in, tile, a->amx);
     int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
     if (bias)
         for (int r = 0; r < rows; r++)
@@ -168,8 +175,8 @@ FL_TARGET static void fl_dec_linear(const fl_decode_args_t *a, int layer, int ta
 FL_TARGET static void fl_dec_gate_up(const fl_decode_args_t *a, int layer, const uint16_t *packed, const uint16_t *x,
                                      uint16_t *act, int rows, int inter, int in, int g) {
     uint16_t gate[FL_DEC_MAX_ROWS * FL_GROUP], up[FL_DEC_MAX_ROWS * FL_GROUP];
-    fl_dec_group(packed, g, x, rows, in, gate);
-    fl_dec_group(packed, inter / FL_GROUP + g, x, rows, in, up);
+    fl_dec_group(packed, g, x, rows, in, gate, a->amx);
+    fl_dec_group(packed, inter / FL_GROUP + g, x, rows, in, up, a->amx);
     if (a->lora_rows) {
         fl_dec_lora_add(a, layer, 2, rows, g * FL_GROUP, FL_GROUP, gate, FL_GROUP);
         fl_dec_lora_add(a, layer, 2, rows, inter + g * FL_GROUP, FL_GROUP, up, FL_GROUP);
@@ -312,6 +319,8 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
                 fl_dec_linear(a, layer, 3, FL_PTR(8), 0, a->act, a->h, 1, rows, hidden, inter, g);
 #undef FL_PTR
         }
+        if (a->amx)
+            fl_amx_release();
     }
 }
 

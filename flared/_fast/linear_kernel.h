@@ -291,10 +291,133 @@ FL_AVX2_TARGET __attribute__((unused)) static void fl_gemm_groups_avx2(const uin
     }
 }
 
+/* ---- The same products with AMX tiles (Intel Sapphire Rapids and later: fl_gemm_groups_amx) ----------------
+ *
+ * The packed layout is AMX's own for a TDPBF16PS B tile: 16 input pairs (rows, 256 bytes apart) by 16 features
+ * (64 bytes: each feature's pair) is one tileloadd of a group's quarter. x rows load as an A tile (up to 16 rows of
+ * 32 inputs), and four C tiles (16 features each) accumulate a group's 64 float32 columns for those rows, the inputs
+ * 32 at a time; then each row is rounded to bf16 as above. Float32 sums of exact bf16 products, as VDPBF16PS's, in
+ * another order (so the last bit may differ from fl_gemm_groups'). Needs `in` a multiple of 32, a CPU with AMX-TILE
+ * and AMX-BF16, and the kernel's leave for this process to use the tiles' state (fl_amx_supported asks for it
+ * once: arch_prctl ARCH_REQ_XCOMP_PERM). The tile configuration is the calling thread's: fl_gemm_groups_amx
+ * loads it and releases the tiles before it returns. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define FL_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define FL_AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} fl_amx_config;
+
+/* 1 when AMX tiles may be used here (CPUID: AMX-TILE and AMX-BF16; the kernel granted the tile data state), else 0;
+   asked once a process (the grant is process-wide). */
+__attribute__((unused)) static int fl_amx_supported(void) {
+    static int known = -1;
+    if (known >= 0)
+        return known;
+    unsigned int eax, ebx, ecx, edx;
+    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    int cpu = ((edx >> 24) & 1) && ((edx >> 22) & 1) && fl_bf16_supported();  /* AMX-TILE, AMX-BF16 */
+    known = cpu && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return known;
+}
+
+FL_AMX_TARGET static void fl_amx_configure(int rows) {
+    fl_amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 4; t++) {  /* C: rows x 16 float32 */
+        cfg.rows[t] = (uint8_t)rows;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[4] = (uint8_t)rows;  /* A: rows x 32 bf16 */
+    cfg.colsb[4] = 64;
+    cfg.rows[5] = 16;  /* B: 16 input pairs x 16 features */
+    cfg.colsb[5] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [0, rows) (rows <= FL_AMX_ROWS, the configured count) of x against one group: c[r][0..63] float32. */
+FL_AMX_TARGET static void fl_amx_block(const uint16_t *group, const uint16_t *x, int64_t ldx, float *c, int pairs) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < pairs; k += 16) {
+        const uint16_t *wk = group + (size_t)k * (2 * FL_GROUP);
+        _tile_loadd(4, x + 2 * k, ldx * 2);
+        _tile_loadd(5, wk, 4 * FL_GROUP);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, wk + 32, 4 * FL_GROUP);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, wk + 64, 4 * FL_GROUP);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, wk + 96, 4 * FL_GROUP);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, c, FL_GROUP * 4);
+    _tile_stored(1, c + 16, FL_GROUP * 4);
+    _tile_stored(2, c + 32, FL_GROUP * 4);
+    _tile_stored(3, c + 48, FL_GROUP * 4);
+}
+
+/* The row count the calling thread's tiles are configured for (0: released). */
+static __thread int fl_amx_rows;
+
+/* Rows [0, rows) of x (row stride ldx) against one group, rounded to bf16 into y (row stride ldy), its first n
+   columns: 16-row blocks, the tiles reconfigured when a block's row count changes (kept until fl_amx_release). */
+FL_AMX_TARGET __attribute__((unused)) static void fl_amx_group(const uint16_t *group, const uint16_t *x, int64_t ldx,
+                                                               uint16_t *y, int64_t ldy, int rows, int pairs, int n) {
+    float c[FL_AMX_ROWS * FL_GROUP];
+    for (int r = 0; r < rows; r += FL_AMX_ROWS) {
+        int m = rows - r < FL_AMX_ROWS ? rows - r : FL_AMX_ROWS;
+        if (m != fl_amx_rows) {
+            fl_amx_configure(m);
+            fl_amx_rows = m;
+        }
+        fl_amx_block(group, x + (size_t)r * ldx, ldx, c, pairs);
+        for (int i = 0; i < m; i++) {
+            uint16_t *yr = y + (size_t)(r + i) * ldy;
+            uint16_t tail[FL_GROUP];
+            uint16_t *dst = n == FL_GROUP ? yr : tail;
+            for (int b = 0; b < 4; b++)
+                _mm256_storeu_si256((__m256i *)(dst + 16 * b), fl_gemm_round(_mm512_loadu_ps(c + i * FL_GROUP + 16 * b)));
+            if (n != FL_GROUP)
+                memcpy(yr, tail, (size_t)n * 2);
+        }
+    }
+}
+
+/* The calling thread's tiles released (before it returns to code that does not use them). */
+FL_AMX_TARGET __attribute__((unused)) static void fl_amx_release(void) {
+    if (fl_amx_rows) {
+        _tile_release();
+        fl_amx_rows = 0;
+    }
+}
+
+/* Groups [g0, g1) of y [rows, ldy] = x [rows, in] @ w^T, as fl_gemm_groups (in % 32 == 0; fl_amx_supported()): each
+   group over all its row blocks in turn, so its weights stay in cache across them. */
+FL_AMX_TARGET __attribute__((unused)) static void fl_gemm_groups_amx(const uint16_t *packed, const uint16_t *x,
+                                                                     uint16_t *y, int64_t ldy, int rows, int out,
+                                                                     int in, int g0, int g1) {
+    for (int g = g0; g < g1; g++) {
+        int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
+        fl_amx_group(packed + (size_t)g * FL_GROUP * in, x, in, y + j0, ldy, rows, in / 2, n);
+    }
+    fl_amx_release();
+}
+
 /* The calling thread's SSE/AVX arithmetic flushes denormal results to zero (FTZ) and reads denormal inputs as
    zero (DAZ), bits 15 and 6 of MXCSR, or (flush 0) does not: x86 handles denormals in microcode, dozens of times
    slower. Returns 2 | whether both bits were set before (2: supported here). */
-static int fl_flush_denormals(int flush) {
+__attribute__((unused)) static int fl_flush_denormals(int flush) {
     unsigned int csr = _mm_getcsr();
     _mm_setcsr(flush ? (csr | 0x8040u) : (csr & ~0x8040u));
     return 2 | ((csr & 0x8040u) == 0x8040u);
@@ -304,6 +427,12 @@ static int fl_flush_denormals(int flush) {
 
 static int fl_flush_denormals(int flush) { (void)flush; return 0; }
 static int fl_bf16_supported(void) { return 0; }
+static int fl_amx_supported(void) { return 0; }
+static void fl_gemm_groups_amx(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                               int out, int in, int g0, int g1) {
+    (void)packed; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
+}
+static void fl_amx_release(void) {}
 static int fl_avx2_supported(void) { return 0; }
 static void fl_gemm_groups(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                            int out, int in, int g0, int g1) {

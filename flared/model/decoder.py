@@ -36,6 +36,10 @@ try:
 except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
     BF16_SUPPORTED, GROUP_FEATURES, bf16_linear, bf16_unpack, flush_denormals = False, 64, None, None, None
 try:
+    from flared._fast.linear import AMX as _AMX_KERNEL
+except ImportError:
+    _AMX_KERNEL = False
+try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
     _cpu_norm = None
@@ -139,7 +143,7 @@ def _cpu_has_amx() -> bool:
 # and fewer the packed kernel stays ahead (2.2 ms against 3.0). A prefill chunk's products of this many rows or more
 # take that path (tools/bench_cpu_kernels.py's "unpacked + torch" column); None: never (no AMX: there the packed
 # kernel kept up with torch's even at 256 rows).
-UNPACK_MIN_ROWS = 64 if _cpu_has_amx() else None
+UNPACK_MIN_ROWS = 64 if _cpu_has_amx() and not _AMX_KERNEL else None
 
 
 _unpacked = threading.local()  # each thread's scratch for unpack_bf16
