@@ -19,6 +19,8 @@ Rules:
   gets less CPU time (a shared machine) takes fewer groups.
 """
 
+import os
+
 from cython.parallel cimport prange
 from libc.stdint cimport int64_t, uint16_t, uint32_t, uintptr_t
 
@@ -44,7 +46,8 @@ cdef bint _native = KERNEL == "avx512_bf16"
 GROUP_FEATURES = FL_GROUP
 # AMX tiles may run the products here (linear_kernel.h's fl_gemm_groups_amx: Sapphire Rapids and later, the tile
 # state granted); products of at least amx_min_rows() rows (and inputs a multiple of 32) take them.
-AMX = _native and bool(fl_amx_supported())
+# FLARED_AMX=0 keeps the tiles off (the AVX-512 kernel everywhere) without asking for them.
+AMX = _native and os.environ.get("FLARED_AMX", "1") != "0" and bool(fl_amx_supported())
 cdef int _amx_min_rows = 1 if AMX else 0  # (from one row: [16384, 2048] 1.3 ms against 2.3 for the AVX-512 kernel)
 
 
