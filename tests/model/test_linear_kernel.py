@@ -164,6 +164,34 @@ def test_unpack_gives_the_weight_back(out_features, in_features, threads):
     assert torch.equal(out, w)
 
 
+@pytest.mark.skipif(not linear_mod.AMX, reason="no AMX tiles on this CPU")
+def test_amx_tiles_and_the_avx512_kernel_agree_and_can_be_turned_off():
+    """Where the CPU has AMX the products run on its tiles: the same bf16 results as the AVX-512 kernel up to the
+    float32 sums' order (one bf16 step at most, on a few outputs), at every row-block tail; amx_min_rows(0) turns them
+    off, and FLARED_AMX=0 keeps a process from them."""
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 576, generator=g).to(torch.bfloat16)
+    for rows in (1, 15, 16, 17, 40):
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        tiles = kernel(w, x, 2)
+        fewest = linear_mod.amx_min_rows()
+        linear_mod.amx_min_rows(0)
+        try:
+            avx512 = kernel(w, x, 2)
+        finally:
+            linear_mod.amx_min_rows(fewest)
+        reference = (x.double() @ w.double().T)
+        assert (tiles.double() - reference).abs().max().item() <= 0.02 * reference.abs().max().item()
+        assert (tiles.float() - avx512.float()).abs().max().item() <= 0.01 * reference.abs().max().item()
+    code = "from flared._fast import linear; print(linear.AMX, linear.amx_min_rows())"
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "FLARED_AMX": "0"}, check=True)
+    assert off.stdout.split() == ["False", "0"]
+
+
 @needs_isa
 def test_many_rows_take_torchs_product_where_it_is_faster(monkeypatch):
     """At UNPACK_MIN_ROWS rows and more (set on a CPU with AMX) _Linear unpacks its weight and runs torch's product:
