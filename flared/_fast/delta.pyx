@@ -81,7 +81,7 @@ cdef void _head_step(float *state, const float *q, const float *k, const float *
     cdef float decay = expf(g)
     cdef float delta[1024]  # (MAX_VALUE_DIM)
     cdef float *row
-    cdef float kk, qk
+    cdef float kk
     cdef int i, j
     for j in range(value_dim):
         delta[j] = 0.0
@@ -92,19 +92,12 @@ cdef void _head_step(float *state, const float *q, const float *k, const float *
             delta[j] = delta[j] + row[j] * kk
     for j in range(value_dim):
         delta[j] = (v[j] - decay * delta[j]) * beta
-        out[j] = 0.0
-    for i in range(key_dim):  # S <- decay S + k delta^T, and out = S^T q on the new rows
-        row = state + <int64_t>i * value_dim
-        kk = k[i]
-        qk = q[i]
-        for j in range(value_dim):
-            row[j] = decay * row[j] + kk * delta[j]
-            out[j] = out[j] + row[j] * qk
-
+    _head_decay(state, q, k, delta, g, out, key_dim, value_dim)  # S <- decay S + k delta^T, out = S^T q
 
 
 cdef void _head_decay(float *state, const float *q, const float *k, const float *v, float g, float *out,
                       int key_dim, int value_dim) noexcept nogil:
+    """S <- exp(g) S + k v^T, then out = S^T q, one pass over the state's rows."""
     cdef float decay = expf(g)
     cdef float *row
     cdef float kk, qk
