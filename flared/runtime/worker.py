@@ -261,6 +261,16 @@ def tower_dtype(dtype):
     return dtype
 
 
+def _cpu_products(dtype: str) -> str:
+    """", bf16 products on ..." for the log: which of flared/_fast/linear.pyx's kernels a bf16 core's products take."""
+    if dtype != "bfloat16":
+        return ""
+    from flared._fast.linear import AMX, KERNEL
+
+    kernel = "AMX tiles" if AMX else {"avx512_bf16": "AVX-512 BF16", "avx2": "AVX2"}.get(KERNEL, "torch's ops")
+    return f", bf16 products on {kernel}"
+
+
 def cuda_backend_available(dtype) -> bool:
     """The CUDA graph backend serves bf16/fp16 cores when torch sees a GPU and CuPy and Triton import;
     anything else runs on the CPU eager executor."""
@@ -484,7 +494,8 @@ class ModelRuntime:
                                           kv_cache_dtype=self.kv_cache_dtype)
             graph_shapes = ()  # default_graph_shapes: one-sequence prefill chunks
             if model.device.type == "cpu":
-                log.info("executor: eager on the CPU (%s, %d threads)", m.dtype, torch.get_num_threads())
+                log.info("executor: eager on the CPU (%s, %d threads%s)", m.dtype, torch.get_num_threads(),
+                         _cpu_products(m.dtype))
             else:
                 log.info("executor: eager on %s (%s)", torch.cuda.get_device_name(), m.dtype)
         kv_dtype, kv_bytes = self.executor.kv_cache
