@@ -17,7 +17,9 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +121,34 @@ _LORA_PRODUCTS = ("qkv", "o", "gate_up", "down")  # decode_kernel.h's order
 _SPLIT_PARTS = 2
 _SPLIT_MAX_ROWS = 8
 _SPLIT_MAX_ROWS_ONE_THREAD = 4
+# Whether the split runs (None: split_pays() probes this CPU once). That measurement was an AMD EPYC's (AVX2), whose
+# torch ran sgemv on one core; on an Intel Xeon with AMX torch's F.linear was 2.6x the split instead (SmolLM2's
+# float32 products at one row, 2 threads: 21 ms against 54).
+SPLIT_DECODE_PRODUCTS: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_split() -> bool:
+    """True when this CPU runs a decode-sized float32 product ([3072, 576], SmolLM2's gate/up, one row) clearly faster
+    as the split bmm than as F.linear: best of 7 each, alternating, the split needing a fifth less time."""
+    weight = torch.randn(3072, 576)
+    split = weight.view(_SPLIT_PARTS, 3072 // _SPLIT_PARTS, 576)
+    x = torch.randn(1, 576)
+    ways = {"split": lambda: torch.bmm(split, x.t().expand(_SPLIT_PARTS, 576, 1)),
+            "linear": lambda: F.linear(x, weight)}
+    best = {name: float("inf") for name in ways}
+    for _ in range(7):
+        for name, way in ways.items():
+            started = time.perf_counter()
+            for _ in range(8):
+                way()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best["split"] < 0.8 * best["linear"]
+
+
+def split_pays() -> bool:
+    """Whether decode-sized float32 products on the CPU take the split bmm (SPLIT_DECODE_PRODUCTS, else the probe)."""
+    return _probe_split() if SPLIT_DECODE_PRODUCTS is None else SPLIT_DECODE_PRODUCTS
 # bfloat16 weights on a CPU with AVX-512 BF16 are packed at load (pack_bf16) and every product runs through
 # flared/_fast/linear_kernel.h, at any row count: on SmolLM2's matrices (2 threads, weights streamed from
 # memory) it beat torch's bf16 F.linear 2x at 1 row, 2.5x at 8, 1.6x at 32 and 1.1x at 256 (torch re-packs
@@ -210,7 +240,7 @@ class _Linear:
                             self.in_features, torch.get_num_threads())
             return y if self.bias is None else y.add_(self.bias)
         if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
-                (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1):
+                (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1) or not split_pays():
             return F.linear(x, self.weight, self.bias)
         # [parts, out/parts, in] @ [parts, in, rows] -> [out, rows] -> [rows, out] (a view)
         y = torch.bmm(self.split, x.t().expand(_SPLIT_PARTS, self.in_features, num_rows))

@@ -205,6 +205,20 @@ def test_many_rows_take_torchs_product_where_it_is_faster(monkeypatch):
     assert torch.equal(lin(few), kernel(w, few, 1).add_(b))
 
 
+def test_decode_sized_float32_products_take_the_faster_way_and_agree(monkeypatch):
+    """Float32 products of a few rows run as the split bmm where the probe finds it faster on this CPU (or
+    SPLIT_DECODE_PRODUCTS says so), else F.linear: the same values either way (to float32 rounding)."""
+    w, x = torch.randn(300, 96), torch.randn(3, 96)
+    lin = _Linear(w.clone(), None)
+    assert isinstance(decoder_mod.split_pays(), bool)
+    results = []
+    for choice in (True, False):
+        monkeypatch.setattr(decoder_mod, "SPLIT_DECODE_PRODUCTS", choice)
+        assert decoder_mod.split_pays() is choice
+        results.append(lin(x))
+    assert torch.allclose(results[0], results[1], atol=1e-5) and torch.allclose(results[1], F.linear(x, w), atol=1e-5)
+
+
 def test_wrapper_off_without_isa(monkeypatch):
     """Where the ISA is missing the wrapper must not pick the kernel (CI machines may differ)."""
     monkeypatch.setattr(decoder_mod, "BF16_SUPPORTED", False)
