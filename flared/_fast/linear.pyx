@@ -33,6 +33,7 @@ cdef extern from "linear_kernel.h" nogil:
                         int inp, int g0, int g1)
     void fl_gemm_groups_avx2(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                              int out, int inp, int g0, int g1)
+    int fl_amx_cpu()
     int fl_amx_supported()
     void fl_gemm_groups_amx(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                             int out, int inp, int g0, int g1)
@@ -46,8 +47,10 @@ cdef bint _native = KERNEL == "avx512_bf16"
 GROUP_FEATURES = FL_GROUP
 # AMX tiles may run the products here (linear_kernel.h's fl_gemm_groups_amx: Sapphire Rapids and later, the tile
 # state granted); products of at least amx_min_rows() rows (and inputs a multiple of 32) take them.
-# FLARED_AMX=0 keeps the tiles off (the AVX-512 kernel everywhere) without asking for them.
-AMX = _native and os.environ.get("FLARED_AMX", "1") != "0" and bool(fl_amx_supported())
+# FLARED_AMX=0 keeps the tiles off (the AVX-512 kernel everywhere) without asking for them. AMX_CPU: the CPU has
+# them, whether or not they may be used here.
+AMX_CPU = _native and bool(fl_amx_cpu())
+AMX = AMX_CPU and os.environ.get("FLARED_AMX", "1") != "0" and bool(fl_amx_supported())
 cdef int _amx_min_rows = 1 if AMX else 0  # (from one row: [16384, 2048] 1.3 ms against 2.3 for the AVX-512 kernel)
 
 

@@ -317,14 +317,18 @@ typedef struct {
 
 /* 1 when AMX tiles may be used here (CPUID: AMX-TILE and AMX-BF16; the kernel granted the tile data state), else 0;
    asked once a process (the grant is process-wide). */
-__attribute__((unused)) static int fl_amx_supported(void) {
-    static int known = -1;
-    if (known >= 0)
-        return known;
+/* 1 when the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22) beside AVX-512 BF16, else 0. */
+__attribute__((unused)) static int fl_amx_cpu(void) {
     unsigned int eax, ebx, ecx, edx;
     __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-    int cpu = ((edx >> 24) & 1) && ((edx >> 22) & 1) && fl_bf16_supported();  /* AMX-TILE, AMX-BF16 */
-    known = cpu && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ((edx >> 24) & 1) && ((edx >> 22) & 1) && fl_bf16_supported();
+}
+
+__attribute__((unused)) static int fl_amx_supported(void) {
+    static int known = -1;
+    if (known < 0)
+        known = fl_amx_cpu() &&
+                syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     return known;
 }
 
@@ -427,6 +431,7 @@ __attribute__((unused)) static int fl_flush_denormals(int flush) {
 
 static int fl_flush_denormals(int flush) { (void)flush; return 0; }
 static int fl_bf16_supported(void) { return 0; }
+static int fl_amx_cpu(void) { return 0; }
 static int fl_amx_supported(void) { return 0; }
 static void fl_gemm_groups_amx(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                                int out, int in, int g0, int g1) {

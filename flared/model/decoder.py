@@ -38,9 +38,9 @@ try:
 except ImportError:  # linked against a libgomp newer than the one torch loaded: keep torch's bf16 path
     BF16_SUPPORTED, GROUP_FEATURES, bf16_linear, bf16_unpack, flush_denormals = False, 64, None, None, None
 try:
-    from flared._fast.linear import AMX as _AMX_KERNEL
+    from flared._fast.linear import AMX as _AMX_KERNEL, AMX_CPU as _AMX_CPU
 except ImportError:
-    _AMX_KERNEL = False
+    _AMX_KERNEL = _AMX_CPU = False
 try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
@@ -149,31 +149,17 @@ def _probe_split() -> bool:
 def split_pays() -> bool:
     """Whether decode-sized float32 products on the CPU take the split bmm (SPLIT_DECODE_PRODUCTS, else the probe)."""
     return _probe_split() if SPLIT_DECODE_PRODUCTS is None else SPLIT_DECODE_PRODUCTS
+
+
 # bfloat16 weights on a CPU with AVX-512 BF16 are packed at load (pack_bf16) and every product runs through
-# flared/_fast/linear_kernel.h, at any row count: on SmolLM2's matrices (2 threads, weights streamed from
+# flared/_fast/linear_kernel.h, at any row count: on SmolLM2's matrices (2 Zen 4 threads, weights streamed from
 # memory) it beat torch's bf16 F.linear 2x at 1 row, 2.5x at 8, 1.6x at 32 and 1.1x at 256 (torch re-packs
-# the weight on every call). Only the packed copy is kept.
-
-
-def _cpu_has_amx() -> bool:
-    """Whether this CPU has AMX's bf16 tile products (Intel Sapphire Rapids and later: /proc/cpuinfo's amx_bf16)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
-
-
-# On a CPU with AMX, torch's bf16 products of many rows (oneDNN) outrun the packed kernel by far: on a Xeon with
-# amx_bf16 (2 threads, a [7168, 1024] matrix) 3.1 ms against 4.2 at 64 rows and 5.9 against 33.7 at 512, counting the
-# transposing copy back to [out, in] (unpack_bf16: 2.3 ms) that keeps a single packed copy of each weight; at 32 rows
-# and fewer the packed kernel stays ahead (2.2 ms against 3.0). A prefill chunk's products of this many rows or more
-# take that path (tools/bench_cpu_kernels.py's "unpacked + torch" column); None: never (no AMX: there the packed
-# kernel kept up with torch's even at 256 rows).
-UNPACK_MIN_ROWS = 64 if _cpu_has_amx() and not _AMX_KERNEL else None
+# the weight on every call); on a CPU with AMX it runs on the tiles (linear.AMX). Only the packed copy is kept.
+# Where the CPU has AMX but its tiles cannot be used here (the kernel's grant refused, or FLARED_AMX=0), torch's bf16
+# products of many rows (oneDNN) outrun the AVX-512 kernel by far (a [7168, 1024] matrix on 2 threads: 3.1 ms against
+# 4.2 at 64 rows, 5.9 against 33.7 at 512, counting unpack_bf16's copy back to [out, in]; at 32 rows and fewer the
+# kernel stays ahead): products of UNPACK_MIN_ROWS rows or more take that path; None: never.
+UNPACK_MIN_ROWS = 64 if _AMX_CPU and not _AMX_KERNEL else None
 
 
 _unpacked = threading.local()  # each thread's scratch for unpack_bf16
