@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="flared's prefill chunk")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both sides on the GPU (flared's eager forward)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -104,17 +105,27 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     ours_config = from_hf_config(config.to_dict())
     tensors = _hf_to_serving(hf.state_dict(), ours_config, source="bench")
+    hf.to(args.device)
     batches = [int(b) for b in args.batches.split(",")]
-    runner = ModelRunner(ours_config, tensors, dtype=dtype, num_pages=512, page_tokens=16, max_batch=max(batches),
-                         prefill_chunk_tokens=max(args.chunk, args.prompt))
+    runner = ModelRunner(ours_config, tensors, dtype=dtype, device=args.device, num_pages=512, page_tokens=16,
+                         max_batch=max(batches), prefill_chunk_tokens=max(args.chunk, args.prompt))
     del tensors
     params = sum(t.numel() for t in hf.parameters())
     layers = config.num_hidden_layers
     print(f"{args.family} {args.shape}, {layers} layers ({len(ours_config.linear_layers)} "
           f"{ours_config.graph_obstacle}): "
-          f"{params / 1e9:.2f}B parameters, {args.dtype}, {args.threads} threads (built in "
+          f"{params / 1e9:.2f}B parameters, {args.dtype}, {args.device}, {args.threads} threads (built in "
           f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    cuda = args.device.startswith("cuda")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     def flushed(fn):
+        if cuda:  # the flush is a CPU thread's mode; on the GPU it is the same side again
+            return fn
+
         def run(*a):
             before = flush_denormals(args.threads, True)
             try:
@@ -142,14 +153,18 @@ def main() -> None:
         runner.prefill_chunk_tokens = args.chunk
 
         def ours() -> float:
+            sync()
             started = time.perf_counter()
             runner.generate([prompt], [SamplingParams(temperature=0, max_tokens=1)])
+            sync()
             return time.perf_counter() - started
 
         def theirs() -> float:
+            sync()
             started = time.perf_counter()
             with torch.inference_mode():
-                hf(torch.tensor([prompt]), logits_to_keep=1)
+                hf(torch.tensor([prompt], device=args.device), logits_to_keep=1)
+            sync()
             return time.perf_counter() - started
 
         sides = {"flared": ours, "transformers": theirs, "transformers (FTZ)": flushed(theirs)}
@@ -162,7 +177,7 @@ def main() -> None:
         figures[f"prefill {args.prefill} s"] = best
         print(f"  prefill {args.prefill}: " + "   ".join(f"{k} {v:.3f} s" for k, v in best.items()),
               file=sys.stderr, flush=True)
-    print(f"\n| {args.family} {args.shape} ({layers} layers), {args.dtype}, {args.threads} threads | flared | transformers "
+    print(f"\n| {args.family} {args.shape} ({layers} layers), {args.dtype}, {args.device}, {args.threads} threads | flared | transformers "
           "| ratio | transformers (FTZ) | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, f in figures.items():
@@ -171,7 +186,8 @@ def main() -> None:
         print(f"| {name} | {f['flared']:,.3f} | {f['transformers']:,.3f} | {ratio(f['transformers']):.2f} "
               f"| {f['transformers (FTZ)']:,.3f} | {ratio(f['transformers (FTZ)']):.2f} |")
     if args.json:
-        print(json.dumps({"family": args.family, "shape": args.shape, "layers": layers, "dtype": args.dtype, "threads": args.threads,
+        print(json.dumps({"family": args.family, "shape": args.shape, "layers": layers, "dtype": args.dtype,
+                          "device": args.device, "threads": args.threads,
                           "params_b": round(params / 1e9, 3),
                           **{name: {k: round(v, 4) for k, v in f.items()} for name, f in figures.items()}}))
 
