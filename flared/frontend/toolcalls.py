@@ -961,6 +961,46 @@ class MistralToolParser(ToolParser):
         self._buf = ""
 
 
+class NemotronToolParser(MistralToolParser):
+    """NVIDIA Nemotron Nano 2: ``<TOOLCALL>[{"name": …, "arguments": {…}}, …]</TOOLCALL>``, Mistral v3's array
+    between a marker pair (the closing one consumed with the array; text after <TOOLCALL> that is no array is the
+    model's text, the marker included)."""
+
+    name = "nemotron"
+    OPEN, CLOSE = "<TOOLCALL>", "</TOOLCALL>"
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "head":
+            lead = self._buf.lstrip()
+            if not lead:
+                return False
+            if lead[0] != "[":  # not a call list: the marker and what follows are content
+                self._emit_content(self.OPEN + self._buf)
+                self._buf, self._state = "", "text"
+                return True
+            self._buf, self._state = lead[1:], "array"
+            return True
+        if self._state == "close":  # after the array's "]": its closing marker, if it comes
+            lead = self._buf.lstrip()
+            if lead.startswith(self.CLOSE):
+                self._buf, self._state = lead[len(self.CLOSE):], "text"
+                return True
+            if not final and self.CLOSE.startswith(lead):
+                return False
+            self._state = "text"
+            return True
+        before = self._state
+        progressed = super()._step(final)
+        if before == "array" and self._state == "text" and self._after_call:
+            self._state = "close"
+        return progressed
+
+    def _finish_rest(self) -> None:
+        if self._state == "close":
+            self._state, self._buf = "text", ""
+        super()._finish_rest()
+
+
 class CohereToolParser(MistralToolParser):
     """Command A / Command R7B: ``<|START_ACTION|>[{"tool_call_id": …, "tool_name": …, "parameters": {…}}, …]
     <|END_ACTION|>``; the answer's ``<|START_RESPONSE|>`` / ``<|END_RESPONSE|>`` markers are not content."""
@@ -1397,7 +1437,7 @@ class HarmonyToolParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
-                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser)
+                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser, NemotronToolParser)
 }
 
 
@@ -1421,6 +1461,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return CohereToolParser
     if "<|tool_call_start|>" in source:
         return Lfm2ToolParser
+    if "<TOOLCALL>" in source:
+        return NemotronToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

@@ -112,6 +112,17 @@ CASES = {
          '<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>', []),
         ("No <|tool_call here.", "No <|tool_call here.", []),
     ],
+    "nemotron": [
+        ('Let me check.\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+         '{"name": "get_weather", "arguments": {"city": "Oslo"}}]</TOOLCALL>', "Let me check.",
+         [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
+        # arguments as a JSON string (the template's own instructions show one); a "]" and the marker in a value
+        ('<TOOLCALL>[{"name": "f", "arguments": "{\\"x\\": \\"]</TOOLCALL>\\"}"}]</TOOLCALL>\nDone.', "Done.",
+         [("f", {"x": "]</TOOLCALL>"})]),
+        ('<TOOLCALL>[{"name": "ping", "arguments": {}}]', "", [("ping", {})]),  # (stopped before the closing marker)
+        ("A <TOOLCALL> that is not a list.", "A <TOOLCALL> that is not a list.", []),
+        ("No <TOOL call here.", "No <TOOL call here.", []),
+    ],
     "cohere": [
         ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
          '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
@@ -137,7 +148,8 @@ MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<paramet
            "<|end|>", "<|start|>", "<|call|>", "<|constrain|>", "<seed:tool_call>", "</seed:tool_call>", "<seed:think>",
            "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
            "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
-           "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>")
+           "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<TOOLCALL>",
+           "</TOOLCALL>")
 
 
 def chunkings(text: str):
@@ -310,6 +322,7 @@ def test_selection_from_templates():
     assert tool_parser_for_template(command_a).name == "cohere"
     lfm2 = "List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|> ... <|tool_call_start|>"
     assert tool_parser_for_template(lfm2).name == "lfm2"
+    assert tool_parser_for_template("<AVAILABLE_TOOLS>{{ tools }}</AVAILABLE_TOOLS> <TOOLCALL>[").name == "nemotron"
     assert reasoning_format_for_template(command_a).name == "cohere"
     assert reasoning_format_for_template(harmony).name == "harmony"  # (before <think>: harmony's channels win)
     assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
@@ -340,6 +353,7 @@ CORPUS_FAMILIES = {
     "microsoft-Phi-3.5-mini-instruct.jinja": (None, None),
     "ByteDance-Seed-OSS.jinja": ("seed_oss", "seed"),
     "MiniMax-M2.jinja": ("minimax_m2", "think"),
+    "NVIDIA-Nemotron-Nano-v2.jinja": ("nemotron", "think"),
 }
 
 
