@@ -77,8 +77,12 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next",
                   # Liquid LFM2 (dense, MoE): gated short convolutions (a convolution state per sequence) between
                   # attention layers with per-head q/k norms (_lfm2_from_hf)
-                  "lfm2": "lfm2", "lfm2_moe": "lfm2"}
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+                  "lfm2": "lfm2", "lfm2_moe": "lfm2",
+                  # NVIDIA Nemotron-H (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano): blocks of one part each (a Mamba-2
+                  # mixer, unrotated attention, a squared-ReLU MLP or sigmoid-routed squared-ReLU experts), paired
+                  # into layers (_nemotron_h_from_hf)
+                  "nemotron_h": "llama"}
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
@@ -87,7 +91,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "rope_interleaved", "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token",
                  "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
-                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias"}
+                 "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
+                 "mlp_gated", "mixerless_layers", "mlpless_layers"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
@@ -229,11 +234,18 @@ class ModelConfig:
     # linear_conv_bias: the convolution has a bias (Mamba-2's).
     linear_kind: str = ""
     linear_conv_bias: bool = False
+    # Nemotron-H's blocks, each a norm and one part, paired into layers (a mixer block and the MLP block after it):
+    # mixerless_layers are an MLP block alone (no attention or linear layer: mlp_norm, the MLP), mlpless_layers a mixer
+    # block alone (no mlp_norm or MLP). mlp_gated False: the MLP (the experts and shared expert too) is up, activation,
+    # down, its serving gate_up holding the up rows alone (hidden_act relu2: the squared ReLU).
+    mlp_gated: bool = True
+    mixerless_layers: tuple[int, ...] = ()
+    mlpless_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
-        for name in ("nope_layers", "dense_layers", "linear_layers"):
+        for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.architecture not in ARCHITECTURES:
@@ -280,7 +292,7 @@ class ModelConfig:
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
-                     "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias"):
+                     "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -291,7 +303,7 @@ class ModelConfig:
             raise CoreError(f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts a token "
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
-        for name in ("nope_layers", "dense_layers", "linear_layers"):
+        for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or list(value) != sorted(set(value)) or any(
                     not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in value):
@@ -345,8 +357,14 @@ class ModelConfig:
                 or self.linear_value_heads % self.linear_key_heads):
             raise CoreError("Gated DeltaNet and Mamba-2 layers need key heads (groups) and value heads (the value "
                             "heads a multiple of the key heads), their sizes and a convolution of 2 or more inputs")
-        if self.linear_layers and len(self.linear_layers) == self.num_layers:
+        if self.linear_layers and not self.kv_layers:
             raise CoreError("a model with linear_layers needs at least one attention layer")
+        if set(self.mixerless_layers) & (set(self.mlpless_layers) | set(self.linear_layers)):
+            raise CoreError("a mixerless layer is neither a linear layer nor mlpless (a layer of nothing)")
+        if set(self.mlpless_layers) & set(self.dense_layers):
+            raise CoreError("an mlpless layer cannot be a dense_layers one")
+        if self.hidden_act == "relu2" and self.mlp_gated:
+            raise _unsupported("the squared ReLU (relu2) is supported only in ungated MLPs (mlp_gated false)")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
             raise CoreError(f"{', '.join(linear_sizes)} need linear_layers")
 
@@ -363,6 +381,8 @@ class ModelConfig:
         if self.linear_layers:
             return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers"}.get(
                 self.linear_kind, "Gated DeltaNet (linear attention) layers")
+        if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated:
+            return "layers of an MLP or a mixer alone, ungated MLPs"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -400,8 +420,8 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep keys and values in the KV cache (all but the Gated DeltaNet ones), in order."""
-        linear = set(self.linear_layers)
+        """The layers that keep keys and values in the KV cache (all but the linear and mixerless ones), in order."""
+        linear = set(self.linear_layers) | set(self.mixerless_layers)
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
@@ -447,6 +467,8 @@ class ModelConfig:
         d["nope_layers"] = list(d["nope_layers"])
         d["dense_layers"] = list(d["dense_layers"])
         d["linear_layers"] = list(d["linear_layers"])
+        d["mixerless_layers"] = list(d["mixerless_layers"])
+        d["mlpless_layers"] = list(d["mlpless_layers"])
         return d
 
     @classmethod
@@ -611,6 +633,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _qwen3_next_from_hf(hf, source, model_type)
     if model_type in ("lfm2", "lfm2_moe"):
         return _lfm2_from_hf(hf, source, model_type)
+    if model_type == "nemotron_h":
+        return _nemotron_h_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -729,6 +753,99 @@ def _granite_hybrid_from_hf(hf: dict[str, Any], source: str) -> dict:
                    shared_expert_intermediate_size=int(hf.get("shared_intermediate_size", 1024)),
                    shared_expert_gate=False)
     return out
+
+
+NEMOTRON_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe",
+                   "mamba": "linear_attention", "attention": "full_attention"}
+
+
+def pair_blocks(kinds: list[str]) -> list[tuple[int | None, int | None]]:
+    """Nemotron-H's blocks (linear_attention / full_attention mixers, mlp / moe MLPs) paired into layers: each mixer
+    block with the MLP block right after it, (mixer, None) where a mixer follows it or nothing does, (None, mlp) for an
+    MLP block no mixer precedes. Block indices."""
+    pairs: list[tuple[int | None, int | None]] = []
+    for b, kind in enumerate(kinds):
+        mixer = kind in ("linear_attention", "full_attention")
+        if not mixer and pairs and pairs[-1][0] is not None and pairs[-1][1] is None and pairs[-1][0] == b - 1:
+            pairs[-1] = (b - 1, b)
+        else:
+            pairs.append((b, None) if mixer else (None, b))
+    return pairs
+
+
+def layer_blocks(config: ModelConfig) -> list[tuple[int | None, int | None]]:
+    """pair_blocks' pairs again from a config (its mixerless and mlpless layers): each layer's (mixer block, MLP
+    block), None where it has no such part."""
+    mixerless, mlpless = set(config.mixerless_layers), set(config.mlpless_layers)
+    out, b = [], 0
+    for i in range(config.num_layers):
+        mixer = None if i in mixerless else b
+        b += mixer is not None
+        mlp = None if i in mlpless else b
+        b += mlp is not None
+        out.append((mixer, mlp))
+    return out
+
+
+def _nemotron_h_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Nemotron-H (config keys as transformers 5 and the released checkpoints name them: layers_block_type or
+    hybrid_override_pattern's M * - E): its blocks paired into layers (pair_blocks); Mamba-2 mixers of mamba_num_heads
+    heads of mamba_head_dim in n_groups groups of ssm_state_size; unrotated attention without biases; squared-ReLU
+    MLPs; DeepSeek-V3-routed squared-ReLU experts beside an ungated shared expert."""
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if kinds is None:
+        kinds = [NEMOTRON_BLOCKS.get(ch, ch) for ch in hf["hybrid_override_pattern"]]
+    kinds = [NEMOTRON_BLOCKS.get(k, k) for k in kinds]
+    if not kinds or set(kinds) - {"linear_attention", "full_attention", "mlp", "moe"}:
+        raise CoreError(f"{source}: layers_block_type must name each block linear_attention (M), full_attention (*), "
+                        f"mlp (-) or moe (E), got {kinds!r}", ErrorKind.SOURCE_FORMAT)
+    for key in ("mlp_hidden_act", "mamba_hidden_act"):
+        act = hf.get(key, "relu2" if key == "mlp_hidden_act" else "silu")
+        if act != ("relu2" if key == "mlp_hidden_act" else "silu"):
+            raise _unsupported(f"{source}: {key} {act!r} is not supported")
+    if hf.get("mlp_bias") or hf.get("use_bias") or hf.get("mamba_proj_bias"):
+        raise _unsupported(f"{source}: Nemotron-H with biased MLP or Mamba projections is not supported")
+    if hf.get("moe_latent_size"):
+        raise _unsupported(f"{source}: Nemotron-H's latent experts (moe_latent_size) are not supported")
+    limit = hf.get("time_step_limit", hf.get("mamba_dt_limit", (0.0, float("inf"))))
+    # (transformers writes infinity as {"__float__": "Infinity"}, json's own as Infinity)
+    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in limit] if limit else [0.0, math.inf]
+    if limit[0] > 0 or math.isfinite(limit[1]):
+        raise _unsupported(f"{source}: Nemotron-H with a clamped Mamba time step (time_step_limit {list(limit)}) is "
+                           "not supported")
+    pairs = pair_blocks(kinds)
+    heads = int(hf.get("mamba_num_heads", 128))
+    experts: dict[str, Any] = {}
+    if "moe" in kinds:
+        experts = dict(num_experts=int(hf.get("n_routed_experts", 8)), experts_per_token=int(hf["num_experts_per_tok"]),
+                       expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                       norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_sigmoid=True,
+                       expert_groups=int(hf.get("n_group", 1)), expert_groups_per_token=int(hf.get("topk_group", 1)),
+                       routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                       shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 7688))
+                       if int(hf.get("n_shared_experts", 1)) else 0, shared_expert_gate=False,
+                       dense_layers=tuple(i for i, (_, m) in enumerate(pairs) if m is not None and kinds[m] == "mlp"))
+    linear = tuple(i for i, (m, _) in enumerate(pairs) if m is not None and kinds[m] == "linear_attention")
+    mamba = dict(linear_layers=linear, linear_kind="mamba2", linear_value_heads=heads,
+                 linear_value_dim=int(hf.get("mamba_head_dim", 64)),
+                 linear_key_heads=int(hf.get("n_groups", hf.get("mamba_n_groups", 8))),
+                 linear_key_dim=int(hf.get("ssm_state_size", 128)),
+                 linear_conv_kernel=int(hf.get("conv_kernel", hf.get("mamba_d_conv", 4))),
+                 linear_conv_bias=bool(hf.get("use_conv_bias", hf.get("mamba_conv_bias", True)))) if linear else {}
+    heads_attn = int(hf["num_attention_heads"])
+    return ModelConfig(
+        architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf.get("intermediate_size", 21504)), num_layers=len(pairs), num_heads=heads_attn,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads_attn),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads_attn),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0, rope_scaling=None,
+        attention_bias=False, qk_norm=False, hidden_act="relu2", mlp_gated=False,
+        nope_layers=tuple(i for i, (m, _) in enumerate(pairs) if m is not None and kinds[m] == "full_attention"),
+        **mamba, mixerless_layers=tuple(i for i, (m, _) in enumerate(pairs) if m is None),
+        mlpless_layers=tuple(i for i, (_, m) in enumerate(pairs) if m is None),
+        **experts)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

@@ -254,7 +254,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
-                 "correction_bias", "latent", "linear", "kv_index")
+                 "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp")
 
 
 class DecoderModel:
@@ -292,7 +292,12 @@ class DecoderModel:
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
             layer.latent = layer.linear = None
             layer.kv_index = kv_index.get(i, -1)
-            if i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
+            # (Nemotron-H: a layer of an MLP block alone, or of a mixer block alone)
+            layer.has_mixer = i not in config.mixerless_layers
+            layer.has_mlp = i not in config.mlpless_layers
+            if not layer.has_mixer:
+                layer.qkv = None
+            elif i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
                 layer.qkv = None
             elif i in config.linear_layers and config.linear_kind == "mamba2":
@@ -318,14 +323,14 @@ class DecoderModel:
                 layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
-            if layer.linear is not None:
+            if layer.linear is not None or not layer.has_mixer:
                 pass
             elif config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
                 layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
             elif config.qk_norm:
                 layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1),
                                            norm(p + "k_norm.weight").expand(config.num_kv_heads, -1)])
-            layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias"))
+            layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias")) if layer.has_mixer else None
             layer.mlp_norm = norm(p + "mlp_norm.weight")
             layer.post_attn_norm = norm(p + "post_attn_norm.weight")  # Gemma's and OLMo's sandwich norms
             layer.post_mlp_norm = norm(p + "post_mlp_norm.weight")
@@ -334,7 +339,9 @@ class DecoderModel:
             layer.sinks = opt(p + "sinks")  # gpt-oss' attention sinks [nh]
             layer.router = layer.experts = layer.shared = layer.expert_stacks = layer.expert_biases = None
             layer.correction_bias = None
-            if config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
+            if not layer.has_mlp:
+                layer.gate_up = layer.down = None
+            elif config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
                 layer.gate_up = layer.down = None
                 if config.router_float32:  # (DeepSeek's and GLM-4.5's routers, their biases in float32)
                     layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
@@ -437,7 +444,7 @@ class DecoderModel:
             [layer.router, *(lin for pair in layer.experts for lin in pair),
              *(lin for lin in layer.shared or () if lin is not None)]
         attention = [x for x in (layer.latent or layer.linear or (layer.qkv,)) if isinstance(x, _Linear)]
-        return [*attention, layer.o, *mlp]
+        return [lin for lin in (*attention, layer.o, *mlp) if lin is not None]
 
     def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
         """Qwen VL's multimodal rope: the rotated dimensions' rope_dim / 2 frequency slots split into (temporal, row,
@@ -727,6 +734,9 @@ class DecoderModel:
         if kv.states is not None and batch.fresh_state_rows is not None:  # sequences that start here start at zero
             kv.states.reset(batch.fresh_state_rows)
         for index, layer in enumerate(self.layers):
+            if not layer.has_mixer:  # (Nemotron-H's MLP block alone)
+                h = self._mlp_residual(index, layer, batch, h, h)
+                continue
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             if layer.linear is not None:
                 mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2}.get(c.linear_kind, self._gated_delta)
@@ -774,12 +784,21 @@ class DecoderModel:
         input ``x``: o added to the residual ``h`` (normed, scaled as the family does), then the MLP's (or the
         experts') output likewise. Returns the new residual."""
         c = self.config
-        lora = bool(batch.lora_groups)
         if layer.post_attn_norm is not None:
             o = self._norm(o, layer.post_attn_norm)
         if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
             o = o * c.residual_multiplier
         h = h + o
+        if not layer.has_mlp:  # (Nemotron-H's mixer block alone)
+            return h
+        return self._mlp_residual(index, layer, batch, h, x)
+
+    def _mlp_residual(self, index: int, layer: _Layer, batch: ForwardBatch, h: torch.Tensor,
+                      x: torch.Tensor) -> torch.Tensor:
+        """Layer ``index``'s MLP (or experts) over the residual ``h`` (normed by mlp_norm; Cohere's parallel block
+        reads the mixer's normed input ``x``), its output added to h. Returns the new residual."""
+        c = self.config
+        lora = bool(batch.lora_groups)
         if not c.parallel_block:  # (Cohere's MLP reads the attention's normed input x)
             x = self._norm(h, layer.mlp_norm) if layer.mlp_norm is not None else h
         if layer.experts is not None:
@@ -960,7 +979,10 @@ class DecoderModel:
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2 I] gate rows then up rows -> act(gate) * up [T, I]."""
+        """[T, 2 I] gate rows then up rows -> act(gate) * up [T, I]; an ungated MLP's [T, I] up rows -> act(up)
+        (Nemotron-H's squared ReLU)."""
+        if not self.config.mlp_gated:
+            return torch.square(F.relu(gate_up))
         inter = gate_up.shape[1] // 2
         gate = gate_up[:, :inter]
         gate = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")

@@ -75,12 +75,15 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    linear = set(c.linear_layers)
+    linear, mixerless, mlpless = set(c.linear_layers), set(c.mixerless_layers), set(c.mlpless_layers)
+    gated = 2 if c.mlp_gated else 1  # (an ungated MLP's gate_up holds the up rows alone)
     for i in range(c.num_layers):
         p = f"layers.{i}."
-        if c.pre_norm:
+        if c.pre_norm and i not in mixerless:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
-        if i in linear:
+        if i in mixerless:
+            pass
+        elif i in linear:
             shapes.update(_gated_delta_shapes(c, p))
         else:
             if c.kv_lora_rank:  # DeepSeek's latent attention in place of the fused q/k/v
@@ -97,6 +100,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "o.bias"] = (c.hidden_size,)
             if c.attention_sinks:
                 shapes[p + "sinks"] = (c.num_heads,)
+        if i in mlpless:
+            continue
         if c.pre_norm and not c.parallel_block:  # (Cohere's MLP reads attention's normed input)
             shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
@@ -107,19 +112,19 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "router.weight"] = (e, c.hidden_size)
             if c.router_sigmoid:
                 shapes[p + "router.correction_bias"] = (e,)
-            shapes[p + "experts.gate_up.weight"] = (e, 2 * inter, c.hidden_size)
+            shapes[p + "experts.gate_up.weight"] = (e, gated * inter, c.hidden_size)
             shapes[p + "experts.down.weight"] = (e, c.hidden_size, inter)
             if c.expert_bias:
                 shapes[p + "router.bias"] = (e,)
                 shapes[p + "experts.gate_up.bias"] = (e, 2 * inter)
                 shapes[p + "experts.down.bias"] = (e, c.hidden_size)
             if shared:
-                shapes[p + "shared.gate_up.weight"] = (2 * shared, c.hidden_size)
+                shapes[p + "shared.gate_up.weight"] = (gated * shared, c.hidden_size)
                 shapes[p + "shared.down.weight"] = (c.hidden_size, shared)
                 if c.shared_expert_gate:
                     shapes[p + "shared.gate.weight"] = (1, c.hidden_size)
             continue
-        shapes[p + "gate_up.weight"] = (2 * c.intermediate_size, c.hidden_size)
+        shapes[p + "gate_up.weight"] = (gated * c.intermediate_size, c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
 
@@ -318,6 +323,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
 
     if config.architecture == "lfm2":
         return _hf_lfm2(hf, config, take)
+    if config.mixerless_layers or config.mlpless_layers or not config.mlp_gated:
+        return _hf_nemotron_h(hf, config, take)
 
     # Gemma 3's RMSNorms scale by (1 + weight): its serving norms hold 1 + weight (added in float32, as
     # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
@@ -448,6 +455,53 @@ def _hf_mamba2(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
     if config.linear_conv_bias:
         out[sp + "conv.bias"] = take(mp + "conv1d.bias")
     return out
+
+
+def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """Nemotron-H's checkpoint (backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each
+    block's norm and mixer (a Mamba-2 mixer's in_proj / conv1d / dt_bias / A_log / D / norm / out_proj, attention's
+    q/k/v/o_proj, an MLP's up_proj / down_proj, experts under gate (router, e_score_correction_bias), experts.{e} or
+    stacked experts, shared_experts), the blocks of each layer from config.layer_blocks."""
+    from flared.model.config import layer_blocks
+
+    root = "backbone." if "backbone.embeddings.weight" in hf else "model."
+    out = {"embed.weight": take(root + "embeddings.weight"), "final_norm.weight": take(root + "norm_f.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    linear = set(config.linear_layers)
+    for i, (mixer, mlp) in enumerate(layer_blocks(config)):
+        sp = f"layers.{i}."
+        if mixer is not None:
+            bp = f"{root}layers.{mixer}."
+            out[sp + "attn_norm.weight"] = take(bp + "norm.weight")
+            if i in linear:
+                out.update(_hf_mamba2(bp + "mixer.", sp, config, take))
+            else:
+                out[sp + "qkv.weight"] = torch.cat([take(bp + f"mixer.{x}_proj.weight") for x in "qkv"])
+                out[sp + "o.weight"] = take(bp + "mixer.o_proj.weight")
+        if mlp is None:
+            continue
+        bp = f"{root}layers.{mlp}."
+        out[sp + "mlp_norm.weight"] = take(bp + "norm.weight")
+        mp = bp + "mixer."
+        if not config.num_experts or i in config.dense_layers:
+            out[sp + "gate_up.weight"] = take(mp + "up_proj.weight")
+            out[sp + "down.weight"] = take(mp + "down_proj.weight")
+            continue
+        out[sp + "router.weight"] = take(mp + "gate.weight")
+        out[sp + "router.correction_bias"] = take(mp + "gate.e_score_correction_bias")
+        if mp + "experts.up_proj" in hf:  # transformers 5's stacked [E, I, H] and [E, H, I]
+            out[sp + "experts.gate_up.weight"] = take(mp + "experts.up_proj")
+            out[sp + "experts.down.weight"] = take(mp + "experts.down_proj")
+        else:
+            out[sp + "experts.gate_up.weight"] = torch.stack(
+                [take(f"{mp}experts.{e}.up_proj.weight") for e in range(config.num_experts)])
+            out[sp + "experts.down.weight"] = torch.stack(
+                [take(f"{mp}experts.{e}.down_proj.weight") for e in range(config.num_experts)])
+        if config.shared_expert_intermediate_size:
+            out[sp + "shared.gate_up.weight"] = take(mp + "shared_experts.up_proj.weight")
+            out[sp + "shared.down.weight"] = take(mp + "shared_experts.down_proj.weight")
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def _hf_lfm2(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
@@ -601,7 +655,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "qwen3moe": "qwen3", "smollm3": "llama", "phi3": "llama", "granite": "llama", "olmo2": "olmo2",
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
-                       "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama"}
+                       "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
+                       "nemotron_h": "llama", "nemotron_h_moe": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -651,6 +706,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
             raise CoreError(f"{source}: GGUF metadata has no {arch}.{key}", ErrorKind.SOURCE_FORMAT)
         return value
 
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        return _gguf_nemotron_h_config(reader, arch, source, need, tensor_names)
     scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling = None
     if scaling_type == "linear":
@@ -809,6 +866,100 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     )
 
 
+def _gguf_nemotron_h_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
+    """Nemotron-H's GGUF (llama.cpp's nemotron_h / nemotron_h_moe): each block's kind from its tensors (ssm_in: a
+    Mamba-2 mixer, attn_q: attention, ffn_gate_inp: experts, ffn_up: an MLP), the sizes from the ssm, attention,
+    feed-forward (per block: the largest) and expert keys, read as the checkpoint's config would be
+    (config._nemotron_h_from_hf)."""
+    from flared.model.config import _nemotron_h_from_hf
+
+    blocks = int(need("block_count"))
+    kinds = []
+    for b in range(blocks):
+        found = [kind for tensor, kind in (("ssm_in", "linear_attention"), ("attn_q", "full_attention"),
+                                           ("ffn_gate_inp", "moe"), ("ffn_up", "mlp"))
+                 if f"blk.{b}.{tensor}.weight" in tensor_names]
+        if len(found) != 1:
+            raise CoreError(f"{source}: GGUF block {b} must hold one of a Mamba-2 mixer, attention, experts or an MLP "
+                            f"(found {found or 'none'})", ErrorKind.SOURCE_FORMAT)
+        kinds.append(found[0])
+
+    def one(value) -> int:  # a per-block list's largest entry, or the value
+        return int(max(value)) if isinstance(value, list) else int(value)
+
+    def field(key: str, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    heads = int(field("ssm.time_step_rank", 1) or 1)
+    vocab_size = field("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens") or ()) or None
+    if vocab_size is None:
+        raise CoreError(f"{source}: GGUF metadata has neither {arch}.vocab_size nor a token list",
+                        ErrorKind.SOURCE_FORMAT)
+    num_heads = need("attention.head_count")
+    hf = dict(model_type="nemotron_h", layers_block_type=kinds, vocab_size=int(vocab_size),
+              hidden_size=int(need("embedding_length")), num_attention_heads=one(num_heads),
+              num_key_value_heads=one(field("attention.head_count_kv", num_heads)),
+              head_dim=int(field("attention.key_length") or int(need("embedding_length")) // one(num_heads)),
+              intermediate_size=one(field("feed_forward_length", 0) or 0) or 1,
+              max_position_embeddings=int(need("context_length")),
+              tie_word_embeddings="output.weight" not in tensor_names,
+              layer_norm_epsilon=float(need("attention.layer_norm_rms_epsilon")),
+              mamba_num_heads=heads, mamba_head_dim=int(field("ssm.inner_size", heads) or heads) // heads,
+              n_groups=int(field("ssm.group_count", 1) or 1), ssm_state_size=int(field("ssm.state_size", 1) or 1),
+              conv_kernel=int(field("ssm.conv_kernel", 4) or 4),
+              use_conv_bias=any(n.endswith(".ssm_conv1d.bias") for n in tensor_names))
+    if "moe" in kinds:
+        size = int(need("expert_feed_forward_length"))
+        shared = field("expert_shared_feed_forward_length")
+        hf.update(n_routed_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                  moe_intermediate_size=size,
+                  moe_shared_expert_intermediate_size=int(shared) if shared else
+                  size * int(field("expert_shared_count", 0) or 0),
+                  n_shared_experts=int(any(n.endswith(".ffn_up_shexp.weight") for n in tensor_names)),
+                  norm_topk_prob=bool(field("expert_weights_norm", True)),
+                  routed_scaling_factor=float(field("expert_weights_scale", 1.0) or 1.0),
+                  n_group=int(field("expert_group_count", 1) or 1),
+                  topk_group=int(field("expert_group_used_count", 1) or 1))
+    return _nemotron_h_from_hf(hf, source)
+
+
+def _gguf_nemotron_h(config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """Nemotron-H's tensors from its GGUF blocks (blk.{block}: attn_norm, the Mamba-2 mixer's ssm_* or attn_q/k/v/output,
+    ffn_up / ffn_down, or the experts' ffn_gate_inp, exp_probs_b, ffn_up_exps / ffn_down_exps and *_shexp) into the
+    layers config.layer_blocks pairs them into."""
+    from flared.model.config import layer_blocks
+
+    out = {"embed.weight": take("token_embd.weight"), "final_norm.weight": take("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("output.weight")
+    for i, (mixer, mlp) in enumerate(layer_blocks(config)):
+        sp = f"layers.{i}."
+        if mixer is not None:
+            gp = f"blk.{mixer}."
+            out[sp + "attn_norm.weight"] = take(gp + "attn_norm.weight")
+            if i in config.linear_layers:
+                out.update(_gguf_mamba2(gp, sp, config, take))
+            else:
+                out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"])
+                out[sp + "o.weight"] = take(gp + "attn_output.weight")
+        if mlp is None:
+            continue
+        gp = f"blk.{mlp}."
+        out[sp + "mlp_norm.weight"] = take(gp + "attn_norm.weight")
+        if not config.num_experts or i in config.dense_layers:
+            out[sp + "gate_up.weight"] = take(gp + "ffn_up.weight")
+            out[sp + "down.weight"] = take(gp + "ffn_down.weight")
+            continue
+        out.update({sp + "router.weight": take(gp + "ffn_gate_inp.weight"),
+                    sp + "router.correction_bias": take(gp + "exp_probs_b.bias"),
+                    sp + "experts.gate_up.weight": take(gp + "ffn_up_exps.weight"),
+                    sp + "experts.down.weight": take(gp + "ffn_down_exps.weight")})
+        if config.shared_expert_intermediate_size:
+            out[sp + "shared.gate_up.weight"] = take(gp + "ffn_up_shexp.weight")
+            out[sp + "shared.down.weight"] = take(gp + "ffn_down_shexp.weight")
+    return out
+
+
 def _gguf_vector(reader, name: str, source: str) -> list[float]:
     """A small F32 tensor's values (rope factor tables)."""
     tensor = next((t for t in reader.tensors if t.name == name), None)
@@ -898,6 +1049,10 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         except KeyError:
             raise CoreError(f"{source}: GGUF has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
+    if arch in ("nemotron_h", "nemotron_h_moe"):
+        out = _gguf_nemotron_h(config, take)
+        check_serving_tensors(out, config, source=source)
+        return SourceModel(config=config, tensors=out, source_kind="gguf")
     # (LFM2's final norm is its embedding_norm: token_embd_norm)
     out = {"embed.weight": take("token_embd.weight"),
            "final_norm.weight": take("token_embd_norm.weight" if config.short_conv else "output_norm.weight")}

@@ -23,6 +23,9 @@ _GRANITE_HYBRID = dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamb
                        attention_multiplier=0.09, logits_scaling=3.0, initializer_range=0.1, pad_token_id=0,
                        bos_token_id=1, eos_token_id=2)
 
+_NEMOTRON_H = dict(mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4, head_dim=16,
+                   layer_norm_epsilon=1e-5, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 FAMILIES = {
     "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -135,6 +138,16 @@ FAMILIES = {
     "granite4_h": ("granitemoehybrid", dict(_GRANITE_HYBRID, num_local_experts=0)),
     "granite4_h_moe": ("granitemoehybrid", dict(_GRANITE_HYBRID, num_local_experts=8, num_experts_per_tok=2,
                                                 intermediate_size=32)),
+    # NVIDIA Nemotron-H: blocks of one part each, paired into layers: Mamba-2 + squared-ReLU MLP, unrotated attention
+    # alone, Mamba-2 + MLP, an MLP alone; its MoE variant's DeepSeek-V3-routed squared-ReLU experts (two groups, one a
+    # token) beside an ungated shared expert
+    "nemotron_h": ("nemotron_h", dict(_NEMOTRON_H, layers_block_type=["linear_attention", "mlp", "full_attention",
+                                                                      "linear_attention", "mlp", "mlp"])),
+    "nemotron_h_moe": ("nemotron_h", dict(_NEMOTRON_H, layers_block_type=["linear_attention", "moe", "full_attention",
+                                                                          "mlp"],
+                                          n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                          moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                                          routed_scaling_factor=1.5)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,

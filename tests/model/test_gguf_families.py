@@ -406,6 +406,107 @@ def test_a_granite_4_h_gguf_reads_as_its_checkpoint(family, tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
+def write_nemotron_h_gguf(hf_dir, path) -> None:
+    """A Nemotron-H checkpoint as llama.cpp's converter writes it (F32; nemotron_h, or nemotron_h_moe with experts):
+    one GGUF block a checkpoint block, its norm as attn_norm; head_count_kv and feed_forward_length lists with 0 where a
+    block has no attention or MLP; the ssm keys; key_length; the experts' keys (count, used, sizes, sigmoid gating,
+    groups, scale, norm); the mixers' tensors as Granite 4.0-H's; the MLP's ffn_up / ffn_down; the experts' router,
+    exp_probs_b, stacked ffn_up_exps / ffn_down_exps and the shared expert's *_shexp."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    kinds = cfg["layers_block_type"]
+    moe = "moe" in kinds
+    arch = "nemotron_h_moe" if moe else "nemotron_h"
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    inner, groups = cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["n_groups"]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hidden),
+                       ("block_count", len(kinds)), ("attention.head_count", heads), ("vocab_size", cfg["vocab_size"]),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
+                       ("ssm.conv_kernel", cfg["conv_kernel"]), ("ssm.state_size", cfg["ssm_state_size"]),
+                       ("ssm.group_count", groups), ("ssm.inner_size", inner),
+                       ("ssm.time_step_rank", cfg["mamba_num_heads"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.head_count_kv", [kv_heads if k == "full_attention" else 0 for k in kinds])
+    w.add_array(f"{arch}.feed_forward_length", [cfg["moe_intermediate_size"] if k == "moe" else
+                                                cfg["intermediate_size"] if k == "mlp" else 0 for k in kinds])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["layer_norm_epsilon"])
+    if moe:
+        for key, value in (("expert_count", cfg["n_routed_experts"]), ("expert_used_count", cfg["num_experts_per_tok"]),
+                           ("expert_feed_forward_length", cfg["moe_intermediate_size"]),
+                           ("expert_shared_feed_forward_length", cfg["moe_shared_expert_intermediate_size"]),
+                           ("expert_shared_count", cfg["n_shared_experts"]), ("expert_group_count", cfg["n_group"]),
+                           ("expert_group_used_count", cfg["topk_group"]), ("expert_gating_func", 2)):
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_bool(f"{arch}.expert_weights_norm", cfg["norm_topk_prob"])
+        w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
+
+    def add(name: str, array) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    add("token_embd.weight", t["backbone.embeddings.weight"])
+    add("output_norm.weight", t["backbone.norm_f.weight"])
+    if not cfg.get("tie_word_embeddings"):
+        add("output.weight", t["lm_head.weight"])
+    for i, kind in enumerate(kinds):
+        p, b = f"backbone.layers.{i}.mixer.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[f"backbone.layers.{i}.norm.weight"])
+        if kind == "linear_attention":
+            add(b + "ssm_in.weight", t[p + "in_proj.weight"])
+            add(b + "ssm_conv1d.weight", t[p + "conv1d.weight"][:, 0])
+            add(b + "ssm_conv1d.bias", t[p + "conv1d.bias"])
+            add(b + "ssm_dt.bias", t[p + "dt_bias"])
+            add(b + "ssm_a", -np.exp(t[p + "A_log"])[:, None])
+            add(b + "ssm_d", t[p + "D"][:, None])
+            add(b + "ssm_norm.weight", t[p + "norm.weight"].reshape(groups, inner // groups))
+            add(b + "ssm_out.weight", t[p + "out_proj.weight"])
+        elif kind == "full_attention":
+            for x in "qkv":
+                add(f"{b}attn_{x}.weight", t[f"{p}{x}_proj.weight"])
+            add(b + "attn_output.weight", t[p + "o_proj.weight"])
+        elif kind == "mlp":
+            add(b + "ffn_up.weight", t[p + "up_proj.weight"])
+            add(b + "ffn_down.weight", t[p + "down_proj.weight"])
+        else:
+            add(b + "ffn_gate_inp.weight", t[p + "gate.weight"])
+            add(b + "exp_probs_b.bias", t[p + "gate.e_score_correction_bias"])
+            for x in ("up", "down"):
+                stacked = t.get(f"{p}experts.{x}_proj")
+                if stacked is None:
+                    stacked = np.stack([t[f"{p}experts.{e}.{x}_proj.weight"] for e in range(cfg["n_routed_experts"])])
+                add(f"{b}ffn_{x}_exps.weight", stacked)
+                add(f"{b}ffn_{x}_shexp.weight", t[f"{p}shared_experts.{x}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe"])
+def test_a_nemotron_h_gguf_reads_as_its_checkpoint(family, tmp_path):
+    """Nemotron-H's GGUFs (a block a GGUF layer, its kind from its tensors) read to the checkpoint's config and
+    logits."""
+    import dataclasses
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_nemotron_h_gguf(hf_dir, tmp_path / "m.gguf")
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    floats = ("rms_norm_eps", "routed_scaling")  # (float32 keys)
+    for name in floats:
+        if getattr(reference, name) is not None:
+            assert abs(getattr(source.config, name) - getattr(reference, name)) < 1e-6 * getattr(reference, name)
+    assert dataclasses.replace(source.config, **{name: getattr(reference, name) for name in floats}) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
     """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
     (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""
