@@ -3,14 +3,15 @@
 
 Both sides build the same random-weight model of ``--family`` at a shape below: a Qwen3.5 text model (three Gated
 DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers) or a
-Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
+Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers) or a Nemotron-H (Mamba-2 and squared-ReLU MLP
+blocks, an attention block in eight); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
 the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
 prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
 carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
 zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
 with the same flush around its calls.
 
-    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h] [--shape default|small] [--layers 8]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h] [--shape default|small] [--layers 8]
         [--dtype bfloat16] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
@@ -68,8 +69,18 @@ SHAPES = {
                       layer_types=["attention" if i % 4 == 3 else "mamba" for i in range(8)], mamba_n_heads=16,
                       mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, position_embedding_type="nope"),
     },
+    "nemotron_h": {  # Nemotron Nano 2's layout at 0.6B: Mamba-2 + squared-ReLU MLP pairs, an attention block in 8
+        "default": dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=128, mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                        vocab_size=131072, layers_block_type=list("M-M-M*-M-M-M-M*-M-M-M-M*-M-M-")),
+        "small": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=64, mamba_num_heads=16, mamba_head_dim=64, n_groups=2, ssm_state_size=64,
+                      vocab_size=32000, layers_block_type=list("M-M*-M-M-")),
+    },
 }
-CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig"}
+CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig",
+           "nemotron_h": "NemotronHConfig"}
+BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
 def main() -> None:
@@ -93,7 +104,10 @@ def main() -> None:
     import transformers
 
     shape = dict(SHAPES[args.family][args.shape])
-    if args.layers:
+    if "layers_block_type" in shape:  # (Nemotron-H: blocks, not layers; --layers keeps the first blocks)
+        blocks = [BLOCKS[ch] for ch in shape["layers_block_type"]]
+        shape["layers_block_type"] = blocks[:args.layers] if args.layers else blocks
+    elif args.layers:
         shape["num_hidden_layers"] = args.layers
         for key in ("layer_types", "full_attn_idxs"):
             if key in shape:
