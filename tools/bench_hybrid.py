@@ -3,15 +3,15 @@
 
 Both sides build the same random-weight model of ``--family`` at a shape below: a Qwen3.5 text model (three Gated
 DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers) or a
-Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers) or a Nemotron-H (Mamba-2 and squared-ReLU MLP
-blocks, an attention block in eight); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
+Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers) a Nemotron-H (Mamba-2 and squared-ReLU MLP
+blocks, an attention block in eight) or a Falcon-H1 (attention and Mamba-2 side by side in every layer); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
 the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
 prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
 carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
 zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
 with the same flush around its calls.
 
-    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h] [--shape default|small] [--layers 8]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1] [--shape default|small] [--layers 8]
         [--dtype bfloat16] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
@@ -77,9 +77,17 @@ SHAPES = {
                       head_dim=64, mamba_num_heads=16, mamba_head_dim=64, n_groups=2, ssm_state_size=64,
                       vocab_size=32000, layers_block_type=list("M-M*-M-M-")),
     },
+    "falcon_h1": {  # Falcon-H1-0.5B's layout: attention and a Mamba-2 mixer side by side in each of 36 layers
+        "default": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64,
+                        mamba_n_groups=1, mamba_d_state=128, vocab_size=32784),
+        "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64,
+                      mamba_n_groups=1, mamba_d_state=64, vocab_size=32000),
+    },
 }
 CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig",
-           "nemotron_h": "NemotronHConfig"}
+           "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config"}
 BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -118,7 +126,7 @@ def main() -> None:
     started = time.perf_counter()
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     ours_config = from_hf_config(config.to_dict())
-    tensors = _hf_to_serving(hf.state_dict(), ours_config, source="bench")
+    tensors = _hf_to_serving(hf.state_dict(), ours_config, source="bench", hf_config=config.to_dict())
     hf.to(args.device)
     batches = [int(b) for b in args.batches.split(",")]
     runner = ModelRunner(ours_config, tensors, dtype=dtype, device=args.device, num_pages=512, page_tokens=16,

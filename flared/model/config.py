@@ -81,7 +81,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # NVIDIA Nemotron-H (Nemotron-H, Nemotron Nano 2, Nemotron 3 Nano): blocks of one part each (a Mamba-2
                   # mixer, unrotated attention, a squared-ReLU MLP or sigmoid-routed squared-ReLU experts), paired
                   # into layers (_nemotron_h_from_hf)
-                  "nemotron_h": "llama"}
+                  "nemotron_h": "llama",
+                  # TII Falcon-H1: every layer's attention and Mamba-2 mixer read the same normed input, their outputs
+                  # added (parallel_mixers); muP multipliers folded into the weights on reading (_falcon_h1_from_hf)
+                  "falcon_h1": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -92,7 +95,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
                  "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
-                 "mlp_gated", "mixerless_layers", "mlpless_layers"}
+                 "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
@@ -241,6 +244,11 @@ class ModelConfig:
     mlp_gated: bool = True
     mixerless_layers: tuple[int, ...] = ()
     mlpless_layers: tuple[int, ...] = ()
+    # Falcon-H1: each linear layer attends too (its KV in the cache): attention and the Mamba-2 mixer read the same
+    # normed input and both outputs are added to the residual (the mixer's output projection is linear_o). linear_norm
+    # False: Mamba-2's output is y * SiLU(z) with no grouped RMSNorm.
+    parallel_mixers: bool = False
+    linear_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -292,7 +300,8 @@ class ModelConfig:
                 raise CoreError(f"model config {name} must be a positive number or null, got {value!r}")
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
-                     "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated"):
+                     "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
+                     "parallel_mixers", "linear_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -363,6 +372,8 @@ class ModelConfig:
             raise CoreError("a mixerless layer is neither a linear layer nor mlpless (a layer of nothing)")
         if set(self.mlpless_layers) & set(self.dense_layers):
             raise CoreError("an mlpless layer cannot be a dense_layers one")
+        if (self.parallel_mixers or not self.linear_norm) and self.linear_kind != "mamba2":
+            raise CoreError("parallel_mixers and linear_norm false need Mamba-2 layers")
         if self.hidden_act == "relu2" and self.mlp_gated:
             raise _unsupported("the squared ReLU (relu2) is supported only in ungated MLPs (mlp_gated false)")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
@@ -420,8 +431,9 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep keys and values in the KV cache (all but the linear and mixerless ones), in order."""
-        linear = set(self.linear_layers) | set(self.mixerless_layers)
+        """The layers that keep keys and values in the KV cache (all but the linear and mixerless ones; with
+        parallel_mixers the linear ones too), in order."""
+        linear = (set() if self.parallel_mixers else set(self.linear_layers)) | set(self.mixerless_layers)
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
@@ -635,6 +647,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _lfm2_from_hf(hf, source, model_type)
     if model_type == "nemotron_h":
         return _nemotron_h_from_hf(hf, source)
+    if model_type == "falcon_h1":
+        return _falcon_h1_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -846,6 +860,41 @@ def _nemotron_h_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **mamba, mixerless_layers=tuple(i for i, (m, _) in enumerate(pairs) if m is None),
         mlpless_layers=tuple(i for i, (_, m) in enumerate(pairs) if m is None),
         **experts)
+
+
+def _falcon_h1_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Falcon-H1: every layer attention (rope) and a Mamba-2 mixer in parallel (parallel_mixers), then a SwiGLU MLP;
+    Mamba-2's intermediate size mamba_d_ssm (or mamba_expand * hidden) over mamba_n_heads heads in mamba_n_groups groups,
+    its grouped norm only with mamba_rms_norm (after the gate: mamba_norm_before_gate false); the embeddings times
+    embedding_multiplier, the logits times lm_head_multiplier (logits_scaling its inverse); the other multipliers
+    (ssm_in, ssm_multipliers, ssm_out, attention_in, key, attention_out, mlp) folded into the weights on reading
+    (loader._hf_falcon_h1)."""
+    _check_silu(hf, source)
+    if hf.get("mamba_rms_norm") and hf.get("mamba_norm_before_gate", True):
+        raise _unsupported(f"{source}: Falcon-H1's Mamba-2 norm before its gate (mamba_norm_before_gate) is not "
+                           "supported")
+    if hf.get("mamba_proj_bias") or hf.get("projectors_bias") or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: Falcon-H1 with biased projections is not supported")
+    limit = hf.get("time_step_limit") or [0.0, math.inf]
+    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in limit]
+    if limit[0] > 0 or math.isfinite(limit[1]):
+        raise _unsupported(f"{source}: Falcon-H1 with a clamped Mamba time step (time_step_limit {limit}) is not "
+                           "supported")
+    sizes = _sizes(hf, max_positions=8192)
+    inner = int(hf.get("mamba_d_ssm") or int(hf.get("mamba_expand", 2)) * int(hf["hidden_size"]))
+    heads = int(hf.get("mamba_n_heads", 128))
+    head = hf.get("mamba_d_head", "auto")
+    theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=False,
+        linear_layers=tuple(range(sizes["num_layers"])), linear_kind="mamba2", parallel_mixers=True,
+        linear_norm=bool(hf.get("mamba_rms_norm", False)), linear_value_heads=heads,
+        linear_value_dim=inner // heads if head in (None, "auto") else int(head),
+        linear_key_heads=int(hf.get("mamba_n_groups", 1)), linear_key_dim=int(hf.get("mamba_d_state", 256)),
+        linear_conv_kernel=int(hf.get("mamba_d_conv", 4)), linear_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+        logits_scaling=1.0 / float(hf.get("lm_head_multiplier", 1.0)))
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

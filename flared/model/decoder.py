@@ -254,7 +254,7 @@ def _gather_packed(linears: list[_Linear]) -> None:
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
-                 "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp")
+                 "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o")
 
 
 class DecoderModel:
@@ -301,17 +301,21 @@ class DecoderModel:
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
                 layer.qkv = None
             elif i in config.linear_layers and config.linear_kind == "mamba2":
-                # (in projection, conv [C, K], its bias, dt_bias, -exp(A_log), D, the gated norm's weight)
+                # (in projection, conv [C, K], its bias, dt_bias, -exp(A_log), D, the gated norm's weight or None)
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
                                 tensors[p + "dt_bias"].to(self.device, torch.float32),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
-                                tensors[p + "d"].to(self.device, torch.float32), w(p + "linear_norm.weight"))
+                                tensors[p + "d"].to(self.device, torch.float32), opt(p + "linear_norm.weight"))
                 layer.qkv = None
             elif i in config.linear_layers:  # Gated DeltaNet: (in projection, conv [C, K], dt_bias, -exp(A_log), norm)
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), w(p + "dt_bias"),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
                                 w(p + "linear_norm.weight"))
                 layer.qkv = None
+            if i in config.linear_layers and config.parallel_mixers:  # Falcon-H1: attention beside the mixer
+                layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
+            elif layer.linear is not None or not layer.has_mixer:
+                pass
             elif config.kv_lora_rank:  # DeepSeek's latent attention: (q or q_a, q_a's norm, q_b), kv_a, its norm, kv_b
                 q = (_Linear(w(p + "q_a.weight"), None), norm(p + "q_a_norm.weight"),
                      _Linear(w(p + "q_b.weight"), None)) if config.q_lora_rank else \
@@ -323,7 +327,8 @@ class DecoderModel:
                 layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
-            if layer.linear is not None or not layer.has_mixer:
+            layer.linear_o = _Linear(w(p + "linear_o.weight"), None) if p + "linear_o.weight" in tensors else None
+            if (layer.linear is not None and not config.parallel_mixers) or not layer.has_mixer:
                 pass
             elif config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
                 layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
@@ -443,7 +448,8 @@ class DecoderModel:
         mlp = [layer.gate_up, layer.down] if layer.experts is None else \
             [layer.router, *(lin for pair in layer.experts for lin in pair),
              *(lin for lin in layer.shared or () if lin is not None)]
-        attention = [x for x in (layer.latent or layer.linear or (layer.qkv,)) if isinstance(x, _Linear)]
+        attention = [x for x in (*(layer.latent or layer.linear or ()), layer.qkv, layer.linear_o)
+                     if isinstance(x, _Linear)]
         return [lin for lin in (*attention, layer.o, *mlp) if lin is not None]
 
     def set_mrope(self, section: tuple[int, ...], *, interleaved: bool = False) -> None:
@@ -738,10 +744,13 @@ class DecoderModel:
                 h = self._mlp_residual(index, layer, batch, h, h)
                 continue
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
+            beside = None  # (Falcon-H1: the mixer's output, added to attention's)
             if layer.linear is not None:
                 mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2}.get(c.linear_kind, self._gated_delta)
-                h = self._residual_and_mlp(index, layer, batch, h, x, mixer(index, layer, batch, kv, x))
-                continue
+                beside = mixer(index, layer, batch, kv, x)
+                if layer.qkv is None:
+                    h = self._residual_and_mlp(index, layer, batch, h, x, beside)
+                    continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             if lora:
@@ -775,6 +784,8 @@ class DecoderModel:
             o = layer.o(attn)
             if lora:
                 o = self._lora(batch, f"layers.{index}.o.weight", attn, o)
+            if beside is not None:
+                o = beside + o
             h = self._residual_and_mlp(index, layer, batch, h, x, o)
         return h
 
@@ -930,9 +941,13 @@ class DecoderModel:
             out[lo:hi] = chunked_linear_attention(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi],
                                                   states.ssm[j, group.state_row])
         y = (out + skip[:, None] * xs).to(x.dtype).view(rows, inner)
-        gated = (y.float() * F.silu(z.float())).view(rows, groups, inner // groups)
-        normed = F.rms_norm(gated, (inner // groups,), None, c.rms_norm_eps).view(rows, inner)
-        return layer.o(norm_weight * normed.to(x.dtype))
+        out_proj = layer.linear_o or layer.o  # (Falcon-H1's mixer beside attention has its own)
+        gated = y.float() * F.silu(z.float())
+        if norm_weight is None:  # (Falcon-H1 without mamba_rms_norm: no norm)
+            return out_proj(gated.to(x.dtype))
+        normed = F.rms_norm(gated.view(rows, groups, inner // groups), (inner // groups,), None,
+                            c.rms_norm_eps).view(rows, inner)
+        return out_proj(norm_weight * normed.to(x.dtype))
 
     @staticmethod
     def _causal_conv(conv_state: torch.Tensor, batch: ForwardBatch, inputs: torch.Tensor,

@@ -81,11 +81,9 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         if c.pre_norm and i not in mixerless:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
-        if i in mixerless:
-            pass
-        elif i in linear:
+        if i in linear:
             shapes.update(_gated_delta_shapes(c, p))
-        else:
+        if i not in mixerless and (i not in linear or c.parallel_mixers):  # (Falcon-H1's attend beside the mixer)
             if c.kv_lora_rank:  # DeepSeek's latent attention in place of the fused q/k/v
                 shapes.update(_latent_attention_shapes(c, p))
             else:
@@ -138,11 +136,14 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
                 p + "conv.weight": (c.hidden_size, c.linear_conv_kernel), p + "o.weight": (c.hidden_size, c.hidden_size)}
     value = c.linear_value_heads * c.linear_value_dim
     if c.linear_kind == "mamba2":  # z, then x, B, C (convolved), then dt; D and the gated grouped norm
+        # (Falcon-H1's mixer beside attention: its output projection linear_o; without linear_norm, no norm)
         shapes = {p + "linear_in.weight": (value + c.linear_conv_dim + c.linear_value_heads, c.hidden_size),
                   p + "conv.weight": (c.linear_conv_dim, c.linear_conv_kernel),
                   p + "dt_bias": (c.linear_value_heads,), p + "a_log": (c.linear_value_heads,),
-                  p + "d": (c.linear_value_heads,), p + "linear_norm.weight": (value,),
-                  p + "o.weight": (c.hidden_size, value)}
+                  p + "d": (c.linear_value_heads,),
+                  p + ("linear_o.weight" if c.parallel_mixers else "o.weight"): (c.hidden_size, value)}
+        if c.linear_norm:
+            shapes[p + "linear_norm.weight"] = (value,)
         if c.linear_conv_bias:
             shapes[p + "conv.bias"] = (c.linear_conv_dim,)
         return shapes
@@ -285,7 +286,7 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
             import dataclasses
 
             config = dataclasses.replace(config, tie_word_embeddings=True)
-    tensors = _hf_to_serving(hf_tensors, config, source=str(directory))
+    tensors = _hf_to_serving(hf_tensors, config, source=str(directory), hf_config=hf_config)
     check_serving_tensors(tensors, config, source=str(directory))
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
 
@@ -314,7 +315,10 @@ def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], 
         hf[weight_name] = (weight.float() * tiles).to(dtype)
 
 
-def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: str) -> dict[str, torch.Tensor]:
+def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: str,
+                   hf_config: dict | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors in the serving layout (``hf_config``: its config.json, for what the ModelConfig keeps
+    none of: Falcon-H1's multipliers, folded into the weights)."""
     def take(name: str) -> torch.Tensor:
         try:
             return hf[name]
@@ -325,6 +329,11 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         return _hf_lfm2(hf, config, take)
     if config.mixerless_layers or config.mlpless_layers or not config.mlp_gated:
         return _hf_nemotron_h(hf, config, take)
+    if config.parallel_mixers:
+        if hf_config is None:
+            raise CoreError(f"{source}: Falcon-H1's tensors need its config.json (the multipliers folded into them)",
+                            ErrorKind.SOURCE_FORMAT)
+        return _hf_falcon_h1(hf_config, config, take)
 
     # Gemma 3's RMSNorms scale by (1 + weight): its serving norms hold 1 + weight (added in float32, as
     # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
@@ -451,7 +460,9 @@ def _hf_mamba2(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
     conv = take(mp + "conv1d.weight")
     out = {sp + "linear_in.weight": take(mp + "in_proj.weight"), sp + "conv.weight": conv.reshape(conv.shape[0], -1),
            sp + "dt_bias": take(mp + "dt_bias"), sp + "a_log": take(mp + "A_log"), sp + "d": take(mp + "D"),
-           sp + "linear_norm.weight": take(mp + "norm.weight"), sp + "o.weight": take(mp + "out_proj.weight")}
+           sp + "o.weight": take(mp + "out_proj.weight")}
+    if config.linear_norm:
+        out[sp + "linear_norm.weight"] = take(mp + "norm.weight")
     if config.linear_conv_bias:
         out[sp + "conv.bias"] = take(mp + "conv1d.bias")
     return out
@@ -501,6 +512,48 @@ def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> di
         if config.shared_expert_intermediate_size:
             out[sp + "shared.gate_up.weight"] = take(mp + "shared_experts.up_proj.weight")
             out[sp + "shared.down.weight"] = take(mp + "shared_experts.down_proj.weight")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _hf_falcon_h1(m: dict, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """Falcon-H1's checkpoint: embed_tokens, final_layernorm, each layer's input_layernorm, pre_ff_layernorm,
+    self_attn's q/k/v/o_proj, mamba's (Granite 4.0-H's names; out_proj as linear_o), feed_forward's gate / up /
+    down_proj; its muP multipliers (from its config.json ``m``) folded into the weights as llama.cpp's converter folds
+    them: ssm_in_multiplier and ssm_multipliers (z, x, B, C, dt)
+    into in_proj's rows, ssm_out_multiplier into out_proj, attention_in_multiplier into q/k/v (key_multiplier into k),
+    attention_out_multiplier into o, mlp_multipliers into gate and down."""
+    inner = config.linear_value_heads * config.linear_value_dim
+    state = config.linear_key_heads * config.linear_key_dim
+    zxbcdt = [float(x) for x in m.get("ssm_multipliers") or [1.0] * 5]
+    mup = torch.cat([torch.full((n,), f) for n, f in zip(
+        (inner, inner, state, state, config.linear_value_heads), zxbcdt)])
+    gate_m, down_m = [float(x) for x in m.get("mlp_multipliers") or [1.0, 1.0]]
+    attn_in = float(m.get("attention_in_multiplier", 1.0))
+
+    def scaled(t: torch.Tensor, factor) -> torch.Tensor:
+        return (t.float() * factor).to(t.dtype)
+
+    out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.final_layernorm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        hp, sp = f"model.layers.{i}.", f"layers.{i}."
+        out[sp + "attn_norm.weight"] = take(hp + "input_layernorm.weight")
+        out[sp + "mlp_norm.weight"] = take(hp + "pre_ff_layernorm.weight")
+        mamba = _hf_mamba2(hp + "mamba.", sp, config, take)
+        mamba[sp + "linear_in.weight"] = scaled(mamba[sp + "linear_in.weight"],
+                                                float(m.get("ssm_in_multiplier", 1.0)) * mup[:, None])
+        mamba[sp + "linear_o.weight"] = scaled(mamba.pop(sp + "o.weight"), float(m.get("ssm_out_multiplier", 1.0)))
+        out.update(mamba)
+        a = hp + "self_attn."
+        out[sp + "qkv.weight"] = torch.cat([scaled(take(a + "q_proj.weight"), attn_in),
+                                            scaled(take(a + "k_proj.weight"),
+                                                   attn_in * float(m.get("key_multiplier", 1.0))),
+                                            scaled(take(a + "v_proj.weight"), attn_in)])
+        out[sp + "o.weight"] = scaled(take(a + "o_proj.weight"), float(m.get("attention_out_multiplier", 1.0)))
+        f = hp + "feed_forward."
+        out[sp + "gate_up.weight"] = torch.cat([scaled(take(f + "gate_proj.weight"), gate_m), take(f + "up_proj.weight")])
+        out[sp + "down.weight"] = scaled(take(f + "down_proj.weight"), down_m)
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -26,6 +26,12 @@ _GRANITE_HYBRID = dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamb
 _NEMOTRON_H = dict(mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4, head_dim=16,
                    layer_norm_epsilon=1e-5, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+_FALCON_H1 = dict(head_dim=16, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+                  mamba_d_conv=4, embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.3],
+                  key_multiplier=0.7, attention_in_multiplier=1.2, attention_out_multiplier=0.9,
+                  ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.5], ssm_in_multiplier=1.3, ssm_out_multiplier=0.6,
+                  initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 FAMILIES = {
     "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -148,6 +154,11 @@ FAMILIES = {
                                           n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                           moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
                                           routed_scaling_factor=1.5)),
+    # TII Falcon-H1: every layer's attention (rope) and Mamba-2 mixer side by side on one normed input, then SwiGLU;
+    # muP multipliers everywhere (folded into the weights on reading); the mixer's output ungated-normed (y * SiLU(z)),
+    # or, with mamba_rms_norm, normed in groups after the gate
+    "falcon_h1": ("falcon_h1", dict(_FALCON_H1)),
+    "falcon_h1_norm": ("falcon_h1", dict(_FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,

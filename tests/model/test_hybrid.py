@@ -37,6 +37,44 @@ def test_lfm2_reads_its_layer_kinds_and_mlp_width():
     assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
 
 
+def test_nemotron_h_pairs_its_blocks_into_layers():
+    """Nemotron-H's blocks (hybrid_override_pattern's M * - E) paired into layers: a mixer with the MLP block right
+    after it, a mixer alone, an MLP alone; the KV cache holds the attention layers; latent experts and a clamped time
+    step refused."""
+    from flared.model.config import layer_blocks, pair_blocks
+
+    hf = dict(model_type="nemotron_h", vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, mamba_num_heads=4, mamba_head_dim=32, n_groups=2, ssm_state_size=16, intermediate_size=96,
+              hybrid_override_pattern="M-MM*--*")
+    config = from_hf_config(hf)
+    assert layer_blocks(config) == pair_blocks(["linear_attention", "mlp", "linear_attention", "linear_attention",
+                                                "full_attention", "mlp", "mlp", "full_attention"])
+    assert layer_blocks(config) == [(0, 1), (2, None), (3, None), (4, 5), (None, 6), (7, None)]
+    assert config.linear_layers == (0, 1, 2) and config.mlpless_layers == (1, 2, 5)
+    assert config.mixerless_layers == (4,) and config.kv_layers == (3, 5) and config.nope_layers == (3, 5)
+    assert not config.mlp_gated and config.hidden_act == "relu2" and not config.graph_capable
+    for bad in ({"moe_latent_size": 32}, {"time_step_limit": [0.0, 10.0]}, {"mlp_hidden_act": "silu"}):
+        with pytest.raises(CoreError) as info:
+            from_hf_config({**hf, **bad})
+        assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL, bad
+
+
+def test_falcon_h1_attends_beside_every_mixer():
+    """Falcon-H1: every layer a Mamba-2 layer that attends too (its KV cached); its Mamba norm only with
+    mamba_rms_norm, refused before the gate; its embedding and LM head multipliers kept, the logits' as a divisor."""
+    hf = dict(model_type="falcon_h1", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=4,
+              mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=3.0, lm_head_multiplier=0.25)
+    config = from_hf_config(hf)
+    assert config.linear_layers == config.kv_layers == (0, 1, 2) and config.parallel_mixers
+    assert config.linear_value_dim == 32 and not config.linear_norm
+    assert config.embedding_multiplier == 3.0 and config.logits_scaling == 4.0
+    assert from_hf_config({**hf, "mamba_rms_norm": True, "mamba_norm_before_gate": False}).linear_norm
+    with pytest.raises(CoreError, match="before its gate") as info:
+        from_hf_config({**hf, "mamba_rms_norm": True})
+    assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+
+
 def test_layer_types_default_to_every_fourth_layer_attending():
     hf = dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -178,7 +216,7 @@ def _greedy(hf, prompt: list[int], count: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1"])
 def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(family, tmp_path):
     """A Qwen3-Next or LFM2 core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
     from the prefix cache (its checkpoint restores the recurrent state beside the KV pages) with the same tokens; a
