@@ -709,7 +709,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
-                       "nemotron_h": "llama", "nemotron_h_moe": "llama"}
+                       "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -866,6 +866,18 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                linear_conv_bias=f"blk.{linear[0]}.ssm_conv1d.bias" in tensor_names)
         if arch == "granitehybrid" and not _gguf_field(reader, f"{arch}.rope.scaling.finetuned", True):
             layer_flags["nope_layers"] = tuple(range(layers))  # (its converter's flag for "no rope": Granite 4.0-H)
+    elif arch == "falcon-h1":
+        # Falcon-H1 as llama.cpp's converter writes it: every layer attention and a Mamba-2 mixer side by side (Mamba-2's
+        # ssm keys), ssm_norm only where the mixer has its norm; the muP multipliers folded into the weights (the
+        # embedding's and the LM head's too)
+        heads = int(need("ssm.time_step_rank"))
+        layers = int(need("block_count"))
+        layer_flags = dict(linear_layers=tuple(range(layers)), linear_kind="mamba2", parallel_mixers=True,
+                           linear_norm="blk.0.ssm_norm.weight" in tensor_names, linear_value_heads=heads,
+                           linear_value_dim=int(need("ssm.inner_size")) // heads,
+                           linear_key_heads=int(need("ssm.group_count")), linear_key_dim=int(need("ssm.state_size")),
+                           linear_conv_kernel=int(need("ssm.conv_kernel")),
+                           linear_conv_bias="blk.0.ssm_conv1d.bias" in tensor_names)
     elif arch in _GATED_DELTA_GGUF:
         # Qwen3-Next / Qwen3.5: every full_attention_interval-th layer gated attention, the rest Gated DeltaNet
         # (llama.cpp's ssm keys: the key heads as groups, the value heads as the time step rank)
@@ -1074,7 +1086,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = arch in ("llama", "smollm3", "granite", "granitehybrid")
+    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -1119,6 +1131,9 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
                         sp + "o.weight": take(gp + "shortconv.out_proj.weight")})
         elif i in config.linear_layers and config.linear_kind == "mamba2":
             out.update(_gguf_mamba2(gp, sp, config, take))
+            if config.parallel_mixers:  # (Falcon-H1: attention beside the mixer, whose ssm_out is linear_o)
+                out[sp + "linear_o.weight"] = out.pop(sp + "o.weight")
+                out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
         elif i in config.linear_layers:
             out.update(_gguf_gated_delta(raw, gp, sp, config, tiled=arch != "qwen3next", take=take))
         elif config.attn_output_gate:  # attn_q: each head's q rows, then its gate's (as transformers holds q_proj)
@@ -1170,8 +1185,9 @@ def _gguf_mamba2(gp: str, sp: str, config: ModelConfig, take) -> dict:
     ssm_a = -exp(A_log) and ssm_d as [heads, 1], ssm_norm as [groups, inner / groups], ssm_out."""
     out = {sp + "linear_in.weight": take(gp + "ssm_in.weight"), sp + "conv.weight": take(gp + "ssm_conv1d.weight"),
            sp + "dt_bias": take(gp + "ssm_dt.bias"), sp + "a_log": (-take(gp + "ssm_a").float().reshape(-1)).log(),
-           sp + "d": take(gp + "ssm_d").reshape(-1), sp + "linear_norm.weight": take(gp + "ssm_norm.weight").reshape(-1),
-           sp + "o.weight": take(gp + "ssm_out.weight")}
+           sp + "d": take(gp + "ssm_d").reshape(-1), sp + "o.weight": take(gp + "ssm_out.weight")}
+    if config.linear_norm:
+        out[sp + "linear_norm.weight"] = take(gp + "ssm_norm.weight").reshape(-1)
     if config.linear_conv_bias:
         out[sp + "conv.bias"] = take(gp + "ssm_conv1d.bias")
     return out

@@ -507,6 +507,91 @@ def test_a_nemotron_h_gguf_reads_as_its_checkpoint(family, tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
+def write_falcon_h1_gguf(hf_dir, path) -> None:
+    """A Falcon-H1 checkpoint as llama.cpp's converter writes it (F32): Mamba-2's ssm keys beside attention's; the muP
+    multipliers folded into the weights (ssm_in and the five ssm_multipliers into ssm_in's rows, ssm_out, attention
+    in / key / out, the MLP's gate and down, the embedding and the LM head); q/k rows permuted; the mixer's norm
+    (ssm_norm, [groups, inner / groups]) only where it has one."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    arch, layers, heads = "falcon-h1", cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv_heads, hidden, inner = cfg["num_key_value_heads"], cfg["hidden_size"], cfg["mamba_d_ssm"]
+    groups, state = cfg["mamba_n_groups"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hidden),
+                       ("block_count", layers), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", kv_heads),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
+                       ("vocab_size", cfg["vocab_size"]), ("ssm.conv_kernel", cfg["mamba_d_conv"]),
+                       ("ssm.state_size", cfg["mamba_d_state"]), ("ssm.group_count", groups),
+                       ("ssm.inner_size", inner), ("ssm.time_step_rank", cfg["mamba_n_heads"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+
+    def add(name: str, array) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    attn_in = cfg["attention_in_multiplier"]
+    mup = np.concatenate([np.full(n, f, dtype=np.float32) for n, f in zip(
+        (inner, inner, state, state, cfg["mamba_n_heads"]), cfg["ssm_multipliers"])])
+    add("token_embd.weight", t["model.embed_tokens.weight"] * cfg["embedding_multiplier"])
+    add("output_norm.weight", t["model.final_layernorm.weight"])
+    add("output.weight", t["lm_head.weight"] * cfg["lm_head_multiplier"])
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(b + "ffn_norm.weight", t[p + "pre_ff_layernorm.weight"])
+        m = p + "mamba."
+        add(b + "ssm_in.weight", t[m + "in_proj.weight"] * cfg["ssm_in_multiplier"] * mup[:, None])
+        add(b + "ssm_conv1d.weight", t[m + "conv1d.weight"][:, 0])
+        add(b + "ssm_conv1d.bias", t[m + "conv1d.bias"])
+        add(b + "ssm_dt.bias", t[m + "dt_bias"])
+        add(b + "ssm_a", -np.exp(t[m + "A_log"])[:, None])
+        add(b + "ssm_d", t[m + "D"][:, None])
+        if m + "norm.weight" in t:
+            add(b + "ssm_norm.weight", t[m + "norm.weight"].reshape(groups, inner // groups))
+        add(b + "ssm_out.weight", t[m + "out_proj.weight"] * cfg["ssm_out_multiplier"])
+        a = p + "self_attn."
+        add(b + "attn_q.weight", permute_for_llama_cpp(t[a + "q_proj.weight"] * attn_in, heads))
+        add(b + "attn_k.weight", permute_for_llama_cpp(t[a + "k_proj.weight"] * attn_in * cfg["key_multiplier"],
+                                                       kv_heads))
+        add(b + "attn_v.weight", t[a + "v_proj.weight"] * attn_in)
+        add(b + "attn_output.weight", t[a + "o_proj.weight"] * cfg["attention_out_multiplier"])
+        f = p + "feed_forward."
+        add(b + "ffn_gate.weight", t[f + "gate_proj.weight"] * cfg["mlp_multipliers"][0])
+        add(b + "ffn_up.weight", t[f + "up_proj.weight"])
+        add(b + "ffn_down.weight", t[f + "down_proj.weight"] * cfg["mlp_multipliers"][1])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "falcon_h1_norm"])
+def test_a_falcon_h1_gguf_reads_as_its_checkpoint(family, tmp_path):
+    """Falcon-H1's GGUFs (the multipliers folded in by the converter: no embedding multiplier or logit scale left;
+    the mixer's norm where ssm_norm is) read to the checkpoint's logits."""
+    import dataclasses
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_falcon_h1_gguf(hf_dir, tmp_path / "m.gguf")
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert source.config.embedding_multiplier is None and source.config.logits_scaling is None
+    assert dataclasses.replace(source.config, embedding_multiplier=reference.embedding_multiplier,
+                               logits_scaling=reference.logits_scaling,
+                               rms_norm_eps=reference.rms_norm_eps) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
     """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
     (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""
