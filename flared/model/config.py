@@ -27,12 +27,17 @@ from typing import Any
 
 from flared.errors import CoreError, ErrorKind
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2", "qwen3_next", "lfm2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "gpt_oss", "deepseek2", "qwen3_next", "lfm2",
+                 "gemma4")
 
 # HF model_type -> our architecture. Mistral is Llama plus a sliding window;
 # SmolLM2 ships as model_type "llama".
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                   "gemma2": "gemma2",
+                  # Gemma 4 (31B; its vision-language checkpoints serve as their text model): Gemma 3's layer with
+                  # global layers of their own geometry (wider heads, fewer KV heads, keys as values, proportional
+                  # rope), value norms, a scalar a layer (_gemma4_from_hf)
+                  "gemma4_text": "gemma4",
                   # OLMo 2 / OLMo 3: norms after attention and the MLP only, q/k norms over all heads (OLMo 3: three
                   # windowed layers in four, their own rope)
                   "olmo2": "olmo2", "olmo3": "olmo2",
@@ -95,13 +100,14 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "routed_scaling", "shared_expert_gate", "layer_norm", "parallel_block", "kv_lora_rank", "q_lora_rank",
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
                  "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
-                 "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm"}
+                 "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
+                 "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
-ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors", "proportional")
 _ROPE_SCALING_KEYS = {
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -116,6 +122,9 @@ _ROPE_SCALING_KEYS = {
     "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "attention_factor"},
     # Per-frequency divisors alone: llama.cpp's rope_freqs tensor (how its GGUFs carry Llama 3.1's rope scaling).
     "factors": {"factors"},
+    # Gemma 4's global layers: the first partial_rotary_factor of each head's frequency pairs turn at theta's
+    # frequencies over the whole head (base^(-2i / head_dim)), the rest not at all (transformers' "proportional").
+    "proportional": {"partial_rotary_factor"},
 }
 _FACTOR_TABLES = ("short_factor", "long_factor", "factors")
 
@@ -249,6 +258,16 @@ class ModelConfig:
     # False: Mamba-2's output is y * SiLU(z) with no grouped RMSNorm.
     parallel_mixers: bool = False
     linear_norm: bool = True
+    # Gemma 4: the global (unwindowed) layers attend with heads of global_head_dim and global_kv_heads KV heads (0:
+    # the windowed layers' head_dim and num_kv_heads), their rope (rope_theta, rope_scaling) over the wider head; with
+    # value_from_key their values are their keys' projection (before the key norm and rope); v_norm: every layer's
+    # values RMS-normed without a weight; layer_scalars: each layer's output times its own scalar (layers.i.scalar).
+    # The KV cache stores a global layer's wider heads as head_dim-wide pieces (kv_storage_heads rows a layer).
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    value_from_key: bool = False
+    v_norm: bool = False
+    layer_scalars: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -301,7 +320,7 @@ class ModelConfig:
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
-                     "parallel_mixers", "linear_norm"):
+                     "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -372,6 +391,16 @@ class ModelConfig:
             raise CoreError("a mixerless layer is neither a linear layer nor mlpless (a layer of nothing)")
         if set(self.mlpless_layers) & set(self.dense_layers):
             raise CoreError("an mlpless layer cannot be a dense_layers one")
+        for name in ("global_head_dim", "global_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if (self.global_head_dim or self.global_kv_heads or self.value_from_key) and (
+                self.layer_windows is None or self.global_head_dim % self.head_dim
+                or self.num_heads % (self.global_kv_heads or self.num_kv_heads)):
+            raise CoreError("global_head_dim, global_kv_heads and value_from_key need windowed layers beside the "
+                            "global ones (layer_windows), a global head of whole head_dims and query heads in whole "
+                            "groups of the global KV heads")
         if (self.parallel_mixers or not self.linear_norm) and self.linear_kind != "mamba2":
             raise CoreError("parallel_mixers and linear_norm false need Mamba-2 layers")
         if self.hidden_act == "relu2" and self.mlp_gated:
@@ -412,6 +441,20 @@ class ModelConfig:
             return "a query scale of its own"
         return None
 
+    def layer_geometry(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head dim) of ``layer``'s attention: Gemma 4's global layers' own, else num_kv_heads, head_dim."""
+        if self.global_head_dim and not self.window_of(layer):
+            return self.global_kv_heads or self.num_kv_heads, self.global_head_dim
+        return self.num_kv_heads, self.head_dim
+
+    @property
+    def kv_storage_heads(self) -> int:
+        """Rows of head_dim a layer of the KV cache holds: num_kv_heads, or a global layer's wider heads as pieces
+        (Gemma 4), whichever is more."""
+        if not self.global_head_dim:
+            return self.num_kv_heads
+        return max(self.num_kv_heads, (self.global_kv_heads or self.num_kv_heads) * self.global_head_dim // self.head_dim)
+
     def window_of(self, layer: int) -> int:
         """The keys layer ``layer`` attends to at most (0: all of them)."""
         if self.layer_windows is not None:
@@ -422,7 +465,7 @@ class ModelConfig:
     def float_norms(self) -> bool:
         """Norm weights kept in float32 whatever the model's dtype, scaling in float32 with one rounding: Gemma's
         (holding 1 + w, as its RMSNorm computes it) and gpt-oss' (transformers keeps them float32)."""
-        return self.architecture in ("gemma2", "gemma3", "gpt_oss", "qwen3_next") or self.layer_norm
+        return self.architecture in ("gemma2", "gemma3", "gemma4", "gpt_oss", "qwen3_next") or self.layer_norm
 
     @property
     def norm_plus_one(self) -> bool:
@@ -631,6 +674,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type in ("gemma3_text", "gemma2"):
         return _gemma_from_hf(hf, source, model_type)
+    if model_type == "gemma4_text":
+        return _gemma4_from_hf(hf, source)
     if model_type in ("olmo2", "olmo3"):
         return _olmo_from_hf(hf, source, model_type)
     if model_type == "gpt_oss":
@@ -1164,6 +1209,57 @@ def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
         architecture="olmo2", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=bias, qk_norm=True, attention_out_bias=bias, sandwich_norm=True,
         pre_norm=False, qk_norm_whole=True, layer_windows=windows, local_rope_theta=local_theta if windows else None)
+
+
+def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Gemma 4's text model (gemma4_text; a gemma4 checkpoint's text_config): Gemma 3's layer (tanh-GELU MLP, four
+    norms, q/k norms, scaled embeddings) with its norms' weights as they are (not 1 + w), queries unscaled (the q norm
+    scales them), values RMS-normed, a scalar a layer, final logits soft-capped; windowed layers (layer_types) of
+    head_dim at their own rope theta, global layers of global_head_dim and num_global_key_value_heads (or the
+    per_layer_config transformers writes) with keys as values (attention_k_eq_v) and proportional rope. Per-layer
+    embeddings (E2B / E4B), shared KV layers and the mixture-of-experts block are refused."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise _unsupported(f"{source}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    for key, what in (("hidden_size_per_layer_input", "per-layer embeddings (Gemma 4 E2B / E4B)"),
+                      ("num_kv_shared_layers", "shared KV layers (Gemma 4 E2B / E4B)"),
+                      ("enable_moe_block", "the mixture-of-experts block (Gemma 4 26B-A4B)"),
+                      ("use_bidirectional_attention", "bidirectional attention"),
+                      ("attention_bias", "attention biases")):
+        if hf.get(key):
+            raise _unsupported(f"{source}: {what} ({key}) is not supported yet")
+    sizes = _sizes(hf, head_dim=256, max_positions=131072, tied=True)
+    layers = sizes["num_layers"]
+    windows = _layer_windows(hf, layers, source, int(hf.get("sliding_window") or 512), lambda i: (i + 1) % 6)
+    overrides = {int(k): v for k, v in (hf.get("per_layer_config") or {}).items()}
+    glob = [i for i, w in enumerate(windows) if not w]
+    head_dims = {int(overrides.get(i, {}).get("head_dim") or hf.get("global_head_dim") or sizes["head_dim"])
+                 for i in glob}
+    kv_heads = {int(overrides.get(i, {}).get("num_key_value_heads") or hf.get("num_global_key_value_heads")
+                    or sizes["num_kv_heads"]) for i in glob}
+    if len(head_dims) > 1 or len(kv_heads) > 1 or any(int(i) in set(range(layers)) - set(glob) for i in overrides):
+        raise _unsupported(f"{source}: Gemma 4 layers of other geometries than the global layers' one are not "
+                           "supported")
+    params = hf.get("rope_parameters") or {}
+    full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+    rope_type = full.get("rope_type", "default")
+    if rope_type not in ("default", "proportional") or sliding.get("rope_type", "default") != "default":
+        raise _unsupported(f"{source}: Gemma 4 rope types {rope_type!r} / {sliding.get('rope_type')!r} are not "
+                           "supported (proportional or default on the global layers, default on the windowed)")
+    scaling = None
+    if rope_type == "proportional" and float(full.get("partial_rotary_factor", 1.0)) != 1.0:
+        scaling = {"rope_type": "proportional", "partial_rotary_factor": float(full["partial_rotary_factor"])}
+    global_dim = head_dims.pop() if head_dims else 0
+    cap = hf.get("final_logit_softcapping")
+    return ModelConfig(
+        architecture="gemma4", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", 1e6)), rope_scaling=scaling, attention_bias=False, qk_norm=True,
+        embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True, attention_scale=1.0,
+        layer_windows=windows, local_rope_theta=float(sliding.get("rope_theta", 10000.0)),
+        final_logit_softcapping=float(cap) if cap else None,
+        global_head_dim=0 if global_dim == sizes["head_dim"] else global_dim,
+        global_kv_heads=kv_heads.pop() if kv_heads else 0, value_from_key=bool(hf.get("attention_k_eq_v")) and bool(glob),
+        v_norm=True, layer_scalars=True)
 
 
 def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

@@ -254,7 +254,8 @@ def _gather_packed(linears: list[_Linear]) -> None:
 class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
-                 "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o")
+                 "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o", "geometry",
+                 "keys_as_values", "scalar")
 
 
 class DecoderModel:
@@ -295,6 +296,10 @@ class DecoderModel:
             # (Nemotron-H: a layer of an MLP block alone, or of a mixer block alone)
             layer.has_mixer = i not in config.mixerless_layers
             layer.has_mlp = i not in config.mlpless_layers
+            # (Gemma 4: a global layer's KV heads and head dim, its values its keys' projection; a scalar a layer)
+            layer.geometry = config.layer_geometry(i)
+            layer.keys_as_values = config.value_from_key and layer.geometry[1] == config.global_head_dim
+            layer.scalar = opt(p + "scalar")
             if not layer.has_mixer:
                 layer.qkv = None
             elif i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
@@ -334,7 +339,7 @@ class DecoderModel:
                 layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
             elif config.qk_norm:
                 layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1),
-                                           norm(p + "k_norm.weight").expand(config.num_kv_heads, -1)])
+                                           norm(p + "k_norm.weight").expand(layer.geometry[0], -1)])
             layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias")) if layer.has_mixer else None
             layer.mlp_norm = norm(p + "mlp_norm.weight")
             layer.post_attn_norm = norm(p + "post_attn_norm.weight")  # Gemma's and OLMo's sandwich norms
@@ -379,7 +384,7 @@ class DecoderModel:
         # rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]: folding the sign into the table makes
         # rope three ops (roll, mul, addcmul) on the joint q/k block (on its first rope_dim columns where the
         # rotary embedding is partial).
-        half = config.rope_dim // 2
+        half = rope_sin.shape[1] // 2  # (rope_dim; Gemma 4's global layers' whole wider head)
         self.rope_sin_signed = torch.cat((-rope_sin[:, :half], rope_sin[:, half:]), dim=-1)
         self.scale = config.attention_scale or config.head_dim ** -0.5
         # Gemma 3's windowed layers turn by plain rope at local_rope_theta; its embedding rows are scaled by
@@ -387,6 +392,7 @@ class DecoderModel:
         self.rope_local = None
         if config.local_rope_theta is not None:
             cos_l, sin_l = rope_tables(config, self.max_positions, dtype=dtype, device=self.device, local=True)
+            half = sin_l.shape[1] // 2
             self.rope_local = (cos_l, torch.cat((-sin_l[:, :half], sin_l[:, half:]), dim=-1))
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=self.device)
                             if config.embed_scale else None)
@@ -396,6 +402,7 @@ class DecoderModel:
         self.cpu_decode_attention = (
             _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and config.attn_logit_softcapping is None  # (the kernel does not soft-cap scores: Gemma 2 takes torch's)
+            and not config.global_head_dim  # (nor reads Gemma 4's wider global heads)
             and not config.attention_sinks  # (nor weigh sinks: gpt-oss takes torch's)
             and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
             and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
@@ -753,10 +760,13 @@ class DecoderModel:
                     continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
+            nkv, d = layer.geometry  # (Gemma 4's global layers: their own)
+            q_size, kv_size = nh * d, nkv * d
             if lora:
                 qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
             qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
-            v = qkv[:, q_size + kv_size:q_size + 2 * kv_size]
+            # (Gemma 4's global layers: the values are the keys' projection, taken before the key norm and rope)
+            v = qkv[:, q_size:q_size + kv_size] if layer.keys_as_values else qkv[:, q_size + kv_size:q_size + 2 * kv_size]
             if c.qk_norm_whole:
                 q_weight, k_weight = layer.qk_norm
                 qk = torch.cat([rms_norm(qkv[:, :q_size], q_weight, eps),
@@ -766,7 +776,7 @@ class DecoderModel:
                 qk = (rms_norm(qk.float(), None, eps) * layer.qk_norm).to(qk.dtype)
             elif layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
-            if layer.rope and rope_dim == d:  # (SmolLM3's NoPE layers attend unrotated)
+            if layer.rope and layer_cos.shape[-1] == d:  # (SmolLM3's NoPE layers attend unrotated)
                 qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
             elif layer.rope:  # Phi-4-mini's partial rotary: the first rope_dim columns of each head turn
                 turned = qk[..., :rope_dim]
@@ -775,6 +785,8 @@ class DecoderModel:
             q = qk[:, :nh]
             k = qk[:, nh:]
             v = v.view(num_tokens, nkv, d)
+            if c.v_norm:  # Gemma 4: each value head RMS-normed in float32, no weight
+                v = F.rms_norm(v.float(), (d,), None, eps).to(v.dtype)
             kv.write(layer.kv_index, batch.write_slot_ids, k, v)
             attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
             if c.v_head_dim:  # (latent attention's values fill the first v_head_dim of each head's d)
@@ -827,6 +839,8 @@ class DecoderModel:
         if c.residual_multiplier is not None:
             down = down * c.residual_multiplier
         h = h + down
+        if layer.scalar is not None:  # (Gemma 4's layer_scalar)
+            h = h * layer.scalar
         if batch.deepstack_values is not None and index < len(batch.deepstack_values):
             # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
             h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))
@@ -1186,7 +1200,8 @@ class DecoderModel:
         """q [T, nh, d]; k, v [T, nkv, d] (this forward's, already in the cache) -> [T, nh * d]. ``native``: decode
         rows through the Cython kernel (flared/_fast/attention.pyx), else the torch path."""
         c = self.config
-        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        nh, (nkv, d) = c.num_heads, self.layers[layer].geometry  # (Gemma 4's global layers: their own)
+        geometry = self.layers[layer].geometry
         group = nh // nkv
         sinks = self.layers[layer].sinks
         cached = self.layers[layer].kv_index  # (the KV cache's index of this layer)
@@ -1208,7 +1223,7 @@ class DecoderModel:
         elif batch.decode_row_ids is not None:
             num_decode = batch.decode_row_ids.shape[0]
             max_context = batch.decode_max_context
-            keys, values = kv.gather(cached, batch.decode_gather_slot_ids)  # [nkv, B * L, d]
+            keys, values = kv.gather(cached, batch.decode_gather_slot_ids, geometry)  # [nkv, B * L, d]
             keys = keys.view(nkv * num_decode, max_context, d)
             values = values.view(nkv * num_decode, max_context, d)
             # Grouped query heads share their kv head: fold the group into the query axis ([nkv * B, group, d])
@@ -1237,7 +1252,7 @@ class DecoderModel:
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
             if window_masks is not None:  # a windowed layer (Gemma 3): the group's keys in its window
-                keys, values = kv.gather(cached, g.gather_slot_ids)  # [nkv, L, d]
+                keys, values = kv.gather(cached, g.gather_slot_ids, geometry)  # [nkv, L, d]
                 o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi], sinks)
             elif g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
@@ -1246,7 +1261,7 @@ class DecoderModel:
                 values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
                 o = self._prefill_attention(qg, keys, values, None, sinks)
             else:
-                keys, values = kv.gather(cached, g.gather_slot_ids)  # [nkv, L, d]
+                keys, values = kv.gather(cached, g.gather_slot_ids, geometry)  # [nkv, L, d]
                 o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), g.attn_mask, sinks)
             out[g.row_start:g.row_end] = o[0].transpose(0, 1).reshape(q_len, nh * d)
         return out

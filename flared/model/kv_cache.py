@@ -73,7 +73,9 @@ class PagedKVCache:
         self.device = torch.device(device)
         # [layer, kv_head, slot, head_dim]: a gather along the slot axis yields [kv_head, tokens, head_dim],
         # which batched attention reads as [kv_head * sequences, context, head_dim] without another copy.
-        shape = (self.num_layers, config.num_kv_heads, self.num_slots, config.head_dim)
+        # (Gemma 4's global layers keep their wider heads as head_dim-wide rows: kv_storage_heads rows a layer)
+        self.head_dim = config.head_dim
+        shape = (self.num_layers, config.kv_storage_heads, self.num_slots, config.head_dim)
         if self.device.type == "cpu":
             self.keys, self.values = host_zeros(shape, storage_dtype), host_zeros(shape, storage_dtype)
         else:
@@ -102,18 +104,29 @@ class PagedKVCache:
         return x if not self._narrow else to_storage(x, self.storage_dtype).to(self.dtype)
 
     def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """slot_ids [T] int64; keys/values [T, kv_heads, head_dim]."""
+        """slot_ids [T] int64; keys/values [T, kv_heads, head_dim] (a Gemma 4 global layer's [T, heads, wider]: its
+        first rows, each head as consecutive head_dim-wide pieces)."""
         for pool, x in ((self._key_bytes, keys), (self._value_bytes, values)):
+            if x.shape[-1] != self.head_dim:
+                x = x.reshape(x.shape[0], -1, self.head_dim)
             x = x.transpose(0, 1)
             if self._narrow:
                 x = to_storage(x, self.storage_dtype).view(torch.uint8)
-            pool[layer].index_copy_(1, slot_ids, x)
+            rows = pool[layer] if x.shape[0] == pool.shape[1] else pool[layer, :x.shape[0]]
+            rows.index_copy_(1, slot_ids, x)
 
-    def gather(self, layer: int, slot_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim] in ``dtype``, contiguous copies."""
-        keys = self._key_bytes[layer].index_select(1, slot_ids)
-        values = self._value_bytes[layer].index_select(1, slot_ids)
-        if self._narrow:
-            keys = keys.view(self.storage_dtype).to(self.dtype)
-            values = values.view(self.storage_dtype).to(self.dtype)
-        return keys, values
+    def gather(self, layer: int, slot_ids: torch.Tensor, geometry: tuple[int, int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim] in ``dtype``, contiguous copies (every row the
+        layer stores; ``geometry`` (heads, head dim): the layer's own, Gemma 4's wider heads put back together)."""
+        heads, dim = geometry or (self.keys.shape[1], self.head_dim)
+        rows = heads * dim // self.head_dim
+        out = []
+        for pool in (self._key_bytes, self._value_bytes):
+            x = (pool[layer] if rows == pool.shape[1] else pool[layer, :rows]).index_select(1, slot_ids)
+            if self._narrow:
+                x = x.view(self.storage_dtype).to(self.dtype)
+            if dim != self.head_dim:  # [heads * pieces, N, head_dim] -> [heads, N, dim]
+                x = x.view(heads, dim // self.head_dim, -1, self.head_dim).transpose(1, 2).reshape(heads, -1, dim)
+            out.append(x)
+        return out[0], out[1]

@@ -68,7 +68,6 @@ class SourceModel:
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the serving layout for ``config`` and its shape."""
     c = config
-    qkv_rows = c.q_size * (2 if c.attn_output_gate else 1) + 2 * c.kv_size  # (the output gate's rows after v's)
     shapes: dict[str, tuple[int, ...]] = {
         "embed.weight": (c.vocab_size, c.hidden_size),
         "final_norm.weight": (c.hidden_size,),
@@ -79,6 +78,12 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     gated = 2 if c.mlp_gated else 1  # (an ungated MLP's gate_up holds the up rows alone)
     for i in range(c.num_layers):
         p = f"layers.{i}."
+        kv_heads, head_dim = c.layer_geometry(i)  # (Gemma 4's global layers have their own)
+        values = 0 if c.value_from_key and head_dim == c.global_head_dim else kv_heads * head_dim  # (keys as values)
+        # q (the output gate's rows after v's), k, v
+        qkv_rows = c.num_heads * head_dim * (2 if c.attn_output_gate else 1) + kv_heads * head_dim + values
+        if c.layer_scalars:
+            shapes[p + "scalar"] = (1,)
         if c.pre_norm and i not in mixerless:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
         if i in linear:
@@ -91,9 +96,9 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if c.attention_bias:
                 shapes[p + "qkv.bias"] = (qkv_rows,)
             if c.qk_norm:  # (OLMo 2's over all heads at once)
-                shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else c.head_dim,)
-                shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else c.head_dim,)
-            shapes[p + "o.weight"] = (c.hidden_size, c.num_heads * (c.v_head_dim or c.head_dim))
+                shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else head_dim,)
+                shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else head_dim,)
+            shapes[p + "o.weight"] = (c.hidden_size, c.num_heads * (c.v_head_dim or head_dim))
             if c.attention_out_bias:
                 shapes[p + "o.bias"] = (c.hidden_size,)
             if c.attention_sinks:
@@ -248,7 +253,7 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     elif text_of_multimodal:
         text = {**(hf_config.get("text_config") or {}), "model_type": text_of_multimodal}
         text.setdefault("tie_word_embeddings", bool(hf_config.get("tie_word_embeddings",
-                                                                  text_of_multimodal == "gemma3_text")))
+                                                                  text_of_multimodal in ("gemma3_text", "gemma4_text"))))
         config = from_hf_config(text, source=f"{config_path} (text_config)")
     else:
         config = from_hf_config(hf_config, source=str(config_path))
@@ -279,7 +284,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         renames = {"model.text_model.": "model.", "model.language_model.": "model.",
                    "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # Mistral3's
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
-                 "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+                 "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                 "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")  # (Gemma 4's)
         hf_tensors = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
                       for k, v in hf_tensors.items() if not k.startswith(tower)}
         if not config.tie_word_embeddings and "lm_head.weight" not in hf_tensors:  # the composite config ties them
@@ -292,7 +298,7 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
 
 
 # model_type of a vision-language checkpoint served as its text model -> its text config's model_type
-_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
+_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 
 def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype, *,
@@ -338,7 +344,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     # Gemma 3's RMSNorms scale by (1 + weight): its serving norms hold 1 + weight (added in float32, as
     # transformers computes it), so the forward's norms are the usual ones. Its post_attention_layernorm follows
     # attention (Llama's name for the pre-MLP norm); pre_feedforward_layernorm is its pre-MLP norm.
-    gemma = config.architecture in ("gemma2", "gemma3")
+    gemma = config.architecture in ("gemma2", "gemma3", "gemma4")
     norm = (lambda name: take(name).float() + 1.0) if config.norm_plus_one else take  # (Qwen3-Next's too)
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
     if not config.tie_word_embeddings:
@@ -367,6 +373,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             q = q.view(config.num_heads, 2, config.head_dim, -1)
             out[sp + "qkv.weight"] = torch.cat([q[:, 0].reshape(config.q_size, -1), k, v,
                                                 q[:, 1].reshape(config.q_size, -1)])
+        elif config.value_from_key and attn + "v_proj.weight" not in hf:  # Gemma 4's global layers: q, k (k as v)
+            out[sp + "qkv.weight"] = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight")])
         elif attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
             out[sp + "qkv.weight"] = hf[attn + "qkv_proj.weight"]
         else:
@@ -387,6 +395,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "o.bias"] = take(attn + "o_proj.bias")
         if config.attention_sinks:
             out[sp + "sinks"] = take(attn + "sinks")
+        if config.layer_scalars:  # (Gemma 4's layer_scalar)
+            out[sp + "scalar"] = take(hp + "layer_scalar").reshape(1)
         if hp + "post_self_attn_layernorm.weight" in hf:  # GLM-4's four norms (post_attention_layernorm: Llama's)
             out[sp + "post_attn_norm.weight"] = take(hp + "post_self_attn_layernorm.weight")
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")

@@ -26,9 +26,10 @@ def longrope_is_long(scaling: dict, context: int | None) -> bool:
 
 
 def inverse_frequencies(config: ModelConfig, *, local: bool = False, context: int | None = None) -> torch.Tensor:
-    """[rope_dim // 2] float32. ``local``: the windowed layers' plain rope at local_rope_theta (Gemma 3).
-    ``context``: the longest sequence served (LongRoPE takes its long factors where it passes the original context)."""
-    dim = config.rope_dim
+    """[rope_dim // 2] float32 (Gemma 4's global layers: [global_head_dim // 2]). ``local``: the windowed layers' plain
+    rope at local_rope_theta (Gemma 3). ``context``: the longest sequence served (LongRoPE takes its long factors where
+    it passes the original context)."""
+    dim = config.rope_dim if local or not config.global_head_dim else config.global_head_dim
     theta = config.local_rope_theta if local else config.rope_theta
     powers = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     inv_freq = 1.0 / powers
@@ -43,6 +44,9 @@ def inverse_frequencies(config: ModelConfig, *, local: bool = False, context: in
         return 1.0 / (torch.tensor(table, dtype=torch.float32) * powers)
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "proportional":  # the first pairs turn, the others stand still (as transformers)
+        turning = int(scaling["partial_rotary_factor"] * dim // 2)
+        return torch.cat([inv_freq[:turning], torch.zeros(dim // 2 - turning)])
     if scaling["rope_type"] == "yarn":
         return _yarn_frequencies(inv_freq, dim, theta, scaling)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.

@@ -32,6 +32,10 @@ _FALCON_H1 = dict(head_dim=16, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32
                   ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.5], ssm_in_multiplier=1.3, ssm_out_multiplier=0.6,
                   initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
+_GEMMA4 = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=8,
+               layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0, attention_k_eq_v=True,
+               final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+
 FAMILIES = {
     "llama3": ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
@@ -159,6 +163,11 @@ FAMILIES = {
     # or, with mamba_rms_norm, normed in groups after the gate
     "falcon_h1": ("falcon_h1", dict(_FALCON_H1)),
     "falcon_h1_norm": ("falcon_h1", dict(_FALCON_H1, mamba_rms_norm=True, mamba_norm_before_gate=False)),
+    # Gemma 4: Gemma 3's layer with a windowed layer (8 keys, heads of 16, its own rope theta) then a global one (one
+    # KV head of 32, its keys as values, a quarter of its frequencies turning), value norms, a scalar a layer, soft-
+    # capped logits; its variant with values of their own on the global layers
+    "gemma4": ("gemma4_text", dict(_GEMMA4)),
+    "gemma4_values": ("gemma4_text", dict(_GEMMA4, attention_k_eq_v=False, num_global_key_value_heads=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
