@@ -1,5 +1,6 @@
 """Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``, Seed-OSS'
-``<seed:think>…</seed:think>``, Cohere's ``<|START_THINKING|>…<|END_THINKING|>``)
+``<seed:think>…</seed:think>``, Cohere's ``<|START_THINKING|>…<|END_THINKING|>``, Gemma 4's
+``<|channel>thought…<channel|>``)
 split from the answer, incrementally (gpt-oss' harmony channels: toolcalls.HarmonyToolParser).
 
 Rules:
@@ -46,7 +47,9 @@ COHERE_THINK = ReasoningFormat("cohere", "<|START_THINKING|>", "<|END_THINKING|>
 # gpt-oss' harmony: reasoning is the analysis channel's messages, read by toolcalls.HarmonyToolParser with the
 # answer and the calls (the markers here name the channel; OutputParser hands the whole text to that parser)
 HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", needs_special_tokens=True)
-FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, HARMONY)}
+# Gemma 4: a thought channel, <|channel>thought ... <channel|> (a prompt without thinking ends with an empty one)
+GEMMA4_THOUGHT = ReasoningFormat("gemma4", "<|channel>thought", "<channel|>", needs_special_tokens=True)
+FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, HARMONY, GEMMA4_THOUGHT)}
 
 
 def is_harmony_template(source: str) -> bool:
@@ -62,7 +65,7 @@ def reasoning_format_for_template(source: str | None, override: str = "auto") ->
         return FORMATS[override]
     if source and is_harmony_template(source):
         return HARMONY
-    for fmt in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK):
+    for fmt in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, GEMMA4_THOUGHT):
         if source and fmt.start in source and fmt.end in source:
             return fmt
     return None

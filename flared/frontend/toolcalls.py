@@ -1349,6 +1349,143 @@ class Lfm2ToolParser(ToolParser):
         self._buf = ""
 
 
+_GEMMA4_QUOTE = '<|"|>'
+
+
+def gemma4_value(text: str, i: int) -> tuple[Any, int]:
+    """One value of Gemma 4's call syntax at ``text[i]`` -> (the JSON value, the index after it): a string between
+    <|"|> marks, an object {key:value,...} (keys bare or quoted the same way), a list [value,...], true / false /
+    null, a number, else the bare text up to the next , } or ] as a string. ValueError where it is cut off."""
+    if text.startswith(_GEMMA4_QUOTE, i):
+        end = text.find(_GEMMA4_QUOTE, i + len(_GEMMA4_QUOTE))
+        if end < 0:
+            raise ValueError("an unclosed string")
+        return text[i + len(_GEMMA4_QUOTE):end], end + len(_GEMMA4_QUOTE)
+    if i < len(text) and text[i] in "{[":
+        obj, close = text[i] == "{", "}" if text[i] == "{" else "]"
+        out: Any = {} if obj else []
+        i += 1
+        while True:
+            i = _skip_ws(text, i)
+            if i >= len(text):
+                raise ValueError("an unclosed " + ("object" if obj else "list"))
+            if text[i] == close:
+                return out, i + 1
+            if obj:
+                if text.startswith(_GEMMA4_QUOTE, i):
+                    key, i = gemma4_value(text, i)
+                    i = _skip_ws(text, i)
+                else:
+                    colon = text.find(":", i)
+                    if colon < 0:
+                        raise ValueError("a key without a value")
+                    key, i = text[i:colon].strip(), colon
+                if not text.startswith(":", i):
+                    raise ValueError("a key without a value")
+                value, i = gemma4_value(text, _skip_ws(text, i + 1))
+                out[key] = value
+            else:
+                value, i = gemma4_value(text, i)
+                out.append(value)
+            i = _skip_ws(text, i)
+            if i < len(text) and text[i] == ",":
+                i += 1
+            elif i < len(text) and text[i] != close:
+                raise ValueError(f"{text[i]!r} between values")
+    end = i
+    while end < len(text) and text[end] not in ",}]":
+        end += 1
+    if end >= len(text):
+        raise ValueError("a value cut off")
+    word = text[i:end].strip()
+    literal = {"true": True, "false": False, "null": None, "none": None}
+    if word.lower() in literal:
+        return literal[word.lower()], end
+    try:
+        number = float(word)
+    except ValueError:
+        return word, end
+    return (int(word) if word.lstrip("+-").isdigit() else number), end
+
+
+class Gemma4ToolParser(ToolParser):
+    """Gemma 4's ``<|tool_call>call:NAME{key:value,...}<tool_call|>``: its arguments in the template's own syntax
+    (strings between <|"|> marks, bare keys: gemma4_value) as a JSON object; the name is sent once it is known, the
+    arguments when the call closes; a <|tool_response> the model writes after its calls is dropped. A block that is no
+    such call stays content, markers included."""
+
+    name = "gemma4"
+    needs_special_tokens = True
+    OPEN, CLOSE, RESPONSE = "<|tool_call>", "<tool_call|>", "<|tool_response>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._inside = False
+        self._index: int | None = None  # the call being read, once its name is announced
+
+    def _step(self, final: bool) -> bool:
+        if not self._inside:
+            if self._after_call:  # (the end of the model's turn after its calls)
+                lead = self._buf.lstrip()
+                if lead.startswith(self.RESPONSE):
+                    self._buf = lead[len(self.RESPONSE):]
+                    return True
+                if lead and self.RESPONSE.startswith(lead) and not final:
+                    return False
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._inside, self._index = True, None
+            return True
+        if self._index is None:
+            brace = self._buf.find("{")
+            if brace < 0 or not self._buf.startswith("call:"):
+                if (not self._buf.startswith("call:") and not "call:".startswith(self._buf)) or final:
+                    return self._not_a_call(final)
+                return False
+            name = self._buf[len("call:"):brace].strip()
+            if not name:
+                return self._not_a_call(final)
+            self._index = self._announce(name).index
+            self._emit_calls([ToolCallDelta(self._index, self.calls[self._index].id, name, "")])
+            self._buf = self._buf[brace:]
+        try:
+            arguments, end = gemma4_value(self._buf, 0)
+        except ValueError:
+            if final:
+                self._close_call("{}")
+            return False
+        rest = self._buf[end:].lstrip()
+        if not rest.startswith(self.CLOSE) and (final or not self.CLOSE.startswith(rest)):
+            self._close_call(json.dumps(arguments, ensure_ascii=False))
+            self._buf = rest
+            return True
+        if not rest.startswith(self.CLOSE):
+            return False
+        self._close_call(json.dumps(arguments, ensure_ascii=False))
+        self._buf = rest[len(self.CLOSE):]
+        return True
+
+    def _close_call(self, arguments: str) -> None:
+        self.calls[self._index].arguments = arguments
+        self._emit_calls([ToolCallDelta(self._index, None, None, arguments)])
+        self._close(self._index, None)
+        self._inside, self._index = False, None
+
+    def _not_a_call(self, final: bool) -> bool:
+        self._emit_content(self.OPEN + self._buf)
+        self._buf, self._inside = "", False
+        return True
+
+    def _finish_rest(self) -> None:
+        if self._inside and self._index is not None:  # cut off (max_tokens): what arrived of its arguments is lost
+            self._close_call("{}")
+        elif self._inside:
+            self._emit_content(self.OPEN + self._buf)
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf, self._inside = "", False
+
+
 class HarmonyToolParser(ToolParser):
     """gpt-oss' harmony format: the output is messages, each ``[<|start|>assistant]<|channel|>C[ to=R][
     <|constrain|>json]<|message|>BODY`` ended by ``<|end|>`` (or the stop tokens ``<|return|>`` / ``<|call|>``, or
@@ -1437,7 +1574,8 @@ class HarmonyToolParser(ToolParser):
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
-                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser, NemotronToolParser)
+                        Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser, NemotronToolParser,
+                        Gemma4ToolParser)
 }
 
 
@@ -1463,6 +1601,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return Lfm2ToolParser
     if "<TOOLCALL>" in source:
         return NemotronToolParser
+    if "<|tool_call>" in source and "<tool_call|>" in source:
+        return Gemma4ToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

@@ -11,6 +11,7 @@ import pytest
 from pathlib import Path
 
 from flared.frontend.reasoning import (
+    GEMMA4_THOUGHT,
     MISTRAL_THINK,
     SEED_THINK,
     THINK,
@@ -123,6 +124,18 @@ CASES = {
         ("A <TOOLCALL> that is not a list.", "A <TOOLCALL> that is not a list.", []),
         ("No <TOOL call here.", "No <TOOL call here.", []),
     ],
+    "gemma4": [
+        ('Checking.<|tool_call>call:get_weather{city:<|"|>Paris, {the} "city"<|"|>,days:3}<tool_call|>'
+         '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,zip:null,opts:{units:[<|"|>C<|"|>,true,-2.5]}}<tool_call|>'
+         "<|tool_response>", "Checking.", [("get_weather", {"city": 'Paris, {the} "city"', "days": 3}),
+                                            ("get_weather", {"city": "Oslo", "zip": None,
+                                                             "opts": {"units": ["C", True, -2.5]}})]),
+        ("<|tool_call>call:ping{}<tool_call|>", "", [("ping", {})]),
+        ('<|tool_call>call:f{s:<|"|>a <tool_call|> inside<|"|>}<tool_call|>\nDone.', "Done.",
+         [("f", {"s": "a <tool_call|> inside"})]),
+        ("A <|tool_call> that is not a call.", "A <|tool_call> that is not a call.", []),
+        ("No <|tool call here.", "No <|tool call here.", []),
+    ],
     "cohere": [
         ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
          '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
@@ -149,7 +162,7 @@ MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<paramet
            "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
            "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
            "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<TOOLCALL>",
-           "</TOOLCALL>")
+           "</TOOLCALL>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|channel>", "<channel|>")
 
 
 def chunkings(text: str):
@@ -234,6 +247,10 @@ def _seed(text: str) -> str:
 
 REASONING_CASES += [(_mistral(t), inside, r, _mistral(c), MISTRAL_THINK) for t, inside, r, c in REASONING_CASES[:3]]
 REASONING_CASES += [(_seed(t), inside, r, _seed(c), SEED_THINK) for t, inside, r, c in REASONING_CASES[:3]]
+REASONING_CASES += [  # Gemma 4's thought channel
+    ("<|channel>thought\nStep one.<channel|>The answer is 4.", False, "Step one.", "The answer is 4.", GEMMA4_THOUGHT),
+    ("The answer is 4.", False, "", "The answer is 4.", GEMMA4_THOUGHT),
+]
 
 
 @pytest.mark.parametrize("case", range(len(REASONING_CASES)))
@@ -248,7 +265,7 @@ def test_reasoning_every_split(case):
             c.append(b)
         a, b = parser.finish()
         assert ("".join(r) + a, "".join(c) + b) == (want_reasoning, want_content), chunks
-        assert not any(m in x for x in c + r for m in ("</think>", "[/THINK]", "</seed:think>"))
+        assert not any(m in x for x in c + r for m in ("</think>", "[/THINK]", "</seed:think>", "<channel|>"))
 
 
 def test_reasoning_then_tool_call_every_split():
@@ -259,6 +276,18 @@ def test_reasoning_then_tool_call_every_split():
             lambda: OutputParser(PARSERS["hermes"](), THINK), chunks)
         assert "".join(content) == "" and reasoning == "I should call it."
         check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris"})])
+
+
+def test_gemma4_thought_then_call_every_split():
+    """Gemma 4's thought channel, then a call in its own syntax and the turn's end: reasoning apart, the call typed as
+    JSON, no marker in the content."""
+    text = ('<|channel>thought\nI will look it up.<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>,'
+            "days:2}<tool_call|><|tool_response>")
+    for chunks in chunkings(text):
+        content, reasoning, deltas, parser = run(lambda: OutputParser(PARSERS["gemma4"](WEATHER_TOOLS),
+                                                                      GEMMA4_THOUGHT), chunks)
+        assert "".join(content) == "" and reasoning == "I will look it up.", chunks
+        check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris", "days": 2})])
 
 
 def test_cohere_thinking_then_action_every_split():
@@ -354,6 +383,7 @@ CORPUS_FAMILIES = {
     "ByteDance-Seed-OSS.jinja": ("seed_oss", "seed"),
     "MiniMax-M2.jinja": ("minimax_m2", "think"),
     "NVIDIA-Nemotron-Nano-v2.jinja": ("nemotron", "think"),
+    "google-gemma-4-31B-it.jinja": ("gemma4", "gemma4"),
 }
 
 
