@@ -101,7 +101,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
                  "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
-                 "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars"}
+                 "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
@@ -268,6 +268,10 @@ class ModelConfig:
     value_from_key: bool = False
     v_norm: bool = False
     layer_scalars: bool = False
+    # Gemma 4 26B-A4B: every layer's experts beside its dense MLP (both outputs normed, added, normed again), routed
+    # from the residual stream (RMS-normed without a weight, times router.scale and hidden^-0.5; a softmax, the top
+    # experts_per_token renormalised, times each expert's router.expert_scale), fed the residual through their own norm.
+    parallel_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -320,7 +324,7 @@ class ModelConfig:
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
-                     "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars"):
+                     "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -401,6 +405,10 @@ class ModelConfig:
             raise CoreError("global_head_dim, global_kv_heads and value_from_key need windowed layers beside the "
                             "global ones (layer_windows), a global head of whole head_dims and query heads in whole "
                             "groups of the global KV heads")
+        if self.parallel_experts and (not self.num_experts or self.dense_layers or self.router_sigmoid
+                                      or self.shared_expert_intermediate_size):
+            raise CoreError("parallel_experts needs experts on every layer (no dense_layers), softmax-routed, without a "
+                            "shared expert")
         if (self.parallel_mixers or not self.linear_norm) and self.linear_kind != "mamba2":
             raise CoreError("parallel_mixers and linear_norm false need Mamba-2 layers")
         if self.hidden_act == "relu2" and self.mlp_gated:
@@ -1216,14 +1224,14 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     norms, q/k norms, scaled embeddings) with its norms' weights as they are (not 1 + w), queries unscaled (the q norm
     scales them), values RMS-normed, a scalar a layer, final logits soft-capped; windowed layers (layer_types) of
     head_dim at their own rope theta, global layers of global_head_dim and num_global_key_value_heads (or the
-    per_layer_config transformers writes) with keys as values (attention_k_eq_v) and proportional rope. Per-layer
-    embeddings (E2B / E4B), shared KV layers and the mixture-of-experts block are refused."""
+    per_layer_config transformers writes) with keys as values (attention_k_eq_v) and proportional rope; 26B-A4B's
+    experts beside the dense MLP (enable_moe_block: parallel_experts). Per-layer embeddings and shared KV layers
+    (E2B / E4B) are refused."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise _unsupported(f"{source}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
     for key, what in (("hidden_size_per_layer_input", "per-layer embeddings (Gemma 4 E2B / E4B)"),
                       ("num_kv_shared_layers", "shared KV layers (Gemma 4 E2B / E4B)"),
-                      ("enable_moe_block", "the mixture-of-experts block (Gemma 4 26B-A4B)"),
                       ("use_bidirectional_attention", "bidirectional attention"),
                       ("attention_bias", "attention biases")):
         if hf.get(key):
@@ -1251,6 +1259,11 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         scaling = {"rope_type": "proportional", "partial_rotary_factor": float(full["partial_rotary_factor"])}
     global_dim = head_dims.pop() if head_dims else 0
     cap = hf.get("final_logit_softcapping")
+    experts = {}
+    if hf.get("enable_moe_block"):
+        experts = dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["top_k_experts"]),
+                       expert_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True,
+                       parallel_experts=True)
     return ModelConfig(
         architecture="gemma4", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(full.get("rope_theta", 1e6)), rope_scaling=scaling, attention_bias=False, qk_norm=True,
@@ -1259,7 +1272,7 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         final_logit_softcapping=float(cap) if cap else None,
         global_head_dim=0 if global_dim == sizes["head_dim"] else global_dim,
         global_kv_heads=kv_heads.pop() if kv_heads else 0, value_from_key=bool(hf.get("attention_k_eq_v")) and bool(glob),
-        v_norm=True, layer_scalars=True)
+        v_norm=True, layer_scalars=True, **experts)
 
 
 def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

@@ -255,7 +255,7 @@ class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
                  "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o", "geometry",
-                 "keys_as_values", "scalar")
+                 "keys_as_values", "scalar", "beside")
 
 
 class DecoderModel:
@@ -349,10 +349,17 @@ class DecoderModel:
             layer.sinks = opt(p + "sinks")  # gpt-oss' attention sinks [nh]
             layer.router = layer.experts = layer.shared = layer.expert_stacks = layer.expert_biases = None
             layer.correction_bias = None
+            layer.beside = None
+            if config.parallel_experts:  # Gemma 4 26B-A4B: (router.scale, router.expert_scale, three norms)
+                layer.beside = (w(p + "router.scale"), w(p + "router.expert_scale"), norm(p + "post_mlp_norm_1.weight"),
+                                norm(p + "pre_mlp_norm_2.weight"), norm(p + "post_mlp_norm_2.weight"))
             if not layer.has_mlp:
                 layer.gate_up = layer.down = None
             elif config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
                 layer.gate_up = layer.down = None
+                if config.parallel_experts:  # (the dense MLP beside the experts)
+                    layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
+                    layer.down = _Linear(w(p + "down.weight"), None)
                 if config.router_float32:  # (DeepSeek's and GLM-4.5's routers, their biases in float32)
                     layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
                 if config.router_sigmoid:
@@ -454,7 +461,7 @@ class DecoderModel:
         """Every product of a layer."""
         mlp = [layer.gate_up, layer.down] if layer.experts is None else \
             [layer.router, *(lin for pair in layer.experts for lin in pair),
-             *(lin for lin in layer.shared or () if lin is not None)]
+             *(lin for lin in layer.shared or () if lin is not None), layer.gate_up, layer.down]
         attention = [x for x in (*(layer.latent or layer.linear or ()), layer.qkv, layer.linear_o)
                      if isinstance(x, _Linear)]
         return [lin for lin in (*attention, layer.o, *mlp) if lin is not None]
@@ -824,7 +831,9 @@ class DecoderModel:
         lora = bool(batch.lora_groups)
         if not c.parallel_block:  # (Cohere's MLP reads the attention's normed input x)
             x = self._norm(h, layer.mlp_norm) if layer.mlp_norm is not None else h
-        if layer.experts is not None:
+        if layer.beside is not None:
+            down = self._mlp_beside_experts(layer, h, x)
+        elif layer.experts is not None:
             down = self._routed_mlp(layer, x)
         else:
             gate_up = layer.gate_up(x)
@@ -1047,6 +1056,32 @@ class DecoderModel:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if c.routed_scaling is not None and not c.router_sigmoid:  # (DeepSeek-V2's: the chosen scores scaled)
             weights = weights * c.routed_scaling
+        out = self._run_experts(layer, x, weights, chosen)
+        if layer.shared is not None:
+            gate_up, down, gate = layer.shared
+            shared = down(self._activation(gate_up(x)))
+            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
+        return out
+
+    def _mlp_beside_experts(self, layer: _Layer, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4 26B-A4B's feed-forward over the residual h [T, H] (x: h through the pre-MLP norm): the dense MLP of x
+        (normed by post_mlp_norm_1) plus the experts (normed by post_mlp_norm_2), those fed h through pre_mlp_norm_2 and
+        routed from h RMS-normed without a weight, times router.scale and hidden^-0.5 (a softmax in float32, the top
+        experts renormalised, each weight times its expert's router.expert_scale), as transformers computes them."""
+        c = self.config
+        scale, expert_scale, post_dense, pre_experts, post_experts = layer.beside
+        dense = self._norm(layer.down(self._activation(layer.gate_up(x))), post_dense)
+        routed_in = F.rms_norm(h.float(), (h.shape[-1],), None, c.rms_norm_eps).to(h.dtype)
+        probs = torch.softmax(layer.router(routed_in * scale * c.hidden_size ** -0.5).float(), dim=-1)
+        weights, chosen = probs.topk(c.experts_per_token, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * expert_scale[chosen]
+        routed = self._run_experts(layer, self._norm(h, pre_experts), weights, chosen)
+        return dense + self._norm(routed, post_experts)
+
+    def _run_experts(self, layer: _Layer, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each row of x [T, H] through its chosen experts [T, k], their outputs times the weights [T, k] summed."""
+        c = self.config
+        k = chosen.shape[1]
         weights = weights.to(x.dtype)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)  # the (row, slot) pairs grouped by expert
@@ -1069,10 +1104,6 @@ class DecoderModel:
             out.index_add_(0, rows, y * row_weights)
         else:
             self._expert_loop(layer, x, flat, rows, row_weights, out)
-        if layer.shared is not None:
-            gate_up, down, gate = layer.shared
-            shared = down(self._activation(gate_up(x)))
-            out = out + (shared if gate is None else torch.sigmoid(gate(x)) * shared)
         return out
 
     def _sigmoid_route(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,7 +110,14 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
             shapes[p + "post_mlp_norm.weight"] = (c.hidden_size,)
-        if c.num_experts and i not in c.dense_layers:
+        if c.parallel_experts:  # Gemma 4: the experts' router, scales and norms beside the dense MLP's
+            shapes.update({p + "router.weight": (c.num_experts, c.hidden_size), p + "router.scale": (c.hidden_size,),
+                           p + "router.expert_scale": (c.num_experts,),
+                           p + "experts.gate_up.weight": (c.num_experts, 2 * c.expert_intermediate_size, c.hidden_size),
+                           p + "experts.down.weight": (c.num_experts, c.hidden_size, c.expert_intermediate_size),
+                           p + "post_mlp_norm_1.weight": (c.hidden_size,), p + "pre_mlp_norm_2.weight": (c.hidden_size,),
+                           p + "post_mlp_norm_2.weight": (c.hidden_size,)})
+        elif c.num_experts and i not in c.dense_layers:
             e, inter, shared = c.num_experts, c.expert_intermediate_size, c.shared_expert_intermediate_size
             shapes[p + "router.weight"] = (e, c.hidden_size)
             if c.router_sigmoid:
@@ -413,7 +420,15 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         if config.expert_bias:
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
             continue
-        if config.num_experts and i not in config.dense_layers:
+        if config.parallel_experts:  # Gemma 4 26B-A4B: experts beside the dense MLP
+            out.update({sp + "router.weight": take(hp + "router.proj.weight"), sp + "router.scale": take(hp + "router.scale"),
+                        sp + "router.expert_scale": take(hp + "router.per_expert_scale"),
+                        sp + "experts.gate_up.weight": take(hp + "experts.gate_up_proj"),
+                        sp + "experts.down.weight": take(hp + "experts.down_proj"),
+                        sp + "post_mlp_norm_1.weight": take(hp + "post_feedforward_layernorm_1.weight"),
+                        sp + "pre_mlp_norm_2.weight": take(hp + "pre_feedforward_layernorm_2.weight"),
+                        sp + "post_mlp_norm_2.weight": take(hp + "post_feedforward_layernorm_2.weight")})
+        elif config.num_experts and i not in config.dense_layers:
             out.update(_hf_experts(hf, hp, sp, config, take))
             continue
         if hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows

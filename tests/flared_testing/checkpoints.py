@@ -168,6 +168,9 @@ FAMILIES = {
     # capped logits; its variant with values of their own on the global layers
     "gemma4": ("gemma4_text", dict(_GEMMA4)),
     "gemma4_values": ("gemma4_text", dict(_GEMMA4, attention_k_eq_v=False, num_global_key_value_heads=2)),
+    # Gemma 4 26B-A4B's layer: experts beside the dense MLP, routed from the residual
+    "gemma4_moe": ("gemma4_text", dict(_GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                       moe_intermediate_size=32)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
@@ -200,7 +203,8 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
     model.eval()
     with torch.no_grad():  # norms start as ones (or zeros, Gemma's 1 + w), biases as zeros: vary them, so each counts
         for name, param in model.named_parameters():
-            if ("norm" in name and param.dim() == 1) or ("bias" in name and not param.any()):
+            if ("norm" in name and param.dim() == 1) or ("bias" in name and not param.any()) or \
+                    name.endswith(("router.scale", "per_expert_scale")):  # (Gemma 4's router scales start as ones)
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
         for name, buffer in model.named_buffers():  # (GLM-4.5's and LFM2-MoE's router correction biases are buffers)
             if name.endswith(("correction_bias", "expert_bias")):

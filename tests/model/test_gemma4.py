@@ -51,12 +51,18 @@ def test_the_global_layers_have_their_own_geometry():
     assert from_hf_config({**written, "per_layer_config": {"5": {"head_dim": 64, "num_key_value_heads": 1}}}) == config
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2),
-                                        ("enable_moe_block", True)])
+@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2)])
 def test_the_variants_not_served_are_refused_by_name(key, value):
     with pytest.raises(CoreError, match=key) as info:
         from_hf_config({**_TEXT, key: value})
     assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+
+
+def test_the_26b_layer_has_experts_beside_its_mlp():
+    config = from_hf_config({**_TEXT, "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+                             "moe_intermediate_size": 704})
+    assert config.parallel_experts and config.num_experts == 128 and config.experts_per_token == 8
+    assert config.expert_intermediate_size == 704 and config.norm_topk_prob and not config.dense_layers
 
 
 def test_a_float8_cache_keeps_the_global_layers_pieces(gemma4):
