@@ -4,14 +4,15 @@
 Both sides build the same random-weight model of ``--family`` at a shape below: a Qwen3.5 text model (three Gated
 DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers) or a
 Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers) a Nemotron-H (Mamba-2 and squared-ReLU MLP
-blocks, an attention block in eight) or a Falcon-H1 (attention and Mamba-2 side by side in every layer); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
+blocks, an attention block in eight) a Falcon-H1 (attention and Mamba-2 side by side in every layer) or a Gemma 4 (no recurrent layers: windowed
+layers beside global ones of wider heads); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
 the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
 prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
 carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
 zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
 with the same flush around its calls.
 
-    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1] [--shape default|small] [--layers 8]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|gemma4] [--shape default|small] [--layers 8]
         [--dtype bfloat16] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
@@ -85,9 +86,18 @@ SHAPES = {
                       num_key_value_heads=2, head_dim=64, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64,
                       mamba_n_groups=1, mamba_d_state=64, vocab_size=32000),
     },
+    "gemma4": {  # Gemma 4 31B's layout at 0.8B: five windowed layers of 256-wide heads to one global of 512 (keys as values)
+        "default": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+                        attention_k_eq_v=True, sliding_window=512, vocab_size=262144, hidden_size_per_layer_input=0,
+                        final_logit_softcapping=30.0),
+        "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=2,
+                      attention_k_eq_v=True, sliding_window=128, vocab_size=32000, hidden_size_per_layer_input=0),
+    },
 }
 CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig",
-           "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config"}
+           "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config", "gemma4": "Gemma4TextConfig"}
 BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 

@@ -101,7 +101,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "v_head_dim", "linear_layers", "linear_key_heads", "linear_value_heads", "linear_key_dim",
                  "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
-                 "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts"}
+                 "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
+                 "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
@@ -272,6 +273,16 @@ class ModelConfig:
     # from the residual stream (RMS-normed without a weight, times router.scale and hidden^-0.5; a softmax, the top
     # experts_per_token renormalised, times each expert's router.expert_scale), fed the residual through their own norm.
     parallel_experts: bool = False
+    # Gemma 4 E2B / E4B. Per-layer inputs (per_layer_input_dim > 0): each token's row of embed_per_layer (per_layer_vocab
+    # rows of num_layers * per_layer_input_dim, scaled by sqrt(per_layer_input_dim)) plus the scaled embedding through
+    # per_layer_proj (times hidden^-0.5, normed per layer by per_layer_proj_norm), the sum times 2^-0.5; layer i, after
+    # its MLP, adds per_layer_norm(per_layer_out(GELU(per_layer_gate(h)) * its input)). The last kv_shared_layers
+    # layers keep no keys or values: each attends to those of the last earlier layer of its kind (kv_source), and with
+    # double_wide_mlp their MLPs are twice intermediate_size.
+    per_layer_input_dim: int = 0
+    per_layer_vocab: int = 0
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -324,7 +335,8 @@ class ModelConfig:
         for name in ("embed_scale", "sandwich_norm", "norm_topk_prob", "pre_norm", "qk_norm_whole", "attention_sinks",
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
-                     "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts"):
+                     "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
+                     "double_wide_mlp"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -395,7 +407,7 @@ class ModelConfig:
             raise CoreError("a mixerless layer is neither a linear layer nor mlpless (a layer of nothing)")
         if set(self.mlpless_layers) & set(self.dense_layers):
             raise CoreError("an mlpless layer cannot be a dense_layers one")
-        for name in ("global_head_dim", "global_kv_heads"):
+        for name in ("global_head_dim", "global_kv_heads", "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
@@ -405,6 +417,14 @@ class ModelConfig:
             raise CoreError("global_head_dim, global_kv_heads and value_from_key need windowed layers beside the "
                             "global ones (layer_windows), a global head of whole head_dims and query heads in whole "
                             "groups of the global KV heads")
+        if bool(self.per_layer_input_dim) != bool(self.per_layer_vocab):
+            raise CoreError("per_layer_input_dim and per_layer_vocab go together")
+        if self.kv_shared_layers and (self.kv_shared_layers >= self.num_layers or self.linear_layers or any(
+                self.kv_source(i) is None for i in range(self.num_layers - self.kv_shared_layers, self.num_layers))):
+            raise CoreError(f"the last {self.kv_shared_layers} layers share the keys and values of an earlier layer of "
+                            "their window: each needs one, and no linear layers")
+        if self.double_wide_mlp and not self.kv_shared_layers:
+            raise CoreError("double_wide_mlp needs kv_shared_layers")
         if self.parallel_experts and (not self.num_experts or self.dense_layers or self.router_sigmoid
                                       or self.shared_expert_intermediate_size):
             raise CoreError("parallel_experts needs experts on every layer (no dense_layers), softmax-routed, without a "
@@ -449,6 +469,20 @@ class ModelConfig:
             return "a query scale of its own"
         return None
 
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values ``layer`` attends to instead of its own (Gemma 4's last kv_shared_layers:
+        the last earlier layer of the same window), or None."""
+        first = self.num_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or layer < first:
+            return None
+        window = self.window_of(layer)
+        return next((i for i in range(first - 1, -1, -1) if self.window_of(i) == window), None)
+
+    def mlp_width(self, layer: int) -> int:
+        """``layer``'s dense MLP width: intermediate_size, twice it on Gemma 4's shared-KV layers with
+        double_wide_mlp."""
+        return self.intermediate_size * (2 if self.double_wide_mlp and self.kv_source(layer) is not None else 1)
+
     def layer_geometry(self, layer: int) -> tuple[int, int]:
         """(KV heads, head dim) of ``layer``'s attention: Gemma 4's global layers' own, else num_kv_heads, head_dim."""
         if self.global_head_dim and not self.window_of(layer):
@@ -485,6 +519,7 @@ class ModelConfig:
         """The layers that keep keys and values in the KV cache (all but the linear and mixerless ones; with
         parallel_mixers the linear ones too), in order."""
         linear = (set() if self.parallel_mixers else set(self.linear_layers)) | set(self.mixerless_layers)
+        linear |= set(range(self.num_layers - self.kv_shared_layers, self.num_layers))  # (Gemma 4's shared-KV layers)
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
@@ -1225,14 +1260,12 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     scales them), values RMS-normed, a scalar a layer, final logits soft-capped; windowed layers (layer_types) of
     head_dim at their own rope theta, global layers of global_head_dim and num_global_key_value_heads (or the
     per_layer_config transformers writes) with keys as values (attention_k_eq_v) and proportional rope; 26B-A4B's
-    experts beside the dense MLP (enable_moe_block: parallel_experts). Per-layer embeddings and shared KV layers
-    (E2B / E4B) are refused."""
+    experts beside the dense MLP (enable_moe_block: parallel_experts); E2B's and E4B's per-layer inputs
+    (hidden_size_per_layer_input), shared KV layers (num_kv_shared_layers) and double-wide MLPs."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise _unsupported(f"{source}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
-    for key, what in (("hidden_size_per_layer_input", "per-layer embeddings (Gemma 4 E2B / E4B)"),
-                      ("num_kv_shared_layers", "shared KV layers (Gemma 4 E2B / E4B)"),
-                      ("use_bidirectional_attention", "bidirectional attention"),
+    for key, what in (("use_bidirectional_attention", "bidirectional attention"),
                       ("attention_bias", "attention biases")):
         if hf.get(key):
             raise _unsupported(f"{source}: {what} ({key}) is not supported yet")
@@ -1272,7 +1305,11 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         final_logit_softcapping=float(cap) if cap else None,
         global_head_dim=0 if global_dim == sizes["head_dim"] else global_dim,
         global_kv_heads=kv_heads.pop() if kv_heads else 0, value_from_key=bool(hf.get("attention_k_eq_v")) and bool(glob),
-        v_norm=True, layer_scalars=True, **experts)
+        v_norm=True, layer_scalars=True, **experts,
+        per_layer_input_dim=int(hf.get("hidden_size_per_layer_input") or 0),
+        per_layer_vocab=int(hf.get("vocab_size_per_layer_input") or 0) if hf.get("hidden_size_per_layer_input") else 0,
+        kv_shared_layers=int(hf.get("num_kv_shared_layers") or 0),
+        double_wide_mlp=bool(hf.get("use_double_wide_mlp")) and bool(hf.get("num_kv_shared_layers")))
 
 
 def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

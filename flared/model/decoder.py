@@ -255,7 +255,7 @@ class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
                  "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o", "geometry",
-                 "keys_as_values", "scalar", "beside")
+                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer")
 
 
 class DecoderModel:
@@ -285,6 +285,11 @@ class DecoderModel:
         self.embed = w("embed.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = norm("final_norm.weight")
+        # Gemma 4 E2B / E4B: (each token's per-layer rows, the embedding's projection to them, its per-layer norm)
+        self.per_layer = None
+        if config.per_layer_input_dim:
+            self.per_layer = (w("embed_per_layer.weight"), _Linear(w("per_layer_proj.weight"), None),
+                              norm("per_layer_proj_norm.weight"))
         self.layers: list[_Layer] = []
         kv_index = {layer: j for j, layer in enumerate(config.kv_layers)}  # (the KV cache holds these layers')
         for i in range(config.num_layers):
@@ -292,7 +297,13 @@ class DecoderModel:
             layer = _Layer()
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
             layer.latent = layer.linear = None
-            layer.kv_index = kv_index.get(i, -1)
+            # (Gemma 4's shared-KV layers attend to their source layer's keys and values, keeping none of their own)
+            layer.kv_source = config.kv_source(i)
+            layer.kv_index = kv_index.get(i if layer.kv_source is None else layer.kv_source, -1)
+            layer.per_layer = None
+            if config.per_layer_input_dim:  # (its input's gate, projection and norm)
+                layer.per_layer = (_Linear(w(p + "per_layer_gate.weight"), None),
+                                   _Linear(w(p + "per_layer_out.weight"), None), norm(p + "per_layer_norm.weight"))
             # (Nemotron-H: a layer of an MLP block alone, or of a mixer block alone)
             layer.has_mixer = i not in config.mixerless_layers
             layer.has_mlp = i not in config.mlpless_layers
@@ -338,8 +349,8 @@ class DecoderModel:
             elif config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
                 layer.qk_norm = (w(p + "q_norm.weight"), w(p + "k_norm.weight"))
             elif config.qk_norm:
-                layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1),
-                                           norm(p + "k_norm.weight").expand(layer.geometry[0], -1)])
+                layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1)] + (
+                    [norm(p + "k_norm.weight").expand(layer.geometry[0], -1)] if layer.kv_source is None else []))
             layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias")) if layer.has_mixer else None
             layer.mlp_norm = norm(p + "mlp_norm.weight")
             layer.post_attn_norm = norm(p + "post_attn_norm.weight")  # Gemma's and OLMo's sandwich norms
@@ -462,7 +473,7 @@ class DecoderModel:
         mlp = [layer.gate_up, layer.down] if layer.experts is None else \
             [layer.router, *(lin for pair in layer.experts for lin in pair),
              *(lin for lin in layer.shared or () if lin is not None), layer.gate_up, layer.down]
-        attention = [x for x in (*(layer.latent or layer.linear or ()), layer.qkv, layer.linear_o)
+        attention = [x for x in (*(layer.latent or layer.linear or ()), layer.qkv, layer.linear_o, *(layer.per_layer or ()))
                      if isinstance(x, _Linear)]
         return [lin for lin in (*attention, layer.o, *mlp) if lin is not None]
 
@@ -740,6 +751,8 @@ class DecoderModel:
             h = h * c.embedding_multiplier
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
+        per_layer_inputs = self._per_layer_inputs(batch, h) if self.per_layer is not None else None
+        produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (Gemma 4: a source layer's keys and values)
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
         native = self.cpu_decode_attention and kv.storage_dtype in (self.dtype, FP8_KV)
         decode_masked = None
@@ -769,9 +782,11 @@ class DecoderModel:
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             nkv, d = layer.geometry  # (Gemma 4's global layers: their own)
             q_size, kv_size = nh * d, nkv * d
+            if layer.kv_source is not None:  # (Gemma 4's shared-KV layers: queries alone)
+                kv_size = 0
             if lora:
                 qkv = self._lora(batch, f"layers.{index}.qkv.weight", x, qkv)
-            qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + nkv, d)
+            qk = qkv[:, :q_size + kv_size].reshape(num_tokens, nh + kv_size // d, d)
             # (Gemma 4's global layers: the values are the keys' projection, taken before the key norm and rope)
             v = qkv[:, q_size:q_size + kv_size] if layer.keys_as_values else qkv[:, q_size + kv_size:q_size + 2 * kv_size]
             if c.qk_norm_whole:
@@ -790,11 +805,16 @@ class DecoderModel:
                 qk = torch.cat((torch.addcmul(turned * layer_cos, turned.roll(rope_dim // 2, dims=-1), layer_sin),
                                 qk[..., rope_dim:]), dim=-1)
             q = qk[:, :nh]
-            k = qk[:, nh:]
-            v = v.view(num_tokens, nkv, d)
-            if c.v_norm:  # Gemma 4: each value head RMS-normed in float32, no weight
-                v = F.rms_norm(v.float(), (d,), None, eps).to(v.dtype)
-            kv.write(layer.kv_index, batch.write_slot_ids, k, v)
+            if layer.kv_source is not None:  # this forward's keys and values of the layer it shares them with
+                k, v = produced[layer.kv_source]
+            else:
+                k = qk[:, nh:]
+                v = v.view(num_tokens, nkv, d)
+                if c.v_norm:  # Gemma 4: each value head RMS-normed in float32, no weight
+                    v = F.rms_norm(v.float(), (d,), None, eps).to(v.dtype)
+                kv.write(layer.kv_index, batch.write_slot_ids, k, v)
+                if c.kv_shared_layers:
+                    produced[index] = (k, v)
             attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
             if c.v_head_dim:  # (latent attention's values fill the first v_head_dim of each head's d)
                 attn = attn.view(num_tokens, nh, d)[..., :c.v_head_dim].reshape(num_tokens, nh * c.v_head_dim)
@@ -806,7 +826,25 @@ class DecoderModel:
             if beside is not None:
                 o = beside + o
             h = self._residual_and_mlp(index, layer, batch, h, x, o)
+            if layer.per_layer is not None:  # Gemma 4 E2B / E4B: the layer's own input, gated by the residual
+                gate, out, norm = layer.per_layer
+                gated = F.gelu(gate(h), approximate="tanh") * per_layer_inputs[:, index]
+                h = h + self._norm(out(gated), norm)
+            if layer.scalar is not None:  # (Gemma 4's layer_scalar)
+                h = h * layer.scalar
         return h
+
+    def _per_layer_inputs(self, batch: ForwardBatch, h: torch.Tensor) -> torch.Tensor:
+        """Gemma 4 E2B / E4B: every layer's input [T, layers, per_layer_input_dim] from the tokens' rows of
+        embed_per_layer (times sqrt of its width) and the scaled embedding h through per_layer_proj (times
+        hidden^-0.5, normed per layer), their sum times 2^-0.5, as transformers rounds them."""
+        c = self.config
+        table, proj, norm = self.per_layer
+        shape = (h.shape[0], c.num_layers, c.per_layer_input_dim)
+        own = table.index_select(0, batch.input_ids) * torch.tensor(c.per_layer_input_dim ** 0.5, dtype=h.dtype,
+                                                                    device=h.device)
+        projected = self._norm((proj(h) * c.hidden_size ** -0.5).view(shape), norm)
+        return (projected + own.view(shape)) * 2.0 ** -0.5
 
     def _residual_and_mlp(self, index: int, layer: _Layer, batch: ForwardBatch, h: torch.Tensor, x: torch.Tensor,
                           o: torch.Tensor) -> torch.Tensor:
@@ -848,8 +886,6 @@ class DecoderModel:
         if c.residual_multiplier is not None:
             down = down * c.residual_multiplier
         h = h + down
-        if layer.scalar is not None:  # (Gemma 4's layer_scalar)
-            h = h * layer.scalar
         if batch.deepstack_values is not None and index < len(batch.deepstack_values):
             # Qwen3-VL's DeepStack: a tower layer's rows added to the image tokens' state after this layer
             h.index_add_(0, batch.embed_rows, batch.deepstack_values[index].to(h.dtype))

@@ -74,16 +74,27 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    if c.per_layer_input_dim:  # Gemma 4 E2B / E4B: every layer's input from its own table and the embedding
+        packed = c.num_layers * c.per_layer_input_dim
+        shapes.update({"embed_per_layer.weight": (c.per_layer_vocab, packed), "per_layer_proj.weight": (packed, c.hidden_size),
+                       "per_layer_proj_norm.weight": (c.per_layer_input_dim,)})
     linear, mixerless, mlpless = set(c.linear_layers), set(c.mixerless_layers), set(c.mlpless_layers)
     gated = 2 if c.mlp_gated else 1  # (an ungated MLP's gate_up holds the up rows alone)
     for i in range(c.num_layers):
         p = f"layers.{i}."
         kv_heads, head_dim = c.layer_geometry(i)  # (Gemma 4's global layers have their own)
         values = 0 if c.value_from_key and head_dim == c.global_head_dim else kv_heads * head_dim  # (keys as values)
+        keys = kv_heads * head_dim
+        if c.kv_source(i) is not None:  # (Gemma 4's shared-KV layers: queries alone)
+            keys = values = 0
         # q (the output gate's rows after v's), k, v
-        qkv_rows = c.num_heads * head_dim * (2 if c.attn_output_gate else 1) + kv_heads * head_dim + values
+        qkv_rows = c.num_heads * head_dim * (2 if c.attn_output_gate else 1) + keys + values
         if c.layer_scalars:
             shapes[p + "scalar"] = (1,)
+        if c.per_layer_input_dim:
+            shapes.update({p + "per_layer_gate.weight": (c.per_layer_input_dim, c.hidden_size),
+                           p + "per_layer_out.weight": (c.hidden_size, c.per_layer_input_dim),
+                           p + "per_layer_norm.weight": (c.hidden_size,)})
         if c.pre_norm and i not in mixerless:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
         if i in linear:
@@ -97,7 +108,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "qkv.bias"] = (qkv_rows,)
             if c.qk_norm:  # (OLMo 2's over all heads at once)
                 shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else head_dim,)
-                shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else head_dim,)
+                if keys:
+                    shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else head_dim,)
             shapes[p + "o.weight"] = (c.hidden_size, c.num_heads * (c.v_head_dim or head_dim))
             if c.attention_out_bias:
                 shapes[p + "o.bias"] = (c.hidden_size,)
@@ -134,8 +146,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 if c.shared_expert_gate:
                     shapes[p + "shared.gate.weight"] = (1, c.hidden_size)
             continue
-        shapes[p + "gate_up.weight"] = (gated * c.intermediate_size, c.hidden_size)
-        shapes[p + "down.weight"] = (c.hidden_size, c.intermediate_size)
+        shapes[p + "gate_up.weight"] = (gated * c.mlp_width(i), c.hidden_size)
+        shapes[p + "down.weight"] = (c.hidden_size, c.mlp_width(i))
     return shapes
 
 
@@ -356,6 +368,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
+    if config.per_layer_input_dim:  # Gemma 4 E2B / E4B
+        out.update({"embed_per_layer.weight": take("model.embed_tokens_per_layer.weight"),
+                    "per_layer_proj.weight": take("model.per_layer_model_projection.weight"),
+                    "per_layer_proj_norm.weight": norm("model.per_layer_projection_norm.weight")})
     for i in range(config.num_layers):
         hp, sp = f"model.layers.{i}.", f"layers.{i}."
         attn = hp + "self_attn."
@@ -380,6 +396,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             q = q.view(config.num_heads, 2, config.head_dim, -1)
             out[sp + "qkv.weight"] = torch.cat([q[:, 0].reshape(config.q_size, -1), k, v,
                                                 q[:, 1].reshape(config.q_size, -1)])
+        elif config.kv_source(i) is not None:  # Gemma 4's shared-KV layers: their queries alone
+            out[sp + "qkv.weight"] = take(attn + "q_proj.weight")
         elif config.value_from_key and attn + "v_proj.weight" not in hf:  # Gemma 4's global layers: q, k (k as v)
             out[sp + "qkv.weight"] = torch.cat([take(attn + "q_proj.weight"), take(attn + "k_proj.weight")])
         elif attn + "qkv_proj.weight" in hf:  # Phi-3's fused projection: q, k, v rows already in our order
@@ -395,7 +413,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             pass
         elif config.qk_norm:
             out[sp + "q_norm.weight"] = norm(attn + "q_norm.weight")
-            out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
+            if config.kv_source(i) is None:
+                out[sp + "k_norm.weight"] = norm(attn + "k_norm.weight")
         if i not in config.linear_layers:
             out[sp + "o.weight"] = take(attn + "o_proj.weight")
         if config.attention_out_bias and i not in config.linear_layers:
@@ -404,6 +423,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "sinks"] = take(attn + "sinks")
         if config.layer_scalars:  # (Gemma 4's layer_scalar)
             out[sp + "scalar"] = take(hp + "layer_scalar").reshape(1)
+        if config.per_layer_input_dim:  # (Gemma 4 E2B / E4B: the layer's input's gate, projection and norm)
+            out.update({sp + "per_layer_gate.weight": take(hp + "per_layer_input_gate.weight"),
+                        sp + "per_layer_out.weight": take(hp + "per_layer_projection.weight"),
+                        sp + "per_layer_norm.weight": norm(hp + "post_per_layer_input_norm.weight")})
         if hp + "post_self_attn_layernorm.weight" in hf:  # GLM-4's four norms (post_attention_layernorm: Llama's)
             out[sp + "post_attn_norm.weight"] = take(hp + "post_self_attn_layernorm.weight")
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")

@@ -168,6 +168,11 @@ FAMILIES = {
     # capped logits; its variant with values of their own on the global layers
     "gemma4": ("gemma4_text", dict(_GEMMA4)),
     "gemma4_values": ("gemma4_text", dict(_GEMMA4, attention_k_eq_v=False, num_global_key_value_heads=2)),
+    # Gemma 4 E2B / E4B: per-layer inputs, the last two layers attending to the keys and values of the last earlier
+    # layer of their kind, their MLPs twice as wide
+    "gemma4_e2b": ("gemma4_text", dict(_GEMMA4, num_hidden_layers=4, hidden_size_per_layer_input=8,
+                                       vocab_size_per_layer_input=512, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                                       layer_types=["sliding_attention", "full_attention"] * 2)),
     # Gemma 4 26B-A4B's layer: experts beside the dense MLP, routed from the residual
     "gemma4_moe": ("gemma4_text", dict(_GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                        moe_intermediate_size=32)),

@@ -1,6 +1,6 @@
 """Gemma 4 (gemma4_text) beyond the shared parity tests (test_parity_hf.py runs the family's logits, greedy tokens,
 embeddings and prompt logprobs against transformers): the global layers' own geometry in the config and the KV
-cache, the variants refused, a float8 cache, a vision-language checkpoint served as its text model, and a daemon
+cache, E2B's shared KV layers, a float8 cache, a vision-language checkpoint served as its text model, and a daemon
 serving an exported Gemma 4 core from its prefix cache."""
 
 from __future__ import annotations
@@ -51,10 +51,23 @@ def test_the_global_layers_have_their_own_geometry():
     assert from_hf_config({**written, "per_layer_config": {"5": {"head_dim": 64, "num_key_value_heads": 1}}}) == config
 
 
-@pytest.mark.parametrize("key, value", [("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 2)])
-def test_the_variants_not_served_are_refused_by_name(key, value):
-    with pytest.raises(CoreError, match=key) as info:
-        from_hf_config({**_TEXT, key: value})
+def test_e2b_layers_share_keys_and_values_and_take_inputs_of_their_own():
+    """E2B / E4B: the last num_kv_shared_layers attend to the last earlier layer of their kind and keep no KV of their
+    own (with use_double_wide_mlp, twice as wide an MLP); every layer takes its own input (hidden_size_per_layer_input);
+    a shared layer with no earlier layer of its kind is refused."""
+    config = from_hf_config({**_TEXT, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 300,
+                             "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                             "layer_types": ["sliding_attention", "full_attention"] * 3})
+    assert [config.kv_source(i) for i in range(6)] == [None, None, None, None, 2, 3]
+    assert config.kv_layers == (0, 1, 2, 3) and [config.mlp_width(i) for i in (3, 4)] == [128, 256]
+    assert config.per_layer_input_dim == 8 and config.per_layer_vocab == 300
+    with pytest.raises(CoreError, match="share the keys and values"):
+        from_hf_config({**_TEXT, "num_kv_shared_layers": 5, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+
+
+def test_bidirectional_attention_is_refused_by_name():
+    with pytest.raises(CoreError, match="use_bidirectional_attention") as info:
+        from_hf_config({**_TEXT, "use_bidirectional_attention": "all"})
     assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
 
 
@@ -113,6 +126,25 @@ def test_a_gemma4_core_serves_transformers_tokens_from_its_prefix_cache(gemma4, 
     from flared_testing.served import assert_served_greedy_equals_transformers
 
     directory, hf_model = gemma4
+
+    def again(daemon):
+        status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
+                                   temperature=0, ignore_eos=True)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    assert_served_greedy_equals_transformers(directory, hf_model, tmp_path, also=again)
+
+
+def test_an_e2b_core_serves_transformers_tokens_from_its_prefix_cache(tmp_path):
+    """E2B's layout (per-layer inputs, shared KV layers, double-wide MLPs) exported and served: transformers' greedy
+    tokens, and again from the prefix cache (the shared layers read their source layers' cached pages)."""
+    from transformers import AutoModelForCausalLM
+
+    from flared_testing.served import assert_served_greedy_equals_transformers
+
+    directory = build_hf_checkpoint("gemma4_e2b", tmp_path / "hf")
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
     def again(daemon):
         status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
