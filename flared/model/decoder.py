@@ -420,7 +420,6 @@ class DecoderModel:
         self.cpu_decode_attention = (
             _cpu_attention is not None and self.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and config.attn_logit_softcapping is None  # (the kernel does not soft-cap scores: Gemma 2 takes torch's)
-            and not config.global_head_dim  # (nor reads Gemma 4's wider global heads)
             and not config.attention_sinks  # (nor weigh sinks: gpt-oss takes torch's)
             and config.num_heads // config.num_kv_heads <= _cpu_attention.MAX_GROUP
             and config.head_dim <= _cpu_attention.MAX_HEAD_DIM)
@@ -756,7 +755,8 @@ class DecoderModel:
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
         native = self.cpu_decode_attention and kv.storage_dtype in (self.dtype, FP8_KV)
         decode_masked = None
-        if batch.decode_attn_mask is not None and not native:
+        if batch.decode_attn_mask is not None and (not native or c.global_head_dim):  # (Gemma 4's global layers:
+            # the torch path)
             num_decode = batch.decode_row_ids.shape[0]
             # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
@@ -1274,7 +1274,7 @@ class DecoderModel:
         cached = self.layers[layer].kv_index  # (the KV cache's index of this layer)
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
-        if batch.decode_row_ids is not None and native:
+        if batch.decode_row_ids is not None and native and d == c.head_dim:  # (not Gemma 4's wider global heads)
             num_decode = batch.decode_row_ids.shape[0]
             qd = (q[:num_decode] if decode_only else q.index_select(0, batch.decode_row_ids)).contiguous()
             o = torch.empty(num_decode, nh * d, dtype=q.dtype)
