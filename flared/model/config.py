@@ -89,7 +89,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "nemotron_h": "llama",
                   # TII Falcon-H1: every layer's attention and Mamba-2 mixer read the same normed input, their outputs
                   # added (parallel_mixers); muP multipliers folded into the weights on reading (_falcon_h1_from_hf)
-                  "falcon_h1": "llama"}
+                  "falcon_h1": "llama",
+                  # IBM Bamba (9B): Granite 4.0-H's Mamba-2 layers beside attention layers (attn_layer_indices) with
+                  # half of each head rotated, a SwiGLU MLP, no multipliers (_bamba_from_hf)
+                  "bamba": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -737,6 +740,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _nemotron_h_from_hf(hf, source)
     if model_type == "falcon_h1":
         return _falcon_h1_from_hf(hf, source)
+    if model_type == "bamba":
+        return _bamba_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -983,6 +988,24 @@ def _falcon_h1_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         linear_conv_kernel=int(hf.get("mamba_d_conv", 4)), linear_conv_bias=bool(hf.get("mamba_conv_bias", True)),
         embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
         logits_scaling=1.0 / float(hf.get("lm_head_multiplier", 1.0)))
+
+
+def _bamba_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Bamba: the layers named in attn_layer_indices attend (half of each head rotated, as transformers hard-codes
+    it), the others are Granite 4.0-H's Mamba-2 mixers (its mamba_* keys); a SwiGLU MLP (feed_forward) after each;
+    norms input_layernorm, pre_ff_layernorm, final_layernorm (the loader's names)."""
+    _check_silu(hf, source)
+    if hf.get("mlp_bias") or hf.get("attention_bias"):
+        raise _unsupported(f"{source}: Bamba with biased projections is not supported")
+    layers = int(hf["num_hidden_layers"])
+    attending = {int(i) for i in hf.get("attn_layer_indices") or ()}
+    types = ["attention" if i in attending else "mamba" for i in range(layers)]
+    sizes = _sizes(hf, max_positions=262144)
+    theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=False, rotary_dim=sizes["head_dim"] // 2,
+        **_granite_hybrid_from_hf({**hf, "layer_types": types}, source))
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

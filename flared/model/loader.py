@@ -354,6 +354,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         return _hf_lfm2(hf, config, take)
     if config.mixerless_layers or config.mlpless_layers or not config.mlp_gated:
         return _hf_nemotron_h(hf, config, take)
+    if hf_config is not None and hf_config.get("model_type") == "bamba":  # (its names for Llama's norms and MLP)
+        renames = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                   ("model.final_layernorm.", "model.norm."))
+        hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if config.parallel_mixers:
         if hf_config is None:
             raise CoreError(f"{source}: Falcon-H1's tensors need its config.json (the multipliers folded into them)",

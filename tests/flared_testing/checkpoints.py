@@ -176,6 +176,11 @@ FAMILIES = {
     # Gemma 4 26B-A4B's layer: experts beside the dense MLP, routed from the residual
     "gemma4_moe": ("gemma4_text", dict(_GEMMA4, enable_moe_block=True, num_experts=8, top_k_experts=2,
                                        moe_intermediate_size=32)),
+    # IBM Bamba: Granite 4.0-H's Mamba-2 layer (without its multipliers), then an attention layer with half of each
+    # head rotated, SwiGLU MLPs
+    "bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
+                            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, head_dim=16, initializer_range=0.1,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
