@@ -92,7 +92,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "falcon_h1": "llama",
                   # IBM Bamba (9B): Granite 4.0-H's Mamba-2 layers beside attention layers (attn_layer_indices) with
                   # half of each head rotated, a SwiGLU MLP, no multipliers (_bamba_from_hf)
-                  "bamba": "llama"}
+                  "bamba": "llama",
+                  # AI21 Jamba (Reasoning 3B, Mini, Large): Mamba-1 layers (a state per channel, B / C / dt normed) beside
+                  # unrotated attention layers, every other layer's MLP routed experts (_jamba_from_hf)
+                  "jamba": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -105,10 +108,10 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
                  "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
-                 "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp"}
+                 "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
-LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2")
+LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1")
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors", "proportional")
@@ -286,6 +289,10 @@ class ModelConfig:
     per_layer_vocab: int = 0
     kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    # "mamba1" linear layers (Jamba's Mamba-1 mixers): linear_value_heads channels (the expanded width; key heads 1,
+    # value dim 1), each with its own [linear_key_dim] state decayed per state by exp(dt A) and fed dt x B every token,
+    # read by C; dt from a linear_dt_rank-wide projection; Jamba's RMSNorms on dt, B and C; a D skip; y * SiLU(z).
+    linear_dt_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -397,8 +404,8 @@ class ModelConfig:
         if self.short_conv and (self.linear_conv_kernel < 2 or any(getattr(self, n) for n in linear_sizes[:4])):
             raise CoreError("short convolution layers need a convolution of 2 or more inputs, and no key or value "
                             "heads")
-        if self.linear_conv_bias and self.linear_kind != "mamba2":
-            raise CoreError("linear_conv_bias needs Mamba-2 layers")
+        if self.linear_conv_bias and self.linear_kind not in ("mamba2", "mamba1"):
+            raise CoreError("linear_conv_bias needs Mamba layers")
         if self.linear_layers and not self.short_conv and (
                 any(getattr(self, n) == 0 for n in linear_sizes) or self.linear_conv_kernel < 2
                 or self.linear_value_heads % self.linear_key_heads):
@@ -410,7 +417,8 @@ class ModelConfig:
             raise CoreError("a mixerless layer is neither a linear layer nor mlpless (a layer of nothing)")
         if set(self.mlpless_layers) & set(self.dense_layers):
             raise CoreError("an mlpless layer cannot be a dense_layers one")
-        for name in ("global_head_dim", "global_kv_heads", "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers"):
+        for name in ("global_head_dim", "global_kv_heads", "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers",
+                     "linear_dt_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
@@ -420,6 +428,9 @@ class ModelConfig:
             raise CoreError("global_head_dim, global_kv_heads and value_from_key need windowed layers beside the "
                             "global ones (layer_windows), a global head of whole head_dims and query heads in whole "
                             "groups of the global KV heads")
+        if (self.linear_kind == "mamba1") != bool(self.linear_dt_rank) or self.linear_kind == "mamba1" and (
+                self.linear_value_dim != 1 or self.linear_key_heads != 1):
+            raise CoreError("Mamba-1 layers (and only they) need a time-step rank, one channel a head and one group")
         if bool(self.per_layer_input_dim) != bool(self.per_layer_vocab):
             raise CoreError("per_layer_input_dim and per_layer_vocab go together")
         if self.kv_shared_layers and (self.kv_shared_layers >= self.num_layers or self.linear_layers or any(
@@ -450,7 +461,7 @@ class ModelConfig:
         if self.kv_lora_rank:
             return "multi-head latent attention"
         if self.linear_layers:
-            return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers"}.get(
+            return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers", "mamba1": "Mamba layers"}.get(
                 self.linear_kind, "Gated DeltaNet (linear attention) layers")
         if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated:
             return "layers of an MLP or a mixer alone, ungated MLPs"
@@ -535,6 +546,8 @@ class ModelConfig:
         """A linear layer's convolved channels: a Gated DeltaNet layer's q, k and v columns, LFM2's hidden ones."""
         if self.short_conv:
             return self.hidden_size
+        if self.linear_kind == "mamba1":  # (Mamba-1 convolves x alone)
+            return self.linear_value_heads
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     @property
@@ -742,6 +755,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _falcon_h1_from_hf(hf, source)
     if model_type == "bamba":
         return _bamba_from_hf(hf, source)
+    if model_type == "jamba":
+        return _jamba_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1006,6 +1021,37 @@ def _bamba_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=False, qk_norm=False, rotary_dim=sizes["head_dim"] // 2,
         **_granite_hybrid_from_hf({**hf, "layer_types": types}, source))
+
+
+def _jamba_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Jamba: layer i attends where i % attn_layer_period == attn_layer_offset (no positional embedding), the others
+    are Mamba-1 mixers (mamba_expand * hidden channels, mamba_d_state states each, dt from a mamba_dt_rank-wide
+    projection ("auto": hidden / 16, rounded up), dt / B / C RMS-normed); where i % expert_layer_period ==
+    expert_layer_offset the MLP is num_experts SwiGLU experts (the router's softmax, its top num_experts_per_tok
+    weights as they are), else a dense SwiGLU MLP."""
+    _check_silu(hf, source)
+    if hf.get("mamba_proj_bias") or hf.get("attention_bias"):
+        raise _unsupported(f"{source}: Jamba with biased projections is not supported")
+    sizes = _sizes(hf, max_positions=262144)
+    layers = sizes["num_layers"]
+    attn_period, attn_offset = int(hf.get("attn_layer_period", 8)), int(hf.get("attn_layer_offset", 4))
+    expert_period, expert_offset = int(hf.get("expert_layer_period", 2)), int(hf.get("expert_layer_offset", 1))
+    attending = tuple(i for i in range(layers) if i % attn_period == attn_offset)
+    routed = [i for i in range(layers) if i % expert_period == expert_offset]
+    experts: dict[str, Any] = {}
+    if int(hf.get("num_experts", 16)) > 1 and routed:
+        experts = dict(num_experts=int(hf.get("num_experts", 16)), experts_per_token=int(hf.get("num_experts_per_tok", 2)),
+                       expert_intermediate_size=sizes["intermediate_size"],
+                       dense_layers=tuple(i for i in range(layers) if i not in routed))
+    rank = hf.get("mamba_dt_rank", "auto")
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=10000.0,
+        rope_scaling=None, attention_bias=False, qk_norm=False, nope_layers=attending,
+        linear_layers=tuple(i for i in range(layers) if i not in attending), linear_kind="mamba1",
+        linear_value_heads=int(hf.get("mamba_expand", 2)) * sizes["hidden_size"], linear_value_dim=1,
+        linear_key_heads=1, linear_key_dim=int(hf.get("mamba_d_state", 16)),
+        linear_conv_kernel=int(hf.get("mamba_d_conv", 4)), linear_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        linear_dt_rank=math.ceil(sizes["hidden_size"] / 16) if rank in (None, "auto") else int(rank), **experts)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

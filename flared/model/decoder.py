@@ -29,8 +29,8 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.recurrent import (chunked_gated_delta, chunked_linear_attention, gated_delta_step,
-                                    linear_attention_step, prepare)
+from flared.model.recurrent import (chunked_gated_delta, chunked_linear_attention, chunked_selective_scan,
+                                    gated_delta_step, linear_attention_step, prepare, selective_step)
 from flared.model.rope import rope_tables
 
 try:
@@ -316,6 +316,16 @@ class DecoderModel:
             elif i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
                 layer.qkv = None
+            elif i in config.linear_layers and config.linear_kind == "mamba1":
+                # (in projection, conv [C, K], its bias, x_proj, dt_proj, dt_bias, -exp(A_log) [C, N], D, the dt / B / C
+                # norms' weights)
+                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
+                                _Linear(w(p + "x_proj.weight"), None), _Linear(w(p + "dt_proj.weight"), None),
+                                tensors[p + "dt_bias"].to(self.device, torch.float32),
+                                -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
+                                tensors[p + "d"].to(self.device, torch.float32), norm(p + "dt_norm.weight"),
+                                norm(p + "b_norm.weight"), norm(p + "c_norm.weight"))
+                layer.qkv = None
             elif i in config.linear_layers and config.linear_kind == "mamba2":
                 # (in projection, conv [C, K], its bias, dt_bias, -exp(A_log), D, the gated norm's weight or None)
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
@@ -445,12 +455,13 @@ class DecoderModel:
         # layers: 1.9x slower without the flush; tools/bench_hybrid.py). On the CPU such a model's forwards run with
         # denormals flushed to zero (flared/_fast/linear.pyx: on the model thread and its OpenMP workers, as GPUs
         # do), the threads' previous mode back after each forward.
-        decaying = config.linear_kind in ("gated_delta", "mamba2")  # (Mamba-2's states decay too)
+        decaying = config.linear_kind in ("gated_delta", "mamba2", "mamba1")  # (Mamba's states decay too)
         self.flush_denormals = decaying and self.device.type == "cpu" and flush_denormals is not None
         # Decode rows' gated delta rule (and Mamba-2's decayed update) on the CPU in place on their state rows
         # (flared/_fast/delta.pyx), instead of gathering the rows, torch's ops, and scattering them back. False keeps
         # torch's (the A/B).
-        self.cpu_delta_step = (decaying and self.device.type == "cpu" and _cpu_delta is not None
+        self.cpu_delta_step = (config.linear_kind in ("gated_delta", "mamba2") and self.device.type == "cpu"
+                               and _cpu_delta is not None
                                and config.linear_value_dim <= _cpu_delta.MAX_VALUE_DIM)
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
@@ -773,7 +784,8 @@ class DecoderModel:
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             beside = None  # (Falcon-H1: the mixer's output, added to attention's)
             if layer.linear is not None:
-                mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2}.get(c.linear_kind, self._gated_delta)
+                mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2,
+                         "mamba1": self._mamba1}.get(c.linear_kind, self._gated_delta)
                 beside = mixer(index, layer, batch, kv, x)
                 if layer.qkv is None:
                     h = self._residual_and_mlp(index, layer, batch, h, x, beside)
@@ -1007,6 +1019,40 @@ class DecoderModel:
         normed = F.rms_norm(gated.view(rows, groups, inner // groups), (inner // groups,), None,
                             c.rms_norm_eps).view(rows, inner)
         return out_proj(norm_weight * normed.to(x.dtype))
+
+    def _mamba1(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache,
+                x: torch.Tensor) -> torch.Tensor:
+        """A Mamba-1 mixer (Jamba's) over the normed rows x [T, H] -> [T, H], as transformers' torch path computes it:
+        the projection's x (through the causal convolution, its bias and SiLU) and z; x_proj's dt input, B and C, each
+        RMS-normed; dt = softplus(dt_proj(dt input) + dt_bias); the selective scan in float32 (each channel's state
+        decayed per state by exp(dt A), fed dt x B, read by C), plus D x; y times SiLU(z), through o."""
+        c = self.config
+        project, conv_weight, conv_bias, x_proj, dt_proj, dt_bias, decay, skip, dt_norm, b_norm, c_norm = layer.linear
+        states = kv.states
+        j = states.layer_index[index]
+        channels, size, rank = c.linear_value_heads, c.linear_key_dim, c.linear_dt_rank
+        xs, z = project(x).chunk(2, dim=-1)
+        convolved = self._causal_conv(states.conv[j], batch, xs, conv_weight)
+        if conv_bias is not None:
+            convolved = convolved + conv_bias
+        xs = F.silu(convolved)
+        dt, b, cq = x_proj(xs).split([rank, size, size], dim=-1)
+        dt, b, cq = self._norm(dt, dt_norm), self._norm(b, b_norm), self._norm(cq, c_norm)
+        dt = F.softplus(dt_proj(dt).float() + dt_bias)  # [T, C]
+        u = dt * xs.float()
+        log_decay = dt[:, :, None] * decay  # [T, C, N]
+        out = torch.empty(x.shape[0], channels, dtype=torch.float32, device=x.device)
+        ssm = states.ssm[j].view(states.rows, channels, size)  # (each row's [C, N, 1] state)
+        if batch.decode_row_ids is not None:
+            rows, state_rows = batch.decode_row_ids, batch.decode_state_rows
+            state = ssm.index_select(0, state_rows)
+            out.index_copy_(0, rows, selective_step(u[rows], b[rows].float(), cq[rows].float(), log_decay[rows], state))
+            ssm.index_copy_(0, state_rows, state)
+        for group in batch.prefill_groups:
+            lo, hi = group.row_start, group.row_end
+            out[lo:hi] = chunked_selective_scan(u[lo:hi], b[lo:hi], cq[lo:hi], log_decay[lo:hi], ssm[group.state_row])
+        y = (out + skip * xs.float()).to(x.dtype)
+        return layer.o((y.float() * F.silu(z.float())).to(x.dtype))
 
     @staticmethod
     def _causal_conv(conv_state: torch.Tensor, batch: ForwardBatch, inputs: torch.Tensor,

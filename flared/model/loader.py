@@ -159,6 +159,17 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         return {p + "linear_in.weight": (3 * c.hidden_size, c.hidden_size),
                 p + "conv.weight": (c.hidden_size, c.linear_conv_kernel), p + "o.weight": (c.hidden_size, c.hidden_size)}
     value = c.linear_value_heads * c.linear_value_dim
+    if c.linear_kind == "mamba1":  # x and z; the convolution over x; B, C and dt's input from x; dt's projection; Jamba's
+        # norms on dt, B and C; A [channels, states], D, o
+        channels, states, rank = c.linear_value_heads, c.linear_key_dim, c.linear_dt_rank
+        shapes = {p + "linear_in.weight": (2 * channels, c.hidden_size), p + "conv.weight": (channels, c.linear_conv_kernel),
+                  p + "x_proj.weight": (rank + 2 * states, channels), p + "dt_proj.weight": (channels, rank),
+                  p + "dt_bias": (channels,), p + "a_log": (channels, states), p + "d": (channels,),
+                  p + "dt_norm.weight": (rank,), p + "b_norm.weight": (states,), p + "c_norm.weight": (states,),
+                  p + "o.weight": (c.hidden_size, channels)}
+        if c.linear_conv_bias:
+            shapes[p + "conv.bias"] = (channels,)
+        return shapes
     if c.linear_kind == "mamba2":  # z, then x, B, C (convolved), then dt; D and the gated grouped norm
         # (Falcon-H1's mixer beside attention: its output projection linear_o; without linear_norm, no norm)
         shapes = {p + "linear_in.weight": (value + c.linear_conv_dim + c.linear_value_heads, c.hidden_size),
@@ -354,9 +365,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         return _hf_lfm2(hf, config, take)
     if config.mixerless_layers or config.mlpless_layers or not config.mlp_gated:
         return _hf_nemotron_h(hf, config, take)
-    if hf_config is not None and hf_config.get("model_type") == "bamba":  # (its names for Llama's norms and MLP)
-        renames = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
-                   ("model.final_layernorm.", "model.norm."))
+    if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
+        renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
+                   (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if config.parallel_mixers:
         if hf_config is None:
@@ -389,7 +400,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                 k = interleaved_rope_rows(k, config.num_kv_heads, config)
             return [q, k, v]
 
-        if i in config.linear_layers and config.linear_kind == "mamba2":
+        if i in config.linear_layers and config.linear_kind == "mamba1":
+            out.update(_hf_mamba1(hp + "mamba.", sp, config, take))
+        elif i in config.linear_layers and config.linear_kind == "mamba2":
             out.update(_hf_mamba2(hp + "mamba.", sp, config, take))
         elif i in config.linear_layers:
             out.update(_hf_gated_delta(hp + "linear_attn.", sp, config, hf, take))
@@ -503,6 +516,20 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         out[sp + "shared.down.weight"] = take(shared + "down_proj.weight")
         if config.shared_expert_gate:
             out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
+    return out
+
+
+def _hf_mamba1(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """A Mamba-1 mixer (Jamba's ``mamba``): in_proj (x, z), conv1d [channels, 1, kernel] and its bias, x_proj (dt's
+    input, B, C), dt_proj and its bias, A_log [channels, states], D, dt / b / c_layernorm, out_proj."""
+    conv = take(mp + "conv1d.weight")
+    out = {sp + "linear_in.weight": take(mp + "in_proj.weight"), sp + "conv.weight": conv.reshape(conv.shape[0], -1),
+           sp + "x_proj.weight": take(mp + "x_proj.weight"), sp + "dt_proj.weight": take(mp + "dt_proj.weight"),
+           sp + "dt_bias": take(mp + "dt_proj.bias"), sp + "a_log": take(mp + "A_log"), sp + "d": take(mp + "D"),
+           sp + "dt_norm.weight": take(mp + "dt_layernorm.weight"), sp + "b_norm.weight": take(mp + "b_layernorm.weight"),
+           sp + "c_norm.weight": take(mp + "c_layernorm.weight"), sp + "o.weight": take(mp + "out_proj.weight")}
+    if config.linear_conv_bias:
+        out[sp + "conv.bias"] = take(mp + "conv1d.bias")
     return out
 
 

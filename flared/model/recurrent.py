@@ -1,5 +1,5 @@
 """Recurrent layers' state per sequence (Qwen3-Next's and Qwen3.5's Gated DeltaNet, LFM2's short convolutions,
-Granite 4.0-H's Mamba-2), and their scans.
+Granite 4.0-H's Mamba-2, Jamba's Mamba-1), and their scans.
 
 A Gated DeltaNet layer keeps no keys and values. Each sequence has, per such layer:
 - a state matrix S [value_heads, key_dim, value_dim] (float32), which every token decays by exp(g) and then
@@ -10,7 +10,9 @@ A Gated DeltaNet layer keeps no keys and values. Each sequence has, per such lay
 An LFM2 short-convolution layer keeps only its convolution's last ``kernel - 1`` inputs (hidden wide). A Mamba-2
 layer (Granite 4.0-H) keeps a state per head too, [state size, head channels], decayed by exp(dt A) and fed
 dt x B^T every token and read by C: linear attention with a decay and no delta rule (``chunked_linear_attention``,
-``linear_attention_step``), B and C as its keys and queries, dt x as its values.
+``linear_attention_step``), B and C as its keys and queries, dt x as its values. A Mamba-1 layer (Jamba) keeps a state
+per channel, [state size], decayed per state by exp(dt A) (its own decay for each channel and state, so no scalar
+decay per head: ``chunked_selective_scan``, ``selective_step``).
 
 ``RecurrentState`` holds these for a fixed number of *state rows*. A row is a sequence's for its life: the eager
 executor gives each live request's state row (and each prefix-cache snapshot) one, zeroes it when a request starts
@@ -163,3 +165,35 @@ def chunked_linear_attention(q, k, v, g, state):
         s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v[:, i]
     state.copy_(s)
     return _unchunk(out, length)
+
+
+def selective_step(u, b, c, log_decay, state):
+    """One token for each of B sequences of a Mamba-1 layer (Jamba's): u [B, C] (dt x), b, c [B, N] (shared by the
+    channels), log_decay [B, C, N] (dt A), state [B, C, N] float32 (updated in place: exp(dt A) S + u b^T) -> the outputs
+    S c [B, C] float32."""
+    state.mul_(log_decay.exp()).add_(u[:, :, None] * b[:, None, :])
+    return torch.einsum("bcn,bn->bc", state, c)
+
+
+def chunked_selective_scan(u, b, c, log_decay, state, *, budget: int = 1 << 23):
+    """One sequence's L tokens of a Mamba-1 layer: u [L, C] (dt x), b, c [L, N], log_decay [L, C, N] (dt A, each
+    channel's and state's own, float32), state [C, N] float32 (replaced in place by the state after the L tokens) ->
+    [L, C]: y_t = sum over s <= t of exp(a_s+1 + ... + a_t) u_s (b_s . c_t) per channel, plus the decayed state read by
+    c_t. A chunk of tokens at a time as products (its [chunk, chunk, C, N] weights held to ``budget`` floats), the
+    state carried between chunks."""
+    length, channels, size = log_decay.shape
+    chunk = max(1, min(32, int((budget / (channels * size)) ** 0.5)))
+    out = torch.empty(length, channels, dtype=torch.float32, device=u.device)
+    for lo in range(0, length, chunk):
+        hi = min(lo + chunk, length)
+        cum = log_decay[lo:hi].cumsum(dim=0)  # [l, C, N]: the log decay from the chunk's start through t
+        uu, bb, cc = u[lo:hi].float(), b[lo:hi].float(), c[lo:hi].float()
+        # the carried state, decayed to each t and read by c_t
+        out[lo:hi] = torch.einsum("tcn,cn,tn->tc", cum.exp(), state, cc)
+        # the chunk's own tokens: exp(cum_t - cum_s) for s <= t (0 above the diagonal)
+        steps = hi - lo
+        upper = torch.ones(steps, steps, dtype=torch.bool, device=u.device).triu(1)[:, :, None, None]
+        weights = (cum[:, None] - cum[None, :]).masked_fill(upper, float("-inf")).exp()  # [t, s, C, N]
+        out[lo:hi] += torch.einsum("tscn,sc,sn,tn->tc", weights, uu, bb, cc)
+        state.mul_(cum[-1].exp()).add_(torch.einsum("scn,sc,sn->cn", (cum[-1][None] - cum).exp(), uu, bb))
+    return out

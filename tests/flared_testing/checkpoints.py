@@ -181,6 +181,12 @@ FAMILIES = {
     "bamba": ("bamba", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2,
                             mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, head_dim=16, initializer_range=0.1,
                             pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # AI21 Jamba: a Mamba-1 layer with a dense MLP, an unrotated attention layer with experts (softmax top-2, weights
+    # as they are), a Mamba-1 layer with a dense MLP
+    "jamba": ("jamba", dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, initializer_range=0.1, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,

@@ -75,6 +75,39 @@ def test_falcon_h1_attends_beside_every_mixer():
     assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
 
 
+def test_jamba_reads_its_layer_periods():
+    """Jamba: every attn_layer_period-th layer (from attn_layer_offset) attends unrotated, the rest are Mamba-1 layers
+    (the expanded width in channels of one state each, dt's rank hidden / 16 by default); every expert_layer_period-th
+    layer's MLP is routed experts, the others dense."""
+    hf = dict(model_type="jamba", vocab_size=512, hidden_size=72, intermediate_size=128, num_hidden_layers=8,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    config = from_hf_config(hf)
+    assert config.linear_kind == "mamba1" and config.kv_layers == config.nope_layers == (4,)
+    assert config.dense_layers == (0, 2, 4, 6) and config.num_experts == 4 and not config.norm_topk_prob
+    assert config.linear_value_heads == 144 and config.linear_key_dim == 16 and config.linear_dt_rank == 5
+    assert config.linear_conv_dim == 144 and config.graph_obstacle == "Mamba layers"
+    assert from_hf_config({**hf, "num_experts": 1}).num_experts == 0
+
+
+def test_the_chunked_selective_scan_equals_its_steps():
+    """Mamba-1's scan in chunks (the chunk's weights as products) against one token at a time from the same state."""
+    from flared.model.recurrent import chunked_selective_scan, selective_step
+
+    g = torch.Generator().manual_seed(0)
+    length, channels, size = 37, 12, 5
+    u, b, c = torch.randn(length, channels, generator=g), torch.randn(length, size, generator=g), \
+        torch.randn(length, size, generator=g)
+    log_decay = -torch.rand(length, channels, size, generator=g)
+    start = torch.randn(channels, size, generator=g)
+    chunked_state = start.clone()
+    chunked = chunked_selective_scan(u, b, c, log_decay, chunked_state, budget=channels * size * 25)  # chunks of 5
+    state = start.clone()[None]
+    steps = torch.cat([selective_step(u[t:t + 1], b[t:t + 1], c[t:t + 1], log_decay[t:t + 1], state)
+                       for t in range(length)])
+    assert (chunked - steps).abs().max().item() < 1e-4
+    assert (chunked_state - state[0]).abs().max().item() < 1e-4
+
+
 def test_layer_types_default_to_every_fourth_layer_attending():
     hf = dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -216,7 +249,7 @@ def _greedy(hf, prompt: list[int], count: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1", "jamba"])
 def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(family, tmp_path):
     """A Qwen3-Next or LFM2 core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
     from the prefix cache (its checkpoint restores the recurrent state beside the KV pages) with the same tokens; a
