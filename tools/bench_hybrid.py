@@ -4,15 +4,15 @@
 Both sides build the same random-weight model of ``--family`` at a shape below: a Qwen3.5 text model (three Gated
 DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers) or a
 Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers) a Nemotron-H (Mamba-2 and squared-ReLU MLP
-blocks, an attention block in eight) a Falcon-H1 (attention and Mamba-2 side by side in every layer) or a Gemma 4 (no recurrent layers: windowed
-layers beside global ones of wider heads); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
+blocks, an attention block in eight) a Falcon-H1 (attention and Mamba-2 side by side in every layer) a Gemma 4 (no recurrent layers: windowed
+layers beside global ones of wider heads) or a Jamba (Mamba-1 layers, attention, experts); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
 the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
 prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
 carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
 zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
 with the same flush around its calls.
 
-    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|gemma4] [--shape default|small] [--layers 8]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|gemma4|jamba] [--shape default|small] [--layers 8]
         [--dtype bfloat16] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
@@ -95,9 +95,20 @@ SHAPES = {
                       num_key_value_heads=4, head_dim=64, global_head_dim=128, num_global_key_value_heads=2,
                       attention_k_eq_v=True, sliding_window=128, vocab_size=32000, hidden_size_per_layer_input=0),
     },
+    "jamba": {  # Jamba's layout at 0.6B: Mamba-1 layers (2048 channels of 16 states), one attention layer in eight,
+        # every other layer's MLP four experts (two a token)
+        "default": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, attn_layer_period=8,
+                        attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16,
+                        mamba_expand=2, vocab_size=65536),
+        "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=4,
+                      attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, vocab_size=32000),
+    },
 }
 CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig",
-           "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config", "gemma4": "Gemma4TextConfig"}
+           "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config", "gemma4": "Gemma4TextConfig",
+           "jamba": "JambaConfig"}
 BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
