@@ -175,25 +175,21 @@ def selective_step(u, b, c, log_decay, state):
     return torch.einsum("bcn,bn->bc", state, c)
 
 
-def chunked_selective_scan(u, b, c, log_decay, state, *, budget: int = 1 << 23):
+def chunked_selective_scan(u, b, c, log_decay, state, *, block: int = 64):
     """One sequence's L tokens of a Mamba-1 layer: u [L, C] (dt x), b, c [L, N], log_decay [L, C, N] (dt A, each
     channel's and state's own, float32), state [C, N] float32 (replaced in place by the state after the L tokens) ->
-    [L, C]: y_t = sum over s <= t of exp(a_s+1 + ... + a_t) u_s (b_s . c_t) per channel, plus the decayed state read by
-    c_t. A chunk of tokens at a time as products (its [chunk, chunk, C, N] weights held to ``budget`` floats), the
-    state carried between chunks."""
-    length, channels, size = log_decay.shape
-    chunk = max(1, min(32, int((budget / (channels * size)) ** 0.5)))
+    [L, C]: y_t = S_t c_t with S_t = exp(dt_t A) S_t-1 + u_t b_t^T. ``block`` tokens at a time: their decays and
+    inputs as products, the recurrence a token at a time over the block (each channel and state decays at its own
+    rate, so the chunked form of a scalar decay's scan does not apply: its intra-chunk weights would cost a chunk's
+    length in exponentials per token), the block's states read by c at once."""
+    length, channels, _ = log_decay.shape
     out = torch.empty(length, channels, dtype=torch.float32, device=u.device)
-    for lo in range(0, length, chunk):
-        hi = min(lo + chunk, length)
-        cum = log_decay[lo:hi].cumsum(dim=0)  # [l, C, N]: the log decay from the chunk's start through t
-        uu, bb, cc = u[lo:hi].float(), b[lo:hi].float(), c[lo:hi].float()
-        # the carried state, decayed to each t and read by c_t
-        out[lo:hi] = torch.einsum("tcn,cn,tn->tc", cum.exp(), state, cc)
-        # the chunk's own tokens: exp(cum_t - cum_s) for s <= t (0 above the diagonal)
-        steps = hi - lo
-        upper = torch.ones(steps, steps, dtype=torch.bool, device=u.device).triu(1)[:, :, None, None]
-        weights = (cum[:, None] - cum[None, :]).masked_fill(upper, float("-inf")).exp()  # [t, s, C, N]
-        out[lo:hi] += torch.einsum("tscn,sc,sn,tn->tc", weights, uu, bb, cc)
-        state.mul_(cum[-1].exp()).add_(torch.einsum("scn,sc,sn->cn", (cum[-1][None] - cum).exp(), uu, bb))
+    for lo in range(0, length, block):
+        hi = min(lo + block, length)
+        decay = log_decay[lo:hi].exp()  # [l, C, N], then each token's state in its place
+        feed = u[lo:hi, :, None].float() * b[lo:hi, None, :].float()
+        for i in range(hi - lo):
+            state.mul_(decay[i]).add_(feed[i])
+            decay[i] = state
+        out[lo:hi] = torch.einsum("tcn,tn->tc", decay, c[lo:hi].float())
     return out

@@ -90,7 +90,8 @@ def test_jamba_reads_its_layer_periods():
 
 
 def test_the_chunked_selective_scan_equals_its_steps():
-    """Mamba-1's scan in chunks (the chunk's weights as products) against one token at a time from the same state."""
+    """Mamba-1's scan in blocks (decays and inputs as products, the block's states read at once) against one token at
+    a time from the same state."""
     from flared.model.recurrent import chunked_selective_scan, selective_step
 
     g = torch.Generator().manual_seed(0)
@@ -100,7 +101,7 @@ def test_the_chunked_selective_scan_equals_its_steps():
     log_decay = -torch.rand(length, channels, size, generator=g)
     start = torch.randn(channels, size, generator=g)
     chunked_state = start.clone()
-    chunked = chunked_selective_scan(u, b, c, log_decay, chunked_state, budget=channels * size * 25)  # chunks of 5
+    chunked = chunked_selective_scan(u, b, c, log_decay, chunked_state, block=5)
     state = start.clone()[None]
     steps = torch.cat([selective_step(u[t:t + 1], b[t:t + 1], c[t:t + 1], log_decay[t:t + 1], state)
                        for t in range(length)])
