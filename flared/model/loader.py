@@ -788,7 +788,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
-                       "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama"}
+                       "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -945,6 +945,22 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                linear_conv_bias=f"blk.{linear[0]}.ssm_conv1d.bias" in tensor_names)
         if arch == "granitehybrid" and not _gguf_field(reader, f"{arch}.rope.scaling.finetuned", True):
             layer_flags["nope_layers"] = tuple(range(layers))  # (its converter's flag for "no rope": Granite 4.0-H)
+    elif arch == "jamba":
+        # Jamba as llama.cpp's converter writes it: a 0 in head_count_kv (a list) for each Mamba-1 layer, the others
+        # unrotated attention; the ssm keys (inner size: the channels; time step rank: dt's)
+        per_layer = _gguf_field(reader, f"{arch}.attention.head_count_kv")
+        layers = int(need("block_count"))
+        if not isinstance(per_layer, list) or len(per_layer) != layers:
+            raise CoreError(f"{source}: GGUF {arch}.attention.head_count_kv must give each layer its kv heads",
+                            ErrorKind.SOURCE_FORMAT)
+        linear = tuple(i for i, n in enumerate(per_layer) if not n)
+        layer_flags = dict(num_kv_heads=max(per_layer), nope_layers=tuple(i for i, n in enumerate(per_layer) if n))
+        if linear:
+            layer_flags.update(linear_layers=linear, linear_kind="mamba1",
+                               linear_value_heads=int(need("ssm.inner_size")), linear_value_dim=1, linear_key_heads=1,
+                               linear_key_dim=int(need("ssm.state_size")), linear_conv_kernel=int(need("ssm.conv_kernel")),
+                               linear_conv_bias=f"blk.{linear[0]}.ssm_conv1d.bias" in tensor_names,
+                               linear_dt_rank=int(need("ssm.time_step_rank")))
     elif arch == "falcon-h1":
         # Falcon-H1 as llama.cpp's converter writes it: every layer attention and a Mamba-2 mixer side by side (Mamba-2's
         # ssm keys), ssm_norm only where the mixer has its norm; the muP multipliers folded into the weights (the
@@ -972,6 +988,9 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     experts = _gguf_experts(reader, arch, source, need)
     if arch == "gpt-oss":
         experts["norm_topk_prob"] = False  # (the softmax over the chosen sums to 1 already)
+    if arch == "jamba" and experts:  # Jamba's chosen weights as they are; the layers without a router dense
+        experts.update(norm_topk_prob=False, dense_layers=tuple(
+            i for i in range(int(need("block_count"))) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
     if arch == "granitehybrid" and experts:  # Granite's router: the top logits softmaxed; its shared MLP ungated
         experts.update(norm_topk_prob=False, router_topk_softmax=True, shared_expert_gate=False)
     granite = {}
@@ -1208,6 +1227,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out.update({sp + "linear_in.weight": take(gp + "shortconv.in_proj.weight"),
                         sp + "conv.weight": take(gp + "shortconv.conv.weight"),
                         sp + "o.weight": take(gp + "shortconv.out_proj.weight")})
+        elif i in config.linear_layers and config.linear_kind == "mamba1":
+            out.update(_gguf_mamba1(gp, sp, config, take))
         elif i in config.linear_layers and config.linear_kind == "mamba2":
             out.update(_gguf_mamba2(gp, sp, config, take))
             if config.parallel_mixers:  # (Falcon-H1: attention beside the mixer, whose ssm_out is linear_o)
@@ -1257,6 +1278,20 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "mlp_norm.weight"] = out.pop(sp + "post_attn_norm.weight")
     check_serving_tensors(out, config, source=source)
     return SourceModel(config=config, tensors=out, source_kind="gguf")
+
+
+def _gguf_mamba1(gp: str, sp: str, config: ModelConfig, take) -> dict:
+    """A Mamba-1 mixer as llama.cpp's converter writes Jamba's: ssm_in, ssm_conv1d [C, K] (and its bias), ssm_x, ssm_dt
+    and its bias, ssm_dt_norm / ssm_b_norm / ssm_c_norm, ssm_a = -exp(A_log) [C, N], ssm_d, ssm_out."""
+    out = {sp + "linear_in.weight": take(gp + "ssm_in.weight"), sp + "conv.weight": take(gp + "ssm_conv1d.weight"),
+           sp + "x_proj.weight": take(gp + "ssm_x.weight"), sp + "dt_proj.weight": take(gp + "ssm_dt.weight"),
+           sp + "dt_bias": take(gp + "ssm_dt.bias"), sp + "a_log": (-take(gp + "ssm_a").float()).log(),
+           sp + "d": take(gp + "ssm_d").reshape(-1), sp + "dt_norm.weight": take(gp + "ssm_dt_norm.weight"),
+           sp + "b_norm.weight": take(gp + "ssm_b_norm.weight"), sp + "c_norm.weight": take(gp + "ssm_c_norm.weight"),
+           sp + "o.weight": take(gp + "ssm_out.weight")}
+    if config.linear_conv_bias:
+        out[sp + "conv.bias"] = take(gp + "ssm_conv1d.bias")
+    return out
 
 
 def _gguf_mamba2(gp: str, sp: str, config: ModelConfig, take) -> dict:

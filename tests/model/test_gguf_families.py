@@ -592,6 +592,87 @@ def test_a_falcon_h1_gguf_reads_as_its_checkpoint(family, tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
+def write_jamba_gguf(hf_dir, path) -> None:
+    """A Jamba checkpoint as llama.cpp's converter writes it (F32): head_count_kv a list with 0 for each Mamba-1
+    layer; the ssm keys (inner size, state size, time step rank, kernel); the mixers' ssm_in / conv1d (squeezed,
+    biased) / ssm_x / ssm_dt (and its bias) / the dt, B and C norms / A as -exp(A_log) / D / ssm_out; the experts'
+    router and stacked gate, up and down; no q/k permutation (no rope)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    arch, layers, hidden = "jamba", cfg["num_hidden_layers"], cfg["hidden_size"]
+    attending = [i % cfg["attn_layer_period"] == cfg["attn_layer_offset"] for i in range(layers)]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hidden),
+                       ("block_count", layers), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", cfg["num_attention_heads"]), ("vocab_size", cfg["vocab_size"]),
+                       ("ssm.conv_kernel", cfg["mamba_d_conv"]), ("ssm.inner_size", cfg["mamba_expand"] * hidden),
+                       ("ssm.state_size", cfg["mamba_d_state"]), ("ssm.time_step_rank", cfg["mamba_dt_rank"]),
+                       ("expert_count", cfg["num_experts"]), ("expert_used_count", cfg["num_experts_per_tok"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.head_count_kv", [cfg["num_key_value_heads"] if a else 0 for a in attending])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+
+    def add(name: str, array) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("output_norm.weight", t["model.final_layernorm.weight"])
+    add("output.weight", t["lm_head.weight"])
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(b + "ffn_norm.weight", t[p + "pre_ff_layernorm.weight"])
+        if attending[i]:
+            for x, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+                add(f"{b}{name}.weight", t[f"{p}self_attn.{x}_proj.weight"])
+        else:
+            m = p + "mamba."
+            add(b + "ssm_in.weight", t[m + "in_proj.weight"])
+            add(b + "ssm_conv1d.weight", t[m + "conv1d.weight"][:, 0])
+            add(b + "ssm_conv1d.bias", t[m + "conv1d.bias"])
+            add(b + "ssm_x.weight", t[m + "x_proj.weight"])
+            add(b + "ssm_dt.weight", t[m + "dt_proj.weight"])
+            add(b + "ssm_dt.bias", t[m + "dt_proj.bias"])
+            for x in ("dt", "b", "c"):
+                add(f"{b}ssm_{x}_norm.weight", t[f"{m}{x}_layernorm.weight"])
+            add(b + "ssm_a", -np.exp(t[m + "A_log"]))
+            add(b + "ssm_d", t[m + "D"])
+            add(b + "ssm_out.weight", t[m + "out_proj.weight"])
+        f = p + "feed_forward."
+        if f + "router.weight" in t:
+            add(b + "ffn_gate_inp.weight", t[f + "router.weight"])
+            for x in ("gate", "up", "down"):  # (the checkpoint's experts one by one, stacked as the converter merges)
+                add(f"{b}ffn_{x}_exps.weight", np.stack([t[f"{f}experts.{e}.{x}_proj.weight"]
+                                                         for e in range(cfg["num_experts"])]))
+        else:
+            for x in ("gate", "up", "down"):
+                add(f"{b}ffn_{x}.weight", t[f"{f}{x}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_jamba_gguf_reads_as_its_checkpoint(tmp_path):
+    """Jamba's GGUF (Mamba-1 layers marked by a zero in head_count_kv, the expert layers by their router) reads to the
+    checkpoint's config and logits."""
+    import dataclasses
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint("jamba", tmp_path / "hf")
+    write_jamba_gguf(hf_dir, tmp_path / "m.gguf")
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
     """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
     (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""
