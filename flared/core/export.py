@@ -216,7 +216,8 @@ def _capacities(config, options: ExportOptions) -> Capacities:
     elem_bytes = 4 if options.dtype == "float32" else 2
     page_bytes = 2 * len(config.kv_layers) * config.kv_storage_heads * config.head_dim * page * elem_bytes
     pages_per_request = math.ceil(context / page)
-    budget_pages = (options.kv_cache_mib << 20) // page_bytes
+    # (a model with no attention at all keeps no keys or values: its pages only count tokens)
+    budget_pages = (options.kv_cache_mib << 20) // page_bytes if page_bytes else options.concurrency * pages_per_request
     kv_pages = min(options.concurrency * pages_per_request, budget_pages)
     if kv_pages < pages_per_request:
         raise CoreError(

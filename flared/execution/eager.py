@@ -74,7 +74,7 @@ class EagerExecutor:
         self.state_last_token = np.full(num_state_rows, -1, dtype=np.int64)
         # A snapshot page holds what kv.gather returns for one page's slots, per layer, at the pool's precision
         # (a float8 pool's values widen and narrow back exactly).
-        page_shape = tuple(self.kv.gather(0, torch.arange(page_tokens, device=self.device))[0].shape)
+        page_shape = (self.kv.keys.shape[1], page_tokens, self.kv.keys.shape[3])  # (a Mamba model's: no layers)
         kv_shape = (num_snapshots, self.kv.num_layers, *page_shape)
         self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.storage_dtype, device=self.device)
         self.snap_values = torch.zeros(kv_shape, dtype=self.kv.storage_dtype, device=self.device)

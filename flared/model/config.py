@@ -95,7 +95,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "bamba": "llama",
                   # AI21 Jamba (Reasoning 3B, Mini, Large): Mamba-1 layers (a state per channel, B / C / dt normed) beside
                   # unrotated attention layers, every other layer's MLP routed experts (_jamba_from_hf)
-                  "jamba": "llama"}
+                  "jamba": "llama",
+                  # state-spaces Mamba (Mamba-1) and Mamba-2 (Mamba-Codestral) language models: every layer a norm and
+                  # a mixer alone, no attention at all (_mamba_lm_from_hf)
+                  "mamba": "llama", "mamba2": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -411,8 +414,6 @@ class ModelConfig:
                 or self.linear_value_heads % self.linear_key_heads):
             raise CoreError("Gated DeltaNet and Mamba-2 layers need key heads (groups) and value heads (the value "
                             "heads a multiple of the key heads), their sizes and a convolution of 2 or more inputs")
-        if self.linear_layers and not self.kv_layers:
-            raise CoreError("a model with linear_layers needs at least one attention layer")
         if set(self.mixerless_layers) & (set(self.mlpless_layers) | set(self.linear_layers)):
             raise CoreError("a mixerless layer is neither a linear layer nor mlpless (a layer of nothing)")
         if set(self.mlpless_layers) & set(self.dense_layers):
@@ -443,8 +444,9 @@ class ModelConfig:
                                       or self.shared_expert_intermediate_size):
             raise CoreError("parallel_experts needs experts on every layer (no dense_layers), softmax-routed, without a "
                             "shared expert")
-        if (self.parallel_mixers or not self.linear_norm) and self.linear_kind != "mamba2":
-            raise CoreError("parallel_mixers and linear_norm false need Mamba-2 layers")
+        if (self.parallel_mixers and self.linear_kind != "mamba2"
+                or not self.linear_norm and self.linear_kind not in ("mamba2", "mamba1")):
+            raise CoreError("parallel_mixers needs Mamba-2 layers, linear_norm false Mamba layers")
         if self.hidden_act == "relu2" and self.mlp_gated:
             raise _unsupported("the squared ReLU (relu2) is supported only in ungated MLPs (mlp_gated false)")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
@@ -757,6 +759,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _bamba_from_hf(hf, source)
     if model_type == "jamba":
         return _jamba_from_hf(hf, source)
+    if model_type in ("mamba", "mamba2"):
+        return _mamba_lm_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1052,6 +1056,37 @@ def _jamba_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         linear_key_heads=1, linear_key_dim=int(hf.get("mamba_d_state", 16)),
         linear_conv_kernel=int(hf.get("mamba_d_conv", 4)), linear_conv_bias=bool(hf.get("mamba_conv_bias", True)),
         linear_dt_rank=math.ceil(sizes["hidden_size"] / 16) if rank in (None, "auto") else int(rank), **experts)
+
+
+def _mamba_lm_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """A Mamba (mamba: Mamba-1 mixers of expand * hidden channels, state_size states each, dt's rank time_step_rank,
+    "auto": hidden / 16 rounded up, no dt / B / C norms) or Mamba-2 (mamba2: num_heads of head_dim in n_groups groups,
+    the gated grouped norm) language model: every layer an RMSNorm and its mixer alone (mlpless), no attention at all
+    (a nominal head of 2 dimensions, no keys or values kept)."""
+    if hf.get("use_bias"):
+        raise _unsupported(f"{source}: {model_type} with biased projections (use_bias) is not supported")
+    limit = hf.get("time_step_limit") or [0.0, math.inf]
+    limit = [float(x["__float__"]) if isinstance(x, dict) else float(x) for x in limit]
+    if limit[0] > 0 or math.isfinite(limit[1]):
+        raise _unsupported(f"{source}: a clamped Mamba time step (time_step_limit {limit}) is not supported")
+    hidden, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
+    if model_type == "mamba":
+        rank = hf.get("time_step_rank", "auto")
+        mixer = dict(linear_kind="mamba1", linear_value_heads=int(hf.get("expand", 2)) * hidden, linear_value_dim=1,
+                     linear_key_heads=1, linear_dt_rank=math.ceil(hidden / 16) if rank in (None, "auto") else int(rank),
+                     linear_norm=False)
+    else:
+        mixer = dict(linear_kind="mamba2", linear_value_heads=int(hf.get("num_heads", 128)),
+                     linear_value_dim=int(hf.get("head_dim", 64)), linear_key_heads=int(hf.get("n_groups", 8)))
+    return ModelConfig(
+        architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=hidden, intermediate_size=hidden,
+        num_layers=layers, num_heads=1, num_kv_heads=1, head_dim=2,
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 262144),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "mamba")),
+        rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0, rope_scaling=None,
+        attention_bias=False, qk_norm=False, linear_layers=tuple(range(layers)), mlpless_layers=tuple(range(layers)),
+        linear_key_dim=int(hf.get("state_size", 16 if model_type == "mamba" else 128)),
+        linear_conv_kernel=int(hf.get("conv_kernel", 4)), linear_conv_bias=bool(hf.get("use_conv_bias", True)), **mixer)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

@@ -1037,7 +1037,8 @@ class DecoderModel:
             convolved = convolved + conv_bias
         xs = F.silu(convolved)
         dt, b, cq = x_proj(xs).split([rank, size, size], dim=-1)
-        dt, b, cq = self._norm(dt, dt_norm), self._norm(b, b_norm), self._norm(cq, c_norm)
+        if dt_norm is not None:  # (Jamba's; a Mamba language model's mixers have none)
+            dt, b, cq = self._norm(dt, dt_norm), self._norm(b, b_norm), self._norm(cq, c_norm)
         dt = F.softplus(dt_proj(dt).float() + dt_bias)  # [T, C]
         u = dt * xs.float()
         log_decay = dt[:, :, None] * decay  # [T, C, N]

@@ -165,8 +165,9 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         shapes = {p + "linear_in.weight": (2 * channels, c.hidden_size), p + "conv.weight": (channels, c.linear_conv_kernel),
                   p + "x_proj.weight": (rank + 2 * states, channels), p + "dt_proj.weight": (channels, rank),
                   p + "dt_bias": (channels,), p + "a_log": (channels, states), p + "d": (channels,),
-                  p + "dt_norm.weight": (rank,), p + "b_norm.weight": (states,), p + "c_norm.weight": (states,),
                   p + "o.weight": (c.hidden_size, channels)}
+        if c.linear_norm:  # (Jamba's; Mamba's own mixer has none)
+            shapes.update({p + "dt_norm.weight": (rank,), p + "b_norm.weight": (states,), p + "c_norm.weight": (states,)})
         if c.linear_conv_bias:
             shapes[p + "conv.bias"] = (channels,)
         return shapes
@@ -526,8 +527,11 @@ def _hf_mamba1(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
     out = {sp + "linear_in.weight": take(mp + "in_proj.weight"), sp + "conv.weight": conv.reshape(conv.shape[0], -1),
            sp + "x_proj.weight": take(mp + "x_proj.weight"), sp + "dt_proj.weight": take(mp + "dt_proj.weight"),
            sp + "dt_bias": take(mp + "dt_proj.bias"), sp + "a_log": take(mp + "A_log"), sp + "d": take(mp + "D"),
-           sp + "dt_norm.weight": take(mp + "dt_layernorm.weight"), sp + "b_norm.weight": take(mp + "b_layernorm.weight"),
-           sp + "c_norm.weight": take(mp + "c_layernorm.weight"), sp + "o.weight": take(mp + "out_proj.weight")}
+           sp + "o.weight": take(mp + "out_proj.weight")}
+    if config.linear_norm:  # (Jamba's norms on dt, B and C)
+        out.update({sp + "dt_norm.weight": take(mp + "dt_layernorm.weight"),
+                    sp + "b_norm.weight": take(mp + "b_layernorm.weight"),
+                    sp + "c_norm.weight": take(mp + "c_layernorm.weight")})
     if config.linear_conv_bias:
         out[sp + "conv.bias"] = take(mp + "conv1d.bias")
     return out
@@ -548,7 +552,7 @@ def _hf_mamba2(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
 
 
 def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
-    """Nemotron-H's checkpoint (backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each
+    """Nemotron-H's checkpoint (and a Mamba or Mamba-2 language model's: the same names, a mixer alone a layer) (backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each
     block's norm and mixer (a Mamba-2 mixer's in_proj / conv1d / dt_bias / A_log / D / norm / out_proj, attention's
     q/k/v/o_proj, an MLP's up_proj / down_proj, experts under gate (router, e_score_correction_bias), experts.{e} or
     stacked experts, shared_experts), the blocks of each layer from config.layer_blocks."""
@@ -564,8 +568,8 @@ def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> di
         if mixer is not None:
             bp = f"{root}layers.{mixer}."
             out[sp + "attn_norm.weight"] = take(bp + "norm.weight")
-            if i in linear:
-                out.update(_hf_mamba2(bp + "mixer.", sp, config, take))
+            if i in linear:  # (a Mamba language model's Mamba-1 mixers too)
+                out.update((_hf_mamba1 if config.linear_kind == "mamba1" else _hf_mamba2)(bp + "mixer.", sp, config, take))
             else:
                 out[sp + "qkv.weight"] = torch.cat([take(bp + f"mixer.{x}_proj.weight") for x in "qkv"])
                 out[sp + "o.weight"] = take(bp + "mixer.o_proj.weight")
@@ -788,7 +792,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "gpt-oss": "gpt_oss", "seed_oss": "llama", "glm4": "llama", "glm4moe": "llama",
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
-                       "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama"}
+                       "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
+                       "mamba": "llama", "mamba2": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -840,6 +845,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
 
     if arch in ("nemotron_h", "nemotron_h_moe"):
         return _gguf_nemotron_h_config(reader, arch, source, need, tensor_names)
+    if arch in ("mamba", "mamba2"):
+        return _gguf_mamba_lm_config(reader, arch, source, need, tensor_names)
     scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling = None
     if scaling_type == "linear":
@@ -1086,6 +1093,27 @@ def _gguf_nemotron_h_config(reader, arch: str, source: str, need, tensor_names: 
     return _nemotron_h_from_hf(hf, source)
 
 
+def _gguf_mamba_lm_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
+    """A Mamba or Mamba-2 language model's GGUF (llama.cpp's mamba / mamba2: the ssm keys, no attention), read as its
+    checkpoint's config would be (config._mamba_lm_from_hf)."""
+    from flared.model.config import _mamba_lm_from_hf
+
+    hidden, inner = int(need("embedding_length")), int(need("ssm.inner_size"))
+    vocab_size = _gguf_field(reader, f"{arch}.vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens") or ())
+    hf = dict(vocab_size=int(vocab_size), hidden_size=hidden, num_hidden_layers=int(need("block_count")),
+              layer_norm_epsilon=float(need("attention.layer_norm_rms_epsilon")),
+              max_position_embeddings=int(_gguf_field(reader, f"{arch}.context_length", 0) or 0) or None,
+              tie_word_embeddings="output.weight" not in tensor_names, state_size=int(need("ssm.state_size")),
+              conv_kernel=int(need("ssm.conv_kernel")), expand=inner // hidden,
+              use_conv_bias="blk.0.ssm_conv1d.bias" in tensor_names)
+    if arch == "mamba":
+        hf["time_step_rank"] = int(need("ssm.time_step_rank"))
+    else:
+        heads = int(need("ssm.time_step_rank"))
+        hf.update(num_heads=heads, head_dim=inner // heads, n_groups=int(need("ssm.group_count")))
+    return _mamba_lm_from_hf(hf, source, arch)
+
+
 def _gguf_nemotron_h(config: ModelConfig, take) -> dict[str, torch.Tensor]:
     """Nemotron-H's tensors from its GGUF blocks (blk.{block}: attn_norm, the Mamba-2 mixer's ssm_* or attn_q/k/v/output,
     ffn_up / ffn_down, or the experts' ffn_gate_inp, exp_probs_b, ffn_up_exps / ffn_down_exps and *_shexp) into the
@@ -1101,7 +1129,7 @@ def _gguf_nemotron_h(config: ModelConfig, take) -> dict[str, torch.Tensor]:
             gp = f"blk.{mixer}."
             out[sp + "attn_norm.weight"] = take(gp + "attn_norm.weight")
             if i in config.linear_layers:
-                out.update(_gguf_mamba2(gp, sp, config, take))
+                out.update((_gguf_mamba1 if config.linear_kind == "mamba1" else _gguf_mamba2)(gp, sp, config, take))
             else:
                 out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"])
                 out[sp + "o.weight"] = take(gp + "attn_output.weight")
@@ -1212,7 +1240,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         except KeyError:
             raise CoreError(f"{source}: GGUF has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
-    if arch in ("nemotron_h", "nemotron_h_moe"):
+    if arch in ("nemotron_h", "nemotron_h_moe", "mamba", "mamba2"):  # (a mixer alone a layer: the same blocks)
         out = _gguf_nemotron_h(config, take)
         check_serving_tensors(out, config, source=source)
         return SourceModel(config=config, tensors=out, source_kind="gguf")
@@ -1286,9 +1314,11 @@ def _gguf_mamba1(gp: str, sp: str, config: ModelConfig, take) -> dict:
     out = {sp + "linear_in.weight": take(gp + "ssm_in.weight"), sp + "conv.weight": take(gp + "ssm_conv1d.weight"),
            sp + "x_proj.weight": take(gp + "ssm_x.weight"), sp + "dt_proj.weight": take(gp + "ssm_dt.weight"),
            sp + "dt_bias": take(gp + "ssm_dt.bias"), sp + "a_log": (-take(gp + "ssm_a").float()).log(),
-           sp + "d": take(gp + "ssm_d").reshape(-1), sp + "dt_norm.weight": take(gp + "ssm_dt_norm.weight"),
-           sp + "b_norm.weight": take(gp + "ssm_b_norm.weight"), sp + "c_norm.weight": take(gp + "ssm_c_norm.weight"),
-           sp + "o.weight": take(gp + "ssm_out.weight")}
+           sp + "d": take(gp + "ssm_d").reshape(-1), sp + "o.weight": take(gp + "ssm_out.weight")}
+    if config.linear_norm:  # (Jamba's)
+        out.update({sp + "dt_norm.weight": take(gp + "ssm_dt_norm.weight"),
+                    sp + "b_norm.weight": take(gp + "ssm_b_norm.weight"),
+                    sp + "c_norm.weight": take(gp + "ssm_c_norm.weight")})
     if config.linear_conv_bias:
         out[sp + "conv.bias"] = take(gp + "ssm_conv1d.bias")
     return out

@@ -673,6 +673,78 @@ def test_a_jamba_gguf_reads_as_its_checkpoint(tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
+def write_mamba_gguf(hf_dir, path, arch: str) -> None:
+    """A Mamba (mamba) or Mamba-2 (mamba2) language model as llama.cpp's converter writes it (F32): the ssm keys
+    (Mamba-2's heads as the time step rank, its groups), each layer's norm as attn_norm; Mamba's ssm_x / ssm_dt and
+    A as -exp(A_log) [channels, states]; Mamba-2's as Granite 4.0-H's."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    inner = cfg["expand"] * hidden
+    w = gguf.GGUFWriter(str(path), arch)
+    keys = [("context_length", 2 ** 20), ("embedding_length", hidden), ("block_count", layers),
+            ("vocab_size", cfg["vocab_size"]), ("ssm.conv_kernel", cfg["conv_kernel"]), ("ssm.inner_size", inner),
+            ("ssm.state_size", cfg["state_size"]),
+            ("ssm.time_step_rank", cfg["time_step_rank"] if arch == "mamba" else cfg["num_heads"])]
+    if arch == "mamba2":
+        keys.append(("ssm.group_count", cfg["n_groups"]))
+    for key, value in keys:
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["layer_norm_epsilon"])
+
+    def add(name: str, array) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    add("token_embd.weight", t["backbone.embeddings.weight"])
+    add("output_norm.weight", t["backbone.norm_f.weight"])
+    if "lm_head.weight" in t and not cfg.get("tie_word_embeddings"):
+        add("output.weight", t["lm_head.weight"])
+    for i in range(layers):
+        m, b = f"backbone.layers.{i}.mixer.", f"blk.{i}."
+        add(b + "attn_norm.weight", t[f"backbone.layers.{i}.norm.weight"])
+        add(b + "ssm_in.weight", t[m + "in_proj.weight"])
+        add(b + "ssm_conv1d.weight", t[m + "conv1d.weight"][:, 0])
+        add(b + "ssm_conv1d.bias", t[m + "conv1d.bias"])
+        add(b + "ssm_out.weight", t[m + "out_proj.weight"])
+        if arch == "mamba":
+            add(b + "ssm_x.weight", t[m + "x_proj.weight"])
+            add(b + "ssm_dt.weight", t[m + "dt_proj.weight"])
+            add(b + "ssm_dt.bias", t[m + "dt_proj.bias"])
+            add(b + "ssm_a", -np.exp(t[m + "A_log"]))
+            add(b + "ssm_d", t[m + "D"])
+        else:
+            add(b + "ssm_dt.bias", t[m + "dt_bias"])
+            add(b + "ssm_a", -np.exp(t[m + "A_log"])[:, None])
+            add(b + "ssm_d", t[m + "D"][:, None])
+            add(b + "ssm_norm.weight", t[m + "norm.weight"].reshape(cfg["n_groups"], inner // cfg["n_groups"]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_a_mamba_gguf_reads_as_its_checkpoint(family, tmp_path):
+    """Mamba's and Mamba-2's GGUFs (no attention: the ssm keys alone) read to the checkpoint's config (but the context,
+    which llama.cpp writes as 2^20) and logits."""
+    import dataclasses
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_mamba_gguf(hf_dir, tmp_path / "m.gguf", family)
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps,
+                               max_position_embeddings=reference.max_position_embeddings) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
 def rope_factor_tensors(cfg: dict, w, arch: str, theta: float, dim: int) -> dict[str, np.ndarray]:
     """Rope scaling as llama.cpp's converter writes it for Llama 3.1 (rope_freqs: each frequency's divisor) and Phi-3
     (LongRoPE's two tables, the attention factor from the two contexts, the original context)."""

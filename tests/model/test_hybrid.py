@@ -250,7 +250,7 @@ def _greedy(hf, prompt: list[int], count: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1", "jamba", "mamba2"])
 def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(family, tmp_path):
     """A Qwen3-Next or LFM2 core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
     from the prefix cache (its checkpoint restores the recurrent state beside the KV pages) with the same tokens; a
