@@ -98,7 +98,7 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "jamba": "llama",
                   # state-spaces Mamba (Mamba-1) and Mamba-2 (Mamba-Codestral) language models: every layer a norm and
                   # a mixer alone, no attention at all (_mamba_lm_from_hf)
-                  "mamba": "llama", "mamba2": "llama"}
+                  "mamba": "llama", "mamba2": "llama", "falcon_mamba": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -111,7 +111,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "linear_value_dim", "linear_conv_kernel", "attn_output_gate", "linear_kind", "linear_conv_bias",
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
                  "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
-                 "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank"}
+                 "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
+                 "linear_norm_eps"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1")
@@ -296,6 +297,9 @@ class ModelConfig:
     # value dim 1), each with its own [linear_key_dim] state decayed per state by exp(dt A) and fed dt x B every token,
     # read by C; dt from a linear_dt_rank-wide projection; Jamba's RMSNorms on dt, B and C; a D skip; y * SiLU(z).
     linear_dt_rank: int = 0
+    # Falcon-Mamba: the epsilon of its Mamba-1 mixers' dt / B / C norms (weightless: their weights ones), None:
+    # rms_norm_eps (Jamba's).
+    linear_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -340,7 +344,7 @@ class ModelConfig:
             raise CoreError(f"layer_windows must give each of the {self.num_layers} layers a window >= 0")
         for name in ("attention_scale", "local_rope_theta", "embedding_multiplier", "residual_multiplier",
                      "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping", "swiglu_limit",
-                     "swiglu_alpha", "routed_scaling"):
+                     "swiglu_alpha", "routed_scaling", "linear_norm_eps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
@@ -759,7 +763,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _bamba_from_hf(hf, source)
     if model_type == "jamba":
         return _jamba_from_hf(hf, source)
-    if model_type in ("mamba", "mamba2"):
+    if model_type in ("mamba", "mamba2", "falcon_mamba"):
         return _mamba_lm_from_hf(hf, source, model_type)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
@@ -1060,7 +1064,7 @@ def _jamba_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _mamba_lm_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     """A Mamba (mamba: Mamba-1 mixers of expand * hidden channels, state_size states each, dt's rank time_step_rank,
-    "auto": hidden / 16 rounded up, no dt / B / C norms) or Mamba-2 (mamba2: num_heads of head_dim in n_groups groups,
+    "auto": hidden / 16 rounded up, no dt / B / C norms; falcon_mamba: weightless ones of mixer_rms_eps) or Mamba-2 (mamba2: num_heads of head_dim in n_groups groups,
     the gated grouped norm) language model: every layer an RMSNorm and its mixer alone (mlpless), no attention at all
     (a nominal head of 2 dimensions, no keys or values kept)."""
     if hf.get("use_bias"):
@@ -1070,11 +1074,12 @@ def _mamba_lm_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
     if limit[0] > 0 or math.isfinite(limit[1]):
         raise _unsupported(f"{source}: a clamped Mamba time step (time_step_limit {limit}) is not supported")
     hidden, layers = int(hf["hidden_size"]), int(hf["num_hidden_layers"])
-    if model_type == "mamba":
+    if model_type in ("mamba", "falcon_mamba"):  # (Falcon-Mamba: weightless norms on dt, B and C, its own epsilon)
         rank = hf.get("time_step_rank", "auto")
+        falcon = model_type == "falcon_mamba"
         mixer = dict(linear_kind="mamba1", linear_value_heads=int(hf.get("expand", 2)) * hidden, linear_value_dim=1,
                      linear_key_heads=1, linear_dt_rank=math.ceil(hidden / 16) if rank in (None, "auto") else int(rank),
-                     linear_norm=False)
+                     linear_norm=falcon, linear_norm_eps=float(hf.get("mixer_rms_eps", 1e-6)) if falcon else None)
     else:
         mixer = dict(linear_kind="mamba2", linear_value_heads=int(hf.get("num_heads", 128)),
                      linear_value_dim=int(hf.get("head_dim", 64)), linear_key_heads=int(hf.get("n_groups", 8)))
@@ -1082,10 +1087,10 @@ def _mamba_lm_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
         architecture="llama", vocab_size=int(hf["vocab_size"]), hidden_size=hidden, intermediate_size=hidden,
         num_layers=layers, num_heads=1, num_kv_heads=1, head_dim=2,
         max_position_embeddings=int(hf.get("max_position_embeddings") or 262144),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type == "mamba")),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", model_type != "mamba2")),
         rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0, rope_scaling=None,
         attention_bias=False, qk_norm=False, linear_layers=tuple(range(layers)), mlpless_layers=tuple(range(layers)),
-        linear_key_dim=int(hf.get("state_size", 16 if model_type == "mamba" else 128)),
+        linear_key_dim=int(hf.get("state_size", 128 if model_type == "mamba2" else 16)),
         linear_conv_kernel=int(hf.get("conv_kernel", 4)), linear_conv_bias=bool(hf.get("use_conv_bias", True)), **mixer)
 
 

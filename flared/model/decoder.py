@@ -1037,8 +1037,9 @@ class DecoderModel:
             convolved = convolved + conv_bias
         xs = F.silu(convolved)
         dt, b, cq = x_proj(xs).split([rank, size, size], dim=-1)
-        if dt_norm is not None:  # (Jamba's; a Mamba language model's mixers have none)
-            dt, b, cq = self._norm(dt, dt_norm), self._norm(b, b_norm), self._norm(cq, c_norm)
+        if dt_norm is not None:  # (Jamba's, Falcon-Mamba's of its own epsilon; a Mamba language model's mixers have none)
+            eps = c.rms_norm_eps if c.linear_norm_eps is None else c.linear_norm_eps
+            dt, b, cq = rms_norm(dt, dt_norm, eps), rms_norm(b, b_norm, eps), rms_norm(cq, c_norm, eps)
         dt = F.softplus(dt_proj(dt).float() + dt_bias)  # [T, C]
         u = dt * xs.float()
         log_decay = dt[:, :, None] * decay  # [T, C, N]

@@ -528,7 +528,11 @@ def _hf_mamba1(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
            sp + "x_proj.weight": take(mp + "x_proj.weight"), sp + "dt_proj.weight": take(mp + "dt_proj.weight"),
            sp + "dt_bias": take(mp + "dt_proj.bias"), sp + "a_log": take(mp + "A_log"), sp + "d": take(mp + "D"),
            sp + "o.weight": take(mp + "out_proj.weight")}
-    if config.linear_norm:  # (Jamba's norms on dt, B and C)
+    if config.linear_norm and config.linear_norm_eps is not None:  # (Falcon-Mamba's weightless norms: ones)
+        size, rank = config.linear_key_dim, config.linear_dt_rank
+        out.update({sp + "dt_norm.weight": torch.ones(rank), sp + "b_norm.weight": torch.ones(size),
+                    sp + "c_norm.weight": torch.ones(size)})
+    elif config.linear_norm:  # (Jamba's norms on dt, B and C)
         out.update({sp + "dt_norm.weight": take(mp + "dt_layernorm.weight"),
                     sp + "b_norm.weight": take(mp + "b_layernorm.weight"),
                     sp + "c_norm.weight": take(mp + "c_layernorm.weight")})
@@ -1098,6 +1102,9 @@ def _gguf_mamba_lm_config(reader, arch: str, source: str, need, tensor_names: se
     checkpoint's config would be (config._mamba_lm_from_hf)."""
     from flared.model.config import _mamba_lm_from_hf
 
+    if _gguf_field(reader, f"{arch}.ssm.dt_b_c_rms"):
+        raise CoreError(f"{source}: Falcon-Mamba GGUFs ({arch}.ssm.dt_b_c_rms) are not supported (its checkpoint is)",
+                        ErrorKind.UNSUPPORTED_MODEL)
     hidden, inner = int(need("embedding_length")), int(need("ssm.inner_size"))
     vocab_size = _gguf_field(reader, f"{arch}.vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens") or ())
     hf = dict(vocab_size=int(vocab_size), hidden_size=hidden, num_hidden_layers=int(need("block_count")),

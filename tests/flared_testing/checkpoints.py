@@ -190,6 +190,9 @@ FAMILIES = {
     # state-spaces Mamba and Mamba-2 language models: a norm and a mixer a layer, no attention
     "mamba": ("mamba", dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, initializer_range=0.1,
                             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "falcon_mamba": ("falcon_mamba", dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8, initializer_range=0.1,
+                                          mixer_rms_eps=1e-3, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                                          eos_token_id=2)),
     "mamba2": ("mamba2", dict(num_heads=4, head_dim=32, n_groups=2, state_size=16, conv_kernel=4, expand=2,
                               initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
