@@ -2,18 +2,19 @@
 """Hybrid models (recurrent layers beside attention): flared's runtime against transformers, decode and prefill.
 
 Both sides build the same random-weight model of ``--family`` at a shape below: a Qwen3.5 text model (three Gated
-DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers) or a
-Granite 4.0-H (Mamba-2 layers, a few unrotated attention layers) a Nemotron-H (Mamba-2 and squared-ReLU MLP
-blocks, an attention block in eight) a Falcon-H1 (attention and Mamba-2 side by side in every layer) a Gemma 4 (no recurrent layers: windowed
-layers beside global ones of wider heads) or a Jamba (Mamba-1 layers, attention, experts); and, alternately in one process, run greedy decoding of the same prompts (decode tok/s over
-the decode phase only, each batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long
-prompt's prefill (seconds to its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state
-carried between chunks; transformers one forward). flared's CPU forwards of such a model flush denormal floats to
-zero (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)",
-with the same flush around its calls.
+DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers), a Granite
+4.0-H (Mamba-2 layers, a few unrotated attention layers), a Nemotron-H (Mamba-2 and squared-ReLU MLP blocks, an
+attention block in eight), a Falcon-H1 (attention and Mamba-2 side by side in every layer), a Jamba (Mamba-1 layers,
+attention, experts) or a Gemma 4 (no recurrent layers: windowed layers beside global ones of wider heads); and,
+alternately in one process, run greedy decoding of the same prompts (decode tok/s over the decode phase only, each
+batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long prompt's prefill (seconds to
+its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state carried between chunks;
+transformers one forward). flared's CPU forwards of such a model flush denormal floats to zero
+(DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)", with
+the same flush around its calls. ``--device cuda`` runs both sides on the GPU (flared's eager forward).
 
-    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|gemma4|jamba] [--shape default|small] [--layers 8]
-        [--dtype bfloat16] [--json]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|jamba|gemma4]
+        [--shape default|small] [--layers 8] [--dtype bfloat16] [--device cpu|cuda] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
 """

@@ -1064,8 +1064,8 @@ def _jamba_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _mamba_lm_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     """A Mamba (mamba: Mamba-1 mixers of expand * hidden channels, state_size states each, dt's rank time_step_rank,
-    "auto": hidden / 16 rounded up, no dt / B / C norms; falcon_mamba: weightless ones of mixer_rms_eps) or Mamba-2 (mamba2: num_heads of head_dim in n_groups groups,
-    the gated grouped norm) language model: every layer an RMSNorm and its mixer alone (mlpless), no attention at all
+    "auto": hidden / 16 rounded up, no dt / B / C norms; falcon_mamba: weightless ones of mixer_rms_eps) or Mamba-2
+    (mamba2: num_heads of head_dim in n_groups groups, the gated grouped norm) language model: every layer an RMSNorm and its mixer alone (mlpless), no attention at all
     (a nominal head of 2 dimensions, no keys or values kept)."""
     if hf.get("use_bias"):
         raise _unsupported(f"{source}: {model_type} with biased projections (use_bias) is not supported")

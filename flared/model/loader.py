@@ -76,7 +76,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     if c.per_layer_input_dim:  # Gemma 4 E2B / E4B: every layer's input from its own table and the embedding
         packed = c.num_layers * c.per_layer_input_dim
-        shapes.update({"embed_per_layer.weight": (c.per_layer_vocab, packed), "per_layer_proj.weight": (packed, c.hidden_size),
+        shapes.update({"embed_per_layer.weight": (c.per_layer_vocab, packed),
+                       "per_layer_proj.weight": (packed, c.hidden_size),
                        "per_layer_proj_norm.weight": (c.per_layer_input_dim,)})
     linear, mixerless, mlpless = set(c.linear_layers), set(c.mixerless_layers), set(c.mlpless_layers)
     gated = 2 if c.mlp_gated else 1  # (an ungated MLP's gate_up holds the up rows alone)
@@ -462,7 +463,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
             continue
         if config.parallel_experts:  # Gemma 4 26B-A4B: experts beside the dense MLP
-            out.update({sp + "router.weight": take(hp + "router.proj.weight"), sp + "router.scale": take(hp + "router.scale"),
+            out.update({sp + "router.weight": take(hp + "router.proj.weight"),
+                        sp + "router.scale": take(hp + "router.scale"),
                         sp + "router.expert_scale": take(hp + "router.per_expert_scale"),
                         sp + "experts.gate_up.weight": take(hp + "experts.gate_up_proj"),
                         sp + "experts.down.weight": take(hp + "experts.down_proj"),
@@ -556,7 +558,8 @@ def _hf_mamba2(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
 
 
 def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
-    """Nemotron-H's checkpoint (and a Mamba or Mamba-2 language model's: the same names, a mixer alone a layer) (backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each
+    """Nemotron-H's checkpoint (and a Mamba or Mamba-2 language model's: the same names, a mixer alone a layer;
+    backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each
     block's norm and mixer (a Mamba-2 mixer's in_proj / conv1d / dt_bias / A_log / D / norm / out_proj, attention's
     q/k/v/o_proj, an MLP's up_proj / down_proj, experts under gate (router, e_score_correction_bias), experts.{e} or
     stacked experts, shared_experts), the blocks of each layer from config.layer_blocks."""
