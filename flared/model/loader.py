@@ -557,52 +557,64 @@ def _hf_mamba2(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.T
     return out
 
 
-def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
-    """Nemotron-H's checkpoint (and a Mamba or Mamba-2 language model's: the same names, a mixer alone a layer;
-    backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each
-    block's norm and mixer (a Mamba-2 mixer's in_proj / conv1d / dt_bias / A_log / D / norm / out_proj, attention's
-    q/k/v/o_proj, an MLP's up_proj / down_proj, experts under gate (router, e_score_correction_bias), experts.{e} or
-    stacked experts, shared_experts), the blocks of each layer from config.layer_blocks."""
+def _paired_blocks(config: ModelConfig, take, names: dict, mixers: dict, expert_stacks) -> dict[str, torch.Tensor]:
+    """The serving tensors of a model whose blocks config.layer_blocks pairs into layers (Nemotron-H; a Mamba or
+    Mamba-2 language model: a mixer block alone a layer), from a checkpoint's or a GGUF's names: ``names`` the format
+    strings of the embedding, final norm, LM head and, of block {b}, its norm, attention's q/k/v ({x}) and o, the MLP's
+    up / down ({x}), the router, its correction bias and the shared expert's up / down ({x}); ``mixers`` the reader of a
+    linear layer's mixer by linear_kind ((block prefix, serving prefix, config, take) -> tensors), under
+    names["mixer"]; ``expert_stacks(block, config)`` the experts' stacked [E, I, H] up and [E, H, I] down."""
     from flared.model.config import layer_blocks
 
-    root = "backbone." if "backbone.embeddings.weight" in hf else "model."
-    out = {"embed.weight": take(root + "embeddings.weight"), "final_norm.weight": take(root + "norm_f.weight")}
+    out = {"embed.weight": take(names["embed"]), "final_norm.weight": take(names["final_norm"])}
     if not config.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
-    linear = set(config.linear_layers)
+        out["lm_head.weight"] = take(names["lm_head"])
     for i, (mixer, mlp) in enumerate(layer_blocks(config)):
         sp = f"layers.{i}."
         if mixer is not None:
-            bp = f"{root}layers.{mixer}."
-            out[sp + "attn_norm.weight"] = take(bp + "norm.weight")
-            if i in linear:  # (a Mamba language model's Mamba-1 mixers too)
-                out.update((_hf_mamba1 if config.linear_kind == "mamba1" else _hf_mamba2)(bp + "mixer.", sp, config, take))
+            out[sp + "attn_norm.weight"] = take(names["norm"].format(b=mixer))
+            if i in config.linear_layers:
+                out.update(mixers[config.linear_kind](names["mixer"].format(b=mixer), sp, config, take))
             else:
-                out[sp + "qkv.weight"] = torch.cat([take(bp + f"mixer.{x}_proj.weight") for x in "qkv"])
-                out[sp + "o.weight"] = take(bp + "mixer.o_proj.weight")
+                out[sp + "qkv.weight"] = torch.cat([take(names["attn"].format(b=mixer, x=x)) for x in "qkv"])
+                out[sp + "o.weight"] = take(names["o"].format(b=mixer))
         if mlp is None:
             continue
-        bp = f"{root}layers.{mlp}."
-        out[sp + "mlp_norm.weight"] = take(bp + "norm.weight")
-        mp = bp + "mixer."
+        out[sp + "mlp_norm.weight"] = take(names["norm"].format(b=mlp))
         if not config.num_experts or i in config.dense_layers:
-            out[sp + "gate_up.weight"] = take(mp + "up_proj.weight")
-            out[sp + "down.weight"] = take(mp + "down_proj.weight")
+            out[sp + "gate_up.weight"] = take(names["mlp"].format(b=mlp, x="up"))
+            out[sp + "down.weight"] = take(names["mlp"].format(b=mlp, x="down"))
             continue
-        out[sp + "router.weight"] = take(mp + "gate.weight")
-        out[sp + "router.correction_bias"] = take(mp + "gate.e_score_correction_bias")
-        if mp + "experts.up_proj" in hf:  # transformers 5's stacked [E, I, H] and [E, H, I]
-            out[sp + "experts.gate_up.weight"] = take(mp + "experts.up_proj")
-            out[sp + "experts.down.weight"] = take(mp + "experts.down_proj")
-        else:
-            out[sp + "experts.gate_up.weight"] = torch.stack(
-                [take(f"{mp}experts.{e}.up_proj.weight") for e in range(config.num_experts)])
-            out[sp + "experts.down.weight"] = torch.stack(
-                [take(f"{mp}experts.{e}.down_proj.weight") for e in range(config.num_experts)])
+        out[sp + "router.weight"] = take(names["router"].format(b=mlp))
+        out[sp + "router.correction_bias"] = take(names["correction_bias"].format(b=mlp))
+        out[sp + "experts.gate_up.weight"], out[sp + "experts.down.weight"] = expert_stacks(mlp, config)
         if config.shared_expert_intermediate_size:
-            out[sp + "shared.gate_up.weight"] = take(mp + "shared_experts.up_proj.weight")
-            out[sp + "shared.down.weight"] = take(mp + "shared_experts.down_proj.weight")
+            out[sp + "shared.gate_up.weight"] = take(names["shared"].format(b=mlp, x="up"))
+            out[sp + "shared.down.weight"] = take(names["shared"].format(b=mlp, x="down"))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _hf_nemotron_h(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """Nemotron-H's checkpoint (and a Mamba or Mamba-2 language model's: the same names, a mixer alone a layer;
+    backbone.* as released, model.* as transformers 5 saves it): embeddings, norm_f, each block's norm and mixer (a
+    Mamba mixer's, attention's q/k/v/o_proj, an MLP's up_proj / down_proj, the experts' gate (router,
+    e_score_correction_bias), experts.{e} or stacked experts, shared_experts)."""
+    root = "backbone." if "backbone.embeddings.weight" in hf else "model."
+    block = root + "layers.{b}."
+
+    def expert_stacks(b: int, config: ModelConfig):
+        mp = block.format(b=b) + "mixer.experts."
+        if mp + "up_proj" in hf:  # transformers 5's stacked [E, I, H] and [E, H, I]
+            return take(mp + "up_proj"), take(mp + "down_proj")
+        return tuple(torch.stack([take(f"{mp}{e}.{x}_proj.weight") for e in range(config.num_experts)])
+                     for x in ("up", "down"))
+
+    names = dict(embed=root + "embeddings.weight", final_norm=root + "norm_f.weight", lm_head="lm_head.weight",
+                 norm=block + "norm.weight", mixer=block + "mixer.", attn=block + "mixer.{x}_proj.weight",
+                 o=block + "mixer.o_proj.weight", mlp=block + "mixer.{x}_proj.weight", router=block + "mixer.gate.weight",
+                 correction_bias=block + "mixer.gate.e_score_correction_bias",
+                 shared=block + "mixer.shared_experts.{x}_proj.weight")
+    return _paired_blocks(config, take, names, {"mamba1": _hf_mamba1, "mamba2": _hf_mamba2}, expert_stacks)
 
 
 def _hf_falcon_h1(m: dict, config: ModelConfig, take) -> dict[str, torch.Tensor]:
@@ -1125,40 +1137,18 @@ def _gguf_mamba_lm_config(reader, arch: str, source: str, need, tensor_names: se
 
 
 def _gguf_nemotron_h(config: ModelConfig, take) -> dict[str, torch.Tensor]:
-    """Nemotron-H's tensors from its GGUF blocks (blk.{block}: attn_norm, the Mamba-2 mixer's ssm_* or attn_q/k/v/output,
-    ffn_up / ffn_down, or the experts' ffn_gate_inp, exp_probs_b, ffn_up_exps / ffn_down_exps and *_shexp) into the
-    layers config.layer_blocks pairs them into."""
-    from flared.model.config import layer_blocks
+    """Nemotron-H's tensors from its GGUF blocks (blk.{block}: attn_norm, the Mamba mixer's ssm_* or
+    attn_q/k/v/output, ffn_up / ffn_down, or the experts' ffn_gate_inp, exp_probs_b, ffn_up_exps / ffn_down_exps and
+    *_shexp; a Mamba or Mamba-2 language model's the same) into the layers config.layer_blocks pairs them into."""
+    names = dict(embed="token_embd.weight", final_norm="output_norm.weight", lm_head="output.weight",
+                 norm="blk.{b}.attn_norm.weight", mixer="blk.{b}.", attn="blk.{b}.attn_{x}.weight",
+                 o="blk.{b}.attn_output.weight", mlp="blk.{b}.ffn_{x}.weight", router="blk.{b}.ffn_gate_inp.weight",
+                 correction_bias="blk.{b}.exp_probs_b.bias", shared="blk.{b}.ffn_{x}_shexp.weight")
 
-    out = {"embed.weight": take("token_embd.weight"), "final_norm.weight": take("output_norm.weight")}
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = take("output.weight")
-    for i, (mixer, mlp) in enumerate(layer_blocks(config)):
-        sp = f"layers.{i}."
-        if mixer is not None:
-            gp = f"blk.{mixer}."
-            out[sp + "attn_norm.weight"] = take(gp + "attn_norm.weight")
-            if i in config.linear_layers:
-                out.update((_gguf_mamba1 if config.linear_kind == "mamba1" else _gguf_mamba2)(gp, sp, config, take))
-            else:
-                out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"])
-                out[sp + "o.weight"] = take(gp + "attn_output.weight")
-        if mlp is None:
-            continue
-        gp = f"blk.{mlp}."
-        out[sp + "mlp_norm.weight"] = take(gp + "attn_norm.weight")
-        if not config.num_experts or i in config.dense_layers:
-            out[sp + "gate_up.weight"] = take(gp + "ffn_up.weight")
-            out[sp + "down.weight"] = take(gp + "ffn_down.weight")
-            continue
-        out.update({sp + "router.weight": take(gp + "ffn_gate_inp.weight"),
-                    sp + "router.correction_bias": take(gp + "exp_probs_b.bias"),
-                    sp + "experts.gate_up.weight": take(gp + "ffn_up_exps.weight"),
-                    sp + "experts.down.weight": take(gp + "ffn_down_exps.weight")})
-        if config.shared_expert_intermediate_size:
-            out[sp + "shared.gate_up.weight"] = take(gp + "ffn_up_shexp.weight")
-            out[sp + "shared.down.weight"] = take(gp + "ffn_down_shexp.weight")
-    return out
+    def expert_stacks(b: int, config: ModelConfig):
+        return take(f"blk.{b}.ffn_up_exps.weight"), take(f"blk.{b}.ffn_down_exps.weight")
+
+    return _paired_blocks(config, take, names, {"mamba1": _gguf_mamba1, "mamba2": _gguf_mamba2}, expert_stacks)
 
 
 def _gguf_vector(reader, name: str, source: str) -> list[float]:

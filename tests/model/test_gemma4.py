@@ -120,6 +120,14 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
         assert (expected - logits).abs().max().item() < 1e-4
 
 
+def _asked_again(daemon):
+    """The served test's question again: its prompt comes from the prefix cache."""
+    status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
+                               temperature=0, ignore_eos=True)
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_a_gemma4_core_serves_transformers_tokens_from_its_prefix_cache(gemma4, tmp_path):
     """Exported with a chat template and served by flared run: greedy chat tokens equal transformers' generate on the
     same prompt ids; the same question again comes from the prefix cache with the same tokens."""
@@ -127,13 +135,7 @@ def test_a_gemma4_core_serves_transformers_tokens_from_its_prefix_cache(gemma4, 
 
     directory, hf_model = gemma4
 
-    def again(daemon):
-        status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
-                                   temperature=0, ignore_eos=True)
-        assert status == 200, body
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-
-    assert_served_greedy_equals_transformers(directory, hf_model, tmp_path, also=again)
+    assert_served_greedy_equals_transformers(directory, hf_model, tmp_path, also=_asked_again)
 
 
 def test_an_e2b_core_serves_transformers_tokens_from_its_prefix_cache(tmp_path):
@@ -146,10 +148,4 @@ def test_an_e2b_core_serves_transformers_tokens_from_its_prefix_cache(tmp_path):
     directory = build_hf_checkpoint("gemma4_e2b", tmp_path / "hf")
     hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
-    def again(daemon):
-        status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
-                                   temperature=0, ignore_eos=True)
-        assert status == 200, body
-        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-
-    assert_served_greedy_equals_transformers(directory, hf_model, tmp_path, also=again)
+    assert_served_greedy_equals_transformers(directory, hf_model, tmp_path, also=_asked_again)
