@@ -98,7 +98,11 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "jamba": "llama",
                   # state-spaces Mamba (Mamba-1) and Mamba-2 (Mamba-Codestral) language models: every layer a norm and
                   # a mixer alone, no attention at all (_mamba_lm_from_hf)
-                  "mamba": "llama", "mamba2": "llama", "falcon_mamba": "llama"}
+                  "mamba": "llama", "mamba2": "llama", "falcon_mamba": "llama",
+                  # Moonshot Kimi Linear (48B-A3B): Kimi Delta Attention layers (the gated delta rule with a decay per
+                  # key channel) beside DeepSeek's latent attention without rope, DeepSeek-V3's routed experts
+                  # (_kimi_linear_from_hf)
+                  "kimi_linear": "deepseek2"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -115,7 +119,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "linear_norm_eps"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
-LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1")
+LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
 
 # Rope types we compute exactly. "default" is stored as rope_scaling=None.
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "longrope", "factors", "proportional")
@@ -293,6 +297,10 @@ class ModelConfig:
     per_layer_vocab: int = 0
     kv_shared_layers: int = 0
     double_wide_mlp: bool = False
+    # "kda" linear layers (Kimi Linear's Kimi Delta Attention): Gated DeltaNet's state and delta rule with a decay per
+    # key channel (-exp(A_log) softplus(f_b(f_a(x)) + dt_bias)), q, k and v projected apart (the input projection's
+    # first rows) through the causal convolution, beta = sigmoid(b(x)); the output RMS-normed per head times
+    # sigmoid(g_b(g_a(x))), through o.
     # "mamba1" linear layers (Jamba's Mamba-1 mixers): linear_value_heads channels (the expanded width; key heads 1,
     # value dim 1), each with its own [linear_key_dim] state decayed per state by exp(dt A) and fed dt x B every token,
     # read by C; dt from a linear_dt_rank-wide projection; Jamba's RMSNorms on dt, B and C; a D skip; y * SiLU(z).
@@ -467,7 +475,8 @@ class ModelConfig:
         if self.kv_lora_rank:
             return "multi-head latent attention"
         if self.linear_layers:
-            return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers", "mamba1": "Mamba layers"}.get(
+            return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers", "mamba1": "Mamba layers",
+                    "kda": "Kimi Delta Attention layers"}.get(
                 self.linear_kind, "Gated DeltaNet (linear attention) layers")
         if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated:
             return "layers of an MLP or a mixer alone, ungated MLPs"
@@ -765,6 +774,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _jamba_from_hf(hf, source)
     if model_type in ("mamba", "mamba2", "falcon_mamba"):
         return _mamba_lm_from_hf(hf, source, model_type)
+    if model_type == "kimi_linear":
+        return _kimi_linear_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1092,6 +1103,46 @@ def _mamba_lm_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
         attention_bias=False, qk_norm=False, linear_layers=tuple(range(layers)), mlpless_layers=tuple(range(layers)),
         linear_key_dim=int(hf.get("state_size", 128 if model_type == "mamba2" else 16)),
         linear_conv_kernel=int(hf.get("conv_kernel", 4)), linear_conv_bias=bool(hf.get("use_conv_bias", True)), **mixer)
+
+
+def _kimi_linear_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Kimi Linear: its full_attention layers DeepSeek's latent attention with no rope at all (the shared key part
+    too), the others Kimi Delta Attention (linear_kind kda: linear_num_heads heads of linear_head_dim; the released
+    configs' linear_attn_config: kda_layers / full_attn_layers numbered from 1, head_dim, num_heads,
+    short_conv_kernel_size); its sparse MLPs DeepSeek-V3's routed experts (num_local_experts) beside a shared one, its
+    dense ones (mlp_layer_types, or the first first_k_dense_replace) SwiGLU MLPs."""
+    layers = int(hf["num_hidden_layers"])
+    linear_cfg = hf.get("linear_attn_config") or {}
+    types = hf.get("layer_types")
+    if not types and "full_attn_layers" in linear_cfg:
+        full = {int(i) - 1 for i in linear_cfg["full_attn_layers"]}
+        types = ["full_attention" if i in full else "linear_attention" for i in range(layers)]
+    if not types:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    mlp_types = hf.get("mlp_layer_types") or [
+        "dense" if i < int(hf.get("first_k_dense_replace", 1)) else "sparse" for i in range(layers)]
+    if len(types) != layers or len(mlp_types) != layers or set(types) - {"full_attention", "linear_attention"}:
+        raise CoreError(f"{source}: layer_types / mlp_layer_types must name each of the {layers} layers",
+                        ErrorKind.SOURCE_FORMAT)
+    # (its own names for DeepSeek's keys, as its configs write them)
+    names = {"model_max_length": "max_position_embeddings", "moe_renormalize": "norm_topk_prob",
+             "num_expert_group": "n_group", "num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
+             "num_experts_per_token": "num_experts_per_tok", "num_shared_experts": "n_shared_experts"}
+    deepseek = {**hf, **{ours: hf[theirs] for theirs, ours in names.items() if theirs in hf}}
+    deepseek.setdefault("n_routed_experts", 256)
+    latent = _deepseek_from_hf({**deepseek, "first_k_dense_replace": 0, "rope_interleave": False}, source,
+                               "deepseek_v3")
+    heads, head = int(linear_cfg.get("num_heads", hf.get("linear_num_heads", 32))), \
+        int(linear_cfg.get("head_dim", hf.get("linear_head_dim", 128)))
+    linear = tuple(i for i, t in enumerate(types) if t == "linear_attention")
+    return dataclasses.replace(
+        latent, nope_layers=tuple(i for i, t in enumerate(types) if t == "full_attention"),
+        dense_layers=tuple(i for i, t in enumerate(mlp_types) if t != "sparse") if latent.num_experts else (),
+        linear_layers=linear, linear_kind="kda" if linear else "", linear_key_heads=heads if linear else 0,
+        linear_value_heads=heads if linear else 0, linear_key_dim=head if linear else 0,
+        linear_value_dim=head if linear else 0,
+        linear_conv_kernel=int(linear_cfg.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)))
+        if linear else 0)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

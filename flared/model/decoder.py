@@ -29,8 +29,9 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.recurrent import (chunked_gated_delta, chunked_linear_attention, chunked_selective_scan,
-                                    gated_delta_step, linear_attention_step, prepare, selective_step)
+from flared.model.recurrent import (channel_delta_step, chunked_gated_delta, chunked_linear_attention,
+                                    chunked_selective_scan, gated_delta_step, linear_attention_step, prepare,
+                                    selective_step, sequential_channel_delta)
 from flared.model.rope import rope_tables
 
 try:
@@ -316,6 +317,14 @@ class DecoderModel:
             elif i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
                 layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
                 layer.qkv = None
+            elif i in config.linear_layers and config.linear_kind == "kda":
+                # (in projection, conv [C, K], f_b, g_b, dt_bias, -exp(A_log), the gated output norm's weight)
+                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"),
+                                _Linear(w(p + "f_b.weight"), None), _Linear(w(p + "g_b.weight"), None),
+                                tensors[p + "dt_bias"].to(self.device, torch.float32),
+                                -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
+                                tensors[p + "linear_norm.weight"].to(self.device, torch.float32))
+                layer.qkv = None
             elif i in config.linear_layers and config.linear_kind == "mamba1":
                 # (in projection, conv [C, K], its bias, x_proj, dt_proj, dt_bias, -exp(A_log) [C, N], D, the dt / B / C
                 # norms' weights)
@@ -455,7 +464,7 @@ class DecoderModel:
         # layers: 1.9x slower without the flush; tools/bench_hybrid.py). On the CPU such a model's forwards run with
         # denormals flushed to zero (flared/_fast/linear.pyx: on the model thread and its OpenMP workers, as GPUs
         # do), the threads' previous mode back after each forward.
-        decaying = config.linear_kind in ("gated_delta", "mamba2", "mamba1")  # (Mamba's states decay too)
+        decaying = config.linear_kind in ("gated_delta", "mamba2", "mamba1", "kda")  # (Mamba's and KDA's decay too)
         self.flush_denormals = decaying and self.device.type == "cpu" and flush_denormals is not None
         # Decode rows' gated delta rule (and Mamba-2's decayed update) on the CPU in place on their state rows
         # (flared/_fast/delta.pyx), instead of gathering the rows, torch's ops, and scattering them back. False keeps
@@ -784,8 +793,8 @@ class DecoderModel:
             x = self._norm(h, layer.attn_norm) if layer.attn_norm is not None else h
             beside = None  # (Falcon-H1: the mixer's output, added to attention's)
             if layer.linear is not None:
-                mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2,
-                         "mamba1": self._mamba1}.get(c.linear_kind, self._gated_delta)
+                mixer = {"short_conv": self._short_conv, "mamba2": self._mamba2, "mamba1": self._mamba1,
+                         "kda": self._kda}.get(c.linear_kind, self._gated_delta)
                 beside = mixer(index, layer, batch, kv, x)
                 if layer.qkv is None:
                     h = self._residual_and_mlp(index, layer, batch, h, x, beside)
@@ -957,6 +966,41 @@ class DecoderModel:
         normed = F.rms_norm(out.float(), (dv,), None, c.rms_norm_eps).to(x.dtype) * norm_weight
         gated = (normed.float() * F.silu(z.float().view(-1, nv, dv))).to(x.dtype)
         return layer.o(gated.view(-1, value))
+
+    def _kda(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache, x: torch.Tensor) -> torch.Tensor:
+        """A Kimi Delta Attention layer over the normed rows x [T, H] -> [T, H], as transformers' torch path computes
+        it: q, k and v through the causal convolution and SiLU (q and k L2-normed, q scaled by head_dim ** -0.5), the
+        gated delta rule with a decay per key channel (-exp(A_log) softplus(f_b(f_a x) + dt_bias)) and beta =
+        sigmoid(b x), a token at a time from each sequence's state row; the output RMS-normed per head (float32, its
+        weight float32) times sigmoid(g_b(g_a x)), through o."""
+        c = self.config
+        project, conv_weight, f_b, g_b, dt_bias, decay_scale, norm_weight = layer.linear
+        states = kv.states
+        j = states.layer_index[index]
+        heads, head = c.linear_value_heads, c.linear_value_dim
+        channels = c.linear_conv_dim
+        rows = x.shape[0]
+        mixed = project(x)  # [T, q k v | b | f_a | g_a]
+        b, f_a, g_a = mixed[:, channels:].split([heads, head, head], dim=-1)
+        g = (decay_scale[:, None] * F.softplus(f_b(f_a).float() + dt_bias).view(rows, heads, head))  # [T, h, dk]
+        beta = torch.sigmoid(b.float())
+        convolved = F.silu(self._causal_conv(states.conv[j], batch, mixed[:, :channels], conv_weight))
+        q, k, v = convolved.view(rows, 3, heads, head).unbind(1)
+        q, k = prepare(q, k, heads)
+        out = torch.empty(rows, heads, head, dtype=torch.float32, device=x.device)
+        if batch.decode_row_ids is not None:
+            decode, state_rows = batch.decode_row_ids, batch.decode_state_rows
+            state = states.ssm[j].index_select(0, state_rows)
+            out.index_copy_(0, decode, channel_delta_step(q[decode], k[decode], v[decode], g[decode], beta[decode],
+                                                          state))
+            states.ssm[j].index_copy_(0, state_rows, state)
+        for group in batch.prefill_groups:
+            lo, hi = group.row_start, group.row_end
+            out[lo:hi] = sequential_channel_delta(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                                  states.ssm[j, group.state_row])
+        gate = torch.sigmoid(g_b(g_a).float()).view(rows, heads, head)
+        normed = F.rms_norm(out, (head,), norm_weight, c.rms_norm_eps) * gate
+        return layer.o(normed.to(x.dtype).view(rows, heads * head))
 
     def _short_conv(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache,
                     x: torch.Tensor) -> torch.Tensor:

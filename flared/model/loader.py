@@ -160,6 +160,13 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
         return {p + "linear_in.weight": (3 * c.hidden_size, c.hidden_size),
                 p + "conv.weight": (c.hidden_size, c.linear_conv_kernel), p + "o.weight": (c.hidden_size, c.hidden_size)}
     value = c.linear_value_heads * c.linear_value_dim
+    if c.linear_kind == "kda":  # q, k, v, then b, f_a, g_a in one projection; the convolution over q, k and v; f_b and
+        # g_b from f_a's and g_a's head-wide rows; dt_bias, A_log, the gated output norm, o
+        heads, head = c.linear_value_heads, c.linear_value_dim
+        return {p + "linear_in.weight": (c.linear_conv_dim + heads + 2 * head, c.hidden_size),
+                p + "conv.weight": (c.linear_conv_dim, c.linear_conv_kernel), p + "f_b.weight": (value, head),
+                p + "g_b.weight": (value, head), p + "dt_bias": (value,), p + "a_log": (heads,),
+                p + "linear_norm.weight": (head,), p + "o.weight": (c.hidden_size, value)}
     if c.linear_kind == "mamba1":  # x and z; the convolution over x; B, C and dt's input from x; dt's projection; Jamba's
         # norms on dt, B and C; A [channels, states], D, o
         channels, states, rank = c.linear_value_heads, c.linear_key_dim, c.linear_dt_rank
@@ -367,6 +374,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         return _hf_lfm2(hf, config, take)
     if config.mixerless_layers or config.mlpless_layers or not config.mlp_gated:
         return _hf_nemotron_h(hf, config, take)
+    if hf_config is not None and hf_config.get("model_type") == "kimi_linear":  # (its dense MLPs' name)
+        hf = {k.replace(".block_sparse_moe.", ".mlp.") if k.split(".block_sparse_moe.")[-1].startswith(
+            ("gate_proj", "up_proj", "down_proj")) else k: v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
                    (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))
@@ -402,7 +412,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                 k = interleaved_rope_rows(k, config.num_kv_heads, config)
             return [q, k, v]
 
-        if i in config.linear_layers and config.linear_kind == "mamba1":
+        if i in config.linear_layers and config.linear_kind == "kda":
+            out.update(_hf_kda(attn, sp, config, take))
+        elif i in config.linear_layers and config.linear_kind == "mamba1":
             out.update(_hf_mamba1(hp + "mamba.", sp, config, take))
         elif i in config.linear_layers and config.linear_kind == "mamba2":
             out.update(_hf_mamba2(hp + "mamba.", sp, config, take))
@@ -520,6 +532,18 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
         if config.shared_expert_gate:
             out[sp + "shared.gate.weight"] = take(block + "shared_expert_gate.weight")
     return out
+
+
+def _hf_kda(ap: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+    """A Kimi Delta Attention layer (Kimi Linear's self_attn): q/k/v_proj, b_proj, f_a_proj and g_a_proj as one input
+    projection; q/k/v_conv1d [channels, 1, kernel] as one convolution; f_b_proj, g_b_proj, dt_bias, A_log [1, 1,
+    heads, 1], o_norm, o_proj."""
+    conv = torch.cat([take(ap + f"{x}_conv1d.weight") for x in "qkv"])
+    return {sp + "linear_in.weight": torch.cat([take(ap + f"{x}_proj.weight") for x in ("q", "k", "v", "b", "f_a", "g_a")]),
+            sp + "conv.weight": conv.reshape(conv.shape[0], -1), sp + "f_b.weight": take(ap + "f_b_proj.weight"),
+            sp + "g_b.weight": take(ap + "g_b_proj.weight"), sp + "dt_bias": take(ap + "dt_bias"),
+            sp + "a_log": take(ap + "A_log").reshape(-1), sp + "linear_norm.weight": take(ap + "o_norm.weight"),
+            sp + "o.weight": take(ap + "o_proj.weight")}
 
 
 def _hf_mamba1(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:

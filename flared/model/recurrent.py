@@ -193,3 +193,25 @@ def chunked_selective_scan(u, b, c, log_decay, state, *, block: int = 64):
             decay[i] = state
         out[lo:hi] = torch.einsum("tcn,tn->tc", decay, c[lo:hi].float())
     return out
+
+
+def channel_delta_step(q, k, v, g, beta, state):
+    """One token for each of B sequences of a Kimi Delta Attention layer: Gated DeltaNet's step with a decay per key
+    channel: q, k [B, h, dk] (prepared), v [B, h, dv], g [B, h, dk] (log decays), beta [B, h] (float32), state [B, h, dk,
+    dv] float32 (updated in place) -> the outputs [B, h, dv] float32."""
+    state.mul_(g.exp()[..., None])
+    remembered = torch.einsum("bhkv,bhk->bhv", state, k)
+    delta = (v.float() - remembered) * beta[..., None]
+    state.add_(k[..., :, None] * delta[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", state, q)
+
+
+def sequential_channel_delta(q, k, v, g, beta, state):
+    """One sequence's L tokens of a Kimi Delta Attention layer, a token at a time (a decay per key channel: Gated
+    DeltaNet's chunked form does not apply): q, k [L, h, dk] (prepared), v [L, h, dv], g [L, h, dk], beta [L, h]
+    (float32), state [h, dk, dv] float32 (updated in place) -> [L, h, dv] float32."""
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+    batch = state[None]
+    for t in range(q.shape[0]):
+        out[t] = channel_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], batch)[0]
+    return out

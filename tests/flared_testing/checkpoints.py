@@ -195,6 +195,15 @@ FAMILIES = {
                                           eos_token_id=2)),
     "mamba2": ("mamba2", dict(num_heads=4, head_dim=32, n_groups=2, state_size=16, conv_kernel=4, expand=2,
                               initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Moonshot Kimi Linear: a Kimi Delta Attention layer with a dense MLP, a latent attention layer without rope and a
+    # KDA layer, each with DeepSeek-V3-routed experts (two groups) beside a shared one
+    "kimi_linear": ("kimi_linear", dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                                        qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                        n_group=2, topk_group=1, moe_intermediate_size=32, linear_head_dim=16,
+                                        linear_num_heads=4, linear_conv_kernel_dim=4, num_hidden_layers=3,
+                                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                        mlp_layer_types=["dense", "sparse", "sparse"], initializer_range=0.1,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,

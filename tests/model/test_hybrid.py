@@ -89,6 +89,22 @@ def test_jamba_reads_its_layer_periods():
     assert from_hf_config({**hf, "num_experts": 1}).num_experts == 0
 
 
+def test_kimi_linear_reads_its_released_config():
+    """Kimi Linear's configs as released: linear_attn_config's layers numbered from 1, its own names for DeepSeek's
+    expert keys, the first first_k_dense_replace MLPs dense; its attention layers unrotated latent attention."""
+    hf = dict(model_type="kimi_linear", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=8, num_experts_per_token=2,
+              num_expert_group=1, num_shared_experts=1, moe_renormalize=True, first_k_dense_replace=1,
+              model_max_length=1048576, linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3],
+                                                            "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4})
+    config = from_hf_config(hf)
+    assert config.linear_kind == "kda" and config.linear_layers == (0, 1, 2) and config.nope_layers == (3,)
+    assert config.kv_lora_rank == 16 and config.dense_layers == (0,) and config.num_experts == 8
+    assert config.experts_per_token == 2 and config.router_sigmoid and config.shared_expert_intermediate_size == 32
+    assert config.linear_conv_dim == 192 and config.max_position_embeddings == 1048576
+
+
 def test_the_chunked_selective_scan_equals_its_steps():
     """Mamba-1's scan in blocks (decays and inputs as products, the block's states read at once) against one token at
     a time from the same state."""
@@ -250,7 +266,7 @@ def _greedy(hf, prompt: list[int], count: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1", "jamba", "mamba2"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "granite4_h", "nemotron_h", "falcon_h1", "jamba", "mamba2", "kimi_linear"])
 def test_a_hybrid_core_serves_transformers_tokens_from_its_prefix_cache(family, tmp_path):
     """A Qwen3-Next or LFM2 core served by flared run: greedy chat tokens equal transformers'; asked again, the prompt comes
     from the prefix cache (its checkpoint restores the recurrent state beside the KV pages) with the same tokens; a
