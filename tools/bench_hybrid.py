@@ -5,7 +5,7 @@ Both sides build the same random-weight model of ``--family`` at a shape below: 
 DeltaNet layers to one gated attention layer), an LFM2 (gated short convolutions, a few attention layers), a Granite
 4.0-H (Mamba-2 layers, a few unrotated attention layers), a Nemotron-H (Mamba-2 and squared-ReLU MLP blocks, an
 attention block in eight), a Falcon-H1 (attention and Mamba-2 side by side in every layer), a Jamba (Mamba-1 layers,
-attention, experts) or a Gemma 4 (no recurrent layers: windowed layers beside global ones of wider heads); and,
+attention, experts), a Kimi Linear (Kimi Delta Attention, latent attention, experts) or a Gemma 4 (no recurrent layers: windowed layers beside global ones of wider heads); and,
 alternately in one process, run greedy decoding of the same prompts (decode tok/s over the decode phase only, each
 batch's N-1 tokens: tools/bench_model.py's method, best of ``--repeats``) and one long prompt's prefill (seconds to
 its first token's logits: flared's runner a chunk of --chunk tokens at a time, its state carried between chunks;
@@ -13,7 +13,7 @@ transformers one forward). flared's CPU forwards of such a model flush denormal 
 (DecoderModel.flush_denormals); transformers is measured as it runs by default and, as "transformers (FTZ)", with
 the same flush around its calls. ``--device cuda`` runs both sides on the GPU (flared's eager forward).
 
-    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|jamba|gemma4]
+    .venv/bin/python tools/bench_hybrid.py [--family qwen3_5|lfm2|granite4_h|nemotron_h|falcon_h1|jamba|kimi_linear|gemma4]
         [--shape default|small] [--layers 8] [--dtype bfloat16] [--device cpu|cuda] [--json]
 
 Prints a table; with ``--json`` the last line is one JSON object of the figures.
@@ -106,10 +106,25 @@ SHAPES = {
                       num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, attn_layer_period=4,
                       attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, vocab_size=32000),
     },
+    "kimi_linear": {  # Kimi Linear's layout at 0.5B: three Kimi Delta Attention layers (8 heads of 128) to one latent
+        # attention layer, the MLPs after the first 16 sigmoid-routed experts (four a token) beside a shared one
+        "default": dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=12,
+                        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=256, q_lora_rank=None,
+                        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, num_local_experts=16,
+                        num_experts_per_tok=4, linear_head_dim=128, linear_num_heads=8, vocab_size=65536, pad_token_id=0,
+                        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)],
+                        mlp_layer_types=["dense"] + ["sparse"] * 11),
+        "small": dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=None,
+                      qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, num_local_experts=8,
+                      num_experts_per_tok=2, linear_head_dim=64, linear_num_heads=8, vocab_size=32000, pad_token_id=0,
+                      layer_types=["linear_attention"] * 3 + ["full_attention"],
+                      mlp_layer_types=["dense"] + ["sparse"] * 3),
+    },
 }
 CONFIGS = {"qwen3_5": "Qwen3_5TextConfig", "lfm2": "Lfm2Config", "granite4_h": "GraniteMoeHybridConfig",
            "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config", "gemma4": "Gemma4TextConfig",
-           "jamba": "JambaConfig"}
+           "jamba": "JambaConfig", "kimi_linear": "KimiLinearConfig"}
 BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 

@@ -29,9 +29,9 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.recurrent import (channel_delta_step, chunked_gated_delta, chunked_linear_attention,
-                                    chunked_selective_scan, gated_delta_step, linear_attention_step, prepare,
-                                    selective_step, sequential_channel_delta)
+from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
+                                    chunked_linear_attention, chunked_selective_scan, gated_delta_step,
+                                    linear_attention_step, prepare, selective_step)
 from flared.model.rope import rope_tables
 
 try:
@@ -971,7 +971,7 @@ class DecoderModel:
         """A Kimi Delta Attention layer over the normed rows x [T, H] -> [T, H], as transformers' torch path computes
         it: q, k and v through the causal convolution and SiLU (q and k L2-normed, q scaled by head_dim ** -0.5), the
         gated delta rule with a decay per key channel (-exp(A_log) softplus(f_b(f_a x) + dt_bias)) and beta =
-        sigmoid(b x), a token at a time from each sequence's state row; the output RMS-normed per head (float32, its
+        sigmoid(b x), from each sequence's state row (prefill in chunks, decode a step a row); the output RMS-normed per head (float32, its
         weight float32) times sigmoid(g_b(g_a x)), through o."""
         c = self.config
         project, conv_weight, f_b, g_b, dt_bias, decay_scale, norm_weight = layer.linear
@@ -996,8 +996,8 @@ class DecoderModel:
             states.ssm[j].index_copy_(0, state_rows, state)
         for group in batch.prefill_groups:
             lo, hi = group.row_start, group.row_end
-            out[lo:hi] = sequential_channel_delta(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
-                                                  states.ssm[j, group.state_row])
+            out[lo:hi] = chunked_channel_delta(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                               states.ssm[j, group.state_row])
         gate = torch.sigmoid(g_b(g_a).float()).view(rows, heads, head)
         normed = F.rms_norm(out, (head,), norm_weight, c.rms_norm_eps) * gate
         return layer.o(normed.to(x.dtype).view(rows, heads * head))

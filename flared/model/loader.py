@@ -413,7 +413,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             return [q, k, v]
 
         if i in config.linear_layers and config.linear_kind == "kda":
-            out.update(_hf_kda(attn, sp, config, take))
+            out.update(_hf_kda(hf, attn, sp, take))
         elif i in config.linear_layers and config.linear_kind == "mamba1":
             out.update(_hf_mamba1(hp + "mamba.", sp, config, take))
         elif i in config.linear_layers and config.linear_kind == "mamba2":
@@ -534,16 +534,20 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     return out
 
 
-def _hf_kda(ap: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+def _hf_kda(hf: dict[str, torch.Tensor], ap: str, sp: str, take) -> dict[str, torch.Tensor]:
     """A Kimi Delta Attention layer (Kimi Linear's self_attn): q/k/v_proj, b_proj, f_a_proj and g_a_proj as one input
     projection; q/k/v_conv1d [channels, 1, kernel] as one convolution; f_b_proj, g_b_proj, dt_bias, A_log [1, 1,
-    heads, 1], o_norm, o_proj."""
-    conv = torch.cat([take(ap + f"{x}_conv1d.weight") for x in "qkv"])
-    return {sp + "linear_in.weight": torch.cat([take(ap + f"{x}_proj.weight") for x in ("q", "k", "v", "b", "f_a", "g_a")]),
-            sp + "conv.weight": conv.reshape(conv.shape[0], -1), sp + "f_b.weight": take(ap + "f_b_proj.weight"),
-            sp + "g_b.weight": take(ap + "g_b_proj.weight"), sp + "dt_bias": take(ap + "dt_bias"),
-            sp + "a_log": take(ap + "A_log").reshape(-1), sp + "linear_norm.weight": take(ap + "o_norm.weight"),
-            sp + "o.weight": take(ap + "o_proj.weight")}
+    heads, 1], o_norm, o_proj (as released; transformers 5 holds the forget gate's under forget_gate. and the three
+    convolutions stacked as conv1d)."""
+    gate = ap + ("forget_gate." if ap + "forget_gate.dt_bias" in hf else "")
+    conv = take(ap + "conv1d.weight") if ap + "conv1d.weight" in hf else \
+        torch.cat([take(ap + f"{x}_conv1d.weight") for x in "qkv"])
+    projections = [take(ap + f"{x}_proj.weight") for x in "qkvb"] + [take(gate + "f_a_proj.weight"),
+                                                                     take(ap + "g_a_proj.weight")]
+    return {sp + "linear_in.weight": torch.cat(projections), sp + "conv.weight": conv.reshape(conv.shape[0], -1),
+            sp + "f_b.weight": take(gate + "f_b_proj.weight"), sp + "g_b.weight": take(ap + "g_b_proj.weight"),
+            sp + "dt_bias": take(gate + "dt_bias"), sp + "a_log": take(gate + "A_log").reshape(-1),
+            sp + "linear_norm.weight": take(ap + "o_norm.weight"), sp + "o.weight": take(ap + "o_proj.weight")}
 
 
 def _hf_mamba1(mp: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:

@@ -206,12 +206,37 @@ def channel_delta_step(q, k, v, g, beta, state):
     return torch.einsum("bhkv,bhk->bhv", state, q)
 
 
-def sequential_channel_delta(q, k, v, g, beta, state):
-    """One sequence's L tokens of a Kimi Delta Attention layer, a token at a time (a decay per key channel: Gated
-    DeltaNet's chunked form does not apply): q, k [L, h, dk] (prepared), v [L, h, dv], g [L, h, dk], beta [L, h]
-    (float32), state [h, dk, dv] float32 (updated in place) -> [L, h, dv] float32."""
-    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
-    batch = state[None]
-    for t in range(q.shape[0]):
-        out[t] = channel_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], batch)[0]
-    return out
+def chunked_channel_delta(q, k, v, g, beta, state, *, chunk: int = 32):
+    """One sequence's L tokens of a Kimi Delta Attention layer: q, k [L, h, dk] (prepared), v [L, h, dv], g [L, h, dk]
+    (log decays, each key channel its own), beta [L, h] (float32), state [h, dk, dv] float32 (replaced in place by the
+    state after the L tokens) -> [L, h, dv] float32. ``chunk`` tokens at a time, as chunked_gated_delta but with the
+    decays between two tokens of a chunk a vector (exp(cum_t - cum_s) per key channel, [h, N, C, C, dk]: no factoring
+    it into products of exp(cum_t) and exp(-cum_s), which overflow)."""
+    length, heads = q.shape[0], q.shape[1]
+    pad = -length % chunk
+
+    def chunks(x):  # [L, h, d] -> [h, N, C, d] float32, zero-padded (a padded token neither decays nor writes)
+        return F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)).reshape(heads, -1, chunk, x.shape[-1])
+
+    q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
+    beta = F.pad(beta.float().transpose(0, 1), (0, pad)).reshape(heads, -1, chunk)
+    cum = g.cumsum(dim=2)  # [h, N, C, dk]: the log decay from the chunk's start through t
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)[..., None]
+    decay = (cum[:, :, :, None] - cum[:, :, None]).masked_fill(upper, float("-inf")).exp()  # [h, N, t, s, dk]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = torch.einsum("hntd,hnsd,hntsd->hnts", k_beta, k, decay)
+    values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * cum.exp(), upper=False, unitriangular=True)
+    inner = torch.einsum("hntd,hnsd,hntsd->hnts", q, k, decay)
+    del decay
+    q = q * cum.exp()
+    k = k * (cum[:, :, -1:] - cum).exp()
+    chunk_decay = cum[:, :, -1].exp()[..., None]  # [h, N, dk, 1]
+    out = torch.empty_like(values)
+    s = state
+    for i in range(values.shape[1]):
+        fresh = values[:, i] - k_decayed[:, i] @ s
+        out[:, i] = q[:, i] @ s + inner[:, i] @ fresh
+        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ fresh
+    state.copy_(s)
+    return _unchunk(out, length)

@@ -105,6 +105,27 @@ def test_kimi_linear_reads_its_released_config():
     assert config.linear_conv_dim == 192 and config.max_position_embeddings == 1048576
 
 
+def test_the_chunked_channel_delta_rule_equals_its_steps():
+    """Kimi Delta Attention's chunked form (a decay per key channel) against one token at a time from the same state,
+    across a chunk boundary."""
+    from flared.model.recurrent import channel_delta_step, chunked_channel_delta
+
+    g = torch.Generator().manual_seed(0)
+    length, heads, dk, dv = 45, 2, 8, 6
+    q, k = prepare(torch.randn(length, heads, dk, generator=g), torch.randn(length, heads, dk, generator=g), heads)
+    v = torch.randn(length, heads, dv, generator=g)
+    decay = -torch.rand(length, heads, dk, generator=g) * 2
+    beta = torch.rand(length, heads, generator=g)
+    start = torch.randn(heads, dk, dv, generator=g) * 0.1
+    chunked_state = start.clone()
+    chunked = chunked_channel_delta(q, k, v, decay, beta, chunked_state, chunk=16)
+    state = start.clone()[None]
+    steps = torch.cat([channel_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], state)
+                       for t in range(length)])
+    assert (chunked - steps).abs().max().item() < 1e-4
+    assert (chunked_state - state[0]).abs().max().item() < 1e-4
+
+
 def test_the_chunked_selective_scan_equals_its_steps():
     """Mamba-1's scan in blocks (decays and inputs as products, the block's states read at once) against one token at
     a time from the same state."""
