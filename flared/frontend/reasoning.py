@@ -1,6 +1,6 @@
 """Reasoning out of generated text: ``<think>…</think>`` (or Mistral's ``[THINK]…[/THINK]``, Seed-OSS'
 ``<seed:think>…</seed:think>``, Cohere's ``<|START_THINKING|>…<|END_THINKING|>``, Gemma 4's
-``<|channel>thought…<channel|>``)
+``<|channel>thought…<channel|>``, Apertus' ``<|inner_prefix|>…<|inner_suffix|>``)
 split from the answer, incrementally (gpt-oss' harmony channels: toolcalls.HarmonyToolParser).
 
 Rules:
@@ -49,7 +49,9 @@ COHERE_THINK = ReasoningFormat("cohere", "<|START_THINKING|>", "<|END_THINKING|>
 HARMONY = ReasoningFormat("harmony", "<|channel|>analysis<|message|>", "<|end|>", needs_special_tokens=True)
 # Gemma 4: a thought channel, <|channel>thought ... <channel|> (a prompt without thinking ends with an empty one)
 GEMMA4_THOUGHT = ReasoningFormat("gemma4", "<|channel>thought", "<channel|>", needs_special_tokens=True)
-FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, HARMONY, GEMMA4_THOUGHT)}
+# Apertus: inner thoughts, <|inner_prefix|> ... <|inner_suffix|>
+APERTUS_INNER = ReasoningFormat("apertus", "<|inner_prefix|>", "<|inner_suffix|>", needs_special_tokens=True)
+FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, HARMONY, GEMMA4_THOUGHT, APERTUS_INNER)}
 
 
 def is_harmony_template(source: str) -> bool:
@@ -65,7 +67,7 @@ def reasoning_format_for_template(source: str | None, override: str = "auto") ->
         return FORMATS[override]
     if source and is_harmony_template(source):
         return HARMONY
-    for fmt in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, GEMMA4_THOUGHT):
+    for fmt in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, GEMMA4_THOUGHT, APERTUS_INNER):
         if source and fmt.start in source and fmt.end in source:
             return fmt
     return None

@@ -1001,6 +1001,71 @@ class NemotronToolParser(MistralToolParser):
         super()._finish_rest()
 
 
+class ApertusToolParser(ToolParser):
+    """Apertus: ``<|tools_prefix|>[{"name": {arguments}}, …]<|tools_suffix|>``: a JSON list whose objects each name a
+    function by their one key, its value the arguments; the calls are sent whole when the list closes. A block that is
+    no such list stays content, markers included."""
+
+    name = "apertus"
+    needs_special_tokens = True
+    OPEN, CLOSE = "<|tools_prefix|>", "<|tools_suffix|>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._inside = False
+
+    def _step(self, final: bool) -> bool:
+        if not self._inside:
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._inside = True
+            return True
+        lead = _skip_ws(self._buf, 0)
+        if lead >= len(self._buf):
+            return False
+        if self._buf[lead] != "[":  # not a call list: the marker is the model's text, and what follows
+            self._emit_content(self.OPEN)
+            self._inside = False
+            return True
+        end = value_end(self._buf, lead)  # (the list, strings holding the marker included)
+        if end is None:
+            return False
+        after = self._buf[end:]
+        rest = after.lstrip()
+        closed = rest.startswith(self.CLOSE)
+        if not closed and not final and self.CLOSE.startswith(rest):
+            return False
+        body, self._buf = self._buf[:end], rest[len(self.CLOSE):] if closed else after
+        self._inside = False
+        self._send(body, self.CLOSE if closed else "")
+        return True
+
+    def _send(self, body: str, close: str) -> None:
+        try:
+            calls = json.loads(body)
+        except ValueError:
+            calls = None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and len(c) == 1 and isinstance(
+                next(iter(c.values())), (dict, str)) for c in calls):
+            self._emit_content(self.OPEN + body + close)
+            return
+        for call in calls:
+            (name, arguments), = call.items()
+            announced = self._announce(name)
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            self.calls[announced.index].arguments = text
+            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
+            self._close(announced.index, None)
+
+    def _finish_rest(self) -> None:
+        if self._inside:  # cut off (max_tokens) inside its list: the model's text, the marker included
+            self._inside = False
+            self._emit_content(self.OPEN + self._buf)
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+
+
 class CohereToolParser(MistralToolParser):
     """Command A / Command R7B: ``<|START_ACTION|>[{"tool_call_id": …, "tool_name": …, "parameters": {…}}, …]
     <|END_ACTION|>``; the answer's ``<|START_RESPONSE|>`` / ``<|END_RESPONSE|>`` markers are not content."""
@@ -1575,7 +1640,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
                         Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser, NemotronToolParser,
-                        Gemma4ToolParser)
+                        Gemma4ToolParser, ApertusToolParser)
 }
 
 
@@ -1603,6 +1668,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return NemotronToolParser
     if "<|tool_call>" in source and "<tool_call|>" in source:
         return Gemma4ToolParser
+    if "<|tools_prefix|>" in source:
+        return ApertusToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

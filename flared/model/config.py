@@ -102,8 +102,11 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Moonshot Kimi Linear (48B-A3B): Kimi Delta Attention layers (the gated delta rule with a decay per
                   # key channel) beside DeepSeek's latent attention without rope, DeepSeek-V3's routed experts
                   # (_kimi_linear_from_hf)
-                  "kimi_linear": "deepseek2"}
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2")
+                  "kimi_linear": "deepseek2",
+                  # Swiss AI Apertus (8B, 70B): Qwen3's per-head q/k norms before Llama 3's rope, an ungated MLP through
+                  # xIELU (each layer's own alpha_p, alpha_n: layers.i.xielu)
+                  "apertus": "llama"}
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
@@ -459,8 +462,8 @@ class ModelConfig:
         if (self.parallel_mixers and self.linear_kind != "mamba2"
                 or not self.linear_norm and self.linear_kind not in ("mamba2", "mamba1")):
             raise CoreError("parallel_mixers needs Mamba-2 layers, linear_norm false Mamba layers")
-        if self.hidden_act == "relu2" and self.mlp_gated:
-            raise _unsupported("the squared ReLU (relu2) is supported only in ungated MLPs (mlp_gated false)")
+        if self.hidden_act in ("relu2", "xielu") and self.mlp_gated:
+            raise _unsupported(f"{self.hidden_act} is supported only in ungated MLPs (mlp_gated false)")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
             raise CoreError(f"{', '.join(linear_sizes)} need linear_layers")
 
@@ -776,6 +779,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _mamba_lm_from_hf(hf, source, model_type)
     if model_type == "kimi_linear":
         return _kimi_linear_from_hf(hf, source)
+    if model_type == "apertus":
+        return _apertus_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1143,6 +1148,22 @@ def _kimi_linear_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         linear_value_dim=head if linear else 0,
         linear_conv_kernel=int(linear_cfg.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)))
         if linear else 0)
+
+
+def _apertus_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Apertus: Llama's attention with per-head q/k norms before rope (Llama 3's scaling), norms named
+    attention_layernorm / feedforward_layernorm (the loader's), an ungated MLP (up, xIELU with the layer's own
+    alpha_p / alpha_n / beta / eps, down)."""
+    act = hf.get("hidden_act", "xielu")
+    if act != "xielu":
+        raise _unsupported(f"{source}: Apertus with hidden_act {act!r} is not supported (xielu)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: Apertus with biased projections is not supported")
+    theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", **_sizes(hf, max_positions=65536), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True, hidden_act="xielu",
+        mlp_gated=False)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

@@ -89,6 +89,13 @@ def _soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+def _xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+           eps: torch.Tensor) -> torch.Tensor:
+    """xIELU (Apertus' MLP activation) with a layer's effective parameters: alpha_p x^2 + beta x for x > 0, else
+    (expm1(min(x, eps)) - x) alpha_n + beta x, as transformers' torch path computes it."""
+    return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + beta * x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # One fused op (statistics in float32 for every dtype); matches transformers' LlamaRMSNorm to
     # float32 rounding, which the parity tests check. bfloat16 rows on the CPU go through
@@ -256,7 +263,7 @@ class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
                  "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o", "geometry",
-                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer")
+                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer", "xielu")
 
 
 class DecoderModel:
@@ -312,6 +319,10 @@ class DecoderModel:
             layer.geometry = config.layer_geometry(i)
             layer.keys_as_values = config.value_from_key and layer.geometry[1] == config.global_head_dim
             layer.scalar = opt(p + "scalar")
+            layer.xielu = None
+            if p + "xielu" in tensors:  # Apertus: (softplus(alpha_p), beta + softplus(alpha_n), beta, eps), as computed
+                alpha_p, alpha_n, beta, eps = w(p + "xielu").unbind()
+                layer.xielu = (F.softplus(alpha_p), beta + F.softplus(alpha_n), beta, eps)
             if not layer.has_mixer:
                 layer.qkv = None
             elif i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
@@ -898,7 +909,7 @@ class DecoderModel:
             gate_up = layer.gate_up(x)
             if lora:
                 gate_up = self._lora(batch, f"layers.{index}.gate_up.weight", x, gate_up)
-            act = self._activation(gate_up)
+            act = self._activation(gate_up) if layer.xielu is None else _xielu(gate_up, *layer.xielu)
             down = layer.down(act)
             if lora:
                 down = self._lora(batch, f"layers.{index}.down.weight", act, down)

@@ -92,6 +92,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         qkv_rows = c.num_heads * head_dim * (2 if c.attn_output_gate else 1) + keys + values
         if c.layer_scalars:
             shapes[p + "scalar"] = (1,)
+        if c.hidden_act == "xielu" and i not in mlpless:  # (Apertus: alpha_p, alpha_n, beta, eps as trained)
+            shapes[p + "xielu"] = (4,)
         if c.per_layer_input_dim:
             shapes.update({p + "per_layer_gate.weight": (c.per_layer_input_dim, c.hidden_size),
                            p + "per_layer_out.weight": (c.hidden_size, c.per_layer_input_dim),
@@ -372,11 +374,14 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
 
     if config.architecture == "lfm2":
         return _hf_lfm2(hf, config, take)
-    if config.mixerless_layers or config.mlpless_layers or not config.mlp_gated:
+    if config.mixerless_layers or config.mlpless_layers or config.hidden_act == "relu2":
         return _hf_nemotron_h(hf, config, take)
     if hf_config is not None and hf_config.get("model_type") == "kimi_linear":  # (its dense MLPs' name)
         hf = {k.replace(".block_sparse_moe.", ".mlp.") if k.split(".block_sparse_moe.")[-1].startswith(
             ("gate_proj", "up_proj", "down_proj")) else k: v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "apertus":  # (its names for Llama's norms)
+        renames = ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm."))
+        hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
                    (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))
@@ -486,7 +491,11 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         elif config.num_experts and i not in config.dense_layers:
             out.update(_hf_experts(hf, hp, sp, config, take))
             continue
-        if hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows
+        if not config.mlp_gated:  # Apertus: up rows alone; its xIELU's trained parameters
+            out[sp + "gate_up.weight"] = take(hp + "mlp.up_proj.weight")
+            act = hp + "mlp.act_fn."
+            out[sp + "xielu"] = torch.stack([take(act + x).float().reshape(()) for x in ("alpha_p", "alpha_n", "beta", "eps")])
+        elif hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows
             out[sp + "gate_up.weight"] = hf[hp + "mlp.gate_up_proj.weight"]
         elif hp + "shared_mlp.input_linear.weight" in hf:  # Granite 4.0's: gate rows, then up rows
             out[sp + "gate_up.weight"] = hf[hp + "shared_mlp.input_linear.weight"]

@@ -11,6 +11,7 @@ import pytest
 from pathlib import Path
 
 from flared.frontend.reasoning import (
+    APERTUS_INNER,
     GEMMA4_THOUGHT,
     MISTRAL_THINK,
     SEED_THINK,
@@ -136,6 +137,15 @@ CASES = {
         ("A <|tool_call> that is not a call.", "A <|tool_call> that is not a call.", []),
         ("No <|tool call here.", "No <|tool call here.", []),
     ],
+    "apertus": [
+        ('Checking.<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, {"get_weather": {"city": "Oslo"}}]'
+         "<|tools_suffix|>", "Checking.", [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
+        ('<|tools_prefix|>[{"f": {"s": "]<|tools_suffix|>"}}]<|tools_suffix|>\nDone.', "Done.",
+         [("f", {"s": "]<|tools_suffix|>"})]),
+        ('<|tools_prefix|>[{"ping": {}}]', "", [("ping", {})]),  # (stopped before the closing marker)
+        ("A <|tools_prefix|> that is not a list.", "A <|tools_prefix|> that is not a list.", []),
+        ("No <|tools call here.", "No <|tools call here.", []),
+    ],
     "cohere": [
         ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
          '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
@@ -162,7 +172,8 @@ MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<paramet
            "</seed:think>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
            "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
            "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<TOOLCALL>",
-           "</TOOLCALL>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|channel>", "<channel|>")
+           "</TOOLCALL>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|channel>", "<channel|>",
+           "<|tools_prefix|>", "<|tools_suffix|>", "<|inner_prefix|>", "<|inner_suffix|>")
 
 
 def chunkings(text: str):
@@ -247,6 +258,9 @@ def _seed(text: str) -> str:
 
 REASONING_CASES += [(_mistral(t), inside, r, _mistral(c), MISTRAL_THINK) for t, inside, r, c in REASONING_CASES[:3]]
 REASONING_CASES += [(_seed(t), inside, r, _seed(c), SEED_THINK) for t, inside, r, c in REASONING_CASES[:3]]
+REASONING_CASES += [  # Apertus' inner thoughts
+    ("<|inner_prefix|>Step one.<|inner_suffix|>The answer is 4.", False, "Step one.", "The answer is 4.", APERTUS_INNER),
+]
 REASONING_CASES += [  # Gemma 4's thought channel
     ("<|channel>thought\nStep one.<channel|>The answer is 4.", False, "Step one.", "The answer is 4.", GEMMA4_THOUGHT),
     ("The answer is 4.", False, "", "The answer is 4.", GEMMA4_THOUGHT),
@@ -288,6 +302,17 @@ def test_gemma4_thought_then_call_every_split():
                                                                       GEMMA4_THOUGHT), chunks)
         assert "".join(content) == "" and reasoning == "I will look it up.", chunks
         check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris", "days": 2})])
+
+
+def test_apertus_inner_thoughts_then_calls_every_split():
+    """Apertus' inner thoughts, then its tool list: reasoning apart, the calls, no marker in the content."""
+    text = ('<|inner_prefix|>I will look it up.<|inner_suffix|><|tools_prefix|>[{"get_weather": {"city": "Paris"}}]'
+            "<|tools_suffix|>")
+    for chunks in chunkings(text):
+        content, reasoning, deltas, parser = run(lambda: OutputParser(PARSERS["apertus"](WEATHER_TOOLS),
+                                                                      APERTUS_INNER), chunks)
+        assert "".join(content) == "" and reasoning == "I will look it up.", chunks
+        check_calls(deltas, parser.calls, [("get_weather", {"city": "Paris"})])
 
 
 def test_cohere_thinking_then_action_every_split():
@@ -384,6 +409,7 @@ CORPUS_FAMILIES = {
     "MiniMax-M2.jinja": ("minimax_m2", "think"),
     "NVIDIA-Nemotron-Nano-v2.jinja": ("nemotron", "think"),
     "google-gemma-4-31B-it.jinja": ("gemma4", "gemma4"),
+    "Apertus-8B-Instruct.jinja": ("apertus", "apertus"),
 }
 
 

@@ -204,6 +204,11 @@ FAMILIES = {
                                         layer_types=["linear_attention", "full_attention", "linear_attention"],
                                         mlp_layer_types=["dense", "sparse", "sparse"], initializer_range=0.1,
                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Swiss AI Apertus: per-head q/k norms before Llama 3's rope, an ungated MLP through xIELU
+    "apertus": ("apertus", dict(head_dim=16, rope_parameters={"rope_type": "llama3", "rope_theta": 12000000.0,
+                                                              "factor": 8.0, "original_max_position_embeddings": 64,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+                                pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
@@ -237,7 +242,8 @@ def build_hf_checkpoint(family: str, directory: Path, *, seed: int = 0) -> Path:
     with torch.no_grad():  # norms start as ones (or zeros, Gemma's 1 + w), biases as zeros: vary them, so each counts
         for name, param in model.named_parameters():
             if ("norm" in name and param.dim() == 1) or ("bias" in name and not param.any()) or \
-                    name.endswith(("router.scale", "per_expert_scale")):  # (Gemma 4's router scales start as ones)
+                    name.endswith(("router.scale", "per_expert_scale", "alpha_p", "alpha_n")):  # (Gemma 4's router
+                # scales start as ones; Apertus' xIELU parameters as initialised)
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.2)
         for name, buffer in model.named_buffers():  # (GLM-4.5's and LFM2-MoE's router correction biases are buffers)
             if name.endswith(("correction_bias", "expert_bias")):
