@@ -1066,6 +1066,15 @@ class ApertusToolParser(ToolParser):
         self._buf = ""
 
 
+class FireFunctionToolParser(NemotronToolParser):
+    """FireFunction v2: ``functools[{"name": …, "arguments": {…}}, …]``, the array after a plain-text marker and no
+    closing one."""
+
+    name = "firefunction"
+    needs_special_tokens = False
+    OPEN, CLOSE = "functools", ""
+
+
 class CohereToolParser(MistralToolParser):
     """Command A / Command R7B: ``<|START_ACTION|>[{"tool_call_id": …, "tool_name": …, "parameters": {…}}, …]
     <|END_ACTION|>``; the answer's ``<|START_RESPONSE|>`` / ``<|END_RESPONSE|>`` markers are not content."""
@@ -1640,7 +1649,7 @@ PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
                         Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser, NemotronToolParser,
-                        Gemma4ToolParser, ApertusToolParser)
+                        Gemma4ToolParser, ApertusToolParser, FireFunctionToolParser)
 }
 
 
@@ -1670,6 +1679,8 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return Gemma4ToolParser
     if "<|tools_prefix|>" in source:
         return ApertusToolParser
+    if "functools[" in source:
+        return FireFunctionToolParser
     if "<tool_call>" in source:
         return Qwen3CoderToolParser if "<function=" in source else HermesToolParser
     if "[TOOL_CALLS]" in source:

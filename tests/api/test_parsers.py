@@ -146,6 +146,13 @@ CASES = {
         ("A <|tools_prefix|> that is not a list.", "A <|tools_prefix|> that is not a list.", []),
         ("No <|tools call here.", "No <|tools call here.", []),
     ],
+    "firefunction": [
+        (' functools[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "get_weather", '
+         '"arguments": {"city": "Oslo"}}]', "", [("get_weather", {"city": "Paris", "days": 3}),
+                                                 ("get_weather", {"city": "Oslo"})]),
+        ('Sure. functools[{"name": "ping", "arguments": {}}]', "Sure.", [("ping", {})]),
+        ("No functools here.", "No functools here.", []),
+    ],
     "cohere": [
         ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
          '"days": 3}},\n    {"tool_call_id": "1", "tool_name": "get_weather", "parameters": {"city": "Oslo"}}\n]'
@@ -173,7 +180,7 @@ MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<paramet
            "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
            "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<TOOLCALL>",
            "</TOOLCALL>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|channel>", "<channel|>",
-           "<|tools_prefix|>", "<|tools_suffix|>", "<|inner_prefix|>", "<|inner_suffix|>")
+           "<|tools_prefix|>", "<|tools_suffix|>", "<|inner_prefix|>", "<|inner_suffix|>", "functools[")
 
 
 def chunkings(text: str):
@@ -410,6 +417,7 @@ CORPUS_FAMILIES = {
     "NVIDIA-Nemotron-Nano-v2.jinja": ("nemotron", "think"),
     "google-gemma-4-31B-it.jinja": ("gemma4", "gemma4"),
     "Apertus-8B-Instruct.jinja": ("apertus", "apertus"),
+    "fireworks-ai-llama-3-firefunction-v2.jinja": ("firefunction", None),
 }
 
 
