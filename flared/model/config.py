@@ -77,6 +77,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "minimax_m2": "llama",
                   # Baidu ERNIE 4.5 (dense): Llama with rope turning interleaved pairs (reordered on reading)
                   "ernie4_5": "llama",
+                  # Baidu ERNIE 4.5 MoE (21B-A3B, 300B-A47B): ERNIE 4.5's layer with experts chosen by softmax score
+                  # plus a correction bias (router_correction_bias) beside shared ones
+                  "ernie4_5_moe": "llama",
                   # Qwen3-Next, Qwen3.5 (dense and MoE): three Gated DeltaNet layers (a recurrent state per sequence,
                   # no KV cache) to one gated attention layer; Gemma's (1 + w) norms (_qwen3_next_from_hf)
                   "qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_next", "qwen3_5_moe_text": "qwen3_next",
@@ -119,7 +122,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
                  "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                  "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
-                 "linear_norm_eps"}
+                 "linear_norm_eps", "router_correction_bias"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -197,6 +200,9 @@ class ModelConfig:
     # among the expert_groups_per_token groups whose two best scores sum highest; the chosen scores (renormalised when
     # norm_topk_prob) times routed_scaling (None: 1). shared_expert_gate False: the shared expert is added ungated.
     router_sigmoid: bool = False
+    # ERNIE 4.5 MoE: a softmax router (float32) whose experts are chosen by score plus a correction bias
+    # (layers.i.router.correction_bias, for the choice only), their plain scores the weights.
+    router_correction_bias: bool = False
     expert_groups: int = 1
     expert_groups_per_token: int = 1
     routed_scaling: float | None = None
@@ -364,7 +370,7 @@ class ModelConfig:
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
-                     "double_wide_mlp"):
+                     "double_wide_mlp", "router_correction_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -391,6 +397,8 @@ class ModelConfig:
                                        or self.expert_groups_per_token > self.expert_groups):
             raise CoreError(f"{self.expert_groups} expert groups ({self.expert_groups_per_token} a token) do not "
                             f"divide {self.num_experts} sigmoid-routed experts into groups of two or more")
+        if self.router_correction_bias and (not self.num_experts or self.router_sigmoid or self.router_topk_softmax):
+            raise CoreError("router_correction_bias needs softmax-routed experts (router_sigmoid has its own)")
         if self.router_sigmoid and (not self.num_experts or self.router_topk_softmax):
             raise CoreError("router_sigmoid needs num_experts > 0 and excludes router_topk_softmax")
         for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
@@ -571,7 +579,7 @@ class ModelConfig:
     @property
     def router_float32(self) -> bool:
         """The router's weights and products kept float32, as transformers keeps DeepSeek's and GLM-4.5's."""
-        return self.router_sigmoid or bool(self.kv_lora_rank)
+        return self.router_sigmoid or self.router_correction_bias or bool(self.kv_lora_rank)
 
     @property
     def rope_dim(self) -> int:
@@ -791,12 +799,12 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         # its dense MLP is the shared expert's, sized by shared_intermediate_size (beside the experts where it has
         # them: the experts' size is intermediate_size); rope unless it says none
         hf = {**hf, "intermediate_size": hf.get("shared_intermediate_size", 1024)}
-    if hf.get("mlp_bias") or (model_type == "ernie4_5" and hf.get("use_bias")):
-        raise _unsupported(f"{source}: {'use_bias' if model_type == 'ernie4_5' else 'mlp_bias'} (biases on the MLP) "
+    if hf.get("mlp_bias") or (model_type in ("ernie4_5", "ernie4_5_moe") and hf.get("use_bias")):
+        raise _unsupported(f"{source}: {'mlp_bias' if hf.get('mlp_bias') else 'use_bias'} (biases on the MLP) "
                            "is not supported")
     if hf.get("use_sliding_window"):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
-    ernie = model_type == "ernie4_5"
+    ernie = model_type in ("ernie4_5", "ernie4_5_moe")
     sizes = _sizes(hf, head_dim=128 if ernie else None, tied=ernie)  # (transformers' ERNIE defaults)
     architecture = HF_MODEL_TYPES[model_type]
     glm = model_type in ("glm4", "glm4_moe")
@@ -833,7 +841,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
                                    model_type in ("phi3", "glm4", "glm4_moe", "minimax_m2")),
-        sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm4", "ernie4_5"),
+        sandwich_norm=model_type == "glm4", rope_interleaved=model_type == "glm4" or ernie,
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
         **granite_hybrid,
@@ -1184,6 +1192,18 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
     if model_type == "minimax_m2":  # every layer's experts sigmoid-routed, their chosen scores renormalised
         return dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
                     expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True, router_sigmoid=True)
+    if model_type == "ernie4_5_moe":  # every moe_layer_interval-th layer from moe_layer_start_index to moe_layer_end_index
+        layers = int(hf["num_hidden_layers"])
+        start, end = int(hf.get("moe_layer_start_index", 1)), int(hf.get("moe_layer_end_index", -1))
+        end = layers - 1 if end < 0 else end
+        interval = int(hf.get("moe_layer_interval", 1))
+        routed = {i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end}
+        return dict(num_experts=int(hf["moe_num_experts"]), experts_per_token=int(hf["moe_k"]),
+                    expert_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True,
+                    router_correction_bias=True, shared_expert_gate=False,
+                    shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
+                    * int(hf.get("moe_num_shared_experts") or 0),
+                    dense_layers=tuple(i for i in range(layers) if i not in routed))
     if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe"):
         return {}
     layers = int(hf["num_hidden_layers"])

@@ -403,7 +403,7 @@ class DecoderModel:
                     layer.down = _Linear(w(p + "down.weight"), None)
                 if config.router_float32:  # (DeepSeek's and GLM-4.5's routers, their biases in float32)
                     layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
-                if config.router_sigmoid:
+                if config.router_sigmoid or config.router_correction_bias:
                     layer.correction_bias = tensors[p + "router.correction_bias"].to(self.device, torch.float32)
                 if not config.router_float32:
                     layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
@@ -1190,7 +1190,11 @@ class DecoderModel:
         else:
             logits = layer.router(x.float() if c.router_float32 else x)
             probs = torch.softmax(logits.float(), dim=-1)
-            weights, chosen = probs.topk(k, dim=-1)  # [T, k]
+            if c.router_correction_bias:  # ERNIE 4.5: chosen by score plus the bias, weighed by the score
+                chosen = (probs + layer.correction_bias).topk(k, dim=-1)[1]
+                weights = probs.gather(1, chosen)
+            else:
+                weights, chosen = probs.topk(k, dim=-1)  # [T, k]
         if c.norm_topk_prob and not c.router_sigmoid:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if c.routed_scaling is not None and not c.router_sigmoid:  # (DeepSeek-V2's: the chosen scores scaled)

@@ -135,7 +135,7 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         elif c.num_experts and i not in c.dense_layers:
             e, inter, shared = c.num_experts, c.expert_intermediate_size, c.shared_expert_intermediate_size
             shapes[p + "router.weight"] = (e, c.hidden_size)
-            if c.router_sigmoid:
+            if c.router_sigmoid or c.router_correction_bias:
                 shapes[p + "router.correction_bias"] = (e,)
             shapes[p + "experts.gate_up.weight"] = (e, gated * inter, c.hidden_size)
             shapes[p + "experts.down.weight"] = (e, c.hidden_size, inter)
@@ -522,9 +522,11 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     mixtral = hp + "block_sparse_moe.gate.weight" in hf
     block = hp + ("block_sparse_moe." if mixtral else "mlp.")
     out = {sp + "router.weight": take(block + "gate.weight")}
-    if config.router_sigmoid:  # (GLM-4.5's gate holds its correction bias, MiniMax-M2's block)
-        bias = block + "gate.e_score_correction_bias"
-        out[sp + "router.correction_bias"] = take(bias if bias in hf else block + "e_score_correction_bias")
+    if config.router_sigmoid or config.router_correction_bias:  # (GLM-4.5's gate holds its correction bias,
+        # MiniMax-M2's block, ERNIE 4.5's moe_statics [1, E])
+        bias = next((b for b in (block + "gate.e_score_correction_bias", block + "moe_statics.e_score_correction_bias")
+                     if b in hf), block + "e_score_correction_bias")
+        out[sp + "router.correction_bias"] = take(bias).reshape(-1)
     if block + "experts.gate_up_proj" in hf:
         out[sp + "experts.gate_up.weight"] = take(block + "experts.gate_up_proj")
         out[sp + "experts.down.weight"] = take(block + "experts.down_proj")

@@ -119,6 +119,11 @@ FAMILIES = {
     # ERNIE 4.5 (0.3B): Llama with rope turning interleaved pairs over the whole head, tied embeddings
     "ernie4_5": ("ernie4_5", dict(head_dim=16, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
                                   eos_token_id=2)),
+    # ERNIE 4.5 MoE (21B-A3B): a dense layer, then experts chosen by softmax score plus a correction bias beside a
+    # shared one
+    "ernie4_5_moe": ("ernie4_5_moe", dict(head_dim=16, moe_intermediate_size=32, moe_k=2, moe_num_experts=8,
+                                          moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=True,
+                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Qwen3.5 (dense) and Qwen3-Next / Qwen3.5-MoE: three Gated DeltaNet layers to one gated attention layer with a
     # quarter of each head rotated; two value heads a key head; Qwen3-Next's experts with a gated shared expert
     "qwen3_5": ("qwen3_5_text", dict(_GATED_DELTA, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
