@@ -72,6 +72,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # DeepSeek V2 (Lite, Coder-V2-Lite) and V3 (R1, Moonlight, Kimi K2): multi-head latent attention and
                   # routed experts (_deepseek_from_hf)
                   "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                  # GLM-4.7-Flash: DeepSeek-V3's layer (latent attention, grouped sigmoid routing) under its own name,
+                  # its dense MLPs named by mlp_layer_types
+                  "glm4_moe_lite": "deepseek2",
                   # MiniMax-M2: q/k normed over all heads, part of each head rotated, sigmoid-routed experts with
                   # correction biases
                   "minimax_m2": "llama",
@@ -769,8 +772,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _exaone_from_hf(hf, source)
     if model_type in ("cohere", "cohere2"):
         return _cohere_from_hf(hf, source, model_type)
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        return _deepseek_from_hf(hf, source, model_type)
+    if model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
+        return _deepseek_from_hf(hf, source, "deepseek_v2" if model_type == "deepseek_v2" else "deepseek_v3")
     if HF_MODEL_TYPES.get(model_type) == "qwen3_next":
         return _qwen3_next_from_hf(hf, source, model_type)
     if model_type in ("lfm2", "lfm2_moe"):
@@ -1347,7 +1350,8 @@ def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
                    shared_expert_intermediate_size=int(hf["moe_intermediate_size"]) * int(hf.get("n_shared_experts")
                                                                                          or 0),
                    shared_expert_gate=False, routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-                   dense_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
+                   dense_layers=tuple(i for i, t in enumerate(hf["mlp_layer_types"]) if t != "sparse")
+                   if hf.get("mlp_layer_types") else tuple(range(min(layers, int(hf.get("first_k_dense_replace") or 0)))),
                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False)
         if v3:
             moe.update(router_sigmoid=True, expert_groups=int(hf.get("n_group") or 1),

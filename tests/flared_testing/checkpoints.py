@@ -111,6 +111,13 @@ FAMILIES = {
                                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                         n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
                                         bos_token_id=1, eos_token_id=2)),
+    # GLM-4.7-Flash: DeepSeek-V3's layer under its own name, the dense MLPs named by mlp_layer_types
+    "glm4_moe_lite": ("glm4_moe_lite", dict(num_hidden_layers=3, num_key_value_heads=4, qk_nope_head_dim=16,
+                                            qk_rope_head_dim=8, v_head_dim=12, kv_lora_rank=32, q_lora_rank=24,
+                                            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"],
+                                            n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
+                                            bos_token_id=1, eos_token_id=2)),
     # MiniMax-M2: q/k normed over all heads, half of each head rotated, sigmoid routing with correction biases
     "minimax_m2": ("minimax_m2", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2,
