@@ -69,6 +69,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # GLM-4.5 / 4.6 (Air): Llama with q/k/v biases (optional q/k norms), half of each head rotated,
                   # the first layer dense and the rest DeepSeek-V3-routed experts plus a shared expert
                   "glm4_moe": "llama",
+                  # rednote dots.llm1: Qwen3's layer with GLM-4.5's (DeepSeek-V3's) routed experts
+                  "dots1": "qwen3",
                   # DeepSeek V2 (Lite, Coder-V2-Lite) and V3 (R1, Moonlight, Kimi K2): multi-head latent attention and
                   # routed experts (_deepseek_from_hf)
                   "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
@@ -805,7 +807,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("mlp_bias") or (model_type in ("ernie4_5", "ernie4_5_moe") and hf.get("use_bias")):
         raise _unsupported(f"{source}: {'mlp_bias' if hf.get('mlp_bias') else 'use_bias'} (biases on the MLP) "
                            "is not supported")
-    if hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
     ernie = model_type in ("ernie4_5", "ernie4_5_moe")
     sizes = _sizes(hf, head_dim=128 if ernie else None, tied=ernie)  # (transformers' ERNIE defaults)
@@ -1207,10 +1209,10 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                     shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
                     * int(hf.get("moe_num_shared_experts") or 0),
                     dense_layers=tuple(i for i in range(layers) if i not in routed))
-    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe"):
+    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe", "dots1"):
         return {}
     layers = int(hf["num_hidden_layers"])
-    if model_type == "glm4_moe":  # the first first_k_dense_replace layers dense; DeepSeek-V3's routing
+    if model_type in ("glm4_moe", "dots1"):  # the first first_k_dense_replace layers dense; DeepSeek-V3's routing
         experts = hf.get("n_routed_experts") or hf["num_local_experts"]
         return dict(num_experts=int(experts), experts_per_token=int(hf.get("num_experts_per_tok", 8)),
                     expert_intermediate_size=int(hf["moe_intermediate_size"]),
