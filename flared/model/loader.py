@@ -851,7 +851,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
-                       "mamba": "llama", "mamba2": "llama"}
+                       "mamba": "llama", "mamba2": "llama", "dots1": "qwen3"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -868,6 +868,8 @@ def _gguf_experts(reader, arch: str, source: str, need) -> dict:
         return _gguf_field(reader, f"{arch}.{key}", default)
 
     gating = field("expert_gating_func")
+    if gating is None and arch == "dots1":  # (its converter wrote no gating function at first: sigmoid, as it is)
+        gating = 2
     if gating not in (None, 1, 2):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, _SIGMOID
         raise CoreError(f"{source}: GGUF expert gating function {gating} is not supported (softmax, sigmoid)",
                         ErrorKind.UNSUPPORTED_MODEL)

@@ -120,7 +120,7 @@ FAMILIES = {
                                             bos_token_id=1, eos_token_id=2)),
     # rednote dots.llm1: Qwen3's layer (q/k norms) with DeepSeek-V3-routed experts after a dense layer
     "dots1": ("dots1", dict(head_dim=16, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
-                            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                             norm_topk_prob=True, routed_scaling_factor=2.5, pad_token_id=0, bos_token_id=1,
                             eos_token_id=2)),
     # MiniMax-M2: q/k normed over all heads, half of each head rotated, sigmoid routing with correction biases

@@ -66,6 +66,12 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    if arch == "dots1":  # its converter's DeepSeek-V3 keys (no groups: the released model has one)
+        w.add_uint32(f"{arch}.expert_gating_func", 2)
+        w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
+        w.add_bool(f"{arch}.expert_weights_norm", cfg["norm_topk_prob"])
+        w.add_uint32(f"{arch}.expert_shared_count", cfg["n_shared_experts"])
+        w.add_uint32(f"{arch}.leading_dense_block_count", cfg["first_k_dense_replace"])
     if arch == "glm4moe":  # DeepSeek-V3's routing, as its converter writes it
         w.add_uint32(f"{arch}.expert_gating_func", 2)
         w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
@@ -873,7 +879,7 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
 
 @pytest.mark.parametrize("family, arch", [("seed_oss", "seed_oss"), ("glm4", "glm4"), ("glm4_moe", "glm4moe"),
                                           ("cohere", "command-r"), ("cohere2", "cohere2"), ("qwen3_next", "qwen3next"),
-                                          ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
+                                          ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"), ("dots1", "dots1")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
