@@ -113,7 +113,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "kimi_linear": "deepseek2",
                   # Swiss AI Apertus (8B, 70B): Qwen3's per-head q/k norms before Llama 3's rope, an ungated MLP through
                   # xIELU (each layer's own alpha_p, alpha_n: layers.i.xielu)
-                  "apertus": "llama"}
+                  "apertus": "llama",
+                  # Tencent Hunyuan (dense, 0.5B-7B): Llama with per-head q/k norms after rope (qk_norm_after_rope),
+                  # NTK-alpha rope folded into its theta
+                  "hunyuan_v1_dense": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -127,7 +130,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
                  "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                  "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
-                 "linear_norm_eps", "router_correction_bias"}
+                 "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -208,6 +211,8 @@ class ModelConfig:
     # ERNIE 4.5 MoE: a softmax router (float32) whose experts are chosen by score plus a correction bias
     # (layers.i.router.correction_bias, for the choice only), their plain scores the weights.
     router_correction_bias: bool = False
+    # Hunyuan: the per-head q/k norms applied after rope instead of before it.
+    qk_norm_after_rope: bool = False
     expert_groups: int = 1
     expert_groups_per_token: int = 1
     routed_scaling: float | None = None
@@ -375,7 +380,7 @@ class ModelConfig:
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
-                     "double_wide_mlp", "router_correction_bias"):
+                     "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -402,6 +407,8 @@ class ModelConfig:
                                        or self.expert_groups_per_token > self.expert_groups):
             raise CoreError(f"{self.expert_groups} expert groups ({self.expert_groups_per_token} a token) do not "
                             f"divide {self.num_experts} sigmoid-routed experts into groups of two or more")
+        if self.qk_norm_after_rope and (not self.qk_norm or self.qk_norm_whole):
+            raise CoreError("qk_norm_after_rope needs per-head q/k norms")
         if self.router_correction_bias and (not self.num_experts or self.router_sigmoid or self.router_topk_softmax):
             raise CoreError("router_correction_bias needs softmax-routed experts (router_sigmoid has its own)")
         if self.router_sigmoid and (not self.num_experts or self.router_topk_softmax):
@@ -496,6 +503,8 @@ class ModelConfig:
                 self.linear_kind, "Gated DeltaNet (linear attention) layers")
         if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated:
             return "layers of an MLP or a mixer alone, ungated MLPs"
+        if self.qk_norm_after_rope:
+            return "q/k norms after rope"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -794,6 +803,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _kimi_linear_from_hf(hf, source)
     if model_type == "apertus":
         return _apertus_from_hf(hf, source)
+    if model_type == "hunyuan_v1_dense":
+        return _hunyuan_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1177,6 +1188,27 @@ def _apertus_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         architecture="llama", **_sizes(hf, max_positions=65536), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True, hidden_act="xielu",
         mlp_gated=False)
+
+
+def _hunyuan_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Hunyuan (dense): Llama's layer with per-head q/k norms (query_layernorm / key_layernorm, the loader's names)
+    after rope; its "dynamic" rope with a fixed alpha is NTK-alpha, a static theta of theta * alpha ^ (d / (d - 2)),
+    as transformers computes it."""
+    _check_silu(hf, source)
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: Hunyuan with biased projections is not supported")
+    sizes = _sizes(hf)
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_type = params.get("rope_type") or params.get("type")
+    if rope_type == "dynamic" and params.get("alpha"):
+        dim = sizes["head_dim"]
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0))) * float(params["alpha"]) ** (dim / (dim - 2))
+        scaling = None
+    else:
+        theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=True, qk_norm_after_rope=True)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

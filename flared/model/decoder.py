@@ -826,6 +826,8 @@ class DecoderModel:
                 qk = torch.cat([rms_norm(qkv[:, :q_size], q_weight, eps),
                                 rms_norm(qkv[:, q_size:q_size + kv_size], k_weight, eps)], dim=1)
                 qk = qk.view(num_tokens, nh + nkv, d)
+            elif c.qk_norm_after_rope:  # (Hunyuan's: below, after rope)
+                pass
             elif layer.qk_norm is not None and layer.qk_norm.dtype != qk.dtype:  # Gemma's: in float32, one rounding
                 qk = (rms_norm(qk.float(), None, eps) * layer.qk_norm).to(qk.dtype)
             elif layer.qk_norm is not None:
@@ -836,6 +838,8 @@ class DecoderModel:
                 turned = qk[..., :rope_dim]
                 qk = torch.cat((torch.addcmul(turned * layer_cos, turned.roll(rope_dim // 2, dims=-1), layer_sin),
                                 qk[..., rope_dim:]), dim=-1)
+            if c.qk_norm_after_rope:  # Hunyuan: each rotated q and k head normed
+                qk = rms_norm(qk, None, eps) * layer.qk_norm
             q = qk[:, :nh]
             if layer.kv_source is not None:  # this forward's keys and values of the layer it shares them with
                 k, v = produced[layer.kv_source]
