@@ -116,7 +116,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "apertus": "llama",
                   # Tencent Hunyuan (dense, 0.5B-7B): Llama with per-head q/k norms after rope (qk_norm_after_rope),
                   # NTK-alpha rope folded into its theta
-                  "hunyuan_v1_dense": "llama"}
+                  "hunyuan_v1_dense": "llama",
+                  # Hunyuan-A13B: the dense layer's attention, every layer's MLP softmax-routed experts (renormalised)
+                  # beside a shared MLP of the experts' width
+                  "hunyuan_v1_moe": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -803,7 +806,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _kimi_linear_from_hf(hf, source)
     if model_type == "apertus":
         return _apertus_from_hf(hf, source)
-    if model_type == "hunyuan_v1_dense":
+    if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
         return _hunyuan_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
@@ -1191,8 +1194,8 @@ def _apertus_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 
 def _hunyuan_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
-    """Hunyuan (dense): Llama's layer with per-head q/k norms (query_layernorm / key_layernorm, the loader's names)
-    after rope; its "dynamic" rope with a fixed alpha is NTK-alpha, a static theta of theta * alpha ^ (d / (d - 2)),
+    """Hunyuan (dense; MoE: every layer's MLP softmax-routed experts, renormalised, beside a shared MLP of their width):
+    Llama's layer with per-head q/k norms (query_layernorm / key_layernorm, the loader's names) after rope; its "dynamic" rope with a fixed alpha is NTK-alpha, a static theta of theta * alpha ^ (d / (d - 2)),
     as transformers computes it."""
     _check_silu(hf, source)
     if hf.get("attention_bias") or hf.get("mlp_bias"):
@@ -1206,9 +1209,16 @@ def _hunyuan_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         scaling = None
     else:
         theta, scaling = _rope_from_hf(hf, source)
+    experts = {}
+    if hf.get("model_type") == "hunyuan_v1_moe" and hf.get("num_experts", 1) != 1:
+        if not isinstance(hf.get("num_experts"), int) or not isinstance(hf.get("moe_topk", 1), int):
+            raise _unsupported(f"{source}: Hunyuan with per-layer num_experts / moe_topk lists is not supported")
+        experts = dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf.get("moe_topk", 1)),
+                       expert_intermediate_size=sizes["intermediate_size"], norm_topk_prob=True,
+                       shared_expert_intermediate_size=sizes["intermediate_size"], shared_expert_gate=False)
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
-        rope_scaling=scaling, attention_bias=False, qk_norm=True, qk_norm_after_rope=True)
+        rope_scaling=scaling, attention_bias=False, qk_norm=True, qk_norm_after_rope=True, **experts)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

@@ -230,6 +230,10 @@ FAMILIES = {
     "hunyuan": ("hunyuan_v1_dense", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                                                        "rope_theta": 10000.0, "factor": 1.0},
                                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "hunyuan_moe": ("hunyuan_v1_moe", dict(head_dim=16, intermediate_size=32, num_experts=8, moe_topk=2,
+                                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                                            "rope_theta": 10000.0, "factor": 1.0},
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,

@@ -252,7 +252,8 @@ def test_next_token_logits_job_matches_transformers(family_checkpoint):
                                     "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "gemma4",
                                     "gemma4_values", "gemma4_moe", "gemma4_e2b", "bamba", "jamba", "mamba",
                                     "mamba2", "falcon_mamba", "kimi_linear", "apertus",
-                                    "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan"])
+                                    "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan",
+                                    "hunyuan_moe"])
 def test_bf16_follows_float32(family, tmp_path):
     """The families whose layers are not Llama's, in bf16: the same likely next tokens as float32, their logprobs
     parted from float32's by no more than twice what transformers' own bf16 parts from its float32 (0.03-0.13 on
