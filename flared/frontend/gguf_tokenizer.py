@@ -62,16 +62,25 @@ _GPT4O_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS: dict[str, str] = {
+# DeepSeek V3's (and Hunyuan dense's): three splits in turn, digits in threes and runs of CJK isolated first
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# tokenizer.ggml.pre -> the regex (or regexes, applied in turn) its merges were learned on
+_PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(
         ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
+         "jina-v5-nano", "dbrx", "smaug-bpe", "glm4", "chatglm-bpe"),
         _LLAMA3_SPLIT,
     ),
     "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "hunyuan"), _QWEN2_SPLIT),
     "qwen35": _QWEN35_SPLIT,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3_SPLITS),
 }
 
 _SUPPORTED_MODELS = ("gpt2", "llama")
@@ -193,8 +202,9 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
         if split is None:
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
+            splits = (split,) if isinstance(split, str) else split
             backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                [*(pre_tokenizers.Split(Regex(each), behavior="isolated") for each in splits),
                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
             )
         backend.decoder = decoders.ByteLevel()

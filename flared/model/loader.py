@@ -43,6 +43,7 @@ Rules:
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -854,7 +855,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
-                       "mamba": "llama", "mamba2": "llama", "dots1": "qwen3"}
+                       "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -873,14 +874,23 @@ def _gguf_experts(reader, arch: str, source: str, need) -> dict:
     gating = field("expert_gating_func")
     if gating is None and arch == "dots1":  # (its converter wrote no gating function at first: sigmoid, as it is)
         gating = 2
+    if gating is None and arch == "deepseek2":
+        # DeepSeek V2's files carry none: softmax, as llama.cpp reads them; a file with the routers' correction
+        # biases routes by sigmoid whatever it says (the biases exist for nothing else)
+        gating = 2 if "blk.{}.exp_probs_b.bias".format(int(field("leading_dense_block_count", 0) or 0)) in {
+            t.name for t in reader.tensors} else 1
     if gating not in (None, 1, 2):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX, _SIGMOID
         raise CoreError(f"{source}: GGUF expert gating function {gating} is not supported (softmax, sigmoid)",
                         ErrorKind.UNSUPPORTED_MODEL)
     size = int(field("expert_feed_forward_length") or need("feed_forward_length"))
     norm = field("expert_weights_norm")
     out = dict(num_experts=experts, experts_per_token=int(need("expert_used_count")), expert_intermediate_size=size,
-               norm_topk_prob=bool(arch != "qwen2moe" if norm is None else norm),
+               norm_topk_prob=bool(arch not in ("qwen2moe", "deepseek2") if norm is None else norm),
                shared_expert_intermediate_size=int(field("expert_shared_feed_forward_length", 0) or 0))
+    if arch == "deepseek2":  # (DeepSeek V2's softmax routing too: ungated shared experts, the scale on the chosen)
+        out.update(shared_expert_gate=False, shared_expert_intermediate_size=size * int(field("expert_shared_count", 0)
+                                                                                          or 0),
+                   routed_scaling=float(field("expert_weights_scale", 1.0) or 1.0))
     if gating == 2:
         out.update(router_sigmoid=True, shared_expert_gate=False,
                    shared_expert_intermediate_size=size * int(field("expert_shared_count", 0) or 0),
@@ -910,6 +920,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         return _gguf_nemotron_h_config(reader, arch, source, need, tensor_names)
     if arch in ("mamba", "mamba2"):
         return _gguf_mamba_lm_config(reader, arch, source, need, tensor_names)
+    if arch == "deepseek2":
+        return _gguf_deepseek2_config(reader, arch, source, need, tensor_names)
     scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling = None
     if scaling_type == "linear":
@@ -1180,6 +1192,69 @@ def _gguf_mamba_lm_config(reader, arch: str, source: str, need, tensor_names: se
     return _mamba_lm_from_hf(hf, source, arch)
 
 
+def _gguf_deepseek2_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
+    """DeepSeek V2 / V3 (and GLM-4.7-Flash, Kimi K2, Moonlight: the files llama.cpp's converter writes as deepseek2)
+    from llama.cpp's keys. Its converter writes the latent attention as one kv head of kv_lora_rank + rope wide keys
+    (key_length) for its absorbed kernels and the per-head sizes as key_length_mla / value_length_mla; files from
+    before that carry the per-head sizes as key_length / value_length. Rope turns interleaved pairs (rows as
+    released); YaRN's log multiplier is 0.1 * mscale_all_dim, folded into the query scale as transformers folds it."""
+    layers = int(need("block_count")) - int(_gguf_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    absorbed = _gguf_field(reader, f"{arch}.attention.key_length_mla") is not None
+    head_dim = int(need("attention.key_length_mla" if absorbed else "attention.key_length"))
+    v_dim = int(need("attention.value_length_mla" if absorbed else "attention.value_length"))
+    rotated = int(need("rope.dimension_count"))
+    scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    rope_scaling, scale = None, None
+    if scaling_type == "yarn":
+        log_multiplier = float(_gguf_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
+        factor = float(need("rope.scaling.factor"))
+        scaling = {"factor": factor, "original_max_position_embeddings": int(need("rope.scaling.original_context_length"))}
+        for key in ("beta_fast", "beta_slow"):
+            value = _gguf_field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                scaling[key] = float(value)
+        if log_multiplier:  # mscale_all_dim (and mscale: every release has them equal, the rope unscaled)
+            scaling.update(mscale=log_multiplier / 0.1, mscale_all_dim=log_multiplier / 0.1)
+            mscale = log_multiplier * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale = head_dim ** -0.5 * mscale * mscale
+        rope_scaling = yarn_parameters(scaling, {})
+    elif scaling_type != "none":
+        raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
+    experts = _gguf_experts(reader, arch, source, need)
+    dense = int(_gguf_field(reader, f"{arch}.leading_dense_block_count", 0) or 0)
+    if not experts and dense < layers:
+        raise CoreError(f"{source}: GGUF {arch} names no experts but {layers - dense} layers after its dense ones",
+                        ErrorKind.SOURCE_FORMAT)
+    vocab = _gguf_field(reader, f"{arch}.vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens") or ())
+    return ModelConfig(
+        architecture="deepseek2", vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")), num_layers=layers, num_heads=heads, num_kv_heads=heads,
+        head_dim=head_dim, rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
+        max_position_embeddings=int(need("context_length")), tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=False, qk_norm=False, attention_scale=scale, rotary_dim=rotated, rope_interleaved=True,
+        kv_lora_rank=int(need("attention.kv_lora_rank")),
+        q_lora_rank=int(_gguf_field(reader, f"{arch}.attention.q_lora_rank", 0) or 0), v_head_dim=v_dim, **experts)
+
+
+def _gguf_latent_attention(gp: str, sp: str, config: ModelConfig, take, raw: dict) -> dict[str, torch.Tensor]:
+    """DeepSeek's latent attention from llama.cpp's tensors, through the checkpoint reader (the same reordering of the
+    rotated rows). kv_b as released (attn_kv_b), or as newer converters split it for absorbed attention: attn_k_b,
+    each head's unrotated key rows transposed [heads, kv_lora_rank, nope], and attn_v_b [heads, v_head_dim,
+    kv_lora_rank]."""
+    if gp + "attn_kv_b.weight" in raw:
+        kv_b = raw[gp + "attn_kv_b.weight"]
+    else:
+        k_b, v_b = take(gp + "attn_k_b.weight"), take(gp + "attn_v_b.weight")
+        kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, config.kv_lora_rank)
+    names = {"kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight", "kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+             "q_a_proj.weight": "attn_q_a.weight", "q_a_layernorm.weight": "attn_q_a_norm.weight",
+             "q_b_proj.weight": "attn_q_b.weight", "q_proj.weight": "attn_q.weight"}
+    return _hf_latent_attention("", sp, config, lambda name: kv_b if name == "kv_b_proj.weight"
+                                else take(gp + names[name]))
+
+
 def _gguf_nemotron_h(config: ModelConfig, take) -> dict[str, torch.Tensor]:
     """Nemotron-H's tensors from its GGUF blocks (blk.{block}: attn_norm, the Mamba mixer's ssm_* or
     attn_q/k/v/output, ffn_up / ffn_down, or the experts' ffn_gate_inp, exp_probs_b, ffn_up_exps / ffn_down_exps and
@@ -1267,7 +1342,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         except Exception as exc:
             raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
                             ErrorKind.SOURCE_FORMAT) from None
-        if (permute or config.rope_interleaved) and (".attn_q." in t.name or ".attn_k." in t.name):
+        if (permute or config.rope_interleaved and not config.kv_lora_rank) and (".attn_q." in t.name
+                                                                                  or ".attn_k." in t.name):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             if permute:
                 values = _unpermute_qk(values, heads)
@@ -1308,6 +1384,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
                 out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
         elif i in config.linear_layers:
             out.update(_gguf_gated_delta(raw, gp, sp, config, tiled=arch != "qwen3next", take=take))
+        elif config.kv_lora_rank:
+            out.update(_gguf_latent_attention(gp, sp, config, take, raw))
         elif config.attn_output_gate:  # attn_q: each head's q rows, then its gate's (as transformers holds q_proj)
             q = take(gp + "attn_q.weight").view(config.num_heads, 2, config.head_dim, -1)
             out[sp + "qkv.weight"] = torch.cat([q[:, 0].reshape(config.q_size, -1), take(gp + "attn_k.weight"),

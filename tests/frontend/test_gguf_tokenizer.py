@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from flared.errors import ErrorKind, FrontendError
-from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
+from flared.frontend.gguf_tokenizer import tokenizer_from_gguf, tokenizer_from_gguf_metadata
 
 CORPUS = [
     "Hello, world!",
@@ -121,3 +121,26 @@ def test_render_chat_adds_the_bos_only_when_asked(tmp_path, write_sentencepiece_
     with_bos = fe.render_chat(chat, add_generation_prompt=False, add_special_tokens=True)
     assert with_bos.token_ids == [assets.bos_token_id] + plain.token_ids and with_bos.text == plain.text
     assert plain.message_endpoints and with_bos.message_endpoints == tuple(e + 1 for e in plain.message_endpoints)
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "hunyuan-dense"])
+def test_deepseek_v3_files_split_as_its_tokenizer_does(pre):
+    """DeepSeek V3's pre-tokenizer (GLM-4.7-Flash and Kimi files name others): three splits in turn, as its
+    tokenizer.json has them: digits in threes, runs of CJK isolated, then its main pattern (punctuation leading a
+    word, letters with marks, punctuation runs). A byte-level vocabulary with no merges shows the pieces; text
+    round-trips."""
+    from flared.frontend.gguf_tokenizer import _byte_alphabet
+
+    alphabet = list(_byte_alphabet().values())
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": alphabet,
+                "tokenizer.ggml.token_type": [1] * len(alphabet), "tokenizer.ggml.merges": []}
+    assets = tokenizer_from_gguf_metadata(metadata, source="ds.gguf")
+    tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+    text = "Hello, world! 1234567 你好世界 (x.y) don't \n\n  end"
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    byte_text = "".join(_byte_alphabet()[b] for b in text.encode())
+    assert "".join(pieces) == byte_text
+    expected = ["Hello", ",", " world", "!", " ", "123", "456", "7", " ", "你好世界", " (", "x", ".y", ")", " don",
+                "'t", " \n\n", " ", " end"]
+    assert pieces == ["".join(_byte_alphabet()[b] for b in piece.encode()) for piece in expected]
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text

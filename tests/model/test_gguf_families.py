@@ -900,3 +900,121 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+def write_deepseek2_gguf(hf_dir, path, *, split_kv_b: bool) -> None:
+    """A DeepSeek V2 / V3 or GLM-4.7-Flash checkpoint as llama.cpp's converter writes it (F32; deepseek2): one kv head
+    of kv_lora_rank + rope wide keys for its absorbed attention, the per-head sizes as the _mla keys, kv_b split into
+    attn_k_b (each head's key rows transposed) and attn_v_b; or, as older converters did, the per-head sizes as
+    key_length / value_length and kv_b whole. Rows as released (no permutation: llama.cpp turns interleaved pairs);
+    YaRN's log multiplier 0.1 * mscale_all_dim; sigmoid gating, groups and dense layers from their keys."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    arch, heads = "deepseek2", cfg["num_attention_heads"]
+    nope, rope_dim, v_dim, kv_lora = (cfg[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                                         "kv_lora_rank"))
+    rope = cfg.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", 1),
+                       ("attention.kv_lora_rank", kv_lora), ("rope.dimension_count", rope_dim),
+                       ("vocab_size", cfg["vocab_size"]), ("expert_count", cfg["n_routed_experts"]),
+                       ("expert_used_count", cfg["num_experts_per_tok"]),
+                       ("expert_feed_forward_length", cfg["moe_intermediate_size"]),
+                       ("expert_shared_count", cfg["n_shared_experts"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    if split_kv_b:
+        for key, value in (("key_length", kv_lora + rope_dim), ("value_length", kv_lora),
+                           ("key_length_mla", nope + rope_dim), ("value_length_mla", v_dim)):
+            w.add_uint32(f"{arch}.attention.{key}", value)
+    else:
+        w.add_uint32(f"{arch}.attention.key_length", nope + rope_dim)
+        w.add_uint32(f"{arch}.attention.value_length", v_dim)
+    if cfg.get("q_lora_rank"):
+        w.add_uint32(f"{arch}.attention.q_lora_rank", cfg["q_lora_rank"])
+    dense = cfg.get("first_k_dense_replace")
+    if dense is None:  # (GLM-4.7-Flash's config names its dense layers by mlp_layer_types)
+        dense = cfg["mlp_layer_types"].index("sparse")
+    w.add_uint32(f"{arch}.leading_dense_block_count", dense)
+    w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob") and cfg["model_type"] != "deepseek_v2":
+        w.add_bool(f"{arch}.expert_weights_norm", True)
+    if cfg["model_type"] != "deepseek_v2":  # (sigmoid scoring: V3's, GLM-4.7-Flash's)
+        w.add_uint32(f"{arch}.expert_gating_func", 2)
+        w.add_uint32(f"{arch}.expert_group_count", cfg["n_group"])
+        w.add_uint32(f"{arch}.expert_group_used_count", cfg["topk_group"])
+    w.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * rope["mscale_all_dim"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+
+    def add(name: str, array: np.ndarray) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("output_norm.weight", t["model.norm.weight"])
+    if not cfg.get("tie_word_embeddings"):
+        add("output.weight", t["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        add(f"blk.{i}.attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_output.weight", t[a + "o_proj.weight"])
+        if a + "q_proj.weight" in t:
+            add(f"blk.{i}.attn_q.weight", t[a + "q_proj.weight"])
+        else:
+            add(f"blk.{i}.attn_q_a.weight", t[a + "q_a_proj.weight"])
+            add(f"blk.{i}.attn_q_a_norm.weight", t[a + "q_a_layernorm.weight"])
+            add(f"blk.{i}.attn_q_b.weight", t[a + "q_b_proj.weight"])
+        add(f"blk.{i}.attn_kv_a_mqa.weight", t[a + "kv_a_proj_with_mqa.weight"])
+        add(f"blk.{i}.attn_kv_a_norm.weight", t[a + "kv_a_layernorm.weight"])
+        kv_b = t[a + "kv_b_proj.weight"]
+        if split_kv_b:
+            k_b, v_b = np.split(kv_b.reshape(heads, nope + v_dim, kv_lora), [nope], axis=1)
+            add(f"blk.{i}.attn_k_b.weight", k_b.transpose(0, 2, 1))
+            add(f"blk.{i}.attn_v_b.weight", v_b)
+        else:
+            add(f"blk.{i}.attn_kv_b.weight", kv_b)
+        if p + "mlp.gate.weight" in t:
+            write_experts(add, t, p, i, cfg["n_routed_experts"])
+            if p + "mlp.gate.e_score_correction_bias" not in t:  # (V2: the shared experts, no correction biases)
+                for x in ("gate", "up", "down"):
+                    add(f"blk.{i}.ffn_{x}_shexp.weight", t[f"{p}mlp.shared_experts.{x}_proj.weight"])
+        else:
+            for x in ("gate", "up", "down"):
+                add(f"blk.{i}.ffn_{x}.weight", t[f"{p}mlp.{x}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family, split_kv_b", [("deepseek_v2", True), ("deepseek_v2", False), ("deepseek_v3", True),
+                                                ("glm4_moe_lite", True)])
+def test_a_deepseek2_gguf_reads_as_its_checkpoint(family, split_kv_b, tmp_path):
+    """DeepSeek V2 (no query bottleneck, YaRN with its mscales, softmax routing scaled, shared experts), V3 (grouped
+    sigmoid routing) and GLM-4.7-Flash as llama.cpp writes them (deepseek2), kv_b split for absorbed attention or
+    whole as older files have it: the checkpoint's config and logits, past YaRN's original context."""
+    import dataclasses
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_deepseek2_gguf(hf_dir, tmp_path / "m.gguf", split_kv_b=split_kv_b)
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    # (the file's float32 keys: epsilon, and the query scale from the log multiplier, within their rounding)
+    assert math.isclose(source.config.rms_norm_eps, reference.rms_norm_eps, rel_tol=1e-6)
+    assert math.isclose(source.config.attention_scale or 0, reference.attention_scale or 0, rel_tol=1e-6)
+    assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps,
+                               attention_scale=reference.attention_scale) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=80).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
