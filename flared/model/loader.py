@@ -855,7 +855,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "command-r": "llama", "cohere2": "llama", "qwen3next": "qwen3_next", "qwen35": "qwen3_next",
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
-                       "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2"}
+                       "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
+                       "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -900,6 +901,19 @@ def _gguf_experts(reader, arch: str, source: str, need) -> dict:
     dense = int(field("leading_dense_block_count", 0) or 0)
     if dense:
         out["dense_layers"] = tuple(range(dense))
+    names = {t.name: t for t in reader.tensors}
+    if arch in ("ernie4_5-moe", "hunyuan-moe"):
+        # ERNIE 4.5's experts chosen by softmax score plus a correction bias (exp_probs_b), its routed layers those
+        # with a router (leading_dense_block_count and interleave_moe_layer_step leave the last one unsaid); both
+        # families' shared MLPs ungated, their width read off ffn_up_shexp (ERNIE's converter derives the key)
+        layers = int(need("block_count"))
+        out.update(shared_expert_gate=False, dense_layers=tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
+        shared = next((names[f"blk.{i}.ffn_up_shexp.weight"] for i in range(layers)
+                       if f"blk.{i}.ffn_up_shexp.weight" in names), None)
+        out["shared_expert_intermediate_size"] = int(shared.shape[1]) if shared is not None else 0
+        if arch == "ernie4_5-moe":
+            out["router_correction_bias"] = True
     return out
 
 
@@ -999,6 +1013,11 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                nope_layers=tuple(i for i in range(layers) if i % 4 == 3))
     elif arch == "glm4":  # four norms a layer; q/k rows as released: interleaved pairs (llama.cpp's "norm" rope)
         layer_flags = dict(sandwich_norm=True, rope_interleaved=True)
+    elif arch in ("ernie4_5", "ernie4_5-moe"):  # q/k rows as released: interleaved pairs over the whole head
+        layer_flags = dict(rope_interleaved=True)
+    elif arch in ("hunyuan-dense", "hunyuan-moe"):
+        # Hunyuan's per-head q/k norms after rope; its NTK-alpha rope already folded into freq_base by the converter
+        layer_flags = dict(qk_norm_after_rope=True)
     elif arch == "gpt-oss":
         # What llama.cpp assumes of gpt-oss: the even layers windowed, attention sinks, biased experts softmaxed
         # among the chosen, the clamped SwiGLU at alpha 1.702, limit 7
@@ -1170,12 +1189,11 @@ def _gguf_nemotron_h_config(reader, arch: str, source: str, need, tensor_names: 
 
 def _gguf_mamba_lm_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
     """A Mamba or Mamba-2 language model's GGUF (llama.cpp's mamba / mamba2: the ssm keys, no attention), read as its
-    checkpoint's config would be (config._mamba_lm_from_hf)."""
+    checkpoint's config would be (config._mamba_lm_from_hf); a mamba file with ssm.dt_b_c_rms is Falcon-Mamba's (its
+    weightless norms on dt, B and C at the released mixer_rms_eps, 1e-6: the file keeps no epsilon of theirs)."""
     from flared.model.config import _mamba_lm_from_hf
 
-    if _gguf_field(reader, f"{arch}.ssm.dt_b_c_rms"):
-        raise CoreError(f"{source}: Falcon-Mamba GGUFs ({arch}.ssm.dt_b_c_rms) are not supported (its checkpoint is)",
-                        ErrorKind.UNSUPPORTED_MODEL)
+    falcon = bool(_gguf_field(reader, f"{arch}.ssm.dt_b_c_rms"))
     hidden, inner = int(need("embedding_length")), int(need("ssm.inner_size"))
     vocab_size = _gguf_field(reader, f"{arch}.vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens") or ())
     hf = dict(vocab_size=int(vocab_size), hidden_size=hidden, num_hidden_layers=int(need("block_count")),
@@ -1189,7 +1207,7 @@ def _gguf_mamba_lm_config(reader, arch: str, source: str, need, tensor_names: se
     else:
         heads = int(need("ssm.time_step_rank"))
         hf.update(num_heads=heads, head_dim=inner // heads, n_groups=int(need("ssm.group_count")))
-    return _mamba_lm_from_hf(hf, source, arch)
+    return _mamba_lm_from_hf(hf, source, "falcon_mamba" if falcon else arch)
 
 
 def _gguf_deepseek2_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
@@ -1403,8 +1421,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "experts.gate_up.bias"] = torch.cat(
                 [take(gp + "ffn_gate_exps.bias"), take(gp + "ffn_up_exps.bias")], dim=1)
             out[sp + "experts.down.bias"] = take(gp + "ffn_down_exps.bias")
-        if config.router_sigmoid and i not in config.dense_layers:
-            out[sp + "router.correction_bias"] = take(gp + "exp_probs_b.bias")
+        if (config.router_sigmoid or config.router_correction_bias) and i not in config.dense_layers:
+            out[sp + "router.correction_bias"] = take(gp + "exp_probs_b.bias").reshape(-1)
         if config.num_experts and i not in config.dense_layers:
             out[sp + "router.weight"] = take(gp + "ffn_gate_inp.weight")
             out[sp + "experts.gate_up.weight"] = torch.cat([take(gp + "ffn_gate_exps.weight"),
@@ -1437,7 +1455,11 @@ def _gguf_mamba1(gp: str, sp: str, config: ModelConfig, take) -> dict:
            sp + "x_proj.weight": take(gp + "ssm_x.weight"), sp + "dt_proj.weight": take(gp + "ssm_dt.weight"),
            sp + "dt_bias": take(gp + "ssm_dt.bias"), sp + "a_log": (-take(gp + "ssm_a").float()).log(),
            sp + "d": take(gp + "ssm_d").reshape(-1), sp + "o.weight": take(gp + "ssm_out.weight")}
-    if config.linear_norm:  # (Jamba's)
+    if config.linear_norm and config.linear_norm_eps is not None:  # (Falcon-Mamba's: weightless)
+        rank, states = config.linear_dt_rank, config.linear_key_dim
+        out.update({sp + "dt_norm.weight": torch.ones(rank), sp + "b_norm.weight": torch.ones(states),
+                    sp + "c_norm.weight": torch.ones(states)})
+    elif config.linear_norm:  # (Jamba's)
         out.update({sp + "dt_norm.weight": take(gp + "ssm_dt_norm.weight"),
                     sp + "b_norm.weight": take(gp + "ssm_b_norm.weight"),
                     sp + "c_norm.weight": take(gp + "ssm_c_norm.weight")})

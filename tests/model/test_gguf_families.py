@@ -5,6 +5,7 @@ and logits within 1e-4 through our paged forward."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import gguf
@@ -65,7 +66,16 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
     if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
+    experts = (cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+               or cfg.get("moe_num_experts") or 0)
+    if arch == "hunyuan-moe":  # (its converter writes the shared MLP's width; ERNIE's derives it, our reader ignores it)
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["intermediate_size"])
+    if arch == "ernie4_5-moe":
+        w.add_uint32(f"{arch}.expert_shared_count", cfg["moe_num_shared_experts"])
+        w.add_uint32(f"{arch}.leading_dense_block_count", cfg["moe_layer_start_index"])
+        w.add_uint32(f"{arch}.interleave_moe_layer_step", cfg["moe_layer_interval"])
+    if arch.startswith("hunyuan"):  # NTK-alpha folded into the base, as its converter does
+        theta = theta * rope["alpha"] ** (head_dim / (head_dim - 2))
     if arch == "dots1":  # its converter's DeepSeek-V3 keys (no groups: the released model has one)
         w.add_uint32(f"{arch}.expert_gating_func", 2)
         w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
@@ -82,8 +92,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         w.add_uint32(f"{arch}.expert_group_used_count", cfg["topk_group"])
     if experts:  # llama.cpp's mixture-of-experts keys
         w.add_uint32(f"{arch}.expert_count", experts)
-        w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
-        if cfg.get("moe_intermediate_size") or arch == "gpt-oss":
+        w.add_uint32(f"{arch}.expert_used_count", cfg.get("num_experts_per_tok") or cfg.get("moe_k")
+                     or cfg["moe_topk"])
+        if cfg.get("moe_intermediate_size") or arch in ("gpt-oss", "hunyuan-moe"):
             w.add_uint32(f"{arch}.expert_feed_forward_length",
                          cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
@@ -156,7 +167,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         if arch == "glm4":  # its norms after attention and the MLP
             add(f"blk.{i}.post_attention_norm.weight", t[p + "post_self_attn_layernorm.weight"])
             add(f"blk.{i}.post_ffw_norm.weight", t[p + "post_mlp_layernorm.weight"])
-        routers = ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight")
+        routers = ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight")
         if experts and any(p + name in t for name in routers):  # (GLM-4.5's dense first layers have none)
             write_experts(add, t, p, i, experts)
         elif p + "mlp.gate_up_proj.weight" in t:
@@ -169,6 +180,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         if p + "self_attn.q_norm.weight" in t:
             add(f"blk.{i}.attn_q_norm.weight", norm(p + "self_attn.q_norm.weight"))
             add(f"blk.{i}.attn_k_norm.weight", norm(p + "self_attn.k_norm.weight"))
+        if p + "self_attn.query_layernorm.weight" in t:  # (Hunyuan's)
+            add(f"blk.{i}.attn_q_norm.weight", t[p + "self_attn.query_layernorm.weight"])
+            add(f"blk.{i}.attn_k_norm.weight", t[p + "self_attn.key_layernorm.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -701,6 +715,8 @@ def write_mamba_gguf(hf_dir, path, arch: str) -> None:
     for key, value in keys:
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["layer_norm_epsilon"])
+    if cfg["model_type"] == "falcon_mamba":  # (its converter's flag for the weightless dt / B / C norms)
+        w.add_bool(f"{arch}.ssm.dt_b_c_rms", True)
 
     def add(name: str, array) -> None:
         w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
@@ -733,16 +749,19 @@ def write_mamba_gguf(hf_dir, path, arch: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_mamba"])
 def test_a_mamba_gguf_reads_as_its_checkpoint(family, tmp_path):
-    """Mamba's and Mamba-2's GGUFs (no attention: the ssm keys alone) read to the checkpoint's config (but the context,
-    which llama.cpp writes as 2^20) and logits."""
+    """Mamba's, Mamba-2's and Falcon-Mamba's GGUFs (no attention: the ssm keys alone; Falcon-Mamba's a mamba file with
+    ssm.dt_b_c_rms) read to the checkpoint's config (but the context, which llama.cpp writes as 2^20) and logits."""
     import dataclasses
 
     from flared_testing.checkpoints import hf_last_logits, last_logits
 
     hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
-    write_mamba_gguf(hf_dir, tmp_path / "m.gguf", family)
+    if family == "falcon_mamba":  # (the released epsilon, which the file cannot carry; the fixture's is larger)
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "mixer_rms_eps": 1e-6}))
+    write_mamba_gguf(hf_dir, tmp_path / "m.gguf", "mamba2" if family == "mamba2" else "mamba")
     source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
     assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps,
                                max_position_embeddings=reference.max_position_embeddings) == reference
@@ -796,7 +815,13 @@ def write_experts(add, t: dict, p: str, i: int, experts: int) -> None:
         return
     mixtral = f"{p}block_sparse_moe.gate.weight" in t
     block = p + ("block_sparse_moe." if mixtral else "mlp.")
-    add(f"blk.{i}.ffn_gate_inp.weight", t[block + "gate.weight"])
+    add(f"blk.{i}.ffn_gate_inp.weight", t[block + ("gate.wg.weight" if block + "gate.wg.weight" in t else "gate.weight")])
+    ernie = block + "moe_statics.e_score_correction_bias" in t
+    if ernie or block + "shared_mlp.up_proj.weight" in t:  # ERNIE's shared experts, Hunyuan's shared MLP: ungated
+        for x in ("gate", "up", "down"):
+            add(f"blk.{i}.ffn_{x}_shexp.weight", t[f"{block}{'shared_experts' if ernie else 'shared_mlp'}.{x}_proj.weight"])
+    if ernie:  # its router's correction bias
+        add(f"blk.{i}.exp_probs_b.bias", t[block + "moe_statics.e_score_correction_bias"].reshape(-1))
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {x: f"{x}_proj" for x in ("gate", "up", "down")}
     for ours, theirs in names.items():
         add(f"blk.{i}.ffn_{ours}_exps.weight",
@@ -879,7 +904,9 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
 
 @pytest.mark.parametrize("family, arch", [("seed_oss", "seed_oss"), ("glm4", "glm4"), ("glm4_moe", "glm4moe"),
                                           ("cohere", "command-r"), ("cohere2", "cohere2"), ("qwen3_next", "qwen3next"),
-                                          ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"), ("dots1", "dots1")])
+                                          ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"), ("dots1", "dots1"),
+                                          ("ernie4_5", "ernie4_5"), ("ernie4_5_moe", "ernie4_5-moe"),
+                                          ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -895,7 +922,8 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "dense_layers", "router_sigmoid", "expert_groups", "expert_groups_per_token", "routed_scaling",
                   "shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob", "layer_norm",
                   "parallel_block", "layer_windows", "nope_layers", "linear_layers", "linear_key_heads",
-                  "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate"):
+                  "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate",
+                  "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size"):
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
