@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Decode throughput of a mixture-of-experts model: flared's runtime against transformers' ``generate``.
 
-Both sides build the same random-weight Qwen3-MoE (or, with ``--family``, a gpt-oss or GLM-4.5 of the same sizes:
-their routers, biases, activations and shared expert; a shape below, fewer layers with ``--layers``) and run greedy
+Both sides build the same random-weight Qwen3-MoE (or, with ``--family``, a gpt-oss, GLM-4.5 or Llama 4 of the same
+sizes: their routers, biases, activations and shared expert; Llama 4 routes a token to one expert, as released, its
+chunked attention, q/k norms and unrotated layers included; a shape below, fewer layers with ``--layers``) and run greedy
 decoding of the same token ids in the same dtype, on the CPU or on the GPU (``--device cuda``: flared's eager
 executor path, the one a GPU machine serves experts with; there also "flared (expert loop)", the same runner with
 DecoderModel.grouped_experts off), alternately in one process. Decode tok/s counts each
@@ -60,6 +61,11 @@ def hf_config(family: str, shape: dict):
         config = transformers.Glm4MoeConfig(**common, n_routed_experts=e, num_experts_per_tok=k,
                                             moe_intermediate_size=inter, intermediate_size=4 * shape["hidden_size"],
                                             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+    elif family == "llama4":  # (one expert a token, fed its row times sigmoid(logit), beside a shared MLP)
+        k = 1
+        config = transformers.Llama4TextConfig(**common, num_local_experts=e, num_experts_per_tok=k,
+                                               intermediate_size=inter, intermediate_size_mlp=4 * shape["hidden_size"],
+                                               interleave_moe_layer_step=1)
     else:
         config = transformers.Qwen3MoeConfig(**common, num_experts=e, num_experts_per_tok=k,
                                              moe_intermediate_size=inter, intermediate_size=4 * shape["hidden_size"],
@@ -70,7 +76,7 @@ def hf_config(family: str, shape: dict):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
-    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "gpt_oss", "glm4_moe"))
+    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "gpt_oss", "glm4_moe", "llama4"))
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the shape's (0: all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

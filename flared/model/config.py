@@ -119,7 +119,12 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "hunyuan_v1_dense": "llama",
                   # Hunyuan-A13B: the dense layer's attention, every layer's MLP softmax-routed experts (renormalised)
                   # beside a shared MLP of the experts' width
-                  "hunyuan_v1_moe": "llama"}
+                  "hunyuan_v1_moe": "llama",
+                  # Meta Llama 4 (Scout, Maverick): attention in 8192-token chunks on its rotated layers (weightless q/k
+                  # norms after rope), every fourth layer unrotated over the whole context with temperature-tuned
+                  # queries; experts chosen by sigmoid of the top logit scaling their input, beside a shared MLP
+                  # (_llama4_from_hf)
+                  "llama4_text": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -133,7 +138,9 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "mlp_gated", "mixerless_layers", "mlpless_layers", "parallel_mixers", "linear_norm",
                  "global_head_dim", "global_kv_heads", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                  "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
-                 "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope"}
+                 "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
+                 "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
+                 "router_input_scale"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -330,11 +337,24 @@ class ModelConfig:
     # Falcon-Mamba: the epsilon of its Mamba-1 mixers' dt / B / C norms (weightless: their weights ones), None:
     # rms_norm_eps (Jamba's).
     linear_norm_eps: float | None = None
+    # Llama 4: the chunked_layers attend only to the keys of their own attention_chunk_size-token chunk (a query at
+    # position p sees p - p % size .. p); qk_l2_norm: the rotated layers' q and k heads RMS-normed without a weight
+    # after rope (float32, eps rms_norm_eps); the unrotated (nope) layers' queries times
+    # 1 + nope_temperature_scale * log(1 + floor((p + 1) / nope_temperature_floor)) (floor 0: not);
+    # router_input_scale: the router's top experts_per_token logits, each through a sigmoid, scale the row fed to
+    # their expert (whose outputs add unweighted) instead of its output.
+    attention_chunk_size: int = 0
+    chunked_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    nope_temperature_scale: float = 0.0
+    nope_temperature_floor: int = 0
+    router_input_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
-        for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers"):
+        for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers",
+                     "chunked_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.architecture not in ARCHITECTURES:
@@ -383,7 +403,8 @@ class ModelConfig:
                      "expert_bias", "router_topk_softmax", "rope_interleaved", "router_sigmoid", "shared_expert_gate",
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
-                     "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope"):
+                     "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope", "qk_l2_norm",
+                     "router_input_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -394,7 +415,8 @@ class ModelConfig:
             raise CoreError(f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts a token "
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
-        for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers"):
+        for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers",
+                     "chunked_layers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or list(value) != sorted(set(value)) or any(
                     not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in value):
@@ -416,6 +438,22 @@ class ModelConfig:
             raise CoreError("router_correction_bias needs softmax-routed experts (router_sigmoid has its own)")
         if self.router_sigmoid and (not self.num_experts or self.router_topk_softmax):
             raise CoreError("router_sigmoid needs num_experts > 0 and excludes router_topk_softmax")
+        if self.router_input_scale and (not self.num_experts or self.router_sigmoid or self.router_topk_softmax
+                                        or self.router_correction_bias or self.norm_topk_prob):
+            raise CoreError("router_input_scale needs experts routed by it alone (no other router, no renormalising)")
+        for name in ("attention_chunk_size", "nope_temperature_floor"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if bool(self.chunked_layers) != bool(self.attention_chunk_size):
+            raise CoreError("chunked_layers and attention_chunk_size go together")
+        if set(self.chunked_layers) & {i for i in range(self.num_layers) if self.window_of(i)}:
+            raise CoreError("a layer is either windowed or chunked")
+        scale = self.nope_temperature_scale
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale < 0 \
+                or bool(scale) != bool(self.nope_temperature_floor):
+            raise CoreError(f"nope_temperature_scale (got {scale!r}) and nope_temperature_floor (got "
+                            f"{self.nope_temperature_floor!r}) go together, the scale a number >= 0")
         for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -506,8 +544,10 @@ class ModelConfig:
                 self.linear_kind, "Gated DeltaNet (linear attention) layers")
         if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated:
             return "layers of an MLP or a mixer alone, ungated MLPs"
-        if self.qk_norm_after_rope:
+        if self.qk_norm_after_rope or self.qk_l2_norm:
             return "q/k norms after rope"
+        if self.chunked_layers or self.nope_temperature_floor:
+            return "chunked attention, temperature-tuned queries"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -626,6 +666,7 @@ class ModelConfig:
         d["linear_layers"] = list(d["linear_layers"])
         d["mixerless_layers"] = list(d["mixerless_layers"])
         d["mlpless_layers"] = list(d["mlpless_layers"])
+        d["chunked_layers"] = list(d["chunked_layers"])
         return d
 
     @classmethod
@@ -645,7 +686,7 @@ class ModelConfig:
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping",
-                     "swiglu_limit", "swiglu_alpha", "routed_scaling"):
+                     "swiglu_limit", "swiglu_alpha", "routed_scaling", "nope_temperature_scale"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -808,6 +849,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _apertus_from_hf(hf, source)
     if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
         return _hunyuan_from_hf(hf, source)
+    if model_type == "llama4_text":
+        return _llama4_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1219,6 +1262,54 @@ def _hunyuan_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=False, qk_norm=True, qk_norm_after_rope=True, **experts)
+
+
+def _llama4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Llama 4's text model (llama4_text; a llama4 checkpoint's text_config): no_rope_layers (1: rotated) names the
+    rotated layers, which attend in attention_chunk_size chunks (transformers' chunked_attention layer type) and, with
+    use_qk_norm, norm q and k without a weight after rope; the others attend over the whole context, unrotated, their
+    queries temperature-tuned (attn_temperature_tuning: attn_scale, floor_scale). Rope turns interleaved pairs
+    (reordered on reading), Llama 3's scaling where the config has it. The layers of moe_layers (or every
+    interleave_moe_layer_step-th) route each token to its top num_experts_per_tok experts of intermediate_size, each fed
+    the row times sigmoid(its logit), beside an ungated shared MLP of that width; the others a dense MLP of
+    intermediate_size_mlp."""
+    _check_silu(hf, source)
+    if hf.get("attention_bias"):
+        raise _unsupported(f"{source}: Llama 4 with biased projections is not supported")
+    sizes = _sizes({**hf, "intermediate_size": hf.get("intermediate_size_mlp", 16384)})
+    layers = sizes["num_layers"]
+    rope_on = hf.get("no_rope_layers")
+    if not rope_on:  # (transformers' default: every fourth layer unrotated)
+        step = int(hf.get("no_rope_layer_interval", 4))
+        rope_on = [int((i + 1) % step != 0) for i in range(layers)]
+    if len(rope_on) != layers:
+        raise CoreError(f"{source}: no_rope_layers must give each of the {layers} layers", ErrorKind.SOURCE_FORMAT)
+    nope = tuple(i for i, on in enumerate(rope_on) if not on)
+    chunk = int(hf.get("attention_chunk_size", 8192) or 0)
+    types = hf.get("layer_types")
+    chunked = (tuple(i for i, t in enumerate(types) if t == "chunked_attention") if types and chunk
+               else tuple(i for i in range(layers) if i not in nope) if chunk else ())
+    theta, scaling = _rope_from_hf(hf, source)
+    experts = int(hf.get("num_local_experts") or 0)
+    moe = {}
+    if experts:
+        routed = hf.get("moe_layers")
+        if routed is None:
+            step = int(hf.get("interleave_moe_layer_step", 1))
+            routed = list(range(step - 1, layers, step))
+        moe = dict(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 1)),
+                   expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=False,
+                   shared_expert_intermediate_size=int(hf["intermediate_size"]), shared_expert_gate=False,
+                   router_input_scale=True, dense_layers=tuple(i for i in range(layers) if i not in set(routed)))
+    temperature = {}
+    if hf.get("attn_temperature_tuning", True) and nope:
+        temperature = dict(nope_temperature_scale=float(hf.get("attn_scale", 0.1)),
+                           nope_temperature_floor=int(hf.get("floor_scale", 8192)))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=False, rope_interleaved=True, nope_layers=nope,
+        attention_chunk_size=chunk if chunked else 0, chunked_layers=chunked,
+        qk_l2_norm=bool(hf.get("use_qk_norm", True)), **temperature, **moe)
 
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:

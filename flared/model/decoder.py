@@ -840,7 +840,12 @@ class DecoderModel:
                                 qk[..., rope_dim:]), dim=-1)
             if c.qk_norm_after_rope:  # Hunyuan: each rotated q and k head normed
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
+            elif c.qk_l2_norm and layer.rope:  # Llama 4's rotated layers: each q and k head normed, no weight
+                qk = F.rms_norm(qk.float(), (d,), None, eps).to(qk.dtype)
             q = qk[:, :nh]
+            if c.nope_temperature_floor and not layer.rope:  # Llama 4's unrotated layers: queries tuned by position
+                tuning = torch.log1p(torch.floor((batch.positions.float() + 1.0) / c.nope_temperature_floor))
+                q = (q.float() * (tuning * c.nope_temperature_scale + 1.0)[:, None, None]).to(q.dtype)
             if layer.kv_source is not None:  # this forward's keys and values of the layer it shares them with
                 k, v = produced[layer.kv_source]
             else:
@@ -1186,7 +1191,10 @@ class DecoderModel:
         shared expert scaled by sigmoid(its gate)."""
         c = self.config
         k = c.experts_per_token
-        if c.router_sigmoid:
+        if c.router_input_scale:  # Llama 4: sigmoid of each top logit scales its expert's input row
+            top, chosen = layer.router(x).topk(k, dim=-1)
+            weights = torch.sigmoid(top.float())
+        elif c.router_sigmoid:
             weights, chosen = self._sigmoid_route(layer, x)
         elif c.router_topk_softmax:  # gpt-oss: the top logits, softmaxed among themselves
             top, chosen = layer.router(x).topk(k, dim=-1)
@@ -1203,7 +1211,7 @@ class DecoderModel:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if c.routed_scaling is not None and not c.router_sigmoid:  # (DeepSeek-V2's: the chosen scores scaled)
             weights = weights * c.routed_scaling
-        out = self._run_experts(layer, x, weights, chosen)
+        out = self._run_experts(layer, x, weights, chosen, scale_input=c.router_input_scale)
         if layer.shared is not None:
             gate_up, down, gate = layer.shared
             shared = down(self._activation(gate_up(x)))
@@ -1225,8 +1233,10 @@ class DecoderModel:
         routed = self._run_experts(layer, self._norm(h, pre_experts), weights, chosen)
         return dense + self._norm(routed, post_experts)
 
-    def _run_experts(self, layer: _Layer, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Each row of x [T, H] through its chosen experts [T, k], their outputs times the weights [T, k] summed."""
+    def _run_experts(self, layer: _Layer, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, *,
+                     scale_input: bool = False) -> torch.Tensor:
+        """Each row of x [T, H] through its chosen experts [T, k], their outputs times the weights [T, k] summed
+        (scale_input: the rows times the weights fed to the experts, their outputs summed as they are: Llama 4)."""
         c = self.config
         k = chosen.shape[1]
         weights = weights.to(x.dtype)
@@ -1241,16 +1251,17 @@ class DecoderModel:
             counts = torch.zeros(c.num_experts, dtype=torch.int32, device=x.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offsets = counts.cumsum(0, dtype=torch.int32)
-            gate_up = _grouped_mm(x.index_select(0, rows), gate_up_t, offs=offsets)
+            routed_in = x.index_select(0, rows)
+            gate_up = _grouped_mm(routed_in * row_weights if scale_input else routed_in, gate_up_t, offs=offsets)
             if layer.expert_biases is not None:  # each row its expert's biases
                 experts = flat.index_select(0, order)
                 gate_up = gate_up + layer.expert_biases[0].index_select(0, experts)
             y = _grouped_mm(self._expert_activation(gate_up), down_t, offs=offsets)
             if layer.expert_biases is not None:
                 y = y + layer.expert_biases[1].index_select(0, experts)
-            out.index_add_(0, rows, y * row_weights)
+            out.index_add_(0, rows, y if scale_input else y * row_weights)
         else:
-            self._expert_loop(layer, x, flat, rows, row_weights, out)
+            self._expert_loop(layer, x, flat, rows, row_weights, out, scale_input)
         return out
 
     def _sigmoid_route(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1273,7 +1284,7 @@ class DecoderModel:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * (c.routed_scaling or 1.0), chosen
 
-    def _expert_loop(self, layer: _Layer, x, flat, rows, row_weights, out) -> None:
+    def _expert_loop(self, layer: _Layer, x, flat, rows, row_weights, out, scale_input: bool = False) -> None:
         """Each expert hit runs once over its rows (one host sync for the counts)."""
         counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
         start = 0
@@ -1282,8 +1293,10 @@ class DecoderModel:
                 continue
             gate_up, down = layer.experts[expert]
             mine = rows[start:start + count]
-            y = down(self._expert_activation(gate_up(x.index_select(0, mine))))
-            out.index_add_(0, mine, y * row_weights[start:start + count])
+            mine_weights = row_weights[start:start + count]
+            routed_in = x.index_select(0, mine)
+            y = down(self._expert_activation(gate_up(routed_in * mine_weights if scale_input else routed_in)))
+            out.index_add_(0, mine, y if scale_input else y * mine_weights)
             start += count
 
     def _forward_fused_decode(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
@@ -1327,6 +1340,35 @@ class DecoderModel:
             shared_sequences=batch.shared_sequences, kv_fp8=kv.storage_dtype == FP8_KV, **lora)
         last = self._norm(h.index_select(0, batch.logit_row_ids), self.final_norm)
         return self._logits(last)
+
+    def _masks_of(self, layer: int):
+        """``layer``'s own masks as a function of the batch (see _windowed), or None where the batch's serve it."""
+        c = self.config
+        if layer in c.chunked_layers:
+            return functools.partial(self._chunked, chunk=c.attention_chunk_size)
+        if c.layer_windows is not None and c.window_of(layer):
+            return functools.partial(self._windowed, window=c.window_of(layer))
+        return None
+
+    def _chunked(self, batch: ForwardBatch, chunk: int):
+        """As _windowed for Llama 4's chunked layers: a query at position p sees the keys of p - p % chunk .. p."""
+        cache = batch.window_masks
+        if ("chunk", chunk) not in cache:
+            decode = None
+            if batch.decode_row_ids is not None:
+                key = torch.arange(batch.decode_max_context, device=self.device)
+                lens = batch.decode_context_lens[:, None]
+                start = torch.div(lens - 1, chunk, rounding_mode="floor") * chunk
+                keep = (key[None, :] < lens) & (key[None, :] >= start)
+                decode = ~keep.view(1, -1, 1, batch.decode_max_context)
+            groups = []
+            for g in batch.prefill_groups:
+                length = g.gather_slot_ids.shape[0]
+                q_pos = torch.arange(length - (g.row_end - g.row_start), length, device=self.device)[:, None]
+                k_pos = torch.arange(length, device=self.device)[None, :]
+                groups.append((k_pos <= q_pos) & (k_pos >= torch.div(q_pos, chunk, rounding_mode="floor") * chunk))
+            cache[("chunk", chunk)] = (decode, groups)
+        return cache[("chunk", chunk)]
 
     def _windowed(self, batch: ForwardBatch, window: int):
         """(decode rows' mask [1, B, 1, L] True = masked, each prefill group's [q_len, L] True = attend) for layers
@@ -1385,7 +1427,9 @@ class DecoderModel:
         cached = self.layers[layer].kv_index  # (the KV cache's index of this layer)
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
-        if batch.decode_row_ids is not None and native and d == c.head_dim:  # (not Gemma 4's wider global heads)
+        masking = self._masks_of(layer)  # (a windowed or chunked layer's own masks, else None)
+        if batch.decode_row_ids is not None and native and d == c.head_dim and layer not in c.chunked_layers:
+            # (not Gemma 4's wider global heads, nor Llama 4's chunks)
             num_decode = batch.decode_row_ids.shape[0]
             qd = (q[:num_decode] if decode_only else q.index_select(0, batch.decode_row_ids)).contiguous()
             o = torch.empty(num_decode, nh * d, dtype=q.dtype)
@@ -1411,8 +1455,8 @@ class DecoderModel:
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [nkv * B, group, L]
             if c.attn_logit_softcapping is not None:
                 scores = _soft_cap(scores, c.attn_logit_softcapping)
-            if c.layer_windows is not None and c.window_of(layer):
-                decode_masked = self._windowed(batch, c.window_of(layer))[0]
+            if masking is not None:
+                decode_masked = masking(batch)[0]
             scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))
             if sinks is None:
                 probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -1424,12 +1468,11 @@ class DecoderModel:
             if decode_only:
                 return o  # decode rows are then exactly rows 0..B-1 in order
             out.index_copy_(0, batch.decode_row_ids, o)
-        window_masks = (self._windowed(batch, c.window_of(layer))[1]
-                        if c.layer_windows is not None and c.window_of(layer) else None)
+        window_masks = masking(batch)[1] if masking is not None else None
         for gi, g in enumerate(batch.prefill_groups):
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
-            if window_masks is not None:  # a windowed layer (Gemma 3): the group's keys in its window
+            if window_masks is not None:  # a windowed layer (Gemma 3), a chunked one (Llama 4): the keys it sees
                 keys, values = kv.gather(cached, g.gather_slot_ids, geometry)  # [nkv, L, d]
                 o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi], sinks)
             elif g.attn_mask is None:

@@ -327,7 +327,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
                    "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # Mistral3's
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
                  "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                 "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")  # (Gemma 4's)
+                 "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",  # (Gemma 4's)
+                 "vision_model.")  # (Llama 4's)
         hf_tensors = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
                       for k, v in hf_tensors.items() if not k.startswith(tower)}
         if not config.tie_word_embeddings and "lm_head.weight" not in hf_tensors:  # the composite config ties them
@@ -340,7 +341,7 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
 
 
 # model_type of a vision-language checkpoint served as its text model -> its text config's model_type
-_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text"}
 
 
 def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype, *,
@@ -482,6 +483,20 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "mlp_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
         if config.expert_bias:
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
+            continue
+        if config.router_input_scale:  # Llama 4's feed_forward: its experts stacked [E, H, 2 I] and [E, I, H]
+            ff = hp + "feed_forward."
+            if i in config.dense_layers:
+                out[sp + "gate_up.weight"] = torch.cat([take(ff + "gate_proj.weight"), take(ff + "up_proj.weight")])
+                out[sp + "down.weight"] = take(ff + "down_proj.weight")
+                continue
+            shared = ff + "shared_expert."
+            out.update({sp + "router.weight": take(ff + "router.weight"),
+                        sp + "experts.gate_up.weight": take(ff + "experts.gate_up_proj").transpose(1, 2),
+                        sp + "experts.down.weight": take(ff + "experts.down_proj").transpose(1, 2),
+                        sp + "shared.gate_up.weight": torch.cat([take(shared + "gate_proj.weight"),
+                                                                 take(shared + "up_proj.weight")]),
+                        sp + "shared.down.weight": take(shared + "down_proj.weight")})
             continue
         if config.parallel_experts:  # Gemma 4 26B-A4B: experts beside the dense MLP
             out.update({sp + "router.weight": take(hp + "router.proj.weight"),

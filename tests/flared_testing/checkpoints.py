@@ -234,6 +234,14 @@ FAMILIES = {
                                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                                             "rope_theta": 10000.0, "factor": 1.0},
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Llama 4 (Scout, Maverick): rotated layers attending in chunks (8 tokens here, so the prompts cross them) with
+    # weightless q/k norms, every fourth layer unrotated over the whole context with temperature-tuned queries (from
+    # position 3 here); every other layer's experts fed their rows times sigmoid(logit), beside a shared MLP
+    "llama4": ("llama4_text", dict(head_dim=16, num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=64,
+                                   num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                   attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # EXAONE 4.0: norms after attention and the MLP only, per-head q/k norms, three windowed layers in four with rope,
     # the fourth global and unrotated
     "exaone4": ("exaone4", dict(num_hidden_layers=4, head_dim=16, sliding_window=8, sliding_window_pattern=4,
