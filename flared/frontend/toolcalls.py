@@ -771,11 +771,14 @@ class MiniMaxToolParser(Qwen3CoderToolParser):
 
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.x JSON calls: the output starts with ``{"name": …, "parameters": {…}}`` (or
-    ``<|python_tag|>``); several calls are joined by ``;``. Anything else is plain content."""
+    ``<|python_tag|>``, Llama 4's ``<|python_start|>``, whose ``<|python_end|>`` closes the calls); several calls
+    are joined by ``;``. Anything else is plain content."""
 
     name = "llama3_json"
     needs_special_tokens = True
     TAG = "<|python_tag|>"
+    TAGS = (TAG, "<|python_start|>")
+    END = "<|python_end|>"
 
     def __init__(self, tools=None):
         super().__init__(tools)
@@ -784,10 +787,11 @@ class Llama3JsonToolParser(ToolParser):
 
     def _decide(self, lead: str) -> str | None:
         t = lead
-        if self.TAG.startswith(t):
-            return None  # empty, or a prefix of the tag: undecided
-        if t.startswith(self.TAG):
-            t = t[len(self.TAG):].lstrip()
+        if any(tag.startswith(t) for tag in self.TAGS):
+            return None  # empty, or a prefix of a tag: undecided
+        tag = next((tag for tag in self.TAGS if t.startswith(tag)), None)
+        if tag is not None:
+            t = t[len(tag):].lstrip()
             if not t:
                 return None
         if t[0] != "{":
@@ -814,9 +818,8 @@ class Llama3JsonToolParser(ToolParser):
                     return False
                 decision = "text"
             if decision == "calls":
-                if lead.startswith(self.TAG):
-                    lead = lead[len(self.TAG):]
-                self._buf = lead.lstrip()
+                tag = next((tag for tag in self.TAGS if lead.startswith(tag)), "")
+                self._buf = lead[len(tag):].lstrip()
             self._state = decision
             return True
         if self._state == "text":
@@ -825,7 +828,11 @@ class Llama3JsonToolParser(ToolParser):
             return False
         # calls
         self._buf = self._buf.lstrip(_WS + ";")
-        if not self._buf:
+        if self._buf.startswith(self.END):  # (Llama 4's: the calls end; what follows is content)
+            self._buf = self._buf[len(self.END):]
+            self._state = "text"
+            return True
+        if not self._buf or self.END.startswith(self._buf):
             return False
         if self._buf[0] != "{":
             self._state = "text"
@@ -1423,6 +1430,89 @@ class Lfm2ToolParser(ToolParser):
         self._buf = ""
 
 
+class PythonicToolParser(ToolParser):
+    """Calls written as a Python list, the whole answer (vLLM's pythonic / llama4_pythonic: Llama 3.2's and Llama 4's
+    pythonic templates, ToolACE): ``[get_weather(city="Paris"), ...]``, optionally between Llama 4's
+    ``<|python_start|>`` and ``<|python_end|>``; the calls sent whole when the list closes (pythonic_calls). An answer
+    that does not open with such a list is content; so is a list that turns out not to be calls."""
+
+    name = "pythonic"
+    needs_special_tokens = True
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "start"  # start | text | calls | after
+        self._tag = ""
+
+    def _decide(self, lead: str) -> str | None:
+        if self.START.startswith(lead):
+            return None
+        t = lead[len(self.START):].lstrip() if lead.startswith(self.START) else lead
+        if not t:
+            return None
+        if t[0] != "[":
+            return "text"
+        name = t[1:].lstrip()
+        i = 0
+        while i < len(name) and (name[i].isalnum() or name[i] in "_."):
+            i += 1
+        if i == len(name):
+            return None  # (the name, maybe more of it to come)
+        return "calls" if i and name[i] == "(" else "text"
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "start":
+            lead = self._buf.lstrip()
+            decision = self._decide(lead)
+            if decision is None:
+                if not final:
+                    return False
+                decision = "text"
+            if decision == "calls":
+                self._tag = self.START if lead.startswith(self.START) else ""
+                self._buf = lead[len(self._tag):].lstrip()
+            self._state = decision
+            return True
+        if self._state == "text":
+            self._emit_content(self._buf)
+            self._buf = ""
+            return False
+        if self._state == "after":  # (the list closed: Llama 4's <|python_end|> dropped, the rest content)
+            lead = self._buf.lstrip()
+            if not final and self.END.startswith(lead):
+                return False
+            self._buf = lead[len(self.END):] if lead.startswith(self.END) else lead
+            self._state = "text"
+            return True
+        # calls: the list ends at a ] after which it parses
+        end = self._buf.find("]")
+        while end >= 0:
+            calls = pythonic_calls(self._buf[:end + 1])
+            if calls is not None:
+                self._send(calls)
+                self._buf = self._buf[end + 1:]
+                self._state = "after"
+                return True
+            end = self._buf.find("]", end + 1)
+        return False
+
+    def _send(self, calls: list[tuple[str, dict]]) -> None:
+        for name, arguments in calls:
+            announced = self._announce(name)
+            text = json.dumps(arguments, ensure_ascii=False)
+            self.calls[announced.index].arguments = text
+            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
+            self._close(announced.index, None)
+
+    def _finish_rest(self) -> None:
+        if self._state == "calls" and self._buf:  # never closed into calls: it was text after all
+            self._emit_content(self._tag + self._buf)
+        elif self._buf:
+            self._emit_content(self._buf)
+        self._buf = ""
+
+
 _GEMMA4_QUOTE = '<|"|>'
 
 
@@ -1649,8 +1739,10 @@ PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, MistralToolParser,
                         DeepSeekToolParser, FunctionaryToolParser, HarmonyToolParser, SeedOssToolParser,
                         Glm45ToolParser, CohereToolParser, MiniMaxToolParser, Lfm2ToolParser, NemotronToolParser,
-                        Gemma4ToolParser, ApertusToolParser, FireFunctionToolParser)
+                        Gemma4ToolParser, ApertusToolParser, FireFunctionToolParser, PythonicToolParser)
 }
+# vLLM's names for Llama 4's: its JSON calls (Llama 3's, between <|python_start|> and <|python_end|>), its pythonic ones
+PARSERS.update(llama4_json=Llama3JsonToolParser, llama4_pythonic=PythonicToolParser)
 
 
 def tool_parser_for_template(source: str | None, override: str = "auto") -> type[ToolParser] | None:
@@ -1689,7 +1781,10 @@ def tool_parser_for_template(source: str | None, override: str = "auto") -> type
         return DeepSeekToolParser
     if "<function=" in source:
         return FunctionaryToolParser
-    if "<|python_tag|>" in source or ("<|start_header_id|>" in source and '"parameters"' in source):
+    if "func_name1(" in source:  # (the pythonic templates' instruction: [func_name1(params_name1=...), ...])
+        return PythonicToolParser
+    if "<|python_tag|>" in source or (("<|start_header_id|>" in source or "<|header_start|>" in source)
+                                      and '"parameters"' in source):  # (Llama 4's headers too)
         return Llama3JsonToolParser
     return None
 

@@ -58,6 +58,23 @@ CASES = {
         ('{"answer": 42}', '{"answer": 42}', []),
         ("The weather is fine.", "The weather is fine.", []),
     ],
+    "llama4_json": [  # (Llama 4's template: the calls between <|python_start|> and <|python_end|>)
+        ('<|python_start|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}<|python_end|>', "",
+         [("get_weather", {"city": "Paris", "days": 3})]),
+        ('<|python_start|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"x": [1]}}<|python_end|>'
+         " Done.", "Done.", [("f", {}), ("g", {"x": [1]})]),
+        ("It is sunny.", "It is sunny.", []),
+    ],
+    "pythonic": [
+        ('[get_weather(city="Paris", days=3), get_weather(city="Oslo")]', "",
+         [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo"})]),
+        ('<|python_start|>[ping(), weather.now(zip="75001", units=["c", "f"], exact=True)]<|python_end|>', "",
+         [("ping", {}), ("weather.now", {"zip": "75001", "units": ["c", "f"], "exact": True})]),
+        ('[f(s="a], b(")] Then text.', "Then text.", [("f", {"s": "a], b("})]),
+        ("[1, 2, 3] is a list.", "[1, 2, 3] is a list.", []),
+        ("[see(above) + 1]", "[see(above) + 1]", []),
+        ("Plain words.", "Plain words.", []),
+    ],
     "mistral": [
         ('Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
          '{"name": "f", "arguments": {"x": [1, {"y": "]"}]}}]', "Sure.",
@@ -180,7 +197,8 @@ MARKERS = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<paramet
            "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>",
            "<|END_THINKING|>", "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name=", "</invoke>", "<TOOLCALL>",
            "</TOOLCALL>", "<|tool_call>", "<tool_call|>", "<|tool_response>", '<|"|>', "<|channel>", "<channel|>",
-           "<|tools_prefix|>", "<|tools_suffix|>", "<|inner_prefix|>", "<|inner_suffix|>", "functools[")
+           "<|tools_prefix|>", "<|tools_suffix|>", "<|inner_prefix|>", "<|inner_suffix|>", "functools[",
+           "<|python_start|>", "<|python_end|>")
 
 
 def chunkings(text: str):
@@ -384,6 +402,12 @@ def test_selection_from_templates():
     lfm2 = "List of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|> ... <|tool_call_start|>"
     assert tool_parser_for_template(lfm2).name == "lfm2"
     assert tool_parser_for_template("<AVAILABLE_TOOLS>{{ tools }}</AVAILABLE_TOOLS> <TOOLCALL>[").name == "nemotron"
+    llama4 = ("<|header_start|>system<|header_end|>\n\nRespond in the format {\"name\": function name, \"parameters\": "
+              "dictionary of argument name and its value}. {{- '<|python_start|>' }}")
+    assert tool_parser_for_template(llama4).name == "llama3_json"
+    pythonic = "respond with [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"
+    assert tool_parser_for_template(pythonic).name == "pythonic"
+    assert tool_parser_for_template("", "llama4_pythonic").name == "pythonic"
     assert reasoning_format_for_template(command_a).name == "cohere"
     assert reasoning_format_for_template(harmony).name == "harmony"  # (before <think>: harmony's channels win)
     assert reasoning_format_for_template("<think>{{ x }}</think>") is THINK
