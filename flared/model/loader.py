@@ -871,7 +871,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
-                       "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama"}
+                       "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
+                       "llama4": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1033,6 +1034,19 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     elif arch in ("hunyuan-dense", "hunyuan-moe"):
         # Hunyuan's per-head q/k norms after rope; its NTK-alpha rope already folded into freq_base by the converter
         layer_flags = dict(qk_norm_after_rope=True)
+    elif arch == "llama4":
+        # What llama.cpp assumes of Llama 4 (its files carry none of it): q/k rows as released (interleaved pairs);
+        # every fourth layer unrotated over the whole context, its queries temperature-tuned (0.1, 8192), the others
+        # in 8192-token chunks with weightless q/k norms (but Maverick's, 128 experts); a sliding_window of 0 (MobileLLM)
+        # turns chunks and unrotated layers off
+        layers = int(need("block_count"))
+        whole = _gguf_field(reader, f"{arch}.attention.sliding_window") == 0
+        nope = () if whole else tuple(i for i in range(layers) if (i + 1) % 4 == 0)
+        layer_flags = dict(rope_interleaved=True, nope_layers=nope,
+                           qk_l2_norm=int(_gguf_field(reader, f"{arch}.expert_count", 0) or 0) != 128)
+        if not whole:
+            layer_flags.update(attention_chunk_size=8192, chunked_layers=tuple(i for i in range(layers) if i not in nope),
+                               nope_temperature_scale=0.1, nope_temperature_floor=8192)
     elif arch == "gpt-oss":
         # What llama.cpp assumes of gpt-oss: the even layers windowed, attention sinks, biased experts softmaxed
         # among the chosen, the clamped SwiGLU at alpha 1.702, limit 7
@@ -1107,6 +1121,11 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     if arch == "jamba" and experts:  # Jamba's chosen weights as they are; the layers without a router dense
         experts.update(norm_topk_prob=False, dense_layers=tuple(
             i for i in range(int(need("block_count"))) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
+    if arch == "llama4" and experts:  # (every interleave_moe_layer_step-th layer routed; its shared MLP ungated)
+        step = int(_gguf_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1)
+        experts.update(norm_topk_prob=False, router_input_scale=True, shared_expert_gate=False,
+                       shared_expert_intermediate_size=experts["expert_intermediate_size"],
+                       dense_layers=tuple(i for i in range(int(need("block_count"))) if (i + 1) % step))
     if arch == "granitehybrid" and experts:  # Granite's router: the top logits softmaxed; its shared MLP ungated
         experts.update(norm_topk_prob=False, router_topk_softmax=True, shared_expert_gate=False)
     granite = {}

@@ -108,3 +108,81 @@ def test_a_llama4_core_serves_transformers_tokens(tmp_path):
     directory = build_hf_checkpoint("llama4", tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     assert_served_greedy_equals_transformers(directory, hf, tmp_path)
+
+
+def write_llama4_gguf(hf_dir, path) -> None:
+    """A Llama 4 checkpoint as llama.cpp's converter writes it (F32; llama4): feed_forward_length the dense MLP's
+    (intermediate_size_mlp), expert_feed_forward_length and interleave_moe_layer_step; q/k rows as released; the
+    experts' gate_up split and transposed to [E, I, H] stacks, down to [E, H, I]; the shared expert as *_shexp."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    arch, inter = "llama4", cfg["intermediate_size"]
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]), ("feed_forward_length", cfg["intermediate_size_mlp"]),
+                       ("attention.head_count", cfg["num_attention_heads"]),
+                       ("attention.head_count_kv", cfg["num_key_value_heads"]),
+                       ("attention.key_length", cfg["head_dim"]), ("attention.value_length", cfg["head_dim"]),
+                       ("rope.dimension_count", cfg["head_dim"]), ("vocab_size", cfg["vocab_size"]),
+                       ("expert_count", cfg["num_local_experts"]), ("expert_used_count", cfg["num_experts_per_tok"]),
+                       ("expert_feed_forward_length", inter),
+                       ("interleave_moe_layer_step", cfg["interleave_moe_layer_step"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+
+    def add(name: str, array) -> None:
+        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    add("output_norm.weight", t["model.norm.weight"])
+    add("output.weight", t["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            add(f"{b}{ours}.weight", t[f"{p}self_attn.{theirs}.weight"])
+        add(b + "attn_norm.weight", t[p + "input_layernorm.weight"])
+        add(b + "ffn_norm.weight", t[p + "post_attention_layernorm.weight"])
+        ff = p + "feed_forward."
+        if ff + "router.weight" in t:
+            add(b + "ffn_gate_inp.weight", t[ff + "router.weight"])
+            gate_up = t[ff + "experts.gate_up_proj"].transpose(0, 2, 1)  # [E, 2 I, H]
+            add(b + "ffn_gate_exps.weight", gate_up[:, :inter])
+            add(b + "ffn_up_exps.weight", gate_up[:, inter:])
+            add(b + "ffn_down_exps.weight", t[ff + "experts.down_proj"].transpose(0, 2, 1))
+            for x in ("gate", "up", "down"):
+                add(f"{b}ffn_{x}_shexp.weight", t[f"{ff}shared_expert.{x}_proj.weight"])
+        else:
+            for x in ("gate", "up", "down"):
+                add(f"{b}ffn_{x}.weight", t[f"{ff}{x}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_llama4_gguf_reads_as_its_checkpoint(tmp_path):
+    """A Llama 4 GGUF (llama4), which carries none of its chunking, unrotated layers or temperature: read with the
+    values llama.cpp assumes (8192-token chunks, every fourth layer unrotated, 0.1 and 8192), the checkpoint of those
+    values' config and logits."""
+    import json
+
+    from flared_testing.checkpoints import build_hf_checkpoint, hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint("llama4", tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.update(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1,
+                  layer_types=["chunked_attention"] * 3 + ["full_attention"])
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    write_llama4_gguf(hf_dir, tmp_path / "m.gguf")
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps,
+                               max_position_embeddings=reference.max_position_embeddings) == reference
+    prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
