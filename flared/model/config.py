@@ -124,7 +124,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # norms after rope), every fourth layer unrotated over the whole context with temperature-tuned
                   # queries; experts chosen by sigmoid of the top logit scaling their input, beside a shared MLP
                   # (_llama4_from_hf)
-                  "llama4_text": "llama"}
+                  "llama4_text": "llama",
+                  # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP (up, relu(x)^2, down)
+                  "arcee": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -851,6 +853,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _hunyuan_from_hf(hf, source)
     if model_type == "llama4_text":
         return _llama4_from_hf(hf, source)
+    if model_type == "arcee":
+        return _arcee_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1233,6 +1237,20 @@ def _apertus_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     return ModelConfig(
         architecture="llama", **_sizes(hf, max_positions=65536), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True, hidden_act="xielu",
+        mlp_gated=False)
+
+
+def _arcee_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Arcee (AFM-4.5B): Llama's attention (YaRN in the released config), an ungated MLP: up, relu(x)^2, down."""
+    act = hf.get("hidden_act", "relu2")
+    if act != "relu2":
+        raise _unsupported(f"{source}: Arcee with hidden_act {act!r} is not supported (relu2)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: Arcee with biased projections is not supported")
+    theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", **_sizes(hf, max_positions=4096), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=False, hidden_act="relu2",
         mlp_gated=False)
 
 

@@ -376,7 +376,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
 
     if config.architecture == "lfm2":
         return _hf_lfm2(hf, config, take)
-    if config.mixerless_layers or config.mlpless_layers or config.hidden_act == "relu2":
+    if config.mixerless_layers or config.mlpless_layers or (config.hidden_act == "relu2" and (
+            "backbone.embeddings.weight" in hf or "model.embeddings.weight" in hf)):  # (Nemotron-H's, not Arcee's)
         return _hf_nemotron_h(hf, config, take)
     if hf_config is not None and hf_config.get("model_type") == "kimi_linear":  # (its dense MLPs' name)
         hf = {k.replace(".block_sparse_moe.", ".mlp.") if k.split(".block_sparse_moe.")[-1].startswith(
@@ -510,10 +511,12 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         elif config.num_experts and i not in config.dense_layers:
             out.update(_hf_experts(hf, hp, sp, config, take))
             continue
-        if not config.mlp_gated:  # Apertus: up rows alone; its xIELU's trained parameters
+        if not config.mlp_gated:  # Apertus, Arcee: up rows alone (and Apertus' xIELU's trained parameters)
             out[sp + "gate_up.weight"] = take(hp + "mlp.up_proj.weight")
-            act = hp + "mlp.act_fn."
-            out[sp + "xielu"] = torch.stack([take(act + x).float().reshape(()) for x in ("alpha_p", "alpha_n", "beta", "eps")])
+            if config.hidden_act == "xielu":
+                act = hp + "mlp.act_fn."
+                out[sp + "xielu"] = torch.stack([take(act + x).float().reshape(())
+                                                 for x in ("alpha_p", "alpha_n", "beta", "eps")])
         elif hp + "mlp.gate_up_proj.weight" in hf:  # Phi-3's: gate rows, then up rows
             out[sp + "gate_up.weight"] = hf[hp + "mlp.gate_up_proj.weight"]
         elif hp + "shared_mlp.input_linear.weight" in hf:  # Granite 4.0's: gate rows, then up rows
@@ -872,7 +875,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
-                       "llama4": "llama"}
+                       "llama4": "llama", "arcee": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1029,6 +1032,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                nope_layers=tuple(i for i in range(layers) if i % 4 == 3))
     elif arch == "glm4":  # four norms a layer; q/k rows as released: interleaved pairs (llama.cpp's "norm" rope)
         layer_flags = dict(sandwich_norm=True, rope_interleaved=True)
+    elif arch == "arcee":  # an ungated ReLU-squared MLP (ffn_up, ffn_down)
+        layer_flags = dict(hidden_act="relu2", mlp_gated=False)
     elif arch in ("ernie4_5", "ernie4_5-moe"):  # q/k rows as released: interleaved pairs over the whole head
         layer_flags = dict(rope_interleaved=True)
     elif arch in ("hunyuan-dense", "hunyuan-moe"):
@@ -1383,7 +1388,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1")
+    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

@@ -234,6 +234,10 @@ FAMILIES = {
                                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                                             "rope_theta": 10000.0, "factor": 1.0},
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
+    "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                          "original_max_position_embeddings": 64},
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Llama 4 (Scout, Maverick): rotated layers attending in chunks (8 tokens here, so the prompts cross them) with
     # weightless q/k norms, every fourth layer unrotated over the whole context with temperature-tuned queries (from
     # position 3 here); every other layer's experts fed their rows times sigmoid(logit), beside a shared MLP

@@ -60,7 +60,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             w.add_float32(f"{arch}.{key}", cfg[key])
-    if arch == "gpt-oss":  # its converter's yarn keys
+    if arch in ("gpt-oss", "arcee"):  # their converter's yarn keys
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
@@ -143,7 +143,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if name not in t:
                     continue
                 values = t[name]
-                if arch in ("llama", "smollm3", "granite") and ours != "attn_v":
+                if arch in ("llama", "smollm3", "granite", "arcee") and ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         if p + "self_attn.o_proj.weight" in t:
@@ -170,8 +170,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         routers = ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight")
         if experts and any(p + name in t for name in routers):  # (GLM-4.5's dense first layers have none)
             write_experts(add, t, p, i, experts)
-        elif p + "mlp.gate_up_proj.weight" in t:
-            add(f"blk.{i}.ffn_up.weight", t[p + "mlp.gate_up_proj.weight"])
+        elif p + "mlp.gate_up_proj.weight" in t or p + "mlp.gate_proj.weight" not in t:  # (Phi-3's; Arcee's ungated)
+            add(f"blk.{i}.ffn_up.weight", t[p + ("mlp.gate_up_proj.weight" if p + "mlp.gate_up_proj.weight" in t
+                                                 else "mlp.up_proj.weight")])
             add(f"blk.{i}.ffn_down.weight", t[p + "mlp.down_proj.weight"])
         else:
             add(f"blk.{i}.ffn_gate.weight", t[p + "mlp.gate_proj.weight"])
@@ -906,7 +907,8 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
                                           ("cohere", "command-r"), ("cohere2", "cohere2"), ("qwen3_next", "qwen3next"),
                                           ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"), ("dots1", "dots1"),
                                           ("ernie4_5", "ernie4_5"), ("ernie4_5_moe", "ernie4_5-moe"),
-                                          ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe")])
+                                          ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe"),
+                                          ("arcee", "arcee")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -923,7 +925,8 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob", "layer_norm",
                   "parallel_block", "layer_windows", "nope_layers", "linear_layers", "linear_key_heads",
                   "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate",
-                  "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size"):
+                  "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size", "mlp_gated",
+                  "hidden_act", "rope_scaling"):
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
