@@ -126,7 +126,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # (_llama4_from_hf)
                   "llama4_text": "llama",
                   # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP (up, relu(x)^2, down)
-                  "arcee": "llama"}
+                  "arcee": "llama",
+                  # IBM Granite 3.x MoE (1B-A400M, 3B-A800M) and its shared-expert form: Granite's multipliers, every
+                  # layer's experts chosen by the router's top logits softmaxed among themselves (and an ungated shared MLP)
+                  "granitemoe": "llama", "granitemoeshared": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -860,6 +863,11 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
     _check_silu(hf, source)
     granite_hybrid = {}
+    if model_type in ("granitemoe", "granitemoeshared"):
+        granite_hybrid = dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                              expert_intermediate_size=int(hf["intermediate_size"]), router_topk_softmax=True,
+                              shared_expert_intermediate_size=int(hf.get("shared_intermediate_size") or 0)
+                              if model_type == "granitemoeshared" else 0, shared_expert_gate=False)
     if model_type == "granitemoehybrid":
         granite_hybrid = _granite_hybrid_from_hf(hf, source)
         # its dense MLP is the shared expert's, sized by shared_intermediate_size (beside the experts where it has
@@ -1332,7 +1340,7 @@ def _llama4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
     """Granite's multipliers ({} for other families)."""
-    if model_type not in ("granite", "granitemoehybrid"):
+    if model_type not in ("granite", "granitemoehybrid", "granitemoe", "granitemoeshared"):
         return {}
     return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(hf.get("residual_multiplier", 1.0)),

@@ -536,11 +536,13 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
     block_sparse_moe.experts.{e}.w1 / w3 / w2), or transformers 5's stacked mlp.experts.gate_up_proj / down_proj."""
     if hp + "block_sparse_moe.input_linear.weight" in hf:  # Granite's: stacked [E, 2 I, H] and [E, H, I], shared_mlp
         block = hp + "block_sparse_moe."
-        return {sp + "router.weight": take(block + "router.layer.weight"),
-                sp + "experts.gate_up.weight": take(block + "input_linear.weight"),
-                sp + "experts.down.weight": take(block + "output_linear.weight"),
-                sp + "shared.gate_up.weight": take(hp + "shared_mlp.input_linear.weight"),
-                sp + "shared.down.weight": take(hp + "shared_mlp.output_linear.weight")}
+        out = {sp + "router.weight": take(block + "router.layer.weight"),
+               sp + "experts.gate_up.weight": take(block + "input_linear.weight"),
+               sp + "experts.down.weight": take(block + "output_linear.weight")}
+        if config.shared_expert_intermediate_size:  # (Granite 3's MoE has none)
+            out.update({sp + "shared.gate_up.weight": take(hp + "shared_mlp.input_linear.weight"),
+                        sp + "shared.down.weight": take(hp + "shared_mlp.output_linear.weight")})
+        return out
     mixtral = hp + "block_sparse_moe.gate.weight" in hf
     block = hp + ("block_sparse_moe." if mixtral else "mlp.")
     out = {sp + "router.weight": take(block + "gate.weight")}
@@ -875,7 +877,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
-                       "llama4": "llama", "arcee": "llama"}
+                       "llama4": "llama", "arcee": "llama", "granitemoe": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1131,10 +1133,11 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         experts.update(norm_topk_prob=False, router_input_scale=True, shared_expert_gate=False,
                        shared_expert_intermediate_size=experts["expert_intermediate_size"],
                        dense_layers=tuple(i for i in range(int(need("block_count"))) if (i + 1) % step))
-    if arch == "granitehybrid" and experts:  # Granite's router: the top logits softmaxed; its shared MLP ungated
+    if arch in ("granitehybrid", "granitemoe") and experts:  # Granite's router: the top logits softmaxed, shared
+        # MLP ungated
         experts.update(norm_topk_prob=False, router_topk_softmax=True, shared_expert_gate=False)
     granite = {}
-    if arch in ("granite", "granitehybrid"):  # its multipliers, under llama.cpp's names
+    if arch in ("granite", "granitehybrid", "granitemoe"):  # its multipliers, under llama.cpp's names
         granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
                        logits_scaling=float(need("logit_scale")), attention_scale=float(need("attention.scale")))
     if arch == "smollm3":  # llama.cpp's rule for SmolLM3: every fourth layer unrotated
@@ -1388,7 +1391,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee")
+    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee", "granitemoe")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

@@ -234,6 +234,16 @@ FAMILIES = {
                                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                                             "rope_theta": 10000.0, "factor": 1.0},
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # IBM Granite 3.x MoE: Granite's multipliers, experts chosen by the top logits softmaxed among themselves (and a
+    # shared MLP, granitemoeshared)
+    "granitemoe": ("granitemoe", dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                      embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0,
+                                      attention_multiplier=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "granitemoeshared": ("granitemoeshared", dict(head_dim=16, intermediate_size=32, num_local_experts=8,
+                                                  num_experts_per_tok=2, shared_intermediate_size=48,
+                                                  embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                  logits_scaling=2.0, attention_multiplier=0.2, pad_token_id=0,
+                                                  bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},

@@ -25,8 +25,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
                                     "olmo3", "qwen3_5", "qwen3_next", "lfm2", "lfm2_moe", "granite4_h",
                                     "granite4_h_moe", "nemotron_h", "nemotron_h_moe", "falcon_h1", "gemma4",
                                     "gemma4_moe", "gemma4_e2b", "bamba", "jamba", "mamba", "mamba2", "falcon_mamba",
-                                    "kimi_linear", "apertus", "ernie4_5_moe",
-                                    "glm4_moe_lite", "dots1", "hunyuan", "hunyuan_moe", "llama4", "arcee"])
+                                    "kimi_linear", "apertus", "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan",
+                                    "hunyuan_moe", "llama4", "arcee", "granitemoe", "granitemoeshared"])
 def test_cuda_forward_and_runner_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 

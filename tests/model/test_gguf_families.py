@@ -53,7 +53,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
     w.add_uint32(f"{arch}.block_count", cfg["num_hidden_layers"])
     w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
-    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+    if arch in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers
         for ours, theirs in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
                              ("logit_scale", "logits_scaling"), ("attention.scale", "attention_multiplier")):
             w.add_float32(f"{arch}.{ours}", cfg[theirs])
@@ -68,6 +68,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = (cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
                or cfg.get("moe_num_experts") or 0)
+    if arch == "granitemoe" and cfg.get("shared_intermediate_size"):  # (Granite's shared MLP beside the experts)
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_intermediate_size"])
     if arch == "hunyuan-moe":  # (its converter writes the shared MLP's width; ERNIE's derives it, our reader ignores it)
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["intermediate_size"])
     if arch == "ernie4_5-moe":
@@ -143,7 +145,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if name not in t:
                     continue
                 values = t[name]
-                if arch in ("llama", "smollm3", "granite", "arcee") and ours != "attn_v":
+                if arch in ("llama", "smollm3", "granite", "arcee", "granitemoe") and ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         if p + "self_attn.o_proj.weight" in t:
@@ -167,7 +169,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         if arch == "glm4":  # its norms after attention and the MLP
             add(f"blk.{i}.post_attention_norm.weight", t[p + "post_self_attn_layernorm.weight"])
             add(f"blk.{i}.post_ffw_norm.weight", t[p + "post_mlp_layernorm.weight"])
-        routers = ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight")
+        routers = ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight", "mlp.gate.wg.weight",
+                   "block_sparse_moe.router.layer.weight")
         if experts and any(p + name in t for name in routers):  # (GLM-4.5's dense first layers have none)
             write_experts(add, t, p, i, experts)
         elif p + "mlp.gate_up_proj.weight" in t or p + "mlp.gate_proj.weight" not in t:  # (Phi-3's; Arcee's ungated)
@@ -814,6 +817,19 @@ def write_experts(add, t: dict, p: str, i: int, experts: int) -> None:
         add(f"blk.{i}.ffn_down_exps.weight", t[block + "experts.down_proj"].transpose(0, 2, 1))
         add(f"blk.{i}.ffn_down_exps.bias", t[block + "experts.down_proj_bias"])
         return
+    if f"{p}block_sparse_moe.input_linear.weight" in t:  # Granite's: stacked [E, 2 I, H] split, its shared MLP too
+        e = p + "block_sparse_moe."
+        add(f"blk.{i}.ffn_gate_inp.weight", t[e + "router.layer.weight"])
+        gate_exps, up_exps = np.split(t[e + "input_linear.weight"], 2, axis=1)
+        add(f"blk.{i}.ffn_gate_exps.weight", gate_exps)
+        add(f"blk.{i}.ffn_up_exps.weight", up_exps)
+        add(f"blk.{i}.ffn_down_exps.weight", t[e + "output_linear.weight"])
+        if f"{p}shared_mlp.input_linear.weight" in t:
+            gate, up = np.split(t[p + "shared_mlp.input_linear.weight"], 2)
+            add(f"blk.{i}.ffn_gate_shexp.weight", gate)
+            add(f"blk.{i}.ffn_up_shexp.weight", up)
+            add(f"blk.{i}.ffn_down_shexp.weight", t[p + "shared_mlp.output_linear.weight"])
+        return
     mixtral = f"{p}block_sparse_moe.gate.weight" in t
     block = p + ("block_sparse_moe." if mixtral else "mlp.")
     add(f"blk.{i}.ffn_gate_inp.weight", t[block + ("gate.wg.weight" if block + "gate.wg.weight" in t else "gate.weight")])
@@ -908,7 +924,8 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
                                           ("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe"), ("dots1", "dots1"),
                                           ("ernie4_5", "ernie4_5"), ("ernie4_5_moe", "ernie4_5-moe"),
                                           ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe"),
-                                          ("arcee", "arcee")])
+                                          ("arcee", "arcee"), ("granitemoe", "granitemoe"),
+                                          ("granitemoeshared", "granitemoe")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -926,7 +943,7 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "parallel_block", "layer_windows", "nope_layers", "linear_layers", "linear_key_heads",
                   "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate",
                   "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size", "mlp_gated",
-                  "hidden_act", "rope_scaling"):
+                  "hidden_act", "rope_scaling", "router_topk_softmax"):  # (float32 multipliers: by the logits)
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
