@@ -362,6 +362,16 @@ class ToolParser:
             self._held_ws = ""
             self._out.calls.extend(deltas)
 
+    def _send_whole(self, calls: list[tuple[str, dict | str]]) -> None:
+        """Calls parsed whole (name, arguments: an object, or its JSON text as the model wrote it): each announced,
+        its arguments sent in one piece, closed."""
+        for name, arguments in calls:
+            announced = self._announce(name)
+            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            self.calls[announced.index].arguments = text
+            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
+            self._close(announced.index, None)
+
     def _announce_typed(self, name: str) -> int:
         """A key/value family's call of ``name`` announced (its parameters' schema types in ``self._types``); its
         index."""
@@ -769,7 +779,45 @@ class MiniMaxToolParser(Qwen3CoderToolParser):
         return True
 
 
-class Llama3JsonToolParser(ToolParser):
+class _LeadingCallsParser(ToolParser):
+    """Families whose calls, if any, open the answer (after one of TAGS): the lead decides between calls and text
+    (``_decide``: "calls", "text", or None while undecided); ``_calls_step`` reads the calls from ``self._buf``, the
+    tag that opened them in ``self._tag``."""
+
+    TAGS: tuple[str, ...] = ()
+
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._state = "start"  # start | text | (the family's own)
+        self._tag = ""
+
+    def _decide(self, lead: str) -> str | None:
+        raise NotImplementedError
+
+    def _calls_step(self, final: bool) -> bool:
+        raise NotImplementedError
+
+    def _step(self, final: bool) -> bool:
+        if self._state == "start":
+            lead = self._buf.lstrip()
+            decision = self._decide(lead)
+            if decision is None:
+                if not final:
+                    return False
+                decision = "text"
+            if decision == "calls":
+                self._tag = next((tag for tag in self.TAGS if lead.startswith(tag)), "")
+                self._buf = lead[len(self._tag):].lstrip()
+            self._state = decision
+            return True
+        if self._state == "text":
+            self._emit_content(self._buf)
+            self._buf = ""
+            return False
+        return self._calls_step(final)
+
+
+class Llama3JsonToolParser(_LeadingCallsParser):
     """Llama 3.x JSON calls: the output starts with ``{"name": …, "parameters": {…}}`` (or
     ``<|python_tag|>``, Llama 4's ``<|python_start|>``, whose ``<|python_end|>`` closes the calls); several calls
     are joined by ``;``. Anything else is plain content."""
@@ -782,7 +830,6 @@ class Llama3JsonToolParser(ToolParser):
 
     def __init__(self, tools=None):
         super().__init__(tools)
-        self._state = "start"  # start | text | calls
         self._call: _JsonCall | None = None
 
     def _decide(self, lead: str) -> str | None:
@@ -809,24 +856,7 @@ class Llama3JsonToolParser(ToolParser):
                 return None
         return "text"
 
-    def _step(self, final: bool) -> bool:
-        if self._state == "start":
-            lead = self._buf.lstrip()
-            decision = self._decide(lead)
-            if decision is None:
-                if not final:
-                    return False
-                decision = "text"
-            if decision == "calls":
-                tag = next((tag for tag in self.TAGS if lead.startswith(tag)), "")
-                self._buf = lead[len(tag):].lstrip()
-            self._state = decision
-            return True
-        if self._state == "text":
-            self._emit_content(self._buf)
-            self._buf = ""
-            return False
-        # calls
+    def _calls_step(self, final: bool) -> bool:
         self._buf = self._buf.lstrip(_WS + ";")
         if self._buf.startswith(self.END):  # (Llama 4's: the calls end; what follows is content)
             self._buf = self._buf[len(self.END):]
@@ -1056,13 +1086,7 @@ class ApertusToolParser(ToolParser):
                 next(iter(c.values())), (dict, str)) for c in calls):
             self._emit_content(self.OPEN + body + close)
             return
-        for call in calls:
-            (name, arguments), = call.items()
-            announced = self._announce(name)
-            text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-            self.calls[announced.index].arguments = text
-            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
-            self._close(announced.index, None)
+        self._send_whole([next(iter(call.items())) for call in calls])
 
     def _finish_rest(self) -> None:
         if self._inside:  # cut off (max_tokens) inside its list: the model's text, the marker included
@@ -1414,12 +1438,7 @@ class Lfm2ToolParser(ToolParser):
         if calls is None:
             self._emit_content(self.OPEN + body + close)
             return
-        for name, arguments in calls:
-            announced = self._announce(name)
-            text = json.dumps(arguments, ensure_ascii=False)
-            self.calls[announced.index].arguments = text
-            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
-            self._close(announced.index, None)
+        self._send_whole(calls)
 
     def _finish_rest(self) -> None:
         if self._inside:  # a block cut off (max_tokens): a whole list in it is still its calls
@@ -1430,7 +1449,7 @@ class Lfm2ToolParser(ToolParser):
         self._buf = ""
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(_LeadingCallsParser):
     """Calls written as a Python list, the whole answer (vLLM's pythonic / llama4_pythonic: Llama 3.2's and Llama 4's
     pythonic templates, ToolACE): ``[get_weather(city="Paris"), ...]``, optionally between Llama 4's
     ``<|python_start|>`` and ``<|python_end|>``; the calls sent whole when the list closes (pythonic_calls). An answer
@@ -1439,11 +1458,7 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
     needs_special_tokens = True
     START, END = "<|python_start|>", "<|python_end|>"
-
-    def __init__(self, tools=None):
-        super().__init__(tools)
-        self._state = "start"  # start | text | calls | after
-        self._tag = ""
+    TAGS = (START,)
 
     def _decide(self, lead: str) -> str | None:
         if self.START.startswith(lead):
@@ -1461,23 +1476,7 @@ class PythonicToolParser(ToolParser):
             return None  # (the name, maybe more of it to come)
         return "calls" if i and name[i] == "(" else "text"
 
-    def _step(self, final: bool) -> bool:
-        if self._state == "start":
-            lead = self._buf.lstrip()
-            decision = self._decide(lead)
-            if decision is None:
-                if not final:
-                    return False
-                decision = "text"
-            if decision == "calls":
-                self._tag = self.START if lead.startswith(self.START) else ""
-                self._buf = lead[len(self._tag):].lstrip()
-            self._state = decision
-            return True
-        if self._state == "text":
-            self._emit_content(self._buf)
-            self._buf = ""
-            return False
+    def _calls_step(self, final: bool) -> bool:
         if self._state == "after":  # (the list closed: Llama 4's <|python_end|> dropped, the rest content)
             lead = self._buf.lstrip()
             if not final and self.END.startswith(lead):
@@ -1490,20 +1489,12 @@ class PythonicToolParser(ToolParser):
         while end >= 0:
             calls = pythonic_calls(self._buf[:end + 1])
             if calls is not None:
-                self._send(calls)
+                self._send_whole(calls)
                 self._buf = self._buf[end + 1:]
                 self._state = "after"
                 return True
             end = self._buf.find("]", end + 1)
         return False
-
-    def _send(self, calls: list[tuple[str, dict]]) -> None:
-        for name, arguments in calls:
-            announced = self._announce(name)
-            text = json.dumps(arguments, ensure_ascii=False)
-            self.calls[announced.index].arguments = text
-            self._emit_calls([announced, ToolCallDelta(announced.index, None, None, text)])
-            self._close(announced.index, None)
 
     def _finish_rest(self) -> None:
         if self._state == "calls" and self._buf:  # never closed into calls: it was text after all

@@ -79,7 +79,7 @@ class ForwardBatch:
     embed_values: torch.Tensor | None = None  # [k, hidden]
     # Qwen3-VL's DeepStack: after decoder layer j, deepstack_values[j] [k, hidden] is added to rows embed_rows
     deepstack_values: list[torch.Tensor] | None = None
-    # Per-layer windows (Gemma 3): each window's masks, made once a batch by DecoderModel._windowed
+    # Per-layer windows (Gemma 3) and chunks (Llama 4): their masks, made once a batch by DecoderModel._masks
     window_masks: dict = field(default_factory=dict)
     # Qwen VL's 3D rope (DecoderModel.set_mrope): every row's (temporal, row, column) position [3, T] int64, where
     # a row of a prompt with images needs them; None: each row's position on all three.

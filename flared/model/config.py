@@ -1232,34 +1232,29 @@ def _kimi_linear_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         if linear else 0)
 
 
+def _ungated_from_hf(hf: dict[str, Any], source: str, family: str, act: str, **fields) -> ModelConfig:
+    """Llama's attention (its rope scaling too) with an ungated MLP (up, act, down): Apertus' xIELU (with per-head
+    q/k norms before rope), Arcee's ReLU squared."""
+    if hf.get("hidden_act", act) != act:
+        raise _unsupported(f"{source}: {family} with hidden_act {hf.get('hidden_act')!r} is not supported ({act})")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: {family} with biased projections is not supported")
+    theta, scaling = _rope_from_hf(hf, source)
+    return ModelConfig(
+        architecture="llama", rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, hidden_act=act, mlp_gated=False, **fields)
+
+
 def _apertus_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """Apertus: Llama's attention with per-head q/k norms before rope (Llama 3's scaling), norms named
     attention_layernorm / feedforward_layernorm (the loader's), an ungated MLP (up, xIELU with the layer's own
     alpha_p / alpha_n / beta / eps, down)."""
-    act = hf.get("hidden_act", "xielu")
-    if act != "xielu":
-        raise _unsupported(f"{source}: Apertus with hidden_act {act!r} is not supported (xielu)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise _unsupported(f"{source}: Apertus with biased projections is not supported")
-    theta, scaling = _rope_from_hf(hf, source)
-    return ModelConfig(
-        architecture="llama", **_sizes(hf, max_positions=65536), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True, hidden_act="xielu",
-        mlp_gated=False)
+    return _ungated_from_hf(hf, source, "Apertus", "xielu", **_sizes(hf, max_positions=65536), qk_norm=True)
 
 
 def _arcee_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """Arcee (AFM-4.5B): Llama's attention (YaRN in the released config), an ungated MLP: up, relu(x)^2, down."""
-    act = hf.get("hidden_act", "relu2")
-    if act != "relu2":
-        raise _unsupported(f"{source}: Arcee with hidden_act {act!r} is not supported (relu2)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise _unsupported(f"{source}: Arcee with biased projections is not supported")
-    theta, scaling = _rope_from_hf(hf, source)
-    return ModelConfig(
-        architecture="llama", **_sizes(hf, max_positions=4096), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=False, hidden_act="relu2",
-        mlp_gated=False)
+    return _ungated_from_hf(hf, source, "Arcee", "relu2", **_sizes(hf, max_positions=4096), qk_norm=False)
 
 
 def _hunyuan_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -1342,53 +1342,38 @@ class DecoderModel:
         return self._logits(last)
 
     def _masks_of(self, layer: int):
-        """``layer``'s own masks as a function of the batch (see _windowed), or None where the batch's serve it."""
+        """``layer``'s own masks as a function of the batch (see _masks), or None where the batch's serve it."""
         c = self.config
         if layer in c.chunked_layers:
-            return functools.partial(self._chunked, chunk=c.attention_chunk_size)
+            return functools.partial(self._masks, kind="chunk", size=c.attention_chunk_size)
         if c.layer_windows is not None and c.window_of(layer):
-            return functools.partial(self._windowed, window=c.window_of(layer))
+            return functools.partial(self._masks, kind="window", size=c.window_of(layer))
         return None
 
-    def _chunked(self, batch: ForwardBatch, chunk: int):
-        """As _windowed for Llama 4's chunked layers: a query at position p sees the keys of p - p % chunk .. p."""
-        cache = batch.window_masks
-        if ("chunk", chunk) not in cache:
-            decode = None
-            if batch.decode_row_ids is not None:
-                key = torch.arange(batch.decode_max_context, device=self.device)
-                lens = batch.decode_context_lens[:, None]
-                start = torch.div(lens - 1, chunk, rounding_mode="floor") * chunk
-                keep = (key[None, :] < lens) & (key[None, :] >= start)
-                decode = ~keep.view(1, -1, 1, batch.decode_max_context)
-            groups = []
-            for g in batch.prefill_groups:
-                length = g.gather_slot_ids.shape[0]
-                q_pos = torch.arange(length - (g.row_end - g.row_start), length, device=self.device)[:, None]
-                k_pos = torch.arange(length, device=self.device)[None, :]
-                groups.append((k_pos <= q_pos) & (k_pos >= torch.div(q_pos, chunk, rounding_mode="floor") * chunk))
-            cache[("chunk", chunk)] = (decode, groups)
-        return cache[("chunk", chunk)]
-
-    def _windowed(self, batch: ForwardBatch, window: int):
+    def _masks(self, batch: ForwardBatch, kind: str, size: int):
         """(decode rows' mask [1, B, 1, L] True = masked, each prefill group's [q_len, L] True = attend) for layers
-        of one window, made once a batch: the batch's own masks know only the whole-context layers."""
+        that see part of the context, made once a batch (the batch's own masks know only the whole-context layers):
+        a query at position p sees the keys from p - size + 1 (kind "window", Gemma's) or from p - p % size (kind
+        "chunk", Llama 4's) to p."""
+        def first(pos: torch.Tensor) -> torch.Tensor:
+            return pos - size + 1 if kind == "window" else torch.div(pos, size, rounding_mode="floor") * size
+
         cache = batch.window_masks
-        if window not in cache:
+        if (kind, size) not in cache:
             decode = None
             if batch.decode_row_ids is not None:
                 key = torch.arange(batch.decode_max_context, device=self.device)
                 lens = batch.decode_context_lens[:, None]
-                keep = (key[None, :] < lens) & (key[None, :] > lens - 1 - window)
+                keep = (key[None, :] < lens) & (key[None, :] >= first(lens - 1))
                 decode = ~keep.view(1, -1, 1, batch.decode_max_context)
             groups = []
             for g in batch.prefill_groups:
                 length = g.gather_slot_ids.shape[0]
                 q_pos = torch.arange(length - (g.row_end - g.row_start), length, device=self.device)[:, None]
                 k_pos = torch.arange(length, device=self.device)[None, :]
-                groups.append((k_pos <= q_pos) & (k_pos > q_pos - window))
-            cache[window] = (decode, groups)
-        return cache[window]
+                groups.append((k_pos <= q_pos) & (k_pos >= first(q_pos)))
+            cache[(kind, size)] = (decode, groups)
+        return cache[(kind, size)]
 
     def _prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
