@@ -129,7 +129,13 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "arcee": "llama",
                   # IBM Granite 3.x MoE (1B-A400M, 3B-A800M) and its shared-expert form: Granite's multipliers, every
                   # layer's experts chosen by the router's top logits softmaxed among themselves (and an ungated shared MLP)
-                  "granitemoe": "llama", "granitemoeshared": "llama"}
+                  "granitemoe": "llama", "granitemoeshared": "llama",
+                  # Ministral (8B 2410) and Meta CWM: Llama with a window on the layer_types' sliding_attention layers
+                  "ministral": "llama", "cwm": "llama",
+                  # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
+                  "olmoe": "llama",
+                  # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
+                  "solar_open": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -876,8 +882,11 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("mlp_bias") or (model_type in ("ernie4_5", "ernie4_5_moe") and hf.get("use_bias")):
         raise _unsupported(f"{source}: {'mlp_bias' if hf.get('mlp_bias') else 'use_bias'} (biases on the MLP) "
                            "is not supported")
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+    windowed = model_type in ("ministral", "cwm") or (model_type == "mistral" and hf.get("layer_types"))
+    if not windowed and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
+    if hf.get("clip_qkv"):
+        raise _unsupported(f"{source}: clip_qkv (q/k/v clamped) is not supported")
     ernie = model_type in ("ernie4_5", "ernie4_5_moe")
     sizes = _sizes(hf, head_dim=128 if ernie else None, tied=ernie)  # (transformers' ERNIE defaults)
     architecture = HF_MODEL_TYPES[model_type]
@@ -889,12 +898,23 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     attention_bias = bool(hf.get("attention_bias", model_type == "glm4"))  # (transformers' defaults)
     if architecture == "qwen2":
         qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
-    elif glm or model_type == "seed_oss":  # q/k/v biases apart from o's (Seed-OSS: attention_out_bias)
+    elif glm or model_type in ("seed_oss", "solar_open"):  # q/k/v biases apart from o's (Seed-OSS:
+        # attention_out_bias; Solar Open's o never has one)
         qkv_bias, out_bias = attention_bias, bool(hf.get("attention_out_bias", False))
     else:
         # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
         qkv_bias, out_bias = attention_bias, attention_bias
     sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
+    layer_windows = None
+    if windowed:  # (Ministral: every layer sliding unless layer_types says; CWM: every fourth from the first full)
+        window = int(hf.get("sliding_window") or 0)
+        rule = (lambda i: i % 4 != 0) if model_type == "cwm" else (lambda i: bool(window))
+        layer_windows = _layer_windows(hf, sizes["num_layers"], source, window, rule) if window else None
+        sliding_window = None
+        if model_type == "cwm" and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
+            theta, scaling = _rope_from_hf({**hf, "rope_parameters": {
+                "rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}}, source)
     nope = ()
     if model_type == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
         nope = tuple(range(sizes["num_layers"]))
@@ -909,9 +929,9 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         attention_bias=qkv_bias,
         qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm"))
-        or model_type == "minimax_m2", qk_norm_whole=model_type == "minimax_m2",
+        or model_type in ("minimax_m2", "olmoe"), qk_norm_whole=model_type in ("minimax_m2", "olmoe"),
         attention_out_bias=out_bias,
-        sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_window=int(sliding_window) if sliding_window else None, layer_windows=layer_windows,
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
                                    model_type in ("phi3", "glm4", "glm4_moe", "minimax_m2")),
@@ -1363,10 +1383,15 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                     shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
                     * int(hf.get("moe_num_shared_experts") or 0),
                     dense_layers=tuple(i for i in range(layers) if i not in routed))
-    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe", "dots1"):
+    if model_type == "olmoe":  # every layer's experts: softmax over all, the top ones (renormalised when it says)
+        return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                    experts_per_token=int(hf["num_experts_per_tok"]), expert_intermediate_size=int(hf["intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "solar_open"):
         return {}
     layers = int(hf["num_hidden_layers"])
-    if model_type in ("glm4_moe", "dots1"):  # the first first_k_dense_replace layers dense; DeepSeek-V3's routing
+    if model_type in ("glm4_moe", "dots1", "solar_open"):
+        # the first first_k_dense_replace layers dense (Solar Open: none); DeepSeek-V3's routing
         experts = hf.get("n_routed_experts") or hf["num_local_experts"]
         return dict(num_experts=int(experts), experts_per_token=int(hf.get("num_experts_per_tok", 8)),
                     expert_intermediate_size=int(hf["moe_intermediate_size"]),
@@ -1376,7 +1401,8 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                     shared_expert_gate=False, router_sigmoid=True, expert_groups=int(hf.get("n_group") or 1),
                     expert_groups_per_token=int(hf.get("topk_group") or 1),
                     routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
-                    dense_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace", 1))))))
+                    dense_layers=tuple(range(min(layers, int(hf.get("first_k_dense_replace",
+                                                                    0 if model_type == "solar_open" else 1))))))
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = tuple(i for i in range(layers) if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step)
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0

@@ -244,6 +244,19 @@ FAMILIES = {
                                                   embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   logits_scaling=2.0, attention_multiplier=0.2, pad_token_id=0,
                                                   bos_token_id=1, eos_token_id=2)),
+    # Ministral 8B (2410) and Meta CWM: Llama with windows on their layer_types' sliding layers (8 tokens here)
+    "ministral": ("ministral", dict(head_dim=16, num_hidden_layers=3, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "cwm": ("cwm", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)),
+    # AllenAI OLMoE: q/k norms over the whole projections, every layer's experts softmax-routed, not renormalised
+    "olmoe": ("olmoe", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2)),
+    # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
+    "solar_open": ("solar_open", dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                      n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
