@@ -135,7 +135,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
-                  "solar_open": "llama"}
+                  "solar_open": "llama",
+                  # LG K-EXAONE (exaone_moe): EXAONE 4.0's attention before Llama's pre-norms, DeepSeek-V3-routed experts
+                  # after its dense layers (mlp_layer_types)
+                  "exaone_moe": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -834,7 +837,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _olmo_from_hf(hf, source, model_type)
     if model_type == "gpt_oss":
         return _gpt_oss_from_hf(hf, source)
-    if model_type == "exaone4":
+    if model_type in ("exaone4", "exaone_moe"):
         return _exaone_from_hf(hf, source)
     if model_type in ("cohere", "cohere2"):
         return _cohere_from_hf(hf, source, model_type)
@@ -1571,7 +1574,9 @@ def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelCo
 def _exaone_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """EXAONE 4.0: Llama's projections with a norm after attention and after the MLP and none before, per-head q/k
     norms; with a sliding window, the windowed layers (layer_types, or sliding_window_pattern: every n-th global, or a
-    string of L and G repeated) turn by rope and the global ones not at all."""
+    string of L and G repeated) turn by rope and the global ones not at all. K-EXAONE (exaone_moe): that attention
+    with Llama's pre-norms, its sparse layers (mlp_layer_types, else after first_k_dense_replace) DeepSeek-V3-routed
+    experts (GLM-4.5's router, its groups) beside ungated shared ones."""
     _check_silu(hf, source)
     sizes = _sizes(hf)
     _partial_rotary(hf, sizes["head_dim"], source, False)
@@ -1583,10 +1588,26 @@ def _exaone_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             (lambda i: (i + 1) % int(pattern))
         windows = _layer_windows(hf, sizes["num_layers"], source, int(window), sliding)
     theta, scaling = _rope_from_hf(hf, source)
+    moe = {}
+    if hf.get("model_type") == "exaone_moe":
+        layers = sizes["num_layers"]
+        types = hf.get("mlp_layer_types") or ["dense" if i < int(hf.get("first_k_dense_replace", 1)) else "sparse"
+                                              for i in range(layers)]
+        if len(types) != layers:
+            raise CoreError(f"{source}: mlp_layer_types must name each of the {layers} layers", ErrorKind.SOURCE_FORMAT)
+        moe = dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                   expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_sigmoid=True,
+                   shared_expert_intermediate_size=int(hf["moe_intermediate_size"]) * int(hf.get("num_shared_experts")
+                                                                                         or 0),
+                   shared_expert_gate=False, expert_groups=int(hf.get("n_group") or 1),
+                   expert_groups_per_token=int(hf.get("topk_group") or 1),
+                   routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                   dense_layers=tuple(i for i, t in enumerate(types) if t != "sparse"))
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
-        rope_scaling=scaling, attention_bias=False, qk_norm=True, sandwich_norm=True, pre_norm=False,
-        layer_windows=windows, nope_layers=tuple(i for i, w in enumerate(windows or ()) if not w))
+        rope_scaling=scaling, attention_bias=False, qk_norm=True, sandwich_norm=not moe, pre_norm=bool(moe),
+        layer_windows=windows, nope_layers=tuple(i for i, w in enumerate(windows or ()) if not w), **moe)
 
 
 # transformers' GptOssConfig defaults where a config.json leaves them out

@@ -257,6 +257,14 @@ FAMILIES = {
     "solar_open": ("solar_open", dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                       n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # LG K-EXAONE: EXAONE 4.0's attention (q/k norms, windowed layers rotated, the global one not) before pre-norms,
+    # a dense first layer, then DeepSeek-V3-routed experts beside a shared one
+    "exaone_moe": ("exaone_moe", dict(head_dim=16, num_hidden_layers=4, sliding_window=8,
+                                      layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                                      n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
