@@ -138,7 +138,11 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "solar_open": "llama",
                   # LG K-EXAONE (exaone_moe): EXAONE 4.0's attention before Llama's pre-norms, DeepSeek-V3-routed experts
                   # after its dense layers (mlp_layer_types)
-                  "exaone_moe": "llama"}
+                  "exaone_moe": "llama",
+                  # Tencent HY v3: Qwen3's layer (per-head q/k norms before rope), its sparse layers (mlp_layer_types)
+                  # sigmoid-routed with correction biases (no groups), renormalised, times router_scaling_factor, beside
+                  # an ungated shared expert
+                  "hy_v3": "qwen3"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -1390,6 +1394,19 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
         return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
                     experts_per_token=int(hf["num_experts_per_tok"]), expert_intermediate_size=int(hf["intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if model_type == "hy_v3":
+        layers = int(hf["num_hidden_layers"])
+        types = hf.get("mlp_layer_types") or ["dense" if i < int(hf.get("first_k_dense_replace", 1)) else "sparse"
+                                              for i in range(layers)]
+        if len(types) != layers:
+            raise CoreError(f"{source}: mlp_layer_types must name each of the {layers} layers", ErrorKind.SOURCE_FORMAT)
+        return dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                    expert_intermediate_size=int(hf["moe_intermediate_size"]), norm_topk_prob=True,
+                    router_sigmoid=True, shared_expert_gate=False,
+                    shared_expert_intermediate_size=int(hf["moe_intermediate_size"])
+                    * int(hf.get("num_shared_experts") or 0),
+                    routed_scaling=float(hf.get("router_scaling_factor", 1.0)),
+                    dense_layers=tuple(i for i, t in enumerate(types) if t != "sparse"))
     if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "solar_open"):
         return {}
     layers = int(hf["num_hidden_layers"])

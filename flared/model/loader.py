@@ -382,11 +382,13 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     if hf_config is not None and hf_config.get("model_type") == "kimi_linear":  # (its dense MLPs' name)
         hf = {k.replace(".block_sparse_moe.", ".mlp.") if k.split(".block_sparse_moe.")[-1].startswith(
             ("gate_proj", "up_proj", "down_proj")) else k: v for k, v in hf.items()}
-    if hf_config is not None and hf_config.get("model_type") in ("apertus", "hunyuan_v1_dense", "hunyuan_v1_moe"):
-        # (their names for Llama's norms, Qwen3's q/k norms and Qwen's router and shared experts)
+    if hf_config is not None and hf_config.get("model_type") in ("apertus", "hunyuan_v1_dense", "hunyuan_v1_moe",
+                                                                 "hy_v3"):
+        # (their names for Llama's norms, Qwen3's q/k norms, Qwen's router and shared experts, HY v3's correction bias)
         renames = ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm."),
                    (".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."), (".mlp.gate.wg.", ".mlp.gate."),
-                   (".mlp.shared_mlp.", ".mlp.shared_experts."))
+                   (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
+                   (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),

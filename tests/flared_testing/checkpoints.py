@@ -265,6 +265,11 @@ FAMILIES = {
                                       num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
                                       n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
                                       bos_token_id=1, eos_token_id=2)),
+    # Tencent HY v3: Qwen3's layer, a dense first layer, then experts sigmoid-routed with correction biases beside a
+    # shared one
+    "hy_v3": ("hy_v3", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                            moe_intermediate_size=32, router_scaling_factor=2.826, mlp_layer_types=["dense", "sparse"],
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
                                     "gemma4_moe", "gemma4_e2b", "bamba", "jamba", "mamba", "mamba2", "falcon_mamba",
                                     "kimi_linear", "apertus", "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan",
                                     "hunyuan_moe", "llama4", "arcee", "granitemoe", "granitemoeshared",
-                                    "ministral", "cwm", "olmoe", "solar_open", "exaone_moe"])
+                                    "ministral", "cwm", "olmoe", "solar_open", "exaone_moe",
+                                    "hy_v3"])
 def test_cuda_forward_and_runner_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
