@@ -582,6 +582,10 @@ class ModelConfig:
             return "Granite's multipliers"
         if self.attention_scale is not None:
             return "a query scale of its own"
+        if self.layer_windows is not None and len(set(self.layer_windows)) > 1:
+            return "sliding windows on some layers only"
+        if self.attn_output_gate:
+            return "a gated attention output"
         return None
 
     def kv_source(self, layer: int) -> int | None:
@@ -918,6 +922,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rule = (lambda i: i % 4 != 0) if model_type == "cwm" else (lambda i: bool(window))
         layer_windows = _layer_windows(hf, sizes["num_layers"], source, window, rule) if window else None
         sliding_window = None
+        if layer_windows is not None and len(set(layer_windows)) == 1:  # (one window everywhere: Mistral's)
+            sliding_window, layer_windows = layer_windows[0] or None, None
         if model_type == "cwm" and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
             theta, scaling = _rope_from_hf({**hf, "rope_parameters": {
                 "rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "high_freq_factor": 4.0,
