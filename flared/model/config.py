@@ -142,7 +142,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Tencent HY v3: Qwen3's layer (per-head q/k norms before rope), its sparse layers (mlp_layer_types)
                   # sigmoid-routed with correction biases (no groups), renormalised, times router_scaling_factor, beside
                   # an ungated shared expert
-                  "hy_v3": "qwen3"}
+                  "hy_v3": "qwen3",
+                  # Arcee AFMoE (Trinity): per-head q/k norms, the windowed layers rotated and the global ones not, an
+                  # elementwise gate on attention's output, four norms a layer, sigmoid-routed experts (_afmoe_from_hf)
+                  "afmoe": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -875,6 +878,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _llama4_from_hf(hf, source)
     if model_type == "arcee":
         return _arcee_from_hf(hf, source)
+    if model_type == "afmoe":
+        return _afmoe_from_hf(hf, source)
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
@@ -1263,6 +1268,33 @@ def _kimi_linear_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         linear_value_dim=head if linear else 0,
         linear_conv_kernel=int(linear_cfg.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)))
         if linear else 0)
+
+
+def _afmoe_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Arcee AFMoE (Trinity): per-head q/k norms before rope; the sliding_attention layers (layer_types, or all but every
+    global_attn_every_n_layers-th) windowed and rotated, the full ones unrotated; attention's output times
+    sigmoid(gate_proj(x)) before o; norms before and after attention and the MLP; after num_dense_layers dense layers,
+    experts chosen by sigmoid score plus a correction bias (no groups), renormalised, times route_scale, beside an
+    ungated shared expert; with mup_enabled the embeddings times sqrt(hidden)."""
+    _check_silu(hf, source)
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: AFMoE with biased projections is not supported")
+    sizes = _sizes(hf, head_dim=128)
+    layers = sizes["num_layers"]
+    every = int(hf.get("global_attn_every_n_layers") or 4)
+    windows = _layer_windows(hf, layers, source, int(hf.get("sliding_window") or 1024), lambda i: (i + 1) % every)
+    theta, scaling = _rope_from_hf(hf, source)
+    moe = int(hf.get("moe_intermediate_size", 1408))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=True, attn_output_gate=True, sandwich_norm=True,
+        layer_windows=windows, nope_layers=tuple(i for i, w in enumerate(windows) if not w),
+        embed_scale=bool(hf.get("mup_enabled")), num_experts=int(hf.get("num_experts", 64)),
+        experts_per_token=int(hf.get("num_experts_per_tok", 6)), expert_intermediate_size=moe, norm_topk_prob=True,
+        router_sigmoid=True, shared_expert_gate=False,
+        shared_expert_intermediate_size=moe * int(hf.get("num_shared_experts", 2) or 0),
+        routed_scaling=float(hf.get("route_scale", 1.0)),
+        dense_layers=tuple(range(min(layers, int(hf.get("num_dense_layers", 1) or 0)))))
 
 
 def _ungated_from_hf(hf: dict[str, Any], source: str, family: str, act: str, **fields) -> ModelConfig:

@@ -390,6 +390,12 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "afmoe":  # (its four norms under GLM-4's names;
+        # its router's and correction bias' as GLM-4.5's)
+        renames = ((".post_attention_layernorm.", ".post_self_attn_layernorm."),
+                   (".pre_mlp_layernorm.", ".post_attention_layernorm."), (".mlp.router.gate.", ".mlp.gate."),
+                   (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
+        hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
                    (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))
@@ -435,6 +441,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out.update(_hf_gated_delta(hp + "linear_attn.", sp, config, hf, take))
         elif config.kv_lora_rank:
             out.update(_hf_latent_attention(attn, sp, config, take))
+        elif attn + "gate_proj.weight" in hf:  # AFMoE's gate apart: its rows after v's
+            out[sp + "qkv.weight"] = torch.cat([*qkv("weight"), take(attn + "gate_proj.weight")])
         elif config.attn_output_gate:  # Qwen3-Next: each head's q rows, then its gate's: the gates' rows after v's
             q, k, v = qkv("weight")
             q = q.view(config.num_heads, 2, config.head_dim, -1)

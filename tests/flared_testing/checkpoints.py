@@ -270,6 +270,11 @@ FAMILIES = {
     "hy_v3": ("hy_v3", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                             moe_intermediate_size=32, router_scaling_factor=2.826, mlp_layer_types=["dense", "sparse"],
                             pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Arcee AFMoE (Trinity): q/k norms, windowed layers rotated and the global one not, a gated attention output, four
+    # norms a layer, a dense first layer, then sigmoid-routed experts with correction biases beside shared ones
+    "afmoe": ("afmoe", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, global_attn_every_n_layers=4,
+                            moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                            route_scale=2.0, num_dense_layers=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
