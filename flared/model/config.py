@@ -145,7 +145,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "hy_v3": "qwen3",
                   # Arcee AFMoE (Trinity): per-head q/k norms, the windowed layers rotated and the global ones not, an
                   # elementwise gate on attention's output, four norms a layer, sigmoid-routed experts (_afmoe_from_hf)
-                  "afmoe": "llama"}
+                  "afmoe": "llama",
+                  # Liquid LFM3: LFM2's short convolutions between attention layers, windowed ones at plain rope and
+                  # global ones at proportional rope, a sigmoid gate per head on attention's output, sandwich norms
+                  "lfm3": "lfm2"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -858,6 +861,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _qwen3_next_from_hf(hf, source, model_type)
     if model_type in ("lfm2", "lfm2_moe"):
         return _lfm2_from_hf(hf, source, model_type)
+    if model_type == "lfm3":
+        return _lfm3_from_hf(hf, source)
     if model_type == "nemotron_h":
         return _nemotron_h_from_hf(hf, source)
     if model_type == "falcon_h1":
@@ -1557,6 +1562,45 @@ def _lfm2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
         rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True,
         linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"), linear_kind="short_conv",
         linear_conv_kernel=int(hf.get("conv_L_cache", 3)), **experts)
+
+
+_LFM3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.5}}
+
+
+def _lfm3_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Liquid LFM3: layer_types' conv layers LFM2's gated short convolutions (conv_L_cache inputs), its
+    sliding_attention layers windowed at their own plain rope (local_rope_theta), its full_attention ones global at
+    proportional rope (a partial_rotary_factor of the pairs turning, the frequencies over the whole head); per-head
+    q/k norms before rope; with use_attention_gate each head's output times sigmoid(g_proj x) (one per head: its row
+    repeated over the head's dims, an elementwise gate); with use_sandwich_norm norms after the mixer and the MLP too."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i
+                                      else "conv" for i in range(layers)]
+    if len(types) != layers or set(types) - {"conv", "sliding_attention", "full_attention"}:
+        raise CoreError(f"{source}: layer_types must name each of the {layers} layers conv, sliding_attention or "
+                        "full_attention", ErrorKind.SOURCE_FORMAT)
+    if hf.get("conv_bias") or hf.get("attention_bias"):
+        raise _unsupported(f"{source}: LFM3 with biased projections is not supported")
+    params = {**_LFM3_ROPE, **(hf.get("rope_parameters") or {})}
+    sliding, full = params["sliding_attention"], params["full_attention"]
+    if sliding.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in ("default",
+                                                                                                    "proportional"):
+        raise _unsupported(f"{source}: LFM3 rope types {sliding.get('rope_type')!r} / {full.get('rope_type')!r} are "
+                           "not supported (default on the windowed layers, proportional or default on the global)")
+    factor = float(full.get("partial_rotary_factor", 1.0))
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": factor} if factor != 1.0 else None
+    window = int(hf.get("sliding_window") or 0)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types) if window else None
+    return ModelConfig(
+        architecture="lfm2", **_sizes({**hf, "head_dim": hf.get("head_dim", 128)}, max_positions=128000, tied=True),
+        rms_norm_eps=float(hf.get("norm_eps", 1e-5)), rope_theta=float(full.get("rope_theta", 1e6)),
+        rope_scaling=scaling, attention_bias=False, qk_norm=True,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"), linear_kind="short_conv",
+        linear_conv_kernel=int(hf.get("conv_L_cache", 7)), layer_windows=windows,
+        local_rope_theta=float(sliding.get("rope_theta", 10000.0)) if windows and any(windows) else None,
+        attn_output_gate=bool(hf.get("use_attention_gate", True)),
+        sandwich_norm=bool(hf.get("use_sandwich_norm", True)))
 
 
 def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

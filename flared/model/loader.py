@@ -744,6 +744,9 @@ def _hf_lfm2(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str
         hp, sp = f"model.layers.{i}.", f"layers.{i}."
         out[sp + "attn_norm.weight"] = take(hp + "operator_norm.weight")
         out[sp + "mlp_norm.weight"] = take(hp + "ffn_norm.weight")
+        if config.sandwich_norm:  # (LFM3's norms after the mixer and the MLP)
+            out[sp + "post_attn_norm.weight"] = take(hp + "post_operator_norm.weight")
+            out[sp + "post_mlp_norm.weight"] = take(hp + "post_ffn_norm.weight")
         if i in config.linear_layers:
             conv = take(hp + "conv.conv.weight")
             out.update({sp + "linear_in.weight": take(hp + "conv.in_proj.weight"),
@@ -751,10 +754,15 @@ def _hf_lfm2(hf: dict[str, torch.Tensor], config: ModelConfig, take) -> dict[str
                         sp + "o.weight": take(hp + "conv.out_proj.weight")})
         else:
             attn = hp + "self_attn."
-            out[sp + "qkv.weight"] = torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"])
-            out[sp + "o.weight"] = take(attn + "out_proj.weight")
-            out[sp + "q_norm.weight"] = take(attn + "q_layernorm.weight")
-            out[sp + "k_norm.weight"] = take(attn + "k_layernorm.weight")
+            qkv = [take(attn + f"{x}_proj.weight") for x in "qkv"]
+            if config.attn_output_gate:  # LFM3's gate, one row a head: repeated over its dims, after v's rows
+                gate = take(attn + ("g_proj.weight" if attn + "g_proj.weight" in hf else "gate_proj.weight"))
+                qkv.append(gate.repeat_interleave(config.head_dim, dim=0))
+            out[sp + "qkv.weight"] = torch.cat(qkv)
+            lfm3 = attn + "o_proj.weight" in hf  # (LFM3's names: Llama's o_proj, Qwen3's q_norm / k_norm)
+            out[sp + "o.weight"] = take(attn + ("o_proj.weight" if lfm3 else "out_proj.weight"))
+            out[sp + "q_norm.weight"] = take(attn + ("q_norm.weight" if lfm3 else "q_layernorm.weight"))
+            out[sp + "k_norm.weight"] = take(attn + ("k_norm.weight" if lfm3 else "k_layernorm.weight"))
         ff = hp + "feed_forward."
         if config.num_experts and i not in config.dense_layers:
             out[sp + "router.weight"] = take(ff + "gate.weight")

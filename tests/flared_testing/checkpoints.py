@@ -275,6 +275,11 @@ FAMILIES = {
     "afmoe": ("afmoe", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, global_attn_every_n_layers=4,
                             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                             route_scale=2.0, num_dense_layers=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Liquid LFM3: short convolutions, windowed attention at plain rope (8 tokens here), global attention at
+    # proportional rope, a sigmoid gate per head, sandwich norms
+    "lfm3": ("lfm3", dict(head_dim=16, num_hidden_layers=5, sliding_window=8, conv_L_cache=3,
+                          layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
