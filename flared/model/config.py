@@ -148,7 +148,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "afmoe": "llama",
                   # Liquid LFM3: LFM2's short convolutions between attention layers, windowed ones at plain rope and
                   # global ones at proportional rope, a sigmoid gate per head on attention's output, sandwich norms
-                  "lfm3": "lfm2"}
+                  "lfm3": "lfm2",
+                  # AllenAI OLMo Hybrid: Gated DeltaNet layers (pre-norm, beta up to 2) beside OLMo 3's post-norm
+                  # attention (q/k norms over the whole projections, unrotated where rope_theta is null)
+                  "olmo_hybrid": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -164,7 +167,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
                  "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
-                 "router_input_scale"}
+                 "router_input_scale", "post_norm_layers", "linear_neg_eigval"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -373,12 +376,16 @@ class ModelConfig:
     nope_temperature_scale: float = 0.0
     nope_temperature_floor: int = 0
     router_input_scale: bool = False
+    # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
+    # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
+    post_norm_layers: tuple[int, ...] = ()
+    linear_neg_eigval: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
         for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers",
-                     "chunked_layers"):
+                     "chunked_layers", "post_norm_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.architecture not in ARCHITECTURES:
@@ -428,7 +435,7 @@ class ModelConfig:
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                      "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope", "qk_l2_norm",
-                     "router_input_scale"):
+                     "router_input_scale", "linear_neg_eigval"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -440,7 +447,7 @@ class ModelConfig:
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
         for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers",
-                     "chunked_layers"):
+                     "chunked_layers", "post_norm_layers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or list(value) != sorted(set(value)) or any(
                     not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in value):
@@ -566,7 +573,7 @@ class ModelConfig:
             return {"short_conv": "short convolution layers", "mamba2": "Mamba-2 layers", "mamba1": "Mamba layers",
                     "kda": "Kimi Delta Attention layers"}.get(
                 self.linear_kind, "Gated DeltaNet (linear attention) layers")
-        if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated:
+        if self.mixerless_layers or self.mlpless_layers or not self.mlp_gated or self.post_norm_layers:
             return "layers of an MLP or a mixer alone, ungated MLPs"
         if self.qk_norm_after_rope or self.qk_l2_norm:
             return "q/k norms after rope"
@@ -695,6 +702,7 @@ class ModelConfig:
         d["mixerless_layers"] = list(d["mixerless_layers"])
         d["mlpless_layers"] = list(d["mlpless_layers"])
         d["chunked_layers"] = list(d["chunked_layers"])
+        d["post_norm_layers"] = list(d["post_norm_layers"])
         return d
 
     @classmethod
@@ -863,6 +871,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         return _lfm2_from_hf(hf, source, model_type)
     if model_type == "lfm3":
         return _lfm3_from_hf(hf, source)
+    if model_type == "olmo_hybrid":
+        return _olmo_hybrid_from_hf(hf, source)
     if model_type == "nemotron_h":
         return _nemotron_h_from_hf(hf, source)
     if model_type == "falcon_h1":
@@ -1562,6 +1572,38 @@ def _lfm2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
         rope_theta=theta, rope_scaling=scaling, attention_bias=False, qk_norm=True,
         linear_layers=tuple(i for i, t in enumerate(types) if t == "conv"), linear_kind="short_conv",
         linear_conv_kernel=int(hf.get("conv_L_cache", 3)), **experts)
+
+
+def _olmo_hybrid_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """AllenAI OLMo Hybrid: layer_types' linear_attention layers Gated DeltaNet (Qwen3-Next's rule: q, k, v through
+    the convolution and SiLU, q and k L2-normed, the output RMS-normed (eps 1e-5, FLA's) times SiLU of its gate) with
+    pre-norms and, with linear_allow_neg_eigval, beta = 2 sigmoid(b); its full_attention layers OLMo 3's (q/k norms over
+    the whole projections, no norm before attention or the MLP, one after each), rotated unless rope_theta is null."""
+    _check_silu(hf, source)
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _unsupported(f"{source}: OLMo Hybrid with biased projections is not supported")
+    sizes = _sizes(hf)
+    layers = sizes["num_layers"]
+    types = hf.get("layer_types") or ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise CoreError(f"{source}: layer_types must name each of the {layers} layers linear_attention or "
+                        "full_attention", ErrorKind.SOURCE_FORMAT)
+    attends = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    params = hf.get("rope_parameters") or {"rope_theta": 10000.0}
+    rotated = params.get("rope_theta") is not None
+    theta, scaling = _rope_from_hf(hf, source) if rotated else (10000.0, None)
+    heads = int(hf["num_attention_heads"])
+    nk = int(hf.get("linear_num_key_heads") or heads)
+    dk = int(hf.get("linear_key_head_dim") or int(0.75 * sizes["hidden_size"] / nk))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=False, qk_norm=True, qk_norm_whole=True,
+        nope_layers=() if rotated else attends, post_norm_layers=attends,
+        linear_layers=tuple(i for i in range(layers) if i not in attends), linear_kind="gated_delta",
+        linear_key_heads=nk, linear_value_heads=int(hf.get("linear_num_value_heads") or heads), linear_key_dim=dk,
+        linear_value_dim=int(hf.get("linear_value_head_dim") or 2 * dk),
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)), linear_norm_eps=1e-5,
+        linear_neg_eigval=bool(hf.get("linear_allow_neg_eigval", True)))
 
 
 _LFM3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},

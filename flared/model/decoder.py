@@ -951,6 +951,8 @@ class DecoderModel:
         a = mixed[:, channels + value + nv:]
         g = decay_scale * F.softplus(a.float() + dt_bias.float())  # [T, nv], log decays <= 0
         beta = torch.sigmoid(b).float()
+        if c.linear_neg_eigval:  # (OLMo Hybrid's: beta in [0, 2])
+            beta = beta * 2.0
         qkv = mixed[:, :channels]
         out = x.new_empty(x.shape[0], nv, dv)
 
@@ -983,7 +985,8 @@ class DecoderModel:
             o = chunked_gated_delta(*split(convolved[lo:hi]), g[lo:hi], beta[lo:hi], states.ssm[j, row])
             out[lo:hi] = o.to(out.dtype)
         # Qwen3-Next's gated RMSNorm: normed in float32, times the weight in the model's dtype, times SiLU(z) in float32
-        normed = F.rms_norm(out.float(), (dv,), None, c.rms_norm_eps).to(x.dtype) * norm_weight
+        eps = c.rms_norm_eps if c.linear_norm_eps is None else c.linear_norm_eps  # (OLMo Hybrid's: FLA's 1e-5)
+        normed = F.rms_norm(out.float(), (dv,), None, eps).to(x.dtype) * norm_weight
         gated = (normed.float() * F.silu(z.float().view(-1, nv, dv))).to(x.dtype)
         return layer.o(gated.view(-1, value))
 

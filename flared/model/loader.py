@@ -99,7 +99,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "per_layer_gate.weight": (c.per_layer_input_dim, c.hidden_size),
                            p + "per_layer_out.weight": (c.hidden_size, c.per_layer_input_dim),
                            p + "per_layer_norm.weight": (c.hidden_size,)})
-        if c.pre_norm and i not in mixerless:
+        post = i in c.post_norm_layers  # (OLMo Hybrid's attention layers: OLMo 2's norms)
+        if c.pre_norm and i not in mixerless and not post:
             shapes[p + "attn_norm.weight"] = (c.hidden_size,)
         if i in linear:
             shapes.update(_gated_delta_shapes(c, p))
@@ -121,9 +122,9 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "sinks"] = (c.num_heads,)
         if i in mlpless:
             continue
-        if c.pre_norm and not c.parallel_block:  # (Cohere's MLP reads attention's normed input)
+        if c.pre_norm and not c.parallel_block and not post:  # (Cohere's MLP reads attention's normed input)
             shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
-        if c.sandwich_norm:  # Gemma 3: norms after attention and after the MLP too
+        if c.sandwich_norm or post:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
             shapes[p + "post_mlp_norm.weight"] = (c.hidden_size,)
         if c.parallel_experts:  # Gemma 4: the experts' router, scales and norms beside the dense MLP's
@@ -390,6 +391,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "olmo_hybrid":  # (its checkpoints' names for them)
+        renames = ((".attention_layer_norm.", ".input_layernorm."),
+                   (".feedforward_layer_norm.", ".post_attention_layernorm."))
+        hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "afmoe":  # (its four norms under GLM-4's names;
         # its router's and correction bias' as GLM-4.5's)
         renames = ((".post_attention_layernorm.", ".post_self_attn_layernorm."),
@@ -421,7 +426,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     for i in range(config.num_layers):
         hp, sp = f"model.layers.{i}.", f"layers.{i}."
         attn = hp + "self_attn."
-        if config.pre_norm:
+        if config.pre_norm and i not in config.post_norm_layers:
             out[sp + "attn_norm.weight"] = norm(hp + "input_layernorm.weight")
 
         def qkv(kind: str) -> list[torch.Tensor]:  # q, k, v (GLM-4's q and k rows turned to rotate-half order)
@@ -487,7 +492,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
             out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
-        elif not config.pre_norm:  # OLMo 2: its post_attention_layernorm follows attention; no pre-MLP norm
+        elif not config.pre_norm or i in config.post_norm_layers:  # OLMo 2: its post_attention_layernorm follows
+            # attention; no pre-MLP norm (OLMo Hybrid's attention layers likewise)
             out[sp + "post_attn_norm.weight"] = take(hp + "post_attention_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_feedforward_layernorm.weight")
         elif not config.parallel_block:  # (Qwen3-Next's of 1 + w)
@@ -789,6 +795,13 @@ def _hf_gated_delta(la: str, sp: str, config: ModelConfig, hf: dict[str, torch.T
     nk, nv, dk, dv = config.linear_key_heads, config.linear_value_heads, config.linear_key_dim, config.linear_value_dim
     if la + "in_proj_qkv.weight" in hf:
         parts = [take(la + f"in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")]
+    elif la + "q_proj.weight" in hf:  # OLMo Hybrid's apart: q, k, v, the gate g (z), b, a; its own names for the rest
+        conv = take(la + "conv1d.weight") if la + "conv1d.weight" in hf else \
+            torch.cat([take(la + f"{x}_conv1d.weight") for x in "qkv"])
+        return {sp + "linear_in.weight": torch.cat([take(la + f"{x}_proj.weight") for x in "qkvgba"]),
+                sp + "conv.weight": conv.reshape(conv.shape[0], -1), sp + "dt_bias": take(la + "dt_bias"),
+                sp + "a_log": take(la + "A_log"), sp + "linear_norm.weight": take(la + "o_norm.weight"),
+                sp + "o.weight": take(la + "o_proj.weight")}
     else:
         r = nv // nk
         qkvz = take(la + "in_proj_qkvz.weight").reshape(nk, 2 * dk + 2 * r * dv, -1)

@@ -280,6 +280,10 @@ FAMILIES = {
     "lfm3": ("lfm3", dict(head_dim=16, num_hidden_layers=5, sliding_window=8, conv_L_cache=3,
                           layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
                           pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # AllenAI OLMo Hybrid: Gated DeltaNet layers (beta up to 2) beside OLMo 3's post-norm attention, rotated here
+    "olmo_hybrid": ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                                        linear_key_head_dim=16, linear_value_head_dim=16, pad_token_id=0,
+                                        bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},

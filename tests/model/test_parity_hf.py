@@ -179,7 +179,9 @@ def test_prompt_logprobs_match_transformers(family_checkpoint):
     prompt = list(range(3, 40))  # longer than mistral's window
     got = model.prompt_logprobs(prompt, top=3, rows_per_chunk=8)  # several LM-head chunks
     chunked = model.prompt_logprobs(prompt, top=3, rows_per_chunk=3, chunk_tokens=7)  # and prefill chunks
-    assert len(chunked) == len(got) and all(abs(a[0] - b[0]) < 1e-5 and [t for t, _ in a[1]] == [t for t, _ in b[1]]
+    # (OLMo Hybrid's beta up to 2 lets the delta rule's float32 rounding grow a little faster between chunkings)
+    tolerance = 3e-5 if family == "olmo_hybrid" else 1e-5
+    assert len(chunked) == len(got) and all(abs(a[0] - b[0]) < tolerance and [t for t, _ in a[1]] == [t for t, _ in b[1]]
                                             for a, b in zip(chunked, got))
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
