@@ -908,7 +908,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
-                       "llama4": "llama", "arcee": "llama", "granitemoe": "llama"}
+                       "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -938,7 +938,7 @@ def _gguf_experts(reader, arch: str, source: str, need) -> dict:
     size = int(field("expert_feed_forward_length") or need("feed_forward_length"))
     norm = field("expert_weights_norm")
     out = dict(num_experts=experts, experts_per_token=int(need("expert_used_count")), expert_intermediate_size=size,
-               norm_topk_prob=bool(arch not in ("qwen2moe", "deepseek2") if norm is None else norm),
+               norm_topk_prob=bool(arch not in ("qwen2moe", "deepseek2", "olmoe") if norm is None else norm),
                shared_expert_intermediate_size=int(field("expert_shared_feed_forward_length", 0) or 0))
     if arch == "deepseek2":  # (DeepSeek V2's softmax routing too: ungated shared experts, the scale on the chosen)
         out.update(shared_expert_gate=False, shared_expert_intermediate_size=size * int(field("expert_shared_count", 0)
@@ -1065,6 +1065,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                nope_layers=tuple(i for i in range(layers) if i % 4 == 3))
     elif arch == "glm4":  # four norms a layer; q/k rows as released: interleaved pairs (llama.cpp's "norm" rope)
         layer_flags = dict(sandwich_norm=True, rope_interleaved=True)
+    elif arch == "olmoe":  # q/k norms over the whole projections
+        layer_flags = dict(qk_norm_whole=True)
     elif arch == "arcee":  # an ungated ReLU-squared MLP (ffn_up, ffn_down)
         layer_flags = dict(hidden_act="relu2", mlp_gated=False)
     elif arch in ("ernie4_5", "ernie4_5-moe"):  # q/k rows as released: interleaved pairs over the whole head

@@ -925,7 +925,7 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
                                           ("ernie4_5", "ernie4_5"), ("ernie4_5_moe", "ernie4_5-moe"),
                                           ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe"),
                                           ("arcee", "arcee"), ("granitemoe", "granitemoe"),
-                                          ("granitemoeshared", "granitemoe")])
+                                          ("granitemoeshared", "granitemoe"), ("olmoe", "olmoe")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -943,7 +943,7 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "parallel_block", "layer_windows", "nope_layers", "linear_layers", "linear_key_heads",
                   "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate",
                   "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size", "mlp_gated",
-                  "hidden_act", "rope_scaling", "router_topk_softmax"):  # (float32 multipliers: by the logits)
+                  "hidden_act", "rope_scaling", "router_topk_softmax", "qk_norm_whole"):  # (float32 multipliers: by the logits)
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
