@@ -851,50 +851,35 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
 
 def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     model_type = hf.get("model_type")
-    if model_type in ("gemma3_text", "gemma2"):
-        return _gemma_from_hf(hf, source, model_type)
-    if model_type == "gemma4_text":
-        return _gemma4_from_hf(hf, source)
-    if model_type in ("olmo2", "olmo3"):
-        return _olmo_from_hf(hf, source, model_type)
-    if model_type == "gpt_oss":
-        return _gpt_oss_from_hf(hf, source)
-    if model_type in ("exaone4", "exaone_moe"):
-        return _exaone_from_hf(hf, source)
-    if model_type in ("cohere", "cohere2"):
-        return _cohere_from_hf(hf, source, model_type)
-    if model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):
-        return _deepseek_from_hf(hf, source, "deepseek_v2" if model_type == "deepseek_v2" else "deepseek_v3")
-    if HF_MODEL_TYPES.get(model_type) == "qwen3_next":
-        return _qwen3_next_from_hf(hf, source, model_type)
-    if model_type in ("lfm2", "lfm2_moe"):
-        return _lfm2_from_hf(hf, source, model_type)
-    if model_type == "lfm3":
-        return _lfm3_from_hf(hf, source)
-    if model_type == "olmo_hybrid":
-        return _olmo_hybrid_from_hf(hf, source)
-    if model_type == "nemotron_h":
-        return _nemotron_h_from_hf(hf, source)
-    if model_type == "falcon_h1":
-        return _falcon_h1_from_hf(hf, source)
-    if model_type == "bamba":
-        return _bamba_from_hf(hf, source)
-    if model_type == "jamba":
-        return _jamba_from_hf(hf, source)
-    if model_type in ("mamba", "mamba2", "falcon_mamba"):
-        return _mamba_lm_from_hf(hf, source, model_type)
-    if model_type == "kimi_linear":
-        return _kimi_linear_from_hf(hf, source)
-    if model_type == "apertus":
-        return _apertus_from_hf(hf, source)
-    if model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
-        return _hunyuan_from_hf(hf, source)
-    if model_type == "llama4_text":
-        return _llama4_from_hf(hf, source)
-    if model_type == "arcee":
-        return _arcee_from_hf(hf, source)
-    if model_type == "afmoe":
-        return _afmoe_from_hf(hf, source)
+    # the families with a reader of their own; the rest are Llama's layer with the differences read below
+    readers = {
+        **dict.fromkeys(("gemma3_text", "gemma2"), lambda: _gemma_from_hf(hf, source, model_type)),
+        "gemma4_text": lambda: _gemma4_from_hf(hf, source),
+        **dict.fromkeys(("olmo2", "olmo3"), lambda: _olmo_from_hf(hf, source, model_type)),
+        "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
+        **dict.fromkeys(("exaone4", "exaone_moe"), lambda: _exaone_from_hf(hf, source)),
+        **dict.fromkeys(("cohere", "cohere2"), lambda: _cohere_from_hf(hf, source, model_type)),
+        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), lambda: _deepseek_from_hf(
+            hf, source, "deepseek_v2" if model_type == "deepseek_v2" else "deepseek_v3")),
+        **{t: (lambda: _qwen3_next_from_hf(hf, source, model_type))
+           for t, arch in HF_MODEL_TYPES.items() if arch == "qwen3_next"},
+        **dict.fromkeys(("lfm2", "lfm2_moe"), lambda: _lfm2_from_hf(hf, source, model_type)),
+        "lfm3": lambda: _lfm3_from_hf(hf, source),
+        "olmo_hybrid": lambda: _olmo_hybrid_from_hf(hf, source),
+        "nemotron_h": lambda: _nemotron_h_from_hf(hf, source),
+        "falcon_h1": lambda: _falcon_h1_from_hf(hf, source),
+        "bamba": lambda: _bamba_from_hf(hf, source),
+        "jamba": lambda: _jamba_from_hf(hf, source),
+        **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"), lambda: _mamba_lm_from_hf(hf, source, model_type)),
+        "kimi_linear": lambda: _kimi_linear_from_hf(hf, source),
+        "apertus": lambda: _apertus_from_hf(hf, source),
+        **dict.fromkeys(("hunyuan_v1_dense", "hunyuan_v1_moe"), lambda: _hunyuan_from_hf(hf, source)),
+        "llama4_text": lambda: _llama4_from_hf(hf, source),
+        "arcee": lambda: _arcee_from_hf(hf, source),
+        "afmoe": lambda: _afmoe_from_hf(hf, source),
+    }
+    if model_type in readers:
+        return readers[model_type]()
     if model_type not in HF_MODEL_TYPES:
         raise _unsupported(f"{source}: model_type {model_type!r} is not supported "
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
