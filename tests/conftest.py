@@ -203,7 +203,7 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "chat_template": QWEN_VL_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
     (d / "preprocessor_config.json").write_text(json.dumps(
-        QWEN3_VL_PREPROCESSOR if family in ("qwen3_vl", "qwen3_5") else QWEN_VL_PREPROCESSOR))
+        QWEN3_VL_PREPROCESSOR if family in ("qwen3_vl", "qwen3_5", "qwen3_vl_moe") else QWEN_VL_PREPROCESSOR))
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
@@ -220,6 +220,16 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
         vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
                       num_position_embeddings=64, deepstack_visual_indexes=[0, 1], initializer_range=0.2)
         config, model = Qwen3VLConfig(text_config=text, vision_config=vision, **ids), Qwen3VLForConditionalGeneration
+    elif family == "qwen3_vl_moe":  # Qwen3-VL with Qwen3-MoE's experts (its released [E, in, out] stacks)
+        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+        text = {**text, "num_hidden_layers": 3, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "rope_parameters": {
+                    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True}}
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=16,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0, 1], initializer_range=0.2)
+        config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
+        model = Qwen3VLMoeForConditionalGeneration
     elif family == "qwen3_5":  # Qwen3-VL's tower (no DeepStack), a Gated DeltaNet layer then a gated attention one
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -236,12 +246,20 @@ def build_tiny_qwen_vl(d: Path, family: str) -> Path:
                       fullatt_block_indexes=[1], initializer_range=0.2)
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
         model = Qwen2_5_VLForConditionalGeneration
-    torch.manual_seed(0)
+    # (Qwen3-VL-MoE at seed 0 answers the speculative test's image with nothing prompt lookup can draft from)
+    torch.manual_seed(1 if family == "qwen3_vl_moe" else 0)
     model(config).eval().save_pretrained(d, safe_serialization=True)
+    if family == "qwen3_vl_moe":  # the expert stacks as released ([E, H, 2 I], [E, I, H]), which transformers
+        # transposes on loading (its save keeps its own layout)
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(d / "model.safetensors")
+        save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                   else v for k, v in weights.items()}, d / "model.safetensors", metadata={"format": "pt"})
     return d
 
 
-@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="session", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])
 def tiny_qwen_vl(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """(family, checkpoint, exported core) of a tiny random Qwen VL model."""
     from flared.core.export import ExportOptions, export_core

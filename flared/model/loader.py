@@ -568,8 +568,14 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
                      if b in hf), block + "e_score_correction_bias")
         out[sp + "router.correction_bias"] = take(bias).reshape(-1)
     if block + "experts.gate_up_proj" in hf:
-        out[sp + "experts.gate_up.weight"] = take(block + "experts.gate_up_proj")
-        out[sp + "experts.down.weight"] = take(block + "experts.down_proj")
+        gate_up, down = take(block + "experts.gate_up_proj"), take(block + "experts.down_proj")
+        hidden, inter = config.hidden_size, config.expert_intermediate_size
+        if hidden != inter and tuple(down.shape[1:]) == (inter, hidden):
+            # (Qwen3-VL-MoE's released stacks [E, H, 2 I] and [E, I, H], inputs first: transposed, as transformers
+            # transposes them on loading)
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        out[sp + "experts.gate_up.weight"] = gate_up
+        out[sp + "experts.down.weight"] = down
     else:
         gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         experts = [f"{block}experts.{e}." for e in range(config.num_experts)]

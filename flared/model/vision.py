@@ -49,9 +49,10 @@ from flared.errors import CoreError, ErrorKind
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
                          "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava",
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
-                         "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl"}
+                         "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
-_QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
+                          "qwen3_vl_moe": "qwen3_moe"}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none", "quick_gelu": "quick", "silu": "silu"}
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of patches
@@ -240,6 +241,8 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
         text["model_type"] = _QWEN_TEXT_MODEL_TYPES.get(hf["model_type"], "qwen2")
+        if hf["model_type"] == "qwen3_vl_moe":  # (its router renormalises the chosen experts' weights, always)
+            text["norm_topk_prob"] = True
         for key in ("rope_parameters", "rope_scaling"):
             params = text.get(key)
             if isinstance(params, dict) and "mrope_section" in params:
