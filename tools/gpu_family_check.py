@@ -31,7 +31,8 @@ FAMILIES = ["llama3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "dee
             "gemma4", "gemma4_moe", "gemma4_e2b", "bamba", "jamba", "mamba", "mamba2", "falcon_mamba",
             "kimi_linear", "apertus", "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan", "hunyuan_moe", "llama4",
             "arcee", "granitemoe", "granitemoeshared", "ministral", "cwm", "olmoe", "solar_open",
-            "exaone_moe", "hy_v3", "afmoe", "lfm3", "olmo_hybrid"]
+            "exaone_moe", "hy_v3", "afmoe", "lfm3", "olmo_hybrid",
+            "starcoder2"]
 NEW, GENERATED = 16, 32
 
 

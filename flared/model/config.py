@@ -151,7 +151,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "lfm3": "lfm2",
                   # AllenAI OLMo Hybrid: Gated DeltaNet layers (pre-norm, beta up to 2) beside OLMo 3's post-norm
                   # attention (q/k norms over the whole projections, unrotated where rope_theta is null)
-                  "olmo_hybrid": "llama"}
+                  "olmo_hybrid": "llama",
+                  # BigCode StarCoder2: LayerNorms with biases, biased attention, an ungated tanh-GELU MLP with biases,
+                  # one window on every layer
+                  "starcoder2": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -167,7 +170,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
                  "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
-                 "router_input_scale", "post_norm_layers", "linear_neg_eigval"}
+                 "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -380,6 +383,10 @@ class ModelConfig:
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
     linear_neg_eigval: bool = False
+    # StarCoder2: its LayerNorms biased (layers.i.attn_norm.bias, mlp_norm.bias, final_norm.bias; needs layer_norm), its
+    # MLP's two products too (layers.i.gate_up.bias, down.bias).
+    norm_bias: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -435,7 +442,7 @@ class ModelConfig:
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                      "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope", "qk_l2_norm",
-                     "router_input_scale", "linear_neg_eigval"):
+                     "router_input_scale", "linear_neg_eigval", "norm_bias", "mlp_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -476,6 +483,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if self.norm_bias and not self.layer_norm:
+            raise CoreError("norm_bias needs layer_norm (biased LayerNorms)")
+        if self.mlp_bias and (self.num_experts or self.linear_layers):
+            raise CoreError("mlp_bias is for dense MLPs")
         if bool(self.chunked_layers) != bool(self.attention_chunk_size):
             raise CoreError("chunked_layers and attention_chunk_size go together")
         if set(self.chunked_layers) & {i for i in range(self.num_layers) if self.window_of(i)}:
@@ -877,6 +888,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "llama4_text": lambda: _llama4_from_hf(hf, source),
         "arcee": lambda: _arcee_from_hf(hf, source),
         "afmoe": lambda: _afmoe_from_hf(hf, source),
+        "starcoder2": lambda: _starcoder2_from_hf(hf, source),
     }
     if model_type in readers:
         return readers[model_type]()
@@ -1295,6 +1307,23 @@ def _afmoe_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         shared_expert_intermediate_size=moe * int(hf.get("num_shared_experts", 2) or 0),
         routed_scaling=float(hf.get("route_scale", 1.0)),
         dense_layers=tuple(range(min(layers, int(hf.get("num_dense_layers", 1) or 0)))))
+
+
+def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """BigCode StarCoder2 (3B-15B): Llama's attention with biases on all four projections (use_bias) and one window on
+    every layer (sliding_window); LayerNorms (norm_epsilon) with biases before attention and the MLP; an ungated MLP
+    c_fc, tanh-GELU, c_proj, biased; tied embeddings by default."""
+    act = hf.get("hidden_act", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise _unsupported(f"{source}: StarCoder2 with hidden_act {act!r} is not supported (gelu_pytorch_tanh)")
+    biased = bool(hf.get("use_bias", True))
+    theta, scaling = _rope_from_hf(hf, source)
+    window = hf.get("sliding_window")
+    return ModelConfig(
+        architecture="llama", **_sizes(hf, max_positions=4096, tied=True), rms_norm_eps=float(hf.get("norm_epsilon", 1e-5)),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
+        layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(window) if window else None)
 
 
 def _ungated_from_hf(hf: dict[str, Any], source: str, family: str, act: str, **fields) -> ModelConfig:

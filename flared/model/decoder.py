@@ -285,10 +285,15 @@ class DecoderModel:
         # once (ModelConfig.float_norms)
         float_norms = config.float_norms
 
-        def norm(name: str) -> torch.Tensor | None:
+        def norm(name: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
             if name not in tensors:
                 return None
-            return tensors[name].to(device=self.device, dtype=torch.float32 if float_norms else dtype).contiguous()
+            weight = tensors[name].to(device=self.device, dtype=torch.float32 if float_norms else dtype).contiguous()
+            bias = name[:-len("weight")] + "bias"
+            if bias not in tensors:
+                return weight
+            # (StarCoder2's LayerNorms: weight and bias, as _norm takes them)
+            return weight, tensors[bias].to(device=self.device, dtype=weight.dtype).contiguous()
 
         self.embed = w("embed.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
@@ -422,8 +427,8 @@ class DecoderModel:
                     layer.shared = (_Linear(w(p + "shared.gate_up.weight"), None),
                                     _Linear(w(p + "shared.down.weight"), None), gate)
             else:
-                layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
-                layer.down = _Linear(w(p + "down.weight"), None)
+                layer.gate_up = _Linear(w(p + "gate_up.weight"), opt(p + "gate_up.bias"))  # (StarCoder2's biases)
+                layer.down = _Linear(w(p + "down.weight"), opt(p + "down.bias"))
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, None)
         if self.device.type == "cpu":
@@ -1160,17 +1165,21 @@ class DecoderModel:
         v = torch.cat([kv_b_out[..., d - r:], x.new_zeros(rows, nh, d - c.v_head_dim)], dim=-1)
         return torch.cat([q, k.reshape(rows, nh * d), v.reshape(rows, nh * d)], dim=1)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The family's norm of the rows of x: RMSNorm, or Cohere's LayerNorm (mean-centred, no bias, in float32 with
-        float32 weights, rounded once)."""
+    def _norm(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """The family's norm of the rows of x: RMSNorm, or Cohere's LayerNorm (mean-centred, in float32 with float32
+        weights, rounded once; ``weight`` a (weight, bias) pair where the norm has a bias: StarCoder2's)."""
         if self.config.layer_norm:
-            return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, self.config.rms_norm_eps).to(x.dtype)
+            weight, bias = weight if isinstance(weight, tuple) else (weight, None)
+            return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(),
+                                self.config.rms_norm_eps).to(x.dtype)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2 I] gate rows then up rows -> act(gate) * up [T, I]; an ungated MLP's [T, I] up rows -> act(up)
-        (Nemotron-H's squared ReLU)."""
+        (Nemotron-H's squared ReLU, StarCoder2's tanh-GELU)."""
         if not self.config.mlp_gated:
+            if self.config.hidden_act == "gelu_pytorch_tanh":
+                return F.gelu(gate_up, approximate="tanh")
             return torch.square(F.relu(gate_up))
         inter = gate_up.shape[1] // 2
         gate = gate_up[:, :inter]

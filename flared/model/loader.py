@@ -73,6 +73,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "embed.weight": (c.vocab_size, c.hidden_size),
         "final_norm.weight": (c.hidden_size,),
     }
+    if c.norm_bias:  # (StarCoder2's LayerNorms)
+        shapes["final_norm.bias"] = (c.hidden_size,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     if c.per_layer_input_dim:  # Gemma 4 E2B / E4B: every layer's input from its own table and the embedding
@@ -153,6 +155,13 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             continue
         shapes[p + "gate_up.weight"] = (gated * c.mlp_width(i), c.hidden_size)
         shapes[p + "down.weight"] = (c.hidden_size, c.mlp_width(i))
+        if c.mlp_bias:
+            shapes[p + "gate_up.bias"] = (gated * c.mlp_width(i),)
+            shapes[p + "down.bias"] = (c.hidden_size,)
+    if c.norm_bias:  # (each norm's bias beside its weight)
+        shapes.update({name[:-len("weight")] + "bias": shape for name, shape in shapes.items()
+                       if name.startswith("layers.") and name.endswith(("attn_norm.weight", "mlp_norm.weight"))
+                       and ".post_" not in name})
     return shapes
 
 
@@ -391,6 +400,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "starcoder2":  # (its MLP's names: Llama's up, down)
+        hf = {k.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj."): v
+              for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "olmo_hybrid":  # (its checkpoints' names for them)
         renames = ((".attention_layer_norm.", ".input_layernorm."),
                    (".feedforward_layer_norm.", ".post_attention_layernorm."))
@@ -543,6 +555,14 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "gate_up.weight"] = torch.cat([take(hp + "mlp.gate_proj.weight"), take(hp + "mlp.up_proj.weight")],
                                                    dim=0)
         out[sp + "down.weight"] = take(hp + "mlp.down_proj.weight")
+        if config.mlp_bias:  # (StarCoder2's, its MLP ungated: up's bias alone)
+            out[sp + "gate_up.bias"] = take(hp + "mlp.up_proj.bias")
+            out[sp + "down.bias"] = take(hp + "mlp.down_proj.bias")
+        if config.norm_bias:
+            out[sp + "attn_norm.bias"] = take(hp + "input_layernorm.bias")
+            out[sp + "mlp_norm.bias"] = take(hp + "post_attention_layernorm.bias")
+    if config.norm_bias:
+        out["final_norm.bias"] = take("model.norm.bias")
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -914,7 +934,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
-                       "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama"}
+                       "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
+                       "starcoder2": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1071,6 +1092,9 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                nope_layers=tuple(i for i in range(layers) if i % 4 == 3))
     elif arch == "glm4":  # four norms a layer; q/k rows as released: interleaved pairs (llama.cpp's "norm" rope)
         layer_flags = dict(sandwich_norm=True, rope_interleaved=True)
+    elif arch == "starcoder2":  # biased LayerNorms (and MLP: ffn_up, ffn_down), tanh-GELU ungated
+        layer_flags = dict(layer_norm=True, norm_bias=True, mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+                           mlp_gated=False, hidden_act="gelu_pytorch_tanh")
     elif arch == "olmoe":  # q/k norms over the whole projections
         layer_flags = dict(qk_norm_whole=True)
     elif arch == "arcee":  # an ungated ReLU-squared MLP (ffn_up, ffn_down)
@@ -1415,6 +1439,10 @@ _GGUF_LAYER_NAMES = {
     "attn_k_norm.weight": "k_norm.weight",
     "post_attention_norm.weight": "post_attn_norm.weight",  # Gemma 3's norms after attention and the MLP
     "post_ffw_norm.weight": "post_mlp_norm.weight",
+    "attn_norm.bias": "attn_norm.bias",  # (StarCoder2's biased LayerNorms and MLP)
+    "ffn_norm.bias": "mlp_norm.bias",
+    "ffn_up.bias": "gate_up.bias",
+    "ffn_down.bias": "down.bias",
 }
 
 
@@ -1468,6 +1496,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
            "final_norm.weight": take("token_embd_norm.weight" if config.short_conv else "output_norm.weight")}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("output.weight")
+    if config.norm_bias:
+        out["final_norm.bias"] = take("output_norm.bias")
     for i in range(config.num_layers):
         gp, sp = f"blk.{i}.", f"layers.{i}."
         if i in config.linear_layers and config.short_conv:  # LFM2's shortconv.in_proj / conv / out_proj

@@ -284,6 +284,8 @@ FAMILIES = {
     "olmo_hybrid": ("olmo_hybrid", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
                                         linear_key_head_dim=16, linear_value_head_dim=16, pad_token_id=0,
                                         bos_token_id=1, eos_token_id=2)),
+    # BigCode StarCoder2: biased LayerNorms and projections, an ungated tanh-GELU MLP, one window on every layer
+    "starcoder2": ("starcoder2", dict(sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},

@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
                                     "kimi_linear", "apertus", "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan",
                                     "hunyuan_moe", "llama4", "arcee", "granitemoe", "granitemoeshared",
                                     "ministral", "cwm", "olmoe", "solar_open", "exaone_moe",
-                                    "hy_v3", "afmoe", "lfm3", "olmo_hybrid"])
+                                    "hy_v3", "afmoe", "lfm3", "olmo_hybrid",
+                                    "starcoder2"])
 def test_cuda_forward_and_runner_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 

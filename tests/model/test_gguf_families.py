@@ -108,7 +108,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     rotated = int(head_dim * (rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0))
     w.add_uint32(f"{arch}.rope.dimension_count", rotated)
     w.add_float32(f"{arch}.rope.freq_base", theta)
-    if arch in ("command-r", "cohere2"):  # Cohere's LayerNorm epsilon, logit scale and window
+    if arch == "starcoder2":  # (its LayerNorms' epsilon)
+        w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["norm_epsilon"])
+    elif arch in ("command-r", "cohere2"):  # Cohere's LayerNorm epsilon, logit scale and window
         w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
         w.add_float32(f"{arch}.logit_scale", cfg["logit_scale"])
         if cfg.get("sliding_window"):
@@ -131,6 +133,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     # llama.cpp's converter stores Gemma's and Qwen3-Next's (1 + w) norms as 1 + w
     norm = (lambda name: t[name] + 1) if gemma or gated_delta else (lambda name: t[name])
     add("output_norm.weight", norm("model.norm.weight"))
+    if "model.norm.bias" in t:
+        add("output_norm.bias", t["model.norm.bias"])
     if "lm_head.weight" in t and not cfg.get("tie_word_embeddings"):
         add("output.weight", t["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
@@ -157,6 +161,9 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         # the layer's norms: Llama's two before; Gemma's four (the pre-MLP one under its own name); OLMo 2's two after
         if arch != "olmo2":
             add(f"blk.{i}.attn_norm.weight", norm(p + "input_layernorm.weight"))
+        if arch == "starcoder2":  # (its LayerNorms' biases)
+            add(f"blk.{i}.attn_norm.bias", t[p + "input_layernorm.bias"])
+            add(f"blk.{i}.ffn_norm.bias", t[p + "post_attention_layernorm.bias"])
         if gemma or arch == "olmo2":
             add(f"blk.{i}.post_attention_norm.weight", norm(p + "post_attention_layernorm.weight"))
             add(f"blk.{i}.post_ffw_norm.weight", norm(p + "post_feedforward_layernorm.weight"))
@@ -173,6 +180,10 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                    "block_sparse_moe.router.layer.weight")
         if experts and any(p + name in t for name in routers):  # (GLM-4.5's dense first layers have none)
             write_experts(add, t, p, i, experts)
+        elif p + "mlp.c_fc.weight" in t:  # StarCoder2's ungated MLP, biased
+            for ours, theirs in (("ffn_up", "c_fc"), ("ffn_down", "c_proj")):
+                add(f"blk.{i}.{ours}.weight", t[f"{p}mlp.{theirs}.weight"])
+                add(f"blk.{i}.{ours}.bias", t[f"{p}mlp.{theirs}.bias"])
         elif p + "mlp.gate_up_proj.weight" in t or p + "mlp.gate_proj.weight" not in t:  # (Phi-3's; Arcee's ungated)
             add(f"blk.{i}.ffn_up.weight", t[p + ("mlp.gate_up_proj.weight" if p + "mlp.gate_up_proj.weight" in t
                                                  else "mlp.up_proj.weight")])
@@ -925,7 +936,8 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
                                           ("ernie4_5", "ernie4_5"), ("ernie4_5_moe", "ernie4_5-moe"),
                                           ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe"),
                                           ("arcee", "arcee"), ("granitemoe", "granitemoe"),
-                                          ("granitemoeshared", "granitemoe"), ("olmoe", "olmoe")])
+                                          ("granitemoeshared", "granitemoe"), ("olmoe", "olmoe"),
+                                          ("starcoder2", "starcoder2")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -934,6 +946,9 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
     from flared_testing.checkpoints import hf_last_logits, last_logits
 
     hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    if family == "starcoder2":  # (its converter writes no window: llama.cpp attends over the whole context)
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
     write_gguf(hf_dir, tmp_path / "m.gguf", arch, Q.F32)
     source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
     for field in ("attention_bias", "attention_out_bias", "head_dim", "num_heads", "num_kv_heads", "qk_norm",
@@ -943,7 +958,8 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "parallel_block", "layer_windows", "nope_layers", "linear_layers", "linear_key_heads",
                   "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate",
                   "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size", "mlp_gated",
-                  "hidden_act", "rope_scaling", "router_topk_softmax", "qk_norm_whole"):  # (float32 multipliers: by the logits)
+                  "hidden_act", "rope_scaling", "router_topk_softmax", "qk_norm_whole", "norm_bias", "mlp_bias",
+                  "sliding_window"):  # (float32 multipliers: by the logits)
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
