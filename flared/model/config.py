@@ -154,7 +154,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "olmo_hybrid": "llama",
                   # BigCode StarCoder2: LayerNorms with biases, biased attention, an ungated tanh-GELU MLP with biases,
                   # one window on every layer
-                  "starcoder2": "llama"}
+                  "starcoder2": "llama",
+                  # NVIDIA Nemotron-4 / Minitron (nemotron): LayerNorm1P (1 + w, biased), half of each head rotated, an
+                  # ungated squared-ReLU MLP
+                  "nemotron": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -889,6 +892,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "arcee": lambda: _arcee_from_hf(hf, source),
         "afmoe": lambda: _afmoe_from_hf(hf, source),
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
+        "nemotron": lambda: _nemotron_from_hf(hf, source),
     }
     if model_type in readers:
         return readers[model_type]()
@@ -1324,6 +1328,26 @@ def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
         layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
         sliding_window=int(window) if window else None)
+
+
+def _nemotron_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """NVIDIA Nemotron-4 and its Minitron prunings (nemotron): LayerNorm1P (mean-centred, weight 1 + w, biased: the
+    loader adds the 1) before attention and the MLP; partial_rotary_factor of each head rotated (rotate-half within);
+    an ungated MLP up, relu(x)^2, down; biases where attention_bias / mlp_bias say."""
+    act = hf.get("hidden_act", "relu2")
+    if act != "relu2":
+        raise _unsupported(f"{source}: Nemotron with hidden_act {act!r} is not supported (relu2)")
+    sizes = _sizes(hf, max_positions=4096)
+    theta, scaling = _rope_from_hf(hf, source)
+    params = hf.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)))
+    rotated = int(sizes["head_dim"] * factor)
+    biased = bool(hf.get("attention_bias"))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
+        norm_bias=True, mlp_bias=bool(hf.get("mlp_bias")), mlp_gated=False, hidden_act="relu2",
+        rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
 def _ungated_from_hf(hf: dict[str, Any], source: str, family: str, act: str, **fields) -> ModelConfig:

@@ -400,6 +400,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)
+        hf = {k: v.float() + 1.0 if k.endswith("layernorm.weight") or k == "model.norm.weight" else v
+              for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "starcoder2":  # (its MLP's names: Llama's up, down)
         hf = {k.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj."): v
               for k, v in hf.items()}

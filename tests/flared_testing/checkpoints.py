@@ -286,6 +286,9 @@ FAMILIES = {
                                         bos_token_id=1, eos_token_id=2)),
     # BigCode StarCoder2: biased LayerNorms and projections, an ungated tanh-GELU MLP, one window on every layer
     "starcoder2": ("starcoder2", dict(sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # NVIDIA Nemotron-4 / Minitron: LayerNorm1P (1 + w, biased), half of each head rotated, an ungated squared-ReLU
+    # MLP
+    "nemotron": ("nemotron", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
