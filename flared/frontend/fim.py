@@ -18,7 +18,8 @@ FAMILIES = (
     ("▁<PRE>", "▁<SUF>", "▁<MID>"),  # CodeLlama
     ("<PRE>", "<SUF>", "<MID>"),
 )
-FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>")  # repository context: a file's name and text after one
+FILE_SEPARATORS = ("<|file_sep|>", "<file_sep>", "<|file_separator|>")  # repository context: a file's name and
+# text after one (CodeGemma's the last)
 # Tokens that end a fill where the model has them (llama.cpp's end-of-generation for FIM models: its pad, repository
 # and file separator tokens; CodeLlama's end of infill): a model that writes one has left the hole.
 FIM_ENDS = ("<|fim_pad|>", "<fim_pad>", "<|repo_name|>", "<reponame>", *FILE_SEPARATORS, "<EOT>", "▁<EOT>")

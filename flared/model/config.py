@@ -157,7 +157,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "starcoder2": "llama",
                   # NVIDIA Nemotron-4 / Minitron (nemotron): LayerNorm1P (1 + w, biased), half of each head rotated, an
                   # ungated squared-ReLU MLP
-                  "nemotron": "llama"}
+                  "nemotron": "llama",
+                  # Google Gemma (1, 1.1, CodeGemma): Gemma 2's (1 + w) norms, scaled embeddings and tanh-GELU, none of
+                  # its windows, caps or norms after attention and the MLP
+                  "gemma": "gemma2"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -867,7 +870,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     model_type = hf.get("model_type")
     # the families with a reader of their own; the rest are Llama's layer with the differences read below
     readers = {
-        **dict.fromkeys(("gemma3_text", "gemma2"), lambda: _gemma_from_hf(hf, source, model_type)),
+        **dict.fromkeys(("gemma3_text", "gemma2", "gemma"), lambda: _gemma_from_hf(hf, source, model_type)),
         "gemma4_text": lambda: _gemma4_from_hf(hf, source),
         **dict.fromkeys(("olmo2", "olmo3"), lambda: _olmo_from_hf(hf, source, model_type)),
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
@@ -1901,7 +1904,15 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     """Gemma 3's text model (gemma3_text; a gemma3 checkpoint's text_config) or Gemma 2 (gemma2: no q/k norms, one
-    rope for every layer, every other layer windowed, soft-capped attention scores and logits)."""
+    rope for every layer, every other layer windowed, soft-capped attention scores and logits); Gemma 1 (gemma) as
+    Gemma 2 without windows, caps or norms after attention and the MLP (its legacy hidden_act "gelu" the tanh one,
+    as transformers reads it)."""
+    if model_type == "gemma":
+        config = _gemma_from_hf({**hf, "layer_types": ["full_attention"] * int(hf["num_hidden_layers"]),
+                                 "hidden_activation": "gelu_pytorch_tanh" if (hf.get("hidden_activation") or hf.get(
+                                     "hidden_act", "gelu")) in ("gelu", "gelu_pytorch_tanh") else hf.get("hidden_act"),
+                                 "attn_logit_softcapping": None, "final_logit_softcapping": None}, source, "gemma2")
+        return dataclasses.replace(config, sandwich_norm=False, layer_windows=None)
     gemma2 = model_type == "gemma2"
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":

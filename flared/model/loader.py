@@ -503,7 +503,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "post_attn_norm.weight"] = take(hp + "post_self_attn_layernorm.weight")
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_mlp_layernorm.weight")
-        elif gemma:
+        elif gemma and config.sandwich_norm:  # (Gemma 1's: Llama's two)
             out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
             out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = norm(hp + "post_feedforward_layernorm.weight")
