@@ -160,7 +160,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "nemotron": "llama",
                   # Google Gemma (1, 1.1, CodeGemma): Gemma 2's (1 + w) norms, scaled embeddings and tanh-GELU, none of
                   # its windows, caps or norms after attention and the MLP
-                  "gemma": "gemma2"}
+                  "gemma": "gemma2",
+                  # Stability StableLM (2 1.6B, 3B-4E1T, Zephyr): LayerNorms with biases, a quarter of each head
+                  # rotated, q/k/v biases where use_qkv_bias
+                  "stablelm": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -896,6 +899,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "afmoe": lambda: _afmoe_from_hf(hf, source),
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
+        "stablelm": lambda: _stablelm_from_hf(hf, source),
     }
     if model_type in readers:
         return readers[model_type]()
@@ -1331,6 +1335,24 @@ def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
         layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
         sliding_window=int(window) if window else None)
+
+
+def _stablelm_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Stability StableLM: Llama's layer with LayerNorms (biased, layer_norm_eps), partial_rotary_factor of each head
+    rotated (rotate-half within), q/k/v biases where use_qkv_bias (never o's). Its per-head q/k LayerNorms
+    (qk_layernorm, StableLM 2 12B) and parallel residual are refused by name."""
+    _check_silu(hf, source)
+    for key in ("qk_layernorm", "use_parallel_residual"):
+        if hf.get(key):
+            raise _unsupported(f"{source}: StableLM with {key} is not supported")
+    sizes = _sizes(hf, max_positions=4096)
+    theta, scaling = _rope_from_hf(hf, source)
+    params = hf.get("rope_parameters") or {}
+    rotated = int(sizes["head_dim"] * float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=bool(hf.get("use_qkv_bias")), attention_out_bias=False, qk_norm=False,
+        layer_norm=True, norm_bias=True, rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
 def _nemotron_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

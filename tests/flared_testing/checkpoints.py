@@ -291,6 +291,8 @@ FAMILIES = {
     "nemotron": ("nemotron", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Google Gemma (1, CodeGemma): (1 + w) norms, scaled embeddings, tanh-GELU, multi-query attention (2B's)
     "gemma": ("gemma", dict(head_dim=16, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Stability StableLM 2: biased LayerNorms, a quarter of each head rotated, q/k/v biases
+    "stablelm": ("stablelm", dict(use_qkv_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
