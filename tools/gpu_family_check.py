@@ -32,7 +32,8 @@ FAMILIES = ["llama3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "dee
             "kimi_linear", "apertus", "ernie4_5_moe", "glm4_moe_lite", "dots1", "hunyuan", "hunyuan_moe", "llama4",
             "arcee", "granitemoe", "granitemoeshared", "ministral", "cwm", "olmoe", "solar_open",
             "exaone_moe", "hy_v3", "afmoe", "lfm3", "olmo_hybrid",
-            "starcoder2", "nemotron", "gemma", "stablelm"]
+            "starcoder2", "nemotron", "gemma", "stablelm",
+            "granitemoe_swa"]
 NEW, GENERATED = 16, 32
 
 

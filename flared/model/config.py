@@ -130,6 +130,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # IBM Granite 3.x MoE (1B-A400M, 3B-A800M) and its shared-expert form: Granite's multipliers, every
                   # layer's experts chosen by the router's top logits softmaxed among themselves (and an ungated shared MLP)
                   "granitemoe": "llama", "granitemoeshared": "llama",
+                  # ... and its sliding-window form: learned attention sinks, windows on the layer_types' sliding layers,
+                  # layer_rope_theta's zeros unrotated
+                  "granitemoe_swa": "llama",
                   # Ministral (8B 2410) and Meta CWM: Llama with a window on the layer_types' sliding_attention layers
                   "ministral": "llama", "cwm": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
@@ -908,11 +911,19 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                            f"(supported: {', '.join(sorted(HF_MODEL_TYPES))})")
     _check_silu(hf, source)
     granite_hybrid = {}
-    if model_type in ("granitemoe", "granitemoeshared"):
+    if model_type in ("granitemoe", "granitemoeshared", "granitemoe_swa"):
         granite_hybrid = dict(num_experts=int(hf["num_local_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
                               expert_intermediate_size=int(hf["intermediate_size"]), router_topk_softmax=True,
                               shared_expert_intermediate_size=int(hf.get("shared_intermediate_size") or 0)
-                              if model_type == "granitemoeshared" else 0, shared_expert_gate=False)
+                              if model_type != "granitemoe" else 0, shared_expert_gate=False)
+    if model_type == "granitemoe_swa":  # (its sinks; layer_rope_theta: 0 unrotated, else the model's theta)
+        thetas = hf.get("layer_rope_theta")
+        theta_all = float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+        if thetas is not None and (len(thetas) != int(hf["num_hidden_layers"])
+                                   or any(t and float(t) != theta_all for t in thetas)):
+            raise _unsupported(f"{source}: layer_rope_theta other than 0 (unrotated) or the model's rope_theta "
+                               f"({theta_all}) is not supported")
+        granite_hybrid["attention_sinks"] = True
     if model_type == "granitemoehybrid":
         granite_hybrid = _granite_hybrid_from_hf(hf, source)
         # its dense MLP is the shared expert's, sized by shared_intermediate_size (beside the experts where it has
@@ -921,7 +932,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("mlp_bias") or (model_type in ("ernie4_5", "ernie4_5_moe") and hf.get("use_bias")):
         raise _unsupported(f"{source}: {'mlp_bias' if hf.get('mlp_bias') else 'use_bias'} (biases on the MLP) "
                            "is not supported")
-    windowed = model_type in ("ministral", "cwm") or (model_type == "mistral" and hf.get("layer_types"))
+    windowed = model_type in ("ministral", "cwm", "granitemoe_swa") or (model_type == "mistral" and hf.get("layer_types"))
     if not windowed and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
     if hf.get("clip_qkv"):
@@ -947,7 +958,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     layer_windows = None
     if windowed:  # (Ministral: every layer sliding unless layer_types says; CWM: every fourth from the first full)
         window = int(hf.get("sliding_window") or 0)
-        rule = (lambda i: i % 4 != 0) if model_type == "cwm" else (lambda i: bool(window))
+        rule = (lambda i: i % 4 != 0) if model_type in ("cwm", "granitemoe_swa") else (lambda i: bool(window))
         layer_windows = _layer_windows(hf, sizes["num_layers"], source, window, rule) if window else None
         sliding_window = None
         if layer_windows is not None and len(set(layer_windows)) == 1:  # (one window everywhere: Mistral's)
@@ -957,6 +968,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                 "rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "high_freq_factor": 4.0,
                 "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}}, source)
     nope = ()
+    if model_type == "granitemoe_swa":
+        nope = tuple(i for i, t in enumerate(hf.get("layer_rope_theta") or ()) if not t)
     if model_type == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
         nope = tuple(range(sizes["num_layers"]))
     if model_type == "smollm3":
@@ -1478,7 +1491,7 @@ def _llama4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
     """Granite's multipliers ({} for other families)."""
-    if model_type not in ("granite", "granitemoehybrid", "granitemoe", "granitemoeshared"):
+    if model_type not in ("granite", "granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa"):
         return {}
     return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(hf.get("residual_multiplier", 1.0)),

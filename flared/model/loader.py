@@ -582,6 +582,15 @@ def _hf_experts(hf: dict[str, torch.Tensor], hp: str, sp: str, config: ModelConf
             out.update({sp + "shared.gate_up.weight": take(hp + "shared_mlp.input_linear.weight"),
                         sp + "shared.down.weight": take(hp + "shared_mlp.output_linear.weight")})
         return out
+    if hp + "block_sparse_moe.router.weight" in hf:  # Granite's in transformers' names (granitemoe_swa saves them)
+        block = hp + "block_sparse_moe."
+        out = {sp + "router.weight": take(block + "router.weight"),
+               sp + "experts.gate_up.weight": take(block + "experts.gate_up_proj"),
+               sp + "experts.down.weight": take(block + "experts.down_proj")}
+        if config.shared_expert_intermediate_size:
+            out.update({sp + "shared.gate_up.weight": take(hp + "shared_mlp.input_linear.weight"),
+                        sp + "shared.down.weight": take(hp + "shared_mlp.output_linear.weight")})
+        return out
     mixtral = hp + "block_sparse_moe.gate.weight" in hf
     block = hp + ("block_sparse_moe." if mixtral else "mlp.")
     out = {sp + "router.weight": take(block + "gate.weight")}

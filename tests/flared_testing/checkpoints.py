@@ -293,6 +293,14 @@ FAMILIES = {
     "gemma": ("gemma", dict(head_dim=16, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Stability StableLM 2: biased LayerNorms, a quarter of each head rotated, q/k/v biases
     "stablelm": ("stablelm", dict(use_qkv_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # IBM Granite MoE with sliding windows: learned sinks, windows on three layers in four (8 tokens here), the
+    # global one unrotated, a shared MLP
+    "granitemoe_swa": ("granitemoe_swa", dict(head_dim=16, num_hidden_layers=4, intermediate_size=32,
+                                              num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48,
+                                              sliding_window=8, layer_rope_theta=[0, 10000.0, 10000.0, 10000.0],
+                                              embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0,
+                                              attention_multiplier=0.2, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
