@@ -166,7 +166,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "gemma": "gemma2",
                   # Stability StableLM (2 1.6B, 3B-4E1T, Zephyr): LayerNorms with biases, a quarter of each head
                   # rotated, q/k/v biases where use_qkv_bias
-                  "stablelm": "llama"}
+                  "stablelm": "llama",
+                  # Microsoft Phi-1, 1.5, 2: attention and an ungated tanh-GELU MLP side by side from one biased LayerNorm,
+                  # part of each head rotated, biases everywhere, the LM head's too
+                  "phi": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -182,7 +185,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "per_layer_input_dim", "per_layer_vocab", "kv_shared_layers", "double_wide_mlp", "linear_dt_rank",
                  "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
-                 "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias"}
+                 "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
+                 "lm_head_bias"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -399,6 +403,8 @@ class ModelConfig:
     # MLP's two products too (layers.i.gate_up.bias, down.bias).
     norm_bias: bool = False
     mlp_bias: bool = False
+    # Phi-2: the LM head's bias (lm_head.bias, added to the logits).
+    lm_head_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -454,7 +460,7 @@ class ModelConfig:
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                      "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope", "qk_l2_norm",
-                     "router_input_scale", "linear_neg_eigval", "norm_bias", "mlp_bias"):
+                     "router_input_scale", "linear_neg_eigval", "norm_bias", "mlp_bias", "lm_head_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -495,6 +501,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if self.lm_head_bias and self.tie_word_embeddings:
+            raise CoreError("lm_head_bias needs an LM head of its own (tie_word_embeddings false)")
         if self.norm_bias and not self.layer_norm:
             raise CoreError("norm_bias needs layer_norm (biased LayerNorms)")
         if self.mlp_bias and (self.num_experts or self.linear_layers):
@@ -903,6 +911,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
+        "phi": lambda: _phi_from_hf(hf, source),
     }
     if model_type in readers:
         return readers[model_type]()
@@ -1348,6 +1357,29 @@ def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
         layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
         sliding_window=int(window) if window else None)
+
+
+def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Microsoft Phi-1 / 1.5 / 2 (phi): one biased LayerNorm a layer feeding attention and the MLP side by side (Cohere's
+    parallel block), partial_rotary_factor of each head rotated (rotate-half within), biases on q/k/v and dense (o), an
+    ungated MLP fc1, tanh-GELU (gelu_new), fc2 with biases, a biased final LayerNorm and LM head. Per-head q/k
+    LayerNorms (qk_layernorm) are refused by name."""
+    act = hf.get("hidden_act", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise _unsupported(f"{source}: Phi with hidden_act {act!r} is not supported (gelu_new)")
+    if hf.get("qk_layernorm"):
+        raise _unsupported(f"{source}: Phi with qk_layernorm is not supported")
+    sizes = _sizes(hf, max_positions=2048)
+    theta, scaling = _rope_from_hf(hf, source)
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    rotated = int(sizes["head_dim"] * float(0.5 if factor is None else factor))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=True, attention_out_bias=True, qk_norm=False, layer_norm=True,
+        norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
+        lm_head_bias=not sizes["tie_word_embeddings"],
+        rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
 def _stablelm_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -430,7 +430,7 @@ class DecoderModel:
                 layer.gate_up = _Linear(w(p + "gate_up.weight"), opt(p + "gate_up.bias"))  # (StarCoder2's biases)
                 layer.down = _Linear(w(p + "down.weight"), opt(p + "down.bias"))
             self.layers.append(layer)
-        self.lm_head_linear = _Linear(self.lm_head, None)
+        self.lm_head_linear = _Linear(self.lm_head, opt("lm_head.bias"))  # (Phi-2's bias)
         if self.device.type == "cpu":
             _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
@@ -634,7 +634,10 @@ class DecoderModel:
         """Final-normed hidden vectors [n, hidden] -> float32 logits of only ``token_ids`` [n, len(token_ids)]: those
         rows of the LM head (what rerank and score read)."""
         rows = self.lm_head[list(token_ids)].float()
-        return self._finish_logits(vectors.to(rows.device) @ rows.T)
+        logits = vectors.to(rows.device) @ rows.T
+        if self.lm_head_linear.bias is not None:  # (Phi-2's)
+            logits = logits + self.lm_head_linear.bias[list(token_ids)].float()
+        return self._finish_logits(logits)
 
     @torch.inference_mode()
     def pooled_embeddings(self, token_lists: list[list[int]], *, pooling: str = "last", normalize: bool = True,

@@ -75,6 +75,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.norm_bias:  # (StarCoder2's LayerNorms)
         shapes["final_norm.bias"] = (c.hidden_size,)
+    if c.lm_head_bias:  # (Phi-2's)
+        shapes["lm_head.bias"] = (c.vocab_size,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     if c.per_layer_input_dim:  # Gemma 4 E2B / E4B: every layer's input from its own table and the embedding
@@ -403,6 +405,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)
         hf = {k: v.float() + 1.0 if k.endswith("layernorm.weight") or k == "model.norm.weight" else v
               for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "phi":  # (its names for Llama's)
+        renames = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
+                   (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."))
+        hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "starcoder2":  # (its MLP's names: Llama's up, down)
         hf = {k.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj."): v
               for k, v in hf.items()}
@@ -563,9 +569,12 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "down.bias"] = take(hp + "mlp.down_proj.bias")
         if config.norm_bias:
             out[sp + "attn_norm.bias"] = take(hp + "input_layernorm.bias")
-            out[sp + "mlp_norm.bias"] = take(hp + "post_attention_layernorm.bias")
+            if not config.parallel_block:  # (Phi's one norm a layer)
+                out[sp + "mlp_norm.bias"] = take(hp + "post_attention_layernorm.bias")
     if config.norm_bias:
         out["final_norm.bias"] = take("model.norm.bias")
+    if config.lm_head_bias:
+        out["lm_head.bias"] = take("lm_head.bias")
     return {k: v.contiguous() for k, v in out.items()}
 
 

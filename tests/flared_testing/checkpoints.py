@@ -301,6 +301,10 @@ FAMILIES = {
                                               embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0,
                                               attention_multiplier=0.2, pad_token_id=0, bos_token_id=1,
                                               eos_token_id=2)),
+    # Microsoft Phi-2: a parallel block from one biased LayerNorm, part of each head rotated, biases everywhere (the LM
+    # head's too), an ungated tanh-GELU MLP
+    "phi": ("phi", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4})),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
