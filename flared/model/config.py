@@ -66,6 +66,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # GLM-4 (0414): Llama with q/k/v biases, norms after attention and the MLP too, half of each head
                   # rotated by interleaved pairs (read permuted to rotate-half: rope_interleaved)
                   "glm4": "llama",
+                  # GLM-4 (9B, the 2024 release as glm): GLM-4's attention without its norms after attention and the MLP
+                  "glm": "llama",
                   # GLM-4.5 / 4.6 (Air): Llama with q/k/v biases (optional q/k norms), half of each head rotated,
                   # the first layer dense and the rest DeepSeek-V3-routed experts plus a shared expert
                   "glm4_moe": "llama",
@@ -947,14 +949,14 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("clip_qkv"):
         raise _unsupported(f"{source}: clip_qkv (q/k/v clamped) is not supported")
     ernie = model_type in ("ernie4_5", "ernie4_5_moe")
-    sizes = _sizes(hf, head_dim=128 if ernie else None, tied=ernie)  # (transformers' ERNIE defaults)
+    sizes = _sizes(hf, head_dim=128 if ernie or model_type == "glm" else None, tied=ernie)  # (transformers' defaults)
     architecture = HF_MODEL_TYPES[model_type]
-    glm = model_type in ("glm4", "glm4_moe")
+    glm = model_type in ("glm", "glm4", "glm4_moe")
     if glm and rotary_dim_from_hf(hf, sizes["head_dim"]) is None and \
             "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
         hf = {**hf, "partial_rotary_factor": 0.5}  # GLM rotates half of each head unless it says otherwise
     theta, scaling = _rope_from_hf(hf, source)
-    attention_bias = bool(hf.get("attention_bias", model_type == "glm4"))  # (transformers' defaults)
+    attention_bias = bool(hf.get("attention_bias", model_type in ("glm", "glm4")))  # (transformers' defaults)
     if architecture == "qwen2":
         qkv_bias, out_bias = bool(hf.get("qkv_bias", True)), False  # (Qwen2-MoE names it; Qwen2 always has it)
     elif glm or model_type in ("seed_oss", "solar_open"):  # q/k/v biases apart from o's (Seed-OSS:
@@ -997,8 +999,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         sliding_window=int(sliding_window) if sliding_window else None, layer_windows=layer_windows,
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
-                                   model_type in ("phi3", "glm4", "glm4_moe", "minimax_m2")),
-        sandwich_norm=model_type == "glm4", rope_interleaved=model_type == "glm4" or ernie,
+                                   model_type in ("phi3", "glm", "glm4", "glm4_moe", "minimax_m2")),
+        sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm", "glm4") or ernie,
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
         **granite_hybrid,
