@@ -171,8 +171,11 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "stablelm": "llama",
                   # Microsoft Phi-1, 1.5, 2: attention and an ungated tanh-GELU MLP side by side from one biased LayerNorm,
                   # part of each head rotated, biases everywhere, the LM head's too
-                  "phi": "llama"}
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu")
+                  "phi": "llama",
+                  # EleutherAI GPT-NeoX (Pythia, GPT-NeoX-20B): attention and an ungated GELU MLP side by side, each from
+                  # its own biased LayerNorm of the layer's input, a quarter of each head rotated
+                  "gpt_neox": "llama"}
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
@@ -188,7 +191,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
-                 "lm_head_bias"}
+                 "lm_head_bias", "parallel_norms"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -407,6 +410,9 @@ class ModelConfig:
     mlp_bias: bool = False
     # Phi-2: the LM head's bias (lm_head.bias, added to the logits).
     lm_head_bias: bool = False
+    # GPT-NeoX: the parallel block's MLP reads its own norm of the layer's input (layers.i.mlp_norm) instead of
+    # attention's normed input (Cohere's).
+    parallel_norms: bool = False
 
     def __post_init__(self) -> None:
         if self.layer_windows is not None:
@@ -462,7 +468,8 @@ class ModelConfig:
                      "layer_norm", "parallel_block", "attn_output_gate", "linear_conv_bias", "mlp_gated",
                      "parallel_mixers", "linear_norm", "value_from_key", "v_norm", "layer_scalars", "parallel_experts",
                      "double_wide_mlp", "router_correction_bias", "qk_norm_after_rope", "qk_l2_norm",
-                     "router_input_scale", "linear_neg_eigval", "norm_bias", "mlp_bias", "lm_head_bias"):
+                     "router_input_scale", "linear_neg_eigval", "norm_bias", "mlp_bias", "lm_head_bias",
+                     "parallel_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise CoreError(f"model config {name} must be a boolean, got {getattr(self, name)!r}")
         for name in ("num_experts", "experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size"):
@@ -503,6 +510,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if self.parallel_norms and not self.parallel_block:
+            raise CoreError("parallel_norms needs parallel_block")
         if self.lm_head_bias and self.tie_word_embeddings:
             raise CoreError("lm_head_bias needs an LM head of its own (tie_word_embeddings false)")
         if self.norm_bias and not self.layer_norm:
@@ -914,6 +923,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
+        "gpt_neox": lambda: _gpt_neox_from_hf(hf, source),
     }
     if model_type in readers:
         return readers[model_type]()
@@ -1359,6 +1369,30 @@ def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
         layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
         sliding_window=int(window) if window else None)
+
+
+def _gpt_neox_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """EleutherAI GPT-NeoX (Pythia, GPT-NeoX-20B): biased LayerNorms; with use_parallel_residual (the released models)
+    attention and the MLP side by side, each from its own norm of the layer's input (parallel_norms), else Llama's
+    order; partial_rotary_factor (rotary_pct) of each head rotated; query_key_value each head's q, k, v (reordered on
+    reading), biased as dense (o); an ungated MLP with exact GELU (or tanh's), biased."""
+    act = hf.get("hidden_act", "gelu")
+    acts = {"gelu": "gelu", "gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
+            "gelu_fast": "gelu_pytorch_tanh"}
+    if act not in acts:
+        raise _unsupported(f"{source}: GPT-NeoX with hidden_act {act!r} is not supported ({', '.join(acts)})")
+    sizes = {**_sizes(hf, max_positions=2048), "num_kv_heads": int(hf["num_attention_heads"])}  # (no grouped queries)
+    theta, scaling = _rope_from_hf(hf, source)
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", hf.get("rotary_pct") or hf.get("partial_rotary_factor"))
+    rotated = int(sizes["head_dim"] * float(0.25 if factor is None else factor))
+    biased = bool(hf.get("attention_bias", True))
+    parallel = bool(hf.get("use_parallel_residual", True))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
+        norm_bias=True, parallel_block=parallel, parallel_norms=parallel, mlp_bias=True, mlp_gated=False,
+        hidden_act=acts[act], rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
 def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

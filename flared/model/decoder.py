@@ -905,6 +905,8 @@ class DecoderModel:
             o = self._norm(o, layer.post_attn_norm)
         if c.residual_multiplier is not None:  # Granite's residual branches are scaled before they are added
             o = o * c.residual_multiplier
+        if c.parallel_norms and layer.mlp_norm is not None:  # GPT-NeoX: the MLP's own norm of the layer's input
+            x = self._norm(h, layer.mlp_norm)
         h = h + o
         if not layer.has_mlp:  # (Nemotron-H's mixer block alone)
             return h
@@ -1181,8 +1183,8 @@ class DecoderModel:
         """[T, 2 I] gate rows then up rows -> act(gate) * up [T, I]; an ungated MLP's [T, I] up rows -> act(up)
         (Nemotron-H's squared ReLU, StarCoder2's tanh-GELU)."""
         if not self.config.mlp_gated:
-            if self.config.hidden_act == "gelu_pytorch_tanh":
-                return F.gelu(gate_up, approximate="tanh")
+            if self.config.hidden_act in ("gelu_pytorch_tanh", "gelu"):  # (GPT-NeoX's exact one)
+                return F.gelu(gate_up, approximate="tanh" if self.config.hidden_act == "gelu_pytorch_tanh" else "none")
             return torch.square(F.relu(gate_up))
         inter = gate_up.shape[1] // 2
         gate = gate_up[:, :inter]

@@ -126,7 +126,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "sinks"] = (c.num_heads,)
         if i in mlpless:
             continue
-        if c.pre_norm and not c.parallel_block and not post:  # (Cohere's MLP reads attention's normed input)
+        if c.pre_norm and (not c.parallel_block or c.parallel_norms) and not post:  # (Cohere's MLP reads
+            # attention's normed input; GPT-NeoX's its own norm of the layer's input)
             shapes[p + "mlp_norm.weight"] = (c.hidden_size,)
         if c.sandwich_norm or post:  # Gemma 3: norms after attention and after the MLP too
             shapes[p + "post_attn_norm.weight"] = (c.hidden_size,)
@@ -405,6 +406,24 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)
         hf = {k: v.float() + 1.0 if k.endswith("layernorm.weight") or k == "model.norm.weight" else v
               for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "gpt_neox":  # (its names for Llama's; query_key_value
+        # each head's q, k and v rows in turn)
+        heads, d = config.num_heads, config.head_dim
+        renames = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+                   ("embed_out.", "lm_head."), (".attention.dense.", ".self_attn.o_proj."),
+                   (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+        renamed = {}
+        for k, v in hf.items():
+            k = next((k.replace(old, new) for old, new in renames if old in k), k).replace("gpt_neox.layers.",
+                                                                                          "model.layers.")
+            if ".attention.query_key_value." in k:
+                parts = v.reshape(heads, 3, d, *v.shape[1:])
+                for j, x in enumerate("qkv"):
+                    renamed[k.replace(".attention.query_key_value.", f".self_attn.{x}_proj.")] = \
+                        parts[:, j].reshape(heads * d, *v.shape[1:])
+            else:
+                renamed[k] = v
+        hf = renamed
     if hf_config is not None and hf_config.get("model_type") == "phi":  # (its names for Llama's)
         renames = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
                    (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."))
@@ -517,7 +536,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             # attention; no pre-MLP norm (OLMo Hybrid's attention layers likewise)
             out[sp + "post_attn_norm.weight"] = take(hp + "post_attention_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_feedforward_layernorm.weight")
-        elif not config.parallel_block:  # (Qwen3-Next's of 1 + w)
+        elif not config.parallel_block or config.parallel_norms:  # (Qwen3-Next's of 1 + w; GPT-NeoX's beside)
             out[sp + "mlp_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
         if config.expert_bias:
             out.update(_hf_gpt_oss_experts(hf, hp + "mlp.", sp, take))
@@ -569,7 +588,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "down.bias"] = take(hp + "mlp.down_proj.bias")
         if config.norm_bias:
             out[sp + "attn_norm.bias"] = take(hp + "input_layernorm.bias")
-            if not config.parallel_block:  # (Phi's one norm a layer)
+            if not config.parallel_block or config.parallel_norms:  # (Phi's one norm a layer)
                 out[sp + "mlp_norm.bias"] = take(hp + "post_attention_layernorm.bias")
     if config.norm_bias:
         out["final_norm.bias"] = take("model.norm.bias")

@@ -307,6 +307,9 @@ FAMILIES = {
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.4})),
     # GLM-4 9B (glm, 2024): q/k/v biases, half of each head rotated by interleaved pairs, a fused gate_up
     "glm": ("glm", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # EleutherAI GPT-NeoX (Pythia): attention and an exact-GELU MLP side by side from their own biased LayerNorms, a
+    # quarter of each head rotated, query_key_value per head
+    "gpt_neox": ("gpt_neox", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},

@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
                                     "ministral", "cwm", "olmoe", "solar_open", "exaone_moe",
                                     "hy_v3", "afmoe", "lfm3", "olmo_hybrid",
                                     "starcoder2", "nemotron", "gemma",
-                                    "stablelm", "granitemoe_swa", "phi", "glm"])
+                                    "stablelm", "granitemoe_swa", "phi", "glm",
+                                    "gpt_neox"])
 def test_cuda_forward_and_runner_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
