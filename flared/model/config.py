@@ -643,6 +643,24 @@ class ModelConfig:
             return "a gated attention output"
         return None
 
+    def torch_graphs_obstacle(self, dtype: str) -> str | None:
+        """What keeps the CUDA graphs from capturing this model's own torch layers (DecoderModel._layer_stack with
+        the paged Triton attention: kernels/paged_decoder.py's ``generic`` decoder) in ``dtype`` (a torch dtype's
+        name), or None. Where graph_obstacle is None the graphs run the Llama kernels instead."""
+        if self.linear_layers:
+            return self.graph_obstacle  # (a recurrent state a row: not in the graphs' inputs)
+        if self.head_dim & (self.head_dim - 1):
+            return f"head_dim {self.head_dim}, not a power of two"
+        if self.global_head_dim:
+            return "global layers of their own head geometry"
+        if self.attn_logit_softcapping is not None:
+            return "soft-capped attention scores"
+        if self.chunked_layers or self.nope_temperature_floor:
+            return "chunked attention, temperature-tuned queries"
+        if self.num_experts and dtype != "bfloat16":
+            return f"routed experts in {dtype} (the graphs group experts' rows with bf16 grouped products)"
+        return None
+
     def kv_source(self, layer: int) -> int | None:
         """The layer whose keys and values ``layer`` attends to instead of its own (Gemma 4's last kv_shared_layers:
         the last earlier layer of the same window), or None."""

@@ -766,7 +766,11 @@ class DecoderModel:
             if not before:
                 flush_denormals(threads, False)
 
-    def _layer_stack(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+    def _layer_stack(self, batch: ForwardBatch, kv: PagedKVCache, attend=None) -> torch.Tensor:
+        """Every layer over the batch's rows; the residual stream [T, hidden] before the final norm. ``attend``:
+        each attention as ``attend(q [T, nh, d], layer, kv_index)`` -> [T, nh * d] over the keys and values ``kv``
+        holds (the CUDA graphs' torch layers, kernels/paged_decoder.py: their paged kernels over static inputs),
+        instead of _attention's gathers."""
         c = self.config
         num_tokens = batch.num_tokens
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -864,7 +868,10 @@ class DecoderModel:
                 kv.write(layer.kv_index, batch.write_slot_ids, k, v)
                 if c.kv_shared_layers:
                     produced[index] = (k, v)
-            attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
+            if attend is not None:
+                attn = attend(q, index, layer.kv_index)
+            else:
+                attn = self._attention(index, batch, kv, q, k, v, decode_masked, native)  # [T, nh * d]
             if c.v_head_dim:  # (latent attention's values fill the first v_head_dim of each head's d)
                 attn = attn.view(num_tokens, nh, d)[..., :c.v_head_dim].reshape(num_tokens, nh * c.v_head_dim)
             if c.attn_output_gate:  # Qwen3-Next: the output times sigmoid of the gate's rows (after v's)

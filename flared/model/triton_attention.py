@@ -33,6 +33,10 @@ Rules:
   the keys at positions (p - window, p] only, as transformers' sliding-window
   mask does; 0 (the default) sees every earlier key. The window is a compile-
   time constant: models without one run the kernels as they were.
+- Sinks (gpt-oss): ``sinks`` [nh], a logit per query head that joins each
+  softmax's denominator and gives no value (the one-pass decode kernel and
+  the prefill kernel; the split decode has none). Also a compile-time
+  switch: without sinks the kernels are as they were.
 """
 
 from __future__ import annotations
@@ -79,6 +83,15 @@ def _window_start(end, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _with_sinks(m_i, l_i, acc, sink):
+    """The running (max, sum, weighted values) with one more softmax term of logit ``sink`` (in the units of
+    m_i) and no value: the sum grows by exp(sink - max), the values only rescale."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    return l_i * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head, stride_bt_row,
                   scale, PAGE_TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -109,11 +122,11 @@ def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
+def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
                    stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
                    stride_bt_row, scale,
                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0):
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(ContextLens + row)
@@ -124,8 +137,10 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens,
     g_mask = offs_g < GROUP
     q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0)
-    _, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, first, context_len, stride_kv_slot, stride_kv_head,
-                                stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE)
+    m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, first, context_len, stride_kv_slot,
+                                  stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE)
+    if SINKS:  # (a padding row's sum is then exp(0) and its values zero: zeros out)
+        l_i, acc = _with_sinks(m_i, l_i, acc, tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32))
     # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + row * stride_o_row + heads[:, None] * stride_o_head + offs_d[None, :],
@@ -185,13 +200,13 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
+def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
                     stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
                     stride_bt_row, scale, num_seqs,
                     SEQS_PAD: tl.constexpr, PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                     HEADS_FAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr,
-                    EXP2: tl.constexpr, WINDOW: tl.constexpr = 0):
+                    EXP2: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False):
     # Program p of the block axis is the p-th query block of the packed chunks: sequence s owns blocks
     # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
     # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
@@ -269,6 +284,12 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta,
     m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, full_end, key_end, q_pos, key_end, kv_head,
                                    stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N, IEEE,
                                    True, EXP2, WINDOW)
+    if SINKS:  # the head's sink in the scores' units (log2 ones with EXP2, where exp2 of them is exp)
+        sink = tl.load(Sinks + head).to(tl.float32)
+        if EXP2:
+            l_i, acc = _with_sinks(m_i * 0.6931471805599453, l_i, acc, sink)
+        else:
+            l_i, acc = _with_sinks(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None])
@@ -287,20 +308,20 @@ def _group_pad(group: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, page_tokens: int,
-                           scale: float, window: int = 0) -> None:
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """q [B, nh, d]; k_pool/v_pool [slots, nkv, d]; out [B, nh, d];
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 = padding row); ``window``: a sliding window's
-    keys (0: none)."""
+    keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     _decode_kernel[(batch, num_kv_heads)](
-        q, k_pool, v_pool, out, block_tables, context_lens,
+        q, k_pool, v_pool, out, block_tables, context_lens, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale,
         PAGE_TOKENS=page_tokens, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, WINDOW=window,
-        num_warps=_decode_warps(k_pool))
+        SINKS=sinks is not None, num_warps=_decode_warps(k_pool))
 
 
 # The bf16 prefill kernel's launch: tiles, warps, pipeline stages and the schedule knobs of _prefill_kernel.
@@ -317,10 +338,11 @@ PREFILL_CONFIG_F32 = dict(block_m=64, block_n=32, num_warps=4, num_stages=2, hea
 
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                    block_tables: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
-                                   scale: float, config: dict | None = None, window: int = 0) -> None:
+                                   scale: float, config: dict | None = None, window: int = 0,
+                                   sinks: torch.Tensor | None = None) -> None:
     """Several sequences' chunks packed back to back in the rows of q (sequence s's rows start after the
     new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written); ``window``: a sliding
-    window's keys (0: none).
+    window's keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none).
     q [T_cap, nh, d]; out [T_cap, nh, d]; block_tables [B, max_pages] int32 (row s: sequence s);
     chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding.
     ``config``: PREFILL_CONFIG's keys, to override (benchmarks)."""
@@ -336,14 +358,14 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
     blocks = triton.cdiv(capacity, block_m) + num_seqs - 1
     grid = (num_heads, blocks) if c["heads_fast"] else (blocks, num_heads)
     _prefill_kernel[grid](
-        q, k_pool, v_pool, out, block_tables, chunk_meta,
+        q, k_pool, v_pool, out, block_tables, chunk_meta, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, num_seqs,
         # One compiled variant serves every batch up to 16 sequences (the lanes past num_seqs are masked).
         SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), PAGE_TOKENS=page_tokens,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=c["block_n"], IEEE=ieee,
         HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"], EXP2=c["exp2"],
-        WINDOW=window, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        WINDOW=window, SINKS=sinks is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,

@@ -388,10 +388,22 @@ class ModelRuntime:
             log.info("enforce_eager: serving on the GPU with the eager executor (no CUDA graphs)")
             use_cuda = False
         elif use_cuda and not self.core.config.graph_capable:
-            # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's routing)
-            log.warning("the CUDA graphs' kernels do not run %s: serving on the GPU with the eager executor",
-                        self.core.config.graph_obstacle)
-            use_cuda = False
+            config = self.core.config
+            problem = config.torch_graphs_obstacle(m.dtype)
+            if problem is None and (self.lora_modules or self.lora_slots):
+                problem = "per-request LoRA adapters"
+            if problem is None and self.core.manifest.vision is not None:
+                # (the graphs take token ids only: a vision core the eager executor served keeps its images)
+                problem = "an image tower's rows"
+            if problem is None:
+                # The graphs capture the model's own torch layers with the paged Triton attention (no fused
+                # kernels: kernels/paged_decoder.py's generic decoder)
+                log.info("the CUDA graphs run %s through the model's torch layers", config.graph_obstacle)
+            else:
+                # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's
+                # routing)
+                log.warning("the CUDA graphs do not run %s: serving on the GPU with the eager executor", problem)
+                use_cuda = False
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision

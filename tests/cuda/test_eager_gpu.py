@@ -1,7 +1,8 @@
-"""Models the CUDA graphs' kernels do not run (mixtures of experts, Gemma 3, gpt-oss, partial rotary) serve on the
-GPU through the eager executor (its torch forward on CUDA; tests/model/test_cuda_device.py holds that forward to
-transformers on the GPU): a bf16 core's daemon says so, and its greedy chat tokens are transformers' bf16 tokens on the
-same GPU. Skipped without a GPU (tests/cuda/conftest.py)."""
+"""Models the Llama kernels do not run serve on the GPU either through CUDA graphs of their own torch layers
+(mixtures of experts, Gemma 3, gpt-oss, partial rotary: kernels/paged_decoder.py's generic decoder) or, where even those
+cannot (Qwen3-Next's recurrent state), through the eager executor (its torch forward on CUDA;
+tests/model/test_cuda_device.py holds that forward to transformers on the GPU): a bf16 core's daemon says which, and
+its greedy chat tokens are transformers' bf16 tokens on the same GPU. Skipped without a GPU (tests/cuda/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "gpt_oss", "phi4_mini", "qwen3_next"])
-def test_a_core_the_graphs_do_not_run_serves_on_the_gpu(family, tmp_path, start_daemon):
+@pytest.mark.parametrize("family,graphs", [("qwen2_moe", True), ("gemma3", True), ("gpt_oss", True),
+                                           ("phi4_mini", True), ("qwen3_next", False)])
+def test_a_core_the_llama_kernels_do_not_run_serves_on_the_gpu(family, graphs, tmp_path, start_daemon):
     from flared_testing.checkpoints import build_hf_checkpoint
     from flared_testing.served import write_char_tokenizer
     from transformers import AutoModelForCausalLM
@@ -31,7 +33,10 @@ def test_a_core_the_graphs_do_not_run_serves_on_the_gpu(family, tmp_path, start_
         assert status == 200, body
         got.append([int(t["token"].split(":")[1]) for t in body["choices"][0]["logprobs"]["content"]])
     log = d.log()
-    assert "serving on the GPU with the eager executor" in log and "executor: eager on" in log, log[-3000:]
+    if graphs:
+        assert "through the model's torch layers" in log and "executor: eager on" not in log, log[-3000:]
+    else:
+        assert "serving on the GPU with the eager executor" in log and "executor: eager on" in log, log[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to("cuda").eval()
     matches = 0
     for text, tokens in zip(asks, got):

@@ -50,9 +50,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flared.model.graph_layers import generic_layers, write_kv  # noqa: F401 (write_kv: tests import it here)
 from flared.model.kernels import FULL, TEMPERATURE, decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
-from flared.model.kv_cache import FP8_KV, to_storage
+from flared.model.kv_cache import FP8_KV
 from flared.model.triton_attention import (decode_splits, paged_decode_attention,
                                            paged_decode_attention_rope, paged_decode_attention_split,
                                            paged_prefill_attention_varlen, supports_pdl)
@@ -69,15 +70,6 @@ def fp8_kv_unsupported(device) -> str | None:
         return (f"a float8 KV cache needs compute capability 8.9 or newer (Ada, Hopper); "
                 f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
     return None
-
-
-def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """pool [slots, nkv, d] (one layer's K or V) at ``slots`` <- x [T, nkv, d] in the activation dtype; into a
-    float8 pool saturated at +-448, as the Triton kernels store (kv_cache.to_storage)."""
-    if pool.dtype == x.dtype:
-        pool.index_copy_(0, slots, x)
-        return
-    pool.view(torch.uint8).index_copy_(0, slots, to_storage(x, pool.dtype).view(torch.uint8))
 
 
 @dataclass
@@ -123,6 +115,20 @@ class PagedCudaDecoder:
             raise ValueError(f"head_dim {c.head_dim} is not a power of two (Triton tiles need one)")
         self.model = model
         self.config = c
+        # A model outside the Llama layer (graph_obstacle: Gemma 3, mixtures of experts, partial rotary, OLMo's
+        # post-norms, ...) runs its own torch layers (DecoderModel._layer_stack) with the paged Triton attention in
+        # place of their gathers: every op a static shape and no host sync, so it captures like the Llama forwards
+        # (no fused kernels, megakernel, products64 or adapters). ModelConfig.torch_graphs_obstacle names what even
+        # this cannot run.
+        self.generic = c.graph_obstacle is not None
+        if self.generic:
+            problem = c.torch_graphs_obstacle(str(model.dtype).removeprefix("torch."))
+            if problem is not None:
+                raise ValueError(f"the CUDA graphs cannot run this model: {problem}")
+            if c.num_experts and not model.grouped_experts:
+                raise ValueError("the CUDA graphs run routed experts as grouped products (bf16 on a GPU)")
+            if lora is not None:
+                raise ValueError(f"per-request LoRA adapters run on the Llama kernels only, not {c.graph_obstacle}")
         # A sliding window's keys (Mistral): the Triton attention kernels see only the last ``window`` keys of a
         # query; 0 without one. The megakernel has no window: it serves such a model's steps while every context is
         # inside the window (mega_max_context below). The CUDA attention stays off for them.
@@ -136,7 +142,8 @@ class PagedCudaDecoder:
         dtype = model.dtype
         # One extra page: padding rows write their K/V there, never into a live page.
         self.scratch_slot = num_pages * page_tokens
-        pool_shape = (c.num_layers, (num_pages + 1) * page_tokens, c.num_kv_heads, c.head_dim)
+        # (the layers that keep keys and values: all of a Llama's; DecoderModel's kv_index numbers them)
+        pool_shape = (len(c.kv_layers), (num_pages + 1) * page_tokens, c.num_kv_heads, c.head_dim)
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         if self.kv_dtype not in (dtype, FP8_KV):
             raise ValueError(f"a KV pool holds {dtype} or {FP8_KV}, not {self.kv_dtype}")
@@ -158,7 +165,7 @@ class PagedCudaDecoder:
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         # Half precision: the LM head's logits are widened, stored and (greedy) reduced in one pass
         # (fused.head_epilogue); its per-program partial maxima live here.
-        self.head_fused = dtype in (torch.bfloat16, torch.float16)
+        self.head_fused = dtype in (torch.bfloat16, torch.float16) and not self.generic
         parts = max_batch * fused.head_parts(1, c.vocab_size)[1] if self.head_fused else 0
         self.head_partials = (torch.zeros(parts, dtype=torch.float32, device=self.device),
                               torch.zeros(parts, dtype=torch.int32, device=self.device))
@@ -170,7 +177,7 @@ class PagedCudaDecoder:
         # one. Off by default: it matches Triton alone but made the 8B 64-row step slower (docs/benchmarks.md,
         # twenty-sixth session). ``attn_build`` is the build it runs (None: Triton).
         self.attn_build = None
-        if self.rope_in_attention and os.environ.get("FLARED_CUDA_ATTENTION") == "1":
+        if self.rope_in_attention and os.environ.get("FLARED_CUDA_ATTENTION") == "1" and not self.generic:
             self.attn_build = self.cuda_attention_build()
 
         self.max_batch = max_batch
@@ -179,7 +186,7 @@ class PagedCudaDecoder:
         # terms (_with_lora), through the layered forward; the other decode steps keep the paths chosen below.
         self.lora = lora
         # Fused kernels for half precision; float32 keeps the torch ops (exact parity with transformers).
-        self.fused = dtype in (torch.bfloat16, torch.float16) and not c.qk_norm
+        self.fused = dtype in (torch.bfloat16, torch.float16) and not c.qk_norm and not self.generic
         # Decode batches up to this many rows run five fused kernels per layer (kernels/skinny.py);
         # FLARED_SKINNY_MAX_ROWS=0 turns them off (benchmarks compare both).
         self.skinny_max_rows = 0
@@ -190,7 +197,8 @@ class PagedCudaDecoder:
         # (flash-decoding); float32 keeps the one-pass kernel (its summation order is the parity one).
         self.calibration: dict = {}
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        self.max_splits = int(os.environ.get("FLARED_DECODE_MAX_SPLITS", 16)) if self.fused else 1
+        split = self.fused or (self.generic and dtype in (torch.bfloat16, torch.float16))
+        self.max_splits = int(os.environ.get("FLARED_DECODE_MAX_SPLITS", 16)) if split else 1
         scratch = max_batch * c.num_heads * max(1, self.max_splits)
         self.part_m = torch.empty(scratch, dtype=torch.float32, device=self.device)
         self.part_l = torch.empty(scratch, dtype=torch.float32, device=self.device)
@@ -452,15 +460,17 @@ class PagedCudaDecoder:
         never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
-        def attend(q, layer, out):
-            if splits > 1:
+        def attend(q, layer, out, window=None, sinks=None):
+            window = self.window if window is None else window
+            if splits > 1 and sinks is None:  # (the split kernels have no sinks: gpt-oss' rows run one pass)
                 paged_decode_attention_split(q, self.k_pool[layer], self.v_pool[layer], out, block_tables,
                                              context_lens, self.part_acc, self.part_m, self.part_l,
                                              num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale,
-                                             window=self.window)
+                                             window=window)
             else:
                 paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
-                                       page_tokens=self.page_tokens, scale=self.model.scale, window=self.window)
+                                       page_tokens=self.page_tokens, scale=self.model.scale, window=window,
+                                       sinks=sinks)
 
         def with_rope(qkv, positions, slots, layer, out):
             """The rotary, the KV write and the attention from the QKV projection's rows, in one kernel."""
@@ -487,9 +497,10 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
 
-        def attend(q, layer, out):
+        def attend(q, layer, out, window=None, sinks=None):
             paged_prefill_attention_varlen(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, meta,
-                                           page_tokens=self.page_tokens, scale=self.model.scale, window=self.window)
+                                           page_tokens=self.page_tokens, scale=self.model.scale,
+                                           window=self.window if window is None else window, sinks=sinks)
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend,
                          lora=self._lora_step(s.lora_ids, capacity))
@@ -533,6 +544,8 @@ class PagedCudaDecoder:
                 products: products64.DecoderProducts | None = None, lora: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer; returns the final-normed hidden states [T, H]. ``products``: the fused forward's products
         through products64 (decode batches of up to 64 rows). ``lora``: the step's LoRA mask (_lora_step)."""
+        if self.generic:
+            return self._layers_generic(tokens, positions, slots, attend)
         if self.fused:
             return self._layers_fused(tokens, positions, slots, attend, products, lora)
         m = self.model
@@ -563,6 +576,11 @@ class PagedCudaDecoder:
             act = F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
             h = h + self._with_lora(lora, index, "down", act, F.linear(act, layer.down.weight))
         return F.rms_norm(h, (h.shape[-1],), m.final_norm, eps)
+
+    def _layers_generic(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        attend) -> torch.Tensor:
+        """The model's own torch layers over the static rows (graph_layers.generic_layers); [T, H] final-normed."""
+        return generic_layers(self.model, self.k_pool, self.v_pool, tokens, positions, slots, attend)
 
     def _activations(self, tokens):
         """The residual stream [T, H] (the tokens' embeddings, updated in place by the layers), the attention
@@ -654,6 +672,11 @@ class PagedCudaDecoder:
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: int, rows: torch.Tensor, s: StaticInputs) -> None:
+        if self.generic:  # the family's logits (its LM head's bias, Granite's scaling, Gemma 2's cap), float32
+            self.logits[:batch].copy_(self.model._logits(h))
+            self.state_logits.index_copy_(0, rows, self.logits[:batch])
+            self._sample(self.logits[:batch], batch, full_sampling, rows, s)
+            return
         logits = F.linear(h, self.model.lm_head)  # [batch, V]; h is already final-normed
         if not self.head_fused:
             logits = logits.float()

@@ -1,0 +1,174 @@
+"""CUDA graphs over a model's own torch layers (kernels/paged_decoder.py's generic decoder, flared/model/graph_layers.py):
+families outside the Llama layer (Gemma 3's windows and sandwich norms, partial rotary, post-norms, LayerNorms,
+multipliers, routed experts, gpt-oss' sinks) captured and replayed by the GraphExecutor. float32: greedy tokens equal
+the CPU eager executor's and transformers'; bf16 (routed experts' grouped products): each token transformers' float32
+argmax or within a rounding of it.
+Skipped without a GPU (tests/cuda/conftest.py)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from gpu_models import make_cpu_executor, make_executor, make_scheduler  # noqa: E402
+
+PROMPTS = [list(range(5, 155)), list(range(200, 210)), [7], list(range(300, 340))]
+FLOAT32 = ["gemma3", "phi4_mini", "olmo2", "granite", "ministral", "cohere", "stablelm", "gpt_neox", "smollm3",
+           "hunyuan", "starcoder2", "gemma"]
+BF16 = ["mixtral", "qwen3_moe", "olmoe", "ernie4_5_moe", "gpt_oss", "gemma3", "phi4_mini"]
+
+
+def params(**kw):
+    from flared.model.sampling import SamplingParams
+
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(**kw)
+
+
+def _model(family, tmp_path, device, dtype):
+    from flared_testing.checkpoints import build_hf_checkpoint
+
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    directory = tmp_path / family
+    if not (directory / "config.json").exists():
+        build_hf_checkpoint(family, directory)
+    source = read_source(directory)
+    return DecoderModel(source.config, source.tensors, dtype=dtype, device=device, max_positions=512), directory
+
+
+@pytest.mark.parametrize("family", FLOAT32)
+def test_float32_graph_tokens_equal_the_cpu_path_and_transformers(family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flared.execution.offline import drive
+
+    model, directory = _model(family, tmp_path, "cuda", torch.float32)
+    assert model.config.graph_obstacle is not None  # (the Llama kernels do not run it)
+    ex = make_executor(model)
+    ticks = iter(range(1, 10**9))
+    try:
+        assert ex.graphs.decoder.generic
+        result = drive(make_scheduler(), ex, PROMPTS, [params()] * len(PROMPTS), clock_ns=lambda: next(ticks))
+        assert ex.max_outstanding == 2
+    finally:
+        ex.close()
+    cpu_model, _ = _model(family, tmp_path, "cpu", torch.float32)
+    cpu = drive(make_scheduler(), make_cpu_executor(cpu_model), PROMPTS, [params()] * len(PROMPTS))
+    assert result.tokens == cpu.tokens
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to("cuda").eval()
+    for prompt, tokens in zip(PROMPTS, result.tokens):
+        ids = torch.tensor([prompt], device="cuda")
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == tokens
+
+
+@pytest.mark.parametrize("family", BF16)
+def test_bf16_graph_tokens_are_float32_argmaxes(family, tmp_path):
+    """bf16 (routed experts run only there, as grouped products; the split decode attention too): every token the
+    graphs choose, teacher-forced through transformers in float32 on the original weights, is that step's argmax
+    or within a bf16 rounding of it, and most are the argmax itself. (bf16 runs part from each other at near-ties,
+    so no bf16 sequence is the reference.)"""
+    from transformers import AutoModelForCausalLM
+
+    from flared.execution.offline import drive
+
+    model, directory = _model(family, tmp_path, "cuda", torch.bfloat16)
+    ex = make_executor(model)
+    try:
+        assert ex.graphs.decoder.generic
+        result = drive(make_scheduler(), ex, PROMPTS, [params()] * len(PROMPTS))
+    finally:
+        ex.close()
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to("cuda").eval()
+    exact = total = 0
+    for prompt, tokens in zip(PROMPTS, result.tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        best, worst = logits.max(dim=1).values, logits.min(dim=1).values
+        gap = (best - chosen) / (best - worst)
+        assert gap.max().item() <= 0.03, (family, gap.tolist())
+        exact += int((gap == 0).sum())
+        total += len(tokens)
+    assert exact >= 0.8 * total, (family, exact, total)
+
+
+def test_sinks_in_the_decode_and_prefill_kernels():
+    """gpt-oss' sinks: a logit per query head in each softmax, giving no value; the one-pass decode kernel and the
+    prefill kernel (exp2 and exp forms) against float64 torch over the same paged pool."""
+    from flared.model.triton_attention import paged_decode_attention, paged_prefill_attention_varlen
+
+    torch.manual_seed(0)
+    nh, nkv, d, page, pages = 8, 2, 64, 16, 40
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        k_pool = torch.randn(pages * page, nkv, d, device="cuda").to(dtype)
+        v_pool = torch.randn(pages * page, nkv, d, device="cuda").to(dtype)
+        sinks = torch.randn(nh, device="cuda") * 2
+        tables = torch.randperm(pages, device="cuda").to(torch.int32).view(4, 10)
+        lens = torch.tensor([0, 1, 37, 150], dtype=torch.int32, device="cuda")
+        scale = d ** -0.5
+
+        def reference(q, row, positions, window=0):  # q [n, nh, d] at positions of sequence ``row``
+            slots = (tables[row].long()[:, None] * page + torch.arange(page, device="cuda")).flatten()
+            out = []
+            for qi, p in zip(q, positions):
+                first = max(0, p - window + 1) if window else 0
+                s = slots[first:p + 1]
+                keys = k_pool[s].double().repeat_interleave(nh // nkv, 1)
+                values = v_pool[s].double().repeat_interleave(nh // nkv, 1)
+                scores = torch.einsum("hd,lhd->hl", qi.double(), keys) * scale
+                probs = torch.cat([scores, sinks.double()[:, None]], 1).softmax(-1)[:, :-1]
+                out.append(torch.einsum("hl,lhd->hd", probs, values))
+            return torch.stack(out)
+
+        for window in (0, 16):
+            q = torch.randn(4, nh, d, device="cuda").to(dtype)
+            out = torch.empty_like(q)
+            paged_decode_attention(q, k_pool, v_pool, out, tables, lens, page_tokens=page, scale=scale, window=window,
+                                   sinks=sinks)
+            assert out[0].abs().max().item() == 0  # the padding row
+            for r in range(1, 4):
+                want = reference(q[r:r + 1], r, [int(lens[r]) - 1], window)
+                assert (out[r].double() - want[0]).abs().max().item() <= tol, (dtype, window, r)
+            # prefill: 30 new rows of sequence 0 after 20 cached, 12 of sequence 1 after none
+            meta = torch.tensor([[20, 30], [0, 12]], dtype=torch.int32, device="cuda")
+            q = torch.randn(64, nh, d, device="cuda").to(dtype)
+            out = torch.zeros_like(q)
+            paged_prefill_attention_varlen(q, k_pool, v_pool, out, tables[:2], meta, page_tokens=page, scale=scale,
+                                           window=window, sinks=sinks)
+            want = torch.cat([reference(q[:30], 0, range(20, 50), window), reference(q[30:42], 1, range(12), window)])
+            assert (out[:42].double() - want).abs().max().item() <= tol, (dtype, window)
+
+
+def test_prefix_hit_and_sampling_on_generic_graphs(tmp_path):
+    """A repeated prompt restores from the prefix cache with the same tokens; seeded sampling reproduces."""
+    from flared.execution.offline import drive
+
+    model, _ = _model("gemma3", tmp_path, "cuda", torch.float32)
+    ex = make_executor(model)
+    sched = make_scheduler()
+    try:
+        first = drive(sched, ex, [PROMPTS[0]], [params(max_tokens=8)])
+        second = drive(sched, ex, [PROMPTS[0]], [params(max_tokens=8)])
+        assert first.tokens == second.tokens
+        assert second.steps_by_kind.get("RESTORE", 0) >= 1
+        p = params(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=7)
+        a = drive(make_scheduler(), ex, [PROMPTS[1]], [p]).tokens
+        b = drive(make_scheduler(), ex, [PROMPTS[1]], [p]).tokens
+        assert a == b
+    finally:
+        ex.close()
+
+
+def test_refused_families_keep_the_eager_executor(tmp_path):
+    model, _ = _model("gemma2", tmp_path, "cuda", torch.float32)
+    with pytest.raises(Exception, match="soft-capped"):
+        make_executor(model)

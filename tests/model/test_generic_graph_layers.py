@@ -1,0 +1,111 @@
+"""The CUDA graphs' generic decoder (kernels/paged_decoder.py: a model outside the Llama layer captured through its own
+torch layers, DecoderModel._layer_stack, with the paged attention kernels in place of the gathers) checked on the CPU:
+its layer plumbing (the attention hook, each layer's window, the pools it writes by kv index, the family's logits)
+against the eager forward, with a torch oracle of the kernels' contract standing in for Triton, which needs a GPU.
+tests/cuda/test_generic_graphs.py runs the real kernels in captured graphs."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from flared.model.decoder import DecoderModel
+from flared.model.graph_layers import generic_layers
+from flared.model.loader import read_source
+
+from .conftest import build_hf_checkpoint
+from .test_parity_hf import run_paged_greedy
+
+PAGE_TOKENS = 4
+NEW_TOKENS = 8
+PROMPT = [5, 17, 3, 42, 9, 33, 8, 21, 14, 7, 60, 11, 25]  # 13 tokens: pages of 4 cut it
+
+# Families whose layers only the generic graphs run (ModelConfig.graph_obstacle set, torch_graphs_obstacle None):
+# windows on some layers, experts, partial and no rotary, post-norms, LayerNorms and parallel blocks, multipliers.
+GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_5_moe", "phi4_mini", "stablelm",
+           "phi", "gpt_neox", "olmo2", "smollm3", "granite", "cohere", "cohere2", "starcoder2", "nemotron", "hunyuan",
+           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa"]
+# ... and what it refuses (the eager executor serves those on a GPU)
+REFUSED = {"gemma2": "soft-capped", "qwen3_5": "Gated DeltaNet", "gemma4": "geometry",
+           "llama4": "chunked", "deepseek_v3": "power of two"}
+
+
+def _oracle(k_pool, v_pool, slots_of, positions, scale):
+    """attend(q [T, nh, d], kv_index, out, window, sinks) as the Triton kernels compute it: row t, at position
+    positions[t], attends the keys of positions (p - window, p] (window 0: [0, p]) held at slots_of[position],
+    each head's sink (if any) one more logit in its softmax."""
+    def attend(q, layer, out, window=None, sinks=None):
+        nh, d = q.shape[1], q.shape[2]
+        nkv = k_pool.shape[2]
+        for t, p in enumerate(positions.tolist()):
+            first = max(0, p - window + 1) if window else 0
+            slots = slots_of[first:p + 1]
+            keys = k_pool[layer][slots].float().repeat_interleave(nh // nkv, dim=1)  # [L, nh, d]
+            values = v_pool[layer][slots].float().repeat_interleave(nh // nkv, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[t].float(), keys) * scale
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+            probs = scores.softmax(-1)[:, :keys.shape[0]]
+            out[t] = torch.einsum("hl,lhd->hd", probs, values).to(out.dtype)
+    return attend
+
+
+def _generic_greedy(model: DecoderModel, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """The prompt as one prefill chunk, then a decode row a step, through PagedCudaDecoder's generic layers over
+    scattered pages; the greedy tokens and the logits each was chosen from."""
+    c = model.config
+    total = len(prompt) + new_tokens
+    pages = torch.randperm(-(-total // PAGE_TOKENS) + 5, generator=torch.Generator().manual_seed(3))
+    slots_of = torch.tensor([int(pages[p // PAGE_TOKENS]) * PAGE_TOKENS + p % PAGE_TOKENS for p in range(total)])
+    shape = (len(c.kv_layers), (len(pages) + 1) * PAGE_TOKENS, c.num_kv_heads, c.head_dim)
+    k_pool, v_pool = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+    tokens, logits = [], []
+    rows = torch.tensor(prompt)
+    positions = torch.arange(len(prompt))
+    while len(tokens) < new_tokens:
+        attend = _oracle(k_pool, v_pool, slots_of, positions, model.scale)
+        x = generic_layers(model, k_pool, v_pool, rows, positions, slots_of[positions], attend)
+        row = model._logits(x[-1:])[0]
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+        rows = torch.tensor(tokens[-1:])
+        positions = torch.tensor([len(prompt) + len(tokens) - 1])
+    return tokens, torch.stack(logits)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = build_hf_checkpoint(family, tmp_path_factory.mktemp(family))
+        return cache[family]
+    return get
+
+
+@pytest.mark.parametrize("family", GENERIC)
+def test_generic_layers_match_the_eager_forward(family, checkpoints):
+    source = read_source(checkpoints(family))
+    c = source.config
+    assert c.graph_obstacle is not None and c.torch_graphs_obstacle("bfloat16") is None, c.graph_obstacle
+    model = DecoderModel(c, source.tensors)
+    ((want, want_logits),) = run_paged_greedy(model, [PROMPT], num_new_tokens=NEW_TOKENS, page_tokens=PAGE_TOKENS,
+                                              chunk_tokens=5)
+    got, got_logits = _generic_greedy(model, PROMPT, NEW_TOKENS)
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_what_the_generic_graphs_refuse(family, checkpoints):
+    c = read_source(checkpoints(family)).config
+    assert REFUSED[family] in c.torch_graphs_obstacle("bfloat16")
+
+
+def test_routed_experts_need_bf16_grouped_products(checkpoints):
+    c = read_source(checkpoints("mixtral")).config
+    assert "float32" in c.torch_graphs_obstacle("float32")
+    assert c.torch_graphs_obstacle("bfloat16") is None
+    assert read_source(checkpoints("gemma3")).config.torch_graphs_obstacle("float32") is None
