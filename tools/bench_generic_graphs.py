@@ -42,6 +42,10 @@ SHAPES = {
                                 num_experts_per_tok=4, sliding_window=128, max_position_embeddings=4096,
                                 layer_types=["sliding_attention", "full_attention"] * 4, tie_word_embeddings=False),
                 "gpt-oss-20b in bf16, 8 of its 24 layers"),
+    "gemma2": ("gemma2", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
+                              query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              max_position_embeddings=8192, tie_word_embeddings=True), "Gemma-2-2B"),
 }
 PROMPT = 128
 

@@ -653,8 +653,6 @@ class ModelConfig:
             return f"head_dim {self.head_dim}, not a power of two"
         if self.global_head_dim:
             return "global layers of their own head geometry"
-        if self.attn_logit_softcapping is not None:
-            return "soft-capped attention scores"
         if self.chunked_layers or self.nope_temperature_floor:
             return "chunked attention, temperature-tuned queries"
         if self.num_experts and dtype != "bfloat16":

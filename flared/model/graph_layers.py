@@ -43,11 +43,13 @@ class PoolWriter:
 def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
     """Every layer of ``model`` (a DecoderModel) over the rows ``tokens`` at ``positions``, their keys and values
-    written at ``slots``; each attention as ``attend(q [T, nh, d], kv_index, out [T, nh, d], window=w, sinks=s)``
-    (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its sinks [nh] float32, gpt-oss', or None).
+    written at ``slots``; each attention as ``attend(q [T, nh, d], kv_index, out [T, nh, d], window=w, sinks=s,
+    softcap=cap)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its sinks [nh] float32,
+    gpt-oss', or None; ``cap`` Gemma 2's cap on the scaled scores, 0 = none).
     Returns the final-normed hidden states [T, H]."""
     c = model.config
     num_tokens = tokens.shape[0]
+    softcap = c.attn_logit_softcapping or 0.0
     sinks = [None if layer.sinks is None else layer.sinks.float().contiguous() for layer in model.layers]
     batch = ForwardBatch(input_ids=tokens, positions=positions, write_slot_ids=slots, logit_row_ids=None,
                          decode_row_ids=None, decode_gather_slot_ids=None, decode_attn_mask=None,
@@ -55,7 +57,7 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
 
     def attend_layer(q: torch.Tensor, index: int, kv_index: int) -> torch.Tensor:
         out = torch.empty(num_tokens, c.num_heads, c.head_dim, dtype=q.dtype, device=q.device)
-        attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index])
+        attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index], softcap=softcap)
         return out.view(num_tokens, c.num_heads * c.head_dim)
 
     h = model._layer_stack(batch, PoolWriter(k_pool, v_pool), attend=attend_layer)

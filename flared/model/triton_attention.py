@@ -33,6 +33,9 @@ Rules:
   the keys at positions (p - window, p] only, as transformers' sliding-window
   mask does; 0 (the default) sees every earlier key. The window is a compile-
   time constant: models without one run the kernels as they were.
+- Soft caps (Gemma 2): ``softcap`` > 0 puts each scaled score through
+  cap * tanh(score / cap) before its softmax (every kernel but the rotary
+  one); 0, the default, compiles the kernels as they were.
 - Sinks (gpt-oss): ``sinks`` [nh], a logit per query head that joins each
   softmax's denominator and gives no value (the one-pass decode kernel and
   the prefill kernel; the split decode has none). Also a compile-time
@@ -83,6 +86,14 @@ def _window_start(end, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _soft_cap(x, CAP: tl.constexpr):
+    """cap * tanh(x / cap) in float32 (Gemma 2's scores), as 1 - 2 / (exp(2y) + 1) with y clamped where tanh is
+    already +-1."""
+    y = tl.minimum(tl.maximum(x / CAP, -20.0), 20.0)
+    return CAP * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+
+
+@triton.jit
 def _with_sinks(m_i, l_i, acc, sink):
     """The running (max, sum, weighted values) with one more softmax term of logit ``sink`` (in the units of
     m_i) and no value: the sum grows by exp(sink - max), the values only rescale."""
@@ -94,7 +105,7 @@ def _with_sinks(m_i, l_i, acc, sink):
 @triton.jit
 def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head, stride_bt_row,
                   scale, PAGE_TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of one row's query-head group over its key positions [begin, end): the running max,
     the sum of exponentials and the unnormalised weighted values."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -109,8 +120,10 @@ def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot
         slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
         kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
         k = tl.load(K + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        s = _dot(q, tl.trans(k), IEEE) * scale
+        if SOFTCAP > 0:
+            s = _soft_cap(s, SOFTCAP)
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -126,7 +139,8 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
                    stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
                    stride_bt_row, scale,
                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False):
+                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
+                   SOFTCAP: tl.constexpr = 0.0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(ContextLens + row)
@@ -138,7 +152,8 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
     q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0)
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, first, context_len, stride_kv_slot,
-                                  stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE)
+                                  stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE,
+                                  SOFTCAP)
     if SINKS:  # (a padding row's sum is then exp(0) and its values zero: zeros out)
         l_i, acc = _with_sinks(m_i, l_i, acc, tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32))
     # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
@@ -151,7 +166,7 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
 def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_end, kv_head, stride_kv_slot,
                    stride_kv_head, qk_scale, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr,
-                   WINDOW: tl.constexpr):
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Online softmax of a query block over key positions [begin, end). MASKED: keys past ``key_end``, after a
     row's own position or (WINDOW > 0) WINDOW or more before it are hidden; otherwise every key of the range is
     visible to every row."""
@@ -172,6 +187,11 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
             k = tl.load(K + kv_off).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE)
         s = s * qk_scale
+        if SOFTCAP > 0:  # (capped in natural units; back to log2 ones with EXP2)
+            if EXP2:
+                s = _soft_cap(s * 0.6931471805599453, SOFTCAP) * 1.4426950408889634
+            else:
+                s = _soft_cap(s, SOFTCAP)
         if MASKED:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if WINDOW > 0:
@@ -206,7 +226,8 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
                     SEQS_PAD: tl.constexpr, PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                     HEADS_FAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr,
-                    EXP2: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False):
+                    EXP2: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
+                    SOFTCAP: tl.constexpr = 0.0):
     # Program p of the block axis is the p-th query block of the packed chunks: sequence s owns blocks
     # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
     # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
@@ -273,17 +294,17 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
             edge_end = full_end - (full_end - unmasked_from) // BLOCK_N * BLOCK_N
             m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, lo, edge_end, q_pos, key_end,
                                            kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
-                                           BLOCK_N, IEEE, True, EXP2, WINDOW)
+                                           BLOCK_N, IEEE, True, EXP2, WINDOW, SOFTCAP)
         else:
             edge_end = 0
         m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, edge_end, full_end, q_pos, key_end,
                                        kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
-                                       BLOCK_N, IEEE, False, EXP2, WINDOW)
+                                       BLOCK_N, IEEE, False, EXP2, WINDOW, SOFTCAP)
     else:
         full_end = lo
     m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, full_end, key_end, q_pos, key_end, kv_head,
                                    stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N, IEEE,
-                                   True, EXP2, WINDOW)
+                                   True, EXP2, WINDOW, SOFTCAP)
     if SINKS:  # the head's sink in the scores' units (log2 ones with EXP2, where exp2 of them is exp)
         sink = tl.load(Sinks + head).to(tl.float32)
         if EXP2:
@@ -308,10 +329,12 @@ def _group_pad(group: int) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, page_tokens: int,
-                           scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> None:
+                           scale: float, window: int = 0, sinks: torch.Tensor | None = None,
+                           softcap: float = 0.0) -> None:
     """q [B, nh, d]; k_pool/v_pool [slots, nkv, d]; out [B, nh, d];
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 = padding row); ``window``: a sliding window's
-    keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none)."""
+    keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none); ``softcap``: Gemma 2's
+    cap on the scaled scores (0: none)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
@@ -321,7 +344,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         block_tables.stride(0), scale,
         PAGE_TOKENS=page_tokens, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, WINDOW=window,
-        SINKS=sinks is not None, num_warps=_decode_warps(k_pool))
+        SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), num_warps=_decode_warps(k_pool))
 
 
 # The bf16 prefill kernel's launch: tiles, warps, pipeline stages and the schedule knobs of _prefill_kernel.
@@ -339,10 +362,11 @@ PREFILL_CONFIG_F32 = dict(block_m=64, block_n=32, num_warps=4, num_stages=2, hea
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                    block_tables: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
                                    scale: float, config: dict | None = None, window: int = 0,
-                                   sinks: torch.Tensor | None = None) -> None:
+                                   sinks: torch.Tensor | None = None, softcap: float = 0.0) -> None:
     """Several sequences' chunks packed back to back in the rows of q (sequence s's rows start after the
     new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written); ``window``: a sliding
-    window's keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none).
+    window's keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none); ``softcap``:
+    Gemma 2's cap on the scaled scores (0: none).
     q [T_cap, nh, d]; out [T_cap, nh, d]; block_tables [B, max_pages] int32 (row s: sequence s);
     chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding.
     ``config``: PREFILL_CONFIG's keys, to override (benchmarks)."""
@@ -365,7 +389,8 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
         SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), PAGE_TOKENS=page_tokens,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=c["block_n"], IEEE=ieee,
         HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"], EXP2=c["exp2"],
-        WINDOW=window, SINKS=sinks is not None, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        WINDOW=window, SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
@@ -402,7 +427,7 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
                          stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row, scale,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_TOKENS: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0):
+                         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -415,7 +440,7 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
     q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0)
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head,
-                                  stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, False)
+                                  stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, False, SOFTCAP)
     base = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
     tl.store(PartM + base, m_i, mask=g_mask)
     tl.store(PartL + base, l_i, mask=g_mask)
@@ -474,8 +499,9 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int =
 def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, part_acc: torch.Tensor,
                                  part_m: torch.Tensor, part_l: torch.Tensor, *, num_splits: int, page_tokens: int,
-                                 scale: float, window: int = 0) -> None:
-    """As ``paged_decode_attention`` (half precision), over ``num_splits`` context shares per row and kv head.
+                                 scale: float, window: int = 0, softcap: float = 0.0) -> None:
+    """As ``paged_decode_attention`` (half precision, no sinks), over ``num_splits`` context shares per row and kv
+    head.
     Scratch: part_acc [>= B * nh * num_splits * d], part_m / part_l [>= B * nh * num_splits], float32."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -486,7 +512,7 @@ def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), scale,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
         GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=64 if head_dim <= 128 else 32, WINDOW=window,
-        num_warps=_decode_warps(k_pool))
+        SOFTCAP=float(softcap or 0.0), num_warps=_decode_warps(k_pool))
     _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)
 
 
@@ -545,7 +571,7 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
     # The older positions from the pool, then the newest from registers.
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, tl.minimum(end, context_len - 1),
                                   stride_kv_slot, stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD,
-                                  HEAD_DIM, BLOCK_N, False)
+                                  HEAD_DIM, BLOCK_N, False, 0.0)
     s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp(m_i - m_new)

@@ -25,17 +25,17 @@ PROMPT = [5, 17, 3, 42, 9, 33, 8, 21, 14, 7, 60, 11, 25]  # 13 tokens: pages of 
 # windows on some layers, experts, partial and no rotary, post-norms, LayerNorms and parallel blocks, multipliers.
 GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_5_moe", "phi4_mini", "stablelm",
            "phi", "gpt_neox", "olmo2", "smollm3", "granite", "cohere", "cohere2", "starcoder2", "nemotron", "hunyuan",
-           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa"]
+           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2"]
 # ... and what it refuses (the eager executor serves those on a GPU)
-REFUSED = {"gemma2": "soft-capped", "qwen3_5": "Gated DeltaNet", "gemma4": "geometry",
+REFUSED = {"qwen3_5": "Gated DeltaNet", "gemma4": "geometry",
            "llama4": "chunked", "deepseek_v3": "power of two"}
 
 
 def _oracle(k_pool, v_pool, slots_of, positions, scale):
     """attend(q [T, nh, d], kv_index, out, window, sinks) as the Triton kernels compute it: row t, at position
     positions[t], attends the keys of positions (p - window, p] (window 0: [0, p]) held at slots_of[position],
-    each head's sink (if any) one more logit in its softmax."""
-    def attend(q, layer, out, window=None, sinks=None):
+    each head's sink (if any) one more logit in its softmax, the scores soft-capped where ``softcap``."""
+    def attend(q, layer, out, window=None, sinks=None, softcap=0.0):
         nh, d = q.shape[1], q.shape[2]
         nkv = k_pool.shape[2]
         for t, p in enumerate(positions.tolist()):
@@ -44,6 +44,8 @@ def _oracle(k_pool, v_pool, slots_of, positions, scale):
             keys = k_pool[layer][slots].float().repeat_interleave(nh // nkv, dim=1)  # [L, nh, d]
             values = v_pool[layer][slots].float().repeat_interleave(nh // nkv, dim=1)
             scores = torch.einsum("hd,lhd->hl", q[t].float(), keys) * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:
                 scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
             probs = scores.softmax(-1)[:, :keys.shape[0]]

@@ -460,17 +460,17 @@ class PagedCudaDecoder:
         never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
-        def attend(q, layer, out, window=None, sinks=None):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0):
             window = self.window if window is None else window
             if splits > 1 and sinks is None:  # (the split kernels have no sinks: gpt-oss' rows run one pass)
                 paged_decode_attention_split(q, self.k_pool[layer], self.v_pool[layer], out, block_tables,
                                              context_lens, self.part_acc, self.part_m, self.part_l,
                                              num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale,
-                                             window=window)
+                                             window=window, softcap=softcap)
             else:
                 paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
                                        page_tokens=self.page_tokens, scale=self.model.scale, window=window,
-                                       sinks=sinks)
+                                       sinks=sinks, softcap=softcap)
 
         def with_rope(qkv, positions, slots, layer, out):
             """The rotary, the KV write and the attention from the QKV projection's rows, in one kernel."""
@@ -497,10 +497,11 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
 
-        def attend(q, layer, out, window=None, sinks=None):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0):
             paged_prefill_attention_varlen(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, meta,
                                            page_tokens=self.page_tokens, scale=self.model.scale,
-                                           window=self.window if window is None else window, sinks=sinks)
+                                           window=self.window if window is None else window, sinks=sinks,
+                                           softcap=softcap)
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend,
                          lora=self._lora_step(s.lora_ids, capacity))
