@@ -13,7 +13,15 @@ must be identical to that, so the rules follow it, not llama.cpp):
 - ``tokenizer.ggml.model = llama`` (SentencePiece BPE): vocabulary as written,
   merges from the file or rebuilt from the scores, byte fallback, Metaspace
   pre-tokenizer that prepends "▁" to the first piece only, and BOS added by
-  default.
+  default. Two architectures differ, as transformers rebuilds them:
+  Gemma 1-3 (``gemma``, ``gemma2``, ``gemma3``): Gemma's tokenizer (spaces
+  normalised to "▁", no prefix space, a decoder that strips nothing), tokens
+  of spaces alone respelled as "▁"s, and without merges in the file, merges
+  rebuilt best-first by the tokens' order in the file (Gemma's scores do not
+  follow its merges); Phi-3 (``phi3``): the prefix "▁" and the spaces from a
+  normaliser, no pre-tokenizer.
+- ``tokenizer.ggml.model = gemma4``: Gemma's tokenizer over the vocabulary and
+  merges as written, and no BOS added (Gemma 4's chat template writes it).
 - Tokens typed CONTROL (3) become special added tokens (skipped in a byte-level
   vocabulary when they use characters outside the byte alphabet: llama.cpp
   mislabels those, and adding them would grow the vocabulary); tokens typed
@@ -83,7 +91,8 @@ _PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3_SPLITS),
 }
 
-_SUPPORTED_MODELS = ("gpt2", "llama")
+_SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
+_GEMMA_SENTENCEPIECE = ("gemma", "gemma2", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +101,7 @@ class GGUFTokenizerAssets:
 
     tokenizer_json: str  # a tokenizers tokenizer.json, for tokenizers.Tokenizer.from_str
     chat_template: str | None  # tokenizer.chat_template, exactly as stored
-    tokenizer_model: str  # tokenizer.ggml.model ("gpt2", "llama")
+    tokenizer_model: str  # tokenizer.ggml.model ("gpt2", "llama", "gemma4")
     pre_tokenizer: str | None  # tokenizer.ggml.pre
     bos_token: str | None
     eos_token: str | None
@@ -165,7 +174,7 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
     """As :func:`tokenizer_from_gguf`, from metadata already read (see gguf_metadata)."""
     # Imported here: the server process imports flared.frontend without needing tokenizers
     # until a model is loaded.
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     tokenizer_model = _require(metadata, "tokenizer.ggml.model", source)
     if tokenizer_model not in _SUPPORTED_MODELS:
@@ -175,13 +184,11 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
             ErrorKind.TOKENIZER,
         )
     architecture = metadata.get("general.architecture")
-    if tokenizer_model == "llama" and architecture in ("gemma", "gemma2", "gemma3", "phi3"):
-        # transformers respells or re-normalises these vocabularies; we have no parity test for them.
-        raise FrontendError(
-            f"{source}: unsupported GGUF tokenizer: SentencePiece vocabulary of architecture {architecture!r}",
-            ErrorKind.TOKENIZER,
-        )
     tokens: list[str] = list(_require(metadata, "tokenizer.ggml.tokens", source))
+    gemma = tokenizer_model == "gemma4" or (tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE)
+    if tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE:
+        # a token of spaces alone is stored as spaces; Gemma's tokenizer looks it up as "▁"s
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or ())
     pre_name = metadata.get("tokenizer.ggml.pre")
     byte_level = tokenizer_model == "gpt2"
@@ -213,15 +220,29 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
         vocab = {token: index for index, token in enumerate(tokens)}
         if "tokenizer.ggml.merges" in metadata:
             merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+        elif tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE:  # best first: the file's order
+            merges = _merges_from_scores(tokens, [-float(index) for index in range(len(tokens))])
         else:
             merges = _merges_from_scores(tokens, list(_require(metadata, "tokenizer.ggml.scores", source)))
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        backend.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
-        )
-        # Older SentencePiece files carry no flag, and such vocabularies expect a BOS.
-        add_bos_default = True
+        if gemma:  # Gemma's tokenizer: spaces normalised to "▁", no prefix space, nothing stripped on decode
+            backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>",
+                                           byte_fallback=True, dropout=None))
+            backend.normalizer = normalizers.Replace(" ", "▁")
+            backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+            backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        else:
+            backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                           dropout=None))
+            backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+            backend.decoder = decoders.Sequence(
+                [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                 decoders.Strip(content=" ", left=1)])
+            if architecture == "phi3":  # the prefix "▁" from a normaliser (so a leading space doubles it)
+                backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+                backend.pre_tokenizer = None
+        # Older SentencePiece files carry no flag, and such vocabularies expect a BOS; Gemma 4's carry one that
+        # transformers overrides (its chat template writes the BOS)
+        add_bos_default = tokenizer_model == "llama"
 
     # Control tokens become whole special tokens; see the rules above for the byte-level exception.
     control = [
@@ -263,6 +284,8 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
     pad_token_id = backend.token_to_id(pad_token) if pad_token is not None else None
 
     add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos_token is not None
+    if tokenizer_model == "gemma4":
+        add_bos_token = False
     add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_token is not None
     single = ([f"{bos_token}:0"] if add_bos_token else []) + ["$A:0"] + ([f"{eos_token}:0"] if add_eos_token else [])
     pair = single + ([f"{bos_token}:1"] if add_bos_token else []) + ["$B:1"] + (

@@ -53,10 +53,13 @@ def goldens() -> dict:
         return json.load(handle)
 
 
-def _write_sentencepiece_gguf(path, *, with_merges: bool, add_bos: bool | None):
-    """A small SentencePiece-style (tokenizer.ggml.model = llama) vocabulary, written with gguf."""
+def _write_sentencepiece_gguf(path, *, with_merges: bool, add_bos: bool | None, arch: str = "llama",
+                              tokenizer_model: str = "llama"):
+    """A small SentencePiece-style (tokenizer.ggml.model = llama, or Gemma 4's gemma4) vocabulary, written with
+    gguf; ``arch`` the file's architecture. Gemma 1-3's converters store tokens of spaces alone as spaces (and
+    write no merges): two such are in their vocabularies."""
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_context_length(64)
     writer.add_embedding_length(8)
@@ -65,27 +68,34 @@ def _write_sentencepiece_gguf(path, *, with_merges: bool, add_bos: bool | None):
     writer.add_head_count_kv(2)
     writer.add_layer_norm_rms_eps(1e-5)
     words = "the quick brown fox jumps over lazy dog hello world code def return print 你好 世界 ab".split()
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [2, 3, 3] + [6] * 256
+    gemma = arch.startswith("gemma")  # (Gemma's named tokens, as its vocabularies begin)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] if gemma else ["<unk>", "<s>", "</s>"]
+    bos, eos, unk = (2, 1, 3) if gemma else (1, 2, 0)
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
+    types = ([3, 3, 3, 2, 3] if gemma else [2, 3, 3]) + [6] * 256
     pieces = sorted({c for word in words for c in word} | {"▁"})
     for word in words:
         spelled = "▁" + word
         for end in range(2, len(spelled) + 1):
             if spelled[:end] not in pieces:
                 pieces.append(spelled[:end])
+    pieces += ["  ", "   "] if arch in ("gemma", "gemma2", "gemma3") else ["▁▁", "▁▁▁"]
     tokens += pieces + ["<|user|>", "<think>"]
     types += [1] * len(pieces) + [3, 4]
-    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
-    writer.add_tokenizer_model("llama")
+    # (scores that do not follow the pieces' order: Gemma's merges must come from the order, the others' from them)
+    scores = [0.0] * (len(specials) + 256) + [-float((7 * i) % len(pieces)) for i in range(len(pieces))] + [0.0, 0.0]
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     if with_merges:
         merges = [f"{p[:-1]} {p[-1]}" for p in pieces if len(p) > 1 and p[:-1] in pieces]
         writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_unk_token_id(unk)
+    if gemma:
+        writer.add_pad_token_id(0)
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     writer.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")

@@ -80,6 +80,31 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path, write_sentencepiece_g
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
 
 
+@pytest.mark.parametrize("arch,tokenizer_model,with_merges", [
+    ("gemma2", "llama", False), ("gemma3", "llama", False),
+    ("phi3", "llama", False), ("gemma4", "gemma4", True)])
+def test_gemma_and_phi3_sentencepiece_ggufs_match_transformers(tmp_path, write_sentencepiece_gguf, arch,
+                                                               tokenizer_model, with_merges):
+    """Gemma 1-3 (spaces as "▁" by a normaliser, space tokens respelled, merges by the file's order), Phi-3 (the
+    prefix from a normaliser) and Gemma 4 (its own tokenizer model, no BOS added though the file asks): the
+    tokenizer transformers builds from the same file, the same ids and text back."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "spm.gguf"
+    write_sentencepiece_gguf(path, with_merges=with_merges, add_bos=True if arch == "gemma4" else None, arch=arch,
+                             tokenizer_model=tokenizer_model)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assets = tokenizer_from_gguf(path)
+    assert json.loads(assets.tokenizer_json) == json.loads(theirs.backend_tokenizer.to_str())
+    assert assets.add_bos_token is (arch != "gemma4")
+    ours = Tokenizer.from_str(assets.tokenizer_json)
+    for text in ["hello world", " the quick", "你好世界 x", "<|user|>hi<think>", "  lazy  dog\n", "zz😀", "",
+                 "the   quick    fox", "   "]:
+        assert ours.encode(text).ids == theirs.encode(text), text
+        ids = ours.encode(text).ids
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+
+
 def test_unsupported_model_names_it(tmp_path):
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "bert.gguf"
