@@ -975,7 +975,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
-                       "starcoder2": "llama"}
+                       "starcoder2": "llama", "gemma4": "gemma4"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1055,6 +1055,8 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         return _gguf_mamba_lm_config(reader, arch, source, need, tensor_names)
     if arch == "deepseek2":
         return _gguf_deepseek2_config(reader, arch, source, need, tensor_names)
+    if arch == "gemma4":
+        return _gguf_gemma4_config(reader, arch, source, need, tensor_names)
     scaling_type = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
     rope_scaling = None
     if scaling_type == "linear":
@@ -1273,6 +1275,119 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         **experts,
         **granite,
     )
+
+
+def _gguf_gemma4_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
+    """Gemma 4 as llama.cpp's converter writes it: sliding_window_pattern (True: a windowed layer), the global
+    layers' head dim as key_length and the windowed ones' as key_length_swa, head_count_kv a list where the global
+    layers have kv heads of their own, freq_base for the global layers and freq_base_swa for the windowed, their
+    proportional rope as rope_freqs (1 for each rotated frequency, 1e30 for the others), shared_kv_layers,
+    embedding_length_per_layer_input (E2B / E4B), feed_forward_length a list where the shared layers' MLPs are
+    twice as wide, and 26B-A4B's experts beside the MLP. What the converter does not write is Gemma 4's: queries
+    unscaled, values normed, a scalar a layer, norms as they are. Keys as values (attention_k_eq_v) where a global
+    layer has no attn_v."""
+    layers = int(need("block_count"))
+    pattern = _gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise CoreError(f"{source}: GGUF {arch}.attention.sliding_window_pattern must mark each layer",
+                        ErrorKind.SOURCE_FORMAT)
+    window = int(need("attention.sliding_window"))
+    windows = tuple(window if windowed else 0 for windowed in pattern)
+    global_dim = int(need("attention.key_length"))
+    head_dim = int(_gguf_field(reader, f"{arch}.attention.key_length_swa") or global_dim)
+    rotated_swa = int(_gguf_field(reader, f"{arch}.rope.dimension_count_swa") or head_dim)
+    if rotated_swa != head_dim:
+        raise CoreError(f"{source}: partial rotary embeddings on Gemma 4's windowed layers ({rotated_swa} of {head_dim})"
+                        " are not supported", ErrorKind.UNSUPPORTED_MODEL)
+    kv = _gguf_field(reader, f"{arch}.attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, list) else [int(kv)] * layers
+    local_kv = {int(n) for n, windowed in zip(kv, pattern) if windowed}
+    global_kv = {int(n) for n, windowed in zip(kv, pattern) if not windowed}
+    if len(local_kv) > 1 or len(global_kv) > 1:
+        raise CoreError(f"{source}: Gemma 4 layers of other kv heads than their kind's are not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    num_kv = local_kv.pop() if local_kv else global_kv.copy().pop()
+    scaling = None
+    if "rope_freqs.weight" in tensor_names:  # the global layers' proportional rope: 1 where a frequency turns
+        factors = _gguf_vector(reader, "rope_freqs.weight", source)
+        turned = next((i for i, f in enumerate(factors) if f != 1.0), len(factors))
+        if any(f < 1e29 for f in factors[turned:]):
+            raise CoreError(f"{source}: Gemma 4 rope_freqs other than the proportional rope's are not supported",
+                            ErrorKind.UNSUPPORTED_MODEL)
+        if turned * 2 != global_dim:
+            scaling = {"rope_type": "proportional", "partial_rotary_factor": 2 * turned / global_dim}
+    widths = _gguf_field(reader, f"{arch}.feed_forward_length")
+    widths = [int(w) for w in widths] if isinstance(widths, list) else [int(widths)] * layers
+    shared = int(_gguf_field(reader, f"{arch}.attention.shared_kv_layers", 0) or 0)
+    per_layer = int(_gguf_field(reader, f"{arch}.embedding_length_per_layer_input", 0) or 0)
+    names = {t.name: t for t in reader.tensors}
+    glob = [i for i, windowed in enumerate(pattern) if not windowed and i < layers - shared]
+    experts = {}
+    if int(_gguf_field(reader, f"{arch}.expert_count", 0) or 0):
+        experts = dict(num_experts=int(need("expert_count")), experts_per_token=int(need("expert_used_count")),
+                       expert_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
+                       parallel_experts=True)
+    vocab_size = _gguf_field(reader, f"{arch}.vocab_size") or int(names["token_embd.weight"].shape[1])
+    cap = _gguf_field(reader, f"{arch}.final_logit_softcapping")
+    return ModelConfig(
+        architecture="gemma4", vocab_size=int(vocab_size), hidden_size=int(need("embedding_length")),
+        intermediate_size=widths[0], num_layers=layers, num_heads=int(need("attention.head_count")),
+        num_kv_heads=num_kv, head_dim=head_dim, rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 1e6)), rope_scaling=scaling,
+        max_position_embeddings=int(need("context_length")), tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=False, qk_norm=True, embed_scale=True, hidden_act="gelu_pytorch_tanh", sandwich_norm=True,
+        attention_scale=1.0, layer_windows=windows,
+        local_rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+        final_logit_softcapping=float(cap) if cap else None,
+        global_head_dim=0 if global_dim == head_dim else global_dim,
+        global_kv_heads=global_kv.pop() if global_kv else 0,
+        value_from_key=bool(glob) and all(f"blk.{i}.attn_v.weight" not in names for i in glob),
+        v_norm=True, layer_scalars="blk.0.layer_output_scale.weight" in names, **experts,
+        per_layer_input_dim=per_layer,
+        per_layer_vocab=int(names["per_layer_token_embd.weight"].shape[1]) if per_layer else 0,
+        kv_shared_layers=shared, double_wide_mlp=bool(shared) and widths[-1] == 2 * widths[0])
+
+
+def _gguf_gemma4(config: ModelConfig, take, raw: dict) -> dict[str, torch.Tensor]:
+    """Gemma 4's tensors under llama.cpp's names (gguf-py's tensor map), norms as they are."""
+    out = {"embed.weight": take("token_embd.weight"), "final_norm.weight": take("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = take("output.weight")
+    if config.per_layer_input_dim:
+        out.update({"embed_per_layer.weight": take("per_layer_token_embd.weight"),
+                    "per_layer_proj.weight": take("per_layer_model_proj.weight"),
+                    "per_layer_proj_norm.weight": take("per_layer_proj_norm.weight")})
+    for i in range(config.num_layers):
+        gp, sp = f"blk.{i}.", f"layers.{i}."
+        if config.kv_source(i) is not None:  # (a shared-KV layer: its queries alone)
+            out[sp + "qkv.weight"] = take(gp + "attn_q.weight")
+        else:
+            out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"
+                                                if x != "v" or gp + "attn_v.weight" in raw])
+            out[sp + "k_norm.weight"] = take(gp + "attn_k_norm.weight")
+        out.update({sp + "q_norm.weight": take(gp + "attn_q_norm.weight"), sp + "o.weight": take(gp + "attn_output.weight"),
+                    sp + "attn_norm.weight": take(gp + "attn_norm.weight"),
+                    sp + "post_attn_norm.weight": take(gp + "post_attention_norm.weight"),
+                    sp + "mlp_norm.weight": take(gp + "ffn_norm.weight"),
+                    sp + "post_mlp_norm.weight": take(gp + "post_ffw_norm.weight"),
+                    sp + "gate_up.weight": torch.cat([take(gp + "ffn_gate.weight"), take(gp + "ffn_up.weight")]),
+                    sp + "down.weight": take(gp + "ffn_down.weight")})
+        if config.layer_scalars:
+            out[sp + "scalar"] = take(gp + "layer_output_scale.weight").reshape(1)
+        if config.per_layer_input_dim:
+            out.update({sp + "per_layer_gate.weight": take(gp + "inp_gate.weight"),
+                        sp + "per_layer_out.weight": take(gp + "proj.weight"),
+                        sp + "per_layer_norm.weight": take(gp + "post_norm.weight")})
+        if config.parallel_experts:
+            out.update({sp + "router.weight": take(gp + "ffn_gate_inp.weight"),
+                        sp + "router.scale": take(gp + "ffn_gate_inp.scale"),
+                        sp + "router.expert_scale": take(gp + "ffn_down_exps.scale"),
+                        sp + "experts.gate_up.weight": take(gp + "ffn_gate_up_exps.weight"),
+                        sp + "experts.down.weight": take(gp + "ffn_down_exps.weight"),
+                        sp + "post_mlp_norm_1.weight": take(gp + "post_ffw_norm_1.weight"),
+                        sp + "pre_mlp_norm_2.weight": take(gp + "pre_ffw_norm_2.weight"),
+                        sp + "post_mlp_norm_2.weight": take(gp + "post_ffw_norm_2.weight")})
+    return out
 
 
 def _gguf_nemotron_h_config(reader, arch: str, source: str, need, tensor_names: set[str]) -> ModelConfig:
@@ -1527,6 +1642,10 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         except KeyError:
             raise CoreError(f"{source}: GGUF has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
+    if arch == "gemma4":
+        out = _gguf_gemma4(config, take, raw)
+        check_serving_tensors(out, config, source=source)
+        return SourceModel(config=config, tensors=out, source_kind="gguf")
     if arch in ("nemotron_h", "nemotron_h_moe", "mamba", "mamba2"):  # (a mixer alone a layer: the same blocks)
         out = _gguf_nemotron_h(config, take)
         check_serving_tensors(out, config, source=source)

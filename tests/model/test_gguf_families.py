@@ -5,6 +5,7 @@ and logits within 1e-4 through our paged forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -1080,5 +1081,92 @@ def test_a_deepseek2_gguf_reads_as_its_checkpoint(family, split_kv_b, tmp_path):
     assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps,
                                attention_scale=reference.attention_scale) == reference
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=80).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+def write_gemma4_gguf(hf_dir, path) -> None:
+    """A Gemma 4 checkpoint as llama.cpp's converter writes it (F32; gemma4): Gemma 3's keys with the global layers'
+    head dim as key_length, the windowed ones' as key_length_swa, the window pattern a list of flags, kv heads a list
+    where the global layers have their own, both rope bases, the proportional rope as rope_freqs, shared KV layers,
+    per-layer input width and double-wide MLP widths; norms as they are; router.scale and per_expert_scale as the
+    router's and the down experts' .scale."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    arch, layers = "gemma4", cfg["num_hidden_layers"]
+    for overrides in (cfg.get("per_layer_config") or {}).values():  # (transformers' newer spelling of the released
+        # checkpoints' global_head_dim and num_global_key_value_heads)
+        cfg.setdefault("global_head_dim", overrides["head_dim"])
+        cfg.setdefault("num_global_key_value_heads", overrides.get("num_key_value_heads", cfg["num_key_value_heads"]))
+    swa = [kind == "sliding_attention" for kind in cfg["layer_types"]]
+    rope = cfg["rope_parameters"]
+    shared = cfg.get("num_kv_shared_layers") or 0
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.block_count", layers)
+    w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
+    w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
+    w.add_uint32(f"{arch}.attention.head_count", cfg["num_attention_heads"])
+    w.add_float32(f"{arch}.rope.freq_base", rope["full_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    if cfg.get("enable_moe_block"):
+        w.add_uint32(f"{arch}.expert_count", cfg["num_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", cfg["top_k_experts"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    w.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcapping"])
+    w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+    w.add_uint32(f"{arch}.attention.shared_kv_layers", shared)
+    w.add_uint32(f"{arch}.embedding_length_per_layer_input", cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_array(f"{arch}.attention.sliding_window_pattern", swa)
+    w.add_uint32(f"{arch}.attention.key_length", cfg["global_head_dim"])
+    w.add_uint32(f"{arch}.attention.value_length", cfg["global_head_dim"])
+    w.add_uint32(f"{arch}.attention.key_length_swa", cfg["head_dim"])
+    w.add_uint32(f"{arch}.attention.value_length_swa", cfg["head_dim"])
+    width = cfg["intermediate_size"]
+    if cfg.get("use_double_wide_mlp"):
+        w.add_array(f"{arch}.feed_forward_length", [width if i < layers - shared else 2 * width for i in range(layers)])
+    else:
+        w.add_uint32(f"{arch}.feed_forward_length", width)
+    w.add_array(f"{arch}.attention.head_count_kv", [cfg["num_key_value_heads"] if s else
+                                                    cfg["num_global_key_value_heads"] for s in swa])
+    w.add_uint32(f"{arch}.rope.dimension_count", cfg["global_head_dim"])
+    w.add_uint32(f"{arch}.rope.dimension_count_swa", int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0)))
+    turned = int(cfg["global_head_dim"] * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turned + [1e30] * (cfg["global_head_dim"] // 2 - turned),
+                                               dtype=np.float32))
+    w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
+    mapping = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
+    for name, values in t.items():
+        if name.endswith("router.scale"):
+            out = name.replace("model.layers.", "blk.").replace(".router.scale", ".ffn_gate_inp.scale")
+        elif name.endswith("router.per_expert_scale"):
+            out = name.replace("model.layers.", "blk.").replace(".router.per_expert_scale", ".ffn_down_exps.scale")
+        else:
+            if name.endswith(("layer_scalar", "experts.gate_up_proj", "experts.down_proj")):
+                name += ".weight"
+            out = mapping.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert out is not None, name
+        w.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_values", "gemma4_e2b", "gemma4_moe"])
+def test_a_gemma4_gguf_reads_as_its_checkpoint(family, tmp_path):
+    """Gemma 4 (global layers of their own head geometry with keys as values or their own values, proportional rope,
+    E2B's per-layer inputs, shared KV layers and double-wide MLPs, 26B-A4B's experts beside the MLP) as llama.cpp's
+    converter writes it: the checkpoint's config and logits."""
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    write_gemma4_gguf(hf_dir, tmp_path / "m.gguf")
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    assert math.isclose(source.config.rms_norm_eps, reference.rms_norm_eps, rel_tol=1e-6)  # (a float32 key)
+    assert dataclasses.replace(source.config, rms_norm_eps=reference.rms_norm_eps) == reference
+    prompt = np.random.default_rng(8).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
