@@ -137,6 +137,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "granitemoe_swa": "llama",
                   # Ministral (8B 2410) and Meta CWM: Llama with a window on the layer_types' sliding_attention layers
                   "ministral": "llama", "cwm": "llama",
+                  # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer at YaRN, each query scaled by its
+                  # position as Llama 4's unrotated layers' are (llama_4_scaling_beta)
+                  "ministral3": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -191,7 +194,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
-                 "lm_head_bias", "parallel_norms"}
+                 "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -400,6 +403,11 @@ class ModelConfig:
     nope_temperature_scale: float = 0.0
     nope_temperature_floor: int = 0
     router_input_scale: bool = False
+    # Ministral 3 (Llama 4's scaling on every layer): each query after rope times
+    # 1 + query_position_scale * log(1 + floor(p / query_position_floor)), computed in float32 and rounded to the
+    # activations' dtype first, as transformers does (floor 0: not).
+    query_position_scale: float = 0.0
+    query_position_floor: int = 0
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -527,6 +535,11 @@ class ModelConfig:
                 or bool(scale) != bool(self.nope_temperature_floor):
             raise CoreError(f"nope_temperature_scale (got {scale!r}) and nope_temperature_floor (got "
                             f"{self.nope_temperature_floor!r}) go together, the scale a number >= 0")
+        scale = self.query_position_scale
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale < 0 \
+                or bool(scale) != bool(self.query_position_floor):
+            raise CoreError(f"query_position_scale (got {scale!r}) and query_position_floor (got "
+                            f"{self.query_position_floor!r}) go together, the scale a number >= 0")
         for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -621,6 +634,8 @@ class ModelConfig:
             return "q/k norms after rope"
         if self.chunked_layers or self.nope_temperature_floor:
             return "chunked attention, temperature-tuned queries"
+        if self.query_position_floor:
+            return "position-scaled queries"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -780,7 +795,8 @@ class ModelConfig:
         # JSON has one number type; accept 10000 for a float field but never 1.5 for an int one.
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping",
-                     "swiglu_limit", "swiglu_alpha", "routed_scaling", "nope_temperature_scale"):
+                     "swiglu_limit", "swiglu_alpha", "routed_scaling", "nope_temperature_scale",
+                     "query_position_scale"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -975,12 +991,22 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("clip_qkv"):
         raise _unsupported(f"{source}: clip_qkv (q/k/v clamped) is not supported")
     ernie = model_type in ("ernie4_5", "ernie4_5_moe")
-    sizes = _sizes(hf, head_dim=128 if ernie or model_type == "glm" else None, tied=ernie)  # (transformers' defaults)
+    sizes = _sizes(hf, head_dim=128 if ernie or model_type in ("glm", "ministral3") else None,
+                   tied=ernie)  # (transformers' defaults)
     architecture = HF_MODEL_TYPES[model_type]
     glm = model_type in ("glm", "glm4", "glm4_moe")
     if glm and rotary_dim_from_hf(hf, sizes["head_dim"]) is None and \
             "partial_rotary_factor" not in (hf.get("rope_parameters") or {}):
         hf = {**hf, "partial_rotary_factor": 0.5}  # GLM rotates half of each head unless it says otherwise
+    position = {}
+    if model_type == "ministral3":  # (transformers' default rope when the config names none)
+        params = hf.get("rope_parameters") or {
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+        hf = {**hf, "rope_parameters": params}
+        if params.get("llama_4_scaling_beta"):
+            position = dict(query_position_scale=float(params["llama_4_scaling_beta"]),
+                            query_position_floor=int(params["original_max_position_embeddings"]))
     theta, scaling = _rope_from_hf(hf, source)
     attention_bias = bool(hf.get("attention_bias", model_type in ("glm", "glm4")))  # (transformers' defaults)
     if architecture == "qwen2":
@@ -991,7 +1017,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     else:
         # Llama's attention_bias puts a bias on all four projections; Qwen3's on q/k/v/o too.
         qkv_bias, out_bias = attention_bias, attention_bias
-    sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
+    sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3", "ministral3") else None
     layer_windows = None
     if windowed:  # (Ministral: every layer sliding unless layer_types says; CWM: every fourth from the first full)
         window = int(hf.get("sliding_window") or 0)
@@ -1030,6 +1056,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
         **granite_hybrid,
+        **position,
     )
 
 

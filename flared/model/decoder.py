@@ -858,6 +858,9 @@ class DecoderModel:
             if c.nope_temperature_floor and not layer.rope:  # Llama 4's unrotated layers: queries tuned by position
                 tuning = torch.log1p(torch.floor((batch.positions.float() + 1.0) / c.nope_temperature_floor))
                 q = (q.float() * (tuning * c.nope_temperature_scale + 1.0)[:, None, None]).to(q.dtype)
+            if c.query_position_floor:  # Ministral 3: every query times 1 + beta * log(1 + floor(p / floor))
+                scale = torch.log1p(torch.floor(batch.positions.float() / c.query_position_floor))
+                q = q * (scale * c.query_position_scale + 1.0).to(q.dtype)[:, None, None]
             if layer.kv_source is not None:  # this forward's keys and values of the layer it shares them with
                 k, v = produced[layer.kv_source]
             else:

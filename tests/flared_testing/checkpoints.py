@@ -248,6 +248,10 @@ FAMILIES = {
     "ministral": ("ministral", dict(head_dim=16, num_hidden_layers=3, sliding_window=8,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Ministral 3: Mistral's layer at YaRN, each query scaled by its position past every original_max_position_embeddings
+    "ministral3": ("ministral3", dict(head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
     "cwm": ("cwm", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2)),
     # AllenAI OLMoE: q/k norms over the whole projections, every layer's experts softmax-routed, not renormalised
