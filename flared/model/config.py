@@ -140,6 +140,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer at YaRN, each query scaled by its
                   # position as Llama 4's unrotated layers' are (llama_4_scaling_beta)
                   "ministral3": "llama",
+                  # LG EXAONE 3.0 / 3.5, InternLM3, IQuest-Coder: Llama's layer (EXAONE's own names for its config
+                  # keys and tensors; InternLM3's for its biases)
+                  "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -840,6 +843,14 @@ def _rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "dynamic" and not scaling.get("alpha"):
+        # Dynamic NTK turns the frequencies only for a sequence past the original context, which flared never serves
+        # (a core's context is at most max_position_embeddings): plain rope, unless the original context is shorter
+        original = int(scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings", 2048))
+        if original < int(hf.get("max_position_embeddings", original)):
+            raise _unsupported(f"{source}: dynamic NTK rope over an original context ({original}) shorter than "
+                               f"max_position_embeddings is not supported")
+        return float(theta), None
     if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
         rope_type = "longrope"  # (Phi-3's older names, as transformers reads them)
     if rope_type not in ROPE_SCALING_TYPES or rope_type == "factors":
@@ -923,8 +934,18 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
         raise CoreError(f"{source}: bad value: {exc}", ErrorKind.SOURCE_FORMAT) from None
 
 
+# Config keys some families spell their own way (transformers' attribute_map), as Llama's
+_HF_KEY_ALIASES = {"exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+                              "activation_function": "hidden_act"},
+                   "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"}}
+
+
 def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     model_type = hf.get("model_type")
+    aliases = _HF_KEY_ALIASES.get(model_type, {})
+    hf = {aliases.get(k, k): v for k, v in hf.items()}
+    if model_type == "exaone" and not (hf.get("rope_theta") or hf.get("rope_parameters")):
+        hf = {**hf, "rope_theta": 500000.0}  # (transformers' default for EXAONE)
     # the families with a reader of their own; the rest are Llama's layer with the differences read below
     readers = {
         **dict.fromkeys(("gemma3_text", "gemma2", "gemma"), lambda: _gemma_from_hf(hf, source, model_type)),
@@ -991,7 +1012,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("clip_qkv"):
         raise _unsupported(f"{source}: clip_qkv (q/k/v clamped) is not supported")
     ernie = model_type in ("ernie4_5", "ernie4_5_moe")
-    sizes = _sizes(hf, head_dim=128 if ernie or model_type in ("glm", "ministral3") else None,
+    sizes = _sizes(hf, head_dim=128 if ernie or model_type in ("glm", "ministral3", "internlm3", "iquestcoder") else None,
                    tied=ernie)  # (transformers' defaults)
     architecture = HF_MODEL_TYPES[model_type]
     glm = model_type in ("glm", "glm4", "glm4_moe")

@@ -441,6 +441,15 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".pre_mlp_layernorm.", ".post_attention_layernorm."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "exaone":  # EXAONE 3's names for Llama's tensors
+        renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
+                   ("transformer.ln_f.", "model.norm."), (".attn.attention.out_proj.", ".self_attn.o_proj."),
+                   (".attn.attention.", ".self_attn."), (".ln_1.", ".input_layernorm."),
+                   (".ln_2.", ".post_attention_layernorm."), (".mlp.c_fc_0.", ".mlp.gate_proj."),
+                   (".mlp.c_fc_1.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
+        for old, new in renames:
+            hf = {k.replace(old, new, 1) if (k.startswith(old) if old.startswith("transformer.") else old in k) else k: v
+                  for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
                    (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))

@@ -252,6 +252,13 @@ FAMILIES = {
     "ministral3": ("ministral3", dict(head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
+    # LG EXAONE 3.x, InternLM3 (its dynamic NTK rope: plain within the original context), IQuest-Coder: Llama's layer
+    "exaone": ("exaone", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 64})),
+    "internlm3": ("internlm3", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "factor": 6.0,
+                                                                  "rope_theta": 50000000.0})),
+    "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "cwm": ("cwm", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2)),
     # AllenAI OLMoE: q/k norms over the whole projections, every layer's experts softmax-routed, not renormalised
