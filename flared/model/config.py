@@ -143,6 +143,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # LG EXAONE 3.0 / 3.5, InternLM3, IQuest-Coder: Llama's layer (EXAONE's own names for its config
                   # keys and tensors; InternLM3's for its biases)
                   "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
+                  # Kyutai Helium: Llama's layer rotating interleaved pairs (GLM's rope)
+                  "helium": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -1073,7 +1075,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
                                    model_type in ("phi3", "glm", "glm4", "glm4_moe", "minimax_m2")),
-        sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm", "glm4") or ernie,
+        sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm", "glm4", "helium") or ernie,
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
         **granite_hybrid,

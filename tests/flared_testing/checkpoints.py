@@ -259,6 +259,7 @@ FAMILIES = {
     "internlm3": ("internlm3", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "factor": 6.0,
                                                                   "rope_theta": 50000000.0})),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
+    "helium": ("helium", dict(head_dim=16)),
     "cwm": ("cwm", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2)),
     # AllenAI OLMoE: q/k norms over the whole projections, every layer's experts softmax-routed, not renormalised
