@@ -145,6 +145,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
                   # Kyutai Helium: Llama's layer rotating interleaved pairs (GLM's rope)
                   "helium": "llama",
+                  # Sarvam MoE (sarvam-30b), BharatGen Param2 MoE: GLM-4.5's layer over the whole head, under their names
+                  "sarvam_moe": "llama", "param2moe": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -939,7 +941,11 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
 # Config keys some families spell their own way (transformers' attribute_map), as Llama's
 _HF_KEY_ALIASES = {"exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                               "activation_function": "hidden_act"},
-                   "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"}}
+                   "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+                   **dict.fromkeys(("sarvam_moe", "param2moe"), {
+                       "num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts",
+                       "num_shared_experts": "n_shared_experts", "use_qkv_bias": "attention_bias",
+                       "num_mtp_layers": "num_nextn_predict_layers"})}
 
 
 def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -948,6 +954,12 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     hf = {aliases.get(k, k): v for k, v in hf.items()}
     if model_type == "exaone" and not (hf.get("rope_theta") or hf.get("rope_parameters")):
         hf = {**hf, "rope_theta": 500000.0}  # (transformers' default for EXAONE)
+    if model_type in ("sarvam_moe", "param2moe"):  # GLM-4.5's model, its rope over the whole head unless it says
+        params = dict(hf.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(hf.get(
+            "rope_theta", 8e6 if model_type == "sarvam_moe" else 5e5))})
+        params.setdefault("partial_rotary_factor", float(hf.get("partial_rotary_factor", 1.0)))
+        hf = {**hf, "rope_parameters": params, "model_type": "glm4_moe"}
+        model_type = "glm4_moe"
     # the families with a reader of their own; the rest are Llama's layer with the differences read below
     readers = {
         **dict.fromkeys(("gemma3_text", "gemma2", "gemma"), lambda: _gemma_from_hf(hf, source, model_type)),

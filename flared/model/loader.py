@@ -353,6 +353,31 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
 
 
+def _hf_sarvam_names(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Sarvam MoE's and Param2 MoE's tensor names (as their releases and transformers' save write them) as GLM-4.5's:
+    word_embeddings, attention.dense, query_layernorm / key_layernorm, the router's expert_bias, and the fused
+    query_key_value's rows (q, then k, then v) as q_proj, k_proj and v_proj."""
+    out = {}
+    q, kv = config.q_size, config.kv_size
+    renames = (("model.word_embeddings.", "model.embed_tokens."), (".attention.dense.", ".self_attn.o_proj."),
+               (".attention.query_layernorm.", ".self_attn.q_norm."), (".attention.key_layernorm.", ".self_attn.k_norm."),
+               (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"), (".attention.", ".self_attn."))
+    for name, value in hf.items():
+        if ".attention.query_key_value." in name:
+            base, kind = name.split(".attention.query_key_value.")
+            if value.shape[0] != q + 2 * kv:
+                raise CoreError(f"{name} has {value.shape[0]} rows, not q, k and v's {q + 2 * kv}", ErrorKind.SOURCE_FORMAT)
+            for proj, rows in zip(("q_proj", "k_proj", "v_proj"), value.split([q, kv, kv])):
+                out[f"{base}.self_attn.{proj}.{kind}"] = rows
+            continue
+        for old, new in renames:
+            if old in name:
+                name = name.replace(old, new, 1)
+                break
+        out[name] = value
+    return out
+
+
 # model_type of a vision-language checkpoint served as its text model -> its text config's model_type
 _TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text"}
 
@@ -441,6 +466,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".pre_mlp_layernorm.", ".post_attention_layernorm."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") in ("sarvam_moe", "param2moe"):
+        hf = _hf_sarvam_names(hf, config)
     if hf_config is not None and hf_config.get("model_type") == "exaone":  # EXAONE 3's names for Llama's tensors
         renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.h.", "model.layers."),
                    ("transformer.ln_f.", "model.norm."), (".attn.attention.out_proj.", ".self_attn.o_proj."),

@@ -260,6 +260,15 @@ FAMILIES = {
                                                                   "rope_theta": 50000000.0})),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "helium": ("helium", dict(head_dim=16)),
+    # Sarvam MoE and Param2 MoE: GLM-4.5's model (rope over the whole head), written under their own tensor names
+    "sarvam_moe": ("sarvam_moe", dict(num_hidden_layers=3, head_dim=32, n_routed_experts=8, num_experts_per_tok=3,
+                                      moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                                      routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+                                      attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "param2moe": ("param2moe", dict(num_hidden_layers=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0,
+                                    use_qk_norm=True, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                                    eos_token_id=2)),
     "cwm": ("cwm", dict(head_dim=16, num_hidden_layers=4, sliding_window=8, pad_token_id=0, bos_token_id=1,
                         eos_token_id=2)),
     # AllenAI OLMoE: q/k norms over the whole projections, every layer's experts softmax-routed, not renormalised
