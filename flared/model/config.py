@@ -147,6 +147,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "helium": "llama",
                   # Sarvam MoE (sarvam-30b), BharatGen Param2 MoE: GLM-4.5's layer over the whole head, under their names
                   "sarvam_moe": "llama", "param2moe": "llama",
+                  # NAVER HyperCLOVA X SEED: Granite's multipliers with a norm after attention and after the MLP too
+                  # (use_post_norm: "peri-layer" norms)
+                  "hyperclovax": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -1087,7 +1090,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
                                    model_type in ("phi3", "glm", "glm4", "glm4_moe", "minimax_m2")),
-        sandwich_norm=model_type == "glm4", rope_interleaved=model_type in ("glm", "glm4", "helium") or ernie,
+        sandwich_norm=model_type == "glm4" or (model_type == "hyperclovax" and hf.get("use_post_norm", True)),
+        rope_interleaved=model_type in ("glm", "glm4", "helium") or ernie,
         **_experts_from_hf(hf, model_type, source),
         **_granite_from_hf(hf, model_type),
         **granite_hybrid,
@@ -1637,12 +1641,19 @@ def _llama4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
     """Granite's multipliers ({} for other families)."""
-    if model_type not in ("granite", "granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa"):
+    if model_type not in ("granite", "granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa",
+                          "hyperclovax"):
         return {}
+    attention = hf.get("attention_multiplier")
+    if attention is None:  # (HyperCLOVA X's default: head_dim^-0.5; Granite's 1)
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+        attention = head_dim ** -0.5 if model_type == "hyperclovax" else 1.0
+    logits = float(hf.get("logits_scaling") or 1.0)
     return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-                logits_scaling=float(hf.get("logits_scaling", 1.0)),
-                attention_scale=float(hf.get("attention_multiplier", 1.0)))
+                # (Granite divides its logits by logits_scaling; HyperCLOVA X multiplies them)
+                logits_scaling=1.0 / logits if model_type == "hyperclovax" else logits,
+                attention_scale=float(attention))
 
 
 def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:

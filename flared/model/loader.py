@@ -564,6 +564,10 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             out[sp + "post_attn_norm.weight"] = take(hp + "post_self_attn_layernorm.weight")
             out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
             out[sp + "post_mlp_norm.weight"] = take(hp + "post_mlp_layernorm.weight")
+        elif hp + "post_norm1.weight" in hf:  # HyperCLOVA X's norms after attention and the MLP beside Llama's two
+            out[sp + "mlp_norm.weight"] = take(hp + "post_attention_layernorm.weight")
+            out[sp + "post_attn_norm.weight"] = take(hp + "post_norm1.weight")
+            out[sp + "post_mlp_norm.weight"] = take(hp + "post_norm2.weight")
         elif gemma and config.sandwich_norm:  # (Gemma 1's: Llama's two)
             out[sp + "post_attn_norm.weight"] = norm(hp + "post_attention_layernorm.weight")
             out[sp + "mlp_norm.weight"] = norm(hp + "pre_feedforward_layernorm.weight")

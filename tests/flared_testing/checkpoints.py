@@ -260,6 +260,10 @@ FAMILIES = {
                                                                   "rope_theta": 50000000.0})),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "helium": ("helium", dict(head_dim=16)),
+    # HyperCLOVA X: Granite's multipliers with norms after attention and the MLP
+    "hyperclovax": ("hyperclovax", dict(head_dim=16, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                        attention_multiplier=0.3, logits_scaling=1.5)),
+    "hyperclovax_default": ("hyperclovax", dict(use_post_norm=False)),
     # Sarvam MoE and Param2 MoE: GLM-4.5's model (rope over the whole head), written under their own tensor names
     "sarvam_moe": ("sarvam_moe", dict(num_hidden_layers=3, head_dim=32, n_routed_experts=8, num_experts_per_tok=3,
                                       moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
