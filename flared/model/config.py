@@ -150,6 +150,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # NAVER HyperCLOVA X SEED: Granite's multipliers with a norm after attention and after the MLP too
                   # (use_post_norm: "peri-layer" norms)
                   "hyperclovax": "llama",
+                  # Karpathy's nanochat: weightless RMSNorms (the embeddings normed too), q/k normed after rope, an
+                  # ungated ReLU-squared MLP, soft-capped logits
+                  "nanochat": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -204,7 +207,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "linear_norm_eps", "router_correction_bias", "qk_norm_after_rope", "attention_chunk_size",
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
-                 "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor"}
+                 "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
+                 "embedding_norm"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -418,6 +422,8 @@ class ModelConfig:
     # activations' dtype first, as transformers does (floor 0: not).
     query_position_scale: float = 0.0
     query_position_floor: int = 0
+    # nanochat: the embeddings RMS-normed (by the final norm's weights) before the first layer
+    embedding_norm: bool = False
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -646,6 +652,8 @@ class ModelConfig:
             return "chunked attention, temperature-tuned queries"
         if self.query_position_floor:
             return "position-scaled queries"
+        if self.embedding_norm:
+            return "normed embeddings"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -988,6 +996,10 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **dict.fromkeys(("hunyuan_v1_dense", "hunyuan_v1_moe"), lambda: _hunyuan_from_hf(hf, source)),
         "llama4_text": lambda: _llama4_from_hf(hf, source),
         "arcee": lambda: _arcee_from_hf(hf, source),
+        "nanochat": lambda: _ungated_from_hf(
+            hf, source, "nanochat", "relu2", **_sizes(hf), qk_norm=True, qk_norm_after_rope=True,
+            embedding_norm=True, final_logit_softcapping=float(hf["final_logit_softcapping"])
+            if hf.get("final_logit_softcapping", 15.0) else None),
         "afmoe": lambda: _afmoe_from_hf(hf, source),
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),

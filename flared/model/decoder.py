@@ -791,6 +791,8 @@ class DecoderModel:
             h = h * self.embed_scale
         if c.embedding_multiplier is not None:  # Granite's (a Python float, as transformers multiplies)
             h = h * c.embedding_multiplier
+        if c.embedding_norm:  # (nanochat: the embeddings normed before the first layer)
+            h = self._norm(h, self.final_norm)
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         per_layer_inputs = self._per_layer_inputs(batch, h) if self.per_layer is not None else None

@@ -466,6 +466,21 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".pre_mlp_layernorm.", ".post_attention_layernorm."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "nanochat":
+        # its RMSNorms have no weights (ones, then); its MLP's fc1 / fc2 are an ungated up / down; its rope turns the
+        # other way (rotate_half as (x2, -x1)): each q and k head's halves swapped turns it back to ours (a swap of
+        # both q and k leaves their dot products as they were; its q/k norms see the same values)
+        ones = torch.ones(config.hidden_size, dtype=hf["model.embed_tokens.weight"].dtype)
+        head = torch.ones(config.head_dim, dtype=ones.dtype)
+        hf = {k.replace(".mlp.fc1.", ".mlp.up_proj.").replace(".mlp.fc2.", ".mlp.down_proj."): v for k, v in hf.items()}
+        for name in [k for k in hf if k.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight"))]:
+            rows = hf[name].view(-1, 2, config.head_dim // 2, hf[name].shape[-1])
+            hf[name] = rows.flip(1).reshape(hf[name].shape)
+        hf["model.norm.weight"] = ones
+        for i in range(config.num_layers):
+            hf.update({f"model.layers.{i}.input_layernorm.weight": ones,
+                       f"model.layers.{i}.post_attention_layernorm.weight": ones,
+                       f"model.layers.{i}.self_attn.q_norm.weight": head, f"model.layers.{i}.self_attn.k_norm.weight": head})
     if hf_config is not None and hf_config.get("model_type") in ("sarvam_moe", "param2moe"):
         hf = _hf_sarvam_names(hf, config)
     if hf_config is not None and hf_config.get("model_type") == "exaone":  # EXAONE 3's names for Llama's tensors

@@ -260,6 +260,8 @@ FAMILIES = {
                                                                   "rope_theta": 50000000.0})),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "helium": ("helium", dict(head_dim=16)),
+    # nanochat: weightless norms (the embeddings' too), q/k normed after rope, ReLU-squared MLP, soft-capped logits
+    "nanochat": ("nanochat", dict(num_key_value_heads=4, final_logit_softcapping=15.0)),
     # HyperCLOVA X: Granite's multipliers with norms after attention and the MLP
     "hyperclovax": ("hyperclovax", dict(head_dim=16, embedding_multiplier=2.0, residual_multiplier=0.5,
                                         attention_multiplier=0.3, logits_scaling=1.5)),
