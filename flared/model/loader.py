@@ -477,10 +477,11 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             rows = hf[name].view(-1, 2, config.head_dim // 2, hf[name].shape[-1])
             hf[name] = rows.flip(1).reshape(hf[name].shape)
         hf["model.norm.weight"] = ones
-        for i in range(config.num_layers):
-            hf.update({f"model.layers.{i}.input_layernorm.weight": ones,
-                       f"model.layers.{i}.post_attention_layernorm.weight": ones,
-                       f"model.layers.{i}.self_attn.q_norm.weight": head, f"model.layers.{i}.self_attn.k_norm.weight": head})
+        for i in range(config.num_layers):  # (copies: a core's weight files hold no shared tensors)
+            hf.update({f"model.layers.{i}.input_layernorm.weight": ones.clone(),
+                       f"model.layers.{i}.post_attention_layernorm.weight": ones.clone(),
+                       f"model.layers.{i}.self_attn.q_norm.weight": head.clone(),
+                       f"model.layers.{i}.self_attn.k_norm.weight": head.clone()})
     if hf_config is not None and hf_config.get("model_type") in ("sarvam_moe", "param2moe"):
         hf = _hf_sarvam_names(hf, config)
     if hf_config is not None and hf_config.get("model_type") == "exaone":  # EXAONE 3's names for Llama's tensors

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from flared.errors import CoreError
 from flared.model.config import from_hf_config
@@ -32,3 +33,24 @@ def test_dynamic_ntk_rope_is_plain_within_the_original_context(tmp_path):
     shorter = dict(config, rope_parameters=dict(config["rope_parameters"], original_max_position_embeddings=64))
     with pytest.raises(CoreError, match="dynamic NTK"):
         from_hf_config(shorter)
+
+
+@pytest.mark.parametrize("family", ["nanochat", "sarvam_moe", "hyperclovax", "exaone"])
+def test_a_core_exported_from_a_renamed_or_weightless_checkpoint_loads_as_read(family, tmp_path):
+    """Export writes what the loader made of such a checkpoint (nanochat's synthesized norms each a tensor of its own,
+    Sarvam's split q/k/v, EXAONE's renamed tensors), and the core loads back to the same tensors."""
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared.model.loader import read_source
+    from flared_testing.served import write_char_tokenizer
+
+    directory = build_hf_checkpoint(family, tmp_path / "hf")
+    write_char_tokenizer(directory, 512)
+    export_core(directory, tmp_path / "core", ExportOptions(concurrency=2, context_tokens=256,
+                                                            prefill_chunk_tokens=128))
+    core = open_core(tmp_path / "core")
+    source = read_source(directory)
+    assert core.config == source.config
+    loaded = core.load_tensors()
+    assert loaded.keys() == source.tensors.keys()
+    assert all(torch.equal(loaded[k].float(), source.tensors[k].float()) for k in loaded)
