@@ -153,6 +153,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Karpathy's nanochat: weightless RMSNorms (the embeddings normed too), q/k normed after rope, an
                   # ungated ReLU-squared MLP, soft-capped logits
                   "nanochat": "llama",
+                  # Microsoft Phi-3.5-MoE: biased LayerNorms and projections (its LM head's too), Mixtral's experts
+                  # chosen by sparsemixer
+                  "phimoe": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -208,7 +211,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
-                 "embedding_norm"}
+                 "embedding_norm", "router_sparsemixer"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -424,6 +427,10 @@ class ModelConfig:
     query_position_floor: int = 0
     # nanochat: the embeddings RMS-normed (by the final norm's weights) before the first layer
     embedding_norm: bool = False
+    # Phi-3.5-MoE's sparsemixer (0: not): two experts, the first the router's best, weighed by its softmax among the
+    # logits within 2 * router_sparsemixer (relative) of the best, the second the best of the others, weighed
+    # likewise among them; the weights as they are
+    router_sparsemixer: float = 0.0
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -814,7 +821,7 @@ class ModelConfig:
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping",
                      "swiglu_limit", "swiglu_alpha", "routed_scaling", "nope_temperature_scale",
-                     "query_position_scale"):
+                     "query_position_scale", "router_sparsemixer"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -996,6 +1003,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **dict.fromkeys(("hunyuan_v1_dense", "hunyuan_v1_moe"), lambda: _hunyuan_from_hf(hf, source)),
         "llama4_text": lambda: _llama4_from_hf(hf, source),
         "arcee": lambda: _arcee_from_hf(hf, source),
+        "phimoe": lambda: _phimoe_from_hf(hf, source),
         "nanochat": lambda: _ungated_from_hf(
             hf, source, "nanochat", "relu2", **_sizes(hf), qk_norm=True, qk_norm_after_rope=True,
             embedding_norm=True, final_logit_softcapping=float(hf["final_logit_softcapping"])
@@ -1568,6 +1576,28 @@ def _apertus_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     attention_layernorm / feedforward_layernorm (the loader's), an ungated MLP (up, xIELU with the layer's own
     alpha_p / alpha_n / beta / eps, down)."""
     return _ungated_from_hf(hf, source, "Apertus", "xielu", **_sizes(hf, max_positions=65536), qk_norm=True)
+
+
+def _phimoe_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Phi-3.5-MoE: Llama's attention (biased where attention_bias; LongRoPE as Phi-3's) between biased LayerNorms
+    (eps rms_norm_eps), every layer's MLP num_local_experts SwiGLU experts of intermediate_size (Mixtral's names)
+    chosen two at a time by sparsemixer (router_jitter_noise its threshold), an LM head biased where lm_head_bias."""
+    _check_silu(hf, source)
+    if int(hf.get("num_experts_per_tok", 2)) != 2:
+        raise _unsupported(f"{source}: Phi-3.5-MoE's sparsemixer with num_experts_per_tok "
+                           f"{hf.get('num_experts_per_tok')} is not supported (2)")
+    theta, scaling = _rope_from_hf({**hf, "model_type": "phi3"}, source)  # (Phi-3's names for LongRoPE)
+    sizes = _sizes(hf)
+    bias = bool(hf.get("attention_bias"))
+    window = hf.get("sliding_window")
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=bias, attention_out_bias=bias, qk_norm=False, layer_norm=True,
+        norm_bias=True, lm_head_bias=bool(hf.get("lm_head_bias")),
+        sliding_window=int(window) if window and int(window) < sizes["max_position_embeddings"] else None,
+        num_experts=int(hf.get("num_local_experts", 16)), experts_per_token=2,
+        expert_intermediate_size=sizes["intermediate_size"], norm_topk_prob=False,
+        router_sparsemixer=float(hf.get("router_jitter_noise", 0.01)) or 1e-30)
 
 
 def _arcee_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -1220,7 +1220,9 @@ class DecoderModel:
         shared expert scaled by sigmoid(its gate)."""
         c = self.config
         k = c.experts_per_token
-        if c.router_input_scale:  # Llama 4: sigmoid of each top logit scales its expert's input row
+        if c.router_sparsemixer:  # Phi-3.5-MoE
+            weights, chosen = self._sparsemixer_route(layer, x)
+        elif c.router_input_scale:  # Llama 4: sigmoid of each top logit scales its expert's input row
             top, chosen = layer.router(x).topk(k, dim=-1)
             weights = torch.sigmoid(top.float())
         elif c.router_sigmoid:
@@ -1292,6 +1294,24 @@ class DecoderModel:
         else:
             self._expert_loop(layer, x, flat, rows, row_weights, out, scale_input)
         return out
+
+    def _sparsemixer_route(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phi-3.5-MoE's sparsemixer as transformers runs it in inference: the best expert, weighed by its softmax
+        among the logits s with (best - s) / max(|s|, best) <= 2 eps; then, the best masked out, the best of the others
+        weighed the same way against the second best (the factor still the original logits'). -> (weights, chosen)
+        [T, 2], in the logits' dtype."""
+        eps = 2 * self.config.router_sparsemixer
+        scores = layer.router(x)
+        chosen, weights = [], []
+        masked = scores
+        for _ in range(2):
+            best, index = masked.max(dim=-1, keepdim=True)
+            far = (best - scores) / scores.abs().clamp(min=best) > eps
+            gates = torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1)
+            chosen.append(index)
+            weights.append(gates.gather(-1, index))
+            masked = masked.scatter(-1, index, float("-inf"))
+        return torch.cat(weights, dim=-1), torch.cat(chosen, dim=-1)
 
     def _sigmoid_route(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's routing, as transformers computes GLM-4.5's: float32 sigmoid scores; the choice by score plus

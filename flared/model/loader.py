@@ -622,6 +622,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                         sp + "post_mlp_norm_2.weight": take(hp + "post_feedforward_layernorm_2.weight")})
         elif config.num_experts and i not in config.dense_layers:
             out.update(_hf_experts(hf, hp, sp, config, take))
+            if config.norm_bias:  # (Phi-3.5-MoE's biased LayerNorms)
+                out[sp + "attn_norm.bias"] = take(hp + "input_layernorm.bias")
+                out[sp + "mlp_norm.bias"] = take(hp + "post_attention_layernorm.bias")
             continue
         if not config.mlp_gated:  # Apertus, Arcee: up rows alone (and Apertus' xIELU's trained parameters)
             out[sp + "gate_up.weight"] = take(hp + "mlp.up_proj.weight")

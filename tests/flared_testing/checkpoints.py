@@ -260,6 +260,9 @@ FAMILIES = {
                                                                   "rope_theta": 50000000.0})),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "helium": ("helium", dict(head_dim=16)),
+    # Phi-3.5-MoE: biased LayerNorms, projections and LM head, two experts chosen by sparsemixer (a wide threshold
+    # so that its masks bite)
+    "phimoe": ("phimoe", dict(num_local_experts=4, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3)),
     # nanochat: weightless norms (the embeddings' too), q/k normed after rope, ReLU-squared MLP, soft-capped logits
     "nanochat": ("nanochat", dict(num_key_value_heads=4, final_logit_softcapping=15.0)),
     # HyperCLOVA X: Granite's multipliers with norms after attention and the MLP
