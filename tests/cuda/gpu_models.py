@@ -70,3 +70,16 @@ def attention_reference(q, k_seq, v_seq, q_positions):
     keys = torch.arange(k.shape[0], device=q.device)
     scores = scores.masked_fill(keys[None, None, :] > q_positions[None, :, None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+
+
+def argmax_distance(hf, prompts, runs) -> tuple[int, float]:
+    """How near each run's tokens are to the float32 argmax of ``hf`` (transformers on the GPU), teacher-forced on
+    the run's own tokens: (tokens that are the argmax, mean of (best - chosen) / (best - worst) over all tokens)."""
+    gaps = []
+    for prompt, tokens in zip(prompts, runs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        best, worst = logits.max(dim=1).values, logits.min(dim=1).values
+        gaps += ((best - chosen) / (best - worst)).tolist()
+    return sum(gap == 0 for gap in gaps), sum(gaps) / len(gaps)

@@ -46,6 +46,7 @@ def test_a_core_the_llama_kernels_do_not_run_serves_through_its_own_layers_graph
     """The daemon says it serves the core through the generic graphs, and its greedy chat tokens are as near
     transformers' float32 argmax (teacher-forced on each run's own tokens) as the tokens the same core gives with
     --enforce-eager: bf16 runs part at near-ties (a router's too), so neither is the other's reference."""
+    from gpu_models import argmax_distance
     from transformers import AutoModelForCausalLM
 
     directory, tok, core = _core(family, tmp_path)
@@ -59,19 +60,8 @@ def test_a_core_the_llama_kernels_do_not_run_serves_through_its_own_layers_graph
     assert "executor: eager on" in e.log()
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                               attn_implementation="eager").to("cuda").eval()
-
-    def judge(runs):
-        exact, gaps = 0, []
-        for text, tokens in zip(ASKS, runs):
-            prompt = _prompt(tok, text)
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
-            chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
-            best, worst = logits.max(dim=1).values, logits.min(dim=1).values
-            gaps += ((best - chosen) / (best - worst)).tolist()
-        return sum(g == 0 for g in gaps), sum(gaps) / len(gaps)
-
-    (g_exact, g_gap), (e_exact, e_gap) = judge(graphs), judge(eager)
+    prompts = [_prompt(tok, text) for text in ASKS]
+    (g_exact, g_gap), (e_exact, e_gap) = argmax_distance(hf, prompts, graphs), argmax_distance(hf, prompts, eager)
     assert g_exact >= e_exact - 4 and g_gap <= e_gap + 0.02, (family, g_exact, g_gap, e_exact, e_gap)
 
 

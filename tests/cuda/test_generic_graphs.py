@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from gpu_models import make_cpu_executor, make_executor, make_scheduler  # noqa: E402
+from gpu_models import argmax_distance, make_cpu_executor, make_executor, make_scheduler  # noqa: E402
 
 PROMPTS = [list(range(5, 155)), list(range(200, 210)), [7], list(range(300, 340))]
 FLOAT32 = ["gemma2", "gemma3", "phi4_mini", "olmo2", "granite", "ministral", "cohere", "stablelm", "gpt_neox", "smollm3",
@@ -97,18 +97,7 @@ def test_bf16_graph_tokens_are_as_near_float32_as_the_eager_executors(family, tm
                   PROMPTS, [params()] * len(PROMPTS)).tokens
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                               attn_implementation="eager").to("cuda").eval()
-
-    def judge(runs):
-        gaps = []
-        for prompt, tokens in zip(PROMPTS, runs):
-            with torch.no_grad():
-                logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1:-1].float()
-            chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
-            best, worst = logits.max(dim=1).values, logits.min(dim=1).values
-            gaps += ((best - chosen) / (best - worst)).tolist()
-        return sum(g == 0 for g in gaps), sum(gaps) / len(gaps)
-
-    (g_exact, g_gap), (e_exact, e_gap) = judge(graphs), judge(eager)
+    (g_exact, g_gap), (e_exact, e_gap) = argmax_distance(hf, PROMPTS, graphs), argmax_distance(hf, PROMPTS, eager)
     total = len(PROMPTS) * 24
     assert g_exact >= min(e_exact - 0.1 * total, 0.8 * total), (family, g_exact, e_exact, total)
     assert g_gap <= e_gap + 0.02, (family, g_gap, e_gap)
