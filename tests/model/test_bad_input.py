@@ -76,7 +76,9 @@ def test_missing_tensor(llama_dir, tmp_path):
 
 @pytest.mark.parametrize("change, what", [
     ({"model_type": "gpt_bigcode"}, "gpt_bigcode"),
-    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}}, "dynamic"),
+    # dynamic NTK turning inside the served context (its original shorter than max_position_embeddings)
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0,
+                          "original_max_position_embeddings": 16}}, "dynamic"),
     ({"rope_parameters": {"rope_type": "factors", "factors": [2.0] * 8, "rope_theta": 10000.0}}, "factors"),
     ({"hidden_act": "gelu"}, "gelu"),
 ])
@@ -97,10 +99,14 @@ def test_legacy_rope_scaling_key_is_read():
                              "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert config.rope_theta == 500000.0
+    dynamic = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 4096,
+               "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+    # dynamic NTK turns only past the original context, which a core (max_position_embeddings at most) never reaches
+    assert from_hf_config(dynamic).rope_scaling is None
     with pytest.raises(CoreError, match="dynamic"):
-        from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-                        "num_hidden_layers": 1, "num_attention_heads": 2,
-                        "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+        from_hf_config({**dynamic, "rope_scaling": {"type": "dynamic", "factor": 2.0,
+                                                    "original_max_position_embeddings": 2048}})
 
 
 def test_missing_source(tmp_path):

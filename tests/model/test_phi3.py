@@ -106,7 +106,7 @@ def test_partial_rotary_is_not_in_the_graphs():
 @pytest.mark.parametrize("family, change, what", [
     # other families' transformers models ignore partial_rotary_factor: a checkpoint that sets it would be misread
     ("llama_tied", {"partial_rotary_factor": 0.5}, "partial rotary"),
-    ("phi3", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ("phi3", {"rope_scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}}, "dynamic"),
 ])
 def test_what_we_cannot_compute_is_refused(tmp_path, family, change, what):
     hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
