@@ -1034,7 +1034,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
-                       "starcoder2": "llama", "gemma4": "gemma4"}
+                       "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1121,7 +1121,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
     elif scaling_type == "yarn":
-        rope_scaling = _gguf_yarn(reader, arch, source, need)
+        rope_scaling = _gguf_yarn(reader, arch, source, need, log_multiplier=arch == "mistral3")
     elif scaling_type != "none":
         raise CoreError(f"{source}: GGUF rope scaling {scaling_type!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
     if "rope_factors_long.weight" in tensor_names or "rope_factors_short.weight" in tensor_names:
@@ -1304,6 +1304,11 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     if arch in ("granite", "granitehybrid", "granitemoe"):  # its multipliers, under llama.cpp's names
         granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
                        logits_scaling=float(need("logit_scale")), attention_scale=float(need("attention.scale")))
+    if arch == "mistral3" and _gguf_field(reader, f"{arch}.attention.temperature_scale"):
+        # Ministral 3's queries scaled by position: llama.cpp's temperature over the YaRN original context
+        layer_flags.update(query_position_scale=float(need("attention.temperature_scale")),
+                           query_position_floor=int(_gguf_field(reader, f"{arch}.attention.temperature_length")
+                                                    or need("rope.scaling.original_context_length")))
     if arch == "smollm3":  # llama.cpp's rule for SmolLM3: every fourth layer unrotated
         layer_flags["nope_layers"] = tuple(i for i in range(int(need("block_count"))) if (i + 1) % 4 == 0)
     return ModelConfig(
@@ -1618,17 +1623,24 @@ def _gguf_vector(reader, name: str, source: str) -> list[float]:
     return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).ravel()]
 
 
-def _gguf_yarn(reader, arch: str, source: str, need) -> dict:
+def _gguf_yarn(reader, arch: str, source: str, need, *, log_multiplier: bool = False) -> dict:
     """YaRN as llama.cpp's converter writes it (factor, original context, optional betas); a log multiplier or an
-    extra attention factor (DeepSeek's, gpt-oss') is refused rather than guessed."""
-    for key, plain in (("yarn_log_multiplier", (0.0,)), ("attn_factor", (1.0,)), ("yarn_attn_factor", (1.0,)),
-                       ("yarn_ext_factor", (-1.0, 1.0))):  # -1: llama.cpp's "as the type says"
+    extra attention factor (DeepSeek's, gpt-oss') is refused rather than guessed. ``log_multiplier``: Mistral 3's
+    yarn_log_multiplier is its mscale_all_dim, the attention factor mscale(factor, 1) / mscale(factor, it), as
+    llama.cpp and transformers compute it."""
+    scaling = {}
+    if log_multiplier and _gguf_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier") is not None:
+        scaling.update(mscale=1.0, mscale_all_dim=float(_gguf_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")))
+    for key, plain in (("yarn_log_multiplier", (0.0,) if not scaling else None), ("attn_factor", (1.0,)),
+                       ("yarn_attn_factor", (1.0,)), ("yarn_ext_factor", (-1.0, 1.0))):  # -1: "as the type says"
+        if plain is None:
+            continue
         value = _gguf_field(reader, f"{arch}.rope.scaling.{key}")
         if value is not None and float(value) not in plain:
             raise CoreError(f"{source}: GGUF YaRN with {arch}.rope.scaling.{key} = {value} is not supported",
                             ErrorKind.UNSUPPORTED_MODEL)
-    scaling = {"factor": float(need("rope.scaling.factor")),
-               "original_max_position_embeddings": int(need("rope.scaling.original_context_length"))}
+    scaling.update({"factor": float(need("rope.scaling.factor")),
+                    "original_max_position_embeddings": int(need("rope.scaling.original_context_length"))})
     for key in ("beta_fast", "beta_slow"):
         value = _gguf_field(reader, f"{arch}.rope.scaling.yarn_{key}")
         if value is not None:
@@ -1672,7 +1684,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee", "granitemoe")
+    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee", "granitemoe", "mistral3")
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

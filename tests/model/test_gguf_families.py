@@ -61,10 +61,15 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
     if arch == "gemma2":
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             w.add_float32(f"{arch}.{key}", cfg[key])
-    if arch in ("gpt-oss", "arcee"):  # their converter's yarn keys
+    if arch in ("gpt-oss", "arcee", "mistral3"):  # their converter's yarn keys
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
         w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    if arch == "mistral3":  # Ministral 3's: the betas, mscale_all_dim as the log multiplier, its query temperature
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", rope["beta_slow"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", rope["mscale_all_dim"])
+        w.add_float32(f"{arch}.attention.temperature_scale", rope["llama_4_scaling_beta"])
     if arch in ("phi3", "gemma2", "gemma3", "gpt-oss") and cfg.get("sliding_window"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
     experts = (cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
@@ -150,7 +155,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if name not in t:
                     continue
                 values = t[name]
-                if arch in ("llama", "smollm3", "granite", "arcee", "granitemoe") and ours != "attn_v":
+                if arch in ("llama", "smollm3", "granite", "arcee", "granitemoe", "mistral3") and ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         if p + "self_attn.o_proj.weight" in t:
@@ -938,7 +943,7 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
                                           ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe"),
                                           ("arcee", "arcee"), ("granitemoe", "granitemoe"),
                                           ("granitemoeshared", "granitemoe"), ("olmoe", "olmoe"),
-                                          ("starcoder2", "starcoder2")])
+                                          ("starcoder2", "starcoder2"), ("ministral3", "mistral3")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
@@ -960,7 +965,8 @@ def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, t
                   "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_kernel", "attn_output_gate",
                   "router_correction_bias", "qk_norm_after_rope", "expert_intermediate_size", "mlp_gated",
                   "hidden_act", "rope_scaling", "router_topk_softmax", "qk_norm_whole", "norm_bias", "mlp_bias",
-                  "sliding_window"):  # (float32 multipliers: by the logits)
+                  "sliding_window", "query_position_scale", "query_position_floor"):  # (float32 multipliers: by the
+        # logits)
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(6).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
