@@ -156,6 +156,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Microsoft Phi-3.5-MoE: biased LayerNorms and projections (its LM head's too), Mixtral's experts
                   # chosen by sparsemixer
                   "phimoe": "llama",
+                  # AllenAI OLMo (1): Llama's layer between LayerNorms without weights, q/k/v clamped (clip_qkv)
+                  "olmo": "llama",
                   # AllenAI OLMoE: Llama with q/k norms over the whole projections, every layer softmax-routed experts
                   "olmoe": "llama",
                   # Upstage Solar Open: Llama's attention, every layer's experts DeepSeek-V3-routed beside a shared one
@@ -211,7 +213,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
-                 "embedding_norm", "router_sparsemixer"}
+                 "embedding_norm", "router_sparsemixer", "clip_qkv"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -431,6 +433,8 @@ class ModelConfig:
     # logits within 2 * router_sparsemixer (relative) of the best, the second the best of the others, weighed
     # likewise among them; the weights as they are
     router_sparsemixer: float = 0.0
+    # OLMo (1): every q, k and v value clamped to [-clip_qkv, clip_qkv] after its projection (0: not)
+    clip_qkv: float = 0.0
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -661,6 +665,8 @@ class ModelConfig:
             return "position-scaled queries"
         if self.embedding_norm:
             return "normed embeddings"
+        if self.clip_qkv:
+            return "clamped q/k/v"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
             return f"{self.architecture} layers"
         if self.num_experts:
@@ -821,7 +827,7 @@ class ModelConfig:
         for name in ("rms_norm_eps", "rope_theta", "attention_scale", "local_rope_theta", "embedding_multiplier",
                      "residual_multiplier", "logits_scaling", "attn_logit_softcapping", "final_logit_softcapping",
                      "swiglu_limit", "swiglu_alpha", "routed_scaling", "nope_temperature_scale",
-                     "query_position_scale", "router_sparsemixer"):
+                     "query_position_scale", "router_sparsemixer", "clip_qkv"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -1046,8 +1052,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     windowed = model_type in ("ministral", "cwm", "granitemoe_swa") or (model_type == "mistral" and hf.get("layer_types"))
     if not windowed and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
-    if hf.get("clip_qkv"):
-        raise _unsupported(f"{source}: clip_qkv (q/k/v clamped) is not supported")
+    if hf.get("clip_qkv") and model_type != "olmo":
+        raise _unsupported(f"{source}: clip_qkv (q/k/v clamped) is not supported for model_type {model_type!r}")
     ernie = model_type in ("ernie4_5", "ernie4_5_moe")
     sizes = _sizes(hf, head_dim=128 if ernie or model_type in ("glm", "ministral3", "internlm3", "iquestcoder") else None,
                    tied=ernie)  # (transformers' defaults)
@@ -1101,7 +1107,9 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         nope = tuple(i for i, on in enumerate(rope_on) if not on)
     return ModelConfig(
         architecture=architecture, **sizes,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        # (OLMo's LayerNorms: eps 1e-5 whatever the config says)
+        rms_norm_eps=1e-5 if model_type == "olmo" else float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling,
         attention_bias=qkv_bias,
         qk_norm=architecture == "qwen3" or bool(model_type == "glm4_moe" and hf.get("use_qk_norm"))
         or model_type in ("minimax_m2", "olmoe"), qk_norm_whole=model_type in ("minimax_m2", "olmoe"),
@@ -1116,6 +1124,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **_granite_from_hf(hf, model_type),
         **granite_hybrid,
         **position,
+        # OLMo (1): weightless LayerNorms at a fixed eps (the loader's ones), clamped q/k/v
+        **(dict(layer_norm=True, clip_qkv=float(hf.get("clip_qkv") or 0.0)) if model_type == "olmo" else {}),
     )
 
 

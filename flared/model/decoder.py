@@ -825,6 +825,8 @@ class DecoderModel:
                     h = self._residual_and_mlp(index, layer, batch, h, x, beside)
                     continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
+            if c.clip_qkv:  # (OLMo's clamp of every projected q, k and v value)
+                qkv = qkv.clamp(-c.clip_qkv, c.clip_qkv)
             layer_cos, layer_sin = local if local is not None and layer.window else (cos, sin)
             nkv, d = layer.geometry  # (Gemma 4's global layers: their own)
             q_size, kv_size = nh * d, nkv * d

@@ -466,6 +466,12 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".pre_mlp_layernorm.", ".post_attention_layernorm."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "olmo":  # its LayerNorms have no weights: ones
+        ones = torch.ones(config.hidden_size, dtype=hf["model.embed_tokens.weight"].dtype)
+        hf = {**hf, "model.norm.weight": ones}
+        for i in range(config.num_layers):  # (copies: a core's weight files hold no shared tensors)
+            hf.update({f"model.layers.{i}.input_layernorm.weight": ones.clone(),
+                       f"model.layers.{i}.post_attention_layernorm.weight": ones.clone()})
     if hf_config is not None and hf_config.get("model_type") == "nanochat":
         # its RMSNorms have no weights (ones, then); its MLP's fc1 / fc2 are an ungated up / down; its rope turns the
         # other way (rotate_half as (x2, -x1)): each q and k head's halves swapped turns it back to ours (a swap of

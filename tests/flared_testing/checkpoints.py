@@ -260,6 +260,8 @@ FAMILIES = {
                                                                   "rope_theta": 50000000.0})),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "helium": ("helium", dict(head_dim=16)),
+    # OLMo (1): weightless LayerNorms, q/k/v clamped (tightly, so that the clamp bites)
+    "olmo": ("olmo", dict(clip_qkv=0.6)),
     # Phi-3.5-MoE: biased LayerNorms, projections and LM head, two experts chosen by sparsemixer (a wide threshold
     # so that its masks bite)
     "phimoe": ("phimoe", dict(num_local_experts=4, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3)),

@@ -25,7 +25,7 @@ PROMPT = [5, 17, 3, 42, 9, 33, 8, 21, 14, 7, 60, 11, 25]  # 13 tokens: pages of 
 # windows on some layers, experts, partial and no rotary, post-norms, LayerNorms and parallel blocks, multipliers.
 GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_5_moe", "phi4_mini", "stablelm",
            "phi", "gpt_neox", "olmo2", "smollm3", "granite", "cohere", "cohere2", "starcoder2", "nemotron", "hunyuan",
-           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2", "ministral3", "hyperclovax", "sarvam_moe", "nanochat", "phimoe"]
+           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2", "ministral3", "hyperclovax", "sarvam_moe", "nanochat", "phimoe", "olmo"]
 # ... and what it refuses (the eager executor serves those on a GPU)
 REFUSED = {"qwen3_5": "Gated DeltaNet", "gemma4": "geometry",
            "llama4": "chunked", "deepseek_v3": "power of two"}

@@ -35,7 +35,7 @@ def test_dynamic_ntk_rope_is_plain_within_the_original_context(tmp_path):
         from_hf_config(shorter)
 
 
-@pytest.mark.parametrize("family", ["nanochat", "sarvam_moe", "hyperclovax", "exaone"])
+@pytest.mark.parametrize("family", ["nanochat", "sarvam_moe", "hyperclovax", "exaone", "olmo"])
 def test_a_core_exported_from_a_renamed_or_weightless_checkpoint_loads_as_read(family, tmp_path):
     """Export writes what the loader made of such a checkpoint (nanochat's synthesized norms each a tensor of its own,
     Sarvam's split q/k/v, EXAONE's renamed tensors), and the core loads back to the same tensors."""
