@@ -21,6 +21,19 @@ from flared.model.loader import read_source
 
 from .conftest import build_hf_checkpoint
 
+def f32_tensors(w):
+    """add(name, array): the array as a float32 tensor of GGUF writer ``w`` (the F32 files the tests write)."""
+    return lambda name, array: w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+
+
+def close_gguf(w) -> None:
+    """Write the header, keys and tensors ``w`` holds, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 CASES = {
     # family in conftest.FAMILIES -> (GGUF architecture, matrix quantisation)
     "llama_tied": ("llama", Q.F32),  # lossless, so also compared with the original checkpoint
@@ -204,10 +217,7 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         if p + "self_attn.query_layernorm.weight" in t:  # (Hunyuan's)
             add(f"blk.{i}.attn_q_norm.weight", t[p + "self_attn.query_layernorm.weight"])
             add(f"blk.{i}.attn_k_norm.weight", t[p + "self_attn.key_layernorm.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def write_gated_delta_keys(w, arch: str, cfg: dict) -> None:
@@ -319,10 +329,7 @@ def write_lfm2_gguf(hf_dir, path, arch: str) -> None:
             for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
                 w.add_tensor(f"{b}ffn_{ours}_exps.weight", np.ascontiguousarray(np.stack(
                     [t[f"{p}feed_forward.experts.{e}.{theirs}.weight"] for e in range(cfg["num_experts"])])))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family, arch", [("lfm2", "lfm2"), ("lfm2_moe", "lfm2moe")])
@@ -380,8 +387,7 @@ def write_granite_hybrid_gguf(hf_dir, path) -> None:
         w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["intermediate_size"])
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_intermediate_size"])
 
-    def add(name: str, array) -> None:
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    add = f32_tensors(w)
 
     add("token_embd.weight", t["model.embed_tokens.weight"])
     add("output_norm.weight", t["model.norm.weight"])
@@ -419,10 +425,7 @@ def write_granite_hybrid_gguf(hf_dir, path) -> None:
             add(b + "ffn_gate_exps.weight", gate_exps)
             add(b + "ffn_up_exps.weight", up_exps)
             add(b + "ffn_down_exps.weight", t[e + "output_linear.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family", ["granite4_h", "granite4_h_moe"])
@@ -486,8 +489,7 @@ def write_nemotron_h_gguf(hf_dir, path) -> None:
         w.add_bool(f"{arch}.expert_weights_norm", cfg["norm_topk_prob"])
         w.add_float32(f"{arch}.expert_weights_scale", cfg["routed_scaling_factor"])
 
-    def add(name: str, array) -> None:
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    add = f32_tensors(w)
 
     add("token_embd.weight", t["backbone.embeddings.weight"])
     add("output_norm.weight", t["backbone.norm_f.weight"])
@@ -521,10 +523,7 @@ def write_nemotron_h_gguf(hf_dir, path) -> None:
                     stacked = np.stack([t[f"{p}experts.{e}.{x}_proj.weight"] for e in range(cfg["n_routed_experts"])])
                 add(f"{b}ffn_{x}_exps.weight", stacked)
                 add(f"{b}ffn_{x}_shexp.weight", t[f"{p}shared_experts.{x}_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "nemotron_h_moe"])
@@ -574,8 +573,7 @@ def write_falcon_h1_gguf(hf_dir, path) -> None:
     w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
 
-    def add(name: str, array) -> None:
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    add = f32_tensors(w)
 
     attn_in = cfg["attention_in_multiplier"]
     mup = np.concatenate([np.full(n, f, dtype=np.float32) for n, f in zip(
@@ -607,10 +605,7 @@ def write_falcon_h1_gguf(hf_dir, path) -> None:
         add(b + "ffn_gate.weight", t[f + "gate_proj.weight"] * cfg["mlp_multipliers"][0])
         add(b + "ffn_up.weight", t[f + "up_proj.weight"])
         add(b + "ffn_down.weight", t[f + "down_proj.weight"] * cfg["mlp_multipliers"][1])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family", ["falcon_h1", "falcon_h1_norm"])
@@ -657,8 +652,7 @@ def write_jamba_gguf(hf_dir, path) -> None:
     w.add_array(f"{arch}.attention.head_count_kv", [cfg["num_key_value_heads"] if a else 0 for a in attending])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
 
-    def add(name: str, array) -> None:
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    add = f32_tensors(w)
 
     add("token_embd.weight", t["model.embed_tokens.weight"])
     add("output_norm.weight", t["model.final_layernorm.weight"])
@@ -692,10 +686,7 @@ def write_jamba_gguf(hf_dir, path) -> None:
         else:
             for x in ("gate", "up", "down"):
                 add(f"{b}ffn_{x}.weight", t[f"{f}{x}_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def test_a_jamba_gguf_reads_as_its_checkpoint(tmp_path):
@@ -739,8 +730,7 @@ def write_mamba_gguf(hf_dir, path, arch: str) -> None:
     if cfg["model_type"] == "falcon_mamba":  # (its converter's flag for the weightless dt / B / C norms)
         w.add_bool(f"{arch}.ssm.dt_b_c_rms", True)
 
-    def add(name: str, array) -> None:
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    add = f32_tensors(w)
 
     add("token_embd.weight", t["backbone.embeddings.weight"])
     add("output_norm.weight", t["backbone.norm_f.weight"])
@@ -764,10 +754,7 @@ def write_mamba_gguf(hf_dir, path, arch: str) -> None:
             add(b + "ssm_a", -np.exp(t[m + "A_log"])[:, None])
             add(b + "ssm_d", t[m + "D"][:, None])
             add(b + "ssm_norm.weight", t[m + "norm.weight"].reshape(cfg["n_groups"], inner // cfg["n_groups"]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_mamba"])
@@ -1062,10 +1049,7 @@ def write_deepseek2_gguf(hf_dir, path, *, split_kv_b: bool) -> None:
         else:
             for x in ("gate", "up", "down"):
                 add(f"blk.{i}.ffn_{x}.weight", t[f"{p}mlp.{x}_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family, split_kv_b", [("deepseek_v2", True), ("deepseek_v2", False), ("deepseek_v3", True),
@@ -1154,11 +1138,8 @@ def write_gemma4_gguf(hf_dir, path) -> None:
                 name += ".weight"
             out = mapping.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, name
-        w.add_tensor(out, np.ascontiguousarray(values, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        f32_tensors(w)(out, values)
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4_values", "gemma4_e2b", "gemma4_moe"])

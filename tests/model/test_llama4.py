@@ -119,6 +119,8 @@ def write_llama4_gguf(hf_dir, path) -> None:
     import gguf
     from safetensors.numpy import load_file
 
+    from .test_gguf_families import close_gguf, f32_tensors
+
     cfg = json.loads((hf_dir / "config.json").read_text())
     t = load_file(hf_dir / "model.safetensors")
     arch, inter = "llama4", cfg["intermediate_size"]
@@ -136,8 +138,7 @@ def write_llama4_gguf(hf_dir, path) -> None:
     w.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
 
-    def add(name: str, array) -> None:
-        w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    add = f32_tensors(w)
 
     add("token_embd.weight", t["model.embed_tokens.weight"])
     add("output_norm.weight", t["model.norm.weight"])
@@ -160,10 +161,7 @@ def write_llama4_gguf(hf_dir, path) -> None:
         else:
             for x in ("gate", "up", "down"):
                 add(f"{b}ffn_{x}.weight", t[f"{ff}{x}_proj.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
 
 
 def test_a_llama4_gguf_reads_as_its_checkpoint(tmp_path):
