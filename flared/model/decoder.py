@@ -796,6 +796,17 @@ class DecoderModel:
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
         per_layer_inputs = self._per_layer_inputs(batch, h) if self.per_layer is not None else None
+
+        def position_scale(offset: float, floor: int, beta: float) -> torch.Tensor:
+            """Each row's 1 + beta * log(1 + floor((p + offset) / floor)) [T, 1, 1], float32 (made once a forward)."""
+            return (torch.log1p(torch.floor((batch.positions.float() + offset) / floor)) * beta + 1.0)[:, None, None]
+
+        # Llama 4's unrotated layers' query temperature ((p + 1), applied in float32) and Ministral 3's every query's
+        # (p, rounded to the activations' dtype first), as transformers computes them
+        nope_tuning = (position_scale(1.0, c.nope_temperature_floor, c.nope_temperature_scale)
+                       if c.nope_temperature_floor else None)
+        query_scale = (position_scale(0.0, c.query_position_floor, c.query_position_scale).to(h.dtype)
+                       if c.query_position_floor else None)
         produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (Gemma 4: a source layer's keys and values)
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
         native = self.cpu_decode_attention and kv.storage_dtype in (self.dtype, FP8_KV)
@@ -859,12 +870,10 @@ class DecoderModel:
             elif c.qk_l2_norm and layer.rope:  # Llama 4's rotated layers: each q and k head normed, no weight
                 qk = F.rms_norm(qk.float(), (d,), None, eps).to(qk.dtype)
             q = qk[:, :nh]
-            if c.nope_temperature_floor and not layer.rope:  # Llama 4's unrotated layers: queries tuned by position
-                tuning = torch.log1p(torch.floor((batch.positions.float() + 1.0) / c.nope_temperature_floor))
-                q = (q.float() * (tuning * c.nope_temperature_scale + 1.0)[:, None, None]).to(q.dtype)
-            if c.query_position_floor:  # Ministral 3: every query times 1 + beta * log(1 + floor(p / floor))
-                scale = torch.log1p(torch.floor(batch.positions.float() / c.query_position_floor))
-                q = q * (scale * c.query_position_scale + 1.0).to(q.dtype)[:, None, None]
+            if nope_tuning is not None and not layer.rope:  # Llama 4's unrotated layers: queries tuned by position
+                q = (q.float() * nope_tuning).to(q.dtype)
+            if query_scale is not None:  # Ministral 3: every query scaled by its position
+                q = q * query_scale
             if layer.kv_source is not None:  # this forward's keys and values of the layer it shares them with
                 k, v = produced[layer.kv_source]
             else:

@@ -40,17 +40,22 @@ class PoolWriter:
         write_kv(self.v_pool[kv_index], slots, v)
 
 
+def attention_sinks(model) -> list[torch.Tensor | None]:
+    """Each layer's sinks (gpt-oss': a logit per query head) as float32 [nh], as the paged kernels read them; None
+    for a layer without."""
+    return [None if layer.sinks is None else layer.sinks.float().contiguous() for layer in model.layers]
+
+
 def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: torch.Tensor,
-                   positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
+                   positions: torch.Tensor, slots: torch.Tensor, attend, sinks: list) -> torch.Tensor:
     """Every layer of ``model`` (a DecoderModel) over the rows ``tokens`` at ``positions``, their keys and values
     written at ``slots``; each attention as ``attend(q [T, nh, d], kv_index, out [T, nh, d], window=w, sinks=s,
-    softcap=cap)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its sinks [nh] float32,
-    gpt-oss', or None; ``cap`` Gemma 2's cap on the scaled scores, 0 = none).
+    softcap=cap)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry of ``sinks``
+    (attention_sinks(model)); ``cap`` Gemma 2's cap on the scaled scores, 0 = none).
     Returns the final-normed hidden states [T, H]."""
     c = model.config
     num_tokens = tokens.shape[0]
     softcap = c.attn_logit_softcapping or 0.0
-    sinks = [None if layer.sinks is None else layer.sinks.float().contiguous() for layer in model.layers]
     batch = ForwardBatch(input_ids=tokens, positions=positions, write_slot_ids=slots, logit_row_ids=None,
                          decode_row_ids=None, decode_gather_slot_ids=None, decode_attn_mask=None,
                          decode_max_context=0, num_tokens=num_tokens)

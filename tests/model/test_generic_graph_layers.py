@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flared.model.decoder import DecoderModel
-from flared.model.graph_layers import generic_layers
+from flared.model.graph_layers import attention_sinks, generic_layers
 from flared.model.loader import read_source
 
 from .conftest import build_hf_checkpoint
@@ -62,12 +62,13 @@ def _generic_greedy(model: DecoderModel, prompt: list[int], new_tokens: int) -> 
     slots_of = torch.tensor([int(pages[p // PAGE_TOKENS]) * PAGE_TOKENS + p % PAGE_TOKENS for p in range(total)])
     shape = (len(c.kv_layers), (len(pages) + 1) * PAGE_TOKENS, c.num_kv_heads, c.head_dim)
     k_pool, v_pool = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+    sinks = attention_sinks(model)
     tokens, logits = [], []
     rows = torch.tensor(prompt)
     positions = torch.arange(len(prompt))
     while len(tokens) < new_tokens:
         attend = _oracle(k_pool, v_pool, slots_of, positions, model.scale)
-        x = generic_layers(model, k_pool, v_pool, rows, positions, slots_of[positions], attend)
+        x = generic_layers(model, k_pool, v_pool, rows, positions, slots_of[positions], attend, sinks)
         row = model._logits(x[-1:])[0]
         logits.append(row)
         tokens.append(int(row.argmax()))

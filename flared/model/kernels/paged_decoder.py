@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.graph_layers import generic_layers, write_kv  # noqa: F401 (write_kv: tests import it here)
+from flared.model.graph_layers import attention_sinks, generic_layers, write_kv
 from flared.model.kernels import FULL, TEMPERATURE, decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
 from flared.model.kv_cache import FP8_KV
@@ -129,6 +129,8 @@ class PagedCudaDecoder:
                 raise ValueError("the CUDA graphs run routed experts as grouped products (bf16 on a GPU)")
             if lora is not None:
                 raise ValueError(f"per-request LoRA adapters run on the Llama kernels only, not {c.graph_obstacle}")
+        # (each layer's sinks as the kernels read them, made once: not a cast in every replay)
+        self.sinks = attention_sinks(model) if self.generic else None
         # A sliding window's keys (Mistral): the Triton attention kernels see only the last ``window`` keys of a
         # query; 0 without one. The megakernel has no window: it serves such a model's steps while every context is
         # inside the window (mega_max_context below). The CUDA attention stays off for them.
@@ -581,7 +583,7 @@ class PagedCudaDecoder:
     def _layers_generic(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         attend) -> torch.Tensor:
         """The model's own torch layers over the static rows (graph_layers.generic_layers); [T, H] final-normed."""
-        return generic_layers(self.model, self.k_pool, self.v_pool, tokens, positions, slots, attend)
+        return generic_layers(self.model, self.k_pool, self.v_pool, tokens, positions, slots, attend, self.sinks)
 
     def _activations(self, tokens):
         """The residual stream [T, H] (the tokens' embeddings, updated in place by the layers), the attention
@@ -673,18 +675,15 @@ class PagedCudaDecoder:
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: int, rows: torch.Tensor, s: StaticInputs) -> None:
-        if self.generic:  # the family's logits (its LM head's bias, Granite's scaling, Gemma 2's cap), float32
-            self.logits[:batch].copy_(self.model._logits(h))
-            self.state_logits.index_copy_(0, rows, self.logits[:batch])
-            self._sample(self.logits[:batch], batch, full_sampling, rows, s)
-            return
-        logits = F.linear(h, self.model.lm_head)  # [batch, V]; h is already final-normed
-        if not self.head_fused:
-            logits = logits.float()
+        if not self.head_fused:  # float32, or the generic layers: the family's logits (its LM head's bias,
+            # Granite's scaling, Gemma 2's cap), float32
+            logits = self.model._logits(h)  # [batch, V]; h is already final-normed
             self.logits[:batch].copy_(logits)
             self.state_logits.index_copy_(0, rows, logits)
             self._sample(logits, batch, full_sampling, rows, s)
-        elif full_sampling:
+            return
+        logits = F.linear(h, self.model.lm_head)
+        if full_sampling:
             fused.head_epilogue(logits, self.logits, self.state_logits, rows)
             self._sample(self.logits[:batch], batch, full_sampling, rows, s)
         else:
