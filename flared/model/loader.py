@@ -353,6 +353,22 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
 
 
+def _with_weightless_norms(hf: dict[str, torch.Tensor], config: ModelConfig, *, qk: bool = False) -> dict:
+    """``hf`` with ones for the norms a checkpoint without norm weights has none of (OLMo's, nanochat's): the final
+    norm, each layer's two, and with ``qk`` its per-head q and k norms; each a tensor of its own (a core's weight
+    files hold no shared tensors)."""
+    dtype = hf["model.embed_tokens.weight"].dtype
+    out = {**hf, "model.norm.weight": torch.ones(config.hidden_size, dtype=dtype)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{p}{name}.weight"] = torch.ones(config.hidden_size, dtype=dtype)
+        if qk:
+            for name in ("q_norm", "k_norm"):
+                out[f"{p}self_attn.{name}.weight"] = torch.ones(config.head_dim, dtype=dtype)
+    return out
+
+
 def _hf_sarvam_names(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Sarvam MoE's and Param2 MoE's tensor names (as their releases and transformers' save write them) as GLM-4.5's:
     word_embeddings, attention.dense, query_layernorm / key_layernorm, the router's expert_bias, and the fused
@@ -467,27 +483,16 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "olmo":  # its LayerNorms have no weights: ones
-        ones = torch.ones(config.hidden_size, dtype=hf["model.embed_tokens.weight"].dtype)
-        hf = {**hf, "model.norm.weight": ones}
-        for i in range(config.num_layers):  # (copies: a core's weight files hold no shared tensors)
-            hf.update({f"model.layers.{i}.input_layernorm.weight": ones.clone(),
-                       f"model.layers.{i}.post_attention_layernorm.weight": ones.clone()})
+        hf = _with_weightless_norms(hf, config)
     if hf_config is not None and hf_config.get("model_type") == "nanochat":
-        # its RMSNorms have no weights (ones, then); its MLP's fc1 / fc2 are an ungated up / down; its rope turns the
-        # other way (rotate_half as (x2, -x1)): each q and k head's halves swapped turns it back to ours (a swap of
-        # both q and k leaves their dot products as they were; its q/k norms see the same values)
-        ones = torch.ones(config.hidden_size, dtype=hf["model.embed_tokens.weight"].dtype)
-        head = torch.ones(config.head_dim, dtype=ones.dtype)
+        # its RMSNorms (the per-head q/k ones too) have no weights: ones; its MLP's fc1 / fc2 are an ungated up / down;
+        # its rope turns the other way (rotate_half as (x2, -x1)): each q and k head's halves swapped turns it back to
+        # ours (a swap of both q and k leaves their dot products as they were; its q/k norms see the same values)
         hf = {k.replace(".mlp.fc1.", ".mlp.up_proj.").replace(".mlp.fc2.", ".mlp.down_proj."): v for k, v in hf.items()}
         for name in [k for k in hf if k.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight"))]:
             rows = hf[name].view(-1, 2, config.head_dim // 2, hf[name].shape[-1])
             hf[name] = rows.flip(1).reshape(hf[name].shape)
-        hf["model.norm.weight"] = ones
-        for i in range(config.num_layers):  # (copies: a core's weight files hold no shared tensors)
-            hf.update({f"model.layers.{i}.input_layernorm.weight": ones.clone(),
-                       f"model.layers.{i}.post_attention_layernorm.weight": ones.clone(),
-                       f"model.layers.{i}.self_attn.q_norm.weight": head.clone(),
-                       f"model.layers.{i}.self_attn.k_norm.weight": head.clone()})
+        hf = _with_weightless_norms(hf, config, qk=True)
     if hf_config is not None and hf_config.get("model_type") in ("sarvam_moe", "param2moe"):
         hf = _hf_sarvam_names(hf, config)
     if hf_config is not None and hf_config.get("model_type") == "exaone":  # EXAONE 3's names for Llama's tensors
@@ -496,9 +501,13 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".attn.attention.", ".self_attn."), (".ln_1.", ".input_layernorm."),
                    (".ln_2.", ".post_attention_layernorm."), (".mlp.c_fc_0.", ".mlp.gate_proj."),
                    (".mlp.c_fc_1.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
-        for old, new in renames:
-            hf = {k.replace(old, new, 1) if (k.startswith(old) if old.startswith("transformer.") else old in k) else k: v
-                  for k, v in hf.items()}
+
+        def renamed(name: str) -> str:
+            for old, new in renames:  # (in order: out_proj's before the rest of attn.attention's)
+                name = name.replace(old, new, 1)
+            return name
+
+        hf = {renamed(k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
                    (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))
