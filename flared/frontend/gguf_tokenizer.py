@@ -185,8 +185,9 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
         )
     architecture = metadata.get("general.architecture")
     tokens: list[str] = list(_require(metadata, "tokenizer.ggml.tokens", source))
-    gemma = tokenizer_model == "gemma4" or (tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE)
-    if tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE:
+    gemma_spm = tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE  # (Gemma 1-3's)
+    gemma = gemma_spm or tokenizer_model == "gemma4"
+    if gemma_spm:
         # a token of spaces alone is stored as spaces; Gemma's tokenizer looks it up as "▁"s
         tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or ())
@@ -220,7 +221,7 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
         vocab = {token: index for index, token in enumerate(tokens)}
         if "tokenizer.ggml.merges" in metadata:
             merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
-        elif tokenizer_model == "llama" and architecture in _GEMMA_SENTENCEPIECE:  # best first: the file's order
+        elif gemma_spm:  # best first: the file's order
             merges = _merges_from_scores(tokens, [-float(index) for index in range(len(tokens))])
         else:
             merges = _merges_from_scores(tokens, list(_require(metadata, "tokenizer.ggml.scores", source)))
@@ -240,9 +241,8 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
             if architecture == "phi3":  # the prefix "▁" from a normaliser (so a leading space doubles it)
                 backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
                 backend.pre_tokenizer = None
-        # Older SentencePiece files carry no flag, and such vocabularies expect a BOS; Gemma 4's carry one that
-        # transformers overrides (its chat template writes the BOS)
-        add_bos_default = tokenizer_model == "llama"
+        # Older SentencePiece files carry no flag, and such vocabularies expect a BOS.
+        add_bos_default = True
 
     # Control tokens become whole special tokens; see the rules above for the byte-level exception.
     control = [
@@ -284,7 +284,7 @@ def tokenizer_from_gguf_metadata(metadata: dict, *, source: str = "<gguf>") -> G
     pad_token_id = backend.token_to_id(pad_token) if pad_token is not None else None
 
     add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos_token is not None
-    if tokenizer_model == "gemma4":
+    if tokenizer_model == "gemma4":  # (its files ask for one; transformers adds none: the chat template writes it)
         add_bos_token = False
     add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_token is not None
     single = ([f"{bos_token}:0"] if add_bos_token else []) + ["$A:0"] + ([f"{eos_token}:0"] if add_eos_token else [])
