@@ -1129,6 +1129,18 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     )
 
 
+_TANH_GELU = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh"}
+
+
+def _hf_act(hf: dict[str, Any], source: str, family: str, default: str, acts: dict[str, str]) -> str:
+    """Our hidden_act for the config's (``default`` where it names none), by ``acts`` (its name -> ours); any other
+    refused, naming the family."""
+    act = hf.get("hidden_act", default)
+    if act not in acts:
+        raise _unsupported(f"{source}: {family} with hidden_act {act!r} is not supported ({', '.join(acts)})")
+    return acts[act]
+
+
 def _check_silu(hf: dict[str, Any], source: str) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
@@ -1470,16 +1482,14 @@ def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """BigCode StarCoder2 (3B-15B): Llama's attention with biases on all four projections (use_bias) and one window on
     every layer (sliding_window); LayerNorms (norm_epsilon) with biases before attention and the MLP; an ungated MLP
     c_fc, tanh-GELU, c_proj, biased; tied embeddings by default."""
-    act = hf.get("hidden_act", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        raise _unsupported(f"{source}: StarCoder2 with hidden_act {act!r} is not supported (gelu_pytorch_tanh)")
+    act = _hf_act(hf, source, "StarCoder2", "gelu_pytorch_tanh", {"gelu_pytorch_tanh": "gelu_pytorch_tanh"})
     biased = bool(hf.get("use_bias", True))
     theta, scaling = _rope_from_hf(hf, source)
     window = hf.get("sliding_window")
     return ModelConfig(
         architecture="llama", **_sizes(hf, max_positions=4096, tied=True), rms_norm_eps=float(hf.get("norm_epsilon", 1e-5)),
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
-        layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
+        layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act=act,
         sliding_window=int(window) if window else None)
 
 
@@ -1488,11 +1498,7 @@ def _gpt_neox_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     attention and the MLP side by side, each from its own norm of the layer's input (parallel_norms), else Llama's
     order; partial_rotary_factor (rotary_pct) of each head rotated; query_key_value each head's q, k, v (reordered on
     reading), biased as dense (o); an ungated MLP with exact GELU (or tanh's), biased."""
-    act = hf.get("hidden_act", "gelu")
-    acts = {"gelu": "gelu", "gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh",
-            "gelu_fast": "gelu_pytorch_tanh"}
-    if act not in acts:
-        raise _unsupported(f"{source}: GPT-NeoX with hidden_act {act!r} is not supported ({', '.join(acts)})")
+    act = _hf_act(hf, source, "GPT-NeoX", "gelu", {"gelu": "gelu", **_TANH_GELU})
     sizes = {**_sizes(hf, max_positions=2048), "num_kv_heads": int(hf["num_attention_heads"])}  # (no grouped queries)
     theta, scaling = _rope_from_hf(hf, source)
     params = hf.get("rope_parameters") or {}
@@ -1504,7 +1510,7 @@ def _gpt_neox_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
         norm_bias=True, parallel_block=parallel, parallel_norms=parallel, mlp_bias=True, mlp_gated=False,
-        hidden_act=acts[act], rotary_dim=rotated if rotated != sizes["head_dim"] else None)
+        hidden_act=act, rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
 def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -1512,9 +1518,7 @@ def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     parallel block), partial_rotary_factor of each head rotated (rotate-half within), biases on q/k/v and dense (o), an
     ungated MLP fc1, tanh-GELU (gelu_new), fc2 with biases, a biased final LayerNorm and LM head. Per-head q/k
     LayerNorms (qk_layernorm) are refused by name."""
-    act = hf.get("hidden_act", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise _unsupported(f"{source}: Phi with hidden_act {act!r} is not supported (gelu_new)")
+    act = _hf_act(hf, source, "Phi", "gelu_new", {k: v for k, v in _TANH_GELU.items() if k != "gelu_fast"})
     if hf.get("qk_layernorm"):
         raise _unsupported(f"{source}: Phi with qk_layernorm is not supported")
     sizes = _sizes(hf, max_positions=2048)
@@ -1525,7 +1529,7 @@ def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=True, attention_out_bias=True, qk_norm=False, layer_norm=True,
-        norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act="gelu_pytorch_tanh",
+        norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act=act,
         lm_head_bias=not sizes["tie_word_embeddings"],
         rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
@@ -1552,9 +1556,7 @@ def _nemotron_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """NVIDIA Nemotron-4 and its Minitron prunings (nemotron): LayerNorm1P (mean-centred, weight 1 + w, biased: the
     loader adds the 1) before attention and the MLP; partial_rotary_factor of each head rotated (rotate-half within);
     an ungated MLP up, relu(x)^2, down; biases where attention_bias / mlp_bias say."""
-    act = hf.get("hidden_act", "relu2")
-    if act != "relu2":
-        raise _unsupported(f"{source}: Nemotron with hidden_act {act!r} is not supported (relu2)")
+    act = _hf_act(hf, source, "Nemotron", "relu2", {"relu2": "relu2"})
     sizes = _sizes(hf, max_positions=4096)
     theta, scaling = _rope_from_hf(hf, source)
     params = hf.get("rope_parameters") or {}
@@ -1564,7 +1566,7 @@ def _nemotron_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("norm_eps", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
-        norm_bias=True, mlp_bias=bool(hf.get("mlp_bias")), mlp_gated=False, hidden_act="relu2",
+        norm_bias=True, mlp_bias=bool(hf.get("mlp_bias")), mlp_gated=False, hidden_act=act,
         rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
