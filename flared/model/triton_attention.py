@@ -40,6 +40,11 @@ Rules:
   softmax's denominator and gives no value (the one-pass decode kernel and
   the prefill kernel; the split decode has none). Also a compile-time
   switch: without sinks the kernels are as they were.
+- Head dims that are not powers of two (Phi-2's 80, DeepSeek's latent
+  attention's 192): Triton's tiles are, so the plain decode, split decode
+  and prefill kernels run a head in HEAD_PAD = next_power_of_2(d) lanes,
+  the lanes past d masked on every load and store (zeros in the dots). A
+  power-of-two head compiles the kernels as they were.
 """
 
 from __future__ import annotations
@@ -103,23 +108,32 @@ def _with_sinks(m_i, l_i, acc, sink):
 
 
 @triton.jit
+def _lanes(rows_ok, offs_d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """``rows_ok`` [R] as the mask of an [R, HEAD_PAD] tile: the lanes past HEAD_DIM masked too where a head is
+    padded to a power of two; a power-of-two head's mask the rows' alone (``& true`` folds away)."""
+    if HEAD_PAD == HEAD_DIM:
+        return rows_ok[:, None] & tl.full([1, HEAD_PAD], 1, tl.int1)
+    return rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
 def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head, stride_bt_row,
                   scale, PAGE_TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Online softmax of one row's query-head group over its key positions [begin, end): the running max,
-    the sum of exponentials and the unnormalised weighted values."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    the sum of exponentials and the unnormalised weighted values [GROUP_PAD, HEAD_PAD]."""
+    offs_d = tl.arange(0, HEAD_PAD)
     q = _query_for(q, K)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < end
         page = tl.load(BlockTables + row * stride_bt_row + pos // PAGE_TOKENS, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
         kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
-        k = tl.load(K + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        k = tl.load(K + kv_off, mask=_lanes(valid, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * scale
         if SOFTCAP > 0:
             s = _soft_cap(s, SOFTCAP)
@@ -128,7 +142,7 @@ def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(V + kv_off, mask=_lanes(valid, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return m_i, l_i, acc
@@ -140,37 +154,38 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
                    stride_bt_row, scale,
                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
-                   SOFTCAP: tl.constexpr = 0.0):
+                   SOFTCAP: tl.constexpr = 0.0, HEAD_PAD: tl.constexpr = 0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(ContextLens + row)
     first = _window_start(context_len, WINDOW)
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
-                other=0.0)
+    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=_lanes(g_mask, offs_d, HEAD_DIM, HEAD_PAD), other=0.0)
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, first, context_len, stride_kv_slot,
                                   stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE,
-                                  SOFTCAP)
+                                  SOFTCAP, HEAD_PAD)
     if SINKS:  # (a padding row's sum is then exp(0) and its values zero: zeros out)
         l_i, acc = _with_sinks(m_i, l_i, acc, tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32))
     # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + row * stride_o_row + heads[:, None] * stride_o_head + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=g_mask[:, None])
+             out.to(Out.dtype.element_ty), mask=_lanes(g_mask, offs_d, HEAD_DIM, HEAD_PAD))
 
 
 @triton.jit
 def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_end, kv_head, stride_kv_slot,
                    stride_kv_head, qk_scale, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr,
-                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_PAD: tl.constexpr):
     """Online softmax of a query block over key positions [begin, end). MASKED: keys past ``key_end``, after a
     row's own position or (WINDOW > 0) WINDOW or more before it are hidden; otherwise every key of the range is
     visible to every row."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
+    all_keys = tl.full([BLOCK_N], 1, tl.int1)
     q = _query_for(q, K)
     for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -182,9 +197,11 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
         slot = page.to(tl.int64) * PAGE_TOKENS + pos % PAGE_TOKENS
         kv_off = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + offs_d[None, :]
         if MASKED:
-            k = tl.load(K + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-        else:
+            k = tl.load(K + kv_off, mask=_lanes(valid, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
+        elif HEAD_PAD == HEAD_DIM:
             k = tl.load(K + kv_off).to(q.dtype)
+        else:
+            k = tl.load(K + kv_off, mask=_lanes(all_keys, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE)
         s = s * qk_scale
         if SOFTCAP > 0:  # (capped in natural units; back to log2 ones with EXP2)
@@ -211,9 +228,11 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
             p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
-            v = tl.load(V + kv_off, mask=valid[:, None], other=0.0).to(q.dtype)
-        else:
+            v = tl.load(V + kv_off, mask=_lanes(valid, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
+        elif HEAD_PAD == HEAD_DIM:
             v = tl.load(V + kv_off).to(q.dtype)
+        else:
+            v = tl.load(V + kv_off, mask=_lanes(all_keys, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return m_i, l_i, acc
@@ -227,7 +246,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                     HEADS_FAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr,
                     EXP2: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
-                    SOFTCAP: tl.constexpr = 0.0):
+                    SOFTCAP: tl.constexpr = 0.0, HEAD_PAD: tl.constexpr = 0):
     # Program p of the block axis is the p-th query block of the packed chunks: sequence s owns blocks
     # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
     # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
@@ -260,11 +279,11 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
     block = pid - tl.sum(tl.where(sel, blocks_end - blocks_all, 0), 0)
     block_table = BlockTables + seq * stride_bt_row
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     m_mask = offs_m < num_new
     rows = (row_start + offs_m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_q_row + head * stride_q_head + offs_d[None, :], mask=m_mask[:, None],
-                other=0.0)
+    q = tl.load(Q + rows[:, None] * stride_q_row + head * stride_q_head + offs_d[None, :],
+                mask=_lanes(m_mask, offs_d, HEAD_DIM, HEAD_PAD), other=0.0)
     q_pos = num_cached + offs_m
     # Keys up to this block's last real query position, inclusive; 0 for a block past the chunk's end.
     key_end = tl.minimum(num_cached + (block + 1) * BLOCK_M, num_cached + num_new)
@@ -275,7 +294,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
         qk_scale = scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     first_q = num_cached + block * BLOCK_M
     # With a window, the block's first row sees no key before ``lo``; keys from ``all_lo`` on are inside every
     # row's window (its last row's, key_end - 1, starts latest). Without one both are 0.
@@ -294,17 +313,17 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
             edge_end = full_end - (full_end - unmasked_from) // BLOCK_N * BLOCK_N
             m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, lo, edge_end, q_pos, key_end,
                                            kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
-                                           BLOCK_N, IEEE, True, EXP2, WINDOW, SOFTCAP)
+                                           BLOCK_N, IEEE, True, EXP2, WINDOW, SOFTCAP, HEAD_PAD)
         else:
             edge_end = 0
         m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, edge_end, full_end, q_pos, key_end,
                                        kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
-                                       BLOCK_N, IEEE, False, EXP2, WINDOW, SOFTCAP)
+                                       BLOCK_N, IEEE, False, EXP2, WINDOW, SOFTCAP, HEAD_PAD)
     else:
         full_end = lo
     m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, full_end, key_end, q_pos, key_end, kv_head,
                                    stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N, IEEE,
-                                   True, EXP2, WINDOW, SOFTCAP)
+                                   True, EXP2, WINDOW, SOFTCAP, HEAD_PAD)
     if SINKS:  # the head's sink in the scores' units (log2 ones with EXP2, where exp2 of them is exp)
         sink = tl.load(Sinks + head).to(tl.float32)
         if EXP2:
@@ -313,13 +332,24 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
             l_i, acc = _with_sinks(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=m_mask[:, None])
+             out.to(Out.dtype.element_ty), mask=_lanes(m_mask, offs_d, HEAD_DIM, HEAD_PAD))
 
 
 def _decode_warps(k_pool: torch.Tensor) -> int:
     """Warps of a decode attention program: 2 over a float8 pool (8B shape, 64 rows at 256 tokens on the H200, the
     fused kernel: 18.9 us a layer against 26.5 with 4; tools/probe_decode_attention.py --fp8-grid), else 4."""
     return 2 if k_pool.dtype == torch.float8_e4m3fn else 4
+
+
+def _head_pad(head_dim: int) -> int:
+    """The lanes a kernel runs a head in: head_dim up to the next power of two (Triton's tiles are)."""
+    return triton.next_power_of_2(head_dim)
+
+
+def _decode_block_n(head_dim: int) -> int:
+    """Keys a decode tile: 64, 32 for heads wider than 128 lanes, 16 from 512 (their tiles' registers)."""
+    lanes = _head_pad(head_dim)
+    return 64 if lanes <= 128 else 32 if lanes < 512 else 16
 
 
 def _group_pad(group: int) -> int:
@@ -343,8 +373,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale,
         PAGE_TOKENS=page_tokens, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
-        BLOCK_N=64 if head_dim <= 128 else 32, IEEE=q.dtype == torch.float32, WINDOW=window,
-        SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), num_warps=_decode_warps(k_pool))
+        BLOCK_N=_decode_block_n(head_dim), IEEE=q.dtype == torch.float32, WINDOW=window,
+        SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), HEAD_PAD=_head_pad(head_dim),
+        num_warps=_decode_warps(k_pool))
 
 
 # The bf16 prefill kernel's launch: tiles, warps, pipeline stages and the schedule knobs of _prefill_kernel.
@@ -357,6 +388,10 @@ PREFILL_CONFIG = dict(block_m=64, block_n=64, num_warps=4, num_stages=2, heads_f
 # runs at the CPU path's roundings.
 PREFILL_CONFIG_F32 = dict(block_m=64, block_n=32, num_warps=4, num_stages=2, heads_fast=True, heavy_first=True,
                           split_mask=True, exp2=False)
+# Heads of 512 lanes (Gemma 4's global layers): tiles a quarter of the keys' and half the queries' rows, so that the
+# query block, the stages of keys and values and the float32 accumulator still fit a multiprocessor.
+PREFILL_WIDE = dict(block_m=32, block_n=32, num_warps=8, num_stages=2)
+PREFILL_WIDE_F32 = dict(block_m=32, block_n=16, num_warps=8, num_stages=1)
 
 
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
@@ -376,7 +411,9 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
     if chunk_meta.stride(0) != 2 or chunk_meta.stride(1) != 1:
         raise ValueError("chunk_meta must be a contiguous [B, 2] tensor")
     ieee = q.dtype == torch.float32
-    c = dict(PREFILL_CONFIG_F32 if ieee else PREFILL_CONFIG, **(config or {}))
+    wide = PREFILL_WIDE_F32 if ieee else PREFILL_WIDE
+    c = dict(PREFILL_CONFIG_F32 if ieee else PREFILL_CONFIG, **(wide if _head_pad(head_dim) >= 512 else {}),
+             **(config or {}))
     block_m = c["block_m"]
     # At most cdiv(T, BLOCK_M) + B - 1 query blocks hold rows (each sequence adds at most one partial block).
     blocks = triton.cdiv(capacity, block_m) + num_seqs - 1
@@ -389,7 +426,8 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
         SEQS_PAD=max(16, triton.next_power_of_2(num_seqs)), PAGE_TOKENS=page_tokens,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=c["block_n"], IEEE=ieee,
         HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"], EXP2=c["exp2"],
-        WINDOW=window, SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), num_warps=c["num_warps"],
+        WINDOW=window, SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), HEAD_PAD=_head_pad(head_dim),
+        num_warps=c["num_warps"],
         num_stages=c["num_stages"])
 
 
@@ -427,35 +465,37 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
                          stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_bt_row, scale,
                          NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_TOKENS: tl.constexpr,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+                         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+                         HEAD_PAD: tl.constexpr = 0):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(ContextLens + row)
     begin, end = _split_share(context_len, split, NUM_SPLITS, BLOCK_N, WINDOW)
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
-    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=g_mask[:, None],
-                other=0.0)
+    q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=_lanes(g_mask, offs_d, HEAD_DIM, HEAD_PAD), other=0.0)
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head,
-                                  stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, False, SOFTCAP)
+                                  stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, False, SOFTCAP,
+                                  HEAD_PAD)
     base = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
     tl.store(PartM + base, m_i, mask=g_mask)
     tl.store(PartL + base, l_i, mask=g_mask)
-    tl.store(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=_lanes(g_mask, offs_d, HEAD_DIM, HEAD_PAD))
 
 
 @triton.jit
 def _decode_combine_kernel(PartAcc, PartM, PartL, Out, stride_o_row, stride_o_head,
                            NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                           HEAD_DIM: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     s_mask = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_PAD)
     base = (row * NUM_HEADS + head) * NUM_SPLITS + offs_s
     m = tl.load(PartM + base, mask=s_mask, other=float("-inf"))
     l = tl.load(PartL + base, mask=s_mask, other=0.0)
@@ -463,9 +503,14 @@ def _decode_combine_kernel(PartAcc, PartM, PartL, Out, stride_o_row, stride_o_he
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # a padding row: every split empty
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_safe))
     total = tl.sum(w * l, 0)
-    acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    acc = tl.load(PartAcc + base[:, None] * HEAD_DIM + offs_d[None, :], mask=_lanes(s_mask, offs_d, HEAD_DIM, HEAD_PAD),
+                  other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + row * stride_o_row + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
+    if HEAD_PAD == HEAD_DIM:
+        tl.store(Out + row * stride_o_row + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty))
+    else:
+        tl.store(Out + row * stride_o_row + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
 
 
 def _check_split_scratch(batch, num_heads, num_splits, head_dim, part_acc, part_m) -> None:
@@ -479,7 +524,7 @@ def _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits,
     _decode_combine_kernel[(batch, num_heads)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        HEAD_DIM=head_dim, num_warps=4)
+        HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim), num_warps=4)
 
 
 def supports_pdl() -> bool:
@@ -511,8 +556,8 @@ def paged_decode_attention_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         q, k_pool, v_pool, part_acc, part_m, part_l, block_tables, context_lens,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_tables.stride(0), scale,
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE_TOKENS=page_tokens, GROUP=group,
-        GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=64 if head_dim <= 128 else 32, WINDOW=window,
-        SOFTCAP=float(softcap or 0.0), num_warps=_decode_warps(k_pool))
+        GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim, BLOCK_N=_decode_block_n(head_dim), WINDOW=window,
+        SOFTCAP=float(softcap or 0.0), HEAD_PAD=_head_pad(head_dim), num_warps=_decode_warps(k_pool))
     _combine_splits(part_acc, part_m, part_l, out, batch, num_heads, num_splits, head_dim)
 
 
@@ -571,7 +616,7 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
     # The older positions from the pool, then the newest from registers.
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, tl.minimum(end, context_len - 1),
                                   stride_kv_slot, stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD,
-                                  HEAD_DIM, BLOCK_N, False, 0.0)
+                                  HEAD_DIM, BLOCK_N, False, 0.0, HEAD_DIM)
     s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp(m_i - m_new)

@@ -33,7 +33,7 @@ def check_decode(out, q, k_pool, v_pool, tables, lens, page_tokens, tol):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 4, 64), (8, 2, 80), (4, 4, 192)])
 def test_decode_matches_reference(dtype, tol, nh, nkv, d):
     from flared.model.triton_attention import paged_decode_attention
 
@@ -48,7 +48,7 @@ def test_decode_matches_reference(dtype, tol, nh, nkv, d):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("nh, nkv, d", [(9, 3, 64), (32, 8, 128), (8, 2, 80), (4, 4, 192)])
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_split_decode_matches_reference(dtype, nh, nkv, d, splits):
     from flared.model.triton_attention import paged_decode_attention_split
@@ -103,7 +103,7 @@ def check_varlen(out, q, k_pool, v_pool, tables, metas, page_tokens, tol):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("nh, nkv, d", [(8, 2, 64), (32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("nh, nkv, d", [(8, 2, 64), (32, 8, 128), (9, 3, 64), (8, 2, 80), (4, 4, 192)])
 @pytest.mark.parametrize("metas, capacity", [
     # (cached, new) per sequence, (0, 0) = padding: odd lengths, cached prefixes, partial query blocks.
     ([(0, 70), (37, 1), (0, 0), (100, 129), (5, 3), (0, 0)], 256),
