@@ -152,7 +152,8 @@ class GraphExecutor:
         self.speculative = speculative > 0
         self.decoder = self.graphs.decoder
         c = model.config
-        snap_shape = (num_snapshots, c.num_layers, page_tokens, c.num_kv_heads, c.head_dim)
+        # (a page of every kv layer's pool: Gemma 4's shared-KV layers keep none, its slots hold kv_storage_heads rows)
+        snap_shape = (num_snapshots, len(c.kv_layers), page_tokens, c.kv_storage_heads, c.head_dim)
         self.snap_keys = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
         self.snap_values = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
         self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)

@@ -689,16 +689,21 @@ class ModelConfig:
             return "a gated attention output"
         return None
 
+    @property
+    def kernels_obstacle(self) -> str | None:
+        """What keeps the CUDA graphs' Llama kernels (the fused forwards, megakernel, products64) from this model:
+        graph_obstacle, or a head dim that is not a power of two (their tiles'); None: they run it. Otherwise the
+        graphs capture the model's own torch layers where torch_graphs_obstacle allows."""
+        if self.graph_obstacle is None and self.head_dim & (self.head_dim - 1):
+            return f"head_dim {self.head_dim}, not a power of two"
+        return self.graph_obstacle
+
     def torch_graphs_obstacle(self, dtype: str) -> str | None:
         """What keeps the CUDA graphs from capturing this model's own torch layers (DecoderModel._layer_stack with
         the paged Triton attention: kernels/paged_decoder.py's ``generic`` decoder) in ``dtype`` (a torch dtype's
-        name), or None. Where graph_obstacle is None the graphs run the Llama kernels instead."""
+        name), or None. Where kernels_obstacle is None the graphs run the Llama kernels instead."""
         if self.linear_layers:
             return self.graph_obstacle  # (a recurrent state a row: not in the graphs' inputs)
-        if self.head_dim & (self.head_dim - 1):
-            return f"head_dim {self.head_dim}, not a power of two"
-        if self.global_head_dim:
-            return "global layers of their own head geometry"
         if self.chunked_layers or self.nope_temperature_floor:
             return "chunked attention, temperature-tuned queries"
         if self.num_experts and dtype != "bfloat16":

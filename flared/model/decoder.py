@@ -449,6 +449,9 @@ class DecoderModel:
             self.rope_local = (cos_l, torch.cat((-sin_l[:, :half], sin_l[:, half:]), dim=-1))
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype, device=self.device)
                             if config.embed_scale else None)
+        # (Gemma 4 E2B / E4B: the per-layer rows' scale, made once here: a CUDA graph captures no host copy)
+        self.per_layer_scale = (torch.tensor(config.per_layer_input_dim ** 0.5, dtype=dtype, device=self.device)
+                                if config.per_layer_input_dim else None)
         # Decode rows on the CPU attend through flared/_fast/attention.pyx, which reads the KV pages in
         # place; the torch path first gathers a [rows, context] copy of them (most of a decode step's
         # attention time at 32 rows of long context). False keeps the torch path (A/B, other devices).
@@ -913,8 +916,7 @@ class DecoderModel:
         c = self.config
         table, proj, norm = self.per_layer
         shape = (h.shape[0], c.num_layers, c.per_layer_input_dim)
-        own = table.index_select(0, batch.input_ids) * torch.tensor(c.per_layer_input_dim ** 0.5, dtype=h.dtype,
-                                                                    device=h.device)
+        own = table.index_select(0, batch.input_ids) * self.per_layer_scale
         projected = self._norm((proj(h) * c.hidden_size ** -0.5).view(shape), norm)
         return (projected + own.view(shape)) * 2.0 ** -0.5
 

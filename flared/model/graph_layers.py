@@ -1,11 +1,12 @@
 """A model's own torch layers as the CUDA graphs capture them, for families outside the Llama layer the fused
-kernels run (ModelConfig.graph_obstacle: Gemma 3, mixtures of experts, partial rotary, post-norms, ...).
+kernels run (ModelConfig.kernels_obstacle: Gemma 3, mixtures of experts, partial rotary, post-norms, latent attention,
+head dims that are not powers of two, ...).
 
 ``generic_layers`` runs DecoderModel._layer_stack over static token rows with each attention handed to a paged
 kernel (the decoder's Triton decode or prefill attention, at the layer's own window) instead of the eager
 forward's gathers, and each layer's new keys and values written into the decoder's pools by the layer's kv index:
 every op a fixed shape, no host sync, so one capture serves every step of that shape.
-ModelConfig.torch_graphs_obstacle names what this cannot run (recurrent state, sinks, soft caps, ...).
+ModelConfig.torch_graphs_obstacle names what this cannot run (recurrent state, Gemma 4's global heads, ...).
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     pool.view(torch.uint8).index_copy_(0, slots, to_storage(x, pool.dtype).view(torch.uint8))
 
 
+def layer_pool(pool: torch.Tensor, geometry: tuple[int, int]) -> torch.Tensor:
+    """One layer's pool [slots, storage rows, d] as that layer's own heads [slots, heads, dim], a view: the first
+    heads * dim / d rows of each slot, each head its consecutive d-wide pieces (Gemma 4's global layers keep their
+    wider heads so, ModelConfig.kv_storage_heads; its windowed layers, the first rows where a slot holds more)."""
+    heads, dim = geometry
+    if pool.shape[1:] == (heads, dim):
+        return pool
+    return pool.flatten(1)[:, :heads * dim].unflatten(1, (heads, dim))
+
+
 class PoolWriter:
     """The KV side of DecoderModel._layer_stack for the graphs: a layer's new keys and values into the pools
-    [kv layers, slots, nkv, d] at their slots; no recurrent state."""
+    [kv layers, slots, storage rows, d] at their slots (layer_pool: a layer's own heads); no recurrent state."""
 
     states = None
 
@@ -36,8 +47,9 @@ class PoolWriter:
         self.storage_dtype = k_pool.dtype
 
     def write(self, kv_index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        write_kv(self.k_pool[kv_index], slots, k)
-        write_kv(self.v_pool[kv_index], slots, v)
+        geometry = tuple(k.shape[1:])
+        write_kv(layer_pool(self.k_pool[kv_index], geometry), slots, k)
+        write_kv(layer_pool(self.v_pool[kv_index], geometry), slots, v)
 
 
 def attention_sinks(model) -> list[torch.Tensor | None]:
@@ -50,8 +62,9 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
                    positions: torch.Tensor, slots: torch.Tensor, attend, sinks: list) -> torch.Tensor:
     """Every layer of ``model`` (a DecoderModel) over the rows ``tokens`` at ``positions``, their keys and values
     written at ``slots``; each attention as ``attend(q [T, nh, d], kv_index, out [T, nh, d], window=w, sinks=s,
-    softcap=cap)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry of ``sinks``
-    (attention_sinks(model)); ``cap`` Gemma 2's cap on the scaled scores, 0 = none).
+    softcap=cap, geometry=g)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry of
+    ``sinks`` (attention_sinks(model)); ``cap`` Gemma 2's cap on the scaled scores, 0 = none; ``g`` (kv heads, d) of
+    the layer, Gemma 4's global layers' their own: layer_pool's view of the pools).
     Returns the final-normed hidden states [T, H]."""
     c = model.config
     num_tokens = tokens.shape[0]
@@ -61,9 +74,10 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
                          decode_max_context=0, num_tokens=num_tokens)
 
     def attend_layer(q: torch.Tensor, index: int, kv_index: int) -> torch.Tensor:
-        out = torch.empty(num_tokens, c.num_heads, c.head_dim, dtype=q.dtype, device=q.device)
-        attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index], softcap=softcap)
-        return out.view(num_tokens, c.num_heads * c.head_dim)
+        geometry = model.layers[index].geometry
+        out = torch.empty_like(q)
+        attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index], softcap=softcap, geometry=geometry)
+        return out.view(num_tokens, -1)
 
     h = model._layer_stack(batch, PoolWriter(k_pool, v_pool), attend=attend_layer)
     return model._norm(h, model.final_norm)

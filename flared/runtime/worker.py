@@ -387,7 +387,7 @@ class ModelRuntime:
         if use_cuda and self.enforce_eager:
             log.info("enforce_eager: serving on the GPU with the eager executor (no CUDA graphs)")
             use_cuda = False
-        elif use_cuda and not self.core.config.graph_capable:
+        elif use_cuda and self.core.config.kernels_obstacle is not None:
             config = self.core.config
             problem = config.torch_graphs_obstacle(m.dtype)
             if problem is None and (self.lora_modules or self.lora_slots):
@@ -398,7 +398,7 @@ class ModelRuntime:
             if problem is None:
                 # The graphs capture the model's own torch layers with the paged Triton attention (no fused
                 # kernels: kernels/paged_decoder.py's generic decoder)
-                log.info("the CUDA graphs run %s through the model's torch layers", config.graph_obstacle)
+                log.info("the CUDA graphs run %s through the model's torch layers", config.kernels_obstacle)
             else:
                 # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's
                 # routing)

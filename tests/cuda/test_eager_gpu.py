@@ -1,6 +1,6 @@
 """Models the Llama kernels do not run serve on the GPU either through CUDA graphs of their own torch layers
-(mixtures of experts, Gemma 3, gpt-oss, partial rotary: kernels/paged_decoder.py's generic decoder) or, where even those
-cannot (Qwen3-Next's recurrent state), through the eager executor (its torch forward on CUDA;
+(mixtures of experts, Gemma 3 and 4, gpt-oss, partial rotary, latent attention, heads not a power of two wide:
+kernels/paged_decoder.py's generic decoder) or, where even those cannot (recurrent state), through the eager executor (its torch forward on CUDA;
 tests/model/test_cuda_device.py holds that forward to transformers on the GPU): a bf16 core's daemon says which, and
 its greedy chat tokens are transformers' bf16 tokens on the same GPU. Skipped without a GPU (tests/cuda/conftest.py)."""
 
@@ -41,7 +41,8 @@ def _prompt(tok, text) -> list[int]:
     return [2] + tok.encode(f"<user>{text}<model>", add_special_tokens=False).ids
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "gpt_oss", "phi4_mini"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gemma3", "gpt_oss", "phi4_mini", "gemma4_e2b", "deepseek_v2",
+                                    "llama_head24"])
 def test_a_core_the_llama_kernels_do_not_run_serves_through_its_own_layers_graphs(family, tmp_path, start_daemon):
     """The daemon says it serves the core through the generic graphs, and its greedy chat tokens are as near
     transformers' float32 argmax (teacher-forced on each run's own tokens) as the tokens the same core gives with
@@ -66,9 +67,12 @@ def test_a_core_the_llama_kernels_do_not_run_serves_through_its_own_layers_graph
 
 
 def test_a_recurrent_core_serves_on_the_gpu_through_the_eager_executor(tmp_path, start_daemon):
+    """(LFM2's short convolutions: Qwen3-Next's Gated DeltaNet ran here until the GPU machine's transformers 5.17 took
+    it through PyTorch fallbacks that part from its own kernels; tools/gpu_family_check.py holds Qwen3-Next on CUDA to
+    a newer transformers' references.)"""
     from transformers import AutoModelForCausalLM
 
-    directory, tok, core = _core("qwen3_next", tmp_path)
+    directory, tok, core = _core("lfm2", tmp_path)
     d = start_daemon(core)
     got = _chat_tokens(d)
     log = d.log()

@@ -41,6 +41,9 @@ FAMILIES = {
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                              rope_theta=500000.0)),
     "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    # A head dim that is not a power of two (Phi-2's and Pythia-2.8B's 80, latent attention's 192 in kind): the GPU
+    # runs it through the generic graphs with the attention kernels' heads padded
+    "llama_head24": ("llama", dict(head_dim=24)),
     "mistral": ("mistral", dict(sliding_window=16, head_dim=16)),
     "qwen2": ("qwen2", dict()),
     "qwen3": ("qwen3", dict(head_dim=32)),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flared.model.decoder import DecoderModel
-from flared.model.graph_layers import attention_sinks, generic_layers
+from flared.model.graph_layers import attention_sinks, generic_layers, layer_pool
 from flared.model.loader import read_source
 
 from .conftest import build_hf_checkpoint
@@ -21,28 +21,30 @@ PAGE_TOKENS = 4
 NEW_TOKENS = 8
 PROMPT = [5, 17, 3, 42, 9, 33, 8, 21, 14, 7, 60, 11, 25]  # 13 tokens: pages of 4 cut it
 
-# Families whose layers only the generic graphs run (ModelConfig.graph_obstacle set, torch_graphs_obstacle None):
-# windows on some layers, experts, partial and no rotary, post-norms, LayerNorms and parallel blocks, multipliers.
+# Families whose layers only the generic graphs run (ModelConfig.kernels_obstacle set, torch_graphs_obstacle None):
+# windows on some layers, experts, partial and no rotary, post-norms, LayerNorms and parallel blocks, multipliers,
+# latent attention, head dims that are not powers of two.
 GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_5_moe", "phi4_mini", "stablelm",
            "phi", "gpt_neox", "olmo2", "smollm3", "granite", "cohere", "cohere2", "starcoder2", "nemotron", "hunyuan",
-           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2", "ministral3", "hyperclovax", "sarvam_moe", "nanochat", "phimoe", "olmo"]
+           "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2", "ministral3", "hyperclovax", "sarvam_moe", "nanochat", "phimoe", "olmo", "deepseek_v2", "deepseek_v3",
+           "glm4_moe_lite", "llama_head24", "gemma4", "gemma4_values", "gemma4_moe", "gemma4_e2b"]
 # ... and what it refuses (the eager executor serves those on a GPU)
-REFUSED = {"qwen3_5": "Gated DeltaNet", "gemma4": "geometry",
-           "llama4": "chunked", "deepseek_v3": "power of two"}
+REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked"}
 
 
 def _oracle(k_pool, v_pool, slots_of, positions, scale):
     """attend(q [T, nh, d], kv_index, out, window, sinks) as the Triton kernels compute it: row t, at position
     positions[t], attends the keys of positions (p - window, p] (window 0: [0, p]) held at slots_of[position],
     each head's sink (if any) one more logit in its softmax, the scores soft-capped where ``softcap``."""
-    def attend(q, layer, out, window=None, sinks=None, softcap=0.0):
-        nh, d = q.shape[1], q.shape[2]
-        nkv = k_pool.shape[2]
+    def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None):
+        nh = q.shape[1]
+        k_layer, v_layer = layer_pool(k_pool[layer], geometry), layer_pool(v_pool[layer], geometry)
+        nkv = k_layer.shape[1]
         for t, p in enumerate(positions.tolist()):
             first = max(0, p - window + 1) if window else 0
             slots = slots_of[first:p + 1]
-            keys = k_pool[layer][slots].float().repeat_interleave(nh // nkv, dim=1)  # [L, nh, d]
-            values = v_pool[layer][slots].float().repeat_interleave(nh // nkv, dim=1)
+            keys = k_layer[slots].float().repeat_interleave(nh // nkv, dim=1)  # [L, nh, d]
+            values = v_layer[slots].float().repeat_interleave(nh // nkv, dim=1)
             scores = torch.einsum("hd,lhd->hl", q[t].float(), keys) * scale
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
@@ -60,7 +62,7 @@ def _generic_greedy(model: DecoderModel, prompt: list[int], new_tokens: int) -> 
     total = len(prompt) + new_tokens
     pages = torch.randperm(-(-total // PAGE_TOKENS) + 5, generator=torch.Generator().manual_seed(3))
     slots_of = torch.tensor([int(pages[p // PAGE_TOKENS]) * PAGE_TOKENS + p % PAGE_TOKENS for p in range(total)])
-    shape = (len(c.kv_layers), (len(pages) + 1) * PAGE_TOKENS, c.num_kv_heads, c.head_dim)
+    shape = (len(c.kv_layers), (len(pages) + 1) * PAGE_TOKENS, c.kv_storage_heads, c.head_dim)
     k_pool, v_pool = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
     sinks = attention_sinks(model)
     tokens, logits = [], []
@@ -92,7 +94,7 @@ def checkpoints(tmp_path_factory):
 def test_generic_layers_match_the_eager_forward(family, checkpoints):
     source = read_source(checkpoints(family))
     c = source.config
-    assert c.graph_obstacle is not None and c.torch_graphs_obstacle("bfloat16") is None, c.graph_obstacle
+    assert c.kernels_obstacle is not None and c.torch_graphs_obstacle("bfloat16") is None, c.kernels_obstacle
     model = DecoderModel(c, source.tensors)
     ((want, want_logits),) = run_paged_greedy(model, [PROMPT], num_new_tokens=NEW_TOKENS, page_tokens=PAGE_TOKENS,
                                               chunk_tokens=5)
@@ -112,3 +114,13 @@ def test_routed_experts_need_bf16_grouped_products(checkpoints):
     assert "float32" in c.torch_graphs_obstacle("float32")
     assert c.torch_graphs_obstacle("bfloat16") is None
     assert read_source(checkpoints("gemma3")).config.torch_graphs_obstacle("float32") is None
+
+
+def test_a_head_dim_not_a_power_of_two_keeps_the_llama_kernels_off(checkpoints):
+    """A Llama layer whose heads are 24 wide: the CPU runs it as any Llama (graph_obstacle None, its one-call step),
+    the GPU's fused kernels do not (kernels_obstacle), the generic graphs do."""
+    c = read_source(checkpoints("llama_head24")).config
+    assert c.graph_obstacle is None and c.graph_capable
+    assert c.kernels_obstacle == "head_dim 24, not a power of two"
+    assert c.torch_graphs_obstacle("float32") is None
+    assert read_source(checkpoints("llama3")).config.kernels_obstacle is None

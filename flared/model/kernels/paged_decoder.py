@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.graph_layers import attention_sinks, generic_layers, write_kv
+from flared.model.graph_layers import attention_sinks, generic_layers, layer_pool, write_kv
 from flared.model.kernels import FULL, TEMPERATURE, decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
 from flared.model.kv_cache import FP8_KV
@@ -111,16 +111,14 @@ class PagedCudaDecoder:
         c = model.config
         if model.device.type != "cuda":
             raise ValueError("PagedCudaDecoder needs a DecoderModel on a CUDA device")
-        if c.head_dim & (c.head_dim - 1):
-            raise ValueError(f"head_dim {c.head_dim} is not a power of two (Triton tiles need one)")
         self.model = model
         self.config = c
-        # A model outside the Llama layer (graph_obstacle: Gemma 3, mixtures of experts, partial rotary, OLMo's
-        # post-norms, ...) runs its own torch layers (DecoderModel._layer_stack) with the paged Triton attention in
-        # place of their gathers: every op a static shape and no host sync, so it captures like the Llama forwards
-        # (no fused kernels, megakernel, products64 or adapters). ModelConfig.torch_graphs_obstacle names what even
-        # this cannot run.
-        self.generic = c.graph_obstacle is not None
+        # A model outside the Llama layer (kernels_obstacle: Gemma 3, mixtures of experts, partial rotary, OLMo's
+        # post-norms, latent attention, a head dim not a power of two, ...) runs its own torch layers
+        # (DecoderModel._layer_stack) with the paged Triton attention in place of their gathers: every op a static
+        # shape and no host sync, so it captures like the Llama forwards (no fused kernels, megakernel, products64
+        # or adapters). ModelConfig.torch_graphs_obstacle names what even this cannot run.
+        self.generic = c.kernels_obstacle is not None
         if self.generic:
             problem = c.torch_graphs_obstacle(str(model.dtype).removeprefix("torch."))
             if problem is not None:
@@ -128,7 +126,7 @@ class PagedCudaDecoder:
             if c.num_experts and not model.grouped_experts:
                 raise ValueError("the CUDA graphs run routed experts as grouped products (bf16 on a GPU)")
             if lora is not None:
-                raise ValueError(f"per-request LoRA adapters run on the Llama kernels only, not {c.graph_obstacle}")
+                raise ValueError(f"per-request LoRA adapters run on the Llama kernels only, not {c.kernels_obstacle}")
         # (each layer's sinks as the kernels read them, made once: not a cast in every replay)
         self.sinks = attention_sinks(model) if self.generic else None
         # A sliding window's keys (Mistral): the Triton attention kernels see only the last ``window`` keys of a
@@ -145,7 +143,8 @@ class PagedCudaDecoder:
         # One extra page: padding rows write their K/V there, never into a live page.
         self.scratch_slot = num_pages * page_tokens
         # (the layers that keep keys and values: all of a Llama's; DecoderModel's kv_index numbers them)
-        pool_shape = (len(c.kv_layers), (num_pages + 1) * page_tokens, c.num_kv_heads, c.head_dim)
+        # (Gemma 4: a slot holds a global layer's wider heads as head_dim-wide rows, kv_storage_heads of them)
+        pool_shape = (len(c.kv_layers), (num_pages + 1) * page_tokens, c.kv_storage_heads, c.head_dim)
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         if self.kv_dtype not in (dtype, FP8_KV):
             raise ValueError(f"a KV pool holds {dtype} or {FP8_KV}, not {self.kv_dtype}")
@@ -204,7 +203,8 @@ class PagedCudaDecoder:
         scratch = max_batch * c.num_heads * max(1, self.max_splits)
         self.part_m = torch.empty(scratch, dtype=torch.float32, device=self.device)
         self.part_l = torch.empty(scratch, dtype=torch.float32, device=self.device)
-        self.part_acc = torch.empty(scratch * c.head_dim, dtype=torch.float32, device=self.device)
+        widest = max(d for _, d in map(c.layer_geometry, range(c.num_layers)))  # (Gemma 4's global heads)
+        self.part_acc = torch.empty(scratch * widest, dtype=torch.float32, device=self.device)
         # Decode batches up to mega_max_rows run every layer as one persistent kernel (kernels/megakernel.py),
         # where calibrate finds it faster; FLARED_MEGAKERNEL=0 turns it off, =1 uses it wherever it can run.
         self.mega: dict[tuple[int, bool], megakernel.DecodeLayers] = {}
@@ -462,15 +462,16 @@ class PagedCudaDecoder:
         never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
-        def attend(q, layer, out, window=None, sinks=None, softcap=0.0):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None):
             window = self.window if window is None else window
+            k_pool, v_pool = self._layer_pools(layer, geometry)
             if splits > 1 and sinks is None:  # (the split kernels have no sinks: gpt-oss' rows run one pass)
-                paged_decode_attention_split(q, self.k_pool[layer], self.v_pool[layer], out, block_tables,
+                paged_decode_attention_split(q, k_pool, v_pool, out, block_tables,
                                              context_lens, self.part_acc, self.part_m, self.part_l,
                                              num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale,
                                              window=window, softcap=softcap)
             else:
-                paged_decode_attention(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, context_lens,
+                paged_decode_attention(q, k_pool, v_pool, out, block_tables, context_lens,
                                        page_tokens=self.page_tokens, scale=self.model.scale, window=window,
                                        sinks=sinks, softcap=softcap)
 
@@ -492,6 +493,13 @@ class PagedCudaDecoder:
             attend.with_rope = with_rope
         return attend
 
+    def _layer_pools(self, layer: int, geometry: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kv layer ``layer``'s K and V pools as the attention kernels read them: [slots, kv heads, d], or (the generic
+        layers' ``geometry``) as that layer's own heads (graph_layers.layer_pool)."""
+        if geometry is None:
+            return self.k_pool[layer], self.v_pool[layer]
+        return layer_pool(self.k_pool[layer], geometry), layer_pool(self.v_pool[layer], geometry)
+
     def prefill(self, batch: int, capacity: int) -> torch.Tensor:
         """A prefill chunk of ``capacity`` token rows over ``batch`` sequences from the static inputs; samples each
         sequence's last row and returns the final-normed hidden states [capacity, H] (a scored step reads them)."""
@@ -499,8 +507,9 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
 
-        def attend(q, layer, out, window=None, sinks=None, softcap=0.0):
-            paged_prefill_attention_varlen(q, self.k_pool[layer], self.v_pool[layer], out, block_tables, meta,
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None):
+            k_pool, v_pool = self._layer_pools(layer, geometry)
+            paged_prefill_attention_varlen(q, k_pool, v_pool, out, block_tables, meta,
                                            page_tokens=self.page_tokens, scale=self.model.scale,
                                            window=self.window if window is None else window, sinks=sinks,
                                            softcap=softcap)
