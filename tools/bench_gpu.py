@@ -92,8 +92,11 @@ def serving(hf, dtype: torch.dtype, device="cuda"):
     from flared.model.decoder import DecoderModel
     from flared.model.loader import _hf_to_serving
 
-    config = from_hf_config(hf.config.to_dict())
-    tensors = _hf_to_serving({k: v.detach() for k, v in hf.state_dict().items()}, config, source="random")
+    hf_config = hf.config.to_dict()
+    config = from_hf_config(hf_config)
+    # (hf_config: the renames and folds of families whose checkpoints name their tensors otherwise, Phi-2's)
+    tensors = _hf_to_serving({k: v.detach() for k, v in hf.state_dict().items()}, config, source="random",
+                             hf_config=hf_config)
     return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT_TOKENS)
 
 

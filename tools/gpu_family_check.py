@@ -33,7 +33,9 @@ FAMILIES = ["llama3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "dee
             "arcee", "granitemoe", "granitemoeshared", "ministral", "cwm", "olmoe", "solar_open",
             "exaone_moe", "hy_v3", "afmoe", "lfm3", "olmo_hybrid",
             "starcoder2", "nemotron", "gemma", "stablelm",
-            "granitemoe_swa", "phi", "glm", "gpt_neox"]
+            "granitemoe_swa", "phi", "glm", "gpt_neox",
+            "ministral3", "exaone", "internlm3", "iquestcoder", "helium", "hyperclovax", "sarvam_moe", "param2moe",
+            "phimoe", "olmo", "nanochat", "llama_head24", "deepseek_v2"]
 NEW, GENERATED = 16, 32
 
 
