@@ -79,6 +79,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # GLM-4.7-Flash: DeepSeek-V3's layer (latent attention, grouped sigmoid routing) under its own name,
                   # its dense MLPs named by mlp_layer_types
                   "glm4_moe_lite": "deepseek2",
+                  # Tencent Youtu-LLM: DeepSeek-V3's latent attention with a dense SwiGLU MLP on every layer
+                  "youtu": "deepseek2",
                   # MiniMax-M2: q/k normed over all heads, part of each head rotated, sigmoid-routed experts with
                   # correction biases
                   "minimax_m2": "llama",
@@ -997,8 +999,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
         **dict.fromkeys(("exaone4", "exaone_moe"), lambda: _exaone_from_hf(hf, source)),
         **dict.fromkeys(("cohere", "cohere2"), lambda: _cohere_from_hf(hf, source, model_type)),
-        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite"), lambda: _deepseek_from_hf(
-            hf, source, "deepseek_v2" if model_type == "deepseek_v2" else "deepseek_v3")),
+        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"),
+                        lambda: _deepseek_from_hf(hf, source, model_type)),
         **{t: (lambda: _qwen3_next_from_hf(hf, source, model_type))
            for t, arch in HF_MODEL_TYPES.items() if arch == "qwen3_next"},
         **dict.fromkeys(("lfm2", "lfm2_moe"), lambda: _lfm2_from_hf(hf, source, model_type)),
@@ -1938,18 +1940,19 @@ def _lfm3_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 
 def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
-    """DeepSeek V2 and V3 (and their kin: Moonlight, Kimi K2): multi-head latent attention (its rotated part turning
-    interleaved pairs, reordered on reading; YaRN's mscale_all_dim folded into the query scale, as transformers folds
-    it) and routed experts beside a shared one after the first_k_dense_replace dense layers: V2's softmax scores (the
-    chosen ones times routed_scaling_factor, never renormalised, as transformers computes them), V3's grouped sigmoid
-    routing. V2's group-limited routing (DeepSeek-V2 236B) is refused by name."""
+    """DeepSeek V2 and V3 (and their kin: Moonlight, Kimi K2, GLM-4.7-Flash): multi-head latent attention (its rotated
+    part turning interleaved pairs, reordered on reading; YaRN's mscale_all_dim folded into the query scale, as
+    transformers folds it) and routed experts beside a shared one after the first_k_dense_replace dense layers: V2's
+    softmax scores (the chosen ones times routed_scaling_factor, never renormalised, as transformers computes them),
+    V3's grouped sigmoid routing. V2's group-limited routing (DeepSeek-V2 236B) is refused by name. Youtu-LLM: V3's
+    attention with a dense MLP on every layer (no experts) and tied embeddings by default."""
     _check_silu(hf, source)
     if hf.get("attention_bias"):
         raise _unsupported(f"{source}: attention_bias on latent attention is not supported")
     nope, rope, v_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"]), int(hf["v_head_dim"])
     heads = int(hf["num_attention_heads"])
-    sizes = {**_sizes({**hf, "head_dim": nope + rope}), "num_kv_heads": heads}
-    v3 = model_type == "deepseek_v3"
+    sizes = {**_sizes({**hf, "head_dim": nope + rope}, tied=model_type == "youtu"), "num_kv_heads": heads}
+    v3 = model_type != "deepseek_v2"
     if not v3 and hf.get("topk_method", "greedy") != "greedy":
         raise _unsupported(f"{source}: DeepSeek-V2's topk_method {hf.get('topk_method')!r} is not supported (greedy)")
     theta, scaling = _rope_from_hf(hf, source)
