@@ -189,6 +189,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Google Gemma (1, 1.1, CodeGemma): Gemma 2's (1 + w) norms, scaled embeddings and tanh-GELU, none of
                   # its windows, caps or norms after attention and the MLP
                   "gemma": "gemma2",
+                  # Google VaultGemma (1B, trained with differential privacy): Gemma 2 without its norms after
+                  # attention and the MLP
+                  "vaultgemma": "gemma2",
                   # Stability StableLM (2 1.6B, 3B-4E1T, Zephyr): LayerNorms with biases, a quarter of each head
                   # rotated, q/k/v biases where use_qkv_bias
                   "stablelm": "llama",
@@ -993,7 +996,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         model_type = "glm4_moe"
     # the families with a reader of their own; the rest are Llama's layer with the differences read below
     readers = {
-        **dict.fromkeys(("gemma3_text", "gemma2", "gemma"), lambda: _gemma_from_hf(hf, source, model_type)),
+        **dict.fromkeys(("gemma3_text", "gemma2", "gemma", "vaultgemma"),
+                        lambda: _gemma_from_hf(hf, source, model_type)),
         "gemma4_text": lambda: _gemma4_from_hf(hf, source),
         **dict.fromkeys(("olmo2", "olmo3"), lambda: _olmo_from_hf(hf, source, model_type)),
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
@@ -2160,13 +2164,15 @@ def _gemma_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelCon
     """Gemma 3's text model (gemma3_text; a gemma3 checkpoint's text_config) or Gemma 2 (gemma2: no q/k norms, one
     rope for every layer, every other layer windowed, soft-capped attention scores and logits); Gemma 1 (gemma) as
     Gemma 2 without windows, caps or norms after attention and the MLP (its legacy hidden_act "gelu" the tanh one,
-    as transformers reads it)."""
+    as transformers reads it); VaultGemma (vaultgemma) as Gemma 2 without its norms after attention and the MLP."""
     if model_type == "gemma":
         config = _gemma_from_hf({**hf, "layer_types": ["full_attention"] * int(hf["num_hidden_layers"]),
                                  "hidden_activation": "gelu_pytorch_tanh" if (hf.get("hidden_activation") or hf.get(
                                      "hidden_act", "gelu")) in ("gelu", "gelu_pytorch_tanh") else hf.get("hidden_act"),
                                  "attn_logit_softcapping": None, "final_logit_softcapping": None}, source, "gemma2")
         return dataclasses.replace(config, sandwich_norm=False, layer_windows=None)
+    if model_type == "vaultgemma":  # (its windows and caps Gemma 2's; the loader reads its pre-MLP norm as Gemma 1's)
+        return dataclasses.replace(_gemma_from_hf(hf, source, "gemma2"), sandwich_norm=False)
     gemma2 = model_type == "gemma2"
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":

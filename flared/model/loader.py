@@ -465,6 +465,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             else:
                 renamed[k] = v
         hf = renamed
+    if hf_config is not None and hf_config.get("model_type") == "vaultgemma":  # (its pre-MLP norm under Gemma 2's
+        # name; Gemma 1's, which it reads as, is Llama's)
+        hf = {k.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "phi":  # (its names for Llama's)
         renames = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.up_proj."),
                    (".mlp.fc2.", ".mlp.down_proj."), ("model.final_layernorm.", "model.norm."))

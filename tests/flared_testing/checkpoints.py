@@ -53,6 +53,9 @@ FAMILIES = {
     # Gemma 2: every other layer windowed, soft-capped scores and logits (caps low enough to bite on these weights)
     "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=8.0)),
+    # VaultGemma: Gemma 2 without the norms after attention and the MLP (windows and caps kept)
+    "vaultgemma": ("vaultgemma", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                      final_logit_softcapping=8.0)),
     # OLMo 2: norms after attention and the MLP only, q/k norms over all heads; OLMo 3 adds three windowed layers
     # in four with their own rope (4 layers: the last is global, with yarn)
     "olmo2": ("olmo2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
