@@ -183,6 +183,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # BigCode StarCoder2: LayerNorms with biases, biased attention, an ungated tanh-GELU MLP with biases,
                   # one window on every layer
                   "starcoder2": "llama",
+                  # Inception Jais 2 (8B): Llama's attention with biases on all four projections, biased LayerNorms,
+                  # an ungated squared-ReLU MLP with biases
+                  "jais2": "llama",
                   # NVIDIA Nemotron-4 / Minitron (nemotron): LayerNorm1P (1 + w, biased), half of each head rotated, an
                   # ungated squared-ReLU MLP
                   "nemotron": "llama",
@@ -1027,6 +1030,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
             if hf.get("final_logit_softcapping", 15.0) else None),
         "afmoe": lambda: _afmoe_from_hf(hf, source),
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
+        "jais2": lambda: _jais2_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
@@ -1502,6 +1506,19 @@ def _starcoder2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
         layer_norm=True, norm_bias=True, mlp_bias=biased, mlp_gated=False, hidden_act=act,
         sliding_window=int(window) if window else None)
+
+
+def _jais2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Inception Jais 2: Llama's attention (biases on q, k, v and o where attention_bias), biased LayerNorms
+    (layer_norm_eps) before attention and the MLP and at the end, an ungated MLP up, relu(x)^2, down (biased where
+    mlp_bias)."""
+    act = _hf_act(hf, source, "Jais 2", "relu2", {"relu2": "relu2"})
+    theta, scaling = _rope_from_hf(hf, source)
+    biased = bool(hf.get("attention_bias", True))
+    return ModelConfig(
+        architecture="llama", **_sizes(hf, max_positions=8192), rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
+        layer_norm=True, norm_bias=True, mlp_bias=bool(hf.get("mlp_bias", True)), mlp_gated=False, hidden_act=act)
 
 
 def _gpt_neox_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -351,6 +351,8 @@ FAMILIES = {
     # EleutherAI GPT-NeoX (Pythia): attention and an exact-GELU MLP side by side from their own biased LayerNorms, a
     # quarter of each head rotated, query_key_value per head
     "gpt_neox": ("gpt_neox", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
+    "jais2": ("jais2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
     "arcee": ("arcee", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                           "original_max_position_embeddings": 64},
