@@ -41,6 +41,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # OLMo 2 / OLMo 3: norms after attention and the MLP only, q/k norms over all heads (OLMo 3: three
                   # windowed layers in four, their own rope)
                   "olmo2": "olmo2", "olmo3": "olmo2",
+                  # AllenAI FlexOlmo: OLMo 2's layer with OLMoE's experts (_olmo_from_hf)
+                  "flex_olmo": "olmo2",
                   # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
                   "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
                   # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
@@ -1002,7 +1004,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **dict.fromkeys(("gemma3_text", "gemma2", "gemma", "vaultgemma"),
                         lambda: _gemma_from_hf(hf, source, model_type)),
         "gemma4_text": lambda: _gemma4_from_hf(hf, source),
-        **dict.fromkeys(("olmo2", "olmo3"), lambda: _olmo_from_hf(hf, source, model_type)),
+        **dict.fromkeys(("olmo2", "olmo3", "flex_olmo"), lambda: _olmo_from_hf(hf, source, model_type)),
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
         **dict.fromkeys(("exaone4", "exaone_moe"), lambda: _exaone_from_hf(hf, source)),
         **dict.fromkeys(("cohere", "cohere2"), lambda: _cohere_from_hf(hf, source, model_type)),
@@ -2094,7 +2096,8 @@ def _gpt_oss_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     """OLMo 2 and OLMo 3: Llama's projections; a norm after attention and after the MLP (none before); q and k
-    normed over all heads; OLMo 3's windowed layers (layer_types) turn by their own plain rope."""
+    normed over all heads; OLMo 3's windowed layers (layer_types) turn by their own plain rope. FlexOlmo: OLMo 2's
+    layer with OLMoE's experts in place of the MLP."""
     _check_silu(hf, source)
     sizes = _sizes(hf, max_positions=4096)
     _partial_rotary(hf, sizes["head_dim"], source, False)
@@ -2113,10 +2116,12 @@ def _olmo_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
         theta, scaling = _rope_from_hf(hf, source)
         local_theta = theta
     bias = bool(hf.get("attention_bias", False))
+    experts = _experts_from_hf(hf, "olmoe", source) if model_type == "flex_olmo" else {}
     return ModelConfig(
         architecture="olmo2", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=bias, qk_norm=True, attention_out_bias=bias, sandwich_norm=True,
-        pre_norm=False, qk_norm_whole=True, layer_windows=windows, local_rope_theta=local_theta if windows else None)
+        pre_norm=False, qk_norm_whole=True, layer_windows=windows, local_rope_theta=local_theta if windows else None,
+        **experts)
 
 
 def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -53,6 +53,10 @@ FAMILIES = {
     # Gemma 2: every other layer windowed, soft-capped scores and logits (caps low enough to bite on these weights)
     "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=8.0)),
+    # AllenAI FlexOlmo: OLMo 2's layer (norms after attention and the MLP, q/k normed over all heads) with OLMoE's
+    # experts (softmax over all, the top ones not renormalised)
+    "flex_olmo": ("flex_olmo", dict(num_experts=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                                    eos_token_id=2)),
     # VaultGemma: Gemma 2 without the norms after attention and the MLP (windows and caps kept)
     "vaultgemma": ("vaultgemma", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                       final_logit_softcapping=8.0)),
