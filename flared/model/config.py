@@ -45,6 +45,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "flex_olmo": "olmo2",
                   # mixture-of-experts decoders: the family's layer with a routed MLP (num_experts)
                   "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
+                  # JetBrains Mellum 2: Qwen3-MoE's layer with windowed layers (layer_types) at their own rope theta
+                  # and dense MLPs where mlp_layer_types says
+                  "mellum": "qwen3",
                   # SmolLM3: Llama with every fourth layer unrotated (nope_layers)
                   "smollm3": "llama",
                   # Phi-3 / Phi-4: Llama's layer with q/k/v and gate/up stored fused, a sliding window where set
@@ -1066,7 +1069,18 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("mlp_bias") or (model_type in ("ernie4_5", "ernie4_5_moe") and hf.get("use_bias")):
         raise _unsupported(f"{source}: {'mlp_bias' if hf.get('mlp_bias') else 'use_bias'} (biases on the MLP) "
                            "is not supported")
-    windowed = model_type in ("ministral", "cwm", "granitemoe_swa") or (model_type == "mistral" and hf.get("layer_types"))
+    windowed = model_type in ("ministral", "cwm", "granitemoe_swa", "mellum") or (model_type == "mistral"
+                                                                                  and hf.get("layer_types"))
+    local_theta = None
+    params = hf.get("rope_parameters")
+    if model_type == "mellum" and isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        # (a rope a layer type: the global layers' the model's, the windowed ones' plain at their own theta)
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default" or any(
+                float(p.get("partial_rotary_factor", 1.0)) != 1.0 for p in (params["full_attention"], sliding)):
+            raise _unsupported(f"{source}: Mellum's windowed layers with a scaled or partial rope are not supported")
+        local_theta = float(sliding.get("rope_theta", 10000.0))
+        hf = {**hf, "rope_parameters": dict(params["full_attention"])}
     if not windowed and (hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ())):
         raise _unsupported(f"{source}: per-layer sliding windows (use_sliding_window) are not supported")
     if hf.get("clip_qkv") and model_type != "olmo":
@@ -1102,11 +1116,14 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     layer_windows = None
     if windowed:  # (Ministral: every layer sliding unless layer_types says; CWM: every fourth from the first full)
         window = int(hf.get("sliding_window") or 0)
-        rule = (lambda i: i % 4 != 0) if model_type in ("cwm", "granitemoe_swa") else (lambda i: bool(window))
+        rule = ((lambda i: i % 4 != 0) if model_type in ("cwm", "granitemoe_swa")
+                else (lambda i: False) if model_type == "mellum" else (lambda i: bool(window)))
         layer_windows = _layer_windows(hf, sizes["num_layers"], source, window, rule) if window else None
         sliding_window = None
         if layer_windows is not None and len(set(layer_windows)) == 1:  # (one window everywhere: Mistral's)
             sliding_window, layer_windows = layer_windows[0] or None, None
+        if model_type == "mellum" and layer_windows is None and sliding_window and local_theta is not None:
+            theta, scaling = local_theta, None  # (every layer windowed: every layer the windowed layers' rope)
         if model_type == "cwm" and not (hf.get("rope_parameters") or hf.get("rope_scaling")):
             theta, scaling = _rope_from_hf({**hf, "rope_parameters": {
                 "rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "high_freq_factor": 4.0,
@@ -1132,6 +1149,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         or model_type in ("minimax_m2", "olmoe"), qk_norm_whole=model_type in ("minimax_m2", "olmoe"),
         attention_out_bias=out_bias,
         sliding_window=int(sliding_window) if sliding_window else None, layer_windows=layer_windows,
+        local_rope_theta=local_theta if layer_windows is not None else None,
         nope_layers=nope,
         rotary_dim=_partial_rotary(hf, sizes["head_dim"], source,
                                    model_type in ("phi3", "glm", "glm4", "glm4_moe", "minimax_m2")),
@@ -1777,7 +1795,7 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                     * int(hf.get("num_shared_experts") or 0),
                     routed_scaling=float(hf.get("router_scaling_factor", 1.0)),
                     dense_layers=tuple(i for i, t in enumerate(types) if t != "sparse"))
-    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "solar_open"):
+    if model_type not in ("qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "solar_open", "mellum"):
         return {}
     layers = int(hf["num_hidden_layers"])
     if model_type in ("glm4_moe", "dots1", "solar_open"):
@@ -1795,6 +1813,8 @@ def _experts_from_hf(hf: dict[str, Any], model_type: str, source: str) -> dict:
                                                                     0 if model_type == "solar_open" else 1))))))
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = tuple(i for i in range(layers) if i in (hf.get("mlp_only_layers") or []) or (i + 1) % step)
+    if hf.get("mlp_layer_types"):  # (Mellum: "dense" or "sparse" a layer)
+        dense = tuple(i for i, t in enumerate(hf["mlp_layer_types"]) if t != "sparse")
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     experts = hf.get("num_experts") or hf["num_local_experts"]  # (transformers 5 saves Qwen3-MoE's under this name)
     return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),

@@ -57,6 +57,12 @@ FAMILIES = {
     # experts (softmax over all, the top ones not renormalised)
     "flex_olmo": ("flex_olmo", dict(num_experts=8, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
                                     eos_token_id=2)),
+    # JetBrains Mellum 2: Qwen3-MoE's layer, windowed layers at their own rope theta, a dense first layer
+    "mellum": ("mellum", dict(num_hidden_layers=3, head_dim=16, sliding_window=8, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention",
+                                                                     "sliding_attention"],
+                              mlp_layer_types=["dense", "sparse", "sparse"], pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2)),
     # VaultGemma: Gemma 2 without the norms after attention and the MLP (windows and caps kept)
     "vaultgemma": ("vaultgemma", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                       final_logit_softcapping=8.0)),
