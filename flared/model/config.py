@@ -208,7 +208,11 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "phi": "llama",
                   # EleutherAI GPT-NeoX (Pythia, GPT-NeoX-20B): attention and an ungated GELU MLP side by side, each from
                   # its own biased LayerNorm of the layer's input, a quarter of each head rotated
-                  "gpt_neox": "llama"}
+                  "gpt_neox": "llama",
+                  # OpenAI GPT-2 and BigCode GPT-BigCode (StarCoder 1, SantaCoder, WizardCoder): learned position
+                  # embeddings in place of rope, biased LayerNorms and projections, an ungated GELU MLP; BigCode's
+                  # one KV head (multi_query)
+                  "gpt2": "llama", "gpt_bigcode": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -226,7 +230,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
-                 "embedding_norm", "router_sparsemixer", "clip_qkv"}
+                 "embedding_norm", "router_sparsemixer", "clip_qkv", "position_embeddings"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -448,6 +452,9 @@ class ModelConfig:
     router_sparsemixer: float = 0.0
     # OLMo (1): every q, k and v value clamped to [-clip_qkv, clip_qkv] after its projection (0: not)
     clip_qkv: float = 0.0
+    # GPT-2, GPT-BigCode: a learned row a position (pos_embed, max_position_embeddings rows) added to each token's
+    # embedding; every layer unrotated (nope_layers)
+    position_embeddings: bool = False
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -678,6 +685,8 @@ class ModelConfig:
             return "position-scaled queries"
         if self.embedding_norm:
             return "normed embeddings"
+        if self.position_embeddings:
+            return "learned position embeddings"
         if self.clip_qkv:
             return "clamped q/k/v"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
@@ -1036,6 +1045,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "afmoe": lambda: _afmoe_from_hf(hf, source),
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
         "jais2": lambda: _jais2_from_hf(hf, source),
+        **dict.fromkeys(("gpt2", "gpt_bigcode"), lambda: _gpt2_from_hf(hf, source, model_type)),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
@@ -1539,6 +1549,33 @@ def _jais2_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         architecture="llama", **_sizes(hf, max_positions=8192), rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
         rope_theta=theta, rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False,
         layer_norm=True, norm_bias=True, mlp_bias=bool(hf.get("mlp_bias", True)), mlp_gated=False, hidden_act=act)
+
+
+def _gpt2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
+    """OpenAI GPT-2 and BigCode GPT-BigCode: learned position embeddings (n_positions rows) added to the token's, no
+    rope; biased LayerNorms (layer_norm_epsilon) before attention and the MLP and at the end; biased projections; an
+    ungated MLP c_fc, GELU (GPT-2's tanh one), c_proj; tied embeddings; BigCode's multi_query one KV head. Scores
+    scaled by head_dim^-0.5 only (scale_attn_by_inverse_layer_idx and unscaled attention refused)."""
+    family = "GPT-2" if model_type == "gpt2" else "GPT-BigCode"
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise _unsupported(f"{source}: {family} with scale_attn_by_inverse_layer_idx or without scale_attn_weights "
+                           "is not supported")
+    if hf.get("add_cross_attention"):
+        raise _unsupported(f"{source}: {family} with cross-attention is not supported")
+    act = _hf_act({"hidden_act": hf.get("activation_function")}, source, family,
+                  "gelu_new" if model_type == "gpt2" else "gelu_pytorch_tanh", {**_TANH_GELU, "gelu": "gelu"})
+    hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
+    sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
+                    "intermediate_size": int(hf.get("n_inner") or 4 * hidden), "num_hidden_layers": hf["n_layer"],
+                    "num_attention_heads": heads,
+                    "num_key_value_heads": 1 if model_type == "gpt_bigcode" and hf.get("multi_query", True) else heads,
+                    "max_position_embeddings": hf.get("n_positions", 1024),
+                    "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,
+        rope_scaling=None, attention_bias=True, attention_out_bias=True, qk_norm=False, layer_norm=True,
+        norm_bias=True, mlp_bias=True, mlp_gated=False, hidden_act=act, position_embeddings=True,
+        nope_layers=tuple(range(sizes["num_layers"])))
 
 
 def _gpt_neox_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

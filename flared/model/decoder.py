@@ -296,6 +296,7 @@ class DecoderModel:
             return weight, tensors[bias].to(device=self.device, dtype=weight.dtype).contiguous()
 
         self.embed = w("embed.weight")
+        self.pos_embed = w("pos_embed.weight") if config.position_embeddings else None  # (GPT-2's learned rows)
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = norm("final_norm.weight")
         # Gemma 4 E2B / E4B: (each token's per-layer rows, the embedding's projection to them, its per-layer norm)
@@ -790,6 +791,8 @@ class DecoderModel:
         if self.rope_local is not None:  # windowed layers' rope
             local = tuple(t.index_select(0, batch.positions)[:, None, :] for t in self.rope_local)
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
+        if self.pos_embed is not None:  # GPT-2: each position's learned row, added before any layer
+            h = h + self.pos_embed.index_select(0, batch.positions)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if c.embedding_multiplier is not None:  # Granite's (a Python float, as transformers multiplies)

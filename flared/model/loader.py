@@ -75,6 +75,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if c.norm_bias:  # (StarCoder2's LayerNorms)
         shapes["final_norm.bias"] = (c.hidden_size,)
+    if c.position_embeddings:  # (GPT-2's learned row a position)
+        shapes["pos_embed.weight"] = (c.max_position_embeddings, c.hidden_size)
     if c.lm_head_bias:  # (Phi-2's)
         shapes["lm_head.bias"] = (c.vocab_size,)
     if not c.tie_word_embeddings:
@@ -418,6 +420,39 @@ def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], 
         hf[weight_name] = (weight.float() * tiles).to(dtype)
 
 
+def _hf_gpt2_names(hf: dict[str, torch.Tensor], config: ModelConfig, hf_config: dict) -> dict[str, torch.Tensor]:
+    """GPT-2's and GPT-BigCode's tensors under Llama's names: wte, wpe (model.embed_positions), ln_1 / ln_2 / ln_f,
+    c_attn split into q, k and v (GPT-2: q, k, v blocks; BigCode: multi_query's q then one k and v, else each head's
+    q, k, v in turn), c_proj, the MLP's c_fc / c_proj as up / down. GPT-2's Conv1D weights are stored [in, out]:
+    transposed to a Linear's."""
+    gpt2 = hf_config.get("model_type") == "gpt2"
+    nh, d, hidden = config.num_heads, config.head_dim, config.hidden_size
+    renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
+               ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."),
+               (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
+               (".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
+    out = {}
+    for key, value in hf.items():
+        if key.endswith((".attn.bias", ".attn.masked_bias")):  # (old GPT-2 files' causal-mask buffers)
+            continue
+        for old, new in renames:
+            key = key.replace(old, new)
+        conv = gpt2 and value.dim() == 2 and (".self_attn." in key or ".attn." in key or ".mlp." in key)
+        if conv:
+            value = value.t()
+        if ".attn.c_attn." in key:
+            if gpt2 or config.num_kv_heads == 1:
+                parts = value.split([hidden, config.num_kv_heads * d, config.num_kv_heads * d])
+            else:  # (each head's q, k and v rows in turn)
+                per_head = value.reshape(nh, 3, d, *value.shape[1:])
+                parts = [per_head[:, j].reshape(nh * d, *value.shape[1:]) for j in range(3)]
+            for name, part in zip("qkv", parts):
+                out[key.replace(".attn.c_attn.", f".self_attn.{name}_proj.")] = part.contiguous()
+            continue
+        out[key] = value.contiguous() if conv else value
+    return out
+
+
 def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: str,
                    hf_config: dict | None = None) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors in the serving layout (``hf_config``: its config.json, for what the ModelConfig keeps
@@ -444,6 +479,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") in ("gpt2", "gpt_bigcode"):
+        hf = _hf_gpt2_names(hf, config, hf_config)
     if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)
         hf = {k: v.float() + 1.0 if k.endswith("layernorm.weight") or k == "model.norm.weight" else v
               for k, v in hf.items()}
@@ -527,6 +564,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     gemma = config.architecture in ("gemma2", "gemma3", "gemma4")
     norm = (lambda name: take(name).float() + 1.0) if config.norm_plus_one else take  # (Qwen3-Next's too)
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
+    if config.position_embeddings:  # (GPT-2's wpe)
+        out["pos_embed.weight"] = take("model.embed_positions.weight")
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
     if config.per_layer_input_dim:  # Gemma 4 E2B / E4B

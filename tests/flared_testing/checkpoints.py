@@ -361,6 +361,15 @@ FAMILIES = {
     # EleutherAI GPT-NeoX (Pythia): attention and an exact-GELU MLP side by side from their own biased LayerNorms, a
     # quarter of each head rotated, query_key_value per head
     "gpt_neox": ("gpt_neox", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # OpenAI GPT-2: learned positions, Conv1D weights, q/k/v in one c_attn; GPT-BigCode: one KV head (multi_query), and
+    # without it each head's q, k, v in turn
+    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=None, vocab_size=512,
+                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)),
+    "gpt_bigcode": ("gpt_bigcode", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128,
+                                        vocab_size=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2)),
+    "gpt_bigcode_mha": ("gpt_bigcode", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128,
+                                            vocab_size=512, initializer_range=0.2, multi_query=False, bos_token_id=1,
+                                            eos_token_id=2)),
     # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
     "jais2": ("jais2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
