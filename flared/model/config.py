@@ -212,7 +212,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # OpenAI GPT-2 and BigCode GPT-BigCode (StarCoder 1, SantaCoder, WizardCoder): learned position
                   # embeddings in place of rope, biased LayerNorms and projections, an ungated GELU MLP; BigCode's
                   # one KV head (multi_query)
-                  "gpt2": "llama", "gpt_bigcode": "llama"}
+                  "gpt2": "llama", "gpt_bigcode": "llama",
+                  # EleutherAI GPT-J: Phi-2's parallel block without attention biases, the first rotary_dim of each
+                  # head turned by interleaved pairs
+                  "gptj": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -1049,6 +1052,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
+        "gptj": lambda: _gptj_from_hf(hf, source),
         "gpt_neox": lambda: _gpt_neox_from_hf(hf, source),
     }
     if model_type in readers:
@@ -1616,6 +1620,27 @@ def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_scaling=scaling, attention_bias=True, attention_out_bias=True, qk_norm=False, layer_norm=True,
         norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act=act,
         lm_head_bias=not sizes["tie_word_embeddings"],
+        rotary_dim=rotated if rotated != sizes["head_dim"] else None)
+
+
+def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """EleutherAI GPT-J (6B; GPT-JT, Pygmalion): one biased LayerNorm a layer feeding attention and the MLP side by
+    side (parallel_block), q/k/v and out_proj without biases, the first rotary_dim of each head turned by interleaved
+    pairs at theta 10000 (reordered to rotate-half on reading: rope_interleaved), an ungated MLP fc_in, tanh-GELU,
+    fc_out with biases, a biased final LayerNorm and LM head."""
+    act = _hf_act({"hidden_act": hf.get("activation_function")}, source, "GPT-J", "gelu_new",
+                  {k: v for k, v in _TANH_GELU.items() if k != "gelu_fast"})
+    hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
+    sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
+                    "intermediate_size": int(hf.get("n_inner") or 4 * hidden), "num_hidden_layers": hf["n_layer"],
+                    "num_attention_heads": heads, "max_position_embeddings": hf.get("n_positions", 2048),
+                    "tie_word_embeddings": hf.get("tie_word_embeddings", False)})
+    rotated = int(hf.get("rotary_dim") or sizes["head_dim"])
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,
+        rope_scaling=None, attention_bias=False, attention_out_bias=False, qk_norm=False, layer_norm=True,
+        norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act=act,
+        lm_head_bias=not sizes["tie_word_embeddings"], rope_interleaved=True,
         rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 

@@ -479,6 +479,16 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "gptj":  # (its names for Llama's)
+        renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+                   ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
+                   (".out_proj.", ".o_proj."), (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj."))
+        out = {}
+        for key, value in hf.items():
+            for old, new in renames:
+                key = key.replace(old, new)
+            out[key] = value
+        hf = out
     if hf_config is not None and hf_config.get("model_type") in ("gpt2", "gpt_bigcode"):
         hf = _hf_gpt2_names(hf, config, hf_config)
     if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)

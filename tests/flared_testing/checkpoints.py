@@ -370,6 +370,9 @@ FAMILIES = {
     "gpt_bigcode_mha": ("gpt_bigcode", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, n_inner=128,
                                             vocab_size=512, initializer_range=0.2, multi_query=False, bos_token_id=1,
                                             eos_token_id=2)),
+    # EleutherAI GPT-J: Phi-2's parallel block without attention biases, a part of each head turned by interleaved pairs
+    "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8, vocab_size=512,
+                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
     # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
     "jais2": ("jais2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
