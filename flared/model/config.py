@@ -215,7 +215,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "gpt2": "llama", "gpt_bigcode": "llama",
                   # EleutherAI GPT-J: Phi-2's parallel block without attention biases, the first rotary_dim of each
                   # head turned by interleaved pairs
-                  "gptj": "llama"}
+                  "gptj": "llama",
+                  # TII Falcon (7B, 40B, 180B; RefinedWeb): attention and an ungated GELU MLP side by side from one
+                  # biased LayerNorm (40B and 180B: one each), multi-query or grouped KV heads in one fused projection
+                  "falcon": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -1053,6 +1056,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
         "gptj": lambda: _gptj_from_hf(hf, source),
+        "falcon": lambda: _falcon_from_hf(hf, source),
         "gpt_neox": lambda: _gpt_neox_from_hf(hf, source),
     }
     if model_type in readers:
@@ -1642,6 +1646,31 @@ def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act=act,
         lm_head_bias=not sizes["tie_word_embeddings"], rope_interleaved=True,
         rotary_dim=rotated if rotated != sizes["head_dim"] else None)
+
+
+def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """TII Falcon: with parallel_attn (the released models) attention and an ungated MLP (dense_h_to_4h, GELU,
+    dense_4h_to_h) side by side, from one biased LayerNorm, or (new_decoder_architecture with two of them, 40B and
+    180B) each from its own; else Llama's order. Rope over the whole head; one KV head (multi_query, 7B) or
+    num_kv_heads (new_decoder_architecture), q, k and v in one query_key_value (split on reading); biases where bias
+    says; tied embeddings. ALiBi (Falcon-RW) is refused by name."""
+    if hf.get("alibi"):
+        raise _unsupported(f"{source}: Falcon with ALiBi position biases (alibi) is not supported")
+    act = _hf_act({"hidden_act": hf.get("activation")}, source, "Falcon", "gelu", {"gelu": "gelu", **_TANH_GELU})
+    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    new = bool(hf.get("new_decoder_architecture", False))
+    kv_heads = int(hf.get("num_kv_heads") or heads) if new or not hf.get("multi_query", True) else 1
+    sizes = _sizes({**hf, "num_key_value_heads": kv_heads, "intermediate_size": int(hf.get("ffn_hidden_size")
+                                                                                     or 4 * hidden)}, tied=True)
+    parallel = bool(hf.get("parallel_attn", True)) or new
+    two_norms = new and int(hf.get("num_ln_in_parallel_attn") or 2) == 2
+    theta, scaling = _rope_from_hf(hf, source)
+    biased = bool(hf.get("bias", False))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=theta,
+        rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
+        norm_bias=True, parallel_block=parallel, parallel_norms=two_norms, mlp_bias=biased, mlp_gated=False,
+        hidden_act=act)
 
 
 def _stablelm_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -420,6 +420,38 @@ def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], 
         hf[weight_name] = (weight.float() * tiles).to(dtype)
 
 
+def _hf_falcon_names(hf: dict[str, torch.Tensor], config: ModelConfig, hf_config: dict) -> dict[str, torch.Tensor]:
+    """Falcon's tensors under Llama's names: query_key_value split into q, k and v (new_decoder_architecture: each KV
+    group's queries, then its key and value; multi_query: the queries, then one key and value; else each head's q, k,
+    v in turn); ln_attn / ln_mlp (or input_layernorm alone) as the attention's and the MLP's norms."""
+    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    new = bool(hf_config.get("new_decoder_architecture", False))
+    renames = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+               ("transformer.h.", "model.layers."), (".ln_attn.", ".input_layernorm."),
+               (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
+               (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+    out = {}
+    for key, value in hf.items():
+        for old, new_name in renames:
+            key = key.replace(old, new_name)
+        if ".self_attention.query_key_value." not in key:
+            out[key] = value
+            continue
+        rest = value.shape[1:]
+        if new:  # [nkv, group + 2, d]
+            grouped = value.reshape(nkv, nh // nkv + 2, d, *rest)
+            parts = [grouped[:, :-2].reshape(nh * d, *rest), grouped[:, -2].reshape(nkv * d, *rest),
+                     grouped[:, -1].reshape(nkv * d, *rest)]
+        elif nkv == 1:
+            parts = value.split([nh * d, d, d])
+        else:
+            per_head = value.reshape(nh, 3, d, *rest)
+            parts = [per_head[:, j].reshape(nh * d, *rest) for j in range(3)]
+        for name, part in zip("qkv", parts):
+            out[key.replace(".self_attention.query_key_value.", f".self_attn.{name}_proj.")] = part.contiguous()
+    return out
+
+
 def _hf_gpt2_names(hf: dict[str, torch.Tensor], config: ModelConfig, hf_config: dict) -> dict[str, torch.Tensor]:
     """GPT-2's and GPT-BigCode's tensors under Llama's names: wte, wpe (model.embed_positions), ln_1 / ln_2 / ln_f,
     c_attn split into q, k and v (GPT-2: q, k, v blocks; BigCode: multi_query's q then one k and v, else each head's
@@ -479,6 +511,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "falcon":
+        hf = _hf_falcon_names(hf, config, hf_config)
     if hf_config is not None and hf_config.get("model_type") == "gptj":  # (its names for Llama's)
         renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                    ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),

@@ -373,6 +373,11 @@ FAMILIES = {
     # EleutherAI GPT-J: Phi-2's parallel block without attention biases, a part of each head turned by interleaved pairs
     "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, rotary_dim=8, vocab_size=512,
                           initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)),
+    # TII Falcon: 7B's layout (one KV head, one LayerNorm, attention and MLP side by side), 40B's (grouped KV heads, a
+    # LayerNorm each), and the sequential one with biases and a KV head a query head
+    "falcon": ("falcon", dict(multi_query=True, parallel_attn=True, bos_token_id=1, eos_token_id=2)),
+    "falcon_new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bos_token_id=1, eos_token_id=2)),
+    "falcon_seq": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True, bos_token_id=1, eos_token_id=2)),
     # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
     "jais2": ("jais2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
