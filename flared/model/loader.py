@@ -1135,7 +1135,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
-                       "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama"}
+                       "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
+                       "starcoder": "llama", "falcon": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1258,7 +1259,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
             raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of "
                             f"head_dim {head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
         rotary_dim = int(rotated)
-    has_bias = "blk.0.attn_q.bias" in tensor_names
+    has_bias = "blk.0.attn_q.bias" in tensor_names or "blk.0.attn_qkv.bias" in tensor_names
     layer_flags = {}  # how the family's layer differs from Llama's
     if arch == "gemma3":
         # What llama.cpp assumes of Gemma 3 GGUFs: every sixth layer global (unless the file says its pattern), the
@@ -1297,6 +1298,16 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     elif arch == "starcoder2":  # biased LayerNorms (and MLP: ffn_up, ffn_down), tanh-GELU ungated
         layer_flags = dict(layer_norm=True, norm_bias=True, mlp_bias="blk.0.ffn_up.bias" in tensor_names,
                            mlp_gated=False, hidden_act="gelu_pytorch_tanh")
+    elif arch in ("gpt2", "starcoder"):  # learned positions (position_embd), biased LayerNorms, projections and MLP,
+        # tanh-GELU ungated, q/k/v in one attn_qkv
+        layer_flags = dict(layer_norm=True, norm_bias=True, mlp_bias=True, mlp_gated=False,
+                           hidden_act="gelu_pytorch_tanh", position_embeddings=True,
+                           nope_layers=tuple(range(int(need("block_count")))))
+    elif arch == "falcon":  # attention and an ungated GELU MLP side by side from one LayerNorm (40B, 180B: one each,
+        # attn_norm_2 the MLP's); q, k and v in one attn_qkv, reordered by the converter to the queries, keys, values
+        layer_flags = dict(layer_norm=True, norm_bias=True, parallel_block=True,
+                           parallel_norms="blk.0.attn_norm_2.weight" in tensor_names, mlp_gated=False,
+                           hidden_act="gelu", mlp_bias="blk.0.ffn_up.bias" in tensor_names)
     elif arch == "olmoe":  # q/k norms over the whole projections
         layer_flags = dict(qk_norm_whole=True)
     elif arch == "arcee":  # an ungated ReLU-squared MLP (ffn_up, ffn_down)
@@ -1770,6 +1781,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_norm.bias": "mlp_norm.bias",
     "ffn_up.bias": "gate_up.bias",
     "ffn_down.bias": "down.bias",
+    "attn_norm_2.weight": "mlp_norm.weight",  # (Falcon 40B's and 180B's norm before the MLP, beside attention's)
+    "attn_norm_2.bias": "mlp_norm.bias",
 }
 
 
@@ -1825,6 +1838,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     # (LFM2's final norm is its embedding_norm: token_embd_norm)
     out = {"embed.weight": take("token_embd.weight"),
            "final_norm.weight": take("token_embd_norm.weight" if config.short_conv else "output_norm.weight")}
+    if config.position_embeddings:  # (GPT-2's and StarCoder's learned rows)
+        out["pos_embed.weight"] = take("position_embd.weight")
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("output.weight")
     if config.norm_bias:
@@ -1854,7 +1869,9 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             out[sp + "qkv.weight"] = raw[gp + "attn_qkv.weight"]
         else:
             out[sp + "qkv.weight"] = torch.cat([take(gp + f"attn_{x}.weight") for x in "qkv"], dim=0)
-        if config.attention_bias:
+        if config.attention_bias and gp + "attn_qkv.bias" in raw:  # (GPT-2's, StarCoder's, Falcon's fused bias)
+            out[sp + "qkv.bias"] = raw[gp + "attn_qkv.bias"]
+        elif config.attention_bias:
             out[sp + "qkv.bias"] = torch.cat([take(gp + f"attn_{x}.bias") for x in "qkv"], dim=0)
         if config.attention_sinks:
             out[sp + "sinks"] = take(gp + "attn_sinks.weight")

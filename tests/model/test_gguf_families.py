@@ -1157,3 +1157,105 @@ def test_a_gemma4_gguf_reads_as_its_checkpoint(family, tmp_path):
     prompt = np.random.default_rng(8).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+def write_fused_qkv_gguf(hf_dir, path, arch: str) -> None:
+    """GPT-2, StarCoder (GPT-BigCode with one KV head) and Falcon as llama.cpp's converter writes them: one attn_qkv
+    (GPT-2's Conv1D weights transposed to a Linear's; Falcon's KV groups reordered to all queries, then the keys, then
+    the values), GPT-2's and StarCoder's learned positions as position_embd, GPT-2's tied embeddings written out as
+    output; F32 throughout."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    falcon = arch == "falcon"
+    hidden = cfg.get("n_embd") or cfg["hidden_size"]
+    heads = cfg.get("n_head") or cfg["num_attention_heads"]
+    layers = cfg.get("n_layer") or cfg["num_hidden_layers"]
+    d = hidden // heads
+    if falcon:
+        kv_heads = cfg["num_kv_heads"] if cfg.get("new_decoder_architecture") or not cfg.get("multi_query") else 1
+        ffn = cfg.get("ffn_hidden_size") or 4 * hidden
+    else:
+        kv_heads = 1 if arch == "starcoder" else heads
+        ffn = cfg.get("n_inner") or 4 * hidden
+    w = gguf.GGUFWriter(str(path), arch)
+    add = f32_tensors(w)
+    w.add_uint32(f"{arch}.context_length", cfg.get("n_positions") or cfg["max_position_embeddings"])
+    w.add_uint32(f"{arch}.embedding_length", hidden)
+    w.add_uint32(f"{arch}.feed_forward_length", ffn)
+    w.add_uint32(f"{arch}.block_count", layers)
+    w.add_uint32(f"{arch}.attention.head_count", heads)
+    if arch != "gpt2":
+        w.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
+    w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["layer_norm_epsilon"])
+    w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
+    if falcon:
+        w.add_float32(f"{arch}.rope.freq_base", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    top = "transformer."
+    add("token_embd.weight", t[top + ("word_embeddings" if falcon else "wte") + ".weight"])
+    if not falcon:
+        add("position_embd.weight", t[top + "wpe.weight"])
+
+    def linear(name):  # GPT-2's Conv1D [in, out] as a Linear's [out, in]
+        return t[name].T if arch == "gpt2" and t[name].ndim == 2 else t[name]
+
+    for i in range(layers):
+        b, g = f"{top}h.{i}.", f"blk.{i}."
+        if falcon:
+            norms = {"attn_norm": "ln_attn" if b + "ln_attn.weight" in t else "input_layernorm", "attn_norm_2": "ln_mlp"}
+            parts = {"attn_qkv": "self_attention.query_key_value", "attn_output": "self_attention.dense",
+                     "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}
+        else:
+            norms = {"attn_norm": "ln_1", "ffn_norm": "ln_2"}
+            parts = {"attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_up": "mlp.c_fc",
+                     "ffn_down": "mlp.c_proj"}
+        for ours, theirs in norms.items():
+            for x in ("weight", "bias"):
+                if f"{b}{theirs}.{x}" in t:
+                    add(f"{g}{ours}.{x}", t[f"{b}{theirs}.{x}"])
+        for ours, theirs in parts.items():
+            for x in ("weight", "bias"):
+                if f"{b}{theirs}.{x}" not in t:
+                    continue
+                value = linear(f"{b}{theirs}.{x}")
+                if falcon and ours == "attn_qkv":  # (llama.cpp: the groups' queries, then keys, then values)
+                    groups = value.reshape(kv_heads, heads // kv_heads + 2, d, *value.shape[1:])
+                    value = np.concatenate([groups[:, :-2].reshape(heads * d, *value.shape[1:]),
+                                            groups[:, -2].reshape(kv_heads * d, *value.shape[1:]),
+                                            groups[:, -1].reshape(kv_heads * d, *value.shape[1:])])
+                add(f"{g}{ours}.{x}", value)
+    for x in ("weight", "bias"):
+        add(f"output_norm.{x}", t[f"{top}ln_f.{x}"])
+    if "lm_head.weight" in t:
+        add("output.weight", t["lm_head.weight"])
+    elif arch == "gpt2":  # (its converter writes the tied embedding out)
+        add("output.weight", t[top + "wte.weight"])
+    close_gguf(w)
+
+
+@pytest.mark.parametrize("family, arch", [("gpt2", "gpt2"), ("gpt_bigcode", "starcoder"), ("falcon", "falcon"),
+                                          ("falcon_new", "falcon")])
+def test_fused_qkv_ggufs_read_as_their_checkpoints(family, arch, tmp_path):
+    """GPT-2, StarCoder and Falcon (7B's and 40B's layouts) GGUFs as llama.cpp's converter writes them: the
+    checkpoint's logits; Falcon 7B's also as transformers' GGUF loader reads the same file (its GPT-2 reader sizes the
+    vocabulary from a tokenizer these files do not carry)."""
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    gguf_path = tmp_path / "m.gguf"
+    write_fused_qkv_gguf(hf_dir, gguf_path, arch)
+    source, reference = read_source(gguf_path), read_source(hf_dir).config
+    for field in ("num_heads", "num_kv_heads", "head_dim", "attention_bias", "attention_out_bias", "layer_norm",
+                  "norm_bias", "parallel_block", "parallel_norms", "mlp_gated", "mlp_bias", "hidden_act",
+                  "position_embeddings", "nope_layers", "max_position_embeddings"):
+        assert getattr(source.config, field) == getattr(reference, field), field
+    prompt = np.random.default_rng(7).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+    if family == "falcon":
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_path.name, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
+        assert (ours - logits).abs().max().item() < 1e-4
