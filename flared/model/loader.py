@@ -1136,7 +1136,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
                        "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
-                       "starcoder": "llama", "falcon": "llama"}
+                       "starcoder": "llama", "falcon": "llama", "phi2": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1255,7 +1255,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     rotated = _gguf_field(reader, f"{arch}.rope.dimension_count")
     rotary_dim = None
     if rotated is not None and int(rotated) != int(head_dim):
-        if arch not in ("phi3", "glm4", "glm4moe", *_GATED_DELTA_GGUF):  # (llama.cpp's converter permutes whole heads for the others)
+        if arch not in ("phi3", "phi2", "glm4", "glm4moe", *_GATED_DELTA_GGUF):  # (llama.cpp's converter permutes whole heads for the others)
             raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of "
                             f"head_dim {head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
         rotary_dim = int(rotated)
@@ -1303,6 +1303,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layer_flags = dict(layer_norm=True, norm_bias=True, mlp_bias=True, mlp_gated=False,
                            hidden_act="gelu_pytorch_tanh", position_embeddings=True,
                            nope_layers=tuple(range(int(need("block_count")))))
+    elif arch == "phi2":  # one biased LayerNorm feeding attention and an ungated tanh-GELU MLP side by side, biases
+        # everywhere (the LM head's too), part of each head rotated (rotate-half: no permutation)
+        layer_flags = dict(layer_norm=True, norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False,
+                           hidden_act="gelu_pytorch_tanh", lm_head_bias="output.bias" in tensor_names)
     elif arch == "falcon":  # attention and an ungated GELU MLP side by side from one LayerNorm (40B, 180B: one each,
         # attn_norm_2 the MLP's); q, k and v in one attn_qkv, reordered by the converter to the queries, keys, values
         layer_flags = dict(layer_norm=True, norm_bias=True, parallel_block=True,
@@ -1840,6 +1844,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
            "final_norm.weight": take("token_embd_norm.weight" if config.short_conv else "output_norm.weight")}
     if config.position_embeddings:  # (GPT-2's and StarCoder's learned rows)
         out["pos_embed.weight"] = take("position_embd.weight")
+    if config.lm_head_bias:  # (Phi-2's)
+        out["lm_head.bias"] = take("output.bias")
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("output.weight")
     if config.norm_bias:

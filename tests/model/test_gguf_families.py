@@ -1259,3 +1259,45 @@ def test_fused_qkv_ggufs_read_as_their_checkpoints(family, arch, tmp_path):
         with torch.no_grad():
             logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
         assert (ours - logits).abs().max().item() < 1e-4
+
+
+def test_a_phi2_gguf_reads_as_its_checkpoint(tmp_path):
+    """Phi-2 as llama.cpp's converter writes it (phi2: q, k and v apart with their biases, rope.dimension_count the
+    rotated part of a head, rows as released: its rope turns halves, no permutation; ffn_up / ffn_down, the LM head's
+    bias as output.bias; no ffn_norm: one LayerNorm a layer): the checkpoint's config and logits."""
+    from safetensors.numpy import load_file
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint("phi", tmp_path / "hf")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "phi2")
+    add = f32_tensors(w)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hidden),
+                       ("feed_forward_length", cfg["intermediate_size"]), ("block_count", cfg["num_hidden_layers"]),
+                       ("attention.head_count", heads), ("attention.head_count_kv", cfg["num_key_value_heads"]),
+                       ("rope.dimension_count", int(factor * hidden) // heads), ("vocab_size", cfg["vocab_size"])):
+        w.add_uint32(f"phi2.{key}", value)
+    w.add_float32("phi2.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
+    add("token_embd.weight", t["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        b, g = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"),
+                             ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                             ("attn_output", "self_attn.dense"), ("ffn_up", "mlp.fc1"), ("ffn_down", "mlp.fc2")):
+            for x in ("weight", "bias"):
+                add(f"{g}{ours}.{x}", t[f"{b}{theirs}.{x}"])
+    for x in ("weight", "bias"):
+        add(f"output_norm.{x}", t[f"model.final_layernorm.{x}"])
+        add(f"output.{x}", t[f"lm_head.{x}"])
+    close_gguf(w)
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    for field in ("rotary_dim", "parallel_block", "layer_norm", "norm_bias", "mlp_bias", "mlp_gated", "hidden_act",
+                  "lm_head_bias", "attention_bias", "attention_out_bias", "num_kv_heads"):
+        assert getattr(source.config, field) == getattr(reference, field), field
+    prompt = np.random.default_rng(8).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
