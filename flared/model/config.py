@@ -86,6 +86,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "glm4_moe_lite": "deepseek2",
                   # Tencent Youtu-LLM: DeepSeek-V3's latent attention with a dense SwiGLU MLP on every layer
                   "youtu": "deepseek2",
+                  # OpenBMB MiniCPM3: DeepSeek-V2's latent attention (rope turning halves) with dense MLPs and
+                  # MiniCPM's scaled embeddings, residual branches and logits
+                  "minicpm3": "deepseek2",
                   # MiniMax-M2: q/k normed over all heads, part of each head rotated, sigmoid-routed experts with
                   # correction biases
                   "minimax_m2": "llama",
@@ -1026,7 +1029,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
         **dict.fromkeys(("exaone4", "exaone_moe"), lambda: _exaone_from_hf(hf, source)),
         **dict.fromkeys(("cohere", "cohere2"), lambda: _cohere_from_hf(hf, source, model_type)),
-        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"),
+        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3"),
                         lambda: _deepseek_from_hf(hf, source, model_type)),
         **{t: (lambda: _qwen3_next_from_hf(hf, source, model_type))
            for t, arch in HF_MODEL_TYPES.items() if arch == "qwen3_next"},
@@ -2079,14 +2082,19 @@ def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
     transformers folds it) and routed experts beside a shared one after the first_k_dense_replace dense layers: V2's
     softmax scores (the chosen ones times routed_scaling_factor, never renormalised, as transformers computes them),
     V3's grouped sigmoid routing. V2's group-limited routing (DeepSeek-V2 236B) is refused by name. Youtu-LLM: V3's
-    attention with a dense MLP on every layer (no experts) and tied embeddings by default."""
+    attention with a dense MLP on every layer (no experts) and tied embeddings by default. MiniCPM3: V2's attention
+    with rope turning halves (not pairs), dense MLPs, values hidden / heads wide unless it says, embeddings times
+    scale_emb, each residual branch times scale_depth / sqrt(layers), logits divided by hidden / dim_model_base."""
     _check_silu(hf, source)
     if hf.get("attention_bias"):
         raise _unsupported(f"{source}: attention_bias on latent attention is not supported")
-    nope, rope, v_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"]), int(hf["v_head_dim"])
+    minicpm = model_type == "minicpm3"
     heads = int(hf["num_attention_heads"])
-    sizes = {**_sizes({**hf, "head_dim": nope + rope}, tied=model_type == "youtu"), "num_kv_heads": heads}
-    v3 = model_type != "deepseek_v2"
+    nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    v_dim = int(hf.get("v_head_dim") or (int(hf["hidden_size"]) // heads if minicpm else hf["v_head_dim"]))
+    sizes = {**_sizes({**hf, "head_dim": nope + rope}, tied=model_type in ("youtu", "minicpm3")),
+             "num_kv_heads": heads}
+    v3 = model_type not in ("deepseek_v2", "minicpm3")
     if not v3 and hf.get("topk_method", "greedy") != "greedy":
         raise _unsupported(f"{source}: DeepSeek-V2's topk_method {hf.get('topk_method')!r} is not supported (greedy)")
     theta, scaling = _rope_from_hf(hf, source)
@@ -2114,8 +2122,21 @@ def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
     return ModelConfig(
         architecture="deepseek2", **sizes, rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=False, qk_norm=False, attention_scale=scale, rotary_dim=rope,
-        rope_interleaved=bool(hf.get("rope_interleave", True)) if v3 else True, kv_lora_rank=int(hf["kv_lora_rank"]),
-        q_lora_rank=int(hf.get("q_lora_rank") or 0), v_head_dim=v_dim, **moe)
+        rope_interleaved=False if minicpm else bool(hf.get("rope_interleave", True)) if v3 else True,
+        kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0), v_head_dim=v_dim, **moe,
+        **(_minicpm_scales(hf, sizes) if minicpm else {}))
+
+
+def _minicpm_scales(hf: dict[str, Any], sizes: dict) -> dict:
+    """MiniCPM's muP scales as Granite's multipliers: embeddings times scale_emb, each residual branch times
+    scale_depth / sqrt(layers), logits divided by hidden / dim_model_base (transformers divides the final hidden
+    state; the logits are the same but for rounding)."""
+    layers = sizes["num_layers"]
+    depth = hf.get("scale_depth")
+    base = hf.get("dim_model_base") or sizes["hidden_size"]
+    return dict(embedding_multiplier=float(hf.get("scale_emb", 1.0)),
+                residual_multiplier=float(depth) / math.sqrt(layers) if depth is not None else 1.0,
+                logits_scaling=sizes["hidden_size"] / float(base))
 
 
 def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:

@@ -137,6 +137,11 @@ FAMILIES = {
     # Tencent Youtu-LLM: DeepSeek-V3's latent attention (a query bottleneck, interleaved rope) with dense MLPs only
     "youtu": ("youtu", dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                             kv_lora_rank=32, q_lora_rank=24, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # OpenBMB MiniCPM3: DeepSeek-V2's latent attention (rope turning halves) with muP scales (embeddings, residual
+    # branches, logits)
+    "minicpm3": ("minicpm3", dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=None,
+                                  kv_lora_rank=32, q_lora_rank=24, scale_emb=3.0, scale_depth=1.4, dim_model_base=32,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # rednote dots.llm1: Qwen3's layer (q/k norms) with DeepSeek-V3-routed experts after a dense layer
     "dots1": ("dots1", dict(head_dim=16, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
