@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,7 +222,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "gptj": "llama",
                   # TII Falcon (7B, 40B, 180B; RefinedWeb): attention and an ungated GELU MLP side by side from one
                   # biased LayerNorm (40B and 180B: one each), multi-query or grouped KV heads in one fused projection
-                  "falcon": "llama"}
+                  "falcon": "llama",
+                  # BigScience BLOOM / BLOOMZ: ALiBi position biases in place of rope, the embeddings through a
+                  # LayerNorm of their own, biased LayerNorms and projections, an ungated tanh-GELU MLP
+                  "bloom": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -239,7 +243,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "chunked_layers", "qk_l2_norm", "nope_temperature_scale", "nope_temperature_floor",
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
-                 "embedding_norm", "router_sparsemixer", "clip_qkv", "position_embeddings"}
+                 "embedding_norm", "router_sparsemixer", "clip_qkv", "position_embeddings", "alibi_slopes",
+                 "embedding_layer_norm"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -464,6 +469,11 @@ class ModelConfig:
     # GPT-2, GPT-BigCode: a learned row a position (pos_embed, max_position_embeddings rows) added to each token's
     # embedding; every layer unrotated (nope_layers)
     position_embeddings: bool = False
+    # ALiBi (BLOOM): each query head's slope; a score gains slope * (key position - query position), unscaled, before
+    # its softmax; every layer unrotated (nope_layers). (): none.
+    alibi_slopes: tuple[float, ...] = ()
+    # BLOOM: the embeddings through a LayerNorm of their own (embed_norm, biased) before the first layer
+    embedding_layer_norm: bool = False
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -485,6 +495,10 @@ class ModelConfig:
                      "chunked_layers", "post_norm_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "alibi_slopes", tuple(float(x) for x in self.alibi_slopes))
+        if self.alibi_slopes and len(self.alibi_slopes) != self.num_heads:
+            raise CoreError(f"alibi_slopes needs one slope per query head ({self.num_heads}), got "
+                            f"{len(self.alibi_slopes)}")
         if self.architecture not in ARCHITECTURES:
             raise _unsupported(f"architecture {self.architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -696,6 +710,8 @@ class ModelConfig:
             return "normed embeddings"
         if self.position_embeddings:
             return "learned position embeddings"
+        if self.alibi_slopes or self.embedding_layer_norm:
+            return "ALiBi position biases, a normed embedding"
         if self.clip_qkv:
             return "clamped q/k/v"
         if self.architecture not in ("llama", "qwen2", "qwen3"):
@@ -1055,6 +1071,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "starcoder2": lambda: _starcoder2_from_hf(hf, source),
         "jais2": lambda: _jais2_from_hf(hf, source),
         **dict.fromkeys(("gpt2", "gpt_bigcode"), lambda: _gpt2_from_hf(hf, source, model_type)),
+        "bloom": lambda: _bloom_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
@@ -1628,6 +1645,40 @@ def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False, hidden_act=act,
         lm_head_bias=not sizes["tie_word_embeddings"],
         rotary_dim=rotated if rotated != sizes["head_dim"] else None)
+
+
+def alibi_slopes(num_heads: int) -> tuple[float, ...]:
+    """ALiBi's slope for each of ``num_heads`` heads, as BLOOM computes them: 2^(-8 i / n) for i = 1..n over the
+    largest power of two n <= num_heads, then the odd steps of the next power of two's for the heads past it."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** i for i in range(1, closest + 1)]
+    if closest != num_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** i for i in range(1, 1 + 2 * min(closest, num_heads - closest), 2)]
+    return tuple(struct.unpack("f", struct.pack("f", x))[0] for x in slopes)  # (float32, as BLOOM's tensor holds them)
+
+
+def _bloom_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """BigScience BLOOM (560M-176B, BLOOMZ): ALiBi position biases (alibi_slopes) in place of rope; the embeddings
+    through a biased LayerNorm of their own (embedding_layer_norm); biased LayerNorms (layer_norm_epsilon) before
+    attention and the MLP; query_key_value each head's q, k, v in turn, biased like dense; an ungated MLP
+    dense_h_to_4h, tanh-GELU, dense_4h_to_h with biases; tied embeddings. The residual taken after the norm
+    (apply_residual_connection_post_layernorm) is refused."""
+    if hf.get("apply_residual_connection_post_layernorm"):
+        raise _unsupported(f"{source}: BLOOM with apply_residual_connection_post_layernorm is not supported")
+    hidden = int(hf.get("hidden_size") or hf["n_embed"])
+    heads = int(hf.get("n_head") or hf["num_attention_heads"])
+    layers = int(hf.get("n_layer") or hf["num_hidden_layers"])
+    sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden, "intermediate_size": 4 * hidden,
+                    "num_hidden_layers": layers, "num_attention_heads": heads,
+                    "max_position_embeddings": hf.get("seq_length") or hf.get("max_position_embeddings") or 2048,
+                    "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,
+        rope_scaling=None, attention_bias=True, attention_out_bias=True, qk_norm=False, layer_norm=True,
+        norm_bias=True, mlp_bias=True, mlp_gated=False, hidden_act="gelu_pytorch_tanh", alibi_slopes=alibi_slopes(heads),
+        embedding_layer_norm=True, nope_layers=tuple(range(layers)))
 
 
 def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -297,6 +297,10 @@ class DecoderModel:
 
         self.embed = w("embed.weight")
         self.pos_embed = w("pos_embed.weight") if config.position_embeddings else None  # (GPT-2's learned rows)
+        self.embed_norm = norm("embed_norm.weight") if config.embedding_layer_norm else None  # (BLOOM's)
+        # ALiBi (BLOOM): each query head's slope, float32 [nh]
+        self.alibi = (torch.tensor(config.alibi_slopes, dtype=torch.float32, device=self.device)
+                      if config.alibi_slopes else None)
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = norm("final_norm.weight")
         # Gemma 4 E2B / E4B: (each token's per-layer rows, the embedding's projection to them, its per-layer norm)
@@ -793,6 +797,8 @@ class DecoderModel:
         h = self.embed.index_select(0, batch.input_ids)  # [T, H]
         if self.pos_embed is not None:  # GPT-2: each position's learned row, added before any layer
             h = h + self.pos_embed.index_select(0, batch.positions)
+        if self.embed_norm is not None:  # BLOOM: the embeddings through a LayerNorm of their own
+            h = self._norm(h, self.embed_norm)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if c.embedding_multiplier is not None:  # Granite's (a Python float, as transformers multiplies)
@@ -817,8 +823,8 @@ class DecoderModel:
         # The Cython decode attention reads pools of the model's dtype and float8 ones (kv_cache_dtype fp8).
         native = self.cpu_decode_attention and kv.storage_dtype in (self.dtype, FP8_KV)
         decode_masked = None
-        if batch.decode_attn_mask is not None and (not native or c.global_head_dim):  # (Gemma 4's global layers:
-            # the torch path)
+        if batch.decode_attn_mask is not None and (not native or c.global_head_dim or self.alibi is not None):
+            # (Gemma 4's global layers and ALiBi's biases: the torch path)
             num_decode = batch.decode_row_ids.shape[0]
             # [1, B, 1, L], True = masked: lines up with scores viewed as [nkv, B, group, L].
             decode_masked = ~batch.decode_attn_mask.view(1, num_decode, 1, batch.decode_max_context)
@@ -1443,11 +1449,12 @@ class DecoderModel:
     def _prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, nh, q_len, d] over keys, values [1, nkv, L, d]; ``mask`` [q_len, L] True = attend (None: causal,
-        the queries being the last q_len keys). Soft-capped scores (Gemma 2) and sinks (gpt-oss: a logit per head
-        [nh] in each softmax) in plain ops, as SDPA has neither."""
+        the queries being the last q_len keys: key j is position j, query i position L - q_len + i). Soft-capped
+        scores (Gemma 2), sinks (gpt-oss: a logit per head [nh] in each softmax) and ALiBi's biases (BLOOM) in plain
+        ops, as SDPA has none of them."""
         group = q.shape[1] // keys.shape[1]
         cap = self.config.attn_logit_softcapping
-        if cap is None and sinks is None:
+        if cap is None and sinks is None and self.alibi is None:
             if mask is None:
                 return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=group > 1)
@@ -1460,7 +1467,12 @@ class DecoderModel:
         scores = (q @ keys.transpose(-1, -2)) * self.scale
         if cap is not None:
             scores = _soft_cap(scores, cap)
-        scores = scores.float().masked_fill(~mask, float("-inf"))
+        scores = scores.float()
+        if self.alibi is not None:  # slope * (key position - query position)
+            distance = (torch.arange(length, device=q.device)[None, :]
+                        - torch.arange(length - q_len, length, device=q.device)[:, None])
+            scores = scores + self.alibi.view(1, -1, 1, 1) * distance
+        scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is None:
             return torch.softmax(scores, dim=-1).to(q.dtype) @ values
         return _softmax_with_sinks(scores, sinks.float().view(1, -1, 1, 1)).to(q.dtype) @ values
@@ -1478,8 +1490,8 @@ class DecoderModel:
         decode_only = not batch.prefill_groups
         out = None if decode_only else q.new_empty(batch.num_tokens, nh * d)
         masking = self._masks_of(layer)  # (a windowed or chunked layer's own masks, else None)
-        if batch.decode_row_ids is not None and native and d == c.head_dim and layer not in c.chunked_layers:
-            # (not Gemma 4's wider global heads, nor Llama 4's chunks)
+        if (batch.decode_row_ids is not None and native and d == c.head_dim and layer not in c.chunked_layers
+                and self.alibi is None):  # (not Gemma 4's wider global heads, Llama 4's chunks nor ALiBi's biases)
             num_decode = batch.decode_row_ids.shape[0]
             qd = (q[:num_decode] if decode_only else q.index_select(0, batch.decode_row_ids)).contiguous()
             o = torch.empty(num_decode, nh * d, dtype=q.dtype)
@@ -1505,6 +1517,11 @@ class DecoderModel:
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [nkv * B, group, L]
             if c.attn_logit_softcapping is not None:
                 scores = _soft_cap(scores, c.attn_logit_softcapping)
+            if self.alibi is not None:  # slope * (key position - the row's position, its context length - 1)
+                distance = (torch.arange(max_context, device=q.device)[None, :]
+                            - (batch.decode_context_lens.to(q.device)[:, None] - 1)).float()  # [B, L]
+                scores.view(nkv, num_decode, group, max_context).add_(
+                    self.alibi.view(nkv, 1, group, 1) * distance.view(1, num_decode, 1, max_context))
             if masking is not None:
                 decode_masked = masking(batch)[0]
             scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))

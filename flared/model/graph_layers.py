@@ -62,9 +62,10 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
                    positions: torch.Tensor, slots: torch.Tensor, attend, sinks: list) -> torch.Tensor:
     """Every layer of ``model`` (a DecoderModel) over the rows ``tokens`` at ``positions``, their keys and values
     written at ``slots``; each attention as ``attend(q [T, nh, d], kv_index, out [T, nh, d], window=w, sinks=s,
-    softcap=cap, geometry=g)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry of
-    ``sinks`` (attention_sinks(model)); ``cap`` Gemma 2's cap on the scaled scores, 0 = none; ``g`` (kv heads, d) of
-    the layer, Gemma 4's global layers' their own: layer_pool's view of the pools).
+    softcap=cap, geometry=g, alibi=a)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry
+    of ``sinks`` (attention_sinks(model)); ``cap`` Gemma 2's cap on the scaled scores, 0 = none; ``g`` (kv heads, d)
+    of the layer, Gemma 4's global layers' their own: layer_pool's view of the pools; ``a`` BLOOM's ALiBi slopes
+    [nh], None = none).
     Returns the final-normed hidden states [T, H]."""
     c = model.config
     num_tokens = tokens.shape[0]
@@ -76,7 +77,8 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
     def attend_layer(q: torch.Tensor, index: int, kv_index: int) -> torch.Tensor:
         geometry = model.layers[index].geometry
         out = torch.empty_like(q)
-        attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index], softcap=softcap, geometry=geometry)
+        attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index], softcap=softcap, geometry=geometry,
+               alibi=model.alibi)
         return out.view(num_tokens, -1)
 
     h = model._layer_stack(batch, PoolWriter(k_pool, v_pool), attend=attend_layer)

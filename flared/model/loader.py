@@ -77,6 +77,8 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["final_norm.bias"] = (c.hidden_size,)
     if c.position_embeddings:  # (GPT-2's learned row a position)
         shapes["pos_embed.weight"] = (c.max_position_embeddings, c.hidden_size)
+    if c.embedding_layer_norm:  # (BLOOM's LayerNorm of the embeddings)
+        shapes.update({"embed_norm.weight": (c.hidden_size,), "embed_norm.bias": (c.hidden_size,)})
     if c.lm_head_bias:  # (Phi-2's)
         shapes["lm_head.bias"] = (c.vocab_size,)
     if not c.tie_word_embeddings:
@@ -513,6 +515,25 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "falcon":
         hf = _hf_falcon_names(hf, config, hf_config)
+    if hf_config is not None and hf_config.get("model_type") == "bloom":  # (its names for Llama's; query_key_value each
+        # head's q, k and v rows in turn)
+        nh, d = config.num_heads, config.head_dim
+        renames = (("transformer.word_embeddings_layernorm.", "model.embed_norm."),
+                   ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+                   ("transformer.h.", "model.layers."), (".self_attention.dense.", ".self_attn.o_proj."),
+                   (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
+        out = {}
+        for key, value in hf.items():
+            for old, new in renames:
+                key = key.replace(old, new)
+            if ".self_attention.query_key_value." in key:
+                per_head = value.reshape(nh, 3, d, *value.shape[1:])
+                for j, x in enumerate("qkv"):
+                    out[key.replace(".self_attention.query_key_value.", f".self_attn.{x}_proj.")] = \
+                        per_head[:, j].reshape(nh * d, *value.shape[1:]).contiguous()
+            else:
+                out[key] = value
+        hf = out
     if hf_config is not None and hf_config.get("model_type") == "gptj":  # (its names for Llama's)
         renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                    ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
@@ -610,6 +631,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
     out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": norm("model.norm.weight")}
     if config.position_embeddings:  # (GPT-2's wpe)
         out["pos_embed.weight"] = take("model.embed_positions.weight")
+    if config.embedding_layer_norm:  # (BLOOM's word_embeddings_layernorm)
+        out.update({"embed_norm.weight": take("model.embed_norm.weight"), "embed_norm.bias": take("model.embed_norm.bias")})
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("lm_head.weight")
     if config.per_layer_input_dim:  # Gemma 4 E2B / E4B

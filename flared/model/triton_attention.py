@@ -40,6 +40,10 @@ Rules:
   softmax's denominator and gives no value (the one-pass decode kernel and
   the prefill kernel; the split decode has none). Also a compile-time
   switch: without sinks the kernels are as they were.
+- ALiBi (BLOOM): ``alibi`` [nh], a slope per query head; a score gains
+  slope * (key position - query position) after its scale (the one-pass
+  decode kernel and the prefill kernel). A compile-time switch, read
+  through the sinks' pointer (no model has both).
 - Head dims that are not powers of two (Phi-2's 80, DeepSeek's latent
   attention's 192): Triton's tiles are, so the plain decode, split decode
   and prefill kernels run a head in HEAD_PAD = next_power_of_2(d) lanes,
@@ -119,9 +123,11 @@ def _lanes(rows_ok, offs_d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
 @triton.jit
 def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head, stride_bt_row,
                   scale, PAGE_TOKENS: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_PAD: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  slopes, q_pos, ALIBI: tl.constexpr):
     """Online softmax of one row's query-head group over its key positions [begin, end): the running max,
-    the sum of exponentials and the unnormalised weighted values [GROUP_PAD, HEAD_PAD]."""
+    the sum of exponentials and the unnormalised weighted values [GROUP_PAD, HEAD_PAD]. ALIBI: each head's score
+    gains slopes [GROUP_PAD] * (key position - q_pos)."""
     offs_d = tl.arange(0, HEAD_PAD)
     q = _query_for(q, K)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -137,6 +143,8 @@ def _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot
         s = _dot(q, tl.trans(k), IEEE) * scale
         if SOFTCAP > 0:
             s = _soft_cap(s, SOFTCAP)
+        if ALIBI:
+            s = s + slopes[:, None] * (pos - q_pos).to(tl.float32)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -154,7 +162,7 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
                    stride_bt_row, scale,
                    PAGE_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
-                   SOFTCAP: tl.constexpr = 0.0, HEAD_PAD: tl.constexpr = 0):
+                   SOFTCAP: tl.constexpr = 0.0, HEAD_PAD: tl.constexpr = 0, ALIBI: tl.constexpr = False):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(ContextLens + row)
@@ -165,9 +173,13 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
     g_mask = offs_g < GROUP
     q = tl.load(Q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=_lanes(g_mask, offs_d, HEAD_DIM, HEAD_PAD), other=0.0)
+    if ALIBI:  # (the slopes through the sinks' pointer)
+        slopes = tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32)
+    else:
+        slopes = tl.zeros([GROUP_PAD], tl.float32)
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, first, context_len, stride_kv_slot,
                                   stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, IEEE,
-                                  SOFTCAP, HEAD_PAD)
+                                  SOFTCAP, HEAD_PAD, slopes, context_len - 1, ALIBI)
     if SINKS:  # (a padding row's sum is then exp(0) and its values zero: zeros out)
         l_i, acc = _with_sinks(m_i, l_i, acc, tl.load(Sinks + heads, mask=g_mask, other=0.0).to(tl.float32))
     # Padding rows (context 0) have l_i == 0: write zeros, never NaN, so a later reduction stays clean.
@@ -180,10 +192,10 @@ def _decode_kernel(Q, K, V, Out, BlockTables, ContextLens, Sinks,
 def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_end, kv_head, stride_kv_slot,
                    stride_kv_head, qk_scale, PAGE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr, EXP2: tl.constexpr,
-                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_PAD: tl.constexpr):
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_PAD: tl.constexpr, slope, ALIBI: tl.constexpr):
     """Online softmax of a query block over key positions [begin, end). MASKED: keys past ``key_end``, after a
     row's own position or (WINDOW > 0) WINDOW or more before it are hidden; otherwise every key of the range is
-    visible to every row."""
+    visible to every row. ALIBI: each score gains ``slope`` * (key position - the row's position)."""
     offs_d = tl.arange(0, HEAD_PAD)
     all_keys = tl.full([BLOCK_N], 1, tl.int1)
     q = _query_for(q, K)
@@ -209,6 +221,11 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
                 s = _soft_cap(s * 0.6931471805599453, SOFTCAP) * 1.4426950408889634
             else:
                 s = _soft_cap(s, SOFTCAP)
+        if ALIBI:  # (in log2 units with EXP2)
+            bias = slope * (pos[None, :] - q_pos[:, None]).to(tl.float32)
+            if EXP2:
+                bias = bias * 1.4426950408889634
+            s = s + bias
         if MASKED:
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if WINDOW > 0:
@@ -246,7 +263,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                     HEADS_FAST: tl.constexpr, HEAVY_FIRST: tl.constexpr, SPLIT_MASK: tl.constexpr,
                     EXP2: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
-                    SOFTCAP: tl.constexpr = 0.0, HEAD_PAD: tl.constexpr = 0):
+                    SOFTCAP: tl.constexpr = 0.0, HEAD_PAD: tl.constexpr = 0, ALIBI: tl.constexpr = False):
     # Program p of the block axis is the p-th query block of the packed chunks: sequence s owns blocks
     # [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j).
     # Both prefix sums come from ChunkMeta on the device; programs past the last block find no sequence.
@@ -295,6 +312,10 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    if ALIBI:  # (the head's slope through the sinks' pointer)
+        slope = tl.load(Sinks + head).to(tl.float32)
+    else:
+        slope = 0.0
     first_q = num_cached + block * BLOCK_M
     # With a window, the block's first row sees no key before ``lo``; keys from ``all_lo`` on are inside every
     # row's window (its last row's, key_end - 1, starts latest). Without one both are 0.
@@ -313,17 +334,19 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
             edge_end = full_end - (full_end - unmasked_from) // BLOCK_N * BLOCK_N
             m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, lo, edge_end, q_pos, key_end,
                                            kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
-                                           BLOCK_N, IEEE, True, EXP2, WINDOW, SOFTCAP, HEAD_PAD)
+                                           BLOCK_N, IEEE, True, EXP2, WINDOW, SOFTCAP, HEAD_PAD,
+                                           slope, ALIBI)
         else:
             edge_end = 0
         m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, edge_end, full_end, q_pos, key_end,
                                        kv_head, stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM,
-                                       BLOCK_N, IEEE, False, EXP2, WINDOW, SOFTCAP, HEAD_PAD)
+                                       BLOCK_N, IEEE, False, EXP2, WINDOW, SOFTCAP, HEAD_PAD,
+                                       slope, ALIBI)
     else:
         full_end = lo
     m_i, l_i, acc = _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, full_end, key_end, q_pos, key_end, kv_head,
                                    stride_kv_slot, stride_kv_head, qk_scale, PAGE_TOKENS, HEAD_DIM, BLOCK_N, IEEE,
-                                   True, EXP2, WINDOW, SOFTCAP, HEAD_PAD)
+                                   True, EXP2, WINDOW, SOFTCAP, HEAD_PAD, slope, ALIBI)
     if SINKS:  # the head's sink in the scores' units (log2 ones with EXP2, where exp2 of them is exp)
         sink = tl.load(Sinks + head).to(tl.float32)
         if EXP2:
@@ -339,6 +362,14 @@ def _decode_warps(k_pool: torch.Tensor) -> int:
     """Warps of a decode attention program: 2 over a float8 pool (8B shape, 64 rows at 256 tokens on the H200, the
     fused kernel: 18.9 us a layer against 26.5 with 4; tools/probe_decode_attention.py --fp8-grid), else 4."""
     return 2 if k_pool.dtype == torch.float8_e4m3fn else 4
+
+
+def _per_head(q: torch.Tensor, sinks: torch.Tensor | None, alibi: torch.Tensor | None) -> torch.Tensor:
+    """What the kernels' per-head pointer reads: the sinks, the ALiBi slopes (one pointer: no model has both), or q
+    as a placeholder where neither is on."""
+    if sinks is not None and alibi is not None:
+        raise ValueError("attention sinks and ALiBi slopes together are not supported")
+    return sinks if sinks is not None else alibi if alibi is not None else q
 
 
 def _head_pad(head_dim: int) -> int:
@@ -360,21 +391,21 @@ def _group_pad(group: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, page_tokens: int,
                            scale: float, window: int = 0, sinks: torch.Tensor | None = None,
-                           softcap: float = 0.0) -> None:
+                           softcap: float = 0.0, alibi: torch.Tensor | None = None) -> None:
     """q [B, nh, d]; k_pool/v_pool [slots, nkv, d]; out [B, nh, d];
     block_tables [B, max_pages] int32; context_lens [B] int32 (0 = padding row); ``window``: a sliding window's
     keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none); ``softcap``: Gemma 2's
-    cap on the scaled scores (0: none)."""
+    cap on the scaled scores (0: none); ``alibi``: [nh] float32 ALiBi slopes (None: none; not with sinks)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     _decode_kernel[(batch, num_kv_heads)](
-        q, k_pool, v_pool, out, block_tables, context_lens, q if sinks is None else sinks,
+        q, k_pool, v_pool, out, block_tables, context_lens, _per_head(q, sinks, alibi),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale,
         PAGE_TOKENS=page_tokens, GROUP=group, GROUP_PAD=_group_pad(group), HEAD_DIM=head_dim,
         BLOCK_N=_decode_block_n(head_dim), IEEE=q.dtype == torch.float32, WINDOW=window,
-        SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), HEAD_PAD=_head_pad(head_dim),
+        SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), HEAD_PAD=_head_pad(head_dim), ALIBI=alibi is not None,
         num_warps=_decode_warps(k_pool))
 
 
@@ -397,11 +428,12 @@ PREFILL_WIDE_F32 = dict(block_m=32, block_n=16, num_warps=8, num_stages=1)
 def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor,
                                    block_tables: torch.Tensor, chunk_meta: torch.Tensor, *, page_tokens: int,
                                    scale: float, config: dict | None = None, window: int = 0,
-                                   sinks: torch.Tensor | None = None, softcap: float = 0.0) -> None:
+                                   sinks: torch.Tensor | None = None, softcap: float = 0.0,
+                                   alibi: torch.Tensor | None = None) -> None:
     """Several sequences' chunks packed back to back in the rows of q (sequence s's rows start after the
     new tokens of sequences 0..s-1; rows past the last chunk are ignored and never written); ``window``: a sliding
     window's keys (0: none); ``sinks``: [nh] a logit per query head in each softmax (None: none); ``softcap``:
-    Gemma 2's cap on the scaled scores (0: none).
+    Gemma 2's cap on the scaled scores (0: none); ``alibi``: [nh] float32 ALiBi slopes (None: none).
     q [T_cap, nh, d]; out [T_cap, nh, d]; block_tables [B, max_pages] int32 (row s: sequence s);
     chunk_meta [B, 2] int32 = (num_cached_tokens, num_new_tokens) per sequence, (0, 0) = padding.
     ``config``: PREFILL_CONFIG's keys, to override (benchmarks)."""
@@ -419,7 +451,7 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
     blocks = triton.cdiv(capacity, block_m) + num_seqs - 1
     grid = (num_heads, blocks) if c["heads_fast"] else (blocks, num_heads)
     _prefill_kernel[grid](
-        q, k_pool, v_pool, out, block_tables, chunk_meta, q if sinks is None else sinks,
+        q, k_pool, v_pool, out, block_tables, chunk_meta, _per_head(q, sinks, alibi),
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), scale, num_seqs,
         # One compiled variant serves every batch up to 16 sequences (the lanes past num_seqs are masked).
@@ -427,7 +459,7 @@ def paged_prefill_attention_varlen(q: torch.Tensor, k_pool: torch.Tensor, v_pool
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=c["block_n"], IEEE=ieee,
         HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"], EXP2=c["exp2"],
         WINDOW=window, SINKS=sinks is not None, SOFTCAP=float(softcap or 0.0), HEAD_PAD=_head_pad(head_dim),
-        num_warps=c["num_warps"],
+        ALIBI=alibi is not None, num_warps=c["num_warps"],
         num_stages=c["num_stages"])
 
 
@@ -480,7 +512,7 @@ def _decode_split_kernel(Q, K, V, PartAcc, PartM, PartL, BlockTables, ContextLen
                 mask=_lanes(g_mask, offs_d, HEAD_DIM, HEAD_PAD), other=0.0)
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, end, stride_kv_slot, stride_kv_head,
                                   stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD, HEAD_DIM, BLOCK_N, False, SOFTCAP,
-                                  HEAD_PAD)
+                                  HEAD_PAD, 0.0, 0, False)
     base = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
     tl.store(PartM + base, m_i, mask=g_mask)
     tl.store(PartL + base, l_i, mask=g_mask)
@@ -616,7 +648,7 @@ def _decode_rope_kernel(QKV, Cos, Sin, Positions, Slots, K, V, Out, PartAcc, Par
     # The older positions from the pool, then the newest from registers.
     m_i, l_i, acc = _decode_tiles(q, K, V, BlockTables, row, kv_head, begin, tl.minimum(end, context_len - 1),
                                   stride_kv_slot, stride_kv_head, stride_bt_row, scale, PAGE_TOKENS, GROUP_PAD,
-                                  HEAD_DIM, BLOCK_N, False, 0.0, HEAD_DIM)
+                                  HEAD_DIM, BLOCK_N, False, 0.0, HEAD_DIM, 0.0, 0, False)
     s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
     m_new = tl.maximum(m_i, s)
     alpha = tl.exp(m_i - m_new)

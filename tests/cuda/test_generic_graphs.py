@@ -20,7 +20,7 @@ PROMPTS = [list(range(5, 155)), list(range(200, 210)), [7], list(range(300, 340)
 FLOAT32 = ["gemma2", "gemma3", "phi4_mini", "olmo2", "granite", "ministral", "cohere", "stablelm", "gpt_neox", "smollm3",
            "hunyuan", "starcoder2", "gemma", "llama_head24", "ministral3", "hyperclovax", "olmo", "nanochat", "gemma4",
            "gemma4_values", "gemma4_e2b", "youtu", "minicpm3", "vaultgemma", "jais2", "gpt2", "gpt_bigcode",
-           "gpt_bigcode_mha", "gptj", "falcon", "falcon_new", "falcon_seq"]
+           "gpt_bigcode_mha", "gptj", "falcon", "falcon_new", "falcon_seq", "bloom"]
 # (deepseek_v2/v3: latent attention, 24-wide heads padded to 32 in the kernels; Gemma 4: global layers' wider heads)
 BF16 = ["mixtral", "qwen3_moe", "olmoe", "ernie4_5_moe", "gpt_oss", "gemma3", "phi4_mini", "deepseek_v2", "deepseek_v3",
         "phimoe", "gemma4_moe", "gemma4", "flex_olmo", "mellum"]
@@ -119,11 +119,13 @@ def test_bf16_graph_tokens_are_as_near_float32_as_the_eager_executors(family, tm
     print(f"{family}: graphs {g_exact}/{total} argmax (mean gap {g_gap:.4f}), eager {e_exact}/{total} ({e_gap:.4f})")
 
 
-@pytest.mark.parametrize("kind", ["sinks", "softcap"])
+@pytest.mark.parametrize("kind", ["sinks", "softcap", "alibi"])
 def test_sinks_and_soft_caps_in_the_kernels(kind):
     """gpt-oss' sinks (a logit per query head in each softmax, giving no value: the one-pass decode kernel and the
-    prefill kernel, exp2 and exp forms) and Gemma 2's soft caps (those and the split decode kernel) against float64
+    prefill kernel, exp2 and exp forms), Gemma 2's soft caps (those and the split decode kernel) and BLOOM's ALiBi
+    biases (slope * (key position - query position): the one-pass decode and the prefill kernels) against float64
     torch over the same paged pool."""
+    from flared.model.config import alibi_slopes
     from flared.model.triton_attention import (paged_decode_attention, paged_decode_attention_split,
                                                paged_prefill_attention_varlen)
 
@@ -133,6 +135,7 @@ def test_sinks_and_soft_caps_in_the_kernels(kind):
         k_pool = torch.randn(pages * page, nkv, d, device="cuda").to(dtype)
         v_pool = torch.randn(pages * page, nkv, d, device="cuda").to(dtype)
         sinks = torch.randn(nh, device="cuda") * 2 if kind == "sinks" else None
+        alibi = torch.tensor(alibi_slopes(nh), device="cuda") if kind == "alibi" else None
         cap = 3.0 if kind == "softcap" else 0.0
         q_scale = 8.0 if cap else 1.0  # (large scores, so that the cap bends them)
         tables = torch.randperm(pages, device="cuda").to(torch.int32).view(4, 10)
@@ -148,7 +151,10 @@ def test_sinks_and_soft_caps_in_the_kernels(kind):
                 keys = k_pool[s].double().repeat_interleave(nh // nkv, 1)
                 values = v_pool[s].double().repeat_interleave(nh // nkv, 1)
                 scores = torch.einsum("hd,lhd->hl", qi.double(), keys) * scale
-                if cap:
+                if alibi is not None:
+                    scores = scores + alibi.double()[:, None] * (torch.arange(first, p + 1, device="cuda") - p)
+                    probs = scores.softmax(-1)
+                elif cap:
                     scores = cap * torch.tanh(scores / cap)
                     probs = scores.softmax(-1)
                 else:
@@ -160,7 +166,7 @@ def test_sinks_and_soft_caps_in_the_kernels(kind):
             q = (torch.randn(4, nh, d, device="cuda") * q_scale).to(dtype)
             out = torch.empty_like(q)
             paged_decode_attention(q, k_pool, v_pool, out, tables, lens, page_tokens=page, scale=scale, window=window,
-                                   sinks=sinks, softcap=cap)
+                                   sinks=sinks, softcap=cap, alibi=alibi)
             assert out[0].abs().max().item() == 0  # the padding row
             for r in range(1, 4):
                 want = reference(q[r:r + 1], r, [int(lens[r]) - 1], window)
@@ -180,7 +186,7 @@ def test_sinks_and_soft_caps_in_the_kernels(kind):
             q = (torch.randn(64, nh, d, device="cuda") * q_scale).to(dtype)
             out = torch.zeros_like(q)
             paged_prefill_attention_varlen(q, k_pool, v_pool, out, tables[:2], meta, page_tokens=page, scale=scale,
-                                           window=window, sinks=sinks, softcap=cap)
+                                           window=window, sinks=sinks, softcap=cap, alibi=alibi)
             want = torch.cat([reference(q[:30], 0, range(20, 50), window), reference(q[30:42], 1, range(12), window)])
             assert (out[:42].double() - want).abs().max().item() <= tol, (dtype, window)
 

@@ -383,6 +383,10 @@ FAMILIES = {
     "falcon": ("falcon", dict(multi_query=True, parallel_attn=True, bos_token_id=1, eos_token_id=2)),
     "falcon_new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bos_token_id=1, eos_token_id=2)),
     "falcon_seq": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True, bos_token_id=1, eos_token_id=2)),
+    # BigScience BLOOM: ALiBi, a LayerNorm of the embeddings, each head's q, k, v in turn; 6 heads (not a power of two:
+    # the extra slopes)
+    "bloom": ("bloom", dict(n_embed=96, n_layer=2, n_head=6, vocab_size=512, initializer_range=0.2, bos_token_id=1,
+                            eos_token_id=2)),
     # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
     "jais2": ("jais2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN

@@ -64,3 +64,20 @@ def test_prefill_kernel_compiles(head_dim, dtype):
                   IEEE=ieee, HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"],
                   EXP2=c["exp2"], WINDOW=1024, SINKS=False, SOFTCAP=0.0, HEAD_PAD=ta._head_pad(head_dim)),
              num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_alibi_builds_compile(dtype):
+    """BLOOM's ALiBi slopes (ALIBI, read through the sinks' pointer) in the one-pass decode and the prefill kernels."""
+    from flared.model import triton_attention as ta
+
+    ieee = dtype == "fp32"
+    _compile(ta._decode_kernel, DECODE, dtype, dict(PAGE_TOKENS=16, GROUP=1, GROUP_PAD=16, HEAD_DIM=64, BLOCK_N=64,
+                                                    IEEE=ieee, WINDOW=0, SINKS=False, SOFTCAP=0.0, HEAD_PAD=64,
+                                                    ALIBI=True))
+    c = dict(ta.PREFILL_CONFIG_F32 if ieee else ta.PREFILL_CONFIG)
+    _compile(ta._prefill_kernel, PREFILL, dtype,
+             dict(SEQS_PAD=16, PAGE_TOKENS=16, GROUP=1, HEAD_DIM=64, BLOCK_M=c["block_m"], BLOCK_N=c["block_n"],
+                  IEEE=ieee, HEADS_FAST=c["heads_fast"], HEAVY_FIRST=c["heavy_first"], SPLIT_MASK=c["split_mask"],
+                  EXP2=c["exp2"], WINDOW=0, SINKS=False, SOFTCAP=0.0, HEAD_PAD=64, ALIBI=True),
+             num_warps=c["num_warps"], num_stages=c["num_stages"])

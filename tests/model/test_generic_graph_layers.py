@@ -29,7 +29,7 @@ GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_
            "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2", "ministral3", "hyperclovax", "sarvam_moe", "nanochat", "phimoe", "olmo", "deepseek_v2", "deepseek_v3",
            "glm4_moe_lite", "llama_head24", "gemma4", "gemma4_values", "gemma4_moe", "gemma4_e2b",
            "youtu", "vaultgemma", "jais2", "flex_olmo", "mellum", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gptj", "falcon",
-           "falcon_new", "falcon_seq", "minicpm3"]
+           "falcon_new", "falcon_seq", "minicpm3", "bloom"]
 # ... and what it refuses (the eager executor serves those on a GPU)
 REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked"}
 
@@ -37,8 +37,9 @@ REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked"}
 def _oracle(k_pool, v_pool, slots_of, positions, scale):
     """attend(q [T, nh, d], kv_index, out, window, sinks) as the Triton kernels compute it: row t, at position
     positions[t], attends the keys of positions (p - window, p] (window 0: [0, p]) held at slots_of[position],
-    each head's sink (if any) one more logit in its softmax, the scores soft-capped where ``softcap``."""
-    def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None):
+    each head's sink (if any) one more logit in its softmax, the scores soft-capped where ``softcap`` and biased by
+    ALiBi's slope * (key position - p) where ``alibi``."""
+    def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None):
         nh = q.shape[1]
         k_layer, v_layer = layer_pool(k_pool[layer], geometry), layer_pool(v_pool[layer], geometry)
         nkv = k_layer.shape[1]
@@ -48,6 +49,8 @@ def _oracle(k_pool, v_pool, slots_of, positions, scale):
             keys = k_layer[slots].float().repeat_interleave(nh // nkv, dim=1)  # [L, nh, d]
             values = v_layer[slots].float().repeat_interleave(nh // nkv, dim=1)
             scores = torch.einsum("hd,lhd->hl", q[t].float(), keys) * scale
+            if alibi is not None:  # (BLOOM: slope * (key position - the row's))
+                scores = scores + alibi[:, None] * (torch.arange(first, p + 1) - p)
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
             if sinks is not None:

@@ -462,10 +462,11 @@ class PagedCudaDecoder:
         never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
 
-        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None):
             window = self.window if window is None else window
             k_pool, v_pool = self._layer_pools(layer, geometry)
-            if splits > 1 and sinks is None:  # (the split kernels have no sinks: gpt-oss' rows run one pass)
+            if splits > 1 and sinks is None and alibi is None:  # (the split kernels have neither sinks nor ALiBi:
+                # gpt-oss' and BLOOM's rows run one pass)
                 paged_decode_attention_split(q, k_pool, v_pool, out, block_tables,
                                              context_lens, self.part_acc, self.part_m, self.part_l,
                                              num_splits=splits, page_tokens=self.page_tokens, scale=self.model.scale,
@@ -473,7 +474,7 @@ class PagedCudaDecoder:
             else:
                 paged_decode_attention(q, k_pool, v_pool, out, block_tables, context_lens,
                                        page_tokens=self.page_tokens, scale=self.model.scale, window=window,
-                                       sinks=sinks, softcap=softcap)
+                                       sinks=sinks, softcap=softcap, alibi=alibi)
 
         def with_rope(qkv, positions, slots, layer, out):
             """The rotary, the KV write and the attention from the QKV projection's rows, in one kernel."""
@@ -507,12 +508,12 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
 
-        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None):
             k_pool, v_pool = self._layer_pools(layer, geometry)
             paged_prefill_attention_varlen(q, k_pool, v_pool, out, block_tables, meta,
                                            page_tokens=self.page_tokens, scale=self.model.scale,
                                            window=self.window if window is None else window, sinks=sinks,
-                                           softcap=softcap)
+                                           softcap=softcap, alibi=alibi)
 
         x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend,
                          lora=self._lora_step(s.lora_ids, capacity))
