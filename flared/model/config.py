@@ -225,7 +225,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "falcon": "llama",
                   # BigScience BLOOM / BLOOMZ: ALiBi position biases in place of rope, the embeddings through a
                   # LayerNorm of their own, biased LayerNorms and projections, an ungated tanh-GELU MLP
-                  "bloom": "llama"}
+                  "bloom": "llama",
+                  # MosaicML MPT (7B, 30B): ALiBi (its own slopes), weight-only LayerNorms, no biases, an ungated GELU
+                  # MLP, q/k/v optionally clamped
+                  "mpt": "llama"}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
@@ -1072,6 +1075,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "jais2": lambda: _jais2_from_hf(hf, source),
         **dict.fromkeys(("gpt2", "gpt_bigcode"), lambda: _gpt2_from_hf(hf, source, model_type)),
         "bloom": lambda: _bloom_from_hf(hf, source),
+        "mpt": lambda: _mpt_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
@@ -1657,6 +1661,42 @@ def alibi_slopes(num_heads: int) -> tuple[float, ...]:
         extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
         slopes += [extra ** i for i in range(1, 1 + 2 * min(closest, num_heads - closest), 2)]
     return tuple(struct.unpack("f", struct.pack("f", x))[0] for x in slopes)  # (float32, as BLOOM's tensor holds them)
+
+
+def mpt_alibi_slopes(num_heads: int, bias_max: float = 8.0) -> tuple[float, ...]:
+    """ALiBi's slopes as MPT computes them: 2^(-bias_max * i / p) for i = 1..p over the power of two p >= num_heads,
+    then (where p > num_heads) the odd-indexed ones before the even-indexed ones, the first num_heads kept."""
+    p = 2 ** math.ceil(math.log2(num_heads))
+    slopes = [1.0 / 2.0 ** (i * (bias_max / p)) for i in range(1, p + 1)]
+    if p != num_heads:
+        slopes = (slopes[1::2] + slopes[::2])[:num_heads]
+    return tuple(struct.unpack("f", struct.pack("f", x))[0] for x in slopes)
+
+
+def _mpt_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """MosaicML MPT: ALiBi (its slopes, alibi_bias_max) in place of rope; LayerNorms with weights alone
+    (layer_norm_epsilon) before attention and the MLP and at the end; Wqkv's q, k, v blocks and out_proj without
+    biases, clamped to clip_qkv where it says; scores times softmax_scale (else head_dim^-0.5); an ungated MLP up,
+    exact GELU, down of expansion_ratio * d_model; tied embeddings. Biases (no_bias false), q/k LayerNorms (qk_ln),
+    learned positions without ALiBi and prefix-LM attention are refused by name."""
+    attn = hf.get("attn_config") or {}
+    for bad, why in ((not hf.get("no_bias", True), "biases (no_bias false)"), (attn.get("qk_ln"), "q/k LayerNorms (qk_ln)"),
+                     (not attn.get("alibi", True), "learned positions without ALiBi"),
+                     (attn.get("prefix_lm"), "prefix-LM attention")):
+        if bad:
+            raise _unsupported(f"{source}: MPT with {why} is not supported")
+    hidden, heads, layers = int(hf["d_model"]), int(hf["n_heads"]), int(hf["n_layers"])
+    sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
+                    "intermediate_size": int(hf.get("expansion_ratio", 4)) * hidden, "num_hidden_layers": layers,
+                    "num_attention_heads": heads, "max_position_embeddings": hf.get("max_seq_len", 2048),
+                    "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
+    scale = attn.get("softmax_scale")
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,
+        rope_scaling=None, attention_bias=False, attention_out_bias=False, qk_norm=False, layer_norm=True,
+        mlp_gated=False, hidden_act="gelu", attention_scale=float(scale) if scale else None,
+        clip_qkv=float(attn.get("clip_qkv") or 0.0),
+        alibi_slopes=mpt_alibi_slopes(heads, float(attn.get("alibi_bias_max", 8))), nope_layers=tuple(range(layers)))
 
 
 def _bloom_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

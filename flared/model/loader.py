@@ -515,6 +515,21 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "falcon":
         hf = _hf_falcon_names(hf, config, hf_config)
+    if hf_config is not None and hf_config.get("model_type") == "mpt":  # (its names for Llama's; Wqkv q, k, v blocks)
+        renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
+                   ("transformer.blocks.", "model.layers."), (".norm_1.", ".input_layernorm."),
+                   (".norm_2.", ".post_attention_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."),
+                   (".ffn.up_proj.", ".mlp.up_proj."), (".ffn.down_proj.", ".mlp.down_proj."))
+        out = {}
+        for key, value in hf.items():
+            for old, new in renames:
+                key = key.replace(old, new)
+            if ".attn.Wqkv." in key:
+                for x, part in zip("qkv", value.chunk(3)):
+                    out[key.replace(".attn.Wqkv.", f".self_attn.{x}_proj.")] = part.contiguous()
+            else:
+                out[key] = value
+        hf = out
     if hf_config is not None and hf_config.get("model_type") == "bloom":  # (its names for Llama's; query_key_value each
         # head's q, k and v rows in turn)
         nh, d = config.num_heads, config.head_dim

@@ -385,8 +385,12 @@ FAMILIES = {
     "falcon_seq": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True, bos_token_id=1, eos_token_id=2)),
     # BigScience BLOOM: ALiBi, a LayerNorm of the embeddings, each head's q, k, v in turn; 6 heads (not a power of two:
     # the extra slopes)
-    "bloom": ("bloom", dict(n_embed=96, n_layer=2, n_head=6, vocab_size=512, initializer_range=0.2, bos_token_id=1,
-                            eos_token_id=2)),
+    # (TINY_COMMON's names win over a config's own through its attribute_map: the sizes under those names)
+    "bloom": ("bloom", dict(hidden_size=96, num_attention_heads=6, bos_token_id=1, eos_token_id=2)),
+    # MosaicML MPT: ALiBi with its own slopes (6 heads: its reordering), weight-only LayerNorms, clamped q/k/v
+    # (transformers' MPT is always 4 * d_model wide, whatever expansion_ratio says)
+    "mpt": ("mpt", dict(hidden_size=96, num_attention_heads=6, attn_config={"clip_qkv": 0.6, "alibi_bias_max": 8},
+                        bos_token_id=1, eos_token_id=2)),
     # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
     "jais2": ("jais2", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Arcee AFM-4.5B: Llama with an ungated ReLU-squared MLP, YaRN
