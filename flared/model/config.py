@@ -1594,7 +1594,7 @@ def _gpt2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
                            "is not supported")
     if hf.get("add_cross_attention"):
         raise _unsupported(f"{source}: {family} with cross-attention is not supported")
-    act = _hf_act({"hidden_act": hf.get("activation_function")}, source, family,
+    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source, family,
                   "gelu_new" if model_type == "gpt2" else "gelu_pytorch_tanh", {**_TANH_GELU, "gelu": "gelu"})
     hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
     sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
@@ -1726,7 +1726,8 @@ def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     side (parallel_block), q/k/v and out_proj without biases, the first rotary_dim of each head turned by interleaved
     pairs at theta 10000 (reordered to rotate-half on reading: rope_interleaved), an ungated MLP fc_in, tanh-GELU,
     fc_out with biases, a biased final LayerNorm and LM head."""
-    act = _hf_act({"hidden_act": hf.get("activation_function")}, source, "GPT-J", "gelu_new",
+    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source, "GPT-J",
+                  "gelu_new",
                   {k: v for k, v in _TANH_GELU.items() if k != "gelu_fast"})
     hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
     sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
@@ -1750,7 +1751,8 @@ def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     says; tied embeddings. ALiBi (Falcon-RW) is refused by name."""
     if hf.get("alibi"):
         raise _unsupported(f"{source}: Falcon with ALiBi position biases (alibi) is not supported")
-    act = _hf_act({"hidden_act": hf.get("activation")}, source, "Falcon", "gelu", {"gelu": "gelu", **_TANH_GELU})
+    act = _hf_act({"hidden_act": hf["activation"]} if hf.get("activation") else {}, source, "Falcon", "gelu",
+                  {"gelu": "gelu", **_TANH_GELU})
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     new = bool(hf.get("new_decoder_architecture", False))
     kv_heads = int(hf.get("num_kv_heads") or heads) if new or not hf.get("multi_query", True) else 1

@@ -149,10 +149,10 @@ def test_unsupported_architecture_is_rejected(hf_llama: Path, tmp_path: Path):
     src = tmp_path / "src"
     shutil.copytree(hf_llama, src)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["model_type"] = "gpt_bigcode"
-    cfg["architectures"] = ["GPTBigCodeForCausalLM"]
+    cfg["model_type"] = "xglm"
+    cfg["architectures"] = ["XGLMForCausalLM"]
     (src / "config.json").write_text(json.dumps(cfg))
-    _export_fails(src, tmp_path, "gpt_bigcode")
+    _export_fails(src, tmp_path, "xglm")
 
 
 def test_wrong_asset_hash_names_the_file(hf_core: Path, tmp_path: Path):

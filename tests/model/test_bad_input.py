@@ -75,7 +75,7 @@ def test_missing_tensor(llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("change, what", [
-    ({"model_type": "gpt_bigcode"}, "gpt_bigcode"),
+    ({"model_type": "xglm"}, "xglm"),
     # dynamic NTK turning inside the served context (its original shorter than max_position_embeddings)
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0,
                           "original_max_position_embeddings": 16}}, "dynamic"),
