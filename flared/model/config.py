@@ -1651,14 +1651,15 @@ def _phi_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
-def alibi_slopes(num_heads: int) -> tuple[float, ...]:
-    """ALiBi's slope for each of ``num_heads`` heads, as BLOOM computes them: 2^(-8 i / n) for i = 1..n over the
-    largest power of two n <= num_heads, then the odd steps of the next power of two's for the heads past it."""
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> tuple[float, ...]:
+    """ALiBi's slope for each of ``num_heads`` heads, as BLOOM (and llama.cpp, with its max_bias) computes them:
+    2^(-max_bias i / n) for i = 1..n over the largest power of two n <= num_heads, then the odd steps of
+    2^(-max_bias / 2 / n) for the heads past it."""
     closest = 2 ** math.floor(math.log2(num_heads))
-    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    base = 2.0 ** (-max_bias / closest)
     slopes = [base ** i for i in range(1, closest + 1)]
     if closest != num_heads:
-        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        extra = 2.0 ** (-max_bias / 2 / closest)
         slopes += [extra ** i for i in range(1, 1 + 2 * min(closest, num_heads - closest), 2)]
     return tuple(struct.unpack("f", struct.pack("f", x))[0] for x in slopes)  # (float32, as BLOOM's tensor holds them)
 

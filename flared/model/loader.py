@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from flared.errors import CoreError, ErrorKind
-from flared.model.config import ModelConfig, from_hf_config, yarn_parameters
+from flared.model.config import ModelConfig, alibi_slopes, from_hf_config, yarn_parameters
 from flared.model.vision import VisionConfig
 
 
@@ -1174,7 +1174,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
                        "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
-                       "starcoder": "llama", "falcon": "llama", "phi2": "llama"}
+                       "starcoder": "llama", "falcon": "llama", "phi2": "llama", "bloom": "llama", "mpt": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1341,6 +1341,16 @@ def _gguf_config(reader, source: str) -> ModelConfig:
         layer_flags = dict(layer_norm=True, norm_bias=True, mlp_bias=True, mlp_gated=False,
                            hidden_act="gelu_pytorch_tanh", position_embeddings=True,
                            nope_layers=tuple(range(int(need("block_count")))))
+    elif arch in ("bloom", "mpt"):  # ALiBi (llama.cpp's slopes, MPT's max_alibi_bias), q/k/v in one attn_qkv, LayerNorms
+        # (BLOOM's biased, with the embeddings' own: token_embd_norm; MPT's weights alone), an ungated GELU MLP
+        layers = int(need("block_count"))
+        bloom = arch == "bloom"
+        layer_flags = dict(layer_norm=True, norm_bias=bloom, mlp_bias=bloom, mlp_gated=False,
+                           hidden_act="gelu_pytorch_tanh" if bloom else "gelu", embedding_layer_norm=bloom,
+                           alibi_slopes=alibi_slopes(num_heads, float(_gguf_field(
+                               reader, f"{arch}.attention.max_alibi_bias", 8.0))),
+                           clip_qkv=float(_gguf_field(reader, f"{arch}.attention.clamp_kqv", 0.0) or 0.0),
+                           nope_layers=tuple(range(layers)))
     elif arch == "phi2":  # one biased LayerNorm feeding attention and an ungated tanh-GELU MLP side by side, biases
         # everywhere (the LM head's too), part of each head rotated (rotate-half: no permutation)
         layer_flags = dict(layer_norm=True, norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False,
@@ -1884,6 +1894,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         out["pos_embed.weight"] = take("position_embd.weight")
     if config.lm_head_bias:  # (Phi-2's)
         out["lm_head.bias"] = take("output.bias")
+    if config.embedding_layer_norm:  # (BLOOM's LayerNorm of the embeddings)
+        out.update({"embed_norm.weight": take("token_embd_norm.weight"), "embed_norm.bias": take("token_embd_norm.bias")})
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = take("output.weight")
     if config.norm_bias:

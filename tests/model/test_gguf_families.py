@@ -1301,3 +1301,76 @@ def test_a_phi2_gguf_reads_as_its_checkpoint(tmp_path):
     prompt = np.random.default_rng(8).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_alibi_ggufs_read_as_their_checkpoints(family, tmp_path):
+    """BLOOM and MPT as llama.cpp's converter writes them: q, k and v as one attn_qkv (BLOOM's each head's q, k, v
+    reordered to the queries, then the keys, then the values), BLOOM's embedding LayerNorm as token_embd_norm and its
+    embeddings written out as output, MPT's clip_qkv and alibi_bias_max as clamp_kqv and max_alibi_bias: the
+    checkpoint's config and logits; BLOOM's also as transformers' GGUF loader reads the file."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    bloom = family == "bloom"
+    hidden = cfg["hidden_size"] if bloom else cfg["d_model"]
+    heads = cfg["n_head"] if bloom else cfg["n_heads"]
+    layers = cfg["n_layer"] if bloom else cfg["n_layers"]
+    d = hidden // heads
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), family)
+    add = f32_tensors(w)
+    for key, value in (("context_length", 2048 if bloom else cfg["max_seq_len"]), ("embedding_length", hidden),
+                       ("feed_forward_length", 4 * hidden), ("block_count", layers), ("attention.head_count", heads),
+                       ("attention.head_count_kv", heads), ("vocab_size", cfg["vocab_size"])):
+        w.add_uint32(f"{family}.{key}", value)
+    w.add_float32(f"{family}.attention.layer_norm_epsilon", cfg["layer_norm_epsilon"])
+    if not bloom:
+        w.add_float32("mpt.attention.clamp_kqv", cfg["attn_config"]["clip_qkv"])
+        w.add_float32("mpt.attention.max_alibi_bias", cfg["attn_config"]["alibi_bias_max"])
+    top = "transformer."
+    add("token_embd.weight", t[top + ("word_embeddings" if bloom else "wte") + ".weight"])
+    if bloom:
+        for x in ("weight", "bias"):
+            add(f"token_embd_norm.{x}", t[f"{top}word_embeddings_layernorm.{x}"])
+    names = ({"attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
+              "attn_output": "self_attention.dense", "ffn_norm": "post_attention_layernorm",
+              "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"} if bloom else
+             {"attn_norm": "norm_1", "attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_norm": "norm_2",
+              "ffn_up": "ffn.up_proj", "ffn_down": "ffn.down_proj"})
+    for i in range(layers):
+        b = f"{top}{'h' if bloom else 'blocks'}.{i}."
+        for ours, theirs in names.items():
+            for x in ("weight", "bias"):
+                if f"{b}{theirs}.{x}" not in t:
+                    continue
+                value = t[f"{b}{theirs}.{x}"]
+                if bloom and ours == "attn_qkv":  # (llama.cpp: each head's q, k, v to all queries, keys, values)
+                    per_head = value.reshape(heads, 3, d, *value.shape[1:])
+                    value = np.concatenate([per_head[:, j].reshape(heads * d, *value.shape[1:]) for j in range(3)])
+                add(f"blk.{i}.{ours}.{x}", value)
+    for x in ("weight", "bias"):
+        if f"{top}{'ln_f' if bloom else 'norm_f'}.{x}" in t:
+            add(f"output_norm.{x}", t[f"{top}{'ln_f' if bloom else 'norm_f'}.{x}"])
+    if "lm_head.weight" in t:
+        add("output.weight", t["lm_head.weight"])
+    elif bloom:  # (its converter writes tied embeddings out)
+        add("output.weight", t[top + "word_embeddings.weight"])
+    close_gguf(w)
+    source, reference = read_source(tmp_path / "m.gguf"), read_source(hf_dir).config
+    for field in ("alibi_slopes", "embedding_layer_norm", "layer_norm", "norm_bias", "mlp_bias", "mlp_gated",
+                  "hidden_act", "nope_layers", "attention_bias", "attention_out_bias", "num_heads"):
+        assert getattr(source.config, field) == getattr(reference, field), field
+    assert source.config.clip_qkv == pytest.approx(reference.clip_qkv, rel=1e-6)  # (a float32 key)
+    prompt = np.random.default_rng(9).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+    if bloom:
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
+        assert (ours - logits).abs().max().item() < 1e-4
