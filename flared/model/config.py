@@ -1749,9 +1749,8 @@ def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     dense_4h_to_h) side by side, from one biased LayerNorm, or (new_decoder_architecture with two of them, 40B and
     180B) each from its own; else Llama's order. Rope over the whole head; one KV head (multi_query, 7B) or
     num_kv_heads (new_decoder_architecture), q, k and v in one query_key_value (split on reading); biases where bias
-    says; tied embeddings. ALiBi (Falcon-RW) is refused by name."""
-    if hf.get("alibi"):
-        raise _unsupported(f"{source}: Falcon with ALiBi position biases (alibi) is not supported")
+    says; tied embeddings. Falcon-RW's ALiBi (alibi) in place of rope: BLOOM's slopes rounded to bfloat16 and divided
+    by sqrt(head_dim), as transformers biases its scores."""
     act = _hf_act({"hidden_act": hf["activation"]} if hf.get("activation") else {}, source, "Falcon", "gelu",
                   {"gelu": "gelu", **_TANH_GELU})
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
@@ -1763,11 +1762,23 @@ def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     two_norms = new and int(hf.get("num_ln_in_parallel_attn") or 2) == 2
     theta, scaling = _rope_from_hf(hf, source)
     biased = bool(hf.get("bias", False))
+    alibi = {}
+    if hf.get("alibi"):
+        root = math.sqrt(sizes["head_dim"])
+        alibi = dict(alibi_slopes=tuple(_bfloat16(s) / root for s in alibi_slopes(heads)),
+                     nope_layers=tuple(range(sizes["num_layers"])))
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
         norm_bias=True, parallel_block=parallel, parallel_norms=two_norms, mlp_bias=biased, mlp_gated=False,
-        hidden_act=act)
+        hidden_act=act, **alibi)
+
+
+def _bfloat16(x: float) -> float:
+    """``x`` rounded to bfloat16 (to nearest, ties to even), as a float."""
+    bits = struct.unpack("I", struct.pack("f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("f", struct.pack("I", bits))[0]
 
 
 def _stablelm_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -383,6 +383,9 @@ FAMILIES = {
     "falcon": ("falcon", dict(multi_query=True, parallel_attn=True, bos_token_id=1, eos_token_id=2)),
     "falcon_new": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bos_token_id=1, eos_token_id=2)),
     "falcon_seq": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True, bos_token_id=1, eos_token_id=2)),
+    # Falcon-RW: the sequential layout with ALiBi (6 heads: slopes past the power of two, rounded to bfloat16)
+    "falcon_rw": ("falcon", dict(hidden_size=96, num_attention_heads=6, alibi=True, multi_query=False,
+                                 parallel_attn=False, bias=True, bos_token_id=1, eos_token_id=2)),
     # BigScience BLOOM: ALiBi, a LayerNorm of the embeddings, each head's q, k, v in turn; 6 heads (not a power of two:
     # the extra slopes)
     # (TINY_COMMON's names win over a config's own through its attribute_map: the sizes under those names)
