@@ -228,8 +228,11 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   "bloom": "llama",
                   # MosaicML MPT (7B, 30B): ALiBi (its own slopes), weight-only LayerNorms, no biases, an ungated GELU
                   # MLP, q/k/v optionally clamped
-                  "mpt": "llama"}
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu")
+                  "mpt": "llama",
+                  # Meta OPT (125M-66B): learned positions (offset by 2), biased LayerNorms and projections, an ungated
+                  # ReLU MLP
+                  "opt": "llama"}
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "relu2", "xielu", "gelu", "relu")
 _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale", "layer_windows", "local_rope_theta",
                  "num_experts", "experts_per_token", "expert_intermediate_size", "norm_topk_prob",
                  "shared_expert_intermediate_size", "nope_layers", "embedding_multiplier", "residual_multiplier",
@@ -682,7 +685,7 @@ class ModelConfig:
         if (self.parallel_mixers and self.linear_kind != "mamba2"
                 or not self.linear_norm and self.linear_kind not in ("mamba2", "mamba1")):
             raise CoreError("parallel_mixers needs Mamba-2 layers, linear_norm false Mamba layers")
-        if self.hidden_act in ("relu2", "xielu") and self.mlp_gated:
+        if self.hidden_act in ("relu2", "xielu", "relu") and self.mlp_gated:
             raise _unsupported(f"{self.hidden_act} is supported only in ungated MLPs (mlp_gated false)")
         if not self.linear_layers and any(getattr(self, n) for n in linear_sizes):
             raise CoreError(f"{', '.join(linear_sizes)} need linear_layers")
@@ -1076,6 +1079,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **dict.fromkeys(("gpt2", "gpt_bigcode"), lambda: _gpt2_from_hf(hf, source, model_type)),
         "bloom": lambda: _bloom_from_hf(hf, source),
         "mpt": lambda: _mpt_from_hf(hf, source),
+        "opt": lambda: _opt_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
         "stablelm": lambda: _stablelm_from_hf(hf, source),
         "phi": lambda: _phi_from_hf(hf, source),
@@ -1720,6 +1724,31 @@ def _bloom_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_scaling=None, attention_bias=True, attention_out_bias=True, qk_norm=False, layer_norm=True,
         norm_bias=True, mlp_bias=True, mlp_gated=False, hidden_act="gelu_pytorch_tanh", alibi_slopes=alibi_slopes(heads),
         embedding_layer_norm=True, nope_layers=tuple(range(layers)))
+
+
+def _opt_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """Meta OPT: learned position embeddings (the table's first two rows unused: OPT offsets positions by 2) added to
+    the token's, no rope; biased LayerNorms before attention and the MLP (do_layer_norm_before) and at the end;
+    q, k, v and out_proj biased where enable_bias; an ungated MLP fc1, ReLU (activation_function), fc2; tied
+    embeddings. The norms after (OPT-350M), a projection between the embeddings' and the model's widths
+    (word_embed_proj_dim) and weightless LayerNorms are refused by name."""
+    for bad, why in ((not hf.get("do_layer_norm_before", True), "norms after attention and the MLP "
+                      "(do_layer_norm_before false)"),
+                     (int(hf.get("word_embed_proj_dim") or hf["hidden_size"]) != int(hf["hidden_size"]),
+                      "word_embed_proj_dim"), (not hf.get("layer_norm_elementwise_affine", True), "weightless LayerNorms"),
+                     (hf.get("_remove_final_layer_norm"), "no final LayerNorm")):
+        if bad:
+            raise _unsupported(f"{source}: OPT with {why} is not supported")
+    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source, "OPT",
+                  "relu", {"relu": "relu", "gelu": "gelu", **_TANH_GELU})
+    sizes = _sizes({**hf, "intermediate_size": hf["ffn_dim"], "num_key_value_heads": None}, max_positions=2048,
+                   tied=True)  # (no grouped queries)
+    biased = bool(hf.get("enable_bias", True))
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+        attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True, norm_bias=True,
+        mlp_bias=biased, mlp_gated=False, hidden_act=act, position_embeddings=True,
+        nope_layers=tuple(range(sizes["num_layers"])))
 
 
 def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

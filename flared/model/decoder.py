@@ -1219,6 +1219,8 @@ class DecoderModel:
         if not self.config.mlp_gated:
             if self.config.hidden_act in ("gelu_pytorch_tanh", "gelu"):  # (GPT-NeoX's exact one)
                 return F.gelu(gate_up, approximate="tanh" if self.config.hidden_act == "gelu_pytorch_tanh" else "none")
+            if self.config.hidden_act == "relu":  # (OPT's)
+                return F.relu(gate_up)
             return torch.square(F.relu(gate_up))
         inter = gate_up.shape[1] // 2
         gate = gate_up[:, :inter]

@@ -515,6 +515,21 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") == "falcon":
         hf = _hf_falcon_names(hf, config, hf_config)
+    if hf_config is not None and hf_config.get("model_type") == "opt":  # (its names for Llama's; its position table's
+        # first two rows, which no position reads, dropped)
+        renames = (("model.decoder.final_layer_norm.", "model.norm."), ("model.decoder.embed_tokens.", "model.embed_tokens."),
+                   ("model.decoder.layers.", "model.layers."), (".self_attn_layer_norm.", ".input_layernorm."),
+                   (".final_layer_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+                   (".fc1.", ".mlp.up_proj."), (".fc2.", ".mlp.down_proj."))
+        out = {}
+        for key, value in hf.items():
+            if key == "model.decoder.embed_positions.weight":
+                out["model.embed_positions.weight"] = value[2:]
+                continue
+            for old, new in renames:
+                key = key.replace(old, new)
+            out[key] = value
+        hf = out
     if hf_config is not None and hf_config.get("model_type") == "mpt":  # (its names for Llama's; Wqkv q, k, v blocks)
         renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
                    ("transformer.blocks.", "model.layers."), (".norm_1.", ".input_layernorm."),
