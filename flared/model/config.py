@@ -146,6 +146,8 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # ... and its sliding-window form: learned attention sinks, windows on the layer_types' sliding layers,
                   # layer_rope_theta's zeros unrotated
                   "granitemoe_swa": "llama",
+                  # ... and the dense one (GraniteSWA, granite-swash): the same attention with Granite's dense MLP
+                  "granite_swa": "llama",
                   # Ministral (8B 2410) and Meta CWM: Llama with a window on the layer_types' sliding_attention layers
                   "ministral": "llama", "cwm": "llama",
                   # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer at YaRN, each query scaled by its
@@ -1099,7 +1101,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                               expert_intermediate_size=int(hf["intermediate_size"]), router_topk_softmax=True,
                               shared_expert_intermediate_size=int(hf.get("shared_intermediate_size") or 0)
                               if model_type != "granitemoe" else 0, shared_expert_gate=False)
-    if model_type == "granitemoe_swa":  # (its sinks; layer_rope_theta: 0 unrotated, else the model's theta)
+    if model_type in ("granitemoe_swa", "granite_swa"):  # (its sinks; layer_rope_theta: 0 unrotated, else the
+        # model's theta)
         thetas = hf.get("layer_rope_theta")
         theta_all = float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
         if thetas is not None and (len(thetas) != int(hf["num_hidden_layers"])
@@ -1115,7 +1118,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("mlp_bias") or (model_type in ("ernie4_5", "ernie4_5_moe") and hf.get("use_bias")):
         raise _unsupported(f"{source}: {'mlp_bias' if hf.get('mlp_bias') else 'use_bias'} (biases on the MLP) "
                            "is not supported")
-    windowed = model_type in ("ministral", "cwm", "granitemoe_swa", "mellum") or (model_type == "mistral"
+    windowed = model_type in ("ministral", "cwm", "granitemoe_swa", "granite_swa", "mellum") or (model_type == "mistral"
                                                                                   and hf.get("layer_types"))
     local_theta = None
     params = hf.get("rope_parameters")
@@ -1162,7 +1165,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     layer_windows = None
     if windowed:  # (Ministral: every layer sliding unless layer_types says; CWM: every fourth from the first full)
         window = int(hf.get("sliding_window") or 0)
-        rule = ((lambda i: i % 4 != 0) if model_type in ("cwm", "granitemoe_swa")
+        rule = ((lambda i: i % 4 != 0) if model_type in ("cwm", "granitemoe_swa", "granite_swa")
                 else (lambda i: False) if model_type == "mellum" else (lambda i: bool(window)))
         layer_windows = _layer_windows(hf, sizes["num_layers"], source, window, rule) if window else None
         sliding_window = None
@@ -1175,7 +1178,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                 "rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0, "high_freq_factor": 4.0,
                 "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}}, source)
     nope = ()
-    if model_type == "granitemoe_swa":
+    if model_type in ("granitemoe_swa", "granite_swa"):
         nope = tuple(i for i, t in enumerate(hf.get("layer_rope_theta") or ()) if not t)
     if model_type == "granitemoehybrid" and hf.get("position_embedding_type") != "rope":
         nope = tuple(range(sizes["num_layers"]))
@@ -1972,7 +1975,7 @@ def _llama4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 def _granite_from_hf(hf: dict[str, Any], model_type: str) -> dict:
     """Granite's multipliers ({} for other families)."""
     if model_type not in ("granite", "granitemoehybrid", "granitemoe", "granitemoeshared", "granitemoe_swa",
-                          "hyperclovax"):
+                          "granite_swa", "hyperclovax"):
         return {}
     attention = hf.get("attention_multiplier")
     if attention is None:  # (HyperCLOVA X's default: head_dim^-0.5; Granite's 1)

@@ -357,6 +357,11 @@ FAMILIES = {
                                               embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0,
                                               attention_multiplier=0.2, pad_token_id=0, bos_token_id=1,
                                               eos_token_id=2)),
+    # ... and GraniteSWA: the same attention with Granite's dense MLP
+    "granite_swa": ("granite_swa", dict(head_dim=16, num_hidden_layers=4, sliding_window=8,
+                                        layer_rope_theta=[0, 10000.0, 10000.0, 10000.0], embedding_multiplier=3.0,
+                                        residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.2,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Microsoft Phi-2: a parallel block from one biased LayerNorm, part of each head rotated, biases everywhere (the LM
     # head's too), an ungated tanh-GELU MLP
     "phi": ("phi", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2,
