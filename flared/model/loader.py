@@ -422,68 +422,72 @@ def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], 
         hf[weight_name] = (weight.float() * tiles).to(dtype)
 
 
-def _hf_falcon_names(hf: dict[str, torch.Tensor], config: ModelConfig, hf_config: dict) -> dict[str, torch.Tensor]:
-    """Falcon's tensors under Llama's names: query_key_value split into q, k and v (new_decoder_architecture: each KV
-    group's queries, then its key and value; multi_query: the queries, then one key and value; else each head's q, k,
-    v in turn); ln_attn / ln_mlp (or input_layernorm alone) as the attention's and the MLP's norms."""
-    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
-    new = bool(hf_config.get("new_decoder_architecture", False))
-    renames = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+# Older families' tensor names as Llama's, applied in order to every name (_hf_legacy_names).
+_LEGACY_RENAMES = {
+    "falcon": (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
                ("transformer.h.", "model.layers."), (".ln_attn.", ".input_layernorm."),
                (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
-               (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
-    out = {}
-    for key, value in hf.items():
-        for old, new_name in renames:
-            key = key.replace(old, new_name)
-        if ".self_attention.query_key_value." not in key:
-            out[key] = value
-            continue
+               (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
+    "bloom": (("transformer.word_embeddings_layernorm.", "model.embed_norm."),
+              ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+              ("transformer.h.", "model.layers."), (".self_attention.dense.", ".self_attn.o_proj."),
+              (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj.")),
+    "mpt": (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
+            ("transformer.blocks.", "model.layers."), (".norm_1.", ".input_layernorm."),
+            (".norm_2.", ".post_attention_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."),
+            (".ffn.up_proj.", ".mlp.up_proj."), (".ffn.down_proj.", ".mlp.down_proj.")),
+    "opt": (("model.decoder.final_layer_norm.", "model.norm."), ("model.decoder.embed_tokens.", "model.embed_tokens."),
+            ("model.decoder.embed_positions.", "model.embed_positions."), ("model.decoder.layers.", "model.layers."),
+            (".self_attn_layer_norm.", ".input_layernorm."), (".final_layer_norm.", ".post_attention_layernorm."),
+            (".self_attn.out_proj.", ".self_attn.o_proj."), (".fc1.", ".mlp.up_proj."), (".fc2.", ".mlp.down_proj.")),
+    "gptj": (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+             ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
+             (".out_proj.", ".o_proj."), (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj.")),
+    "gpt2": (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
+             ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."),
+             (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
+             (".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
+}
+_LEGACY_RENAMES["gpt_bigcode"] = _LEGACY_RENAMES["gpt2"]
+# ... and the name of each one's fused q/k/v projection
+_LEGACY_FUSED = {"falcon": ".self_attention.query_key_value.", "bloom": ".self_attention.query_key_value.",
+                 "mpt": ".attn.Wqkv.", "gpt2": ".attn.c_attn.", "gpt_bigcode": ".attn.c_attn."}
+
+
+def _hf_legacy_names(hf: dict[str, torch.Tensor], config: ModelConfig, model_type: str) -> dict[str, torch.Tensor]:
+    """Falcon's, BLOOM's, MPT's, OPT's, GPT-J's, GPT-2's and GPT-BigCode's tensors under Llama's names
+    (_LEGACY_RENAMES), each fused q/k/v projection split into q, k and v by its layout: q, k and v blocks (MPT,
+    GPT-2, a multi-query model's queries then one key and value), each head's q, k, v in turn (BLOOM, Falcon and
+    BigCode without grouped or single KV heads), or Falcon's KV groups (new_decoder_architecture: each group's queries,
+    then its key and value). GPT-2's Conv1D weights are stored [in, out] (transposed here to a Linear's) beside old
+    files' causal-mask buffers (dropped); OPT's position table's first two rows, which no position reads, dropped."""
+    nh, nkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    if model_type == "gpt2":
+        hf = {k: v.t().contiguous() if v.dim() == 2 and (".attn." in k or ".mlp." in k) else v
+              for k, v in hf.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+    if model_type == "opt":
+        hf = {k: v[2:] if k == "model.decoder.embed_positions.weight" else v for k, v in hf.items()}
+
+    def split(value: torch.Tensor) -> list[torch.Tensor]:
         rest = value.shape[1:]
-        if new:  # [nkv, group + 2, d]
+        if model_type == "falcon" and nkv not in (1, nh):  # [nkv, group + 2, d]
             grouped = value.reshape(nkv, nh // nkv + 2, d, *rest)
-            parts = [grouped[:, :-2].reshape(nh * d, *rest), grouped[:, -2].reshape(nkv * d, *rest),
-                     grouped[:, -1].reshape(nkv * d, *rest)]
-        elif nkv == 1:
-            parts = value.split([nh * d, d, d])
-        else:
-            per_head = value.reshape(nh, 3, d, *rest)
-            parts = [per_head[:, j].reshape(nh * d, *rest) for j in range(3)]
-        for name, part in zip("qkv", parts):
-            out[key.replace(".self_attention.query_key_value.", f".self_attn.{name}_proj.")] = part.contiguous()
-    return out
+            return [grouped[:, :-2].reshape(nh * d, *rest), grouped[:, -2].reshape(nkv * d, *rest),
+                    grouped[:, -1].reshape(nkv * d, *rest)]
+        if model_type in ("mpt", "gpt2") or nkv == 1:
+            return list(value.split([nh * d, nkv * d, nkv * d]))
+        return [part.reshape(nh * d, *rest) for part in value.reshape(nh, 3, d, *rest).unbind(1)]
 
-
-def _hf_gpt2_names(hf: dict[str, torch.Tensor], config: ModelConfig, hf_config: dict) -> dict[str, torch.Tensor]:
-    """GPT-2's and GPT-BigCode's tensors under Llama's names: wte, wpe (model.embed_positions), ln_1 / ln_2 / ln_f,
-    c_attn split into q, k and v (GPT-2: q, k, v blocks; BigCode: multi_query's q then one k and v, else each head's
-    q, k, v in turn), c_proj, the MLP's c_fc / c_proj as up / down. GPT-2's Conv1D weights are stored [in, out]:
-    transposed to a Linear's."""
-    gpt2 = hf_config.get("model_type") == "gpt2"
-    nh, d, hidden = config.num_heads, config.head_dim, config.hidden_size
-    renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
-               ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."),
-               (".ln_2.", ".post_attention_layernorm."), (".attn.c_proj.", ".self_attn.o_proj."),
-               (".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."))
+    fused = _LEGACY_FUSED.get(model_type)
     out = {}
     for key, value in hf.items():
-        if key.endswith((".attn.bias", ".attn.masked_bias")):  # (old GPT-2 files' causal-mask buffers)
-            continue
-        for old, new in renames:
+        for old, new in _LEGACY_RENAMES[model_type]:
             key = key.replace(old, new)
-        conv = gpt2 and value.dim() == 2 and (".self_attn." in key or ".attn." in key or ".mlp." in key)
-        if conv:
-            value = value.t()
-        if ".attn.c_attn." in key:
-            if gpt2 or config.num_kv_heads == 1:
-                parts = value.split([hidden, config.num_kv_heads * d, config.num_kv_heads * d])
-            else:  # (each head's q, k and v rows in turn)
-                per_head = value.reshape(nh, 3, d, *value.shape[1:])
-                parts = [per_head[:, j].reshape(nh * d, *value.shape[1:]) for j in range(3)]
-            for name, part in zip("qkv", parts):
-                out[key.replace(".attn.c_attn.", f".self_attn.{name}_proj.")] = part.contiguous()
-            continue
-        out[key] = value.contiguous() if conv else value
+        if fused is not None and fused in key:
+            for name, part in zip("qkv", split(value)):
+                out[key.replace(fused, f".self_attn.{name}_proj.")] = part.contiguous()
+        else:
+            out[key] = value
     return out
 
 
@@ -513,69 +517,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
-    if hf_config is not None and hf_config.get("model_type") == "falcon":
-        hf = _hf_falcon_names(hf, config, hf_config)
-    if hf_config is not None and hf_config.get("model_type") == "opt":  # (its names for Llama's; its position table's
-        # first two rows, which no position reads, dropped)
-        renames = (("model.decoder.final_layer_norm.", "model.norm."), ("model.decoder.embed_tokens.", "model.embed_tokens."),
-                   ("model.decoder.layers.", "model.layers."), (".self_attn_layer_norm.", ".input_layernorm."),
-                   (".final_layer_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
-                   (".fc1.", ".mlp.up_proj."), (".fc2.", ".mlp.down_proj."))
-        out = {}
-        for key, value in hf.items():
-            if key == "model.decoder.embed_positions.weight":
-                out["model.embed_positions.weight"] = value[2:]
-                continue
-            for old, new in renames:
-                key = key.replace(old, new)
-            out[key] = value
-        hf = out
-    if hf_config is not None and hf_config.get("model_type") == "mpt":  # (its names for Llama's; Wqkv q, k, v blocks)
-        renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
-                   ("transformer.blocks.", "model.layers."), (".norm_1.", ".input_layernorm."),
-                   (".norm_2.", ".post_attention_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."),
-                   (".ffn.up_proj.", ".mlp.up_proj."), (".ffn.down_proj.", ".mlp.down_proj."))
-        out = {}
-        for key, value in hf.items():
-            for old, new in renames:
-                key = key.replace(old, new)
-            if ".attn.Wqkv." in key:
-                for x, part in zip("qkv", value.chunk(3)):
-                    out[key.replace(".attn.Wqkv.", f".self_attn.{x}_proj.")] = part.contiguous()
-            else:
-                out[key] = value
-        hf = out
-    if hf_config is not None and hf_config.get("model_type") == "bloom":  # (its names for Llama's; query_key_value each
-        # head's q, k and v rows in turn)
-        nh, d = config.num_heads, config.head_dim
-        renames = (("transformer.word_embeddings_layernorm.", "model.embed_norm."),
-                   ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
-                   ("transformer.h.", "model.layers."), (".self_attention.dense.", ".self_attn.o_proj."),
-                   (".mlp.dense_h_to_4h.", ".mlp.up_proj."), (".mlp.dense_4h_to_h.", ".mlp.down_proj."))
-        out = {}
-        for key, value in hf.items():
-            for old, new in renames:
-                key = key.replace(old, new)
-            if ".self_attention.query_key_value." in key:
-                per_head = value.reshape(nh, 3, d, *value.shape[1:])
-                for j, x in enumerate("qkv"):
-                    out[key.replace(".self_attention.query_key_value.", f".self_attn.{x}_proj.")] = \
-                        per_head[:, j].reshape(nh * d, *value.shape[1:]).contiguous()
-            else:
-                out[key] = value
-        hf = out
-    if hf_config is not None and hf_config.get("model_type") == "gptj":  # (its names for Llama's)
-        renames = (("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
-                   ("transformer.h.", "model.layers."), (".ln_1.", ".input_layernorm."), (".attn.", ".self_attn."),
-                   (".out_proj.", ".o_proj."), (".mlp.fc_in.", ".mlp.up_proj."), (".mlp.fc_out.", ".mlp.down_proj."))
-        out = {}
-        for key, value in hf.items():
-            for old, new in renames:
-                key = key.replace(old, new)
-            out[key] = value
-        hf = out
-    if hf_config is not None and hf_config.get("model_type") in ("gpt2", "gpt_bigcode"):
-        hf = _hf_gpt2_names(hf, config, hf_config)
+    if hf_config is not None and hf_config.get("model_type") in _LEGACY_RENAMES:
+        hf = _hf_legacy_names(hf, config, hf_config["model_type"])
     if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)
         hf = {k: v.float() + 1.0 if k.endswith("layernorm.weight") or k == "model.norm.weight" else v
               for k, v in hf.items()}
