@@ -1132,7 +1132,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
                        "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
-                       "starcoder": "llama", "falcon": "llama", "phi2": "llama", "bloom": "llama", "mpt": "llama"}
+                       "starcoder": "llama", "falcon": "llama", "phi2": "llama", "bloom": "llama", "mpt": "llama",
+                       "stablelm": "llama", "gptneox": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1251,7 +1252,7 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     rotated = _gguf_field(reader, f"{arch}.rope.dimension_count")
     rotary_dim = None
     if rotated is not None and int(rotated) != int(head_dim):
-        if arch not in ("phi3", "phi2", "glm4", "glm4moe", *_GATED_DELTA_GGUF):  # (llama.cpp's converter permutes whole heads for the others)
+        if arch not in ("phi3", "phi2", "stablelm", "gptneox", "glm4", "glm4moe", *_GATED_DELTA_GGUF):  # (llama.cpp's converter permutes whole heads for the others)
             raise CoreError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count {rotated} of "
                             f"head_dim {head_dim}) are not supported", ErrorKind.UNSUPPORTED_MODEL)
         rotary_dim = int(rotated)
@@ -1309,6 +1310,16 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                                reader, f"{arch}.attention.max_alibi_bias", 8.0))),
                            clip_qkv=float(_gguf_field(reader, f"{arch}.attention.clamp_kqv", 0.0) or 0.0),
                            nope_layers=tuple(range(layers)))
+    elif arch == "stablelm":  # Llama's layer between biased LayerNorms, part of each head rotated (halves: no
+        # permutation); its parallel residual refused, as from a checkpoint
+        if _gguf_field(reader, f"{arch}.use_parallel_residual", False):
+            raise CoreError(f"{source}: StableLM with a parallel residual is not supported", ErrorKind.UNSUPPORTED_MODEL)
+        layer_flags = dict(layer_norm=True, norm_bias=True)
+    elif arch == "gptneox":  # biased LayerNorms, attention and an ungated exact-GELU MLP side by side (each from its own
+        # norm) where use_parallel_residual, q/k/v in one attn_qkv (the converter's blocks), part of each head rotated
+        parallel = bool(_gguf_field(reader, f"{arch}.use_parallel_residual", True))
+        layer_flags = dict(layer_norm=True, norm_bias=True, parallel_block=parallel, parallel_norms=parallel,
+                           mlp_bias=True, mlp_gated=False, hidden_act="gelu")
     elif arch == "phi2":  # one biased LayerNorm feeding attention and an ungated tanh-GELU MLP side by side, biases
         # everywhere (the LM head's too), part of each head rotated (rotate-half: no permutation)
         layer_flags = dict(layer_norm=True, norm_bias=True, parallel_block=True, mlp_bias=True, mlp_gated=False,

@@ -1374,3 +1374,71 @@ def test_alibi_ggufs_read_as_their_checkpoints(family, tmp_path):
         with torch.no_grad():
             logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
         assert (ours - logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family, arch", [("stablelm", "stablelm"), ("gpt_neox", "gptneox")])
+def test_partial_rotary_layer_norm_ggufs_read_as_their_checkpoints(family, arch, tmp_path):
+    """StableLM and GPT-NeoX (Pythia) as llama.cpp's converter writes them: rope.dimension_count the rotated part of
+    each head (halves: no permutation), biased LayerNorms; StableLM's q, k, v apart with their biases and a SwiGLU
+    MLP; GPT-NeoX's query_key_value reordered from each head's q, k, v to the queries, keys, values (attn_qkv) and
+    its parallel residual (use_parallel_residual): the checkpoint's config and logits; StableLM's also as
+    transformers' GGUF loader reads the file."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from flared_testing.checkpoints import hf_last_logits, last_logits
+
+    hf_dir = build_hf_checkpoint(family, tmp_path / "hf")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    t = load_file(hf_dir / "model.safetensors")
+    reference = read_source(hf_dir).config
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    d = hidden // heads
+    neox = arch == "gptneox"
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    add = f32_tensors(w)
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", hidden),
+                       ("feed_forward_length", cfg["intermediate_size"]), ("block_count", cfg["num_hidden_layers"]),
+                       ("attention.head_count", heads), ("rope.dimension_count", reference.rotary_dim),
+                       ("vocab_size", cfg["vocab_size"])):
+        w.add_uint32(f"{arch}.{key}", value)
+    if not neox:
+        w.add_uint32(f"{arch}.attention.head_count_kv", cfg["num_key_value_heads"])
+    w.add_float32(f"{arch}.attention.layer_norm_epsilon", cfg["layer_norm_eps"])
+    w.add_bool(f"{arch}.use_parallel_residual", bool(cfg.get("use_parallel_residual", neox)))
+    top = "gpt_neox." if neox else "model."
+    add("token_embd.weight", t[top + ("embed_in" if neox else "embed_tokens") + ".weight"])
+    names = ({"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense", "ffn_up": "mlp.dense_h_to_4h",
+              "ffn_down": "mlp.dense_4h_to_h"} if neox else
+             {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"})
+    for i in range(cfg["num_hidden_layers"]):
+        b = f"{top}layers.{i}."
+        for ours, theirs in names.items():
+            for x in ("weight", "bias"):
+                if f"{b}{theirs}.{x}" not in t:
+                    continue
+                value = t[f"{b}{theirs}.{x}"]
+                if ours == "attn_qkv":  # (the converter: each head's q, k, v to all queries, keys, values)
+                    per_head = value.reshape(heads, 3, d, *value.shape[1:])
+                    value = np.concatenate([per_head[:, j].reshape(heads * d, *value.shape[1:]) for j in range(3)])
+                add(f"blk.{i}.{ours}.{x}", value)
+    final = "gpt_neox.final_layer_norm" if neox else "model.norm"
+    for x in ("weight", "bias"):
+        add(f"output_norm.{x}", t[f"{final}.{x}"])
+    add("output.weight", t["embed_out.weight" if neox else "lm_head.weight"])
+    close_gguf(w)
+    source = read_source(tmp_path / "m.gguf")
+    for field in ("rotary_dim", "layer_norm", "norm_bias", "parallel_block", "parallel_norms", "mlp_gated",
+                  "mlp_bias", "hidden_act", "attention_bias", "attention_out_bias", "num_kv_heads"):
+        assert getattr(source.config, field) == getattr(reference, field), field
+    prompt = np.random.default_rng(10).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
+    if not neox:
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
+        assert (ours - logits).abs().max().item() < 1e-4
