@@ -77,6 +77,12 @@ _DEEPSEEK3_SPLITS = (
     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# Falcon's: punctuation runs isolated, then GPT-2's pattern, then digits in threes
+_FALCON_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|`]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"[0-9][0-9][0-9]",
+)
 # tokenizer.ggml.pre -> the regex (or regexes, applied in turn) its merges were learned on
 _PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(
@@ -85,7 +91,8 @@ _PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
         _LLAMA3_SPLIT,
     ),
     "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "hunyuan"), _QWEN2_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "hunyuan", "stablelm2"), _QWEN2_SPLIT),
+    "falcon": _FALCON_SPLITS,
     "qwen35": _QWEN35_SPLIT,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3_SPLITS),

@@ -169,3 +169,20 @@ def test_deepseek_v3_files_split_as_its_tokenizer_does(pre):
                 "'t", " \n\n", " ", " end"]
     assert pieces == ["".join(_byte_alphabet()[b] for b in piece.encode()) for piece in expected]
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_falcon_files_split_as_its_tokenizer_does():
+    """Falcon's pre-tokenizer (tokenizer.ggml.pre "falcon", as llama.cpp and its tokenizer.json split): punctuation
+    runs isolated, GPT-2's pattern, then digits in threes. A byte-level vocabulary with no merges shows the pieces;
+    text round-trips."""
+    from flared.frontend.gguf_tokenizer import _byte_alphabet
+
+    alphabet = list(_byte_alphabet().values())
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "falcon", "tokenizer.ggml.tokens": alphabet,
+                "tokenizer.ggml.token_type": [1] * len(alphabet), "tokenizer.ggml.merges": []}
+    tokenizer = Tokenizer.from_str(tokenizer_from_gguf_metadata(metadata, source="falcon.gguf").tokenizer_json)
+    text = "Hello, world! 1234567 (x.y) don't"
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    expected = ["Hello", ",", " world", "!", " ", "123", "456", "7", " ", "(", "x", ".", "y", ")", " don", "'", "t"]
+    assert pieces == ["".join(_byte_alphabet()[b] for b in piece.encode()) for piece in expected]
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
