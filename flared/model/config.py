@@ -252,7 +252,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
                  "embedding_norm", "router_sparsemixer", "clip_qkv", "position_embeddings", "alibi_slopes",
-                 "embedding_layer_norm"}
+                 "embedding_layer_norm", "qk_layer_norm_per_head"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -482,6 +482,9 @@ class ModelConfig:
     alibi_slopes: tuple[float, ...] = ()
     # BLOOM: the embeddings through a LayerNorm of their own (embed_norm, biased) before the first layer
     embedding_layer_norm: bool = False
+    # StableLM 2 12B: each q and k head through a LayerNorm of its own (qk_norm; q_norm [heads, d], k_norm [kv heads,
+    # d], no bias) in place of the shared RMSNorm
+    qk_layer_norm_per_head: bool = False
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -1815,20 +1818,20 @@ def _bfloat16(x: float) -> float:
 
 def _stablelm_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """Stability StableLM: Llama's layer with LayerNorms (biased, layer_norm_eps), partial_rotary_factor of each head
-    rotated (rotate-half within), q/k/v biases where use_qkv_bias (never o's). Its per-head q/k LayerNorms
-    (qk_layernorm, StableLM 2 12B) and parallel residual are refused by name."""
+    rotated (rotate-half within), q/k/v biases where use_qkv_bias (never o's); StableLM 2 12B's per-head q/k
+    LayerNorms (qk_layernorm: each head its own weights, no bias) and parallel residual (use_parallel_residual:
+    attention and the MLP side by side from the one norm)."""
     _check_silu(hf, source)
-    for key in ("qk_layernorm", "use_parallel_residual"):
-        if hf.get(key):
-            raise _unsupported(f"{source}: StableLM with {key} is not supported")
+    parallel = bool(hf.get("use_parallel_residual"))
     sizes = _sizes(hf, max_positions=4096)
     theta, scaling = _rope_from_hf(hf, source)
     params = hf.get("rope_parameters") or {}
     rotated = int(sizes["head_dim"] * float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))))
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
-        rope_scaling=scaling, attention_bias=bool(hf.get("use_qkv_bias")), attention_out_bias=False, qk_norm=False,
-        layer_norm=True, norm_bias=True, rotary_dim=rotated if rotated != sizes["head_dim"] else None)
+        rope_scaling=scaling, attention_bias=bool(hf.get("use_qkv_bias")), attention_out_bias=False,
+        qk_norm=bool(hf.get("qk_layernorm")), qk_layer_norm_per_head=bool(hf.get("qk_layernorm")), layer_norm=True,
+        norm_bias=True, parallel_block=parallel, rotary_dim=rotated if rotated != sizes["head_dim"] else None)
 
 
 def _nemotron_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -867,6 +867,9 @@ class DecoderModel:
                 qk = qk.view(num_tokens, nh + nkv, d)
             elif c.qk_norm_after_rope:  # (Hunyuan's: below, after rope)
                 pass
+            elif layer.qk_norm is not None and c.qk_layer_norm_per_head:  # StableLM 2 12B: a LayerNorm a head, in
+                # float32 with one rounding
+                qk = (F.layer_norm(qk.float(), (d,), None, None, eps) * layer.qk_norm.float()).to(qk.dtype)
             elif layer.qk_norm is not None and layer.qk_norm.dtype != qk.dtype:  # Gemma's: in float32, one rounding
                 qk = (rms_norm(qk.float(), None, eps) * layer.qk_norm).to(qk.dtype)
             elif layer.qk_norm is not None:

@@ -119,7 +119,11 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
             if c.attention_bias:
                 shapes[p + "qkv.bias"] = (qkv_rows,)
-            if c.qk_norm:  # (OLMo 2's over all heads at once)
+            if c.qk_norm and c.qk_layer_norm_per_head:  # (StableLM 2 12B's: a LayerNorm a head)
+                shapes[p + "q_norm.weight"] = (c.num_heads, head_dim)
+                if keys:
+                    shapes[p + "k_norm.weight"] = (c.num_kv_heads, head_dim)
+            elif c.qk_norm:  # (OLMo 2's over all heads at once)
                 shapes[p + "q_norm.weight"] = (c.q_size if c.qk_norm_whole else head_dim,)
                 if keys:
                     shapes[p + "k_norm.weight"] = (c.kv_size if c.qk_norm_whole else head_dim,)
@@ -517,6 +521,14 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                    (".mlp.shared_mlp.", ".mlp.shared_experts."), (".mlp.router.gate.", ".mlp.gate."),
                    (".mlp.expert_bias", ".mlp.e_score_correction_bias"))
         hf = {next((k.replace(old, new) for old, new in renames if old in k), k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "stablelm" and config.qk_layer_norm_per_head:
+        # (StableLM 2 12B: q_layernorm.norms.{h} a LayerNorm a head, stacked [heads, d] under Qwen3's names)
+        hf = dict(hf)
+        for i in range(config.num_layers):
+            for x, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
+                prefix = f"model.layers.{i}.self_attn.{x}_layernorm.norms."
+                hf[f"model.layers.{i}.self_attn.{x}_norm.weight"] = torch.stack(
+                    [hf.pop(f"{prefix}{h}.weight") for h in range(heads)])
     if hf_config is not None and hf_config.get("model_type") in _LEGACY_RENAMES:
         hf = _hf_legacy_names(hf, config, hf_config["model_type"])
     if hf_config is not None and hf_config.get("model_type") == "nemotron":  # (LayerNorm1P: the norms hold 1 + w)

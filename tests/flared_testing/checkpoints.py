@@ -349,6 +349,9 @@ FAMILIES = {
     "gemma": ("gemma", dict(head_dim=16, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Stability StableLM 2: biased LayerNorms, a quarter of each head rotated, q/k/v biases
     "stablelm": ("stablelm", dict(use_qkv_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # StableLM 2 12B: a LayerNorm of its own on each q and k head, attention and the MLP side by side
+    "stablelm_12b": ("stablelm", dict(qk_layernorm=True, use_parallel_residual=True, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2)),
     # IBM Granite MoE with sliding windows: learned sinks, windows on three layers in four (8 tokens here), the
     # global one unrotated, a shared MLP
     "granitemoe_swa": ("granitemoe_swa", dict(head_dim=16, num_hidden_layers=4, intermediate_size=32,
