@@ -1323,10 +1323,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
                            clip_qkv=float(_gguf_field(reader, f"{arch}.attention.clamp_kqv", 0.0) or 0.0),
                            nope_layers=tuple(range(layers)))
     elif arch == "stablelm":  # Llama's layer between biased LayerNorms, part of each head rotated (halves: no
-        # permutation); its parallel residual refused, as from a checkpoint
-        if _gguf_field(reader, f"{arch}.use_parallel_residual", False):
-            raise CoreError(f"{source}: StableLM with a parallel residual is not supported", ErrorKind.UNSUPPORTED_MODEL)
-        layer_flags = dict(layer_norm=True, norm_bias=True)
+        # permutation); 12B's parallel residual and a LayerNorm a q and k head (attn_q_norm / attn_k_norm [heads, d])
+        layer_flags = dict(layer_norm=True, norm_bias=True,
+                           parallel_block=bool(_gguf_field(reader, f"{arch}.use_parallel_residual", False)),
+                           qk_layer_norm_per_head="blk.0.attn_q_norm.weight" in tensor_names)
     elif arch == "gptneox":  # biased LayerNorms, attention and an ungated exact-GELU MLP side by side (each from its own
         # norm) where use_parallel_residual, q/k/v in one attn_qkv (the converter's blocks), part of each head rotated
         parallel = bool(_gguf_field(reader, f"{arch}.use_parallel_residual", True))

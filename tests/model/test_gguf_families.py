@@ -1376,12 +1376,14 @@ def test_alibi_ggufs_read_as_their_checkpoints(family, tmp_path):
         assert (ours - logits).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("family, arch", [("stablelm", "stablelm"), ("gpt_neox", "gptneox")])
+@pytest.mark.parametrize("family, arch", [("stablelm", "stablelm"), ("stablelm_12b", "stablelm"),
+                                          ("gpt_neox", "gptneox")])
 def test_partial_rotary_layer_norm_ggufs_read_as_their_checkpoints(family, arch, tmp_path):
     """StableLM and GPT-NeoX (Pythia) as llama.cpp's converter writes them: rope.dimension_count the rotated part of
     each head (halves: no permutation), biased LayerNorms; StableLM's q, k, v apart with their biases and a SwiGLU
     MLP; GPT-NeoX's query_key_value reordered from each head's q, k, v to the queries, keys, values (attn_qkv) and
-    its parallel residual (use_parallel_residual): the checkpoint's config and logits; StableLM's also as
+    its parallel residual (use_parallel_residual); StableLM 2 12B's per-head q/k LayerNorms stacked [heads, d] as
+    attn_q_norm / attn_k_norm and its parallel residual: the checkpoint's config and logits; StableLM's also as
     transformers' GGUF loader reads the file."""
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
@@ -1425,6 +1427,10 @@ def test_partial_rotary_layer_norm_ggufs_read_as_their_checkpoints(family, arch,
                     per_head = value.reshape(heads, 3, d, *value.shape[1:])
                     value = np.concatenate([per_head[:, j].reshape(heads * d, *value.shape[1:]) for j in range(3)])
                 add(f"blk.{i}.{ours}.{x}", value)
+        for x, count in (("q", heads), ("k", cfg["num_key_value_heads"])):  # (StableLM 2 12B's, stacked)
+            if f"{b}self_attn.{x}_layernorm.norms.0.weight" in t:
+                add(f"blk.{i}.attn_{x}_norm.weight",
+                    np.stack([t[f"{b}self_attn.{x}_layernorm.norms.{h}.weight"] for h in range(count)]))
     final = "gpt_neox.final_layer_norm" if neox else "model.norm"
     for x in ("weight", "bias"):
         add(f"output_norm.{x}", t[f"{final}.{x}"])
@@ -1432,12 +1438,13 @@ def test_partial_rotary_layer_norm_ggufs_read_as_their_checkpoints(family, arch,
     close_gguf(w)
     source = read_source(tmp_path / "m.gguf")
     for field in ("rotary_dim", "layer_norm", "norm_bias", "parallel_block", "parallel_norms", "mlp_gated",
-                  "mlp_bias", "hidden_act", "attention_bias", "attention_out_bias", "num_kv_heads"):
+                  "mlp_bias", "hidden_act", "attention_bias", "attention_out_bias", "num_kv_heads", "qk_norm",
+                  "qk_layer_norm_per_head"):
         assert getattr(source.config, field) == getattr(reference, field), field
     prompt = np.random.default_rng(10).integers(3, source.config.vocab_size, size=30).tolist()
     ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
-    if not neox:
+    if family == "stablelm":
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
         with torch.no_grad():
             logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
