@@ -37,7 +37,8 @@ FAMILIES = ["llama3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "dee
             "ministral3", "exaone", "internlm3", "iquestcoder", "helium", "hyperclovax", "sarvam_moe", "param2moe",
             "phimoe", "olmo", "nanochat", "llama_head24", "deepseek_v2",
             "youtu", "minicpm3", "vaultgemma", "jais2", "flex_olmo", "mellum", "gpt2", "gpt_bigcode", "gptj", "falcon",
-            "falcon_new", "falcon_rw", "bloom", "mpt", "opt", "granite_swa", "stablelm_12b"]
+            "falcon_new", "falcon_rw", "bloom", "mpt", "opt", "granite_swa", "stablelm_12b",
+            "cohere2_moe", "cohere2_moe_rms"]
 NEW, GENERATED = 16, 32
 
 

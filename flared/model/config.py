@@ -65,6 +65,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # Cohere Command R / R7B / A, Aya: LayerNorm, attention and MLP in parallel, interleaved rope, scaled
                   # logits; cohere2's windowed layers rotated, its global ones not (_cohere_from_hf)
                   "cohere": "llama", "cohere2": "llama",
+                  # Cohere2-MoE: Cohere2's layer with routed experts (the top logits softmaxed) beside shared ones, after
+                  # dense first layers, its norms LayerNorms or RMSNorms
+                  "cohere2_moe": "llama",
                   # gpt-oss: attention sinks, routed experts with biases and a clamped SwiGLU (_gpt_oss_from_hf)
                   "gpt_oss": "gpt_oss",
                   # ByteDance Seed-OSS: Llama with q/k/v biases (attention_bias) apart from o's (attention_out_bias)
@@ -1055,7 +1058,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **dict.fromkeys(("olmo2", "olmo3", "flex_olmo"), lambda: _olmo_from_hf(hf, source, model_type)),
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
         **dict.fromkeys(("exaone4", "exaone_moe"), lambda: _exaone_from_hf(hf, source)),
-        **dict.fromkeys(("cohere", "cohere2"), lambda: _cohere_from_hf(hf, source, model_type)),
+        **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), lambda: _cohere_from_hf(hf, source, model_type)),
         **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3"),
                         lambda: _deepseek_from_hf(hf, source, model_type)),
         **{t: (lambda: _qwen3_next_from_hf(hf, source, model_type))
@@ -2282,24 +2285,48 @@ def _minicpm_scales(hf: dict[str, Any], sizes: dict) -> dict:
 def _cohere_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     """Cohere (Command R, Aya Expanse) and Cohere2 (Command R7B, Command A): one LayerNorm a layer, attention and the
     MLP in parallel, rope turning interleaved pairs (reordered on reading: rope_interleaved), logits times logit_scale;
-    Cohere2's windowed layers (three in four) rotated and its global ones not. Per-head q/k LayerNorms are refused."""
+    Cohere2's windowed layers (three in four) rotated and its global ones not. Per-head q/k LayerNorms are refused.
+    Cohere2-MoE: Cohere2's layer with RMSNorms where rms_norm_eps says; its sparse layers (mlp_layer_types) route to
+    experts by the top logits softmaxed among themselves, beside num_shared_experts shared ones (a SwiGLU
+    num_shared_experts times as wide), their sum or average (shared_expert_combination_strategy: the average as the
+    routed weights and the shared output each halved); its dense layers' MLP prefix_dense_intermediate_size wide and,
+    with prefix_dense_sliding_window_pattern 1, global and rotated. Sigmoid routing is refused by name."""
     _check_silu(hf, source)
     if hf.get("use_qk_norm"):
         raise _unsupported(f"{source}: Cohere's q/k LayerNorms (use_qk_norm) are not supported")
+    moe = model_type == "cohere2_moe"
+    experts = {}
+    if moe:
+        if hf.get("expert_selection_fn", "softmax") != "softmax":
+            raise _unsupported(f"{source}: Cohere2-MoE with expert_selection_fn {hf['expert_selection_fn']!r} is not "
+                               "supported (softmax)")
+        width = int(hf["intermediate_size"])
+        shared = int(hf.get("num_shared_experts") or 0)
+        average = shared and hf.get("shared_expert_combination_strategy", "average") == "average"
+        types = hf.get("mlp_layer_types") or ["sparse"] * int(hf["num_hidden_layers"])
+        experts = dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["num_experts_per_tok"]),
+                       expert_intermediate_size=width, router_topk_softmax=True, norm_topk_prob=False,
+                       shared_expert_intermediate_size=width * shared, shared_expert_gate=False,
+                       routed_scaling=0.5 if average else None,
+                       dense_layers=tuple(i for i, t in enumerate(types) if t == "dense"))
+        hf = {**hf, "intermediate_size": hf.get("prefix_dense_intermediate_size") or width}
     sizes = _sizes(hf, max_positions=8192, tied=True)
     _partial_rotary(hf, sizes["head_dim"], source, False)
     windows = None
-    if model_type == "cohere2":
+    if model_type in ("cohere2", "cohere2_moe"):
         pattern = int(hf.get("sliding_window_pattern") or 4)
         windows = _layer_windows(hf, sizes["num_layers"], source, int(hf.get("sliding_window") or 4096),
                                  lambda i: (i + 1) % pattern)
+    forced = experts.get("dense_layers", ()) if int(hf.get("prefix_dense_sliding_window_pattern", 1)) == 1 else ()
     theta, scaling = _rope_from_hf(hf, source)
     bias = bool(hf.get("attention_bias", False))
+    rms = moe and hf.get("rms_norm_eps") is not None
     return ModelConfig(
-        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_eps", 1e-5)), rope_theta=theta,
-        rope_scaling=scaling, attention_bias=bias, qk_norm=False, attention_out_bias=bias, layer_windows=windows,
-        nope_layers=tuple(i for i, w in enumerate(windows or ()) if not w), rope_interleaved=True, layer_norm=True,
-        parallel_block=True, logits_scaling=1.0 / float(hf.get("logit_scale", 0.0625)))
+        architecture="llama", **sizes, rms_norm_eps=float(hf["rms_norm_eps"] if rms else hf.get("layer_norm_eps", 1e-5)),
+        rope_theta=theta, rope_scaling=scaling, attention_bias=bias, qk_norm=False, attention_out_bias=bias,
+        layer_windows=windows, nope_layers=tuple(i for i, w in enumerate(windows or ()) if not w and i not in forced),
+        rope_interleaved=True, layer_norm=not rms, parallel_block=True,
+        logits_scaling=1.0 / float(hf.get("logit_scale", 0.0625)), **experts)
 
 
 def _exaone_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -23,7 +23,7 @@ FLOAT32 = ["gemma2", "gemma3", "phi4_mini", "olmo2", "granite", "ministral", "co
            "gpt_bigcode_mha", "gptj", "falcon", "falcon_new", "falcon_seq", "bloom", "mpt", "falcon_rw", "opt", "granite_swa", "stablelm_12b"]
 # (deepseek_v2/v3: latent attention, 24-wide heads padded to 32 in the kernels; Gemma 4: global layers' wider heads)
 BF16 = ["mixtral", "qwen3_moe", "olmoe", "ernie4_5_moe", "gpt_oss", "gemma3", "phi4_mini", "deepseek_v2", "deepseek_v3",
-        "phimoe", "gemma4_moe", "gemma4", "flex_olmo", "mellum"]
+        "phimoe", "gemma4_moe", "gemma4", "flex_olmo", "mellum", "cohere2_moe", "cohere2_moe_rms"]
 
 
 def params(**kw):

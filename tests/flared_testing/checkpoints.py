@@ -365,6 +365,21 @@ FAMILIES = {
                                         layer_rope_theta=[0, 10000.0, 10000.0, 10000.0], embedding_multiplier=3.0,
                                         residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.2,
                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Cohere2-MoE: Cohere2's layer (its LayerNorms: no rms_norm_eps), a dense first layer (global, rotated),
+    # softmax-routed experts averaged with a shared one; and its RMSNorm form summing them
+    "cohere2_moe": ("cohere2_moe", dict(num_hidden_layers=4, sliding_window=8, num_experts=8, num_experts_per_tok=2,
+                                        num_shared_experts=1, prefix_dense_intermediate_size=96, rms_norm_eps=None,
+                                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                                        layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                     "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "cohere2_moe_rms": ("cohere2_moe", dict(num_hidden_layers=4, sliding_window=8, num_experts=8, num_experts_per_tok=2,
+                                            num_shared_experts=2, shared_expert_combination_strategy="sum",
+                                            rms_norm_eps=1e-6, prefix_dense_intermediate_size=96,
+                                            prefix_dense_sliding_window_pattern=2,
+                                            mlp_layer_types=["dense", "dense", "sparse", "sparse"],
+                                            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                         "full_attention"], pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2)),
     # Microsoft Phi-2: a parallel block from one biased LayerNorm, part of each head rotated, biases everywhere (the LM
     # head's too), an ungated tanh-GELU MLP
     "phi": ("phi", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2,
