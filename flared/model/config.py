@@ -222,6 +222,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # embeddings in place of rope, biased LayerNorms and projections, an ungated GELU MLP; BigCode's
                   # one KV head (multi_query)
                   "gpt2": "llama", "gpt_bigcode": "llama",
+                  # EleutherAI GPT-Neo (125M-2.7B): GPT-2's learned positions and LayerNorms, every other layer
+                  # windowed (attention_types), scores unscaled
+                  "gpt_neo": "llama",
                   # EleutherAI GPT-J: Phi-2's parallel block without attention biases, the first rotary_dim of each
                   # head turned by interleaved pairs
                   "gptj": "llama",
@@ -1086,6 +1089,7 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "jais2": lambda: _jais2_from_hf(hf, source),
         **dict.fromkeys(("gpt2", "gpt_bigcode"), lambda: _gpt2_from_hf(hf, source, model_type)),
         "bloom": lambda: _bloom_from_hf(hf, source),
+        "gpt_neo": lambda: _gpt_neo_from_hf(hf, source),
         "mpt": lambda: _mpt_from_hf(hf, source),
         "opt": lambda: _opt_from_hf(hf, source),
         "nemotron": lambda: _nemotron_from_hf(hf, source),
@@ -1758,6 +1762,35 @@ def _opt_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True, norm_bias=True,
         mlp_bias=biased, mlp_gated=False, hidden_act=act, position_embeddings=True,
         nope_layers=tuple(range(sizes["num_layers"])))
+
+
+def _gpt_neo_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """EleutherAI GPT-Neo: learned position embeddings (max_position_embeddings rows) added to the token's, no rope;
+    biased LayerNorms (layer_norm_epsilon) before attention and the MLP and at the end; q, k, v without biases and
+    out_proj with one; scores not scaled (attention_scale 1); the local layers of attention_types each query's last
+    window_size keys; an ungated MLP c_fc, GELU (activation_function, its tanh one by default), c_proj with biases;
+    tied embeddings."""
+    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source,
+                  "GPT-Neo", "gelu_new", {**_TANH_GELU, "gelu": "gelu"})
+    hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_heads"]), int(hf["num_layers"])
+    kinds = hf.get("attention_layers") or [kind for pattern, repeat in hf["attention_types"]
+                                           for _ in range(int(repeat)) for kind in pattern]
+    if len(kinds) != layers or set(kinds) - {"global", "local"}:
+        raise CoreError(f"{source}: attention_types must name each of the {layers} layers global or local",
+                        ErrorKind.SOURCE_FORMAT)
+    window = int(hf.get("window_size", 256))
+    sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
+                    "intermediate_size": int(hf.get("intermediate_size") or 4 * hidden), "num_hidden_layers": layers,
+                    "num_attention_heads": heads, "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+                    "tie_word_embeddings": hf.get("tie_word_embeddings", True)})
+    windows = tuple(window if kind == "local" else 0 for kind in kinds)
+    return ModelConfig(
+        architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=10000.0,
+        rope_scaling=None, attention_bias=False, attention_out_bias=True, qk_norm=False, layer_norm=True,
+        norm_bias=True, mlp_bias=True, mlp_gated=False, hidden_act=act, position_embeddings=True,
+        nope_layers=tuple(range(layers)), attention_scale=1.0,
+        layer_windows=windows if len(set(windows)) > 1 else None,
+        sliding_window=window if set(windows) == {window} else None)
 
 
 def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:

@@ -453,13 +453,15 @@ _LEGACY_RENAMES = {
              (".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj.")),
 }
 _LEGACY_RENAMES["gpt_bigcode"] = _LEGACY_RENAMES["gpt2"]
+_LEGACY_RENAMES["gpt_neo"] = ((".attn.attention.", ".self_attn."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+                              *_LEGACY_RENAMES["gpt2"])
 # ... and the name of each one's fused q/k/v projection
 _LEGACY_FUSED = {"falcon": ".self_attention.query_key_value.", "bloom": ".self_attention.query_key_value.",
                  "mpt": ".attn.Wqkv.", "gpt2": ".attn.c_attn.", "gpt_bigcode": ".attn.c_attn."}
 
 
 def _hf_legacy_names(hf: dict[str, torch.Tensor], config: ModelConfig, model_type: str) -> dict[str, torch.Tensor]:
-    """Falcon's, BLOOM's, MPT's, OPT's, GPT-J's, GPT-2's and GPT-BigCode's tensors under Llama's names
+    """Falcon's, BLOOM's, MPT's, OPT's, GPT-J's, GPT-2's, GPT-BigCode's and GPT-Neo's tensors under Llama's names
     (_LEGACY_RENAMES), each fused q/k/v projection split into q, k and v by its layout: q, k and v blocks (MPT,
     GPT-2, a multi-query model's queries then one key and value), each head's q, k, v in turn (BLOOM, Falcon and
     BigCode without grouped or single KV heads), or Falcon's KV groups (new_decoder_architecture: each group's queries,

@@ -417,6 +417,9 @@ FAMILIES = {
     # (transformers' MPT is always 4 * d_model wide, whatever expansion_ratio says)
     "mpt": ("mpt", dict(hidden_size=96, num_attention_heads=6, attn_config={"clip_qkv": 0.6, "alibi_bias_max": 8},
                         bos_token_id=1, eos_token_id=2)),
+    # EleutherAI GPT-Neo: learned positions, unscaled scores, its local layers windowed (8 tokens here)
+    "gpt_neo": ("gpt_neo", dict(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                                window_size=8, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)),
     # Meta OPT: learned positions offset by 2, biased LayerNorms and projections, an ungated ReLU MLP
     "opt": ("opt", dict(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Inception Jais 2: biased LayerNorms and projections, an ungated squared-ReLU MLP
