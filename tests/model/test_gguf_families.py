@@ -1303,6 +1303,22 @@ def test_a_phi2_gguf_reads_as_its_checkpoint(tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
+def add_layer_tensors(add, t, block: str, gguf_block: str, names: dict, qkv_per_head=None) -> None:
+    """Each (GGUF name, checkpoint name) of ``names`` the checkpoint ``t`` holds under ``block``, weight and bias, as
+    ``gguf_block``'s; a fused attn_qkv of each head's q, k, v in turn (``qkv_per_head``: (heads, d)) reordered to
+    the queries, then the keys, then the values, as llama.cpp's converter reorders BLOOM's and GPT-NeoX's."""
+    for ours, theirs in names.items():
+        for x in ("weight", "bias"):
+            if f"{block}{theirs}.{x}" not in t:
+                continue
+            value = t[f"{block}{theirs}.{x}"]
+            if ours == "attn_qkv" and qkv_per_head is not None:
+                heads, d = qkv_per_head
+                per_head = value.reshape(heads, 3, d, *value.shape[1:])
+                value = np.concatenate([per_head[:, j].reshape(heads * d, *value.shape[1:]) for j in range(3)])
+            add(f"{gguf_block}{ours}.{x}", value)
+
+
 @pytest.mark.parametrize("family", ["bloom", "mpt"])
 def test_alibi_ggufs_read_as_their_checkpoints(family, tmp_path):
     """BLOOM and MPT as llama.cpp's converter writes them: q, k and v as one attn_qkv (BLOOM's each head's q, k, v
@@ -1343,16 +1359,8 @@ def test_alibi_ggufs_read_as_their_checkpoints(family, tmp_path):
              {"attn_norm": "norm_1", "attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_norm": "norm_2",
               "ffn_up": "ffn.up_proj", "ffn_down": "ffn.down_proj"})
     for i in range(layers):
-        b = f"{top}{'h' if bloom else 'blocks'}.{i}."
-        for ours, theirs in names.items():
-            for x in ("weight", "bias"):
-                if f"{b}{theirs}.{x}" not in t:
-                    continue
-                value = t[f"{b}{theirs}.{x}"]
-                if bloom and ours == "attn_qkv":  # (llama.cpp: each head's q, k, v to all queries, keys, values)
-                    per_head = value.reshape(heads, 3, d, *value.shape[1:])
-                    value = np.concatenate([per_head[:, j].reshape(heads * d, *value.shape[1:]) for j in range(3)])
-                add(f"blk.{i}.{ours}.{x}", value)
+        add_layer_tensors(add, t, f"{top}{'h' if bloom else 'blocks'}.{i}.", f"blk.{i}.", names,
+                          (heads, d) if bloom else None)
     for x in ("weight", "bias"):
         if f"{top}{'ln_f' if bloom else 'norm_f'}.{x}" in t:
             add(f"output_norm.{x}", t[f"{top}{'ln_f' if bloom else 'norm_f'}.{x}"])
@@ -1418,15 +1426,7 @@ def test_partial_rotary_layer_norm_ggufs_read_as_their_checkpoints(family, arch,
               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"})
     for i in range(cfg["num_hidden_layers"]):
         b = f"{top}layers.{i}."
-        for ours, theirs in names.items():
-            for x in ("weight", "bias"):
-                if f"{b}{theirs}.{x}" not in t:
-                    continue
-                value = t[f"{b}{theirs}.{x}"]
-                if ours == "attn_qkv":  # (the converter: each head's q, k, v to all queries, keys, values)
-                    per_head = value.reshape(heads, 3, d, *value.shape[1:])
-                    value = np.concatenate([per_head[:, j].reshape(heads * d, *value.shape[1:]) for j in range(3)])
-                add(f"blk.{i}.{ours}.{x}", value)
+        add_layer_tensors(add, t, b, f"blk.{i}.", names, (heads, d) if neox else None)
         for x, count in (("q", heads), ("k", cfg["num_key_value_heads"])):  # (StableLM 2 12B's, stacked)
             if f"{b}self_attn.{x}_layernorm.norms.0.weight" in t:
                 add(f"blk.{i}.attn_{x}_norm.weight",
