@@ -56,7 +56,11 @@ def _model(family, tmp_path, device, dtype):
 
     directory = tmp_path / family
     if not (directory / "config.json").exists():
-        build_hf_checkpoint(family, directory)
+        try:
+            build_hf_checkpoint(family, directory)
+        except (KeyError, ValueError) as error:  # (a family newer, or older, than this machine's transformers:
+            # tools/gpu_family_check.py carries its checkpoint from a machine that can build it)
+            pytest.skip(f"this machine's transformers cannot build {family}: {error}"[:300])
     source = read_source(directory)
     return DecoderModel(source.config, source.tensors, dtype=dtype, device=device, max_positions=512), directory
 
