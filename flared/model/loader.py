@@ -1150,7 +1150,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
                        "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
                        "starcoder": "llama", "falcon": "llama", "phi2": "llama", "bloom": "llama", "mpt": "llama",
-                       "stablelm": "llama", "gptneox": "llama"}
+                       "stablelm": "llama", "gptneox": "llama", "internlm2": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1836,7 +1836,8 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
-    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee", "granitemoe", "mistral3")
+    permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee", "granitemoe", "mistral3",
+                       "internlm2")  # (InternLM2's: its wqkv split into Llama's q, k, v by the converter)
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

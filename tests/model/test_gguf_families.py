@@ -168,7 +168,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
                 if name not in t:
                     continue
                 values = t[name]
-                if arch in ("llama", "smollm3", "granite", "arcee", "granitemoe", "mistral3") and ours != "attn_v":
+                if arch in ("llama", "smollm3", "granite", "arcee", "granitemoe", "mistral3", "internlm2") and \
+                        ours != "attn_v":
                     values = permute_for_llama_cpp(values, heads if ours == "attn_q" else kv_heads)
                 add(f"blk.{i}.{ours}.{kind}", values)
         if p + "self_attn.o_proj.weight" in t:
@@ -930,7 +931,8 @@ def test_a_gguf_read_for_a_dtype_is_its_float32_read_cast(tmp_path):
                                           ("hunyuan", "hunyuan-dense"), ("hunyuan_moe", "hunyuan-moe"),
                                           ("arcee", "arcee"), ("granitemoe", "granitemoe"),
                                           ("granitemoeshared", "granitemoe"), ("olmoe", "olmoe"),
-                                          ("starcoder2", "starcoder2"), ("ministral3", "mistral3")])
+                                          ("starcoder2", "starcoder2"), ("ministral3", "mistral3"),
+                                          ("llama_tied", "internlm2")])
 def test_a_gguf_transformers_cannot_read_reads_as_its_checkpoint(family, arch, tmp_path):
     """Architectures transformers' GGUF loader lacks, written as llama.cpp's converter writes them (Seed-OSS: no q/k
     permutation; GLM-4: q/k rows as released, interleaved pairs, four norms; GLM-4.5: sigmoid gating, its groups,
