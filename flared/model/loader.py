@@ -1150,7 +1150,7 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
                        "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
                        "starcoder": "llama", "falcon": "llama", "phi2": "llama", "bloom": "llama", "mpt": "llama",
-                       "stablelm": "llama", "gptneox": "llama", "internlm2": "llama"}
+                       "stablelm": "llama", "gptneox": "llama", "internlm2": "llama", "minicpm": "llama"}
 _GATED_DELTA_GGUF = ("qwen3next", "qwen35", "qwen35moe")
 
 
@@ -1454,6 +1454,10 @@ def _gguf_config(reader, source: str) -> ModelConfig:
     if arch in ("granite", "granitehybrid", "granitemoe"):  # its multipliers, under llama.cpp's names
         granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
                        logits_scaling=float(need("logit_scale")), attention_scale=float(need("attention.scale")))
+    if arch == "minicpm":  # MiniCPM (1, 2, 4): Llama with muP scales as llama.cpp stores them, Granite's three
+        # multipliers (the attention's scale its own: head_dim^-0.5)
+        granite = dict(embedding_multiplier=float(need("embedding_scale")), residual_multiplier=float(need("residual_scale")),
+                       logits_scaling=float(need("logit_scale")))
     if arch == "mistral3" and _gguf_field(reader, f"{arch}.attention.temperature_scale"):
         # Ministral 3's queries scaled by position: llama.cpp's temperature over the YaRN original context
         layer_flags.update(query_position_scale=float(need("attention.temperature_scale")),
@@ -1837,7 +1841,7 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
     permute = arch in ("llama", "smollm3", "granite", "granitehybrid", "falcon-h1", "arcee", "granitemoe", "mistral3",
-                       "internlm2")  # (InternLM2's: its wqkv split into Llama's q, k, v by the converter)
+                       "internlm2", "minicpm")  # (InternLM2's: its wqkv split into Llama's q, k, v by the converter)
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

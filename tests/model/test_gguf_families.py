@@ -1451,3 +1451,38 @@ def test_partial_rotary_layer_norm_ggufs_read_as_their_checkpoints(family, arch,
         with torch.no_grad():
             logits = theirs(torch.tensor([prompt])).logits[0, -1].float()
         assert (ours - logits).abs().max().item() < 1e-4
+
+
+def test_a_minicpm_gguf_reads_as_llama_with_its_scales(tmp_path):
+    """MiniCPM (1, 2, 4) as llama.cpp's converter writes it: Llama's tensors (q/k permuted) under the minicpm
+    architecture, its muP scales as embedding_scale, residual_scale (scale_depth / sqrt(layers)) and logit_scale
+    (hidden / dim_model_base, the logits divided by it): the Llama checkpoint's logits with those scales applied
+    (Granite's multipliers, which tests/model/test_parity_hf.py holds to transformers)."""
+    hf_dir = build_hf_checkpoint("llama_tied", tmp_path / "hf")
+    write_gguf(hf_dir, tmp_path / "base.gguf", "llama", Q.F32)
+    reader = gguf.GGUFReader(str(tmp_path / "base.gguf"))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "minicpm")
+    for field in reader.fields.values():
+        if field.name.startswith("llama."):
+            value = field.parts[field.data[0]]
+            name = "minicpm." + field.name[len("llama."):]
+            if field.types[0] == gguf.GGUFValueType.UINT32:
+                w.add_uint32(name, int(value[0]))
+            elif field.types[0] == gguf.GGUFValueType.FLOAT32:
+                w.add_float32(name, float(value[0]))
+    for key, value in (("embedding_scale", 3.0), ("residual_scale", 0.5), ("logit_scale", 2.0)):
+        w.add_float32(f"minicpm.{key}", value)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data).reshape(tuple(int(d) for d in reversed(t.shape))), raw_dtype=t.tensor_type)
+    close_gguf(w)
+    source = read_source(tmp_path / "m.gguf")
+    assert (source.config.embedding_multiplier, source.config.residual_multiplier, source.config.logits_scaling) == \
+        (3.0, 0.5, 2.0) and source.config.attention_scale is None
+    reference = read_source(hf_dir)
+    expected = DecoderModel(dataclasses.replace(reference.config, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                logits_scaling=2.0), reference.tensors)
+    from flared_testing.checkpoints import last_logits
+
+    prompt = np.random.default_rng(11).integers(3, source.config.vocab_size, size=30).tolist()
+    ours = last_logits(DecoderModel(source.config, source.tensors), prompt)
+    assert (ours - last_logits(expected, prompt)).abs().max().item() < 1e-4
