@@ -1452,14 +1452,15 @@ class DecoderModel:
         return cache[(kind, size)]
 
     def _prefill_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           mask: torch.Tensor | None, sinks: torch.Tensor | None = None,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
         """q [1, nh, q_len, d] over keys, values [1, nkv, L, d]; ``mask`` [q_len, L] True = attend (None: causal,
-        the queries being the last q_len keys: key j is position j, query i position L - q_len + i). Soft-capped
-        scores (Gemma 2), sinks (gpt-oss: a logit per head [nh] in each softmax) and ALiBi's biases (BLOOM) in plain
-        ops, as SDPA has none of them."""
+        the queries being the last q_len keys). Soft-capped scores (Gemma 2), sinks (gpt-oss: a logit per head [nh]
+        in each softmax) and ALiBi's biases (BLOOM: ``bias`` [1, nh, q_len, L] float32, _alibi_bias) in plain ops,
+        as SDPA has none of them."""
         group = q.shape[1] // keys.shape[1]
         cap = self.config.attn_logit_softcapping
-        if cap is None and sinks is None and self.alibi is None:
+        if cap is None and sinks is None and bias is None:
             if mask is None:
                 return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale,
                                                       enable_gqa=group > 1)
@@ -1473,14 +1474,22 @@ class DecoderModel:
         if cap is not None:
             scores = _soft_cap(scores, cap)
         scores = scores.float()
-        if self.alibi is not None:  # slope * (key position - query position)
-            distance = (torch.arange(length, device=q.device)[None, :]
-                        - torch.arange(length - q_len, length, device=q.device)[:, None])
-            scores = scores + self.alibi.view(1, -1, 1, 1) * distance
+        if bias is not None:
+            scores = scores + bias
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is None:
             return torch.softmax(scores, dim=-1).to(q.dtype) @ values
         return _softmax_with_sinks(scores, sinks.float().view(1, -1, 1, 1)).to(q.dtype) @ values
+
+    def _alibi_bias(self, batch: ForwardBatch, key, q_positions: torch.Tensor, length: int) -> torch.Tensor:
+        """ALiBi's score biases slope * (key position - query position), float32 [nh, Q, length], for the query
+        positions [Q] over keys 0..length - 1: made once a batch (every layer shares them), kept in the batch's mask
+        cache under ``key``."""
+        cache = batch.window_masks
+        if ("alibi", key) not in cache:
+            distance = torch.arange(length, device=self.device)[None, :] - q_positions.to(self.device)[:, None]
+            cache[("alibi", key)] = self.alibi[:, None, None] * distance.float()  # [nh, Q, length]
+        return cache[("alibi", key)]
 
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, decode_masked: torch.Tensor | None, native: bool) -> torch.Tensor:
@@ -1522,11 +1531,10 @@ class DecoderModel:
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [nkv * B, group, L]
             if c.attn_logit_softcapping is not None:
                 scores = _soft_cap(scores, c.attn_logit_softcapping)
-            if self.alibi is not None:  # slope * (key position - the row's position, its context length - 1)
-                distance = (torch.arange(max_context, device=q.device)[None, :]
-                            - (batch.decode_context_lens.to(q.device)[:, None] - 1)).float()  # [B, L]
+            if self.alibi is not None:  # (each row's position its context length - 1)
+                bias = self._alibi_bias(batch, "decode", batch.decode_context_lens - 1, max_context)  # [nh, B, L]
                 scores.view(nkv, num_decode, group, max_context).add_(
-                    self.alibi.view(nkv, 1, group, 1) * distance.view(1, num_decode, 1, max_context))
+                    bias.view(nkv, group, num_decode, max_context).transpose(1, 2))
             if masking is not None:
                 decode_masked = masking(batch)[0]
             scores.view(nkv, num_decode, group, max_context).masked_fill_(decode_masked, float("-inf"))
@@ -1544,17 +1552,19 @@ class DecoderModel:
         for gi, g in enumerate(batch.prefill_groups):
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
-            if window_masks is not None:  # a windowed layer (Gemma 3), a chunked one (Llama 4): the keys it sees
-                keys, values = kv.gather(cached, g.gather_slot_ids, geometry)  # [nkv, L, d]
-                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), window_masks[gi], sinks)
-            elif g.attn_mask is None:
+            if window_masks is None and g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
                 # holds them: a float8 pool's rounding included).
                 keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
                 values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
-                o = self._prefill_attention(qg, keys, values, None, sinks)
-            else:
-                keys, values = kv.gather(cached, g.gather_slot_ids, geometry)  # [nkv, L, d]
-                o = self._prefill_attention(qg, keys.unsqueeze(0), values.unsqueeze(0), g.attn_mask, sinks)
+                mask = None
+            else:  # (a windowed layer (Gemma 3), a chunked one (Llama 4): the keys it sees; else the group's mask)
+                keys, values = (x.unsqueeze(0) for x in kv.gather(cached, g.gather_slot_ids, geometry))  # [1, nkv, L, d]
+                mask = window_masks[gi] if window_masks is not None else g.attn_mask
+            bias = None
+            if self.alibi is not None:  # (the group's queries the last q_len of its keys' positions)
+                length = keys.shape[2]
+                bias = self._alibi_bias(batch, gi, torch.arange(length - q_len, length), length)[None]
+            o = self._prefill_attention(qg, keys, values, mask, sinks, bias)
             out[g.row_start:g.row_end] = o[0].transpose(0, 1).reshape(q_len, nh * d)
         return out
