@@ -1678,7 +1678,7 @@ def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> tuple[float, ...]:
     if closest != num_heads:
         extra = 2.0 ** (-max_bias / 2 / closest)
         slopes += [extra ** i for i in range(1, 1 + 2 * min(closest, num_heads - closest), 2)]
-    return tuple(struct.unpack("f", struct.pack("f", x))[0] for x in slopes)  # (float32, as BLOOM's tensor holds them)
+    return tuple(map(_float32, slopes))  # (as BLOOM's float32 tensor holds them)
 
 
 def mpt_alibi_slopes(num_heads: int, bias_max: float = 8.0) -> tuple[float, ...]:
@@ -1688,7 +1688,7 @@ def mpt_alibi_slopes(num_heads: int, bias_max: float = 8.0) -> tuple[float, ...]
     slopes = [1.0 / 2.0 ** (i * (bias_max / p)) for i in range(1, p + 1)]
     if p != num_heads:
         slopes = (slopes[1::2] + slopes[::2])[:num_heads]
-    return tuple(struct.unpack("f", struct.pack("f", x))[0] for x in slopes)
+    return tuple(map(_float32, slopes))
 
 
 def _mpt_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -1843,6 +1843,11 @@ def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,
         norm_bias=True, parallel_block=parallel, parallel_norms=two_norms, mlp_bias=biased, mlp_gated=False,
         hidden_act=act, **alibi)
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32, as a float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _bfloat16(x: float) -> float:

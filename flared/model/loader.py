@@ -531,8 +531,9 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                 prefix = f"model.layers.{i}.self_attn.{x}_layernorm.norms."
                 hf[f"model.layers.{i}.self_attn.{x}_norm.weight"] = torch.stack(
                     [hf.pop(f"{prefix}{h}.weight") for h in range(heads)])
-    if (hf_config is not None and hf_config.get("model_type") == "cohere2_moe" and config.routed_scaling == 0.5
-            and config.shared_expert_intermediate_size):  # (the average of routed and shared: each halved, exactly)
+    if (hf_config is not None and hf_config.get("model_type") == "cohere2_moe" and config.shared_expert_intermediate_size
+            and hf_config.get("shared_expert_combination_strategy", "average") == "average"):
+        # (the average of routed and shared: the shared output halved here, the routed weights by routed_scaling)
         hf = {k: v * 0.5 if k.endswith(".mlp.shared_experts.down_proj.weight") else v for k, v in hf.items()}
     if hf_config is not None and hf_config.get("model_type") in _LEGACY_RENAMES:
         hf = _hf_legacy_names(hf, config, hf_config["model_type"])
