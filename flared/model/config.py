@@ -1226,10 +1226,11 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 _TANH_GELU = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh"}
 
 
-def _hf_act(hf: dict[str, Any], source: str, family: str, default: str, acts: dict[str, str]) -> str:
-    """Our hidden_act for the config's (``default`` where it names none), by ``acts`` (its name -> ours); any other
-    refused, naming the family."""
-    act = hf.get("hidden_act", default)
+def _hf_act(hf: dict[str, Any], source: str, family: str, default: str, acts: dict[str, str],
+            key: str = "hidden_act") -> str:
+    """Our hidden_act for the config's ``key`` (hidden_act; GPT-2's and its kin's activation_function) or
+    ``default`` where it names none, by ``acts`` (its name -> ours); any other refused, naming the family."""
+    act = hf.get(key) or default
     if act not in acts:
         raise _unsupported(f"{source}: {family} with hidden_act {act!r} is not supported ({', '.join(acts)})")
     return acts[act]
@@ -1611,8 +1612,8 @@ def _gpt2_from_hf(hf: dict[str, Any], source: str, model_type: str) -> ModelConf
                            "is not supported")
     if hf.get("add_cross_attention"):
         raise _unsupported(f"{source}: {family} with cross-attention is not supported")
-    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source, family,
-                  "gelu_new" if model_type == "gpt2" else "gelu_pytorch_tanh", {**_TANH_GELU, "gelu": "gelu"})
+    act = _hf_act(hf, source, family, "gelu_new" if model_type == "gpt2" else "gelu_pytorch_tanh",
+                  {**_TANH_GELU, "gelu": "gelu"}, key="activation_function")
     hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
     sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
                     "intermediate_size": int(hf.get("n_inner") or 4 * hidden), "num_hidden_layers": hf["n_layer"],
@@ -1752,8 +1753,7 @@ def _opt_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                      (hf.get("_remove_final_layer_norm"), "no final LayerNorm")):
         if bad:
             raise _unsupported(f"{source}: OPT with {why} is not supported")
-    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source, "OPT",
-                  "relu", {"relu": "relu", "gelu": "gelu", **_TANH_GELU})
+    act = _hf_act(hf, source, "OPT", "relu", {"relu": "relu", "gelu": "gelu", **_TANH_GELU}, key="activation_function")
     sizes = _sizes({**hf, "intermediate_size": hf["ffn_dim"], "num_key_value_heads": None}, max_positions=2048,
                    tied=True)  # (no grouped queries)
     biased = bool(hf.get("enable_bias", True))
@@ -1770,8 +1770,7 @@ def _gpt_neo_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     out_proj with one; scores not scaled (attention_scale 1); the local layers of attention_types each query's last
     window_size keys; an ungated MLP c_fc, GELU (activation_function, its tanh one by default), c_proj with biases;
     tied embeddings."""
-    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source,
-                  "GPT-Neo", "gelu_new", {**_TANH_GELU, "gelu": "gelu"})
+    act = _hf_act(hf, source, "GPT-Neo", "gelu_new", {**_TANH_GELU, "gelu": "gelu"}, key="activation_function")
     hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_heads"]), int(hf["num_layers"])
     kinds = hf.get("attention_layers") or [kind for pattern, repeat in hf["attention_types"]
                                            for _ in range(int(repeat)) for kind in pattern]
@@ -1798,9 +1797,8 @@ def _gptj_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     side (parallel_block), q/k/v and out_proj without biases, the first rotary_dim of each head turned by interleaved
     pairs at theta 10000 (reordered to rotate-half on reading: rope_interleaved), an ungated MLP fc_in, tanh-GELU,
     fc_out with biases, a biased final LayerNorm and LM head."""
-    act = _hf_act({"hidden_act": hf["activation_function"]} if hf.get("activation_function") else {}, source, "GPT-J",
-                  "gelu_new",
-                  {k: v for k, v in _TANH_GELU.items() if k != "gelu_fast"})
+    act = _hf_act(hf, source, "GPT-J", "gelu_new", {k: v for k, v in _TANH_GELU.items() if k != "gelu_fast"},
+                  key="activation_function")
     hidden, heads = int(hf["n_embd"]), int(hf["n_head"])
     sizes = _sizes({"vocab_size": hf["vocab_size"], "hidden_size": hidden,
                     "intermediate_size": int(hf.get("n_inner") or 4 * hidden), "num_hidden_layers": hf["n_layer"],
@@ -1822,8 +1820,7 @@ def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     num_kv_heads (new_decoder_architecture), q, k and v in one query_key_value (split on reading); biases where bias
     says; tied embeddings. Falcon-RW's ALiBi (alibi) in place of rope: BLOOM's slopes rounded to bfloat16 and divided
     by sqrt(head_dim), as transformers biases its scores."""
-    act = _hf_act({"hidden_act": hf["activation"]} if hf.get("activation") else {}, source, "Falcon", "gelu",
-                  {"gelu": "gelu", **_TANH_GELU})
+    act = _hf_act(hf, source, "Falcon", "gelu", {"gelu": "gelu", **_TANH_GELU}, key="activation")
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     new = bool(hf.get("new_decoder_architecture", False))
     kv_heads = int(hf.get("num_kv_heads") or heads) if new or not hf.get("multi_query", True) else 1
