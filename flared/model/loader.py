@@ -426,6 +426,16 @@ def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], 
         hf[weight_name] = (weight.float() * tiles).to(dtype)
 
 
+# Gemma 4 26B-A4B's experts beside its dense MLP: the serving names, and a checkpoint's and llama.cpp's for them
+_PARALLEL_EXPERTS = ("router.weight", "router.scale", "router.expert_scale", "experts.gate_up.weight",
+                     "experts.down.weight", "post_mlp_norm_1.weight", "pre_mlp_norm_2.weight", "post_mlp_norm_2.weight")
+_HF_PARALLEL_EXPERTS = ("router.proj.weight", "router.scale", "router.per_expert_scale", "experts.gate_up_proj",
+                        "experts.down_proj", "post_feedforward_layernorm_1.weight",
+                        "pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_2.weight")
+_GGUF_PARALLEL_EXPERTS = ("ffn_gate_inp.weight", "ffn_gate_inp.scale", "ffn_down_exps.scale",
+                          "ffn_gate_up_exps.weight", "ffn_down_exps.weight", "post_ffw_norm_1.weight",
+                          "pre_ffw_norm_2.weight", "post_ffw_norm_2.weight")
+
 # Older families' tensor names as Llama's, applied in order to every name (_hf_legacy_names).
 _LEGACY_RENAMES = {
     "falcon": (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
@@ -727,14 +737,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
                         sp + "shared.down.weight": take(shared + "down_proj.weight")})
             continue
         if config.parallel_experts:  # Gemma 4 26B-A4B: experts beside the dense MLP
-            out.update({sp + "router.weight": take(hp + "router.proj.weight"),
-                        sp + "router.scale": take(hp + "router.scale"),
-                        sp + "router.expert_scale": take(hp + "router.per_expert_scale"),
-                        sp + "experts.gate_up.weight": take(hp + "experts.gate_up_proj"),
-                        sp + "experts.down.weight": take(hp + "experts.down_proj"),
-                        sp + "post_mlp_norm_1.weight": take(hp + "post_feedforward_layernorm_1.weight"),
-                        sp + "pre_mlp_norm_2.weight": take(hp + "pre_feedforward_layernorm_2.weight"),
-                        sp + "post_mlp_norm_2.weight": take(hp + "post_feedforward_layernorm_2.weight")})
+            out.update({sp + ours: take(hp + theirs) for ours, theirs in zip(_PARALLEL_EXPERTS, _HF_PARALLEL_EXPERTS)})
         elif config.num_experts and i not in config.dense_layers:
             out.update(_hf_experts(hf, hp, sp, config, take))
             if config.norm_bias:  # (Phi-3.5-MoE's biased LayerNorms)
@@ -1598,14 +1601,7 @@ def _gguf_gemma4(config: ModelConfig, take, raw: dict) -> dict[str, torch.Tensor
                         sp + "per_layer_out.weight": take(gp + "proj.weight"),
                         sp + "per_layer_norm.weight": take(gp + "post_norm.weight")})
         if config.parallel_experts:
-            out.update({sp + "router.weight": take(gp + "ffn_gate_inp.weight"),
-                        sp + "router.scale": take(gp + "ffn_gate_inp.scale"),
-                        sp + "router.expert_scale": take(gp + "ffn_down_exps.scale"),
-                        sp + "experts.gate_up.weight": take(gp + "ffn_gate_up_exps.weight"),
-                        sp + "experts.down.weight": take(gp + "ffn_down_exps.weight"),
-                        sp + "post_mlp_norm_1.weight": take(gp + "post_ffw_norm_1.weight"),
-                        sp + "pre_mlp_norm_2.weight": take(gp + "pre_ffw_norm_2.weight"),
-                        sp + "post_mlp_norm_2.weight": take(gp + "post_ffw_norm_2.weight")})
+            out.update({sp + ours: take(gp + theirs) for ours, theirs in zip(_PARALLEL_EXPERTS, _GGUF_PARALLEL_EXPERTS)})
     return out
 
 
