@@ -276,7 +276,10 @@ def test_bf16_follows_float32(family, tmp_path):
     ours_drift = reference = 0.0  # the largest over the prompts: one prompt's roundings may land either side
     for i, (a, b) in enumerate(zip(tops[torch.float32], tops[torch.bfloat16])):
         shared = a.keys() & b.keys()
-        assert len(shared) >= 4, family  # the same likely tokens (a near tie may swap two of them)
+        # the same likely tokens (a near tie may swap two of them), or as many as transformers' own bf16 keeps of its
+        # float32's five (a route an expert choice flips in bf16 moves whole logprobs, theirs as ours)
+        top_hf = [set(theirs[dtype][i].topk(5).indices.tolist()) for dtype in (torch.float32, torch.bfloat16)]
+        assert len(shared) >= min(4, len(top_hf[0] & top_hf[1])), family
         reference = max(reference, *(abs(theirs[torch.float32][i][t] - theirs[torch.bfloat16][i][t]).item()
                                      for t in shared))
         ours_drift = max(ours_drift, *(abs(a[t] - b[t]) for t in shared))
