@@ -77,7 +77,9 @@ class EagerExecutor:
         page_shape = (self.kv.keys.shape[1], page_tokens, self.kv.keys.shape[3])  # (a Mamba model's: no layers)
         kv_shape = (num_snapshots, self.kv.num_layers, *page_shape)
         self.snap_keys = torch.zeros(kv_shape, dtype=self.kv.storage_dtype, device=self.device)
-        self.snap_values = torch.zeros(kv_shape, dtype=self.kv.storage_dtype, device=self.device)
+        # (none where the cache keeps no value rows: latent attention served absorbed)
+        value_shape = (num_snapshots, self.kv.num_layers, self.kv.values.shape[1], *page_shape[1:])
+        self.snap_values = torch.zeros(value_shape, dtype=self.kv.storage_dtype, device=self.device)
         self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)
         self.sampler = Sampler(vocab_size, device=model.device, max_penalty_slots=max_live)
 
@@ -94,7 +96,7 @@ class EagerExecutor:
     def kv_cache(self) -> tuple[str, int]:
         """(element type, bytes) of the KV cache: the pool and the prefix cache's K/V snapshots."""
         return (str(self.kv.storage_dtype).removeprefix("torch."),
-                self.kv.num_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size())
+                self.kv.num_bytes + (self.snap_keys.numel() + self.snap_values.numel()) * self.snap_keys.element_size())
 
     # -- plan execution --------------------------------------------------------------------------
 
@@ -388,8 +390,9 @@ class EagerExecutor:
                 if to_snapshot:
                     k, v = self.kv.gather(layer, slots)
                     self.snap_keys[snapshot_id, layer] = k
-                    self.snap_values[snapshot_id, layer] = v
+                    if v is not None:
+                        self.snap_values[snapshot_id, layer] = v
                 else:
                     # gather yields [kv_heads, tokens, head_dim]; write takes [tokens, kv_heads, head_dim].
                     self.kv.write(layer, slots, self.snap_keys[snapshot_id, layer].transpose(0, 1),
-                                  self.snap_values[snapshot_id, layer].transpose(0, 1))
+                                  self.snap_values[snapshot_id, layer].transpose(0, 1) if self.kv.has_values else None)

@@ -153,9 +153,11 @@ class GraphExecutor:
         self.decoder = self.graphs.decoder
         c = model.config
         # (a page of every kv layer's pool: Gemma 4's shared-KV layers keep none, its slots hold kv_storage_heads rows)
-        snap_shape = (num_snapshots, len(c.kv_layers), page_tokens, c.kv_storage_heads, c.head_dim)
+        # (no value rows where the values are the keys' latent part: ModelConfig.latent_kv)
+        snap_shape = (num_snapshots, len(c.kv_layers), page_tokens, c.kv_storage_heads, c.kv_row_dim)
         self.snap_keys = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
-        self.snap_values = torch.zeros(snap_shape, dtype=self.decoder.kv_dtype, device=self.device)
+        self.snap_values = torch.zeros((*snap_shape[:3], c.kv_value_rows, c.kv_row_dim), dtype=self.decoder.kv_dtype,
+                                       device=self.device)
         self.snap_logits = torch.zeros(num_snapshots, vocab_size, dtype=torch.float32, device=self.device)
         # the graphs' samplers shape rows with logit bias and penalties from the Sampler's slot tables
         self.sampler = Sampler(vocab_size, device=self.device, max_penalty_slots=max_live, graph_tables=True,
@@ -285,7 +287,7 @@ class GraphExecutor:
 
     @property
     def num_bytes(self) -> int:
-        return self.decoder.kv_bytes + 2 * self.snap_keys.numel() * self.snap_keys.element_size()
+        return self.decoder.kv_bytes + (self.snap_keys.numel() + self.snap_values.numel()) * self.snap_keys.element_size()
 
     @property
     def kv_cache(self) -> tuple[str, int]:

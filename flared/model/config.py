@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -795,9 +796,31 @@ class ModelConfig:
         return self.num_kv_heads, self.head_dim
 
     @property
+    def latent_kv(self) -> bool:
+        """Latent attention served absorbed (DeepSeek's MLA, as llama.cpp, vLLM and SGLang keep it): the KV cache
+        holds each token's normed latent and shared rotated key part, kv_lora_rank + rotary_dim wide, once a layer
+        instead of every head's expanded key and value; the queries are taken into the latent through kv_b's key
+        rows and each head's output out of it through its value rows. FLARED_MLA_EXPANDED=1 keeps the expanded
+        layout (the earlier one, for comparisons)."""
+        return bool(self.kv_lora_rank) and os.environ.get("FLARED_MLA_EXPANDED") != "1"
+
+    @property
+    def kv_row_dim(self) -> int:
+        """Width of a row of the KV cache: head_dim, or a latent token's kv_lora_rank + rotary_dim (latent_kv)."""
+        return self.kv_lora_rank + self.rope_dim if self.latent_kv else self.head_dim
+
+    @property
+    def kv_value_rows(self) -> int:
+        """Rows of the value pool a slot holds: kv_storage_heads, or none where the values are the keys' latent part
+        (latent_kv: the attention reads them from the key pool)."""
+        return 0 if self.latent_kv else self.kv_storage_heads
+
+    @property
     def kv_storage_heads(self) -> int:
-        """Rows of head_dim a layer of the KV cache holds: num_kv_heads, or a global layer's wider heads as pieces
-        (Gemma 4), whichever is more."""
+        """Rows of kv_row_dim a layer of the KV cache holds: num_kv_heads, a global layer's wider heads as pieces
+        (Gemma 4), whichever is more; one latent row (latent_kv)."""
+        if self.latent_kv:
+            return 1
         if not self.global_head_dim:
             return self.num_kv_heads
         return max(self.num_kv_heads, (self.global_kv_heads or self.num_kv_heads) * self.global_head_dim // self.head_dim)

@@ -263,7 +263,7 @@ class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
                  "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o", "geometry",
-                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer", "xielu")
+                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer", "xielu", "absorb")
 
 
 class DecoderModel:
@@ -314,7 +314,7 @@ class DecoderModel:
             p = f"layers.{i}."
             layer = _Layer()
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
-            layer.latent = layer.linear = None
+            layer.latent = layer.linear = layer.absorb = None
             # (Gemma 4's shared-KV layers attend to their source layer's keys and values, keeping none of their own)
             layer.kv_source = config.kv_source(i)
             layer.kv_index = kv_index.get(i if layer.kv_source is None else layer.kv_source, -1)
@@ -376,8 +376,14 @@ class DecoderModel:
                 q = (_Linear(w(p + "q_a.weight"), None), norm(p + "q_a_norm.weight"),
                      _Linear(w(p + "q_b.weight"), None)) if config.q_lora_rank else \
                     (None, None, _Linear(w(p + "q.weight"), None))
+                kv_b = w(p + "kv_b.weight")
+                if config.latent_kv:  # served absorbed: kv_b's key rows [nh, d - r, rank] and value rows as [nh, rank,
+                    # v] (each head's), for the queries into the latent and the outputs out of it
+                    per_head = kv_b.view(config.num_heads, -1, config.kv_lora_rank)
+                    nope = config.head_dim - config.rope_dim
+                    layer.absorb = (per_head[:, :nope].contiguous(), per_head[:, nope:].transpose(1, 2).contiguous())
                 layer.latent = (*q, _Linear(w(p + "kv_a.weight"), None), norm(p + "kv_a_norm.weight"),
-                                _Linear(w(p + "kv_b.weight"), None))
+                                None if config.latent_kv else _Linear(kv_b, None))
                 layer.qkv = None
             else:
                 layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
@@ -847,6 +853,10 @@ class DecoderModel:
                 if layer.qkv is None:
                     h = self._residual_and_mlp(index, layer, batch, h, x, beside)
                     continue
+            if layer.absorb is not None:  # latent attention served absorbed (ModelConfig.latent_kv)
+                o = self._absorbed_attention(index, layer, batch, kv, x, cos, sin, attend)
+                h = self._residual_and_mlp(index, layer, batch, h, x, o)
+                continue
             qkv = layer.qkv(x) if layer.latent is None else self._latent_qkv(layer, x)  # [T, q_size + 2 * kv_size]
             if c.clip_qkv:  # (OLMo's clamp of every projected q, k and v value)
                 qkv = qkv.clamp(-c.clip_qkv, c.clip_qkv)
@@ -1189,6 +1199,87 @@ class DecoderModel:
             joined = torch.cat([conv_state[row], inputs[lo:hi].t()], dim=-1)  # [C, K - 1 + L]
             conv_state[row] = joined[:, -(kernel - 1):]
             out[lo:hi] = F.conv1d(joined[None], weight[:, None, :], groups=weight.shape[0])[0].t()
+        return out
+
+    def _absorbed_attention(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache, x: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """DeepSeek's latent attention over the normed rows x [T, H] -> the o projection's [T, H], absorbed: each
+        token keeps one row in the cache, its normed latent (kv_a's first kv_lora_rank) then the shared rotated key
+        part (kv_a's last rope_dim); each head's query is its unrotated part through the head's key rows of kv_b
+        (into the latent) beside its rotated part, so q . row is the expanded form's q . k; the attention's output
+        [T, nh, rank] (the latent as the values) goes through the head's value rows of kv_b to v_head_dim."""
+        c = self.config
+        q_a, q_a_norm, q_b, kv_a, kv_a_norm, _ = layer.latent
+        key_rows, value_rows = layer.absorb  # [nh, d - r, rank], [nh, rank, v]
+        rows, nh, d, r, rank = x.shape[0], c.num_heads, c.head_dim, c.rope_dim, c.kv_lora_rank
+        q = (q_b(rms_norm(q_a(x), q_a_norm, c.rms_norm_eps)) if q_a is not None else q_b(x)).view(rows, nh, d)
+        compressed = kv_a(x)
+        latent = rms_norm(compressed[:, :rank].contiguous(), kv_a_norm, c.rms_norm_eps)
+        turned = torch.cat([q[..., :r], compressed[:, None, rank:]], dim=1)  # [T, nh + 1, r]: the queries', the key's
+        if layer.rope:  # (Kimi Linear's latent layers are unrotated)
+            turned = torch.addcmul(turned * cos, turned.roll(r // 2, dims=-1), sin)
+        q_latent = torch.bmm(q[..., r:].transpose(0, 1), key_rows).transpose(0, 1)  # [T, nh, rank]
+        k = torch.cat([latent, turned[:, nh]], dim=-1)[:, None]  # [T, 1, rank + r]
+        kv.write(layer.kv_index, batch.write_slot_ids, k, None)
+        absorbed = torch.cat([q_latent, turned[:, :nh]], dim=-1)  # [T, nh, rank + r]
+        if attend is not None:
+            out = attend(absorbed, index, layer.kv_index).view(rows, nh, rank)
+            heads = torch.bmm(out.transpose(0, 1), value_rows).transpose(0, 1)  # [T, nh, v]
+        else:  # (the expanded form's queries: the rotated part first, as the prefill may expand the keys for them)
+            heads = self._latent_attention(index, layer, batch, kv, absorbed, k, torch.cat([turned[:, :nh], q[..., r:]],
+                                                                                          dim=-1))
+        return layer.o(heads.reshape(rows, nh * c.v_head_dim))
+
+    def _latent_attention(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor,
+                          k: torch.Tensor, q_heads: torch.Tensor) -> torch.Tensor:
+        """The absorbed queries q [T, nh, rank + r] over the latent rows (k [T, 1, rank + r]: this forward's, already
+        in the cache) -> each head's output [T, nh, v]: one key row a token for every head, its first rank its value,
+        the outputs out of the latent through kv_b's value rows. A prefill chunk whose keys cost less expanded than
+        its queries cost absorbed attends expanded instead: each key row through kv_b's key and value rows, the
+        expanded queries ``q_heads`` [T, nh, d] (the rotated part first) over them, as the expanded layout does.
+        (The products take whole rows as values and keep what they need: torch's fused CPU attention wants values as
+        wide as the keys, and its other path is 5-12x slower.)"""
+        c = self.config
+        rank, nh, d, v_dim = c.kv_lora_rank, c.num_heads, c.head_dim, c.v_head_dim
+        key_rows, value_rows = layer.absorb
+        cached = layer.kv_index
+        out = q.new_empty(batch.num_tokens, nh, v_dim) if batch.prefill_groups else None
+
+        def leave_latent(o: torch.Tensor) -> torch.Tensor:  # [n, nh, rank + r] -> [n, nh, v]
+            return torch.bmm(o[..., :rank].transpose(0, 1), value_rows).transpose(0, 1)
+
+        if batch.decode_row_ids is not None:
+            num_decode, max_context = batch.decode_row_ids.shape[0], batch.decode_max_context
+            keys = kv.gather(cached, batch.decode_gather_slot_ids)[0].view(num_decode, max_context, -1)
+            qd = q if out is None else q.index_select(0, batch.decode_row_ids)
+            scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [B, nh, L]
+            scores.masked_fill_(~batch.decode_attn_mask.view(num_decode, 1, max_context), float("-inf"))
+            o = leave_latent(torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), keys))  # [B, nh, v]
+            if out is None:
+                return o  # decode rows are then exactly rows 0..B-1 in order
+            out.index_copy_(0, batch.decode_row_ids, o)
+        for g in batch.prefill_groups:
+            q_len = g.row_end - g.row_start
+            if g.attn_mask is None:  # no cached prefix: the chunk's own rows, as the cache holds them
+                keys = kv.as_stored(k[g.row_start:g.row_end])[:, 0]  # [q_len, rank + r]
+            else:
+                keys = kv.gather(cached, g.gather_slot_ids)[0][0]  # [L, rank + r]
+            length = keys.shape[0]
+            pairs = q_len * (length - q_len / 2)  # (the causal (query, key) pairs)
+            if length * rank * (d - c.rope_dim + v_dim) + pairs * 2 * d < pairs * 2 * (rank + c.rope_dim):
+                latents = keys[:, :rank].expand(nh, length, rank)
+                nope = torch.bmm(latents, key_rows.transpose(1, 2))  # [nh, L, d - r]
+                k_heads = torch.cat([keys[None, :, rank:].expand(nh, length, c.rope_dim), nope], dim=-1)
+                v_heads = torch.bmm(latents, value_rows)  # [nh, L, v], padded to d below (the fused path's)
+                v_heads = torch.cat([v_heads, v_heads.new_zeros(nh, length, d - v_dim)], dim=-1)
+                qg = q_heads[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
+                o = self._prefill_attention(qg, k_heads[None], v_heads[None], g.attn_mask)  # [1, nh, q_len, d]
+                out[g.row_start:g.row_end] = o[0, ..., :v_dim].transpose(0, 1)
+            else:
+                qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, rank + r]
+                rows = keys[None, None]  # [1, 1, L, rank + r]
+                o = self._prefill_attention(qg, rows, rows, g.attn_mask)  # [1, nh, q_len, rank + r]
+                out[g.row_start:g.row_end] = leave_latent(o[0].transpose(0, 1))
         return out
 
     def _latent_qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,12 @@ class PoolWriter:
         self.k_pool, self.v_pool = k_pool, v_pool
         self.storage_dtype = k_pool.dtype
 
-    def write(self, kv_index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, kv_index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """v None: the cache keeps no values (ModelConfig.latent_kv: the keys' latent part serves as them)."""
         geometry = tuple(k.shape[1:])
         write_kv(layer_pool(self.k_pool[kv_index], geometry), slots, k)
-        write_kv(layer_pool(self.v_pool[kv_index], geometry), slots, v)
+        if v is not None:
+            write_kv(layer_pool(self.v_pool[kv_index], geometry), slots, v)
 
 
 def attention_sinks(model) -> list[torch.Tensor | None]:
@@ -65,7 +67,8 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
     softcap=cap, geometry=g, alibi=a)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry
     of ``sinks`` (attention_sinks(model)); ``cap`` Gemma 2's cap on the scaled scores, 0 = none; ``g`` (kv heads, d)
     of the layer, Gemma 4's global layers' their own: layer_pool's view of the pools; ``a`` BLOOM's ALiBi slopes
-    [nh], None = none).
+    [nh], None = none). Latent attention served absorbed (ModelConfig.latent_kv) attends as ``attend(q [T, nh,
+    latent + rope], kv_index, out [T, nh, latent], latent=latent)``.
     Returns the final-normed hidden states [T, H]."""
     c = model.config
     num_tokens = tokens.shape[0]
@@ -75,6 +78,10 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
                          decode_max_context=0, num_tokens=num_tokens)
 
     def attend_layer(q: torch.Tensor, index: int, kv_index: int) -> torch.Tensor:
+        if c.latent_kv:  # the absorbed queries [T, nh, latent + rope] over the latent rows -> [T, nh, latent]
+            out = q.new_empty(num_tokens, q.shape[1], c.kv_lora_rank)
+            attend(q, kv_index, out, latent=c.kv_lora_rank)
+            return out.view(num_tokens, -1)
         geometry = model.layers[index].geometry
         out = torch.empty_like(q)
         attend(q, kv_index, out, window=c.window_of(index), sinks=sinks[index], softcap=softcap, geometry=geometry,

@@ -74,13 +74,17 @@ class PagedKVCache:
         # [layer, kv_head, slot, head_dim]: a gather along the slot axis yields [kv_head, tokens, head_dim],
         # which batched attention reads as [kv_head * sequences, context, head_dim] without another copy.
         # (Gemma 4's global layers keep their wider heads as head_dim-wide rows: kv_storage_heads rows a layer)
-        self.head_dim = config.head_dim
-        shape = (self.num_layers, config.kv_storage_heads, self.num_slots, config.head_dim)
+        # (latent attention served absorbed, ModelConfig.latent_kv: one latent row a slot and no value rows; the
+        # values are the keys' latent part)
+        self.head_dim = config.kv_row_dim
+        shape = (self.num_layers, config.kv_storage_heads, self.num_slots, config.kv_row_dim)
+        value_shape = (self.num_layers, config.kv_value_rows, self.num_slots, config.kv_row_dim)
         if self.device.type == "cpu":
-            self.keys, self.values = host_zeros(shape, storage_dtype), host_zeros(shape, storage_dtype)
+            self.keys, self.values = host_zeros(shape, storage_dtype), host_zeros(value_shape, storage_dtype)
         else:
             self.keys = torch.zeros(shape, dtype=storage_dtype, device=self.device)
-            self.values = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+            self.values = torch.zeros(value_shape, dtype=storage_dtype, device=self.device)
+        self.has_values = config.kv_value_rows > 0
         # A float8 pool is indexed through byte views (torch's index kernels take no float8 on the CPU).
         self._narrow = storage_dtype != dtype
         self._key_bytes = self.keys.view(torch.uint8) if self._narrow else self.keys
@@ -96,17 +100,22 @@ class PagedKVCache:
     @property
     def num_bytes(self) -> int:
         """The pool's bytes (the recurrent states' apart: ``states.num_bytes``)."""
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return (self.keys.numel() + self.values.numel()) * self.keys.element_size()
 
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (keys or values in ``dtype``) as a later ``gather`` returns them: itself, or through float8 and
         back (a forward that attends to its own fresh keys uses these, so every reader sees the same key)."""
         return x if not self._narrow else to_storage(x, self.storage_dtype).to(self.dtype)
 
-    def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None) -> None:
         """slot_ids [T] int64; keys/values [T, kv_heads, head_dim] (a Gemma 4 global layer's [T, heads, wider]: its
-        first rows, each head as consecutive head_dim-wide pieces)."""
+        first rows, each head as consecutive head_dim-wide pieces); values None where the cache keeps none
+        (latent_kv)."""
+        if (values is None) == self.has_values:
+            raise ValueError("values go with keys exactly where the cache keeps value rows (not latent_kv)")
         for pool, x in ((self._key_bytes, keys), (self._value_bytes, values)):
+            if x is None:
+                continue
             if x.shape[-1] != self.head_dim:
                 x = x.reshape(x.shape[0], -1, self.head_dim)
             x = x.transpose(0, 1)
@@ -116,17 +125,18 @@ class PagedKVCache:
             rows.index_copy_(1, slot_ids, x)
 
     def gather(self, layer: int, slot_ids: torch.Tensor, geometry: tuple[int, int] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """slot_ids [N] int64 -> (keys, values) [kv_heads, N, head_dim] in ``dtype``, contiguous copies (every row the
-        layer stores; ``geometry`` (heads, head dim): the layer's own, Gemma 4's wider heads put back together)."""
+        layer stores; ``geometry`` (heads, head dim): the layer's own, Gemma 4's wider heads put back together);
+        values None where the cache keeps none (latent_kv)."""
         heads, dim = geometry or (self.keys.shape[1], self.head_dim)
         rows = heads * dim // self.head_dim
-        out = []
-        for pool in (self._key_bytes, self._value_bytes):
+        out = [None, None]
+        for i, pool in enumerate((self._key_bytes, self._value_bytes) if self.has_values else (self._key_bytes,)):
             x = (pool[layer] if rows == pool.shape[1] else pool[layer, :rows]).index_select(1, slot_ids)
             if self._narrow:
                 x = x.view(self.storage_dtype).to(self.dtype)
             if dim != self.head_dim:  # [heads * pieces, N, head_dim] -> [heads, N, dim]
                 x = x.view(heads, dim // self.head_dim, -1, self.head_dim).transpose(1, 2).reshape(heads, -1, dim)
-            out.append(x)
+            out[i] = x
         return out[0], out[1]

@@ -18,20 +18,91 @@ from .conftest import build_hf_checkpoint  # noqa: E402
 
 
 def test_a_deepseek_core_serves_transformers_tokens(tmp_path):
-    """Exported (the router kept float32) and served by flared run: greedy chat tokens equal transformers'."""
+    """Exported (the router kept float32) and served by flared run: greedy chat tokens equal transformers'; asked
+    again, the prompt's latent rows come back from the prefix cache and give the same tokens."""
     from flared_testing.served import assert_served_greedy_equals_transformers
 
     directory = build_hf_checkpoint("deepseek_v3", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    assert_served_greedy_equals_transformers(directory, hf, tmp_path)
+    again = []
+
+    def ask_again(daemon):
+        status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox."}], max_tokens=16,
+                                   temperature=0, ignore_eos=True, logprobs=True, return_tokens_as_token_ids=True)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        again.extend(int(t["token"].split(":")[1]) for t in body["choices"][0]["logprobs"]["content"])
+
+    assert assert_served_greedy_equals_transformers(directory, hf, tmp_path, also=ask_again) == again
 
 
-def test_the_cache_holds_a_key_and_value_per_head(tmp_path):
-    """Latent attention is served expanded: a key/value head per query head, head_dim = nope + rope wide (the values
-    padded to it), the rotated part first."""
-    config = read_source(build_hf_checkpoint("deepseek_v2", tmp_path / "hf")).config
-    assert (config.num_kv_heads, config.head_dim, config.rotary_dim, config.v_head_dim) == (4, 24, 8, 12)
+def test_the_cache_holds_one_latent_row_a_token(tmp_path, monkeypatch):
+    """Latent attention is served absorbed (ModelConfig.latent_kv): a layer keeps one kv_lora_rank + rope wide row a
+    token and no values, where the expanded layout (FLARED_MLA_EXPANDED=1) keeps a key and a value of head_dim per
+    head; an exported core's KV budget holds as many more pages."""
+    from flared_testing.served import write_char_tokenizer
+
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.manifest import read_manifest
+    from flared.model.kv_cache import PagedKVCache
+
+    directory = build_hf_checkpoint("deepseek_v2", tmp_path / "hf")
+    write_char_tokenizer(directory, 512)
+    config = read_source(directory).config
+    assert (config.num_heads, config.head_dim, config.rotary_dim, config.v_head_dim, config.kv_lora_rank) == \
+        (4, 24, 8, 12, 32)
     assert config.graph_obstacle == "multi-head latent attention" and config.router_float32
+    assert config.latent_kv and (config.kv_storage_heads, config.kv_value_rows, config.kv_row_dim) == (1, 0, 40)
+    latent = PagedKVCache(config, num_pages=4, page_tokens=8, dtype=torch.float32)
+    pages = {}
+    export_core(directory, tmp_path / "latent", ExportOptions(concurrency=64, context_tokens=256, kv_cache_mib=1))
+    pages["latent"] = read_manifest(tmp_path / "latent").capacities.kv_pages
+    monkeypatch.setenv("FLARED_MLA_EXPANDED", "1")
+    assert not config.latent_kv and (config.kv_storage_heads, config.kv_value_rows, config.kv_row_dim) == (4, 4, 24)
+    expanded = PagedKVCache(config, num_pages=4, page_tokens=8, dtype=torch.float32)
+    export_core(directory, tmp_path / "expanded", ExportOptions(concurrency=64, context_tokens=256, kv_cache_mib=1))
+    pages["expanded"] = read_manifest(tmp_path / "expanded").capacities.kv_pages
+    assert latent.values.numel() == 0 and latent.num_bytes * 2 * 4 * 24 == expanded.num_bytes * 40
+    assert pages["latent"] > 4 * pages["expanded"], pages
+
+
+@pytest.mark.parametrize("family, long", [("deepseek_v2", False), ("deepseek_v3", False), ("minicpm3", False),
+                                          ("deepseek_v2", True), ("minicpm3", True)])
+def test_absorbed_attention_keeps_the_expanded_forms_tokens(family, long, tmp_path, monkeypatch):
+    """float32: the absorbed form's greedy tokens over pages, chunked prefills and decode rows sharing forwards are
+    the expanded form's, their logits within rounding (``long``: 90-token chunks, which attend with their keys
+    expanded, the rest absorbed); a float8 cache of latent rows (bf16) keeps the short prompts' last logits near."""
+    from flared.model.decoder import DecoderModel
+    from flared.model.kv_cache import FP8_KV
+
+    from .test_parity_hf import make_prompts, run_paged_greedy
+
+    source = read_source(build_hf_checkpoint(family, tmp_path / "hf"))
+    prompts = make_prompts(source.config.vocab_size, seed=3)[:3]
+    chunk = 5
+    if long:  # (two chunks of 90: the second over a cached prefix)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(3, source.config.vocab_size, (n,), generator=g).tolist() for n in (120, 70, 12)]
+        chunk = 90
+    absorbed = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    got = run_paged_greedy(absorbed, prompts, num_new_tokens=10, page_tokens=4, chunk_tokens=chunk)
+    monkeypatch.setenv("FLARED_MLA_EXPANDED", "1")
+    expanded = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    want = run_paged_greedy(expanded, prompts, num_new_tokens=10, page_tokens=4, chunk_tokens=chunk)
+    monkeypatch.delenv("FLARED_MLA_EXPANDED")
+    for (tokens, logits), (want_tokens, want_logits) in zip(got, want):
+        assert tokens == want_tokens
+        assert (logits - want_logits).abs().max().item() < 1e-4
+    if long:
+        return
+    bf16 = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
+    make = bf16.make_kv_cache
+    plain = run_paged_greedy(bf16, prompts, num_new_tokens=6, page_tokens=4, chunk_tokens=chunk)
+    bf16.make_kv_cache = lambda **kw: make(**{**kw, "storage_dtype": FP8_KV})
+    narrow = run_paged_greedy(bf16, prompts, num_new_tokens=6, page_tokens=4, chunk_tokens=chunk)
+    for (_, logits), (_, narrow_logits) in zip(plain, narrow):  # (the prompts' last logits: the same inputs)
+        # (float8 e4m3 keeps 3 mantissa bits of each latent value: logits move by a few percent of their range)
+        assert (logits[0] - narrow_logits[0]).abs().max().item() < 0.2 * logits[0].abs().max().item()
 
 
 def test_what_latent_attention_models_refuse(tmp_path):

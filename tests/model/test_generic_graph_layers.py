@@ -40,9 +40,13 @@ def _oracle(k_pool, v_pool, slots_of, positions, scale):
     positions[t], attends the keys of positions (p - window, p] (window 0: [0, p]) held at slots_of[position],
     each head's sink (if any) one more logit in its softmax, the scores soft-capped where ``softcap`` and biased by
     ALiBi's slope * (key position - p) where ``alibi``."""
-    def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None):
+    def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None, latent=0):
         nh = q.shape[1]
-        k_layer, v_layer = layer_pool(k_pool[layer], geometry), layer_pool(v_pool[layer], geometry)
+        if latent:  # (absorbed latent attention: one row a key, its first ``latent`` the value)
+            k_layer = k_pool[layer]
+            v_layer = k_layer[..., :latent]
+        else:
+            k_layer, v_layer = layer_pool(k_pool[layer], geometry), layer_pool(v_pool[layer], geometry)
         nkv = k_layer.shape[1]
         for t, p in enumerate(positions.tolist()):
             first = max(0, p - window + 1) if window else 0
@@ -68,8 +72,9 @@ def _generic_greedy(model: DecoderModel, prompt: list[int], new_tokens: int) -> 
     total = len(prompt) + new_tokens
     pages = torch.randperm(-(-total // PAGE_TOKENS) + 5, generator=torch.Generator().manual_seed(3))
     slots_of = torch.tensor([int(pages[p // PAGE_TOKENS]) * PAGE_TOKENS + p % PAGE_TOKENS for p in range(total)])
-    shape = (len(c.kv_layers), (len(pages) + 1) * PAGE_TOKENS, c.kv_storage_heads, c.head_dim)
-    k_pool, v_pool = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+    shape = (len(c.kv_layers), (len(pages) + 1) * PAGE_TOKENS, c.kv_storage_heads, c.kv_row_dim)
+    k_pool = torch.zeros(shape, dtype=model.dtype)
+    v_pool = torch.zeros((*shape[:2], c.kv_value_rows, c.kv_row_dim), dtype=model.dtype)
     sinks = attention_sinks(model)
     tokens, logits = [], []
     rows = torch.tensor(prompt)
