@@ -201,3 +201,66 @@ def test_decode_with_rope_matches_the_separate_kernels(dtype, nh, nkv, d, splits
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < 1e-2, float(err)
     check_decode(out, q, k_pool, v_pool, tables, lens, P, 2e-2)
+
+
+# -- absorbed latent attention (flared/model/triton_mla.py) ---------------------------------------------------------
+
+def _mla_reference(q, rows, latent, scale):
+    """q [nh, latent + rope] over one sequence's latent rows [L, latent + rope] (all visible), float64."""
+    rows = rows.double()
+    return (q.double() @ rows.T * scale).softmax(-1) @ rows[:, :latent]
+
+
+@pytest.mark.parametrize("pool_dtype", ["model", "fp8"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nh, latent, rope", [(16, 512, 64), (128, 512, 64), (40, 256, 32), (4, 48, 8)])
+def test_mla_kernels_match_reference(pool_dtype, dtype, tol, nh, latent, rope):
+    """Decode rows (one a padding row) and packed prefill chunks over cached prefixes, DeepSeek's and MiniCPM3's
+    widths, 128 heads in blocks of 16, a float8 pool (its stored values are the reference's)."""
+    from flared.model.kv_cache import FP8_KV
+    from flared.model.triton_mla import mla_decode_attention, mla_prefill_attention_varlen
+
+    if pool_dtype == "fp8" and dtype == torch.float32:
+        pytest.skip("a float8 pool serves half-precision models")
+    P, num_pages = 16, 96
+    g = torch.Generator(device="cuda").manual_seed(nh + latent)
+    pool = torch.randn((num_pages + 1) * P, 1, latent + rope, device="cuda", generator=g).to(dtype)
+    if pool_dtype == "fp8":
+        pool = pool.to(FP8_KV)
+    stored = pool.to(dtype)
+    lens = [300, 1, 0, 77, 129]
+    tables = torch.randperm(num_pages, device="cuda", generator=g)[:5 * 19].view(5, 19).to(torch.int32)
+    scale = (latent + rope) ** -0.5
+    q = torch.randn(5, nh, latent + rope, device="cuda", generator=g).to(dtype)
+    out = torch.full((5, nh, latent), 3.0, device="cuda", dtype=dtype)
+    mla_decode_attention(q, pool, out, tables, torch.tensor(lens, device="cuda", dtype=torch.int32), latent_dim=latent,
+                         page_tokens=P, scale=scale)
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            continue
+        ref = _mla_reference(q[b], seq_kv(stored, tables[b], n, P)[:, 0], latent, scale)
+        assert ((out[b].double() - ref).norm() / ref.norm()) < tol, b
+    if dtype != torch.float32:  # the context in shares (flash-decoding), merged by the combine kernel
+        scratch = 5 * nh * 3
+        split = torch.full_like(out, 3.0)
+        mla_decode_attention(q, pool, split, tables, torch.tensor(lens, device="cuda", dtype=torch.int32),
+                             latent_dim=latent, page_tokens=P, scale=scale, num_splits=3,
+                             part_acc=torch.empty(scratch * latent, device="cuda"),
+                             part_m=torch.empty(scratch, device="cuda"), part_l=torch.empty(scratch, device="cuda"))
+        assert torch.equal(split[2], torch.zeros_like(split[2]))
+        assert ((split.double() - out.double()).norm() / out.double().norm()) < tol
+    chunks = [(200, 100), (0, 1), (0, 0), (60, 17), (0, 129)]  # (cached, new)
+    capacity = sum(n for _, n in chunks) + 5
+    q = torch.randn(capacity, nh, latent + rope, device="cuda", generator=g).to(dtype)
+    out = torch.full((capacity, nh, latent), 3.0, device="cuda", dtype=dtype)
+    mla_prefill_attention_varlen(q, pool, out, tables, torch.tensor(chunks, device="cuda", dtype=torch.int32),
+                                 latent_dim=latent, page_tokens=P, scale=scale)
+    row = 0
+    for b, (cached, new) in enumerate(chunks):
+        keys = seq_kv(stored, tables[b], cached + new, P)[:, 0]
+        for j in list(range(min(new, 3))) + list(range(max(3, new - 3), new)):  # (each chunk's first and last rows)
+            ref = _mla_reference(q[row + j], keys[:cached + j + 1], latent, scale)
+            assert ((out[row + j].double() - ref).norm() / ref.norm()) < tol, (b, j)
+        row += new
+    assert torch.equal(out[row:], torch.full_like(out[row:], 3.0))

@@ -21,7 +21,7 @@ FLOAT32 = ["gemma2", "gemma3", "phi4_mini", "olmo2", "granite", "ministral", "co
            "hunyuan", "starcoder2", "gemma", "llama_head24", "ministral3", "hyperclovax", "olmo", "nanochat", "gemma4",
            "gemma4_values", "gemma4_e2b", "youtu", "minicpm3", "vaultgemma", "jais2", "gpt2", "gpt_bigcode",
            "gpt_bigcode_mha", "gptj", "falcon", "falcon_new", "falcon_seq", "bloom", "mpt", "falcon_rw", "opt", "granite_swa", "stablelm_12b", "gpt_neo"]
-# (deepseek_v2/v3: latent attention, 24-wide heads padded to 32 in the kernels; Gemma 4: global layers' wider heads)
+# (deepseek_v2/v3: latent attention served absorbed, triton_mla's kernels; Gemma 4: global layers' wider heads)
 BF16 = ["mixtral", "qwen3_moe", "olmoe", "ernie4_5_moe", "gpt_oss", "gemma3", "phi4_mini", "deepseek_v2", "deepseek_v3",
         "phimoe", "gemma4_moe", "gemma4", "flex_olmo", "mellum", "cohere2_moe", "cohere2_moe_rms"]
 
@@ -195,10 +195,10 @@ def test_sinks_and_soft_caps_in_the_kernels(kind):
             assert (out[:42].double() - want).abs().max().item() <= tol, (dtype, window)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma4_e2b", "gemma4_values"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_e2b", "gemma4_values", "minicpm3"])
 def test_prefix_hit_and_sampling_on_generic_graphs(family, tmp_path):
     """A repeated prompt restores from the prefix cache with the same tokens; seeded sampling reproduces (Gemma 4:
-    snapshots of its kv layers only, their slots' wider rows)."""
+    snapshots of its kv layers only, their slots' wider rows; MiniCPM3: latent rows and no values)."""
     from flared.execution.offline import drive
 
     model, _ = _model(family, tmp_path, "cuda", torch.float32)

@@ -57,6 +57,8 @@ from flared.model.kv_cache import FP8_KV
 from flared.model.triton_attention import (decode_splits, paged_decode_attention,
                                            paged_decode_attention_rope, paged_decode_attention_split,
                                            paged_prefill_attention_varlen, supports_pdl)
+from flared.model.triton_mla import decode_splits as mla_decode_splits
+from flared.model.triton_mla import mla_decode_attention, mla_prefill_attention_varlen
 
 
 LT_MIN_ROWS = 32  # smallest decode batch calibrate tries on cuBLASLt (16 rows measured 2% slower on the H200)
@@ -144,7 +146,8 @@ class PagedCudaDecoder:
         self.scratch_slot = num_pages * page_tokens
         # (the layers that keep keys and values: all of a Llama's; DecoderModel's kv_index numbers them)
         # (Gemma 4: a slot holds a global layer's wider heads as head_dim-wide rows, kv_storage_heads of them)
-        pool_shape = (len(c.kv_layers), (num_pages + 1) * page_tokens, c.kv_storage_heads, c.head_dim)
+        # (latent attention served absorbed, ModelConfig.latent_kv: one latent row a slot, no value rows)
+        pool_shape = (len(c.kv_layers), (num_pages + 1) * page_tokens, c.kv_storage_heads, c.kv_row_dim)
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         if self.kv_dtype not in (dtype, FP8_KV):
             raise ValueError(f"a KV pool holds {dtype} or {FP8_KV}, not {self.kv_dtype}")
@@ -155,7 +158,8 @@ class PagedCudaDecoder:
             if problem is not None:
                 raise ValueError(problem)
         self.k_pool = torch.zeros(pool_shape, dtype=self.kv_dtype, device=self.device)
-        self.v_pool = torch.zeros(pool_shape, dtype=self.kv_dtype, device=self.device)
+        self.v_pool = torch.zeros((*pool_shape[:2], c.kv_value_rows, c.kv_row_dim), dtype=self.kv_dtype,
+                                  device=self.device)
         self.last_token = torch.zeros(num_state_rows, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(max_batch, c.vocab_size, dtype=torch.float32, device=self.device)
         # The Sampler's bias and penalty tables (kernels.sampling.ShapeTables) the graphs' samplers shape rows
@@ -204,6 +208,7 @@ class PagedCudaDecoder:
         self.part_m = torch.empty(scratch, dtype=torch.float32, device=self.device)
         self.part_l = torch.empty(scratch, dtype=torch.float32, device=self.device)
         widest = max(d for _, d in map(c.layer_geometry, range(c.num_layers)))  # (Gemma 4's global heads)
+        widest = max(widest, c.kv_lora_rank if c.latent_kv else 0)  # (absorbed latent attention's outputs)
         self.part_acc = torch.empty(scratch * widest, dtype=torch.float32, device=self.device)
         # Decode batches up to mega_max_rows run every layer as one persistent kernel (kernels/megakernel.py),
         # where calibrate finds it faster; FLARED_MEGAKERNEL=0 turns it off, =1 uses it wherever it can run.
@@ -409,7 +414,7 @@ class PagedCudaDecoder:
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.k_pool.numel() * self.k_pool.element_size()
+        return (self.k_pool.numel() + self.v_pool.numel()) * self.k_pool.element_size()
 
     # -- forwards (capturable) ---------------------------------------------------------------------
 
@@ -461,9 +466,15 @@ class PagedCudaDecoder:
         ``pdl``: the fused rotary-and-attention kernel as a programmatic dependent launch; ``fused_rope`` False:
         never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
+        latent_splits = mla_decode_splits(batch, self.config.num_heads, self.num_sms, self.max_splits)
 
-        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None, latent=0):
             window = self.window if window is None else window
+            if latent:  # (the absorbed queries over the latent rows: ModelConfig.latent_kv)
+                mla_decode_attention(q, self.k_pool[layer], out, block_tables, context_lens, latent_dim=latent,
+                                     page_tokens=self.page_tokens, scale=self.model.scale, num_splits=latent_splits,
+                                     part_acc=self.part_acc, part_m=self.part_m, part_l=self.part_l)
+                return
             k_pool, v_pool = self._layer_pools(layer, geometry)
             if splits > 1 and sinks is None and alibi is None:  # (the split kernels have neither sinks nor ALiBi:
                 # gpt-oss' and BLOOM's rows run one pass)
@@ -508,7 +519,11 @@ class PagedCudaDecoder:
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
 
-        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None):
+        def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None, latent=0):
+            if latent:
+                mla_prefill_attention_varlen(q, self.k_pool[layer], out, block_tables, meta, latent_dim=latent,
+                                             page_tokens=self.page_tokens, scale=self.model.scale)
+                return
             k_pool, v_pool = self._layer_pools(layer, geometry)
             paged_prefill_attention_varlen(q, k_pool, v_pool, out, block_tables, meta,
                                            page_tokens=self.page_tokens, scale=self.model.scale,
