@@ -38,7 +38,7 @@ FAMILIES = ["llama3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "dee
             "phimoe", "olmo", "nanochat", "llama_head24", "deepseek_v2",
             "youtu", "minicpm3", "vaultgemma", "jais2", "flex_olmo", "mellum", "gpt2", "gpt_bigcode", "gptj", "falcon",
             "falcon_new", "falcon_rw", "bloom", "mpt", "opt", "granite_swa", "stablelm_12b",
-            "cohere2_moe", "cohere2_moe_rms", "gpt_neo"]
+            "cohere2_moe", "cohere2_moe_rms", "gpt_neo", "deepseek_v32", "glm_moe_dsa"]
 NEW, GENERATED = 16, 32
 
 

@@ -86,6 +86,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # DeepSeek V2 (Lite, Coder-V2-Lite) and V3 (R1, Moonlight, Kimi K2): multi-head latent attention and
                   # routed experts (_deepseek_from_hf)
                   "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                  # DeepSeek V3.2: V3 with sparse attention's indexer in every layer
+                  "deepseek_v32": "deepseek2",
+                  # GLM-5: V3.2's layer, its indexer's rope in pairs, some layers reusing an earlier one's choice
+                  "glm_moe_dsa": "deepseek2",
                   # GLM-4.7-Flash: DeepSeek-V3's layer (latent attention, grouped sigmoid routing) under its own name,
                   # its dense MLPs named by mlp_layer_types
                   "glm4_moe_lite": "deepseek2",
@@ -259,7 +263,8 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "router_input_scale", "post_norm_layers", "linear_neg_eigval", "norm_bias", "mlp_bias",
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
                  "embedding_norm", "router_sparsemixer", "clip_qkv", "position_embeddings", "alibi_slopes",
-                 "embedding_layer_norm", "qk_layer_norm_per_head"}
+                 "embedding_layer_norm", "qk_layer_norm_per_head", "index_topk", "index_heads", "index_head_dim",
+                 "index_shared_layers", "index_rope_interleaved"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -492,6 +497,17 @@ class ModelConfig:
     # StableLM 2 12B: each q and k head through a LayerNorm of its own (qk_norm; q_norm [heads, d], k_norm [kv heads,
     # d], no bias) in place of the shared RMSNorm
     qk_layer_norm_per_head: bool = False
+    # DeepSeek V3.2's sparse attention (DSA): in each latent layer an indexer of index_heads heads of index_head_dim
+    # (the first rotary_dim of each turned, halves) scores every visible key from the query bottleneck and its own
+    # LayerNormed key (kept in the latent row's tail, ModelConfig.kv_row_dim), and a query attends only its
+    # index_topk best keys (all of them up to that many). 0: dense attention.
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    # GLM-5: layers with no indexer of their own that reuse the choice of the last earlier layer with one; its
+    # indexer's rope turns interleaved pairs (reordered on reading, as the latent attention's).
+    index_shared_layers: tuple[int, ...] = ()
+    index_rope_interleaved: bool = False
     # OLMo Hybrid: post_norm_layers take OLMo 2's norms (none before the mixer and the MLP, one after each) while the
     # others keep pre_norm's; linear_neg_eigval: the Gated DeltaNet's beta = 2 sigmoid(b) (eigenvalues to -1).
     post_norm_layers: tuple[int, ...] = ()
@@ -510,7 +526,7 @@ class ModelConfig:
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
         for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers",
-                     "chunked_layers", "post_norm_layers"):
+                     "chunked_layers", "post_norm_layers", "index_shared_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "alibi_slopes", tuple(float(x) for x in self.alibi_slopes))
@@ -577,7 +593,7 @@ class ModelConfig:
                             f"(got {self.experts_per_token}) and an expert_intermediate_size (got "
                             f"{self.expert_intermediate_size})")
         for name in ("nope_layers", "dense_layers", "linear_layers", "mixerless_layers", "mlpless_layers",
-                     "chunked_layers", "post_norm_layers"):
+                     "chunked_layers", "post_norm_layers", "index_shared_layers"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or list(value) != sorted(set(value)) or any(
                     not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers for i in value):
@@ -638,6 +654,18 @@ class ModelConfig:
                             "head_dim (v_head_dim), a key/value head per query head and no attention bias")
         if not self.kv_lora_rank and (self.q_lora_rank or self.v_head_dim):
             raise CoreError("q_lora_rank and v_head_dim need kv_lora_rank > 0")
+        for name in ("index_topk", "index_heads", "index_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
+        if (self.index_topk or self.index_heads or self.index_head_dim or self.index_rope_interleaved) and not (
+                self.index_topk and self.index_heads and self.index_head_dim >= self.rope_dim and self.kv_lora_rank
+                and self.q_lora_rank):
+            raise CoreError("sparse attention's indexer (index_topk) needs index_heads, index_head_dim >= the rotated "
+                            "part, and latent attention with a query bottleneck (kv_lora_rank, q_lora_rank)")
+        if self.index_shared_layers and not (self.index_topk and self.index_shared_layers[0] > 0):
+            raise CoreError(f"index_shared_layers {self.index_shared_layers!r} reuse an earlier layer's indexer: "
+                            "after layer 0, with index_topk")
         if not self.num_experts and (self.experts_per_token or self.expert_intermediate_size
                                      or self.shared_expert_intermediate_size or self.expert_bias
                                      or self.router_topk_softmax or self.swiglu_limit is not None):
@@ -771,6 +799,8 @@ class ModelConfig:
             return self.graph_obstacle  # (a recurrent state a row: not in the graphs' inputs)
         if self.chunked_layers or self.nope_temperature_floor:
             return "chunked attention, temperature-tuned queries"
+        if self.index_topk:
+            return "sparse attention's indexer (DeepSeek V3.2, GLM-5)"
         if self.num_experts and dtype != "bfloat16":
             return f"routed experts in {dtype} (the graphs group experts' rows with bf16 grouped products)"
         return None
@@ -801,13 +831,15 @@ class ModelConfig:
         holds each token's normed latent and shared rotated key part, kv_lora_rank + rotary_dim wide, once a layer
         instead of every head's expanded key and value; the queries are taken into the latent through kv_b's key
         rows and each head's output out of it through its value rows. FLARED_MLA_EXPANDED=1 keeps the expanded
-        layout (the earlier one, for comparisons)."""
-        return bool(self.kv_lora_rank) and os.environ.get("FLARED_MLA_EXPANDED") != "1"
+        layout (the earlier one, for comparisons), except for sparse attention (index_topk), whose indexer keys the row
+        holds."""
+        return bool(self.kv_lora_rank) and (bool(self.index_topk) or os.environ.get("FLARED_MLA_EXPANDED") != "1")
 
     @property
     def kv_row_dim(self) -> int:
-        """Width of a row of the KV cache: head_dim, or a latent token's kv_lora_rank + rotary_dim (latent_kv)."""
-        return self.kv_lora_rank + self.rope_dim if self.latent_kv else self.head_dim
+        """Width of a row of the KV cache: head_dim, or a latent token's kv_lora_rank + rotary_dim (latent_kv) and its
+        indexer key (index_head_dim, sparse attention)."""
+        return self.kv_lora_rank + self.rope_dim + self.index_head_dim if self.latent_kv else self.head_dim
 
     @property
     def kv_value_rows(self) -> int:
@@ -899,6 +931,7 @@ class ModelConfig:
         d["mlpless_layers"] = list(d["mlpless_layers"])
         d["chunked_layers"] = list(d["chunked_layers"])
         d["post_norm_layers"] = list(d["post_norm_layers"])
+        d["index_shared_layers"] = list(d["index_shared_layers"])
         return d
 
     @classmethod
@@ -1085,7 +1118,8 @@ def _from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         "gpt_oss": lambda: _gpt_oss_from_hf(hf, source),
         **dict.fromkeys(("exaone4", "exaone_moe"), lambda: _exaone_from_hf(hf, source)),
         **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), lambda: _cohere_from_hf(hf, source, model_type)),
-        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "minicpm3"),
+        **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "youtu",
+                         "minicpm3"),
                         lambda: _deepseek_from_hf(hf, source, model_type)),
         **{t: (lambda: _qwen3_next_from_hf(hf, source, model_type))
            for t, arch in HF_MODEL_TYPES.items() if arch == "qwen3_next"},
@@ -2282,7 +2316,8 @@ def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
     part turning interleaved pairs, reordered on reading; YaRN's mscale_all_dim folded into the query scale, as
     transformers folds it) and routed experts beside a shared one after the first_k_dense_replace dense layers: V2's
     softmax scores (the chosen ones times routed_scaling_factor, never renormalised, as transformers computes them),
-    V3's grouped sigmoid routing. V2's group-limited routing (DeepSeek-V2 236B) is refused by name. Youtu-LLM: V3's
+    V3's grouped sigmoid routing. V2's group-limited routing (DeepSeek-V2 236B) is refused by name. V3.2 and GLM-5:
+    V3's layer with sparse attention's indexer (_sparse_attention). Youtu-LLM: V3's
     attention with a dense MLP on every layer (no experts) and tied embeddings by default. MiniCPM3: V2's attention
     with rope turning halves (not pairs), dense MLPs, values hidden / heads wide unless it says, embeddings times
     scale_emb, each residual branch times scale_depth / sqrt(layers), logits divided by hidden / dim_model_base."""
@@ -2325,7 +2360,28 @@ def _deepseek_from_hf(hf: dict[str, Any], source: str, model_type: str) -> Model
         rope_scaling=scaling, attention_bias=False, qk_norm=False, attention_scale=scale, rotary_dim=rope,
         rope_interleaved=False if minicpm else bool(hf.get("rope_interleave", True)) if v3 else True,
         kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0), v_head_dim=v_dim, **moe,
-        **(_minicpm_scales(hf, sizes) if minicpm else {}))
+        **(_minicpm_scales(hf, sizes) if minicpm else {}),
+        **(_sparse_attention(hf, model_type, sizes["num_layers"]) if model_type in ("deepseek_v32", "glm_moe_dsa")
+           else {}))
+
+
+def _sparse_attention(hf: dict[str, Any], model_type: str, layers: int) -> dict:
+    """DeepSeek V3.2's and GLM-5's indexer sizes (their defaults where the config leaves them out); GLM-5's layers
+    that reuse an earlier layer's choice (indexer_types "shared", or transformers' pattern, frequency and offset)."""
+    glm = model_type == "glm_moe_dsa"
+    kinds = hf.get("indexer_types")
+    if kinds is None and glm:
+        pattern = hf.get("index_topk_pattern")
+        if pattern is not None:
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq, offset = max(int(hf.get("index_topk_freq", 1)), 1), int(hf.get("index_skip_topk_offset", 2))
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if kinds is not None and (len(kinds) != layers or set(kinds) - {"full", "shared"} or kinds[0] != "full"):
+        raise CoreError(f"indexer_types {kinds!r}: one of full or shared a layer, the first full", ErrorKind.SOURCE_FORMAT)
+    return dict(index_topk=int(hf.get("index_topk", 2048)), index_heads=int(hf.get("index_n_heads", 32 if glm else 64)),
+                index_head_dim=int(hf.get("index_head_dim", 128)), index_rope_interleaved=glm,
+                index_shared_layers=tuple(i for i, kind in enumerate(kinds or ()) if kind == "shared"))
 
 
 def _minicpm_scales(hf: dict[str, Any], sizes: dict) -> dict:

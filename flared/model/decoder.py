@@ -263,7 +263,7 @@ class _Layer:
     __slots__ = ("attn_norm", "qkv", "qk_norm", "o", "mlp_norm", "gate_up", "down", "post_attn_norm", "post_mlp_norm",
                  "window", "router", "experts", "shared", "expert_stacks", "expert_biases", "rope", "sinks",
                  "correction_bias", "latent", "linear", "kv_index", "has_mixer", "has_mlp", "linear_o", "geometry",
-                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer", "xielu", "absorb")
+                 "keys_as_values", "scalar", "beside", "kv_source", "per_layer", "xielu", "absorb", "indexer")
 
 
 class DecoderModel:
@@ -314,7 +314,7 @@ class DecoderModel:
             p = f"layers.{i}."
             layer = _Layer()
             layer.attn_norm = norm(p + "attn_norm.weight")  # (None: OLMo 2, no norm before attention or the MLP)
-            layer.latent = layer.linear = layer.absorb = None
+            layer.latent = layer.linear = layer.absorb = layer.indexer = None
             # (Gemma 4's shared-KV layers attend to their source layer's keys and values, keeping none of their own)
             layer.kv_source = config.kv_source(i)
             layer.kv_index = kv_index.get(i if layer.kv_source is None else layer.kv_source, -1)
@@ -384,6 +384,11 @@ class DecoderModel:
                     layer.absorb = (per_head[:, :nope].contiguous(), per_head[:, nope:].transpose(1, 2).contiguous())
                 layer.latent = (*q, _Linear(w(p + "kv_a.weight"), None), norm(p + "kv_a_norm.weight"),
                                 None if config.latent_kv else _Linear(kv_b, None))
+                if config.index_topk and i not in config.index_shared_layers:  # DeepSeek V3.2's indexer: queries,
+                    # key, its LayerNorm, the heads' weights (GLM-5's shared layers reuse an earlier one's choice)
+                    layer.indexer = (_Linear(w(p + "index_q.weight"), None), _Linear(w(p + "index_k.weight"), None),
+                                     (w(p + "index_k_norm.weight"), w(p + "index_k_norm.bias")),
+                                     _Linear(w(p + "index_weights.weight"), None))
                 layer.qkv = None
             else:
                 layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
@@ -1212,35 +1217,81 @@ class DecoderModel:
         q_a, q_a_norm, q_b, kv_a, kv_a_norm, _ = layer.latent
         key_rows, value_rows = layer.absorb  # [nh, d - r, rank], [nh, rank, v]
         rows, nh, d, r, rank = x.shape[0], c.num_heads, c.head_dim, c.rope_dim, c.kv_lora_rank
-        q = (q_b(rms_norm(q_a(x), q_a_norm, c.rms_norm_eps)) if q_a is not None else q_b(x)).view(rows, nh, d)
+        bottleneck = rms_norm(q_a(x), q_a_norm, c.rms_norm_eps) if q_a is not None else None
+        q = (q_b(bottleneck) if q_a is not None else q_b(x)).view(rows, nh, d)
         compressed = kv_a(x)
         latent = rms_norm(compressed[:, :rank].contiguous(), kv_a_norm, c.rms_norm_eps)
         turned = torch.cat([q[..., :r], compressed[:, None, rank:]], dim=1)  # [T, nh + 1, r]: the queries', the key's
         if layer.rope:  # (Kimi Linear's latent layers are unrotated)
             turned = torch.addcmul(turned * cos, turned.roll(r // 2, dims=-1), sin)
         q_latent = torch.bmm(q[..., r:].transpose(0, 1), key_rows).transpose(0, 1)  # [T, nh, rank]
-        k = torch.cat([latent, turned[:, nh]], dim=-1)[:, None]  # [T, 1, rank + r]
+        row = [latent, turned[:, nh]]
+        index = None
+        if layer.indexer is not None:  # (DeepSeek V3.2: the indexer's queries and head weights; its key in the row)
+            index = self._index_queries(layer, x, bottleneck, cos, sin)
+            row.append(index[2])
+        elif c.index_topk:  # (GLM-5's shared layers: the last indexer's choice; no key of their own)
+            index = "shared"
+            row.append(latent.new_zeros(rows, c.index_head_dim))
+        k = torch.cat(row, dim=-1)[:, None]  # [T, 1, rank + r (+ the indexer's key)]
         kv.write(layer.kv_index, batch.write_slot_ids, k, None)
         absorbed = torch.cat([q_latent, turned[:, :nh]], dim=-1)  # [T, nh, rank + r]
         if attend is not None:
             out = attend(absorbed, index, layer.kv_index).view(rows, nh, rank)
             heads = torch.bmm(out.transpose(0, 1), value_rows).transpose(0, 1)  # [T, nh, v]
         else:  # (the expanded form's queries: the rotated part first, as the prefill may expand the keys for them)
-            heads = self._latent_attention(index, layer, batch, kv, absorbed, k, torch.cat([turned[:, :nh], q[..., r:]],
-                                                                                          dim=-1))
+            heads = self._latent_attention(layer, batch, kv, absorbed, k, torch.cat([turned[:, :nh], q[..., r:]], dim=-1),
+                                           index)
         return layer.o(heads.reshape(rows, nh * c.v_head_dim))
 
-    def _latent_attention(self, index: int, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor,
-                          k: torch.Tensor, q_heads: torch.Tensor) -> torch.Tensor:
+    def _index_queries(self, layer: _Layer, x: torch.Tensor, bottleneck: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek V3.2's indexer for the rows x [T, H]: its queries [T, index heads, index dim] from the query
+        bottleneck, each head's weight [T, index heads] (float32, times heads^-0.5 and the score scale), and the rows'
+        own LayerNormed key [T, index dim]; the first rope_dim of the queries and key turned (halves)."""
+        c = self.config
+        project_q, project_k, (norm_weight, norm_bias), head_weights = layer.indexer
+        rows, heads, dim, r = x.shape[0], c.index_heads, c.index_head_dim, c.rope_dim
+        keys = F.layer_norm(project_k(x), (dim,), norm_weight, norm_bias, 1e-6)
+        both = torch.cat([project_q(bottleneck).view(rows, heads, dim), keys[:, None]], dim=1)  # [T, heads + 1, dim]
+        turned = both[..., :r]
+        both = torch.cat([torch.addcmul(turned * cos, turned.roll(r // 2, dims=-1), sin), both[..., r:]], dim=-1)
+        weights = head_weights(x).float() * (heads ** -0.5 * dim ** -0.5)
+        return both[:, :heads], weights, both[:, heads]
+
+    def _index_selection(self, index: tuple, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Sparse attention's choice for the queries of ``index`` (_index_queries' queries [Q, heads, dim] and weights
+        [Q, heads]) among the keys [.., L, dim] they may see (``visible`` [Q, L] bool): each query's index_topk best
+        keys by sum over heads of weight * relu(q . k), as a mask [Q, L] (True: attended); ``visible`` itself where no
+        query sees more than index_topk. Keys [L, dim] are shared by every query; [Q, L, dim] are each query's own."""
+        if keys.shape[-2] <= self.config.index_topk:
+            return visible
+        queries, weights = index[0].float(), index[1]
+        chosen = torch.zeros_like(visible)
+        step = max(1, (1 << 24) // max(1, queries.shape[1] * keys.shape[-2]))  # (rows of [Q, heads, L] a pass)
+        for lo in range(0, queries.shape[0], step):
+            hi = min(lo + step, queries.shape[0])
+            own = keys[lo:hi] if keys.dim() == 3 else keys
+            scores = torch.relu(torch.matmul(queries[lo:hi], own.float().transpose(-1, -2)))  # [q, heads, L]
+            ranked = torch.matmul(weights[lo:hi, None], scores)[:, 0]  # [q, L]
+            ranked = ranked.masked_fill(~visible[lo:hi], float("-inf"))
+            chosen[lo:hi].scatter_(1, ranked.topk(self.config.index_topk, dim=-1).indices, True)
+        return chosen & visible
+
+    def _latent_attention(self, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor,
+                          k: torch.Tensor, q_heads: torch.Tensor, index: tuple | None = None) -> torch.Tensor:
         """The absorbed queries q [T, nh, rank + r] over the latent rows (k [T, 1, rank + r]: this forward's, already
         in the cache) -> each head's output [T, nh, v]: one key row a token for every head, its first rank its value,
         the outputs out of the latent through kv_b's value rows. A prefill chunk whose keys cost less expanded than
         its queries cost absorbed attends expanded instead: each key row through kv_b's key and value rows, the
         expanded queries ``q_heads`` [T, nh, d] (the rotated part first) over them, as the expanded layout does.
+        ``index`` (DeepSeek V3.2: _index_queries' for these rows): each query attends only the keys the indexer picks
+        (_index_selection), the rows' tails holding the indexer's keys.
         (The products take whole rows as values and keep what they need: torch's fused CPU attention wants values as
         wide as the keys, and its other path is 5-12x slower.)"""
         c = self.config
         rank, nh, d, v_dim = c.kv_lora_rank, c.num_heads, c.head_dim, c.v_head_dim
+        width = rank + c.rope_dim  # (the latent and rotated part of a row; the indexer's key after them)
         key_rows, value_rows = layer.absorb
         cached = layer.kv_index
         out = q.new_empty(batch.num_tokens, nh, v_dim) if batch.prefill_groups else None
@@ -1250,21 +1301,37 @@ class DecoderModel:
 
         if batch.decode_row_ids is not None:
             num_decode, max_context = batch.decode_row_ids.shape[0], batch.decode_max_context
-            keys = kv.gather(cached, batch.decode_gather_slot_ids)[0].view(num_decode, max_context, -1)
+            rows = kv.gather(cached, batch.decode_gather_slot_ids)[0].view(num_decode, max_context, -1)
+            keys = rows[..., :width]
             qd = q if out is None else q.index_select(0, batch.decode_row_ids)
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [B, nh, L]
-            scores.masked_fill_(~batch.decode_attn_mask.view(num_decode, 1, max_context), float("-inf"))
+            visible = batch.decode_attn_mask.view(num_decode, max_context)
+            if index == "shared":  # (GLM-5: the choice of the last layer with an indexer)
+                visible = batch.window_masks[("index", "decode")]
+            elif index is not None:
+                own = index if out is None else tuple(x.index_select(0, batch.decode_row_ids) for x in index)
+                visible = batch.window_masks[("index", "decode")] = self._index_selection(own, rows[..., width:],
+                                                                                          visible)
+            scores.masked_fill_(~visible[:, None], float("-inf"))
             o = leave_latent(torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), keys))  # [B, nh, v]
             if out is None:
                 return o  # decode rows are then exactly rows 0..B-1 in order
             out.index_copy_(0, batch.decode_row_ids, o)
-        for g in batch.prefill_groups:
+        for gi, g in enumerate(batch.prefill_groups):
             q_len = g.row_end - g.row_start
             if g.attn_mask is None:  # no cached prefix: the chunk's own rows, as the cache holds them
-                keys = kv.as_stored(k[g.row_start:g.row_end])[:, 0]  # [q_len, rank + r]
+                rows = kv.as_stored(k[g.row_start:g.row_end])[:, 0]  # [q_len, row]
             else:
-                keys = kv.gather(cached, g.gather_slot_ids)[0][0]  # [L, rank + r]
-            length = keys.shape[0]
+                rows = kv.gather(cached, g.gather_slot_ids)[0][0]  # [L, row]
+            keys, length = rows[:, :width], rows.shape[0]
+            mask = g.attn_mask
+            if index == "shared":
+                mask = batch.window_masks[("index", gi)]
+            elif index is not None:  # (the group's queries are the last q_len of its keys' positions)
+                visible = mask if mask is not None else torch.ones(q_len, length, dtype=torch.bool,
+                                                                     device=q.device).tril(length - q_len)
+                mask = batch.window_masks[("index", gi)] = self._index_selection(
+                    tuple(x[g.row_start:g.row_end] for x in index[:2]), rows[:, width:], visible)
             pairs = q_len * (length - q_len / 2)  # (the causal (query, key) pairs)
             if length * rank * (d - c.rope_dim + v_dim) + pairs * 2 * d < pairs * 2 * (rank + c.rope_dim):
                 latents = keys[:, :rank].expand(nh, length, rank)
@@ -1273,12 +1340,11 @@ class DecoderModel:
                 v_heads = torch.bmm(latents, value_rows)  # [nh, L, v], padded to d below (the fused path's)
                 v_heads = torch.cat([v_heads, v_heads.new_zeros(nh, length, d - v_dim)], dim=-1)
                 qg = q_heads[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
-                o = self._prefill_attention(qg, k_heads[None], v_heads[None], g.attn_mask)  # [1, nh, q_len, d]
+                o = self._prefill_attention(qg, k_heads[None], v_heads[None], mask)  # [1, nh, q_len, d]
                 out[g.row_start:g.row_end] = o[0, ..., :v_dim].transpose(0, 1)
             else:
                 qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, rank + r]
-                rows = keys[None, None]  # [1, 1, L, rank + r]
-                o = self._prefill_attention(qg, rows, rows, g.attn_mask)  # [1, nh, q_len, rank + r]
+                o = self._prefill_attention(qg, keys[None, None], keys[None, None], mask)  # [1, nh, q_len, rank + r]
                 out[g.row_start:g.row_end] = leave_latent(o[0].transpose(0, 1))
         return out
 

@@ -114,7 +114,7 @@ def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(_gated_delta_shapes(c, p))
         if i not in mixerless and (i not in linear or c.parallel_mixers):  # (Falcon-H1's attend beside the mixer)
             if c.kv_lora_rank:  # DeepSeek's latent attention in place of the fused q/k/v
-                shapes.update(_latent_attention_shapes(c, p))
+                shapes.update(_latent_attention_shapes(c, p, i))
             else:
                 shapes[p + "qkv.weight"] = (qkv_rows, c.hidden_size)
             if c.attention_bias:
@@ -221,7 +221,7 @@ def _gated_delta_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             p + "linear_norm.weight": (c.linear_value_dim,), p + "o.weight": (c.hidden_size, value)}
 
 
-def _latent_attention_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+def _latent_attention_shapes(c: ModelConfig, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     """A latent-attention layer's projections: q (or q_a, its norm and q_b), kv_a (the latent and the shared rotated
     key part), its norm, kv_b (each head's unrotated key part and value from the latent)."""
     shapes = {p + "kv_a.weight": (c.kv_lora_rank + c.rope_dim, c.hidden_size),
@@ -232,6 +232,12 @@ def _latent_attention_shapes(c: ModelConfig, p: str) -> dict[str, tuple[int, ...
                        p + "q_b.weight": (c.q_size, c.q_lora_rank)})
     else:
         shapes[p + "q.weight"] = (c.q_size, c.hidden_size)
+    if c.index_topk and layer not in c.index_shared_layers:  # DeepSeek V3.2's indexer: its queries from the
+        # bottleneck, its key (LayerNormed), its heads' weights (GLM-5's shared layers: none)
+        shapes.update({p + "index_q.weight": (c.index_heads * c.index_head_dim, c.q_lora_rank),
+                       p + "index_k.weight": (c.index_head_dim, c.hidden_size),
+                       p + "index_k_norm.weight": (c.index_head_dim,), p + "index_k_norm.bias": (c.index_head_dim,),
+                       p + "index_weights.weight": (c.index_heads, c.hidden_size)})
     return shapes
 
 
@@ -662,7 +668,7 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
         elif i in config.linear_layers:
             out.update(_hf_gated_delta(hp + "linear_attn.", sp, config, hf, take))
         elif config.kv_lora_rank:
-            out.update(_hf_latent_attention(attn, sp, config, take))
+            out.update(_hf_latent_attention(attn, sp, config, take, i))
         elif attn + "gate_proj.weight" in hf:  # AFMoE's gate apart: its rows after v's
             out[sp + "qkv.weight"] = torch.cat([*qkv("weight"), take(attn + "gate_proj.weight")])
         elif config.attn_output_gate:  # Qwen3-Next: each head's q rows, then its gate's: the gates' rows after v's
@@ -1058,7 +1064,7 @@ def _hf_gated_delta(la: str, sp: str, config: ModelConfig, hf: dict[str, torch.T
             sp + "linear_norm.weight": take(la + "norm.weight"), sp + "o.weight": take(la + "out_proj.weight")}
 
 
-def _hf_latent_attention(attn: str, sp: str, config: ModelConfig, take) -> dict[str, torch.Tensor]:
+def _hf_latent_attention(attn: str, sp: str, config: ModelConfig, take, layer: int) -> dict[str, torch.Tensor]:
     """DeepSeek's latent attention from its checkpoint: each head's query rows (nope, then the rotated part) reordered
     to the rotated part first (its interleaved pairs to rotate-half), and the shared rotated key rows at kv_a's end
     likewise; kv_b as released (each head's unrotated key part, then its value)."""
@@ -1079,6 +1085,20 @@ def _hf_latent_attention(attn: str, sp: str, config: ModelConfig, take) -> dict[
                     sp + "q_b.weight": queries(take(attn + "q_b_proj.weight"))})
     else:
         out[sp + "q.weight"] = queries(take(attn + "q_proj.weight"))
+    if config.index_topk and layer not in config.index_shared_layers:
+        # (V3.2's indexer rope turns halves already; GLM-5's pairs, reordered here: its queries' first rope_dim of
+        # each head, its key's and the key's LayerNorm's, which the order leaves as it was)
+        ix = attn + "indexer."
+        dim = config.index_head_dim
+        order = torch.arange(dim)
+        if config.index_rope_interleaved:
+            order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, dim)])
+        out.update({sp + "index_q.weight": take(ix + "wq_b.weight").reshape(config.index_heads, dim, -1)[:, order]
+                    .reshape(config.index_heads * dim, -1),
+                    sp + "index_k.weight": take(ix + "wk.weight")[order],
+                    sp + "index_k_norm.weight": take(ix + "k_norm.weight")[order],
+                    sp + "index_k_norm.bias": take(ix + "k_norm.bias")[order],
+                    sp + "index_weights.weight": take(ix + "weights_proj.weight")})
     return out
 
 
@@ -1745,7 +1765,7 @@ def _gguf_latent_attention(gp: str, sp: str, config: ModelConfig, take, raw: dic
              "q_a_proj.weight": "attn_q_a.weight", "q_a_layernorm.weight": "attn_q_a_norm.weight",
              "q_b_proj.weight": "attn_q_b.weight", "q_proj.weight": "attn_q.weight"}
     return _hf_latent_attention("", sp, config, lambda name: kv_b if name == "kv_b_proj.weight"
-                                else take(gp + names[name]))
+                                else take(gp + names[name]), layer=-1)  # (no indexer in these files)
 
 
 def _gguf_nemotron_h(config: ModelConfig, take) -> dict[str, torch.Tensor]:

@@ -218,7 +218,8 @@ def test_prefix_hit_and_sampling_on_generic_graphs(family, tmp_path):
 
 
 @pytest.mark.parametrize("family, why", [("qwen3_5", "Gated DeltaNet"), ("deepseek_v3", "float32"),
-                                         ("llama4", "chunked")])
+                                         ("llama4", "chunked"), ("deepseek_v32", "indexer"),
+                                         ("glm_moe_dsa", "indexer")])
 def test_refused_families_keep_the_eager_executor(family, why, tmp_path):
     model, _ = _model(family, tmp_path, "cuda", torch.float32)
     with pytest.raises(Exception, match=why):

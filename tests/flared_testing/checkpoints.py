@@ -127,6 +127,22 @@ FAMILIES = {
                                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                                         n_group=4, topk_group=2, routed_scaling_factor=2.5, pad_token_id=0,
                                         bos_token_id=1, eos_token_id=2)),
+    # DeepSeek V3.2: V3 with sparse attention's indexer (index_topk small, so that the prompts' queries choose; 16
+    # index heads, so that no two keys tie at a score of 0, every head's relu 0, where top-k's pick is arbitrary)
+    "deepseek_v32": ("deepseek_v32", dict(num_hidden_layers=3, num_key_value_heads=4, qk_nope_head_dim=16,
+                                          qk_rope_head_dim=8, v_head_dim=12, kv_lora_rank=32, q_lora_rank=24,
+                                          n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          n_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse"], n_group=4,
+                                          topk_group=2, routed_scaling_factor=2.5, index_topk=6, index_n_heads=16,
+                                          index_head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # GLM-5: V3.2's layer, its indexer's rope in pairs; the third layer reuses the second's choice
+    "glm_moe_dsa": ("glm_moe_dsa", dict(num_hidden_layers=3, num_key_value_heads=4, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=12, kv_lora_rank=32, q_lora_rank=24,
+                                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                        routed_scaling_factor=2.5, index_topk=6, index_n_heads=16, index_head_dim=16,
+                                        indexer_types=["full", "full", "shared"], pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2)),
     # GLM-4.7-Flash: DeepSeek-V3's layer under its own name, the dense MLPs named by mlp_layer_types
     "glm4_moe_lite": ("glm4_moe_lite", dict(num_hidden_layers=3, num_key_value_heads=4, qk_nope_head_dim=16,
                                             qk_rope_head_dim=8, v_head_dim=12, kv_lora_rank=32, q_lora_rank=24,

@@ -4,6 +4,7 @@ a served core's greedy tokens, and what is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -122,3 +123,56 @@ def test_what_latent_attention_models_refuse(tmp_path):
     with pytest.raises(CoreError, match="group_limited_greedy") as info:
         read_source(hf_dir)
     assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+
+
+def test_v32_keeps_its_indexer_keys_in_the_latent_row(tmp_path, monkeypatch):
+    """DeepSeek V3.2: a cache row holds the latent, the rotated part and the indexer's key (the expanded layout has no
+    room for it, so FLARED_MLA_EXPANDED leaves it absorbed); the graphs refuse the indexer (the eager executor serves
+    it on a GPU); the indexer's choice is what parts its logits from the same weights' dense attention."""
+    from flared.model.decoder import DecoderModel
+
+    from .test_parity_hf import run_paged_greedy
+
+    directory = build_hf_checkpoint("deepseek_v32", tmp_path / "hf")
+    source = read_source(directory)
+    config = source.config
+    assert (config.index_topk, config.index_heads, config.index_head_dim) == (6, 16, 16)
+    assert (config.kv_row_dim, config.kv_storage_heads, config.kv_value_rows) == (32 + 8 + 16, 1, 0)
+    assert "indexer" in config.torch_graphs_obstacle("bfloat16")
+    monkeypatch.setenv("FLARED_MLA_EXPANDED", "1")
+    assert config.latent_kv
+    monkeypatch.delenv("FLARED_MLA_EXPANDED")
+    prompt = [[int(t) for t in torch.randint(3, config.vocab_size, (30,), generator=torch.Generator().manual_seed(1))]]
+    sparse = run_paged_greedy(DecoderModel(config, source.tensors), prompt, num_new_tokens=4, page_tokens=4,
+                              chunk_tokens=8)[0][1]
+    dense_config = dataclasses.replace(config, index_topk=10_000)
+    dense = run_paged_greedy(DecoderModel(dense_config, source.tensors), prompt, num_new_tokens=4, page_tokens=4,
+                             chunk_tokens=8)[0][1]
+    assert (sparse - dense).abs().max().item() > 1e-2
+
+
+def test_a_v32_core_serves_the_same_tokens_from_its_prefix_cache(tmp_path):
+    """Exported and served (the eager executor, the indexer's keys in the latent rows, the prefix snapshots of them):
+    a repeated question comes from the prefix cache with the same greedy tokens."""
+    from flared_testing.daemon import Daemon
+    from flared_testing.served import write_char_tokenizer
+
+    from flared.core.export import ExportOptions, export_core
+
+    directory = build_hf_checkpoint("deepseek_v32", tmp_path / "hf")
+    write_char_tokenizer(directory, 512)
+    export_core(directory, tmp_path / "core", ExportOptions(concurrency=2, context_tokens=256, prefill_chunk_tokens=64))
+    daemon = Daemon(tmp_path / "core", tmp_path)
+    answers = []
+    try:
+        for _ in range(2):
+            status, body = daemon.chat([{"role": "user", "content": "Tell me a story about a fox, a long one."}],
+                                       max_tokens=24, temperature=0, ignore_eos=True, logprobs=True,
+                                       return_tokens_as_token_ids=True)
+            assert status == 200, body
+            answers.append(([t["token"] for t in body["choices"][0]["logprobs"]["content"]],
+                            body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    finally:
+        daemon.kill()
+    (first, _), (second, cached) = answers
+    assert first == second and len(first) == 24 and cached > 0

@@ -32,7 +32,7 @@ GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_
            "falcon_new", "falcon_seq", "minicpm3", "bloom", "mpt", "falcon_rw", "opt", "granite_swa", "stablelm_12b", "cohere2_moe",
            "cohere2_moe_rms", "gpt_neo"]
 # ... and what it refuses (the eager executor serves those on a GPU)
-REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked"}
+REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked", "deepseek_v32": "indexer", "glm_moe_dsa": "indexer"}
 
 
 def _oracle(k_pool, v_pool, slots_of, positions, scale):
