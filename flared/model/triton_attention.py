@@ -256,6 +256,28 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
 
 
 @triton.jit
+def chunk_block(ChunkMeta, num_seqs, pid, SEQS_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query block ``pid`` of the packed chunks that ChunkMeta [B, 2] (cached, new) describes: (its sequence, that
+    sequence's cached and new tokens, its first row, the block's index within the sequence). Sequence s owns blocks
+    [sum_{j<s} cdiv(new_j, BLOCK_M), sum_{j<=s} ...) and rows [sum_{j<s} new_j, sum_{j<=s} new_j); a block past the
+    last finds no sequence and every field but the first is then 0."""
+    offs_s = tl.arange(0, SEQS_PAD)
+    s_mask = offs_s < num_seqs
+    cached_all = tl.load(ChunkMeta + offs_s * 2, mask=s_mask, other=0)
+    new_all = tl.load(ChunkMeta + offs_s * 2 + 1, mask=s_mask, other=0)
+    blocks_all = (new_all + BLOCK_M - 1) // BLOCK_M
+    blocks_end = tl.cumsum(blocks_all, 0)
+    rows_end = tl.cumsum(new_all, 0)
+    seq = tl.sum((blocks_end <= pid).to(tl.int32), 0)
+    sel = offs_s == seq  # all false past the last sequence: every field below is then 0
+    num_cached = tl.sum(tl.where(sel, cached_all, 0), 0)
+    num_new = tl.sum(tl.where(sel, new_all, 0), 0)
+    row_start = tl.sum(tl.where(sel, rows_end - new_all, 0), 0)
+    block = pid - tl.sum(tl.where(sel, blocks_end - blocks_all, 0), 0)
+    return seq, num_cached, num_new, row_start, block
+
+
+@triton.jit
 def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
                     stride_q_row, stride_q_head, stride_kv_slot, stride_kv_head, stride_o_row, stride_o_head,
                     stride_bt_row, scale, num_seqs,
@@ -281,19 +303,7 @@ def _prefill_kernel(Q, K, V, Out, BlockTables, ChunkMeta, Sinks,
     if HEAVY_FIRST:
         pid = num_blocks - 1 - pid
     kv_head = head // GROUP
-    offs_s = tl.arange(0, SEQS_PAD)
-    s_mask = offs_s < num_seqs
-    cached_all = tl.load(ChunkMeta + offs_s * 2, mask=s_mask, other=0)
-    new_all = tl.load(ChunkMeta + offs_s * 2 + 1, mask=s_mask, other=0)
-    blocks_all = (new_all + BLOCK_M - 1) // BLOCK_M
-    blocks_end = tl.cumsum(blocks_all, 0)
-    rows_end = tl.cumsum(new_all, 0)
-    seq = tl.sum((blocks_end <= pid).to(tl.int32), 0)
-    sel = offs_s == seq  # all false past the last sequence: every field below is then 0
-    num_cached = tl.sum(tl.where(sel, cached_all, 0), 0)
-    num_new = tl.sum(tl.where(sel, new_all, 0), 0)
-    row_start = tl.sum(tl.where(sel, rows_end - new_all, 0), 0)
-    block = pid - tl.sum(tl.where(sel, blocks_end - blocks_all, 0), 0)
+    seq, num_cached, num_new, row_start, block = chunk_block(ChunkMeta, num_seqs, pid, SEQS_PAD, BLOCK_M)
     block_table = BlockTables + seq * stride_bt_row
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)

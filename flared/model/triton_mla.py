@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flared.model.triton_attention import _check_split_scratch, _combine_splits, _dot, _lanes, _query_for
+from flared.model.triton_attention import _check_split_scratch, _combine_splits, _dot, _lanes, _query_for, chunk_block
 
 
 @triton.jit
@@ -136,19 +136,7 @@ def _mla_prefill_kernel(Q, K, Out, BlockTables, ChunkMeta, stride_q_row, stride_
     # Program p of axis 1 is the p-th query block of the packed chunks (walked from the last, so the longest start
     # first), as in triton_attention._prefill_kernel; axis 0 the head blocks.
     pid = tl.num_programs(1) - 1 - tl.program_id(1)
-    offs_s = tl.arange(0, SEQS_PAD)
-    s_mask = offs_s < num_seqs
-    cached_all = tl.load(ChunkMeta + offs_s * 2, mask=s_mask, other=0)
-    new_all = tl.load(ChunkMeta + offs_s * 2 + 1, mask=s_mask, other=0)
-    blocks_all = (new_all + BLOCK_M - 1) // BLOCK_M
-    blocks_end = tl.cumsum(blocks_all, 0)
-    rows_end = tl.cumsum(new_all, 0)
-    seq = tl.sum((blocks_end <= pid).to(tl.int32), 0)
-    sel = offs_s == seq  # all false past the last sequence: every field below is then 0
-    num_cached = tl.sum(tl.where(sel, cached_all, 0), 0)
-    num_new = tl.sum(tl.where(sel, new_all, 0), 0)
-    row_start = tl.sum(tl.where(sel, rows_end - new_all, 0), 0)
-    block = pid - tl.sum(tl.where(sel, blocks_end - blocks_all, 0), 0)
+    seq, num_cached, num_new, row_start, block = chunk_block(ChunkMeta, num_seqs, pid, SEQS_PAD, BLOCK_M)
     # Rows of the tile: BLOCK_M tokens times BLOCK_H heads, token-major.
     offs = tl.arange(0, BLOCK_M * BLOCK_H)
     offs_m = block * BLOCK_M + offs // BLOCK_H
