@@ -112,6 +112,15 @@ def _with_sinks(m_i, l_i, acc, sink):
 
 
 @triton.jit
+def rescale(m_i, m_new, s, EXP2: tl.constexpr):
+    """An online softmax's step to the running max ``m_new`` from ``m_i``: (the factor the sums so far take, the new
+    scores' exponentials [R, N]), exp2 where the scores are in log2 units (EXP2), else exp."""
+    if EXP2:
+        return tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])
+    return tl.exp(m_i - m_new), tl.exp(s - m_new[:, None])
+
+
+@triton.jit
 def _lanes(rows_ok, offs_d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """``rows_ok`` [R] as the mask of an [R, HEAD_PAD] tile: the lanes past HEAD_DIM masked too where a head is
     padded to a power of two; a power-of-two head's mask the rows' alone (``& true`` folds away)."""
@@ -237,12 +246,7 @@ def _prefill_tiles(q, K, V, block_table, m_i, l_i, acc, begin, end, q_pos, key_e
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_safe = m_new
-        if EXP2:
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-        else:
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+        alpha, p = rescale(m_i, m_safe, s, EXP2)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(V + kv_off, mask=_lanes(valid, offs_d, HEAD_DIM, HEAD_PAD), other=0.0).to(q.dtype)

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flared.model.triton_attention import _check_split_scratch, _combine_splits, _dot, _lanes, _query_for, chunk_block
+from flared.model.triton_attention import (_check_split_scratch, _combine_splits, _dot, _lanes, _query_for,
+                                           chunk_block, rescale)
 
 
 @triton.jit
@@ -50,12 +51,7 @@ def _mla_tiles(q_lat, q_rope, K, block_table, m_i, l_i, acc, begin, end, q_pos, 
         s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (a row that sees nothing yet keeps exp() finite)
-        if EXP2:
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-        else:
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+        alpha, p = rescale(m_i, m_safe, s, EXP2)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent, IEEE)
         m_i = m_new
