@@ -45,7 +45,7 @@ def run_layout(hf, expanded: bool, runs: list[tuple[int, int]], new_tokens: int)
         model = serving(hf, torch.bfloat16)
         c = model.config
         assert c.latent_kv != expanded
-        result = {"kv_bytes_per_token": len(c.kv_layers) * (c.kv_storage_heads + c.kv_value_rows) * c.kv_row_dim * 2}
+        result = {"kv_bytes_per_token": c.kv_values_per_token * 2}
         for streams, prompt_len in runs:
             ps = prompts(c.vocab_size, streams, prompt_len)
             num_pages = streams * CONTEXT_TOKENS // PAGE_TOKENS
@@ -97,8 +97,7 @@ def cpu_main(args, runs: list[tuple[int, int]]) -> int:
         try:
             runners[layout] = ModelRunner(config, tensors, dtype=torch.bfloat16, num_pages=pages, page_tokens=64,
                                           max_batch=most, prefill_chunk_tokens=2048)
-            kv_bytes[layout] = (len(config.kv_layers) * (config.kv_storage_heads + config.kv_value_rows)
-                                * config.kv_row_dim * 2)
+            kv_bytes[layout] = config.kv_values_per_token * 2
         finally:
             os.environ.pop("FLARED_MLA_EXPANDED", None)
     out = {"device": "cpu", "threads": torch.get_num_threads(), "layers": args.layers, "kv_bytes_per_token": kv_bytes}

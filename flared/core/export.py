@@ -214,8 +214,7 @@ def _capacities(config, options: ExportOptions) -> Capacities:
     page = options.page_tokens
     # Bytes of K and V for one page across the layers that keep them (not Gated DeltaNet's), at the serving dtype.
     elem_bytes = 4 if options.dtype == "float32" else 2
-    page_bytes = (len(config.kv_layers) * (config.kv_storage_heads + config.kv_value_rows) * config.kv_row_dim * page
-                  * elem_bytes)
+    page_bytes = config.kv_values_per_token * page * elem_bytes
     pages_per_request = math.ceil(context / page)
     # (a model with no attention at all keeps no keys or values: its pages only count tokens)
     budget_pages = (options.kv_cache_mib << 20) // page_bytes if page_bytes else options.concurrency * pages_per_request

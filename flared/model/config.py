@@ -357,8 +357,9 @@ class ModelConfig:
     parallel_block: bool = False
     # DeepSeek's multi-head latent attention (kv_lora_rank > 0): queries from the hidden state (or through a
     # q_lora_rank-wide normed bottleneck), keys and values from a kv_lora_rank-wide normed latent, each head's key
-    # sharing one rotated part (the first rotary_dim of head_dim, as the loader orders them); values v_head_dim wide
-    # (the cache holds them padded to head_dim). The serving layout's q/q_a/q_b, kv_a and kv_b replace qkv.
+    # sharing one rotated part (the first rotary_dim of head_dim, as the loader orders them); values v_head_dim wide.
+    # The cache holds each token's latent row (latent_kv) or, expanded, a key and a value padded to head_dim a head.
+    # The serving layout's q/q_a/q_b, kv_a and kv_b replace qkv.
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     v_head_dim: int = 0
@@ -644,7 +645,7 @@ class ModelConfig:
                 or bool(scale) != bool(self.query_position_floor):
             raise CoreError(f"query_position_scale (got {scale!r}) and query_position_floor (got "
                             f"{self.query_position_floor!r}) go together, the scale a number >= 0")
-        for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
+        for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim", "index_topk", "index_heads", "index_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
@@ -654,10 +655,6 @@ class ModelConfig:
                             "head_dim (v_head_dim), a key/value head per query head and no attention bias")
         if not self.kv_lora_rank and (self.q_lora_rank or self.v_head_dim):
             raise CoreError("q_lora_rank and v_head_dim need kv_lora_rank > 0")
-        for name in ("index_topk", "index_heads", "index_head_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CoreError(f"model config {name} must be an integer >= 0, got {value!r}")
         if (self.index_topk or self.index_heads or self.index_head_dim or self.index_rope_interleaved) and not (
                 self.index_topk and self.index_heads and self.index_head_dim >= self.rope_dim and self.kv_lora_rank
                 and self.q_lora_rank):
@@ -846,6 +843,12 @@ class ModelConfig:
         """Rows of the value pool a slot holds: kv_storage_heads, or none where the values are the keys' latent part
         (latent_kv: the attention reads them from the key pool)."""
         return 0 if self.latent_kv else self.kv_storage_heads
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values a token of context holds in the KV cache across the layers that keep keys and values (its key and
+        value rows; a latent row alone under latent_kv)."""
+        return len(self.kv_layers) * (self.kv_storage_heads + self.kv_value_rows) * self.kv_row_dim
 
     @property
     def kv_storage_heads(self) -> int:

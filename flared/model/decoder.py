@@ -84,6 +84,11 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tens
     return torch.softmax(combined, dim=-1)[..., :-1]
 
 
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope on x [..., r] (each row's halves turned: x cos + rotate_half(x) sin, ``sin`` signed as rope_sin_signed)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
 def _soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap): Gemma 2's squashing of attention scores and logits into (-cap, cap)."""
     return torch.tanh(x / cap) * cap
@@ -890,10 +895,10 @@ class DecoderModel:
             elif layer.qk_norm is not None:
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
             if layer.rope and layer_cos.shape[-1] == d:  # (SmolLM3's NoPE layers attend unrotated)
-                qk = torch.addcmul(qk * layer_cos, qk.roll(d // 2, dims=-1), layer_sin)
+                qk = _turn(qk, layer_cos, layer_sin)
             elif layer.rope:  # Phi-4-mini's partial rotary: the first rope_dim columns of each head turn
                 turned = qk[..., :rope_dim]
-                qk = torch.cat((torch.addcmul(turned * layer_cos, turned.roll(rope_dim // 2, dims=-1), layer_sin),
+                qk = torch.cat((_turn(turned, layer_cos, layer_sin),
                                 qk[..., rope_dim:]), dim=-1)
             if c.qk_norm_after_rope:  # Hunyuan: each rotated q and k head normed
                 qk = rms_norm(qk, None, eps) * layer.qk_norm
@@ -1218,20 +1223,20 @@ class DecoderModel:
         key_rows, value_rows = layer.absorb  # [nh, d - r, rank], [nh, rank, v]
         rows, nh, d, r, rank = x.shape[0], c.num_heads, c.head_dim, c.rope_dim, c.kv_lora_rank
         bottleneck = rms_norm(q_a(x), q_a_norm, c.rms_norm_eps) if q_a is not None else None
-        q = (q_b(bottleneck) if q_a is not None else q_b(x)).view(rows, nh, d)
+        q = q_b(x if bottleneck is None else bottleneck).view(rows, nh, d)
         compressed = kv_a(x)
         latent = rms_norm(compressed[:, :rank].contiguous(), kv_a_norm, c.rms_norm_eps)
         turned = torch.cat([q[..., :r], compressed[:, None, rank:]], dim=1)  # [T, nh + 1, r]: the queries', the key's
         if layer.rope:  # (Kimi Linear's latent layers are unrotated)
-            turned = torch.addcmul(turned * cos, turned.roll(r // 2, dims=-1), sin)
+            turned = _turn(turned, cos, sin)
         q_latent = torch.bmm(q[..., r:].transpose(0, 1), key_rows).transpose(0, 1)  # [T, nh, rank]
         row = [latent, turned[:, nh]]
-        index = None
+        sparse = None
         if layer.indexer is not None:  # (DeepSeek V3.2: the indexer's queries and head weights; its key in the row)
-            index = self._index_queries(layer, x, bottleneck, cos, sin)
-            row.append(index[2])
+            *sparse, index_keys = self._index_queries(layer, x, bottleneck, cos, sin)
+            row.append(index_keys)
         elif c.index_topk:  # (GLM-5's shared layers: the last indexer's choice; no key of their own)
-            index = "shared"
+            sparse = "shared"
             row.append(latent.new_zeros(rows, c.index_head_dim))
         k = torch.cat(row, dim=-1)[:, None]  # [T, 1, rank + r (+ the indexer's key)]
         kv.write(layer.kv_index, batch.write_slot_ids, k, None)
@@ -1241,7 +1246,7 @@ class DecoderModel:
             heads = torch.bmm(out.transpose(0, 1), value_rows).transpose(0, 1)  # [T, nh, v]
         else:  # (the expanded form's queries: the rotated part first, as the prefill may expand the keys for them)
             heads = self._latent_attention(layer, batch, kv, absorbed, k, torch.cat([turned[:, :nh], q[..., r:]], dim=-1),
-                                           index)
+                                           sparse)
         return layer.o(heads.reshape(rows, nh * c.v_head_dim))
 
     def _index_queries(self, layer: _Layer, x: torch.Tensor, bottleneck: torch.Tensor, cos: torch.Tensor,
@@ -1254,19 +1259,18 @@ class DecoderModel:
         rows, heads, dim, r = x.shape[0], c.index_heads, c.index_head_dim, c.rope_dim
         keys = F.layer_norm(project_k(x), (dim,), norm_weight, norm_bias, 1e-6)
         both = torch.cat([project_q(bottleneck).view(rows, heads, dim), keys[:, None]], dim=1)  # [T, heads + 1, dim]
-        turned = both[..., :r]
-        both = torch.cat([torch.addcmul(turned * cos, turned.roll(r // 2, dims=-1), sin), both[..., r:]], dim=-1)
+        both = torch.cat([_turn(both[..., :r], cos, sin), both[..., r:]], dim=-1)
         weights = head_weights(x).float() * (heads ** -0.5 * dim ** -0.5)
         return both[:, :heads], weights, both[:, heads]
 
-    def _index_selection(self, index: tuple, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Sparse attention's choice for the queries of ``index`` (_index_queries' queries [Q, heads, dim] and weights
+    def _index_selection(self, sparse: list, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Sparse attention's choice for the queries of ``sparse`` (_index_queries' queries [Q, heads, dim] and weights
         [Q, heads]) among the keys [.., L, dim] they may see (``visible`` [Q, L] bool): each query's index_topk best
         keys by sum over heads of weight * relu(q . k), as a mask [Q, L] (True: attended); ``visible`` itself where no
         query sees more than index_topk. Keys [L, dim] are shared by every query; [Q, L, dim] are each query's own."""
         if keys.shape[-2] <= self.config.index_topk:
             return visible
-        queries, weights = index[0].float(), index[1]
+        queries, weights = sparse[0].float(), sparse[1]
         chosen = torch.zeros_like(visible)
         step = max(1, (1 << 24) // max(1, queries.shape[1] * keys.shape[-2]))  # (rows of [Q, heads, L] a pass)
         for lo in range(0, queries.shape[0], step):
@@ -1279,14 +1283,15 @@ class DecoderModel:
         return chosen & visible
 
     def _latent_attention(self, layer: _Layer, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor,
-                          k: torch.Tensor, q_heads: torch.Tensor, index: tuple | None = None) -> torch.Tensor:
+                          k: torch.Tensor, q_heads: torch.Tensor, sparse: list | str | None = None) -> torch.Tensor:
         """The absorbed queries q [T, nh, rank + r] over the latent rows (k [T, 1, rank + r]: this forward's, already
         in the cache) -> each head's output [T, nh, v]: one key row a token for every head, its first rank its value,
         the outputs out of the latent through kv_b's value rows. A prefill chunk whose keys cost less expanded than
         its queries cost absorbed attends expanded instead: each key row through kv_b's key and value rows, the
         expanded queries ``q_heads`` [T, nh, d] (the rotated part first) over them, as the expanded layout does.
-        ``index`` (DeepSeek V3.2: _index_queries' for these rows): each query attends only the keys the indexer picks
-        (_index_selection), the rows' tails holding the indexer's keys.
+        ``sparse`` (DeepSeek V3.2: _index_queries' queries and weights for these rows; "shared": GLM-5's reuse of the
+        last indexer's choice): each query attends only the keys the indexer picks (_index_selection), the rows' tails
+        holding the indexer's keys.
         (The products take whole rows as values and keep what they need: torch's fused CPU attention wants values as
         wide as the keys, and its other path is 5-12x slower.)"""
         c = self.config
@@ -1306,10 +1311,10 @@ class DecoderModel:
             qd = q if out is None else q.index_select(0, batch.decode_row_ids)
             scores = torch.bmm(qd, keys.transpose(1, 2)).float() * self.scale  # [B, nh, L]
             visible = batch.decode_attn_mask.view(num_decode, max_context)
-            if index == "shared":  # (GLM-5: the choice of the last layer with an indexer)
+            if sparse == "shared":  # (GLM-5: the choice of the last layer with an indexer)
                 visible = batch.window_masks[("index", "decode")]
-            elif index is not None:
-                own = index if out is None else tuple(x.index_select(0, batch.decode_row_ids) for x in index)
+            elif sparse is not None:
+                own = sparse if out is None else [x.index_select(0, batch.decode_row_ids) for x in sparse]
                 visible = batch.window_masks[("index", "decode")] = self._index_selection(own, rows[..., width:],
                                                                                           visible)
             scores.masked_fill_(~visible[:, None], float("-inf"))
@@ -1325,13 +1330,13 @@ class DecoderModel:
                 rows = kv.gather(cached, g.gather_slot_ids)[0][0]  # [L, row]
             keys, length = rows[:, :width], rows.shape[0]
             mask = g.attn_mask
-            if index == "shared":
+            if sparse == "shared":
                 mask = batch.window_masks[("index", gi)]
-            elif index is not None:  # (the group's queries are the last q_len of its keys' positions)
+            elif sparse is not None:  # (the group's queries are the last q_len of its keys' positions)
                 visible = mask if mask is not None else torch.ones(q_len, length, dtype=torch.bool,
                                                                      device=q.device).tril(length - q_len)
                 mask = batch.window_masks[("index", gi)] = self._index_selection(
-                    tuple(x[g.row_start:g.row_end] for x in index[:2]), rows[:, width:], visible)
+                    [x[g.row_start:g.row_end] for x in sparse], rows[:, width:], visible)
             pairs = q_len * (length - q_len / 2)  # (the causal (query, key) pairs)
             if length * rank * (d - c.rope_dim + v_dim) + pairs * 2 * d < pairs * 2 * (rank + c.rope_dim):
                 latents = keys[:, :rank].expand(nh, length, rank)

@@ -466,7 +466,8 @@ class PagedCudaDecoder:
         ``pdl``: the fused rotary-and-attention kernel as a programmatic dependent launch; ``fused_rope`` False:
         never that kernel (each row there writes its K/V as it attends, so no row may read another's)."""
         splits = decode_splits(batch, self.config.num_kv_heads, self.num_sms, self.max_splits)
-        latent_splits = mla_decode_splits(batch, self.config.num_heads, self.num_sms, self.max_splits)
+        latent_splits = (mla_decode_splits(batch, self.config.num_heads, self.num_sms, self.max_splits)
+                         if self.config.latent_kv else 1)
 
         def attend(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None, latent=0):
             window = self.window if window is None else window
