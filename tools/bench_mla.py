@@ -8,7 +8,8 @@ graphs, in one run.
 GPU: random bf16 weights of the shape (tools/bench_generic_graphs.py's SHAPES); a run "NxP" is N streams of P-token
 prompts, each generating --new-tokens greedy tokens (no end token); output tok/s over the whole run, prefill
 included. "KV B/token" is what one token of context holds in the cache across the model's layers; "same" the streams
-whose tokens both layouts agree on from first to last (bf16: near-ties may part them).
+whose tokens both layouts agree on from first to last (bf16: near-ties may part them), "agree" the mean count of
+leading tokens they share.
 
 CPU: DeepSeek-V2-Lite's attention (16 heads, a 512-wide latent, 64-wide rope, 128-wide nope and values) in --layers
 dense layers of a small MLP, random bf16 weights, through ModelRunner; each run's decode tok/s over the decode phase
@@ -29,6 +30,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two streams share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def run_layout(hf, expanded: bool, runs: list[tuple[int, int]], new_tokens: int) -> dict:
@@ -154,14 +165,16 @@ def main(argv=None) -> int:
           f"{absorbed['kv_bytes_per_token']:,}, expanded {expanded['kv_bytes_per_token']:,} "
           f"({expanded['kv_bytes_per_token'] / absorbed['kv_bytes_per_token']:.1f}x)")
     print(f"{'streams x prompt':>17} {'absorbed tok/s':>15} {'expanded tok/s':>15} {'ratio':>6} {'pool GiB a/e':>14} "
-          f"{'same':>6}")
+          f"{'same':>6} {'agree':>6}")
     for streams, prompt_len in runs:
         key = f"{streams}x{prompt_len}"
         (a_tokens, a), (e_tokens, e) = absorbed[key], expanded[key]
         same = sum(x == y for x, y in zip(a_tokens, e_tokens))
+        agree = sum(_common_prefix(x, y) for x, y in zip(a_tokens, e_tokens)) / streams
         pools = (absorbed[key + "_pool_gib"], expanded[key + "_pool_gib"])
-        out[key] = {"absorbed": a, "expanded": e, "ratio": a / e, "same": same, "pool_gib": pools}
-        print(f"{key:>17} {a:>15.1f} {e:>15.1f} {a / e:>5.2f}x {pools[0]:>6.2f}/{pools[1]:<7.2f} {same:>3}/{streams}")
+        out[key] = {"absorbed": a, "expanded": e, "ratio": a / e, "same": same, "agree": agree, "pool_gib": pools}
+        print(f"{key:>17} {a:>15.1f} {e:>15.1f} {a / e:>5.2f}x {pools[0]:>6.2f}/{pools[1]:<7.2f} {same:>3}/{streams} "
+              f"{agree:>6.1f}")
     if args.json:
         print(json.dumps(out))
     return 0

@@ -40,6 +40,9 @@ FAMILIES = ["llama3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_oss", "dee
             "falcon_new", "falcon_rw", "bloom", "mpt", "opt", "granite_swa", "stablelm_12b",
             "cohere2_moe", "cohere2_moe_rms", "gpt_neo", "deepseek_v32", "glm_moe_dsa"]
 NEW, GENERATED = 16, 32
+# Families whose transformers generate() is no reference: DeepSeek V3.2's cached decoding in transformers parts from
+# its own full forward at the indexer's top-k boundary (tests/model/test_parity_hf.py skips it for the same reason).
+GENERATE_UNCOMPARABLE = {"deepseek_v32"}
 
 
 def prepare(out: Path, families: list[str]) -> None:
@@ -101,7 +104,9 @@ def check(out: Path, families: list[str], as_json: bool, device: str = "cuda") -
             results = runner.generate(ref["prompts"], [SamplingParams(temperature=0, max_tokens=GENERATED)]
                                       * len(ref["prompts"]))
             generated_same = [r.token_ids for r in results] == ref["generated"]
-            ok = worst < 1e-4 and teacher_same and generated_same
+            if family in GENERATE_UNCOMPARABLE:
+                generated_same = None  # (held to the full forward's logits above instead)
+            ok = worst < 1e-4 and teacher_same and generated_same is not False
             row = dict(family=family, max_logit_diff=worst, chunked_tokens_match=teacher_same,
                        runner_tokens_match=generated_same, ok=ok, seconds=round(time.perf_counter() - start, 1))
         except Exception as exc:  # one family's failure must not hide the others'
@@ -116,7 +121,8 @@ def check(out: Path, families: list[str], as_json: bool, device: str = "cuda") -
             print(f"{row['family']:<16} error: {row['error']}")
         else:
             print(f"{row['family']:<16} {row['max_logit_diff']:>17.2e} {str(row['chunked_tokens_match']):>8} "
-                  f"{str(row['runner_tokens_match']):>7} {str(row['ok']):>4}")
+                  f"{'n/a' if row['runner_tokens_match'] is None else str(row['runner_tokens_match']):>7} "
+                  f"{str(row['ok']):>4}")
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(f"{len(rows) - failed}/{len(rows)} families match transformers on {name}")
     if as_json:

@@ -171,6 +171,12 @@ def _check(q: torch.Tensor, k_pool: torch.Tensor, out: torch.Tensor, latent_dim:
         raise ValueError(f"a latent pool is [slots, 1, {q.shape[2]}] with unit stride rows, got {tuple(k_pool.shape)}")
     if out.shape != (q.shape[0], q.shape[1], latent_dim) or q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError(f"out must be [{q.shape[0]}, {q.shape[1]}, {latent_dim}] beside q {tuple(q.shape)}")
+    # Triton takes each pool row's start as 16-byte aligned (it vectorises the row's loads up to 16 bytes; a float8
+    # row of 56 values faulted on an H100 with a misaligned address). Every released latent row (576, 288, 704
+    # values) is; a pool of other widths is refused here rather than faulting in a graph.
+    if k_pool.stride(0) * k_pool.element_size() % 16:
+        raise ValueError(f"a latent pool's rows must be a multiple of 16 bytes: {k_pool.stride(0)} values of "
+                         f"{k_pool.dtype} are {k_pool.stride(0) * k_pool.element_size()}")
 
 
 def mla_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,

@@ -153,3 +153,17 @@ def test_the_kernels_compile_for_hopper_at_deepseeks_widths(dtype):
         kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps, num_stages=2))
         assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+
+def test_rows_that_are_not_16_byte_multiples_are_refused():
+    """Triton vectorises a pool row's loads as if each row began 16-byte aligned: a float8 row of 56 values faulted on
+    an H100 (misaligned address). Such a pool is refused before any launch; rows of 64 float8 values pass the check."""
+    from flared.model.kv_cache import FP8_KV
+    from flared.model.triton_mla import _check
+
+    q = torch.zeros(2, 4, 56)
+    out = torch.zeros(2, 4, 48)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        _check(q, torch.zeros(32, 1, 56).to(FP8_KV), out, 48)
+    _check(q, torch.zeros(32, 1, 56), out, 48)  # (float32: 224 bytes a row)
+    _check(torch.zeros(2, 4, 64), torch.zeros(32, 1, 64).to(FP8_KV), torch.zeros(2, 4, 48), 48)
