@@ -4,9 +4,9 @@
 ``decode_layers(...)`` runs every layer for ``rows`` decode rows (one new token each) over the paged KV
 cache: the hidden states ``h`` [rows, hidden] are updated in place, each row's new K/V is written to its
 slot, and the caller then applies the final norm and the LM head. Raw data pointers
-(``tensor.data_ptr()``); ``layer_ptrs`` is the address of an int64 [num_layers, 9] table of weight
+(``tensor.data_ptr()``); ``layer_ptrs`` is the address of an int64 [num_layers, PTRS] table of weight
 addresses (see decode_kernel.h for its columns; the four matrices packed by
-``flared.model.decoder.pack_bf16``).
+``flared.model.decoder.pack_bf16``, or int8 by ``flared.model.quant.pack_q8_0`` with their scales' addresses).
 
 Rules:
 - The caller checks ``SUPPORTED`` and owns every check on the tensors: bfloat16 throughout (int64 index
@@ -17,10 +17,13 @@ Rules:
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uintptr_t
 
-from flared._fast.linear import amx_min_rows
+from flared._fast.linear import amx_min_rows, q8_amx_min_rows, q8_vnni
+
+cdef int64_t _serial = 0
 
 cdef extern from "decode_kernel.h" nogil:
     int FL_DEC_MAX_ROWS
+    int FL_DEC_PTRS
     int FL_ATTN_MAX_GROUP
     int FL_ATTN_MAX_DIM
     int FL_LORA_MAX_RANK
@@ -50,11 +53,15 @@ cdef extern from "decode_kernel.h" nogil:
         int lora_rank
         int shared_sequences
         int amx
+        int q8_path
+        int64_t serial
+        int *failed
     int fl_decode_supported()
     void fl_decode_layers(const fl_decode_args_t *a)
 
 SUPPORTED = bool(fl_decode_supported())
 MAX_ROWS = FL_DEC_MAX_ROWS
+PTRS = FL_DEC_PTRS  # columns of layer_ptrs: the 9 addresses of decode_kernel.h, then 4 Q8_0 scales (0: bf16)
 LORA_MAX_RANK = FL_LORA_MAX_RANK  # the most low-rank columns (all of one product's stacked A) an adapter may have
 
 
@@ -125,5 +132,15 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     a.shared_sequences = shared_sequences
     fewest = amx_min_rows()  # (the AMX tiles where linear.pyx's products take them: the same results)
     a.amx = 1 if fewest and rows >= fewest else 0
+    # Q8_0 products as linear.q8_linear runs them for this many rows (the per-op path's results, bit for bit)
+    q8_fewest = q8_amx_min_rows()
+    a.q8_path = 1 if q8_fewest and rows >= q8_fewest else 0 if q8_vnni() else 2
+    global _serial
+    _serial += 1
+    a.serial = _serial
+    cdef int failed = 0
+    a.failed = &failed
     with nogil:
         fl_decode_layers(&a)
+    if failed:
+        raise MemoryError("decode_layers: no memory for a Q8_0 product's scratch")

@@ -22,7 +22,8 @@ Rules:
 import os
 
 from cython.parallel cimport prange
-from libc.stdint cimport int64_t, uint16_t, uint32_t, uintptr_t
+from libc.stdint cimport int8_t, int16_t, int64_t, uint16_t, uint32_t, uintptr_t
+from libc.stdlib cimport free, malloc
 
 cdef extern from "linear_kernel.h" nogil:
     int FL_GROUP
@@ -37,6 +38,19 @@ cdef extern from "linear_kernel.h" nogil:
     int fl_amx_supported()
     void fl_gemm_groups_amx(const uint16_t *packed, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                             int out, int inp, int g0, int g1)
+
+cdef extern from "qlinear_kernel.h" nogil:
+    int FL_Q8_BLOCK
+    int fl_q8_vnni_supported()
+    void fl_q8_quantize_rows(const uint16_t *x, int rows, int inp, int16_t *xq, float *xs)
+    void fl_q8_groups(const int8_t *q, const float *s, const int16_t *xq, const float *xs, uint16_t *y, int64_t ldy,
+                      int rows, int out, int inp, int g0, int g1)
+    int fl_q8_groups_amx(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                         int out, int inp, int g0, int g1)
+    int fl_q8_groups_wide(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                          int out, int inp, int g0, int g1)
+    int fl_q8_groups_avx2(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                          int out, int inp, int g0, int g1)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
 KERNEL = "avx512_bf16" if fl_bf16_supported() else "avx2" if fl_avx2_supported() else None
@@ -102,6 +116,100 @@ def bf16_linear(uintptr_t packed_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int ro
             fl_gemm_groups(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
         else:
             fl_gemm_groups_avx2(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
+
+
+# Inputs a Q8_0 block spans (each block of a weight row has one float32 scale).
+Q8_BLOCK = FL_Q8_BLOCK
+# The Q8_0 products' integer-dot kernel runs here (AVX-512 VNNI beside AVX-512 BF16); else they widen the weights.
+Q8_VNNI = _native and bool(fl_q8_vnni_supported())
+cdef bint _q8_dots = Q8_VNNI
+
+
+def q8_vnni(int on=-1):
+    """Whether Q8_0 products of fewer rows than q8_amx_min_rows() take the integer dots (else they widen the weights
+    into the bf16 kernel); ``on`` 0 / 1 sets it first, where the CPU has VNNI (the A/B and the tests)."""
+    global _q8_dots
+    if on >= 0:
+        _q8_dots = Q8_VNNI and on
+    return bool(_q8_dots)
+# Products of at least this many rows widen a Q8_0 weight onto the AMX tiles where the CPU has them (0: never): the
+# integer dots stream the int8 weights at memory speed for a few rows, the tiles win once many rows share them.
+cdef int _q8_amx_min_rows = 16 if AMX else 0
+
+
+def q8_amx_min_rows(int rows=-1):
+    """The fewest rows a Q8_0 product takes the AMX tiles for (0: never); ``rows`` >= 0 sets it first (the A/B)."""
+    global _q8_amx_min_rows
+    if rows >= 0:
+        _q8_amx_min_rows = rows if AMX else 0
+    return _q8_amx_min_rows
+
+
+def q8_linear(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int rows,
+              int out_features, int in_features, int threads=1):
+    """out = x @ weight^T for an int8 weight in blocks of Q8_BLOCK inputs with a float32 scale each, packed by
+    ``flared.model.quant.pack_q8_0`` (qlinear_kernel.h's layout, and how each path sums). x and out are bfloat16,
+    row-major; ``in_features`` a multiple of Q8_BLOCK."""
+    if not BF16_SUPPORTED:
+        raise RuntimeError("q8_linear: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
+    if rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % FL_Q8_BLOCK:
+        raise ValueError(f"q8_linear: bad shape rows={rows} out={out_features} in={in_features} (in must be a "
+                         f"multiple of {FL_Q8_BLOCK})")
+    if q_ptr == 0 or scales_ptr == 0 or x_ptr == 0 or out_ptr == 0:
+        raise ValueError("q8_linear: null data pointer")
+    cdef const int8_t *q = <const int8_t *>q_ptr
+    cdef const float *sc = <const float *>scales_ptr
+    cdef const uint16_t *x = <const uint16_t *>x_ptr
+    cdef uint16_t *y = <uint16_t *>out_ptr
+    cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
+    cdef int g, t, failed = 0
+    cdef int16_t *xq
+    cdef float *xs
+    if threads > groups:
+        threads = groups
+    if threads < 1:
+        threads = 1
+    if _q8_amx_min_rows and rows >= _q8_amx_min_rows:
+        if threads == 1:
+            with nogil:
+                failed = fl_q8_groups_amx(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups) != 0
+        else:
+            for t in prange(threads, nogil=True, num_threads=threads, schedule="static", chunksize=1):
+                failed += fl_q8_groups_amx(q, sc, x, y, out_features, rows, out_features, in_features,
+                                           t * groups // threads, (t + 1) * groups // threads) != 0
+    elif _q8_dots:
+        xq = <int16_t *>malloc(<size_t>rows * in_features * sizeof(int16_t))
+        xs = <float *>malloc(<size_t>rows * (in_features // FL_Q8_BLOCK) * sizeof(float))
+        if xq == NULL or xs == NULL:
+            free(xq)
+            free(xs)
+            raise MemoryError(f"q8_linear: no memory for {rows} quantised rows of {in_features}")
+        with nogil:
+            fl_q8_quantize_rows(x, rows, in_features, xq, xs)
+        try:
+            if threads == 1:
+                with nogil:
+                    fl_q8_groups(q, sc, xq, xs, y, out_features, rows, out_features, in_features, 0, groups)
+            else:
+                for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
+                    fl_q8_groups(q, sc, xq, xs, y, out_features, rows, out_features, in_features, g, g + 1)
+        finally:
+            free(xq)
+            free(xs)
+    elif threads == 1:
+        with nogil:
+            if _native:
+                failed = fl_q8_groups_wide(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups) != 0
+            else:
+                failed = fl_q8_groups_avx2(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups) != 0
+    else:
+        for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
+            if _native:
+                failed += fl_q8_groups_wide(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1) != 0
+            else:
+                failed += fl_q8_groups_avx2(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1) != 0
+    if failed:
+        raise MemoryError(f"q8_linear: no memory for a widened group of {in_features} inputs")
 
 
 def flush_denormals(int threads=1, bint flush=True):

@@ -29,6 +29,7 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
+from flared.model.quant import Q8_BLOCK, check_quantization, pack_q8_0, quantize_q8_0, unpack_q8_0
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -42,6 +43,10 @@ try:
     from flared._fast.linear import AMX as _AMX_KERNEL, AMX_CPU as _AMX_CPU
 except ImportError:
     _AMX_KERNEL = _AMX_CPU = False
+try:
+    from flared._fast.linear import q8_linear
+except ImportError:  # (a build from before the Q8_0 kernels)
+    q8_linear = None
 try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
@@ -203,19 +208,29 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(padded // group, group, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def q8_applies(weight: torch.Tensor) -> bool:
+    """Whether a weight can be kept as Q8_0 here: bf16 on a CPU with the kernels, inputs a multiple of 32."""
+    return (q8_linear is not None and BF16_SUPPORTED and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[1] % Q8_BLOCK == 0)
+
+
 class _Linear:
     """A weight [out, in] (+ optional bias) with the matmul strategy picked per call by row count.
 
-    bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None)."""
+    bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None); quantization "q8_0" there:
+    ``q8`` and ``q8_scales`` hold it instead (flared/model/quant.py; a weight the format cannot take stays bf16)."""
 
-    __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features")
+    __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features", "q8", "q8_scales")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None = None):
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
-        self.packed = None
-        if BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
+        self.packed = self.q8 = self.q8_scales = None
+        if quantization == "q8_0" and q8_applies(weight):
+            self.q8, self.q8_scales = pack_q8_0(*quantize_q8_0(weight))
+            weight = None
+        elif BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
             self.packed = pack_bf16(weight)
             weight = None
         self.weight = weight
@@ -224,8 +239,27 @@ class _Linear:
         self.split = weight.view(_SPLIT_PARTS, self.out_features // _SPLIT_PARTS, self.in_features) if can_split \
             else None
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its weight holds in memory (packed, quantised or plain)."""
+        if self.q8 is not None:
+            return self.q8.nbytes + self.q8_scales.nbytes
+        return (self.packed if self.packed is not None else self.weight).nbytes
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
+        if self.q8 is not None:
+            if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
+                raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match Q8_0 weight "
+                                 f"[{self.out_features}, {self.in_features}]")
+            if UNPACK_MIN_ROWS is not None and num_rows >= UNPACK_MIN_ROWS:  # (AMX refused here: torch's product)
+                return F.linear(x, unpack_q8_0(self.q8, self.q8_scales, self.out_features), self.bias)
+            y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
+            if num_rows:
+                x = x.contiguous()
+                q8_linear(self.q8.data_ptr(), self.q8_scales.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows,
+                          self.out_features, self.in_features, torch.get_num_threads())
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed is not None:
             if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
                 raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match bf16 weight "
@@ -248,19 +282,19 @@ class _Linear:
 
 
 def _gather_packed(linears: list[_Linear]) -> None:
-    """Move the packed bf16 weights into one mapping in huge pages (``host_memory.host_zeros``): a decode
-    step streams every one of them, and in 4 KiB pages SmolLM2's 270 MB are ~66k TLB misses a step (one
-    mapping, because a matrix under 2 MiB alone gets no huge page). Measured 3-6% off the products at 1-4
-    rows. Each matrix's first copy is released once it is moved."""
-    packed = [lin for lin in linears if lin.packed is not None]
-    if not packed or not huge_pages_wanted():  # a plain arena would only cost a second copy
+    """Move the packed bf16 weights (and Q8_0 ones with their scales) into one mapping in huge pages
+    (``host_memory.host_zeros``): a decode step streams every one of them, and in 4 KiB pages SmolLM2's 270 MB are
+    ~66k TLB misses a step (one mapping, because a matrix under 2 MiB alone gets no huge page). Measured 3-6% off
+    the products at 1-4 rows. Each matrix's first copy is released once it is moved."""
+    slots = [(lin, name) for lin in linears for name in ("packed", "q8", "q8_scales") if getattr(lin, name) is not None]
+    if not slots or not huge_pages_wanted():  # a plain arena would only cost a second copy
         return
-    spans = [-(-lin.packed.nbytes // 64) * 64 for lin in packed]  # each matrix 64-byte aligned
+    spans = [-(-getattr(lin, name).nbytes // 64) * 64 for lin, name in slots]  # each matrix 64-byte aligned
     arena = host_zeros((sum(spans),), torch.uint8, prefault=False)
     offset = 0
-    for lin, span in zip(packed, spans):
-        t = lin.packed
-        lin.packed = arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+    for (lin, name), span in zip(slots, spans):
+        t = getattr(lin, name)
+        setattr(lin, name, arena[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
         offset += span
 
 
@@ -273,12 +307,25 @@ class _Layer:
 
 class DecoderModel:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_positions: int | None = None):
+                 device: torch.device | str = "cpu", max_positions: int | None = None,
+                 quantization: str | None = None):
+        """``quantization`` "q8_0": the products of every layer and the LM head kept as Q8_0 (flared/model/quant.py;
+        a bf16 model on a CPU with the packed kernels), else None."""
         check_serving_tensors(tensors, config, source="serving tensors")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_positions = max_positions or config.max_position_embeddings
+        self.quantization = check_quantization(quantization)
+        if self.quantization is not None and (self.device.type != "cpu" or dtype != torch.bfloat16
+                                              or q8_linear is None or not BF16_SUPPORTED):
+            raise ValueError(f"{self.quantization} weights run on the CPU executor in bfloat16, with its packed "
+                             f"kernels (AVX-512 BF16 or AVX2); this model is {str(dtype).removeprefix('torch.')} on "
+                             f"{self.device.type}" + ("" if BF16_SUPPORTED and q8_linear is not None
+                                                      else ", a CPU without them"))
+
+        def lin(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
+            return _Linear(weight, bias, self.quantization)
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
@@ -311,7 +358,7 @@ class DecoderModel:
         # Gemma 4 E2B / E4B: (each token's per-layer rows, the embedding's projection to them, its per-layer norm)
         self.per_layer = None
         if config.per_layer_input_dim:
-            self.per_layer = (w("embed_per_layer.weight"), _Linear(w("per_layer_proj.weight"), None),
+            self.per_layer = (w("embed_per_layer.weight"), lin(w("per_layer_proj.weight"), None),
                               norm("per_layer_proj_norm.weight"))
         self.layers: list[_Layer] = []
         kv_index = {layer: j for j, layer in enumerate(config.kv_layers)}  # (the KV cache holds these layers')
@@ -325,8 +372,8 @@ class DecoderModel:
             layer.kv_index = kv_index.get(i if layer.kv_source is None else layer.kv_source, -1)
             layer.per_layer = None
             if config.per_layer_input_dim:  # (its input's gate, projection and norm)
-                layer.per_layer = (_Linear(w(p + "per_layer_gate.weight"), None),
-                                   _Linear(w(p + "per_layer_out.weight"), None), norm(p + "per_layer_norm.weight"))
+                layer.per_layer = (lin(w(p + "per_layer_gate.weight"), None),
+                                   lin(w(p + "per_layer_out.weight"), None), norm(p + "per_layer_norm.weight"))
             # (Nemotron-H: a layer of an MLP block alone, or of a mixer block alone)
             layer.has_mixer = i not in config.mixerless_layers
             layer.has_mlp = i not in config.mlpless_layers
@@ -341,12 +388,12 @@ class DecoderModel:
             if not layer.has_mixer:
                 layer.qkv = None
             elif i in config.linear_layers and config.short_conv:  # LFM2: (in projection, conv [hidden, K])
-                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
+                layer.linear = (lin(w(p + "linear_in.weight"), None), w(p + "conv.weight"))
                 layer.qkv = None
             elif i in config.linear_layers and config.linear_kind == "kda":
                 # (in projection, conv [C, K], f_b, g_b, dt_bias, -exp(A_log), the gated output norm's weight)
-                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"),
-                                _Linear(w(p + "f_b.weight"), None), _Linear(w(p + "g_b.weight"), None),
+                layer.linear = (lin(w(p + "linear_in.weight"), None), w(p + "conv.weight"),
+                                lin(w(p + "f_b.weight"), None), lin(w(p + "g_b.weight"), None),
                                 tensors[p + "dt_bias"].to(self.device, torch.float32),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
                                 tensors[p + "linear_norm.weight"].to(self.device, torch.float32))
@@ -354,8 +401,8 @@ class DecoderModel:
             elif i in config.linear_layers and config.linear_kind == "mamba1":
                 # (in projection, conv [C, K], its bias, x_proj, dt_proj, dt_bias, -exp(A_log) [C, N], D, the dt / B / C
                 # norms' weights)
-                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
-                                _Linear(w(p + "x_proj.weight"), None), _Linear(w(p + "dt_proj.weight"), None),
+                layer.linear = (lin(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
+                                lin(w(p + "x_proj.weight"), None), lin(w(p + "dt_proj.weight"), None),
                                 tensors[p + "dt_bias"].to(self.device, torch.float32),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
                                 tensors[p + "d"].to(self.device, torch.float32), norm(p + "dt_norm.weight"),
@@ -363,43 +410,43 @@ class DecoderModel:
                 layer.qkv = None
             elif i in config.linear_layers and config.linear_kind == "mamba2":
                 # (in projection, conv [C, K], its bias, dt_bias, -exp(A_log), D, the gated norm's weight or None)
-                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
+                layer.linear = (lin(w(p + "linear_in.weight"), None), w(p + "conv.weight"), opt(p + "conv.bias"),
                                 tensors[p + "dt_bias"].to(self.device, torch.float32),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
                                 tensors[p + "d"].to(self.device, torch.float32), opt(p + "linear_norm.weight"))
                 layer.qkv = None
             elif i in config.linear_layers:  # Gated DeltaNet: (in projection, conv [C, K], dt_bias, -exp(A_log), norm)
-                layer.linear = (_Linear(w(p + "linear_in.weight"), None), w(p + "conv.weight"), w(p + "dt_bias"),
+                layer.linear = (lin(w(p + "linear_in.weight"), None), w(p + "conv.weight"), w(p + "dt_bias"),
                                 -tensors[p + "a_log"].to(self.device, torch.float32).exp(),
                                 w(p + "linear_norm.weight"))
                 layer.qkv = None
             if i in config.linear_layers and config.parallel_mixers:  # Falcon-H1: attention beside the mixer
-                layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
+                layer.qkv = lin(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             elif layer.linear is not None or not layer.has_mixer:
                 pass
             elif config.kv_lora_rank:  # DeepSeek's latent attention: (q or q_a, q_a's norm, q_b), kv_a, its norm, kv_b
-                q = (_Linear(w(p + "q_a.weight"), None), norm(p + "q_a_norm.weight"),
-                     _Linear(w(p + "q_b.weight"), None)) if config.q_lora_rank else \
-                    (None, None, _Linear(w(p + "q.weight"), None))
+                q = (lin(w(p + "q_a.weight"), None), norm(p + "q_a_norm.weight"),
+                     lin(w(p + "q_b.weight"), None)) if config.q_lora_rank else \
+                    (None, None, lin(w(p + "q.weight"), None))
                 kv_b = w(p + "kv_b.weight")
                 if config.latent_kv:  # served absorbed: kv_b's key rows [nh, d - r, rank] and value rows as [nh, rank,
                     # v] (each head's), for the queries into the latent and the outputs out of it
                     per_head = kv_b.view(config.num_heads, -1, config.kv_lora_rank)
                     nope = config.head_dim - config.rope_dim
                     layer.absorb = (per_head[:, :nope].contiguous(), per_head[:, nope:].transpose(1, 2).contiguous())
-                layer.latent = (*q, _Linear(w(p + "kv_a.weight"), None), norm(p + "kv_a_norm.weight"),
+                layer.latent = (*q, lin(w(p + "kv_a.weight"), None), norm(p + "kv_a_norm.weight"),
                                 None if config.latent_kv else _Linear(kv_b, None))
                 if config.index_topk and i not in config.index_shared_layers:  # DeepSeek V3.2's indexer: queries,
                     # key, its LayerNorm, the heads' weights (GLM-5's shared layers reuse an earlier one's choice)
-                    layer.indexer = (_Linear(w(p + "index_q.weight"), None), _Linear(w(p + "index_k.weight"), None),
+                    layer.indexer = (lin(w(p + "index_q.weight"), None), lin(w(p + "index_k.weight"), None),
                                      (w(p + "index_k_norm.weight"), w(p + "index_k_norm.bias")),
-                                     _Linear(w(p + "index_weights.weight"), None))
+                                     lin(w(p + "index_weights.weight"), None))
                 layer.qkv = None
             else:
-                layer.qkv = _Linear(w(p + "qkv.weight"), opt(p + "qkv.bias"))
+                layer.qkv = lin(w(p + "qkv.weight"), opt(p + "qkv.bias"))
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
-            layer.linear_o = _Linear(w(p + "linear_o.weight"), None) if p + "linear_o.weight" in tensors else None
+            layer.linear_o = lin(w(p + "linear_o.weight"), None) if p + "linear_o.weight" in tensors else None
             if (layer.linear is not None and not config.parallel_mixers) or not layer.has_mixer:
                 pass
             elif config.qk_norm_whole:  # OLMo 2: [q_size] and [kv_size] weights, each normed over all its heads
@@ -407,7 +454,7 @@ class DecoderModel:
             elif config.qk_norm:
                 layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1)] + (
                     [norm(p + "k_norm.weight").expand(layer.geometry[0], -1)] if layer.kv_source is None else []))
-            layer.o = _Linear(w(p + "o.weight"), opt(p + "o.bias")) if layer.has_mixer else None
+            layer.o = lin(w(p + "o.weight"), opt(p + "o.bias")) if layer.has_mixer else None
             layer.mlp_norm = norm(p + "mlp_norm.weight")
             layer.post_attn_norm = norm(p + "post_attn_norm.weight")  # Gemma's and OLMo's sandwich norms
             layer.post_mlp_norm = norm(p + "post_mlp_norm.weight")
@@ -425,8 +472,8 @@ class DecoderModel:
             elif config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
                 layer.gate_up = layer.down = None
                 if config.parallel_experts:  # (the dense MLP beside the experts)
-                    layer.gate_up = _Linear(w(p + "gate_up.weight"), None)
-                    layer.down = _Linear(w(p + "down.weight"), None)
+                    layer.gate_up = lin(w(p + "gate_up.weight"), None)
+                    layer.down = lin(w(p + "down.weight"), None)
                 if config.router_float32:  # (DeepSeek's and GLM-4.5's routers, their biases in float32)
                     layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
                 if config.router_sigmoid or config.router_correction_bias:
@@ -444,14 +491,14 @@ class DecoderModel:
                     layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout
                 del gate_up, down
                 if config.shared_expert_intermediate_size:
-                    gate = _Linear(w(p + "shared.gate.weight"), None) if config.shared_expert_gate else None
-                    layer.shared = (_Linear(w(p + "shared.gate_up.weight"), None),
-                                    _Linear(w(p + "shared.down.weight"), None), gate)
+                    gate = lin(w(p + "shared.gate.weight"), None) if config.shared_expert_gate else None
+                    layer.shared = (lin(w(p + "shared.gate_up.weight"), None),
+                                    lin(w(p + "shared.down.weight"), None), gate)
             else:
-                layer.gate_up = _Linear(w(p + "gate_up.weight"), opt(p + "gate_up.bias"))  # (StarCoder2's biases)
-                layer.down = _Linear(w(p + "down.weight"), opt(p + "down.bias"))
+                layer.gate_up = lin(w(p + "gate_up.weight"), opt(p + "gate_up.bias"))  # (StarCoder2's biases)
+                layer.down = lin(w(p + "down.weight"), opt(p + "down.bias"))
             self.layers.append(layer)
-        self.lm_head_linear = _Linear(self.lm_head, opt("lm_head.bias"))  # (Phi-2's bias)
+        self.lm_head_linear = lin(self.lm_head, opt("lm_head.bias"))  # (Phi-2's bias)
         if self.device.type == "cpu":
             _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
@@ -489,7 +536,8 @@ class DecoderModel:
             _cpu_decode is not None and _cpu_decode.SUPPORTED and self.cpu_decode_attention
             and config.graph_capable  # the one-call step is the Llama-type layer
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
-            and all(lin.packed is not None for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
+            and all(lin.packed is not None or lin.q8 is not None
+                    for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         # Routed experts in two grouped products (torch's grouped_mm: every expert's rows at once, no host sync)
         # instead of a loop over the experts hit: on a GPU in bf16, and on the CPU in float32 (1.2x the loop's decode
@@ -520,10 +568,15 @@ class DecoderModel:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
 
-            # Column order is decode_kernel.h's; the tensors are owned by self.layers for the model's life.
+            def weight(lin: _Linear) -> int:
+                return addr(lin.packed if lin.q8 is None else lin.q8)
+
+            # Column order is decode_kernel.h's (then the Q8_0 scales, 0 for a bf16 weight); the tensors are owned
+            # by self.layers for the model's life.
             self._layer_ptrs = torch.tensor(
-                [[addr(l.attn_norm), addr(l.qkv.packed), addr(l.qkv.bias), addr(l.qk_norm), addr(l.o.packed),
-                  addr(l.o.bias), addr(l.mlp_norm), addr(l.gate_up.packed), addr(l.down.packed)]
+                [[addr(l.attn_norm), weight(l.qkv), addr(l.qkv.bias), addr(l.qk_norm), weight(l.o),
+                  addr(l.o.bias), addr(l.mlp_norm), weight(l.gate_up), weight(l.down)]
+                 + [addr(lin.q8_scales) for lin in (l.qkv, l.o, l.gate_up, l.down)]
                  for l in self.layers], dtype=torch.int64)
 
     @staticmethod

@@ -1,0 +1,200 @@
+"""Q8_0 weights kept quantised on the CPU (flared/model/quant.py, flared/_fast/qlinear_kernel.h): the format, the
+kernels' paths against the bf16 kernel and float64, and a quantised DecoderModel against the bf16 model whose weights
+are the dequantised ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flared.model.batch import ForwardBatch, SequenceChunk
+from flared.model.quant import check_quantization, dequantize_q8_0, pack_q8_0, quantize_q8_0, unpack_q8_0
+from .conftest import build_hf_checkpoint
+
+linear = pytest.importorskip("flared._fast.linear")
+needs_kernels = pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
+
+
+def test_the_format_round_trips_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 96, generator=g) * torch.logspace(-3, 1, 96)  # (blocks of very different magnitudes)
+    w[3, 32:64] = 0  # an all-zero block: scale 0, values 0
+    q, scales = quantize_q8_0(w)
+    assert q.dtype == torch.int8 and scales.shape == (70, 3) and int(q.abs().max()) == 127
+    assert scales[3, 1] == 0 and not q[3, 32:64].any()
+    back = dequantize_q8_0(q, scales, torch.float32)
+    step = scales.repeat_interleave(32, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-7).all()
+    packed, packed_scales = pack_q8_0(q, scales)
+    assert packed.shape == (2, 48, 64, 2) and packed_scales.shape == (2, 3, 64)  # (70 features: 2 groups of 64)
+    assert torch.equal(unpack_q8_0(packed, packed_scales, 70, torch.float32), back)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(torch.zeros(4, 48))
+
+
+def test_the_names():
+    assert check_quantization(None) is None and check_quantization("none") is None
+    assert check_quantization("Q8_0") == "q8_0"
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        check_quantization("int4")
+
+
+def _product(packed, packed_scales, x, out_features, threads):
+    y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    linear.q8_linear(packed.data_ptr(), packed_scales.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0],
+                     out_features, x.shape[1], threads)
+    return y
+
+
+@pytest.fixture
+def paths():
+    """Restores the kernels' choices after a test sets them."""
+    amx, q8_amx, dots = linear.amx_min_rows(), linear.q8_amx_min_rows(), linear.q8_vnni()
+    yield
+    linear.amx_min_rows(amx)
+    linear.q8_amx_min_rows(q8_amx)
+    linear.q8_vnni(int(dots))
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_features, in_features", [(100, 64), (576, 576), (130, 160)])
+def test_every_path_against_the_bf16_kernel_and_float64(out_features, in_features, paths):
+    """The widened paths (AMX tiles, or the bf16 kernel of this CPU) give bf16_linear's result over the dequantised
+    weight bit for bit; the integer dots land within bf16's rounding of the exact product."""
+    from flared.model.decoder import pack_bf16
+
+    g = torch.Generator().manual_seed(out_features)
+    q, scales = quantize_q8_0(torch.randn(out_features, in_features, generator=g))
+    packed, packed_scales = pack_q8_0(q, scales)
+    weight = dequantize_q8_0(q, scales)
+    bf16 = pack_bf16(weight)
+    exact = q.double() * scales.double().repeat_interleave(32, dim=1)
+    cases = [(0, 0, 0), (0, 0, 1)] + ([(1, 1, 1)] if linear.AMX else [])  # (amx rows, q8 amx rows, integer dots)
+    for amx, q8_amx, dots in cases:
+        linear.amx_min_rows(amx)
+        linear.q8_amx_min_rows(q8_amx)
+        linear.q8_vnni(dots)
+        for rows in (1, 2, 5, 6, 7, 13, 40):
+            for threads in (1, 2):
+                x = torch.randn(rows, in_features, generator=g).bfloat16()
+                got = _product(packed, packed_scales, x, out_features, threads)
+                if linear.q8_vnni() and not q8_amx:
+                    ref = x.double() @ exact.T
+                    err = (got.double() - ref).abs() / (ref.abs() + ref.abs().mean())
+                    assert err.max().item() < 8e-3, (rows, threads)  # (bf16's own rounding: 3.9e-3)
+                else:
+                    want = torch.empty_like(got)
+                    linear.bf16_linear(bf16.data_ptr(), x.data_ptr(), want.data_ptr(), rows, out_features,
+                                       in_features, threads)
+                    assert torch.equal(got, want), (amx, q8_amx, rows, threads)
+
+
+@needs_kernels
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        linear.q8_linear(1, 1, 1, 1, 1, 64, 48, 1)
+    with pytest.raises(ValueError, match="null data pointer"):
+        linear.q8_linear(0, 1, 1, 1, 1, 64, 64, 1)
+
+
+def _models(family, tmp_path, float32_twin=False):
+    """(the bf16 model quantised at load, its bf16 twin whose products' weights are the dequantised ones[, the twin
+    in float32])."""
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    source = read_source(build_hf_checkpoint(family, tmp_path))
+    quantised = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization="q8_0")
+    tensors = dict(source.tensors)
+    for name, t in source.tensors.items():
+        if t.dim() == 2 and t.shape[1] % 32 == 0 and not name.startswith("embed") and "router" not in name \
+                and "norm" not in name:
+            tensors[name] = dequantize_q8_0(*quantize_q8_0(t.to(torch.bfloat16)))
+    twins = [DecoderModel(source.config, tensors, dtype=torch.bfloat16)]
+    if float32_twin:
+        twins.append(DecoderModel(source.config, tensors, dtype=torch.float32))
+    return quantised, *twins
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+def test_a_quantised_model_against_its_dequantised_twin(family, tmp_path, paths):
+    """Prefill chunks and decode rows (the one-call step where the CPU has it): the widened paths equal the bf16
+    twin's logits bit for bit; the integer dots are as near the float32 twin as the bf16 twin is (their rows
+    quantised to 15 bits lose less than bf16's 8 do). The products' weights take 0.56x their bf16 bytes."""
+    quantised, twin, twin32 = _models(family, tmp_path, float32_twin=True)
+    assert all(lin.q8 is not None for layer in quantised.layers for lin in quantised._linears(layer))
+    q_bytes = sum(lin.nbytes for layer in quantised.layers for lin in quantised._linears(layer))
+    b_bytes = sum(lin.nbytes for layer in twin.layers for lin in twin._linears(layer))
+    assert abs(q_bytes / b_bytes - 1.125 / 2) < 0.02
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (9, 21, 40)]
+
+    def run(model):
+        kv = model.make_kv_cache(num_pages=12, page_tokens=16)
+        tables = [np.arange(4 * i, 4 * i + 4) for i in range(3)]
+        first = model.forward(ForwardBatch.build([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)],
+                                                 page_tokens=16), kv)
+        nxt = first.argmax(-1).tolist()
+        step = model.forward(ForwardBatch.build([SequenceChunk([n], len(p), t) for n, p, t in
+                                                 zip(nxt, prompts, tables)], page_tokens=16), kv)
+        return first.float(), step.float()
+
+    exact = run(twin32)
+    for q8_amx, dots in [(0, 0)] + ([(1, 0)] if linear.AMX else []) + ([(0, 1)] if linear.Q8_VNNI else []):
+        linear.amx_min_rows(q8_amx)
+        linear.q8_amx_min_rows(q8_amx)
+        linear.q8_vnni(dots)
+        got, want = run(quantised), run(twin)
+        if not dots:
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (q8_amx, dots)
+            continue
+        for q, b, f in zip(got, want, exact):
+            scale = f.abs().max().item()
+            assert (q - f).abs().max().item() <= 1.5 * (b - f).abs().max().item() + 1e-2 * scale
+            assert torch.equal(q.argmax(-1), f.argmax(-1)) or torch.equal(b.argmax(-1), q.argmax(-1))
+
+
+@needs_kernels
+def test_the_one_call_decode_step_runs_quantised_weights_as_the_per_op_path(tmp_path, paths):
+    decode = pytest.importorskip("flared._fast.decode")
+    if not decode.SUPPORTED:
+        pytest.skip("this CPU lacks AVX-512 BF16")
+    quantised, _ = _models("llama3", tmp_path)
+    assert quantised.fused_decode
+    rng = np.random.default_rng(1)
+    kv = quantised.make_kv_cache(num_pages=24, page_tokens=16)
+    chunks = []
+    for r in range(6):
+        n = int(rng.integers(1, 50))
+        table = np.arange(4 * r, 4 * r + 4)
+        quantised.forward(ForwardBatch.build([SequenceChunk(rng.integers(3, 500, n), 0, table)], page_tokens=16), kv)
+        chunks.append(SequenceChunk([int(rng.integers(3, 500))], n, table))
+    batch = ForwardBatch.build(chunks, page_tokens=16)
+    before = (kv.keys.clone(), kv.values.clone())
+    for q8_amx, dots in [(0, 0), (0, 1)] + ([(1, 0)] if linear.AMX else []):
+        linear.amx_min_rows(q8_amx)
+        linear.q8_amx_min_rows(q8_amx)
+        linear.q8_vnni(dots)
+        results = []
+        for fused in (True, False):
+            kv.keys.copy_(before[0])
+            kv.values.copy_(before[1])
+            quantised.fused_decode = fused
+            results.append(quantised.forward(batch, kv))
+        quantised.fused_decode = True
+        scale = results[1].abs().max().item()  # (silu's exp may round an activation apart, as for bf16 weights)
+        assert (results[0] - results[1]).abs().max().item() <= 2e-3 * scale, (q8_amx, dots)
+        assert torch.equal(results[0].argmax(-1), results[1].argmax(-1))
+
+
+def test_quantisation_is_refused_where_it_cannot_run(tmp_path):
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    source = read_source(build_hf_checkpoint("llama3", tmp_path))
+    with pytest.raises(ValueError, match="q8_0 weights run on the CPU executor in bfloat16"):
+        DecoderModel(source.config, source.tensors, dtype=torch.float32, quantization="q8_0")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization="awq")
