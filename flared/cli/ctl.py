@@ -236,6 +236,10 @@ def models(admin_socket, as_json):
     click.echo(f"  names:       {', '.join(body['served_names'])}")
     click.echo(f"  context:     {caps.get('context_tokens')} tokens, concurrency {caps.get('concurrency')}")
     click.echo(f"  core:        {body['core']}")
+    weights = body.get("weights") or {}
+    if weights.get("quantization"):
+        click.echo(f"  weights:     {weights['quantization']} ({weights['quantized_products']} of "
+                   f"{weights['products']} products), {weights['product_bytes'] / 2**20:,.1f} MiB")
     kv = body.get("kv_cache") or {}
     if kv:
         click.echo(f"  kv cache:    {kv['dtype']}, {kv['pages']:,} pages, {kv['bytes'] / 2**20:,.1f} MiB")

@@ -77,7 +77,7 @@ class _Sequence:
 class ModelRunner:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", num_pages: int, page_tokens: int = 64, max_batch: int = 32,
-                 prefill_chunk_tokens: int = 512):
+                 prefill_chunk_tokens: int = 512, quantization: str | None = None):
         if max_batch < 1 or prefill_chunk_tokens < 1:
             raise ValueError("max_batch and prefill_chunk_tokens must be positive")
         self.config = config
@@ -86,7 +86,8 @@ class ModelRunner:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.num_pages = num_pages
         self.max_context_tokens = min(num_pages * page_tokens, config.max_position_embeddings)
-        self.model = DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=self.max_context_tokens)
+        self.model = DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=self.max_context_tokens,
+                                  quantization=quantization)
         self.kv = self.model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens, state_rows=max_batch)
         self._free_state_rows = list(range(max_batch))  # (a running sequence holds one; at most max_batch run)
         self.allocator = PageAllocator(num_pages)

@@ -168,6 +168,7 @@ class LoadedSession:
                                max_lora_rank=config.max_lora_rank,
                                max_cpu_loras=config.max_cpu_loras if config.runtime_lora_updating else None,
                                kv_cache_dtype=config.kv_cache_dtype, enforce_eager=config.enforce_eager,
+                               quantization=config.quantization,
                                speculative=(config.speculative_tokens, config.prompt_lookup_max,
                                             config.prompt_lookup_min),
                                **_policy_kwargs(config))

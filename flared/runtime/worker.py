@@ -287,11 +287,17 @@ class ModelRuntime:
     def __init__(self, core, *, prefix_cache: bool = True, torch_threads: int | None = None,
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False):
+                 max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
+                 quantization: str | None = None):
         self.core = core
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
         self.kv_cache_dtype = kv_cache_dtype
+        # --quantization: "q8_0" keeps the products' weights as Q8_0 on the CPU executor (flared/model/quant.py);
+        # None serves the core's weights as they are.
+        from flared.model.quant import check_quantization
+
+        self.quantization = check_quantization(quantization)
         # vLLM's --enforce-eager: a GPU serves through the eager executor, without graphs
         self.enforce_eager = enforce_eager
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
@@ -404,8 +410,15 @@ class ModelRuntime:
                 # routing)
                 log.warning("the CUDA graphs do not run %s: serving on the GPU with the eager executor", problem)
                 use_cuda = False
+        if self.quantization is not None and (use_cuda or device != "cpu" or m.dtype != "bfloat16"):
+            why = "this core would serve on a GPU" if device != "cpu" else f"this core is {m.dtype}"
+            raise ExecutionError(f"--quantization {self.quantization} runs on the CPU executor over a bfloat16 core; "
+                                 f"{why} (export it with --dtype bfloat16 and serve it on a CPU, or leave "
+                                 f"--quantization off)")
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
+        if self.quantization is not None:  # cached keys and values come from the quantised weights
+            identity.update(f"|weights {self.quantization}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
             identity.update(b"|kv float8_e4m3fn")  # "fp8" and "fp8_e4m3" name the same pool
         scaling = self.core.config.rope_scaling
@@ -429,8 +442,23 @@ class ModelRuntime:
         factors = [self._lora_factors(path) for _, path in self.lora_modules]
         if factors:
             log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))
-        model = DecoderModel(self.core.config, tensors, dtype=dtype, device=device, max_positions=caps.context_tokens)
+        try:
+            model = DecoderModel(self.core.config, tensors, dtype=dtype, device=device,
+                                 max_positions=caps.context_tokens, quantization=self.quantization)
+        except ValueError as exc:
+            if self.quantization is None:
+                raise
+            raise ExecutionError(f"--quantization {self.quantization}: {exc}") from exc
         del tensors
+        products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
+        self._weights_info = {"quantization": self.quantization,
+                              "quantized_products": sum(lin.q8 is not None for lin in products),
+                              "products": len(products), "product_bytes": sum(lin.nbytes for lin in products)}
+        if self.quantization is not None:
+            log.info("weights: %d of %d products kept as %s, %.1f MiB (%.1f MiB as bf16)",
+                     self._weights_info["quantized_products"], len(products), self.quantization,
+                     self._weights_info["product_bytes"] / 2**20,
+                     sum(2 * lin.out_features * lin.in_features for lin in products) / 2**20)
         if self.core.manifest.vision is not None and not use_cuda:
             # Images on the eager executor (the CPU's, or a GPU's with enforce_eager); the CUDA graphs take token
             # ids only, so there the core serves text.
@@ -712,6 +740,11 @@ class ModelRuntime:
             self._outstanding_ids.discard(request_id)
             self._cancels.append(request_id)
             self._wake.notify()
+
+    def weights_info(self) -> dict:
+        """How the layers' products and the LM head hold their weights once the model is loaded: ``quantization``
+        (None, or "q8_0"), ``quantized_products`` of ``products``, and ``product_bytes``; {} before."""
+        return dict(getattr(self, "_weights_info", {}))
 
     def kv_cache_info(self) -> dict:
         """The KV cache's element type (``dtype``: "bfloat16", "float8_e4m3fn", ...), ``pages`` (the pool's: the

@@ -65,6 +65,7 @@ def build_admin_router(serving) -> Router:
             "model": m.model_name, "served_names": list(m.served_names), "dtype": m.dtype,
             "architecture": m.architecture, "capacities": dataclasses.asdict(m.capacities),
             "core": str(serving.loaded.core.path), "kv_cache": serving.loaded.runtime.kv_cache_info(),
+            "weights": serving.loaded.runtime.weights_info(),
             "lora_adapters": [{"path": p, "scale": s} for p, s in serving.loaded.runtime.lora_adapters]})
 
     async def pause(request: Request) -> Response:

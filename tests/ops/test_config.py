@@ -67,6 +67,7 @@ def test_example_config_loads(tmp_path):
     ("kv_cache_dtype = 'int4'", "'kv_cache_dtype'"),
     ("kv_cache_dtype = 8", "'kv_cache_dtype'"),
     ("enforce_eager = 'yes'", "'enforce_eager'"),
+    ("quantization = 'awq'", "'quantization'"),
 ])
 def test_bad_values_name_the_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
@@ -114,6 +115,17 @@ def test_enforce_eager_reaches_the_runtime(tmp_path):
     assert ServerConfig.from_toml(path).enforce_eager and not ServerConfig().enforce_eager
     out = subprocess.run([sys.executable, "-m", "flared.cli.daemon", "run", "--help"], capture_output=True, text=True)
     assert "--enforce-eager" in out.stdout
+
+
+def test_quantization_reaches_the_config_and_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "q.toml"
+    path.write_text("quantization = 'q8_0'\n")
+    assert ServerConfig.from_toml(path).quantization == "q8_0" and ServerConfig().quantization is None
+    out = subprocess.run([sys.executable, "-m", "flared.cli.daemon", "run", "--help"], capture_output=True, text=True)
+    assert "--quantization" in out.stdout and "q8_0" in out.stdout
 
 
 def test_kv_pool_dtype_names():

@@ -1,0 +1,86 @@
+"""--quantization q8_0 on the CPU model thread: a bfloat16 core served with its products kept as Q8_0
+(flared/model/quant.py). The greedy tokens start as the bf16 core's do, a prompt served again over its cached prefix
+gives the cold run's tokens, and where the weights cannot be kept so (a float32 core) the runtime refuses at start
+with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+linear = pytest.importorskip("flared._fast.linear")
+
+
+@pytest.fixture(scope="module")
+def bf16_core(tiny_hf_llama, tmp_path_factory):
+    from flared.core.export import ExportOptions, export_core
+
+    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
+    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                  prefill_chunk_tokens=128))
+    return out
+
+
+def _serve(core, quantization, prompts, repeat_first=False):
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, FinishEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    rt = ModelRuntime(open_core(core), prefix_cache=True, quantization=quantization)
+    rt.start(max_pending=16)
+    try:
+        tokens, cached = [], []
+        for batch in [prompts] + ([prompts[:1]] if repeat_first else []):
+            reqs = [GenerateRequest(tuple(p), (), SamplingParams(max_tokens=12, temperature=0.0), frozenset())
+                    for p in batch]
+            for events in run_requests(rt, reqs):
+                assert isinstance(events[-1], FinishEvent), events[-1]
+                assert not isinstance(events[-1], ErrorEvent)
+                cached.append(events[-1].num_cached_tokens)
+                tokens.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+        return tokens, cached, rt.model
+    finally:
+        rt.stop()
+
+
+@pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
+def test_the_cpu_model_thread_serves_q8_0_weights(bf16_core):
+    prompts = [[5 + i, 17, 40 + 3 * i, 9, 7] * (7 + i) for i in range(4)]
+    base, _, _ = _serve(bf16_core, None, prompts)
+    q8, cached, model = _serve(bf16_core, "q8_0", prompts, repeat_first=True)
+    assert all(lin.q8 is not None for layer in model.layers for lin in model._linears(layer))
+    assert model.lm_head_linear.q8 is not None
+    assert all(len(t) == 12 for t in q8)
+    assert cached[-1] >= 32 and q8[-1] == q8[0]  # (the warm run over the cached prefix: the cold run's tokens)
+    firsts = sum(a[0] == b[0] for a, b in zip(q8[:4], base))
+    assert firsts >= 3, (firsts, q8[:4], base)
+
+
+def test_a_float32_core_is_refused_with_the_reason(tiny_core):
+    from flared.core.load import open_core
+    from flared.errors import ExecutionError
+    from flared.runtime.worker import ModelRuntime
+
+    rt = ModelRuntime(open_core(tiny_core), quantization="q8_0")
+    with pytest.raises(ExecutionError, match="--quantization q8_0 runs on the CPU executor over a bfloat16 core"):
+        rt.start(max_pending=4)
+
+
+@pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
+def test_flared_run_serves_q8_0_and_flarectl_lists_it(bf16_core, tmp_path):
+    """`flared run -q q8_0`: /v1/completions answers; `flarectl models` names the quantization and its bytes."""
+    from flared_testing.daemon import Daemon
+
+    daemon = Daemon(bf16_core, tmp_path, "-q", "q8_0", admin_socket=True)
+    try:
+        status, out = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": list(range(3, 30)),
+                                                                 "max_tokens": 8, "temperature": 0})
+        assert status == 200, out
+        assert out["usage"]["completion_tokens"] == 8
+        assert "products kept as q8_0" in daemon.log()
+        listed = daemon.ctl("models").stdout
+        assert "weights:     q8_0 (" in listed and " MiB" in listed, listed
+    finally:
+        daemon.kill()
