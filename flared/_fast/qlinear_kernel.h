@@ -29,20 +29,15 @@
 
 #define FL_Q8_BLOCK 32
 
-/* A thread's bf16 scratch for one widened group (`values` values), grown as needed and kept, or NULL. */
+#if FL_HAVE_X86
+
+/* A thread's bf16 scratch for one widened group (`values` values; fl_thread_scratch), or NULL. */
 static uint16_t *fl_q8_scratch(size_t values) {
-    static __thread uint16_t *buffer = NULL;
+    static __thread void *buffer = NULL;
     static __thread size_t size = 0;
-    if (values > size) {
-        uint16_t *grown = (uint16_t *)realloc(buffer, sizeof(uint16_t) * values);
-        if (grown == NULL) return NULL;
-        buffer = grown;
-        size = values;
-    }
-    return buffer;
+    return (uint16_t *)fl_thread_scratch(&buffer, &size, sizeof(uint16_t) * values);
 }
 
-#if FL_HAVE_X86
 
 /* The eight scale vectors of one block (scales: its 64 features' float32 scales): vector j's lane l is feature
  * 8j + l / 2's scale, as the packed pairs lay the features out (two lanes a feature). */

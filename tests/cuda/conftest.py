@@ -48,14 +48,3 @@ def gpu_model(hf):
     from gpu_models import serving_model
 
     return serving_model(hf)
-
-
-@pytest.fixture(scope="module")
-def bf16_core(tiny_hf_llama, tmp_path_factory):
-    """A bf16 core of the tiny random-weight Llama (tests/conftest.py's tiny_hf_llama) for the model thread."""
-    from flared.core.export import ExportOptions, export_core
-
-    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
-    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
-                                                  prefill_chunk_tokens=128))
-    return out

@@ -11,16 +11,6 @@ torch = pytest.importorskip("torch")
 linear = pytest.importorskip("flared._fast.linear")
 
 
-@pytest.fixture(scope="module")
-def bf16_core(tiny_hf_llama, tmp_path_factory):
-    from flared.core.export import ExportOptions, export_core
-
-    out = tmp_path_factory.mktemp("cores") / "tiny-bf16"
-    export_core(tiny_hf_llama, out, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
-                                                  prefill_chunk_tokens=128))
-    return out
-
-
 def _serve(core, quantization, prompts, repeat_first=False):
     from flared.core.load import open_core
     from flared.model.sampling import SamplingParams
