@@ -29,7 +29,7 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.quant import Q8_BLOCK, check_quantization, pack_q8_0, quantize_q8_0, unpack_q8_0
+from flared.model.quant import Q8_BLOCK, check_quantization, pack_q8_0, q8_0_rows, quantize_q8_0, unpack_q8_0
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -499,6 +499,8 @@ class DecoderModel:
                 layer.down = lin(w(p + "down.weight"), opt(p + "down.bias"))
             self.layers.append(layer)
         self.lm_head_linear = lin(self.lm_head, opt("lm_head.bias"))  # (Phi-2's bias)
+        if self.lm_head_linear.q8 is not None and not config.tie_word_embeddings:
+            self.lm_head = None  # (token_logits reads its rows from the quantised copy: no second bf16 copy kept)
         if self.device.type == "cpu":
             _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
@@ -710,7 +712,9 @@ class DecoderModel:
     def token_logits(self, vectors: torch.Tensor, token_ids) -> torch.Tensor:
         """Final-normed hidden vectors [n, hidden] -> float32 logits of only ``token_ids`` [n, len(token_ids)]: those
         rows of the LM head (what rerank and score read)."""
-        rows = self.lm_head[list(token_ids)].float()
+        head = self.lm_head_linear
+        rows = (self.lm_head[list(token_ids)] if self.lm_head is not None
+                else q8_0_rows(head.q8, head.q8_scales, list(token_ids))).float()
         logits = vectors.to(rows.device) @ rows.T
         if self.lm_head_linear.bias is not None:  # (Phi-2's)
             logits = logits + self.lm_head_linear.bias[list(token_ids)].float()

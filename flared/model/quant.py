@@ -64,6 +64,15 @@ def pack_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     return packed, packed_scales
 
 
+def q8_0_rows(packed: torch.Tensor, packed_scales: torch.Tensor, rows: list[int],
+              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows ``rows`` of pack_q8_0's weight, dequantised as unpack_q8_0 would give them: [len(rows), in]."""
+    index = torch.tensor(rows, dtype=torch.long)
+    groups, features = index // GROUP_FEATURES, index % GROUP_FEATURES
+    q = packed[groups, :, features, :].reshape(len(rows), -1)  # [rows, in / 2, 2] -> [rows, in]
+    return dequantize_q8_0(q, packed_scales[groups, :, features], dtype)
+
+
 def unpack_q8_0(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int,
                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """pack_q8_0's layout back to the dequantised weight [out_features, in] (the kernels' bf16(d * q))."""

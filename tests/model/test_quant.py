@@ -198,3 +198,19 @@ def test_quantisation_is_refused_where_it_cannot_run(tmp_path):
         DecoderModel(source.config, source.tensors, dtype=torch.float32, quantization="q8_0")
     with pytest.raises(ValueError, match="unknown quantization"):
         DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization="awq")
+
+
+@needs_kernels
+def test_an_untied_lm_head_keeps_one_quantised_copy(tmp_path):
+    """Llama 3 (untied): the bf16 LM head is let go; token_logits (rerank, score) reads the dequantised rows, the
+    same numbers the quantised products use."""
+    from flared.model.quant import q8_0_rows
+
+    quantised, twin = _models("llama3", tmp_path)
+    assert quantised.lm_head is None and not quantised.config.tie_word_embeddings
+    head = quantised.lm_head_linear
+    ids = [0, 5, 63, 64, 200, quantised.config.vocab_size - 1]
+    full = unpack_q8_0(head.q8, head.q8_scales, head.out_features)
+    assert torch.equal(q8_0_rows(head.q8, head.q8_scales, ids), full[ids])
+    vectors = torch.randn(3, quantised.config.hidden_size)
+    assert torch.allclose(quantised.token_logits(vectors, ids), twin.token_logits(vectors, ids))
