@@ -60,7 +60,8 @@ def test_a_float32_core_is_refused_with_the_reason(tiny_core):
 
 @pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
 def test_flared_run_serves_q8_0_and_flarectl_lists_it(bf16_core, tmp_path):
-    """`flared run -q q8_0`: /v1/completions answers; `flarectl models` names the quantization and its bytes."""
+    """`flared run -q q8_0`: /v1/completions answers; `flarectl models` names the quantization and its bytes, and
+    Ollama's /api/show its level, "Q8_0"."""
     from flared_testing.daemon import Daemon
 
     daemon = Daemon(bf16_core, tmp_path, "-q", "q8_0", admin_socket=True)
@@ -72,5 +73,7 @@ def test_flared_run_serves_q8_0_and_flarectl_lists_it(bf16_core, tmp_path):
         assert "products kept as q8_0" in daemon.log()
         listed = daemon.ctl("models").stdout
         assert "weights:     q8_0 (" in listed and " MiB" in listed, listed
+        status, shown = daemon.request("POST", "/api/show", {"model": "tiny"})  # (Ollama's)
+        assert status == 200 and shown["details"]["quantization_level"] == "Q8_0", shown
     finally:
         daemon.kill()
