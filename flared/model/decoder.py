@@ -484,10 +484,11 @@ class DecoderModel:
                 if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
                     layer.expert_biases = (w(p + "experts.gate_up.bias"), w(p + "experts.down.bias"))
                 biases = layer.expert_biases or (None, None)
-                layer.experts = [(_Linear(gate_up[e], None if biases[0] is None else biases[0][e]),
-                                  _Linear(down[e], None if biases[1] is None else biases[1][e]))
+                layer.experts = [(lin(gate_up[e], None if biases[0] is None else biases[0][e]),
+                                  lin(down[e], None if biases[1] is None else biases[1][e]))
                                  for e in range(config.num_experts)]
-                if layer.experts[0][0].packed is None:  # (the experts' weights are views of these: no copy)
+                if layer.experts[0][0].packed is None and layer.experts[0][0].q8 is None:
+                    # (the experts' weights are views of these: no copy)
                     layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout
                 del gate_up, down
                 if config.shared_expert_intermediate_size:

@@ -8,7 +8,7 @@ those of the bf16 model whose weights are the dequantised ones (the tests hold t
 
 ``quantize_q8_0`` / ``dequantize_q8_0`` are the format; ``pack_q8_0`` lays it out for the kernels (groups of 64
 output features, as ``decoder.pack_bf16`` lays bf16 weights). ``DecoderModel(..., quantization="q8_0")`` quantises
-the products of every layer and the LM head at load (not the embedding rows, routers or routed experts).
+the products of every layer (routed experts included) and the LM head at load (not the embedding rows or routers).
 """
 
 from __future__ import annotations
