@@ -53,7 +53,9 @@ cdef extern from "qlinear_kernel.h" nogil:
                           int out, int inp, int g0, int g1)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
-KERNEL = "avx512_bf16" if fl_bf16_supported() else "avx2" if fl_avx2_supported() else None
+# FLARED_AVX512=0 takes the AVX2 kernels on a CPU that has AVX-512 BF16 too (the tests of the AVX2 paths, the A/B).
+KERNEL = ("avx512_bf16" if fl_bf16_supported() and os.environ.get("FLARED_AVX512", "1") != "0"
+          else "avx2" if fl_avx2_supported() else None)
 # True when some kernel runs here.
 BF16_SUPPORTED = KERNEL is not None
 cdef bint _native = KERNEL == "avx512_bf16"

@@ -227,3 +227,18 @@ def test_an_untied_lm_head_keeps_one_quantised_copy(tmp_path):
     assert torch.equal(q8_0_rows(head.q8, head.q8_scales, ids), full[ids])
     vectors = torch.randn(3, quantised.config.hidden_size)
     assert torch.allclose(quantised.token_logits(vectors, ids), twin.token_logits(vectors, ids))
+
+
+@pytest.mark.skipif(linear.KERNEL != "avx512_bf16", reason="the run above already took this CPU's AVX2 paths")
+def test_the_avx2_paths_in_a_process_of_their_own():
+    """FLARED_AVX512=0: the AVX2 kernels (widened Q8_0 groups into the AVX2 bf16 kernel) on this AVX-512 host, the
+    checks above over them."""
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                             "every_path or twin"], env={**os.environ, "FLARED_AVX512": "0"}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout[-2000:]
