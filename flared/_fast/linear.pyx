@@ -51,6 +51,7 @@ cdef extern from "qlinear_kernel.h" nogil:
                           int out, int inp, int g0, int g1)
     int fl_q8_groups_avx2(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
                           int out, int inp, int g0, int g1)
+    void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int inp, int g0, int g1, int native)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
 # FLARED_AVX512=0 takes the AVX2 kernels on a CPU that has AVX-512 BF16 too (the tests of the AVX2 paths, the A/B).
@@ -214,6 +215,29 @@ def q8_linear(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t x_ptr, uintptr_t 
                 failed += fl_q8_groups_avx2(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1) != 0
     if failed:
         raise MemoryError(f"q8_linear: no memory for a widened group of {in_features} inputs")
+
+
+def q8_widen(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t out_ptr, int out_features, int in_features,
+             int threads=1):
+    """A Q8_0 weight (pack_q8_0's layout) widened to bf16(d * q) in pack_bf16's layout at ``out_ptr`` (groups of
+    FL_GROUP features, padded), a group a task: what bf16_unpack then takes to [out, in] for torch's products. The
+    caller owns every check (as for q8_linear)."""
+    if not BF16_SUPPORTED:
+        raise RuntimeError("q8_widen: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
+    if out_features <= 0 or in_features <= 0 or in_features % FL_Q8_BLOCK:
+        raise ValueError(f"q8_widen: bad shape out={out_features} in={in_features}")
+    if q_ptr == 0 or scales_ptr == 0 or out_ptr == 0:
+        raise ValueError("q8_widen: null data pointer")
+    cdef const int8_t *q = <const int8_t *>q_ptr
+    cdef const float *sc = <const float *>scales_ptr
+    cdef uint16_t *dst = <uint16_t *>out_ptr
+    cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
+    cdef int g
+    cdef int native = _native
+    if threads < 1:
+        threads = 1
+    for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
+        fl_q8_widen_groups(q, sc, dst, in_features, g, g + 1, native)
 
 
 def flush_denormals(int threads=1, bint flush=True):

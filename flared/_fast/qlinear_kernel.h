@@ -209,33 +209,52 @@ FL_TARGET __attribute__((unused)) static int fl_q8_groups_wide(const int8_t *q, 
     return 0;
 }
 
-/* AVX2: one group widened (8 lanes at a time, linear_kernel.h's rounding), then fl_gemm_groups_avx2 over it.
- * Returns 0, or -1 when the scratch could not be had (nothing written). */
+/* One int8 group widened into bf16 pack_bf16's layout (dst: in * 64 values), AVX2: 8 lanes at a time, rounded
+ * with linear_kernel.h's integer rounding. */
+FL_AVX2_TARGET __attribute__((unused)) static void fl_q8_widen_group_avx2(const int8_t *group, const float *scales,
+                                                                         uint16_t *dst, int in) {
+    const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    for (int k = 0; k < in / 2; k++) {
+        const float *sb = scales + (size_t)(k / (FL_Q8_BLOCK / 2)) * FL_GROUP;
+        const int8_t *qk = group + (size_t)k * (2 * FL_GROUP);
+        uint16_t *dk = dst + (size_t)k * (2 * FL_GROUP);
+        for (int j = 0; j < 16; j++) {  /* 8 values: features 4j .. 4j + 3, two lanes each */
+            int64_t bits;
+            memcpy(&bits, qk + 8 * j, sizeof bits);
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
+            __m256 sc = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(sb + 4 * j)), dup);
+            _mm_storeu_si128((__m128i *)(dk + 8 * j), fl_avx2_round(_mm256_mul_ps(v, sc)));
+        }
+    }
+}
+
+/* AVX2: each group widened (fl_q8_widen_group_avx2), then fl_gemm_groups_avx2 over it. Returns 0, or -1 when the
+ * scratch could not be had (nothing written). */
 FL_AVX2_TARGET __attribute__((unused)) static int fl_q8_groups_avx2(const int8_t *q, const float *s,
                                                                     const uint16_t *x, uint16_t *y, int64_t ldy,
                                                                     int rows, int out, int in, int g0, int g1) {
     uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
     if (wide == NULL) return -1;
-    const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
     for (int g = g0; g < g1; g++) {
-        const int8_t *group = q + (size_t)g * FL_GROUP * in;
-        const float *scales = s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK);
-        for (int k = 0; k < in / 2; k++) {
-            const float *sb = scales + (size_t)(k / (FL_Q8_BLOCK / 2)) * FL_GROUP;
-            const int8_t *qk = group + (size_t)k * (2 * FL_GROUP);
-            uint16_t *dk = wide + (size_t)k * (2 * FL_GROUP);
-            for (int j = 0; j < 16; j++) {  /* 8 values: features 4j .. 4j + 3, two lanes each */
-                int64_t bits;
-                memcpy(&bits, qk + 8 * j, sizeof bits);
-                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits)));
-                __m256 sc = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(sb + 4 * j)), dup);
-                _mm_storeu_si128((__m128i *)(dk + 8 * j), fl_avx2_round(_mm256_mul_ps(v, sc)));
-            }
-        }
+        fl_q8_widen_group_avx2(q + (size_t)g * FL_GROUP * in, s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK), wide,
+                               in);
         int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
         fl_gemm_groups_avx2(wide, x, y + j0, ldy, rows, n, in, 0, 1);
     }
     return 0;
+}
+
+/* Groups [g0, g1) widened into pack_bf16's layout at dst (the whole packed bf16 weight), on AVX-512 BF16 or AVX2. */
+__attribute__((unused)) static void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int in,
+                                                       int g0, int g1, int native) {
+    for (int g = g0; g < g1; g++) {
+        const int8_t *group = q + (size_t)g * FL_GROUP * in;
+        const float *scales = s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK);
+        if (native)
+            fl_q8_widen_group(group, scales, dst + (size_t)g * FL_GROUP * in, in);
+        else
+            fl_q8_widen_group_avx2(group, scales, dst + (size_t)g * FL_GROUP * in, in);
+    }
 }
 
 #else
@@ -262,6 +281,9 @@ static int fl_q8_groups_avx2(const int8_t *q, const float *s, const uint16_t *x,
                              int rows, int out, int in, int g0, int g1) {
     (void)q; (void)s; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
     return -1;
+}
+static void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int in, int g0, int g1, int native) {
+    (void)q; (void)s; (void)dst; (void)in; (void)g0; (void)g1; (void)native;
 }
 
 #endif

@@ -29,7 +29,7 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.quant import Q8_BLOCK, check_quantization, pack_q8_0, q8_0_rows, quantize_q8_0, unpack_q8_0
+from flared.model.quant import Q8_BLOCK, check_quantization, pack_q8_0, q8_0_rows, quantize_q8_0
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -44,9 +44,9 @@ try:
 except ImportError:
     _AMX_KERNEL = _AMX_CPU = False
 try:
-    from flared._fast.linear import q8_linear
+    from flared._fast.linear import q8_linear, q8_widen
 except ImportError:  # (a build from before the Q8_0 kernels)
-    q8_linear = None
+    q8_linear = q8_widen = None
 try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
@@ -197,6 +197,22 @@ def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return out
 
 
+_widened = threading.local()  # each thread's scratch for widen_q8_0's packed bf16
+
+
+def widen_q8_0(q8: torch.Tensor, q8_scales: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A Q8_0 weight back to bf16 [out_features, in] (the kernels' bf16(d * q)): widened into pack_bf16's layout by
+    the C kernels, then unpack_bf16; both into the calling thread's scratch, which the next call overwrites."""
+    groups, pairs = q8.shape[0], q8.shape[1]
+    size = groups * pairs * 2 * GROUP_FEATURES
+    scratch = getattr(_widened, "buffer", None)
+    if scratch is None or scratch.numel() < size:
+        scratch = _widened.buffer = torch.empty(size, dtype=torch.bfloat16)
+    packed = scratch[:size].view(groups, pairs, GROUP_FEATURES, 2)
+    q8_widen(q8.data_ptr(), q8_scales.data_ptr(), packed.data_ptr(), out_features, pairs * 2, torch.get_num_threads())
+    return unpack_bf16(packed, out_features)
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] bf16 (in even) -> linear_kernel.h's layout: groups of GROUP_FEATURES output features, each
     [in / 2, GROUP_FEATURES, 2], zero rows past ``out``."""
@@ -253,7 +269,7 @@ class _Linear:
                 raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match Q8_0 weight "
                                  f"[{self.out_features}, {self.in_features}]")
             if UNPACK_MIN_ROWS is not None and num_rows >= UNPACK_MIN_ROWS:  # (AMX refused here: torch's product)
-                return F.linear(x, unpack_q8_0(self.q8, self.q8_scales, self.out_features), self.bias)
+                return F.linear(x, widen_q8_0(self.q8, self.q8_scales, self.out_features), self.bias)
             y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
             if num_rows:
                 x = x.contiguous()

@@ -91,6 +91,25 @@ def test_every_path_against_the_bf16_kernel_and_float64(out_features, in_feature
 
 
 @needs_kernels
+def test_every_path_widens_as_the_format_says():
+    """widen_q8_0 (the C widening, then bf16_unpack: the products of many rows where AMX is refused) gives
+    dequantize_q8_0's bf16 weight exactly, odd widths and padded groups included."""
+    from flared.model.decoder import widen_q8_0
+
+    g = torch.Generator().manual_seed(3)
+    before = torch.get_num_threads()
+    try:
+        for out_features, in_features in ((70, 96), (576, 1536), (130, 64)):
+            q, scales = quantize_q8_0(torch.randn(out_features, in_features, generator=g))
+            packed, packed_scales = pack_q8_0(q, scales)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(widen_q8_0(packed, packed_scales, out_features), dequantize_q8_0(q, scales))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         linear.q8_linear(1, 1, 1, 1, 1, 64, 48, 1)
