@@ -36,6 +36,19 @@ from flared.errors import FlareError
 log = logging.getLogger("flared")
 
 
+_quantization_option = click.option(
+    "--quantization", "-q", type=click.Choice(["q8_0", "none"], case_sensitive=False), default=None,
+    help="Keep the weights quantised: q8_0 (int8 in blocks of 32, 0.56x bf16's memory, faster CPU decode; a bfloat16 "
+         "core on the CPU executor) or none (default: as the core is).")
+
+
+def _quantization_override(quantization: str | None) -> dict:
+    """--quantization as a ServerConfig override ("none": the core's weights as they are)."""
+    if quantization is None:
+        return {}
+    return {"quantization": None if quantization.lower() == "none" else quantization.lower()}
+
+
 def _lora_options(fn):
     """llama.cpp's --lora and --lora-scaled (each repeatable): PEFT adapters merged into the weights at load; vLLM's
     --lora-modules NAME=PATH: adapters served per request under their own model names."""
@@ -116,9 +129,7 @@ def main() -> None:
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "fp8", "fp8_e4m3"]), default=None,
               help="KV cache element type: auto (the model's) or fp8 (float8 e4m3: twice the cached tokens in the "
                    "same memory, half the bytes each decode step reads; default auto).")
-@click.option("--quantization", "-q", type=click.Choice(["q8_0", "none"], case_sensitive=False), default=None,
-              help="Keep the weights quantised: q8_0 (int8 in blocks of 32, 0.56x bf16's memory, faster CPU decode; "
-                   "a bfloat16 core on the CPU executor) or none (default: as the core is).")
+@_quantization_option
 @click.option("--enforce-eager", is_flag=True, default=None,
               help="On a GPU, serve with torch's eager forward instead of CUDA graphs (vLLM's flag; slower; a vision "
                    "core's images on a GPU need it).")
@@ -158,8 +169,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             prompt_lookup_min=prompt_lookup_min, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager).items() if v is not None}
-        if quantization is not None:
-            overrides["quantization"] = None if quantization.lower() == "none" else quantization.lower()
+        overrides.update(_quantization_override(quantization))
         if served_names:
             overrides["served_names"] = tuple(served_names)
         if allowed_origins is not None:
@@ -257,8 +267,9 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 @_lora_options
+@_quantization_option
 def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
-              cache_dir, dtype, log_level, lora, lora_scaled, lora_modules):
+              cache_dir, dtype, log_level, lora, lora_scaled, lora_modules, quantization):
     """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results.
 
     Each line's url is /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/rerank,
@@ -273,6 +284,7 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
         if served_names:
             overrides["served_names"] = tuple(served_names)
         overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
+        overrides.update(_quantization_override(quantization))
         # serve nothing outside: an ephemeral loopback port, no admin socket, no port file
         config = dataclasses.replace(config, host="127.0.0.1", port=0, port_file=None, admin_socket=None,
                                      api_key=None, api_key_file=None, log_level=log_level, **overrides)

@@ -77,3 +77,23 @@ def test_flared_run_serves_q8_0_and_flarectl_lists_it(bf16_core, tmp_path):
         assert status == 200 and shown["details"]["quantization_level"] == "Q8_0", shown
     finally:
         daemon.kill()
+
+
+@pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
+def test_run_batch_takes_the_flag(bf16_core, tmp_path):
+    """`flared run-batch -q q8_0`: the offline lines run over the quantised weights (its log says so)."""
+    import json
+    import subprocess
+    import sys
+
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": list(range(3, 30)), "max_tokens": 6, "temperature": 0}}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps(line) + "\n")
+    cmd = [sys.executable, "-m", "flared.cli.daemon", "run-batch", "-i", str(src), "-o", str(out), "--served-name",
+           "tiny", "-q", "q8_0", "--log-level", "info", str(bf16_core)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "products kept as q8_0" in done.stderr
+    row = json.loads(out.read_text())
+    assert row["response"]["status_code"] == 200 and row["response"]["body"]["usage"]["completion_tokens"] == 6
