@@ -451,7 +451,7 @@ class ModelRuntime:
             raise ExecutionError(f"--quantization {self.quantization}: {exc}") from exc
         del tensors
         products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
-        self._weights_info = {"quantization": self.quantization,
+        self._weights_info = {"quantization": self.quantization, "dtype": m.dtype,
                               "quantized_products": sum(lin.q8 is not None for lin in products),
                               "products": len(products), "product_bytes": sum(lin.nbytes for lin in products)}
         if self.quantization is not None:
@@ -743,7 +743,8 @@ class ModelRuntime:
 
     def weights_info(self) -> dict:
         """How the layers' products and the LM head hold their weights once the model is loaded: ``quantization``
-        (None, or "q8_0"), ``quantized_products`` of ``products``, and ``product_bytes``; {} before."""
+        (None, or "q8_0"), the core's ``dtype``, ``quantized_products`` of ``products``, and ``product_bytes``; {}
+        before."""
         return dict(getattr(self, "_weights_info", {}))
 
     def kv_cache_info(self) -> dict:

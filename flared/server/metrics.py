@@ -153,6 +153,12 @@ class _RuntimeCollector:
                                          "by element type (kv_cache_dtype).", labels=["dtype"])
             kv_bytes.add_metric([kv["dtype"]], kv["bytes"])
             yield kv_bytes
+        weights = m.runtime.weights_info() if hasattr(m.runtime, "weights_info") else {}
+        if weights:
+            weight_bytes = GaugeMetricFamily("flare_weight_bytes", "Bytes the layers' products and the LM head hold, "
+                                             "by how they are kept (quantization).", labels=["quantization"])
+            weight_bytes.add_metric([weights["quantization"] or weights["dtype"]], weights["product_bytes"])
+            yield weight_bytes
         cache = m.cache_sizes()
         yield _gauge("flare_cached_checkpoints", "Prefix checkpoints held by the cache.", cache[0])
         yield _gauge("flare_cached_pages", "KV pages owned by cached prefix checkpoints.", cache[1])

@@ -75,6 +75,8 @@ def test_flared_run_serves_q8_0_and_flarectl_lists_it(bf16_core, tmp_path):
         assert "weights:     q8_0 (" in listed and " MiB" in listed, listed
         status, shown = daemon.request("POST", "/api/show", {"model": "tiny"})  # (Ollama's)
         assert status == 200 and shown["details"]["quantization_level"] == "Q8_0", shown
+        status, metrics = daemon.request("GET", "/metrics")  # (Prometheus text: the raw bytes)
+        assert status == 200 and b'flare_weight_bytes{quantization="q8_0"}' in metrics, metrics[:2000]
     finally:
         daemon.kill()
 

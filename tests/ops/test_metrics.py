@@ -66,12 +66,15 @@ def test_every_documented_series_is_exposed(ops_daemon):
     undocumented = {n for n in fams if n + "_total" not in documented and n not in documented
                     and not n.endswith("_created")}
     assert not undocumented, undocumented
-    # No request label anywhere: labels come from closed sets (dtype: the KV cache's element type).
+    # No request label anywhere: labels come from closed sets (dtype: the KV cache's element type; quantization: how
+    # the weights are kept).
     for samples in fams.values():
         for s in samples:
-            assert set(s.labels) <= {"kind", "state", "le", "dtype"}, s
+            assert set(s.labels) <= {"kind", "state", "le", "dtype", "quantization"}, s
     (kv,) = fams["flare_kv_cache_bytes"]
     assert kv.labels["dtype"] in ("float32", "bfloat16") and kv.value > 0
+    (weights,) = fams["flare_weight_bytes"]
+    assert weights.labels["quantization"] in ("float32", "bfloat16") and weights.value > 0
 
 
 def test_counters_move_with_traffic(ops_daemon):
