@@ -137,8 +137,8 @@ def q8_vnni(int on=-1):
     return bool(_q8_dots)
 # Products of at least this many rows widen a Q8_0 weight onto the AMX tiles where the CPU has them (0: never): the
 # integer dots stream the int8 weights at memory speed for a few rows, but their cost grows with each row as the bf16
-# AVX-512 kernel's does; the tiles' does not. On 2 Sapphire Rapids threads ([5632, 2048] and [1536, 576] matrices,
-# out of cache): dots 0.74 / 1.06 / 1.34 ms at 4 / 8 / 12 rows against the tiles' 1.16 / 1.23 / 1.27 (the larger).
+# AVX-512 kernel's does; the tiles' does not. On 2 threads of an Intel Xeon with AMX (a [5632, 2048] matrix out of
+# cache): dots 0.74 / 1.06 / 1.34 ms at 4 / 8 / 12 rows against the tiles' 1.16 / 1.23 / 1.27.
 cdef int _q8_amx_min_rows = 10 if AMX else 0
 
 
