@@ -27,12 +27,12 @@ def _fail(e: Exception) -> None:
     sys.exit(1)
 
 
-def resolve_core(core: str, cache_dir: Path | None) -> Path:
-    """A core path, or ``default`` for the embedded model (exported on first use)."""
+def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32") -> Path:
+    """A core path, or ``default`` for the embedded model (exported on first use, in ``dtype``)."""
     if core == "default":
         from flared.core.default import ensure_default_core
 
-        return ensure_default_core(cache_dir or default_cache_dir())
+        return ensure_default_core(cache_dir or default_cache_dir(), dtype)
     return Path(core)
 
 
@@ -86,7 +86,9 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
-def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir):
+@click.option("--quantization", "-q", type=click.Choice(["q8_0"], case_sensitive=False), default=None,
+              help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32; docs/model.md).")
+def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization):
     """One-shot local generation on CORE (a core directory or 'default')."""
     from flared.runtime.oneshot import OneShot
 
@@ -102,7 +104,9 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
             if not isinstance(parsed, list) or not all(isinstance(m, dict) for m in parsed):
                 raise click.UsageError("--messages must be a JSON list of message objects")
         t0 = time.monotonic()
-        engine = OneShot.open(resolve_core(core, cache_dir))
+        # (the embedded model in bfloat16 where its weights are to be quantised: q8_0 takes a bfloat16 core)
+        engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32"),
+                              quantization=quantization.lower() if quantization else None)
         load_s = time.monotonic() - t0
         result = engine.generate(prompt=prompt, messages=parsed, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flared.core.load import Core, open_core
-from flared.errors import AdmissionError, ErrorKind, FrontendError
+from flared.errors import AdmissionError, ErrorKind, ExecutionError, FrontendError
 
 
 class OneShot:
@@ -24,7 +24,8 @@ class OneShot:
         self.template = template  # flared.frontend.ChatTemplate or None
 
     @classmethod
-    def open(cls, path: str | Path, *, max_batch: int = 8) -> "OneShot":
+    def open(cls, path: str | Path, *, max_batch: int = 8, quantization: str | None = None) -> "OneShot":
+        """``quantization``: "q8_0" keeps a bfloat16 core's products as Q8_0 (flared/model/quant.py)."""
         import torch
         from tokenizers import Tokenizer
 
@@ -39,10 +40,15 @@ class OneShot:
             raise FrontendError(f"{core.tokenizer_path}: unreadable tokenizer: {e}", ErrorKind.TOKENIZER) from None
         source = core.chat_template()
         template = ChatTemplate(source) if source is not None else None
-        runner = ModelRunner(core.config, core.load_tensors(), dtype=getattr(torch, m.dtype), device="cpu",
-                             num_pages=m.capacities.kv_pages, page_tokens=m.capacities.page_tokens,
-                             max_batch=min(max_batch, m.capacities.concurrency),
-                             prefill_chunk_tokens=m.capacities.prefill_chunk_tokens)
+        try:
+            runner = ModelRunner(core.config, core.load_tensors(), dtype=getattr(torch, m.dtype), device="cpu",
+                                 num_pages=m.capacities.kv_pages, page_tokens=m.capacities.page_tokens,
+                                 max_batch=min(max_batch, m.capacities.concurrency),
+                                 prefill_chunk_tokens=m.capacities.prefill_chunk_tokens, quantization=quantization)
+        except ValueError as e:
+            if quantization is None:
+                raise
+            raise ExecutionError(f"--quantization {quantization}: {e}", ErrorKind.VALIDATION) from None
         return cls(core, runner, tokenizer, template)
 
     def prompt_ids(self, *, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

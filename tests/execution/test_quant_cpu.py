@@ -99,3 +99,21 @@ def test_run_batch_takes_the_flag(bf16_core, tmp_path):
     assert "products kept as q8_0" in done.stderr
     row = json.loads(out.read_text())
     assert row["response"]["status_code"] == 200 and row["response"]["body"]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
+def test_flarectl_generate_takes_the_flag(bf16_core, tiny_core):
+    """`flarectl generate CORE -q q8_0`: a one-shot generation over the quantised weights; a float32 core is refused
+    with the reason (exit 1)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from flared.cli.ctl import main as flarectl
+
+    done = CliRunner().invoke(flarectl, ["generate", str(bf16_core), "--prompt", "hello there", "--max-tokens", "5",
+                                         "-q", "q8_0", "--json"])
+    assert done.exit_code == 0, done.output
+    assert len(json.loads(done.output)["token_ids"]) == 5
+    refused = CliRunner().invoke(flarectl, ["generate", str(tiny_core), "--prompt", "hello", "-q", "q8_0"])
+    assert refused.exit_code == 1 and "q8_0 weights run on the CPU executor in bfloat16" in refused.output
