@@ -261,3 +261,32 @@ def test_the_avx2_paths_in_a_process_of_their_own():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout, result.stdout[-2000:]
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "granite4_h", "lfm2", "deepseek_v2", "gpt_oss", "gemma4",
+                                    "jamba", "kimi_linear", "llama4", "falcon_h1", "deepseek_v32", "bloom"])
+def test_every_kind_of_layer_serves_quantised(family, tmp_path):
+    """Recurrent mixers' projections (Gated DeltaNet, Mamba, short convolutions, KDA), latent attention with and
+    without the indexer, biased and clamped experts, Gemma's per-layer inputs, ALiBi: a quantised prefill runs, its
+    products are Q8_0, and its logits stay near the bf16 model's (these tiny random models part by 1.5-10% of the
+    largest logit, as bf16 parts from float32 on them)."""
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    source = read_source(build_hf_checkpoint(family, tmp_path))
+    models = [DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=q) for q in (None, "q8_0")]
+    assert any(lin.q8 is not None for layer in models[1].layers for lin in models[1]._linears(layer))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, min(source.config.vocab_size, 500), n).tolist() for n in (9, 21)]
+    logits = []
+    for model in models:
+        kv = model.make_kv_cache(num_pages=8, page_tokens=16, **({"state_rows": 2} if source.config.linear_layers
+                                                                 else {}))
+        chunks = [SequenceChunk(p, 0, np.arange(4 * i, 4 * i + 4)) for i, p in enumerate(prompts)]
+        for i, chunk in enumerate(chunks):
+            chunk.state_row = i
+        logits.append(model.forward(ForwardBatch.build(chunks, page_tokens=16), kv).float())
+    bf16, q8 = logits
+    assert torch.isfinite(q8).all()
+    assert (q8 - bf16).abs().max().item() <= 0.15 * bf16.abs().max().item()
