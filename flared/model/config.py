@@ -264,7 +264,7 @@ _LATER_FIELDS = {"embed_scale", "hidden_act", "sandwich_norm", "attention_scale"
                  "lm_head_bias", "parallel_norms", "query_position_scale", "query_position_floor",
                  "embedding_norm", "router_sparsemixer", "clip_qkv", "position_embeddings", "alibi_slopes",
                  "embedding_layer_norm", "qk_layer_norm_per_head", "index_topk", "index_heads", "index_head_dim",
-                 "index_shared_layers", "index_rope_interleaved"}
+                 "index_shared_layers", "index_rope_interleaved", "alibi_bf16_positions"}
 
 # What a model's linear (KV-less) layers are: Qwen3-Next's Gated DeltaNet, LFM2's short convolutions, Mamba-2.
 LINEAR_KINDS = ("gated_delta", "short_conv", "mamba2", "mamba1", "kda")
@@ -493,6 +493,11 @@ class ModelConfig:
     # ALiBi (BLOOM): each query head's slope; a score gains slope * (key position - query position), unscaled, before
     # its softmax; every layer unrotated (nope_layers). (): none.
     alibi_slopes: tuple[float, ...] = ()
+    # Falcon-RW: transformers forms each key's bias as bf16(bf16 slope * key position) and then divides it by
+    # sqrt(head_dim) (alibi_slopes hold the slopes already divided): the bias is bf16(slope * sqrt(d) * position) /
+    # sqrt(d), key positions absolute. With slopes that are not powers of two (Falcon-RW-1B's 32 heads) or positions
+    # past 256 the rounding moves the logits by up to 0.2 on test models.
+    alibi_bf16_positions: bool = False
     # BLOOM: the embeddings through a LayerNorm of their own (embed_norm, biased) before the first layer
     embedding_layer_norm: bool = False
     # StableLM 2 12B: each q and k head through a LayerNorm of its own (qk_norm; q_norm [heads, d], k_norm [kv heads,
@@ -798,6 +803,8 @@ class ModelConfig:
             return "chunked attention, temperature-tuned queries"
         if self.index_topk:
             return "sparse attention's indexer (DeepSeek V3.2, GLM-5)"
+        if self.alibi_bf16_positions:
+            return "Falcon-RW's ALiBi (biases rounded to bf16 at each key position)"
         if self.num_experts and dtype != "bfloat16":
             return f"routed experts in {dtype} (the graphs group experts' rows with bf16 grouped products)"
         return None
@@ -1894,7 +1901,7 @@ def _falcon_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("alibi"):
         root = math.sqrt(sizes["head_dim"])
         alibi = dict(alibi_slopes=tuple(_bfloat16(s) / root for s in alibi_slopes(heads)),
-                     nope_layers=tuple(range(sizes["num_layers"])))
+                     nope_layers=tuple(range(sizes["num_layers"])), alibi_bf16_positions=True)
     return ModelConfig(
         architecture="llama", **sizes, rms_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), rope_theta=theta,
         rope_scaling=scaling, attention_bias=biased, attention_out_bias=biased, qk_norm=False, layer_norm=True,

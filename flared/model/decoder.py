@@ -369,6 +369,8 @@ class DecoderModel:
         # ALiBi (BLOOM): each query head's slope, float32 [nh]
         self.alibi = (torch.tensor(config.alibi_slopes, dtype=torch.float32, device=self.device)
                       if config.alibi_slopes else None)
+        # Falcon-RW (alibi_bf16_positions): each key's bias bf16(the undivided slope * its position) / sqrt(head_dim)
+        self.alibi_root = config.head_dim ** 0.5 if config.alibi_bf16_positions else None
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = norm("final_norm.weight")
         # Gemma 4 E2B / E4B: (each token's per-layer rows, the embedding's projection to them, its per-layer norm)
@@ -1720,11 +1722,18 @@ class DecoderModel:
     def _alibi_bias(self, batch: ForwardBatch, key, q_positions: torch.Tensor, length: int) -> torch.Tensor:
         """ALiBi's score biases slope * (key position - query position), float32 [nh, Q, length], for the query
         positions [Q] over keys 0..length - 1: made once a batch (every layer shares them), kept in the batch's mask
-        cache under ``key``."""
+        cache under ``key``. Falcon-RW's (alibi_bf16_positions): bf16(slope * sqrt(d) * key position) / sqrt(d), the
+        same for every query (a row's constant shift leaves its softmax as it was), as transformers rounds them."""
         cache = batch.window_masks
         if ("alibi", key) not in cache:
-            distance = torch.arange(length, device=self.device)[None, :] - q_positions.to(self.device)[:, None]
-            cache[("alibi", key)] = self.alibi[:, None, None] * distance.float()  # [nh, Q, length]
+            positions = torch.arange(length, device=self.device)
+            if self.alibi_root is not None:
+                raw = (self.alibi * self.alibi_root).to(torch.bfloat16)  # (the undivided slopes, bf16 as released)
+                bias = (raw[:, None] * positions.to(torch.bfloat16)).float() / self.alibi_root  # [nh, length]
+                cache[("alibi", key)] = bias[:, None, :].expand(-1, q_positions.shape[0], -1).contiguous()
+            else:
+                distance = positions[None, :] - q_positions.to(self.device)[:, None]
+                cache[("alibi", key)] = self.alibi[:, None, None] * distance.float()  # [nh, Q, length]
         return cache[("alibi", key)]
 
     def _attention(self, layer: int, batch: ForwardBatch, kv: PagedKVCache, q: torch.Tensor, k: torch.Tensor,

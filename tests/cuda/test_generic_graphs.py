@@ -20,7 +20,7 @@ PROMPTS = [list(range(5, 155)), list(range(200, 210)), [7], list(range(300, 340)
 FLOAT32 = ["gemma2", "gemma3", "phi4_mini", "olmo2", "granite", "ministral", "cohere", "stablelm", "gpt_neox", "smollm3",
            "hunyuan", "starcoder2", "gemma", "llama_head24", "ministral3", "hyperclovax", "olmo", "nanochat", "gemma4",
            "gemma4_values", "gemma4_e2b", "youtu", "minicpm3", "vaultgemma", "jais2", "gpt2", "gpt_bigcode",
-           "gpt_bigcode_mha", "gptj", "falcon", "falcon_new", "falcon_seq", "bloom", "mpt", "falcon_rw", "opt", "granite_swa", "stablelm_12b", "gpt_neo"]
+           "gpt_bigcode_mha", "gptj", "falcon", "falcon_new", "falcon_seq", "bloom", "mpt", "opt", "granite_swa", "stablelm_12b", "gpt_neo"]
 # (deepseek_v2/v3: latent attention served absorbed, triton_mla's kernels; Gemma 4: global layers' wider heads)
 BF16 = ["mixtral", "qwen3_moe", "olmoe", "ernie4_5_moe", "gpt_oss", "gemma3", "phi4_mini", "deepseek_v2", "deepseek_v3",
         "phimoe", "gemma4_moe", "gemma4", "flex_olmo", "mellum", "cohere2_moe", "cohere2_moe_rms"]

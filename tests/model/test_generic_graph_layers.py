@@ -29,10 +29,11 @@ GENERIC = ["gemma3", "gemma", "mixtral", "qwen3_moe", "olmoe", "dots1", "ernie4_
            "ministral", "apertus", "glm", "gpt_oss", "granitemoe_swa", "gemma2", "ministral3", "hyperclovax", "sarvam_moe", "nanochat", "phimoe", "olmo", "deepseek_v2", "deepseek_v3",
            "glm4_moe_lite", "llama_head24", "gemma4", "gemma4_values", "gemma4_moe", "gemma4_e2b",
            "youtu", "vaultgemma", "jais2", "flex_olmo", "mellum", "gpt2", "gpt_bigcode", "gpt_bigcode_mha", "gptj", "falcon",
-           "falcon_new", "falcon_seq", "minicpm3", "bloom", "mpt", "falcon_rw", "opt", "granite_swa", "stablelm_12b", "cohere2_moe",
+           "falcon_new", "falcon_seq", "minicpm3", "bloom", "mpt", "opt", "granite_swa", "stablelm_12b", "cohere2_moe",
            "cohere2_moe_rms", "gpt_neo"]
 # ... and what it refuses (the eager executor serves those on a GPU)
-REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked", "deepseek_v32": "indexer", "glm_moe_dsa": "indexer"}
+REFUSED = {"qwen3_5": "Gated DeltaNet", "llama4": "chunked", "deepseek_v32": "indexer", "glm_moe_dsa": "indexer",
+           "falcon_rw": "Falcon-RW's ALiBi"}
 
 
 def _oracle(k_pool, v_pool, slots_of, positions, scale):
