@@ -45,12 +45,9 @@ cdef extern from "qlinear_kernel.h" nogil:
     void fl_q8_quantize_rows(const uint16_t *x, int rows, int inp, int16_t *xq, float *xs)
     void fl_q8_groups(const int8_t *q, const float *s, const int16_t *xq, const float *xs, uint16_t *y, int64_t ldy,
                       int rows, int out, int inp, int g0, int g1)
-    int fl_q8_groups_amx(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
-                         int out, int inp, int g0, int g1)
-    int fl_q8_groups_wide(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
-                          int out, int inp, int g0, int g1)
-    int fl_q8_groups_avx2(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
-                          int out, int inp, int g0, int g1)
+    int FL_Q8_ON_AVX2, FL_Q8_ON_AVX512, FL_Q8_ON_AMX
+    int fl_q8_groups_widened(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                             int out, int inp, int g0, int g1, int kernel)
     void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int inp, int g0, int g1, int native)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
@@ -167,22 +164,14 @@ def q8_linear(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t x_ptr, uintptr_t 
     cdef const uint16_t *x = <const uint16_t *>x_ptr
     cdef uint16_t *y = <uint16_t *>out_ptr
     cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
-    cdef int g, t, failed = 0
+    cdef int g, t, kernel, failed = 0
     cdef int16_t *xq
     cdef float *xs
     if threads > groups:
         threads = groups
     if threads < 1:
         threads = 1
-    if _q8_amx_min_rows and rows >= _q8_amx_min_rows:
-        if threads == 1:
-            with nogil:
-                failed = fl_q8_groups_amx(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups) != 0
-        else:
-            for t in prange(threads, nogil=True, num_threads=threads, schedule="static", chunksize=1):
-                failed += fl_q8_groups_amx(q, sc, x, y, out_features, rows, out_features, in_features,
-                                           t * groups // threads, (t + 1) * groups // threads) != 0
-    elif _q8_dots:
+    if _q8_dots and not (_q8_amx_min_rows and rows >= _q8_amx_min_rows):
         xq = <int16_t *>malloc(<size_t>rows * in_features * sizeof(int16_t))
         xs = <float *>malloc(<size_t>rows * (in_features // FL_Q8_BLOCK) * sizeof(float))
         if xq == NULL or xs == NULL:
@@ -201,18 +190,25 @@ def q8_linear(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t x_ptr, uintptr_t 
         finally:
             free(xq)
             free(xs)
-    elif threads == 1:
+        return
+    # Widened: onto the AMX tiles (each thread a contiguous run of groups: one tile configuration a thread), else
+    # into this CPU's bf16 kernel, a group a task
+    if _q8_amx_min_rows and rows >= _q8_amx_min_rows:
+        kernel = FL_Q8_ON_AMX
+    else:
+        kernel = FL_Q8_ON_AVX512 if _native else FL_Q8_ON_AVX2
+    if threads == 1:
         with nogil:
-            if _native:
-                failed = fl_q8_groups_wide(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups) != 0
-            else:
-                failed = fl_q8_groups_avx2(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups) != 0
+            failed = fl_q8_groups_widened(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups,
+                                          kernel) != 0
+    elif kernel == FL_Q8_ON_AMX:
+        for t in prange(threads, nogil=True, num_threads=threads, schedule="static", chunksize=1):
+            failed += fl_q8_groups_widened(q, sc, x, y, out_features, rows, out_features, in_features,
+                                           t * groups // threads, (t + 1) * groups // threads, kernel) != 0
     else:
         for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
-            if _native:
-                failed += fl_q8_groups_wide(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1) != 0
-            else:
-                failed += fl_q8_groups_avx2(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1) != 0
+            failed += fl_q8_groups_widened(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1,
+                                           kernel) != 0
     if failed:
         raise MemoryError(f"q8_linear: no memory for a widened group of {in_features} inputs")
 

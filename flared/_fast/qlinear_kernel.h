@@ -13,7 +13,7 @@
  *   nothing bf16 had above 1/32767 of its block's largest value), VPDPWSSD sums q * xq in int32 exactly, and each
  *   block's sum joins a float32 total times both scales. The int8 values stay int8 until the multiply: the loop
  *   does two instructions a pair of 16 weights, so a product is bound by memory, not by widening.
- * - Widened (fl_q8_groups_amx for many rows on AMX tiles, fl_q8_groups_wide without VNNI, fl_q8_groups_avx2): a
+ * - Widened (fl_q8_groups_widened: for many rows on AMX tiles, everywhere without VNNI, on AVX2 hosts): a
  *   group is widened into a per-thread scratch as bf16(scale * q), rounded to nearest-even (VCVTNE2PS2BF16, which
  *   reads a denormal product as zero: one under 1.2e-38 never comes from a real weight; the AVX2 widening rounds
  *   with linear_kernel.h's integer rounding), and run by that path's bf16 kernel: bf16_linear's result over the
@@ -28,6 +28,10 @@
 #include "linear_kernel.h"
 
 #define FL_Q8_BLOCK 32
+/* The bf16 kernels a widened group runs on (fl_q8_groups_widened). */
+#define FL_Q8_ON_AVX2 0
+#define FL_Q8_ON_AVX512 1
+#define FL_Q8_ON_AMX 2
 
 #if FL_HAVE_X86
 
@@ -178,37 +182,6 @@ FL_TARGET static void fl_q8_widen_group(const int8_t *group, const float *scales
     }
 }
 
-/* Groups [g0, g1) on the AMX tiles: each group widened, then fl_amx_group over it (the bf16 kernel's result over
- * the dequantised weight, bit for bit). Returns 0, or -1 without the scratch (nothing written). */
-FL_AMX_TARGET __attribute__((unused)) static int fl_q8_groups_amx(const int8_t *q, const float *s, const uint16_t *x,
-                                                                   uint16_t *y, int64_t ldy, int rows, int out,
-                                                                   int in, int g0, int g1) {
-    uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
-    if (wide == NULL) return -1;
-    for (int g = g0; g < g1; g++) {
-        int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
-        fl_q8_widen_group(q + (size_t)g * FL_GROUP * in, s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK), wide, in);
-        fl_amx_group(wide, x, in, y + j0, ldy, rows, in / 2, n);
-    }
-    fl_amx_release();
-    return 0;
-}
-
-/* Groups [g0, g1) as fl_q8_groups_amx, each widened then run by linear_kernel.h's AVX-512 BF16 kernel (a CPU
- * with AVX-512 BF16 but not VNNI). Returns 0, or -1 without the scratch. */
-FL_TARGET __attribute__((unused)) static int fl_q8_groups_wide(const int8_t *q, const float *s, const uint16_t *x,
-                                                               uint16_t *y, int64_t ldy, int rows, int out, int in,
-                                                               int g0, int g1) {
-    uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
-    if (wide == NULL) return -1;
-    for (int g = g0; g < g1; g++) {
-        int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
-        fl_q8_widen_group(q + (size_t)g * FL_GROUP * in, s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK), wide, in);
-        fl_gemm_groups(wide, x, y + j0, ldy, rows, n, in, 0, 1);
-    }
-    return 0;
-}
-
 /* One int8 group widened into bf16 pack_bf16's layout (dst: in * 64 values), AVX2: 8 lanes at a time, rounded
  * with linear_kernel.h's integer rounding. */
 FL_AVX2_TARGET __attribute__((unused)) static void fl_q8_widen_group_avx2(const int8_t *group, const float *scales,
@@ -228,33 +201,46 @@ FL_AVX2_TARGET __attribute__((unused)) static void fl_q8_widen_group_avx2(const 
     }
 }
 
-/* AVX2: each group widened (fl_q8_widen_group_avx2), then fl_gemm_groups_avx2 over it. Returns 0, or -1 when the
- * scratch could not be had (nothing written). */
-FL_AVX2_TARGET __attribute__((unused)) static int fl_q8_groups_avx2(const int8_t *q, const float *s,
-                                                                    const uint16_t *x, uint16_t *y, int64_t ldy,
-                                                                    int rows, int out, int in, int g0, int g1) {
+/* Group g of a Q8_0 weight widened into bf16 pack_bf16's layout at dst (in * 64 values): AVX-512 BF16 (native)
+ * or AVX2. */
+__attribute__((unused)) static void fl_q8_widen_one(const int8_t *q, const float *s, uint16_t *dst, int in, int g,
+                                                    int native) {
+    const int8_t *group = q + (size_t)g * FL_GROUP * in;
+    const float *scales = s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK);
+    if (native)
+        fl_q8_widen_group(group, scales, dst, in);
+    else
+        fl_q8_widen_group_avx2(group, scales, dst, in);
+}
+
+
+/* Groups [g0, g1) of y [rows, ldy] = x @ w^T, each group widened into a per-thread scratch then run by `kernel`'s
+ * bf16 kernel (the AMX tiles, linear_kernel.h's AVX-512 BF16 one, or its AVX2 one): that kernel's result over the
+ * dequantised weight, bit for bit. Returns 0, or -1 without the scratch (nothing written). */
+__attribute__((unused)) static int fl_q8_groups_widened(const int8_t *q, const float *s, const uint16_t *x,
+                                                        uint16_t *y, int64_t ldy, int rows, int out, int in, int g0,
+                                                        int g1, int kernel) {
     uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
     if (wide == NULL) return -1;
     for (int g = g0; g < g1; g++) {
-        fl_q8_widen_group_avx2(q + (size_t)g * FL_GROUP * in, s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK), wide,
-                               in);
         int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
-        fl_gemm_groups_avx2(wide, x, y + j0, ldy, rows, n, in, 0, 1);
+        fl_q8_widen_one(q, s, wide, in, g, kernel != FL_Q8_ON_AVX2);
+        if (kernel == FL_Q8_ON_AMX)
+            fl_amx_group(wide, x, in, y + j0, ldy, rows, in / 2, n);
+        else if (kernel == FL_Q8_ON_AVX512)
+            fl_gemm_groups(wide, x, y + j0, ldy, rows, n, in, 0, 1);
+        else
+            fl_gemm_groups_avx2(wide, x, y + j0, ldy, rows, n, in, 0, 1);
     }
+    if (kernel == FL_Q8_ON_AMX)
+        fl_amx_release();
     return 0;
 }
 
 /* Groups [g0, g1) widened into pack_bf16's layout at dst (the whole packed bf16 weight), on AVX-512 BF16 or AVX2. */
 __attribute__((unused)) static void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int in,
                                                        int g0, int g1, int native) {
-    for (int g = g0; g < g1; g++) {
-        const int8_t *group = q + (size_t)g * FL_GROUP * in;
-        const float *scales = s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK);
-        if (native)
-            fl_q8_widen_group(group, scales, dst + (size_t)g * FL_GROUP * in, in);
-        else
-            fl_q8_widen_group_avx2(group, scales, dst + (size_t)g * FL_GROUP * in, in);
-    }
+    for (int g = g0; g < g1; g++) fl_q8_widen_one(q, s, dst + (size_t)g * FL_GROUP * in, in, g, native);
 }
 
 #else
@@ -267,19 +253,9 @@ static void fl_q8_groups(const int8_t *q, const float *s, const int16_t *xq, con
                          int64_t ldy, int rows, int out, int in, int g0, int g1) {
     (void)q; (void)s; (void)xq; (void)xs; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
 }
-static int fl_q8_groups_amx(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
-                            int out, int in, int g0, int g1) {
-    (void)q; (void)s; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
-    return -1;
-}
-static int fl_q8_groups_wide(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
-                             int out, int in, int g0, int g1) {
-    (void)q; (void)s; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
-    return -1;
-}
-static int fl_q8_groups_avx2(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy,
-                             int rows, int out, int in, int g0, int g1) {
-    (void)q; (void)s; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
+static int fl_q8_groups_widened(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy,
+                                int rows, int out, int in, int g0, int g1, int kernel) {
+    (void)q; (void)s; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1; (void)kernel;
     return -1;
 }
 static void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int in, int g0, int g1, int native) {

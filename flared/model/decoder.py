@@ -264,29 +264,24 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if self.q8 is not None:
+        if self.packed is not None or self.q8 is not None:  # (the CPU kernels: flared/_fast/linear.pyx)
             if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
-                raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match Q8_0 weight "
-                                 f"[{self.out_features}, {self.in_features}]")
-            if UNPACK_MIN_ROWS is not None and num_rows >= UNPACK_MIN_ROWS:  # (AMX refused here: torch's product)
-                return F.linear(x, widen_q8_0(self.q8, self.q8_scales, self.out_features), self.bias)
-            y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
-            if num_rows:
-                x = x.contiguous()
-                q8_linear(self.q8.data_ptr(), self.q8_scales.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows,
-                          self.out_features, self.in_features, torch.get_num_threads())
-            return y if self.bias is None else y.add_(self.bias)
-        if self.packed is not None:
-            if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
-                raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match bf16 weight "
+                raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match "
+                                 f"{'bf16' if self.q8 is None else 'Q8_0'} weight "
                                  f"[{self.out_features}, {self.in_features}]")
             if UNPACK_MIN_ROWS is not None and num_rows >= UNPACK_MIN_ROWS:  # (AMX: torch's product, see above)
-                return F.linear(x, unpack_bf16(self.packed, self.out_features), self.bias)
+                dense = (unpack_bf16(self.packed, self.out_features) if self.q8 is None
+                         else widen_q8_0(self.q8, self.q8_scales, self.out_features))
+                return F.linear(x, dense, self.bias)
             y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
             if num_rows:
                 x = x.contiguous()  # the kernel reads raw row-major memory
-                bf16_linear(self.packed.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
-                            self.in_features, torch.get_num_threads())
+                if self.q8 is None:
+                    bf16_linear(self.packed.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
+                                self.in_features, torch.get_num_threads())
+                else:
+                    q8_linear(self.q8.data_ptr(), self.q8_scales.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows,
+                              self.out_features, self.in_features, torch.get_num_threads())
             return y if self.bias is None else y.add_(self.bias)
         if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
                 (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1) or not split_pays():
@@ -369,8 +364,12 @@ class DecoderModel:
         # ALiBi (BLOOM): each query head's slope, float32 [nh]
         self.alibi = (torch.tensor(config.alibi_slopes, dtype=torch.float32, device=self.device)
                       if config.alibi_slopes else None)
-        # Falcon-RW (alibi_bf16_positions): each key's bias bf16(the undivided slope * its position) / sqrt(head_dim)
-        self.alibi_root = config.head_dim ** 0.5 if config.alibi_bf16_positions else None
+        # Falcon-RW (alibi_bf16_positions): each key's bias bf16(the undivided slope, bf16 as released, * its
+        # position) / sqrt(head_dim): (those slopes, sqrt(head_dim))
+        self.alibi_bf16 = None
+        if config.alibi_bf16_positions:
+            root = config.head_dim ** 0.5
+            self.alibi_bf16 = ((self.alibi * root).to(torch.bfloat16), root)
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.final_norm = norm("final_norm.weight")
         # Gemma 4 E2B / E4B: (each token's per-layer rows, the embedding's projection to them, its per-layer norm)
@@ -1727,9 +1726,9 @@ class DecoderModel:
         cache = batch.window_masks
         if ("alibi", key) not in cache:
             positions = torch.arange(length, device=self.device)
-            if self.alibi_root is not None:
-                raw = (self.alibi * self.alibi_root).to(torch.bfloat16)  # (the undivided slopes, bf16 as released)
-                bias = (raw[:, None] * positions.to(torch.bfloat16)).float() / self.alibi_root  # [nh, length]
+            if self.alibi_bf16 is not None:
+                slopes, root = self.alibi_bf16
+                bias = (slopes[:, None] * positions.to(torch.bfloat16)).float() / root  # [nh, length]
                 cache[("alibi", key)] = bias[:, None, :].expand(-1, q_positions.shape[0], -1).contiguous()
             else:
                 distance = positions[None, :] - q_positions.to(self.device)[:, None]

@@ -66,17 +66,10 @@ def pack_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def q8_0_rows(packed: torch.Tensor, packed_scales: torch.Tensor, rows: list[int],
               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Rows ``rows`` of pack_q8_0's weight, dequantised as unpack_q8_0 would give them: [len(rows), in]."""
+    """Rows ``rows`` of pack_q8_0's weight, dequantised as the kernels use them (dequantize_q8_0): [len(rows), in].
+    (The whole weight goes back to bf16 through the C kernels: decoder.widen_q8_0.)"""
     index = torch.tensor(rows, dtype=torch.long)
     groups, features = index // GROUP_FEATURES, index % GROUP_FEATURES
     q = packed[groups, :, features, :].reshape(len(rows), -1)  # [rows, in / 2, 2] -> [rows, in]
     return dequantize_q8_0(q, packed_scales[groups, :, features], dtype)
 
-
-def unpack_q8_0(packed: torch.Tensor, packed_scales: torch.Tensor, out_features: int,
-                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """pack_q8_0's layout back to the dequantised weight [out_features, in] (the kernels' bf16(d * q))."""
-    groups, pairs = packed.shape[0], packed.shape[1]
-    q = packed.permute(0, 2, 1, 3).reshape(groups * GROUP_FEATURES, pairs * 2)[:out_features]
-    scales = packed_scales.permute(0, 2, 1).reshape(groups * GROUP_FEATURES, -1)[:out_features]
-    return dequantize_q8_0(q, scales, dtype)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flared.model.batch import ForwardBatch, SequenceChunk
-from flared.model.quant import check_quantization, dequantize_q8_0, pack_q8_0, quantize_q8_0, unpack_q8_0
+from flared.model.quant import check_quantization, dequantize_q8_0, pack_q8_0, q8_0_rows, quantize_q8_0
 from .conftest import build_hf_checkpoint
 
 linear = pytest.importorskip("flared._fast.linear")
@@ -28,7 +28,7 @@ def test_the_format_round_trips_within_half_a_step():
     assert ((back - w).abs() <= step / 2 + 1e-7).all()
     packed, packed_scales = pack_q8_0(q, scales)
     assert packed.shape == (2, 48, 64, 2) and packed_scales.shape == (2, 3, 64)  # (70 features: 2 groups of 64)
-    assert torch.equal(unpack_q8_0(packed, packed_scales, 70, torch.float32), back)
+    assert torch.equal(q8_0_rows(packed, packed_scales, list(range(70)), torch.float32), back)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_q8_0(torch.zeros(4, 48))
 
@@ -236,13 +236,13 @@ def test_quantisation_is_refused_where_it_cannot_run(tmp_path):
 def test_an_untied_lm_head_keeps_one_quantised_copy(tmp_path):
     """Llama 3 (untied): the bf16 LM head is let go; token_logits (rerank, score) reads the dequantised rows, the
     same numbers the quantised products use."""
-    from flared.model.quant import q8_0_rows
+    from flared.model.decoder import widen_q8_0
 
     quantised, twin = _models("llama3", tmp_path)
     assert quantised.lm_head is None and not quantised.config.tie_word_embeddings
     head = quantised.lm_head_linear
     ids = [0, 5, 63, 64, 200, quantised.config.vocab_size - 1]
-    full = unpack_q8_0(head.q8, head.q8_scales, head.out_features)
+    full = widen_q8_0(head.q8, head.q8_scales, head.out_features)
     assert torch.equal(q8_0_rows(head.q8, head.q8_scales, ids), full[ids])
     vectors = torch.randn(3, quantised.config.hidden_size)
     assert torch.allclose(quantised.token_logits(vectors, ids), twin.token_logits(vectors, ids))
