@@ -298,6 +298,7 @@ class ModelRuntime:
         from flared.model.quant import check_quantization
 
         self.quantization = check_quantization(quantization)
+        self._weights_info: dict = {}  # weights_info(), once loaded
         # vLLM's --enforce-eager: a GPU serves through the eager executor, without graphs
         self.enforce_eager = enforce_eager
         # Speculative decoding by prompt lookup: (draft tokens a step, longest and shortest n-gram); 0 drafts: off.
@@ -745,7 +746,7 @@ class ModelRuntime:
         """How the layers' products and the LM head hold their weights once the model is loaded: ``quantization``
         (None, or "q8_0"), the core's ``dtype``, ``quantized_products`` of ``products``, and ``product_bytes``; {}
         before."""
-        return dict(getattr(self, "_weights_info", {}))
+        return dict(self._weights_info)
 
     def kv_cache_info(self) -> dict:
         """The KV cache's element type (``dtype``: "bfloat16", "float8_e4m3fn", ...), ``pages`` (the pool's: the

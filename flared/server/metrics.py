@@ -153,7 +153,7 @@ class _RuntimeCollector:
                                          "by element type (kv_cache_dtype).", labels=["dtype"])
             kv_bytes.add_metric([kv["dtype"]], kv["bytes"])
             yield kv_bytes
-        weights = m.runtime.weights_info() if hasattr(m.runtime, "weights_info") else {}
+        weights = m.runtime.weights_info()
         if weights:
             weight_bytes = GaugeMetricFamily("flare_weight_bytes", "Bytes the layers' products and the LM head hold, "
                                              "by how they are kept (quantization).", labels=["quantization"])

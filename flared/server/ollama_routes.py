@@ -284,7 +284,7 @@ class OllamaRoutes:
         m = self.state.manifest
         params = sum(a.size_bytes for name, a in m.assets.items() if name in m.weights)
         bytes_per = {"float32": 4, "bfloat16": 2, "float16": 2}.get(m.dtype, 2)
-        weights = getattr(self.state.runtime, "weights_info", dict)()
+        weights = self.state.runtime.weights_info()
         level = (weights.get("quantization") or m.dtype).upper().replace("BFLOAT", "BF").replace("FLOAT", "F")
         return {"parent_model": "", "format": "flared-core", "family": m.architecture,
                 "families": [m.architecture], "parameter_size": _human(params // bytes_per),
