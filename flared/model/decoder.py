@@ -29,7 +29,8 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.quant import Q8_BLOCK, check_quantization, pack_q8_0, q8_0_rows, quantize_q8_0
+from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, check_quantization, pack_q4_1, pack_q8_0, q4_1_rows,
+                                q8_0_rows, quantize_q4_1, quantize_q8_0)
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -44,9 +45,9 @@ try:
 except ImportError:
     _AMX_KERNEL = _AMX_CPU = False
 try:
-    from flared._fast.linear import q8_linear, q8_widen
-except ImportError:  # (a build from before the Q8_0 kernels)
-    q8_linear = q8_widen = None
+    from flared._fast.linear import q4_linear, q4_widen, q8_linear, q8_widen
+except ImportError:  # (a build from before the quantised kernels)
+    q4_linear = q4_widen = q8_linear = q8_widen = None
 try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
@@ -197,20 +198,27 @@ def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return out
 
 
-_widened = threading.local()  # each thread's scratch for widen_q8_0's packed bf16
+_widened = threading.local()  # each thread's scratch for widen_quantised's packed bf16
 
 
-def widen_q8_0(q8: torch.Tensor, q8_scales: torch.Tensor, out_features: int) -> torch.Tensor:
-    """A Q8_0 weight back to bf16 [out_features, in] (the kernels' bf16(d * q)): widened into pack_bf16's layout by
-    the C kernels, then unpack_bf16; both into the calling thread's scratch, which the next call overwrites."""
-    groups, pairs = q8.shape[0], q8.shape[1]
-    size = groups * pairs * 2 * GROUP_FEATURES
+def widen_quantised(lin: "_Linear") -> torch.Tensor:
+    """A quantised _Linear's weight back to bf16 [out_features, in] (the kernels' dequantised values): widened into
+    pack_bf16's layout by the C kernels, then unpack_bf16; both into the calling thread's scratch, which the next
+    call overwrites."""
+    groups, in_features = lin.quant.shape[0], lin.in_features
+    size = groups * in_features * GROUP_FEATURES
     scratch = getattr(_widened, "buffer", None)
     if scratch is None or scratch.numel() < size:
         scratch = _widened.buffer = torch.empty(size, dtype=torch.bfloat16)
-    packed = scratch[:size].view(groups, pairs, GROUP_FEATURES, 2)
-    q8_widen(q8.data_ptr(), q8_scales.data_ptr(), packed.data_ptr(), out_features, pairs * 2, torch.get_num_threads())
-    return unpack_bf16(packed, out_features)
+    packed = scratch[:size].view(groups, in_features // 2, GROUP_FEATURES, 2)
+    threads = torch.get_num_threads()
+    if lin.quant_kind == "q4_1":
+        q4_widen(lin.quant.data_ptr(), lin.quant_scales.data_ptr(), lin.quant_offsets.data_ptr(), packed.data_ptr(),
+                 lin.out_features, in_features, threads)
+    else:
+        q8_widen(lin.quant.data_ptr(), lin.quant_scales.data_ptr(), packed.data_ptr(), lin.out_features, in_features,
+                 threads)
+    return unpack_bf16(packed, lin.out_features)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -224,8 +232,8 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(padded // group, group, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def q8_applies(weight: torch.Tensor) -> bool:
-    """Whether a weight can be kept as Q8_0 here: bf16 on a CPU with the kernels, inputs a multiple of 32."""
+def quantisable(weight: torch.Tensor) -> bool:
+    """Whether a weight can be kept quantised here: bf16 on a CPU with the kernels, inputs a multiple of 32."""
     return (q8_linear is not None and BF16_SUPPORTED and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[1] % Q8_BLOCK == 0)
 
@@ -233,18 +241,24 @@ def q8_applies(weight: torch.Tensor) -> bool:
 class _Linear:
     """A weight [out, in] (+ optional bias) with the matmul strategy picked per call by row count.
 
-    bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None); quantization "q8_0" there:
-    ``q8`` and ``q8_scales`` hold it instead (flared/model/quant.py; a weight the format cannot take stays bf16)."""
+    bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None); a quantization ("q8_0", "q4_1")
+    there: ``quant`` (the packed values), ``quant_scales`` (Q4_1: its steps) and Q4_1's ``quant_offsets`` hold it
+    instead, ``quant_kind`` names it (flared/model/quant.py; a weight the format cannot take stays bf16)."""
 
-    __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features", "q8", "q8_scales")
+    __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features", "quant", "quant_scales",
+                 "quant_offsets", "quant_kind")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None = None):
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
-        self.packed = self.q8 = self.q8_scales = None
-        if quantization == "q8_0" and q8_applies(weight):
-            self.q8, self.q8_scales = pack_q8_0(*quantize_q8_0(weight))
+        self.packed = self.quant = self.quant_scales = self.quant_offsets = self.quant_kind = None
+        if quantization is not None and quantisable(weight):
+            if quantization == "q4_1":
+                self.quant, self.quant_scales, self.quant_offsets = pack_q4_1(*quantize_q4_1(weight))
+            else:
+                self.quant, self.quant_scales = pack_q8_0(*quantize_q8_0(weight))
+            self.quant_kind = quantization
             weight = None
         elif BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
             self.packed = pack_bf16(weight)
@@ -258,30 +272,34 @@ class _Linear:
     @property
     def nbytes(self) -> int:
         """The bytes its weight holds in memory (packed, quantised or plain)."""
-        if self.q8 is not None:
-            return self.q8.nbytes + self.q8_scales.nbytes
+        if self.quant is not None:
+            return sum(t.nbytes for t in (self.quant, self.quant_scales, self.quant_offsets) if t is not None)
         return (self.packed if self.packed is not None else self.weight).nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
-        if self.packed is not None or self.q8 is not None:  # (the CPU kernels: flared/_fast/linear.pyx)
+        if self.packed is not None or self.quant is not None:  # (the CPU kernels: flared/_fast/linear.pyx)
             if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
                 raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match "
-                                 f"{'bf16' if self.q8 is None else 'Q8_0'} weight "
+                                 f"{(self.quant_kind or 'bf16').upper()} weight "
                                  f"[{self.out_features}, {self.in_features}]")
             if UNPACK_MIN_ROWS is not None and num_rows >= UNPACK_MIN_ROWS:  # (AMX: torch's product, see above)
-                dense = (unpack_bf16(self.packed, self.out_features) if self.q8 is None
-                         else widen_q8_0(self.q8, self.q8_scales, self.out_features))
+                dense = (unpack_bf16(self.packed, self.out_features) if self.quant is None
+                         else widen_quantised(self))
                 return F.linear(x, dense, self.bias)
             y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
             if num_rows:
                 x = x.contiguous()  # the kernel reads raw row-major memory
-                if self.q8 is None:
+                threads = torch.get_num_threads()
+                if self.quant is None:
                     bf16_linear(self.packed.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
-                                self.in_features, torch.get_num_threads())
+                                self.in_features, threads)
+                elif self.quant_kind == "q4_1":
+                    q4_linear(self.quant.data_ptr(), self.quant_scales.data_ptr(), self.quant_offsets.data_ptr(),
+                              x.data_ptr(), y.data_ptr(), num_rows, self.out_features, self.in_features, threads)
                 else:
-                    q8_linear(self.q8.data_ptr(), self.q8_scales.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows,
-                              self.out_features, self.in_features, torch.get_num_threads())
+                    q8_linear(self.quant.data_ptr(), self.quant_scales.data_ptr(), x.data_ptr(), y.data_ptr(),
+                              num_rows, self.out_features, self.in_features, threads)
             return y if self.bias is None else y.add_(self.bias)
         if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
                 (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1) or not split_pays():
@@ -293,11 +311,12 @@ class _Linear:
 
 
 def _gather_packed(linears: list[_Linear]) -> None:
-    """Move the packed bf16 weights (and Q8_0 ones with their scales) into one mapping in huge pages
+    """Move the packed bf16 weights (and quantised ones with their scales) into one mapping in huge pages
     (``host_memory.host_zeros``): a decode step streams every one of them, and in 4 KiB pages SmolLM2's 270 MB are
     ~66k TLB misses a step (one mapping, because a matrix under 2 MiB alone gets no huge page). Measured 3-6% off
     the products at 1-4 rows. Each matrix's first copy is released once it is moved."""
-    slots = [(lin, name) for lin in linears for name in ("packed", "q8", "q8_scales") if getattr(lin, name) is not None]
+    slots = [(lin, name) for lin in linears for name in ("packed", "quant", "quant_scales", "quant_offsets")
+             if getattr(lin, name) is not None]
     if not slots or not huge_pages_wanted():  # a plain arena would only cost a second copy
         return
     spans = [-(-getattr(lin, name).nbytes // 64) * 64 for lin, name in slots]  # each matrix 64-byte aligned
@@ -320,8 +339,8 @@ class DecoderModel:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
                  quantization: str | None = None):
-        """``quantization`` "q8_0": the products of every layer and the LM head kept as Q8_0 (flared/model/quant.py;
-        a bf16 model on a CPU with the packed kernels), else None."""
+        """``quantization`` "q8_0" or "q4_1": the products of every layer and the LM head kept so
+        (flared/model/quant.py; a bf16 model on a CPU with the packed kernels), else None."""
         check_serving_tensors(tensors, config, source="serving tensors")
         self.config = config
         self.dtype = dtype
@@ -504,7 +523,7 @@ class DecoderModel:
                 layer.experts = [(lin(gate_up[e], None if biases[0] is None else biases[0][e]),
                                   lin(down[e], None if biases[1] is None else biases[1][e]))
                                  for e in range(config.num_experts)]
-                if layer.experts[0][0].packed is None and layer.experts[0][0].q8 is None:
+                if layer.experts[0][0].packed is None and layer.experts[0][0].quant is None:
                     # (the experts' weights are views of these: no copy)
                     layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout
                 del gate_up, down
@@ -516,8 +535,9 @@ class DecoderModel:
                 layer.gate_up = lin(w(p + "gate_up.weight"), opt(p + "gate_up.bias"))  # (StarCoder2's biases)
                 layer.down = lin(w(p + "down.weight"), opt(p + "down.bias"))
             self.layers.append(layer)
-        self.lm_head_linear = lin(self.lm_head, opt("lm_head.bias"))  # (Phi-2's bias)
-        if self.lm_head_linear.q8 is not None and not config.tie_word_embeddings:
+        self.lm_head_linear = _Linear(self.lm_head, opt("lm_head.bias"),  # (Phi-2's bias)
+                                      HEAD_QUANTIZATION.get(self.quantization))
+        if self.lm_head_linear.quant is not None and not config.tie_word_embeddings:
             self.lm_head = None  # (token_logits reads its rows from the quantised copy: no second bf16 copy kept)
         if self.device.type == "cpu":
             _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
@@ -556,7 +576,7 @@ class DecoderModel:
             _cpu_decode is not None and _cpu_decode.SUPPORTED and self.cpu_decode_attention
             and config.graph_capable  # the one-call step is the Llama-type layer
             and dtype == torch.bfloat16 and config.head_dim % 2 == 0 and config.intermediate_size % GROUP_FEATURES == 0
-            and all(lin.packed is not None or lin.q8 is not None
+            and all(lin.packed is not None or lin.quant is not None
                     for l in self.layers for lin in (l.qkv, l.o, l.gate_up, l.down)))
         self._decode_scratch: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         # Routed experts in two grouped products (torch's grouped_mm: every expert's rows at once, no host sync)
@@ -589,14 +609,16 @@ class DecoderModel:
                 return 0 if t is None else t.data_ptr()
 
             def weight(lin: _Linear) -> int:
-                return addr(lin.packed if lin.q8 is None else lin.q8)
+                return addr(lin.packed if lin.quant is None else lin.quant)
 
-            # Column order is decode_kernel.h's (then the Q8_0 scales, 0 for a bf16 weight); the tensors are owned
+            # Column order is decode_kernel.h's (then the scales, 0 for a bf16 weight, then Q4_1's offsets, else 0);
+            # the tensors are owned
             # by self.layers for the model's life.
             self._layer_ptrs = torch.tensor(
                 [[addr(l.attn_norm), weight(l.qkv), addr(l.qkv.bias), addr(l.qk_norm), weight(l.o),
                   addr(l.o.bias), addr(l.mlp_norm), weight(l.gate_up), weight(l.down)]
-                 + [addr(lin.q8_scales) for lin in (l.qkv, l.o, l.gate_up, l.down)]
+                 + [addr(lin.quant_scales) for lin in (l.qkv, l.o, l.gate_up, l.down)]
+                 + [addr(lin.quant_offsets) for lin in (l.qkv, l.o, l.gate_up, l.down)]
                  for l in self.layers], dtype=torch.int64)
 
     @staticmethod
@@ -732,7 +754,8 @@ class DecoderModel:
         rows of the LM head (what rerank and score read)."""
         head = self.lm_head_linear
         rows = (self.lm_head[list(token_ids)] if self.lm_head is not None
-                else q8_0_rows(head.q8, head.q8_scales, list(token_ids))).float()
+                else q4_1_rows(head.quant, head.quant_scales, head.quant_offsets, list(token_ids))
+                if head.quant_kind == "q4_1" else q8_0_rows(head.quant, head.quant_scales, list(token_ids))).float()
         logits = vectors.to(rows.device) @ rows.T
         if self.lm_head_linear.bias is not None:  # (Phi-2's)
             logits = logits + self.lm_head_linear.bias[list(token_ids)].float()

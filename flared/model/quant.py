@@ -1,22 +1,34 @@
-"""Weights kept quantised in memory on the CPU: Q8_0, llama.cpp's 8-bit format.
+"""Weights kept quantised in memory on the CPU: llama.cpp's Q8_0 and Q4_1 formats.
 
-A weight row is cut into blocks of 32 inputs; each block keeps one float32 scale d = max|w| / 127 and its 32 values
-as int8 q = round(w / d). That is 1.125 bytes a weight against bfloat16's 2, so a decode step, which streams every
-weight once, reads 44% fewer bytes. The products (flared/_fast/qlinear_kernel.h) widen each weight to
-bf16(d * q) on the fly and then sum exactly as the bf16 kernels do: a quantised model's logits equal, bit for bit,
-those of the bf16 model whose weights are the dequantised ones (the tests hold them to that).
+A weight row is cut into blocks of 32 inputs.
+- Q8_0: each block keeps one float32 scale d = max|w| / 127 and its 32 values as int8 q = round(w / d). That is
+  1.125 bytes a weight against bfloat16's 2, so a decode step, which streams every weight once, reads 44% fewer
+  bytes. The weight the kernels use is bf16(d * q).
+- Q4_1: each block keeps a float16 step d = (max w - min w) / 15 and a float16 offset m = min w (both rounded
+  first), and its 32 values as 4-bit q = round((w - m) / d) in 0..15, two to a byte: 20 bytes a block, 0.625 bytes a
+  weight (5 bits, as llama.cpp's Q4_1). The weight the kernels use is bf16(fma(d, q, m)). A bf16 model exported from
+  a Q4_1 GGUF (the embedded SmolLM2) holds exactly such blocks, so re-quantising it finds the GGUF's own steps.
+The products (flared/_fast/qlinear_kernel.h) either widen each weight to that bf16 value on the fly and then sum
+exactly as the bf16 kernels do, so that a quantised model's logits equal, bit for bit, those of the bf16 model whose
+weights are the dequantised ones (the tests hold them to that); or take integer dot products with the rows
+quantised to int16 (decode's few rows on VNNI CPUs), equal to rounding.
 
-``quantize_q8_0`` / ``dequantize_q8_0`` are the format; ``pack_q8_0`` lays it out for the kernels (groups of 64
-output features, as ``decoder.pack_bf16`` lays bf16 weights). ``DecoderModel(..., quantization="q8_0")`` quantises
-the products of every layer (routed experts included) and the LM head at load (not the embedding rows or routers).
+``quantize_*`` / ``dequantize_*`` are the formats; ``pack_*`` lays them out for the kernels (groups of 64 output
+features, as ``decoder.pack_bf16`` lays bf16 weights). ``DecoderModel(..., quantization=)`` quantises the products
+of every layer (routed experts included) and the LM head at load (not the embedding rows or routers).
 """
 
 from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("q8_0",)
-Q8_BLOCK = 32
+QUANTIZATIONS = ("q8_0", "q4_1")
+# The LM head's format under each quantization: llama.cpp's 4-bit mixes keep the output matrix at more bits (Q6_K or
+# Q8_0; the embedded SmolLM2's Q4_1 GGUF holds its tied head as Q8_0), as the logits feel its rounding most: at 4
+# bits, SmolLM2's next-token KL divergence from float32 was 0.062 nats against 0.0014 with the head at Q8_0
+# (tools/bench_quant.py --quality; bf16's own: 0.0013).
+HEAD_QUANTIZATION = {"q8_0": "q8_0", "q4_1": "q8_0"}
+Q8_BLOCK = 32  # (inputs a block, both formats)
 GROUP_FEATURES = 64  # (linear_kernel.h's FL_GROUP)
 
 
@@ -50,26 +62,94 @@ def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return blocks.reshape(out_features, in_features).to(dtype)
 
 
+def _padded_groups(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each [out, ...] tensor with zero rows up to a multiple of GROUP_FEATURES."""
+    out_features = tensors[0].shape[0]
+    extra = -(-out_features // GROUP_FEATURES) * GROUP_FEATURES - out_features
+    return [torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t for t in tensors]
+
+
+def _pack_block_params(params: torch.Tensor) -> torch.Tensor:
+    """[padded out, in / 32] -> [groups, in / 32, 64]: each block's 64 features side by side."""
+    return params.reshape(-1, GROUP_FEATURES, params.shape[1]).permute(0, 2, 1).contiguous()
+
+
 def pack_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [out, in], scales [out, in / 32]) -> the kernels' layout: q as pack_bf16 lays a weight out, groups of 64
     output features each [in / 2, 64, 2]; scales [groups, in / 32, 64]. Rows past ``out`` are zero."""
-    out_features, in_features = q.shape
-    padded = -(-out_features // GROUP_FEATURES) * GROUP_FEATURES
-    if padded != out_features:
-        q = torch.cat([q, q.new_zeros(padded - out_features, in_features)])
-        scales = torch.cat([scales, scales.new_zeros(padded - out_features, scales.shape[1])])
-    groups = padded // GROUP_FEATURES
-    packed = q.reshape(groups, GROUP_FEATURES, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-    packed_scales = scales.reshape(groups, GROUP_FEATURES, -1).permute(0, 2, 1).contiguous()
-    return packed, packed_scales
+    q, scales = _padded_groups([q, scales])
+    in_features = q.shape[1]
+    packed = q.reshape(-1, GROUP_FEATURES, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return packed, _pack_block_params(scales)
 
 
 def q8_0_rows(packed: torch.Tensor, packed_scales: torch.Tensor, rows: list[int],
               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Rows ``rows`` of pack_q8_0's weight, dequantised as the kernels use them (dequantize_q8_0): [len(rows), in].
-    (The whole weight goes back to bf16 through the C kernels: decoder.widen_q8_0.)"""
+    (The whole weight goes back to bf16 through the C kernels: decoder.widen_quantised.)"""
     index = torch.tensor(rows, dtype=torch.long)
     groups, features = index // GROUP_FEATURES, index % GROUP_FEATURES
     q = packed[groups, :, features, :].reshape(len(rows), -1)  # [rows, in / 2, 2] -> [rows, in]
     return dequantize_q8_0(q, packed_scales[groups, :, features], dtype)
 
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] (in a multiple of 32) -> (q uint8 [out, in] in 0..15, steps float16 [out, in / 32], offsets
+    float16 [out, in / 32]): each block's offset is its least value and its step its range / 15, both rounded to
+    float16 before the values are placed to the nearest step from that offset (a constant block: step 0, values 0)."""
+    out_features, in_features = weight.shape
+    if in_features % Q8_BLOCK:
+        raise ValueError(f"Q4_1 needs a multiple of {Q8_BLOCK} inputs, got {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // Q8_BLOCK, Q8_BLOCK)
+    low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    steps, offsets = ((high - low) / 15.0).to(torch.float16), low.to(torch.float16)
+    if not (torch.isfinite(steps).all() and torch.isfinite(offsets).all()):
+        raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
+    step, offset = steps.float(), offsets.float()
+    inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    q = torch.round((blocks - offset[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(out_features, in_features), steps.contiguous(), offsets.contiguous()
+
+
+def dequantize_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight the kernels compute with: fma(step, q, offset) rounded once to float32 (float64 holds the exact
+    value: a float16 times 0..15 plus a float16), then to dtype."""
+    out_features, in_features = q.shape
+    blocks = q.double().reshape(out_features, in_features // Q8_BLOCK, Q8_BLOCK)
+    exact = blocks * steps.double()[..., None] + offsets.double()[..., None]
+    return exact.float().reshape(out_features, in_features).to(dtype)
+
+
+def pack_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [out, in], steps, offsets [out, in / 32]) -> the kernels' layout (qlinear_kernel.h): each group of 64
+    output features' input pair k as 64 bytes [groups, in / 2, 64]. Of the pair's 128 values in pack_bf16's order
+    (feature, then the pair's two inputs), byte j holds value j in its low half and value 32 + j in its high half,
+    byte 32 + j values 64 + j and 96 + j; steps and offsets [groups, in / 32, 64] float16. Rows past ``out`` are
+    zero."""
+    q, steps, offsets = _padded_groups([q, steps, offsets])
+    in_features = q.shape[1]
+    values = q.reshape(-1, GROUP_FEATURES, in_features // 2, 2).permute(0, 2, 1, 3).reshape(-1, in_features // 2, 128)
+    low = torch.cat([values[..., 0:32], values[..., 64:96]], dim=-1)
+    high = torch.cat([values[..., 32:64], values[..., 96:128]], dim=-1)
+    packed = (low | (high << 4)).contiguous()
+    return packed, _pack_block_params(steps), _pack_block_params(offsets)
+
+
+def unpack_q4_1_values(packed: torch.Tensor) -> torch.Tensor:
+    """pack_q4_1's bytes [groups, in / 2, 64] -> the values [groups, in / 2, 64, 2] (pack_q8_0's order)."""
+    low, high = packed & 15, packed >> 4
+    values = torch.cat([low[..., :32], high[..., :32], low[..., 32:], high[..., 32:]], dim=-1)
+    return values.reshape(*packed.shape[:2], GROUP_FEATURES, 2)
+
+
+def q4_1_rows(packed: torch.Tensor, packed_steps: torch.Tensor, packed_offsets: torch.Tensor, rows: list[int],
+              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows ``rows`` of pack_q4_1's weight, dequantised as the kernels use them (dequantize_q4_1): [len(rows), in]."""
+    index = torch.tensor(rows, dtype=torch.long)
+    groups, features = index // GROUP_FEATURES, index % GROUP_FEATURES
+    q = unpack_q4_1_values(packed[groups])  # [rows, in / 2, 64, 2]
+    q = q[torch.arange(len(rows)), :, features, :].reshape(len(rows), -1)
+    return dequantize_q4_1(q, packed_steps[groups, :, features], packed_offsets[groups, :, features], dtype)

@@ -25,7 +25,7 @@ class OneShot:
 
     @classmethod
     def open(cls, path: str | Path, *, max_batch: int = 8, quantization: str | None = None) -> "OneShot":
-        """``quantization``: "q8_0" keeps a bfloat16 core's products as Q8_0 (flared/model/quant.py)."""
+        """``quantization``: "q8_0" or "q4_1" keeps a bfloat16 core's products so (flared/model/quant.py)."""
         import torch
         from tokenizers import Tokenizer
 

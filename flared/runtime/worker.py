@@ -293,8 +293,8 @@ class ModelRuntime:
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
         self.kv_cache_dtype = kv_cache_dtype
-        # --quantization: "q8_0" keeps the products' weights as Q8_0 on the CPU executor (flared/model/quant.py);
-        # None serves the core's weights as they are.
+        # --quantization: "q8_0" or "q4_1" keeps the products' weights so on the CPU executor
+        # (flared/model/quant.py); None serves the core's weights as they are.
         from flared.model.quant import check_quantization
 
         self.quantization = check_quantization(quantization)
@@ -453,11 +453,13 @@ class ModelRuntime:
         del tensors
         products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
         self._weights_info = {"quantization": self.quantization, "dtype": m.dtype,
-                              "quantized_products": sum(lin.q8 is not None for lin in products),
+                              "quantized_products": sum(lin.quant is not None for lin in products),
                               "products": len(products), "product_bytes": sum(lin.nbytes for lin in products)}
         if self.quantization is not None:
-            log.info("weights: %d of %d products kept as %s, %.1f MiB (%.1f MiB as bf16)",
+            head = model.lm_head_linear.quant_kind
+            log.info("weights: %d of %d products kept as %s%s, %.1f MiB (%.1f MiB as bf16)",
                      self._weights_info["quantized_products"], len(products), self.quantization,
+                     f" (the LM head as {head})" if head not in (None, self.quantization) else "",
                      self._weights_info["product_bytes"] / 2**20,
                      sum(2 * lin.out_features * lin.in_features for lin in products) / 2**20)
         if self.core.manifest.vision is not None and not use_cuda:
@@ -744,7 +746,7 @@ class ModelRuntime:
 
     def weights_info(self) -> dict:
         """How the layers' products and the LM head hold their weights once the model is loaded: ``quantization``
-        (None, or "q8_0"), the core's ``dtype``, ``quantized_products`` of ``products``, and ``product_bytes``; {}
+        (None, "q8_0" or "q4_1"), the core's ``dtype``, ``quantized_products`` of ``products``, and ``product_bytes``; {}
         before."""
         return dict(self._weights_info)
 

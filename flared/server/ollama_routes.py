@@ -288,7 +288,7 @@ class OllamaRoutes:
         level = (weights.get("quantization") or m.dtype).upper().replace("BFLOAT", "BF").replace("FLOAT", "F")
         return {"parent_model": "", "format": "flared-core", "family": m.architecture,
                 "families": [m.architecture], "parameter_size": _human(params // bytes_per),
-                "quantization_level": level}  # (--quantization q8_0: "Q8_0", as Ollama names a Q8_0 model)
+                "quantization_level": level}  # (--quantization q8_0: "Q8_0", as Ollama names a Q8_0 model; "Q4_1")
 
     async def version(self, request: Request) -> Response:
         return Response.json({"version": OLLAMA_VERSION})

@@ -1,4 +1,4 @@
-"""--quantization q8_0 on the CPU model thread: a bfloat16 core served with its products kept as Q8_0
+"""--quantization q8_0 / q4_1 on the CPU model thread: a bfloat16 core served with its products kept quantised
 (flared/model/quant.py). The greedy tokens start as the bf16 core's do, a prompt served again over its cached prefix
 gives the cold run's tokens, and where the weights cannot be kept so (a float32 core) the runtime refuses at start
 with the reason."""
@@ -36,16 +36,17 @@ def _serve(core, quantization, prompts, repeat_first=False):
 
 
 @pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
-def test_the_cpu_model_thread_serves_q8_0_weights(bf16_core):
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_the_cpu_model_thread_serves_quantised_weights(bf16_core, fmt):
     prompts = [[5 + i, 17, 40 + 3 * i, 9, 7] * (7 + i) for i in range(4)]
     base, _, _ = _serve(bf16_core, None, prompts)
-    q8, cached, model = _serve(bf16_core, "q8_0", prompts, repeat_first=True)
-    assert all(lin.q8 is not None for layer in model.layers for lin in model._linears(layer))
-    assert model.lm_head_linear.q8 is not None
-    assert all(len(t) == 12 for t in q8)
-    assert cached[-1] >= 32 and q8[-1] == q8[0]  # (the warm run over the cached prefix: the cold run's tokens)
-    firsts = sum(a[0] == b[0] for a, b in zip(q8[:4], base))
-    assert firsts >= 3, (firsts, q8[:4], base)
+    got, cached, model = _serve(bf16_core, fmt, prompts, repeat_first=True)
+    assert all(lin.quant_kind == fmt for layer in model.layers for lin in model._linears(layer))
+    assert model.lm_head_linear.quant_kind == "q8_0"  # (a Q4_1 model's head too: quant.HEAD_QUANTIZATION)
+    assert all(len(t) == 12 for t in got)
+    assert cached[-1] >= 32 and got[-1] == got[0]  # (the warm run over the cached prefix: the cold run's tokens)
+    firsts = sum(a[0] == b[0] for a, b in zip(got[:4], base))
+    assert firsts >= 3, (firsts, got[:4], base)
 
 
 def test_a_float32_core_is_refused_with_the_reason(tiny_core):
@@ -59,24 +60,25 @@ def test_a_float32_core_is_refused_with_the_reason(tiny_core):
 
 
 @pytest.mark.skipif(not linear.BF16_SUPPORTED, reason="this CPU has neither AVX-512 BF16 nor AVX2")
-def test_flared_run_serves_q8_0_and_flarectl_lists_it(bf16_core, tmp_path):
-    """`flared run -q q8_0`: /v1/completions answers; `flarectl models` names the quantization and its bytes, and
-    Ollama's /api/show its level, "Q8_0"."""
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_flared_run_serves_quantised_and_flarectl_lists_it(bf16_core, tmp_path, fmt):
+    """`flared run -q q8_0` (or q4_1): /v1/completions answers; `flarectl models` names the quantization and its
+    bytes, and Ollama's /api/show its level, "Q8_0" ("Q4_1")."""
     from flared_testing.daemon import Daemon
 
-    daemon = Daemon(bf16_core, tmp_path, "-q", "q8_0", admin_socket=True)
+    daemon = Daemon(bf16_core, tmp_path, "-q", fmt, admin_socket=True)
     try:
         status, out = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": list(range(3, 30)),
                                                                  "max_tokens": 8, "temperature": 0})
         assert status == 200, out
         assert out["usage"]["completion_tokens"] == 8
-        assert "products kept as q8_0" in daemon.log()
+        assert f"products kept as {fmt}" in daemon.log()
         listed = daemon.ctl("models").stdout
-        assert "weights:     q8_0 (" in listed and " MiB" in listed, listed
+        assert f"weights:     {fmt} (" in listed and " MiB" in listed, listed
         status, shown = daemon.request("POST", "/api/show", {"model": "tiny"})  # (Ollama's)
-        assert status == 200 and shown["details"]["quantization_level"] == "Q8_0", shown
+        assert status == 200 and shown["details"]["quantization_level"] == fmt.upper(), shown
         status, metrics = daemon.request("GET", "/metrics")  # (Prometheus text: the raw bytes)
-        assert status == 200 and b'flare_weight_bytes{quantization="q8_0"}' in metrics, metrics[:2000]
+        assert status == 200 and f'flare_weight_bytes{{quantization="{fmt}"}}'.encode() in metrics, metrics[:2000]
     finally:
         daemon.kill()
 
@@ -111,9 +113,10 @@ def test_flarectl_generate_takes_the_flag(bf16_core, tiny_core):
 
     from flared.cli.ctl import main as flarectl
 
-    done = CliRunner().invoke(flarectl, ["generate", str(bf16_core), "--prompt", "hello there", "--max-tokens", "5",
-                                         "-q", "q8_0", "--json"])
-    assert done.exit_code == 0, done.output
-    assert len(json.loads(done.output)["token_ids"]) == 5
+    for fmt in ("q8_0", "q4_1"):
+        done = CliRunner().invoke(flarectl, ["generate", str(bf16_core), "--prompt", "hello there", "--max-tokens",
+                                             "5", "-q", fmt, "--json"])
+        assert done.exit_code == 0, done.output
+        assert len(json.loads(done.output)["token_ids"]) == 5
     refused = CliRunner().invoke(flarectl, ["generate", str(tiny_core), "--prompt", "hello", "-q", "q8_0"])
     assert refused.exit_code == 1 and "q8_0 weights run on the CPU executor in bfloat16" in refused.output
