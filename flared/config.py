@@ -114,8 +114,9 @@ class ServerConfig:
     kv_cache_dtype: str = "auto"
     # vLLM's --quantization (llama.cpp's quantised weights): "q8_0" keeps every layer's products and the LM head as
     # Q8_0 (int8 in blocks of 32 with a float32 scale: 0.56x bf16's bytes, so a CPU decode step, which streams the
-    # weights, reads fewer), "q4_1" as Q4_1 (4 bits a weight in blocks of 32 with a float16 step and offset: 0.31x
-    # bf16's bytes), quantised at load from a bfloat16 core; the CPU executor only. None: as the core is.
+    # weights, reads fewer), "q4_1" the layers' as Q4_1 (4 bits a weight in blocks of 32 with a float16 step and
+    # offset: 0.31x bf16's bytes) and the LM head as Q8_0, quantised at load from a bfloat16 core; the CPU executor
+    # only. None: as the core is.
     quantization: str | None = None
     # vLLM's --enforce-eager: on a GPU, the eager executor (torch's forward, no CUDA graphs) serves every core, as
     # it does those the graphs' kernels do not run. Slower; images on a vision core's GPU need it (the graphs take

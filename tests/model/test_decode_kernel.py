@@ -18,14 +18,18 @@ pytestmark = pytest.mark.skipif(not decode.SUPPORTED, reason="this CPU lacks AVX
 PAGE = 16
 
 
-@pytest.fixture(scope="module", params=["llama3", "llama_tied", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3", "llama_tied", "mistral", "qwen2", "qwen3", "llama3:q4_1",
+                                        "qwen2:q8_0"])
 def model(request, tmp_path_factory):
+    """A bf16 model of each family; "family:format": its weights kept quantised (--quantization), so that every
+    check below (float8 caches, adapter rows) runs over the quantised products too."""
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
 
-    path = build_hf_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    family, _, quantization = request.param.partition(":")
+    path = build_hf_checkpoint(family, tmp_path_factory.mktemp(family))
     source = read_source(path)
-    m = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16)
+    m = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=quantization or None)
     assert m.fused_decode
     return m
 
