@@ -39,8 +39,8 @@ log = logging.getLogger("flared")
 _quantization_option = click.option(
     "--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "none"], case_sensitive=False), default=None,
     help="Keep the weights quantised (a bfloat16 core on the CPU executor; faster decode): q8_0 (int8 in blocks of "
-         "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as q8_0) or none (default: "
-         "as the core is).")
+         "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
+         "q8_0) or none (default: as the core is).")
 
 
 def _quantization_override(quantization: str | None) -> dict:
