@@ -151,8 +151,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from flared._fast import linear
 
-    print(f"kernels: {linear.KERNEL}, AMX {linear.AMX}, integer dots (VNNI) {linear.Q8_VNNI}, quantised products on "
-          f"the AMX tiles from {linear.q8_amx_min_rows()} rows")
+    print(f"kernels: {linear.KERNEL}, AMX {linear.AMX}, integer dots (VNNI) {linear.Q8_VNNI}, products on the AMX "
+          f"tiles from {linear.q8_amx_min_rows()} rows (q8_0), {linear.q4_amx_min_rows()} (q4_1)")
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
               "vnni": bool(linear.Q8_VNNI)}
     for shape in args.shapes.split(","):

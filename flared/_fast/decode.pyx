@@ -18,7 +18,7 @@ Rules:
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uintptr_t
 
-from flared._fast.linear import amx_min_rows, q8_amx_min_rows, q8_vnni
+from flared._fast.linear import amx_min_rows, q4_amx_min_rows, q8_amx_min_rows, q8_vnni
 
 cdef int64_t _serial = 0
 
@@ -54,7 +54,7 @@ cdef extern from "decode_kernel.h" nogil:
         int lora_rank
         int shared_sequences
         int amx
-        int q8_path
+        int q8_path, q4_path
         int64_t serial
         int *failed
     int fl_decode_supported()
@@ -134,8 +134,9 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     fewest = amx_min_rows()  # (the AMX tiles where linear.pyx's products take them: the same results)
     a.amx = 1 if fewest and rows >= fewest else 0
     # Quantised products as linear.q8_linear / q4_linear run them for this many rows (the per-op path's results)
-    q8_fewest = q8_amx_min_rows()
+    q8_fewest, q4_fewest = q8_amx_min_rows(), q4_amx_min_rows()
     a.q8_path = 1 if q8_fewest and rows >= q8_fewest else 0 if q8_vnni() else 2
+    a.q4_path = 1 if q4_fewest and rows >= q4_fewest else 0 if q8_vnni() else 2
     global _serial
     _serial += 1
     a.serial = _serial

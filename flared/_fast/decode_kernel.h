@@ -78,9 +78,9 @@ typedef struct {
      * bf16_linear runs them (the same sums in the same order: the per-op path's results bit for bit). */
     int amx;
     /* How quantised weights multiply (linear.pyx's q8_linear / q4_linear pick the same for the same rows): 0 integer
-     * dots over rows quantised to int16 (VNNI), 1 widened onto the AMX tiles, 2 widened into the AVX-512 BF16
-     * kernel. */
-    int q8_path;
+     * dots over quantised rows (VNNI), 1 widened onto the AMX tiles, 2 widened into the AVX-512 BF16 kernel; Q8_0's
+     * and Q4_1's. */
+    int q8_path, q4_path;
     /* A number this call alone carries (the quantised rows a thread keeps are reused within one product only). */
     int64_t serial;
     int *failed;  /* set to 1 where a quantised product found no memory for its scratch (its outputs are garbage) */
@@ -88,12 +88,12 @@ typedef struct {
 
 #if FL_HAVE_X86
 
-/* The calling thread's copy of a product's input rows quantised for the integer dots (fl_q8_quantize_rows, with
- * each block's xsum), made once a product (key: the call's serial, layer and product) and reused for its other
- * groups; NULL when out of memory. */
-static const int16_t *fl_dec_q8_rows(const fl_decode_args_t *a, int layer, int target, const uint16_t *x, int rows,
-                                     int in, const float **xs, const float **xsum) {
-    static __thread int16_t *xq_buf = NULL;
+/* The calling thread's copy of a product's input rows quantised for the integer dots of a `kind` weight
+ * (fl_quant_rows, with each block's xsum), made once a product (key: the call's serial, layer and product) and
+ * reused for its other groups; NULL when out of memory. */
+static const void *fl_dec_quant_rows(const fl_decode_args_t *a, int layer, int target, int kind, const uint16_t *x,
+                                     int rows, int in, const float **xs, const float **xsum) {
+    static __thread int16_t *xq_buf = NULL;  /* (int16 room: an int8 copy takes half) */
     static __thread float *xs_buf = NULL, *xsum_buf = NULL;
     static __thread size_t size = 0;
     static __thread int64_t key[3] = {-1, -1, -1};
@@ -112,7 +112,7 @@ static const int16_t *fl_dec_q8_rows(const fl_decode_args_t *a, int layer, int t
         key[0] = -1;
     }
     if (key[0] != a->serial || key[1] != layer || key[2] != target) {
-        fl_q8_quantize_rows(x, rows, in, xq_buf, xs_buf, xsum_buf);
+        fl_quant_rows(kind, x, rows, in, xq_buf, xs_buf, xsum_buf);
         key[0] = a->serial;
         key[1] = layer;
         key[2] = target;
@@ -122,15 +122,16 @@ static const int16_t *fl_dec_q8_rows(const fl_decode_args_t *a, int layer, int t
     return xq_buf;
 }
 
-/* Group g of a quantised product (Q4_1 with offsets, else Q8_0; the path a->q8_path names) into tile [rows, 64];
- * 0, or -1 out of memory. */
+/* Group g of a quantised product (Q4_1 with offsets, else Q8_0; the path a->q4_path or q8_path names) into tile
+ * [rows, 64]; 0, or -1 out of memory. */
 FL_Q8_TARGET static int fl_dec_quant_group(const fl_decode_args_t *a, int layer, int target, const void *q,
                                            const void *scales, const void *offsets, int g, const uint16_t *x,
                                            int rows, int in, uint16_t *tile) {
     const int kind = offsets ? FL_QUANT_Q4_1 : FL_QUANT_Q8_0;
-    if (a->q8_path == 0) {
+    const int path = kind == FL_QUANT_Q4_1 ? a->q4_path : a->q8_path;
+    if (path == 0) {
         const float *xs, *xsum;
-        const int16_t *xq = fl_dec_q8_rows(a, layer, target, x, rows, in, &xs, &xsum);
+        const void *xq = fl_dec_quant_rows(a, layer, target, kind, x, rows, in, &xs, &xsum);
         if (xq == NULL) return -1;
         fl_quant_groups(kind, fl_quant_group(kind, q, in, g), fl_quant_params(kind, scales, in, g),
                         fl_quant_params(kind, offsets, in, g), xq, xs, xsum, tile, FL_GROUP, rows, FL_GROUP, in, 0, 1);
@@ -139,7 +140,7 @@ FL_Q8_TARGET static int fl_dec_quant_group(const fl_decode_args_t *a, int layer,
     uint16_t *wide = fl_q8_scratch((size_t)in * FL_GROUP);
     if (wide == NULL) return -1;
     fl_quant_widen_one(kind, q, scales, offsets, wide, in, g, 1);
-    if (a->q8_path == 1) {
+    if (path == 1) {
         fl_amx_group(wide, x, in, tile, FL_GROUP, rows, in / 2, FL_GROUP);
         return 0;
     }

@@ -8,18 +8,20 @@
  * (zero rows past `out`):
  * - Q8_0: the int8 values as pack_bf16 lays bf16 ones, each group [in / 2][64][2]; the scales [groups][in / 32][64]
  *   float32 (the 64 features' scales of each block of 32 inputs).
- * - Q4_1: each group's input pair k as 64 bytes [in / 2][64]: of the pair's 128 values in pack_bf16's order, byte j
- *   (j < 32) holds value j in its low half and value 32 + j in its high half, byte 32 + j values 64 + j and 96 + j
- *   (so a byte plane's low or high halves are 32 consecutive values: one VPDPWSSD's worth); steps and offsets each
- *   [groups][in / 32][64] float16.
+ * - Q4_1: each group's inputs in quads, 128 bytes a quad [in / 4][128]: of the quad's 256 values in the order
+ *   (feature, its 4 inputs), byte j (j < 64) holds value j in its low half and value 64 + j in its high half, byte
+ *   64 + j values 128 + j and 192 + j (so a 64-byte plane's low or high halves are 16 features' quads: one
+ *   VPDPBUSD's worth); steps and offsets each [groups][in / 32][64] float16.
  *
  * Two ways to the sums:
  * - Integer dots (fl_quant_groups, AVX-512 VNNI; decode's few rows): each row's block of 32 inputs is quantised
- *   to int16 with a float32 scale of its own (fl_q8_quantize_rows: 15 bits against bf16's 8, so the activation
- *   loses nothing bf16 had above 1/32767 of its block's largest value), VPDPWSSD sums q * xq in int32 exactly, and
- *   each block's sum joins a float32 total times both scales (Q4_1: plus the offset times the block's sum of the
- *   quantised row). The weights stay int8 or 4-bit until the multiply: the loop does two or three instructions a
- *   pair of 16 weights, so a product is bound by memory, not by widening.
+ *   with a float32 scale of its own (fl_quant_rows), the dot products summed exactly in int32, and each block's sum
+ *   joins a float32 total times both scales. Q8_0: the rows to int16 (15 bits against bf16's 8, so the activation
+ *   loses nothing bf16 had above 1/32767 of its block's largest value), VPDPWSSD over int16 pairs. Q4_1: the rows
+ *   to int8 (7 bits, as llama.cpp's Q8_1 rows against its Q4_1 weights), VPDPBUSD over quads of the unsigned 4-bit
+ *   values (twice VPDPWSSD's products an instruction, and no widening), plus the offset times the block's sum of the
+ *   quantised row. The weights stay int8 or 4-bit until the multiply, so a product of a few rows is bound by
+ *   memory, not by widening.
  * - Widened (fl_quant_groups_widened: for many rows on AMX tiles, everywhere without VNNI, on AVX2 hosts): a
  *   group is widened into a per-thread scratch as the format's bf16 weight, rounded to nearest-even
  *   (VCVTNE2PS2BF16, which reads a denormal product as zero: one under 1.2e-38 never comes from a real weight; the
@@ -73,7 +75,7 @@ FL_TARGET static inline __attribute__((always_inline)) __m512bh fl_q8_widen(cons
     return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-/* ---- Integer dot products (AVX-512 VNNI): fl_q8_quantize_rows, then fl_quant_groups ------------------------ */
+/* ---- Integer dot products (AVX-512 VNNI): fl_quant_rows, then fl_quant_groups ------------------------------ */
 
 #define FL_Q8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
@@ -82,11 +84,13 @@ __attribute__((unused)) static int fl_q8_vnni_supported(void) {
     return fl_bf16_supported() && __builtin_cpu_supports("avx512vnni");
 }
 
-/* x [rows, in] bf16 -> xq [rows, in] int16 and xs [rows, in / 32] float32: each block of 32 inputs of a row as
- * xs * xq, xs = its largest magnitude / 32767, xq = its values / xs rounded to nearest-even (a zero block: 0);
- * with xsum (else NULL), also each block's xs * (sum of its xq) [rows, in / 32] (Q4_1's offsets multiply it). */
-FL_Q8_TARGET __attribute__((unused)) static void fl_q8_quantize_rows(const uint16_t *x, int rows, int in,
-                                                                     int16_t *xq, float *xs, float *xsum) {
+/* x [rows, in] bf16 -> xq [rows, in] and xs [rows, in / 32] float32: each block of 32 inputs of a row as xs * xq,
+ * xs = its largest magnitude / L, xq = its values / xs rounded to nearest-even (a zero block: 0); L = 32767 with xq
+ * int16 (a Q8_0 product's rows) or 127 with xq int8 (Q4_1's). With xsum (else NULL), also each block's xs * (the sum
+ * of its xq) [rows, in / 32] (Q4_1's offsets multiply it). */
+FL_Q8_TARGET __attribute__((unused)) static void fl_quant_rows(int kind, const uint16_t *x, int rows, int in, void *xq,
+                                                               float *xs, float *xsum) {
+    const float limit = kind == FL_QUANT_Q4_1 ? 127.0f : 32767.0f;
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < in / FL_Q8_BLOCK; b++) {
             const uint16_t *src = x + (size_t)r * in + (size_t)b * FL_Q8_BLOCK;
@@ -95,15 +99,21 @@ FL_Q8_TARGET __attribute__((unused)) static void fl_q8_quantize_rows(const uint1
             __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16))), 16));
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            float scale = amax / 32767.0f;
-            __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            float scale = amax / limit;
+            __m512 inverse = _mm512_set1_ps(amax > 0.0f ? limit / amax : 0.0f);
             xs[(size_t)r * (in / FL_Q8_BLOCK) + b] = scale;
-            int16_t *dst = xq + (size_t)r * in + (size_t)b * FL_Q8_BLOCK;
+            const size_t at = (size_t)r * in + (size_t)b * FL_Q8_BLOCK;
             __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
             __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
-            _mm256_storeu_si256((__m256i *)dst, _mm512_cvtsepi32_epi16(qlo));
-            _mm256_storeu_si256((__m256i *)(dst + 16), _mm512_cvtsepi32_epi16(qhi));
-            if (xsum)  /* (|xq| <= 32767, so the saturating narrowing above changed nothing) */
+            /* (|xq| <= L, so the saturating narrowing changes nothing) */
+            if (kind == FL_QUANT_Q4_1) {
+                _mm_storeu_si128((__m128i *)((int8_t *)xq + at), _mm512_cvtsepi32_epi8(qlo));
+                _mm_storeu_si128((__m128i *)((int8_t *)xq + at + 16), _mm512_cvtsepi32_epi8(qhi));
+            } else {
+                _mm256_storeu_si256((__m256i *)((int16_t *)xq + at), _mm512_cvtsepi32_epi16(qlo));
+                _mm256_storeu_si256((__m256i *)((int16_t *)xq + at + 16), _mm512_cvtsepi32_epi16(qhi));
+            }
+            if (xsum)
                 xsum[(size_t)r * (in / FL_Q8_BLOCK) + b] =
                     scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         }
@@ -170,37 +180,41 @@ FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q8_dot_block(
     fl_quant_store(sums, y, ldy, n, RB);
 }
 
-/* Rows [0, RB) of the quantised x (and each block's xsum) against one Q4_1 group, as fl_q8_dot_block: per block,
- * VPDPWSSD sums q * xq exactly in int32 (at most 32 * 15 * 32767), then the float32 sum gains that times the step
- * times the row's scale, plus the offset times the block's xsum. */
+/* A Q4_1 quad row's four 64-byte planes of unsigned values (16 features' quads each, features 16c.. in plane c). */
+FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q4_planes(const uint8_t *quad, __m512i planes[4]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512i b0 = _mm512_loadu_si512((const void *)quad), b1 = _mm512_loadu_si512((const void *)(quad + 64));
+    planes[0] = _mm512_and_si512(b0, nibble);
+    planes[1] = _mm512_and_si512(_mm512_srli_epi16(b0, 4), nibble);
+    planes[2] = _mm512_and_si512(b1, nibble);
+    planes[3] = _mm512_and_si512(_mm512_srli_epi16(b1, 4), nibble);
+}
+
+/* Rows [0, RB) of the int8 x (and each block's xsum) against one Q4_1 group, as fl_q8_dot_block: per block, VPDPBUSD
+ * sums q * xq exactly in int32 (at most 32 * 15 * 127), then the float32 sum gains that times the step times the
+ * row's scale, plus the offset times the block's xsum. */
 FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q4_dot_block(
-        const uint8_t *group, const uint16_t *steps, const uint16_t *offsets, const int16_t *xq, const float *xs,
+        const uint8_t *group, const uint16_t *steps, const uint16_t *offsets, const int8_t *xq, const float *xs,
         const float *xsum, int in, uint16_t *y, int64_t ldy, int n, const int RB) {
     float sums[FL_GEMM_RB][FL_GROUP];
     for (int r = 0; r < RB; r++)
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(sums[r] + 16 * j, _mm512_setzero_ps());
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     const int blocks = in / FL_Q8_BLOCK;
     for (int b = 0; b < blocks; b++) {
         __m512i acc[4][FL_GEMM_RB];
         for (int j = 0; j < 4; j++)
             for (int r = 0; r < RB; r++) acc[j][r] = _mm512_setzero_si512();
-        for (int k = b * (FL_Q8_BLOCK / 2); k < (b + 1) * (FL_Q8_BLOCK / 2); k++) {
-            const uint8_t *qk = group + (size_t)k * FL_GROUP;
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)qk);
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(qk + 32));
-            __m512i w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(b0, nibble));
-            __m512i w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b0, 4), nibble));
-            __m512i w2 = _mm512_cvtepu8_epi16(_mm256_and_si256(b1, nibble));
-            __m512i w3 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b1, 4), nibble));
+        for (int k = b * (FL_Q8_BLOCK / 4); k < (b + 1) * (FL_Q8_BLOCK / 4); k++) {
+            __m512i w[4];
+            fl_q4_planes(group + (size_t)k * (2 * FL_GROUP), w);
             for (int r = 0; r < RB; r++) {
-                int32_t pair;
-                memcpy(&pair, xq + (size_t)r * in + 2 * k, sizeof pair);
-                __m512i xb = _mm512_set1_epi32(pair);
-                acc[0][r] = _mm512_dpwssd_epi32(acc[0][r], w0, xb);
-                acc[1][r] = _mm512_dpwssd_epi32(acc[1][r], w1, xb);
-                acc[2][r] = _mm512_dpwssd_epi32(acc[2][r], w2, xb);
-                acc[3][r] = _mm512_dpwssd_epi32(acc[3][r], w3, xb);
+                int32_t quad;
+                memcpy(&quad, xq + (size_t)r * in + 4 * k, sizeof quad);
+                __m512i xb = _mm512_set1_epi32(quad);
+                acc[0][r] = _mm512_dpbusd_epi32(acc[0][r], w[0], xb);
+                acc[1][r] = _mm512_dpbusd_epi32(acc[1][r], w[1], xb);
+                acc[2][r] = _mm512_dpbusd_epi32(acc[2][r], w[2], xb);
+                acc[3][r] = _mm512_dpbusd_epi32(acc[3][r], w[3], xb);
             }
         }
         float d[FL_GROUP], m[FL_GROUP];
@@ -230,9 +244,9 @@ static inline const void *fl_quant_params(int kind, const void *s, int in, int g
 }
 
 /* Groups [g0, g1) of y [rows, ldy] = x @ w^T over a `kind` weight (q, s, m as fl_quant_group), x given as
- * fl_q8_quantize_rows left it (xq, xs; xsum for Q4_1). */
+ * fl_quant_rows left it for that kind (xq, xs; xsum for Q4_1). */
 FL_Q8_TARGET __attribute__((unused)) static void fl_quant_groups(int kind, const void *q, const void *s, const void *m,
-                                                                 const int16_t *xq, const float *xs, const float *xsum,
+                                                                 const void *xq, const float *xs, const float *xsum,
                                                                  uint16_t *y, int64_t ldy, int rows, int out, int in,
                                                                  int g0, int g1) {
     const int blocks = in / FL_Q8_BLOCK;
@@ -242,14 +256,15 @@ FL_Q8_TARGET __attribute__((unused)) static void fl_quant_groups(int kind, const
         int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
         for (int r = 0; r < rows; r += FL_GEMM_RB) {
             int rb = rows - r < FL_GEMM_RB ? rows - r : FL_GEMM_RB;
-            const int16_t *xr = xq + (size_t)r * in;
+            const void *xr = (const uint8_t *)xq + (size_t)r * in * (kind == FL_QUANT_Q4_1 ? 1 : 2);
             const float *sr = xs + (size_t)r * blocks, *mr = xsum ? xsum + (size_t)r * blocks : NULL;
             uint16_t *yr = y + (size_t)r * ldy + j0;
 #define FL_QUANT_DOT(RB)                                                                                         \
             (kind == FL_QUANT_Q4_1                                                                               \
                  ? fl_q4_dot_block((const uint8_t *)group, (const uint16_t *)scales, (const uint16_t *)offsets, \
-                                   xr, sr, mr, in, yr, ldy, n, RB)                                               \
-                 : fl_q8_dot_block((const int8_t *)group, (const float *)scales, xr, sr, in, yr, ldy, n, RB))
+                                   (const int8_t *)xr, sr, mr, in, yr, ldy, n, RB)                               \
+                 : fl_q8_dot_block((const int8_t *)group, (const float *)scales, (const int16_t *)xr, sr, in, yr, ldy, \
+                                   n, RB))
             switch (rb) {
                 case 1: FL_QUANT_DOT(1); break;
                 case 2: FL_QUANT_DOT(2); break;
@@ -296,9 +311,8 @@ FL_AVX2_TARGET __attribute__((unused)) static void fl_q8_widen_group_avx2(const 
 
 /* One Q4_1 group widened into bf16 pack_bf16's layout (dst: in * 64 values), AVX-512 BF16: each value
  * fma(step, q, offset) in float32, rounded to nearest-even. */
-FL_TARGET static void fl_q4_widen_group(const uint8_t *group, const uint16_t *steps, const uint16_t *offsets,
-                                        uint16_t *dst, int in) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
+FL_Q8_TARGET static void fl_q4_widen_group(const uint8_t *group, const uint16_t *steps, const uint16_t *offsets,
+                                           uint16_t *dst, int in) {
     for (int block = 0; block < in / FL_Q8_BLOCK; block++) {
         __m512 sv[8], mv[8];
         float d[FL_GROUP], m[FL_GROUP];
@@ -306,19 +320,19 @@ FL_TARGET static void fl_q4_widen_group(const uint8_t *group, const uint16_t *st
         fl_q4_params(offsets + (size_t)block * FL_GROUP, m);
         fl_q8_scales(d, sv);
         fl_q8_scales(m, mv);
-        for (int k = block * (FL_Q8_BLOCK / 2); k < (block + 1) * (FL_Q8_BLOCK / 2); k++) {
-            const uint8_t *qk = group + (size_t)k * FL_GROUP;
-            __m256i b0 = _mm256_loadu_si256((const __m256i *)qk);
-            __m256i b1 = _mm256_loadu_si256((const __m256i *)(qk + 32));
-            __m256i planes[4] = {_mm256_and_si256(b0, nibble), _mm256_and_si256(_mm256_srli_epi16(b0, 4), nibble),
-                                 _mm256_and_si256(b1, nibble), _mm256_and_si256(_mm256_srli_epi16(b1, 4), nibble)};
-            uint16_t *dk = dst + (size_t)k * (2 * FL_GROUP);
-            for (int b = 0; b < 4; b++) {
-                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(planes[b])));
-                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(planes[b], 1)));
-                _mm512_storeu_si512((void *)(dk + 32 * b),
-                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, sv[2 * b + 1], mv[2 * b + 1]),
-                                                                 _mm512_fmadd_ps(lo, sv[2 * b], mv[2 * b])));
+        for (int k = block * (FL_Q8_BLOCK / 4); k < (block + 1) * (FL_Q8_BLOCK / 4); k++) {
+            __m512i planes[4];
+            fl_q4_planes(group + (size_t)k * (2 * FL_GROUP), planes);
+            for (int h = 0; h < 2; h++) {  /* input pair 2k + h: each feature's values 2h and 2h + 1 of its quad */
+                uint16_t *dk = dst + (size_t)(2 * k + h) * (2 * FL_GROUP);
+                for (int c = 0; c < 4; c++) {
+                    __m256i pairs = _mm512_cvtepi32_epi16(h ? _mm512_srli_epi32(planes[c], 16) : planes[c]);
+                    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(pairs)));
+                    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(pairs, 1)));
+                    _mm512_storeu_si512((void *)(dk + 32 * c),
+                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, sv[2 * c + 1], mv[2 * c + 1]),
+                                                                     _mm512_fmadd_ps(lo, sv[2 * c], mv[2 * c])));
+                }
             }
         }
     }
@@ -329,22 +343,27 @@ FL_TARGET static void fl_q4_widen_group(const uint8_t *group, const uint16_t *st
 __attribute__((target("avx2,fma,f16c"), unused)) static void fl_q4_widen_group_avx2(
         const uint8_t *group, const uint16_t *steps, const uint16_t *offsets, uint16_t *dst, int in) {
     const __m256i dup = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-    for (int k = 0; k < in / 2; k++) {
-        const size_t b = (size_t)(k / (FL_Q8_BLOCK / 2)) * FL_GROUP;
-        const uint8_t *qk = group + (size_t)k * FL_GROUP;
-        uint16_t *dk = dst + (size_t)k * (2 * FL_GROUP);
-        for (int j = 0; j < 16; j++) {  /* values 8j .. 8j + 7: features 4j .. 4j + 3, two lanes each */
-            const int plane = j / 4;    /* 32 values a plane: bytes 0..31 or 32..63, low or high halves */
-            int64_t bits;
-            memcpy(&bits, qk + 32 * (plane / 2) + 8 * (j % 4), sizeof bits);
-            __m128i bytes = _mm_cvtsi64_si128(bits);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    /* a quad row's 16 bytes for 4 features hold their 4 inputs each; pair h is bytes 4f + 2h, 4f + 2h + 1 */
+    const __m128i pick[2] = {_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1),
+                             _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)};
+    for (int k = 0; k < in / 4; k++) {
+        const size_t b = (size_t)(k / (FL_Q8_BLOCK / 4)) * FL_GROUP;
+        const uint8_t *qk = group + (size_t)k * (2 * FL_GROUP);
+        for (int j = 0; j < 16; j++) {  /* features 4j .. 4j + 3: plane j / 4, its bytes 16 (j % 4) .. + 15 */
+            const int plane = j / 4;
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(qk + 64 * (plane / 2) + 16 * (j % 4)));
             if (plane & 1) bytes = _mm_srli_epi16(bytes, 4);
-            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, _mm_set1_epi8(0x0F))));
+            bytes = _mm_and_si128(bytes, nibble);
             __m256 d = _mm256_permutevar8x32_ps(
                 _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(steps + b + 4 * j)))), dup);
             __m256 m = _mm256_permutevar8x32_ps(
                 _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(offsets + b + 4 * j)))), dup);
-            _mm_storeu_si128((__m128i *)(dk + 8 * j), fl_avx2_round(_mm256_fmadd_ps(v, d, m)));
+            for (int h = 0; h < 2; h++) {
+                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(bytes, pick[h])));
+                _mm_storeu_si128((__m128i *)(dst + (size_t)(2 * k + h) * (2 * FL_GROUP) + 8 * j),
+                                 fl_avx2_round(_mm256_fmadd_ps(v, d, m)));
+            }
         }
     }
 }
@@ -401,10 +420,10 @@ __attribute__((unused)) static void fl_quant_widen_groups(int kind, const void *
 #else
 
 static int fl_q8_vnni_supported(void) { return 0; }
-static void fl_q8_quantize_rows(const uint16_t *x, int rows, int in, int16_t *xq, float *xs, float *xsum) {
-    (void)x; (void)rows; (void)in; (void)xq; (void)xs; (void)xsum;
+static void fl_quant_rows(int kind, const uint16_t *x, int rows, int in, void *xq, float *xs, float *xsum) {
+    (void)kind; (void)x; (void)rows; (void)in; (void)xq; (void)xs; (void)xsum;
 }
-static void fl_quant_groups(int kind, const void *q, const void *s, const void *m, const int16_t *xq, const float *xs,
+static void fl_quant_groups(int kind, const void *q, const void *s, const void *m, const void *xq, const float *xs,
                             const float *xsum, uint16_t *y, int64_t ldy, int rows, int out, int in, int g0, int g1) {
     (void)kind; (void)q; (void)s; (void)m; (void)xq; (void)xs; (void)xsum; (void)y; (void)ldy; (void)rows;
     (void)out; (void)in; (void)g0; (void)g1;

@@ -11,7 +11,8 @@ A weight row is cut into blocks of 32 inputs.
 The products (flared/_fast/qlinear_kernel.h) either widen each weight to that bf16 value on the fly and then sum
 exactly as the bf16 kernels do, so that a quantised model's logits equal, bit for bit, those of the bf16 model whose
 weights are the dequantised ones (the tests hold them to that); or take integer dot products with the rows
-quantised to int16 (decode's few rows on VNNI CPUs), equal to rounding.
+quantised per block of 32 (decode's few rows on VNNI CPUs): to int16 against Q8_0 weights, equal to rounding; to
+int8 against Q4_1's, as llama.cpp's Q8_1 rows (twice the products an instruction, for a little more error).
 
 ``quantize_*`` / ``dequantize_*`` are the formats; ``pack_*`` lays them out for the kernels (groups of 64 output
 features, as ``decoder.pack_bf16`` lays bf16 weights). ``DecoderModel(..., quantization=)`` quantises the products
@@ -125,24 +126,23 @@ def dequantize_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor,
 def pack_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [out, in], steps, offsets [out, in / 32]) -> the kernels' layout (qlinear_kernel.h): each group of 64
-    output features' input pair k as 64 bytes [groups, in / 2, 64]. Of the pair's 128 values in pack_bf16's order
-    (feature, then the pair's two inputs), byte j holds value j in its low half and value 32 + j in its high half,
-    byte 32 + j values 64 + j and 96 + j; steps and offsets [groups, in / 32, 64] float16. Rows past ``out`` are
-    zero."""
+    output features' inputs in quads, 128 bytes a quad [groups, in / 4, 128]. Of the quad's 256 values in the order
+    (feature, its 4 inputs), byte j holds value j in its low half and value 64 + j in its high half, byte 64 + j
+    values 128 + j and 192 + j; steps and offsets [groups, in / 32, 64] float16. Rows past ``out`` are zero."""
     q, steps, offsets = _padded_groups([q, steps, offsets])
     in_features = q.shape[1]
-    values = q.reshape(-1, GROUP_FEATURES, in_features // 2, 2).permute(0, 2, 1, 3).reshape(-1, in_features // 2, 128)
-    low = torch.cat([values[..., 0:32], values[..., 64:96]], dim=-1)
-    high = torch.cat([values[..., 32:64], values[..., 96:128]], dim=-1)
+    values = q.reshape(-1, GROUP_FEATURES, in_features // 4, 4).permute(0, 2, 1, 3).reshape(-1, in_features // 4, 256)
+    low = torch.cat([values[..., 0:64], values[..., 128:192]], dim=-1)
+    high = torch.cat([values[..., 64:128], values[..., 192:256]], dim=-1)
     packed = (low | (high << 4)).contiguous()
     return packed, _pack_block_params(steps), _pack_block_params(offsets)
 
 
 def unpack_q4_1_values(packed: torch.Tensor) -> torch.Tensor:
-    """pack_q4_1's bytes [groups, in / 2, 64] -> the values [groups, in / 2, 64, 2] (pack_q8_0's order)."""
+    """pack_q4_1's bytes [groups, in / 4, 128] -> the values [groups, in / 4, 64, 4] (feature, its quad of inputs)."""
     low, high = packed & 15, packed >> 4
-    values = torch.cat([low[..., :32], high[..., :32], low[..., 32:], high[..., 32:]], dim=-1)
-    return values.reshape(*packed.shape[:2], GROUP_FEATURES, 2)
+    values = torch.cat([low[..., :64], high[..., :64], low[..., 64:], high[..., 64:]], dim=-1)
+    return values.reshape(*packed.shape[:2], GROUP_FEATURES, 4)
 
 
 def q4_1_rows(packed: torch.Tensor, packed_steps: torch.Tensor, packed_offsets: torch.Tensor, rows: list[int],
@@ -150,6 +150,6 @@ def q4_1_rows(packed: torch.Tensor, packed_steps: torch.Tensor, packed_offsets: 
     """Rows ``rows`` of pack_q4_1's weight, dequantised as the kernels use them (dequantize_q4_1): [len(rows), in]."""
     index = torch.tensor(rows, dtype=torch.long)
     groups, features = index // GROUP_FEATURES, index % GROUP_FEATURES
-    q = unpack_q4_1_values(packed[groups])  # [rows, in / 2, 64, 2]
+    q = unpack_q4_1_values(packed[groups])  # [rows, in / 4, 64, 4]
     q = q[torch.arange(len(rows)), :, features, :].reshape(len(rows), -1)
     return dequantize_q4_1(q, packed_steps[groups, :, features], packed_offsets[groups, :, features], dtype)
