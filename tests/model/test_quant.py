@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from flared.model.batch import ForwardBatch, SequenceChunk
-from flared.model.quant import (HEAD_QUANTIZATION, check_quantization, dequantize_q4_1, dequantize_q8_0, pack_q4_1, pack_q8_0,
-                                q4_1_rows, q8_0_rows, quantize_q4_1, quantize_q8_0)
+from flared.model.quant import (HEAD_QUANTIZATION, check_quantization, dequantize_q4_1, dequantize_q8_0, pack_q4_1,
+                                pack_q8_0, q4_1_rows, q8_0_rows, quantize_q4_1, quantize_q8_0)
 from .conftest import build_hf_checkpoint
 
 linear = pytest.importorskip("flared._fast.linear")
@@ -224,9 +224,9 @@ def _models(family, tmp_path, float32_twin=False, fmt="q8_0"):
 def test_a_quantised_model_against_its_dequantised_twin(family, fmt, tmp_path, paths):
     """Prefill chunks and decode rows (the one-call step where the CPU has it): the widened paths equal the bf16
     twin's logits bit for bit; the integer dots are as near the float32 twin as the bf16 twin is (Q8_0's rows
-    quantised to 15 bits lose less than bf16's 8 do; Q4_1's to 7 bits, within a few times). Every product but the routers is quantised where its inputs
-    are a multiple of 32 (Mixtral's test experts' 48-wide down products stay bf16), routed experts included; a dense
-    model's products take 0.56x their bf16 bytes as Q8_0, 0.31x as Q4_1."""
+    quantised to 15 bits lose less than bf16's 8 do; Q4_1's to 7 bits, within a few times). Every product but the
+    routers is quantised where its inputs are a multiple of 32 (Mixtral's test experts' 48-wide down products stay
+    bf16), routed experts included; a dense model's products take 0.56x their bf16 bytes as Q8_0, 0.31x as Q4_1."""
     quantised, twin, twin32 = _models(family, tmp_path, float32_twin=True, fmt=fmt)
     for layer in quantised.layers:
         for lin in quantised._linears(layer):
