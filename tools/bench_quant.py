@@ -151,10 +151,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from flared._fast import linear
 
-    print(f"kernels: {linear.KERNEL}, AMX {linear.AMX}, integer dots (VNNI) {linear.Q8_VNNI}, products on the AMX "
+    print(f"kernels: {linear.KERNEL}, AMX {linear.AMX}, integer dots {linear.INTEGER_DOTS}, products on the AMX "
           f"tiles from {linear.q8_amx_min_rows()} rows (q8_0), {linear.q4_amx_min_rows()} (q4_1)")
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
-              "vnni": bool(linear.Q8_VNNI)}
+              "vnni": bool(linear.Q8_VNNI), "integer_dots": linear.INTEGER_DOTS}
     for shape in args.shapes.split(","):
         result[shape] = speed(shape, [int(s) for s in args.streams.split(",")], args)
     if args.quality:

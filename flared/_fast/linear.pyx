@@ -51,6 +51,9 @@ cdef extern from "qlinear_kernel.h" nogil:
                                 int64_t ldy, int rows, int out, int inp, int g0, int g1, int kernel)
     void fl_quant_widen_groups(int kind, const void *q, const void *s, const void *m, uint16_t *dst, int inp, int g0,
                                int g1, int native)
+    void fl_quant_rows_scalar(int kind, const uint16_t *x, int rows, int inp, void *xq, float *xs, float *xsum)
+    void fl_quant_groups_avx2(int kind, const void *q, const void *s, const void *m, const void *xq, const float *xs,
+                              const float *xsum, uint16_t *y, int64_t ldy, int rows, int out, int inp, int g0, int g1)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
 # FLARED_AVX512=0 takes the AVX2 kernels on a CPU that has AVX-512 BF16 too (the tests of the AVX2 paths, the A/B).
@@ -123,19 +126,39 @@ def bf16_linear(uintptr_t packed_ptr, uintptr_t x_ptr, uintptr_t out_ptr, int ro
 # Inputs a block of a quantised weight spans (Q8_0: one float32 scale a block; Q4_1: a float16 step and offset).
 Q8_BLOCK = FL_Q8_BLOCK
 # The quantised products' integer-dot kernels run here (AVX-512 VNNI beside AVX-512 BF16); else they widen the
-# weights.
+# weights, or on an AVX2 host take its own integer dots (INTEGER_DOTS).
 Q8_VNNI = _native and bool(fl_q8_vnni_supported())
-cdef bint _q8_dots = Q8_VNNI
+# Which integer dots a quantised product of few rows takes: "vnni", "avx2" (VPMADDWD, and VPMADDUBSW for Q4_1's
+# int8 rows: 3 instructions where VNNI takes 1, still bound by memory at a few rows), or None (widened always).
+INTEGER_DOTS = "vnni" if Q8_VNNI else "avx2" if KERNEL == "avx2" else None
+cdef bint _q8_dots = INTEGER_DOTS is not None
+# On AVX2 hosts products of fewer rows than this take the dots, the rest the widened AVX2 bf16 kernel (whose cost a
+# row is about the dots', and which widens a group once for all of a prefill chunk's rows).
+cdef int _avx2_dot_rows = 16
 
 
 def q8_vnni(int on=-1):
-    """Whether quantised products of fewer rows than q8_amx_min_rows() (Q4_1: q4_amx_min_rows()) take the integer
-    dots (else they widen the weights into the bf16 kernel); ``on`` 0 / 1 sets it first, where the CPU has VNNI (the
-    A/B and the tests)."""
+    """Whether quantised products of few rows take the integer dots (INTEGER_DOTS: fewer than q8_amx_min_rows() or,
+    Q4_1, q4_amx_min_rows() rows with VNNI; fewer than 16 on AVX2 hosts), else they widen the weights into the bf16
+    kernel; ``on`` 0 / 1 sets it first, where the CPU has them (the A/B and the tests)."""
     global _q8_dots
     if on >= 0:
-        _q8_dots = Q8_VNNI and on
+        _q8_dots = INTEGER_DOTS is not None and on
     return bool(_q8_dots)
+
+
+def quant_dots(str fmt, int rows):
+    """Whether a product of ``rows`` rows over a ``fmt`` ("q8_0" or "q4_1") weight takes the integer dots now."""
+    return _takes_dots(FL_QUANT_Q4_1 if fmt == "q4_1" else FL_QUANT_Q8_0, rows)
+
+
+cdef bint _takes_dots(int kind, int rows) noexcept:
+    cdef int fewest = _q4_amx_min_rows if kind == FL_QUANT_Q4_1 else _q8_amx_min_rows
+    if not _q8_dots:
+        return False
+    if not _native:
+        return rows < _avx2_dot_rows
+    return not (fewest and rows >= fewest)
 # Products of at least this many rows widen a Q8_0 weight onto the AMX tiles where the CPU has them (0: never): the
 # integer dots stream the int8 weights at memory speed for a few rows, but their cost grows with each row as the bf16
 # AVX-512 kernel's does; the tiles' does not. On 2 threads of an Intel Xeon with AMX (a [5632, 2048] matrix out of
@@ -198,6 +221,7 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
     cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
     cdef int g, t, path, failed = 0
     cdef int fewest = _q4_amx_min_rows if kind == FL_QUANT_Q4_1 else _q8_amx_min_rows
+    cdef bint native = _native
     cdef int16_t *xq
     cdef float *xs
     cdef float *xsum = NULL
@@ -205,7 +229,7 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
         threads = groups
     if threads < 1:
         threads = 1
-    if _q8_dots and not (fewest and rows >= fewest):
+    if _takes_dots(kind, rows):
         xq = <int16_t *>malloc(<size_t>rows * in_features * sizeof(int16_t))
         xs = <float *>malloc(<size_t>rows * (in_features // FL_Q8_BLOCK) * sizeof(float))
         if kind == FL_QUANT_Q4_1:
@@ -216,16 +240,27 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
             free(xsum)
             raise MemoryError(f"{name}: no memory for {rows} quantised rows of {in_features}")
         with nogil:
-            fl_quant_rows(kind, x, rows, in_features, xq, xs, xsum)
+            if native:
+                fl_quant_rows(kind, x, rows, in_features, xq, xs, xsum)
+            else:
+                fl_quant_rows_scalar(kind, x, rows, in_features, xq, xs, xsum)
         try:
             if threads == 1:
                 with nogil:
-                    fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features, in_features,
-                                    0, groups)
+                    if native:
+                        fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
+                                        in_features, 0, groups)
+                    else:
+                        fl_quant_groups_avx2(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
+                                             in_features, 0, groups)
             else:
                 for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
-                    fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features, in_features,
-                                    g, g + 1)
+                    if native:
+                        fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
+                                        in_features, g, g + 1)
+                    else:
+                        fl_quant_groups_avx2(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
+                                             in_features, g, g + 1)
         finally:
             free(xq)
             free(xs)

@@ -22,7 +22,9 @@
  *   values (twice VPDPWSSD's products an instruction, and no widening), plus the offset times the block's sum of the
  *   quantised row. The weights stay int8 or 4-bit until the multiply, so a product of a few rows is bound by
  *   memory, not by widening.
- * - Widened (fl_quant_groups_widened: for many rows on AMX tiles, everywhere without VNNI, on AVX2 hosts): a
+ * - The same integer dots on AVX2 hosts (fl_quant_rows_scalar, fl_quant_groups_avx2; fewer than 16 rows): VPMADDWD
+ *   for Q8_0, VPMADDUBSW then VPMADDWD for Q4_1, 8 features at a time.
+ * - Widened (fl_quant_groups_widened: for many rows on AMX tiles, without VNNI, on AVX2 hosts past 16 rows): a
  *   group is widened into a per-thread scratch as the format's bf16 weight, rounded to nearest-even
  *   (VCVTNE2PS2BF16, which reads a denormal product as zero: one under 1.2e-38 never comes from a real weight; the
  *   AVX2 widening rounds with linear_kernel.h's integer rounding), and run by that path's bf16 kernel:
@@ -33,6 +35,8 @@
  */
 #ifndef FLARED_QLINEAR_KERNEL_H
 #define FLARED_QLINEAR_KERNEL_H
+
+#include <math.h>
 
 #include "linear_kernel.h"
 
@@ -191,9 +195,9 @@ FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q4_planes(cons
 }
 
 /* Rows [0, RB) of the int8 x (and each block's xsum) against one Q4_1 group, as fl_q8_dot_block (kept apart from
- * it: one function for both kinds, the kind a constant where inlined, ran 3-5% slower at 8 rows on both): per block, VPDPBUSD
- * sums q * xq exactly in int32 (at most 32 * 15 * 127), then the float32 sum gains that times the step times the
- * row's scale, plus the offset times the block's xsum. */
+ * it: one function for both kinds, the kind a constant where inlined, ran 3-5% slower at 8 rows on both): per block,
+ * VPDPBUSD sums q * xq exactly in int32 (at most 32 * 15 * 127), then the float32 sum gains that times the step times
+ * the row's scale, plus the offset times the block's xsum. */
 FL_Q8_TARGET static inline __attribute__((always_inline)) void fl_q4_dot_block(
         const uint8_t *group, const uint16_t *steps, const uint16_t *offsets, const int8_t *xq, const float *xs,
         const float *xsum, int in, uint16_t *y, int64_t ldy, int n, const int RB) {
@@ -418,6 +422,154 @@ __attribute__((unused)) static void fl_quant_widen_groups(int kind, const void *
     for (int g = g0; g < g1; g++) fl_quant_widen_one(kind, q, s, m, dst + (size_t)g * FL_GROUP * in, in, g, native);
 }
 
+/* ---- Integer dot products on AVX2 hosts (no AVX-512): fl_quant_rows_scalar, then fl_quant_groups_avx2 ------- */
+
+/* fl_quant_rows in plain C (the same values: the scale and its inverse in float32, nearest-even rounding). */
+__attribute__((unused)) static void fl_quant_rows_scalar(int kind, const uint16_t *x, int rows, int in, void *xq,
+                                                         float *xs, float *xsum) {
+    const float limit = kind == FL_QUANT_Q4_1 ? 127.0f : 32767.0f;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < in / FL_Q8_BLOCK; b++) {
+            const size_t at = (size_t)r * in + (size_t)b * FL_Q8_BLOCK;
+            float v[FL_Q8_BLOCK], amax = 0.0f;
+            for (int i = 0; i < FL_Q8_BLOCK; i++) {
+                uint32_t bits = (uint32_t)x[at + i] << 16;
+                memcpy(&v[i], &bits, sizeof bits);
+                amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+            }
+            const float scale = amax / limit, inverse = amax > 0.0f ? limit / amax : 0.0f;
+            int32_t total = 0;
+            for (int i = 0; i < FL_Q8_BLOCK; i++) {
+                int32_t q = (int32_t)nearbyintf(v[i] * inverse);
+                total += q;
+                if (kind == FL_QUANT_Q4_1)
+                    ((int8_t *)xq)[at + i] = (int8_t)q;
+                else
+                    ((int16_t *)xq)[at + i] = (int16_t)q;
+            }
+            xs[(size_t)r * (in / FL_Q8_BLOCK) + b] = scale;
+            if (xsum) xsum[(size_t)r * (in / FL_Q8_BLOCK) + b] = scale * (float)total;
+        }
+}
+
+/* rows at a time: two feature chunks' accumulators for 4 rows, and the operands, in 16 registers */
+#define FL_AVX2_DOT_RB 4
+#define FL_AVX2_DOT_TARGET __attribute__((target("avx2,fma,f16c")))
+
+/* sums[r][f0 .. f0 + 7] += acc[r] * scales[f0 ..] * row scale + (Q4_1) offsets[f0 ..] * the row's xsum. */
+FL_AVX2_DOT_TARGET static inline __attribute__((always_inline)) void fl_avx2_dot_scale(
+        float sums[][FL_GROUP], const __m256i *acc, __m256 scale, __m256 offset, const float *xs, const float *xsum,
+        int blocks, int b, int f0, const int RB) {
+    for (int r = 0; r < RB; r++) {
+        __m256 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]),
+                                       _mm256_mul_ps(scale, _mm256_set1_ps(xs[(size_t)r * blocks + b])),
+                                       _mm256_loadu_ps(sums[r] + f0));
+        if (xsum) total = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[(size_t)r * blocks + b]), total);
+        _mm256_storeu_ps(sums[r] + f0, total);
+    }
+}
+
+/* Rows [0, RB) of the quantised x against one group of a `kind` weight on AVX2, as fl_q8_dot_block and
+ * fl_q4_dot_block: the same exact int32 sums per block and the same scaling, 8 features at a time.
+ * - Q8_0: 8 features' pairs of int8 weights widened to int16, times a pair of the int16 row (VPMADDWD).
+ * - Q4_1: 8 features' quads of 4-bit weights (a 32-byte load's low halves, and its high halves 16 features on),
+ *   times a quad of the int8 row: VPMADDUBSW (15 * 127 * 2 stays far from its int16 saturation), then VPMADDWD
+ *   by ones into the quad's int32 sum. */
+FL_AVX2_DOT_TARGET static inline __attribute__((always_inline)) void fl_avx2_dot_block(
+        const int kind, const void *group, const void *scales, const uint16_t *offsets, const void *xq,
+        const float *xs, const float *xsum, int in, uint16_t *y, int64_t ldy, int n, const int RB) {
+    float sums[FL_AVX2_DOT_RB][FL_GROUP];
+    for (int r = 0; r < RB; r++)
+        for (int j = 0; j < FL_GROUP; j++) sums[r][j] = 0.0f;
+    const int blocks = in / FL_Q8_BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+    for (int b = 0; b < blocks; b++)
+        for (int s = 0; s < 4; s++) {
+            /* Q4_1: load s of each quad row holds features fa .. fa + 7 low, fa + 16 .. high; Q8_0: chunks s, s + 4 */
+            const int fa = kind == FL_QUANT_Q4_1 ? (s % 2) * 8 + (s / 2) * 32 : 8 * s;
+            const int fb = kind == FL_QUANT_Q4_1 ? fa + 16 : 8 * s + 32;
+            __m256i acc_a[FL_AVX2_DOT_RB], acc_b[FL_AVX2_DOT_RB];
+            for (int r = 0; r < RB; r++) acc_a[r] = acc_b[r] = _mm256_setzero_si256();
+            if (kind == FL_QUANT_Q4_1) {
+                for (int k = b * (FL_Q8_BLOCK / 4); k < (b + 1) * (FL_Q8_BLOCK / 4); k++) {
+                    const uint8_t *qk = (const uint8_t *)group + (size_t)k * 128;
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(qk + 32 * s));
+                    __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+                    for (int r = 0; r < RB; r++) {
+                        int32_t quad;
+                        memcpy(&quad, (const int8_t *)xq + (size_t)r * in + 4 * k, sizeof quad);
+                        __m256i xb = _mm256_set1_epi32(quad);
+                        acc_a[r] = _mm256_add_epi32(acc_a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones));
+                        acc_b[r] = _mm256_add_epi32(acc_b[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xb), ones));
+                    }
+                }
+            } else {
+                for (int k = b * (FL_Q8_BLOCK / 2); k < (b + 1) * (FL_Q8_BLOCK / 2); k++) {
+                    const int8_t *qk = (const int8_t *)group + (size_t)k * 128;
+                    __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qk + 2 * fa)));
+                    __m256i wb = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qk + 2 * fb)));
+                    for (int r = 0; r < RB; r++) {
+                        int32_t pair;
+                        memcpy(&pair, (const int16_t *)xq + (size_t)r * in + 2 * k, sizeof pair);
+                        __m256i xb = _mm256_set1_epi32(pair);
+                        acc_a[r] = _mm256_add_epi32(acc_a[r], _mm256_madd_epi16(wa, xb));
+                        acc_b[r] = _mm256_add_epi32(acc_b[r], _mm256_madd_epi16(wb, xb));
+                    }
+                }
+            }
+            __m256 sa, sb, ma = _mm256_setzero_ps(), mb = _mm256_setzero_ps();
+            const size_t at = (size_t)b * FL_GROUP;
+            if (kind == FL_QUANT_Q4_1) {
+                const uint16_t *st = (const uint16_t *)scales + at;
+                sa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + fa)));
+                sb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + fb)));
+                ma = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + at + fa)));
+                mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + at + fb)));
+            } else {
+                sa = _mm256_loadu_ps((const float *)scales + at + fa);
+                sb = _mm256_loadu_ps((const float *)scales + at + fb);
+            }
+            const float *sum_rows = kind == FL_QUANT_Q4_1 ? xsum : NULL;
+            fl_avx2_dot_scale(sums, acc_a, sa, ma, xs, sum_rows, blocks, b, fa, RB);
+            fl_avx2_dot_scale(sums, acc_b, sb, mb, xs, sum_rows, blocks, b, fb, RB);
+        }
+    for (int r = 0; r < RB; r++) {
+        uint16_t row[FL_GROUP];
+        for (int j = 0; j < FL_GROUP; j += 8)
+            _mm_storeu_si128((__m128i *)(row + j), fl_avx2_round(_mm256_loadu_ps(sums[r] + j)));
+        memcpy(y + (size_t)r * ldy, row, (size_t)n * 2);
+    }
+}
+
+/* Groups [g0, g1) of y [rows, ldy] = x @ w^T over a `kind` weight on AVX2, x as fl_quant_rows_scalar left it. */
+FL_AVX2_DOT_TARGET __attribute__((unused)) static void fl_quant_groups_avx2(
+        int kind, const void *q, const void *s, const void *m, const void *xq, const float *xs, const float *xsum,
+        uint16_t *y, int64_t ldy, int rows, int out, int in, int g0, int g1) {
+    const int blocks = in / FL_Q8_BLOCK, width = kind == FL_QUANT_Q4_1 ? 1 : 2;
+    for (int g = g0; g < g1; g++) {
+        const void *group = fl_quant_group(kind, q, in, g), *scales = fl_quant_params(kind, s, in, g);
+        const uint16_t *offsets = (const uint16_t *)fl_quant_params(kind, m, in, g);
+        int j0 = g * FL_GROUP, n = out - j0 < FL_GROUP ? out - j0 : FL_GROUP;
+        for (int r = 0; r < rows; r += FL_AVX2_DOT_RB) {
+            int rb = rows - r < FL_AVX2_DOT_RB ? rows - r : FL_AVX2_DOT_RB;
+            const void *xr = (const uint8_t *)xq + (size_t)r * in * width;
+            const float *sr = xs + (size_t)r * blocks, *mr = xsum ? xsum + (size_t)r * blocks : NULL;
+            uint16_t *yr = y + (size_t)r * ldy + j0;
+#define FL_AVX2_DOT(RB)                                                                                         \
+            (kind == FL_QUANT_Q4_1                                                                              \
+                 ? fl_avx2_dot_block(FL_QUANT_Q4_1, group, scales, offsets, xr, sr, mr, in, yr, ldy, n, RB)     \
+                 : fl_avx2_dot_block(FL_QUANT_Q8_0, group, scales, NULL, xr, sr, NULL, in, yr, ldy, n, RB))
+            switch (rb) {
+                case 1: FL_AVX2_DOT(1); break;
+                case 2: FL_AVX2_DOT(2); break;
+                case 3: FL_AVX2_DOT(3); break;
+                default: FL_AVX2_DOT(FL_AVX2_DOT_RB); break;
+            }
+#undef FL_AVX2_DOT
+        }
+    }
+}
+
 #else
 
 static int fl_q8_vnni_supported(void) { return 0; }
@@ -438,6 +590,15 @@ static int fl_quant_groups_widened(int kind, const void *q, const void *s, const
 static void fl_quant_widen_groups(int kind, const void *q, const void *s, const void *m, uint16_t *dst, int in,
                                   int g0, int g1, int native) {
     (void)kind; (void)q; (void)s; (void)m; (void)dst; (void)in; (void)g0; (void)g1; (void)native;
+}
+static void fl_quant_rows_scalar(int kind, const uint16_t *x, int rows, int in, void *xq, float *xs, float *xsum) {
+    (void)kind; (void)x; (void)rows; (void)in; (void)xq; (void)xs; (void)xsum;
+}
+static void fl_quant_groups_avx2(int kind, const void *q, const void *s, const void *m, const void *xq,
+                                 const float *xs, const float *xsum, uint16_t *y, int64_t ldy, int rows, int out,
+                                 int in, int g0, int g1) {
+    (void)kind; (void)q; (void)s; (void)m; (void)xq; (void)xs; (void)xsum; (void)y; (void)ldy; (void)rows;
+    (void)out; (void)in; (void)g0; (void)g1;
 }
 
 #endif

@@ -150,7 +150,7 @@ def test_every_path_against_the_bf16_kernel_and_float64(fmt, out_features, in_fe
             for threads in (1, 2):
                 x = torch.randn(rows, in_features, generator=g).bfloat16()
                 got = _product(packed, x, out_features, threads)
-                if linear.q8_vnni() and not q8_amx:
+                if linear.quant_dots(fmt, rows):
                     ref = _rows_as_the_dots_take_them(fmt, x) @ exact.T
                     err = (got.double() - ref).abs() / (ref.abs() + ref.abs().mean())
                     assert err.max().item() < 8e-3, (rows, threads)  # (bf16's own rounding: 3.9e-3)
@@ -251,7 +251,7 @@ def test_a_quantised_model_against_its_dequantised_twin(family, fmt, tmp_path, p
         return first.float(), step.float()
 
     exact = run(twin32)
-    for q8_amx, dots in [(0, 0)] + ([(1, 0)] if linear.AMX else []) + ([(0, 1)] if linear.Q8_VNNI else []):
+    for q8_amx, dots in [(0, 0)] + ([(1, 0)] if linear.AMX else []) + ([(0, 1)] if linear.INTEGER_DOTS else []):
         linear.amx_min_rows(q8_amx)
         _quantised_amx_rows(q8_amx)
         linear.q8_vnni(dots)
