@@ -18,9 +18,11 @@ Rules:
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uintptr_t
 
-from flared._fast.linear import amx_min_rows, q4_amx_min_rows, q8_amx_min_rows, q8_vnni
+from flared._fast.linear import KERNEL, amx_min_rows, quant_path
 
 cdef int64_t _serial = 0
+# linear.quant_path's names as decode_kernel.h's q8_path / q4_path (this kernel runs on AVX-512 BF16 hosts only)
+_DECODE_PATHS = {"dots": 0, "amx": 1, "avx512": 2}
 
 cdef extern from "decode_kernel.h" nogil:
     int FL_DEC_MAX_ROWS
@@ -60,7 +62,9 @@ cdef extern from "decode_kernel.h" nogil:
     int fl_decode_supported()
     void fl_decode_layers(const fl_decode_args_t *a)
 
-SUPPORTED = bool(fl_decode_supported())
+# (an AVX-512 BF16 kernel: off where linear.pyx runs the AVX2 kernels, FLARED_AVX512=0 included, so that such a
+# run is an AVX2 host's throughout)
+SUPPORTED = bool(fl_decode_supported()) and KERNEL == "avx512_bf16"
 MAX_ROWS = FL_DEC_MAX_ROWS
 PTRS = FL_DEC_PTRS  # columns of layer_ptrs: decode_kernel.h's 9 addresses, 4 scales (0: bf16), 4 Q4_1 offsets
 LORA_MAX_RANK = FL_LORA_MAX_RANK  # the most low-rank columns (all of one product's stacked A) an adapter may have
@@ -134,9 +138,8 @@ def decode_layers(*, int rows, int hidden, int num_heads, int num_kv_heads, int 
     fewest = amx_min_rows()  # (the AMX tiles where linear.pyx's products take them: the same results)
     a.amx = 1 if fewest and rows >= fewest else 0
     # Quantised products as linear.q8_linear / q4_linear run them for this many rows (the per-op path's results)
-    q8_fewest, q4_fewest = q8_amx_min_rows(), q4_amx_min_rows()
-    a.q8_path = 1 if q8_fewest and rows >= q8_fewest else 0 if q8_vnni() else 2
-    a.q4_path = 1 if q4_fewest and rows >= q4_fewest else 0 if q8_vnni() else 2
+    a.q8_path = _DECODE_PATHS[quant_path("q8_0", rows)]
+    a.q4_path = _DECODE_PATHS[quant_path("q4_1", rows)]
     global _serial
     _serial += 1
     a.serial = _serial

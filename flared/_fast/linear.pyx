@@ -147,18 +147,26 @@ def q8_vnni(int on=-1):
     return bool(_q8_dots)
 
 
-def quant_dots(str fmt, int rows):
-    """Whether a product of ``rows`` rows over a ``fmt`` ("q8_0" or "q4_1") weight takes the integer dots now."""
-    return _takes_dots(FL_QUANT_Q4_1 if fmt == "q4_1" else FL_QUANT_Q8_0, rows)
+# The paths a quantised product takes (quant_path): the integer dots, or the weights widened for a bf16 kernel.
+cdef int _DOTS = -1
+_PATH_NAMES = {_DOTS: "dots", FL_Q8_ON_AMX: "amx", FL_Q8_ON_AVX512: "avx512", FL_Q8_ON_AVX2: "avx2"}
 
 
-cdef bint _takes_dots(int kind, int rows) noexcept:
+def quant_path(str fmt, int rows):
+    """The path a product of ``rows`` rows over a ``fmt`` ("q8_0" or "q4_1") weight takes now: "dots" (the integer
+    dots), or its weights widened for the bf16 kernel on "amx", "avx512" or "avx2". q8_linear / q4_linear and the
+    one-call decode step (decode.pyx) all go by it, so that their results agree bit for bit."""
+    return _PATH_NAMES[_path(FL_QUANT_Q4_1 if fmt == "q4_1" else FL_QUANT_Q8_0, rows)]
+
+
+cdef int _path(int kind, int rows) noexcept:
     cdef int fewest = _q4_amx_min_rows if kind == FL_QUANT_Q4_1 else _q8_amx_min_rows
-    if not _q8_dots:
-        return False
-    if not _native:
-        return rows < _avx2_dot_rows
-    return not (fewest and rows >= fewest)
+    cdef bint amx = fewest and rows >= fewest
+    if _q8_dots and (rows < _avx2_dot_rows if not _native else not amx):
+        return _DOTS
+    if amx:
+        return FL_Q8_ON_AMX
+    return FL_Q8_ON_AVX512 if _native else FL_Q8_ON_AVX2
 # Products of at least this many rows widen a Q8_0 weight onto the AMX tiles where the CPU has them (0: never): the
 # integer dots stream the int8 weights at memory speed for a few rows, but their cost grows with each row as the bf16
 # AVX-512 kernel's does; the tiles' does not. On 2 threads of an Intel Xeon with AMX (a [5632, 2048] matrix out of
@@ -219,8 +227,8 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
     cdef const uint16_t *x = <const uint16_t *>x_ptr
     cdef uint16_t *y = <uint16_t *>out_ptr
     cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
-    cdef int g, t, path, failed = 0
-    cdef int fewest = _q4_amx_min_rows if kind == FL_QUANT_Q4_1 else _q8_amx_min_rows
+    cdef int g, t, failed = 0
+    cdef int path = _path(kind, rows)
     cdef bint native = _native
     cdef int16_t *xq
     cdef float *xs
@@ -229,7 +237,7 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
         threads = groups
     if threads < 1:
         threads = 1
-    if _takes_dots(kind, rows):
+    if path == _DOTS:
         xq = <int16_t *>malloc(<size_t>rows * in_features * sizeof(int16_t))
         xs = <float *>malloc(<size_t>rows * (in_features // FL_Q8_BLOCK) * sizeof(float))
         if kind == FL_QUANT_Q4_1:
@@ -247,20 +255,10 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
         try:
             if threads == 1:
                 with nogil:
-                    if native:
-                        fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
-                                        in_features, 0, groups)
-                    else:
-                        fl_quant_groups_avx2(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
-                                             in_features, 0, groups)
+                    _dot_groups(native, kind, q, sc, mn, xq, xs, xsum, y, rows, out_features, in_features, 0, groups)
             else:
                 for g in prange(groups, nogil=True, num_threads=threads, schedule="dynamic"):
-                    if native:
-                        fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
-                                        in_features, g, g + 1)
-                    else:
-                        fl_quant_groups_avx2(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features,
-                                             in_features, g, g + 1)
+                    _dot_groups(native, kind, q, sc, mn, xq, xs, xsum, y, rows, out_features, in_features, g, g + 1)
         finally:
             free(xq)
             free(xs)
@@ -268,10 +266,6 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
         return
     # Widened: onto the AMX tiles (each thread a contiguous run of groups: one tile configuration a thread), else
     # into this CPU's bf16 kernel, a group a task
-    if fewest and rows >= fewest:
-        path = FL_Q8_ON_AMX
-    else:
-        path = FL_Q8_ON_AVX512 if _native else FL_Q8_ON_AVX2
     if threads == 1:
         with nogil:
             failed = fl_quant_groups_widened(kind, q, sc, mn, x, y, out_features, rows, out_features, in_features, 0,
@@ -286,6 +280,16 @@ cdef _quant_linear(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, ui
                                               g, g + 1, path) != 0
     if failed:
         raise MemoryError(f"{name}: no memory for a widened group of {in_features} inputs")
+
+
+cdef void _dot_groups(bint native, int kind, const void *q, const void *sc, const void *mn, const void *xq,
+                     const float *xs, const float *xsum, uint16_t *y, int rows, int out_features, int in_features,
+                     int g0, int g1) noexcept nogil:
+    """Groups [g0, g1) by this host's integer dots (AVX-512 VNNI, else AVX2's), x quantised for them."""
+    if native:
+        fl_quant_groups(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features, in_features, g0, g1)
+    else:
+        fl_quant_groups_avx2(kind, q, sc, mn, xq, xs, xsum, y, out_features, rows, out_features, in_features, g0, g1)
 
 
 def q8_widen(uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t out_ptr, int out_features, int in_features,

@@ -29,8 +29,7 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, check_quantization, pack_q4_1, pack_q8_0, q4_1_rows,
-                                q8_0_rows, quantize_q4_1, quantize_q8_0)
+from flared.model.quant import HEAD_QUANTIZATION, Q8_BLOCK, check_quantization, q4_1_rows, q8_0_rows, quantize_packed
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -199,6 +198,9 @@ def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 
 
 _widened = threading.local()  # each thread's scratch for widen_quantised's packed bf16
+# Each quantization's kernels over _Linear.quant_tensors: (the product, the widening into pack_bf16's layout, the
+# dequantised rows of some output features)
+_QUANT_KERNELS = {"q8_0": (q8_linear, q8_widen, q8_0_rows), "q4_1": (q4_linear, q4_widen, q4_1_rows)}
 
 
 def widen_quantised(lin: "_Linear") -> torch.Tensor:
@@ -211,13 +213,9 @@ def widen_quantised(lin: "_Linear") -> torch.Tensor:
     if scratch is None or scratch.numel() < size:
         scratch = _widened.buffer = torch.empty(size, dtype=torch.bfloat16)
     packed = scratch[:size].view(groups, in_features // 2, GROUP_FEATURES, 2)
-    threads = torch.get_num_threads()
-    if lin.quant_kind == "q4_1":
-        q4_widen(lin.quant.data_ptr(), lin.quant_scales.data_ptr(), lin.quant_offsets.data_ptr(), packed.data_ptr(),
-                 lin.out_features, in_features, threads)
-    else:
-        q8_widen(lin.quant.data_ptr(), lin.quant_scales.data_ptr(), packed.data_ptr(), lin.out_features, in_features,
-                 threads)
+    widen = _QUANT_KERNELS[lin.quant_kind][1]
+    widen(*(t.data_ptr() for t in lin.quant_tensors), packed.data_ptr(), lin.out_features, in_features,
+          torch.get_num_threads())
     return unpack_bf16(packed, lin.out_features)
 
 
@@ -254,10 +252,7 @@ class _Linear:
         on_cpu = weight.device.type == "cpu"
         self.packed = self.quant = self.quant_scales = self.quant_offsets = self.quant_kind = None
         if quantization is not None and quantisable(weight):
-            if quantization == "q4_1":
-                self.quant, self.quant_scales, self.quant_offsets = pack_q4_1(*quantize_q4_1(weight))
-            else:
-                self.quant, self.quant_scales = pack_q8_0(*quantize_q8_0(weight))
+            self.quant, self.quant_scales, self.quant_offsets = (*quantize_packed(quantization, weight), None)[:3]
             self.quant_kind = quantization
             weight = None
         elif BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
@@ -270,10 +265,15 @@ class _Linear:
             else None
 
     @property
+    def quant_tensors(self) -> tuple[torch.Tensor, ...]:
+        """A quantised weight's tensors, as its kernels take them (_QUANT_KERNELS): values, scales[, offsets]."""
+        return tuple(t for t in (self.quant, self.quant_scales, self.quant_offsets) if t is not None)
+
+    @property
     def nbytes(self) -> int:
         """The bytes its weight holds in memory (packed, quantised or plain)."""
         if self.quant is not None:
-            return sum(t.nbytes for t in (self.quant, self.quant_scales, self.quant_offsets) if t is not None)
+            return sum(t.nbytes for t in self.quant_tensors)
         return (self.packed if self.packed is not None else self.weight).nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -290,16 +290,10 @@ class _Linear:
             y = torch.empty(num_rows, self.out_features, dtype=torch.bfloat16)
             if num_rows:
                 x = x.contiguous()  # the kernel reads raw row-major memory
-                threads = torch.get_num_threads()
-                if self.quant is None:
-                    bf16_linear(self.packed.data_ptr(), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
-                                self.in_features, threads)
-                elif self.quant_kind == "q4_1":
-                    q4_linear(self.quant.data_ptr(), self.quant_scales.data_ptr(), self.quant_offsets.data_ptr(),
-                              x.data_ptr(), y.data_ptr(), num_rows, self.out_features, self.in_features, threads)
-                else:
-                    q8_linear(self.quant.data_ptr(), self.quant_scales.data_ptr(), x.data_ptr(), y.data_ptr(),
-                              num_rows, self.out_features, self.in_features, threads)
+                weights = (self.packed,) if self.quant is None else self.quant_tensors
+                product = bf16_linear if self.quant is None else _QUANT_KERNELS[self.quant_kind][0]
+                product(*(t.data_ptr() for t in weights), x.data_ptr(), y.data_ptr(), num_rows, self.out_features,
+                        self.in_features, torch.get_num_threads())
             return y if self.bias is None else y.add_(self.bias)
         if self.split is None or num_rows > _SPLIT_MAX_ROWS or \
                 (num_rows > _SPLIT_MAX_ROWS_ONE_THREAD and torch.get_num_threads() == 1) or not split_pays():
@@ -754,8 +748,7 @@ class DecoderModel:
         rows of the LM head (what rerank and score read)."""
         head = self.lm_head_linear
         rows = (self.lm_head[list(token_ids)] if self.lm_head is not None
-                else q4_1_rows(head.quant, head.quant_scales, head.quant_offsets, list(token_ids))
-                if head.quant_kind == "q4_1" else q8_0_rows(head.quant, head.quant_scales, list(token_ids))).float()
+                else _QUANT_KERNELS[head.quant_kind][2](*head.quant_tensors, list(token_ids))).float()
         logits = vectors.to(rows.device) @ rows.T
         if self.lm_head_linear.bias is not None:  # (Phi-2's)
             logits = logits + self.lm_head_linear.bias[list(token_ids)].float()

@@ -138,6 +138,14 @@ def pack_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor
     return packed, _pack_block_params(steps), _pack_block_params(offsets)
 
 
+def quantize_packed(quantization: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``weight`` quantised and laid out for the kernels: pack_q8_0's (values, scales) or pack_q4_1's (values, steps,
+    offsets)."""
+    if quantization == "q4_1":
+        return pack_q4_1(*quantize_q4_1(weight))
+    return pack_q8_0(*quantize_q8_0(weight))
+
+
 def unpack_q4_1_values(packed: torch.Tensor) -> torch.Tensor:
     """pack_q4_1's bytes [groups, in / 4, 128] -> the values [groups, in / 4, 64, 4] (feature, its quad of inputs)."""
     low, high = packed & 15, packed >> 4

@@ -746,8 +746,8 @@ class ModelRuntime:
 
     def weights_info(self) -> dict:
         """How the layers' products and the LM head hold their weights once the model is loaded: ``quantization``
-        (None, "q8_0" or "q4_1"), the core's ``dtype``, ``quantized_products`` of ``products``, and ``product_bytes``; {}
-        before."""
+        (None, "q8_0" or "q4_1"), the core's ``dtype``, ``quantized_products`` of ``products``, and
+        ``product_bytes``; {} before."""
         return dict(self._weights_info)
 
     def kv_cache_info(self) -> dict:

@@ -150,7 +150,7 @@ def test_every_path_against_the_bf16_kernel_and_float64(fmt, out_features, in_fe
             for threads in (1, 2):
                 x = torch.randn(rows, in_features, generator=g).bfloat16()
                 got = _product(packed, x, out_features, threads)
-                if linear.quant_dots(fmt, rows):
+                if linear.quant_path(fmt, rows) == "dots":
                     ref = _rows_as_the_dots_take_them(fmt, x) @ exact.T
                     err = (got.double() - ref).abs() / (ref.abs() + ref.abs().mean())
                     assert err.max().item() < 8e-3, (rows, threads)  # (bf16's own rounding: 3.9e-3)
@@ -329,8 +329,7 @@ def test_an_untied_lm_head_keeps_one_quantised_copy(fmt, tmp_path):
     full = widen_quantised(head)
     assert head.quant_kind == HEAD_QUANTIZATION[fmt]  # (Q4_1 models keep their head as Q8_0)
     rows = FORMATS[head.quant_kind][3]
-    assert torch.equal(rows(*(t for t in (head.quant, head.quant_scales, head.quant_offsets) if t is not None), ids),
-                       full[ids])
+    assert torch.equal(rows(*head.quant_tensors, ids), full[ids])
     vectors = torch.randn(3, quantised.config.hidden_size)
     assert torch.allclose(quantised.token_logits(vectors, ids), twin.token_logits(vectors, ids))
 
