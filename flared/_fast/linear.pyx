@@ -54,6 +54,8 @@ cdef extern from "qlinear_kernel.h" nogil:
     void fl_quant_rows_scalar(int kind, const uint16_t *x, int rows, int inp, void *xq, float *xs, float *xsum)
     void fl_quant_groups_avx2(int kind, const void *q, const void *s, const void *m, const void *xq, const float *xs,
                               const float *xsum, uint16_t *y, int64_t ldy, int rows, int out, int inp, int g0, int g1)
+    int fl_quantiser_supported()
+    int fl_quantise_group(int kind, const uint16_t *w, int out, int inp, int g, void *q, void *s, void *m)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
 # FLARED_AVX512=0 takes the AVX2 kernels on a CPU that has AVX-512 BF16 too (the tests of the AVX2 paths, the A/B).
@@ -328,6 +330,40 @@ cdef _quant_widen(int kind, str name, uintptr_t q_ptr, uintptr_t scales_ptr, uin
         fl_quant_widen_groups(kind, q, sc, mn, dst, in_features, g, g + 1, native)
 
 
+# The C quantiser runs here (AVX2 with F16C; every CPU with the kernels has them): quantise_weight.
+QUANTISER = bool(fl_quantiser_supported())
+
+
+def quantise_weight(str fmt, uintptr_t w_ptr, uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t offsets_ptr,
+                    int out_features, int in_features, int threads=1):
+    """A bf16 weight [out_features, in_features] (row-major) quantised straight into the kernels' layout
+    (quant.py's quantize_packed, bit for bit, in one pass a group; qlinear_kernel.h's fl_quantise_group): "q8_0"
+    into q int8 [groups, in / 2, 64, 2] and scales float32 [groups, in / 32, 64]; "q4_1" into q uint8
+    [groups, in / 4, 128], which must come zeroed, with steps and offsets float16 [groups, in / 32, 64]. Returns
+    False if a Q4_1 step or offset fell past float16's range (the caller raises), else True."""
+    if not QUANTISER:
+        raise RuntimeError("quantise_weight: this CPU lacks AVX2 with F16C (check QUANTISER first)")
+    if fmt not in ("q8_0", "q4_1"):
+        raise ValueError(f"quantise_weight: unknown format {fmt!r}")
+    cdef int kind = FL_QUANT_Q4_1 if fmt == "q4_1" else FL_QUANT_Q8_0
+    if out_features <= 0 or in_features <= 0 or in_features % FL_Q8_BLOCK:
+        raise ValueError(f"quantise_weight: bad shape out={out_features} in={in_features}")
+    if w_ptr == 0 or q_ptr == 0 or scales_ptr == 0 or (kind == FL_QUANT_Q4_1 and offsets_ptr == 0):
+        raise ValueError("quantise_weight: null data pointer")
+    cdef const uint16_t *w = <const uint16_t *>w_ptr
+    cdef void *q = <void *>q_ptr
+    cdef void *sc = <void *>scales_ptr
+    cdef void *mn = <void *>offsets_ptr
+    cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
+    cdef int g
+    cdef int overflow = 0
+    if threads < 1:
+        threads = 1
+    for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
+        overflow |= fl_quantise_group(kind, w, out_features, in_features, g, q, sc, mn)
+    return not overflow
+
+
 def flush_denormals(int threads=1, bint flush=True):
     """Denormal floats flushed to zero (x86's FTZ and DAZ; ``flush`` False: not) on the calling thread and on every
     thread of its OpenMP team of ``threads`` (torch's intra-op workers, which libgomp keeps for later parallel regions
@@ -380,3 +416,39 @@ cdef void _unpack_group(const uint32_t *src, uint32_t *dst, int g, int half, int
         for i in range(half):
             for o in range(o0, end):
                 out[<int64_t>o * half + i] = block[<int64_t>i * FL_GROUP + o]
+
+
+def bf16_pack(uintptr_t weight_ptr, uintptr_t packed_ptr, int out_features, int in_features, int threads=1):
+    """A weight [out_features, in_features] (bfloat16, row-major) into the packed layout (flared.model.decoder's
+    pack_bf16, bit for bit: groups of FL_GROUP output features, each [in / 2, FL_GROUP, 2], zero rows past
+    ``out_features``), a group a task: bf16_unpack the other way. The caller owns every check (as for
+    bf16_linear)."""
+    if out_features <= 0 or in_features <= 0 or in_features % 2:
+        raise ValueError(f"bf16_pack: bad shape out={out_features} in={in_features} (in must be even)")
+    if weight_ptr == 0 or packed_ptr == 0:
+        raise ValueError("bf16_pack: null data pointer")
+    cdef const uint32_t *src = <const uint32_t *>weight_ptr
+    cdef uint32_t *dst = <uint32_t *>packed_ptr
+    cdef int half = in_features // 2
+    cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
+    cdef int g
+    if threads < 1:
+        threads = 1
+    for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
+        _pack_group(src, dst, g, half, out_features)
+
+
+cdef void _pack_group(const uint32_t *src, uint32_t *dst, int g, int half, int out_features) noexcept nogil:
+    """One group: 8 weight rows at a time, each read start to end, their words for each pair written side by side
+    (_unpack_group's order, reversed); the rows past out_features written as zeros."""
+    cdef const uint32_t *rows_in = src + <int64_t>g * FL_GROUP * half
+    cdef uint32_t *block = dst + <int64_t>g * half * FL_GROUP
+    cdef int rows = out_features - g * FL_GROUP
+    cdef int o0, o, i, end
+    if rows > FL_GROUP:
+        rows = FL_GROUP
+    for o0 in range(0, FL_GROUP, 8):
+        end = o0 + 8
+        for i in range(half):
+            for o in range(o0, end):
+                block[<int64_t>i * FL_GROUP + o] = rows_in[<int64_t>o * half + i] if o < rows else 0

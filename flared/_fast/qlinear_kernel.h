@@ -570,6 +570,118 @@ FL_AVX2_DOT_TARGET __attribute__((unused)) static void fl_quant_groups_avx2(
     }
 }
 
+/* ---- Quantising a bf16 weight at load: quant.py's quantize_q8_0 / quantize_q4_1 and pack_*, in one pass ------- */
+
+/* One group of FL_GROUP output features of w [out, in] bf16 (row-major; rows past `out` are zero) quantised and
+ * written in the kernels' layouts (the header above): Q8_0's values q (the group's [in / 2][64][2] int8) and
+ * float32 scales s; Q4_1's values q (the group's [in / 4][128] bytes, which must start zeroed: the halves are
+ * OR-ed in), float16 steps s and offsets m; s and m the group's [in / 32][64]. Each block's arithmetic is
+ * quant.py's, operation for operation and in float32, so the result is the torch quantiser's bit for bit (a
+ * tied least value of -0 and +0 may give either offset; the weights they mean are equal): Q8_0's scale
+ * max|w| / 127, q = round(w * (1 / scale)) clamped to +-127; Q4_1's step (max - min) / 15 and offset min, each
+ * rounded to float16, q = round((w - offset) * (1 / step)) clamped to 0..15 (a zero scale or step: q = 0).
+ * Rounding is to nearest-even; no FMA (the target holds none), so no product is fused with a sum.
+ * Returns 1 if a Q4_1 step or offset is past float16's range (the caller raises), else 0. */
+__attribute__((unused)) static int fl_quantiser_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+
+__attribute__((target("avx2,f16c"))) static inline float fl_hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+__attribute__((target("avx2,f16c"))) static inline float fl_hmin8(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* 32 int32 in four vectors (each within int8's range) -> their 32 bytes in order. */
+__attribute__((target("avx2,f16c"))) static inline __m256i fl_pack_bytes(const __m256i v[4]) {
+    const __m256i words = _mm256_packs_epi32(v[0], v[1]), words2 = _mm256_packs_epi32(v[2], v[3]);
+    /* lanes: [v0 0-3, v1 0-3, v2 0-3, v3 0-3 | v0 4-7, v1 4-7, v2 4-7, v3 4-7] as 4-byte runs */
+    const __m256i bytes = _mm256_packs_epi16(words, words2);
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+__attribute__((target("avx2,f16c"), unused)) static int fl_quantise_group(int kind, const uint16_t *w, int out,
+                                                                          int in, int g, void *q, void *s, void *m) {
+    const int blocks = in / FL_Q8_BLOCK;
+    int overflow = 0;
+    for (int b = 0; b < blocks; b++) {
+        for (int f = 0; f < FL_GROUP; f++) {
+            const int row = g * FL_GROUP + f;
+            const size_t param = ((size_t)g * blocks + b) * FL_GROUP + f;
+            __m256 v[4];
+            if (row < out) {
+                const uint16_t *src = w + (size_t)row * in + (size_t)b * FL_Q8_BLOCK;
+                for (int i = 0; i < 4; i++)
+                    v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8 * i))), 16));
+            } else {
+                for (int i = 0; i < 4; i++) v[i] = _mm256_setzero_ps();
+            }
+            __m256i qi[4];
+            if (kind == FL_QUANT_Q8_0) {
+                const __m256 sign = _mm256_set1_ps(-0.0f);
+                __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+                const float scale = fl_hmax8(a) / 127.0f;
+                const __m256 inverse = _mm256_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
+                ((float *)s)[param] = scale;
+                for (int i = 0; i < 4; i++) {
+                    __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+                    qi[i] = _mm256_cvtps_epi32(r);
+                }
+                uint16_t pairs[FL_Q8_BLOCK / 2];
+                _mm256_storeu_si256((__m256i *)pairs, fl_pack_bytes(qi));
+                /* pair p of the block (inputs 2p, 2p + 1) of feature f: [in / 2][64][2] */
+                uint16_t *dst = (uint16_t *)q + (size_t)g * FL_GROUP * in / 2 + (size_t)b * (FL_Q8_BLOCK / 2) * FL_GROUP + f;
+                for (int p = 0; p < FL_Q8_BLOCK / 2; p++) dst[(size_t)p * FL_GROUP] = pairs[p];
+            } else {
+                const float low = fl_hmin8(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
+                const float high = fl_hmax8(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
+                const unsigned short step_h = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
+                const unsigned short offset_h = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
+                if ((step_h & 0x7C00) == 0x7C00 || (offset_h & 0x7C00) == 0x7C00) overflow = 1;
+                ((uint16_t *)s)[param] = step_h;
+                ((uint16_t *)m)[param] = offset_h;
+                const float step = _cvtsh_ss(step_h);
+                const __m256 offset = _mm256_set1_ps(_cvtsh_ss(offset_h));
+                const __m256 inverse = _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);
+                for (int i = 0; i < 4; i++) {
+                    __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], offset), inverse),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
+                    qi[i] = _mm256_cvtps_epi32(r);
+                }
+                /* quad c (inputs 4c..4c + 3): its 256 values in the order (feature, input); value k goes to byte
+                 * k % 64 (+ 64 from k = 128), its high half when k % 128 >= 64: feature f's four values to the
+                 * four bytes from (4f) % 64 (+ 64), in one half */
+                __m256i bytes = fl_pack_bytes(qi);
+                if ((4 * f) % 128 >= 64) bytes = _mm256_slli_epi16(bytes, 4);  /* (values < 16: no bit crosses a byte) */
+                uint32_t quads[FL_Q8_BLOCK / 4];
+                _mm256_storeu_si256((__m256i *)quads, bytes);
+                uint8_t *dst = (uint8_t *)q + (size_t)g * (in / 4) * 128 + (size_t)b * (FL_Q8_BLOCK / 4) * 128
+                               + (4 * f) % 64 + (4 * f >= 128 ? 64 : 0);
+                for (int c = 0; c < FL_Q8_BLOCK / 4; c++) {
+                    uint32_t word;
+                    memcpy(&word, dst + c * 128, 4);
+                    word |= quads[c];
+                    memcpy(dst + c * 128, &word, 4);
+                }
+            }
+        }
+    }
+    return overflow;
+}
+
 #else
 
 static int fl_q8_vnni_supported(void) { return 0; }
@@ -599,6 +711,11 @@ static void fl_quant_groups_avx2(int kind, const void *q, const void *s, const v
                                  int in, int g0, int g1) {
     (void)kind; (void)q; (void)s; (void)m; (void)xq; (void)xs; (void)xsum; (void)y; (void)ldy; (void)rows;
     (void)out; (void)in; (void)g0; (void)g1;
+}
+static int fl_quantiser_supported(void) { return 0; }
+static int fl_quantise_group(int kind, const uint16_t *w, int out, int in, int g, void *q, void *s, void *m) {
+    (void)kind; (void)w; (void)out; (void)in; (void)g; (void)q; (void)s; (void)m;
+    return 0;
 }
 
 #endif

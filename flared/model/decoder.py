@@ -48,6 +48,10 @@ try:
 except ImportError:  # (a build from before the quantised kernels)
     q4_linear = q4_widen = q8_linear = q8_widen = None
 try:
+    from flared._fast.linear import bf16_pack
+except ImportError:  # (a build from before it: pack_bf16's torch ops)
+    bf16_pack = None
+try:
     from flared._fast import norm as _cpu_norm
 except ImportError:  # not built: torch's rms_norm
     _cpu_norm = None
@@ -225,6 +229,12 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     group = GROUP_FEATURES
     padded = -(-out_features // group) * group
+    if bf16_pack is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out_features \
+            and in_features % 2 == 0:  # (the C packer: the same layout, ~8x faster than these torch ops)
+        weight = weight.contiguous()
+        packed = torch.empty(padded // group, in_features // 2, group, 2, dtype=torch.bfloat16)
+        bf16_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads())
+        return packed
     if padded != out_features:
         weight = torch.cat([weight, weight.new_zeros(padded - out_features, in_features)])
     return weight.reshape(padded // group, group, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()

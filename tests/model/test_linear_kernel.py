@@ -164,6 +164,24 @@ def test_unpack_gives_the_weight_back(out_features, in_features, threads):
     assert torch.equal(out, w)
 
 
+@pytest.mark.parametrize("out_features, in_features", SMOLLM2_SHAPES + ODD_SHAPES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_c_packer_lays_weights_out_as_the_torch_ops(out_features, in_features, threads):
+    """bf16_pack (pack_bf16's C path) writes the layout these torch ops make, bit for bit: groups of 64 output
+    features, each [in / 2, 64, 2], zero rows past out_features."""
+    if in_features % 2:
+        pytest.skip("packing needs an even input size")
+    w = torch.randn(out_features, in_features).to(torch.bfloat16)
+    w[0, :2] = torch.tensor([float("nan"), -0.0])  # (moved as bits)
+    padded = -(-out_features // 64) * 64
+    reference = torch.cat([w, w.new_zeros(padded - out_features, in_features)]).reshape(
+        padded // 64, 64, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = torch.full_like(reference, 7.0)  # (the padding rows must be written, not left as they were)
+    linear_mod.bf16_pack(w.data_ptr(), packed.data_ptr(), out_features, in_features, threads)
+    assert torch.equal(packed.view(torch.int16), reference.view(torch.int16))
+    assert torch.equal(pack_bf16(w).view(torch.int16), reference.view(torch.int16))
+
+
 @pytest.mark.skipif(not linear_mod.AMX, reason="no AMX tiles on this CPU")
 def test_amx_tiles_and_the_avx512_kernel_agree_and_can_be_turned_off():
     """Where the CPU has AMX the products run on its tiles: the same bf16 results as the AVX-512 kernel up to the

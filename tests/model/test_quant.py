@@ -83,6 +83,44 @@ def test_a_bf16_weight_made_of_q4_1_blocks_quantises_back_to_them():
     assert ((again - weight.float()).abs() <= largest * 2 ** -7).all()
 
 
+@pytest.mark.skipif(not linear.QUANTISER, reason="this CPU lacks AVX2 with F16C: quant.py's torch ops quantise")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("out_features, in_features", [(70, 96), (1, 32), (128, 2048), (577, 160)])
+def test_the_c_quantiser_writes_the_torch_quantisers_bytes(fmt, out_features, in_features, monkeypatch):
+    """quantize_packed's C quantiser (linear.quantise_weight: a bf16 weight straight into the kernels' layout)
+    against quant.py's torch ops, byte for byte at any thread count: blocks of very different magnitudes, zero and
+    constant blocks, ties between -0 and +0, values on exact half steps, and ranges so small that Q4_1's float16 step
+    is subnormal."""
+    from flared.model import quant
+
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=g) * torch.logspace(-4, 1, in_features)
+    w = w.to(torch.bfloat16)
+    if out_features > 5:
+        w[1, :32] = 0  # zero block
+        w[2, :32] = 0.375  # constant block
+        w[3, :32] = torch.tensor([-0.0, 0.0] * 16)  # (either zero may be the least)
+        w[4, :32] = torch.arange(32) * 2.0 ** -20 + 1e-3  # a range whose float16 step is subnormal
+        w[5, :32] = torch.arange(32) - 15.5  # (values on exact halves of the Q8_0 step after scaling)
+    reference = pack_q4_1(*quantize_q4_1(w)) if fmt == "q4_1" else pack_q8_0(*quantize_q8_0(w))
+    for threads in (1, 2, 3):
+        got = quant.quantize_packed(fmt, w, threads)
+        assert len(got) == len(reference)
+        for a, b in zip(got, reference):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            if out_features > 5 and a.dtype == torch.float16:  # (+0 and -0 offsets mean the same weights)
+                assert torch.equal(a.float(), b.float())
+            else:
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    monkeypatch.setattr(quant, "C_QUANTISER", False)
+    torch_path = quant.quantize_packed(fmt, w)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(torch_path, reference))
+    if fmt == "q4_1":
+        monkeypatch.setattr(quant, "C_QUANTISER", True)
+        with pytest.raises(ValueError, match="float16"):
+            quant.quantize_packed(fmt, (torch.full((1, 32), 1e6) * torch.arange(32)).to(torch.bfloat16))
+
+
 def test_the_names():
     assert check_quantization(None) is None and check_quantization("none") is None
     assert check_quantization("Q8_0") == "q8_0" and check_quantization("Q4_1") == "q4_1"
