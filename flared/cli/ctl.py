@@ -27,12 +27,18 @@ def _fail(e: Exception) -> None:
     sys.exit(1)
 
 
-def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32") -> Path:
-    """A core path, or ``default`` for the embedded model (exported on first use, in ``dtype``)."""
+def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", progress=None) -> Path:
+    """A core path; ``default`` for the embedded model; a GGUF file or a Hugging Face checkpoint directory for its
+    core in the cache (flared/core/sources.py). The last two are exported on first use, in ``dtype`` (``progress``
+    hears how it goes)."""
     if core == "default":
         from flared.core.default import ensure_default_core
 
         return ensure_default_core(cache_dir or default_cache_dir(), dtype)
+    from flared.core.sources import ensure_source_core, source_kind
+
+    if source_kind(core) is not None:
+        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress)
     return Path(core)
 
 
@@ -85,12 +91,14 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--top-k", type=int, default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
+              "given directly).")
 @click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1"], case_sensitive=False), default=None,
               help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32) or q4_1 (4 bits in blocks of 32; "
                    "docs/model.md).")
 def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization):
-    """One-shot local generation on CORE (a core directory or 'default')."""
+    """One-shot local generation on CORE (a core directory, 'default', a GGUF file or a Hugging Face checkpoint
+    directory)."""
     from flared.runtime.oneshot import OneShot
 
     if (prompt is None) == (messages is None):

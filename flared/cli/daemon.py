@@ -96,10 +96,11 @@ def main() -> None:
 @click.option("--served-name", "served_names", multiple=True, help="Extra model name clients may use.")
 @click.option("--no-prefix-cache", is_flag=True, default=False, help="Disable prefix reuse.")
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
+              "served directly).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="Embedded default model only: the dtype to export it in (auto: bfloat16 on a GPU or a CPU with "
-                   "native bfloat16, else float32).")
+              help="The embedded default model, or a GGUF file or checkpoint served directly: the dtype to export it "
+                   "in (auto: bfloat16 on a GPU or a CPU with native bfloat16, else float32).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--log-format", type=click.Choice(["auto", "plain", "journal"]), default=None,
               help="auto: journald format when stderr is the journal.")
@@ -156,7 +157,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
         speculative_tokens, prompt_lookup_max, prompt_lookup_min, allowed_media_domains, allowed_local_media_path,
         no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps):
-    """Serve CORE (a core directory; omitted: the embedded default model)."""
+    """Serve CORE: a core directory, a GGUF file or a Hugging Face checkpoint directory (exported once into the
+    cache), or, omitted, the embedded default model."""
     from flared.config import ServerConfig
 
     try:
@@ -173,6 +175,10 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         overrides.update(_quantization_override(quantization))
         if served_names:
             overrides["served_names"] = tuple(served_names)
+        from flared.core.sources import served_source_name
+
+        if served_source_name(core):  # (a GGUF or checkpoint served directly: also by the path given)
+            overrides["served_names"] = (*overrides.get("served_names", config.served_names), *served_source_name(core))
         if allowed_origins is not None:
             overrides["cors_allow_origins"] = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
         if no_prefix_cache:
@@ -239,15 +245,27 @@ def _image_limit(text: str) -> int:
 
 
 def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
-    """CORE as given, or the embedded default model's core (exported once into the cache, in ``dtype``)."""
-    if core is None:
-        from flared.cli.ctl import default_cache_dir
-        from flared.core.default import ensure_default_core
+    """CORE as given; the embedded default model's core where it is omitted, or a GGUF file's or a Hugging Face
+    checkpoint directory's (flared/core/sources.py), each exported once into the cache in ``dtype``."""
+    from flared.cli.ctl import resolve_core
 
-        return Path(ensure_default_core(cache_dir or default_cache_dir(), dtype))
-    if dtype != "auto":
-        log.warning("--dtype applies to the embedded default model; %s keeps the dtype it was exported in", core)
-    return Path(core)
+    if core is not None and dtype != "auto":
+        from flared.core.sources import source_kind
+
+        if source_kind(core) is None:
+            log.warning("--dtype applies to the embedded default model and to a GGUF or checkpoint served directly; "
+                        "%s keeps the dtype it was exported in", core)
+    from flared.cli.notify import Notifier
+
+    notifier = Notifier()
+
+    def progress(text: str) -> None:  # (under systemd: its status line, and more time to start)
+        notifier.status(text, extend_timeout_s=STARTUP_STAGE_EXTEND_S)
+
+    try:
+        return Path(resolve_core(core or "default", cache_dir, dtype, progress))
+    finally:
+        notifier.close()
 
 
 @main.command("run-batch")
@@ -262,16 +280,19 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
 @click.option("--chat-template", default=None,
               help="Use this chat template instead of the core's: a Jinja file, or the template text itself.")
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where the default core is cached.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
+              "served directly).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="Embedded default model only: the dtype to export it in.")
+              help="The embedded default model, or a GGUF file or checkpoint given directly: the dtype to export it "
+                   "in.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 @_lora_options
 @_quantization_option
 def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
               cache_dir, dtype, log_level, lora, lora_scaled, lora_modules, quantization):
-    """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results.
+    """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results. CORE
+    is as `flared run` takes it.
 
     Each line's url is /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/rerank,
     /v1/score or /v1/messages; each result line is {id, custom_id, response: {status_code, request_id, body},
@@ -284,6 +305,10 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
                                            chat_template=chat_template).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
+        from flared.core.sources import served_source_name
+
+        if served_source_name(core):  # (a GGUF or checkpoint given directly: the lines may name it by that path)
+            overrides["served_names"] = (*overrides.get("served_names", config.served_names), *served_source_name(core))
         overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
         overrides.update(_quantization_override(quantization))
         # serve nothing outside: an ephemeral loopback port, no admin socket, no port file

@@ -53,3 +53,23 @@ def test_no_notify_socket_means_no_messages(tiny_core, tmp_path):
     assert not n.enabled and not n.ready("x") and n.watchdog_usec == 0
     # A watchdog meant for another pid is not ours.
     assert Notifier({"WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_usec == 0
+
+
+def test_a_source_exported_at_start_tells_systemd_and_extends_the_timeout(tiny_hf_llama, tmp_path, ops_daemon_cls):
+    """`flared run model-dir` (a checkpoint served directly) exports it before the startup stages: systemd hears
+    that as STATUS= with EXTEND_TIMEOUT_USEC=, so a large model's export is not killed by TimeoutStartSec."""
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    messages: list[str] = []
+    daemon = ops_daemon_cls(tiny_hf_llama, tmp_path, "--cache-dir", str(tmp_path / "cache"), "--dtype", "float32",
+                            env={"NOTIFY_SOCKET": str(path)})
+    try:
+        _receive_until(sock, "READY=1", messages)
+    finally:
+        daemon.kill()
+        sock.close()
+    fields = [dict(line.split("=", 1) for line in m.split("\n")) for m in messages]
+    assert fields[0]["STATUS"].startswith(f"exporting {tiny_hf_llama.name} into the cache")
+    assert int(fields[0]["EXTEND_TIMEOUT_USEC"]) >= 60 * 10**6
+    assert fields[1]["STATUS"].startswith("opening core")

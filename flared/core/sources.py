@@ -1,0 +1,134 @@
+"""Serving a model source directly: `flared run model.gguf`, `flared run ./hf-checkpoint`.
+
+A GGUF file or a Hugging Face checkpoint directory given where a core is expected is exported once into the cache,
+as the embedded default model is (flared/core/default.py), and that core is served. Later runs find it and reuse it
+while the source is unchanged: its files' names, sizes and modification times, kept beside the core, must match. A
+changed source is exported again over the same core (one core a source path and dtype, so replacing a file leaves
+no stale copy behind). The export runs in a separate process (`flarectl export`) under a lock, so two daemons
+started together export once.
+
+The core takes export's default capacities (context: the model's, at most 8192; 32 request slots; a 2 GiB KV
+cache); `flarectl export` writes a core with others.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from flared.core.manifest import FORMAT_VERSION, read_manifest
+from flared.errors import CoreError, ErrorKind
+
+GGUF_MAGIC = b"GGUF"
+# The files of a checkpoint directory whose change means a new export (export's own choice of files to hash, plus
+# the tokenizer and template files it reads)
+_CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
+PROGRESS_S = 30.0
+
+
+def source_kind(path: str | os.PathLike) -> str | None:
+    """"gguf" (a file that starts with GGUF's magic), "hf" (a directory with config.json and no manifest.json), or
+    None: a core, or something that is neither (loading it then says what is wrong)."""
+    path = Path(path)
+    if path.is_file():
+        try:
+            with open(path, "rb") as f:
+                return "gguf" if f.read(4) == GGUF_MAGIC else None
+        except OSError:
+            return None
+    if path.is_dir() and (path / "config.json").is_file() and not (path / "manifest.json").exists():
+        return "hf"
+    return None
+
+
+def source_core_dir(source: Path, cache_dir: Path, dtype: str) -> Path:
+    """Where ``source``'s core is cached: its name, a digest of its resolved path, the core format and the dtype."""
+    resolved = source.resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in resolved.name.lower()).strip("-.") or "model"
+    return Path(cache_dir) / "sources" / f"{name}-{digest}-f{FORMAT_VERSION}-{dtype}"
+
+
+def fingerprint(source: Path) -> dict:
+    """The source's files as {name: [size, mtime_ns]}: what a reused core must still match."""
+    if source.is_file():
+        files = [source]
+    else:
+        files = sorted(p for p in source.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_SUFFIXES)
+    out = {}
+    for p in files:
+        st = p.stat()
+        out[p.name] = [st.st_size, st.st_mtime_ns]
+    return {"source": str(source.resolve()), "files": out}
+
+
+def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = "auto",
+                       progress: Callable[[str], None] | None = None) -> Path:
+    """``source``'s core in the cache, exported first where it is missing or the source has changed since
+    (``dtype`` "auto": default.preferred_dtype()). Its served name is export's (the file's or directory's name);
+    the daemon adds the source as given (``served_source_name``). ``progress``, if given, hears a line when an
+    export starts and every PROGRESS_S while it runs (the daemon tells systemd, whose start timeout a large
+    model's export could pass)."""
+    from flared.core.default import preferred_dtype
+
+    source = Path(source)
+    if source_kind(source) is None:
+        raise CoreError(f"{source}: neither a core, a GGUF file nor a Hugging Face checkpoint directory",
+                        ErrorKind.CORE_MISSING)
+    if dtype == "auto":
+        dtype = preferred_dtype()
+    out = source_core_dir(source, cache_dir, dtype)
+    stamp = out.with_name(out.name + ".source.json")
+    wanted = fingerprint(source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_core(out) and _read_stamp(stamp) == wanted:
+            return out
+        again = " again (the source has changed)" if _is_core(out) else ""
+        print(f"flared: exporting {source} to {out}{again} (once)", file=sys.stderr)
+        stamp.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(source), "--out", str(out), "--dtype", dtype,
+               "--force"]
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno())  # (keep our stdout clean for --json callers)
+        while True:
+            if progress is not None:
+                progress(f"exporting {source.name} into the cache ({time.monotonic() - started:.0f} s)")
+            try:
+                proc.wait(PROGRESS_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if proc.returncode != 0:
+            raise CoreError(f"exporting {source} failed (exit {proc.returncode})", ErrorKind.CORE_FORMAT)
+        stamp.write_text(json.dumps(wanted), encoding="utf-8")
+    return out
+
+
+def served_source_name(core: str | None) -> tuple[str, ...]:
+    """The name a source served directly is also known by: the argument as given, as vLLM (`vllm serve PATH`) and
+    llama.cpp's server (`-m PATH`) name their model; () for a core or the embedded model."""
+    return (core,) if core is not None and core != "default" and source_kind(core) is not None else ()
+
+
+def _read_stamp(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _is_core(path: Path) -> bool:
+    try:
+        read_manifest(path)
+    except CoreError:
+        return False
+    return True

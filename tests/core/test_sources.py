@@ -1,0 +1,70 @@
+"""Serving a GGUF file or a Hugging Face checkpoint directly (flared/core/sources.py): `flared run model.gguf`
+exports it once into the cache and reuses that core until the source changes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from flared.core.manifest import read_manifest
+from flared.core.sources import ensure_source_core, source_kind
+
+
+def test_what_counts_as_a_source(tiny_hf_llama, tiny_core, default_gguf, tmp_path):
+    assert source_kind(default_gguf) == "gguf"
+    assert source_kind(tiny_hf_llama) == "hf"
+    assert source_kind(tiny_core) is None  # (a core is served as it is)
+    (tmp_path / "weights.gguf").write_bytes(b"not a GGUF at all")
+    assert source_kind(tmp_path / "weights.gguf") is None  # (by its magic, not its name)
+    assert source_kind(tmp_path / "missing.gguf") is None
+    assert source_kind(tmp_path) is None  # (a directory without config.json)
+
+
+def test_a_gguf_is_exported_once_then_reused(default_gguf, tmp_path):
+    core = ensure_source_core(default_gguf, tmp_path, "float32")
+    manifest = read_manifest(core)
+    assert manifest.dtype == "float32" and manifest.source["kind"] == "gguf"
+    assert manifest.served_names == ("smollm2-135m-instruct.q4-1",)
+    written = (core / "manifest.json").stat().st_mtime_ns
+    assert ensure_source_core(default_gguf, tmp_path, "float32") == core
+    assert (core / "manifest.json").stat().st_mtime_ns == written  # found, not exported again
+
+
+def test_a_changed_checkpoint_is_exported_again_over_its_core(tiny_hf_llama, tmp_path):
+    source = tmp_path / "my-llama"
+    shutil.copytree(tiny_hf_llama, source)
+    cache = tmp_path / "cache"
+    core = ensure_source_core(source, cache, "bfloat16")
+    assert read_manifest(core).dtype == "bfloat16" and read_manifest(core).served_names == ("my-llama",)
+    written = (core / "manifest.json").stat().st_mtime_ns
+    # another dtype is another core beside it
+    other = ensure_source_core(source, cache, "float32")
+    assert other != core and read_manifest(other).dtype == "float32"
+    # a weight file replaced (its time moved on): the same core, written again
+    weights = next(source.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert ensure_source_core(source, cache, "bfloat16") == core
+    assert (core / "manifest.json").stat().st_mtime_ns != written
+    assert sorted(p.name for p in (cache / "sources").iterdir() if not p.name.startswith(".")) == sorted(
+        [core.name, core.name + ".source.json", other.name, other.name + ".source.json"])
+
+
+def test_flared_run_serves_a_checkpoint_directly(tiny_hf_llama, start_daemon, tmp_path):
+    cache = tmp_path / "cache"
+    daemon = start_daemon(tiny_hf_llama, "--cache-dir", str(cache), "--dtype", "float32")
+    assert "exporting" in daemon.log()
+    status, models = daemon.request("GET", "/v1/models")
+    assert status == 200
+    [model] = models["data"]
+    # export's name for it, the path as given (vLLM's and llama.cpp's server's name for it), and --served-name's
+    assert {model["id"], *model["aliases"]} == {tiny_hf_llama.name, str(tiny_hf_llama), "tiny"}
+    status, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": str(tiny_hf_llama), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 200, body
+    assert body["model"] == str(tiny_hf_llama) and body["usage"]["completion_tokens"] >= 1
+    daemon.stop()
+    # a second daemon finds the core in the cache
+    again = start_daemon(tiny_hf_llama, "--cache-dir", str(cache), "--dtype", "float32")
+    assert "exporting" not in again.log()
+    assert again.request("GET", "/v1/models")[0] == 200
