@@ -33,11 +33,11 @@ def _extensions():
     sources = sorted(glob.glob(os.path.join("flared", "_fast", "*.pyx")))
     # C headers included by the modules (linear_kernel.h): a change to one rebuilds them.
     headers = sorted(glob.glob(os.path.join("flared", "_fast", "*.h")))
-    # linear.pyx, attention.pyx, decode.pyx, delta.pyx, race.pyx and penalties.pyx thread their work with OpenMP; on Linux that
+    # linear.pyx, attention.pyx, decode.pyx, delta.pyx, race.pyx, penalties.pyx and gguf.pyx thread their work with OpenMP; on Linux that
     # is gcc's libgomp, the runtime torch ships, so they share one pool. Elsewhere the loops run on one thread.
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     extra_args = {"linear": openmp, "attention": openmp, "decode": openmp, "delta": openmp, "race": openmp,
-                  "penalties": openmp}
+                  "penalties": openmp, "gguf": openmp}
     exts = []
     for src in sources:
         name = os.path.splitext(os.path.basename(src))[0]
