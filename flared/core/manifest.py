@@ -17,6 +17,7 @@ docs/core-format.md is the prose version of this module.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -299,7 +300,10 @@ def read_manifest(core_dir: str | os.PathLike) -> Manifest:
 
 
 def verify_assets(core_dir: str | os.PathLike, manifest: Manifest) -> None:
-    """Check every asset's size and SHA-256; the first mismatch names the file."""
+    """Check every asset's size and SHA-256; the first mismatch (in the manifest's order) names the file. The files
+    are hashed side by side, one a thread (hashlib lets go of the GIL): an 8B core's four 4 GiB shards take a
+    quarter of the time on four cores."""
+    paths = []
     for name, asset in manifest.assets.items():
         path = Path(core_dir) / name
         try:
@@ -308,7 +312,14 @@ def verify_assets(core_dir: str | os.PathLike, manifest: Manifest) -> None:
             raise CoreError(f"{path}: asset listed in the manifest is missing", ErrorKind.CORE_MISSING) from None
         if size != asset.size_bytes:
             raise CoreError(f"{path}: size {size} bytes, manifest says {asset.size_bytes}", ErrorKind.CORE_HASH)
-        digest = sha256_file(path)
+        paths.append((path, asset))
+    workers = min(len(paths), os.cpu_count() or 1)
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="flared-hash") as pool:
+            digests = list(pool.map(sha256_file, [path for path, _ in paths]))
+    else:
+        digests = [sha256_file(path) for path, _ in paths]
+    for (path, asset), digest in zip(paths, digests):
         if digest != asset.sha256:
             raise CoreError(f"{path}: SHA-256 {digest} does not match the manifest's {asset.sha256}",
                             ErrorKind.CORE_HASH)

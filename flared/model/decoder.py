@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 
@@ -223,16 +224,16 @@ def widen_quantised(lin: "_Linear") -> torch.Tensor:
     return unpack_bf16(packed, lin.out_features)
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+def pack_bf16(weight: torch.Tensor, arena: "_Arena | None" = None) -> torch.Tensor:
     """[out, in] bf16 (in even) -> linear_kernel.h's layout: groups of GROUP_FEATURES output features, each
-    [in / 2, GROUP_FEATURES, 2], zero rows past ``out``."""
+    [in / 2, GROUP_FEATURES, 2], zero rows past ``out`` (written into ``arena`` where one is given)."""
     out_features, in_features = weight.shape
     group = GROUP_FEATURES
     padded = -(-out_features // group) * group
     if bf16_pack is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out_features \
             and in_features % 2 == 0:  # (the C packer: the same layout, ~8x faster than these torch ops)
         weight = weight.contiguous()
-        packed = torch.empty(padded // group, in_features // 2, group, 2, dtype=torch.bfloat16)
+        packed = (arena or _Arena.NONE).empty((padded // group, in_features // 2, group, 2), torch.bfloat16)
         bf16_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads())
         return packed
     if padded != out_features:
@@ -256,17 +257,20 @@ class _Linear:
     __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features", "quant", "quant_scales",
                  "quant_offsets", "quant_kind")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None = None,
+                 arena: "_Arena | None" = None):
+        """``arena``: where the packed or quantised weight is written (DecoderModel's, in huge pages)."""
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
         self.packed = self.quant = self.quant_scales = self.quant_offsets = self.quant_kind = None
         if quantization is not None and quantisable(weight):
-            self.quant, self.quant_scales, self.quant_offsets = (*quantize_packed(quantization, weight), None)[:3]
+            self.quant, self.quant_scales, self.quant_offsets = (
+                *quantize_packed(quantization, weight, empty=arena.empty if arena is not None else None), None)[:3]
             self.quant_kind = quantization
             weight = None
         elif BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
-            self.packed = pack_bf16(weight)
+            self.packed = pack_bf16(weight, arena)
             weight = None
         self.weight = weight
         can_split = weight is not None and weight.dtype == torch.float32 and on_cpu and \
@@ -314,13 +318,54 @@ class _Linear:
         return y if self.bias is None else y + self.bias
 
 
-def _gather_packed(linears: list[_Linear]) -> None:
-    """Move the packed bf16 weights (and quantised ones with their scales) into one mapping in huge pages
-    (``host_memory.host_zeros``): a decode step streams every one of them, and in 4 KiB pages SmolLM2's 270 MB are
-    ~66k TLB misses a step (one mapping, because a matrix under 2 MiB alone gets no huge page). Measured 3-6% off
-    the products at 1-4 rows. Each matrix's first copy is released once it is moved."""
+class _Arena:
+    """Where a CPU model's packed and quantised weights are written as they are made: runs of CHUNK bytes mapped in
+    huge pages (``host_memory.host_zeros``), each matrix 64-byte aligned, one after another. A decode step streams
+    every one of them, and in 4 KiB pages SmolLM2's 270 MB are ~66k TLB misses a step (shared runs, because a matrix
+    under 2 MiB alone gets no huge page): measured 3-6% off the products at 1-4 rows. Written in place, a matrix is
+    never made elsewhere first and copied (the copy and the first copy's page faults took 60% of a 1B model's
+    load). A run's pages are zero until written (Q4_1's values are OR-ed in); the unused tail of the last run is
+    never touched, so it takes no memory. Where huge pages are not wanted (``huge_pages_wanted``), ``empty`` is
+    torch.zeros."""
+
+    CHUNK = 256 << 20
+    NONE: "_Arena"
+
+    def __init__(self, huge: bool = True):
+        self.huge = huge and huge_pages_wanted()
+        self.run: torch.Tensor | None = None
+        self.offset = 0
+        self.bases: set[int] = set()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor of ``shape`` in the arena."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not self.huge or nbytes == 0:
+            return torch.zeros(shape, dtype=dtype)
+        span = -(-nbytes // 64) * 64
+        if span > self.CHUNK:  # (a matrix of its own size: its own mapping)
+            t = host_zeros(shape, dtype, prefault=False)
+            self.bases.add(t.untyped_storage().data_ptr())
+            return t
+        if self.run is None or self.offset + span > self.CHUNK:
+            self.run, self.offset = host_zeros((self.CHUNK,), torch.uint8, prefault=False), 0
+            self.bases.add(self.run.untyped_storage().data_ptr())
+        t = self.run[self.offset:self.offset + nbytes].view(dtype).view(shape)
+        self.offset += span
+        return t
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.bases
+
+
+_Arena.NONE = _Arena(huge=False)
+
+
+def _gather_packed(linears: list[_Linear], arena: _Arena | None = None) -> None:
+    """Move the packed bf16 weights (and quantised ones with their scales) not already in ``arena`` into one
+    mapping in huge pages (see _Arena: its reason). Each matrix's first copy is released once it is moved."""
     slots = [(lin, name) for lin in linears for name in ("packed", "quant", "quant_scales", "quant_offsets")
-             if getattr(lin, name) is not None]
+             if getattr(lin, name) is not None and not (arena is not None and arena.holds(getattr(lin, name)))]
     if not slots or not huge_pages_wanted():  # a plain arena would only cost a second copy
         return
     spans = [-(-getattr(lin, name).nbytes // 64) * 64 for lin, name in slots]  # each matrix 64-byte aligned
@@ -358,8 +403,10 @@ class DecoderModel:
                              f"{self.device.type}" + ("" if BF16_SUPPORTED and q8_linear is not None
                                                       else ", a CPU without them"))
 
+        arena = _Arena() if self.device.type == "cpu" else None
+
         def lin(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
-            return _Linear(weight, bias, self.quantization)
+            return _Linear(weight, bias, self.quantization, arena)
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
@@ -540,11 +587,12 @@ class DecoderModel:
                 layer.down = lin(w(p + "down.weight"), opt(p + "down.bias"))
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, opt("lm_head.bias"),  # (Phi-2's bias)
-                                      HEAD_QUANTIZATION.get(self.quantization))
+                                      HEAD_QUANTIZATION.get(self.quantization), arena)
         if self.lm_head_linear.quant is not None and not config.tie_word_embeddings:
             self.lm_head = None  # (token_logits reads its rows from the quantised copy: no second bf16 copy kept)
         if self.device.type == "cpu":
-            _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear])
+            _gather_packed([lin for layer in self.layers for lin in self._linears(layer)] + [self.lm_head_linear],
+                           arena)
         self.rope_cos, rope_sin = rope_tables(config, self.max_positions, dtype=dtype, device=self.device)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin_lo, sin_hi]: folding the sign into the table makes
         # rope three ops (roll, mul, addcmul) on the joint q/k block (on its first rope_dim columns where the

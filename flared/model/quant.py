@@ -140,12 +140,15 @@ def pack_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor
     return packed, _pack_block_params(steps), _pack_block_params(offsets)
 
 
-def quantize_packed(quantization: str, weight: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, ...]:
+def quantize_packed(quantization: str, weight: torch.Tensor, threads: int | None = None,
+                    empty=None) -> tuple[torch.Tensor, ...]:
     """``weight`` quantised and laid out for the kernels: pack_q8_0's (values, scales) or pack_q4_1's (values, steps,
     offsets). A bf16 weight on a CPU with the C quantiser (linear.quantise_weight: the same values, bit for bit, in
-    one pass, ~20x faster than these torch ops) takes it, over ``threads`` (default: torch's)."""
+    one pass, 3-8x faster than these torch ops) takes it, over ``threads`` (default: torch's), its tensors made by
+    ``empty(shape, dtype)`` (zeroed; default torch.zeros: decoder._Arena's puts them in huge pages)."""
     if _c_quantiser_takes(weight):
-        return _quantize_packed_c(quantization, weight.contiguous(), threads or torch.get_num_threads())
+        return _quantize_packed_c(quantization, weight.contiguous(), threads or torch.get_num_threads(),
+                                  empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype)))
     if quantization == "q4_1":
         return pack_q4_1(*quantize_q4_1(weight))
     return pack_q8_0(*quantize_q8_0(weight))
@@ -162,21 +165,21 @@ def _c_quantiser_takes(weight: torch.Tensor) -> bool:
     return QUANTISER
 
 
-def _quantize_packed_c(quantization: str, weight: torch.Tensor, threads: int) -> tuple[torch.Tensor, ...]:
+def _quantize_packed_c(quantization: str, weight: torch.Tensor, threads: int, empty) -> tuple[torch.Tensor, ...]:
     from flared._fast.linear import quantise_weight
 
     out_features, in_features = weight.shape
     groups = -(-out_features // GROUP_FEATURES)
     params = (groups, in_features // Q8_BLOCK, GROUP_FEATURES)
     if quantization == "q4_1":
-        q = torch.zeros(groups, in_features // 4, 128, dtype=torch.uint8)  # (the halves are OR-ed in)
-        steps, offsets = torch.empty(params, dtype=torch.float16), torch.empty(params, dtype=torch.float16)
+        q = empty((groups, in_features // 4, 128), torch.uint8)  # (zeroed: the halves are OR-ed in)
+        steps, offsets = empty(params, torch.float16), empty(params, torch.float16)
         if not quantise_weight("q4_1", weight.data_ptr(), q.data_ptr(), steps.data_ptr(), offsets.data_ptr(),
                                out_features, in_features, threads):
             raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
         return q, steps, offsets
-    q = torch.empty(groups, in_features // 2, GROUP_FEATURES, 2, dtype=torch.int8)
-    scales = torch.empty(params, dtype=torch.float32)
+    q = empty((groups, in_features // 2, GROUP_FEATURES, 2), torch.int8)
+    scales = empty(params, torch.float32)
     quantise_weight("q8_0", weight.data_ptr(), q.data_ptr(), scales.data_ptr(), 0, out_features, in_features, threads)
     return q, scales
 

@@ -4,6 +4,7 @@ import gc
 import mmap
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -110,3 +111,39 @@ def test_packed_weights_stay_put_without_huge_pages(tmp_path, monkeypatch):
     linears = _bf16_model_linears(tmp_path)[:-1]  # the layers' products only
     # No arena: each matrix keeps the storage pack_bf16 gave it.
     assert len({lin.packed.untyped_storage().data_ptr() for lin in linears}) == len(linears)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="transparent huge pages are a Linux feature")
+@pytest.mark.parametrize("quantization", [None, "q4_1", "q8_0"])
+def test_weights_written_in_place_over_several_runs_serve_as_before(tmp_path, monkeypatch, quantization):
+    """decoder._Arena writes each packed or quantised matrix straight into its huge-page runs (here 8 KiB runs, so
+    the model takes many, and a matrix larger than one gets its own mapping): every matrix advised and 64-byte
+    aligned, and the model's logits those of the same model whose matrices were made in plain memory."""
+    from flared._fast.linear import BF16_SUPPORTED
+    from flared.model import decoder
+    from flared.model.batch import ForwardBatch, SequenceChunk
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+
+    from .conftest import build_hf_checkpoint
+
+    if not BF16_SUPPORTED:
+        pytest.skip("this CPU lacks AVX-512 BF16 and AVX2: no packed weights")
+    source = read_source(build_hf_checkpoint("llama3", tmp_path))
+
+    def logits(model):
+        kv = model.make_kv_cache(num_pages=2, page_tokens=16)
+        batch = ForwardBatch.build([SequenceChunk([5, 9, 2, 7, 11], 0, np.arange(1))], page_tokens=16)
+        return model.forward(batch, kv).float()
+
+    monkeypatch.setenv("FLARED_HUGEPAGES", "0")
+    plain = logits(DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=quantization))
+    monkeypatch.delenv("FLARED_HUGEPAGES")
+    monkeypatch.setattr(decoder._Arena, "CHUNK", 8 << 10)
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=quantization)
+    tensors = [getattr(lin, name) for layer in model.layers for lin in model._linears(layer)
+               for name in ("packed", "quant", "quant_scales", "quant_offsets") if getattr(lin, name) is not None]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) > 1
+    assert all("hg" in _vma_flags(t.data_ptr()) and t.data_ptr() % 64 == 0 for t in tensors)
+    assert torch.equal(logits(model), plain)
