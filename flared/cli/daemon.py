@@ -40,7 +40,7 @@ _quantization_option = click.option(
     "--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "none"], case_sensitive=False), default=None,
     help="Keep the weights quantised (a bfloat16 core on the CPU executor; faster decode): q8_0 (int8 in blocks of "
          "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
-         "q8_0) or none (default: as the core is).")
+         "q8_0) or none (default: as the core is; a GGUF served directly on the CPU, at about its file's bits).")
 
 
 def _quantization_override(quantization: str | None) -> dict:
@@ -216,7 +216,9 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     configure_logging(config.log_level, config.log_format)
     dashboard = not no_dashboard and sys.stderr.isatty()
     try:
-        code = serve(_core_path(core, cache_dir, dtype), config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
+        core_path = _core_path(core, cache_dir, dtype)
+        config = _as_the_gguf_keeps_them(config, core, core_path, quantization)
+        code = serve(core_path, config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
     except FlareError as e:
         log.error("%s", e)
@@ -242,6 +244,31 @@ def _image_limit(text: str) -> int:
     if not isinstance(value, dict) or set(value) - {"image"} or not isinstance(value.get("image", 8), int):
         raise ConfigError(f"--limit-mm-per-prompt: {text!r} must give an integer for image (the one modality served)")
     return value.get("image", 8)
+
+
+def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
+    """A GGUF served directly on the CPU keeps its weights at about the bits the file holds them in, as llama.cpp's
+    server does (sources.gguf_quantization: a Q4_K_M file's as q4_1, a Q8_0 or Q6_K file's as q8_0), where neither
+    -q nor the config says otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports
+    float32). On a GPU the graphs take bf16 weights: nothing changes."""
+    if quantization is not None or config.quantization is not None or core is None or core == "default":
+        return config
+    from flared.core.sources import gguf_quantization, source_kind
+
+    if source_kind(core) != "gguf":
+        return config
+    import torch
+
+    from flared.core.manifest import read_manifest
+    from flared.runtime.worker import cuda_backend_available
+
+    if read_manifest(core_path).dtype != "bfloat16" or cuda_backend_available(torch.bfloat16):
+        return config
+    fmt, words = gguf_quantization(core)
+    if fmt is None:
+        return config
+    log.info("%s holds its layers' weights as %s: served as %s on the CPU (-q none: bfloat16)", core, words, fmt)
+    return dataclasses.replace(config, quantization=fmt)
 
 
 def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
@@ -326,7 +353,9 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
     try:
         from flared.runtime.session import LoadedSession
 
-        session = LoadedSession.load(_core_path(core, cache_dir, dtype), config)
+        core_path = _core_path(core, cache_dir, dtype)
+        config = _as_the_gguf_keeps_them(config, core, core_path, quantization)
+        session = LoadedSession.load(core_path, config)
         code = asyncio.run(_run_batch_async(session, data, output_path))
     except FlareError as e:
         log.error("%s", e)

@@ -119,6 +119,32 @@ def served_source_name(core: str | None) -> tuple[str, ...]:
     return (core,) if core is not None and core != "default" and source_kind(core) is not None else ()
 
 
+# ggml types by the format flared keeps such weights in on the CPU: 6 bits and more as Q8_0, fewer as Q4_1
+_EIGHT_BITS = {"Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+_FOUR_BITS = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"}
+
+
+def gguf_quantization(path: str | os.PathLike) -> tuple[str | None, str]:
+    """The quantization (flared's "q4_1", "q8_0", or None) that keeps a GGUF's layer matrices at about the bits the
+    file holds them in, and a word on what those are ("Q4_K 86%, Q6_K 14%"): by the weights in each type, the
+    most of them deciding (IQ types count as 4 bits; F16, BF16 and F32 as none)."""
+    from flared.frontend.gguf_metadata import GGUFFile
+
+    counts: dict[str, int] = {}
+    for t in GGUFFile(path).tensors:
+        if t.name.startswith("blk.") and len(t.shape) >= 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + t.n_elements
+    total = sum(counts.values())
+    if not total:
+        return None, "no layer matrices"
+    words = ", ".join(f"{name} {n / total:.0%}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    by_format = {"q4_1": 0, "q8_0": 0, None: 0}
+    for name, n in counts.items():
+        fmt = "q8_0" if name in _EIGHT_BITS else "q4_1" if name in _FOUR_BITS or name.startswith("IQ") else None
+        by_format[fmt] += n
+    return max(by_format, key=lambda fmt: by_format[fmt]), words
+
+
 def _read_stamp(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

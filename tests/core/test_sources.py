@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 from flared.core.manifest import read_manifest
 from flared.core.sources import ensure_source_core, source_kind
 
@@ -68,3 +70,34 @@ def test_flared_run_serves_a_checkpoint_directly(tiny_hf_llama, start_daemon, tm
     again = start_daemon(tiny_hf_llama, "--cache-dir", str(cache), "--dtype", "float32")
     assert "exporting" not in again.log()
     assert again.request("GET", "/v1/models")[0] == 200
+
+
+def test_gguf_quantization_follows_the_files_layer_matrices(default_gguf):
+    from flared.core.sources import gguf_quantization
+
+    assert gguf_quantization(default_gguf) == ("q4_1", "Q4_1 100%")
+
+
+def test_a_gguf_served_directly_on_the_cpu_keeps_its_bits(default_gguf, start_daemon, tmp_path):
+    """As llama.cpp's server keeps a Q4_1 file's weights at 4 bits, `flared run model.Q4_1.gguf` on a CPU serves them
+    as q4_1 (the file's blocks, found again); -q none keeps bfloat16."""
+    from flared._fast.linear import BF16_SUPPORTED
+    from flared.runtime.worker import cuda_backend_available
+
+    import torch
+
+    if not BF16_SUPPORTED or cuda_backend_available(torch.bfloat16):
+        pytest.skip("quantised weights serve on a CPU with the bf16 kernels")
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--dtype", "bfloat16"]
+    daemon = start_daemon(default_gguf, *cache)
+    assert "served as q4_1 on the CPU" in daemon.log()
+    status, shown = daemon.request("POST", "/api/show", {"model": str(default_gguf)})
+    assert status == 200 and shown["details"]["quantization_level"] == "Q4_1"
+    status, body = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": "The capital of France is",
+                                                              "max_tokens": 4, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    daemon.stop()
+    plain = start_daemon(default_gguf, *cache, "-q", "none")
+    assert "served as" not in plain.log()
+    status, shown = plain.request("POST", "/api/show", {"model": "tiny"})
+    assert status == 200 and shown["details"]["quantization_level"] == "BF16"
