@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from flared.errors import FlareError
+from flared.errors import CoreError, ErrorKind, FlareError
 
 
 def default_cache_dir() -> Path:
@@ -27,18 +27,26 @@ def _fail(e: Exception) -> None:
     sys.exit(1)
 
 
-def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", progress=None) -> Path:
+def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", progress=None,
+                 capacities: dict[str, int] | None = None) -> Path:
     """A core path; ``default`` for the embedded model; a GGUF file or a Hugging Face checkpoint directory for its
     core in the cache (flared/core/sources.py). The last two are exported on first use, in ``dtype`` (``progress``
-    hears how it goes)."""
+    hears how it goes), with ``capacities`` (export's --context, --concurrency, --kv-cache-mib) where given; a
+    core's own were fixed when it was exported."""
+    capacities = {k: v for k, v in (capacities or {}).items() if v is not None}
     if core == "default":
         from flared.core.default import ensure_default_core
 
-        return ensure_default_core(cache_dir or default_cache_dir(), dtype)
+        return ensure_default_core(cache_dir or default_cache_dir(), dtype, capacities)
     from flared.core.sources import ensure_source_core, source_kind
 
     if source_kind(core) is not None:
-        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress)
+        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress, capacities)
+    if capacities:
+        flags = ", ".join("--" + k.replace("_", "-") for k in capacities)
+        raise CoreError(f"{core} is a core: its capacities were fixed when it was exported ({flags} apply to the "
+                        f"embedded model or a GGUF file or checkpoint served directly; export the core again with "
+                        f"flarectl export {flags} for others)", ErrorKind.VALIDATION)
     return Path(core)
 
 

@@ -43,6 +43,20 @@ _quantization_option = click.option(
          "q8_0) or none (default: as the core is; a GGUF served directly on the CPU, at about its file's bits).")
 
 
+def _capacity_options(fn):
+    """The capacities the embedded model or a GGUF file or checkpoint served directly is exported with (export's
+    flags; vLLM's names for the first two too): a core of their own in the cache."""
+    fn = click.option("--kv-cache-mib", "kv_cache_mib", type=int, default=None,
+                      help="Embedded model or a GGUF file / checkpoint served directly: its KV cache budget in MiB "
+                           "(default 2048).")(fn)
+    fn = click.option("--concurrency", "--max-num-seqs", "concurrency", type=int, default=None,
+                      help="Embedded model or a GGUF file / checkpoint served directly: its live request slots "
+                           "(default 32, at most 64).")(fn)
+    return click.option("--context", "--max-model-len", "context", type=int, default=None,
+                        help="Embedded model or a GGUF file / checkpoint served directly: its context limit in tokens "
+                             "(default: the model's, at most 8192).")(fn)
+
+
 def _quantization_override(quantization: str | None) -> dict:
     """--quantization as a ServerConfig override ("none": the core's weights as they are)."""
     if quantization is None:
@@ -101,6 +115,7 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint served directly: the dtype to export it "
                    "in (auto: bfloat16 on a GPU or a CPU with native bfloat16, else float32).")
+@_capacity_options
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--log-format", type=click.Choice(["auto", "plain", "journal"]), default=None,
               help="auto: journald format when stderr is the journal.")
@@ -156,7 +171,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
         speculative_tokens, prompt_lookup_max, prompt_lookup_min, allowed_media_domains, allowed_local_media_path,
-        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps):
+        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib):
     """Serve CORE: a core directory, a GGUF file or a Hugging Face checkpoint directory (exported once into the
     cache), or, omitted, the embedded default model."""
     from flared.config import ServerConfig
@@ -216,7 +231,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     configure_logging(config.log_level, config.log_format)
     dashboard = not no_dashboard and sys.stderr.isatty()
     try:
-        core_path = _core_path(core, cache_dir, dtype)
+        core_path = _core_path(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
+                                                             kv_cache_mib=kv_cache_mib))
         config = _as_the_gguf_keeps_them(config, core, core_path, quantization)
         code = serve(core_path, config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
@@ -271,7 +287,7 @@ def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantizat
     return dataclasses.replace(config, quantization=fmt)
 
 
-def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
+def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict | None = None) -> Path:
     """CORE as given; the embedded default model's core where it is omitted, or a GGUF file's or a Hugging Face
     checkpoint directory's (flared/core/sources.py), each exported once into the cache in ``dtype``."""
     from flared.cli.ctl import resolve_core
@@ -290,7 +306,7 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
         notifier.status(text, extend_timeout_s=STARTUP_STAGE_EXTEND_S)
 
     try:
-        return Path(resolve_core(core or "default", cache_dir, dtype, progress))
+        return Path(resolve_core(core or "default", cache_dir, dtype, progress, capacities))
     finally:
         notifier.close()
 
@@ -312,12 +328,14 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str) -> Path:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint given directly: the dtype to export it "
                    "in.")
+@_capacity_options
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 @_lora_options
 @_quantization_option
 def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
-              cache_dir, dtype, log_level, lora, lora_scaled, lora_modules, quantization):
+              cache_dir, dtype, context, concurrency, kv_cache_mib, log_level, lora, lora_scaled, lora_modules,
+              quantization):
     """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results. CORE
     is as `flared run` takes it.
 
@@ -353,7 +371,8 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
     try:
         from flared.runtime.session import LoadedSession
 
-        core_path = _core_path(core, cache_dir, dtype)
+        core_path = _core_path(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
+                                                             kv_cache_mib=kv_cache_mib))
         config = _as_the_gguf_keeps_them(config, core, core_path, quantization)
         session = LoadedSession.load(core_path, config)
         code = asyncio.run(_run_batch_async(session, data, output_path))

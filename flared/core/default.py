@@ -77,19 +77,23 @@ def preferred_dtype() -> str:
     return "bfloat16" if cpu_has_bf16() else "float32"
 
 
-def ensure_default_core(cache_dir: Path, dtype: str = "float32") -> Path:
-    """Return the default core's path, exporting it first if needed (dtype "auto": ``preferred_dtype()``)."""
+def ensure_default_core(cache_dir: Path, dtype: str = "float32", capacities: dict[str, int] | None = None) -> Path:
+    """Return the default core's path, exporting it first if needed (dtype "auto": ``preferred_dtype()``;
+    ``capacities``: export's --context / --concurrency / --kv-cache-mib, a core of their own)."""
+    from flared.core.sources import capacity_args, capacity_suffix
+
     if dtype == "auto":
         dtype = preferred_dtype()
     gguf = default_gguf_path()
     out = default_core_dir(cache_dir, dtype)
+    out = out.with_name(out.name + capacity_suffix(capacities))
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".export.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_core(out):
             return out
         cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(gguf), "--out", str(out),
-               "--dtype", dtype, "--force"]
+               "--dtype", dtype, "--force", *capacity_args(capacities)]
         for name in SERVED_NAMES:
             cmd += ["--served-name", name]
         print(f"flared: exporting the embedded default model to {out} (once)", file=sys.stderr)

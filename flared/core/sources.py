@@ -8,7 +8,8 @@ no stale copy behind). The export runs in a separate process (`flarectl export`)
 started together export once.
 
 The core takes export's default capacities (context: the model's, at most 8192; 32 request slots; a 2 GiB KV
-cache); `flarectl export` writes a core with others.
+cache) unless `flared run` is given others (`--context`, `--concurrency`, `--kv-cache-mib`, as `flarectl export`
+takes them): each set of them is a core of its own in the cache.
 """
 
 from __future__ import annotations
@@ -48,12 +49,29 @@ def source_kind(path: str | os.PathLike) -> str | None:
     return None
 
 
-def source_core_dir(source: Path, cache_dir: Path, dtype: str) -> Path:
-    """Where ``source``'s core is cached: its name, a digest of its resolved path, the core format and the dtype."""
+def source_core_dir(source: Path, cache_dir: Path, dtype: str, capacities: dict[str, int] | None = None) -> Path:
+    """Where ``source``'s core is cached: its name, a digest of its resolved path, the core format, the dtype and
+    any capacities asked for (``capacity_suffix``)."""
     resolved = source.resolve()
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in resolved.name.lower()).strip("-.") or "model"
-    return Path(cache_dir) / "sources" / f"{name}-{digest}-f{FORMAT_VERSION}-{dtype}"
+    return Path(cache_dir) / "sources" / f"{name}-{digest}-f{FORMAT_VERSION}-{dtype}{capacity_suffix(capacities)}"
+
+
+# The capacities a core served from the cache may be exported with: `flared run`'s options, `flarectl export`'s
+# flags of the same names
+CAPACITIES = ("context", "concurrency", "kv_cache_mib")
+
+
+def capacity_suffix(capacities: dict[str, int] | None) -> str:
+    """The cached core's name's ending for the capacities asked for ("" for export's defaults), one core each."""
+    return "".join(f"-{key.replace('_', '')}{value}" for key, value in sorted((capacities or {}).items()))
+
+
+def capacity_args(capacities: dict[str, int] | None) -> list[str]:
+    """`flarectl export`'s flags for them."""
+    return [arg for key, value in sorted((capacities or {}).items())
+            for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
 def fingerprint(source: Path) -> dict:
@@ -70,12 +88,14 @@ def fingerprint(source: Path) -> dict:
 
 
 def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = "auto",
-                       progress: Callable[[str], None] | None = None) -> Path:
+                       progress: Callable[[str], None] | None = None,
+                       capacities: dict[str, int] | None = None) -> Path:
     """``source``'s core in the cache, exported first where it is missing or the source has changed since
     (``dtype`` "auto": default.preferred_dtype()). Its served name is export's (the file's or directory's name);
     the daemon adds the source as given (``served_source_name``). ``progress``, if given, hears a line when an
     export starts and every PROGRESS_S while it runs (the daemon tells systemd, whose start timeout a large
-    model's export could pass)."""
+    model's export could pass). ``capacities`` (keys of CAPACITIES): export's flags of those names, a core of
+    their own in the cache."""
     from flared.core.default import preferred_dtype
 
     source = Path(source)
@@ -84,7 +104,7 @@ def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = 
                         ErrorKind.CORE_MISSING)
     if dtype == "auto":
         dtype = preferred_dtype()
-    out = source_core_dir(source, cache_dir, dtype)
+    out = source_core_dir(source, cache_dir, dtype, capacities)
     stamp = out.with_name(out.name + ".source.json")
     wanted = fingerprint(source)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +116,7 @@ def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = 
         print(f"flared: exporting {source} to {out}{again} (once)", file=sys.stderr)
         stamp.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(source), "--out", str(out), "--dtype", dtype,
-               "--force"]
+               "--force", *capacity_args(capacities)]
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno())  # (keep our stdout clean for --json callers)
         while True:
