@@ -99,8 +99,9 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--top-k", type=int, default=None)
 @click.option("--seed", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
-              "given directly).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
+                   "given directly).")
 @click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1"], case_sensitive=False), default=None,
               help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32) or q4_1 (4 bits in blocks of 32; "
                    "docs/model.md).")

@@ -110,8 +110,9 @@ def main() -> None:
 @click.option("--served-name", "served_names", multiple=True, help="Extra model name clients may use.")
 @click.option("--no-prefix-cache", is_flag=True, default=False, help="Disable prefix reuse.")
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
-              "served directly).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
+                   "served directly).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint served directly: the dtype to export it "
                    "in (auto: bfloat16 on a GPU or a CPU with native bfloat16, else float32).")
@@ -190,10 +191,6 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         overrides.update(_quantization_override(quantization))
         if served_names:
             overrides["served_names"] = tuple(served_names)
-        from flared.core.sources import served_source_name
-
-        if served_source_name(core):  # (a GGUF or checkpoint served directly: also by the path given)
-            overrides["served_names"] = (*overrides.get("served_names", config.served_names), *served_source_name(core))
         if allowed_origins is not None:
             overrides["cors_allow_origins"] = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
         if no_prefix_cache:
@@ -231,9 +228,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     configure_logging(config.log_level, config.log_format)
     dashboard = not no_dashboard and sys.stderr.isatty()
     try:
-        core_path = _core_path(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
-                                                             kv_cache_mib=kv_cache_mib))
-        config = _as_the_gguf_keeps_them(config, core, core_path, quantization)
+        core_path, config = _serving_core(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
+                                                                        kv_cache_mib=kv_cache_mib), config, quantization)
         code = serve(core_path, config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
     except FlareError as e:
@@ -260,6 +256,19 @@ def _image_limit(text: str) -> int:
     if not isinstance(value, dict) or set(value) - {"image"} or not isinstance(value.get("image", 8), int):
         raise ConfigError(f"--limit-mm-per-prompt: {text!r} must give an integer for image (the one modality served)")
     return value.get("image", 8)
+
+
+def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict, config,
+                  quantization: str | None):
+    """CORE's core (``_core_path``) and the config to serve it with: a GGUF file or checkpoint served directly is
+    also known by the path given (as vLLM and llama.cpp's server name it), and a GGUF's weights stay at about its
+    bits on the CPU (``_as_the_gguf_keeps_them``)."""
+    from flared.core.sources import served_source_name
+
+    core_path = _core_path(core, cache_dir, dtype, capacities)
+    if served_source_name(core):
+        config = dataclasses.replace(config, served_names=(*config.served_names, *served_source_name(core)))
+    return core_path, _as_the_gguf_keeps_them(config, core, core_path, quantization)
 
 
 def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
@@ -323,8 +332,9 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities:
 @click.option("--chat-template", default=None,
               help="Use this chat template instead of the core's: a Jinja file, or the template text itself.")
 @click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None, help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
-              "served directly).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
+                   "served directly).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint given directly: the dtype to export it "
                    "in.")
@@ -350,10 +360,6 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
                                            chat_template=chat_template).items() if v is not None}
         if served_names:
             overrides["served_names"] = tuple(served_names)
-        from flared.core.sources import served_source_name
-
-        if served_source_name(core):  # (a GGUF or checkpoint given directly: the lines may name it by that path)
-            overrides["served_names"] = (*overrides.get("served_names", config.served_names), *served_source_name(core))
         overrides.update(_lora_overrides(lora, lora_scaled, lora_modules))
         overrides.update(_quantization_override(quantization))
         # serve nothing outside: an ephemeral loopback port, no admin socket, no port file
@@ -371,9 +377,8 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
     try:
         from flared.runtime.session import LoadedSession
 
-        core_path = _core_path(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
-                                                             kv_cache_mib=kv_cache_mib))
-        config = _as_the_gguf_keeps_them(config, core, core_path, quantization)
+        core_path, config = _serving_core(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
+                                                                        kv_cache_mib=kv_cache_mib), config, quantization)
         session = LoadedSession.load(core_path, config)
         code = asyncio.run(_run_batch_async(session, data, output_path))
     except FlareError as e:
