@@ -384,19 +384,28 @@ def bf16_unpack(uintptr_t packed_ptr, uintptr_t out_ptr, int out_features, int i
     ``packed_ptr`` (flared.model.decoder.pack_bf16's layout), a group of FL_GROUP output features a task. Within a
     group the packed [in / 2, FL_GROUP] pairs are transposed as 32-bit words. The caller owns every check (as for
     bf16_linear)."""
+    _pack_groups(False, "bf16_unpack", packed_ptr, out_ptr, out_features, in_features, threads)
+
+
+cdef _pack_groups(bint pack, str name, uintptr_t src_ptr, uintptr_t dst_ptr, int out_features, int in_features,
+                  int threads):
+    """bf16_pack (pack) or bf16_unpack over ``threads``, a group a task."""
     if out_features <= 0 or in_features <= 0 or in_features % 2:
-        raise ValueError(f"bf16_unpack: bad shape out={out_features} in={in_features} (in must be even)")
-    if packed_ptr == 0 or out_ptr == 0:
-        raise ValueError("bf16_unpack: null data pointer")
-    cdef const uint32_t *src = <const uint32_t *>packed_ptr
-    cdef uint32_t *dst = <uint32_t *>out_ptr
+        raise ValueError(f"{name}: bad shape out={out_features} in={in_features} (in must be even)")
+    if src_ptr == 0 or dst_ptr == 0:
+        raise ValueError(f"{name}: null data pointer")
+    cdef const uint32_t *src = <const uint32_t *>src_ptr
+    cdef uint32_t *dst = <uint32_t *>dst_ptr
     cdef int half = in_features // 2
     cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
     cdef int g
     if threads < 1:
         threads = 1
     for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
-        _unpack_group(src, dst, g, half, out_features)
+        if pack:
+            _pack_group(src, dst, g, half, out_features)
+        else:
+            _unpack_group(src, dst, g, half, out_features)
 
 
 cdef void _unpack_group(const uint32_t *src, uint32_t *dst, int g, int half, int out_features) noexcept nogil:
@@ -423,19 +432,7 @@ def bf16_pack(uintptr_t weight_ptr, uintptr_t packed_ptr, int out_features, int 
     pack_bf16, bit for bit: groups of FL_GROUP output features, each [in / 2, FL_GROUP, 2], zero rows past
     ``out_features``), a group a task: bf16_unpack the other way. The caller owns every check (as for
     bf16_linear)."""
-    if out_features <= 0 or in_features <= 0 or in_features % 2:
-        raise ValueError(f"bf16_pack: bad shape out={out_features} in={in_features} (in must be even)")
-    if weight_ptr == 0 or packed_ptr == 0:
-        raise ValueError("bf16_pack: null data pointer")
-    cdef const uint32_t *src = <const uint32_t *>weight_ptr
-    cdef uint32_t *dst = <uint32_t *>packed_ptr
-    cdef int half = in_features // 2
-    cdef int groups = (out_features + FL_GROUP - 1) // FL_GROUP
-    cdef int g
-    if threads < 1:
-        threads = 1
-    for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
-        _pack_group(src, dst, g, half, out_features)
+    _pack_groups(True, "bf16_pack", weight_ptr, packed_ptr, out_features, in_features, threads)
 
 
 cdef void _pack_group(const uint32_t *src, uint32_t *dst, int g, int half, int out_features) noexcept nogil:

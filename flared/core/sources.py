@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flared.core.manifest import FORMAT_VERSION, read_manifest
+from flared.core.default import _is_core
+from flared.core.manifest import FORMAT_VERSION
 from flared.errors import CoreError, ErrorKind
 
 GGUF_MAGIC = b"GGUF"
@@ -170,11 +171,3 @@ def _read_stamp(path: Path) -> dict | None:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-
-
-def _is_core(path: Path) -> bool:
-    try:
-        read_manifest(path)
-    except CoreError:
-        return False
-    return True
