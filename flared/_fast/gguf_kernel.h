@@ -200,10 +200,28 @@ static inline void fl_gguf_block(int type, const uint8_t *b, float *y) {
     }
 }
 
-/* Blocks [b0, b1) of a tensor of `type` at src into dst (dst[b0 * values ...]). */
-static void fl_gguf_dequantize(int type, const uint8_t *src, float *dst, int64_t b0, int64_t b1) {
+/* float32 -> bf16 bits as torch's .to(torch.bfloat16) rounds: to nearest-even, any NaN to 0x7FC0. */
+static inline uint16_t fl_gguf_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Blocks [b0, b1) of a tensor of `type` at src into dst (dst[b0 * values ...]): float32, or with `bf16` the same
+ * values rounded to bfloat16 (dst then uint16_t), so a bf16 export skips the float32 copy and its cast. */
+static void fl_gguf_dequantize(int type, const uint8_t *src, void *dst, int64_t b0, int64_t b1, int bf16) {
     const int values = fl_gguf_block_values(type), bytes = fl_gguf_block_bytes(type);
-    for (int64_t i = b0; i < b1; i++) fl_gguf_block(type, src + i * bytes, dst + i * values);
+    float block[FL_QK_K];
+    for (int64_t i = b0; i < b1; i++) {
+        if (!bf16) {
+            fl_gguf_block(type, src + i * bytes, (float *)dst + i * values);
+            continue;
+        }
+        fl_gguf_block(type, src + i * bytes, block);
+        uint16_t *out = (uint16_t *)dst + i * values;
+        for (int j = 0; j < values; j++) out[j] = fl_gguf_bf16(block[j]);
+    }
 }
 
 #endif

@@ -1825,11 +1825,11 @@ def _gguf_yarn(reader, arch: str, source: str, need, *, log_multiplier: bool = F
     return yarn_parameters(scaling, {})
 
 
-def _unpermute_qk(rows: np.ndarray, num_heads: int) -> np.ndarray:
+def _unpermute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time permutation of q/k rows (per head: interleaved
     rope pairs -> rotate-half halves)."""
     half = rows.shape[0] // num_heads // 2
-    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 _GGUF_LAYER_NAMES = {
@@ -1872,11 +1872,15 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
         try:
             shape = tuple(int(d) for d in reversed(t.shape))
             if _fast_gguf is not None and int(t.tensor_type) in _fast_gguf.TYPES:  # (C: the same values, ~10-50x)
-                values = _fast_gguf.dequantize(int(t.tensor_type), t.data, math.prod(shape),
-                                               torch.get_num_threads()).reshape(shape)
+                # a matrix for a bf16 export straight to bf16, rounded as .to(torch.bfloat16) rounds
+                direct = dtype == torch.bfloat16 and len(shape) >= 2
+                values = torch.from_numpy(_fast_gguf.dequantize(int(t.tensor_type), t.data, math.prod(shape),
+                                                                torch.get_num_threads(), direct)).reshape(shape)
+                if direct:
+                    values = values.view(torch.bfloat16)
             else:
                 # np.array copies: F32 tensors come back as read-only views of the file's memory map.
-                values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+                values = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
         except Exception as exc:
             raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
                             ErrorKind.SOURCE_FORMAT) from None
@@ -1886,10 +1890,9 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
             if permute:
                 values = _unpermute_qk(values, heads)
             else:  # GLM-4's interleaved pairs, turned to rotate-half as from its checkpoint
-                values = interleaved_rope_rows(torch.from_numpy(values), heads, config).numpy()
-        raw[t.name] = torch.from_numpy(np.ascontiguousarray(values))
-        if dtype is not None and values.ndim >= 2:
-            raw[t.name] = raw[t.name].to(dtype)
+                values = interleaved_rope_rows(values, heads, config)
+        values = values.contiguous()
+        raw[t.name] = values.to(dtype) if dtype is not None and values.dim() >= 2 else values
         del values
 
     def take(name: str) -> torch.Tensor:

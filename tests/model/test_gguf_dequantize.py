@@ -49,6 +49,25 @@ def test_the_c_dequantisers_give_the_gguf_packages_values_bit_for_bit(qtype, thr
     np.testing.assert_array_equal(got.view(np.uint32), expected.astype(np.float32).view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", list(HALVES), ids=lambda t: t.name)
+def test_straight_to_bf16_rounds_as_torch_rounds(qtype):
+    """With bf16=True (a bf16 export's matrices) each value is the float32 one rounded as .to(torch.bfloat16) rounds
+    it: to nearest-even, ties included."""
+    import torch
+
+    block, _ = GGML_QUANT_SIZES[qtype]
+    count = 700 if block > 1 else 64000
+    raw = _blocks(qtype, count, seed=7 * int(qtype))
+    exact = torch.from_numpy(fast.dequantize(int(qtype), raw, count * block, 2))
+    if qtype == T.BF16:  # (every bf16 value comes back as it was; NaNs aside, whose bits torch may keep)
+        exact = exact[~exact.isnan()]
+        raw = exact.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
+        count = raw.shape[0]
+    got = fast.dequantize(int(qtype), raw, count * block, 3, True)
+    assert got.dtype == np.uint16
+    assert torch.equal(torch.from_numpy(got.view(np.int16)), exact.to(torch.bfloat16).view(torch.int16))
+
+
 def test_the_dequantiser_refuses_what_is_not_whole_blocks():
     raw = _blocks(T.Q4_K, 2, seed=0)
     with pytest.raises(ValueError, match="whole blocks"):
