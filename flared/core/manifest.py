@@ -301,8 +301,8 @@ def read_manifest(core_dir: str | os.PathLike) -> Manifest:
 
 def verify_assets(core_dir: str | os.PathLike, manifest: Manifest) -> None:
     """Check every asset's size and SHA-256; the first mismatch (in the manifest's order) names the file. The files
-    are hashed side by side, one a thread (hashlib lets go of the GIL): an 8B core's four 4 GiB shards take a
-    quarter of the time on four cores."""
+    are hashed side by side, one a thread (hashlib lets go of the GIL), so a core of several shards (an 8B bf16
+    core has four) hashes on several cores: four 640 MiB files took 1.26 s on two threads against 2.26 s on one."""
     paths = []
     for name, asset in manifest.assets.items():
         path = Path(core_dir) / name
