@@ -102,9 +102,10 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
                    "given directly).")
-@click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1"], case_sensitive=False), default=None,
+@click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "none"], case_sensitive=False),
+              default=None,
               help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32) or q4_1 (4 bits in blocks of 32; "
-                   "docs/model.md).")
+                   "docs/model.md), or none (default: as the core is; a GGUF file on the CPU, at about its bits).")
 def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization):
     """One-shot local generation on CORE (a core directory, 'default', a GGUF file or a Hugging Face checkpoint
     directory)."""
@@ -122,9 +123,19 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
             if not isinstance(parsed, list) or not all(isinstance(m, dict) for m in parsed):
                 raise click.UsageError("--messages must be a JSON list of message objects")
         t0 = time.monotonic()
-        # (the embedded model in bfloat16 where its weights are to be quantised: that takes a bfloat16 core)
+        quantization = quantization.lower() if quantization else None
+        if quantization is None:  # (a GGUF file on the CPU: at about its bits, as `flared run` serves it)
+            from flared.core.sources import kept_gguf_quantization
+
+            quantization, words = kept_gguf_quantization(core)
+            if quantization is not None:
+                click.echo(f"{core} holds its layers' weights as {words}: run as {quantization} (-q none: float32)",
+                           err=True)
+        elif quantization == "none":
+            quantization = None
+        # (the embedded model or a source in bfloat16 where its weights are to be quantised: that takes a bf16 core)
         engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32"),
-                              quantization=quantization.lower() if quantization else None)
+                              quantization=quantization)
         load_s = time.monotonic() - t0
         result = engine.generate(prompt=prompt, messages=parsed, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -276,21 +276,13 @@ def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantizat
     server does (sources.gguf_quantization: a Q4_K_M file's as q4_1, a Q8_0 or Q6_K file's as q8_0), where neither
     -q nor the config says otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports
     float32). On a GPU the graphs take bf16 weights: nothing changes."""
-    if quantization is not None or config.quantization is not None or core is None or core == "default":
+    if quantization is not None or config.quantization is not None:
         return config
-    from flared.core.sources import gguf_quantization, source_kind
-
-    if source_kind(core) != "gguf":
-        return config
-    import torch
-
     from flared.core.manifest import read_manifest
-    from flared.runtime.worker import cuda_backend_available
+    from flared.core.sources import kept_gguf_quantization
 
-    if read_manifest(core_path).dtype != "bfloat16" or cuda_backend_available(torch.bfloat16):
-        return config
-    fmt, words = gguf_quantization(core)
-    if fmt is None:
+    fmt, words = kept_gguf_quantization(core)
+    if fmt is None or read_manifest(core_path).dtype != "bfloat16":
         return config
     log.info("%s holds its layers' weights as %s: served as %s on the CPU (-q none: bfloat16)", core, words, fmt)
     return dataclasses.replace(config, quantization=fmt)

@@ -166,6 +166,24 @@ def gguf_quantization(path: str | os.PathLike) -> tuple[str | None, str]:
     return max(by_format, key=lambda fmt: by_format[fmt]), words
 
 
+def kept_gguf_quantization(core: str | os.PathLike | None) -> tuple[str | None, str]:
+    """(gguf_quantization's format and words) where ``core`` is a GGUF file whose weights this machine keeps at about
+    the file's bits: its model runs on the CPU (no CUDA backend here) with the quantised kernels. Else (None, "")."""
+    if core is None or str(core) == "default" or source_kind(core) != "gguf":
+        return None, ""
+    import torch
+
+    from flared.runtime.worker import cuda_backend_available
+
+    try:
+        from flared._fast.linear import BF16_SUPPORTED, QUANTISER
+    except ImportError:
+        return None, ""
+    if not (BF16_SUPPORTED and QUANTISER) or cuda_backend_available(torch.bfloat16):
+        return None, ""
+    return gguf_quantization(core)
+
+
 def _read_stamp(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

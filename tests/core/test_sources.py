@@ -126,3 +126,22 @@ def test_capacities_asked_for_make_a_core_of_their_own(tiny_hf_llama, tiny_core,
                            "--port", "0", "--no-admin-socket", "--no-dashboard"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1 and "its capacities were fixed when it was exported" in proc.stderr
+
+
+def test_flarectl_generate_runs_a_gguf_at_its_bits_on_the_cpu(default_gguf, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from flared.core.sources import kept_gguf_quantization
+
+    fmt, _ = kept_gguf_quantization(default_gguf)
+    if fmt is None:
+        pytest.skip("this machine keeps no GGUF's bits (a GPU, or a CPU without the quantised kernels)")
+    run = [sys.executable, "-m", "flared.cli.ctl", "generate", str(default_gguf), "--cache-dir", str(tmp_path),
+           "--prompt", "The capital of France is", "--max-tokens", "4", "--json"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "run as q4_1" in proc.stderr and json.loads(proc.stdout.splitlines()[-1])["usage"]["completion_tokens"] == 4
+    plain = subprocess.run(run + ["-q", "none"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and "run as" not in plain.stderr
