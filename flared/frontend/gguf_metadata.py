@@ -116,23 +116,28 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, object]:
 
 def _parse(buf: memoryview, path: str) -> dict[str, object]:
     try:
-        cursor = _Cursor(buf, path)
-        if bytes(buf[:4]) != _MAGIC:
-            raise FrontendError(f"{path}: not a GGUF file (bad magic)", ErrorKind.TOKENIZER)
-        cursor.pos = 4
-        version = cursor.unpack("<I")
-        if version not in (2, 3):
-            raise FrontendError(f"{path}: unsupported GGUF version {version}", ErrorKind.TOKENIZER)
-        cursor.unpack("<Q")  # tensor count: not needed for metadata
-        num_keys = cursor.unpack("<Q")
-        metadata: dict[str, object] = {}
-        for _ in range(num_keys):
-            key = cursor.string()
-            metadata[key] = cursor.value(cursor.unpack("<I"))
-        return metadata
+        return _header(_Cursor(buf, path))[1]
     finally:
         # A memoryview into the mmap must be released before the mmap closes.
         buf.release()
+
+
+def _header(cursor: _Cursor) -> tuple[int, dict[str, object]]:
+    """The file's tensor count and its metadata, every key in file order; the cursor left at the tensor infos."""
+    path = cursor.path
+    if bytes(cursor.buf[:4]) != _MAGIC:
+        raise FrontendError(f"{path}: not a GGUF file (bad magic)", ErrorKind.TOKENIZER)
+    cursor.pos = 4
+    version = cursor.unpack("<I")
+    if version not in (2, 3):
+        raise FrontendError(f"{path}: unsupported GGUF version {version}", ErrorKind.TOKENIZER)
+    num_tensors = cursor.unpack("<Q")
+    num_keys = cursor.unpack("<Q")
+    metadata: dict[str, object] = {}
+    for _ in range(num_keys):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.unpack("<I"))
+    return num_tensors, metadata
 
 
 # ---- The whole file: metadata and tensors (flared/model/loader.py's reader) --------------------------------------
@@ -168,20 +173,9 @@ class GGUFFile:
 
         self.path = os.fspath(path)
         self._map = np.memmap(self.path, mode="r")
-        buf = memoryview(self._map)
-        cursor = _Cursor(buf, self.path)
-        if bytes(buf[:4]) != _MAGIC:
-            raise ValueError(f"{self.path}: not a GGUF file (bad magic)")
-        cursor.pos = 4
-        version = cursor.unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{self.path}: unsupported GGUF version {version}")
-        num_tensors = cursor.unpack("<Q")
-        num_keys = cursor.unpack("<Q")
-        self.fields: dict[str, GGUFField] = {}
-        for _ in range(num_keys):
-            key = cursor.string()
-            self.fields[key] = GGUFField(cursor.value(cursor.unpack("<I")))
+        cursor = _Cursor(memoryview(self._map), self.path)
+        num_tensors, metadata = _header(cursor)
+        self.fields = {key: GGUFField(value) for key, value in metadata.items()}
         infos = []
         for _ in range(num_tensors):
             name = cursor.string()
@@ -207,4 +201,3 @@ class GGUFFile:
                 rows = shape[:-1] + (shape[-1] // block * type_size,)
                 t.data = self._map[t.data_offset:t.data_offset + t.n_bytes].reshape(rows)
             self.tensors.append(t)
-        del buf  # (the views above hold the map; this one need not)

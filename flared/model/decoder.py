@@ -233,7 +233,8 @@ def pack_bf16(weight: torch.Tensor, arena: "_Arena | None" = None) -> torch.Tens
     if bf16_pack is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out_features \
             and in_features % 2 == 0:  # (the C packer: the same layout, ~8x faster than these torch ops)
         weight = weight.contiguous()
-        packed = (arena or _Arena.NONE).empty((padded // group, in_features // 2, group, 2), torch.bfloat16)
+        shape = (padded // group, in_features // 2, group, 2)
+        packed = arena.empty(shape, torch.bfloat16) if arena is not None else torch.empty(shape, dtype=torch.bfloat16)
         bf16_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features, torch.get_num_threads())
         return packed
     if padded != out_features:
@@ -329,10 +330,9 @@ class _Arena:
     torch.zeros."""
 
     CHUNK = 256 << 20
-    NONE: "_Arena"
 
-    def __init__(self, huge: bool = True):
-        self.huge = huge and huge_pages_wanted()
+    def __init__(self):
+        self.huge = huge_pages_wanted()
         self.run: torch.Tensor | None = None
         self.offset = 0
         self.bases: set[int] = set()
@@ -356,9 +356,6 @@ class _Arena:
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.bases
-
-
-_Arena.NONE = _Arena(huge=False)
 
 
 def _gather_packed(linears: list[_Linear], arena: _Arena | None = None) -> None:
