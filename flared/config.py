@@ -115,8 +115,9 @@ class ServerConfig:
     # vLLM's --quantization (llama.cpp's quantised weights): "q8_0" keeps every layer's products and the LM head as
     # Q8_0 (int8 in blocks of 32 with a float32 scale: 0.56x bf16's bytes, so a CPU decode step, which streams the
     # weights, reads fewer), "q4_1" the layers' as Q4_1 (4 bits a weight in blocks of 32 with a float16 step and
-    # offset: 0.31x bf16's bytes) and the LM head as Q8_0, quantised at load from a bfloat16 core; the CPU executor
-    # only. None: as the core is.
+    # offset: 0.31x bf16's bytes) and the LM head as Q8_0, quantised at load from a bfloat16 core; "gguf" each layer
+    # matrix of a core exported from a GGUF file at about the bits of its tensors there (a Q4_K_M file's Q4_K
+    # matrices as Q4_1, its Q6_K ones as Q8_0: quant.gguf_plan); the CPU executor only. None: as the core is.
     quantization: str | None = None
     # vLLM's --enforce-eager: on a GPU, the eager executor (torch's forward, no CUDA graphs) serves every core, as
     # it does those the graphs' kernels do not run. Slower; images on a vision core's GPU need it (the graphs take
@@ -179,10 +180,10 @@ class ServerConfig:
         from flared.scheduler.config import MAX_SPECULATIVE_TOKENS
 
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
-        from flared.model.quant import QUANTIZATIONS
+        from flared.model.quant import GGUF, QUANTIZATIONS
 
-        need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
-             f"must be one of {', '.join(QUANTIZATIONS)} (or absent)")
+        need(self.quantization is None or self.quantization in (*QUANTIZATIONS, GGUF), "quantization",
+             f"must be one of {', '.join((*QUANTIZATIONS, GGUF))} (or absent)")
         need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "speculative_tokens", f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}")
         need(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)

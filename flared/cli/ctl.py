@@ -102,10 +102,11 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
                    "given directly).")
-@click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "none"], case_sensitive=False),
+@click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "gguf", "none"], case_sensitive=False),
               default=None,
-              help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32) or q4_1 (4 bits in blocks of 32; "
-                   "docs/model.md), or none (default: as the core is; a GGUF file on the CPU, at about its bits).")
+              help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32), q4_1 (4 bits in blocks of 32; "
+                   "docs/model.md) or gguf (each layer matrix at about the bits of its GGUF tensors), or none "
+                   "(default: as the core is; a GGUF file on the CPU, as gguf).")
 def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization):
     """One-shot local generation on CORE (a core directory, 'default', a GGUF file or a Hugging Face checkpoint
     directory)."""
@@ -129,8 +130,8 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
 
             quantization, words = kept_gguf_quantization(core)
             if quantization is not None:
-                click.echo(f"{core} holds its layers' weights as {words}: run as {quantization} (-q none: float32)",
-                           err=True)
+                click.echo(f"{core} holds its layers' weights as {words}: each run at about its bits (-q none: "
+                           f"float32)", err=True)
         elif quantization == "none":
             quantization = None
         # (the embedded model or a source in bfloat16 where its weights are to be quantised: that takes a bf16 core)

@@ -37,10 +37,12 @@ log = logging.getLogger("flared")
 
 
 _quantization_option = click.option(
-    "--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "none"], case_sensitive=False), default=None,
+    "--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "gguf", "none"], case_sensitive=False), default=None,
     help="Keep the weights quantised (a bfloat16 core on the CPU executor; faster decode): q8_0 (int8 in blocks of "
          "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
-         "q8_0) or none (default: as the core is; a GGUF served directly on the CPU, at about its file's bits).")
+         "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
+         "Q6_K and Q8_0 as q8_0, fewer bits as q4_1) or none (default: as the core is; a GGUF served directly on "
+         "the CPU, as gguf).")
 
 
 def _capacity_options(fn):
@@ -273,7 +275,7 @@ def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capaciti
 
 def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
     """A GGUF served directly on the CPU keeps its weights at about the bits the file holds them in, as llama.cpp's
-    server does (sources.gguf_quantization: a Q4_K_M file's as q4_1, a Q8_0 or Q6_K file's as q8_0), where neither
+    server does (--quantization gguf: a Q4_K_M file's Q4_K matrices as q4_1, its Q6_K ones as q8_0), where neither
     -q nor the config says otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports
     float32). On a GPU the graphs take bf16 weights: nothing changes."""
     if quantization is not None or config.quantization is not None:
@@ -284,7 +286,8 @@ def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantizat
     fmt, words = kept_gguf_quantization(core)
     if fmt is None or read_manifest(core_path).dtype != "bfloat16":
         return config
-    log.info("%s holds its layers' weights as %s: served as %s on the CPU (-q none: bfloat16)", core, words, fmt)
+    log.info("%s holds its layers' weights as %s: each served at about its bits on the CPU (-q %s; -q none: "
+             "bfloat16)", core, words, fmt)
     return dataclasses.replace(config, quantization=fmt)
 
 

@@ -384,8 +384,13 @@ def _source_info(source: Path, kind: str) -> dict[str, Any]:
         files = [source]
     else:
         files = sorted(p for p in source.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
-    return {"kind": kind, "name": source.name,
-            "files": {p.name: sha256_file(p) for p in files}}
+    info = {"kind": kind, "name": source.name, "files": {p.name: sha256_file(p) for p in files}}
+    if kind == "gguf":  # each matrix's ggml type and size: --quantization gguf keeps each at about its bits
+        from flared.frontend.gguf_metadata import GGUFFile
+
+        info["tensor_types"] = {t.name: [t.tensor_type.name, int(t.n_elements)] for t in GGUFFile(source).tensors
+                                if len(t.shape) >= 2}
+    return info
 
 
 def _slug(name: str) -> str:

@@ -33,6 +33,9 @@ GGUF_MAGIC = b"GGUF"
 # the tokenizer and template files it reads)
 _CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
 PROGRESS_S = 30.0
+# What a cached core was exported by, in its stamp: a change exports the cores of earlier revisions again (2: a GGUF
+# file's core records its tensors' types, for --quantization gguf)
+EXPORT_REVISION = 2
 
 
 def source_kind(path: str | os.PathLike) -> str | None:
@@ -85,7 +88,7 @@ def fingerprint(source: Path) -> dict:
     for p in files:
         st = p.stat()
         out[p.name] = [st.st_size, st.st_mtime_ns]
-    return {"source": str(source.resolve()), "files": out}
+    return {"source": str(source.resolve()), "files": out, "export": EXPORT_REVISION}
 
 
 def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = "auto",
@@ -140,16 +143,12 @@ def served_source_name(core: str | None) -> tuple[str, ...]:
     return (core,) if core is not None and core != "default" and source_kind(core) is not None else ()
 
 
-# ggml types by the format flared keeps such weights in on the CPU: 6 bits and more as Q8_0, fewer as Q4_1
-_EIGHT_BITS = {"Q6_K", "Q8_0", "Q8_1", "Q8_K"}
-_FOUR_BITS = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"}
-
-
 def gguf_quantization(path: str | os.PathLike) -> tuple[str | None, str]:
-    """The quantization (flared's "q4_1", "q8_0", or None) that keeps a GGUF's layer matrices at about the bits the
-    file holds them in, and a word on what those are ("Q4_K 86%, Q6_K 14%"): by the weights in each type, the
-    most of them deciding (IQ types count as 4 bits; F16, BF16 and F32 as none)."""
+    """The quantization (flared's "q4_1", "q8_0", or None) that keeps most of a GGUF's layer weights at about the
+    bits the file holds them in, and a word on what those are ("Q4_K 86%, Q6_K 14%"): by the weights in each type
+    (IQ types count as 4 bits; F16, BF16 and F32 as none). quant.gguf_plan keeps each matrix at its own."""
     from flared.frontend.gguf_metadata import GGUFFile
+    from flared.model.quant import gguf_type_format
 
     counts: dict[str, int] = {}
     for t in GGUFFile(path).tensors:
@@ -161,14 +160,15 @@ def gguf_quantization(path: str | os.PathLike) -> tuple[str | None, str]:
     words = ", ".join(f"{name} {n / total:.0%}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     by_format = {"q4_1": 0, "q8_0": 0, None: 0}
     for name, n in counts.items():
-        fmt = "q8_0" if name in _EIGHT_BITS else "q4_1" if name in _FOUR_BITS or name.startswith("IQ") else None
-        by_format[fmt] += n
+        by_format[gguf_type_format(name)] += n
     return max(by_format, key=lambda fmt: by_format[fmt]), words
 
 
 def kept_gguf_quantization(core: str | os.PathLike | None) -> tuple[str | None, str]:
-    """(gguf_quantization's format and words) where ``core`` is a GGUF file whose weights this machine keeps at about
-    the file's bits: its model runs on the CPU (no CUDA backend here) with the quantised kernels. Else (None, "")."""
+    """("gguf" and gguf_quantization's words) where ``core`` is a GGUF file whose weights this machine keeps at
+    about the file's bits, each layer matrix at its own (quant.gguf_plan): its model runs on the CPU (no CUDA
+    backend here) with the quantised kernels, and the file holds most of its layer weights quantised. Else
+    (None, "")."""
     if core is None or str(core) == "default" or source_kind(core) != "gguf":
         return None, ""
     import torch
@@ -181,7 +181,8 @@ def kept_gguf_quantization(core: str | os.PathLike | None) -> tuple[str | None, 
         return None, ""
     if not (BF16_SUPPORTED and QUANTISER) or cuda_backend_available(torch.bfloat16):
         return None, ""
-    return gguf_quantization(core)
+    fmt, words = gguf_quantization(core)
+    return ("gguf" if fmt is not None else None), words
 
 
 def _read_stamp(path: Path) -> dict | None:

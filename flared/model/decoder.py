@@ -30,7 +30,8 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors
-from flared.model.quant import HEAD_QUANTIZATION, Q8_BLOCK, check_quantization, q4_1_rows, q8_0_rows, quantize_packed
+from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, q4_1_rows, q8_0_rows,
+                                quantize_packed)
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -384,15 +385,17 @@ class _Layer:
 class DecoderModel:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", max_positions: int | None = None,
-                 quantization: str | None = None):
+                 quantization: str | QuantPlan | None = None):
         """``quantization`` "q8_0" or "q4_1": the products of every layer and the LM head kept so
-        (flared/model/quant.py; a bf16 model on a CPU with the packed kernels), else None."""
+        (flared/model/quant.py; a bf16 model on a CPU with the packed kernels); a QuantPlan: each layer matrix it
+        names in its own format (None: bf16), the rest in its default; else None."""
         check_serving_tensors(tensors, config, source="serving tensors")
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_positions = max_positions or config.max_position_embeddings
-        self.quantization = check_quantization(quantization)
+        plan = quantization if isinstance(quantization, QuantPlan) else None
+        self.quantization = check_quantization(plan.default if plan is not None else quantization)
         if self.quantization is not None and (self.device.type != "cpu" or dtype != torch.bfloat16
                                               or q8_linear is None or not BF16_SUPPORTED):
             raise ValueError(f"{self.quantization} weights run on the CPU executor in bfloat16, with its packed "
@@ -410,6 +413,13 @@ class DecoderModel:
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in tensors else None
+
+        def layer_lin(p: str, key: str) -> _Linear:
+            """A layer's product by its serving name (p + key + ".weight", its bias if it has one), in the plan's
+            format for that name."""
+            name = p + key + ".weight"
+            fmt = plan.format_of(name) if plan is not None else self.quantization
+            return _Linear(w(name), opt(p + key + ".bias"), fmt, arena)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
         # once (ModelConfig.float_norms)
@@ -505,7 +515,7 @@ class DecoderModel:
                                 w(p + "linear_norm.weight"))
                 layer.qkv = None
             if i in config.linear_layers and config.parallel_mixers:  # Falcon-H1: attention beside the mixer
-                layer.qkv = lin(w(p + "qkv.weight"), opt(p + "qkv.bias"))
+                layer.qkv = layer_lin(p, "qkv")
             elif layer.linear is not None or not layer.has_mixer:
                 pass
             elif config.kv_lora_rank:  # DeepSeek's latent attention: (q or q_a, q_a's norm, q_b), kv_a, its norm, kv_b
@@ -527,7 +537,7 @@ class DecoderModel:
                                      lin(w(p + "index_weights.weight"), None))
                 layer.qkv = None
             else:
-                layer.qkv = lin(w(p + "qkv.weight"), opt(p + "qkv.bias"))
+                layer.qkv = layer_lin(p, "qkv")
             # q and k heads are normed (and roped) as one [nh + nkv, d] block, so their weights stack per head.
             layer.qk_norm = None
             layer.linear_o = lin(w(p + "linear_o.weight"), None) if p + "linear_o.weight" in tensors else None
@@ -538,7 +548,7 @@ class DecoderModel:
             elif config.qk_norm:
                 layer.qk_norm = torch.cat([norm(p + "q_norm.weight").expand(config.num_heads, -1)] + (
                     [norm(p + "k_norm.weight").expand(layer.geometry[0], -1)] if layer.kv_source is None else []))
-            layer.o = lin(w(p + "o.weight"), opt(p + "o.bias")) if layer.has_mixer else None
+            layer.o = layer_lin(p, "o") if layer.has_mixer else None
             layer.mlp_norm = norm(p + "mlp_norm.weight")
             layer.post_attn_norm = norm(p + "post_attn_norm.weight")  # Gemma's and OLMo's sandwich norms
             layer.post_mlp_norm = norm(p + "post_mlp_norm.weight")
@@ -556,8 +566,8 @@ class DecoderModel:
             elif config.num_experts and i not in config.dense_layers:  # a routed MLP: the experts', router's, shared's
                 layer.gate_up = layer.down = None
                 if config.parallel_experts:  # (the dense MLP beside the experts)
-                    layer.gate_up = lin(w(p + "gate_up.weight"), None)
-                    layer.down = lin(w(p + "down.weight"), None)
+                    layer.gate_up = layer_lin(p, "gate_up")
+                    layer.down = layer_lin(p, "down")
                 if config.router_float32:  # (DeepSeek's and GLM-4.5's routers, their biases in float32)
                     layer.router = _Linear(tensors[p + "router.weight"].to(self.device, torch.float32), None)
                 if config.router_sigmoid or config.router_correction_bias:
@@ -580,8 +590,8 @@ class DecoderModel:
                     layer.shared = (lin(w(p + "shared.gate_up.weight"), None),
                                     lin(w(p + "shared.down.weight"), None), gate)
             else:
-                layer.gate_up = lin(w(p + "gate_up.weight"), opt(p + "gate_up.bias"))  # (StarCoder2's biases)
-                layer.down = lin(w(p + "down.weight"), opt(p + "down.bias"))
+                layer.gate_up = layer_lin(p, "gate_up")  # (StarCoder2's biases)
+                layer.down = layer_lin(p, "down")
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, opt("lm_head.bias"),  # (Phi-2's bias)
                                       HEAD_QUANTIZATION.get(self.quantization), arena)

@@ -16,14 +16,23 @@ int8 against Q4_1's, as llama.cpp's Q8_1 rows (twice the products an instruction
 
 ``quantize_*`` / ``dequantize_*`` are the formats; ``pack_*`` lays them out for the kernels (groups of 64 output
 features, as ``decoder.pack_bf16`` lays bf16 weights). ``DecoderModel(..., quantization=)`` quantises the products
-of every layer (routed experts included) and the LM head at load (not the embedding rows or routers).
+of every layer (routed experts included) and the LM head at load (not the embedding rows or routers): all in one
+format, or each layer matrix in its own (a ``QuantPlan``; ``gguf_plan``: as a GGUF file holds each, "gguf").
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+
 import torch
 
 QUANTIZATIONS = ("q8_0", "q4_1")
+# What --quantization may also say: "gguf", each layer matrix at about the bits of the GGUF tensors it was exported
+# from (gguf_plan; a core exported from a GGUF file records its tensors' types)
+GGUF = "gguf"
 # The LM head's format under each quantization: llama.cpp's 4-bit mixes keep the output matrix at more bits (Q6_K or
 # Q8_0; the embedded SmolLM2's Q4_1 GGUF holds its tied head as Q8_0), as the logits feel its rounding most: at 4
 # bits, SmolLM2's next-token KL divergence from float32 was 0.062 nats against 0.0014 with the head at Q8_0
@@ -43,6 +52,85 @@ def check_quantization(name: str | None) -> str | None:
     if key not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}: flared keeps weights as {', '.join(QUANTIZATIONS)} (or none)")
     return key
+
+
+# ggml tensor types by the format flared keeps such weights in on the CPU: none at fewer bits than the file holds
+# them. 5 bits and more as Q8_0 (8.5 bits a weight), fewer as Q4_1 (5 bits; IQ types count as 4 bits); F16, BF16
+# and F32 stay bf16.
+_EIGHT_BITS = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+_FOUR_BITS = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"}
+# A serving matrix of a layer and the GGUF tensors it is made of (llama.cpp's names, across its architectures)
+_GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v", "attn_qkv"), "o": ("attn_output",),
+               "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+_BITS = {"q4_1": 0, "q8_0": 1, None: 2}  # (a matrix made of several types takes the most bits among them)
+
+
+def gguf_type_format(type_name: str) -> str | None:
+    """The format a GGUF tensor of this ggml type is kept in ("q4_1", "q8_0"; None: bf16)."""
+    if type_name in _EIGHT_BITS:
+        return "q8_0"
+    return "q4_1" if type_name in _FOUR_BITS or type_name.startswith("IQ") else None
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """Each layer matrix's format: ``matrices`` by serving tensor name ("layers.3.down.weight": "q8_0", or None:
+    kept bf16), ``default`` for every product it does not name (experts, routers' neighbours, other families'
+    matrices). The LM head takes HEAD_QUANTIZATION's format of the default, as with one format."""
+    default: str
+    matrices: dict[str, str | None] = field(default_factory=dict)
+
+    def format_of(self, name: str | None) -> str | None:
+        return self.matrices.get(name, self.default) if name is not None else self.default
+
+    def digest(self) -> str:
+        """What a cached prefix's keys and values depend on (they come from these weights)."""
+        return hashlib.sha256(json.dumps([self.default, sorted(self.matrices.items(), key=lambda kv: kv[0])],
+                                         default=str).encode()).hexdigest()[:16]
+
+
+def gguf_plan(tensor_types: dict[str, str]) -> QuantPlan | None:
+    """Each layer matrix at about the bits of the GGUF tensors it is made of (``tensor_types``: GGUF tensor name ->
+    ggml type name, as a core exported from a GGUF file records them): a Q4_K_M file's Q4_K matrices as q4_1 and
+    its Q6_K ones (some layers' attn_v and ffn_down) as q8_0, as llama.cpp's server runs each tensor in its own
+    type. A fused matrix (qkv, gate_up) takes the most bits among its parts. The default, for the products the plan
+    does not name, is the format that holds most of the file's layer weights. None: the layers are mostly at 16 bits
+    or more (nothing to keep quantised)."""
+    weights: dict[str | None, int] = {"q4_1": 0, "q8_0": 0, None: 0}
+    by_layer: dict[tuple[int, str], str | None] = {}
+    pattern = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight$")
+    role_of = {part: role for role, parts in _GGUF_PARTS.items() for part in parts}
+    for name, entry in tensor_types.items():
+        type_name, count = (entry, 1) if isinstance(entry, str) else entry
+        fmt = gguf_type_format(type_name)
+        if name.startswith("blk."):
+            weights[fmt] += count
+        m = pattern.match(name)
+        if m is None or m.group(2) not in role_of:
+            continue
+        key = (int(m.group(1)), role_of[m.group(2)])
+        by_layer[key] = max(by_layer.get(key, fmt), fmt, key=_BITS.__getitem__)
+    default = max(weights, key=weights.__getitem__)
+    if default is None:
+        return None
+    return QuantPlan(default, {f"layers.{i}.{role}.weight": fmt for (i, role), fmt in sorted(by_layer.items())
+                               if fmt != default})
+
+
+def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | None":
+    """--quantization as DecoderModel takes it: "gguf" becomes the core's plan (gguf_plan over the tensor types its
+    manifest's ``source`` records; None where the file's layers are mostly 16-bit), a ValueError where the core
+    records none; other names as check_quantization says."""
+    if name != GGUF:
+        return check_quantization(name)
+    types = source.get("tensor_types") if source.get("kind") == "gguf" else None
+    if not types:
+        raise ValueError("gguf keeps each layer matrix at about its bits in the GGUF file the core was exported "
+                         "from, and this core " + ("was exported from a checkpoint directory" if source.get("kind")
+                                                   != "gguf" else "does not record them (it was exported before "
+                                                   "flared recorded them: export it again)") +
+                         "; use q8_0 or q4_1")
+    return gguf_plan(types)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,7 +77,8 @@ class _Sequence:
 class ModelRunner:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", num_pages: int, page_tokens: int = 64, max_batch: int = 32,
-                 prefill_chunk_tokens: int = 512, quantization: str | None = None):
+                 prefill_chunk_tokens: int = 512, quantization: "str | QuantPlan | None" = None):
+        """``quantization``: DecoderModel's (a format for every product, or a QuantPlan's for each)."""
         if max_batch < 1 or prefill_chunk_tokens < 1:
             raise ValueError("max_batch and prefill_chunk_tokens must be positive")
         self.config = config

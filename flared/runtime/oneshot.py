@@ -25,15 +25,21 @@ class OneShot:
 
     @classmethod
     def open(cls, path: str | Path, *, max_batch: int = 8, quantization: str | None = None) -> "OneShot":
-        """``quantization``: "q8_0" or "q4_1" keeps a bfloat16 core's products so (flared/model/quant.py)."""
+        """``quantization``: "q8_0" or "q4_1" keeps a bfloat16 core's products so, "gguf" each at about its bits in
+        the GGUF file it was exported from (flared/model/quant.py)."""
         import torch
         from tokenizers import Tokenizer
 
         from flared.frontend import ChatTemplate
+        from flared.model.quant import resolve_quantization
         from flared.model.runner import ModelRunner
 
         core = open_core(path)
         m = core.manifest
+        try:
+            kept = resolve_quantization(quantization, m.source)
+        except ValueError as e:
+            raise ExecutionError(f"--quantization {quantization}: {e}", ErrorKind.VALIDATION) from None
         try:
             tokenizer = Tokenizer.from_file(str(core.tokenizer_path))
         except Exception as e:
@@ -44,7 +50,7 @@ class OneShot:
             runner = ModelRunner(core.config, core.load_tensors(), dtype=getattr(torch, m.dtype), device="cpu",
                                  num_pages=m.capacities.kv_pages, page_tokens=m.capacities.page_tokens,
                                  max_batch=min(max_batch, m.capacities.concurrency),
-                                 prefill_chunk_tokens=m.capacities.prefill_chunk_tokens, quantization=quantization)
+                                 prefill_chunk_tokens=m.capacities.prefill_chunk_tokens, quantization=kept)
         except ValueError as e:
             if quantization is None:
                 raise

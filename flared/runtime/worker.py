@@ -293,11 +293,12 @@ class ModelRuntime:
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
         self.kv_cache_dtype = kv_cache_dtype
-        # --quantization: "q8_0" or "q4_1" keeps the products' weights so on the CPU executor
-        # (flared/model/quant.py); None serves the core's weights as they are.
-        from flared.model.quant import check_quantization
+        # --quantization: "q8_0" or "q4_1" keeps the products' weights so on the CPU executor, "gguf" each at about
+        # its bits in the GGUF file the core was exported from (flared/model/quant.py); None serves the core's
+        # weights as they are.
+        from flared.model.quant import GGUF, check_quantization
 
-        self.quantization = check_quantization(quantization)
+        self.quantization = quantization if quantization == GGUF else check_quantization(quantization)
         self._weights_info: dict = {}  # weights_info(), once loaded
         # vLLM's --enforce-eager: a GPU serves through the eager executor, without graphs
         self.enforce_eager = enforce_eager
@@ -416,10 +417,16 @@ class ModelRuntime:
             raise ExecutionError(f"--quantization {self.quantization} runs on the CPU executor over a bfloat16 core; "
                                  f"{why} (export it with --dtype bfloat16 and serve it on a CPU, or leave "
                                  f"--quantization off)")
+        from flared.model.quant import QuantPlan, resolve_quantization
+
+        try:
+            kept = resolve_quantization(self.quantization, m.source)  # (gguf: the core's plan)
+        except ValueError as exc:
+            raise ExecutionError(f"--quantization {self.quantization}: {exc}") from None
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
-        if self.quantization is not None:  # cached keys and values come from the quantised weights
-            identity.update(f"|weights {self.quantization}".encode())
+        if kept is not None:  # cached keys and values come from the quantised weights
+            identity.update(f"|weights {kept.digest() if isinstance(kept, QuantPlan) else kept}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
             identity.update(b"|kv float8_e4m3fn")  # "fp8" and "fp8_e4m3" name the same pool
         scaling = self.core.config.rope_scaling
@@ -445,21 +452,27 @@ class ModelRuntime:
             log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))
         try:
             model = DecoderModel(self.core.config, tensors, dtype=dtype, device=device,
-                                 max_positions=caps.context_tokens, quantization=self.quantization)
+                                 max_positions=caps.context_tokens, quantization=kept)
         except ValueError as exc:
-            if self.quantization is None:
+            if kept is None:
                 raise
             raise ExecutionError(f"--quantization {self.quantization}: {exc}") from exc
         del tensors
         products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
-        self._weights_info = {"quantization": self.quantization, "dtype": m.dtype,
+        formats: dict[str, int] = {}
+        for lin in products:
+            formats[lin.quant_kind or "bf16"] = formats.get(lin.quant_kind or "bf16", 0) + 1
+        # (quantization: the one format, or a plan's default: the format most of the weights are in)
+        self._weights_info = {"quantization": model.quantization, "dtype": m.dtype,
                               "quantized_products": sum(lin.quant is not None for lin in products),
-                              "products": len(products), "product_bytes": sum(lin.nbytes for lin in products)}
-        if self.quantization is not None:
+                              "products": len(products), "product_bytes": sum(lin.nbytes for lin in products),
+                              "formats": formats}
+        if kept is not None:
             head = model.lm_head_linear.quant_kind
-            log.info("weights: %d of %d products kept as %s%s, %.1f MiB (%.1f MiB as bf16)",
-                     self._weights_info["quantized_products"], len(products), self.quantization,
-                     f" (the LM head as {head})" if head not in (None, self.quantization) else "",
+            kinds = ", ".join(f"{n} as {fmt}" for fmt, n in sorted(formats.items(), key=lambda kv: -kv[1]))
+            log.info("weights: products kept as %s (%d: %s)%s, %.1f MiB (%.1f MiB as bf16)", model.quantization,
+                     len(products), kinds,
+                     f"; the LM head as {head}" if head is not None else "",
                      self._weights_info["product_bytes"] / 2**20,
                      sum(2 * lin.out_features * lin.in_features for lin in products) / 2**20)
         if self.core.manifest.vision is not None and not use_cuda:
@@ -746,7 +759,8 @@ class ModelRuntime:
 
     def weights_info(self) -> dict:
         """How the layers' products and the LM head hold their weights once the model is loaded: ``quantization``
-        (None, "q8_0" or "q4_1"), the core's ``dtype``, ``quantized_products`` of ``products``, and
+        (None, "q8_0" or "q4_1": with --quantization gguf, the format most of them are in), the core's ``dtype``,
+        ``quantized_products`` of ``products``, ``formats`` (products by format, "bf16" too) and
         ``product_bytes``; {} before."""
         return dict(self._weights_info)
 

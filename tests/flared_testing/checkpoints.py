@@ -517,3 +517,87 @@ def hf_last_logits(directory, prompt: list[int]) -> torch.Tensor:
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return hf(torch.tensor([prompt])).logits[0, -1]
+
+
+def retype_gguf(src, dst, type_of) -> None:
+    """Write GGUF ``src`` again as ``dst`` with each tensor in ``type_of(name, its type)``'s ggml type (its values
+    dequantised and quantised again where that changes; the same keys): a file of another mix of types, as
+    llama.cpp's quantize makes them. ``type_of`` may give the types gguf's quantize writes (F16, BF16, Q4_0-Q8_0) or
+    a function of its own, ``(values [rows, cols] float32) -> raw blocks``, with the type: ``(type, encode)``."""
+    import gguf
+    import numpy as np
+    from gguf import GGUFValueType as V
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # (the header's own, which the writer writes)
+        kind = field.types[0]
+        writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1] if kind == V.ARRAY else None)
+    for t in reader.tensors:
+        new = type_of(t.name, t.tensor_type)
+        new, encode = new if isinstance(new, tuple) else (new, None)
+        if new == t.tensor_type:
+            writer.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+            continue
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        writer.add_tensor(t.name, encode(values) if encode else gguf.quants.quantize(values, new), raw_dtype=new)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def q4_k_blocks(values):
+    """``values`` [rows, cols] (cols a multiple of 256) as Q4_K blocks [rows, cols / 256 * 144], in retype_gguf's
+    (type, encode) form: each 32-value sub-block's step and least value (at most 0) as 6-bit multiples of the
+    super-block's two float16 scales, its values 4 bits from that least value. llama.cpp's layout; its quantiser
+    searches the steps further, so these blocks are a simple Q4_K, not its exact bytes."""
+    import numpy as np
+
+    rows, cols = values.shape
+    x = np.asarray(values, dtype=np.float32).reshape(-1, 8, 32)
+    n = x.shape[0]
+    low = np.minimum(x.min(-1), 0.0)
+    step, least = (x.max(-1) - low) / 15.0, -low
+    d, dmin = (step.max(-1) / 63.0).astype(np.float16), (least.max(-1) / 63.0).astype(np.float16)
+
+    def sixbits(v, unit):
+        unit = unit.astype(np.float32)[:, None]
+        return np.where(unit > 0, np.rint(v / np.where(unit > 0, unit, 1.0)), 0).clip(0, 63).astype(np.uint8)
+
+    sc, mn = sixbits(step, d), sixbits(least, dmin)
+    dj = (d.astype(np.float32)[:, None] * sc)[..., None]
+    mj = (dmin.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.where(dj > 0, np.rint((x + mj) / np.where(dj > 0, dj, 1.0)), 0).clip(0, 15).astype(np.uint8)
+    scales = np.empty((n, 12), np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
+    qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
+    out = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], axis=1)
+    return out.reshape(rows, cols // 256 * 144)
+
+
+def q6_k_blocks(values):
+    """``values`` [rows, cols] (cols a multiple of 256) as Q6_K blocks [rows, cols / 256 * 210]: each 16-value
+    sub-block's step an 8-bit multiple of the super-block's float16 scale, its values 6 bits (-32..31). llama.cpp's
+    layout, a simple quantiser (see q4_k_blocks)."""
+    import numpy as np
+
+    rows, cols = values.shape
+    x = np.asarray(values, dtype=np.float32).reshape(-1, 16, 16)
+    n = x.shape[0]
+    step = np.abs(x).max(-1) / 31.0
+    d = (step.max(-1) / 127.0).astype(np.float16)
+    unit = d.astype(np.float32)[:, None]
+    sc = np.where(unit > 0, np.rint(step / np.where(unit > 0, unit, 1.0)), 0).clip(0, 127).astype(np.int8)
+    dj = (unit * sc)[..., None]
+    q = (np.where(dj > 0, np.rint(x / np.where(dj > 0, dj, 1.0)), 0).clip(-32, 31) + 32).astype(np.uint8)
+    q = q.reshape(n, 2, 4, 32)  # (value e: half e // 128, quarter (e % 128) // 32, lane e % 32)
+    ql = (q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4)  # [n, half, 2, 32]: byte half * 64 + e % 64
+    qh = sum(((q[:, :, k] >> 4) & 3) << (2 * k) for k in range(4)).astype(np.uint8)  # [n, half, 32]
+    out = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)],
+                         axis=1)
+    return out.reshape(rows, cols // 256 * 210)

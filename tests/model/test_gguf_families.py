@@ -48,6 +48,7 @@ def permute_for_llama_cpp(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
+    """``matrix_type``: the matrices' ggml type, or a function of the tensor's GGUF name giving each its own."""
     import json
 
     from safetensors.numpy import load_file
@@ -142,7 +143,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         array = np.ascontiguousarray(array, dtype=np.float32)
         # (routers and biases stay F32, as llama.cpp keeps them)
         if array.ndim >= 2 and not name.endswith(("_inp.weight", ".bias")):
-            w.add_tensor(name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
+            qtype = matrix_type(name) if callable(matrix_type) else matrix_type  # (a type for each matrix: a mix)
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)
 

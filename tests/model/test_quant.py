@@ -414,3 +414,118 @@ def test_every_kind_of_layer_serves_quantised(family, tmp_path):
     assert (q8 - bf16).abs().max().item() <= 0.15 * bf16.abs().max().item()
     # (a Q4_1 step is about 2 * 127 / 15 = 17 of Q8_0's: these models part from bf16 by 6-24 times Q8_0's distance)
     assert (q4 - bf16).abs().max().item() <= 32 * (q8 - bf16).abs().max().item()
+
+
+def test_a_gguf_plan_keeps_each_layer_matrix_at_about_its_files_bits():
+    """As llama.cpp's Q4_K_M mix holds some layers' attn_v and ffn_down as Q6_K: those matrices (the fused qkv that
+    takes attn_v in) as q8_0, the Q4_K rest as the default q4_1; 5-bit types as q8_0 (never fewer bits than the
+    file's), 16-bit ones as bf16 (None); a file mostly at 16 bits keeps nothing quantised."""
+    from flared.model.quant import QuantPlan, gguf_plan, gguf_type_format
+
+    assert [gguf_type_format(t) for t in ("Q4_K", "Q4_0", "IQ4_XS", "Q5_K", "Q5_0", "Q6_K", "Q8_0", "F16", "BF16")] \
+        == ["q4_1", "q4_1", "q4_1", "q8_0", "q8_0", "q8_0", "q8_0", None, None]
+    types = {"token_embd.weight": ["Q6_K", 10_000], "output_norm.weight": ["F32", 64]}
+    for i in range(4):
+        more = i in (0, 3)  # (llama.cpp's use_more_bits layers, in part)
+        for part in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            types[f"blk.{i}.{part}.weight"] = ["Q4_K", 4096]
+        types[f"blk.{i}.attn_v.weight"] = ["Q6_K" if more else "Q4_K", 1024]
+        types[f"blk.{i}.ffn_down.weight"] = ["Q6_K" if more else "Q4_K", 8192]
+    types["blk.2.attn_output.weight"] = ["F16", 4096]
+    plan = gguf_plan(types)
+    assert plan == QuantPlan("q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0",
+                                      "layers.3.qkv.weight": "q8_0", "layers.3.down.weight": "q8_0",
+                                      "layers.2.o.weight": None})
+    assert plan.format_of("layers.1.qkv.weight") == "q4_1" and plan.format_of(None) == "q4_1"
+    assert plan.digest() != QuantPlan("q4_1").digest()
+    assert gguf_plan({"blk.0.attn_q.weight": ["Q5_K", 10], "blk.0.ffn_down.weight": ["Q6_K", 30]}) == QuantPlan("q8_0")
+    assert gguf_plan({"blk.0.attn_q.weight": ["F16", 100], "blk.0.ffn_down.weight": ["Q4_K", 10]}) is None
+
+
+@needs_kernels
+def test_a_plan_keeps_each_matrix_in_its_format_and_the_logits_follow(tmp_path, paths):
+    """DecoderModel(quantization=QuantPlan): each named matrix in its format (None: bf16), the rest in the default;
+    prefill and decode logits equal, bit for bit, those of the bf16 model whose weights are each matrix's
+    dequantised ones; the one-call decode step takes the mix as the per-op path does."""
+    from flared.model.decoder import DecoderModel, widen_quantised
+    from flared.model.loader import read_source
+    from flared.model.quant import QuantPlan
+
+    source = read_source(build_hf_checkpoint("llama3", tmp_path))
+    plan = QuantPlan("q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": None,
+                              "layers.1.gate_up.weight": "q8_0"})
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=plan)
+    kinds = {f"layers.{i}.{key}.weight": getattr(layer, key).quant_kind
+             for i, layer in enumerate(model.layers) for key in ("qkv", "o", "gate_up", "down")}
+    assert kinds == {"layers.0.qkv.weight": "q8_0", "layers.0.o.weight": "q4_1", "layers.0.gate_up.weight": "q4_1",
+                     "layers.0.down.weight": None, "layers.1.qkv.weight": "q4_1", "layers.1.o.weight": "q4_1",
+                     "layers.1.gate_up.weight": "q8_0", "layers.1.down.weight": "q4_1"}
+    assert model.quantization == "q4_1" and model.lm_head_linear.quant_kind == HEAD_QUANTIZATION["q4_1"]
+    tensors = dict(source.tensors)
+    for i, layer in enumerate(model.layers):
+        for key in ("qkv", "o", "gate_up", "down"):
+            lin = getattr(layer, key)
+            if lin.quant is not None:  # (a copy: widen_quantised's scratch is overwritten by the next call)
+                tensors[f"layers.{i}.{key}.weight"] = widen_quantised(lin).clone()
+    assert "lm_head.weight" in tensors  # (untied: the embedding rows stay as they are)
+    tensors["lm_head.weight"] = widen_quantised(model.lm_head_linear).clone()
+    twin = DecoderModel(source.config, tensors, dtype=torch.bfloat16)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (7, 30)]
+    nxt = rng.integers(3, 500, 2).tolist()
+
+    def run(m, fused=True):
+        m.fused_decode = m.fused_decode and fused
+        kv = m.make_kv_cache(num_pages=8, page_tokens=16)
+        tables = [np.arange(2 * i, 2 * i + 2) for i in range(2)]
+        first = m.forward(ForwardBatch.build([SequenceChunk(p, 0, t) for p, t in zip(prompts, tables)],
+                                             page_tokens=16), kv)
+        step = m.forward(ForwardBatch.build([SequenceChunk([n], len(p), t) for n, p, t in zip(nxt, prompts, tables)],
+                                            page_tokens=16), kv)
+        return first.float(), step.float()
+
+    linear.amx_min_rows(0)
+    _quantised_amx_rows(0)
+    linear.q8_vnni(0)
+    fused = model.fused_decode
+    got = run(model, fused=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(twin, fused=False)))
+    if fused:  # (AVX-512 BF16: the one-call step, every layer's formats from its pointers)
+        model.fused_decode = True
+        one_call = run(model)[1]
+        assert (one_call - got[1]).abs().max().item() <= 2e-3 * got[1].abs().max().item()
+        assert torch.equal(one_call.argmax(-1), got[1].argmax(-1))
+
+
+def test_a_gguf_files_mix_is_recorded_and_served_as_it_holds_it(default_gguf, tiny_hf_llama, tmp_path):
+    """The embedded model's GGUF (Q4_1 matrices) written again with layer 0's attn_v and ffn_down as Q8_0 and layer
+    1's attn_output as F16: its core records each tensor's type, and --quantization gguf keeps qkv and down of
+    layer 0 as q8_0, layer 1's o as bf16, the rest as q4_1. A core exported from a checkpoint directory refuses gguf
+    with the reason."""
+    from gguf import GGMLQuantizationType as T
+
+    from flared.core.export import ExportOptions, export_core
+    from flared.errors import ExecutionError
+    from flared.model.quant import QuantPlan, resolve_quantization
+    from flared.runtime.oneshot import OneShot
+    from flared_testing.checkpoints import retype_gguf
+
+    mix = {"blk.0.attn_v.weight": T.Q8_0, "blk.0.ffn_down.weight": T.Q8_0, "blk.1.attn_output.weight": T.F16}
+    retype_gguf(default_gguf, tmp_path / "mix.gguf", lambda name, kind: mix.get(name, kind))
+    manifest = export_core(tmp_path / "mix.gguf", tmp_path / "core", ExportOptions(dtype="bfloat16"))
+    types = manifest.source["tensor_types"]
+    assert types["blk.0.attn_v.weight"][0] == "Q8_0" and types["blk.1.attn_q.weight"] == ["Q4_1", 576 * 576]
+    assert "blk.0.attn_norm.weight" not in types  # (matrices only)
+    assert resolve_quantization("gguf", manifest.source) == QuantPlan(
+        "q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0", "layers.1.o.weight": None})
+    assert resolve_quantization("q8_0", manifest.source) == "q8_0"
+    if linear.BF16_SUPPORTED:
+        engine = OneShot.open(tmp_path / "core", quantization="gguf")
+        layers = engine.runner.model.layers
+        assert [layers[0].qkv.quant_kind, layers[0].o.quant_kind, layers[0].down.quant_kind,
+                layers[1].o.quant_kind, layers[1].down.quant_kind] == ["q8_0", "q4_1", "q8_0", None, "q4_1"]
+        out = engine.generate(prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert out["usage"]["completion_tokens"] == 4
+    export_core(tiny_hf_llama, tmp_path / "hf-core", ExportOptions(dtype="bfloat16"))
+    with pytest.raises(ExecutionError, match="exported from a checkpoint directory"):
+        OneShot.open(tmp_path / "hf-core", quantization="gguf")
