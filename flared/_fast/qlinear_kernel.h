@@ -609,6 +609,29 @@ __attribute__((target("avx2,f16c"))) static inline __m256i fl_pack_bytes(const _
     return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* A Q4_1 block's values placed on the grid of float16 step step_h from offset (0..15 steps): into qi, and the squared
+ * distance of the block from the grid's values. In float32, each operation rounded on its own (no fused
+ * multiply-add: this function's target has none) and summed in a fixed order, so that quant.py's torch ops, which
+ * repeat them, get the same bits. */
+__attribute__((target("avx2,f16c"))) static inline float fl_q4_place(const __m256 v[4], unsigned short step_h,
+                                                                      float offset, __m256i qi[4]) {
+    const float step = _cvtsh_ss(step_h);
+    const __m256 inverse = _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f), off = _mm256_set1_ps(offset);
+    const __m256 steps = _mm256_set1_ps(step);
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], off), inverse),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
+        qi[i] = _mm256_cvtps_epi32(r);
+        const __m256 d = _mm256_sub_ps(v[i], _mm256_add_ps(_mm256_mul_ps(steps, r), off));
+        sum = _mm256_add_ps(sum, _mm256_mul_ps(d, d));
+    }
+    float l[8];
+    _mm256_storeu_ps(l, sum);
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
 __attribute__((target("avx2,f16c"), unused)) static int fl_quantise_group(int kind, const uint16_t *w, int out,
                                                                           int in, int g, void *q, void *s, void *m) {
     const int blocks = in / FL_Q8_BLOCK;
@@ -647,20 +670,26 @@ __attribute__((target("avx2,f16c"), unused)) static int fl_quantise_group(int ki
             } else {
                 const float low = fl_hmin8(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
                 const float high = fl_hmax8(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
-                const unsigned short step_h = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
+                /* Two grids from the least value: the range in 15 steps, and in 14 (a Q4_K block often spans 14 of
+                 * its steps, as llama.cpp's search sets them: on its own grid its values come back as they were);
+                 * the 14-step grid where it lies nearer the values by more than 1/1024 (quant.quantize_q4_1) */
+                unsigned short step_h = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
                 const unsigned short offset_h = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
                 if ((step_h & 0x7C00) == 0x7C00 || (offset_h & 0x7C00) == 0x7C00) overflow = 1;
+                const float offset = _cvtsh_ss(offset_h);
+                const float on_15 = fl_q4_place(v, step_h, offset, qi);
+                const unsigned short step14_h = _cvtss_sh((high - low) / 14.0f, _MM_FROUND_TO_NEAREST_INT);
+                /* (a block on its 15-step grid, but for bf16's rounding of its values, needs no other: a Q4_1
+                 * GGUF's, most of a Q4_K's; off it, the distance is some hundredth of the range squared) */
+                if (on_15 > (high - low) * (high - low) * (1.0f / 4096.0f) && (step14_h & 0x7C00) != 0x7C00) {
+                    __m256i q14[4];
+                    if (fl_q4_place(v, step14_h, offset, q14) < on_15 * (1.0f - 1.0f / 1024.0f)) {
+                        step_h = step14_h;
+                        for (int i = 0; i < 4; i++) qi[i] = q14[i];
+                    }
+                }
                 ((uint16_t *)s)[param] = step_h;
                 ((uint16_t *)m)[param] = offset_h;
-                const float step = _cvtsh_ss(step_h);
-                const __m256 offset = _mm256_set1_ps(_cvtsh_ss(offset_h));
-                const __m256 inverse = _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f);
-                for (int i = 0; i < 4; i++) {
-                    __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], offset), inverse),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
-                    qi[i] = _mm256_cvtps_epi32(r);
-                }
                 /* quad c (inputs 4c..4c + 3): its 256 values in the order (feature, input); value k goes to byte
                  * k % 64 (+ 64 from k = 128), its high half when k % 128 >= 64: feature f's four values to the
                  * four bytes from (4f) % 64 (+ 64), in one half */

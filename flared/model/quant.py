@@ -4,8 +4,9 @@ A weight row is cut into blocks of 32 inputs.
 - Q8_0: each block keeps one float32 scale d = max|w| / 127 and its 32 values as int8 q = round(w / d). That is
   1.125 bytes a weight against bfloat16's 2, so a decode step, which streams every weight once, reads 44% fewer
   bytes. The weight the kernels use is bf16(d * q).
-- Q4_1: each block keeps a float16 step d = (max w - min w) / 15 and a float16 offset m = min w (both rounded
-  first), and its 32 values as 4-bit q = round((w - m) / d) in 0..15, two to a byte: 20 bytes a block, 0.625 bytes a
+- Q4_1: each block keeps a float16 step d = (max w - min w) / 15 (or / 14 where that grid lies nearer: a Q4_K
+  block's) and a float16 offset m = min w (both rounded first), and its 32 values as 4-bit q = round((w - m) / d)
+  in 0..15, two to a byte: 20 bytes a block, 0.625 bytes a
   weight (5 bits, as llama.cpp's Q4_1). The weight the kernels use is bf16(fma(d, q, m)). A bf16 model exported from
   a Q4_1 GGUF (the embedded SmolLM2) holds exactly such blocks, so re-quantising it finds the GGUF's own steps.
 The products (flared/_fast/qlinear_kernel.h) either widen each weight to that bf16 value on the fly and then sum
@@ -187,8 +188,14 @@ def q8_0_rows(packed: torch.Tensor, packed_scales: torch.Tensor, rows: list[int]
 
 def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [out, in] (in a multiple of 32) -> (q uint8 [out, in] in 0..15, steps float16 [out, in / 32], offsets
-    float16 [out, in / 32]): each block's offset is its least value and its step its range / 15, both rounded to
-    float16 before the values are placed to the nearest step from that offset (a constant block: step 0, values 0)."""
+    float16 [out, in / 32]): each block's offset is its least value and its step its range / 15 or, where that grid
+    lies nearer the block's values by more than 1/1024 of the squared distance, its range / 14 (both rounded to
+    float16 before the values are placed to the nearest step from that offset; a constant block: step 0, values 0).
+
+    The 14-step grid is a k-quant's: llama.cpp's Q4_K search often sets a block's step so that its values span 14
+    of them, and a GGUF's Q4_K weights then come back on it as they were, where the 15-step grid moved a block's
+    values by up to half a step (on Gaussian weights quantised by llama.cpp's Q4_K algorithm, 0.84e-3 RMS from
+    themselves against 0.06e-3; docs/benchmarks.md). On other weights it lowers the error a few percent."""
     out_features, in_features = weight.shape
     if in_features % Q8_BLOCK:
         raise ValueError(f"Q4_1 needs a multiple of {Q8_BLOCK} inputs, got {in_features}")
@@ -197,10 +204,31 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     steps, offsets = ((high - low) / 15.0).to(torch.float16), low.to(torch.float16)
     if not (torch.isfinite(steps).all() and torch.isfinite(offsets).all()):
         raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
+    q, distance = _place_q4_1(blocks, steps, offsets)
+    steps14 = ((high - low) / 14.0).to(torch.float16)
+    q14, distance14 = _place_q4_1(blocks, steps14, offsets)
+    # (as fl_quantise_group chooses, in float32: a block on its 15-step grid but for bf16's rounding takes it)
+    span = high - low
+    nearer = torch.isfinite(steps14) & (distance > span * span * (1.0 / 4096)) & (
+        distance14 < distance * torch.tensor(1.0 - 1.0 / 1024, dtype=torch.float32))
+    q = torch.where(nearer[..., None], q14, q)
+    steps = torch.where(nearer, steps14, steps)
+    return q.reshape(out_features, in_features), steps.contiguous(), offsets.contiguous()
+
+
+def _place_q4_1(blocks: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's values [.., 32] placed on its grid (float16 step and offset): (q uint8, the squared distance of
+    the values from the grid's: float32, each operation rounded on its own and summed in fl_q4_place's order, so
+    that the C quantiser's choices are these, bit for bit)."""
     step, offset = steps.float(), offsets.float()
     inverse = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-    q = torch.round((blocks - offset[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q.reshape(out_features, in_features), steps.contiguous(), offsets.contiguous()
+    q = torch.round((blocks - offset[..., None]) * inverse[..., None]).clamp_(0, 15)
+    gap = blocks - (step[..., None] * q + offset[..., None])
+    lanes = (gap * gap).unflatten(-1, (4, 8))  # (value 8 i + j: lane j of the i-th vector)
+    lane = ((lanes[..., 0, :] + lanes[..., 1, :]) + lanes[..., 2, :]) + lanes[..., 3, :]
+    distance = ((lane[..., 0] + lane[..., 1]) + (lane[..., 2] + lane[..., 3])) + \
+        ((lane[..., 4] + lane[..., 5]) + (lane[..., 6] + lane[..., 7]))
+    return q.to(torch.uint8), distance
 
 
 def dequantize_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor,

@@ -529,3 +529,36 @@ def test_a_gguf_files_mix_is_recorded_and_served_as_it_holds_it(default_gguf, ti
     export_core(tiny_hf_llama, tmp_path / "hf-core", ExportOptions(dtype="bfloat16"))
     with pytest.raises(ExecutionError, match="exported from a checkpoint directory"):
         OneShot.open(tmp_path / "hf-core", quantization="gguf")
+
+
+def test_q4_k_blocks_come_back_on_their_own_grid():
+    """A GGUF's Q4_K values (blocks set by llama.cpp's search, which often spans 14 of a block's steps, not 15)
+    quantised to Q4_1 land on their own grids: within a tenth of the Q4_K's own distance from the weights, where
+    the 15-step grid alone moved them more than half of it. On plain weights every block's grid is at least as
+    near as the 15-step one."""
+    import gguf
+
+    from flared.model.quant import _place_q4_1
+    from flared_testing.checkpoints import q4_k_blocks
+
+    rng = np.random.default_rng(4)
+    weights = (rng.standard_t(4, (64, 1024)) * 0.02).astype(np.float32)
+    kept = torch.from_numpy(gguf.quants.dequantize(q4_k_blocks(weights), gguf.GGMLQuantizationType.Q4_K)
+                            .reshape(weights.shape)).to(torch.bfloat16)
+    own = (kept.float() - torch.from_numpy(weights)).pow(2).mean().sqrt().item()
+    blocks = kept.float().reshape(64, 32, 32)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    steps15 = ((high - low) / 15.0).to(torch.float16)
+    q15, _ = _place_q4_1(blocks, steps15, low.to(torch.float16))
+    moved15 = (dequantize_q4_1(q15.reshape(64, 1024), steps15, low.to(torch.float16), torch.float32)
+               - kept.float()).pow(2).mean().sqrt().item()
+    q, steps, offsets = quantize_q4_1(kept)
+    moved = (dequantize_q4_1(q, steps, offsets, torch.float32) - kept.float()).pow(2).mean().sqrt().item()
+    assert moved < 0.1 * own and moved15 > 0.5 * own, (moved, moved15, own)
+    assert (steps != steps15).float().mean().item() > 0.1  # (the blocks that span 14 steps)
+    plain = torch.from_numpy(weights).to(torch.bfloat16).float().reshape(64, 32, 32)
+    low, high = plain.amin(-1), plain.amax(-1)
+    _, on15 = _place_q4_1(plain, ((high - low) / 15.0).to(torch.float16), low.to(torch.float16))
+    q, steps, offsets = quantize_q4_1(plain.reshape(64, 1024))
+    _, on_kept = _place_q4_1(plain, steps, offsets)
+    assert (on_kept <= on15).all() and on_kept.sum() < on15.sum()
