@@ -50,6 +50,20 @@ def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", prog
     return Path(core)
 
 
+def capacity_options(fn):
+    """The capacities the embedded model or a GGUF file or checkpoint served directly is exported with (export's
+    flags; vLLM's names for the first two too): a core of their own in the cache."""
+    fn = click.option("--kv-cache-mib", "kv_cache_mib", type=int, default=None,
+                      help="Embedded model or a GGUF file / checkpoint served directly: its KV cache budget in MiB "
+                           "(default 2048).")(fn)
+    fn = click.option("--concurrency", "--max-num-seqs", "concurrency", type=int, default=None,
+                      help="Embedded model or a GGUF file / checkpoint served directly: its live request slots "
+                           "(default 32, at most 64).")(fn)
+    return click.option("--context", "--max-model-len", "context", type=int, default=None,
+                        help="Embedded model or a GGUF file / checkpoint served directly: its context limit in tokens "
+                             "(default: the model's, at most 8192).")(fn)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "FLARECTL"})
 @click.version_option(package_name="flared")
 def main() -> None:
@@ -102,12 +116,14 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
                    "given directly).")
+@capacity_options
 @click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "gguf", "none"], case_sensitive=False),
               default=None,
               help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32), q4_1 (4 bits in blocks of 32; "
                    "docs/model.md) or gguf (each layer matrix at about the bits of its GGUF tensors), or none "
                    "(default: as the core is; a GGUF file on the CPU, as gguf).")
-def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization):
+def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization,
+             context, concurrency, kv_cache_mib):
     """One-shot local generation on CORE (a core directory, 'default', a GGUF file or a Hugging Face checkpoint
     directory)."""
     from flared.runtime.oneshot import OneShot
@@ -135,8 +151,9 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
         elif quantization == "none":
             quantization = None
         # (the embedded model or a source in bfloat16 where its weights are to be quantised: that takes a bf16 core)
-        engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32"),
-                              quantization=quantization)
+        capacities = {"context": context, "concurrency": concurrency, "kv_cache_mib": kv_cache_mib}
+        engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32",
+                                           capacities=capacities), quantization=quantization)
         load_s = time.monotonic() - t0
         result = engine.generate(prompt=prompt, messages=parsed, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

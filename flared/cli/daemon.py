@@ -31,6 +31,7 @@ from pathlib import Path
 
 import click
 
+from flared.cli.ctl import capacity_options
 from flared.errors import FlareError
 
 log = logging.getLogger("flared")
@@ -43,20 +44,6 @@ _quantization_option = click.option(
          "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
          "Q6_K and Q8_0 as q8_0, fewer bits as q4_1) or none (default: as the core is; a GGUF served directly on "
          "the CPU, as gguf).")
-
-
-def _capacity_options(fn):
-    """The capacities the embedded model or a GGUF file or checkpoint served directly is exported with (export's
-    flags; vLLM's names for the first two too): a core of their own in the cache."""
-    fn = click.option("--kv-cache-mib", "kv_cache_mib", type=int, default=None,
-                      help="Embedded model or a GGUF file / checkpoint served directly: its KV cache budget in MiB "
-                           "(default 2048).")(fn)
-    fn = click.option("--concurrency", "--max-num-seqs", "concurrency", type=int, default=None,
-                      help="Embedded model or a GGUF file / checkpoint served directly: its live request slots "
-                           "(default 32, at most 64).")(fn)
-    return click.option("--context", "--max-model-len", "context", type=int, default=None,
-                        help="Embedded model or a GGUF file / checkpoint served directly: its context limit in tokens "
-                             "(default: the model's, at most 8192).")(fn)
 
 
 def _quantization_override(quantization: str | None) -> dict:
@@ -118,7 +105,7 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint served directly: the dtype to export it "
                    "in (auto: bfloat16 on a GPU or a CPU with native bfloat16, else float32).")
-@_capacity_options
+@capacity_options
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--log-format", type=click.Choice(["auto", "plain", "journal"]), default=None,
               help="auto: journald format when stderr is the journal.")
@@ -333,7 +320,7 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint given directly: the dtype to export it "
                    "in.")
-@_capacity_options
+@capacity_options
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
               show_default=True)
 @_lora_options

@@ -146,3 +146,25 @@ def test_flarectl_generate_runs_a_gguf_at_its_bits_on_the_cpu(default_gguf, tmp_
     assert json.loads(proc.stdout.splitlines()[-1])["usage"]["completion_tokens"] == 4
     plain = subprocess.run(run + ["-q", "none"], capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0 and "about its bits" not in plain.stderr
+
+
+def test_flarectl_generate_takes_the_capacities_too(tiny_hf_llama, tiny_core, tmp_path):
+    """`flarectl generate SOURCE --max-model-len N` runs the source's core of that context (a core of its own in the
+    cache, as `flared run` makes it); given with a core, the flags stop it with the reason."""
+    import json
+    import subprocess
+    import sys
+
+    from flared.core.sources import source_core_dir
+
+    cache = tmp_path / "cache"
+    run = [sys.executable, "-m", "flared.cli.ctl", "generate", str(tiny_hf_llama), "--cache-dir", str(cache),
+           "--prompt", "hello", "--max-tokens", "3", "--json", "--max-model-len", "96", "--kv-cache-mib", "8"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["usage"]["completion_tokens"] >= 1
+    core = source_core_dir(tiny_hf_llama, cache, "float32", {"context": 96, "kv_cache_mib": 8})
+    assert read_manifest(core).capacities.context_tokens == 96
+    proc = subprocess.run([sys.executable, "-m", "flared.cli.ctl", "generate", str(tiny_core), "--prompt", "hi",
+                           "--context", "64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "its capacities were fixed when it was exported" in proc.stderr
