@@ -142,9 +142,11 @@ def test_fused_step_over_a_float8_cache_matches_the_other_paths(model, rows, thr
     # that parts it from the kernels by up to ~3% of the largest logit on these random models at 8 rows.
     assert (fused - torch_path).abs().max().item() <= 5e-2 * scale
     assert torch.equal(fused.argmax(-1), per_op.argmax(-1))
-    # Qwen3's keys can round a float8 step apart (above), which may flip a near-tie of these random models
-    agree = (fused.argmax(-1) == torch_path.argmax(-1)).sum().item()
-    assert agree >= (rows - rows // 4 if model.config.qk_norm else rows), agree
+    # Each row's top token is the torch path's, or one within the two paths' distance of it: a near-tie of these
+    # random models, which Qwen3's keys (a float8 step apart, above) or the torch path's bf16 scores may flip
+    # (llama3:q4_1 at one row: two logits equal in bf16 on the kernel's side, 0.09 apart on torch's)
+    gap = torch_path.max(-1).values - torch_path.gather(-1, fused.argmax(-1)[:, None])[:, 0]
+    assert (gap <= 2 * (fused - torch_path).abs().max()).all(), gap
 
 
 def _random_adapter(model, rank: int, seed: int, products=("qkv", "o", "down", "gate_up")) -> int:
