@@ -289,8 +289,11 @@ def models(admin_socket, as_json):
     click.echo(f"  core:        {body['core']}")
     weights = body.get("weights") or {}
     if weights.get("quantization"):
+        formats = weights.get("formats") or {}
+        mix = ("; " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items(), key=lambda kv: -kv[1]))
+               if len(formats) > 1 else "")  # (--quantization gguf: each matrix in its own)
         click.echo(f"  weights:     {weights['quantization']} ({weights['quantized_products']} of "
-                   f"{weights['products']} products), {weights['product_bytes'] / 2**20:,.1f} MiB")
+                   f"{weights['products']} products{mix}), {weights['product_bytes'] / 2**20:,.1f} MiB")
     kv = body.get("kv_cache") or {}
     if kv:
         click.echo(f"  kv cache:    {kv['dtype']}, {kv['pages']:,} pages, {kv['bytes'] / 2**20:,.1f} MiB")

@@ -131,7 +131,10 @@ def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | N
                                                    != "gguf" else "does not record them (it was exported before "
                                                    "flared recorded them: export it again)") +
                          "; use q8_0 or q4_1")
-    return gguf_plan(types)
+    try:
+        return gguf_plan(types)
+    except (TypeError, ValueError, AttributeError) as exc:  # (a manifest edited by hand)
+        raise ValueError(f"the core's manifest has a malformed source.tensor_types ({exc}): export it again") from None
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -423,6 +423,9 @@ class ModelRuntime:
             kept = resolve_quantization(self.quantization, m.source)  # (gguf: the core's plan)
         except ValueError as exc:
             raise ExecutionError(f"--quantization {self.quantization}: {exc}") from None
+        if self.quantization is not None and kept is None:  # (gguf over a file mostly at 16 bits or more)
+            log.info("--quantization %s: the source's layer matrices are mostly 16-bit or wider: served as the core "
+                     "is (%s)", self.quantization, m.dtype)
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if kept is not None:  # cached keys and values come from the quantised weights

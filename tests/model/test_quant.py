@@ -519,6 +519,8 @@ def test_a_gguf_files_mix_is_recorded_and_served_as_it_holds_it(default_gguf, ti
     assert resolve_quantization("gguf", manifest.source) == QuantPlan(
         "q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0", "layers.1.o.weight": None})
     assert resolve_quantization("q8_0", manifest.source) == "q8_0"
+    with pytest.raises(ValueError, match="malformed source.tensor_types"):
+        resolve_quantization("gguf", {"kind": "gguf", "tensor_types": {"blk.0.attn_q.weight": 7}})
     if linear.BF16_SUPPORTED:
         engine = OneShot.open(tmp_path / "core", quantization="gguf")
         layers = engine.runner.model.layers
