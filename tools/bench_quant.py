@@ -22,7 +22,7 @@ Q4_1 GGUF, dequantised), each position of a fixed English text fed token by toke
 the float32 model: the mean KL divergence and how often the top token agrees, for bf16 and each format.
 
     .venv/bin/python tools/bench_quant.py [--shapes smollm2,llama1b] [--formats q8_0,q4_1] [--streams 1,4,16]
-                                          [--repeats 3] [--load] [--quality] [--gguf-mix] [--json]
+                                          [--repeats 3] [--load] [--quality] [--gguf-mix [--llama-dir D]] [--json]
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ SHAPES = {
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital of "
         "Germany. In 1969, humans first landed on the Moon, and the mission returned safely to Earth. Water boils at "
         "one hundred degrees Celsius at sea level, and the Pacific is the largest ocean on the planet.")
+
+# More openings for --gguf-mix's greedy tokens against llama-server's (besides TEXT's sentences)
+PROMPTS = ["Once upon a time, in a small village by the sea,", "The three primary colors are",
+           "To make a cup of tea, first", "def fibonacci(n):", "The largest planet in the solar system is",
+           "Q: What is the boiling point of water?\nA:", "My favourite book is", "In machine learning, a neural network"]
 
 
 def runners(config, tensors, streams: int, tokens: int, formats: list[str]):
@@ -200,11 +205,88 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def gguf_mix(repeats: int) -> dict:
+def llama_q4_k_m(llama_dir: Path, out: Path) -> Path:
+    """The embedded model quantised to Q4_K_M by llama.cpp's own llama-quantize (built by compare_llama_server's
+    ensure_llama_server beside llama-server), from an F32 rendering of the file."""
+    import glob
+    import subprocess
+
+    from bench_model import gguf_path
+    from gguf import GGMLQuantizationType as T
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from flared_testing.checkpoints import retype_gguf
+
+    [binary] = glob.glob(str(llama_dir / "llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-quantize"))[:1]
+    wide = out.with_name("wide.gguf")
+    retype_gguf(gguf_path(), wide, lambda name, kind: T.F32)
+    subprocess.run([binary, str(wide), str(out), "Q4_K_M"], check=True, capture_output=True)
+    wide.unlink()
+    return out
+
+
+def greedy_agreement(path: Path, models: dict, ids_list: list[list[int]], llama_dir: Path, tokens: int) -> dict:
+    """Each prompt's ``tokens`` greedy tokens from llama.cpp's llama-server on the same file, against each side's:
+    how many prompts' tokens are all the same, and the mean length of the common start."""
+    import glob
+    import socket
+    import subprocess
+    import urllib.request
+
+    from flared.model.batch import ForwardBatch, SequenceChunk
+
+    [binary] = glob.glob(str(llama_dir / "llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))[:1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([binary, "-m", str(path), "--port", str(port), "-t", str(torch.get_num_threads()),
+                               "-c", "2048", "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                break
+            except OSError:
+                time.sleep(0.1)
+        theirs = []
+        for ids in ids_list:
+            body = json.dumps({"prompt": ids, "n_predict": tokens, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                               "return_tokens": True, "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                         {"Content-Type": "application/json"})
+            theirs.append(json.loads(urllib.request.urlopen(req, timeout=300).read())["tokens"])
+    finally:
+        server.terminate()
+        server.wait()
+
+    def greedy(model, ids: list[int]) -> list[int]:
+        pages = -(-(len(ids) + tokens) // 16)
+        kv = model.make_kv_cache(num_pages=pages, page_tokens=16)
+        table = np.arange(pages)
+        logits = model.forward(ForwardBatch.build([SequenceChunk(ids, 0, table)], page_tokens=16), kv)
+        out = [int(logits[-1].float().argmax())]
+        while len(out) < tokens:
+            step = model.forward(ForwardBatch.build([SequenceChunk(out[-1:], len(ids) + len(out) - 1, table)],
+                                                    page_tokens=16), kv)
+            out.append(int(step[-1].float().argmax()))
+        return out
+
+    result = {}
+    for name, model in models.items():
+        ours = [greedy(model, ids) for ids in ids_list]
+        common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                  for x, y in zip(ours, theirs)]
+        result[name] = {"same": sum(c == tokens for c in common), "mean_common": sum(common) / len(common)}
+    return result
+
+
+def gguf_mix(repeats: int, llama_dir: Path | None = None) -> dict:
     """The embedded model's weights written as llama.cpp's Q4_K_M mix writes this model, then served on the CPU as
     last session's rule did (every layer matrix q4_1), as each format alone, and as --quantization gguf (each matrix
     at about its tensors' bits): next-token distributions against the file's own values in float32, the products'
-    MiB, and ms a token fed token by token over the text (alternating, best of ``repeats``)."""
+    MiB, and ms a token fed token by token over the text (alternating, best of ``repeats``). With ``llama_dir`` (a
+    llama.cpp build, tools/compare_llama_server.py's): the file is llama-quantize's own Q4_K_M, and each side's
+    greedy tokens are set against llama-server's on that file."""
     from bench_model import gguf_path
     from gguf import GGMLQuantizationType as T
     from tokenizers import Tokenizer
@@ -233,8 +315,11 @@ def gguf_mix(repeats: int) -> dict:
             return (T.Q6_K, q6_k_blocks) if more else (T.Q4_K, q4_k_blocks)
         return T.Q8_0 if part == "attn_v" and more else T.Q5_0
 
-    path = Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct.Q4_K_M-like.gguf"
-    retype_gguf(gguf_path(), path, q4_k_m)
+    if llama_dir is not None:
+        path = llama_q4_k_m(llama_dir, Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct.Q4_K_M.gguf")
+    else:
+        path = Path(tempfile.mkdtemp()) / "SmolLM2-135M-Instruct.Q4_K_M-like.gguf"
+        retype_gguf(gguf_path(), path, q4_k_m)
     counts: dict[str, int] = {}
     types = {}
     for t in GGUFFile(path).tensors:
@@ -255,7 +340,8 @@ def gguf_mix(repeats: int) -> dict:
                                                             page_tokens=16), kv).float()[0] for i in range(len(ids))])
         return out, (time.perf_counter() - t) / len(ids) * 1e3
 
-    exact, _ = logits(DecoderModel(source.config, source.tensors, dtype=torch.float32))
+    wide = DecoderModel(source.config, source.tensors, dtype=torch.float32)
+    exact, _ = logits(wide)
     sides = {"bf16": None, "q4_1 (every matrix)": "q4_1", "q8_0 (every matrix)": "q8_0", "gguf (each its own)": plan}
     models = {name: DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=q)
               for name, q in sides.items()}
@@ -272,13 +358,23 @@ def gguf_mix(repeats: int) -> dict:
             out[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
                          "mib": sum(lin.nbytes for lin in products) / 2**20, "ms_per_token": min(best, ms)}
     words = ", ".join(f"{k} {v:.0%}" for k, v in sorted(out["file_types"].items(), key=lambda kv: -kv[1]))
-    print(f"\nSmolLM2-135M-Instruct written as llama.cpp's Q4_K_M mix writes it ({words} of the layer weights; "
-          f"k-quant blocks set as llama.cpp's search sets them), {len(ids)} positions fed token by token, against the file's values in float32; "
-          f"{torch.get_num_threads()} threads, best of {repeats}:")
+    made = ("quantised to Q4_K_M by llama.cpp's llama-quantize" if llama_dir is not None else
+            "written as llama.cpp's Q4_K_M mix writes it (k-quant blocks set as llama.cpp's search sets them)")
+    print(f"\nSmolLM2-135M-Instruct {made}: {words} of the layer weights; {len(ids)} positions fed token by token, "
+          f"against the file's values in float32; {torch.get_num_threads()} threads, best of {repeats}:")
     print(f"{'served as':>22} {'mean KL (nats)':>15} {'top-1 agrees':>13} {'products MiB':>13} {'ms a token':>11}")
     for name in sides:
         r = out[name]
         print(f"{name:>22} {r['kl']:>15.5f} {r['top1']:>13.3f} {r['mib']:>13.1f} {r['ms_per_token']:>11.2f}")
+    if llama_dir is not None:
+        sentences = [t.strip() + "." for t in TEXT.split(".") if t.strip()] + PROMPTS
+        prompts = [Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json).encode(t).ids for t in sentences]
+        agreement = greedy_agreement(path, {"float32": wide, **models}, prompts, llama_dir, 32)
+        out["llama_server"] = agreement
+        print(f"\nGreedy tokens against llama-server's on the same file ({len(prompts)} prompts, 32 tokens each):")
+        print(f"{'served as':>22} {'prompts all equal':>18} {'mean tokens equal from the start':>33}")
+        for name, r in agreement.items():
+            print(f"{name:>22} {r['same']:>18} {r['mean_common']:>33.1f}")
     return out
 
 
@@ -345,6 +441,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--gguf-mix", action="store_true",
                     help="only the Q4_K_M-mix table: every matrix q4_1 against --quantization gguf")
+    ap.add_argument("--llama-dir", type=Path, default=None,
+                    help="--gguf-mix over llama-quantize's own Q4_K_M, against llama-server's greedy tokens (a build "
+                         "of tools/compare_llama_server.py's --llama-dir, with the llama-quantize target)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flared._fast import linear
@@ -355,7 +454,7 @@ def main(argv=None) -> int:
               "vnni": bool(linear.Q8_VNNI), "integer_dots": linear.INTEGER_DOTS}
     if args.gguf_mix:
         result["requant"] = requant()
-        result["gguf_mix"] = gguf_mix(args.repeats)
+        result["gguf_mix"] = gguf_mix(args.repeats, args.llama_dir)
         if args.json:
             print(json.dumps(result))
         return 0

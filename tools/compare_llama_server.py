@@ -67,8 +67,9 @@ def ensure_llama_server(llama_dir: Path) -> Path:
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"],
                    check=True, stdout=sys.stderr)
-    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server", "-j", str(os.cpu_count())],
-                   check=True, stdout=sys.stderr)
+    # (llama-quantize too: tools/bench_quant.py --gguf-mix --llama-dir makes llama.cpp's own Q4_K_M with it)
+    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server", "llama-quantize", "-j",
+                    str(os.cpu_count())], check=True, stdout=sys.stderr)
     return src / "build" / "bin" / "llama-server"
 
 
