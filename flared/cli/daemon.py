@@ -42,7 +42,7 @@ _quantization_option = click.option(
     help="Keep the weights quantised (a bfloat16 core on the CPU executor; faster decode): q8_0 (int8 in blocks of "
          "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
          "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
-         "Q6_K and Q8_0 as q8_0, fewer bits as q4_1) or none (default: as the core is; a GGUF served directly on "
+         "5 to 8 bits (Q5_K, Q6_K, Q8_0) as q8_0, 4 and fewer as q4_1) or none (default: as the core is; a GGUF served directly on "
          "the CPU, as gguf).")
 
 

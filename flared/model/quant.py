@@ -6,9 +6,9 @@ A weight row is cut into blocks of 32 inputs.
   bytes. The weight the kernels use is bf16(d * q).
 - Q4_1: each block keeps a float16 step d = (max w - min w) / 15 (or / 14 where that grid lies nearer: a Q4_K
   block's) and a float16 offset m = min w (both rounded first), and its 32 values as 4-bit q = round((w - m) / d)
-  in 0..15, two to a byte: 20 bytes a block, 0.625 bytes a
-  weight (5 bits, as llama.cpp's Q4_1). The weight the kernels use is bf16(fma(d, q, m)). A bf16 model exported from
-  a Q4_1 GGUF (the embedded SmolLM2) holds exactly such blocks, so re-quantising it finds the GGUF's own steps.
+  in 0..15, two to a byte: 20 bytes a block, 0.625 bytes a weight (5 bits, as llama.cpp's Q4_1). The weight the
+  kernels use is bf16(fma(d, q, m)). A bf16 model exported from a Q4_1 GGUF (the embedded SmolLM2) holds exactly
+  such blocks, so re-quantising it finds the GGUF's own steps.
 The products (flared/_fast/qlinear_kernel.h) either widen each weight to that bf16 value on the fly and then sum
 exactly as the bf16 kernels do, so that a quantised model's logits equal, bit for bit, those of the bf16 model whose
 weights are the dequantised ones (the tests hold them to that); or take integer dot products with the rows
@@ -90,9 +90,10 @@ class QuantPlan:
                                          default=str).encode()).hexdigest()[:16]
 
 
-def gguf_plan(tensor_types: dict[str, str]) -> QuantPlan | None:
+def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
     """Each layer matrix at about the bits of the GGUF tensors it is made of (``tensor_types``: GGUF tensor name ->
-    ggml type name, as a core exported from a GGUF file records them): a Q4_K_M file's Q4_K matrices as q4_1 and
+    [ggml type name, its values], as a core exported from a GGUF file records them; a bare type name counts as one
+    value): a Q4_K_M file's Q4_K matrices as q4_1 and
     its Q6_K ones (some layers' attn_v and ffn_down) as q8_0, as llama.cpp's server runs each tensor in its own
     type. A fused matrix (qkv, gate_up) takes the most bits among its parts. The default, for the products the plan
     does not name, is the format that holds most of the file's layer weights. None: the layers are mostly at 16 bits
