@@ -90,8 +90,8 @@ def ensure_default_core(cache_dir: Path, dtype: str = "float32", capacities: dic
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".export.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _is_core(out):
-            return out
+        if _is_core(out) and "tensor_types" in read_manifest(out).source:
+            return out  # (one from before cores recorded their GGUF's types is exported again, for -q gguf)
         cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(gguf), "--out", str(out),
                "--dtype", dtype, "--force", *capacity_args(capacities)]
         for name in SERVED_NAMES:
