@@ -414,12 +414,15 @@ class DecoderModel:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in tensors else None
 
-        def layer_lin(p: str, key: str) -> _Linear:
-            """A layer's product by its serving name (p + key + ".weight", its bias if it has one), in the plan's
-            format for that name."""
+        def fmt_of(name: str) -> str | None:
+            """The format of the product stored as serving tensor ``name`` (a plan's for it, else the one)."""
+            return plan.format_of(name) if plan is not None else self.quantization
+
+        def layer_lin(p: str, key: str, bias: bool = True) -> _Linear:
+            """A layer's product by its serving name (p + key + ".weight", its bias if it has one and ``bias``), in
+            its format."""
             name = p + key + ".weight"
-            fmt = plan.format_of(name) if plan is not None else self.quantization
-            return _Linear(w(name), opt(p + key + ".bias"), fmt, arena)
+            return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
         # once (ModelConfig.float_norms)
@@ -578,8 +581,9 @@ class DecoderModel:
                 if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
                     layer.expert_biases = (w(p + "experts.gate_up.bias"), w(p + "experts.down.bias"))
                 biases = layer.expert_biases or (None, None)
-                layer.experts = [(lin(gate_up[e], None if biases[0] is None else biases[0][e]),
-                                  lin(down[e], None if biases[1] is None else biases[1][e]))
+                formats = fmt_of(p + "experts.gate_up.weight"), fmt_of(p + "experts.down.weight")
+                layer.experts = [(_Linear(gate_up[e], None if biases[0] is None else biases[0][e], formats[0], arena),
+                                  _Linear(down[e], None if biases[1] is None else biases[1][e], formats[1], arena))
                                  for e in range(config.num_experts)]
                 if layer.experts[0][0].packed is None and layer.experts[0][0].quant is None:
                     # (the experts' weights are views of these: no copy)
@@ -587,8 +591,8 @@ class DecoderModel:
                 del gate_up, down
                 if config.shared_expert_intermediate_size:
                     gate = lin(w(p + "shared.gate.weight"), None) if config.shared_expert_gate else None
-                    layer.shared = (lin(w(p + "shared.gate_up.weight"), None),
-                                    lin(w(p + "shared.down.weight"), None), gate)
+                    layer.shared = (layer_lin(p, "shared.gate_up", bias=False), layer_lin(p, "shared.down", bias=False),
+                                    gate)
             else:
                 layer.gate_up = layer_lin(p, "gate_up")  # (StarCoder2's biases)
                 layer.down = layer_lin(p, "down")

@@ -60,9 +60,12 @@ def check_quantization(name: str | None) -> str | None:
 # and F32 stay bf16.
 _EIGHT_BITS = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
 _FOUR_BITS = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"}
-# A serving matrix of a layer and the GGUF tensors it is made of (llama.cpp's names, across its architectures)
+# A serving matrix of a layer and the GGUF tensors it is made of (llama.cpp's names, across its architectures): the
+# attention's, the MLP's, a mixture's routed experts (one format for the layer's stack) and its shared expert
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v", "attn_qkv"), "o": ("attn_output",),
-               "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+               "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",),
+               "experts.gate_up": ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"), "experts.down": ("ffn_down_exps",),
+               "shared.gate_up": ("ffn_gate_shexp", "ffn_up_shexp"), "shared.down": ("ffn_down_shexp",)}
 _BITS = {"q4_1": 0, "q8_0": 1, None: 2}  # (a matrix made of several types takes the most bits among them)
 
 
@@ -93,11 +96,11 @@ class QuantPlan:
 def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
     """Each layer matrix at about the bits of the GGUF tensors it is made of (``tensor_types``: GGUF tensor name ->
     [ggml type name, its values], as a core exported from a GGUF file records them; a bare type name counts as one
-    value): a Q4_K_M file's Q4_K matrices as q4_1 and
-    its Q6_K ones (some layers' attn_v and ffn_down) as q8_0, as llama.cpp's server runs each tensor in its own
-    type. A fused matrix (qkv, gate_up) takes the most bits among its parts. The default, for the products the plan
-    does not name, is the format that holds most of the file's layer weights. None: the layers are mostly at 16 bits
-    or more (nothing to keep quantised)."""
+    value): a Q4_K_M file's Q4_K matrices as q4_1 and its Q6_K ones (some layers' attn_v and ffn_down) as q8_0, as
+    llama.cpp's server runs each tensor in its own type. A fused matrix (qkv, gate_up) takes the most bits among its
+    parts; a layer's routed experts take their stack's (one for gate and up, one for down). The default, for the
+    products the plan does not name, is the format that holds most of the file's layer weights. None: the layers are
+    mostly at 16 bits or more (nothing to keep quantised)."""
     weights: dict[str | None, int] = {"q4_1": 0, "q8_0": 0, None: 0}
     by_layer: dict[tuple[int, str], str | None] = {}
     pattern = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight$")

@@ -564,3 +564,32 @@ def test_q4_k_blocks_come_back_on_their_own_grid():
     q, steps, offsets = quantize_q4_1(plain.reshape(64, 1024))
     _, on_kept = _place_q4_1(plain, steps, offsets)
     assert (on_kept <= on15).all() and on_kept.sum() < on15.sum()
+
+
+@needs_kernels
+def test_a_plan_reaches_a_mixtures_experts_and_shared_expert(tmp_path):
+    """A Q4_K_M mixture of experts holds some layers' ffn_down_exps at Q6_K: the plan names the layer's expert
+    stacks and shared expert, and every expert of a stack takes its format."""
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+    from flared.model.quant import QuantPlan, gguf_plan
+
+    types = {"blk.0.ffn_gate_exps.weight": ["Q4_K", 100], "blk.0.ffn_up_exps.weight": ["Q4_K", 100],
+             "blk.0.ffn_down_exps.weight": ["Q6_K", 100], "blk.0.ffn_gate_shexp.weight": ["Q8_0", 10],
+             "blk.0.ffn_up_shexp.weight": ["Q4_K", 10], "blk.0.ffn_down_shexp.weight": ["Q4_K", 10],
+             "blk.1.ffn_down_exps.weight": ["Q4_K", 100]}
+    assert gguf_plan(types) == QuantPlan("q4_1", {"layers.0.experts.down.weight": "q8_0",
+                                                  "layers.0.shared.gate_up.weight": "q8_0"})
+    source = read_source(build_hf_checkpoint("qwen2_moe", tmp_path))
+    plan = QuantPlan("q4_1", {"layers.0.experts.down.weight": "q8_0", "layers.0.shared.gate_up.weight": None,
+                              "layers.1.experts.gate_up.weight": "q8_0"})
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=plan)
+    first, second = model.layers[0], model.layers[1]
+    assert {a.quant_kind for a, _ in first.experts} == {"q4_1"} and {b.quant_kind for _, b in first.experts} == {"q8_0"}
+    assert {a.quant_kind for a, _ in second.experts} == {"q8_0"} and {b.quant_kind for _, b in second.experts} == {"q4_1"}
+    # (the shared expert's down takes 48 inputs, not a multiple of 32: bf16 whatever the plan says)
+    assert first.shared[0].quant_kind is None and first.shared[1].quant_kind is None
+    assert second.shared[0].quant_kind == "q4_1"
+    kv = model.make_kv_cache(num_pages=4, page_tokens=16)
+    logits = model.forward(ForwardBatch.build([SequenceChunk(list(range(3, 20)), 0, np.arange(2))], page_tokens=16), kv)
+    assert torch.isfinite(logits.float()).all()
