@@ -42,8 +42,8 @@ _quantization_option = click.option(
     help="Keep the weights quantised (a bfloat16 core on the CPU executor; faster decode): q8_0 (int8 in blocks of "
          "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
          "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
-         "5 to 8 bits (Q5_K, Q6_K, Q8_0) as q8_0, 4 and fewer as q4_1) or none (default: as the core is; a GGUF served directly on "
-         "the CPU, as gguf).")
+         "5 to 8 bits (Q5_K, Q6_K, Q8_0) as q8_0, 4 and fewer as q4_1) or none (default: as the core is; a GGUF "
+         "served directly on the CPU, as gguf).")
 
 
 def _quantization_override(quantization: str | None) -> dict:
@@ -217,8 +217,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     configure_logging(config.log_level, config.log_format)
     dashboard = not no_dashboard and sys.stderr.isatty()
     try:
-        core_path, config = _serving_core(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
-                                                                        kv_cache_mib=kv_cache_mib), config, quantization)
+        capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib)
+        core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
         code = serve(core_path, config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
     except FlareError as e:
@@ -359,8 +359,8 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
     try:
         from flared.runtime.session import LoadedSession
 
-        core_path, config = _serving_core(core, cache_dir, dtype, dict(context=context, concurrency=concurrency,
-                                                                        kv_cache_mib=kv_cache_mib), config, quantization)
+        capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib)
+        core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
         session = LoadedSession.load(core_path, config)
         code = asyncio.run(_run_batch_async(session, data, output_path))
     except FlareError as e:

@@ -90,8 +90,8 @@ def ensure_default_core(cache_dir: Path, dtype: str = "float32", capacities: dic
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".export.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _is_core(out) and "tensor_types" in read_manifest(out).source:
-            return out  # (one from before cores recorded their GGUF's types is exported again, for -q gguf)
+        if _records_gguf_types(out):
+            return out
         cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(gguf), "--out", str(out),
                "--dtype", dtype, "--force", *capacity_args(capacities)]
         for name in SERVED_NAMES:
@@ -102,6 +102,15 @@ def ensure_default_core(cache_dir: Path, dtype: str = "float32", capacities: dic
         if proc.returncode != 0:
             raise CoreError(f"exporting the default model failed (exit {proc.returncode})", ErrorKind.CORE_FORMAT)
     return out
+
+
+def _records_gguf_types(path: Path) -> bool:
+    """Whether ``path`` is a core that records its GGUF's tensor types (-q gguf reads them): one from before is
+    exported again."""
+    try:
+        return "tensor_types" in read_manifest(path).source
+    except CoreError:
+        return False
 
 
 def _is_core(path: Path) -> bool:

@@ -386,10 +386,9 @@ def _source_info(source: Path, kind: str) -> dict[str, Any]:
         files = sorted(p for p in source.iterdir() if p.is_file() and p.suffix in (".safetensors", ".json"))
     info = {"kind": kind, "name": source.name, "files": {p.name: sha256_file(p) for p in files}}
     if kind == "gguf":  # each matrix's ggml type and size: --quantization gguf keeps each at about its bits
-        from flared.frontend.gguf_metadata import GGUFFile
+        from flared.frontend.gguf_metadata import matrix_types
 
-        info["tensor_types"] = {t.name: [t.tensor_type.name, int(t.n_elements)] for t in GGUFFile(source).tensors
-                                if len(t.shape) >= 2}
+        info["tensor_types"] = matrix_types(source)
     return info
 
 

@@ -147,21 +147,20 @@ def gguf_quantization(path: str | os.PathLike) -> tuple[str | None, str]:
     """The quantization (flared's "q4_1", "q8_0", or None) that keeps most of a GGUF's layer weights at about the
     bits the file holds them in, and a word on what those are ("Q4_K 86%, Q6_K 14%"): by the weights in each type
     (IQ types count as 4 bits; F16, BF16 and F32 as none). quant.gguf_plan keeps each matrix at its own."""
-    from flared.frontend.gguf_metadata import GGUFFile
-    from flared.model.quant import gguf_type_format
+    from flared.frontend.gguf_metadata import matrix_types
+    from flared.model.quant import gguf_plan
 
+    types = matrix_types(path)
     counts: dict[str, int] = {}
-    for t in GGUFFile(path).tensors:
-        if t.name.startswith("blk.") and len(t.shape) >= 2:
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + t.n_elements
+    for name, (type_name, n) in types.items():
+        if name.startswith("blk."):
+            counts[type_name] = counts.get(type_name, 0) + n
     total = sum(counts.values())
     if not total:
         return None, "no layer matrices"
     words = ", ".join(f"{name} {n / total:.0%}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    by_format = {"q4_1": 0, "q8_0": 0, None: 0}
-    for name, n in counts.items():
-        by_format[gguf_type_format(name)] += n
-    return max(by_format, key=lambda fmt: by_format[fmt]), words
+    plan = gguf_plan(types)  # (its default: the format most of the layer weights are in)
+    return (plan.default if plan is not None else None), words
 
 
 def kept_gguf_quantization(core: str | os.PathLike | None) -> tuple[str | None, str]:

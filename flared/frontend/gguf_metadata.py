@@ -201,3 +201,9 @@ class GGUFFile:
                 rows = shape[:-1] + (shape[-1] // block * type_size,)
                 t.data = self._map[t.data_offset:t.data_offset + t.n_bytes].reshape(rows)
             self.tensors.append(t)
+
+
+def matrix_types(path: str | os.PathLike) -> dict[str, list]:
+    """Each matrix of a GGUF file (two or more dimensions) by name: [its ggml type's name, its values]. A core
+    exported from the file records these (manifest ``source.tensor_types``); quant.gguf_plan reads them."""
+    return {t.name: [t.tensor_type.name, int(t.n_elements)] for t in GGUFFile(path).tensors if len(t.shape) >= 2}

@@ -64,7 +64,8 @@ _FOUR_BITS = {"Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "TQ1_0", "TQ2_0", "MXFP4",
 # attention's, the MLP's, a mixture's routed experts (one format for the layer's stack) and its shared expert
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v", "attn_qkv"), "o": ("attn_output",),
                "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",),
-               "experts.gate_up": ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"), "experts.down": ("ffn_down_exps",),
+               "experts.gate_up": ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"),
+               "experts.down": ("ffn_down_exps",),
                "shared.gate_up": ("ffn_gate_shexp", "ffn_up_shexp"), "shared.down": ("ffn_down_shexp",)}
 _BITS = {"q4_1": 0, "q8_0": 1, None: 2}  # (a matrix made of several types takes the most bits among them)
 
