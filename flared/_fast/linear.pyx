@@ -55,7 +55,8 @@ cdef extern from "qlinear_kernel.h" nogil:
     void fl_quant_groups_avx2(int kind, const void *q, const void *s, const void *m, const void *xq, const float *xs,
                               const float *xsum, uint16_t *y, int64_t ldy, int rows, int out, int inp, int g0, int g1)
     int fl_quantiser_supported()
-    int fl_quantise_group(int kind, const uint16_t *w, int out, int inp, int g, void *q, void *s, void *m)
+    int fl_quantise_group(int kind, const uint16_t *w, int out, int inp, int g, void *q, void *s, void *m,
+                          int grids)
 
 # The kernel this CPU (and build) runs: "avx512_bf16", "avx2" or None (then bf16_linear must not be called).
 # FLARED_AVX512=0 takes the AVX2 kernels on a CPU that has AVX-512 BF16 too (the tests of the AVX2 paths, the A/B).
@@ -335,12 +336,13 @@ QUANTISER = bool(fl_quantiser_supported())
 
 
 def quantise_weight(str fmt, uintptr_t w_ptr, uintptr_t q_ptr, uintptr_t scales_ptr, uintptr_t offsets_ptr,
-                    int out_features, int in_features, int threads=1):
+                    int out_features, int in_features, int threads=1, bint grids=False):
     """A bf16 weight [out_features, in_features] (row-major) quantised straight into the kernels' layout
     (quant.py's quantize_packed, bit for bit, in one pass a group; qlinear_kernel.h's fl_quantise_group): "q8_0"
     into q int8 [groups, in / 2, 64, 2] and scales float32 [groups, in / 32, 64]; "q4_1" into q uint8
-    [groups, in / 4, 128], which must come zeroed, with steps and offsets float16 [groups, in / 32, 64]. Returns
-    False if a Q4_1 step or offset fell past float16's range (the caller raises), else True."""
+    [groups, in / 4, 128], which must come zeroed, with steps and offsets float16 [groups, in / 32, 64]; with
+    ``grids``, each Q4_1 block tries the grids of 13 down to 1 steps too (quant.quantize_q4_1). Returns False if a
+    Q4_1 step or offset fell past float16's range (the caller raises), else True."""
     if not QUANTISER:
         raise RuntimeError("quantise_weight: this CPU lacks AVX2 with F16C (check QUANTISER first)")
     if fmt not in ("q8_0", "q4_1"):
@@ -360,7 +362,7 @@ def quantise_weight(str fmt, uintptr_t w_ptr, uintptr_t q_ptr, uintptr_t scales_
     if threads < 1:
         threads = 1
     for g in prange(groups, nogil=True, num_threads=threads, schedule="static"):
-        overflow |= fl_quantise_group(kind, w, out_features, in_features, g, q, sc, mn)
+        overflow |= fl_quantise_group(kind, w, out_features, in_features, g, q, sc, mn, grids)
     return not overflow
 
 

@@ -633,7 +633,8 @@ __attribute__((target("avx2,f16c"))) static inline float fl_q4_place(const __m25
 }
 
 __attribute__((target("avx2,f16c"), unused)) static int fl_quantise_group(int kind, const uint16_t *w, int out,
-                                                                          int in, int g, void *q, void *s, void *m) {
+                                                                          int in, int g, void *q, void *s, void *m,
+                                                                          int grids) {
     const int blocks = in / FL_Q8_BLOCK;
     int overflow = 0;
     for (int b = 0; b < blocks; b++) {
@@ -670,22 +671,28 @@ __attribute__((target("avx2,f16c"), unused)) static int fl_quantise_group(int ki
             } else {
                 const float low = fl_hmin8(_mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3])));
                 const float high = fl_hmax8(_mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3])));
-                /* Two grids from the least value: the range in 15 steps, and in 14 (a Q4_K block often spans 14 of
-                 * its steps, as llama.cpp's search sets them: on its own grid its values come back as they were);
-                 * the 14-step grid where it lies nearer the values by more than 1/1024 (quant.quantize_q4_1) */
+                /* Grids from the least value: the range in 15 steps, then in 14 (a Q4_K block often spans 14 of
+                 * its steps, as llama.cpp's search sets them: on its own grid its values come back as they were)
+                 * and, with ``grids`` (values known to lie on integer grids: a GPTQ, AWQ or compressed-tensors
+                 * checkpoint's), in 13 down to 1, until a block is on one: each grid where it lies nearer the
+                 * values by more than 1/1024 than the nearest before (quant.quantize_q4_1) */
                 unsigned short step_h = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
                 const unsigned short offset_h = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
                 if ((step_h & 0x7C00) == 0x7C00 || (offset_h & 0x7C00) == 0x7C00) overflow = 1;
                 const float offset = _cvtsh_ss(offset_h);
-                const float on_15 = fl_q4_place(v, step_h, offset, qi);
-                const unsigned short step14_h = _cvtss_sh((high - low) / 14.0f, _MM_FROUND_TO_NEAREST_INT);
-                /* (a block on its 15-step grid, but for bf16's rounding of its values, needs no other: a Q4_1
-                 * GGUF's, most of a Q4_K's; off it, the distance is some hundredth of the range squared) */
-                if (on_15 > (high - low) * (high - low) * (1.0f / 4096.0f) && (step14_h & 0x7C00) != 0x7C00) {
-                    __m256i q14[4];
-                    if (fl_q4_place(v, step14_h, offset, q14) < on_15 * (1.0f - 1.0f / 1024.0f)) {
-                        step_h = step14_h;
-                        for (int i = 0; i < 4; i++) qi[i] = q14[i];
+                float best = fl_q4_place(v, step_h, offset, qi);
+                /* (a block on a grid, but for bf16's rounding of its values, needs no other: a Q4_1 GGUF's, most of
+                 * a Q4_K's; off it, the distance is some hundredth of the range squared) */
+                const float on_grid = (high - low) * (high - low) * (1.0f / 4096.0f);
+                for (int k = 14; k >= (grids ? 1 : 14) && best > on_grid; k--) {
+                    const unsigned short step_k = _cvtss_sh((high - low) / (float)k, _MM_FROUND_TO_NEAREST_INT);
+                    if ((step_k & 0x7C00) == 0x7C00) continue;
+                    __m256i qk[4];
+                    const float d = fl_q4_place(v, step_k, offset, qk);
+                    if (d < best * (1.0f - 1.0f / 1024.0f)) {
+                        best = d;
+                        step_h = step_k;
+                        for (int i = 0; i < 4; i++) qi[i] = qk[i];
                     }
                 }
                 ((uint16_t *)s)[param] = step_h;
@@ -742,8 +749,9 @@ static void fl_quant_groups_avx2(int kind, const void *q, const void *s, const v
     (void)out; (void)in; (void)g0; (void)g1;
 }
 static int fl_quantiser_supported(void) { return 0; }
-static int fl_quantise_group(int kind, const uint16_t *w, int out, int in, int g, void *q, void *s, void *m) {
-    (void)kind; (void)w; (void)out; (void)in; (void)g; (void)q; (void)s; (void)m;
+static int fl_quantise_group(int kind, const uint16_t *w, int out, int in, int g, void *q, void *s, void *m,
+                             int grids) {
+    (void)kind; (void)w; (void)out; (void)in; (void)g; (void)q; (void)s; (void)m; (void)grids;
     return 0;
 }
 

@@ -121,7 +121,8 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
               default=None,
               help="Keep a bfloat16 core's weights as q8_0 (int8 in blocks of 32), q4_1 (4 bits in blocks of 32; "
                    "docs/model.md) or gguf (each layer matrix at about the bits of its GGUF tensors), or none "
-                   "(default: as the core is; a GGUF file on the CPU, as gguf).")
+                   "(default: as the core is; a GGUF file on the CPU, as gguf; a quantised checkpoint on the CPU, "
+                   "q4_1 or q8_0 by its bits).")
 def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization,
              context, concurrency, kv_cache_mib):
     """One-shot local generation on CORE (a core directory, 'default', a GGUF file or a Hugging Face checkpoint
@@ -141,10 +142,11 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
                 raise click.UsageError("--messages must be a JSON list of message objects")
         t0 = time.monotonic()
         quantization = quantization.lower() if quantization else None
-        if quantization is None:  # (a GGUF file on the CPU: at about its bits, as `flared run` serves it)
-            from flared.core.sources import kept_gguf_quantization
+        if quantization is None:  # (a GGUF file or quantised checkpoint on the CPU: at about its bits, as `flared
+            # run` serves it)
+            from flared.core.sources import kept_quantization
 
-            quantization, words = kept_gguf_quantization(core)
+            quantization, words = kept_quantization(core)
             if quantization is not None:
                 click.echo(f"{core} holds its layers' weights as {words}: each run at about its bits (-q none: "
                            f"float32)", err=True)

@@ -43,7 +43,8 @@ _quantization_option = click.option(
          "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
          "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
          "5 to 8 bits (Q5_K, Q6_K, Q8_0) as q8_0, 4 and fewer as q4_1) or none (default: as the core is; a GGUF "
-         "served directly on the CPU, as gguf).")
+         "served directly on the CPU, as gguf; a GPTQ, AWQ, compressed-tensors or fp8 checkpoint directory served "
+         "directly on the CPU, q4_1 at 4 bits and fewer, q8_0 at 8).")
 
 
 def _quantization_override(quantization: str | None) -> dict:
@@ -250,27 +251,28 @@ def _image_limit(text: str) -> int:
 def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict, config,
                   quantization: str | None):
     """CORE's core (``_core_path``) and the config to serve it with: a GGUF file or checkpoint served directly is
-    also known by the path given (as vLLM and llama.cpp's server name it), and a GGUF's weights stay at about its
-    bits on the CPU (``_as_the_gguf_keeps_them``)."""
+    also known by the path given (as vLLM and llama.cpp's server name it), and a GGUF's or a quantised checkpoint's
+    weights stay at about their bits on the CPU (``_as_the_source_keeps_them``)."""
     from flared.core.sources import served_source_name
 
     core_path = _core_path(core, cache_dir, dtype, capacities)
     if served_source_name(core):
         config = dataclasses.replace(config, served_names=(*config.served_names, *served_source_name(core)))
-    return core_path, _as_the_gguf_keeps_them(config, core, core_path, quantization)
+    return core_path, _as_the_source_keeps_them(config, core, core_path, quantization)
 
 
-def _as_the_gguf_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
+def _as_the_source_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
     """A GGUF served directly on the CPU keeps its weights at about the bits the file holds them in, as llama.cpp's
-    server does (--quantization gguf: a Q4_K_M file's Q4_K matrices as q4_1, its Q6_K ones as q8_0), where neither
+    server does (--quantization gguf: a Q4_K_M file's Q4_K matrices as q4_1, its Q6_K ones as q8_0), and so does a
+    GPTQ, AWQ, compressed-tensors or fp8 checkpoint directory (4-bit ones as q4_1, 8-bit as q8_0), where neither
     -q nor the config says otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports
     float32). On a GPU the graphs take bf16 weights: nothing changes."""
     if quantization is not None or config.quantization is not None:
         return config
     from flared.core.manifest import read_manifest
-    from flared.core.sources import kept_gguf_quantization
+    from flared.core.sources import kept_quantization
 
-    fmt, words = kept_gguf_quantization(core)
+    fmt, words = kept_quantization(core)
     if fmt is None or read_manifest(core_path).dtype != "bfloat16":
         return config
     log.info("%s holds its layers' weights as %s: each served at about its bits on the CPU (-q %s; -q none: "

@@ -157,6 +157,8 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         files.append("chat_template.jinja")
 
     source_info = _source_info(source, src.source_kind)
+    if src.quantization is not None:  # (a GPTQ, AWQ, compressed-tensors or fp8 checkpoint, dequantised at read)
+        source_info["quantization"] = src.quantization.describe()
     identity = hashlib.sha256(json.dumps([source_info, options.dtype, caps.page_tokens], sort_keys=True).encode())
     slug = _slug(source.stem if source.is_file() else source.name)
     checkpoint_id = f"{slug}-{identity.hexdigest()[:12]}"

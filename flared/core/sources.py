@@ -163,12 +163,33 @@ def gguf_quantization(path: str | os.PathLike) -> tuple[str | None, str]:
     return (plan.default if plan is not None else None), words
 
 
-def kept_gguf_quantization(core: str | os.PathLike | None) -> tuple[str | None, str]:
+def checkpoint_quantization(directory: str | os.PathLike) -> tuple[str | None, str]:
+    """The quantization ("q4_1", "q8_0") that keeps a quantised checkpoint directory's matrices at about the bits
+    it holds them in (GPTQ, AWQ or compressed-tensors at 4 bits or fewer: q4_1; at 8, or fp8: q8_0; several widths:
+    the most of them), and a word on what they are ("gptq 4-bit in groups of 128"); (None, "") for a plain
+    checkpoint, or one the loader will refuse (it says why)."""
+    from flared.model.checkpoint_quant import parse
+
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+        quant = parse(config.get("quantization_config") or config.get("text_config", {}).get("quantization_config"),
+                      str(directory))
+    except (OSError, ValueError, AttributeError, CoreError):
+        return None, ""
+    if quant is None:
+        return None, ""
+    bits = quant.bits or max(quant.settings.get("widths") or [8])
+    words = f"{quant.method} {bits}-bit" + (f" in groups of {quant.group_size}" if quant.group_size else "")
+    return ("q4_1" if bits <= 4 else "q8_0"), words
+
+
+def kept_quantization(core: str | os.PathLike | None) -> tuple[str | None, str]:
     """("gguf" and gguf_quantization's words) where ``core`` is a GGUF file whose weights this machine keeps at
-    about the file's bits, each layer matrix at its own (quant.gguf_plan): its model runs on the CPU (no CUDA
-    backend here) with the quantised kernels, and the file holds most of its layer weights quantised. Else
-    (None, "")."""
-    if core is None or str(core) == "default" or source_kind(core) != "gguf":
+    about the file's bits, each layer matrix at its own (quant.gguf_plan), and checkpoint_quantization's format and
+    words where it is a quantised checkpoint directory: its model runs on the CPU (no CUDA backend here) with the
+    quantised kernels, and the source holds most of its layer weights quantised. Else (None, "")."""
+    kind = source_kind(core) if core is not None and str(core) != "default" else None
+    if kind is None:
         return None, ""
     import torch
 
@@ -180,6 +201,8 @@ def kept_gguf_quantization(core: str | os.PathLike | None) -> tuple[str | None, 
         return None, ""
     if not (BF16_SUPPORTED and QUANTISER) or cuda_backend_available(torch.bfloat16):
         return None, ""
+    if kind == "hf":
+        return checkpoint_quantization(core)
     fmt, words = gguf_quantization(core)
     return ("gguf" if fmt is not None else None), words
 

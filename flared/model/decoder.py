@@ -260,15 +260,17 @@ class _Linear:
                  "quant_offsets", "quant_kind")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None = None,
-                 arena: "_Arena | None" = None):
-        """``arena``: where the packed or quantised weight is written (DecoderModel's, in huge pages)."""
+                 arena: "_Arena | None" = None, grids: bool = False):
+        """``arena``: where the packed or quantised weight is written (DecoderModel's, in huge pages); ``grids``: the
+        weight's values lie on integer grids (quant.quantize_q4_1's)."""
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
         self.packed = self.quant = self.quant_scales = self.quant_offsets = self.quant_kind = None
         if quantization is not None and quantisable(weight):
             self.quant, self.quant_scales, self.quant_offsets = (
-                *quantize_packed(quantization, weight, empty=arena.empty if arena is not None else None), None)[:3]
+                *quantize_packed(quantization, weight, empty=arena.empty if arena is not None else None,
+                                 grids=grids), None)[:3]
             self.quant_kind = quantization
             weight = None
         elif BF16_SUPPORTED and weight.dtype == torch.bfloat16 and on_cpu and self.in_features % 2 == 0:
@@ -405,8 +407,10 @@ class DecoderModel:
 
         arena = _Arena() if self.device.type == "cpu" else None
 
+        grids = plan is not None and plan.grids
+
         def lin(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
-            return _Linear(weight, bias, self.quantization, arena)
+            return _Linear(weight, bias, self.quantization, arena, grids)
 
         def w(name: str) -> torch.Tensor:
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
@@ -422,7 +426,7 @@ class DecoderModel:
             """A layer's product by its serving name (p + key + ".weight", its bias if it has one and ``bias``), in
             its format."""
             name = p + key + ".weight"
-            return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena)
+            return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena, grids)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
         # once (ModelConfig.float_norms)
@@ -582,8 +586,10 @@ class DecoderModel:
                     layer.expert_biases = (w(p + "experts.gate_up.bias"), w(p + "experts.down.bias"))
                 biases = layer.expert_biases or (None, None)
                 formats = fmt_of(p + "experts.gate_up.weight"), fmt_of(p + "experts.down.weight")
-                layer.experts = [(_Linear(gate_up[e], None if biases[0] is None else biases[0][e], formats[0], arena),
-                                  _Linear(down[e], None if biases[1] is None else biases[1][e], formats[1], arena))
+                layer.experts = [(_Linear(gate_up[e], None if biases[0] is None else biases[0][e], formats[0], arena,
+                                          grids),
+                                  _Linear(down[e], None if biases[1] is None else biases[1][e], formats[1], arena,
+                                          grids))
                                  for e in range(config.num_experts)]
                 if layer.experts[0][0].packed is None and layer.experts[0][0].quant is None:
                     # (the experts' weights are views of these: no copy)

@@ -53,6 +53,9 @@ import numpy as np
 import torch
 
 from flared.errors import CoreError, ErrorKind
+from flared.model.checkpoint_quant import CheckpointQuantization
+from flared.model.checkpoint_quant import dequantize as dequantize_checkpoint
+from flared.model.checkpoint_quant import parse as parse_checkpoint_quantization
 from flared.model.config import ModelConfig, alibi_slopes, from_hf_config, yarn_parameters
 from flared.model.vision import VisionConfig
 
@@ -70,6 +73,8 @@ class SourceModel:
     # A vision-language checkpoint's image tower (flared.model.vision): its config and serving-layout tensors.
     vision: VisionConfig | None = None
     vision_tensors: dict[str, torch.Tensor] | None = None
+    # A quantised checkpoint's quantization_config (flared.model.checkpoint_quant): its matrices are dequantised here.
+    quantization: CheckpointQuantization | None = None
 
 
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -314,12 +319,11 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     quantization = hf_config.get("quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     fp8_block = quantization.get("weight_block_size") if method == "fp8" else None
-    if method not in (None, "mxfp4", "fp8") or (method == "fp8" and not (
-            isinstance(fp8_block, list) and len(fp8_block) == 2 and all(isinstance(b, int) and b > 0
-                                                                        for b in fp8_block))):
-        raise CoreError(f"{config_path}: quantization_config {method!r}"
-                        f"{' without a weight_block_size' if method == 'fp8' else ''} is not supported (read: "
-                        "block-scaled fp8, gpt-oss' mxfp4, or an unquantized checkpoint)", ErrorKind.UNSUPPORTED_MODEL)
+    if fp8_block is not None and not (isinstance(fp8_block, list) and len(fp8_block) == 2 and all(
+            isinstance(b, int) and b > 0 for b in fp8_block)):
+        raise CoreError(f"{config_path}: quantization_config fp8's weight_block_size {fp8_block!r} is not two "
+                        "positive integers", ErrorKind.SOURCE_FORMAT)
+    checkpoint_quant = parse_checkpoint_quantization(quantization, str(config_path))  # (GPTQ, AWQ, ...)
     vision = vision_from_hf(hf_config, source=str(config_path))
     # Gemma 3's vision-language checkpoints (4B and up) serve as their text model: its tower is not read yet
     text_of_multimodal = _TEXT_OF_MULTIMODAL.get(hf_config.get("model_type"))
@@ -350,6 +354,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         hf_tensors.update(_load_safetensors_file(directory / name))
     if fp8_block is not None:
         _dequantize_fp8_blocks(hf_tensors, tuple(fp8_block), dtype or torch.float32, source=str(directory))
+    if checkpoint_quant is not None:
+        dequantize_checkpoint(hf_tensors, checkpoint_quant, dtype or torch.float32, source=str(directory))
     vision_tensors = None
     if vision is not None or text_of_multimodal:
         if vision is not None:
@@ -370,7 +376,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
             config = dataclasses.replace(config, tie_word_embeddings=True)
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory), hf_config=hf_config)
     check_serving_tensors(tensors, config, source=str(directory))
-    return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors)
+    return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors,
+                       quantization=checkpoint_quant)
 
 
 def _with_weightless_norms(hf: dict[str, torch.Tensor], config: ModelConfig, *, qk: bool = False) -> dict:

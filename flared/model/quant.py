@@ -77,6 +77,10 @@ def gguf_type_format(type_name: str) -> str | None:
     return "q4_1" if type_name in _FOUR_BITS or type_name.startswith("IQ") else None
 
 
+# Checkpoint quantizations (flared/model/checkpoint_quant.py) whose values are integers times a scale, less a zero
+INTEGER_GRID_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
 @dataclass(frozen=True)
 class QuantPlan:
     """Each layer matrix's format: ``matrices`` by serving tensor name ("layers.3.down.weight": "q8_0", or None:
@@ -84,14 +88,15 @@ class QuantPlan:
     matrices). The LM head takes HEAD_QUANTIZATION's format of the default, as with one format."""
     default: str
     matrices: dict[str, str | None] = field(default_factory=dict)
+    grids: bool = False  # (the values lie on integer grids: Q4_1 blocks search them, quantize_q4_1's ``grids``)
 
     def format_of(self, name: str | None) -> str | None:
         return self.matrices.get(name, self.default) if name is not None else self.default
 
     def digest(self) -> str:
         """What a cached prefix's keys and values depend on (they come from these weights)."""
-        return hashlib.sha256(json.dumps([self.default, sorted(self.matrices.items(), key=lambda kv: kv[0])],
-                                         default=str).encode()).hexdigest()[:16]
+        parts = [self.default, sorted(self.matrices.items(), key=lambda kv: kv[0])] + (["grids"] if self.grids else [])
+        return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
 def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
@@ -126,9 +131,15 @@ def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
 def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | None":
     """--quantization as DecoderModel takes it: "gguf" becomes the core's plan (gguf_plan over the tensor types its
     manifest's ``source`` records; None where the file's layers are mostly 16-bit), a ValueError where the core
-    records none; other names as check_quantization says."""
+    records none; q4_1 of a core whose checkpoint held integer grids (GPTQ, AWQ, compressed-tensors: manifest
+    ``source.quantization``) a plan whose blocks search them (QuantPlan.grids); other names as check_quantization
+    says."""
     if name != GGUF:
-        return check_quantization(name)
+        name = check_quantization(name)
+        recorded = source.get("quantization") if isinstance(source.get("quantization"), dict) else {}
+        if name == "q4_1" and recorded.get("method") in INTEGER_GRID_METHODS:
+            return QuantPlan(name, grids=True)
+        return name
     types = source.get("tensor_types") if source.get("kind") == "gguf" else None
     if not types:
         raise ValueError("gguf keeps each layer matrix at about its bits in the GGUF file the core was exported "
@@ -194,7 +205,7 @@ def q8_0_rows(packed: torch.Tensor, packed_scales: torch.Tensor, rows: list[int]
 
 
 
-def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_q4_1(weight: torch.Tensor, grids: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [out, in] (in a multiple of 32) -> (q uint8 [out, in] in 0..15, steps float16 [out, in / 32], offsets
     float16 [out, in / 32]): each block's offset is its least value and its step its range / 15 or, where that grid
     lies nearer the block's values by more than 1/1024 of the squared distance, its range / 14 (both rounded to
@@ -203,7 +214,13 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     The 14-step grid is a k-quant's: llama.cpp's Q4_K search often sets a block's step so that its values span 14
     of them, and a GGUF's Q4_K weights then come back on it as they were, where the 15-step grid moved a block's
     values by up to half a step (on Gaussian weights quantised by llama.cpp's Q4_K algorithm, 0.84e-3 RMS from
-    themselves against 0.06e-3; docs/benchmarks.md). On other weights it lowers the error a few percent."""
+    themselves against 0.06e-3; docs/benchmarks.md). On other weights it lowers the error a few percent.
+
+    With ``grids`` (values known to lie on integer grids, as a GPTQ, AWQ or compressed-tensors checkpoint's 4-bit
+    values do: a scale times 0..15 less a zero point, in groups of 32 inputs or more), a block off the 15- and
+    14-step grids tries the range in 13 steps down to 1, in turn, each taken where it lies nearer than the nearest
+    before by more than 1/1024, until the block is on one: a block whose values span k steps of its group's scale
+    then comes back as it was, where the 15-step grid moved its values by up to half a step."""
     out_features, in_features = weight.shape
     if in_features % Q8_BLOCK:
         raise ValueError(f"Q4_1 needs a multiple of {Q8_BLOCK} inputs, got {in_features}")
@@ -212,15 +229,22 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     steps, offsets = ((high - low) / 15.0).to(torch.float16), low.to(torch.float16)
     if not (torch.isfinite(steps).all() and torch.isfinite(offsets).all()):
         raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
-    q, distance = _place_q4_1(blocks, steps, offsets)
-    steps14 = ((high - low) / 14.0).to(torch.float16)
-    q14, distance14 = _place_q4_1(blocks, steps14, offsets)
-    # (as fl_quantise_group chooses, in float32: a block on its 15-step grid but for bf16's rounding takes it)
+    q, best = _place_q4_1(blocks, steps, offsets)
+    # (as fl_quantise_group chooses, in float32: a block on a grid but for bf16's rounding takes it)
     span = high - low
-    nearer = torch.isfinite(steps14) & (distance > span * span * (1.0 / 4096)) & (
-        distance14 < distance * torch.tensor(1.0 - 1.0 / 1024, dtype=torch.float32))
-    q = torch.where(nearer[..., None], q14, q)
-    steps = torch.where(nearer, steps14, steps)
+    on_grid = span * span * (1.0 / 4096)
+    nearer_by = torch.tensor(1.0 - 1.0 / 1024, dtype=torch.float32)
+    searching = best > on_grid
+    for k in range(14, 0 if grids else 13, -1):
+        if not searching.any():
+            break
+        steps_k = ((high - low) / float(k)).to(torch.float16)
+        q_k, distance_k = _place_q4_1(blocks, steps_k, offsets)
+        nearer = searching & torch.isfinite(steps_k) & (distance_k < best * nearer_by)
+        q = torch.where(nearer[..., None], q_k, q)
+        steps = torch.where(nearer, steps_k, steps)
+        best = torch.where(nearer, distance_k, best)
+        searching = searching & (best > on_grid)
     return q.reshape(out_features, in_features), steps.contiguous(), offsets.contiguous()
 
 
@@ -265,16 +289,17 @@ def pack_q4_1(q: torch.Tensor, steps: torch.Tensor, offsets: torch.Tensor
 
 
 def quantize_packed(quantization: str, weight: torch.Tensor, threads: int | None = None,
-                    empty=None) -> tuple[torch.Tensor, ...]:
+                    empty=None, grids: bool = False) -> tuple[torch.Tensor, ...]:
     """``weight`` quantised and laid out for the kernels: pack_q8_0's (values, scales) or pack_q4_1's (values, steps,
-    offsets). A bf16 weight on a CPU with the C quantiser (linear.quantise_weight: the same values, bit for bit, in
-    one pass, 3-8x faster than these torch ops) takes it, over ``threads`` (default: torch's), its tensors made by
-    ``empty(shape, dtype)`` (zeroed; default torch.zeros: decoder._Arena's puts them in huge pages)."""
+    offsets; ``grids``: quantize_q4_1's). A bf16 weight on a CPU with the C quantiser (linear.quantise_weight: the
+    same values, bit for bit, in one pass, 3-8x faster than these torch ops) takes it, over ``threads`` (default:
+    torch's), its tensors made by ``empty(shape, dtype)`` (zeroed; default torch.zeros: decoder._Arena's puts them
+    in huge pages)."""
     if _c_quantiser_takes(weight):
         return _quantize_packed_c(quantization, weight.contiguous(), threads or torch.get_num_threads(),
-                                  empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype)))
+                                  empty or (lambda shape, dtype: torch.zeros(shape, dtype=dtype)), grids)
     if quantization == "q4_1":
-        return pack_q4_1(*quantize_q4_1(weight))
+        return pack_q4_1(*quantize_q4_1(weight, grids))
     return pack_q8_0(*quantize_q8_0(weight))
 
 
@@ -289,7 +314,8 @@ def _c_quantiser_takes(weight: torch.Tensor) -> bool:
     return QUANTISER
 
 
-def _quantize_packed_c(quantization: str, weight: torch.Tensor, threads: int, empty) -> tuple[torch.Tensor, ...]:
+def _quantize_packed_c(quantization: str, weight: torch.Tensor, threads: int, empty,
+                       grids: bool = False) -> tuple[torch.Tensor, ...]:
     from flared._fast.linear import quantise_weight
 
     out_features, in_features = weight.shape
@@ -299,7 +325,7 @@ def _quantize_packed_c(quantization: str, weight: torch.Tensor, threads: int, em
         q = empty((groups, in_features // 4, 128), torch.uint8)  # (zeroed: the halves are OR-ed in)
         steps, offsets = empty(params, torch.float16), empty(params, torch.float16)
         if not quantise_weight("q4_1", weight.data_ptr(), q.data_ptr(), steps.data_ptr(), offsets.data_ptr(),
-                               out_features, in_features, threads):
+                               out_features, in_features, threads, grids):
             raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
         return q, steps, offsets
     q = empty((groups, in_features // 2, GROUP_FEATURES, 2), torch.int8)

@@ -133,9 +133,9 @@ def test_flarectl_generate_runs_a_gguf_at_its_bits_on_the_cpu(default_gguf, tmp_
     import subprocess
     import sys
 
-    from flared.core.sources import kept_gguf_quantization
+    from flared.core.sources import kept_quantization
 
-    fmt, _ = kept_gguf_quantization(default_gguf)
+    fmt, _ = kept_quantization(default_gguf)
     if fmt is None:
         pytest.skip("this machine keeps no GGUF's bits (a GPU, or a CPU without the quantised kernels)")
     run = [sys.executable, "-m", "flared.cli.ctl", "generate", str(default_gguf), "--cache-dir", str(tmp_path),

@@ -1,6 +1,6 @@
 """Block-scaled fp8 checkpoints (the *-FP8 releases of Qwen3, DeepSeek V3, MiniMax-M2, GLM-4.5: float8 matrices with a
 weight_scale_inv per tile, quantization_config quant_method fp8) read dequantized: each tile its float8 values times
-its scale, the same logits as transformers on those values; other quantization methods refused by name."""
+its scale, the same logits as transformers on those values (the other methods: test_checkpoint_quant.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from flared.errors import CoreError, ErrorKind  # noqa: E402
 from flared.model.decoder import DecoderModel  # noqa: E402
 from flared.model.loader import read_source  # noqa: E402
 
@@ -61,14 +60,3 @@ def test_an_fp8_checkpoint_reads_as_its_values(tmp_path):
     narrow = read_source(fp8_dir, dtype=torch.bfloat16)  # (an export to bf16 dequantizes straight to it)
     assert narrow.tensors["layers.0.o.weight"].dtype == torch.bfloat16
     assert torch.equal(narrow.tensors["layers.0.o.weight"], reference.tensors["layers.0.o.weight"].to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("quantization, what", [({"quant_method": "gptq", "bits": 4}, "'gptq'"),
-                                                ({"quant_method": "fp8"}, "without a weight_block_size")])
-def test_other_quantizations_are_refused_by_name(tmp_path, quantization, what):
-    hf_dir = build_hf_checkpoint("qwen3", tmp_path / "hf")
-    config = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
-    with pytest.raises(CoreError, match=what) as info:
-        read_source(hf_dir)
-    assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL

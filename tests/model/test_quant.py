@@ -86,13 +86,16 @@ def test_a_bf16_weight_made_of_q4_1_blocks_quantises_back_to_them():
 @pytest.mark.skipif(not linear.QUANTISER, reason="this CPU lacks AVX2 with F16C: quant.py's torch ops quantise")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out_features, in_features", [(70, 96), (1, 32), (128, 2048), (577, 160)])
-def test_the_c_quantiser_writes_the_torch_quantisers_bytes(fmt, out_features, in_features):
+@pytest.mark.parametrize("grids", [False, True])
+def test_the_c_quantiser_writes_the_torch_quantisers_bytes(fmt, out_features, in_features, grids):
     """quantize_packed's C quantiser (linear.quantise_weight: a bf16 weight straight into the kernels' layout)
     against quant.py's torch ops, byte for byte at any thread count: blocks of very different magnitudes, zero and
-    constant blocks, ties between -0 and +0, values on exact half steps, and ranges so small that Q4_1's float16 step
-    is subnormal."""
+    constant blocks, ties between -0 and +0, values on exact half steps, ranges so small that Q4_1's float16 step
+    is subnormal, and (``grids``: Q4_1 blocks searching 13 to 1 steps too) blocks on integer grids of a few steps."""
     from flared.model import quant
 
+    if grids and fmt != "q4_1":
+        pytest.skip("only Q4_1 searches grids")
     g = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=g) * torch.logspace(-4, 1, in_features)
     w = w.to(torch.bfloat16)
@@ -102,9 +105,12 @@ def test_the_c_quantiser_writes_the_torch_quantisers_bytes(fmt, out_features, in
         w[3, :32] = torch.tensor([-0.0, 0.0] * 16)  # (either zero may be the least)
         w[4, :32] = torch.arange(32) * 2.0 ** -20 + 1e-3  # a range whose float16 step is subnormal
         w[5, :32] = torch.arange(32) - 15.5  # (values on exact halves of the Q8_0 step after scaling)
-    reference = pack_q4_1(*quantize_q4_1(w)) if fmt == "q4_1" else pack_q8_0(*quantize_q8_0(w))
+        levels = torch.randint(0, 16, (out_features, in_features), generator=g)
+        w[6:, :] = ((levels - 8) * 0.0123).to(torch.bfloat16)[6:]  # (a GPTQ-like grid: most blocks span < 15 steps)
+        w[6:, :32] = ((levels[6:, :32] % 9 - 3) * 0.5).to(torch.bfloat16)  # (9 levels: on the 8-step grid)
+    reference = pack_q4_1(*quantize_q4_1(w, grids)) if fmt == "q4_1" else pack_q8_0(*quantize_q8_0(w))
     for threads in (1, 2, 3):
-        got = quant.quantize_packed(fmt, w, threads)
+        got = quant.quantize_packed(fmt, w, threads, grids=grids)
         assert len(got) == len(reference)
         for a, b in zip(got, reference):
             assert a.shape == b.shape and a.dtype == b.dtype
@@ -564,6 +570,34 @@ def test_q4_k_blocks_come_back_on_their_own_grid():
     q, steps, offsets = quantize_q4_1(plain.reshape(64, 1024))
     _, on_kept = _place_q4_1(plain, steps, offsets)
     assert (on_kept <= on15).all() and on_kept.sum() < on15.sum()
+
+
+def test_integer_grids_come_back_as_they_were():
+    """Values on a GPTQ/AWQ-style grid (a scale per 64 inputs times 0..15 less a zero point) quantised to Q4_1 with
+    ``grids`` come back as they were but for bf16's rounding (0.007 of a step RMS), where the 15- and 14-step grids
+    alone moved them by a fifth of a step RMS; on plain weights every block is at least as near."""
+    g = torch.Generator().manual_seed(5)
+    scales = (torch.rand(96, 16, 1, generator=g) * 0.01 + 0.001).half().float()
+    zeros = torch.randint(4, 12, (96, 16, 1), generator=g).float()
+    levels = torch.clamp(torch.round(torch.randn(96, 16, 64, generator=g) * 3 + zeros), 0, 15)
+    values = (scales * (levels - zeros)).reshape(96, 1024).to(torch.bfloat16)
+    step = scales.expand(96, 16, 64).reshape(96, 1024)
+
+    def moved(grids: bool) -> torch.Tensor:
+        back = dequantize_q4_1(*quantize_q4_1(values, grids), torch.float32)
+        return ((back - values.float()).abs() / step).amax(), ((back - values.float()) / step).pow(2).mean().sqrt()
+
+    (worst, rms), (worst_plain, rms_plain) = moved(True), moved(False)
+    # (what is left is bf16's rounding of the values and of the block's ends: under a twentieth of a step)
+    assert worst < 0.06 and rms < 0.01, (worst, rms, worst_plain, rms_plain)
+    assert rms_plain > 0.1 and worst_plain > 0.3, (worst_plain, rms_plain)  # (without the search)
+    plain = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
+    from flared.model.quant import _place_q4_1
+
+    blocks = plain.float().reshape(64, 32, 32)
+    _, searched = _place_q4_1(blocks, *[t for t in quantize_q4_1(plain, True)[1:]])
+    _, first = _place_q4_1(blocks, *[t for t in quantize_q4_1(plain, False)[1:]])
+    assert (searched <= first).all()
 
 
 @needs_kernels

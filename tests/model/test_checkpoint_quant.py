@@ -1,0 +1,325 @@
+"""Quantised Hugging Face checkpoints (GPTQ, AWQ, compressed-tensors, fp8 per tensor or channel) read dequantised:
+each matrix the values its method's kernels multiply by, the same logits as transformers on those values; the
+unsupported layouts refused by name.
+
+The GPTQ and AWQ checkpoints here are packed by this file's own writers, from the layouts AutoGPTQ and AutoAWQ
+write (their packages need CUDA builds); the compressed-tensors ones by compressed-tensors itself, and transformers
+(with compressed-tensors) dequantises them for the reference logits."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flared.errors import CoreError, ErrorKind  # noqa: E402
+from flared.model.checkpoint_quant import AWQ_ORDER  # noqa: E402
+from flared.model.decoder import DecoderModel  # noqa: E402
+from flared.model.loader import read_source  # noqa: E402
+from flared.model.quant import QuantPlan, resolve_quantization  # noqa: E402
+
+from .conftest import build_hf_checkpoint  # noqa: E402
+from flared_testing.checkpoints import hf_last_logits, last_logits  # noqa: E402
+
+PROMPT = torch.randint(3, 512, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def _is_matrix(name: str, weight: torch.Tensor) -> bool:
+    return name.endswith("proj.weight") and weight.dim() == 2  # (embeddings, norms and the LM head stay)
+
+
+def _integer_grid(weight: torch.Tensor, groups: torch.Tensor, n_groups: int, bits: int, symmetric: bool, gen):
+    """Per (output, input group): a scale (float16-exact), a zero point in [1, 2^bits - 1] and the weight rounded
+    onto that grid; returns (q [out, in], scales [out, G], zeros [out, G]) as integers / float32."""
+    out, inp = weight.shape
+    top = (1 << bits) - 1
+    scales = torch.empty(out, n_groups)
+    zeros = torch.empty(out, n_groups, dtype=torch.int64)
+    for g in range(n_groups):
+        cols = weight[:, groups == g]
+        lo, hi = cols.amin(1), cols.amax(1)
+        if symmetric:
+            scale = torch.maximum(lo.abs(), hi.abs()) * 2 / top
+            zero = torch.full((out,), 1 << (bits - 1), dtype=torch.int64)
+        else:
+            scale = (hi - lo) / top
+            zero = torch.clamp(torch.round(-lo / scale), 1, top).to(torch.int64)
+        scales[:, g] = scale.half().float()
+        zeros[:, g] = zero
+    q = torch.clamp(torch.round(weight / scales[:, groups]) + zeros[:, groups], 0, top).to(torch.int64)
+    return q, scales, zeros
+
+
+def _pack_words(values: np.ndarray, bits: int) -> torch.Tensor:
+    """[rows, n] integers -> int32 words [rows, n * bits / 32], each word's values from its low bits up."""
+    per = 32 // bits
+    v = values.astype(np.uint64).reshape(values.shape[0], -1, per)
+    words = np.zeros(v.shape[:2], dtype=np.uint64)
+    for j in range(per):
+        words |= v[:, :, j] << np.uint64(j * bits)
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+
+
+def _quantised_checkpoint(tmp_path, quantize, quantization_config):
+    """(the quantised checkpoint, a plain one of the values it stands for): ``quantize(name, weight)`` gives a
+    matrix's tensors (by suffix after the module name) and its values."""
+    from safetensors.torch import load_file, save_file
+
+    plain = build_hf_checkpoint("qwen3", tmp_path / "plain")
+    tensors = load_file(plain / "model.safetensors")
+    quantised = {}
+    for name, weight in tensors.items():
+        if not _is_matrix(name, weight):
+            quantised[name] = weight
+            continue
+        module = name[:-len("weight")]
+        parts, values = quantize(name, weight)
+        quantised.update({module + k: v for k, v in parts.items()})
+        tensors[name] = values
+    save_file(tensors, plain / "model.safetensors", metadata={"format": "pt"})
+    directory = tmp_path / "quantised"
+    directory.mkdir()
+    config = json.loads((plain / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(quantised, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory, plain
+
+
+def _gptq(bits: int, group: int, *, v1: bool, act_order: bool, symmetric: bool):
+    gen = torch.Generator().manual_seed(bits * 100 + group)
+
+    def quantize(name, weight):
+        out, inp = weight.shape
+        n_groups = inp // group
+        groups = (torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)) // group
+        q, scales, zeros = _integer_grid(weight, groups, n_groups, bits, symmetric, gen)
+        stored_zeros = (zeros - 1 if v1 else zeros) & ((1 << bits) - 1)
+        parts = {"qweight": _pack_words(q.numpy(), bits).t().contiguous(),  # [in * bits / 32, out]: along the inputs
+                 "qzeros": _pack_words(stored_zeros.t().contiguous().numpy(), bits),  # [G, out * bits / 32]
+                 "scales": scales.t().contiguous().half(),
+                 "g_idx": groups.to(torch.int32)}
+        return parts, scales[:, groups] * (q - zeros[:, groups]).float()
+
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": symmetric,
+              "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    return quantize, config
+
+
+@pytest.mark.parametrize("bits, group, v1, act_order, symmetric", [
+    (4, 32, True, False, True),  # (AutoGPTQ's usual release: v1 zeros, groups in order)
+    (4, 32, True, True, True),  # (act-order: each input's group from g_idx)
+    (4, 64, False, False, False),  # (gptq_v2 zeros, asymmetric)
+    (8, 32, True, False, True),
+    (2, 32, False, True, False),
+])
+def test_a_gptq_checkpoint_reads_as_its_values(tmp_path, bits, group, v1, act_order, symmetric):
+    quantize, config = _gptq(bits, group, v1=v1, act_order=act_order, symmetric=symmetric)
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, config)
+    _reads_as(directory, plain)
+
+
+def test_an_awq_checkpoint_reads_as_its_values(tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    reverse = [AWQ_ORDER.index(k) for k in range(8)]
+
+    def pack_awq(values: torch.Tensor) -> torch.Tensor:  # [rows, out] -> [rows, out / 8], AutoAWQ's nibble order
+        v = values.numpy().reshape(values.shape[0], -1, 8)
+        return _pack_words(v[:, :, list(AWQ_ORDER)].reshape(values.shape[0], -1), 4)
+
+    def quantize(name, weight):
+        out, inp = weight.shape
+        groups = torch.arange(inp) // 32
+        q, scales, zeros = _integer_grid(weight, groups, inp // 32, 4, False, gen)
+        parts = {"qweight": pack_awq(q.t().contiguous()), "qzeros": pack_awq(zeros.t().contiguous()),
+                 "scales": scales.t().contiguous().half()}
+        return parts, scales[:, groups] * (q - zeros[:, groups]).float()
+
+    assert reverse == [0, 4, 1, 5, 2, 6, 3, 7]  # (the order AutoAWQ's unpacking restores)
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, {"quant_method": "awq", "bits": 4,
+                                                                   "group_size": 32, "zero_point": True,
+                                                                   "version": "gemm"})
+    _reads_as(directory, plain)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_an_fp8_checkpoint_per_tensor_or_channel_reads_as_its_values(tmp_path, per_channel):
+    def quantize(name, weight):
+        scale = (weight.abs().amax(1, keepdim=True) if per_channel else weight.abs().amax().reshape(1)) / 448.0
+        fp8 = (weight / scale).to(torch.float8_e4m3fn)
+        return {"weight": fp8, "weight_scale": scale, "input_scale": torch.ones(1)}, fp8.float() * scale
+
+    method = "fbgemm_fp8" if per_channel else "fp8"
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, {"quant_method": method,
+                                                                   "activation_scheme": "static"})
+    _reads_as(directory, plain)
+
+
+def _reads_as(directory, plain):
+    ours, reference = read_source(directory), read_source(plain)
+    assert ours.tensors.keys() == reference.tensors.keys()
+    for name, value in reference.tensors.items():
+        assert torch.equal(ours.tensors[name].float(), value.float()), name
+    logits = last_logits(DecoderModel(ours.config, ours.tensors), PROMPT)
+    assert (logits - hf_last_logits(plain, PROMPT)).abs().max().item() < 1e-4
+    narrow = read_source(directory, dtype=torch.bfloat16)  # (an export to bf16 dequantises straight to it)
+    assert torch.equal(narrow.tensors["layers.1.down.weight"],
+                       reference.tensors["layers.1.down.weight"].to(torch.bfloat16))
+    assert ours.quantization is not None
+
+
+# ---- compressed-tensors: packed by the library itself, dequantised by transformers for the reference
+
+
+def _compressed_checkpoint(tmp_path, *, bits: int, kind: str, strategy: str, symmetric: bool, fmt: str):
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(11)
+    group = 32
+
+    def quantize(name, weight):
+        out, inp = weight.shape
+        if kind == "float":
+            scale = weight.abs().amax(1, keepdim=True) / 448.0
+            fp8 = (weight / scale).to(torch.float8_e4m3fn)
+            return {"weight": fp8, "weight_scale": scale}, fp8.float() * scale
+        n_groups = inp // group if strategy == "group" else 1
+        groups = torch.arange(inp) // group if strategy == "group" else torch.zeros(inp, dtype=torch.int64)
+        q, scales, zeros = _integer_grid(weight, groups, n_groups, bits, symmetric, gen)
+        offset = 1 << (bits - 1)  # (compressed-tensors keeps integers signed, about 0)
+        q, zeros = q - offset, zeros - offset
+        parts = {"weight_scale": scales}
+        if fmt == "pack-quantized":
+            parts["weight_packed"] = pack_to_int32(q.to(torch.int8), bits)
+            parts["weight_shape"] = torch.tensor([out, inp])
+            if not symmetric:
+                parts["weight_zero_point"] = pack_to_int32(zeros.to(torch.int8), bits, packed_dim=0)
+        else:
+            parts["weight"] = q.to(torch.int8)
+            if not symmetric:
+                parts["weight_zero_point"] = zeros.to(torch.int8)
+        values = scales[:, groups] * (q - zeros[:, groups]).float()
+        return parts, values
+
+    weights = {"num_bits": bits, "type": kind, "symmetric": symmetric, "strategy": strategy}
+    if strategy == "group":
+        weights["group_size"] = group
+    config = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                            "output_activations": None}},
+              "ignore": ["lm_head"], "version": ct.__version__}
+    return _quantised_checkpoint(tmp_path, quantize, config)
+
+
+@pytest.mark.parametrize("bits, kind, strategy, symmetric, fmt", [
+    (4, "int", "group", True, "pack-quantized"),  # (W4A16, llm-compressor's default scheme)
+    (4, "int", "group", False, "pack-quantized"),  # (asymmetric: zero points packed along the outputs)
+    (8, "int", "channel", True, "pack-quantized"),  # (W8A16)
+    (8, "int", "channel", True, "int-quantized"),  # (W8A8's weights)
+    (8, "float", "channel", True, "float-quantized"),  # (FP8 dynamic)
+])
+def test_a_compressed_tensors_checkpoint_reads_as_transformers_dequantises_it(tmp_path, bits, kind, strategy,
+                                                                            symmetric, fmt):
+    directory, plain = _compressed_checkpoint(tmp_path, bits=bits, kind=kind, strategy=strategy,
+                                              symmetric=symmetric, fmt=fmt)
+    _reads_as(directory, plain)
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                              quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    ours = read_source(directory)
+    q, k, v = ours.tensors["layers.0.qkv.weight"].split([128, 64, 64])
+    assert torch.equal(q, hf.model.layers[0].self_attn.q_proj.weight.detach().float())
+    assert torch.equal(v, hf.model.layers[0].self_attn.v_proj.weight.detach().float())
+    with torch.no_grad():
+        theirs = hf(torch.tensor([PROMPT])).logits[0, -1]
+    assert (last_logits(DecoderModel(ours.config, ours.tensors), PROMPT) - theirs).abs().max().item() < 1e-4
+
+
+def test_an_exported_core_records_the_checkpoint_quantization(tmp_path):
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared_testing.served import write_char_tokenizer
+
+    quantize, config = _gptq(4, 32, v1=True, act_order=False, symmetric=True)
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, config)
+    write_char_tokenizer(directory, 512)
+    export_core(directory, tmp_path / "core", ExportOptions(concurrency=2, context_tokens=256,
+                                                            prefill_chunk_tokens=128))
+    core = open_core(tmp_path / "core")
+    assert core.manifest.source["quantization"] == {"method": "gptq", "bits": 4, "group_size": 32}
+    # (q4_1 of such a core searches each block's grid: QuantPlan.grids; q8_0 and other cores as before)
+    assert resolve_quantization("q4_1", core.manifest.source) == QuantPlan("q4_1", grids=True)
+    assert resolve_quantization("q8_0", core.manifest.source) == "q8_0"
+    assert resolve_quantization("q4_1", {"kind": "hf"}) == "q4_1"
+    assert torch.equal(core.load_tensors()["layers.0.o.weight"].float(),
+                       read_source(plain).tensors["layers.0.o.weight"].float())
+
+
+@pytest.mark.parametrize("quantization, what, kind", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported",
+     ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ at 3 bits", ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'",
+     ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'", ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}, "format 'nvfp4-pack-quantized'",
+     ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size", ErrorKind.SOURCE_FORMAT),
+])
+def test_other_quantizations_are_refused_by_name(tmp_path, quantization, what, kind):
+    hf_dir = build_hf_checkpoint("qwen3", tmp_path / "hf")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(CoreError, match=what) as info:
+        read_source(hf_dir)
+    assert info.value.kind == kind
+
+
+def test_a_gptq_matrix_without_its_zeros_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    quantize, config = _gptq(4, 32, v1=True, act_order=False, symmetric=True)
+    directory, _ = _quantised_checkpoint(tmp_path, quantize, config)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CoreError, match="no tensor model.layers.1.mlp.up_proj.qzeros") as info:
+        read_source(directory)
+    assert info.value.kind == ErrorKind.SOURCE_FORMAT
+
+
+def test_a_quantised_checkpoint_runs_at_about_its_bits_on_the_cpu(tmp_path):
+    """Served directly on the CPU, a 4-bit GPTQ checkpoint's matrices stay 4-bit (q4_1) and an 8-bit one's 8-bit
+    (q8_0), as `flared run` and `flarectl generate` take them where -q does not say otherwise."""
+    import subprocess
+    import sys
+
+    from flared.core.sources import checkpoint_quantization, kept_quantization
+    from flared_testing.served import write_char_tokenizer
+
+    quantize, config = _gptq(4, 32, v1=True, act_order=False, symmetric=True)
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, config)
+    assert checkpoint_quantization(directory) == ("q4_1", "gptq 4-bit in groups of 32")
+    assert checkpoint_quantization(plain) == (None, "")
+    config8 = json.loads((directory / "config.json").read_text())
+    config8["quantization_config"] = {**config8["quantization_config"], "bits": 8}
+    (tmp_path / "eight").mkdir()
+    (tmp_path / "eight" / "config.json").write_text(json.dumps(config8))
+    assert checkpoint_quantization(tmp_path / "eight")[0] == "q8_0"
+    fmt, _ = kept_quantization(directory)
+    if fmt is None:
+        pytest.skip("this machine keeps no checkpoint's bits (a GPU, or a CPU without the quantised kernels)")
+    write_char_tokenizer(directory, 512)
+    run = [sys.executable, "-m", "flared.cli.ctl", "generate", str(directory), "--cache-dir", str(tmp_path / "c"),
+           "--prompt", "hello", "--max-tokens", "4", "--json"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "gptq 4-bit in groups of 32: each run at about its bits" in proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["usage"]["completion_tokens"] == 4
