@@ -180,8 +180,8 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
                source: str) -> None:
     """Every quantised matrix of ``hf`` (a checkpoint's tensors by name) as ``<module>.weight`` in ``dtype``, in
     place, a matrix at a time (its packed tensors dropped as its values land); the kernels' own tensors dropped."""
-    step = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8, "fbgemm_fp8": _fp8}[quant.method]
-    step(hf, quant, dtype, source)
+    steps = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8, "fbgemm_fp8": _fp8}
+    steps[quant.method](hf, quant, dtype, source)
     for name in [n for n in hf if n.rsplit(".", 1)[-1] in _KERNEL_ONLY]:
         del hf[name]
 
@@ -209,14 +209,18 @@ def _grouped(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | N
     return shifted * scale
 
 
-def _input_groups(in_features: int, n_groups: int, g_idx: torch.Tensor | None, name: str, source: str
-                  ) -> torch.Tensor:
+def _input_groups(in_features: int, n_groups: int, g_idx: torch.Tensor | None, name: str, source: str,
+                  group_size: int | None = None) -> torch.Tensor:
+    """Each input's group: ``g_idx`` where the checkpoint has one, else runs of ``group_size`` (the config's; the
+    last group may be short) or, without one, ``n_groups`` equal runs."""
     if g_idx is not None:
         g = g_idx.to(torch.int64).flatten()
         if g.numel() != in_features or (g.numel() and (int(g.min()) < 0 or int(g.max()) >= n_groups)):
             raise _malformed(source, f"{name}'s group index does not give each of {in_features} inputs one of "
                                      f"{n_groups} groups")
         return g
+    if group_size and -(-in_features // group_size) == n_groups:
+        return torch.arange(in_features, dtype=torch.int64) // group_size
     if n_groups < 1 or in_features % n_groups:
         raise _malformed(source, f"{name}: {in_features} inputs do not split into {n_groups} equal groups")
     return torch.arange(in_features, dtype=torch.int64) // (in_features // n_groups)
@@ -241,7 +245,7 @@ def _gptq(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: s
         zeros = _unpack(qzeros, bits).t()  # [out, groups]
         if quant.settings.get("v1", True):
             zeros = zeros + 1  # (the original format stores each zero less one)
-        groups = _input_groups(values.shape[1], scales.shape[0], g_idx, module + "qweight", source)
+        groups = _input_groups(values.shape[1], scales.shape[0], g_idx, module + "qweight", source, quant.group_size)
         hf[module + "weight"] = _grouped(values, scales.t(), zeros, groups).to(dtype)
 
 
@@ -262,7 +266,7 @@ def _awq(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: st
             return nibbles.index_select(2, reverse).flatten(1)
 
         values = natural(qweight).t()  # [out, in]
-        groups = _input_groups(values.shape[1], scales.shape[0], None, module + "qweight", source)
+        groups = _input_groups(values.shape[1], scales.shape[0], None, module + "qweight", source, quant.group_size)
         hf[module + "weight"] = _grouped(values, scales.t(), natural(qzeros).t(), groups).to(dtype)
 
 
@@ -284,7 +288,7 @@ def _scale_of(scale: torch.Tensor, out_features: int, in_features: int, block, m
 
 
 def _apply_scale(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, strategy: str, block,
-                 g_idx: torch.Tensor | None, module: str, source: str) -> torch.Tensor:
+                 g_idx: torch.Tensor | None, module: str, source: str, group_size: int | None = None) -> torch.Tensor:
     out_features, in_features = q.shape
     if strategy == "block":
         bh, bw = block
@@ -292,7 +296,7 @@ def _apply_scale(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
         values = q.float() if zero is None else q.float() - zero.float().repeat_interleave(bh, 0)[
             :out_features].repeat_interleave(bw, 1)[:, :in_features]
         return values * tiles
-    groups = _input_groups(in_features, scale.shape[1], g_idx, module + "weight", source)
+    groups = _input_groups(in_features, scale.shape[1], g_idx, module + "weight", source, group_size)
     if zero is not None:
         zero = zero.reshape(scale.shape) if zero.numel() == scale.numel() else zero.reshape(-1, 1).expand(scale.shape)
     return _grouped(q, scale, zero, groups)
@@ -328,18 +332,19 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
                                     "uncompressed (fake-quantised) is not supported; save it compressed")
         if q.dim() == 3:  # (a mixture's experts stacked)
             parts = [_dequant_matrix(q[e], scale_t[e], None if zero_t is None else zero_t[e],
-                                     None if g_idx is None else g_idx[e], block, module, source)
+                                     None if g_idx is None else g_idx[e], block, module, source, quant.group_size)
                      for e in range(q.shape[0])]
             hf[module + "weight"] = torch.stack(parts).to(dtype)
         elif q.dim() == 2:
-            hf[module + "weight"] = _dequant_matrix(q, scale_t, zero_t, g_idx, block, module, source).to(dtype)
+            hf[module + "weight"] = _dequant_matrix(q, scale_t, zero_t, g_idx, block, module, source,
+                                                    quant.group_size).to(dtype)
         else:
             raise _malformed(source, f"{module}weight is {tuple(q.shape)}, not a matrix")
 
 
-def _dequant_matrix(q, scale_t, zero_t, g_idx, block, module, source) -> torch.Tensor:
+def _dequant_matrix(q, scale_t, zero_t, g_idx, block, module, source, group_size) -> torch.Tensor:
     strategy, scale = _scale_of(scale_t, q.shape[0], q.shape[1], block, module, source)
-    return _apply_scale(q, scale, zero_t, strategy, block, g_idx, module, source)
+    return _apply_scale(q, scale, zero_t, strategy, block, g_idx, module, source, group_size)
 
 
 def _fp8(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: str) -> None:

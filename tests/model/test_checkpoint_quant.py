@@ -64,12 +64,12 @@ def _pack_words(values: np.ndarray, bits: int) -> torch.Tensor:
     return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
 
 
-def _quantised_checkpoint(tmp_path, quantize, quantization_config):
+def _quantised_checkpoint(tmp_path, quantize, quantization_config, family: str = "qwen3"):
     """(the quantised checkpoint, a plain one of the values it stands for): ``quantize(name, weight)`` gives a
     matrix's tensors (by suffix after the module name) and its values."""
     from safetensors.torch import load_file, save_file
 
-    plain = build_hf_checkpoint("qwen3", tmp_path / "plain")
+    plain = build_hf_checkpoint(family, tmp_path / "plain")
     tensors = load_file(plain / "model.safetensors")
     quantised = {}
     for name, weight in tensors.items():
@@ -95,7 +95,7 @@ def _gptq(bits: int, group: int, *, v1: bool, act_order: bool, symmetric: bool):
 
     def quantize(name, weight):
         out, inp = weight.shape
-        n_groups = inp // group
+        n_groups = -(-inp // group)  # (a last group of fewer inputs where the group does not divide them)
         groups = (torch.randperm(inp, generator=gen) if act_order else torch.arange(inp)) // group
         q, scales, zeros = _integer_grid(weight, groups, n_groups, bits, symmetric, gen)
         stored_zeros = (zeros - 1 if v1 else zeros) & ((1 << bits) - 1)
@@ -159,7 +159,14 @@ def test_an_fp8_checkpoint_per_tensor_or_channel_reads_as_its_values(tmp_path, p
     _reads_as(directory, plain)
 
 
-def _reads_as(directory, plain):
+def test_a_gptq_mixture_of_experts_reads_as_its_values(tmp_path):
+    """Each routed expert (and the shared expert) a GPTQ module of its own, as GPTQ releases of Qwen MoE hold them."""
+    quantize, config = _gptq(4, 32, v1=True, act_order=False, symmetric=True)
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, config, family="qwen2_moe")
+    _reads_as(directory, plain, narrow_name="layers.1.experts.down.weight")
+
+
+def _reads_as(directory, plain, narrow_name: str = "layers.1.down.weight"):
     ours, reference = read_source(directory), read_source(plain)
     assert ours.tensors.keys() == reference.tensors.keys()
     for name, value in reference.tensors.items():
@@ -167,8 +174,7 @@ def _reads_as(directory, plain):
     logits = last_logits(DecoderModel(ours.config, ours.tensors), PROMPT)
     assert (logits - hf_last_logits(plain, PROMPT)).abs().max().item() < 1e-4
     narrow = read_source(directory, dtype=torch.bfloat16)  # (an export to bf16 dequantises straight to it)
-    assert torch.equal(narrow.tensors["layers.1.down.weight"],
-                       reference.tensors["layers.1.down.weight"].to(torch.bfloat16))
+    assert torch.equal(narrow.tensors[narrow_name], reference.tensors[narrow_name].to(torch.bfloat16))
     assert ours.quantization is not None
 
 
