@@ -403,10 +403,26 @@ def grid_values(weight: torch.Tensor, bits: int, group: int, symmetric: bool) ->
     return (scale * (q - zero)).reshape(weight.shape)
 
 
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+def nf4_values(weight: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """``weight`` as bitsandbytes' NF4 holds it: each block of ``block`` values (flat order) its absmax times the
+    nearest of NF4's 16 levels."""
+    flat = weight.float().reshape(-1, block)
+    absmax = flat.abs().amax(1, keepdim=True)
+    table = torch.tensor(NF4)
+    codes = (flat / absmax).unsqueeze(-1).sub(table).abs().argmin(-1)
+    return (table[codes] * absmax).reshape(weight.shape)
+
+
 def checkpoint_grid(repeats: int, group: int) -> dict:
     """A quantised checkpoint's matrices served on the CPU (flared/model/checkpoint_quant.py reads them to their
     values; `flared run DIR` then keeps 4-bit ones as q4_1): the embedded model's layer matrices on 4-bit grids of
-    ``group`` inputs (symmetric as GPTQ's releases, asymmetric as AWQ's), served as bf16 of those values, as q4_1
+    ``group`` inputs (symmetric as GPTQ's releases, asymmetric as AWQ's) and on bitsandbytes' NF4 levels (blocks of
+    64), served as bf16 of those values, as q4_1
     with the quantiser's grid search (QuantPlan.grids: what such a checkpoint's core gets), as q4_1 without it, and
     as q8_0, against the values in float32; and the seconds each model took to build."""
     from bench_model import gguf_path
@@ -436,9 +452,11 @@ def checkpoint_grid(repeats: int, group: int) -> dict:
           f"{torch.get_num_threads()} threads, best of {repeats}:")
     print(f"{'grid':>12} {'served as':>24} {'mean KL (nats)':>15} {'top-1 agrees':>13} {'products MiB':>13} "
           f"{'ms a token':>11} {'build s':>8}")
-    for grid, symmetric in (("symmetric", True), ("asymmetric", False)):
-        tensors = {k: (grid_values(v, 4, group, symmetric) if k.startswith("layers.") and v.dim() == 2 else v)
-                   for k, v in source.tensors.items()}
+    for grid, symmetric in (("symmetric", True), ("asymmetric", False), ("nf4", None)):
+        def placed(v):
+            return nf4_values(v) if symmetric is None else grid_values(v, 4, group, symmetric)
+
+        tensors = {k: (placed(v) if k.startswith("layers.") and v.dim() == 2 else v) for k, v in source.tensors.items()}
         exact, _ = logits(DecoderModel(source.config, tensors, dtype=torch.float32))
         p_ref = torch.log_softmax(exact, -1)
         sides = (("bf16", None), ("q4_1 (15/14 steps only)", "q4_1"), ("q4_1", QuantPlan("q4_1", grids=True)),

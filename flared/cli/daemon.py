@@ -43,8 +43,8 @@ _quantization_option = click.option(
          "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
          "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
          "5 to 8 bits (Q5_K, Q6_K, Q8_0) as q8_0, 4 and fewer as q4_1) or none (default: as the core is; a GGUF "
-         "served directly on the CPU, as gguf; a GPTQ, AWQ, compressed-tensors or fp8 checkpoint directory served "
-         "directly on the CPU, q4_1 at 4 bits and fewer, q8_0 at 8).")
+         "served directly on the CPU, as gguf; a quantised checkpoint directory served directly on the CPU: GPTQ, "
+         "AWQ, compressed-tensors at 4 bits as q4_1, at 8 bits, fp8 and bitsandbytes as q8_0).")
 
 
 def _quantization_override(quantization: str | None) -> dict:
@@ -264,9 +264,10 @@ def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capaciti
 def _as_the_source_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
     """A GGUF served directly on the CPU keeps its weights at about the bits the file holds them in, as llama.cpp's
     server does (--quantization gguf: a Q4_K_M file's Q4_K matrices as q4_1, its Q6_K ones as q8_0), and so does a
-    GPTQ, AWQ, compressed-tensors or fp8 checkpoint directory (4-bit ones as q4_1, 8-bit as q8_0), where neither
-    -q nor the config says otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports
-    float32). On a GPU the graphs take bf16 weights: nothing changes."""
+    GPTQ, AWQ, compressed-tensors, fp8 or bitsandbytes checkpoint directory (integer 4-bit ones as q4_1, the rest as
+    q8_0: sources.checkpoint_quantization), where neither -q nor the config says otherwise and the core is bfloat16
+    (the kernels' input; a CPU without them exports float32). On a GPU the graphs take bf16 weights: nothing
+    changes."""
     if quantization is not None or config.quantization is not None:
         return config
     from flared.core.manifest import read_manifest

@@ -20,10 +20,18 @@ Layouts (each from the method's reference code):
   block; ``weight_zero_point`` for asymmetric schemes (packed along the outputs for pack-quantized);
   ``weight_g_idx`` for act-order groups. The value is scale * (q - zero_point).
 - fp8 / fbgemm_fp8: ``weight`` float8 and ``weight_scale`` (one per tensor or per output channel).
+- bitsandbytes, 4-bit (NF4 or FP4, as transformers saves them): ``weight`` uint8, two 4-bit codes a byte (the first
+  in the high half), each a ``quant_map`` entry times its block's absmax (blocks of ``blocksize`` values in the
+  matrix's flat order); a double-quantised absmax is uint8 codes into ``nested_quant_map`` times
+  ``nested_absmax`` a block of ``nested_blocksize``, plus ``nested_offset``; the blocksize, shape and offset are
+  JSON in ``weight.quant_state.bitsandbytes__nf4`` (or ``__fp4``). 8-bit (LLM.int8): ``weight`` int8 and ``SCB``,
+  each row's absmax, the value weight * SCB / 127.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +43,8 @@ _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Tensors a quantised checkpoint carries for its own kernels only (activation and KV-cache scales, packed shapes):
 # flared quantises neither activations nor (unless asked) its KV cache by these.
 _KERNEL_ONLY = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point",
-                "weight_shape", "k_scale", "v_scale", "q_scale", "prob_scale", "input_scale_ub", "kv_scale")
+                "weight_shape", "k_scale", "v_scale", "q_scale", "prob_scale", "input_scale_ub", "kv_scale",
+                "weight_format")
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,18 @@ def parse(quantization: object, source: str) -> CheckpointQuantization | None:
         return _parse_compressed(quantization, source)
     if method in ("fp8", "fbgemm_fp8"):
         return CheckpointQuantization(method, 8)
+    if method == "bitsandbytes":
+        if quantization.get("load_in_4bit"):
+            kind = str(quantization.get("bnb_4bit_quant_type", "fp4")).lower()
+            if kind not in ("nf4", "fp4"):
+                raise _fail(source, f"bitsandbytes 4-bit type {kind!r} is not supported (read: nf4, fp4)")
+            return CheckpointQuantization("bitsandbytes", 4, settings={"type": kind})
+        if quantization.get("load_in_8bit"):
+            return CheckpointQuantization("bitsandbytes", 8)
+        raise _malformed(source, "quantization_config bitsandbytes loads neither in 4 nor in 8 bits")
     raise _fail(source, f"quantization_config {method or quantization.get('quant_method')!r} is not supported (read: "
-                        "gptq, awq, compressed-tensors, fp8 (per tensor, channel or block), fbgemm_fp8, gpt-oss' "
-                        "mxfp4, or an unquantized checkpoint)")
+                        "gptq, awq, compressed-tensors, fp8 (per tensor, channel or block), fbgemm_fp8, "
+                        "bitsandbytes, gpt-oss' mxfp4, or an unquantized checkpoint)")
 
 
 def _positive_or_none(value, what: str, source: str) -> int | None:
@@ -180,7 +198,8 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
                source: str) -> None:
     """Every quantised matrix of ``hf`` (a checkpoint's tensors by name) as ``<module>.weight`` in ``dtype``, in
     place, a matrix at a time (its packed tensors dropped as its values land); the kernels' own tensors dropped."""
-    steps = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8, "fbgemm_fp8": _fp8}
+    steps = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8, "fbgemm_fp8": _fp8,
+             "bitsandbytes": _bitsandbytes}
     steps[quant.method](hf, quant, dtype, source)
     for name in [n for n in hf if n.rsplit(".", 1)[-1] in _KERNEL_ONLY]:
         del hf[name]
@@ -359,3 +378,40 @@ def _fp8(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: st
             raise _malformed(source, f"{module}weight_scale {tuple(scale_t.shape)} is neither one scale nor one an "
                                      "output channel")
         hf[module + "weight"] = (weight.float() * scale).to(dtype)
+
+
+def _bitsandbytes(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: str) -> None:
+    for name in [n for n in hf if ".weight.quant_state.bitsandbytes__" in n]:
+        weight_name = name.split(".quant_state.")[0]
+        blob = hf.pop(name)
+        try:
+            state = json.loads(bytes(blob.to(torch.uint8).flatten().tolist()).decode("utf-8"))
+            shape = [int(v) for v in state["shape"]]
+            blocksize = int(state["blocksize"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise _malformed(source, f"{name} is not bitsandbytes' quant state ({exc})") from None
+        packed = _take(hf, weight_name, source, (torch.uint8,)).flatten()
+        quant_map = _take(hf, weight_name + ".quant_map", source).float().flatten()
+        absmax = _take(hf, weight_name + ".absmax", source)
+        if weight_name + ".nested_absmax" in hf:  # (double quantisation: the absmax as uint8 codes)
+            nested = _take(hf, weight_name + ".nested_absmax", source).float().flatten()
+            nested_map = _take(hf, weight_name + ".nested_quant_map", source).float().flatten()
+            per = int(state.get("nested_blocksize", 256))
+            absmax = (nested_map[absmax.long().flatten()] * nested.repeat_interleave(per)[:absmax.numel()]
+                      + float(state.get("nested_offset", 0.0)))
+        absmax = absmax.float().flatten()
+        count = math.prod(shape)
+        if len(shape) != 2 or quant_map.numel() != 16 or packed.numel() * 2 < count or \
+                absmax.numel() != -(-count // blocksize):
+            raise _malformed(source, f"{weight_name}: {packed.numel()} bytes, {absmax.numel()} block scales and a "
+                                     f"map of {quant_map.numel()} hold no {shape} matrix in blocks of {blocksize}")
+        codes = torch.stack([packed >> 4, packed & 15], dim=-1).flatten()[:count].long()  # (the high half first)
+        values = quant_map[codes] * absmax.repeat_interleave(blocksize)[:count]
+        hf[weight_name] = values.reshape(shape).to(dtype)
+    for name in [n for n in hf if n.endswith(".SCB")]:  # (LLM.int8: each row's absmax)
+        weight_name = name[:-len("SCB")] + "weight"
+        scb = hf.pop(name).float().flatten()
+        weight = _take(hf, weight_name, source, (torch.int8,))
+        if weight.dim() != 2 or scb.numel() != weight.shape[0]:
+            raise _malformed(source, f"{name} {scb.numel()} scales for {weight_name} {tuple(weight.shape)}")
+        hf[weight_name] = (weight.float() * scb[:, None] * (1.0 / 127)).to(dtype)  # (bitsandbytes' order)

@@ -268,7 +268,8 @@ def test_an_exported_core_records_the_checkpoint_quantization(tmp_path):
 
 
 @pytest.mark.parametrize("quantization, what, kind", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not supported",
+    ({"quant_method": "hqq", "nbits": 4}, "'hqq' is not supported", ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "4-bit type 'int4'",
      ErrorKind.UNSUPPORTED_MODEL),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ at 3 bits", ErrorKind.UNSUPPORTED_MODEL),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'",
@@ -319,6 +320,10 @@ def test_a_quantised_checkpoint_runs_at_about_its_bits_on_the_cpu(tmp_path):
     (tmp_path / "eight").mkdir()
     (tmp_path / "eight" / "config.json").write_text(json.dumps(config8))
     assert checkpoint_quantization(tmp_path / "eight")[0] == "q8_0"
+    config8["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                      "bnb_4bit_quant_type": "nf4"}  # (levels no even grid holds: q8_0)
+    (tmp_path / "eight" / "config.json").write_text(json.dumps(config8))
+    assert checkpoint_quantization(tmp_path / "eight") == ("q8_0", "bitsandbytes nf4 4-bit")
     fmt, _ = kept_quantization(directory)
     if fmt is None:
         pytest.skip("this machine keeps no checkpoint's bits (a GPU, or a CPU without the quantised kernels)")
@@ -329,3 +334,77 @@ def test_a_quantised_checkpoint_runs_at_about_its_bits_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "gptq 4-bit in groups of 32: each run at about its bits" in proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["usage"]["completion_tokens"] == 4
+
+
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+       0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]  # (bitsandbytes' NF4)
+
+
+def _bnb4(nested: bool, blocksize: int = 64):
+    """A writer of bitsandbytes' 4-bit serialisation (as transformers saves a load_in_4bit model): NF4 codes two a
+    byte, the first in the high half; each block's absmax, double-quantised as uint8 codes into a 256-entry map
+    times a float32 absmax a block of 256, plus an offset."""
+    table = torch.tensor(NF4)
+    nested_map = torch.linspace(-1, 1, 256)
+
+    def quantize(name, weight):
+        flat = weight.float().flatten()
+        absmax = flat.reshape(-1, blocksize).abs().amax(1)
+        parts, state = {}, {"quant_type": "nf4", "blocksize": blocksize, "dtype": "float32",
+                            "shape": list(weight.shape)}
+        if nested:
+            offset = absmax.mean().item()
+            centred = absmax - offset
+            big = centred.reshape(-1, 256).abs().amax(1) if centred.numel() % 256 == 0 else centred.abs().amax()[None]
+            scale = big.repeat_interleave(256)[:absmax.numel()]
+            codes = (centred / scale)[:, None].sub(nested_map).abs().argmin(1)
+            absmax = nested_map[codes] * scale + offset  # (what the checkpoint then stands for)
+            parts.update({"weight.absmax": codes.to(torch.uint8), "weight.nested_absmax": big.clone(),
+                          "weight.nested_quant_map": nested_map.clone()})
+            state.update({"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": offset})
+        else:
+            parts["weight.absmax"] = absmax
+        codes = (flat / absmax.repeat_interleave(blocksize))[:, None].sub(table).abs().argmin(1)
+        parts["weight"] = ((codes[0::2] << 4) | codes[1::2]).to(torch.uint8)[:, None]
+        parts["weight.quant_map"] = table.clone()
+        parts["weight.quant_state.bitsandbytes__nf4"] = torch.tensor(list(json.dumps(state).encode()),
+                                                                     dtype=torch.uint8)
+        return parts, (table[codes] * absmax.repeat_interleave(blocksize)).reshape(weight.shape)
+
+    return quantize
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_bitsandbytes_4bit_checkpoint_reads_as_its_values(tmp_path, nested):
+    directory, plain = _quantised_checkpoint(tmp_path, _bnb4(nested), {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": nested, "bnb_4bit_compute_dtype": "bfloat16"})
+    _reads_as(directory, plain)
+
+
+def test_a_bitsandbytes_8bit_checkpoint_reads_as_its_values(tmp_path):
+    def quantize(name, weight):
+        scb = weight.abs().amax(1)
+        q = torch.round(weight / scb[:, None] * 127).to(torch.int8)
+        return {"weight": q, "SCB": scb, "weight_format": torch.tensor(0, dtype=torch.uint8)}, \
+            q.float() * scb[:, None] * (1.0 / 127)
+
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, {"quant_method": "bitsandbytes",
+                                                                   "load_in_8bit": True})
+    _reads_as(directory, plain)
+
+
+def test_bitsandbytes_own_4bit_states_read_as_it_dequantises_them():
+    """Where bitsandbytes is installed (it is not among the test extras: 125 MB), its own NF4 and FP4 states, with
+    and without double quantisation, against its dequantize_4bit."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    from flared.model.checkpoint_quant import CheckpointQuantization, dequantize
+
+    weight = torch.randn(96, 320, generator=torch.Generator().manual_seed(2))
+    for kind in ("nf4", "fp4"):
+        for nested in (False, True):
+            q, state = functional.quantize_4bit(weight, blocksize=64, quant_type=kind, compress_statistics=nested)
+            tensors = {"m.weight": q, **{f"m.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+            dequantize(tensors, CheckpointQuantization("bitsandbytes", 4), torch.float32, source="bnb")
+            assert torch.equal(tensors["m.weight"], functional.dequantize_4bit(q, state).float()), (kind, nested)
