@@ -18,7 +18,10 @@ Layouts (each from the method's reference code):
 - compressed-tensors: ``weight_packed`` int32 [out, in * bits / 32] (pack-quantized, values stored offset by
   2^(bits - 1)) or ``weight`` int8 / float8; ``weight_scale`` per tensor, output channel, group of inputs or (fp8)
   block; ``weight_zero_point`` for asymmetric schemes (packed along the outputs for pack-quantized);
-  ``weight_g_idx`` for act-order groups. The value is scale * (q - zero_point).
+  ``weight_g_idx`` for act-order groups. The value is scale * (q - zero_point). FP4 (nvfp4- and
+  mxfp4-pack-quantized): ``weight_packed`` uint8, two E2M1 values a byte (the first in the low half), times each
+  group's ``weight_scale`` (NVFP4: float8 over 16 values, divided by ``weight_global_scale``; MXFP4: an E8M0
+  exponent byte over 32).
 - fp8 / fbgemm_fp8: ``weight`` float8 and ``weight_scale`` (one per tensor or per output channel).
 - bitsandbytes, 4-bit (NF4 or FP4, as transformers saves them): ``weight`` uint8, two 4-bit codes a byte (the first
   in the high half), each a ``quant_map`` entry times its block's absmax (blocks of ``blocksize`` values in the
@@ -139,7 +142,9 @@ def _parse_awq(q: dict, source: str) -> CheckpointQuantization:
     return CheckpointQuantization("awq", 4, group)
 
 
-_CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized", "dense")
+_CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized", "nvfp4-pack-quantized",
+               "mxfp4-pack-quantized", "dense")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's magnitudes by its low three bits (the fourth: the sign)
 
 
 def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
@@ -173,8 +178,9 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
                                 f"{', '.join(_CT_FORMATS)})")
         if kind == "int" and bits not in (4, 8):
             raise _fail(source, f"compressed-tensors {bits!r}-bit integer weights are not supported (read: 4 and 8)")
-        if kind == "float" and bits != 8:
-            raise _fail(source, f"compressed-tensors {bits!r}-bit float weights are not supported (read: fp8)")
+        if kind == "float" and not (bits == 8 or (bits == 4 and fmt.endswith("fp4-pack-quantized"))):
+            raise _fail(source, f"compressed-tensors {bits!r}-bit float weights in {fmt!r} are not supported (read: "
+                                "fp8, and fp4 as nvfp4- or mxfp4-pack-quantized)")
         if kind not in ("int", "float"):
             raise _fail(source, f"compressed-tensors weight type {kind!r} is not supported")
         formats.add(fmt)
@@ -188,7 +194,8 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
     return CheckpointQuantization(
         "compressed-tensors", next(iter(widths)) if len(widths) == 1 else None,
         next(iter(group_sizes)) if len(group_sizes) == 1 else None,
-        {"widths": sorted(widths), "block": next(iter(blocks)) if blocks else None})
+        {"widths": sorted(widths), "block": next(iter(blocks)) if blocks else None,
+         "float4": any(f.endswith("fp4-pack-quantized") for f in formats)})
 
 
 # ---------------------------------------------------------------------------------------------- dequantization
@@ -329,6 +336,10 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
         scale_t = _take(hf, module + "weight_scale", source)
         zero_t = hf.pop(module + "weight_zero_point", None)
         g_idx = hf.pop(module + "weight_g_idx", None)
+        if module + "weight_packed" in hf and hf[module + "weight_packed"].dtype == torch.uint8:
+            hf[module + "weight"] = _fp4(_take(hf, module + "weight_packed", source), scale_t,
+                                         hf.pop(module + "weight_global_scale", None), module, source).to(dtype)
+            continue
         if module + "weight_packed" in hf:
             packed = _take(hf, module + "weight_packed", source, (torch.int32,))
             shape = hf.get(module + "weight_shape")
@@ -359,6 +370,27 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
                                                     quant.group_size).to(dtype)
         else:
             raise _malformed(source, f"{module}weight is {tuple(q.shape)}, not a matrix")
+
+
+def _fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, module: str,
+         source: str) -> torch.Tensor:
+    """compressed-tensors' FP4 (E2M1) matrix: two values a byte, the first in the low half, each group's scale
+    float8 divided by the tensor's global scale (NVFP4, groups of 16) or a power of two 2^(e - 127) (MXFP4's E8M0
+    byte, groups of 32)."""
+    if packed.dim() != 2 or scale.dim() != 2 or scale.shape[0] != packed.shape[0] or \
+            (packed.shape[1] * 2) % scale.shape[1]:
+        raise _malformed(source, f"{module}weight_packed {tuple(packed.shape)} and weight_scale "
+                                 f"{tuple(scale.shape)} are no FP4 matrix in groups")
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(1).long()  # (the low half first)
+    values = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    if scale.dtype == torch.uint8:  # (MXFP4: E8M0 exponents)
+        scales = torch.exp2(scale.float() - 127.0)
+    else:
+        scales = scale.float()
+        if global_scale is not None:
+            scales = scales / global_scale.float().flatten()[0]
+    group = values.shape[1] // scales.shape[1]
+    return values * scales.repeat_interleave(group, dim=1)
 
 
 def _dequant_matrix(q, scale_t, zero_t, g_idx, block, module, source, group_size) -> torch.Tensor:

@@ -275,8 +275,11 @@ def test_an_exported_core_records_the_checkpoint_quantization(tmp_path):
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'",
      ErrorKind.UNSUPPORTED_MODEL),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'", ErrorKind.UNSUPPORTED_MODEL),
-    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
-        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}, "format 'nvfp4-pack-quantized'",
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}}, "format 'marlin-24'",
+     ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}, "4-bit float weights in",
      ErrorKind.UNSUPPORTED_MODEL),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size", ErrorKind.SOURCE_FORMAT),
 ])
@@ -324,6 +327,11 @@ def test_a_quantised_checkpoint_runs_at_about_its_bits_on_the_cpu(tmp_path):
                                       "bnb_4bit_quant_type": "nf4"}  # (levels no even grid holds: q8_0)
     (tmp_path / "eight" / "config.json").write_text(json.dumps(config8))
     assert checkpoint_quantization(tmp_path / "eight") == ("q8_0", "bitsandbytes nf4 4-bit")
+    config8["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                                      "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                          "num_bits": 4, "type": "float", "group_size": 16}}}}
+    (tmp_path / "eight" / "config.json").write_text(json.dumps(config8))
+    assert checkpoint_quantization(tmp_path / "eight") == ("q8_0", "compressed-tensors fp4")
     fmt, _ = kept_quantization(directory)
     if fmt is None:
         pytest.skip("this machine keeps no checkpoint's bits (a GPU, or a CPU without the quantised kernels)")
@@ -408,3 +416,55 @@ def test_bitsandbytes_own_4bit_states_read_as_it_dequantises_them():
             tensors = {"m.weight": q, **{f"m.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
             dequantize(tensors, CheckpointQuantization("bitsandbytes", 4), torch.float32, source="bnb")
             assert torch.equal(tensors["m.weight"], functional.dequantize_4bit(q, state).float()), (kind, nested)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-pack-quantized", "mxfp4-pack-quantized"])
+def test_an_fp4_compressed_tensors_checkpoint_reads_as_transformers_dequantises_it(tmp_path, fmt):
+    """FP4 (E2M1) weights as llm-compressor's NVFP4 (groups of 16, float8 scales over a global scale) and MXFP4
+    (groups of 32, power-of-two E8M0 scales) releases hold them, packed by this file's writer: our weights equal
+    transformers' (with compressed-tensors) dequantisation of the same files."""
+    ct = pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from flared.model.checkpoint_quant import E2M1
+
+    nv = fmt.startswith("nv")
+    group = 16 if nv else 32
+    levels = torch.tensor(E2M1)
+    signed = torch.cat([levels, -levels])  # (code c: sign c >= 8, magnitude c & 7)
+
+    def quantize(name, weight):
+        out, inp = weight.shape
+        blocks = weight.reshape(out, inp // group, group)
+        amax = blocks.abs().amax(-1)
+        if nv:
+            global_scale = 448.0 * 6.0 / weight.abs().amax()
+            scales = (amax / 6.0 * global_scale).to(torch.float8_e4m3fn)
+            effective = scales.float() / global_scale
+        else:
+            exponents = (127 + torch.floor(torch.log2(amax / 4.0))).to(torch.uint8)  # (6 may exceed: saturates)
+            effective = torch.exp2(exponents.float() - 127)
+        codes = (blocks / effective[..., None]).unsqueeze(-1).sub(signed).abs().argmin(-1).reshape(out, inp)
+        values = signed[codes] * effective.repeat_interleave(group, 1)
+        parts = {"weight_packed": (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8),
+                 "weight_scale": scales if nv else exponents}
+        if nv:
+            parts["weight_global_scale"] = global_scale.reshape(1).float()
+        return parts, values
+
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": group,
+               "strategy": "tensor_group" if nv else "group"}
+    if not nv:
+        weights["scale_dtype"] = "torch.uint8"
+    config = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+              "ignore": ["lm_head"], "version": ct.__version__}
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, config)
+    ours = read_source(directory, dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16,
+                                              quantization_config=CompressedTensorsConfig(run_compressed=False))
+    q, k, v = ours.tensors["layers.0.qkv.weight"].split([128, 64, 64])
+    assert torch.equal(q, hf.model.layers[0].self_attn.q_proj.weight.detach())
+    assert torch.equal(ours.tensors["layers.1.down.weight"], hf.model.layers[1].mlp.down_proj.weight.detach())
+    assert torch.equal(ours.tensors["layers.1.down.weight"],
+                       read_source(plain).tensors["layers.1.down.weight"].to(torch.bfloat16))
