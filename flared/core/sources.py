@@ -169,12 +169,11 @@ def checkpoint_quantization(directory: str | os.PathLike) -> tuple[str | None, s
     the most of them; bitsandbytes' NF4 and FP4, whose levels no even grid holds, and its int8: q8_0), and a word on
     what they are ("gptq 4-bit in groups of 128"); (None, "") for a plain checkpoint, or one the loader will refuse
     (it says why)."""
-    from flared.model.checkpoint_quant import parse
+    from flared.model.checkpoint_quant import parse, quantization_config_of
 
     try:
         config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
-        quant = parse(config.get("quantization_config") or config.get("text_config", {}).get("quantization_config"),
-                      str(directory))
+        quant = parse(quantization_config_of(directory, config), str(directory))
     except (OSError, ValueError, AttributeError, CoreError):
         return None, ""
     if quant is None:

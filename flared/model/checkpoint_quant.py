@@ -68,6 +68,30 @@ class CheckpointQuantization:
         return out
 
 
+def quantization_config_of(directory, hf_config: dict) -> object:
+    """A checkpoint's quantization_config: config.json's (a vision-language model's may sit in its text_config), else
+    the file older quantisers wrote beside it: AutoGPTQ's quantize_config.json (a GPTQ checkpoint, its method
+    unnamed) or AutoAWQ's quant_config.json (w_bit, q_group_size, version); None for a plain checkpoint."""
+    from pathlib import Path
+
+    found = hf_config.get("quantization_config")
+    if found is None and isinstance(hf_config.get("text_config"), dict):
+        found = hf_config["text_config"].get("quantization_config")
+    if found is not None:
+        return found
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        path = Path(directory) / name
+        if path.is_file():
+            try:
+                loaded = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise _malformed(str(path), f"not valid JSON: {exc}") from None
+            if not isinstance(loaded, dict):
+                raise _malformed(str(path), "not a JSON object")
+            return {"quant_method": method, **loaded}
+    return None
+
+
 def _fail(source: str, message: str) -> CoreError:
     return CoreError(f"{source}: {message}", ErrorKind.UNSUPPORTED_MODEL)
 

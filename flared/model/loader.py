@@ -56,6 +56,7 @@ from flared.errors import CoreError, ErrorKind
 from flared.model.checkpoint_quant import CheckpointQuantization
 from flared.model.checkpoint_quant import dequantize as dequantize_checkpoint
 from flared.model.checkpoint_quant import parse as parse_checkpoint_quantization
+from flared.model.checkpoint_quant import quantization_config_of
 from flared.model.config import ModelConfig, alibi_slopes, from_hf_config, yarn_parameters
 from flared.model.vision import VisionConfig
 
@@ -316,7 +317,7 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         raise CoreError(f"{config_path} is not a JSON object", ErrorKind.SOURCE_FORMAT)
     from flared.model.vision import hf_vision_to_serving, text_config_of, vision_from_hf
 
-    quantization = hf_config.get("quantization_config")
+    quantization = quantization_config_of(directory, hf_config)  # (or AutoGPTQ's / AutoAWQ's own file beside it)
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
     fp8_block = quantization.get("weight_block_size") if method == "fp8" else None
     if fp8_block is not None and not (isinstance(fp8_block, list) and len(fp8_block) == 2 and all(

@@ -123,6 +123,30 @@ def test_a_gptq_checkpoint_reads_as_its_values(tmp_path, bits, group, v1, act_or
     _reads_as(directory, plain)
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_an_older_quantisers_own_config_file_is_read(tmp_path, method):
+    """AutoGPTQ's releases (TheBloke's) may carry their settings only in quantize_config.json, without a method
+    name, and AutoAWQ's in quant_config.json (w_bit, q_group_size, version)."""
+    from flared.core.sources import checkpoint_quantization
+
+    quantize, config = _gptq(4, 32, v1=True, act_order=False, symmetric=True)
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, config)
+    hf_config = json.loads((directory / "config.json").read_text())
+    del hf_config["quantization_config"]
+    (directory / "config.json").write_text(json.dumps(hf_config))
+    if method == "gptq":
+        (directory / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 32, "desc_act": False,
+                                                                     "sym": True, "true_sequential": True}))
+        ours, reference = read_source(directory), read_source(plain)
+        assert torch.equal(ours.tensors["layers.1.down.weight"], reference.tensors["layers.1.down.weight"])
+        assert checkpoint_quantization(directory) == ("q4_1", "gptq 4-bit in groups of 32")
+    else:
+        (directory / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                                                                  "version": "GEMV"}))
+        with pytest.raises(CoreError, match="AWQ version 'gemv'"):
+            read_source(directory)
+
+
 def test_an_awq_checkpoint_reads_as_its_values(tmp_path):
     gen = torch.Generator().manual_seed(7)
     reverse = [AWQ_ORDER.index(k) for k in range(8)]
