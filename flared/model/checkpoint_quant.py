@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -237,7 +238,11 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
 
 
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 words [..., n] -> their values [..., n * 32 / bits] (int32), each word's from its low bits up."""
+    """int32 words [..., n] -> their values [..., n * 32 / bits], each word's from its low bits up (uint8 at 4 and 8
+    bits, through the words' little-endian bytes: a byte's low half first; int32 at 2)."""
+    if bits in (4, 8) and sys.byteorder == "little":
+        raw = words.contiguous().view(torch.uint8)  # [..., n * 4]
+        return raw if bits == 8 else torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     return ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
@@ -253,7 +258,16 @@ def _take(hf: dict, name: str, source: str, dtypes: tuple | None = None) -> torc
 
 def _grouped(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, groups: torch.Tensor
              ) -> torch.Tensor:
-    """scale * (q - zero), float32, for q [out, in] and scales / zeros [out, G] picked by each input's group."""
+    """scale * (q - zero), float32, for q [out, in] and scales / zeros [out, G] picked by each input's group (where
+    the groups are equal runs in order, by broadcasting over [out, G, in / G] rather than a gather)."""
+    out_features, in_features = values.shape
+    n_groups = scales.shape[1]
+    if in_features % n_groups == 0 and torch.equal(
+            groups, torch.arange(in_features, dtype=groups.dtype) // (in_features // n_groups)):
+        shifted = values.reshape(out_features, n_groups, -1).float()
+        if zeros is not None:
+            shifted -= zeros.float().unsqueeze(-1)
+        return (shifted * scales.float().unsqueeze(-1)).view(out_features, in_features)
     scale = scales.float().index_select(1, groups)
     shifted = values.float() if zeros is None else values.float() - zeros.float().index_select(1, groups)
     return shifted * scale
@@ -374,10 +388,10 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
             if bits is None or list(packed.shape[:-1]) != shape[:-1]:
                 raise _malformed(source, f"{module}weight_packed {tuple(packed.shape)} holds no {shape} matrix of "
                                          f"{' or '.join(map(str, widths))}-bit values")
-            q = (_unpack(packed, bits)[..., :shape[-1]] - (1 << (bits - 1)))  # (stored offset by 2^(bits - 1))
+            q = _unpack(packed, bits)[..., :shape[-1]].to(torch.int16) - (1 << (bits - 1))  # (stored offset)
             if zero_t is not None and zero_t.dtype == torch.int32:  # (packed along the outputs)
                 rows = shape[-2]
-                zero_t = (_unpack(zero_t.transpose(-1, -2).contiguous(), bits)[..., :rows]
+                zero_t = (_unpack(zero_t.transpose(-1, -2).contiguous(), bits)[..., :rows].to(torch.int16)
                           - (1 << (bits - 1))).transpose(-1, -2)
         else:
             q = _take(hf, module + "weight", source)
