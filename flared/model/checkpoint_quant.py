@@ -61,9 +61,16 @@ class CheckpointQuantization:
     group_size: int | None = None
     settings: dict = field(default_factory=dict)
 
+    @property
+    def integer_grid(self) -> bool:
+        """Whether its values are integers times a scale less a zero point (GPTQ, AWQ, compressed-tensors' integer
+        schemes), which quant.quantize_q4_1's ``grids`` search finds again."""
+        return self.method in ("gptq", "awq") or (self.method == "compressed-tensors" and not self.settings.get(
+            "float"))
+
     def describe(self) -> dict:
         """What an exported core's manifest records of it (``source.quantization``)."""
-        out = {"method": self.method, "bits": self.bits}
+        out = {"method": self.method, "bits": self.bits, "integer_grid": self.integer_grid}
         if self.group_size:
             out["group_size"] = self.group_size
         return out
@@ -185,7 +192,7 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise _malformed(source, "quantization_config.config_groups is not an object")
-    formats, widths, group_sizes, blocks = set(), set(), set(), set()
+    formats, widths, group_sizes, blocks, floats = set(), set(), set(), set(), set()
     top = q.get("format")
     for name, group in groups.items():
         if not isinstance(group, dict):
@@ -210,6 +217,8 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
             raise _fail(source, f"compressed-tensors weight type {kind!r} is not supported")
         formats.add(fmt)
         widths.add(bits)
+        if kind == "float":
+            floats.add(name)
         if weights.get("group_size"):
             group_sizes.add(weights["group_size"])
         if weights.get("block_structure"):
@@ -220,7 +229,7 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
         "compressed-tensors", next(iter(widths)) if len(widths) == 1 else None,
         next(iter(group_sizes)) if len(group_sizes) == 1 else None,
         {"widths": sorted(widths), "block": next(iter(blocks)) if blocks else None,
-         "float4": any(f.endswith("fp4-pack-quantized") for f in formats)})
+         "float4": any(f.endswith("fp4-pack-quantized") for f in formats), "float": bool(floats)})
 
 
 # ---------------------------------------------------------------------------------------------- dequantization
@@ -235,6 +244,11 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
     steps[quant.method](hf, quant, dtype, source)
     for name in [n for n in hf if n.rsplit(".", 1)[-1] in _KERNEL_ONLY]:
         del hf[name]
+    left = [n for n, t in hf.items() if n.endswith("weight") and t.dtype in (*_FLOAT8, torch.int8, torch.uint8,
+                                                                               torch.int32)]
+    if left:  # (a quantised matrix whose tensors this method's layout does not name: never served as raw codes)
+        raise _malformed(source, f"{left[0]} is {hf[left[0]].dtype}, quantised in a way a {quant.method} checkpoint "
+                                 f"does not lay out{f' ({len(left)} such matrices)' if len(left) > 1 else ''}")
 
 
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:

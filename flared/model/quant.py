@@ -77,10 +77,6 @@ def gguf_type_format(type_name: str) -> str | None:
     return "q4_1" if type_name in _FOUR_BITS or type_name.startswith("IQ") else None
 
 
-# Checkpoint quantizations (flared/model/checkpoint_quant.py) whose values are integers times a scale, less a zero
-INTEGER_GRID_METHODS = ("gptq", "awq", "compressed-tensors")
-
-
 @dataclass(frozen=True)
 class QuantPlan:
     """Each layer matrix's format: ``matrices`` by serving tensor name ("layers.3.down.weight": "q8_0", or None:
@@ -131,13 +127,13 @@ def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
 def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | None":
     """--quantization as DecoderModel takes it: "gguf" becomes the core's plan (gguf_plan over the tensor types its
     manifest's ``source`` records; None where the file's layers are mostly 16-bit), a ValueError where the core
-    records none; q4_1 of a core whose checkpoint held integer grids (GPTQ, AWQ, compressed-tensors: manifest
-    ``source.quantization``) a plan whose blocks search them (QuantPlan.grids); other names as check_quantization
-    says."""
+    records none; q4_1 of a core whose checkpoint held integer grids (GPTQ, AWQ, compressed-tensors' integer
+    schemes: manifest ``source.quantization.integer_grid``) a plan whose blocks search them (QuantPlan.grids); other
+    names as check_quantization says."""
     if name != GGUF:
         name = check_quantization(name)
         recorded = source.get("quantization") if isinstance(source.get("quantization"), dict) else {}
-        if name == "q4_1" and recorded.get("method") in INTEGER_GRID_METHODS:
+        if name == "q4_1" and recorded.get("integer_grid") is True:
             return QuantPlan(name, grids=True)
         return name
     types = source.get("tensor_types") if source.get("kind") == "gguf" else None

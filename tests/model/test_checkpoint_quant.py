@@ -282,7 +282,8 @@ def test_an_exported_core_records_the_checkpoint_quantization(tmp_path):
     export_core(directory, tmp_path / "core", ExportOptions(concurrency=2, context_tokens=256,
                                                             prefill_chunk_tokens=128))
     core = open_core(tmp_path / "core")
-    assert core.manifest.source["quantization"] == {"method": "gptq", "bits": 4, "group_size": 32}
+    assert core.manifest.source["quantization"] == {"method": "gptq", "bits": 4, "group_size": 32,
+                                                    "integer_grid": True}
     # (q4_1 of such a core searches each block's grid: QuantPlan.grids; q8_0 and other cores as before)
     assert resolve_quantization("q4_1", core.manifest.source) == QuantPlan("q4_1", grids=True)
     assert resolve_quantization("q8_0", core.manifest.source) == "q8_0"
@@ -314,6 +315,22 @@ def test_other_quantizations_are_refused_by_name(tmp_path, quantization, what, k
     with pytest.raises(CoreError, match=what) as info:
         read_source(hf_dir)
     assert info.value.kind == kind
+
+
+def test_a_float8_matrix_the_layout_does_not_name_is_refused(tmp_path):
+    """An fp8 config without a block size over a block-scaled checkpoint (scales named weight_scale_inv): its float8
+    matrices are named as unread, never served as their raw codes."""
+    from safetensors.torch import load_file, save_file
+
+    def quantize(name, weight):
+        scale = weight.abs().amax(1, keepdim=True) / 448.0
+        fp8 = (weight / scale).to(torch.float8_e4m3fn)
+        return {"weight": fp8, "weight_scale_inv": scale}, fp8.float() * scale
+
+    directory, _ = _quantised_checkpoint(tmp_path, quantize, {"quant_method": "fp8"})
+    with pytest.raises(CoreError, match="float8_e4m3fn, quantised in a way a fp8 checkpoint does not lay out") as info:
+        read_source(directory)
+    assert info.value.kind == ErrorKind.SOURCE_FORMAT
 
 
 def test_a_gptq_matrix_without_its_zeros_is_named(tmp_path):
