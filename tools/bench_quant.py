@@ -173,34 +173,48 @@ def load(shape: str, formats: list[str], repeats: int) -> dict:
     return out
 
 
+def fed_logits(model, ids: list[int]) -> tuple[torch.Tensor, float]:
+    """``model``'s next-token logits at each position of ``ids``, fed one token at a time, and its ms a token."""
+    from flared.model.batch import ForwardBatch, SequenceChunk
+
+    kv = model.make_kv_cache(num_pages=-(-len(ids) // 16), page_tokens=16)
+    table = np.arange(-(-len(ids) // 16))
+    t = time.perf_counter()
+    out = torch.stack([model.forward(ForwardBatch.build([SequenceChunk(ids[i:i + 1], i, table)], page_tokens=16),
+                                     kv).float()[0] for i in range(len(ids))])
+    return out, (time.perf_counter() - t) / len(ids) * 1e3
+
+
+def side_figures(model, ids: list[int], exact: torch.Tensor, before: dict | None) -> dict:
+    """One served side's next-token KL and top-1 agreement against ``exact``'s logits, its products' MiB and its
+    ms a token (the best of this run and ``before``'s)."""
+    got, ms = fed_logits(model, ids)
+    p_ref = torch.log_softmax(exact, -1)
+    kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
+    products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
+    return {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+            "mib": sum(lin.nbytes for lin in products) / 2**20,
+            "ms_per_token": min((before or {}).get("ms_per_token", float("inf")), ms)}
+
+
 def quality(formats: list[str]) -> dict:
     from bench_model import gguf_path
     from tokenizers import Tokenizer
 
-    from flared.model.batch import ForwardBatch, SequenceChunk
+    from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
-
-    from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
 
     path = gguf_path()
     source = read_source(path)
     ids = Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json).encode(TEXT).ids
-
-    def logits(model) -> torch.Tensor:
-        kv = model.make_kv_cache(num_pages=-(-len(ids) // 16), page_tokens=16)
-        table = np.arange(-(-len(ids) // 16))
-        return torch.stack([model.forward(ForwardBatch.build([SequenceChunk(ids[i:i + 1], i, table)], page_tokens=16),
-                                          kv).float()[0] for i in range(len(ids))])
-
-    exact = logits(DecoderModel(source.config, source.tensors, dtype=torch.float32))
+    exact, _ = fed_logits(DecoderModel(source.config, source.tensors, dtype=torch.float32), ids)
     out = {"positions": len(ids)}
     for name in ["bf16", *formats]:
-        got = logits(DecoderModel(source.config, source.tensors, dtype=torch.bfloat16,
-                                  quantization=None if name == "bf16" else name))
-        p_ref = torch.log_softmax(exact, -1)
-        kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
-        out[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item()}
+        model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16,
+                             quantization=None if name == "bf16" else name)
+        figures = side_figures(model, ids, exact, None)
+        out[name] = {"kl": figures["kl"], "top1": figures["top1"]}
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF, dequantised), {len(ids)} positions of a fixed text, against float32:")
     print(f"{'weights':>8} {'mean KL (nats)':>15} {'top-1 agrees':>13}")
     for name in ["bf16", *formats]:
@@ -301,7 +315,6 @@ def gguf_mix(repeats: int, llama_dir: Path | None = None) -> dict:
 
     from flared.frontend.gguf_metadata import GGUFFile
     from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
-    from flared.model.batch import ForwardBatch, SequenceChunk
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
     from flared.model.quant import gguf_plan
@@ -340,31 +353,17 @@ def gguf_mix(repeats: int, llama_dir: Path | None = None) -> dict:
     source = read_source(path)
     ids = Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json).encode(TEXT).ids
 
-    def logits(model) -> tuple[torch.Tensor, float]:
-        kv = model.make_kv_cache(num_pages=-(-len(ids) // 16), page_tokens=16)
-        table = np.arange(-(-len(ids) // 16))
-        t = time.perf_counter()
-        out = torch.stack([model.forward(ForwardBatch.build([SequenceChunk(ids[i:i + 1], i, table)],
-                                                            page_tokens=16), kv).float()[0] for i in range(len(ids))])
-        return out, (time.perf_counter() - t) / len(ids) * 1e3
-
     wide = DecoderModel(source.config, source.tensors, dtype=torch.float32)
-    exact, _ = logits(wide)
+    exact, _ = fed_logits(wide, ids)
     sides = {"bf16": None, "q4_1 (every matrix)": "q4_1", "q8_0 (every matrix)": "q8_0", "gguf (each its own)": plan}
     models = {name: DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization=q)
               for name, q in sides.items()}
     out = {"file_types": {k: n / total for k, n in counts.items()}, "positions": len(ids),
            "plan": {"default": plan.default, "matrices": len(plan.matrices),
                     "q8_0": sum(f == "q8_0" for f in plan.matrices.values())}}
-    p_ref = torch.log_softmax(exact, -1)
     for _ in range(repeats):
         for name, model in models.items():
-            got, ms = logits(model)
-            kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
-            products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
-            best = out.get(name, {}).get("ms_per_token", float("inf"))
-            out[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
-                         "mib": sum(lin.nbytes for lin in products) / 2**20, "ms_per_token": min(best, ms)}
+            out[name] = side_figures(model, ids, exact, out.get(name))
     words = ", ".join(f"{k} {v:.0%}" for k, v in sorted(out["file_types"].items(), key=lambda kv: -kv[1]))
     made = ("quantised to Q4_K_M by llama.cpp's llama-quantize" if llama_dir is not None else
             "written as llama.cpp's Q4_K_M mix writes it (k-quant blocks set as llama.cpp's search sets them)")
@@ -429,7 +428,6 @@ def checkpoint_grid(repeats: int, group: int) -> dict:
     from tokenizers import Tokenizer
 
     from flared.frontend.gguf_tokenizer import tokenizer_from_gguf
-    from flared.model.batch import ForwardBatch, SequenceChunk
     from flared.model.decoder import DecoderModel
     from flared.model.loader import read_source
     from flared.model.quant import QuantPlan
@@ -437,14 +435,6 @@ def checkpoint_grid(repeats: int, group: int) -> dict:
     path = gguf_path()
     source = read_source(path)
     ids = Tokenizer.from_str(tokenizer_from_gguf(path).tokenizer_json).encode(TEXT).ids
-
-    def logits(model) -> tuple[torch.Tensor, float]:
-        kv = model.make_kv_cache(num_pages=-(-len(ids) // 16), page_tokens=16)
-        table = np.arange(-(-len(ids) // 16))
-        t = time.perf_counter()
-        out = torch.stack([model.forward(ForwardBatch.build([SequenceChunk(ids[i:i + 1], i, table)],
-                                                            page_tokens=16), kv).float()[0] for i in range(len(ids))])
-        return out, (time.perf_counter() - t) / len(ids) * 1e3
 
     out = {"positions": len(ids), "group": group}
     print(f"\nSmolLM2-135M-Instruct's layer matrices on 4-bit grids of {group} inputs (round to nearest), "
@@ -457,8 +447,7 @@ def checkpoint_grid(repeats: int, group: int) -> dict:
             return nf4_values(v) if symmetric is None else grid_values(v, 4, group, symmetric)
 
         tensors = {k: (placed(v) if k.startswith("layers.") and v.dim() == 2 else v) for k, v in source.tensors.items()}
-        exact, _ = logits(DecoderModel(source.config, tensors, dtype=torch.float32))
-        p_ref = torch.log_softmax(exact, -1)
+        exact, _ = fed_logits(DecoderModel(source.config, tensors, dtype=torch.float32), ids)
         sides = (("bf16", None), ("q4_1 (15/14 steps only)", "q4_1"), ("q4_1", QuantPlan("q4_1", grids=True)),
                  ("q8_0", "q8_0"))
         models = {}
@@ -469,12 +458,7 @@ def checkpoint_grid(repeats: int, group: int) -> dict:
         rows = {}
         for _ in range(repeats):
             for name, model in models.items():
-                got, ms = logits(model)
-                kl = (p_ref.exp() * (p_ref - torch.log_softmax(got, -1))).sum(-1).mean().item()
-                products = [lin for layer in model.layers for lin in model._linears(layer)] + [model.lm_head_linear]
-                best = rows.get(name, {}).get("ms_per_token", float("inf"))
-                rows[name] = {"kl": kl, "top1": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
-                              "mib": sum(lin.nbytes for lin in products) / 2**20, "ms_per_token": min(best, ms)}
+                rows[name] = side_figures(model, ids, exact, rows.get(name))
         out[grid] = rows
         for name, r in rows.items():
             print(f"{grid:>12} {name:>24} {r['kl']:>15.5f} {r['top1']:>13.3f} {r['mib']:>13.1f} "
