@@ -22,6 +22,7 @@ Layouts (each from the method's reference code):
   mxfp4-pack-quantized): ``weight_packed`` uint8, two E2M1 values a byte (the first in the low half), times each
   group's ``weight_scale`` (NVFP4: float8 over 16 values, divided by ``weight_global_scale``; MXFP4: an E8M0
   exponent byte over 32).
+- auto-round: GPTQ's layout (original zeros) or AWQ's, by ``packing_format``; ``extra_config`` widths a module.
 - fp8 / fbgemm_fp8: ``weight`` float8 and ``weight_scale`` (one per tensor or per output channel).
 - bitsandbytes, 4-bit (NF4 or FP4, as transformers saves them): ``weight`` uint8, two 4-bit codes a byte (the first
   in the high half), each a ``quant_map`` entry times its block's absmax (blocks of ``blocksize`` values in the
@@ -65,8 +66,8 @@ class CheckpointQuantization:
     def integer_grid(self) -> bool:
         """Whether its values are integers times a scale less a zero point (GPTQ, AWQ, compressed-tensors' integer
         schemes), which quant.quantize_q4_1's ``grids`` search finds again."""
-        return self.method in ("gptq", "awq") or (self.method == "compressed-tensors" and not self.settings.get(
-            "float"))
+        return self.method in ("gptq", "awq", "auto-round") or (
+            self.method == "compressed-tensors" and not self.settings.get("float"))
 
     def describe(self) -> dict:
         """What an exported core's manifest records of it (``source.quantization``)."""
@@ -120,6 +121,8 @@ def parse(quantization: object, source: str) -> CheckpointQuantization | None:
         return None
     if method == "gptq":
         return _parse_gptq(quantization, source)
+    if method in ("auto-round", "intel/auto-round"):
+        return _parse_auto_round(quantization, source)
     if method == "awq":
         return _parse_awq(quantization, source)
     if method == "compressed-tensors":
@@ -136,7 +139,7 @@ def parse(quantization: object, source: str) -> CheckpointQuantization | None:
             return CheckpointQuantization("bitsandbytes", 8)
         raise _malformed(source, "quantization_config bitsandbytes loads neither in 4 nor in 8 bits")
     raise _fail(source, f"quantization_config {method or quantization.get('quant_method')!r} is not supported (read: "
-                        "gptq, awq, compressed-tensors, fp8 (per tensor, channel or block), fbgemm_fp8, "
+                        "gptq, awq, auto-round, compressed-tensors, fp8 (per tensor, channel or block), fbgemm_fp8, "
                         "bitsandbytes, gpt-oss' mxfp4, or an unquantized checkpoint)")
 
 
@@ -159,6 +162,28 @@ def _parse_gptq(q: dict, source: str) -> CheckpointQuantization:
         raise _fail(source, f"GPTQ pack_dtype {q.get('pack_dtype')!r} is not supported (read: int32)")
     group = _positive_or_none(q.get("group_size"), "group_size", source)
     return CheckpointQuantization("gptq", bits, group, {"v1": fmt == "gptq", "dynamic": bool(q.get("dynamic"))})
+
+
+def _parse_auto_round(q: dict, source: str) -> CheckpointQuantization:
+    """Intel's AutoRound releases: integers in GPTQ's layout (packing_format auto_round:auto_gptq, the original
+    format's zeros) or AWQ's (auto_round:auto_awq), per-module widths in ``extra_config`` (16: left unquantised)."""
+    layout = str(q.get("packing_format", "auto_round:auto_gptq")).lower()
+    if q.get("data_type", "int") != "int":
+        raise _fail(source, f"AutoRound data_type {q.get('data_type')!r} is not supported (read: int)")
+    if layout not in ("auto_round:auto_gptq", "auto_round:gptq", "auto_round:auto_awq", "auto_round:awq"):
+        raise _fail(source, f"AutoRound packing_format {layout!r} is not supported (read: auto_round:auto_gptq, "
+                            "auto_round:auto_awq)")
+    awq = layout.endswith("awq")
+    extra = q.get("extra_config") or {}
+    module_bits = {name: cfg["bits"] for name, cfg in extra.items() if isinstance(cfg, dict) and "bits" in cfg}
+    widths = {q.get("bits"), *(b for b in module_bits.values() if b < 16)}
+    if not widths <= ({4} if awq else {2, 4, 8}):
+        raise _fail(source, f"AutoRound at {sorted(w for w in widths if w is not None)} bits in "
+                            f"{'AWQ' if awq else 'GPTQ'}'s layout is not supported (read: "
+                            f"{'4' if awq else '2, 4 and 8'} bits)")
+    group = _positive_or_none(q.get("group_size"), "group_size", source)
+    return CheckpointQuantization("auto-round", q.get("bits"), group,
+                                  {"layout": "awq" if awq else "gptq", "v1": True, "module_bits": module_bits})
 
 
 def _parse_awq(q: dict, source: str) -> CheckpointQuantization:
@@ -241,7 +266,7 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
     place, a matrix at a time (its packed tensors dropped as its values land); the kernels' own tensors dropped."""
     steps = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8, "fbgemm_fp8": _fp8,
              "bitsandbytes": _bitsandbytes}
-    steps[quant.method](hf, quant, dtype, source)
+    steps[quant.settings.get("layout", quant.method)](hf, quant, dtype, source)
     for name in [n for n in hf if n.rsplit(".", 1)[-1] in _KERNEL_ONLY]:
         del hf[name]
     left = [n for n, t in hf.items() if n.endswith("weight") and t.dtype in (*_FLOAT8, torch.int8, torch.uint8,
@@ -311,7 +336,7 @@ def _gptq(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: s
         qzeros = _take(hf, module + "qzeros", source, (torch.int32,))
         scales = _take(hf, module + "scales", source)
         g_idx = hf.pop(module + "g_idx", None)
-        bits = quant.bits
+        bits = quant.settings.get("module_bits", {}).get(module[:-1], quant.bits)  # (AutoRound's extra_config)
         if quant.settings.get("dynamic") and g_idx is not None and g_idx.numel() and \
                 (qweight.shape[0] * 32) % g_idx.numel() == 0:
             bits = qweight.shape[0] * 32 // g_idx.numel()  # (per-module widths: GPTQModel's "dynamic")

@@ -147,6 +147,25 @@ def test_an_older_quantisers_own_config_file_is_read(tmp_path, method):
             read_source(directory)
 
 
+def test_an_auto_round_checkpoint_reads_as_its_values(tmp_path):
+    """Intel AutoRound's GPTQ layout (packing_format auto_round:auto_gptq, the original zeros), one module at 8 bits
+    by its extra_config and one left at 16."""
+    four, _ = _gptq(4, 32, v1=True, act_order=False, symmetric=True)
+    eight, _ = _gptq(8, 32, v1=True, act_order=False, symmetric=True)
+
+    def quantize(name, weight):
+        if name == "model.layers.0.mlp.up_proj.weight":
+            return {"weight": weight}, weight
+        return (eight if name == "model.layers.1.mlp.down_proj.weight" else four)(name, weight)
+
+    directory, plain = _quantised_checkpoint(tmp_path, quantize, {
+        "quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "bits": 4, "group_size": 32,
+        "sym": True, "data_type": "int", "extra_config": {"model.layers.1.mlp.down_proj": {"bits": 8},
+                                                          "model.layers.0.mlp.up_proj": {"bits": 16}}})
+    _reads_as(directory, plain)
+    assert read_source(directory).quantization.integer_grid
+
+
 def test_an_awq_checkpoint_reads_as_its_values(tmp_path):
     gen = torch.Generator().manual_seed(7)
     reverse = [AWQ_ORDER.index(k) for k in range(8)]
@@ -294,6 +313,8 @@ def test_an_exported_core_records_the_checkpoint_quantization(tmp_path):
 
 @pytest.mark.parametrize("quantization, what, kind", [
     ({"quant_method": "hqq", "nbits": 4}, "'hqq' is not supported", ErrorKind.UNSUPPORTED_MODEL),
+    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_awq", "bits": 2},
+     r"AutoRound at \[2\] bits in AWQ's layout", ErrorKind.UNSUPPORTED_MODEL),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "4-bit type 'int4'",
      ErrorKind.UNSUPPORTED_MODEL),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ at 3 bits", ErrorKind.UNSUPPORTED_MODEL),
