@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -61,6 +62,7 @@ class CheckpointQuantization:
     bits: int | None
     group_size: int | None = None
     settings: dict = field(default_factory=dict)
+    widths: dict = field(default_factory=dict)  # (what dequantize found: each module's bits, 16 left unquantised)
 
     @property
     def integer_grid(self) -> bool:
@@ -69,12 +71,44 @@ class CheckpointQuantization:
         return self.method in ("gptq", "awq", "auto-round") or (
             self.method == "compressed-tensors" and not self.settings.get("float"))
 
+    def matrix_bits(self) -> dict[str, int]:
+        """The serving layer matrices (``layers.3.qkv.weight``, a mixture's ``layers.3.experts.down.weight``) whose
+        modules dequantize found at other widths than ``bits``: a fused matrix at the most among its parts."""
+        out: dict[str, int] = {}
+        for module, bits in self.widths.items():
+            name = serving_matrix(module)
+            if name is not None:
+                out[name] = max(out.get(name, 0), bits)
+        return {name: bits for name, bits in sorted(out.items()) if bits != self.bits}
+
     def describe(self) -> dict:
         """What an exported core's manifest records of it (``source.quantization``)."""
         out = {"method": self.method, "bits": self.bits, "integer_grid": self.integer_grid}
         if self.group_size:
             out["group_size"] = self.group_size
+        if self.matrix_bits():
+            out["matrix_bits"] = self.matrix_bits()
         return out
+
+
+# A checkpoint module's name -> its layer and the serving matrix it goes into (Llama's names and the common MoE ones)
+_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\.(?:(experts)\.\d+\.|"
+                     r"(shared_experts?)\.)?(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_ROLES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+          "up_proj": "gate_up", "w1": "gate_up", "w3": "gate_up", "down_proj": "down", "w2": "down"}
+
+
+def serving_matrix(module: str) -> str | None:
+    """``model.layers.3.self_attn.k_proj`` -> ``layers.3.qkv.weight`` (None: no layer matrix of those names)."""
+    m = _MODULE.search(module.rstrip("."))
+    if m is None:
+        return None
+    layer, experts, shared, part = m.groups()
+    role = _ROLES[part]
+    if role in ("qkv", "o") and (experts or shared):
+        return None
+    prefix = "experts." if experts else "shared." if shared else ""
+    return f"layers.{layer}.{prefix}{role}.weight"
 
 
 def quantization_config_of(directory, hf_config: dict) -> object:
@@ -269,6 +303,11 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
     steps[quant.settings.get("layout", quant.method)](hf, quant, dtype, source)
     for name in [n for n in hf if n.rsplit(".", 1)[-1] in _KERNEL_ONLY]:
         del hf[name]
+    for name, value in hf.items():  # (a layer matrix the checkpoint left unquantised: ignored, or AutoRound's 16)
+        module = name[:-len("weight")]
+        if name.endswith(".weight") and module not in quant.widths and value.dim() >= 2 and \
+                value.is_floating_point() and value.dtype not in _FLOAT8 and serving_matrix(module) is not None:
+            quant.widths[module] = 16
     left = [n for n, t in hf.items() if n.endswith("weight") and t.dtype in (*_FLOAT8, torch.int8, torch.uint8,
                                                                                torch.int32)]
     if left:  # (a quantised matrix whose tensors this method's layout does not name: never served as raw codes)
@@ -350,6 +389,7 @@ def _gptq(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: s
             zeros = zeros + 1  # (the original format stores each zero less one)
         groups = _input_groups(values.shape[1], scales.shape[0], g_idx, module + "qweight", source, quant.group_size)
         hf[module + "weight"] = _grouped(values, scales.t(), zeros, groups).to(dtype)
+        quant.widths[module] = bits
 
 
 def _awq(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: str) -> None:
@@ -371,6 +411,7 @@ def _awq(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: st
         values = natural(qweight).t()  # [out, in]
         groups = _input_groups(values.shape[1], scales.shape[0], None, module + "qweight", source, quant.group_size)
         hf[module + "weight"] = _grouped(values, scales.t(), natural(qzeros).t(), groups).to(dtype)
+        quant.widths[module] = 4
 
 
 def _scale_of(scale: torch.Tensor, out_features: int, in_features: int, block, module: str,
@@ -416,6 +457,7 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
         if module + "weight_packed" in hf and hf[module + "weight_packed"].dtype == torch.uint8:
             hf[module + "weight"] = _fp4(_take(hf, module + "weight_packed", source), scale_t,
                                          hf.pop(module + "weight_global_scale", None), module, source).to(dtype)
+            quant.widths[module] = 4
             continue
         if module + "weight_packed" in hf:
             packed = _take(hf, module + "weight_packed", source, (torch.int32,))
@@ -437,6 +479,7 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
             if q.dtype not in (torch.int8, *_FLOAT8):
                 raise _fail(source, f"{module}weight is {q.dtype} beside a weight_scale: a checkpoint saved "
                                     "uncompressed (fake-quantised) is not supported; save it compressed")
+        quant.widths[module] = bits if module + "weight_shape" in hf else 8  # (int8 or fp8 weights: 8 bits)
         if q.dim() == 3:  # (a mixture's experts stacked)
             parts = [_dequant_matrix(q[e], scale_t[e], None if zero_t is None else zero_t[e],
                                      None if g_idx is None else g_idx[e], block, module, source, quant.group_size)
@@ -487,6 +530,7 @@ def _fp8(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: st
             raise _malformed(source, f"{module}weight_scale {tuple(scale_t.shape)} is neither one scale nor one an "
                                      "output channel")
         hf[module + "weight"] = (weight.float() * scale).to(dtype)
+        quant.widths[module] = 8
 
 
 def _bitsandbytes(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, source: str) -> None:
@@ -517,6 +561,7 @@ def _bitsandbytes(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, s
         codes = torch.stack([packed >> 4, packed & 15], dim=-1).flatten()[:count].long()  # (the high half first)
         values = quant_map[codes] * absmax.repeat_interleave(blocksize)[:count]
         hf[weight_name] = values.reshape(shape).to(dtype)
+        quant.widths[weight_name[:-len("weight")]] = 4
     for name in [n for n in hf if n.endswith(".SCB")]:  # (LLM.int8: each row's absmax)
         weight_name = name[:-len("SCB")] + "weight"
         scb = hf.pop(name).float().flatten()
@@ -524,3 +569,4 @@ def _bitsandbytes(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, s
         if weight.dim() != 2 or scb.numel() != weight.shape[0]:
             raise _malformed(source, f"{name} {scb.numel()} scales for {weight_name} {tuple(weight.shape)}")
         hf[weight_name] = (weight.float() * scb[:, None] * (1.0 / 127)).to(dtype)  # (bitsandbytes' order)
+        quant.widths[weight_name[:-len("weight")]] = 8

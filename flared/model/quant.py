@@ -127,15 +127,22 @@ def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
 def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | None":
     """--quantization as DecoderModel takes it: "gguf" becomes the core's plan (gguf_plan over the tensor types its
     manifest's ``source`` records; None where the file's layers are mostly 16-bit), a ValueError where the core
-    records none; q4_1 of a core whose checkpoint held integer grids (GPTQ, AWQ, compressed-tensors' integer
-    schemes: manifest ``source.quantization.integer_grid``) a plan whose blocks search them (QuantPlan.grids); other
-    names as check_quantization says."""
+    records none; q4_1 or q8_0 of a core exported from a quantised checkpoint (manifest ``source.quantization``) a
+    plan that keeps the checkpoint's wider modules at their bits (``matrix_bits``: 8 as q8_0, 16 as bf16) and, for
+    q4_1 over integer grids (GPTQ, AWQ, AutoRound, compressed-tensors' integer schemes: ``integer_grid``), whose
+    blocks search them (QuantPlan.grids); other names as check_quantization says."""
     if name != GGUF:
         name = check_quantization(name)
         recorded = source.get("quantization") if isinstance(source.get("quantization"), dict) else {}
-        if name == "q4_1" and recorded.get("integer_grid") is True:
-            return QuantPlan(name, grids=True)
-        return name
+        bits = recorded.get("matrix_bits") if isinstance(recorded.get("matrix_bits"), dict) else {}
+        grids = name == "q4_1" and recorded.get("integer_grid") is True
+        if name is None or not (grids or bits):
+            return name
+        # (never fewer bits than the checkpoint's: its 8-bit modules as q8_0 under q4_1, its 16-bit ones bf16)
+        def kept(width) -> str | None:
+            return None if not isinstance(width, int) or width > 8 else "q8_0" if width > 4 or name == "q8_0" \
+                else "q4_1"
+        return QuantPlan(name, {m: kept(w) for m, w in sorted(bits.items()) if kept(w) != name}, grids=grids)
     types = source.get("tensor_types") if source.get("kind") == "gguf" else None
     if not types:
         raise ValueError("gguf keeps each layer matrix at about its bits in the GGUF file the core was exported "

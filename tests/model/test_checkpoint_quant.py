@@ -163,7 +163,14 @@ def test_an_auto_round_checkpoint_reads_as_its_values(tmp_path):
         "sym": True, "data_type": "int", "extra_config": {"model.layers.1.mlp.down_proj": {"bits": 8},
                                                           "model.layers.0.mlp.up_proj": {"bits": 16}}})
     _reads_as(directory, plain)
-    assert read_source(directory).quantization.integer_grid
+    quant = read_source(directory).quantization
+    assert quant.integer_grid
+    # (served as q4_1, the 8-bit module keeps 8 bits and the unquantised one stays bf16)
+    assert quant.describe()["matrix_bits"] == {"layers.0.gate_up.weight": 16, "layers.1.down.weight": 8}
+    assert resolve_quantization("q4_1", {"quantization": quant.describe()}) == QuantPlan(
+        "q4_1", {"layers.0.gate_up.weight": None, "layers.1.down.weight": "q8_0"}, grids=True)
+    assert resolve_quantization("q8_0", {"quantization": quant.describe()}) == QuantPlan(
+        "q8_0", {"layers.0.gate_up.weight": None})
 
 
 def test_an_awq_checkpoint_reads_as_its_values(tmp_path):
@@ -303,7 +310,8 @@ def test_an_exported_core_records_the_checkpoint_quantization(tmp_path):
     core = open_core(tmp_path / "core")
     assert core.manifest.source["quantization"] == {"method": "gptq", "bits": 4, "group_size": 32,
                                                     "integer_grid": True}
-    # (q4_1 of such a core searches each block's grid: QuantPlan.grids; q8_0 and other cores as before)
+    # (q4_1 of such a core searches each block's grid: QuantPlan.grids; q8_0 and other cores as before; every
+    # module at 4 bits: no matrix_bits)
     assert resolve_quantization("q4_1", core.manifest.source) == QuantPlan("q4_1", grids=True)
     assert resolve_quantization("q8_0", core.manifest.source) == "q8_0"
     assert resolve_quantization("q4_1", {"kind": "hf"}) == "q4_1"
@@ -530,3 +538,15 @@ def test_an_fp4_compressed_tensors_checkpoint_reads_as_transformers_dequantises_
     assert torch.equal(ours.tensors["layers.1.down.weight"], hf.model.layers[1].mlp.down_proj.weight.detach())
     assert torch.equal(ours.tensors["layers.1.down.weight"],
                        read_source(plain).tensors["layers.1.down.weight"].to(torch.bfloat16))
+
+
+def test_checkpoint_modules_map_to_their_serving_matrices():
+    from flared.model.checkpoint_quant import serving_matrix
+
+    assert serving_matrix("model.layers.3.self_attn.k_proj.") == "layers.3.qkv.weight"
+    assert serving_matrix("model.layers.3.mlp.up_proj") == "layers.3.gate_up.weight"
+    assert serving_matrix("model.layers.0.mlp.experts.17.down_proj.") == "layers.0.experts.down.weight"
+    assert serving_matrix("model.layers.2.block_sparse_moe.experts.1.w3.") == "layers.2.experts.gate_up.weight"
+    assert serving_matrix("model.layers.2.mlp.shared_expert.gate_proj.") == "layers.2.shared.gate_up.weight"
+    assert serving_matrix("model.layers.2.mlp.shared_experts.down_proj.") == "layers.2.shared.down.weight"
+    assert serving_matrix("lm_head.") is None and serving_matrix("model.layers.2.mlp.gate.") is None
