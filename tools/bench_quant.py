@@ -420,8 +420,9 @@ def nf4_values(weight: torch.Tensor, block: int = 64) -> torch.Tensor:
 def checkpoint_grid(repeats: int, group: int) -> dict:
     """A quantised checkpoint's matrices served on the CPU (flared/model/checkpoint_quant.py reads them to their
     values; `flared run DIR` then keeps 4-bit ones as q4_1): the embedded model's layer matrices on 4-bit grids of
-    ``group`` inputs (symmetric as GPTQ's releases, asymmetric as AWQ's) and on bitsandbytes' NF4 levels (blocks of
-    64), served as bf16 of those values, as q4_1
+    ``group`` inputs (symmetric as GPTQ's releases, asymmetric as AWQ's), on bitsandbytes' NF4 levels (blocks of
+    64) and as a Q4_0 GGUF holds them (what -q gguf's plan keeps as q4_1, also with the search), served as bf16 of
+    those values, as q4_1
     with the quantiser's grid search (QuantPlan.grids: what such a checkpoint's core gets), as q4_1 without it, and
     as q8_0, against the values in float32; and the seconds each model took to build."""
     from bench_model import gguf_path
@@ -442,8 +443,14 @@ def checkpoint_grid(repeats: int, group: int) -> dict:
           f"{torch.get_num_threads()} threads, best of {repeats}:")
     print(f"{'grid':>12} {'served as':>24} {'mean KL (nats)':>15} {'top-1 agrees':>13} {'products MiB':>13} "
           f"{'ms a token':>11} {'build s':>8}")
-    for grid, symmetric in (("symmetric", True), ("asymmetric", False), ("nf4", None)):
+    for grid, symmetric in (("symmetric", True), ("asymmetric", False), ("nf4", None), ("gguf q4_0", "q4_0")):
         def placed(v):
+            if symmetric == "q4_0":  # (a Q4_0 GGUF's values: a scale a block of 32 times -8..7)
+                import gguf
+
+                kind = gguf.GGMLQuantizationType.Q4_0
+                values = gguf.quants.dequantize(gguf.quants.quantize(v.float().numpy(), kind), kind)
+                return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(v.shape)
             return nf4_values(v) if symmetric is None else grid_values(v, 4, group, symmetric)
 
         tensors = {k: (placed(v) if k.startswith("layers.") and v.dim() == 2 else v) for k, v in source.tensors.items()}

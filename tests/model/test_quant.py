@@ -441,10 +441,11 @@ def test_a_gguf_plan_keeps_each_layer_matrix_at_about_its_files_bits():
     plan = gguf_plan(types)
     assert plan == QuantPlan("q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0",
                                       "layers.3.qkv.weight": "q8_0", "layers.3.down.weight": "q8_0",
-                                      "layers.2.o.weight": None})
+                                      "layers.2.o.weight": None}, grids=True)
     assert plan.format_of("layers.1.qkv.weight") == "q4_1" and plan.format_of(None) == "q4_1"
     assert plan.digest() != QuantPlan("q4_1").digest()
-    assert gguf_plan({"blk.0.attn_q.weight": ["Q5_K", 10], "blk.0.ffn_down.weight": ["Q6_K", 30]}) == QuantPlan("q8_0")
+    assert gguf_plan({"blk.0.attn_q.weight": ["Q5_K", 10], "blk.0.ffn_down.weight": ["Q6_K", 30]}) == \
+        QuantPlan("q8_0", grids=True)
     assert gguf_plan({"blk.0.attn_q.weight": ["F16", 100], "blk.0.ffn_down.weight": ["Q4_K", 10]}) is None
 
 
@@ -523,7 +524,8 @@ def test_a_gguf_files_mix_is_recorded_and_served_as_it_holds_it(default_gguf, ti
     assert types["blk.0.attn_v.weight"][0] == "Q8_0" and types["blk.1.attn_q.weight"] == ["Q4_1", 576 * 576]
     assert "blk.0.attn_norm.weight" not in types  # (matrices only)
     assert resolve_quantization("gguf", manifest.source) == QuantPlan(
-        "q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0", "layers.1.o.weight": None})
+        "q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0", "layers.1.o.weight": None},
+        grids=True)
     assert resolve_quantization("q8_0", manifest.source) == "q8_0"
     with pytest.raises(ValueError, match="malformed source.tensor_types"):
         resolve_quantization("gguf", {"kind": "gguf", "tensor_types": {"blk.0.attn_q.weight": 7}})
@@ -613,7 +615,7 @@ def test_a_plan_reaches_a_mixtures_experts_and_shared_expert(tmp_path):
              "blk.0.ffn_up_shexp.weight": ["Q4_K", 10], "blk.0.ffn_down_shexp.weight": ["Q4_K", 10],
              "blk.1.ffn_down_exps.weight": ["Q4_K", 100]}
     assert gguf_plan(types) == QuantPlan("q4_1", {"layers.0.experts.down.weight": "q8_0",
-                                                  "layers.0.shared.gate_up.weight": "q8_0"})
+                                                  "layers.0.shared.gate_up.weight": "q8_0"}, grids=True)
     source = read_source(build_hf_checkpoint("qwen2_moe", tmp_path))
     plan = QuantPlan("q4_1", {"layers.0.experts.down.weight": "q8_0", "layers.0.shared.gate_up.weight": None,
                               "layers.1.experts.gate_up.weight": "q8_0"})
