@@ -126,18 +126,28 @@ def gguf_plan(tensor_types: dict[str, list | str]) -> QuantPlan | None:
                                if fmt != default}, grids=True)
 
 
+def _holds_four_bits(source: dict) -> bool:
+    """Whether a core's manifest ``source`` is a GGUF file with layer matrices at 4 bits or fewer (their values on
+    integer grids, which q4_1's blocks then search)."""
+    types = source.get("tensor_types") if source.get("kind") == "gguf" else None
+    if not isinstance(types, dict):
+        return False
+    return any(isinstance(entry, (list, str)) and gguf_type_format(entry if isinstance(entry, str) else entry[0])
+               == "q4_1" for entry in types.values())
+
+
 def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | None":
     """--quantization as DecoderModel takes it: "gguf" becomes the core's plan (gguf_plan over the tensor types its
     manifest's ``source`` records; None where the file's layers are mostly 16-bit), a ValueError where the core
     records none; q4_1 or q8_0 of a core exported from a quantised checkpoint (manifest ``source.quantization``) a
     plan that keeps the checkpoint's wider modules at their bits (``matrix_bits``: 8 as q8_0, 16 as bf16) and, for
-    q4_1 over integer grids (GPTQ, AWQ, AutoRound, compressed-tensors' integer schemes: ``integer_grid``), whose
-    blocks search them (QuantPlan.grids); other names as check_quantization says."""
+    q4_1 over integer grids (GPTQ, AWQ, AutoRound, compressed-tensors' integer schemes: ``integer_grid``; a GGUF's
+    4-bit tensors), whose blocks search them (QuantPlan.grids); other names as check_quantization says."""
     if name != GGUF:
         name = check_quantization(name)
         recorded = source.get("quantization") if isinstance(source.get("quantization"), dict) else {}
         bits = recorded.get("matrix_bits") if isinstance(recorded.get("matrix_bits"), dict) else {}
-        grids = name == "q4_1" and recorded.get("integer_grid") is True
+        grids = name == "q4_1" and (recorded.get("integer_grid") is True or _holds_four_bits(source))
         if name is None or not (grids or bits):
             return name
         # (never fewer bits than the checkpoint's: its 8-bit modules as q8_0 under q4_1, its 16-bit ones bf16)

@@ -527,6 +527,8 @@ def test_a_gguf_files_mix_is_recorded_and_served_as_it_holds_it(default_gguf, ti
         "q4_1", {"layers.0.qkv.weight": "q8_0", "layers.0.down.weight": "q8_0", "layers.1.o.weight": None},
         grids=True)
     assert resolve_quantization("q8_0", manifest.source) == "q8_0"
+    assert resolve_quantization("q4_1", manifest.source) == QuantPlan("q4_1", grids=True)  # (its Q4_1 tensors)
+    assert resolve_quantization("q4_1", {"kind": "gguf", "tensor_types": {"blk.0.attn_q.weight": ["F16", 9]}}) == "q4_1"
     with pytest.raises(ValueError, match="malformed source.tensor_types"):
         resolve_quantization("gguf", {"kind": "gguf", "tensor_types": {"blk.0.attn_q.weight": 7}})
     if linear.BF16_SUPPORTED:
