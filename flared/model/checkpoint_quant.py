@@ -164,12 +164,12 @@ def parse(quantization: object, source: str) -> CheckpointQuantization | None:
     if method in ("fp8", "fbgemm_fp8"):
         return CheckpointQuantization(method, 8)
     if method == "bitsandbytes":
-        if quantization.get("load_in_4bit"):
+        if quantization.get("load_in_4bit") or quantization.get("_load_in_4bit"):  # (transformers writes both)
             kind = str(quantization.get("bnb_4bit_quant_type", "fp4")).lower()
             if kind not in ("nf4", "fp4"):
                 raise _fail(source, f"bitsandbytes 4-bit type {kind!r} is not supported (read: nf4, fp4)")
             return CheckpointQuantization("bitsandbytes", 4, settings={"type": kind})
-        if quantization.get("load_in_8bit"):
+        if quantization.get("load_in_8bit") or quantization.get("_load_in_8bit"):
             return CheckpointQuantization("bitsandbytes", 8)
         raise _malformed(source, "quantization_config bitsandbytes loads neither in 4 nor in 8 bits")
     raise _fail(source, f"quantization_config {method or quantization.get('quant_method')!r} is not supported (read: "
