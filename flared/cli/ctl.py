@@ -28,11 +28,12 @@ def _fail(e: Exception) -> None:
 
 
 def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", progress=None,
-                 capacities: dict[str, int] | None = None) -> Path:
+                 capacities: dict[str, int] | None = None, stored: str | None = None) -> Path:
     """A core path; ``default`` for the embedded model; a GGUF file or a Hugging Face checkpoint directory for its
     core in the cache (flared/core/sources.py). The last two are exported on first use, in ``dtype`` (``progress``
-    hears how it goes), with ``capacities`` (export's --context, --concurrency, --kv-cache-mib) where given; a
-    core's own were fixed when it was exported."""
+    hears how it goes), with ``capacities`` (export's --context, --concurrency, --kv-cache-mib) where given and
+    their layer matrices stored as ``stored`` (export's --quantization) where it names one; a core's own were fixed
+    when it was exported."""
     capacities = {k: v for k, v in (capacities or {}).items() if v is not None}
     if core == "default":
         from flared.core.default import ensure_default_core
@@ -41,7 +42,7 @@ def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", prog
     from flared.core.sources import ensure_source_core, source_kind
 
     if source_kind(core) is not None:
-        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress, capacities)
+        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress, capacities, stored)
     if capacities:
         flags = ", ".join("--" + k.replace("_", "-") for k in capacities)
         raise CoreError(f"{core} is a core: its capacities were fixed when it was exported ({flags} apply to the "
@@ -81,7 +82,12 @@ def main() -> None:
 @click.option("--kv-cache-mib", type=int, default=2048, show_default=True, help="KV cache budget in MiB.")
 @click.option("--served-name", "served_names", multiple=True, help="Model name clients use (repeatable).")
 @click.option("--force", is_flag=True, help="Replace an existing core at --out.")
-def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk, kv_cache_mib, served_names, force):
+@click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "gguf"], case_sensitive=False), default=None,
+              help="Store the layer matrices quantised, as the CPU kernels take them (needs --dtype bfloat16): q8_0, "
+                   "q4_1, or gguf (each at about the bits of its GGUF tensors). The core is then 0.3-0.6x the size "
+                   "and loads without quantising; a GPU takes the values back to bfloat16.")
+def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk, kv_cache_mib, served_names, force,
+           quantization):
     """Export SOURCE (a Hugging Face directory, a .gguf file, or 'default') to a core."""
     from flared.core.export import ExportOptions, export_core
 
@@ -93,12 +99,15 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
             served_names = served_names or SERVED_NAMES
         options = ExportOptions(dtype=dtype, context_tokens=context, concurrency=concurrency,
                                 page_tokens=page_tokens, prefill_chunk_tokens=prefill_chunk,
-                                kv_cache_mib=kv_cache_mib, served_names=tuple(served_names))
+                                kv_cache_mib=kv_cache_mib, served_names=tuple(served_names),
+                                quantization=quantization.lower() if quantization else None)
         started = time.monotonic()
         manifest = export_core(source, out, options, force=force)
     except FlareError as e:
         _fail(e)
-    click.echo(f"wrote {out} ({manifest.architecture}, {manifest.dtype}, "
+    stored = manifest.weights_quantization
+    click.echo(f"wrote {out} ({manifest.architecture}, {manifest.dtype}"
+               f"{', layer matrices as ' + stored['default'] if stored else ''}, "
                f"context {manifest.capacities.context_tokens}, id {manifest.checkpoint_id}) "
                f"in {time.monotonic() - started:.1f}s")
 
@@ -142,11 +151,13 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
                 raise click.UsageError("--messages must be a JSON list of message objects")
         t0 = time.monotonic()
         quantization = quantization.lower() if quantization else None
+        stored = False
         if quantization is None:  # (a GGUF file or quantised checkpoint on the CPU: at about its bits, as `flared
             # run` serves it)
             from flared.core.sources import kept_quantization
 
             quantization, words = kept_quantization(core)
+            stored = quantization is not None
             if quantization is not None:
                 click.echo(f"{core} holds its layers' weights as {words}: each run at about its bits (-q none: "
                            f"float32)", err=True)
@@ -154,8 +165,12 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
             quantization = None
         # (the embedded model or a source in bfloat16 where its weights are to be quantised: that takes a bf16 core)
         capacities = {"context": context, "concurrency": concurrency, "kv_cache_mib": kv_cache_mib}
-        engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32",
-                                           capacities=capacities), quantization=quantization)
+        if stored:  # (its cached core stores the matrices so: they load as they are)
+            engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16", capacities=capacities,
+                                               stored=quantization))
+        else:
+            engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32",
+                                               capacities=capacities), quantization=quantization)
         load_s = time.monotonic() - t0
         result = engine.generate(prompt=prompt, messages=parsed, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -251,39 +251,32 @@ def _image_limit(text: str) -> int:
 def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict, config,
                   quantization: str | None):
     """CORE's core (``_core_path``) and the config to serve it with: a GGUF file or checkpoint served directly is
-    also known by the path given (as vLLM and llama.cpp's server name it), and a GGUF's or a quantised checkpoint's
-    weights stay at about their bits on the CPU (``_as_the_source_keeps_them``)."""
-    from flared.core.sources import served_source_name
+    also known by the path given (as vLLM and llama.cpp's server name it), and on the CPU a GGUF's or a quantised
+    checkpoint's layer matrices stay at about their bits, as llama.cpp's server keeps a GGUF's (--quantization gguf:
+    a Q4_K_M file's Q4_K matrices as q4_1, its Q6_K ones as q8_0; a GPTQ, AWQ, compressed-tensors, fp8 or
+    bitsandbytes directory's: integer 4-bit ones as q4_1, the rest as q8_0, sources.checkpoint_quantization):
+    its cached core stores them so (flarectl export --quantization), where neither -q nor the config says
+    otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports float32). On a GPU the
+    graphs take bf16 weights: nothing changes."""
+    from flared.core.sources import kept_quantization, served_source_name
 
-    core_path = _core_path(core, cache_dir, dtype, capacities)
+    fmt, words = None, ""
+    if quantization is None and config.quantization is None and dtype in ("auto", "bfloat16"):
+        fmt, words = kept_quantization(core)
+    core_path = _core_path(core, cache_dir, dtype, capacities, stored=fmt)
+    if fmt is not None:
+        log.info("%s holds its layers' weights as %s: each served at about its bits on the CPU (-q %s; -q none: "
+                 "bfloat16), its cached core storing them so", core, words, fmt)
     if served_source_name(core):
         config = dataclasses.replace(config, served_names=(*config.served_names, *served_source_name(core)))
-    return core_path, _as_the_source_keeps_them(config, core, core_path, quantization)
+    return core_path, config
 
 
-def _as_the_source_keeps_them(config, core: str | None, core_path: Path, quantization: str | None):
-    """A GGUF served directly on the CPU keeps its weights at about the bits the file holds them in, as llama.cpp's
-    server does (--quantization gguf: a Q4_K_M file's Q4_K matrices as q4_1, its Q6_K ones as q8_0), and so does a
-    GPTQ, AWQ, compressed-tensors, fp8 or bitsandbytes checkpoint directory (integer 4-bit ones as q4_1, the rest as
-    q8_0: sources.checkpoint_quantization), where neither -q nor the config says otherwise and the core is bfloat16
-    (the kernels' input; a CPU without them exports float32). On a GPU the graphs take bf16 weights: nothing
-    changes."""
-    if quantization is not None or config.quantization is not None:
-        return config
-    from flared.core.manifest import read_manifest
-    from flared.core.sources import kept_quantization
-
-    fmt, words = kept_quantization(core)
-    if fmt is None or read_manifest(core_path).dtype != "bfloat16":
-        return config
-    log.info("%s holds its layers' weights as %s: each served at about its bits on the CPU (-q %s; -q none: "
-             "bfloat16)", core, words, fmt)
-    return dataclasses.replace(config, quantization=fmt)
-
-
-def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict | None = None) -> Path:
+def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict | None = None,
+               stored: str | None = None) -> Path:
     """CORE as given; the embedded default model's core where it is omitted, or a GGUF file's or a Hugging Face
-    checkpoint directory's (flared/core/sources.py), each exported once into the cache in ``dtype``."""
+    checkpoint directory's (flared/core/sources.py), each exported once into the cache in ``dtype`` (a source's
+    layer matrices stored quantised where ``stored`` names a quantization)."""
     from flared.cli.ctl import resolve_core
 
     if core is not None and dtype != "auto":
@@ -300,7 +293,7 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities:
         notifier.status(text, extend_timeout_s=STARTUP_STAGE_EXTEND_S)
 
     try:
-        return Path(resolve_core(core or "default", cache_dir, dtype, progress, capacities))
+        return Path(resolve_core(core or "default", cache_dir, dtype, progress, capacities, stored=stored))
     finally:
         notifier.close()
 

@@ -58,10 +58,17 @@ class ExportOptions:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     kv_cache_mib: int = DEFAULT_KV_CACHE_MIB
     served_names: tuple[str, ...] = ()
+    # "q8_0", "q4_1" or "gguf": the layer matrices stored quantised in the kernels' layout (quant.pack_layer_matrices)
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise CoreError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", ErrorKind.VALIDATION)
+        if self.quantization is not None and (self.quantization not in ("q8_0", "q4_1", "gguf")
+                                              or self.dtype != "bfloat16"):
+            raise CoreError(f"--quantization {self.quantization}: a core stores its matrices as q8_0, q4_1 or gguf "
+                            "(each at about its GGUF tensors' bits) over bfloat16 (--dtype bfloat16)",
+                            ErrorKind.VALIDATION)
         for name in ("concurrency", "page_tokens", "prefill_chunk_tokens", "kv_cache_mib"):
             if getattr(self, name) <= 0:
                 raise CoreError(f"{name} must be positive", ErrorKind.VALIDATION)
@@ -116,6 +123,10 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     config = src.config
     caps = _capacities(config, options)
 
+    source_info = _source_info(source, src.source_kind)
+    if src.quantization is not None:  # (a GPTQ, AWQ, compressed-tensors or fp8 checkpoint, dequantised at read)
+        source_info["quantization"] = src.quantization.describe()
+    plan = _stored_plan(options.quantization, source_info)
     # Norms kept in float32 (a few kilobytes) where the family scales in float32 (ModelConfig.float_norms: Gemma's
     # 1 + w, gpt-oss', Cohere's)
     float_norms = config.float_norms
@@ -128,13 +139,18 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             # (DeepSeek-V3-style routers stay float32, as transformers keeps them)
             keep = (float_norms and name.endswith("norm.weight")) or (config.router_float32 and ".router." in name)
             t = t.to(torch.float32 if keep else dtype)
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shard and shard_bytes + nbytes > WEIGHT_SHARD_BYTES:
-            weight_files.append(_write_shard(save_file, staging, len(weight_files), shard))
-            shard, shard_bytes = {}, 0
-        shard[name] = t
-        shard_bytes += nbytes
+        parts = {name: t.contiguous()}
+        if plan is not None:  # (a layer matrix the plan keeps quantised: its kernels' tensors in its place)
+            from flared.model.quant import pack_layer_matrices
+
+            parts = pack_layer_matrices(parts, plan)
+        for key, part in parts.items():
+            nbytes = part.numel() * part.element_size()
+            if shard and shard_bytes + nbytes > WEIGHT_SHARD_BYTES:
+                weight_files.append(_write_shard(save_file, staging, len(weight_files), shard))
+                shard, shard_bytes = {}, 0
+            shard[key] = part.contiguous()
+            shard_bytes += nbytes
     weight_files.append(_write_shard(save_file, staging, len(weight_files), shard))
     del shard
     vision = None
@@ -156,9 +172,6 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         (staging / "chat_template.jinja").write_text(assets.chat_template, encoding="utf-8")
         files.append("chat_template.jinja")
 
-    source_info = _source_info(source, src.source_kind)
-    if src.quantization is not None:  # (a GPTQ, AWQ, compressed-tensors or fp8 checkpoint, dequantised at read)
-        source_info["quantization"] = src.quantization.describe()
     identity = hashlib.sha256(json.dumps([source_info, options.dtype, caps.page_tokens], sort_keys=True).encode())
     slug = _slug(source.stem if source.is_file() else source.name)
     checkpoint_id = f"{slug}-{identity.hexdigest()[:12]}"
@@ -190,9 +203,24 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         chat_template="chat_template.jinja" if assets.chat_template is not None else None,
         assets={f: Asset(sha256=sha256_file(staging / f), size_bytes=(staging / f).stat().st_size) for f in files},
         vision=vision,
+        weights_quantization=plan.to_dict() if plan is not None else None,
     )
     (staging / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
     return manifest
+
+
+def _stored_plan(quantization: str | None, source_info: dict):
+    """The QuantPlan a core's layer matrices are stored by (--quantization: q8_0 or q4_1 as the runtime keeps them
+    over this source, gguf each at about its GGUF tensors' bits); None: stored plain."""
+    if quantization is None:
+        return None
+    from flared.model.quant import QuantPlan, resolve_quantization
+
+    try:
+        plan = resolve_quantization(quantization, source_info)
+    except ValueError as exc:
+        raise CoreError(f"--quantization {quantization}: {exc}", ErrorKind.VALIDATION) from None
+    return plan if isinstance(plan, QuantPlan) or plan is None else QuantPlan(plan)
 
 
 def _write_shard(save_file, staging: Path, index: int, tensors: dict) -> str:

@@ -92,6 +92,9 @@ class Manifest:
     # A vision-language core's image side: {"config": VisionConfig.to_dict(), "processor": TileProcessor.to_dict(),
     # "weights": the tower's safetensors file}; None for a text-only model.
     vision: dict[str, Any] | None = None
+    # A core whose layer matrices are stored quantised (flarectl export --quantization): the plan that chose each
+    # one's format, {"default": "q4_1" | "q8_0", "matrices": {name: format or null}, "grids": bool}; None: plain.
+    weights_quantization: dict[str, Any] | None = None
 
     @property
     def model_name(self) -> str:
@@ -250,6 +253,19 @@ def parse_manifest(path: Path, data: Any) -> Manifest:
         if vision["weights"] not in assets:
             raise r.fail(f"file {vision['weights']!r} is not listed in 'assets'")
 
+    stored = r.field("weights_quantization", dict, optional=True)
+    if stored is not None:
+        formats = ("q8_0", "q4_1")
+        matrices = stored.get("matrices", {})
+        if set(stored) - {"default", "matrices", "grids"} or stored.get("default") not in formats or \
+                not isinstance(matrices, dict) or not all(isinstance(k, str) and v in (*formats, None)
+                                                          for k, v in matrices.items()) or \
+                not isinstance(stored.get("grids", False), bool):
+            raise r.fail("field 'weights_quantization' must be {'default': 'q8_0' or 'q4_1', 'matrices': {name: "
+                         "format or null}, 'grids': bool}")
+        if dtype != "bfloat16":
+            raise r.fail("field 'weights_quantization' needs a bfloat16 core")
+
     m = Manifest(
         checkpoint_id=r.field("checkpoint_id", str),
         created_by=r.field("created_by", str),
@@ -269,6 +285,7 @@ def parse_manifest(path: Path, data: Any) -> Manifest:
         chat_template=chat_template,
         assets=assets,
         vision=vision,
+        weights_quantization=stored,
     )
     if not m.checkpoint_id:
         raise r.fail("field 'checkpoint_id' must not be empty")

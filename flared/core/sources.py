@@ -53,13 +53,16 @@ def source_kind(path: str | os.PathLike) -> str | None:
     return None
 
 
-def source_core_dir(source: Path, cache_dir: Path, dtype: str, capacities: dict[str, int] | None = None) -> Path:
-    """Where ``source``'s core is cached: its name, a digest of its resolved path, the core format, the dtype and
-    any capacities asked for (``capacity_suffix``)."""
+def source_core_dir(source: Path, cache_dir: Path, dtype: str, capacities: dict[str, int] | None = None,
+                    stored: str | None = None) -> Path:
+    """Where ``source``'s core is cached: its name, a digest of its resolved path, the core format, the dtype, how
+    its layer matrices are stored (``stored``: export's --quantization) and any capacities asked for
+    (``capacity_suffix``)."""
     resolved = source.resolve()
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in resolved.name.lower()).strip("-.") or "model"
-    return Path(cache_dir) / "sources" / f"{name}-{digest}-f{FORMAT_VERSION}-{dtype}{capacity_suffix(capacities)}"
+    return Path(cache_dir) / "sources" / (f"{name}-{digest}-f{FORMAT_VERSION}-{dtype}{'-' + stored if stored else ''}"
+                                          f"{capacity_suffix(capacities)}")
 
 
 # The capacities a core served from the cache may be exported with: `flared run`'s options, `flarectl export`'s
@@ -93,13 +96,14 @@ def fingerprint(source: Path) -> dict:
 
 def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = "auto",
                        progress: Callable[[str], None] | None = None,
-                       capacities: dict[str, int] | None = None) -> Path:
+                       capacities: dict[str, int] | None = None, stored: str | None = None) -> Path:
     """``source``'s core in the cache, exported first where it is missing or the source has changed since
     (``dtype`` "auto": default.preferred_dtype()). Its served name is export's (the file's or directory's name);
     the daemon adds the source as given (``served_source_name``). ``progress``, if given, hears a line when an
     export starts and every PROGRESS_S while it runs (the daemon tells systemd, whose start timeout a large
     model's export could pass). ``capacities`` (keys of CAPACITIES): export's flags of those names, a core of
-    their own in the cache."""
+    their own in the cache; ``stored``: export's --quantization (the layer matrices stored so, in bfloat16), a core
+    of its own too."""
     from flared.core.default import preferred_dtype
 
     source = Path(source)
@@ -108,7 +112,9 @@ def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = 
                         ErrorKind.CORE_MISSING)
     if dtype == "auto":
         dtype = preferred_dtype()
-    out = source_core_dir(source, cache_dir, dtype, capacities)
+    if stored is not None and dtype != "bfloat16":
+        stored = None  # (stored quantised over bfloat16 only: a float32 core keeps them plain)
+    out = source_core_dir(source, cache_dir, dtype, capacities, stored)
     stamp = out.with_name(out.name + ".source.json")
     wanted = fingerprint(source)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +126,7 @@ def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = 
         print(f"flared: exporting {source} to {out}{again} (once)", file=sys.stderr)
         stamp.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(source), "--out", str(out), "--dtype", dtype,
-               "--force", *capacity_args(capacities)]
+               "--force", *capacity_args(capacities), *(["--quantization", stored] if stored else [])]
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno())  # (keep our stdout clean for --json callers)
         while True:

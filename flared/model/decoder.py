@@ -29,9 +29,9 @@ from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
-from flared.model.loader import check_serving_tensors
-from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, q4_1_rows, q8_0_rows,
-                                quantize_packed)
+from flared.model.loader import check_serving_tensors, serving_tensor_shapes
+from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, packed_format,
+                                packed_parts, packed_values, q4_1_rows, q8_0_rows, quantize_packed)
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -282,6 +282,18 @@ class _Linear:
         self.split = weight.view(_SPLIT_PARTS, self.out_features // _SPLIT_PARTS, self.in_features) if can_split \
             else None
 
+    @classmethod
+    def stored(cls, parts: tuple[torch.Tensor, ...], fmt: str, shape: tuple[int, int],
+               bias: torch.Tensor | None) -> "_Linear":
+        """A matrix a core holds quantised (quant.pack_layer_matrices' tensors in ``fmt``), kept as it is."""
+        lin = cls.__new__(cls)
+        lin.bias, lin.weight, lin.split, lin.packed = bias, None, None, None
+        lin.out_features, lin.in_features = shape
+        lin.quant, lin.quant_scales = parts[0], parts[1]
+        lin.quant_offsets = parts[2] if len(parts) > 2 else None
+        lin.quant_kind = fmt
+        return lin
+
     @property
     def quant_tensors(self) -> tuple[torch.Tensor, ...]:
         """A quantised weight's tensors, as its kernels take them (_QUANT_KERNELS): values, scales[, offsets]."""
@@ -413,10 +425,25 @@ class DecoderModel:
             return _Linear(weight, bias, self.quantization, arena, grids)
 
         def w(name: str) -> torch.Tensor:
+            stored = packed_format(tensors, name) if name not in tensors else None
+            if stored is not None:  # (a core's matrix stored quantised: its values, where it is not kept so)
+                value = packed_values(packed_parts(tensors, name, stored), stored, shapes[name][-2], dtype)
+                return value.to(device=self.device, dtype=dtype).contiguous()
             return tensors[name].to(device=self.device, dtype=dtype).contiguous()
 
         def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in tensors else None
+            return w(name) if name in tensors or packed_format(tensors, name) is not None else None
+
+        shapes = serving_tensor_shapes(config)
+
+        def kept_stored(name: str, fmt: str | None) -> tuple[torch.Tensor, ...] | None:
+            """Matrix ``name``'s stored tensors where the core holds it quantised in ``fmt`` and this model keeps it
+            so: taken as they are (no quantiser run)."""
+            stored = packed_format(tensors, name) if name not in tensors else None
+            if stored is None or stored != fmt or dtype != torch.bfloat16 or self.device.type != "cpu" or \
+                    q8_linear is None or not BF16_SUPPORTED:
+                return None
+            return packed_parts(tensors, name, stored)
 
         def fmt_of(name: str) -> str | None:
             """The format of the product stored as serving tensor ``name`` (a plan's for it, else the one)."""
@@ -426,6 +453,9 @@ class DecoderModel:
             """A layer's product by its serving name (p + key + ".weight", its bias if it has one and ``bias``), in
             its format."""
             name = p + key + ".weight"
+            parts = kept_stored(name, fmt_of(name))
+            if parts is not None:
+                return _Linear.stored(parts, fmt_of(name), shapes[name], opt(p + key + ".bias") if bias else None)
             return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena, grids)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
@@ -581,16 +611,21 @@ class DecoderModel:
                     layer.correction_bias = tensors[p + "router.correction_bias"].to(self.device, torch.float32)
                 if not config.router_float32:
                     layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
-                gate_up, down = w(p + "experts.gate_up.weight"), w(p + "experts.down.weight")
+                names = p + "experts.gate_up.weight", p + "experts.down.weight"
+                formats = fmt_of(names[0]), fmt_of(names[1])
+                stored = [kept_stored(n, f) for n, f in zip(names, formats)]
+                gate_up, down = (w(n) if parts is None else None for n, parts in zip(names, stored))
                 if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
                     layer.expert_biases = (w(p + "experts.gate_up.bias"), w(p + "experts.down.bias"))
                 biases = layer.expert_biases or (None, None)
-                formats = fmt_of(p + "experts.gate_up.weight"), fmt_of(p + "experts.down.weight")
-                layer.experts = [(_Linear(gate_up[e], None if biases[0] is None else biases[0][e], formats[0], arena,
-                                          grids),
-                                  _Linear(down[e], None if biases[1] is None else biases[1][e], formats[1], arena,
-                                          grids))
-                                 for e in range(config.num_experts)]
+
+                def expert(j: int, e: int) -> _Linear:  # (the stack's matrix j: 0 gate_up, 1 down)
+                    bias = None if biases[j] is None else biases[j][e]
+                    if stored[j] is not None:
+                        return _Linear.stored(tuple(t[e] for t in stored[j]), formats[j], shapes[names[j]][1:], bias)
+                    return _Linear((gate_up, down)[j][e], bias, formats[j], arena, grids)
+
+                layer.experts = [(expert(0, e), expert(1, e)) for e in range(config.num_experts)]
                 if layer.experts[0][0].packed is None and layer.experts[0][0].quant is None:
                     # (the experts' weights are views of these: no copy)
                     layer.expert_stacks = (gate_up.transpose(1, 2), down.transpose(1, 2))  # grouped products' layout

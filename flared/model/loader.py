@@ -254,9 +254,27 @@ def _latent_attention_shapes(c: ModelConfig, p: str, layer: int) -> dict[str, tu
 
 
 def check_serving_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig, *, source: str) -> None:
+    """Every serving tensor of ``config`` present at its shape and a floating dtype, and no other; a layer matrix may be
+    stored quantised instead (quant.pack_layer_matrices: its tensors at the format's shapes and dtypes)."""
+    from flared.model.quant import PACKED_MATRIX, packed_format, packed_shapes
+
     expected = serving_tensor_shapes(config)
+    stored = {}
+    for name, shape in list(expected.items()):
+        fmt = packed_format(tensors, name) if name not in tensors and PACKED_MATRIX.match(name) else None
+        if fmt is None:
+            continue
+        del expected[name]
+        stack, (out_features, in_features) = shape[:-2], shape[-2:]
+        for suffix, (part, dtype) in packed_shapes(fmt, out_features, in_features).items():
+            key = f"{name}.{suffix}"
+            value = tensors.get(key)
+            if value is None or tuple(value.shape) != (*stack, *part) or value.dtype != dtype:
+                raise CoreError(f"{source}: {name} stored as {fmt} needs {key} {(*stack, *part)} {dtype}, found "
+                                f"{'none' if value is None else f'{tuple(value.shape)} {value.dtype}'}")
+            stored[key] = True
     missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
+    extra = sorted(set(tensors) - set(expected) - set(stored))
     if missing:
         raise CoreError(f"{source}: missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if extra:

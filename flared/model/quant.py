@@ -89,6 +89,14 @@ class QuantPlan:
     def format_of(self, name: str | None) -> str | None:
         return self.matrices.get(name, self.default) if name is not None else self.default
 
+    def to_dict(self) -> dict:
+        """As a core's manifest records it (``weights_quantization``)."""
+        return {"default": self.default, "matrices": dict(sorted(self.matrices.items())), "grids": self.grids}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantPlan":
+        return cls(d["default"], dict(d.get("matrices", {})), bool(d.get("grids", False)))
+
     def digest(self) -> str:
         """What a cached prefix's keys and values depend on (they come from these weights)."""
         parts = [self.default, sorted(self.matrices.items(), key=lambda kv: kv[0])] + (["grids"] if self.grids else [])
@@ -364,3 +372,66 @@ def q4_1_rows(packed: torch.Tensor, packed_steps: torch.Tensor, packed_offsets: 
     q = unpack_q4_1_values(packed[groups])  # [rows, in / 4, 64, 4]
     q = q[torch.arange(len(rows)), :, features, :].reshape(len(rows), -1)
     return dequantize_q4_1(q, packed_steps[groups, :, features], packed_offsets[groups, :, features], dtype)
+
+
+# ---- a core's layer matrices stored quantised (flarectl export --quantization)
+#
+# A core exported with a quantization holds each layer matrix its plan keeps quantised in the kernels' layout
+# (pack_q8_0's or pack_q4_1's tensors, a mixture's expert stacks one such set an expert, stacked) under the matrix's
+# name and a suffix, in place of the bf16 matrix: "layers.3.qkv.weight.q4_1", ".q4_1_steps", ".q4_1_offsets". The
+# manifest's weights_quantization records the plan. Loading then reads them as they are; a GPU or a float32 model
+# takes their values back (packed_values).
+
+PACKED_SUFFIXES = {"q8_0": ("q8_0", "q8_0_scales"), "q4_1": ("q4_1", "q4_1_steps", "q4_1_offsets")}
+# The serving layer matrices an export may store quantised: DecoderModel keeps these by a plan's format of them
+PACKED_MATRIX = re.compile(r"^layers\.\d+\.(qkv|o|gate_up|down|shared\.gate_up|shared\.down|experts\.gate_up|"
+                           r"experts\.down)\.weight$")
+
+
+def packed_format(tensors: dict, name: str) -> str | None:
+    """The format matrix ``name`` is stored in among ``tensors`` ("q8_0", "q4_1"), None where it is stored plain."""
+    return next((fmt for fmt, suffixes in PACKED_SUFFIXES.items() if f"{name}.{suffixes[0]}" in tensors), None)
+
+
+def packed_parts(tensors: dict, name: str, fmt: str) -> tuple[torch.Tensor, ...]:
+    """Matrix ``name``'s stored tensors in ``fmt``: (values, scales) or (values, steps, offsets)."""
+    return tuple(tensors[f"{name}.{suffix}"] for suffix in PACKED_SUFFIXES[fmt])
+
+
+def packed_shapes(fmt: str, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each stored tensor's suffix -> (shape, dtype) for an [out, in] matrix in ``fmt`` (pack_q8_0's, pack_q4_1's)."""
+    groups = -(-out_features // GROUP_FEATURES)
+    params = (groups, in_features // Q8_BLOCK, GROUP_FEATURES)
+    if fmt == "q8_0":
+        return {"q8_0": ((groups, in_features // 2, GROUP_FEATURES, 2), torch.int8),
+                "q8_0_scales": (params, torch.float32)}
+    return {"q4_1": ((groups, in_features // 4, 128), torch.uint8), "q4_1_steps": (params, torch.float16),
+            "q4_1_offsets": (params, torch.float16)}
+
+
+def packed_values(parts: tuple[torch.Tensor, ...], fmt: str, out_features: int,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A stored matrix's values as the kernels use them, [out, in] (an expert stack's parts: [E, out, in])."""
+    if parts[0].dim() == (5 if fmt == "q8_0" else 4):  # (a stack: one set an expert)
+        return torch.stack([packed_values(tuple(p[e] for p in parts), fmt, out_features, dtype)
+                            for e in range(parts[0].shape[0])])
+    rows = list(range(out_features))
+    return q8_0_rows(*parts, rows, dtype) if fmt == "q8_0" else q4_1_rows(*parts, rows, dtype)
+
+
+def pack_layer_matrices(tensors: dict, plan: "QuantPlan", threads: int | None = None) -> dict:
+    """``tensors`` (a bf16 model's serving tensors) with each layer matrix that ``plan`` keeps quantised, and whose
+    inputs are a multiple of 32, replaced by its stored tensors (the matrices the plan keeps bf16, and every other
+    tensor, as they are)."""
+    out = {}
+    for name, value in tensors.items():
+        fmt = plan.format_of(name) if PACKED_MATRIX.match(name) else None
+        if fmt is None or value.dtype != torch.bfloat16 or value.shape[-1] % Q8_BLOCK:
+            out[name] = value
+            continue
+        stack = value if value.dim() == 3 else value[None]
+        sets = [quantize_packed(fmt, m.contiguous(), threads, grids=plan.grids) for m in stack]
+        for i, suffix in enumerate(PACKED_SUFFIXES[fmt]):
+            parts = [s[i] for s in sets]
+            out[f"{name}.{suffix}"] = torch.stack(parts) if value.dim() == 3 else parts[0]
+    return out

@@ -31,7 +31,7 @@ class OneShot:
         from tokenizers import Tokenizer
 
         from flared.frontend import ChatTemplate
-        from flared.model.quant import resolve_quantization
+        from flared.model.quant import QuantPlan, resolve_quantization
         from flared.model.runner import ModelRunner
 
         core = open_core(path)
@@ -40,6 +40,8 @@ class OneShot:
             kept = resolve_quantization(quantization, m.source)
         except ValueError as e:
             raise ExecutionError(f"--quantization {quantization}: {e}", ErrorKind.VALIDATION) from None
+        if m.weights_quantization is not None and quantization is None:  # (a core stored quantised: as it is)
+            kept = QuantPlan.from_dict(m.weights_quantization)
         try:
             tokenizer = Tokenizer.from_file(str(core.tokenizer_path))
         except Exception as e:

@@ -426,6 +426,12 @@ class ModelRuntime:
         if self.quantization is not None and kept is None:  # (gguf over a file mostly at 16 bits or more)
             log.info("--quantization %s: the source's layer matrices are mostly 16-bit or wider: served as the core "
                      "is (%s)", self.quantization, m.dtype)
+        if m.weights_quantization is not None and self.quantization is None:  # (a core stored quantised)
+            if use_cuda or device != "cpu":
+                log.info("this core stores its layer matrices as %s: a GPU takes them back to %s",
+                         m.weights_quantization["default"], m.dtype)
+            else:
+                kept = QuantPlan.from_dict(m.weights_quantization)
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if kept is not None:  # cached keys and values come from the quantised weights
@@ -444,12 +450,20 @@ class ModelRuntime:
         if self.lora_adapters:
             from flared.model.lora import LoraAdapter, merge_adapters
 
+            if m.weights_quantization is not None:
+                raise ExecutionError("--lora merges adapters into a core's weights, and this core stores its layer "
+                                     "matrices quantised: export it without --quantization (or serve the adapter "
+                                     "per request: --lora-modules)", ErrorKind.VALIDATION)
+
             adapters = [LoraAdapter(Path(p), float(scale)) for p, scale in self.lora_adapters]
             # cached prefixes belong to the merged weights
             identity.update(merge_adapters(tensors, self.core.config, adapters))
             log.info("merged LoRA adapters: %s", ", ".join(f"{p} (scale {s:g})" for p, s in self.lora_adapters))
         identity = identity.digest()
-        self._weight_shapes = {k: torch.empty(v.shape, device="meta") for k, v in tensors.items()}
+        from flared.model.loader import serving_tensor_shapes
+
+        self._weight_shapes = {k: torch.empty(v, device="meta")  # (by the serving names: a stored core's too)
+                               for k, v in serving_tensor_shapes(self.core.config).items()}
         factors = [self._lora_factors(path) for _, path in self.lora_modules]
         if factors:
             log.info("per-request LoRA adapters: %s", ", ".join(f"{n} ({p})" for n, p in self.lora_modules))

@@ -91,6 +91,7 @@ def test_a_gguf_served_directly_on_the_cpu_keeps_its_bits(default_gguf, start_da
     cache = ["--cache-dir", str(tmp_path / "cache"), "--dtype", "bfloat16"]
     daemon = start_daemon(default_gguf, *cache)
     assert "each served at about its bits on the CPU (-q gguf" in daemon.log()
+    assert "-bfloat16-gguf (once)" in daemon.log()  # (its cached core stores them so: tests/core/test_stored_quant.py)
     status, shown = daemon.request("POST", "/api/show", {"model": str(default_gguf)})
     assert status == 200 and shown["details"]["quantization_level"] == "Q4_1"
     status, body = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": "The capital of France is",
