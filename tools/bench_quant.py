@@ -142,15 +142,20 @@ def load(shape: str, formats: list[str], repeats: int) -> dict:
     matrices = [t for name, t in tensors.items() if name.startswith("layers.") and t.dim() == 2]
     matrices.append(tensors.get("lm_head.weight", tensors["embed.weight"]))
     weights = sum(t.numel() for t in matrices)
-    sides = [("bf16", None, True)] + [(f"{fmt} {how}", fmt, how == "C") for fmt in formats for how in ("C", "torch")]
+    sides = [("bf16", None, True)] + [(f"{fmt} {how}", fmt, how == "C") for fmt in formats
+                                      for how in ("C", "torch", "stored")]
+    stored = {fmt: quant.pack_layer_matrices(tensors, quant.QuantPlan(fmt)) for fmt in formats}
     best, alone = {}, {}
     for _ in range(repeats):
         for name, fmt, c_quantiser in sides:
             quant.C_QUANTISER = c_quantiser
             t = time.perf_counter()
-            model = DecoderModel(config, tensors, dtype=torch.bfloat16, quantization=fmt)
+            model = DecoderModel(config, stored[fmt] if name.endswith("stored") else tensors, dtype=torch.bfloat16,
+                                 quantization=fmt)
             best[name] = min(best.get(name, float("inf")), time.perf_counter() - t)
             del model
+            if name.endswith("stored"):
+                continue
             if fmt is None:
                 continue
             t = time.perf_counter()
@@ -158,18 +163,25 @@ def load(shape: str, formats: list[str], repeats: int) -> dict:
                 quant.quantize_packed(fmt, m)
             alone[name] = min(alone.get(name, float("inf")), (time.perf_counter() - t) / weights * 1e9)
     quant.C_QUANTISER = True
-    out = {"label": label, "weights": weights, "seconds": best, "ns_per_weight": alone}
+
+    def mib(ts: dict) -> float:
+        return sum(t.numel() * t.element_size() for t in ts.values()) / 2**20
+
+    out = {"label": label, "weights": weights, "seconds": best, "ns_per_weight": alone, "bf16_mib": mib(tensors)}
     print(f"\n{label} shape: building the model from bf16 tensors, {torch.get_num_threads()} threads, best of "
-          f"{repeats}; the quantisers alone over its {weights / 1e6:.0f}M product and LM-head weights")
+          f"{repeats}; the quantisers alone over its {weights / 1e6:.0f}M product and LM-head weights; 'stored': "
+          f"from a core's tensors stored quantised (the core's weights: MiB; bf16 {mib(tensors):.0f})")
     print(f"{'weights':>8} {'load, C s':>10} {'load, torch s':>14} {'torch / C':>10} {'C ns/weight':>12} "
-          f"{'torch ns/weight':>16} {'torch / C':>10}")
+          f"{'torch ns/weight':>16} {'torch / C':>10} {'stored s':>9} {'stored MiB':>11}")
     print(f"{'bf16':>8} {best['bf16']:>10.3f}")
     for fmt in formats:
         c, t = best[f"{fmt} C"], best[f"{fmt} torch"]
         c_ns, t_ns = alone[f"{fmt} C"], alone[f"{fmt} torch"]
         out[fmt] = {"load_c_s": c, "load_torch_s": t, "load_speedup": t / c, "c_ns_per_weight": c_ns,
-                    "torch_ns_per_weight": t_ns, "quantiser_speedup": t_ns / c_ns}
-        print(f"{fmt:>8} {c:>10.3f} {t:>14.3f} {t / c:>9.2f}x {c_ns:>12.2f} {t_ns:>16.2f} {t_ns / c_ns:>9.2f}x")
+                    "torch_ns_per_weight": t_ns, "quantiser_speedup": t_ns / c_ns,
+                    "load_stored_s": best[f"{fmt} stored"], "stored_mib": mib(stored[fmt])}
+        print(f"{fmt:>8} {c:>10.3f} {t:>14.3f} {t / c:>9.2f}x {c_ns:>12.2f} {t_ns:>16.2f} {t_ns / c_ns:>9.2f}x "
+              f"{best[f'{fmt} stored']:>9.3f} {mib(stored[fmt]):>11.0f}")
     return out
 
 
