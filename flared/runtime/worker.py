@@ -436,6 +436,8 @@ class ModelRuntime:
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if kept is not None:  # cached keys and values come from the quantised weights
             identity.update(f"|weights {kept.digest() if isinstance(kept, QuantPlan) else kept}".encode())
+        elif m.weights_quantization is not None:  # (a GPU's: the stored matrices' values, not the source's)
+            identity.update(f"|stored {QuantPlan.from_dict(m.weights_quantization).digest()}".encode())
         if self.kv_cache_dtype != "auto":  # cached prefixes hold keys and values at the pool's precision
             identity.update(b"|kv float8_e4m3fn")  # "fp8" and "fp8_e4m3" name the same pool
         scaling = self.core.config.rope_scaling
