@@ -284,8 +284,11 @@ class _Linear:
 
     @classmethod
     def stored(cls, parts: tuple[torch.Tensor, ...], fmt: str, shape: tuple[int, int],
-               bias: torch.Tensor | None) -> "_Linear":
-        """A matrix a core holds quantised (quant.pack_layer_matrices' tensors in ``fmt``), kept as it is."""
+               bias: torch.Tensor | None, arena: "_Arena | None" = None) -> "_Linear":
+        """A matrix a core holds quantised (quant.pack_layer_matrices' tensors in ``fmt``), kept as it is: copied
+        into ``arena`` (DecoderModel's, in huge pages) where given, as the quantiser writes into it."""
+        if arena is not None:
+            parts = tuple(arena.empty(tuple(p.shape), p.dtype).copy_(p) for p in parts)
         lin = cls.__new__(cls)
         lin.bias, lin.weight, lin.split, lin.packed = bias, None, None, None
         lin.out_features, lin.in_features = shape
@@ -455,7 +458,8 @@ class DecoderModel:
             name = p + key + ".weight"
             parts = kept_stored(name, fmt_of(name))
             if parts is not None:
-                return _Linear.stored(parts, fmt_of(name), shapes[name], opt(p + key + ".bias") if bias else None)
+                return _Linear.stored(parts, fmt_of(name), shapes[name], opt(p + key + ".bias") if bias else None,
+                                      arena)
             return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena, grids)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
@@ -622,7 +626,8 @@ class DecoderModel:
                 def expert(j: int, e: int) -> _Linear:  # (the stack's matrix j: 0 gate_up, 1 down)
                     bias = None if biases[j] is None else biases[j][e]
                     if stored[j] is not None:
-                        return _Linear.stored(tuple(t[e] for t in stored[j]), formats[j], shapes[names[j]][1:], bias)
+                        return _Linear.stored(tuple(t[e] for t in stored[j]), formats[j], shapes[names[j]][1:], bias,
+                                              arena)
                     return _Linear((gate_up, down)[j][e], bias, formats[j], arena, grids)
 
                 layer.experts = [(expert(0, e), expert(1, e)) for e in range(config.num_experts)]
