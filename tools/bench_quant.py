@@ -142,8 +142,8 @@ def load(shape: str, formats: list[str], repeats: int) -> dict:
     matrices = [t for name, t in tensors.items() if name.startswith("layers.") and t.dim() == 2]
     matrices.append(tensors.get("lm_head.weight", tensors["embed.weight"]))
     weights = sum(t.numel() for t in matrices)
-    sides = [("bf16", None, True)] + [(f"{fmt} {how}", fmt, how == "C") for fmt in formats
-                                      for how in ("C", "torch", "stored")]
+    sides = [("bf16", None, True)] + [(f"{fmt} {how}", fmt, how != "torch") for fmt in formats
+                                      for how in ("C", "torch", "stored")]  # (stored: the LM head by the C one)
     stored = {fmt: quant.pack_layer_matrices(tensors, quant.QuantPlan(fmt)) for fmt in formats}
     best, alone = {}, {}
     for _ in range(repeats):
