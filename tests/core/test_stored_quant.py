@@ -127,3 +127,20 @@ def test_a_gguf_served_directly_caches_a_stored_core(default_gguf, tmp_path):
     cores = sorted((tmp_path / "sources").glob("*-bfloat16-gguf"))
     assert len(cores) == 1, list((tmp_path / "sources").iterdir())
     assert read_manifest(cores[0]).weights_quantization["default"] == "q4_1"
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["deepseek_v2", "gpt_oss", "lfm2", "granite4_h", "llama4", "phi"])
+def test_other_families_read_their_stored_matrices(family, tmp_path):
+    """Latent attention, sinks and biased experts, short convolutions, Mamba-2 hybrids, chunked attention, a
+    parallel block: every layer matrix a plan stores reads back to the logits of quantising at load."""
+    from flared.model.loader import read_source
+
+    source = read_source(build_hf_checkpoint(family, tmp_path), dtype=torch.bfloat16)
+    tensors = _bf16(source)
+    stored = pack_layer_matrices(tensors, QuantPlan("q4_1"))
+    assert any(k.endswith(".q4_1") for k in stored)
+    at_load = last_logits(DecoderModel(source.config, tensors, dtype=torch.bfloat16, quantization="q4_1"), PROMPT)
+    as_stored = last_logits(DecoderModel(source.config, stored, dtype=torch.bfloat16,
+                                         quantization=QuantPlan("q4_1")), PROMPT)
+    assert torch.equal(at_load, as_stored)
