@@ -349,8 +349,6 @@ def test_other_quantizations_are_refused_by_name(tmp_path, quantization, what, k
 def test_a_float8_matrix_the_layout_does_not_name_is_refused(tmp_path):
     """An fp8 config without a block size over a block-scaled checkpoint (scales named weight_scale_inv): its float8
     matrices are named as unread, never served as their raw codes."""
-    from safetensors.torch import load_file, save_file
-
     def quantize(name, weight):
         scale = weight.abs().amax(1, keepdim=True) / 448.0
         fp8 = (weight / scale).to(torch.float8_e4m3fn)
