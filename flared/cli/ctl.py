@@ -164,13 +164,11 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
         elif quantization == "none":
             quantization = None
         # (the embedded model or a source in bfloat16 where its weights are to be quantised: that takes a bf16 core)
+        # (a source kept at its bits: its cached core stores the matrices so, and they load as they are)
         capacities = {"context": context, "concurrency": concurrency, "kv_cache_mib": kv_cache_mib}
-        if stored:  # (its cached core stores the matrices so: they load as they are)
-            engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16", capacities=capacities,
-                                               stored=quantization))
-        else:
-            engine = OneShot.open(resolve_core(core, cache_dir, "bfloat16" if quantization else "float32",
-                                               capacities=capacities), quantization=quantization)
+        path = resolve_core(core, cache_dir, "bfloat16" if quantization else "float32", capacities=capacities,
+                            stored=quantization if stored else None)
+        engine = OneShot.open(path, quantization=None if stored else quantization)
         load_s = time.monotonic() - t0
         result = engine.generate(prompt=prompt, messages=parsed, max_tokens=max_tokens,
                                  temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

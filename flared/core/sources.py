@@ -189,8 +189,9 @@ def checkpoint_quantization(directory: str | os.PathLike) -> tuple[str | None, s
     if quant.method == "bitsandbytes":  # (NF4's and FP4's 16 levels are not evenly spaced: Q4_1's grid misses
         # them, 0.38 nats of KL against q8_0's 0.003 on the embedded model; docs/benchmarks.md)
         return "q8_0", f"bitsandbytes {quant.settings.get('type', 'int8')} {bits}-bit"
-    if quant.settings.get("float4"):  # (FP4's levels likewise: 0, 0.5, 1, 1.5, 2, 3, 4, 6)
-        return "q8_0", f"{quant.method} fp4"
+    if quant.settings.get("float"):  # (float weights: fp8, or FP4 whose levels 0, 0.5, 1, 1.5, 2, 3, 4, 6 no even
+        # grid holds either)
+        return "q8_0", f"{quant.method} fp{bits}"
     return ("q4_1" if bits <= 4 else "q8_0"), words
 
 

@@ -251,7 +251,8 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise _malformed(source, "quantization_config.config_groups is not an object")
-    formats, widths, group_sizes, blocks, floats = set(), set(), set(), set(), set()
+    widths, group_sizes, blocks = set(), set(), set()
+    floats = False
     top = q.get("format")
     for name, group in groups.items():
         if not isinstance(group, dict):
@@ -274,10 +275,8 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
                                 "fp8, and fp4 as nvfp4- or mxfp4-pack-quantized)")
         if kind not in ("int", "float"):
             raise _fail(source, f"compressed-tensors weight type {kind!r} is not supported")
-        formats.add(fmt)
         widths.add(bits)
-        if kind == "float":
-            floats.add(name)
+        floats |= kind == "float"
         if weights.get("group_size"):
             group_sizes.add(weights["group_size"])
         if weights.get("block_structure"):
@@ -287,8 +286,7 @@ def _parse_compressed(q: dict, source: str) -> CheckpointQuantization:
     return CheckpointQuantization(
         "compressed-tensors", next(iter(widths)) if len(widths) == 1 else None,
         next(iter(group_sizes)) if len(group_sizes) == 1 else None,
-        {"widths": sorted(widths), "block": next(iter(blocks)) if blocks else None,
-         "float4": any(f.endswith("fp4-pack-quantized") for f in formats), "float": bool(floats)})
+        {"widths": sorted(widths), "block": next(iter(blocks)) if blocks else None, "float": floats})
 
 
 # ---------------------------------------------------------------------------------------------- dequantization
@@ -315,12 +313,18 @@ def dequantize(hf: dict[str, torch.Tensor], quant: CheckpointQuantization, dtype
                                  f"does not lay out{f' ({len(left)} such matrices)' if len(left) > 1 else ''}")
 
 
+def _nibbles(raw: torch.Tensor, high_first: bool = False) -> torch.Tensor:
+    """uint8 bytes [..., n] -> their 4-bit halves [..., 2 n], each byte's low half first (or its high half)."""
+    low, high = raw & 15, raw >> 4
+    return torch.stack((high, low) if high_first else (low, high), dim=-1).flatten(-2)
+
+
 def _unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 words [..., n] -> their values [..., n * 32 / bits], each word's from its low bits up (uint8 at 4 and 8
     bits, through the words' little-endian bytes: a byte's low half first; int32 at 2)."""
     if bits in (4, 8) and sys.byteorder == "little":
         raw = words.contiguous().view(torch.uint8)  # [..., n * 4]
-        return raw if bits == 8 else torch.stack((raw & 15, raw >> 4), dim=-1).flatten(-2)
+        return raw if bits == 8 else _nibbles(raw)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     return ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
@@ -470,6 +474,7 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
                 raise _malformed(source, f"{module}weight_packed {tuple(packed.shape)} holds no {shape} matrix of "
                                          f"{' or '.join(map(str, widths))}-bit values")
             q = _unpack(packed, bits)[..., :shape[-1]].to(torch.int16) - (1 << (bits - 1))  # (stored offset)
+            width = bits
             if zero_t is not None and zero_t.dtype == torch.int32:  # (packed along the outputs)
                 rows = shape[-2]
                 zero_t = (_unpack(zero_t.transpose(-1, -2).contiguous(), bits)[..., :rows].to(torch.int16)
@@ -479,7 +484,8 @@ def _compressed(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, sou
             if q.dtype not in (torch.int8, *_FLOAT8):
                 raise _fail(source, f"{module}weight is {q.dtype} beside a weight_scale: a checkpoint saved "
                                     "uncompressed (fake-quantised) is not supported; save it compressed")
-        quant.widths[module] = bits if module + "weight_shape" in hf else 8  # (int8 or fp8 weights: 8 bits)
+            width = 8  # (int8 or fp8 weights)
+        quant.widths[module] = width
         if q.dim() == 3:  # (a mixture's experts stacked)
             parts = [_dequant_matrix(q[e], scale_t[e], None if zero_t is None else zero_t[e],
                                      None if g_idx is None else g_idx[e], block, module, source, quant.group_size)
@@ -501,7 +507,7 @@ def _fp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor |
             (packed.shape[1] * 2) % scale.shape[1]:
         raise _malformed(source, f"{module}weight_packed {tuple(packed.shape)} and weight_scale "
                                  f"{tuple(scale.shape)} are no FP4 matrix in groups")
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(1).long()  # (the low half first)
+    codes = _nibbles(packed).long()  # (the low half first)
     values = torch.tensor(E2M1)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     if scale.dtype == torch.uint8:  # (MXFP4: E8M0 exponents)
         scales = torch.exp2(scale.float() - 127.0)
@@ -558,7 +564,7 @@ def _bitsandbytes(hf: dict, quant: CheckpointQuantization, dtype: torch.dtype, s
                 absmax.numel() != -(-count // blocksize):
             raise _malformed(source, f"{weight_name}: {packed.numel()} bytes, {absmax.numel()} block scales and a "
                                      f"map of {quant_map.numel()} hold no {shape} matrix in blocks of {blocksize}")
-        codes = torch.stack([packed >> 4, packed & 15], dim=-1).flatten()[:count].long()  # (the high half first)
+        codes = _nibbles(packed, high_first=True)[:count].long()
         values = quant_map[codes] * absmax.repeat_interleave(blocksize)[:count]
         hf[weight_name] = values.reshape(shape).to(dtype)
         quant.widths[weight_name[:-len("weight")]] = 4

@@ -144,13 +144,16 @@ def _holds_four_bits(source: dict) -> bool:
                == "q4_1" for entry in types.values())
 
 
-def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | None":
+def resolve_quantization(name: str | None, source: dict, stored: dict | None = None) -> "str | QuantPlan | None":
     """--quantization as DecoderModel takes it: "gguf" becomes the core's plan (gguf_plan over the tensor types its
     manifest's ``source`` records; None where the file's layers are mostly 16-bit), a ValueError where the core
     records none; q4_1 or q8_0 of a core exported from a quantised checkpoint (manifest ``source.quantization``) a
     plan that keeps the checkpoint's wider modules at their bits (``matrix_bits``: 8 as q8_0, 16 as bf16) and, for
     q4_1 over integer grids (GPTQ, AWQ, AutoRound, compressed-tensors' integer schemes: ``integer_grid``; a GGUF's
-    4-bit tensors), whose blocks search them (QuantPlan.grids); other names as check_quantization says."""
+    4-bit tensors), whose blocks search them (QuantPlan.grids); other names as check_quantization says. No name over
+    a core that stores its matrices quantised (``stored``: its manifest's weights_quantization) is that core's plan."""
+    if name is None and stored is not None:
+        return QuantPlan.from_dict(stored)
     if name != GGUF:
         name = check_quantization(name)
         recorded = source.get("quantization") if isinstance(source.get("quantization"), dict) else {}
@@ -158,10 +161,11 @@ def resolve_quantization(name: str | None, source: dict) -> "str | QuantPlan | N
         grids = name == "q4_1" and (recorded.get("integer_grid") is True or _holds_four_bits(source))
         if name is None or not (grids or bits):
             return name
-        # (never fewer bits than the checkpoint's: its 8-bit modules as q8_0 under q4_1, its 16-bit ones bf16)
-        def kept(width) -> str | None:
-            return None if not isinstance(width, int) or width > 8 else "q8_0" if width > 4 or name == "q8_0" \
-                else "q4_1"
+        def kept(width) -> str | None:  # (never fewer bits than the checkpoint's: 8-bit modules as q8_0, 16-bit bf16)
+            if not isinstance(width, int) or width > 8:
+                return None
+            return "q4_1" if width <= 4 and name == "q4_1" else "q8_0"
+
         return QuantPlan(name, {m: kept(w) for m, w in sorted(bits.items()) if kept(w) != name}, grids=grids)
     types = source.get("tensor_types") if source.get("kind") == "gguf" else None
     if not types:
@@ -342,19 +346,12 @@ def _quantize_packed_c(quantization: str, weight: torch.Tensor, threads: int, em
     from flared._fast.linear import quantise_weight
 
     out_features, in_features = weight.shape
-    groups = -(-out_features // GROUP_FEATURES)
-    params = (groups, in_features // Q8_BLOCK, GROUP_FEATURES)
-    if quantization == "q4_1":
-        q = empty((groups, in_features // 4, 128), torch.uint8)  # (zeroed: the halves are OR-ed in)
-        steps, offsets = empty(params, torch.float16), empty(params, torch.float16)
-        if not quantise_weight("q4_1", weight.data_ptr(), q.data_ptr(), steps.data_ptr(), offsets.data_ptr(),
-                               out_features, in_features, threads, grids):
-            raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
-        return q, steps, offsets
-    q = empty((groups, in_features // 2, GROUP_FEATURES, 2), torch.int8)
-    scales = empty(params, torch.float32)
-    quantise_weight("q8_0", weight.data_ptr(), q.data_ptr(), scales.data_ptr(), 0, out_features, in_features, threads)
-    return q, scales
+    shapes = packed_shapes(quantization, out_features, in_features)
+    parts = tuple(empty(shape, dtype) for shape, dtype in shapes.values())  # (zeroed: Q4_1's halves are OR-ed in)
+    pointers = [t.data_ptr() for t in parts] + [0] * (3 - len(parts))  # (values, scales or steps, offsets)
+    if not quantise_weight(quantization, weight.data_ptr(), *pointers, out_features, in_features, threads, grids):
+        raise ValueError("Q4_1 keeps its steps and offsets in float16: this weight has values past 65504")
+    return parts
 
 
 def unpack_q4_1_values(packed: torch.Tensor) -> torch.Tensor:

@@ -31,17 +31,15 @@ class OneShot:
         from tokenizers import Tokenizer
 
         from flared.frontend import ChatTemplate
-        from flared.model.quant import QuantPlan, resolve_quantization
+        from flared.model.quant import resolve_quantization
         from flared.model.runner import ModelRunner
 
         core = open_core(path)
         m = core.manifest
         try:
-            kept = resolve_quantization(quantization, m.source)
+            kept = resolve_quantization(quantization, m.source, m.weights_quantization)  # (a stored core: as it is)
         except ValueError as e:
             raise ExecutionError(f"--quantization {quantization}: {e}", ErrorKind.VALIDATION) from None
-        if m.weights_quantization is not None and quantization is None:  # (a core stored quantised: as it is)
-            kept = QuantPlan.from_dict(m.weights_quantization)
         try:
             tokenizer = Tokenizer.from_file(str(core.tokenizer_path))
         except Exception as e:

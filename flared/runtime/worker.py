@@ -420,18 +420,17 @@ class ModelRuntime:
         from flared.model.quant import QuantPlan, resolve_quantization
 
         try:
-            kept = resolve_quantization(self.quantization, m.source)  # (gguf: the core's plan)
+            # (gguf: the core's plan; a stored core's own on the CPU, where a GPU takes its values back)
+            kept = resolve_quantization(self.quantization, m.source,
+                                        m.weights_quantization if device == "cpu" else None)
         except ValueError as exc:
             raise ExecutionError(f"--quantization {self.quantization}: {exc}") from None
         if self.quantization is not None and kept is None:  # (gguf over a file mostly at 16 bits or more)
             log.info("--quantization %s: the source's layer matrices are mostly 16-bit or wider: served as the core "
                      "is (%s)", self.quantization, m.dtype)
-        if m.weights_quantization is not None and self.quantization is None:  # (a core stored quantised)
-            if use_cuda or device != "cpu":
-                log.info("this core stores its layer matrices as %s: a GPU takes them back to %s",
-                         m.weights_quantization["default"], m.dtype)
-            else:
-                kept = QuantPlan.from_dict(m.weights_quantization)
+        if m.weights_quantization is not None and device != "cpu":
+            log.info("this core stores its layer matrices as %s: a GPU takes them back to %s",
+                     m.weights_quantization["default"], m.dtype)
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if kept is not None:  # cached keys and values come from the quantised weights
