@@ -376,8 +376,8 @@ def q4_1_rows(packed: torch.Tensor, packed_steps: torch.Tensor, packed_offsets: 
 # A core exported with a quantization holds each layer matrix its plan keeps quantised in the kernels' layout
 # (pack_q8_0's or pack_q4_1's tensors, a mixture's expert stacks one such set an expert, stacked) under the matrix's
 # name and a suffix, in place of the bf16 matrix: "layers.3.qkv.weight.q4_1", ".q4_1_steps", ".q4_1_offsets". The
-# manifest's weights_quantization records the plan. Loading then reads them as they are; a GPU or a float32 model
-# takes their values back (packed_values).
+# manifest's weights_quantization records the plan. Loading then reads them as they are (a GPU that keeps them:
+# stored_gpu_layout); a GPU that does not, or a float32 model, takes their values back (packed_values).
 
 PACKED_SUFFIXES = {"q8_0": ("q8_0", "q8_0_scales"), "q4_1": ("q4_1", "q4_1_steps", "q4_1_offsets")}
 # The serving layer matrices an export may store quantised: DecoderModel keeps these by a plan's format of them
@@ -432,3 +432,63 @@ def pack_layer_matrices(tensors: dict, plan: "QuantPlan", threads: int | None = 
             parts = [s[i] for s in sets]
             out[f"{name}.{suffix}"] = torch.stack(parts) if value.dim() == 3 else parts[0]
     return out
+
+
+# ---- the GPU's layout (flared/model/kernels/wquant.py's products)
+#
+# The same blocks (32 inputs, the same quantisers, so the same values as the CPU's), laid out for a GPU tile that
+# reads a run of inputs for a run of output features, the features contiguous: Q8_0's values int8 [in, out], Q4_1's
+# int32 [in / 8, out] (input 8 i + j in bits 4 j to 4 j + 3 of word i), their scales (Q8_0 float32) or steps and
+# offsets (Q4_1 float16) [in / 32, out].
+
+
+def gpu_layout(fmt: str, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, ...]:
+    """(q [out, in], scales [out, in / 32][, offsets]) as quantize_q8_0 / quantize_q4_1 give them -> the GPU's
+    tensors (values, scales[, offsets]), on q's device."""
+    params = tuple(p.t().contiguous() for p in (scales, offsets) if p is not None)
+    if fmt == "q8_0":
+        return (q.t().contiguous(), *params)
+    out_features, in_features = q.shape
+    nibbles = q.t().reshape(in_features // 8, 8, out_features).to(torch.int64)
+    shifts = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 8, 1)
+    words = (nibbles << shifts).sum(dim=1)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # (the top nibble's bit as int32's sign)
+    return (words.to(torch.int32), *params)
+
+
+def gpu_quantize(fmt: str, weight: torch.Tensor, grids: bool = False) -> tuple[torch.Tensor, ...]:
+    """``weight`` [out, in] quantised in ``fmt`` (quantize_q4_1's ``grids``) by the CPU's quantiser (on the host: the
+    blocks a CPU or a stored core holds, bit for bit; a GPU's float division by a constant rounds otherwise than the
+    CPU's), in the GPU's layout on the weight's device."""
+    return stored_gpu_layout(quantize_packed(fmt, weight.detach().cpu(), grids=grids), fmt, weight.shape[0],
+                             weight.device)
+
+
+def stored_gpu_layout(parts: tuple[torch.Tensor, ...], fmt: str, out_features: int,
+                      device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """A stored matrix's tensors (pack_q8_0's or pack_q4_1's) in the GPU's layout on ``device`` (unpacked there)."""
+    return gpu_layout(fmt, *unpack_stored(tuple(p.to(device) for p in parts), fmt, out_features))
+
+
+def unpack_stored(parts: tuple[torch.Tensor, ...], fmt: str, out_features: int) -> tuple[torch.Tensor, ...]:
+    """A stored matrix's tensors (pack_q8_0's or pack_q4_1's) back to the quantiser's: (q [out, in], scales [out,
+    in / 32][, offsets])."""
+    params = tuple(p.permute(0, 2, 1).reshape(-1, p.shape[1])[:out_features] for p in parts[1:])
+    if fmt == "q8_0":
+        q = parts[0].permute(0, 2, 1, 3).reshape(-1, 2 * parts[0].shape[1])
+    else:
+        q = unpack_q4_1_values(parts[0]).permute(0, 2, 1, 3).reshape(-1, 4 * parts[0].shape[1])
+    return (q[:out_features], *params)
+
+
+def gpu_values(parts: tuple[torch.Tensor, ...], fmt: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The GPU layout's weight as its products use it, [out, in] (dequantize_q8_0's and dequantize_q4_1's values)."""
+    values = parts[0]
+    if fmt == "q4_1":
+        shifts = (4 * torch.arange(8, device=values.device, dtype=torch.int32)).view(1, 8, 1)
+        values = ((values[:, None, :] >> shifts) & 15).flatten(0, 1).to(torch.uint8)
+    params = [p.t() for p in parts[1:]]
+    if fmt == "q8_0":
+        return dequantize_q8_0(values.t(), *params, dtype)
+    return dequantize_q4_1(values.t(), *params, dtype)

@@ -349,7 +349,7 @@ def test_quantisation_is_refused_where_it_cannot_run(tmp_path):
     from flared.model.loader import read_source
 
     source = read_source(build_hf_checkpoint("llama3", tmp_path))
-    with pytest.raises(ValueError, match="q8_0 weights run on the CPU executor in bfloat16"):
+    with pytest.raises(ValueError, match="q8_0 weights run in bfloat16, on a GPU or on the CPU executor"):
         DecoderModel(source.config, source.tensors, dtype=torch.float32, quantization="q8_0")
     with pytest.raises(ValueError, match="unknown quantization"):
         DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, quantization="awq")
@@ -631,3 +631,30 @@ def test_a_plan_reaches_a_mixtures_experts_and_shared_expert(tmp_path):
     kv = model.make_kv_cache(num_pages=4, page_tokens=16)
     logits = model.forward(ForwardBatch.build([SequenceChunk(list(range(3, 20)), 0, np.arange(2))], page_tokens=16), kv)
     assert torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_the_gpu_layout_holds_the_same_blocks(fmt):
+    """quant.gpu_layout (kernels/wquant.py's tensors) holds the quantiser's blocks: its values are the dequantised
+    weight's, a stored core's tensors come back to them (unpack_stored); Q4_1's word i holds inputs 8 i to 8 i + 7,
+    and the top nibble sets the word's sign bit without spilling into it."""
+    from flared.model.quant import gpu_layout, gpu_quantize, gpu_values, quantize_packed, unpack_stored
+
+    quantize, dequantize = FORMATS[fmt][:2]
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(70, 96, generator=g) * torch.logspace(-3, 0, 96)).to(torch.bfloat16)
+    params = quantize(w)
+    parts = gpu_quantize(fmt, w)
+    assert [tuple(p.shape) for p in parts] == [(96 // 8, 70) if fmt == "q4_1" else (96, 70)] + [(3, 70)] * (
+        len(parts) - 1)
+    assert torch.equal(gpu_values(parts, fmt), dequantize(*params))
+    assert all(torch.equal(a, b) for a, b in zip(unpack_stored(quantize_packed(fmt, w), fmt, 70), params))
+    if fmt == "q4_1":
+        for i, j in ((0, 0), (5, 3), (11, 7)):
+            assert torch.equal((parts[0][i] >> (4 * j)) & 15, params[0][:, 8 * i + j].to(torch.int32))
+        q = torch.full((2, 32), 15, dtype=torch.uint8)
+        q[1, 7::8] = 0
+        words = gpu_layout(fmt, q, torch.ones(2, 1, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.float16))[0]
+        assert words.dtype == torch.int32 and (words[:, 0] == -1).all() and (words[:, 1] == 0x0FFFFFFF).all()
+        assert torch.equal(gpu_values((words, torch.ones(1, 2, dtype=torch.float16),
+                                       torch.zeros(1, 2, dtype=torch.float16)), fmt), q.to(torch.bfloat16))
