@@ -85,7 +85,8 @@ def main() -> None:
 @click.option("--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "gguf"], case_sensitive=False), default=None,
               help="Store the layer matrices quantised, as the CPU kernels take them (needs --dtype bfloat16): q8_0, "
                    "q4_1, or gguf (each at about the bits of its GGUF tensors). The core is then 0.3-0.6x the size "
-                   "and loads without quantising; a GPU takes the values back to bfloat16.")
+                   "and loads without quantising; a GPU takes the values back to bfloat16 (flared run -q in "
+                   "the core's format keeps them quantised there too).")
 def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk, kv_cache_mib, served_names, force,
            quantization):
     """Export SOURCE (a Hugging Face directory, a .gguf file, or 'default') to a core."""

@@ -39,9 +39,10 @@ log = logging.getLogger("flared")
 
 _quantization_option = click.option(
     "--quantization", "-q", type=click.Choice(["q8_0", "q4_1", "gguf", "none"], case_sensitive=False), default=None,
-    help="Keep the weights quantised (a bfloat16 core on the CPU executor; faster decode): q8_0 (int8 in blocks of "
-         "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; the LM head as "
-         "q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
+    help="Keep the weights quantised (a bfloat16 core; on the CPU executor faster decode, on a GPU the layers' "
+         "matrices in a third of the memory, slower): q8_0 (int8 in blocks of "
+         "32, 0.56x bf16's memory), q4_1 (4 bits in blocks of 32 with a step and offset, 0.31x; on a CPU the LM head "
+         "as q8_0), gguf (a core exported from a GGUF file: each layer matrix at about the bits of its tensors there, "
          "5 to 8 bits (Q5_K, Q6_K, Q8_0) as q8_0, 4 and fewer as q4_1) or none (default: as the core is; a GGUF "
          "served directly on the CPU, as gguf; a quantised checkpoint directory served directly on the CPU: GPTQ, "
          "AWQ, compressed-tensors at 4 bits as q4_1, at 8 bits, fp8 and bitsandbytes as q8_0).")

@@ -30,8 +30,9 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors, serving_tensor_shapes
-from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, packed_format,
-                                packed_parts, packed_values, q4_1_rows, q8_0_rows, quantize_packed)
+from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, gpu_quantize,
+                                packed_format, packed_parts, packed_values, q4_1_rows, q8_0_rows, quantize_packed,
+                                stored_gpu_layout)
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -243,6 +244,12 @@ def pack_bf16(weight: torch.Tensor, arena: "_Arena | None" = None) -> torch.Tens
     return weight.reshape(padded // group, group, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def gpu_quantisable(weight: torch.Tensor) -> bool:
+    """Whether a weight can be kept quantised on a GPU (kernels/wquant.py): a bf16 matrix, inputs a multiple of 32."""
+    return weight.device.type == "cuda" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and \
+        weight.shape[1] % Q8_BLOCK == 0
+
+
 def quantisable(weight: torch.Tensor) -> bool:
     """Whether a weight can be kept quantised here: bf16 on a CPU with the kernels, inputs a multiple of 32."""
     return (q8_linear is not None and BF16_SUPPORTED and weight.dtype == torch.bfloat16
@@ -254,7 +261,9 @@ class _Linear:
 
     bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None); a quantization ("q8_0", "q4_1")
     there: ``quant`` (the packed values), ``quant_scales`` (Q4_1: its steps) and Q4_1's ``quant_offsets`` hold it
-    instead, ``quant_kind`` names it (flared/model/quant.py; a weight the format cannot take stays bf16)."""
+    instead, ``quant_kind`` names it (flared/model/quant.py; a weight the format cannot take stays bf16). A bf16
+    weight on a GPU takes a quantization too, in the GPU's layout (quant.gpu_layout; ``on_gpu``), its products
+    kernels/wquant.py's."""
 
     __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features", "quant", "quant_scales",
                  "quant_offsets", "quant_kind")
@@ -267,7 +276,11 @@ class _Linear:
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
         self.packed = self.quant = self.quant_scales = self.quant_offsets = self.quant_kind = None
-        if quantization is not None and quantisable(weight):
+        if quantization is not None and gpu_quantisable(weight):
+            self.quant, self.quant_scales, self.quant_offsets = (*gpu_quantize(quantization, weight, grids), None)[:3]
+            self.quant_kind = quantization
+            weight = None
+        elif quantization is not None and quantisable(weight):
             self.quant, self.quant_scales, self.quant_offsets = (
                 *quantize_packed(quantization, weight, empty=arena.empty if arena is not None else None,
                                  grids=grids), None)[:3]
@@ -284,10 +297,14 @@ class _Linear:
 
     @classmethod
     def stored(cls, parts: tuple[torch.Tensor, ...], fmt: str, shape: tuple[int, int],
-               bias: torch.Tensor | None, arena: "_Arena | None" = None) -> "_Linear":
+               bias: torch.Tensor | None, arena: "_Arena | None" = None,
+               device: torch.device | None = None) -> "_Linear":
         """A matrix a core holds quantised (quant.pack_layer_matrices' tensors in ``fmt``), kept as it is: copied
-        into ``arena`` (DecoderModel's, in huge pages) where given, as the quantiser writes into it."""
-        if arena is not None:
+        into ``arena`` (DecoderModel's, in huge pages) where given, as the quantiser writes into it; on a GPU
+        ``device``, laid out as its products take them (the same blocks)."""
+        if device is not None and device.type != "cpu":  # (into the GPU's layout, as gpu_quantize gives it)
+            parts = stored_gpu_layout(parts, fmt, shape[0], device)
+        elif arena is not None:
             parts = tuple(arena.empty(tuple(p.shape), p.dtype).copy_(p) for p in parts)
         lin = cls.__new__(cls)
         lin.bias, lin.weight, lin.split, lin.packed = bias, None, None, None
@@ -309,8 +326,17 @@ class _Linear:
             return sum(t.nbytes for t in self.quant_tensors)
         return (self.packed if self.packed is not None else self.weight).nbytes
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the weight is kept quantised on a GPU (kernels/wquant.py's products)."""
+        return self.quant is not None and self.quant.device.type != "cpu"
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.shape[0]
+        if self.on_gpu:
+            from flared.model.kernels import wquant
+
+            return wquant.linear(x, self.quant_kind, self.quant_tensors, self.bias)
         if self.packed is not None or self.quant is not None:  # (the CPU kernels: flared/_fast/linear.pyx)
             if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.bfloat16:
                 raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match "
@@ -413,19 +439,23 @@ class DecoderModel:
         self.max_positions = max_positions or config.max_position_embeddings
         plan = quantization if isinstance(quantization, QuantPlan) else None
         self.quantization = check_quantization(plan.default if plan is not None else quantization)
-        if self.quantization is not None and (self.device.type != "cpu" or dtype != torch.bfloat16
-                                              or q8_linear is None or not BF16_SUPPORTED):
-            raise ValueError(f"{self.quantization} weights run on the CPU executor in bfloat16, with its packed "
-                             f"kernels (AVX-512 BF16 or AVX2); this model is {str(dtype).removeprefix('torch.')} on "
-                             f"{self.device.type}" + ("" if BF16_SUPPORTED and q8_linear is not None
-                                                      else ", a CPU without them"))
+        # On a GPU the layers' matrices (qkv, o, gate_up, down, a shared expert's) are kept quantised; the LM head,
+        # a mixture's routed experts (torch's grouped products take bf16 stacks) and the other products stay bf16
+        on_gpu = self.device.type == "cuda"
+        if self.quantization is not None and (dtype != torch.bfloat16 or not on_gpu and (
+                self.device.type != "cpu" or q8_linear is None or not BF16_SUPPORTED)):
+            raise ValueError(f"{self.quantization} weights run in bfloat16, on a GPU or on the CPU executor with its "
+                             f"packed kernels (AVX-512 BF16 or AVX2); this model is "
+                             f"{str(dtype).removeprefix('torch.')} on {self.device.type}"
+                             + ("" if self.device.type != "cpu" or BF16_SUPPORTED and q8_linear is not None
+                                else ", a CPU without them"))
 
         arena = _Arena() if self.device.type == "cpu" else None
 
         grids = plan is not None and plan.grids
 
         def lin(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
-            return _Linear(weight, bias, self.quantization, arena, grids)
+            return _Linear(weight, bias, None if on_gpu else self.quantization, arena, grids)
 
         def w(name: str) -> torch.Tensor:
             stored = packed_format(tensors, name) if name not in tensors else None
@@ -443,8 +473,8 @@ class DecoderModel:
             """Matrix ``name``'s stored tensors where the core holds it quantised in ``fmt`` and this model keeps it
             so: taken as they are (no quantiser run)."""
             stored = packed_format(tensors, name) if name not in tensors else None
-            if stored is None or stored != fmt or dtype != torch.bfloat16 or self.device.type != "cpu" or \
-                    q8_linear is None or not BF16_SUPPORTED:
+            if stored is None or stored != fmt or dtype != torch.bfloat16 or not on_gpu and (
+                    self.device.type != "cpu" or q8_linear is None or not BF16_SUPPORTED):
                 return None
             return packed_parts(tensors, name, stored)
 
@@ -459,7 +489,7 @@ class DecoderModel:
             parts = kept_stored(name, fmt_of(name))
             if parts is not None:
                 return _Linear.stored(parts, fmt_of(name), shapes[name], opt(p + key + ".bias") if bias else None,
-                                      arena)
+                                      arena, self.device)
             return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena, grids)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
@@ -616,7 +646,7 @@ class DecoderModel:
                 if not config.router_float32:
                     layer.router = _Linear(w(p + "router.weight"), opt(p + "router.bias"))
                 names = p + "experts.gate_up.weight", p + "experts.down.weight"
-                formats = fmt_of(names[0]), fmt_of(names[1])
+                formats = (None, None) if on_gpu else (fmt_of(names[0]), fmt_of(names[1]))
                 stored = [kept_stored(n, f) for n, f in zip(names, formats)]
                 gate_up, down = (w(n) if parts is None else None for n, parts in zip(names, stored))
                 if config.expert_bias:  # gpt-oss: [E, 2 I] and [E, H]
@@ -644,7 +674,7 @@ class DecoderModel:
                 layer.down = layer_lin(p, "down")
             self.layers.append(layer)
         self.lm_head_linear = _Linear(self.lm_head, opt("lm_head.bias"),  # (Phi-2's bias)
-                                      HEAD_QUANTIZATION.get(self.quantization), arena)
+                                      None if on_gpu else HEAD_QUANTIZATION.get(self.quantization), arena)
         if self.lm_head_linear.quant is not None and not config.tie_word_embeddings:
             self.lm_head = None  # (token_logits reads its rows from the quantised copy: no second bf16 copy kept)
         if self.device.type == "cpu":

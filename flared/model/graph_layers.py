@@ -17,6 +17,17 @@ from flared.model.batch import ForwardBatch
 from flared.model.kv_cache import to_storage
 
 
+def generic_reason(config, quantization) -> str | None:
+    """Why the CUDA graphs run a model's own torch layers instead of the fused Llama kernels, None where they do not:
+    its family (ModelConfig.kernels_obstacle), or layer matrices kept quantised (``quantization``: a format's name
+    or a QuantPlan; kernels/wquant.py's products), which the fused kernels' bf16 loads cannot take."""
+    if config.kernels_obstacle is not None:
+        return config.kernels_obstacle
+    if quantization is None:
+        return None
+    return f"{getattr(quantization, 'default', quantization)} weights"
+
+
 def write_kv(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """pool [slots, nkv, d] (one layer's K or V) at ``slots`` <- x [T, nkv, d] in the activation dtype; into a
     float8 pool saturated at +-448, as the Triton kernels store (kv_cache.to_storage)."""

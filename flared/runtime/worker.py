@@ -293,9 +293,9 @@ class ModelRuntime:
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
         self.kv_cache_dtype = kv_cache_dtype
-        # --quantization: "q8_0" or "q4_1" keeps the products' weights so on the CPU executor, "gguf" each at about
-        # its bits in the GGUF file the core was exported from (flared/model/quant.py); None serves the core's
-        # weights as they are.
+        # --quantization: "q8_0" or "q4_1" keeps the layers' matrices so (on a CPU, the LM head too), "gguf" each at
+        # about its bits in the GGUF file the core was exported from (flared/model/quant.py); None serves the core's
+        # weights as they are (a core that stores them quantised: so).
         from flared.model.quant import GGUF, check_quantization
 
         self.quantization = quantization if quantization == GGUF else check_quantization(quantization)
@@ -392,10 +392,31 @@ class ModelRuntime:
         dtype = getattr(torch, m.dtype)
         use_cuda = cuda_backend_available(dtype)
         device = "cuda" if use_cuda else "cpu"
+        if self.quantization is not None and m.dtype != "bfloat16":
+            raise ExecutionError(f"--quantization {self.quantization} runs over a bfloat16 core; this core is "
+                                 f"{m.dtype} (export it with --dtype bfloat16, or leave --quantization off)")
+        from flared.model.graph_layers import generic_reason
+        from flared.model.quant import QuantPlan, resolve_quantization
+
+        try:
+            # (gguf: the core's plan; a core that stores its matrices quantised: its own on the CPU, where a GPU
+            # takes their values back to the fused kernels unless -q keeps them)
+            kept = resolve_quantization(self.quantization, m.source,
+                                        m.weights_quantization if device == "cpu" else None)
+        except ValueError as exc:
+            raise ExecutionError(f"--quantization {self.quantization}: {exc}") from None
+        if m.weights_quantization is not None and kept is None:
+            log.info("this core stores its layer matrices as %s: the GPU takes them back to %s for its fused kernels "
+                     "(-q in that format keeps them so: a third to a half the memory, slower)",
+                     m.weights_quantization["default"], m.dtype)
+        if self.quantization is not None and kept is None:  # (gguf over a file mostly at 16 bits or more)
+            log.info("--quantization %s: the source's layer matrices are mostly 16-bit or wider: served as the core "
+                     "is (%s)", self.quantization, m.dtype)
+        obstacle = generic_reason(self.core.config, kept)  # (the graphs over the model's own layers, and why)
         if use_cuda and self.enforce_eager:
             log.info("enforce_eager: serving on the GPU with the eager executor (no CUDA graphs)")
             use_cuda = False
-        elif use_cuda and self.core.config.kernels_obstacle is not None:
+        elif use_cuda and obstacle is not None:
             config = self.core.config
             problem = config.torch_graphs_obstacle(m.dtype)
             if problem is None and (self.lora_modules or self.lora_slots):
@@ -406,31 +427,12 @@ class ModelRuntime:
             if problem is None:
                 # The graphs capture the model's own torch layers with the paged Triton attention (no fused
                 # kernels: kernels/paged_decoder.py's generic decoder)
-                log.info("the CUDA graphs run %s through the model's torch layers", config.kernels_obstacle)
+                log.info("the CUDA graphs run %s through the model's torch layers", obstacle)
             else:
                 # The eager executor's torch forward on the GPU: no graphs, a host sync a step (and a layer's
                 # routing)
                 log.warning("the CUDA graphs do not run %s: serving on the GPU with the eager executor", problem)
                 use_cuda = False
-        if self.quantization is not None and (use_cuda or device != "cpu" or m.dtype != "bfloat16"):
-            why = "this core would serve on a GPU" if device != "cpu" else f"this core is {m.dtype}"
-            raise ExecutionError(f"--quantization {self.quantization} runs on the CPU executor over a bfloat16 core; "
-                                 f"{why} (export it with --dtype bfloat16 and serve it on a CPU, or leave "
-                                 f"--quantization off)")
-        from flared.model.quant import QuantPlan, resolve_quantization
-
-        try:
-            # (gguf: the core's plan; a stored core's own on the CPU, where a GPU takes its values back)
-            kept = resolve_quantization(self.quantization, m.source,
-                                        m.weights_quantization if device == "cpu" else None)
-        except ValueError as exc:
-            raise ExecutionError(f"--quantization {self.quantization}: {exc}") from None
-        if self.quantization is not None and kept is None:  # (gguf over a file mostly at 16 bits or more)
-            log.info("--quantization %s: the source's layer matrices are mostly 16-bit or wider: served as the core "
-                     "is (%s)", self.quantization, m.dtype)
-        if m.weights_quantization is not None and device != "cpu":
-            log.info("this core stores its layer matrices as %s: a GPU takes them back to %s",
-                     m.weights_quantization["default"], m.dtype)
         tensors = self.core.load_tensors()
         identity = hashlib.sha256(f"{m.checkpoint_id}|{m.dtype}|{caps.page_tokens}".encode())
         if kept is not None:  # cached keys and values come from the quantised weights

@@ -55,7 +55,7 @@ def test_a_float32_core_is_refused_with_the_reason(tiny_core):
     from flared.runtime.worker import ModelRuntime
 
     rt = ModelRuntime(open_core(tiny_core), quantization="q8_0")
-    with pytest.raises(ExecutionError, match="--quantization q8_0 runs on the CPU executor over a bfloat16 core"):
+    with pytest.raises(ExecutionError, match="--quantization q8_0 runs over a bfloat16 core; this core is float32"):
         rt.start(max_pending=4)
 
 
@@ -119,4 +119,4 @@ def test_flarectl_generate_takes_the_flag(bf16_core, tiny_core):
         assert done.exit_code == 0, done.output
         assert len(json.loads(done.output)["token_ids"]) == 5
     refused = CliRunner().invoke(flarectl, ["generate", str(tiny_core), "--prompt", "hello", "-q", "q8_0"])
-    assert refused.exit_code == 1 and "q8_0 weights run on the CPU executor in bfloat16" in refused.output
+    assert refused.exit_code == 1 and "q8_0 weights run in bfloat16, on a GPU or on the CPU executor" in refused.output

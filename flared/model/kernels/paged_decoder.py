@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.graph_layers import attention_sinks, generic_layers, layer_pool, write_kv
+from flared.model.graph_layers import attention_sinks, generic_layers, generic_reason, layer_pool, write_kv
 from flared.model.kernels import FULL, TEMPERATURE, decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
 from flared.model.kv_cache import FP8_KV
@@ -119,8 +119,10 @@ class PagedCudaDecoder:
         # post-norms, latent attention, a head dim not a power of two, ...) runs its own torch layers
         # (DecoderModel._layer_stack) with the paged Triton attention in place of their gathers: every op a static
         # shape and no host sync, so it captures like the Llama forwards (no fused kernels, megakernel, products64
-        # or adapters). ModelConfig.torch_graphs_obstacle names what even this cannot run.
-        self.generic = c.kernels_obstacle is not None
+        # or adapters). ModelConfig.torch_graphs_obstacle names what even this cannot run. Layer matrices kept
+        # quantised (DecoderModel's quantization on a GPU: kernels/wquant.py's products) run so too.
+        obstacle = generic_reason(c, model.quantization)
+        self.generic = obstacle is not None
         if self.generic:
             problem = c.torch_graphs_obstacle(str(model.dtype).removeprefix("torch."))
             if problem is not None:
@@ -128,7 +130,7 @@ class PagedCudaDecoder:
             if c.num_experts and not model.grouped_experts:
                 raise ValueError("the CUDA graphs run routed experts as grouped products (bf16 on a GPU)")
             if lora is not None:
-                raise ValueError(f"per-request LoRA adapters run on the Llama kernels only, not {c.kernels_obstacle}")
+                raise ValueError(f"per-request LoRA adapters run on the Llama kernels only, not {obstacle}")
         # (each layer's sinks as the kernels read them, made once: not a cast in every replay)
         self.sinks = attention_sinks(model) if self.generic else None
         # A sliding window's keys (Mistral): the Triton attention kernels see only the last ``window`` keys of a
