@@ -87,7 +87,7 @@ def make_hf(shape: str, dtype: torch.dtype, seed: int = 0):
     return model
 
 
-def serving(hf, dtype: torch.dtype, device="cuda"):
+def serving(hf, dtype: torch.dtype, device="cuda", quantization=None):
     from flared.model.config import from_hf_config
     from flared.model.decoder import DecoderModel
     from flared.model.loader import _hf_to_serving
@@ -97,7 +97,8 @@ def serving(hf, dtype: torch.dtype, device="cuda"):
     # (hf_config: the renames and folds of families whose checkpoints name their tensors otherwise, Phi-2's)
     tensors = _hf_to_serving({k: v.detach() for k, v in hf.state_dict().items()}, config, source="random",
                              hf_config=hf_config)
-    return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT_TOKENS)
+    return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=CONTEXT_TOKENS,
+                        quantization=quantization)
 
 
 def scheduler(concurrency=CONCURRENCY, num_pages=None, graph_shapes=(), speculative_tokens=0, spec_max_rows=0):

@@ -3,7 +3,7 @@
 Run on a CUDA machine from the repository root after building the Cython
 extensions:
 
-    python3 setup.py -q build_ext --inplace && python3 tools/gpu_daemon_smoke.py [--json]
+    python3 setup.py -q build_ext --inplace && python3 tools/gpu_daemon_smoke.py [--quantization q4_1] [--json]
 
 Builds a random-weight Llama of SmolLM2-135M's shape (with a byte-level BPE
 tokenizer trained on the spot, so nothing is downloaded), exports it as a
@@ -88,6 +88,8 @@ def post(port: int, path: str, body: dict, stream: bool = False):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--quantization", default=None, help="serve with -q FORMAT (q4_1, q8_0: the layer matrices "
+                    "kept quantised on the GPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="flared-gpu-smoke-"))
@@ -102,7 +104,8 @@ def main() -> int:
     t_start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "flared.cli.daemon", "run", str(core), "--port", "0",
                              "--port-file", str(port_file), "--served-name", "m", "--no-dashboard",
-                             "--no-admin-socket"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                             "--no-admin-socket", *(["-q", args.quantization] if args.quantization else [])],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     results: dict = {}
     try:
         while not (port_file.exists() and port_file.read_text().endswith("\n")):
