@@ -91,8 +91,8 @@ SWEEP = [dict(block_n=n, block_k=k, stages=stages, warps=warps)
 
 
 def sweep(shape: str, formats: list[str], row_counts: list[int], out: dict) -> None:
-    """Every launch of SWEEP (and one row's register sums) for each product, format and row count, beside the
-    widened weight through cuBLAS; prints the fastest few and plan()'s."""
+    """Every launch of SWEEP for each product, format and row count, beside the widened weight through cuBLAS;
+    prints the fastest few and plan()'s."""
     from flared.model.kernels import wquant
     from flared.model.quant import gpu_quantize
 
@@ -108,13 +108,12 @@ def sweep(shape: str, formats: list[str], row_counts: list[int], out: dict) -> N
                 if m < wquant.WIDEN_MIN_ROWS:
                     timings["plan"] = time_us(lambda: wquant.linear(x, fmt, parts,
                                                                     launch=wquant.plan(m, n, k, sms)))
-                for row_sums in ((False, True) if m == 1 else (False,)):
-                    for kw in SWEEP:
-                        launch = wquant.plan(m, n, k, sms, row_sums=row_sums, **kw)
-                        try:
-                            timings[str(tuple(launch))] = time_us(lambda: wquant.linear(x, fmt, parts, launch=launch))
-                        except Exception as error:  # (a tile too large for the multiprocessor's memory)
-                            print(f"  {launch}: {type(error).__name__}", flush=True)
+                for kw in SWEEP:
+                    launch = wquant.plan(m, n, k, sms, **kw)
+                    try:
+                        timings[str(tuple(launch))] = time_us(lambda: wquant.linear(x, fmt, parts, launch=launch))
+                    except Exception as error:  # (a tile too large for the multiprocessor's memory)
+                        print(f"  {launch}: {type(error).__name__}", flush=True)
                 best = sorted(timings.items(), key=lambda kv: kv[1])
                 print(f"{name:8} {fmt} {m:4} rows: plan {timings.get('plan', float('nan')):.1f} us; best "
                       + "; ".join(f"{key} {us:.1f}" for key, us in best[:4]), flush=True)

@@ -29,9 +29,9 @@ def _values(fmt, weight):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out_features, in_features", [(72, 96), (4096, 4096), (1000, 576), (384, 14336)])
 def test_the_products_against_float64_and_cublas(fmt, out_features, in_features):
-    """Every row count through each path (one row's register sums, tiles on the tensor cores, input splits, the
-    widened weight through cuBLAS), with and without a bias: as near float64 over the blocks' values as cuBLAS' bf16
-    product over them is."""
+    """Every row count through each path (tiles on the tensor cores, two tile sizes, input splits, the widened weight
+    through cuBLAS), with and without a bias: as near float64 over the blocks' values as cuBLAS' bf16 product over
+    them is."""
     from flared.model.kernels import wquant
     from flared.model.quant import dequantize_q4_1, dequantize_q8_0, quantize_q4_1, quantize_q8_0
 
@@ -47,7 +47,7 @@ def test_the_products_against_float64_and_cublas(fmt, out_features, in_features)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 3, 16, 17, 40, 64, 100, wquant.WIDEN_MIN_ROWS, 300):
         x = torch.randn(rows, in_features, device="cuda", generator=g).to(torch.bfloat16)
-        launches = [None] + ([wquant.plan(rows, out_features, in_features, sms, row_sums=False, block_n=32)]
+        launches = [None] + ([wquant.plan(rows, out_features, in_features, sms, block_n=32, block_k=64)]
                              if rows < wquant.WIDEN_MIN_ROWS else [])
         for b in (None, bias):
             exact = x.double() @ values.double().t() + (0 if b is None else b.double())

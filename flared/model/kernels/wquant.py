@@ -61,9 +61,7 @@ def _widened(Q, S, Z, k0, offs_n, n_mask, N, FOUR_BITS: tl.constexpr, BLOCK_N: t
 @triton.jit
 def _product_kernel(X, Q, S, Z, Bias, Y, M, N, K, stride_x, inputs_per_split,
                     FOUR_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                    ROW_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``ROW_SUMS``: one row (BLOCK_M 1), its products summed along the inputs in float32 registers instead of
-    ``tl.dot`` on a 16-row tile."""
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,12 +74,8 @@ def _product_kernel(X, Q, S, Z, Bias, Y, M, N, K, stride_x, inputs_per_split,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(start, start + inputs_per_split, BLOCK_K):
         w = _widened(Q, S, Z, k0, offs_n, n_mask, N, FOUR_BITS, BLOCK_N, BLOCK_K)
-        if ROW_SUMS:
-            x = tl.load(X + pid_m * stride_x + k0 + offs_k).to(tl.float32)
-            acc += tl.sum(w.to(X.dtype.element_ty).to(tl.float32) * x[:, None], axis=0)[None, :]
-        else:
-            x = tl.load(X + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
-            acc += tl.dot(x, w.to(x.dtype))
+        x = tl.load(X + offs_m[:, None] * stride_x + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        acc += tl.dot(x, w.to(x.dtype))
     out = offs_m[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:  # (float32 partial sums [splits, M, N]; the caller adds them)
@@ -119,26 +113,23 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 class Launch(NamedTuple):
-    """How one product launches: its tile (BLOCK_K: inputs a turn), input splits, one row's sums in registers
-    (ROW_SUMS), warps and pipeline stages."""
+    """How one product launches: its tile (BLOCK_K: inputs a turn), input splits, warps and pipeline stages."""
     block_m: int
     block_n: int
     block_k: int
     splits: int
-    row_sums: bool
     warps: int
     stages: int
 
 
 def plan(rows: int, out_features: int, in_features: int, multiprocessors: int, *, block_n: int = 64,
-         block_k: int | None = None, row_sums: bool = False, warps: int = 4, stages: int = 3) -> Launch:
-    """The product's launch at ``rows`` rows: tiles of 16 to 64 rows on the tensor cores (``row_sums``: one row
-    summed in registers instead); the inputs split in two while the tiles fill fewer than two programs a
-    multiprocessor and each part keeps _MIN_SPLIT_INPUTS inputs and whole turns. The keywords are for
-    tools/bench_wquant_gpu.py's sweep; the defaults its choice (one row's register sums won 5% on three of the 8B's
-    products alone and lost 13% of a decode step; docs/benchmarks.md)."""
-    row_sums = row_sums and rows == 1
-    block_m = 1 if row_sums else 16 if rows <= 16 else 32 if rows <= 32 else 64
+         block_k: int | None = None, warps: int = 4, stages: int = 3) -> Launch:
+    """The product's launch at ``rows`` rows: tiles of 16 to 64 rows on the tensor cores (a row alone pads a
+    16-row tile: summing it in registers instead lost 13% of the 8B's one-row step; docs/benchmarks.md); the inputs
+    split in two while the tiles fill fewer than two programs a multiprocessor and each part keeps
+    _MIN_SPLIT_INPUTS inputs and whole turns. The keywords are for tools/bench_wquant_gpu.py's sweep; the defaults
+    its choice."""
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_k = _block_k(in_features, block_k)
     turns = in_features // block_k
     tiles = -(-rows // block_m) * -(-out_features // block_n)
@@ -146,7 +137,7 @@ def plan(rows: int, out_features: int, in_features: int, multiprocessors: int, *
     while tiles * splits < 2 * multiprocessors and turns % (2 * splits) == 0 \
             and turns // (2 * splits) * block_k >= _MIN_SPLIT_INPUTS:
         splits *= 2
-    return Launch(block_m, block_n, block_k, splits, row_sums, warps, stages)
+    return Launch(block_m, block_n, block_k, splits, warps, stages)
 
 
 def widen(fmt: str, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -188,9 +179,9 @@ def linear(x: torch.Tensor, fmt: str, parts: tuple[torch.Tensor, ...], bias: tor
     turns = in_features // launch.block_k
     _product_kernel[grid](x, q, scales, offsets, bias if bias is not None else y, target, rows, out_features,
                           in_features, x.stride(0), turns // launch.splits * launch.block_k, FOUR_BITS=fmt == "q4_1",
-                          HAS_BIAS=bias is not None, PARTIAL=partial,
-                          ROW_SUMS=launch.row_sums, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-                          BLOCK_K=launch.block_k, num_warps=launch.warps, num_stages=launch.stages)
+                          HAS_BIAS=bias is not None, PARTIAL=partial, BLOCK_M=launch.block_m,
+                          BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, num_warps=launch.warps,
+                          num_stages=launch.stages)
     if partial:
         total = target.sum(dim=0)
         if bias is not None:
