@@ -280,6 +280,57 @@ def _echo_json(obj) -> None:
     click.echo(json.dumps(obj, separators=(",", ":")))
 
 
+@main.group()
+def cache():
+    """The cores flared keeps in its cache: the embedded model's, and those of GGUF files and checkpoints served
+    directly."""
+
+
+_cache_dir_option = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+                                 help="The cache (default ~/.cache/flared/cores, as flared run's).")
+
+
+def _sized(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+
+
+@cache.command("list")
+@_cache_dir_option
+@_json_option
+def cache_list(cache_dir, as_json):
+    """Each cached core: its state (current; stale: its source changed since; orphaned: its source is gone; old:
+    another flared's format or model release; incomplete: an export cut short), size and source."""
+    from flared.core.cache import cached_cores
+
+    cores = cached_cores(cache_dir or default_cache_dir())
+    if as_json:
+        _echo_json({"cores": [c.to_dict() for c in cores], "size_bytes": sum(c.size_bytes for c in cores)})
+        return
+    for c in cores:
+        click.echo(f"{c.state:10}  {_sized(c.size_bytes):>12}  {c.path.name}  ({c.source})")
+    click.echo(f"{len(cores)} cores, {_sized(sum(c.size_bytes for c in cores))}")
+
+
+@cache.command("prune")
+@_cache_dir_option
+@click.option("--all", "everything", is_flag=True, help="Remove every cached core, current ones too (they are "
+              "exported again when next served).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@_json_option
+def cache_prune(cache_dir, everything, dry_run, as_json):
+    """Remove the cached cores no `flared run` would use again: stale, orphaned, old and incomplete ones."""
+    from flared.core.cache import prune
+
+    removed = prune(cache_dir or default_cache_dir(), everything=everything, dry_run=dry_run)
+    freed = sum(c.size_bytes for c in removed)
+    if as_json:
+        _echo_json({"removed": [c.to_dict() for c in removed], "size_bytes": freed, "dry_run": dry_run})
+        return
+    for c in removed:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {c.path}  ({c.state}, {_sized(c.size_bytes)})")
+    click.echo(f"{'would free' if dry_run else 'freed'} {_sized(freed)} ({len(removed)} cores)")
+
+
 @main.command()
 @_admin_option
 @_json_option

