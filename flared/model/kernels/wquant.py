@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flared.model.quant import Q8_BLOCK
+
 WIDEN_MIN_ROWS = 256
-_BLOCK = 32  # inputs a block (quant.Q8_BLOCK)
 _MIN_SPLIT_INPUTS = 512  # (an input split never shorter: each program's loop keeps a few turns to pipeline)
 
 
@@ -144,7 +145,7 @@ def widen(fmt: str, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.
     """The weight as its products use it, transposed: [in, out] in ``dtype``."""
     q, scales = parts[0], parts[1]
     offsets = parts[2] if fmt == "q4_1" else scales
-    in_features, out_features = scales.shape[0] * _BLOCK, scales.shape[1]
+    in_features, out_features = scales.shape[0] * Q8_BLOCK, scales.shape[1]
     out = torch.empty(in_features, out_features, dtype=dtype, device=q.device)
     block_k = _block_k(in_features)
     grid = (triton.cdiv(out_features, 64), in_features // block_k)
@@ -159,7 +160,7 @@ def linear(x: torch.Tensor, fmt: str, parts: tuple[torch.Tensor, ...], bias: tor
     "q8_0"), plus ``bias`` [out]: [M, out] in x's dtype. ``launch``: not plan's (the bench's sweep)."""
     q, scales = parts[0], parts[1]
     offsets = parts[2] if fmt == "q4_1" else scales
-    in_features, out_features = scales.shape[0] * _BLOCK, scales.shape[1]
+    in_features, out_features = scales.shape[0] * Q8_BLOCK, scales.shape[1]
     if x.dim() != 2 or x.shape[1] != in_features or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"linear: input {tuple(x.shape)} {x.dtype} does not match {fmt.upper()} weight "
                          f"[{out_features}, {in_features}] (bfloat16 or float16 rows)")
