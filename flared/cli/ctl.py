@@ -299,7 +299,8 @@ def _sized(n: int) -> str:
 @_json_option
 def cache_list(cache_dir, as_json):
     """Each cached core: its state (current; stale: its source changed since; orphaned: its source is gone; old:
-    another flared's format or model release; incomplete: an export cut short), size and source."""
+    another flared's format or model release; unused: this machine serves its source from a core stored otherwise;
+    incomplete: an export cut short), size and source."""
     from flared.core.cache import cached_cores
 
     cores = cached_cores(cache_dir or default_cache_dir())
@@ -318,7 +319,8 @@ def cache_list(cache_dir, as_json):
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 @_json_option
 def cache_prune(cache_dir, everything, dry_run, as_json):
-    """Remove the cached cores no `flared run` would use again: stale, orphaned, old and incomplete ones."""
+    """Remove the cached cores no `flared run` here would use as they are: stale, orphaned, old, unused and
+    incomplete ones."""
     from flared.core.cache import prune
 
     removed = prune(cache_dir or default_cache_dir(), everything=everything, dry_run=dry_run)

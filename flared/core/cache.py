@@ -23,11 +23,14 @@ from flared.core.manifest import FORMAT_VERSION
 
 # What a cached core is: CURRENT (`flared run` of its source, dtype and options would use it as it is), STALE (its
 # source's files changed since: it would be exported again), ORPHANED (its source is gone), OLD (exported by another
-# core format or, the embedded model's, another release of its package), INCOMPLETE (an export that did not finish:
-# no manifest or no stamp). All but CURRENT are what `prune` removes.
-CURRENT, STALE, ORPHANED, OLD, INCOMPLETE = "current", "stale", "orphaned", "old", "incomplete"
+# core format or, the embedded model's, another release of its package), UNUSED (a bfloat16 core of a source this
+# machine serves from a sibling stored otherwise: a GGUF's plain core where a CPU keeps its bits, `...-bfloat16-gguf`,
+# or that stored core on a GPU, which serves the plain one; `-q none` or `-q` would use it again), INCOMPLETE (an
+# export that did not finish: no manifest or no stamp). All but CURRENT are what `prune` removes.
+CURRENT, STALE, ORPHANED, OLD, UNUSED, INCOMPLETE = "current", "stale", "orphaned", "old", "unused", "incomplete"
 _EMBEDDED = re.compile(r"^smollm2-135m-instruct-(?P<version>.+)-f(?P<format>\d+)-(?P<rest>.+)$")
-_FORMAT = re.compile(r"-f(\d+)-")
+# A source core's name (sources.source_core_dir): ...-fFORMAT-DTYPE[-STORED][capacities]
+_SOURCE = re.compile(r"-f(?P<format>\d+)-(?P<dtype>[a-z0-9]+?)(?:-(?P<stored>gguf|q4_1|q8_0))?(?P<caps>(?:-[a-z]+\d+)*)$")
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,8 @@ def _source_state(path: Path) -> tuple[str, str]:
         return "?", INCOMPLETE
     if not _has_manifest(path):
         return source, INCOMPLETE
-    found = _FORMAT.search(path.name)
-    if found is None or int(found.group(1)) != FORMAT_VERSION:
+    name = _SOURCE.search(path.name)
+    if name is None or int(name.group("format")) != FORMAT_VERSION:
         return source, OLD
     if source_kind(source) is None:
         return source, ORPHANED
@@ -83,7 +86,19 @@ def _source_state(path: Path) -> tuple[str, str]:
         same = fingerprint(Path(source)) == recorded
     except OSError:
         return source, ORPHANED
-    return source, CURRENT if same else STALE
+    if not same:
+        return source, STALE
+    if name.group("dtype") == "bfloat16" and name.group("stored") != served_stored(source):
+        return source, UNUSED
+    return source, CURRENT
+
+
+def served_stored(source: str) -> str | None:
+    """How `flared run` on this machine stores a source's bfloat16 core when neither -q nor the config says
+    (sources.kept_quantization: a CPU keeps a GGUF's or quantised checkpoint's bits, a GPU serves bf16)."""
+    from flared.core.sources import kept_quantization
+
+    return kept_quantization(source)[0]
 
 
 def cached_cores(cache_dir: Path) -> list[CachedCore]:

@@ -10,7 +10,7 @@ import shutil
 from click.testing import CliRunner
 
 from flared.cli.ctl import main as flarectl
-from flared.core.cache import CURRENT, INCOMPLETE, OLD, ORPHANED, STALE, cached_cores, prune
+from flared.core.cache import CURRENT, INCOMPLETE, OLD, ORPHANED, STALE, UNUSED, cached_cores, prune, served_stored
 from flared.core.sources import ensure_source_core
 
 
@@ -54,6 +54,19 @@ def test_each_cached_core_has_its_state_and_prune_keeps_the_current_ones(tiny_hf
     assert ensure_source_core(sources["edited"], cache, "float32") == cores["edited"]
     assert {c.state for c in cached_cores(cache)} == {CURRENT}
     assert len(prune(cache, everything=True)) == 3 and cached_cores(cache) == []
+
+
+def test_a_gguf_cores_other_storage_is_unused_here(default_gguf, tmp_path):
+    """A GGUF's bfloat16 core stored at its bits (...-bfloat16-gguf, what a CPU with the quantised kernels serves) and
+    plain (what a GPU serves, and what a CPU served before it kept the bits): the one this machine would not serve is
+    UNUSED, and prune removes it."""
+    cache = tmp_path / "cache"
+    plain = ensure_source_core(default_gguf, cache, "bfloat16")
+    stored = ensure_source_core(default_gguf, cache, "bfloat16", stored="gguf")
+    here = served_stored(str(default_gguf))  # ("gguf" on a CPU with the kernels; None on a GPU or without them)
+    states = {c.path: c.state for c in cached_cores(cache)}
+    assert states == {plain: UNUSED if here == "gguf" else CURRENT, stored: CURRENT if here == "gguf" else UNUSED}
+    assert [c.path for c in prune(cache)] == [plain if here == "gguf" else stored]
 
 
 def test_flarectl_cache_lists_and_prunes(tiny_hf_llama, tmp_path):
