@@ -299,8 +299,8 @@ def _sized(n: int) -> str:
 @_json_option
 def cache_list(cache_dir, as_json):
     """Each cached core: its state (current; stale: its source changed since; orphaned: its source is gone; old:
-    another flared's format or model release; unused: this machine serves its source from a core stored otherwise;
-    incomplete: an export cut short), size and source."""
+    another flared's format or model release; unused: this machine serves its source from a core stored otherwise
+    unless -q says; incomplete: an export cut short), size and source."""
     from flared.core.cache import cached_cores
 
     cores = cached_cores(cache_dir or default_cache_dir())
@@ -314,16 +314,17 @@ def cache_list(cache_dir, as_json):
 
 @cache.command("prune")
 @_cache_dir_option
+@click.option("--unused", is_flag=True, help="Remove the unused ones too (those only a start with -q, or -q none, "
+              "would serve here; exported again if asked for).")
 @click.option("--all", "everything", is_flag=True, help="Remove every cached core, current ones too (they are "
               "exported again when next served).")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 @_json_option
-def cache_prune(cache_dir, everything, dry_run, as_json):
-    """Remove the cached cores no `flared run` here would use as they are: stale, orphaned, old, unused and
-    incomplete ones."""
+def cache_prune(cache_dir, unused, everything, dry_run, as_json):
+    """Remove the cached cores no `flared run` would use as they are: stale, orphaned, old and incomplete ones."""
     from flared.core.cache import prune
 
-    removed = prune(cache_dir or default_cache_dir(), everything=everything, dry_run=dry_run)
+    removed = prune(cache_dir or default_cache_dir(), unused=unused, everything=everything, dry_run=dry_run)
     freed = sum(c.size_bytes for c in removed)
     if as_json:
         _echo_json({"removed": [c.to_dict() for c in removed], "size_bytes": freed, "dry_run": dry_run})

@@ -24,9 +24,10 @@ from flared.core.manifest import FORMAT_VERSION
 # What a cached core is: CURRENT (`flared run` of its source, dtype and options would use it as it is), STALE (its
 # source's files changed since: it would be exported again), ORPHANED (its source is gone), OLD (exported by another
 # core format or, the embedded model's, another release of its package), UNUSED (a bfloat16 core of a source this
-# machine serves from a sibling stored otherwise: a GGUF's plain core where a CPU keeps its bits, `...-bfloat16-gguf`,
-# or that stored core on a GPU, which serves the plain one; `-q none` or `-q` would use it again), INCOMPLETE (an
-# export that did not finish: no manifest or no stamp). All but CURRENT are what `prune` removes.
+# machine serves from a sibling stored otherwise by default: a GGUF's plain core where a CPU keeps its bits,
+# `...-bfloat16-gguf`, or that stored core on a GPU, which serves the plain one; a start with -q does use the plain
+# one, so `prune` removes these only when asked), INCOMPLETE (an export that did not finish: no manifest or no
+# stamp). `prune` removes STALE, ORPHANED, OLD and INCOMPLETE ones.
 CURRENT, STALE, ORPHANED, OLD, UNUSED, INCOMPLETE = "current", "stale", "orphaned", "old", "unused", "incomplete"
 _EMBEDDED = re.compile(r"^smollm2-135m-instruct-(?P<version>.+)-f(?P<format>\d+)-(?P<rest>.+)$")
 # A source core's name (sources.source_core_dir): ...-fFORMAT-DTYPE[-STORED][capacities]
@@ -117,11 +118,13 @@ def cached_cores(cache_dir: Path) -> list[CachedCore]:
     return out
 
 
-def prune(cache_dir: Path, *, everything: bool = False, dry_run: bool = False) -> list[CachedCore]:
-    """Remove the cached cores that are not CURRENT (``everything``: all of them), with their stamps; returns those
-    removed (``dry_run``: those it would remove, removing nothing). Holds the cache's export lock meanwhile, so no
-    `flared run` exports into it at the same time (a daemon serving a core it removes keeps serving it: its weights
-    are in memory)."""
+def prune(cache_dir: Path, *, unused: bool = False, everything: bool = False,
+          dry_run: bool = False) -> list[CachedCore]:
+    """Remove the cached cores that are neither CURRENT nor UNUSED (``unused``: UNUSED ones too; ``everything``: all
+    of them), with their stamps; returns those removed (``dry_run``: those it would remove, removing nothing). Holds
+    the cache's export lock meanwhile, so no `flared run` exports into it at the same time (a daemon serving a core
+    it removes keeps serving it: its weights are in memory)."""
+    kept = {CURRENT} if unused else {CURRENT, UNUSED}
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
         return []
@@ -132,7 +135,7 @@ def prune(cache_dir: Path, *, everything: bool = False, dry_run: bool = False) -
         with open(root / ".export.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             for core in cached_cores(cache_dir):
-                if core.path.parent != root or not (everything or core.state != CURRENT):
+                if core.path.parent != root or not (everything or core.state not in kept):
                     continue
                 removed.append(core)
                 if not dry_run:

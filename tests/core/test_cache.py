@@ -58,15 +58,16 @@ def test_each_cached_core_has_its_state_and_prune_keeps_the_current_ones(tiny_hf
 
 def test_a_gguf_cores_other_storage_is_unused_here(default_gguf, tmp_path):
     """A GGUF's bfloat16 core stored at its bits (...-bfloat16-gguf, what a CPU with the quantised kernels serves) and
-    plain (what a GPU serves, and what a CPU served before it kept the bits): the one this machine would not serve is
-    UNUSED, and prune removes it."""
+    plain (what a GPU serves, what a CPU served before it kept the bits, and what -q serves): the one this machine
+    would not serve by default is UNUSED, and prune removes it when asked."""
     cache = tmp_path / "cache"
     plain = ensure_source_core(default_gguf, cache, "bfloat16")
     stored = ensure_source_core(default_gguf, cache, "bfloat16", stored="gguf")
     here = served_stored(str(default_gguf))  # ("gguf" on a CPU with the kernels; None on a GPU or without them)
     states = {c.path: c.state for c in cached_cores(cache)}
     assert states == {plain: UNUSED if here == "gguf" else CURRENT, stored: CURRENT if here == "gguf" else UNUSED}
-    assert [c.path for c in prune(cache)] == [plain if here == "gguf" else stored]
+    assert prune(cache) == []
+    assert [c.path for c in prune(cache, unused=True)] == [plain if here == "gguf" else stored]
 
 
 def test_flarectl_cache_lists_and_prunes(tiny_hf_llama, tmp_path):
