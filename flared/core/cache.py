@@ -11,6 +11,7 @@ tens of GB. ``cached_cores`` says what each is; ``prune`` removes those no `flar
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.metadata
 import json
@@ -126,22 +127,16 @@ def prune(cache_dir: Path, *, unused: bool = False, everything: bool = False,
     it removes keeps serving it: its weights are in memory)."""
     kept = {CURRENT} if unused else {CURRENT, UNUSED}
     cache_dir = Path(cache_dir)
-    if not cache_dir.is_dir():
-        return []
-    removed = []
-    for root in (cache_dir, cache_dir / "sources"):
-        if not root.is_dir():
-            continue
-        with open(root / ".export.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            for core in cached_cores(cache_dir):
-                if core.path.parent != root or not (everything or core.state not in kept):
-                    continue
-                removed.append(core)
-                if not dry_run:
-                    shutil.rmtree(core.path)
-                    core.path.with_name(core.path.name + ".source.json").unlink(missing_ok=True)
-            if not dry_run:  # (a stamp whose core is gone)
+    roots = [root for root in (cache_dir, cache_dir / "sources") if root.is_dir()]
+    with contextlib.ExitStack() as locks:
+        for root in roots:  # (the embedded model's exports lock the cache, the sources' exports sources/)
+            fcntl.flock(locks.enter_context(open(root / ".export.lock", "w")), fcntl.LOCK_EX)
+        removed = [core for core in cached_cores(cache_dir) if everything or core.state not in kept]
+        if not dry_run:
+            for core in removed:
+                shutil.rmtree(core.path)
+                core.path.with_name(core.path.name + ".source.json").unlink(missing_ok=True)
+            for root in roots:  # (a stamp whose core is gone)
                 for stamp in root.glob("*.source.json"):
                     if not stamp.with_name(stamp.name.removesuffix(".source.json")).exists():
                         stamp.unlink(missing_ok=True)
