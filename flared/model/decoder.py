@@ -30,9 +30,8 @@ from flared.model.config import ModelConfig
 from flared.model.host_memory import host_zeros, huge_pages_wanted
 from flared.model.kv_cache import FP8_KV, PagedKVCache
 from flared.model.loader import check_serving_tensors, serving_tensor_shapes
-from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, gpu_quantize,
-                                packed_format, packed_parts, packed_values, q4_1_rows, q8_0_rows, quantize_packed,
-                                stored_gpu_layout)
+from flared.model.quant import (HEAD_QUANTIZATION, Q8_BLOCK, QuantPlan, check_quantization, packed_format,
+                                packed_parts, packed_values, q4_1_rows, q8_0_rows, quantize_packed, stored_gpu_layout)
 from flared.model.recurrent import (channel_delta_step, chunked_channel_delta, chunked_gated_delta,
                                     chunked_linear_attention, chunked_selective_scan, gated_delta_step,
                                     linear_attention_step, prepare, selective_step)
@@ -244,12 +243,6 @@ def pack_bf16(weight: torch.Tensor, arena: "_Arena | None" = None) -> torch.Tens
     return weight.reshape(padded // group, group, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def gpu_quantisable(weight: torch.Tensor) -> bool:
-    """Whether a weight can be kept quantised on a GPU (kernels/wquant.py): a bf16 matrix, inputs a multiple of 32."""
-    return weight.device.type == "cuda" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and \
-        weight.shape[1] % Q8_BLOCK == 0
-
-
 def quantisable(weight: torch.Tensor) -> bool:
     """Whether a weight can be kept quantised here: bf16 on a CPU with the kernels, inputs a multiple of 32."""
     return (q8_linear is not None and BF16_SUPPORTED and weight.dtype == torch.bfloat16
@@ -261,9 +254,9 @@ class _Linear:
 
     bf16 on a CPU with the kernel: ``packed`` holds the weight (``weight`` is None); a quantization ("q8_0", "q4_1")
     there: ``quant`` (the packed values), ``quant_scales`` (Q4_1: its steps) and Q4_1's ``quant_offsets`` hold it
-    instead, ``quant_kind`` names it (flared/model/quant.py; a weight the format cannot take stays bf16). A bf16
-    weight on a GPU takes a quantization too, in the GPU's layout (quant.gpu_layout; ``on_gpu``), its products
-    kernels/wquant.py's."""
+    instead, ``quant_kind`` names it (flared/model/quant.py; a weight the format cannot take stays bf16). On a GPU
+    a quantised weight is made by ``stored`` (DecoderModel quantises it on the host), in the GPU's layout
+    (quant.gpu_layout; ``on_gpu``), its products kernels/wquant.py's."""
 
     __slots__ = ("weight", "bias", "split", "packed", "out_features", "in_features", "quant", "quant_scales",
                  "quant_offsets", "quant_kind")
@@ -276,11 +269,7 @@ class _Linear:
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
         self.packed = self.quant = self.quant_scales = self.quant_offsets = self.quant_kind = None
-        if quantization is not None and gpu_quantisable(weight):
-            self.quant, self.quant_scales, self.quant_offsets = (*gpu_quantize(quantization, weight, grids), None)[:3]
-            self.quant_kind = quantization
-            weight = None
-        elif quantization is not None and quantisable(weight):
+        if quantization is not None and quantisable(weight):
             self.quant, self.quant_scales, self.quant_offsets = (
                 *quantize_packed(quantization, weight, empty=arena.empty if arena is not None else None,
                                  grids=grids), None)[:3]
@@ -302,7 +291,7 @@ class _Linear:
         """A matrix a core holds quantised (quant.pack_layer_matrices' tensors in ``fmt``), kept as it is: copied
         into ``arena`` (DecoderModel's, in huge pages) where given, as the quantiser writes into it; on a GPU
         ``device``, laid out as its products take them (the same blocks)."""
-        if device is not None and device.type != "cpu":  # (into the GPU's layout, as gpu_quantize gives it)
+        if device is not None and device.type != "cpu":  # (unpacked into the GPU's layout there)
             parts = stored_gpu_layout(parts, fmt, shape[0], device)
         elif arena is not None:
             parts = tuple(arena.empty(tuple(p.shape), p.dtype).copy_(p) for p in parts)
@@ -457,12 +446,15 @@ class DecoderModel:
         def lin(weight: torch.Tensor, bias: torch.Tensor | None) -> _Linear:
             return _Linear(weight, bias, None if on_gpu else self.quantization, arena, grids)
 
-        def w(name: str) -> torch.Tensor:
+        def on_host(name: str) -> torch.Tensor:
+            """Tensor ``name`` in ``dtype`` where the core holds it (a matrix it stores quantised: its values)."""
             stored = packed_format(tensors, name) if name not in tensors else None
             if stored is not None:  # (a core's matrix stored quantised: its values, where it is not kept so)
-                value = packed_values(packed_parts(tensors, name, stored), stored, shapes[name][-2], dtype)
-                return value.to(device=self.device, dtype=dtype).contiguous()
-            return tensors[name].to(device=self.device, dtype=dtype).contiguous()
+                return packed_values(packed_parts(tensors, name, stored), stored, shapes[name][-2], dtype)
+            return tensors[name].to(dtype=dtype)
+
+        def w(name: str) -> torch.Tensor:
+            return on_host(name).to(device=self.device).contiguous()
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in tensors or packed_format(tensors, name) is not None else None
@@ -486,11 +478,17 @@ class DecoderModel:
             """A layer's product by its serving name (p + key + ".weight", its bias if it has one and ``bias``), in
             its format."""
             name = p + key + ".weight"
-            parts = kept_stored(name, fmt_of(name))
+            fmt = fmt_of(name)
+            parts = kept_stored(name, fmt)
+            if parts is None and on_gpu and fmt is not None and dtype == torch.bfloat16 and \
+                    shapes[name][-1] % Q8_BLOCK == 0:
+                # (quantised on the host by the CPU's quantiser, the blocks a CPU or a stored core holds: a GPU's
+                # division by a constant rounds a Q8_0 scale otherwise; never the bf16 matrix on the GPU first)
+                parts = quantize_packed(fmt, on_host(name).contiguous(), grids=grids)
             if parts is not None:
-                return _Linear.stored(parts, fmt_of(name), shapes[name], opt(p + key + ".bias") if bias else None,
-                                      arena, self.device)
-            return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt_of(name), arena, grids)
+                return _Linear.stored(parts, fmt, shapes[name], opt(p + key + ".bias") if bias else None, arena,
+                                      self.device)
+            return _Linear(w(name), opt(p + key + ".bias") if bias else None, fmt, arena, grids)
 
         # Gemma's norm weights (1 + w), gpt-oss' and Cohere's stay float32: their norms scale in float32 and round
         # once (ModelConfig.float_norms)
