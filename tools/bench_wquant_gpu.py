@@ -86,15 +86,15 @@ def matrices(shape: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (qkv, hidden), "o": (hidden, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
 
 
-SWEEP = [dict(block_n=n, block_k=k, stages=stages, warps=warps)
-         for n, k in ((32, 128), (64, 128), (64, 256), (128, 128)) for stages in (3, 4) for warps in (4, 8)]
+SWEEP = [dict(block_n=n, stages=stages, warps=warps) for n in (64, 128, 256) for stages in (2, 3, 4)
+         for warps in (4, 8)]
 
 
 def sweep(shape: str, formats: list[str], row_counts: list[int], out: dict) -> None:
-    """Every launch of SWEEP for each product, format and row count, beside the widened weight through cuBLAS;
-    prints the fastest few and plan()'s."""
+    """Every launch of SWEEP for each product, format and row count (each with plan()'s input splits, and with half
+    and twice as many), beside the widened weight through cuBLAS; prints the fastest few and plan()'s."""
     from flared.model.kernels import wquant
-    from flared.model.quant import gpu_quantize
+    from flared.model.quant import GPU_TURN, gpu_quantize
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -107,13 +107,19 @@ def sweep(shape: str, formats: list[str], row_counts: list[int], out: dict) -> N
                 timings = {"widen + cuBLAS": time_us(lambda: torch.matmul(x, wquant.widen(fmt, parts)))}
                 if m < wquant.WIDEN_MIN_ROWS:
                     timings["plan"] = time_us(lambda: wquant.linear(x, fmt, parts,
-                                                                    launch=wquant.plan(m, n, k, sms)))
+                                                                    launch=wquant.plan(m, n, k, sms, fmt)))
+                turns = k // GPU_TURN[fmt]
                 for kw in SWEEP:
-                    launch = wquant.plan(m, n, k, sms, **kw)
-                    try:
-                        timings[str(tuple(launch))] = time_us(lambda: wquant.linear(x, fmt, parts, launch=launch))
-                    except Exception as error:  # (a tile too large for the multiprocessor's memory)
-                        print(f"  {launch}: {type(error).__name__}", flush=True)
+                    base = wquant.plan(m, n, k, sms, fmt, **kw)
+                    for splits in {base.splits, max(1, base.splits // 2), 2 * base.splits}:
+                        launch = base._replace(splits=splits)
+                        if turns % splits:
+                            continue
+                        try:
+                            timings[str(tuple(launch))] = time_us(lambda: wquant.linear(x, fmt, parts,
+                                                                                        launch=launch))
+                        except Exception as error:  # (a tile too large for the multiprocessor's memory)
+                            print(f"  {launch}: {type(error).__name__}", flush=True)
                 best = sorted(timings.items(), key=lambda kv: kv[1])
                 print(f"{name:8} {fmt} {m:4} rows: plan {timings.get('plan', float('nan')):.1f} us; best "
                       + "; ".join(f"{key} {us:.1f}" for key, us in best[:4]), flush=True)

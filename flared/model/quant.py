@@ -437,24 +437,36 @@ def pack_layer_matrices(tensors: dict, plan: "QuantPlan", threads: int | None = 
 # ---- the GPU's layout (flared/model/kernels/wquant.py's products)
 #
 # The same blocks (32 inputs, the same quantisers, so the same values as the CPU's), laid out for a GPU tile that
-# reads a run of inputs for a run of output features, the features contiguous: Q8_0's values int8 [in, out], Q4_1's
-# int32 [in / 8, out] (input 8 i + j in bits 4 j to 4 j + 3 of word i), their scales (Q8_0 float32) or steps and
-# offsets (Q4_1 float16) [in / 32, out].
+# reads a run of inputs for a run of output features, the features contiguous: the values packed into int32 words
+# down the inputs, a turn of a product's inputs (GPU_TURN) in GPU_WORD_ROWS rows of words, value j of word row r
+# holding the turn's input 16 j + r, so that value j of every word is one 16-input step of the tensor cores as
+# loaded; the inputs padded with zero blocks to whole turns; the scales (Q8_0 float32) or steps and offsets (Q4_1
+# float16) [in / 32, out].
+GPU_TURN = {"q4_1": 128, "q8_0": 64}
+GPU_WORD_ROWS = 16
+
+
+def _gpu_bits(fmt: str) -> tuple[int, int]:
+    """(bits a value, values a word) of the GPU layout."""
+    return (4, 8) if fmt == "q4_1" else (8, 4)
 
 
 def gpu_layout(fmt: str, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, ...]:
     """(q [out, in], scales [out, in / 32][, offsets]) as quantize_q8_0 / quantize_q4_1 give them -> the GPU's
-    tensors (values, scales[, offsets]), on q's device."""
-    params = tuple(p.t().contiguous() for p in (scales, offsets) if p is not None)
-    if fmt == "q8_0":
-        return (q.t().contiguous(), *params)
+    tensors, on q's device: words int32 [in' / 8 (Q4_1) or in' / 4 (Q8_0), out] and scales[, offsets] [in' / 32, out],
+    in' the inputs padded to whole turns (zero values, scales and offsets: zeros, widened)."""
     out_features, in_features = q.shape
-    nibbles = q.t().reshape(in_features // 8, 8, out_features).to(torch.int64)
-    shifts = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 8, 1)
-    words = (nibbles << shifts).sum(dim=1)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # (the top nibble's bit as int32's sign)
-    return (words.to(torch.int32), *params)
+    pad = -in_features % GPU_TURN[fmt]
+    params = tuple(torch.nn.functional.pad(p, (0, pad // Q8_BLOCK)).t().contiguous()
+                   for p in (scales, offsets) if p is not None)
+    bits, per_word = _gpu_bits(fmt)
+    values = torch.nn.functional.pad(q.to(torch.int64) & ((1 << bits) - 1), (0, pad))
+    values = values.reshape(out_features, -1, per_word, GPU_WORD_ROWS)  # [out, turn, j, r]
+    shifts = (bits * torch.arange(per_word, device=q.device, dtype=torch.int64)).view(1, 1, per_word, 1)
+    words = (values << shifts).sum(dim=2)  # [out, turn, r]
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # (the top value's bit as int32's sign)
+    return (words.reshape(out_features, -1).t().contiguous().to(torch.int32), *params)
 
 
 def gpu_quantize(fmt: str, weight: torch.Tensor, grids: bool = False) -> tuple[torch.Tensor, ...]:
@@ -482,13 +494,16 @@ def unpack_stored(parts: tuple[torch.Tensor, ...], fmt: str, out_features: int) 
     return (q[:out_features], *params)
 
 
-def gpu_values(parts: tuple[torch.Tensor, ...], fmt: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The GPU layout's weight as its products use it, [out, in] (dequantize_q8_0's and dequantize_q4_1's values)."""
-    values = parts[0]
-    if fmt == "q4_1":
-        shifts = (4 * torch.arange(8, device=values.device, dtype=torch.int32)).view(1, 8, 1)
-        values = ((values[:, None, :] >> shifts) & 15).flatten(0, 1).to(torch.uint8)
+def gpu_values(parts: tuple[torch.Tensor, ...], fmt: str, dtype: torch.dtype = torch.bfloat16,
+               in_features: int | None = None) -> torch.Tensor:
+    """The GPU layout's weight as its products use it, [out, in] (dequantize_q8_0's and dequantize_q4_1's values;
+    ``in_features``: without the padding)."""
+    bits, per_word = _gpu_bits(fmt)
+    words = parts[0].to(torch.int64) & 0xFFFFFFFF
+    words = words.view(-1, 1, GPU_WORD_ROWS, words.shape[1])  # [turn, 1, r, out]
+    shifts = (bits * torch.arange(per_word, device=words.device, dtype=torch.int64)).view(1, per_word, 1, 1)
+    values = ((words >> shifts) & ((1 << bits) - 1)).reshape(-1, words.shape[-1]).t().to(torch.uint8)
     params = [p.t() for p in parts[1:]]
-    if fmt == "q8_0":
-        return dequantize_q8_0(values.t(), *params, dtype)
-    return dequantize_q4_1(values.t(), *params, dtype)
+    out = (dequantize_q8_0(values.view(torch.int8), *params, dtype) if fmt == "q8_0"
+           else dequantize_q4_1(values, *params, dtype))
+    return out if in_features is None else out[:, :in_features]

@@ -38,8 +38,8 @@ def test_a_stored_core_on_the_gpu_serves_its_values_or_keeps_its_blocks(tiny_hf_
             if which == "values":
                 assert lin.quant is None and torch.equal(lin.weight.cpu(), want)
             else:
-                assert lin.on_gpu and lin.quant_kind == fmt and torch.equal(gpu_values(lin.quant_tensors, fmt).cpu(),
-                                                                            want)
+                values = gpu_values(lin.quant_tensors, fmt, in_features=lin.in_features)
+                assert lin.on_gpu and lin.quant_kind == fmt and torch.equal(values.cpu(), want)
             requests = [GenerateRequest(tuple(p), (), SamplingParams(max_tokens=24, temperature=0.0), frozenset())
                         for p in prompts]
             tokens = []

@@ -23,15 +23,15 @@ def _values(fmt, weight):
     from flared.model.quant import gpu_quantize, gpu_values
 
     parts = gpu_quantize(fmt, weight)
-    return parts, gpu_values(parts, fmt)
+    return parts, gpu_values(parts, fmt, in_features=weight.shape[1])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out_features, in_features", [(72, 96), (4096, 4096), (1000, 576), (384, 14336)])
 def test_the_products_against_float64_and_cublas(fmt, out_features, in_features):
-    """Every row count through each path (tiles on the tensor cores, two tile sizes, input splits, the widened weight
-    through cuBLAS), with and without a bias: as near float64 over the blocks' values as cuBLAS' bf16 product over
-    them is."""
+    """Every row count through each path (tiles on the tensor cores, two tile sizes, input splits summed by each
+    tile's last program, inputs padded to whole turns (96, 576), the widened weight through cuBLAS), with and
+    without a bias: as near float64 over the blocks' values as cuBLAS' bf16 product over them is."""
     from flared.model.kernels import wquant
     from flared.model.quant import dequantize_q4_1, dequantize_q8_0, quantize_q4_1, quantize_q8_0
 
@@ -42,12 +42,15 @@ def test_the_products_against_float64_and_cublas(fmt, out_features, in_features)
     cpu = weight.cpu()
     cpu = dequantize_q4_1(*quantize_q4_1(cpu)) if fmt == "q4_1" else dequantize_q8_0(*quantize_q8_0(cpu))
     assert torch.equal(values.cpu(), cpu)
-    assert torch.equal(wquant.widen(fmt, parts), values.t())
+    wide = wquant.widen(fmt, parts)
+    assert torch.equal(wide[:in_features], values.t()) and not wide[in_features:].any()
     bias = torch.randn(out_features, device="cuda", generator=g).to(torch.bfloat16)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 3, 16, 17, 40, 64, 100, wquant.WIDEN_MIN_ROWS, 300):
         x = torch.randn(rows, in_features, device="cuda", generator=g).to(torch.bfloat16)
-        launches = [None] + ([wquant.plan(rows, out_features, in_features, sms, block_n=32, block_k=64)]
+        padded = parts[1].shape[0] * 32
+        launches = [None] + ([wquant.plan(rows, out_features, padded, sms, fmt, block_n=64),
+                              wquant.plan(rows, out_features, padded, 8 * sms, fmt, warps=8)]
                              if rows < wquant.WIDEN_MIN_ROWS else [])
         for b in (None, bias):
             exact = x.double() @ values.double().t() + (0 if b is None else b.double())
@@ -60,7 +63,8 @@ def test_the_products_against_float64_and_cublas(fmt, out_features, in_features)
 
 @pytest.mark.parametrize("rows", [2, 200])
 def test_the_products_replay_in_a_graph(rows):
-    """Captured once, replayed over new rows: the eager call's bits (input splits summed in a fixed order)."""
+    """Captured once, replayed over new rows: the eager call's bits (input splits summed in a fixed order by each
+    tile's last program, which resets the tile's count for the next replay)."""
     from flared.model.kernels import wquant
 
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -85,7 +89,7 @@ def test_bad_inputs_are_refused():
     from flared.model.kernels import wquant
 
     parts, _ = _values("q8_0", torch.ones(64, 96, device="cuda", dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"does not match Q8_0 weight \[64, 96\]"):
+    with pytest.raises(ValueError, match=r"does not match Q8_0 weight \[64, 128 \(padded\)\]"):
         wquant.linear(torch.ones(2, 64, device="cuda", dtype=torch.bfloat16), "q8_0", parts)
     with pytest.raises(ValueError, match="bfloat16 or float16 rows"):
         wquant.linear(torch.ones(2, 96, device="cuda"), "q8_0", parts)

@@ -636,25 +636,32 @@ def test_a_plan_reaches_a_mixtures_experts_and_shared_expert(tmp_path):
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
 def test_the_gpu_layout_holds_the_same_blocks(fmt):
     """quant.gpu_layout (kernels/wquant.py's tensors) holds the quantiser's blocks: its values are the dequantised
-    weight's, a stored core's tensors come back to them (unpack_stored); Q4_1's word i holds inputs 8 i to 8 i + 7,
-    and the top nibble sets the word's sign bit without spilling into it."""
-    from flared.model.quant import gpu_layout, gpu_quantize, gpu_values, quantize_packed, unpack_stored
+    weight's, the inputs padded to whole turns with zeros, a stored core's tensors come back to them (unpack_stored);
+    value j of a turn's word row r is the turn's input 16 j + r, and the top value sets the word's sign bit without
+    spilling into it."""
+    from flared.model.quant import GPU_TURN, gpu_layout, gpu_quantize, gpu_values, quantize_packed, unpack_stored
 
     quantize, dequantize = FORMATS[fmt][:2]
+    bits, per_word = (4, 8) if fmt == "q4_1" else (8, 4)
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(70, 96, generator=g) * torch.logspace(-3, 0, 96)).to(torch.bfloat16)
     params = quantize(w)
     parts = gpu_quantize(fmt, w)
-    assert [tuple(p.shape) for p in parts] == [(96 // 8, 70) if fmt == "q4_1" else (96, 70)] + [(3, 70)] * (
-        len(parts) - 1)
-    assert torch.equal(gpu_values(parts, fmt), dequantize(*params))
+    padded = -(-96 // GPU_TURN[fmt]) * GPU_TURN[fmt]  # (Q4_1: 128, Q8_0: 128)
+    assert [tuple(p.shape) for p in parts] == [(padded // per_word, 70)] + [(padded // 32, 70)] * (len(parts) - 1)
+    assert torch.equal(gpu_values(parts, fmt, in_features=96), dequantize(*params))
+    assert not gpu_values(parts, fmt)[:, 96:].any()
     assert all(torch.equal(a, b) for a, b in zip(unpack_stored(quantize_packed(fmt, w), fmt, 70), params))
+    values = params[0].to(torch.int32) & ((1 << bits) - 1)
+    turn = GPU_TURN[fmt]
+    for row, j in ((0, 0), (5, 3), (16 + 11, per_word - 1), (16 + 2, 1)):
+        k = row // 16 * turn + 16 * j + row % 16
+        if k < 96:
+            assert torch.equal((parts[0][row] >> (bits * j)) & ((1 << bits) - 1), values[:, k]), (row, j)
     if fmt == "q4_1":
-        for i, j in ((0, 0), (5, 3), (11, 7)):
-            assert torch.equal((parts[0][i] >> (4 * j)) & 15, params[0][:, 8 * i + j].to(torch.int32))
-        q = torch.full((2, 32), 15, dtype=torch.uint8)
-        q[1, 7::8] = 0
-        words = gpu_layout(fmt, q, torch.ones(2, 1, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.float16))[0]
+        q = torch.full((2, 128), 15, dtype=torch.uint8)
+        q[1, 7 * 16:] = 0  # (value 7 of every word: its top nibble)
+        ones, zeros = torch.ones(2, 4, dtype=torch.float16), torch.zeros(2, 4, dtype=torch.float16)
+        words = gpu_layout(fmt, q, ones, zeros)[0]
         assert words.dtype == torch.int32 and (words[:, 0] == -1).all() and (words[:, 1] == 0x0FFFFFFF).all()
-        assert torch.equal(gpu_values((words, torch.ones(1, 2, dtype=torch.float16),
-                                       torch.zeros(1, 2, dtype=torch.float16)), fmt), q.to(torch.bfloat16))
+        assert torch.equal(gpu_values((words, ones.t(), zeros.t()), fmt), q.to(torch.bfloat16))
