@@ -107,6 +107,13 @@ def _turn_operand(words, S, Z, group, offs_n, n_mask, N, FOUR_BITS: tl.constexpr
 
 
 @triton.jit
+def _inputs(X, offs_m, m_mask, k, K, stride_x, EVEN_K: tl.constexpr):
+    """The tile's rows of X at inputs ``k`` (zeros past K, the weight's padding)."""
+    mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (k < K)[None, :]
+    return tl.load(X + offs_m[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _product_kernel(X, Q, S, Z, Bias, Y, Part, Count, M, N, K, stride_x, inputs_per_split,
                     FOUR_BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -131,18 +138,14 @@ def _product_kernel(X, Q, S, Z, Bias, Y, Part, Count, M, N, K, stride_x, inputs_
         words = tl.load(Q + (k0 // PER_WORD + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         if WIDE:  # (the turn as one operand: warpgroup products 16 inputs deep wait on each other, 2-3x slower)
             w = _turn_operand(words, S, Z, k0 // 32, offs_n, n_mask, N, FOUR_BITS, BLOCK_N)
-            k = k0 + turn
-            x_mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (k < K)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0)
+            x = _inputs(X, offs_m, m_mask, k0 + turn, K, stride_x, EVEN_K)
             acc += tl.dot(x, w.to(x.dtype))
         else:
             for G in tl.static_range(TURN // 32):  # (a block of 32 inputs: one scale, two 16-input steps)
                 scale, offset = _params(S, Z, k0 // 32 + G, offs_n, n_mask, N, FOUR_BITS)
                 for H in tl.static_range(2):
                     w = _value(words, scale, offset, 2 * G + H, FOUR_BITS)
-                    k = k0 + 32 * G + 16 * H + rows
-                    x_mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (k < K)[None, :]
-                    x = tl.load(X + offs_m[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0)
+                    x = _inputs(X, offs_m, m_mask, k0 + 32 * G + 16 * H + rows, K, stride_x, EVEN_K)
                     acc += tl.dot(x, w.to(x.dtype))
     out = offs_m[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -181,8 +184,12 @@ def _widen_kernel(Q, S, Z, W, N, FOUR_BITS: tl.constexpr, BLOCK_N: tl.constexpr)
 _SMS: dict[int, int] = {}
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _multiprocessors(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
@@ -195,8 +202,7 @@ _COUNTS: dict[int, list[torch.Tensor]] = {}
 
 
 def _counts(device: torch.device, tiles: int) -> torch.Tensor:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kept = _COUNTS.setdefault(index, [])
+    kept = _COUNTS.setdefault(_index(device), [])
     if not kept or kept[-1].numel() < tiles:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"wquant: a split product of {tiles} tiles first ran inside a CUDA graph capture; "
