@@ -644,20 +644,20 @@ def test_the_gpu_layout_holds_the_same_blocks(fmt):
     quantize, dequantize = FORMATS[fmt][:2]
     bits, per_word = (4, 8) if fmt == "q4_1" else (8, 4)
     g = torch.Generator().manual_seed(3)
-    w = (torch.randn(70, 96, generator=g) * torch.logspace(-3, 0, 96)).to(torch.bfloat16)
+    inputs = 224  # (padded to 256: Q4_1 two turns, the second part padding; Q8_0 four)
+    w = (torch.randn(70, inputs, generator=g) * torch.logspace(-3, 0, inputs)).to(torch.bfloat16)
     params = quantize(w)
     parts = gpu_quantize(fmt, w)
-    padded = -(-96 // GPU_TURN[fmt]) * GPU_TURN[fmt]  # (Q4_1: 128, Q8_0: 128)
-    assert [tuple(p.shape) for p in parts] == [(padded // per_word, 70)] + [(padded // 32, 70)] * (len(parts) - 1)
-    assert torch.equal(gpu_values(parts, fmt, in_features=96), dequantize(*params))
-    assert not gpu_values(parts, fmt)[:, 96:].any()
+    assert [tuple(p.shape) for p in parts] == [(256 // per_word, 70)] + [(256 // 32, 70)] * (len(parts) - 1)
+    assert torch.equal(gpu_values(parts, fmt, in_features=inputs), dequantize(*params))
+    assert not gpu_values(parts, fmt)[:, inputs:].any()
     assert all(torch.equal(a, b) for a, b in zip(unpack_stored(quantize_packed(fmt, w), fmt, 70), params))
     values = params[0].to(torch.int32) & ((1 << bits) - 1)
     turn = GPU_TURN[fmt]
-    for row, j in ((0, 0), (5, 3), (16 + 11, per_word - 1), (16 + 2, 1)):
+    # (word row, value j): the first word, a middle one, a top value, the second turn's
+    for row, j in ((0, 0), (5, 3), (11, per_word - 1), (16 + 11, per_word // 2), (16 + 2, 1)):
         k = row // 16 * turn + 16 * j + row % 16
-        if k < 96:
-            assert torch.equal((parts[0][row] >> (bits * j)) & ((1 << bits) - 1), values[:, k]), (row, j)
+        assert k < inputs and torch.equal((parts[0][row] >> (bits * j)) & ((1 << bits) - 1), values[:, k]), (row, j)
     if fmt == "q4_1":
         q = torch.full((2, 128), 15, dtype=torch.uint8)
         q[1, 7 * 16:] = 0  # (value 7 of every word: its top nibble)
