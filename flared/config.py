@@ -20,6 +20,12 @@ from typing import Any
 from flared.errors import AdmissionError, ErrorKind
 from flared.scheduler.config import PolicyConfig
 
+# --draft-p-min's default (llama.cpp's now; 0.75 before): a draft model's token under this probability ends its
+# drafts. 0: none is cut (the scheduler's per-request caps and pricing weigh what drafts are kept).
+DRAFT_P_MIN = 0.0
+# speculative_tokens where a speculative_model is given without it
+DRAFT_TOKENS = 4
+
 
 class ConfigError(AdmissionError):
     """A configuration file or flag is wrong; the message names the key."""
@@ -129,6 +135,12 @@ class ServerConfig:
     speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # vLLM's --speculative-model, llama.cpp's --model-draft: the drafts come from this model instead (a core, a
+    # GGUF file or a checkpoint directory sharing the served model's vocabulary), its greedy continuation of each
+    # request, speculative_tokens at most (DRAFT_TOKENS where that is 0); a draft the model gives less than
+    # draft_p_min stops the drafting (llama.cpp's --draft-p-min). None: prompt lookup.
+    speculative_model: str | None = None
+    draft_p_min: float = DRAFT_P_MIN
     # Images named by URL (vision cores): http(s) URLs are fetched, as vLLM and OpenAI do, within
     # media_fetch_timeout_s, redirects to at most 3 more hosts; allowed_media_domains (vLLM's
     # --allowed-media-domains) limits the hosts (empty: any); media_fetch = false refuses remote URLs. file:// URLs
@@ -186,6 +198,11 @@ class ServerConfig:
              f"must be one of {', '.join((*QUANTIZATIONS, GGUF))} (or absent)")
         need(_is_int(self.speculative_tokens) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              "speculative_tokens", f"must be an integer in 0..{MAX_SPECULATIVE_TOKENS}")
+        need(self.speculative_model is None or (isinstance(self.speculative_model, str) and self.speculative_model),
+             "speculative_model", "must be a path (a core, a GGUF file or a checkpoint directory)")
+        if self.speculative_model is not None and self.speculative_tokens == 0:  # (unset: a draft model's default)
+            object.__setattr__(self, "speculative_tokens", DRAFT_TOKENS)
+        need(_is_num(self.draft_p_min) and 0 <= self.draft_p_min <= 1, "draft_p_min", "must be a number in 0..1")
         need(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
              and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
              "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max")

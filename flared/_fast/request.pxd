@@ -136,6 +136,8 @@ cdef class ScheduledPlan:
     cdef readonly bint spec_tried
     # Drafts the lookup proposed and the plan left out as not worth their cost (counted when committed).
     cdef readonly int32_t priced_out
+    # The draft model's forwards behind its drafts (SchedulerConfig.drafter; 0: none ran)
+    cdef readonly int32_t drafter_steps
     cdef readonly bint refresh
     cdef readonly double value
     cdef readonly double score

@@ -39,6 +39,8 @@ cdef class RequestScheduler:
     cdef int32_t _spec_tokens
     cdef int32_t _lookup_max
     cdef int32_t _lookup_min
+    # Drafts from a draft model (SchedulerConfig.drafter), or None: prompt lookup's
+    cdef object _drafter
     # A step's duration against the tokens it feeds (decode and speculative steps): what a draft costs.
     cdef readonly object row_cost
     # The most tokens a speculative step feeds in all (SchedulerConfig.speculative_max_rows, at most 64).
@@ -49,10 +51,14 @@ cdef class RequestScheduler:
     cdef int32_t _take_snapshot(self) except -2
     cdef _reclaim(self, list reusable)
     cdef ScheduledPlan _build_plan(self, _Candidate c, int64_t now_ns, bint speculate=*)
+    cdef int64_t _draft_cap(self, Request r)
+    cdef object _sequence(self, Request r)
+    cdef list _proposals(self, list requests, Py_ssize_t budget, ScheduledPlan p)
     cdef tuple _propose(self, Request r)
     cdef tuple _predicted(self, Request r, int32_t[::1] sv, Py_ssize_t outputs, int64_t cap)
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
     cdef list _priced_drafts(self, list requests, list drafts, ScheduledPlan p)
+    cdef list _priced_counts(self, list requests, list counts, ScheduledPlan p, object drafting)
     cdef bint _drains_to_speculate(self, list requests)
     cdef tuple _copy_row(self, int32_t snapshot_id, Request r, int64_t endpoint)
     cdef _advance_phase(self, Request r, int kind)

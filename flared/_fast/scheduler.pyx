@@ -165,6 +165,8 @@ cdef class RequestScheduler:
         self._spec_rows = min(SPECULATIVE_MAX_TOKENS, config.speculative_max_rows or SPECULATIVE_MAX_TOKENS)
         self._lookup_max = getattr(config, "prompt_lookup_max", 4)
         self._lookup_min = getattr(config, "prompt_lookup_min", 2)
+        # Drafts from a draft model instead of the lookup (flared.execution.drafter.DraftModel); None: the lookup
+        self._drafter = getattr(config, "drafter", None)
         # Speculative decoding's figures (the dashboard's acceptance length and depth): draft tokens fed and kept,
         # request rounds that were offered at least one draft, and every request round of a generation step
         # (decode or speculative; the denominator of depth).
@@ -173,6 +175,7 @@ cdef class RequestScheduler:
         self.counters["speculative_rounds"] = 0
         self.counters["speculative_priced_out"] = 0  # drafts proposed and left out as not worth their cost
         self.counters["generation_rounds"] = 0
+        self.counters["drafter_steps"] = 0  # the draft model's forwards behind completed speculative steps
 
     # ------------------------------------------------------------------
     # queries
@@ -401,24 +404,82 @@ cdef class RequestScheduler:
         # their request known on the host, and a speculative step runs alone.
         return self._build_plan(best, now_ns, self._spec_tokens > 0 and n_inflight == 0 and best.kind == K_DECODE)
 
+    cdef int64_t _draft_cap(self, Request r):
+        """The drafts ``r`` may be offered this step: its cap (spec_cap) within its output limit (the step adds a
+        token of its own); none before its first output."""
+        if not r.output_tokens:
+            return 0
+        return min(<int64_t>r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
+
+    cdef object _sequence(self, Request r):
+        """``r``'s tokens as int32: its prompt and outputs, the last of which the step feeds."""
+        cdef Py_ssize_t P = r._prompt.shape[0]
+        seq = np.empty(P + len(r.output_tokens), np.int32)
+        seq[:P] = r._prompt
+        seq[P:] = r.output_tokens
+        return seq
+
+    cdef list _proposals(self, list requests, Py_ssize_t budget, ScheduledPlan p):
+        """Each request's drafts: prompt lookup's (_propose), or with a draft model (SchedulerConfig.drafter) its
+        (where a request has a predicted output, drafts found there come first). ``budget``: the draft tokens the
+        step has room for, the cohort's earlier requests asking first. ``p.drafter_steps``: the draft model's
+        forwards (the deepest draft)."""
+        cdef Request r
+        cdef int64_t cap
+        cdef Py_ssize_t i
+        if self._drafter is None:
+            return [self._propose(<Request>x) if (<Request>x).speculate else () for x in requests]
+        drafts = [()] * len(requests)
+        ask, handles, sequences, caps = [], [], [], []
+        for i in range(len(requests)):
+            r = requests[i]
+            cap = min(self._draft_cap(r), <int64_t>budget)
+            if not r.speculate or cap <= 0:
+                continue
+            seq = self._sequence(r)
+            if r._prediction.shape[0]:
+                found = self._predicted(r, seq, len(r.output_tokens), cap)
+                if found:
+                    drafts[i] = found
+                    budget -= len(found)
+                    continue
+            ask.append(i)
+            handles.append(r.handle)
+            sequences.append(seq)
+            caps.append(cap)
+            budget -= cap
+        # Priced before they are drafted (a draft's worth depends on its depth and its request's record, not on
+        # the token): the draft model drafts only as deep as the pricing keeps, nothing where it keeps nothing.
+        counts = [len(d) for d in drafts]
+        drafting = [False] * len(requests)
+        for i in range(len(ask)):
+            counts[ask[i]] = caps[i]
+            drafting[ask[i]] = True
+        kept = self._priced_counts(requests, counts, p, drafting)
+        for i in range(len(requests)):
+            if not drafting[i]:
+                drafts[i] = drafts[i][:kept[i]]
+        caps = [kept[i] for i in ask]
+        if any(caps):
+            got, depth = self._drafter.propose(handles, sequences, caps)
+            p.drafter_steps = depth
+            for i in range(len(ask)):
+                drafts[ask[i]] = tuple([int(t) for t in got[i][:caps[i]]])
+        return drafts
+
     cdef tuple _propose(self, Request r):
         """Draft tokens for ``r`` by prompt lookup: its latest n tokens (n from prompt_lookup_max down to
         prompt_lookup_min), found again earlier in its prompt and output, and what followed them there (the latest
-        such place with as many tokens after it as the cap, else the earliest); as many as its cap (spec_cap) and the
-        output limit allow (the step adds one token of its own). A request with a predicted output looks there
-        first (_predicted)."""
-        cdef int64_t cap = min(<int64_t>r.spec_cap, r.max_output_tokens - r.num_scheduled_samples - 1)
-        if cap <= 0 or not r.output_tokens:
+        such place with as many tokens after it as the cap, else the earliest); as many as its cap (_draft_cap). A
+        request with a predicted output looks there first (_predicted)."""
+        cdef int64_t cap = self._draft_cap(r)
+        if cap <= 0:
             return ()
-        cdef list out = r.output_tokens
-        cdef Py_ssize_t P = r._prompt.shape[0], L = P + len(out), n, j, m, earliest, latest_full, i
-        seq = np.empty(L, np.int32)
+        seq = self._sequence(r)
         cdef int32_t[::1] sv = seq
-        sv[:P] = r._prompt
-        for i in range(L - P):
-            sv[P + i] = out[i]
+        cdef Py_ssize_t L = sv.shape[0], n, j, m, earliest, latest_full, i
         if r._prediction.shape[0]:
-            drafts = self._predicted(r, sv, len(out), cap)
+            drafts = self._predicted(r, sv, len(r.output_tokens), cap)
             if drafts:
                 return drafts
         # An n-gram match ends at each earlier place j (j < L - 1) where the latest n tokens occur again, and its
@@ -470,14 +531,15 @@ cdef class RequestScheduler:
         drafts = None
         cdef Py_ssize_t budget
         if speculate:
-            drafts = [self._propose(<Request>x) if (<Request>x).speculate else () for x in c.requests]
             # At most _spec_rows tokens fed in all (the CPU's one-call decode step takes 64 rows; the GPU's
             # speculative graphs a row per token): the requests earlier in the cohort keep their drafts first.
             budget = max(self._spec_rows, n) - n
-            for i in range(n):
-                drafts[i] = drafts[i][:budget]
-                budget -= len(drafts[i])
-            drafts = self._priced_drafts(c.requests, drafts, p)
+            drafts = self._proposals(c.requests, budget, p)  # (a draft model's priced already: _proposals)
+            if self._drafter is None:
+                for i in range(n):
+                    drafts[i] = drafts[i][:budget]
+                    budget -= len(drafts[i])
+                drafts = self._priced_drafts(c.requests, drafts, p)
             if any(drafts):
                 kind = K_SPECULATIVE
             else:
@@ -745,6 +807,8 @@ cdef class RequestScheduler:
         published = []
         if kind == K_DECODE or kind == K_SPECULATIVE:
             self.counters["generation_rounds"] += n
+        if kind == K_SPECULATIVE:
+            self.counters["drafter_steps"] += plan.drafter_steps
         for i in range(n):
             r = plan._requests[i]
             r.inflight -= 1
@@ -823,17 +887,29 @@ cdef class RequestScheduler:
         return False
 
     cdef list _priced_drafts(self, list requests, list drafts, ScheduledPlan p):
-        """The drafts worth their cost: with the step cost fit (RowCost: a + b per token fed), a draft whose chance
-        of being kept (its request's record to the power of its depth) is g joins while g / b beats the step's
-        expected tokens per ns so far, best first; so a wide step of drafts seldom kept is cut back to the cohort's
-        own tokens, and a cheap one keeps them all. Without a fit (the tokens fed have not varied yet), or where a
-        token costs nothing, every draft stays. ``p.priced_out`` gets the number left out."""
+        """The drafts worth their cost (_priced_counts over their numbers), each request's cut to its count."""
+        kept = self._priced_counts(requests, [len(d) for d in drafts], p, None)
+        return [drafts[i][:kept[i]] for i in range(len(drafts))]
+
+    cdef list _priced_counts(self, list requests, list counts, ScheduledPlan p, object drafting):
+        """How many of each request's ``counts[i]`` drafts are worth their cost: with the step cost fit (RowCost:
+        a + b per token fed), a draft whose chance of being kept (its request's record to the power of its depth)
+        is g joins while g / cost beats the step's expected tokens per ns so far, best first; so a wide step of
+        drafts seldom kept is cut back to the cohort's own tokens, and a cheap one keeps them all. A draft costs
+        b, and where ``drafting[i]`` (a draft model has yet to draft request i's) also the draft model's fit
+        (DraftModel.forward_cost: a forward, a row): a row, and a whole forward where it is deeper than every draft
+        chosen so far. Without a fit (the tokens fed have not varied yet), or where a token costs nothing, every
+        draft stays. ``p.priced_out`` gets the number left out."""
         fit = self.row_cost.fit()
         if fit is None or fit[1] <= 0:
-            return drafts
-        cdef double a = fit[0], b = fit[1]
-        cdef Py_ssize_t n = len(requests), i, best
-        cdef double tokens = n, cost = max(a + b * n, b * n), g
+            return list(counts)
+        cdef double a = fit[0], b = fit[1], da = 0.0, db = 0.0
+        if drafting is not None:
+            draft_fit = self._drafter.forward_cost()
+            if draft_fit is not None:
+                da, db = max(draft_fit[0], 0.0), max(draft_fit[1], 0.0)
+        cdef Py_ssize_t n = len(requests), i, best, deepest = 0
+        cdef double tokens = n, cost = max(a + b * n, b * n), g, c, value, best_g = 0.0, best_c = 0.0
         cdef Request r
         kept = [0] * n
         chance = []
@@ -841,17 +917,25 @@ cdef class RequestScheduler:
             r = requests[i]
             chance.append(r.spec_kept / (r.spec_kept + r.spec_rejected))
         while True:
-            best, g = -1, 0.0
+            best, value = -1, 0.0
             for i in range(n):
-                if kept[i] < len(drafts[i]) and chance[i] ** (kept[i] + 1) > g:
-                    best, g = i, chance[i] ** (kept[i] + 1)
-            if best < 0 or g * cost <= b * tokens:
+                if kept[i] >= counts[i]:
+                    continue
+                g = chance[i] ** (kept[i] + 1)
+                c = b
+                if drafting is not None and drafting[i]:
+                    c += db + (da if kept[i] + 1 > deepest else 0.0)
+                if g / c > value:
+                    best, value, best_g, best_c = i, g / c, g, c
+            if best < 0 or best_g * cost <= best_c * tokens:
                 break
             kept[best] += 1
-            tokens += g
-            cost += b
-        p.priced_out = sum(len(drafts[i]) - kept[i] for i in range(n))
-        return [drafts[i][:kept[i]] for i in range(n)]
+            tokens += best_g
+            cost += best_c
+            if drafting is not None and drafting[best] and kept[best] > deepest:
+                deepest = kept[best]
+        p.priced_out = sum(counts[i] - kept[i] for i in range(n))
+        return kept
 
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept):
         """A request's draft cap after a round that offered ``offered`` drafts and kept ``kept``: twice as many after
@@ -997,6 +1081,8 @@ cdef class RequestScheduler:
         r.num_shared_pages = r._block_table.shape[0]
         self._slots[r.slot] = None
         self.counters["retired"] += 1
+        if self._drafter is not None:
+            self._drafter.release(r.handle)
 
     def release_after_shutdown(self):
         """After a failed submission and a confirmed stream drain: every

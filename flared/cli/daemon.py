@@ -142,9 +142,17 @@ def main() -> None:
 @click.option("--enforce-eager", is_flag=True, default=None,
               help="On a GPU, serve with torch's eager forward instead of CUDA graphs (vLLM's flag; slower; a vision "
                    "core's images on a GPU need it).")
-@click.option("--speculative-tokens", type=int, default=None,
-              help="Speculative decoding by prompt lookup: up to N draft tokens a step for greedy "
-                   "requests, copied from earlier in their prompt and output (default 0: off).")
+@click.option("--speculative-tokens", "--draft-max", "speculative_tokens", type=int, default=None,
+              help="Speculative decoding: up to N draft tokens a step, copied from earlier in a request's prompt and "
+                   "output (prompt lookup), or drafted by --speculative-model (default 0: off; 4 with a draft "
+                   "model).")
+@click.option("--speculative-model", "--model-draft", "-md", "speculative_model", default=None,
+              help="Draft model for speculative decoding (vLLM's --speculative-model, llama.cpp's --model-draft): a "
+                   "core, GGUF file or checkpoint directory with the served model's vocabulary, whose greedy "
+                   "continuation of each request the served model verifies.")
+@click.option("--draft-p-min", type=float, default=None,
+              help="With --speculative-model: stop drafting at a token the draft model gives less than this "
+                   "probability (llama.cpp's flag; default 0: drafts to the cap, which adapts to what is kept).")
 @click.option("--prompt-lookup-max", type=int, default=None, help="Longest n-gram prompt lookup matches (default 4).")
 @click.option("--prompt-lookup-min", type=int, default=None, help="Shortest n-gram prompt lookup matches (default 2).")
 @click.option("--allowed-media-domains", default=None,
@@ -162,7 +170,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
-        speculative_tokens, prompt_lookup_max, prompt_lookup_min, allowed_media_domains, allowed_local_media_path,
+        speculative_tokens, speculative_model, draft_p_min, prompt_lookup_max, prompt_lookup_min,
+        allowed_media_domains, allowed_local_media_path,
         no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib):
     """Serve CORE: a core directory, a GGUF file or a Hugging Face checkpoint directory (exported once into the
     cache), or, omitted, the embedded default model."""
@@ -176,7 +185,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             log_level=log_level, log_format=log_format, admin_socket=admin_socket,
             chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max,
-            prompt_lookup_min=prompt_lookup_min, max_loras=max_loras,
+            prompt_lookup_min=prompt_lookup_min, draft_p_min=draft_p_min, max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager).items() if v is not None}
         overrides.update(_quantization_override(quantization))
@@ -221,6 +230,9 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
     try:
         capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib)
         core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
+        draft = speculative_model or config.speculative_model
+        if draft is not None:  # (a GGUF or checkpoint exported once into the cache, as CORE is)
+            config = dataclasses.replace(config, speculative_model=str(_draft_core_path(draft, cache_dir, dtype)))
         code = serve(core_path, config, fail_after_steps=debug_fail_after_steps, dashboard=dashboard,
                      admin_default=admin_default)
     except FlareError as e:
@@ -271,6 +283,15 @@ def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capaciti
     if served_source_name(core):
         config = dataclasses.replace(config, served_names=(*config.served_names, *served_source_name(core)))
     return core_path, config
+
+
+def _draft_core_path(draft: str, cache_dir: Path | None, dtype: str) -> Path:
+    """--speculative-model's core: as CORE's (_core_path), a quantised GGUF's or checkpoint's layer matrices stored at
+    about their bits, as the CPU serves them."""
+    from flared.core.sources import kept_quantization
+
+    fmt = kept_quantization(draft)[0] if dtype in ("auto", "bfloat16") else None
+    return _core_path(draft, cache_dir, dtype, stored=fmt)
 
 
 def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict | None = None,

@@ -168,8 +168,8 @@ class DashboardModel:
             ("generation throughput", f"{self.generation_tps:,.1f} tok/s"),
             ("drafter steps", str(c.get("drafter_steps", 0))),
             ("verification steps", str(c.get("launches_speculative", 0))),
-            # accepted drafts per request round offered one; drafts offered per generation round (speculative
-            # decoding by prompt lookup: copy-only proposals, so no drafter steps)
+            # accepted drafts per request round offered one; drafts offered per generation round (drafter steps:
+            # a draft model's forwards; prompt lookup's copy-only proposals take none)
             ("acceptance length", _ratio(c.get("speculative_accepted", 0), c.get("speculative_rounds", 0))),
             ("depth", _ratio(c.get("speculative_drafted", 0), c.get("generation_rounds", 0))
              if c.get("speculative_rounds", 0) else "—"),

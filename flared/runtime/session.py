@@ -161,6 +161,11 @@ class LoadedSession:
                 template, template_sha256 = override, None
             frontend = Frontend.load(core.tokenizer_path, template, tokenizer_sha256=m.assets[m.tokenizer].sha256,
                                      template_sha256=template_sha256, settings=settings)
+        draft = None
+        if config.speculative_model is not None:
+            progress.report("opening draft core", str(config.speculative_model))
+            draft = open_core(config.speculative_model)
+            _check_draft_vocabulary(core, draft)
         runtime = ModelRuntime(core, prefix_cache=config.prefix_cache, torch_threads=config.torch_threads,
                                fail_after_steps=fail_after_steps, lora_adapters=config.lora_adapters,
                                lora_modules=config.lora_modules,
@@ -171,6 +176,7 @@ class LoadedSession:
                                quantization=config.quantization,
                                speculative=(config.speculative_tokens, config.prompt_lookup_max,
                                             config.prompt_lookup_min),
+                               draft_core=draft, draft_p_min=config.draft_p_min,
                                **_policy_kwargs(config))
         return cls(core=core, config=config, frontend=frontend, runtime=runtime, progress=progress)
 
@@ -223,6 +229,30 @@ class LoadedSession:
         host, port = server.address
         self.progress.report("ready", f"listening on {host}:{port}")
         return serving
+
+
+def _check_draft_vocabulary(core: Core, draft: Core) -> None:
+    """A draft model must number the served model's tokens as it does (its drafts are token ids): every id both
+    tokenizers have is the same token, and their model vocabularies differ by at most 128 ids (padding), as
+    llama.cpp's server asks of a --model-draft. ConfigError naming the first id that differs."""
+    from tokenizers import Tokenizer
+
+    from flared.config import ConfigError
+
+    served, drafting = core.config.vocab_size, draft.config.vocab_size
+    if abs(served - drafting) > 128:
+        raise ConfigError(f"config key 'speculative_model': the draft model has {drafting} token ids and the served "
+                          f"model {served}: a draft model must share the served model's vocabulary")
+
+    def tokens(c: Core) -> dict[int, str]:
+        return {i: t for t, i in Tokenizer.from_file(str(c.tokenizer_path)).get_vocab(with_added_tokens=True).items()}
+
+    a, b = tokens(core), tokens(draft)
+    for i in sorted(set(a) & set(b)):
+        if a[i] != b[i]:
+            raise ConfigError(f"config key 'speculative_model': token {i} is {b[i]!r} to the draft model and "
+                              f"{a[i]!r} to the served model: a draft model must share the served model's "
+                              "vocabulary")
 
 
 def _policy_kwargs(config) -> dict:

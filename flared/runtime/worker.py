@@ -288,7 +288,7 @@ class ModelRuntime:
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, draft_core=None, draft_p_min: float = 0.0):
         self.core = core
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
@@ -306,6 +306,12 @@ class ModelRuntime:
         # Both executors verify drafts as decode rows (the CUDA graph executor in its speculative decode graphs).
         self.speculative = tuple(speculative)
         self.spec_tokens = 0  # what load() turned on
+        # vLLM's --speculative-model, llama.cpp's --model-draft: a core sharing this one's vocabulary whose greedy
+        # continuations are the drafts instead of prompt lookup's (flared.execution.drafter), each stopped where
+        # the draft model gives its token less than draft_p_min (llama.cpp's --draft-p-min).
+        self.draft_core = draft_core
+        self.draft_p_min = draft_p_min
+        self.drafter = None
         # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
         self.lora_adapters = tuple(lora_adapters)
         # (name, path) of per-request adapters (vLLM's --lora-modules): a request's ``lora`` k runs adapter k - 1
@@ -587,7 +593,11 @@ class ModelRuntime:
             log.warning("speculative decoding is off for this model: its recurrent layers' state cannot take back a "
                         "rejected draft")
             spec_tokens = 0
-        if spec_tokens:
+        if spec_tokens and self.draft_core is not None:
+            self.drafter = self._build_drafter(model.device, caps)
+            log.info("speculative decoding with the draft model %s: up to %d draft tokens a step (p_min %g)",
+                     self.draft_core.manifest.model_name, spec_tokens, self.draft_p_min)
+        elif spec_tokens:
             log.info("speculative decoding by prompt lookup: up to %d draft tokens a step (n-grams %d..%d)",
                      spec_tokens, self.speculative[2], self.speculative[1])
         self.spec_tokens = spec_tokens
@@ -598,8 +608,38 @@ class ModelRuntime:
                             graph_shapes=graph_shapes, speculative_tokens=spec_tokens,
                             prompt_lookup_max=self.speculative[1], prompt_lookup_min=self.speculative[2],
                             speculative_max_rows=self.executor.spec_max_rows if use_cuda else 0,
-                            initialize_state=bool(config.linear_layers)),
+                            initialize_state=bool(config.linear_layers), drafter=self.drafter),
             self.policy if self.policy is not None else PolicyConfig())
+
+    def _build_drafter(self, device, caps):
+        """The draft model (flared.execution.drafter.DraftModel) on the served model's device: the draft core's
+        weights as it is served alone there (a stored or GGUF core's quantised matrices kept on a CPU), its KV pool
+        no more tokens than the served model's."""
+        import torch
+
+        from flared.execution.drafter import DraftModel
+        from flared.model.decoder import DecoderModel
+        from flared.model.quant import resolve_quantization
+
+        dm = self.draft_core.manifest
+        config = self.draft_core.config
+        if config.linear_layers:
+            raise ExecutionError(f"the draft model {dm.model_name} has recurrent layers, whose state cannot take "
+                                 "back a rejected draft: draft with an attention-only model", ErrorKind.VALIDATION)
+        if config.vocab_size < self.core.config.vocab_size - 128:
+            raise ExecutionError(f"the draft model's vocabulary ({config.vocab_size} ids) is not the served "
+                                 f"model's ({self.core.config.vocab_size})", ErrorKind.VALIDATION)
+        kept = resolve_quantization(None, dm.source, dm.weights_quantization if device.type == "cpu" else None)
+        model = DecoderModel(config, self.draft_core.load_tensors(), dtype=getattr(torch, dm.dtype), device=device,
+                             max_positions=caps.context_tokens, quantization=kept)
+        # as many tokens as the served model's pool, or every live request's whole context where that is fewer
+        pages = min(caps.kv_pages, caps.concurrency * -(-caps.context_tokens // caps.page_tokens)) + 1
+        drafter = DraftModel(model, num_pages=pages, page_tokens=caps.page_tokens, max_context=caps.context_tokens,
+                             vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min)
+        log.info("draft model %s: %d layers, %s%s, KV %d pages of %d tokens (%.1f MiB)", dm.model_name,
+                 config.num_layers, dm.dtype, f", products as {model.quantization}" if kept is not None else "",
+                 pages, caps.page_tokens, drafter.num_bytes / 2**20)
+        return drafter
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:
         """A per-request adapter's factors (checked against the weights' shapes) and its prefix-cache identity."""

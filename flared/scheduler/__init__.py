@@ -27,7 +27,7 @@ from flared._fast.request import (
     handle_generation,
     handle_slot,
 )
-from flared._fast.scheduler import CompletionRecords, CompletionResult, RequestScheduler
+from flared._fast.scheduler import CompletionRecords, CompletionResult, RequestScheduler, RowCost
 from flared.scheduler.config import PolicyConfig, SchedulerConfig, Selection, default_graph_shapes
 
 
@@ -69,6 +69,7 @@ __all__ = [
     "Request",
     "RequestPhase",
     "RequestScheduler",
+    "RowCost",
     "ScheduledPlan",
     "scored_participants",
     "SelectionPolicy",

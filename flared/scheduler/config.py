@@ -135,6 +135,10 @@ class SchedulerConfig:
     # executor runs one as a decode graph with a row per token, of up to its spec_max_rows rows, so a cohort of
     # that many requests or more does not speculate. 0: SPECULATIVE_MAX_TOKENS (64, the CPU's one-call step).
     speculative_max_rows: int = 0
+    # Drafts from a draft model instead (flared.execution.drafter.DraftModel, or any object with its propose,
+    # release and forward_cost): each speculating request's next tokens as the draft model continues them; None:
+    # prompt lookup.
+    drafter: object = None
 
     def __post_init__(self):
         if len(self.model_identity) != 32:

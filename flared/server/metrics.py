@@ -52,11 +52,14 @@ _SCHEDULER_COUNTERS = (
     ("flare_checkpoint_publications", "Unique prefix checkpoints published ready (duplicates excluded).",
      "publications"),
     ("flare_checkpoint_evictions", "Prefix checkpoints logically evicted to free pages or snapshots.", "evictions"),
-    ("flare_speculative_draft_tokens", "Draft tokens speculative steps fed (prompt lookup).", "speculative_drafted"),
+    ("flare_speculative_draft_tokens", "Draft tokens speculative steps fed (prompt lookup or a draft model).",
+     "speculative_drafted"),
     ("flare_speculative_accepted_tokens", "Draft tokens speculative steps confirmed and emitted.",
      "speculative_accepted"),
     ("flare_speculative_priced_out_tokens", "Draft tokens proposed and left out as worth less than their cost.",
      "speculative_priced_out"),
+    ("flare_speculative_drafter_steps", "Draft-model forwards behind completed speculative steps (their depth).",
+     "drafter_steps"),
 )
 
 

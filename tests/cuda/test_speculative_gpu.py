@@ -186,3 +186,44 @@ def test_the_model_thread_speculates_on_the_gpu(tiny_hf_llama, tmp_path):
         assert rt.scheduler.counters["launches_speculative"] > 0
     finally:
         rt.stop()
+
+
+def test_the_model_thread_drafts_with_a_draft_model_on_the_gpu(tiny_hf_llama, tmp_path):
+    """ModelRuntime(draft_core=...) on the GraphExecutor: the served bf16 core drafting for itself (its draft
+    model runs eagerly on the GPU) gives greedy tokens equal to plain decoding's on the same executor, keeps most
+    drafts, and counts the drafter's steps."""
+    from flared.core.export import ExportOptions, export_core
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import ErrorEvent, GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    core = tmp_path / "tiny-bf16"
+    export_core(tiny_hf_llama, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=256,
+                                                   prefill_chunk_tokens=128))
+    prompt = tuple(range(60, 100))
+
+    def serve(speculative, draft):
+        rt = ModelRuntime(open_core(core), prefix_cache=False, speculative=speculative,
+                          draft_core=open_core(core) if draft else None)
+        rt.start(max_pending=16)
+        try:
+            assert type(rt.executor).__name__ == "GraphExecutor"
+            assert (rt.drafter is not None) == draft and (not draft or rt.drafter.model.device.type == "cuda")
+            reqs = [GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0), frozenset()),
+                    GenerateRequest(prompt[3:], (), SamplingParams(max_tokens=32, temperature=0.7, seed=2),
+                                    frozenset())]
+            out = []
+            for events in run_requests(rt, reqs):
+                assert not isinstance(events[-1], ErrorEvent), events[-1]
+                out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
+            return out, dict(rt.scheduler.counters)
+        finally:
+            rt.stop()
+
+    plain, _ = serve((0, 4, 2), False)
+    drafted, counters = serve((4, 4, 2), True)
+    assert drafted[0] == plain[0] and len(drafted[1]) == 32
+    assert counters["drafter_steps"] > 0 and counters["launches_speculative"] > 0
+    assert counters["speculative_accepted"] >= counters["speculative_drafted"] // 2
