@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Speculative decoding by prompt lookup on the CPU: greedy streams (or sampled ones, ``--temperature``) with
-``--draft`` drafts a step against the same streams without, in one run.
+"""Speculative decoding on the CPU: greedy streams (or sampled ones, ``--temperature``) with ``--draft`` drafts a
+step, by prompt lookup or (``--draft-model``) from a draft model, against the same streams without, in one run.
 
 The embedded SmolLM2-135M-Instruct (the GGUF, dequantised) in bf16 behind the scheduler and the eager executor
 (what ``flared run`` serves on a CPU). Three workloads of chat prompts (ChatML, the model's template):
@@ -16,8 +16,13 @@ and kept, and how many streams' tokens equal the plain run's (they should all: a
 through the same one-call decode step, tests/model/test_decode_kernel.py, and a sampled stream's rows draw with
 its seed at their own positions). Sampled streams are seeded, stream i with seed i, in both variants.
 
+``--draft-model q4_1`` (or q8_0, bf16) drafts with a DraftModel (flared.execution.drafter) of the same embedded model,
+its products kept in that format (a faster copy that mostly agrees with the served one: the only model with this
+vocabulary here), each request's drafts stopped at a token it gives less than ``--p-min``.
+
     .venv/bin/python tools/bench_speculative.py [--draft 4] [--tokens 96] [--streams 1,8] [--repeats 3]
-        [--temperature 0.7 --top-p 0.9] [--workloads edit,edit+pred,write,write+pred] [--dtype float32] [--json]
+        [--temperature 0.7 --top-p 0.9] [--workloads edit,edit+pred,write,write+pred] [--dtype float32]
+        [--draft-model q4_1 [--p-min 0.75]] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -71,7 +76,7 @@ def chat_prompt(tok, text: str) -> list[int]:
 
 
 def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p: float = 1.0,
-        prediction=None) -> dict:
+        prediction=None, drafter=None) -> dict:
     from flared.execution.eager import EagerExecutor
     from flared.execution.offline import drive
     from flared.model.sampling import SamplingParams
@@ -82,7 +87,7 @@ def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p
     sched = RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"bench-spec").digest(), max_live_requests=n, num_pages=pages,
         num_snapshots=4 * n, page_tokens=16, context_capacity=1024, prefill_chunk_size=512,
-        speculative_tokens=draft), PolicyConfig())
+        speculative_tokens=draft, drafter=drafter if draft else None), PolicyConfig())
     ex = EagerExecutor(model, num_pages=pages, page_tokens=16, num_state_rows=n + 1, num_snapshots=4 * n,
                        vocab_size=model.config.vocab_size, max_live=n)
     params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_tokens=tokens) for i in range(n)]
@@ -90,7 +95,23 @@ def run(model, prompts, tokens: int, draft: int, temperature: float = 0.0, top_p
     return {"tok_s": n * tokens / (r.wall_ns / 1e9), "tokens": r.tokens,
             "steps": r.steps_by_kind["DECODE"] + r.steps_by_kind["SPECULATIVE"],
             "speculative_steps": r.steps_by_kind["SPECULATIVE"],
-            "drafted": sched.counters["speculative_drafted"], "accepted": sched.counters["speculative_accepted"]}
+            "drafted": sched.counters["speculative_drafted"], "accepted": sched.counters["speculative_accepted"],
+            "drafter_steps": sched.counters["drafter_steps"]}
+
+
+def draft_model(fmt: str, p_min: float, streams: int):
+    """A DraftModel of the embedded model with its products as ``fmt`` (q4_1, q8_0 or bf16), a KV pool for
+    ``streams`` sequences of 1,024 tokens."""
+    from flared.execution.drafter import DraftModel
+    from flared.model.decoder import DecoderModel
+
+    source = load_source()
+    model = DecoderModel(source.config, source.tensors, dtype=torch.bfloat16, max_positions=1024,
+                         quantization=None if fmt == "bf16" else fmt)
+    drafter = DraftModel(model, num_pages=streams * 1024 // 16 + 1, page_tokens=16, max_context=1024,
+                         vocab_limit=source.config.vocab_size, p_min=p_min)
+    drafter.warm_up(streams)  # (as the model thread does at load)
+    return drafter
 
 
 def main() -> int:
@@ -104,6 +125,9 @@ def main() -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="float32: the eager forward, for hosts without AVX-512 BF16 (what flared run serves there)")
+    ap.add_argument("--draft-model", default=None, choices=("q4_1", "q8_0", "bf16"),
+                    help="draft with the embedded model, its products in this format (default: prompt lookup)")
+    ap.add_argument("--p-min", type=float, default=0.0, help="the draft model's --draft-p-min")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.dtype == "bfloat16":
@@ -115,7 +139,8 @@ def main() -> int:
         model = DecoderModel(source.config, source.tensors, dtype=torch.float32, max_positions=1024)
     tok = tokenizer()
     out = {"draft": args.draft, "tokens": args.tokens, "temperature": args.temperature, "top_p": args.top_p,
-           "threads": torch.get_num_threads(), "dtype": args.dtype}
+           "threads": torch.get_num_threads(), "dtype": args.dtype, "draft_model": args.draft_model,
+           "p_min": args.p_min if args.draft_model else None}
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     print(f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'steps':>11} "
           f"{'kept/fed':>11} {'same':>6}")
@@ -124,11 +149,12 @@ def main() -> int:
             prompts = [chat_prompt(tok, WORKLOADS[name])] * streams
             prediction = (tuple(tok.encode(PREDICTIONS[name], add_special_tokens=False).ids)
                           if name in PREDICTIONS else None)
-            run(model, prompts, 8, args.draft, **sampling)  # warm both paths
+            drafter = draft_model(args.draft_model, args.p_min, streams) if args.draft_model else None
+            run(model, prompts, 8, args.draft, drafter=drafter, **sampling)  # warm both paths
             best: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for variant, draft in (("plain", 0), ("spec", args.draft)):
-                    got = run(model, prompts, args.tokens, draft, prediction=prediction, **sampling)
+                    got = run(model, prompts, args.tokens, draft, prediction=prediction, drafter=drafter, **sampling)
                     if variant not in best or got["tok_s"] > best[variant]["tok_s"]:
                         best[variant] = got
             plain, spec = best["plain"], best["spec"]
@@ -140,7 +166,8 @@ def main() -> int:
             out[f"{name}|{streams}"] = {"plain_tok_s": round(plain["tok_s"], 1), "spec_tok_s": round(spec["tok_s"], 1),
                                         "ratio": round(ratio, 3), "plain_steps": plain["steps"],
                                         "spec_steps": spec["steps"], "drafted": spec["drafted"],
-                                        "accepted": spec["accepted"], "same_tokens": same}
+                                        "accepted": spec["accepted"], "same_tokens": same,
+                                        "drafter_steps": spec["drafter_steps"]}
     if args.json:
         print(json.dumps(out))
     return 0

@@ -33,6 +33,7 @@ from collections import namedtuple
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.math cimport INFINITY
 
 from flared._fast.pages cimport PageAllocator
 from flared._fast.policy cimport SelectionPolicy, _Candidate
@@ -530,6 +531,7 @@ cdef class RequestScheduler:
         cdef int kind = c.kind
         drafts = None
         cdef Py_ssize_t budget
+        p.estimated_duration_ns = c.estimate_ns  # (what a draft model's first drafts are priced against)
         if speculate:
             # At most _spec_rows tokens fed in all (the CPU's one-call decode step takes 64 rows; the GPU's
             # speculative graphs a row per token): the requests earlier in the cohort keep their drafts first.
@@ -899,15 +901,22 @@ cdef class RequestScheduler:
         b, and where ``drafting[i]`` (a draft model has yet to draft request i's) also the draft model's fit
         (DraftModel.forward_cost: a forward, a row): a row, and a whole forward where it is deeper than every draft
         chosen so far. Without a fit (the tokens fed have not varied yet), or where a token costs nothing, every
-        draft stays. ``p.priced_out`` gets the number left out."""
+        draft stays, except a draft model's: those are priced against the step's estimate with rows free (none
+        before there is one). ``p.priced_out`` gets the number left out."""
         fit = self.row_cost.fit()
-        if fit is None or fit[1] <= 0:
+        draft_fit = self._drafter.forward_cost() if drafting is not None and any(drafting) else None
+        if draft_fit is not None and (fit is None or fit[1] <= 0):
+            # No step fit yet: the step's estimate, rows free. A draft model's cost is known from its warm-up, so
+            # its first drafts are priced too (where drafting costs more than the step saves, it never starts);
+            # before the step has an estimate, it waits for one.
+            if p.estimated_duration_ns <= 0:
+                return [0 if drafting[i] else counts[i] for i in range(len(counts))]
+            fit = (float(p.estimated_duration_ns), 0.0)
+        elif fit is None or fit[1] <= 0:
             return list(counts)
         cdef double a = fit[0], b = fit[1], da = 0.0, db = 0.0
-        if drafting is not None:
-            draft_fit = self._drafter.forward_cost()
-            if draft_fit is not None:
-                da, db = max(draft_fit[0], 0.0), max(draft_fit[1], 0.0)
+        if draft_fit is not None:
+            da, db = max(draft_fit[0], 0.0), max(draft_fit[1], 0.0)
         cdef Py_ssize_t n = len(requests), i, best, deepest = 0
         cdef double tokens = n, cost = max(a + b * n, b * n), g, c, value, best_g = 0.0, best_c = 0.0
         cdef Request r
@@ -925,8 +934,8 @@ cdef class RequestScheduler:
                 c = b
                 if drafting is not None and drafting[i]:
                     c += db + (da if kept[i] + 1 > deepest else 0.0)
-                if g / c > value:
-                    best, value, best_g, best_c = i, g / c, g, c
+                if (g / c if c > 0 else INFINITY) > value:  # (a draft that costs nothing is always worth it)
+                    best, value, best_g, best_c = i, (g / c if c > 0 else INFINITY), g, c
             if best < 0 or best_g * cost <= best_c * tokens:
                 break
             kept[best] += 1

@@ -85,6 +85,24 @@ class DraftModel:
             return self.cost.y / self.cost.w, 0.0
         return fit
 
+    @torch.inference_mode()
+    def warm_up(self, rows: int, repeats: int = 3) -> None:
+        """Time forwards of one and of ``rows`` decode rows (on scratch pages, given back) so that
+        ``forward_cost`` knows what drafting costs before the first request: the scheduler then prices a draft
+        model's first drafts too, instead of drafting blindly until the step fit forms."""
+        rows = max(1, min(rows, len(self._free)))
+        pages = [self._free.pop() for _ in range(rows)]
+        try:
+            chunks = [SequenceChunk([0], 0, [page]) for page in pages]
+            self._forward(chunks[:1])  # (a first forward pays for what torch sets up once)
+            self.cost = RowCost()
+            for _ in range(repeats):
+                for n in sorted({1, rows}):
+                    self._forward(chunks[:n])
+            self.counters["forwards"] = 0
+        finally:
+            self._free.extend(reversed(pages))
+
     def release(self, handle: int) -> None:
         """The request ``handle`` is gone: its pages go back to the pool."""
         d = self._drafts.pop(handle, None)

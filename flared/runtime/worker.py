@@ -636,9 +636,12 @@ class ModelRuntime:
         pages = min(caps.kv_pages, caps.concurrency * -(-caps.context_tokens // caps.page_tokens)) + 1
         drafter = DraftModel(model, num_pages=pages, page_tokens=caps.page_tokens, max_context=caps.context_tokens,
                              vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min)
-        log.info("draft model %s: %d layers, %s%s, KV %d pages of %d tokens (%.1f MiB)", dm.model_name,
-                 config.num_layers, dm.dtype, f", products as {model.quantization}" if kept is not None else "",
-                 pages, caps.page_tokens, drafter.num_bytes / 2**20)
+        drafter.warm_up(min(caps.concurrency, 16))
+        a, b = drafter.forward_cost()
+        log.info("draft model %s: %d layers, %s%s, KV %d pages of %d tokens (%.1f MiB); a forward %.2f ms + %.3f ms "
+                 "a row", dm.model_name, config.num_layers, dm.dtype,
+                 f", products as {model.quantization}" if kept is not None else "", pages, caps.page_tokens,
+                 drafter.num_bytes / 2**20, a / 1e6, b / 1e6)
         return drafter
 
     def _lora_factors(self, path: str) -> tuple[dict, bytes]:

@@ -188,10 +188,42 @@ def test_the_model_thread_speculates_on_the_gpu(tiny_hf_llama, tmp_path):
         rt.stop()
 
 
-def test_the_model_thread_drafts_with_a_draft_model_on_the_gpu(tiny_hf_llama, tmp_path):
-    """ModelRuntime(draft_core=...) on the GraphExecutor: the served bf16 core drafting for itself (its draft
-    model runs eagerly on the GPU) gives greedy tokens equal to plain decoding's on the same executor, keeps most
-    drafts, and counts the drafter's steps."""
+def test_float32_drafts_from_a_draft_model_on_the_gpu_equal_plain_decoding(hf):
+    """SchedulerConfig(drafter=DraftModel) with the GraphExecutor: the served model drafting for itself (its draft
+    model eager on the GPU, not warmed up, so its first drafts run before anything prices them) gives plain
+    decoding's tokens, and the speculative graphs keep the drafts."""
+    from flared.execution.drafter import DraftModel
+
+    gpu = serving_model(hf)
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        plain = _drive(ex, _scheduler(ex.graph_shapes, spec=0), PROMPTS, speculate=False)
+    finally:
+        ex.close()
+    drafter = DraftModel(serving_model(hf), num_pages=64, page_tokens=PAGE_TOKENS, max_context=CONTEXT,
+                         vocab_limit=gpu.config.vocab_size)
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
+    try:
+        from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+        sched = RequestScheduler(SchedulerConfig(
+            model_identity=hashlib.sha256(b"cuda-draft").digest(), max_live_requests=4, num_pages=128,
+            num_snapshots=16, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=128,
+            graph_shapes=tuple(ex.graph_shapes), speculative_tokens=4, speculative_max_rows=ex.spec_max_rows,
+            drafter=drafter), PolicyConfig())
+        got = _drive(ex, sched, PROMPTS)
+    finally:
+        ex.close()
+    assert got.tokens == plain.tokens
+    assert got.steps_by_kind["SPECULATIVE"] > 0 and sched.counters["drafter_steps"] > 0
+    assert sched.counters["speculative_accepted"] == sched.counters["speculative_drafted"]  # its own greedy tokens
+    assert not drafter._drafts  # every retired request's pages went back
+
+
+def test_the_model_thread_serves_a_draft_model_on_the_gpu(tiny_hf_llama, tmp_path):
+    """ModelRuntime(draft_core=...) on the GraphExecutor (bf16): the draft model loads on the GPU, timed at load,
+    and the greedy tokens are plain decoding's on the same executor (whether the pricing lets it draft follows
+    the measured costs: an eager draft of the served model's own size seldom pays there)."""
     from flared.core.export import ExportOptions, export_core
     from flared.core.load import open_core
     from flared.model.sampling import SamplingParams
@@ -210,7 +242,8 @@ def test_the_model_thread_drafts_with_a_draft_model_on_the_gpu(tiny_hf_llama, tm
         rt.start(max_pending=16)
         try:
             assert type(rt.executor).__name__ == "GraphExecutor"
-            assert (rt.drafter is not None) == draft and (not draft or rt.drafter.model.device.type == "cuda")
+            if draft:
+                assert rt.drafter.model.device.type == "cuda" and rt.drafter.forward_cost()[0] > 0
             reqs = [GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0), frozenset()),
                     GenerateRequest(prompt[3:], (), SamplingParams(max_tokens=32, temperature=0.7, seed=2),
                                     frozenset())]
@@ -218,12 +251,10 @@ def test_the_model_thread_drafts_with_a_draft_model_on_the_gpu(tiny_hf_llama, tm
             for events in run_requests(rt, reqs):
                 assert not isinstance(events[-1], ErrorEvent), events[-1]
                 out.append([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids])
-            return out, dict(rt.scheduler.counters)
+            return out
         finally:
             rt.stop()
 
-    plain, _ = serve((0, 4, 2), False)
-    drafted, counters = serve((4, 4, 2), True)
+    plain = serve((0, 4, 2), False)
+    drafted = serve((4, 4, 2), True)
     assert drafted[0] == plain[0] and len(drafted[1]) == 32
-    assert counters["drafter_steps"] > 0 and counters["launches_speculative"] > 0
-    assert counters["speculative_accepted"] >= counters["speculative_drafted"] // 2
