@@ -107,6 +107,10 @@ cdef class Request:
     # its next draft is kept, spec_kept / (spec_kept + spec_rejected), prices each draft it is offered.
     cdef readonly double spec_kept
     cdef readonly double spec_rejected
+    # With a draft model (SchedulerConfig.drafter), the same record for the drafts copied instead (prompt lookup,
+    # a predicted output); spec_kept and spec_rejected then keep the draft model's. Copies do not move the cap.
+    cdef readonly double copy_kept
+    cdef readonly double copy_rejected
     # Generation rounds left before a step with this request in flight stops taking decode steps behind it so
     # that it can speculate: set after a round in which the lookup gave it no draft (or none worth its cost).
     cdef readonly int32_t spec_rest
@@ -138,6 +142,9 @@ cdef class ScheduledPlan:
     cdef readonly int32_t priced_out
     # The draft model's forwards behind its drafts (SchedulerConfig.drafter; 0: none ran)
     cdef readonly int32_t drafter_steps
+    # With a draft model, per participant whether its drafts were copied (prompt lookup, a predicted output) rather
+    # than drafted (None: no draft model)
+    cdef readonly object copied
     cdef readonly bint refresh
     cdef readonly double value
     cdef readonly double score

@@ -55,6 +55,7 @@ cdef class RequestScheduler:
     cdef object _sequence(self, Request r)
     cdef list _proposals(self, list requests, Py_ssize_t budget, ScheduledPlan p)
     cdef tuple _propose(self, Request r)
+    cdef tuple _lookup(self, int32_t[::1] sv, int64_t cap, Py_ssize_t shortest)
     cdef tuple _predicted(self, Request r, int32_t[::1] sv, Py_ssize_t outputs, int64_t cap)
     cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept)
     cdef list _priced_drafts(self, list requests, list drafts, ScheduledPlan p)

@@ -68,6 +68,16 @@ SPECULATIVE_DECAY = 0.8
 ROW_COST_DECAY = 0.97
 
 
+cdef inline double _chance(Request r):
+    """The chance that ``r``'s next draft is kept, from its record (a draft model's, where there is one)."""
+    return r.spec_kept / (r.spec_kept + r.spec_rejected)
+
+
+cdef inline double _copy_chance(Request r):
+    """The same for the drafts copied beside a draft model (prompt lookup, a predicted output)."""
+    return r.copy_kept / (r.copy_kept + r.copy_rejected)
+
+
 cdef class RowCost:
     """A decode or speculative step's duration against the tokens it feeds, fitted as ``a + b * tokens`` by least
     squares over the steps seen, each step weighing ROW_COST_DECAY times less with every later one. ``fit()`` is
@@ -329,6 +339,7 @@ cdef class RequestScheduler:
         r._prediction = r.prediction
         r.spec_cap = min(1, self._spec_tokens)  # one draft first: wider only once drafts are kept
         r.spec_kept = r.spec_rejected = 1.0
+        r.copy_kept = r.copy_rejected = 1.0
         r.spec_cooldown = 0
         r.value_scale = 2.0 ** (-max(-16, min(16, priority)))
         if hit is not None:
@@ -421,16 +432,32 @@ cdef class RequestScheduler:
         return seq
 
     cdef list _proposals(self, list requests, Py_ssize_t budget, ScheduledPlan p):
-        """Each request's drafts: prompt lookup's (_propose), or with a draft model (SchedulerConfig.drafter) its
-        (where a request has a predicted output, drafts found there come first). ``budget``: the draft tokens the
-        step has room for, the cohort's earlier requests asking first. ``p.drafter_steps``: the draft model's
-        forwards (the deepest draft)."""
+        """Each request's drafts: prompt lookup's (_propose), or with a draft model (SchedulerConfig.drafter) its,
+        except where copying is at hand and pays: drafts found in a predicted output, or after an earlier place of
+        the request's latest prompt_lookup_max tokens (a whole n-gram: the text is being copied), cost no draft
+        forward, and are taken where a round with them is expected to give at least the tokens per ns of one
+        with the draft model's, each source by its own record (copy_kept, copy_rejected against spec_kept,
+        spec_rejected). ``budget``: the draft tokens the step has room for, the cohort's earlier requests asking
+        first. ``p.drafter_steps``: the draft model's forwards (the deepest draft)."""
         cdef Request r
         cdef int64_t cap
         cdef Py_ssize_t i
         if self._drafter is None:
             return [self._propose(<Request>x) if (<Request>x).speculate else () for x in requests]
         drafts = [()] * len(requests)
+        copied = [False] * len(requests)
+        p.copied = copied
+        # what a round costs (RowCost's fit, else the step's estimate), a share a request, a verify row, and a
+        # draft model's forward of one row (its fit; 0 where unknown: copies, which cost no forward, come first)
+        cdef double share = 0.0, row = 0.0, forward = 0.0, n = len(requests)
+        fit = self.row_cost.fit()
+        if fit is not None and fit[1] > 0:
+            share, row = max(fit[0] + fit[1] * n, fit[1] * n) / n, fit[1]
+        elif p.estimated_duration_ns > 0:
+            share = p.estimated_duration_ns / n
+        draft_fit = self._drafter.forward_cost()
+        if draft_fit is not None:
+            forward = max(draft_fit[0] + draft_fit[1], 0.0)
         ask, handles, sequences, caps = [], [], [], []
         for i in range(len(requests)):
             r = requests[i]
@@ -438,12 +465,18 @@ cdef class RequestScheduler:
             if not r.speculate or cap <= 0:
                 continue
             seq = self._sequence(r)
-            if r._prediction.shape[0]:
-                found = self._predicted(r, seq, len(r.output_tokens), cap)
-                if found:
-                    drafts[i] = found
-                    budget -= len(found)
-                    continue
+            found = ()
+            # A round with a copied draft against one with a drafted draft, each source by its own record: tokens
+            # per ns, the step's share a request and a verify row, plus a draft forward for the draft model's
+            if (1.0 + _copy_chance(r)) * (share + row + forward) >= (1.0 + _chance(r)) * (share + row):
+                found = self._predicted(r, seq, len(r.output_tokens), cap) if r._prediction.shape[0] else ()
+                if not found:  # what follows the latest prompt_lookup_max tokens' earlier place: a whole n-gram
+                    found = self._lookup(seq, cap, self._lookup_max)
+            if found:
+                drafts[i] = found
+                copied[i] = True
+                budget -= len(found)
+                continue
             ask.append(i)
             handles.append(r.handle)
             sequences.append(seq)
@@ -477,15 +510,19 @@ cdef class RequestScheduler:
         if cap <= 0:
             return ()
         seq = self._sequence(r)
-        cdef int32_t[::1] sv = seq
-        cdef Py_ssize_t L = sv.shape[0], n, j, m, earliest, latest_full, i
         if r._prediction.shape[0]:
-            drafts = self._predicted(r, sv, len(r.output_tokens), cap)
+            drafts = self._predicted(r, seq, len(r.output_tokens), cap)
             if drafts:
                 return drafts
+        return self._lookup(seq, cap, self._lookup_min)
+
+    cdef tuple _lookup(self, int32_t[::1] sv, int64_t cap, Py_ssize_t shortest):
+        """Prompt lookup over the tokens ``sv``: the continuation of the latest n tokens' earlier place (n from
+        prompt_lookup_max down to ``shortest``), up to ``cap`` tokens (_propose)."""
+        cdef Py_ssize_t L = sv.shape[0], n, j, m, earliest, latest_full, i
         # An n-gram match ends at each earlier place j (j < L - 1) where the latest n tokens occur again, and its
         # continuation starts at j + 1: plain loops (a few hundred tokens, n <= prompt_lookup_max).
-        for n in range(min(<Py_ssize_t>self._lookup_max, L - 1), self._lookup_min - 1, -1):
+        for n in range(min(<Py_ssize_t>self._lookup_max, L - 1), shortest - 1, -1):
             earliest = latest_full = -1
             for j in range(n - 1, L - 1):
                 m = 0
@@ -826,7 +863,10 @@ cdef class RequestScheduler:
                 self.counters["speculative_drafted"] += counts[i] - 1
                 self.counters["speculative_accepted"] += len(drafts_kept[i])
                 self.counters["speculative_rounds"] += counts[i] > 1
-                if counts[i] > 1:
+                if counts[i] > 1 and plan.copied is not None and plan.copied[i]:
+                    r.copy_kept = SPECULATIVE_DECAY * r.copy_kept + len(drafts_kept[i])
+                    r.copy_rejected = SPECULATIVE_DECAY * r.copy_rejected + (len(drafts_kept[i]) < counts[i] - 1)
+                elif counts[i] > 1:
                     self._adapt_drafts(r, counts[i] - 1, len(drafts_kept[i]))
                 for t in drafts_kept[i]:
                     r.output_tokens.append(int(t))
@@ -924,7 +964,7 @@ cdef class RequestScheduler:
         chance = []
         for i in range(n):
             r = requests[i]
-            chance.append(r.spec_kept / (r.spec_kept + r.spec_rejected))
+            chance.append(_copy_chance(r) if p.copied is not None and p.copied[i] else _chance(r))
         while True:
             best, value = -1, 0.0
             for i in range(n):

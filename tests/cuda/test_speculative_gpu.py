@@ -23,14 +23,23 @@ PROMPTS = [[3, 4, 5, 6, 7, 8] * 8, list(range(100, 140)) * 2, [9, 10, 11] * 5, l
 BATCH_SHAPES = ((2, 64), (2, 128), (4, 128))
 
 
-def _scheduler(graph_shapes=(), spec=4, max_rows=0):
-    """``max_rows``: the executor's spec_max_rows (0: the CPU's)."""
+def _scheduler(graph_shapes=(), spec=4, max_rows=0, drafter=None):
+    """``max_rows``: the executor's spec_max_rows (0: the CPU's); ``drafter``: a DraftModel (None: prompt lookup)."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"cuda-spec").digest(), max_live_requests=4, num_pages=128, num_snapshots=16,
         page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=128, graph_shapes=tuple(graph_shapes),
-        speculative_tokens=spec, speculative_max_rows=max_rows), PolicyConfig())
+        speculative_tokens=spec, speculative_max_rows=max_rows, drafter=drafter), PolicyConfig())
+
+
+def _plain(gpu, prompts):
+    """``prompts`` decoded plainly on a fresh executor."""
+    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
+    try:
+        return _drive(ex, _scheduler(ex.graph_shapes, spec=0), prompts, speculate=False)
+    finally:
+        ex.close()
 
 
 def _drive(ex, sched, prompts, max_tokens=40, speculate=True):
@@ -45,11 +54,7 @@ def _drive(ex, sched, prompts, max_tokens=40, speculate=True):
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "four"])
 def test_float32_speculative_tokens_equal_plain_decoding(hf, prompts):
     gpu = serving_model(hf)
-    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
-    try:
-        plain = _drive(ex, _scheduler(ex.graph_shapes, spec=0), prompts, speculate=False)
-    finally:
-        ex.close()
+    plain = _plain(gpu, prompts)
     ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
     try:
         assert ex.spec_batch_sizes == (2, 4, 8, 16, 32) and ex.spec_max_rows == 32  # 4 requests x (1 + 4 drafts)
@@ -195,22 +200,12 @@ def test_float32_drafts_from_a_draft_model_on_the_gpu_equal_plain_decoding(hf):
     from flared.execution.drafter import DraftModel
 
     gpu = serving_model(hf)
-    ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES)
-    try:
-        plain = _drive(ex, _scheduler(ex.graph_shapes, spec=0), PROMPTS, speculate=False)
-    finally:
-        ex.close()
+    plain = _plain(gpu, PROMPTS)
     drafter = DraftModel(serving_model(hf), num_pages=64, page_tokens=PAGE_TOKENS, max_context=CONTEXT,
                          vocab_limit=gpu.config.vocab_size)
     ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
     try:
-        from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
-
-        sched = RequestScheduler(SchedulerConfig(
-            model_identity=hashlib.sha256(b"cuda-draft").digest(), max_live_requests=4, num_pages=128,
-            num_snapshots=16, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=128,
-            graph_shapes=tuple(ex.graph_shapes), speculative_tokens=4, speculative_max_rows=ex.spec_max_rows,
-            drafter=drafter), PolicyConfig())
+        sched = _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows, drafter=drafter)
         got = _drive(ex, sched, PROMPTS)
     finally:
         ex.close()
