@@ -124,6 +124,44 @@ def test_p_min_stops_at_an_unlikely_draft_and_the_vocabulary_limit_holds(tiny_mo
         DraftModel(tiny_model, num_pages=1, page_tokens=16, max_context=256, vocab_limit=vocab)
 
 
+def _drafting_scheduler(model, spec: int):
+    """A RequestScheduler whose drafts come from a DraftModel of ``model`` (not warmed up); (scheduler, drafter)."""
+    import hashlib
+
+    from flared.execution.drafter import DraftModel
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    drafter = DraftModel(model, num_pages=40, page_tokens=16, max_context=256, vocab_limit=model.config.vocab_size)
+    return RequestScheduler(SchedulerConfig(model_identity=hashlib.sha256(b"draft").digest(), max_live_requests=4,
+                                            num_pages=64, num_snapshots=16, page_tokens=16, context_capacity=256,
+                                            prefill_chunk_size=64, speculative_tokens=spec, drafter=drafter),
+                            PolicyConfig()), drafter
+
+
+def _step(s, now: int, token: int, cost=lambda fed: 1000, keep_drafts: bool = False, accepted=()):
+    """Plan, commit and complete one step of the scheduler's one request, its own token ``token``, taking
+    ``cost(tokens fed)`` ns; a speculative step keeps every draft (``keep_drafts``) or those ``accepted``. Returns
+    the plan."""
+    from flared.scheduler import CompletionRecords, GraphKind
+
+    plan = s.plan(now)
+    fence = s.last_committed_fence + 1
+    s.commit(plan, fence)
+    starts = np.asarray(plan.token_starts, dtype=np.int64)
+    if plan.kind == GraphKind.SPECULATIVE:
+        kept = tuple(int(t) for t in plan.tokens(0)[1:]) if keep_drafts else tuple(accepted)
+        records = CompletionRecords(np.asarray(plan.handles, dtype=np.int64), starts + 1 + len(kept),
+                                    np.asarray(plan.generated_ends, dtype=np.int64) + len(kept),
+                                    np.asarray([token], dtype=np.int64), accepted_drafts=[kept])
+    else:
+        records = CompletionRecords(np.asarray(plan.handles, dtype=np.int64),
+                                    starts + np.asarray(plan.num_tokens, dtype=np.int64),
+                                    np.asarray(plan.generated_ends, dtype=np.int64),
+                                    np.asarray([token if x else -1 for x in plan.sample], dtype=np.int64))
+    s.complete(fence, records, cost(int(sum(plan.num_tokens))), now)
+    return plan
+
+
 @pytest.mark.parametrize("base_ns, drafts_priced", [(10**10, False), (10**5, True)])
 def test_a_draft_models_forwards_are_priced_before_it_drafts(tiny_model, base_ns, drafts_priced):
     """The scheduler prices a draft model's drafts before asking for them, adding its forwards' measured cost
@@ -131,39 +169,15 @@ def test_a_draft_models_forwards_are_priced_before_it_drafts(tiny_model, base_ns
     nothing and every draft stays; with steps of 0.1 ms (a token fed 1% of that) they cost more than the drafts
     save, so the draft model is not asked (no forward) and the step decodes plainly, counting the drafts left
     out. Prompt lookup under the same step costs keeps its drafts (test_speculative.py)."""
-    import hashlib
+    from flared.scheduler import GraphKind
 
-    from flared.execution.drafter import DraftModel
-    from flared.scheduler import CompletionRecords, GraphKind, PolicyConfig, RequestScheduler, SchedulerConfig
-
-    drafter = DraftModel(tiny_model, num_pages=40, page_tokens=16, max_context=256,
-                         vocab_limit=tiny_model.config.vocab_size)
-    s = RequestScheduler(SchedulerConfig(model_identity=hashlib.sha256(b"draft").digest(), max_live_requests=4,
-                                         num_pages=64, num_snapshots=16, page_tokens=16, context_capacity=256,
-                                         prefill_chunk_size=64, speculative_tokens=4, drafter=drafter),
-                         PolicyConfig())
+    s, drafter = _drafting_scheduler(tiny_model, 4)
     s.admit(list(range(10, 40)), 200, 1, speculate=True)
-    now, kinds, forwards = 2, [], []
+    kinds, forwards = [], []
     for step in range(12):  # (each step's own token new: no n-gram recurs, so no lookup copies drafts)
-        plan = s.plan(now)
-        fence = s.last_committed_fence + 1
-        s.commit(plan, fence)
+        plan = _step(s, 2 + step, 100 + step, lambda fed: base_ns + base_ns // 100 * fed, keep_drafts=True)
         kinds.append(plan.kind)
         forwards.append(drafter.counters["forwards"])
-        fed = int(sum(plan.num_tokens))
-        starts = np.asarray(plan.token_starts, dtype=np.int64)
-        if plan.kind == GraphKind.SPECULATIVE:  # every draft kept
-            kept = tuple(int(t) for t in plan.tokens(0)[1:])
-            records = CompletionRecords(np.asarray(plan.handles, dtype=np.int64), starts + 1 + len(kept),
-                                        np.asarray(plan.generated_ends, dtype=np.int64) + len(kept),
-                                        np.asarray([100 + step], dtype=np.int64), accepted_drafts=[kept])
-        else:
-            records = CompletionRecords(np.asarray(plan.handles, dtype=np.int64),
-                                        starts + np.asarray(plan.num_tokens, dtype=np.int64),
-                                        np.asarray(plan.generated_ends, dtype=np.int64),
-                                        np.asarray([100 + step if x else -1 for x in plan.sample], dtype=np.int64))
-        s.complete(fence, records, base_ns + base_ns // 100 * fed, now)
-        now += 1
     assert s.row_cost.fit() is not None and drafter.forward_cost()[0] > 0
     assert GraphKind.SPECULATIVE in kinds[:5]  # 1, 2, 4 drafts: no fit before the tokens fed varied
     if drafts_priced:
@@ -178,35 +192,17 @@ def test_copies_come_first_while_their_record_holds(tiny_model):
     them there (no draft forward: a copy), while its copies' record is as good as the draft model's; a rejected
     copy moves only the copies' record (not the draft cap), and the next recurring n-gram goes to the draft
     model instead."""
-    import hashlib
+    from flared.scheduler import GraphKind
 
-    from flared.execution.drafter import DraftModel
-    from flared.scheduler import CompletionRecords, GraphKind, PolicyConfig, RequestScheduler, SchedulerConfig
-
-    drafter = DraftModel(tiny_model, num_pages=40, page_tokens=16, max_context=256,
-                         vocab_limit=tiny_model.config.vocab_size)
-    s = RequestScheduler(SchedulerConfig(model_identity=hashlib.sha256(b"copies").digest(), max_live_requests=4,
-                                         num_pages=64, num_snapshots=16, page_tokens=16, context_capacity=256,
-                                         prefill_chunk_size=64, speculative_tokens=2, drafter=drafter),
-                         PolicyConfig())
+    s, drafter = _drafting_scheduler(tiny_model, 2)
     prompt = [10, 11, 12, 13, 14, 15, 10, 11, 12]
     h = s.admit(prompt, 20, 1, speculate=True)
     now = 2
 
-    def step(token, accepted=None):
+    def step(token, accepted=()):
         nonlocal now
-        plan = s.plan(now)
-        fence = s.last_committed_fence + 1
-        s.commit(plan, fence)
-        starts = np.asarray(plan.token_starts, dtype=np.int64)
-        kept = len(accepted) if accepted is not None else 0
-        consumed = starts + (1 + kept if accepted is not None else np.asarray(plan.num_tokens, dtype=np.int64))
-        s.complete(fence, CompletionRecords(np.asarray(plan.handles, dtype=np.int64), consumed,
-                                            np.asarray(plan.generated_ends, dtype=np.int64) + kept,
-                                            np.asarray([token if x else -1 for x in plan.sample], dtype=np.int64),
-                                            accepted_drafts=None if accepted is None else [accepted]), 1000, now)
         now += 1
-        return plan
+        return _step(s, now - 1, token, accepted=accepted)
 
     step(13)  # the prefill samples 13: "10 11 12 13" occurred at the start, followed by 14
     plan = step(14, accepted=())  # the copy [14] is offered and (in this record) rejected; the step's token: 14
