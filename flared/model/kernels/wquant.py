@@ -16,7 +16,7 @@ float32 (a bf16 model over those values differs only in the order of the sums).
   too; each writes its float32 sums aside, and the tile's last program to finish adds them in a fixed order (the
   same bits whichever finishes last, as the graphs' replays need) and stores the rows: one launch a product.
 - From ``WIDEN_MIN_ROWS`` rows (prefill chunks of 256 tokens and more): the weight widened to bf16 into scratch,
-  then cuBLAS. Each 64-row tile widens the whole weight again, so past a few tiles widening it once wins.
+  then cuBLAS. Each 32-row tile widens the whole weight again, so past a few tiles widening it once wins.
 Every shape is fixed for a capture: no host sync, no allocation but torch's (the graph pool's) scratch and each
 device's tile counts (made before any capture).
 
@@ -89,24 +89,6 @@ def _params(S, Z, group, offs_n, n_mask, N, FOUR_BITS: tl.constexpr):
 
 
 @triton.jit
-def _turn_operand(words, S, Z, group, offs_n, n_mask, N, FOUR_BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A whole turn's values widened, in input order: [TURN, BLOCK_N] float32 (value j of row r at 16 j + r)."""
-    s0, z0 = _params(S, Z, group, offs_n, n_mask, N, FOUR_BITS)
-    s1, z1 = _params(S, Z, group + 1, offs_n, n_mask, N, FOUR_BITS)
-    low = tl.join(tl.join(_value(words, s0, z0, 0, FOUR_BITS), _value(words, s0, z0, 1, FOUR_BITS)),
-                  tl.join(_value(words, s1, z1, 2, FOUR_BITS), _value(words, s1, z1, 3, FOUR_BITS)))
-    if FOUR_BITS:  # [16, N, j & 1, j >> 1 & 1, j >> 2]
-        s2, z2 = _params(S, Z, group + 2, offs_n, n_mask, N, FOUR_BITS)
-        s3, z3 = _params(S, Z, group + 3, offs_n, n_mask, N, FOUR_BITS)
-        high = tl.join(tl.join(_value(words, s2, z2, 4, FOUR_BITS), _value(words, s2, z2, 5, FOUR_BITS)),
-                       tl.join(_value(words, s3, z3, 6, FOUR_BITS), _value(words, s3, z3, 7, FOUR_BITS)))
-        w = tl.reshape(tl.permute(tl.join(low, high), (4, 3, 2, 0, 1)), (128, BLOCK_N))
-    else:  # [16, N, j & 1, j >> 1]
-        w = tl.reshape(tl.permute(low, (3, 2, 0, 1)), (64, BLOCK_N))
-    return w
-
-
-@triton.jit
 def _inputs(X, offs_m, m_mask, k, K, stride_x, EVEN_K: tl.constexpr):
     """The tile's rows of X at inputs ``k`` (zeros past K, the weight's padding)."""
     mask = m_mask[:, None] if EVEN_K else m_mask[:, None] & (k < K)[None, :]
@@ -130,23 +112,16 @@ def _product_kernel(X, Q, S, Z, Bias, Y, Part, Count, M, N, K, stride_x, inputs_
     m_mask = offs_m < M
     n_mask = offs_n < N
     rows = tl.arange(0, 16)
-    turn = tl.arange(0, TURN)
-    WIDE: tl.constexpr = BLOCK_M >= 64
     start = split * inputs_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(start, start + inputs_per_split, TURN):
         words = tl.load(Q + (k0 // PER_WORD + rows)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        if WIDE:  # (the turn as one operand: warpgroup products 16 inputs deep wait on each other, 2-3x slower)
-            w = _turn_operand(words, S, Z, k0 // 32, offs_n, n_mask, N, FOUR_BITS, BLOCK_N)
-            x = _inputs(X, offs_m, m_mask, k0 + turn, K, stride_x, EVEN_K)
-            acc += tl.dot(x, w.to(x.dtype))
-        else:
-            for G in tl.static_range(TURN // 32):  # (a block of 32 inputs: one scale, two 16-input steps)
-                scale, offset = _params(S, Z, k0 // 32 + G, offs_n, n_mask, N, FOUR_BITS)
-                for H in tl.static_range(2):
-                    w = _value(words, scale, offset, 2 * G + H, FOUR_BITS)
-                    x = _inputs(X, offs_m, m_mask, k0 + 32 * G + 16 * H + rows, K, stride_x, EVEN_K)
-                    acc += tl.dot(x, w.to(x.dtype))
+        for G in tl.static_range(TURN // 32):  # (a block of 32 inputs: one scale, two 16-input steps)
+            scale, offset = _params(S, Z, k0 // 32 + G, offs_n, n_mask, N, FOUR_BITS)
+            for H in tl.static_range(2):
+                w = _value(words, scale, offset, 2 * G + H, FOUR_BITS)
+                x = _inputs(X, offs_m, m_mask, k0 + 32 * G + 16 * H + rows, K, stride_x, EVEN_K)
+                acc += tl.dot(x, w.to(x.dtype))
     out = offs_m[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLITS > 1:
@@ -223,12 +198,15 @@ class Launch(NamedTuple):
 def plan(rows: int, out_features: int, in_features: int, multiprocessors: int, fmt: str = "q4_1", *,
          block_n: int | None = None, warps: int = 4, stages: int = 3) -> Launch:
     """The product's launch at ``rows`` rows (``in_features`` padded to whole turns, as the layout holds them):
-    tiles of 16 to 64 rows on the tensor cores (a row alone pads a 16-row tile: summing it in registers instead lost
-    13% of the 8B's one-row step; docs/benchmarks.md), 256 features wide to 16 rows (the wider, the more values a
-    program widens for each input row it loads) and 64 above (measured best at 32 and 64 rows); the inputs split
-    while the tiles fill fewer than two programs a multiprocessor and each part keeps _MIN_SPLIT_INPUTS inputs and
-    whole turns. The keywords are for tools/bench_wquant_gpu.py's sweep; the defaults its choice."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    tiles of 16 rows, or of 32 above 16 rows, on the tensor cores (a row alone pads a 16-row tile: summing it in
+    registers instead lost 13% of the 8B's one-row step; docs/benchmarks.md), 256 features wide to 16 rows (the
+    wider, the more values a program widens for each input row it loads) and 64 above (measured best at 32 and 64
+    rows). Two forms of a 64-row tile lost to two 32-row ones, 1.3-2.6x at 64 rows (a turn's values joined into one
+    operand, or eight products 16 inputs deep: warpgroup products that wait on each other; fifty-fifth and
+    fifty-sixth sessions). The inputs split while the tiles fill fewer than two programs a multiprocessor and each
+    part keeps _MIN_SPLIT_INPUTS inputs and whole turns. The keywords are for tools/bench_wquant_gpu.py's sweep; the
+    defaults its choice."""
+    block_m = 16 if rows <= 16 else 32
     block_n = block_n or (256 if rows <= 16 else 64)
     turns = in_features // GPU_TURN[fmt]
     tiles = -(-rows // block_m) * -(-out_features // block_n)
