@@ -141,6 +141,10 @@ class ServerConfig:
     # draft_p_min stops the drafting (llama.cpp's --draft-p-min). None: prompt lookup.
     speculative_model: str | None = None
     draft_p_min: float = DRAFT_P_MIN
+    # llama.cpp's --ctx-size-draft: the tokens the draft model's KV cache holds in all (None: as many as the served
+    # model's pool, at most every live request's whole context). Fewer: the requests drafted for least recently give
+    # their pages back sooner, and one whose context does not fit is not drafted for.
+    draft_kv_tokens: int | None = None
     # Images named by URL (vision cores): http(s) URLs are fetched, as vLLM and OpenAI do, within
     # media_fetch_timeout_s, redirects to at most 3 more hosts; allowed_media_domains (vLLM's
     # --allowed-media-domains) limits the hosts (empty: any); media_fetch = false refuses remote URLs. file:// URLs
@@ -203,6 +207,8 @@ class ServerConfig:
         if self.speculative_model is not None and self.speculative_tokens == 0:  # (unset: a draft model's default)
             object.__setattr__(self, "speculative_tokens", DRAFT_TOKENS)
         need(_is_num(self.draft_p_min) and 0 <= self.draft_p_min <= 1, "draft_p_min", "must be a number in 0..1")
+        need(self.draft_kv_tokens is None or (_is_int(self.draft_kv_tokens) and self.draft_kv_tokens >= 256),
+             "draft_kv_tokens", "must be an integer of at least 256 (or absent)")
         need(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
              and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
              "prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max")

@@ -150,6 +150,9 @@ def main() -> None:
               help="Draft model for speculative decoding (vLLM's --speculative-model, llama.cpp's --model-draft): a "
                    "core, GGUF file or checkpoint directory with the served model's vocabulary, whose greedy "
                    "continuation of each request the served model verifies.")
+@click.option("--ctx-size-draft", "-cd", "draft_kv_tokens", type=int, default=None,
+              help="With --speculative-model: the tokens its KV cache holds in all (llama.cpp's flag; default: as "
+                   "many as the served model's, at most every live request's whole context).")
 @click.option("--draft-p-min", type=float, default=None,
               help="With --speculative-model: stop drafting at a token the draft model gives less than this "
                    "probability (llama.cpp's flag; default 0: drafts to the cap, which adapts to what is kept).")
@@ -170,7 +173,7 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
-        speculative_tokens, speculative_model, draft_p_min, prompt_lookup_max, prompt_lookup_min,
+        speculative_tokens, speculative_model, draft_kv_tokens, draft_p_min, prompt_lookup_max, prompt_lookup_min,
         allowed_media_domains, allowed_local_media_path,
         no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib):
     """Serve CORE: a core directory, a GGUF file or a Hugging Face checkpoint directory (exported once into the
@@ -185,7 +188,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             log_level=log_level, log_format=log_format, admin_socket=admin_socket,
             chat_template=chat_template, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max,
-            prompt_lookup_min=prompt_lookup_min, draft_p_min=draft_p_min, max_loras=max_loras,
+            prompt_lookup_min=prompt_lookup_min, draft_p_min=draft_p_min, draft_kv_tokens=draft_kv_tokens,
+            max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager).items() if v is not None}
         overrides.update(_quantization_override(quantization))

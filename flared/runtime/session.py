@@ -177,6 +177,7 @@ class LoadedSession:
                                speculative=(config.speculative_tokens, config.prompt_lookup_max,
                                             config.prompt_lookup_min),
                                draft_core=draft, draft_p_min=config.draft_p_min,
+                               draft_kv_tokens=config.draft_kv_tokens,
                                **_policy_kwargs(config))
         return cls(core=core, config=config, frontend=frontend, runtime=runtime, progress=progress)
 

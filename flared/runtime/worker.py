@@ -288,7 +288,8 @@ class ModelRuntime:
                  fail_after_steps: int | None = None, policy=None, pipeline: bool = True, lora_adapters=(),
                  lora_modules=(), speculative=(0, 4, 2), lora_slots: int | None = None, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 quantization: str | None = None, draft_core=None, draft_p_min: float = 0.0):
+                 quantization: str | None = None, draft_core=None, draft_p_min: float = 0.0,
+                 draft_kv_tokens: int | None = None):
         self.core = core
         # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (either executor's pool and
         # snapshots in float8 e4m3: the core's KV memory holds twice a bf16 core's pages).
@@ -311,6 +312,7 @@ class ModelRuntime:
         # the draft model gives its token less than draft_p_min (llama.cpp's --draft-p-min).
         self.draft_core = draft_core
         self.draft_p_min = draft_p_min
+        self.draft_kv_tokens = draft_kv_tokens  # (llama.cpp's --ctx-size-draft; None: _build_drafter's rule)
         self.drafter = None
         # (path, scale) of PEFT LoRA adapters merged into the weights at load (flared.model.lora).
         self.lora_adapters = tuple(lora_adapters)
@@ -614,7 +616,7 @@ class ModelRuntime:
     def _build_drafter(self, device, caps):
         """The draft model (flared.execution.drafter.DraftModel) on the served model's device: the draft core's
         weights as it is served alone there (a stored or GGUF core's quantised matrices kept on a CPU), its KV pool
-        no more tokens than the served model's."""
+        no more tokens than the served model's (or draft_kv_tokens)."""
         import torch
 
         from flared.execution.drafter import DraftModel
@@ -632,8 +634,11 @@ class ModelRuntime:
         kept = resolve_quantization(None, dm.source, dm.weights_quantization if device.type == "cpu" else None)
         model = DecoderModel(config, self.draft_core.load_tensors(), dtype=getattr(torch, dm.dtype), device=device,
                              max_positions=caps.context_tokens, quantization=kept)
-        # as many tokens as the served model's pool, or every live request's whole context where that is fewer
+        # as many tokens as the served model's pool, or every live request's whole context where that is fewer;
+        # or as many as --ctx-size-draft says
         pages = min(caps.kv_pages, caps.concurrency * -(-caps.context_tokens // caps.page_tokens)) + 1
+        if self.draft_kv_tokens is not None:
+            pages = max(2, -(-self.draft_kv_tokens // caps.page_tokens) + 1)
         drafter = DraftModel(model, num_pages=pages, page_tokens=caps.page_tokens, max_context=caps.context_tokens,
                              vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min)
         drafter.warm_up(min(caps.concurrency, 16))

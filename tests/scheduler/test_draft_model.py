@@ -323,6 +323,36 @@ def test_the_model_thread_drafts_with_a_draft_model_and_keeps_plain_decodings_to
     assert not drafter._drafts  # every retired request's pages went back
 
 
+def test_a_small_draft_pool_evicts_and_keeps_the_tokens(deep_core, tiny_core):
+    """ModelRuntime(draft_kv_tokens=64) (--ctx-size-draft): the draft's pool holds 64 tokens, one request's context
+    at a time (each grows to 60) where three run together, so the draft model gives pages back or drafts for fewer
+    rounds, and the tokens are still plain decoding's."""
+    from flared.core.load import open_core
+    from flared.model.sampling import SamplingParams
+    from flared.runtime.request import GenerateRequest, TokenEvent
+    from flared.runtime.worker import ModelRuntime
+    from flared_testing.runtime import run_requests
+
+    requests = [GenerateRequest(tuple(range(60 + i, 90 + i)), (), SamplingParams(max_tokens=30, temperature=0.0),
+                                frozenset()) for i in range(3)]
+
+    def serve(**kw):
+        rt = ModelRuntime(open_core(deep_core), torch_threads=1, prefix_cache=False, **kw)
+        rt.start(max_pending=8)
+        try:
+            events = run_requests(rt, requests)
+            return [[t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids] for ev in events], rt.drafter
+        finally:
+            rt.stop()
+
+    page = open_core(deep_core).manifest.capacities.page_tokens
+    plain, _ = serve(speculative=(0, 4, 2))
+    small, drafter = serve(speculative=(4, 64, 2), draft_core=open_core(tiny_core), draft_kv_tokens=64)
+    assert small == plain
+    assert drafter.num_pages == -(-64 // page) + 1  # (page 0 stays out)
+    assert drafter.counters["evicted"] > 0 or drafter.counters["drafted"] < 3 * 29
+
+
 def test_a_draft_model_must_share_the_vocabulary(tiny_core, tmp_path):
     from flared.config import ConfigError
     from flared.core.load import open_core
@@ -381,6 +411,12 @@ def test_server_config_and_flags_for_a_draft_model():
         ServerConfig(speculative_model="")
     out = CliRunner().invoke(main, ["run", "--model-draft", "m", "--draft-p-min", "2", "--no-admin-socket"])
     assert out.exit_code == 2 and "draft_p_min" in out.output
+    assert ServerConfig(speculative_model="m", draft_kv_tokens=4096).draft_kv_tokens == 4096
+    for bad in (255, 1.5, "x"):
+        with pytest.raises(ConfigError, match="draft_kv_tokens"):
+            ServerConfig(speculative_model="m", draft_kv_tokens=bad)
+    out = CliRunner().invoke(main, ["run", "-md", "m", "-cd", "100", "--no-admin-socket"])
+    assert out.exit_code == 2 and "draft_kv_tokens" in out.output
 
 
 def test_the_daemon_serves_with_a_draft_model(deep_core, tiny_core, tmp_path):
