@@ -102,15 +102,16 @@ def sweep(shape: str, formats: list[str], row_counts: list[int], out: dict) -> N
         weight = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
         for fmt in formats:
             parts = gpu_quantize(fmt, weight)
+            padded = -(-k // GPU_TURN[fmt]) * GPU_TURN[fmt]  # (the layout's inputs: whole turns)
             for m in row_counts:
                 x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-                timings = {"widen + cuBLAS": time_us(lambda: torch.matmul(x, wquant.widen(fmt, parts)))}
+                timings = {"widen + cuBLAS": time_us(lambda: torch.matmul(x, wquant.widen(fmt, parts)[:k]))}
                 if m < wquant.WIDEN_MIN_ROWS:
                     timings["plan"] = time_us(lambda: wquant.linear(x, fmt, parts,
-                                                                    launch=wquant.plan(m, n, k, sms, fmt)))
-                turns = k // GPU_TURN[fmt]
+                                                                    launch=wquant.plan(m, n, padded, sms, fmt)))
+                turns = padded // GPU_TURN[fmt]
                 for kw in SWEEP:
-                    base = wquant.plan(m, n, k, sms, fmt, **kw)
+                    base = wquant.plan(m, n, padded, sms, fmt, **kw)
                     for splits in {base.splits, max(1, base.splits // 2), 2 * base.splits}:
                         launch = base._replace(splits=splits)
                         if turns % splits:

@@ -450,11 +450,9 @@ cdef class RequestScheduler:
         # what a round costs (RowCost's fit, else the step's estimate), a share a request, a verify row, and a
         # draft model's forward of one row (its fit; 0 where unknown: copies, which cost no forward, come first)
         cdef double share = 0.0, row = 0.0, forward = 0.0, n = len(requests)
-        fit = self.row_cost.fit()
-        if fit is not None and fit[1] > 0:
+        fit = self._step_cost(p)
+        if fit is not None:
             share, row = max(fit[0] + fit[1] * n, fit[1] * n) / n, fit[1]
-        elif p.estimated_duration_ns > 0:
-            share = p.estimated_duration_ns / n
         draft_fit = self._drafter.forward_cost()
         if draft_fit is not None:
             forward = max(draft_fit[0] + draft_fit[1], 0.0)
@@ -863,11 +861,9 @@ cdef class RequestScheduler:
                 self.counters["speculative_drafted"] += counts[i] - 1
                 self.counters["speculative_accepted"] += len(drafts_kept[i])
                 self.counters["speculative_rounds"] += counts[i] > 1
-                if counts[i] > 1 and plan.copied is not None and plan.copied[i]:
-                    r.copy_kept = SPECULATIVE_DECAY * r.copy_kept + len(drafts_kept[i])
-                    r.copy_rejected = SPECULATIVE_DECAY * r.copy_rejected + (len(drafts_kept[i]) < counts[i] - 1)
-                elif counts[i] > 1:
-                    self._adapt_drafts(r, counts[i] - 1, len(drafts_kept[i]))
+                if counts[i] > 1:
+                    self._adapt_drafts(r, counts[i] - 1, len(drafts_kept[i]),
+                                       plan.copied is not None and plan.copied[i])
                 for t in drafts_kept[i]:
                     r.output_tokens.append(int(t))
                     if not r.finished and not r.cancelled:
@@ -933,6 +929,16 @@ cdef class RequestScheduler:
         kept = self._priced_counts(requests, [len(d) for d in drafts], p, None)
         return [drafts[i][:kept[i]] for i in range(len(drafts))]
 
+    cdef object _step_cost(self, ScheduledPlan p):
+        """(a, b): the step cost fit (RowCost: ns a step, ns a token fed), or before it forms the step's estimate
+        with rows free; None before either."""
+        fit = self.row_cost.fit()
+        if fit is not None and fit[1] > 0:
+            return fit
+        if p.estimated_duration_ns > 0:
+            return (float(p.estimated_duration_ns), 0.0)
+        return None
+
     cdef list _priced_counts(self, list requests, list counts, ScheduledPlan p, object drafting):
         """How many of each request's ``counts[i]`` drafts are worth their cost: with the step cost fit (RowCost:
         a + b per token fed), a draft whose chance of being kept (its request's record to the power of its depth)
@@ -945,20 +951,20 @@ cdef class RequestScheduler:
         before there is one). ``p.priced_out`` gets the number left out."""
         fit = self.row_cost.fit()
         draft_fit = self._drafter.forward_cost() if drafting is not None and any(drafting) else None
-        if draft_fit is not None and (fit is None or fit[1] <= 0):
-            # No step fit yet: the step's estimate, rows free. A draft model's cost is known from its warm-up, so
-            # its first drafts are priced too (where drafting costs more than the step saves, it never starts);
+        if draft_fit is not None:
+            # A draft model's cost is known from its warm-up, so its first drafts are priced too, against the step's
+            # estimate before the step fit forms (where drafting costs more than the step saves, it never starts);
             # before the step has an estimate, it waits for one.
-            if p.estimated_duration_ns <= 0:
+            fit = self._step_cost(p)
+            if fit is None:
                 return [0 if drafting[i] else counts[i] for i in range(len(counts))]
-            fit = (float(p.estimated_duration_ns), 0.0)
         elif fit is None or fit[1] <= 0:
             return list(counts)
         cdef double a = fit[0], b = fit[1], da = 0.0, db = 0.0
         if draft_fit is not None:
             da, db = max(draft_fit[0], 0.0), max(draft_fit[1], 0.0)
         cdef Py_ssize_t n = len(requests), i, best, deepest = 0
-        cdef double tokens = n, cost = max(a + b * n, b * n), g, c, value, best_g = 0.0, best_c = 0.0
+        cdef double tokens = n, cost = max(a + b * n, b * n), g, c, v, value, best_g = 0.0, best_c = 0.0
         cdef Request r
         kept = [0] * n
         chance = []
@@ -974,8 +980,9 @@ cdef class RequestScheduler:
                 c = b
                 if drafting is not None and drafting[i]:
                     c += db + (da if kept[i] + 1 > deepest else 0.0)
-                if (g / c if c > 0 else INFINITY) > value:  # (a draft that costs nothing is always worth it)
-                    best, value, best_g, best_c = i, (g / c if c > 0 else INFINITY), g, c
+                v = g / c if c > 0 else INFINITY  # (a draft that costs nothing is always worth it)
+                if v > value:
+                    best, value, best_g, best_c = i, v, g, c
             if best < 0 or best_g * cost <= best_c * tokens:
                 break
             kept[best] += 1
@@ -986,11 +993,16 @@ cdef class RequestScheduler:
         p.priced_out = sum(counts[i] - kept[i] for i in range(n))
         return kept
 
-    cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept):
+    cdef _adapt_drafts(self, Request r, int64_t offered, int64_t kept, bint copied=False):
         """A request's draft cap after a round that offered ``offered`` drafts and kept ``kept``: twice as many after
         all were kept (at most speculative_tokens), half after none was; at 0 it rests SPECULATIVE_COOLDOWN rounds,
         then tries one again. Drafts nobody keeps make every step of the cohort wider for nothing. The request's
-        record (spec_kept, spec_rejected) decays by SPECULATIVE_DECAY and takes this round in."""
+        record (spec_kept, spec_rejected) decays by SPECULATIVE_DECAY and takes this round in. ``copied`` (drafts
+        copied beside a draft model): the copies' record (copy_kept, copy_rejected) takes it, and the cap stays."""
+        if copied:
+            r.copy_kept = SPECULATIVE_DECAY * r.copy_kept + kept
+            r.copy_rejected = SPECULATIVE_DECAY * r.copy_rejected + (kept < offered)
+            return
         r.spec_kept = SPECULATIVE_DECAY * r.spec_kept + kept
         r.spec_rejected = SPECULATIVE_DECAY * r.spec_rejected + (kept < offered)
         if kept == offered:

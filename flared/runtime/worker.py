@@ -628,9 +628,6 @@ class ModelRuntime:
         if config.linear_layers:
             raise ExecutionError(f"the draft model {dm.model_name} has recurrent layers, whose state cannot take "
                                  "back a rejected draft: draft with an attention-only model", ErrorKind.VALIDATION)
-        if config.vocab_size < self.core.config.vocab_size - 128:
-            raise ExecutionError(f"the draft model's vocabulary ({config.vocab_size} ids) is not the served "
-                                 f"model's ({self.core.config.vocab_size})", ErrorKind.VALIDATION)
         kept = resolve_quantization(None, dm.source, dm.weights_quantization if device.type == "cpu" else None)
         model = DecoderModel(config, self.draft_core.load_tensors(), dtype=getattr(torch, dm.dtype), device=device,
                              max_positions=caps.context_tokens, quantization=kept)

@@ -93,6 +93,9 @@ def test_bad_inputs_are_refused():
         wquant.linear(torch.ones(2, 64, device="cuda", dtype=torch.bfloat16), "q8_0", parts)
     with pytest.raises(ValueError, match="bfloat16 or float16 rows"):
         wquant.linear(torch.ones(2, 96, device="cuda"), "q8_0", parts)
+    with pytest.raises(ValueError, match="3 input splits do not divide the weight's 2 turns"):  # (would drop inputs)
+        wquant.linear(torch.ones(2, 96, device="cuda", dtype=torch.bfloat16), "q8_0", parts,
+                      launch=wquant.Launch(16, 64, 3, 4, 3))
 
 
 def _quantised(family, fmt, tmp_path):

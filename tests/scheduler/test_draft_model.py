@@ -325,8 +325,8 @@ def test_the_model_thread_drafts_with_a_draft_model_and_keeps_plain_decodings_to
 
 def test_a_small_draft_pool_evicts_and_keeps_the_tokens(deep_core, tiny_core):
     """ModelRuntime(draft_kv_tokens=64) (--ctx-size-draft): the draft's pool holds 64 tokens, one request's context
-    at a time (each grows to 60) where three run together, so the draft model gives pages back or drafts for fewer
-    rounds, and the tokens are still plain decoding's."""
+    at a time (each grows to 60) where three run together; the tokens are still plain decoding's, and the pool
+    ends whole."""
     from flared.core.load import open_core
     from flared.model.sampling import SamplingParams
     from flared.runtime.request import GenerateRequest, TokenEvent
@@ -350,7 +350,8 @@ def test_a_small_draft_pool_evicts_and_keeps_the_tokens(deep_core, tiny_core):
     small, drafter = serve(speculative=(4, 64, 2), draft_core=open_core(tiny_core), draft_kv_tokens=64)
     assert small == plain
     assert drafter.num_pages == -(-64 // page) + 1  # (page 0 stays out)
-    assert drafter.counters["evicted"] > 0 or drafter.counters["drafted"] < 3 * 29
+    # every page back in the pool, once each, none of them page 0, whatever the requests took and gave back
+    assert not drafter._drafts and sorted(drafter._free) == list(range(1, drafter.num_pages))
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny_core, tmp_path):

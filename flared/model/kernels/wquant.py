@@ -251,13 +251,15 @@ def linear(x: torch.Tensor, fmt: str, parts: tuple[torch.Tensor, ...], bias: tor
     if x.stride(1) != 1:
         x = x.contiguous()
     launch = launch or plan(rows, out_features, padded, _multiprocessors(x.device), fmt)
+    turns = padded // turn
+    if turns % launch.splits:
+        raise ValueError(f"linear: {launch.splits} input splits do not divide the weight's {turns} turns")
     grid = (triton.cdiv(out_features, launch.block_n), triton.cdiv(rows, launch.block_m), launch.splits)
     if launch.splits > 1:
         part = torch.empty(launch.splits, rows, out_features, dtype=torch.float32, device=x.device)
         counts = _counts(x.device, grid[0] * grid[1])
     else:
         part = counts = y
-    turns = padded // turn
     _product_kernel[grid](x, q, scales, offsets, bias if bias is not None else y, y, part, counts, rows,
                           out_features, in_features, x.stride(0), turns // launch.splits * turn,
                           FOUR_BITS=fmt == "q4_1", HAS_BIAS=bias is not None, SPLITS=launch.splits,
