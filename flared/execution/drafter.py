@@ -18,6 +18,12 @@ a long new prompt goes in over several steps, without drafts until it is in, rat
 
 ``p_min`` is llama.cpp's --draft-p-min: a request's drafting stops at the first depth whose argmax the draft model
 gives less than this probability (that token is not offered), where a rejection is likely.
+
+On a GPU the forwards run as captured CUDA graphs (``DraftGraphs``): eager launches of a small model's layers cost
+more than its arithmetic, and a draft model is only worth running where its forward is cheap beside the served
+model's step. There every depth of a proposal is launched behind the last, each row taking the token its request
+drew at the depth before on the device, and the tokens are read back once; a request whose draft stops early (a
+p_min miss) is cut after the read-back, its later rows having written only past what it keeps.
 """
 
 from __future__ import annotations
@@ -47,22 +53,33 @@ class _Draft:
 
 class DraftModel:
     def __init__(self, model, *, num_pages: int, page_tokens: int, max_context: int, vocab_limit: int,
-                 p_min: float = 0.0, catch_up_tokens: int = CATCH_UP_TOKENS):
+                 p_min: float = 0.0, catch_up_tokens: int = CATCH_UP_TOKENS, graphs: bool | None = None,
+                 max_rows: int = 64, max_depth: int = 8):
         """``model``: the draft's DecoderModel (attention layers only: its KV cache takes back a rejected draft by
         writing over it). ``num_pages`` of ``page_tokens``: its KV pool. ``max_context``: the longest sequence it
         drafts for. ``vocab_limit``: the served model's vocabulary size (a draft's logits past it are never
-        drafted)."""
+        drafted). ``graphs``: run the forwards as CUDA graphs (DraftGraphs; None: on a CUDA device), for up to
+        ``max_rows`` requests a proposal and ``max_depth`` drafts a request."""
         if model.config.linear_layers:
             raise ValueError("a draft model with recurrent layers cannot take back a rejected draft")
         if num_pages < 2:
             raise ValueError("the draft model's KV pool needs at least 2 pages")
         self.model = model
         self.page_tokens = page_tokens
-        self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens)
+        if graphs is None:
+            graphs = model.device.type == "cuda"
+        self.max_context = min(max_context, model.max_positions)
+        self.graphs = None
+        self.kv = None
+        if graphs:
+            self.graphs = DraftGraphs(model, num_pages=num_pages, page_tokens=page_tokens, max_rows=max_rows,
+                                      max_context=self.max_context, max_depth=max_depth,
+                                      catch_up_tokens=catch_up_tokens)
+        else:
+            self.kv = model.make_kv_cache(num_pages=num_pages, page_tokens=page_tokens)
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, 0, -1))  # page 0 stays out: padding slots point at it
         self._drafts: dict[int, _Draft] = {}
-        self.max_context = min(max_context, model.max_positions)
         self.vocab_limit = min(vocab_limit, model.config.vocab_size)
         self.p_min = p_min
         self.catch_up_tokens = catch_up_tokens
@@ -75,7 +92,7 @@ class DraftModel:
 
     @property
     def num_bytes(self) -> int:
-        return self.kv.num_bytes
+        return self.graphs.decoder.kv_bytes if self.graphs is not None else self.kv.num_bytes
 
     def forward_cost(self) -> tuple[float, float] | None:
         """(a, b): ns a forward of decode rows, ns a row (``cost``'s fit; while the rows have not varied, a forward's
@@ -91,6 +108,12 @@ class DraftModel:
         ``forward_cost`` knows what drafting costs before the first request: the scheduler then prices a draft
         model's first drafts too, instead of drafting blindly until the step fit forms."""
         rows = max(1, min(rows, len(self._free)))
+        if self.graphs is not None:  # the graphs themselves, on padding inputs
+            self.cost = RowCost()
+            for _ in range(repeats):
+                for n in sorted({1, rows}):
+                    self.cost.observe(n, self.graphs.time_decode(n))
+            return
         pages = [self._free.pop() for _ in range(rows)]
         try:
             chunks = [SequenceChunk([0], 0, [page]) for page in pages]
@@ -152,6 +175,8 @@ class DraftModel:
                 d.fed = seq[:end].copy()
         if not chunks:
             return [()] * n, 0
+        if self.graphs is not None:
+            return self._propose_graphs(handles, caps, drafts, chunks, owners, ends)
         depth = 0
         picked = self._forward(chunks)
         live = []  # (request index, its cap) still drafting
@@ -187,6 +212,31 @@ class DraftModel:
             live = rest
         self.counters["drafted"] += sum(len(x) for x in drafts)
         return [tuple(x) for x in drafts], depth
+
+    def _propose_graphs(self, handles, caps, drafts, chunks, owners, ends):
+        """propose's drafting through DraftGraphs: every depth launched at once, the tokens read back once."""
+        wants, limits = [], []
+        for (i, want), fed in zip(owners, ends):
+            wants.append(want)
+            d = self._drafts[handles[i]]
+            limits.append(min(int(caps[i]), self.max_context - d.fed.shape[0] - fed.shape[0]) if want else 0)
+        started = time.perf_counter_ns()
+        got, forwards = self.graphs.run(chunks, wants, limits, self.vocab_limit, self.p_min)
+        elapsed = time.perf_counter_ns() - started
+        self.counters["forwards"] += forwards
+        live = sum(1 for x in limits if x > 0)
+        if live and all(len(c.token_ids) <= SHORT_FEED for c in chunks):  # (a prefill's catch-up would skew the fit)
+            self.cost.observe(live, elapsed / forwards)
+        for (i, want), fed, tokens in zip(owners, ends, got):
+            if not want:
+                continue
+            d = self._drafts[handles[i]]
+            # fed: the step's tokens, then each draft but the last (a draft past one cut by p_min, though drafted
+            # and written, is not kept: the next proposal writes over it)
+            d.fed = np.concatenate([d.fed, fed, np.asarray(tokens[:-1], dtype=np.int64)])
+            drafts[i] = tokens
+        self.counters["drafted"] += sum(len(x) for x in drafts)
+        return [tuple(x) for x in drafts], forwards if any(drafts) else 0
 
     def _forward(self, chunks) -> list[int | None]:
         """The draft at each chunk's last position that asks for logits: the argmax of the draft model's logits
@@ -225,3 +275,227 @@ class DraftModel:
             return False
         d.pages.extend(self._free.pop() for _ in range(need))
         return True
+
+
+# A first forward whose every request feeds at most this many tokens runs as a decode graph (a row a token: a
+# speculative one where a request feeds more than one); a longer catch-up (a new prompt) takes a prefill graph.
+SHORT_FEED = 4
+
+
+class DraftGraphs:
+    """The draft model's forwards on a GPU as captured CUDA graphs (flared.execution.graphs.GraphSet, greedy only):
+    a proposal's first forward as a speculative decode graph (each request's few unseen tokens a row each; every
+    row's K/V written before any row attends) or, with a long catch-up, a prefill graph; then each further depth
+    as a decode graph whose rows take the token their request drew at the depth before on the device (token id
+    -1), so every depth is launched behind the last with no host round trip, and one read-back at the end gives
+    every depth's tokens. A request's rows past its cap are padding there, so the pool is written only where its
+    pages reach."""
+
+    def __init__(self, model, *, num_pages: int, page_tokens: int, max_rows: int, max_context: int, max_depth: int,
+                 catch_up_tokens: int):
+        import torch
+
+        from flared.execution.graphs import ExecutionManifest, GraphSet
+        from flared.model.kernels import GREEDY
+
+        self.torch = torch
+        self.page_tokens = page_tokens
+        self.max_rows = max_rows
+        self.max_depth = max(1, max_depth)
+        pow2 = [1]
+        while pow2[-1] < max_rows:
+            pow2.append(pow2[-1] * 2)
+        spec = [2]
+        while spec[-1] < max_rows * SHORT_FEED:
+            spec.append(spec[-1] * 2)
+        self.spec_max = spec[-1]
+        # a catch-up feeds at most catch_up_tokens over the cohort, plus a token for each request past the budget
+        self.prefill_tokens = -(-(catch_up_tokens + max_rows) // 64) * 64
+        manifest = ExecutionManifest.build(
+            decode_batch_sizes=sorted(set(pow2) | set(spec)), prefill_token_sizes=(self.prefill_tokens,),
+            max_pages_per_sequence=-(-max_context // page_tokens) + 1,
+            prefill_batch_shapes=[(b, self.prefill_tokens) for b in pow2 if b > 1])
+        self.graphs = GraphSet(model, manifest, num_pages=num_pages, page_tokens=page_tokens,
+                               num_state_rows=max(self.spec_max, max_rows) + 1, spec_batch_sizes=spec,
+                               samplers=(GREEDY,))
+        self.decoder = self.graphs.decoder
+        self.stream = torch.cuda.Stream(device=model.device)
+        self.graphs.capture(self.stream)
+        self.manifest = manifest
+        # pinned frames laid out as the device inputs: the first forward's and one a further depth (each is copied
+        # while the launches before it run)
+        frame = manifest.total_bytes
+        self._frames = torch.zeros((self.max_depth, frame), dtype=torch.uint8, pin_memory=True)
+        self._views = [manifest.host_views(self._frames[i].numpy()) for i in range(self.max_depth)]
+        for v in self._views:
+            self._pad_all(v)
+        dev = model.device
+        self._tokens = torch.zeros((self.max_depth, max_rows), dtype=torch.int64, device=dev)
+        self._probs = torch.zeros((self.max_depth, max_rows), dtype=torch.float32, device=dev)
+        self._host_tokens = torch.zeros((self.max_depth, max_rows), dtype=torch.int64, pin_memory=True)
+        self._host_probs = torch.zeros((self.max_depth, max_rows), dtype=torch.float32, pin_memory=True)
+        first = manifest.span("token_ids")
+        last = manifest.span("lora_ids")
+        self._shared = (first.offset_bytes, last.offset_bytes + last.nbytes)
+
+    def _pad_all(self, v) -> None:
+        """Every row of ``v`` (host views of one frame) padding: scratch slots and page, no context, state row 0."""
+        dec = self.decoder
+        for p in ("", "decode_"):
+            v[p + "token_ids"][:] = 0
+            v[p + "positions"][:] = 0
+            v[p + "slot_ids"][:] = dec.scratch_slot
+            v[p + "state_rows"][:] = 0
+            v[p + "block_tables"][:] = dec.num_pages
+            v[p + "context_lens"][:] = 0
+            v[p + "top_p"][:] = 1.0
+            v[p + "min_p_log"][:] = float("-inf")
+            v[p + "shape_slot"][:] = -1
+        v["chunk_meta"][:] = 0
+        v["logit_rows"][:] = 0
+
+    def _upload(self, depth: int, lo: int, hi: int) -> None:
+        self.graphs.input_buffer[lo:hi].copy_(self._frames[depth, lo:hi], non_blocking=True)
+
+    def _launch(self, key) -> None:
+        self.graphs.graphs[key].replay()
+
+    def time_decode(self, rows: int, replays: int = 10) -> float:
+        """ns a greedy decode graph of ``rows`` rows takes (all padding: context 0)."""
+        torch = self.torch
+        key = self.graphs.pick_decode(rows, False, 0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            v = self._views[0]
+            self._pad_all(v)
+            lo, n = self.manifest.decode_upload(key[1])
+            self._upload(0, lo, lo + n)
+            self._launch(key)
+            start.record(self.stream)
+            for _ in range(replays):
+                self._launch(key)
+            end.record(self.stream)
+        end.synchronize()
+        return start.elapsed_time(end) * 1e6 / replays
+
+    def run(self, chunks, wants, caps, vocab_limit: int, p_min: float):
+        """Drafts for ``chunks`` (SequenceChunk, one a request): for chunk i where ``wants[i]`` up to ``caps[i]`` tokens
+        (fewer where the draft model gives its argmax less than ``p_min`` or draws past ``vocab_limit``). Returns
+        (drafts a chunk, forwards launched)."""
+        torch = self.torch
+        P = self.page_tokens
+        n = len(chunks)
+        short = all(len(c.token_ids) <= SHORT_FEED for c in chunks) and sum(len(c.token_ids) for c in chunks) <= self.spec_max
+        v = self._views[0]
+        live = [i for i in range(n) if wants[i]]
+        last_rows = {}  # chunk -> its logits row in the first forward; its state row is that + 1
+        with torch.cuda.stream(self.stream):
+            if short:
+                rows = 0
+                tok, pos, slot, st = v["decode_token_ids"], v["decode_positions"], v["decode_slot_ids"], v["decode_state_rows"]
+                tables, lens = v["decode_block_tables"], v["decode_context_lens"]
+                for i, c in enumerate(chunks):
+                    pages = np.asarray(c.page_ids, dtype=np.int64)
+                    for k, t in enumerate(c.token_ids):
+                        p_ = c.num_cached_tokens + k
+                        tok[rows], pos[rows] = t, p_
+                        slot[rows] = pages[p_ // P] * P + p_ % P
+                        st[rows], lens[rows] = rows + 1, p_ + 1
+                        tables[rows, :len(pages)] = pages
+                        tables[rows, len(pages):] = self.decoder.num_pages
+                        rows += 1
+                    last_rows[i] = rows - 1
+                if rows == n:  # a token each: a plain decode graph (the megakernel's, where it serves)
+                    key = self.graphs.pick_decode(rows, False, int(lens[:rows].max()))
+                else:
+                    key = self.graphs.pick_speculative(rows, False)
+                self._pad_decode(v, rows, key[1])
+                lo, nb = self.manifest.decode_upload(key[1])
+                self._upload(0, lo, lo + nb)
+            else:
+                tok, pos, slot = v["token_ids"], v["positions"], v["slot_ids"]
+                rows = 0
+                for i, c in enumerate(chunks):
+                    pages = np.asarray(c.page_ids, dtype=np.int64)
+                    k = len(c.token_ids)
+                    p_ = np.arange(c.num_cached_tokens, c.num_cached_tokens + k)
+                    tok[rows:rows + k] = c.token_ids
+                    pos[rows:rows + k] = p_
+                    slot[rows:rows + k] = pages[p_ // P] * P + p_ % P
+                    v["chunk_meta"][i] = (c.num_cached_tokens, k)
+                    v["logit_rows"][i] = rows + k - 1
+                    v["state_rows"][i] = i + 1
+                    v["block_tables"][i, :len(pages)] = pages
+                    v["block_tables"][i, len(pages):] = self.decoder.num_pages
+                    rows += k
+                    last_rows[i] = i
+                key = self.graphs.pick("prefill", rows, batch=n)
+                tok[rows:key[2]], pos[rows:key[2]], slot[rows:key[2]] = 0, 0, self.decoder.scratch_slot
+                v["chunk_meta"][n:key[1]] = 0
+                v["logit_rows"][n:key[1]] = 0
+                v["state_rows"][n:key[1]] = 0
+                self._upload(0, *self._shared)
+            self._launch(key)
+            m = len(live)
+            states = [last_rows[i] + 1 for i in live]  # each live request's state row (its last row's)
+            forwards = 1
+            if m:
+                idx = torch.as_tensor([last_rows[i] for i in live], dtype=torch.int64).to(self.decoder.device)
+                self._record(0, m, self.decoder.sampled.index_select(0, idx),
+                             self.decoder.logits.index_select(0, idx), vocab_limit, p_min)
+            deepest = max((caps[i] for i in live), default=0)
+            fed = [chunks[i].num_cached_tokens + len(chunks[i].token_ids) for i in live]
+            for depth in range(1, min(deepest, self.max_depth)):
+                w = self._views[depth]
+                key = self.graphs.pick_decode(m, False, max(fed) + depth)
+                for r, i in enumerate(live):
+                    if caps[i] > depth:  # the token drawn at the depth before, on the device
+                        c = chunks[i]
+                        pages = np.asarray(c.page_ids, dtype=np.int64)
+                        p_ = fed[r] + depth - 1
+                        w["decode_token_ids"][r], w["decode_positions"][r] = -1, p_
+                        w["decode_slot_ids"][r] = pages[p_ // P] * P + p_ % P
+                        w["decode_state_rows"][r], w["decode_context_lens"][r] = states[r], p_ + 1
+                        w["decode_block_tables"][r, :len(pages)] = pages
+                        w["decode_block_tables"][r, len(pages):] = self.decoder.num_pages
+                    else:
+                        self._pad_decode(w, r, r + 1)
+                self._pad_decode(w, m, key[1])
+                lo, nb = self.manifest.decode_upload(key[1])
+                self._upload(depth, lo, lo + nb)
+                self._launch(key)
+                self._record(depth, m, self.decoder.sampled[:m], self.decoder.logits[:m], vocab_limit, p_min)
+                forwards += 1
+            self._host_tokens[:forwards, :m].copy_(self._tokens[:forwards, :m], non_blocking=True)
+            self._host_probs[:forwards, :m].copy_(self._probs[:forwards, :m], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()
+        tokens = self._host_tokens[:forwards, :m].tolist()
+        probs = self._host_probs[:forwards, :m].tolist()
+        drafts = [[] for _ in range(n)]
+        for r, i in enumerate(live):
+            for depth in range(min(caps[i], forwards)):
+                t = tokens[depth][r]
+                if t >= vocab_limit or (p_min > 0 and probs[depth][r] < p_min):
+                    break
+                drafts[i].append(t)
+        return drafts, forwards
+
+    def _record(self, depth: int, m: int, tokens, logits, vocab_limit: int, p_min: float) -> None:
+        """The depth's tokens for the m live rows (what the graph drew: the argmax of ``logits`` [m, V]) and, with
+        ``p_min``, their probabilities over the served vocabulary, on the device."""
+        self._tokens[depth, :m].copy_(tokens)
+        if p_min > 0:
+            probs = self.torch.softmax(logits[:, :vocab_limit], dim=-1)
+            self._probs[depth, :m].copy_(probs.gather(1, tokens.clamp(max=vocab_limit - 1)[:, None])[:, 0])
+
+    def _pad_decode(self, v, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        v["decode_token_ids"][lo:hi] = 0
+        v["decode_positions"][lo:hi] = 0
+        v["decode_slot_ids"][lo:hi] = self.decoder.scratch_slot
+        v["decode_state_rows"][lo:hi] = 0
+        v["decode_context_lens"][lo:hi] = 0
+        v["decode_block_tables"][lo:hi] = self.decoder.num_pages

@@ -454,12 +454,14 @@ class GraphSet:
     """Device inputs, the paged decoder and its captured graphs (CUDA only)."""
 
     def __init__(self, model, manifest: ExecutionManifest, *, num_pages: int, page_tokens: int,
-                 num_state_rows: int, lora=None, spec_batch_sizes=(), kv_dtype=None):
+                 num_state_rows: int, lora=None, spec_batch_sizes=(), kv_dtype=None,
+                 samplers=(GREEDY, FULL, TEMPERATURE)):
         """``lora``: the per-request LoRA adapters (kernels/lora_rows.StackedLora) the decoder's graphs run for
         the rows that name one (``lora_ids``); None: none. ``spec_batch_sizes``: the row capacities of the
         speculative decode graphs (kind "decode_spec": a row per fed token, every row's K/V written before any row
         attends; speculative_batch_sizes), each of them also a decode capacity of ``manifest``; () = none.
-        ``kv_dtype``: the KV pool's element type (PagedCudaDecoder's; None: the model's)."""
+        ``kv_dtype``: the KV pool's element type (PagedCudaDecoder's; None: the model's). ``samplers``: the decode
+        graphs' sampler variants to capture (a draft model's greedy forwards need GREEDY alone)."""
         import torch
 
         from flared.model.kernels.paged_decoder import PagedCudaDecoder, StaticInputs
@@ -502,6 +504,7 @@ class GraphSet:
         if missing:
             raise ValueError(f"speculative capacities {sorted(missing)} are not decode capacities of the manifest")
         self.spec_batch_sizes = tuple(sorted(spec_batch_sizes))
+        self.samplers = tuple(samplers)
         # the decode graphs again, over decode_region_b (decode_execs(1))
         self.graphs_b: dict[tuple[str, int, int, bool], torch.cuda.CUDAGraph] = {}
         self.graph_execs_b: dict[tuple[str, int, int, bool], int] = {}
@@ -565,17 +568,17 @@ class GraphSet:
         m = self.manifest
         keys = [graph_key("prefill", b, t) for b, t in m.prefill_shapes]
         for b in m.decode_batch_sizes:
-            keys += [graph_key("decode", b, b, v) for v in (GREEDY, FULL, TEMPERATURE)]
+            keys += [graph_key("decode", b, b, v) for v in self.samplers]
             # Batches the decode megakernel serves (after calibrate) get a second set of graphs; the executor
             # takes them while the step's longest context is short enough (see pick_decode).
             if b <= self.decoder.mega_max_rows:
-                keys += [graph_key("decode_mega", b, b, v) for v in (GREEDY, FULL, TEMPERATURE)]
+                keys += [graph_key("decode_mega", b, b, v) for v in self.samplers]
             # With per-request LoRA adapters, a third pair adds their terms (the layered forward); steps with no
             # adapter row keep the graphs above, the fastest paths (pick_decode).
             if self.decoder.lora is not None:
-                keys += [graph_key("decode_lora", b, b, False), graph_key("decode_lora", b, b, True)]
+                keys += [graph_key("decode_lora", b, b, v) for v in (GREEDY, FULL) if v in self.samplers]
         for b in self.spec_batch_sizes:
-            keys += [graph_key("decode_spec", b, b, False), graph_key("decode_spec", b, b, True)]
+            keys += [graph_key("decode_spec", b, b, v) for v in (GREEDY, FULL) if v in self.samplers]
         # Largest first (token rows, then batch rows): later, smaller graphs reuse the pool's blocks.
         return sorted(keys, key=lambda k: (-k[2], -k[1], k[0], k[3]))
 

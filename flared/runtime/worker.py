@@ -596,7 +596,7 @@ class ModelRuntime:
                         "rejected draft")
             spec_tokens = 0
         if spec_tokens and self.draft_core is not None:
-            self.drafter = self._build_drafter(model.device, caps)
+            self.drafter = self._build_drafter(model.device, caps, spec_tokens, graphs=use_cuda)
             log.info("speculative decoding with the draft model %s: up to %d draft tokens a step (p_min %g)",
                      self.draft_core.manifest.model_name, spec_tokens, self.draft_p_min)
         elif spec_tokens:
@@ -613,10 +613,11 @@ class ModelRuntime:
                             initialize_state=bool(config.linear_layers), drafter=self.drafter),
             self.policy if self.policy is not None else PolicyConfig())
 
-    def _build_drafter(self, device, caps):
+    def _build_drafter(self, device, caps, spec_tokens: int, graphs: bool = False):
         """The draft model (flared.execution.drafter.DraftModel) on the served model's device: the draft core's
         weights as it is served alone there (a stored or GGUF core's quantised matrices kept on a CPU), its KV pool
-        no more tokens than the served model's (or draft_kv_tokens)."""
+        no more tokens than the served model's (or draft_kv_tokens); ``graphs``: its forwards as CUDA graphs (where
+        the served model runs on them), for every live request and ``spec_tokens`` drafts."""
         import torch
 
         from flared.execution.drafter import DraftModel
@@ -637,11 +638,12 @@ class ModelRuntime:
         if self.draft_kv_tokens is not None:
             pages = max(2, -(-self.draft_kv_tokens // caps.page_tokens) + 1)
         drafter = DraftModel(model, num_pages=pages, page_tokens=caps.page_tokens, max_context=caps.context_tokens,
-                             vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min)
+                             vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min, graphs=graphs,
+                             max_rows=caps.concurrency, max_depth=spec_tokens)
         drafter.warm_up(min(caps.concurrency, 16))
         a, b = drafter.forward_cost()
-        log.info("draft model %s: %d layers, %s%s, KV %d pages of %d tokens (%.1f MiB); a forward %.2f ms + %.3f ms "
-                 "a row", dm.model_name, config.num_layers, dm.dtype,
+        log.info("draft model %s: %d layers, %s%s%s, KV %d pages of %d tokens (%.1f MiB); a forward %.2f ms + %.3f ms "
+                 "a row", dm.model_name, config.num_layers, dm.dtype, ", CUDA graphs" if graphs else "",
                  f", products as {model.quantization}" if kept is not None else "", pages, caps.page_tokens,
                  drafter.num_bytes / 2**20, a / 1e6, b / 1e6)
         return drafter

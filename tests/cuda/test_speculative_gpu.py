@@ -193,16 +193,17 @@ def test_the_model_thread_speculates_on_the_gpu(tiny_hf_llama, tmp_path):
         rt.stop()
 
 
-def test_float32_drafts_from_a_draft_model_on_the_gpu_equal_plain_decoding(hf):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_float32_drafts_from_a_draft_model_on_the_gpu_equal_plain_decoding(hf, graphs):
     """SchedulerConfig(drafter=DraftModel) with the GraphExecutor: the served model drafting for itself (its draft
-    model eager on the GPU, not warmed up, so its first drafts run before anything prices them) gives plain
-    decoding's tokens, and the speculative graphs keep the drafts."""
+    model's forwards as CUDA graphs, or eager as under --enforce-eager; not warmed up, so its first drafts run before
+    anything prices them) gives plain decoding's tokens, and the speculative graphs keep the drafts."""
     from flared.execution.drafter import DraftModel
 
     gpu = serving_model(hf)
     plain = _plain(gpu, PROMPTS)
     drafter = DraftModel(serving_model(hf), num_pages=64, page_tokens=PAGE_TOKENS, max_context=CONTEXT,
-                         vocab_limit=gpu.config.vocab_size)
+                         vocab_limit=gpu.config.vocab_size, graphs=graphs, max_rows=4, max_depth=4)
     ex = make_executor(gpu, prefill_batch_shapes=BATCH_SHAPES, speculative=4)
     try:
         sched = _scheduler(ex.graph_shapes, max_rows=ex.spec_max_rows, drafter=drafter)
@@ -239,6 +240,7 @@ def test_the_model_thread_serves_a_draft_model_on_the_gpu(tiny_hf_llama, tmp_pat
             assert type(rt.executor).__name__ == "GraphExecutor"
             if draft:
                 assert rt.drafter.model.device.type == "cuda" and rt.drafter.forward_cost()[0] > 0
+                assert rt.drafter.graphs is not None  # its forwards as CUDA graphs, as the served model's
             reqs = [GenerateRequest(prompt, (), SamplingParams(max_tokens=32, temperature=0.0), frozenset()),
                     GenerateRequest(prompt[3:], (), SamplingParams(max_tokens=32, temperature=0.7, seed=2),
                                     frozenset())]
