@@ -637,9 +637,16 @@ class ModelRuntime:
         pages = min(caps.kv_pages, caps.concurrency * -(-caps.context_tokens // caps.page_tokens)) + 1
         if self.draft_kv_tokens is not None:
             pages = max(2, -(-self.draft_kv_tokens // caps.page_tokens) + 1)
-        drafter = DraftModel(model, num_pages=pages, page_tokens=caps.page_tokens, max_context=caps.context_tokens,
-                             vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min, graphs=graphs,
-                             max_rows=caps.concurrency, max_depth=spec_tokens)
+        args = dict(num_pages=pages, page_tokens=caps.page_tokens, max_context=caps.context_tokens,
+                    vocab_limit=self.core.config.vocab_size, p_min=self.draft_p_min)
+        try:
+            drafter = DraftModel(model, graphs=graphs, max_rows=caps.concurrency, max_depth=spec_tokens, **args)
+        except ExecutionError as exc:
+            if not graphs:
+                raise
+            log.warning("the draft model %s runs eagerly: its CUDA graphs failed (%s)", dm.model_name, exc)
+            graphs = False
+            drafter = DraftModel(model, graphs=False, **args)
         drafter.warm_up(min(caps.concurrency, 16))
         a, b = drafter.forward_cost()
         log.info("draft model %s: %d layers, %s%s%s, KV %d pages of %d tokens (%.1f MiB); a forward %.2f ms + %.3f ms "
