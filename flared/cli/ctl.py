@@ -53,14 +53,14 @@ def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", prog
 
 def capacity_options(fn):
     """The capacities the embedded model or a GGUF file or checkpoint served directly is exported with (export's
-    flags; vLLM's names for the first two too): a core of their own in the cache."""
+    flags; vLLM's and llama.cpp's names for the first two too): a core of their own in the cache."""
     fn = click.option("--kv-cache-mib", "kv_cache_mib", type=int, default=None,
                       help="Embedded model or a GGUF file / checkpoint served directly: its KV cache budget in MiB "
                            "(default 2048).")(fn)
-    fn = click.option("--concurrency", "--max-num-seqs", "concurrency", type=int, default=None,
+    fn = click.option("--concurrency", "--max-num-seqs", "--parallel", "-np", "concurrency", type=int, default=None,
                       help="Embedded model or a GGUF file / checkpoint served directly: its live request slots "
                            "(default 32, at most 64).")(fn)
-    return click.option("--context", "--max-model-len", "context", type=int, default=None,
+    return click.option("--context", "--max-model-len", "--ctx-size", "-c", "context", type=int, default=None,
                         help="Embedded model or a GGUF file / checkpoint served directly: its context limit in tokens "
                              "(default: the model's, at most 8192).")(fn)
 

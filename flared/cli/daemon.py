@@ -90,6 +90,8 @@ def main() -> None:
 
 @main.command()
 @click.argument("core", required=False)
+@click.option("--model", "-m", "model_option", default=None,
+              help="CORE as an option (vLLM's and llama.cpp's server's --model / -m).")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), default=None, help="TOML config file.")
 @click.option("--host", default=None, help="Address to bind (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Port to bind (default 8000; 0 = ephemeral).")
@@ -98,15 +100,32 @@ def main() -> None:
 @click.option("--queue-capacity", type=int, default=None, help="Requests that may wait beyond max-active.")
 @click.option("--max-active", type=int, default=None, help="Requests admitted at once (default: the core's concurrency).")
 @click.option("--frontend-workers", type=int, default=None, help="Template/tokenizer worker threads (default 2).")
-@click.option("--served-name", "served_names", multiple=True, help="Extra model name clients may use.")
+@click.option("--served-name", "--served-model-name", "--alias", "-a", "served_names", multiple=True,
+              help="Extra model name clients may use (repeatable; vLLM's --served-model-name, llama.cpp's --alias).")
 @click.option("--no-prefix-cache", is_flag=True, default=False, help="Disable prefix reuse.")
-@click.option("--threads", "torch_threads", type=int, default=None, help="CPU threads for the model.")
+@click.option("--threads", "-t", "torch_threads", type=int, default=None, help="CPU threads for the model.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Where exported cores are cached (the default model's, and those of a GGUF file or checkpoint "
                    "served directly).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
               help="The embedded default model, or a GGUF file or checkpoint served directly: the dtype to export it "
                    "in (auto: bfloat16 on a GPU or a CPU with native bfloat16, else float32).")
+@click.option("--tool-call-parser", "tool_parser", default=None,
+              help="The tool-call format to read from the model's output (the config's tool_parser: hermes, "
+                   "qwen3_coder, llama3_json, mistral, pythonic, harmony, ..., vLLM's names too; none; default auto: "
+                   "from the chat template's markers).")
+@click.option("--reasoning-parser", "reasoning_parser", default=None,
+              help="The reasoning format to split from the answer (the config's reasoning_parser: think, mistral, "
+                   "seed, harmony, ..., vLLM's names too such as deepseek_r1 or qwen3; none; default auto).")
+@click.option("--reasoning-format", "reasoning_format", type=click.Choice(["auto", "none", "deepseek",
+                                                                            "deepseek-legacy"]), default=None,
+              help="llama.cpp's server's flag: none leaves the reasoning in the content (--reasoning-parser none), "
+                   "deepseek splits <think> blocks out (think); auto (default): from the chat template.")
+@click.option("--enable-auto-tool-choice", is_flag=True, default=False,
+              help="Accepted for vLLM command lines: flared always lets the model call tools (tool_choice auto) "
+                   "where a tool-call format is known.")
+@click.option("--jinja", is_flag=True, default=False,
+              help="Accepted for llama.cpp's server's command lines: flared always renders Jinja chat templates.")
 @capacity_options
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=None)
 @click.option("--log-format", type=click.Choice(["auto", "plain", "journal"]), default=None,
@@ -168,19 +187,28 @@ def main() -> None:
               help="Images a request may carry: image=N or vLLM's JSON {\"image\": N} (default 8).")
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
-def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
+def run(core, model_option, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
         served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
         speculative_tokens, speculative_model, draft_kv_tokens, draft_p_min, prompt_lookup_max, prompt_lookup_min,
         allowed_media_domains, allowed_local_media_path,
-        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib):
+        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib,
+        tool_parser, reasoning_parser, reasoning_format, enable_auto_tool_choice, jinja):
     """Serve CORE: a core directory, a GGUF file or a Hugging Face checkpoint directory (exported once into the
     cache), or, omitted, the embedded default model."""
-    from flared.config import ServerConfig
+    from flared.config import ConfigError, ServerConfig
 
     try:
+        if model_option is not None:
+            if core is not None and core != model_option:
+                raise ConfigError(f"CORE {core!r} and --model {model_option!r} name different models: give one")
+            core = model_option
+        if reasoning_format is not None:
+            if reasoning_parser is not None:
+                raise ConfigError("give --reasoning-parser or llama.cpp's --reasoning-format, not both")
+            reasoning_parser = {"none": "none", "auto": "auto"}.get(reasoning_format, "think")
         config = ServerConfig.from_toml(config_path) if config_path else ServerConfig()
         overrides = {k: v for k, v in dict(
             host=host, port=port, port_file=port_file, api_key=api_key, queue_capacity=queue_capacity,
@@ -191,7 +219,8 @@ def run(core, config_path, host, port, port_file, api_key, queue_capacity, max_a
             prompt_lookup_min=prompt_lookup_min, draft_p_min=draft_p_min, draft_kv_tokens=draft_kv_tokens,
             max_loras=max_loras,
             max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager).items() if v is not None}
+            kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser).items() if v is not None}
         overrides.update(_quantization_override(quantization))
         if served_names:
             overrides["served_names"] = tuple(served_names)

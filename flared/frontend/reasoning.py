@@ -52,6 +52,9 @@ GEMMA4_THOUGHT = ReasoningFormat("gemma4", "<|channel>thought", "<channel|>", ne
 # Apertus: inner thoughts, <|inner_prefix|> ... <|inner_suffix|>
 APERTUS_INNER = ReasoningFormat("apertus", "<|inner_prefix|>", "<|inner_suffix|>", needs_special_tokens=True)
 FORMATS = {f.name: f for f in (THINK, MISTRAL_THINK, SEED_THINK, COHERE_THINK, HARMONY, GEMMA4_THOUGHT, APERTUS_INNER)}
+# vLLM's --reasoning-parser names for the formats above
+FORMATS.update({name: THINK for name in ("deepseek_r1", "deepseek_v3", "qwen3", "glm45", "minimax_m2")},
+               gpt_oss=HARMONY, seed_oss=SEED_THINK)
 
 
 def is_harmony_template(source: str) -> bool:

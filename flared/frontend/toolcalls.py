@@ -1734,6 +1734,8 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 # vLLM's names for Llama 4's: its JSON calls (Llama 3's, between <|python_start|> and <|python_end|>), its pythonic ones
 PARSERS.update(llama4_json=Llama3JsonToolParser, llama4_pythonic=PythonicToolParser)
+# vLLM's --tool-call-parser names for the families above: gpt-oss' (openai), DeepSeek V3's
+PARSERS.update(openai=HarmonyToolParser, deepseek_v3=DeepSeekToolParser)
 
 
 def tool_parser_for_template(source: str | None, override: str = "auto") -> type[ToolParser] | None:
