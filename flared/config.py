@@ -65,6 +65,9 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     # Names clients may use for the model, in addition to the core's own.
     served_names: tuple[str, ...] = ()
+    # The model's name in place of the core's (vLLM's --served-model-name): the /v1/models card's id; the core's
+    # own names stay usable. None: the core's.
+    served_model_name: str | None = None
     # Prefix cache on/off (off is for comparisons and debugging).
     prefix_cache: bool = True
     # CPU threads torch may use for the model (None: torch's default).
@@ -182,6 +185,8 @@ class ServerConfig:
              "must be a non-negative number of seconds")
         need(isinstance(self.served_names, tuple) and all(isinstance(n, str) and n for n in self.served_names),
              "served_names", "must be a list of nonempty strings")
+        need(self.served_model_name is None or (isinstance(self.served_model_name, str) and bool(self.served_model_name)),
+             "served_model_name", "must be a nonempty string")
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
         need(isinstance(self.runtime_lora_updating, bool), "runtime_lora_updating", "must be true or false")

@@ -100,8 +100,11 @@ def main() -> None:
 @click.option("--queue-capacity", type=int, default=None, help="Requests that may wait beyond max-active.")
 @click.option("--max-active", type=int, default=None, help="Requests admitted at once (default: the core's concurrency).")
 @click.option("--frontend-workers", type=int, default=None, help="Template/tokenizer worker threads (default 2).")
-@click.option("--served-name", "--served-model-name", "--alias", "-a", "served_names", multiple=True,
-              help="Extra model name clients may use (repeatable; vLLM's --served-model-name, llama.cpp's --alias).")
+@click.option("--served-name", "--alias", "-a", "served_names", multiple=True,
+              help="Extra model name clients may use (repeatable; llama.cpp's --alias).")
+@click.option("--served-model-name", "served_model_names", multiple=True,
+              help="The model's name in place of the core's, as vLLM's flag: the /v1/models card's id (repeated: "
+                   "the first; the rest as --served-name); the core's own names stay usable.")
 @click.option("--no-prefix-cache", is_flag=True, default=False, help="Disable prefix reuse.")
 @click.option("--threads", "-t", "torch_threads", type=int, default=None, help="CPU threads for the model.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -188,7 +191,7 @@ def main() -> None:
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, model_option, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
-        served_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
+        served_names, served_model_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
@@ -222,8 +225,10 @@ def run(core, model_option, config_path, host, port, port_file, api_key, queue_c
             kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, tool_parser=tool_parser,
             reasoning_parser=reasoning_parser).items() if v is not None}
         overrides.update(_quantization_override(quantization))
-        if served_names:
-            overrides["served_names"] = tuple(served_names)
+        if served_names or served_model_names[1:]:
+            overrides["served_names"] = (*served_model_names[1:], *served_names)
+        if served_model_names:
+            overrides["served_model_name"] = served_model_names[0]
         if allowed_origins is not None:
             overrides["cors_allow_origins"] = tuple(o.strip() for o in allowed_origins.split(",") if o.strip())
         if no_prefix_cache:

@@ -136,8 +136,10 @@ class LoadedSession:
         progress.report("opening core", str(core_path))
         core = open_core(core_path)
         m = core.manifest
-        if config.served_names:
-            m = dataclasses.replace(m, served_names=tuple(dict.fromkeys((*m.served_names, *config.served_names))))
+        if config.served_names or config.served_model_name:  # (the first name is the model's: its card's id)
+            first = (config.served_model_name,) if config.served_model_name else ()
+            m = dataclasses.replace(m, served_names=tuple(dict.fromkeys(
+                (*first, *m.served_names, *config.served_names))))
             core = dataclasses.replace(core, manifest=m)
         from flared.server.openai_routes import names_served_model
 

@@ -29,9 +29,11 @@ def test_vllm_and_llamacpp_flags_serve_the_model_by_its_aliases_with_the_named_t
                "--jinja")
     try:
         client = openai.OpenAI(base_url=d.base + "/v1", api_key="unused", max_retries=0)
-        (own,) = [m.id for m in client.models.list().data]
-        for name in ("alias-one", "alias-two"):  # (each names the model, whose card says its own name)
-            assert client.models.retrieve(name).id == own
+        # --served-model-name renames the model, as vLLM's does: the card's id; every other name still reaches it
+        (card,) = client.models.list().data
+        assert card.id == "alias-one"
+        for name in ("alias-two", "tiny", card.root):
+            assert client.models.retrieve(name).id == "alias-one"
         r = client.chat.completions.create(model="alias-two", messages=messages, tools=TOOLS, max_tokens=8,
                                            temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
@@ -52,6 +54,8 @@ def test_vllm_parser_names_are_the_families_they_name():
     assert ServerConfig(tool_parser="openai", reasoning_parser="deepseek_r1").reasoning_parser == "deepseek_r1"
     with pytest.raises(ConfigError, match="tool_parser"):
         ServerConfig(tool_parser="nonesuch")
+    with pytest.raises(ConfigError, match="served_model_name"):
+        ServerConfig(served_model_name="")
 
 
 def test_conflicting_or_unknown_compat_flags_are_refused_before_loading():
