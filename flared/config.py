@@ -185,8 +185,8 @@ class ServerConfig:
              "must be a non-negative number of seconds")
         need(isinstance(self.served_names, tuple) and all(isinstance(n, str) and n for n in self.served_names),
              "served_names", "must be a list of nonempty strings")
-        need(self.served_model_name is None or (isinstance(self.served_model_name, str) and bool(self.served_model_name)),
-             "served_model_name", "must be a nonempty string")
+        name = self.served_model_name
+        need(name is None or (isinstance(name, str) and bool(name)), "served_model_name", "must be a nonempty string")
         need(isinstance(self.prefix_cache, bool), "prefix_cache", "must be true or false")
         need(isinstance(self.web_ui, bool), "web_ui", "must be true or false")
         need(isinstance(self.runtime_lora_updating, bool), "runtime_lora_updating", "must be true or false")

@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     capture_s = time.perf_counter() - t
     eager = DraftModel(model, graphs=False, **kw)
     print(f"{args.shape} draft model, bf16, depth {args.depth}: graphs captured in {capture_s:.1f} s")
-    print(f"{'rows':>5} {'eager ms':>9} {'graphs ms':>9} {'eager/graphs':>12} {'graphs ms a forward':>19} {'same drafts':>11}")
+    print(f"{'rows':>5} {'eager ms':>9} {'graphs ms':>9} {'eager/graphs':>12} {'graphs ms a forward':>19} "
+          f"{'same drafts':>11}")
     result = {"shape": args.shape, "depth": args.depth, "capture_s": round(capture_s, 2), "rows": {}}
     for rows in rows_list:
         e_ms, e_out = proposals_ms(eager, rows, args.depth, args.rounds, vocab)

@@ -31,9 +31,9 @@ def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", prog
                  capacities: dict[str, int] | None = None, stored: str | None = None) -> Path:
     """A core path; ``default`` for the embedded model; a GGUF file or a Hugging Face checkpoint directory for its
     core in the cache (flared/core/sources.py). The last two are exported on first use, in ``dtype`` (``progress``
-    hears how it goes), with ``capacities`` (export's --context, --concurrency, --kv-cache-mib) where given and
-    their layer matrices stored as ``stored`` (export's --quantization) where it names one; a core's own were fixed
-    when it was exported."""
+    hears how it goes), with ``capacities`` (export's --context, --concurrency, --kv-cache-mib, --prefill-chunk)
+    where given and their layer matrices stored as ``stored`` (export's --quantization) where it names one; a core's
+    own were fixed when it was exported."""
     capacities = {k: v for k, v in (capacities or {}).items() if v is not None}
     if core == "default":
         from flared.core.default import ensure_default_core
@@ -53,7 +53,12 @@ def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", prog
 
 def capacity_options(fn):
     """The capacities the embedded model or a GGUF file or checkpoint served directly is exported with (export's
-    flags; vLLM's and llama.cpp's names for the first two too): a core of their own in the cache."""
+    flags; vLLM's and llama.cpp's names too): a core of their own in the cache."""
+    fn = click.option("--prefill-chunk", "--max-num-batched-tokens", "--ubatch-size", "-ub", "prefill_chunk",
+                      type=int, default=None,
+                      help="Embedded model or a GGUF file / checkpoint served directly: the most prompt tokens a "
+                           "step takes, a multiple of 64 (default 512; vLLM's --max-num-batched-tokens, llama.cpp's "
+                           "--ubatch-size).")(fn)
     fn = click.option("--kv-cache-mib", "kv_cache_mib", type=int, default=None,
                       help="Embedded model or a GGUF file / checkpoint served directly: its KV cache budget in MiB "
                            "(default 2048).")(fn)
@@ -134,7 +139,7 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
                    "(default: as the core is; a GGUF file on the CPU, as gguf; a quantised checkpoint on the CPU, "
                    "q4_1 or q8_0 by its bits).")
 def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed, as_json, cache_dir, quantization,
-             context, concurrency, kv_cache_mib):
+             context, concurrency, kv_cache_mib, prefill_chunk):
     """One-shot local generation on CORE (a core directory, 'default', a GGUF file or a Hugging Face checkpoint
     directory)."""
     from flared.runtime.oneshot import OneShot
@@ -166,7 +171,8 @@ def generate(core, prompt, messages, max_tokens, temperature, top_p, top_k, seed
             quantization = None
         # (the embedded model or a source in bfloat16 where its weights are to be quantised: that takes a bf16 core)
         # (a source kept at its bits: its cached core stores the matrices so, and they load as they are)
-        capacities = {"context": context, "concurrency": concurrency, "kv_cache_mib": kv_cache_mib}
+        capacities = {"context": context, "concurrency": concurrency, "kv_cache_mib": kv_cache_mib,
+                      "prefill_chunk": prefill_chunk}
         path = resolve_core(core, cache_dir, "bfloat16" if quantization else "float32", capacities=capacities,
                             stored=quantization if stored else None)
         engine = OneShot.open(path, quantization=None if stored else quantization)

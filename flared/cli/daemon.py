@@ -191,13 +191,14 @@ def main() -> None:
 @click.option("--debug-fail-after-steps", type=int, default=None, hidden=True,
               help="Fault injection for tests: the model thread fails after N steps.")
 def run(core, model_option, config_path, host, port, port_file, api_key, queue_capacity, max_active, frontend_workers,
-        served_names, served_model_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format, api_key_file,
+        served_names, served_model_names, no_prefix_cache, torch_threads, cache_dir, dtype, log_level, log_format,
+        api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
         max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
         speculative_tokens, speculative_model, draft_kv_tokens, draft_p_min, prompt_lookup_max, prompt_lookup_min,
         allowed_media_domains, allowed_local_media_path,
-        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib,
+        no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib, prefill_chunk,
         tool_parser, reasoning_parser, reasoning_format, enable_auto_tool_choice, jinja):
     """Serve CORE: a core directory, a GGUF file or a Hugging Face checkpoint directory (exported once into the
     cache), or, omitted, the embedded default model."""
@@ -266,7 +267,8 @@ def run(core, model_option, config_path, host, port, port_file, api_key, queue_c
     configure_logging(config.log_level, config.log_format)
     dashboard = not no_dashboard and sys.stderr.isatty()
     try:
-        capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib)
+        capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib,
+                          prefill_chunk=prefill_chunk)
         core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
         draft = speculative_model or config.speculative_model
         if draft is not None:  # (a GGUF or checkpoint exported once into the cache, as CORE is)
@@ -382,7 +384,8 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities:
 @_lora_options
 @_quantization_option
 def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
-              cache_dir, dtype, context, concurrency, kv_cache_mib, log_level, lora, lora_scaled, lora_modules,
+              cache_dir, dtype, context, concurrency, kv_cache_mib, prefill_chunk, log_level, lora, lora_scaled,
+              lora_modules,
               quantization):
     """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results. CORE
     is as `flared run` takes it.
@@ -415,7 +418,8 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
     try:
         from flared.runtime.session import LoadedSession
 
-        capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib)
+        capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib,
+                          prefill_chunk=prefill_chunk)
         core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
         session = LoadedSession.load(core_path, config)
         code = asyncio.run(_run_batch_async(session, data, output_path))

@@ -79,7 +79,7 @@ def preferred_dtype() -> str:
 
 def ensure_default_core(cache_dir: Path, dtype: str = "float32", capacities: dict[str, int] | None = None) -> Path:
     """Return the default core's path, exporting it first if needed (dtype "auto": ``preferred_dtype()``;
-    ``capacities``: export's --context / --concurrency / --kv-cache-mib, a core of their own)."""
+    ``capacities``: export's --context / --concurrency / --kv-cache-mib / --prefill-chunk, a core of their own)."""
     from flared.core.sources import capacity_args, capacity_suffix
 
     if dtype == "auto":

@@ -67,7 +67,7 @@ def source_core_dir(source: Path, cache_dir: Path, dtype: str, capacities: dict[
 
 # The capacities a core served from the cache may be exported with: `flared run`'s options, `flarectl export`'s
 # flags of the same names
-CAPACITIES = ("context", "concurrency", "kv_cache_mib")
+CAPACITIES = ("context", "concurrency", "kv_cache_mib", "prefill_chunk")
 
 
 def capacity_suffix(capacities: dict[str, int] | None) -> str:

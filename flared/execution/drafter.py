@@ -385,14 +385,16 @@ class DraftGraphs:
         torch = self.torch
         P = self.page_tokens
         n = len(chunks)
-        short = all(len(c.token_ids) <= SHORT_FEED for c in chunks) and sum(len(c.token_ids) for c in chunks) <= self.spec_max
+        short = (all(len(c.token_ids) <= SHORT_FEED for c in chunks)
+                 and sum(len(c.token_ids) for c in chunks) <= self.spec_max)
         v = self._views[0]
         live = [i for i in range(n) if wants[i]]
         last_rows = {}  # chunk -> its logits row in the first forward; its state row is that + 1
         with torch.cuda.stream(self.stream):
             if short:
                 rows = 0
-                tok, pos, slot, st = v["decode_token_ids"], v["decode_positions"], v["decode_slot_ids"], v["decode_state_rows"]
+                tok, pos = v["decode_token_ids"], v["decode_positions"]
+                slot, st = v["decode_slot_ids"], v["decode_state_rows"]
                 tables, lens = v["decode_block_tables"], v["decode_context_lens"]
                 for i, c in enumerate(chunks):
                     pages = np.asarray(c.page_ids, dtype=np.int64)

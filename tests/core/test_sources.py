@@ -105,8 +105,9 @@ def test_a_gguf_served_directly_on_the_cpu_keeps_its_bits(default_gguf, start_da
 
 
 def test_capacities_asked_for_make_a_core_of_their_own(tiny_hf_llama, tiny_core, start_daemon, tmp_path):
-    """`flared run SOURCE --max-model-len N --max-num-seqs M` (vLLM's names; --context, --concurrency) exports the
-    source with those capacities, a core of their own beside the defaults'; a core's were fixed at export."""
+    """`flared run SOURCE --max-model-len N --max-num-seqs M --max-num-batched-tokens P` (vLLM's names; --context,
+    --concurrency, --prefill-chunk) exports the source with those capacities, a core of their own beside the
+    defaults'; a core's were fixed at export."""
     import subprocess
     import sys
 
@@ -115,12 +116,12 @@ def test_capacities_asked_for_make_a_core_of_their_own(tiny_hf_llama, tiny_core,
 
     cache = tmp_path / "cache"
     daemon = start_daemon(tiny_hf_llama, "--cache-dir", str(cache), "--dtype", "float32", "--max-model-len", "128",
-                          "--max-num-seqs", "2")
+                          "--max-num-seqs", "2", "--max-num-batched-tokens", "64")
     [model] = daemon.request("GET", "/v1/models")[1]["data"]
     assert model["max_model_len"] == 128
-    core = source_core_dir(tiny_hf_llama, cache, "float32", {"context": 128, "concurrency": 2})
+    core = source_core_dir(tiny_hf_llama, cache, "float32", {"context": 128, "concurrency": 2, "prefill_chunk": 64})
     caps = read_manifest(core).capacities
-    assert (caps.context_tokens, caps.concurrency) == (128, 2)
+    assert (caps.context_tokens, caps.concurrency, caps.prefill_chunk_tokens) == (128, 2, 64)
     status, body = daemon.request("POST", "/v1/completions", {"model": "tiny", "prompt": "hi " * 200, "max_tokens": 2})
     assert status == 400, body  # (past the 128-token context)
     proc = subprocess.run([sys.executable, "-m", "flared.cli.daemon", "run", str(tiny_core), "--context", "64",

@@ -78,10 +78,11 @@ def test_llamacpp_capacity_names():
 
     @click.command()
     @capacity_options
-    def show(context, concurrency, kv_cache_mib):
-        click.echo(f"{context} {concurrency} {kv_cache_mib}")
+    def show(context, concurrency, kv_cache_mib, prefill_chunk):
+        click.echo(f"{context} {concurrency} {kv_cache_mib} {prefill_chunk}")
 
-    out = CliRunner().invoke(show, ["-c", "512", "-np", "4"])
-    assert out.exit_code == 0 and out.output.split() == ["512", "4", "None"]
-    out = CliRunner().invoke(show, ["--ctx-size", "1024", "--parallel", "8", "--max-model-len", "2048"])
-    assert out.exit_code == 0 and out.output.split() == ["2048", "8", "None"]
+    out = CliRunner().invoke(show, ["-c", "512", "-np", "4", "-ub", "256"])
+    assert out.exit_code == 0 and out.output.split() == ["512", "4", "None", "256"]
+    out = CliRunner().invoke(show, ["--ctx-size", "1024", "--parallel", "8", "--max-model-len", "2048",
+                                    "--ubatch-size", "128", "--max-num-batched-tokens", "1024"])
+    assert out.exit_code == 0 and out.output.split() == ["2048", "8", "None", "1024"]
