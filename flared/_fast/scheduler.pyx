@@ -949,7 +949,6 @@ cdef class RequestScheduler:
         chosen so far. Without a fit (the tokens fed have not varied yet), or where a token costs nothing, every
         draft stays, except a draft model's: those are priced against the step's estimate with rows free (none
         before there is one). ``p.priced_out`` gets the number left out."""
-        fit = self.row_cost.fit()
         draft_fit = self._drafter.forward_cost() if drafting is not None and any(drafting) else None
         if draft_fit is not None:
             # A draft model's cost is known from its warm-up, so its first drafts are priced too, against the step's
@@ -958,8 +957,10 @@ cdef class RequestScheduler:
             fit = self._step_cost(p)
             if fit is None:
                 return [0 if drafting[i] else counts[i] for i in range(len(counts))]
-        elif fit is None or fit[1] <= 0:
-            return list(counts)
+        else:
+            fit = self.row_cost.fit()
+            if fit is None or fit[1] <= 0:
+                return list(counts)
         cdef double a = fit[0], b = fit[1], da = 0.0, db = 0.0
         if draft_fit is not None:
             da, db = max(draft_fit[0], 0.0), max(draft_fit[1], 0.0)
