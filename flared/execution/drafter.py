@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flared.execution.graphs import ExecutionManifest, GraphSet, pack_decode, pack_prefill
 from flared.model.batch import ForwardBatch, SequenceChunk
+from flared.model.kernels import GREEDY
 from flared.scheduler import RowCost
 
 log = logging.getLogger("flared.drafter")
@@ -142,7 +144,7 @@ class DraftModel:
         drafts: list[list[int]] = [[] for _ in range(n)]
         P = self.page_tokens
         budget = self.catch_up_tokens
-        chunks, owners, ends = [], [], []
+        chunks, owners = [], []  # owners: (request index, its cap; 0: a catch-up that drafts nothing yet)
         for i in range(n):
             seq = np.asarray(sequences[i], dtype=np.int64)
             L = seq.shape[0]
@@ -168,25 +170,23 @@ class DraftModel:
                 continue
             budget -= end - kept
             chunks.append(SequenceChunk(seq[kept:end], kept, d.pages, needs_logits=wants))
-            owners.append((i, wants))
-            ends.append(seq[kept:end])
+            owners.append((i, cap if wants else 0))
             self.counters["caught_up"] += end - kept - 1 if wants else end - kept
             if not wants:
                 d.fed = seq[:end].copy()
         if not chunks:
             return [()] * n, 0
         if self.graphs is not None:
-            return self._propose_graphs(handles, caps, drafts, chunks, owners, ends)
+            return self._propose_graphs(handles, drafts, chunks, owners)
         depth = 0
         picked = self._forward(chunks)
         live = []  # (request index, its cap) still drafting
         row = 0
-        for (i, wants), fed in zip(owners, ends):
-            if not wants:
+        for (i, cap), chunk in zip(owners, chunks):
+            if not cap:
                 continue
             d = self._drafts[handles[i]]
-            d.fed = np.concatenate([d.fed, fed])
-            cap = min(int(caps[i]), self.max_context - d.fed.shape[0])
+            d.fed = np.concatenate([d.fed, chunk.token_ids])
             token = picked[row]
             row += 1
             if token is not None:
@@ -213,27 +213,23 @@ class DraftModel:
         self.counters["drafted"] += sum(len(x) for x in drafts)
         return [tuple(x) for x in drafts], depth
 
-    def _propose_graphs(self, handles, caps, drafts, chunks, owners, ends):
+    def _propose_graphs(self, handles, drafts, chunks, owners):
         """propose's drafting through DraftGraphs: every depth launched at once, the tokens read back once."""
-        wants, limits = [], []
-        for (i, want), fed in zip(owners, ends):
-            wants.append(want)
-            d = self._drafts[handles[i]]
-            limits.append(min(int(caps[i]), self.max_context - d.fed.shape[0] - fed.shape[0]) if want else 0)
+        caps = [cap for _, cap in owners]
         started = time.perf_counter_ns()
-        got, forwards = self.graphs.run(chunks, wants, limits, self.vocab_limit, self.p_min)
+        got, forwards = self.graphs.run(chunks, caps, self.vocab_limit, self.p_min)
         elapsed = time.perf_counter_ns() - started
         self.counters["forwards"] += forwards
-        live = sum(1 for x in limits if x > 0)
+        live = sum(1 for cap in caps if cap)
         if live and all(len(c.token_ids) <= SHORT_FEED for c in chunks):  # (a prefill's catch-up would skew the fit)
             self.cost.observe(live, elapsed / forwards)
-        for (i, want), fed, tokens in zip(owners, ends, got):
-            if not want:
+        for (i, cap), chunk, tokens in zip(owners, chunks, got):
+            if not cap:
                 continue
             d = self._drafts[handles[i]]
             # fed: the step's tokens, then each draft but the last (a draft past one cut by p_min, though drafted
             # and written, is not kept: the next proposal writes over it)
-            d.fed = np.concatenate([d.fed, fed, np.asarray(tokens[:-1], dtype=np.int64)])
+            d.fed = np.concatenate([d.fed, chunk.token_ids, np.asarray(tokens[:-1], dtype=np.int64)])
             drafts[i] = tokens
         self.counters["drafted"] += sum(len(x) for x in drafts)
         return [tuple(x) for x in drafts], forwards if any(drafts) else 0
@@ -282,23 +278,37 @@ class DraftModel:
 SHORT_FEED = 4
 
 
+@dataclass
+class _Rows:
+    """Rows of a draft forward as graphs.pack_decode and pack_prefill read a scheduler plan."""
+    num_participants: int
+    token_starts: np.ndarray  # each participant's first position
+    token_offsets: np.ndarray  # its first row
+    token_ids: np.ndarray  # -1: what its state row drew last, read on the device
+    state_rows: np.ndarray
+    num_tokens: np.ndarray | None = None  # its rows (a prefill's)
+
+    @classmethod
+    def decode(cls, positions, tokens, state_rows) -> _Rows:
+        """A token a row."""
+        n = len(positions)
+        return cls(num_participants=n, token_starts=np.asarray(positions, dtype=np.int64),
+                   token_offsets=np.arange(n + 1), token_ids=np.asarray(tokens, dtype=np.int64),
+                   state_rows=np.asarray(state_rows, dtype=np.int64))
+
+
 class DraftGraphs:
     """The draft model's forwards on a GPU as captured CUDA graphs (flared.execution.graphs.GraphSet, greedy only):
-    a proposal's first forward as a speculative decode graph (each request's few unseen tokens a row each; every
-    row's K/V written before any row attends) or, with a long catch-up, a prefill graph; then each further depth
-    as a decode graph whose rows take the token their request drew at the depth before on the device (token id
-    -1), so every depth is launched behind the last with no host round trip, and one read-back at the end gives
-    every depth's tokens. A request's rows past its cap are padding there, so the pool is written only where its
-    pages reach."""
+    a proposal's first forward as a decode graph (a token a request) or a speculative decode graph (each request's
+    few unseen tokens a row each; every row's K/V written before any row attends) or, with a long catch-up, a
+    prefill graph; then each further depth as a decode graph whose rows take the token their request drew at the
+    depth before on the device (token id -1), so every depth is launched behind the last with no host round trip,
+    and one read-back at the end gives every depth's tokens. A depth's rows are the requests whose cap reaches it,
+    so the pool is written only where their pages reach. The inputs are packed as the executor packs a plan's
+    (graphs.pack_decode, pack_prefill)."""
 
     def __init__(self, model, *, num_pages: int, page_tokens: int, max_rows: int, max_context: int, max_depth: int,
                  catch_up_tokens: int):
-        import torch
-
-        from flared.execution.graphs import ExecutionManifest, GraphSet
-        from flared.model.kernels import GREEDY
-
-        self.torch = torch
         self.page_tokens = page_tokens
         self.max_rows = max_rows
         self.max_depth = max(1, max_depth)
@@ -328,7 +338,7 @@ class DraftGraphs:
         self._frames = torch.zeros((self.max_depth, frame), dtype=torch.uint8, pin_memory=True)
         self._views = [manifest.host_views(self._frames[i].numpy()) for i in range(self.max_depth)]
         for v in self._views:
-            self._pad_all(v)
+            self._sampler_defaults(v)
         dev = model.device
         self._tokens = torch.zeros((self.max_depth, max_rows), dtype=torch.int64, device=dev)
         self._probs = torch.zeros((self.max_depth, max_rows), dtype=torch.float32, device=dev)
@@ -338,21 +348,14 @@ class DraftGraphs:
         last = manifest.span("lora_ids")
         self._shared = (first.offset_bytes, last.offset_bytes + last.nbytes)
 
-    def _pad_all(self, v) -> None:
-        """Every row of ``v`` (host views of one frame) padding: scratch slots and page, no context, state row 0."""
-        dec = self.decoder
+    def _sampler_defaults(self, v) -> None:
+        """The sampler inputs of ``v`` (host views of one frame) left as a greedy draw reads them (the prefill graphs
+        draw fully: temperature 0, no top-p, min-p or shaping); the rest every launch packs (pack_decode and
+        pack_prefill pad the rows past the draft's)."""
         for p in ("", "decode_"):
-            v[p + "token_ids"][:] = 0
-            v[p + "positions"][:] = 0
-            v[p + "slot_ids"][:] = dec.scratch_slot
-            v[p + "state_rows"][:] = 0
-            v[p + "block_tables"][:] = dec.num_pages
-            v[p + "context_lens"][:] = 0
             v[p + "top_p"][:] = 1.0
             v[p + "min_p_log"][:] = float("-inf")
             v[p + "shape_slot"][:] = -1
-        v["chunk_meta"][:] = 0
-        v["logit_rows"][:] = 0
 
     def _upload(self, depth: int, lo: int, hi: int) -> None:
         self.graphs.input_buffer[lo:hi].copy_(self._frames[depth, lo:hi], non_blocking=True)
@@ -362,14 +365,10 @@ class DraftGraphs:
 
     def time_decode(self, rows: int, replays: int = 10) -> float:
         """ns a greedy decode graph of ``rows`` rows takes (all padding: context 0)."""
-        torch = self.torch
         key = self.graphs.pick_decode(rows, False, 0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            v = self._views[0]
-            self._pad_all(v)
-            lo, n = self.manifest.decode_upload(key[1])
-            self._upload(0, lo, lo + n)
+            self._pack_decode(0, _Rows.decode([], [], []), [], key[1])  # every row padding
             self._launch(key)
             start.record(self.stream)
             for _ in range(replays):
@@ -378,95 +377,54 @@ class DraftGraphs:
         end.synchronize()
         return start.elapsed_time(end) * 1e6 / replays
 
-    def run(self, chunks, wants, caps, vocab_limit: int, p_min: float):
-        """Drafts for ``chunks`` (SequenceChunk, one a request): for chunk i where ``wants[i]`` up to ``caps[i]`` tokens
-        (fewer where the draft model gives its argmax less than ``p_min`` or draws past ``vocab_limit``). Returns
-        (drafts a chunk, forwards launched)."""
-        torch = self.torch
-        P = self.page_tokens
+    def run(self, chunks, caps, vocab_limit: int, p_min: float):
+        """Drafts for ``chunks`` (SequenceChunk, one a request): up to ``caps[i]`` tokens for chunk i (0: it only
+        feeds; fewer where the draft model gives its argmax less than ``p_min`` or draws past ``vocab_limit``).
+        Returns (drafts a chunk, forwards launched)."""
         n = len(chunks)
-        short = (all(len(c.token_ids) <= SHORT_FEED for c in chunks)
-                 and sum(len(c.token_ids) for c in chunks) <= self.spec_max)
-        v = self._views[0]
-        live = [i for i in range(n) if wants[i]]
-        last_rows = {}  # chunk -> its logits row in the first forward; its state row is that + 1
+        sizes = [len(c.token_ids) for c in chunks]
+        # the live requests, deepest cap first: a depth's rows are then a prefix of them
+        live = sorted((i for i in range(n) if caps[i]), key=lambda i: -caps[i])
         with torch.cuda.stream(self.stream):
-            if short:
-                rows = 0
-                tok, pos = v["decode_token_ids"], v["decode_positions"]
-                slot, st = v["decode_slot_ids"], v["decode_state_rows"]
-                tables, lens = v["decode_block_tables"], v["decode_context_lens"]
-                for i, c in enumerate(chunks):
-                    pages = np.asarray(c.page_ids, dtype=np.int64)
-                    for k, t in enumerate(c.token_ids):
-                        p_ = c.num_cached_tokens + k
-                        tok[rows], pos[rows] = t, p_
-                        slot[rows] = pages[p_ // P] * P + p_ % P
-                        st[rows], lens[rows] = rows + 1, p_ + 1
-                        tables[rows, :len(pages)] = pages
-                        tables[rows, len(pages):] = self.decoder.num_pages
-                        rows += 1
-                    last_rows[i] = rows - 1
-                if rows == n:  # a token each: a plain decode graph (the megakernel's, where it serves)
-                    key = self.graphs.pick_decode(rows, False, int(lens[:rows].max()))
+            if max(sizes) <= SHORT_FEED and sum(sizes) <= self.spec_max:  # a row a token, its own state row
+                positions = [c.num_cached_tokens + k for c in chunks for k in range(len(c.token_ids))]
+                rows = _Rows.decode(positions, [t for c in chunks for t in c.token_ids],
+                                    range(1, len(positions) + 1))
+                tables = [c.page_ids for c, k in zip(chunks, sizes) for _ in range(k)]
+                last = np.cumsum(sizes) - 1  # each request's logits row (its state row is that + 1)
+                if len(positions) == n:  # a token each: a plain decode graph (the megakernel's, where it serves)
+                    key = self.graphs.pick_decode(n, False, max(positions) + 1)
                 else:
-                    key = self.graphs.pick_speculative(rows, False)
-                self._pad_decode(v, rows, key[1])
-                lo, nb = self.manifest.decode_upload(key[1])
-                self._upload(0, lo, lo + nb)
+                    key = self.graphs.pick_speculative(len(positions), False)
+                self._pack_decode(0, rows, tables, key[1])
             else:
-                tok, pos, slot = v["token_ids"], v["positions"], v["slot_ids"]
-                rows = 0
-                for i, c in enumerate(chunks):
-                    pages = np.asarray(c.page_ids, dtype=np.int64)
-                    k = len(c.token_ids)
-                    p_ = np.arange(c.num_cached_tokens, c.num_cached_tokens + k)
-                    tok[rows:rows + k] = c.token_ids
-                    pos[rows:rows + k] = p_
-                    slot[rows:rows + k] = pages[p_ // P] * P + p_ % P
-                    v["chunk_meta"][i] = (c.num_cached_tokens, k)
-                    v["logit_rows"][i] = rows + k - 1
-                    v["state_rows"][i] = i + 1
-                    v["block_tables"][i, :len(pages)] = pages
-                    v["block_tables"][i, len(pages):] = self.decoder.num_pages
-                    rows += k
-                    last_rows[i] = i
-                key = self.graphs.pick("prefill", rows, batch=n)
-                tok[rows:key[2]], pos[rows:key[2]], slot[rows:key[2]] = 0, 0, self.decoder.scratch_slot
-                v["chunk_meta"][n:key[1]] = 0
-                v["logit_rows"][n:key[1]] = 0
-                v["state_rows"][n:key[1]] = 0
+                key = self.graphs.pick("prefill", sum(sizes), batch=n)
+                rows = _Rows(num_participants=n, token_starts=[c.num_cached_tokens for c in chunks],
+                             num_tokens=sizes, token_offsets=np.concatenate([[0], np.cumsum(sizes)]),
+                             token_ids=np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in chunks]),
+                             state_rows=np.arange(1, n + 1))
+                pack_prefill(self._views[0], rows, [c.page_ids for c in chunks], page_tokens=self.page_tokens,
+                             scratch_slot=self.decoder.scratch_slot, batch_capacity=key[1], token_capacity=key[2])
+                last = np.arange(n)
                 self._upload(0, *self._shared)
             self._launch(key)
             m = len(live)
-            states = [last_rows[i] + 1 for i in live]  # each live request's state row (its last row's)
+            states = [int(last[i]) + 1 for i in live]
             forwards = 1
             if m:
-                idx = torch.as_tensor([last_rows[i] for i in live], dtype=torch.int64).to(self.decoder.device)
+                idx = torch.as_tensor(last[live], dtype=torch.int64).to(self.decoder.device)
                 self._record(0, m, self.decoder.sampled.index_select(0, idx),
                              self.decoder.logits.index_select(0, idx), vocab_limit, p_min)
-            deepest = max((caps[i] for i in live), default=0)
-            fed = [chunks[i].num_cached_tokens + len(chunks[i].token_ids) for i in live]
-            for depth in range(1, min(deepest, self.max_depth)):
-                w = self._views[depth]
-                key = self.graphs.pick_decode(m, False, max(fed) + depth)
-                for r, i in enumerate(live):
-                    if caps[i] > depth:  # the token drawn at the depth before, on the device
-                        c = chunks[i]
-                        pages = np.asarray(c.page_ids, dtype=np.int64)
-                        p_ = fed[r] + depth - 1
-                        w["decode_token_ids"][r], w["decode_positions"][r] = -1, p_
-                        w["decode_slot_ids"][r] = pages[p_ // P] * P + p_ % P
-                        w["decode_state_rows"][r], w["decode_context_lens"][r] = states[r], p_ + 1
-                        w["decode_block_tables"][r, :len(pages)] = pages
-                        w["decode_block_tables"][r, len(pages):] = self.decoder.num_pages
-                    else:
-                        self._pad_decode(w, r, r + 1)
-                self._pad_decode(w, m, key[1])
-                lo, nb = self.manifest.decode_upload(key[1])
-                self._upload(depth, lo, lo + nb)
+            fed = [chunks[i].num_cached_tokens + sizes[i] for i in live]
+            for depth in range(1, min(caps[live[0]] if live else 0, self.max_depth)):
+                rows_now = sum(1 for i in live if caps[i] > depth)  # a prefix of live
+                positions = [fed[r] + depth - 1 for r in range(rows_now)]  # where the token drawn before goes
+                key = self.graphs.pick_decode(rows_now, False, max(positions) + 1)
+                self._pack_decode(depth, _Rows.decode(positions, [-1] * rows_now, states[:rows_now]),
+                                  [chunks[i].page_ids for i in live[:rows_now]], key[1])
                 self._launch(key)
-                self._record(depth, m, self.decoder.sampled[:m], self.decoder.logits[:m], vocab_limit, p_min)
+                self._record(depth, rows_now, self.decoder.sampled[:rows_now], self.decoder.logits[:rows_now],
+                             vocab_limit, p_min)
                 forwards += 1
             self._host_tokens[:forwards, :m].copy_(self._tokens[:forwards, :m], non_blocking=True)
             self._host_probs[:forwards, :m].copy_(self._probs[:forwards, :m], non_blocking=True)
@@ -484,20 +442,18 @@ class DraftGraphs:
                 drafts[i].append(t)
         return drafts, forwards
 
+    def _pack_decode(self, frame: int, rows, tables, capacity: int) -> None:
+        """``rows`` (a decode row each) into frame ``frame``'s decode spans, padded to ``capacity``, and copied to the
+        device behind the launches before."""
+        pack_decode(self._views[frame], rows, tables, page_tokens=self.page_tokens,
+                    scratch_slot=self.decoder.scratch_slot, capacity=capacity)
+        lo, nb = self.manifest.decode_upload(capacity)
+        self._upload(frame, lo, lo + nb)
+
     def _record(self, depth: int, m: int, tokens, logits, vocab_limit: int, p_min: float) -> None:
         """The depth's tokens for the m live rows (what the graph drew: the argmax of ``logits`` [m, V]) and, with
         ``p_min``, their probabilities over the served vocabulary, on the device."""
         self._tokens[depth, :m].copy_(tokens)
         if p_min > 0:
-            probs = self.torch.softmax(logits[:, :vocab_limit], dim=-1)
+            probs = torch.softmax(logits[:, :vocab_limit], dim=-1)
             self._probs[depth, :m].copy_(probs.gather(1, tokens.clamp(max=vocab_limit - 1)[:, None])[:, 0])
-
-    def _pad_decode(self, v, lo: int, hi: int) -> None:
-        if hi <= lo:
-            return
-        v["decode_token_ids"][lo:hi] = 0
-        v["decode_positions"][lo:hi] = 0
-        v["decode_slot_ids"][lo:hi] = self.decoder.scratch_slot
-        v["decode_state_rows"][lo:hi] = 0
-        v["decode_context_lens"][lo:hi] = 0
-        v["decode_block_tables"][lo:hi] = self.decoder.num_pages
