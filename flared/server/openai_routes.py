@@ -43,7 +43,10 @@ def model_card(state) -> dict[str, Any]:
         "parent": None,
         "max_model_len": m.capacities.context_tokens,
         "aliases": [n for n in m.served_names if n and n != m.model_name],
-        "capabilities": {**m.capabilities, "vision": state.takes_images},
+        # (what this server does with the model: a parser named in the config gives it tools or reasoning that its
+        # template alone would not)
+        "capabilities": {**m.capabilities, "tools": state.tool_format() is not None,
+                         "reasoning": state.reasoning_format() is not None, "vision": state.takes_images},
     }
 
 

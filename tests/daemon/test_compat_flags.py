@@ -22,6 +22,8 @@ def test_vllm_and_llamacpp_flags_serve_the_model_by_its_aliases_with_the_named_t
         client = openai.OpenAI(base_url=plain.base + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="tool_parser"):
             client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=4)
+        (card,) = client.models.list().data  # and the card says so
+        assert card.capabilities["tools"] is False and card.capabilities["reasoning"] is False
     finally:
         assert plain.stop() == 0, plain.log()
     d = Daemon(tiny_core, tmp_path, "-m", str(tiny_core), "--served-model-name", "alias-one", "-a", "alias-two",
@@ -32,6 +34,8 @@ def test_vllm_and_llamacpp_flags_serve_the_model_by_its_aliases_with_the_named_t
         # --served-model-name renames the model, as vLLM's does: the card's id; every other name still reaches it
         (card,) = client.models.list().data
         assert card.id == "alias-one"
+        # the card's capabilities are what the server parses: the named parsers'
+        assert card.capabilities["tools"] is True and card.capabilities["reasoning"] is True
         for name in ("alias-two", "tiny", card.root):
             assert client.models.retrieve(name).id == "alias-one"
         r = client.chat.completions.create(model="alias-two", messages=messages, tools=TOOLS, max_tokens=8,
