@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from flared.errors import ErrorKind, ExecutionError
+from flared.execution.images import place_images
 from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.model.kv_cache import kv_pool_dtype
 from flared.model.sampling import Sampler, SequenceSamplingState
@@ -181,35 +182,17 @@ class EagerExecutor:
     def _place_images(self, batch, states, chunks, bounds) -> None:
         """Image rows: where participant i's chunk feeds positions of its request's image tokens, those rows take
         the request's image rows (VisionInput.features) in place of the tokens' embeddings. A request with 3D
-        rope positions (Qwen VL) gives its rows theirs: the prompt's own, index + delta after it."""
-        rows, values, mrope = [], [], None
-        for i, state in enumerate(states):
-            vision = getattr(state, "vision", None)
-            if vision is None:
-                continue
-            start = chunks[i].num_cached_tokens
-            count = len(chunks[i].token_ids)
-            lo, hi = np.searchsorted(vision.positions, [start, start + count])
-            if hi > lo:
-                rows.append(vision.positions[lo:hi] - start + bounds[i])
-                values.append(vision.features[lo:hi])
-            if vision.mrope is not None:
-                if mrope is None:
-                    mrope = batch.positions.cpu().numpy()[None].repeat(3, axis=0)
-                index = np.arange(start, start + count)
-                inside = index < vision.mrope.shape[1]
-                own = np.where(inside, 0, index + vision.mrope_delta)[None].repeat(3, axis=0)
-                own[:, inside] = vision.mrope[:, index[inside]]
-                mrope[:, bounds[i]:bounds[i] + count] = own
-        if rows:
-            batch.embed_rows = torch.as_tensor(np.concatenate(rows), dtype=torch.int64, device=self.model.device)
-            values = torch.cat(values).to(self.model.device)
-            hidden = self.model.config.hidden_size
-            batch.embed_values = values[:, :hidden]
-            if values.shape[1] > hidden:  # the tower's DeepStack rows follow the embedding's
-                batch.deepstack_values = list(values[:, hidden:].split(hidden, dim=1))
-        if mrope is not None:
-            batch.mrope_positions = torch.as_tensor(mrope, dtype=torch.int64, device=self.model.device)
+        rope positions (Qwen VL) gives its rows theirs: the prompt's own, index + delta after it
+        (flared.execution.images)."""
+        if all(getattr(state, "vision", None) is None for state in states):
+            return
+        starts = [c.num_cached_tokens for c in chunks]
+        counts = [len(c.token_ids) for c in chunks]
+        positions = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, counts)])
+        placed = place_images(states, starts, counts, bounds, positions, hidden=self.model.config.hidden_size,
+                              device=self.model.device)
+        if placed is not None:
+            placed.apply(batch)
 
     def _group_lora_rows(self, batch, states, bounds) -> None:
         """Per-request LoRA: each adapter's token rows into ``batch.lora_groups``; participant i owns the batch's

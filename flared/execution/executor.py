@@ -47,6 +47,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -55,8 +56,10 @@ import torch
 from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
+from flared.execution.images import feeds_images, flat_positions, place_images, rope_positions
 from flared.execution.graphs import (ExecutionManifest, GraphSet, collector_paused, default_prefill_batch_shapes,
                                      pack_decode, pack_prefill, speculative_batch_sizes, speculative_rows)
+from flared.model.batch import ImageRows
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, RowDraws, draw_rows, row_logprobs
 from flared.model.kv_cache import kv_pool_dtype
@@ -475,6 +478,7 @@ class GraphExecutor:
             width = pack_prefill(v, plan, block_tables, page_tokens=P, scratch_slot=scratch, batch_capacity=batch_cap,
                                  token_capacity=cap, adapters=adapters)
         decode = kind != "prefill"
+        images = self._place_images(v, f, plan, states, decode, cap) if self.model.vision is not None else None
         token_rows = cap
         batch_rows = cap if decode else batch_cap
         # Sampling parameters (graph sampler) and per-row step counters.
@@ -523,8 +527,13 @@ class GraphExecutor:
         # model stream ahead of the launch (such a step has nothing in flight: the worker drains the window for it)
         if not apart:
             self.sampler.stage_grammar_masks([states[i] for i in grammar_rows])
-        if scoring:
-            self._forward_scoring(frame, plan, batch_cap, cap, scoring)
+        if scoring or images is not None:
+            with self._images(images):
+                if scoring:
+                    self._forward_scoring(frame, plan, batch_cap, cap, scoring)
+                else:
+                    with torch.inference_mode():
+                        self.decoder.prefill(batch_cap, cap)
         else:
             cuda.graph_launch(execs[key], self._model_ptr)
         if apart:  # before the logprobs, which read the drawn tokens
@@ -536,6 +545,52 @@ class GraphExecutor:
         for i in range(n):
             if in_graph[i]:
                 states[i].num_output_tokens += 1
+
+    def _place_images(self, v, f: str, plan, states, decode: bool, cap: int) -> ImageRows | None:
+        """A step of a vision core's requests (flared.execution.images): the image rows of a prefill that feeds
+        image tokens, which then runs the prefill graph's forward eagerly with them (the graphs take token ids only;
+        returned, with the rows' 3D rope positions where a request has them); else, where a request has 3D rope
+        positions (Qwen VL), its rows' plain-rope positions written into the frame's ``positions`` (each text
+        token's three are equal: its index in the prompt's, index + delta past it) and None."""
+        n = plan.num_participants
+        rows = states[:n]
+        if all(getattr(s, "vision", None) is None for s in rows):
+            return None
+        starts = np.asarray(plan.token_starts, dtype=np.int64)[:n]
+        if decode:
+            counts, bounds = np.ones(n, dtype=np.int64), np.arange(n + 1)
+        else:
+            counts = np.asarray(plan.num_tokens, dtype=np.int64)[:n]
+            bounds = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
+        positions = v[f + "positions"][:cap]
+        if not feeds_images(rows, starts, counts):
+            mrope = rope_positions(rows, starts, counts, bounds, positions)
+            flat = None if mrope is None else flat_positions(mrope)
+            if flat is not None:
+                positions[:] = flat
+            if mrope is None or flat is not None:
+                return None
+        if decode:  # (a prompt's image tokens are prefilled; a decode row is never one)
+            raise ExecutionError("a decode step would feed image rows, which only prefills take", ErrorKind.EXECUTION)
+        return place_images(rows, starts, counts, bounds, positions, hidden=self.model.config.hidden_size,
+                            device=self.device)
+
+    @contextlib.contextmanager
+    def _images(self, images: ImageRows | None):
+        """The decoder's prefill places ``images`` while the block runs (on the model stream, after the work that
+        made their rows: the image tower's, on the model thread's default stream)."""
+        if images is None:
+            yield
+            return
+        self.model_stream.wait_stream(torch.cuda.default_stream(self.device))
+        for t in (images.values, images.mrope, *(images.deepstack or ())):
+            if t is not None:
+                t.record_stream(self.model_stream)
+        self.decoder.images = images
+        try:
+            yield
+        finally:
+            self.decoder.images = None
 
     def _draw_grammar_rows(self, apart: list[int], rows, states) -> None:
         """Rows ``apart`` (participants under a grammar, graph_grammar) drawn behind the step's graph on the model

@@ -40,13 +40,15 @@ class DriveResult:
 
 
 def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_ns=time.monotonic_ns,
-          loras=None, speculate: bool = False, predictions=None) -> DriveResult:
+          loras=None, speculate: bool = False, predictions=None, visions=None) -> DriveResult:
     """``clock_ns`` is the scheduler's clock (tests pass a fake one: the scheduler stops stacking a second
     step behind one that runs past its estimate, which a slow or loaded host can trigger). ``loras``: each
     request's per-request LoRA adapter (DecoderModel.add_lora_module's index; 0 the base), as the worker sets it.
     ``speculate``: admit the requests whose drafts the executor can verify (its ``speculates``) for speculative
     steps, as the worker does (the scheduler's speculative_tokens turns them on). ``predictions``: each request's
-    predicted output (token ids; GenerateRequest.prediction), or None."""
+    predicted output (token ids; GenerateRequest.prediction), or None. ``visions``: each request's images
+    (flared.runtime.request.VisionInput, its ``features`` made by the image tower) or None, as the worker sets them
+    (no prefix-cache conditioning: prompts of the same tokens with other images must not share a drive)."""
     clock = time.perf_counter_ns
     t0 = clock()
     n = len(prompts)
@@ -56,6 +58,8 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
         states.append(executor.sampler.add_sequence(p, prompt))
         if loras is not None:
             states[-1].lora = loras[i]
+        if visions is not None:
+            states[-1].vision = visions[i]
         handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns(), speculate=speculate and executor.speculates(p),
                                  prediction=predictions[i] if predictions is not None else ())
         by_handle[int(handle)] = i

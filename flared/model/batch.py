@@ -40,6 +40,25 @@ class SequenceChunk:
 
 
 @dataclass
+class ImageRows:
+    """A step's image rows (flared.execution.images.place_images): row ``rows[i]`` takes ``values[i]`` in place of
+    its token's embedding."""
+    rows: torch.Tensor  # [k] int64, on the model's device
+    values: torch.Tensor | None  # [k, hidden]; None without rows
+    # Qwen3-VL's DeepStack: after decoder layer j, deepstack[j] [k, hidden] is added to the same rows; None: none
+    deepstack: list[torch.Tensor] | None
+    # [3, T] int64 every row's (temporal, row, column) rope position, where a request has 3D positions; else None
+    mrope: torch.Tensor | None
+
+    def apply(self, batch) -> None:
+        """Into a ForwardBatch (DecoderModel's forward places them)."""
+        if self.rows.numel():
+            batch.embed_rows, batch.embed_values, batch.deepstack_values = self.rows, self.values, self.deepstack
+        if self.mrope is not None:
+            batch.mrope_positions = self.mrope
+
+
+@dataclass
 class PrefillGroup:
     row_start: int  # first row of this chunk in the flattened batch
     row_end: int

@@ -72,7 +72,7 @@ def attention_sinks(model) -> list[torch.Tensor | None]:
 
 
 def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: torch.Tensor,
-                   positions: torch.Tensor, slots: torch.Tensor, attend, sinks: list) -> torch.Tensor:
+                   positions: torch.Tensor, slots: torch.Tensor, attend, sinks: list, images=None) -> torch.Tensor:
     """Every layer of ``model`` (a DecoderModel) over the rows ``tokens`` at ``positions``, their keys and values
     written at ``slots``; each attention as ``attend(q [T, nh, d], kv_index, out [T, nh, d], window=w, sinks=s,
     softcap=cap, geometry=g, alibi=a)`` (the paged kernels' form, ``w`` the layer's window, 0 = none; ``s`` its entry
@@ -80,13 +80,16 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
     of the layer, Gemma 4's global layers' their own: layer_pool's view of the pools; ``a`` BLOOM's ALiBi slopes
     [nh], None = none). Latent attention served absorbed (ModelConfig.latent_kv) attends as ``attend(q [T, nh,
     latent + rope], kv_index, out [T, nh, latent], latent=latent)``.
-    Returns the final-normed hidden states [T, H]."""
+    ``images``: a prefill's image rows and 3D rope positions (flared.model.batch.ImageRows), placed by the model's own
+    forward; None: none. Returns the final-normed hidden states [T, H]."""
     c = model.config
     num_tokens = tokens.shape[0]
     softcap = c.attn_logit_softcapping or 0.0
     batch = ForwardBatch(input_ids=tokens, positions=positions, write_slot_ids=slots, logit_row_ids=None,
                          decode_row_ids=None, decode_gather_slot_ids=None, decode_attn_mask=None,
                          decode_max_context=0, num_tokens=num_tokens)
+    if images is not None:
+        images.apply(batch)
 
     def attend_layer(q: torch.Tensor, index: int, kv_index: int) -> torch.Tensor:
         if c.latent_kv:  # the absorbed queries [T, nh, latent + rope] over the latent rows -> [T, nh, latent]

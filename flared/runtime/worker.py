@@ -429,9 +429,6 @@ class ModelRuntime:
             problem = config.torch_graphs_obstacle(m.dtype)
             if problem is None and (self.lora_modules or self.lora_slots):
                 problem = "per-request LoRA adapters"
-            if problem is None and self.core.manifest.vision is not None:
-                # (the graphs take token ids only: a vision core the eager executor served keeps its images)
-                problem = "an image tower's rows"
             if problem is None:
                 # The graphs capture the model's own torch layers with the paged Triton attention (no fused
                 # kernels: kernels/paged_decoder.py's generic decoder)
@@ -503,9 +500,10 @@ class ModelRuntime:
                      f"; the LM head as {head}" if head is not None else "",
                      self._weights_info["product_bytes"] / 2**20,
                      sum(2 * lin.out_features * lin.in_features for lin in products) / 2**20)
-        if self.core.manifest.vision is not None and not use_cuda:
-            # Images on the eager executor (the CPU's, or a GPU's with enforce_eager); the CUDA graphs take token
-            # ids only, so there the core serves text.
+        if self.core.manifest.vision is not None:
+            # The image tower runs between steps (VisionJob); its rows take the image tokens' places in the eager
+            # executor's forward, and on the CUDA graph executor in an eager run of the prefill graph's forward
+            # (the graphs take token ids only: GraphExecutor._place_images).
             from flared.model.vision import vision_encoder
 
             config = self.core.vision_config

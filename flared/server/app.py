@@ -219,7 +219,7 @@ class ServingState:
 
     @property
     def takes_images(self) -> bool:
-        """The core has an image tower and the executor runs it (the CPU's; the CUDA graphs take text only)."""
+        """The core has an image tower and the model thread loaded it."""
         return (self.image_processor is not None
                 and getattr(getattr(self.runtime, "model", None), "vision", None) is not None)
 
@@ -227,8 +227,7 @@ class ServingState:
         param, part = images[0]
         if not self.takes_images:
             why = ("this model takes text" if self.image_processor is None else
-                   "this server runs the model's CUDA graphs, which take text only so far; serve it with "
-                   "--enforce-eager, or on the CPU, for images")
+                   "this server did not load the model's image tower")
             kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
         if len(images) > self.max_images:

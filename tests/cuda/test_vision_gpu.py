@@ -1,55 +1,217 @@
-"""A vision core on a GPU machine: the CUDA graphs take token ids only, so it serves text there and answers image
-parts with a 400 that says why (docs/gpu.md, "Not yet"). Skipped without a GPU (tests/cuda/conftest.py)."""
+"""A vision core on the CUDA graph executor: the image tower runs between steps, and a prefill that feeds image
+tokens runs the prefill graph's forward eagerly with the tower's rows in their places (Qwen VL's 3D rope from
+each row's own cos and sin rows, Qwen3-VL's DeepStack rows after its first layers); every other step, Qwen VL's
+later ones included (their plain-rope positions shifted by the prompt's delta), replays the graphs.
+
+float32: greedy tokens equal the eager executor's on the same model (which tests/api/test_vision*.py hold to
+transformers'); bf16 (the fused kernels, and the generic graphs of a mixture of experts): the prefill's logits
+as near the eager executor's as bf16 allows, far from those without the images. Through a daemon, images are
+taken without --enforce-eager. Skipped without a GPU (tests/cuda/conftest.py)."""
 
 from __future__ import annotations
 
 import base64
+import collections
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gpu_models import make_executor, make_scheduler  # noqa: E402
+
+NEW_TOKENS = 10
 
 
-def test_a_vision_core_serves_text_and_refuses_images_on_the_gpu(tiny_hf_smolvlm, tmp_path, start_daemon):
+def _params(max_tokens=NEW_TOKENS):
+    from flared.model.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def _served(core_path, dtype):
+    """The core's decoder and image tower on the GPU, as the model thread loads them."""
+    from flared.core.load import open_core
+    from flared.model.decoder import DecoderModel
+    from flared.model.vision import vision_encoder
+
+    core = open_core(core_path)
+    model = DecoderModel(core.config, core.load_tensors(), dtype=dtype, device="cuda", max_positions=512)
+    config = core.vision_config
+    model.vision = vision_encoder(config, core.load_vision_tensors(), dtype=dtype, device="cuda")
+    if config.mrope_section:
+        model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
+    return core, model
+
+
+def _requests(core, model):
+    """Three prompts and their images: text, an image that straddles the 128-token prefill chunk's end, text; text
+    alone; two images. The tower's rows made by VisionJob, as the worker makes them."""
+    from flared_testing.vision import noise_image
+
+    from flared.frontend.images import DecodedImage, image_processor_from_dict
+    from flared.model.vision import mrope_positions
+    from flared.runtime.request import VisionInput
+    from flared.runtime.worker import VisionJob
+
+    vision = core.manifest.vision
+    processor = image_processor_from_dict(vision["processor"])
+    token = int(vision["config"]["image_token_id"])
+    merge = int(vision["config"]["scale_factor"]) if vision["config"].get("mrope_section") else 0
+    images = [processor.prepare(DecodedImage.from_pil(noise_image(seed, size)))
+              for seed, size in ((31, (90, 40)), (32, (30, 100)))]
+    job = VisionJob(images, done=None)
+    while not job.step(model, 0, collections.Counter()):
+        pass
+    rows = job.result()
+
+    def request(parts):
+        ids, spans, features = [], [], []
+        for part in parts:
+            if isinstance(part, int):
+                spans.append((len(ids), images[part].num_image_tokens, images[part].grid))
+                ids += [token] * images[part].num_image_tokens
+                features.append(rows[part])
+            else:
+                ids += list(part)
+        if not spans:
+            return ids, None
+        mrope, delta = mrope_positions(ids, spans, merge) if merge else (None, 0)
+        positions = np.flatnonzero(np.asarray(ids) == token)
+        return ids, VisionInput(positions, torch.cat(features), (), mrope, delta)
+
+    cases = [request([range(20, 144), 0, range(40, 52)]), request([range(60, 90)]),
+             request([range(5, 12), 1, range(70, 75), 0, range(80, 86)])]
+    return [ids for ids, _ in cases], [v for _, v in cases]
+
+
+def _drive(model, prompts, visions, *, graphs: bool, max_tokens=NEW_TOKENS):
+    from flared.execution.eager import EagerExecutor
+    from flared.execution.offline import drive
+
+    if graphs:
+        ex = make_executor(model)
+    else:
+        ex = EagerExecutor(model, num_pages=128, page_tokens=16, num_state_rows=5, num_snapshots=16,
+                           vocab_size=model.config.vocab_size, max_live=4)
+    try:
+        result = drive(make_scheduler(), ex, prompts, [_params(max_tokens)] * len(prompts), visions=visions)
+        logits = (ex.decoder.state_logits if graphs else ex.state_logits).float().clone()
+    finally:
+        if graphs:
+            ex.close()
+    return result.tokens, logits
+
+
+def _check_float32(core_path):
+    core, model = _served(core_path, torch.float32)
+    prompts, visions = _requests(core, model)
+    graphs, logits = _drive(model, prompts, visions, graphs=True)
+    eager, _ = _drive(model, prompts, visions, graphs=False)
+    assert graphs == eager
+    blind, blind_logits = _drive(model, prompts, [None] * len(prompts), graphs=True)
+    assert blind[1] == graphs[1]  # (the text-only request)
+    assert (logits - blind_logits).abs().max().item() > 1e-2  # the images' rows reach the logits
+
+
+def _check_bf16(core_path):
+    """The prefill's logits (each request's first token's), graphs against the eager executor's: the differences
+    bf16 makes are a small part of those the images make."""
+    core, model = _served(core_path, torch.bfloat16)
+    prompts, visions = _requests(core, model)
+    graphs = _drive(model, prompts, visions, graphs=True, max_tokens=1)[1].log_softmax(-1)
+    eager = _drive(model, prompts, visions, graphs=False, max_tokens=1)[1].log_softmax(-1)
+    blind = _drive(model, prompts, [None] * len(prompts), graphs=True, max_tokens=1)[1].log_softmax(-1)
+    rows = [r for r in range(graphs.shape[0]) if torch.isfinite(graphs[r]).all() and graphs[r].abs().sum() > 0]
+    assert len(rows) >= len(prompts)
+    near = (graphs[rows] - eager[rows]).abs().max().item()
+    far = (graphs[rows] - blind[rows]).abs().max().item()
+    print(f"{core_path.name}: graphs against eager {near:.4f}, against no images {far:.4f}")
+    assert near < 0.1 * far, (near, far)
+
+
+OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava"}
+
+
+def _core_of(request, family):
+    value = request.getfixturevalue(OTHER_FAMILIES[family])
+    return value[1] if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_float32_graph_tokens_with_images_equal_the_eager_executors(family, request):
+    _check_float32(_core_of(request, family))
+
+
+def test_float32_qwen_vl_graph_tokens_equal_the_eager_executors(tiny_qwen_vl):
+    family, _, core = tiny_qwen_vl
+    if family in ("qwen3_5", "qwen3_vl_moe"):  # (recurrent layers; float32 experts: the eager executor serves them)
+        pytest.skip(f"{family} in float32 is served by the eager executor on a GPU")
+    _check_float32(core)
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_bf16_prefill_logits_with_images_match_the_eager_executors(family, request):
+    _check_bf16(_core_of(request, family))
+
+
+def test_bf16_qwen_vl_prefill_logits_match_the_eager_executors(tiny_qwen_vl):
+    family, _, core = tiny_qwen_vl
+    if family == "qwen3_5":  # (recurrent layers: the eager executor serves it on a GPU)
+        pytest.skip("qwen3_5 is served by the eager executor on a GPU")
+    _check_bf16(core)
+
+
+def _image_chat(daemon, url, **kw):
+    return daemon.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "What is in it?"}]}],
+                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, **kw)
+
+
+def _served_images_match_enforce_eager(checkpoint, tmp_path, start_daemon):
+    """A bf16 core served as a user serves it: the CUDA graphs (no --enforce-eager) take image parts, and the first
+    token's log-probabilities match those of the same core under --enforce-eager."""
     from PIL import Image
 
     from flared.core.export import ExportOptions, export_core
 
     core = tmp_path / "core"  # bf16: the dtype the CUDA backend serves
-    export_core(tiny_hf_smolvlm, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=512,
-                                                     prefill_chunk_tokens=128))
-    d = start_daemon(core)
-    status, body = d.chat([{"role": "user", "content": "Hello there."}], max_tokens=4)
-    assert status == 200, body
-    buf = io.BytesIO()
-    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    status, body = d.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                         {"type": "text", "text": "What?"}]}], max_tokens=4)
-    assert status == 400 and "CUDA graphs" in body["error"]["message"], body
-    status, body = d.request("GET", "/v1/models")
-    assert body["data"][0]["capabilities"]["vision"] is False
-
-
-def test_with_enforce_eager_a_vision_core_takes_images_on_the_gpu(tiny_hf_smolvlm, tmp_path, start_daemon):
-    """--enforce-eager: the eager executor on the GPU runs the tower and places the image rows."""
-    from PIL import Image
-
-    from flared.core.export import ExportOptions, export_core
-
-    core = tmp_path / "core"
-    export_core(tiny_hf_smolvlm, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=512,
-                                                     prefill_chunk_tokens=128))
-    d = start_daemon(core, "--enforce-eager")
+    export_core(checkpoint, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=512,
+                                                prefill_chunk_tokens=128))
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(buf, "PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    status, body = d.chat([{"role": "user", "content": "What?"}], max_tokens=4)
-    assert status == 200, body
-    text_tokens = body["usage"]["prompt_tokens"]
-    status, body = d.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                         {"type": "text", "text": "What?"}]}], max_tokens=4)
-    assert status == 200, body
-    assert body["usage"]["prompt_tokens"] > text_tokens + 4  # the image's tokens
-    assert "enforce_eager" in d.log() and "executor: eager on" in d.log()
-    status, body = d.request("GET", "/v1/models")
-    assert body["data"][0]["capabilities"]["vision"] is True
+    firsts = []
+    for args in ((), ("--enforce-eager",)):
+        d = start_daemon(core, *args)
+        status, body = d.chat([{"role": "user", "content": "What?"}], max_tokens=4)
+        assert status == 200, body
+        text_tokens = body["usage"]["prompt_tokens"]
+        status, body = _image_chat(d, url)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] > text_tokens + 4  # the image's tokens
+        firsts.append({t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]})
+        status, models = d.request("GET", "/v1/models")
+        assert models["data"][0]["capabilities"]["vision"] is True
+        log = d.log()
+        assert ("executor: eager on" in log) == bool(args), log[-2000:]
+        d.kill()
+    graphs, eager = firsts
+    shared = set(graphs) & set(eager)
+    assert shared, (graphs, eager)
+    assert max(abs(graphs[t] - eager[t]) for t in shared) < 0.1, (graphs, eager)
+
+
+def test_a_smolvlm_core_takes_images_on_the_cuda_graphs(tiny_hf_smolvlm, tmp_path, start_daemon):
+    _served_images_match_enforce_eager(tiny_hf_smolvlm, tmp_path, start_daemon)
+
+
+def test_a_qwen_vl_core_takes_images_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, start_daemon):
+    family, checkpoint, _ = tiny_qwen_vl
+    if family not in ("qwen2_vl", "qwen3_vl"):  # (the other families' graphs: the executor tests above)
+        pytest.skip(f"{family}: its images on the graphs are checked by the executor tests")
+    _served_images_match_enforce_eager(checkpoint, tmp_path, start_daemon)

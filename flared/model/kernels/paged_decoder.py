@@ -167,6 +167,9 @@ class PagedCudaDecoder:
         # The Sampler's bias and penalty tables (kernels.sampling.ShapeTables) the graphs' samplers shape rows
         # from; set before capture (GraphExecutor), None: no row is shaped.
         self.shape_tables = None
+        # A prefill's image rows (flared.model.batch.ImageRows: a vision core's image tokens, Qwen VL's 3D rope), set
+        # only around an eager run of ``prefill`` (GraphExecutor._images); the graphs take token ids only.
+        self.images = None
         # Per state row, the logits of its last computed position (snapshots and full-prompt hits read them).
         self.state_logits = torch.zeros(num_state_rows, c.vocab_size, dtype=torch.float32, device=self.device)
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
@@ -533,8 +536,14 @@ class PagedCudaDecoder:
                                            window=self.window if window is None else window, sinks=sinks,
                                            softcap=softcap, alibi=alibi)
 
-        x = self._layers(s.token_ids[:capacity], s.positions[:capacity], s.slot_ids[:capacity], attend,
-                         lora=self._lora_step(s.lora_ids, capacity))
+        positions, images, rope = s.positions[:capacity], self.images, None
+        if images is not None and images.mrope is not None and not self.generic:
+            # 3D rope (Qwen VL): each row's own cos and sin rows, made from its three positions, read at row i
+            m = self.model
+            rope = tuple(m._mrope(table, images.mrope)[:, 0].contiguous() for table in (m.rope_cos, m.rope_sin_signed))
+            positions = torch.arange(capacity, dtype=torch.int64, device=self.device)
+        x = self._layers(s.token_ids[:capacity], positions, s.slot_ids[:capacity], attend,
+                         lora=self._lora_step(s.lora_ids, capacity), images=images, rope=rope)
         self._finish(x.index_select(0, s.logit_rows[:batch]), batch, True, s.state_rows[:batch], s)
         return x
 
@@ -572,22 +581,26 @@ class PagedCudaDecoder:
         return self.lora.add(layer, product, x, y, lora)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend,
-                products: products64.DecoderProducts | None = None, lora: torch.Tensor | None = None) -> torch.Tensor:
+                products: products64.DecoderProducts | None = None, lora: torch.Tensor | None = None,
+                images=None, rope=None) -> torch.Tensor:
         """Every layer; returns the final-normed hidden states [T, H]. ``products``: the fused forward's products
-        through products64 (decode batches of up to 64 rows). ``lora``: the step's LoRA mask (_lora_step)."""
+        through products64 (decode batches of up to 64 rows). ``lora``: the step's LoRA mask (_lora_step).
+        ``images``: the step's image rows (flared.model.batch.ImageRows; eager prefills only, never captured);
+        ``rope``: (cos, sin) tables that ``positions`` index in place of the model's (3D rope rows)."""
         if self.generic:
-            return self._layers_generic(tokens, positions, slots, attend)
+            return self._layers_generic(tokens, positions, slots, attend, images)
         if self.fused:
-            return self._layers_fused(tokens, positions, slots, attend, products, lora)
+            return self._layers_fused(tokens, positions, slots, attend, products, lora, images, rope)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.q_size, c.kv_size
         eps = c.rms_norm_eps
-        cos = m.rope_cos.index_select(0, positions)[:, None, :]  # [T, 1, d]
-        sin = m.rope_sin_signed.index_select(0, positions)[:, None, :]
-        h = m.embed.index_select(0, tokens)  # [T, H]
+        cos_table, sin_table = rope if rope is not None else (m.rope_cos, m.rope_sin_signed)
+        cos = cos_table.index_select(0, positions)[:, None, :]  # [T, 1, d]
+        sin = sin_table.index_select(0, positions)[:, None, :]
+        h = self._embed(tokens, images)  # [T, H]
         attn = torch.empty(num_tokens, nh, d, dtype=h.dtype, device=h.device)
         for index, layer in enumerate(m.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.attn_norm, eps)
@@ -606,18 +619,28 @@ class PagedCudaDecoder:
             gate_up = self._with_lora(lora, index, "gate_up", x, F.linear(x, layer.gate_up.weight))
             act = F.silu(gate_up[:, :c.intermediate_size]) * gate_up[:, c.intermediate_size:]
             h = h + self._with_lora(lora, index, "down", act, F.linear(act, layer.down.weight))
+            if images is not None and images.deepstack is not None and index < len(images.deepstack):
+                h = h.index_add(0, images.rows, images.deepstack[index].to(h.dtype))
         return F.rms_norm(h, (h.shape[-1],), m.final_norm, eps)
 
     def _layers_generic(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        attend) -> torch.Tensor:
+                        attend, images=None) -> torch.Tensor:
         """The model's own torch layers over the static rows (graph_layers.generic_layers); [T, H] final-normed."""
-        return generic_layers(self.model, self.k_pool, self.v_pool, tokens, positions, slots, attend, self.sinks)
+        return generic_layers(self.model, self.k_pool, self.v_pool, tokens, positions, slots, attend, self.sinks,
+                              images=images)
 
-    def _activations(self, tokens):
+    def _embed(self, tokens: torch.Tensor, images=None) -> torch.Tensor:
+        """The rows' embeddings [T, H]; ``images``' rows (ImageRows) in place of their image tokens'."""
+        h = self.model.embed.index_select(0, tokens)
+        if images is not None and images.rows.numel():
+            h.index_copy_(0, images.rows, images.values.to(h.dtype))
+        return h
+
+    def _activations(self, tokens, images=None):
         """The residual stream [T, H] (the tokens' embeddings, updated in place by the layers), the attention
         input and output [T, nh, d] and the MLP activation [T, I] of the fused forwards."""
         c = self.config
-        h = self.model.embed.index_select(0, tokens)
+        h = self._embed(tokens, images)
         q = torch.empty(tokens.shape[0], c.num_heads, c.head_dim, dtype=h.dtype, device=h.device)
         act = torch.empty(tokens.shape[0], c.intermediate_size, dtype=h.dtype, device=h.device)
         return h, q, torch.empty_like(q), act
@@ -642,19 +665,23 @@ class PagedCudaDecoder:
         fused.add_rms_norm(None, h, m.final_norm, x, eps)
         return x
 
-    def _layers_fused(self, tokens, positions, slots, attend, products=None, lora=None) -> torch.Tensor:
+    def _layers_fused(self, tokens, positions, slots, attend, products=None, lora=None, images=None,
+                      rope=None) -> torch.Tensor:
         """``products``: the four products of each layer through products64 (decode, up to 64 rows, no biases; the
         SiLU-mul inside gate_up's epilogue) instead of cuBLAS(Lt); with its ``fold_norms``, the add_rms_norm
         launches inside them too. ``lora``: the step's LoRA mask (_lora_step; never with ``products``, and never
-        through the skinny kernels, which have no place for the adapter terms)."""
-        if lora is None and tokens.shape[0] <= self.skinny_max_rows:
+        through the skinny kernels, which have no place for the adapter terms, nor image rows). ``images``,
+        ``rope``: as _layers'."""
+        if lora is None and images is None and tokens.shape[0] <= self.skinny_max_rows:
             return self._layers_skinny(tokens, positions, slots, attend)
         m = self.model
         c = self.config
         num_tokens = tokens.shape[0]
         nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
-        h, q, attn, act = self._activations(tokens)
+        cos_table, sin_table = rope if rope is not None else (m.rope_cos, m.rope_sin_signed)
+        deepstack = images.deepstack if images is not None and images.deepstack is not None else ()
+        h, q, attn, act = self._activations(tokens, images)
         attn_rows = attn.view(num_tokens, nh * d)
         x = torch.empty_like(h)
         fold = products is not None and products.fold_norms
@@ -676,7 +703,7 @@ class PagedCudaDecoder:
             if with_rope is not None:
                 with_rope(qkv, positions, slots, index, attn)
             else:
-                fused.rope_write_kv(qkv, m.rope_cos, m.rope_sin_signed, positions, slots, q, self.k_pool[index],
+                fused.rope_write_kv(qkv, cos_table, sin_table, positions, slots, q, self.k_pool[index],
                                     self.v_pool[index], num_heads=nh, num_kv_heads=nkv, head_dim=d)
                 attend(q, index, attn)
             if fold:  # h += o and h += down inside the products, each leaving x = h * the next norm's weight
@@ -700,6 +727,9 @@ class PagedCudaDecoder:
                 down = self._with_lora(lora, index, "down", act, F.linear(act, layer.down.weight))
             after = m.layers[index + 1].attn_norm if index + 1 < len(m.layers) else m.final_norm
             fused.add_rms_norm(down, h, after, x, eps)
+            if index < len(deepstack):  # Qwen3-VL's DeepStack rows into the image tokens' state, then x again
+                h.index_add_(0, images.rows, deepstack[index].to(h.dtype))
+                fused.add_rms_norm(None, h, after, x, eps)
         return x
 
     def _finish(self, h: torch.Tensor, batch: int, full_sampling: int, rows: torch.Tensor, s: StaticInputs) -> None:

@@ -1,0 +1,91 @@
+"""flared.execution.images: where a step's image rows go and which rope positions its rows take (what both
+executors place; the CUDA graph executor writes the flat positions into its frame and runs a prefill that feeds
+image tokens eagerly with the rows)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from flared.execution.images import feeds_images, flat_positions, place_images, rope_positions
+from flared.model.batch import ForwardBatch, SequenceChunk
+from flared.runtime.request import VisionInput
+
+
+def _state(positions, features=None, mrope=None, delta=0):
+    return types.SimpleNamespace(vision=VisionInput(np.asarray(positions, dtype=np.int64), features, (), mrope, delta))
+
+
+def _qwen_prompt():
+    """A prompt of 3 text tokens, a 2 x 2 image (4 tokens at its start position plus their row and column), 2 text
+    tokens: the text after it starts past the image's longer side."""
+    mrope = np.array([[0, 1, 2, 3, 3, 3, 3, 5, 6],
+                      [0, 1, 2, 3, 3, 4, 4, 5, 6],
+                      [0, 1, 2, 3, 4, 3, 4, 5, 6]], dtype=np.int64)
+    return mrope, 7 - 9  # the delta: the next position (7) less the prompt's length (9)
+
+
+def test_rows_of_image_tokens_the_step_feeds_take_the_towers_rows():
+    features = torch.arange(4 * 3, dtype=torch.float32).view(4, 3)
+    a = _state([3, 4, 5, 6], features)
+    text = types.SimpleNamespace(vision=None)
+    # participant 0: text (rows 0..4); participant 1: its prompt's tokens 5..9 (rows 5..9), image tokens 5 and 6
+    placed = place_images([text, a], [0, 5], [5, 5], [0, 5, 10], np.arange(10), hidden=3, device="cpu")
+    assert placed.rows.tolist() == [5, 6] and torch.equal(placed.values, features[2:4])
+    assert placed.deepstack is None and placed.mrope is None
+    assert feeds_images([text, a], [0, 5], [5, 5])
+    assert not feeds_images([text, a], [0, 7], [5, 5])  # past the image
+    assert place_images([text, a], [0, 7], [5, 2], [0, 5, 7], np.arange(7), hidden=3, device="cpu") is None
+    # a chunk that ends inside the image takes the rows it feeds
+    placed = place_images([a], [0], [5], [0, 5], np.arange(5), hidden=3, device="cpu")
+    assert placed.rows.tolist() == [3, 4] and torch.equal(placed.values, features[:2])
+
+
+def test_deepstack_rows_follow_the_embeddings():
+    features = torch.randn(2, 3 * 4)  # the embedding's 4 columns, then 2 DeepStack layers' 4 each
+    placed = place_images([_state([0, 1], features)], [0], [2], [0, 2], np.arange(2), hidden=4, device="cpu")
+    assert torch.equal(placed.values, features[:, :4])
+    assert len(placed.deepstack) == 2
+    assert all(torch.equal(d, features[:, 4 * (j + 1):4 * (j + 2)]) for j, d in enumerate(placed.deepstack))
+
+
+def test_3d_rope_positions_inside_and_past_the_prompt():
+    mrope, delta = _qwen_prompt()
+    qwen = _state([3, 4, 5, 6], torch.zeros(4, 2), mrope, delta)
+    text = types.SimpleNamespace(vision=None)
+    # a chunk of the prompt's tokens 2..8 beside a text participant's 3 rows at positions 40..42
+    out = rope_positions([text, qwen], [40, 2], [3, 7], [0, 3, 10], np.r_[40:43, 2:9])
+    assert out[:, :3].tolist() == [[40, 41, 42]] * 3
+    assert np.array_equal(out[:, 3:], mrope[:, 2:9])
+    assert flat_positions(out) is None  # the image's tokens: the 3D tables
+    # decode rows past the prompt: index + delta on all three, which is plain rope there
+    out = rope_positions([qwen, text], [9, 50], [1, 1], [0, 1, 2], np.array([9, 50]))
+    assert out.tolist() == [[7, 50]] * 3 and flat_positions(out).tolist() == [7, 50]
+    # the text after the image inside the prompt is flat too
+    assert flat_positions(rope_positions([qwen], [7], [2], [0, 2], np.array([7, 8]))).tolist() == [5, 6]
+    assert rope_positions([text], [0], [3], [0, 3], np.arange(3)) is None
+
+
+def test_a_step_with_3d_positions_but_no_image_rows_places_only_positions():
+    mrope, delta = _qwen_prompt()
+    placed = place_images([_state([3, 4, 5, 6], torch.zeros(4, 2), mrope, delta)], [9], [1], [0, 1], np.array([9]),
+                          hidden=2, device="cpu")
+    assert placed.rows.numel() == 0 and placed.mrope.tolist() == [[7]] * 3
+
+
+@pytest.mark.parametrize("with_images", [True, False])
+def test_apply_fills_the_forward_batch(with_images):
+    mrope, delta = _qwen_prompt()
+    features = torch.randn(4, 2)
+    chunk = SequenceChunk(list(range(9)), 0, [0])
+    batch = ForwardBatch.build([chunk], page_tokens=16)
+    state = _state([3, 4, 5, 6], features if with_images else None, mrope, delta)
+    place_images([state], [0], [9], [0, 9], np.arange(9), hidden=2, device="cpu").apply(batch)
+    assert batch.mrope_positions.tolist() == mrope.tolist()
+    if with_images:
+        assert batch.embed_rows.tolist() == [3, 4, 5, 6] and torch.equal(batch.embed_values, features)
+    else:  # (rows not made yet: nothing placed but the positions)
+        assert batch.embed_rows is None
