@@ -56,9 +56,9 @@ import torch
 from flared._fast.frames import DRAINING, EXCLUSIVE, WINDOW, CompletionTable, FrameRing
 from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
-from flared.execution.images import feeds_images, flat_positions, place_images, rope_positions
 from flared.execution.graphs import (ExecutionManifest, GraphSet, collector_paused, default_prefill_batch_shapes,
                                      pack_decode, pack_prefill, speculative_batch_sizes, speculative_rows)
+from flared.execution.images import feeds_images, flat_positions, place_images, rope_positions
 from flared.model.batch import ImageRows
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, RowDraws, draw_rows, row_logprobs
