@@ -572,17 +572,19 @@ class GraphExecutor:
                 return None
         if decode:  # (a prompt's image tokens are prefilled; a decode row is never one)
             raise ExecutionError("a decode step would feed image rows, which only prefills take", ErrorKind.EXECUTION)
+        # The rows were made on the default stream (the image tower on the model thread, the frontend's joining of a
+        # request's images): the model stream reads them after that work
+        self.model_stream.wait_stream(torch.cuda.default_stream(self.device))
         return place_images(rows, starts, counts, bounds, positions, hidden=self.model.config.hidden_size,
                             device=self.device)
 
     @contextlib.contextmanager
     def _images(self, images: ImageRows | None):
-        """The decoder's prefill places ``images`` while the block runs (on the model stream, after the work that
-        made their rows: the image tower's, on the model thread's default stream)."""
+        """The decoder's prefill places ``images`` while the block runs (on the model stream, which _place_images
+        made wait for the rows); their memory is not reused before the model stream's work on them is done."""
         if images is None:
             yield
             return
-        self.model_stream.wait_stream(torch.cuda.default_stream(self.device))
         for t in (images.values, images.mrope, *(images.deepstack or ())):
             if t is not None:
                 t.record_stream(self.model_stream)
