@@ -29,14 +29,16 @@ def serving_model(hf, device="cuda", dtype=torch.float32, max_positions=CONTEXT)
     return DecoderModel(config, tensors, dtype=dtype, device=device, max_positions=max_positions)
 
 
-def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=()):
-    """``graph_shapes``: an executor's ``graph_shapes`` (its multi-sequence prefill graphs); () = defaults."""
+def make_scheduler(concurrency=4, num_pages=128, chunk=128, graph_shapes=(), speculative_tokens=0, spec_max_rows=0):
+    """``graph_shapes``: an executor's ``graph_shapes`` (its multi-sequence prefill graphs); () = defaults.
+    ``speculative_tokens``: drafts a step (0: none), at most ``spec_max_rows`` tokens a step (an executor's)."""
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     return RequestScheduler(SchedulerConfig(
         model_identity=hashlib.sha256(b"cuda-tests").digest(), max_live_requests=concurrency, num_pages=num_pages,
         num_snapshots=16, page_tokens=PAGE_TOKENS, context_capacity=CONTEXT, prefill_chunk_size=chunk,
-        graph_shapes=tuple(graph_shapes)), PolicyConfig())
+        graph_shapes=tuple(graph_shapes), speculative_tokens=speculative_tokens,
+        speculative_max_rows=spec_max_rows), PolicyConfig())
 
 
 def make_executor(model, concurrency=4, num_pages=128, chunk=128, prefill_batch_shapes=(), lora=None,

@@ -154,6 +154,28 @@ def test_float32_qwen_vl_graph_tokens_equal_the_eager_executors(tiny_qwen_vl):
     _check_float32(core)
 
 
+def test_float32_qwen_vl_speculative_steps_keep_their_positions(tiny_qwen_vl):
+    """Speculative steps (decode graphs, a row per fed token) of requests with 3D positions: drafts that are the
+    plain tokens (a predicted output) are all kept only where every row turns at its shifted position."""
+    from flared.execution.offline import drive
+
+    family, _, core = tiny_qwen_vl
+    if family not in ("qwen2_vl", "qwen3_vl"):
+        pytest.skip(f"{family}: the 3D positions of qwen2_vl and qwen3_vl cover it")
+    core, model = _served(core, torch.float32)
+    prompts, visions = _requests(core, model)
+    plain, _ = _drive(model, prompts, visions, graphs=True)
+    ex = make_executor(model, speculative=4)
+    try:
+        sched = make_scheduler(graph_shapes=ex.graph_shapes, speculative_tokens=4, spec_max_rows=ex.spec_max_rows)
+        got = drive(sched, ex, prompts, [_params()] * len(prompts), visions=visions, speculate=True,
+                    predictions=plain)
+    finally:
+        ex.close()
+    assert got.tokens == plain
+    assert got.steps_by_kind["SPECULATIVE"] > 0 and sched.counters["speculative_accepted"] > NEW_TOKENS
+
+
 @pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
 def test_bf16_prefill_logits_with_images_match_the_eager_executors(family, request):
     _check_bf16(_core_of(request, family))
