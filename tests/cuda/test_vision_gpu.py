@@ -123,13 +123,13 @@ def _check_bf16(core_path):
     bf16 makes are a small part of those the images make."""
     core, model = _served(core_path, torch.bfloat16)
     prompts, visions = _requests(core, model)
-    graphs = _drive(model, prompts, visions, graphs=True, max_tokens=1)[1].log_softmax(-1)
-    eager = _drive(model, prompts, visions, graphs=False, max_tokens=1)[1].log_softmax(-1)
-    blind = _drive(model, prompts, [None] * len(prompts), graphs=True, max_tokens=1)[1].log_softmax(-1)
-    rows = [r for r in range(graphs.shape[0]) if torch.isfinite(graphs[r]).all() and graphs[r].abs().sum() > 0]
-    assert len(rows) >= len(prompts)
-    near = (graphs[rows] - eager[rows]).abs().max().item()
-    far = (graphs[rows] - blind[rows]).abs().max().item()
+    rows = list(range(1, 1 + len(prompts)))  # the requests' state rows (row 0 is the padding rows' scratch)
+    runs = [_drive(model, prompts, v, graphs=g, max_tokens=1)[1][rows]
+            for v, g in ((visions, True), (visions, False), ([None] * len(prompts), True))]
+    assert all(bool((r.abs().sum(-1) > 0).all()) for r in runs)  # every request's row holds its logits
+    graphs, eager, blind = (r.log_softmax(-1) for r in runs)
+    near = (graphs - eager).abs().max().item()
+    far = (graphs - blind).abs().max().item()
     print(f"{core_path.name}: graphs against eager {near:.4f}, against no images {far:.4f}")
     assert near < 0.1 * far, (near, far)
 
