@@ -47,7 +47,6 @@ Rules:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import numpy as np
@@ -58,7 +57,8 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, collector_paused, default_prefill_batch_shapes,
                                      pack_decode, pack_prefill, speculative_batch_sizes, speculative_rows)
-from flared.execution.images import feeds_images, flat_positions, place_images, rope_positions
+from flared.execution.images import (flat_positions, image_rows, place_images, rope_positions,
+                                     shifted_positions)
 from flared.model.batch import ImageRows
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, RowDraws, draw_rows, row_logprobs
@@ -527,13 +527,11 @@ class GraphExecutor:
         # model stream ahead of the launch (such a step has nothing in flight: the worker drains the window for it)
         if not apart:
             self.sampler.stage_grammar_masks([states[i] for i in grammar_rows])
-        if scoring or images is not None:
-            with self._images(images):
-                if scoring:
-                    self._forward_scoring(frame, plan, batch_cap, cap, scoring)
-                else:
-                    with torch.inference_mode():
-                        self.decoder.prefill(batch_cap, cap)
+        if scoring:
+            self._forward_scoring(frame, plan, batch_cap, cap, scoring, images)
+        elif images is not None:  # the prefill graph's forward, run eagerly with the image rows
+            with torch.inference_mode():
+                self.decoder.prefill(batch_cap, cap, images)
         else:
             cuda.graph_launch(execs[key], self._model_ptr)
         if apart:  # before the logprobs, which read the drawn tokens
@@ -557,42 +555,29 @@ class GraphExecutor:
         if all(getattr(s, "vision", None) is None for s in rows):
             return None
         starts = np.asarray(plan.token_starts, dtype=np.int64)[:n]
-        if decode:
-            counts, bounds = np.ones(n, dtype=np.int64), np.arange(n + 1)
-        else:
-            counts = np.asarray(plan.num_tokens, dtype=np.int64)[:n]
-            bounds = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
         positions = v[f + "positions"][:cap]
-        if not feeds_images(rows, starts, counts):
+        if decode:
+            positions[:n] = shifted_positions(rows, starts)
+            return None
+        counts = np.asarray(plan.num_tokens, dtype=np.int64)[:n]
+        bounds = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
+        if not image_rows(rows, starts, counts, bounds)[0]:
             mrope = rope_positions(rows, starts, counts, bounds, positions)
             flat = None if mrope is None else flat_positions(mrope)
             if flat is not None:
                 positions[:] = flat
             if mrope is None or flat is not None:
                 return None
-        if decode:  # (a prompt's image tokens are prefilled; a decode row is never one)
-            raise ExecutionError("a decode step would feed image rows, which only prefills take", ErrorKind.EXECUTION)
         # The rows were made on the default stream (the image tower on the model thread, the frontend's joining of a
-        # request's images): the model stream reads them after that work
+        # request's images): the model stream reads them after that work, and their memory is not reused before
+        # it has
         self.model_stream.wait_stream(torch.cuda.default_stream(self.device))
-        return place_images(rows, starts, counts, bounds, positions, hidden=self.model.config.hidden_size,
-                            device=self.device)
-
-    @contextlib.contextmanager
-    def _images(self, images: ImageRows | None):
-        """The decoder's prefill places ``images`` while the block runs (on the model stream, which _place_images
-        made wait for the rows); their memory is not reused before the model stream's work on them is done."""
-        if images is None:
-            yield
-            return
+        images = place_images(rows, starts, counts, bounds, positions, hidden=self.model.config.hidden_size,
+                              device=self.device)
         for t in (images.values, images.mrope, *(images.deepstack or ())):
             if t is not None:
                 t.record_stream(self.model_stream)
-        self.decoder.images = images
-        try:
-            yield
-        finally:
-            self.decoder.images = None
+        return images
 
     def _draw_grammar_rows(self, apart: list[int], rows, states) -> None:
         """Rows ``apart`` (participants under a grammar, graph_grammar) drawn behind the step's graph on the model
@@ -696,8 +681,8 @@ class GraphExecutor:
                 d.last_token.index_copy_(0, index, tokens)
         return consumed, generated, token_ids, kept
 
-    def _forward_scoring(self, frame: int, plan, batch_cap: int, cap: int, scoring) -> None:
-        """The prefill graph's forward run eagerly (inputs already uploaded), then each scoring participant's
+    def _forward_scoring(self, frame: int, plan, batch_cap: int, cap: int, scoring, images=None) -> None:
+        """The prefill graph's forward run eagerly (inputs already uploaded; ``images``: its image rows), then each scoring participant's
         log P(token[p] | tokens[:p]) for its positions from ``scoring``'s first index on: the chunk's first
         token from its state row's logits (the position before the chunk), every other from the final hidden
         state of the row before it, through the LM head in blocks of rows. Scores are read back here."""
@@ -709,7 +694,7 @@ class GraphExecutor:
         # the logits before each chunk, read before the forward overwrites the state rows
         before = d.state_logits.index_select(0, torch.as_tensor(state_rows[[i for i, _ in scoring]]).to(self.device))
         with torch.inference_mode():
-            hidden = d.prefill(batch_cap, cap)  # [cap, H], final-normed; the step's sampling ran as in the graph
+            hidden = d.prefill(batch_cap, cap, images)  # [cap, H], final-normed; the step's sampling ran as in the graph
             parts = []
             for k, (i, first) in enumerate(scoring):
                 offset, count = int(offsets[i]), int(counts[i])

@@ -41,20 +41,9 @@ def rope_positions(states, starts, counts, bounds, positions) -> np.ndarray | No
     return out
 
 
-def feeds_images(states, starts, counts) -> bool:
-    """Whether some participant's rows of the step are image tokens of its request's."""
-    for i, state in enumerate(states):
-        vision = getattr(state, "vision", None)
-        if vision is not None and len(vision.positions):
-            lo, hi = np.searchsorted(vision.positions, [int(starts[i]), int(starts[i]) + int(counts[i])])
-            if hi > lo:
-                return True
-    return False
-
-
-def place_images(states, starts, counts, bounds, positions, *, hidden: int, device) -> ImageRows | None:
-    """The step's image rows (those of its participants' image tokens it feeds) and, where a request has them,
-    every row's 3D rope positions; None where the step has neither."""
+def image_rows(states, starts, counts, bounds) -> tuple[list[np.ndarray], list[torch.Tensor]]:
+    """The step's rows that are image tokens of their requests' (one array a participant that has any) and the
+    tower's rows for them; empty lists where the step feeds no image token."""
     rows, values = [], []
     for i, state in enumerate(states):
         vision = getattr(state, "vision", None)
@@ -65,6 +54,27 @@ def place_images(states, starts, counts, bounds, positions, *, hidden: int, devi
         if hi > lo:
             rows.append(vision.positions[lo:hi] - start + int(bounds[i]))
             values.append(vision.features[lo:hi])
+    return rows, values
+
+
+def shifted_positions(states, starts) -> np.ndarray:
+    """Decode rows (one a participant, at prompt index ``starts[i]``): each row's plain-rope position. A request
+    with 3D positions turns a row past its prompt at its index plus the prompt's delta (a decode row is never an
+    image token); the others at their index."""
+    out = np.array(starts, dtype=np.int64)
+    for i, state in enumerate(states):
+        vision = getattr(state, "vision", None)
+        if vision is None or vision.mrope is None:
+            continue
+        index = int(out[i])
+        out[i] = vision.mrope[0, index] if index < vision.mrope.shape[1] else index + vision.mrope_delta
+    return out
+
+
+def place_images(states, starts, counts, bounds, positions, *, hidden: int, device) -> ImageRows | None:
+    """The step's image rows (those of its participants' image tokens it feeds) and, where a request has them,
+    every row's 3D rope positions; None where the step has neither."""
+    rows, values = image_rows(states, starts, counts, bounds)
     mrope = rope_positions(states, starts, counts, bounds, positions)
     if not rows and mrope is None:
         return None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flared.execution.images import feeds_images, flat_positions, place_images, rope_positions
+from flared.execution.images import flat_positions, image_rows, place_images, rope_positions, shifted_positions
 from flared.model.batch import ForwardBatch, SequenceChunk
 from flared.runtime.request import VisionInput
 
@@ -36,8 +36,9 @@ def test_rows_of_image_tokens_the_step_feeds_take_the_towers_rows():
     placed = place_images([text, a], [0, 5], [5, 5], [0, 5, 10], np.arange(10), hidden=3, device="cpu")
     assert placed.rows.tolist() == [5, 6] and torch.equal(placed.values, features[2:4])
     assert placed.deepstack is None and placed.mrope is None
-    assert feeds_images([text, a], [0, 5], [5, 5])
-    assert not feeds_images([text, a], [0, 7], [5, 5])  # past the image
+    rows, values = image_rows([text, a], [0, 5], [5, 5], [0, 5, 10])
+    assert [r.tolist() for r in rows] == [[5, 6]] and torch.equal(values[0], features[2:4])
+    assert image_rows([text, a], [0, 7], [5, 5], [0, 5, 10]) == ([], [])  # past the image
     assert place_images([text, a], [0, 7], [5, 2], [0, 5, 7], np.arange(7), hidden=3, device="cpu") is None
     # a chunk that ends inside the image takes the rows it feeds
     placed = place_images([a], [0], [5], [0, 5], np.arange(5), hidden=3, device="cpu")
@@ -64,6 +65,8 @@ def test_3d_rope_positions_inside_and_past_the_prompt():
     # decode rows past the prompt: index + delta on all three, which is plain rope there
     out = rope_positions([qwen, text], [9, 50], [1, 1], [0, 1, 2], np.array([9, 50]))
     assert out.tolist() == [[7, 50]] * 3 and flat_positions(out).tolist() == [7, 50]
+    assert shifted_positions([qwen, text], [9, 50]).tolist() == [7, 50]  # (decode rows: the same, row by row)
+    assert shifted_positions([qwen], [8]).tolist() == [6]  # (inside the prompt: its own, a text token's)
     # the text after the image inside the prompt is flat too
     assert flat_positions(rope_positions([qwen], [7], [2], [0, 2], np.array([7, 8]))).tolist() == [5, 6]
     assert rope_positions([text], [0], [3], [0, 3], np.arange(3)) is None

@@ -167,9 +167,6 @@ class PagedCudaDecoder:
         # The Sampler's bias and penalty tables (kernels.sampling.ShapeTables) the graphs' samplers shape rows
         # from; set before capture (GraphExecutor), None: no row is shaped.
         self.shape_tables = None
-        # A prefill's image rows (flared.model.batch.ImageRows: a vision core's image tokens, Qwen VL's 3D rope), set
-        # only around an eager run of ``prefill`` (GraphExecutor._images); the graphs take token ids only.
-        self.images = None
         # Per state row, the logits of its last computed position (snapshots and full-prompt hits read them).
         self.state_logits = torch.zeros(num_state_rows, c.vocab_size, dtype=torch.float32, device=self.device)
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
@@ -518,9 +515,11 @@ class PagedCudaDecoder:
             return self.k_pool[layer], self.v_pool[layer]
         return layer_pool(self.k_pool[layer], geometry), layer_pool(self.v_pool[layer], geometry)
 
-    def prefill(self, batch: int, capacity: int) -> torch.Tensor:
+    def prefill(self, batch: int, capacity: int, images=None) -> torch.Tensor:
         """A prefill chunk of ``capacity`` token rows over ``batch`` sequences from the static inputs; samples each
-        sequence's last row and returns the final-normed hidden states [capacity, H] (a scored step reads them)."""
+        sequence's last row and returns the final-normed hidden states [capacity, H] (a scored step reads them).
+        ``images``: the chunk's image rows (flared.model.batch.ImageRows), for an eager run only (the graphs take
+        token ids only: GraphExecutor._place_images)."""
         s = self.inputs
         block_tables = s.block_tables[:batch]
         meta = s.chunk_meta[:batch]
@@ -536,7 +535,7 @@ class PagedCudaDecoder:
                                            window=self.window if window is None else window, sinks=sinks,
                                            softcap=softcap, alibi=alibi)
 
-        positions, images, rope = s.positions[:capacity], self.images, None
+        positions, rope = s.positions[:capacity], None
         if images is not None and images.mrope is not None and not self.generic:
             # 3D rope (Qwen VL): each row's own cos and sin rows, made from its three positions, read at row i
             m = self.model
