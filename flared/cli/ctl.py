@@ -28,13 +28,17 @@ def _fail(e: Exception) -> None:
 
 
 def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", progress=None,
-                 capacities: dict[str, int] | None = None, stored: str | None = None) -> Path:
+                 capacities: dict[str, int] | None = None, stored: str | None = None,
+                 mmproj: str | None = None) -> Path:
     """A core path; ``default`` for the embedded model; a GGUF file or a Hugging Face checkpoint directory for its
     core in the cache (flared/core/sources.py). The last two are exported on first use, in ``dtype`` (``progress``
     hears how it goes), with ``capacities`` (export's --context, --concurrency, --kv-cache-mib, --prefill-chunk)
-    where given and their layer matrices stored as ``stored`` (export's --quantization) where it names one; a core's
-    own were fixed when it was exported."""
+    where given, their layer matrices stored as ``stored`` (export's --quantization) where it names one, and a GGUF's
+    image tower from ``mmproj`` (llama.cpp's file) where given; a core's own were fixed when it was exported."""
     capacities = {k: v for k, v in (capacities or {}).items() if v is not None}
+    if core == "default" and mmproj is not None:
+        raise CoreError("--mmproj goes with a GGUF model served directly, not the embedded model",
+                        ErrorKind.VALIDATION)
     if core == "default":
         from flared.core.default import ensure_default_core
 
@@ -42,7 +46,10 @@ def resolve_core(core: str, cache_dir: Path | None, dtype: str = "float32", prog
     from flared.core.sources import ensure_source_core, source_kind
 
     if source_kind(core) is not None:
-        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress, capacities, stored)
+        return ensure_source_core(core, cache_dir or default_cache_dir(), dtype, progress, capacities, stored, mmproj)
+    if mmproj is not None:
+        raise CoreError(f"--mmproj goes with a GGUF model served directly; {core} is a core (export it again with "
+                        "flarectl export MODEL.gguf --mmproj FILE)", ErrorKind.VALIDATION)
     if capacities:
         flags = ", ".join("--" + k.replace("_", "-") for k in capacities)
         raise CoreError(f"{core} is a core: its capacities were fixed when it was exported ({flags} apply to the "
@@ -92,8 +99,11 @@ def main() -> None:
                    "q4_1, or gguf (each at about the bits of its GGUF tensors). The core is then 0.3-0.6x the size "
                    "and loads without quantising; a GPU takes the values back to bfloat16 (flared run -q in "
                    "the core's format keeps them quantised there too).")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A GGUF model's image tower: llama.cpp's mmproj file (SmolVLM, Mistral Small 3.1, Qwen2-VL, "
+                   "Qwen2.5-VL, Qwen3-VL), read into the core so that it takes images.")
 def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk, kv_cache_mib, served_names, force,
-           quantization):
+           quantization, mmproj):
     """Export SOURCE (a Hugging Face directory, a .gguf file, or 'default') to a core."""
     from flared.core.export import ExportOptions, export_core
 
@@ -106,7 +116,7 @@ def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk,
         options = ExportOptions(dtype=dtype, context_tokens=context, concurrency=concurrency,
                                 page_tokens=page_tokens, prefill_chunk_tokens=prefill_chunk,
                                 kv_cache_mib=kv_cache_mib, served_names=tuple(served_names),
-                                quantization=quantization.lower() if quantization else None)
+                                quantization=quantization.lower() if quantization else None, mmproj=mmproj)
         started = time.monotonic()
         manifest = export_core(source, out, options, force=force)
     except FlareError as e:

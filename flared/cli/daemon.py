@@ -162,8 +162,10 @@ def main() -> None:
                    "same memory, half the bytes each decode step reads; default auto).")
 @_quantization_option
 @click.option("--enforce-eager", is_flag=True, default=None,
-              help="On a GPU, serve with torch's eager forward instead of CUDA graphs (vLLM's flag; slower; a vision "
-                   "core's images on a GPU need it).")
+              help="On a GPU, serve with torch's eager forward instead of CUDA graphs (vLLM's flag; slower).")
+@click.option("--mmproj", "-mm", "mmproj", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With a GGUF model: its image tower, llama.cpp's mmproj file (llama-server's flag; SmolVLM, "
+                   "Mistral Small 3.1, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so that the model takes images.")
 @click.option("--speculative-tokens", "--draft-max", "speculative_tokens", type=int, default=None,
               help="Speculative decoding: up to N draft tokens a step, copied from earlier in a request's prompt and "
                    "output (prompt lookup), or drafted by --speculative-model (default 0: off; 4 with a draft "
@@ -195,7 +197,7 @@ def run(core, model_option, config_path, host, port, port_file, api_key, queue_c
         api_key_file,
         admin_socket, no_admin_socket, no_dashboard, chat_template, allowed_origins, ssl_certfile, ssl_keyfile,
         no_webui, lora, lora_scaled, lora_modules, allow_runtime_lora_updating, max_loras, max_lora_rank,
-        max_cpu_loras, kv_cache_dtype, quantization, enforce_eager,
+        max_cpu_loras, kv_cache_dtype, quantization, enforce_eager, mmproj,
         speculative_tokens, speculative_model, draft_kv_tokens, draft_p_min, prompt_lookup_max, prompt_lookup_min,
         allowed_media_domains, allowed_local_media_path,
         no_media_fetch, limit_mm_per_prompt, debug_fail_after_steps, context, concurrency, kv_cache_mib, prefill_chunk,
@@ -269,7 +271,7 @@ def run(core, model_option, config_path, host, port, port_file, api_key, queue_c
     try:
         capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib,
                           prefill_chunk=prefill_chunk)
-        core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
+        core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization, mmproj)
         draft = speculative_model or config.speculative_model
         if draft is not None:  # (a GGUF or checkpoint exported once into the cache, as CORE is)
             config = dataclasses.replace(config, speculative_model=str(_draft_core_path(draft, cache_dir, dtype)))
@@ -302,7 +304,7 @@ def _image_limit(text: str) -> int:
 
 
 def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict, config,
-                  quantization: str | None):
+                  quantization: str | None, mmproj: str | None = None):
     """CORE's core (``_core_path``) and the config to serve it with: a GGUF file or checkpoint served directly is
     also known by the path given (as vLLM and llama.cpp's server name it), and on the CPU a GGUF's or a quantised
     checkpoint's layer matrices stay at about their bits, as llama.cpp's server keeps a GGUF's (--quantization gguf:
@@ -310,13 +312,13 @@ def _serving_core(core: str | None, cache_dir: Path | None, dtype: str, capaciti
     bitsandbytes directory's: integer 4-bit ones as q4_1, the rest as q8_0, sources.checkpoint_quantization):
     its cached core stores them so (flarectl export --quantization), where neither -q nor the config says
     otherwise and the core is bfloat16 (the kernels' input; a CPU without them exports float32). On a GPU the
-    graphs take bf16 weights: nothing changes."""
+    graphs take bf16 weights: nothing changes. ``mmproj``: a GGUF's image tower (llama.cpp's file), in its core."""
     from flared.core.sources import kept_quantization, served_source_name
 
     fmt, words = None, ""
     if quantization is None and config.quantization is None and dtype in ("auto", "bfloat16"):
         fmt, words = kept_quantization(core)
-    core_path = _core_path(core, cache_dir, dtype, capacities, stored=fmt)
+    core_path = _core_path(core, cache_dir, dtype, capacities, stored=fmt, mmproj=mmproj)
     if fmt is not None:
         log.info("%s holds its layers' weights as %s: each served at about its bits on the CPU (-q %s; -q none: "
                  "bfloat16), its cached core storing them so", core, words, fmt)
@@ -335,7 +337,7 @@ def _draft_core_path(draft: str, cache_dir: Path | None, dtype: str) -> Path:
 
 
 def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities: dict | None = None,
-               stored: str | None = None) -> Path:
+               stored: str | None = None, mmproj: str | None = None) -> Path:
     """CORE as given; the embedded default model's core where it is omitted, or a GGUF file's or a Hugging Face
     checkpoint directory's (flared/core/sources.py), each exported once into the cache in ``dtype`` (a source's
     layer matrices stored quantised where ``stored`` names a quantization)."""
@@ -355,7 +357,8 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities:
         notifier.status(text, extend_timeout_s=STARTUP_STAGE_EXTEND_S)
 
     try:
-        return Path(resolve_core(core or "default", cache_dir, dtype, progress, capacities, stored=stored))
+        return Path(resolve_core(core or "default", cache_dir, dtype, progress, capacities, stored=stored,
+                                 mmproj=mmproj))
     finally:
         notifier.close()
 

@@ -60,6 +60,8 @@ class ExportOptions:
     served_names: tuple[str, ...] = ()
     # "q8_0", "q4_1" or "gguf": the layer matrices stored quantised in the kernels' layout (quant.pack_layer_matrices)
     quantization: str | None = None
+    # llama.cpp's image tower (an mmproj GGUF) for a GGUF model: flared.model.mmproj
+    mmproj: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -118,12 +120,15 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     from flared.model.loader import read_source
 
     dtype = getattr(torch, options.dtype)
-    src = read_source(source, dtype=dtype)  # (quantized sources dequantized straight to the core's dtype)
+    # (quantized sources dequantized straight to the core's dtype)
+    src = read_source(source, dtype=dtype, mmproj=options.mmproj)
     assets = _read_gguf_assets(source) if src.source_kind == "gguf" else _read_hf_assets(source)
     config = src.config
     caps = _capacities(config, options)
 
     source_info = _source_info(source, src.source_kind)
+    if options.mmproj is not None:  # (the image tower's file, read beside the model's)
+        source_info["mmproj"] = {"name": Path(options.mmproj).name, "sha256": sha256_file(Path(options.mmproj))}
     if src.quantization is not None:  # (a GPTQ, AWQ, compressed-tensors or fp8 checkpoint, dequantised at read)
         source_info["quantization"] = src.quantization.describe()
     plan = _stored_plan(options.quantization, source_info)
@@ -155,7 +160,8 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     del shard
     vision = None
     if src.vision is not None:
-        processor = _read_image_processor(source, src.vision)
+        processor = _read_image_processor(source, src.vision, src.image_processor,
+                                          Path(options.mmproj) if options.mmproj else None)
         vision_tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
                           for k, t in src.vision_tensors.items()}
         save_file(vision_tensors, str(staging / VISION_WEIGHTS),
@@ -313,14 +319,19 @@ _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "p
                     "pixtral": "pixtral", "llava": "crop"}
 
 
-def _read_image_processor(src: Path, vision):
-    """The image processor a vision checkpoint's preprocessor_config.json (and processor_config.json) describe,
-    checked against the tower it feeds."""
+def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
+    """The image processor a vision checkpoint's preprocessor_config.json (and processor_config.json) describe, or
+    ``given`` (an mmproj's, as those files would say it), checked against the tower it feeds."""
     from flared.errors import FrontendError
     from flared.frontend.images import image_processor_from_hf
 
-    pre = _read_json(src / "preprocessor_config.json", required=True)
-    proc = _read_json(src / "processor_config.json", required=False)
+    if given is not None:
+        pre, proc = given
+        where = where_proc = mmproj
+    else:
+        pre = _read_json(src / "preprocessor_config.json", required=True)
+        proc = _read_json(src / "processor_config.json", required=False)
+        where, where_proc = src / "preprocessor_config.json", src / "processor_config.json"
     if not isinstance(pre, dict) or (proc is not None and not isinstance(proc, dict)):
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
@@ -328,24 +339,24 @@ def _read_image_processor(src: Path, vision):
     fixed = kind in ("tiles", "crop")  # a fixed number of image tokens per tile / image
     declared = (proc or {}).get("image_seq_len")
     if kind == "tiles" and declared is not None and declared != vision.image_seq_len:
-        raise CoreError(f"{src / 'processor_config.json'}: image_seq_len {declared} disagrees with the vision tower's "
+        raise CoreError(f"{where_proc}: image_seq_len {declared} disagrees with the vision tower's "
                         f"{vision.image_seq_len} rows per tile", ErrorKind.SOURCE_FORMAT)
     try:
         processor = image_processor_from_hf(pre, proc, image_seq_len=vision.image_seq_len if fixed else None)
     except FrontendError as e:
-        raise CoreError(f"{src / 'preprocessor_config.json'}: {e}", ErrorKind.SOURCE_FORMAT) from None
+        raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
     if processor.kind != kind:
-        raise CoreError(f"{src / 'preprocessor_config.json'}: its image processor ({processor.kind}) does not fit a "
+        raise CoreError(f"{where}: its image processor ({processor.kind}) does not fit a "
                         f"{vision.family} tower", ErrorKind.UNSUPPORTED_MODEL)
     if kind == "tiles" and processor.tile != vision.image_size:
-        raise CoreError(f"{src / 'preprocessor_config.json'}: tiles of {processor.tile} pixels, but the vision tower "
+        raise CoreError(f"{where}: tiles of {processor.tile} pixels, but the vision tower "
                         f"takes {vision.image_size}", ErrorKind.UNSUPPORTED_MODEL)
     if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):
-        raise CoreError(f"{src / 'preprocessor_config.json'}: crops of {processor.crop_width}x{processor.crop_height} "
+        raise CoreError(f"{where}: crops of {processor.crop_width}x{processor.crop_height} "
                         f"pixels, but the vision tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)
     if not fixed and (processor.patch_size, processor.merge_size, getattr(processor, "temporal_patch_size", 0)) != (
             vision.patch_size, vision.scale_factor, vision.temporal_patch_size):
-        raise CoreError(f"{src / 'preprocessor_config.json'}: patches of {processor.patch_size} pixels merged "
+        raise CoreError(f"{where}: patches of {processor.patch_size} pixels merged "
                         f"{processor.merge_size} x {processor.merge_size}, but the vision tower takes "
                         f"{vision.patch_size} and {vision.scale_factor}", ErrorKind.UNSUPPORTED_MODEL)
     return processor

@@ -54,15 +54,16 @@ def source_kind(path: str | os.PathLike) -> str | None:
 
 
 def source_core_dir(source: Path, cache_dir: Path, dtype: str, capacities: dict[str, int] | None = None,
-                    stored: str | None = None) -> Path:
+                    stored: str | None = None, mmproj: Path | None = None) -> Path:
     """Where ``source``'s core is cached: its name, a digest of its resolved path, the core format, the dtype, how
-    its layer matrices are stored (``stored``: export's --quantization) and any capacities asked for
-    (``capacity_suffix``)."""
+    its layer matrices are stored (``stored``: export's --quantization), any capacities asked for
+    (``capacity_suffix``) and a digest of the image tower's path (``mmproj``: export's --mmproj)."""
     resolved = source.resolve()
     digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in resolved.name.lower()).strip("-.") or "model"
+    tower = f"-mmproj{hashlib.sha256(str(Path(mmproj).resolve()).encode()).hexdigest()[:8]}" if mmproj else ""
     return Path(cache_dir) / "sources" / (f"{name}-{digest}-f{FORMAT_VERSION}-{dtype}{'-' + stored if stored else ''}"
-                                          f"{capacity_suffix(capacities)}")
+                                          f"{capacity_suffix(capacities)}{tower}")
 
 
 # The capacities a core served from the cache may be exported with: `flared run`'s options, `flarectl export`'s
@@ -81,8 +82,9 @@ def capacity_args(capacities: dict[str, int] | None) -> list[str]:
             for arg in (f"--{key.replace('_', '-')}", str(value))]
 
 
-def fingerprint(source: Path) -> dict:
-    """The source's files as {name: [size, mtime_ns]}: what a reused core must still match."""
+def fingerprint(source: Path, mmproj: Path | None = None) -> dict:
+    """The source's files (and the image tower's, ``mmproj``) as {name: [size, mtime_ns]}: what a reused core must
+    still match."""
     if source.is_file():
         files = [source]
     else:
@@ -91,32 +93,44 @@ def fingerprint(source: Path) -> dict:
     for p in files:
         st = p.stat()
         out[p.name] = [st.st_size, st.st_mtime_ns]
-    return {"source": str(source.resolve()), "files": out, "export": EXPORT_REVISION}
+    found = {"source": str(source.resolve()), "files": out, "export": EXPORT_REVISION}
+    if mmproj is not None:
+        st = Path(mmproj).stat()
+        found["mmproj"] = [str(Path(mmproj).resolve()), st.st_size, st.st_mtime_ns]
+    return found
 
 
 def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = "auto",
                        progress: Callable[[str], None] | None = None,
-                       capacities: dict[str, int] | None = None, stored: str | None = None) -> Path:
+                       capacities: dict[str, int] | None = None, stored: str | None = None,
+                       mmproj: str | os.PathLike | None = None) -> Path:
     """``source``'s core in the cache, exported first where it is missing or the source has changed since
     (``dtype`` "auto": default.preferred_dtype()). Its served name is export's (the file's or directory's name);
     the daemon adds the source as given (``served_source_name``). ``progress``, if given, hears a line when an
     export starts and every PROGRESS_S while it runs (the daemon tells systemd, whose start timeout a large
     model's export could pass). ``capacities`` (keys of CAPACITIES): export's flags of those names, a core of
     their own in the cache; ``stored``: export's --quantization (the layer matrices stored so, in bfloat16), a core
-    of its own too."""
+    of its own too; ``mmproj``: export's --mmproj (a GGUF's image tower, llama.cpp's file), likewise."""
     from flared.core.default import preferred_dtype
 
     source = Path(source)
     if source_kind(source) is None:
         raise CoreError(f"{source}: neither a core, a GGUF file nor a Hugging Face checkpoint directory",
                         ErrorKind.CORE_MISSING)
+    if mmproj is not None:
+        mmproj = Path(mmproj)
+        if source_kind(source) != "gguf":
+            raise CoreError(f"--mmproj goes with a GGUF model ({source} is not a GGUF file): a checkpoint directory "
+                            "holds its own image tower", ErrorKind.VALIDATION)
+        if not mmproj.is_file():
+            raise CoreError(f"--mmproj {mmproj}: no such file", ErrorKind.CORE_MISSING)
     if dtype == "auto":
         dtype = preferred_dtype()
     if stored is not None and dtype != "bfloat16":
         stored = None  # (stored quantised over bfloat16 only: a float32 core keeps them plain)
-    out = source_core_dir(source, cache_dir, dtype, capacities, stored)
+    out = source_core_dir(source, cache_dir, dtype, capacities, stored, mmproj)
     stamp = out.with_name(out.name + ".source.json")
-    wanted = fingerprint(source)
+    wanted = fingerprint(source, mmproj)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / ".export.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -126,7 +140,8 @@ def ensure_source_core(source: str | os.PathLike, cache_dir: Path, dtype: str = 
         print(f"flared: exporting {source} to {out}{again} (once)", file=sys.stderr)
         stamp.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "flared.cli.ctl", "export", str(source), "--out", str(out), "--dtype", dtype,
-               "--force", *capacity_args(capacities), *(["--quantization", stored] if stored else [])]
+               "--force", *capacity_args(capacities), *(["--quantization", stored] if stored else []),
+               *(["--mmproj", str(mmproj)] if mmproj else [])]
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=sys.stderr.fileno())  # (keep our stdout clean for --json callers)
         while True:

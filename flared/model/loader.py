@@ -76,6 +76,9 @@ class SourceModel:
     vision_tensors: dict[str, torch.Tensor] | None = None
     # A quantised checkpoint's quantization_config (flared.model.checkpoint_quant): its matrices are dequantised here.
     quantization: CheckpointQuantization | None = None
+    # An mmproj's image preparation (flared.model.mmproj), as a checkpoint's preprocessor_config.json and
+    # processor_config.json would say it; None: read them from the checkpoint directory.
+    image_processor: tuple[dict, dict] | None = None
 
 
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -286,16 +289,21 @@ def check_serving_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig,
             raise CoreError(f"{source}: tensor {name} has dtype {tensors[name].dtype}, expected a floating type")
 
 
-def read_source(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> SourceModel:
+def read_source(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                mmproj: str | os.PathLike | None = None) -> SourceModel:
     """Read a Hugging Face checkpoint directory or a ``.gguf`` file. ``dtype``: the dtype the reader's caller will
     serve in; a GGUF's matrices, dequantized to float32 one at a time, are kept in it (an export to bfloat16 then holds
     the model at 2 bytes a weight, not 4), its vectors (norms, biases) in float32; so are a block-scaled fp8
-    checkpoint's dequantized matrices (float32 when no dtype is given)."""
+    checkpoint's dequantized matrices (float32 when no dtype is given). ``mmproj``: llama.cpp's image tower for a
+    GGUF model (flared.model.mmproj)."""
     p = Path(path)
+    if mmproj is not None and not (p.is_file() and p.suffix.lower() == ".gguf"):
+        raise CoreError(f"--mmproj goes with a GGUF model ({p} is not a .gguf file): a checkpoint directory holds "
+                        "its own image tower", ErrorKind.VALIDATION)
     if p.is_dir():
         return _read_hf_dir(p, dtype)
     if p.is_file() and p.suffix.lower() == ".gguf":
-        return _read_gguf(p, dtype)
+        return _read_gguf(p, dtype, mmproj)
     if not p.exists():
         raise CoreError(f"model source {p} does not exist", ErrorKind.CORE_MISSING)
     raise CoreError(f"model source {p} is neither a checkpoint directory nor a .gguf file", ErrorKind.SOURCE_FORMAT)
@@ -1202,6 +1210,8 @@ _GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "ge
                        "qwen35moe": "qwen3_next", "lfm2": "lfm2", "lfm2moe": "lfm2", "granitehybrid": "llama",
                        "nemotron_h": "llama", "nemotron_h_moe": "llama", "falcon-h1": "llama", "jamba": "llama",
                        "mamba": "llama", "mamba2": "llama", "dots1": "qwen3", "deepseek2": "deepseek2",
+                       # the Qwen VL decoders (their mRoPE split is the image tower's: flared.model.mmproj)
+                       "qwen2vl": "qwen2", "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3",
                        "ernie4_5": "llama", "ernie4_5-moe": "llama", "hunyuan-dense": "llama", "hunyuan-moe": "llama",
                        "llama4": "llama", "arcee": "llama", "granitemoe": "llama", "olmoe": "llama",
                        "starcoder2": "llama", "gemma4": "gemma4", "mistral3": "llama", "gpt2": "llama",
@@ -1851,7 +1861,7 @@ def _gguf_yarn(reader, arch: str, source: str, need, *, log_multiplier: bool = F
     return yarn_parameters(scaling, {})
 
 
-def _unpermute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time permutation of q/k rows (per head: interleaved
     rope pairs -> rotate-half halves)."""
     half = rows.shape[0] // num_heads // 2
@@ -1877,16 +1887,53 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
+def gguf_tensor_values(t, dtype: torch.dtype | None, source: str) -> torch.Tensor:
+    """A GGUF tensor (GGUFFile's) as a torch tensor of its shape: a matrix in ``dtype`` (None: float32), a vector in
+    float32."""
     from gguf.quants import dequantize
 
+    try:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if _fast_gguf is not None and int(t.tensor_type) in _fast_gguf.TYPES:  # (C: the same values, ~10-50x)
+            # a matrix for a bf16 export straight to bf16, rounded as .to(torch.bfloat16) rounds
+            direct = dtype == torch.bfloat16 and len(shape) >= 2
+            values = torch.from_numpy(_fast_gguf.dequantize(int(t.tensor_type), t.data, math.prod(shape),
+                                                            torch.get_num_threads(), direct)).reshape(shape)
+            if direct:
+                values = values.view(torch.bfloat16)
+        else:
+            # np.array copies: F32 tensors come back as read-only views of the file's memory map.
+            values = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+    except Exception as exc:
+        raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
+                        ErrorKind.SOURCE_FORMAT) from None
+    return values.to(dtype) if dtype is not None and values.dim() >= 2 else values
+
+
+def _read_gguf(path: Path, dtype: torch.dtype | None = None, mmproj: str | os.PathLike | None = None) -> SourceModel:
+    """A model GGUF, with the image tower of an mmproj GGUF beside it where ``mmproj`` names one
+    (flared.model.mmproj)."""
     from flared.frontend.gguf_metadata import GGUFFile
+    from flared.model.mmproj import is_mmproj, read_mmproj
 
     source = str(path)
     try:
         reader = GGUFFile(source)
     except Exception as exc:  # a truncated or foreign file fails inside numpy memmap/struct parsing
         raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    if is_mmproj(reader):
+        raise CoreError(f"{source} is an mmproj file (a model's image tower), not a model: give the model's GGUF, and "
+                        "this file with --mmproj", ErrorKind.SOURCE_FORMAT)
+    model = _read_gguf_model(reader, source, dtype)
+    if mmproj is not None:
+        tower = read_mmproj(mmproj, text_reader=reader, text_hidden_size=model.config.hidden_size,
+                            text_eps=model.config.rms_norm_eps, dtype=dtype)
+        model.vision, model.vision_tensors = tower.config, tower.tensors
+        model.image_processor = (tower.preprocessor, tower.processor)
+    return model
+
+
+def _read_gguf_model(reader, source: str, dtype: torch.dtype | None) -> SourceModel:
     config = _gguf_config(reader, source)
     arch = _gguf_field(reader, "general.architecture")
     # llama.cpp's converter permutes q/k rows for its interleaved rope: Llama's (Mixtral's) and SmolLM3's, not Phi-3's
@@ -1895,30 +1942,15 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None) -> SourceModel:
 
     raw: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        try:
-            shape = tuple(int(d) for d in reversed(t.shape))
-            if _fast_gguf is not None and int(t.tensor_type) in _fast_gguf.TYPES:  # (C: the same values, ~10-50x)
-                # a matrix for a bf16 export straight to bf16, rounded as .to(torch.bfloat16) rounds
-                direct = dtype == torch.bfloat16 and len(shape) >= 2
-                values = torch.from_numpy(_fast_gguf.dequantize(int(t.tensor_type), t.data, math.prod(shape),
-                                                                torch.get_num_threads(), direct)).reshape(shape)
-                if direct:
-                    values = values.view(torch.bfloat16)
-            else:
-                # np.array copies: F32 tensors come back as read-only views of the file's memory map.
-                values = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
-        except Exception as exc:
-            raise CoreError(f"{source}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantised: {exc}",
-                            ErrorKind.SOURCE_FORMAT) from None
+        values = gguf_tensor_values(t, dtype, source)
         if (permute or config.rope_interleaved and not config.kv_lora_rank) and (".attn_q." in t.name
                                                                                   or ".attn_k." in t.name):
             heads = config.num_heads if ".attn_q." in t.name else config.num_kv_heads
             if permute:
-                values = _unpermute_qk(values, heads)
+                values = unpermute_qk(values, heads)
             else:  # GLM-4's interleaved pairs, turned to rotate-half as from its checkpoint
                 values = interleaved_rope_rows(values, heads, config)
-        values = values.contiguous()
-        raw[t.name] = values.to(dtype) if dtype is not None and values.dim() >= 2 else values
+        raw[t.name] = values.contiguous()
         del values
 
     def take(name: str) -> torch.Tensor:

@@ -47,8 +47,9 @@ def permute_for_llama_cpp(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
-    """``matrix_type``: the matrices' ggml type, or a function of the tensor's GGUF name giving each its own."""
+def write_gguf(hf_dir, path, arch: str, matrix_type, extra=None) -> None:
+    """``matrix_type``: the matrices' ggml type, or a function of the tensor's GGUF name giving each its own;
+    ``extra(w)``, where given, adds keys and tensors of its own before the file is written."""
     import json
 
     from safetensors.numpy import load_file
@@ -220,6 +221,8 @@ def write_gguf(hf_dir, path, arch: str, matrix_type) -> None:
         if p + "self_attn.query_layernorm.weight" in t:  # (Hunyuan's)
             add(f"blk.{i}.attn_q_norm.weight", t[p + "self_attn.query_layernorm.weight"])
             add(f"blk.{i}.attn_k_norm.weight", t[p + "self_attn.key_layernorm.weight"])
+    if extra is not None:
+        extra(w)
     close_gguf(w)
 
 

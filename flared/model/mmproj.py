@@ -1,0 +1,292 @@
+"""llama.cpp's image towers: an mmproj GGUF (``llama-server -m model.gguf --mmproj mmproj.gguf``) read beside the
+model's own GGUF, as a vision tower of ours (``flared.model.vision``).
+
+An mmproj file is what llama.cpp's converter (``convert_hf_to_gguf.py --mmproj``) writes of a vision-language
+checkpoint's tower and projector: general.architecture "clip", the tower's sizes under ``clip.vision.*``, the
+projector's kind in ``clip.projector_type`` and the tensors renamed (``v.blk.{i}.attn_q``, ``mm.0``, ...). Its model
+GGUF holds the decoder and the tokenizer. This module undoes what the converter did, per projector:
+
+- ``idefics3`` (SmolVLM, Idefics3): SigLIP layers, q/k/v apart; the pixel-shuffle projector ``mm.model.fc``.
+- ``pixtral`` (Mistral Small 3.1 / 3.2, Mistral3): q/k rows permuted for llama.cpp's interleaved rope, undone here
+  as for a Llama GGUF's; the patch merger ``mm.patch_merger``, the norm ``mm.input_norm``, the MLP ``mm.1``/``mm.2``.
+- ``qwen2vl_merger``, ``qwen2.5vl_merger`` (Qwen2-VL, Qwen2.5-VL): the Conv3D patch embedding split by time into
+  ``v.patch_embd.weight`` and ``.weight.1``; q/k/v apart; the merger ``v.post_ln``, ``mm.0``, ``mm.2``;
+  Qwen2.5-VL's full-attention layers as every ``clip.vision.n_wa_pattern``-th.
+- ``qwen3vl_merger`` (Qwen3-VL, Qwen3.5): the same patch split (biased), fused qkv, the position table, and the
+  DeepStack mergers ``v.deepstack.{layer}.*`` under their tower layer's index.
+
+What the files do not record comes from elsewhere: the decoder's mRoPE split from the model GGUF's
+``{arch}.rope.dimension_sections``; the image token's id from its vocabulary; image preparation settings the mmproj
+lacks (resampling filter, Qwen's pixel bounds, SmolVLM's tiling) take the released processors' values, as
+transformers would read them from the checkpoint's preprocessor_config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from flared.errors import CoreError, ErrorKind
+from flared.model.vision import VisionConfig
+
+# clip.projector_type -> our vision family
+PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
+              "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl"}
+# the prompt token an image's rows replace, by family (in the model GGUF's vocabulary)
+IMAGE_TOKENS = {"idefics3": "<image>", "pixtral": "[IMG]", "qwen2_vl": "<|image_pad|>",
+                "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>"}
+# Released processors' pixel bounds (preprocessor_config.json): Qwen2-VL's and Qwen2.5-VL's min_pixels /
+# max_pixels, Qwen3-VL's size.shortest_edge / longest_edge
+_QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
+_QWEN25_WINDOW = 112  # transformers' Qwen2.5-VL window_size (pixels): the converter does not write it
+_ACTS = {"idefics3": "gelu_pytorch_tanh", "qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu",
+         "qwen3_vl": "gelu_pytorch_tanh"}
+
+
+@dataclasses.dataclass
+class MmprojTower:
+    """An mmproj file read: the tower's config and serving-layout tensors, and its image preparation as a Hugging
+    Face checkpoint's preprocessor_config.json and processor_config.json would say it."""
+
+    config: VisionConfig
+    tensors: dict[str, torch.Tensor]
+    preprocessor: dict[str, Any]
+    processor: dict[str, Any]
+
+
+def is_mmproj(reader) -> bool:
+    """Whether a GGUF read with GGUFFile is an mmproj (an image tower), not a model."""
+    arch = _field(reader, "general.architecture")
+    return arch == "clip" or _field(reader, "general.type") == "mmproj"
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_eps: float,
+                dtype: torch.dtype | None = None) -> MmprojTower:
+    """The tower an mmproj GGUF at ``path`` holds, for the model whose GGUF ``text_reader`` (a GGUFFile) read:
+    its hidden size ``text_hidden_size`` and RMSNorm epsilon ``text_eps`` (Pixtral's projector norm uses it).
+    Matrices are kept in ``dtype`` (None: float32), vectors in float32. Every mismatch is a CoreError naming the
+    file."""
+    from flared.frontend.gguf_metadata import GGUFFile
+    from flared.model.loader import gguf_tensor_values
+
+    source = str(path)
+    try:
+        reader = GGUFFile(source)
+    except Exception as exc:
+        raise CoreError(f"{source} is not a readable GGUF file: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    if not is_mmproj(reader):
+        raise CoreError(f"{source}: not an mmproj file (general.architecture is "
+                        f"{_field(reader, 'general.architecture')!r}, an image tower's is 'clip')",
+                        ErrorKind.SOURCE_FORMAT)
+    if not _field(reader, "clip.has_vision_encoder", False):
+        raise CoreError(f"{source}: this mmproj has no vision encoder (an audio tower is not supported)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    kind = _field(reader, "clip.vision.projector_type") or _field(reader, "clip.projector_type")
+    family = PROJECTORS.get(kind)
+    if family is None:
+        raise CoreError(f"{source}: projector type {kind!r} is not supported (supported: {', '.join(PROJECTORS)})",
+                        ErrorKind.UNSUPPORTED_MODEL)
+
+    def need(key: str):
+        value = _field(reader, f"clip.vision.{key}")
+        if value is None:
+            raise CoreError(f"{source}: mmproj metadata has no clip.vision.{key}", ErrorKind.SOURCE_FORMAT)
+        return value
+
+    raw = {t.name: gguf_tensor_values(t, dtype, source) for t in reader.tensors}
+    # (Pixtral's [IMG_BREAK] row, which the model GGUF's embedding holds too)
+    used = {"v.token_embd.img_break"}
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            value = raw[name]
+            used.add(name)
+            return value
+        except KeyError:
+            raise CoreError(f"{source}: mmproj has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+
+    projection = int(need("projection_dim"))
+    if projection != text_hidden_size:
+        raise CoreError(f"{source}: this image tower feeds a model of hidden size {projection}, but the model's is "
+                        f"{text_hidden_size}: it belongs to another model", ErrorKind.SOURCE_FORMAT)
+    text_arch = _field(text_reader, "general.architecture")
+    image_token = IMAGE_TOKENS[family]
+    tokens = _field(text_reader, "tokenizer.ggml.tokens") or []
+    try:
+        image_token_id = list(tokens).index(image_token)
+    except ValueError:
+        raise CoreError(f"{source}: the model's vocabulary has no {image_token} token, which a {kind} tower's "
+                        "images stand in for: this mmproj belongs to another model", ErrorKind.SOURCE_FORMAT) from None
+    eps = _field(reader, "clip.vision.attention.layer_norm_epsilon",
+                 1e-5 if family in ("idefics3", "pixtral") else 1e-6)
+    eps = float(f"{eps:.7g}")  # (a float32 in the file: the decimal the checkpoint's config gave, its 7 digits)
+    # (the MLP's width from its matrix: Qwen2-VL's converter writes the merger's output width as the feed-forward
+    # length, 1536 where the MLP is 5120 wide)
+    width = int(take("v.blk.0.ffn_up.weight").shape[0])
+    common = dict(
+        family=family, hidden_size=int(need("embedding_length")), intermediate_size=width,
+        num_layers=int(need("block_count")), num_heads=int(need("attention.head_count")),
+        patch_size=int(need("patch_size")), text_hidden_size=text_hidden_size, image_token_id=image_token_id,
+        layer_norm_eps=eps)
+    mean = [float(x) for x in need("image_mean")]
+    std = [float(x) for x in need("image_std")]
+    layers = common["num_layers"]
+    try:
+        if family == "idefics3":
+            config = VisionConfig(**common, image_size=int(need("image_size")), hidden_act=_ACTS[family],
+                                  scale_factor=int(_field(reader, "clip.vision.projector.scale_factor", 2)))
+            tensors = _idefics3(take, layers)
+            tile = config.image_size
+            preprocessor = {"image_processor_type": "Idefics3ImageProcessor",
+                            "size": {"longest_edge": int(_field(reader, "clip.vision.preproc_image_size", 4 * tile))},
+                            "max_image_size": {"longest_edge": tile}, "do_image_splitting": True,
+                            "image_mean": mean, "image_std": std}
+            processor = {"image_seq_len": config.image_seq_len}
+        elif family == "pixtral":
+            if "mm.patch_merger.weight" not in raw:
+                raise CoreError(f"{source}: a Pixtral tower without a patch merger (Pixtral 12B) is not supported",
+                                ErrorKind.UNSUPPORTED_MODEL)
+            config = VisionConfig(
+                **common, image_size=0, hidden_act="silu" if _field(reader, "clip.use_silu", False) else "gelu",
+                scale_factor=int(_field(reader, "clip.vision.spatial_merge_size", 2)),
+                rope_theta=float(_field(reader, "clip.rope.freq_base", 10000.0)), feature_layer=-1,
+                projector_bias="mm.1.bias" in raw, projector_eps=float(f"{text_eps:.7g}"))
+            tensors = _pixtral(take, config)
+            patch = config.patch_size
+            preprocessor = {"image_processor_type": "PixtralImageProcessor", "patch_size": patch,
+                            "size": {"longest_edge": int(need("image_size"))}, "image_mean": mean, "image_std": std}
+            processor = {"patch_size": patch, "spatial_merge_size": config.scale_factor, "image_token": "[IMG]",
+                         "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+        else:
+            config = _qwen_config(reader, family, common, text_reader, text_arch, raw, source, need)
+            tensors = _qwen(take, config)
+            lo, hi = _QWEN_PIXELS[family]
+            preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": config.patch_size,
+                            "temporal_patch_size": config.temporal_patch_size, "merge_size": config.scale_factor,
+                            "min_pixels": int(_field(reader, "clip.vision.image_min_pixels", lo)),
+                            "max_pixels": int(_field(reader, "clip.vision.image_max_pixels", hi)),
+                            "image_mean": mean, "image_std": std}
+            processor = {}
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad mmproj value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    unread = sorted(set(raw) - used)
+    if unread:  # (a variant of the tower this reader would misread without them)
+        raise CoreError(f"{source}: mmproj tensors this {kind} tower does not have: {', '.join(unread[:6])}",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    from flared.model.vision import check_vision_tensors
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    check_vision_tensors(tensors, config, source=source)
+    return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor, processor=processor)
+
+
+def _qwen_config(reader, family: str, common: dict, text_reader, text_arch: str, raw: dict, source: str,
+                 need: Callable) -> VisionConfig:
+    sections = _field(text_reader, f"{text_arch}.rope.dimension_sections")
+    if not sections or len(sections) < 3 or not all(int(x) > 0 for x in list(sections)[:3]):
+        raise CoreError(f"{source}: a {family} tower needs its model's mRoPE split ({text_arch}.rope."
+                        f"dimension_sections in the model GGUF, as a qwen2vl or qwen3vl GGUF holds it); the model "
+                        f"GGUF has {list(sections) if sections else 'none'}", ErrorKind.SOURCE_FORMAT)
+    extra: dict[str, Any] = {}
+    if family == "qwen2_5_vl":
+        pattern = int(need("n_wa_pattern"))
+        if pattern <= 0:
+            raise CoreError(f"{source}: clip.vision.n_wa_pattern must be positive, got {pattern}",
+                            ErrorKind.SOURCE_FORMAT)
+        extra = dict(window_size=int(_field(reader, "clip.vision.window_size", _QWEN25_WINDOW)),
+                     full_attention_layers=tuple(i for i in range(common["num_layers"]) if (i + 1) % pattern == 0))
+    elif family == "qwen3_vl":
+        if "v.position_embd.weight" not in raw:
+            raise CoreError(f"{source}: mmproj has no tensor v.position_embd.weight", ErrorKind.SOURCE_FORMAT)
+        flags = _field(reader, "clip.vision.is_deepstack_layers") or []
+        extra = dict(position_table=int(raw["v.position_embd.weight"].shape[0]),
+                     deepstack_layers=tuple(i for i, on in enumerate(flags) if on), mrope_interleaved=True)
+        declared = _field(text_reader, f"{text_arch}.n_deepstack_layers")
+        if declared is not None and int(declared) != len(extra["deepstack_layers"]):
+            raise CoreError(f"{source}: the tower has {len(extra['deepstack_layers'])} DeepStack layers, the model "
+                            f"takes {declared}: this mmproj belongs to another model", ErrorKind.SOURCE_FORMAT)
+    return VisionConfig(**common, image_size=0, hidden_act=_ACTS[family],
+                        scale_factor=int(_field(reader, "clip.vision.spatial_merge_size", 2)), temporal_patch_size=2,
+                        mrope_section=tuple(int(x) for x in list(sections)[:3]), **extra)
+
+
+def _both(take, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return take(name + ".weight"), take(name + ".bias")
+
+
+def _idefics3(take, layers: int) -> dict[str, torch.Tensor]:
+    out = {"patch_embed.weight": take("v.patch_embd.weight"), "patch_embed.bias": take("v.patch_embd.bias"),
+           "pos_embed.weight": take("v.position_embd.weight"), "post_norm.weight": take("v.post_ln.weight"),
+           "post_norm.bias": take("v.post_ln.bias"), "proj.weight": take("mm.model.fc.weight")}
+    for n in range(layers):
+        gp, sp = f"v.blk.{n}.", f"layers.{n}."
+        for kind in ("weight", "bias"):
+            out[f"{sp}qkv.{kind}"] = torch.cat([take(f"{gp}attn_{x}.{kind}") for x in "qkv"])
+            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", "ln2"), ("fc1", "ffn_up"),
+                                 ("fc2", "ffn_down")):
+                out[f"{sp}{ours}.{kind}"] = take(f"{gp}{theirs}.{kind}")
+    return out
+
+
+def _pixtral(take, c: VisionConfig) -> dict[str, torch.Tensor]:
+    from flared.model.loader import unpermute_qk
+
+    out = {"patch_embed.weight": take("v.patch_embd.weight"), "pre_norm.weight": take("v.pre_ln.weight"),
+           "proj_norm.weight": take("mm.input_norm.weight"), "merge.weight": take("mm.patch_merger.weight"),
+           "proj_fc1.weight": take("mm.1.weight"), "proj_fc2.weight": take("mm.2.weight")}
+    if c.projector_bias:
+        out.update({"proj_fc1.bias": take("mm.1.bias"), "proj_fc2.bias": take("mm.2.bias")})
+    for n in range(c.num_layers):
+        gp, sp = f"v.blk.{n}.", f"layers.{n}."
+        out.update({
+            sp + "norm1.weight": take(gp + "ln1.weight"), sp + "norm2.weight": take(gp + "ln2.weight"),
+            # (the converter permuted q and k for llama.cpp's interleaved 2D rope; ours rotates halves)
+            sp + "qkv.weight": torch.cat([unpermute_qk(take(gp + "attn_q.weight"), c.num_heads),
+                                          unpermute_qk(take(gp + "attn_k.weight"), c.num_heads),
+                                          take(gp + "attn_v.weight")]),
+            sp + "o.weight": take(gp + "attn_out.weight"),
+            sp + "gate_up.weight": torch.cat([take(gp + "ffn_gate.weight"), take(gp + "ffn_up.weight")]),
+            sp + "down.weight": take(gp + "ffn_down.weight")})
+    return out
+
+
+def _qwen(take, c: VisionConfig) -> dict[str, torch.Tensor]:
+    # the Conv3D's two time slices, split by the converter, stacked back along time
+    out = {"patch_embed.weight": torch.stack([take("v.patch_embd.weight"), take("v.patch_embd.weight.1")], dim=2)}
+    rms = c.family == "qwen2_5_vl"
+    out["merger_norm.weight"] = take("v.post_ln.weight")
+    if not rms:
+        out["merger_norm.bias"] = take("v.post_ln.bias")
+    out["merger_fc1.weight"], out["merger_fc1.bias"] = _both(take, "mm.0")
+    out["merger_fc2.weight"], out["merger_fc2.bias"] = _both(take, "mm.2")
+    if c.family == "qwen3_vl":
+        out.update({"patch_embed.bias": take("v.patch_embd.bias"), "pos_embed.weight": take("v.position_embd.weight")})
+        for j, layer in enumerate(c.deepstack_layers):  # (stored under the tower layer each merger follows)
+            for ours, theirs in (("norm", "norm"), ("fc1", "fc1"), ("fc2", "fc2")):
+                out[f"deepstack.{j}.{ours}.weight"], out[f"deepstack.{j}.{ours}.bias"] = _both(
+                    take, f"v.deepstack.{layer}.{theirs}")
+    for n in range(c.num_layers):
+        gp, sp = f"v.blk.{n}.", f"layers.{n}."
+        for kind in ("weight", "bias"):
+            fused = f"{gp}attn_qkv.{kind}"
+            out[f"{sp}qkv.{kind}"] = take(fused) if c.family == "qwen3_vl" else torch.cat(
+                [take(f"{gp}attn_{x}.{kind}") for x in "qkv"])
+            out[f"{sp}o.{kind}"] = take(f"{gp}attn_out.{kind}")
+            if rms:
+                out[f"{sp}gate_up.{kind}"] = torch.cat([take(f"{gp}ffn_gate.{kind}"), take(f"{gp}ffn_up.{kind}")])
+                out[f"{sp}down.{kind}"] = take(f"{gp}ffn_down.{kind}")
+            else:
+                out[f"{sp}fc1.{kind}"] = take(f"{gp}ffn_up.{kind}")
+                out[f"{sp}fc2.{kind}"] = take(f"{gp}ffn_down.{kind}")
+        out[sp + "norm1.weight"], out[sp + "norm2.weight"] = take(gp + "ln1.weight"), take(gp + "ln2.weight")
+        if not rms:
+            out[sp + "norm1.bias"], out[sp + "norm2.bias"] = take(gp + "ln1.bias"), take(gp + "ln2.bias")
+    return out

@@ -1,0 +1,432 @@
+"""llama.cpp's image towers (mmproj GGUFs, `flared run model.gguf --mmproj mmproj.gguf`).
+
+Each tiny random vision checkpoint of the vision tests is converted here as llama.cpp's converter
+(convert_hf_to_gguf.py, `--mmproj`) converts its released counterpart: the model GGUF (decoder, tokenizer, chat
+template, the Qwen VL decoders' mRoPE split) and the mmproj (tower and projector, renamed by the gguf package's own
+tensor map, with the converter's splits and permutations). Read back, the two files must give the checkpoint's own
+decoder and tower bit for bit, and a daemon serving them must answer an image as the checkpoint's core does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from flared.errors import CoreError
+from flared.model.loader import read_source
+
+from ..conftest import build_tiny_qwen_vl
+from .test_gguf_families import permute_for_llama_cpp, write_gguf
+
+TEXT_ARCH = {"smolvlm": "llama", "mistral3": "llama", "qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl",
+             "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35"}
+
+
+def _load(hf_dir) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(hf_dir / "model.safetensors")
+
+
+def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tower tensors under the names released checkpoints give them (transformers 5 saves the
+    Qwen VL and Mistral3 towers under model.*, the releases hold visual.*, vision_tower.*, ...)."""
+    out = {}
+    for name, value in weights.items():
+        if family == "smolvlm":
+            if name.startswith(("model.vision_model.", "model.connector.")):
+                out[name] = value
+        elif family == "mistral3":
+            if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
+                out[name.removeprefix("model.")] = value
+        elif name.removeprefix("model.").startswith("visual."):
+            out[name.removeprefix("model.")] = value
+    return out
+
+
+# the decoder's tensors in a vision checkpoint (transformers 5's layouts, Mistral3's released one) -> a text
+# checkpoint's names; the tower's, which it leaves out
+TEXT_RENAMES = {"model.language_model.": "model.", "model.text_model.": "model.", "language_model.model.": "model.",
+                "language_model.lm_head.": "lm_head."}
+TOWER = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+         "model.multi_modal_projector.", "model.vision_model.", "model.connector.")
+
+
+def _text_weights(weights: dict) -> dict[str, np.ndarray]:
+    return {next((new + k[len(old):] for old, new in TEXT_RENAMES.items() if k.startswith(old)), k): value
+            for k, value in weights.items() if not k.startswith(TOWER)}
+
+
+def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int | None = None) -> None:
+    """An mmproj GGUF of ``hf_dir`` as llama.cpp's converter writes one (its MmprojModel subclasses for SmolVLM,
+    Mistral3, Qwen2-VL / Qwen2.5-VL and Qwen3-VL); ``feed_forward``: the feed-forward length it writes instead
+    of the config's."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    pre = json.loads((hf_dir / "preprocessor_config.json").read_text())
+    v, t = dict(cfg["vision_config"]), cfg["text_config"]
+    weights = _load(hf_dir)
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_vision_projection_dim(t["hidden_size"])
+    if family.startswith("qwen"):  # (the converter's renames of Qwen's vision config)
+        v.setdefault("image_size", 560)
+        if family in ("qwen3_vl", "qwen3_5"):
+            v["image_size"] = int(v["num_position_embeddings"] ** 0.5 * v["patch_size"])
+        v["num_attention_heads"], v["num_hidden_layers"] = v["num_heads"], v["depth"]
+        if "embed_dim" in v:  # (Qwen2-VL's: the converter writes its hidden_size, the merger's output, as the
+            # feed-forward length; the tower's MLP is embed_dim x mlp_ratio)
+            v["intermediate_size"], v["hidden_size"] = v["hidden_size"], v["embed_dim"]
+    w.add_vision_image_size(v["image_size"])
+    w.add_vision_patch_size(v["patch_size"])
+    w.add_vision_embedding_length(v["hidden_size"])
+    w.add_vision_feed_forward_length(feed_forward or v["intermediate_size"])
+    w.add_vision_block_count(v["num_hidden_layers"])
+    w.add_vision_head_count(v["num_attention_heads"])
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    # (the converter's map numbers blocks up to the tower's depth; the projector's mm.2 needs three with these tiny
+    # towers of two layers)
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(v["num_hidden_layers"], 3))
+
+    def mapped(name: str) -> str:
+        new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        return new
+
+    out: dict[str, np.ndarray] = {}
+    tower = _tower(weights, family)
+    if family == "smolvlm":
+        w.add_clip_projector_type("idefics3")
+        w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-5))
+        w.add_vision_projector_scale_factor(cfg.get("scale_factor", 2))
+        w.add_vision_use_gelu(True)
+        w.add_vision_preproc_image_size(pre.get("size", {}).get("longest_edge", v["image_size"]))
+        out = {mapped(name): value for name, value in tower.items()}
+    elif family == "mistral3":
+        w.add_clip_projector_type("pixtral")
+        w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-5))
+        if v.get("hidden_act", "gelu") == "silu":
+            w.add_vision_use_silu(True)
+        else:
+            w.add_vision_use_gelu(True)
+        w.add_vision_spatial_merge_size(cfg["spatial_merge_size"])
+        heads = v["num_attention_heads"]
+        for name, value in tower.items():
+            if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+                value = permute_for_llama_cpp(value, heads)
+            out[mapped(name)] = value
+        tok = json.loads((hf_dir / "tokenizer.json").read_text())
+        brk = next(a["id"] for a in tok["added_tokens"] if a["content"] == "[IMG_BREAK]")
+        out["v.token_embd.img_break"] = _text_weights(weights)["model.embed_tokens.weight"][brk]
+    elif family in ("qwen2_vl", "qwen2_5_vl"):  # (Qwen2VLVisionModel)
+        w.add_clip_projector_type("qwen2vl_merger" if family == "qwen2_vl" else "qwen2.5vl_merger")
+        if family == "qwen2_5_vl":
+            w.add_vision_use_silu(True)
+            full = v["fullatt_block_indexes"]
+            w.add_vision_n_wa_pattern(full[0] + 1)
+        w.add_vision_attention_layernorm_eps(cfg.get("rms_norm_eps", 1e-6))
+        for name, value in tower.items():
+            if ".qkv." in name:
+                c = value.shape[0] // 3
+                for j, x in enumerate("qkv"):
+                    out[mapped(name.replace("qkv", x))] = value[j * c:(j + 1) * c]
+            elif "patch_embed.proj.weight" in name:
+                out["v.patch_embd.weight"], out["v.patch_embd.weight.1"] = value[:, :, 0], value[:, :, 1]
+            else:
+                out[mapped(name)] = value
+    else:  # Qwen3-VL, Qwen3.5 (Qwen3VLVisionModel)
+        w.add_clip_projector_type("qwen3vl_merger")
+        w.add_vision_use_gelu(True)
+        w.add_vision_spatial_merge_size(v["spatial_merge_size"])
+        w.add_vision_attention_layernorm_eps(t.get("rms_norm_eps", 1e-6))
+        deepstack = v.get("deepstack_visual_indexes", [])
+        w.add_vision_is_deepstack_layers([i in deepstack for i in range(v["num_hidden_layers"])])
+        for name, value in tower.items():
+            if name.startswith("visual.deepstack_merger_list."):
+                index, rest = name.split(".", 3)[2:]
+                part, suffix = rest.split(".", 1)
+                kind = {"norm": gguf.MODEL_TENSOR.V_DS_NORM, "linear_fc1": gguf.MODEL_TENSOR.V_DS_FC1,
+                        "linear_fc2": gguf.MODEL_TENSOR.V_DS_FC2}[part]
+                out[gguf.TENSOR_NAMES[kind].format(bid=deepstack[int(index)]) + "." + suffix] = value
+            elif name.startswith("visual.merger."):
+                part, suffix = name.split(".", 2)[2].split(".", 1)
+                out[{"linear_fc1": "mm.0", "linear_fc2": "mm.2", "norm": "v.post_ln"}[part] + "." + suffix] = value
+            elif name == "visual.patch_embed.proj.weight":
+                out["v.patch_embd.weight"], out["v.patch_embd.weight.1"] = value[:, :, 0], value[:, :, 1]
+            elif name == "visual.patch_embed.proj.bias":
+                out["v.patch_embd.bias"] = value
+            else:
+                out[mapped(name)] = value
+    for name, value in out.items():
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 2 and matrix_type != Q.F32 and "position_embd" not in name:
+            w.add_tensor(name, gguf.quants.quantize(value, matrix_type), raw_dtype=matrix_type)
+        else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def add_tokenizer(w, hf_dir) -> None:
+    """The checkpoint's byte-level BPE tokenizer and chat template as a GGUF holds them (tokenizer.ggml.*)."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    vocab.update({a["content"]: a["id"] for a in tok["added_tokens"]})
+    tokens = [""] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if text in special else 1 for text in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
+                     ("pad_token", w.add_pad_token_id)):
+        if tcfg.get(key):
+            add(vocab[tcfg[key]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(tcfg["chat_template"])
+
+
+def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32) -> None:
+    """The checkpoint's decoder and tokenizer as llama.cpp's converter writes its model GGUF (its matrices
+    ``matrix_type``)."""
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    text = dict(cfg["text_config"])
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    weights = _text_weights(_load(hf_dir))
+    d = tmp_path / f"text-{family}-{matrix_type.name}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(text))
+    save_file(weights, d / "model.safetensors")
+    arch = TEXT_ARCH[family]
+
+    def extra(w):
+        add_tokenizer(w, hf_dir)
+        if arch in ("qwen2vl", "qwen3vl", "qwen35"):  # (the converter's mRoPE split, padded to four)
+            rope = text.get("rope_parameters") or text.get("rope_scaling")
+            w.add_rope_dimension_sections([*rope["mrope_section"], 0])
+        if arch == "qwen3vl":
+            w.add_uint32(f"{arch}.n_deepstack_layers", len(cfg["vision_config"].get("deepstack_visual_indexes", [])))
+
+    write_gguf(d, path, arch, matrix_type, extra)
+
+
+def _checkpoint(family, tmp_path_factory, request):
+    if family == "smolvlm":
+        return request.getfixturevalue("tiny_hf_smolvlm")
+    if family == "mistral3":
+        return request.getfixturevalue("tiny_mistral3")[0]
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp(f"hf-{family}"), family)
+
+
+@pytest.fixture(scope="module", params=["smolvlm", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def converted(request, tmp_path_factory):
+    """(family, checkpoint, model GGUF, mmproj GGUF)."""
+    family = request.param
+    hf_dir = _checkpoint(family, tmp_path_factory, request)
+    out = tmp_path_factory.mktemp(f"gguf-{family}")
+    write_model_gguf(hf_dir, out / "model.gguf", family, out)
+    write_mmproj(hf_dir, out / "mmproj.gguf", family)
+    return family, hf_dir, out / "model.gguf", out / "mmproj.gguf"
+
+
+def test_a_model_gguf_and_its_mmproj_read_as_the_checkpoint(converted):
+    family, hf_dir, model, mmproj = converted
+    ours = read_source(model, mmproj=mmproj)
+    theirs = read_source(hf_dir)
+    expected = theirs.vision
+    if family == "qwen2_5_vl":  # (the converter does not write the window: transformers' default, 112 pixels)
+        assert ours.vision.window_size == 112
+        expected = dataclasses.replace(expected, window_size=112)
+    assert ours.vision == expected
+    assert ours.config.rms_norm_eps == pytest.approx(theirs.config.rms_norm_eps, rel=1e-6)  # (a float32 there)
+    assert dataclasses.replace(ours.config, rms_norm_eps=theirs.config.rms_norm_eps) == theirs.config
+    for name in ("vision_tensors", "tensors"):
+        got, want = getattr(ours, name), getattr(theirs, name)
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert torch.equal(got[key], want[key]), (name, key)
+
+
+def test_the_tower_width_comes_from_its_matrices(tmp_path, tmp_path_factory):
+    """Qwen2-VL's converter writes the merger's output width (its vision config's hidden_size, 1536 for the 2B)
+    as clip.vision.feed_forward_length; the MLP is embed_dim x mlp_ratio (5120) wide. The reader takes the
+    width from the MLP's matrices."""
+    hf_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("hf-qwen2_vl"), "qwen2_vl")
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", "qwen2_vl", tmp_path)
+    write_mmproj(hf_dir, tmp_path / "mmproj.gguf", "qwen2_vl", feed_forward=1536)
+    ours = read_source(tmp_path / "model.gguf", mmproj=tmp_path / "mmproj.gguf").vision
+    assert ours == read_source(hf_dir).vision
+
+
+def test_an_mmproj_of_f16_and_q8_0_matrices_reads_near_its_values(converted, tmp_path):
+    family, hf_dir, model, _ = converted
+    if family not in ("smolvlm", "qwen2_vl"):
+        pytest.skip("one tiled and one patch tower cover the dequantisation")
+    theirs = read_source(hf_dir).vision_tensors
+    for qtype, tol in ((Q.F16, 1e-3), (Q.Q8_0, 2e-2)):
+        path = tmp_path / f"mmproj-{qtype.name}.gguf"
+        write_mmproj(hf_dir, path, family, matrix_type=qtype)
+        got = read_source(model, mmproj=path, dtype=torch.bfloat16).vision_tensors
+        for key, want in theirs.items():
+            assert got[key].dtype == (torch.bfloat16 if want.dim() >= 2 else torch.float32), key
+            scale = want.abs().max().item() or 1.0
+            assert (got[key].float() - want).abs().max().item() <= tol * scale + 1e-2, (qtype, key)
+
+
+def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, tmp_path):
+    from flared.core.export import ExportOptions, export_core
+
+    family, hf_dir, model, mmproj = converted
+    options = dict(concurrency=2, context_tokens=256, prefill_chunk_tokens=64)
+    ours = export_core(model, tmp_path / "ours", ExportOptions(**options, mmproj=str(mmproj))).vision
+    theirs = export_core(hf_dir, tmp_path / "theirs", ExportOptions(**options)).vision
+    assert ours["processor"]["kind"] == theirs["processor"]["kind"]
+    mine, want = dict(ours["processor"]), dict(theirs["processor"])
+    if family.startswith("qwen"):  # (the mmproj holds no pixel bounds: the released processors')
+        bounds = (65536, 16777216) if family in ("qwen3_vl", "qwen3_5") else (3136, 12845056)
+        assert (mine.pop("min_pixels"), mine.pop("max_pixels")) == bounds
+        want.pop("min_pixels"), want.pop("max_pixels")
+        if family == "qwen2_5_vl":
+            ours["config"]["window_size"] = theirs["config"]["window_size"]
+    for key in ("image_mean", "image_std"):  # (float32s in the file: the same values in the float32 arithmetic)
+        assert np.array_equal(np.float32(mine.pop(key)), np.float32(want.pop(key))), key
+    assert mine == want
+    assert ours["config"] == theirs["config"]
+
+
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
+def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, request, tmp_path_factory, tmp_path,
+                                                                   start_daemon):
+    """`flared run model.gguf --mmproj mmproj.gguf` (exported once into the cache) answers an image with the
+    greedy tokens the checkpoint's own core gives (that core's answers are transformers', tests/api)."""
+    from flared.core.export import ExportOptions, export_core
+    from flared_testing.vision import ask_greedy, noise_image, token_ids
+
+    hf_dir = _checkpoint(family, tmp_path_factory, request)
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", family, tmp_path)
+    write_mmproj(hf_dir, tmp_path / "mmproj.gguf", family)
+    reference = tmp_path / "reference"
+    export_core(hf_dir, reference, ExportOptions(concurrency=2, context_tokens=512, prefill_chunk_tokens=128))
+    image = noise_image(7, (70, 50))
+    answers = []
+    for core, args in ((reference, ()), (tmp_path / "model.gguf", (
+            "--mmproj", str(tmp_path / "mmproj.gguf"), "--dtype", "float32", "--context", "512",
+            "--concurrency", "2", "--prefill-chunk", "128", "--cache-dir", str(tmp_path / "cache")))):
+        daemon = start_daemon(core, *args)
+        body = ask_greedy(daemon, [image], "What is in the picture?", 8)
+        answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
+        status, models = daemon.request("GET", "/v1/models")
+        assert status == 200 and models["data"][0]["capabilities"]["vision"] is True, models
+        daemon.kill()
+    assert answers[1] == answers[0]
+    assert answers[0][0] > 20  # (the image's tokens are in the prompt)
+
+
+def test_a_quantised_gguf_with_an_f16_mmproj_serves_images_at_the_default_dtype(tmp_path, request,
+                                                                                  start_daemon):
+    """As llama.cpp's files come (Q8_0 layers, an F16 tower), served as `flared run` picks: on a CPU with the
+    bfloat16 kernels, the layers kept at their bits (-q gguf) and the tower in bfloat16."""
+    from flared_testing.vision import ask_greedy, noise_image
+
+    hf_dir = request.getfixturevalue("tiny_hf_smolvlm")
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", "smolvlm", tmp_path, matrix_type=Q.Q8_0)
+    write_mmproj(hf_dir, tmp_path / "mmproj.gguf", "smolvlm", matrix_type=Q.F16)
+    daemon = start_daemon(tmp_path / "model.gguf", "--mmproj", str(tmp_path / "mmproj.gguf"), "--context", "512",
+                          "--concurrency", "2", "--prefill-chunk", "128", "--cache-dir", str(tmp_path / "cache"))
+    body = ask_greedy(daemon, [noise_image(7, (70, 50))], "What is in the picture?", 8)
+    assert body["usage"]["prompt_tokens"] > 20 and body["usage"]["completion_tokens"] == 8
+    status, props = daemon.request("GET", "/props")
+    assert status == 200 and props["modalities"]["vision"] is True, props
+
+
+def _text_only_qwen2(hf_dir, tmp_path):
+    """The Qwen2-VL checkpoint's model GGUF under the plain qwen2 architecture: no mRoPE split."""
+    path = tmp_path / "qwen2.gguf"
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    text = {**cfg["text_config"], "tie_word_embeddings": False}
+    d = tmp_path / "text"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(text))
+    from safetensors.numpy import save_file
+
+    save_file(_text_weights(_load(hf_dir)), d / "model.safetensors")
+    write_gguf(d, path, "qwen2", Q.F32, lambda w: add_tokenizer(w, hf_dir))
+    return path
+
+
+def test_mmproj_mistakes_are_clear_errors(tmp_path, tmp_path_factory):
+    hf_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("hf-qwen2_vl"), "qwen2_vl")
+    model, mmproj = tmp_path / "model.gguf", tmp_path / "mmproj.gguf"
+    write_model_gguf(hf_dir, model, "qwen2_vl", tmp_path)
+    write_mmproj(hf_dir, mmproj, "qwen2_vl")
+    with pytest.raises(CoreError, match="is an mmproj file"):  # the tower given as the model
+        read_source(mmproj)
+    with pytest.raises(CoreError, match="not an mmproj file"):  # a model given as the tower
+        read_source(model, mmproj=model)
+    with pytest.raises(CoreError, match="goes with a GGUF model"):
+        read_source(hf_dir, mmproj=mmproj)
+    with pytest.raises(CoreError, match="mRoPE split"):  # a decoder without its mRoPE sections
+        read_source(_text_only_qwen2(hf_dir, tmp_path), mmproj=mmproj)
+    # another model's tower: its projection is another width
+    other = build_tiny_qwen_vl(tmp_path_factory.mktemp("hf-qwen3_vl"), "qwen3_vl")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["text_config"]["hidden_size"] = 48
+    (tmp_path / "wide").mkdir()
+    for f in ("preprocessor_config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / "wide" / f).write_bytes((other / f).read_bytes())
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(cfg))
+    write_mmproj(tmp_path / "wide", tmp_path / "wide.gguf", "qwen3_vl")
+    with pytest.raises(CoreError, match="hidden size 48"):
+        read_source(model, mmproj=tmp_path / "wide.gguf")
+    # a projector this reader does not know
+    w = gguf.GGUFWriter(str(tmp_path / "mlp.gguf"), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("mlp")
+    w.add_tensor("mm.0.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CoreError, match="projector type 'mlp' is not supported.*idefics3"):
+        read_source(model, mmproj=tmp_path / "mlp.gguf")
+
+
+def test_the_cached_core_of_a_gguf_and_its_mmproj(tmp_path, tmp_path_factory):
+    """ensure_source_core: the tower's file is part of the cached core's name and stamp (a new mmproj, or one
+    changed, exports again), and --mmproj beside a checkpoint directory or a core is refused."""
+    from flared.cli.ctl import resolve_core
+    from flared.core.sources import ensure_source_core, fingerprint, source_core_dir
+
+    hf_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("hf-qwen2_vl"), "qwen2_vl")
+    model, mmproj = tmp_path / "model.gguf", tmp_path / "mmproj.gguf"
+    write_model_gguf(hf_dir, model, "qwen2_vl", tmp_path)
+    write_mmproj(hf_dir, mmproj, "qwen2_vl")
+    cache = tmp_path / "cache"
+    plain = source_core_dir(model, cache, "float32")
+    assert source_core_dir(model, cache, "float32", mmproj=mmproj) != plain
+    assert "mmproj" in fingerprint(model, mmproj) and "mmproj" not in fingerprint(model)
+    core = ensure_source_core(model, cache, "float32", capacities={"context": 256, "concurrency": 2},
+                              mmproj=mmproj)
+    manifest = json.loads((core / "manifest.json").read_text())
+    assert manifest["capabilities"]["vision"] and manifest["source"]["mmproj"]["name"] == "mmproj.gguf"
+    with pytest.raises(CoreError, match="goes with a GGUF model"):
+        ensure_source_core(hf_dir, cache, "float32", mmproj=mmproj)
+    with pytest.raises(CoreError, match="is a core"):
+        resolve_core(str(core), cache, mmproj=str(mmproj))
+    with pytest.raises(CoreError, match="not the embedded model"):
+        resolve_core("default", cache, mmproj=str(mmproj))
