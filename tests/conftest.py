@@ -333,6 +333,50 @@ def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
     return d, out
 
 
+@pytest.fixture(scope="session")
+def tiny_pixtral(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Pixtral 12B (LLaVA's layout: Pixtral tower, LLaVA's biased
+    two-linear projector over every patch, Mistral decoder)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-pixtral")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": MISTRAL3_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(MISTRAL3_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 1, "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    text = dict(model_type="mistral", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, sliding_window=None, initializer_range=0.2,
+                bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"), tie_word_embeddings=False)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, patch_size=8, image_size=64, hidden_act="silu",
+                  initializer_range=0.2)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
+                         vision_feature_select_strategy="full", vision_feature_layer=-1, projector_hidden_act="gelu",
+                         multimodal_projector_bias=True, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # (wide projector weights, as the other towers' tests use)
+        if "projector" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "pixtral"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out
+
+
 # LLaVA-1.5's chat template, without transformers' {% generation %} markers.
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"

@@ -7,8 +7,9 @@ projector's kind in ``clip.projector_type`` and the tensors renamed (``v.blk.{i}
 GGUF holds the decoder and the tokenizer. This module undoes what the converter did, per projector:
 
 - ``idefics3`` (SmolVLM, Idefics3): SigLIP layers, q/k/v apart; the pixel-shuffle projector ``mm.model.fc``.
-- ``pixtral`` (Mistral Small 3.1 / 3.2, Mistral3): q/k rows permuted for llama.cpp's interleaved rope, undone here
-  as for a Llama GGUF's; the patch merger ``mm.patch_merger``, the norm ``mm.input_norm``, the MLP ``mm.1``/``mm.2``.
+- ``pixtral`` (Mistral Small 3.1 / 3.2, Mistral3; Pixtral 12B): q/k rows permuted for llama.cpp's interleaved rope,
+  undone here as for a Llama GGUF's; the patch merger ``mm.patch_merger`` and the norm ``mm.input_norm`` (Mistral3's
+  only), the MLP ``mm.1``/``mm.2``.
 - ``qwen2vl_merger``, ``qwen2.5vl_merger`` (Qwen2-VL, Qwen2.5-VL): the Conv3D patch embedding split by time into
   ``v.patch_embd.weight`` and ``.weight.1``; q/k/v apart; the merger ``v.post_ln``, ``mm.0``, ``mm.2``;
   Qwen2.5-VL's full-attention layers as every ``clip.vision.n_wa_pattern``-th.
@@ -151,12 +152,11 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
                             "image_mean": mean, "image_std": std}
             processor = {"image_seq_len": config.image_seq_len}
         elif family == "pixtral":
-            if "mm.patch_merger.weight" not in raw:
-                raise CoreError(f"{source}: a Pixtral tower without a patch merger (Pixtral 12B) is not supported",
-                                ErrorKind.UNSUPPORTED_MODEL)
+            merger = "mm.patch_merger.weight" in raw  # (Mistral Small 3.1's; Pixtral 12B's projector has none)
             config = VisionConfig(
                 **common, image_size=0, hidden_act="silu" if _field(reader, "clip.use_silu", False) else "gelu",
-                scale_factor=int(_field(reader, "clip.vision.spatial_merge_size", 2)),
+                scale_factor=int(_field(reader, "clip.vision.spatial_merge_size", 2)) if merger else 1,
+                patch_merger=merger,
                 rope_theta=float(_field(reader, "clip.rope.freq_base", 10000.0)), feature_layer=-1,
                 projector_bias="mm.1.bias" in raw, projector_eps=float(f"{text_eps:.7g}"))
             tensors = _pixtral(take, config)
@@ -240,8 +240,9 @@ def _pixtral(take, c: VisionConfig) -> dict[str, torch.Tensor]:
     from flared.model.loader import unpermute_qk
 
     out = {"patch_embed.weight": take("v.patch_embd.weight"), "pre_norm.weight": take("v.pre_ln.weight"),
-           "proj_norm.weight": take("mm.input_norm.weight"), "merge.weight": take("mm.patch_merger.weight"),
            "proj_fc1.weight": take("mm.1.weight"), "proj_fc2.weight": take("mm.2.weight")}
+    if c.patch_merger:
+        out.update({"proj_norm.weight": take("mm.input_norm.weight"), "merge.weight": take("mm.patch_merger.weight")})
     if c.projector_bias:
         out.update({"proj_fc1.bias": take("mm.1.bias"), "proj_fc2.bias": take("mm.2.bias")})
     for n in range(c.num_layers):

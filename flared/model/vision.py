@@ -93,6 +93,9 @@ class VisionConfig:
     projector_eps: float = 1e-5
     # llava (a CLIP tower): "default" drops the class token's row, "full" keeps it
     feature_select: str = "default"
+    # pixtral: Mistral3's projector (RMSNorm, the s x s patch merger, two linears); False: LLaVA's (Pixtral 12B: the
+    # two linears alone, each patch a row)
+    patch_merger: bool = True
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -115,6 +118,8 @@ class VisionConfig:
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
         if self.family in ("pixtral", "llava"):
+            if self.family == "pixtral" and not self.patch_merger and self.scale_factor != 1:
+                raise CoreError(f"a Pixtral tower without a patch merger takes scale_factor 1, got {self.scale_factor}")
             if self.feature_select not in ("default", "full"):
                 raise CoreError(f"vision feature_select {self.feature_select!r} must be default or full")
             if self.family == "llava" and (self.image_size <= 0 or self.image_size % self.patch_size):
@@ -191,9 +196,10 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     if family is None:
         return None
     v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
-    if family == "llava" and isinstance(v, dict) and v.get("model_type", "clip_vision_model") != "clip_vision_model":
-        raise CoreError(f"{source}: a llava vision tower of type {v.get('model_type')!r} is not supported (CLIP "
-                        "only)", ErrorKind.UNSUPPORTED_MODEL)
+    llava_tower = v.get("model_type", "clip_vision_model") if family == "llava" and isinstance(v, dict) else None
+    if llava_tower not in (None, "clip_vision_model", "pixtral"):
+        raise CoreError(f"{source}: a llava vision tower of type {llava_tower!r} is not supported (CLIP or "
+                        "Pixtral)", ErrorKind.UNSUPPORTED_MODEL)
     if family == "pixtral" and isinstance(v, dict) and v.get("model_type", "pixtral") != "pixtral":
         raise CoreError(f"{source}: a mistral3 vision tower of type {v.get('model_type')!r} is not supported",
                         ErrorKind.UNSUPPORTED_MODEL)
@@ -207,6 +213,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _qwen_vision_from_hf(family, hf, v, t)
         if family == "pixtral":
             return _pixtral_vision_from_hf(hf, v, t)
+        if llava_tower == "pixtral":  # Pixtral 12B: LLaVA's projector over a Pixtral tower
+            return _pixtral_vision_from_hf(hf, v, t, patch_merger=False)
         if family == "llava":
             return _llava_vision_from_hf(hf, v, t)
         return VisionConfig(
@@ -290,8 +298,14 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
         feature_select=str(hf.get("vision_feature_select_strategy", "default")))
 
 
-def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict, *, patch_merger: bool = True) -> VisionConfig:
+    """Mistral3's Pixtral tower and projector; ``patch_merger`` False: a llava config's (Pixtral 12B), whose
+    projector is LLaVA's two linears with biases over every patch ("full": no class row to drop)."""
     layer = _feature_layer(hf, -1)
+    if not patch_merger and hf.get("vision_feature_select_strategy", "default") != "full":
+        raise CoreError("a llava config with a Pixtral tower must select its features \"full\" (it has no class "
+                        f"token), got {hf.get('vision_feature_select_strategy', 'default')!r}",
+                        ErrorKind.UNSUPPORTED_MODEL)
     hidden, heads = int(v.get("hidden_size", 1024)), int(v.get("num_attention_heads", 16))
     if int(v.get("head_dim") or hidden // heads) != hidden // heads:
         raise CoreError("a pixtral head_dim other than hidden_size / heads is not supported",
@@ -301,11 +315,11 @@ def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
         family="pixtral", hidden_size=hidden, intermediate_size=int(v.get("intermediate_size", 4096)),
         num_layers=int(v.get("num_hidden_layers", 24)), num_heads=heads, patch_size=int(v.get("patch_size", 16)),
         image_size=0, layer_norm_eps=1e-5, hidden_act=str(v.get("hidden_act", "gelu")),
-        scale_factor=int(hf.get("spatial_merge_size", 2)),
+        scale_factor=int(hf.get("spatial_merge_size", 2)) if patch_merger else 1,
         text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("image_token_index", 10)),
         rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))), feature_layer=layer,
-        projector_bias=bool(hf.get("multimodal_projector_bias", False)),
-        projector_eps=float(t.get("rms_norm_eps", 1e-5)))
+        projector_bias=bool(hf.get("multimodal_projector_bias", not patch_merger)),
+        projector_eps=float(t.get("rms_norm_eps", 1e-5)), patch_merger=patch_merger)
 
 
 def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfig:
@@ -393,12 +407,14 @@ def _llava_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
 def _pixtral_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     """Pixtral (Mistral3): patch_embed.weight [D, 3, p, p] (no bias), pre_norm; per layer norm1, qkv (fused, no
     bias), o, norm2, gate_up [2I, D], down (RMSNorms, no biases); projector: proj_norm [D], merge
-    [D, D * s^2], proj_fc1 [hidden, D], proj_fc2 [hidden, hidden] (biases where projector_bias)."""
+    [D, D * s^2] (patch_merger only), proj_fc1 [hidden, D], proj_fc2 [hidden, hidden] (biases where
+    projector_bias)."""
     d, i, h = c.hidden_size, c.intermediate_size, c.text_hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "pre_norm.weight": (d,),
-        "proj_norm.weight": (d,), "merge.weight": (d, d * c.scale_factor ** 2),
         "proj_fc1.weight": (h, d), "proj_fc2.weight": (h, h)}
+    if c.patch_merger:
+        shapes.update({"proj_norm.weight": (d,), "merge.weight": (d, d * c.scale_factor ** 2)})
     if c.projector_bias:
         shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
     for n in range(c.num_layers):
@@ -554,8 +570,10 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
     prefix = "model." if "model.vision_tower.patch_conv.weight" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
     out = {"patch_embed.weight": take(vt + "patch_conv.weight"), "pre_norm.weight": take(vt + "ln_pre.weight"),
-           "proj_norm.weight": take(mp + "norm.weight"), "merge.weight": take(mp + "patch_merger.merging_layer.weight"),
            "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight")}
+    if c.patch_merger:
+        out.update({"proj_norm.weight": take(mp + "norm.weight"),
+                    "merge.weight": take(mp + "patch_merger.merging_layer.weight")})
     if c.projector_bias:
         out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
     for n in range(c.num_layers):
@@ -850,7 +868,8 @@ class PixtralVisionEncoder(_Tower):
     """Pixtral's tower with Mistral3's projector: one image (any size in whole patches) -> its rows
     [(h / s) * (w / s), hidden], merged blocks row-major (the order of the prompt's [IMG] tokens). Patch conv,
     RMSNorm, layers with a 2D rope (rows turn by the even frequencies, columns by the odd) and bidirectional
-    attention over the image, gated MLPs; then RMSNorm, the s x s patch merger, two linears with GELU."""
+    attention over the image, gated MLPs; then RMSNorm, the s x s patch merger, two linears with GELU (Pixtral
+    12B: the two linears alone, a row a patch)."""
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -890,9 +909,10 @@ class PixtralVisionEncoder(_Tower):
             # the gated MLP's activation: Pixtral's config names it (silu on the released models, gelu by default)
             x = x + F.linear(_activation(gate, c.hidden_act) * up, w[p + "down.weight"])
             yield
-        x = _rms(x, w["proj_norm.weight"], c.projector_eps)
-        blocks = F.unfold(x.view(h, wd, d).permute(2, 0, 1)[None], kernel_size=s, stride=s)  # [1, D*s*s, blocks]
-        x = F.linear(blocks[0].T, w["merge.weight"])
+        if c.patch_merger:  # (Mistral3's; Pixtral 12B's LLaVA projector takes every patch as it is)
+            x = _rms(x, w["proj_norm.weight"], c.projector_eps)
+            blocks = F.unfold(x.view(h, wd, d).permute(2, 0, 1)[None], kernel_size=s, stride=s)  # [1, D*s*s, n]
+            x = F.linear(blocks[0].T, w["merge.weight"])
         x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
 

@@ -23,7 +23,7 @@ from flared.model.loader import read_source
 from ..conftest import build_tiny_qwen_vl
 from .test_gguf_families import permute_for_llama_cpp, write_gguf
 
-TEXT_ARCH = {"smolvlm": "llama", "mistral3": "llama", "qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl",
+TEXT_ARCH = {"smolvlm": "llama", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl",
              "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35"}
 
 
@@ -41,7 +41,7 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
         if family == "smolvlm":
             if name.startswith(("model.vision_model.", "model.connector.")):
                 out[name] = value
-        elif family == "mistral3":
+        elif family in ("mistral3", "pixtral"):
             if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
                 out[name.removeprefix("model.")] = value
         elif name.removeprefix("model.").startswith("visual."):
@@ -108,14 +108,15 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
         w.add_vision_use_gelu(True)
         w.add_vision_preproc_image_size(pre.get("size", {}).get("longest_edge", v["image_size"]))
         out = {mapped(name): value for name, value in tower.items()}
-    elif family == "mistral3":
+    elif family in ("mistral3", "pixtral"):  # (LlavaVisionModel: Mistral3's, and Pixtral 12B's llava config)
         w.add_clip_projector_type("pixtral")
         w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-5))
         if v.get("hidden_act", "gelu") == "silu":
             w.add_vision_use_silu(True)
         else:
             w.add_vision_use_gelu(True)
-        w.add_vision_spatial_merge_size(cfg["spatial_merge_size"])
+        if "spatial_merge_size" in cfg:
+            w.add_vision_spatial_merge_size(cfg["spatial_merge_size"])
         heads = v["num_attention_heads"]
         for name, value in tower.items():
             if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
@@ -227,12 +228,13 @@ def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32) -> 
 def _checkpoint(family, tmp_path_factory, request):
     if family == "smolvlm":
         return request.getfixturevalue("tiny_hf_smolvlm")
-    if family == "mistral3":
-        return request.getfixturevalue("tiny_mistral3")[0]
+    if family in ("mistral3", "pixtral"):
+        return request.getfixturevalue(f"tiny_{family}")[0]
     return build_tiny_qwen_vl(tmp_path_factory.mktemp(f"hf-{family}"), family)
 
 
-@pytest.fixture(scope="module", params=["smolvlm", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.fixture(scope="module", params=["smolvlm", "mistral3", "pixtral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+                                        "qwen3_5"])
 def converted(request, tmp_path_factory):
     """(family, checkpoint, model GGUF, mmproj GGUF)."""
     family = request.param
@@ -272,10 +274,11 @@ def test_the_tower_width_comes_from_its_matrices(tmp_path, tmp_path_factory):
     assert ours == read_source(hf_dir).vision
 
 
-def test_an_mmproj_of_f16_and_q8_0_matrices_reads_near_its_values(converted, tmp_path):
-    family, hf_dir, model, _ = converted
-    if family not in ("smolvlm", "qwen2_vl"):
-        pytest.skip("one tiled and one patch tower cover the dequantisation")
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # (a tiled and a patch tower)
+def test_an_mmproj_of_f16_and_q8_0_matrices_reads_near_its_values(family, request, tmp_path_factory, tmp_path):
+    hf_dir = _checkpoint(family, tmp_path_factory, request)
+    model = tmp_path / "model.gguf"
+    write_model_gguf(hf_dir, model, family, tmp_path)
     theirs = read_source(hf_dir).vision_tensors
     for qtype, tol in ((Q.F16, 1e-3), (Q.Q8_0, 2e-2)):
         path = tmp_path / f"mmproj-{qtype.name}.gguf"
