@@ -377,6 +377,67 @@ def tiny_pixtral(tmp_path_factory) -> tuple[Path, Path]:
     return d, out
 
 
+# Gemma 3's chat template (as the checkpoints ship it, shortened): an image part is <start_of_image>.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' "
+    "else message['role'] }}\n{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# 64-pixel images in 8-pixel patches (8 x 8), pooled 2 x 2 into 16 image tokens.
+GEMMA3_PREPROCESSOR = {
+    "image_processor_type": "Gemma3ImageProcessor", "do_convert_rgb": True, "do_resize": True,
+    "size": {"height": 64, "width": 64}, "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": None,
+    "image_seq_length": 16}
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Gemma 3 (SigLIP tower, 2 x 2 average pool, Gemma RMSNorm and
+    projection; a Gemma 3 decoder of a windowed and a global layer), its core's prefill chunk 64 tokens."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-gemma3")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in
+                            ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                             "<end_of_image>", "<image_soft_token>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<end_of_turn>", "chat_template": GEMMA3_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(GEMMA3_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
+                                                         "image_seq_length": 16}))
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                initializer_range=0.05, bos_token_id=tok.token_to_id("<bos>"),
+                eos_token_id=tok.token_to_id("<end_of_turn>"))
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=8, initializer_range=0.2)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          image_token_index=tok.token_to_id("<image_soft_token>"),
+                          boi_token_index=tok.token_to_id("<start_of_image>"),
+                          eoi_token_index=tok.token_to_id("<end_of_image>"))
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # (SigLIP's and the projector's own inits ignore the range; the
+        # projection wide enough that the image rows outweigh the scaled text embeddings)
+        if "vision_tower" in name or "multi_modal_projector" in name:
+            torch.nn.init.normal_(param, std=1.0 if "mm_input_projection" in name else 0.2)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "gemma3"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=64))
+    return d, out
+
+
 # LLaVA-1.5's chat template, without transformers' {% generation %} markers.
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"

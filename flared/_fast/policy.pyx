@@ -372,6 +372,10 @@ cdef class SelectionPolicy:
                     break
                 r = <Request>x
                 take = min(r._take, remaining)
+                if take < r._take and r.atomic_spans:  # (a chunk that would end inside an image ends before it)
+                    take = r._cut(take)
+                    if take == 0:
+                        continue
                 cohort.append(r)
                 takes.append(take)
                 remaining -= take

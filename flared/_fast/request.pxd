@@ -105,6 +105,9 @@ cdef class Request:
     cdef readonly int32_t spec_cooldown
     # Its drafts kept and its rounds that rejected one, decayed (SPECULATIVE_DECAY a round): the chance that
     # its next draft is kept, spec_kept / (spec_kept + spec_rejected), prices each draft it is offered.
+    # Prompt spans [start, end) that one prefill chunk feeds whole (Gemma 3's images: their tokens attend to each
+    # other both ways), ascending; empty for most requests (RequestScheduler.admit's ``atomic_spans``).
+    cdef readonly list atomic_spans
     cdef readonly double spec_kept
     cdef readonly double spec_rejected
     # With a draft model (SchedulerConfig.drafter), the same record for the drafts copied instead (prompt lookup,
@@ -121,6 +124,7 @@ cdef class Request:
     cdef double _path_value
 
     cdef int64_t _next_stop(self)
+    cdef int64_t _cut(self, int64_t take)
 
 
 cdef class ScheduledPlan:

@@ -63,6 +63,22 @@ cdef class Request:
             return self.endpoints[0]
         return self.prompt_len
 
+    def cut(self, int64_t take):
+        return self._cut(take)
+
+    cdef int64_t _cut(self, int64_t take):
+        """The most of ``take`` prompt tokens from num_scheduled_tokens on that one chunk may feed: it may not end
+        inside an atomic span (0: a span that began before the chunk would be cut, so this chunk cannot take it)."""
+        cdef int64_t start = self.num_scheduled_tokens, end = start + take, a, b
+        if not self.atomic_spans:
+            return take
+        for a, b in self.atomic_spans:
+            if a >= end:
+                break
+            if a < end < b:
+                return a - start if a > start else 0
+        return take
+
     @property
     def num_private_pages(self):
         return self._block_table.shape[0] - self.num_shared_pages

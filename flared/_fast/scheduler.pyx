@@ -234,6 +234,7 @@ cdef class RequestScheduler:
         int64_t priority=0,
         bint speculate=False,
         prediction=(),
+        atomic_spans=(),
     ):
         """Admit a request; returns its handle.
 
@@ -243,7 +244,8 @@ cdef class RequestScheduler:
         ``speculate``: speculative steps may feed this request drafts (the caller vouches that its next tokens are
         the logits' argmax and nothing else: greedy, nothing that shapes the logits). ``prediction``: token ids
         the client expects the output to resemble (OpenAI's predicted outputs), where its drafts are looked up
-        first.
+        first. ``atomic_spans``: prompt spans (start, end) each fed whole by one prefill chunk (Gemma 3's images,
+        whose tokens attend to each other both ways); each must fit the prefill chunk.
         Raises AdmissionError (CONTEXT_LENGTH, VALIDATION, MODEL_CAPACITY).
         """
         prompt = np.array(prompt_tokens, dtype=np.int32).reshape(-1)
@@ -258,6 +260,15 @@ cdef class RequestScheduler:
                 f"{self.context_capacity}",
                 ErrorKind.CONTEXT_LENGTH,
             )
+        spans = sorted((int(a), int(b)) for a, b in atomic_spans)
+        for a, b in spans:
+            if not 0 <= a < b <= L:
+                raise AdmissionError(f"span {a}..{b} is not inside the prompt of {L} tokens", ErrorKind.VALIDATION)
+            if b - a > self.prefill_chunk_size:
+                raise AdmissionError(
+                    f"an image of {b - a} tokens must be fed in one prefill chunk, and this model's chunk is "
+                    f"{self.prefill_chunk_size} tokens (export the core with a larger --prefill-chunk)",
+                    ErrorKind.VALIDATION)
         cdef int32_t slot = -1, i
         for i in range(self.max_live_requests):
             if self._slots[i] is None:
@@ -324,6 +335,7 @@ cdef class RequestScheduler:
         r.num_computed_tokens = reused
         r.num_scheduled_tokens = reused
         r.endpoints = [endpoints[j] for j in order]
+        r.atomic_spans = spans
         r.endpoint_snapshots = [snapshot_ids[j] for j in order]
         r.terminal_snapshot = -1
         r.last_use_fence = 0

@@ -165,8 +165,8 @@ def main() -> None:
               help="On a GPU, serve with torch's eager forward instead of CUDA graphs (vLLM's flag; slower).")
 @click.option("--mmproj", "-mm", "mmproj", type=click.Path(exists=True, dir_okay=False), default=None,
               help="With a GGUF model: its image tower, llama.cpp's mmproj file (llama-server's flag; SmolVLM, "
-                   "Mistral Small 3.1, Pixtral 12B, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so that the model takes "
-                   "images.")
+                   "Mistral Small 3.1, Pixtral 12B, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so that the model "
+                   "takes images.")
 @click.option("--speculative-tokens", "--draft-max", "speculative_tokens", type=int, default=None,
               help="Speculative decoding: up to N draft tokens a step, copied from earlier in a request's prompt and "
                    "output (prompt lookup), or drafted by --speculative-model (default 0: off; 4 with a draft "

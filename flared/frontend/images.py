@@ -123,11 +123,19 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # OPENAI_CLIP_STD
 CLIP_IMAGE_TOKEN = "<image>"
 CROP_PROCESSOR_TYPES = ("CLIPImageProcessor", "LlavaImageProcessor")  # with or without a Fast / Pil suffix
+# transformers' Gemma 3 image processor defaults and Gemma3Processor's tokens (the released configs: 896 x 896, 256
+# image tokens)
+GEMMA3_IMAGE_TOKEN = "<image_soft_token>"
+GEMMA3_BOI_TOKEN = "<start_of_image>"
+GEMMA3_EOI_TOKEN = "<end_of_image>"
+BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
+SQUARE_PROCESSOR_TYPES = ("Gemma3ImageProcessor",)  # with or without a Fast / Pil suffix
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 _PIXTRAL_PROCESSOR_CLASSES = ("PixtralProcessor",)  # Pixtral-12B and Mistral3 alike
 _CROP_PROCESSOR_CLASSES = ("LlavaProcessor",)
+_SQUARE_PROCESSOR_CLASSES = ("Gemma3Processor",)
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -597,6 +605,12 @@ class _Processor:
 
     def _settings_bytes(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for an image, which ``prepare``'s prompt replaces: the image token (Gemma
+        3: its start-of-image token)."""
+        return self.image_token
 
     def _identity(self, image: DecodedImage) -> bytes:
         return hashlib.sha256(self.identity_tag + image.digest + self._settings_bytes()).digest()
@@ -1214,6 +1228,76 @@ class CropProcessor(_Processor):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class SquareProcessor(_Processor):
+    """Gemma 3 (transformers' ``Gemma3ImageProcessorPil`` without pan-and-scan) and the prompt text for one image:
+    the image resized to ``height`` x ``width`` whatever its aspect (one Pillow resize of the uint8 RGB image,
+    BILINEAR by default), rescaled and normalized; the chat template's start-of-image token becomes
+    Gemma3Processor's "\n\n<start_of_image>", ``image_seq_len`` image tokens, "<end_of_image>\n\n".
+    ``pixel_values`` is [3, height, width]."""
+
+    kind: ClassVar[str] = "square"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "square processor"
+    identity_tag: ClassVar[bytes] = b"flared.square-processor.v1\0"
+
+    height: int  # size.height
+    width: int  # size.width
+    image_seq_len: int  # image tokens the model makes of one image (from the vision tower)
+    image_token: str = GEMMA3_IMAGE_TOKEN
+    boi_token: str = GEMMA3_BOI_TOKEN
+    eoi_token: str = GEMMA3_EOI_TOKEN
+
+    def __post_init__(self):
+        for name in ("height", "width", "image_seq_len"):
+            _positive_int(name, getattr(self, name))
+        _check_pixel_settings(self)
+        for name in ("image_token", "boi_token", "eoi_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None, *,
+                image_seq_len: int | None) -> SquareProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
+        defaults for missing fields; ``image_seq_len``: the model's image tokens per image (its tower's), which a
+        processor config's ``image_seq_length`` must agree with. Pan-and-scan (``do_pan_and_scan``, off in the
+        released configs) is refused."""
+        cfg, proc = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, SQUARE_PROCESSOR_TYPES)
+        if image_seq_len is None:
+            raise _error("image processor setting 'image_seq_len' is needed for a square processor (Gemma 3)")
+        if cfg.get("do_pan_and_scan"):
+            raise _field_error("do_pan_and_scan", cfg["do_pan_and_scan"], "false (pan-and-scan crops are not read)")
+        declared = proc.get("image_seq_length", image_seq_len)
+        if declared != image_seq_len:
+            raise _error(f"processor setting 'image_seq_length' is {declared!r} but the model takes {image_seq_len} "
+                         "image tokens per image")
+        height, width = _crop_size("size", cfg.get("size", {"height": 224, "width": 224}))
+        return cls(height=height, width=width, **_pixel_settings(cfg, BILINEAR, HF_DEFAULT_MEAN, HF_DEFAULT_STD),
+                   image_seq_len=image_seq_len)
+
+    @property
+    def placeholder(self) -> str:
+        return self.boi_token
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        """How many image tokens ``prepare`` gives an image: always ``image_seq_len``."""
+        return self.image_seq_len
+
+    def prompt(self) -> str:
+        """The text for one image (transformers' ``Gemma3Processor.full_image_sequence``)."""
+        return f"\n\n{self.boi_token}{self.image_token * self.image_seq_len}{self.eoi_token}\n\n"
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        im = self._rgb(image)
+        if self.do_resize:
+            im = im.resize((self.width, self.height), resample=self.resample)
+        pixels = np.asarray(im)  # [H, W, 3] uint8
+        return PreparedImage(pixel_values=self._normalized(pixels.transpose(2, 0, 1), 0), rows=0, cols=0,
+                             prompt=self.prompt(), num_image_tokens=self.image_seq_len,
+                             identity=self._identity(image))
+
+
 # -------------------------------------------------------------------------------------------- dispatch
 
 def _family(cfg: dict, processor_config: dict) -> str:
@@ -1228,8 +1312,11 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return PixtralProcessor.kind
         if base in CROP_PROCESSOR_TYPES:
             return CropProcessor.kind
+        if base in SQUARE_PROCESSOR_TYPES:
+            return SquareProcessor.kind
         raise _field_error("image_processor_type", kind, " or ".join(
-            PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES))
+            PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES
+            + SQUARE_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
@@ -1238,12 +1325,14 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return PixtralProcessor.kind
         if cls_name in _CROP_PROCESSOR_CLASSES:
             return CropProcessor.kind
+        if cls_name in _SQUARE_PROCESSOR_CLASSES:
+            return SquareProcessor.kind
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
 
 
-ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor
+ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor | SquareProcessor
 
 
 def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
@@ -1260,6 +1349,8 @@ def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | 
         return PixtralProcessor.from_hf(preprocessor_config, processor_config)
     if family == CropProcessor.kind:
         return CropProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
+    if family == SquareProcessor.kind:
+        return SquareProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
@@ -1270,7 +1361,7 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
-    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor)
+    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor)
     for cls in classes:
         if kind == cls.kind:
             return cls.from_dict(d)

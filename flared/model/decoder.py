@@ -741,6 +741,7 @@ class DecoderModel:
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
         self._mrope_sections: torch.Tensor | None = None  # set_mrope
+        self.image_block_token: int | None = None  # set_image_blocks
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
@@ -784,6 +785,32 @@ class DecoderModel:
         else:
             slots = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
         self._mrope_sections = torch.cat((slots, slots)).to(self.device)
+
+    def set_image_blocks(self, token_id: int) -> None:
+        """Gemma 3's images: in a prefill, each run of ``token_id`` tokens (one image's) also attends forward within
+        itself, as transformers' token_type_ids mask has it (the full layers causal or the image's block, the
+        windowed ones their window and that). The scheduler keeps each image inside one prefill chunk
+        (Scheduler.admit's atomic_spans), so a chunk holds every key of its images."""
+        self.image_block_token = int(token_id)
+
+    def _image_blocks(self, batch: ForwardBatch) -> list:
+        """Each prefill group's [q_len, q_len] True where a query and a later key are image tokens of one image
+        (None for a group without image tokens), made once a batch."""
+        cache = batch.window_masks
+        if "image_blocks" not in cache:
+            blocks = []
+            for g in batch.prefill_groups:
+                image = batch.input_ids[g.row_start:g.row_end] == self.image_block_token
+                if not bool(image.any()):
+                    blocks.append(None)
+                    continue
+                first = image.clone()
+                first[1:] &= ~image[:-1]
+                run = torch.cumsum(first.long(), 0)  # (each image's rows share a number)
+                same = image[:, None] & image[None, :] & (run[:, None] == run[None, :])
+                blocks.append(same.triu(1))
+            cache["image_blocks"] = blocks
+        return cache["image_blocks"]
 
     def _mrope(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T, 1, d] rows of a rope table, slot j at positions[section of j]."""
@@ -1952,10 +1979,17 @@ class DecoderModel:
                 return o  # decode rows are then exactly rows 0..B-1 in order
             out.index_copy_(0, batch.decode_row_ids, o)
         window_masks = masking(batch)[1] if masking is not None else None
+        blocks = self._image_blocks(batch) if self.image_block_token is not None else None
         for gi, g in enumerate(batch.prefill_groups):
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]
-            if window_masks is None and g.attn_mask is None:
+            block = blocks[gi] if blocks is not None else None
+            if window_masks is None and g.attn_mask is None and block is not None:  # (Gemma 3's images: the
+                # chunk's own keys, causal or forward within an image)
+                keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
+                values = kv.as_stored(v[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)
+                mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril() | block
+            elif window_masks is None and g.attn_mask is None:
                 # No cached prefix: the chunk's own keys are the whole context, no gather needed (as the cache
                 # holds them: a float8 pool's rounding included).
                 keys = kv.as_stored(k[g.row_start:g.row_end]).transpose(0, 1).unsqueeze(0)  # [1, nkv, q_len, d]
@@ -1964,6 +1998,9 @@ class DecoderModel:
             else:  # (a windowed layer (Gemma 3), a chunked one (Llama 4): the keys it sees; else the group's mask)
                 keys, values = (x.unsqueeze(0) for x in kv.gather(cached, g.gather_slot_ids, geometry))  # [1, nkv, L, d]
                 mask = window_masks[gi] if window_masks is not None else g.attn_mask
+                if block is not None:  # (the chunk's keys are the last q_len: its images' later tokens among them)
+                    mask = mask.clone()
+                    mask[:, mask.shape[1] - q_len:] |= block
             bias = None
             if self.alibi is not None:  # (the group's queries the last q_len of its keys' positions)
                 length = keys.shape[2]

@@ -15,6 +15,9 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
   Qwen2.5-VL's full-attention layers as every ``clip.vision.n_wa_pattern``-th.
 - ``qwen3vl_merger`` (Qwen3-VL, Qwen3.5): the same patch split (biased), fused qkv, the position table, and the
   DeepStack mergers ``v.deepstack.{layer}.*`` under their tower layer's index.
+- ``gemma3`` (Gemma 3): SigLIP's layers as Idefics3's; the projector's RMSNorm ``mm.soft_emb_norm`` stored as 1 + w,
+  its projection ``mm.input_projection`` as transformers holds it ([tower width, hidden]); the pooling
+  (``projector.scale_factor``) written only where it is not 4.
 
 What the files do not record comes from elsewhere: the decoder's mRoPE split from the model GGUF's
 ``{arch}.rope.dimension_sections``; the image token's id from its vocabulary; image preparation settings the mmproj
@@ -35,15 +38,15 @@ from flared.model.vision import VisionConfig
 
 # clip.projector_type -> our vision family
 PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
-              "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl"}
+              "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl", "gemma3": "gemma3"}
 # the prompt token an image's rows replace, by family (in the model GGUF's vocabulary)
 IMAGE_TOKENS = {"idefics3": "<image>", "pixtral": "[IMG]", "qwen2_vl": "<|image_pad|>",
-                "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>"}
+                "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>", "gemma3": "<image_soft_token>"}
 # Released processors' pixel bounds (preprocessor_config.json): Qwen2-VL's and Qwen2.5-VL's min_pixels /
 # max_pixels, Qwen3-VL's size.shortest_edge / longest_edge
 _QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
 _QWEN25_WINDOW = 112  # transformers' Qwen2.5-VL window_size (pixels): the converter does not write it
-_ACTS = {"idefics3": "gelu_pytorch_tanh", "qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu",
+_ACTS = {"idefics3": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh", "qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu",
          "qwen3_vl": "gelu_pytorch_tanh"}
 
 
@@ -151,6 +154,16 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
                             "max_image_size": {"longest_edge": tile}, "do_image_splitting": True,
                             "image_mean": mean, "image_std": std}
             processor = {"image_seq_len": config.image_seq_len}
+        elif family == "gemma3":
+            # (the converter writes the pooling only where it is not the released models' 4 x 4)
+            config = VisionConfig(**common, image_size=int(need("image_size")), hidden_act=_ACTS[family],
+                                  scale_factor=int(_field(reader, "clip.vision.projector.scale_factor", 4)),
+                                  projector_eps=eps)
+            tensors = _gemma3(take, layers)
+            side = config.image_size
+            preprocessor = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": side, "width": side},
+                            "image_mean": mean, "image_std": std}
+            processor = {"image_seq_length": config.image_seq_len}
         elif family == "pixtral":
             merger = "mm.patch_merger.weight" in raw  # (Mistral Small 3.1's; Pixtral 12B's projector has none)
             config = VisionConfig(
@@ -226,6 +239,13 @@ def _idefics3(take, layers: int) -> dict[str, torch.Tensor]:
     out = {"patch_embed.weight": take("v.patch_embd.weight"), "patch_embed.bias": take("v.patch_embd.bias"),
            "pos_embed.weight": take("v.position_embd.weight"), "post_norm.weight": take("v.post_ln.weight"),
            "post_norm.bias": take("v.post_ln.bias"), "proj.weight": take("mm.model.fc.weight")}
+    out.update(_idefics3_layers(take, layers))
+    return out
+
+
+def _idefics3_layers(take, layers: int) -> dict[str, torch.Tensor]:
+    """SigLIP's layers (Idefics3's, Gemma 3's): q, k, v fused again."""
+    out = {}
     for n in range(layers):
         gp, sp = f"v.blk.{n}.", f"layers.{n}."
         for kind in ("weight", "bias"):
@@ -233,6 +253,18 @@ def _idefics3(take, layers: int) -> dict[str, torch.Tensor]:
             for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", "ln2"), ("fc1", "ffn_up"),
                                  ("fc2", "ffn_down")):
                 out[f"{sp}{ours}.{kind}"] = take(f"{gp}{theirs}.{kind}")
+    return out
+
+
+def _gemma3(take, layers: int) -> dict[str, torch.Tensor]:
+    out = _idefics3_layers(take, layers)
+    out.update({"patch_embed.weight": take("v.patch_embd.weight"), "patch_embed.bias": take("v.patch_embd.bias"),
+                "pos_embed.weight": take("v.position_embd.weight"), "post_norm.weight": take("v.post_ln.weight"),
+                "post_norm.bias": take("v.post_ln.bias"),
+                # (the converter stores the Gemma RMSNorm's weight as 1 + w, and the projection as transformers
+                # holds it, [D, hidden]: a linear's weight is its transpose)
+                "proj_norm.weight": take("mm.soft_emb_norm.weight") - 1,
+                "proj.weight": take("mm.input_projection.weight").T})
     return out
 
 

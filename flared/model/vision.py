@@ -49,7 +49,8 @@ from flared.errors import CoreError, ErrorKind
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
                          "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava",
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
-                         "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl"}
+                         "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
+                         "gemma3": "gemma3"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -60,7 +61,8 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 
 @dataclass(frozen=True)
 class VisionConfig:
-    family: str  # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP)
+    # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP) | "gemma3"
+    family: str
     hidden_size: int  # D
     intermediate_size: int  # I
     num_layers: int
@@ -69,7 +71,7 @@ class VisionConfig:
     image_size: int  # S: a tile's side in pixels (idefics3; 0 for the Qwen families' any-size images)
     layer_norm_eps: float
     hidden_act: str  # "gelu_pytorch_tanh" | "gelu" | "quick_gelu" (qwen2_vl) | "silu" (qwen2_5_vl's SwiGLU)
-    scale_factor: int  # pixel shuffle s (idefics3), the patch merge (Qwen: merge_size)
+    scale_factor: int  # pixel shuffle s (idefics3), the patch merge (Qwen: merge_size), the average pool (gemma3)
     text_hidden_size: int  # the decoder's hidden size
     image_token_id: int  # the prompt token whose embeddings the tower's rows replace
     # Qwen families: frames per patch, rope theta of the tower's 2D rope, the window of windowed layers (pixels,
@@ -162,8 +164,14 @@ class VisionConfig:
         return self.image_size // self.patch_size
 
     @property
+    def bidirectional_images(self) -> bool:
+        """An image's tokens attend to each other both ways in the decoder (Gemma 3's: its whole image is one
+        prefill chunk's)."""
+        return self.family == "gemma3"
+
+    @property
     def image_seq_len(self) -> int:
-        """Text-embedding rows one tile (llava: one image) becomes."""
+        """Text-embedding rows one tile (llava, gemma3: one image) becomes."""
         if self.family == "llava":
             return self.patches_per_side ** 2 + (self.feature_select == "full")
         return self.patches_per_side ** 2 // self.scale_factor ** 2
@@ -215,6 +223,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _pixtral_vision_from_hf(hf, v, t)
         if llava_tower == "pixtral":  # Pixtral 12B: LLaVA's projector over a Pixtral tower
             return _pixtral_vision_from_hf(hf, v, t, patch_merger=False)
+        if family == "gemma3":
+            return _gemma3_vision_from_hf(hf, v, t)
         if family == "llava":
             return _llava_vision_from_hf(hf, v, t)
         return VisionConfig(
@@ -242,7 +252,10 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     text_config; the Qwen VL families' Qwen2 (text_config, or the top level of older configs) with the mRoPE
     split taken out (a text token's three positions are equal, which is plain rope)."""
     family = HF_VISION_MODEL_TYPES[hf["model_type"]]
-    if family not in QWEN_FAMILIES:
+    if family == "gemma3":  # (Gemma 3 ties its embeddings unless the config says otherwise)
+        text = {**hf["text_config"], "model_type": "gemma3_text"}
+        text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
+    elif family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
         text.setdefault("model_type", "mistral" if family == "pixtral" else "llama")
     else:
@@ -282,6 +295,30 @@ def _feature_layer(hf: dict, default: int) -> int:
         raise CoreError(f"projector_hidden_act {hf.get('projector_hidden_act')!r} is not supported (only gelu)",
                         ErrorKind.UNSUPPORTED_MODEL)
     return layer
+
+
+def _gemma3_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    """Gemma 3's SigLIP tower (transformers' defaults: 896-pixel images in 14-pixel patches, 27 layers) and its
+    projector: the patches averaged in k x k blocks to ``mm_tokens_per_image`` rows (256), each through a Gemma
+    RMSNorm (the tower's epsilon) and a projection."""
+    if v.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise CoreError(f"a gemma3 vision tower of type {v.get('model_type')!r} is not supported (SigLIP only)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    image, patch = int(v.get("image_size", 896)), int(v.get("patch_size", 14))
+    tokens = int(hf.get("mm_tokens_per_image", 256))
+    per_side = math.isqrt(tokens)
+    if per_side ** 2 != tokens or image % patch or (image // patch) % per_side:
+        raise CoreError(f"mm_tokens_per_image {tokens} must be a square whose side divides the {image // patch} "
+                        "patches a side", ErrorKind.UNSUPPORTED_MODEL)
+    eps = float(v.get("layer_norm_eps", 1e-6))
+    return VisionConfig(
+        family="gemma3", hidden_size=int(v.get("hidden_size", 1152)), intermediate_size=int(v.get("intermediate_size",
+                                                                                                  4304)),
+        num_layers=int(v.get("num_hidden_layers", 27)), num_heads=int(v.get("num_attention_heads", 16)),
+        patch_size=patch, image_size=image, layer_norm_eps=eps, hidden_act=str(v.get("hidden_act",
+                                                                                      "gelu_pytorch_tanh")),
+        scale_factor=image // patch // per_side, text_hidden_size=int(t["hidden_size"]),
+        image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 262144))), projector_eps=eps)
 
 
 def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
@@ -362,6 +399,10 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d = c.hidden_size
     if c.family == "pixtral":
         return _pixtral_tensor_shapes(c)
+    if c.family == "gemma3":  # SigLIP's layers; projector: a Gemma RMSNorm [D] (1 + w) and proj [hidden, D]
+        return {"patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "patch_embed.bias": (d,),
+                "pos_embed.weight": (c.patches_per_side ** 2, d), "post_norm.weight": (d,), "post_norm.bias": (d,),
+                "proj_norm.weight": (d,), "proj.weight": (c.text_hidden_size, d), **_vit_layer_shapes(c)}
     if c.family == "llava":
         return _llava_tensor_shapes(c)
     if c.grid_based:
@@ -478,7 +519,8 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
-    to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving}.get(
+    to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving,
+                  "gemma3": _gemma3_vision_to_serving}.get(
         c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
     out = {k: v.contiguous() for k, v in to_serving(hf, c, take).items()}
     check_vision_tensors(out, c, source=source)
@@ -494,6 +536,26 @@ def _idefics3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Te
         "post_norm.weight": take(vm + "post_layernorm.weight"),
         "post_norm.bias": take(vm + "post_layernorm.bias"),
         "proj.weight": take("model.connector.modality_projection.proj.weight"),
+    }
+    out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", c.num_layers))
+    return out
+
+
+def _gemma3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    # (released checkpoints: vision_tower.vision_model.*; transformers saves its SigLIP tower's own names too)
+    vm = next((p for p in ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "vision_tower.",
+                           "model.vision_tower.") if p + "embeddings.patch_embedding.weight" in hf),
+              "vision_tower.vision_model.")
+    mp = ("model." if vm.startswith("model.") else "") + "multi_modal_projector."
+    out = {
+        "patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
+        "patch_embed.bias": take(vm + "embeddings.patch_embedding.bias"),
+        "pos_embed.weight": take(vm + "embeddings.position_embedding.weight"),
+        "post_norm.weight": take(vm + "post_layernorm.weight"),
+        "post_norm.bias": take(vm + "post_layernorm.bias"),
+        "proj_norm.weight": take(mp + "mm_soft_emb_norm.weight"),
+        # (a parameter the projector multiplies by from the right, [D, hidden]: as a linear's weight, transposed)
+        "proj.weight": take(mp + "mm_input_projection_weight").T,
     }
     out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", c.num_layers))
     return out
@@ -591,7 +653,7 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder}.get(
+    cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder, "gemma3": Gemma3VisionEncoder}.get(
         config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
 
@@ -660,6 +722,32 @@ class VisionEncoder(_Tower):
         h = h.permute(0, 2, 1, 3).reshape(n, side // s, side // s, d * s * s)  # [n, col block, row block, ...]
         h = h.permute(0, 2, 1, 3).reshape(n * (side // s) ** 2, d * s * s)
         return F.linear(h, w["proj.weight"])
+
+
+class Gemma3VisionEncoder(_Tower):
+    """Gemma 3's SigLIP tower and projector: one image [3, S, S] -> its rows [(S / p / k)^2, hidden]. Patch conv,
+    learned positions, LayerNorm layers with tanh-GELU MLPs, the post-LayerNorm; then each k x k block of patches
+    averaged (k = scale_factor), a Gemma RMSNorm (times 1 + w, in float32) and the projection."""
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
+        c, w = self.config, self.w
+        if grid is not None or tuple(pixel_values.shape) != (3, c.image_size, c.image_size):
+            raise ValueError(f"a Gemma 3 tower takes one [3, {c.image_size}, {c.image_size}] image, got "
+                             f"{tuple(pixel_values.shape)}")
+        d, side = c.hidden_size, c.patches_per_side
+        x = F.conv2d(pixel_values.to(self.device, self.dtype)[None], w["patch_embed.weight"], w["patch_embed.bias"],
+                     stride=c.patch_size)
+        x = x.flatten(2).transpose(1, 2) + w["pos_embed.weight"]  # [1, P, D]
+        for i in range(c.num_layers):
+            x = _vit_layer(x, w, f"layers.{i}.", c)
+            yield
+        x = F.layer_norm(x, (d,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
+        x = F.avg_pool2d(x[0].T.reshape(1, d, side, side), kernel_size=c.scale_factor, stride=c.scale_factor)
+        x = x.flatten(2)[0].T  # [(side / k)^2, D], pooled blocks row-major
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.projector_eps)
+        x = (normed * (1.0 + w["proj_norm.weight"].float())).to(x.dtype)
+        return F.linear(x, w["proj.weight"])
 
 
 def _activation(x: torch.Tensor, hidden_act: str) -> torch.Tensor:

@@ -500,7 +500,13 @@ class ModelRuntime:
                      f"; the LM head as {head}" if head is not None else "",
                      self._weights_info["product_bytes"] / 2**20,
                      sum(2 * lin.out_features * lin.in_features for lin in products) / 2**20)
-        if self.core.manifest.vision is not None:
+        model.vision_reason = None
+        if self.core.manifest.vision is not None and use_cuda and self.core.vision_config.bidirectional_images:
+            # (Gemma 3: the graphs' paged attention is causal over a chunk; an image's tokens attend both ways)
+            model.vision_reason = ("its images' tokens attend to each other both ways, which the CUDA graphs' "
+                                   "attention does not: serve with --enforce-eager for images")
+            log.warning("image tower not loaded: %s", model.vision_reason)
+        elif self.core.manifest.vision is not None:
             # The image tower runs between steps (VisionJob); its rows take the image tokens' places in the eager
             # executor's forward, and on the CUDA graph executor in an eager run of the prefill graph's forward
             # (the graphs take token ids only: GraphExecutor._place_images).
@@ -512,6 +518,8 @@ class ModelRuntime:
                                           device=model.device)
             if config.mrope_section:
                 model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
+            if config.bidirectional_images:
+                model.set_image_blocks(config.image_token_id)
             log.info("image tower (%s): %d layers in %s", config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))
         for f, ident in factors:
@@ -1037,6 +1045,22 @@ class ModelRuntime:
         held = [i for i in self.executor.decoder.lora.slot_adapter if i != -1 and i not in spared]
         return min(held, key=lambda i: self._lora_used.get(i, 0)) if held else None
 
+    def _atomic_spans(self, req) -> tuple:
+        """The prompt spans one prefill chunk must feed whole: each image's tokens where they attend to each other
+        both ways (Gemma 3: DecoderModel.set_image_blocks), else none."""
+        model = getattr(self.executor, "model", None)
+        if req.vision is None or getattr(model, "image_block_token", None) is None:
+            return ()
+        import numpy as np
+
+        positions = np.asarray(req.vision.positions)
+        if not len(positions):
+            return ()
+        breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # (an image's tokens are contiguous)
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [len(positions)]))
+        return tuple((int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends))
+
     def _admit(self, now: int) -> None:
         i = 0
         # With adapter swapping: adapters whose requests wait this turn. A request whose adapter finds every slot in
@@ -1079,7 +1103,8 @@ class ModelRuntime:
                     # can make there (SamplingParams.replayable on the CPU, graph_drawable on the GPU)
                     speculate=bool(self.spec_tokens) and req.score_from is None
                     and self.executor.speculates(req.params, grammar=req.grammar is not None),
-                    prediction=req.prediction)
+                    prediction=req.prediction,
+                    atomic_spans=self._atomic_spans(req))
                 if req.grammar is not None and live.grammar is None:
                     live.grammar = req.grammar.matcher()
                 if req.score_from is not None:

@@ -186,7 +186,7 @@ class ServingState:
             prepared = self._prepare_images(images) if images else ()
             if prepared:
                 kwargs["image_prompts"] = tuple(p.prompt for p in prepared)
-                kwargs["image_placeholder"] = self.image_processor.image_token
+                kwargs["image_placeholder"] = self.image_processor.placeholder
             rendered = self.frontend.render_chat(messages, **kwargs)
             if self.image_processor is not None:
                 # every image token must be one of the images' (a text that spells the image token, or an image
@@ -226,7 +226,9 @@ class ServingState:
     def _check_images(self, images) -> None:
         param, part = images[0]
         if not self.takes_images:
+            reason = getattr(getattr(self.runtime, "model", None), "vision_reason", None)
             why = ("this model takes text" if self.image_processor is None else
+                   f"this server did not load the model's image tower: {reason}" if reason else
                    "this server did not load the model's image tower")
             kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)

@@ -66,8 +66,9 @@ def test_a_gemma3_core_serves_transformers_tokens(gemma3, tmp_path):
 
 
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
-    """Gemma 3 4B and up ship as gemma3 (vision-language) checkpoints: export reads their text model (the
-    image tower is not read yet), and its logits are transformers' on text."""
+    """Gemma 3 4B and up ship as gemma3 (vision-language) checkpoints: export reads their text model and their
+    image tower (tests/api/test_vision_gemma3.py serves images), and the text model's logits are transformers' on
+    text."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     from flared.model.decoder import DecoderModel
@@ -84,7 +85,8 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
                                                      eoi_token_index=302)).eval()
     hf.save_pretrained(tmp_path)
     source = read_source(tmp_path)
-    assert source.config.architecture == "gemma3" and source.vision is None
+    assert source.config.architecture == "gemma3" and source.vision.family == "gemma3"
+    assert source.vision.image_seq_len == 4 and source.vision.image_token_id == 300
     model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
     prompts = make_prompts(400, seed=5)[:2]
     for prompt, (out, logits) in zip(prompts, run_paged_greedy(model, prompts, num_new_tokens=12, page_tokens=4,
