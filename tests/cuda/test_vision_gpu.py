@@ -237,3 +237,35 @@ def test_a_qwen_vl_core_takes_images_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, 
     if family not in ("qwen2_vl", "qwen3_vl"):  # (the other families' graphs: the executor tests above)
         pytest.skip(f"{family}: its images on the graphs are checked by the executor tests")
     _served_images_match_enforce_eager(checkpoint, tmp_path, start_daemon)
+
+
+def test_a_gemma3_core_takes_images_on_a_gpu_under_enforce_eager(tiny_gemma3, tmp_path, start_daemon):
+    """Gemma 3's image tokens attend to each other both ways, which the graphs' attention does not: on the CUDA
+    graphs an image part is a 400 that says so (text is served); under --enforce-eager the GPU answers an image
+    with the CPU's greedy tokens (float32; the CPU's are transformers', tests/api/test_vision_gemma3.py) and
+    log-probabilities."""
+    import io as _io
+
+    from PIL import Image
+
+    buf = _io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    core = tiny_gemma3[1]
+    graphs = start_daemon(core)
+    status, body = _image_chat(graphs, url)
+    assert status == 400 and "--enforce-eager" in body["error"]["message"], body
+    status, body = graphs.chat([{"role": "user", "content": "What?"}], max_tokens=4)
+    assert status == 200, body
+    graphs.kill()
+    answers = []
+    for args, env in ((("--enforce-eager",), None), ((), {"CUDA_VISIBLE_DEVICES": ""})):
+        d = start_daemon(core, *args, env=env)
+        status, body = _image_chat(d, url, return_tokens_as_token_ids=True)
+        assert status == 200, body
+        steps = body["choices"][0]["logprobs"]["content"]
+        answers.append(([s["token"] for s in steps], [s["logprob"] for s in steps]))
+        d.kill()
+    (gpu, gpu_lp), (cpu, cpu_lp) = answers
+    assert gpu == cpu
+    assert max(abs(a - b) for a, b in zip(gpu_lp, cpu_lp)) < 1e-3, (gpu_lp, cpu_lp)

@@ -25,6 +25,7 @@ _rng = np.random.default_rng(11)
 # publications all happen.
 _system = _rng.integers(0, 1000, 70, dtype=np.int32)
 FAMILIES = [np.concatenate([_system, _rng.integers(0, 1000, 60, dtype=np.int32)]) for _ in range(3)]
+IMAGE = (56, 68)  # (across the first 64-token chunk's end, clear of the message boundaries)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -46,12 +47,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_out=st.integers(1, 12),
         bounds=st.booleans(),
         score=st.sampled_from([False, False, False, True]),
+        image=st.booleans(),
     )
-    def admit(self, family, length, max_out, bounds, score):
+    def admit(self, family, length, max_out, bounds, score, image):
         tokens = FAMILIES[family][:length]
         boundaries = [70, 100] if bounds else []
+        # an image's tokens (Gemma 3's: one prefill chunk each) at 56..68, conditioned on the image as the worker
+        # conditions them, in a prompt that holds all of them
+        spans, conditioning = ((), ())
+        if image and length >= IMAGE[1]:
+            spans, conditioning = (IMAGE,), ((IMAGE[0], bytes([family]) * 32),)
         try:
-            h = self.s.admit(tokens, max_out, self.now_ns, message_boundaries=boundaries, score_prompt=score)
+            h = self.s.admit(tokens, max_out, self.now_ns, message_boundaries=boundaries, score_prompt=score,
+                             atomic_spans=spans, conditioning=conditioning)
         except AdmissionError as e:
             assert e.kind is ErrorKind.MODEL_CAPACITY
             return
@@ -67,8 +75,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.fence += 1
         tables = set()
-        for h in plan.handles:
+        for i, h in enumerate(plan.handles):
             tables |= set(self.s.block_table(int(h)).tolist())
+            if plan.kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):  # (no chunk ends inside an image)
+                end = int(plan.token_starts[i]) + int(plan.num_tokens[i])
+                assert not any(a < end < b for a, b in self.s.request(int(h)).atomic_spans), (end, plan.kind)
         self.s.commit(plan, self.fence)
         self.queue.append((self.fence, plan, tables))
 
