@@ -296,16 +296,11 @@ MISTRAL3_PREPROCESSOR = {
     "do_convert_rgb": True}
 
 
-@pytest.fixture(scope="session")
-def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, exported core) of a random-weight Mistral3 (Pixtral tower, patch merger, Mistral decoder)."""
-    import torch
+def _pixtral_checkpoint_files(d: Path, *, merge: int) -> tuple:
+    """A Pixtral-tower checkpoint's tokenizer (Mistral's image tokens), chat template and processor configs
+    written into ``d`` (patches of 8 merged ``merge`` x ``merge``); (its tokenizer, the text and vision configs)."""
     from tokenizers import AddedToken, Tokenizer
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from flared.core.export import ExportOptions, export_core
-
-    d = tmp_path_factory.mktemp("hf-mistral3")
     train_tiny_tokenizer(d)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True) for t in
@@ -316,7 +311,7 @@ def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
         "tokenizer_class": "PreTrainedTokenizerFast"}))
     (d / "preprocessor_config.json").write_text(json.dumps(MISTRAL3_PREPROCESSOR))
     (d / "processor_config.json").write_text(json.dumps({
-        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": merge, "image_token": "[IMG]",
         "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
     text = dict(model_type="mistral", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -324,6 +319,19 @@ def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
                 bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"), tie_word_embeddings=False)
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, head_dim=16, patch_size=8, image_size=64, initializer_range=0.2)
+    return tok, text, vision
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral3(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Mistral3 (Pixtral tower, patch merger, Mistral decoder)."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-mistral3")
+    tok, text, vision = _pixtral_checkpoint_files(d, merge=2)
     config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
                             spatial_merge_size=2, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -338,31 +346,13 @@ def tiny_pixtral(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Pixtral 12B (LLaVA's layout: Pixtral tower, LLaVA's biased
     two-linear projector over every patch, Mistral decoder)."""
     import torch
-    from tokenizers import AddedToken, Tokenizer
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-pixtral")
-    train_tiny_tokenizer(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in
-                            ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "chat_template": MISTRAL3_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
-    (d / "preprocessor_config.json").write_text(json.dumps(MISTRAL3_PREPROCESSOR))
-    (d / "processor_config.json").write_text(json.dumps({
-        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 1, "image_token": "[IMG]",
-        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
-    text = dict(model_type="mistral", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=1024, sliding_window=None, initializer_range=0.2,
-                bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"), tie_word_embeddings=False)
-    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=2, head_dim=16, patch_size=8, image_size=64, hidden_act="silu",
-                  initializer_range=0.2)
+    tok, text, vision = _pixtral_checkpoint_files(d, merge=1)
+    vision["hidden_act"] = "silu"  # (the released Pixtral 12B's)
     config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("[IMG]"),
                          vision_feature_select_strategy="full", vision_feature_layer=-1, projector_hidden_act="gelu",
                          multimodal_projector_bias=True, tie_word_embeddings=False)

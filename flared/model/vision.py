@@ -527,17 +527,22 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
     return out
 
 
-def _idefics3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    vm = "model.vision_model."
+def _siglip_to_serving(take, vm: str, num_layers: int) -> dict[str, torch.Tensor]:
+    """A SigLIP tower's tensors (transformers' names under ``vm``: Idefics3's, Gemma 3's) in the serving layout."""
     out = {
         "patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
         "patch_embed.bias": take(vm + "embeddings.patch_embedding.bias"),
         "pos_embed.weight": take(vm + "embeddings.position_embedding.weight"),
         "post_norm.weight": take(vm + "post_layernorm.weight"),
         "post_norm.bias": take(vm + "post_layernorm.bias"),
-        "proj.weight": take("model.connector.modality_projection.proj.weight"),
     }
-    out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", c.num_layers))
+    out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", num_layers))
+    return out
+
+
+def _idefics3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    out = _siglip_to_serving(take, "model.vision_model.", c.num_layers)
+    out["proj.weight"] = take("model.connector.modality_projection.proj.weight")
     return out
 
 
@@ -547,17 +552,10 @@ def _gemma3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tens
                            "model.vision_tower.") if p + "embeddings.patch_embedding.weight" in hf),
               "vision_tower.vision_model.")
     mp = ("model." if vm.startswith("model.") else "") + "multi_modal_projector."
-    out = {
-        "patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
-        "patch_embed.bias": take(vm + "embeddings.patch_embedding.bias"),
-        "pos_embed.weight": take(vm + "embeddings.position_embedding.weight"),
-        "post_norm.weight": take(vm + "post_layernorm.weight"),
-        "post_norm.bias": take(vm + "post_layernorm.bias"),
-        "proj_norm.weight": take(mp + "mm_soft_emb_norm.weight"),
-        # (a parameter the projector multiplies by from the right, [D, hidden]: as a linear's weight, transposed)
-        "proj.weight": take(mp + "mm_input_projection_weight").T,
-    }
-    out.update(_vit_layers_to_serving(take, vm + "encoder.layers.", c.num_layers))
+    out = _siglip_to_serving(take, vm, c.num_layers)
+    out["proj_norm.weight"] = take(mp + "mm_soft_emb_norm.weight")
+    # (a parameter the projector multiplies by from the right, [D, hidden]: as a linear's weight, transposed)
+    out["proj.weight"] = take(mp + "mm_input_projection_weight").T
     return out
 
 

@@ -10,9 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import (  # noqa: E402
-    ask_greedy, assert_cases_match, noise_image, processor_settings, reference_tokenizer,
-)
+from flared_testing.vision import ask_greedy, assert_cases_match, noise_image, pixtral_reference  # noqa: E402
 
 NEW_TOKENS = 12
 
@@ -28,34 +26,10 @@ def daemon(tiny_mistral3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_mistral3):
-    import torch
     from transformers import Mistral3ForConditionalGeneration
-    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    checkpoint = tiny_mistral3[0]
-    model = Mistral3ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = reference_tokenizer(checkpoint, bos_token="<s>", eos_token="</s>")
-    # transformers' PixtralProcessor (its module needs torchvision, not installed here) hands the image processor
-    # patch x merge as its patch size, and writes each image as rows of [IMG] ended by [IMG_BREAK], the last by
-    # [IMG_END] (tests/frontend/test_images_pixtral.py checks that rule against its own code)
-    images = PixtralImageProcessorPil(**processor_settings(checkpoint, patch_size=8 * 2))
-
-    def run(pictures, text: str):
-        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
-        out = images(pictures, return_tensors="pt")
-        pieces = prompt.split("[IMG]")
-        expanded = pieces[0]
-        for (h, w), piece in zip(out["image_sizes"].tolist(), pieces[1:]):
-            rows = ["[IMG]" * (w // 16) + "[IMG_BREAK]"] * (h // 16)
-            expanded += "".join(rows)[:-len("[IMG_BREAK]")] + "[IMG_END]" + piece
-        ids = tok(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"], image_sizes=out["image_sizes"],
-                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return ids.shape[1], gen[0, ids.shape[1]:].tolist()
-
-    return run
+    return pixtral_reference(tiny_mistral3[0], Mistral3ForConditionalGeneration, merge=2, patch=8,
+                             new_tokens=NEW_TOKENS)
 
 
 def _ask(daemon, images, text, **kw):

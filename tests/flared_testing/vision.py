@@ -147,3 +147,37 @@ def metric(daemon, name: str) -> float:
         if family.name == name:
             return family.samples[0].value
     raise AssertionError(f"no {name} metric")
+
+
+def pixtral_reference(checkpoint, model_class, *, merge: int, patch: int, new_tokens: int):
+    """transformers' answer ``run(pictures, text) -> (prompt tokens, greedy tokens)`` for a Pixtral-tower
+    checkpoint (``model_class``: Mistral3ForConditionalGeneration, or LlavaForConditionalGeneration for Pixtral
+    12B) on the same pixels and prompt: transformers' Pixtral image processor, and each image as rows of [IMG]
+    tokens (a token a ``merge`` x ``merge`` block of patches), each row ended by [IMG_BREAK], the last by
+    [IMG_END]. transformers' PixtralProcessor module needs torchvision (not installed here): it hands the image
+    processor patch x merge as its patch size and writes that rule (tests/frontend/test_images_pixtral.py checks
+    the rule against its own code)."""
+    import torch
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    model = model_class.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tok = reference_tokenizer(checkpoint, bos_token="<s>", eos_token="</s>")
+    unit = patch * merge
+    images = PixtralImageProcessorPil(**processor_settings(checkpoint, patch_size=unit))
+
+    def run(pictures, text: str):
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": text}]
+        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+        out = images(pictures, return_tensors="pt")
+        pieces = prompt.split("[IMG]")
+        expanded = pieces[0]
+        for (h, w), piece in zip(out["image_sizes"].tolist(), pieces[1:]):
+            rows = ["[IMG]" * (w // unit) + "[IMG_BREAK]"] * (h // unit)
+            expanded += "".join(rows)[:-len("[IMG_BREAK]")] + "[IMG_END]" + piece
+        ids = tok(expanded, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, pixel_values=out["pixel_values"], image_sizes=out["image_sizes"],
+                                 max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return ids.shape[1], gen[0, ids.shape[1]:].tolist()
+
+    return run
