@@ -408,6 +408,7 @@ def tiny_gemma3(tmp_path_factory) -> tuple[Path, Path]:
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
                 layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                query_pre_attn_scalar=16,  # (head_dim, as the released 4B and 12B; what a GGUF implies)
                 initializer_range=0.05, bos_token_id=tok.token_to_id("<bos>"),
                 eos_token_id=tok.token_to_id("<end_of_turn>"))
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=64,

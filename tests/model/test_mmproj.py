@@ -241,6 +241,8 @@ def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32) -> 
             w.add_rope_dimension_sections([*rope["mrope_section"], 0])
         if arch == "qwen3vl":
             w.add_uint32(f"{arch}.n_deepstack_layers", len(cfg["vision_config"].get("deepstack_visual_indexes", [])))
+        if arch == "gemma3":  # (the tiny model's every-other-layer window; llama.cpp assumes every sixth global)
+            w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
 
     write_gguf(d, path, arch, matrix_type, extra)
 
@@ -274,13 +276,9 @@ def test_a_model_gguf_and_its_mmproj_read_as_the_checkpoint(converted):
         assert ours.vision.window_size == 112
         expected = dataclasses.replace(expected, window_size=112)
     assert ours.vision == expected
-    # (Gemma 3's model GGUF holds neither a 2-layer window pattern nor query_pre_attn_scalar: llama.cpp assumes
-    # every sixth layer global and head_dim, tests/model/test_gemma3.py; the tower alone is compared)
-    text = family != "gemma3"
-    if text:
-        assert ours.config.rms_norm_eps == pytest.approx(theirs.config.rms_norm_eps, rel=1e-6)  # (a float32 there)
-        assert dataclasses.replace(ours.config, rms_norm_eps=theirs.config.rms_norm_eps) == theirs.config
-    for name in ("vision_tensors", "tensors") if text else ("vision_tensors",):
+    assert ours.config.rms_norm_eps == pytest.approx(theirs.config.rms_norm_eps, rel=1e-6)  # (a float32 there)
+    assert dataclasses.replace(ours.config, rms_norm_eps=theirs.config.rms_norm_eps) == theirs.config
+    for name in ("vision_tensors", "tensors"):
         got, want = getattr(ours, name), getattr(theirs, name)
         assert sorted(got) == sorted(want)
         for key in want:
@@ -338,7 +336,7 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
     assert ours["config"] == theirs["config"]
 
 
-@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3"])
 def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, request, tmp_path_factory, tmp_path,
                                                                    start_daemon):
     """`flared run model.gguf --mmproj mmproj.gguf` (exported once into the cache) answers an image with the
