@@ -790,7 +790,7 @@ class DecoderModel:
         """Gemma 3's images: in a prefill, each run of ``token_id`` tokens (one image's) also attends forward within
         itself, as transformers' token_type_ids mask has it (the full layers causal or the image's block, the
         windowed ones their window and that). The scheduler keeps each image inside one prefill chunk
-        (Scheduler.admit's atomic_spans), so a chunk holds every key of its images."""
+        (RequestScheduler.admit's atomic_spans), so a chunk holds every key of its images."""
         self.image_block_token = int(token_id)
 
     def _image_blocks(self, batch: ForwardBatch) -> list:
