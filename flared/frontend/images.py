@@ -1268,7 +1268,7 @@ class SquareProcessor(_Processor):
             raise _error("image processor setting 'image_seq_len' is needed for a square processor (Gemma 3)")
         if cfg.get("do_pan_and_scan"):
             raise _field_error("do_pan_and_scan", cfg["do_pan_and_scan"], "false (pan-and-scan crops are not read)")
-        declared = proc.get("image_seq_length", image_seq_len)
+        declared = proc.get("image_seq_length", cfg.get("image_seq_length", image_seq_len))  # (either file says it)
         if declared != image_seq_len:
             raise _error(f"processor setting 'image_seq_length' is {declared!r} but the model takes {image_seq_len} "
                          "image tokens per image")

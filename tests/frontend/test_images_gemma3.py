@@ -96,6 +96,8 @@ def test_settings_round_trip_and_refusals():
         image_processor_from_hf({**GEMMA3_CFG, "do_pan_and_scan": True}, None, image_seq_len=256)
     with pytest.raises(FrontendError, match="image_seq_length"):
         image_processor_from_hf(GEMMA3_CFG, {"image_seq_length": 64}, image_seq_len=256)
+    with pytest.raises(FrontendError, match="image_seq_length"):  # (the released preprocessor config says it too)
+        image_processor_from_hf(GEMMA3_CFG, None, image_seq_len=64)
     with pytest.raises(FrontendError, match="image_seq_len"):
         image_processor_from_hf(GEMMA3_CFG, None, image_seq_len=None)
     assert image_processor_from_hf({"processor_class": "Gemma3Processor"}, None, image_seq_len=4).kind == "square"
