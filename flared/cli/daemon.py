@@ -387,10 +387,12 @@ def _core_path(core: str | None, cache_dir: Path | None, dtype: str, capacities:
               show_default=True)
 @_lora_options
 @_quantization_option
+@click.option("--mmproj", "-mm", "mmproj", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With a GGUF model: its image tower, llama.cpp's mmproj file (as `flared run` takes it).")
 def run_batch(core, input_path, output_path, config_path, max_active, served_names, chat_template, torch_threads,
               cache_dir, dtype, context, concurrency, kv_cache_mib, prefill_chunk, log_level, lora, lora_scaled,
               lora_modules,
-              quantization):
+              quantization, mmproj):
     """Run a file of OpenAI-style requests through CORE offline (as vLLM's run-batch) and write the results. CORE
     is as `flared run` takes it.
 
@@ -424,7 +426,7 @@ def run_batch(core, input_path, output_path, config_path, max_active, served_nam
 
         capacities = dict(context=context, concurrency=concurrency, kv_cache_mib=kv_cache_mib,
                           prefill_chunk=prefill_chunk)
-        core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization)
+        core_path, config = _serving_core(core, cache_dir, dtype, capacities, config, quantization, mmproj)
         session = LoadedSession.load(core_path, config)
         code = asyncio.run(_run_batch_async(session, data, output_path))
     except FlareError as e:

@@ -458,3 +458,39 @@ def test_the_cached_core_of_a_gguf_and_its_mmproj(tmp_path, tmp_path_factory):
         resolve_core(str(core), cache, mmproj=str(mmproj))
     with pytest.raises(CoreError, match="not the embedded model"):
         resolve_core("default", cache, mmproj=str(mmproj))
+
+
+def test_flared_run_batch_with_mmproj_answers_an_image_line(request, tmp_path):
+    """`flared run-batch --mmproj` (vLLM's offline batch over a GGUF pair): an image line's answer is the checkpoint
+    core's."""
+    import subprocess
+    import sys
+
+    from flared.core.export import ExportOptions, export_core
+    from flared_testing.vision import data_url, noise_image
+
+    hf_dir = request.getfixturevalue("tiny_hf_smolvlm")
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", "smolvlm", tmp_path)
+    write_mmproj(hf_dir, tmp_path / "mmproj.gguf", "smolvlm")
+    reference = tmp_path / "reference"
+    export_core(hf_dir, reference, ExportOptions(concurrency=2, context_tokens=512, prefill_chunk_tokens=128))
+    content = [{"type": "image_url", "image_url": {"url": data_url(noise_image(7, (70, 50)))}},
+               {"type": "text", "text": "What is in the picture?"}]
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+                     "temperature": 0}}
+    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
+    answers = []
+    for core, args in ((reference, ()), (tmp_path / "model.gguf", (
+            "--mmproj", str(tmp_path / "mmproj.gguf"), "--dtype", "float32", "--context", "512", "--concurrency",
+            "2", "--prefill-chunk", "128", "--cache-dir", str(tmp_path / "cache")))):
+        out = tmp_path / f"out-{len(answers)}.jsonl"
+        cmd = [sys.executable, "-m", "flared.cli.daemon", "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+               str(out), "--served-name", "tiny", str(core), *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(out.read_text().splitlines()[0])
+        assert result["response"]["status_code"] == 200, result
+        body = result["response"]["body"]
+        answers.append((body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]))
+    assert answers[1] == answers[0] and answers[0][0] > 20
