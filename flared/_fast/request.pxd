@@ -103,11 +103,11 @@ cdef class Request:
     # before it tries 1 again.
     cdef readonly int32_t spec_cap
     cdef readonly int32_t spec_cooldown
-    # Its drafts kept and its rounds that rejected one, decayed (SPECULATIVE_DECAY a round): the chance that
-    # its next draft is kept, spec_kept / (spec_kept + spec_rejected), prices each draft it is offered.
     # Prompt spans [start, end) that one prefill chunk feeds whole (Gemma 3's images: their tokens attend to each
     # other both ways), ascending; empty for most requests (RequestScheduler.admit's ``atomic_spans``).
     cdef readonly list atomic_spans
+    # Its drafts kept and its rounds that rejected one, decayed (SPECULATIVE_DECAY a round): the chance that
+    # its next draft is kept, spec_kept / (spec_kept + spec_rejected), prices each draft it is offered.
     cdef readonly double spec_kept
     cdef readonly double spec_rejected
     # With a draft model (SchedulerConfig.drafter), the same record for the drafts copied instead (prompt lookup,

@@ -57,8 +57,7 @@ from flared.errors import AdmissionError, ErrorKind, ExecutionError
 from flared.execution import cuda
 from flared.execution.graphs import (ExecutionManifest, GraphSet, collector_paused, default_prefill_batch_shapes,
                                      pack_decode, pack_prefill, speculative_batch_sizes, speculative_rows)
-from flared.execution.images import (flat_positions, image_rows, place_images, rope_positions,
-                                     shifted_positions)
+from flared.execution.images import flat_positions, image_rows, join_images, rope_positions, shifted_positions
 from flared.model.batch import ImageRows
 from flared.model.kernels import FULL, GREEDY, TEMPERATURE, min_p_log_threshold
 from flared.model.kernels.sampling import GRAPH_LOGPROBS, LogprobScratch, RowDraws, draw_rows, row_logprobs
@@ -561,8 +560,9 @@ class GraphExecutor:
             return None
         counts = np.asarray(plan.num_tokens, dtype=np.int64)[:n]
         bounds = np.asarray(plan.token_offsets, dtype=np.int64)[:n + 1]
-        if not image_rows(rows, starts, counts, bounds)[0]:
-            mrope = rope_positions(rows, starts, counts, bounds, positions)
+        found, values = image_rows(rows, starts, counts, bounds)
+        mrope = rope_positions(rows, starts, counts, bounds, positions)
+        if not found:
             flat = None if mrope is None else flat_positions(mrope)
             if flat is not None:
                 positions[:] = flat
@@ -572,8 +572,7 @@ class GraphExecutor:
         # request's images): the model stream reads them after that work, and their memory is not reused before
         # it has
         self.model_stream.wait_stream(torch.cuda.default_stream(self.device))
-        images = place_images(rows, starts, counts, bounds, positions, hidden=self.model.config.hidden_size,
-                              device=self.device)
+        images = join_images(found, values, mrope, hidden=self.model.config.hidden_size, device=self.device)
         for t in (images.values, images.mrope, *(images.deepstack or ())):
             if t is not None:
                 t.record_stream(self.model_stream)

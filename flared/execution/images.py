@@ -75,7 +75,13 @@ def place_images(states, starts, counts, bounds, positions, *, hidden: int, devi
     """The step's image rows (those of its participants' image tokens it feeds) and, where a request has them,
     every row's 3D rope positions; None where the step has neither."""
     rows, values = image_rows(states, starts, counts, bounds)
-    mrope = rope_positions(states, starts, counts, bounds, positions)
+    return join_images(rows, values, rope_positions(states, starts, counts, bounds, positions), hidden=hidden,
+                       device=device)
+
+
+def join_images(rows, values, mrope, *, hidden: int, device) -> ImageRows | None:
+    """``image_rows``' rows and values and ``rope_positions``' table as one ImageRows on ``device`` (the tower's
+    DeepStack columns, past ``hidden``, apart); None where there are neither rows nor a table."""
     if not rows and mrope is None:
         return None
     mrope_t = None if mrope is None else torch.as_tensor(mrope, dtype=torch.int64, device=device)

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 
 from flared.errors import CoreError, ErrorKind
+from flared.model.loader import _gguf_field as _field
+from flared.model.loader import gguf_tensor_values, unpermute_qk
 from flared.model.vision import VisionConfig
 
 # clip.projector_type -> our vision family
@@ -67,11 +69,6 @@ def is_mmproj(reader) -> bool:
     return arch == "clip" or _field(reader, "general.type") == "mmproj"
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_eps: float,
                 dtype: torch.dtype | None = None) -> MmprojTower:
     """The tower an mmproj GGUF at ``path`` holds, for the model whose GGUF ``text_reader`` (a GGUFFile) read:
@@ -79,7 +76,6 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
     Matrices are kept in ``dtype`` (None: float32), vectors in float32. Every mismatch is a CoreError naming the
     file."""
     from flared.frontend.gguf_metadata import GGUFFile
-    from flared.model.loader import gguf_tensor_values
 
     source = str(path)
     try:
@@ -179,7 +175,7 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
             processor = {"patch_size": patch, "spatial_merge_size": config.scale_factor, "image_token": "[IMG]",
                          "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
         else:
-            config = _qwen_config(reader, family, common, text_reader, text_arch, raw, source, need)
+            config = _qwen_config(reader, family, common, text_reader, text_arch, take, source, need)
             tensors = _qwen(take, config)
             lo, hi = _QWEN_PIXELS[family]
             preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": config.patch_size,
@@ -201,7 +197,7 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
     return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor, processor=processor)
 
 
-def _qwen_config(reader, family: str, common: dict, text_reader, text_arch: str, raw: dict, source: str,
+def _qwen_config(reader, family: str, common: dict, text_reader, text_arch: str, take: Callable, source: str,
                  need: Callable) -> VisionConfig:
     sections = _field(text_reader, f"{text_arch}.rope.dimension_sections")
     if not sections or len(sections) < 3 or not all(int(x) > 0 for x in list(sections)[:3]):
@@ -217,10 +213,8 @@ def _qwen_config(reader, family: str, common: dict, text_reader, text_arch: str,
         extra = dict(window_size=int(_field(reader, "clip.vision.window_size", _QWEN25_WINDOW)),
                      full_attention_layers=tuple(i for i in range(common["num_layers"]) if (i + 1) % pattern == 0))
     elif family == "qwen3_vl":
-        if "v.position_embd.weight" not in raw:
-            raise CoreError(f"{source}: mmproj has no tensor v.position_embd.weight", ErrorKind.SOURCE_FORMAT)
         flags = _field(reader, "clip.vision.is_deepstack_layers") or []
-        extra = dict(position_table=int(raw["v.position_embd.weight"].shape[0]),
+        extra = dict(position_table=int(take("v.position_embd.weight").shape[0]),
                      deepstack_layers=tuple(i for i, on in enumerate(flags) if on), mrope_interleaved=True)
         declared = _field(text_reader, f"{text_arch}.n_deepstack_layers")
         if declared is not None and int(declared) != len(extra["deepstack_layers"]):
@@ -269,8 +263,6 @@ def _gemma3(take, layers: int) -> dict[str, torch.Tensor]:
 
 
 def _pixtral(take, c: VisionConfig) -> dict[str, torch.Tensor]:
-    from flared.model.loader import unpermute_qk
-
     out = {"patch_embed.weight": take("v.patch_embd.weight"), "pre_norm.weight": take("v.pre_ln.weight"),
            "proj_fc1.weight": take("mm.1.weight"), "proj_fc2.weight": take("mm.2.weight")}
     if c.patch_merger:

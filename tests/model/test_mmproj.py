@@ -219,20 +219,20 @@ def add_tokenizer(w, hf_dir) -> None:
     w.add_chat_template(tcfg["chat_template"])
 
 
-def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32) -> None:
+def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32, arch: str | None = None) -> None:
     """The checkpoint's decoder and tokenizer as llama.cpp's converter writes its model GGUF (its matrices
-    ``matrix_type``)."""
+    ``matrix_type``); ``arch``: another GGUF architecture than the family's (TEXT_ARCH)."""
     from safetensors.numpy import save_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     text = dict(cfg["text_config"])
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     weights = _text_weights(_load(hf_dir))
-    d = tmp_path / f"text-{family}-{matrix_type.name}"
+    arch = arch or TEXT_ARCH[family]
+    d = tmp_path / f"text-{family}-{arch}-{matrix_type.name}"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(text))
     save_file(weights, d / "model.safetensors")
-    arch = TEXT_ARCH[family]
 
     def extra(w):
         add_tokenizer(w, hf_dir)
@@ -381,21 +381,6 @@ def test_a_quantised_gguf_with_an_f16_mmproj_serves_images_at_the_default_dtype(
     assert status == 200 and props["modalities"]["vision"] is True, props
 
 
-def _text_only_qwen2(hf_dir, tmp_path):
-    """The Qwen2-VL checkpoint's model GGUF under the plain qwen2 architecture: no mRoPE split."""
-    path = tmp_path / "qwen2.gguf"
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    text = {**cfg["text_config"], "tie_word_embeddings": False}
-    d = tmp_path / "text"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(text))
-    from safetensors.numpy import save_file
-
-    save_file(_text_weights(_load(hf_dir)), d / "model.safetensors")
-    write_gguf(d, path, "qwen2", Q.F32, lambda w: add_tokenizer(w, hf_dir))
-    return path
-
-
 def test_mmproj_mistakes_are_clear_errors(tmp_path, tmp_path_factory):
     hf_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("hf-qwen2_vl"), "qwen2_vl")
     model, mmproj = tmp_path / "model.gguf", tmp_path / "mmproj.gguf"
@@ -407,8 +392,9 @@ def test_mmproj_mistakes_are_clear_errors(tmp_path, tmp_path_factory):
         read_source(model, mmproj=model)
     with pytest.raises(CoreError, match="goes with a GGUF model"):
         read_source(hf_dir, mmproj=mmproj)
-    with pytest.raises(CoreError, match="mRoPE split"):  # a decoder without its mRoPE sections
-        read_source(_text_only_qwen2(hf_dir, tmp_path), mmproj=mmproj)
+    write_model_gguf(hf_dir, tmp_path / "qwen2.gguf", "qwen2_vl", tmp_path, arch="qwen2")
+    with pytest.raises(CoreError, match="mRoPE split"):  # a decoder without its mRoPE sections: plain qwen2
+        read_source(tmp_path / "qwen2.gguf", mmproj=mmproj)
     # another model's tower: its projection is another width
     other = build_tiny_qwen_vl(tmp_path_factory.mktemp("hf-qwen3_vl"), "qwen3_vl")
     cfg = json.loads((other / "config.json").read_text())
