@@ -101,3 +101,18 @@ def flat_positions(mrope: np.ndarray) -> np.ndarray | None:
     if (mrope == mrope[0]).all():
         return mrope[0]
     return None
+
+
+def atomic_spans(model, vision) -> tuple[tuple[int, int], ...]:
+    """The prompt spans (start, end) one prefill chunk must feed whole (RequestScheduler.admit's atomic_spans):
+    each image's tokens where they attend to each other both ways (Gemma 3: DecoderModel.set_image_blocks), else
+    none. ``vision``: the request's VisionInput or None."""
+    if vision is None or getattr(model, "image_block_token", None) is None:
+        return ()
+    positions = np.asarray(vision.positions)
+    if not len(positions):
+        return ()
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # (an image's tokens are contiguous)
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(positions)]))
+    return tuple((int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends))

@@ -49,6 +49,8 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
     predicted output (token ids; GenerateRequest.prediction), or None. ``visions``: each request's images
     (flared.runtime.request.VisionInput, its ``features`` made by the image tower) or None, as the worker sets them
     (no prefix-cache conditioning: prompts of the same tokens with other images must not share a drive)."""
+    from flared.execution.images import atomic_spans
+
     clock = time.perf_counter_ns
     t0 = clock()
     n = len(prompts)
@@ -61,7 +63,9 @@ def drive(scheduler, executor, prompts, params, *, pipeline: bool = True, clock_
         if visions is not None:
             states[-1].vision = visions[i]
         handle = scheduler.admit(list(prompt), p.max_tokens, clock_ns(), speculate=speculate and executor.speculates(p),
-                                 prediction=predictions[i] if predictions is not None else ())
+                                 prediction=predictions[i] if predictions is not None else (),
+                                 atomic_spans=atomic_spans(getattr(executor, "model", None), states[-1].vision
+                                                           if visions is not None else None))
         by_handle[int(handle)] = i
     result = DriveResult([[] for _ in range(n)], [0] * n, [0] * n)
     finished = 0

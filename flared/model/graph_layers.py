@@ -104,3 +104,93 @@ def generic_layers(model, k_pool: torch.Tensor, v_pool: torch.Tensor, tokens: to
 
     h = model._layer_stack(batch, PoolWriter(k_pool, v_pool), attend=attend_layer)
     return model._norm(h, model.final_norm)
+
+
+class ImageBlocks:
+    """Gemma 3's images in an eager run of the graphs' prefill forward (PagedCudaDecoder.prefill with image rows):
+    each image's tokens also attend forward within the image, as transformers' token_type_ids mask has it (a full
+    layer: causal or the image's block; a windowed one: that, and the key inside the window). The paged prefill
+    kernel is causal, so ``wrap(attend)`` runs it and then attends the image rows again here, over their keys
+    in the pool; the scheduler keeps each image inside one prefill chunk (RequestScheduler.admit's atomic_spans),
+    so the pool holds every key of the chunk's images when the layer attends.
+
+    ``tokens`` [T]: the chunk's token ids (sequence s's rows after those of sequences 0..s-1); ``chunk_meta`` [B, 2]
+    (num_cached_tokens, num_new_tokens); ``block_tables`` [B, pages]: the paged kernels' inputs. Made once a step
+    (a host sync: an eager step only)."""
+
+    def __init__(self, tokens: torch.Tensor, chunk_meta: torch.Tensor, block_tables: torch.Tensor, token_id: int,
+                 page_tokens: int):
+        ids = tokens.cpu()
+        self.runs = []  # (sequence, first row, end row, first position, end position) an image
+        row = 0
+        for s, (cached, new) in enumerate(chunk_meta.cpu().tolist()):
+            image = (ids[row:row + new] == token_id).tolist()
+            i = 0
+            while i < new:
+                if not image[i]:
+                    i += 1
+                    continue
+                j = i
+                while j < new and image[j]:
+                    j += 1
+                self.runs.append((s, row + i, row + j, cached + i, cached + j))
+                i = j
+            row += new
+        self.tables = block_tables
+        self.page_tokens = page_tokens
+        self._keys: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _run_keys(self, run: int, window: int):
+        """Image ``run``'s key slots [L], and its rows' allowed keys [n, L], at ``window`` (0: none)."""
+        got = self._keys.get((run, window))
+        if got is None:
+            s, row0, row1, first, end = self.runs[run]
+            device = self.tables.device
+            begin = max(0, first - window + 1) if window else 0
+            kpos = torch.arange(begin, end, device=device)
+            slots = self.tables[s, kpos // self.page_tokens].long() * self.page_tokens + kpos % self.page_tokens
+            qpos = torch.arange(first, end, device=device)
+            allowed = (kpos[None, :] <= qpos[:, None]) | (kpos[None, :] >= first)  # (causal, or the image)
+            if window:
+                allowed &= kpos[None, :] > qpos[:, None] - window
+            rows = torch.arange(row0, row1, device=device)
+            got = self._keys[(run, window)] = (rows, slots, allowed)
+        return got
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, *,
+               scale: float, window: int, sinks: torch.Tensor | None, softcap: float) -> None:
+        """The image rows of ``out`` [T, nh, d] again: their queries (``q`` [T, nh, d]) over the pool's keys
+        [slots, nkv, d], in float32."""
+        nh = q.shape[1]
+        for run in range(len(self.runs)):
+            rows, slots, allowed = self._run_keys(run, window)
+            group = nh // k_pool.shape[1]
+            k = k_pool.index_select(0, slots).float().repeat_interleave(group, 1)  # [L, nh, d]
+            v = v_pool.index_select(0, slots).float().repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", q.index_select(0, rows).float(), k) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:  # (a logit per query head beside each row's keys, taking its share)
+                scores = torch.cat((scores, sinks.float().view(nh, 1, 1).expand(nh, scores.shape[1], 1)), -1)
+                probs = torch.softmax(scores, -1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, -1)
+            out.index_copy_(0, rows, torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype))
+
+    def wrap(self, attend, pools, default_window: int, scale: float):
+        """``attend`` (the paged kernels' form, generic_layers) followed by attend() at the layer's window;
+        ``pools(layer, geometry)``: that layer's K and V pools as the kernels read them."""
+        if not self.runs:
+            return attend
+
+        def attend_with_images(q, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None,
+                               latent=0):
+            if latent or alibi is not None:
+                raise ValueError("images that attend both ways need neither latent attention nor ALiBi here")
+            attend(q, layer, out, window=window, sinks=sinks, softcap=softcap, geometry=geometry)
+            k_pool, v_pool = pools(layer, geometry)
+            self.attend(q, out, k_pool, v_pool, scale=scale, window=default_window if window is None else window,
+                        sinks=sinks, softcap=softcap)
+
+        return attend_with_images

@@ -500,16 +500,11 @@ class ModelRuntime:
                      f"; the LM head as {head}" if head is not None else "",
                      self._weights_info["product_bytes"] / 2**20,
                      sum(2 * lin.out_features * lin.in_features for lin in products) / 2**20)
-        model.vision_reason = None
-        if self.core.manifest.vision is not None and use_cuda and self.core.vision_config.bidirectional_images:
-            # (Gemma 3: the graphs' paged attention is causal over a chunk; an image's tokens attend both ways)
-            model.vision_reason = ("its images' tokens attend to each other both ways, which the CUDA graphs' "
-                                   "attention does not: serve with --enforce-eager for images")
-            log.warning("image tower not loaded: %s", model.vision_reason)
-        elif self.core.manifest.vision is not None:
+        if self.core.manifest.vision is not None:
             # The image tower runs between steps (VisionJob); its rows take the image tokens' places in the eager
             # executor's forward, and on the CUDA graph executor in an eager run of the prefill graph's forward
-            # (the graphs take token ids only: GraphExecutor._place_images).
+            # (the graphs take token ids only: GraphExecutor._place_images; Gemma 3's images, which attend both
+            # ways, attended again there: graph_layers.ImageBlocks).
             from flared.model.vision import vision_encoder
 
             config = self.core.vision_config
@@ -1046,20 +1041,10 @@ class ModelRuntime:
         return min(held, key=lambda i: self._lora_used.get(i, 0)) if held else None
 
     def _atomic_spans(self, req) -> tuple:
-        """The prompt spans one prefill chunk must feed whole: each image's tokens where they attend to each other
-        both ways (Gemma 3: DecoderModel.set_image_blocks), else none."""
-        model = getattr(self.executor, "model", None)
-        if req.vision is None or getattr(model, "image_block_token", None) is None:
-            return ()
-        import numpy as np
+        """The prompt spans one prefill chunk must feed whole (flared.execution.images.atomic_spans)."""
+        from flared.execution.images import atomic_spans
 
-        positions = np.asarray(req.vision.positions)
-        if not len(positions):
-            return ()
-        breaks = np.flatnonzero(np.diff(positions) != 1) + 1  # (an image's tokens are contiguous)
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [len(positions)]))
-        return tuple((int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, ends))
+        return atomic_spans(getattr(self.executor, "model", None), req.vision)
 
     def _admit(self, now: int) -> None:
         i = 0

@@ -226,9 +226,7 @@ class ServingState:
     def _check_images(self, images) -> None:
         param, part = images[0]
         if not self.takes_images:
-            reason = getattr(getattr(self.runtime, "model", None), "vision_reason", None)
             why = ("this model takes text" if self.image_processor is None else
-                   f"this server did not load the model's image tower: {reason}" if reason else
                    "this server did not load the model's image tower")
             kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)

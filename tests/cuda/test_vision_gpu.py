@@ -6,7 +6,8 @@ later ones included (their plain-rope positions shifted by the prompt's delta), 
 float32: greedy tokens equal the eager executor's on the same model (which tests/api/test_vision*.py hold to
 transformers'); bf16 (the fused kernels, and the generic graphs of a mixture of experts): the prefill's logits
 as near the eager executor's as bf16 allows, far from those without the images. Through a daemon, images are
-taken without --enforce-eager. Skipped without a GPU (tests/cuda/conftest.py)."""
+taken without --enforce-eager, Gemma 3's too (its images' tokens attending to each other both ways). Skipped
+without a GPU (tests/cuda/conftest.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def _served(core_path, dtype):
     model.vision = vision_encoder(config, core.load_vision_tensors(), dtype=dtype, device="cuda")
     if config.mrope_section:
         model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
+    if config.bidirectional_images:
+        model.set_image_blocks(config.image_token_id)
     return core, model
 
 
@@ -134,7 +137,8 @@ def _check_bf16(core_path):
     assert near < 0.1 * far, (near, far)
 
 
-OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava"}
+OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava",
+                  "gemma3": "tiny_gemma3"}  # (Gemma 3: images attending both ways, a window shorter than an image)
 
 
 def _core_of(request, family):
@@ -239,36 +243,6 @@ def test_a_qwen_vl_core_takes_images_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, 
     _served_images_match_enforce_eager(checkpoint, tmp_path, start_daemon)
 
 
-def test_a_gemma3_core_takes_images_on_a_gpu_under_enforce_eager(tiny_gemma3, tmp_path, start_daemon):
-    """Gemma 3's image tokens attend to each other both ways, which the graphs' attention does not: on the CUDA
-    graphs a bf16 Gemma 3 core serves text and answers an image part with a 400 that names --enforce-eager; under
-    --enforce-eager the GPU answers the image, its first token's log-probabilities within bf16's reach of the
-    same core's on the CPU (whose float32 answers are transformers', tests/api/test_vision_gemma3.py)."""
-    from PIL import Image
-
-    from flared.core.export import ExportOptions, export_core
-
-    core = tmp_path / "core"
-    export_core(tiny_gemma3[0], core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=512,
-                                                    prefill_chunk_tokens=64))
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(1).integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    graphs = start_daemon(core)
-    status, body = _image_chat(graphs, url)
-    assert status == 400 and "--enforce-eager" in body["error"]["message"], body
-    status, body = graphs.chat([{"role": "user", "content": "What?"}], max_tokens=4)
-    assert status == 200, body
-    assert "executor: eager on" not in graphs.log()
-    graphs.kill()
-    firsts = []
-    for args, env in ((("--enforce-eager",), None), ((), {"CUDA_VISIBLE_DEVICES": ""})):
-        d = start_daemon(core, *args, env=env)
-        status, body = _image_chat(d, url)
-        assert status == 200, body
-        firsts.append({t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]})
-        d.kill()
-    gpu, cpu = firsts
-    shared = set(gpu) & set(cpu)
-    assert shared, (gpu, cpu)
-    assert max(abs(gpu[t] - cpu[t]) for t in shared) < 0.1, (gpu, cpu)
+def test_a_gemma3_core_takes_images_on_the_cuda_graphs(tiny_gemma3, tmp_path, start_daemon):
+    """Gemma 3's image tokens attend to each other both ways (graph_layers.ImageBlocks on the graphs)."""
+    _served_images_match_enforce_eager(tiny_gemma3[0], tmp_path, start_daemon)

@@ -92,3 +92,63 @@ def test_apply_fills_the_forward_batch(with_images):
         assert batch.embed_rows.tolist() == [3, 4, 5, 6] and torch.equal(batch.embed_values, features)
     else:  # (rows not made yet: nothing placed but the positions)
         assert batch.embed_rows is None
+
+
+def test_atomic_spans_are_each_images_tokens_where_images_attend_both_ways():
+    from flared.execution.images import atomic_spans
+
+    vision = VisionInput(np.array([3, 4, 5, 9, 10, 11, 12]), None, (), None, 0)
+    both_ways = types.SimpleNamespace(image_block_token=7)
+    assert atomic_spans(both_ways, vision) == ((3, 6), (9, 13))
+    assert atomic_spans(types.SimpleNamespace(image_block_token=None), vision) == ()  # (causal images: any cut)
+    assert atomic_spans(both_ways, None) == ()
+    assert atomic_spans(None, vision) == ()
+
+
+def test_drive_feeds_a_gemma3_image_whole_as_the_worker_does(tiny_gemma3):
+    """An image the 64-token chunk would cut is fed by the next chunk whole: the greedy tokens and logits equal
+    those of a chunk that holds the whole prompt, on the eager executor (the graph executor's: tests/cuda/test_vision_gpu.py)."""
+    import collections
+    import hashlib
+
+    from flared_testing.vision import noise_image
+
+    from flared.core.load import open_core
+    from flared.execution.eager import EagerExecutor
+    from flared.execution.offline import drive
+    from flared.frontend.images import DecodedImage, image_processor_from_dict
+    from flared.model.decoder import DecoderModel
+    from flared.model.sampling import SamplingParams
+    from flared.model.vision import vision_encoder
+    from flared.runtime.worker import VisionJob
+    from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
+
+    core = open_core(tiny_gemma3[1])
+    config = core.vision_config
+    model = DecoderModel(core.config, core.load_tensors(), dtype=torch.float32, device="cpu", max_positions=256)
+    model.vision = vision_encoder(config, core.load_vision_tensors(), dtype=torch.float32, device="cpu")
+    model.set_image_blocks(config.image_token_id)
+    image = image_processor_from_dict(core.manifest.vision["processor"]).prepare(
+        DecodedImage.from_pil(noise_image(5, (40, 30))))
+    job = VisionJob([image], done=None)
+    while not job.step(model, 0, collections.Counter()):
+        pass
+    n = image.num_image_tokens
+    prompt = list(range(20, 75)) + [config.image_token_id] * n + list(range(80, 90))  # (the image at 55..71)
+    vision = VisionInput(np.arange(55, 55 + n), job.result()[0], (), None, 0)
+
+    def tokens(chunk):
+        sched = RequestScheduler(SchedulerConfig(
+            model_identity=hashlib.sha256(b"drive").digest(), max_live_requests=2, num_pages=64, num_snapshots=8,
+            page_tokens=16, context_capacity=256, prefill_chunk_size=chunk), PolicyConfig())
+        ex = EagerExecutor(model, num_pages=64, page_tokens=16, num_state_rows=3, num_snapshots=8,
+                           vocab_size=model.config.vocab_size, max_live=2)
+        result = drive(sched, ex, [prompt], [SamplingParams(max_tokens=6, temperature=0.0)], visions=[vision])
+        return result.tokens, result.steps_by_kind, ex.state_logits[1].clone()  # (the last token's logits)
+
+    whole, _, whole_logits = tokens(128)
+    cut, steps, cut_logits = tokens(64)
+    assert steps["PREFILL"] >= 2
+    assert cut == whole
+    # (an image cut by the chunk moves these logits by ~1e-3: its first rows' keys miss its later rows)
+    assert (cut_logits - whole_logits).abs().max().item() < 1e-5

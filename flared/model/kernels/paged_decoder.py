@@ -50,7 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flared.model.graph_layers import attention_sinks, generic_layers, generic_reason, layer_pool, write_kv
+from flared.model.graph_layers import (ImageBlocks, attention_sinks, generic_layers, generic_reason, layer_pool,
+                                      write_kv)
 from flared.model.kernels import FULL, TEMPERATURE, decode_attention, fused, megakernel, products64, skinny
 from flared.model.kernels.sampling import sample_full, sample_greedy, sample_race
 from flared.model.kv_cache import FP8_KV
@@ -535,6 +536,10 @@ class PagedCudaDecoder:
                                            window=self.window if window is None else window, sinks=sinks,
                                            softcap=softcap, alibi=alibi)
 
+        if images is not None and self.model.image_block_token is not None:  # (Gemma 3: its images both ways)
+            blocks = ImageBlocks(s.token_ids[:capacity], meta, block_tables, self.model.image_block_token,
+                                 self.page_tokens)
+            attend = blocks.wrap(attend, self._layer_pools, self.window, self.model.scale)
         positions, rope = s.positions[:capacity], None
         if images is not None and images.mrope is not None and not self.generic:
             # 3D rope (Qwen VL): each row's own cos and sin rows, made from its three positions, read at row i
