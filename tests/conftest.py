@@ -429,6 +429,68 @@ def tiny_gemma3(tmp_path_factory) -> tuple[Path, Path]:
     return d, out
 
 
+# InternVL's chat template (ChatML; an image part writes its context token on a line of its own).
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{{ '<IMG_CONTEXT>\n' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# GotOcr2's tiling at 28-pixel tiles: 1 to 4 tiles (and a thumbnail), ImageNet's mean and std, BICUBIC.
+INTERNVL_PREPROCESSOR = {
+    "image_processor_type": "GotOcr2ImageProcessor", "do_resize": True, "size": {"height": 28, "width": 28},
+    "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "crop_to_patches": False,
+    "min_patches": 1, "max_patches": 4, "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225],
+    "do_convert_rgb": True, "processor_class": "InternVLProcessor"}
+
+
+def build_tiny_internvl(d: Path, **vision) -> Path:
+    """A random-weight InternVL (InternViT tower of 28-pixel tiles in 7-pixel patches, pixel-shuffled 2 x 2 into 4
+    rows a tile; a Qwen2 decoder) with its tokenizer's image tokens, chat template and processor settings;
+    ``vision`` overrides the tower's config (norm_type, use_qk_norm, attention_bias, use_mean_pooling...)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": INTERNVL_TEMPLATE,
+        "tokenizer_class": "Qwen2TokenizerFast", "extra_special_tokens": {
+            "context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>",
+            "video_token": "<video>"}}))
+    (d / "preprocessor_config.json").write_text(json.dumps(INTERNVL_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "InternVLProcessor",
+                                                         "image_seq_length": 4}))
+    text = dict(model_type="qwen2", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                initializer_range=0.2, tie_word_embeddings=False)
+    tower = {**dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                    patch_size=7, initializer_range=0.2, attention_bias=True), **vision}
+    config = InternVLConfig(text_config=text, vision_config=tower, image_token_id=tok.token_to_id("<IMG_CONTEXT>"),
+                            image_seq_length=4, downsample_ratio=0.5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # (wide weights, so a wrong order or norm shows in the tokens)
+        if "vision_tower" in name or "projector" in name:
+            torch.nn.init.normal_(param, std=1.0 if "lambda" in name else 0.2)
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_internvl(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of build_tiny_internvl's default InternVL (InternVL3's tower layout: LayerNorms,
+    biased q/k/v, mean pooling: no post-norm)."""
+    from flared.core.export import ExportOptions, export_core
+
+    d = build_tiny_internvl(tmp_path_factory.mktemp("hf-internvl"))
+    out = tmp_path_factory.mktemp("cores") / "internvl"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out
+
+
 # LLaVA-1.5's chat template, without transformers' {% generation %} markers.
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"

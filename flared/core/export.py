@@ -316,7 +316,7 @@ def _read_hf_assets(src: Path) -> _Assets:
 
 # the image processor kind (flared.frontend.images) each vision family's checkpoints ship
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
-                    "pixtral": "pixtral", "llava": "crop", "gemma3": "square"}
+                    "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -336,7 +336,7 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
     kind = _PROCESSOR_KINDS[vision.family]
-    fixed = kind in ("tiles", "crop", "square")  # a fixed number of image tokens per tile / image
+    fixed = kind in ("tiles", "crop", "square", "canvas")  # a fixed number of image tokens per tile / image
     declared = (proc or {}).get("image_seq_len")
     if kind == "tiles" and declared is not None and declared != vision.image_seq_len:
         raise CoreError(f"{where_proc}: image_seq_len {declared} disagrees with the vision tower's "
@@ -351,7 +351,7 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
     if kind == "tiles" and processor.tile != vision.image_size:
         raise CoreError(f"{where}: tiles of {processor.tile} pixels, but the vision tower "
                         f"takes {vision.image_size}", ErrorKind.UNSUPPORTED_MODEL)
-    if kind == "square" and (processor.height, processor.width) != (vision.image_size, vision.image_size):
+    if kind in ("square", "canvas") and (processor.height, processor.width) != (vision.image_size, vision.image_size):
         raise CoreError(f"{where}: images resized to {processor.width}x{processor.height} pixels, but the vision "
                         f"tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)
     if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):

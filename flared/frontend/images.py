@@ -85,6 +85,7 @@ DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # width*height, checked before pixel dat
 
 # transformers' SmolVLM / Idefics3 constants and class defaults (identical for the two).
 MAX_IMAGE_SIZE = 4096  # no edge grows past this after the first resize
+MAX_CANVAS_TILES = 64  # a canvas processor's max_patches (InternVL's released configs: 12)
 HF_DEFAULT_LONGEST_EDGE = 4 * 364
 HF_DEFAULT_TILE = 364
 HF_DEFAULT_IMAGE_SEQ_LEN = 169
@@ -130,12 +131,19 @@ GEMMA3_BOI_TOKEN = "<start_of_image>"
 GEMMA3_EOI_TOKEN = "<end_of_image>"
 BILINEAR = 2  # PIL.Image.Resampling.BILINEAR
 SQUARE_PROCESSOR_TYPES = ("Gemma3ImageProcessor",)  # with or without a Fast / Pil suffix
+# transformers' GotOcr2 image processor defaults (InternVL's) and InternVLProcessor's tokens (the released configs:
+# 448 x 448 tiles, 1-12 of them and a thumbnail, 256 image tokens a tile, ImageNet's mean and std)
+CANVAS_IMAGE_TOKEN = "<IMG_CONTEXT>"
+CANVAS_START_TOKEN = "<img>"
+CANVAS_END_TOKEN = "</img>"
+CANVAS_PROCESSOR_TYPES = ("GotOcr2ImageProcessor",)  # with or without a Fast / Pil suffix
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
 _PIXTRAL_PROCESSOR_CLASSES = ("PixtralProcessor",)  # Pixtral-12B and Mistral3 alike
 _CROP_PROCESSOR_CLASSES = ("LlavaProcessor",)
 _SQUARE_PROCESSOR_CLASSES = ("Gemma3Processor",)
+_CANVAS_PROCESSOR_CLASSES = ("InternVLProcessor",)
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -1298,6 +1306,122 @@ class SquareProcessor(_Processor):
                              identity=self._identity(image))
 
 
+def _canvas_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
+    """Every (columns, rows) of min_tiles to max_tiles tiles, fewer tiles first (transformers' order: by count,
+    then columns, then rows)."""
+    grids = [(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if min_tiles <= c * r <= max_tiles]
+    return sorted(grids, key=lambda g: g[0] * g[1])
+
+
+def canvas_grid(height: int, width: int, tile_height: int, tile_width: int, min_tiles: int,
+                max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of the tile canvas whose aspect ratio is nearest the image's (GotOcr2's
+    get_optimal_tiled_canvas): on a tie, the later (larger) canvas while the image's area exceeds half of it."""
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for grid in _canvas_grids(min_tiles, max_tiles):
+        diff = abs(aspect - grid[0] / grid[1])
+        if diff < best_diff:
+            best, best_diff = grid, diff
+        elif diff == best_diff and area > 0.5 * tile_height * tile_width * grid[0] * grid[1]:
+            best = grid
+    return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanvasProcessor(_Processor):
+    """InternVL (transformers' ``GotOcr2ImageProcessorPil`` as ``InternVLProcessor`` calls it, ``crop_to_patches``
+    on) and the prompt text for one image. The image is resized (one Pillow resize of the uint8 RGB image, BICUBIC by
+    default) onto the canvas of ``min_patches`` to ``max_patches`` tiles whose aspect is nearest its own
+    (``canvas_grid``) and cut into its tiles, row by row; more than one tile adds a thumbnail, the whole image
+    resized to one tile. Each tile is rescaled and normalized; ``pixel_values`` is [tiles, 3, height, width]. The
+    chat template's image token becomes ``<img>``, ``image_seq_len`` image tokens a tile, ``</img>``."""
+
+    kind: ClassVar[str] = "canvas"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "canvas processor"
+    identity_tag: ClassVar[bytes] = b"flared.canvas-processor.v1\0"
+
+    height: int  # size.height: a tile's
+    width: int  # size.width
+    min_patches: int
+    max_patches: int
+    crop_to_patches: bool  # False: the image resized to one tile
+    image_seq_len: int  # image tokens the model makes of one tile (from the vision tower)
+    image_token: str = CANVAS_IMAGE_TOKEN
+    start_token: str = CANVAS_START_TOKEN
+    end_token: str = CANVAS_END_TOKEN
+
+    def __post_init__(self):
+        for name in ("height", "width", "min_patches", "max_patches", "image_seq_len"):
+            _positive_int(name, getattr(self, name))
+        if self.min_patches > self.max_patches:
+            raise _field_error("min_patches", self.min_patches, f"at most max_patches ({self.max_patches})")
+        if self.max_patches > MAX_CANVAS_TILES:
+            raise _field_error("max_patches", self.max_patches, f"at most {MAX_CANVAS_TILES}")
+        _flag("crop_to_patches", self.crop_to_patches)
+        _check_pixel_settings(self)
+        for name in ("image_token", "start_token", "end_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None, *,
+                image_seq_len: int | None) -> CanvasProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
+        defaults for missing fields; ``image_seq_len``: the model's image tokens per tile (its tower's), which a
+        processor config's ``image_seq_length`` must agree with. ``crop_to_patches`` is on whatever the image
+        processor's file says (the released ones say false): InternVLProcessor's defaults pass it on every call."""
+        cfg, proc = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, CANVAS_PROCESSOR_TYPES)
+        if image_seq_len is None:
+            raise _error("image processor setting 'image_seq_len' is needed for a canvas processor (InternVL)")
+        declared = proc.get("image_seq_length", image_seq_len)
+        if declared != image_seq_len:
+            raise _error(f"processor setting 'image_seq_length' is {declared!r} but the model takes {image_seq_len} "
+                         "image tokens per tile")
+        height, width = _crop_size("size", cfg.get("size", {"height": 384, "width": 384}))
+        return cls(height=height, width=width, min_patches=cfg.get("min_patches", 1),
+                   max_patches=cfg.get("max_patches", 12), crop_to_patches=True,
+                   **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD), image_seq_len=image_seq_len)
+
+    def grid(self, width: int, height: int) -> tuple[int, int]:
+        """(columns, rows) of tiles ``prepare`` cuts a width x height image into ((1, 1): one tile, no thumbnail)."""
+        if not self.crop_to_patches or self.max_patches <= 1:
+            return 1, 1
+        return canvas_grid(height, width, self.height, self.width, self.min_patches, self.max_patches)
+
+    def num_tiles(self, width: int, height: int) -> int:
+        cols, rows = self.grid(width, height)
+        return cols * rows + (cols * rows > 1)
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        return self.num_tiles(width, height) * self.image_seq_len
+
+    def prompt(self, tiles: int) -> str:
+        """The text for one image of ``tiles`` tiles (InternVLProcessor's replacement of its image token)."""
+        return f"{self.start_token}{self.image_token * (self.image_seq_len * tiles)}{self.end_token}"
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        im = self._rgb(image)
+        th, tw = self.height, self.width
+        cols, rows = self.grid(im.width, im.height)
+        if cols * rows > 1:
+            canvas = np.asarray(im.resize((tw * cols, th * rows), resample=self.resample))
+            tiles = [canvas[r * th:(r + 1) * th, c * tw:(c + 1) * tw] for r in range(rows) for c in range(cols)]
+            tiles.append(np.asarray(im.resize((tw, th), resample=self.resample)))
+        elif self.crop_to_patches and self.max_patches > 1:  # (a one-tile canvas: resized, no thumbnail)
+            tiles = [np.asarray(im.resize((tw, th), resample=self.resample))]
+        else:
+            tiles = [np.asarray(im.resize((tw, th), resample=self.resample) if self.do_resize else im)]
+        if any(x.shape != (th, tw, 3) for x in tiles):
+            raise _error(f"the image is {im.width}x{im.height} pixels; without resizing, this model takes "
+                         f"{tw}x{th} images")
+        pixels = self._normalized(np.stack(tiles).transpose(0, 3, 1, 2), 1)  # [N, 3, th, tw]
+        return PreparedImage(pixel_values=pixels, rows=rows if len(tiles) > 1 else 0,
+                             cols=cols if len(tiles) > 1 else 0, prompt=self.prompt(len(tiles)),
+                             num_image_tokens=len(tiles) * self.image_seq_len, identity=self._identity(image))
+
+
 # -------------------------------------------------------------------------------------------- dispatch
 
 def _family(cfg: dict, processor_config: dict) -> str:
@@ -1314,9 +1438,11 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return CropProcessor.kind
         if base in SQUARE_PROCESSOR_TYPES:
             return SquareProcessor.kind
+        if base in CANVAS_PROCESSOR_TYPES:
+            return CanvasProcessor.kind
         raise _field_error("image_processor_type", kind, " or ".join(
             PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES
-            + SQUARE_PROCESSOR_TYPES))
+            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
@@ -1327,12 +1453,14 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return CropProcessor.kind
         if cls_name in _SQUARE_PROCESSOR_CLASSES:
             return SquareProcessor.kind
+        if cls_name in _CANVAS_PROCESSOR_CLASSES:
+            return CanvasProcessor.kind
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
 
 
-ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor | SquareProcessor
+ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor | SquareProcessor | CanvasProcessor
 
 
 def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
@@ -1351,6 +1479,8 @@ def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | 
         return CropProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if family == SquareProcessor.kind:
         return SquareProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
+    if family == CanvasProcessor.kind:
+        return CanvasProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
@@ -1361,7 +1491,7 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
-    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor)
+    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor)
     for cls in classes:
         if kind == cls.kind:
             return cls.from_dict(d)

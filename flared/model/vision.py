@@ -50,7 +50,7 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava",
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
-                         "gemma3": "gemma3"}
+                         "gemma3": "gemma3", "internvl": "internvl"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -62,6 +62,7 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 @dataclass(frozen=True)
 class VisionConfig:
     # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP) | "gemma3"
+    # | "internvl" (InternViT)
     family: str
     hidden_size: int  # D
     intermediate_size: int  # I
@@ -98,6 +99,12 @@ class VisionConfig:
     # pixtral: Mistral3's projector (RMSNorm, the s x s patch merger, two linears); False: LLaVA's (Pixtral 12B: the
     # two linears alone, each patch a row)
     patch_merger: bool = True
+    # internvl (InternViT): the layers' norms ("layer_norm" or "rms_norm"), RMSNorms over all of q and of k, biases
+    # on q, k and v, and a LayerNorm after the last layer (InternVisionModel without mean pooling)
+    norm_kind: str = "layer_norm"
+    qk_norm: bool = False
+    qkv_bias: bool = True
+    post_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -129,6 +136,13 @@ class VisionConfig:
             if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
                 raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
             return
+        if self.family == "internvl":
+            if self.norm_kind not in ("layer_norm", "rms_norm"):
+                raise CoreError(f"vision norm_kind {self.norm_kind!r} must be layer_norm or rms_norm")
+            if self.feature_select not in ("default", "full") or not (
+                    -self.num_layers - 1 <= self.feature_layer <= self.num_layers):
+                raise CoreError(f"vision features from layer {self.feature_layer} ({self.feature_select!r}) are not "
+                                f"those of a {self.num_layers}-layer tower")
         if self.family in QWEN_FAMILIES:
             if self.family == "qwen3_vl" and (self.position_table <= 0 or math.isqrt(self.position_table) ** 2
                                               != self.position_table):
@@ -174,6 +188,9 @@ class VisionConfig:
         """Text-embedding rows one tile (llava, gemma3: one image) becomes."""
         if self.family == "llava":
             return self.patches_per_side ** 2 + (self.feature_select == "full")
+        if self.family == "internvl" and self.feature_select == "full":
+            raise CoreError("an InternVL tower's class row cannot be pixel-shuffled (vision_feature_select_strategy "
+                            "must be \"default\")", ErrorKind.UNSUPPORTED_MODEL)
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
     def to_dict(self) -> dict:
@@ -227,6 +244,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _gemma3_vision_from_hf(hf, v, t)
         if family == "llava":
             return _llava_vision_from_hf(hf, v, t)
+        if family == "internvl":
+            return _internvl_vision_from_hf(hf, v, t)
         return VisionConfig(
             family=family,
             hidden_size=int(v.get("hidden_size", 1152)),
@@ -335,6 +354,41 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
         feature_select=str(hf.get("vision_feature_select_strategy", "default")))
 
 
+def _square_side(value, name: str) -> int:
+    """An InternViT size (an int, or [height, width] as transformers writes it), which must be square."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or value[0] != value[1]:
+            raise CoreError(f"vision {name} {list(value)} must be square", ErrorKind.UNSUPPORTED_MODEL)
+        value = value[0]
+    return int(value)
+
+
+def _internvl_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    """InternVL's InternViT tower (transformers' defaults: 448-pixel tiles in 14-pixel patches, 24 layers) and its
+    projector: the patches pixel-shuffled in s x s blocks (s = 1 / downsample_ratio), a LayerNorm and two linears
+    with GELU."""
+    if v.get("model_type", "internvl_vision") != "internvl_vision":
+        raise CoreError(f"an internvl vision tower of type {v.get('model_type')!r} is not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    ratio = float(hf.get("downsample_ratio", 0.5))
+    scale = round(1 / ratio) if ratio > 0 else 0
+    if scale <= 0 or abs(scale * ratio - 1) > 1e-9:
+        raise CoreError(f"downsample_ratio {ratio} must be 1 / a whole number", ErrorKind.UNSUPPORTED_MODEL)
+    if not v.get("use_absolute_position_embeddings", True) or v.get("use_mask_token", False):
+        raise CoreError("an InternViT tower without absolute position embeddings, or with a mask token, is not "
+                        "supported", ErrorKind.UNSUPPORTED_MODEL)
+    return VisionConfig(
+        family="internvl", hidden_size=int(v.get("hidden_size", 1024)),
+        intermediate_size=int(v.get("intermediate_size", 4096)), num_layers=int(v.get("num_hidden_layers", 24)),
+        num_heads=int(v.get("num_attention_heads", 16)), patch_size=_square_side(v.get("patch_size", 14), "patch_size"),
+        image_size=_square_side(v.get("image_size", 448), "image_size"),
+        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)), hidden_act=str(v.get("hidden_act", "gelu")),
+        scale_factor=scale, text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("image_token_id", 151667)),
+        feature_layer=_feature_layer(hf, -1), feature_select=str(hf.get("vision_feature_select_strategy", "default")),
+        norm_kind=str(v.get("norm_type", "layer_norm")), qk_norm=bool(v.get("use_qk_norm", False)),
+        qkv_bias=bool(v.get("attention_bias", False)), post_norm=not v.get("use_mean_pooling", True))
+
+
 def _pixtral_vision_from_hf(hf: dict, v: dict, t: dict, *, patch_merger: bool = True) -> VisionConfig:
     """Mistral3's Pixtral tower and projector; ``patch_merger`` False: a llava config's (Pixtral 12B), whose
     projector is LLaVA's two linears with biases over every patch ("full": no class row to drop)."""
@@ -405,6 +459,8 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                 "proj_norm.weight": (d,), "proj.weight": (c.text_hidden_size, d), **_vit_layer_shapes(c)}
     if c.family == "llava":
         return _llava_tensor_shapes(c)
+    if c.family == "internvl":
+        return _internvl_tensor_shapes(c)
     if c.grid_based:
         return _qwen_tensor_shapes(c)
     shapes: dict[str, tuple[int, ...]] = {
@@ -443,6 +499,32 @@ def _llava_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     if c.projector_bias:
         shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
     return {**shapes, **_vit_layer_shapes(c)}
+
+
+def _internvl_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """InternViT: patch_embed (biased conv), class_embed [D], pos_embed [1 + P, D]; per layer norm1/norm2 (bias
+    for LayerNorms), qkv [3D, D] (bias where qkv_bias), q_norm/k_norm [D] (qk_norm), o (biased), fc1/fc2 (biased),
+    ls1/ls2 [D] (the layer scales); post_norm (post_norm); projector: proj_norm [D s^2] (weight and bias),
+    proj_fc1 [hidden, D s^2], proj_fc2 [hidden, hidden], biased."""
+    d, i, h, wide = c.hidden_size, c.intermediate_size, c.text_hidden_size, c.hidden_size * c.scale_factor ** 2
+    shapes: dict[str, tuple[int, ...]] = {
+        "patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "patch_embed.bias": (d,), "class_embed": (d,),
+        "pos_embed.weight": (c.patches_per_side ** 2 + 1, d), "proj_norm.weight": (wide,), "proj_norm.bias": (wide,),
+        "proj_fc1.weight": (h, wide), "proj_fc1.bias": (h,), "proj_fc2.weight": (h, h), "proj_fc2.bias": (h,)}
+    if c.post_norm:
+        shapes.update({"post_norm.weight": (d,), "post_norm.bias": (d,)})
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        shapes.update({p + "norm1.weight": (d,), p + "norm2.weight": (d,), p + "qkv.weight": (3 * d, d),
+                       p + "o.weight": (d, d), p + "o.bias": (d,), p + "fc1.weight": (i, d), p + "fc1.bias": (i,),
+                       p + "fc2.weight": (d, i), p + "fc2.bias": (d,), p + "ls1": (d,), p + "ls2": (d,)})
+        if c.norm_kind == "layer_norm":
+            shapes.update({p + "norm1.bias": (d,), p + "norm2.bias": (d,)})
+        if c.qkv_bias:
+            shapes[p + "qkv.bias"] = (3 * d,)
+        if c.qk_norm:
+            shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
+    return shapes
 
 
 def _pixtral_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -520,7 +602,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
     to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving,
-                  "gemma3": _gemma3_vision_to_serving}.get(
+                  "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving}.get(
         c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
     out = {k: v.contiguous() for k, v in to_serving(hf, c, take).items()}
     check_vision_tensors(out, c, source=source)
@@ -626,6 +708,39 @@ def _llava_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tenso
     return out
 
 
+def _internvl_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    prefix = "model." if "model.vision_tower.embeddings.cls_token" in hf else ""
+    vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
+    out = {"patch_embed.weight": take(vt + "embeddings.patch_embeddings.projection.weight"),
+           "patch_embed.bias": take(vt + "embeddings.patch_embeddings.projection.bias"),
+           "class_embed": take(vt + "embeddings.cls_token").reshape(-1),
+           "pos_embed.weight": take(vt + "embeddings.position_embeddings")[0]}
+    for ours, theirs in (("proj_norm", "layer_norm"), ("proj_fc1", "linear_1"), ("proj_fc2", "linear_2")):
+        for kind in ("weight", "bias"):
+            out[f"{ours}.{kind}"] = take(f"{mp}{theirs}.{kind}")
+    if c.post_norm:
+        out.update({"post_norm.weight": take(vt + "layernorm.weight"), "post_norm.bias": take(vt + "layernorm.bias")})
+    kinds = ("weight", "bias") if c.norm_kind == "layer_norm" else ("weight",)
+    for n in range(c.num_layers):
+        hp, sp = f"{vt}encoder.layer.{n}.", f"layers.{n}."
+        attn = hp + "attention."
+        out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
+        if c.qkv_bias:
+            out[sp + "qkv.bias"] = torch.cat([take(f"{attn}{x}_proj.bias") for x in "qkv"])
+        if c.qk_norm:
+            out.update({sp + "q_norm.weight": take(attn + "q_norm.weight"),
+                        sp + "k_norm.weight": take(attn + "k_norm.weight")})
+        for kind in ("weight", "bias"):
+            out[f"{sp}o.{kind}"] = take(f"{attn}projection_layer.{kind}")
+            out[f"{sp}fc1.{kind}"] = take(f"{hp}mlp.fc1.{kind}")
+            out[f"{sp}fc2.{kind}"] = take(f"{hp}mlp.fc2.{kind}")
+        for kind in kinds:
+            out[f"{sp}norm1.{kind}"] = take(f"{hp}layernorm_before.{kind}")
+            out[f"{sp}norm2.{kind}"] = take(f"{hp}layernorm_after.{kind}")
+        out.update({sp + "ls1": take(hp + "lambda_1"), sp + "ls2": take(hp + "lambda_2")})
+    return out
+
+
 def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.patch_conv.weight" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
@@ -651,7 +766,8 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder, "gemma3": Gemma3VisionEncoder}.get(
+    cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder, "gemma3": Gemma3VisionEncoder,
+           "internvl": InternVLVisionEncoder}.get(
         config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
 
@@ -1027,3 +1143,65 @@ class LlavaVisionEncoder(_Tower):
         x = x[0, 1:] if c.feature_select == "default" else x[0]
         x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
+
+
+class InternVLVisionEncoder(_Tower):
+    """InternVL's InternViT tower and projector: tiles [n, 3, S, S] -> their rows [n * (S / p / s)^2, hidden]. Patch
+    conv, the class token before the patches, learned positions; layers of pre-norm attention (q and k RMS-normed
+    over all heads where qk_norm) and MLP, each branch scaled by its layer scale; the post-LayerNorm where the
+    tower has one; the class row dropped, each s x s block of patches pixel-shuffled into one row, then a LayerNorm
+    and two linears with GELU."""
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
+        c = self.config
+        if grid is not None or pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, c.image_size,
+                                                                                             c.image_size):
+            raise ValueError(f"an InternViT tower takes tiles [n, 3, {c.image_size}, {c.image_size}], got "
+                             f"{tuple(pixel_values.shape)}")
+        parts = []
+        for i in range(0, pixel_values.shape[0], max_tiles):
+            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        c, w = self.config, self.w
+        if c.norm_kind == "rms_norm":
+            return _rms(x, w[name + ".weight"], c.layer_norm_eps)
+        return F.layer_norm(x, (x.shape[-1],), w[name + ".weight"], w[name + ".bias"], c.layer_norm_eps)
+
+    def _layer(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        c, w = self.config, self.w
+        n, rows, d = h.shape
+        heads = c.num_heads
+        qkv = F.linear(self._norm(h, p + "norm1"), w[p + "qkv.weight"], w.get(p + "qkv.bias"))
+        q, k, v = qkv.split(d, dim=-1)
+        if c.qk_norm:  # (over the whole of q and of k, before the heads split)
+            q, k = _rms(q, w[p + "q_norm.weight"], c.layer_norm_eps), _rms(k, w[p + "k_norm.weight"], c.layer_norm_eps)
+        q, k, v = (x.view(n, rows, heads, d // heads).transpose(1, 2) for x in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, rows, d)
+        h = h + w[p + "ls1"] * F.linear(attn, w[p + "o.weight"], w[p + "o.bias"])
+        mid = _activation(F.linear(self._norm(h, p + "norm2"), w[p + "fc1.weight"], w[p + "fc1.bias"]), c.hidden_act)
+        return h + w[p + "ls2"] * F.linear(mid, w[p + "fc2.weight"], w[p + "fc2.bias"])
+
+    def _tiles(self, x: torch.Tensor):
+        c, w = self.config, self.w
+        n, d = x.shape[0], c.hidden_size
+        h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size).flatten(2).transpose(1, 2)
+        h = torch.cat([w["class_embed"].expand(n, 1, d), h], 1) + w["pos_embed.weight"]  # [n, 1 + P, D]
+        # (the features of layer feature_layer, 0 the embeddings; the last layer's after the post-norm)
+        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        for i in range(layers):
+            h = self._layer(h, f"layers.{i}.")
+            yield
+        if c.feature_layer == -1 and c.post_norm:
+            h = F.layer_norm(h, (d,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
+        side, s = c.patches_per_side, c.scale_factor
+        # Pixel shuffle as InternVL's: the patches [n, row, column, D]; each s adjacent columns joined, then each s
+        # adjacent rows of those; the blocks row-major, a block's features (row offset, column offset, D)
+        h = h[:, 1:].reshape(n, side, side // s, d * s).permute(0, 2, 1, 3).reshape(n, side // s, side // s,
+                                                                                    d * s * s)
+        h = h.permute(0, 2, 1, 3).reshape(n * (side // s) ** 2, d * s * s)
+        h = F.layer_norm(h, (d * s * s,), w["proj_norm.weight"], w["proj_norm.bias"], 1e-5)
+        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
+        return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
