@@ -15,6 +15,11 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
   Qwen2.5-VL's full-attention layers as every ``clip.vision.n_wa_pattern``-th.
 - ``qwen3vl_merger`` (Qwen3-VL, Qwen3.5): the same patch split (biased), fused qkv, the position table, and the
   DeepStack mergers ``v.deepstack.{layer}.*`` under their tower layer's index.
+- ``internvl`` (InternVL2.5, InternVL3, InternVL3.5): InternViT's q/k/v apart (the converter splits the original
+  checkpoints' fused qkv), its layer scales ``v.blk.{i}.ls1``/``ls2``, the class token ``v.class_embd``; the
+  projector ``mm.model.mlp.0`` (LayerNorm), ``.1`` and ``.3``. Which layout (LayerNorm or RMSNorm layers, q/k norms,
+  q/k/v biases, a post-LayerNorm) comes from the tensors present; the tiling bounds from
+  ``clip.vision.preproc_min_tiles``/``max_tiles`` where written (the released 1 and 12 where not).
 - ``gemma3`` (Gemma 3): SigLIP's layers as Idefics3's; the projector's RMSNorm ``mm.soft_emb_norm`` stored as 1 + w,
   its projection ``mm.input_projection`` as transformers holds it ([tower width, hidden]); the pooling
   (``projector.scale_factor``) written only where it is not 4.
@@ -40,10 +45,12 @@ from flared.model.vision import VisionConfig
 
 # clip.projector_type -> our vision family
 PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
-              "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl", "gemma3": "gemma3"}
+              "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl", "gemma3": "gemma3",
+              "internvl": "internvl"}
 # the prompt token an image's rows replace, by family (in the model GGUF's vocabulary)
 IMAGE_TOKENS = {"idefics3": "<image>", "pixtral": "[IMG]", "qwen2_vl": "<|image_pad|>",
-                "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>", "gemma3": "<image_soft_token>"}
+                "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>", "gemma3": "<image_soft_token>",
+                "internvl": "<IMG_CONTEXT>"}
 # Released processors' pixel bounds (preprocessor_config.json): Qwen2-VL's and Qwen2.5-VL's min_pixels /
 # max_pixels, Qwen3-VL's size.shortest_edge / longest_edge
 _QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
@@ -160,6 +167,21 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
             preprocessor = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": side, "width": side},
                             "image_mean": mean, "image_std": std}
             processor = {"image_seq_length": config.image_seq_len}
+        elif family == "internvl":
+            config = VisionConfig(
+                **common, image_size=int(need("image_size")),
+                hidden_act="silu" if _field(reader, "clip.use_silu", False) else "gelu",
+                scale_factor=int(_field(reader, "clip.vision.projector.scale_factor", 2)),
+                norm_kind="layer_norm" if "v.blk.0.ln1.bias" in raw else "rms_norm",
+                qk_norm="v.blk.0.attn_q_norm.weight" in raw, qkv_bias="v.blk.0.attn_q.bias" in raw,
+                post_norm="v.post_ln.weight" in raw)
+            tensors = _internvl(take, config)
+            side = config.image_size
+            preprocessor = {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": side, "width": side},
+                            "min_patches": int(_field(reader, "clip.vision.preproc_min_tiles", 1)),
+                            "max_patches": int(_field(reader, "clip.vision.preproc_max_tiles", 12)),
+                            "image_mean": mean, "image_std": std}
+            processor = {"image_seq_length": config.image_seq_len}
         elif family == "pixtral":
             merger = "mm.patch_merger.weight" in raw  # (Mistral Small 3.1's; Pixtral 12B's projector has none)
             config = VisionConfig(
@@ -259,6 +281,32 @@ def _gemma3(take, layers: int) -> dict[str, torch.Tensor]:
                 # holds it, [D, hidden]: a linear's weight is its transpose)
                 "proj_norm.weight": take("mm.soft_emb_norm.weight") - 1,
                 "proj.weight": take("mm.input_projection.weight").T})
+    return out
+
+
+def _internvl(take, c: VisionConfig) -> dict[str, torch.Tensor]:
+    d = c.hidden_size
+    out = {"patch_embed.weight": take("v.patch_embd.weight"), "patch_embed.bias": take("v.patch_embd.bias"),
+           "class_embed": take("v.class_embd").reshape(d), "pos_embed.weight": take("v.position_embd.weight").reshape(
+               -1, d)}
+    for ours, theirs in (("proj_norm", "mm.model.mlp.0"), ("proj_fc1", "mm.model.mlp.1"),
+                         ("proj_fc2", "mm.model.mlp.3")):
+        out[ours + ".weight"], out[ours + ".bias"] = _both(take, theirs)
+    if c.post_norm:
+        out["post_norm.weight"], out["post_norm.bias"] = _both(take, "v.post_ln")
+    norms = ("weight", "bias") if c.norm_kind == "layer_norm" else ("weight",)
+    for n in range(c.num_layers):
+        gp, sp = f"v.blk.{n}.", f"layers.{n}."
+        out[sp + "qkv.weight"] = torch.cat([take(f"{gp}attn_{x}.weight") for x in "qkv"])
+        if c.qkv_bias:
+            out[sp + "qkv.bias"] = torch.cat([take(f"{gp}attn_{x}.bias") for x in "qkv"])
+        if c.qk_norm:
+            out[sp + "q_norm.weight"], out[sp + "k_norm.weight"] = (take(f"{gp}attn_{x}_norm.weight") for x in "qk")
+        for ours, theirs in (("o", "attn_out"), ("fc1", "ffn_up"), ("fc2", "ffn_down")):
+            out[f"{sp}{ours}.weight"], out[f"{sp}{ours}.bias"] = _both(take, gp + theirs)
+        for kind in norms:
+            out[f"{sp}norm1.{kind}"], out[f"{sp}norm2.{kind}"] = take(f"{gp}ln1.{kind}"), take(f"{gp}ln2.{kind}")
+        out[sp + "ls1"], out[sp + "ls2"] = take(gp + "ls1.weight"), take(gp + "ls2.weight")
     return out
 
 

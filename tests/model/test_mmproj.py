@@ -23,8 +23,11 @@ from flared.model.loader import read_source
 from ..conftest import build_tiny_qwen_vl
 from .test_gguf_families import permute_for_llama_cpp, write_gguf
 
-TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl", "qwen2_5_vl": "qwen2vl",
-             "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35"}
+TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl",
+             "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2"}
+# InternVL's projector as the converter renames it first (its original checkpoints' mlp1.*, which the gguf map knows)
+INTERNVL_PROJECTOR = {"model.multi_modal_projector.layer_norm.": "mlp1.0.",
+                      "model.multi_modal_projector.linear_1.": "mlp1.1.", "model.multi_modal_projector.linear_2.": "mlp1.3."}
 
 
 def _load(hf_dir) -> dict[str, np.ndarray]:
@@ -50,6 +53,9 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
         elif family in ("mistral3", "pixtral"):
             if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
                 out[name.removeprefix("model.")] = value
+        elif family == "internvl":  # (the released -hf checkpoints' model.*; transformers 5 saves them without)
+            if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
+                out["model." + name.removeprefix("model.")] = value
         elif name.removeprefix("model.").startswith("visual."):
             out[name.removeprefix("model.")] = value
     return out
@@ -88,6 +94,9 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
         if "embed_dim" in v:  # (Qwen2-VL's: the converter writes its hidden_size, the merger's output, as the
             # feed-forward length; the tower's MLP is embed_dim x mlp_ratio)
             v["intermediate_size"], v["hidden_size"] = v["hidden_size"], v["embed_dim"]
+    for key in ("image_size", "patch_size"):  # (InternViT's [height, width]: the converter writes the first)
+        if isinstance(v.get(key), list):
+            v[key] = v[key][0]
     w.add_vision_image_size(v["image_size"])
     w.add_vision_patch_size(v["patch_size"])
     w.add_vision_embedding_length(v["hidden_size"])
@@ -96,9 +105,9 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
     w.add_vision_head_count(v["num_attention_heads"])
     w.add_vision_image_mean(pre["image_mean"])
     w.add_vision_image_std(pre["image_std"])
-    # (the converter's map numbers blocks up to the tower's depth; the projector's mm.2 needs three with these tiny
-    # towers of two layers)
-    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(v["num_hidden_layers"], 3))
+    # (the converter's map numbers blocks up to the tower's depth; the projectors' mm.2 and InternVL's
+    # mm.model.mlp.3 need four with these tiny towers of two layers)
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(v["num_hidden_layers"], 4))
 
     def mapped(name: str) -> str:
         new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -127,6 +136,21 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
             name = name.replace("_weight", ".weight")
             if "soft_emb_norm.weight" in name:
                 value = value + 1
+            out[mapped(name)] = value
+    elif family == "internvl":  # (InternVisionModel)
+        w.add_clip_projector_type("internvl")
+        w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-6))
+        w.add_vision_use_gelu(True)
+        w.add_vision_projector_scale_factor(round(1 / cfg.get("downsample_ratio", 0.5)))
+        # (the original configs' min_dynamic_patch / max_dynamic_patch, which this -hf one keeps in its preprocessor
+        # config)
+        w.add_vision_preproc_min_tiles(pre["min_patches"])
+        w.add_vision_preproc_max_tiles(pre["max_patches"])
+        for name, value in tower.items():
+            name = next((new + name[len(old):] for old, new in INTERNVL_PROJECTOR.items() if name.startswith(old)),
+                        name)
+            if (".lambda_" in name or "position_embedding" in name) and not name.endswith(".weight"):
+                name += ".weight"
             out[mapped(name)] = value
     elif family in ("mistral3", "pixtral"):  # (LlavaVisionModel: Mistral3's, and Pixtral 12B's llava config)
         w.add_clip_projector_type("pixtral")
@@ -250,13 +274,13 @@ def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32, arc
 def _checkpoint(family, tmp_path_factory, request):
     if family == "smolvlm":
         return request.getfixturevalue("tiny_hf_smolvlm")
-    if family in ("mistral3", "pixtral", "gemma3"):
+    if family in ("mistral3", "pixtral", "gemma3", "internvl"):
         return request.getfixturevalue(f"tiny_{family}")[0]
     return build_tiny_qwen_vl(tmp_path_factory.mktemp(f"hf-{family}"), family)
 
 
 @pytest.fixture(scope="module", params=["smolvlm", "mistral3", "pixtral", "gemma3", "qwen2_vl", "qwen2_5_vl",
-                                        "qwen3_vl", "qwen3_5"])
+                                        "qwen3_vl", "qwen3_5", "internvl"])
 def converted(request, tmp_path_factory):
     """(family, checkpoint, model GGUF, mmproj GGUF)."""
     family = request.param
@@ -336,7 +360,7 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
     assert ours["config"] == theirs["config"]
 
 
-@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3", "internvl"])
 def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, request, tmp_path_factory, tmp_path,
                                                                    start_daemon):
     """`flared run model.gguf --mmproj mmproj.gguf` (exported once into the cache) answers an image with the
@@ -480,3 +504,18 @@ def test_flared_run_batch_with_mmproj_answers_an_image_line(request, tmp_path):
         body = result["response"]["body"]
         answers.append((body["usage"]["prompt_tokens"], body["choices"][0]["message"]["content"]))
     assert answers[1] == answers[0] and answers[0][0] > 20
+
+
+def test_an_internvit_6b_layout_reads_from_its_tensors(tmp_path, tmp_path_factory):
+    """InternViT-6B's layout (RMSNorm layers, q and k RMS-normed, no q/k/v biases) is told apart by the tensors the
+    mmproj holds: it reads as the checkpoint's tower."""
+    from ..conftest import build_tiny_internvl
+
+    hf_dir = build_tiny_internvl(tmp_path_factory.mktemp("hf-internvit6b"), norm_type="rms_norm", use_qk_norm=True,
+                                 attention_bias=False)
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", "internvl", tmp_path)
+    write_mmproj(hf_dir, tmp_path / "mmproj.gguf", "internvl")
+    ours, theirs = read_source(tmp_path / "model.gguf", mmproj=tmp_path / "mmproj.gguf"), read_source(hf_dir)
+    assert ours.vision == theirs.vision and (ours.vision.norm_kind, ours.vision.qk_norm) == ("rms_norm", True)
+    assert sorted(ours.vision_tensors) == sorted(theirs.vision_tensors)
+    assert all(torch.equal(ours.vision_tensors[k], v) for k, v in theirs.vision_tensors.items())
