@@ -695,8 +695,11 @@ def _vit_layers_to_serving(take, prefix: str, num_layers: int) -> dict[str, torc
 
 
 def _llava_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    prefix = "model." if "model.vision_tower.embeddings.patch_embedding.weight" in hf else ""
-    vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
+    # (the released checkpoints, saved by transformers 4, hold CLIP's vision_tower.vision_model.*; transformers 5
+    # saves vision_tower.* or model.vision_tower.*)
+    vt = next((p for p in ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.")
+               if p + "embeddings.patch_embedding.weight" in hf), "vision_tower.")
+    mp = ("model." if vt.startswith("model.") else "") + "multi_modal_projector."
     out = {"patch_embed.weight": take(vt + "embeddings.patch_embedding.weight"),
            "class_embed": take(vt + "embeddings.class_embedding"),
            "pos_embed.weight": take(vt + "embeddings.position_embedding.weight"),

@@ -54,3 +54,29 @@ def test_greedy_tokens_match_transformers(daemon, reference):
     wide, tall = noise_image(71, (90, 40)), noise_image(72, (30, 100))
     assert_cases_match(daemon, reference, (([wide], "What is in the picture?"), ([tall], "And this one?"),
                                            ([wide, tall], "Compare them.")), NEW_TOKENS)
+
+
+def test_the_released_checkpoints_layout_reads_as_the_saved_one(tiny_llava, tmp_path):
+    """llava-hf's released checkpoints were saved by transformers 4: CLIP's tower under vision_tower.vision_model.*,
+    the decoder under language_model.model.* and language_model.lm_head.*. They read as transformers 5's layout."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from flared.model.loader import read_source
+
+    released = tmp_path / "released"
+    shutil.copytree(tiny_llava[0], released)
+    weights = load_file(released / "model.safetensors")
+    renamed = {}
+    for name, value in weights.items():
+        if name.startswith("vision_tower."):
+            name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        renamed[name] = value
+    assert any(k.startswith("language_model.model.") for k in renamed)
+    save_file(renamed, released / "model.safetensors")
+    ours, theirs = read_source(released), read_source(tiny_llava[0])
+    assert ours.vision == theirs.vision and sorted(ours.vision_tensors) == sorted(theirs.vision_tensors)
+    assert all(torch.equal(ours.vision_tensors[k], v) for k, v in theirs.vision_tensors.items())
+    assert sorted(ours.tensors) == sorted(theirs.tensors)
