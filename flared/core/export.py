@@ -316,7 +316,8 @@ def _read_hf_assets(src: Path) -> _Assets:
 
 # the image processor kind (flared.frontend.images) each vision family's checkpoints ship
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
-                    "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas"}
+                    "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
+                    "llava_next": "anyres"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -336,7 +337,7 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
     kind = _PROCESSOR_KINDS[vision.family]
-    fixed = kind in ("tiles", "crop", "square", "canvas")  # a fixed number of image tokens per tile / image
+    fixed = kind in ("tiles", "crop", "square", "canvas", "anyres")  # a fixed number of image tokens per tile
     declared = (proc or {}).get("image_seq_len")
     if kind == "tiles" and declared is not None and declared != vision.image_seq_len:
         raise CoreError(f"{where_proc}: image_seq_len {declared} disagrees with the vision tower's "
@@ -354,6 +355,10 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
     if kind in ("square", "canvas") and (processor.height, processor.width) != (vision.image_size, vision.image_size):
         raise CoreError(f"{where}: images resized to {processor.width}x{processor.height} pixels, but the vision "
                         f"tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)
+    if kind == "anyres" and (processor.tile, processor.grid_pinpoints) != (vision.image_size, vision.grid_pinpoints):
+        raise CoreError(f"{where}: tiles of {processor.tile} pixels on canvases {list(processor.grid_pinpoints)}, but "
+                        f"the model takes {vision.image_size} on {list(vision.grid_pinpoints)} (config.json's "
+                        "image_grid_pinpoints)", ErrorKind.UNSUPPORTED_MODEL)
     if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):
         raise CoreError(f"{where}: crops of {processor.crop_width}x{processor.crop_height} "
                         f"pixels, but the vision tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)

@@ -137,6 +137,7 @@ CANVAS_IMAGE_TOKEN = "<IMG_CONTEXT>"
 CANVAS_START_TOKEN = "<img>"
 CANVAS_END_TOKEN = "</img>"
 CANVAS_PROCESSOR_TYPES = ("GotOcr2ImageProcessor",)  # with or without a Fast / Pil suffix
+ANYRES_PROCESSOR_TYPES = ("LlavaNextImageProcessor",)  # with or without a Fast / Pil suffix
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
@@ -144,6 +145,7 @@ _PIXTRAL_PROCESSOR_CLASSES = ("PixtralProcessor",)  # Pixtral-12B and Mistral3 a
 _CROP_PROCESSOR_CLASSES = ("LlavaProcessor",)
 _SQUARE_PROCESSOR_CLASSES = ("Gemma3Processor",)
 _CANVAS_PROCESSOR_CLASSES = ("InternVLProcessor",)
+_ANYRES_PROCESSOR_CLASSES = ("LlavaNextProcessor",)
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -1422,6 +1424,146 @@ class CanvasProcessor(_Processor):
                              num_image_tokens=len(tiles) * self.image_seq_len, identity=self._identity(image))
 
 
+# ------------------------------------------------------------------------------------- LLaVA-NeXT anyres
+
+def best_resolution(height: int, width: int, canvases) -> tuple[int, int]:
+    """The canvas (height, width) LLaVA-NeXT tiles a height x width image on (transformers'
+    select_best_resolution): the most of the image's pixels kept once it is scaled to fit, then the least canvas
+    wasted; the first such in order."""
+    best, most, least = None, 0, float("inf")
+    for h, w in canvases:
+        scale = min(w / width, h / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - kept
+        if kept > most or (kept == most and wasted < least):
+            best, most, least = (h, w), kept, wasted
+    return best
+
+
+def unpadded_size(height: int, width: int, rows: int, cols: int) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) of the part of a rows x cols feature grid that covers a height x width image
+    scaled into it and centred (the rest is the processor's padding; transformers' unpad_image)."""
+    if width / height > cols / rows:
+        kept = int(round(height * (cols / width), 7))
+        pad = (rows - kept) // 2
+        return pad, rows - pad, 0, cols
+    kept = int(round(width * (rows / height), 7))
+    pad = (cols - kept) // 2
+    return 0, rows, pad, cols - pad
+
+
+def _pinpoints(value) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _field_error("image_grid_pinpoints", value, "a list of [height, width] canvases")
+    out = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise _field_error("image_grid_pinpoints", value, "a list of [height, width] canvases")
+        out.append((_positive_int("image_grid_pinpoints", pair[0]), _positive_int("image_grid_pinpoints", pair[1])))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnyresProcessor(_Processor):
+    """LLaVA-NeXT (transformers' ``LlavaNextImageProcessorPil``) and the prompt text for one image. The image is
+    scaled (one Pillow resize of the uint8 RGB image, BICUBIC by default) to fit the canvas of
+    ``grid_pinpoints`` that keeps most of it (``best_resolution``), centred on it over black, and cut into
+    ``tile`` x ``tile`` tiles row by row; before them, the whole image squashed to one tile. Each tile is
+    rescaled and normalized; ``pixel_values`` is [1 + tiles, 3, tile, tile] and the tower takes the image's
+    (height, width) as its ``grid``. The prompt is ``<image>`` once per row the model makes
+    (``num_image_tokens_for``: the whole image's ``image_seq_len``, and the tiles' feature grid without the
+    padding's rows and columns, plus one row-end per grid row)."""
+
+    kind: ClassVar[str] = "anyres"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    label: ClassVar[str] = "anyres processor"
+    identity_tag: ClassVar[bytes] = b"flared.anyres-processor.v1\0"
+
+    tile: int  # crop_size (square): the tower's image size
+    grid_pinpoints: tuple[tuple[int, int], ...]
+    image_seq_len: int  # image tokens of one tile (the tower's patches a tile; a square)
+    image_token: str = CLIP_IMAGE_TOKEN
+
+    def __post_init__(self):
+        _positive_int("tile", self.tile)
+        object.__setattr__(self, "grid_pinpoints", _pinpoints(self.grid_pinpoints))
+        if any(h % self.tile or w % self.tile or h * w > MAX_CANVAS_TILES * self.tile ** 2
+               for h, w in self.grid_pinpoints):
+            raise _field_error("image_grid_pinpoints", [list(p) for p in self.grid_pinpoints],
+                               f"canvases of whole {self.tile}-pixel tiles, at most {MAX_CANVAS_TILES} of them")
+        _positive_int("image_seq_len", self.image_seq_len)
+        if math.isqrt(self.image_seq_len) ** 2 != self.image_seq_len:
+            raise _field_error("image_seq_len", self.image_seq_len, "a square (a tile's grid of patches)")
+        _check_pixel_settings(self)
+        if not isinstance(self.image_token, str) or not self.image_token:
+            raise _field_error("image_token", self.image_token, "a non-empty string")
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["grid_pinpoints"] = [list(p) for p in self.grid_pinpoints]
+        return d
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None, *,
+                image_seq_len: int | None) -> AnyresProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
+        defaults for missing fields; ``image_seq_len``: the model's image tokens per tile. The tiles must be
+        squares the whole image is resized to as well (``size`` a shortest edge or a square equal to
+        ``crop_size``); the "default" feature strategy (no class row) is the only one read."""
+        cfg, proc = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, ANYRES_PROCESSOR_TYPES)
+        if image_seq_len is None:
+            raise _error("image processor setting 'image_seq_len' is needed for an anyres processor (LLaVA-NeXT)")
+        crop_h, crop_w = _crop_size("crop_size", cfg.get("crop_size", {"height": 224, "width": 224}))
+        size = cfg.get("size", {"shortest_edge": 224})
+        side = _shortest_edge("size", size) if not (isinstance(size, dict) and "height" in size) else _crop_size(
+            "size", size)
+        if crop_h != crop_w or side not in (crop_h, (crop_h, crop_h)):
+            raise _error(f"image processor sizes size={size!r}, crop_size={cfg.get('crop_size')!r}: only square "
+                         "tiles the image is resized to whole are read")
+        strategy = proc.get("vision_feature_select_strategy", "default")
+        if strategy != "default":
+            raise _field_error("vision_feature_select_strategy", strategy, '"default"')
+        return cls(tile=crop_h, grid_pinpoints=cfg.get("image_grid_pinpoints", (
+            (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))),
+            **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD), image_seq_len=image_seq_len,
+            image_token=proc.get("image_token", CLIP_IMAGE_TOKEN))
+
+    def canvas(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) of the canvas a width x height image is tiled on."""
+        return best_resolution(height, width, self.grid_pinpoints)
+
+    def num_tiles(self, width: int, height: int) -> int:
+        h, w = self.canvas(width, height)
+        return 1 + (h // self.tile) * (w // self.tile)
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        """The whole image's rows, the tiles' grid without the padding, and a row end a grid row (transformers'
+        LlavaNextProcessor._get_number_of_features)."""
+        side = math.isqrt(self.image_seq_len)
+        h, w = self.canvas(width, height)
+        top, bottom, left, right = unpadded_size(height, width, h // self.tile * side, w // self.tile * side)
+        rows = bottom - top
+        return self.image_seq_len + rows * (right - left) + rows
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        im = self._rgb(image)
+        t = self.tile
+        ch, cw = self.canvas(im.width, im.height)
+        if cw / im.width < ch / im.height:  # (transformers' get_patch_output_size)
+            nw, nh = cw, min(math.ceil(im.height * cw / im.width), ch)
+        else:
+            nh, nw = ch, min(math.ceil(im.width * ch / im.height), cw)
+        canvas = np.zeros((ch, cw, 3), dtype=np.uint8)
+        y, x = (ch - nh) // 2, (cw - nw) // 2
+        canvas[y:y + nh, x:x + nw] = np.asarray(im.resize((nw, nh), resample=self.resample))
+        tiles = [np.asarray(im.resize((t, t), resample=self.resample))]
+        tiles += [canvas[r:r + t, c:c + t] for r in range(0, ch, t) for c in range(0, cw, t)]
+        pixels = self._normalized(np.stack(tiles).transpose(0, 3, 1, 2), 1)  # [1 + N, 3, t, t]
+        count = self.num_image_tokens_for(im.width, im.height)
+        return PreparedImage(pixel_values=pixels, rows=ch // t, cols=cw // t, prompt=self.image_token * count,
+                             num_image_tokens=count, identity=self._identity(image), grid=(im.height, im.width))
+
+
 # -------------------------------------------------------------------------------------------- dispatch
 
 def _family(cfg: dict, processor_config: dict) -> str:
@@ -1440,9 +1582,11 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return SquareProcessor.kind
         if base in CANVAS_PROCESSOR_TYPES:
             return CanvasProcessor.kind
+        if base in ANYRES_PROCESSOR_TYPES:
+            return AnyresProcessor.kind
         raise _field_error("image_processor_type", kind, " or ".join(
             PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES
-            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES))
+            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES + ANYRES_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
@@ -1455,12 +1599,15 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return SquareProcessor.kind
         if cls_name in _CANVAS_PROCESSOR_CLASSES:
             return CanvasProcessor.kind
+        if cls_name in _ANYRES_PROCESSOR_CLASSES:
+            return AnyresProcessor.kind
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
 
 
-ImageProcessor = TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor | SquareProcessor | CanvasProcessor
+ImageProcessor = (TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor | SquareProcessor | CanvasProcessor
+                  | AnyresProcessor)
 
 
 def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
@@ -1481,6 +1628,8 @@ def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | 
         return SquareProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if family == CanvasProcessor.kind:
         return CanvasProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
+    if family == AnyresProcessor.kind:
+        return AnyresProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
@@ -1491,7 +1640,8 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
-    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor)
+    classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor,
+               AnyresProcessor)
     for cls in classes:
         if kind == cls.kind:
             return cls.from_dict(d)

@@ -394,7 +394,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
                  "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",  # (Gemma 4's)
-                 "vision_model.")  # (Llama 4's)
+                 "vision_model.",  # (Llama 4's)
+                 "image_newline", "model.image_newline")  # (LLaVA-NeXT's row-end embedding)
         hf_tensors = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
                       for k, v in hf_tensors.items() if not k.startswith(tower)}
         if not config.tie_word_embeddings and "lm_head.weight" not in hf_tensors:  # the composite config ties them

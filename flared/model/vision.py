@@ -44,13 +44,14 @@ import torch
 import torch.nn.functional as F
 
 from flared.errors import CoreError, ErrorKind
+from flared.frontend.images import best_resolution, unpadded_size
 
 # model_type of the checkpoint's config.json -> our vision family
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
                          "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava",
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
-                         "gemma3": "gemma3", "internvl": "internvl"}
+                         "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -62,7 +63,7 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 @dataclass(frozen=True)
 class VisionConfig:
     # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP) | "gemma3"
-    # | "internvl" (InternViT)
+    # | "internvl" (InternViT) | "llava_next" (CLIP over LLaVA-NeXT's any-resolution tiles)
     family: str
     hidden_size: int  # D
     intermediate_size: int  # I
@@ -105,10 +106,16 @@ class VisionConfig:
     qk_norm: bool = False
     qkv_bias: bool = True
     post_norm: bool = False
+    # llava_next: the canvases (height, width) in pixels an image is tiled on (image_grid_pinpoints)
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        try:
+            object.__setattr__(self, "grid_pinpoints", tuple((int(h), int(w)) for h, w in self.grid_pinpoints))
+        except (TypeError, ValueError):
+            raise CoreError(f"vision grid_pinpoints must be [height, width] pairs, got {self.grid_pinpoints!r}") from None
         if self.family not in set(HF_VISION_MODEL_TYPES.values()):
             raise CoreError(f"vision family {self.family!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "patch_size",
@@ -126,12 +133,20 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        if self.family in ("pixtral", "llava"):
+        if self.family == "llava_next":
+            if self.feature_select != "default":
+                raise CoreError("a LLaVA-NeXT tower must select its features \"default\" (its tiles' grids have no "
+                                "class row)", ErrorKind.UNSUPPORTED_MODEL)
+            if not self.grid_pinpoints or any(h <= 0 or w <= 0 or h % self.image_size or w % self.image_size
+                                              for h, w in self.grid_pinpoints):
+                raise CoreError(f"vision grid_pinpoints {list(self.grid_pinpoints)} must be canvases of whole "
+                                f"{self.image_size}-pixel tiles")
+        if self.family in ("pixtral", "llava", "llava_next"):
             if self.family == "pixtral" and not self.patch_merger and self.scale_factor != 1:
                 raise CoreError(f"a Pixtral tower without a patch merger takes scale_factor 1, got {self.scale_factor}")
             if self.feature_select not in ("default", "full"):
                 raise CoreError(f"vision feature_select {self.feature_select!r} must be default or full")
-            if self.family == "llava" and (self.image_size <= 0 or self.image_size % self.patch_size):
+            if self.family != "pixtral" and (self.image_size <= 0 or self.image_size % self.patch_size):
                 raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches")
             if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
                 raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
@@ -186,7 +201,7 @@ class VisionConfig:
     @property
     def image_seq_len(self) -> int:
         """Text-embedding rows one tile (llava, gemma3: one image) becomes."""
-        if self.family == "llava":
+        if self.family in ("llava", "llava_next"):  # (llava_next: one tile's, the base image's)
             return self.patches_per_side ** 2 + (self.feature_select == "full")
         if self.family == "internvl" and self.feature_select == "full":
             raise CoreError("an InternVL tower's class row cannot be pixel-shuffled (vision_feature_select_strategy "
@@ -221,7 +236,11 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     if family is None:
         return None
     v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
-    llava_tower = v.get("model_type", "clip_vision_model") if family == "llava" and isinstance(v, dict) else None
+    llava_tower = (v.get("model_type", "clip_vision_model") if family in ("llava", "llava_next") and isinstance(v, dict)
+                   else None)
+    if family == "llava_next" and llava_tower != "clip_vision_model":
+        raise CoreError(f"{source}: a llava_next vision tower of type {llava_tower!r} is not supported (CLIP only)",
+                        ErrorKind.UNSUPPORTED_MODEL)
     if llava_tower not in (None, "clip_vision_model", "pixtral"):
         raise CoreError(f"{source}: a llava vision tower of type {llava_tower!r} is not supported (CLIP or "
                         "Pixtral)", ErrorKind.UNSUPPORTED_MODEL)
@@ -242,8 +261,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _pixtral_vision_from_hf(hf, v, t, patch_merger=False)
         if family == "gemma3":
             return _gemma3_vision_from_hf(hf, v, t)
-        if family == "llava":
-            return _llava_vision_from_hf(hf, v, t)
+        if family in ("llava", "llava_next"):
+            return _llava_vision_from_hf(hf, v, t, family=family)
         if family == "internvl":
             return _internvl_vision_from_hf(hf, v, t)
         return VisionConfig(
@@ -340,10 +359,14 @@ def _gemma3_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
         image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 262144))), projector_eps=eps)
 
 
-def _llava_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> VisionConfig:
     layer = _feature_layer(hf, -2)
+    extra = {}
+    if family == "llava_next":
+        extra["grid_pinpoints"] = tuple(tuple(p) for p in hf.get("image_grid_pinpoints", (
+            (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))))
     return VisionConfig(
-        family="llava", hidden_size=int(v.get("hidden_size", 1024)), intermediate_size=int(v.get("intermediate_size",
+        family=family, **extra, hidden_size=int(v.get("hidden_size", 1024)), intermediate_size=int(v.get("intermediate_size",
                                                                                                  4096)),
         num_layers=int(v.get("num_hidden_layers", 24)), num_heads=int(v.get("num_attention_heads", 16)),
         patch_size=int(v.get("patch_size", 14)), image_size=int(v.get("image_size", 336)),
@@ -459,6 +482,8 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                 "proj_norm.weight": (d,), "proj.weight": (c.text_hidden_size, d), **_vit_layer_shapes(c)}
     if c.family == "llava":
         return _llava_tensor_shapes(c)
+    if c.family == "llava_next":  # (LLaVA's, and the row-end embedding the tiles' rows take)
+        return {**_llava_tensor_shapes(c), "image_newline": (c.text_hidden_size,)}
     if c.family == "internvl":
         return _internvl_tensor_shapes(c)
     if c.grid_based:
@@ -602,6 +627,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
     to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving,
+                  "llava_next": _llava_next_vision_to_serving,
                   "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving}.get(
         c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
     out = {k: v.contiguous() for k, v in to_serving(hf, c, take).items()}
@@ -711,6 +737,12 @@ def _llava_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tenso
     return out
 
 
+def _llava_next_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    out = _llava_vision_to_serving(hf, c, take)
+    out["image_newline"] = take("model.image_newline" if "model.image_newline" in hf else "image_newline")
+    return out
+
+
 def _internvl_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.embeddings.cls_token" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
@@ -770,7 +802,7 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
     cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder, "gemma3": Gemma3VisionEncoder,
-           "internvl": InternVLVisionEncoder}.get(
+           "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder}.get(
         config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
 
@@ -1130,22 +1162,59 @@ class LlavaVisionEncoder(_Tower):
 
     @torch.inference_mode()
     def stages(self, pixel_values: torch.Tensor, *, grid=None):
-        c, w = self.config, self.w
+        c = self.config
         if grid is not None or tuple(pixel_values.shape) != (3, c.image_size, c.image_size):
             raise ValueError(f"a CLIP tower takes one [3, {c.image_size}, {c.image_size}] image, got "
                              f"{tuple(pixel_values.shape)}")
+        rows = yield from self._tiles(pixel_values[None].to(self.device, self.dtype))
+        return rows[0]
+
+    def _tiles(self, x: torch.Tensor):
+        """Tiles [n, 3, S, S] -> their projected rows [n, P (+1), hidden]; yields after each layer."""
+        c, w = self.config, self.w
         d = c.hidden_size
-        x = F.conv2d(pixel_values.to(self.device, self.dtype)[None], w["patch_embed.weight"], stride=c.patch_size)
-        x = torch.cat([w["class_embed"][None], x[0].flatten(1).T]) + w["pos_embed.weight"]  # [1 + P, D]
+        x = F.conv2d(x, w["patch_embed.weight"], stride=c.patch_size).flatten(2).transpose(1, 2)  # [n, P, D]
+        x = torch.cat([w["class_embed"].expand(x.shape[0], 1, d), x], 1) + w["pos_embed.weight"]  # [n, 1 + P, D]
         x = F.layer_norm(x, (d,), w["pre_norm.weight"], w["pre_norm.bias"], c.layer_norm_eps)
-        x = x[None]  # [1, 1 + P, D]
         layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
         for i in range(layers):
             x = _vit_layer(x, w, f"layers.{i}.", c)
             yield
-        x = x[0, 1:] if c.feature_select == "default" else x[0]
+        x = x[:, 1:] if c.feature_select == "default" else x
         x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
+
+
+class LlavaNextVisionEncoder(LlavaVisionEncoder):
+    """LLaVA-NeXT's CLIP tower and projector over an image's tiles: [1 + n, 3, S, S] (the whole image squashed to
+    one tile, then the canvas's tiles row by row) and ``grid`` = the image's (height, width) in pixels -> the
+    whole image's rows, then the tiles' rows laid out as the canvas's feature grid, the padding's rows and columns
+    cut away, each grid row ended by the image_newline embedding."""
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
+        c = self.config
+        if grid is None or len(grid) != 2 or pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (
+                3, c.image_size, c.image_size):
+            raise ValueError(f"a LLaVA-NeXT tower takes tiles [n, 3, {c.image_size}, {c.image_size}] and the image's "
+                             f"(height, width), got {tuple(pixel_values.shape)} and {grid!r}")
+        height, width = (int(x) for x in grid)
+        canvas_h, canvas_w = best_resolution(height, width, c.grid_pinpoints)
+        rows, cols = canvas_h // c.image_size, canvas_w // c.image_size
+        if pixel_values.shape[0] != 1 + rows * cols:
+            raise ValueError(f"a {width}x{height} image takes 1 + {rows} x {cols} tiles, got {pixel_values.shape[0]}")
+        parts = []
+        for i in range(0, pixel_values.shape[0], max_tiles):
+            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
+        x = torch.cat(parts)  # [1 + rows * cols, side * side, hidden]
+        side, hidden = c.patches_per_side, x.shape[-1]
+        tiles = x[1:].view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side,
+                                                                                          hidden)
+        top, bottom, left, right = unpadded_size(height, width, rows * side, cols * side)
+        tiles = tiles[top:bottom, left:right]
+        newline = self.w["image_newline"].to(tiles.dtype).expand(tiles.shape[0], 1, hidden)
+        return torch.cat([x[0], torch.cat([tiles, newline], 1).reshape(-1, hidden)])
+
 
 
 class InternVLVisionEncoder(_Tower):
