@@ -207,7 +207,7 @@ class VisionJob(ModelJob):
                 self.parts.append(finished.value)
                 self._stages = None
                 stats["vision_images"] += 1
-                if image.grid is None and image.pixel_values.ndim == 4:  # tiles
+                if image.pixel_values.ndim == 4:  # tiles (SmolVLM's, InternVL's, LLaVA-NeXT's)
                     stats["vision_tiles"] += len(image.pixel_values)
                 continue
             if time.perf_counter() - started >= self.turn_s:

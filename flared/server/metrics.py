@@ -134,7 +134,8 @@ class _RuntimeCollector:
                        rt.get("embedded_tokens", 0))
         yield _counter("flare_vision_images", "Images run through the model's image tower (not those whose rows "
                        "were cached from an earlier request).", rt.get("vision_images", 0))
-        yield _counter("flare_vision_tiles", "Image tiles run through a tiling image tower (SmolVLM, Idefics3).",
+        yield _counter("flare_vision_tiles",
+                       "Image tiles run through a tiling image tower (SmolVLM, Idefics3, InternVL, LLaVA-NeXT).",
                        rt.get("vision_tiles", 0))
         yield _counter("flare_relevance_pairs", "Query-document pairs scored (/v1/rerank, /rerank, /v1/score).",
                        rt.get("relevance_sequences", 0))
