@@ -74,11 +74,11 @@ def test_greedy_tokens_match_transformers(daemon, reference):
 def test_the_answer_depends_on_the_picture(daemon):
     from flared_testing.vision import ask_greedy, metric, token_ids
 
-    tiles = metric(daemon, "flare_vision_tiles_total")
+    tiles = metric(daemon, "flare_vision_tiles")
     answers = {tuple(token_ids(ask_greedy(daemon, [noise_image(seed, (60, 60))], "What?", NEW_TOKENS)))
                for seed in (91, 92, 93)}
     assert len(answers) > 1
-    assert metric(daemon, "flare_vision_tiles_total") == tiles + 3 * 5  # (each: a 2 x 2 canvas and a thumbnail)
+    assert metric(daemon, "flare_vision_tiles") == tiles + 3 * 5  # (each: a 2 x 2 canvas and a thumbnail)
 
 
 @pytest.mark.parametrize("tower", [
