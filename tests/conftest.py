@@ -553,6 +553,64 @@ def tiny_llava_next(tmp_path_factory) -> tuple[Path, Path]:
     return d, out
 
 
+# LLaVA-OneVision's preparation at 28-pixel tiles: canvases of 1 x 1 to 3 x 3 tiles (the released 384-pixel
+# configs': up to 6 x 6), the features cut to about 2 tiles' worth (anyres_max_2; the released: 9), SigLIP's
+# mean and std 0.5.
+ONEVISION_PINPOINTS = [[28 * r, 28 * c] for r in range(1, 4) for c in range(1, 4)]
+ONEVISION_PREPROCESSOR = {
+    "image_processor_type": "LlavaOnevisionImageProcessor", "do_resize": True, "size": {"height": 28, "width": 28},
+    "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_pad": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+    "image_grid_pinpoints": ONEVISION_PINPOINTS, "processor_class": "LlavaOnevisionProcessor"}
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{{ '<image>' }}{% endif %}{% endfor %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{{ '\n' + part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_onevision(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight LLaVA-OneVision (SigLIP tower over any-resolution tiles, LLaVA's
+    projector, image_newline, a Qwen2 decoder)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-llava-onevision")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<image>", "<video>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": ONEVISION_TEMPLATE}))
+    (d / "preprocessor_config.json").write_text(json.dumps(ONEVISION_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16, "vision_aspect_ratio": "anyres_max_2",
+        "vision_feature_select_strategy": "full", "image_token": "<image>", "video_token": "<video>"}))
+    text = dict(model_type="qwen2", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                initializer_range=0.2, tie_word_embeddings=False)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=28, patch_size=7)
+    config = LlavaOnevisionConfig(text_config=text, vision_config=vision,
+                                  image_token_index=tok.token_to_id("<image>"),
+                                  video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=ONEVISION_PINPOINTS,
+                                  vision_aspect_ratio="anyres_max_2", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # (SigLIP's own init ignores initializer_range: widen it)
+        if "vision_tower" in name or "projector" in name or "image_newline" in name:
+            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "llava_onevision"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out
+
+
 @pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight LLaVA-1.5 (CLIP tower, two-linear projector, Llama)."""

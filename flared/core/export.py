@@ -317,7 +317,7 @@ def _read_hf_assets(src: Path) -> _Assets:
 # the image processor kind (flared.frontend.images) each vision family's checkpoints ship
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
-                    "llava_next": "anyres"}
+                    "llava_next": "anyres", "llava_onevision": "anyres"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -359,6 +359,11 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         raise CoreError(f"{where}: tiles of {processor.tile} pixels on canvases {list(processor.grid_pinpoints)}, but "
                         f"the model takes {vision.image_size} on {list(vision.grid_pinpoints)} (config.json's "
                         "image_grid_pinpoints)", ErrorKind.UNSUPPORTED_MODEL)
+    if kind == "anyres" and (processor.anyres_max, processor.multi_image) != (
+            vision.anyres_max, vision.family == "llava_onevision"):
+        raise CoreError(f"{where}: an image processor for {'LLaVA-OneVision' if processor.multi_image else 'LLaVA-NeXT'}"
+                        f" (anyres_max {processor.anyres_max}) does not fit a {vision.family} model (anyres_max "
+                        f"{vision.anyres_max})", ErrorKind.UNSUPPORTED_MODEL)
     if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):
         raise CoreError(f"{where}: crops of {processor.crop_width}x{processor.crop_height} "
                         f"pixels, but the vision tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)

@@ -137,7 +137,7 @@ CANVAS_IMAGE_TOKEN = "<IMG_CONTEXT>"
 CANVAS_START_TOKEN = "<img>"
 CANVAS_END_TOKEN = "</img>"
 CANVAS_PROCESSOR_TYPES = ("GotOcr2ImageProcessor",)  # with or without a Fast / Pil suffix
-ANYRES_PROCESSOR_TYPES = ("LlavaNextImageProcessor",)  # with or without a Fast / Pil suffix
+ANYRES_PROCESSOR_TYPES = ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor")  # (or Fast / Pil)
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
@@ -145,7 +145,7 @@ _PIXTRAL_PROCESSOR_CLASSES = ("PixtralProcessor",)  # Pixtral-12B and Mistral3 a
 _CROP_PROCESSOR_CLASSES = ("LlavaProcessor",)
 _SQUARE_PROCESSOR_CLASSES = ("Gemma3Processor",)
 _CANVAS_PROCESSOR_CLASSES = ("InternVLProcessor",)
-_ANYRES_PROCESSOR_CLASSES = ("LlavaNextProcessor",)
+_ANYRES_PROCESSOR_CLASSES = ("LlavaNextProcessor", "LlavaOnevisionProcessor")
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -1465,23 +1465,29 @@ def _pinpoints(value) -> tuple[tuple[int, int], ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class AnyresProcessor(_Processor):
-    """LLaVA-NeXT (transformers' ``LlavaNextImageProcessorPil``) and the prompt text for one image. The image is
-    scaled (one Pillow resize of the uint8 RGB image, BICUBIC by default) to fit the canvas of
-    ``grid_pinpoints`` that keeps most of it (``best_resolution``), centred on it over black, and cut into
-    ``tile`` x ``tile`` tiles row by row; before them, the whole image squashed to one tile. Each tile is
-    rescaled and normalized; ``pixel_values`` is [1 + tiles, 3, tile, tile] and the tower takes the image's
-    (height, width) as its ``grid``. The prompt is ``<image>`` once per row the model makes
-    (``num_image_tokens_for``: the whole image's ``image_seq_len``, and the tiles' feature grid without the
-    padding's rows and columns, plus one row-end per grid row)."""
+    """LLaVA-NeXT and LLaVA-OneVision (transformers' ``LlavaNextImageProcessorPil``,
+    ``LlavaOnevisionImageProcessorPil``) and the prompt text for one image. The image is scaled (one Pillow resize
+    of the uint8 RGB image, BICUBIC by default) to fit the canvas of ``grid_pinpoints`` that keeps most of it
+    (``best_resolution``), centred on it over black, and cut into ``tile`` x ``tile`` tiles row by row; before
+    them, the whole image squashed to one tile. Each tile is rescaled and normalized; ``pixel_values`` is
+    [1 + tiles, 3, tile, tile] and the tower takes the image's (height, width) as its ``grid``. The prompt is
+    ``<image>`` once per row the model makes (``num_image_tokens_for``: the whole image's ``image_seq_len``, and
+    the tiles' feature grid without the padding's rows and columns, scaled down to about ``anyres_max`` tiles'
+    worth where it holds more by a tenth (OneVision), plus one row-end per grid row).
+
+    ``multi_image`` (OneVision): an image of a request with several (``prepare(..., alone=False)``) is padded
+    square with the mean colour and resized to one tile instead; its rows are the tile's and one row-end."""
 
     kind: ClassVar[str] = "anyres"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
     label: ClassVar[str] = "anyres processor"
     identity_tag: ClassVar[bytes] = b"flared.anyres-processor.v1\0"
 
-    tile: int  # crop_size (square): the tower's image size
+    tile: int  # crop_size (square), or size where there is no crop: the tower's image size
     grid_pinpoints: tuple[tuple[int, int], ...]
     image_seq_len: int  # image tokens of one tile (the tower's patches a tile; a square)
     image_token: str = CLIP_IMAGE_TOKEN
+    anyres_max: int = 0  # OneVision's vision_aspect_ratio anyres_max_N (0: LLaVA-NeXT, no scaling down)
+    multi_image: bool = False  # OneVision: the images of a request with several take one padded tile each
 
     def __post_init__(self):
         _positive_int("tile", self.tile)
@@ -1491,6 +1497,11 @@ class AnyresProcessor(_Processor):
             raise _field_error("image_grid_pinpoints", [list(p) for p in self.grid_pinpoints],
                                f"canvases of whole {self.tile}-pixel tiles, at most {MAX_CANVAS_TILES} of them")
         _positive_int("image_seq_len", self.image_seq_len)
+        if isinstance(self.anyres_max, bool) or not isinstance(self.anyres_max, int) or self.anyres_max < 0:
+            raise _field_error("anyres_max", self.anyres_max, "a non-negative integer")
+        _flag("multi_image", self.multi_image)
+        if self.multi_image and not all(0 <= int(m * 255) <= 255 for m in self.image_mean):
+            raise _field_error("image_mean", list(self.image_mean), "within 0-1 to pad with it")
         if math.isqrt(self.image_seq_len) ** 2 != self.image_seq_len:
             raise _field_error("image_seq_len", self.image_seq_len, "a square (a tile's grid of patches)")
         _check_pixel_settings(self)
@@ -1513,20 +1524,34 @@ class AnyresProcessor(_Processor):
         _check_type(cfg, ANYRES_PROCESSOR_TYPES)
         if image_seq_len is None:
             raise _error("image processor setting 'image_seq_len' is needed for an anyres processor (LLaVA-NeXT)")
-        crop_h, crop_w = _crop_size("crop_size", cfg.get("crop_size", {"height": 224, "width": 224}))
-        size = cfg.get("size", {"shortest_edge": 224})
+        kind = cfg.get("image_processor_type")
+        onevision = (kind.removesuffix("Fast").removesuffix("Pil") == "LlavaOnevisionImageProcessor"
+                     if isinstance(kind, str) else
+                     any(src.get("processor_class") == "LlavaOnevisionProcessor" for src in (cfg, proc)))
+        size = cfg.get("size", {"height": 384, "width": 384} if onevision else {"shortest_edge": 224})
         side = _shortest_edge("size", size) if not (isinstance(size, dict) and "height" in size) else _crop_size(
             "size", size)
+        crop = cfg.get("crop_size", None if onevision else {"height": 224, "width": 224})
+        crop_h, crop_w = _crop_size("crop_size", crop) if crop is not None else (side if isinstance(side, tuple) else
+                                                                                 (side, side))
         if crop_h != crop_w or side not in (crop_h, (crop_h, crop_h)):
-            raise _error(f"image processor sizes size={size!r}, crop_size={cfg.get('crop_size')!r}: only square "
-                         "tiles the image is resized to whole are read")
-        strategy = proc.get("vision_feature_select_strategy", "default")
-        if strategy != "default":
-            raise _field_error("vision_feature_select_strategy", strategy, '"default"')
-        return cls(tile=crop_h, grid_pinpoints=cfg.get("image_grid_pinpoints", (
-            (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))),
-            **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD), image_seq_len=image_seq_len,
-            image_token=proc.get("image_token", CLIP_IMAGE_TOKEN))
+            raise _error(f"image processor sizes size={size!r}, crop_size={crop!r}: only square tiles the image is "
+                         "resized to whole are read")
+        strategy = proc.get("vision_feature_select_strategy", "full" if onevision else "default")
+        if strategy != ("full" if onevision else "default"):
+            raise _field_error("vision_feature_select_strategy", strategy, '"full"' if onevision else '"default"')
+        anyres_max = 0
+        if onevision:
+            aspect = proc.get("vision_aspect_ratio", "anyres_max_9")
+            if not isinstance(aspect, str) or not aspect.removeprefix("anyres_max_").isdigit():
+                raise _field_error("vision_aspect_ratio", aspect, '"anyres_max_N"')
+            anyres_max = int(aspect.removeprefix("anyres_max_"))
+        default_pinpoints = ([[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)] if onevision else
+                             [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+        return cls(tile=crop_h, grid_pinpoints=cfg.get("image_grid_pinpoints", default_pinpoints),
+                   **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD), image_seq_len=image_seq_len,
+                   image_token=proc.get("image_token", CLIP_IMAGE_TOKEN), anyres_max=anyres_max,
+                   multi_image=onevision)
 
     def canvas(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) of the canvas a width x height image is tiled on."""
@@ -1542,12 +1567,30 @@ class AnyresProcessor(_Processor):
         side = math.isqrt(self.image_seq_len)
         h, w = self.canvas(width, height)
         top, bottom, left, right = unpadded_size(height, width, h // self.tile * side, w // self.tile * side)
-        rows = bottom - top
-        return self.image_seq_len + rows * (right - left) + rows
+        rows, cols = bottom - top, right - left
+        if self.anyres_max:  # (OneVision's scaling down, LlavaOnevisionProcessor's count of it)
+            ratio = math.sqrt(rows * cols / (self.anyres_max * side ** 2))
+            if ratio > 1.1:
+                rows, cols = int(rows // ratio), int(cols // ratio)
+        return self.image_seq_len + rows * cols + rows
 
-    def prepare(self, image: DecodedImage) -> PreparedImage:
+    def _identity(self, image: DecodedImage, alone: bool = True) -> bytes:
+        return super()._identity(image) if alone or not self.multi_image else hashlib.sha256(
+            b"one tile\0" + super()._identity(image)).digest()
+
+    def prepare(self, image: DecodedImage, *, alone: bool = True) -> PreparedImage:
+        """``alone``: the request has no other image (a OneVision image among several takes one padded tile)."""
         im = self._rgb(image)
         t = self.tile
+        if self.multi_image and not alone:
+            side = max(im.width, im.height)
+            square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in self.image_mean))
+            square.paste(im, ((side - im.width) // 2, (side - im.height) // 2))
+            pixels = self._normalized(np.asarray(square.resize((t, t), resample=self.resample))[None].transpose(
+                0, 3, 1, 2), 1)
+            return PreparedImage(pixel_values=pixels, rows=0, cols=0, prompt=self.image_token * (
+                self.image_seq_len + 1), num_image_tokens=self.image_seq_len + 1,
+                identity=self._identity(image, alone=False), grid=(im.height, im.width))
         ch, cw = self.canvas(im.width, im.height)
         if cw / im.width < ch / im.height:  # (transformers' get_patch_output_size)
             nw, nh = cw, min(math.ceil(im.height * cw / im.width), ch)

@@ -51,7 +51,8 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "mistral3": "pixtral", "llava": "llava",
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
-                         "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next"}
+                         "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next",
+                         "llava_onevision": "llava_onevision"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -64,6 +65,7 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 class VisionConfig:
     # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP) | "gemma3"
     # | "internvl" (InternViT) | "llava_next" (CLIP over LLaVA-NeXT's any-resolution tiles)
+    # | "llava_onevision" (SigLIP over LLaVA-OneVision's tiles)
     family: str
     hidden_size: int  # D
     intermediate_size: int  # I
@@ -106,8 +108,11 @@ class VisionConfig:
     qk_norm: bool = False
     qkv_bias: bool = True
     post_norm: bool = False
-    # llava_next: the canvases (height, width) in pixels an image is tiled on (image_grid_pinpoints)
+    # llava_next, llava_onevision: the canvases (height, width) in pixels an image is tiled on
+    # (image_grid_pinpoints); llava_onevision: the tiles' worth of features kept before they are scaled down
+    # (vision_aspect_ratio "anyres_max_N": N)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    anyres_max: int = 0
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -133,8 +138,15 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        if self.family == "llava_next":
-            if self.feature_select != "default":
+        if self.family == "llava_onevision":
+            if self.feature_select != "full" or self.anyres_max <= 0:
+                raise CoreError("a LLaVA-OneVision tower selects its features \"full\" (SigLIP has no class row) and "
+                                "caps its tiles' features (vision_aspect_ratio anyres_max_N)",
+                                ErrorKind.UNSUPPORTED_MODEL)
+            if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
+                raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
+        if self.family in ("llava_next", "llava_onevision"):
+            if self.family == "llava_next" and self.feature_select != "default":
                 raise CoreError("a LLaVA-NeXT tower must select its features \"default\" (its tiles' grids have no "
                                 "class row)", ErrorKind.UNSUPPORTED_MODEL)
             if not self.grid_pinpoints or any(h <= 0 or w <= 0 or h % self.image_size or w % self.image_size
@@ -203,6 +215,8 @@ class VisionConfig:
         """Text-embedding rows one tile (llava, gemma3: one image) becomes."""
         if self.family in ("llava", "llava_next"):  # (llava_next: one tile's, the base image's)
             return self.patches_per_side ** 2 + (self.feature_select == "full")
+        if self.family == "llava_onevision":  # (one tile's)
+            return self.patches_per_side ** 2
         if self.family == "internvl" and self.feature_select == "full":
             raise CoreError("an InternVL tower's class row cannot be pixel-shuffled (vision_feature_select_strategy "
                             "must be \"default\")", ErrorKind.UNSUPPORTED_MODEL)
@@ -265,6 +279,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _llava_vision_from_hf(hf, v, t, family=family)
         if family == "internvl":
             return _internvl_vision_from_hf(hf, v, t)
+        if family == "llava_onevision":
+            return _onevision_vision_from_hf(hf, v, t)
         return VisionConfig(
             family=family,
             hidden_size=int(v.get("hidden_size", 1152)),
@@ -377,6 +393,29 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> 
         feature_select=str(hf.get("vision_feature_select_strategy", "default")))
 
 
+def _onevision_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    """LLaVA-OneVision's SigLIP tower (transformers' defaults: 384-pixel tiles in 14-pixel patches, 26 layers), its
+    features from vision_feature_layer (-1: the last layer's, before the post-LayerNorm), LLaVA's projector, and
+    the any-resolution canvases."""
+    if v.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise CoreError(f"a llava_onevision vision tower of type {v.get('model_type')!r} is not supported (SigLIP "
+                        "only)", ErrorKind.UNSUPPORTED_MODEL)
+    aspect = str(hf.get("vision_aspect_ratio", "anyres_max_9"))
+    if not aspect.startswith("anyres_max_") or not aspect.removeprefix("anyres_max_").isdigit():
+        raise CoreError(f"vision_aspect_ratio {aspect!r} is not supported (anyres_max_N)", ErrorKind.UNSUPPORTED_MODEL)
+    pinpoints = hf.get("image_grid_pinpoints") or [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]
+    return VisionConfig(
+        family="llava_onevision", hidden_size=int(v.get("hidden_size", 1152)),
+        intermediate_size=int(v.get("intermediate_size", 4304)), num_layers=int(v.get("num_hidden_layers", 26)),
+        num_heads=int(v.get("num_attention_heads", 16)), patch_size=int(v.get("patch_size", 14)),
+        image_size=int(v.get("image_size", 384)), layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")), scale_factor=1,
+        text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("image_token_index", 151646)),
+        feature_layer=_feature_layer(hf, -1), feature_select=str(hf.get("vision_feature_select_strategy", "full")),
+        projector_bias=bool(hf.get("multimodal_projector_bias", True)),
+        grid_pinpoints=tuple(tuple(p) for p in pinpoints), anyres_max=int(aspect.removeprefix("anyres_max_")))
+
+
 def _square_side(value, name: str) -> int:
     """An InternViT size (an int, or [height, width] as transformers writes it), which must be square."""
     if isinstance(value, (list, tuple)):
@@ -484,6 +523,14 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
         return _llava_tensor_shapes(c)
     if c.family == "llava_next":  # (LLaVA's, and the row-end embedding the tiles' rows take)
         return {**_llava_tensor_shapes(c), "image_newline": (c.text_hidden_size,)}
+    if c.family == "llava_onevision":  # SigLIP's embeddings and layers (no post-norm read), LLaVA's projector
+        h = c.text_hidden_size
+        shapes = {"patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "patch_embed.bias": (d,),
+                  "pos_embed.weight": (c.patches_per_side ** 2, d), "proj_fc1.weight": (h, d),
+                  "proj_fc2.weight": (h, h), "image_newline": (h,), **_vit_layer_shapes(c)}
+        if c.projector_bias:
+            shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
+        return shapes
     if c.family == "internvl":
         return _internvl_tensor_shapes(c)
     if c.grid_based:
@@ -627,7 +674,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
     to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving,
-                  "llava_next": _llava_next_vision_to_serving,
+                  "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
                   "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving}.get(
         c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
     out = {k: v.contiguous() for k, v in to_serving(hf, c, take).items()}
@@ -743,6 +790,22 @@ def _llava_next_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.
     return out
 
 
+def _onevision_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    # (released checkpoints, saved by transformers 4: vision_tower.vision_model.*; transformers 5 saves without it)
+    vt = next((p for p in ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.")
+               if p + "embeddings.patch_embedding.weight" in hf), "vision_tower.")
+    mp = ("model." if vt.startswith("model.") else "") + "multi_modal_projector."
+    out = {"patch_embed.weight": take(vt + "embeddings.patch_embedding.weight"),
+           "patch_embed.bias": take(vt + "embeddings.patch_embedding.bias"),
+           "pos_embed.weight": take(vt + "embeddings.position_embedding.weight"),
+           "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight"),
+           "image_newline": take("model.image_newline" if "model.image_newline" in hf else "image_newline")}
+    if c.projector_bias:
+        out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
+    out.update(_vit_layers_to_serving(take, vt + "encoder.layers.", c.num_layers))
+    return out
+
+
 def _internvl_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.vision_tower.embeddings.cls_token" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
@@ -802,7 +865,8 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
     cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder, "gemma3": Gemma3VisionEncoder,
-           "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder}.get(
+           "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder,
+           "llava_onevision": OnevisionVisionEncoder}.get(
         config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
 
@@ -1277,3 +1341,59 @@ class InternVLVisionEncoder(_Tower):
         h = F.layer_norm(h, (d * s * s,), w["proj_norm.weight"], w["proj_norm.bias"], 1e-5)
         h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
+
+
+class OnevisionVisionEncoder(_Tower):
+    """LLaVA-OneVision's SigLIP tower and projector. An image of a one-image request: tiles [1 + n, 3, S, S] (the
+    whole image, then the canvas's tiles) and ``grid`` = its (height, width) in pixels -> the whole image's rows,
+    then the tiles' feature grid without the padding's rows and columns, scaled down (bilinear) where it holds
+    more than anyres_max tiles' worth by a tenth, each grid row ended by image_newline. An image of a request with
+    several: one tile [1, 3, S, S] (padded square) -> its rows and one image_newline."""
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
+        c = self.config
+        if grid is None or len(grid) != 2 or pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (
+                3, c.image_size, c.image_size):
+            raise ValueError(f"a LLaVA-OneVision tower takes tiles [n, 3, {c.image_size}, {c.image_size}] and the "
+                             f"image's (height, width), got {tuple(pixel_values.shape)} and {grid!r}")
+        height, width = (int(x) for x in grid)
+        if pixel_values.shape[0] > 1:
+            canvas_h, canvas_w = best_resolution(height, width, c.grid_pinpoints)
+            rows, cols = canvas_h // c.image_size, canvas_w // c.image_size
+            if pixel_values.shape[0] != 1 + rows * cols:
+                raise ValueError(f"a {width}x{height} image takes 1 + {rows} x {cols} tiles, got "
+                                 f"{pixel_values.shape[0]}")
+        parts = []
+        for i in range(0, pixel_values.shape[0], max_tiles):
+            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
+        x = torch.cat(parts)  # [tiles, side * side, hidden]
+        hidden = x.shape[-1]
+        newline = self.w["image_newline"].to(x.dtype)
+        if x.shape[0] == 1:
+            return torch.cat([x[0], newline[None]])
+        side = c.patches_per_side
+        tiles = x[1:].view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side,
+                                                                                          hidden)
+        top, bottom, left, right = unpadded_size(height, width, rows * side, cols * side)
+        tiles = tiles[top:bottom, left:right]
+        h, w = tiles.shape[:2]
+        ratio = math.sqrt(h * w / (c.anyres_max * side ** 2))
+        if ratio > 1.1:  # (transformers' sizes: the float floor of each side over the ratio)
+            tiles = F.interpolate(tiles.permute(2, 0, 1)[None], [int(h // ratio), int(w // ratio)],
+                                  mode="bilinear")[0].permute(1, 2, 0)
+        newlines = newline.expand(tiles.shape[0], 1, hidden)
+        return torch.cat([x[0], torch.cat([tiles, newlines], 1).reshape(-1, hidden)])
+
+    def _tiles(self, x: torch.Tensor):
+        """Tiles [n, 3, S, S] -> their projected rows [n, P, hidden] (SigLIP: patch conv and positions, the layers up
+        to feature_layer, no post-norm); yields after each layer."""
+        c, w = self.config, self.w
+        h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size).flatten(2).transpose(1, 2)
+        h = h + w["pos_embed.weight"]
+        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        for i in range(layers):
+            h = _vit_layer(h, w, f"layers.{i}.", c)
+            yield
+        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
+        return F.linear(h, w["proj_fc2.weight"], w.get("proj_fc2.bias"))

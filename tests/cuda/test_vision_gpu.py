@@ -138,7 +138,8 @@ def _check_bf16(core_path):
 
 
 OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava",
-                  "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next"}  # (Gemma 3: images attending both ways, a window shorter than an image)
+                  "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next",
+                  "llava_onevision": "tiny_llava_onevision"}  # (Gemma 3: images attending both ways, a window shorter than an image)
 
 
 def _core_of(request, family):
