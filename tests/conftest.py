@@ -513,44 +513,54 @@ LLAVA_NEXT_PREPROCESSOR = {
     "image_grid_pinpoints": LLAVA_NEXT_PINPOINTS}
 
 
-@pytest.fixture(scope="session")
-def tiny_llava_next(tmp_path_factory) -> tuple[Path, Path]:
-    """(checkpoint, exported core) of a random-weight LLaVA-NeXT (CLIP tower over any-resolution tiles, the
-    two-linear projector, the row-end embedding image_newline, a Llama decoder)."""
+def _tiny_llava(tmp_path_factory, name: str, next_: bool) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight LLaVA-1.5 or (``next_``) LLaVA-NeXT: a CLIP tower, the
+    two-linear projector (and LLaVA-NeXT's image_newline), a Llama decoder."""
     import torch
     from tokenizers import AddedToken, Tokenizer
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaNextConfig, LlavaNextForConditionalGeneration
 
     from flared.core.export import ExportOptions, export_core
 
-    d = tmp_path_factory.mktemp("hf-llava-next")
+    d = tmp_path_factory.mktemp(f"hf-{name.replace('_', '-')}")
     train_tiny_tokenizer(d)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True) for t in ["<s>", "</s>", "<image>"]])
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAVA_TEMPLATE}))
-    (d / "preprocessor_config.json").write_text(json.dumps(LLAVA_NEXT_PREPROCESSOR))
+    (d / "preprocessor_config.json").write_text(json.dumps(LLAVA_NEXT_PREPROCESSOR if next_ else LLAVA_PREPROCESSOR))
     (d / "processor_config.json").write_text(json.dumps({
-        "processor_class": "LlavaNextProcessor", "patch_size": 7, "vision_feature_select_strategy": "default",
-        "image_token": "<image>", "num_additional_image_tokens": 1}))
+        "processor_class": "LlavaNextProcessor" if next_ else "LlavaProcessor", "patch_size": 7,
+        "vision_feature_select_strategy": "default", "image_token": "<image>", "num_additional_image_tokens": 1}))
     text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                 initializer_range=0.2, tie_word_embeddings=False)
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
-    config = LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
-                             image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, vision_feature_layer=-2,
-                             vision_feature_select_strategy="default")
+    image = tok.token_to_id("<image>")
+    if next_:
+        config = LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=image,
+                                 image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, vision_feature_layer=-2,
+                                 vision_feature_select_strategy="default")
+    else:
+        config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image, image_seq_length=16)
     torch.manual_seed(0)
-    model = LlavaNextForConditionalGeneration(config).eval()
-    for name, param in model.named_parameters():  # CLIP's own init ignores initializer_range: widen it
-        if "vision_tower" in name or "projector" in name or "image_newline" in name:
-            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
+    model = (LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration)(config).eval()
+    for param_name, param in model.named_parameters():  # CLIP's own init ignores initializer_range: widen it
+        if "vision_tower" in param_name or "projector" in param_name or "image_newline" in param_name:
+            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in param_name else 1.0)
     model.save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "llava_next"
+    out = tmp_path_factory.mktemp("cores") / name
     export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
     return d, out
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_next(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight LLaVA-NeXT (CLIP tower over any-resolution tiles, the
+    two-linear projector, the row-end embedding image_newline, a Llama decoder)."""
+    return _tiny_llava(tmp_path_factory, "llava_next", next_=True)
 
 
 # LLaVA-OneVision's preparation at 28-pixel tiles: canvases of 1 x 1 to 3 x 3 tiles (the released 384-pixel
@@ -614,36 +624,4 @@ def tiny_llava_onevision(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight LLaVA-1.5 (CLIP tower, two-linear projector, Llama)."""
-    import torch
-    from tokenizers import AddedToken, Tokenizer
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
-
-    from flared.core.export import ExportOptions, export_core
-
-    d = tmp_path_factory.mktemp("hf-llava")
-    train_tiny_tokenizer(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<s>", "</s>", "<image>"]])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAVA_TEMPLATE}))
-    (d / "preprocessor_config.json").write_text(json.dumps(LLAVA_PREPROCESSOR))
-    (d / "processor_config.json").write_text(json.dumps({
-        "processor_class": "LlavaProcessor", "patch_size": 7, "vision_feature_select_strategy": "default",
-        "image_token": "<image>", "num_additional_image_tokens": 1}))
-    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                initializer_range=0.2, tie_word_embeddings=False)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                  num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
-    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
-                         image_seq_length=16)
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
-    for name, param in model.named_parameters():  # CLIP's own init ignores initializer_range: widen it
-        if "vision_tower" in name or "projector" in name:
-            torch.nn.init.normal_(param, std=0.2)
-    model.save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "llava"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
-    return d, out
+    return _tiny_llava(tmp_path_factory, "llava", next_=False)

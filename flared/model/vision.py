@@ -767,43 +767,41 @@ def _vit_layers_to_serving(take, prefix: str, num_layers: int) -> dict[str, torc
     return out
 
 
-def _llava_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    # (the released checkpoints, saved by transformers 4, hold CLIP's vision_tower.vision_model.*; transformers 5
-    # saves vision_tower.* or model.vision_tower.*)
+def _llava_parts(hf, c: VisionConfig, take) -> tuple[str, dict[str, torch.Tensor]]:
+    """A LLaVA-style checkpoint's tower prefix and its tower's layers and projector (two linears, biased where
+    projector_bias) in the serving layout. The released checkpoints, saved by transformers 4, hold the CLIP or
+    SigLIP tower's vision_tower.vision_model.*; transformers 5 saves vision_tower.* or model.vision_tower.*."""
     vt = next((p for p in ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.")
                if p + "embeddings.patch_embedding.weight" in hf), "vision_tower.")
     mp = ("model." if vt.startswith("model.") else "") + "multi_modal_projector."
     out = {"patch_embed.weight": take(vt + "embeddings.patch_embedding.weight"),
-           "class_embed": take(vt + "embeddings.class_embedding"),
            "pos_embed.weight": take(vt + "embeddings.position_embedding.weight"),
-           "pre_norm.weight": take(vt + "pre_layrnorm.weight"), "pre_norm.bias": take(vt + "pre_layrnorm.bias"),
            "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight")}
     if c.projector_bias:
         out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
     out.update(_vit_layers_to_serving(take, vt + "encoder.layers.", c.num_layers))
+    return vt, out
+
+
+def _llava_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    vt, out = _llava_parts(hf, c, take)
+    out.update({"class_embed": take(vt + "embeddings.class_embedding"),
+                "pre_norm.weight": take(vt + "pre_layrnorm.weight"), "pre_norm.bias": take(vt + "pre_layrnorm.bias")})
     return out
+
+
+def _image_newline(hf, take) -> torch.Tensor:
+    return take("model.image_newline" if "model.image_newline" in hf else "image_newline")
 
 
 def _llava_next_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    out = _llava_vision_to_serving(hf, c, take)
-    out["image_newline"] = take("model.image_newline" if "model.image_newline" in hf else "image_newline")
-    return out
+    return {**_llava_vision_to_serving(hf, c, take), "image_newline": _image_newline(hf, take)}
 
 
 def _onevision_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    # (released checkpoints, saved by transformers 4: vision_tower.vision_model.*; transformers 5 saves without it)
-    vt = next((p for p in ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "model.vision_tower.")
-               if p + "embeddings.patch_embedding.weight" in hf), "vision_tower.")
-    mp = ("model." if vt.startswith("model.") else "") + "multi_modal_projector."
-    out = {"patch_embed.weight": take(vt + "embeddings.patch_embedding.weight"),
-           "patch_embed.bias": take(vt + "embeddings.patch_embedding.bias"),
-           "pos_embed.weight": take(vt + "embeddings.position_embedding.weight"),
-           "proj_fc1.weight": take(mp + "linear_1.weight"), "proj_fc2.weight": take(mp + "linear_2.weight"),
-           "image_newline": take("model.image_newline" if "model.image_newline" in hf else "image_newline")}
-    if c.projector_bias:
-        out.update({"proj_fc1.bias": take(mp + "linear_1.bias"), "proj_fc2.bias": take(mp + "linear_2.bias")})
-    out.update(_vit_layers_to_serving(take, vt + "encoder.layers.", c.num_layers))
-    return out
+    vt, out = _llava_parts(hf, c, take)  # (SigLIP: a biased patch conv, no class token or pre-norm)
+    return {**out, "patch_embed.bias": take(vt + "embeddings.patch_embedding.bias"),
+            "image_newline": _image_newline(hf, take)}
 
 
 def _internvl_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
