@@ -518,7 +518,9 @@ def _tiny_llava(tmp_path_factory, name: str, next_: bool) -> tuple[Path, Path]:
     two-linear projector (and LLaVA-NeXT's image_newline), a Llama decoder."""
     import torch
     from tokenizers import AddedToken, Tokenizer
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers import (
+        LlavaConfig, LlavaForConditionalGeneration, LlavaNextConfig, LlavaNextForConditionalGeneration,
+    )
 
     from flared.core.export import ExportOptions, export_core
 
@@ -608,7 +610,8 @@ def tiny_llava_onevision(tmp_path_factory) -> tuple[Path, Path]:
                   num_attention_heads=2, image_size=28, patch_size=7)
     config = LlavaOnevisionConfig(text_config=text, vision_config=vision,
                                   image_token_index=tok.token_to_id("<image>"),
-                                  video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=ONEVISION_PINPOINTS,
+                                  video_token_index=tok.token_to_id("<video>"),
+                                  image_grid_pinpoints=ONEVISION_PINPOINTS,
                                   vision_aspect_ratio="anyres_max_2", tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlavaOnevisionForConditionalGeneration(config).eval()

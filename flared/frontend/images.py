@@ -1311,7 +1311,8 @@ class SquareProcessor(_Processor):
 def _canvas_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
     """Every (columns, rows) of min_tiles to max_tiles tiles, fewer tiles first (transformers' order: by count,
     then columns, then rows)."""
-    grids = [(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if min_tiles <= c * r <= max_tiles]
+    grids = [(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
+             if min_tiles <= c * r <= max_tiles]
     return sorted(grids, key=lambda g: g[0] * g[1])
 
 

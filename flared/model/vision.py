@@ -120,7 +120,8 @@ class VisionConfig:
         try:
             object.__setattr__(self, "grid_pinpoints", tuple((int(h), int(w)) for h, w in self.grid_pinpoints))
         except (TypeError, ValueError):
-            raise CoreError(f"vision grid_pinpoints must be [height, width] pairs, got {self.grid_pinpoints!r}") from None
+            raise CoreError(f"vision grid_pinpoints must be [height, width] pairs, got {self.grid_pinpoints!r}"
+                            ) from None
         if self.family not in set(HF_VISION_MODEL_TYPES.values()):
             raise CoreError(f"vision family {self.family!r} is not supported", ErrorKind.UNSUPPORTED_MODEL)
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "patch_size",
@@ -382,8 +383,8 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> 
         extra["grid_pinpoints"] = tuple(tuple(p) for p in hf.get("image_grid_pinpoints", (
             (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))))
     return VisionConfig(
-        family=family, **extra, hidden_size=int(v.get("hidden_size", 1024)), intermediate_size=int(v.get("intermediate_size",
-                                                                                                 4096)),
+        family=family, **extra, hidden_size=int(v.get("hidden_size", 1024)),
+        intermediate_size=int(v.get("intermediate_size", 4096)),
         num_layers=int(v.get("num_hidden_layers", 24)), num_heads=int(v.get("num_attention_heads", 16)),
         patch_size=int(v.get("patch_size", 14)), image_size=int(v.get("image_size", 336)),
         layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)), hidden_act=str(v.get("hidden_act", "quick_gelu")),
@@ -445,7 +446,8 @@ def _internvl_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
         num_heads=int(v.get("num_attention_heads", 16)), patch_size=_square_side(v.get("patch_size", 14), "patch_size"),
         image_size=_square_side(v.get("image_size", 448), "image_size"),
         layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)), hidden_act=str(v.get("hidden_act", "gelu")),
-        scale_factor=scale, text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("image_token_id", 151667)),
+        scale_factor=scale, text_hidden_size=int(t["hidden_size"]),
+        image_token_id=int(hf.get("image_token_id", 151667)),
         feature_layer=_feature_layer(hf, -1), feature_select=str(hf.get("vision_feature_select_strategy", "default")),
         norm_kind=str(v.get("norm_type", "layer_norm")), qk_norm=bool(v.get("use_qk_norm", False)),
         qkv_bias=bool(v.get("attention_bias", False)), post_norm=not v.get("use_mean_pooling", True))

@@ -64,8 +64,8 @@ def reference(tiny_internvl):
 
 
 def test_greedy_tokens_match_transformers(daemon, reference):
-    """A wide image (2 tiles and a thumbnail), a tall one (three tiles and a thumbnail), a small square one (one tile, no
-    thumbnail), and two images in one turn."""
+    """A wide image (2 tiles and a thumbnail), a tall one (three tiles and a thumbnail), a small square one (one
+    tile, no thumbnail), and two images in one turn."""
     wide, tall, small = noise_image(81, (90, 40)), noise_image(82, (30, 100)), noise_image(83, (20, 20))
     assert_cases_match(daemon, reference, (([wide], "What is in the picture?"), ([tall], "And this one?"),
                                            ([small], "Describe it."), ([wide, tall], "Compare them.")), NEW_TOKENS)

@@ -27,7 +27,8 @@ TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtr
              "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2"}
 # InternVL's projector as the converter renames it first (its original checkpoints' mlp1.*, which the gguf map knows)
 INTERNVL_PROJECTOR = {"model.multi_modal_projector.layer_norm.": "mlp1.0.",
-                      "model.multi_modal_projector.linear_1.": "mlp1.1.", "model.multi_modal_projector.linear_2.": "mlp1.3."}
+                      "model.multi_modal_projector.linear_1.": "mlp1.1.",
+                      "model.multi_modal_projector.linear_2.": "mlp1.3."}
 
 
 def _load(hf_dir) -> dict[str, np.ndarray]:
