@@ -55,6 +55,7 @@ class _Compiled:
     has_generation: bool
     # Message loops a template without marks has (0: no automatic marks; see auto_annotate).
     num_message_loops: int
+    reads_content_parts: bool  # reads_content_parts(ast)
 
 
 @functools.lru_cache(maxsize=128)
@@ -69,9 +70,33 @@ def _compile(source_sha256: str, source: str) -> _Compiled:
         is_call_to(block.call, GenerationExtension, "_generation") for block in ast.find_all(nodes.CallBlock)
     )
     num_message_loops = 0 if mark_lines else auto_annotate(ast, False, apply=False)
+    parts = reads_content_parts(ast)
     template = _with_flat_globals(env.from_string(ast))
     template.flared_has_marks = bool(mark_lines)
-    return _Compiled(template, len(mark_lines), has_generation, num_message_loops)
+    return _Compiled(template, len(mark_lines), has_generation, num_message_loops, parts)
+
+
+def _names_content(node: nodes.Node, aliases: set[str]) -> bool:
+    """Whether an expression reads a message's content: ``x['content']``, ``x.content``, or a name set from one."""
+    for n in [node, *node.find_all((nodes.Getitem, nodes.Getattr, nodes.Name))]:
+        if isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const) and n.arg.value == "content":
+            return True
+        if isinstance(n, nodes.Getattr) and n.attr == "content":
+            return True
+        if isinstance(n, nodes.Name) and n.name in aliases:
+            return True
+    return False
+
+
+def reads_content_parts(ast: nodes.Template) -> bool:
+    """Whether a template walks a message's content as a list of parts (a ``for`` over ``message['content']``,
+    filtered or not, or over a name set from it), as vLLM's content-format detection asks: a template that does
+    not reads content as a string, and image parts must reach it as text (their placeholders)."""
+    aliases: set[str] = set()
+    for assign in ast.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and _names_content(assign.node, aliases):
+            aliases.add(assign.target.name)
+    return any(_names_content(loop.iter, aliases) for loop in ast.find_all(nodes.For))
 
 
 @functools.lru_cache(maxsize=128)
@@ -270,6 +295,11 @@ class ChatTemplate:
     @property
     def has_generation_blocks(self) -> bool:
         return self._compiled.has_generation
+
+    @property
+    def reads_content_parts(self) -> bool:
+        """Whether the template walks a message's content as a list of parts (else it reads a string)."""
+        return self._compiled.reads_content_parts
 
     @property
     def jinja_template(self) -> jinja2.Template:

@@ -70,13 +70,21 @@ def image_parts(messages) -> list[tuple[str, dict]]:
     return found
 
 
-def parts_for_template(messages):
+def parts_for_template(messages, placeholder: str | None = None):
     """A vision model's templates read content as a list of parts: string contents as one text part, and
-    image parts as {"type": "image"} alone (the source stays with the request)."""
+    image parts as {"type": "image"} alone (the source stays with the request). ``placeholder``: the template
+    reads content as a string (ChatTemplate.reads_content_parts false): each list of parts becomes one string,
+    its parts joined by newlines, an image part as the image processor's placeholder (vLLM's "string" content
+    format)."""
     out = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
+        if placeholder is not None:
+            if isinstance(content, list):
+                m = {**m, "content": "\n".join(
+                    placeholder if isinstance(p, dict) and p.get("type") == "image" else
+                    p.get("text", "") if isinstance(p, dict) else str(p) for p in content)}
+        elif isinstance(content, str):
             m = {**m, "content": [{"type": "text", "text": content}]}
         elif isinstance(content, list):
             m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p
@@ -180,7 +188,9 @@ class ServingState:
         if images:
             self._check_images(images)
         if self.image_processor is not None:
-            messages = parts_for_template(messages)
+            template = kwargs.get("template") or self.frontend.chat_template
+            as_string = template is not None and not template.reads_content_parts
+            messages = parts_for_template(messages, self.image_processor.placeholder if as_string else None)
 
         def render():
             prepared = self._prepare_images(images) if images else ()

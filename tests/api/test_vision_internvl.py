@@ -123,3 +123,26 @@ def test_other_tower_layouts_match_transformers_image_features(tower, tmp_path):
     got = encoder.encode(torch.as_tensor(prepared.pixel_values))
     assert len(prepared.pixel_values) == 3 and got.shape == (3 * TILE_TOKENS, 64)  # (two tiles and a thumbnail)
     assert torch.allclose(got, want.reshape(got.shape), atol=1e-5), (got - want.reshape(got.shape)).abs().max()
+
+
+def test_a_template_that_reads_content_as_a_string_gets_the_placeholders(daemon, tiny_internvl, tmp_path,
+                                                                        start_daemon):
+    """A chat template that reads content as a string (ChatML's concatenation, as InternVL's original checkpoints and
+    many GGUFs carry): each message's parts reach it as one string, an image part as <IMG_CONTEXT>, parts joined by
+    newlines (vLLM's "string" content format). That prompt is the one the part-reading template writes, so the
+    answers are the same."""
+    from flared_testing.vision import ask_greedy, token_ids
+
+    from flared.frontend.template import ChatTemplate
+
+    chatml = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert not ChatTemplate(chatml).reads_content_parts
+    (tmp_path / "chatml.jinja").write_text(chatml)
+    strings = start_daemon(tiny_internvl[1], "--chat-template", str(tmp_path / "chatml.jinja"))
+    picture = noise_image(71, (90, 40))
+    for d in (daemon, strings):
+        assert ask_greedy(d, [], "Hello there", 4)["usage"]["prompt_tokens"] > 0  # (text alone still renders)
+    got, want = (ask_greedy(d, [picture], "What is in the picture?", NEW_TOKENS) for d in (strings, daemon))
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] > 3 * TILE_TOKENS
+    assert token_ids(got) == token_ids(want)

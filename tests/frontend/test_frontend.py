@@ -322,3 +322,33 @@ def test_auto_marks_include_the_preamble_before_the_message_loop(frontend):
     expected = tuple(text.index(end) + len(end) for end in ("</sys>\n", "</user>\n", "</assistant>\n"))
     assert rendered.byte_endpoints == expected
     assert len(rendered.message_endpoints) == 3
+
+
+@pytest.mark.parametrize("source,parts", [
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% endfor %}", False),
+    ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% endif %}{% endfor %}", False),
+    ("{% for m in messages %}{% for t in m['tool_calls'] %}{{ t }}{% endfor %}{{ m['content'] }}{% endfor %}", False),
+])
+def test_templates_that_walk_content_parts_are_told_apart(source, parts):
+    """ChatTemplate.reads_content_parts: a loop over a message's content (filtered, or through a name set from it)
+    reads parts; a template that only prints or concatenates it reads a string (image parts then reach it as their
+    placeholders, flared.server.app.parts_for_template)."""
+    from flared.frontend.template import ChatTemplate
+
+    assert ChatTemplate(source).reads_content_parts is parts
+
+
+def test_parts_for_a_string_template_are_one_string_with_placeholders():
+    from flared.server.app import parts_for_template
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "image", "image": "x"}, {"type": "text", "text": "What?"},
+                                             {"type": "image", "image": "y"}]}]
+    assert parts_for_template(messages, "<IMG>") == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "<IMG>\nWhat?\n<IMG>"}]
+    assert parts_for_template(messages)[1]["content"] == [{"type": "image"}, {"type": "text", "text": "What?"},
+                                                          {"type": "image"}]
