@@ -1350,6 +1350,7 @@ class CanvasProcessor(_Processor):
     max_patches: int
     crop_to_patches: bool  # False: the image resized to one tile
     image_seq_len: int  # image tokens the model makes of one tile (from the vision tower)
+    thumbnail: bool = True  # several tiles add the whole image as one more (InternVL's use_thumbnail)
     image_token: str = CANVAS_IMAGE_TOKEN
     start_token: str = CANVAS_START_TOKEN
     end_token: str = CANVAS_END_TOKEN
@@ -1362,6 +1363,7 @@ class CanvasProcessor(_Processor):
         if self.max_patches > MAX_CANVAS_TILES:
             raise _field_error("max_patches", self.max_patches, f"at most {MAX_CANVAS_TILES}")
         _flag("crop_to_patches", self.crop_to_patches)
+        _flag("thumbnail", self.thumbnail)
         _check_pixel_settings(self)
         for name in ("image_token", "start_token", "end_token"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
@@ -1385,6 +1387,7 @@ class CanvasProcessor(_Processor):
         height, width = _crop_size("size", cfg.get("size", {"height": 384, "width": 384}))
         return cls(height=height, width=width, min_patches=cfg.get("min_patches", 1),
                    max_patches=cfg.get("max_patches", 12), crop_to_patches=True,
+                   thumbnail=cfg.get("use_thumbnail", True),
                    **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD), image_seq_len=image_seq_len)
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
@@ -1395,7 +1398,7 @@ class CanvasProcessor(_Processor):
 
     def num_tiles(self, width: int, height: int) -> int:
         cols, rows = self.grid(width, height)
-        return cols * rows + (cols * rows > 1)
+        return cols * rows + (cols * rows > 1 and self.thumbnail)
 
     def num_image_tokens_for(self, width: int, height: int) -> int:
         return self.num_tiles(width, height) * self.image_seq_len
@@ -1411,7 +1414,8 @@ class CanvasProcessor(_Processor):
         if cols * rows > 1:
             canvas = np.asarray(im.resize((tw * cols, th * rows), resample=self.resample))
             tiles = [canvas[r * th:(r + 1) * th, c * tw:(c + 1) * tw] for r in range(rows) for c in range(cols)]
-            tiles.append(np.asarray(im.resize((tw, th), resample=self.resample)))
+            if self.thumbnail:
+                tiles.append(np.asarray(im.resize((tw, th), resample=self.resample)))
         elif self.crop_to_patches and self.max_patches > 1:  # (a one-tile canvas: resized, no thumbnail)
             tiles = [np.asarray(im.resize((tw, th), resample=self.resample))]
         else:

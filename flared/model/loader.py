@@ -351,6 +351,9 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         raise CoreError(f"{config_path}: quantization_config fp8's weight_block_size {fp8_block!r} is not two "
                         "positive integers", ErrorKind.SOURCE_FORMAT)
     checkpoint_quant = parse_checkpoint_quantization(quantization, str(config_path))  # (GPTQ, AWQ, ...)
+    image_processor = None
+    if hf_config.get("model_type") == "internvl_chat":  # (InternVL's original remote-code checkpoints)
+        hf_config, image_processor = _internvl_chat(hf_config, directory, str(config_path))
     vision = vision_from_hf(hf_config, source=str(config_path))
     # Gemma 3's vision-language checkpoints (4B and up) serve as their text model: its tower is not read yet
     text_of_multimodal = _TEXT_OF_MULTIMODAL.get(hf_config.get("model_type"))
@@ -394,7 +397,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
                  "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",  # (Gemma 4's)
-                 "vision_model.",  # (Llama 4's)
+                 "vision_model.",  # (Llama 4's; InternVL's original checkpoints' too, and their mlp1.*)
+                 "mlp1.",
                  "image_newline", "model.image_newline")  # (LLaVA-NeXT's row-end embedding)
         hf_tensors = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
                       for k, v in hf_tensors.items() if not k.startswith(tower)}
@@ -405,7 +409,56 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory), hf_config=hf_config)
     check_serving_tensors(tensors, config, source=str(directory))
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors,
-                       quantization=checkpoint_quant)
+                       quantization=checkpoint_quant, image_processor=image_processor)
+
+
+_IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def _internvl_chat(hf: dict, directory: Path, source: str) -> tuple[dict, tuple[dict, dict]]:
+    """An InternVL original checkpoint's config (model_type internvl_chat: vision_config, llm_config, the tiling
+    settings at the top) as transformers' internvl config says it, and its image preparation as a GotOcr2
+    preprocessor config would (its own code: 1 to max_dynamic_patch tiles of force_image_size pixels and a
+    thumbnail, ImageNet's mean and std). The image token's id comes from its tokenizer (<IMG_CONTEXT>)."""
+    v, t = hf.get("vision_config"), hf.get("llm_config")
+    if not isinstance(v, dict) or not isinstance(t, dict):
+        raise CoreError(f"{source}: an internvl_chat config needs vision_config and llm_config objects",
+                        ErrorKind.SOURCE_FORMAT)
+    if hf.get("ps_version", "v2") != "v2":
+        raise CoreError(f"{source}: ps_version {hf.get('ps_version')!r} (InternVL 1.5's pixel shuffle) is not "
+                        "supported (v2)", ErrorKind.UNSUPPORTED_MODEL)
+    if v.get("model_type", "intern_vit_6b") != "intern_vit_6b":
+        raise CoreError(f"{source}: an internvl_chat vision tower of type {v.get('model_type')!r} is not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    token = None
+    try:
+        added = json.loads((directory / "tokenizer.json").read_text()).get("added_tokens", [])
+        token = next((a["id"] for a in added if a.get("content") == "<IMG_CONTEXT>"), None)
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    if token is None:
+        raise CoreError(f"{directory / 'tokenizer.json'}: no <IMG_CONTEXT> token, which InternVL's images stand in "
+                        "for", ErrorKind.SOURCE_FORMAT)
+    side = int(hf.get("force_image_size") or v.get("image_size", 448))
+    vision = {"model_type": "internvl_vision", "hidden_size": v.get("hidden_size", 3200),
+              "intermediate_size": v.get("intermediate_size", 12800),
+              "num_hidden_layers": v.get("num_hidden_layers", 48),
+              "num_attention_heads": v.get("num_attention_heads", 25), "image_size": side,
+              "patch_size": v.get("patch_size", 14), "layer_norm_eps": v.get("layer_norm_eps", 1e-6),
+              "hidden_act": v.get("hidden_act", "gelu"), "norm_type": v.get("norm_type", "rms_norm"),
+              "use_qk_norm": bool(v.get("qk_normalization", False)), "attention_bias": bool(v.get("qkv_bias", True)),
+              "use_mean_pooling": True}
+    config = {"model_type": "internvl_chat", "vision_config": vision, "text_config": t,
+              "downsample_ratio": hf.get("downsample_ratio", 0.5), "image_token_id": token,
+              "vision_feature_layer": hf.get("select_layer", -1), "vision_feature_select_strategy": "default",
+              "tie_word_embeddings": bool(t.get("tie_word_embeddings", False))}
+    dynamic = hf.get("dynamic_image_size", True)
+    pre = {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": side, "width": side},
+           "min_patches": int(hf.get("min_dynamic_patch", 1)) if dynamic else 1,
+           "max_patches": int(hf.get("max_dynamic_patch", 12)) if dynamic else 1,
+           "image_mean": _IMAGENET_MEAN, "image_std": _IMAGENET_STD,
+           "use_thumbnail": bool(hf.get("use_thumbnail", True))}
+    return config, (pre, {})
 
 
 def _with_weightless_norms(hf: dict[str, torch.Tensor], config: ModelConfig, *, qk: bool = False) -> dict:

@@ -52,7 +52,9 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                          "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next",
-                         "llava_onevision": "llava_onevision"}
+                         "llava_onevision": "llava_onevision",
+                         # (InternVL's original checkpoints, as loader._internvl_chat says them)
+                         "internvl_chat": "internvl"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -307,6 +309,10 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
     text_config; the Qwen VL families' Qwen2 (text_config, or the top level of older configs) with the mRoPE
     split taken out (a text token's three positions are equal, which is plain rope)."""
     family = HF_VISION_MODEL_TYPES[hf["model_type"]]
+    if hf["model_type"] == "internvl_chat":  # (loader._internvl_chat: its llm_config as text_config)
+        text = dict(hf["text_config"])
+        text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False)))
+        return text
     if family == "gemma3":  # (Gemma 3 ties its embeddings unless the config says otherwise)
         text = {**hf["text_config"], "model_type": "gemma3_text"}
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
@@ -806,7 +812,36 @@ def _onevision_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.T
             "image_newline": _image_newline(hf, take)}
 
 
+def _internvl_original_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    """InternVL's original checkpoints: vision_model.* (fused qkv, norm1/norm2, ls1/ls2) and the projector mlp1.*."""
+    vm = "vision_model."
+    d = c.hidden_size
+    out = {"patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
+           "patch_embed.bias": take(vm + "embeddings.patch_embedding.bias"),
+           "class_embed": take(vm + "embeddings.class_embedding").reshape(d),
+           "pos_embed.weight": take(vm + "embeddings.position_embedding").reshape(-1, d)}
+    for ours, theirs in (("proj_norm", "mlp1.0"), ("proj_fc1", "mlp1.1"), ("proj_fc2", "mlp1.3")):
+        out[ours + ".weight"], out[ours + ".bias"] = take(theirs + ".weight"), take(theirs + ".bias")
+    norms = ("weight", "bias") if c.norm_kind == "layer_norm" else ("weight",)
+    for n in range(c.num_layers):
+        hp, sp = f"{vm}encoder.layers.{n}.", f"layers.{n}."
+        out[sp + "qkv.weight"] = take(hp + "attn.qkv.weight")
+        if c.qkv_bias:
+            out[sp + "qkv.bias"] = take(hp + "attn.qkv.bias")
+        if c.qk_norm:
+            out[sp + "q_norm.weight"], out[sp + "k_norm.weight"] = (take(f"{hp}attn.{x}_norm.weight") for x in "qk")
+        for ours, theirs in (("o", "attn.proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
+            out[f"{sp}{ours}.weight"] = take(f"{hp}{theirs}.weight")
+            out[f"{sp}{ours}.bias"] = take(f"{hp}{theirs}.bias")
+        for kind in norms:
+            out[f"{sp}norm1.{kind}"], out[f"{sp}norm2.{kind}"] = take(f"{hp}norm1.{kind}"), take(f"{hp}norm2.{kind}")
+        out[sp + "ls1"], out[sp + "ls2"] = take(hp + "ls1"), take(hp + "ls2")
+    return out
+
+
 def _internvl_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    if "vision_model.embeddings.class_embedding" in hf:
+        return _internvl_original_to_serving(hf, c, take)
     prefix = "model." if "model.vision_tower.embeddings.cls_token" in hf else ""
     vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
     out = {"patch_embed.weight": take(vt + "embeddings.patch_embeddings.projection.weight"),

@@ -146,3 +146,107 @@ def test_a_template_that_reads_content_as_a_string_gets_the_placeholders(daemon,
     got, want = (ask_greedy(d, [picture], "What is in the picture?", NEW_TOKENS) for d in (strings, daemon))
     assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] > 3 * TILE_TOKENS
     assert token_ids(got) == token_ids(want)
+
+
+def _original_layout(hf_dir, out):
+    """The checkpoint as InternVL's original (remote-code) releases lay it out: config.json of model_type
+    internvl_chat (vision_config, llm_config, the tiling settings), the tower under vision_model.* with q, k and v
+    fused, the projector as mlp1.*, a ChatML template that reads content as a string, a CLIP-style
+    preprocessor_config.json its own code never reads."""
+    import json
+    import re
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for name in ("tokenizer.json",):
+        shutil.copy(hf_dir / name, out / name)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    v = cfg["vision_config"]
+    pre = json.loads((hf_dir / "preprocessor_config.json").read_text())
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["InternVLChatModel"], "model_type": "internvl_chat", "downsample_ratio": 0.5,
+        "select_layer": -1, "ps_version": "v2", "template": "internvl2_5", "force_image_size": v["image_size"][0],
+        "dynamic_image_size": True, "use_thumbnail": True, "min_dynamic_patch": pre["min_patches"],
+        "max_dynamic_patch": pre["max_patches"],
+        "vision_config": {"architectures": ["InternVisionModel"], "model_type": "intern_vit_6b",
+                          "hidden_size": v["hidden_size"], "intermediate_size": v["intermediate_size"],
+                          "num_hidden_layers": v["num_hidden_layers"], "num_attention_heads": v["num_attention_heads"],
+                          "image_size": v["image_size"][0], "patch_size": v["patch_size"][0],
+                          "qkv_bias": v["attention_bias"], "qk_normalization": v["use_qk_norm"],
+                          "norm_type": v["norm_type"], "layer_norm_eps": v["layer_norm_eps"], "hidden_act": "gelu"},
+        "llm_config": {**cfg["text_config"], "architectures": ["Qwen2ForCausalLM"]}}))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "chat_template": (
+            "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")}))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "crop_size": 448, "do_center_crop": True, "do_normalize": True, "do_resize": True,
+        "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": [0.485, 0.456, 0.406],
+        "image_std": [0.229, 0.224, 0.225], "resample": 3, "size": 448}))
+    renames = [(r"^(model\.)?vision_tower\.embeddings\.cls_token$", "vision_model.embeddings.class_embedding"),
+               (r"^(model\.)?vision_tower\.embeddings\.patch_embeddings\.projection\.",
+                "vision_model.embeddings.patch_embedding."),
+               (r"^(model\.)?vision_tower\.embeddings\.position_embeddings$", "vision_model.embeddings.position_embedding"),
+               (r"^(model\.)?vision_tower\.encoder\.layer\.", "vision_model.encoder.layers."),
+               (r"\.attention\.projection_layer\.", ".attn.proj."), (r"\.attention\.(q|k)_norm\.", r".attn.\1_norm."),
+               (r"\.layernorm_before\.", ".norm1."), (r"\.layernorm_after\.", ".norm2."),
+               (r"\.lambda_1$", ".ls1"), (r"\.lambda_2$", ".ls2"),
+               (r"^(model\.)?multi_modal_projector\.layer_norm\.", "mlp1.0."),
+               (r"^(model\.)?multi_modal_projector\.linear_1\.", "mlp1.1."),
+               (r"^(model\.)?multi_modal_projector\.linear_2\.", "mlp1.3.")]
+    weights, fused = {}, {}
+    for name, value in load_file(hf_dir / "model.safetensors").items():
+        for pattern, repl in renames:
+            name = re.sub(pattern, repl, name)
+        qkv = re.match(r"(vision_model\.encoder\.layers\.\d+\.)attention\.([qkv])_proj\.(weight|bias)$", name)
+        if qkv:
+            fused.setdefault((qkv[1], qkv[3]), {})[qkv[2]] = value
+            continue
+        weights[name] = value
+    for (prefix, kind), parts in fused.items():
+        weights[f"{prefix}attn.qkv.{kind}"] = torch.cat([parts[x] for x in "qkv"])
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+def test_the_original_checkpoints_read_as_their_hf_conversions(daemon, tiny_internvl, tmp_path, start_daemon):
+    """InternVL's original releases (InternVLChatModel) read as their -hf conversions: the same decoder, tower,
+    image token and image preparation, and `flared run` over the original directory answers an image as the -hf
+    core does (its ChatML template reads content as a string)."""
+    import torch
+    from flared_testing.vision import ask_greedy, token_ids
+
+    from flared.core.export import ExportOptions, export_core
+    from flared.model.loader import read_source
+
+    original = _original_layout(tiny_internvl[0], tmp_path / "original")
+    ours, theirs = read_source(original), read_source(tiny_internvl[0])
+    assert ours.vision == theirs.vision and ours.config == theirs.config
+    for name in ("tensors", "vision_tensors"):
+        got, want = getattr(ours, name), getattr(theirs, name)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    options = dict(concurrency=2, context_tokens=512, prefill_chunk_tokens=128)
+    exported = export_core(original, tmp_path / "core", ExportOptions(**options)).vision["processor"]
+    assert exported == export_core(tiny_internvl[0], tmp_path / "hf-core", ExportOptions(**options)).vision["processor"]
+    served = start_daemon(original, "--cache-dir", str(tmp_path / "cache"), "--context", "512", "--dtype", "float32")
+    picture = noise_image(77, (90, 40))
+    got, want = (ask_greedy(d, [picture], "What is in the picture?", NEW_TOKENS) for d in (served, daemon))
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert token_ids(got) == token_ids(want)
+
+
+def test_an_original_internvit_6b_layout_reads_as_its_hf_conversion(tmp_path):
+    """InternViT-6B's layout (RMSNorms, q/k norms, no q/k/v biases) in the original releases' names."""
+    import torch
+    from conftest import build_tiny_internvl
+
+    from flared.model.loader import read_source
+
+    (tmp_path / "hf").mkdir()
+    hf_dir = build_tiny_internvl(tmp_path / "hf", norm_type="rms_norm", use_qk_norm=True, attention_bias=False)
+    ours, theirs = read_source(_original_layout(hf_dir, tmp_path / "original")), read_source(hf_dir)
+    assert ours.vision == theirs.vision and ours.vision.norm_kind == "rms_norm" and ours.vision.qk_norm
+    assert all(torch.equal(ours.vision_tensors[k], v) for k, v in theirs.vision_tensors.items())

@@ -95,3 +95,17 @@ def test_settings_round_trip_and_bad_settings_are_named():
         image_processor_from_hf(_cfg(), {"image_seq_length": 256}, image_seq_len=16)
     with pytest.raises(FrontendError, match="size"):
         image_processor_from_hf(_cfg(size={"shortest_edge": 448}), None, image_seq_len=16)
+
+
+def test_without_a_thumbnail_the_tiles_are_the_canvas_alone():
+    """use_thumbnail false (an original InternVL config's): the canvas's tiles, no whole-image tile after them."""
+    import dataclasses
+
+    p = image_processor_from_hf(_cfg(max_patches=4), None, image_seq_len=16)
+    bare = dataclasses.replace(p, thumbnail=False)
+    image = DecodedImage.from_pil(_image(90, 40, 5))
+    with_thumb, without = p.prepare(image), bare.prepare(image)
+    assert len(with_thumb.pixel_values) == 3 and np.array_equal(without.pixel_values, with_thumb.pixel_values[:2])
+    assert without.num_image_tokens == 32 == bare.num_image_tokens_for(90, 40)
+    assert bare.prepare(DecodedImage.from_pil(_image(20, 20, 6))).num_image_tokens == 16  # (one tile either way)
+    assert without.identity != with_thumb.identity
