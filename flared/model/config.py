@@ -164,6 +164,9 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
                   # LG EXAONE 3.0 / 3.5, InternLM3, IQuest-Coder: Llama's layer (EXAONE's own names for its config
                   # keys and tensors; InternLM3's for its biases)
                   "exaone": "llama", "internlm3": "llama", "iquestcoder": "llama",
+                  # InternLM2 / 2.5 (and InternVL2.5's decoders): Llama's layer under its own names, q/k/v fused in
+                  # groups (the loader splits them)
+                  "internlm2": "llama",
                   # Kyutai Helium: Llama's layer rotating interleaved pairs (GLM's rope)
                   "helium": "llama",
                   # Sarvam MoE (sarvam-30b), BharatGen Param2 MoE: GLM-4.5's layer over the whole head, under their names
@@ -1101,6 +1104,7 @@ def from_hf_config(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
 _HF_KEY_ALIASES = {"exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                               "activation_function": "hidden_act"},
                    "internlm3": {"qkv_bias": "attention_bias", "bias": "mlp_bias"},
+                   "internlm2": {"bias": "attention_bias"},
                    **dict.fromkeys(("sarvam_moe", "param2moe"), {
                        "num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts",
                        "num_shared_experts": "n_shared_experts", "use_qkv_bias": "attention_bias",

@@ -412,6 +412,33 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
                        quantization=checkpoint_quant, image_processor=image_processor)
 
 
+def _hf_internlm2_names(hf: dict[str, torch.Tensor], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """InternLM2's tensors under Llama's names: its wqkv split back into q, k and v (each kv head's group of q heads,
+    then its k head, then its v head, as InternLM2's attention reads it), wo, w1 (gate), w3 (up), w2 (down), the
+    attention_norm / ffn_norm, tok_embeddings and output."""
+    if config.attention_bias:
+        raise CoreError(f"{source}: InternLM2 with biases (bias: true) is not supported", ErrorKind.UNSUPPORTED_MODEL)
+    renames = (("model.tok_embeddings.", "model.embed_tokens."), (".attention.wo.", ".self_attn.o_proj."),
+               (".attention_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+               (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+               (".feed_forward.w2.", ".mlp.down_proj."))
+    group = config.num_heads // config.num_kv_heads
+    out = {}
+    for name, value in hf.items():
+        if name == "output.weight":
+            out["lm_head.weight"] = value
+            continue
+        if name.endswith(".attention.wqkv.weight"):
+            prefix = name.removesuffix("attention.wqkv.weight") + "self_attn."
+            rows = value.view(config.num_kv_heads, group + 2, config.head_dim, value.shape[-1])
+            out[prefix + "q_proj.weight"] = rows[:, :group].reshape(-1, value.shape[-1])
+            out[prefix + "k_proj.weight"] = rows[:, -2].reshape(-1, value.shape[-1])
+            out[prefix + "v_proj.weight"] = rows[:, -1].reshape(-1, value.shape[-1])
+            continue
+        out[next((name.replace(old, new) for old, new in renames if old in name), name)] = value
+    return out
+
+
 _IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
@@ -714,6 +741,8 @@ def _hf_to_serving(hf: dict[str, torch.Tensor], config: ModelConfig, *, source: 
             return name
 
         hf = {renamed(k): v for k, v in hf.items()}
+    if hf_config is not None and hf_config.get("model_type") == "internlm2":
+        hf = _hf_internlm2_names(hf, config, source)
     if hf_config is not None and hf_config.get("model_type") in ("bamba", "jamba"):  # (their names for Llama's)
         renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."),
                    (".pre_ff_layernorm.", ".post_attention_layernorm."), ("model.final_layernorm.", "model.norm."))
