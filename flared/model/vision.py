@@ -1284,36 +1284,55 @@ class LlavaVisionEncoder(_Tower):
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
 
 
-class LlavaNextVisionEncoder(LlavaVisionEncoder):
-    """LLaVA-NeXT's CLIP tower and projector over an image's tiles: [1 + n, 3, S, S] (the whole image squashed to
-    one tile, then the canvas's tiles row by row) and ``grid`` = the image's (height, width) in pixels -> the
-    whole image's rows, then the tiles' rows laid out as the canvas's feature grid, the padding's rows and columns
-    cut away, each grid row ended by the image_newline embedding."""
+class _Anyres:
+    """What LLaVA-NeXT's and LLaVA-OneVision's towers share: tiles [1 + n, 3, S, S] (the whole image squashed to one
+    tile, then the canvas's tiles row by row) and ``grid`` = the image's (height, width) in pixels -> the whole
+    image's rows, then the tiles' rows laid out as the canvas's feature grid, the padding's rows and columns cut
+    away, scaled down (bilinear) to about anyres_max tiles' worth where it holds more by a tenth (OneVision's; 0:
+    never), each grid row ended by the image_newline embedding. One tile alone (OneVision's image among several)
+    -> its rows and one image_newline. ``_tiles`` runs the tower and projector over a batch of tiles."""
+
+    label: str
 
     @torch.inference_mode()
     def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
         c = self.config
         if grid is None or len(grid) != 2 or pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (
                 3, c.image_size, c.image_size):
-            raise ValueError(f"a LLaVA-NeXT tower takes tiles [n, 3, {c.image_size}, {c.image_size}] and the image's "
-                             f"(height, width), got {tuple(pixel_values.shape)} and {grid!r}")
+            raise ValueError(f"a {self.label} tower takes tiles [n, 3, {c.image_size}, {c.image_size}] and the "
+                             f"image's (height, width), got {tuple(pixel_values.shape)} and {grid!r}")
         height, width = (int(x) for x in grid)
         canvas_h, canvas_w = best_resolution(height, width, c.grid_pinpoints)
         rows, cols = canvas_h // c.image_size, canvas_w // c.image_size
-        if pixel_values.shape[0] != 1 + rows * cols:
+        if pixel_values.shape[0] != 1 + rows * cols and not (pixel_values.shape[0] == 1 and c.anyres_max):
             raise ValueError(f"a {width}x{height} image takes 1 + {rows} x {cols} tiles, got {pixel_values.shape[0]}")
         parts = []
         for i in range(0, pixel_values.shape[0], max_tiles):
             parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
-        x = torch.cat(parts)  # [1 + rows * cols, side * side, hidden]
-        side, hidden = c.patches_per_side, x.shape[-1]
+        x = torch.cat(parts)  # [tiles, side * side, hidden]
+        hidden = x.shape[-1]
+        newline = self.w["image_newline"].to(x.dtype)
+        if x.shape[0] == 1:
+            return torch.cat([x[0], newline[None]])
+        side = c.patches_per_side
         tiles = x[1:].view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side,
                                                                                           hidden)
         top, bottom, left, right = unpadded_size(height, width, rows * side, cols * side)
         tiles = tiles[top:bottom, left:right]
-        newline = self.w["image_newline"].to(tiles.dtype).expand(tiles.shape[0], 1, hidden)
-        return torch.cat([x[0], torch.cat([tiles, newline], 1).reshape(-1, hidden)])
+        if c.anyres_max:
+            h, w = tiles.shape[:2]
+            ratio = math.sqrt(h * w / (c.anyres_max * side ** 2))
+            if ratio > 1.1:  # (transformers' sizes: the float floor of each side over the ratio)
+                tiles = F.interpolate(tiles.permute(2, 0, 1)[None], [int(h // ratio), int(w // ratio)],
+                                      mode="bilinear")[0].permute(1, 2, 0)
+        newlines = newline.expand(tiles.shape[0], 1, hidden)
+        return torch.cat([x[0], torch.cat([tiles, newlines], 1).reshape(-1, hidden)])
 
+
+class LlavaNextVisionEncoder(_Anyres, LlavaVisionEncoder):
+    """LLaVA-NeXT: LLaVA-1.5's CLIP tower and projector over each tile (_Anyres)."""
+
+    label = "LLaVA-NeXT"
 
 
 class InternVLVisionEncoder(_Tower):
@@ -1378,47 +1397,11 @@ class InternVLVisionEncoder(_Tower):
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
 
 
-class OnevisionVisionEncoder(_Tower):
-    """LLaVA-OneVision's SigLIP tower and projector. An image of a one-image request: tiles [1 + n, 3, S, S] (the
-    whole image, then the canvas's tiles) and ``grid`` = its (height, width) in pixels -> the whole image's rows,
-    then the tiles' feature grid without the padding's rows and columns, scaled down (bilinear) where it holds
-    more than anyres_max tiles' worth by a tenth, each grid row ended by image_newline. An image of a request with
-    several: one tile [1, 3, S, S] (padded square) -> its rows and one image_newline."""
+class OnevisionVisionEncoder(_Anyres, _Tower):
+    """LLaVA-OneVision: SigLIP's layers up to feature_layer (no post-norm) and LLaVA's projector over each tile
+    (_Anyres); an image of a request with several comes as one padded tile."""
 
-    @torch.inference_mode()
-    def stages(self, pixel_values: torch.Tensor, *, grid=None, max_tiles: int = 2):
-        c = self.config
-        if grid is None or len(grid) != 2 or pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (
-                3, c.image_size, c.image_size):
-            raise ValueError(f"a LLaVA-OneVision tower takes tiles [n, 3, {c.image_size}, {c.image_size}] and the "
-                             f"image's (height, width), got {tuple(pixel_values.shape)} and {grid!r}")
-        height, width = (int(x) for x in grid)
-        if pixel_values.shape[0] > 1:
-            canvas_h, canvas_w = best_resolution(height, width, c.grid_pinpoints)
-            rows, cols = canvas_h // c.image_size, canvas_w // c.image_size
-            if pixel_values.shape[0] != 1 + rows * cols:
-                raise ValueError(f"a {width}x{height} image takes 1 + {rows} x {cols} tiles, got "
-                                 f"{pixel_values.shape[0]}")
-        parts = []
-        for i in range(0, pixel_values.shape[0], max_tiles):
-            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
-        x = torch.cat(parts)  # [tiles, side * side, hidden]
-        hidden = x.shape[-1]
-        newline = self.w["image_newline"].to(x.dtype)
-        if x.shape[0] == 1:
-            return torch.cat([x[0], newline[None]])
-        side = c.patches_per_side
-        tiles = x[1:].view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4).reshape(rows * side, cols * side,
-                                                                                          hidden)
-        top, bottom, left, right = unpadded_size(height, width, rows * side, cols * side)
-        tiles = tiles[top:bottom, left:right]
-        h, w = tiles.shape[:2]
-        ratio = math.sqrt(h * w / (c.anyres_max * side ** 2))
-        if ratio > 1.1:  # (transformers' sizes: the float floor of each side over the ratio)
-            tiles = F.interpolate(tiles.permute(2, 0, 1)[None], [int(h // ratio), int(w // ratio)],
-                                  mode="bilinear")[0].permute(1, 2, 0)
-        newlines = newline.expand(tiles.shape[0], 1, hidden)
-        return torch.cat([x[0], torch.cat([tiles, newlines], 1).reshape(-1, hidden)])
+    label = "LLaVA-OneVision"
 
     def _tiles(self, x: torch.Tensor):
         """Tiles [n, 3, S, S] -> their projected rows [n, P, hidden] (SigLIP: patch conv and positions, the layers up
