@@ -41,7 +41,7 @@ import torch
 from flared.errors import CoreError, ErrorKind
 from flared.model.loader import _gguf_field as _field
 from flared.model.loader import gguf_tensor_values, unpermute_qk
-from flared.model.vision import VisionConfig
+from flared.model.vision import INTERNVIT_GGUF, VisionConfig, internvit_to_serving
 
 # clip.projector_type -> our vision family
 PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
@@ -175,7 +175,7 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
                 norm_kind="layer_norm" if "v.blk.0.ln1.bias" in raw else "rms_norm",
                 qk_norm="v.blk.0.attn_q_norm.weight" in raw, qkv_bias="v.blk.0.attn_q.bias" in raw,
                 post_norm="v.post_ln.weight" in raw)
-            tensors = _internvl(take, config)
+            tensors = internvit_to_serving(take, config, INTERNVIT_GGUF)
             side = config.image_size
             preprocessor = {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": side, "width": side},
                             "min_patches": int(_field(reader, "clip.vision.preproc_min_tiles", 1)),
@@ -281,32 +281,6 @@ def _gemma3(take, layers: int) -> dict[str, torch.Tensor]:
                 # holds it, [D, hidden]: a linear's weight is its transpose)
                 "proj_norm.weight": take("mm.soft_emb_norm.weight") - 1,
                 "proj.weight": take("mm.input_projection.weight").T})
-    return out
-
-
-def _internvl(take, c: VisionConfig) -> dict[str, torch.Tensor]:
-    d = c.hidden_size
-    out = {"patch_embed.weight": take("v.patch_embd.weight"), "patch_embed.bias": take("v.patch_embd.bias"),
-           "class_embed": take("v.class_embd").reshape(d), "pos_embed.weight": take("v.position_embd.weight").reshape(
-               -1, d)}
-    for ours, theirs in (("proj_norm", "mm.model.mlp.0"), ("proj_fc1", "mm.model.mlp.1"),
-                         ("proj_fc2", "mm.model.mlp.3")):
-        out[ours + ".weight"], out[ours + ".bias"] = _both(take, theirs)
-    if c.post_norm:
-        out["post_norm.weight"], out["post_norm.bias"] = _both(take, "v.post_ln")
-    norms = ("weight", "bias") if c.norm_kind == "layer_norm" else ("weight",)
-    for n in range(c.num_layers):
-        gp, sp = f"v.blk.{n}.", f"layers.{n}."
-        out[sp + "qkv.weight"] = torch.cat([take(f"{gp}attn_{x}.weight") for x in "qkv"])
-        if c.qkv_bias:
-            out[sp + "qkv.bias"] = torch.cat([take(f"{gp}attn_{x}.bias") for x in "qkv"])
-        if c.qk_norm:
-            out[sp + "q_norm.weight"], out[sp + "k_norm.weight"] = (take(f"{gp}attn_{x}_norm.weight") for x in "qk")
-        for ours, theirs in (("o", "attn_out"), ("fc1", "ffn_up"), ("fc2", "ffn_down")):
-            out[f"{sp}{ours}.weight"], out[f"{sp}{ours}.bias"] = _both(take, gp + theirs)
-        for kind in norms:
-            out[f"{sp}norm1.{kind}"], out[f"{sp}norm2.{kind}"] = take(f"{gp}ln1.{kind}"), take(f"{gp}ln2.{kind}")
-        out[sp + "ls1"], out[sp + "ls2"] = take(gp + "ls1.weight"), take(gp + "ls2.weight")
     return out
 
 

@@ -812,66 +812,92 @@ def _onevision_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.T
             "image_newline": _image_newline(hf, take)}
 
 
-def _internvl_original_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    """InternVL's original checkpoints: vision_model.* (fused qkv, norm1/norm2, ls1/ls2) and the projector mlp1.*."""
-    vm = "vision_model."
+@dataclass(frozen=True)
+class InternViTNames:
+    """Where an InternViT tower's tensors sit in one layout: whole names for the embeddings and the class and
+    position rows; the three projector modules (LayerNorm, first and second linear) and the post-norm as modules
+    whose ``.weight`` / ``.bias`` are read; ``layer`` the prefix of layer {n}; under it q/k/v as one module
+    (``qkv``) or three (``q`` formatted with x in "qkv"), the q/k norms (``q_norm`` formatted with x in "qk"), o,
+    the MLP's two linears, the norms, and the layer scales (whole names under the layer)."""
+
+    patch: str
+    cls: str
+    pos: str
+    projector: tuple[str, str, str]
+    post_norm: str
+    layer: str
+    qkv: str | None
+    q: str
+    q_norm: str
+    o: str
+    fc1: str
+    fc2: str
+    norm1: str
+    norm2: str
+    ls1: str
+    ls2: str
+
+
+# transformers' -hf checkpoints (prefix added), the original releases, llama.cpp's mmproj (flared.model.mmproj)
+INTERNVIT_HF = InternViTNames(
+    patch="{p}vision_tower.embeddings.patch_embeddings.projection", cls="{p}vision_tower.embeddings.cls_token",
+    pos="{p}vision_tower.embeddings.position_embeddings",
+    projector=("{p}multi_modal_projector.layer_norm", "{p}multi_modal_projector.linear_1",
+               "{p}multi_modal_projector.linear_2"),
+    post_norm="{p}vision_tower.layernorm", layer="{p}vision_tower.encoder.layer.{n}.", qkv=None,
+    q="attention.{x}_proj", q_norm="attention.{x}_norm", o="attention.projection_layer", fc1="mlp.fc1",
+    fc2="mlp.fc2", norm1="layernorm_before", norm2="layernorm_after", ls1="lambda_1", ls2="lambda_2")
+INTERNVIT_ORIGINAL = InternViTNames(
+    patch="vision_model.embeddings.patch_embedding", cls="vision_model.embeddings.class_embedding",
+    pos="vision_model.embeddings.position_embedding", projector=("mlp1.0", "mlp1.1", "mlp1.3"),
+    post_norm="vision_model.post_layernorm", layer="vision_model.encoder.layers.{n}.", qkv="attn.qkv", q="",
+    q_norm="attn.{x}_norm", o="attn.proj", fc1="mlp.fc1", fc2="mlp.fc2", norm1="norm1", norm2="norm2", ls1="ls1",
+    ls2="ls2")
+INTERNVIT_GGUF = InternViTNames(
+    patch="v.patch_embd", cls="v.class_embd", pos="v.position_embd.weight",
+    projector=("mm.model.mlp.0", "mm.model.mlp.1", "mm.model.mlp.3"), post_norm="v.post_ln", layer="v.blk.{n}.",
+    qkv=None, q="attn_{x}", q_norm="attn_{x}_norm", o="attn_out", fc1="ffn_up", fc2="ffn_down", norm1="ln1",
+    norm2="ln2", ls1="ls1.weight", ls2="ls2.weight")
+
+
+def internvit_to_serving(take, c: VisionConfig, names: InternViTNames) -> dict[str, torch.Tensor]:
+    """An InternViT tower and InternVL's projector (``names``' layout) in the serving layout: q, k and v fused, the
+    class and position rows as [D] and [1 + P, D]."""
     d = c.hidden_size
-    out = {"patch_embed.weight": take(vm + "embeddings.patch_embedding.weight"),
-           "patch_embed.bias": take(vm + "embeddings.patch_embedding.bias"),
-           "class_embed": take(vm + "embeddings.class_embedding").reshape(d),
-           "pos_embed.weight": take(vm + "embeddings.position_embedding").reshape(-1, d)}
-    for ours, theirs in (("proj_norm", "mlp1.0"), ("proj_fc1", "mlp1.1"), ("proj_fc2", "mlp1.3")):
-        out[ours + ".weight"], out[ours + ".bias"] = take(theirs + ".weight"), take(theirs + ".bias")
-    norms = ("weight", "bias") if c.norm_kind == "layer_norm" else ("weight",)
+    out = {"patch_embed.weight": take(names.patch + ".weight"), "patch_embed.bias": take(names.patch + ".bias"),
+           "class_embed": take(names.cls).reshape(d), "pos_embed.weight": take(names.pos).reshape(-1, d)}
+    modules = [(ours, theirs) for ours, theirs in zip(("proj_norm", "proj_fc1", "proj_fc2"), names.projector)]
+    if c.post_norm:
+        modules.append(("post_norm", names.post_norm))
     for n in range(c.num_layers):
-        hp, sp = f"{vm}encoder.layers.{n}.", f"layers.{n}."
-        out[sp + "qkv.weight"] = take(hp + "attn.qkv.weight")
-        if c.qkv_bias:
-            out[sp + "qkv.bias"] = take(hp + "attn.qkv.bias")
+        hp, sp = names.layer.format(n=n), f"layers.{n}."
+        kinds = ("weight", "bias") if c.qkv_bias else ("weight",)
+        for kind in kinds:
+            out[f"{sp}qkv.{kind}"] = (take(f"{hp}{names.qkv}.{kind}") if names.qkv else
+                                      torch.cat([take(f"{hp}{names.q.format(x=x)}.{kind}") for x in "qkv"]))
         if c.qk_norm:
-            out[sp + "q_norm.weight"], out[sp + "k_norm.weight"] = (take(f"{hp}attn.{x}_norm.weight") for x in "qk")
-        for ours, theirs in (("o", "attn.proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")):
-            out[f"{sp}{ours}.weight"] = take(f"{hp}{theirs}.weight")
-            out[f"{sp}{ours}.bias"] = take(f"{hp}{theirs}.bias")
-        for kind in norms:
-            out[f"{sp}norm1.{kind}"], out[f"{sp}norm2.{kind}"] = take(f"{hp}norm1.{kind}"), take(f"{hp}norm2.{kind}")
-        out[sp + "ls1"], out[sp + "ls2"] = take(hp + "ls1"), take(hp + "ls2")
+            for x in "qk":
+                out[f"{sp}{x}_norm.weight"] = take(f"{hp}{names.q_norm.format(x=x)}.weight")
+        modules += [(sp + "o", hp + names.o), (sp + "fc1", hp + names.fc1), (sp + "fc2", hp + names.fc2)]
+        if c.norm_kind == "layer_norm":
+            modules += [(sp + "norm1", hp + names.norm1), (sp + "norm2", hp + names.norm2)]
+        else:
+            out.update({sp + "norm1.weight": take(f"{hp}{names.norm1}.weight"),
+                        sp + "norm2.weight": take(f"{hp}{names.norm2}.weight")})
+        out.update({sp + "ls1": take(hp + names.ls1), sp + "ls2": take(hp + names.ls2)})
+    for ours, theirs in modules:
+        out[ours + ".weight"], out[ours + ".bias"] = take(theirs + ".weight"), take(theirs + ".bias")
     return out
 
 
 def _internvl_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
-    if "vision_model.embeddings.class_embedding" in hf:
-        return _internvl_original_to_serving(hf, c, take)
+    if INTERNVIT_ORIGINAL.cls in hf:
+        return internvit_to_serving(take, c, INTERNVIT_ORIGINAL)
     prefix = "model." if "model.vision_tower.embeddings.cls_token" in hf else ""
-    vt, mp = prefix + "vision_tower.", prefix + "multi_modal_projector."
-    out = {"patch_embed.weight": take(vt + "embeddings.patch_embeddings.projection.weight"),
-           "patch_embed.bias": take(vt + "embeddings.patch_embeddings.projection.bias"),
-           "class_embed": take(vt + "embeddings.cls_token").reshape(-1),
-           "pos_embed.weight": take(vt + "embeddings.position_embeddings")[0]}
-    for ours, theirs in (("proj_norm", "layer_norm"), ("proj_fc1", "linear_1"), ("proj_fc2", "linear_2")):
-        for kind in ("weight", "bias"):
-            out[f"{ours}.{kind}"] = take(f"{mp}{theirs}.{kind}")
-    if c.post_norm:
-        out.update({"post_norm.weight": take(vt + "layernorm.weight"), "post_norm.bias": take(vt + "layernorm.bias")})
-    kinds = ("weight", "bias") if c.norm_kind == "layer_norm" else ("weight",)
-    for n in range(c.num_layers):
-        hp, sp = f"{vt}encoder.layer.{n}.", f"layers.{n}."
-        attn = hp + "attention."
-        out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
-        if c.qkv_bias:
-            out[sp + "qkv.bias"] = torch.cat([take(f"{attn}{x}_proj.bias") for x in "qkv"])
-        if c.qk_norm:
-            out.update({sp + "q_norm.weight": take(attn + "q_norm.weight"),
-                        sp + "k_norm.weight": take(attn + "k_norm.weight")})
-        for kind in ("weight", "bias"):
-            out[f"{sp}o.{kind}"] = take(f"{attn}projection_layer.{kind}")
-            out[f"{sp}fc1.{kind}"] = take(f"{hp}mlp.fc1.{kind}")
-            out[f"{sp}fc2.{kind}"] = take(f"{hp}mlp.fc2.{kind}")
-        for kind in kinds:
-            out[f"{sp}norm1.{kind}"] = take(f"{hp}layernorm_before.{kind}")
-            out[f"{sp}norm2.{kind}"] = take(f"{hp}layernorm_after.{kind}")
-        out.update({sp + "ls1": take(hp + "lambda_1"), sp + "ls2": take(hp + "lambda_2")})
-    return out
+    names = InternViTNames(**{k: (tuple(x.replace("{p}", prefix) for x in v) if isinstance(v, tuple) else
+                                  v.replace("{p}", prefix) if isinstance(v, str) else v)
+                              for k, v in dataclasses.asdict(INTERNVIT_HF).items()})
+    return internvit_to_serving(take, c, names)
 
 
 def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
