@@ -1207,13 +1207,7 @@ class CropProcessor(_Processor):
     # -- pixels -------------------------------------------------------------------------------------------
 
     def _padded(self, im: Image.Image) -> Image.Image:
-        if not self.pad_to_square or im.width == im.height:
-            return im
-        side = max(im.width, im.height)
-        colour = tuple(int(m * 255) for m in self.image_mean)
-        canvas = Image.new("RGB", (side, side), colour)
-        canvas.paste(im, ((side - im.width) // 2, (side - im.height) // 2))
-        return canvas
+        return _pad_square(im, self.image_mean) if self.pad_to_square else im
 
     def prepare(self, image: DecodedImage) -> PreparedImage:
         im = self._padded(self._rgb(image))
@@ -1416,10 +1410,9 @@ class CanvasProcessor(_Processor):
             tiles = [canvas[r * th:(r + 1) * th, c * tw:(c + 1) * tw] for r in range(rows) for c in range(cols)]
             if self.thumbnail:
                 tiles.append(np.asarray(im.resize((tw, th), resample=self.resample)))
-        elif self.crop_to_patches and self.max_patches > 1:  # (a one-tile canvas: resized, no thumbnail)
-            tiles = [np.asarray(im.resize((tw, th), resample=self.resample))]
-        else:
-            tiles = [np.asarray(im.resize((tw, th), resample=self.resample) if self.do_resize else im)]
+        else:  # (a one-tile canvas is resized whatever do_resize says, as GotOcr2's cropping resizes)
+            resize = self.do_resize or (self.crop_to_patches and self.max_patches > 1)
+            tiles = [np.asarray(im.resize((tw, th), resample=self.resample) if resize else im)]
         if any(x.shape != (th, tw, 3) for x in tiles):
             raise _error(f"the image is {im.width}x{im.height} pixels; without resizing, this model takes "
                          f"{tw}x{th} images")
@@ -1455,6 +1448,33 @@ def unpadded_size(height: int, width: int, rows: int, cols: int) -> tuple[int, i
     kept = int(round(width * (rows / height), 7))
     pad = (cols - kept) // 2
     return 0, rows, pad, cols - pad
+
+
+def anyres_scaled(rows: int, cols: int, side: int, anyres_max: int) -> tuple[int, int]:
+    """The (rows, cols) LLaVA-OneVision scales an unpadded rows x cols feature grid to: where it holds more than
+    ``anyres_max`` tiles of side x side features by a tenth (ratio of the sides over 1.1), each side's float floor
+    over the ratio (transformers' sizes); else as it is (``anyres_max`` 0: LLaVA-NeXT, never)."""
+    if anyres_max:
+        ratio = math.sqrt(rows * cols / (anyres_max * side ** 2))
+        if ratio > 1.1:
+            return int(rows // ratio), int(cols // ratio)
+    return rows, cols
+
+
+# transformers' default canvases: LlavaNextImageProcessor's (336-pixel tiles), LlavaOnevision's (384, up to 6 x 6)
+LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+ONEVISION_PINPOINTS = tuple((384 * r, 384 * c) for r in range(1, 7) for c in range(1, 7))
+
+
+def _pad_square(im: Image.Image, mean) -> Image.Image:
+    """``im`` centred (offsets rounded down) on a square of its long edge filled with ``int(mean * 255)`` a channel,
+    as transformers pads (LLaVA's do_pad, OneVision's images among several)."""
+    if im.width == im.height:
+        return im
+    side = max(im.width, im.height)
+    canvas = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+    canvas.paste(im, ((side - im.width) // 2, (side - im.height) // 2))
+    return canvas
 
 
 def _pinpoints(value) -> tuple[tuple[int, int], ...]:
@@ -1534,12 +1554,14 @@ class AnyresProcessor(_Processor):
                      if isinstance(kind, str) else
                      any(src.get("processor_class") == "LlavaOnevisionProcessor" for src in (cfg, proc)))
         size = cfg.get("size", {"height": 384, "width": 384} if onevision else {"shortest_edge": 224})
-        side = _shortest_edge("size", size) if not (isinstance(size, dict) and "height" in size) else _crop_size(
-            "size", size)
+        if isinstance(size, dict) and "height" in size:  # (a square the tiles are resized to, or not a square)
+            h, w = _crop_size("size", size)
+            side = h if h == w else None
+        else:
+            side = _shortest_edge("size", size)
         crop = cfg.get("crop_size", None if onevision else {"height": 224, "width": 224})
-        crop_h, crop_w = _crop_size("crop_size", crop) if crop is not None else (side if isinstance(side, tuple) else
-                                                                                 (side, side))
-        if crop_h != crop_w or side not in (crop_h, (crop_h, crop_h)):
+        crop_h, crop_w = _crop_size("crop_size", crop) if crop is not None else (side, side)
+        if side is None or (crop_h, crop_w) != (side, side):
             raise _error(f"image processor sizes size={size!r}, crop_size={crop!r}: only square tiles the image is "
                          "resized to whole are read")
         strategy = proc.get("vision_feature_select_strategy", "full" if onevision else "default")
@@ -1551,8 +1573,7 @@ class AnyresProcessor(_Processor):
             if not isinstance(aspect, str) or not aspect.removeprefix("anyres_max_").isdigit():
                 raise _field_error("vision_aspect_ratio", aspect, '"anyres_max_N"')
             anyres_max = int(aspect.removeprefix("anyres_max_"))
-        default_pinpoints = ([[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)] if onevision else
-                             [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+        default_pinpoints = ONEVISION_PINPOINTS if onevision else LLAVA_NEXT_PINPOINTS
         return cls(tile=crop_h, grid_pinpoints=cfg.get("image_grid_pinpoints", default_pinpoints),
                    **_pixel_settings(cfg, BICUBIC, CLIP_MEAN, CLIP_STD), image_seq_len=image_seq_len,
                    image_token=proc.get("image_token", CLIP_IMAGE_TOKEN), anyres_max=anyres_max,
@@ -1572,11 +1593,7 @@ class AnyresProcessor(_Processor):
         side = math.isqrt(self.image_seq_len)
         h, w = self.canvas(width, height)
         top, bottom, left, right = unpadded_size(height, width, h // self.tile * side, w // self.tile * side)
-        rows, cols = bottom - top, right - left
-        if self.anyres_max:  # (OneVision's scaling down, LlavaOnevisionProcessor's count of it)
-            ratio = math.sqrt(rows * cols / (self.anyres_max * side ** 2))
-            if ratio > 1.1:
-                rows, cols = int(rows // ratio), int(cols // ratio)
+        rows, cols = anyres_scaled(bottom - top, right - left, side, self.anyres_max)  # (OneVision's scaling)
         return self.image_seq_len + rows * cols + rows
 
     def _identity(self, image: DecodedImage, alone: bool = True) -> bytes:
@@ -1588,11 +1605,8 @@ class AnyresProcessor(_Processor):
         im = self._rgb(image)
         t = self.tile
         if self.multi_image and not alone:
-            side = max(im.width, im.height)
-            square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in self.image_mean))
-            square.paste(im, ((side - im.width) // 2, (side - im.height) // 2))
-            pixels = self._normalized(np.asarray(square.resize((t, t), resample=self.resample))[None].transpose(
-                0, 3, 1, 2), 1)
+            square = _pad_square(im, self.image_mean).resize((t, t), resample=self.resample)
+            pixels = self._normalized(np.asarray(square)[None].transpose(0, 3, 1, 2), 1)
             return PreparedImage(pixel_values=pixels, rows=0, cols=0, prompt=self.image_token * (
                 self.image_seq_len + 1), num_image_tokens=self.image_seq_len + 1,
                 identity=self._identity(image, alone=False), grid=(im.height, im.width))

@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from flared.errors import CoreError, ErrorKind
-from flared.frontend.images import best_resolution, unpadded_size
+from flared.frontend.images import (LLAVA_NEXT_PINPOINTS, ONEVISION_PINPOINTS, anyres_scaled, best_resolution,
+                                    unpadded_size)
 
 # model_type of the checkpoint's config.json -> our vision family
 HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_vl": "qwen2_vl",
@@ -141,13 +142,9 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        if self.family == "llava_onevision":
-            if self.feature_select != "full" or self.anyres_max <= 0:
-                raise CoreError("a LLaVA-OneVision tower selects its features \"full\" (SigLIP has no class row) and "
-                                "caps its tiles' features (vision_aspect_ratio anyres_max_N)",
-                                ErrorKind.UNSUPPORTED_MODEL)
-            if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
-                raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
+        if self.family == "llava_onevision" and (self.feature_select != "full" or self.anyres_max <= 0):
+            raise CoreError("a LLaVA-OneVision tower selects its features \"full\" (SigLIP has no class row) and "
+                            "caps its tiles' features (vision_aspect_ratio anyres_max_N)", ErrorKind.UNSUPPORTED_MODEL)
         if self.family in ("llava_next", "llava_onevision"):
             if self.family == "llava_next" and self.feature_select != "default":
                 raise CoreError("a LLaVA-NeXT tower must select its features \"default\" (its tiles' grids have no "
@@ -156,7 +153,7 @@ class VisionConfig:
                                               for h, w in self.grid_pinpoints):
                 raise CoreError(f"vision grid_pinpoints {list(self.grid_pinpoints)} must be canvases of whole "
                                 f"{self.image_size}-pixel tiles")
-        if self.family in ("pixtral", "llava", "llava_next"):
+        if self.family in ("pixtral", "llava", "llava_next", "llava_onevision"):
             if self.family == "pixtral" and not self.patch_merger and self.scale_factor != 1:
                 raise CoreError(f"a Pixtral tower without a patch merger takes scale_factor 1, got {self.scale_factor}")
             if self.feature_select not in ("default", "full"):
@@ -169,10 +166,11 @@ class VisionConfig:
         if self.family == "internvl":
             if self.norm_kind not in ("layer_norm", "rms_norm"):
                 raise CoreError(f"vision norm_kind {self.norm_kind!r} must be layer_norm or rms_norm")
-            if self.feature_select not in ("default", "full") or not (
-                    -self.num_layers - 1 <= self.feature_layer <= self.num_layers):
-                raise CoreError(f"vision features from layer {self.feature_layer} ({self.feature_select!r}) are not "
-                                f"those of a {self.num_layers}-layer tower")
+            if self.feature_select != "default":
+                raise CoreError("an InternVL tower's class row cannot be pixel-shuffled (vision_feature_select_strategy "
+                                "must be \"default\")", ErrorKind.UNSUPPORTED_MODEL)
+            if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
+                raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
         if self.family in QWEN_FAMILIES:
             if self.family == "qwen3_vl" and (self.position_table <= 0 or math.isqrt(self.position_table) ** 2
                                               != self.position_table):
@@ -192,6 +190,12 @@ class VisionConfig:
         if self.image_size <= 0 or self.image_size % self.patch_size or side % self.scale_factor:
             raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches "
                             f"({self.patch_size}) in blocks of scale_factor {self.scale_factor}")
+
+    @property
+    def feature_depth(self) -> int:
+        """Tower layers run before the features are taken (feature_layer indexes the hidden states: 0 the patches'
+        own, k after k layers, -1 after all)."""
+        return self.feature_layer if self.feature_layer >= 0 else self.num_layers + 1 + self.feature_layer
 
     @property
     def rows_width(self) -> int:
@@ -220,9 +224,6 @@ class VisionConfig:
             return self.patches_per_side ** 2 + (self.feature_select == "full")
         if self.family == "llava_onevision":  # (one tile's)
             return self.patches_per_side ** 2
-        if self.family == "internvl" and self.feature_select == "full":
-            raise CoreError("an InternVL tower's class row cannot be pixel-shuffled (vision_feature_select_strategy "
-                            "must be \"default\")", ErrorKind.UNSUPPORTED_MODEL)
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
     def to_dict(self) -> dict:
@@ -386,8 +387,7 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> 
     layer = _feature_layer(hf, -2)
     extra = {}
     if family == "llava_next":
-        extra["grid_pinpoints"] = tuple(tuple(p) for p in hf.get("image_grid_pinpoints", (
-            (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))))
+        extra["grid_pinpoints"] = tuple(tuple(p) for p in hf.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS))
     return VisionConfig(
         family=family, **extra, hidden_size=int(v.get("hidden_size", 1024)),
         intermediate_size=int(v.get("intermediate_size", 4096)),
@@ -410,7 +410,7 @@ def _onevision_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
     aspect = str(hf.get("vision_aspect_ratio", "anyres_max_9"))
     if not aspect.startswith("anyres_max_") or not aspect.removeprefix("anyres_max_").isdigit():
         raise CoreError(f"vision_aspect_ratio {aspect!r} is not supported (anyres_max_N)", ErrorKind.UNSUPPORTED_MODEL)
-    pinpoints = hf.get("image_grid_pinpoints") or [[384 * r, 384 * c] for r in range(1, 7) for c in range(1, 7)]
+    pinpoints = hf.get("image_grid_pinpoints") or ONEVISION_PINPOINTS
     return VisionConfig(
         family="llava_onevision", hidden_size=int(v.get("hidden_size", 1152)),
         intermediate_size=int(v.get("intermediate_size", 4304)), num_layers=int(v.get("num_hidden_layers", 26)),
@@ -957,6 +957,14 @@ class _Tower:
         can run a large image a few layers a turn between other requests' steps."""
         raise NotImplementedError
 
+    def _tile_batches(self, pixel_values: torch.Tensor, max_tiles: int):
+        """``_tiles`` over tiles [n, 3, S, S], ``max_tiles`` at a time (bounds the activations' memory and a
+        layer's time): their rows concatenated along the first axis (a generator, as ``stages``)."""
+        parts = []
+        for i in range(0, pixel_values.shape[0], max_tiles):
+            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
 
 class VisionEncoder(_Tower):
     """The Idefics3 tower on one device; ``encode`` turns tiles into decoder embedding rows."""
@@ -975,10 +983,7 @@ class VisionEncoder(_Tower):
             raise ValueError("Idefics3 towers take whole tiles, not a patch grid")
         if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, c.image_size, c.image_size):
             raise ValueError(f"tiles must be [n, 3, {c.image_size}, {c.image_size}], got {tuple(pixel_values.shape)}")
-        parts = []
-        for i in range(0, pixel_values.shape[0], max_tiles):
-            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return (yield from self._tile_batches(pixel_values, max_tiles))
 
     def _tiles(self, x: torch.Tensor):
         c, w = self.config, self.w
@@ -1258,8 +1263,7 @@ class PixtralVisionEncoder(_Tower):
         angles = torch.cat((rows[:, None] * self.inv_rows, cols[:, None] * self.inv_cols), dim=-1)
         angles = torch.cat((angles, angles), dim=-1).to(self.device)
         cos, sin = angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
-        # feature_layer indexes the hidden states: 0 the patches' own, k after k layers, -1 after all
-        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        layers = c.feature_depth
         for i in range(layers):
             p = f"layers.{i}."
             q, k, v = F.linear(_rms(x, w[p + "norm1.weight"], c.layer_norm_eps), w[p + "qkv.weight"]).view(
@@ -1301,7 +1305,7 @@ class LlavaVisionEncoder(_Tower):
         x = F.conv2d(x, w["patch_embed.weight"], stride=c.patch_size).flatten(2).transpose(1, 2)  # [n, P, D]
         x = torch.cat([w["class_embed"].expand(x.shape[0], 1, d), x], 1) + w["pos_embed.weight"]  # [n, 1 + P, D]
         x = F.layer_norm(x, (d,), w["pre_norm.weight"], w["pre_norm.bias"], c.layer_norm_eps)
-        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        layers = c.feature_depth
         for i in range(layers):
             x = _vit_layer(x, w, f"layers.{i}.", c)
             yield
@@ -1332,10 +1336,7 @@ class _Anyres:
         rows, cols = canvas_h // c.image_size, canvas_w // c.image_size
         if pixel_values.shape[0] != 1 + rows * cols and not (pixel_values.shape[0] == 1 and c.anyres_max):
             raise ValueError(f"a {width}x{height} image takes 1 + {rows} x {cols} tiles, got {pixel_values.shape[0]}")
-        parts = []
-        for i in range(0, pixel_values.shape[0], max_tiles):
-            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
-        x = torch.cat(parts)  # [tiles, side * side, hidden]
+        x = yield from self._tile_batches(pixel_values, max_tiles)  # [tiles, side * side, hidden]
         hidden = x.shape[-1]
         newline = self.w["image_newline"].to(x.dtype)
         if x.shape[0] == 1:
@@ -1345,12 +1346,9 @@ class _Anyres:
                                                                                           hidden)
         top, bottom, left, right = unpadded_size(height, width, rows * side, cols * side)
         tiles = tiles[top:bottom, left:right]
-        if c.anyres_max:
-            h, w = tiles.shape[:2]
-            ratio = math.sqrt(h * w / (c.anyres_max * side ** 2))
-            if ratio > 1.1:  # (transformers' sizes: the float floor of each side over the ratio)
-                tiles = F.interpolate(tiles.permute(2, 0, 1)[None], [int(h // ratio), int(w // ratio)],
-                                      mode="bilinear")[0].permute(1, 2, 0)
+        size = anyres_scaled(*tiles.shape[:2], side, c.anyres_max)
+        if size != tiles.shape[:2]:
+            tiles = F.interpolate(tiles.permute(2, 0, 1)[None], list(size), mode="bilinear")[0].permute(1, 2, 0)
         newlines = newline.expand(tiles.shape[0], 1, hidden)
         return torch.cat([x[0], torch.cat([tiles, newlines], 1).reshape(-1, hidden)])
 
@@ -1375,10 +1373,7 @@ class InternVLVisionEncoder(_Tower):
                                                                                              c.image_size):
             raise ValueError(f"an InternViT tower takes tiles [n, 3, {c.image_size}, {c.image_size}], got "
                              f"{tuple(pixel_values.shape)}")
-        parts = []
-        for i in range(0, pixel_values.shape[0], max_tiles):
-            parts.append((yield from self._tiles(pixel_values[i:i + max_tiles].to(self.device, self.dtype))))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return (yield from self._tile_batches(pixel_values, max_tiles))
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         c, w = self.config, self.w
@@ -1405,8 +1400,7 @@ class InternVLVisionEncoder(_Tower):
         n, d = x.shape[0], c.hidden_size
         h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size).flatten(2).transpose(1, 2)
         h = torch.cat([w["class_embed"].expand(n, 1, d), h], 1) + w["pos_embed.weight"]  # [n, 1 + P, D]
-        # (the features of layer feature_layer, 0 the embeddings; the last layer's after the post-norm)
-        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        layers = c.feature_depth  # (the last layer's features after the post-norm, as transformers takes them)
         for i in range(layers):
             h = self._layer(h, f"layers.{i}.")
             yield
@@ -1435,7 +1429,7 @@ class OnevisionVisionEncoder(_Anyres, _Tower):
         c, w = self.config, self.w
         h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size).flatten(2).transpose(1, 2)
         h = h + w["pos_embed.weight"]
-        layers = c.feature_layer if c.feature_layer >= 0 else c.num_layers + 1 + c.feature_layer
+        layers = c.feature_depth
         for i in range(layers):
             h = _vit_layer(h, w, f"layers.{i}.", c)
             yield
