@@ -625,6 +625,11 @@ class _Processor:
     def _identity(self, image: DecodedImage) -> bytes:
         return hashlib.sha256(self.identity_tag + image.digest + self._settings_bytes()).digest()
 
+    def prepare_in_request(self, image: DecodedImage, *, images: int) -> PreparedImage:
+        """``prepare`` for one of a request's ``images`` images: as alone, unless the family prepares an image
+        among several otherwise (LLaVA-OneVision: AnyresProcessor)."""
+        return self.prepare(image)
+
     @staticmethod
     def _rgb(image: DecodedImage) -> Image.Image:
         if image.image.mode != "RGB":
@@ -1599,6 +1604,9 @@ class AnyresProcessor(_Processor):
     def _identity(self, image: DecodedImage, alone: bool = True) -> bytes:
         return super()._identity(image) if alone or not self.multi_image else hashlib.sha256(
             b"one tile\0" + super()._identity(image)).digest()
+
+    def prepare_in_request(self, image: DecodedImage, *, images: int) -> PreparedImage:
+        return self.prepare(image, alone=images == 1)
 
     def prepare(self, image: DecodedImage, *, alone: bool = True) -> PreparedImage:
         """``alone``: the request has no other image (a OneVision image among several takes one padded tile)."""

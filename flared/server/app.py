@@ -254,10 +254,7 @@ class ServingState:
                 if is_media_url(source):  # fetched (http, https) or read (file) here, on the frontend worker
                     source = self.media.fetch(source, max_bytes=IMAGE_BYTES_LIMIT)
                 decoded = decode_image(source, max_bytes=IMAGE_BYTES_LIMIT)
-                if getattr(self.image_processor, "multi_image", False):  # (LLaVA-OneVision: by the image count)
-                    image = self.image_processor.prepare(decoded, alone=len(images) == 1)
-                else:
-                    image = self.image_processor.prepare(decoded)
+                image = self.image_processor.prepare_in_request(decoded, images=len(images))
             except FrontendError as exc:
                 raise _bad(param, str(exc), exc.kind) from None
             tokens += image.num_image_tokens
