@@ -628,3 +628,53 @@ def tiny_llava_onevision(tmp_path_factory) -> tuple[Path, Path]:
 def tiny_llava(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight LLaVA-1.5 (CLIP tower, two-linear projector, Llama)."""
     return _tiny_llava(tmp_path_factory, "llava", next_=False)
+
+
+# Qwen2-Audio's chat template (Qwen2AudioProcessor's default): each audio part as "Audio k: <|audio_bos|><|AUDIO|>
+# <|audio_eos|>" on its own line.
+QWEN2_AUDIO_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != "
+    "'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] "
+    "}}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}{% for content in "
+    "message['content'] %}{% if 'audio' in content or 'audio_url' in content %}{% set audio_count.value = "
+    "audio_count.value + 1 %}Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n{% elif 'text' in "
+    "content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if "
+    "add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Whisper's feature extractor at 16 mel bins (Qwen2-Audio's has 128)
+QWEN2_AUDIO_PREPROCESSOR = {
+    "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 16, "sampling_rate": 16000,
+    "hop_length": 160, "chunk_length": 30, "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000,
+    "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True,
+    "processor_class": "Qwen2AudioProcessor"}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_audio(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Qwen2-Audio: a two-layer Whisper-style encoder (16 mel bins,
+    width 32, 1,500 positions) and a Qwen2 decoder, with its tokenizer's audio tokens and chat template."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-qwen2-audio")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN2_AUDIO_TEMPLATE,
+        "tokenizer_class": "Qwen2TokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(QWEN2_AUDIO_PREPROCESSOR))
+    text = dict(model_type="qwen2", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                initializer_range=0.2, tie_word_embeddings=False)
+    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                 max_source_positions=1500, initializer_range=0.2)
+    config = Qwen2AudioConfig(text_config=text, audio_config=audio, audio_token_index=tok.token_to_id("<|AUDIO|>"))
+    torch.manual_seed(0)
+    Qwen2AudioForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "qwen2_audio"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=128))
+    return d, out

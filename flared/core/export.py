@@ -169,6 +169,13 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         del vision_tensors
         weight_files_extra = [VISION_WEIGHTS]
         vision = {"config": src.vision.to_dict(), "processor": processor.to_dict(), "weights": VISION_WEIGHTS}
+        if getattr(processor, "modality", "image") == "audio":  # (its audio token, as the tokenizer spells it)
+            from tokenizers import Tokenizer
+
+            found = Tokenizer.from_str(assets.tokenizer_json).token_to_id(processor.audio_token)
+            if found != src.vision.image_token_id:
+                raise CoreError(f"{source}: the tokenizer's {processor.audio_token} is token {found}, but the config's "
+                                f"audio token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
     else:
         weight_files_extra = []
 
@@ -198,7 +205,8 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             "logprobs": True,
             "tools": "tools" in template,
             "reasoning": "<think>" in template or "enable_thinking" in template,
-            "vision": vision is not None,
+            "vision": vision is not None and src.vision.family != "qwen2_audio",
+            "audio": vision is not None and src.vision.family == "qwen2_audio",
         },
         context_hint="raise the context limit with 'flarectl export --context N' (up to the model's own limit)",
         capacity_hint="raise live requests with 'flarectl export --concurrency N' (at most 64)",
@@ -317,7 +325,7 @@ def _read_hf_assets(src: Path) -> _Assets:
 # the image processor kind (flared.frontend.images) each vision family's checkpoints ship
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
-                    "llava_next": "anyres", "llava_onevision": "anyres"}
+                    "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -337,6 +345,8 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
     kind = _PROCESSOR_KINDS[vision.family]
+    if kind == "whisper":
+        return _read_audio_processor(pre, proc, vision, where)
     fixed = kind in ("tiles", "crop", "square", "canvas", "anyres")  # a fixed number of image tokens per tile
     declared = (proc or {}).get("image_seq_len")
     if kind == "tiles" and declared is not None and declared != vision.image_seq_len:
@@ -372,6 +382,26 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         raise CoreError(f"{where}: patches of {processor.patch_size} pixels merged "
                         f"{processor.merge_size} x {processor.merge_size}, but the vision tower takes "
                         f"{vision.patch_size} and {vision.scale_factor}", ErrorKind.UNSUPPORTED_MODEL)
+    return processor
+
+
+def _read_audio_processor(pre: dict, proc: dict | None, vision, where):
+    """An audio model's feature extractor (preprocessor_config.json) and audio token (processor_config.json's
+    ``audio_token``, Qwen2AudioProcessor's default where absent), checked against its encoder's mel bins."""
+    from flared.errors import FrontendError
+    from flared.frontend.audio import WhisperProcessor
+
+    token = (proc or {}).get("audio_token", "<|AUDIO|>")
+    try:
+        processor = WhisperProcessor.from_hf(pre, audio_token=token)
+    except FrontendError as e:
+        raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
+    if processor.feature_size != vision.mel_bins:
+        raise CoreError(f"{where}: {processor.feature_size} mel bins, but the audio encoder takes {vision.mel_bins}",
+                        ErrorKind.SOURCE_FORMAT)
+    if processor.n_samples // processor.hop_length > 2 * vision.position_table:
+        raise CoreError(f"{where}: {processor.chunk_length} s clips make more frames than the encoder's "
+                        f"{vision.position_table} positions take", ErrorKind.SOURCE_FORMAT)
     return processor
 
 

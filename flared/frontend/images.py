@@ -260,7 +260,7 @@ def _source_bytes(source, max_bytes: int) -> bytes:
     return _b64decode(payload, max_bytes, "the image data URL")
 
 
-def _b64decode(text: str, max_bytes: int, what: str) -> bytes:
+def _b64decode(text: str, max_bytes: int, what: str, medium: str = "image") -> bytes:
     text = _B64_WHITESPACE.sub("", text)
     if not text:
         return b""
@@ -274,7 +274,7 @@ def _b64decode(text: str, max_bytes: int, what: str) -> bytes:
         raise _error(f"{what} is not valid base64")
     raw += b"=" * (-len(raw) % 4)  # some clients drop the padding
     if len(raw) // 4 * 3 - 2 > max_bytes:  # refuse before decoding it
-        raise _error(f"image is too large: about {_mib(len(raw) // 4 * 3)} after base64 decoding; "
+        raise _error(f"{medium} is too large: about {_mib(len(raw) // 4 * 3)} after base64 decoding; "
                      f"the limit is {_mib(max_bytes)}")
     try:
         return base64.b64decode(raw, validate=True)
@@ -594,6 +594,7 @@ class _Processor:
     kind: ClassVar[str]
     label: ClassVar[str]  # how errors name it
     identity_tag: ClassVar[bytes]
+    modality: ClassVar[str] = "image"  # (flared.frontend.audio's processors: "audio")
 
     resample: int  # PIL resample filter id (BICUBIC = 3, LANCZOS = 1)
     image_mean: tuple[float, float, float]
@@ -1706,10 +1707,15 @@ def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | 
 
 
 def image_processor_from_dict(d: dict) -> ImageProcessor:
-    """The processor a ``to_dict`` wrote, by its "kind" ("tiles" where absent: written before patch processors)."""
+    """The processor a ``to_dict`` wrote, by its "kind" ("tiles" where absent: written before patch processors); an
+    audio model's (flared.frontend.audio.WhisperProcessor, kind "whisper") too."""
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
+    if kind == "whisper":
+        from flared.frontend.audio import WhisperProcessor
+
+        return WhisperProcessor.from_dict(d)
     classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor,
                AnyresProcessor)
     for cls in classes:

@@ -397,6 +397,7 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
                  "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",  # (Gemma 4's)
+                 "audio_tower.",  # (Qwen2-Audio's, beside its multi_modal_projector.*)
                  "vision_model.",  # (Llama 4's; InternVL's original checkpoints' too, and their mlp1.*)
                  "mlp1.",
                  "image_newline", "model.image_newline")  # (LLaVA-NeXT's row-end embedding)

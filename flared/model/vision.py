@@ -55,7 +55,9 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next",
                          "llava_onevision": "llava_onevision",
                          # (InternVL's original checkpoints, as loader._internvl_chat says them)
-                         "internvl_chat": "internvl"}
+                         "internvl_chat": "internvl",
+                         # Qwen2-Audio: a Whisper encoder's rows in place of its audio tokens (flared.model.audio)
+                         "qwen2_audio": "qwen2_audio"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -68,7 +70,7 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 class VisionConfig:
     # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP) | "gemma3"
     # | "internvl" (InternViT) | "llava_next" (CLIP over LLaVA-NeXT's any-resolution tiles)
-    # | "llava_onevision" (SigLIP over LLaVA-OneVision's tiles)
+    # | "llava_onevision" (SigLIP over LLaVA-OneVision's tiles) | "qwen2_audio" (an audio encoder: flared.model.audio)
     family: str
     hidden_size: int  # D
     intermediate_size: int  # I
@@ -116,6 +118,8 @@ class VisionConfig:
     # (vision_aspect_ratio "anyres_max_N": N)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     anyres_max: int = 0
+    # qwen2_audio: the log-mel bins a frame has (its positions: position_table, max_source_positions)
+    mel_bins: int = 0
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -142,6 +146,10 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if self.family == "qwen2_audio":
+            if self.mel_bins <= 0 or self.position_table <= 0:
+                raise CoreError("an audio encoder needs its mel bins and position rows (mel_bins, position_table)")
+            return
         if self.family == "llava_onevision" and (self.feature_select != "full" or self.anyres_max <= 0):
             raise CoreError("a LLaVA-OneVision tower selects its features \"full\" (SigLIP has no class row) and "
                             "caps its tiles' features (vision_aspect_ratio anyres_max_N)", ErrorKind.UNSUPPORTED_MODEL)
@@ -253,6 +261,15 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     family = HF_VISION_MODEL_TYPES.get(hf.get("model_type"))
     if family is None:
         return None
+    if family == "qwen2_audio":
+        from flared.model.audio import qwen2_audio_from_hf
+
+        try:
+            return qwen2_audio_from_hf(hf, source)
+        except KeyError as exc:
+            raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
+        except (TypeError, ValueError) as exc:
+            raise CoreError(f"{source}: bad audio value: {exc}", ErrorKind.SOURCE_FORMAT) from None
     v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
     llava_tower = (v.get("model_type", "clip_vision_model") if family in ("llava", "llava_next") and isinstance(v, dict)
                    else None)
@@ -319,7 +336,7 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
     elif family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
-        text.setdefault("model_type", "mistral" if family == "pixtral" else "llama")
+        text.setdefault("model_type", {"pixtral": "mistral", "qwen2_audio": "qwen2"}.get(family, "llama"))
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
@@ -521,6 +538,10 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
 
 def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d = c.hidden_size
+    if c.family == "qwen2_audio":
+        from flared.model.audio import audio_tensor_shapes
+
+        return audio_tensor_shapes(c)
     if c.family == "pixtral":
         return _pixtral_tensor_shapes(c)
     if c.family == "gemma3":  # SigLIP's layers; projector: a Gemma RMSNorm [D] (1 + w) and proj [hidden, D]
@@ -681,7 +702,10 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
         except KeyError:
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
-    to_serving = {"pixtral": _pixtral_vision_to_serving, "llava": _llava_vision_to_serving,
+    from flared.model.audio import audio_to_serving
+
+    to_serving = {"qwen2_audio": audio_to_serving, "pixtral": _pixtral_vision_to_serving,
+                  "llava": _llava_vision_to_serving,
                   "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
                   "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving}.get(
         c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
@@ -925,7 +949,10 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    cls = {"pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder, "gemma3": Gemma3VisionEncoder,
+    from flared.model.audio import Qwen2AudioEncoder
+
+    cls = {"qwen2_audio": Qwen2AudioEncoder, "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
+           "gemma3": Gemma3VisionEncoder,
            "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder,
            "llava_onevision": OnevisionVisionEncoder}.get(
         config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)

@@ -28,6 +28,7 @@ import torch
 from flared.errors import AdmissionError, ErrorKind, FrontendError
 from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
+from flared.frontend.audio import decode_audio
 from flared.frontend.images import decode_image, image_processor_from_dict
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
@@ -59,36 +60,43 @@ IMAGE_ROWS_CACHE_BYTES = 256 << 20
 
 
 def image_parts(messages) -> list[tuple[str, dict]]:
-    """Every image part of a parsed conversation, in order: (its request field, the part)."""
+    """Every image or audio part of a parsed conversation, in order: (its request field, the part)."""
     found = []
     if isinstance(messages, list):
         for m in messages:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
                 found += [(part.get("param", "messages"), part) for part in content
-                          if isinstance(part, dict) and part.get("type") == "image"]
+                          if isinstance(part, dict) and part.get("type") in ("image", "audio")]
     return found
 
 
+_MEDIA_FOR_TEMPLATE = {"image": {"type": "image"},
+                       # (Qwen2-Audio's template asks whether 'audio' is among the part's keys)
+                       "audio": {"type": "audio", "audio": ""}}
+
+
 def parts_for_template(messages, placeholder: str | None = None):
-    """A vision model's templates read content as a list of parts: string contents as one text part, and
-    image parts as {"type": "image"} alone (the source stays with the request). ``placeholder``: the template
-    reads content as a string (ChatTemplate.reads_content_parts false): each list of parts becomes one string,
-    its parts joined by newlines, an image part as the image processor's placeholder (vLLM's "string" content
-    format)."""
+    """A vision or audio model's templates read content as a list of parts: string contents as one text part, and
+    image parts as {"type": "image"} alone, audio parts as {"type": "audio", "audio": ""} (the source stays with
+    the request). ``placeholder``: the template reads content as a string (ChatTemplate.reads_content_parts
+    false): each list of parts becomes one string, its parts joined by newlines, an image or audio part as the
+    processor's placeholder (vLLM's "string" content format)."""
+    def media(p) -> bool:
+        return isinstance(p, dict) and p.get("type") in _MEDIA_FOR_TEMPLATE
+
     out = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if placeholder is not None:
             if isinstance(content, list):
                 m = {**m, "content": "\n".join(
-                    placeholder if isinstance(p, dict) and p.get("type") == "image" else
-                    p.get("text", "") if isinstance(p, dict) else str(p) for p in content)}
+                    placeholder if media(p) else p.get("text", "") if isinstance(p, dict) else str(p)
+                    for p in content)}
         elif isinstance(content, str):
             m = {**m, "content": [{"type": "text", "text": content}]}
         elif isinstance(content, list):
-            m = {**m, "content": [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image" else p
-                                  for p in content]}
+            m = {**m, "content": [dict(_MEDIA_FOR_TEMPLATE[p["type"]]) if media(p) else p for p in content]}
         out.append(m)
     return out
 
@@ -228,20 +236,37 @@ class ServingState:
     # -- images (a vision-language core) -------------------------------------------------------------
 
     @property
-    def takes_images(self) -> bool:
-        """The core has an image tower and the model thread loaded it."""
+    def _tower_loaded(self) -> bool:
+        """The core has an image tower or audio encoder and the model thread loaded it."""
         return (self.image_processor is not None
                 and getattr(getattr(self.runtime, "model", None), "vision", None) is not None)
 
+    @property
+    def takes_images(self) -> bool:
+        return self._tower_loaded and self.image_processor.modality == "image"
+
+    @property
+    def takes_audio(self) -> bool:
+        """An audio model (flared.frontend.audio's processor) whose encoder the model thread loaded."""
+        return self._tower_loaded and self.image_processor.modality == "audio"
+
     def _check_images(self, images) -> None:
-        param, part = images[0]
-        if not self.takes_images:
-            why = ("this model takes text" if self.image_processor is None else
-                   "this server did not load the model's image tower")
-            kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_image...)
+        modality = getattr(self.image_processor, "modality", None)
+        for param, part in images:
+            if self._tower_loaded and part.get("type") == modality:
+                continue
+            if self.image_processor is None:
+                why = "this model takes text"
+            elif part.get("type") != modality:
+                why = f"this model takes text and {'images' if modality == 'image' else 'audio'}"
+            else:
+                tower = "image tower" if modality == "image" else "audio encoder"
+                why = f"this server did not load the model's {tower}"
+            kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_audio...)
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
         if len(images) > self.max_images:
-            many = f"{self.max_images} image{'s' if self.max_images != 1 else ''}"
+            noun = "image" if modality == "image" else "audio clip"
+            many = f"{self.max_images} {noun}{'s' if self.max_images != 1 else ''}"
             raise _bad(images[self.max_images][0], f"at most {many} a request")
 
     def _prepare_images(self, images) -> tuple:
@@ -250,10 +275,13 @@ class ServingState:
         context = self.manifest.capacities.context_tokens
         for param, part in images:
             try:
-                source = part.get("image")
+                audio = part.get("type") == "audio"
+                source = part.get("audio" if audio else "image")
                 if is_media_url(source):  # fetched (http, https) or read (file) here, on the frontend worker
-                    source = self.media.fetch(source, max_bytes=IMAGE_BYTES_LIMIT)
-                decoded = decode_image(source, max_bytes=IMAGE_BYTES_LIMIT)
+                    source = self.media.fetch(source, max_bytes=IMAGE_BYTES_LIMIT,
+                                              what="audio" if audio else "image")
+                decoded = (decode_audio(source, max_bytes=IMAGE_BYTES_LIMIT, format=part.get("format")) if audio
+                           else decode_image(source, max_bytes=IMAGE_BYTES_LIMIT))
                 image = self.image_processor.prepare_in_request(decoded, images=len(images))
             except FrontendError as exc:
                 raise _bad(param, str(exc), exc.kind) from None

@@ -212,7 +212,7 @@ class LlamaCppRoutes:
             "model_path": m.model_name,
             "model_alias": m.model_name,
             "chat_template": template.source if template is not None else "",
-            "modalities": {"vision": self.state.takes_images, "audio": False},
+            "modalities": {"vision": self.state.takes_images, "audio": self.state.takes_audio},
             "build_info": "flared",
         })
 

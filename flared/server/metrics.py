@@ -132,8 +132,9 @@ class _RuntimeCollector:
                        rt.get("embedded_sequences", 0))
         yield _counter("flare_embedded_tokens", "Tokens run through the model for embeddings.",
                        rt.get("embedded_tokens", 0))
-        yield _counter("flare_vision_images", "Images run through the model's image tower (not those whose rows "
-                       "were cached from an earlier request).", rt.get("vision_images", 0))
+        yield _counter("flare_vision_images", "Images (an audio model: clips) run through the model's image tower "
+                       "(audio encoder), not those whose rows were cached from an earlier request.",
+                       rt.get("vision_images", 0))
         yield _counter("flare_vision_tiles",
                        "Image tiles run through a tiling image tower (SmolVLM, Idefics3, InternVL, LLaVA-NeXT).",
                        rt.get("vision_tiles", 0))

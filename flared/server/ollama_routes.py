@@ -321,6 +321,8 @@ class OllamaRoutes:
             caps.append("insert")  # Ollama's name for models that take a suffix (fill in the middle)
         if self.state.takes_images:
             caps.append("vision")
+        if self.state.takes_audio:
+            caps.append("audio")  # (Ollama's name, for its audio models)
         return caps
 
     async def show(self, request: Request) -> Response:

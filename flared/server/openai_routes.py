@@ -46,7 +46,8 @@ def model_card(state) -> dict[str, Any]:
         # (what this server does with the model: a parser named in the config gives it tools or reasoning that its
         # template alone would not)
         "capabilities": {**m.capabilities, "tools": state.tool_format() is not None,
-                         "reasoning": state.reasoning_format() is not None, "vision": state.takes_images},
+                         "reasoning": state.reasoning_format() is not None, "vision": state.takes_images,
+                         "audio": state.takes_audio},
     }
 
 

@@ -236,19 +236,51 @@ def image_source(part: dict, where: str) -> str:
     return url
 
 
+def audio_source(part: dict, where: str) -> tuple[str, str | None]:
+    """The clip an OpenAI audio part carries, and its declared format: ``input_audio`` as {"data": base64,
+    "format": "wav"}, or vLLM's ``audio_url`` as {"url": ...} or a bare string (a data URL)."""
+    if part.get("type") == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict):
+            raise _bad(f"{where}.input_audio", "must be an object with 'data' (base64) and 'format' (\"wav\")")
+        data, fmt = audio.get("data"), audio.get("format")
+        if not isinstance(data, str) or not data:
+            raise _bad(f"{where}.input_audio.data", "must be a non-empty base64 string")
+        if fmt is not None and not isinstance(fmt, str):
+            raise _bad(f"{where}.input_audio.format", f"must be a string such as \"wav\", got {_type(fmt)}")
+        return data, fmt
+    url = part.get("audio_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+        where += ".audio_url.url"
+    else:
+        where += ".audio_url"
+    if not isinstance(url, str) or not url:
+        raise _bad(where, "must be a non-empty string (a data URL such as data:audio/wav;base64,...)")
+    return url, None
+
+
+AUDIO_PART_TYPES = ("input_audio", "audio_url")
+
+
 def content_with_images(content: Any, where: str, text_types: tuple[str, ...] = ("text",),
-                        image_types: tuple[str, ...] = ("image_url",)) -> str | list:
-    """``join_text_parts``' text, or, where the content holds images, its parts in order: text parts as
-    {"type": "text", "text"} and images as {"type": "image", "image": source, "param": field} (the serving
-    state checks the model takes images, decodes them and renders the template with them)."""
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in image_types
-                                                for p in content):
+                        image_types: tuple[str, ...] = ("image_url",),
+                        audio_types: tuple[str, ...] = ()) -> str | list:
+    """``join_text_parts``' text, or, where the content holds images or audio, its parts in order: text parts as
+    {"type": "text", "text"}, images as {"type": "image", "image": source, "param": field} and clips as
+    {"type": "audio", "audio": source, "format": declared, "param": field} (the serving state checks the model
+    takes them, decodes them and renders the template with them)."""
+    media = image_types + audio_types
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in media for p in content):
         return join_text_parts(content, where, text_types)
     parts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if isinstance(part, dict) and part.get("type") in image_types:
             parts.append({"type": "image", "image": image_source(part, at), "param": at, "sent_as": part["type"]})
+        elif isinstance(part, dict) and part.get("type") in audio_types:
+            source, fmt = audio_source(part, at)
+            parts.append({"type": "audio", "audio": source, "format": fmt, "param": at, "sent_as": part["type"]})
         else:
             if not isinstance(part, dict) or part.get("type") not in text_types:
                 kind = part.get("type") if isinstance(part, dict) else _type(part)
@@ -474,7 +506,8 @@ def parse_chat(body: Any) -> ChatRequest:
         msg = dict(m)
         content = m.get("content")
         if isinstance(content, list):
-            msg["content"] = content_with_images(content, f"{where}.content", ("text", "input_text"))
+            msg["content"] = content_with_images(content, f"{where}.content", ("text", "input_text"),
+                                                 audio_types=AUDIO_PART_TYPES)
         elif content is not None and not isinstance(content, str):
             raise _bad(f"{where}.content", f"must be a string or an array of content parts, got {_type(content)}")
         elif content is None and role != "assistant":

@@ -167,7 +167,7 @@ def translate_input(value: Any) -> list[dict]:
                 raise _bad(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
             out.append({"role": "system" if role == "developer" else role,
                         "content": content_with_images(item.get("content"), f"{where}.content", _TEXT_PARTS,
-                                                       ("input_image",))})
+                                                       ("input_image",), ("input_audio",))})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
                 raise _bad(where, "a function_call needs 'name' and 'arguments' strings")

@@ -65,8 +65,15 @@ def _requests(core, model):
     processor = image_processor_from_dict(vision["processor"])
     token = int(vision["config"]["image_token_id"])
     merge = int(vision["config"]["scale_factor"]) if vision["config"].get("mrope_section") else 0
-    images = [processor.prepare(DecodedImage.from_pil(noise_image(seed, size)))
-              for seed, size in ((31, (90, 40)), (32, (30, 100)))]
+    if processor.modality == "audio":  # (Qwen2-Audio: clips of 1.3 and 2 s, 32 and 50 audio tokens)
+        from flared.frontend.audio import DecodedAudio
+
+        rng = np.random.default_rng(31)
+        images = [processor.prepare(DecodedAudio(rng.uniform(-0.5, 0.5, int(16000 * s)).astype(np.float32), 16000))
+                  for s in (1.3, 2.0)]
+    else:
+        images = [processor.prepare(DecodedImage.from_pil(noise_image(seed, size)))
+                  for seed, size in ((31, (90, 40)), (32, (30, 100)))]
     job = VisionJob(images, done=None)
     while not job.step(model, 0, collections.Counter()):
         pass
@@ -139,7 +146,8 @@ def _check_bf16(core_path):
 
 OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava",
                   "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next",
-                  "llava_onevision": "tiny_llava_onevision"}  # (Gemma 3: images attending both ways, a window shorter than an image)
+                  "llava_onevision": "tiny_llava_onevision",
+                  "qwen2_audio": "tiny_qwen2_audio"}  # (audio clips' rows, as images')  # (Gemma 3: images attending both ways, a window shorter than an image)
 
 
 def _core_of(request, family):

@@ -1,0 +1,342 @@
+"""Audio a client sends, decoded and turned into what an audio model's encoder reads (on a frontend worker).
+
+    decode_audio(source)       a WAV file (a data URL, bare base64 as OpenAI's ``input_audio.data``, or bytes) ->
+                               DecodedAudio: mono float32 samples at the file's rate
+    resample(samples, a, b)    band-limited resampling (a Kaiser-windowed sinc, torchaudio's "kaiser_best")
+    WhisperProcessor           Whisper's log-mel features (transformers' WhisperFeatureExtractor, its torch path,
+                               bit for bit) and Qwen2-Audio's audio tokens: ``prepare`` -> PreparedImage
+
+A prepared clip travels the path a prepared image does (flared.frontend.images.PreparedImage): its features in
+``pixel_values``, the text that replaces its placeholder in ``prompt``, its tokens' count, and its identity (the
+16 kHz samples' digest and the settings), so the tower's rows, the LRU of recent rows and the prefix cache treat a
+clip as an image.
+
+Only WAV is read (PCM 8/16/24/32-bit, IEEE float 32/64, WAVE_FORMAT_EXTENSIBLE of those); MP3, FLAC and the rest
+are a 400 that says so. Channels are averaged to mono (as librosa's ``load(mono=True)``, which transformers and
+vLLM read files with). A clip longer than the encoder's window (30 s for Whisper) is a 400, never cut silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from flared.errors import ErrorKind, FrontendError
+from flared.frontend.images import _URL_SCHEME, PreparedImage, _b64decode, _mib
+
+DEFAULT_MAX_AUDIO_BYTES = 10 << 20
+
+_WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
+_AUDIO_MEDIA = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/x-pn-wav"}
+_OTHER_FORMATS = {b"ID3": "MP3", b"fLaC": "FLAC", b"OggS": "Ogg", b"caff": "CAF"}
+
+
+def _error(message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> FrontendError:
+    return FrontendError(message, kind)
+
+
+@dataclass(frozen=True)
+class DecodedAudio:
+    samples: np.ndarray  # float32 [n], mono, in [-1, 1] for integer PCM
+    sample_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+def decode_audio(source: str | bytes, *, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES,
+                 format: str | None = None) -> DecodedAudio:
+    """Decode one clip a client sent: a data URL (``data:audio/wav;base64,...``), bare base64 (OpenAI's
+    ``input_audio.data``, whose ``format`` names the container) or raw bytes. Raises ``FrontendError`` with a
+    message meant for the client."""
+    if format is not None and format.lower() not in ("wav", "wave", "x-wav"):
+        raise _error(f"audio format {format!r} is not supported: send WAV ('format': 'wav')")
+    data = _source_bytes(source, max_bytes)
+    if not data:
+        raise _error("audio data is empty")
+    if len(data) > max_bytes:
+        raise _error(f"audio is too large: {_mib(len(data))}; the limit is {_mib(max_bytes)}")
+    return _read_wav(data)
+
+
+def _source_bytes(source, max_bytes: int) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source)
+    if not isinstance(source, str):
+        raise _error(f"audio must be a base64 string or a data URL, got {type(source).__name__}")
+    text = source.strip()
+    m = _URL_SCHEME.match(text[:64])
+    if m is None:
+        return _b64decode(text, max_bytes, "audio data", "audio")
+    scheme = m.group(1).lower()
+    if scheme != "data":
+        raise _error(f"unrecognized audio reference (a {scheme!r} URL); send the audio as a base64 data URL",
+                     ErrorKind.UNSUPPORTED if scheme in ("http", "https", "file", "ftp") else ErrorKind.VALIDATION)
+    header, comma, payload = text[m.end():].partition(",")
+    if not comma:
+        raise _error("malformed audio data URL: no ',' before the data")
+    params = [p.strip().lower() for p in header.split(";")]
+    if "base64" not in params[1:]:
+        raise _error("audio data URLs must be base64-encoded ('data:audio/wav;base64,...')")
+    if params[0] and params[0] not in _AUDIO_MEDIA:
+        raise _error(f"unsupported audio type {params[0]!r}; send WAV ('data:audio/wav;base64,...')")
+    return _b64decode(payload, max_bytes, "the audio data URL", "audio")
+
+
+def _read_wav(data: bytes) -> DecodedAudio:
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        other = next((name for magic, name in _OTHER_FORMATS.items() if data.startswith(magic)), None)
+        if other is None and len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0:
+            other = "MP3"
+        raise _error(f"{other or 'this'} audio is not supported: send WAV (RIFF/WAVE, PCM or float samples)")
+    fmt, payload, pos = None, None, 12
+    while pos + 8 <= len(data):
+        chunk, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        body = data[pos + 8:pos + 8 + size]
+        if chunk == b"fmt ":
+            fmt = body
+        elif chunk == b"data":
+            payload = body  # (a streamed WAV's size may run past the file: what is there is read)
+            break
+        pos += 8 + size + (size & 1)
+    if fmt is None or len(fmt) < 16:
+        raise _error("the WAV data has no 'fmt ' chunk")
+    if payload is None:
+        raise _error("the WAV data has no 'data' chunk")
+    tag, channels, rate, _, align, bits = struct.unpack_from("<HHIIHH", fmt)
+    if tag == _WAVE_EXTENSIBLE and len(fmt) >= 40:
+        tag = struct.unpack_from("<H", fmt, 24)[0]  # the subformat GUID's first two bytes
+    if channels < 1 or rate < 1 or align != channels * ((bits + 7) // 8):
+        raise _error(f"the WAV header is inconsistent ({channels} channels, {rate} Hz, {bits} bits, block {align})")
+    width = align // channels
+    frames = len(payload) // align
+    raw = payload[:frames * align]
+    if tag == _WAVE_PCM and width in (1, 2, 3, 4):
+        if width == 3:
+            b = np.frombuffer(raw, np.uint8).reshape(-1, 3)
+            ints = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int32) << 16))
+            values = ((ints << 8) >> 8).astype(np.float64) / (1 << 23)  # sign-extend the 24 bits
+        elif width == 1:  # 8-bit WAV is unsigned
+            values = (np.frombuffer(raw, np.uint8).astype(np.float64) - 128.0) / 128.0
+        else:
+            kind = {2: "<i2", 4: "<i4"}[width]
+            values = np.frombuffer(raw, kind).astype(np.float64) / float(1 << (8 * width - 1))
+    elif tag == _WAVE_FLOAT and width in (4, 8):
+        values = np.frombuffer(raw, "<f4" if width == 4 else "<f8").astype(np.float64)
+        if not np.isfinite(values).all():
+            raise _error("the WAV data holds samples that are not finite numbers")
+    else:
+        raise _error(f"WAV samples of format {tag:#06x} at {bits} bits are not supported "
+                     "(PCM 8/16/24/32-bit or IEEE float 32/64)")
+    if frames == 0:
+        raise _error("the WAV data holds no samples")
+    mono = values.reshape(frames, channels).mean(axis=1) if channels > 1 else values
+    return DecodedAudio(mono.astype(np.float32), int(rate))
+
+
+# ---------------------------------------------------------------------------------------------------- resampling
+
+# torchaudio's "kaiser_best" (and librosa's former default, resampy's kaiser_best): 64 zero crossings a side
+_LOWPASS_WIDTH, _ROLLOFF, _BETA = 64, 0.9475937167399596, 14.769656459379492
+
+
+def resample(samples: np.ndarray, orig: int, new: int) -> np.ndarray:
+    """``samples`` (float32 [n]) at ``orig`` Hz -> at ``new`` Hz: polyphase sinc interpolation under a Kaiser
+    window, cut off at ``_ROLLOFF`` of the lower Nyquist frequency (torchaudio.functional.resample with
+    ``resampling_method="sinc_interp_kaiser"``), ceil(n * new / orig) samples."""
+    import torch
+
+    if orig == new:
+        return samples
+    g = math.gcd(orig, new)
+    up, down = new // g, orig // g
+    base = min(up, down) * _ROLLOFF
+    width = math.ceil(_LOWPASS_WIDTH * down / base)
+    idx = torch.arange(-width, width + down, dtype=torch.float64)[None, None] / down
+    t = (torch.arange(0, -up, -1, dtype=torch.float64)[:, None, None] / up + idx) * base
+    t = t.clamp(-_LOWPASS_WIDTH, _LOWPASS_WIDTH)
+    window = torch.special.i0(_BETA * torch.sqrt(1 - (t / _LOWPASS_WIDTH) ** 2)) / torch.special.i0(
+        torch.tensor(_BETA, dtype=torch.float64))
+    t = t * math.pi
+    kernel = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / torch.where(t == 0, torch.ones_like(t), t))
+    kernel = (kernel * window * (base / down)).to(torch.float32)  # [up, 1, 2 width + down]
+    x = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))[None, None]
+    x = torch.nn.functional.pad(x, (width, width + down))
+    out = torch.nn.functional.conv1d(x, kernel, stride=down)  # [1, up, frames]
+    out = out.transpose(1, 2).reshape(-1)
+    return out[:math.ceil(up * len(samples) / down)].numpy().copy()
+
+
+# ------------------------------------------------------------------------------------------------ log-mel features
+
+def _hertz_to_mel(freq: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale (linear below 1 kHz, logarithmic above), as transformers' ``hertz_to_mel``."""
+    mels = 3.0 * freq / 200.0
+    log_region = freq >= 1000.0
+    mels[log_region] = 15.0 + np.log(freq[log_region] / 1000.0) * (27.0 / np.log(6.4))
+    return mels
+
+
+def _mel_to_hertz(mels: np.ndarray) -> np.ndarray:
+    freq = 200.0 * mels / 3.0
+    log_region = mels >= 15.0
+    freq[log_region] = 1000.0 * np.exp(np.log(6.4) / 27.0 * (mels[log_region] - 15.0))
+    return freq
+
+
+def mel_filters(n_fft: int, n_mels: int, sampling_rate: int, max_frequency: float = 8000.0) -> np.ndarray:
+    """Whisper's mel filter bank [n_fft / 2 + 1, n_mels]: triangles on Slaney's scale from 0 Hz to
+    ``max_frequency``, each scaled to unit area (transformers' ``mel_filter_bank(..., norm="slaney",
+    mel_scale="slaney")``, float64)."""
+    mel_freqs = np.linspace(_hertz_to_mel(np.array([0.0]))[0], _hertz_to_mel(np.array([max_frequency]))[0],
+                            n_mels + 2)
+    filter_freqs = _mel_to_hertz(mel_freqs)
+    fft_freqs = np.linspace(0, sampling_rate // 2, 1 + n_fft // 2)
+    diff = np.diff(filter_freqs)
+    slopes = filter_freqs[None, :] - fft_freqs[:, None]
+    down = -slopes[:, :-2] / diff[:-1]
+    up = slopes[:, 2:] / diff[1:]
+    filters = np.maximum(np.zeros(1), np.minimum(down, up))
+    return filters * (2.0 / (filter_freqs[2:n_mels + 2] - filter_freqs[:n_mels]))[None, :]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhisperProcessor:
+    """Whisper's feature extractor (transformers' WhisperFeatureExtractor as Qwen2AudioProcessor calls it: padded
+    with silence to ``chunk_length`` seconds, an attention mask over the frames) and Qwen2-Audio's audio tokens.
+
+    ``prepare`` gives the clip's log-mel frames [n_mels, F]: the STFT (``n_fft``-point Hann window every
+    ``hop_length`` samples, centred, reflect-padded) of the clip padded to ``chunk_length`` s, power through the
+    mel bank, log10 floored at 1e-10 and at the chunk's maximum - 8, then (x + 4) / 4; F is cut to the frames the
+    encoder's valid outputs read (two convolutions, the second of stride 2), so the tower runs on the clip, not
+    on the padding. Its tokens: L valid frames -> (L - 1) // 2 + 1 after the strided conv -> (that - 2) // 2 + 1
+    after the encoder's average pool."""
+
+    kind: ClassVar[str] = "whisper"
+    modality: ClassVar[str] = "audio"
+
+    feature_size: int = 128  # mel bins
+    sampling_rate: int = 16000
+    hop_length: int = 160
+    n_fft: int = 400
+    chunk_length: int = 30  # seconds the encoder's window holds
+    audio_token: str = "<|AUDIO|>"
+
+    def __post_init__(self):
+        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
+        if not isinstance(self.audio_token, str) or not self.audio_token:
+            raise _error("audio processor setting 'audio_token' must be a non-empty string")
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, *, audio_token: str = "<|AUDIO|>") -> WhisperProcessor:
+        """From a checkpoint's ``preprocessor_config.json`` (a WhisperFeatureExtractor's settings)."""
+        cfg = preprocessor_config or {}
+        kind = cfg.get("feature_extractor_type", "WhisperFeatureExtractor")
+        if kind != "WhisperFeatureExtractor":
+            raise _error(f"feature extractor {kind!r} is not supported (WhisperFeatureExtractor)")
+        if float(cfg.get("dither", 0.0) or 0.0) != 0.0:
+            raise _error("a feature extractor with dither (random noise) is not supported")
+        if cfg.get("do_normalize"):
+            raise _error("a Whisper feature extractor with do_normalize is not supported")
+        if float(cfg.get("padding_value", 0.0)) != 0.0:
+            raise _error("a Whisper feature extractor padding with other than silence is not supported")
+        try:
+            return cls(feature_size=int(cfg.get("feature_size", 80)),
+                       sampling_rate=int(cfg.get("sampling_rate", 16000)),
+                       hop_length=int(cfg.get("hop_length", 160)), n_fft=int(cfg.get("n_fft", 400)),
+                       chunk_length=int(cfg.get("chunk_length", 30)), audio_token=audio_token)
+        except (TypeError, ValueError) as exc:
+            raise _error(f"bad feature extractor setting: {exc}") from None
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "kind": self.kind}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> WhisperProcessor:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields - {"kind"})
+        if unknown:
+            raise _error(f"audio processor settings: unknown {unknown}")
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for a clip (Qwen2-Audio's: ``<|audio_bos|><|AUDIO|><|audio_eos|>``), of
+        which ``prepare``'s prompt replaces the audio token."""
+        return self.audio_token
+
+    @property
+    def n_samples(self) -> int:
+        return self.chunk_length * self.sampling_rate
+
+    def num_frames(self, samples: int) -> int:
+        """Valid feature frames of a clip of ``samples`` samples (the attention mask's sum)."""
+        return -(-samples // self.hop_length)
+
+    @staticmethod
+    def encoder_lengths(frames: int) -> tuple[int, int]:
+        """(rows after the encoder's strided conv, rows after its pool: the audio tokens)."""
+        conv = (frames - 1) // 2 + 1
+        return conv, (conv - 2) // 2 + 1
+
+    def _mel_filters(self):
+        import torch
+
+        key = (self.n_fft, self.feature_size, self.sampling_rate)
+        table = _FILTERS.get(key)
+        if table is None:
+            table = _FILTERS[key] = torch.from_numpy(
+                mel_filters(self.n_fft, self.feature_size, self.sampling_rate)).to(torch.float32)
+        return table
+
+    def features(self, samples: np.ndarray) -> np.ndarray:
+        """[feature_size, chunk frames] log-mel features of a clip at ``sampling_rate`` (``samples`` at most the
+        chunk), padded with silence to the chunk: WhisperFeatureExtractor's torch path."""
+        import torch
+
+        padded = np.zeros(self.n_samples, dtype=np.float32)
+        padded[:len(samples)] = samples
+        wave = torch.from_numpy(padded)
+        window = torch.hann_window(self.n_fft)
+        stft = torch.stft(wave, self.n_fft, self.hop_length, window=window, return_complex=True)
+        magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+        log_spec = torch.clamp(self._mel_filters().T @ magnitudes, min=1e-10).log10()
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        return ((log_spec + 4.0) / 4.0).numpy()
+
+    def prepare(self, audio: DecodedAudio) -> PreparedImage:
+        samples = audio.samples
+        if audio.sample_rate != self.sampling_rate:
+            samples = resample(samples, audio.sample_rate, self.sampling_rate)
+        if len(samples) > self.n_samples:
+            raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
+                         f"{self.chunk_length} s (send a longer recording as several clips)")
+        frames = self.num_frames(len(samples))
+        conv, tokens = self.encoder_lengths(frames)
+        if tokens < 1:
+            raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms): this model needs at least "
+                         f"{(2 * self.hop_length + 1) * 1000 / self.sampling_rate:.0f} ms")
+        feats = self.features(samples)
+        cut = min(feats.shape[1], 2 * conv + 1)  # the frames the strided conv's first ``conv`` rows read
+        digest = hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
+                                + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        return PreparedImage(pixel_values=np.ascontiguousarray(feats[:, :cut]), rows=0, cols=0,
+                             prompt=self.audio_token * tokens, num_image_tokens=tokens, identity=digest,
+                             grid=(conv, 1, 1))
+
+    def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
+        return self.prepare(audio)
+
+
+_FILTERS: dict = {}

@@ -1,0 +1,218 @@
+"""Qwen2-Audio (a Whisper encoder's rows in place of the prompt's <|AUDIO|> tokens, a Qwen2 decoder) end to end: a
+random-weight model exported and served by a real `flared run`, clips sent as OpenAI's ``input_audio`` parts (WAV)
+and as vLLM's ``audio_url`` data URLs, its greedy tokens checked against transformers'
+Qwen2AudioForConditionalGeneration fed by Qwen2AudioProcessor (WhisperFeatureExtractor's features, each
+<|AUDIO|> expanded to the clip's tokens) on the same weights, samples and prompt."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import wave
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from flared_testing.vision import assert_greedy, token_ids  # noqa: E402
+
+NEW_TOKENS = 12
+
+
+def tone(seed: int, seconds: float, rate: int = 16000) -> np.ndarray:
+    """A few random tones and some noise, as 16-bit samples' values (what a 16-bit WAV decodes to)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = sum(rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * rng.uniform(100, 4000) * t) for _ in range(3))
+    x = x + rng.normal(0, 0.02, len(t))
+    return np.round(np.clip(x, -1, 1) * 32767).astype(np.int16)
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def input_audio(samples, rate=16000, channels=1) -> dict:
+    data = base64.b64encode(wav_bytes(samples, rate, channels)).decode()
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_qwen2_audio, tmp_path_factory):
+    from flared_testing.daemon import Daemon
+
+    d = Daemon(tiny_qwen2_audio[1], tmp_path_factory.mktemp("qwen2-audio-daemon"))
+    yield d
+    d.kill()
+
+
+def ask(daemon, parts, text: str, **kw):
+    status, body = daemon.chat([{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+                               max_tokens=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=3,
+                               return_tokens_as_token_ids=True, ignore_eos=True, **kw)
+    return status, body
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen2_audio):
+    import json
+
+    import torch
+    from transformers import (PreTrainedTokenizerFast, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
+                              WhisperFeatureExtractor)
+
+    checkpoint = tiny_qwen2_audio[0]
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), eos_token="<|im_end|>")
+    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    features = WhisperFeatureExtractor(**{k: v for k, v in settings.items()
+                                          if k not in ("feature_extractor_type", "processor_class")})
+    processor = Qwen2AudioProcessor(feature_extractor=features, tokenizer=tok, chat_template=template)
+
+    def run(clips, text: str):
+        content = [{"type": "audio", "audio_url": "clip"} for _ in clips] + [{"type": "text", "text": text}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                               add_generation_prompt=True)
+        inputs = processor(text=prompt, audio=[c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000,
+                           return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        n = inputs["input_ids"].shape[1]
+        return n, gen[0, n:].tolist()
+
+    return run
+
+
+def test_greedy_tokens_match_transformers(daemon, reference):
+    """A short clip, a longer one, a clip of 70 ms (two audio tokens; transformers' model cannot take a clip of one,
+    which its merge mistakes for an unexpanded prompt), and two clips in one turn."""
+    a, b, c = tone(1, 1.3), tone(2, 4.25), tone(3, 0.07)
+    for clips, text in (([a], "What is that sound?"), ([b], "And this one?"), ([c], "Hm?"), ([a, b], "Compare.")):
+        status, body = ask(daemon, [input_audio(x) for x in clips], text)
+        assert status == 200, body
+        num_prompt, expected = reference(clips, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt, (len(clips), text)
+        assert_greedy(body, expected, (len(clips), text))
+
+
+def test_audio_url_data_urls_and_stereo_read_as_the_same_clip(daemon):
+    """vLLM's audio_url part with a data URL answers as input_audio; a stereo WAV of the clip on both channels is
+    that clip (channels averaged); a 32-bit float WAV of its values too."""
+    x = tone(5, 1.0)
+    _, want = ask(daemon, [input_audio(x)], "Listen.")
+    url = "data:audio/wav;base64," + base64.b64encode(wav_bytes(x)).decode()
+    stereo = np.repeat(x, 2)  # (interleaved frames: left, right)
+    for part in ({"type": "audio_url", "audio_url": {"url": url}}, {"type": "audio_url", "audio_url": url},
+                 input_audio(stereo, channels=2)):
+        status, got = ask(daemon, [part], "Listen.")
+        assert status == 200, got
+        assert token_ids(got) == token_ids(want)
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+
+
+def float_wav(values: np.ndarray, rate: int) -> bytes:
+    """A WAV of 32-bit IEEE float samples (format 3), mono."""
+    data = values.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt " +
+            struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def test_other_sample_rates_are_resampled_to_the_models(daemon):
+    """A 44.1 kHz clip is resampled to 16 kHz: it answers as that clip resampled and sent at 16 kHz as float
+    samples, and takes the tokens its 16 kHz length makes (2 s: 200 frames, 50 tokens)."""
+    from flared.frontend.audio import resample
+
+    x = tone(6, 2.0, rate=44100)
+    status, got = ask(daemon, [input_audio(x, rate=44100)], "Listen.")
+    assert status == 200, got
+    down = resample(x.astype(np.float32) / 32768, 44100, 16000)
+    assert len(down) == 32000
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(float_wav(down, 16000)).decode(),
+                                                   "format": "wav"}}
+    status, want = ask(daemon, [part], "Listen.")
+    assert status == 200, want
+    assert token_ids(got) == token_ids(want)
+    _, short = ask(daemon, [input_audio(tone(6, 0.07))], "Listen.")  # (2 tokens)
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] == short["usage"]["prompt_tokens"] + 48
+
+
+def test_a_clip_of_one_audio_token_is_served(daemon):
+    """30 ms: 3 frames, 2 rows after the strided conv, 1 after the pool."""
+    _, two = ask(daemon, [input_audio(tone(3, 0.07))], "Hm?")
+    status, one = ask(daemon, [input_audio(tone(3, 0.03))], "Hm?")
+    assert status == 200, one
+    assert one["usage"]["prompt_tokens"] == two["usage"]["prompt_tokens"] - 1
+
+
+def test_bad_audio_is_a_400_naming_the_part(daemon):
+    cases = [
+        ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3\x04" + bytes(64)).decode(),
+                                                 "format": "mp3"}}, "not supported"),
+        ({"type": "input_audio", "input_audio": {"data": base64.b64encode(b"ID3\x04" + bytes(64)).decode()}},
+         "MP3 audio is not supported"),
+        (input_audio(tone(7, 31.0)), "at most 30 s"),
+        (input_audio(tone(7, 0.01)), "too short"),
+        ({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}, "not valid base64"),
+        ({"type": "input_audio", "input_audio": "abc"}, "must be an object"),
+        ({"type": "input_audio", "input_audio": {"format": "wav"}}, "non-empty base64"),
+        ({"type": "audio_url", "audio_url": {"url": "data:audio/mpeg;base64,AAAA"}}, "send WAV"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "takes text and audio"),
+    ]
+    for part, words in cases:
+        status, body = ask(daemon, [part], "Hi")
+        assert status == 400 and words in body["error"]["message"], (part, body)
+        assert body["error"]["param"].startswith("messages[0].content[0]"), body
+    status, body = ask(daemon, [input_audio(tone(8, 0.5))], "Still serving?")
+    assert status == 200, body
+
+
+def test_a_text_or_image_model_refuses_audio(tiny_core, tiny_vlm_core, start_daemon):
+    for core, words in ((tiny_core, "this model takes text)"), (tiny_vlm_core, "takes text and images")):
+        d = start_daemon(core)
+        status, body = ask(d, [input_audio(tone(9, 0.5))], "Hi")
+        assert status == 400 and words in body["error"]["message"], body
+        assert body["error"]["param"] == "messages[0].content[0]", body
+
+
+def test_the_encoder_runs_once_for_a_repeated_clip(daemon):
+    from flared_testing.vision import metric
+
+    x = tone(10, 0.8)
+    before = metric(daemon, "flare_vision_images")
+    for _ in range(3):
+        status, _ = ask(daemon, [input_audio(x)], "Again.")
+        assert status == 200
+    assert metric(daemon, "flare_vision_images") == before + 1
+
+
+def test_the_responses_api_and_the_openai_sdk_take_input_audio(daemon):
+    """The openai SDK's own request shapes: chat.completions with an input_audio part, and responses.create with
+    an input_audio item part (the Responses API's ResponseInputAudioParam); both answer as the raw request does."""
+    openai = pytest.importorskip("openai")
+    x = tone(11, 1.0)
+    _, want = ask(daemon, [input_audio(x)], "Listen.")
+    client = openai.OpenAI(base_url=f"{daemon.base}/v1", api_key="none")
+    model = client.models.list().data[0]
+    assert model.model_extra["capabilities"]["audio"] is True and model.model_extra["capabilities"]["vision"] is False
+    chat = client.chat.completions.create(model=model.id, max_tokens=NEW_TOKENS, temperature=0,
+                                          messages=[{"role": "user", "content": [
+                                              input_audio(x), {"type": "text", "text": "Listen."}]}],
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == want["choices"][0]["message"]["content"]
+    assert chat.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    resp = client.responses.create(model=model.id, max_output_tokens=NEW_TOKENS, temperature=0,
+                                   input=[{"role": "user", "content": [
+                                       input_audio(x), {"type": "input_text", "text": "Listen."}]}],
+                                   extra_body={"ignore_eos": True})
+    assert resp.output_text == want["choices"][0]["message"]["content"]

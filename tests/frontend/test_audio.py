@@ -1,0 +1,157 @@
+"""Audio decoding and Whisper's features (flared.frontend.audio): WAV's sample formats read as their values, other
+containers refused by name, the resampler against the sampled sine it should give, and the log-mel features
+bit for bit as transformers' WhisperFeatureExtractor computes them (its torch path)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import wave
+
+import numpy as np
+import pytest
+
+from flared.errors import FrontendError
+from flared.frontend.audio import (DecodedAudio, WhisperProcessor, decode_audio, mel_filters, resample)
+
+
+def _wav(payload: bytes, *, tag: int, channels: int, rate: int, bits: int, extensible: bool = False,
+         extra_chunks: bytes = b"") -> bytes:
+    align = channels * bits // 8
+    fmt = struct.pack("<HHIIHH", 0xFFFE if extensible else tag, channels, rate, rate * align, align, bits)
+    if extensible:  # cbSize, valid bits, channel mask, the subformat GUID (its first two bytes the format tag)
+        guid_rest = b"\x00\x00\x00\x00\x10\x00\x80\x00\x00\xaa\x00\x38\x9b\x71"
+        fmt += struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", tag) + guid_rest
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + extra_chunks + b"data" + struct.pack(
+        "<I", len(payload)) + payload + (b"\x00" if len(payload) & 1 else b"")
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_pcm_and_float_samples_read_as_their_values():
+    values = np.array([0.0, 0.5, -0.5, 0.999, -1.0, 0.25], dtype=np.float64)
+    i16 = np.round(values * 32767).astype("<i2")
+    got = decode_audio(_wav(i16.tobytes(), tag=1, channels=1, rate=16000, bits=16))
+    assert got.sample_rate == 16000 and got.samples.dtype == np.float32
+    assert np.array_equal(got.samples, (i16 / 32768).astype(np.float32))
+    i24 = np.round(values * 8388607).astype(np.int64)
+    packed = b"".join(int(v & 0xFFFFFF).to_bytes(3, "little") for v in i24)
+    got = decode_audio(_wav(packed, tag=1, channels=1, rate=8000, bits=24, extensible=True))
+    assert np.allclose(got.samples, i24 / 8388608, atol=1e-7) and got.sample_rate == 8000
+    i32 = np.round(values * 2147483647).astype("<i4")
+    assert np.allclose(decode_audio(_wav(i32.tobytes(), tag=1, channels=1, rate=16000, bits=32)).samples,
+                       i32 / 2147483648, atol=1e-7)
+    u8 = np.round(values * 127 + 128).astype(np.uint8)
+    assert np.allclose(decode_audio(_wav(u8.tobytes(), tag=1, channels=1, rate=16000, bits=8)).samples,
+                       (u8.astype(np.float64) - 128) / 128)
+    f64 = values.astype("<f8")
+    got = decode_audio(_wav(f64.tobytes(), tag=3, channels=1, rate=22050, bits=64,
+                            extra_chunks=b"LIST" + struct.pack("<I", 3) + b"abc\x00"))  # (an odd chunk, padded)
+    assert np.array_equal(got.samples, values.astype(np.float32))
+
+
+def test_channels_are_averaged_and_python_wave_files_read():
+    left, right = np.array([1000, -2000, 300], "<i2"), np.array([3000, 0, -300], "<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(2), w.setsampwidth(2), w.setframerate(44100)
+        w.writeframes(np.stack([left, right], 1).tobytes())
+    got = decode_audio("data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode())
+    assert got.sample_rate == 44100
+    assert np.allclose(got.samples, (left / 32768 + right / 32768) / 2)
+    assert np.array_equal(decode_audio(base64.b64encode(buf.getvalue()).decode(), format="wav").samples, got.samples)
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"ID3\x04\x00" + bytes(40), "MP3 audio is not supported"),
+    (b"\xff\xfb\x90\x00" + bytes(40), "MP3 audio is not supported"),
+    (b"fLaC" + bytes(40), "FLAC audio is not supported"),
+    (b"OggS" + bytes(40), "Ogg audio is not supported"),
+    (b"hello there, not audio", "this audio is not supported"),
+    (b"RIFF\x10\x00\x00\x00WAVEdata\x00\x00\x00\x00", "no 'fmt ' chunk"),
+    (_wav(b"", tag=1, channels=1, rate=16000, bits=16), "holds no samples"),
+    (_wav(b"\x00\x00" * 4, tag=2, channels=1, rate=16000, bits=16), "format 0x0002"),
+    (_wav(np.array([0.0, np.nan], "<f4").tobytes(), tag=3, channels=1, rate=16000, bits=32), "not finite"),
+])
+def test_what_is_not_wav_is_refused_by_name(data, words):
+    with pytest.raises(FrontendError, match=words):
+        decode_audio(data)
+
+
+def test_sources_and_formats_that_are_refused():
+    for source, words in (("data:audio/mpeg;base64,AAAA", "send WAV"), ("https://example.com/a.wav", "data URL"),
+                          ("data:audio/wav,abc", "base64-encoded"), ("%%%", "not valid base64"), ("", "empty")):
+        with pytest.raises(FrontendError, match=words):
+            decode_audio(source)
+    with pytest.raises(FrontendError, match="format 'mp3' is not supported"):
+        decode_audio("AAAA", format="mp3")
+    big = base64.b64encode(bytes(2048)).decode()
+    with pytest.raises(FrontendError, match="audio is too large"):
+        decode_audio(big, max_bytes=1024)
+
+
+@pytest.mark.parametrize("orig, new", [(44100, 16000), (48000, 16000), (8000, 16000), (22050, 16000)])
+def test_resampling_keeps_a_sine_in_band(orig, new):
+    t = np.arange(orig) / orig  # one second
+    x = (0.5 * np.sin(2 * np.pi * 440 * t) + 0.25 * np.sin(2 * np.pi * 3000 * t)).astype(np.float32)
+    y = resample(x, orig, new)
+    assert len(y) == new
+    ty = np.arange(new) / new
+    want = 0.5 * np.sin(2 * np.pi * 440 * ty) + 0.25 * np.sin(2 * np.pi * 3000 * ty)
+    inner = slice(new // 10, -new // 10)  # (the edges see the zero padding)
+    assert np.abs(y[inner] - want[inner]).max() < 2e-3
+
+
+def test_resampling_removes_what_the_new_rate_cannot_hold():
+    orig = 48000
+    t = np.arange(orig) / orig
+    y = resample(np.sin(2 * np.pi * 12000 * t).astype(np.float32), orig, 16000)  # (above 8 kHz: aliasing if kept)
+    assert np.abs(y[1600:-1600]).max() < 1e-3
+
+
+def test_mel_filters_and_features_equal_whisper_feature_extractors():
+    from transformers import WhisperFeatureExtractor
+    from transformers.audio_utils import mel_filter_bank
+
+    for n_mels in (80, 128):
+        assert np.array_equal(mel_filters(400, n_mels, 16000), mel_filter_bank(
+            num_frequency_bins=201, num_mel_filters=n_mels, min_frequency=0.0, max_frequency=8000.0,
+            sampling_rate=16000, norm="slaney", mel_scale="slaney"))
+    rng = np.random.default_rng(0)
+    extractor, ours = WhisperFeatureExtractor(feature_size=128), WhisperProcessor(feature_size=128)
+    for n in (321, 16001, 480000):
+        x = (rng.standard_normal(n) * 0.1).astype(np.float32)
+        want = extractor(x, sampling_rate=16000, return_attention_mask=True, padding="max_length", return_tensors="np")
+        assert np.array_equal(ours.features(x), want["input_features"][0])
+        assert ours.num_frames(n) == int(want["attention_mask"].sum())
+        prepared = ours.prepare(DecodedAudio(x, 16000))
+        conv, tokens = ours.encoder_lengths(ours.num_frames(n))
+        assert prepared.num_image_tokens == tokens == (((ours.num_frames(n) - 1) // 2 + 1) - 2) // 2 + 1
+        assert prepared.prompt == "<|AUDIO|>" * tokens and prepared.grid == (conv, 1, 1)
+        assert np.array_equal(prepared.pixel_values, want["input_features"][0][:, :min(3000, 2 * conv + 1)])
+
+
+def test_clip_limits_and_identity():
+    p = WhisperProcessor(feature_size=16)
+    with pytest.raises(FrontendError, match="at most 30 s"):
+        p.prepare(DecodedAudio(np.zeros(480001, np.float32), 16000))
+    with pytest.raises(FrontendError, match="too short"):
+        p.prepare(DecodedAudio(np.zeros(320, np.float32), 16000))
+    assert p.prepare(DecodedAudio(np.zeros(321, np.float32), 16000)).num_image_tokens == 1
+    x = np.linspace(-0.5, 0.5, 8000, dtype=np.float32)
+    a, b = p.prepare(DecodedAudio(x, 16000)), p.prepare(DecodedAudio(x.copy(), 16000))
+    assert a.identity == b.identity
+    assert p.prepare(DecodedAudio(x[::-1].copy(), 16000)).identity != a.identity
+    assert WhisperProcessor(feature_size=80).prepare(DecodedAudio(x, 16000)).identity != a.identity
+
+
+def test_settings_round_trip_and_bad_extractors():
+    from flared.frontend.images import image_processor_from_dict
+
+    p = WhisperProcessor.from_hf({"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128})
+    assert image_processor_from_dict(p.to_dict()) == p and p.modality == "audio" and p.placeholder == "<|AUDIO|>"
+    for cfg, words in (({"feature_extractor_type": "SeamlessM4TFeatureExtractor"}, "not supported"),
+                       ({"dither": 1e-4}, "dither"), ({"do_normalize": True}, "do_normalize"),
+                       ({"feature_size": 0}, "positive integer")):
+        with pytest.raises(FrontendError, match=words):
+            WhisperProcessor.from_hf(cfg)
