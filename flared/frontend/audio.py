@@ -11,15 +11,18 @@ A prepared clip travels the path a prepared image does (flared.frontend.images.P
 16 kHz samples' digest and the settings), so the tower's rows, the LRU of recent rows and the prefix cache treat a
 clip as an image.
 
-Only WAV is read (PCM 8/16/24/32-bit, IEEE float 32/64, WAVE_FORMAT_EXTENSIBLE of those); MP3, FLAC and the rest
-are a 400 that says so. Channels are averaged to mono (as librosa's ``load(mono=True)``, which transformers and
-vLLM read files with). A clip longer than the encoder's window (30 s for Whisper) is a 400, never cut silently.
+WAV (PCM 8/16/24/32-bit, IEEE float 32/64, WAVE_FORMAT_EXTENSIBLE of those) is read here, exactly; MP3, FLAC and
+Ogg (Vorbis, Opus) through libsndfile (the ``soundfile`` package, which librosa, transformers and vLLM read audio
+with too); anything else is a 400 that says what it is. Channels are averaged to mono (as librosa's
+``load(mono=True)``). A clip longer than the encoder's window (30 s for Whisper) is a 400, never cut silently;
+a compressed clip is decoded no further than ``max_seconds``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import struct
@@ -34,8 +37,14 @@ from flared.frontend.images import _URL_SCHEME, PreparedImage, _b64decode, _mib
 DEFAULT_MAX_AUDIO_BYTES = 10 << 20
 
 _WAVE_PCM, _WAVE_FLOAT, _WAVE_EXTENSIBLE = 0x0001, 0x0003, 0xFFFE
-_AUDIO_MEDIA = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/x-pn-wav"}
-_OTHER_FORMATS = {b"ID3": "MP3", b"fLaC": "FLAC", b"OggS": "Ogg", b"caff": "CAF"}
+_WAV_MEDIA = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/x-pn-wav"}
+_AUDIO_MEDIA = _WAV_MEDIA | {"audio/mpeg", "audio/mp3", "audio/mpeg3", "audio/x-mpeg-3", "audio/flac", "audio/x-flac",
+                             "audio/ogg", "audio/opus", "application/ogg"}
+# OpenAI's input_audio "format" ("wav", "mp3"), and the other containers libsndfile reads
+FORMATS = ("wav", "mp3", "flac", "ogg", "opus")
+_SNIFFED = ((b"ID3", "MP3"), (b"fLaC", "FLAC"), (b"OggS", "Ogg"))
+_REFUSED = ((b"caff", "CAF"), (b"FORM", "AIFF"), (b"\x1aE\xdf\xa3", "WebM/Matroska"), (b"#!AMR", "AMR"))
+DEFAULT_MAX_SECONDS = 60.0
 
 
 def _error(message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> FrontendError:
@@ -52,19 +61,21 @@ class DecodedAudio:
         return len(self.samples) / self.sample_rate
 
 
-def decode_audio(source: str | bytes, *, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES,
-                 format: str | None = None) -> DecodedAudio:
+def decode_audio(source: str | bytes, *, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES, format: str | None = None,
+                 max_seconds: float = DEFAULT_MAX_SECONDS) -> DecodedAudio:
     """Decode one clip a client sent: a data URL (``data:audio/wav;base64,...``), bare base64 (OpenAI's
-    ``input_audio.data``, whose ``format`` names the container) or raw bytes. Raises ``FrontendError`` with a
-    message meant for the client."""
-    if format is not None and format.lower() not in ("wav", "wave", "x-wav"):
-        raise _error(f"audio format {format!r} is not supported: send WAV ('format': 'wav')")
+    ``input_audio.data``, whose ``format`` names the container: the bytes decide, the name only has to be one
+    of ``FORMATS``) or raw bytes. Raises ``FrontendError`` with a message meant for the client."""
+    if format is not None and format.lower() not in FORMATS:
+        raise _error(f"audio format {format!r} is not supported (one of {', '.join(FORMATS)})")
     data = _source_bytes(source, max_bytes)
     if not data:
         raise _error("audio data is empty")
     if len(data) > max_bytes:
         raise _error(f"audio is too large: {_mib(len(data))}; the limit is {_mib(max_bytes)}")
-    return _read_wav(data)
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return _read_wav(data)
+    return _read_compressed(data, max_seconds)
 
 
 def _source_bytes(source, max_bytes: int) -> bytes:
@@ -87,16 +98,50 @@ def _source_bytes(source, max_bytes: int) -> bytes:
     if "base64" not in params[1:]:
         raise _error("audio data URLs must be base64-encoded ('data:audio/wav;base64,...')")
     if params[0] and params[0] not in _AUDIO_MEDIA:
-        raise _error(f"unsupported audio type {params[0]!r}; send WAV ('data:audio/wav;base64,...')")
+        raise _error(f"unsupported audio type {params[0]!r}; send WAV, MP3, FLAC or Ogg "
+                     "('data:audio/wav;base64,...')")
     return _b64decode(payload, max_bytes, "the audio data URL", "audio")
 
 
+def _sniff(data: bytes) -> str | None:
+    """The container ``data`` starts as, among those libsndfile reads (MP3 with or without an ID3 tag)."""
+    name = next((name for magic, name in _SNIFFED if data.startswith(magic)), None)
+    if name is None and len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0:  # an MPEG audio frame
+        name = "MP3"
+    return name
+
+
+def _read_compressed(data: bytes, max_seconds: float) -> DecodedAudio:
+    """MP3, FLAC or Ogg through libsndfile: float32 samples, channels averaged, at most ``max_seconds`` (a small
+    file may hold hours) plus one, so that what is too long is seen to be."""
+    name = _sniff(data)
+    if name is None:
+        other = next((n for magic, n in _REFUSED if data.startswith(magic)), "this")
+        raise _error(f"{other} audio is not supported: send WAV, MP3, FLAC or Ogg")
+    try:
+        import soundfile
+    except ImportError:  # (a dependency; only a broken install lacks it)
+        raise _error(f"{name} audio needs the soundfile package on the server; send WAV",
+                     ErrorKind.UNSUPPORTED) from None
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            rate, channels = int(f.samplerate), int(f.channels)
+            if rate < 1 or channels < 1:
+                raise _error(f"the {name} audio declares {rate} Hz and {channels} channels")
+            values = f.read(frames=int(rate * (max_seconds + 1)), dtype="float32", always_2d=True)
+    except FrontendError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - libsndfile's errors (LibsndfileError, RuntimeError, ...)
+        raise _error(f"the {name} audio could not be decoded ({exc})") from None
+    if len(values) == 0:
+        raise _error(f"the {name} audio holds no samples")
+    if not np.isfinite(values).all():
+        raise _error(f"the {name} audio decodes to samples that are not finite numbers")
+    mono = values.mean(axis=1, dtype=np.float64) if channels > 1 else values[:, 0]
+    return DecodedAudio(np.ascontiguousarray(mono, dtype=np.float32), rate)
+
+
 def _read_wav(data: bytes) -> DecodedAudio:
-    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        other = next((name for magic, name in _OTHER_FORMATS.items() if data.startswith(magic)), None)
-        if other is None and len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0:
-            other = "MP3"
-        raise _error(f"{other or 'this'} audio is not supported: send WAV (RIFF/WAVE, PCM or float samples)")
     fmt, payload, pos = None, None, 12
     while pos + 8 <= len(data):
         chunk, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]

@@ -63,10 +63,10 @@ def test_channels_are_averaged_and_python_wave_files_read():
 
 
 @pytest.mark.parametrize("data, words", [
-    (b"ID3\x04\x00" + bytes(40), "MP3 audio is not supported"),
-    (b"\xff\xfb\x90\x00" + bytes(40), "MP3 audio is not supported"),
-    (b"fLaC" + bytes(40), "FLAC audio is not supported"),
-    (b"OggS" + bytes(40), "Ogg audio is not supported"),
+    (b"ID3\x04\x00" + bytes(40), "the MP3 audio could not be decoded"),
+    (b"fLaC" + bytes(40), "the FLAC audio could not be decoded"),
+    (b"OggS" + bytes(40), "the Ogg audio could not be decoded"),
+    (b"caff" + bytes(40), "CAF audio is not supported: send WAV, MP3, FLAC or Ogg"),
     (b"hello there, not audio", "this audio is not supported"),
     (b"RIFF\x10\x00\x00\x00WAVEdata\x00\x00\x00\x00", "no 'fmt ' chunk"),
     (_wav(b"", tag=1, channels=1, rate=16000, bits=16), "holds no samples"),
@@ -78,13 +78,45 @@ def test_what_is_not_wav_is_refused_by_name(data, words):
         decode_audio(data)
 
 
+def _compressed(fmt: str, samples: np.ndarray, rate: int, **kw) -> bytes:
+    soundfile = pytest.importorskip("soundfile")
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt, kw, tolerance", [("MP3", {}, 0.02), ("FLAC", {"subtype": "PCM_16"}, 1e-4),
+                                                 ("OGG", {"subtype": "VORBIS"}, 0.02)])
+def test_compressed_clips_decode_to_their_sound(fmt, kw, tolerance):
+    """MP3 (as OpenAI's input_audio sends it), FLAC and Ogg Vorbis, written by libsndfile: a chirp (200 Hz to 2 kHz)
+    comes back at its rate and length (MP3's encoder delay aside) as that chirp; stereo is averaged."""
+    rate = 22050
+    t = np.arange(rate) / rate
+    tone = (0.4 * np.sin(2 * np.pi * (200 * t + 900 * t * t))).astype(np.float32)
+    stereo = np.stack([tone, tone], 1)
+    got = decode_audio(base64.b64encode(_compressed(fmt, stereo, rate, **kw)).decode(), format="mp3")
+    assert got.sample_rate == rate and abs(len(got.samples) - rate) < 0.1 * rate
+    # (the lag that lines them up best: MP3's decoder delay)
+    lag = max(range(0, 3000), key=lambda k: float(np.dot(got.samples[k:k + 4000], tone[:4000])))
+    n = min(len(got.samples) - lag, rate) - 2000
+    assert np.abs(got.samples[lag + 1000:lag + n] - tone[1000:n]).max() < tolerance * 10
+    assert np.sqrt(np.mean((got.samples[lag + 1000:lag + n] - tone[1000:n]) ** 2)) < tolerance
+
+
+def test_a_compressed_clip_is_decoded_no_further_than_the_limit():
+    rate = 8000
+    long = np.zeros(rate * 12, np.float32)
+    got = decode_audio(_compressed("FLAC", long, rate), max_seconds=5.0)
+    assert len(got.samples) == 6 * rate  # (one second more than the limit: enough to see it is too long)
+
+
 def test_sources_and_formats_that_are_refused():
-    for source, words in (("data:audio/mpeg;base64,AAAA", "send WAV"), ("https://example.com/a.wav", "data URL"),
+    for source, words in (("data:audio/webm;base64,AAAA", "send WAV, MP3"), ("https://example.com/a.wav", "data URL"),
                           ("data:audio/wav,abc", "base64-encoded"), ("%%%", "not valid base64"), ("", "empty")):
         with pytest.raises(FrontendError, match=words):
             decode_audio(source)
-    with pytest.raises(FrontendError, match="format 'mp3' is not supported"):
-        decode_audio("AAAA", format="mp3")
+    with pytest.raises(FrontendError, match="format 'aac' is not supported"):
+        decode_audio("AAAA", format="aac")
     big = base64.b64encode(bytes(2048)).decode()
     with pytest.raises(FrontendError, match="audio is too large"):
         decode_audio(big, max_bytes=1024)
