@@ -678,3 +678,46 @@ def tiny_qwen2_audio(tmp_path_factory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("cores") / "qwen2_audio"
     export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=128))
     return d, out
+
+
+# Audio Flamingo 3's prompt: ChatML, each audio part as <sound> (AudioFlamingo3Processor's placeholder).
+AUDIOFLAMINGO3_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'audio' %}"
+    "<sound>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_audioflamingo3(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Audio Flamingo 3: Qwen2-Audio's encoder (16 mel bins, width
+    32), a two-linear GELU projector, a Qwen2 decoder; clips of up to 60 s (max_audio_len: two 30 s windows)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import AudioFlamingo3Config, AudioFlamingo3ForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-audioflamingo3")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<sound>", special=True)])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": AUDIOFLAMINGO3_TEMPLATE,
+        "tokenizer_class": "Qwen2TokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps({**QWEN2_AUDIO_PREPROCESSOR,
+                                                            "processor_class": "AudioFlamingo3Processor"}))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "AudioFlamingo3Processor",
+                                                         "audio_token": "<sound>", "max_audio_len": 60}))
+    text = dict(model_type="qwen2", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                initializer_range=0.2, tie_word_embeddings=False)
+    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_mel_bins=16,
+                 max_source_positions=1500, initializer_range=0.2)
+    config = AudioFlamingo3Config(text_config=text, audio_config=audio, audio_token_id=tok.token_to_id("<sound>"))
+    torch.manual_seed(0)
+    AudioFlamingo3ForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "audioflamingo3"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=2048, prefill_chunk_tokens=256))
+    return d, out

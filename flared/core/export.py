@@ -205,8 +205,8 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             "logprobs": True,
             "tools": "tools" in template,
             "reasoning": "<think>" in template or "enable_thinking" in template,
-            "vision": vision is not None and src.vision.family != "qwen2_audio",
-            "audio": vision is not None and src.vision.family == "qwen2_audio",
+            "vision": vision is not None and not src.vision.is_audio,
+            "audio": vision is not None and src.vision.is_audio,
         },
         context_hint="raise the context limit with 'flarectl export --context N' (up to the model's own limit)",
         capacity_hint="raise live requests with 'flarectl export --concurrency N' (at most 64)",
@@ -325,7 +325,8 @@ def _read_hf_assets(src: Path) -> _Assets:
 # the image processor kind (flared.frontend.images) each vision family's checkpoints ship
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
-                    "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper"}
+                    "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper",
+                    "audioflamingo3": "whisper"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -387,21 +388,30 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
 
 def _read_audio_processor(pre: dict, proc: dict | None, vision, where):
     """An audio model's feature extractor (preprocessor_config.json) and audio token (processor_config.json's
-    ``audio_token``, Qwen2AudioProcessor's default where absent), checked against its encoder's mel bins."""
+    ``audio_token``, the family's processor's default where absent: Qwen2-Audio's <|AUDIO|>, Audio Flamingo 3's
+    <sound>), checked against its encoder's mel bins. Audio Flamingo 3 takes ``max_audio_len`` seconds (600) in
+    windows of the extractor's chunk; Qwen2-Audio one window."""
     from flared.errors import FrontendError
     from flared.frontend.audio import WhisperProcessor
 
-    token = (proc or {}).get("audio_token", "<|AUDIO|>")
+    proc = proc or {}
+    flamingo = vision.family == "audioflamingo3"
+    token = proc.get("audio_token", "<sound>" if flamingo else "<|AUDIO|>")
     try:
-        processor = WhisperProcessor.from_hf(pre, audio_token=token)
-    except FrontendError as e:
+        windows = 1
+        if flamingo:
+            seconds, chunk = proc.get("max_audio_len", 600), (pre or {}).get("chunk_length", 30)
+            windows = max(1, int(seconds) // int(chunk))
+        processor = WhisperProcessor.from_hf(pre, audio_token=token, max_windows=windows)
+    except (FrontendError, TypeError, ValueError, ZeroDivisionError) as e:
         raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
     if processor.feature_size != vision.mel_bins:
         raise CoreError(f"{where}: {processor.feature_size} mel bins, but the audio encoder takes {vision.mel_bins}",
                         ErrorKind.SOURCE_FORMAT)
-    if processor.n_samples // processor.hop_length > 2 * vision.position_table:
-        raise CoreError(f"{where}: {processor.chunk_length} s clips make more frames than the encoder's "
-                        f"{vision.position_table} positions take", ErrorKind.SOURCE_FORMAT)
+    frames = processor.n_samples // processor.hop_length
+    if frames != 2 * vision.position_table:  # (transformers insists too)
+        raise CoreError(f"{where}: {processor.chunk_length}-second windows make {frames} frames, but the encoder's "
+                        f"{vision.position_table} positions take {2 * vision.position_table}", ErrorKind.SOURCE_FORMAT)
     return processor
 
 

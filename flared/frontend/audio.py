@@ -4,7 +4,8 @@
                                DecodedAudio: mono float32 samples at the file's rate
     resample(samples, a, b)    band-limited resampling (a Kaiser-windowed sinc, torchaudio's "kaiser_best")
     WhisperProcessor           Whisper's log-mel features (transformers' WhisperFeatureExtractor, its torch path,
-                               bit for bit) and Qwen2-Audio's audio tokens: ``prepare`` -> PreparedImage
+                               bit for bit), in 30-second windows, and the clip's audio tokens (Qwen2-Audio's,
+                               Audio Flamingo 3's): ``prepare`` -> PreparedImage
 
 A prepared clip travels the path a prepared image does (flared.frontend.images.PreparedImage): its features in
 ``pixel_values``, the text that replaces its placeholder in ``prompt``, its tokens' count, and its identity (the
@@ -255,15 +256,18 @@ def mel_filters(n_fft: int, n_mels: int, sampling_rate: int, max_frequency: floa
 
 @dataclass(frozen=True, kw_only=True)
 class WhisperProcessor:
-    """Whisper's feature extractor (transformers' WhisperFeatureExtractor as Qwen2AudioProcessor calls it: padded
-    with silence to ``chunk_length`` seconds, an attention mask over the frames) and Qwen2-Audio's audio tokens.
+    """Whisper's feature extractor (transformers' WhisperFeatureExtractor as Qwen2AudioProcessor and
+    AudioFlamingo3Processor call it: padded with silence to ``chunk_length`` seconds, an attention mask over the
+    frames) and the audio tokens.
 
     ``prepare`` gives the clip's log-mel frames [n_mels, F]: the STFT (``n_fft``-point Hann window every
-    ``hop_length`` samples, centred, reflect-padded) of the clip padded to ``chunk_length`` s, power through the
-    mel bank, log10 floored at 1e-10 and at the chunk's maximum - 8, then (x + 4) / 4; F is cut to the frames the
-    encoder's valid outputs read (two convolutions, the second of stride 2), so the tower runs on the clip, not
-    on the padding. Its tokens: L valid frames -> (L - 1) // 2 + 1 after the strided conv -> (that - 2) // 2 + 1
-    after the encoder's average pool."""
+    ``hop_length`` samples, centred, reflect-padded) of each window of the clip (``chunk_length`` s; the last
+    padded to it), power through the mel bank, log10 floored at 1e-10 and at the window's maximum - 8, then
+    (x + 4) / 4. Whole windows keep their frames; the last is cut to the frames the encoder's valid outputs read
+    (two convolutions, the second of stride 2), so the tower runs on the clip, not on the padding. Its tokens: L
+    valid frames of a window -> (L - 1) // 2 + 1 after the strided conv -> (that - 2) // 2 + 1 after the
+    encoder's average pool, summed over the windows. ``max_windows``: 1 (Qwen2-Audio) or the model's
+    ``max_audio_len`` over the chunk (Audio Flamingo 3: 20, ten minutes)."""
 
     kind: ClassVar[str] = "whisper"
     modality: ClassVar[str] = "audio"
@@ -274,9 +278,10 @@ class WhisperProcessor:
     n_fft: int = 400
     chunk_length: int = 30  # seconds the encoder's window holds
     audio_token: str = "<|AUDIO|>"
+    max_windows: int = 1  # windows of chunk_length a clip may fill
 
     def __post_init__(self):
-        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length"):
+        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length", "max_windows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
@@ -284,7 +289,8 @@ class WhisperProcessor:
             raise _error("audio processor setting 'audio_token' must be a non-empty string")
 
     @classmethod
-    def from_hf(cls, preprocessor_config: dict, *, audio_token: str = "<|AUDIO|>") -> WhisperProcessor:
+    def from_hf(cls, preprocessor_config: dict, *, audio_token: str = "<|AUDIO|>",
+                max_windows: int = 1) -> WhisperProcessor:
         """From a checkpoint's ``preprocessor_config.json`` (a WhisperFeatureExtractor's settings)."""
         cfg = preprocessor_config or {}
         kind = cfg.get("feature_extractor_type", "WhisperFeatureExtractor")
@@ -300,7 +306,8 @@ class WhisperProcessor:
             return cls(feature_size=int(cfg.get("feature_size", 80)),
                        sampling_rate=int(cfg.get("sampling_rate", 16000)),
                        hop_length=int(cfg.get("hop_length", 160)), n_fft=int(cfg.get("n_fft", 400)),
-                       chunk_length=int(cfg.get("chunk_length", 30)), audio_token=audio_token)
+                       chunk_length=int(cfg.get("chunk_length", 30)), audio_token=audio_token,
+                       max_windows=max_windows)
         except (TypeError, ValueError) as exc:
             raise _error(f"bad feature extractor setting: {exc}") from None
 
@@ -360,25 +367,34 @@ class WhisperProcessor:
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
         return ((log_spec + 4.0) / 4.0).numpy()
 
+    @property
+    def max_seconds(self) -> int:
+        return self.chunk_length * self.max_windows
+
     def prepare(self, audio: DecodedAudio) -> PreparedImage:
+        """The clip's features (its windows' frames along one axis), its prompt and its identity; ``grid`` is
+        (the last window's encoder rows, windows, 1)."""
         samples = audio.samples
         if audio.sample_rate != self.sampling_rate:
             samples = resample(samples, audio.sample_rate, self.sampling_rate)
-        if len(samples) > self.n_samples:
+        if len(samples) > self.n_samples * self.max_windows:
             raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
-                         f"{self.chunk_length} s (send a longer recording as several clips)")
-        frames = self.num_frames(len(samples))
-        conv, tokens = self.encoder_lengths(frames)
+                         f"{self.max_seconds} s (send a longer recording as several clips)")
+        windows = max(1, -(-len(samples) // self.n_samples))
+        tail = len(samples) - (windows - 1) * self.n_samples
+        conv, tokens = self.encoder_lengths(self.num_frames(tail))
+        whole = self.encoder_lengths(self.n_samples // self.hop_length)[1]
+        tokens = max(tokens, 0) + whole * (windows - 1)
         if tokens < 1:
             raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms): this model needs at least "
                          f"{(2 * self.hop_length + 1) * 1000 / self.sampling_rate:.0f} ms")
-        feats = self.features(samples)
-        cut = min(feats.shape[1], 2 * conv + 1)  # the frames the strided conv's first ``conv`` rows read
+        parts = [self.features(samples[k * self.n_samples:(k + 1) * self.n_samples]) for k in range(windows)]
+        parts[-1] = parts[-1][:, :min(parts[-1].shape[1], 2 * conv + 1)]  # what the last window's rows read
         digest = hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
                                 + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
-        return PreparedImage(pixel_values=np.ascontiguousarray(feats[:, :cut]), rows=0, cols=0,
+        return PreparedImage(pixel_values=np.ascontiguousarray(np.concatenate(parts, axis=1)), rows=0, cols=0,
                              prompt=self.audio_token * tokens, num_image_tokens=tokens, identity=digest,
-                             grid=(conv, 1, 1))
+                             grid=(conv, windows, 1))
 
     def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
         return self.prepare(audio)

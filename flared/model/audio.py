@@ -1,15 +1,18 @@
-"""Qwen2-Audio's audio encoder: a clip's log-mel frames in, decoder embedding rows out.
+"""Whisper-style audio encoders (Qwen2-Audio's, Audio Flamingo 3's): a clip's log-mel frames in, decoder rows out.
 
-Qwen2-Audio (transformers' ``qwen2_audio``) is a Qwen2 decoder behind Whisper-large-v3's encoder. A clip
-(``flared.frontend.audio.WhisperProcessor``: log-mel frames [mel, F]) runs through
+Qwen2-Audio (transformers' ``qwen2_audio``) and Audio Flamingo 3 (``audioflamingo3``) are Qwen2 decoders behind
+Whisper-large-v3's encoder. A clip (``flared.frontend.audio.WhisperProcessor``: log-mel frames [mel, F], in
+30-second windows where it is longer: Audio Flamingo 3 takes up to 20) runs, window by window, through
 
     conv1 (k 3, pad 1) + GELU, conv2 (k 3, stride 2, pad 1) + GELU      [mel, F] -> [T, D]
     + the learned position rows 0..T-1
     layers x [x + attn(LN1(x)); x + fc2(gelu(fc1(LN2(x))))]           bidirectional over the clip's T rows
-    average pool (2, stride 2), LayerNorm, the projector (a biased linear) to the decoder's width
+    average pool (2, stride 2), LayerNorm, the projector to the decoder's width (Qwen2-Audio: a biased linear;
+    Audio Flamingo 3: two linears with GELU between)
 
-giving (T - 2) // 2 + 1 rows, which replace the prompt's ``<|AUDIO|>`` tokens as an image's rows replace its image
-tokens (the pipeline is the image one: ``VisionConfig`` family ``qwen2_audio``, ``VisionJob``, ``embed_rows``).
+giving (T - 2) // 2 + 1 rows a window, the windows' rows in order, which replace the prompt's audio tokens
+(``<|AUDIO|>``, ``<sound>``) as an image's rows replace its image tokens (the pipeline is the image one:
+``VisionConfig`` families ``qwen2_audio`` and ``audioflamingo3``, ``VisionJob``, ``embed_rows``).
 transformers runs the encoder over the whole 30-second window with the padding's keys masked out; only the clip's
 T rows are run here, which gives the same rows, since a masked key changes nothing and the convolutions' last rows
 read at most one frame of padding, which the processor keeps.
@@ -20,7 +23,8 @@ Serving layout (``audio_tensor_shapes``):
     pos_embed.weight [positions, D]
     layers.{i}.*      as the SigLIP / CLIP layers (norm1, qkv fused with k's zero bias, o, norm2, fc1, fc2)
     post_norm.weight / .bias [D]
-    proj.weight [hidden, D]   proj.bias [hidden]
+    proj.weight [hidden, D]   proj.bias [hidden]                         qwen2_audio
+    proj_fc1.weight [hidden, D]  proj_fc2.weight [hidden, hidden]  (.bias where projector_bias)   audioflamingo3
 """
 
 from __future__ import annotations
@@ -31,50 +35,73 @@ import torch
 import torch.nn.functional as F
 
 from flared.errors import CoreError, ErrorKind
-from flared.model.vision import VisionConfig, _Tower, _vit_layer, _vit_layer_shapes
+from flared.model.vision import AUDIO_FAMILIES, VisionConfig, _Tower, _vit_layer, _vit_layer_shapes
 
 
-def qwen2_audio_from_hf(hf: dict[str, Any], source: str) -> VisionConfig:
-    """The audio encoder a ``qwen2_audio`` config.json describes (its ``audio_config``; transformers' defaults are
-    Whisper-large-v3's: 128 mel bins, 32 layers of width 1280, 1,500 positions), as a VisionConfig."""
+__all__ = ["AUDIO_FAMILIES", "WhisperAudioEncoder", "audio_from_hf", "audio_tensor_shapes", "audio_to_serving"]
+# each family's encoder config: its model_type and its names for the sizes (Qwen2-Audio's are Whisper's)
+_ENCODERS = {"qwen2_audio": ("qwen2_audio_encoder", "d_model", "encoder_ffn_dim", "encoder_layers",
+                             "encoder_attention_heads"),
+             "audioflamingo3": ("audioflamingo3_encoder", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                "num_attention_heads")}
+
+
+def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
+    """The audio encoder a ``qwen2_audio`` or ``audioflamingo3`` config.json describes (its ``audio_config``;
+    transformers' defaults are Whisper-large-v3's: 128 mel bins, 32 layers of width 1280, 1,500 positions), as a
+    VisionConfig."""
     a, t = hf.get("audio_config"), hf.get("text_config")
     if not isinstance(a, dict) or not isinstance(t, dict):
-        raise CoreError(f"{source}: a qwen2_audio config needs audio_config and text_config objects",
+        raise CoreError(f"{source}: a {family} config needs audio_config and text_config objects",
                         ErrorKind.SOURCE_FORMAT)
-    if a.get("model_type", "qwen2_audio_encoder") != "qwen2_audio_encoder":
+    kind, width, ffn, layers, heads = _ENCODERS[family]
+    if a.get("model_type", kind) != kind:
         raise CoreError(f"{source}: an audio encoder of type {a.get('model_type')!r} is not supported",
                         ErrorKind.UNSUPPORTED_MODEL)
     act = str(a.get("activation_function", "gelu"))
-    if act != "gelu":
-        raise CoreError(f"{source}: audio activation {act!r} is not supported (gelu)", ErrorKind.UNSUPPORTED_MODEL)
+    if act != "gelu" or hf.get("projector_hidden_act", "gelu") != "gelu":
+        raise CoreError(f"{source}: audio activation {act!r} / projector {hf.get('projector_hidden_act')!r} is not "
+                        "supported (gelu)", ErrorKind.UNSUPPORTED_MODEL)
+    token = hf.get("audio_token_index", hf.get("audio_token_id", 151646 if family == "qwen2_audio" else 151669))
     return VisionConfig(
-        family="qwen2_audio", hidden_size=int(a.get("d_model", 1280)), intermediate_size=int(a.get("encoder_ffn_dim",
-                                                                                                 5120)),
-        num_layers=int(a.get("encoder_layers", 32)), num_heads=int(a.get("encoder_attention_heads", 20)),
+        family=family, hidden_size=int(a.get(width, 1280)), intermediate_size=int(a.get(ffn, 5120)),
+        num_layers=int(a.get(layers, 32)), num_heads=int(a.get(heads, 20)),
         patch_size=1, image_size=0, layer_norm_eps=1e-5, hidden_act=act, scale_factor=2,
-        text_hidden_size=int(t["hidden_size"]),
-        image_token_id=int(hf.get("audio_token_index", hf.get("audio_token_id", 151646))),
+        text_hidden_size=int(t["hidden_size"]), image_token_id=int(token),
+        projector_bias=bool(hf.get("projector_bias", True)),
         position_table=int(a.get("max_source_positions", 1500)), mel_bins=int(a.get("num_mel_bins", 128)))
 
 
 def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d, h = c.hidden_size, c.text_hidden_size
-    return {"conv1.weight": (d, c.mel_bins, 3), "conv1.bias": (d,), "conv2.weight": (d, d, 3), "conv2.bias": (d,),
-            "pos_embed.weight": (c.position_table, d), "post_norm.weight": (d,), "post_norm.bias": (d,),
-            "proj.weight": (h, d), "proj.bias": (h,), **_vit_layer_shapes(c)}
+    shapes = {"conv1.weight": (d, c.mel_bins, 3), "conv1.bias": (d,), "conv2.weight": (d, d, 3), "conv2.bias": (d,),
+              "pos_embed.weight": (c.position_table, d), "post_norm.weight": (d,), "post_norm.bias": (d,),
+              **_vit_layer_shapes(c)}
+    if c.family == "qwen2_audio":
+        return {**shapes, "proj.weight": (h, d), "proj.bias": (h,)}
+    shapes.update({"proj_fc1.weight": (h, d), "proj_fc2.weight": (h, h)})
+    if c.projector_bias:
+        shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
+    return shapes
 
 
 def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     """The encoder's and projector's tensors out of a checkpoint: ``audio_tower.*`` and
-    ``multi_modal_projector.linear`` as released (transformers 5 saves them so too), or under ``model.``."""
+    ``multi_modal_projector.*`` (``linear``; ``linear_1``, ``linear_2``) as released (transformers 5 saves them so
+    too), or under ``model.``."""
     prefix = "model." if "model.audio_tower.conv1.weight" in hf else ""
-    at = prefix + "audio_tower."
+    at, mp = prefix + "audio_tower.", prefix + "multi_modal_projector."
     out = {"conv1.weight": take(at + "conv1.weight"), "conv1.bias": take(at + "conv1.bias"),
            "conv2.weight": take(at + "conv2.weight"), "conv2.bias": take(at + "conv2.bias"),
            "pos_embed.weight": take(at + "embed_positions.weight"),
-           "post_norm.weight": take(at + "layer_norm.weight"), "post_norm.bias": take(at + "layer_norm.bias"),
-           "proj.weight": take(prefix + "multi_modal_projector.linear.weight"),
-           "proj.bias": take(prefix + "multi_modal_projector.linear.bias")}
+           "post_norm.weight": take(at + "layer_norm.weight"), "post_norm.bias": take(at + "layer_norm.bias")}
+    if c.family == "qwen2_audio":
+        out.update({"proj.weight": take(mp + "linear.weight"), "proj.bias": take(mp + "linear.bias")})
+    else:
+        for ours, theirs in (("proj_fc1", "linear_1"), ("proj_fc2", "linear_2")):
+            out[ours + ".weight"] = take(f"{mp}{theirs}.weight")
+            if c.projector_bias:
+                out[ours + ".bias"] = take(f"{mp}{theirs}.bias")
     for n in range(c.num_layers):
         hp, sp = f"{at}layers.{n}.", f"layers.{n}."
         attn = hp + "self_attn."
@@ -88,20 +115,34 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     return out
 
 
-class Qwen2AudioEncoder(_Tower):
-    """Qwen2-Audio's encoder and projector on one device: ``stages(features [mel, F], grid=(T, 1, 1))`` -> the
-    clip's rows [(T - 2) // 2 + 1, hidden], a generator that yields after every layer."""
+class WhisperAudioEncoder(_Tower):
+    """A Whisper-style encoder and its projector on one device: ``stages(features [mel, F], grid=(T, W, 1))`` ->
+    the clip's rows, a generator that yields after every layer. The features hold W windows: W - 1 whole ones
+    (2 x positions frames each) and the last, whose T encoder rows give (T - 2) // 2 + 1 of the clip's last rows
+    (none where T < 2: a window of a frame or two past the last whole one)."""
 
     @torch.inference_mode()
     def stages(self, pixel_values: torch.Tensor, *, grid=None):
-        c, w = self.config, self.w
+        c = self.config
         if grid is None or pixel_values.ndim != 2 or pixel_values.shape[0] != c.mel_bins:
             raise ValueError(f"an audio encoder takes one clip's [{c.mel_bins}, frames] features and its length, got "
                              f"{tuple(pixel_values.shape)}")
-        rows = int(grid[0])
-        if not 2 <= rows <= c.position_table or pixel_values.shape[1] < min(2 * rows, 2 * c.position_table):
-            raise ValueError(f"{pixel_values.shape[1]} frames cannot give {rows} encoder rows")
-        x = pixel_values.to(self.device, self.dtype)[None]
+        last, windows = int(grid[0]), int(grid[1])
+        whole = 2 * c.position_table
+        if (windows < 1 or not 1 <= last <= c.position_table
+                or pixel_values.shape[1] < whole * (windows - 1) + min(2 * last, whole)):
+            raise ValueError(f"{pixel_values.shape[1]} frames cannot give {windows} windows of encoder rows")
+        parts = []
+        for k in range(windows):
+            rows = c.position_table if k < windows - 1 else last
+            if rows >= 2:
+                frames = pixel_values[:, k * whole:(k + 1) * whole]
+                parts.append((yield from self._window(frames, rows)))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _window(self, features: torch.Tensor, rows: int):
+        c, w = self.config, self.w
+        x = features.to(self.device, self.dtype)[None]
         x = F.gelu(F.conv1d(x, w["conv1.weight"], w["conv1.bias"], padding=1))
         x = F.gelu(F.conv1d(x, w["conv2.weight"], w["conv2.bias"], stride=2, padding=1))
         h = (x[0, :, :rows].T + w["pos_embed.weight"][:rows])[None]  # [1, T, D]
@@ -110,4 +151,7 @@ class Qwen2AudioEncoder(_Tower):
             yield
         h = F.avg_pool1d(h.transpose(1, 2), kernel_size=2, stride=2).transpose(1, 2)[0]  # [T // 2, D]
         h = F.layer_norm(h, (c.hidden_size,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
-        return F.linear(h, w["proj.weight"], w["proj.bias"])
+        if c.family == "qwen2_audio":
+            return F.linear(h, w["proj.weight"], w["proj.bias"])
+        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
+        return F.linear(h, w["proj_fc2.weight"], w.get("proj_fc2.bias"))

@@ -56,8 +56,10 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "llava_onevision": "llava_onevision",
                          # (InternVL's original checkpoints, as loader._internvl_chat says them)
                          "internvl_chat": "internvl",
-                         # Qwen2-Audio: a Whisper encoder's rows in place of its audio tokens (flared.model.audio)
-                         "qwen2_audio": "qwen2_audio"}
+                         # Qwen2-Audio, Audio Flamingo 3: a Whisper encoder's rows in place of their audio tokens
+                         # (flared.model.audio)
+                         "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3"}
+AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3")
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -70,7 +72,8 @@ GRID_FAMILIES = (*QWEN_FAMILIES, "pixtral")  # images of any size as a grid of p
 class VisionConfig:
     # "idefics3" | "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "pixtral" (Mistral3) | "llava" (CLIP) | "gemma3"
     # | "internvl" (InternViT) | "llava_next" (CLIP over LLaVA-NeXT's any-resolution tiles)
-    # | "llava_onevision" (SigLIP over LLaVA-OneVision's tiles) | "qwen2_audio" (an audio encoder: flared.model.audio)
+    # | "llava_onevision" (SigLIP over LLaVA-OneVision's tiles) | "qwen2_audio", "audioflamingo3" (audio encoders:
+    # flared.model.audio)
     family: str
     hidden_size: int  # D
     intermediate_size: int  # I
@@ -118,7 +121,7 @@ class VisionConfig:
     # (vision_aspect_ratio "anyres_max_N": N)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     anyres_max: int = 0
-    # qwen2_audio: the log-mel bins a frame has (its positions: position_table, max_source_positions)
+    # audio families: the log-mel bins a frame has (its positions: position_table, max_source_positions)
     mel_bins: int = 0
 
     def __post_init__(self) -> None:
@@ -146,7 +149,7 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
-        if self.family == "qwen2_audio":
+        if self.is_audio:
             if self.mel_bins <= 0 or self.position_table <= 0:
                 raise CoreError("an audio encoder needs its mel bins and position rows (mel_bins, position_table)")
             return
@@ -206,6 +209,11 @@ class VisionConfig:
         return self.feature_layer if self.feature_layer >= 0 else self.num_layers + 1 + self.feature_layer
 
     @property
+    def is_audio(self) -> bool:
+        """An audio encoder (flared.model.audio), whose processor is flared.frontend.audio's."""
+        return self.family in AUDIO_FAMILIES
+
+    @property
     def rows_width(self) -> int:
         """Features per image token the tower gives: the embedding, then each DeepStack layer's."""
         return self.text_hidden_size * (1 + len(self.deepstack_layers))
@@ -261,11 +269,11 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     family = HF_VISION_MODEL_TYPES.get(hf.get("model_type"))
     if family is None:
         return None
-    if family == "qwen2_audio":
-        from flared.model.audio import qwen2_audio_from_hf
+    if family in AUDIO_FAMILIES:
+        from flared.model.audio import audio_from_hf
 
         try:
-            return qwen2_audio_from_hf(hf, source)
+            return audio_from_hf(hf, family, source)
         except KeyError as exc:
             raise CoreError(f"{source}: missing key {exc.args[0]!r}", ErrorKind.SOURCE_FORMAT) from None
         except (TypeError, ValueError) as exc:
@@ -336,7 +344,8 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
     elif family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
-        text.setdefault("model_type", {"pixtral": "mistral", "qwen2_audio": "qwen2"}.get(family, "llama"))
+        text.setdefault("model_type", "mistral" if family == "pixtral" else "qwen2" if family in AUDIO_FAMILIES
+                        else "llama")
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
@@ -538,7 +547,7 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
 
 def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     d = c.hidden_size
-    if c.family == "qwen2_audio":
+    if c.is_audio:
         from flared.model.audio import audio_tensor_shapes
 
         return audio_tensor_shapes(c)
@@ -704,7 +713,8 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
 
     from flared.model.audio import audio_to_serving
 
-    to_serving = {"qwen2_audio": audio_to_serving, "pixtral": _pixtral_vision_to_serving,
+    to_serving = {"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving,
+                  "pixtral": _pixtral_vision_to_serving,
                   "llava": _llava_vision_to_serving,
                   "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
                   "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving}.get(
@@ -949,9 +959,9 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    from flared.model.audio import Qwen2AudioEncoder
+    from flared.model.audio import WhisperAudioEncoder
 
-    cls = {"qwen2_audio": Qwen2AudioEncoder, "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
+    cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
            "gemma3": Gemma3VisionEncoder,
            "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder,
            "llava_onevision": OnevisionVisionEncoder}.get(

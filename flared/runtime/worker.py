@@ -515,7 +515,7 @@ class ModelRuntime:
                 model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
             if config.bidirectional_images:
                 model.set_image_blocks(config.image_token_id)
-            log.info("%s (%s): %d layers in %s", "audio encoder" if config.family == "qwen2_audio" else "image tower",
+            log.info("%s (%s): %d layers in %s", "audio encoder" if config.is_audio else "image tower",
                      config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))
         for f, ident in factors:

@@ -281,7 +281,7 @@ class ServingState:
                     source = self.media.fetch(source, max_bytes=IMAGE_BYTES_LIMIT,
                                               what="audio" if audio else "image")
                 decoded = (decode_audio(source, max_bytes=IMAGE_BYTES_LIMIT, format=part.get("format"),
-                                        max_seconds=self.image_processor.chunk_length) if audio
+                                        max_seconds=self.image_processor.max_seconds) if audio
                            else decode_image(source, max_bytes=IMAGE_BYTES_LIMIT))
                 image = self.image_processor.prepare_in_request(decoded, images=len(images))
             except FrontendError as exc:

@@ -8,41 +8,17 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
-import wave
 
 import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from flared_testing.audio import ask as _ask  # noqa: E402
+from flared_testing.audio import float_wav, input_audio, tone, wav_bytes  # noqa: E402
 from flared_testing.vision import assert_greedy, token_ids  # noqa: E402
 
 NEW_TOKENS = 12
-
-
-def tone(seed: int, seconds: float, rate: int = 16000) -> np.ndarray:
-    """A few random tones and some noise, as 16-bit samples' values (what a 16-bit WAV decodes to)."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    x = sum(rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * rng.uniform(100, 4000) * t) for _ in range(3))
-    x = x + rng.normal(0, 0.02, len(t))
-    return np.round(np.clip(x, -1, 1) * 32767).astype(np.int16)
-
-
-def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(samples.astype("<i2").tobytes())
-    return buf.getvalue()
-
-
-def input_audio(samples, rate=16000, channels=1) -> dict:
-    data = base64.b64encode(wav_bytes(samples, rate, channels)).decode()
-    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +31,7 @@ def daemon(tiny_qwen2_audio, tmp_path_factory):
 
 
 def ask(daemon, parts, text: str, **kw):
-    status, body = daemon.chat([{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
-                               max_tokens=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=3,
-                               return_tokens_as_token_ids=True, ignore_eos=True, **kw)
-    return status, body
+    return _ask(daemon, parts, text, NEW_TOKENS, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +91,6 @@ def test_audio_url_data_urls_and_stereo_read_as_the_same_clip(daemon):
         assert status == 200, got
         assert token_ids(got) == token_ids(want)
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
-
-
-def float_wav(values: np.ndarray, rate: int) -> bytes:
-    """A WAV of 32-bit IEEE float samples (format 3), mono."""
-    data = values.astype("<f4").tobytes()
-    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
-    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt " +
-            struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
 
 
 def test_other_sample_rates_are_resampled_to_the_models(daemon):

@@ -147,7 +147,8 @@ def _check_bf16(core_path):
 OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava",
                   "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next",
                   "llava_onevision": "tiny_llava_onevision",
-                  "qwen2_audio": "tiny_qwen2_audio"}  # (audio clips' rows, as images')  # (Gemma 3: images attending both ways, a window shorter than an image)
+                  "qwen2_audio": "tiny_qwen2_audio",  # (audio clips' rows, as images')
+                  "audioflamingo3": "tiny_audioflamingo3"}  # (Gemma 3: images attending both ways, a window shorter than an image)
 
 
 def _core_of(request, family):

@@ -1,0 +1,52 @@
+"""Audio for the audio models' tests: deterministic clips, WAV files of them, and OpenAI's input_audio parts."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import wave
+
+import numpy as np
+
+
+def tone(seed: int, seconds: float, rate: int = 16000) -> np.ndarray:
+    """A few random tones and some noise, as 16-bit samples' values (what a 16-bit WAV decodes to)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = sum(rng.uniform(0.1, 0.3) * np.sin(2 * np.pi * rng.uniform(100, 4000) * t) for _ in range(3))
+    x = x + rng.normal(0, 0.02, len(t))
+    return np.round(np.clip(x, -1, 1) * 32767).astype(np.int16)
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
+    """A 16-bit PCM WAV of ``samples`` (interleaved frames where ``channels`` > 1), written by Python's wave."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def float_wav(values: np.ndarray, rate: int) -> bytes:
+    """A WAV of 32-bit IEEE float samples (format 3), mono."""
+    data = values.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    return (b"RIFF" + struct.pack("<I", 4 + 8 + len(fmt) + 8 + len(data)) + b"WAVE" + b"fmt " +
+            struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data)
+
+
+def input_audio(samples, rate=16000, channels=1) -> dict:
+    """OpenAI's input_audio content part of a 16-bit WAV of ``samples``."""
+    data = base64.b64encode(wav_bytes(samples, rate, channels)).decode()
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+def ask(daemon, parts, text: str, max_tokens: int, **kw):
+    """One user turn of ``parts`` then text through /v1/chat/completions, greedy, ``max_tokens`` tokens (EOS
+    ignored), with the token ids and three alternatives a step (flared_testing.vision.assert_greedy)."""
+    return daemon.chat([{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+                       max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=3,
+                       return_tokens_as_token_ids=True, ignore_eos=True, **kw)
