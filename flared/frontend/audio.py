@@ -62,11 +62,14 @@ class DecodedAudio:
         return len(self.samples) / self.sample_rate
 
 
-def decode_audio(source: str | bytes, *, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES, format: str | None = None,
-                 max_seconds: float = DEFAULT_MAX_SECONDS) -> DecodedAudio:
+def decode_audio(source: str | bytes | DecodedAudio, *, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES,
+                 format: str | None = None, max_seconds: float = DEFAULT_MAX_SECONDS) -> DecodedAudio:
     """Decode one clip a client sent: a data URL (``data:audio/wav;base64,...``), bare base64 (OpenAI's
     ``input_audio.data``, whose ``format`` names the container: the bytes decide, the name only has to be one
-    of ``FORMATS``) or raw bytes. Raises ``FrontendError`` with a message meant for the client."""
+    of ``FORMATS``) or raw bytes; a clip already decoded (a route that read the file itself) as it is. Raises
+    ``FrontendError`` with a message meant for the client."""
+    if isinstance(source, DecodedAudio):
+        return source
     if format is not None and format.lower() not in FORMATS:
         raise _error(f"audio format {format!r} is not supported (one of {', '.join(FORMATS)})")
     data = _source_bytes(source, max_bytes)

@@ -495,6 +495,9 @@ def build_router(state: ServingState) -> Router:
 
         router.add("GET", "/metrics", metrics_route(state.metrics), public=True)
     OpenAIRoutes(state).register(router)
+    from flared.server.audio_routes import AudioRoutes
+
+    AudioRoutes(state).register(router)
     AnthropicRoutes(state).register(router)
     OllamaRoutes(state).register(router)
     ResponsesRoutes(state).register(router)

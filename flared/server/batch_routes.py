@@ -131,11 +131,13 @@ def _params(header: str) -> dict[str, str]:
             for m in _PARAM.finditer(header)}
 
 
-def parse_multipart(content_type: str | None, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+def parse_multipart(content_type: str | None, body: bytes,
+                    expected: str = "the 'file' and 'purpose' fields") -> dict[str, tuple[str | None, bytes]]:
     """The fields of a multipart/form-data body (RFC 7578): name -> (filename or None, bytes). The parts are
-    found by searching for the boundary, so a 200 MB file costs a few copies, not a line-by-line parse."""
+    found by searching for the boundary, so a 200 MB file costs a few copies, not a line-by-line parse.
+    ``expected``: the fields the route reads, as its error names them."""
     if not content_type or not content_type.lower().startswith("multipart/form-data"):
-        raise AdmissionError("expected a multipart/form-data body (the 'file' and 'purpose' fields)")
+        raise AdmissionError(f"expected a multipart/form-data body ({expected})")
     boundary = _params(content_type).get("boundary")
     if not boundary:
         raise AdmissionError("multipart/form-data without a boundary")

@@ -1,0 +1,200 @@
+"""OpenAI's audio routes, served by an audio-language model (Qwen2-Audio, Audio Flamingo 3):
+
+    POST /v1/audio/transcriptions   multipart/form-data: file, model, language, prompt, response_format,
+                                    temperature, stream (and vLLM's seed, max_completion_tokens) -> the text
+    POST /v1/audio/translations     the same, the text in English
+
+An audio-language model has no transcription head: the clip is asked about as a chat turn (the clip, then the
+instruction "Transcribe the input speech." / "Translate the input speech into English.", the language where the
+request names one, the request's ``prompt`` after it) through the model's own template, greedy unless a
+``temperature`` is given, and the answer is the transcript. ``response_format`` ``json`` (the default), ``text``
+and ``verbose_json`` (task, language, duration, text; no segments: the model gives no timestamps) are answered;
+``srt`` and ``vtt``, and ``timestamp_granularities``, need timestamps and are a 400. ``stream=true`` answers
+OpenAI's ``transcript.text.delta`` events, then ``transcript.text.done`` with the text and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from flared.errors import ErrorKind, FrontendError
+from flared.frontend.audio import decode_audio
+from flared.runtime.request import GenerateRequest
+from flared.server.batch_routes import parse_multipart
+from flared.server.generation import Generation
+from flared.server.http import Request, Response, ResponseWriter, Router, StreamingResponse
+from flared.server.http.messages import ClientDisconnected
+from flared.server.openai_routes import OutputShape, _send_stream_error, _stop_ids, check_model, sampling_params
+from flared.server.openai_schema import SamplingOptions, _bad
+
+AUDIO_FILE_LIMIT = 25 << 20  # OpenAI's: 25 MB a file
+FORMATS = ("json", "text", "verbose_json")
+TIMED_FORMATS = ("srt", "vtt")
+INSTRUCTIONS = {"transcribe": "Transcribe the input speech.", "translate": "Translate the input speech into English."}
+# ISO-639-1 codes -> the names the instruction uses (Whisper's languages most asked for; another code is named
+# as sent)
+LANGUAGES = {
+    "en": "English", "zh": "Chinese", "de": "German", "es": "Spanish", "ru": "Russian", "ko": "Korean",
+    "fr": "French", "ja": "Japanese", "pt": "Portuguese", "tr": "Turkish", "pl": "Polish", "ca": "Catalan",
+    "nl": "Dutch", "ar": "Arabic", "sv": "Swedish", "it": "Italian", "id": "Indonesian", "hi": "Hindi",
+    "fi": "Finnish", "vi": "Vietnamese", "he": "Hebrew", "uk": "Ukrainian", "el": "Greek", "ms": "Malay",
+    "cs": "Czech", "ro": "Romanian", "da": "Danish", "hu": "Hungarian", "ta": "Tamil", "no": "Norwegian",
+    "th": "Thai", "ur": "Urdu", "hr": "Croatian", "bg": "Bulgarian", "lt": "Lithuanian", "la": "Latin",
+    "cy": "Welsh", "sk": "Slovak", "te": "Telugu", "fa": "Persian", "lv": "Latvian", "bn": "Bengali",
+    "sr": "Serbian", "az": "Azerbaijani", "sl": "Slovenian", "kn": "Kannada", "et": "Estonian", "mk": "Macedonian",
+    "eu": "Basque", "is": "Icelandic", "hy": "Armenian", "ne": "Nepali", "mn": "Mongolian", "bs": "Bosnian",
+    "kk": "Kazakh", "sq": "Albanian", "sw": "Swahili", "gl": "Galician", "mr": "Marathi", "pa": "Punjabi",
+    "af": "Afrikaans", "tl": "Tagalog", "yue": "Cantonese",
+}
+
+
+def _text(fields: dict, name: str) -> str | None:
+    if name not in fields:
+        return None
+    return fields[name][1].decode("utf-8", "replace").strip()
+
+
+def _flag(fields: dict, name: str) -> bool:
+    value = _text(fields, name)
+    if value is None or value.lower() in ("false", "0", ""):
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    raise _bad(name, f"must be true or false, got {value!r}")
+
+
+def _number(fields: dict, name: str, lo: float, hi: float, kind=float):
+    value = _text(fields, name)
+    if value is None or value == "":
+        return None
+    try:
+        number = kind(value)
+    except ValueError:
+        raise _bad(name, f"must be {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    if not lo <= number <= hi:
+        raise _bad(name, f"must be between {lo} and {hi}, got {value}")
+    return number
+
+
+class AudioRoutes:
+    def __init__(self, state):
+        self.state = state
+
+    def register(self, router: Router) -> None:
+        for task, path in (("transcribe", "/v1/audio/transcriptions"), ("translate", "/v1/audio/translations")):
+            async def handler(request: Request, task=task):
+                return await self._answer(request, task)
+
+            router.add("POST", path, handler, admit=True, body_limit=AUDIO_FILE_LIMIT + (1 << 20))
+
+    async def _answer(self, request: Request, task: str):
+        state = self.state
+        loop = asyncio.get_running_loop()
+        fields = await loop.run_in_executor(None, parse_multipart, request.header("content-type"),
+                                            request.body or b"", "the 'file' and 'model' fields")
+        model = _text(fields, "model")
+        if not model:
+            raise _bad("model", "is required")
+        check_model(state, model)
+        if "file" not in fields:
+            raise _bad("file", "is required (a multipart field holding the audio file)")
+        if not state.takes_audio:
+            takes = "text and images" if state.takes_images else "text"
+            raise _bad("file", f"this model takes {takes}, not audio: transcription needs an audio-language model",
+                       ErrorKind.UNSUPPORTED)
+        response_format = _text(fields, "response_format") or "json"
+        if response_format in TIMED_FORMATS:
+            raise _bad("response_format", f"{response_format!r} needs timestamps, which this model does not give "
+                                          f"(one of {', '.join(FORMATS)})", ErrorKind.UNSUPPORTED)
+        if response_format not in FORMATS:
+            raise _bad("response_format", f"must be one of {', '.join(FORMATS)}, got {response_format!r}")
+        for name in ("timestamp_granularities[]", "timestamp_granularities"):
+            if _text(fields, name):
+                raise _bad(name, "needs timestamps, which this model does not give", ErrorKind.UNSUPPORTED)
+        language = _text(fields, "language") or None
+        if language is not None and (not language.isalpha() or not 2 <= len(language) <= 3):
+            raise _bad("language", f"must be an ISO-639-1 code such as 'en', got {language!r}")
+        temperature = _number(fields, "temperature", 0.0, 2.0)
+        seed = _number(fields, "seed", -(1 << 63), (1 << 64) - 1, int)
+        max_tokens = _number(fields, "max_completion_tokens", 1, 1 << 31, int)
+        stream = _flag(fields, "stream")
+        hint = _text(fields, "prompt") or ""
+
+        processor = state.image_processor
+        _, data = fields["file"]
+        try:
+            clip = await state._in_pool(lambda: decode_audio(data, max_bytes=AUDIO_FILE_LIMIT,
+                                                             max_seconds=processor.max_seconds))
+        except FrontendError as exc:
+            raise _bad("file", str(exc), exc.kind) from None
+        instruction = INSTRUCTIONS[task]
+        if language is not None and task == "transcribe":
+            instruction += f" The speech is in {LANGUAGES.get(language.lower(), language)}."
+        if hint:
+            instruction += "\n" + hint
+        messages = [{"role": "user", "content": [
+            {"type": "audio", "audio": clip, "format": None, "param": "file", "sent_as": "file"},
+            {"type": "text", "text": instruction}]}]
+        rendered = await state.prepare_chat(messages, add_generation_prompt=True)
+        shape = OutputShape(state, rendered.text, None)
+        prompt = tuple(rendered.token_ids)
+        vision = await state.vision_input(rendered)
+        opts = SamplingOptions(max_tokens=max_tokens, temperature=0.0 if temperature is None else temperature,
+                               top_p=None, top_k=None, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
+                               repetition_penalty=None, seed=seed, logit_bias=None, logprobs=None, stop=(),
+                               stop_token_ids=(), ignore_eos=False, n=1)
+        gen = state.start([GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
+                                           params=sampling_params(state, opts, len(prompt), None, 0),
+                                           stop_token_ids=_stop_ids(state, opts), vision=vision)], ())
+        request.disconnected.add_callback(gen.cancel)
+        audio_tokens = sum(image.num_image_tokens for image in rendered.images)
+        if stream:
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, audio_tokens),
+                                     headers=[("cache-control", "no-cache")])
+        (text, _ids, _lps, _finish), = await gen.collect()
+        text = shape.parse(text)[0].content.strip()
+        if response_format == "text":
+            return Response((text + "\n").encode(), media_type="text/plain; charset=utf-8")
+        body: dict[str, Any] = {"text": text, "usage": _usage(gen, audio_tokens)}
+        if response_format == "verbose_json":
+            body = {"task": "transcribe" if task == "transcribe" else "translate",
+                    "language": LANGUAGES.get(language.lower(), language).lower() if language
+                    else ("english" if task == "translate" else None),
+                    "duration": round(clip.seconds, 3), **body}
+        return Response.json(body)
+
+    async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, audio_tokens: int) -> None:
+        parser = shape.parser() if shape.active else None
+        pieces: list[str] = []
+        try:
+            async for d in gen.deltas():
+                text = d.text
+                if parser is not None:
+                    text = parser.push(text).content if text else ""
+                    if d.finish_reason is not None:
+                        text += parser.finish().content
+                if not pieces:
+                    text = text.lstrip()
+                if text:
+                    pieces.append(text)
+                    await w.send_json_event({"type": "transcript.text.delta", "delta": text})
+            await w.send_json_event({"type": "transcript.text.done", "text": "".join(pieces).strip(),
+                                     "usage": _usage(gen, audio_tokens)})
+            await w.send_event("[DONE]")
+        except ClientDisconnected:
+            gen.cancel()
+        except Exception as exc:  # the stream has started: report in-band, then end it
+            gen.cancel()
+            await _send_stream_error(w, exc)
+
+
+def _usage(gen: Generation, audio_tokens: int) -> dict[str, Any]:
+    """OpenAI's token usage of a transcription: the prompt's tokens (the clip's audio tokens among them) and the
+    transcript's."""
+    u = gen.usage()
+    return {"type": "tokens", "input_tokens": u.num_prompt_tokens, "output_tokens": u.num_generated_tokens,
+            "total_tokens": u.num_prompt_tokens + u.num_generated_tokens,
+            "input_token_details": {"audio_tokens": audio_tokens,
+                                    "text_tokens": u.num_prompt_tokens - audio_tokens}}
+
