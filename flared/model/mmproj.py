@@ -24,6 +24,13 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
   its projection ``mm.input_projection`` as transformers holds it ([tower width, hidden]); the pooling
   (``projector.scale_factor``) written only where it is not 4.
 
+An audio encoder's mmproj (``clip.has_audio_encoder``, its sizes under ``clip.audio.*``) is read the same way
+(``read_audio_mmproj``): ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the converter's type for Audio Flamingo 3):
+Whisper's layers as ``a.blk.{i}.*`` with q/k/v apart, the two convolutions ``a.conv1d.1``/``.2`` (their biases
+[D, 1]), ``a.position_embd``, ``a.post_ln``; the projector ``mm.a.fc`` (Qwen2-Audio) or ``mm.a.mlp.1``/``.2``
+(Audio Flamingo 3). The feature extractor is Whisper's at the file's mel bins, as the released
+preprocessor_config.json says it; Audio Flamingo 3's clips take its processor's ten minutes.
+
 What the files do not record comes from elsewhere: the decoder's mRoPE split from the model GGUF's
 ``{arch}.rope.dimension_sections``; the image token's id from its vocabulary; image preparation settings the mmproj
 lacks (resampling filter, Qwen's pixel bounds, SmolVLM's tiling) take the released processors' values, as
@@ -94,8 +101,11 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
                         f"{_field(reader, 'general.architecture')!r}, an image tower's is 'clip')",
                         ErrorKind.SOURCE_FORMAT)
     if not _field(reader, "clip.has_vision_encoder", False):
-        raise CoreError(f"{source}: this mmproj has no vision encoder (an audio tower is not supported)",
-                        ErrorKind.UNSUPPORTED_MODEL)
+        if _field(reader, "clip.has_audio_encoder", False):
+            return _read_audio(reader, source, text_reader=text_reader, text_hidden_size=text_hidden_size,
+                               dtype=dtype)
+        raise CoreError(f"{source}: this mmproj has neither a vision nor an audio encoder",
+                        ErrorKind.SOURCE_FORMAT)
     kind = _field(reader, "clip.vision.projector_type") or _field(reader, "clip.projector_type")
     family = PROJECTORS.get(kind)
     if family is None:
@@ -217,6 +227,98 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     check_vision_tensors(tensors, config, source=source)
     return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor, processor=processor)
+
+
+# clip.audio.projector_type (or clip.projector_type) -> our audio family, and the token its clips stand in for
+AUDIO_PROJECTORS = {"qwen2a": "qwen2_audio", "musicflamingo": "audioflamingo3"}
+AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "audioflamingo3": "<sound>"}
+
+
+def _read_audio(reader, source: str, *, text_reader, text_hidden_size: int, dtype) -> MmprojTower:
+    """An audio encoder's mmproj (module docstring), as a VisionConfig of an audio family and its feature
+    extractor's settings."""
+    kind = _field(reader, "clip.audio.projector_type") or _field(reader, "clip.projector_type")
+    family = AUDIO_PROJECTORS.get(kind)
+    if family is None:
+        raise CoreError(f"{source}: audio projector type {kind!r} is not supported (supported: "
+                        f"{', '.join(AUDIO_PROJECTORS)})", ErrorKind.UNSUPPORTED_MODEL)
+
+    def need(key: str):
+        value = _field(reader, f"clip.audio.{key}")
+        if value is None:
+            raise CoreError(f"{source}: mmproj metadata has no clip.audio.{key}", ErrorKind.SOURCE_FORMAT)
+        return value
+
+    raw = {t.name: gguf_tensor_values(t, dtype, source) for t in reader.tensors}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            value = raw[name]
+            used.add(name)
+            return value
+        except KeyError:
+            raise CoreError(f"{source}: mmproj has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+
+    projection = int(need("projection_dim"))
+    if projection != text_hidden_size:
+        raise CoreError(f"{source}: this audio encoder feeds a model of hidden size {projection}, but the model's is "
+                        f"{text_hidden_size}: it belongs to another model", ErrorKind.SOURCE_FORMAT)
+    token = AUDIO_TOKENS[family]
+    tokens = list(_field(text_reader, "tokenizer.ggml.tokens") or [])
+    if token not in tokens:
+        raise CoreError(f"{source}: the model's vocabulary has no {token} token, which a {kind} encoder's clips "
+                        "stand in for: this mmproj belongs to another model", ErrorKind.SOURCE_FORMAT)
+    eps = float(f"{_field(reader, 'clip.audio.attention.layer_norm_epsilon', 1e-5):.7g}")
+    try:
+        config = VisionConfig(
+            family=family, hidden_size=int(need("embedding_length")),
+            intermediate_size=int(take("a.blk.0.ffn_up.weight").shape[0]), num_layers=int(need("block_count")),
+            num_heads=int(need("attention.head_count")), patch_size=1, image_size=0, layer_norm_eps=eps,
+            hidden_act="gelu", scale_factor=2, text_hidden_size=text_hidden_size, image_token_id=tokens.index(token),
+            projector_bias="mm.a.mlp.1.bias" in raw or family == "qwen2_audio",
+            position_table=int(take("a.position_embd.weight").shape[0]), mel_bins=int(need("num_mel_bins")))
+        tensors = _whisper(take, config)
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad mmproj value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    unread = sorted(set(raw) - used)
+    if unread:
+        raise CoreError(f"{source}: mmproj tensors this {kind} encoder does not have: {', '.join(unread[:6])}",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    from flared.model.vision import check_vision_tensors
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    check_vision_tensors(tensors, config, source=source)
+    preprocessor = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": config.mel_bins,
+                    "sampling_rate": 16000, "hop_length": 160, "n_fft": 400, "chunk_length": 30}
+    processor = {"audio_token": token, **({"max_audio_len": 600} if family == "audioflamingo3" else {})}
+    return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor, processor=processor)
+
+
+def _whisper(take, c: VisionConfig) -> dict[str, torch.Tensor]:
+    """A Whisper-style encoder's tensors as the converter names them, in the serving layout (flared.model.audio):
+    the convolutions' biases back to [D], q/k/v fused (k's bias zero), the projector by family."""
+    out = {"conv1.weight": take("a.conv1d.1.weight"), "conv1.bias": take("a.conv1d.1.bias").reshape(-1),
+           "conv2.weight": take("a.conv1d.2.weight"), "conv2.bias": take("a.conv1d.2.bias").reshape(-1),
+           "pos_embed.weight": take("a.position_embd.weight"),
+           "post_norm.weight": take("a.post_ln.weight"), "post_norm.bias": take("a.post_ln.bias")}
+    for i in range(c.num_layers):
+        p, s = f"a.blk.{i}.", f"layers.{i}."
+        q_bias = take(p + "attn_q.bias")
+        out[s + "qkv.weight"] = torch.cat([take(p + f"attn_{x}.weight") for x in "qkv"])
+        out[s + "qkv.bias"] = torch.cat([q_bias, torch.zeros_like(q_bias), take(p + "attn_v.bias")])
+        for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", "ln2"), ("fc1", "ffn_up"),
+                             ("fc2", "ffn_down")):
+            for kind in ("weight", "bias"):
+                out[f"{s}{ours}.{kind}"] = take(f"{p}{theirs}.{kind}")
+    if c.family == "qwen2_audio":
+        out.update({"proj.weight": take("mm.a.fc.weight"), "proj.bias": take("mm.a.fc.bias")})
+    else:
+        for ours, theirs in (("proj_fc1", "mm.a.mlp.1"), ("proj_fc2", "mm.a.mlp.2")):
+            out[ours + ".weight"] = take(theirs + ".weight")
+            if c.projector_bias:
+                out[ours + ".bias"] = take(theirs + ".bias")
+    return out
 
 
 def _qwen_config(reader, family: str, common: dict, text_reader, text_arch: str, take: Callable, source: str,

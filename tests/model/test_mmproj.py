@@ -24,7 +24,8 @@ from ..conftest import build_tiny_qwen_vl
 from .test_gguf_families import permute_for_llama_cpp, write_gguf
 
 TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl",
-             "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2"}
+             "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2",
+             "qwen2_audio": "qwen2", "audioflamingo3": "qwen2"}
 # InternVL's projector as the converter renames it first (its original checkpoints' mlp1.*, which the gguf map knows)
 INTERNVL_PROJECTOR = {"model.multi_modal_projector.layer_norm.": "mlp1.0.",
                       "model.multi_modal_projector.linear_1.": "mlp1.1.",
@@ -67,7 +68,7 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
 TEXT_RENAMES = {"model.language_model.": "model.", "model.text_model.": "model.", "language_model.model.": "model.",
                 "language_model.lm_head.": "lm_head."}
 TOWER = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-         "model.multi_modal_projector.", "model.vision_model.", "model.connector.")
+         "model.multi_modal_projector.", "model.vision_model.", "model.connector.", "audio_tower.")
 
 
 def _text_weights(weights: dict) -> dict[str, np.ndarray]:
@@ -219,6 +220,99 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
+    """An audio mmproj of ``hf_dir`` as llama.cpp's converter writes one (WhisperEncoderModel for Qwen2-Audio,
+    AudioFlamingo3WhisperEncoderModel): the encoder's sizes under clip.audio.*, the projector ``audio.``-prefixed
+    before the gguf map renames it, the convolutions' biases unsqueezed to [D, 1]."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    a, t = cfg["audio_config"], cfg["text_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_audio_encoder(True)
+    w.add_audio_projection_dim(t["hidden_size"])
+    w.add_audio_embedding_length(a.get("hidden_size", a.get("d_model")))
+    w.add_audio_feed_forward_length(a.get("intermediate_size", a.get("encoder_ffn_dim")))
+    w.add_audio_block_count(a.get("num_hidden_layers", a.get("encoder_layers")))
+    w.add_audio_head_count(a.get("num_attention_heads", a.get("encoder_attention_heads")))
+    w.add_clip_projector_type("qwen2a" if family == "qwen2_audio" else "musicflamingo")
+    w.add_audio_num_mel_bins(a["num_mel_bins"])
+    w.add_audio_attention_layernorm_eps(a.get("layer_norm_eps", 1e-5))
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(a.get("num_hidden_layers", 2), 4))
+    for name, value in _load(hf_dir).items():
+        if not name.startswith(("audio_tower.", "multi_modal_projector.")):
+            continue
+        if name.startswith("multi_modal_projector"):
+            name = "audio." + name
+        if "conv1.bias" in name or "conv2.bias" in name:
+            value = value[:, None]
+        new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if ".conv" in name and name.endswith(".weight"):  # (the converter keeps the convolutions F16 / F32)
+            value = value.astype(np.float16) if family == "qwen2_audio" and matrix_type != Q.F32 else value
+            w.add_tensor(new, value)
+        elif value.ndim == 2 and matrix_type != Q.F32 and "position_embd" not in new:
+            w.add_tensor(new, gguf.quants.quantize(value, matrix_type), raw_dtype=matrix_type)
+        else:
+            w.add_tensor(new, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "audioflamingo3"])
+def test_an_audio_mmproj_reads_as_the_checkpoint_and_serves_its_clips(family, request, tmp_path, start_daemon):
+    """Qwen2-Audio's and Audio Flamingo 3's encoders as llama.cpp's converter writes them: read back beside the
+    model GGUF, the encoder's config and tensors are the checkpoint's bit for bit, the core keeps its feature
+    extractor, and `flared run model.gguf --mmproj` answers a clip with the checkpoint's own core's greedy tokens
+    (which are transformers', tests/api/test_audio_*.py)."""
+    from flared_testing.audio import ask, input_audio, tone
+    from flared_testing.vision import token_ids
+
+    from flared.core.export import ExportOptions, export_core
+
+    hf_dir, reference = request.getfixturevalue(f"tiny_{family}")
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", family, tmp_path)
+    write_audio_mmproj(hf_dir, tmp_path / "mmproj.gguf", family)
+    ours = read_source(tmp_path / "model.gguf", mmproj=tmp_path / "mmproj.gguf")
+    theirs = read_source(hf_dir)
+    assert ours.vision == theirs.vision
+    assert sorted(ours.vision_tensors) == sorted(theirs.vision_tensors)
+    for key, want in theirs.vision_tensors.items():
+        assert torch.equal(ours.vision_tensors[key], want), key
+    options = dict(concurrency=2, context_tokens=2048, prefill_chunk_tokens=256)
+    core = export_core(tmp_path / "model.gguf", tmp_path / "core", ExportOptions(**options,
+                                                                                  mmproj=str(tmp_path / "mmproj.gguf")))
+    mine = dict(core.vision["processor"])
+    want = json.loads((reference / "manifest.json").read_text())["vision"]["processor"]
+    # (the mmproj holds no clip length: AudioFlamingo3Processor's ten minutes; the tiny checkpoint says one)
+    assert mine.pop("max_windows") == (20 if family == "audioflamingo3" else 1)
+    want.pop("max_windows")
+    assert mine == want
+    assert core.capabilities["audio"] and not core.capabilities["vision"]
+    answers = []
+    clip = tone(31, 35.0 if family == "audioflamingo3" else 2.5)  # (Audio Flamingo 3: two windows)
+    for served, args in ((reference, ()), (tmp_path / "model.gguf", (
+            "--mmproj", str(tmp_path / "mmproj.gguf"), "--dtype", "float32", "--context", "2048",
+            "--concurrency", "2", "--prefill-chunk", "256", "--cache-dir", str(tmp_path / "cache")))):
+        daemon = start_daemon(served, *args)
+        status, body = ask(daemon, [input_audio(clip)], "What is it?", 8)
+        assert status == 200, body
+        answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
+        daemon.kill()
+    assert answers[1] == answers[0]
+
+
+def test_an_audio_mmproj_of_another_model_is_refused(request, tmp_path):
+    hf_dir = request.getfixturevalue("tiny_qwen2_audio")[0]
+    other = request.getfixturevalue("tiny_hf_smolvlm")
+    write_model_gguf(other, tmp_path / "model.gguf", "smolvlm", tmp_path)
+    write_audio_mmproj(hf_dir, tmp_path / "mmproj.gguf", "qwen2_audio")
+    with pytest.raises(CoreError, match="no <\\|AUDIO\\|> token|belongs to another model"):
+        read_source(tmp_path / "model.gguf", mmproj=tmp_path / "mmproj.gguf")
 
 
 def add_tokenizer(w, hf_dir) -> None:
