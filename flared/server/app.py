@@ -530,7 +530,7 @@ def _add_web_ui(router: Router):
     script = ui.joinpath("chat.js").read_bytes()
     guard = [("x-content-type-options", "nosniff"), ("cache-control", "no-cache"),
              ("content-security-policy", "default-src 'self'; style-src 'self' 'unsafe-inline'; "
-                                         "img-src 'self' data:; frame-ancestors 'none'")]
+                                         "img-src 'self' data:; media-src 'self' data:; frame-ancestors 'none'")]
 
     async def index(request: Request) -> Response:
         return Response(page, headers=guard, media_type="text/html; charset=utf-8")

@@ -61,15 +61,26 @@ async function streamChat({ base = "", apiKey = "", model, messages, temperature
   return { usage, finish };
 }
 
-// A user turn's content: the text alone, or (with images: data URLs) OpenAI's parts, the images first.
+// An attached file's data URL as OpenAI's content part: an image_url, or (data:audio/...) an input_audio with its
+// base64 and format (the subtype: wav, mpeg as mp3, flac, ogg).
+function mediaPart(url) {
+  const m = /^data:audio\/([\w.+-]+)[^,]*;base64,(.*)$/s.exec(url);
+  if (!m) return { type: "image_url", image_url: { url } };
+  const kind = m[1].toLowerCase();
+  const format = { mpeg: "mp3", mp3: "mp3", "x-wav": "wav", wave: "wav", "x-flac": "flac" }[kind] || kind;
+  return { type: "input_audio", input_audio: { data: m[2], format } };
+}
+
+// A user turn's content: the text alone, or (with attachments: data URLs of images or audio) OpenAI's parts, the
+// attachments first.
 function userContent(text, images) {
   if (!images || images.length === 0) return text;
-  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  const parts = images.map(mediaPart);
   if (text) parts.push({ type: "text", text });
   return parts;
 }
 
-if (typeof module !== "undefined") module.exports = { parseSSE, streamChat, userContent };
+if (typeof module !== "undefined") module.exports = { parseSSE, streamChat, userContent, mediaPart };
 
 if (typeof document !== "undefined") {
   const $ = (id) => document.getElementById(id);
@@ -83,17 +94,39 @@ if (typeof document !== "undefined") {
   let history = [];
   let model = null;
   let running = null;
-  let images = [];  // data URLs attached to the next message
+  let images = [];  // data URLs (images, or an audio model's clips) attached to the next message
   const attached = $("attached"), pick = $("pick");
+
+  // An attachment shown: an image, or a clip's player (with a button that takes it off).
+  function media(url, label) {
+    if (!url.startsWith("data:audio/")) {
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = label;
+      return img;
+    }
+    const audio = document.createElement("audio");
+    audio.controls = true;
+    audio.src = url;
+    audio.title = label;
+    return audio;
+  }
 
   function showAttached() {
     attached.textContent = "";
     images.forEach((url, i) => {
-      const img = document.createElement("img");
-      img.src = url;
-      img.alt = "attached image " + (i + 1);
-      img.addEventListener("click", () => { images.splice(i, 1); showAttached(); });
-      attached.appendChild(img);
+      const item = media(url, "attachment " + (i + 1));
+      const drop = () => { images.splice(i, 1); showAttached(); };
+      if (item.tagName === "IMG") {
+        item.addEventListener("click", drop);
+        attached.appendChild(item);
+      } else {
+        const off = document.createElement("button");
+        off.textContent = "×";
+        off.title = "take this clip off";
+        off.addEventListener("click", drop);
+        attached.append(item, off);
+      }
     });
   }
 
@@ -126,7 +159,13 @@ if (typeof document !== "undefined") {
       const card = (await resp.json()).data[0];
       model = card.id;
       $("model").textContent = model;
-      $("attach").hidden = !(card.capabilities && card.capabilities.vision);
+      const caps = card.capabilities || {};
+      $("attach").hidden = !(caps.vision || caps.audio);
+      $("attach").textContent = caps.audio ? "Audio" : "Image";
+      $("attach").title = caps.audio ? "attach audio clips (this model listens to them)"
+        : "attach images (this model reads them)";
+      pick.accept = caps.audio ? "audio/wav,audio/x-wav,audio/mpeg,audio/flac,audio/ogg"
+        : "image/png,image/jpeg,image/webp";
       status.textContent = "";
     } catch (e) {
       status.textContent = "cannot list models: " + e.message;
@@ -141,12 +180,7 @@ if (typeof document !== "undefined") {
     input.value = "";
     history.push({ role: "user", content: userContent(text, images) });
     const mine = bubble("user");
-    for (const url of images) {
-      const img = document.createElement("img");
-      img.src = url;
-      img.alt = "your image";
-      mine.appendChild(img);
-    }
+    for (const url of images) mine.appendChild(media(url, "your attachment"));
     mine.appendChild(document.createTextNode(text));
     images = [];
     showAttached();
