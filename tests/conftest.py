@@ -721,3 +721,47 @@ def tiny_audioflamingo3(tmp_path_factory) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("cores") / "audioflamingo3"
     export_core(d, out, ExportOptions(concurrency=4, context_tokens=2048, prefill_chunk_tokens=256))
     return d, out
+
+
+# GLM-ASR's prompt shape: each audio part as <|begin_of_audio|><|pad|><|end_of_audio|> (GlmAsrProcessor's token)
+GLMASR_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'audio' %}"
+    "<|begin_of_audio|><|pad|><|end_of_audio|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_glmasr(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight GLM-ASR: its rope encoder (16 mel bins, width 32, half of each
+    head turned), the four-row merging projector, a Llama decoder with tied embeddings; clips of up to 60 s."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import GlmAsrConfig, GlmAsrForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-glmasr")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<|begin_of_audio|>", "<|pad|>",
+                                                                   "<|end_of_audio|>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": GLMASR_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps({**QWEN2_AUDIO_PREPROCESSOR,
+                                                            "processor_class": "GlmAsrProcessor"}))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "GlmAsrProcessor",
+                                                         "audio_token": "<|pad|>", "max_audio_len": 60}))
+    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                initializer_range=0.2, eos_token_id=[tok.token_to_id("<|im_end|>")], bos_token_id=None)
+    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_mel_bins=16,
+                 initializer_range=0.2)
+    config = GlmAsrConfig(text_config=text, audio_config=audio, audio_token_id=tok.token_to_id("<|pad|>"))
+    torch.manual_seed(0)
+    GlmAsrForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "glmasr"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=2048, prefill_chunk_tokens=256))
+    return d, out

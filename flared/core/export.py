@@ -326,7 +326,7 @@ def _read_hf_assets(src: Path) -> _Assets:
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
                     "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper",
-                    "audioflamingo3": "whisper"}
+                    "audioflamingo3": "whisper", "glmasr": "whisper"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -389,20 +389,21 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
 def _read_audio_processor(pre: dict, proc: dict | None, vision, where):
     """An audio model's feature extractor (preprocessor_config.json) and audio token (processor_config.json's
     ``audio_token``, the family's processor's default where absent: Qwen2-Audio's <|AUDIO|>, Audio Flamingo 3's
-    <sound>), checked against its encoder's mel bins. Audio Flamingo 3 takes ``max_audio_len`` seconds (600) in
-    windows of the extractor's chunk; Qwen2-Audio one window."""
+    <sound>, GLM-ASR's <|pad|>), checked against its encoder's mel bins. Audio Flamingo 3 and GLM-ASR take
+    ``max_audio_len`` seconds (600, 655) in windows of the extractor's chunk; Qwen2-Audio one window."""
     from flared.errors import FrontendError
     from flared.frontend.audio import WhisperProcessor
 
     proc = proc or {}
-    flamingo = vision.family == "audioflamingo3"
-    token = proc.get("audio_token", "<sound>" if flamingo else "<|AUDIO|>")
+    family = vision.family
+    token = proc.get("audio_token", {"audioflamingo3": "<sound>", "glmasr": "<|pad|>"}.get(family, "<|AUDIO|>"))
     try:
         windows = 1
-        if flamingo:
-            seconds, chunk = proc.get("max_audio_len", 600), (pre or {}).get("chunk_length", 30)
-            windows = max(1, int(seconds) // int(chunk))
-        processor = WhisperProcessor.from_hf(pre, audio_token=token, max_windows=windows)
+        if family in ("audioflamingo3", "glmasr"):  # (AudioFlamingo3Processor's windows; GlmAsrProcessor's)
+            seconds = proc.get("max_audio_len", 600 if family == "audioflamingo3" else 655)
+            windows = max(1, int(seconds) // int((pre or {}).get("chunk_length", 30)))
+        processor = WhisperProcessor.from_hf(pre, audio_token=token, max_windows=windows, pool=vision.scale_factor,
+                                             pad_windows=family == "glmasr")
     except (FrontendError, TypeError, ValueError, ZeroDivisionError) as e:
         raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
     if processor.feature_size != vision.mel_bins:

@@ -267,10 +267,12 @@ class WhisperProcessor:
     ``hop_length`` samples, centred, reflect-padded) of each window of the clip (``chunk_length`` s; the last
     padded to it), power through the mel bank, log10 floored at 1e-10 and at the window's maximum - 8, then
     (x + 4) / 4. Whole windows keep their frames; the last is cut to the frames the encoder's valid outputs read
-    (two convolutions, the second of stride 2), so the tower runs on the clip, not on the padding. Its tokens: L
-    valid frames of a window -> (L - 1) // 2 + 1 after the strided conv -> (that - 2) // 2 + 1 after the
-    encoder's average pool, summed over the windows. ``max_windows``: 1 (Qwen2-Audio) or the model's
-    ``max_audio_len`` over the chunk (Audio Flamingo 3: 20, ten minutes)."""
+    (two convolutions, the second of stride 2), so the tower runs on the clip, not on the padding, unless
+    ``pad_windows`` (an encoder that attends over its window's padding too, GLM-ASR's: the last window whole).
+    Its tokens: L valid frames of a window -> (L - 1) // 2 + 1 after the strided conv -> (that - pool) // pool + 1
+    after the encoder's pooling (``pool``: Whisper's average of 2, GLM-ASR's merge of 4), summed over the
+    windows. ``max_windows``: 1 (Qwen2-Audio) or the model's ``max_audio_len`` over the chunk (Audio Flamingo 3:
+    20, ten minutes; GLM-ASR: 21)."""
 
     kind: ClassVar[str] = "whisper"
     modality: ClassVar[str] = "audio"
@@ -282,9 +284,11 @@ class WhisperProcessor:
     chunk_length: int = 30  # seconds the encoder's window holds
     audio_token: str = "<|AUDIO|>"
     max_windows: int = 1  # windows of chunk_length a clip may fill
+    pool: int = 2  # encoder rows a token
+    pad_windows: bool = False  # the last window runs whole, its padding included
 
     def __post_init__(self):
-        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length", "max_windows"):
+        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length", "max_windows", "pool"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
@@ -293,7 +297,7 @@ class WhisperProcessor:
 
     @classmethod
     def from_hf(cls, preprocessor_config: dict, *, audio_token: str = "<|AUDIO|>",
-                max_windows: int = 1) -> WhisperProcessor:
+                max_windows: int = 1, pool: int = 2, pad_windows: bool = False) -> WhisperProcessor:
         """From a checkpoint's ``preprocessor_config.json`` (a WhisperFeatureExtractor's settings)."""
         cfg = preprocessor_config or {}
         kind = cfg.get("feature_extractor_type", "WhisperFeatureExtractor")
@@ -310,7 +314,7 @@ class WhisperProcessor:
                        sampling_rate=int(cfg.get("sampling_rate", 16000)),
                        hop_length=int(cfg.get("hop_length", 160)), n_fft=int(cfg.get("n_fft", 400)),
                        chunk_length=int(cfg.get("chunk_length", 30)), audio_token=audio_token,
-                       max_windows=max_windows)
+                       max_windows=max_windows, pool=pool, pad_windows=pad_windows)
         except (TypeError, ValueError) as exc:
             raise _error(f"bad feature extractor setting: {exc}") from None
 
@@ -339,11 +343,10 @@ class WhisperProcessor:
         """Valid feature frames of a clip of ``samples`` samples (the attention mask's sum)."""
         return -(-samples // self.hop_length)
 
-    @staticmethod
-    def encoder_lengths(frames: int) -> tuple[int, int]:
-        """(rows after the encoder's strided conv, rows after its pool: the audio tokens)."""
+    def encoder_lengths(self, frames: int) -> tuple[int, int]:
+        """(rows after the encoder's strided conv, rows after its pooling: the audio tokens)."""
         conv = (frames - 1) // 2 + 1
-        return conv, (conv - 2) // 2 + 1
+        return conv, (conv - self.pool) // self.pool + 1
 
     def _mel_filters(self):
         import torch
@@ -390,9 +393,10 @@ class WhisperProcessor:
         tokens = max(tokens, 0) + whole * (windows - 1)
         if tokens < 1:
             raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms): this model needs at least "
-                         f"{(2 * self.hop_length + 1) * 1000 / self.sampling_rate:.0f} ms")
+                         f"{((2 * self.pool - 2) * self.hop_length + 1) * 1000 / self.sampling_rate:.0f} ms")
         parts = [self.features(samples[k * self.n_samples:(k + 1) * self.n_samples]) for k in range(windows)]
-        parts[-1] = parts[-1][:, :min(parts[-1].shape[1], 2 * conv + 1)]  # what the last window's rows read
+        if not self.pad_windows:  # (what the last window's rows read)
+            parts[-1] = parts[-1][:, :min(parts[-1].shape[1], 2 * conv + 1)]
         digest = hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
                                 + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
         return PreparedImage(pixel_values=np.ascontiguousarray(np.concatenate(parts, axis=1)), rows=0, cols=0,

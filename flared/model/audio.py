@@ -1,4 +1,5 @@
-"""Whisper-style audio encoders (Qwen2-Audio's, Audio Flamingo 3's): a clip's log-mel frames in, decoder rows out.
+"""Whisper-style audio encoders (Qwen2-Audio's, Audio Flamingo 3's, GLM-ASR's): a clip's log-mel frames in, decoder
+rows out.
 
 Qwen2-Audio (transformers' ``qwen2_audio``) and Audio Flamingo 3 (``audioflamingo3``) are Qwen2 decoders behind
 Whisper-large-v3's encoder. A clip (``flared.frontend.audio.WhisperProcessor``: log-mel frames [mel, F], in
@@ -12,7 +13,13 @@ Whisper-large-v3's encoder. A clip (``flared.frontend.audio.WhisperProcessor``: 
 
 giving (T - 2) // 2 + 1 rows a window, the windows' rows in order, which replace the prompt's audio tokens
 (``<|AUDIO|>``, ``<sound>``) as an image's rows replace its image tokens (the pipeline is the image one:
-``VisionConfig`` families ``qwen2_audio`` and ``audioflamingo3``, ``VisionJob``, ``embed_rows``).
+``VisionConfig`` families ``qwen2_audio``, ``audioflamingo3`` and ``glmasr``, ``VisionJob``, ``embed_rows``).
+
+GLM-ASR (``glmasr``) has no position rows: its layers turn the leading half of each head's q and k by a rope over
+the row index (rotate-half), its attention is over the whole window, padding included (transformers passes no mask:
+so do we, and the processor keeps the last window whole), a LayerNorm ends it, and its projector takes each four
+rows side by side (T // 4 rows of 4 D) through two linears with GELU; a window gives (T - 4) // 4 + 1 tokens of
+its valid rows.
 transformers runs the encoder over the whole 30-second window with the padding's keys masked out; only the clip's
 T rows are run here, which gives the same rows, since a masked key changes nothing and the convolutions' last rows
 read at most one frame of padding, which the processor keeps.
@@ -25,6 +32,8 @@ Serving layout (``audio_tensor_shapes``):
     post_norm.weight / .bias [D]
     proj.weight [hidden, D]   proj.bias [hidden]                         qwen2_audio
     proj_fc1.weight [hidden, D]  proj_fc2.weight [hidden, hidden]  (.bias where projector_bias)   audioflamingo3
+    proj_fc1.weight [2 hidden, 4 D]  proj_fc2.weight [hidden, 2 hidden]  (and biases)                 glmasr
+                                                                         (glmasr: no pos_embed)
 """
 
 from __future__ import annotations
@@ -43,7 +52,10 @@ __all__ = ["AUDIO_FAMILIES", "WhisperAudioEncoder", "audio_from_hf", "audio_tens
 _ENCODERS = {"qwen2_audio": ("qwen2_audio_encoder", "d_model", "encoder_ffn_dim", "encoder_layers",
                              "encoder_attention_heads"),
              "audioflamingo3": ("audioflamingo3_encoder", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                "num_attention_heads")}
+                                "num_attention_heads"),
+             "glmasr": ("glmasr_encoder", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads")}
+_DEFAULT_TOKENS = {"qwen2_audio": 151646, "audioflamingo3": 151669, "glmasr": 59260}
 
 
 def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
@@ -58,18 +70,35 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
     if a.get("model_type", kind) != kind:
         raise CoreError(f"{source}: an audio encoder of type {a.get('model_type')!r} is not supported",
                         ErrorKind.UNSUPPORTED_MODEL)
-    act = str(a.get("activation_function", "gelu"))
+    act = str(a.get("activation_function", a.get("hidden_act", "gelu")))
     if act != "gelu" or hf.get("projector_hidden_act", "gelu") != "gelu":
         raise CoreError(f"{source}: audio activation {act!r} / projector {hf.get('projector_hidden_act')!r} is not "
                         "supported (gelu)", ErrorKind.UNSUPPORTED_MODEL)
-    token = hf.get("audio_token_index", hf.get("audio_token_id", 151646 if family == "qwen2_audio" else 151669))
+    token = hf.get("audio_token_index", hf.get("audio_token_id", _DEFAULT_TOKENS[family]))
+    d, heads_n = int(a.get(width, 1280)), int(a.get(heads, 20))
+    extra: dict[str, Any] = {}
+    if family == "glmasr":
+        ffn_width = int(a.get(ffn, 5120))
+        if ffn_width % d or int(a.get("num_key_value_heads") or heads_n) != heads_n:
+            raise CoreError(f"{source}: a GLM-ASR encoder needs intermediate_size a multiple of hidden_size (its "
+                            "projector's merge) and as many key/value heads as heads", ErrorKind.UNSUPPORTED_MODEL)
+        rope = a.get("rope_parameters") or a.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise CoreError(f"{source}: a GLM-ASR encoder rope of type {rope.get('rope_type')!r} is not supported",
+                            ErrorKind.UNSUPPORTED_MODEL)
+        head = d // heads_n
+        theta = float(rope.get("rope_theta", a.get("rope_theta", 10000.0)))
+        extra = dict(scale_factor=ffn_width // d, rope_theta=theta,
+                     rotary_dim=int(head * float(rope.get("partial_rotary_factor",
+                                                          a.get("partial_rotary_factor", 0.5)))),
+                     position_table=int(a.get("max_position_embeddings", 1500)))
     return VisionConfig(
-        family=family, hidden_size=int(a.get(width, 1280)), intermediate_size=int(a.get(ffn, 5120)),
-        num_layers=int(a.get(layers, 32)), num_heads=int(a.get(heads, 20)),
-        patch_size=1, image_size=0, layer_norm_eps=1e-5, hidden_act=act, scale_factor=2,
-        text_hidden_size=int(t["hidden_size"]), image_token_id=int(token),
-        projector_bias=bool(hf.get("projector_bias", True)),
-        position_table=int(a.get("max_source_positions", 1500)), mel_bins=int(a.get("num_mel_bins", 128)))
+        family=family, hidden_size=d, intermediate_size=int(a.get(ffn, 5120)),
+        num_layers=int(a.get(layers, 32)), num_heads=heads_n,
+        patch_size=1, image_size=0, layer_norm_eps=1e-5, hidden_act=act, text_hidden_size=int(t["hidden_size"]),
+        image_token_id=int(token), projector_bias=bool(hf.get("projector_bias", True)),
+        mel_bins=int(a.get("num_mel_bins", 128)),
+        **{"scale_factor": 2, "position_table": int(a.get("max_source_positions", 1500)), **extra})
 
 
 def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
@@ -79,6 +108,10 @@ def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
               **_vit_layer_shapes(c)}
     if c.family == "qwen2_audio":
         return {**shapes, "proj.weight": (h, d), "proj.bias": (h,)}
+    if c.family == "glmasr":  # (no position rows; the projector over each scale_factor rows side by side)
+        del shapes["pos_embed.weight"]
+        return {**shapes, "proj_fc1.weight": (2 * h, d * c.scale_factor), "proj_fc1.bias": (2 * h,),
+                "proj_fc2.weight": (h, 2 * h), "proj_fc2.bias": (h,)}
     shapes.update({"proj_fc1.weight": (h, d), "proj_fc2.weight": (h, h)})
     if c.projector_bias:
         shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
@@ -92,9 +125,16 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     prefix = "model." if "model.audio_tower.conv1.weight" in hf else ""
     at, mp = prefix + "audio_tower.", prefix + "multi_modal_projector."
     out = {"conv1.weight": take(at + "conv1.weight"), "conv1.bias": take(at + "conv1.bias"),
-           "conv2.weight": take(at + "conv2.weight"), "conv2.bias": take(at + "conv2.bias"),
-           "pos_embed.weight": take(at + "embed_positions.weight"),
-           "post_norm.weight": take(at + "layer_norm.weight"), "post_norm.bias": take(at + "layer_norm.bias")}
+           "conv2.weight": take(at + "conv2.weight"), "conv2.bias": take(at + "conv2.bias")}
+    if c.family == "glmasr":
+        out.update({"post_norm.weight": take(at + "norm.weight"), "post_norm.bias": take(at + "norm.bias")})
+        names = (("o", "self_attn.o_proj"), ("norm1", "input_layernorm"), ("norm2", "post_attention_layernorm"),
+                 ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"))
+    else:
+        out.update({"pos_embed.weight": take(at + "embed_positions.weight"),
+                    "post_norm.weight": take(at + "layer_norm.weight"), "post_norm.bias": take(at + "layer_norm.bias")})
+        names = (("o", "self_attn.out_proj"), ("norm1", "self_attn_layer_norm"), ("norm2", "final_layer_norm"),
+                 ("fc1", "fc1"), ("fc2", "fc2"))
     if c.family == "qwen2_audio":
         out.update({"proj.weight": take(mp + "linear.weight"), "proj.bias": take(mp + "linear.bias")})
     else:
@@ -108,8 +148,7 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
         q_bias = take(attn + "q_proj.bias")
         out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
         out[sp + "qkv.bias"] = torch.cat([q_bias, torch.zeros_like(q_bias), take(attn + "v_proj.bias")])
-        for ours, theirs in (("o", "self_attn.out_proj"), ("norm1", "self_attn_layer_norm"),
-                             ("norm2", "final_layer_norm"), ("fc1", "fc1"), ("fc2", "fc2")):
+        for ours, theirs in names:
             for kind in ("weight", "bias"):
                 out[f"{sp}{ours}.{kind}"] = take(f"{hp}{theirs}.{kind}")
     return out
@@ -135,7 +174,7 @@ class WhisperAudioEncoder(_Tower):
         parts = []
         for k in range(windows):
             rows = c.position_table if k < windows - 1 else last
-            if rows >= 2:
+            if rows >= c.scale_factor:  # (else the window's rows make no token)
                 frames = pixel_values[:, k * whole:(k + 1) * whole]
                 parts.append((yield from self._window(frames, rows)))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -145,6 +184,8 @@ class WhisperAudioEncoder(_Tower):
         x = features.to(self.device, self.dtype)[None]
         x = F.gelu(F.conv1d(x, w["conv1.weight"], w["conv1.bias"], padding=1))
         x = F.gelu(F.conv1d(x, w["conv2.weight"], w["conv2.bias"], stride=2, padding=1))
+        if c.family == "glmasr":
+            return (yield from self._glm_window(x[0].T, rows))
         h = (x[0, :, :rows].T + w["pos_embed.weight"][:rows])[None]  # [1, T, D]
         for i in range(c.num_layers):
             h = _vit_layer(h, w, f"layers.{i}.", c)
@@ -155,3 +196,37 @@ class WhisperAudioEncoder(_Tower):
             return F.linear(h, w["proj.weight"], w["proj.bias"])
         h = F.gelu(F.linear(h, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(h, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
+
+    def _glm_window(self, h: torch.Tensor, rows: int):
+        """GLM-ASR's layers over a whole window's rows ``h`` [T, D] (its padding's too), its final norm, and each
+        scale_factor rows side by side through the projector: the first (rows - k) // k + 1 of them."""
+        c, w = self.config, self.w
+        n, d = h.shape
+        heads, head = c.num_heads, c.hidden_size // c.num_heads
+        half = c.rotary_dim // 2
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.int64, device=self.device).float()
+                                      / c.rotary_dim))
+        freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * inv[None]
+        cos, sin = (torch.cat([f, f], -1).to(self.dtype) for f in (freqs.cos(), freqs.sin()))  # [T, rotary_dim]
+
+        def turn(x):  # [heads, T, head]: the leading rotary_dim dims turned (rotate-half), the rest as they are
+            r, rest = x[..., :c.rotary_dim], x[..., c.rotary_dim:]
+            rotated = torch.cat([-r[..., half:], r[..., :half]], -1)
+            return torch.cat([r * cos + rotated * sin, rest], -1)
+
+        for i in range(c.num_layers):
+            p = f"layers.{i}."
+            x1 = F.layer_norm(h, (d,), w[p + "norm1.weight"], w[p + "norm1.bias"], c.layer_norm_eps)
+            q, k, v = F.linear(x1, w[p + "qkv.weight"], w[p + "qkv.bias"]).view(n, 3, heads, head).permute(1, 2, 0, 3)
+            attn = F.scaled_dot_product_attention(turn(q)[None], turn(k)[None], v[None])[0]
+            h = h + F.linear(attn.transpose(0, 1).reshape(n, d), w[p + "o.weight"], w[p + "o.bias"])
+            x2 = F.layer_norm(h, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
+            h = h + F.linear(F.gelu(F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"])), w[p + "fc2.weight"],
+                             w[p + "fc2.bias"])
+            yield
+        h = F.layer_norm(h, (d,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
+        k = c.scale_factor
+        tokens = (rows - k) // k + 1
+        h = h[:n // k * k].reshape(n // k, k * d)[:tokens]
+        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
+        return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])

@@ -58,8 +58,8 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "internvl_chat": "internvl",
                          # Qwen2-Audio, Audio Flamingo 3: a Whisper encoder's rows in place of their audio tokens
                          # (flared.model.audio)
-                         "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3"}
-AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3")
+                         "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3", "glmasr": "glmasr"}
+AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr")
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -121,8 +121,10 @@ class VisionConfig:
     # (vision_aspect_ratio "anyres_max_N": N)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
     anyres_max: int = 0
-    # audio families: the log-mel bins a frame has (its positions: position_table, max_source_positions)
+    # audio families: the log-mel bins a frame has (its positions: position_table, max_source_positions); glmasr:
+    # the leading dims of each head its rope turns (partial_rotary_factor x head_dim)
     mel_bins: int = 0
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -344,8 +346,8 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
     elif family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
-        text.setdefault("model_type", "mistral" if family == "pixtral" else "qwen2" if family in AUDIO_FAMILIES
-                        else "llama")
+        text.setdefault("model_type", "mistral" if family == "pixtral" else "llama" if family == "glmasr"
+                        else "qwen2" if family in AUDIO_FAMILIES else "llama")
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}
@@ -713,7 +715,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
 
     from flared.model.audio import audio_to_serving
 
-    to_serving = {"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving,
+    to_serving = {"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving, "glmasr": audio_to_serving,
                   "pixtral": _pixtral_vision_to_serving,
                   "llava": _llava_vision_to_serving,
                   "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
@@ -961,7 +963,8 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
     from flared.model.audio import WhisperAudioEncoder
 
-    cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
+    cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
+           "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
            "gemma3": Gemma3VisionEncoder,
            "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder,
            "llava_onevision": OnevisionVisionEncoder}.get(

@@ -148,7 +148,7 @@ OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llav
                   "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next",
                   "llava_onevision": "tiny_llava_onevision",
                   "qwen2_audio": "tiny_qwen2_audio",  # (audio clips' rows, as images')
-                  "audioflamingo3": "tiny_audioflamingo3"}  # (Gemma 3: images attending both ways, a window shorter than an image)
+                  "audioflamingo3": "tiny_audioflamingo3", "glmasr": "tiny_glmasr"}  # (Gemma 3: images attending both ways, a window shorter than an image)
 
 
 def _core_of(request, family):
