@@ -46,6 +46,8 @@ FORMATS = ("wav", "mp3", "flac", "ogg", "opus")
 _SNIFFED = ((b"ID3", "MP3"), (b"fLaC", "FLAC"), (b"OggS", "Ogg"))
 _REFUSED = ((b"caff", "CAF"), (b"FORM", "AIFF"), (b"\x1aE\xdf\xa3", "WebM/Matroska"), (b"#!AMR", "AMR"))
 DEFAULT_MAX_SECONDS = 60.0
+MIN_RATE, MAX_RATE = 1000, 768000  # sample rates taken (Hz)
+_MAX_KERNEL = 1 << 22  # the resampling filter's coefficients at most (16 MiB of float32)
 
 
 def _error(message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> FrontendError:
@@ -142,7 +144,13 @@ def _read_compressed(data: bytes, max_seconds: float) -> DecodedAudio:
     if not np.isfinite(values).all():
         raise _error(f"the {name} audio decodes to samples that are not finite numbers")
     mono = values.mean(axis=1, dtype=np.float64) if channels > 1 else values[:, 0]
-    return DecodedAudio(np.ascontiguousarray(mono, dtype=np.float32), rate)
+    return DecodedAudio(np.ascontiguousarray(mono, dtype=np.float32), _rate(rate))
+
+
+def _rate(rate: int) -> int:
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise _error(f"the audio's sample rate of {rate} Hz is not taken ({MIN_RATE} to {MAX_RATE} Hz)")
+    return int(rate)
 
 
 def _read_wav(data: bytes) -> DecodedAudio:
@@ -188,7 +196,7 @@ def _read_wav(data: bytes) -> DecodedAudio:
     if frames == 0:
         raise _error("the WAV data holds no samples")
     mono = values.reshape(frames, channels).mean(axis=1) if channels > 1 else values
-    return DecodedAudio(mono.astype(np.float32), int(rate))
+    return DecodedAudio(mono.astype(np.float32), _rate(rate))
 
 
 # ---------------------------------------------------------------------------------------------------- resampling
@@ -209,6 +217,9 @@ def resample(samples: np.ndarray, orig: int, new: int) -> np.ndarray:
     up, down = new // g, orig // g
     base = min(up, down) * _ROLLOFF
     width = math.ceil(_LOWPASS_WIDTH * down / base)
+    if up * (2 * width + down) > _MAX_KERNEL:  # (rates without a common factor, 44101 Hz to 16 kHz: 0.7 G taps)
+        raise _error(f"resampling {orig} Hz to {new} Hz needs a filter of {up * (2 * width + down)} taps; send the "
+                     "audio at a common rate (8, 11.025, 16, 22.05, 24, 32, 44.1, 48 kHz...)")
     idx = torch.arange(-width, width + down, dtype=torch.float64)[None, None] / down
     t = (torch.arange(0, -up, -1, dtype=torch.float64)[:, None, None] / up + idx) * base
     t = t.clamp(-_LOWPASS_WIDTH, _LOWPASS_WIDTH)

@@ -134,6 +134,17 @@ def test_resampling_keeps_a_sine_in_band(orig, new):
     assert np.abs(y[inner] - want[inner]).max() < 2e-3
 
 
+def test_rates_out_of_range_or_without_a_small_filter_are_refused():
+    quiet = np.zeros(10, "<i2").tobytes()
+    for rate in (999, 800000):
+        with pytest.raises(FrontendError, match="sample rate"):
+            decode_audio(_wav(quiet, tag=1, channels=1, rate=rate, bits=16))
+    with pytest.raises(FrontendError, match="needs a filter of"):
+        resample(np.zeros(44101, np.float32), 44101, 16000)
+    for rate in (8000, 11025, 22050, 24000, 32000, 44100, 48000, 88200, 96000, 192000):  # (common rates: quick)
+        assert len(resample(np.zeros(rate // 10, np.float32), rate, 16000)) == 1600
+
+
 def test_resampling_removes_what_the_new_rate_cannot_hold():
     orig = 48000
     t = np.arange(orig) / orig
