@@ -100,8 +100,9 @@ def main() -> None:
                    "and loads without quantising; a GPU takes the values back to bfloat16 (flared run -q in "
                    "the core's format keeps them quantised there too).")
 @click.option("--mmproj", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A GGUF model's image tower: llama.cpp's mmproj file (SmolVLM, Mistral Small 3.1, Pixtral 12B, "
-                   "Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), read into the core so that it takes images.")
+              help="A GGUF model's image tower or audio encoder: llama.cpp's mmproj file (SmolVLM, Mistral Small "
+                   "3.1, Pixtral 12B, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL; Qwen2-Audio, Audio Flamingo "
+                   "3), read into the core so that it takes images or audio.")
 def export(source, out, dtype, context, concurrency, page_tokens, prefill_chunk, kv_cache_mib, served_names, force,
            quantization, mmproj):
     """Export SOURCE (a Hugging Face directory, a .gguf file, or 'default') to a core."""

@@ -164,9 +164,9 @@ def main() -> None:
 @click.option("--enforce-eager", is_flag=True, default=None,
               help="On a GPU, serve with torch's eager forward instead of CUDA graphs (vLLM's flag; slower).")
 @click.option("--mmproj", "-mm", "mmproj", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="With a GGUF model: its image tower, llama.cpp's mmproj file (llama-server's flag; SmolVLM, "
-                   "Mistral Small 3.1, Pixtral 12B, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), so that the model "
-                   "takes images.")
+              help="With a GGUF model: its image tower or audio encoder, llama.cpp's mmproj file (llama-server's "
+                   "flag; SmolVLM, Mistral Small 3.1, Pixtral 12B, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, InternVL; "
+                   "Qwen2-Audio, Audio Flamingo 3), so that the model takes images or audio.")
 @click.option("--speculative-tokens", "--draft-max", "speculative_tokens", type=int, default=None,
               help="Speculative decoding: up to N draft tokens a step, copied from earlier in a request's prompt and "
                    "output (prompt lookup), or drafted by --speculative-model (default 0: off; 4 with a draft "
