@@ -235,6 +235,28 @@ def resample(samples: np.ndarray, orig: int, new: int) -> np.ndarray:
     return out[:math.ceil(up * len(samples) / down)].numpy().copy()
 
 
+def split_clip(samples: np.ndarray, rate: int, max_seconds: float, *, min_samples: int = 1,
+               search_seconds: float = 2.0, block_seconds: float = 0.1) -> list[np.ndarray]:
+    """A recording longer than ``max_seconds`` as pieces no longer, each cut at the middle of the quietest
+    ``block_seconds`` (by mean square) in the ``search_seconds`` before the limit, so that a cut falls in a pause
+    rather than a word; pieces shorter than ``min_samples`` (too short to hear) are left out."""
+    limit = int(max_seconds * rate)
+    block = max(1, int(block_seconds * rate))
+    pieces, start = [], 0
+    while len(samples) - start > limit:
+        end = start + limit
+        lo = max(start + 1, end - int(search_seconds * rate))
+        blocks = (end - lo) // block
+        cut = end
+        if blocks >= 1:
+            energy = (samples[lo:lo + blocks * block].astype(np.float64) ** 2).reshape(blocks, block).mean(axis=1)
+            cut = lo + int(np.argmin(energy)) * block + block // 2
+        pieces.append(samples[start:cut])
+        start = cut
+    pieces.append(samples[start:])
+    return [p for p in pieces if len(p) >= min_samples]
+
+
 # ------------------------------------------------------------------------------------------------ log-mel features
 
 def _hertz_to_mel(freq: np.ndarray) -> np.ndarray:
@@ -388,6 +410,11 @@ class WhisperProcessor:
     def max_seconds(self) -> int:
         return self.chunk_length * self.max_windows
 
+    @property
+    def min_samples(self) -> int:
+        """The shortest clip (at ``sampling_rate``) that makes an audio token."""
+        return (2 * self.pool - 2) * self.hop_length + 1
+
     def prepare(self, audio: DecodedAudio) -> PreparedImage:
         """The clip's features (its windows' frames along one axis), its prompt and its identity; ``grid`` is
         (the last window's encoder rows, windows, 1)."""
@@ -404,7 +431,7 @@ class WhisperProcessor:
         tokens = max(tokens, 0) + whole * (windows - 1)
         if tokens < 1:
             raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms): this model needs at least "
-                         f"{((2 * self.pool - 2) * self.hop_length + 1) * 1000 / self.sampling_rate:.0f} ms")
+                         f"{self.min_samples * 1000 / self.sampling_rate:.0f} ms")
         parts = [self.features(samples[k * self.n_samples:(k + 1) * self.n_samples]) for k in range(windows)]
         if not self.pad_windows:  # (what the last window's rows read)
             parts[-1] = parts[-1][:, :min(parts[-1].shape[1], 2 * conv + 1)]

@@ -7,7 +7,9 @@
 An audio-language model has no transcription head: the clip is asked about as a chat turn (the clip, then the
 instruction "Transcribe the input speech." / "Translate the input speech into English.", the language where the
 request names one, the request's ``prompt`` after it) through the model's own template, greedy unless a
-``temperature`` is given, and the answer is the transcript. ``response_format`` ``json`` (the default), ``text``
+``temperature`` is given, and the answer is the transcript. A recording longer than the model's clip (Qwen2-Audio:
+30 s) is cut into pieces it takes, each cut at the quietest tenth of a second in the two seconds before the limit
+(as vLLM cuts long audio for Whisper), the pieces asked at once and their transcripts joined in order. ``response_format`` ``json`` (the default), ``text``
 and ``verbose_json`` (task, language, duration, text; no segments: the model gives no timestamps) are answered;
 ``srt`` and ``vtt``, and ``timestamp_granularities``, need timestamps and are a 400. ``stream=true`` answers
 OpenAI's ``transcript.text.delta`` events, then ``transcript.text.done`` with the text and usage.
@@ -19,7 +21,7 @@ import asyncio
 from typing import Any
 
 from flared.errors import ErrorKind, FrontendError
-from flared.frontend.audio import decode_audio
+from flared.frontend.audio import DecodedAudio, decode_audio, resample, split_clip
 from flared.runtime.request import GenerateRequest
 from flared.server.batch_routes import parse_multipart
 from flared.server.generation import Generation
@@ -29,6 +31,7 @@ from flared.server.openai_routes import OutputShape, _send_stream_error, _stop_i
 from flared.server.openai_schema import SamplingOptions, _bad
 
 AUDIO_FILE_LIMIT = 25 << 20  # OpenAI's: 25 MB a file
+MAX_RECORDING_SECONDS = 3600  # a recording is decoded no further (25 MB of MP3 at 64 kbit/s: 52 minutes)
 FORMATS = ("json", "text", "verbose_json")
 TIMED_FORMATS = ("srt", "vtt")
 INSTRUCTIONS = {"transcribe": "Transcribe the input speech.", "translate": "Translate the input speech into English."}
@@ -123,37 +126,50 @@ class AudioRoutes:
 
         processor = state.image_processor
         _, data = fields["file"]
+
+        def read():
+            clip = decode_audio(data, max_bytes=AUDIO_FILE_LIMIT, max_seconds=MAX_RECORDING_SECONDS)
+            if clip.seconds > MAX_RECORDING_SECONDS:
+                raise FrontendError(f"the audio is {clip.seconds:.1f} s long; transcriptions take at most "
+                                    f"{MAX_RECORDING_SECONDS // 60} minutes", ErrorKind.VALIDATION)
+            samples = resample(clip.samples, clip.sample_rate, processor.sampling_rate)
+            return clip, split_clip(samples, processor.sampling_rate, processor.max_seconds,
+                                    min_samples=processor.min_samples)
         try:
-            clip = await state._in_pool(lambda: decode_audio(data, max_bytes=AUDIO_FILE_LIMIT,
-                                                             max_seconds=processor.max_seconds))
+            clip, pieces = await state._in_pool(read)
         except FrontendError as exc:
             raise _bad("file", str(exc), exc.kind) from None
+        if not pieces:
+            raise _bad("file", f"the audio is too short ({clip.seconds * 1000:.1f} ms) for this model to hear")
         instruction = INSTRUCTIONS[task]
         if language is not None and task == "transcribe":
             instruction += f" The speech is in {LANGUAGES.get(language.lower(), language)}."
         if hint:
             instruction += "\n" + hint
-        messages = [{"role": "user", "content": [
-            {"type": "audio", "audio": clip, "format": None, "param": "file", "sent_as": "file"},
-            {"type": "text", "text": instruction}]}]
-        rendered = await state.prepare_chat(messages, add_generation_prompt=True)
-        shape = OutputShape(state, rendered.text, None)
-        prompt = tuple(rendered.token_ids)
-        vision = await state.vision_input(rendered)
         opts = SamplingOptions(max_tokens=max_tokens, temperature=0.0 if temperature is None else temperature,
                                top_p=None, top_k=None, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
                                repetition_penalty=None, seed=seed, logit_bias=None, logprobs=None, stop=(),
                                stop_token_ids=(), ignore_eos=False, n=1)
-        gen = state.start([GenerateRequest(prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
-                                           params=sampling_params(state, opts, len(prompt), None, 0),
-                                           stop_token_ids=_stop_ids(state, opts), vision=vision)], ())
+        requests, audio_tokens, shape = [], 0, None
+        for k, piece in enumerate(pieces):  # (a recording longer than the model's clip: each piece asked alone)
+            part = {"type": "audio", "audio": DecodedAudio(piece, processor.sampling_rate), "format": None,
+                    "param": "file", "sent_as": "file"}
+            rendered = await state.prepare_chat([{"role": "user", "content": [
+                part, {"type": "text", "text": instruction}]}], add_generation_prompt=True)
+            shape = shape or OutputShape(state, rendered.text, None)
+            prompt = tuple(rendered.token_ids)
+            requests.append(GenerateRequest(
+                prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
+                params=sampling_params(state, opts, len(prompt), None, k), stop_token_ids=_stop_ids(state, opts),
+                vision=await state.vision_input(rendered)))
+            audio_tokens += sum(image.num_image_tokens for image in rendered.images)
+        gen = state.start(requests, ())
         request.disconnected.add_callback(gen.cancel)
-        audio_tokens = sum(image.num_image_tokens for image in rendered.images)
         if stream:
             return StreamingResponse(lambda w: self._stream(gen, w, shape, audio_tokens),
                                      headers=[("cache-control", "no-cache")])
-        (text, _ids, _lps, _finish), = await gen.collect()
-        text = shape.parse(text)[0].content.strip()
+        texts = [shape.parse(text)[0].content.strip() for text, _ids, _lps, _finish in await gen.collect()]
+        text = " ".join(t for t in texts if t)
         if response_format == "text":
             return Response((text + "\n").encode(), media_type="text/plain; charset=utf-8")
         body: dict[str, Any] = {"text": text, "usage": _usage(gen, audio_tokens)}
@@ -165,21 +181,48 @@ class AudioRoutes:
         return Response.json(body)
 
     async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, audio_tokens: int) -> None:
-        parser = shape.parser() if shape.active else None
+        """The pieces' transcripts in order: the first piece's as it comes, a later one's held until those before
+        it end (they run at once), each after a space."""
+        n = gen.num_choices
+        parsers = [shape.parser() if shape.active else None for _ in range(n)]
+        held: list[list[str]] = [[] for _ in range(n)]
+        done = [False] * n
+        said = [False] * n  # (a piece's text has begun: its leading space is out)
         pieces: list[str] = []
+        current = 0
+
+        async def say(k: int, text: str) -> None:
+            if not said[k]:
+                text = text.lstrip()
+                if not text:
+                    return
+                if pieces:
+                    text = " " + text
+                said[k] = True
+            pieces.append(text)
+            await w.send_json_event({"type": "transcript.text.delta", "delta": text})
+
         try:
             async for d in gen.deltas():
-                text = d.text
+                k, parser, text = d.index, parsers[d.index], d.text
                 if parser is not None:
                     text = parser.push(text).content if text else ""
                     if d.finish_reason is not None:
                         text += parser.finish().content
-                if not pieces:
-                    text = text.lstrip()
-                if text:
-                    pieces.append(text)
-                    await w.send_json_event({"type": "transcript.text.delta", "delta": text})
-            await w.send_json_event({"type": "transcript.text.done", "text": "".join(pieces).strip(),
+                if k == current:
+                    if text:
+                        await say(k, text)
+                elif text:
+                    held[k].append(text)
+                if d.finish_reason is not None:
+                    done[k] = True
+                while current < n and done[current]:  # the next piece's held text, then it goes on live
+                    current += 1
+                    if current < n:
+                        for text in held[current]:
+                            await say(current, text)
+                        held[current] = []
+            await w.send_json_event({"type": "transcript.text.done", "text": "".join(pieces).rstrip(),
                                      "usage": _usage(gen, audio_tokens)})
             await w.send_event("[DONE]")
         except ClientDisconnected:
@@ -190,11 +233,10 @@ class AudioRoutes:
 
 
 def _usage(gen: Generation, audio_tokens: int) -> dict[str, Any]:
-    """OpenAI's token usage of a transcription: the prompt's tokens (the clip's audio tokens among them) and the
-    transcript's."""
-    u = gen.usage()
-    return {"type": "tokens", "input_tokens": u.num_prompt_tokens, "output_tokens": u.num_generated_tokens,
-            "total_tokens": u.num_prompt_tokens + u.num_generated_tokens,
-            "input_token_details": {"audio_tokens": audio_tokens,
-                                    "text_tokens": u.num_prompt_tokens - audio_tokens}}
+    """OpenAI's token usage of a transcription: the prompts' tokens (the clip's audio tokens among them) and the
+    transcript's, over the recording's pieces."""
+    prompt = sum(gen.choice_usage(k).num_prompt_tokens for k in range(gen.num_choices))
+    output = sum(gen.choice_usage(k).num_generated_tokens for k in range(gen.num_choices))
+    return {"type": "tokens", "input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
+            "input_token_details": {"audio_tokens": audio_tokens, "text_tokens": prompt - audio_tokens}}
 

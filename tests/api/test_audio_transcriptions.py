@@ -96,3 +96,30 @@ def test_a_text_model_has_no_transcriptions(tiny_core, start_daemon):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.transcriptions.create(model="tiny", file=("clip.wav", wav_bytes(tone(24, 0.5)), "audio/wav"))
     assert "this model takes text, not audio" in e.value.body["message"]
+
+
+def test_a_recording_longer_than_the_models_clip_is_transcribed_in_pieces(daemon, client):
+    """Qwen2-Audio hears 30 s at most: a 63.5-second recording is cut in its two pauses (split_clip) and each piece
+    asked alone, at once; the transcript is the pieces' answers joined in order, streamed in that order too."""
+    import numpy as np
+
+    from flared.frontend.audio import split_clip
+
+    x = np.concatenate([tone(31, 28.7), np.zeros(4000, np.int16), tone(32, 29.0), np.zeros(4000, np.int16),
+                        tone(33, 5.3)])
+    wav = wav_bytes(x)
+    kw = dict(model="tiny", file=("long.wav", wav, "audio/wav"), extra_body={"max_completion_tokens": 6})
+    got = client.audio.transcriptions.create(**kw)
+    pieces = split_clip(x.astype(np.float32) / 32768, 16000, 30)
+    assert [round(len(p) / 16000, 2) for p in pieces] == [28.75, 29.25, 5.5]  # (each cut 50 ms into a pause)
+    answers = []
+    for piece in pieces:
+        text, _ = chat_answer(daemon, wav_bytes(np.round(piece * 32768).astype(np.int16)),
+                              "Transcribe the input speech.", 6)
+        answers.append(text)
+    assert got.text == " ".join(a for a in answers if a)
+    assert got.usage.input_token_details.audio_tokens == sum((((len(p) + 159) // 160 - 1) // 2 + 1 - 2) // 2 + 1
+                                                             for p in pieces)
+    events = list(client.audio.transcriptions.create(stream=True, **kw))
+    assert [e for e in events if e.type == "transcript.text.done"][0].text == got.text
+    assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == got.text

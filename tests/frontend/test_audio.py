@@ -198,3 +198,23 @@ def test_settings_round_trip_and_bad_extractors():
                        ({"feature_size": 0}, "positive integer")):
         with pytest.raises(FrontendError, match=words):
             WhisperProcessor.from_hf(cfg)
+
+
+def test_a_long_recording_is_cut_in_its_pauses():
+    from flared.frontend.audio import split_clip
+
+    rate = 1000
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-0.5, 0.5, 75 * rate).astype(np.float32)
+    x[int(28.6 * rate):int(28.9 * rate)] = 0  # (a pause in the two seconds before 30 s)
+    x[int(57.2 * rate):int(57.5 * rate)] = 0
+    pieces = split_clip(x, rate, 30.0, min_samples=50)
+    assert [len(p) for p in pieces] == [28650, 28650, 75000 - 57300]  # (cut at each pause's quietest block's middle)
+    assert np.array_equal(np.concatenate(pieces), x)
+    assert all(len(p) <= 30 * rate for p in pieces)
+    loud = rng.uniform(-0.5, 0.5, 61 * rate).astype(np.float32)
+    pieces = split_clip(loud, rate, 30.0)
+    assert len(pieces) == 3 and np.array_equal(np.concatenate(pieces), loud)
+    assert all(28 * rate <= len(p) <= 30 * rate for p in pieces[:2])  # (no pause: the quietest block still)
+    tail = np.concatenate([loud[:30 * rate], loud[:20]])  # (a last piece too short to hear is left out)
+    assert [len(p) for p in split_clip(tail, rate, 30.0, search_seconds=0.0, min_samples=50)] == [30 * rate]
