@@ -648,36 +648,54 @@ QWEN2_AUDIO_PREPROCESSOR = {
     "processor_class": "Qwen2AudioProcessor"}
 
 
+def _tiny_audio_model(tmp_path_factory, name: str, tokens: list[str], template: str, config_class, model_class,
+                      *, text: dict, audio: dict, token: str, processor: dict | None = None, context: int = 2048,
+                      **config) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight audio-language model: the tiny tokenizer with ``tokens``
+    added, ``template``, Whisper's feature extractor at 16 mel bins, ``processor`` as processor_config.json, and
+    ``config_class(text_config=..., audio_config=audio, **config)`` with ``token``'s id as the audio token."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp(f"hf-{name}")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in tokens])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": template,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(
+        {**QWEN2_AUDIO_PREPROCESSOR, "processor_class": (processor or {}).get("processor_class",
+                                                                              "Qwen2AudioProcessor")}))
+    if processor is not None:
+        (d / "processor_config.json").write_text(json.dumps(processor))
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.2,
+                **text)
+    ids = {k: tok.token_to_id(token) for k in ("audio_token_index", "audio_token_id") if k in config}
+    torch.manual_seed(0)
+    model_class(config_class(text_config=text, audio_config=audio, **{**config, **ids})).eval().save_pretrained(
+        d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / name
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=context, prefill_chunk_tokens=256))
+    return d, out
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_audio(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Qwen2-Audio: a two-layer Whisper-style encoder (16 mel bins,
     width 32, 1,500 positions) and a Qwen2 decoder, with its tokenizer's audio tokens and chat template."""
-    import torch
-    from tokenizers import AddedToken, Tokenizer
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration
 
-    from flared.core.export import ExportOptions, export_core
-
-    d = tmp_path_factory.mktemp("hf-qwen2-audio")
-    train_tiny_tokenizer(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": QWEN2_AUDIO_TEMPLATE,
-        "tokenizer_class": "Qwen2TokenizerFast"}))
-    (d / "preprocessor_config.json").write_text(json.dumps(QWEN2_AUDIO_PREPROCESSOR))
-    text = dict(model_type="qwen2", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                initializer_range=0.2, tie_word_embeddings=False)
-    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
-                 max_source_positions=1500, initializer_range=0.2)
-    config = Qwen2AudioConfig(text_config=text, audio_config=audio, audio_token_index=tok.token_to_id("<|AUDIO|>"))
-    torch.manual_seed(0)
-    Qwen2AudioForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "qwen2_audio"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=128))
-    return d, out
+    return _tiny_audio_model(
+        tmp_path_factory, "qwen2_audio", ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"], QWEN2_AUDIO_TEMPLATE,
+        Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, token="<|AUDIO|>", audio_token_index=None,
+        text=dict(model_type="qwen2", tie_word_embeddings=False), context=1024,
+        audio=dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                   max_source_positions=1500, initializer_range=0.2))
 
 
 # Audio Flamingo 3's prompt: ChatML, each audio part as <sound> (AudioFlamingo3Processor's placeholder).
@@ -692,35 +710,15 @@ AUDIOFLAMINGO3_TEMPLATE = (
 def tiny_audioflamingo3(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Audio Flamingo 3: Qwen2-Audio's encoder (16 mel bins, width
     32), a two-linear GELU projector, a Qwen2 decoder; clips of up to 60 s (max_audio_len: two 30 s windows)."""
-    import torch
-    from tokenizers import AddedToken, Tokenizer
     from transformers import AudioFlamingo3Config, AudioFlamingo3ForConditionalGeneration
 
-    from flared.core.export import ExportOptions, export_core
-
-    d = tmp_path_factory.mktemp("hf-audioflamingo3")
-    train_tiny_tokenizer(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken("<sound>", special=True)])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": AUDIOFLAMINGO3_TEMPLATE,
-        "tokenizer_class": "Qwen2TokenizerFast"}))
-    (d / "preprocessor_config.json").write_text(json.dumps({**QWEN2_AUDIO_PREPROCESSOR,
-                                                            "processor_class": "AudioFlamingo3Processor"}))
-    (d / "processor_config.json").write_text(json.dumps({"processor_class": "AudioFlamingo3Processor",
-                                                         "audio_token": "<sound>", "max_audio_len": 60}))
-    text = dict(model_type="qwen2", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                initializer_range=0.2, tie_word_embeddings=False)
-    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_mel_bins=16,
-                 max_source_positions=1500, initializer_range=0.2)
-    config = AudioFlamingo3Config(text_config=text, audio_config=audio, audio_token_id=tok.token_to_id("<sound>"))
-    torch.manual_seed(0)
-    AudioFlamingo3ForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "audioflamingo3"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=2048, prefill_chunk_tokens=256))
-    return d, out
+    return _tiny_audio_model(
+        tmp_path_factory, "audioflamingo3", ["<sound>"], AUDIOFLAMINGO3_TEMPLATE, AudioFlamingo3Config,
+        AudioFlamingo3ForConditionalGeneration, token="<sound>", audio_token_id=None,
+        processor={"processor_class": "AudioFlamingo3Processor", "audio_token": "<sound>", "max_audio_len": 60},
+        text=dict(model_type="qwen2", tie_word_embeddings=False),
+        audio=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                   num_mel_bins=16, max_source_positions=1500, initializer_range=0.2))
 
 
 # GLM-ASR's prompt shape: each audio part as <|begin_of_audio|><|pad|><|end_of_audio|> (GlmAsrProcessor's token)
@@ -735,33 +733,12 @@ GLMASR_TEMPLATE = (
 def tiny_glmasr(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight GLM-ASR: its rope encoder (16 mel bins, width 32, half of each
     head turned), the four-row merging projector, a Llama decoder with tied embeddings; clips of up to 60 s."""
-    import torch
-    from tokenizers import AddedToken, Tokenizer
     from transformers import GlmAsrConfig, GlmAsrForConditionalGeneration
 
-    from flared.core.export import ExportOptions, export_core
-
-    d = tmp_path_factory.mktemp("hf-glmasr")
-    train_tiny_tokenizer(d)
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<|begin_of_audio|>", "<|pad|>",
-                                                                   "<|end_of_audio|>"]])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": GLMASR_TEMPLATE,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
-    (d / "preprocessor_config.json").write_text(json.dumps({**QWEN2_AUDIO_PREPROCESSOR,
-                                                            "processor_class": "GlmAsrProcessor"}))
-    (d / "processor_config.json").write_text(json.dumps({"processor_class": "GlmAsrProcessor",
-                                                         "audio_token": "<|pad|>", "max_audio_len": 60}))
-    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                initializer_range=0.2, eos_token_id=[tok.token_to_id("<|im_end|>")], bos_token_id=None)
-    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, num_mel_bins=16,
-                 initializer_range=0.2)
-    config = GlmAsrConfig(text_config=text, audio_config=audio, audio_token_id=tok.token_to_id("<|pad|>"))
-    torch.manual_seed(0)
-    GlmAsrForConditionalGeneration(config).eval().save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "glmasr"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=2048, prefill_chunk_tokens=256))
-    return d, out
+    return _tiny_audio_model(
+        tmp_path_factory, "glmasr", ["<|begin_of_audio|>", "<|pad|>", "<|end_of_audio|>"], GLMASR_TEMPLATE,
+        GlmAsrConfig, GlmAsrForConditionalGeneration, token="<|pad|>", audio_token_id=None,
+        processor={"processor_class": "GlmAsrProcessor", "audio_token": "<|pad|>", "max_audio_len": 60},
+        text=dict(model_type="llama", eos_token_id=[2], bos_token_id=None),  # (<|im_end|>)
+        audio=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                   num_mel_bins=16, initializer_range=0.2))

@@ -112,23 +112,9 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
         raise CoreError(f"{source}: projector type {kind!r} is not supported (supported: {', '.join(PROJECTORS)})",
                         ErrorKind.UNSUPPORTED_MODEL)
 
-    def need(key: str):
-        value = _field(reader, f"clip.vision.{key}")
-        if value is None:
-            raise CoreError(f"{source}: mmproj metadata has no clip.vision.{key}", ErrorKind.SOURCE_FORMAT)
-        return value
-
-    raw = {t.name: gguf_tensor_values(t, dtype, source) for t in reader.tensors}
     # (Pixtral's [IMG_BREAK] row, which the model GGUF's embedding holds too)
-    used = {"v.token_embd.img_break"}
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            value = raw[name]
-            used.add(name)
-            return value
-        except KeyError:
-            raise CoreError(f"{source}: mmproj has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+    files = _Contents(reader, source, dtype, "clip.vision", used={"v.token_embd.img_break"})
+    raw, need, take = files.raw, files.need, files.take
 
     projection = int(need("projection_dim"))
     if projection != text_hidden_size:
@@ -218,15 +204,44 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
             processor = {}
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{source}: bad mmproj value: {exc}", ErrorKind.SOURCE_FORMAT) from None
-    unread = sorted(set(raw) - used)
-    if unread:  # (a variant of the tower this reader would misread without them)
-        raise CoreError(f"{source}: mmproj tensors this {kind} tower does not have: {', '.join(unread[:6])}",
-                        ErrorKind.UNSUPPORTED_MODEL)
-    from flared.model.vision import check_vision_tensors
+    return MmprojTower(config=config, tensors=files.finish(tensors, config, f"{kind} tower"),
+                       preprocessor=preprocessor, processor=processor)
 
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    check_vision_tensors(tensors, config, source=source)
-    return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor, processor=processor)
+
+class _Contents:
+    """An mmproj's metadata under ``prefix`` (``need``: a key that must be there) and tensors (``take``: one that
+    must be there), with the check that every tensor was read (``finish``: a variant of the tower this reader
+    would misread without them is refused) and the result's against its config."""
+
+    def __init__(self, reader, source: str, dtype, prefix: str, used: set[str] | None = None):
+        self.reader, self.source, self.prefix = reader, source, prefix
+        self.raw = {t.name: gguf_tensor_values(t, dtype, source) for t in reader.tensors}
+        self.used = set(used or ())
+
+    def need(self, key: str):
+        value = _field(self.reader, f"{self.prefix}.{key}")
+        if value is None:
+            raise CoreError(f"{self.source}: mmproj metadata has no {self.prefix}.{key}", ErrorKind.SOURCE_FORMAT)
+        return value
+
+    def take(self, name: str) -> torch.Tensor:
+        try:
+            value = self.raw[name]
+        except KeyError:
+            raise CoreError(f"{self.source}: mmproj has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+        self.used.add(name)
+        return value
+
+    def finish(self, tensors: dict[str, torch.Tensor], config: VisionConfig, what: str) -> dict[str, torch.Tensor]:
+        from flared.model.vision import check_vision_tensors
+
+        unread = sorted(set(self.raw) - self.used)
+        if unread:
+            raise CoreError(f"{self.source}: mmproj tensors this {what} does not have: {', '.join(unread[:6])}",
+                            ErrorKind.UNSUPPORTED_MODEL)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        check_vision_tensors(tensors, config, source=self.source)
+        return tensors
 
 
 # clip.audio.projector_type (or clip.projector_type) -> our audio family, and the token its clips stand in for
@@ -243,22 +258,8 @@ def _read_audio(reader, source: str, *, text_reader, text_hidden_size: int, dtyp
         raise CoreError(f"{source}: audio projector type {kind!r} is not supported (supported: "
                         f"{', '.join(AUDIO_PROJECTORS)})", ErrorKind.UNSUPPORTED_MODEL)
 
-    def need(key: str):
-        value = _field(reader, f"clip.audio.{key}")
-        if value is None:
-            raise CoreError(f"{source}: mmproj metadata has no clip.audio.{key}", ErrorKind.SOURCE_FORMAT)
-        return value
-
-    raw = {t.name: gguf_tensor_values(t, dtype, source) for t in reader.tensors}
-    used: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            value = raw[name]
-            used.add(name)
-            return value
-        except KeyError:
-            raise CoreError(f"{source}: mmproj has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
+    files = _Contents(reader, source, dtype, "clip.audio")
+    raw, need, take = files.raw, files.need, files.take
 
     projection = int(need("projection_dim"))
     if projection != text_hidden_size:
@@ -281,14 +282,7 @@ def _read_audio(reader, source: str, *, text_reader, text_hidden_size: int, dtyp
         tensors = _whisper(take, config)
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{source}: bad mmproj value: {exc}", ErrorKind.SOURCE_FORMAT) from None
-    unread = sorted(set(raw) - used)
-    if unread:
-        raise CoreError(f"{source}: mmproj tensors this {kind} encoder does not have: {', '.join(unread[:6])}",
-                        ErrorKind.UNSUPPORTED_MODEL)
-    from flared.model.vision import check_vision_tensors
-
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    check_vision_tensors(tensors, config, source=source)
+    tensors = files.finish(tensors, config, f"{kind} encoder")
     preprocessor = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": config.mel_bins,
                     "sampling_rate": 16000, "hop_length": 160, "n_fft": 400, "chunk_length": 30}
     processor = {"audio_token": token, **({"max_audio_len": 600} if family == "audioflamingo3" else {})}

@@ -5,15 +5,11 @@ GlmAsrProcessor on the same weights, samples and prompt, for one window and for 
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
 from flared_testing.audio import input_audio, tone  # noqa: E402
-from flared_testing.vision import assert_greedy  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -35,45 +31,21 @@ def daemon(tiny_glmasr, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_glmasr):
-    import torch
-    from transformers import (GlmAsrForConditionalGeneration, GlmAsrProcessor, PreTrainedTokenizerFast,
-                              WhisperFeatureExtractor)
+    from flared_testing.audio import transformers_reference
+    from transformers import GlmAsrForConditionalGeneration, GlmAsrProcessor
 
-    checkpoint = tiny_glmasr[0]
-    model = GlmAsrForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>")
-    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
-    features = WhisperFeatureExtractor(**{k: v for k, v in settings.items()
-                                          if k not in ("feature_extractor_type", "processor_class")})
-    processor = GlmAsrProcessor(feature_extractor=features, tokenizer=tok, chat_template=template, max_audio_len=60)
-
-    def run(clip, text: str):
-        content = [{"type": "audio", "audio": "clip"}, {"type": "text", "text": text}]
-        prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                               add_generation_prompt=True)
-        inputs = processor(text=prompt, audio=[clip.astype(np.float32) / 32768])
-        with torch.no_grad():
-            gen = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-        n = inputs["input_ids"].shape[1]
-        return n, gen[0, n:].tolist()
-
-    return run
+    return transformers_reference(tiny_glmasr[0], GlmAsrForConditionalGeneration, GlmAsrProcessor, NEW_TOKENS,
+                                  max_audio_len=60)
 
 
 def test_greedy_tokens_match_transformers(daemon, reference):
     """A clip of one window, one of exactly 30 s, two of two windows (41.5 s; 30 s and a few frames, whose second
     window makes no token)."""
-    for seconds, text in ((3.2, "Transcribe it."), (30.0, "Whole window."), (41.5, "Two windows."),
-                          (30.0 + 481 / 16000, "Barely two.")):
-        clip = tone(int(seconds * 10) + 1, seconds)
-        status, body = ask(daemon, [input_audio(clip)], text)
-        assert status == 200, body
-        num_prompt, expected = reference(clip, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, (seconds, text)
-        assert_greedy(body, expected, (seconds, text))
+    from flared_testing.audio import assert_clips_match
+
+    assert_clips_match(daemon, reference, [([tone(int(s * 10) + 1, s)], text) for s, text in (
+        (3.2, "Transcribe it."), (30.0, "Whole window."), (41.5, "Two windows."),
+        (30.0 + 481 / 16000, "Barely two."))], NEW_TOKENS)
 
 
 def test_a_clip_too_short_for_a_token_is_a_400(daemon):

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from flared_testing.audio import ask as _ask  # noqa: E402
 from flared_testing.audio import float_wav, input_audio, tone, wav_bytes  # noqa: E402
-from flared_testing.vision import assert_greedy, token_ids  # noqa: E402
+from flared_testing.vision import token_ids  # noqa: E402
 
 NEW_TOKENS = 12
 
@@ -36,46 +36,21 @@ def ask(daemon, parts, text: str, **kw):
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen2_audio):
-    import json
+    from flared_testing.audio import transformers_reference
+    from transformers import Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor
 
-    import torch
-    from transformers import (PreTrainedTokenizerFast, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
-                              WhisperFeatureExtractor)
-
-    checkpoint = tiny_qwen2_audio[0]
-    model = Qwen2AudioForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), eos_token="<|im_end|>")
-    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
-    features = WhisperFeatureExtractor(**{k: v for k, v in settings.items()
-                                          if k not in ("feature_extractor_type", "processor_class")})
-    processor = Qwen2AudioProcessor(feature_extractor=features, tokenizer=tok, chat_template=template)
-
-    def run(clips, text: str):
-        content = [{"type": "audio", "audio_url": "clip"} for _ in clips] + [{"type": "text", "text": text}]
-        prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                               add_generation_prompt=True)
-        inputs = processor(text=prompt, audio=[c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000,
-                           return_tensors="pt")
-        with torch.no_grad():
-            gen = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-        n = inputs["input_ids"].shape[1]
-        return n, gen[0, n:].tolist()
-
-    return run
+    return transformers_reference(tiny_qwen2_audio[0], Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
+                                  NEW_TOKENS)
 
 
 def test_greedy_tokens_match_transformers(daemon, reference):
     """A short clip, a longer one, a clip of 70 ms (two audio tokens; transformers' model cannot take a clip of one,
     which its merge mistakes for an unexpanded prompt), and two clips in one turn."""
+    from flared_testing.audio import assert_clips_match
+
     a, b, c = tone(1, 1.3), tone(2, 4.25), tone(3, 0.07)
-    for clips, text in (([a], "What is that sound?"), ([b], "And this one?"), ([c], "Hm?"), ([a, b], "Compare.")):
-        status, body = ask(daemon, [input_audio(x) for x in clips], text)
-        assert status == 200, body
-        num_prompt, expected = reference(clips, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, (len(clips), text)
-        assert_greedy(body, expected, (len(clips), text))
+    assert_clips_match(daemon, reference, (([a], "What is that sound?"), ([b], "And this one?"), ([c], "Hm?"),
+                                           ([a, b], "Compare.")), NEW_TOKENS)
 
 
 def test_audio_url_data_urls_and_stereo_read_as_the_same_clip(daemon):

@@ -50,3 +50,49 @@ def ask(daemon, parts, text: str, max_tokens: int, **kw):
     return daemon.chat([{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
                        max_tokens=max_tokens, temperature=0, logprobs=True, top_logprobs=3,
                        return_tokens_as_token_ids=True, ignore_eos=True, **kw)
+
+
+def transformers_reference(checkpoint, model_class, processor_class, new_tokens: int, **processor_kwargs):
+    """``run(clips, text)`` -> (prompt tokens, greedy tokens) of transformers' ``model_class`` on a test checkpoint,
+    fed by ``processor_class`` (its WhisperFeatureExtractor from preprocessor_config.json, the checkpoint's
+    tokenizer and chat template) as its model card shows: one user turn of the clips (16-bit values) then text."""
+    import json
+
+    import torch
+    from transformers import PreTrainedTokenizerFast, WhisperFeatureExtractor
+
+    model = model_class.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    settings = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    features = WhisperFeatureExtractor(**{k: v for k, v in settings.items()
+                                          if k not in ("feature_extractor_type", "processor_class")})
+    processor = processor_class(feature_extractor=features, tokenizer=tok, chat_template=template, **processor_kwargs)
+
+    def run(clips, text: str):
+        content = [{"type": "audio", "audio": "clip"} for _ in clips] + [{"type": "text", "text": text}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                               add_generation_prompt=True)
+        inputs = processor(text=prompt, audio=[c.astype(np.float32) / 32768 for c in clips], sampling_rate=16000,
+                           return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        n = inputs["input_ids"].shape[1]
+        return n, gen[0, n:].tolist()
+
+    return run
+
+
+def assert_clips_match(daemon, reference, cases, new_tokens: int) -> None:
+    """Each (clips, text) user turn asked greedily of the daemon: its prompt length and tokens are what
+    ``reference(clips, text)`` (transformers) gives."""
+    from flared_testing.vision import assert_greedy
+
+    for clips, text in cases:
+        status, body = ask(daemon, [input_audio(c) for c in clips], text, new_tokens)
+        assert status == 200, body
+        num_prompt, expected = reference(clips, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt, ([len(c) for c in clips], text)
+        assert_greedy(body, expected, ([len(c) for c in clips], text))

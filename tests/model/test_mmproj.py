@@ -210,9 +210,16 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
                 out["v.patch_embd.bias"] = value
             else:
                 out[mapped(name)] = value
+    _finish(w, out, matrix_type)
+
+
+def _finish(w, out: dict, matrix_type, kept=()) -> None:
+    """The converter's tensors written (matrices as ``matrix_type``, but position tables and those in ``kept``),
+    and the file closed."""
     for name, value in out.items():
-        value = np.ascontiguousarray(value, dtype=np.float32)
-        if value.ndim == 2 and matrix_type != Q.F32 and "position_embd" not in name:
+        if value.dtype != np.float16:
+            value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 2 and matrix_type != Q.F32 and "position_embd" not in name and name not in kept:
             w.add_tensor(name, gguf.quants.quantize(value, matrix_type), raw_dtype=matrix_type)
         else:
             w.add_tensor(name, value)
@@ -240,6 +247,7 @@ def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
     w.add_audio_num_mel_bins(a["num_mel_bins"])
     w.add_audio_attention_layernorm_eps(a.get("layer_norm_eps", 1e-5))
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(a.get("num_hidden_layers", 2), 4))
+    out = {}
     for name, value in _load(hf_dir).items():
         if not name.startswith(("audio_tower.", "multi_modal_projector.")):
             continue
@@ -249,18 +257,10 @@ def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
             value = value[:, None]
         new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
-        value = np.ascontiguousarray(value, dtype=np.float32)
-        if ".conv" in name and name.endswith(".weight"):  # (the converter keeps the convolutions F16 / F32)
-            value = value.astype(np.float16) if family == "qwen2_audio" and matrix_type != Q.F32 else value
-            w.add_tensor(new, value)
-        elif value.ndim == 2 and matrix_type != Q.F32 and "position_embd" not in new:
-            w.add_tensor(new, gguf.quants.quantize(value, matrix_type), raw_dtype=matrix_type)
-        else:
-            w.add_tensor(new, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        if ".conv" in name and name.endswith(".weight") and family == "qwen2_audio" and matrix_type != Q.F32:
+            value = value.astype(np.float16)  # (the converter keeps Qwen2-Audio's convolutions F16)
+        out[new] = value
+    _finish(w, out, matrix_type)
 
 
 @pytest.mark.parametrize("family", ["qwen2_audio", "audioflamingo3"])
