@@ -212,9 +212,11 @@ class ServingState:
                 found = rendered.token_ids.count(self.image_token_id)
                 expected = sum(p.num_image_tokens for p in prepared)
                 if found != expected:
-                    raise FrontendError(f"the prompt holds {found} image tokens where its images make {expected} "
-                                        "(a message's text may not spell an image token, and this route reads "
-                                        "images only as the API's image parts)", ErrorKind.VALIDATION)
+                    kind = "audio" if self.image_processor.modality == "audio" else "image"
+                    media = "clips" if kind == "audio" else "images"
+                    raise FrontendError(f"the prompt holds {found} {kind} tokens where its {media} make {expected} "
+                                        f"(a message's text may not spell an {kind} token, and this route reads "
+                                        f"{media} only as the API's {kind} parts)", ErrorKind.VALIDATION)
             if not prepared:
                 return rendered
             return dataclasses.replace(rendered, images=prepared, vision=self._image_layout(rendered, prepared))

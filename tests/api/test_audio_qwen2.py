@@ -211,3 +211,8 @@ def test_the_chat_page_sends_audio(daemon, tmp_path):
     assert out["content"] == want["choices"][0]["message"]["content"]
     assert out["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
     assert out["mp3"] == {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "mp3"}}
+
+
+def test_a_message_that_spells_the_audio_token_is_a_400(daemon):
+    status, body = daemon.chat([{"role": "user", "content": "Hear <|AUDIO|> this"}], max_tokens=2)
+    assert status == 400 and "1 audio tokens where its clips make 0" in body["error"]["message"], body
