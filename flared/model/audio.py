@@ -157,8 +157,9 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
 class WhisperAudioEncoder(_Tower):
     """A Whisper-style encoder and its projector on one device: ``stages(features [mel, F], grid=(T, W, 1))`` ->
     the clip's rows, a generator that yields after every layer. The features hold W windows: W - 1 whole ones
-    (2 x positions frames each) and the last, whose T encoder rows give (T - 2) // 2 + 1 of the clip's last rows
-    (none where T < 2: a window of a frame or two past the last whole one)."""
+    (2 x positions frames each) and the last, whose T valid encoder rows give (T - k) // k + 1 of the clip's last
+    rows, k the rows a token (``scale_factor``: Whisper's average pool of 2, GLM-ASR's merge of 4); none where
+    T < k (a window of a few frames past the last whole one)."""
 
     @torch.inference_mode()
     def stages(self, pixel_values: torch.Tensor, *, grid=None):
