@@ -218,3 +218,29 @@ def test_a_long_recording_is_cut_in_its_pauses():
     assert all(28 * rate <= len(p) <= 30 * rate for p in pieces[:2])  # (no pause: the quietest block still)
     tail = np.concatenate([loud[:30 * rate], loud[:20]])  # (a last piece too short to hear is left out)
     assert [len(p) for p in split_clip(tail, rate, 30.0, search_seconds=0.0, min_samples=50)] == [30 * rate]
+
+
+def test_hostile_wav_bytes_are_a_clear_error_or_a_clip():
+    """Mutated WAV files (sizes, tags, channel counts, truncations, random bytes after the header) decode to a clip
+    or raise FrontendError; nothing else escapes (a 400, and the daemon keeps serving)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    good = _wav(np.arange(-40, 40, dtype="<i2").tobytes(), tag=1, channels=2, rate=16000, bits=16)
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), max_size=6),
+           st.integers(0, len(good)), st.binary(max_size=64))
+    def check(flips, cut, tail):
+        data = bytearray(good[:cut]) + tail
+        for at, value in flips:
+            if at < len(data):
+                data[at] = value
+        try:
+            clip = decode_audio(bytes(data))
+        except FrontendError:
+            return
+        assert clip.samples.dtype == np.float32 and clip.samples.ndim == 1 and len(clip.samples) > 0
+        assert np.isfinite(clip.samples).all() and 1000 <= clip.sample_rate <= 768000
+
+    check()
