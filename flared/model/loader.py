@@ -393,6 +393,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         # its decoder's tensors under model.text_model.* (Idefics3) or model.language_model.* (transformers 5's
         # Qwen VL layout; older checkpoints keep model.*), the tower's elsewhere
         renames = {"model.text_model.": "model.", "model.language_model.": "model.",
+                   # (transformers 5.17 saves Qwen2-Audio's decoder one model. deeper than the releases)
+                   "language_model.model.model.": "model.",
                    "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # Mistral3's
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
                  "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
