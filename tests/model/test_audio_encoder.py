@@ -80,3 +80,22 @@ def test_an_exported_core_keeps_the_feature_extractor(tiny_qwen2_audio):
     core = open_core(tiny_qwen2_audio[1])
     assert core.image_processor() == WhisperProcessor(feature_size=16)
     assert core.manifest.capabilities["audio"] and not core.manifest.capabilities["vision"]
+
+
+def test_transformers_5_17s_deeper_decoder_layout_reads_the_same(tiny_qwen2_audio, tmp_path):
+    """transformers 5.17 saves Qwen2-Audio's decoder as language_model.model.model.* (the releases, and 5.25:
+    language_model.model.*); both read as the same checkpoint."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from flared.model.loader import read_source
+
+    d = _copy(tiny_qwen2_audio[0], tmp_path)
+    weights = load_file(d / "model.safetensors")
+    save_file({("language_model.model.model." + k.removeprefix("language_model.model.")
+                if k.startswith("language_model.model.") else k): v
+               for k, v in weights.items()}, d / "model.safetensors", metadata={"format": "pt"})
+    assert any(k.startswith("language_model.model.model.") for k in load_file(d / "model.safetensors"))
+    ours, theirs = read_source(d), read_source(tiny_qwen2_audio[0])
+    assert sorted(ours.tensors) == sorted(theirs.tensors)
+    assert all(torch.equal(ours.tensors[k], theirs.tensors[k]) for k in theirs.tensors)
