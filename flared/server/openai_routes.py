@@ -304,7 +304,9 @@ def _check_vocab(state, opts: SamplingOptions) -> None:
                 raise err
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
+def _usage(gen: Generation, audio: bool = False) -> dict[str, Any]:
+    """OpenAI's usage of a response; ``audio``: an audio model's, whose prompt's audio tokens are counted in
+    ``prompt_tokens_details.audio_tokens`` (as OpenAI's audio models report them)."""
     u = gen.usage()
     out = {
         "prompt_tokens": u.num_prompt_tokens,
@@ -312,6 +314,9 @@ def _usage(gen: Generation) -> dict[str, Any]:
         "total_tokens": u.num_prompt_tokens + u.num_generated_tokens,
         "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens},
     }
+    vision = gen.request(0).vision if audio and gen.num_choices else None
+    if vision is not None:  # (the choices share one prompt: its clips counted once)
+        out["prompt_tokens_details"]["audio_tokens"] = len(vision.positions)
     if any(gen.request(i).prediction for i in range(gen.num_choices)):
         # a predicted output: the draft tokens speculative decoding took from it (looked up there first) and kept,
         # and those it computed and dropped (0 and 0 with speculation off: the prediction then changes nothing)
@@ -583,7 +588,7 @@ class OpenAIRoutes:
                 **({"token_ids": ids} if req.extras.return_token_ids else {}),
             })
         body = {"id": rid, "object": "chat.completion", "created": gen.created, "model": req.model,
-                "choices": choices, "usage": _usage(gen)}
+                "choices": choices, "usage": _usage(gen, self.state.takes_audio)}
         if prompt_lps is not None:
             body["prompt_logprobs"] = prompt_lps
         if req.extras.return_token_ids:
@@ -594,7 +599,7 @@ class OpenAIRoutes:
                            shape: OutputShape, prompt: tuple[int, ...], echo: str) -> None:
         base = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": req.model}
         extras = req.extras
-        usage = _chunk_usage(gen, req.include_usage, extras)
+        usage = _chunk_usage(gen, req.include_usage, extras, self.state.takes_audio)
         parsers = [shape.parser() for _ in range(gen.num_choices)] if shape.active else None
         try:
             for i in range(gen.num_choices):
@@ -631,7 +636,7 @@ class OpenAIRoutes:
                     choice["token_ids"] = d.token_ids
                 await w.send_json_event({**base, "choices": [choice], **usage()})
             if req.include_usage:
-                await w.send_json_event({**base, "choices": [], "usage": _usage(gen)})
+                await w.send_json_event({**base, "choices": [], "usage": _usage(gen, self.state.takes_audio)})
             await w.send_event("[DONE]")
         except ClientDisconnected:
             gen.cancel()
@@ -847,11 +852,11 @@ class OpenAIRoutes:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chunk_usage(gen: Generation, include_usage: bool, extras):
+def _chunk_usage(gen: Generation, include_usage: bool, extras, audio: bool = False):
     """A stream chunk's usage field: none, null (include_usage: the totals come last), or the counts so far
     (vLLM's continuous_usage_stats)."""
     if extras.continuous_usage:
-        return lambda: {"usage": _usage(gen)}
+        return lambda: {"usage": _usage(gen, audio)}
     null = {"usage": None} if include_usage else {}
     return lambda: null
 

@@ -151,6 +151,12 @@ def test_the_responses_api_and_the_openai_sdk_take_input_audio(daemon):
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == want["choices"][0]["message"]["content"]
     assert chat.usage.prompt_tokens == want["usage"]["prompt_tokens"]
+    assert chat.usage.prompt_tokens_details.audio_tokens == 25  # (1 s: 100 frames, 50 rows, 25 tokens)
+    streamed = list(client.chat.completions.create(
+        model=model.id, max_tokens=NEW_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": [input_audio(x), {"type": "text", "text": "Listen."}]}],
+        extra_body={"ignore_eos": True}))
+    assert streamed[-1].usage.prompt_tokens_details.audio_tokens == 25
     resp = client.responses.create(model=model.id, max_output_tokens=NEW_TOKENS, temperature=0,
                                    input=[{"role": "user", "content": [
                                        input_audio(x), {"type": "input_text", "text": "Listen."}]}],
