@@ -21,6 +21,8 @@ a compressed clip is decoded no further than ``max_seconds``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
 import io
@@ -107,6 +109,28 @@ def _source_bytes(source, max_bytes: int) -> bytes:
         raise _error(f"unsupported audio type {params[0]!r}; send WAV, MP3, FLAC or Ogg "
                      "('data:audio/wav;base64,...')")
     return _b64decode(payload, max_bytes, "the audio data URL", "audio")
+
+
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\0", b"MM\0*")
+
+
+def media_kind(source: str | bytes, default: str) -> str:
+    """"audio" or "image": what base64 text (or bytes) starts as (llama.cpp's multimodal_data tells images and clips
+    apart by their bytes); ``default`` where neither shows (the bytes are then decoded as that, to say what is
+    wrong with them)."""
+    head = source[:64] if isinstance(source, (bytes, bytearray)) else None
+    if head is None:
+        try:
+            text = source.strip()[:64]
+            head = base64.b64decode(text[:len(text) // 4 * 4], validate=False)
+        except (ValueError, binascii.Error):
+            return default
+    head = bytes(head)
+    if (head[:4] == b"RIFF" and head[8:12] == b"WAVE") or _sniff(head) is not None:
+        return "audio"
+    if head.startswith(_IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
+        return "image"
+    return default
 
 
 def _sniff(data: bytes) -> str | None:

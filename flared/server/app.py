@@ -28,7 +28,7 @@ import torch
 from flared.errors import AdmissionError, ErrorKind, FrontendError
 from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
-from flared.frontend.audio import decode_audio
+from flared.frontend.audio import decode_audio, media_kind
 from flared.frontend.images import decode_image, image_processor_from_dict
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
@@ -57,6 +57,18 @@ MAX_IMAGES_PER_REQUEST = 8
 IMAGE_BYTES_LIMIT = 10 << 20
 # Recent images' tower rows kept for later requests (a conversation about one image re-sends it every turn).
 IMAGE_ROWS_CACHE_BYTES = 256 << 20
+
+
+# llama.cpp's media marker (mtmd_default_marker): where a /completion prompt object's multimodal_data go
+MEDIA_MARKER = "<__media__>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _MediaPrompt:
+    """A llama.cpp prompt object's tokens and media, shaped as a rendered chat for ``vision_input``."""
+    token_ids: list
+    images: tuple
+    vision: object
 
 
 def image_parts(messages) -> list[tuple[str, dict]]:
@@ -313,6 +325,43 @@ class ServingState:
                 blocks.append((first, count, image.grid))
             mrope, delta = mrope_positions(rendered.token_ids, blocks, self.mrope_merge)
         return VisionInput(positions, None, spans, mrope, delta)
+
+    async def media_prompt(self, text: str, media: list, where: str) -> tuple[list[int], VisionInput | None]:
+        """llama.cpp's prompt object, ``{"prompt_string", "multimodal_data"}``: ``text`` with a ``<__media__>``
+        marker for each base64 item of ``media`` (images, or an audio model's clips, told apart by their bytes),
+        each marker replaced by its media's prompt text, tokenized as a text prompt (the model's BOS); and the
+        media's rows (``vision_input``). A count that disagrees, or media the model does not take, is a 400."""
+        markers = text.count(MEDIA_MARKER)
+        if markers != len(media):
+            raise _bad(f"{where}.prompt_string", f"holds {markers} {MEDIA_MARKER} markers for {len(media)} "
+                                                 "multimodal_data items (one each, in order)")
+        if not media:
+            return await self.encode(text), None
+        parts = []
+        for i, item in enumerate(media):
+            at = f"{where}.multimodal_data[{i}]"
+            if not isinstance(item, str) or not item:
+                raise _bad(at, "must be a non-empty base64 string")
+            kind = media_kind(item, getattr(self.image_processor, "modality", None) or "image")
+            parts.append((at, {"type": kind, kind: item, "param": at, "sent_as": f"multimodal_data ({kind})"}))
+        self._check_images(parts)
+        add_bos = self.manifest.tokens.add_bos_token
+
+        def render():
+            prepared = self._prepare_images(parts)
+            pieces = text.split(MEDIA_MARKER)
+            expanded = pieces[0] + "".join(p.prompt + rest for p, rest in zip(prepared, pieces[1:]))
+            ids = self.frontend.encode(expanded, add_special_tokens=add_bos)
+            expected = sum(p.num_image_tokens for p in prepared)
+            if ids.count(self.image_token_id) != expected:
+                raise FrontendError(f"'{where}.prompt_string': its text spells a media token (the prompt holds "
+                                    f"{ids.count(self.image_token_id)} where its media make {expected})",
+                                    ErrorKind.VALIDATION)
+            rendered = _MediaPrompt(ids, prepared, None)
+            return dataclasses.replace(rendered, vision=self._image_layout(rendered, prepared))
+
+        rendered = await self._in_pool(render)
+        return list(rendered.token_ids), await self.vision_input(rendered)
 
     async def vision_input(self, rendered, cut: int = 0):
         """The images of a rendered chat through the image tower (on the model thread, between its steps), as the

@@ -216,23 +216,33 @@ class LlamaCppRoutes:
             "build_info": "flared",
         })
 
-    async def _prompts(self, body: dict) -> list[tuple[list[int], str]]:
-        """The request's prompts as (ids, text), in order. llama.cpp's rule: a string, or an array of token ids
-        with strings between them, is one prompt; any other array (of strings only, or with token arrays among
-        its items) holds several."""
+    async def _prompts(self, body: dict) -> tuple[list[tuple[list[int], str]], list]:
+        """The request's prompts as (ids, text), in order, and each one's media (a VisionInput, or None). llama.cpp's
+        rule: a string, an object ``{"prompt_string", "multimodal_data"}``, or an array of token ids with strings
+        between them, is one prompt; any other array (of strings, objects or token arrays) holds several."""
         prompt = body.get("prompt")
         one = isinstance(prompt, list) and any(_is_id(p) for p in prompt) and all(
             _is_id(p) or isinstance(p, str) for p in prompt)
         if isinstance(prompt, list) and prompt and not one:
             if len(prompt) > MAX_N:
                 raise _bad("prompt", f"at most {MAX_N} prompts per request, got {len(prompt)}")
-            return [await self._prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-        return [await self._prompt(prompt, "prompt")]
+            each = [await self._prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        else:
+            each = [await self._prompt(prompt, "prompt")]
+        return [(ids, text) for ids, text, _ in each], [vision for _, _, vision in each]
 
-    async def _prompt(self, prompt: Any, field: str) -> tuple[list[int], str]:
+    async def _prompt(self, prompt: Any, field: str) -> tuple[list[int], str, Any]:
+        if isinstance(prompt, dict):  # llama.cpp's prompt object: its text, and media at <__media__> markers
+            text, media = prompt.get("prompt_string"), prompt.get("multimodal_data", [])
+            if not isinstance(text, str):
+                raise _bad(f"{field}.prompt_string", f"must be a string, got {_type(text)}")
+            if not isinstance(media, list):
+                raise _bad(f"{field}.multimodal_data", f"must be an array of base64 strings, got {_type(media)}")
+            ids, vision = await self.state.media_prompt(text, media, field)
+            return ids, text, vision
         if isinstance(prompt, str):
             ids = await self.state.encode(prompt)
-            return ids, prompt
+            return ids, prompt, None
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_id(p) for p in prompt):
             ids: list[int] = []
             for i, p in enumerate(prompt):
@@ -243,15 +253,16 @@ class LlamaCppRoutes:
                     if not 0 <= p < self.state.vocab_size:
                         raise _bad(field, f"token id {p} is outside the vocabulary (0..{self.state.vocab_size - 1})")
                     ids.append(p)
-            return ids, await self.state.decode(ids)
-        raise _bad(field, "must be a string or an array of token ids (strings may stand between them)"
-                   + (", or an array of such prompts" if field == "prompt" else "")
+            return ids, await self.state.decode(ids), None
+        raise _bad(field, "must be a string, a {prompt_string, multimodal_data} object, or an array of token ids "
+                   "(strings may stand between them)" + (", or an array of such prompts" if field == "prompt" else "")
                    + f", got {_type(prompt)}" + (" (empty)" if prompt == [] else ""))
 
     async def completion(self, request: Request):
         body = json_object(request)
         t0 = time.monotonic_ns()
-        return await self._complete(request, body, await self._prompts(body), t0)
+        prompts, visions = await self._prompts(body)
+        return await self._complete(request, body, prompts, t0, visions=visions)
 
     async def infill(self, request: Request):
         """Fill in the middle: ``input_prefix`` and ``input_suffix`` around the cursor, ``input_extra``
@@ -277,7 +288,7 @@ class LlamaCppRoutes:
         return await self._complete(request, body, [(ids, prefix + (typed or ""))], t0, fim=True)
 
     async def _complete(self, request: Request, body: dict, prompts: list[tuple[list[int], str]], t0: int,
-                        fim: bool = False):
+                        fim: bool = False, visions: list | None = None):
         """Complete each prompt ``n_cmpl`` times (one generation request each, prompt-major; the copies of a
         prompt draw with seeds counting up from the request's); one answer, or an array where there are several."""
         context = self.state.manifest.capacities.context_tokens
@@ -291,6 +302,7 @@ class LlamaCppRoutes:
                 err.param = field
                 raise err
         copies = _integer(body, "n_cmpl", 1, MAX_N) or _integer(body, "n", 1, MAX_N) or 1  # llama.cpp: "n" too
+        visions = [v for v in (visions or [None] * len(prompts)) for _ in range(copies)]
         prompts = [p for p in prompts for _ in range(copies)]
         n_predict = _integer(body, "n_predict", -1, 1 << 31)
         n_probs = _integer(body, "n_probs", 0, MAX_TOP_LOGPROBS) or 0
@@ -337,7 +349,7 @@ class LlamaCppRoutes:
         await prepare_samplers(self.state, opts)
         stop_ids = _stop_ids(self.state, opts, fim=fim)  # a fill also stops at the model's FIM end tokens
         reqs = [GenerateRequest(tuple(ids), (), sampling_params(self.state, each[k], len(ids), None, k % copies),
-                                stop_ids, grammar=grammar) for k, (ids, _) in enumerate(prompts)]
+                                stop_ids, grammar=grammar, vision=visions[k]) for k, (ids, _) in enumerate(prompts)]
         gen = self.state.start(reqs, opts.stop)
         request.disconnected.add_callback(gen.cancel)
         if stream:

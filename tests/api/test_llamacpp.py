@@ -82,9 +82,10 @@ def test_several_prompts_answer_an_array_in_prompt_order(daemon):
 
 
 @pytest.mark.parametrize("body, needle", [
-    ({"prompt": ["x", []]}, "'prompt[1]': must be a string or an array of token ids"),
+    ({"prompt": ["x", []]}, "'prompt[1]': must be a string, a {prompt_string, multimodal_data} object, or an array of "
+                            "token ids"),
     ({"prompt": [[1, 10 ** 9], "x"]}, "'prompt[0]': token id 1000000000 is outside the vocabulary"),
-    ({"prompt": ["x", {"a": 1}]}, "'prompt[1]'"),
+    ({"prompt": ["x", {"a": 1}]}, "'prompt[1].prompt_string': must be a string"),
     ({"prompt": ["x"] * 17}, "at most 16 prompts per request, got 17"),
     ({"prompt": ["x", "x " * 2000]}, "'prompt[1]': 4000 tokens; this model's context holds 1024"),
 ])
@@ -188,7 +189,7 @@ def test_props(daemon):
 
 
 @pytest.mark.parametrize("body, needle", [
-    ({}, "'prompt': must be a string or an array of token ids"),
+    ({}, "'prompt': must be a string, a {prompt_string, multimodal_data} object, or an array of token ids"),
     ({"prompt": []}, "(empty)"),
     ({"prompt": [1, 10 ** 9]}, "token id 1000000000 is outside the vocabulary"),
     ({"prompt": "x", "logit_bias": [[1]]}, "each entry must be a [token id, bias] pair"),
