@@ -25,7 +25,7 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
   (``projector.scale_factor``) written only where it is not 4.
 
 An audio encoder's mmproj (``clip.has_audio_encoder``, its sizes under ``clip.audio.*``) is read the same way
-(``read_audio_mmproj``): ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the converter's type for Audio Flamingo 3):
+(``_read_audio``): ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the converter's type for Audio Flamingo 3):
 Whisper's layers as ``a.blk.{i}.*`` with q/k/v apart, the two convolutions ``a.conv1d.1``/``.2`` (their biases
 [D, 1]), ``a.position_embd``, ``a.post_ln``; the projector ``mm.a.fc`` (Qwen2-Audio) or ``mm.a.mlp.1``/``.2``
 (Audio Flamingo 3). The feature extractor is Whisper's at the file's mel bins, as the released
