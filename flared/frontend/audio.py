@@ -35,7 +35,7 @@ from typing import ClassVar
 import numpy as np
 
 from flared.errors import ErrorKind, FrontendError
-from flared.frontend.images import _URL_SCHEME, PreparedImage, _b64decode, _mib
+from flared.frontend.images import PreparedImage, _error, _mib, source_bytes
 
 DEFAULT_MAX_AUDIO_BYTES = 10 << 20
 
@@ -50,10 +50,6 @@ _REFUSED = ((b"caff", "CAF"), (b"FORM", "AIFF"), (b"\x1aE\xdf\xa3", "WebM/Matros
 DEFAULT_MAX_SECONDS = 60.0
 MIN_RATE, MAX_RATE = 1000, 768000  # sample rates taken (Hz)
 _MAX_KERNEL = 1 << 22  # the resampling filter's coefficients at most (16 MiB of float32)
-
-
-def _error(message: str, kind: ErrorKind = ErrorKind.VALIDATION) -> FrontendError:
-    return FrontendError(message, kind)
 
 
 @dataclass(frozen=True)
@@ -76,7 +72,8 @@ def decode_audio(source: str | bytes | DecodedAudio, *, max_bytes: int = DEFAULT
         return source
     if format is not None and format.lower() not in FORMATS:
         raise _error(f"audio format {format!r} is not supported (one of {', '.join(FORMATS)})")
-    data = _source_bytes(source, max_bytes)
+    data = source_bytes(source, max_bytes, medium="audio", media_types=_AUDIO_MEDIA,
+                        supported="send WAV, MP3, FLAC or Ogg", example="data:audio/wav;base64,...", typed=False)
     if not data:
         raise _error("audio data is empty")
     if len(data) > max_bytes:
@@ -84,31 +81,6 @@ def decode_audio(source: str | bytes | DecodedAudio, *, max_bytes: int = DEFAULT
     if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
         return _read_wav(data)
     return _read_compressed(data, max_seconds)
-
-
-def _source_bytes(source, max_bytes: int) -> bytes:
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        return bytes(source)
-    if not isinstance(source, str):
-        raise _error(f"audio must be a base64 string or a data URL, got {type(source).__name__}")
-    text = source.strip()
-    m = _URL_SCHEME.match(text[:64])
-    if m is None:
-        return _b64decode(text, max_bytes, "audio data", "audio")
-    scheme = m.group(1).lower()
-    if scheme != "data":
-        raise _error(f"unrecognized audio reference (a {scheme!r} URL); send the audio as a base64 data URL",
-                     ErrorKind.UNSUPPORTED if scheme in ("http", "https", "file", "ftp") else ErrorKind.VALIDATION)
-    header, comma, payload = text[m.end():].partition(",")
-    if not comma:
-        raise _error("malformed audio data URL: no ',' before the data")
-    params = [p.strip().lower() for p in header.split(";")]
-    if "base64" not in params[1:]:
-        raise _error("audio data URLs must be base64-encoded ('data:audio/wav;base64,...')")
-    if params[0] and params[0] not in _AUDIO_MEDIA:
-        raise _error(f"unsupported audio type {params[0]!r}; send WAV, MP3, FLAC or Ogg "
-                     "('data:audio/wav;base64,...')")
-    return _b64decode(payload, max_bytes, "the audio data URL", "audio")
 
 
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\0", b"MM\0*")

@@ -150,7 +150,6 @@ _ANYRES_PROCESSOR_CLASSES = ("LlavaNextProcessor", "LlavaOnevisionProcessor")
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
 _SUPPORTED = "send a PNG, JPEG or WebP image"
-_REMOTE = "remote image URLs are not fetched; send the image as a base64 data URL"
 _B64_CHARS = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
 _B64_WHITESPACE = re.compile(r"[ \t\r\n\f\v]+")
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
@@ -203,7 +202,7 @@ def decode_image(source: str | bytes, *, max_bytes: int = DEFAULT_MAX_IMAGE_BYTE
     """Decode one image a client sent: a data URL (``data:image/png;base64,...``; png, jpeg/jpg, webp), a bare
     base64 string (what Ollama sends) or raw bytes. Raises ``FrontendError`` (VALIDATION; UNSUPPORTED for
     http(s)/file URLs) with a message meant for the client."""
-    data = _source_bytes(source, max_bytes)
+    data = source_bytes(source, max_bytes)
     if not data:
         raise _error("image data is empty")
     if len(data) > max_bytes:
@@ -232,32 +231,39 @@ def decode_image(source: str | bytes, *, max_bytes: int = DEFAULT_MAX_IMAGE_BYTE
     return DecodedImage.from_pil(im)
 
 
-def _source_bytes(source, max_bytes: int) -> bytes:
+def source_bytes(source, max_bytes: int, *, medium: str = "image", media_types=_MEDIA_TYPES,
+                 supported: str = _SUPPORTED, example: str = "data:image/png;base64,...",
+                 typed: bool = True) -> bytes:
+    """The bytes a client sent as ``medium`` ("image", "audio"): raw bytes, bare base64, or a base64 data URL whose
+    media type is one of ``media_types`` (``typed``: it must name one; else it may be left out). Remote URLs are
+    fetched before this (flared.server.media), so one here is refused."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)
     if not isinstance(source, str):
-        raise _error(f"an image must be a base64 string or a data URL, got {type(source).__name__}")
+        noun = "an image" if medium == "image" else medium
+        raise _error(f"{noun} must be a base64 string or a data URL, got {type(source).__name__}")
     text = source.strip()
     m = _URL_SCHEME.match(text[:64])
     if m is None:
-        return _b64decode(text, max_bytes, "image data")
+        return _b64decode(text, max_bytes, f"{medium} data", medium)
     scheme = m.group(1).lower()
     if scheme != "data":
         if scheme in ("http", "https", "file", "ftp") or text[m.end():].startswith("//"):
-            raise _error(_REMOTE, ErrorKind.UNSUPPORTED)
-        raise _error(f"unrecognized image reference (a {scheme!r} URL); send the image as a base64 data URL")
+            raise _error(f"remote {medium} URLs are not fetched; send the {medium} as a base64 data URL",
+                         ErrorKind.UNSUPPORTED)
+        raise _error(f"unrecognized {medium} reference (a {scheme!r} URL); send the {medium} as a base64 data URL")
     header, comma, payload = text[m.end():].partition(",")
     if not comma:
-        raise _error("malformed image data URL: no ',' before the data")
+        raise _error(f"malformed {medium} data URL: no ',' before the data")
     params = [p.strip().lower() for p in header.split(";")]
     media = params[0]
     if "base64" not in params[1:]:
-        raise _error("image data URLs must be base64-encoded ('data:image/png;base64,...')")
-    if not media:
-        raise _error(f"image data URL has no media type; {_SUPPORTED} ('data:image/png;base64,...')")
-    if media not in _MEDIA_TYPES:
-        raise _error(f"unsupported image type {media!r}; {_SUPPORTED}")
-    return _b64decode(payload, max_bytes, "the image data URL")
+        raise _error(f"{medium} data URLs must be base64-encoded ('{example}')")
+    if not media and typed:
+        raise _error(f"{medium} data URL has no media type; {supported} ('{example}')")
+    if media and media not in media_types:
+        raise _error(f"unsupported {medium} type {media!r}; {supported}")
+    return _b64decode(payload, max_bytes, f"the {medium} data URL", medium)
 
 
 def _b64decode(text: str, max_bytes: int, what: str, medium: str = "image") -> bytes:

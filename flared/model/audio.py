@@ -59,9 +59,9 @@ _DEFAULT_TOKENS = {"qwen2_audio": 151646, "audioflamingo3": 151669, "glmasr": 59
 
 
 def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
-    """The audio encoder a ``qwen2_audio`` or ``audioflamingo3`` config.json describes (its ``audio_config``;
-    transformers' defaults are Whisper-large-v3's: 128 mel bins, 32 layers of width 1280, 1,500 positions), as a
-    VisionConfig."""
+    """The audio encoder a ``qwen2_audio``, ``audioflamingo3`` or ``glmasr`` config.json describes (its
+    ``audio_config``; transformers' defaults are Whisper-large-v3's: 128 mel bins, 32 layers of width 1280, 1,500
+    positions), as a VisionConfig."""
     a, t = hf.get("audio_config"), hf.get("text_config")
     if not isinstance(a, dict) or not isinstance(t, dict):
         raise CoreError(f"{source}: a {family} config needs audio_config and text_config objects",
@@ -76,7 +76,8 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
                         "supported (gelu)", ErrorKind.UNSUPPORTED_MODEL)
     token = hf.get("audio_token_index", hf.get("audio_token_id", _DEFAULT_TOKENS[family]))
     d, heads_n = int(a.get(width, 1280)), int(a.get(heads, 20))
-    extra: dict[str, Any] = {}
+    # Whisper's: an average pool of 2 rows a token, a table of max_source_positions rows
+    shape: dict[str, Any] = dict(scale_factor=2, position_table=int(a.get("max_source_positions", 1500)))
     if family == "glmasr":
         ffn_width = int(a.get(ffn, 5120))
         if ffn_width % d or int(a.get("num_key_value_heads") or heads_n) != heads_n:
@@ -88,7 +89,7 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
                             ErrorKind.UNSUPPORTED_MODEL)
         head = d // heads_n
         theta = float(rope.get("rope_theta", a.get("rope_theta", 10000.0)))
-        extra = dict(scale_factor=ffn_width // d, rope_theta=theta,
+        shape = dict(scale_factor=ffn_width // d, rope_theta=theta,
                      rotary_dim=int(head * float(rope.get("partial_rotary_factor",
                                                           a.get("partial_rotary_factor", 0.5)))),
                      position_table=int(a.get("max_position_embeddings", 1500)))
@@ -97,8 +98,7 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
         num_layers=int(a.get(layers, 32)), num_heads=heads_n,
         patch_size=1, image_size=0, layer_norm_eps=1e-5, hidden_act=act, text_hidden_size=int(t["hidden_size"]),
         image_token_id=int(token), projector_bias=bool(hf.get("projector_bias", True)),
-        mel_bins=int(a.get("num_mel_bins", 128)),
-        **{"scale_factor": 2, "position_table": int(a.get("max_source_positions", 1500)), **extra})
+        mel_bins=int(a.get("num_mel_bins", 128)), **shape)
 
 
 def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:

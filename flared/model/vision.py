@@ -60,6 +60,8 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          # (flared.model.audio)
                          "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3", "glmasr": "glmasr"}
 AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr")
+# a family's decoder where its text_config does not name one (the rest: Llama)
+_TEXT_MODEL_TYPES = {"pixtral": "mistral", "qwen2_audio": "qwen2", "audioflamingo3": "qwen2"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -346,8 +348,7 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
     elif family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
-        text.setdefault("model_type", "mistral" if family == "pixtral" else "llama" if family == "glmasr"
-                        else "qwen2" if family in AUDIO_FAMILIES else "llama")
+        text.setdefault("model_type", _TEXT_MODEL_TYPES.get(family, "llama"))
     else:
         text = dict(hf["text_config"]) if isinstance(hf.get("text_config"), dict) else {
             k: v for k, v in hf.items() if k != "vision_config"}

@@ -225,14 +225,19 @@ def join_text_parts(content: Any, where: str, text_types: tuple[str, ...] = ("te
 def image_source(part: dict, where: str) -> str:
     """The image an OpenAI image part carries: ``image_url`` as {"url": ...} or a bare string (vLLM's), or a
     Responses ``input_image``'s ``image_url``; a data URL (remote URLs are refused where the image is read)."""
-    url = part.get("image_url")
+    return _url_field(part, "image_url", where, "data:image/png;base64,...")
+
+
+def _url_field(part: dict, key: str, where: str, example: str) -> str:
+    """``part[key]`` as {"url": ...} or the URL as a bare string (vLLM's), checked non-empty."""
+    url = part.get(key)
     if isinstance(url, dict):
         url = url.get("url")
-        where += ".image_url.url"
+        where += f".{key}.url"
     else:
-        where += ".image_url"
+        where += f".{key}"
     if not isinstance(url, str) or not url:
-        raise _bad(where, "must be a non-empty string (a data URL such as data:image/png;base64,...)")
+        raise _bad(where, f"must be a non-empty string (a data URL such as {example})")
     return url
 
 
@@ -249,15 +254,7 @@ def audio_source(part: dict, where: str) -> tuple[str, str | None]:
         if fmt is not None and not isinstance(fmt, str):
             raise _bad(f"{where}.input_audio.format", f"must be a string such as \"wav\", got {_type(fmt)}")
         return data, fmt
-    url = part.get("audio_url")
-    if isinstance(url, dict):
-        url = url.get("url")
-        where += ".audio_url.url"
-    else:
-        where += ".audio_url"
-    if not isinstance(url, str) or not url:
-        raise _bad(where, "must be a non-empty string (a data URL such as data:audio/wav;base64,...)")
-    return url, None
+    return _url_field(part, "audio_url", where, "data:audio/wav;base64,..."), None
 
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")

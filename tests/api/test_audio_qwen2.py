@@ -177,40 +177,14 @@ def test_an_mp3_clip_is_served(daemon):
     assert abs(got["usage"]["prompt_tokens"] - wav["usage"]["prompt_tokens"]) <= 2  # (MP3's padding frames)
 
 
-NODE_SCRIPT = r"""
-const { streamChat, userContent, mediaPart } = require(process.argv[2]);
-(async () => {
-  let content = "";
-  const messages = [{ role: "user", content: userContent(process.argv[5], [process.argv[4]]) }];
-  const done = await streamChat({ base: process.argv[3], model: "tiny", messages, temperature: 0, maxTokens: 6 },
-                                (c) => { content += c; });
-  const mp3 = mediaPart("data:audio/mpeg;base64,AAAA");
-  console.log(JSON.stringify({ content, usage: done.usage, mp3 }));
-})().catch((e) => { console.error(e); process.exit(1); });
-"""
-
-
 def test_the_chat_page_sends_audio(daemon, tmp_path):
     """The chat page's request code (chat.js under Node) sends an attached clip's data URL as an input_audio part
     (its base64 and format), and gets the answer the API gives for it."""
-    import json
-    import shutil
-    import subprocess
-    from pathlib import Path
+    from flared_testing.webui import ask_through_chat_js
 
-    import flared.server.webui
-
-    if shutil.which("node") is None:
-        pytest.skip("Node.js is not installed")
-    chat_js = Path(flared.server.webui.__file__).with_name("chat.js")
-    script = tmp_path / "run.js"
-    script.write_text(NODE_SCRIPT)
     x = tone(13, 0.9)
     url = "data:audio/wav;base64," + base64.b64encode(wav_bytes(x)).decode()
-    done = subprocess.run(["node", str(script), str(chat_js), daemon.base, url, "Listen."],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = ask_through_chat_js(daemon, url, "Listen.", tmp_path)
     status, want = daemon.chat([{"role": "user", "content": [input_audio(x), {"type": "text", "text": "Listen."}]}],
                                max_tokens=6, temperature=0)
     assert status == 200, want

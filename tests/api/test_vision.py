@@ -4,7 +4,6 @@ on the same weights, prompt and pixels (transformers' own image processor and pr
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -206,38 +205,14 @@ def test_image_tokens_come_only_from_images(vlm_daemon):
     assert one["choices"][0]["message"]["content"] == chat["choices"][0]["message"]["content"]
 
 
-NODE_SCRIPT = r"""
-const { streamChat, userContent } = require(process.argv[2]);
-(async () => {
-  let content = "";
-  const messages = [{ role: "user", content: userContent(process.argv[5], [process.argv[4]]) }];
-  const done = await streamChat({ base: process.argv[3], model: "tiny", messages, temperature: 0, maxTokens: 6 },
-                                (c) => { content += c; });
-  console.log(JSON.stringify({ content, usage: done.usage, text: userContent("only text", []) }));
-})().catch((e) => { console.error(e); process.exit(1); });
-"""
-
-
 def test_the_chat_page_sends_images(vlm_daemon, tmp_path):
     """The chat page's request code (chat.js's userContent and streamChat, under Node) sends an attached image
     as the OpenAI SDK does, and gets the answer the API gives; the page offers the attach button only where the
     model card says vision."""
-    import shutil
-    import subprocess
-    from pathlib import Path
+    from flared_testing.webui import ask_through_chat_js
 
-    import flared.server.webui
-
-    if shutil.which("node") is None:
-        pytest.skip("Node.js is not installed")
-    chat_js = Path(flared.server.webui.__file__).with_name("chat.js")
-    script = tmp_path / "run.js"
-    script.write_text(NODE_SCRIPT)
     url = data_url(noise_image(41, (50, 30)))
-    done = subprocess.run(["node", str(script), str(chat_js), vlm_daemon.base, url, "What is it?"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = ask_through_chat_js(vlm_daemon, url, "What is it?", tmp_path)
     status, body = vlm_daemon.chat([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}],
         max_tokens=6, temperature=0)
