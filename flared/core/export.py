@@ -176,6 +176,9 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             if found != src.vision.image_token_id:
                 raise CoreError(f"{source}: the tokenizer's {processor.audio_token} is token {found}, but the config's "
                                 f"audio token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
+        video = _read_video_processor(source, src.vision, assets.tokenizer_json) if options.mmproj is None else None
+        if video is not None:
+            vision["video"] = video.to_dict()
     else:
         weight_files_extra = []
 
@@ -207,6 +210,7 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             "reasoning": "<think>" in template or "enable_thinking" in template,
             "vision": vision is not None and not src.vision.is_audio,
             "audio": vision is not None and src.vision.is_audio,
+            "video": vision is not None and "video" in vision,
         },
         context_hint="raise the context limit with 'flarectl export --context N' (up to the model's own limit)",
         capacity_hint="raise live requests with 'flarectl export --concurrency N' (at most 64)",
@@ -383,6 +387,35 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         raise CoreError(f"{where}: patches of {processor.patch_size} pixels merged "
                         f"{processor.merge_size} x {processor.merge_size}, but the vision tower takes "
                         f"{vision.patch_size} and {vision.scale_factor}", ErrorKind.UNSUPPORTED_MODEL)
+    return processor
+
+
+def _read_video_processor(src: Path, vision, tokenizer_json: str):
+    """A Qwen vision checkpoint's video preparation (flared.frontend.video): its video_preprocessor_config.json
+    (or processor_config.json's "video_processor"), transformers' class defaults where it ships neither; None for
+    the other families, or where the tokenizer lacks the video token the config names."""
+    from tokenizers import Tokenizer
+
+    from flared.errors import FrontendError
+    from flared.frontend.video import VideoProcessor
+
+    if vision.family not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") or vision.video_token_id < 0 or not src.is_dir():
+        return None
+    where = src / "video_preprocessor_config.json"
+    cfg = _read_json(where, required=False)
+    proc = _read_json(src / "processor_config.json", required=False)
+    try:
+        processor = VideoProcessor.from_hf("qwen3" if vision.family == "qwen3_vl" else "qwen2", cfg, proc,
+                                           patch_size=vision.patch_size, merge_size=vision.scale_factor,
+                                           temporal_patch_size=vision.temporal_patch_size)
+    except FrontendError as e:
+        raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    if tokenizer.token_to_id(processor.video_token) != vision.video_token_id:
+        return None
+    for marker in (processor.vision_start, processor.vision_end):
+        if tokenizer.token_to_id(marker) is None:
+            return None
     return processor
 
 

@@ -78,6 +78,18 @@ class Core:
             raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.processor': {e}",
                             ErrorKind.CORE_FORMAT) from None
 
+    def video_processor(self):
+        """The ``flared.frontend.video`` processor a Qwen vision core prepares videos with (None: no video)."""
+        from flared.errors import FrontendError
+        from flared.frontend.video import VideoProcessor
+
+        if self.manifest.vision is None or "video" not in self.manifest.vision:
+            return None
+        try:
+            return VideoProcessor.from_dict(self.manifest.vision["video"])
+        except (FrontendError, TypeError, ValueError) as e:
+            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.video': {e}", ErrorKind.CORE_FORMAT) from None
+
     def load_vision_tensors(self) -> dict:
         """The image tower's tensors (hash-checked by open_core), names and shapes checked."""
         from safetensors.torch import load_file

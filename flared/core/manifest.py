@@ -243,8 +243,10 @@ def parse_manifest(path: Path, data: Any) -> Manifest:
 
     vision = r.field("vision", dict, optional=True)
     if vision is not None:
-        if set(vision) != {"config", "processor", "weights"}:
-            raise r.fail("field 'vision' must hold exactly 'config', 'processor' and 'weights'")
+        if not {"config", "processor", "weights"} <= set(vision) <= {"config", "processor", "weights", "video"}:
+            raise r.fail("field 'vision' must hold 'config', 'processor' and 'weights' (and maybe 'video')")
+        if not isinstance(vision.get("video", {}), dict):
+            raise r.fail("field 'vision.video' must be an object")
         if not isinstance(vision["config"], dict) or not isinstance(vision["processor"], dict):
             raise r.fail("fields 'vision.config' and 'vision.processor' must be objects")
         if not isinstance(vision["weights"], str):

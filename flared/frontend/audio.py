@@ -435,7 +435,7 @@ class WhisperProcessor:
                                 + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
         return PreparedImage(pixel_values=np.ascontiguousarray(np.concatenate(parts, axis=1)), rows=0, cols=0,
                              prompt=self.audio_token * tokens, num_image_tokens=tokens, identity=digest,
-                             grid=(conv, windows, 1))
+                             grid=(conv, windows, 1), modality="audio")
 
     def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
         return self.prepare(audio)

@@ -26,6 +26,7 @@ import enum
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
@@ -126,21 +127,26 @@ class RenderedChat:
         return self.text.encode("utf-8")
 
 
-def _expand_images(text: str, char_endpoints, prompts: tuple[str, ...], placeholder: str):
-    """``text`` with its k-th ``placeholder`` replaced by ``prompts[k]``, and the endpoints moved with it."""
-    pieces = text.split(placeholder)
-    if len(pieces) - 1 != len(prompts):
-        raise FrontendError(f"the chat template wrote {len(pieces) - 1} image placeholders ({placeholder}) for "
-                            f"{len(prompts)} images (a message's text may not spell {placeholder})",
+def _expand_images(text: str, char_endpoints, prompts: tuple[str, ...], placeholder):
+    """``text`` with its k-th media placeholder replaced by ``prompts[k]``, and the endpoints moved with it.
+    ``placeholder``: one for every prompt, or each prompt's own (images and videos: the template writes each
+    kind's, in the order of the parts)."""
+    placeholders = (placeholder,) * len(prompts) if isinstance(placeholder, str) else tuple(placeholder)
+    kinds = sorted(set(placeholders), key=len, reverse=True)
+    found = list(re.finditer("|".join(re.escape(k) for k in kinds), text)) if kinds else []
+    if [m.group() for m in found] != list(placeholders):
+        wrote = ", ".join(f"{sum(m.group() == k for m in found)} {k}" for k in kinds)
+        wanted = ", ".join(f"{placeholders.count(k)} {k}" for k in kinds)
+        raise FrontendError(f"the chat template wrote media placeholders ({wrote}) that do not match the request's "
+                            f"media ({wanted}, in order; a message's text may not spell a placeholder)",
                             ErrorKind.VALIDATION)
-    out, starts, at = [pieces[0]], [], len(pieces[0])  # starts: (old offset just past a placeholder, growth)
-    growth = 0
-    for prompt, piece in zip(prompts, pieces[1:]):
-        at += len(placeholder)
-        growth += len(prompt) - len(placeholder)
-        starts.append((at, growth))
-        out += (prompt, piece)
-        at += len(piece)
+    out, starts, at, growth = [], [], 0, 0  # starts: (old offset just past a placeholder, growth)
+    for prompt, m in zip(prompts, found):
+        out += (text[at:m.start()], prompt)
+        growth += len(prompt) - (m.end() - m.start())
+        starts.append((m.end(), growth))
+        at = m.end()
+    out.append(text[at:])
 
     def moved(c: int) -> int:
         shift = 0

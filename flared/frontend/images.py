@@ -428,6 +428,12 @@ class PreparedImage:
     identity: bytes  # 32-byte sha256 over the DecodedImage digest + the processor settings
     # PatchProcessor: (t, h, w) in patches (``image_grid_thw``); PixtralProcessor: (1, H / patch, W / patch)
     grid: tuple[int, int, int] | None = None
+    # "image", "audio" (flared.frontend.audio) or "video" (flared.frontend.video: its tokens are the video token's)
+    modality: str = "image"
+    # a video: the seconds one temporal patch spans (Qwen2.5-VL's ``second_per_grid_ts``), and whether each
+    # temporal patch's tokens stand apart in the prompt (Qwen3-VL: a timestamp between them)
+    seconds_per_grid: float = 0.0
+    frames_apart: bool = False
 
 
 def _longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:

@@ -127,6 +127,10 @@ class VisionConfig:
     # the leading dims of each head its rope turns (partial_rotary_factor x head_dim)
     mel_bins: int = 0
     rotary_dim: int = 0
+    # Qwen families: the prompt token a video's rows replace (-1: none), and Qwen2.5-VL's rope positions a second of
+    # video advances (vision_config.tokens_per_second; 0: a video's temporal patches count 0, 1, 2...)
+    video_token_id: int = -1
+    tokens_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
@@ -262,7 +266,7 @@ class VisionConfig:
         if unknown or not required <= set(d):
             raise CoreError(f"vision config keys {sorted(d)}: unknown {unknown}, missing {sorted(required - set(d))}")
         values = dict(d)
-        for name in ("layer_norm_eps", "rope_theta", "projector_eps"):
+        for name in ("layer_norm_eps", "rope_theta", "projector_eps", "tokens_per_second"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -544,7 +548,8 @@ def _qwen_vision_from_hf(family: str, hf: dict, v: dict, t: dict) -> VisionConfi
         window_size=int(v.get("window_size", 0)) if family == "qwen2_5_vl" else 0,
         full_attention_layers=tuple(int(x) for x in v.get("fullatt_block_indexes", ()))
         if family == "qwen2_5_vl" else (),
-        mrope_section=tuple(section), **extra,
+        mrope_section=tuple(section), video_token_id=int(hf.get("video_token_id", 151656)),
+        tokens_per_second=float(v.get("tokens_per_second", 4)) if family == "qwen2_5_vl" else 0.0, **extra,
     )
 
 
@@ -1248,25 +1253,33 @@ def _segments_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-def mrope_positions(token_ids, image_spans: list[tuple[int, int, tuple[int, int, int]]], merge: int):
+def mrope_positions(token_ids, image_spans: list[tuple], merge: int):
     """Qwen VL's 3D positions of a prompt (temporal, row, column) [3, L] int64 and the delta that later tokens
-    add to their index. ``image_spans``: (first index, token count, patch grid) of each image's tokens. Text
-    counts one position a token on all three rows; an image's tokens sit at its start position plus their
-    merged (row, column), and the text after it starts past the image's longer side."""
+    add to their index. ``image_spans``: (first index, token count, patch grid[, time interval]) of each image's
+    or video's tokens. Text counts one position a token on all three rows; an image's tokens sit at its start
+    position plus their merged (row, column), a video's temporal patches at its start plus k, or k times its time
+    interval truncated (Qwen2.5-VL: tokens_per_second x second_per_grid_t, in float32 as transformers multiplies
+    them); the text after them starts one past their largest position (the Qwen authors' get_rope_index, and
+    vLLM's: transformers 5 starts it past the longer side alone, which differs only where a video's time outruns
+    its frame's sides)."""
     import numpy as np
 
     length = len(token_ids)
     pos = np.empty((3, length), dtype=np.int64)
     cur = at = 0
-    for start, count, (t, h, w) in image_spans:
+    for span in image_spans:
+        start, count, (t, h, w) = span[:3]
+        interval = span[3] if len(span) > 3 else None
         gh, gw = h // merge, w // merge
         if start < at or count != t * gh * gw or start + count > length:
             raise ValueError("image spans must be in order, inside the prompt, one token per merged patch")
         pos[:, at:start] = cur + np.arange(start - at)
         cur += start - at
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        times = np.arange(t) if interval is None else (
+            torch.arange(t) * torch.tensor(interval, dtype=torch.float32)).long().numpy()
+        tt, hh, ww = np.meshgrid(times, np.arange(gh), np.arange(gw), indexing="ij")
         pos[:, start:start + count] = cur + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
-        cur += max(gh, gw)
+        cur += max(int(times[-1]), gh - 1, gw - 1) + 1
         at = start + count
     pos[:, at:] = cur + np.arange(length - at)
     return pos, int(pos.max()) + 1 - length if length else 0

@@ -30,6 +30,7 @@ from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
 from flared.frontend.audio import decode_audio, media_kind
 from flared.frontend.images import decode_image, image_processor_from_dict
+from flared.frontend.video import decode_video_source
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.model.vision import mrope_positions
@@ -55,6 +56,10 @@ from flared.server.structured import StructuredOutput
 # bytes (decoded from base64, or fetched). The HTTP body limit of a vision core grows by their base64 size.
 MAX_IMAGES_PER_REQUEST = 8
 IMAGE_BYTES_LIMIT = 10 << 20
+# Videos (a Qwen vision core): at most this many a request, each at most this many bytes; the body limit grows by
+# one video's base64 (a larger one travels as a file:// or http URL: ServerConfig's media settings).
+MAX_VIDEOS_PER_REQUEST = 2
+VIDEO_BYTES_LIMIT = 32 << 20
 # Recent images' tower rows kept for later requests (a conversation about one image re-sends it every turn).
 IMAGE_ROWS_CACHE_BYTES = 256 << 20
 
@@ -72,39 +77,40 @@ class _MediaPrompt:
 
 
 def image_parts(messages) -> list[tuple[str, dict]]:
-    """Every image or audio part of a parsed conversation, in order: (its request field, the part)."""
+    """Every image, audio or video part of a parsed conversation, in order: (its request field, the part)."""
     found = []
     if isinstance(messages, list):
         for m in messages:
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):
                 found += [(part.get("param", "messages"), part) for part in content
-                          if isinstance(part, dict) and part.get("type") in ("image", "audio")]
+                          if isinstance(part, dict) and part.get("type") in ("image", "audio", "video")]
     return found
 
 
 _MEDIA_FOR_TEMPLATE = {"image": {"type": "image"},
                        # (Qwen2-Audio's template asks whether 'audio' is among the part's keys)
-                       "audio": {"type": "audio", "audio": ""}}
+                       "audio": {"type": "audio", "audio": ""},
+                       "video": {"type": "video"}}
 
 
-def parts_for_template(messages, placeholder: str | None = None):
+def parts_for_template(messages, placeholders: dict[str, str] | None = None):
     """A vision or audio model's templates read content as a list of parts: string contents as one text part, and
-    image parts as {"type": "image"} alone, audio parts as {"type": "audio", "audio": ""} (the source stays with
-    the request). ``placeholder``: the template reads content as a string (ChatTemplate.reads_content_parts
-    false): each list of parts becomes one string, its parts joined by newlines, an image or audio part as the
-    processor's placeholder (vLLM's "string" content format)."""
+    image parts as {"type": "image"} alone, audio parts as {"type": "audio", "audio": ""}, video parts as
+    {"type": "video"} (the source stays with the request). ``placeholders``: the template reads content as a
+    string (ChatTemplate.reads_content_parts false): each list of parts becomes one string, its parts joined by
+    newlines, a media part as its processor's placeholder (by part type; vLLM's "string" content format)."""
     def media(p) -> bool:
         return isinstance(p, dict) and p.get("type") in _MEDIA_FOR_TEMPLATE
 
     out = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
-        if placeholder is not None:
+        if placeholders is not None:
             if isinstance(content, list):
                 m = {**m, "content": "\n".join(
-                    placeholder if media(p) else p.get("text", "") if isinstance(p, dict) else str(p)
-                    for p in content)}
+                    placeholders.get(p["type"], "") if media(p) else p.get("text", "") if isinstance(p, dict)
+                    else str(p) for p in content)}
         elif isinstance(content, str):
             m = {**m, "content": [{"type": "text", "text": content}]}
         elif isinstance(content, list):
@@ -158,12 +164,23 @@ class ServingState:
         self._image_rows: collections.OrderedDict = collections.OrderedDict()  # identity -> tower rows
         self._image_rows_bytes = 0
         self.mrope_merge = 0  # Qwen VL: the patch merge of its 3D rope positions (0: plain positions)
+        # A Qwen vision core's video preparation (flared.frontend.video.VideoProcessor), or None.
+        self.video_processor = None
+        self.video_token_id = -1
+        self.tokens_per_second = 0.0  # Qwen2.5-VL: rope positions a second of video advances (0: one a patch)
+        self.max_videos = MAX_VIDEOS_PER_REQUEST
         if manifest.vision is not None:
             self.image_processor = image_processor_from_dict(manifest.vision["processor"])
             config = manifest.vision["config"]
             self.image_token_id = int(config["image_token_id"])
             if config.get("mrope_section"):
                 self.mrope_merge = int(config["scale_factor"])
+            if "video" in manifest.vision:
+                from flared.frontend.video import VideoProcessor
+
+                self.video_processor = VideoProcessor.from_dict(manifest.vision["video"])
+                self.video_token_id = int(config["video_token_id"])
+                self.tokens_per_second = float(config.get("tokens_per_second", 0.0))
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -210,25 +227,16 @@ class ServingState:
         if self.image_processor is not None:
             template = kwargs.get("template") or self.frontend.chat_template
             as_string = template is not None and not template.reads_content_parts
-            messages = parts_for_template(messages, self.image_processor.placeholder if as_string else None)
+            messages = parts_for_template(messages, self._placeholders() if as_string else None)
 
         def render():
             prepared = self._prepare_images(images) if images else ()
             if prepared:
                 kwargs["image_prompts"] = tuple(p.prompt for p in prepared)
-                kwargs["image_placeholder"] = self.image_processor.placeholder
+                kwargs["image_placeholder"] = tuple(self._placeholders()[p.modality] for p in prepared)
             rendered = self.frontend.render_chat(messages, **kwargs)
             if self.image_processor is not None:
-                # every image token must be one of the images' (a text that spells the image token, or an image
-                # part a route does not read, would run the token's own embedding where an image should be)
-                found = rendered.token_ids.count(self.image_token_id)
-                expected = sum(p.num_image_tokens for p in prepared)
-                if found != expected:
-                    kind = "audio" if self.image_processor.modality == "audio" else "image"
-                    media = "clips" if kind == "audio" else "images"
-                    raise FrontendError(f"the prompt holds {found} {kind} tokens where its {media} make {expected} "
-                                        f"(a message's text may not spell an {kind} token, and this route reads "
-                                        f"{media} only as the API's {kind} parts)", ErrorKind.VALIDATION)
+                self._check_media_tokens(rendered.token_ids, prepared)
             if not prepared:
                 return rendered
             return dataclasses.replace(rendered, images=prepared, vision=self._image_layout(rendered, prepared))
@@ -249,6 +257,28 @@ class ServingState:
 
     # -- images (a vision-language core) -------------------------------------------------------------
 
+    def _placeholders(self) -> dict[str, str]:
+        """What the chat template writes for each kind of media part the model takes."""
+        out = {self.image_processor.modality: self.image_processor.placeholder}
+        if self.video_processor is not None:
+            out["video"] = self.video_processor.placeholder
+        return out
+
+    def _check_media_tokens(self, token_ids, prepared) -> None:
+        """Every image (audio, video) token of a prompt must be one of its media's (a text that spells the token,
+        or a media part a route does not read, would run the token's own embedding where an image should be)."""
+        kinds = [(self.image_token_id, "audio" if self.image_processor.modality == "audio" else "image")]
+        if self.video_processor is not None:
+            kinds.append((self.video_token_id, "video"))
+        for token, kind in kinds:
+            found = token_ids.count(token)
+            expected = sum(p.num_image_tokens for p in prepared if (p.modality == "video") == (kind == "video"))
+            if found != expected:
+                media = {"audio": "clips", "image": "images", "video": "videos"}[kind]
+                raise FrontendError(f"the prompt holds {found} {kind} tokens where its {media} make {expected} "
+                                    f"(a message's text may not spell an {kind} token, and this route reads "
+                                    f"{media} only as the API's {kind} parts)", ErrorKind.VALIDATION)
+
     @property
     def _tower_loaded(self) -> bool:
         """The core has an image tower or audio encoder and the model thread loaded it."""
@@ -260,28 +290,37 @@ class ServingState:
         return self._tower_loaded and self.image_processor.modality == "image"
 
     @property
+    def takes_video(self) -> bool:
+        """A Qwen vision model with its video preparation, whose tower the model thread loaded."""
+        return self._tower_loaded and self.video_processor is not None
+
+    @property
     def takes_audio(self) -> bool:
         """An audio model (flared.frontend.audio's processor) whose encoder the model thread loaded."""
         return self._tower_loaded and self.image_processor.modality == "audio"
 
     def _check_images(self, images) -> None:
         modality = getattr(self.image_processor, "modality", None)
+        taken = (modality, "video") if self.video_processor is not None else (modality,)
         for param, part in images:
-            if self._tower_loaded and part.get("type") == modality:
+            if self._tower_loaded and part.get("type") in taken:
                 continue
             if self.image_processor is None:
                 why = "this model takes text"
-            elif part.get("type") != modality:
-                why = f"this model takes text and {'images' if modality == 'image' else 'audio'}"
+            elif part.get("type") not in taken:
+                why = "this model takes text and " + ("audio" if modality == "audio" else "images and video"
+                                                      if self.video_processor is not None else "images")
             else:
                 tower = "image tower" if modality == "image" else "audio encoder"
                 why = f"this server did not load the model's {tower}"
             kind = part.get("sent_as", part.get("type"))  # as the request named it (image_url, input_audio...)
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
-        if len(images) > self.max_images:
-            noun = "image" if modality == "image" else "audio clip"
-            many = f"{self.max_images} {noun}{'s' if self.max_images != 1 else ''}"
-            raise _bad(images[self.max_images][0], f"at most {many} a request")
+        videos = [param for param, part in images if part.get("type") == "video"]
+        others = [param for param, part in images if part.get("type") != "video"]
+        for found, limit, noun in ((others, self.max_images, "image" if modality == "image" else "audio clip"),
+                                   (videos, self.max_videos, "video")):
+            if len(found) > limit:
+                raise _bad(found[limit], f"at most {limit} {noun}{'s' if limit != 1 else ''} a request")
 
     def _prepare_images(self, images) -> tuple:
         """Decode and tile every image (on a frontend worker); a bad one is a 400 naming its part."""
@@ -289,29 +328,34 @@ class ServingState:
         context = self.manifest.capacities.context_tokens
         for param, part in images:
             try:
-                audio = part.get("type") == "audio"
-                source = part.get("audio" if audio else "image")
+                kind = part.get("type")
+                source = part.get(kind)
+                limit = VIDEO_BYTES_LIMIT if kind == "video" else IMAGE_BYTES_LIMIT
                 if is_media_url(source):  # fetched (http, https) or read (file) here, on the frontend worker
-                    source = self.media.fetch(source, max_bytes=IMAGE_BYTES_LIMIT,
-                                              what="audio" if audio else "image")
-                decoded = (decode_audio(source, max_bytes=IMAGE_BYTES_LIMIT, format=part.get("format"),
-                                        max_seconds=self.image_processor.max_seconds) if audio
-                           else decode_image(source, max_bytes=IMAGE_BYTES_LIMIT))
-                image = self.image_processor.prepare_in_request(decoded, images=len(images))
+                    source = self.media.fetch(source, max_bytes=limit, what=kind)
+                if kind == "video":
+                    image = self.video_processor.prepare(decode_video_source(source, max_bytes=limit))
+                else:
+                    decoded = (decode_audio(source, max_bytes=limit, format=part.get("format"),
+                                            max_seconds=self.image_processor.max_seconds) if kind == "audio"
+                               else decode_image(source, max_bytes=limit))
+                    image = self.image_processor.prepare_in_request(
+                        decoded, images=sum(p.get("type") != "video" for _, p in images))
             except FrontendError as exc:
                 raise _bad(param, str(exc), exc.kind) from None
             tokens += image.num_image_tokens
             if tokens >= context:
-                raise _bad(param, f"the images take {tokens} tokens, more than the context of {context} tokens "
+                raise _bad(param, f"the media take {tokens} tokens, more than the context of {context} tokens "
                                   f"({self.manifest.context_hint})", ErrorKind.CONTEXT_LENGTH)
             prepared.append(image)
         return tuple(prepared)
 
     def _image_layout(self, rendered, images) -> VisionInput:
-        """Where a rendered chat's images sit (on the frontend worker): their tokens' positions, each image's span
-        and identity, and Qwen VL's 3D rope positions; the rows come later (``vision_input``)."""
+        """Where a rendered chat's images (videos, clips) sit (on the frontend worker): their tokens' positions,
+        each one's span and identity, and Qwen VL's 3D rope positions; the rows come later (``vision_input``)."""
         ids = np.asarray(rendered.token_ids, dtype=np.int64)
-        positions = np.flatnonzero(ids == self.image_token_id)  # as many as the images make (checked by the caller)
+        tokens = [self.image_token_id] + ([self.video_token_id] if self.video_processor is not None else [])
+        positions = np.flatnonzero(np.isin(ids, tokens))  # as many as the media make (checked by the caller)
         counts = [image.num_image_tokens for image in images]
         starts = np.cumsum([0] + counts[:-1])
         spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, images))
@@ -319,10 +363,18 @@ class ServingState:
         if self.mrope_merge:  # Qwen VL: 3D rope positions, each image's tokens a block of its merged grid
             blocks = []
             for s, count, image in zip(starts, counts, images):
-                first = int(positions[s])
-                if positions[s + count - 1] - first != count - 1:
-                    raise FrontendError("an image's tokens are not contiguous in the prompt", ErrorKind.VALIDATION)
-                blocks.append((first, count, image.grid))
+                t, h, w = image.grid
+                groups = t if image.frames_apart else 1  # (Qwen3-VL: each temporal patch a block of its own)
+                per = count // groups
+                interval = None
+                if image.modality == "video" and self.tokens_per_second:
+                    interval = float(np.float32(image.seconds_per_grid)) * self.tokens_per_second
+                for g in range(groups):
+                    first = int(positions[s + g * per])
+                    if positions[s + (g + 1) * per - 1] - first != per - 1:
+                        raise FrontendError("an image's tokens are not contiguous in the prompt", ErrorKind.VALIDATION)
+                    grid = (1, h, w) if image.frames_apart else image.grid
+                    blocks.append((first, per, grid) if interval is None else (first, per, grid, interval))
             mrope, delta = mrope_positions(rendered.token_ids, blocks, self.mrope_merge)
         return VisionInput(positions, None, spans, mrope, delta)
 
@@ -600,6 +652,8 @@ def http_config(config, manifest) -> HttpConfig:
     body_limit = config.body_limit_bytes or (1 << 20) + 32 * manifest.capacities.context_tokens
     if manifest.vision is not None and not config.body_limit_bytes:  # base64 images
         body_limit += config.max_images_per_request * (IMAGE_BYTES_LIMIT * 4 // 3 + 1024)
+        if "video" in manifest.vision:  # and one video's
+            body_limit += VIDEO_BYTES_LIMIT * 4 // 3 + 1024
     return HttpConfig(
         host=config.host, port=config.port, body_limit_bytes=body_limit,
         header_timeout_s=config.header_timeout_s, keep_alive_timeout_s=config.keep_alive_timeout_s,

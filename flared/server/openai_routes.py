@@ -47,7 +47,7 @@ def model_card(state) -> dict[str, Any]:
         # template alone would not)
         "capabilities": {**m.capabilities, "tools": state.tool_format() is not None,
                          "reasoning": state.reasoning_format() is not None, "vision": state.takes_images,
-                         "audio": state.takes_audio},
+                         "audio": state.takes_audio, "video": state.takes_video},
     }
 
 

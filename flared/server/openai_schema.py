@@ -258,16 +258,18 @@ def audio_source(part: dict, where: str) -> tuple[str, str | None]:
 
 
 AUDIO_PART_TYPES = ("input_audio", "audio_url")
+VIDEO_PART_TYPES = ("video_url",)  # (vLLM's)
 
 
 def content_with_images(content: Any, where: str, text_types: tuple[str, ...] = ("text",),
                         image_types: tuple[str, ...] = ("image_url",),
-                        audio_types: tuple[str, ...] = ()) -> str | list:
-    """``join_text_parts``' text, or, where the content holds images or audio, its parts in order: text parts as
-    {"type": "text", "text"}, images as {"type": "image", "image": source, "param": field} and clips as
-    {"type": "audio", "audio": source, "format": declared, "param": field} (the serving state checks the model
-    takes them, decodes them and renders the template with them)."""
-    media = image_types + audio_types
+                        audio_types: tuple[str, ...] = (), video_types: tuple[str, ...] = ()) -> str | list:
+    """``join_text_parts``' text, or, where the content holds images, audio or video, its parts in order: text
+    parts as {"type": "text", "text"}, images as {"type": "image", "image": source, "param": field}, clips as
+    {"type": "audio", "audio": source, "format": declared, "param": field} and videos as {"type": "video",
+    "video": source, "param": field} (the serving state checks the model takes them, decodes them and renders the
+    template with them)."""
+    media = image_types + audio_types + video_types
     if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in media for p in content):
         return join_text_parts(content, where, text_types)
     parts = []
@@ -278,6 +280,9 @@ def content_with_images(content: Any, where: str, text_types: tuple[str, ...] = 
         elif isinstance(part, dict) and part.get("type") in audio_types:
             source, fmt = audio_source(part, at)
             parts.append({"type": "audio", "audio": source, "format": fmt, "param": at, "sent_as": part["type"]})
+        elif isinstance(part, dict) and part.get("type") in video_types:
+            source = _url_field(part, "video_url", at, "data:video/mp4;base64,...")
+            parts.append({"type": "video", "video": source, "param": at, "sent_as": part["type"]})
         else:
             if not isinstance(part, dict) or part.get("type") not in text_types:
                 kind = part.get("type") if isinstance(part, dict) else _type(part)
@@ -504,7 +509,7 @@ def parse_chat(body: Any) -> ChatRequest:
         content = m.get("content")
         if isinstance(content, list):
             msg["content"] = content_with_images(content, f"{where}.content", ("text", "input_text"),
-                                                 audio_types=AUDIO_PART_TYPES)
+                                                 audio_types=AUDIO_PART_TYPES, video_types=VIDEO_PART_TYPES)
         elif content is not None and not isinstance(content, str):
             raise _bad(f"{where}.content", f"must be a string or an array of content parts, got {_type(content)}")
         elif content is None and role != "assistant":

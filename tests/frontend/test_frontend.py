@@ -347,8 +347,8 @@ def test_parts_for_a_string_template_are_one_string_with_placeholders():
 
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "image", "image": "x"}, {"type": "text", "text": "What?"},
-                                             {"type": "image", "image": "y"}]}]
-    assert parts_for_template(messages, "<IMG>") == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "<IMG>\nWhat?\n<IMG>"}]
+                                             {"type": "image", "image": "y"}, {"type": "video", "video": "z"}]}]
+    assert parts_for_template(messages, {"image": "<IMG>", "video": "<VID>"}) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "<IMG>\nWhat?\n<IMG>\n<VID>"}]
     assert parts_for_template(messages)[1]["content"] == [{"type": "image"}, {"type": "text", "text": "What?"},
-                                                          {"type": "image"}]
+                                                          {"type": "image"}, {"type": "video"}]

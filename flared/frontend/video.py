@@ -1,0 +1,418 @@
+"""Video a client sends, decoded and turned into what a Qwen vision tower reads (on a frontend worker).
+
+    VideoProcessor         the Qwen families' video preparation: frames sampled at ``fps`` a second, resized
+                           (transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor, pixel for pixel: torch's
+                           antialiased bicubic on uint8 frames, the fused rescale-normalize), patched as the
+                           tower reads them, and the prompt text (Qwen3-VL: a timestamp before each frame pair)
+    probe_video(data)      a container's first video stream: frames, rate and size, read without decoding
+
+A prepared video travels the path a prepared image does (flared.frontend.images.PreparedImage): its patches in
+``pixel_values``, its (t, h, w) patch grid, the text that replaces its placeholder, its tokens' count and its
+identity (the file's digest and the settings), so the tower, the LRU of recent rows and the prefix cache treat a
+video as a tall image whose frames attend apart.
+
+Frames are sampled as the model authors' own preparation does: Qwen2-VL and Qwen2.5-VL as qwen-vl-utils
+(``fps`` frames a second, 4 to 768, an even count, evenly spread over the whole video), Qwen3-VL as transformers'
+Qwen3VLVideoProcessor. Each frame's size follows the per-video pixel budget (``cap_pixels_per_frame``, the
+qwen-vl-utils behaviour transformers makes its default): a long video gets smaller frames, not more tokens than a
+context holds.
+
+Containers and codecs are FFmpeg's, through PyAV (MP4/MOV, WebM/Matroska, AVI, MPEG-TS, Ogg, GIF; H.264, HEVC,
+VP8/9, AV1, MPEG-4...). Anything it cannot read is a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flared.errors import ErrorKind, FrontendError
+from flared.frontend.images import (
+    BICUBIC,
+    MAX_ASPECT_RATIO,
+    QWEN_MEAN,
+    QWEN_STD,
+    PreparedImage,
+    _check_pixel_settings,
+    _error,
+    _field_error,
+    _finite,
+    _hf_config,
+    _mib,
+    _pixel_settings,
+    _positive_int,
+    _settings_from_dict,
+    source_bytes,
+)
+
+DEFAULT_MAX_VIDEO_BYTES = 64 << 20
+MAX_FRAME_PIXELS = 8192 * 8192  # a frame larger than this is refused before decoding
+MAX_VIDEO_FRAMES = 108_000  # frames a video may hold (an hour at 30 frames a second): all are demuxed, some decoded
+DEFAULT_VIDEO_FPS = 24.0  # a stream that states no rate (transformers' default too)
+_VIDEO_MEDIA = {"video/mp4", "video/quicktime", "video/webm", "video/x-matroska", "video/matroska", "video/avi",
+                "video/x-msvideo", "video/mpeg", "video/mp2t", "video/ogg", "video/3gpp", "video/x-flv", "image/gif",
+                "application/octet-stream"}
+_SUPPORTED = "send an MP4, MOV, WebM, MKV, AVI or GIF video"
+
+# transformers' class defaults where a checkpoint ships no video_preprocessor_config.json (qwen-vl-utils' constants)
+QWEN2_VIDEO_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
+QWEN3_VIDEO_PIXELS = (128 * 32 * 32, 768 * 32 * 32)
+QWEN2_VIDEO_TOKENS = 128000  # the whole video's token budget (Qwen2/2.5: 90% of it, in pixels, spread over frames)
+QWEN3_VIDEO_TOKENS = 768  # one frame's token ceiling (Qwen3-VL)
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    total_frames: int
+    fps: float  # the stream's average rate (frames a second)
+    width: int
+    height: int
+
+
+def _container(data: bytes):
+    try:
+        import av
+    except ImportError:  # pragma: no cover - a dependency
+        raise _error("this server cannot decode video (the PyAV package is missing)", ErrorKind.UNSUPPORTED) from None
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except Exception as exc:  # noqa: BLE001 - FFmpeg's errors (av.error.*), whatever the bytes were
+        raise _error(f"the video could not be read ({_reason(exc)}); {_SUPPORTED}") from None
+    if not container.streams.video:
+        container.close()
+        raise _error("the file holds no video stream")
+    return container
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+def probe_video(data: bytes) -> VideoInfo:
+    """The first video stream's frame count, rate and size; the frames are counted by demuxing where the container
+    does not say (WebM, MKV). A 400 for a file that is not a video this server reads."""
+    container = _container(data)
+    try:
+        return _probe(container)
+    finally:
+        container.close()
+
+
+def _probe(container) -> VideoInfo:
+    stream = container.streams.video[0]
+    width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
+    if width <= 0 or height <= 0:
+        raise _error("the video stream states no frame size")
+    if width * height > MAX_FRAME_PIXELS:
+        raise _error(f"the video's frames are {width}x{height} pixels; the limit is {MAX_FRAME_PIXELS} pixels a frame")
+    rate = stream.average_rate or stream.guessed_rate
+    fps = float(rate) if rate else 0.0
+    total = int(stream.frames or 0)
+    if total <= 0:
+        try:
+            total = 0
+            for packet in container.demux(stream):
+                if packet.size:
+                    total += 1
+                    if total > MAX_VIDEO_FRAMES:
+                        break
+        except Exception as exc:  # noqa: BLE001
+            raise _error(f"the video could not be read ({_reason(exc)})") from None
+        container.seek(0)
+    if total <= 0:
+        raise _error("the video holds no frames")
+    if total > MAX_VIDEO_FRAMES:
+        raise _error(f"the video holds more than {MAX_VIDEO_FRAMES} frames; send a shorter one")
+    return VideoInfo(total, fps if math.isfinite(fps) and fps > 0 else DEFAULT_VIDEO_FPS, width, height)
+
+
+def _frames_at(container, info: VideoInfo, indices: list[int], size: tuple[int, int]) -> torch.Tensor:
+    """[n, 3, h, w] uint8: the frames at ``indices`` (ascending, repeats allowed) in decode order, each resized to
+    ``size`` as it is decoded (only the kept frames are ever held)."""
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    wanted: dict[int, int] = {}
+    for i in indices:
+        wanted[i] = wanted.get(i, 0) + 1
+    last = max(indices)
+    out = []
+    try:
+        for i, frame in enumerate(container.decode(stream)):
+            if i > last:
+                break
+            if i not in wanted:
+                continue
+            rgb = frame.to_ndarray(format="rgb24")
+            if rgb.shape != (info.height, info.width, 3):
+                raise _error(f"the video's frames change size ({info.width}x{info.height}, then "
+                             f"{rgb.shape[1]}x{rgb.shape[0]}); send one whose frames keep theirs")
+            resized = resize_frame(torch.from_numpy(rgb).permute(2, 0, 1), size)
+            out += [resized] * wanted[i]
+    except Exception as exc:  # noqa: BLE001 - a corrupt stream (av.error.InvalidDataError, ...)
+        if isinstance(exc, FrontendError):
+            raise
+        raise _error(f"the video data is corrupt ({_reason(exc)})") from None
+    if len(out) < len(indices):  # the container said more frames than it decodes to: keep the last one
+        if not out:
+            raise _error("the video decodes to no frames")
+        out += [out[-1]] * (len(indices) - len(out))
+    return torch.stack(out)
+
+
+def resize_frame(frame: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[3, H, W] uint8 -> [3, h, w] uint8, as transformers' video processors resize (torchvision's tensor resize:
+    torch's antialiased bicubic on the uint8 frame itself, on a CPU; the frame as it is at its own size)."""
+    if tuple(frame.shape[-2:]) == tuple(size):
+        return frame
+    return F.interpolate(frame[None].contiguous(), size=list(size), mode="bicubic", align_corners=False,
+                         antialias=True)[0]
+
+
+def _even(n: float, factor: int, rounding) -> int:
+    return int(rounding(n / factor) * factor)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoProcessor:
+    """A Qwen vision-language model's video preparation (``family`` "qwen2": Qwen2-VL and Qwen2.5-VL; "qwen3":
+    Qwen3-VL and Qwen3.5), its settings as a JSON-able dict (``to_dict`` / ``from_dict``)."""
+
+    kind: ClassVar[str] = "qwen_video"
+    label: ClassVar[str] = "video processor"
+    identity_tag: ClassVar[bytes] = b"flared.qwen-video.v1\0"
+    modality: ClassVar[str] = "video"
+
+    family: str
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int  # size.shortest_edge: qwen2, a frame's; qwen3, the whole video's
+    max_pixels: int  # size.longest_edge: likewise
+    fps: float = 2.0  # frames sampled a second of video
+    min_frames: int = 4
+    max_frames: int = 768
+    max_video_tokens: int = QWEN2_VIDEO_TOKENS  # qwen2: the video's token budget; qwen3: a frame's token ceiling
+    video_token: str = "<|video_pad|>"
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
+    resample: int = BICUBIC
+    image_mean: tuple[float, float, float] = QWEN_MEAN
+    image_std: tuple[float, float, float] = QWEN_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+
+    def __post_init__(self):
+        if self.family not in ("qwen2", "qwen3"):
+            raise _field_error("family", self.family, '"qwen2" or "qwen3"')
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "min_frames",
+                     "max_frames", "max_video_tokens"):
+            _positive_int(name, getattr(self, name))
+        if self.min_pixels > self.max_pixels:
+            raise _field_error("min_pixels", self.min_pixels, f"at most max_pixels ({self.max_pixels})")
+        if self.min_frames > self.max_frames:
+            raise _field_error("min_frames", self.min_frames, f"at most max_frames ({self.max_frames})")
+        fps = _finite("fps", self.fps)
+        if fps <= 0:
+            raise _field_error("fps", self.fps, "positive")
+        object.__setattr__(self, "fps", fps)
+        for name in ("video_token", "vision_start", "vision_end"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+        _check_pixel_settings(self)
+        if not self.do_resize:
+            raise _field_error("do_resize", self.do_resize, "true (video frames are always resized)")
+
+    # -- configuration ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, family: str, video_config: dict | None, processor_config: dict | None = None, *,
+                patch_size: int, temporal_patch_size: int, merge_size: int) -> VideoProcessor:
+        """From a checkpoint's ``video_preprocessor_config.json`` (or processor_config.json's "video_processor"),
+        with the transformers class's defaults where it ships none; the patch geometry is the tower's."""
+        nested = (processor_config or {}).get("video_processor") if isinstance(processor_config, dict) else None
+        cfg, _ = _hf_config(video_config or (nested if isinstance(nested, dict) else None), None)
+        lo, hi = QWEN3_VIDEO_PIXELS if family == "qwen3" else QWEN2_VIDEO_PIXELS
+        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+        lo = cfg.get("min_pixels", size.get("shortest_edge", lo))
+        hi = cfg.get("max_pixels", size.get("longest_edge", hi))
+        settings = _pixel_settings(cfg, BICUBIC, QWEN_MEAN, QWEN_STD)
+        if family == "qwen3":
+            settings["image_mean"] = cfg.get("image_mean", (0.5, 0.5, 0.5))
+            settings["image_std"] = cfg.get("image_std", (0.5, 0.5, 0.5))
+        fps = cfg.get("fps")
+        return cls(family=family, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
+                   merge_size=merge_size, min_pixels=lo, max_pixels=hi, fps=2.0 if fps is None else fps,
+                   min_frames=cfg.get("min_frames", 4), max_frames=cfg.get("max_frames", 768),
+                   max_video_tokens=cfg.get("max_video_tokens",
+                                            QWEN3_VIDEO_TOKENS if family == "qwen3" else QWEN2_VIDEO_TOKENS),
+                   **settings)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        d["kind"] = self.kind
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VideoProcessor:
+        return _settings_from_dict(cls, d, cls.kind, cls.label)
+
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for a video, which ``prepare``'s prompt replaces (Qwen3-VL's processor
+        replaces the vision markers around it too: each frame pair gets its own)."""
+        if self.family == "qwen3":
+            return self.vision_start + self.video_token + self.vision_end
+        return self.video_token
+
+    # -- sampling and geometry ----------------------------------------------------------------------------
+
+    def sample(self, info: VideoInfo) -> list[int]:
+        """The indices of the frames kept (ascending; a video of fewer frames than the temporal patch repeats
+        them). qwen2: qwen-vl-utils' ``smart_nframes`` and ``torch.linspace(...).round()``; qwen3: transformers'
+        Qwen3VLVideoProcessor.sample_frames."""
+        total, tp = info.total_frames, self.temporal_patch_size
+        if self.family == "qwen3":
+            n = int(total / info.fps * self.fps)
+            n = min(max(n, self.min_frames), self.max_frames, total)
+            n = max(n, tp)
+            return [int(i) for i in np.linspace(0, total - 1, n).round().astype(int)]
+        lo = _even(self.min_frames, tp, math.ceil)
+        hi = _even(min(self.max_frames, total), tp, math.floor)
+        n = total / info.fps * self.fps
+        n = _even(min(min(max(n, lo), hi), total), tp, math.floor)
+        n = max(n, tp)
+        return torch.linspace(0, total - 1, n).round().long().tolist()
+
+    def frame_size(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        """(height, width) each of ``frames`` sampled frames is resized to (the per-video pixel budget)."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise _error(f"the video is {width}x{height} pixels: its long edge is more than {MAX_ASPECT_RATIO} "
+                         f"times its short edge, which this model's video processor refuses")
+        if self.family == "qwen3":  # (Qwen3VLVideoProcessor.resize, its smart_resize over all the frames)
+            per_frame = max(min(self.max_video_tokens * factor * factor, self.max_pixels // frames),
+                            int(self.min_pixels * 1.05))
+            max_pixels, tf = per_frame * frames, self.temporal_patch_size
+            if height < factor or width < factor:
+                scale = max(factor / height, factor / width)
+                height, width = int(height * scale), int(width * scale)
+            h, w = round(height / factor) * factor, round(width / factor) * factor
+            t = round(frames / tf) * tf
+            if t * h * w > max_pixels:
+                beta = math.sqrt(frames * height * width / max_pixels)
+                h = max(factor, math.floor(height / beta / factor) * factor)
+                w = max(factor, math.floor(width / beta / factor) * factor)
+            elif t * h * w < self.min_pixels:
+                beta = math.sqrt(self.min_pixels / (frames * height * width))
+                h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+            return h, w
+        # Qwen2VLVideoProcessor.resize with cap_pixels_per_frame, then its smart_resize
+        total_pixels = int(self.max_video_tokens * factor * factor * 0.9)
+        max_pixels = max(min(self.max_pixels, total_pixels * self.temporal_patch_size // frames),
+                         int(self.min_pixels * 1.05))
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > max_pixels:
+            beta = math.sqrt(height * width / max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h, w
+
+    def layout(self, info: VideoInfo) -> tuple[list[int], tuple[int, int, int]]:
+        """(the sampled frames' indices, the video's (t, h, w) patch grid), without decoding a frame."""
+        indices = self.sample(info)
+        h, w = self.frame_size(len(indices), info.height, info.width)
+        t = -(-len(indices) // self.temporal_patch_size)
+        return indices, (t, h // self.patch_size, w // self.patch_size)
+
+    def num_video_tokens(self, info: VideoInfo) -> int:
+        t, h, w = self.layout(info)[1]
+        return t * h * w // self.merge_size ** 2
+
+    def timestamps(self, indices: list[int], fps: float) -> list[float]:
+        """Qwen3-VL: the time (seconds) of each temporal patch, the mean of its first and last frame's
+        (transformers' Qwen3VLProcessor._calculate_timestamps)."""
+        tp = self.temporal_patch_size
+        indices = list(indices) + [indices[-1]] * (-len(indices) % tp)
+        seconds = [i / fps for i in indices]
+        return [(seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp)]
+
+    def prompt(self, grid: tuple[int, int, int], indices: list[int], fps: float) -> str:
+        """The text for one video (transformers' ``replace_video_token``): qwen2, the video token once per merged
+        patch block; qwen3, before each temporal patch its time, then that frame pair's tokens in vision
+        markers."""
+        t, h, w = grid
+        per_frame = h * w // self.merge_size ** 2
+        if self.family != "qwen3":
+            return self.video_token * (t * per_frame)
+        frame = self.vision_start + self.video_token * per_frame + self.vision_end
+        return "".join(f"<{s:.1f} seconds>" + frame for s in self.timestamps(indices, fps))
+
+    # -- pixels -------------------------------------------------------------------------------------------
+
+    def patches(self, frames: torch.Tensor) -> np.ndarray:
+        """[n, 3, h, w] uint8 resized frames -> [t * gh * gw, 3 * tp * p * p] float32, transformers'
+        ``pixel_values_videos`` rows for this video (its rescale_and_normalize, fused as it fuses them; the last
+        frame repeated to a whole temporal patch; patchify's order)."""
+        n, c, height, width = frames.shape
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        x = frames.to(torch.float32)
+        if self.do_rescale and self.do_normalize:
+            mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+            std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+            x = x.sub_(mean[:, None, None]).div_(std[:, None, None])
+        elif self.do_normalize:
+            x = x.sub_(torch.tensor(self.image_mean)[:, None, None]).div_(torch.tensor(self.image_std)[:, None, None])
+        elif self.do_rescale:
+            x = x * self.rescale_factor
+        if pad := -n % tp:
+            x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+            n += pad
+        gt, gh, gw = n // tp, height // p, width // p
+        x = x.view(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p).numpy())
+
+    def prepare(self, data: bytes) -> PreparedImage:
+        """A video file's bytes -> its patches, grid, prompt and identity."""
+        container = _container(data)
+        try:
+            info = _probe(container)
+            indices, grid = self.layout(info)
+            size = (grid[1] * self.patch_size, grid[2] * self.patch_size)
+            frames = _frames_at(container, info, indices, size)
+        finally:
+            container.close()
+        prompt = self.prompt(grid, indices, info.fps)
+        tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+        identity = hashlib.sha256(self.identity_tag + hashlib.sha256(data).digest()
+                                  + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        seconds = self.temporal_patch_size / (len(indices) / info.total_frames * info.fps)
+        return PreparedImage(pixel_values=self.patches(frames), rows=0, cols=0, prompt=prompt,
+                             num_image_tokens=tokens, identity=identity, grid=grid, modality="video",
+                             seconds_per_grid=seconds, frames_apart=self.family == "qwen3")
+
+
+def decode_video_source(source, *, max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> bytes:
+    """A video a client sent (a data URL, bare base64, or bytes) -> its bytes; a 400 when empty or too large."""
+    data = source_bytes(source, max_bytes, medium="video", media_types=_VIDEO_MEDIA, supported=_SUPPORTED,
+                        example="data:video/mp4;base64,...")
+    if not data:
+        raise _error("video data is empty")
+    if len(data) > max_bytes:
+        raise _error(f"video is too large: {_mib(len(data))}; the limit is {_mib(max_bytes)}")
+    return data

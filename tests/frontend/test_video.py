@@ -1,0 +1,208 @@
+"""Video decoding and the Qwen families' video preparation (flared.frontend.video): the frames kept are the ones
+the sampling rule names, in order, from every container and codec FFmpeg writes here; the frame sizes follow the
+per-video pixel budget; the patches are transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor output bit for
+bit (where torchvision is installed: their tensor backend needs it); and bad files are 400s that say why."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+
+from flared.errors import FrontendError  # noqa: E402
+from flared.frontend.video import (  # noqa: E402
+    VideoInfo, VideoProcessor, decode_video_source, probe_video, resize_frame,
+)
+from flared_testing.video import noise_video, video_url  # noqa: E402
+
+
+def _processor(family: str = "qwen2", **kw) -> VideoProcessor:
+    patch = 14 if family == "qwen2" else 16
+    return VideoProcessor.from_hf(family, kw or None, patch_size=patch, temporal_patch_size=2, merge_size=2)
+
+
+def _levels_video(frames: int, rate: int, *, codec="mpeg4", container="mp4", size=(64, 48)) -> bytes:
+    """Frame i is one flat gray level, 8 * i + 16: a kept frame tells its own index."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format=container)
+    stream = out.add_stream(codec, rate=rate)
+    stream.width, stream.height = size
+    stream.pix_fmt = {"gif": "rgb8", "mjpeg": "yuvj420p"}.get(codec, "yuv420p")
+    for i in range(frames):
+        img = np.full((size[1], size[0], 3), 8 * i + 16, np.uint8)
+        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return buf.getvalue()
+
+
+def test_sampling_follows_the_authors_rules():
+    qwen2, qwen3 = _processor("qwen2"), _processor("qwen3")
+    # qwen-vl-utils: fps x seconds, at least 4, at most the frames, an even count, spread with linspace
+    assert qwen2.sample(VideoInfo(25, 10.0, 64, 48)) == [0, 8, 16, 24]
+    assert qwen2.sample(VideoInfo(300, 30.0, 64, 48)) == [round(i * 299 / 19) for i in range(20)]
+    assert len(qwen2.sample(VideoInfo(3001, 25.0, 64, 48))) == 240  # 120 s at 2 a second
+    assert qwen2.sample(VideoInfo(1, 25.0, 64, 48)) == [0, 0]  # a single frame fills the temporal patch
+    assert qwen2.sample(VideoInfo(3, 25.0, 64, 48)) == [0, 2]
+    # Qwen3VLVideoProcessor: int(seconds x fps), clamped to [4, frames], any count
+    assert qwen3.sample(VideoInfo(25, 10.0, 64, 48)) == [0, 6, 12, 18, 24]
+    assert qwen3.sample(VideoInfo(7, 3.0, 64, 48)) == [0, 2, 4, 6]
+    assert qwen3.sample(VideoInfo(100_000, 30.0, 64, 48))[-1] == 99_999
+    assert len(qwen3.sample(VideoInfo(100_000, 30.0, 64, 48))) == 768
+
+
+def test_frame_sizes_follow_the_video_budget():
+    qwen2 = _processor("qwen2")  # frames between 128 and 768 merged blocks, 90% of 128000 tokens a video
+    assert qwen2.frame_size(4, 240, 320) == (280, 392)  # scaled up to the minimum
+    assert qwen2.frame_size(4, 1080, 1920) == (560, 1008)  # down to 768 blocks
+    h, w = qwen2.frame_size(768, 1080, 1920)  # a long video: each frame gets its share
+    assert h * w <= 128000 * 28 * 28 * 0.9 * 2 // 768 and (h, w) == (336, 644)
+    qwen3 = _processor("qwen3", size={"shortest_edge": 4096, "longest_edge": 25165824})
+    h, w = qwen3.frame_size(8, 1080, 1920)  # at most 768 tokens a frame
+    assert h % 32 == 0 and w % 32 == 0 and h * w <= 768 * 32 * 32
+    with pytest.raises(FrontendError, match="long edge"):
+        qwen2.frame_size(4, 2, 1000)
+
+
+@pytest.mark.parametrize("codec,container", [("mpeg4", "mp4"), ("libx264", "mp4"), ("libvpx-vp9", "webm"),
+                                             ("libx264", "matroska"), ("mjpeg", "avi"), ("gif", "gif")])
+def test_every_container_decodes_to_the_sampled_frames(codec, container):
+    data = _levels_video(25, 10, codec=codec, container=container)
+    info = probe_video(data)
+    assert (info.total_frames, info.width, info.height) == (25, 64, 48)
+    processor = _processor("qwen2")
+    prepared = processor.prepare(data)
+    indices = processor.sample(info)
+    assert prepared.grid == (2, 20, 28) and prepared.num_image_tokens == 2 * 20 * 28 // 4
+    # each kept frame's gray level, through the normalization undone (channel 0, a patch row's first pixels)
+    x = prepared.pixel_values.reshape(2, 10, 14, 2, 2, 3, 2, 14, 14)  # [t, bh, bw, m, m, c, tp, p, p]
+    mean, std = processor.image_mean[0] * 255, processor.image_std[0] * 255
+    levels = [float(x[t, :, :, :, :, 0, k].mean() * std + mean) for t in range(2) for k in range(2)]
+    assert np.allclose(levels, [8 * i + 16 for i in indices], atol=4), (codec, levels, indices)
+    assert prepared.modality == "video" and prepared.seconds_per_grid == pytest.approx(2 / (4 / 25 * 10))
+
+
+def test_qwen3_prompt_has_a_timestamp_before_each_frame_pair():
+    processor = _processor("qwen3")
+    prepared = processor.prepare(_levels_video(25, 10))  # frames 0, 6, 12, 18, 24 (the last repeated)
+    t, h, w = prepared.grid
+    assert t == 3 and prepared.frames_apart
+    frame = "<|vision_start|>" + "<|video_pad|>" * (h * w // 4) + "<|vision_end|>"
+    assert prepared.prompt == "<0.3 seconds>" + frame + "<1.5 seconds>" + frame + "<2.4 seconds>" + frame
+    assert processor.placeholder == "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def test_identity_follows_the_bytes_and_the_settings():
+    a, b = noise_video(8, seed=1), noise_video(8, seed=2)
+    qwen2 = _processor("qwen2")
+    assert qwen2.prepare(a).identity == qwen2.prepare(a).identity != qwen2.prepare(b).identity
+    assert _processor("qwen2", fps=1.0).prepare(a).identity != qwen2.prepare(a).identity
+
+
+def test_settings_round_trip_and_bad_settings_are_refused():
+    processor = _processor("qwen3", fps=1.5, max_frames=64)
+    assert VideoProcessor.from_dict(processor.to_dict()) == processor
+    with pytest.raises(FrontendError, match="fps"):
+        _processor("qwen2", fps=0)
+    with pytest.raises(FrontendError, match="min_frames"):
+        _processor("qwen2", min_frames=10, max_frames=4)
+    with pytest.raises(FrontendError, match="unknown video processor settings"):
+        VideoProcessor.from_dict({**processor.to_dict(), "sharpen": True})
+
+
+def test_bad_videos_are_refused_with_reasons():
+    with pytest.raises(FrontendError, match="could not be read"):
+        _processor().prepare(b"\x00\x01not a video at all" * 50)
+    wav = b"RIFF" + (36 + 3200).to_bytes(4, "little") + b"WAVEfmt " + bytes.fromhex(
+        "1000000001000100803e0000007d00000200100064617461") + (3200).to_bytes(4, "little") + bytes(3200)
+    with pytest.raises(FrontendError, match="no video stream"):
+        _processor().prepare(wav)
+    with pytest.raises(FrontendError, match="empty"):
+        decode_video_source("data:video/mp4;base64,")
+    with pytest.raises(FrontendError, match="too large"):
+        decode_video_source(video_url(bytes(3000)), max_bytes=1000)
+    with pytest.raises(FrontendError, match="unsupported video type"):
+        decode_video_source("data:text/plain;base64," + base64.b64encode(b"hello").decode())
+    data = noise_video(8)
+    assert decode_video_source(video_url(data)) == data == decode_video_source(base64.b64encode(data).decode())
+    truncated = data[: len(data) // 3]
+    try:  # a cut file decodes to fewer frames, or is refused: never anything else
+        prepared = _processor().prepare(truncated)
+        assert prepared.grid[0] >= 1
+    except FrontendError:
+        pass
+
+
+def test_mutated_videos_prepare_or_are_refused():
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    good = noise_video(10, (48, 32), seed=5)
+    processor = _processor("qwen2")
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), max_size=6),
+           st.integers(0, len(good)))
+    def check(edits, cut):
+        data = bytearray(good[:max(cut, 1)])
+        for at, value in edits:
+            if at < len(data):
+                data[at] = value
+        try:
+            prepared = processor.prepare(bytes(data))
+        except FrontendError:
+            return
+        assert prepared.pixel_values.shape[0] == prepared.grid[0] * prepared.grid[1] * prepared.grid[2]
+
+    del hypothesis
+    check()
+
+
+def test_resize_is_torchvisions():
+    """torchvision's tensor resize (transformers' video backend) on uint8 frames, where it is installed."""
+    tvF = pytest.importorskip("torchvision.transforms.v2.functional")
+    import torch
+
+    frame = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (3, 47, 71), dtype=np.uint8))
+    for size in ((28, 56), (84, 112), (47, 71)):
+        want = tvF.resize(frame, list(size), interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+        assert torch.equal(resize_frame(frame, size), want)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_patches_are_transformers_video_processors(family):
+    """Our patches, grid and frames against transformers' own video processor on the same sampled frames, where
+    torchvision is installed (its video processors need it)."""
+    pytest.importorskip("torchvision")
+    transformers = pytest.importorskip("transformers")
+    import av
+    import io
+    import torch
+
+    data = noise_video(25, (150, 100), 10, seed=7, smooth=True)
+    ours = _processor(family)
+    prepared = ours.prepare(data)
+    info = probe_video(data)
+    indices = ours.sample(info)
+    container = av.open(io.BytesIO(data))
+    frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    clip = torch.from_numpy(np.stack([frames[i] for i in indices])).permute(0, 3, 1, 2)
+    if family == "qwen2":
+        cls = transformers.Qwen2VLVideoProcessor
+        theirs = cls(size={"shortest_edge": ours.min_pixels, "longest_edge": ours.max_pixels}, do_sample_frames=False)
+    else:
+        cls = transformers.Qwen3VLVideoProcessor
+        theirs = cls(size={"shortest_edge": ours.min_pixels, "longest_edge": ours.max_pixels}, do_sample_frames=False)
+    out = theirs(videos=[clip], return_tensors="pt", cap_pixels_per_frame=True)
+    assert tuple(out["video_grid_thw"][0].tolist()) == prepared.grid
+    assert np.array_equal(out["pixel_values_videos"].numpy(), prepared.pixel_values)
