@@ -199,6 +199,7 @@ class VideoProcessor:
     min_pixels: int  # size.shortest_edge: qwen2, a frame's; qwen3, the whole video's
     max_pixels: int  # size.longest_edge: likewise
     fps: float = 2.0  # frames sampled a second of video
+    num_frames: int = 0  # frames sampled whatever the video's length (0: by fps)
     min_frames: int = 4
     max_frames: int = 768
     max_video_tokens: int = QWEN2_VIDEO_TOKENS  # qwen2: the video's token budget; qwen3: a frame's token ceiling
@@ -223,6 +224,8 @@ class VideoProcessor:
             raise _field_error("min_pixels", self.min_pixels, f"at most max_pixels ({self.max_pixels})")
         if self.min_frames > self.max_frames:
             raise _field_error("min_frames", self.min_frames, f"at most max_frames ({self.max_frames})")
+        if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 0:
+            raise _field_error("num_frames", self.num_frames, "a non-negative integer (0: by fps)")
         fps = _finite("fps", self.fps)
         if fps <= 0:
             raise _field_error("fps", self.fps, "positive")
@@ -254,6 +257,7 @@ class VideoProcessor:
         fps = cfg.get("fps")
         return cls(family=family, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
                    merge_size=merge_size, min_pixels=lo, max_pixels=hi, fps=2.0 if fps is None else fps,
+                   num_frames=cfg.get("num_frames") or 0,
                    min_frames=cfg.get("min_frames", 4), max_frames=cfg.get("max_frames", 768),
                    max_video_tokens=cfg.get("max_video_tokens",
                                             QWEN3_VIDEO_TOKENS if family == "qwen3" else QWEN2_VIDEO_TOKENS),
@@ -284,6 +288,12 @@ class VideoProcessor:
         them). qwen2: qwen-vl-utils' ``smart_nframes`` and ``torch.linspace(...).round()``; qwen3: transformers'
         Qwen3VLVideoProcessor.sample_frames."""
         total, tp = info.total_frames, self.temporal_patch_size
+        if self.num_frames:  # (qwen-vl-utils' nframes, rounded to the temporal patch; Qwen3-VL's as asked)
+            n = min(self.num_frames, total)
+            n = max(_even(n, tp, round) if self.family != "qwen3" else n, tp)
+            if self.family == "qwen3":
+                return [int(i) for i in np.linspace(0, total - 1, n).round().astype(int)]
+            return torch.linspace(0, total - 1, n).round().long().tolist()
         if self.family == "qwen3":
             n = int(total / info.fps * self.fps)
             n = min(max(n, self.min_frames), self.max_frames, total)

@@ -217,11 +217,13 @@ class ServingState:
         finally:
             self.frontend_busy -= 1
 
-    async def prepare_chat(self, messages, **kwargs):
+    async def prepare_chat(self, messages, *, media_options: dict | None = None, **kwargs):
         """Render and tokenize a chat on a frontend worker. Image parts ({"type": "image", "image": source,
         "param": where}, as the API parsers write them) are decoded and prepared there too, and their
-        placeholders expanded: the result's ``images`` holds them (``vision_input`` runs the tower on them)."""
+        placeholders expanded: the result's ``images`` holds them (``vision_input`` runs the tower on them).
+        ``media_options``: vLLM's ``mm_processor_kwargs`` (``media_processors``)."""
         images = image_parts(messages)
+        processors = self.media_processors(media_options)
         if images:
             self._check_images(images)
         if self.image_processor is not None:
@@ -230,7 +232,7 @@ class ServingState:
             messages = parts_for_template(messages, self._placeholders() if as_string else None)
 
         def render():
-            prepared = self._prepare_images(images) if images else ()
+            prepared = self._prepare_images(images, processors) if images else ()
             if prepared:
                 kwargs["image_prompts"] = tuple(p.prompt for p in prepared)
                 kwargs["image_placeholder"] = tuple(self._placeholders()[p.modality] for p in prepared)
@@ -322,8 +324,39 @@ class ServingState:
             if len(found) > limit:
                 raise _bad(found[limit], f"at most {limit} {noun}{'s' if limit != 1 else ''} a request")
 
-    def _prepare_images(self, images) -> tuple:
+    # vLLM's mm_processor_kwargs this server reads: the Qwen video processor's sampling and both Qwen processors' sizes
+    _VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames")
+    _PIXEL_OPTIONS = ("min_pixels", "max_pixels")
+
+    def media_processors(self, options: dict | None) -> tuple:
+        """(image processor, video processor) for one request: the server's, with vLLM's ``mm_processor_kwargs``
+        applied (a Qwen model's ``fps``, ``num_frames``, ``min_frames``, ``max_frames`` for its videos, and
+        ``min_pixels`` / ``max_pixels`` for its images and videos); a key it cannot apply is a 400."""
+        image, video = self.image_processor, self.video_processor
+        if not options:
+            return image, video
+        if not isinstance(options, dict):
+            raise _bad("mm_processor_kwargs", "must be an object")
+        patches = getattr(image, "kind", None) == "patches"
+        known = (self._VIDEO_OPTIONS if video is not None else ()) + (
+            self._PIXEL_OPTIONS if patches or video is not None else ())
+        for key in options:
+            if key not in known:
+                reads = f"this model reads {', '.join(known)}" if known else "this model reads none"
+                raise _bad(f"mm_processor_kwargs.{key}", f"is not supported ({reads})", ErrorKind.UNSUPPORTED)
+        pixels = {k: v for k, v in options.items() if k in self._PIXEL_OPTIONS}
+        try:
+            if patches and pixels:
+                image = dataclasses.replace(image, **pixels)
+            if video is not None:
+                video = dataclasses.replace(video, **options)
+        except FrontendError as exc:
+            raise _bad("mm_processor_kwargs", str(exc).replace("image processor setting", "setting")) from None
+        return image, video
+
+    def _prepare_images(self, images, processors=None) -> tuple:
         """Decode and tile every image (on a frontend worker); a bad one is a 400 naming its part."""
+        image_processor, video_processor = processors or (self.image_processor, self.video_processor)
         prepared, tokens = [], 0
         context = self.manifest.capacities.context_tokens
         for param, part in images:
@@ -334,12 +367,12 @@ class ServingState:
                 if is_media_url(source):  # fetched (http, https) or read (file) here, on the frontend worker
                     source = self.media.fetch(source, max_bytes=limit, what=kind)
                 if kind == "video":
-                    image = self.video_processor.prepare(decode_video_source(source, max_bytes=limit))
+                    image = video_processor.prepare(decode_video_source(source, max_bytes=limit))
                 else:
                     decoded = (decode_audio(source, max_bytes=limit, format=part.get("format"),
                                             max_seconds=self.image_processor.max_seconds) if kind == "audio"
                                else decode_image(source, max_bytes=limit))
-                    image = self.image_processor.prepare_in_request(
+                    image = image_processor.prepare_in_request(
                         decoded, images=sum(p.get("type") != "video" for _, p in images))
             except FrontendError as exc:
                 raise _bad(param, str(exc), exc.kind) from None

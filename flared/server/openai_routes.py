@@ -518,7 +518,7 @@ class OpenAIRoutes:
         rendered = await self.state.prepare_chat(
             req.messages, tools=req.tools, documents=req.documents, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
-            template=template, **req.template_kwargs)
+            template=template, media_options=req.media_options, **req.template_kwargs)
         # A forced call needs no tool format in the template: the grammar produces it (force_tool_call).
         shape = OutputShape(self.state, rendered.text, None if req.forced_tool else req.tools, template=template,
                             field="functions" if req.legacy_functions else "tools")

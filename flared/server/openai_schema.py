@@ -121,6 +121,8 @@ class ChatRequest:
     # OpenAI's predicted output (``prediction``: {"type": "content", "content": text or text parts}): where
     # speculative decoding looks up drafts first; None: none
     prediction: str | None = None
+    # vLLM's mm_processor_kwargs: a request's own media settings (ServingState.media_processors); None: the model's
+    media_options: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,6 +542,9 @@ def parse_chat(body: Any) -> ChatRequest:
     documents = body.get("documents")
     if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
         raise _bad("documents", "must be an array of objects")
+    media_options = body.get("mm_processor_kwargs")
+    if media_options is not None and not isinstance(media_options, dict):
+        raise _bad("mm_processor_kwargs", "must be an object")
     return ChatRequest(
         model=model,
         messages=out,
@@ -561,6 +566,7 @@ def parse_chat(body: Any) -> ChatRequest:
         extras=_extras(body, stream),
         legacy_functions=legacy,
         prediction=_prediction(body.get("prediction")),
+        media_options=media_options or None,
     )
 
 

@@ -184,3 +184,24 @@ def test_models_without_video_refuse_it(start_daemon, tiny_core):
     status, body = d.chat([{"role": "user", "content": [video_part(noise_video(4)), {"type": "text", "text": "hi"}]}],
                           max_tokens=2)
     assert status == 400 and "'video_url' is not supported (this model takes text)" in body["error"]["message"], body
+
+
+def test_mm_processor_kwargs_set_a_requests_frames(served, reference):
+    """vLLM's mm_processor_kwargs: fps and num_frames choose the frames (fewer frames, fewer tokens); a bad value or
+    a key the model cannot apply is a 400 naming it."""
+    family, _, _, daemon = served
+    data = noise_video(40, (96, 64), 10, seed=6)
+
+    def ask(**options):
+        content = [video_part(data), {"type": "text", "text": "Describe."}]
+        return daemon.chat([{"role": "user", "content": content}], max_tokens=2, temperature=0,
+                           mm_processor_kwargs=options)
+
+    default = ask()[1]["usage"]["prompt_tokens"]
+    slower = ask(fps=1.0)[1]["usage"]["prompt_tokens"]  # 4 s: 8 frames at 2 a second, 4 at 1
+    fixed = ask(num_frames=2)[1]["usage"]["prompt_tokens"]
+    assert default > slower > fixed, (default, slower, fixed)
+    status, body = ask(fps=-1)
+    assert status == 400 and body["error"]["param"] == "mm_processor_kwargs" and "fps" in body["error"]["message"]
+    status, body = ask(sharpen=True)
+    assert status == 400 and body["error"]["param"] == "mm_processor_kwargs.sharpen", body

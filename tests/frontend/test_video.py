@@ -58,6 +58,10 @@ def test_sampling_follows_the_authors_rules():
     assert qwen3.sample(VideoInfo(7, 3.0, 64, 48)) == [0, 2, 4, 6]
     assert qwen3.sample(VideoInfo(100_000, 30.0, 64, 48))[-1] == 99_999
     assert len(qwen3.sample(VideoInfo(100_000, 30.0, 64, 48))) == 768
+    # num_frames (vLLM's mm_processor_kwargs): that many whatever the length (qwen2: an even count)
+    assert _processor("qwen2", num_frames=6).sample(VideoInfo(300, 30.0, 64, 48)) == [0, 60, 120, 179, 239, 299]
+    assert _processor("qwen2", num_frames=7).sample(VideoInfo(3, 30.0, 64, 48)) == [0, 1, 1, 2]
+    assert _processor("qwen3", num_frames=5).sample(VideoInfo(300, 30.0, 64, 48)) == [0, 75, 150, 224, 299]
 
 
 def test_frame_sizes_follow_the_video_budget():
