@@ -205,3 +205,17 @@ def test_mm_processor_kwargs_set_a_requests_frames(served, reference):
     assert status == 400 and body["error"]["param"] == "mm_processor_kwargs" and "fps" in body["error"]["message"]
     status, body = ask(sharpen=True)
     assert status == 400 and body["error"]["param"] == "mm_processor_kwargs.sharpen", body
+
+
+def test_the_chat_page_sends_videos(served, tmp_path):
+    """chat.js (under Node) sends an attached video as a video_url part: the answer's prompt holds its tokens."""
+    from flared_testing.video import video_url
+    from flared_testing.webui import ask_through_chat_js
+
+    family, _, _, daemon = served
+    data = noise_video(12, (80, 56), 6, seed=8)
+    got = ask_through_chat_js(daemon, video_url(data), "What happens?", tmp_path)
+    assert got["mp4"] == {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    content = [video_part(data), {"type": "text", "text": "What happens?"}]
+    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=2)
+    assert status == 200 and got["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"], (got, body)

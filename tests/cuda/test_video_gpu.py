@@ -1,7 +1,9 @@
-"""Videos on the CUDA graph executor: a Qwen2.5-VL and a Qwen3-VL core (bf16, as the CUDA backend serves them)
-take vLLM's video_url parts without --enforce-eager, the tower running each video's frame pairs between steps and
-the prefill that feeds its tokens running eagerly with the rows in place; the first token's log-probabilities
-match the same core's under --enforce-eager. Skipped without a GPU (tests/cuda/conftest.py)."""
+"""Videos on the CUDA graph executor: a Qwen2.5-VL and a Qwen3-VL core take vLLM's video_url parts without
+--enforce-eager, the tower running each video's frame pairs between steps and the prefill that feeds its tokens
+running eagerly with the rows in place. float32: the greedy tokens are the same core's under --enforce-eager
+(tests/api/test_video_qwen.py holds those to transformers'); bf16 (as the CUDA backend serves): the same first
+token, its alternatives' log-probabilities within bf16's drift on these random weights (0.2 init range). Skipped
+without a GPU (tests/cuda/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ pytest.importorskip("torch")
 pytest.importorskip("av")
 
 
-def test_a_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, start_daemon):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, dtype, tmp_path, start_daemon):
     import shutil
 
     from flared_testing.video import noise_video, video_part
@@ -29,23 +32,28 @@ def test_a_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, 
               else {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 25 * 28 * 28}})
     (checkpoint / "video_preprocessor_config.json").write_text(json.dumps(config))
     core = tmp_path / "core"
-    export_core(checkpoint, core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=1024,
+    export_core(checkpoint, core, ExportOptions(dtype=dtype, concurrency=4, context_tokens=1024,
                                                 prefill_chunk_tokens=128))
     clip = video_part(noise_video(25, (96, 64), 10, seed=3))
-    firsts = []
+    answers = []
     for args in ((), ("--enforce-eager",)):
         d = start_daemon(core, *args)
         status, body = d.chat([{"role": "user", "content": "What?"}], max_tokens=4)
         assert status == 200, body
         text_tokens = body["usage"]["prompt_tokens"]
         status, body = d.chat([{"role": "user", "content": [clip, {"type": "text", "text": "What happens?"}]}],
-                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, ignore_eos=True,
+                              return_tokens_as_token_ids=True)
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] > text_tokens + 10  # the video's tokens
-        firsts.append({t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]})
+        answers.append(body["choices"][0]["logprobs"]["content"])
         assert ("executor: eager on" in d.log()) == bool(args)
         d.kill()
-    graphs, eager = firsts
-    shared = set(graphs) & set(eager)
-    assert shared, (graphs, eager)
-    assert max(abs(graphs[t] - eager[t]) for t in shared) < 0.1, (graphs, eager)
+    graphs, eager = answers
+    if dtype == "float32":
+        assert [t["token"] for t in graphs] == [t["token"] for t in eager]
+        return
+    assert graphs[0]["token"] == eager[0]["token"]
+    first = [{t["token"]: t["logprob"] for t in steps[0]["top_logprobs"]} for steps in (graphs, eager)]
+    shared = set(first[0]) & set(first[1])
+    assert max(abs(first[0][t] - first[1][t]) for t in shared) < 0.35, first

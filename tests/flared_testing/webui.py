@@ -17,15 +17,16 @@ const { streamChat, userContent, mediaPart } = require(process.argv[2]);
   const done = await streamChat({ base: process.argv[3], model: "tiny", messages, temperature: 0, maxTokens: 6 },
                                 (c) => { content += c; });
   console.log(JSON.stringify({ content, usage: done.usage, text: userContent("only text", []),
-                               mp3: mediaPart("data:audio/mpeg;base64,AAAA") }));
+                               mp3: mediaPart("data:audio/mpeg;base64,AAAA"),
+                               mp4: mediaPart("data:video/mp4;base64,AAAA") }));
 })().catch((e) => { console.error(e); process.exit(1); });
 """
 
 
 def ask_through_chat_js(daemon, attachment_url: str, text: str, tmp_path) -> dict:
-    """One user turn of the attachment (a data URL: image or audio) and ``text``, streamed through chat.js's
-    userContent and streamChat: {content, usage, text (a text-only turn's content), mp3 (an MP3 data URL's
-    part)}. Skips where Node.js is not installed."""
+    """One user turn of the attachment (a data URL: image, audio or video) and ``text``, streamed through chat.js's
+    userContent and streamChat: {content, usage, text (a text-only turn's content), mp3 and mp4 (an MP3's and an
+    MP4's data URL's parts)}. Skips where Node.js is not installed."""
     import flared.server.webui
 
     if shutil.which("node") is None:

@@ -61,9 +61,10 @@ async function streamChat({ base = "", apiKey = "", model, messages, temperature
   return { usage, finish };
 }
 
-// An attached file's data URL as OpenAI's content part: an image_url, or (data:audio/...) an input_audio with its
-// base64 and format (the subtype: wav, mpeg as mp3, flac, ogg).
+// An attached file's data URL as OpenAI's content part: an image_url, (data:video/...) vLLM's video_url, or
+// (data:audio/...) an input_audio with its base64 and format (the subtype: wav, mpeg as mp3, flac, ogg).
 function mediaPart(url) {
+  if (url.startsWith("data:video/")) return { type: "video_url", video_url: { url } };
   const m = /^data:audio\/([\w.+-]+)[^,]*;base64,(.*)$/s.exec(url);
   if (!m) return { type: "image_url", image_url: { url } };
   const kind = m[1].toLowerCase();
@@ -94,22 +95,23 @@ if (typeof document !== "undefined") {
   let history = [];
   let model = null;
   let running = null;
-  let images = [];  // data URLs (images, or an audio model's clips) attached to the next message
+  let images = [];  // data URLs (images and videos, or an audio model's clips) attached to the next message
   const attached = $("attached"), pick = $("pick");
 
-  // An attachment shown: an image, or a clip's player (with a button that takes it off).
+  // An attachment shown: an image, or a clip's or a video's player (with a button that takes it off).
   function media(url, label) {
-    if (!url.startsWith("data:audio/")) {
+    const video = url.startsWith("data:video/");
+    if (!video && !url.startsWith("data:audio/")) {
       const img = document.createElement("img");
       img.src = url;
       img.alt = label;
       return img;
     }
-    const audio = document.createElement("audio");
-    audio.controls = true;
-    audio.src = url;
-    audio.title = label;
-    return audio;
+    const player = document.createElement(video ? "video" : "audio");
+    player.controls = true;
+    player.src = url;
+    player.title = label;
+    return player;
   }
 
   function showAttached() {
@@ -123,7 +125,7 @@ if (typeof document !== "undefined") {
       } else {
         const off = document.createElement("button");
         off.textContent = "×";
-        off.title = "take this clip off";
+        off.title = "take this one off";
         off.addEventListener("click", drop);
         attached.append(item, off);
       }
@@ -161,11 +163,12 @@ if (typeof document !== "undefined") {
       $("model").textContent = model;
       const caps = card.capabilities || {};
       $("attach").hidden = !(caps.vision || caps.audio);
-      $("attach").textContent = caps.audio ? "Audio" : "Image";
+      $("attach").textContent = caps.audio ? "Audio" : caps.video ? "Image/video" : "Image";
       $("attach").title = caps.audio ? "attach audio clips (this model listens to them)"
-        : "attach images (this model reads them)";
+        : caps.video ? "attach images or videos (this model watches them)" : "attach images (this model reads them)";
+      const videos = caps.video ? ",video/mp4,video/webm,video/quicktime,video/x-matroska" : "";
       pick.accept = caps.audio ? "audio/wav,audio/x-wav,audio/mpeg,audio/flac,audio/ogg"
-        : "image/png,image/jpeg,image/webp";
+        : "image/png,image/jpeg,image/webp" + videos;
       status.textContent = "";
     } catch (e) {
       status.textContent = "cannot list models: " + e.message;
