@@ -433,7 +433,8 @@ def tiny_gemma3(tmp_path_factory) -> tuple[Path, Path]:
 INTERNVL_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-    "{{ '<IMG_CONTEXT>\n' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<IMG_CONTEXT>\n' }}{% elif part['type'] == 'video' %}{{ '<video>\n' }}{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # GotOcr2's tiling at 28-pixel tiles: 1 to 4 tiles (and a thumbnail), ImageNet's mean and std, BICUBIC.
 INTERNVL_PREPROCESSOR = {

@@ -176,7 +176,8 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             if found != src.vision.image_token_id:
                 raise CoreError(f"{source}: the tokenizer's {processor.audio_token} is token {found}, but the config's "
                                 f"audio token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
-        video = _read_video_processor(source, src.vision, assets.tokenizer_json) if options.mmproj is None else None
+        video = (_read_video_processor(source, src.vision, assets, processor) if options.mmproj is None
+                 else None)
         if video is not None:
             vision["video"] = video.to_dict()
     else:
@@ -390,32 +391,45 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
     return processor
 
 
-def _read_video_processor(src: Path, vision, tokenizer_json: str):
-    """A Qwen vision checkpoint's video preparation (flared.frontend.video): its video_preprocessor_config.json
-    (or processor_config.json's "video_processor"), transformers' class defaults where it ships neither; None for
-    the other families, or where the tokenizer lacks the video token the config names."""
+def _read_video_processor(src: Path, vision, assets, image_processor):
+    """A vision checkpoint's video preparation (flared.frontend.video): a Qwen family's from its
+    video_preprocessor_config.json (or processor_config.json's "video_processor"), transformers' class defaults
+    where it ships neither; InternVL's frames at its tile size, where its chat template writes the tokenizer's
+    ``<video>``. None for the other families, or where the tokenizer lacks the tokens a video needs."""
     from tokenizers import Tokenizer
 
     from flared.errors import FrontendError
-    from flared.frontend.video import VideoProcessor
+    from flared.frontend.video import FrameVideoProcessor, VideoProcessor
 
-    if vision.family not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl") or vision.video_token_id < 0 or not src.is_dir():
+    qwen = vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or vision.family == "internvl"):
         return None
     where = src / "video_preprocessor_config.json"
     cfg = _read_json(where, required=False)
     proc = _read_json(src / "processor_config.json", required=False)
     try:
-        processor = VideoProcessor.from_hf("qwen3" if vision.family == "qwen3_vl" else "qwen2", cfg, proc,
-                                           patch_size=vision.patch_size, merge_size=vision.scale_factor,
-                                           temporal_patch_size=vision.temporal_patch_size)
+        if qwen:
+            processor = VideoProcessor.from_hf("qwen3" if vision.family == "qwen3_vl" else "qwen2", cfg, proc,
+                                               patch_size=vision.patch_size, merge_size=vision.scale_factor,
+                                               temporal_patch_size=vision.temporal_patch_size)
+        else:
+            processor = FrameVideoProcessor.from_hf(
+                cfg, height=image_processor.height, width=image_processor.width,
+                image_seq_len=image_processor.image_seq_len, image_mean=image_processor.image_mean,
+                image_std=image_processor.image_std)
     except FrontendError as e:
         raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
-    tokenizer = Tokenizer.from_str(tokenizer_json)
-    if tokenizer.token_to_id(processor.video_token) != vision.video_token_id:
-        return None
-    for marker in (processor.vision_start, processor.vision_end):
-        if tokenizer.token_to_id(marker) is None:
+    tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+    if qwen:
+        if tokenizer.token_to_id(processor.video_token) != vision.video_token_id:
             return None
+        needed = (processor.vision_start, processor.vision_end)
+    else:
+        if processor.video_token not in (assets.chat_template or ""):
+            return None
+        needed = (processor.image_token, processor.start_token, processor.end_token)
+    if any(tokenizer.token_to_id(token) is None for token in needed):
+        return None
     return processor
 
 

@@ -79,14 +79,14 @@ class Core:
                             ErrorKind.CORE_FORMAT) from None
 
     def video_processor(self):
-        """The ``flared.frontend.video`` processor a Qwen vision core prepares videos with (None: no video)."""
+        """The ``flared.frontend.video`` processor a Qwen or InternVL core prepares videos with (None: no video)."""
         from flared.errors import FrontendError
-        from flared.frontend.video import VideoProcessor
+        from flared.frontend.video import video_processor_from_dict
 
         if self.manifest.vision is None or "video" not in self.manifest.vision:
             return None
         try:
-            return VideoProcessor.from_dict(self.manifest.vision["video"])
+            return video_processor_from_dict(self.manifest.vision["video"])
         except (FrontendError, TypeError, ValueError) as e:
             raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.video': {e}", ErrorKind.CORE_FORMAT) from None
 

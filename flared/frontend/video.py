@@ -38,6 +38,11 @@ import torch.nn.functional as F
 from flared.errors import ErrorKind, FrontendError
 from flared.frontend.images import (
     BICUBIC,
+    CANVAS_END_TOKEN,
+    CANVAS_IMAGE_TOKEN,
+    CANVAS_START_TOKEN,
+    CLIP_MEAN,
+    CLIP_STD,
     MAX_ASPECT_RATIO,
     QWEN_MEAN,
     QWEN_STD,
@@ -191,6 +196,8 @@ class VideoProcessor:
     label: ClassVar[str] = "video processor"
     identity_tag: ClassVar[bytes] = b"flared.qwen-video.v1\0"
     modality: ClassVar[str] = "video"
+    # vLLM's mm_processor_kwargs a request may set (flared.server.app.ServingState.media_processors)
+    options: ClassVar[tuple[str, ...]] = ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels")
 
     family: str
     patch_size: int
@@ -415,6 +422,132 @@ class VideoProcessor:
         return PreparedImage(pixel_values=self.patches(frames), rows=0, cols=0, prompt=prompt,
                              num_image_tokens=tokens, identity=identity, grid=grid, modality="video",
                              seconds_per_grid=seconds, frames_apart=self.family == "qwen3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameVideoProcessor:
+    """InternVL's video preparation (transformers' InternVLVideoProcessor, and InternVLProcessor's prompt):
+    ``num_frames`` frames, one from the middle of each of as many equal stretches of the video (InternVL's own
+    ``get_index``; transformers' ``initial_shift``), or ``fps`` a second where set; each resized to one tile of the
+    tower (torch's antialiased bicubic on the uint8 frame), rescaled and normalized ([frames, 3, height, width]:
+    the tower's tiles); the prompt ``Frame1: <img><IMG_CONTEXT>...</img>``, a line a frame, in place of the
+    template's ``<video>``. The frames' rows replace the image token's."""
+
+    kind: ClassVar[str] = "frames_video"
+    label: ClassVar[str] = "video processor"
+    identity_tag: ClassVar[bytes] = b"flared.frames-video.v1\0"
+    modality: ClassVar[str] = "video"
+    options: ClassVar[tuple[str, ...]] = ("fps", "num_frames", "max_frames")
+
+    height: int
+    width: int
+    image_seq_len: int  # image tokens a frame (the tower's, a tile)
+    num_frames: int = 8  # (InternVL's examples' num_segments)
+    fps: float = 0.0  # > 0: this many frames a second of video instead, at most max_frames
+    max_frames: int = 64
+    video_token: str = "<video>"
+    image_token: str = CANVAS_IMAGE_TOKEN
+    start_token: str = CANVAS_START_TOKEN
+    end_token: str = CANVAS_END_TOKEN
+    resample: int = BICUBIC
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+
+    def __post_init__(self):
+        for name in ("height", "width", "image_seq_len", "num_frames", "max_frames"):
+            _positive_int(name, getattr(self, name))
+        fps = _finite("fps", self.fps)
+        if fps < 0:
+            raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)")
+        object.__setattr__(self, "fps", fps)
+        for name in ("video_token", "image_token", "start_token", "end_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+        _check_pixel_settings(self)
+        if not self.do_resize:
+            raise _field_error("do_resize", self.do_resize, "true (video frames are always resized)")
+
+    @classmethod
+    def from_hf(cls, video_config: dict | None, *, height: int, width: int, image_seq_len: int,
+                image_mean, image_std) -> FrameVideoProcessor:
+        """From a checkpoint's ``video_preprocessor_config.json`` where it ships one; the tile size is the tower's
+        (a config naming another is refused), the mean and std the image processor's where it names none."""
+        cfg = video_config or {}
+        size = cfg.get("size")
+        if isinstance(size, dict) and (size.get("height"), size.get("width")) not in ((None, None), (height, width)):
+            raise _error(f"the video processor's frames of {size.get('width')}x{size.get('height')} pixels do not fit "
+                         f"the tower's {width}x{height} tiles")
+        settings = _pixel_settings(cfg, BICUBIC, image_mean, image_std)
+        return cls(height=height, width=width, image_seq_len=image_seq_len,
+                   num_frames=cfg.get("num_frames") or 8, fps=cfg.get("fps") or 0.0, **settings)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
+        d["kind"] = self.kind
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FrameVideoProcessor:
+        return _settings_from_dict(cls, d, cls.kind, cls.label)
+
+    @property
+    def placeholder(self) -> str:
+        return self.video_token
+
+    def sample(self, info: VideoInfo) -> list[int]:
+        """transformers' InternVLVideoProcessor.sample_frames with ``initial_shift``: ``torch.arange(shift, total,
+        total / n).int()``, shift half a stretch; n at most the video's frames."""
+        total = info.total_frames
+        n = min(int(total / info.fps * self.fps), self.max_frames) if self.fps else self.num_frames
+        n = max(1, min(n, total))
+        return torch.arange(total / n / 2, total, total / n).int().tolist()[:n]
+
+    def prompt(self, frames: int) -> str:
+        tile = f"{self.start_token}{self.image_token * self.image_seq_len}{self.end_token}"
+        return "\n".join(f"Frame{i + 1}: {tile}" for i in range(frames))
+
+    def pixels(self, frames: torch.Tensor) -> np.ndarray:
+        """[n, 3, height, width] uint8 -> float32, rescaled and normalized as transformers fuses the two."""
+        x = frames.to(torch.float32)
+        if self.do_rescale and self.do_normalize:
+            mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
+            std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
+            x = x.sub_(mean[:, None, None]).div_(std[:, None, None])
+        elif self.do_normalize:
+            x = x.sub_(torch.tensor(self.image_mean)[:, None, None]).div_(torch.tensor(self.image_std)[:, None, None])
+        elif self.do_rescale:
+            x = x * self.rescale_factor
+        return np.ascontiguousarray(x.numpy())
+
+    def prepare(self, data: bytes) -> PreparedImage:
+        container = _container(data)
+        try:
+            info = _probe(container)
+            indices = self.sample(info)
+            frames = _frames_at(container, info, indices, (self.height, self.width))
+        finally:
+            container.close()
+        identity = hashlib.sha256(self.identity_tag + hashlib.sha256(data).digest()
+                                  + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        n = len(indices)
+        return PreparedImage(pixel_values=self.pixels(frames), rows=0, cols=0, prompt=self.prompt(n),
+                             num_image_tokens=n * self.image_seq_len, identity=identity, modality="video")
+
+
+def video_processor_from_dict(d: dict):
+    """The video processor a ``to_dict`` wrote, by its "kind"."""
+    if not isinstance(d, dict):
+        raise _error(f"a video processor must be a JSON object, got {type(d).__name__}")
+    kind = d.get("kind")
+    for cls in (VideoProcessor, FrameVideoProcessor):
+        if kind == cls.kind:
+            return cls.from_dict(d)
+    raise _error(f"unknown video processor kind {kind!r}")
 
 
 def decode_video_source(source, *, max_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> bytes:

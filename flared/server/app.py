@@ -176,10 +176,12 @@ class ServingState:
             if config.get("mrope_section"):
                 self.mrope_merge = int(config["scale_factor"])
             if "video" in manifest.vision:
-                from flared.frontend.video import VideoProcessor
+                from flared.frontend.video import video_processor_from_dict
 
-                self.video_processor = VideoProcessor.from_dict(manifest.vision["video"])
-                self.video_token_id = int(config["video_token_id"])
+                self.video_processor = video_processor_from_dict(manifest.vision["video"])
+                # (the Qwen models' videos fill their own token; InternVL's frames are its image token's tiles)
+                self.video_token_id = (int(config["video_token_id"]) if self.video_processor.kind == "qwen_video"
+                                       else self.image_token_id)
                 self.tokens_per_second = float(config.get("tokens_per_second", 0.0))
 
     # -- admission -----------------------------------------------------------------------------
@@ -269,17 +271,21 @@ class ServingState:
     def _check_media_tokens(self, token_ids, prepared) -> None:
         """Every image (audio, video) token of a prompt must be one of its media's (a text that spells the token,
         or a media part a route does not read, would run the token's own embedding where an image should be)."""
-        kinds = [(self.image_token_id, "audio" if self.image_processor.modality == "audio" else "image")]
+        kind = "audio" if self.image_processor.modality == "audio" else "image"
+        kinds = {self.image_token_id: kind}
+        expected = {self.image_token_id: 0}
         if self.video_processor is not None:
-            kinds.append((self.video_token_id, "video"))
-        for token, kind in kinds:
+            kinds[self.video_token_id] = "image or video" if self.video_token_id == self.image_token_id else "video"
+            expected[self.video_token_id] = 0
+        for p in prepared:
+            expected[self.video_token_id if p.modality == "video" else self.image_token_id] += p.num_image_tokens
+        for token, kind in kinds.items():
             found = token_ids.count(token)
-            expected = sum(p.num_image_tokens for p in prepared if (p.modality == "video") == (kind == "video"))
-            if found != expected:
-                media = {"audio": "clips", "image": "images", "video": "videos"}[kind]
-                raise FrontendError(f"the prompt holds {found} {kind} tokens where its {media} make {expected} "
-                                    f"(a message's text may not spell an {kind} token, and this route reads "
-                                    f"{media} only as the API's {kind} parts)", ErrorKind.VALIDATION)
+            if found != expected[token]:
+                media = {"audio": "clips", "image": "images", "video": "videos"}.get(kind, "images and videos")
+                raise FrontendError(f"the prompt holds {found} {kind} tokens where its {media} make "
+                                    f"{expected[token]} (a message's text may not spell an {kind} token, and this "
+                                    f"route reads {media} only as the API's {kind} parts)", ErrorKind.VALIDATION)
 
     @property
     def _tower_loaded(self) -> bool:
@@ -324,22 +330,21 @@ class ServingState:
             if len(found) > limit:
                 raise _bad(found[limit], f"at most {limit} {noun}{'s' if limit != 1 else ''} a request")
 
-    # vLLM's mm_processor_kwargs this server reads: the Qwen video processor's sampling and both Qwen processors' sizes
-    _VIDEO_OPTIONS = ("fps", "num_frames", "min_frames", "max_frames")
-    _PIXEL_OPTIONS = ("min_pixels", "max_pixels")
+    _PIXEL_OPTIONS = ("min_pixels", "max_pixels")  # (a Qwen image processor's, from mm_processor_kwargs)
 
     def media_processors(self, options: dict | None) -> tuple:
         """(image processor, video processor) for one request: the server's, with vLLM's ``mm_processor_kwargs``
-        applied (a Qwen model's ``fps``, ``num_frames``, ``min_frames``, ``max_frames`` for its videos, and
-        ``min_pixels`` / ``max_pixels`` for its images and videos); a key it cannot apply is a 400."""
+        applied (the video processor's ``options``: a Qwen model's ``fps``, ``num_frames``, ``min_frames``,
+        ``max_frames``, ``min_pixels`` / ``max_pixels`` for its images too; InternVL's ``fps``, ``num_frames``,
+        ``max_frames``); a key it cannot apply is a 400."""
         image, video = self.image_processor, self.video_processor
         if not options:
             return image, video
         if not isinstance(options, dict):
             raise _bad("mm_processor_kwargs", "must be an object")
         patches = getattr(image, "kind", None) == "patches"
-        known = (self._VIDEO_OPTIONS if video is not None else ()) + (
-            self._PIXEL_OPTIONS if patches or video is not None else ())
+        known = tuple(video.options if video is not None else ()) + tuple(
+            k for k in self._PIXEL_OPTIONS if patches and (video is None or k not in video.options))
         for key in options:
             if key not in known:
                 reads = f"this model reads {', '.join(known)}" if known else "this model reads none"

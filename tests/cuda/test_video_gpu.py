@@ -1,39 +1,111 @@
-"""Videos on the CUDA graph executor: a Qwen2.5-VL and a Qwen3-VL core take vLLM's video_url parts without
---enforce-eager, the tower running each video's frame pairs between steps and the prefill that feeds its tokens
-running eagerly with the rows in place. float32: the greedy tokens are the same core's under --enforce-eager
-(tests/api/test_video_qwen.py holds those to transformers'); bf16 (as the CUDA backend serves): the same first
-token, its alternatives' log-probabilities within bf16's drift on these random weights (0.2 init range). Skipped
-without a GPU (tests/cuda/conftest.py)."""
+"""Videos on the CUDA graph executor, Qwen2.5-VL (a video's temporal patches at tokens_per_second x
+second_per_grid_t) and Qwen3-VL (each frame pair its own block, timestamps between): the tower runs the video's
+frame pairs between steps, and the prefill that feeds its tokens runs eagerly with the rows in place.
+
+float32, the executors themselves: greedy tokens on the graphs equal the eager executor's (which
+tests/api/test_video_qwen.py holds to transformers'), and the video's rows reach the logits. bf16, as a user serves
+it: a daemon without --enforce-eager answers a video_url part with the first token of the same core under
+--enforce-eager, its alternatives' log-probabilities within bf16's drift on these random weights (0.2 init range).
+Skipped without a GPU (tests/cuda/conftest.py)."""
 
 from __future__ import annotations
 
+import collections
 import json
+import shutil
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("av")
+sys.path.insert(0, str(Path(__file__).parent))
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+VIDEO_CONFIGS = {"qwen3_vl": {"size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 60 * 32 * 32}},
+                 "qwen2_5_vl": {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 25 * 28 * 28}}}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, dtype, tmp_path, start_daemon):
-    import shutil
-
-    from flared_testing.video import noise_video, video_part
-
+def _core(tiny_qwen_vl, tmp_path, dtype: str) -> tuple[str, Path]:
     from flared.core.export import ExportOptions, export_core
 
     family, source, _ = tiny_qwen_vl
-    if family not in ("qwen2_5_vl", "qwen3_vl"):
+    if family not in FAMILIES:
         pytest.skip(f"{family}: Qwen2.5-VL's temporal positions and Qwen3-VL's frame blocks cover the graphs")
     checkpoint = tmp_path / "hf"
     shutil.copytree(source, checkpoint)
-    config = ({"size": {"shortest_edge": 4 * 32 * 32, "longest_edge": 60 * 32 * 32}} if family == "qwen3_vl"
-              else {"size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 25 * 28 * 28}})
-    (checkpoint / "video_preprocessor_config.json").write_text(json.dumps(config))
-    core = tmp_path / "core"
-    export_core(checkpoint, core, ExportOptions(dtype=dtype, concurrency=4, context_tokens=1024,
+    (checkpoint / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_CONFIGS[family]))
+    if family == "qwen2_5_vl":  # (the released models' 2: intervals of 2.5 truncated)
+        config = json.loads((checkpoint / "config.json").read_text())
+        config["vision_config"]["tokens_per_second"] = 2
+        (checkpoint / "config.json").write_text(json.dumps(config))
+    core = tmp_path / f"core-{dtype}"
+    export_core(checkpoint, core, ExportOptions(dtype=dtype, concurrency=4, context_tokens=512,
                                                 prefill_chunk_tokens=128))
+    return family, core
+
+
+def _video_requests(core_path, model):
+    """Text, a video, text; text alone; text, a video, text again: the video's rows made by VisionJob, its
+    positions and 3D rope laid out as the server lays them (its tokens, Qwen3-VL's frame markers)."""
+    from flared_testing.video import noise_video
+
+    from flared.core.load import open_core
+    from flared.model.vision import mrope_positions
+    from flared.runtime.request import VisionInput
+    from flared.runtime.worker import VisionJob
+
+    core = open_core(core_path)
+    config = core.manifest.vision["config"]
+    video = core.video_processor().prepare(noise_video(25, (96, 64), 10, seed=3))
+    job = VisionJob([video], done=None)
+    while not job.step(model, 0, collections.Counter()):
+        pass
+    rows = job.result()[0]
+    token, merge = int(config["video_token_id"]), int(config["scale_factor"])
+    t, h, w = video.grid
+    per = h * w // merge ** 2
+
+    def request(before, after):
+        ids, blocks = list(before), []
+        if video.frames_apart:  # (Qwen3-VL: "<t seconds>", then each frame pair in vision markers)
+            for k in range(t):
+                ids += [30 + k, 31, 32]
+                blocks.append((len(ids), per, (1, h, w)))
+                ids += [token] * per + [33]
+        else:
+            interval = float(np.float32(video.seconds_per_grid)) * float(config["tokens_per_second"])
+            blocks.append((len(ids), t * per, video.grid, interval))
+            ids += [token] * (t * per)
+        ids += list(after)
+        mrope, delta = mrope_positions(ids, blocks, merge)
+        positions = np.flatnonzero(np.asarray(ids) == token)
+        return ids, VisionInput(positions, rows, (), mrope, delta)
+
+    cases = [request(range(20, 100), range(40, 52)), (list(range(60, 90)), None), request(range(5, 12), [70])]
+    return [ids for ids, _ in cases], [v for _, v in cases]
+
+
+def test_float32_graph_tokens_with_videos_equal_the_eager_executors(tiny_qwen_vl, tmp_path):
+    from test_vision_gpu import _drive, _served
+
+    family, core = _core(tiny_qwen_vl, tmp_path, "float32")
+    _, model = _served(core, torch.float32)
+    prompts, visions = _video_requests(core, model)
+    graphs, logits = _drive(model, prompts, visions, graphs=True)
+    eager, _ = _drive(model, prompts, visions, graphs=False)
+    assert graphs == eager, family
+    blind, blind_logits = _drive(model, prompts, [None] * len(prompts), graphs=True)
+    assert blind[1] == graphs[1]  # (the text-only request)
+    assert (logits - blind_logits).abs().max().item() > 1e-2  # the video's rows reach the logits
+
+
+def test_a_bf16_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, start_daemon):
+    from flared_testing.video import noise_video, video_part
+
+    _, core = _core(tiny_qwen_vl, tmp_path, "bfloat16")
     clip = video_part(noise_video(25, (96, 64), 10, seed=3))
     answers = []
     for args in ((), ("--enforce-eager",)):
@@ -42,17 +114,13 @@ def test_a_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, dtype, tmp
         assert status == 200, body
         text_tokens = body["usage"]["prompt_tokens"]
         status, body = d.chat([{"role": "user", "content": [clip, {"type": "text", "text": "What happens?"}]}],
-                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, ignore_eos=True,
-                              return_tokens_as_token_ids=True)
+                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] > text_tokens + 10  # the video's tokens
         answers.append(body["choices"][0]["logprobs"]["content"])
         assert ("executor: eager on" in d.log()) == bool(args)
         d.kill()
     graphs, eager = answers
-    if dtype == "float32":
-        assert [t["token"] for t in graphs] == [t["token"] for t in eager]
-        return
     assert graphs[0]["token"] == eager[0]["token"]
     first = [{t["token"]: t["logprob"] for t in steps[0]["top_logprobs"]} for steps in (graphs, eager)]
     shared = set(first[0]) & set(first[1])

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("av")
 
 from flared.errors import FrontendError  # noqa: E402
+from flared.frontend.images import CLIP_MEAN, CLIP_STD  # noqa: E402
 from flared.frontend.video import (  # noqa: E402
     VideoInfo, VideoProcessor, decode_video_source, probe_video, resize_frame,
 )
@@ -24,8 +25,8 @@ def _processor(family: str = "qwen2", **kw) -> VideoProcessor:
     return VideoProcessor.from_hf(family, kw or None, patch_size=patch, temporal_patch_size=2, merge_size=2)
 
 
-def _levels_video(frames: int, rate: int, *, codec="mpeg4", container="mp4", size=(64, 48)) -> bytes:
-    """Frame i is one flat gray level, 8 * i + 16: a kept frame tells its own index."""
+def _levels_video(frames: int, rate: int, *, codec="mpeg4", container="mp4", size=(64, 48), step=8) -> bytes:
+    """Frame i is one flat gray level, step * i + 16: a kept frame tells its own index."""
     import io
 
     import av
@@ -34,9 +35,9 @@ def _levels_video(frames: int, rate: int, *, codec="mpeg4", container="mp4", siz
     out = av.open(buf, "w", format=container)
     stream = out.add_stream(codec, rate=rate)
     stream.width, stream.height = size
-    stream.pix_fmt = {"gif": "rgb8", "mjpeg": "yuvj420p"}.get(codec, "yuv420p")
+    stream.pix_fmt = {"gif": "rgb8", "mjpeg": "yuvj420p", "png": "rgb24"}.get(codec, "yuv420p")
     for i in range(frames):
-        img = np.full((size[1], size[0], 3), 8 * i + 16, np.uint8)
+        img = np.full((size[1], size[0], 3), step * i + 16, np.uint8)
         for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
             out.mux(packet)
     for packet in stream.encode():
@@ -210,3 +211,45 @@ def test_patches_are_transformers_video_processors(family):
     out = theirs(videos=[clip], return_tensors="pt", cap_pixels_per_frame=True)
     assert tuple(out["video_grid_thw"][0].tolist()) == prepared.grid
     assert np.array_equal(out["pixel_values_videos"].numpy(), prepared.pixel_values)
+
+
+def _frames_processor(**kw):
+    from flared.frontend.video import FrameVideoProcessor
+
+    return FrameVideoProcessor(height=28, width=28, image_seq_len=4, **kw)
+
+
+def test_internvl_frames_come_from_the_middles_of_equal_stretches():
+    frames = _frames_processor()
+    assert frames.sample(VideoInfo(80, 10.0, 64, 48)) == [5, 15, 25, 35, 45, 55, 65, 75]
+    assert frames.sample(VideoInfo(5, 10.0, 64, 48)) == [0, 1, 2, 3, 4]  # fewer frames than 8: each once
+    assert _frames_processor(fps=1.0).sample(VideoInfo(80, 10.0, 64, 48)) == [5, 15, 25, 35, 45, 55, 65, 75]
+    assert _frames_processor(fps=0.5).sample(VideoInfo(80, 10.0, 64, 48)) == [10, 30, 50, 70]
+    prepared = frames.prepare(_levels_video(80, 10, step=3, codec="png", container="avi"))  # (lossless)
+    assert prepared.pixel_values.shape == (8, 3, 28, 28) and prepared.num_image_tokens == 32
+    assert prepared.prompt.splitlines()[1] == "Frame2: <img>" + "<IMG_CONTEXT>" * 4 + "</img>"
+    mean, std = CLIP_MEAN[0] * 255, CLIP_STD[0] * 255
+    levels = prepared.pixel_values[:, 0].mean(axis=(1, 2)) * std + mean
+    assert np.allclose(levels, [3 * i + 16 for i in (5, 15, 25, 35, 45, 55, 65, 75)], atol=1e-3), levels
+
+
+def test_internvl_frames_are_transformers_video_processors():
+    """Our frames against transformers' InternVLVideoProcessor on the same sampled frames, where torchvision is
+    installed."""
+    pytest.importorskip("torchvision")
+    transformers = pytest.importorskip("transformers")
+    import io
+
+    import av
+    import torch
+
+    data = noise_video(30, (150, 100), 10, seed=9, smooth=True)
+    ours = _frames_processor()
+    info = probe_video(data)
+    container = av.open(io.BytesIO(data))
+    frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    clip = torch.from_numpy(np.stack([frames[i] for i in ours.sample(info)])).permute(0, 3, 1, 2)
+    theirs = transformers.InternVLVideoProcessor(size={"height": 28, "width": 28}, do_sample_frames=False,
+                                                 image_mean=list(ours.image_mean), image_std=list(ours.image_std))
+    out = theirs(videos=[clip], return_tensors="pt")["pixel_values_videos"][0]
+    assert np.array_equal(out.numpy(), ours.prepare(data).pixel_values)

@@ -386,11 +386,17 @@ def converted(request, tmp_path_factory):
     return family, hf_dir, out / "model.gguf", out / "mmproj.gguf"
 
 
+def _images_only(config):
+    """A checkpoint's vision config as an mmproj says it: llama.cpp has no video, so an mmproj core takes images
+    alone and its config names no video token or rate."""
+    return dataclasses.replace(config, video_token_id=-1, tokens_per_second=0.0)
+
+
 def test_a_model_gguf_and_its_mmproj_read_as_the_checkpoint(converted):
     family, hf_dir, model, mmproj = converted
     ours = read_source(model, mmproj=mmproj)
     theirs = read_source(hf_dir)
-    expected = theirs.vision
+    expected = _images_only(theirs.vision)
     if family == "qwen2_5_vl":  # (the converter does not write the window: transformers' default, 112 pixels)
         assert ours.vision.window_size == 112
         expected = dataclasses.replace(expected, window_size=112)
@@ -415,7 +421,7 @@ def test_the_tower_width_comes_from_its_matrices(tmp_path, tmp_path_factory):
     write_model_gguf(hf_dir, tmp_path / "model.gguf", "qwen2_vl", tmp_path)
     write_mmproj(hf_dir, tmp_path / "mmproj.gguf", "qwen2_vl", feed_forward=1536)
     ours = read_source(tmp_path / "model.gguf", mmproj=tmp_path / "mmproj.gguf").vision
-    assert ours == read_source(hf_dir).vision
+    assert ours == _images_only(read_source(hf_dir).vision)
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl"])  # (a tiled and a patch tower)
@@ -452,7 +458,8 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
     for key in ("image_mean", "image_std"):  # (float32s in the file: the same values in the float32 arithmetic)
         assert np.array_equal(np.float32(mine.pop(key)), np.float32(want.pop(key))), key
     assert mine == want
-    assert ours["config"] == theirs["config"]
+    assert "video" not in ours  # (llama.cpp has no video: an mmproj core takes images alone)
+    assert ours["config"] == {**theirs["config"], "video_token_id": -1, "tokens_per_second": 0.0}
 
 
 @pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3", "internvl"])
