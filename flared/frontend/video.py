@@ -404,12 +404,14 @@ class VideoProcessor:
         x = x.view(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p).numpy())
 
-    def prepare(self, data: bytes) -> PreparedImage:
-        """A video file's bytes -> its patches, grid, prompt and identity."""
+    def prepare(self, data: bytes, *, max_tokens: int | None = None) -> PreparedImage:
+        """A video file's bytes -> its patches, grid, prompt and identity. ``max_tokens``: a video that would
+        take more is refused before a frame is decoded (a 400 of kind CONTEXT_LENGTH)."""
         container = _container(data)
         try:
             info = _probe(container)
             indices, grid = self.layout(info)
+            _check_tokens(grid[0] * grid[1] * grid[2] // self.merge_size ** 2, max_tokens, len(indices))
             size = (grid[1] * self.patch_size, grid[2] * self.patch_size)
             frames = _frames_at(container, info, indices, size)
         finally:
@@ -524,11 +526,13 @@ class FrameVideoProcessor:
             x = x * self.rescale_factor
         return np.ascontiguousarray(x.numpy())
 
-    def prepare(self, data: bytes) -> PreparedImage:
+    def prepare(self, data: bytes, *, max_tokens: int | None = None) -> PreparedImage:
+        """As VideoProcessor.prepare."""
         container = _container(data)
         try:
             info = _probe(container)
             indices = self.sample(info)
+            _check_tokens(len(indices) * self.image_seq_len, max_tokens, len(indices))
             frames = _frames_at(container, info, indices, (self.height, self.width))
         finally:
             container.close()
@@ -537,6 +541,13 @@ class FrameVideoProcessor:
         n = len(indices)
         return PreparedImage(pixel_values=self.pixels(frames), rows=0, cols=0, prompt=self.prompt(n),
                              num_image_tokens=n * self.image_seq_len, identity=identity, modality="video")
+
+
+def _check_tokens(tokens: int, max_tokens: int | None, frames: int) -> None:
+    if max_tokens is not None and tokens > max_tokens:
+        raise _error(f"the video takes {tokens} tokens ({frames} frames), more than the {max_tokens} the context has "
+                     "room for (send a shorter video, or fewer frames: mm_processor_kwargs' fps or num_frames)",
+                     ErrorKind.CONTEXT_LENGTH)
 
 
 def video_processor_from_dict(d: dict):

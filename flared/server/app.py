@@ -372,7 +372,8 @@ class ServingState:
                 if is_media_url(source):  # fetched (http, https) or read (file) here, on the frontend worker
                     source = self.media.fetch(source, max_bytes=limit, what=kind)
                 if kind == "video":
-                    image = video_processor.prepare(decode_video_source(source, max_bytes=limit))
+                    image = video_processor.prepare(decode_video_source(source, max_bytes=limit),
+                                                    max_tokens=context - 1 - tokens)
                 else:
                     decoded = (decode_audio(source, max_bytes=limit, format=part.get("format"),
                                             max_seconds=self.image_processor.max_seconds) if kind == "audio"

@@ -219,3 +219,16 @@ def test_the_chat_page_sends_videos(served, tmp_path):
     content = [video_part(data), {"type": "text", "text": "What happens?"}]
     status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=2)
     assert status == 200 and got["usage"]["prompt_tokens"] == body["usage"]["prompt_tokens"], (got, body)
+
+
+def test_a_video_past_the_context_is_refused_before_decoding(served):
+    """A video whose frames would take more tokens than the context (1024) is a 400 context_length_exceeded
+    naming its part, told from its frame count and size before a frame is decoded."""
+    family, _, _, daemon = served
+    options = {"fps": 30, "max_pixels": 12_000_000} if family == "qwen3_vl" else {"fps": 30, "min_pixels": 19600}
+    data = noise_video(300, (160, 160), 30, seed=9, smooth=True)
+    status, body = daemon.chat([{"role": "user", "content": [video_part(data), {"type": "text", "text": "Hi."}]}],
+                               max_tokens=2, mm_processor_kwargs=options)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert body["error"]["param"] == "messages[0].content[0]", body
+    assert "the video takes" in body["error"]["message"] and "300 frames" in body["error"]["message"], body

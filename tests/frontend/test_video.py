@@ -106,6 +106,17 @@ def test_qwen3_prompt_has_a_timestamp_before_each_frame_pair():
     assert processor.placeholder == "<|vision_start|><|video_pad|><|vision_end|>"
 
 
+def test_a_video_past_max_tokens_is_refused_before_decoding():
+    from flared.errors import ErrorKind
+
+    data = _levels_video(25, 10)
+    for processor, tokens in ((_processor("qwen2"), 280), (_frames_processor(), 32)):
+        assert processor.prepare(data, max_tokens=tokens).num_image_tokens == tokens
+        with pytest.raises(FrontendError, match=f"takes {tokens} tokens") as err:
+            processor.prepare(data, max_tokens=tokens - 1)
+        assert err.value.kind is ErrorKind.CONTEXT_LENGTH
+
+
 def test_identity_follows_the_bytes_and_the_settings():
     a, b = noise_video(8, seed=1), noise_video(8, seed=2)
     qwen2 = _processor("qwen2")
