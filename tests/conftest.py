@@ -578,7 +578,8 @@ ONEVISION_PREPROCESSOR = {
 ONEVISION_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-    "{{ '<image>' }}{% endif %}{% endfor %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{{ '<image>' }}{% endif %}{% endfor %}{% for part in message['content'] %}{% if part['type'] == 'video' %}"
+    "{{ '<video>' }}{% endif %}{% endfor %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
     "{{ '\n' + part['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 

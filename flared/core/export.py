@@ -402,7 +402,8 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     from flared.frontend.video import FrameVideoProcessor, VideoProcessor
 
     qwen = vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or vision.family == "internvl"):
+    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or vision.family in ("internvl",
+                                                                                          "llava_onevision")):
         return None
     where = src / "video_preprocessor_config.json"
     cfg = _read_json(where, required=False)
@@ -412,11 +413,16 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
             processor = VideoProcessor.from_hf("qwen3" if vision.family == "qwen3_vl" else "qwen2", cfg, proc,
                                                patch_size=vision.patch_size, merge_size=vision.scale_factor,
                                                temporal_patch_size=vision.temporal_patch_size)
-        else:
+        elif vision.family == "internvl":
             processor = FrameVideoProcessor.from_hf(
                 cfg, height=image_processor.height, width=image_processor.width,
                 image_seq_len=image_processor.image_seq_len, image_mean=image_processor.image_mean,
                 image_std=image_processor.image_std)
+        else:  # (LLaVA-OneVision: a frame's rows pooled to half the side)
+            side = vision.patches_per_side
+            processor = FrameVideoProcessor.from_hf(
+                cfg, height=vision.image_size, width=vision.image_size, image_seq_len=math.ceil(side / 2) ** 2,
+                image_mean=image_processor.image_mean, image_std=image_processor.image_std, family="onevision")
     except FrontendError as e:
         raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
     tokenizer = Tokenizer.from_str(assets.tokenizer_json)
@@ -428,6 +434,10 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
         if processor.video_token not in (assets.chat_template or ""):
             return None
         needed = (processor.image_token, processor.start_token, processor.end_token)
+        if processor.fills_video_token:  # (its rows fill the video token the config names)
+            if tokenizer.token_to_id(processor.video_token) != vision.video_token_id:
+                return None
+            needed = ()
     if any(tokenizer.token_to_id(token) is None for token in needed):
         return None
     return processor

@@ -121,6 +121,9 @@ class RenderedChat:
     # VisionInput, its rows not yet made). Set by the caller that prepared them.
     images: tuple = ()
     vision: object = None
+    # Where the template put the media: the index (in the parts' order) of the media item each placeholder in the
+    # text stands for, in text order (a template may write a turn's images before its videos); None: in order.
+    media_order: tuple[int, ...] | None = None
 
     @property
     def prompt_bytes(self) -> bytes:
@@ -128,22 +131,24 @@ class RenderedChat:
 
 
 def _expand_images(text: str, char_endpoints, prompts: tuple[str, ...], placeholder):
-    """``text`` with its k-th media placeholder replaced by ``prompts[k]``, and the endpoints moved with it.
-    ``placeholder``: one for every prompt, or each prompt's own (images and videos: the template writes each
-    kind's, in the order of the parts)."""
+    """``text`` with each media placeholder replaced by its item's prompt, the endpoints moved with it, and the
+    items' order in the text. ``placeholder``: one for every prompt, or each prompt's own (images and videos: the
+    template writes each kind's). The k-th placeholder of a kind stands for the k-th item of that kind (a template
+    may write a turn's images before its videos)."""
     placeholders = (placeholder,) * len(prompts) if isinstance(placeholder, str) else tuple(placeholder)
     kinds = sorted(set(placeholders), key=len, reverse=True)
     found = list(re.finditer("|".join(re.escape(k) for k in kinds), text)) if kinds else []
-    if [m.group() for m in found] != list(placeholders):
+    if sorted(m.group() for m in found) != sorted(placeholders):
         wrote = ", ".join(f"{sum(m.group() == k for m in found)} {k}" for k in kinds)
         wanted = ", ".join(f"{placeholders.count(k)} {k}" for k in kinds)
         raise FrontendError(f"the chat template wrote media placeholders ({wrote}) that do not match the request's "
-                            f"media ({wanted}, in order; a message's text may not spell a placeholder)",
-                            ErrorKind.VALIDATION)
+                            f"media ({wanted}; a message's text may not spell a placeholder)", ErrorKind.VALIDATION)
+    queues = {k: [i for i, p in enumerate(placeholders) if p == k] for k in kinds}
+    order = [queues[m.group()].pop(0) for m in found]
     out, starts, at, growth = [], [], 0, 0  # starts: (old offset just past a placeholder, growth)
-    for prompt, m in zip(prompts, found):
-        out += (text[at:m.start()], prompt)
-        growth += len(prompt) - (m.end() - m.start())
+    for index, m in zip(order, found):
+        out += (text[at:m.start()], prompts[index])
+        growth += len(prompts[index]) - (m.end() - m.start())
         starts.append((m.end(), growth))
         at = m.end()
     out.append(text[at:])
@@ -155,7 +160,7 @@ def _expand_images(text: str, char_endpoints, prompts: tuple[str, ...], placehol
                 shift = g
         return c + shift
 
-    return "".join(out), [moved(c) for c in char_endpoints]
+    return "".join(out), [moved(c) for c in char_endpoints], tuple(order)
 
 
 def _sha256(data: bytes) -> str:
@@ -382,8 +387,10 @@ class Frontend:
         else:
             char_endpoints = self._prefix_endpoints(template, messages, text, tools, documents, kwargs,
                                                     inputs_are_json)
+        order = None
         if image_prompts:
-            text, char_endpoints = _expand_images(text, char_endpoints, image_prompts, image_placeholder)
+            text, char_endpoints, order = _expand_images(text, char_endpoints, image_prompts, image_placeholder)
+            order = None if order == tuple(range(len(order))) else order
         char_endpoints = sorted({c for c in char_endpoints if 0 < c < len(text)})
         encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return RenderedChat(
@@ -391,6 +398,7 @@ class Frontend:
             token_ids=encoding.ids,
             message_endpoints=token_endpoints(encoding.offsets, char_endpoints),
             byte_endpoints=tuple(char_to_byte_offsets(text, char_endpoints)),
+            media_order=order,
         )
 
     async def render_chat_async(self, messages, *, executor=None, **kwargs) -> RenderedChat:

@@ -194,6 +194,7 @@ class VideoProcessor:
 
     kind: ClassVar[str] = "qwen_video"
     label: ClassVar[str] = "video processor"
+    fills_video_token: ClassVar[bool] = True
     identity_tag: ClassVar[bytes] = b"flared.qwen-video.v1\0"
     modality: ClassVar[str] = "video"
     # vLLM's mm_processor_kwargs a request may set (flared.server.app.ServingState.media_processors)
@@ -428,12 +429,16 @@ class VideoProcessor:
 
 @dataclass(frozen=True, kw_only=True)
 class FrameVideoProcessor:
-    """InternVL's video preparation (transformers' InternVLVideoProcessor, and InternVLProcessor's prompt):
-    ``num_frames`` frames, one from the middle of each of as many equal stretches of the video (InternVL's own
-    ``get_index``; transformers' ``initial_shift``), or ``fps`` a second where set; each resized to one tile of the
-    tower (torch's antialiased bicubic on the uint8 frame), rescaled and normalized ([frames, 3, height, width]:
-    the tower's tiles); the prompt ``Frame1: <img><IMG_CONTEXT>...</img>``, a line a frame, in place of the
-    template's ``<video>``. The frames' rows replace the image token's."""
+    """Videos as the tower's tiles, a frame each. ``family`` "internvl": InternVL's preparation (transformers'
+    InternVLVideoProcessor, and InternVLProcessor's prompt): ``num_frames`` frames, one from the middle of each of
+    as many equal stretches of the video (InternVL's own ``get_index``; transformers' ``initial_shift``), the
+    prompt ``Frame1: <img><IMG_CONTEXT>...</img>``, a line a frame, in place of the template's ``<video>``, the
+    frames' rows filling the image token. "onevision": LLaVA-OneVision's (LlavaOnevisionVideoProcessor and
+    LlavaOnevisionProcessor): frames from the first on, evenly apart (transformers' ``sample_frames``), the
+    template's ``<video>`` repeated once a pooled row of each frame and once for the closing image_newline, those
+    tokens filled by the tower's ``video_stages``. Either way each frame is resized to one tile (torch's
+    antialiased bicubic on the uint8 frame), rescaled and normalized ([frames, 3, height, width]), or ``fps`` a
+    second are taken where set."""
 
     kind: ClassVar[str] = "frames_video"
     label: ClassVar[str] = "video processor"
@@ -443,7 +448,8 @@ class FrameVideoProcessor:
 
     height: int
     width: int
-    image_seq_len: int  # image tokens a frame (the tower's, a tile)
+    image_seq_len: int  # tokens a frame (internvl: a tile's image tokens; onevision: its pooled rows)
+    family: str = "internvl"
     num_frames: int = 8  # (InternVL's examples' num_segments)
     fps: float = 0.0  # > 0: this many frames a second of video instead, at most max_frames
     max_frames: int = 64
@@ -462,6 +468,8 @@ class FrameVideoProcessor:
     def __post_init__(self):
         for name in ("height", "width", "image_seq_len", "num_frames", "max_frames"):
             _positive_int(name, getattr(self, name))
+        if self.family not in ("internvl", "onevision"):
+            raise _field_error("family", self.family, '"internvl" or "onevision"')
         fps = _finite("fps", self.fps)
         if fps < 0:
             raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)")
@@ -475,7 +483,7 @@ class FrameVideoProcessor:
 
     @classmethod
     def from_hf(cls, video_config: dict | None, *, height: int, width: int, image_seq_len: int,
-                image_mean, image_std) -> FrameVideoProcessor:
+                image_mean, image_std, family: str = "internvl") -> FrameVideoProcessor:
         """From a checkpoint's ``video_preprocessor_config.json`` where it ships one; the tile size is the tower's
         (a config naming another is refused), the mean and std the image processor's where it names none."""
         cfg = video_config or {}
@@ -484,8 +492,9 @@ class FrameVideoProcessor:
             raise _error(f"the video processor's frames of {size.get('width')}x{size.get('height')} pixels do not fit "
                          f"the tower's {width}x{height} tiles")
         settings = _pixel_settings(cfg, BICUBIC, image_mean, image_std)
-        return cls(height=height, width=width, image_seq_len=image_seq_len,
-                   num_frames=cfg.get("num_frames") or 8, fps=cfg.get("fps") or 0.0, **settings)
+        return cls(height=height, width=width, image_seq_len=image_seq_len, family=family,
+                   num_frames=cfg.get("num_frames") or (8 if family == "internvl" else 32), fps=cfg.get("fps") or 0.0,
+                   **settings)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -501,17 +510,28 @@ class FrameVideoProcessor:
     def placeholder(self) -> str:
         return self.video_token
 
+    @property
+    def fills_video_token(self) -> bool:
+        """The rows fill the video token (LLaVA-OneVision's); else the image token (InternVL's frames)."""
+        return self.family == "onevision"
+
     def sample(self, info: VideoInfo) -> list[int]:
-        """transformers' InternVLVideoProcessor.sample_frames with ``initial_shift``: ``torch.arange(shift, total,
-        total / n).int()``, shift half a stretch; n at most the video's frames."""
+        """transformers' sample_frames: ``torch.arange(shift, total, total / n).int()``, shift half a stretch
+        (InternVL's ``initial_shift``) or none (OneVision's); n at most the video's frames."""
         total = info.total_frames
         n = min(int(total / info.fps * self.fps), self.max_frames) if self.fps else self.num_frames
         n = max(1, min(n, total))
-        return torch.arange(total / n / 2, total, total / n).int().tolist()[:n]
+        shift = total / n / 2 if self.family == "internvl" else 0
+        return torch.arange(shift, total, total / n).int().tolist()[:n]
 
     def prompt(self, frames: int) -> str:
+        if self.family == "onevision":  # (a pooled row a frame's each, and the image_newline after them all)
+            return self.video_token * (frames * self.image_seq_len + 1)
         tile = f"{self.start_token}{self.image_token * self.image_seq_len}{self.end_token}"
         return "\n".join(f"Frame{i + 1}: {tile}" for i in range(frames))
+
+    def tokens(self, frames: int) -> int:
+        return frames * self.image_seq_len + (self.family == "onevision")
 
     def pixels(self, frames: torch.Tensor) -> np.ndarray:
         """[n, 3, height, width] uint8 -> float32, rescaled and normalized as transformers fuses the two."""
@@ -532,7 +552,7 @@ class FrameVideoProcessor:
         try:
             info = _probe(container)
             indices = self.sample(info)
-            _check_tokens(len(indices) * self.image_seq_len, max_tokens, len(indices))
+            _check_tokens(self.tokens(len(indices)), max_tokens, len(indices))
             frames = _frames_at(container, info, indices, (self.height, self.width))
         finally:
             container.close()
@@ -540,7 +560,7 @@ class FrameVideoProcessor:
                                   + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
         n = len(indices)
         return PreparedImage(pixel_values=self.pixels(frames), rows=0, cols=0, prompt=self.prompt(n),
-                             num_image_tokens=n * self.image_seq_len, identity=identity, modality="video")
+                             num_image_tokens=self.tokens(n), identity=identity, modality="video")
 
 
 def _check_tokens(tokens: int, max_tokens: int | None, frames: int) -> None:

@@ -451,6 +451,7 @@ def _onevision_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
         image_size=int(v.get("image_size", 384)), layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
         hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")), scale_factor=1,
         text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("image_token_index", 151646)),
+        video_token_id=int(hf.get("video_token_index", 151647)),
         feature_layer=_feature_layer(hf, -1), feature_select=str(hf.get("vision_feature_select_strategy", "full")),
         projector_bias=bool(hf.get("multimodal_projector_bias", True)),
         grid_pinpoints=tuple(tuple(p) for p in pinpoints), anyres_max=int(aspect.removeprefix("anyres_max_")))
@@ -1473,9 +1474,26 @@ class InternVLVisionEncoder(_Tower):
 
 class OnevisionVisionEncoder(_Anyres, _Tower):
     """LLaVA-OneVision: SigLIP's layers up to feature_layer (no post-norm) and LLaVA's projector over each tile
-    (_Anyres); an image of a request with several comes as one padded tile."""
+    (_Anyres); an image of a request with several comes as one padded tile; a video's frames as tiles pooled 2 x 2
+    (``video_stages``)."""
 
     label = "LLaVA-OneVision"
+
+    @torch.inference_mode()
+    def video_stages(self, pixel_values: torch.Tensor, *, max_tiles: int = 2):
+        """A video's frames [n, 3, S, S] -> their rows [n * ceil(side / 2)^2 + 1, hidden]: each frame's projected
+        rows scaled to half the side (bilinear, as LlavaOnevisionModel.apply_pooling), the frames in order, then one
+        image_newline."""
+        c = self.config
+        if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (3, c.image_size, c.image_size):
+            raise ValueError(f"a {self.label} tower takes frames [n, 3, {c.image_size}, {c.image_size}], got "
+                             f"{tuple(pixel_values.shape)}")
+        x = yield from self._tile_batches(pixel_values, max_tiles)  # [frames, side * side, hidden]
+        n, side, hidden = x.shape[0], c.patches_per_side, x.shape[-1]
+        grid = x.view(n, side, side, hidden).permute(0, 3, 1, 2)
+        pooled = F.interpolate(grid, size=[math.ceil(side / 2)] * 2, mode="bilinear")
+        rows = pooled.permute(0, 2, 3, 1).reshape(-1, hidden)
+        return torch.cat([rows, self.w["image_newline"].to(rows.dtype)[None]])
 
     def _tiles(self, x: torch.Tensor):
         """Tiles [n, 3, S, S] -> their projected rows [n, P, hidden] (SigLIP: patch conv and positions, the layers up

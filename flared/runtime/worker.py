@@ -200,7 +200,11 @@ class VisionJob(ModelJob):
         while len(self.parts) < len(self.images):
             image = self.images[len(self.parts)]
             if self._stages is None:
-                self._stages = vision.stages(torch.as_tensor(image.pixel_values), grid=image.grid)
+                pixels = torch.as_tensor(image.pixel_values)
+                if image.modality == "video" and hasattr(vision, "video_stages"):  # (LLaVA-OneVision's frames)
+                    self._stages = vision.video_stages(pixels)
+                else:
+                    self._stages = vision.stages(pixels, grid=image.grid)
             try:
                 next(self._stages)
             except StopIteration as finished:

@@ -179,8 +179,8 @@ class ServingState:
                 from flared.frontend.video import video_processor_from_dict
 
                 self.video_processor = video_processor_from_dict(manifest.vision["video"])
-                # (the Qwen models' videos fill their own token; InternVL's frames are its image token's tiles)
-                self.video_token_id = (int(config["video_token_id"]) if self.video_processor.kind == "qwen_video"
+                # (Qwen's and LLaVA-OneVision's videos fill their own token; InternVL's frames are image tiles)
+                self.video_token_id = (int(config["video_token_id"]) if self.video_processor.fills_video_token
                                        else self.image_token_id)
                 self.tokens_per_second = float(config.get("tokens_per_second", 0.0))
 
@@ -239,6 +239,8 @@ class ServingState:
                 kwargs["image_prompts"] = tuple(p.prompt for p in prepared)
                 kwargs["image_placeholder"] = tuple(self._placeholders()[p.modality] for p in prepared)
             rendered = self.frontend.render_chat(messages, **kwargs)
+            if rendered.media_order is not None:  # (the template wrote them in another order than the parts')
+                prepared = tuple(prepared[i] for i in rendered.media_order)
             if self.image_processor is not None:
                 self._check_media_tokens(rendered.token_ids, prepared)
             if not prepared:

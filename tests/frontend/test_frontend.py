@@ -352,3 +352,17 @@ def test_parts_for_a_string_template_are_one_string_with_placeholders():
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "<IMG>\nWhat?\n<IMG>\n<VID>"}]
     assert parts_for_template(messages)[1]["content"] == [{"type": "image"}, {"type": "text", "text": "What?"},
                                                           {"type": "image"}, {"type": "video"}]
+
+
+def test_media_placeholders_are_matched_by_kind_in_the_templates_order():
+    """A template may write a turn's images before its videos (LLaVA-OneVision's): the k-th placeholder of a kind
+    takes the k-th item of that kind, and the order the items landed in comes back."""
+    from flared.errors import FrontendError
+    from flared.frontend.frontend import _expand_images
+
+    text = "A<image>B<video>C<image>D"
+    out, ends, order = _expand_images(text, [2, 9, 25], ("[v1]", "[i1]", "[i2]"), ("<video>", "<image>", "<image>"))
+    assert out == "A[i1]B[v1]C[i2]D" and order == (1, 0, 2)
+    assert ends == [2, 6, 16]
+    with pytest.raises(FrontendError, match="do not match"):
+        _expand_images(text, [], ("[v1]", "[i1]"), ("<video>", "<image>"))

@@ -264,3 +264,32 @@ def test_internvl_frames_are_transformers_video_processors():
                                                  image_mean=list(ours.image_mean), image_std=list(ours.image_std))
     out = theirs(videos=[clip], return_tensors="pt")["pixel_values_videos"][0]
     assert np.array_equal(out.numpy(), ours.prepare(data).pixel_values)
+
+
+def test_onevision_frames_are_evenly_apart_from_the_first():
+    onevision = _frames_processor(family="onevision", num_frames=32)
+    assert onevision.sample(VideoInfo(64, 10.0, 64, 48)) == list(range(0, 64, 2))
+    assert onevision.sample(VideoInfo(5, 10.0, 64, 48)) == [0, 1, 2, 3, 4]
+    prepared = onevision.prepare(_levels_video(6, 5))
+    assert prepared.num_image_tokens == 6 * 4 + 1 and prepared.prompt == "<video>" * 25
+    assert onevision.fills_video_token and not _frames_processor().fills_video_token
+
+
+def test_onevision_frames_are_transformers_video_processors():
+    """Our frames against transformers' LlavaOnevisionVideoProcessor, where torchvision is installed."""
+    pytest.importorskip("torchvision")
+    transformers = pytest.importorskip("transformers")
+    import io
+
+    import av
+    import torch
+
+    data = noise_video(30, (150, 100), 10, seed=10, smooth=True)
+    ours = _frames_processor(family="onevision", image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+    container = av.open(io.BytesIO(data))
+    frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    clip = torch.from_numpy(np.stack([frames[i] for i in ours.sample(probe_video(data))])).permute(0, 3, 1, 2)
+    theirs = transformers.LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28}, do_sample_frames=False,
+                                                       image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    out = theirs(videos=[clip], return_tensors="pt")["pixel_values_videos"][0]
+    assert np.array_equal(out.numpy(), ours.prepare(data).pixel_values)

@@ -141,11 +141,11 @@ def test_a_vision_job_runs_its_tower_a_layer_a_turn(family):
     ours = _ours(_model(family))
     rng = np.random.default_rng(0)
     if family == "smolvlm":
-        images = [types.SimpleNamespace(pixel_values=rng.standard_normal((2, 3, 64, 64), dtype=np.float32), grid=None),
-                  types.SimpleNamespace(pixel_values=rng.standard_normal((1, 3, 64, 64), dtype=np.float32), grid=None)]
+        images = [types.SimpleNamespace(pixel_values=rng.standard_normal((n, 3, 64, 64), dtype=np.float32), grid=None,
+                                        modality="image") for n in (2, 1)]
     else:
-        images = [types.SimpleNamespace(pixel_values=rng.standard_normal((n, 1176), dtype=np.float32), grid=g)
-                  for n, g in ((140, (1, 10, 14)), (16, (1, 4, 4)))]
+        images = [types.SimpleNamespace(pixel_values=rng.standard_normal((n, 1176), dtype=np.float32), grid=g,
+                                        modality="image") for n, g in ((140, (1, 10, 14)), (16, (1, 4, 4)))]
     job = VisionJob(images, done=None, turn_s=0.0)
     stats, turns = collections.Counter(), 1
     while not job.step(types.SimpleNamespace(vision=ours), 512, stats):
