@@ -79,8 +79,11 @@ QWEN3_VIDEO_TOKENS = 768  # one frame's token ceiling (Qwen3-VL)
 class VideoInfo:
     total_frames: int
     fps: float  # the stream's average rate (frames a second)
-    width: int
+    width: int  # as shown: a frame's, turned by ``rotation``
     height: int
+    # quarter turns counterclockwise the frames are shown with (the stream's display matrix: a phone's portrait
+    # video stored sideways), as FFmpeg's players turn them
+    rotation: int = 0
 
 
 def _container(data: bytes):
@@ -95,6 +98,7 @@ def _container(data: bytes):
     if not container.streams.video:
         container.close()
         raise _error("the file holds no video stream")
+    container.streams.video[0].thread_type = "AUTO"  # (before its codec opens: FFmpeg's frame threads)
     return container
 
 
@@ -138,14 +142,28 @@ def _probe(container) -> VideoInfo:
         raise _error("the video holds no frames")
     if total > MAX_VIDEO_FRAMES:
         raise _error(f"the video holds more than {MAX_VIDEO_FRAMES} frames; send a shorter one")
-    return VideoInfo(total, fps if math.isfinite(fps) and fps > 0 else DEFAULT_VIDEO_FPS, width, height)
+    turns = _first_rotation(container) // 90 % 4
+    if turns % 2:
+        width, height = height, width
+    return VideoInfo(total, fps if math.isfinite(fps) and fps > 0 else DEFAULT_VIDEO_FPS, width, height, turns)
+
+
+def _first_rotation(container) -> int:
+    """The first frame's display rotation (degrees counterclockwise, a multiple of 90; 0 where it states none or
+    does not decode), the container rewound after it."""
+    try:
+        frame = next(container.decode(container.streams.video[0]), None)
+        degrees = int(round((getattr(frame, "rotation", 0) or 0) / 90)) * 90 if frame is not None else 0
+    except Exception:  # noqa: BLE001 - a first frame that does not decode: the decode proper will say so
+        degrees = 0
+    container.seek(0)
+    return degrees
 
 
 def _frames_at(container, info: VideoInfo, indices: list[int], size: tuple[int, int]) -> torch.Tensor:
     """[n, 3, h, w] uint8: the frames at ``indices`` (ascending, repeats allowed) in decode order, each resized to
     ``size`` as it is decoded (only the kept frames are ever held)."""
     stream = container.streams.video[0]
-    stream.thread_type = "AUTO"
     wanted: dict[int, int] = {}
     for i in indices:
         wanted[i] = wanted.get(i, 0) + 1
@@ -158,6 +176,8 @@ def _frames_at(container, info: VideoInfo, indices: list[int], size: tuple[int, 
             if i not in wanted:
                 continue
             rgb = frame.to_ndarray(format="rgb24")
+            if info.rotation:
+                rgb = np.ascontiguousarray(np.rot90(rgb, info.rotation))
             if rgb.shape != (info.height, info.width, 3):
                 raise _error(f"the video's frames change size ({info.width}x{info.height}, then "
                              f"{rgb.shape[1]}x{rgb.shape[0]}); send one whose frames keep theirs")

@@ -293,3 +293,36 @@ def test_onevision_frames_are_transformers_video_processors():
                                                        image_mean=[0.5] * 3, image_std=[0.5] * 3)
     out = theirs(videos=[clip], return_tensors="pt")["pixel_values_videos"][0]
     assert np.array_equal(out.numpy(), ours.prepare(data).pixel_values)
+
+
+@pytest.mark.parametrize("degrees", [90, -90, 180])
+def test_a_sideways_stored_video_is_turned_as_players_show_it(degrees):
+    """A phone's portrait video stored sideways with a display matrix: its frames are turned as FFmpeg's players
+    turn them (the size the budget sees too)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format="mp4")
+    stream = out.add_stream("libx264", rate=10)
+    stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
+    stream.set_display_rotation(degrees)
+    img = np.zeros((32, 64, 3), np.uint8)
+    img[:, :16] = 255  # a white band down the stored frame's left edge
+    for _ in range(8):
+        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    data = buf.getvalue()
+    info = probe_video(data)
+    assert (info.width, info.height) == ((32, 64) if degrees % 180 else (64, 32)), info
+    from flared.frontend.video import FrameVideoProcessor
+
+    frames = FrameVideoProcessor(family="onevision", num_frames=1, height=info.height, width=info.width,
+                                 image_seq_len=1, do_normalize=False, do_rescale=False)
+    shown = frames.prepare(data).pixel_values[0, 0]  # channel 0 of the one frame, as shown
+    want = np.rot90(img[:, :, 0], degrees // 90)
+    assert np.abs(shown - want).mean() < 8, (degrees, shown.mean(0), shown.mean(1))
