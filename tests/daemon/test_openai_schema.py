@@ -35,6 +35,8 @@ def test_content_parts_are_joined_and_max_completion_tokens_wins():
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
      "'messages[0].content[0].input_audio'", ErrorKind.VALIDATION),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "video_url"}]}]},
+     "'messages[0].content[0].video_url'", ErrorKind.VALIDATION),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "file"}]}]},
      "'messages[0].content[0]'", ErrorKind.UNSUPPORTED),
     ({"model": "m", "messages": MSG, "temperature": "hot"}, "'temperature'", ErrorKind.VALIDATION),
     ({"model": "m", "messages": MSG, "temperature": 3}, "'temperature'", ErrorKind.VALIDATION),
