@@ -13,36 +13,30 @@ The outputs are compared bit for bit (transformers' video processors need torchv
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # (flared_testing's video writer)
+
 
 def make_video(seconds: int, width: int, height: int, rate: int = 30) -> bytes:
     """H.264 in MP4: a moving gradient with noise (what a camera's stream costs to decode, roughly)."""
-    import av
+    from flared_testing.video import encode_frames
 
     rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    out = av.open(buf, "w", format="mp4")
-    stream = out.add_stream("libx264", rate=rate, options={"preset": "veryfast", "crf": "23"})
-    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     yy, xx = np.mgrid[0:height, 0:width]
     base = np.stack([xx % 256, yy % 256, (xx + yy) % 256], -1).astype(np.int16)
-    for i in range(seconds * rate):
-        img = (base + i * 3 + rng.integers(-8, 8, base.shape)).clip(0, 255).astype(np.uint8)
-        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return buf.getvalue()
+    frames = ((base + i * 3 + rng.integers(-8, 8, base.shape)).clip(0, 255).astype(np.uint8)
+              for i in range(seconds * rate))
+    return encode_frames(frames, (width, height), rate, codec="libx264", options={"preset": "veryfast", "crf": "23"})
 
 
 def _median_ms(fn, repeats: int):

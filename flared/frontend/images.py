@@ -596,25 +596,12 @@ def _edge(field: str, value) -> int:
     raise _field_error(field, value, 'an object with "longest_edge"')
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Processor:
-    """What the processors share: the pixel settings every transformers image processor has (resample filter,
-    mean/std, rescale, the do_* switches), their settings as a JSON-able dict (``to_dict``/``from_dict``, with the
-    "kind" image_processor_from_dict dispatches on), an image's identity (a versioned tag, the decoded pixels'
-    digest and the settings), and the RGB check."""
+class _Settings:
+    """A processor's settings as a JSON-able dict (``to_dict``/``from_dict``, with the "kind" the readers dispatch
+    on): the image processors' here, the video processors' (flared.frontend.video)."""
 
     kind: ClassVar[str]
     label: ClassVar[str]  # how errors name it
-    identity_tag: ClassVar[bytes]
-    modality: ClassVar[str] = "image"  # (flared.frontend.audio's processors: "audio")
-
-    resample: int  # PIL resample filter id (BICUBIC = 3, LANCZOS = 1)
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    rescale_factor: float
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -625,6 +612,24 @@ class _Processor:
     @classmethod
     def from_dict(cls, d: dict):
         return _settings_from_dict(cls, d, cls.kind, cls.label)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Processor(_Settings):
+    """What the processors share: the pixel settings every transformers image processor has (resample filter,
+    mean/std, rescale, the do_* switches), their settings as a dict (_Settings), an image's identity (a versioned
+    tag, the decoded pixels' digest and the settings), and the RGB check."""
+
+    identity_tag: ClassVar[bytes]
+    modality: ClassVar[str] = "image"  # (flared.frontend.audio's processors: "audio")
+
+    resample: int  # PIL resample filter id (BICUBIC = 3, LANCZOS = 1)
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
 
     def _settings_bytes(self) -> bytes:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()

@@ -23,7 +23,6 @@ VP8/9, AV1, MPEG-4...). Anything it cannot read is a 400 that says so.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -55,7 +54,7 @@ from flared.frontend.images import (
     _mib,
     _pixel_settings,
     _positive_int,
-    _settings_from_dict,
+    _Settings,
     source_bytes,
 )
 
@@ -206,8 +205,48 @@ def _even(n: float, factor: int, rounding) -> int:
     return int(rounding(n / factor) * factor)
 
 
+def _normalized(proc, x: torch.Tensor) -> torch.Tensor:
+    """uint8 values [..., channels, k] -> float32, rescaled and normalized per channel as transformers'
+    rescale_and_normalize does (the two fused: mean and std scaled by 1 / rescale_factor in float32)."""
+    x = x.to(torch.float32)
+    if proc.do_rescale and proc.do_normalize:
+        mean = torch.tensor(proc.image_mean) * (1.0 / proc.rescale_factor)
+        std = torch.tensor(proc.image_std) * (1.0 / proc.rescale_factor)
+        return x.sub_(mean[:, None]).div_(std[:, None])
+    if proc.do_normalize:
+        return x.sub_(torch.tensor(proc.image_mean)[:, None]).div_(torch.tensor(proc.image_std)[:, None])
+    return x * proc.rescale_factor if proc.do_rescale else x
+
+
 @dataclass(frozen=True, kw_only=True)
-class VideoProcessor:
+class _VideoSettings(_Settings):
+    """The pixel settings the video processors share with transformers' (the resample filter is always torch's
+    antialiased bicubic on a CPU: video processors resize tensors), their check, and a video's identity."""
+
+    modality: ClassVar[str] = "video"
+    identity_tag: ClassVar[bytes]
+
+    resample: int = BICUBIC
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+
+    def _check_pixels(self) -> None:
+        _check_pixel_settings(self)
+        if not self.do_resize:
+            raise _field_error("do_resize", self.do_resize, "true (video frames are always resized)")
+
+    def _identity(self, data: bytes) -> bytes:
+        """The processor's tag, the file's digest and the settings."""
+        return hashlib.sha256(self.identity_tag + hashlib.sha256(data).digest()
+                              + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoProcessor(_VideoSettings):
     """A Qwen vision-language model's video preparation (``family`` "qwen2": Qwen2-VL and Qwen2.5-VL; "qwen3":
     Qwen3-VL and Qwen3.5), its settings as a JSON-able dict (``to_dict`` / ``from_dict``)."""
 
@@ -215,7 +254,6 @@ class VideoProcessor:
     label: ClassVar[str] = "video processor"
     fills_video_token: ClassVar[bool] = True
     identity_tag: ClassVar[bytes] = b"flared.qwen-video.v1\0"
-    modality: ClassVar[str] = "video"
     # vLLM's mm_processor_kwargs a request may set (flared.server.app.ServingState.media_processors)
     options: ClassVar[tuple[str, ...]] = ("fps", "num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels")
 
@@ -233,13 +271,6 @@ class VideoProcessor:
     video_token: str = "<|video_pad|>"
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
-    resample: int = BICUBIC
-    image_mean: tuple[float, float, float] = QWEN_MEAN
-    image_std: tuple[float, float, float] = QWEN_STD
-    rescale_factor: float = 1 / 255
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
 
     def __post_init__(self):
         if self.family not in ("qwen2", "qwen3"):
@@ -260,9 +291,7 @@ class VideoProcessor:
         for name in ("video_token", "vision_start", "vision_end"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise _field_error(name, getattr(self, name), "a non-empty string")
-        _check_pixel_settings(self)
-        if not self.do_resize:
-            raise _field_error("do_resize", self.do_resize, "true (video frames are always resized)")
+        self._check_pixels()
 
     # -- configuration ------------------------------------------------------------------------------------
 
@@ -289,16 +318,6 @@ class VideoProcessor:
                    max_video_tokens=cfg.get("max_video_tokens",
                                             QWEN3_VIDEO_TOKENS if family == "qwen3" else QWEN2_VIDEO_TOKENS),
                    **settings)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        d["kind"] = self.kind
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> VideoProcessor:
-        return _settings_from_dict(cls, d, cls.kind, cls.label)
 
     @property
     def placeholder(self) -> str:
@@ -414,15 +433,7 @@ class VideoProcessor:
             n += pad
         gt, gh, gw = n // tp, height // p, width // p
         x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        x = x.reshape(gt * gh * gw, c, tp * p * p).to(torch.float32)  # (each row: a channel's values together)
-        if self.do_rescale and self.do_normalize:
-            mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
-            std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
-            x = x.sub_(mean[:, None]).div_(std[:, None])
-        elif self.do_normalize:
-            x = x.sub_(torch.tensor(self.image_mean)[:, None]).div_(torch.tensor(self.image_std)[:, None])
-        elif self.do_rescale:
-            x = x * self.rescale_factor
+        x = _normalized(self, x.reshape(gt * gh * gw, c, tp * p * p))  # (each row: a channel's values together)
         return np.ascontiguousarray(x.reshape(gt * gh * gw, c * tp * p * p).numpy())
 
     def prepare(self, data: bytes, *, max_tokens: int | None = None) -> PreparedImage:
@@ -439,8 +450,7 @@ class VideoProcessor:
             container.close()
         prompt = self.prompt(grid, indices, info.fps)
         tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
-        identity = hashlib.sha256(self.identity_tag + hashlib.sha256(data).digest()
-                                  + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        identity = self._identity(data)
         seconds = self.temporal_patch_size / (len(indices) / info.total_frames * info.fps)
         return PreparedImage(pixel_values=self.patches(frames), rows=0, cols=0, prompt=prompt,
                              num_image_tokens=tokens, identity=identity, grid=grid, modality="video",
@@ -448,7 +458,7 @@ class VideoProcessor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FrameVideoProcessor:
+class FrameVideoProcessor(_VideoSettings):
     """Videos as the tower's tiles, a frame each. ``family`` "internvl": InternVL's preparation (transformers'
     InternVLVideoProcessor, and InternVLProcessor's prompt): ``num_frames`` frames, one from the middle of each of
     as many equal stretches of the video (InternVL's own ``get_index``; transformers' ``initial_shift``), the
@@ -463,7 +473,6 @@ class FrameVideoProcessor:
     kind: ClassVar[str] = "frames_video"
     label: ClassVar[str] = "video processor"
     identity_tag: ClassVar[bytes] = b"flared.frames-video.v1\0"
-    modality: ClassVar[str] = "video"
     options: ClassVar[tuple[str, ...]] = ("fps", "num_frames", "max_frames")
 
     height: int
@@ -477,13 +486,6 @@ class FrameVideoProcessor:
     image_token: str = CANVAS_IMAGE_TOKEN
     start_token: str = CANVAS_START_TOKEN
     end_token: str = CANVAS_END_TOKEN
-    resample: int = BICUBIC
-    image_mean: tuple[float, float, float] = CLIP_MEAN
-    image_std: tuple[float, float, float] = CLIP_STD
-    rescale_factor: float = 1 / 255
-    do_resize: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
 
     def __post_init__(self):
         for name in ("height", "width", "image_seq_len", "num_frames", "max_frames"):
@@ -497,9 +499,7 @@ class FrameVideoProcessor:
         for name in ("video_token", "image_token", "start_token", "end_token"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise _field_error(name, getattr(self, name), "a non-empty string")
-        _check_pixel_settings(self)
-        if not self.do_resize:
-            raise _field_error("do_resize", self.do_resize, "true (video frames are always resized)")
+        self._check_pixels()
 
     @classmethod
     def from_hf(cls, video_config: dict | None, *, height: int, width: int, image_seq_len: int,
@@ -515,16 +515,6 @@ class FrameVideoProcessor:
         return cls(height=height, width=width, image_seq_len=image_seq_len, family=family,
                    num_frames=cfg.get("num_frames") or (8 if family == "internvl" else 32), fps=cfg.get("fps") or 0.0,
                    **settings)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["image_mean"], d["image_std"] = list(self.image_mean), list(self.image_std)
-        d["kind"] = self.kind
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> FrameVideoProcessor:
-        return _settings_from_dict(cls, d, cls.kind, cls.label)
 
     @property
     def placeholder(self) -> str:
@@ -555,16 +545,9 @@ class FrameVideoProcessor:
 
     def pixels(self, frames: torch.Tensor) -> np.ndarray:
         """[n, 3, height, width] uint8 -> float32, rescaled and normalized as transformers fuses the two."""
-        x = frames.to(torch.float32)
-        if self.do_rescale and self.do_normalize:
-            mean = torch.tensor(self.image_mean) * (1.0 / self.rescale_factor)
-            std = torch.tensor(self.image_std) * (1.0 / self.rescale_factor)
-            x = x.sub_(mean[:, None, None]).div_(std[:, None, None])
-        elif self.do_normalize:
-            x = x.sub_(torch.tensor(self.image_mean)[:, None, None]).div_(torch.tensor(self.image_std)[:, None, None])
-        elif self.do_rescale:
-            x = x * self.rescale_factor
-        return np.ascontiguousarray(x.numpy())
+        n, c, height, width = frames.shape
+        return np.ascontiguousarray(_normalized(self, frames.reshape(n, c, height * width)).view(
+            n, c, height, width).numpy())
 
     def prepare(self, data: bytes, *, max_tokens: int | None = None) -> PreparedImage:
         """As VideoProcessor.prepare."""
@@ -576,8 +559,7 @@ class FrameVideoProcessor:
             frames = _frames_at(container, info, indices, (self.height, self.width))
         finally:
             container.close()
-        identity = hashlib.sha256(self.identity_tag + hashlib.sha256(data).digest()
-                                  + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        identity = self._identity(data)
         n = len(indices)
         return PreparedImage(pixel_values=self.pixels(frames), rows=0, cols=0, prompt=self.prompt(n),
                              num_image_tokens=self.tokens(n), identity=identity, modality="video")

@@ -11,8 +11,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from flared_testing.video import noise_video, video_part  # noqa: E402
-from flared_testing.vision import assert_greedy, data_url, noise_image, reference_tokenizer  # noqa: E402
+from flared_testing.video import ask_media, noise_video, video_part  # noqa: E402
+from flared_testing.vision import assert_greedy, noise_image, reference_tokenizer  # noqa: E402
 
 NEW_TOKENS = 10
 TILE_TOKENS = 4
@@ -69,22 +69,13 @@ def reference(tiny_internvl):
     return run
 
 
-def _ask(daemon, media, text, **kw):
-    content = [video_part(m) if kind == "video" else {"type": "image_url", "image_url": {"url": data_url(m)}}
-               for kind, m in media] + [{"type": "text", "text": text}]
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
-    assert status == 200, body
-    return body
-
-
 def test_video_greedy_tokens_match_transformers(daemon, reference):
     clip = noise_video(30, (64, 48), 10, seed=11)  # 8 frames from the middles of 8 stretches
     short = noise_video(5, (40, 60), 5, seed=12)  # fewer frames than 8: each once
     cases = [([("video", clip)], "What happens?"), ([("video", short)], "And here?"),
              ([("image", noise_image(13, (90, 40))), ("video", short)], "The picture, then the video.")]
     for media, text in cases:
-        body = _ask(daemon, media, text)
+        body = ask_media(daemon, media, text, NEW_TOKENS)
         num_prompt, expected = reference(media, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, text
         assert_greedy(body, expected, text)
@@ -94,8 +85,8 @@ def test_frames_per_request(daemon):
     """mm_processor_kwargs' num_frames sets a request's frames (4 tokens each); an option InternVL's video
     preparation has not is a 400."""
     clip = noise_video(30, (64, 48), 10, seed=14)
-    counts = [_ask(daemon, [("video", clip)], "Hi.", mm_processor_kwargs={"num_frames": n})["usage"]["prompt_tokens"]
-              for n in (2, 6)]
+    counts = [ask_media(daemon, [("video", clip)], "Hi.", NEW_TOKENS, mm_processor_kwargs={"num_frames": n})[
+        "usage"]["prompt_tokens"] for n in (2, 6)]
     assert counts[1] - counts[0] > 4 * TILE_TOKENS, counts
     status, body = daemon.chat([{"role": "user", "content": [video_part(clip)]}], max_tokens=2,
                                mm_processor_kwargs={"min_pixels": 100})

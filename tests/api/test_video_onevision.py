@@ -13,9 +13,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from flared_testing.video import noise_video, video_part  # noqa: E402
+from flared_testing.video import ask_media, noise_video  # noqa: E402
 from flared_testing.vision import (  # noqa: E402
-    assert_greedy, data_url, noise_image, processor_settings, reference_tokenizer,
+    assert_greedy, noise_image, processor_settings, reference_tokenizer,
 )
 
 NEW_TOKENS = 10
@@ -79,22 +79,13 @@ def reference(tiny_llava_onevision):
     return run
 
 
-def _ask(daemon, media, text):
-    content = [video_part(m) if kind == "video" else {"type": "image_url", "image_url": {"url": data_url(m)}}
-               for kind, m in media] + [{"type": "text", "text": text}]
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True)
-    assert status == 200, body
-    return body
-
-
 def test_video_greedy_tokens_match_transformers(daemon, reference):
     clip = noise_video(40, (64, 48), 10, seed=21)  # 32 frames, evenly apart from the first
     short = noise_video(6, (40, 60), 5, seed=22)  # fewer than 32: each once
     cases = [([("video", clip)], "What happens?"), ([("video", short)], "And here?"),
              ([("video", short), ("image", noise_image(23, (90, 40)))], "The video, then the picture.")]
     for media, text in cases:
-        body = _ask(daemon, media, text)
+        body = ask_media(daemon, media, text, NEW_TOKENS)
         num_prompt, expected = reference(media, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, text
         assert_greedy(body, expected, text)

@@ -14,8 +14,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from flared_testing.video import noise_video, video_part  # noqa: E402
-from flared_testing.vision import assert_greedy, data_url, noise_image, reference_tokenizer  # noqa: E402
+from flared_testing.video import ask_media, noise_video, video_part  # noqa: E402
+from flared_testing.vision import assert_greedy, noise_image, reference_tokenizer  # noqa: E402
 
 NEW_TOKENS = 10
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
@@ -116,15 +116,6 @@ def reference(served):
     return run
 
 
-def _ask(daemon, media, text, **kw):
-    content = [video_part(m) if kind == "video" else {"type": "image_url", "image_url": {"url": data_url(m)}}
-               for kind, m in media] + [{"type": "text", "text": text}]
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
-    assert status == 200, body
-    return body
-
-
 def test_video_greedy_tokens_match_transformers(served, reference):
     family, _, _, daemon = served
     short = noise_video(25, (96, 64), 10, seed=1)  # 2.5 s: 4 frames (qwen3: 5, the last repeated)
@@ -134,7 +125,7 @@ def test_video_greedy_tokens_match_transformers(served, reference):
              ([("image", noise_image(3, (70, 44))), ("video", short)], "Compare the picture and the video."),
              ([("video", short), ("video", odd)], "Two videos.")]
     for media, text in cases:
-        body = _ask(daemon, media, text)
+        body = ask_media(daemon, media, text, NEW_TOKENS)
         num_prompt, expected = reference(media, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, (family, text)
         assert_greedy(body, expected, (family, text))

@@ -15,9 +15,9 @@ pytest.importorskip("av")
 from flared.errors import FrontendError  # noqa: E402
 from flared.frontend.images import CLIP_MEAN, CLIP_STD  # noqa: E402
 from flared.frontend.video import (  # noqa: E402
-    VideoInfo, VideoProcessor, decode_video_source, probe_video, resize_frame,
+    FrameVideoProcessor, VideoInfo, VideoProcessor, decode_video_source, probe_video, resize_frame,
 )
-from flared_testing.video import noise_video, video_url  # noqa: E402
+from flared_testing.video import encode_frames, noise_video, video_url  # noqa: E402
 
 
 def _processor(family: str = "qwen2", **kw) -> VideoProcessor:
@@ -27,23 +27,8 @@ def _processor(family: str = "qwen2", **kw) -> VideoProcessor:
 
 def _levels_video(frames: int, rate: int, *, codec="mpeg4", container="mp4", size=(64, 48), step=8) -> bytes:
     """Frame i is one flat gray level, step * i + 16: a kept frame tells its own index."""
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    out = av.open(buf, "w", format=container)
-    stream = out.add_stream(codec, rate=rate)
-    stream.width, stream.height = size
-    stream.pix_fmt = {"gif": "rgb8", "mjpeg": "yuvj420p", "png": "rgb24"}.get(codec, "yuv420p")
-    for i in range(frames):
-        img = np.full((size[1], size[0], 3), step * i + 16, np.uint8)
-        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return buf.getvalue()
+    return encode_frames((np.full((size[1], size[0], 3), step * i + 16, np.uint8) for i in range(frames)), size,
+                         rate, codec=codec, container=container)
 
 
 def test_sampling_follows_the_authors_rules():
@@ -225,8 +210,6 @@ def test_patches_are_transformers_video_processors(family):
 
 
 def _frames_processor(**kw):
-    from flared.frontend.video import FrameVideoProcessor
-
     return FrameVideoProcessor(height=28, width=28, image_seq_len=4, **kw)
 
 
@@ -299,28 +282,11 @@ def test_onevision_frames_are_transformers_video_processors():
 def test_a_sideways_stored_video_is_turned_as_players_show_it(degrees):
     """A phone's portrait video stored sideways with a display matrix: its frames are turned as FFmpeg's players
     turn them (the size the budget sees too)."""
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    out = av.open(buf, "w", format="mp4")
-    stream = out.add_stream("libx264", rate=10)
-    stream.width, stream.height, stream.pix_fmt = 64, 32, "yuv420p"
-    stream.set_display_rotation(degrees)
     img = np.zeros((32, 64, 3), np.uint8)
     img[:, :16] = 255  # a white band down the stored frame's left edge
-    for _ in range(8):
-        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    data = buf.getvalue()
+    data = encode_frames([img] * 8, (64, 32), 10, codec="libx264", rotation=degrees)
     info = probe_video(data)
     assert (info.width, info.height) == ((32, 64) if degrees % 180 else (64, 32)), info
-    from flared.frontend.video import FrameVideoProcessor
-
     frames = FrameVideoProcessor(family="onevision", num_frames=1, height=info.height, width=info.width,
                                  image_seq_len=1, do_normalize=False, do_rescale=False)
     shown = frames.prepare(data).pixel_values[0, 0]  # channel 0 of the one frame, as shown
