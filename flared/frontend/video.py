@@ -1,21 +1,25 @@
-"""Video a client sends, decoded and turned into what a Qwen vision tower reads (on a frontend worker).
+"""Video a client sends, decoded and turned into what a vision tower reads (on a frontend worker).
 
     VideoProcessor         the Qwen families' video preparation: frames sampled at ``fps`` a second, resized
                            (transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor, pixel for pixel: torch's
                            antialiased bicubic on uint8 frames, the fused rescale-normalize), patched as the
                            tower reads them, and the prompt text (Qwen3-VL: a timestamp before each frame pair)
-    probe_video(data)      a container's first video stream: frames, rate and size, read without decoding
+    FrameVideoProcessor    InternVL's and LLaVA-OneVision's: a few frames, each one tile of the tower
+                           (InternVLVideoProcessor, LlavaOnevisionVideoProcessor), and their prompt text
+    probe_video(data)      a container's first video stream: frames, rate, shown size and rotation (its first
+                           frame decoded for the display matrix, no more)
 
-A prepared video travels the path a prepared image does (flared.frontend.images.PreparedImage): its patches in
-``pixel_values``, its (t, h, w) patch grid, the text that replaces its placeholder, its tokens' count and its
-identity (the file's digest and the settings), so the tower, the LRU of recent rows and the prefix cache treat a
-video as a tall image whose frames attend apart.
+A prepared video travels the path a prepared image does (flared.frontend.images.PreparedImage): its patches or
+tiles in ``pixel_values``, the text that replaces its placeholder, its tokens' count and its identity (the file's
+digest and the settings), so the tower, the LRU of recent rows and the prefix cache treat a video as a tall image
+whose frames attend apart.
 
 Frames are sampled as the model authors' own preparation does: Qwen2-VL and Qwen2.5-VL as qwen-vl-utils
-(``fps`` frames a second, 4 to 768, an even count, evenly spread over the whole video), Qwen3-VL as transformers'
-Qwen3VLVideoProcessor. Each frame's size follows the per-video pixel budget (``cap_pixels_per_frame``, the
-qwen-vl-utils behaviour transformers makes its default): a long video gets smaller frames, not more tokens than a
-context holds.
+(``fps`` frames a second, 4 to 768, an even count, evenly spread over the whole video), Qwen3-VL, InternVL and
+LLaVA-OneVision as transformers' video processors. A Qwen frame's size follows the per-video pixel budget
+(``cap_pixels_per_frame``, the qwen-vl-utils behaviour transformers makes its default): a long video gets smaller
+frames, not more tokens than a context holds. A video stored sideways (a display matrix) is turned as players show
+it. Only the sampled frames are converted and each is resized as it is decoded.
 
 Containers and codecs are FFmpeg's, through PyAV (MP4/MOV, WebM/Matroska, AVI, MPEG-TS, Ogg, GIF; H.264, HEVC,
 VP8/9, AV1, MPEG-4...). Anything it cannot read is a 400 that says so.
@@ -106,8 +110,8 @@ def _reason(exc: Exception) -> str:
 
 
 def probe_video(data: bytes) -> VideoInfo:
-    """The first video stream's frame count, rate and size; the frames are counted by demuxing where the container
-    does not say (WebM, MKV). A 400 for a file that is not a video this server reads."""
+    """The first video stream's frame count, rate, shown size and rotation; the frames are counted by demuxing where
+    the container does not say (WebM, MKV). A 400 for a file that is not a video this server reads."""
     container = _container(data)
     try:
         return _probe(container)
@@ -116,6 +120,15 @@ def probe_video(data: bytes) -> VideoInfo:
 
 
 def _probe(container) -> VideoInfo:
+    try:
+        return _read_info(container)
+    except FrontendError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - FFmpeg's errors while demuxing or rewinding
+        raise _error(f"the video could not be read ({_reason(exc)})") from None
+
+
+def _read_info(container) -> VideoInfo:
     stream = container.streams.video[0]
     width, height = int(stream.codec_context.width or 0), int(stream.codec_context.height or 0)
     if width <= 0 or height <= 0:
@@ -126,15 +139,12 @@ def _probe(container) -> VideoInfo:
     fps = float(rate) if rate else 0.0
     total = int(stream.frames or 0)
     if total <= 0:
-        try:
-            total = 0
-            for packet in container.demux(stream):
-                if packet.size:
-                    total += 1
-                    if total > MAX_VIDEO_FRAMES:
-                        break
-        except Exception as exc:  # noqa: BLE001
-            raise _error(f"the video could not be read ({_reason(exc)})") from None
+        total = 0
+        for packet in container.demux(stream):
+            if packet.size:
+                total += 1
+                if total > MAX_VIDEO_FRAMES:
+                    break
         container.seek(0)
     if total <= 0:
         raise _error("the video holds no frames")
@@ -154,7 +164,7 @@ def _first_rotation(container) -> int:
         degrees = int(round((getattr(frame, "rotation", 0) or 0) / 90)) * 90 if frame is not None else 0
     except Exception:  # noqa: BLE001 - a first frame that does not decode: the decode proper will say so
         degrees = 0
-    container.seek(0)
+    container.seek(0)  # (an error here is the caller's: _probe)
     return degrees
 
 

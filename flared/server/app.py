@@ -56,7 +56,7 @@ from flared.server.structured import StructuredOutput
 # bytes (decoded from base64, or fetched). The HTTP body limit of a vision core grows by their base64 size.
 MAX_IMAGES_PER_REQUEST = 8
 IMAGE_BYTES_LIMIT = 10 << 20
-# Videos (a Qwen vision core): at most this many a request, each at most this many bytes; the body limit grows by
+# Videos (a Qwen, InternVL or LLaVA-OneVision core): at most this many a request, each at most this many bytes; the body limit grows by
 # one video's base64 (a larger one travels as a file:// or http URL: ServerConfig's media settings).
 MAX_VIDEOS_PER_REQUEST = 2
 VIDEO_BYTES_LIMIT = 32 << 20
@@ -164,7 +164,7 @@ class ServingState:
         self._image_rows: collections.OrderedDict = collections.OrderedDict()  # identity -> tower rows
         self._image_rows_bytes = 0
         self.mrope_merge = 0  # Qwen VL: the patch merge of its 3D rope positions (0: plain positions)
-        # A Qwen vision core's video preparation (flared.frontend.video.VideoProcessor), or None.
+        # A video core's preparation (flared.frontend.video: VideoProcessor, FrameVideoProcessor), or None.
         self.video_processor = None
         self.video_token_id = -1
         self.tokens_per_second = 0.0  # Qwen2.5-VL: rope positions a second of video advances (0: one a patch)
@@ -301,7 +301,7 @@ class ServingState:
 
     @property
     def takes_video(self) -> bool:
-        """A Qwen vision model with its video preparation, whose tower the model thread loaded."""
+        """A vision model with a video preparation (Qwen, InternVL, LLaVA-OneVision), its tower loaded."""
         return self._tower_loaded and self.video_processor is not None
 
     @property
