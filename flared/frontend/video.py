@@ -105,7 +105,8 @@ def _container(data: bytes):
 
 
 def _reason(exc: Exception) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    """FFmpeg's words for what failed, without PyAV's errno and file name around them."""
+    text = getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__
     return text if len(text) < 200 else text[:200] + "..."
 
 
