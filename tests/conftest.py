@@ -566,6 +566,48 @@ def tiny_llava_next(tmp_path_factory) -> tuple[Path, Path]:
     return _tiny_llava(tmp_path_factory, "llava_next", next_=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_granite_vision(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Granite Vision: LLaVA-NeXT over a SigLIP tower whose layers 1,
+    2 and 3 feed the projector side by side ("full" features: SigLIP has no class row), a Granite decoder."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-granite-vision")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<s>", "</s>", "<image>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAVA_TEMPLATE}))
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        **LLAVA_NEXT_PREPROCESSOR, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaNextProcessor", "patch_size": 7, "vision_feature_select_strategy": "full",
+        "image_token": "<image>", "num_additional_image_tokens": 0}))
+    text = dict(model_type="granite", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                initializer_range=0.2, tie_word_embeddings=False, embedding_multiplier=2.0, residual_multiplier=0.5,
+                attention_multiplier=0.2, logits_scaling=2.0)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=28, patch_size=7)
+    config = LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
+                             image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, vision_feature_layer=[1, 2, -1],
+                             vision_feature_select_strategy="full", tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # (SigLIP's own init ignores initializer_range: widen it)
+        if "vision_tower" in name or "projector" in name or "image_newline" in name:
+            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "granite_vision"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out
+
+
 # LLaVA-OneVision's preparation at 28-pixel tiles: canvases of 1 x 1 to 3 x 3 tiles (the released 384-pixel
 # configs': up to 6 x 6), the features cut to about 2 tiles' worth (anyres_max_2; the released: 9), SigLIP's
 # mean and std 0.5.

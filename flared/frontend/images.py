@@ -1567,7 +1567,8 @@ class AnyresProcessor(_Processor):
         """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
         defaults for missing fields; ``image_seq_len``: the model's image tokens per tile. The tiles must be
         squares the whole image is resized to as well (``size`` a shortest edge or a square equal to
-        ``crop_size``); the "default" feature strategy (no class row) is the only one read."""
+        ``crop_size``); the "default" feature strategy (the class row dropped) is read, or "full" over a tower
+        without one (SigLIP's: ``num_additional_image_tokens`` 0)."""
         cfg, proc = _hf_config(preprocessor_config, processor_config)
         _check_type(cfg, ANYRES_PROCESSOR_TYPES)
         if image_seq_len is None:
@@ -1588,7 +1589,9 @@ class AnyresProcessor(_Processor):
             raise _error(f"image processor sizes size={size!r}, crop_size={crop!r}: only square tiles the image is "
                          "resized to whole are read")
         strategy = proc.get("vision_feature_select_strategy", "full" if onevision else "default")
-        if strategy != ("full" if onevision else "default"):
+        # ("full" over a tower without a class row, SigLIP's: Granite Vision's, num_additional_image_tokens 0)
+        classless = proc.get("num_additional_image_tokens", 1) == 0
+        if strategy != ("full" if onevision else "default") and not (strategy == "full" and classless):
             raise _field_error("vision_feature_select_strategy", strategy, '"full"' if onevision else '"default"')
         anyres_max = 0
         if onevision:

@@ -1076,14 +1076,14 @@ class DecoderModel:
             h = h + self.pos_embed.index_select(0, batch.positions)
         if self.embed_norm is not None:  # BLOOM: the embeddings through a LayerNorm of their own
             h = self._norm(h, self.embed_norm)
-        if self.embed_scale is not None:
+        if self.embed_scale is not None:  # (Gemma's scaled embedding: an image's rows take its place unscaled)
             h = h * self.embed_scale
-        if c.embedding_multiplier is not None:  # Granite's (a Python float, as transformers multiplies)
-            h = h * c.embedding_multiplier
-        if c.embedding_norm:  # (nanochat: the embeddings normed before the first layer)
-            h = self._norm(h, self.final_norm)
         if batch.embed_rows is not None:  # image rows in place of their tokens' embeddings
             h.index_copy_(0, batch.embed_rows, batch.embed_values.to(h.dtype))
+        if c.embedding_multiplier is not None:  # Granite's (a Python float, as transformers multiplies), on the
+            h = h * c.embedding_multiplier  # model's input: an image's rows too (Granite Vision)
+        if c.embedding_norm:  # (nanochat: the embeddings normed before the first layer)
+            h = self._norm(h, self.final_norm)
         per_layer_inputs = self._per_layer_inputs(batch, h) if self.per_layer is not None else None
 
         def position_scale(offset: float, floor: int, beta: float) -> torch.Tensor:

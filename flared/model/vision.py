@@ -127,13 +127,17 @@ class VisionConfig:
     # the leading dims of each head its rope turns (partial_rotary_factor x head_dim)
     mel_bins: int = 0
     rotary_dim: int = 0
+    # llava_next over SigLIP (Granite Vision) rather than CLIP; and the layers whose hidden states, side by side, feed
+    # the projector where there are several (vision_feature_layer as a list; (): feature_layer alone)
+    siglip_tower: bool = False
+    feature_layers: tuple[int, ...] = ()
     # Qwen families: the prompt token a video's rows replace (-1: none), and Qwen2.5-VL's rope positions a second of
     # video advances (vision_config.tokens_per_second; 0: a video's temporal patches count 0, 1, 2...)
     video_token_id: int = -1
     tokens_per_second: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
+        for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         try:
             object.__setattr__(self, "grid_pinpoints", tuple((int(h), int(w)) for h, w in self.grid_pinpoints))
@@ -165,9 +169,9 @@ class VisionConfig:
             raise CoreError("a LLaVA-OneVision tower selects its features \"full\" (SigLIP has no class row) and "
                             "caps its tiles' features (vision_aspect_ratio anyres_max_N)", ErrorKind.UNSUPPORTED_MODEL)
         if self.family in ("llava_next", "llava_onevision"):
-            if self.family == "llava_next" and self.feature_select != "default":
-                raise CoreError("a LLaVA-NeXT tower must select its features \"default\" (its tiles' grids have no "
-                                "class row)", ErrorKind.UNSUPPORTED_MODEL)
+            if self.family == "llava_next" and self.feature_select != ("full" if self.siglip_tower else "default"):
+                raise CoreError("a LLaVA-NeXT tower must select its features \"default\" over CLIP, \"full\" over "
+                                "SigLIP (its tiles' grids have no class row)", ErrorKind.UNSUPPORTED_MODEL)
             if not self.grid_pinpoints or any(h <= 0 or w <= 0 or h % self.image_size or w % self.image_size
                                               for h, w in self.grid_pinpoints):
                 raise CoreError(f"vision grid_pinpoints {list(self.grid_pinpoints)} must be canvases of whole "
@@ -179,8 +183,11 @@ class VisionConfig:
                 raise CoreError(f"vision feature_select {self.feature_select!r} must be default or full")
             if self.family != "pixtral" and (self.image_size <= 0 or self.image_size % self.patch_size):
                 raise CoreError(f"vision image_size {self.image_size} must be a whole number of patches")
-            if not -self.num_layers - 1 <= self.feature_layer <= self.num_layers:
-                raise CoreError(f"vision feature_layer {self.feature_layer} is not a layer of {self.num_layers}")
+            for layer in (self.feature_layer, *self.feature_layers):
+                if not -self.num_layers - 1 <= layer <= self.num_layers:
+                    raise CoreError(f"vision feature_layer {layer} is not a layer of {self.num_layers}")
+            if self.feature_layers and self.family != "llava_next":
+                raise CoreError("several vision feature layers are read for LLaVA-NeXT only", ErrorKind.UNSUPPORTED_MODEL)
             return
         if self.family == "internvl":
             if self.norm_kind not in ("layer_norm", "rms_norm"):
@@ -214,7 +221,8 @@ class VisionConfig:
     def feature_depth(self) -> int:
         """Tower layers run before the features are taken (feature_layer indexes the hidden states: 0 the patches'
         own, k after k layers, -1 after all)."""
-        return self.feature_layer if self.feature_layer >= 0 else self.num_layers + 1 + self.feature_layer
+        return max(layer if layer >= 0 else self.num_layers + 1 + layer
+                   for layer in (self.feature_layers or (self.feature_layer,)))
 
     @property
     def is_audio(self) -> bool:
@@ -245,14 +253,14 @@ class VisionConfig:
     def image_seq_len(self) -> int:
         """Text-embedding rows one tile (llava, gemma3: one image) becomes."""
         if self.family in ("llava", "llava_next"):  # (llava_next: one tile's, the base image's)
-            return self.patches_per_side ** 2 + (self.feature_select == "full")
+            return self.patches_per_side ** 2 + (self.feature_select == "full" and not self.siglip_tower)
         if self.family == "llava_onevision":  # (one tile's)
             return self.patches_per_side ** 2
         return self.patches_per_side ** 2 // self.scale_factor ** 2
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name in ("full_attention_layers", "mrope_section", "deepstack_layers"):
+        for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers"):
             d[name] = list(getattr(self, name))
         return d
 
@@ -289,10 +297,10 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
     v, t = hf.get("vision_config"), hf.get("text_config", hf if family in QWEN_FAMILIES else None)
     llava_tower = (v.get("model_type", "clip_vision_model") if family in ("llava", "llava_next") and isinstance(v, dict)
                    else None)
-    if family == "llava_next" and llava_tower != "clip_vision_model":
-        raise CoreError(f"{source}: a llava_next vision tower of type {llava_tower!r} is not supported (CLIP only)",
-                        ErrorKind.UNSUPPORTED_MODEL)
-    if llava_tower not in (None, "clip_vision_model", "pixtral"):
+    if family == "llava_next" and llava_tower not in ("clip_vision_model", "siglip_vision_model"):
+        raise CoreError(f"{source}: a llava_next vision tower of type {llava_tower!r} is not supported (CLIP or "
+                        "SigLIP)", ErrorKind.UNSUPPORTED_MODEL)
+    if llava_tower not in (None, "clip_vision_model", "pixtral") and family != "llava_next":
         raise CoreError(f"{source}: a llava vision tower of type {llava_tower!r} is not supported (CLIP or "
                         "Pixtral)", ErrorKind.UNSUPPORTED_MODEL)
     if family == "pixtral" and isinstance(v, dict) and v.get("model_type", "pixtral") != "pixtral":
@@ -417,10 +425,22 @@ def _gemma3_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
 
 
 def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> VisionConfig:
-    layer = _feature_layer(hf, -2)
     extra = {}
+    layers = hf.get("vision_feature_layer", -2)
+    if family == "llava_next" and isinstance(layers, list) and len(layers) > 1:  # (Granite Vision's four)
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+            raise CoreError(f"vision_feature_layer {layers!r} must be layer indices", ErrorKind.SOURCE_FORMAT)
+        extra["feature_layers"] = tuple(layers)
+        hf = {**hf, "vision_feature_layer": layers[-1]}
+    elif isinstance(layers, list) and len(layers) == 1:
+        hf = {**hf, "vision_feature_layer": layers[0]}
+    layer = _feature_layer(hf, -2)
     if family == "llava_next":
         extra["grid_pinpoints"] = tuple(tuple(p) for p in hf.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS))
+        if v.get("model_type") == "siglip_vision_model":  # (Granite Vision: SigLIP's defaults)
+            extra["siglip_tower"] = True
+            v = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+                 "image_size": 384, "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", **v}
     return VisionConfig(
         family=family, **extra, hidden_size=int(v.get("hidden_size", 1024)),
         intermediate_size=int(v.get("intermediate_size", 4096)),
@@ -568,12 +588,14 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                 "proj_norm.weight": (d,), "proj.weight": (c.text_hidden_size, d), **_vit_layer_shapes(c)}
     if c.family == "llava":
         return _llava_tensor_shapes(c)
-    if c.family == "llava_next":  # (LLaVA's, and the row-end embedding the tiles' rows take)
+    if c.family == "llava_next" and not c.siglip_tower:  # (LLaVA's, and the row-end embedding the tiles' rows take)
         return {**_llava_tensor_shapes(c), "image_newline": (c.text_hidden_size,)}
-    if c.family == "llava_onevision":  # SigLIP's embeddings and layers (no post-norm read), LLaVA's projector
+    if c.family in ("llava_onevision", "llava_next"):  # SigLIP's embeddings and layers (no post-norm read), LLaVA's
+        # projector (over the feature layers side by side: Granite Vision's)
         h = c.text_hidden_size
         shapes = {"patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "patch_embed.bias": (d,),
-                  "pos_embed.weight": (c.patches_per_side ** 2, d), "proj_fc1.weight": (h, d),
+                  "pos_embed.weight": (c.patches_per_side ** 2, d),
+                  "proj_fc1.weight": (h, d * max(1, len(c.feature_layers))),
                   "proj_fc2.weight": (h, h), "image_newline": (h,), **_vit_layer_shapes(c)}
         if c.projector_bias:
             shapes.update({"proj_fc1.bias": (h,), "proj_fc2.bias": (h,)})
@@ -846,6 +868,8 @@ def _image_newline(hf, take) -> torch.Tensor:
 
 
 def _llava_next_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    if c.siglip_tower:  # (Granite Vision: OneVision's parts)
+        return _onevision_vision_to_serving(hf, c, take)
     return {**_llava_vision_to_serving(hf, c, take), "image_newline": _image_newline(hf, take)}
 
 
@@ -973,7 +997,8 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
     cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
            "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
            "gemma3": Gemma3VisionEncoder,
-           "internvl": InternVLVisionEncoder, "llava_next": LlavaNextVisionEncoder,
+           "internvl": InternVLVisionEncoder,
+           "llava_next": LlavaNextSiglipVisionEncoder if config.siglip_tower else LlavaNextVisionEncoder,
            "llava_onevision": OnevisionVisionEncoder}.get(
         config.family, QwenVisionEncoder if config.grid_based else VisionEncoder)
     return cls(config, tensors, dtype=dtype, device=device)
@@ -1472,10 +1497,40 @@ class InternVLVisionEncoder(_Tower):
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
 
 
-class OnevisionVisionEncoder(_Anyres, _Tower):
+class _SiglipTiles:
+    """SigLIP's layers up to the feature layer (no post-norm) and LLaVA's projector over a batch of tiles; where
+    several feature layers are read (Granite Vision), their hidden states side by side."""
+
+    def _tiles(self, x: torch.Tensor):
+        """Tiles [n, 3, S, S] -> their projected rows [n, P, hidden] (SigLIP: patch conv and positions, the layers up
+        to the deepest feature layer, no post-norm); yields after each layer."""
+        c, w = self.config, self.w
+        h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size).flatten(2).transpose(1, 2)
+        h = h + w["pos_embed.weight"]
+        wanted = [layer if layer >= 0 else c.num_layers + 1 + layer for layer in c.feature_layers]
+        states = {0: h} if 0 in wanted else {}
+        for i in range(c.feature_depth):
+            h = _vit_layer(h, w, f"layers.{i}.", c)
+            if i + 1 in wanted:
+                states[i + 1] = h
+            yield
+        if wanted:
+            h = torch.cat([states[layer] for layer in wanted], dim=-1)
+        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
+        return F.linear(h, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
+
+
+class LlavaNextSiglipVisionEncoder(_Anyres, _SiglipTiles, _Tower):
+    """LLaVA-NeXT over SigLIP (Granite Vision): SigLIP's tiles (_SiglipTiles, its feature layers side by side)
+    packed as LLaVA-NeXT's (_Anyres, no scaling down)."""
+
+    label = "LLaVA-NeXT"
+
+
+class OnevisionVisionEncoder(_Anyres, _SiglipTiles, _Tower):
     """LLaVA-OneVision: SigLIP's layers up to feature_layer (no post-norm) and LLaVA's projector over each tile
-    (_Anyres); an image of a request with several comes as one padded tile; a video's frames as tiles pooled 2 x 2
-    (``video_stages``)."""
+    (_SiglipTiles, _Anyres); an image of a request with several comes as one padded tile; a video's frames as tiles
+    pooled 2 x 2 (``video_stages``)."""
 
     label = "LLaVA-OneVision"
 
@@ -1495,15 +1550,3 @@ class OnevisionVisionEncoder(_Anyres, _Tower):
         rows = pooled.permute(0, 2, 3, 1).reshape(-1, hidden)
         return torch.cat([rows, self.w["image_newline"].to(rows.dtype)[None]])
 
-    def _tiles(self, x: torch.Tensor):
-        """Tiles [n, 3, S, S] -> their projected rows [n, P, hidden] (SigLIP: patch conv and positions, the layers up
-        to feature_layer, no post-norm); yields after each layer."""
-        c, w = self.config, self.w
-        h = F.conv2d(x, w["patch_embed.weight"], w["patch_embed.bias"], stride=c.patch_size).flatten(2).transpose(1, 2)
-        h = h + w["pos_embed.weight"]
-        layers = c.feature_depth
-        for i in range(layers):
-            h = _vit_layer(h, w, f"layers.{i}.", c)
-            yield
-        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
-        return F.linear(h, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
