@@ -146,6 +146,7 @@ def _check_bf16(core_path):
 
 OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava",
                   "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next",
+                  "granite_vision": "tiny_granite_vision",  # (SigLIP's layers side by side; Granite's multiplier)
                   "llava_onevision": "tiny_llava_onevision",
                   "qwen2_audio": "tiny_qwen2_audio",  # (audio clips' rows, as images')
                   "audioflamingo3": "tiny_audioflamingo3", "glmasr": "tiny_glmasr"}  # (Gemma 3: images attending both ways, a window shorter than an image)
