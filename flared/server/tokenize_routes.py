@@ -44,7 +44,8 @@ class TokenizeRoutes:
         return await self.state.prepare_chat(
             req.messages, tools=req.tools, documents=req.documents, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
-            template=self.state.request_template(req.chat_template), **req.template_kwargs)
+            template=self.state.request_template(req.chat_template), media_options=req.media_options,
+            **req.template_kwargs)
 
     async def apply_template(self, request: Request) -> Response:
         """llama.cpp server's /apply-template: the chat's rendered prompt text, for clients that then send it

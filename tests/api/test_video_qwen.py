@@ -223,3 +223,17 @@ def test_a_video_past_the_context_is_refused_before_decoding(served):
     assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
     assert body["error"]["param"] == "messages[0].content[0]", body
     assert "the video takes" in body["error"]["message"] and "300 frames" in body["error"]["message"], body
+
+
+def test_tokenize_counts_a_videos_tokens(served):
+    """vLLM's /tokenize on a chat with a video part counts the video's tokens as the chat does (its
+    mm_processor_kwargs too)."""
+    family, _, _, daemon = served
+    data = noise_video(40, (96, 64), 10, seed=12)
+    messages = [{"role": "user", "content": [video_part(data), {"type": "text", "text": "Hi."}]}]
+    for options in ({}, {"num_frames": 4}):
+        status, chat = daemon.chat(messages, max_tokens=1, mm_processor_kwargs=options)
+        assert status == 200, chat
+        status, tokens = daemon.request("POST", "/tokenize", {"model": "tiny", "messages": messages,
+                                                              "mm_processor_kwargs": options})
+        assert status == 200 and tokens["count"] == chat["usage"]["prompt_tokens"], (family, options, tokens)
