@@ -566,6 +566,56 @@ def tiny_llava_next(tmp_path_factory) -> tuple[Path, Path]:
     return _tiny_llava(tmp_path_factory, "llava_next", next_=True)
 
 
+LLAVA_NEXT_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}",
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_next_video(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight LLaVA-NeXT-Video: LLaVA-NeXT's CLIP tower, projector and
+    image_newline, its videos' frame features average-pooled 2 x 2 before the projector, a Llama decoder."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-llava-next-video")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ["<s>", "</s>", "<image>", "<video>"]])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": LLAVA_NEXT_VIDEO_TEMPLATE}))
+    (d / "preprocessor_config.json").write_text(json.dumps(LLAVA_NEXT_PREPROCESSOR))
+    (d / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "LlavaNextVideoVideoProcessor", "size": {"shortest_edge": 28},
+        "crop_size": {"height": 28, "width": 28}, "num_frames": 6}))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaNextVideoProcessor", "patch_size": 7, "vision_feature_select_strategy": "default",
+        "image_token": "<image>", "video_token": "<video>", "num_additional_image_tokens": 1}))
+    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                initializer_range=0.2, tie_word_embeddings=False)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
+    config = LlavaNextVideoConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
+                                  video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+                                  vision_feature_layer=-2, vision_feature_select_strategy="default",
+                                  spatial_pool_mode="average", spatial_pool_stride=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlavaNextVideoForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():  # (CLIP's own init ignores initializer_range: widen it)
+        if "vision_tower" in name or "projector" in name or "image_newline" in name:
+            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "llava_next_video"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out
+
+
 @pytest.fixture(scope="session")
 def tiny_granite_vision(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Granite Vision: LLaVA-NeXT over a SigLIP tower whose layers 1,

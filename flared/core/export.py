@@ -402,8 +402,8 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     from flared.frontend.video import FrameVideoProcessor, VideoProcessor
 
     qwen = vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or vision.family in ("internvl",
-                                                                                          "llava_onevision")):
+    frames = vision.family in ("internvl", "llava_onevision") or vision.family == "llava_next" and vision.video_pool
+    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or frames):
         return None
     where = src / "video_preprocessor_config.json"
     cfg = _read_json(where, required=False)
@@ -418,11 +418,16 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
                 cfg, height=image_processor.height, width=image_processor.width,
                 image_seq_len=image_processor.image_seq_len, image_mean=image_processor.image_mean,
                 image_std=image_processor.image_std)
-        else:  # (LLaVA-OneVision: a frame's rows pooled to half the side)
+        elif vision.family == "llava_onevision":  # (a frame's rows pooled to half the side)
             side = vision.patches_per_side
             processor = FrameVideoProcessor.from_hf(
                 cfg, height=vision.image_size, width=vision.image_size, image_seq_len=math.ceil(side / 2) ** 2,
                 image_mean=image_processor.image_mean, image_std=image_processor.image_std, family="onevision")
+        else:  # (LLaVA-NeXT-Video: a frame's features average-pooled video_pool to a side)
+            side = vision.patches_per_side // vision.video_pool
+            processor = FrameVideoProcessor.from_hf(
+                cfg, height=vision.image_size, width=vision.image_size, image_seq_len=side * side,
+                image_mean=image_processor.image_mean, image_std=image_processor.image_std, family="llava_next_video")
     except FrontendError as e:
         raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
     tokenizer = Tokenizer.from_str(assets.tokenizer_json)

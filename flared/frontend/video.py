@@ -59,6 +59,7 @@ from flared.frontend.images import (
     _pixel_settings,
     _positive_int,
     _Settings,
+    _shortest_edge_size,
     source_bytes,
 )
 
@@ -477,9 +478,12 @@ class FrameVideoProcessor(_VideoSettings):
     frames' rows filling the image token. "onevision": LLaVA-OneVision's (LlavaOnevisionVideoProcessor and
     LlavaOnevisionProcessor): frames from the first on, evenly apart (transformers' ``sample_frames``), the
     template's ``<video>`` repeated once a pooled row of each frame and once for the closing image_newline, those
-    tokens filled by the tower's ``video_stages``. Either way each frame is resized to one tile (torch's
-    antialiased bicubic on the uint8 frame), rescaled and normalized ([frames, 3, height, width]), or ``fps`` a
-    second are taken where set."""
+    tokens filled by the tower's ``video_stages``. "llava_next_video": LLaVA-NeXT-Video's
+    (LlavaNextVideoVideoProcessor, LlavaNextVideoProcessor): OneVision's frames, each resized by its short edge to
+    ``shortest_edge`` and cropped from the middle (torchvision's rounding), ``<video>`` once a pooled row of each
+    frame, no row end. Each frame is resized to one tile (torch's antialiased bicubic on the uint8 frame; squashed,
+    or by its short edge then cropped), rescaled and normalized ([frames, 3, height, width]), or ``fps`` a second
+    are taken where set."""
 
     kind: ClassVar[str] = "frames_video"
     label: ClassVar[str] = "video processor"
@@ -490,6 +494,7 @@ class FrameVideoProcessor(_VideoSettings):
     width: int
     image_seq_len: int  # tokens a frame (internvl: a tile's image tokens; onevision: its pooled rows)
     family: str = "internvl"
+    shortest_edge: int = 0  # llava_next_video: the short edge a frame is resized to before the crop (0: squashed)
     num_frames: int = 8  # (InternVL's examples' num_segments)
     fps: float = 0.0  # > 0: this many frames a second of video instead, at most max_frames
     max_frames: int = 64
@@ -501,8 +506,11 @@ class FrameVideoProcessor(_VideoSettings):
     def __post_init__(self):
         for name in ("height", "width", "image_seq_len", "num_frames", "max_frames"):
             _positive_int(name, getattr(self, name))
-        if self.family not in ("internvl", "onevision"):
-            raise _field_error("family", self.family, '"internvl" or "onevision"')
+        if self.family not in ("internvl", "onevision", "llava_next_video"):
+            raise _field_error("family", self.family, '"internvl", "onevision" or "llava_next_video"')
+        if isinstance(self.shortest_edge, bool) or not isinstance(self.shortest_edge, int) or (
+                self.shortest_edge and self.shortest_edge < max(self.height, self.width)):
+            raise _field_error("shortest_edge", self.shortest_edge, "0, or at least the crop's side")
         fps = _finite("fps", self.fps)
         if fps < 0:
             raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)")
@@ -514,7 +522,7 @@ class FrameVideoProcessor(_VideoSettings):
 
     @classmethod
     def from_hf(cls, video_config: dict | None, *, height: int, width: int, image_seq_len: int,
-                image_mean, image_std, family: str = "internvl") -> FrameVideoProcessor:
+                image_mean, image_std, family: str = "internvl", shortest_edge: int = 0) -> FrameVideoProcessor:
         """From a checkpoint's ``video_preprocessor_config.json`` where it ships one; the tile size is the tower's
         (a config naming another is refused), the mean and std the image processor's where it names none."""
         cfg = video_config or {}
@@ -523,7 +531,16 @@ class FrameVideoProcessor(_VideoSettings):
             raise _error(f"the video processor's frames of {size.get('width')}x{size.get('height')} pixels do not fit "
                          f"the tower's {width}x{height} tiles")
         settings = _pixel_settings(cfg, BICUBIC, image_mean, image_std)
+        if family == "llava_next_video":  # (the tile the tower takes, cropped from a frame resized by its short edge)
+            crop = cfg.get("crop_size")
+            if isinstance(crop, dict) and (crop.get("height"), crop.get("width")) != (height, width):
+                raise _error(f"the video processor's crops of {crop.get('width')}x{crop.get('height')} pixels do not "
+                             f"fit the tower's {width}x{height} tiles")
+            size = cfg.get("size")
+            shortest_edge = int(size["shortest_edge"]) if isinstance(size, dict) and "shortest_edge" in size else (
+                shortest_edge or height)
         return cls(height=height, width=width, image_seq_len=image_seq_len, family=family,
+                   shortest_edge=shortest_edge if family == "llava_next_video" else 0,
                    num_frames=cfg.get("num_frames") or (8 if family == "internvl" else 32), fps=cfg.get("fps") or 0.0,
                    **settings)
 
@@ -533,8 +550,9 @@ class FrameVideoProcessor(_VideoSettings):
 
     @property
     def fills_video_token(self) -> bool:
-        """The rows fill the video token (LLaVA-OneVision's); else the image token (InternVL's frames)."""
-        return self.family == "onevision"
+        """The rows fill the video token (LLaVA-OneVision's, LLaVA-NeXT-Video's); else the image token (InternVL's
+        frames)."""
+        return self.family != "internvl"
 
     def sample(self, info: VideoInfo) -> list[int]:
         """transformers' sample_frames: ``torch.arange(shift, total, total / n).int()``, shift half a stretch
@@ -546,8 +564,8 @@ class FrameVideoProcessor(_VideoSettings):
         return torch.arange(shift, total, total / n).int().tolist()[:n]
 
     def prompt(self, frames: int) -> str:
-        if self.family == "onevision":  # (a pooled row a frame's each, and the image_newline after them all)
-            return self.video_token * (frames * self.image_seq_len + 1)
+        if self.family != "internvl":  # (a pooled row a frame's each; OneVision's image_newline after them all)
+            return self.video_token * self.tokens(frames)
         tile = f"{self.start_token}{self.image_token * self.image_seq_len}{self.end_token}"
         return "\n".join(f"Frame{i + 1}: {tile}" for i in range(frames))
 
@@ -567,13 +585,29 @@ class FrameVideoProcessor(_VideoSettings):
             info = _probe(container)
             indices = self.sample(info)
             _check_tokens(self.tokens(len(indices)), max_tokens, len(indices))
-            frames = _frames_at(container, info, indices, (self.height, self.width))
+            if self.shortest_edge:  # (LLaVA-NeXT-Video: by the short edge, then the middle)
+                resized = _shortest_edge_size(info.height, info.width, self.shortest_edge)
+                frames = _center_crops(_frames_at(container, info, indices, resized), self.height, self.width)
+            else:
+                frames = _frames_at(container, info, indices, (self.height, self.width))
         finally:
             container.close()
         identity = self._identity(data)
         n = len(indices)
         return PreparedImage(pixel_values=self.pixels(frames), rows=0, cols=0, prompt=self.prompt(n),
                              num_image_tokens=self.tokens(n), identity=identity, modality="video")
+
+
+def _center_crops(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[n, 3, h, w] -> [n, 3, height, width] from the middle, as torchvision's center_crop takes it (offsets
+    rounded to nearest; a frame smaller than the crop is padded with black around it first)."""
+    h, w = frames.shape[-2:]
+    if h < height or w < width:
+        top, left = (height - h) // 2 if h < height else 0, (width - w) // 2 if w < width else 0
+        frames = F.pad(frames, (left, max(0, width - w) - left, top, max(0, height - h) - top))
+        h, w = frames.shape[-2:]
+    top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
+    return frames[..., top:top + height, left:left + width]
 
 
 def _check_tokens(tokens: int, max_tokens: int | None, frames: int) -> None:

@@ -53,6 +53,7 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                          "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next",
+                         "llava_next_video": "llava_next",  # (LLaVA-NeXT-Video: video_pool)
                          "llava_onevision": "llava_onevision",
                          # (InternVL's original checkpoints, as loader._internvl_chat says them)
                          "internvl_chat": "internvl",
@@ -131,6 +132,9 @@ class VisionConfig:
     # the projector where there are several (vision_feature_layer as a list; (): feature_layer alone)
     siglip_tower: bool = False
     feature_layers: tuple[int, ...] = ()
+    # llava_next (LLaVA-NeXT-Video): a video frame's features average-pooled this many to a side before the
+    # projector (spatial_pool_stride; 0: the model takes no video)
+    video_pool: int = 0
     # Qwen families: the prompt token a video's rows replace (-1: none), and Qwen2.5-VL's rope positions a second of
     # video advances (vision_config.tokens_per_second; 0: a video's temporal patches count 0, 1, 2...)
     video_token_id: int = -1
@@ -437,6 +441,12 @@ def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> 
     layer = _feature_layer(hf, -2)
     if family == "llava_next":
         extra["grid_pinpoints"] = tuple(tuple(p) for p in hf.get("image_grid_pinpoints", LLAVA_NEXT_PINPOINTS))
+        if hf.get("model_type") == "llava_next_video":
+            if hf.get("spatial_pool_mode", "average") != "average":
+                raise CoreError(f"spatial_pool_mode {hf.get('spatial_pool_mode')!r} is not supported (average)",
+                                ErrorKind.UNSUPPORTED_MODEL)
+            extra.update(video_pool=int(hf.get("spatial_pool_stride", 2)),
+                         video_token_id=int(hf.get("video_token_index", 32000)))
         if v.get("model_type") == "siglip_vision_model":  # (Granite Vision: SigLIP's defaults)
             extra["siglip_tower"] = True
             v = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
@@ -1380,16 +1390,22 @@ class LlavaVisionEncoder(_Tower):
 
     def _tiles(self, x: torch.Tensor):
         """Tiles [n, 3, S, S] -> their projected rows [n, P (+1), hidden]; yields after each layer."""
+        return self._project((yield from self._features(x)))
+
+    def _features(self, x: torch.Tensor):
+        """Tiles [n, 3, S, S] -> the feature layer's rows [n, P (+1), D], the class row dropped ("default")."""
         c, w = self.config, self.w
         d = c.hidden_size
         x = F.conv2d(x, w["patch_embed.weight"], stride=c.patch_size).flatten(2).transpose(1, 2)  # [n, P, D]
         x = torch.cat([w["class_embed"].expand(x.shape[0], 1, d), x], 1) + w["pos_embed.weight"]  # [n, 1 + P, D]
         x = F.layer_norm(x, (d,), w["pre_norm.weight"], w["pre_norm.bias"], c.layer_norm_eps)
-        layers = c.feature_depth
-        for i in range(layers):
+        for i in range(c.feature_depth):
             x = _vit_layer(x, w, f"layers.{i}.", c)
             yield
-        x = x[:, 1:] if c.feature_select == "default" else x
+        return x[:, 1:] if c.feature_select == "default" else x
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
         x = F.gelu(F.linear(x, w["proj_fc1.weight"], w.get("proj_fc1.bias")))
         return F.linear(x, w["proj_fc2.weight"], w.get("proj_fc2.bias"))
 
@@ -1434,9 +1450,28 @@ class _Anyres:
 
 
 class LlavaNextVisionEncoder(_Anyres, LlavaVisionEncoder):
-    """LLaVA-NeXT: LLaVA-1.5's CLIP tower and projector over each tile (_Anyres)."""
+    """LLaVA-NeXT: LLaVA-1.5's CLIP tower and projector over each tile (_Anyres); LLaVA-NeXT-Video's frames as tiles
+    whose features are average-pooled before the projector (``video_stages``)."""
 
     label = "LLaVA-NeXT"
+
+    @torch.inference_mode()
+    def video_stages(self, pixel_values: torch.Tensor, *, max_tiles: int = 2):
+        """A video's frames [n, 3, S, S] -> their rows [n * (side / pool)^2, hidden]: each frame's feature-layer rows
+        average-pooled ``video_pool`` to a side (LlavaNextVideoPooler), then projected, the frames in order."""
+        c = self.config
+        if not c.video_pool or pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != (
+                3, c.image_size, c.image_size):
+            raise ValueError(f"a {self.label} tower with video takes frames [n, 3, {c.image_size}, {c.image_size}], "
+                             f"got {tuple(pixel_values.shape)}")
+        x = pixel_values.to(self.device, self.dtype)
+        parts = []
+        for at in range(0, x.shape[0], max_tiles):
+            h = yield from self._features(x[at:at + max_tiles])
+            n, side, d = h.shape[0], c.patches_per_side, h.shape[-1]
+            pooled = F.avg_pool2d(h.view(n, side, side, d).permute(0, 3, 1, 2), c.video_pool, c.video_pool)
+            parts.append(self._project(pooled.flatten(2).transpose(1, 2)).reshape(-1, c.text_hidden_size))
+        return torch.cat(parts)
 
 
 class InternVLVisionEncoder(_Tower):

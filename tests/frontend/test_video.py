@@ -292,3 +292,40 @@ def test_a_sideways_stored_video_is_turned_as_players_show_it(degrees):
     shown = frames.prepare(data).pixel_values[0, 0]  # channel 0 of the one frame, as shown
     want = np.rot90(img[:, :, 0], degrees // 90)
     assert np.abs(shown - want).mean() < 8, (degrees, shown.mean(0), shown.mean(1))
+
+
+def test_llava_next_video_frames_are_resized_by_the_short_edge_and_cropped_from_the_middle():
+    processor = _frames_processor(family="llava_next_video", num_frames=4, shortest_edge=28)
+    assert processor.fills_video_token and processor.prompt(3) == "<video>" * 12
+    width, height = 70, 40  # -> 49 x 28, then columns 10..37 (torchvision rounds (49 - 28) / 2 = 10.5 to 10)
+    img = np.zeros((height, width, 3), np.uint8)
+    img[:, width // 2:] = 200  # the right half bright
+    data = encode_frames([img] * 4, (width, height), 5, codec="png", container="avi")
+    prepared = processor.prepare(data)
+    assert prepared.pixel_values.shape == (4, 3, 28, 28) and prepared.num_image_tokens == 16
+    mean, std = CLIP_MEAN[0] * 255, CLIP_STD[0] * 255
+    row = prepared.pixel_values[0, 0, 14] * std + mean  # one row across the crop, channel 0
+    edge = 49 * (width // 2) / width - 10  # where the bright half begins in the crop
+    assert row[: int(edge) - 2].max() < 20 and row[int(edge) + 3:].min() > 180, row
+
+
+def test_llava_next_video_frames_are_transformers_video_processors():
+    """Our frames against transformers' LlavaNextVideoVideoProcessor (resized by the short edge, center-cropped),
+    where torchvision is installed."""
+    pytest.importorskip("torchvision")
+    transformers = pytest.importorskip("transformers")
+    import io
+
+    import av
+    import torch
+
+    data = noise_video(12, (150, 100), 10, seed=13, smooth=True)
+    ours = _frames_processor(family="llava_next_video", num_frames=4, shortest_edge=28)
+    container = av.open(io.BytesIO(data))
+    frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    clip = torch.from_numpy(np.stack([frames[i] for i in ours.sample(probe_video(data))])).permute(0, 3, 1, 2)
+    theirs = transformers.LlavaNextVideoVideoProcessor(size={"shortest_edge": 28}, crop_size={"height": 28,
+                                                                                              "width": 28},
+                                                       do_sample_frames=False)
+    out = theirs(videos=[clip], return_tensors="pt")["pixel_values_videos"][0]
+    assert np.array_equal(out.numpy(), ours.prepare(data).pixel_values)
