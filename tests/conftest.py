@@ -514,16 +514,32 @@ LLAVA_NEXT_PREPROCESSOR = {
     "image_grid_pinpoints": LLAVA_NEXT_PINPOINTS}
 
 
+def _save_llava_family(d: Path, model_class, config, tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """A LLaVA-family model of ``config`` with random weights (seed 0), its tower's, projector's and image_newline's
+    widened (CLIP's and SigLIP's own init ignores initializer_range), saved in ``d`` and exported as core ``name``:
+    (checkpoint, core)."""
+    import torch
+
+    from flared.core.export import ExportOptions, export_core
+
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    for param_name, param in model.named_parameters():
+        if "vision_tower" in param_name or "projector" in param_name or "image_newline" in param_name:
+            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in param_name else 1.0)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / name
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
+    return d, out
+
+
 def _tiny_llava(tmp_path_factory, name: str, next_: bool) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight LLaVA-1.5 or (``next_``) LLaVA-NeXT: a CLIP tower, the
     two-linear projector (and LLaVA-NeXT's image_newline), a Llama decoder."""
-    import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
         LlavaConfig, LlavaForConditionalGeneration, LlavaNextConfig, LlavaNextForConditionalGeneration,
     )
-
-    from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp(f"hf-{name.replace('_', '-')}")
     train_tiny_tokenizer(d)
@@ -548,15 +564,8 @@ def _tiny_llava(tmp_path_factory, name: str, next_: bool) -> tuple[Path, Path]:
                                  vision_feature_select_strategy="default")
     else:
         config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image, image_seq_length=16)
-    torch.manual_seed(0)
-    model = (LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration)(config).eval()
-    for param_name, param in model.named_parameters():  # CLIP's own init ignores initializer_range: widen it
-        if "vision_tower" in param_name or "projector" in param_name or "image_newline" in param_name:
-            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in param_name else 1.0)
-    model.save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / name
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
-    return d, out
+    return _save_llava_family(d, LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration,
+                              config, tmp_path_factory, name)
 
 
 @pytest.fixture(scope="session")
@@ -576,11 +585,8 @@ LLAVA_NEXT_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
 def tiny_llava_next_video(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight LLaVA-NeXT-Video: LLaVA-NeXT's CLIP tower, projector and
     image_newline, its videos' frame features average-pooled 2 x 2 before the projector, a Llama decoder."""
-    import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
-
-    from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-llava-next-video")
     train_tiny_tokenizer(d)
@@ -605,26 +611,15 @@ def tiny_llava_next_video(tmp_path_factory) -> tuple[Path, Path]:
                                   video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
                                   vision_feature_layer=-2, vision_feature_select_strategy="default",
                                   spatial_pool_mode="average", spatial_pool_stride=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlavaNextVideoForConditionalGeneration(config).eval()
-    for name, param in model.named_parameters():  # (CLIP's own init ignores initializer_range: widen it)
-        if "vision_tower" in name or "projector" in name or "image_newline" in name:
-            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
-    model.save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "llava_next_video"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
-    return d, out
+    return _save_llava_family(d, LlavaNextVideoForConditionalGeneration, config, tmp_path_factory, "llava_next_video")
 
 
 @pytest.fixture(scope="session")
 def tiny_granite_vision(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Granite Vision: LLaVA-NeXT over a SigLIP tower whose layers 1,
     2 and 3 feed the projector side by side ("full" features: SigLIP has no class row), a Granite decoder."""
-    import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
-
-    from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-granite-vision")
     train_tiny_tokenizer(d)
@@ -647,15 +642,7 @@ def tiny_granite_vision(tmp_path_factory) -> tuple[Path, Path]:
     config = LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
                              image_grid_pinpoints=LLAVA_NEXT_PINPOINTS, vision_feature_layer=[1, 2, -1],
                              vision_feature_select_strategy="full", tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlavaNextForConditionalGeneration(config).eval()
-    for name, param in model.named_parameters():  # (SigLIP's own init ignores initializer_range: widen it)
-        if "vision_tower" in name or "projector" in name or "image_newline" in name:
-            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
-    model.save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "granite_vision"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
-    return d, out
+    return _save_llava_family(d, LlavaNextForConditionalGeneration, config, tmp_path_factory, "granite_vision")
 
 
 # LLaVA-OneVision's preparation at 28-pixel tiles: canvases of 1 x 1 to 3 x 3 tiles (the released 384-pixel
@@ -680,11 +667,8 @@ ONEVISION_TEMPLATE = (
 def tiny_llava_onevision(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight LLaVA-OneVision (SigLIP tower over any-resolution tiles, LLaVA's
     projector, image_newline, a Qwen2 decoder)."""
-    import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
-
-    from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-llava-onevision")
     train_tiny_tokenizer(d)
@@ -707,15 +691,7 @@ def tiny_llava_onevision(tmp_path_factory) -> tuple[Path, Path]:
                                   video_token_index=tok.token_to_id("<video>"),
                                   image_grid_pinpoints=ONEVISION_PINPOINTS,
                                   vision_aspect_ratio="anyres_max_2", tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlavaOnevisionForConditionalGeneration(config).eval()
-    for name, param in model.named_parameters():  # (SigLIP's own init ignores initializer_range: widen it)
-        if "vision_tower" in name or "projector" in name or "image_newline" in name:
-            torch.nn.init.normal_(param, std=0.2 if "image_newline" not in name else 1.0)
-    model.save_pretrained(d, safe_serialization=True)
-    out = tmp_path_factory.mktemp("cores") / "llava_onevision"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=128))
-    return d, out
+    return _save_llava_family(d, LlavaOnevisionForConditionalGeneration, config, tmp_path_factory, "llava_onevision")
 
 
 @pytest.fixture(scope="session")
