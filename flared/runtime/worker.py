@@ -210,8 +210,8 @@ class VisionJob(ModelJob):
             except StopIteration as finished:
                 self.parts.append(finished.value)
                 self._stages = None
-                stats["vision_images"] += 1
-                if image.pixel_values.ndim == 4:  # tiles (SmolVLM's, InternVL's, LLaVA-NeXT's)
+                stats["vision_videos" if image.modality == "video" else "vision_images"] += 1
+                if image.pixel_values.ndim == 4:  # tiles (SmolVLM's, InternVL's, LLaVA-NeXT's; video frames)
                     stats["vision_tiles"] += len(image.pixel_values)
                 continue
             if time.perf_counter() - started >= self.turn_s:

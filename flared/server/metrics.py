@@ -135,6 +135,8 @@ class _RuntimeCollector:
         yield _counter("flare_vision_images", "Images (an audio model: clips) run through the model's image tower "
                        "(audio encoder), not those whose rows were cached from an earlier request.",
                        rt.get("vision_images", 0))
+        yield _counter("flare_vision_videos", "Videos run through the model's image tower, not those whose rows were "
+                       "cached from an earlier request.", rt.get("vision_videos", 0))
         yield _counter("flare_vision_tiles",
                        "Image tiles run through a tiling image tower (SmolVLM, Idefics3, InternVL, LLaVA-NeXT).",
                        rt.get("vision_tiles", 0))

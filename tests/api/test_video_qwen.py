@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
 from flared_testing.video import ask_media, noise_video, video_part  # noqa: E402
-from flared_testing.vision import assert_greedy, noise_image, reference_tokenizer  # noqa: E402
+from flared_testing.vision import assert_greedy, metric, noise_image, reference_tokenizer  # noqa: E402
 
 NEW_TOKENS = 10
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
@@ -129,6 +129,8 @@ def test_video_greedy_tokens_match_transformers(served, reference):
         num_prompt, expected = reference(media, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, (family, text)
         assert_greedy(body, expected, (family, text))
+    # (two videos, each once through the tower; the image apart)
+    assert (metric(daemon, "flare_vision_videos"), metric(daemon, "flare_vision_images")) == (2, 1)
 
 
 def test_videos_from_files_and_the_model_card(served, reference):
