@@ -607,10 +607,11 @@ def tiny_llava_next_video(tmp_path_factory) -> tuple[Path, Path]:
                 initializer_range=0.2, tie_word_embeddings=False)
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
-    config = LlavaNextVideoConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
-                                  video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
-                                  vision_feature_layer=-2, vision_feature_select_strategy="default",
-                                  spatial_pool_mode="average", spatial_pool_stride=2, tie_word_embeddings=False)
+    config = LlavaNextVideoConfig(
+        text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
+        video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", spatial_pool_mode="average",
+        spatial_pool_stride=2, tie_word_embeddings=False)
     return _save_llava_family(d, LlavaNextVideoForConditionalGeneration, config, tmp_path_factory, "llava_next_video")
 
 

@@ -392,17 +392,19 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
 
 
 def _read_video_processor(src: Path, vision, assets, image_processor):
-    """A vision checkpoint's video preparation (flared.frontend.video): a Qwen family's from its
-    video_preprocessor_config.json (or processor_config.json's "video_processor"), transformers' class defaults
-    where it ships neither; InternVL's frames at its tile size, where its chat template writes the tokenizer's
-    ``<video>``. None for the other families, or where the tokenizer lacks the tokens a video needs."""
+    """A vision checkpoint's video preparation (flared.frontend.video), from its video_preprocessor_config.json (or
+    processor_config.json's "video_processor"), transformers' class defaults where it ships neither: a Qwen
+    family's; InternVL's, LLaVA-OneVision's and LLaVA-NeXT-Video's frames at the tower's tile size, where the chat
+    template writes ``<video>``. None for the other families, or where the tokenizer lacks the tokens a video
+    needs."""
     from tokenizers import Tokenizer
 
     from flared.errors import FrontendError
     from flared.frontend.video import FrameVideoProcessor, VideoProcessor
 
     qwen = vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-    frames = vision.family in ("internvl", "llava_onevision") or vision.family == "llava_next" and vision.video_pool
+    frames = vision.family in ("internvl", "llava_onevision") or (
+        vision.family == "llava_next" and vision.video_pool and not vision.siglip_tower)  # (CLIP's video_stages)
     if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or frames):
         return None
     where = src / "video_preprocessor_config.json"

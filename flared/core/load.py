@@ -79,7 +79,7 @@ class Core:
                             ErrorKind.CORE_FORMAT) from None
 
     def video_processor(self):
-        """The ``flared.frontend.video`` processor a Qwen or InternVL core prepares videos with (None: no video)."""
+        """The ``flared.frontend.video`` processor a video core prepares videos with (None: no video)."""
         from flared.errors import FrontendError
         from flared.frontend.video import video_processor_from_dict
 

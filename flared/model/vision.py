@@ -135,8 +135,9 @@ class VisionConfig:
     # llava_next (LLaVA-NeXT-Video): a video frame's features average-pooled this many to a side before the
     # projector (spatial_pool_stride; 0: the model takes no video)
     video_pool: int = 0
-    # Qwen families: the prompt token a video's rows replace (-1: none), and Qwen2.5-VL's rope positions a second of
-    # video advances (vision_config.tokens_per_second; 0: a video's temporal patches count 0, 1, 2...)
+    # the prompt token a video's rows replace (-1: none; the Qwen families', LLaVA-OneVision's and LLaVA-NeXT-Video's),
+    # and Qwen2.5-VL's rope positions a second of video advances (vision_config.tokens_per_second; 0: a video's
+    # temporal patches count 0, 1, 2...)
     video_token_id: int = -1
     tokens_per_second: float = 0.0
 
@@ -191,7 +192,8 @@ class VisionConfig:
                 if not -self.num_layers - 1 <= layer <= self.num_layers:
                     raise CoreError(f"vision feature_layer {layer} is not a layer of {self.num_layers}")
             if self.feature_layers and self.family != "llava_next":
-                raise CoreError("several vision feature layers are read for LLaVA-NeXT only", ErrorKind.UNSUPPORTED_MODEL)
+                raise CoreError("several vision feature layers are read for LLaVA-NeXT only",
+                                ErrorKind.UNSUPPORTED_MODEL)
             return
         if self.family == "internvl":
             if self.norm_kind not in ("layer_norm", "rms_norm"):

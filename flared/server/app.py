@@ -56,8 +56,8 @@ from flared.server.structured import StructuredOutput
 # bytes (decoded from base64, or fetched). The HTTP body limit of a vision core grows by their base64 size.
 MAX_IMAGES_PER_REQUEST = 8
 IMAGE_BYTES_LIMIT = 10 << 20
-# Videos (a Qwen, InternVL or LLaVA-OneVision core): at most this many a request, each at most this many bytes; the body limit grows by
-# one video's base64 (a larger one travels as a file:// or http URL: ServerConfig's media settings).
+# Videos (a Qwen, InternVL or LLaVA core's): at most this many a request, each at most this many bytes; the body
+# limit grows by one video's base64 (a larger one travels as a file:// or http URL: ServerConfig's media settings).
 MAX_VIDEOS_PER_REQUEST = 2
 VIDEO_BYTES_LIMIT = 32 << 20
 # Recent images' tower rows kept for later requests (a conversation about one image re-sends it every turn).
