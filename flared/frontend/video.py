@@ -63,7 +63,7 @@ from flared.frontend.images import (
     source_bytes,
 )
 
-DEFAULT_MAX_VIDEO_BYTES = 64 << 20
+DEFAULT_MAX_VIDEO_BYTES = 32 << 20  # a video's file (the server's limit: flared.server.app)
 MAX_FRAME_PIXELS = 8192 * 8192  # a frame larger than this is refused before decoding
 MAX_VIDEO_FRAMES = 108_000  # frames a video may hold (an hour at 30 frames a second): all are demuxed, some decoded
 DEFAULT_VIDEO_FPS = 24.0  # a stream that states no rate (transformers' default too)
@@ -408,10 +408,6 @@ class VideoProcessor(_VideoSettings):
         t = -(-len(indices) // self.temporal_patch_size)
         return indices, (t, h // self.patch_size, w // self.patch_size)
 
-    def num_video_tokens(self, info: VideoInfo) -> int:
-        t, h, w = self.layout(info)[1]
-        return t * h * w // self.merge_size ** 2
-
     def timestamps(self, indices: list[int], fps: float) -> list[float]:
         """Qwen3-VL: the time (seconds) of each temporal patch, the mean of its first and last frame's
         (transformers' Qwen3VLProcessor._calculate_timestamps)."""
@@ -455,13 +451,13 @@ class VideoProcessor(_VideoSettings):
         try:
             info = _probe(container)
             indices, grid = self.layout(info)
-            _check_tokens(grid[0] * grid[1] * grid[2] // self.merge_size ** 2, max_tokens, len(indices))
+            tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
+            _check_tokens(tokens, max_tokens, len(indices))
             size = (grid[1] * self.patch_size, grid[2] * self.patch_size)
             frames = _frames_at(container, info, indices, size)
         finally:
             container.close()
         prompt = self.prompt(grid, indices, info.fps)
-        tokens = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
         identity = self._identity(data)
         seconds = self.temporal_patch_size / (len(indices) / info.total_frames * info.fps)
         return PreparedImage(pixel_values=self.patches(frames), rows=0, cols=0, prompt=prompt,
@@ -522,27 +518,20 @@ class FrameVideoProcessor(_VideoSettings):
 
     @classmethod
     def from_hf(cls, video_config: dict | None, *, height: int, width: int, image_seq_len: int,
-                image_mean, image_std, family: str = "internvl", shortest_edge: int = 0) -> FrameVideoProcessor:
+                image_mean, image_std, family: str = "internvl") -> FrameVideoProcessor:
         """From a checkpoint's ``video_preprocessor_config.json`` where it ships one; the tile size is the tower's
-        (a config naming another is refused), the mean and std the image processor's where it names none."""
+        (a config naming another is refused), the mean and std the image processor's where it names none;
+        llava_next_video's short edge its ``size.shortest_edge`` (the tile's side where it names none)."""
         cfg = video_config or {}
-        size = cfg.get("size")
-        if isinstance(size, dict) and (size.get("height"), size.get("width")) not in ((None, None), (height, width)):
-            raise _error(f"the video processor's frames of {size.get('width')}x{size.get('height')} pixels do not fit "
-                         f"the tower's {width}x{height} tiles")
-        settings = _pixel_settings(cfg, BICUBIC, image_mean, image_std)
-        if family == "llava_next_video":  # (the tile the tower takes, cropped from a frame resized by its short edge)
-            crop = cfg.get("crop_size")
-            if isinstance(crop, dict) and (crop.get("height"), crop.get("width")) != (height, width):
-                raise _error(f"the video processor's crops of {crop.get('width')}x{crop.get('height')} pixels do not "
-                             f"fit the tower's {width}x{height} tiles")
-            size = cfg.get("size")
-            shortest_edge = int(size["shortest_edge"]) if isinstance(size, dict) and "shortest_edge" in size else (
-                shortest_edge or height)
-        return cls(height=height, width=width, image_seq_len=image_seq_len, family=family,
-                   shortest_edge=shortest_edge if family == "llava_next_video" else 0,
+        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+        crop = cfg.get("crop_size") if family == "llava_next_video" else size  # (the tile the tower takes)
+        if isinstance(crop, dict) and (crop.get("height"), crop.get("width")) not in ((None, None), (height, width)):
+            raise _error(f"the video processor's frames of {crop.get('width')}x{crop.get('height')} pixels do not "
+                         f"fit the tower's {width}x{height} tiles")
+        shortest_edge = int(size.get("shortest_edge", height)) if family == "llava_next_video" else 0
+        return cls(height=height, width=width, image_seq_len=image_seq_len, family=family, shortest_edge=shortest_edge,
                    num_frames=cfg.get("num_frames") or (8 if family == "internvl" else 32), fps=cfg.get("fps") or 0.0,
-                   **settings)
+                   **_pixel_settings(cfg, BICUBIC, image_mean, image_std))
 
     @property
     def placeholder(self) -> str:
@@ -600,12 +589,9 @@ class FrameVideoProcessor(_VideoSettings):
 
 def _center_crops(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """[n, 3, h, w] -> [n, 3, height, width] from the middle, as torchvision's center_crop takes it (offsets
-    rounded to nearest; a frame smaller than the crop is padded with black around it first)."""
+    rounded to nearest). The frames are never smaller than the crop (resized by their short edge to at least its
+    side: FrameVideoProcessor.shortest_edge)."""
     h, w = frames.shape[-2:]
-    if h < height or w < width:
-        top, left = (height - h) // 2 if h < height else 0, (width - w) // 2 if w < width else 0
-        frames = F.pad(frames, (left, max(0, width - w) - left, top, max(0, height - h) - top))
-        h, w = frames.shape[-2:]
     top, left = int(round((h - height) / 2.0)), int(round((w - width) / 2.0))
     return frames[..., top:top + height, left:left + width]
 

@@ -30,7 +30,7 @@ from flared.frontend import ChatTemplate
 from flared.frontend.fim import fim_prompt, fim_tokens
 from flared.frontend.audio import decode_audio, media_kind
 from flared.frontend.images import decode_image, image_processor_from_dict
-from flared.frontend.video import decode_video_source
+from flared.frontend.video import DEFAULT_MAX_VIDEO_BYTES, decode_video_source
 from flared.frontend.reasoning import reasoning_format_for_template
 from flared.frontend.toolcalls import tool_parser_for_template
 from flared.model.vision import mrope_positions
@@ -59,7 +59,7 @@ IMAGE_BYTES_LIMIT = 10 << 20
 # Videos (a Qwen, InternVL or LLaVA core's): at most this many a request, each at most this many bytes; the body
 # limit grows by one video's base64 (a larger one travels as a file:// or http URL: ServerConfig's media settings).
 MAX_VIDEOS_PER_REQUEST = 2
-VIDEO_BYTES_LIMIT = 32 << 20
+VIDEO_BYTES_LIMIT = DEFAULT_MAX_VIDEO_BYTES
 # Recent images' tower rows kept for later requests (a conversation about one image re-sends it every turn).
 IMAGE_ROWS_CACHE_BYTES = 256 << 20
 
@@ -340,10 +340,8 @@ class ServingState:
         ``max_frames``, ``min_pixels`` / ``max_pixels`` for its images too; InternVL's ``fps``, ``num_frames``,
         ``max_frames``); a key it cannot apply is a 400."""
         image, video = self.image_processor, self.video_processor
-        if not options:
+        if not options:  # (an object: openai_schema checks it)
             return image, video
-        if not isinstance(options, dict):
-            raise _bad("mm_processor_kwargs", "must be an object")
         patches = getattr(image, "kind", None) == "patches"
         known = tuple(video.options if video is not None else ()) + tuple(
             k for k in self._PIXEL_OPTIONS if patches and (video is None or k not in video.options))
