@@ -88,7 +88,8 @@ class Core:
         try:
             return video_processor_from_dict(self.manifest.vision["video"])
         except (FrontendError, TypeError, ValueError) as e:
-            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.video': {e}", ErrorKind.CORE_FORMAT) from None
+            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.video': {e}",
+                            ErrorKind.CORE_FORMAT) from None
 
     def load_vision_tensors(self) -> dict:
         """The image tower's tensors (hash-checked by open_core), names and shapes checked."""

@@ -9,8 +9,9 @@ instruction "Transcribe the input speech." / "Translate the input speech into En
 request names one, the request's ``prompt`` after it) through the model's own template, greedy unless a
 ``temperature`` is given, and the answer is the transcript. A recording longer than the model's clip (Qwen2-Audio:
 30 s) is cut into pieces it takes, each cut at the quietest tenth of a second in the two seconds before the limit
-(as vLLM cuts long audio for Whisper), the pieces asked at once and their transcripts joined in order. ``response_format`` ``json`` (the default), ``text``
-and ``verbose_json`` (task, language, duration, text; no segments: the model gives no timestamps) are answered;
+(as vLLM cuts long audio for Whisper), the pieces asked at once and their transcripts joined in order.
+``response_format`` ``json`` (the default), ``text`` and ``verbose_json`` (task, language, duration, text; no
+segments: the model gives no timestamps) are answered;
 ``srt`` and ``vtt``, and ``timestamp_granularities``, need timestamps and are a 400. ``stream=true`` answers
 OpenAI's ``transcript.text.delta`` events, then ``transcript.text.done`` with the text and usage.
 """
@@ -150,19 +151,19 @@ class AudioRoutes:
                                top_p=None, top_k=None, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
                                repetition_penalty=None, seed=seed, logit_bias=None, logprobs=None, stop=(),
                                stop_token_ids=(), ignore_eos=False, n=1)
-        requests, audio_tokens, shape = [], 0, None
-        for k, piece in enumerate(pieces):  # (a recording longer than the model's clip: each piece asked alone)
-            part = {"type": "audio", "audio": DecodedAudio(piece, processor.sampling_rate), "format": None,
-                    "param": "file", "sent_as": "file"}
-            rendered = await state.prepare_chat([{"role": "user", "content": [
-                part, {"type": "text", "text": instruction}]}], add_generation_prompt=True)
-            shape = shape or OutputShape(state, rendered.text, None)
-            prompt = tuple(rendered.token_ids)
-            requests.append(GenerateRequest(
-                prompt_token_ids=prompt, message_endpoints=rendered.message_endpoints,
-                params=sampling_params(state, opts, len(prompt), None, k), stop_token_ids=_stop_ids(state, opts),
-                vision=await state.vision_input(rendered)))
-            audio_tokens += sum(image.num_image_tokens for image in rendered.images)
+        # (a recording longer than the model's clip: each piece asked alone, all prepared and through the encoder
+        # at once)
+        renders = await asyncio.gather(*(state.prepare_chat([{"role": "user", "content": [
+            {"type": "audio", "audio": DecodedAudio(piece, processor.sampling_rate), "format": None,
+             "param": "file", "sent_as": "file"},
+            {"type": "text", "text": instruction}]}], add_generation_prompt=True) for piece in pieces))
+        visions = await asyncio.gather(*(state.vision_input(rendered) for rendered in renders))
+        shape = OutputShape(state, renders[0].text, None)
+        requests = [GenerateRequest(prompt_token_ids=tuple(r.token_ids), message_endpoints=r.message_endpoints,
+                                    params=sampling_params(state, opts, len(r.token_ids), None, k),
+                                    stop_token_ids=_stop_ids(state, opts), vision=vision)
+                    for k, (r, vision) in enumerate(zip(renders, visions))]
+        audio_tokens = sum(image.num_image_tokens for r in renders for image in r.images)
         gen = state.start(requests, ())
         request.disconnected.add_callback(gen.cancel)
         if stream:
