@@ -514,6 +514,15 @@ LLAVA_NEXT_PREPROCESSOR = {
     "image_grid_pinpoints": LLAVA_NEXT_PINPOINTS}
 
 
+# The LLaVA family's tiny decoder (a Llama unless model_type says otherwise; vocab_size the checkpoint's) and CLIP
+# tower (28-pixel tiles in 7-pixel patches)
+TINY_LLAVA_TEXT = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                       initializer_range=0.2, tie_word_embeddings=False)
+TINY_CLIP = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                 num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
+
+
 def _save_llava_family(d: Path, model_class, config, tmp_path_factory, name: str) -> tuple[Path, Path]:
     """A LLaVA-family model of ``config`` with random weights (seed 0), its tower's, projector's and image_newline's
     widened (CLIP's and SigLIP's own init ignores initializer_range), saved in ``d`` and exported as core ``name``:
@@ -552,11 +561,8 @@ def _tiny_llava(tmp_path_factory, name: str, next_: bool) -> tuple[Path, Path]:
     (d / "processor_config.json").write_text(json.dumps({
         "processor_class": "LlavaNextProcessor" if next_ else "LlavaProcessor", "patch_size": 7,
         "vision_feature_select_strategy": "default", "image_token": "<image>", "num_additional_image_tokens": 1}))
-    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                initializer_range=0.2, tie_word_embeddings=False)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                  num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
+    text = dict(TINY_LLAVA_TEXT, vocab_size=tok.get_vocab_size())
+    vision = dict(TINY_CLIP)
     image = tok.token_to_id("<image>")
     if next_:
         config = LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=image,
@@ -602,11 +608,8 @@ def tiny_llava_next_video(tmp_path_factory) -> tuple[Path, Path]:
     (d / "processor_config.json").write_text(json.dumps({
         "processor_class": "LlavaNextVideoProcessor", "patch_size": 7, "vision_feature_select_strategy": "default",
         "image_token": "<image>", "video_token": "<video>", "num_additional_image_tokens": 1}))
-    text = dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                initializer_range=0.2, tie_word_embeddings=False)
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                  num_attention_heads=2, image_size=28, patch_size=7, projection_dim=32, initializer_range=0.2)
+    text = dict(TINY_LLAVA_TEXT, vocab_size=tok.get_vocab_size())
+    vision = dict(TINY_CLIP)
     config = LlavaNextVideoConfig(
         text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),
         video_token_index=tok.token_to_id("<video>"), image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
@@ -634,10 +637,8 @@ def tiny_granite_vision(tmp_path_factory) -> tuple[Path, Path]:
     (d / "processor_config.json").write_text(json.dumps({
         "processor_class": "LlavaNextProcessor", "patch_size": 7, "vision_feature_select_strategy": "full",
         "image_token": "<image>", "num_additional_image_tokens": 0}))
-    text = dict(model_type="granite", vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                initializer_range=0.2, tie_word_embeddings=False, embedding_multiplier=2.0, residual_multiplier=0.5,
-                attention_multiplier=0.2, logits_scaling=2.0)
+    text = dict(TINY_LLAVA_TEXT, model_type="granite", vocab_size=tok.get_vocab_size(), embedding_multiplier=2.0,
+                residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=2, image_size=28, patch_size=7)
     config = LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<image>"),

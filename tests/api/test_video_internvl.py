@@ -11,8 +11,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from flared_testing.video import ask_media, noise_video, video_part  # noqa: E402
-from flared_testing.vision import assert_greedy, noise_image, reference_tokenizer  # noqa: E402
+from flared_testing.video import ask_media, assert_media_cases_match, noise_video, video_part  # noqa: E402
+from flared_testing.vision import noise_image, reference_tokenizer  # noqa: E402
 
 NEW_TOKENS = 10
 TILE_TOKENS = 4
@@ -74,11 +74,7 @@ def test_video_greedy_tokens_match_transformers(daemon, reference):
     short = noise_video(5, (40, 60), 5, seed=12)  # fewer frames than 8: each once
     cases = [([("video", clip)], "What happens?"), ([("video", short)], "And here?"),
              ([("image", noise_image(13, (90, 40))), ("video", short)], "The picture, then the video.")]
-    for media, text in cases:
-        body = ask_media(daemon, media, text, NEW_TOKENS)
-        num_prompt, expected = reference(media, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, text
-        assert_greedy(body, expected, text)
+    assert_media_cases_match(daemon, reference, cases, NEW_TOKENS, label=())
 
 
 def test_frames_per_request(daemon):

@@ -12,8 +12,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from flared_testing.video import ask_media, noise_video  # noqa: E402
-from flared_testing.vision import assert_greedy, noise_image, processor_settings, reference_tokenizer  # noqa: E402
+from flared_testing.video import assert_media_cases_match, noise_video  # noqa: E402
+from flared_testing.vision import noise_image, processor_settings, reference_tokenizer  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -74,8 +74,4 @@ def test_video_greedy_tokens_match_transformers(daemon, reference):
     tall = noise_video(4, (36, 60), 5, seed=32)  # fewer frames than 6: each once
     cases = [([("video", wide)], "What happens?"), ([("video", tall)], "And here?"),
              ([("video", tall), ("image", noise_image(33, (90, 40)))], "The video, then the picture.")]
-    for media, text in cases:
-        body = ask_media(daemon, media, text, NEW_TOKENS)
-        num_prompt, expected = reference(media, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, text
-        assert_greedy(body, expected, text)
+    assert_media_cases_match(daemon, reference, cases, NEW_TOKENS, label=())

@@ -14,7 +14,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
-from flared_testing.video import ask_media, noise_video, video_part  # noqa: E402
+from flared_testing.video import assert_media_cases_match, noise_video, video_part  # noqa: E402
 from flared_testing.vision import assert_greedy, metric, noise_image, reference_tokenizer  # noqa: E402
 
 NEW_TOKENS = 10
@@ -124,11 +124,7 @@ def test_video_greedy_tokens_match_transformers(served, reference):
              ([("video", odd)], "And here?"),
              ([("image", noise_image(3, (70, 44))), ("video", short)], "Compare the picture and the video."),
              ([("video", short), ("video", odd)], "Two videos.")]
-    for media, text in cases:
-        body = ask_media(daemon, media, text, NEW_TOKENS)
-        num_prompt, expected = reference(media, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, (family, text)
-        assert_greedy(body, expected, (family, text))
+    assert_media_cases_match(daemon, reference, cases, NEW_TOKENS, label=(family,))
     # (two videos, each once through the tower; the image apart)
     assert (metric(daemon, "flare_vision_videos"), metric(daemon, "flare_vision_images")) == (2, 1)
 

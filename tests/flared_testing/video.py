@@ -69,3 +69,15 @@ def ask_media(daemon, media, text: str, max_tokens: int, **kw) -> dict:
                                logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
     assert status == 200, body
     return body
+
+
+def assert_media_cases_match(daemon, reference, cases, max_tokens: int, label=()) -> None:
+    """Each (media, text) user turn asked greedily of the daemon (``ask_media``): its prompt length and tokens are
+    what ``reference(media, text)`` (transformers) gives."""
+    from flared_testing.vision import assert_greedy
+
+    for media, text in cases:
+        body = ask_media(daemon, media, text, max_tokens)
+        num_prompt, expected = reference(media, text)
+        assert body["usage"]["prompt_tokens"] == num_prompt, (*label, text)
+        assert_greedy(body, expected, (*label, text))
