@@ -429,6 +429,111 @@ def tiny_gemma3(tmp_path_factory) -> tuple[Path, Path]:
     return d, out
 
 
+# Gemma 4's chat template, cut down (its turns; an image part writes <|image|>, a video part <|video|>).
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|turn>{{ 'model' if message['role'] == 'assistant' "
+    "else message['role'] }}\n{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif item['type'] == 'video' %}{{ '<|video|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<turn|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+# 4-pixel patches pooled 3 x 3: images resized to whole 12-pixel blocks, at most 70 of them (70 image tokens).
+GEMMA4_PREPROCESSOR = {
+    "image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
+    "image_std": [1.0, 1.0, 1.0], "patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3}
+GEMMA4_TOKENS = ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|video|>",
+                 "<|audio|>"]
+
+
+def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> None:
+    """A random-weight Gemma4ForConditionalGeneration (its tower 2 layers of 32 over 4-pixel patches) and its
+    tokenizer, template and processor files in ``d``; ``text``, ``vision``: their config's overrides."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in GEMMA4_TOKENS])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<turn|>", "pad_token": "<pad>", "chat_template": GEMMA4_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "image_token": "<|image|>", "boi_token": "<|image>",
+        "eoi_token": "<image|>"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(GEMMA4_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor",
+                                                         "image_seq_length": 70}))
+    vocab = tok.get_vocab_size()
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=1024,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=vocab, initializer_range=0.05,
+                final_logit_softcapping=30.0, bos_token_id=tok.token_to_id("<bos>"),
+                eos_token_id=tok.token_to_id("<turn|>"), pad_token_id=tok.token_to_id("<pad>")) | text
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                  position_embedding_size=256, initializer_range=0.2) | vision
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                          image_token_id=tok.token_to_id("<|image|>"), boi_token_id=tok.token_to_id("<|image>"),
+                          eoi_token_id=tok.token_to_id("<image|>"), video_token_id=tok.token_to_id("<|video|>"),
+                          audio_token_id=tok.token_to_id("<|audio|>"))
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # (the tower's and projection's rows must outweigh the text)
+            if "vision_tower" in name or "embed_vision" in name:
+                torch.nn.init.normal_(param, std=0.2)
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))  # (Gemma 4's norms multiply by the weight itself)
+        for name, buf in model.named_buffers():
+            if name.endswith("input_max") or name.endswith("output_max"):
+                buf.fill_(2.5)
+            elif name.endswith("input_min") or name.endswith("output_min"):
+                buf.fill_(-2.5)
+            elif name.endswith("std_bias"):
+                buf.copy_(0.1 * torch.randn_like(buf))
+            elif name.endswith("std_scale"):
+                buf.copy_(1.0 + 0.1 * torch.randn_like(buf))
+            elif name.endswith("layer_scalar"):
+                buf.fill_(0.9)
+    model.save_pretrained(d, safe_serialization=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_vision(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Gemma 4 like E2B: per-layer inputs, the last of four layers
+    sharing the keys of an earlier one, a tower with clipped products; images causal in the decoder. Prefill
+    chunk 64 tokens."""
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-gemma4-vision")
+    save_tiny_gemma4(d, text=dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                                  hidden_size_per_layer_input=8, num_kv_shared_layers=1),
+                     vision=dict(use_clipped_linears=True))
+    out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=64))
+    return d, out
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma4_vision_both_ways(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Gemma 4 like 26B-A4B and 31B: images attend both ways on the
+    windowed layers (use_bidirectional_attention "vision"), global layers of wider heads whose values are their
+    keys, a standardizing tower. Prefill chunk 64 tokens."""
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-gemma4-vision-both-ways")
+    save_tiny_gemma4(d, text=dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                                  global_head_dim=32,
+                                  num_global_key_value_heads=1, attention_k_eq_v=True,
+                                  use_bidirectional_attention="vision"),
+                     vision=dict(standardize=True), seed=1)
+    out = tmp_path_factory.mktemp("cores") / "gemma4-vision-both-ways"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=64))
+    return d, out
+
+
 # InternVL's chat template (ChatML; an image part writes its context token on a line of its own).
 INTERNVL_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"

@@ -176,6 +176,17 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             if found != src.vision.image_token_id:
                 raise CoreError(f"{source}: the tokenizer's {processor.audio_token} is token {found}, but the config's "
                                 f"audio token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
+        if processor.kind == "pooled_patches":  # (Gemma 4: its image token and the tokens around an image)
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+            found = tokenizer.token_to_id(processor.image_token)
+            if found != src.vision.image_token_id:
+                raise CoreError(f"{source}: the tokenizer's {processor.image_token} is token {found}, but the config's "
+                                f"image token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
+            missing = [t for t in (processor.boi_token, processor.eoi_token) if tokenizer.token_to_id(t) is None]
+            if missing:
+                raise CoreError(f"{source}: the tokenizer has no {' or '.join(missing)} token", ErrorKind.SOURCE_FORMAT)
         video = (_read_video_processor(source, src.vision, assets, processor) if options.mmproj is None
                  else None)
         if video is not None:
@@ -331,7 +342,7 @@ def _read_hf_assets(src: Path) -> _Assets:
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
                     "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper",
-                    "audioflamingo3": "whisper", "glmasr": "whisper"}
+                    "audioflamingo3": "whisper", "glmasr": "whisper", "gemma4": "pooled_patches"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -383,6 +394,12 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
     if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):
         raise CoreError(f"{where}: crops of {processor.crop_width}x{processor.crop_height} "
                         f"pixels, but the vision tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)
+    if kind == "pooled_patches":
+        if (processor.patch_size, processor.pooling_kernel_size) != (vision.patch_size, vision.scale_factor):
+            raise CoreError(f"{where}: patches of {processor.patch_size} pixels pooled {processor.pooling_kernel_size}"
+                            f" x {processor.pooling_kernel_size}, but the vision tower takes {vision.patch_size} and "
+                            f"{vision.scale_factor}", ErrorKind.UNSUPPORTED_MODEL)
+        return processor
     if not fixed and (processor.patch_size, processor.merge_size, getattr(processor, "temporal_patch_size", 0)) != (
             vision.patch_size, vision.scale_factor, vision.temporal_patch_size):
         raise CoreError(f"{where}: patches of {processor.patch_size} pixels merged "

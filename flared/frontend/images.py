@@ -138,6 +138,13 @@ CANVAS_START_TOKEN = "<img>"
 CANVAS_END_TOKEN = "</img>"
 CANVAS_PROCESSOR_TYPES = ("GotOcr2ImageProcessor",)  # with or without a Fast / Pil suffix
 ANYRES_PROCESSOR_TYPES = ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor")  # (or Fast / Pil)
+# transformers' Gemma 4 image processor defaults and Gemma4Processor's tokens (the tokenizer's boi, image and eoi
+# tokens); the soft-token budgets it accepts
+POOLED_IMAGE_TOKEN = "<|image|>"
+POOLED_BOI_TOKEN = "<|image>"
+POOLED_EOI_TOKEN = "<image|>"
+POOLED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
+POOLED_PROCESSOR_TYPES = ("Gemma4ImageProcessor",)  # with or without a Fast / Pil suffix
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
@@ -146,6 +153,7 @@ _CROP_PROCESSOR_CLASSES = ("LlavaProcessor",)
 _SQUARE_PROCESSOR_CLASSES = ("Gemma3Processor",)
 _CANVAS_PROCESSOR_CLASSES = ("InternVLProcessor",)
 _ANYRES_PROCESSOR_CLASSES = ("LlavaNextProcessor", "LlavaOnevisionProcessor")
+_POOLED_PROCESSOR_CLASSES = ("Gemma4Processor",)
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 _MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
@@ -853,6 +861,7 @@ class PatchProcessor(_Processor):
     one image: the image token repeated once per merged patch block."""
 
     kind: ClassVar[str] = "patches"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    options: ClassVar[tuple[str, ...]] = ("min_pixels", "max_pixels")  # (vLLM's mm_processor_kwargs it reads)
     label: ClassVar[str] = "patch processor"
     identity_tag: ClassVar[bytes] = b"flared.patch-processor.v1\0"
 
@@ -1325,6 +1334,114 @@ class SquareProcessor(_Processor):
                              identity=self._identity(image))
 
 
+def pooled_size(height: int, width: int, patch_size: int, max_soft_tokens: int, pool: int) -> tuple[int, int]:
+    """(height, width) transformers' Gemma 4 processors resize an image to (get_aspect_ratio_preserving_size): the
+    largest of its aspect in whole pool x patch blocks with at most max_soft_tokens x pool^2 patches; a side that
+    rounds to nothing is one block, the other its ratio's whole blocks up to the budget's side."""
+    max_patches = max_soft_tokens * pool * pool
+    target = max_patches * patch_size ** 2
+    factor = math.sqrt(target / (height * width))
+    unit = pool * patch_size
+    new_h, new_w = int(math.floor(factor * height / unit)) * unit, int(math.floor(factor * width / unit)) * unit
+    longest = (max_patches // pool ** 2) * unit
+    if new_h == 0 and new_w == 0:  # (cannot happen: factor^2 x area is the budget)
+        raise _error(f"a {width}x{height} image cannot be resized to whole {unit}-pixel blocks")
+    if new_h == 0:
+        new_h, new_w = unit, min(int(math.floor(width / height)) * unit, longest)
+    elif new_w == 0:
+        new_h, new_w = min(int(math.floor(height / width)) * unit, longest), unit
+    if new_h * new_w > target:  # (transformers refuses these too)
+        raise _error(f"a {width}x{height} image is too far from square for this model: it would take "
+                     f"{new_w}x{new_h} pixels, past the {max_soft_tokens}-token budget")
+    return new_h, new_w
+
+
+def _soft_tokens(field: str, value) -> int:
+    if value not in POOLED_SOFT_TOKENS or isinstance(value, bool):
+        raise _field_error(field, value, "one of " + ", ".join(map(str, POOLED_SOFT_TOKENS)))
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PooledPatchProcessor(_Processor):
+    """Gemma 4 (transformers' ``Gemma4ImageProcessorPil``) and the prompt text for one image: the image resized,
+    keeping its aspect, to the most whole pool x patch blocks within ``max_soft_tokens`` x pool^2 patches (one
+    Pillow resize of the uint8 RGB image, BICUBIC by default), rescaled to [0, 1] (no normalization by default),
+    cut into patches row-major, each [y, x, channel]; Gemma4Processor's "<|image>", one "<|image|>" a pooled
+    block, "<image|>". ``pixel_values`` is [h * w, 3 * patch^2]; grid (1, h, w) in patches."""
+
+    kind: ClassVar[str] = "pooled_patches"  # to_dict's "kind" (image_processor_from_dict dispatches on it)
+    options: ClassVar[tuple[str, ...]] = ("max_soft_tokens",)  # (vLLM's mm_processor_kwargs it reads)
+    label: ClassVar[str] = "pooled patch processor"
+    identity_tag: ClassVar[bytes] = b"flared.pooled-patch-processor.v1\0"
+
+    patch_size: int
+    max_soft_tokens: int
+    pooling_kernel_size: int
+    image_token: str = POOLED_IMAGE_TOKEN
+    boi_token: str = POOLED_BOI_TOKEN
+    eoi_token: str = POOLED_EOI_TOKEN
+
+    def __post_init__(self):
+        for name in ("patch_size", "pooling_kernel_size"):
+            _positive_int(name, getattr(self, name))
+        _soft_tokens("max_soft_tokens", self.max_soft_tokens)
+        _check_pixel_settings(self)
+        for name in ("image_token", "boi_token", "eoi_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+
+    @classmethod
+    def from_hf(cls, preprocessor_config: dict, processor_config: dict | None) -> PooledPatchProcessor:
+        """From a Hugging Face ``preprocessor_config.json`` (and ``processor_config.json``), with transformers'
+        Gemma 4 defaults for missing fields (16-pixel patches, 280 soft tokens, 3 x 3 pooling, BICUBIC, rescaled
+        to [0, 1] and not normalized)."""
+        cfg, _ = _hf_config(preprocessor_config, processor_config)
+        _check_type(cfg, POOLED_PROCESSOR_TYPES)
+        return cls(patch_size=cfg.get("patch_size", 16), max_soft_tokens=cfg.get("max_soft_tokens", 280),
+                   pooling_kernel_size=cfg.get("pooling_kernel_size", 3),
+                   **{**_pixel_settings(cfg, BICUBIC, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)),
+                      "do_normalize": cfg.get("do_normalize", False)})
+
+    def _resized_size(self, width: int, height: int) -> tuple[int, int]:
+        if self.do_resize:
+            return pooled_size(height, width, self.patch_size, self.max_soft_tokens, self.pooling_kernel_size)
+        unit = self.patch_size * self.pooling_kernel_size
+        height, width = _whole_units(width, height, unit)
+        if height * width > self.max_soft_tokens * unit * unit:
+            raise _error(f"the image is {width}x{height} pixels; without resizing, this model takes at most "
+                         f"{self.max_soft_tokens} blocks of {unit}x{unit} pixels")
+        return height, width
+
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        h, w = self._resized_size(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def num_image_tokens_for(self, width: int, height: int) -> int:
+        """How many image tokens ``prepare`` gives a width x height image, without resizing anything."""
+        _, h, w = self.grid(width, height)
+        return h * w // self.pooling_kernel_size ** 2
+
+    def prompt(self, num_image_tokens: int) -> str:
+        """The text for one image (transformers' ``Gemma4Processor.replace_image_token``)."""
+        return f"{self.boi_token}{self.image_token * num_image_tokens}{self.eoi_token}"
+
+    def patches(self, pixels: np.ndarray) -> np.ndarray:
+        """[H, W, 3] uint8 -> [H / p * W / p, p * p * 3] float32: patches row-major, each [y, x, channel]."""
+        p = self.patch_size
+        height, width = pixels.shape[:2]
+        blocks = pixels.reshape(height // p, p, width // p, p, 3).transpose(0, 2, 1, 3, 4)
+        return self._normalized(np.ascontiguousarray(blocks).reshape(-1, p * p, 3), 2).reshape(-1, p * p * 3)
+
+    def prepare(self, image: DecodedImage) -> PreparedImage:
+        pixels = self._resized_pixels(image)  # [H, W, 3] uint8
+        height, width = pixels.shape[:2]
+        gh, gw = height // self.patch_size, width // self.patch_size
+        tokens = gh * gw // self.pooling_kernel_size ** 2
+        return PreparedImage(pixel_values=self.patches(pixels), rows=0, cols=0, prompt=self.prompt(tokens),
+                             num_image_tokens=tokens, identity=self._identity(image), grid=(1, gh, gw))
+
+
 def _canvas_grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
     """Every (columns, rows) of min_tiles to max_tiles tiles, fewer tiles first (transformers' order: by count,
     then columns, then rows)."""
@@ -1675,9 +1792,11 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return CanvasProcessor.kind
         if base in ANYRES_PROCESSOR_TYPES:
             return AnyresProcessor.kind
+        if base in POOLED_PROCESSOR_TYPES:
+            return PooledPatchProcessor.kind
         raise _field_error("image_processor_type", kind, " or ".join(
             PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES
-            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES + ANYRES_PROCESSOR_TYPES))
+            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES + ANYRES_PROCESSOR_TYPES + POOLED_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
@@ -1692,13 +1811,15 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return CanvasProcessor.kind
         if cls_name in _ANYRES_PROCESSOR_CLASSES:
             return AnyresProcessor.kind
+        if cls_name in _POOLED_PROCESSOR_CLASSES:
+            return PooledPatchProcessor.kind
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
 
 
 ImageProcessor = (TileProcessor | PatchProcessor | PixtralProcessor | CropProcessor | SquareProcessor | CanvasProcessor
-                  | AnyresProcessor)
+                  | AnyresProcessor | PooledPatchProcessor)
 
 
 def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | None, *,
@@ -1721,6 +1842,8 @@ def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | 
         return CanvasProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if family == AnyresProcessor.kind:
         return AnyresProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
+    if family == PooledPatchProcessor.kind:
+        return PooledPatchProcessor.from_hf(preprocessor_config, processor_config)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
@@ -1737,7 +1860,7 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
 
         return WhisperProcessor.from_dict(d)
     classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor,
-               AnyresProcessor)
+               AnyresProcessor, PooledPatchProcessor)
     for cls in classes:
         if kind == cls.kind:
             return cls.from_dict(d)

@@ -2562,10 +2562,13 @@ def _gemma4_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise _unsupported(f"{source}: hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
-    for key, what in (("use_bidirectional_attention", "bidirectional attention"),
-                      ("attention_bias", "attention biases")):
-        if hf.get(key):
-            raise _unsupported(f"{source}: {what} ({key}) is not supported yet")
+    # (26B-A4B's and 31B's "vision": an image's tokens attend to each other both ways on the windowed layers, which
+    # the image tower's config carries (VisionConfig.image_blocks); text alone is causal. "all" is an encoder's.)
+    if hf.get("use_bidirectional_attention") not in (None, "vision"):
+        raise _unsupported(f"{source}: use_bidirectional_attention {hf['use_bidirectional_attention']!r} is not "
+                           "supported (only \"vision\": images both ways)")
+    if hf.get("attention_bias"):
+        raise _unsupported(f"{source}: attention biases (attention_bias) are not supported yet")
     sizes = _sizes(hf, head_dim=256, max_positions=131072, tied=True)
     layers = sizes["num_layers"]
     windows = _layer_windows(hf, layers, source, int(hf.get("sliding_window") or 512), lambda i: (i + 1) % 6)

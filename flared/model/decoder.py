@@ -741,7 +741,9 @@ class DecoderModel:
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
         self._mrope_sections: torch.Tensor | None = None  # set_mrope
-        self.image_block_token: int | None = None  # set_image_blocks
+        self.image_block_tokens: tuple[int, ...] = ()  # set_image_blocks
+        self.image_blocks_windowed = False
+        self.image_identity_token: int | None = None  # set_image_identity
         if self.fused_decode:
             def addr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
@@ -786,12 +788,24 @@ class DecoderModel:
             slots = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
         self._mrope_sections = torch.cat((slots, slots)).to(self.device)
 
-    def set_image_blocks(self, token_id: int) -> None:
-        """Gemma 3's images: in a prefill, each run of ``token_id`` tokens (one image's) also attends forward within
-        itself, as transformers' token_type_ids mask has it (the full layers causal or the image's block, the
-        windowed ones their window and that). The scheduler keeps each image inside one prefill chunk
-        (RequestScheduler.admit's atomic_spans), so a chunk holds every key of its images."""
-        self.image_block_token = int(token_id)
+    def set_image_blocks(self, token_ids, *, windowed_only: bool = False) -> None:
+        """Gemma 3's images: in a prefill, each run of ``token_ids`` tokens (one image's, or one video frame's) also
+        attends forward within itself, as transformers' token_type_ids mask has it (the full layers causal or the
+        image's block, the windowed ones their window and that). ``windowed_only``: on the windowed layers alone,
+        the global ones causal (Gemma 4's mm_token_type_ids mask). The scheduler keeps each image inside one
+        prefill chunk (RequestScheduler.admit's atomic_spans), so a chunk holds every key of its images."""
+        self.image_block_tokens = tuple(int(t) for t in ([token_ids] if isinstance(token_ids, int) else token_ids))
+        self.image_blocks_windowed = bool(windowed_only)
+
+    @property
+    def image_block_token(self) -> int | None:
+        """Whether an image attends both ways (its first token id; None: no)."""
+        return self.image_block_tokens[0] if self.image_block_tokens else None
+
+    def set_image_identity(self, token_id: int) -> None:
+        """Gemma 4 E2B / E4B: an image row's per-layer input takes ``token_id``'s table row (the pad token's), as
+        transformers feeds the per-layer embedding the prompt with its image tokens padded out."""
+        self.image_identity_token = int(token_id)
 
     def _image_blocks(self, batch: ForwardBatch) -> list:
         """Each prefill group's [q_len, q_len] True where a query and a later key are image tokens of one image
@@ -799,8 +813,9 @@ class DecoderModel:
         cache = batch.window_masks
         if "image_blocks" not in cache:
             blocks = []
+            tokens = torch.tensor(self.image_block_tokens, dtype=batch.input_ids.dtype, device=batch.input_ids.device)
             for g in batch.prefill_groups:
-                image = batch.input_ids[g.row_start:g.row_end] == self.image_block_token
+                image = torch.isin(batch.input_ids[g.row_start:g.row_end], tokens)
                 if not bool(image.any()):
                     blocks.append(None)
                     continue
@@ -1209,7 +1224,10 @@ class DecoderModel:
         c = self.config
         table, proj, norm = self.per_layer
         shape = (h.shape[0], c.num_layers, c.per_layer_input_dim)
-        own = table.index_select(0, batch.input_ids) * self.per_layer_scale
+        ids = batch.input_ids
+        if self.image_identity_token is not None and batch.embed_rows is not None:  # (an image row: the pad token's)
+            ids = ids.index_fill(0, batch.embed_rows, self.image_identity_token)
+        own = table.index_select(0, ids) * self.per_layer_scale
         projected = self._norm((proj(h) * c.hidden_size ** -0.5).view(shape), norm)
         return (projected + own.view(shape)) * 2.0 ** -0.5
 
@@ -1979,7 +1997,8 @@ class DecoderModel:
                 return o  # decode rows are then exactly rows 0..B-1 in order
             out.index_copy_(0, batch.decode_row_ids, o)
         window_masks = masking(batch)[1] if masking is not None else None
-        blocks = self._image_blocks(batch) if self.image_block_token is not None else None
+        blocks = (self._image_blocks(batch) if self.image_block_tokens
+                  and not (self.image_blocks_windowed and not c.window_of(layer)) else None)
         for gi, g in enumerate(batch.prefill_groups):
             q_len = g.row_end - g.row_start
             qg = q[g.row_start:g.row_end].transpose(0, 1).unsqueeze(0)  # [1, nh, q_len, d]

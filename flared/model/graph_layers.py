@@ -118,13 +118,15 @@ class ImageBlocks:
     (num_cached_tokens, num_new_tokens); ``block_tables`` [B, pages]: the paged kernels' inputs. Made once a step
     (a host sync: an eager step only)."""
 
-    def __init__(self, tokens: torch.Tensor, chunk_meta: torch.Tensor, block_tables: torch.Tensor, token_id: int,
-                 page_tokens: int):
+    def __init__(self, tokens: torch.Tensor, chunk_meta: torch.Tensor, block_tables: torch.Tensor, token_ids,
+                 page_tokens: int, windowed_only: bool = False):
         ids = tokens.cpu()
+        marks = torch.tensor(tuple(token_ids), dtype=ids.dtype)
+        self.windowed_only = windowed_only  # (Gemma 4: the global layers stay causal)
         self.runs = []  # (sequence, first row, end row, first position, end position) an image
         row = 0
         for s, (cached, new) in enumerate(chunk_meta.cpu().tolist()):
-            image = (ids[row:row + new] == token_id).tolist()
+            image = torch.isin(ids[row:row + new], marks).tolist()
             i = 0
             while i < new:
                 if not image[i]:
@@ -189,8 +191,10 @@ class ImageBlocks:
             if latent or alibi is not None:
                 raise ValueError("images that attend both ways need neither latent attention nor ALiBi here")
             attend(q, layer, out, window=window, sinks=sinks, softcap=softcap, geometry=geometry)
+            window = default_window if window is None else window
+            if self.windowed_only and not window:
+                return
             k_pool, v_pool = pools(layer, geometry)
-            self.attend(q, out, k_pool, v_pool, scale=scale, window=default_window if window is None else window,
-                        sinks=sinks, softcap=softcap)
+            self.attend(q, out, k_pool, v_pool, scale=scale, window=window, sinks=sinks, softcap=softcap)
 
         return attend_with_images

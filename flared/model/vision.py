@@ -53,6 +53,7 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          # Qwen3.5: Qwen3-VL's tower without DeepStack before a Gated DeltaNet hybrid decoder
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                          "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next",
+                         "gemma4": "gemma4",
                          "llava_next_video": "llava_next",  # (LLaVA-NeXT-Video: video_pool)
                          "llava_onevision": "llava_onevision",
                          # (InternVL's original checkpoints, as loader._internvl_chat says them)
@@ -140,6 +141,14 @@ class VisionConfig:
     # temporal patches count 0, 1, 2...)
     video_token_id: int = -1
     tokens_per_second: float = 0.0
+    # gemma4: the tower's products clamp their inputs and outputs (use_clipped_linears: each product's four bounds
+    # beside it), its pooled rows are standardized (standardize: std_bias, std_scale), its image tokens attend to
+    # each other both ways on the decoder's windowed layers (text_config.use_bidirectional_attention "vision":
+    # 26B-A4B, 31B), and the token whose per-layer input rows an image token takes (E2B, E4B: the pad token)
+    clipped_linears: bool = False
+    standardize: bool = False
+    windowed_image_blocks: bool = False
+    pad_token_id: int = 0
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers"):
@@ -194,6 +203,11 @@ class VisionConfig:
             if self.feature_layers and self.family != "llava_next":
                 raise CoreError("several vision feature layers are read for LLaVA-NeXT only",
                                 ErrorKind.UNSUPPORTED_MODEL)
+            return
+        if self.family == "gemma4":
+            if (self.hidden_size // self.num_heads) % 4 or self.position_table <= 0:
+                raise CoreError("a Gemma 4 tower needs a head size divisible by 4 (its 2D rope) and a position table "
+                                "(position_embedding_size)")
             return
         if self.family == "internvl":
             if self.norm_kind not in ("layer_norm", "rms_norm"):
@@ -252,8 +266,8 @@ class VisionConfig:
     @property
     def bidirectional_images(self) -> bool:
         """An image's tokens attend to each other both ways in the decoder (Gemma 3's: its whole image is one
-        prefill chunk's)."""
-        return self.family == "gemma3"
+        prefill chunk's; Gemma 4's 26B-A4B and 31B: on the windowed layers, windowed_image_blocks)."""
+        return self.family == "gemma3" or self.windowed_image_blocks
 
     @property
     def image_seq_len(self) -> int:
@@ -326,6 +340,8 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _pixtral_vision_from_hf(hf, v, t, patch_merger=False)
         if family == "gemma3":
             return _gemma3_vision_from_hf(hf, v, t)
+        if family == "gemma4":
+            return _gemma4_vision_from_hf(hf, v, t)
         if family in ("llava", "llava_next"):
             return _llava_vision_from_hf(hf, v, t, family=family)
         if family == "internvl":
@@ -361,8 +377,8 @@ def text_config_of(hf: dict[str, Any]) -> dict[str, Any]:
         text = dict(hf["text_config"])
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", False)))
         return text
-    if family == "gemma3":  # (Gemma 3 ties its embeddings unless the config says otherwise)
-        text = {**hf["text_config"], "model_type": "gemma3_text"}
+    if family in ("gemma3", "gemma4"):  # (Gemma ties its embeddings unless the config says otherwise)
+        text = {**hf["text_config"], "model_type": f"{family}_text"}
         text.setdefault("tie_word_embeddings", bool(hf.get("tie_word_embeddings", True)))
     elif family not in QWEN_FAMILIES:
         text = dict(hf["text_config"])
@@ -428,6 +444,42 @@ def _gemma3_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
                                                                                       "gelu_pytorch_tanh")),
         scale_factor=image // patch // per_side, text_hidden_size=int(t["hidden_size"]),
         image_token_id=int(hf.get("image_token_index", hf.get("image_token_id", 262144))), projector_eps=eps)
+
+
+def _gemma4_vision_from_hf(hf: dict, v: dict, t: dict) -> VisionConfig:
+    """Gemma 4's tower (transformers' defaults: 16-pixel patches, 16 layers, a 2D axial rope of theta 100, 3 x 3
+    pooling) and its projection (a weightless RMSNorm at the tower's epsilon, then a linear), for images of any
+    size; the image and video tokens the config names; whether images attend both ways on the windowed layers."""
+    if v.get("model_type", "gemma4_vision") != "gemma4_vision":
+        raise CoreError(f"a gemma4 vision tower of type {v.get('model_type')!r} is not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    d, heads = int(v.get("hidden_size", 768)), int(v.get("num_attention_heads", 12))
+    head_dim, kv_heads = int(v.get("head_dim") or d // heads), int(v.get("num_key_value_heads") or heads)
+    if head_dim * heads != d or kv_heads != heads:
+        raise CoreError(f"a Gemma 4 tower of head_dim {head_dim} x {heads} heads ({kv_heads} key-value heads) over "
+                        f"hidden_size {d} is not supported (hidden_size / heads, every head its own keys)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    rope = v.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") not in ("axial", "default"):
+        raise CoreError(f"a Gemma 4 tower's rope_type {rope.get('rope_type')!r} is not supported (axial)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    if v.get("attention_bias"):
+        raise CoreError("a Gemma 4 tower with attention biases is not supported", ErrorKind.UNSUPPORTED_MODEL)
+    both_ways = t.get("use_bidirectional_attention")
+    if both_ways not in (None, "vision"):
+        raise CoreError(f"use_bidirectional_attention {both_ways!r} is not supported (only \"vision\")",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    eps = float(v.get("rms_norm_eps", 1e-6))
+    return VisionConfig(
+        family="gemma4", hidden_size=d, intermediate_size=int(v.get("intermediate_size", 3072)),
+        num_layers=int(v.get("num_hidden_layers", 16)), num_heads=heads, patch_size=int(v.get("patch_size", 16)),
+        image_size=0, layer_norm_eps=eps, hidden_act=str(v.get("hidden_activation", v.get("hidden_act",
+                                                                                         "gelu_pytorch_tanh"))),
+        scale_factor=int(v.get("pooling_kernel_size", 3)), text_hidden_size=int(t["hidden_size"]),
+        image_token_id=int(hf.get("image_token_id", 258880)), video_token_id=int(hf.get("video_token_id", -1) or -1),
+        rope_theta=float(rope.get("rope_theta", 100.0)), position_table=int(v.get("position_embedding_size", 10240)),
+        projector_eps=eps, clipped_linears=bool(v.get("use_clipped_linears")), standardize=bool(v.get("standardize")),
+        windowed_image_blocks=both_ways == "vision", pad_token_id=int(t.get("pad_token_id") or 0))
 
 
 def _llava_vision_from_hf(hf: dict, v: dict, t: dict, family: str = "llava") -> VisionConfig:
@@ -600,6 +652,8 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                 "proj_norm.weight": (d,), "proj.weight": (c.text_hidden_size, d), **_vit_layer_shapes(c)}
     if c.family == "llava":
         return _llava_tensor_shapes(c)
+    if c.family == "gemma4":
+        return _gemma4_tensor_shapes(c)
     if c.family == "llava_next" and not c.siglip_tower:  # (LLaVA's, and the row-end embedding the tiles' rows take)
         return {**_llava_tensor_shapes(c), "image_newline": (c.text_hidden_size,)}
     if c.family in ("llava_onevision", "llava_next"):  # SigLIP's embeddings and layers (no post-norm read), LLaVA's
@@ -637,6 +691,34 @@ def _vit_layer_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
                        p + "qkv.bias": (3 * d,), p + "o.weight": (d, d), p + "o.bias": (d,),
                        p + "norm2.weight": (d,), p + "norm2.bias": (d,), p + "fc1.weight": (i, d),
                        p + "fc1.bias": (i,), p + "fc2.weight": (d, i), p + "fc2.bias": (d,)})
+    return shapes
+
+
+_GEMMA4_PRODUCTS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+_GEMMA4_NORMS = {"norm1": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                 "norm2": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
+                 "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+
+
+def _gemma4_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Gemma 4's tower: the patches' projection (no bias), the (column, row) position tables, Gemma layers of four
+    norms, q/k norms and a gated MLP (with use_clipped_linears each product's [input min, max, output min, max]),
+    the standardization, and the projection into the decoder."""
+    d, i, hd = c.hidden_size, c.intermediate_size, c.hidden_size // c.num_heads
+    shapes = {"patch_embed.weight": (d, 3 * c.patch_size ** 2), "pos_embed.weight": (2, c.position_table, d),
+              "proj.weight": (c.text_hidden_size, d)}
+    if c.standardize:
+        shapes.update({"std_bias": (d,), "std_scale": (d,)})
+    sizes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "gate": (i, d), "up": (i, d), "down": (d, i)}
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        for name, shape in sizes.items():
+            shapes[p + name + ".weight"] = shape
+            if c.clipped_linears:
+                shapes[p + name + ".clip"] = (4,)
+        for name in _GEMMA4_NORMS:
+            shapes[p + name + ".weight"] = (hd,) if name in ("q_norm", "k_norm") else (d,)
     return shapes
 
 
@@ -760,7 +842,8 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
                   "pixtral": _pixtral_vision_to_serving,
                   "llava": _llava_vision_to_serving,
                   "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
-                  "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving}.get(
+                  "gemma3": _gemma3_vision_to_serving, "internvl": _internvl_vision_to_serving,
+                  "gemma4": _gemma4_vision_to_serving}.get(
         c.family, _qwen_vision_to_serving if c.grid_based else _idefics3_vision_to_serving)
     out = {k: v.contiguous() for k, v in to_serving(hf, c, take).items()}
     check_vision_tensors(out, c, source=source)
@@ -796,6 +879,26 @@ def _gemma3_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tens
     out["proj_norm.weight"] = take(mp + "mm_soft_emb_norm.weight")
     # (a parameter the projector multiplies by from the right, [D, hidden]: as a linear's weight, transposed)
     out["proj.weight"] = take(mp + "mm_input_projection_weight").T
+    return out
+
+
+def _gemma4_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    vm = "model.vision_tower." if "model.vision_tower.patch_embedder.input_proj.weight" in hf else "vision_tower."
+    ev = ("model." if vm.startswith("model.") else "") + "embed_vision."
+    out = {"patch_embed.weight": take(vm + "patch_embedder.input_proj.weight"),
+           "pos_embed.weight": take(vm + "patch_embedder.position_embedding_table"),
+           "proj.weight": take(ev + "embedding_projection.weight")}
+    if c.standardize:
+        out.update({"std_bias": take(vm + "std_bias"), "std_scale": take(vm + "std_scale")})
+    for n in range(c.num_layers):
+        p, q = f"layers.{n}.", f"{vm}encoder.layers.{n}."
+        for name, hf_name in _GEMMA4_PRODUCTS.items():
+            out[p + name + ".weight"] = take(q + hf_name + ".linear.weight")
+            if c.clipped_linears:
+                out[p + name + ".clip"] = torch.stack([take(q + hf_name + "." + bound).float().reshape(()) for bound in
+                                                       ("input_min", "input_max", "output_min", "output_max")])
+        for name, hf_name in _GEMMA4_NORMS.items():
+            out[p + name + ".weight"] = take(q + hf_name + ".weight")
     return out
 
 
@@ -1008,7 +1111,7 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
 
     cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
            "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
-           "gemma3": Gemma3VisionEncoder,
+           "gemma3": Gemma3VisionEncoder, "gemma4": Gemma4VisionEncoder,
            "internvl": InternVLVisionEncoder,
            "llava_next": LlavaNextSiglipVisionEncoder if config.siglip_tower else LlavaNextVisionEncoder,
            "llava_onevision": OnevisionVisionEncoder}.get(
@@ -1111,6 +1214,104 @@ class Gemma3VisionEncoder(_Tower):
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.projector_eps)
         x = (normed * (1.0 + w["proj_norm.weight"].float())).to(x.dtype)
         return F.linear(x, w["proj.weight"])
+
+
+class Gemma4VisionEncoder(_Tower):
+    """Gemma 4's tower and projection: an image's (or each video frame's) patches, a grid of h x w, -> its rows
+    [(h / k) * (w / k), hidden], the k x k pooled blocks row-major. Each patch's pixels (in [0, 1]) as 2x - 1
+    through a linear, plus its column's and its row's position rows; Gemma layers (norms before and after
+    attention and the MLP, q/k RMSNorms, weightless v RMSNorm, unscaled scores, a 2D rope: the first half of each
+    head turned by the column, the second by the row) attending over the whole frame; then each k x k block
+    averaged, times sqrt(D), standardized (float32), a weightless RMSNorm and the projection. The RMSNorms are
+    transformers' Gemma4RMSNorm (float32, the weight as it is). ``pixel_values``: [frames * h * w, 3 * p * p]."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        clips = {k: v for k, v in tensors.items() if k.endswith(".clip")}
+        super().__init__(config, tensors, dtype=dtype, device=device)
+        self.clips = {k: [float(x) for x in v.float().tolist()] for k, v in clips.items()}  # (bounds as Python floats)
+        hd = config.hidden_size // config.num_heads
+        quarter = hd // 2
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+        return (y if weight is None else y * weight.float()).to(x.dtype)
+
+    def _product(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        bounds = self.clips.get(name[:-len("weight")] + "clip")
+        if bounds is not None:
+            x = x.clamp(bounds[0], bounds[1])
+        y = F.linear(x, self.w[name])
+        return y.clamp(bounds[2], bounds[3]) if bounds is not None else y
+
+    def _rope(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [h * w, 1, head_dim] in the tower's dtype: (column, column, row, row) frequency quarters."""
+        cols = torch.arange(w, dtype=torch.float32).repeat(h)
+        rows = torch.arange(h, dtype=torch.float32).repeat_interleave(w)
+        fx, fy = cols[:, None] * self.inv_freq, rows[:, None] * self.inv_freq
+        freqs = torch.cat((fx, fx, fy, fy), dim=-1)[:, None, :]
+        return freqs.cos().to(self.device, self.dtype), freqs.sin().to(self.device, self.dtype)
+
+    @staticmethod
+    def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        parts = []
+        for a, b in ((0, half), (half, 2 * half)):
+            part = x[..., a:b]
+            parts.append(part * cos[..., a:b] + _rotate_half(part) * sin[..., a:b])
+        return torch.cat(parts, dim=-1)
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None, max_frames: int = 8):
+        c, w = self.config, self.w
+        if grid is None or len(grid) != 3:
+            raise ValueError("a Gemma 4 tower takes an image's patch grid (frames, rows, columns)")
+        t, gh, gw = (int(x) for x in grid)
+        k = c.scale_factor
+        if gh % k or gw % k or tuple(pixel_values.shape) != (t * gh * gw, 3 * c.patch_size ** 2):
+            raise ValueError(f"a Gemma 4 tower takes [frames * rows * columns, 3 * patch^2] patches in whole "
+                             f"{k} x {k} blocks, got {tuple(pixel_values.shape)} for grid {grid}")
+        if gh > c.position_table or gw > c.position_table:
+            raise ValueError(f"a {gh} x {gw} patch grid is past the tower's {c.position_table} positions")
+        d, heads = c.hidden_size, c.num_heads
+        hd = d // heads
+        eps = c.layer_norm_eps
+        cos, sin = self._rope(gh, gw)
+        cols = torch.arange(gw, device=self.device).repeat(gh)
+        rows = torch.arange(gh, device=self.device).repeat_interleave(gw)
+        positions = w["pos_embed.weight"][0].index_select(0, cols) + w["pos_embed.weight"][1].index_select(0, rows)
+        frames = pixel_values.view(t, gh * gw, -1)
+        out = []
+        for f0 in range(0, t, max_frames):
+            x = 2 * (frames[f0:f0 + max_frames].to(self.device, torch.float32) - 0.5)
+            h = F.linear(x.to(self.dtype), w["patch_embed.weight"]) + positions  # [n, P, D]
+            n, patches = h.shape[:2]
+            for i in range(c.num_layers):
+                p = f"layers.{i}."
+                x = self._norm(h, w[p + "norm1.weight"], eps)
+                q = self._norm(self._product(x, p + "q.weight").view(n, patches, heads, hd), w[p + "q_norm.weight"], eps)
+                kk = self._norm(self._product(x, p + "k.weight").view(n, patches, heads, hd), w[p + "k_norm.weight"],
+                                eps)
+                v = self._norm(self._product(x, p + "v.weight").view(n, patches, heads, hd), None, eps)
+                q, kk = self._turn(q, cos, sin), self._turn(kk, cos, sin)
+                attn = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2),
+                                                      scale=1.0).transpose(1, 2).reshape(n, patches, d)
+                h = h + self._norm(self._product(attn, p + "o.weight"), w[p + "post_attn_norm.weight"], eps)
+                x = self._norm(h, w[p + "norm2.weight"], eps)
+                mid = _activation(self._product(x, p + "gate.weight"), c.hidden_act) * self._product(x, p + "up.weight")
+                h = h + self._norm(self._product(mid, p + "down.weight"), w[p + "post_mlp_norm.weight"], eps)
+                yield
+            # each k x k block's mean (float32, then the tower's dtype), times sqrt(D) in float32
+            pooled = h.float().view(n, gh // k, k, gw // k, k, d).mean(dim=(2, 4)).reshape(n * (gh // k) * (gw // k), d)
+            pooled = pooled.to(self.dtype).float() * d ** 0.5
+            if c.standardize:
+                pooled = (pooled - w["std_bias"].float()) * w["std_scale"].float()
+            pooled = self._norm(pooled.to(self.dtype), None, c.projector_eps)
+            out.append(F.linear(pooled, w["proj.weight"]))
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def _activation(x: torch.Tensor, hidden_act: str) -> torch.Tensor:

@@ -517,8 +517,12 @@ class ModelRuntime:
                                           device=model.device)
             if config.mrope_section:
                 model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
-            if config.bidirectional_images:
-                model.set_image_blocks(config.image_token_id)
+            if config.bidirectional_images:  # (a video's frames too, each a block of its own)
+                model.set_image_blocks([config.image_token_id] + ([config.video_token_id]
+                                                                  if config.video_token_id >= 0 else []),
+                                       windowed_only=config.windowed_image_blocks)
+            if config.family == "gemma4" and self.core.config.per_layer_input_dim:
+                model.set_image_identity(config.pad_token_id)
             log.info("%s (%s): %d layers in %s", "audio encoder" if config.is_audio else "image tower",
                      config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))

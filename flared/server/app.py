@@ -332,29 +332,28 @@ class ServingState:
             if len(found) > limit:
                 raise _bad(found[limit], f"at most {limit} {noun}{'s' if limit != 1 else ''} a request")
 
-    _PIXEL_OPTIONS = ("min_pixels", "max_pixels")  # (a Qwen image processor's, from mm_processor_kwargs)
-
     def media_processors(self, options: dict | None) -> tuple:
         """(image processor, video processor) for one request: the server's, with vLLM's ``mm_processor_kwargs``
-        applied (the video processor's ``options``: a Qwen model's ``fps``, ``num_frames``, ``min_frames``,
-        ``max_frames``, ``min_pixels`` / ``max_pixels`` for its images too; InternVL's ``fps``, ``num_frames``,
-        ``max_frames``); a key it cannot apply is a 400."""
+        applied to each that reads them (their ``options``: a Qwen model's ``fps``, ``num_frames``,
+        ``min_frames``, ``max_frames``, ``min_pixels`` / ``max_pixels`` for its images too; InternVL's ``fps``,
+        ``num_frames``, ``max_frames``; Gemma 4's ``max_soft_tokens``); a key neither reads is a 400."""
         image, video = self.image_processor, self.video_processor
         if not options:  # (an object: openai_schema checks it)
             return image, video
-        patches = getattr(image, "kind", None) == "patches"
-        known = tuple(video.options if video is not None else ()) + tuple(
-            k for k in self._PIXEL_OPTIONS if patches and (video is None or k not in video.options))
+        image_reads = tuple(getattr(image, "options", ()))
+        video_reads = tuple(video.options) if video is not None else ()
+        known = video_reads + tuple(k for k in image_reads if k not in video_reads)
         for key in options:
             if key not in known:
                 reads = f"this model reads {', '.join(known)}" if known else "this model reads none"
                 raise _bad(f"mm_processor_kwargs.{key}", f"is not supported ({reads})", ErrorKind.UNSUPPORTED)
-        pixels = {k: v for k, v in options.items() if k in self._PIXEL_OPTIONS}
         try:
-            if patches and pixels:
-                image = dataclasses.replace(image, **pixels)
-            if video is not None:
-                video = dataclasses.replace(video, **options)
+            settings = {k: v for k, v in options.items() if k in image_reads}
+            if settings:
+                image = dataclasses.replace(image, **settings)
+            settings = {k: v for k, v in options.items() if k in video_reads}
+            if settings:
+                video = dataclasses.replace(video, **settings)
         except FrontendError as exc:
             raise _bad("mm_processor_kwargs", str(exc).replace("image processor setting", "setting")) from None
         return image, video

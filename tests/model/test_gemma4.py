@@ -65,10 +65,13 @@ def test_e2b_layers_share_keys_and_values_and_take_inputs_of_their_own():
         from_hf_config({**_TEXT, "num_kv_shared_layers": 5, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
 
 
-def test_bidirectional_attention_is_refused_by_name():
+def test_bidirectional_attention_is_refused_by_name_but_images_both_ways_are_read():
+    """"all" (an encoder's) is refused; 26B-A4B's and 31B's "vision" is read (text alone is causal; their images
+    attend both ways through the tower's config, tests/api/test_vision_gemma4.py)."""
     with pytest.raises(CoreError, match="use_bidirectional_attention") as info:
         from_hf_config({**_TEXT, "use_bidirectional_attention": "all"})
     assert info.value.kind == ErrorKind.UNSUPPORTED_MODEL
+    assert from_hf_config({**_TEXT, "use_bidirectional_attention": "vision"}) == from_hf_config(_TEXT)
 
 
 def test_the_26b_layer_has_experts_beside_its_mlp():
@@ -98,8 +101,8 @@ def test_a_float8_cache_keeps_the_global_layers_pieces(gemma4):
 
 
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
-    """Gemma 4 ships as gemma4 (vision-language, some with audio) checkpoints: export reads their text model (the
-    towers are not read yet), and its logits are transformers' on text."""
+    """Gemma 4 ships as gemma4 (vision-language, some with audio) checkpoints: export reads their text model, whose
+    logits are transformers' on text, and their image tower (tests/api/test_vision_gemma4.py)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     text = {k: v for k, v in _TEXT.items() if k != "model_type"}
@@ -110,7 +113,7 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
     hf = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=None)).eval()
     hf.save_pretrained(tmp_path)
     source = read_source(tmp_path)
-    assert source.config.architecture == "gemma4" and source.vision is None
+    assert source.config.architecture == "gemma4" and source.vision.family == "gemma4"
     model = DecoderModel(source.config, source.tensors, dtype=torch.float32)
     prompts = make_prompts(512, seed=5)[:2]
     for prompt, (out, logits) in zip(prompts, run_paged_greedy(model, prompts, num_new_tokens=12, page_tokens=4,

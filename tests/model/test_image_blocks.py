@@ -13,6 +13,7 @@ from flared.model.graph_layers import ImageBlocks  # noqa: E402
 
 PAGE = 4
 IMAGE = 99
+VIDEO = 98
 
 
 def _dense(q, keys, values, qpos, kpos, qgroup, kgroup, window, scale, softcap=0.0, sinks=None):
@@ -93,7 +94,7 @@ def test_image_rows_match_the_dense_mask(window, softcap, with_sinks):
                                     sinks)[text].float()
         row += len(qpos)
 
-    blocks = ImageBlocks(tokens, meta, tables, IMAGE, PAGE)
+    blocks = ImageBlocks(tokens, meta, tables, (IMAGE,), PAGE)
     assert [(r[3], r[4]) for r in blocks.runs] == [(8, 15), (17, 20), (3, 9)]
     calls = []
 
@@ -124,7 +125,7 @@ def test_image_rows_match_the_dense_mask(window, softcap, with_sinks):
 
 def test_a_chunk_without_images_keeps_the_kernel():
     meta = torch.tensor([[0, 3]], dtype=torch.int32)
-    blocks = ImageBlocks(torch.tensor([1, 2, 3]), meta, torch.zeros(1, 2, dtype=torch.int32), IMAGE, PAGE)
+    blocks = ImageBlocks(torch.tensor([1, 2, 3]), meta, torch.zeros(1, 2, dtype=torch.int32), (IMAGE,), PAGE)
 
     def kernel(*args, **kw):
         pass
@@ -134,7 +135,32 @@ def test_a_chunk_without_images_keeps_the_kernel():
 
 def test_latent_or_alibi_layers_are_refused():
     meta = torch.tensor([[0, 2]], dtype=torch.int32)
-    blocks = ImageBlocks(torch.tensor([IMAGE, IMAGE]), meta, torch.zeros(1, 2, dtype=torch.int32), IMAGE, PAGE)
+    blocks = ImageBlocks(torch.tensor([IMAGE, IMAGE]), meta, torch.zeros(1, 2, dtype=torch.int32), (IMAGE,), PAGE)
     attend = blocks.wrap(lambda *a, **k: None, None, 0, 1.0)
     with pytest.raises(ValueError, match="ALiBi"):
         attend(torch.zeros(2, 1, 4), 0, torch.zeros(2, 1, 4), alibi=torch.zeros(1))
+
+
+def test_gemma4_attends_both_ways_on_windowed_layers_only():
+    """Gemma 4's mask (26B-A4B, 31B): an image's or a video frame's tokens both ways on the windowed layers, the
+    global layers (window 0) causal: the kernel's answer kept."""
+    g = torch.Generator().manual_seed(3)
+    ids = [1, 2] + [IMAGE] * 4 + [3] + [VIDEO] * 3 + [4]
+    meta = torch.tensor([[0, len(ids)]], dtype=torch.int32)
+    tables = torch.arange(4, dtype=torch.int32).view(1, 4)
+    blocks = ImageBlocks(torch.tensor(ids), meta, tables, (IMAGE, VIDEO), PAGE, windowed_only=True)
+    assert [(r[3], r[4]) for r in blocks.runs] == [(2, 6), (7, 10)]
+    k_pool, v_pool = torch.randn(16, 1, 8, generator=g), torch.randn(16, 1, 8, generator=g)
+    q = torch.randn(len(ids), 2, 8, generator=g)
+    causal = torch.full((len(ids), 2, 8), 5.0)
+
+    def kernel(q_, layer, out, window=None, sinks=None, softcap=0.0, geometry=None, alibi=None, latent=0):
+        out.copy_(causal)
+
+    attend = blocks.wrap(kernel, lambda layer, geometry: (k_pool, v_pool), default_window=0, scale=0.5)
+    out = torch.zeros_like(causal)
+    attend(q, 0, out, window=0)
+    assert torch.equal(out, causal)
+    attend(q, 0, out, window=6)
+    moved = (out != causal).any(-1).any(-1)
+    assert moved.tolist() == [t in (IMAGE, VIDEO) for t in ids]

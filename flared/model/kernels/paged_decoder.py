@@ -536,9 +536,9 @@ class PagedCudaDecoder:
                                            window=self.window if window is None else window, sinks=sinks,
                                            softcap=softcap, alibi=alibi)
 
-        if images is not None and self.model.image_block_token is not None:  # (Gemma 3: its images both ways)
-            blocks = ImageBlocks(s.token_ids[:capacity], meta, block_tables, self.model.image_block_token,
-                                 self.page_tokens)
+        if images is not None and self.model.image_block_tokens:  # (Gemma 3, 4: their images both ways)
+            blocks = ImageBlocks(s.token_ids[:capacity], meta, block_tables, self.model.image_block_tokens,
+                                 self.page_tokens, windowed_only=self.model.image_blocks_windowed)
             attend = blocks.wrap(attend, self._layer_pools, self.window, self.model.scale)
         positions, rope = s.positions[:capacity], None
         if images is not None and images.mrope is not None and not self.generic:
