@@ -442,6 +442,11 @@ GEMMA4_PREPROCESSOR = {
     "image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_resize": True, "resample": 3,
     "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False, "image_mean": [0.0, 0.0, 0.0],
     "image_std": [1.0, 1.0, 1.0], "patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3}
+# Gemma4VideoProcessor's settings at the tower's patches: 4 frames a video, 70 tokens a frame at most.
+GEMMA4_VIDEO_PREPROCESSOR = {
+    "video_processor_type": "Gemma4VideoProcessor", "do_resize": True, "resample": 3, "do_rescale": True,
+    "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
+    "patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3, "num_frames": 4, "do_sample_frames": True}
 GEMMA4_TOKENS = ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|video|>",
                  "<|audio|>"]
 
@@ -464,6 +469,7 @@ def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> Non
     (d / "preprocessor_config.json").write_text(json.dumps(GEMMA4_PREPROCESSOR))
     (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor",
                                                          "image_seq_length": 70}))
+    (d / "video_preprocessor_config.json").write_text(json.dumps(GEMMA4_VIDEO_PREPROCESSOR))
     vocab = tok.get_vocab_size()
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=8,
@@ -512,7 +518,7 @@ def tiny_gemma4_vision(tmp_path_factory) -> tuple[Path, Path]:
                                   hidden_size_per_layer_input=8, num_kv_shared_layers=1),
                      vision=dict(use_clipped_linears=True))
     out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=64))
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=64))
     return d, out
 
 
@@ -530,7 +536,7 @@ def tiny_gemma4_vision_both_ways(tmp_path_factory) -> tuple[Path, Path]:
                                   use_bidirectional_attention="vision"),
                      vision=dict(standardize=True), seed=1)
     out = tmp_path_factory.mktemp("cores") / "gemma4-vision-both-ways"
-    export_core(d, out, ExportOptions(concurrency=4, context_tokens=512, prefill_chunk_tokens=64))
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=64))
     return d, out
 
 

@@ -417,18 +417,23 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     from tokenizers import Tokenizer
 
     from flared.errors import FrontendError
-    from flared.frontend.video import FrameVideoProcessor, VideoProcessor
+    from flared.frontend.video import FrameVideoProcessor, PooledVideoProcessor, VideoProcessor
 
     qwen = vision.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     frames = vision.family in ("internvl", "llava_onevision") or (
         vision.family == "llava_next" and vision.video_pool and not vision.siglip_tower)  # (CLIP's video_stages)
-    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or frames):
+    gemma4 = vision.family == "gemma4" and vision.video_token_id >= 0
+    if not src.is_dir() or not (qwen and vision.video_token_id >= 0 or frames or gemma4):
         return None
     where = src / "video_preprocessor_config.json"
     cfg = _read_json(where, required=False)
     proc = _read_json(src / "processor_config.json", required=False)
     try:
-        if qwen:
+        if gemma4:  # (its frames' boi and eoi are the image processor's)
+            processor = dataclasses.replace(
+                PooledVideoProcessor.from_hf(cfg, patch_size=vision.patch_size, pooling_kernel_size=vision.scale_factor),
+                start_token=image_processor.boi_token, end_token=image_processor.eoi_token)
+        elif qwen:
             processor = VideoProcessor.from_hf("qwen3" if vision.family == "qwen3_vl" else "qwen2", cfg, proc,
                                                patch_size=vision.patch_size, merge_size=vision.scale_factor,
                                                temporal_patch_size=vision.temporal_patch_size)
@@ -457,11 +462,12 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     else:
         if processor.video_token not in (assets.chat_template or ""):
             return None
-        needed = (processor.image_token, processor.start_token, processor.end_token)
         if processor.fills_video_token:  # (its rows fill the video token the config names)
             if tokenizer.token_to_id(processor.video_token) != vision.video_token_id:
                 return None
-            needed = ()
+            needed = (processor.start_token, processor.end_token) if gemma4 else ()
+        else:
+            needed = (processor.image_token, processor.start_token, processor.end_token)
     if any(tokenizer.token_to_id(token) is None for token in needed):
         return None
     return processor

@@ -6,6 +6,8 @@
                            tower reads them, and the prompt text (Qwen3-VL: a timestamp before each frame pair)
     FrameVideoProcessor    InternVL's and LLaVA-OneVision's: a few frames, each one tile of the tower
                            (InternVLVideoProcessor, LlavaOnevisionVideoProcessor), and their prompt text
+    PooledVideoProcessor   Gemma 4's: frames evenly apart, each sized as its images are at a smaller budget and
+                           patched as they are (Gemma4VideoProcessor), a timestamp before each frame's tokens
     probe_video(data)      a container's first video stream: frames, rate, shown size and rotation (its first
                            frame decoded for the display matrix, no more)
 
@@ -47,6 +49,8 @@ from flared.frontend.images import (
     CLIP_MEAN,
     CLIP_STD,
     MAX_ASPECT_RATIO,
+    POOLED_BOI_TOKEN,
+    POOLED_EOI_TOKEN,
     QWEN_MEAN,
     QWEN_STD,
     PreparedImage,
@@ -60,6 +64,8 @@ from flared.frontend.images import (
     _positive_int,
     _Settings,
     _shortest_edge_size,
+    _soft_tokens,
+    pooled_size,
     source_bytes,
 )
 
@@ -587,6 +593,113 @@ class FrameVideoProcessor(_VideoSettings):
                              num_image_tokens=self.tokens(n), identity=identity, modality="video")
 
 
+@dataclass(frozen=True, kw_only=True)
+class PooledVideoProcessor(_VideoSettings):
+    """Gemma 4's videos (transformers' Gemma4VideoProcessor and Gemma4Processor's prompt): ``num_frames`` frames
+    evenly apart from the first (transformers' default sampling: frame k * total // n), or ``fps`` a second where
+    set; every frame resized as the model's images are (the most whole pool x patch blocks within
+    ``max_soft_tokens`` x pool^2 patches, keeping the aspect; torch's antialiased bicubic on the uint8 frame),
+    rescaled and normalized (fused, as transformers fuses them), cut into patches row-major, each [y, x, channel];
+    the prompt a frame at a time, "mm:ss <|image>" then one ``video_token`` a pooled block then "<image|>", the
+    frames joined by spaces. ``pixel_values`` is [frames * h * w, 3 * patch^2]; grid (frames, h, w)."""
+
+    kind: ClassVar[str] = "pooled_video"
+    label: ClassVar[str] = "video processor"
+    fills_video_token: ClassVar[bool] = True
+    identity_tag: ClassVar[bytes] = b"flared.pooled-video.v1\0"
+    options: ClassVar[tuple[str, ...]] = ("fps", "num_frames", "max_frames", "max_soft_tokens")
+
+    patch_size: int
+    pooling_kernel_size: int
+    max_soft_tokens: int = 70
+    num_frames: int = 32
+    fps: float = 0.0  # > 0: this many frames a second of video instead, at most max_frames
+    max_frames: int = 64
+    video_token: str = "<|video|>"
+    start_token: str = POOLED_BOI_TOKEN
+    end_token: str = POOLED_EOI_TOKEN
+
+    def __post_init__(self):
+        for name in ("patch_size", "pooling_kernel_size", "num_frames", "max_frames"):
+            _positive_int(name, getattr(self, name))
+        _soft_tokens("max_soft_tokens", self.max_soft_tokens)
+        fps = _finite("fps", self.fps)
+        if fps < 0:
+            raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)")
+        object.__setattr__(self, "fps", fps)
+        for name in ("video_token", "start_token", "end_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
+        self._check_pixels()
+
+    @classmethod
+    def from_hf(cls, video_config: dict | None, *, patch_size: int, pooling_kernel_size: int) -> PooledVideoProcessor:
+        """From a checkpoint's ``video_preprocessor_config.json``, transformers' Gemma4VideoProcessor defaults
+        where it ships none (32 frames, 70 soft tokens a frame, mean 0 and std 1); the patch and pool the
+        tower's (a config naming others is refused)."""
+        cfg = video_config or {}
+        for name, want in (("patch_size", patch_size), ("pooling_kernel_size", pooling_kernel_size)):
+            if cfg.get(name, want) != want:
+                raise _error(f"the video processor's {name} {cfg[name]!r} does not fit the tower's {want}")
+        return cls(patch_size=patch_size, pooling_kernel_size=pooling_kernel_size,
+                   max_soft_tokens=cfg.get("max_soft_tokens", 70), num_frames=cfg.get("num_frames") or 32,
+                   fps=cfg.get("fps") or 0.0, **_pixel_settings(cfg, BICUBIC, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)))
+
+    @property
+    def placeholder(self) -> str:
+        return self.video_token
+
+    def sample(self, info: VideoInfo) -> list[int]:
+        """transformers' default_sample_indices_fn: n = num_frames (or int(seconds x fps), at least 1, at most
+        max_frames), at most the video's frames; frame k * total // n."""
+        total = info.total_frames
+        n = max(1, min(int(total / info.fps * self.fps), self.max_frames)) if self.fps else self.num_frames
+        n = min(n, total)
+        return [k * total // n for k in range(n)]
+
+    def frame_size(self, height: int, width: int) -> tuple[int, int]:
+        return pooled_size(height, width, self.patch_size, self.max_soft_tokens, self.pooling_kernel_size)
+
+    def per_frame(self, height: int, width: int) -> int:
+        """Tokens one frame takes."""
+        h, w = self.frame_size(height, width)
+        return (h // self.patch_size) * (w // self.patch_size) // self.pooling_kernel_size ** 2
+
+    def prompt(self, indices: list[int], fps: float, per_frame: int) -> str:
+        """transformers' Gemma4Processor.replace_video_token: each frame's time as mm:ss, a space, its tokens."""
+        frame = f"{self.start_token}{self.video_token * per_frame}{self.end_token}"
+        stamps = (i / fps for i in indices)
+        return " ".join(f"{int(t // 60):02d}:{int(t % 60):02d} {frame}" for t in stamps)
+
+    def patches(self, frames: torch.Tensor) -> np.ndarray:
+        """[n, 3, h, w] uint8 -> [n * h / p * w / p, p * p * 3] float32: transformers' ``pixel_values_videos`` rows
+        for this video's frames, unpadded (the bytes put in patch order first: a channel's values together)."""
+        n, c, height, width = frames.shape
+        p = self.patch_size
+        gh, gw = height // p, width // p
+        x = frames.reshape(n, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(n * gh * gw, c, p * p)
+        x = _normalized(self, x).transpose(1, 2)  # [rows, p * p, c]
+        return np.ascontiguousarray(x.reshape(n * gh * gw, p * p * c).numpy())
+
+    def prepare(self, data: bytes, *, max_tokens: int | None = None) -> PreparedImage:
+        """As VideoProcessor.prepare."""
+        container = _container(data)
+        try:
+            info = _probe(container)
+            indices = self.sample(info)
+            size = self.frame_size(info.height, info.width)
+            per_frame = self.per_frame(info.height, info.width)
+            _check_tokens(per_frame * len(indices), max_tokens, len(indices))
+            frames = _frames_at(container, info, indices, size)
+        finally:
+            container.close()
+        p = self.patch_size
+        return PreparedImage(pixel_values=self.patches(frames), rows=0, cols=0,
+                             prompt=self.prompt(indices, info.fps, per_frame), num_image_tokens=per_frame * len(indices),
+                             identity=self._identity(data), grid=(len(indices), size[0] // p, size[1] // p),
+                             modality="video")
+
+
 def _center_crops(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """[n, 3, h, w] -> [n, 3, height, width] from the middle, as torchvision's center_crop takes it (offsets
     rounded to nearest). The frames are never smaller than the crop (resized by their short edge to at least its
@@ -608,7 +721,7 @@ def video_processor_from_dict(d: dict):
     if not isinstance(d, dict):
         raise _error(f"a video processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind")
-    for cls in (VideoProcessor, FrameVideoProcessor):
+    for cls in (VideoProcessor, FrameVideoProcessor, PooledVideoProcessor):
         if kind == cls.kind:
             return cls.from_dict(d)
     raise _error(f"unknown video processor kind {kind!r}")

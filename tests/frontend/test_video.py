@@ -1,7 +1,8 @@
-"""Video decoding and the Qwen families' video preparation (flared.frontend.video): the frames kept are the ones
-the sampling rule names, in order, from every container and codec FFmpeg writes here; the frame sizes follow the
-per-video pixel budget; the patches are transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor output bit for
-bit (where torchvision is installed: their tensor backend needs it); and bad files are 400s that say why."""
+"""Video decoding and the video preparations (flared.frontend.video: the Qwen families', InternVL's, LLaVA's and
+Gemma 4's): the frames kept are the ones the sampling rule names, in order, from every container and codec FFmpeg
+writes here; the frame sizes follow the per-video pixel budget; the patches are transformers' video processors'
+output bit for bit (where torchvision is installed: their tensor backend needs it); and bad files are 400s that say
+why."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flared.errors import FrontendError  # noqa: E402
 from flared.frontend.images import CLIP_MEAN, CLIP_STD  # noqa: E402
 from flared.frontend.video import (  # noqa: E402
     FrameVideoProcessor, VideoInfo, VideoProcessor, decode_video_source, probe_video, resize_frame,
+    video_processor_from_dict,
 )
 from flared_testing.video import encode_frames, noise_video, video_url  # noqa: E402
 
@@ -330,3 +332,56 @@ def test_llava_next_video_frames_are_transformers_video_processors():
                                                        do_sample_frames=False)
     out = theirs(videos=[clip], return_tensors="pt")["pixel_values_videos"][0]
     assert np.array_equal(out.numpy(), ours.prepare(data).pixel_values)
+
+
+def _pooled_processor(**kw):
+    from flared.frontend.video import PooledVideoProcessor
+
+    return PooledVideoProcessor.from_hf(kw or None, patch_size=4, pooling_kernel_size=3)
+
+
+def test_gemma4_frames_are_evenly_apart_from_the_first_and_stamped_mm_ss():
+    """transformers' default sampling (frame k * total // n, 32 frames by default; at most the video's) and
+    Gemma4Processor's prompt: each frame's time as mm:ss, a space, <|image>, its tokens, <image|>."""
+    gemma = _pooled_processor()
+    assert gemma.sample(VideoInfo(100, 10.0, 64, 48)) == [k * 100 // 32 for k in range(32)]
+    assert gemma.sample(VideoInfo(5, 10.0, 64, 48)) == [0, 1, 2, 3, 4]
+    assert _pooled_processor(fps=1.0).sample(VideoInfo(100, 10.0, 64, 48)) == [k * 10 for k in range(10)]
+    assert gemma.prompt([0, 620, 3700], 10.0, 2) == ("00:00 <|image><|video|><|video|><image|> "
+                                                      "01:02 <|image><|video|><|video|><image|> "
+                                                      "06:10 <|image><|video|><|video|><image|>")
+    prepared = _pooled_processor(num_frames=3).prepare(_levels_video(9, 3, size=(64, 48)))
+    assert prepared.grid == (3, 21, 27) and prepared.num_image_tokens == 3 * 63 and prepared.modality == "video"
+    assert prepared.pixel_values.shape == (3 * 21 * 27, 4 * 4 * 3)
+    # (flat gray frames 0, 3 and 6 of levels 16 + 8i, each patch's values the frame's level / 255)
+    levels = prepared.pixel_values.reshape(3, -1).mean(1) * 255
+    assert np.allclose(levels, [16, 40, 64], atol=3), levels  # (within half a step of 8: the codec is lossy)
+    d = _pooled_processor(num_frames=3).to_dict()
+    assert d["kind"] == "pooled_video" and video_processor_from_dict(d) == _pooled_processor(num_frames=3)
+    with pytest.raises(FrontendError, match="max_soft_tokens"):
+        _pooled_processor(max_soft_tokens=100)
+    with pytest.raises(FrontendError, match="patch_size"):
+        _pooled_processor(patch_size=16)
+
+
+def test_gemma4_frames_are_transformers_video_processors():
+    """Our frames against transformers' Gemma4VideoProcessor (unpadded), where torchvision is installed."""
+    pytest.importorskip("torchvision")
+    transformers = pytest.importorskip("transformers")
+    import io
+
+    import av
+    import torch
+
+    data = noise_video(30, (150, 100), 10, seed=14, smooth=True)
+    ours = _pooled_processor(num_frames=5)
+    container = av.open(io.BytesIO(data))
+    frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    clip = torch.from_numpy(np.stack([frames[i] for i in ours.sample(probe_video(data))])).permute(0, 3, 1, 2)
+    theirs = transformers.Gemma4VideoProcessor(patch_size=4, pooling_kernel_size=3, max_soft_tokens=70,
+                                               do_sample_frames=False)
+    out = theirs(videos=[clip], return_tensors="pt")
+    real = (out["video_position_ids"] != -1).all(-1)
+    prepared = ours.prepare(data)
+    assert out["num_soft_tokens_per_video"][0] * 5 == prepared.num_image_tokens
+    assert np.array_equal(out["pixel_values_videos"][real].numpy(), prepared.pixel_values)
