@@ -150,5 +150,5 @@ def test_the_soft_token_budget_is_a_request_setting(served):
                                mm_processor_kwargs={"max_soft_tokens": 100})
     assert status == 400 and "max_soft_tokens" in body["error"]["message"], body
     status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=1,
-                               mm_processor_kwargs={"fps": 2})
-    assert status == 400 and "mm_processor_kwargs.fps" in str(body["error"]), body
+                               mm_processor_kwargs={"max_pixels": 20000})  # (a Qwen processor's)
+    assert status == 400 and "mm_processor_kwargs.max_pixels" in str(body["error"]), body
