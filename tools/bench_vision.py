@@ -13,9 +13,12 @@ Shapes (the towers of the released checkpoints):
   qwen2.5-vl-3b  32 layers of 1280, windows of 112 px, 4 full layers, SwiGLU (Qwen2.5-VL-3B/7B): the same image
   qwen3-vl-2b    24 layers of 1024, 16 px patches, resampled position table, 3 DeepStack mergers (Qwen3-VL-2B)
   mistral3-24b   Pixtral: 24 layers of 1024, 14 px patches, 2D rope, SwiGLU; projector to 5120 (Mistral-Small-3.1)
+  gemma4-e2b     16 layers of 768, 16 px patches, 2D axial rope, clipped products, 3 x 3 pooling (Gemma 4 E2B/E4B):
+                 a ``--side`` px image at 280 soft tokens (transformers pads it to 2,520 patches, as it runs)
+  gemma4-31b     27 layers of 1152, standardized (Gemma 4 26B-A4B/31B): the same image
 
-    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b]
-        [--tiles 2] [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
+    .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,
+        gemma4-e2b,gemma4-31b] [--tiles 2] [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -48,7 +51,13 @@ SHAPES = {
     "mistral3-24b": ("mistral3", dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
                                       num_hidden_layers=24, num_attention_heads=16, head_dim=64, patch_size=14,
                                       hidden_act="silu", image_size=1540), 5120, dict(spatial_merge_size=2)),
+    "gemma4-e2b": ("gemma4", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+                                  num_key_value_heads=12, head_dim=64, use_clipped_linears=True), 1536, {}),
+    "gemma4-31b": ("gemma4", dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                  num_attention_heads=16, num_key_value_heads=16, head_dim=72, standardize=True),
+                   5376, {}),
 }
+GEMMA4_SOFT_TOKENS = 280
 
 
 def build(shape: str):
@@ -66,6 +75,12 @@ def build(shape: str):
     text = {k: v for k, v in text.items() if v is not None}
     if family == "smolvlm":
         cls, cfg = SmolVLMForConditionalGeneration, SmolVLMConfig(text_config=text, vision_config=vision, **extra)
+    elif family == "gemma4":
+        from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+        text.update(head_dim=64, global_head_dim=64, hidden_size_per_layer_input=0, layer_types=["full_attention"])
+        cls, cfg = Gemma4ForConditionalGeneration, Gemma4Config(text_config=text, vision_config=vision,
+                                                                audio_config=None)
     elif family == "qwen2_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
         cls, cfg = Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision)
@@ -82,6 +97,13 @@ def build(shape: str):
         cls, cfg = Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(text_config=text, vision_config=vision)
     torch.manual_seed(0)
     model = cls(cfg).eval()
+    if family == "gemma4":  # (its clip bounds and standardization as a checkpoint holds them, not the init's)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith(("input_max", "output_max", "input_min", "output_min")):
+                    buf.fill_(-20.0 if name.endswith("min") else 20.0)
+                elif name.endswith(("std_bias", "std_scale")):
+                    buf.copy_(torch.rand_like(buf) * (0.1 if name.endswith("bias") else 1.0))
     hf_config = cfg.to_dict()
     config = vision_from_hf(hf_config)
     tensors = hf_vision_to_serving({k: v.detach() for k, v in model.state_dict().items()}, config, source=shape)
@@ -90,6 +112,17 @@ def build(shape: str):
 
 def inputs(config, args):
     """(transformers' args, flared's args, description) of one image."""
+    if config.family == "gemma4":
+        from flared.frontend.images import pooled_size
+
+        height, width = pooled_size(args.side, args.side, config.patch_size, GEMMA4_SOFT_TOKENS, config.scale_factor)
+        gh, gw = height // config.patch_size, width // config.patch_size
+        patches = torch.rand(gh * gw, 3 * config.patch_size ** 2)
+        padded = GEMMA4_SOFT_TOKENS * config.scale_factor ** 2
+        positions = torch.stack(torch.meshgrid(torch.arange(gw), torch.arange(gh), indexing="xy"), -1).reshape(-1, 2)
+        hf = (torch.nn.functional.pad(patches, (0, 0, 0, padded - gh * gw))[None],
+              torch.nn.functional.pad(positions, (0, 0, 0, padded - gh * gw), value=-1)[None])
+        return hf, (patches, (1, gh, gw)), f"{width}x{height} px: {gh * gw} patches, {gh * gw // 9} rows"
     if config.family == "pixtral":
         unit = config.patch_size * config.scale_factor
         side = args.side // unit * unit
@@ -109,7 +142,8 @@ def inputs(config, args):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b")
+    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,gemma4-e2b,"
+                                            "gemma4-31b")
     parser.add_argument("--tiles", type=int, default=2)
     parser.add_argument("--side", type=int, default=448)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -133,7 +167,8 @@ def main() -> None:
                     started = time.perf_counter()
                     with torch.inference_mode():
                         if name == "transformers":
-                            a = [x.to(dtype) if x.is_floating_point() else x for x in hf_args]
+                            a = [x.to(dtype) if x.is_floating_point() and config.family != "gemma4" else x
+                                 for x in hf_args]  # (Gemma 4 casts its pixels after scaling them)
                             if config.family == "pixtral":  # its get_image_features fails here; what it runs:
                                 tower = model.model.vision_tower(a[0], image_sizes=a[1], output_hidden_states=True,
                                                                  return_dict=True)

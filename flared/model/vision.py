@@ -1119,6 +1119,20 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
     return cls(config, tensors, dtype=dtype, device=device)
 
 
+def attach_tower(model, config: VisionConfig, tower) -> None:
+    """Give a DecoderModel its image tower and what the family's images need of the decoder: Qwen VL's 3D rope
+    sections; images that attend to each other both ways (Gemma 3; Gemma 4's 26B-A4B and 31B on their windowed
+    layers, each video frame a block too); Gemma 4 E2B's and E4B's pad-token per-layer rows for image tokens."""
+    model.vision = tower
+    if config.mrope_section:
+        model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
+    if config.bidirectional_images:
+        model.set_image_blocks([config.image_token_id] + ([config.video_token_id] if config.video_token_id >= 0
+                                                          else []), windowed_only=config.windowed_image_blocks)
+    if config.family == "gemma4" and model.config.per_layer_input_dim:
+        model.set_image_identity(config.pad_token_id)
+
+
 class _Tower:
     """A tower's weights on one device, checked against its config (the three towers' common part)."""
 

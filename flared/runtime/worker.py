@@ -509,20 +509,12 @@ class ModelRuntime:
             # executor's forward, and on the CUDA graph executor in an eager run of the prefill graph's forward
             # (the graphs take token ids only: GraphExecutor._place_images; Gemma 3's images, which attend both
             # ways, attended again there: graph_layers.ImageBlocks).
-            from flared.model.vision import vision_encoder
+            from flared.model.vision import attach_tower, vision_encoder
 
             config = self.core.vision_config
-            model.vision = vision_encoder(config, self.core.load_vision_tensors(),
-                                          dtype=tower_dtype(dtype) if model.device.type == "cpu" else dtype,
-                                          device=model.device)
-            if config.mrope_section:
-                model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
-            if config.bidirectional_images:  # (a video's frames too, each a block of its own)
-                model.set_image_blocks([config.image_token_id] + ([config.video_token_id]
-                                                                  if config.video_token_id >= 0 else []),
-                                       windowed_only=config.windowed_image_blocks)
-            if config.family == "gemma4" and self.core.config.per_layer_input_dim:
-                model.set_image_identity(config.pad_token_id)
+            attach_tower(model, config, vision_encoder(config, self.core.load_vision_tensors(),
+                                                       dtype=tower_dtype(dtype) if model.device.type == "cpu"
+                                                       else dtype, device=model.device))
             log.info("%s (%s): %d layers in %s", "audio encoder" if config.is_audio else "image tower",
                      config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))

@@ -1,6 +1,7 @@
 """Videos on the CUDA graph executor, Qwen2.5-VL (a video's temporal patches at tokens_per_second x
-second_per_grid_t) and Qwen3-VL (each frame pair its own block, timestamps between): the tower runs the video's
-frame pairs between steps, and the prefill that feeds its tokens runs eagerly with the rows in place.
+second_per_grid_t), Qwen3-VL (each frame pair its own block, timestamps between) and Gemma 4 (each frame through
+the tower alone; 26B-like frames both ways on the windowed layers): the tower runs the video's frames between
+steps, and the prefill that feeds its tokens runs eagerly with the rows in place.
 
 float32, the executors themselves: greedy tokens on the graphs equal the eager executor's (which
 tests/api/test_video_qwen.py holds to transformers'), and the video's rows reach the logits. bf16, as a user serves
@@ -117,6 +118,36 @@ def test_a_bf16_qwen_vl_core_takes_videos_on_the_cuda_graphs(tiny_qwen_vl, tmp_p
                               max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] > text_tokens + 10  # the video's tokens
+        answers.append(body["choices"][0]["logprobs"]["content"])
+        assert ("executor: eager on" in d.log()) == bool(args)
+        d.kill()
+    graphs, eager = answers
+    assert graphs[0]["token"] == eager[0]["token"]
+    first = [{t["token"]: t["logprob"] for t in steps[0]["top_logprobs"]} for steps in (graphs, eager)]
+    shared = set(first[0]) & set(first[1])
+    assert max(abs(first[0][t] - first[1][t]) for t in shared) < 0.35, first
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma4_vision", "tiny_gemma4_vision_both_ways"])
+def test_a_bf16_gemma4_core_takes_videos_on_the_cuda_graphs(fixture, request, tmp_path, start_daemon):
+    """Gemma 4's frames through its tower, their rows in an eager prefill of the graphs' forward (26B-like: each
+    frame both ways on the windowed layers, ImageBlocks), against --enforce-eager."""
+    from flared_testing.video import noise_video, video_part
+
+    from flared.core.export import ExportOptions, export_core
+
+    core = tmp_path / "core"
+    export_core(request.getfixturevalue(fixture)[0], core, ExportOptions(dtype="bfloat16", concurrency=4,
+                                                                         context_tokens=1024,
+                                                                         prefill_chunk_tokens=128))
+    clip = video_part(noise_video(25, (64, 48), 10, seed=3))
+    answers = []
+    for args in ((), ("--enforce-eager",)):
+        d = start_daemon(core, *args)
+        status, body = d.chat([{"role": "user", "content": [clip, {"type": "text", "text": "What happens?"}]}],
+                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] > 4 * 63  # (4 frames of 63 tokens)
         answers.append(body["choices"][0]["logprobs"]["content"])
         assert ("executor: eager on" in d.log()) == bool(args)
         d.kill()

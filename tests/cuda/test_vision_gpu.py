@@ -38,16 +38,12 @@ def _served(core_path, dtype):
     """The core's decoder and image tower on the GPU, as the model thread loads them."""
     from flared.core.load import open_core
     from flared.model.decoder import DecoderModel
-    from flared.model.vision import vision_encoder
+    from flared.model.vision import attach_tower, vision_encoder
 
     core = open_core(core_path)
     model = DecoderModel(core.config, core.load_tensors(), dtype=dtype, device="cuda", max_positions=512)
     config = core.vision_config
-    model.vision = vision_encoder(config, core.load_vision_tensors(), dtype=dtype, device="cuda")
-    if config.mrope_section:
-        model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
-    if config.bidirectional_images:
-        model.set_image_blocks(config.image_token_id)
+    attach_tower(model, config, vision_encoder(config, core.load_vision_tensors(), dtype=dtype, device="cuda"))
     return core, model
 
 
@@ -146,6 +142,8 @@ def _check_bf16(core_path):
 
 OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llava": "tiny_llava",
                   "gemma3": "tiny_gemma3", "internvl": "tiny_internvl", "llava_next": "tiny_llava_next",
+                  "gemma4": "tiny_gemma4_vision",  # (per-layer inputs; a layer sharing another's keys)
+                  "gemma4_both_ways": "tiny_gemma4_vision_both_ways",  # (both ways on the windowed layers only)
                   "granite_vision": "tiny_granite_vision",  # (SigLIP's layers side by side; Granite's multiplier)
                   "llava_onevision": "tiny_llava_onevision",
                   "qwen2_audio": "tiny_qwen2_audio",  # (audio clips' rows, as images')
@@ -257,3 +255,9 @@ def test_a_qwen_vl_core_takes_images_on_the_cuda_graphs(tiny_qwen_vl, tmp_path, 
 def test_a_gemma3_core_takes_images_on_the_cuda_graphs(tiny_gemma3, tmp_path, start_daemon):
     """Gemma 3's image tokens attend to each other both ways (graph_layers.ImageBlocks on the graphs)."""
     _served_images_match_enforce_eager(tiny_gemma3[0], tmp_path, start_daemon)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma4_vision", "tiny_gemma4_vision_both_ways"])
+def test_a_gemma4_core_takes_images_on_the_cuda_graphs(fixture, request, tmp_path, start_daemon):
+    """Gemma 4: E2B-like per-layer inputs; 26B-like images both ways on the windowed layers (ImageBlocks)."""
+    _served_images_match_enforce_eager(request.getfixturevalue(fixture)[0], tmp_path, start_daemon)

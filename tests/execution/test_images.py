@@ -119,15 +119,14 @@ def test_drive_feeds_a_gemma3_image_whole_as_the_worker_does(tiny_gemma3):
     from flared.frontend.images import DecodedImage, image_processor_from_dict
     from flared.model.decoder import DecoderModel
     from flared.model.sampling import SamplingParams
-    from flared.model.vision import vision_encoder
+    from flared.model.vision import attach_tower, vision_encoder
     from flared.runtime.worker import VisionJob
     from flared.scheduler import PolicyConfig, RequestScheduler, SchedulerConfig
 
     core = open_core(tiny_gemma3[1])
     config = core.vision_config
     model = DecoderModel(core.config, core.load_tensors(), dtype=torch.float32, device="cpu", max_positions=256)
-    model.vision = vision_encoder(config, core.load_vision_tensors(), dtype=torch.float32, device="cpu")
-    model.set_image_blocks(config.image_token_id)
+    attach_tower(model, config, vision_encoder(config, core.load_vision_tensors(), dtype=torch.float32, device="cpu"))
     image = image_processor_from_dict(core.manifest.vision["processor"]).prepare(
         DecodedImage.from_pil(noise_image(5, (40, 30))))
     job = VisionJob([image], done=None)
