@@ -434,7 +434,7 @@ GEMMA4_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|turn>{{ 'model' if message['role'] == 'assistant' "
     "else message['role'] }}\n{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<|image|>' }}"
-    "{% elif item['type'] == 'video' %}{{ '<|video|>' }}"
+    "{% elif item['type'] == 'video' %}{{ '<|video|>' }}{% elif item['type'] == 'audio' %}{{ '<|audio|>' }}"
     "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<turn|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
 # 4-pixel patches pooled 3 x 3: images resized to whole 12-pixel blocks, at most 70 of them (70 image tokens).
@@ -448,12 +448,13 @@ GEMMA4_VIDEO_PREPROCESSOR = {
     "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
     "patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3, "num_frames": 4, "do_sample_frames": True}
 GEMMA4_TOKENS = ["<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|video|>",
-                 "<|audio|>"]
+                 "<|audio|>", "<|audio>", "<audio|>"]
 
 
-def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> None:
-    """A random-weight Gemma4ForConditionalGeneration (its tower 2 layers of 32 over 4-pixel patches) and its
-    tokenizer, template and processor files in ``d``; ``text``, ``vision``: their config's overrides."""
+def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, audio: dict | None = None, seed: int = 0) -> None:
+    """A random-weight Gemma4ForConditionalGeneration (its tower 2 layers of 32 over 4-pixel patches; with
+    ``audio``, an audio tower of those overrides too) and its tokenizer, template and processor files in ``d``;
+    ``text``, ``vision``: their config's overrides."""
     import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
@@ -467,8 +468,10 @@ def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> Non
         "tokenizer_class": "PreTrainedTokenizerFast", "image_token": "<|image|>", "boi_token": "<|image>",
         "eoi_token": "<image|>"}))
     (d / "preprocessor_config.json").write_text(json.dumps(GEMMA4_PREPROCESSOR))
-    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor",
-                                                         "image_seq_length": 70}))
+    (d / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4Processor", "image_seq_length": 70, "audio_seq_length": 750,
+        "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor", "feature_size": 128,
+                              "sampling_rate": 16000, "frame_length": 320, "hop_length": 160, "fft_length": 512}}))
     (d / "video_preprocessor_config.json").write_text(json.dumps(GEMMA4_VIDEO_PREPROCESSOR))
     vocab = tok.get_vocab_size()
     text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -480,7 +483,10 @@ def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> Non
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
                   position_embedding_size=256, initializer_range=0.2) | vision
-    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+    if audio is not None:
+        audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, subsampling_conv_channels=[128, 4],
+                     conv_kernel_size=5, output_proj_dims=24, initializer_range=0.2) | audio
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=audio,
                           image_token_id=tok.token_to_id("<|image|>"), boi_token_id=tok.token_to_id("<|image>"),
                           eoi_token_id=tok.token_to_id("<image|>"), video_token_id=tok.token_to_id("<|video|>"),
                           audio_token_id=tok.token_to_id("<|audio|>"))
@@ -488,7 +494,7 @@ def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> Non
     model = Gemma4ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():  # (the tower's and projection's rows must outweigh the text)
-            if "vision_tower" in name or "embed_vision" in name:
+            if any(part in name for part in ("vision_tower", "embed_vision", "audio_tower", "embed_audio")):
                 torch.nn.init.normal_(param, std=0.2)
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))  # (Gemma 4's norms multiply by the weight itself)
@@ -509,14 +515,14 @@ def save_tiny_gemma4(d: Path, *, text: dict, vision: dict, seed: int = 0) -> Non
 @pytest.fixture(scope="session")
 def tiny_gemma4_vision(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Gemma 4 like E2B: per-layer inputs, the last of four layers
-    sharing the keys of an earlier one, a tower with clipped products; images causal in the decoder. Prefill
-    chunk 64 tokens."""
+    sharing the keys of an earlier one, an image tower with clipped products and an audio tower (a conformer of
+    two layers); images and clips causal in the decoder. Prefill chunk 64 tokens."""
     from flared.core.export import ExportOptions, export_core
 
     d = tmp_path_factory.mktemp("hf-gemma4-vision")
     save_tiny_gemma4(d, text=dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
                                   hidden_size_per_layer_input=8, num_kv_shared_layers=1),
-                     vision=dict(use_clipped_linears=True))
+                     vision=dict(use_clipped_linears=True), audio={})
     out = tmp_path_factory.mktemp("cores") / "gemma4-vision"
     export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=64))
     return d, out

@@ -162,13 +162,19 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     if src.vision is not None:
         processor = _read_image_processor(source, src.vision, src.image_processor,
                                           Path(options.mmproj) if options.mmproj else None)
+        audio = _read_second_audio(source, src, assets) if options.mmproj is None else None
         vision_tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
                           for k, t in src.vision_tensors.items()}
+        if audio is not None:  # (Gemma 4's audio tower, in the same file: its tensors "audio."-prefixed)
+            vision_tensors.update({"audio." + k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
+                                   for k, t in src.audio_tensors.items()})
         save_file(vision_tensors, str(staging / VISION_WEIGHTS),
                   metadata={"format": "pt", "producer": f"flared {__version__}"})
         del vision_tensors
         weight_files_extra = [VISION_WEIGHTS]
         vision = {"config": src.vision.to_dict(), "processor": processor.to_dict(), "weights": VISION_WEIGHTS}
+        if audio is not None:
+            vision["audio"] = {"config": src.audio.to_dict(), "processor": audio.to_dict()}
         if getattr(processor, "modality", "image") == "audio":  # (its audio token, as the tokenizer spells it)
             from tokenizers import Tokenizer
 
@@ -430,9 +436,10 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     proc = _read_json(src / "processor_config.json", required=False)
     try:
         if gemma4:  # (its frames' boi and eoi are the image processor's)
-            processor = dataclasses.replace(
-                PooledVideoProcessor.from_hf(cfg, patch_size=vision.patch_size, pooling_kernel_size=vision.scale_factor),
-                start_token=image_processor.boi_token, end_token=image_processor.eoi_token)
+            processor = PooledVideoProcessor.from_hf(cfg, patch_size=vision.patch_size,
+                                                     pooling_kernel_size=vision.scale_factor)
+            processor = dataclasses.replace(processor, start_token=image_processor.boi_token,
+                                            end_token=image_processor.eoi_token)
         elif qwen:
             processor = VideoProcessor.from_hf("qwen3" if vision.family == "qwen3_vl" else "qwen2", cfg, proc,
                                                patch_size=vision.patch_size, merge_size=vision.scale_factor,
@@ -469,6 +476,38 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
         else:
             needed = (processor.image_token, processor.start_token, processor.end_token)
     if any(tokenizer.token_to_id(token) is None for token in needed):
+        return None
+    return processor
+
+
+def _read_second_audio(src: Path, model, assets):
+    """A second tower's audio preparation (Gemma 4 E2B's and E4B's: flared.frontend.audio.UsmProcessor), from
+    processor_config.json's "feature_extractor" (transformers' defaults where it names none) and its
+    "audio_seq_length"; None for a checkpoint without an audio tower, or whose tokenizer or chat template lacks the
+    tokens a clip needs (its audio token the config's, <|audio>, <audio|>)."""
+    from tokenizers import Tokenizer
+
+    from flared.errors import FrontendError
+    from flared.frontend.audio import UsmProcessor
+
+    if model.audio is None or not src.is_dir():
+        return None
+    proc = _read_json(src / "processor_config.json", required=False) or {}
+    extractor = proc.get("feature_extractor") if isinstance(proc, dict) else None
+    if extractor is None:  # (or a preprocessor_config.json of its own settings)
+        pre = _read_json(src / "preprocessor_config.json", required=False) or {}
+        extractor = pre if isinstance(pre, dict) and "feature_extractor_type" in pre else {}
+    try:
+        processor = UsmProcessor.from_hf(extractor, proc if isinstance(proc, dict) else None)
+    except FrontendError as e:
+        raise CoreError(f"{src / 'processor_config.json'}: {e}", ErrorKind.SOURCE_FORMAT) from None
+    if processor.feature_size != model.audio.mel_bins:
+        raise CoreError(f"{src}: the feature extractor makes {processor.feature_size} mel bins, but the audio tower "
+                        f"reads {model.audio.mel_bins}", ErrorKind.UNSUPPORTED_MODEL)
+    tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+    if (tokenizer.token_to_id(processor.audio_token) != model.audio.image_token_id
+            or any(tokenizer.token_to_id(t) is None for t in (processor.boa_token, processor.eoa_token))
+            or processor.audio_token not in (assets.chat_template or "")):
         return None
     return processor
 

@@ -78,6 +78,32 @@ class Core:
             raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.processor': {e}",
                             ErrorKind.CORE_FORMAT) from None
 
+    @property
+    def audio_config(self):
+        """A second tower's VisionConfig (Gemma 4's audio beside its images); None where the core has none."""
+        from flared.model.vision import VisionConfig
+
+        v = self.manifest.vision
+        if v is None or "audio" not in v:
+            return None
+        try:
+            return VisionConfig.from_dict(v["audio"]["config"])
+        except CoreError as e:
+            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.audio.config': {e}", e.kind) from None
+
+    def audio_processor(self):
+        """The second tower's processor (flared.frontend.audio's); None where the core has none."""
+        from flared.errors import FrontendError
+        from flared.frontend.images import image_processor_from_dict
+
+        if self.manifest.vision is None or "audio" not in self.manifest.vision:
+            return None
+        try:
+            return image_processor_from_dict(self.manifest.vision["audio"]["processor"])
+        except (FrontendError, KeyError, TypeError, ValueError) as e:
+            raise CoreError(f"{self.path / 'manifest.json'}: field 'vision.audio.processor': {e}",
+                            ErrorKind.CORE_FORMAT) from None
+
     def video_processor(self):
         """The ``flared.frontend.video`` processor a video core prepares videos with (None: no video)."""
         from flared.errors import FrontendError
@@ -93,6 +119,13 @@ class Core:
 
     def load_vision_tensors(self) -> dict:
         """The image tower's tensors (hash-checked by open_core), names and shapes checked."""
+        return self._tower_tensors()[0]
+
+    def load_audio_tensors(self) -> dict:
+        """A second tower's tensors (the "audio."-prefixed ones of the vision file), names and shapes checked."""
+        return self._tower_tensors()[1]
+
+    def _tower_tensors(self) -> tuple[dict, dict | None]:
         from safetensors.torch import load_file
 
         from flared.model.vision import check_vision_tensors
@@ -102,8 +135,14 @@ class Core:
             tensors = load_file(str(path), device="cpu")
         except Exception as e:  # safetensors raises its own types besides OSError
             raise CoreError(f"{path}: not a readable safetensors file: {e}", ErrorKind.CORE_FORMAT) from None
+        audio = {k[len("audio."):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("audio.")]}
         check_vision_tensors(tensors, self.vision_config, source=str(path))
-        return tensors
+        second = self.audio_config
+        if second is not None:
+            check_vision_tensors(audio, second, source=f"{path} (audio.*)")
+        elif audio:
+            raise CoreError(f"{path}: audio tensors without a 'vision.audio' config", ErrorKind.CORE_FORMAT)
+        return tensors, (audio if second is not None else None)
 
 
 def open_core(path: str | Path, *, verify_hashes: bool = True) -> Core:
@@ -118,9 +157,10 @@ def open_core(path: str | Path, *, verify_hashes: bool = True) -> Core:
     core = Core(path=path, manifest=manifest, config=config)
     if manifest.vision is not None:
         vision = core.vision_config
-        if vision.text_hidden_size != config.hidden_size:
-            raise CoreError(f"{path / 'manifest.json'}: vision rows of {vision.text_hidden_size} features do not fit "
-                            f"the decoder's hidden size {config.hidden_size}", ErrorKind.CORE_FORMAT)
+        for tower in (vision, core.audio_config):
+            if tower is not None and tower.text_hidden_size != config.hidden_size:
+                raise CoreError(f"{path / 'manifest.json'}: {tower.family} rows of {tower.text_hidden_size} features "
+                                f"do not fit the decoder's hidden size {config.hidden_size}", ErrorKind.CORE_FORMAT)
     if verify_hashes:
         verify_assets(path, manifest)
     return core

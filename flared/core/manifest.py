@@ -90,7 +90,9 @@ class Manifest:
     chat_template: str | None  # template file name, None if the model has none
     assets: dict[str, Asset]  # every file above -> its hash and size
     # A vision-language core's image side: {"config": VisionConfig.to_dict(), "processor": TileProcessor.to_dict(),
-    # "weights": the tower's safetensors file}; None for a text-only model.
+    # "weights": the tower's safetensors file}, and maybe "video" (a video processor's dict) and "audio" (a second
+    # tower's {"config", "processor"}: Gemma 4's audio, its tensors "audio."-prefixed in the same file); None for a
+    # text-only model.
     vision: dict[str, Any] | None = None
     # A core whose layer matrices are stored quantised (flarectl export --quantization): the plan that chose each
     # one's format, {"default": "q4_1" | "q8_0", "matrices": {name: format or null}, "grids": bool}; None: plain.
@@ -243,10 +245,15 @@ def parse_manifest(path: Path, data: Any) -> Manifest:
 
     vision = r.field("vision", dict, optional=True)
     if vision is not None:
-        if not {"config", "processor", "weights"} <= set(vision) <= {"config", "processor", "weights", "video"}:
-            raise r.fail("field 'vision' must hold 'config', 'processor' and 'weights' (and maybe 'video')")
+        if not {"config", "processor", "weights"} <= set(vision) <= {"config", "processor", "weights", "video",
+                                                                     "audio"}:
+            raise r.fail("field 'vision' must hold 'config', 'processor' and 'weights' (and maybe 'video', 'audio')")
         if not isinstance(vision.get("video", {}), dict):
             raise r.fail("field 'vision.video' must be an object")
+        audio = vision.get("audio", {"config": {}, "processor": {}})
+        if not isinstance(audio, dict) or set(audio) != {"config", "processor"} or not all(
+                isinstance(audio[k], dict) for k in audio):
+            raise r.fail("field 'vision.audio' must be an object of 'config' and 'processor' objects")
         if not isinstance(vision["config"], dict) or not isinstance(vision["processor"], dict):
             raise r.fail("fields 'vision.config' and 'vision.processor' must be objects")
         if not isinstance(vision["weights"], str):

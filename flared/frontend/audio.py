@@ -442,3 +442,207 @@ class WhisperProcessor:
 
 
 _FILTERS: dict = {}
+
+
+def htk_mel_filters(n_bins: int, n_mels: int, sampling_rate: int, min_frequency: float,
+                    max_frequency: float) -> np.ndarray:
+    """[n_bins, n_mels] triangles on the HTK mel scale, unnormalised (transformers' ``mel_filter_bank(...,
+    norm=None, mel_scale="htk")``, float64)."""
+    def to_mel(f):
+        return 2595.0 * np.log10(1.0 + np.asarray(f, dtype=np.float64) / 700.0)
+
+    mels = np.linspace(to_mel(min_frequency), to_mel(max_frequency), n_mels + 2)
+    edges = 700.0 * (10.0 ** (mels / 2595.0) - 1.0)
+    fft_freqs = np.linspace(0, sampling_rate // 2, n_bins)
+    diff = np.diff(edges)
+    slopes = edges[None, :] - fft_freqs[:, None]
+    down = -slopes[:, :-2] / diff[:-1]
+    up = slopes[:, 2:] / diff[1:]
+    return np.maximum(np.zeros(1), np.minimum(down, up))
+
+
+@dataclass(frozen=True, kw_only=True)
+class UsmProcessor:
+    """Gemma 4's audio preparation (transformers' Gemma4AudioFeatureExtractor and Gemma4Processor's prompt): a clip
+    at ``sampling_rate``, padded with silence to a multiple of 128 samples (at most ``max_samples``: 30 s; a
+    longer clip is a 400, never cut), ``frame_length // 2`` zeros before it (semicausal), frames of
+    ``frame_length`` every ``hop_length`` samples through a periodic Hann window, ``fft_length``-point magnitudes
+    through HTK mel triangles, log(x + mel_floor) (float64, then float32). A frame is the clip's while its window
+    ends inside the clip; only those frames are kept (the encoder reads the padding's as zeros: the same rows).
+    Tokens: the frames halved twice by the encoder's two stride-2 convolutions, ``ceil(ceil(F / 2) / 2)``, at
+    most ``audio_seq_length``; the prompt ``<|audio>``, one ``<|audio|>`` a token, ``<audio|>``. ``grid`` is
+    (frames, 1, 1)."""
+
+    kind: ClassVar[str] = "usm"
+    modality: ClassVar[str] = "audio"
+
+    feature_size: int = 128
+    sampling_rate: int = 16000
+    frame_length: int = 320
+    hop_length: int = 160
+    fft_length: int = 512
+    min_frequency: float = 0.0
+    max_frequency: float = 8000.0
+    mel_floor: float = 1e-3
+    preemphasis: float = 0.0
+    preemphasis_htk_flavor: bool = True
+    input_scale_factor: float = 1.0
+    per_bin_mean: tuple[float, ...] | None = None
+    per_bin_stddev: tuple[float, ...] | None = None
+    max_samples: int = 480_000
+    pad_to_multiple_of: int = 128
+    audio_seq_length: int = 750
+    audio_token: str = "<|audio|>"
+    boa_token: str = "<|audio>"
+    eoa_token: str = "<audio|>"
+
+    def __post_init__(self):
+        for name in ("feature_size", "sampling_rate", "frame_length", "hop_length", "fft_length", "max_samples",
+                     "pad_to_multiple_of", "audio_seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
+        if self.fft_length < self.frame_length:
+            raise _error(f"audio processor setting 'fft_length' ({self.fft_length}) is shorter than a frame "
+                         f"({self.frame_length})")
+        for name in ("per_bin_mean", "per_bin_stddev"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (list, tuple)) or len(value) != self.feature_size:
+                    raise _error(f"audio processor setting {name!r} must be {self.feature_size} numbers")
+                object.__setattr__(self, name, tuple(float(x) for x in value))
+        for name in ("audio_token", "boa_token", "eoa_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _error(f"audio processor setting {name!r} must be a non-empty string")
+
+    @classmethod
+    def from_hf(cls, extractor: dict | None, processor_config: dict | None = None) -> UsmProcessor:
+        """From a checkpoint's feature extractor settings (processor_config.json's "feature_extractor", or a
+        preprocessor_config.json of them; transformers' defaults where absent: frames of 20 ms every 10 ms, 512-point
+        FFT, 128 HTK mel bins to 8 kHz); ``processor_config``'s ``audio_seq_length`` caps a clip's tokens."""
+        cfg = dict(extractor or {})
+        kind = cfg.get("feature_extractor_type", cfg.get("audio_processor_type", "Gemma4AudioFeatureExtractor"))
+        if kind not in ("Gemma4AudioFeatureExtractor", "Gemma4AudioProcessor"):
+            raise _error(f"feature extractor {kind!r} is not supported (Gemma4AudioFeatureExtractor)")
+        if float(cfg.get("dither", 0.0) or 0.0) != 0.0:
+            raise _error("a feature extractor with dither (random noise) is not supported")
+        if float(cfg.get("padding_value", 0.0) or 0.0) != 0.0:
+            raise _error("an audio feature extractor padding with other than silence is not supported")
+        rate = int(cfg.get("sampling_rate", 16000))
+        frame = (int(round(rate * float(cfg["frame_length_ms"]) / 1000.0)) if "frame_length_ms" in cfg
+                 else int(cfg.get("frame_length", round(rate * 0.02))))
+        hop = (int(round(rate * float(cfg["hop_length_ms"]) / 1000.0)) if "hop_length_ms" in cfg
+               else int(cfg.get("hop_length", round(rate * 0.01))))
+        fft = 2 ** math.ceil(math.log2(frame)) * (2 if cfg.get("fft_overdrive") else 1)
+        if cfg.get("fft_length") not in (None, fft):
+            raise _error(f"feature extractor fft_length {cfg['fft_length']!r} disagrees with its frames ({fft})")
+        try:
+            return cls(feature_size=int(cfg.get("feature_size", 128)), sampling_rate=rate, frame_length=frame,
+                       hop_length=hop, fft_length=fft, min_frequency=float(cfg.get("min_frequency", 0.0)),
+                       max_frequency=float(cfg.get("max_frequency", 8000.0)),
+                       mel_floor=float(cfg.get("mel_floor", 1e-3)), preemphasis=float(cfg.get("preemphasis", 0.0)),
+                       preemphasis_htk_flavor=bool(cfg.get("preemphasis_htk_flavor", True)),
+                       input_scale_factor=float(cfg.get("input_scale_factor", 1.0)),
+                       per_bin_mean=cfg.get("per_bin_mean"), per_bin_stddev=cfg.get("per_bin_stddev"),
+                       audio_seq_length=int((processor_config or {}).get("audio_seq_length", 750)))
+        except (TypeError, ValueError) as exc:
+            raise _error(f"bad feature extractor setting: {exc}") from None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for name in ("per_bin_mean", "per_bin_stddev"):
+            d[name] = None if d[name] is None else list(d[name])
+        return {**d, "kind": self.kind}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> UsmProcessor:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields - {"kind"})
+        if unknown:
+            raise _error(f"audio processor settings: unknown {unknown}")
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    @property
+    def placeholder(self) -> str:
+        return self.audio_token
+
+    @property
+    def max_seconds(self) -> float:
+        return self.max_samples / self.sampling_rate
+
+    def frames(self, samples: int) -> int:
+        """The clip's own frames (transformers' input_features_mask's sum) for ``samples`` samples."""
+        padded = -(-samples // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        total = (padded + self.frame_length // 2 - (self.frame_length + 1)) // self.hop_length + 1
+        # (frame i's window ends at sample i * hop + frame_length of the padded clip, valid while inside the clip)
+        valid = (samples + self.frame_length // 2 - self.frame_length - 1) // self.hop_length + 1
+        return max(0, min(total, valid))
+
+    def tokens(self, frames: int) -> int:
+        return min(-(-(-(-frames // 2)) // 2), self.audio_seq_length)
+
+    def _tables(self):
+        key = (self.frame_length, self.fft_length, self.feature_size, self.sampling_rate, self.min_frequency,
+               self.max_frequency)
+        got = _FILTERS.get(key)
+        if got is None:
+            window = np.hanning(self.frame_length + 1)[:-1].astype(np.float32)  # (periodic)
+            filters = htk_mel_filters(self.fft_length // 2 + 1, self.feature_size, self.sampling_rate,
+                                      self.min_frequency, self.max_frequency)
+            got = _FILTERS[key] = (window, filters)
+        return got
+
+    def features(self, samples: np.ndarray, frames: int) -> np.ndarray:
+        """[frames, feature_size] float32: the clip's first ``frames`` log-mel frames, as
+        Gemma4AudioFeatureExtractor computes them."""
+        window, filters = self._tables()
+        wave = np.asarray(samples, dtype=np.float32)
+        if self.input_scale_factor != 1.0:
+            wave = wave * self.input_scale_factor
+        need = (frames - 1) * self.hop_length + self.frame_length + 1
+        wave = np.concatenate([np.zeros(self.frame_length // 2, wave.dtype), wave])
+        if len(wave) < need:
+            wave = np.concatenate([wave, np.zeros(need - len(wave), wave.dtype)])
+        unfolded = np.lib.stride_tricks.sliding_window_view(wave, self.frame_length + 1)[::self.hop_length][:frames]
+        if self.preemphasis > 0.0:
+            if self.preemphasis_htk_flavor:
+                first = unfolded[..., :1] * (1.0 - self.preemphasis)
+                rest = unfolded[..., 1:-1] - self.preemphasis * unfolded[..., :-2]
+                cut = np.concatenate([first, rest], axis=-1)
+            else:
+                cut = unfolded[..., 1:] - self.preemphasis * unfolded[..., :-1]
+        else:
+            cut = unfolded[..., :-1]
+        spectrum = np.abs(np.fft.rfft(cut * window, n=self.fft_length, axis=-1))
+        log_mel = np.log(np.matmul(spectrum, filters) + np.float64(self.mel_floor))
+        if self.per_bin_mean is not None:
+            log_mel = log_mel - np.asarray(self.per_bin_mean)
+        if self.per_bin_stddev is not None:
+            log_mel = log_mel / np.asarray(self.per_bin_stddev)
+        return np.ascontiguousarray(log_mel.astype(np.float32))
+
+    @property
+    def min_samples(self) -> int:
+        """The shortest clip that makes a frame (and so a token)."""
+        return self.frame_length + 1 - self.frame_length // 2
+
+    def prepare(self, audio: DecodedAudio) -> PreparedImage:
+        samples = audio.samples
+        if audio.sample_rate != self.sampling_rate:
+            samples = resample(samples, audio.sample_rate, self.sampling_rate)
+        if len(samples) > self.max_samples:
+            raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
+                         f"{self.max_seconds:g} s (send a longer recording as several clips)")
+        frames = self.frames(len(samples))
+        if frames < 1:
+            raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms): this model needs at least "
+                         f"{self.min_samples * 1000 / self.sampling_rate:.0f} ms")
+        tokens = self.tokens(frames)
+        digest = hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
+                                + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        return PreparedImage(pixel_values=self.features(samples, frames), rows=0, cols=0,
+                             prompt=f"{self.boa_token}{self.audio_token * tokens}{self.eoa_token}",
+                             num_image_tokens=tokens, identity=digest, grid=(frames, 1, 1), modality="audio")
+
+    def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
+        return self.prepare(audio)

@@ -695,7 +695,8 @@ class PooledVideoProcessor(_VideoSettings):
             container.close()
         p = self.patch_size
         return PreparedImage(pixel_values=self.patches(frames), rows=0, cols=0,
-                             prompt=self.prompt(indices, info.fps, per_frame), num_image_tokens=per_frame * len(indices),
+                             prompt=self.prompt(indices, info.fps, per_frame),
+                             num_image_tokens=per_frame * len(indices),
                              identity=self._identity(data), grid=(len(indices), size[0] // p, size[1] // p),
                              modality="video")
 

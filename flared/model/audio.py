@@ -38,6 +38,7 @@ Serving layout (``audio_tensor_shapes``):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ from flared.errors import CoreError, ErrorKind
 from flared.model.vision import AUDIO_FAMILIES, VisionConfig, _Tower, _vit_layer, _vit_layer_shapes
 
 
-__all__ = ["AUDIO_FAMILIES", "WhisperAudioEncoder", "audio_from_hf", "audio_tensor_shapes", "audio_to_serving"]
+__all__ = ["AUDIO_FAMILIES", "Gemma4AudioEncoder", "WhisperAudioEncoder", "audio_from_hf", "audio_tensor_shapes",
+           "audio_to_serving", "gemma4_audio_from_hf"]
 # each family's encoder config: its model_type and its names for the sizes (Qwen2-Audio's are Whisper's)
 _ENCODERS = {"qwen2_audio": ("qwen2_audio_encoder", "d_model", "encoder_ffn_dim", "encoder_layers",
                              "encoder_attention_heads"),
@@ -101,7 +103,84 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
         mel_bins=int(a.get("num_mel_bins", 128)), **shape)
 
 
+def gemma4_audio_from_hf(hf: dict[str, Any], source: str) -> VisionConfig | None:
+    """Gemma 4's audio tower (its ``audio_config``: transformers' defaults are E2B's, 12 conformer layers of 1024,
+    two convolutions of 128 and 32 channels, attention in blocks of 12 rows seeing 12 back) and its projection, as a
+    VisionConfig of family gemma4_audio; None for a checkpoint without one (26B-A4B, 31B)."""
+    a, t = hf.get("audio_config"), hf.get("text_config")
+    if a is None:
+        return None
+    if not isinstance(a, dict) or not isinstance(t, dict):
+        raise CoreError(f"{source}: a gemma4 audio_config must be an object", ErrorKind.SOURCE_FORMAT)
+    if a.get("model_type", "gemma4_audio") != "gemma4_audio":
+        raise CoreError(f"{source}: an audio tower of type {a.get('model_type')!r} is not supported",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    act = str(a.get("hidden_act", "silu"))
+    if act != "silu":
+        raise CoreError(f"{source}: Gemma 4 audio activation {act!r} is not supported (silu)",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    d, heads = int(a.get("hidden_size", 1024)), int(a.get("num_attention_heads", 8))
+    channels = tuple(int(x) for x in a.get("subsampling_conv_channels", (128, 32)))
+    if len(channels) != 2 or d % heads:
+        raise CoreError(f"{source}: a Gemma 4 audio tower needs two subsampling convolutions and a width that its "
+                        "heads divide", ErrorKind.UNSUPPORTED_MODEL)
+    try:
+        return VisionConfig(
+            family="gemma4_audio", hidden_size=d, intermediate_size=4 * d,
+            num_layers=int(a.get("num_hidden_layers", 12)), num_heads=heads, patch_size=1, image_size=0,
+            layer_norm_eps=float(a.get("rms_norm_eps", 1e-6)), hidden_act=act, scale_factor=4,
+            text_hidden_size=int(t["hidden_size"]), image_token_id=int(hf.get("audio_token_id", 258881)),
+            mel_bins=128, conv_channels=channels, conv_kernel=int(a.get("conv_kernel_size", 5)),
+            attention_chunk=int(a.get("attention_chunk_size", 12)),
+            context_left=int(a.get("attention_context_left", 13)),
+            context_right=int(a.get("attention_context_right", 0)),
+            logit_cap=float(a.get("attention_logit_cap", 50.0)), residual_weight=float(a.get("residual_weight", 0.5)),
+            clip_value=float(a.get("gradient_clipping", 1e10)), output_dims=int(a.get("output_proj_dims", 1536)),
+            clipped_linears=bool(a.get("use_clipped_linears", True)),
+            projector_eps=float(a.get("rms_norm_eps", 1e-6)), pad_token_id=int(t.get("pad_token_id") or 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad gemma4 audio value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+
+
+_GEMMA4_AUDIO_PRODUCTS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                          "o": "self_attn.post", "ff1_in": "feed_forward1.ffw_layer_1",
+                          "ff1_out": "feed_forward1.ffw_layer_2", "ff2_in": "feed_forward2.ffw_layer_1",
+                          "ff2_out": "feed_forward2.ffw_layer_2", "conv_in": "lconv1d.linear_start",
+                          "conv_out": "lconv1d.linear_end"}
+_GEMMA4_AUDIO_TENSORS = {"rel_k.weight": "self_attn.relative_k_proj.weight", "scale": "self_attn.per_dim_scale",
+                         "ff1_pre.weight": "feed_forward1.pre_layer_norm.weight",
+                         "ff1_post.weight": "feed_forward1.post_layer_norm.weight",
+                         "ff2_pre.weight": "feed_forward2.pre_layer_norm.weight",
+                         "ff2_post.weight": "feed_forward2.post_layer_norm.weight",
+                         "conv_pre.weight": "lconv1d.pre_layer_norm.weight",
+                         "conv_norm.weight": "lconv1d.conv_norm.weight",
+                         "conv.weight": "lconv1d.depthwise_conv1d.weight", "attn_pre.weight": "norm_pre_attn.weight",
+                         "attn_post.weight": "norm_post_attn.weight", "out_norm.weight": "norm_out.weight"}
+
+
+def _gemma4_audio_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    d, (c0, c1) = c.hidden_size, c.conv_channels
+    shapes = {"sub0.weight": (c0, 1, 3, 3), "sub0_norm.weight": (c0,), "sub1.weight": (c1, c0, 3, 3),
+              "sub1_norm.weight": (c1,), "sub_proj.weight": (d, (c.mel_bins // 4) * c1),
+              "out.weight": (c.output_dims, d), "out.bias": (c.output_dims,), "proj.weight": (c.text_hidden_size,
+                                                                                              c.output_dims)}
+    sizes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "ff1_in": (4 * d, d), "ff1_out": (d, 4 * d),
+             "ff2_in": (4 * d, d), "ff2_out": (d, 4 * d), "conv_in": (2 * d, d), "conv_out": (d, d)}
+    for n in range(c.num_layers):
+        p = f"layers.{n}."
+        for name, shape in sizes.items():
+            shapes[p + name + ".weight"] = shape
+            if c.clipped_linears:
+                shapes[p + name + ".clip"] = (4,)
+        for name in _GEMMA4_AUDIO_TENSORS:
+            shapes[p + name] = {"rel_k.weight": (d, d), "scale": (d // c.num_heads,),
+                                "conv.weight": (d, 1, c.conv_kernel)}.get(name, (d,))
+    return shapes
+
+
 def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
+    if c.family == "gemma4_audio":
+        return _gemma4_audio_shapes(c)
     d, h = c.hidden_size, c.text_hidden_size
     shapes = {"conv1.weight": (d, c.mel_bins, 3), "conv1.bias": (d,), "conv2.weight": (d, d, 3), "conv2.bias": (d,),
               "pos_embed.weight": (c.position_table, d), "post_norm.weight": (d,), "post_norm.bias": (d,),
@@ -121,7 +200,9 @@ def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
 def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     """The encoder's and projector's tensors out of a checkpoint: ``audio_tower.*`` and
     ``multi_modal_projector.*`` (``linear``; ``linear_1``, ``linear_2``) as released (transformers 5 saves them so
-    too), or under ``model.``."""
+    too), or under ``model.``; Gemma 4's ``model.audio_tower.*`` and ``model.embed_audio.*``."""
+    if c.family == "gemma4_audio":
+        return _gemma4_audio_to_serving(hf, c, take)
     prefix = "model." if "model.audio_tower.conv1.weight" in hf else ""
     at, mp = prefix + "audio_tower.", prefix + "multi_modal_projector."
     out = {"conv1.weight": take(at + "conv1.weight"), "conv1.bias": take(at + "conv1.bias"),
@@ -151,6 +232,26 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
         for ours, theirs in names:
             for kind in ("weight", "bias"):
                 out[f"{sp}{ours}.{kind}"] = take(f"{hp}{theirs}.{kind}")
+    return out
+
+
+def _gemma4_audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    at = "model.audio_tower." if "model.audio_tower.output_proj.weight" in hf else "audio_tower."
+    ea = ("model." if at.startswith("model.") else "") + "embed_audio."
+    sub = at + "subsample_conv_projection."
+    out = {"sub0.weight": take(sub + "layer0.conv.weight"), "sub0_norm.weight": take(sub + "layer0.norm.weight"),
+           "sub1.weight": take(sub + "layer1.conv.weight"), "sub1_norm.weight": take(sub + "layer1.norm.weight"),
+           "sub_proj.weight": take(sub + "input_proj_linear.weight"), "out.weight": take(at + "output_proj.weight"),
+           "out.bias": take(at + "output_proj.bias"), "proj.weight": take(ea + "embedding_projection.weight")}
+    for n in range(c.num_layers):
+        p, q = f"layers.{n}.", f"{at}layers.{n}."
+        for name, theirs in _GEMMA4_AUDIO_PRODUCTS.items():
+            out[p + name + ".weight"] = take(q + theirs + ".linear.weight")
+            if c.clipped_linears:
+                out[p + name + ".clip"] = torch.stack([take(q + theirs + "." + bound).float().reshape(()) for bound in
+                                                       ("input_min", "input_max", "output_min", "output_max")])
+        for name, theirs in _GEMMA4_AUDIO_TENSORS.items():
+            out[p + name] = take(q + theirs)
     return out
 
 
@@ -231,3 +332,129 @@ class WhisperAudioEncoder(_Tower):
         h = h[:n // k * k].reshape(n // k, k * d)[:tokens]
         h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
+
+
+class Gemma4AudioEncoder(_Tower):
+    """Gemma 4's audio tower (Google's Universal Speech Model conformer) and its projection: a clip's log-mel
+    frames [F, mel] -> its rows [ceil(ceil(F / 2) / 2), hidden]. Two 3 x 3 stride-2 convolutions over (time, mel),
+    each LayerNormed (no bias) and ReLU'd, their channels x mel / 4 through a linear; then conformer layers:
+
+        x = ff1(x)                 x + 0.5 * RMSNorm(W2 silu(W1 RMSNorm(x)))
+        x = x + RMSNorm(attn(RMSNorm(x)))     blocks of ``attention_chunk`` rows, each row seeing itself and the
+                                              context_left - 2 rows before it, with Transformer-XL relative
+                                              positions (a sinusoid of distance through rel_k), q scaled by
+                                              softplus(per_dim_scale) / (sqrt(d) ln 2), k by ln(1 + e) / ln 2,
+                                              scores soft-capped, all in float32
+        x = x + W_out silu(RMSNorm(causal depthwise conv(glu(W_in RMSNorm(x)))))
+        x = ff2(x); x = RMSNorm(x)
+
+    the output projection (biased), then a weightless RMSNorm and the projection into the decoder. Products clamp
+    their inputs and outputs to the checkpoint's bounds (use_clipped_linears); the branches are clamped at
+    gradient_clipping. RMSNorms are Gemma 4's (float32, the weight as it is). The clip's frames only: the padding
+    transformers adds reads as zeros in the convolutions and is masked out of attention, which gives the same rows
+    (``grid``: (frames, 1, 1))."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        clips = {k: v for k, v in tensors.items() if k.endswith(".clip")}
+        super().__init__(config, tensors, dtype=dtype, device=device)
+        self.clips = {k: [float(x) for x in v.float().tolist()] for k, v in clips.items()}
+        c = config
+        context = c.attention_chunk + c.context_left - 1 + c.context_right
+        half = c.hidden_size // 2
+        inv = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
+        distance = torch.arange(context // 2, -1, -1, dtype=torch.float32)[:, None] * inv[None]
+        self.rel_pos = torch.cat([distance.sin(), distance.cos()], -1).to(self.device, self.dtype)  # [ctx/2 + 1, D]
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+        return (y if weight is None else y * weight.float()).to(x.dtype)
+
+    def _product(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        bounds = self.clips.get(name[:-len("weight")] + "clip")
+        if bounds is not None:
+            x = x.clamp(bounds[0], bounds[1])
+        y = F.linear(x, self.w[name])
+        return y.clamp(bounds[2], bounds[3]) if bounds is not None else y
+
+    def _clamp(self, x: torch.Tensor) -> torch.Tensor:
+        limit = min(self.config.clip_value, torch.finfo(x.dtype).max)
+        return x.clamp(-limit, limit)
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
+        c, w = self.config, self.w
+        if pixel_values.ndim != 2 or pixel_values.shape[1] != c.mel_bins or pixel_values.shape[0] < 1:
+            raise ValueError(f"a Gemma 4 audio tower takes one clip's [frames, {c.mel_bins}] features, got "
+                             f"{tuple(pixel_values.shape)}")
+        x = pixel_values.to(self.device, self.dtype)[None, None]  # [1, 1, F, mel]
+        for i in (0, 1):
+            x = F.conv2d(x, w[f"sub{i}.weight"], stride=2, padding=1)
+            x = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), w[f"sub{i}_norm.weight"], None, c.layer_norm_eps)
+            x = F.relu(x).permute(0, 3, 1, 2)
+        h = F.linear(x.permute(0, 2, 3, 1).reshape(x.shape[2], -1), w["sub_proj.weight"])  # [T, D]
+        for i in range(c.num_layers):
+            h = self._layer(h, f"layers.{i}.")
+            yield
+        h = F.linear(h, w["out.weight"], w["out.bias"])
+        return F.linear(self._norm(h, None, c.projector_eps), w["proj.weight"])
+
+    def _feed_forward(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        x = self._norm(self._clamp(h), w[p + "_pre.weight"], 1e-6)
+        x = self._product(F.silu(self._product(x, p + "_in.weight")), p + "_out.weight")
+        return h + self._norm(self._clamp(x), w[p + "_post.weight"], 1e-6) * self.config.residual_weight
+
+    def _layer(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        c, w = self.config, self.w
+        h = self._feed_forward(h, p + "ff1")
+        x = self._norm(self._clamp(h), w[p + "attn_pre.weight"], 1e-6)
+        h = h + self._norm(self._clamp(self._attention(x, p)), w[p + "attn_post.weight"], 1e-6)
+        x = self._norm(h, w[p + "conv_pre.weight"], c.layer_norm_eps)
+        x = F.glu(self._product(x, p + "conv_in.weight"), dim=-1)
+        x = F.conv1d(F.pad(x.T[None], (c.conv_kernel - 1, 0)), w[p + "conv.weight"], groups=c.hidden_size)[0].T
+        x = self._norm(self._clamp(x), w[p + "conv_norm.weight"], c.layer_norm_eps)
+        h = h + self._product(F.silu(x), p + "conv_out.weight")
+        h = self._feed_forward(h, p + "ff2")
+        return self._norm(self._clamp(h), w[p + "out_norm.weight"], 1e-6)
+
+    def _attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """transformers' Gemma4AudioAttention over one clip's rows [T, D], in its blocks and float32 steps."""
+        c, w = self.config, self.w
+        n, d = x.shape
+        heads, head = c.num_heads, d // c.num_heads
+        chunk, back, ahead = c.attention_chunk, c.context_left - 1, c.context_right
+        context = chunk + back + ahead
+        q = self._product(x, p + "q.weight").float().view(n, heads, head)
+        k = self._product(x, p + "k.weight").float().view(n, heads, head)
+        v = self._product(x, p + "v.weight").float().view(n, heads, head)
+        q = q * ((head ** -0.5) / math.log(2)) * F.softplus(w[p + "scale"].float())
+        k = k * (math.log(1 + math.e) / math.log(2))
+        blocks = -(-n // chunk)
+        qb = F.pad(q, (0, 0, 0, 0, 0, blocks * chunk - n)).view(blocks, chunk, heads, head)
+
+        def windows(t):  # [blocks, context, heads, head]: each block's keys, back rows before to ahead after
+            padded = F.pad(t, (0, 0, 0, 0, back, ahead + chunk - 1))
+            return padded.unfold(0, context, chunk)[:blocks].permute(0, 3, 1, 2)
+
+        kb, vb = windows(k), windows(v)
+        rel = F.linear(self.rel_pos, w[p + "rel_k.weight"]).view(-1, heads, head).float()  # [ctx/2 + 1, H, hd]
+        queries = qb.permute(2, 0, 1, 3)  # [H, blocks, chunk, hd]
+        ac = queries @ kb.permute(2, 0, 3, 1)  # [H, blocks, chunk, context]
+        bd = (queries.reshape(heads, -1, head) @ rel.permute(1, 2, 0)).view(heads, blocks, chunk, -1)
+        positions = bd.shape[-1]  # (Transformer-XL's shift: row r's distances to its block's context)
+        bd = F.pad(bd, (0, context + 1 - positions)).view(heads, blocks, chunk * (context + 1))
+        bd = bd[..., :chunk * context].view(heads, blocks, chunk, context)
+        scores = torch.tanh((ac + bd) / c.logit_cap) * c.logit_cap
+        row = torch.arange(blocks * chunk, device=x.device).view(blocks, chunk, 1)
+        key = (torch.arange(blocks, device=x.device) * chunk - back).view(blocks, 1, 1) + torch.arange(
+            context, device=x.device).view(1, 1, context)
+        distance = row - key
+        allowed = (key >= 0) & (key < n) & (((distance >= 0) & (distance < back))
+                                             | ((distance < 0) & (-distance < ahead)))
+        scores = scores.masked_fill(~allowed, -1e9)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        out = (probs @ vb.permute(2, 0, 1, 3)).permute(1, 2, 0, 3).reshape(blocks * chunk, d)[:n]
+        return self._product(out.to(x.dtype), p + "o.weight")

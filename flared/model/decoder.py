@@ -740,6 +740,7 @@ class DecoderModel:
         self.lora_modules: list[dict | None] = []  # add_lora_module
         # A vision-language model's image tower (flared.model.vision.VisionEncoder), set by whoever loads one.
         self.vision = None
+        self.audio = None  # (a second tower, for audio clips: Gemma 4's; flared.model.vision.attach_tower)
         self._mrope_sections: torch.Tensor | None = None  # set_mrope
         self.image_block_tokens: tuple[int, ...] = ()  # set_image_blocks
         self.image_blocks_windowed = False

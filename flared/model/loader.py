@@ -79,6 +79,9 @@ class SourceModel:
     # An mmproj's image preparation (flared.model.mmproj), as a checkpoint's preprocessor_config.json and
     # processor_config.json would say it; None: read them from the checkpoint directory.
     image_processor: tuple[dict, dict] | None = None
+    # A second medium's tower beside the image tower (Gemma 4's audio: flared.model.audio), and its tensors.
+    audio: VisionConfig | None = None
+    audio_tensors: dict[str, torch.Tensor] | None = None
 
 
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -386,10 +389,16 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         _dequantize_fp8_blocks(hf_tensors, tuple(fp8_block), dtype or torch.float32, source=str(directory))
     if checkpoint_quant is not None:
         dequantize_checkpoint(hf_tensors, checkpoint_quant, dtype or torch.float32, source=str(directory))
-    vision_tensors = None
+    vision_tensors = audio = audio_tensors = None
+    if vision is not None and vision.family == "gemma4":  # (E2B's and E4B's audio tower beside the image tower)
+        from flared.model.audio import gemma4_audio_from_hf
+
+        audio = gemma4_audio_from_hf(hf_config, str(config_path))
     if vision is not None or text_of_multimodal:
         if vision is not None:
             vision_tensors = hf_vision_to_serving(hf_tensors, vision, source=str(directory))
+        if audio is not None:
+            audio_tensors = hf_vision_to_serving(hf_tensors, audio, source=str(directory))
         # its decoder's tensors under model.text_model.* (Idefics3) or model.language_model.* (transformers 5's
         # Qwen VL layout; older checkpoints keep model.*), the tower's elsewhere
         renames = {"model.text_model.": "model.", "model.language_model.": "model.",
@@ -412,7 +421,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     tensors = _hf_to_serving(hf_tensors, config, source=str(directory), hf_config=hf_config)
     check_serving_tensors(tensors, config, source=str(directory))
     return SourceModel(config=config, tensors=tensors, source_kind="hf", vision=vision, vision_tensors=vision_tensors,
-                       quantization=checkpoint_quant, image_processor=image_processor)
+                       quantization=checkpoint_quant, image_processor=image_processor, audio=audio,
+                       audio_tensors=audio_tensors)
 
 
 def _hf_internlm2_names(hf: dict[str, torch.Tensor], config: ModelConfig, source: str) -> dict[str, torch.Tensor]:

@@ -60,8 +60,10 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "internvl_chat": "internvl",
                          # Qwen2-Audio, Audio Flamingo 3: a Whisper encoder's rows in place of their audio tokens
                          # (flared.model.audio)
-                         "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3", "glmasr": "glmasr"}
-AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr")
+                         "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3", "glmasr": "glmasr",
+                         # Gemma 4's audio tower beside its image tower (a core's second medium: flared.model.audio)
+                         "gemma4_audio": "gemma4_audio"}
+AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr", "gemma4_audio")
 # a family's decoder where its text_config does not name one (the rest: Llama)
 _TEXT_MODEL_TYPES = {"pixtral": "mistral", "qwen2_audio": "qwen2", "audioflamingo3": "qwen2"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
@@ -149,9 +151,22 @@ class VisionConfig:
     standardize: bool = False
     windowed_image_blocks: bool = False
     pad_token_id: int = 0
+    # gemma4_audio (a conformer, flared.model.audio.Gemma4AudioEncoder): the two stride-2 convolutions' channels, the
+    # light convolution's kernel, attention over blocks of attention_chunk rows seeing context_left - 1 rows back
+    # and context_right ahead, its scores soft-capped at logit_cap, the feed-forward halves' residual_weight, the
+    # clamp on its branches (gradient_clipping), and the width of its output projection (output_proj_dims)
+    conv_channels: tuple[int, ...] = ()
+    conv_kernel: int = 0
+    attention_chunk: int = 0
+    context_left: int = 0
+    context_right: int = 0
+    logit_cap: float = 0.0
+    residual_weight: float = 0.0
+    clip_value: float = 0.0
+    output_dims: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers"):
+        for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers", "conv_channels"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         try:
             object.__setattr__(self, "grid_pinpoints", tuple((int(h), int(w)) for h, w in self.grid_pinpoints))
@@ -175,6 +190,13 @@ class VisionConfig:
         if not (isinstance(self.layer_norm_eps, float) and math.isfinite(self.layer_norm_eps)
                 and self.layer_norm_eps > 0):
             raise CoreError(f"vision layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if self.family == "gemma4_audio":
+            if (self.mel_bins <= 0 or len(self.conv_channels) != 2 or min(self.conv_channels) <= 0
+                    or self.conv_kernel <= 0 or self.attention_chunk <= 0 or self.context_left <= 0
+                    or self.context_right < 0 or self.output_dims <= 0):
+                raise CoreError("a Gemma 4 audio tower needs its mel bins, two convolutions' channels, its kernel, "
+                                "its attention blocks and context, and its output width")
+            return
         if self.is_audio:
             if self.mel_bins <= 0 or self.position_table <= 0:
                 raise CoreError("an audio encoder needs its mel bins and position rows (mel_bins, position_table)")
@@ -280,7 +302,7 @@ class VisionConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers"):
+        for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers", "conv_channels"):
             d[name] = list(getattr(self, name))
         return d
 
@@ -294,7 +316,8 @@ class VisionConfig:
         if unknown or not required <= set(d):
             raise CoreError(f"vision config keys {sorted(d)}: unknown {unknown}, missing {sorted(required - set(d))}")
         values = dict(d)
-        for name in ("layer_norm_eps", "rope_theta", "projector_eps", "tokens_per_second"):
+        for name in ("layer_norm_eps", "rope_theta", "projector_eps", "tokens_per_second", "logit_cap",
+                     "residual_weight", "clip_value"):
             if isinstance(values.get(name), int) and not isinstance(values[name], bool):
                 values[name] = float(values[name])
         return cls(**values)
@@ -839,6 +862,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
     from flared.model.audio import audio_to_serving
 
     to_serving = {"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving, "glmasr": audio_to_serving,
+                  "gemma4_audio": audio_to_serving,
                   "pixtral": _pixtral_vision_to_serving,
                   "llava": _llava_vision_to_serving,
                   "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
@@ -1107,9 +1131,10 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    from flared.model.audio import WhisperAudioEncoder
+    from flared.model.audio import Gemma4AudioEncoder, WhisperAudioEncoder
 
     cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
+           "gemma4_audio": Gemma4AudioEncoder,
            "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
            "gemma3": Gemma3VisionEncoder, "gemma4": Gemma4VisionEncoder,
            "internvl": InternVLVisionEncoder,
@@ -1119,11 +1144,13 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
     return cls(config, tensors, dtype=dtype, device=device)
 
 
-def attach_tower(model, config: VisionConfig, tower) -> None:
+def attach_tower(model, config: VisionConfig, tower, audio=None) -> None:
     """Give a DecoderModel its image tower and what the family's images need of the decoder: Qwen VL's 3D rope
     sections; images that attend to each other both ways (Gemma 3; Gemma 4's 26B-A4B and 31B on their windowed
-    layers, each video frame a block too); Gemma 4 E2B's and E4B's pad-token per-layer rows for image tokens."""
+    layers, each video frame a block too); Gemma 4 E2B's and E4B's pad-token per-layer rows for image tokens.
+    ``audio``: a second tower for audio clips (Gemma 4's), which VisionJob runs a clip through."""
     model.vision = tower
+    model.audio = audio
     if config.mrope_section:
         model.set_mrope(config.mrope_section, interleaved=config.mrope_interleaved)
     if config.bidirectional_images:
@@ -1306,10 +1333,10 @@ class Gemma4VisionEncoder(_Tower):
             for i in range(c.num_layers):
                 p = f"layers.{i}."
                 x = self._norm(h, w[p + "norm1.weight"], eps)
-                q = self._norm(self._product(x, p + "q.weight").view(n, patches, heads, hd), w[p + "q_norm.weight"], eps)
-                kk = self._norm(self._product(x, p + "k.weight").view(n, patches, heads, hd), w[p + "k_norm.weight"],
-                                eps)
-                v = self._norm(self._product(x, p + "v.weight").view(n, patches, heads, hd), None, eps)
+                shape = (n, patches, heads, hd)
+                q = self._norm(self._product(x, p + "q.weight").view(shape), w[p + "q_norm.weight"], eps)
+                kk = self._norm(self._product(x, p + "k.weight").view(shape), w[p + "k_norm.weight"], eps)
+                v = self._norm(self._product(x, p + "v.weight").view(shape), None, eps)
                 q, kk = self._turn(q, cos, sin), self._turn(kk, cos, sin)
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), kk.transpose(1, 2), v.transpose(1, 2),
                                                       scale=1.0).transpose(1, 2).reshape(n, patches, d)

@@ -193,12 +193,13 @@ class VisionJob(ModelJob):
     def step(self, model, budget: int, stats) -> bool:
         import torch
 
-        vision = model.vision
-        if vision is None:
-            raise ExecutionError("this model has no image tower", ErrorKind.UNSUPPORTED)
         started = time.perf_counter()
         while len(self.parts) < len(self.images):
             image = self.images[len(self.parts)]
+            second = getattr(model, "audio", None)  # (Gemma 4's clips: the audio tower beside the image tower)
+            vision = second if image.modality == "audio" and second is not None else model.vision
+            if vision is None:
+                raise ExecutionError("this model has no image tower", ErrorKind.UNSUPPORTED)
             if self._stages is None:
                 pixels = torch.as_tensor(image.pixel_values)
                 if image.modality == "video" and hasattr(vision, "video_stages"):  # (LLaVA-OneVision's frames)
@@ -512,9 +513,10 @@ class ModelRuntime:
             from flared.model.vision import attach_tower, vision_encoder
 
             config = self.core.vision_config
-            attach_tower(model, config, vision_encoder(config, self.core.load_vision_tensors(),
-                                                       dtype=tower_dtype(dtype) if model.device.type == "cpu"
-                                                       else dtype, device=model.device))
+            on = dict(dtype=tower_dtype(dtype) if model.device.type == "cpu" else dtype, device=model.device)
+            audio = self.core.audio_config  # (Gemma 4's audio tower beside its image tower)
+            attach_tower(model, config, vision_encoder(config, self.core.load_vision_tensors(), **on),
+                         vision_encoder(audio, self.core.load_audio_tensors(), **on) if audio is not None else None)
             log.info("%s (%s): %d layers in %s", "audio encoder" if config.is_audio else "image tower",
                      config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))

@@ -169,10 +169,19 @@ class ServingState:
         self.video_token_id = -1
         self.tokens_per_second = 0.0  # Qwen2.5-VL: rope positions a second of video advances (0: one a patch)
         self.max_videos = MAX_VIDEOS_PER_REQUEST
+        # An audio model's clip preparation (flared.frontend.audio): the core's processor where it is an audio
+        # model's, a second tower's beside the images (Gemma 4's); else None. Its token is audio_token_id.
+        self.audio_processor = None
+        self.audio_token_id = -1
         if manifest.vision is not None:
             self.image_processor = image_processor_from_dict(manifest.vision["processor"])
             config = manifest.vision["config"]
             self.image_token_id = int(config["image_token_id"])
+            if self.image_processor.modality == "audio":
+                self.audio_processor, self.audio_token_id = self.image_processor, self.image_token_id
+            elif "audio" in manifest.vision:
+                self.audio_processor = image_processor_from_dict(manifest.vision["audio"]["processor"])
+                self.audio_token_id = int(manifest.vision["audio"]["config"]["image_token_id"])
             if config.get("mrope_section"):
                 self.mrope_merge = int(config["scale_factor"])
             if "video" in manifest.vision:
@@ -268,7 +277,15 @@ class ServingState:
         out = {self.image_processor.modality: self.image_processor.placeholder}
         if self.video_processor is not None:
             out["video"] = self.video_processor.placeholder
+        if self.audio_processor is not None:
+            out["audio"] = self.audio_processor.placeholder
         return out
+
+    @property
+    def _media_tokens(self) -> list[int]:
+        """The prompt tokens media rows take: the image (or audio) token's, the video's, a second tower's audio."""
+        return list(dict.fromkeys(t for t in (self.image_token_id, self.video_token_id, self.audio_token_id)
+                                  if t >= 0))
 
     def _check_media_tokens(self, token_ids, prepared) -> None:
         """Every image (audio, video) token of a prompt must be one of its media's (a text that spells the token,
@@ -279,8 +296,11 @@ class ServingState:
         if self.video_processor is not None:
             kinds[self.video_token_id] = "image or video" if self.video_token_id == self.image_token_id else "video"
             expected[self.video_token_id] = 0
+        if self.audio_token_id >= 0:
+            kinds[self.audio_token_id], expected[self.audio_token_id] = "audio", 0
+        token_of = {"video": self.video_token_id, "audio": self.audio_token_id}
         for p in prepared:
-            expected[self.video_token_id if p.modality == "video" else self.image_token_id] += p.num_image_tokens
+            expected[token_of.get(p.modality, self.image_token_id)] += p.num_image_tokens
         for token, kind in kinds.items():
             found = token_ids.count(token)
             if found != expected[token]:
@@ -306,20 +326,22 @@ class ServingState:
 
     @property
     def takes_audio(self) -> bool:
-        """An audio model (flared.frontend.audio's processor) whose encoder the model thread loaded."""
-        return self._tower_loaded and self.image_processor.modality == "audio"
+        """An audio model (flared.frontend.audio's processor), or a model with an audio tower beside its image
+        tower (Gemma 4), whose encoder the model thread loaded."""
+        return self._tower_loaded and self.audio_processor is not None
 
     def _check_images(self, images) -> None:
         modality = getattr(self.image_processor, "modality", None)
-        taken = (modality, "video") if self.video_processor is not None else (modality,)
+        taken = tuple(dict.fromkeys((modality, *(("video",) if self.video_processor is not None else ()),
+                                     *(("audio",) if self.audio_processor is not None else ()))))
         for param, part in images:
             if self._tower_loaded and part.get("type") in taken:
                 continue
             if self.image_processor is None:
                 why = "this model takes text"
             elif part.get("type") not in taken:
-                why = "this model takes text and " + ("audio" if modality == "audio" else "images and video"
-                                                      if self.video_processor is not None else "images")
+                names = {"image": "images", "video": "video", "audio": "audio"}
+                why = "this model takes text and " + " and ".join(names[t] for t in taken)
             else:
                 tower = "image tower" if modality == "image" else "audio encoder"
                 why = f"this server did not load the model's {tower}"
@@ -327,7 +349,9 @@ class ServingState:
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
         videos = [param for param, part in images if part.get("type") == "video"]
         others = [param for param, part in images if part.get("type") != "video"]
-        for found, limit, noun in ((others, self.max_images, "image" if modality == "image" else "audio clip"),
+        noun = {("image",): "image", ("audio",): "audio clip"}.get(tuple(t for t in taken if t != "video"),
+                                                                    "image or audio clip")
+        for found, limit, noun in ((others, self.max_images, noun),
                                    (videos, self.max_videos, "video")):
             if len(found) > limit:
                 raise _bad(found[limit], f"at most {limit} {noun}{'s' if limit != 1 else ''} a request")
@@ -373,12 +397,14 @@ class ServingState:
                 if kind == "video":
                     image = video_processor.prepare(decode_video_source(source, max_bytes=limit),
                                                     max_tokens=context - 1 - tokens)
+                elif kind == "audio":
+                    image = self.audio_processor.prepare_in_request(
+                        decode_audio(source, max_bytes=limit, format=part.get("format"),
+                                     max_seconds=self.audio_processor.max_seconds), images=1)
                 else:
-                    decoded = (decode_audio(source, max_bytes=limit, format=part.get("format"),
-                                            max_seconds=self.image_processor.max_seconds) if kind == "audio"
-                               else decode_image(source, max_bytes=limit))
                     image = image_processor.prepare_in_request(
-                        decoded, images=sum(p.get("type") != "video" for _, p in images))
+                        decode_image(source, max_bytes=limit),
+                        images=sum(p.get("type") not in ("video", "audio") for _, p in images))
             except FrontendError as exc:
                 raise _bad(param, str(exc), exc.kind) from None
             tokens += image.num_image_tokens
@@ -392,8 +418,7 @@ class ServingState:
         """Where a rendered chat's images (videos, clips) sit (on the frontend worker): their tokens' positions,
         each one's span and identity, and Qwen VL's 3D rope positions; the rows come later (``vision_input``)."""
         ids = np.asarray(rendered.token_ids, dtype=np.int64)
-        tokens = [self.image_token_id] + ([self.video_token_id] if self.video_processor is not None else [])
-        positions = np.flatnonzero(np.isin(ids, tokens))  # as many as the media make (checked by the caller)
+        positions = np.flatnonzero(np.isin(ids, self._media_tokens))  # as many as the media make (checked before)
         counts = [image.num_image_tokens for image in images]
         starts = np.cumsum([0] + counts[:-1])
         spans = tuple((int(positions[s]), image.identity) for s, image in zip(starts, images))
@@ -443,10 +468,10 @@ class ServingState:
             expanded = pieces[0] + "".join(p.prompt + rest for p, rest in zip(prepared, pieces[1:]))
             ids = self.frontend.encode(expanded, add_special_tokens=add_bos)
             expected = sum(p.num_image_tokens for p in prepared)
-            if ids.count(self.image_token_id) != expected:
+            found = sum(ids.count(token) for token in self._media_tokens)
+            if found != expected:
                 raise FrontendError(f"'{where}.prompt_string': its text spells a media token (the prompt holds "
-                                    f"{ids.count(self.image_token_id)} where its media make {expected})",
-                                    ErrorKind.VALIDATION)
+                                    f"{found} where its media make {expected})", ErrorKind.VALIDATION)
             rendered = _MediaPrompt(ids, prepared, None)
             return dataclasses.replace(rendered, vision=self._image_layout(rendered, prepared))
 

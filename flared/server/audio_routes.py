@@ -125,7 +125,7 @@ class AudioRoutes:
         stream = _flag(fields, "stream")
         hint = _text(fields, "prompt") or ""
 
-        processor = state.image_processor
+        processor = state.audio_processor
         _, data = fields["file"]
 
         def read():

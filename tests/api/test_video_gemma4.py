@@ -5,7 +5,11 @@ each frame's tokens after its mm:ss time (Gemma4Processor.replace_video_token); 
 frame's tokens attend to each other both ways on the windowed layers (mm_token_type_ids 2).
 
 transformers' Gemma4VideoProcessor needs torchvision, which this machine lacks: the frames fed to transformers here
-are ours, and tests/frontend/test_video.py checks ours against its processor where torchvision is installed."""
+are ours, and tests/frontend/test_video.py checks ours against its processor where torchvision is installed.
+
+The random models may emit a media token (<|image|>, <|video|>, <|audio|>) as output, which transformers then feeds
+as the pad token's embedding (its placeholder mask), and flared, as vLLM, as the token's own; no trained model
+emits them, and the tests keep these from doing so (transformers' suppress_tokens, our logit_bias of -100)."""
 
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ def served(request, tmp_path_factory):
     assert videos is not None and videos.kind == "pooled_video"
     max_patches = videos.max_soft_tokens * videos.pooling_kernel_size ** 2
     config = model.config
+    media_ids = [config.image_token_id, config.video_token_id, config.audio_token_id]
 
     def run(media, text: str, both_ways: bool = True):
         """(prompt tokens, greedy tokens) of transformers for one user turn of ``media`` then ``text``."""
@@ -84,8 +89,10 @@ def served(request, tmp_path_factory):
                                            + 2 * (ids == config.video_token_id).long())
         with torch.no_grad():
             gen = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, **kwargs)
+                                 pad_token_id=0, suppress_tokens=media_ids, **kwargs)
         return ids.shape[1], gen[0, ids.shape[1]:].tolist()
+
+    run.bias = {str(t): -100 for t in media_ids}  # (our side of suppress_tokens)
 
     d = Daemon(core, tmp_path_factory.mktemp(request.param + "-video"))
     yield d, run, request.param
@@ -102,7 +109,7 @@ def test_greedy_tokens_match_transformers(served):
         ([("video", tall)], "And here?"),
         ([("image", picture), ("video", clip)], "Compare the picture and the video."),
         ([("video", tall), ("video", clip)], "Which is longer?"),
-    ), NEW_TOKENS, label=(name,))
+    ), NEW_TOKENS, label=(name,), logit_bias=reference.bias)
     assert metric(daemon, "flare_vision_videos") == 2  # (two videos; repeats come from the rows' cache)
 
 
@@ -118,7 +125,7 @@ def test_a_minute_long_video_gets_its_minutes(served):
     0, 20, 40, 60."""
     daemon, reference, _ = served
     clip = noise_video(80, (48, 48), 1, seed=5)
-    body = ask_media(daemon, [("video", clip)], "When?", NEW_TOKENS)
+    body = ask_media(daemon, [("video", clip)], "When?", NEW_TOKENS, logit_bias=reference.bias)
     assert body["usage"]["prompt_tokens"] == reference([("video", clip)], "When?")[0]
     status, tokens = daemon.request("POST", "/tokenize", {"messages": [{"role": "user", "content": [
         video_part(clip), {"type": "text", "text": "When?"}]}], "return_token_strs": True})

@@ -5,7 +5,11 @@ Gemma4ImageProcessorPil; each <|image|> as Gemma4Processor expands it).
 Two models: one like E2B (per-layer inputs, whose image rows take the pad token's table rows; a layer sharing an
 earlier one's keys; a tower with clipped products), and one like 26B-A4B and 31B (use_bidirectional_attention
 "vision": an image's tokens attend to each other both ways on the windowed layers, as the mm_token_type_ids mask
-has it; global layers of wider heads with keys as values; a standardizing tower)."""
+has it; global layers of wider heads with keys as values; a standardizing tower).
+
+The random models may emit a media token (<|image|>, <|video|>, <|audio|>) as output, which transformers then feeds
+as the pad token's embedding (its placeholder mask), and flared, as vLLM, as the token's own; no trained model
+emits them, and the tests keep these from doing so (transformers' suppress_tokens, our logit_bias of -100)."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ def served(request, tmp_path_factory):
     tok = reference_tokenizer(checkpoint, bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>")
     images = Gemma4ImageProcessorPil(**processor_settings(checkpoint))
     image_id = model.config.image_token_id
+    media = [model.config.image_token_id, model.config.video_token_id, model.config.audio_token_id]
 
     def run(pictures, text: str, text_first: bool = False, both_ways: bool = True, scores: bool = False):
         """(prompt tokens, greedy tokens) of transformers; ``scores``: and each greedy token's logprob;
@@ -57,14 +62,17 @@ def served(request, tmp_path_factory):
             kwargs["mm_token_type_ids"] = (ids == image_id).long()
         with torch.no_grad():
             gen = model.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
+                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                                 suppress_tokens=media, **kwargs)
         tokens = gen.sequences[0, ids.shape[1]:].tolist()
         if not scores:
             return ids.shape[1], tokens
-        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.scores, tokens)]
+        # (the model's own logprobs, before suppress_tokens: ours are the model's before logit_bias, as vLLM's)
+        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.logits, tokens)]
         return ids.shape[1], tokens, logprobs
 
     run.tokenizer = tok
+    run.bias = {str(t): -100 for t in media}  # (our side of suppress_tokens)
     d = Daemon(core, tmp_path_factory.mktemp(request.param))
     yield d, run, request.param
     d.kill()
@@ -75,7 +83,8 @@ def test_greedy_tokens_match_transformers(served):
     wide, tall, small = noise_image(71, (90, 40)), noise_image(72, (30, 100)), noise_image(76, (10, 14))
     assert_cases_match(daemon, reference, (([wide], "What is in the picture?"), ([tall], "And this one?"),
                                            ([small], "Tiny."), ([wide, tall], "Compare them."),
-                                           ([tall, wide], "Compare them.")), NEW_TOKENS, label=(name,))
+                                           ([tall, wide], "Compare them.")), NEW_TOKENS, label=(name,),
+                       logit_bias=reference.bias)
     assert metric(daemon, "flare_vision_images") == 3  # (three pictures; a repeated one's rows are cached)
 
 
@@ -105,7 +114,8 @@ def test_an_image_the_prefill_chunk_would_cut_is_fed_whole(served):
         offsets.add(64 - first)
         parts = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
         status, body = daemon.chat([{"role": "user", "content": parts}], max_tokens=NEW_TOKENS, temperature=0,
-                                   logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True)
+                                   logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True,
+                                   logit_bias=reference.bias)
         assert status == 200, body
         num_prompt, expected, logprobs = reference([image], text, text_first=True, scores=True)
         assert body["usage"]["prompt_tokens"] == num_prompt
@@ -123,8 +133,8 @@ def test_an_image_the_prefill_chunk_would_cut_is_fed_whole(served):
 def test_a_repeated_image_is_answered_from_the_prefix_cache_as_transformers(served):
     daemon, reference, _ = served
     image = noise_image(75, (64, 48))
-    first = ask_greedy(daemon, [image], "Describe it.", NEW_TOKENS)
-    again = ask_greedy(daemon, [image], "Describe it.", NEW_TOKENS)
+    first = ask_greedy(daemon, [image], "Describe it.", NEW_TOKENS, logit_bias=reference.bias)
+    again = ask_greedy(daemon, [image], "Describe it.", NEW_TOKENS, logit_bias=reference.bias)
     assert token_ids(first) == token_ids(again) == reference([image], "Describe it.")[1]
 
 

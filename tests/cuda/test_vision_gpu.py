@@ -147,7 +147,8 @@ OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llav
                   "granite_vision": "tiny_granite_vision",  # (SigLIP's layers side by side; Granite's multiplier)
                   "llava_onevision": "tiny_llava_onevision",
                   "qwen2_audio": "tiny_qwen2_audio",  # (audio clips' rows, as images')
-                  "audioflamingo3": "tiny_audioflamingo3", "glmasr": "tiny_glmasr"}  # (Gemma 3: images attending both ways, a window shorter than an image)
+                  "audioflamingo3": "tiny_audioflamingo3", "glmasr": "tiny_glmasr"}
+# (Gemma 3: images attending both ways, a window shorter than an image)
 
 
 def _core_of(request, family):
@@ -261,3 +262,29 @@ def test_a_gemma3_core_takes_images_on_the_cuda_graphs(tiny_gemma3, tmp_path, st
 def test_a_gemma4_core_takes_images_on_the_cuda_graphs(fixture, request, tmp_path, start_daemon):
     """Gemma 4: E2B-like per-layer inputs; 26B-like images both ways on the windowed layers (ImageBlocks)."""
     _served_images_match_enforce_eager(request.getfixturevalue(fixture)[0], tmp_path, start_daemon)
+
+
+def test_a_gemma4_core_takes_audio_on_the_cuda_graphs(tiny_gemma4_vision, tmp_path, start_daemon):
+    """Gemma 4's second tower: a clip through the audio conformer on the GPU, its rows in an eager prefill of the
+    graphs' forward; the first token as --enforce-eager gives it."""
+    from flared_testing.audio import input_audio, tone
+
+    from flared.core.export import ExportOptions, export_core
+
+    core = tmp_path / "core"
+    export_core(tiny_gemma4_vision[0], core, ExportOptions(dtype="bfloat16", concurrency=4, context_tokens=512,
+                                                           prefill_chunk_tokens=128))
+    firsts = []
+    for args in ((), ("--enforce-eager",)):
+        d = start_daemon(core, *args)
+        status, body = d.chat([{"role": "user", "content": [input_audio(tone(3, 2.0)),
+                                                             {"type": "text", "text": "What is it?"}]}],
+                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] > 50  # (2 s: 50 audio tokens)
+        firsts.append({t["token"]: t["logprob"] for t in body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]})
+        assert ("executor: eager on" in d.log()) == bool(args)
+        d.kill()
+    graphs, eager = firsts
+    shared = set(graphs) & set(eager)
+    assert shared and max(abs(graphs[t] - eager[t]) for t in shared) < 0.1, (graphs, eager)

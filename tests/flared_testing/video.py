@@ -71,13 +71,13 @@ def ask_media(daemon, media, text: str, max_tokens: int, **kw) -> dict:
     return body
 
 
-def assert_media_cases_match(daemon, reference, cases, max_tokens: int, label=()) -> None:
-    """Each (media, text) user turn asked greedily of the daemon (``ask_media``): its prompt length and tokens are
-    what ``reference(media, text)`` (transformers) gives."""
+def assert_media_cases_match(daemon, reference, cases, max_tokens: int, label=(), **kw) -> None:
+    """Each (media, text) user turn asked greedily of the daemon (``ask_media``; ``kw``: more request fields): its
+    prompt length and tokens are what ``reference(media, text)`` (transformers) gives."""
     from flared_testing.vision import assert_greedy
 
     for media, text in cases:
-        body = ask_media(daemon, media, text, max_tokens)
+        body = ask_media(daemon, media, text, max_tokens, **kw)
         num_prompt, expected = reference(media, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, (*label, text)
         assert_greedy(body, expected, (*label, text))

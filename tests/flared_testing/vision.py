@@ -99,11 +99,11 @@ def processor_settings(checkpoint, **overrides) -> dict:
     return {k: v for k, v in {**settings, **overrides}.items() if k != "image_processor_type"}
 
 
-def assert_cases_match(daemon, reference, cases, max_tokens: int, label=()) -> None:
-    """Each (images, text) user turn asked greedily of the daemon: its prompt length and tokens are what
-    ``reference(images, text)`` (transformers) gives."""
+def assert_cases_match(daemon, reference, cases, max_tokens: int, label=(), **kw) -> None:
+    """Each (images, text) user turn asked greedily of the daemon (``kw``: more request fields): its prompt length
+    and tokens are what ``reference(images, text)`` (transformers) gives."""
     for images, text in cases:
-        body = ask_greedy(daemon, images, text, max_tokens)
+        body = ask_greedy(daemon, images, text, max_tokens, **kw)
         num_prompt, expected = reference(images, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, (*label, len(images))
         assert_greedy(body, expected, (*label, len(images), text))
