@@ -16,9 +16,12 @@ Shapes (the towers of the released checkpoints):
   gemma4-e2b     16 layers of 768, 16 px patches, 2D axial rope, clipped products, 3 x 3 pooling (Gemma 4 E2B/E4B):
                  a ``--side`` px image at 280 soft tokens (transformers pads it to 2,520 patches, as it runs)
   gemma4-31b     27 layers of 1152, standardized (Gemma 4 26B-A4B/31B): the same image
+  gemma4-audio   Gemma 4 E2B/E4B's audio conformer: 12 layers of 1024, blocked local attention, light convolutions:
+                 a ``--seconds`` clip (25 rows a second)
 
     .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,
-        gemma4-e2b,gemma4-31b] [--tiles 2] [--side 448] [--dtypes float32,bfloat16] [--repeats 2] [--json]
+        gemma4-e2b,gemma4-31b,gemma4-audio] [--tiles 2] [--side 448] [--seconds 10] [--dtypes float32,bfloat16]
+        [--repeats 2] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -58,10 +61,37 @@ SHAPES = {
                    5376, {}),
 }
 GEMMA4_SOFT_TOKENS = 280
+AUDIO_SHAPES = {"gemma4-audio": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
+                                     subsampling_conv_channels=[128, 32], output_proj_dims=1536)}
+
+
+def build_audio(shape: str):
+    """(transformers model, flared VisionConfig, serving tensors) of a Gemma 4 audio tower's random weights."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from flared.model.audio import gemma4_audio_from_hf
+    from flared.model.vision import hf_vision_to_serving
+
+    text = {**TEXT, "hidden_size": 1536, "head_dim": 64, "global_head_dim": 64, "hidden_size_per_layer_input": 0,
+            "layer_types": ["full_attention"]}
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=AUDIO_SHAPES[shape])
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith(("input_max", "output_max", "input_min", "output_min")):
+                buf.fill_(-20.0 if name.endswith("min") else 20.0)
+    config = gemma4_audio_from_hf(cfg.to_dict(), shape)
+    tensors = hf_vision_to_serving({k: v.detach() for k, v in model.state_dict().items()}, config, source=shape)
+    return model, config, tensors
 
 
 def build(shape: str):
     """(transformers model, flared VisionConfig, serving tensors) of random weights."""
+    if shape in AUDIO_SHAPES:
+        return build_audio(shape)
     from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, Qwen2_5_VLConfig,
                               Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
                               Qwen3VLConfig, Qwen3VLForConditionalGeneration, SmolVLMConfig,
@@ -112,6 +142,16 @@ def build(shape: str):
 
 def inputs(config, args):
     """(transformers' args, flared's args, description) of one image."""
+    if config.family == "gemma4_audio":
+        from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+        from flared.frontend.audio import DecodedAudio, UsmProcessor
+
+        samples = (torch.randn(int(args.seconds * 16000), generator=torch.Generator().manual_seed(0)) * 0.1).numpy()
+        ref = Gemma4AudioFeatureExtractor()([samples], return_tensors="pt")
+        clip = UsmProcessor().prepare(DecodedAudio(samples, 16000))
+        return ((ref["input_features"], ref["input_features_mask"]), (torch.from_numpy(clip.pixel_values), clip.grid),
+                f"{args.seconds:g} s clip: {clip.num_image_tokens} rows")
     if config.family == "gemma4":
         from flared.frontend.images import pooled_size
 
@@ -143,9 +183,10 @@ def inputs(config, args):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,gemma4-e2b,"
-                                            "gemma4-31b")
+                                            "gemma4-31b,gemma4-audio")
     parser.add_argument("--tiles", type=int, default=2)
     parser.add_argument("--side", type=int, default=448)
+    parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true")
@@ -167,7 +208,8 @@ def main() -> None:
                     started = time.perf_counter()
                     with torch.inference_mode():
                         if name == "transformers":
-                            a = [x.to(dtype) if x.is_floating_point() and config.family != "gemma4" else x
+                            a = [x.to(dtype) if x.is_floating_point() and config.family not in ("gemma4",
+                                                                                                  "gemma4_audio") else x
                                  for x in hf_args]  # (Gemma 4 casts its pixels after scaling them)
                             if config.family == "pixtral":  # its get_image_features fails here; what it runs:
                                 tower = model.model.vision_tower(a[0], image_sizes=a[1], output_hidden_states=True,
@@ -175,6 +217,9 @@ def main() -> None:
                                 result = model.model.multi_modal_projector(tower.hidden_states[-1].squeeze(0),
                                                                            a[1])
                                 features = None
+                            elif config.family == "gemma4_audio":
+                                features = model.model.get_audio_features(*a)
+                                result = features.pooler_output[features.attention_mask]
                             else:
                                 features = model.model.get_image_features(*a)
                                 result = features.pooler_output
