@@ -23,6 +23,15 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
 - ``gemma3`` (Gemma 3): SigLIP's layers as Idefics3's; the projector's RMSNorm ``mm.soft_emb_norm`` stored as 1 + w,
   its projection ``mm.input_projection`` as transformers holds it ([tower width, hidden]); the pooling
   (``projector.scale_factor``) written only where it is not 4.
+- ``gemma4v`` (Gemma 4): the patches' linear stored as a convolution's [D, 3, p, p] (transformers' [D, p * p * 3]
+  again here), the two position tables ``v.position_embd`` [2, positions, D], Gemma layers (``ln1``,
+  ``attn_post_norm``, ``ln2``, ``ffn_post_norm``, q/k norms) with each product's clamp bounds beside it
+  (``attn_q.input_min`` ...: use_clipped_linears), ``v.std_bias``/``v.std_scale`` where the tower standardizes, the
+  projection ``mm.input_projection`` (a linear's weight). What the file does not say is the released configs': 3 x 3
+  pooling, rope theta 100, 280 soft tokens an image; and whether images attend both ways on the windowed layers,
+  which the released models do where they have no per-layer inputs (26B-A4B, 31B: the model GGUF's
+  ``embedding_length_per_layer_input`` 0). An mmproj of E2B or E4B also holds their audio tower (``a.*``,
+  ``mm.a.*``): not read from an mmproj yet (their checkpoints' directories serve it).
 
 An audio encoder's mmproj (``clip.has_audio_encoder``, its sizes under ``clip.audio.*``) is read the same way
 (``_read_audio``): ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the converter's type for Audio Flamingo 3):
@@ -53,11 +62,11 @@ from flared.model.vision import INTERNVIT_GGUF, VisionConfig, internvit_to_servi
 # clip.projector_type -> our vision family
 PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
               "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl", "gemma3": "gemma3",
-              "internvl": "internvl"}
+              "internvl": "internvl", "gemma4v": "gemma4"}
 # the prompt token an image's rows replace, by family (in the model GGUF's vocabulary)
 IMAGE_TOKENS = {"idefics3": "<image>", "pixtral": "[IMG]", "qwen2_vl": "<|image_pad|>",
                 "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>", "gemma3": "<image_soft_token>",
-                "internvl": "<IMG_CONTEXT>"}
+                "internvl": "<IMG_CONTEXT>", "gemma4": "<|image|>"}
 # Released processors' pixel bounds (preprocessor_config.json): Qwen2-VL's and Qwen2.5-VL's min_pixels /
 # max_pixels, Qwen3-VL's size.shortest_edge / longest_edge
 _QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
@@ -163,6 +172,21 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
             preprocessor = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": side, "width": side},
                             "image_mean": mean, "image_std": std}
             processor = {"image_seq_length": config.image_seq_len}
+        elif family == "gemma4":
+            files.used |= {name for name in raw if name.startswith(("a.", "mm.a."))}  # (E2B's, E4B's audio: unread)
+            per_layer = int(_field(text_reader, f"{text_arch}.embedding_length_per_layer_input", 0) or 0)
+            config = VisionConfig(
+                **common, image_size=0, hidden_act="gelu_pytorch_tanh",
+                scale_factor=int(_field(reader, "clip.vision.projector.scale_factor", 3)),
+                rope_theta=100.0, position_table=int(take("v.position_embd.weight").shape[1]), projector_eps=eps,
+                clipped_linears="v.blk.0.attn_q.input_max" in raw, standardize="v.std_bias" in raw,
+                windowed_image_blocks=per_layer == 0,
+                pad_token_id=int(_field(text_reader, "tokenizer.ggml.padding_token_id", 0) or 0))
+            tensors = _gemma4(take, config)
+            preprocessor = {"image_processor_type": "Gemma4ImageProcessor", "patch_size": config.patch_size,
+                            "max_soft_tokens": 280, "pooling_kernel_size": config.scale_factor,
+                            "image_mean": mean, "image_std": std}
+            processor = {}
         elif family == "internvl":
             config = VisionConfig(
                 **common, image_size=int(need("image_size")),
@@ -377,6 +401,28 @@ def _gemma3(take, layers: int) -> dict[str, torch.Tensor]:
                 # holds it, [D, hidden]: a linear's weight is its transpose)
                 "proj_norm.weight": take("mm.soft_emb_norm.weight") - 1,
                 "proj.weight": take("mm.input_projection.weight").T})
+    return out
+
+
+def _gemma4(take, c: VisionConfig) -> dict[str, torch.Tensor]:
+    patch = take("v.patch_embd.weight")  # [D, 3, p, p]: transformers' [D, p * p * 3] of (y, x, channel)
+    out = {"patch_embed.weight": patch.permute(0, 2, 3, 1).reshape(patch.shape[0], -1),
+           "pos_embed.weight": take("v.position_embd.weight"), "proj.weight": take("mm.input_projection.weight")}
+    if c.standardize:
+        out.update({"std_bias": take("v.std_bias"), "std_scale": take("v.std_scale")})
+    products = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_out", "gate": "ffn_gate", "up": "ffn_up",
+                "down": "ffn_down"}
+    norms = {"norm1": "ln1", "post_attn_norm": "attn_post_norm", "norm2": "ln2", "post_mlp_norm": "ffn_post_norm",
+             "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+    for i in range(c.num_layers):
+        p, g = f"layers.{i}.", f"v.blk.{i}."
+        for ours, theirs in products.items():
+            out[p + ours + ".weight"] = take(g + theirs + ".weight")
+            if c.clipped_linears:
+                out[p + ours + ".clip"] = torch.cat([take(f"{g}{theirs}.{bound}").float().reshape(1) for bound in
+                                                     ("input_min", "input_max", "output_min", "output_max")])
+        for ours, theirs in norms.items():
+            out[p + ours + ".weight"] = take(g + theirs + ".weight")
     return out
 
 

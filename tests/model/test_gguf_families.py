@@ -1082,7 +1082,7 @@ def test_a_deepseek2_gguf_reads_as_its_checkpoint(family, split_kv_b, tmp_path):
     assert (ours - hf_last_logits(hf_dir, prompt)).abs().max().item() < 1e-4
 
 
-def write_gemma4_gguf(hf_dir, path) -> None:
+def write_gemma4_gguf(hf_dir, path, extra=None) -> None:
     """A Gemma 4 checkpoint as llama.cpp's converter writes it (F32; gemma4): Gemma 3's keys with the global layers'
     head dim as key_length, the windowed ones' as key_length_swa, the window pattern a list of flags, kv heads a list
     where the global layers have their own, both rope bases, the proportional rope as rope_freqs, shared KV layers,
@@ -1146,6 +1146,8 @@ def write_gemma4_gguf(hf_dir, path) -> None:
             out = mapping.get_name(name, try_suffixes=(".weight", ".bias"))
         assert out is not None, name
         f32_tensors(w)(out, values)
+    if extra is not None:  # (more keys: a tokenizer)
+        extra(w)
     close_gguf(w)
 
 

@@ -25,7 +25,7 @@ from .test_gguf_families import permute_for_llama_cpp, write_gguf
 
 TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl",
              "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2",
-             "qwen2_audio": "qwen2", "audioflamingo3": "qwen2"}
+             "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "gemma4": "gemma4", "gemma4_e2b": "gemma4"}
 # InternVL's projector as the converter renames it first (its original checkpoints' mlp1.*, which the gguf map knows)
 INTERNVL_PROJECTOR = {"model.multi_modal_projector.layer_norm.": "mlp1.0.",
                       "model.multi_modal_projector.linear_1.": "mlp1.1.",
@@ -52,6 +52,9 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
                 name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
             if name.startswith(("vision_tower.", "multi_modal_projector.")):
                 out[name] = value
+        elif family.startswith("gemma4"):  # (the image tower and its projection; E2B's audio tower is not written)
+            if name.startswith(("model.vision_tower.", "model.embed_vision.")):
+                out[name] = value
         elif family in ("mistral3", "pixtral"):
             if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
                 out[name.removeprefix("model.")] = value
@@ -68,7 +71,8 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
 TEXT_RENAMES = {"model.language_model.": "model.", "model.text_model.": "model.", "language_model.model.": "model.",
                 "language_model.lm_head.": "lm_head."}
 TOWER = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-         "model.multi_modal_projector.", "model.vision_model.", "model.connector.", "audio_tower.")
+         "model.multi_modal_projector.", "model.vision_model.", "model.connector.", "audio_tower.",
+         "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
 
 
 def _text_weights(weights: dict) -> dict[str, np.ndarray]:
@@ -96,6 +100,8 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
         if "embed_dim" in v:  # (Qwen2-VL's: the converter writes its hidden_size, the merger's output, as the
             # feed-forward length; the tower's MLP is embed_dim x mlp_ratio)
             v["intermediate_size"], v["hidden_size"] = v["hidden_size"], v["embed_dim"]
+    if family.startswith("gemma4"):  # (Gemma4VisionAudioModel: "unused, but set to avoid error")
+        v["image_size"] = 224
     for key in ("image_size", "patch_size"):  # (InternViT's [height, width]: the converter writes the first)
         if isinstance(v.get(key), list):
             v[key] = v[key][0]
@@ -139,6 +145,23 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
             if "soft_emb_norm.weight" in name:
                 value = value + 1
             out[mapped(name)] = value
+    elif family.startswith("gemma4"):  # (Gemma4VisionAudioModel: its vision side)
+        w.add_clip_projector_type("gemma4v")
+        w.add_vision_attention_layernorm_eps(v.get("rms_norm_eps", 1e-6))
+        for name, value in tower.items():
+            name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight",
+                                                                                               ".weight")
+            if name.endswith("position_embedding_table"):
+                name += ".weight"
+            if name.endswith("patch_embedder.input_proj.weight"):  # (as a convolution's [D, 3, p, p])
+                p = v["patch_size"]
+                value = value.reshape(value.shape[0], p, p, 3).transpose(0, 3, 1, 2)
+            if value.ndim == 0:  # (the clamp bounds: scalars as one-element vectors)
+                value = value.reshape(1)
+            new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias", ".input_max", ".input_min",
+                                                          ".output_max", ".output_min"))
+            assert new is not None, name
+            out[new] = value
     elif family == "internvl":  # (InternVisionModel)
         w.add_clip_projector_type("internvl")
         w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-6))
@@ -363,10 +386,23 @@ def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32, arc
         if arch == "gemma3":  # (the tiny model's every-other-layer window; llama.cpp assumes every sixth global)
             w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
 
+    if arch == "gemma4":  # (its converter's own keys: test_gguf_families.write_gemma4_gguf)
+        from .test_gguf_families import write_gemma4_gguf
+
+        if not text.get("per_layer_config"):  # (global layers of the windowed ones' geometry)
+            text.setdefault("global_head_dim", text["head_dim"])
+            text.setdefault("num_global_key_value_heads", text["num_key_value_heads"])
+        (d / "config.json").write_text(json.dumps(text))
+        write_gemma4_gguf(d, path, extra)
+        return
     write_gguf(d, path, arch, matrix_type, extra)
 
 
 def _checkpoint(family, tmp_path_factory, request):
+    if family == "gemma4":  # (26B-A4B-like: images both ways on the windowed layers; no audio tower)
+        return request.getfixturevalue("tiny_gemma4_vision_both_ways")[0]
+    if family == "gemma4_e2b":  # (per-layer inputs; its audio tower left out of the mmproj)
+        return request.getfixturevalue("tiny_gemma4_vision")[0]
     if family == "smolvlm":
         return request.getfixturevalue("tiny_hf_smolvlm")
     if family in ("mistral3", "pixtral", "gemma3", "internvl"):
@@ -375,7 +411,7 @@ def _checkpoint(family, tmp_path_factory, request):
 
 
 @pytest.fixture(scope="module", params=["smolvlm", "mistral3", "pixtral", "gemma3", "qwen2_vl", "qwen2_5_vl",
-                                        "qwen3_vl", "qwen3_5", "internvl"])
+                                        "qwen3_vl", "qwen3_5", "internvl", "gemma4", "gemma4_e2b"])
 def converted(request, tmp_path_factory):
     """(family, checkpoint, model GGUF, mmproj GGUF)."""
     family = request.param
@@ -455,6 +491,8 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
         want.pop("min_pixels"), want.pop("max_pixels")
         if family == "qwen2_5_vl":
             ours["config"]["window_size"] = theirs["config"]["window_size"]
+    if family.startswith("gemma4"):  # (the mmproj holds no budget: the released processor's 280 soft tokens)
+        assert mine.pop("max_soft_tokens") == 280 and want.pop("max_soft_tokens") == 70
     for key in ("image_mean", "image_std"):  # (float32s in the file: the same values in the float32 arithmetic)
         assert np.array_equal(np.float32(mine.pop(key)), np.float32(want.pop(key))), key
     assert mine == want
@@ -462,7 +500,7 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
     assert ours["config"] == {**theirs["config"], "video_token_id": -1, "tokens_per_second": 0.0}
 
 
-@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3", "internvl"])
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3", "internvl", "gemma4", "gemma4_e2b"])
 def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, request, tmp_path_factory, tmp_path,
                                                                    start_daemon):
     """`flared run model.gguf --mmproj mmproj.gguf` (exported once into the cache) answers an image with the
@@ -481,7 +519,9 @@ def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, reque
             "--mmproj", str(tmp_path / "mmproj.gguf"), "--dtype", "float32", "--context", "512",
             "--concurrency", "2", "--prefill-chunk", "128", "--cache-dir", str(tmp_path / "cache")))):
         daemon = start_daemon(core, *args)
-        body = ask_greedy(daemon, [image], "What is in the picture?", 8)
+        # (Gemma 4: the checkpoint's 70-token budget, which the mmproj cannot say)
+        kw = {"mm_processor_kwargs": {"max_soft_tokens": 70}} if family.startswith("gemma4") else {}
+        body = ask_greedy(daemon, [image], "What is in the picture?", 8, **kw)
         answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
         status, models = daemon.request("GET", "/v1/models")
         assert status == 200 and models["data"][0]["capabilities"]["vision"] is True, models
