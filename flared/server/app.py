@@ -330,6 +330,11 @@ class ServingState:
         tower (Gemma 4), whose encoder the model thread loaded."""
         return self._tower_loaded and self.audio_processor is not None
 
+    @property
+    def usage_audio_token(self) -> int:
+        """The clip token a response's usage counts as ``audio_tokens`` (-1: the model takes no audio)."""
+        return self.audio_token_id if self.takes_audio else -1
+
     def _check_images(self, images) -> None:
         modality = getattr(self.image_processor, "modality", None)
         taken = tuple(dict.fromkeys((modality, *(("video",) if self.video_processor is not None else ()),

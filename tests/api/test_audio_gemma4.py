@@ -158,3 +158,9 @@ def test_a_repeated_clip_is_answered_from_the_prefix_cache_as_transformers(daemo
     again = ask(daemon, [("audio", clip)], "Again?")
     assert token_ids(first) == token_ids(again)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_usage_counts_the_clips_tokens_not_the_images(daemon):
+    """prompt_tokens_details.audio_tokens: a 1.5 s clip's 38 tokens, beside an image's 60."""
+    body = ask(daemon, [("image", noise_image(71, (90, 40))), ("audio", tone(8, 1.5))], "Both?")
+    assert body["usage"]["prompt_tokens_details"]["audio_tokens"] == 38, body["usage"]
