@@ -162,7 +162,7 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
     if src.vision is not None:
         processor = _read_image_processor(source, src.vision, src.image_processor,
                                           Path(options.mmproj) if options.mmproj else None)
-        audio = _read_second_audio(source, src, assets) if options.mmproj is None else None
+        audio = _read_second_audio(source, src, assets)
         vision_tensors = {k: (t.to(dtype) if t.is_floating_point() else t).contiguous()
                           for k, t in src.vision_tensors.items()}
         if audio is not None:  # (Gemma 4's audio tower, in the same file: its tensors "audio."-prefixed)
@@ -490,13 +490,18 @@ def _read_second_audio(src: Path, model, assets):
     from flared.errors import FrontendError
     from flared.frontend.audio import UsmProcessor
 
-    if model.audio is None or not src.is_dir():
+    if model.audio is None:
         return None
-    proc = _read_json(src / "processor_config.json", required=False) or {}
-    extractor = proc.get("feature_extractor") if isinstance(proc, dict) else None
-    if extractor is None:  # (or a preprocessor_config.json of its own settings)
-        pre = _read_json(src / "preprocessor_config.json", required=False) or {}
-        extractor = pre if isinstance(pre, dict) and "feature_extractor_type" in pre else {}
+    if model.audio_processor is not None:  # (an mmproj's: flared.model.mmproj)
+        extractor, proc = model.audio_processor
+    elif src.is_dir():
+        proc = _read_json(src / "processor_config.json", required=False) or {}
+        extractor = proc.get("feature_extractor") if isinstance(proc, dict) else None
+        if extractor is None:  # (or a preprocessor_config.json of its own settings)
+            pre = _read_json(src / "preprocessor_config.json", required=False) or {}
+            extractor = pre if isinstance(pre, dict) and "feature_extractor_type" in pre else {}
+    else:
+        return None
     try:
         processor = UsmProcessor.from_hf(extractor, proc if isinstance(proc, dict) else None)
     except FrontendError as e:

@@ -252,6 +252,8 @@ def _gemma4_audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tenso
                                                        ("input_min", "input_max", "output_min", "output_max")])
         for name, theirs in _GEMMA4_AUDIO_TENSORS.items():
             out[p + name] = take(q + theirs)
+        # (kept as the attention uses it, softplus(per_dim_scale): llama.cpp's converter stores it so too)
+        out[p + "scale"] = F.softplus(out[p + "scale"].float()).to(out[p + "scale"].dtype)
     return out
 
 
@@ -430,7 +432,7 @@ class Gemma4AudioEncoder(_Tower):
         q = self._product(x, p + "q.weight").float().view(n, heads, head)
         k = self._product(x, p + "k.weight").float().view(n, heads, head)
         v = self._product(x, p + "v.weight").float().view(n, heads, head)
-        q = q * ((head ** -0.5) / math.log(2)) * F.softplus(w[p + "scale"].float())
+        q = q * ((head ** -0.5) / math.log(2)) * w[p + "scale"].float()  # (softplus(per_dim_scale), stored)
         k = k * (math.log(1 + math.e) / math.log(2))
         blocks = -(-n // chunk)
         qb = F.pad(q, (0, 0, 0, 0, 0, blocks * chunk - n)).view(blocks, chunk, heads, head)

@@ -79,9 +79,11 @@ class SourceModel:
     # An mmproj's image preparation (flared.model.mmproj), as a checkpoint's preprocessor_config.json and
     # processor_config.json would say it; None: read them from the checkpoint directory.
     image_processor: tuple[dict, dict] | None = None
-    # A second medium's tower beside the image tower (Gemma 4's audio: flared.model.audio), and its tensors.
+    # A second medium's tower beside the image tower (Gemma 4's audio: flared.model.audio), and its tensors; an
+    # mmproj's settings for it as processor_config.json's "feature_extractor" and the processor would say them.
     audio: VisionConfig | None = None
     audio_tensors: dict[str, torch.Tensor] | None = None
+    audio_processor: tuple[dict, dict] | None = None
 
 
 def serving_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -2026,6 +2028,9 @@ def _read_gguf(path: Path, dtype: torch.dtype | None = None, mmproj: str | os.Pa
                             text_eps=model.config.rms_norm_eps, dtype=dtype)
         model.vision, model.vision_tensors = tower.config, tower.tensors
         model.image_processor = (tower.preprocessor, tower.processor)
+        if tower.second is not None:  # (Gemma 4's audio beside its images)
+            model.audio, model.audio_tensors = tower.second.config, tower.second.tensors
+            model.audio_processor = (tower.second.preprocessor, tower.second.processor)
     return model
 
 

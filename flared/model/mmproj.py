@@ -30,8 +30,8 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
   projection ``mm.input_projection`` (a linear's weight). What the file does not say is the released configs': 3 x 3
   pooling, rope theta 100, 280 soft tokens an image; and whether images attend both ways on the windowed layers,
   which the released models do where they have no per-layer inputs (26B-A4B, 31B: the model GGUF's
-  ``embedding_length_per_layer_input`` 0). An mmproj of E2B or E4B also holds their audio tower (``a.*``,
-  ``mm.a.*``): not read from an mmproj yet (their checkpoints' directories serve it).
+  ``embedding_length_per_layer_input`` 0). An mmproj of E2B or E4B also holds their audio conformer (``a.*``,
+  ``mm.a.*``, ``clip.audio.projector_type`` gemma4a), read as the core's second tower (``_read_gemma4_audio``).
 
 An audio encoder's mmproj (``clip.has_audio_encoder``, its sizes under ``clip.audio.*``) is read the same way
 (``_read_audio``): ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the converter's type for Audio Flamingo 3):
@@ -84,6 +84,8 @@ class MmprojTower:
     tensors: dict[str, torch.Tensor]
     preprocessor: dict[str, Any]
     processor: dict[str, Any]
+    # a second tower in the same file (Gemma 4 E2B's and E4B's audio beside their images), read the same way
+    second: MmprojTower | None = None
 
 
 def is_mmproj(reader) -> bool:
@@ -151,6 +153,7 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
     mean = [float(x) for x in need("image_mean")]
     std = [float(x) for x in need("image_std")]
     layers = common["num_layers"]
+    second = None
     try:
         if family == "idefics3":
             config = VisionConfig(**common, image_size=int(need("image_size")), hidden_act=_ACTS[family],
@@ -173,7 +176,6 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
                             "image_mean": mean, "image_std": std}
             processor = {"image_seq_length": config.image_seq_len}
         elif family == "gemma4":
-            files.used |= {name for name in raw if name.startswith(("a.", "mm.a."))}  # (E2B's, E4B's audio: unread)
             per_layer = int(_field(text_reader, f"{text_arch}.embedding_length_per_layer_input", 0) or 0)
             config = VisionConfig(
                 **common, image_size=0, hidden_act="gelu_pytorch_tanh",
@@ -187,6 +189,8 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
                             "max_soft_tokens": 280, "pooling_kernel_size": config.scale_factor,
                             "image_mean": mean, "image_std": std}
             processor = {}
+            if _field(reader, "clip.has_audio_encoder", False):  # (E2B's, E4B's conformer beside the tower)
+                second = _read_gemma4_audio(files, reader, source, text_reader, text_hidden_size, config.pad_token_id)
         elif family == "internvl":
             config = VisionConfig(
                 **common, image_size=int(need("image_size")),
@@ -229,7 +233,7 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{source}: bad mmproj value: {exc}", ErrorKind.SOURCE_FORMAT) from None
     return MmprojTower(config=config, tensors=files.finish(tensors, config, f"{kind} tower"),
-                       preprocessor=preprocessor, processor=processor)
+                       preprocessor=preprocessor, processor=processor, second=second)
 
 
 class _Contents:
@@ -424,6 +428,76 @@ def _gemma4(take, c: VisionConfig) -> dict[str, torch.Tensor]:
         for ours, theirs in norms.items():
             out[p + ours + ".weight"] = take(g + theirs + ".weight")
     return out
+
+
+_GEMMA4A_PRODUCTS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_out", "ff1_in": "ffn_up",
+                     "ff1_out": "ffn_down", "ff2_in": "ffn_up_1", "ff2_out": "ffn_down_1", "conv_in": "conv_pw1",
+                     "conv_out": "conv_pw2"}
+_GEMMA4A_TENSORS = {"rel_k.weight": "attn_k_rel.weight", "scale": "per_dim_scale.weight",
+                    "ff1_pre.weight": "ffn_norm.weight", "ff1_post.weight": "ffn_post_norm.weight",
+                    "ff2_pre.weight": "ffn_norm_1.weight", "ff2_post.weight": "ffn_post_norm_1.weight",
+                    "conv_pre.weight": "conv_norm.weight", "conv_norm.weight": "norm_conv.weight",
+                    "attn_pre.weight": "attn_pre_norm.weight", "attn_post.weight": "attn_post_norm.weight",
+                    "out_norm.weight": "ln2.weight"}
+
+
+def _read_gemma4_audio(files, reader, source: str, text_reader, text_hidden_size: int, pad: int) -> MmprojTower:
+    """Gemma 4's audio conformer in a gemma4v mmproj (``clip.audio.projector_type`` gemma4a): its ``a.*`` tensors
+    as the converter names them (the subsampling ``a.conv1d.0``/``.1`` with their norms, ``a.input_projection``,
+    the layers', ``a.pre_encode.out`` for the output projection, ``mm.a.input_projection``), the per-dim scale
+    stored softplus'd (as flared keeps it), the depthwise convolution [D, k]; what the file does not say, the
+    released config's (blocks of 12 rows seeing 12 back, logits capped at 50, half-step feed-forwards, its
+    RMSNorms' 1e-6: the converter writes 1e-5 as the layer norm epsilon whatever the config says)."""
+    kind = _field(reader, "clip.audio.projector_type")
+    if kind != "gemma4a":
+        raise CoreError(f"{source}: a gemma4v tower beside an audio encoder of type {kind!r} is not supported "
+                        "(gemma4a)", ErrorKind.UNSUPPORTED_MODEL)
+    take, raw = files.take, files.raw
+
+    def need(key: str):
+        value = _field(reader, f"clip.audio.{key}")
+        if value is None:
+            raise CoreError(f"{source}: mmproj metadata has no clip.audio.{key}", ErrorKind.SOURCE_FORMAT)
+        return value
+
+    tokens = list(_field(text_reader, "tokenizer.ggml.tokens") or [])
+    if "<|audio|>" not in tokens:
+        raise CoreError(f"{source}: the model's vocabulary has no <|audio|> token, which gemma4a clips stand in for",
+                        ErrorKind.SOURCE_FORMAT)
+    d, layers = int(need("embedding_length")), int(need("block_count"))
+    dw = take("a.blk.0.conv_dw.weight")  # [D, kernel]
+    out_proj = take("a.pre_encode.out.weight")
+    config = VisionConfig(
+        family="gemma4_audio", hidden_size=d, intermediate_size=4 * d, num_layers=layers,
+        num_heads=int(need("attention.head_count")), patch_size=1, image_size=0, layer_norm_eps=1e-6, hidden_act="silu",
+        scale_factor=4, text_hidden_size=text_hidden_size, image_token_id=tokens.index("<|audio|>"),
+        mel_bins=int(need("num_mel_bins")),
+        conv_channels=(int(take("a.conv1d.0.weight").shape[0]), int(take("a.conv1d.1.weight").shape[0])),
+        conv_kernel=int(dw.shape[-1]), attention_chunk=12, context_left=13, context_right=0, logit_cap=50.0,
+        residual_weight=0.5, clip_value=1e10, output_dims=int(out_proj.shape[0]),
+        clipped_linears="a.blk.0.attn_q.input_max" in raw, projector_eps=1e-6, pad_token_id=pad)
+    out = {"sub0.weight": take("a.conv1d.0.weight"), "sub0_norm.weight": take("a.conv1d.0.norm.weight"),
+           "sub1.weight": take("a.conv1d.1.weight"), "sub1_norm.weight": take("a.conv1d.1.norm.weight"),
+           "sub_proj.weight": take("a.input_projection.weight"), "out.weight": out_proj,
+           "out.bias": take("a.pre_encode.out.bias"), "proj.weight": take("mm.a.input_projection.weight")}
+    for i in range(layers):
+        p, g = f"layers.{i}.", f"a.blk.{i}."
+        for ours, theirs in _GEMMA4A_PRODUCTS.items():
+            out[p + ours + ".weight"] = take(g + theirs + ".weight")
+            if config.clipped_linears:
+                out[p + ours + ".clip"] = torch.cat([take(f"{g}{theirs}.{bound}").float().reshape(1) for bound in
+                                                     ("input_min", "input_max", "output_min", "output_max")])
+        for ours, theirs in _GEMMA4A_TENSORS.items():
+            out[p + ours] = take(g + theirs)
+        out[p + "conv.weight"] = take(g + "conv_dw.weight").reshape(d, 1, -1)
+    from flared.model.vision import check_vision_tensors
+
+    out = {k: v.contiguous() for k, v in out.items()}
+    check_vision_tensors(out, config, source=f"{source} (audio)")
+    return MmprojTower(config=config, tensors=out,
+                       preprocessor={"feature_extractor_type": "Gemma4AudioFeatureExtractor",
+                                     "feature_size": config.mel_bins},
+                       processor={"audio_seq_length": 750})
 
 
 def _pixtral(take, c: VisionConfig) -> dict[str, torch.Tensor]:

@@ -162,6 +162,8 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
                                                           ".output_max", ".output_min"))
             assert new is not None, name
             out[new] = value
+        if cfg.get("audio_config"):  # (E2B, E4B: the conformer beside the tower, as the converter writes it)
+            _gemma4_audio(w, weights, cfg["audio_config"], t, out)
     elif family == "internvl":  # (InternVisionModel)
         w.add_clip_projector_type("internvl")
         w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-6))
@@ -234,6 +236,37 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
             else:
                 out[mapped(name)] = value
     _finish(w, out, matrix_type)
+
+
+def _gemma4_audio(w, weights: dict, a: dict, t: dict, out: dict) -> None:
+    """Gemma4VisionAudioModel's audio side: clip.audio.* (a layer norm epsilon of 1e-5 whatever the config says), the
+    tower renamed conformer.*, the products' .linear dropped, per_dim_scale softplus'd, the depthwise convolution
+    [D, k], scalars as one-value vectors; then the gguf map's names."""
+    w.add_clip_has_audio_encoder(True)
+    w.add_clip_audio_projector_type("gemma4a")
+    w.add_audio_projection_dim(t["hidden_size"])
+    w.add_audio_embedding_length(a["hidden_size"])
+    w.add_audio_feed_forward_length(a["hidden_size"] * 4)
+    w.add_audio_block_count(a["num_hidden_layers"])
+    w.add_audio_head_count(a["num_attention_heads"])
+    w.add_audio_num_mel_bins(a.get("input_feat_size", 128))
+    w.add_audio_attention_layernorm_eps(1e-5)
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(a["num_hidden_layers"], 4))
+    for name, value in weights.items():
+        if not name.startswith(("model.audio_tower.", "model.embed_audio.")):
+            continue
+        name = name.replace("model.audio_tower.", "conformer.").replace(".linear.", ".")
+        if name.endswith("per_dim_scale"):
+            name += ".weight"
+            value = np.log1p(np.exp(value.astype(np.float64))).astype(np.float32)  # (softplus)
+        if "lconv1d.depthwise_conv1d" in name and name.endswith(".weight"):
+            value = value.reshape(value.shape[0], value.shape[2])
+        if value.ndim == 0:
+            value = value.reshape(1)
+        new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias", ".input_max", ".input_min", ".output_max",
+                                                      ".output_min"))
+        assert new is not None, name
+        out[new] = value
 
 
 def _finish(w, out: dict, matrix_type, kept=()) -> None:
@@ -447,6 +480,12 @@ def test_a_model_gguf_and_its_mmproj_read_as_the_checkpoint(converted):
                 assert torch.allclose(got[key], want[key], atol=1e-6), key
                 continue
             assert torch.equal(got[key], want[key]), (name, key)
+    assert (ours.audio is None) == (theirs.audio is None)
+    if theirs.audio is not None:  # (Gemma 4 E2B's conformer, in the same mmproj)
+        assert ours.audio == theirs.audio
+        assert sorted(ours.audio_tensors) == sorted(theirs.audio_tensors)
+        for key, want in theirs.audio_tensors.items():  # (the scale softplus'd in float64 there, float32 here)
+            assert torch.allclose(ours.audio_tensors[key], want, atol=1e-6, rtol=1e-6), key
 
 
 def test_the_tower_width_comes_from_its_matrices(tmp_path, tmp_path_factory):
@@ -523,10 +562,17 @@ def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, reque
         kw = {"mm_processor_kwargs": {"max_soft_tokens": 70}} if family.startswith("gemma4") else {}
         body = ask_greedy(daemon, [image], "What is in the picture?", 8, **kw)
         answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
+        if family == "gemma4_e2b":  # (a clip through the conformer the mmproj holds too)
+            from flared_testing.audio import ask, input_audio, tone
+
+            status, body = ask(daemon, [input_audio(tone(3, 1.2))], "And this?", 6)
+            assert status == 200, body
+            answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
         status, models = daemon.request("GET", "/v1/models")
         assert status == 200 and models["data"][0]["capabilities"]["vision"] is True, models
         daemon.kill()
-    assert answers[1] == answers[0]
+    half = len(answers) // 2
+    assert answers[half:] == answers[:half]
     assert answers[0][0] > 20  # (the image's tokens are in the prompt)
 
 
