@@ -13,6 +13,7 @@ emits them, and the tests keep these from doing so (transformers' suppress_token
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -81,8 +82,9 @@ def served(request, tmp_path_factory):
                 counts.append(t)
             prompt += text_for + rest
         if frames:
-            kwargs.update(pixel_values_videos=torch.cat(frames), video_position_ids=torch.cat(positions),
-                          num_frames_per_video=torch.tensor(counts))
+            kwargs.update(pixel_values_videos=torch.cat(frames), video_position_ids=torch.cat(positions))
+            if "num_frames_per_video" in inspect.signature(model.model.forward).parameters:  # (transformers 5.25)
+                kwargs["num_frames_per_video"] = torch.tensor(counts)
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
         if media and both_ways:
             kwargs["mm_token_type_ids"] = ((ids == config.image_token_id).long()
