@@ -286,8 +286,28 @@ def mel_filters(n_fft: int, n_mels: int, sampling_rate: int, max_frequency: floa
     return filters * (2.0 / (filter_freqs[2:n_mels + 2] - filter_freqs[:n_mels]))[None, :]
 
 
+class _ClipSettings:
+    """What the audio processors share: their settings read back from a to_dict (unknown ones refused), a clip's
+    identity (the samples at the model's rate and the settings), and a clip prepared alike alone or among others."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields - {"kind"})
+        if unknown:
+            raise _error(f"audio processor settings: unknown {unknown}")
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    def _identity(self, samples: np.ndarray) -> bytes:
+        return hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
+                              + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+
+    def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
+        return self.prepare(audio)
+
+
 @dataclass(frozen=True, kw_only=True)
-class WhisperProcessor:
+class WhisperProcessor(_ClipSettings):
     """Whisper's feature extractor (transformers' WhisperFeatureExtractor as Qwen2AudioProcessor and
     AudioFlamingo3Processor call it: padded with silence to ``chunk_length`` seconds, an attention mask over the
     frames) and the audio tokens.
@@ -349,14 +369,6 @@ class WhisperProcessor:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "kind": self.kind}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> WhisperProcessor:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields - {"kind"})
-        if unknown:
-            raise _error(f"audio processor settings: unknown {unknown}")
-        return cls(**{k: v for k, v in d.items() if k in fields})
 
     @property
     def placeholder(self) -> str:
@@ -431,14 +443,10 @@ class WhisperProcessor:
         parts = [self.features(samples[k * self.n_samples:(k + 1) * self.n_samples]) for k in range(windows)]
         if not self.pad_windows:  # (what the last window's rows read)
             parts[-1] = parts[-1][:, :min(parts[-1].shape[1], 2 * conv + 1)]
-        digest = hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
-                                + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        digest = self._identity(samples)
         return PreparedImage(pixel_values=np.ascontiguousarray(np.concatenate(parts, axis=1)), rows=0, cols=0,
                              prompt=self.audio_token * tokens, num_image_tokens=tokens, identity=digest,
                              grid=(conv, windows, 1), modality="audio")
-
-    def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
-        return self.prepare(audio)
 
 
 _FILTERS: dict = {}
@@ -462,7 +470,7 @@ def htk_mel_filters(n_bins: int, n_mels: int, sampling_rate: int, min_frequency:
 
 
 @dataclass(frozen=True, kw_only=True)
-class UsmProcessor:
+class UsmProcessor(_ClipSettings):
     """Gemma 4's audio preparation (transformers' Gemma4AudioFeatureExtractor and Gemma4Processor's prompt): a clip
     at ``sampling_rate``, padded with silence to a multiple of 128 samples (at most ``max_samples``: 30 s; a
     longer clip is a 400, never cut), ``frame_length // 2`` zeros before it (semicausal), frames of
@@ -554,14 +562,6 @@ class UsmProcessor:
             d[name] = None if d[name] is None else list(d[name])
         return {**d, "kind": self.kind}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> UsmProcessor:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields - {"kind"})
-        if unknown:
-            raise _error(f"audio processor settings: unknown {unknown}")
-        return cls(**{k: v for k, v in d.items() if k in fields})
-
     @property
     def placeholder(self) -> str:
         return self.audio_token
@@ -638,11 +638,7 @@ class UsmProcessor:
             raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms): this model needs at least "
                          f"{self.min_samples * 1000 / self.sampling_rate:.0f} ms")
         tokens = self.tokens(frames)
-        digest = hashlib.sha256(b"flared-audio-v1\0" + np.ascontiguousarray(samples, np.float32).tobytes()
-                                + json.dumps(self.to_dict(), sort_keys=True).encode()).digest()
+        digest = self._identity(samples)
         return PreparedImage(pixel_values=self.features(samples, frames), rows=0, cols=0,
                              prompt=f"{self.boa_token}{self.audio_token * tokens}{self.eoa_token}",
                              num_image_tokens=tokens, identity=digest, grid=(frames, 1, 1), modality="audio")
-
-    def prepare_in_request(self, audio: DecodedAudio, *, images: int) -> PreparedImage:
-        return self.prepare(audio)

@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from flared.errors import CoreError, ErrorKind
-from flared.model.vision import AUDIO_FAMILIES, VisionConfig, _Tower, _vit_layer, _vit_layer_shapes
+from flared.model.vision import (AUDIO_FAMILIES, Gemma4Tower, VisionConfig, _Tower, _vit_layer, _vit_layer_shapes,
+                                 clipped_products)
 
 
 __all__ = ["AUDIO_FAMILIES", "Gemma4AudioEncoder", "WhisperAudioEncoder", "audio_from_hf", "audio_tensor_shapes",
@@ -245,11 +246,7 @@ def _gemma4_audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tenso
            "out.bias": take(at + "output_proj.bias"), "proj.weight": take(ea + "embedding_projection.weight")}
     for n in range(c.num_layers):
         p, q = f"layers.{n}.", f"{at}layers.{n}."
-        for name, theirs in _GEMMA4_AUDIO_PRODUCTS.items():
-            out[p + name + ".weight"] = take(q + theirs + ".linear.weight")
-            if c.clipped_linears:
-                out[p + name + ".clip"] = torch.stack([take(q + theirs + "." + bound).float().reshape(()) for bound in
-                                                       ("input_min", "input_max", "output_min", "output_max")])
+        clipped_products(take, out, p, q, _GEMMA4_AUDIO_PRODUCTS, weight=".linear.weight", clipped=c.clipped_linears)
         for name, theirs in _GEMMA4_AUDIO_TENSORS.items():
             out[p + name] = take(q + theirs)
         # (kept as the attention uses it, softplus(per_dim_scale): llama.cpp's converter stores it so too)
@@ -336,7 +333,7 @@ class WhisperAudioEncoder(_Tower):
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
 
 
-class Gemma4AudioEncoder(_Tower):
+class Gemma4AudioEncoder(Gemma4Tower):
     """Gemma 4's audio tower (Google's Universal Speech Model conformer) and its projection: a clip's log-mel
     frames [F, mel] -> its rows [ceil(ceil(F / 2) / 2), hidden]. Two 3 x 3 stride-2 convolutions over (time, mel),
     each LayerNormed (no bias) and ReLU'd, their channels x mel / 4 through a linear; then conformer layers:
@@ -358,28 +355,13 @@ class Gemma4AudioEncoder(_Tower):
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
-        clips = {k: v for k, v in tensors.items() if k.endswith(".clip")}
         super().__init__(config, tensors, dtype=dtype, device=device)
-        self.clips = {k: [float(x) for x in v.float().tolist()] for k, v in clips.items()}
         c = config
         context = c.attention_chunk + c.context_left - 1 + c.context_right
         half = c.hidden_size // 2
         inv = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
         distance = torch.arange(context // 2, -1, -1, dtype=torch.float32)[:, None] * inv[None]
         self.rel_pos = torch.cat([distance.sin(), distance.cos()], -1).to(self.device, self.dtype)  # [ctx/2 + 1, D]
-
-    @staticmethod
-    def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.pow(y.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-        return (y if weight is None else y * weight.float()).to(x.dtype)
-
-    def _product(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        bounds = self.clips.get(name[:-len("weight")] + "clip")
-        if bounds is not None:
-            x = x.clamp(bounds[0], bounds[1])
-        y = F.linear(x, self.w[name])
-        return y.clamp(bounds[2], bounds[3]) if bounds is not None else y
 
     def _clamp(self, x: torch.Tensor) -> torch.Tensor:
         limit = min(self.config.clip_value, torch.finfo(x.dtype).max)

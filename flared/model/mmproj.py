@@ -57,7 +57,7 @@ import torch
 from flared.errors import CoreError, ErrorKind
 from flared.model.loader import _gguf_field as _field
 from flared.model.loader import gguf_tensor_values, unpermute_qk
-from flared.model.vision import INTERNVIT_GGUF, VisionConfig, internvit_to_serving
+from flared.model.vision import INTERNVIT_GGUF, VisionConfig, clipped_products, internvit_to_serving
 
 # clip.projector_type -> our vision family
 PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
@@ -420,11 +420,7 @@ def _gemma4(take, c: VisionConfig) -> dict[str, torch.Tensor]:
              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
     for i in range(c.num_layers):
         p, g = f"layers.{i}.", f"v.blk.{i}."
-        for ours, theirs in products.items():
-            out[p + ours + ".weight"] = take(g + theirs + ".weight")
-            if c.clipped_linears:
-                out[p + ours + ".clip"] = torch.cat([take(f"{g}{theirs}.{bound}").float().reshape(1) for bound in
-                                                     ("input_min", "input_max", "output_min", "output_max")])
+        clipped_products(take, out, p, g, products, weight=".weight", clipped=c.clipped_linears)
         for ours, theirs in norms.items():
             out[p + ours + ".weight"] = take(g + theirs + ".weight")
     return out
@@ -482,11 +478,7 @@ def _read_gemma4_audio(files, reader, source: str, text_reader, text_hidden_size
            "out.bias": take("a.pre_encode.out.bias"), "proj.weight": take("mm.a.input_projection.weight")}
     for i in range(layers):
         p, g = f"layers.{i}.", f"a.blk.{i}."
-        for ours, theirs in _GEMMA4A_PRODUCTS.items():
-            out[p + ours + ".weight"] = take(g + theirs + ".weight")
-            if config.clipped_linears:
-                out[p + ours + ".clip"] = torch.cat([take(f"{g}{theirs}.{bound}").float().reshape(1) for bound in
-                                                     ("input_min", "input_max", "output_min", "output_max")])
+        clipped_products(take, out, p, g, _GEMMA4A_PRODUCTS, weight=".weight", clipped=config.clipped_linears)
         for ours, theirs in _GEMMA4A_TENSORS.items():
             out[p + ours] = take(g + theirs)
         out[p + "conv.weight"] = take(g + "conv_dw.weight").reshape(d, 1, -1)

@@ -724,6 +724,19 @@ _GEMMA4_NORMS = {"norm1": "input_layernorm", "post_attn_norm": "post_attention_l
                  "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
 
 
+def clipped_products(take, out: dict, ours: str, theirs: str, names: dict[str, str], *, weight: str,
+                     clipped: bool) -> None:
+    """One Gemma 4 layer's products into ``out``: each of ``names`` (ours: theirs) as ``{ours}{name}.weight`` from
+    ``{theirs}{their name}{weight}`` and, where ``clipped``, its four clamp bounds (input min, max, output min,
+    max: ``{theirs}{their name}.input_min`` ...) as ``{ours}{name}.clip``."""
+    for mine, name in names.items():
+        out[f"{ours}{mine}.weight"] = take(f"{theirs}{name}{weight}")
+        if clipped:
+            out[f"{ours}{mine}.clip"] = torch.stack([take(f"{theirs}{name}.{bound}").float().reshape(())
+                                                     for bound in ("input_min", "input_max", "output_min",
+                                                                   "output_max")])
+
+
 def _gemma4_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     """Gemma 4's tower: the patches' projection (no bias), the (column, row) position tables, Gemma layers of four
     norms, q/k norms and a gated MLP (with use_clipped_linears each product's [input min, max, output min, max]),
@@ -916,11 +929,7 @@ def _gemma4_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tens
         out.update({"std_bias": take(vm + "std_bias"), "std_scale": take(vm + "std_scale")})
     for n in range(c.num_layers):
         p, q = f"layers.{n}.", f"{vm}encoder.layers.{n}."
-        for name, hf_name in _GEMMA4_PRODUCTS.items():
-            out[p + name + ".weight"] = take(q + hf_name + ".linear.weight")
-            if c.clipped_linears:
-                out[p + name + ".clip"] = torch.stack([take(q + hf_name + "." + bound).float().reshape(()) for bound in
-                                                       ("input_min", "input_max", "output_min", "output_max")])
+        clipped_products(take, out, p, q, _GEMMA4_PRODUCTS, weight=".linear.weight", clipped=c.clipped_linears)
         for name, hf_name in _GEMMA4_NORMS.items():
             out[p + name + ".weight"] = take(q + hf_name + ".weight")
     return out
@@ -1257,23 +1266,16 @@ class Gemma3VisionEncoder(_Tower):
         return F.linear(x, w["proj.weight"])
 
 
-class Gemma4VisionEncoder(_Tower):
-    """Gemma 4's tower and projection: an image's (or each video frame's) patches, a grid of h x w, -> its rows
-    [(h / k) * (w / k), hidden], the k x k pooled blocks row-major. Each patch's pixels (in [0, 1]) as 2x - 1
-    through a linear, plus its column's and its row's position rows; Gemma layers (norms before and after
-    attention and the MLP, q/k RMSNorms, weightless v RMSNorm, unscaled scores, a 2D rope: the first half of each
-    head turned by the column, the second by the row) attending over the whole frame; then each k x k block
-    averaged, times sqrt(D), standardized (float32), a weightless RMSNorm and the projection. The RMSNorms are
-    transformers' Gemma4RMSNorm (float32, the weight as it is). ``pixel_values``: [frames * h * w, 3 * p * p]."""
+class Gemma4Tower(_Tower):
+    """What Gemma 4's towers share (its image tower, its audio conformer: flared.model.audio): transformers'
+    Gemma4RMSNorm (float32, the weight as it is, or none) and its clippable products, each clamping its input and
+    output to the checkpoint's bounds (``{name}.clip``: input min, max, output min, max) where it has them."""
 
     def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         clips = {k: v for k, v in tensors.items() if k.endswith(".clip")}
         super().__init__(config, tensors, dtype=dtype, device=device)
         self.clips = {k: [float(x) for x in v.float().tolist()] for k, v in clips.items()}  # (bounds as Python floats)
-        hd = config.hidden_size // config.num_heads
-        quarter = hd // 2
-        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
 
     @staticmethod
     def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -1287,6 +1289,23 @@ class Gemma4VisionEncoder(_Tower):
             x = x.clamp(bounds[0], bounds[1])
         y = F.linear(x, self.w[name])
         return y.clamp(bounds[2], bounds[3]) if bounds is not None else y
+
+
+class Gemma4VisionEncoder(Gemma4Tower):
+    """Gemma 4's tower and projection: an image's (or each video frame's) patches, a grid of h x w, -> its rows
+    [(h / k) * (w / k), hidden], the k x k pooled blocks row-major. Each patch's pixels (in [0, 1]) as 2x - 1
+    through a linear, plus its column's and its row's position rows; Gemma layers (norms before and after
+    attention and the MLP, q/k RMSNorms, weightless v RMSNorm, unscaled scores, a 2D rope: the first half of each
+    head turned by the column, the second by the row) attending over the whole frame; then each k x k block
+    averaged, times sqrt(D), standardized (float32), a weightless RMSNorm and the projection. The RMSNorms are
+    transformers' Gemma4RMSNorm (float32, the weight as it is). ``pixel_values``: [frames * h * w, 3 * p * p]."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__(config, tensors, dtype=dtype, device=device)
+        hd = config.hidden_size // config.num_heads
+        quarter = hd // 2
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
 
     def _rope(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [h * w, 1, head_dim] in the tower's dtype: (column, column, row, row) frequency quarters."""

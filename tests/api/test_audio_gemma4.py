@@ -18,9 +18,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from flared_testing.audio import input_audio, tone, wav_bytes  # noqa: E402
-from flared_testing.vision import (  # noqa: E402
-    assert_greedy, data_url, metric, noise_image, processor_settings, reference_tokenizer, token_ids,
-)
+from flared_testing.vision import assert_greedy, data_url, metric, noise_image, token_ids  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -37,16 +35,12 @@ def daemon(tiny_gemma4_vision, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_gemma4_vision):
     import torch
-    from transformers import Gemma4ForConditionalGeneration
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
-    checkpoint = tiny_gemma4_vision[0]
-    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = reference_tokenizer(checkpoint, bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>")
+    from flared_testing.vision import gemma4_reference
+
+    model, tok, images, media_ids = gemma4_reference(tiny_gemma4_vision[0])
     extractor = Gemma4AudioFeatureExtractor()
-    images = Gemma4ImageProcessorPil(**processor_settings(checkpoint))
-    media_ids = [model.config.image_token_id, model.config.video_token_id, model.config.audio_token_id]
 
     def clip_tokens(mask) -> int:  # (Gemma4Processor.replace_audio_token)
         t = len(mask)

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
 from flared_testing.video import ask_media, assert_media_cases_match, noise_video, video_part  # noqa: E402
-from flared_testing.vision import metric, noise_image, processor_settings, reference_tokenizer  # noqa: E402
+from flared_testing.vision import metric, noise_image  # noqa: E402
 
 NEW_TOKENS = 8
 MODELS = ("tiny_gemma4_vision", "tiny_gemma4_vision_both_ways")
@@ -31,22 +31,18 @@ MODELS = ("tiny_gemma4_vision", "tiny_gemma4_vision_both_ways")
 @pytest.fixture(scope="module", params=MODELS)
 def served(request, tmp_path_factory):
     import torch
-    from transformers import Gemma4ForConditionalGeneration
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from flared.core.load import open_core
     from flared.frontend.video import probe_video
     from flared_testing.daemon import Daemon
+    from flared_testing.vision import gemma4_reference
 
     checkpoint, core = request.getfixturevalue(request.param)
-    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = reference_tokenizer(checkpoint, bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>")
-    images = Gemma4ImageProcessorPil(**processor_settings(checkpoint))
+    model, tok, images, media_ids = gemma4_reference(checkpoint)
     videos = open_core(core).video_processor()
     assert videos is not None and videos.kind == "pooled_video"
     max_patches = videos.max_soft_tokens * videos.pooling_kernel_size ** 2
     config = model.config
-    media_ids = [config.image_token_id, config.video_token_id, config.audio_token_id]
 
     def run(media, text: str, both_ways: bool = True):
         """(prompt tokens, greedy tokens) of transformers for one user turn of ``media`` then ``text``."""

@@ -18,9 +18,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import (  # noqa: E402
-    ask_greedy, assert_cases_match, data_url, metric, noise_image, processor_settings, reference_tokenizer, token_ids,
-)
+from flared_testing.vision import ask_greedy, assert_cases_match, data_url, metric, noise_image, token_ids  # noqa: E402
 
 NEW_TOKENS = 10
 MODELS = ("tiny_gemma4_vision", "tiny_gemma4_vision_both_ways")
@@ -30,17 +28,13 @@ MODELS = ("tiny_gemma4_vision", "tiny_gemma4_vision_both_ways")
 def served(request, tmp_path_factory):
     """(daemon, reference, checkpoint) for each model."""
     import torch
-    from transformers import Gemma4ForConditionalGeneration
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
     from flared_testing.daemon import Daemon
+    from flared_testing.vision import gemma4_reference
 
     checkpoint, core = request.getfixturevalue(request.param)
-    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tok = reference_tokenizer(checkpoint, bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>")
-    images = Gemma4ImageProcessorPil(**processor_settings(checkpoint))
+    model, tok, images, media = gemma4_reference(checkpoint)
     image_id = model.config.image_token_id
-    media = [model.config.image_token_id, model.config.video_token_id, model.config.audio_token_id]
 
     def run(pictures, text: str, text_first: bool = False, both_ways: bool = True, scores: bool = False):
         """(prompt tokens, greedy tokens) of transformers; ``scores``: and each greedy token's logprob;

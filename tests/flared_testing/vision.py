@@ -181,3 +181,18 @@ def pixtral_reference(checkpoint, model_class, *, merge: int, patch: int, new_to
         return ids.shape[1], gen[0, ids.shape[1]:].tolist()
 
     return run
+
+
+def gemma4_reference(checkpoint):
+    """(transformers' Gemma4ForConditionalGeneration of a test checkpoint, in float32; its tokenizer and template;
+    its image processor; its media tokens' ids, which the Gemma 4 parity tests keep out of outputs: transformers
+    feeds a generated media token back as the pad token's embedding, flared as vLLM as its own)."""
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tok = reference_tokenizer(checkpoint, bos_token="<bos>", eos_token="<turn|>", pad_token="<pad>")
+    images = Gemma4ImageProcessorPil(**processor_settings(checkpoint))
+    config = model.config
+    return model, tok, images, [config.image_token_id, config.video_token_id, config.audio_token_id]
