@@ -17,7 +17,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from flared_testing.audio import input_audio, tone, wav_bytes  # noqa: E402
+from flared_testing.audio import gemma4_clip_tokens, input_audio, tone, wav_bytes  # noqa: E402
 from flared_testing.vision import assert_greedy, data_url, metric, noise_image, token_ids  # noqa: E402
 
 NEW_TOKENS = 10
@@ -42,14 +42,6 @@ def reference(tiny_gemma4_vision):
     model, tok, images, media_ids = gemma4_reference(tiny_gemma4_vision[0])
     extractor = Gemma4AudioFeatureExtractor()
 
-    def clip_tokens(mask) -> int:  # (Gemma4Processor.replace_audio_token)
-        t = len(mask)
-        for _ in range(2):
-            t_out = (t + 2 - 3) // 2 + 1
-            mask = mask[::2][:t_out]
-            t = len(mask)
-        return int(mask.sum())
-
     def run(media, text: str):
         """(prompt tokens, greedy tokens) of transformers for one user turn of ``media`` (("audio", samples at 16
         kHz) or ("image", PIL image)) then ``text``."""
@@ -63,7 +55,7 @@ def reference(tiny_gemma4_vision):
             features = extractor(clips, return_tensors="pt")
             kwargs.update(input_features=features["input_features"],
                           input_features_mask=features["input_features_mask"])
-            counts = iter([clip_tokens(m) for m in features["input_features_mask"].numpy()])
+            counts = iter([gemma4_clip_tokens(m) for m in features["input_features_mask"].numpy()])
         if pictures:
             prepared = images(pictures, return_tensors="pt")
             kwargs.update(pixel_values=prepared["pixel_values"], image_position_ids=prepared["image_position_ids"])

@@ -96,3 +96,13 @@ def assert_clips_match(daemon, reference, cases, new_tokens: int) -> None:
         num_prompt, expected = reference(clips, text)
         assert body["usage"]["prompt_tokens"] == num_prompt, ([len(c) for c in clips], text)
         assert_greedy(body, expected, ([len(c) for c in clips], text))
+
+
+def gemma4_clip_tokens(mask) -> int:
+    """transformers' Gemma4Processor.replace_audio_token count: the clip's frame mask halved twice, its ones."""
+    t = len(mask)
+    for _ in range(2):
+        t_out = (t + 2 - 3) // 2 + 1
+        mask = mask[::2][:t_out]
+        t = len(mask)
+    return int(mask.sum())

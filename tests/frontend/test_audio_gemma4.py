@@ -10,22 +10,13 @@ import pytest
 from flared.errors import FrontendError
 from flared.frontend.audio import DecodedAudio, UsmProcessor
 from flared.frontend.images import image_processor_from_dict
+from flared_testing.audio import gemma4_clip_tokens
 
 pytest.importorskip("transformers")
 
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor  # noqa: E402
 
 LENGTHS = [161, 321, 400, 1000, 8000, 16000, 16001, 23456, 160 * 77 + 5, 480000]
-
-
-def _tokens(mask: np.ndarray) -> int:
-    """Gemma4Processor.replace_audio_token's count."""
-    t = len(mask)
-    for _ in range(2):
-        t_out = (t + 2 - 3) // 2 + 1
-        mask = mask[::2][:t_out]
-        t = len(mask)
-    return int(mask.sum())
 
 
 @pytest.mark.parametrize("settings", [{}, {"preemphasis": 0.97}, {"preemphasis": 0.9, "preemphasis_htk_flavor": False,
@@ -44,7 +35,7 @@ def test_frames_and_tokens_are_transformers(settings):
         valid = int(mask.sum())
         assert mask[:valid].all() and not mask[valid:].any()
         got = ours.prepare(DecodedAudio(x, 16000))
-        assert got.grid == (valid, 1, 1) and got.num_image_tokens == _tokens(mask), n
+        assert got.grid == (valid, 1, 1) and got.num_image_tokens == gemma4_clip_tokens(mask), n
         np.testing.assert_array_equal(got.pixel_values, ref["input_features"][0][:valid])
         assert got.prompt == "<|audio>" + "<|audio|>" * got.num_image_tokens + "<audio|>"
 
