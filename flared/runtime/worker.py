@@ -520,6 +520,9 @@ class ModelRuntime:
             log.info("%s (%s): %d layers in %s", "audio encoder" if config.is_audio else "image tower",
                      config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))
+            if audio is not None:
+                log.info("audio encoder (%s): %d layers in %s", audio.family, audio.num_layers,
+                         str(model.audio.dtype).removeprefix("torch."))
         for f, ident in factors:
             # On CUDA the graphs run the stacked copy below; the model's entry only marks the adapter live (an
             # unloaded one's becomes None), so it holds no second copy of the factors on the GPU.
