@@ -361,9 +361,19 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         pre, proc = given
         where = where_proc = mmproj
     else:
-        pre = _read_json(src / "preprocessor_config.json", required=True)
+        pre = _read_json(src / "preprocessor_config.json", required=False)
         proc = _read_json(src / "processor_config.json", required=False)
         where, where_proc = src / "preprocessor_config.json", src / "processor_config.json"
+        nested = proc.get("image_processor") if isinstance(proc, dict) else None
+        if _PROCESSOR_KINDS[vision.family] != "whisper" and isinstance(nested, dict) and (
+                pre is None or (isinstance(pre, dict) and "feature_extractor_type" in pre
+                                and "image_processor_type" not in pre)):
+            # (transformers 5 saves a processor's parts nested in processor_config.json; a preprocessor_config.json
+            # beside it may hold an audio feature extractor's settings, not the images')
+            pre, where = {}, where_proc
+        elif pre is None:
+            raise CoreError(f"{where}: missing (and processor_config.json has no \"image_processor\")",
+                            ErrorKind.SOURCE_FORMAT)
     if not isinstance(pre, dict) or (proc is not None and not isinstance(proc, dict)):
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
@@ -435,7 +445,9 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     cfg = _read_json(where, required=False)
     proc = _read_json(src / "processor_config.json", required=False)
     try:
-        if gemma4:  # (its frames' boi and eoi are the image processor's)
+        if gemma4:  # (its frames' boi and eoi are the image processor's; its settings maybe nested)
+            if cfg is None and isinstance(proc, dict) and isinstance(proc.get("video_processor"), dict):
+                cfg = proc["video_processor"]
             processor = PooledVideoProcessor.from_hf(cfg, patch_size=vision.patch_size,
                                                      pooling_kernel_size=vision.scale_factor)
             processor = dataclasses.replace(processor, start_token=image_processor.boi_token,

@@ -156,3 +156,25 @@ def test_the_soft_token_budget_is_a_request_setting(served):
     status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=1,
                                mm_processor_kwargs={"max_pixels": 20000})  # (a Qwen processor's)
     assert status == 400 and "mm_processor_kwargs.max_pixels" in str(body["error"]), body
+
+
+def test_a_checkpoint_with_its_processors_nested_exports_the_same(tiny_gemma4_vision, tmp_path):
+    """transformers 5 saves a processor's parts nested in processor_config.json ("image_processor",
+    "video_processor", "feature_extractor") with no preprocessor_config.json: the export reads the same settings."""
+    import json
+    import shutil
+
+    from flared.core.export import ExportOptions, export_core
+
+    checkpoint = tmp_path / "nested"
+    shutil.copytree(tiny_gemma4_vision[0], checkpoint)
+    proc = json.loads((checkpoint / "processor_config.json").read_text())
+    proc["image_processor"] = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    proc["video_processor"] = json.loads((checkpoint / "video_preprocessor_config.json").read_text())
+    (checkpoint / "processor_config.json").write_text(json.dumps(proc))
+    (checkpoint / "preprocessor_config.json").unlink()
+    (checkpoint / "video_preprocessor_config.json").unlink()
+    options = ExportOptions(concurrency=2, context_tokens=512, prefill_chunk_tokens=64)
+    ours = export_core(checkpoint, tmp_path / "ours", options).vision
+    want = export_core(tiny_gemma4_vision[0], tmp_path / "want", options).vision
+    assert (ours["processor"], ours["video"], ours["audio"]) == (want["processor"], want["video"], want["audio"])
