@@ -107,3 +107,23 @@ def test_chat_js_streams_a_chat_under_node(keyed, tmp_path):
     assert out["plain"]["finish"] == "stop" and out["plain"]["usage"]["completion_tokens"] == 9
     assert out["unauthorized"].startswith("401")
     assert out["aborted"] == "AbortError" and out["pieces"] == 3
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_attach_button_offers_what_the_model_takes(tmp_path):
+    """chat.js's attachKinds under Node: the button's label and the file types for images, videos, audio, and a
+    model of all three (Gemma 4)."""
+    script = tmp_path / "kinds.js"
+    script.write_text("const { attachKinds } = require(process.argv[2]);\n"
+                      "console.log(JSON.stringify(JSON.parse(process.argv[3]).map(attachKinds)));\n")
+    cases = [{}, {"vision": True}, {"vision": True, "video": True}, {"audio": True},
+             {"vision": True, "video": True, "audio": True}]
+    done = subprocess.run(["node", str(script), str(CHAT_JS), json.dumps(cases)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert [k["show"] for k in got] == [False, True, True, True, True]
+    assert [k["label"] for k in got[1:]] == ["Image", "Image/video", "Audio", "Image/video/audio"]
+    assert got[3]["accept"].split(",")[0] == "audio/wav" and "video/" not in got[1]["accept"]
+    every = got[4]["accept"].split(",")
+    assert {"image/png", "video/mp4", "audio/wav", "audio/mpeg"} <= set(every), every

@@ -81,7 +81,23 @@ function userContent(text, images) {
   return parts;
 }
 
-if (typeof module !== "undefined") module.exports = { parseSSE, streamChat, userContent, mediaPart };
+// The attach button for a model card's capabilities: its label, its tooltip and the file types it offers (a model
+// may take images, videos and audio all at once: Gemma 4).
+function attachKinds(caps) {
+  const images = caps.vision ? "image/png,image/jpeg,image/webp" : "";
+  const videos = caps.vision && caps.video ? "video/mp4,video/webm,video/quicktime,video/x-matroska" : "";
+  const audio = caps.audio ? "audio/wav,audio/x-wav,audio/mpeg,audio/flac,audio/ogg" : "";
+  const names = [caps.vision ? "Image" : "", videos ? "video" : "", audio ? "audio" : ""].filter(Boolean);
+  const label = names.map((n, i) => (i === 0 ? n[0].toUpperCase() + n.slice(1) : n)).join("/");
+  const what = [caps.vision ? "images" : "", videos ? "videos" : "", audio ? "audio clips" : ""].filter(Boolean);
+  return { show: names.length > 0, label,
+           title: "attach " + what.join(" or ") + " (this model " +
+                  (audio ? (caps.vision ? "takes them" : "listens to them") : videos ? "watches them" : "reads them")
+                  + ")",
+           accept: [images, videos, audio].filter(Boolean).join(",") };
+}
+
+if (typeof module !== "undefined") module.exports = { parseSSE, streamChat, userContent, mediaPart, attachKinds };
 
 if (typeof document !== "undefined") {
   const $ = (id) => document.getElementById(id);
@@ -162,13 +178,11 @@ if (typeof document !== "undefined") {
       model = card.id;
       $("model").textContent = model;
       const caps = card.capabilities || {};
-      $("attach").hidden = !(caps.vision || caps.audio);
-      $("attach").textContent = caps.audio ? "Audio" : caps.video ? "Image/video" : "Image";
-      $("attach").title = caps.audio ? "attach audio clips (this model listens to them)"
-        : caps.video ? "attach images or videos (this model watches them)" : "attach images (this model reads them)";
-      const videos = caps.video ? ",video/mp4,video/webm,video/quicktime,video/x-matroska" : "";
-      pick.accept = caps.audio ? "audio/wav,audio/x-wav,audio/mpeg,audio/flac,audio/ogg"
-        : "image/png,image/jpeg,image/webp" + videos;
+      const kinds = attachKinds(caps);
+      $("attach").hidden = !kinds.show;
+      $("attach").textContent = kinds.label;
+      $("attach").title = kinds.title;
+      pick.accept = kinds.accept;
       status.textContent = "";
     } catch (e) {
       status.textContent = "cannot list models: " + e.message;
