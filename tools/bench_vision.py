@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Image towers on the CPU: flared's (flared.model.vision) against transformers' on the same random weights of
-real shapes, in one run.
+"""Image towers (and Gemma 4's audio conformer) on the CPU, or a GPU with ``--device cuda``: flared's
+(flared.model.vision) against transformers' on the same random weights of real shapes, in one run.
 
 For each shape, a transformers model of that vision config (with a one-layer text model beside it: only the
 tower and connector run) is built with random weights; flared's tower is loaded from the same tensors
@@ -21,7 +21,7 @@ Shapes (the towers of the released checkpoints):
 
     .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,
         gemma4-e2b,gemma4-31b,gemma4-audio] [--tiles 2] [--side 448] [--seconds 10] [--dtypes float32,bfloat16]
-        [--repeats 2] [--json]
+        [--repeats 2] [--device cpu] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -189,22 +189,31 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (both sides on the GPU, synchronized)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    device = torch.device(args.device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     from flared.model.vision import vision_encoder
 
     rows = []
     for shape in args.shapes.split(","):
         model, config, tensors = build(shape)
         hf_args, our_args, what = inputs(config, args)
+        hf_args = tuple(x.to(device) for x in hf_args)
+        our_args = (our_args[0].to(device), our_args[1])
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            model.to(dtype)
-            ours = vision_encoder(config, tensors, dtype=dtype)
+            model.to(device=device, dtype=dtype)
+            ours = vision_encoder(config, tensors, dtype=dtype, device=device)
             best = {"transformers": float("inf"), "flared": float("inf")}
             out = {}
             for _ in range(args.repeats):
                 for name in best:
+                    sync()
                     started = time.perf_counter()
                     with torch.inference_mode():
                         if name == "transformers":
@@ -229,6 +238,7 @@ def main() -> None:
                                 result = torch.cat([result, *(torch.cat(list(f)) for f in stack)], dim=-1)
                         else:
                             result = ours.encode(our_args[0], grid=our_args[1])
+                    sync()
                     best[name] = min(best[name], time.perf_counter() - started)
                     out[name] = result.float()
             diff = (out["transformers"] - out["flared"]).abs().max().item()
@@ -241,9 +251,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:<14} {r['dtype']:<9} {r['input']:<34} {r['transformers_s']:>14.3f} {r['flared_s']:>9.3f} "
               f"{r['speedup']:>5.2f}x {r['max_abs_diff']:>10.2e}")
-    print(f"threads: {torch.get_num_threads()}, best of {args.repeats}")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"threads: {torch.get_num_threads()}"
+    print(f"{where}, best of {args.repeats}")
     if args.json:
-        print(json.dumps({"rows": rows, "threads": torch.get_num_threads(), "repeats": args.repeats}))
+        print(json.dumps({"rows": rows, "device": where, "repeats": args.repeats}))
 
 
 if __name__ == "__main__":
