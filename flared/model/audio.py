@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from flared.errors import CoreError, ErrorKind
 from flared.model.vision import (AUDIO_FAMILIES, Gemma4Tower, VisionConfig, _Tower, _vit_layer, _vit_layer_shapes,
-                                 clipped_products)
+                                 clipped_product_shapes, clipped_products)
 
 
 __all__ = ["AUDIO_FAMILIES", "Gemma4AudioEncoder", "WhisperAudioEncoder", "audio_from_hf", "audio_tensor_shapes",
@@ -169,10 +169,7 @@ def _gemma4_audio_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
              "ff2_in": (4 * d, d), "ff2_out": (d, 4 * d), "conv_in": (2 * d, d), "conv_out": (d, d)}
     for n in range(c.num_layers):
         p = f"layers.{n}."
-        for name, shape in sizes.items():
-            shapes[p + name + ".weight"] = shape
-            if c.clipped_linears:
-                shapes[p + name + ".clip"] = (4,)
+        clipped_product_shapes(shapes, p, sizes, clipped=c.clipped_linears)
         for name in _GEMMA4_AUDIO_TENSORS:
             shapes[p + name] = {"rel_k.weight": (d, d), "scale": (d // c.num_heads,),
                                 "conv.weight": (d, 1, c.conv_kernel)}.get(name, (d,))
@@ -379,8 +376,9 @@ class Gemma4AudioEncoder(Gemma4Tower):
             x = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), w[f"sub{i}_norm.weight"], None, c.layer_norm_eps)
             x = F.relu(x).permute(0, 3, 1, 2)
         h = F.linear(x.permute(0, 2, 3, 1).reshape(x.shape[2], -1), w["sub_proj.weight"])  # [T, D]
+        allowed = self._blocked_mask(h.shape[0])
         for i in range(c.num_layers):
-            h = self._layer(h, f"layers.{i}.")
+            h = self._layer(h, f"layers.{i}.", allowed)
             yield
         h = F.linear(h, w["out.weight"], w["out.bias"])
         return F.linear(self._norm(h, None, c.projector_eps), w["proj.weight"])
@@ -391,11 +389,25 @@ class Gemma4AudioEncoder(Gemma4Tower):
         x = self._product(F.silu(self._product(x, p + "_in.weight")), p + "_out.weight")
         return h + self._norm(self._clamp(x), w[p + "_post.weight"], 1e-6) * self.config.residual_weight
 
-    def _layer(self, h: torch.Tensor, p: str) -> torch.Tensor:
+    def _blocked_mask(self, n: int) -> torch.Tensor:
+        """[blocks, chunk, context] True where a row (block b, row r) sees a key of its block's context: a key of
+        the clip, itself or up to context_left - 2 rows before it, or fewer than context_right after it."""
+        c = self.config
+        chunk, back = c.attention_chunk, c.context_left - 1
+        context = chunk + back + c.context_right
+        blocks = -(-n // chunk)
+        row = torch.arange(blocks * chunk, device=self.device).view(blocks, chunk, 1)
+        key = (torch.arange(blocks, device=self.device) * chunk - back).view(blocks, 1, 1) + torch.arange(
+            context, device=self.device).view(1, 1, context)
+        distance = row - key
+        return (key >= 0) & (key < n) & (((distance >= 0) & (distance < back))
+                                         | ((distance < 0) & (-distance < c.context_right)))
+
+    def _layer(self, h: torch.Tensor, p: str, allowed: torch.Tensor) -> torch.Tensor:
         c, w = self.config, self.w
         h = self._feed_forward(h, p + "ff1")
         x = self._norm(self._clamp(h), w[p + "attn_pre.weight"], 1e-6)
-        h = h + self._norm(self._clamp(self._attention(x, p)), w[p + "attn_post.weight"], 1e-6)
+        h = h + self._norm(self._clamp(self._attention(x, p, allowed)), w[p + "attn_post.weight"], 1e-6)
         x = self._norm(h, w[p + "conv_pre.weight"], c.layer_norm_eps)
         x = F.glu(self._product(x, p + "conv_in.weight"), dim=-1)
         x = F.conv1d(F.pad(x.T[None], (c.conv_kernel - 1, 0)), w[p + "conv.weight"], groups=c.hidden_size)[0].T
@@ -404,8 +416,9 @@ class Gemma4AudioEncoder(Gemma4Tower):
         h = self._feed_forward(h, p + "ff2")
         return self._norm(self._clamp(h), w[p + "out_norm.weight"], 1e-6)
 
-    def _attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """transformers' Gemma4AudioAttention over one clip's rows [T, D], in its blocks and float32 steps."""
+    def _attention(self, x: torch.Tensor, p: str, allowed: torch.Tensor) -> torch.Tensor:
+        """transformers' Gemma4AudioAttention over one clip's rows [T, D], in its blocks and float32 steps;
+        ``allowed``: _blocked_mask's."""
         c, w = self.config, self.w
         n, d = x.shape
         heads, head = c.num_heads, d // c.num_heads
@@ -432,12 +445,6 @@ class Gemma4AudioEncoder(Gemma4Tower):
         bd = F.pad(bd, (0, context + 1 - positions)).view(heads, blocks, chunk * (context + 1))
         bd = bd[..., :chunk * context].view(heads, blocks, chunk, context)
         scores = torch.tanh((ac + bd) / c.logit_cap) * c.logit_cap
-        row = torch.arange(blocks * chunk, device=x.device).view(blocks, chunk, 1)
-        key = (torch.arange(blocks, device=x.device) * chunk - back).view(blocks, 1, 1) + torch.arange(
-            context, device=x.device).view(1, 1, context)
-        distance = row - key
-        allowed = (key >= 0) & (key < n) & (((distance >= 0) & (distance < back))
-                                             | ((distance < 0) & (-distance < ahead)))
         scores = scores.masked_fill(~allowed, -1e9)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         out = (probs @ vb.permute(2, 0, 1, 3)).permute(1, 2, 0, 3).reshape(blocks * chunk, d)[:n]

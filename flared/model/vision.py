@@ -737,6 +737,15 @@ def clipped_products(take, out: dict, ours: str, theirs: str, names: dict[str, s
                                                                    "output_max")])
 
 
+def clipped_product_shapes(shapes: dict, prefix: str, sizes: dict[str, tuple[int, int]], *, clipped: bool) -> None:
+    """One Gemma 4 layer's products' shapes into ``shapes`` (``clipped_products``' tensors): each weight, and where
+    ``clipped`` its four bounds."""
+    for name, shape in sizes.items():
+        shapes[prefix + name + ".weight"] = shape
+        if clipped:
+            shapes[prefix + name + ".clip"] = (4,)
+
+
 def _gemma4_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     """Gemma 4's tower: the patches' projection (no bias), the (column, row) position tables, Gemma layers of four
     norms, q/k norms and a gated MLP (with use_clipped_linears each product's [input min, max, output min, max]),
@@ -749,10 +758,7 @@ def _gemma4_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     sizes = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "gate": (i, d), "up": (i, d), "down": (d, i)}
     for n in range(c.num_layers):
         p = f"layers.{n}."
-        for name, shape in sizes.items():
-            shapes[p + name + ".weight"] = shape
-            if c.clipped_linears:
-                shapes[p + name + ".clip"] = (4,)
+        clipped_product_shapes(shapes, p, sizes, clipped=c.clipped_linears)
         for name in _GEMMA4_NORMS:
             shapes[p + name + ".weight"] = (hd,) if name in ("q_norm", "k_norm") else (d,)
     return shapes
@@ -1165,7 +1171,7 @@ def attach_tower(model, config: VisionConfig, tower, audio=None) -> None:
     if config.bidirectional_images:
         model.set_image_blocks([config.image_token_id] + ([config.video_token_id] if config.video_token_id >= 0
                                                           else []), windowed_only=config.windowed_image_blocks)
-    if config.family == "gemma4" and model.config.per_layer_input_dim:
+    if config.family == "gemma4":  # (read only by a model with per-layer inputs)
         model.set_image_identity(config.pad_token_id)
 
 
