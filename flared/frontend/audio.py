@@ -277,13 +277,18 @@ def mel_filters(n_fft: int, n_mels: int, sampling_rate: int, max_frequency: floa
     mel_freqs = np.linspace(_hertz_to_mel(np.array([0.0]))[0], _hertz_to_mel(np.array([max_frequency]))[0],
                             n_mels + 2)
     filter_freqs = _mel_to_hertz(mel_freqs)
-    fft_freqs = np.linspace(0, sampling_rate // 2, 1 + n_fft // 2)
-    diff = np.diff(filter_freqs)
-    slopes = filter_freqs[None, :] - fft_freqs[:, None]
+    filters = _triangles(filter_freqs, np.linspace(0, sampling_rate // 2, 1 + n_fft // 2))
+    return filters * (2.0 / (filter_freqs[2:n_mels + 2] - filter_freqs[:n_mels]))[None, :]
+
+
+def _triangles(edges: np.ndarray, fft_freqs: np.ndarray) -> np.ndarray:
+    """[bins, len(edges) - 2] triangular filters, filter j rising from edges[j] to edges[j + 1] and falling to
+    edges[j + 2] (transformers' ``_create_triangular_filter_bank``, float64)."""
+    diff = np.diff(edges)
+    slopes = edges[None, :] - fft_freqs[:, None]
     down = -slopes[:, :-2] / diff[:-1]
     up = slopes[:, 2:] / diff[1:]
-    filters = np.maximum(np.zeros(1), np.minimum(down, up))
-    return filters * (2.0 / (filter_freqs[2:n_mels + 2] - filter_freqs[:n_mels]))[None, :]
+    return np.maximum(np.zeros(1), np.minimum(down, up))
 
 
 class _ClipSettings:
@@ -460,13 +465,7 @@ def htk_mel_filters(n_bins: int, n_mels: int, sampling_rate: int, min_frequency:
         return 2595.0 * np.log10(1.0 + np.asarray(f, dtype=np.float64) / 700.0)
 
     mels = np.linspace(to_mel(min_frequency), to_mel(max_frequency), n_mels + 2)
-    edges = 700.0 * (10.0 ** (mels / 2595.0) - 1.0)
-    fft_freqs = np.linspace(0, sampling_rate // 2, n_bins)
-    diff = np.diff(edges)
-    slopes = edges[None, :] - fft_freqs[:, None]
-    down = -slopes[:, :-2] / diff[:-1]
-    up = slopes[:, 2:] / diff[1:]
-    return np.maximum(np.zeros(1), np.minimum(down, up))
+    return _triangles(700.0 * (10.0 ** (mels / 2595.0) - 1.0), np.linspace(0, sampling_rate // 2, n_bins))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -579,7 +578,9 @@ class UsmProcessor(_ClipSettings):
         return max(0, min(total, valid))
 
     def tokens(self, frames: int) -> int:
-        return min(-(-(-(-frames // 2)) // 2), self.audio_seq_length)
+        """The encoder's rows of ``frames`` frames (two stride-2 convolutions halve them, rounding up), capped."""
+        halved = -(-frames // 2)
+        return min(-(-halved // 2), self.audio_seq_length)
 
     def _tables(self):
         key = (self.frame_length, self.fft_length, self.feature_size, self.sampling_rate, self.min_frequency,

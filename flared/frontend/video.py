@@ -252,7 +252,17 @@ class _VideoSettings(_Settings):
     do_rescale: bool = True
     do_normalize: bool = True
 
-    def _check_pixels(self) -> None:
+    def _check_settings(self, tokens: tuple[str, ...], *, fps_zero_ok: bool) -> None:
+        """The checks every video processor makes: its ``fps`` finite and positive (or 0 where ``fps_zero_ok``:
+        num_frames frames instead), its ``tokens`` settings non-empty strings, its pixel settings valid and its
+        frames resized."""
+        fps = _finite("fps", self.fps)
+        if fps < 0 or (fps == 0 and not fps_zero_ok):
+            raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)" if fps_zero_ok else "positive")
+        object.__setattr__(self, "fps", fps)
+        for name in tokens:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise _field_error(name, getattr(self, name), "a non-empty string")
         _check_pixel_settings(self)
         if not self.do_resize:
             raise _field_error("do_resize", self.do_resize, "true (video frames are always resized)")
@@ -302,14 +312,7 @@ class VideoProcessor(_VideoSettings):
             raise _field_error("min_frames", self.min_frames, f"at most max_frames ({self.max_frames})")
         if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 0:
             raise _field_error("num_frames", self.num_frames, "a non-negative integer (0: by fps)")
-        fps = _finite("fps", self.fps)
-        if fps <= 0:
-            raise _field_error("fps", self.fps, "positive")
-        object.__setattr__(self, "fps", fps)
-        for name in ("video_token", "vision_start", "vision_end"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise _field_error(name, getattr(self, name), "a non-empty string")
-        self._check_pixels()
+        self._check_settings(("video_token", "vision_start", "vision_end"), fps_zero_ok=False)
 
     # -- configuration ------------------------------------------------------------------------------------
 
@@ -513,14 +516,7 @@ class FrameVideoProcessor(_VideoSettings):
         if isinstance(self.shortest_edge, bool) or not isinstance(self.shortest_edge, int) or (
                 self.shortest_edge and self.shortest_edge < max(self.height, self.width)):
             raise _field_error("shortest_edge", self.shortest_edge, "0, or at least the crop's side")
-        fps = _finite("fps", self.fps)
-        if fps < 0:
-            raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)")
-        object.__setattr__(self, "fps", fps)
-        for name in ("video_token", "image_token", "start_token", "end_token"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise _field_error(name, getattr(self, name), "a non-empty string")
-        self._check_pixels()
+        self._check_settings(("video_token", "image_token", "start_token", "end_token"), fps_zero_ok=True)
 
     @classmethod
     def from_hf(cls, video_config: dict | None, *, height: int, width: int, image_seq_len: int,
@@ -553,8 +549,7 @@ class FrameVideoProcessor(_VideoSettings):
         """transformers' sample_frames: ``torch.arange(shift, total, total / n).int()``, shift half a stretch
         (InternVL's ``initial_shift``) or none (OneVision's); n at most the video's frames."""
         total = info.total_frames
-        n = min(int(total / info.fps * self.fps), self.max_frames) if self.fps else self.num_frames
-        n = max(1, min(n, total))
+        n = _frame_count(self, info)
         shift = total / n / 2 if self.family == "internvl" else 0
         return torch.arange(shift, total, total / n).int().tolist()[:n]
 
@@ -623,14 +618,7 @@ class PooledVideoProcessor(_VideoSettings):
         for name in ("patch_size", "pooling_kernel_size", "num_frames", "max_frames"):
             _positive_int(name, getattr(self, name))
         _soft_tokens("max_soft_tokens", self.max_soft_tokens)
-        fps = _finite("fps", self.fps)
-        if fps < 0:
-            raise _field_error("fps", self.fps, "positive (or 0: num_frames frames)")
-        object.__setattr__(self, "fps", fps)
-        for name in ("video_token", "start_token", "end_token"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise _field_error(name, getattr(self, name), "a non-empty string")
-        self._check_pixels()
+        self._check_settings(("video_token", "start_token", "end_token"), fps_zero_ok=True)
 
     @classmethod
     def from_hf(cls, video_config: dict | None, *, patch_size: int, pooling_kernel_size: int) -> PooledVideoProcessor:
@@ -653,17 +641,11 @@ class PooledVideoProcessor(_VideoSettings):
         """transformers' default_sample_indices_fn: n = num_frames (or int(seconds x fps), at least 1, at most
         max_frames), at most the video's frames; frame k * total // n."""
         total = info.total_frames
-        n = max(1, min(int(total / info.fps * self.fps), self.max_frames)) if self.fps else self.num_frames
-        n = min(n, total)
+        n = _frame_count(self, info)
         return [k * total // n for k in range(n)]
 
     def frame_size(self, height: int, width: int) -> tuple[int, int]:
         return pooled_size(height, width, self.patch_size, self.max_soft_tokens, self.pooling_kernel_size)
-
-    def per_frame(self, height: int, width: int) -> int:
-        """Tokens one frame takes."""
-        h, w = self.frame_size(height, width)
-        return (h // self.patch_size) * (w // self.patch_size) // self.pooling_kernel_size ** 2
 
     def prompt(self, indices: list[int], fps: float, per_frame: int) -> str:
         """transformers' Gemma4Processor.replace_video_token: each frame's time as mm:ss, a space, its tokens."""
@@ -688,7 +670,7 @@ class PooledVideoProcessor(_VideoSettings):
             info = _probe(container)
             indices = self.sample(info)
             size = self.frame_size(info.height, info.width)
-            per_frame = self.per_frame(info.height, info.width)
+            per_frame = (size[0] // self.patch_size) * (size[1] // self.patch_size) // self.pooling_kernel_size ** 2
             _check_tokens(per_frame * len(indices), max_tokens, len(indices))
             frames = _frames_at(container, info, indices, size)
         finally:
@@ -699,6 +681,13 @@ class PooledVideoProcessor(_VideoSettings):
                              num_image_tokens=per_frame * len(indices),
                              identity=self._identity(data), grid=(len(indices), size[0] // p, size[1] // p),
                              modality="video")
+
+
+def _frame_count(proc, info: VideoInfo) -> int:
+    """Frames a video gives ``proc`` (its ``num_frames``, or ``fps`` a second where set, at least one and at most
+    ``max_frames``), at most the video's own."""
+    n = max(1, min(int(info.total_frames / info.fps * proc.fps), proc.max_frames)) if proc.fps else proc.num_frames
+    return min(n, info.total_frames)
 
 
 def _center_crops(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
