@@ -88,6 +88,7 @@ class _Assets:
     chat_template: str | None
     tokens: TokenSpec
     generation_defaults: dict[str, Any]
+    tokenizer: Any = dataclasses.field(default=None, repr=False, compare=False)  # (tokenizer_json, parsed once)
 
 
 def export_core(source: str | os.PathLike, out: str | os.PathLike, options: ExportOptions = ExportOptions(),
@@ -176,16 +177,12 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
         if audio is not None:
             vision["audio"] = {"config": src.audio.to_dict(), "processor": audio.to_dict()}
         if getattr(processor, "modality", "image") == "audio":  # (its audio token, as the tokenizer spells it)
-            from tokenizers import Tokenizer
-
-            found = Tokenizer.from_str(assets.tokenizer_json).token_to_id(processor.audio_token)
+            found = assets.tokenizer.token_to_id(processor.audio_token)
             if found != src.vision.image_token_id:
                 raise CoreError(f"{source}: the tokenizer's {processor.audio_token} is token {found}, but the config's "
                                 f"audio token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
         if processor.kind == "pooled_patches":  # (Gemma 4: its image token and the tokens around an image)
-            from tokenizers import Tokenizer
-
-            tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+            tokenizer = assets.tokenizer
             found = tokenizer.token_to_id(processor.image_token)
             if found != src.vision.image_token_id:
                 raise CoreError(f"{source}: the tokenizer's {processor.image_token} is token {found}, but the config's "
@@ -430,8 +427,6 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
     family's; InternVL's, LLaVA-OneVision's and LLaVA-NeXT-Video's frames at the tower's tile size, where the chat
     template writes ``<video>``. None for the other families, or where the tokenizer lacks the tokens a video
     needs."""
-    from tokenizers import Tokenizer
-
     from flared.errors import FrontendError
     from flared.frontend.video import FrameVideoProcessor, PooledVideoProcessor, VideoProcessor
 
@@ -473,7 +468,7 @@ def _read_video_processor(src: Path, vision, assets, image_processor):
                 image_mean=image_processor.image_mean, image_std=image_processor.image_std, family="llava_next_video")
     except FrontendError as e:
         raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
-    tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+    tokenizer = assets.tokenizer
     if qwen:
         if tokenizer.token_to_id(processor.video_token) != vision.video_token_id:
             return None
@@ -497,8 +492,6 @@ def _read_second_audio(src: Path, model, assets):
     processor_config.json's "feature_extractor" (transformers' defaults where it names none) and its
     "audio_seq_length"; None for a checkpoint without an audio tower, or whose tokenizer or chat template lacks the
     tokens a clip needs (its audio token the config's, <|audio>, <audio|>)."""
-    from tokenizers import Tokenizer
-
     from flared.errors import FrontendError
     from flared.frontend.audio import UsmProcessor
 
@@ -521,7 +514,7 @@ def _read_second_audio(src: Path, model, assets):
     if processor.feature_size != model.audio.mel_bins:
         raise CoreError(f"{src}: the feature extractor makes {processor.feature_size} mel bins, but the audio tower "
                         f"reads {model.audio.mel_bins}", ErrorKind.UNSUPPORTED_MODEL)
-    tokenizer = Tokenizer.from_str(assets.tokenizer_json)
+    tokenizer = assets.tokenizer
     if (tokenizer.token_to_id(processor.audio_token) != model.audio.image_token_id
             or any(tokenizer.token_to_id(t) is None for t in (processor.boa_token, processor.eoa_token))
             or processor.audio_token not in (assets.chat_template or "")):
@@ -597,6 +590,7 @@ def _assets_from(tokenizer_json: str, template: str | None, bos: str | None, eos
         tokens=TokenSpec(bos_token=bos, bos_token_id=bos_id, eos_token=eos, eos_token_ids=tuple(eos_ids),
                          pad_token_id=pad_id, add_bos_token=add_bos),
         generation_defaults=defaults,
+        tokenizer=tok,
     )
 
 

@@ -119,13 +119,14 @@ class Core:
 
     def load_vision_tensors(self) -> dict:
         """The image tower's tensors (hash-checked by open_core), names and shapes checked."""
-        return self._tower_tensors()[0]
+        return self.load_tower_tensors()[0]
 
     def load_audio_tensors(self) -> dict:
         """A second tower's tensors (the "audio."-prefixed ones of the vision file), names and shapes checked."""
-        return self._tower_tensors()[1]
+        return self.load_tower_tensors()[1]
 
-    def _tower_tensors(self) -> tuple[dict, dict | None]:
+    def load_tower_tensors(self) -> tuple[dict, dict | None]:
+        """(the image tower's tensors, a second tower's or None), from one read of the vision file."""
         from safetensors.torch import load_file
 
         from flared.model.vision import check_vision_tensors

@@ -515,8 +515,10 @@ class ModelRuntime:
             config = self.core.vision_config
             on = dict(dtype=tower_dtype(dtype) if model.device.type == "cpu" else dtype, device=model.device)
             audio = self.core.audio_config  # (Gemma 4's audio tower beside its image tower)
-            attach_tower(model, config, vision_encoder(config, self.core.load_vision_tensors(), **on),
-                         vision_encoder(audio, self.core.load_audio_tensors(), **on) if audio is not None else None)
+            towers = self.core.load_tower_tensors()  # (one read of the file for both)
+            attach_tower(model, config, vision_encoder(config, towers[0], **on),
+                         vision_encoder(audio, towers[1], **on) if audio is not None else None)
+            del towers
             log.info("%s (%s): %d layers in %s", "audio encoder" if config.is_audio else "image tower",
                      config.family, config.num_layers,
                      str(model.vision.dtype).removeprefix("torch."))
