@@ -80,6 +80,25 @@ def mode_images(width: int = 61, height: int = 37, seed: int = 11, border: int =
     }
 
 
+def mode_image(width: int, height: int, mode: str, seed: int):
+    """Random RGB pixels over a vertical gradient (in green, so resampling sees structure), as ``mode``: "RGB",
+    "RGBA" (random alpha), "L" or "P" (an adaptive palette of 37 colours)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    y, _ = np.mgrid[0:height, 0:width]
+    rgb[..., 1] = (rgb[..., 1] // 4 + (y * 191 // max(height - 1, 1))).astype(np.uint8)
+    im = Image.fromarray(rgb, "RGB")
+    if mode == "RGBA":
+        im.putalpha(Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8), "L"))
+    elif mode == "L":
+        im = im.convert("L")
+    elif mode == "P":
+        im = im.convert("P", palette=Image.Palette.ADAPTIVE, colors=37)
+    return im
+
+
 def data_url(image, fmt="PNG") -> str:
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(encode(image, fmt)).decode()
 

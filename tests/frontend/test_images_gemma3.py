@@ -14,6 +14,8 @@ from PIL import Image
 from flared.errors import FrontendError
 from flared.frontend.images import DecodedImage, SquareProcessor, image_processor_from_dict, image_processor_from_hf
 
+from flared_testing.vision import mode_image
+
 pytest.importorskip("transformers")
 
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil  # noqa: E402
@@ -27,21 +29,6 @@ GEMMA3_CFG = {
     "rescale_factor": 0.00392156862745098, "size": {"height": 896, "width": 896}}
 GEOMETRIES = [(1, 1), (5, 3), (64, 64), (90, 40), (40, 90), (1000, 7), (7, 1000), (301, 300)]
 MODES = ("RGB", "RGBA", "L", "P")
-
-
-def _image(width: int, height: int, mode: str, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-    y, x = np.mgrid[0:height, 0:width]
-    rgb[..., 1] = (rgb[..., 1] // 4 + (y * 191 // max(height - 1, 1))).astype(np.uint8)
-    im = Image.fromarray(rgb, "RGB")
-    if mode == "RGBA":
-        im.putalpha(Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8), "L"))
-    elif mode == "L":
-        im = im.convert("L")
-    elif mode == "P":
-        im = im.convert("P", palette=Image.Palette.ADAPTIVE, colors=37)
-    return im
 
 
 def _cfg(side: int = 64, **extra) -> dict:
@@ -67,22 +54,22 @@ def _check(cfg: dict, image: Image.Image) -> None:
 @pytest.mark.parametrize("width,height", GEOMETRIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_pixels_match_transformers(width, height, mode):
-    _check(_cfg(), _image(width, height, mode, width * 1000 + height))
+    _check(_cfg(), mode_image(width, height, mode, width * 1000 + height))
 
 
 @pytest.mark.parametrize("resample", [0, 1, 3])
 def test_other_filters_and_a_rectangle_match_transformers(resample):
-    _check(_cfg(resample=resample, size={"height": 48, "width": 80}), _image(90, 40, "RGB", resample))
+    _check(_cfg(resample=resample, size={"height": 48, "width": 80}), mode_image(90, 40, "RGB", resample))
 
 
 def test_the_released_settings_match_transformers():
-    _check(GEMMA3_CFG, _image(300, 200, "RGB", 7))
-    _check(GEMMA3_CFG, _image(45, 700, "RGB", 8))
+    _check(GEMMA3_CFG, mode_image(300, 200, "RGB", 7))
+    _check(GEMMA3_CFG, mode_image(45, 700, "RGB", 8))
 
 
 def test_prompt_is_gemma3_processors():
     p = image_processor_from_hf(GEMMA3_CFG, None, image_seq_len=256)
-    got = p.prepare(DecodedImage.from_pil(_image(20, 10, "RGB", 1)))
+    got = p.prepare(DecodedImage.from_pil(mode_image(20, 10, "RGB", 1)))
     assert got.prompt == "\n\n<start_of_image>" + "<image_soft_token>" * 256 + "<end_of_image>\n\n"
     assert got.num_image_tokens == 256 and p.placeholder == "<start_of_image>"
     assert p.num_image_tokens_for(5, 900) == 256

@@ -16,6 +16,8 @@ from flared.errors import FrontendError
 from flared.frontend.images import (DecodedImage, PooledPatchProcessor, image_processor_from_dict,
                                     image_processor_from_hf, pooled_size)
 
+from flared_testing.vision import mode_image
+
 pytest.importorskip("transformers")
 
 from transformers.models.gemma4.image_processing_pil_gemma4 import (  # noqa: E402
@@ -30,19 +32,6 @@ GEMMA4_CFG = {
     "rescale_factor": 0.00392156862745098}
 GEOMETRIES = [(1, 1), (5, 3), (48, 48), (90, 40), (40, 90), (1000, 7), (7, 1000), (3000, 2), (301, 300), (640, 480)]
 MODES = ("RGB", "RGBA", "L", "P")
-
-
-def _image(width: int, height: int, mode: str, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    rgb = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-    im = Image.fromarray(rgb, "RGB")
-    if mode == "RGBA":
-        im.putalpha(Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8), "L"))
-    elif mode == "L":
-        im = im.convert("L")
-    elif mode == "P":
-        im = im.convert("P", palette=Image.Palette.ADAPTIVE, colors=37)
-    return im
 
 
 def _check(cfg: dict, image: Image.Image) -> PooledPatchProcessor:
@@ -64,18 +53,18 @@ def _check(cfg: dict, image: Image.Image) -> PooledPatchProcessor:
 @pytest.mark.parametrize("width,height", GEOMETRIES)
 @pytest.mark.parametrize("mode", MODES)
 def test_pixels_match_transformers(width, height, mode):
-    _check({**GEMMA4_CFG, "max_soft_tokens": 70}, _image(width, height, mode, width * 1000 + height))
+    _check({**GEMMA4_CFG, "max_soft_tokens": 70}, mode_image(width, height, mode, width * 1000 + height))
 
 
 @pytest.mark.parametrize("budget", [70, 140, 280, 560, 1120])
 def test_every_soft_token_budget_matches_transformers(budget):
-    _check({**GEMMA4_CFG, "max_soft_tokens": budget}, _image(777, 333, "RGB", budget))
+    _check({**GEMMA4_CFG, "max_soft_tokens": budget}, mode_image(777, 333, "RGB", budget))
 
 
 @pytest.mark.parametrize("resample", [0, 1, 2])
 def test_other_filters_and_normalization_match_transformers(resample):
     _check({**GEMMA4_CFG, "max_soft_tokens": 70, "resample": resample, "do_normalize": True,
-            "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.3, 0.4]}, _image(90, 40, "RGB", resample))
+            "image_mean": [0.5, 0.4, 0.3], "image_std": [0.2, 0.3, 0.4]}, mode_image(90, 40, "RGB", resample))
 
 
 def test_sizes_are_transformers_for_every_aspect():
@@ -89,7 +78,7 @@ def test_sizes_are_transformers_for_every_aspect():
 def test_an_image_already_at_its_size_is_not_resized():
     """384 x 384 is the largest square of whole 48-pixel blocks within 70 of them: transformers keeps it as it is,
     its patches the image's own pixels / 255."""
-    image = _image(384, 384, "RGB", 3)
+    image = mode_image(384, 384, "RGB", 3)
     p = _check({**GEMMA4_CFG, "max_soft_tokens": 70}, image)
     got = p.prepare(DecodedImage.from_pil(image))
     raw = np.asarray(image).reshape(24, 16, 24, 16, 3).transpose(0, 2, 1, 3, 4).reshape(576, 768)
@@ -99,7 +88,7 @@ def test_an_image_already_at_its_size_is_not_resized():
 
 def test_prompt_is_gemma4_processors():
     p = image_processor_from_hf(GEMMA4_CFG, None, image_seq_len=None)
-    got = p.prepare(DecodedImage.from_pil(_image(640, 480, "RGB", 1)))
+    got = p.prepare(DecodedImage.from_pil(mode_image(640, 480, "RGB", 1)))
     assert got.prompt == "<|image>" + "<|image|>" * got.num_image_tokens + "<image|>"
     assert p.placeholder == "<|image|>" and got.num_image_tokens <= 280 and got.grid[0] == 1
 
@@ -114,6 +103,6 @@ def test_settings_round_trip_and_refusals():
         image_processor_from_hf({**GEMMA4_CFG, "max_soft_tokens": 300}, None, image_seq_len=None)
     unresized = image_processor_from_hf({**GEMMA4_CFG, "do_resize": False, "max_soft_tokens": 70}, None,
                                         image_seq_len=None)
-    assert unresized.prepare(DecodedImage.from_pil(_image(96, 48, "RGB", 2))).num_image_tokens == 2
+    assert unresized.prepare(DecodedImage.from_pil(mode_image(96, 48, "RGB", 2))).num_image_tokens == 2
     with pytest.raises(FrontendError, match="multiples of 48"):
-        unresized.prepare(DecodedImage.from_pil(_image(50, 48, "RGB", 2)))
+        unresized.prepare(DecodedImage.from_pil(mode_image(50, 48, "RGB", 2)))
