@@ -304,9 +304,19 @@ def _check_vocab(state, opts: SamplingOptions) -> None:
                 raise err
 
 
-def _usage(gen: Generation, audio_token: int = -1) -> dict[str, Any]:
-    """OpenAI's usage of a response; ``audio_token``: an audio model's clip token, whose count in the prompt is
-    ``prompt_tokens_details.audio_tokens`` (as OpenAI's audio models report them; -1: no audio model)."""
+def _audio_tokens(gen: Generation, audio_token: int) -> int | None:
+    """The prompt's clip tokens (``audio_token``'s: an audio model's; -1: none), counted once a response: the
+    choices share one prompt; its images' and videos' tokens are not counted. None: no audio model, or no media."""
+    vision = gen.request(0).vision if audio_token >= 0 and gen.num_choices else None
+    if vision is None:
+        return None
+    ids = gen.request(0).prompt_token_ids
+    return sum(1 for p in vision.positions if ids[p] == audio_token)
+
+
+def _usage(gen: Generation, audio_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage of a response; ``audio_tokens`` (``_audio_tokens``): its prompt's clip tokens, as
+    ``prompt_tokens_details.audio_tokens`` (as OpenAI's audio models report them; None: not reported)."""
     u = gen.usage()
     out = {
         "prompt_tokens": u.num_prompt_tokens,
@@ -314,10 +324,8 @@ def _usage(gen: Generation, audio_token: int = -1) -> dict[str, Any]:
         "total_tokens": u.num_prompt_tokens + u.num_generated_tokens,
         "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens},
     }
-    vision = gen.request(0).vision if audio_token >= 0 and gen.num_choices else None
-    if vision is not None:  # (the choices share one prompt: its clips counted once, not its images' or videos')
-        ids = gen.request(0).prompt_token_ids
-        out["prompt_tokens_details"]["audio_tokens"] = sum(1 for p in vision.positions if ids[p] == audio_token)
+    if audio_tokens is not None:
+        out["prompt_tokens_details"]["audio_tokens"] = audio_tokens
     if any(gen.request(i).prediction for i in range(gen.num_choices)):
         # a predicted output: the draft tokens speculative decoding took from it (looked up there first) and kept,
         # and those it computed and dropped (0 and 0 with speculation off: the prediction then changes nothing)
@@ -589,7 +597,8 @@ class OpenAIRoutes:
                 **({"token_ids": ids} if req.extras.return_token_ids else {}),
             })
         body = {"id": rid, "object": "chat.completion", "created": gen.created, "model": req.model,
-                "choices": choices, "usage": _usage(gen, self.state.usage_audio_token)}
+                "choices": choices,
+                "usage": _usage(gen, _audio_tokens(gen, self.state.usage_audio_token))}
         if prompt_lps is not None:
             body["prompt_logprobs"] = prompt_lps
         if req.extras.return_token_ids:
@@ -600,7 +609,8 @@ class OpenAIRoutes:
                            shape: OutputShape, prompt: tuple[int, ...], echo: str) -> None:
         base = {"id": rid, "object": "chat.completion.chunk", "created": gen.created, "model": req.model}
         extras = req.extras
-        usage = _chunk_usage(gen, req.include_usage, extras, self.state.usage_audio_token)
+        audio_tokens = _audio_tokens(gen, self.state.usage_audio_token)  # (once, not each chunk)
+        usage = _chunk_usage(gen, req.include_usage, extras, audio_tokens)
         parsers = [shape.parser() for _ in range(gen.num_choices)] if shape.active else None
         try:
             for i in range(gen.num_choices):
@@ -637,7 +647,7 @@ class OpenAIRoutes:
                     choice["token_ids"] = d.token_ids
                 await w.send_json_event({**base, "choices": [choice], **usage()})
             if req.include_usage:
-                await w.send_json_event({**base, "choices": [], "usage": _usage(gen, self.state.usage_audio_token)})
+                await w.send_json_event({**base, "choices": [], "usage": _usage(gen, audio_tokens)})
             await w.send_event("[DONE]")
         except ClientDisconnected:
             gen.cancel()
@@ -853,11 +863,11 @@ class OpenAIRoutes:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chunk_usage(gen: Generation, include_usage: bool, extras, audio_token: int = -1):
+def _chunk_usage(gen: Generation, include_usage: bool, extras, audio_tokens: int | None = None):
     """A stream chunk's usage field: none, null (include_usage: the totals come last), or the counts so far
     (vLLM's continuous_usage_stats)."""
     if extras.continuous_usage:
-        return lambda: {"usage": _usage(gen, audio_token)}
+        return lambda: {"usage": _usage(gen, audio_tokens)}
     null = {"usage": None} if include_usage else {}
     return lambda: null
 
