@@ -18,7 +18,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from flared_testing.audio import gemma4_clip_tokens, input_audio, tone, wav_bytes  # noqa: E402
-from flared_testing.vision import assert_greedy, data_url, metric, noise_image, token_ids  # noqa: E402
+from flared_testing.vision import assert_greedy, data_url, metric, noise_image, token_ids, user_turn  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -45,9 +45,7 @@ def reference(tiny_gemma4_vision):
     def run(media, text: str):
         """(prompt tokens, greedy tokens) of transformers for one user turn of ``media`` (("audio", samples at 16
         kHz) or ("image", PIL image)) then ``text``."""
-        content = [{"type": kind} for kind, _ in media] + [{"type": "text", "text": text}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = user_turn(tok, [kind for kind, _ in media], text)
         kwargs = {}
         clips = [m.astype(np.float32) / 32768.0 for kind, m in media if kind == "audio"]  # (as the WAV decodes)
         pictures = [m for kind, m in media if kind == "image"]

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("av")
 
 from flared_testing.video import ask_media, assert_media_cases_match, noise_video, video_part  # noqa: E402
-from flared_testing.vision import metric, noise_image  # noqa: E402
+from flared_testing.vision import metric, noise_image, user_turn  # noqa: E402
 
 NEW_TOKENS = 8
 MODELS = ("tiny_gemma4_vision", "tiny_gemma4_vision_both_ways")
@@ -46,9 +46,7 @@ def served(request, tmp_path_factory):
 
     def run(media, text: str, both_ways: bool = True):
         """(prompt tokens, greedy tokens) of transformers for one user turn of ``media`` then ``text``."""
-        content = [{"type": kind} for kind, _ in media] + [{"type": "text", "text": text}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = user_turn(tok, [kind for kind, _ in media], text)
         kwargs, frames, positions, counts = {}, [], [], []
         pictures = [m for kind, m in media if kind == "image"]
         if pictures:

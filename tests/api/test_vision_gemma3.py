@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
 from flared_testing.vision import (  # noqa: E402
-    ask_greedy, assert_cases_match, data_url, noise_image, processor_settings, reference_tokenizer, token_ids,
+    ask_greedy, assert_cases_match, data_url, noise_image, processor_settings, reference_tokenizer, token_ids, user_turn,
 )
 
 NEW_TOKENS = 10
@@ -46,11 +46,7 @@ def reference(tiny_gemma3):
     def run(pictures, text: str, text_first: bool = False, both_ways: bool = True, scores: bool = False):
         """(prompt tokens, greedy tokens) of transformers; ``scores``: and each greedy token's logprob;
         ``both_ways`` False: without the image tokens' token_type_ids (a causal mask over the images)."""
-        content = [{"type": "image"} for _ in pictures]
-        content = [{"type": "text", "text": text}, *content] if text_first else [*content, {"type": "text",
-                                                                                           "text": text}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = user_turn(tok, ["image"] * len(pictures), text, text_first=text_first)
         ids = tok(prompt.replace("<start_of_image>", full), add_special_tokens=False, return_tensors="pt")["input_ids"]
         kwargs = {}
         if pictures:
@@ -84,9 +80,7 @@ def test_an_image_the_prefill_chunk_would_cut_is_fed_whole(daemon, reference):
     offsets = set()
     for words, filler in ((n, f) for f in ("Paris ", "dog ", "a ") for n in range(40)):
         text = filler * words + "Tell me."
-        content = [{"type": "text", "text": text}, {"type": "image"}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = user_turn(tok, ["image"], text, text_first=True)
         ids = tok(prompt.replace("<start_of_image>", reference.full), add_special_tokens=False)["input_ids"]
         first = ids.index(tok.convert_tokens_to_ids("<image_soft_token>"))
         if not first < 64 < first + IMAGE_TOKENS or 64 - first in offsets:

@@ -18,7 +18,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
 
-from flared_testing.vision import ask_greedy, assert_cases_match, data_url, metric, noise_image, token_ids  # noqa: E402
+from flared_testing.vision import (  # noqa: E402
+    ask_greedy, assert_cases_match, data_url, metric, noise_image, token_ids, user_turn,
+)
 
 NEW_TOKENS = 10
 MODELS = ("tiny_gemma4_vision", "tiny_gemma4_vision_both_ways")
@@ -39,11 +41,7 @@ def served(request, tmp_path_factory):
     def run(pictures, text: str, text_first: bool = False, both_ways: bool = True, scores: bool = False):
         """(prompt tokens, greedy tokens) of transformers; ``scores``: and each greedy token's logprob;
         ``both_ways`` False: without the image tokens' mm_token_type_ids (a causal mask over the images)."""
-        content = [{"type": "image"} for _ in pictures]
-        content = [{"type": "text", "text": text}, *content] if text_first else [*content, {"type": "text",
-                                                                                           "text": text}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = user_turn(tok, ["image"] * len(pictures), text, text_first=text_first)
         kwargs = {}
         if pictures:
             prepared = images(pictures, return_tensors="pt")
@@ -98,9 +96,7 @@ def test_an_image_the_prefill_chunk_would_cut_is_fed_whole(served):
     offsets = set()
     for words, filler in ((n, f) for f in ("Paris ", "dog ", "a ") for n in range(40)):
         text = filler * words + "Tell me."
-        content = [{"type": "text", "text": text}, {"type": "image"}]
-        prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = user_turn(tok, ["image"], text, text_first=True)
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
         first = ids.index(tok.convert_tokens_to_ids("<|image|>")) + 1  # (after <|image>)
         if not first < 64 < first + 16 or 64 - first in offsets:

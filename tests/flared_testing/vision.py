@@ -202,6 +202,14 @@ def pixtral_reference(checkpoint, model_class, *, merge: int, patch: int, new_to
     return run
 
 
+def user_turn(tok, kinds, text: str, *, text_first: bool = False) -> str:
+    """One user turn rendered by a reference tokenizer's chat template (and the generation prompt): a part of each
+    of ``kinds`` ("image", "video", "audio") and the text, after them or (``text_first``) before."""
+    parts = [{"type": kind} for kind in kinds]
+    parts = [{"type": "text", "text": text}, *parts] if text_first else [*parts, {"type": "text", "text": text}]
+    return tok.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True)
+
+
 def gemma4_reference(checkpoint):
     """(transformers' Gemma4ForConditionalGeneration of a test checkpoint, in float32; its tokenizer and template;
     its image processor; its media tokens' ids, which the Gemma 4 parity tests keep out of outputs: transformers
