@@ -18,7 +18,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from flared_testing.audio import gemma4_clip_tokens, input_audio, tone, wav_bytes  # noqa: E402
-from flared_testing.vision import assert_greedy, data_url, metric, noise_image, token_ids, user_turn  # noqa: E402
+from flared_testing.vision import ask_greedy, assert_greedy, metric, noise_image, token_ids, user_turn  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -74,12 +74,7 @@ def reference(tiny_gemma4_vision):
 
 
 def ask(daemon, media, text: str, **kw):
-    content = [input_audio(m) if kind == "audio" else {"type": "image_url", "image_url": {"url": data_url(m)}}
-               for kind, m in media] + [{"type": "text", "text": text}]
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=NEW_TOKENS, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
-    assert status == 200, body
-    return body
+    return ask_greedy(daemon, [input_audio(m) if kind == "audio" else m for kind, m in media], text, NEW_TOKENS, **kw)
 
 
 def test_greedy_tokens_match_transformers(daemon, reference):

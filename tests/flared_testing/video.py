@@ -59,16 +59,10 @@ def video_part(data: bytes, media: str = "video/mp4") -> dict:
 
 def ask_media(daemon, media, text: str, max_tokens: int, **kw) -> dict:
     """One user turn of ``media`` (("image", PIL image) or ("video", bytes), in order) then ``text`` through
-    /v1/chat/completions, greedy, ``max_tokens`` tokens (EOS ignored), with the token ids and three alternatives a
-    step (flared_testing.vision's ``token_ids``, ``assert_greedy``)."""
-    from flared_testing.vision import data_url
+    flared_testing.vision's ``ask_greedy``."""
+    from flared_testing.vision import ask_greedy
 
-    content = [video_part(m) if kind == "video" else {"type": "image_url", "image_url": {"url": data_url(m)}}
-               for kind, m in media] + [{"type": "text", "text": text}]
-    status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
-                               logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
-    assert status == 200, body
-    return body
+    return ask_greedy(daemon, [video_part(m) if kind == "video" else m for kind, m in media], text, max_tokens, **kw)
 
 
 def assert_media_cases_match(daemon, reference, cases, max_tokens: int, label=(), **kw) -> None:

@@ -148,8 +148,10 @@ def assert_greedy(resp, expected: list[int], what) -> None:
 
 def ask_greedy(daemon, images, text: str, max_tokens: int, **kw):
     """One user turn of images then text through /v1/chat/completions, greedy, ``max_tokens`` tokens (EOS
-    ignored), with the token ids (``token_ids``) and three alternatives a step (``assert_greedy``)."""
-    content = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    ignored), with the token ids (``token_ids``) and three alternatives a step (``assert_greedy``). An item of
+    ``images`` that is a dict is a content part of its own (a video's, an audio clip's) and goes as it is."""
+    content = [im if isinstance(im, dict) else {"type": "image_url", "image_url": {"url": data_url(im)}}
+               for im in images]
     content.append({"type": "text", "text": text})
     status, body = daemon.chat([{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
                                logprobs=True, top_logprobs=3, return_tokens_as_token_ids=True, ignore_eos=True, **kw)
