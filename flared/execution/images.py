@@ -107,7 +107,7 @@ def atomic_spans(model, vision) -> tuple[tuple[int, int], ...]:
     """The prompt spans (start, end) one prefill chunk must feed whole (RequestScheduler.admit's atomic_spans):
     each image's tokens where they attend to each other both ways (Gemma 3: DecoderModel.set_image_blocks), else
     none. ``vision``: the request's VisionInput or None."""
-    if vision is None or getattr(model, "image_block_token", None) is None:
+    if vision is None or not getattr(model, "image_block_tokens", ()):
         return ()
     positions = np.asarray(vision.positions)
     if not len(positions):

@@ -798,11 +798,6 @@ class DecoderModel:
         self.image_block_tokens = tuple(int(t) for t in ([token_ids] if isinstance(token_ids, int) else token_ids))
         self.image_blocks_windowed = bool(windowed_only)
 
-    @property
-    def image_block_token(self) -> int | None:
-        """Whether an image attends both ways (its first token id; None: no)."""
-        return self.image_block_tokens[0] if self.image_block_tokens else None
-
     def set_image_identity(self, token_id: int) -> None:
         """Gemma 4 E2B / E4B: an image row's per-layer input takes ``token_id``'s table row (the pad token's), as
         transformers feeds the per-layer embedding the prompt with its image tokens padded out."""

@@ -98,9 +98,9 @@ def test_atomic_spans_are_each_images_tokens_where_images_attend_both_ways():
     from flared.execution.images import atomic_spans
 
     vision = VisionInput(np.array([3, 4, 5, 9, 10, 11, 12]), None, (), None, 0)
-    both_ways = types.SimpleNamespace(image_block_token=7)
+    both_ways = types.SimpleNamespace(image_block_tokens=(7,))
     assert atomic_spans(both_ways, vision) == ((3, 6), (9, 13))
-    assert atomic_spans(types.SimpleNamespace(image_block_token=None), vision) == ()  # (causal images: any cut)
+    assert atomic_spans(types.SimpleNamespace(image_block_tokens=()), vision) == ()  # (causal images: any cut)
     assert atomic_spans(both_ways, None) == ()
     assert atomic_spans(None, vision) == ()
 
