@@ -354,9 +354,9 @@ class ServingState:
             raise _bad(param, f"content part of type {kind!r} is not supported ({why})", ErrorKind.UNSUPPORTED)
         videos = [param for param, part in images if part.get("type") == "video"]
         others = [param for param, part in images if part.get("type") != "video"]
-        noun = {("image",): "image", ("audio",): "audio clip"}.get(tuple(t for t in taken if t != "video"),
-                                                                    "image or audio clip")
-        for found, limit, noun in ((others, self.max_images, noun),
+        other = {("image",): "image", ("audio",): "audio clip"}.get(tuple(t for t in taken if t != "video"),
+                                                                     "image or audio clip")
+        for found, limit, noun in ((others, self.max_images, other),
                                    (videos, self.max_videos, "video")):
             if len(found) > limit:
                 raise _bad(found[limit], f"at most {limit} {noun}{'s' if limit != 1 else ''} a request")
