@@ -839,10 +839,12 @@ QWEN2_AUDIO_PREPROCESSOR = {
 
 def _tiny_audio_model(tmp_path_factory, name: str, tokens: list[str], template: str, config_class, model_class,
                       *, text: dict, audio: dict, token: str, processor: dict | None = None, context: int = 2048,
+                      preprocessor: dict | None = None, plain_tokens: tuple[str, ...] = (),
                       **config) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight audio-language model: the tiny tokenizer with ``tokens``
-    added, ``template``, Whisper's feature extractor at 16 mel bins, ``processor`` as processor_config.json, and
-    ``config_class(text_config=..., audio_config=audio, **config)`` with ``token``'s id as the audio token."""
+    added (and ``plain_tokens``, not special), ``template``, Whisper's feature extractor at 16 mel bins (or
+    ``preprocessor``), ``processor`` as processor_config.json, and ``config_class(text_config=...,
+    audio_config=audio, **config)`` with ``token``'s id as the audio token."""
     import torch
     from tokenizers import AddedToken, Tokenizer
 
@@ -852,11 +854,12 @@ def _tiny_audio_model(tmp_path_factory, name: str, tokens: list[str], template: 
     train_tiny_tokenizer(d)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True) for t in tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain_tokens])
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": template,
         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    (d / "preprocessor_config.json").write_text(json.dumps(
+    (d / "preprocessor_config.json").write_text(json.dumps(preprocessor or
         {**QWEN2_AUDIO_PREPROCESSOR, "processor_class": (processor or {}).get("processor_class",
                                                                               "Qwen2AudioProcessor")}))
     if processor is not None:
@@ -908,6 +911,38 @@ def tiny_audioflamingo3(tmp_path_factory) -> tuple[Path, Path]:
         text=dict(model_type="qwen2", tie_word_embeddings=False),
         audio=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                    num_mel_bins=16, max_source_positions=1500, initializer_range=0.2))
+
+
+# Qwen3-ASR's prompt shape (its checkpoints' template: a system turn always, the request's context or empty; each
+# audio part as <|audio_start|><|audio_pad|><|audio_end|>)
+QWEN3_ASR_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n<|im_end|>\n{% endif %}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'audio' %}<|audio_start|><|audio_pad|>"
+    "<|audio_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3ASRFeatureExtractor at 16 mel bins (Qwen3-ASR's has 128)
+QWEN3_ASR_PREPROCESSOR = {
+    "feature_extractor_type": "Qwen3ASRFeatureExtractor", "feature_size": 16, "sampling_rate": 16000,
+    "hop_length": 160, "chunk_length": 30, "n_fft": 400, "n_window": 50, "min_length": 8000, "dither": 0.0,
+    "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True,
+    "processor_class": "Qwen3ASRProcessor"}
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_asr(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Qwen3-ASR as transformers saves it: its AuT encoder (16 mel
+    bins, three convolutions of 8 channels, width 32, attention windows of 8 one-second chunks), the two-linear
+    projector, a Qwen3 decoder with tied embeddings; <asr_text> a plain added token, as in its tokenizer."""
+    from transformers import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
+
+    return _tiny_audio_model(
+        tmp_path_factory, "qwen3_asr", ["<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"], QWEN3_ASR_TEMPLATE,
+        Qwen3ASRConfig, Qwen3ASRForConditionalGeneration, token="<|audio_pad|>", audio_token_id=None,
+        preprocessor=QWEN3_ASR_PREPROCESSOR, plain_tokens=("<asr_text>",), pad_token_id=0, eos_token_id=[2],
+        text=dict(model_type="qwen3", head_dim=16, tie_word_embeddings=True, eos_token_id=[2]),
+        audio=dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                   downsample_hidden_size=8, output_dim=64, initializer_range=0.2))
 
 
 # GLM-ASR's prompt shape: each audio part as <|begin_of_audio|><|pad|><|end_of_audio|> (GlmAsrProcessor's token)

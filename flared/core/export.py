@@ -345,7 +345,8 @@ def _read_hf_assets(src: Path) -> _Assets:
 _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "patches", "qwen3_vl": "patches",
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
                     "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper",
-                    "audioflamingo3": "whisper", "glmasr": "whisper", "gemma4": "pooled_patches"}
+                    "audioflamingo3": "whisper", "glmasr": "whisper", "gemma4": "pooled_patches",
+                    "qwen3_asr": "qwen3_asr"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -362,21 +363,27 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
         proc = _read_json(src / "processor_config.json", required=False)
         where, where_proc = src / "preprocessor_config.json", src / "processor_config.json"
         nested = proc.get("image_processor") if isinstance(proc, dict) else None
-        if _PROCESSOR_KINDS[vision.family] != "whisper" and isinstance(nested, dict) and (
+        extractor = proc.get("feature_extractor") if isinstance(proc, dict) else None
+        if vision.is_audio and pre is None and isinstance(extractor, dict):
+            # (transformers 5 saves an audio model's feature extractor nested in processor_config.json)
+            pre, where = extractor, where_proc
+        elif not vision.is_audio and isinstance(nested, dict) and (
                 pre is None or (isinstance(pre, dict) and "feature_extractor_type" in pre
                                 and "image_processor_type" not in pre)):
             # (transformers 5 saves a processor's parts nested in processor_config.json; a preprocessor_config.json
             # beside it may hold an audio feature extractor's settings, not the images')
             pre, where = {}, where_proc
         elif pre is None:
-            raise CoreError(f"{where}: missing (and processor_config.json has no \"image_processor\")",
-                            ErrorKind.SOURCE_FORMAT)
+            raise CoreError(f"{where}: missing (and processor_config.json has no \"image_processor\" or "
+                            "\"feature_extractor\")", ErrorKind.SOURCE_FORMAT)
     if not isinstance(pre, dict) or (proc is not None and not isinstance(proc, dict)):
         raise CoreError(f"{src}: preprocessor_config.json and processor_config.json must be JSON objects",
                         ErrorKind.SOURCE_FORMAT)
     kind = _PROCESSOR_KINDS[vision.family]
     if kind == "whisper":
         return _read_audio_processor(pre, proc, vision, where)
+    if kind == "qwen3_asr":
+        return _read_qwen3_asr_processor(pre, proc, vision, where)
     fixed = kind in ("tiles", "crop", "square", "canvas", "anyres")  # a fixed number of image tokens per tile
     declared = (proc or {}).get("image_seq_len")
     if kind == "tiles" and declared is not None and declared != vision.image_seq_len:
@@ -549,6 +556,27 @@ def _read_audio_processor(pre: dict, proc: dict | None, vision, where):
     if frames != 2 * vision.position_table:  # (transformers insists too)
         raise CoreError(f"{where}: {processor.chunk_length}-second windows make {frames} frames, but the encoder's "
                         f"{vision.position_table} positions take {2 * vision.position_table}", ErrorKind.SOURCE_FORMAT)
+    return processor
+
+
+def _read_qwen3_asr_processor(pre: dict, proc: dict | None, vision, where):
+    """Qwen3-ASR's feature extractor (a Qwen3ASRFeatureExtractor's settings; the released checkpoints' name it
+    WhisperFeatureExtractor, which their own package runs alike: the clip's own frames, no 30 s window) and its audio
+    token (``audio_token``, else Qwen3ASRProcessor's <|audio_pad|>), checked against the encoder."""
+    from flared.errors import FrontendError
+    from flared.frontend.audio import Qwen3AsrProcessor
+
+    settings = dict(pre)
+    if settings.get("feature_extractor_type") == "WhisperFeatureExtractor":
+        settings["feature_extractor_type"] = "Qwen3ASRFeatureExtractor"
+    try:
+        processor = Qwen3AsrProcessor.from_hf(settings, audio_token=(proc or {}).get("audio_token", "<|audio_pad|>"))
+    except FrontendError as e:
+        raise CoreError(f"{where}: {e}", ErrorKind.SOURCE_FORMAT) from None
+    if processor.feature_size != vision.mel_bins or processor.chunk_frames != vision.chunk_frames:
+        raise CoreError(f"{where}: {processor.feature_size} mel bins in chunks of {processor.chunk_frames} frames, "
+                        f"but the audio encoder takes {vision.mel_bins} and {vision.chunk_frames} (2 x n_window)",
+                        ErrorKind.SOURCE_FORMAT)
     return processor
 
 

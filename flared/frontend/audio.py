@@ -6,6 +6,8 @@
     WhisperProcessor           Whisper's log-mel features (transformers' WhisperFeatureExtractor, its torch path,
                                bit for bit), in 30-second windows, and the clip's audio tokens (Qwen2-Audio's,
                                Audio Flamingo 3's): ``prepare`` -> PreparedImage
+    Qwen3AsrProcessor          the same frames over a whole clip (Qwen3-ASR's extractor), in one-second chunks
+    UsmProcessor               Gemma 4's audio frames
 
 A prepared clip travels the path a prepared image does (flared.frontend.images.PreparedImage): its features in
 ``pixel_values``, the text that replaces its placeholder in ``prompt``, its tokens' count, and its identity (the
@@ -395,29 +397,14 @@ class WhisperProcessor(_ClipSettings):
         return conv, (conv - self.pool) // self.pool + 1
 
     def _mel_filters(self):
-        import torch
-
-        key = (self.n_fft, self.feature_size, self.sampling_rate)
-        table = _FILTERS.get(key)
-        if table is None:
-            table = _FILTERS[key] = torch.from_numpy(
-                mel_filters(self.n_fft, self.feature_size, self.sampling_rate)).to(torch.float32)
-        return table
+        return _slaney_filters(self.n_fft, self.feature_size, self.sampling_rate)
 
     def features(self, samples: np.ndarray) -> np.ndarray:
         """[feature_size, chunk frames] log-mel features of a clip at ``sampling_rate`` (``samples`` at most the
         chunk), padded with silence to the chunk: WhisperFeatureExtractor's torch path."""
-        import torch
-
         padded = np.zeros(self.n_samples, dtype=np.float32)
         padded[:len(samples)] = samples
-        wave = torch.from_numpy(padded)
-        window = torch.hann_window(self.n_fft)
-        stft = torch.stft(wave, self.n_fft, self.hop_length, window=window, return_complex=True)
-        magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
-        log_spec = torch.clamp(self._mel_filters().T @ magnitudes, min=1e-10).log10()
-        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
-        return ((log_spec + 4.0) / 4.0).numpy()
+        return whisper_log_mel(padded, self.n_fft, self.hop_length, self._mel_filters())
 
     @property
     def max_seconds(self) -> int:
@@ -454,7 +441,147 @@ class WhisperProcessor(_ClipSettings):
                              grid=(conv, windows, 1), modality="audio")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Qwen3AsrProcessor(_ClipSettings):
+    """Qwen3-ASR's feature extractor (transformers' Qwen3ASRFeatureExtractor as Qwen3ASRProcessor calls it) and
+    its audio tokens.
+
+    The clip is not cut into 30-second windows: a clip shorter than ``min_length`` samples (0.5 s) is padded with
+    silence to it (the Qwen3-ASR package's rule, the padding counted as the clip's own), then Whisper's log-mel
+    frames of the whole clip (``whisper_log_mel``: len // hop frames, floored at the clip's maximum - 8), padded
+    with zeros to whole chunks of ``2 n_window`` frames (100: one second). The encoder runs each chunk through
+    three stride-2 convolutions, a chunk of L frames giving c(L) = three halvings of L, rounding up (13 for a
+    whole one); the clip's tokens are 13 a whole chunk plus c of the last one's frames. ``max_seconds``: the
+    Qwen3-ASR package's longest clip (MAX_ASR_INPUT_SECONDS, 20 minutes); a longer one is a 400."""
+
+    kind: ClassVar[str] = "qwen3_asr"
+    modality: ClassVar[str] = "audio"
+
+    feature_size: int = 128  # mel bins
+    sampling_rate: int = 16000
+    hop_length: int = 160
+    n_fft: int = 400
+    n_window: int = 50  # half the frames of an encoder chunk
+    min_length: int = 8000  # samples a clip is padded to
+    audio_token: str = "<|audio_pad|>"
+    max_seconds: int = 1200
+
+    def __post_init__(self):
+        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "n_window", "max_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
+        if not isinstance(self.min_length, int) or isinstance(self.min_length, bool) or self.min_length < 0:
+            raise _error(f"audio processor setting 'min_length' must be a whole number, got {self.min_length!r}")
+        if not isinstance(self.audio_token, str) or not self.audio_token:
+            raise _error("audio processor setting 'audio_token' must be a non-empty string")
+
+    @classmethod
+    def from_hf(cls, extractor: dict | None, *, audio_token: str = "<|audio_pad|>") -> Qwen3AsrProcessor:
+        """From a Qwen3ASRFeatureExtractor's settings (preprocessor_config.json, or processor_config.json's
+        ``feature_extractor``)."""
+        cfg = extractor or {}
+        kind = cfg.get("feature_extractor_type", "Qwen3ASRFeatureExtractor")
+        if kind != "Qwen3ASRFeatureExtractor":
+            raise _error(f"feature extractor {kind!r} is not supported (Qwen3ASRFeatureExtractor)")
+        if float(cfg.get("dither", 0.0) or 0.0) != 0.0:
+            raise _error("a feature extractor with dither (random noise) is not supported")
+        if float(cfg.get("padding_value", 0.0)) != 0.0:
+            raise _error("a feature extractor padding with other than silence is not supported")
+        try:
+            return cls(feature_size=int(cfg.get("feature_size", 128)),
+                       sampling_rate=int(cfg.get("sampling_rate", 16000)),
+                       hop_length=int(cfg.get("hop_length", 160)), n_fft=int(cfg.get("n_fft", 400)),
+                       n_window=int(cfg.get("n_window", 50)), min_length=int(cfg.get("min_length", 8000)),
+                       audio_token=audio_token)
+        except (TypeError, ValueError) as exc:
+            raise _error(f"bad feature extractor setting: {exc}") from None
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "kind": self.kind}
+
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for a clip (``<|audio_start|><|audio_pad|><|audio_end|>``), of which
+        ``prepare``'s prompt replaces the audio token."""
+        return self.audio_token
+
+    @property
+    def chunk_frames(self) -> int:
+        return 2 * self.n_window
+
+    @property
+    def min_samples(self) -> int:
+        return 1  # (a shorter clip is padded to min_length)
+
+    @staticmethod
+    def chunk_rows(frames: int) -> int:
+        """The encoder rows of a chunk of ``frames`` frames: three (k 3, stride 2, pad 1) convolutions."""
+        for _ in range(3):
+            frames = (frames - 1) // 2 + 1 if frames > 0 else 0
+        return frames
+
+    def tokens(self, frames: int) -> int:
+        whole, rest = divmod(frames, self.chunk_frames)
+        return whole * self.chunk_rows(self.chunk_frames) + self.chunk_rows(rest)
+
+    def features(self, samples: np.ndarray) -> np.ndarray:
+        """[feature_size, whole chunks' frames]: the clip's log-mel frames (len // hop_length of them, the clip
+        padded to min_length), then zeros to whole chunks."""
+        wave = np.asarray(samples, dtype=np.float32)
+        if len(wave) < self.min_length:
+            wave = np.concatenate([wave, np.zeros(self.min_length - len(wave), np.float32)])
+        # (as a batch of one, as the extractor runs it)
+        frames = whisper_log_mel(wave[None], self.n_fft, self.hop_length,
+                                 _slaney_filters(self.n_fft, self.feature_size, self.sampling_rate))[0]
+        pad = -frames.shape[1] % self.chunk_frames
+        return np.ascontiguousarray(np.pad(frames, ((0, 0), (0, pad))) if pad else frames)
+
+    def prepare(self, audio: DecodedAudio) -> PreparedImage:
+        """The clip's features, its prompt and its identity; ``grid`` is (the clip's frames, chunks, 1)."""
+        samples = audio.samples
+        if audio.sample_rate != self.sampling_rate:
+            samples = resample(samples, audio.sample_rate, self.sampling_rate)
+        if len(samples) > self.max_seconds * self.sampling_rate:
+            raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
+                         f"{self.max_seconds} s (send a longer recording as several clips)")
+        frames = max(len(samples), self.min_length) // self.hop_length
+        tokens = self.tokens(frames)
+        if tokens < 1:
+            raise _error(f"the audio is too short ({audio.seconds * 1000:.1f} ms) for this model to hear")
+        features = self.features(samples)
+        return PreparedImage(pixel_values=features, rows=0, cols=0, prompt=self.audio_token * tokens,
+                             num_image_tokens=tokens, identity=self._identity(samples),
+                             grid=(frames, features.shape[1] // self.chunk_frames, 1), modality="audio")
+
+
 _FILTERS: dict = {}
+
+
+def _slaney_filters(n_fft: int, n_mels: int, sampling_rate: int):
+    """Whisper's Slaney mel bank as a float32 tensor [n_fft // 2 + 1, n_mels], made once a shape."""
+    import torch
+
+    key = (n_fft, n_mels, sampling_rate)
+    table = _FILTERS.get(key)
+    if table is None:
+        table = _FILTERS[key] = torch.from_numpy(mel_filters(n_fft, n_mels, sampling_rate)).to(torch.float32)
+    return table
+
+
+def whisper_log_mel(wave: np.ndarray, n_fft: int, hop_length: int, filters) -> np.ndarray:
+    """[mels, len(wave) // hop_length] float32: Whisper's log-mel frames of ``wave`` (float32 samples), as
+    transformers' WhisperFeatureExtractor computes them on torch (a centred, reflect-padded STFT of an ``n_fft``
+    Hann window, its last frame dropped, power through the mel bank, log10 floored at 1e-10 and at the maximum
+    - 8, then (x + 4) / 4). Qwen3-ASR's extractor is this over the clip itself, not a padded window."""
+    import torch
+
+    stft = torch.stft(torch.from_numpy(wave), n_fft, hop_length, window=torch.hann_window(n_fft),
+                      return_complex=True)
+    magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+    log_spec = torch.clamp(filters.T @ magnitudes, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).numpy()
 
 
 def htk_mel_filters(n_bins: int, n_mels: int, sampling_rate: int, min_frequency: float,

@@ -1855,10 +1855,10 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
     if not isinstance(d, dict):
         raise _error(f"an image processor must be a JSON object, got {type(d).__name__}")
     kind = d.get("kind", TileProcessor.kind)
-    if kind in ("whisper", "usm"):
-        from flared.frontend.audio import UsmProcessor, WhisperProcessor
+    if kind in ("whisper", "usm", "qwen3_asr"):
+        from flared.frontend.audio import Qwen3AsrProcessor, UsmProcessor, WhisperProcessor
 
-        return (WhisperProcessor if kind == "whisper" else UsmProcessor).from_dict(d)
+        return {"whisper": WhisperProcessor, "usm": UsmProcessor, "qwen3_asr": Qwen3AsrProcessor}[kind].from_dict(d)
     classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor,
                AnyresProcessor, PooledPatchProcessor)
     for cls in classes:

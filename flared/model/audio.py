@@ -1,5 +1,5 @@
-"""Whisper-style audio encoders (Qwen2-Audio's, Audio Flamingo 3's, GLM-ASR's): a clip's log-mel frames in, decoder
-rows out.
+"""Whisper-style audio encoders (Qwen2-Audio's, Audio Flamingo 3's, GLM-ASR's, Qwen3-ASR's) and Gemma 4's conformer:
+a clip's log-mel frames in, decoder rows out.
 
 Qwen2-Audio (transformers' ``qwen2_audio``) and Audio Flamingo 3 (``audioflamingo3``) are Qwen2 decoders behind
 Whisper-large-v3's encoder. A clip (``flared.frontend.audio.WhisperProcessor``: log-mel frames [mel, F], in
@@ -20,6 +20,9 @@ the row index (rotate-half), its attention is over the whole window, padding inc
 so do we, and the processor keeps the last window whole), a LayerNorm ends it, and its projector takes each four
 rows side by side (T // 4 rows of 4 D) through two linears with GELU; a window gives (T - 4) // 4 + 1 tokens of
 its valid rows.
+Qwen3-ASR (``qwen3_asr``: Qwen3-Omni's AuT encoder before a Qwen3 decoder) has no 30-second window: each
+one-second chunk of the clip's frames runs alone through three stride-2 2D convolutions (13 rows a chunk, sinusoid
+positions restarting at each), and its layers attend within windows of eight chunks (``Qwen3AsrAudioEncoder``).
 transformers runs the encoder over the whole 30-second window with the padding's keys masked out; only the clip's
 T rows are run here, which gives the same rows, since a masked key changes nothing and the convolutions' last rows
 read at most one frame of padding, which the processor keeps.
@@ -34,6 +37,8 @@ Serving layout (``audio_tensor_shapes``):
     proj_fc1.weight [hidden, D]  proj_fc2.weight [hidden, hidden]  (.bias where projector_bias)   audioflamingo3
     proj_fc1.weight [2 hidden, 4 D]  proj_fc2.weight [hidden, 2 hidden]  (and biases)                 glmasr
                                                                          (glmasr: no pos_embed)
+    conv0..2.weight [C, 1 | C, 3, 3] (.bias)  conv_out.weight [D, C x mel / 8]  proj_fc1 [D, D]  proj_fc2 [hidden, D]
+                                                                         (qwen3_asr: no conv1d, no pos_embed)
 """
 
 from __future__ import annotations
@@ -49,16 +54,18 @@ from flared.model.vision import (AUDIO_FAMILIES, Gemma4Tower, VisionConfig, _Tow
                                  clipped_product_shapes, clipped_products)
 
 
-__all__ = ["AUDIO_FAMILIES", "Gemma4AudioEncoder", "WhisperAudioEncoder", "audio_from_hf", "audio_tensor_shapes",
-           "audio_to_serving", "gemma4_audio_from_hf"]
+__all__ = ["AUDIO_FAMILIES", "Gemma4AudioEncoder", "Qwen3AsrAudioEncoder", "WhisperAudioEncoder", "audio_from_hf",
+           "audio_tensor_shapes", "audio_to_serving", "gemma4_audio_from_hf", "sinusoid_positions"]
 # each family's encoder config: its model_type and its names for the sizes (Qwen2-Audio's are Whisper's)
 _ENCODERS = {"qwen2_audio": ("qwen2_audio_encoder", "d_model", "encoder_ffn_dim", "encoder_layers",
                              "encoder_attention_heads"),
              "audioflamingo3": ("audioflamingo3_encoder", "hidden_size", "intermediate_size", "num_hidden_layers",
                                 "num_attention_heads"),
              "glmasr": ("glmasr_encoder", "hidden_size", "intermediate_size", "num_hidden_layers",
-                        "num_attention_heads")}
-_DEFAULT_TOKENS = {"qwen2_audio": 151646, "audioflamingo3": 151669, "glmasr": 59260}
+                        "num_attention_heads"),
+             "qwen3_asr": ("qwen3_asr_encoder", "d_model", "encoder_ffn_dim", "encoder_layers",
+                           "encoder_attention_heads")}
+_DEFAULT_TOKENS = {"qwen2_audio": 151646, "audioflamingo3": 151669, "glmasr": 59260, "qwen3_asr": 151676}
 
 
 def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
@@ -70,7 +77,9 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
         raise CoreError(f"{source}: a {family} config needs audio_config and text_config objects",
                         ErrorKind.SOURCE_FORMAT)
     kind, width, ffn, layers, heads = _ENCODERS[family]
-    if a.get("model_type", kind) != kind:
+    # (the released Qwen3-ASR checkpoints name their encoder as Qwen3-Omni's or as their own audio encoder)
+    also = ("qwen3_omni_moe_audio_encoder", "qwen3_asr_audio_encoder") if family == "qwen3_asr" else ()
+    if a.get("model_type", kind) not in (kind, *also):
         raise CoreError(f"{source}: an audio encoder of type {a.get('model_type')!r} is not supported",
                         ErrorKind.UNSUPPORTED_MODEL)
     act = str(a.get("activation_function", a.get("hidden_act", "gelu")))
@@ -96,12 +105,35 @@ def audio_from_hf(hf: dict[str, Any], family: str, source: str) -> VisionConfig:
                      rotary_dim=int(head * float(rope.get("partial_rotary_factor",
                                                           a.get("partial_rotary_factor", 0.5)))),
                      position_table=int(a.get("max_position_embeddings", 1500)))
+    if family == "qwen3_asr":
+        shape = _qwen3_asr_shape(a, int(t["hidden_size"]), source)
     return VisionConfig(
         family=family, hidden_size=d, intermediate_size=int(a.get(ffn, 5120)),
         num_layers=int(a.get(layers, 32)), num_heads=heads_n,
         patch_size=1, image_size=0, layer_norm_eps=1e-5, hidden_act=act, text_hidden_size=int(t["hidden_size"]),
         image_token_id=int(token), projector_bias=bool(hf.get("projector_bias", True)),
         mel_bins=int(a.get("num_mel_bins", 128)), **shape)
+
+
+def _qwen3_asr_shape(a: dict[str, Any], text_hidden: int, source: str) -> dict[str, Any]:
+    """Qwen3-ASR's encoder settings beyond Whisper's: chunks of 2 n_window frames through three stride-2
+    convolutions of downsample_hidden_size channels, each chunk's rows taking sinusoid positions 0, 1, ... (a table
+    of max_position_embeddings rows), attention within windows of n_window_infer frames' rows, and the projector's
+    output_dim (the decoder's width)."""
+    chunk, window = 2 * int(a.get("n_window", 50)), int(a.get("n_window_infer", 800))
+    positions, out = int(a.get("max_position_embeddings", 13)), int(a.get("output_dim", text_hidden))
+    if chunk <= 0 or window <= 0 or window % chunk:
+        raise CoreError(f"{source}: a Qwen3-ASR encoder's n_window_infer ({window}) must be a whole number of its "
+                        f"chunks (2 x n_window: {chunk})", ErrorKind.UNSUPPORTED_MODEL)
+    rows = chunk
+    for _ in range(3):
+        rows = (rows - 1) // 2 + 1
+    if positions < rows or out != text_hidden:
+        raise CoreError(f"{source}: a Qwen3-ASR encoder needs a position row for each of a chunk's {rows} rows (it "
+                        f"has {positions}) and an output_dim of the decoder's width {text_hidden} (it has {out})",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    return dict(scale_factor=1, position_table=positions, conv_channels=(int(a.get("downsample_hidden_size", 480)),),
+                chunk_frames=chunk, window_chunks=window // chunk)
 
 
 def gemma4_audio_from_hf(hf: dict[str, Any], source: str) -> VisionConfig | None:
@@ -185,6 +217,18 @@ def audio_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
               **_vit_layer_shapes(c)}
     if c.family == "qwen2_audio":
         return {**shapes, "proj.weight": (h, d), "proj.bias": (h,)}
+    if c.family == "qwen3_asr":  # (three 2D convolutions, sinusoid positions; no pos_embed; a two-linear projector)
+        (ch,) = c.conv_channels
+        del shapes["pos_embed.weight"]
+        for name in ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"):
+            del shapes[name]
+        freq = c.mel_bins
+        for _ in range(3):
+            freq = (freq + 1) // 2
+        return {**shapes, "conv0.weight": (ch, 1, 3, 3), "conv0.bias": (ch,), "conv1.weight": (ch, ch, 3, 3),
+                "conv1.bias": (ch,), "conv2.weight": (ch, ch, 3, 3), "conv2.bias": (ch,),
+                "conv_out.weight": (d, ch * freq), "proj_fc1.weight": (d, d), "proj_fc1.bias": (d,),
+                "proj_fc2.weight": (h, d), "proj_fc2.bias": (h,)}
     if c.family == "glmasr":  # (no position rows; the projector over each scale_factor rows side by side)
         del shapes["pos_embed.weight"]
         return {**shapes, "proj_fc1.weight": (2 * h, d * c.scale_factor), "proj_fc1.bias": (2 * h,),
@@ -201,6 +245,8 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
     too), or under ``model.``; Gemma 4's ``model.audio_tower.*`` and ``model.embed_audio.*``."""
     if c.family == "gemma4_audio":
         return _gemma4_audio_to_serving(hf, c, take)
+    if c.family == "qwen3_asr":
+        return _qwen3_asr_to_serving(hf, c, take)
     prefix = "model." if "model.audio_tower.conv1.weight" in hf else ""
     at, mp = prefix + "audio_tower.", prefix + "multi_modal_projector."
     out = {"conv1.weight": take(at + "conv1.weight"), "conv1.bias": take(at + "conv1.bias"),
@@ -228,6 +274,37 @@ def audio_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
         out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
         out[sp + "qkv.bias"] = torch.cat([q_bias, torch.zeros_like(q_bias), take(attn + "v_proj.bias")])
         for ours, theirs in names:
+            for kind in ("weight", "bias"):
+                out[f"{sp}{ours}.{kind}"] = take(f"{hp}{theirs}.{kind}")
+    return out
+
+
+def _qwen3_asr_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Tensor]:
+    """Qwen3-ASR's encoder and projector: transformers' (``audio_tower.*``, ``multi_modal_projector.linear_1/2``,
+    under ``model.`` as transformers 5 saves them) or the released checkpoints' (``thinker.audio_tower.*`` with the
+    projector inside it as ``proj1`` / ``proj2``)."""
+    at = next((p for p in ("model.audio_tower.", "audio_tower.", "thinker.audio_tower.")
+               if p + "conv_out.weight" in hf), "audio_tower.")
+    if at.startswith("thinker."):
+        projector = (at + "proj1", at + "proj2")
+    else:
+        mp = at.replace("audio_tower.", "multi_modal_projector.")
+        projector = (mp + "linear_1", mp + "linear_2")
+    out = {"conv_out.weight": take(at + "conv_out.weight"), "post_norm.weight": take(at + "ln_post.weight"),
+           "post_norm.bias": take(at + "ln_post.bias")}
+    for n in range(3):
+        for kind in ("weight", "bias"):
+            out[f"conv{n}.{kind}"] = take(f"{at}conv2d{n + 1}.{kind}")
+    for ours, theirs in zip(("proj_fc1", "proj_fc2"), projector):
+        for kind in ("weight", "bias"):
+            out[f"{ours}.{kind}"] = take(f"{theirs}.{kind}")
+    for n in range(c.num_layers):
+        hp, sp = f"{at}layers.{n}.", f"layers.{n}."
+        attn = hp + "self_attn."
+        out[sp + "qkv.weight"] = torch.cat([take(f"{attn}{x}_proj.weight") for x in "qkv"])
+        out[sp + "qkv.bias"] = torch.cat([take(f"{attn}{x}_proj.bias") for x in "qkv"])  # (k has its own)
+        for ours, theirs in (("o", "self_attn.out_proj"), ("norm1", "self_attn_layer_norm"),
+                             ("norm2", "final_layer_norm"), ("fc1", "fc1"), ("fc2", "fc2")):
             for kind in ("weight", "bias"):
                 out[f"{sp}{ours}.{kind}"] = take(f"{hp}{theirs}.{kind}")
     return out
@@ -326,6 +403,63 @@ class WhisperAudioEncoder(_Tower):
         k = c.scale_factor
         tokens = (rows - k) // k + 1
         h = h[:n // k * k].reshape(n // k, k * d)[:tokens]
+        h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
+        return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
+
+
+def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """[length, channels] float32: Whisper's sinusoid position rows (sines, then cosines), computed as transformers'
+    SinusoidsPositionEmbedding does (Qwen3-Omni's and Qwen3-ASR's audio encoders)."""
+    increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv = torch.exp(-increment * torch.arange(channels // 2).float())
+    scaled = torch.arange(length)[:, None] * inv[None, :]
+    return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
+
+
+class Qwen3AsrAudioEncoder(_Tower):
+    """Qwen3-ASR's audio encoder (Qwen3-Omni's AuT) and its projector: ``stages(features [mel, chunks x C],
+    grid=(frames, chunks, 1))`` -> the clip's rows.
+
+    Each chunk of C frames (2 n_window, one second) runs alone through three 3 x 3 stride-2 convolutions over
+    (mel, time) with GELU, its (channels x mel / 8) columns a row through conv_out, plus the sinusoid position rows
+    0..R-1 (R = 13 for C = 100); the clip's valid rows (R a whole chunk, fewer for the last) in order run through
+    Whisper-style layers whose attention stays within windows of window_chunks chunks' rows (n_window_infer
+    frames: 104 rows, 8 s), then a LayerNorm and the projector (two linears, GELU between). The last chunk is
+    zero-padded to C frames, as transformers pads it, so its convolutions read what transformers' read."""
+
+    def __init__(self, config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__(config, tensors, dtype=dtype, device=device)
+        self.positions = sinusoid_positions(config.position_table, config.hidden_size).to(self.device, dtype)
+
+    @torch.inference_mode()
+    def stages(self, pixel_values: torch.Tensor, *, grid=None):
+        from flared.frontend.audio import Qwen3AsrProcessor
+
+        c, w = self.config, self.w
+        chunk = c.chunk_frames
+        if grid is None or pixel_values.ndim != 2 or pixel_values.shape[0] != c.mel_bins:
+            raise ValueError(f"an audio encoder takes one clip's [{c.mel_bins}, frames] features and its length, got "
+                             f"{tuple(pixel_values.shape)}")
+        frames, chunks = int(grid[0]), int(grid[1])
+        if chunks < 1 or pixel_values.shape[1] != chunks * chunk or not (chunks - 1) * chunk < frames <= chunks * chunk:
+            raise ValueError(f"{pixel_values.shape[1]} feature frames cannot hold {frames} frames in {chunks} chunks")
+        x = pixel_values.to(self.device, self.dtype).view(c.mel_bins, chunks, chunk).permute(1, 0, 2)[:, None]
+        for n in range(3):
+            x = F.gelu(F.conv2d(x, w[f"conv{n}.weight"], w[f"conv{n}.bias"], stride=2, padding=1))
+        _, channels, freq, rows = x.shape  # [chunks, channels, mel / 8, R]
+        x = F.linear(x.permute(0, 3, 1, 2).reshape(chunks, rows, channels * freq), w["conv_out.weight"])
+        x = x + self.positions[:rows]
+        last = Qwen3AsrProcessor.chunk_rows(frames - (chunks - 1) * chunk)
+        h = torch.cat([x[:-1].reshape(-1, c.hidden_size), x[-1, :last]])  # [T, D]: the valid rows in order
+        window = rows * c.window_chunks
+        whole = h.shape[0] // window * window
+        parts = [p for p in (h[:whole].view(-1, window, c.hidden_size), h[whole:][None]) if p.shape[0] and p.shape[1]]
+        for i in range(c.num_layers):
+            parts = [_vit_layer(p, w, f"layers.{i}.", c) for p in parts]
+            yield
+        h = torch.cat([p.reshape(-1, c.hidden_size) for p in parts])
+        h = F.layer_norm(h, (c.hidden_size,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
         h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
 

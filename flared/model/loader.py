@@ -359,6 +359,8 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
     image_processor = None
     if hf_config.get("model_type") == "internvl_chat":  # (InternVL's original remote-code checkpoints)
         hf_config, image_processor = _internvl_chat(hf_config, directory, str(config_path))
+    if hf_config.get("model_type") == "qwen3_asr" and "thinker_config" in hf_config:  # (Qwen3-ASR's releases)
+        hf_config = _qwen3_asr_thinker(hf_config, str(config_path))
     vision = vision_from_hf(hf_config, source=str(config_path))
     # Gemma 3's vision-language checkpoints (4B and up) serve as their text model: its tower is not read yet
     text_of_multimodal = _TEXT_OF_MULTIMODAL.get(hf_config.get("model_type"))
@@ -406,11 +408,13 @@ def _read_hf_dir(directory: Path, dtype: torch.dtype | None = None) -> SourceMod
         renames = {"model.text_model.": "model.", "model.language_model.": "model.",
                    # (transformers 5.17 saves Qwen2-Audio's decoder one model. deeper than the releases)
                    "language_model.model.model.": "model.",
-                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # Mistral3's
+                   "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",  # (Mistral3's)
+                   "thinker.model.": "model.", "thinker.lm_head.": "lm_head."}  # (Qwen3-ASR's releases)
         tower = ("model.vision_model.", "model.connector.", "visual.", "model.visual.", "vision_tower.",
                  "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
                  "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",  # (Gemma 4's)
                  "audio_tower.",  # (Qwen2-Audio's, beside its multi_modal_projector.*)
+                 "thinker.audio_tower.",  # (Qwen3-ASR's releases: the projector inside it)
                  "vision_model.",  # (Llama 4's; InternVL's original checkpoints' too, and their mlp1.*)
                  "mlp1.",
                  "image_newline", "model.image_newline")  # (LLaVA-NeXT's row-end embedding)
@@ -452,6 +456,31 @@ def _hf_internlm2_names(hf: dict[str, torch.Tensor], config: ModelConfig, source
             continue
         out[next((name.replace(old, new) for old, new in renames if old in name), name)] = value
     return out
+
+
+def _qwen3_asr_thinker(hf: dict, source: str) -> dict:
+    """A released Qwen3-ASR config (Qwen/Qwen3-ASR-1.7B, -0.6B: the qwen-asr package's, its model under
+    ``thinker_config``) as transformers' qwen3_asr config says it: the thinker's audio and text configs at the
+    top, the text model a Qwen3 whose multimodal rope is plain rope (an audio token's three positions are equal,
+    as a text token's are; transformers' conversion drops it too). Its tensors are ``thinker.*``
+    (``thinker.audio_tower.*`` with the projector as ``proj1`` / ``proj2``, ``thinker.model.*``,
+    ``thinker.lm_head``)."""
+    thinker = hf["thinker_config"]
+    if not isinstance(thinker, dict) or not isinstance(thinker.get("text_config"), dict):
+        raise CoreError(f"{source}: a qwen3_asr thinker_config needs a text_config object", ErrorKind.SOURCE_FORMAT)
+    text = {**thinker["text_config"], "model_type": "qwen3"}
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key)
+        if isinstance(params, dict) and ("mrope_section" in params or params.get("type") == "mrope"
+                                         or params.get("rope_type") == "mrope"):
+            params = {k: v for k, v in params.items() if k not in ("mrope_section", "mrope_interleaved",
+                                                                  "interleaved", "type")}
+            params["rope_type"] = "default"
+            text[key] = params
+    tie = hf.get("tie_word_embeddings", thinker.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    text.setdefault("tie_word_embeddings", bool(tie))
+    out = {k: v for k, v in thinker.items() if k not in ("text_config", "model_type")}
+    return {**out, "model_type": "qwen3_asr", "text_config": text, "tie_word_embeddings": bool(tie)}
 
 
 _IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]

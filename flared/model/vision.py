@@ -61,11 +61,13 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          # Qwen2-Audio, Audio Flamingo 3: a Whisper encoder's rows in place of their audio tokens
                          # (flared.model.audio)
                          "qwen2_audio": "qwen2_audio", "audioflamingo3": "audioflamingo3", "glmasr": "glmasr",
+                         # Qwen3-ASR: Qwen3-Omni's audio encoder (AuT) before a Qwen3 decoder
+                         "qwen3_asr": "qwen3_asr",
                          # Gemma 4's audio tower beside its image tower (a core's second medium: flared.model.audio)
                          "gemma4_audio": "gemma4_audio"}
-AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr", "gemma4_audio")
+AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr", "qwen3_asr", "gemma4_audio")
 # a family's decoder where its text_config does not name one (the rest: Llama)
-_TEXT_MODEL_TYPES = {"pixtral": "mistral", "qwen2_audio": "qwen2", "audioflamingo3": "qwen2"}
+_TEXT_MODEL_TYPES = {"pixtral": "mistral", "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "qwen3_asr": "qwen3"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -164,6 +166,11 @@ class VisionConfig:
     residual_weight: float = 0.0
     clip_value: float = 0.0
     output_dims: int = 0
+    # qwen3_asr (flared.model.audio.Qwen3AsrAudioEncoder): the frames of a chunk its convolutions run over alone
+    # (conv_channels: their one width; 2 n_window), and the chunks an attention window spans (n_window_infer over
+    # the chunk)
+    chunk_frames: int = 0
+    window_chunks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("full_attention_layers", "mrope_section", "deepstack_layers", "feature_layers", "conv_channels"):
@@ -200,6 +207,10 @@ class VisionConfig:
         if self.is_audio:
             if self.mel_bins <= 0 or self.position_table <= 0:
                 raise CoreError("an audio encoder needs its mel bins and position rows (mel_bins, position_table)")
+            if self.family == "qwen3_asr" and (len(self.conv_channels) != 1 or self.conv_channels[0] <= 0
+                                               or self.chunk_frames <= 0 or self.window_chunks <= 0):
+                raise CoreError("a Qwen3-ASR encoder needs its convolutions' width, its chunk's frames and its "
+                                "attention window's chunks")
             return
         if self.family == "llava_onevision" and (self.feature_select != "full" or self.anyres_max <= 0):
             raise CoreError("a LLaVA-OneVision tower selects its features \"full\" (SigLIP has no class row) and "
@@ -881,7 +892,7 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
     from flared.model.audio import audio_to_serving
 
     to_serving = {"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving, "glmasr": audio_to_serving,
-                  "gemma4_audio": audio_to_serving,
+                  "qwen3_asr": audio_to_serving, "gemma4_audio": audio_to_serving,
                   "pixtral": _pixtral_vision_to_serving,
                   "llava": _llava_vision_to_serving,
                   "llava_next": _llava_next_vision_to_serving, "llava_onevision": _onevision_vision_to_serving,
@@ -1146,10 +1157,10 @@ def _pixtral_vision_to_serving(hf, c: VisionConfig, take) -> dict[str, torch.Ten
 def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
-    from flared.model.audio import Gemma4AudioEncoder, WhisperAudioEncoder
+    from flared.model.audio import Gemma4AudioEncoder, Qwen3AsrAudioEncoder, WhisperAudioEncoder
 
     cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
-           "gemma4_audio": Gemma4AudioEncoder,
+           "qwen3_asr": Qwen3AsrAudioEncoder, "gemma4_audio": Gemma4AudioEncoder,
            "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
            "gemma3": Gemma3VisionEncoder, "gemma4": Gemma4VisionEncoder,
            "internvl": InternVLVisionEncoder,

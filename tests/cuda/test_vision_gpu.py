@@ -147,7 +147,7 @@ OTHER_FAMILIES = {"smolvlm": "tiny_vlm_core", "mistral3": "tiny_mistral3", "llav
                   "granite_vision": "tiny_granite_vision",  # (SigLIP's layers side by side; Granite's multiplier)
                   "llava_onevision": "tiny_llava_onevision",
                   "qwen2_audio": "tiny_qwen2_audio",  # (audio clips' rows, as images')
-                  "audioflamingo3": "tiny_audioflamingo3", "glmasr": "tiny_glmasr"}
+                  "audioflamingo3": "tiny_audioflamingo3", "glmasr": "tiny_glmasr", "qwen3_asr": "tiny_qwen3_asr"}
 # (Gemma 3: images attending both ways, a window shorter than an image)
 
 
