@@ -1,4 +1,5 @@
-"""OpenAI's audio routes, served by an audio-language model (Qwen2-Audio, Audio Flamingo 3):
+"""OpenAI's audio routes, served by an audio-language model (Qwen2-Audio, Audio Flamingo 3, GLM-ASR, Gemma 4 E2B/E4B,
+Qwen3-ASR):
 
     POST /v1/audio/transcriptions   multipart/form-data: file, model, language, prompt, response_format,
                                     temperature, stream (and vLLM's seed, max_completion_tokens) -> the text
@@ -10,6 +11,10 @@ request names one, the request's ``prompt`` after it) through the model's own te
 ``temperature`` is given, and the answer is the transcript. A recording longer than the model's clip (Qwen2-Audio:
 30 s) is cut into pieces it takes, each cut at the quietest tenth of a second in the two seconds before the limit
 (as vLLM cuts long audio for Whisper), the pieces asked at once and their transcripts joined in order.
+A speech recogniser (Qwen3-ASR: its processor's kind ``qwen3_asr``) is asked as its own package asks it: the
+request's ``prompt`` as the system turn (its context), the clip alone as the user turn, and a named language forced by
+starting the answer with ``language <Name><asr_text>``; it answers ``language <Name><asr_text>`` then the transcript,
+whose prefix is taken off (``AsrAnswer``; the language it heard goes into ``verbose_json``). It does not translate.
 ``response_format`` ``json`` (the default), ``text`` and ``verbose_json`` (task, language, duration, text; no
 segments: the model gives no timestamps) are answered;
 ``srt`` and ``vtt``, and ``timestamp_granularities``, need timestamps and are a 400. ``stream=true`` answers
@@ -126,6 +131,10 @@ class AudioRoutes:
         hint = _text(fields, "prompt") or ""
 
         processor = state.audio_processor
+        recogniser = processor.kind == "qwen3_asr"  # (a speech recogniser's own prompt: AsrAnswer)
+        if recogniser and task == "translate":
+            raise _bad("model", "this model transcribes speech in its own language; it does not translate it (ask "
+                                "/v1/audio/transcriptions)", ErrorKind.UNSUPPORTED)
         _, data = fields["file"]
 
         def read():
@@ -147,16 +156,28 @@ class AudioRoutes:
             instruction += f" The speech is in {LANGUAGES.get(language.lower(), language)}."
         if hint:
             instruction += "\n" + hint
+
+        def turns(piece) -> tuple[list, dict]:
+            """The chat asking for one piece's transcript, and how it is rendered."""
+            audio = {"type": "audio", "audio": DecodedAudio(piece, processor.sampling_rate), "format": None,
+                     "param": "file", "sent_as": "file"}
+            if not recogniser:
+                return [{"role": "user", "content": [audio, {"type": "text", "text": instruction}]}], {
+                    "add_generation_prompt": True}
+            chat = [{"role": "system", "content": [{"type": "text", "text": hint}]},
+                    {"role": "user", "content": [audio]}]
+            if language is None:
+                return chat, {"add_generation_prompt": True}
+            forced = f"language {LANGUAGES.get(language.lower(), language)}{AsrAnswer.MARK}"
+            return [*chat, {"role": "assistant", "content": [{"type": "text", "text": forced}]}], {
+                "add_generation_prompt": False, "continue_final_message": True}
         opts = SamplingOptions(max_tokens=max_tokens, temperature=0.0 if temperature is None else temperature,
                                top_p=None, top_k=None, min_p=None, presence_penalty=0.0, frequency_penalty=0.0,
                                repetition_penalty=None, seed=seed, logit_bias=None, logprobs=None, stop=(),
                                stop_token_ids=(), ignore_eos=False, n=1)
         # (a recording longer than the model's clip: each piece asked alone, all prepared and through the encoder
         # at once)
-        renders = await asyncio.gather(*(state.prepare_chat([{"role": "user", "content": [
-            {"type": "audio", "audio": DecodedAudio(piece, processor.sampling_rate), "format": None,
-             "param": "file", "sent_as": "file"},
-            {"type": "text", "text": instruction}]}], add_generation_prompt=True) for piece in pieces))
+        renders = await asyncio.gather(*(state.prepare_chat(chat, **how) for chat, how in map(turns, pieces)))
         visions = await asyncio.gather(*(state.vision_input(rendered) for rendered in renders))
         shape = OutputShape(state, renders[0].text, None)
         requests = [GenerateRequest(prompt_token_ids=tuple(r.token_ids), message_endpoints=r.message_endpoints,
@@ -166,22 +187,28 @@ class AudioRoutes:
         audio_tokens = sum(image.num_image_tokens for r in renders for image in r.images)
         gen = state.start(requests, ())
         request.disconnected.add_callback(gen.cancel)
+        answers = [AsrAnswer(forced=language is not None) if recogniser else None for _ in pieces]
         if stream:
-            return StreamingResponse(lambda w: self._stream(gen, w, shape, audio_tokens),
+            return StreamingResponse(lambda w: self._stream(gen, w, shape, audio_tokens, answers),
                                      headers=[("cache-control", "no-cache")])
-        texts = [shape.parse(text)[0].content.strip() for text, _ids, _lps, _finish in await gen.collect()]
+        texts = []
+        for (text, _ids, _lps, _finish), answer in zip(await gen.collect(), answers):
+            text = shape.parse(text)[0].content
+            texts.append((answer.push(text) + answer.finish() if answer is not None else text).strip())
         text = " ".join(t for t in texts if t)
+        heard = next((a.language for a in answers if a is not None and a.language), None)
         if response_format == "text":
             return Response((text + "\n").encode(), media_type="text/plain; charset=utf-8")
         body: dict[str, Any] = {"text": text, "usage": _usage(gen, audio_tokens)}
         if response_format == "verbose_json":
             body = {"task": "transcribe" if task == "transcribe" else "translate",
                     "language": LANGUAGES.get(language.lower(), language).lower() if language
-                    else ("english" if task == "translate" else None),
+                    else ("english" if task == "translate" else heard and heard.lower()),
                     "duration": round(clip.seconds, 3), **body}
         return Response.json(body)
 
-    async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, audio_tokens: int) -> None:
+    async def _stream(self, gen: Generation, w: ResponseWriter, shape: OutputShape, audio_tokens: int,
+                      answers: list) -> None:
         """The pieces' transcripts in order: the first piece's as it comes, a later one's held until those before
         it end (they run at once), each after a space."""
         n = gen.num_choices
@@ -210,6 +237,8 @@ class AudioRoutes:
                     text = parser.push(text).content if text else ""
                     if d.finish_reason is not None:
                         text += parser.finish().content
+                if answers[k] is not None:
+                    text = answers[k].push(text) + (answers[k].finish() if d.finish_reason is not None else "")
                 if k == current:
                     if text:
                         await say(k, text)
@@ -231,6 +260,50 @@ class AudioRoutes:
         except Exception as exc:  # the stream has started: report in-band, then end it
             gen.cancel()
             await _send_stream_error(w, exc)
+
+
+class AsrAnswer:
+    """A speech recogniser's answer (Qwen3-ASR's): ``language <Name><asr_text>`` then the transcript, or the
+    transcript alone where the prompt forced the language (``forced``). ``push`` passes the transcript's text on,
+    holding back what may still be the prefix; ``language`` is the name the model heard (None for "None": no
+    speech). A text that cannot begin that prefix goes through as it is."""
+
+    MARK = "<asr_text>"
+    _WORD = "language"
+
+    def __init__(self, *, forced: bool):
+        self.held: str | None = None if forced else ""  # (None: the prefix is past)
+        self.language: str | None = None
+
+    def push(self, text: str) -> str:
+        if self.held is None:
+            return text
+        self.held += text
+        at = self.held.find(self.MARK)
+        if at >= 0:
+            head, rest = self.held[:at].strip(), self.held[at + len(self.MARK):]
+            self.held = None
+            if head.startswith(self._WORD):
+                name = head[len(self._WORD):].strip()
+                self.language = name if name and name != "None" else None
+                return rest
+            return head + rest  # (a mark without the prefix: the text is the model's)
+        if not self._may_be_prefix(self.held):
+            text, self.held = self.held, None
+            return text
+        return ""
+
+    def finish(self) -> str:
+        """What is still held at the answer's end: nothing where it is an unfinished prefix."""
+        held, self.held = self.held or "", None
+        return "" if self._may_be_prefix(held) else held
+
+    def _may_be_prefix(self, text: str) -> bool:
+        """``text`` may still be ``language <Name>`` (a name is one word, short)."""
+        start = text.lstrip()
+        if len(start) <= len(self._WORD):
+            return self._WORD.startswith(start)
+        return start.startswith(self._WORD + " ") and len(start.split()) <= 2 and len(start) <= 40
 
 
 def _usage(gen: Generation, audio_tokens: int) -> dict[str, Any]:
