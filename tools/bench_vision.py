@@ -18,9 +18,11 @@ Shapes (the towers of the released checkpoints):
   gemma4-31b     27 layers of 1152, standardized (Gemma 4 26B-A4B/31B): the same image
   gemma4-audio   Gemma 4 E2B/E4B's audio conformer: 12 layers of 1024, blocked local attention, light convolutions:
                  a ``--seconds`` clip (25 rows a second)
+  qwen3-asr      Qwen3-ASR-1.7B's AuT encoder: 1 s chunks through three 480-channel 2D convolutions, 24 layers of
+                 1024 attending within 8 s windows, projector to 2048: a ``--seconds`` clip (13 rows a second)
 
     .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,
-        gemma4-e2b,gemma4-31b,gemma4-audio] [--tiles 2] [--side 448] [--seconds 10] [--dtypes float32,bfloat16]
+        gemma4-e2b,gemma4-31b,gemma4-audio,qwen3-asr] [--tiles 2] [--side 448] [--seconds 10] [--dtypes float32,bfloat16]
         [--repeats 2] [--device cpu] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
@@ -62,15 +64,29 @@ SHAPES = {
 }
 GEMMA4_SOFT_TOKENS = 280
 AUDIO_SHAPES = {"gemma4-audio": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
-                                     subsampling_conv_channels=[128, 32], output_proj_dims=1536)}
+                                     subsampling_conv_channels=[128, 32], output_proj_dims=1536),
+                "qwen3-asr": dict(d_model=1024, encoder_layers=24, encoder_attention_heads=16, encoder_ffn_dim=4096,
+                                  num_mel_bins=128, downsample_hidden_size=480, output_dim=2048)}
 
 
 def build_audio(shape: str):
-    """(transformers model, flared VisionConfig, serving tensors) of a Gemma 4 audio tower's random weights."""
+    """(transformers model, flared VisionConfig, serving tensors) of an audio tower's random weights (Gemma 4's;
+    Qwen3-ASR's with a one-layer Qwen3 beside it)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     from flared.model.audio import gemma4_audio_from_hf
-    from flared.model.vision import hf_vision_to_serving
+    from flared.model.vision import hf_vision_to_serving, vision_from_hf
+
+    if shape == "qwen3-asr":
+        from transformers import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
+
+        cfg = Qwen3ASRConfig(audio_config=AUDIO_SHAPES[shape], text_config={**TEXT, "hidden_size": 2048,
+                                                                            "head_dim": 128})
+        torch.manual_seed(0)
+        model = Qwen3ASRForConditionalGeneration(cfg).eval()
+        config = vision_from_hf(cfg.to_dict())
+        return model, config, hf_vision_to_serving({k: v.detach() for k, v in model.state_dict().items()}, config,
+                                                   source=shape)
 
     text = {**TEXT, "hidden_size": 1536, "head_dim": 64, "global_head_dim": 64, "hidden_size_per_layer_input": 0,
             "layer_types": ["full_attention"]}
@@ -142,6 +158,17 @@ def build(shape: str):
 
 def inputs(config, args):
     """(transformers' args, flared's args, description) of one image."""
+    if config.family == "qwen3_asr":
+        from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
+
+        from flared.frontend.audio import DecodedAudio, Qwen3AsrProcessor
+
+        samples = (torch.randn(int(args.seconds * 16000), generator=torch.Generator().manual_seed(0)) * 0.1).numpy()
+        ref = Qwen3ASRFeatureExtractor()(samples, sampling_rate=16000, padding=True, return_attention_mask=True,
+                                         return_tensors="pt")
+        clip = Qwen3AsrProcessor().prepare(DecodedAudio(samples, 16000))
+        return ((ref["input_features"], ref["attention_mask"]), (torch.from_numpy(clip.pixel_values), clip.grid),
+                f"{args.seconds:g} s clip: {clip.num_image_tokens} rows")
     if config.family == "gemma4_audio":
         from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
@@ -183,7 +210,7 @@ def inputs(config, args):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,gemma4-e2b,"
-                                            "gemma4-31b,gemma4-audio")
+                                            "gemma4-31b,gemma4-audio,qwen3-asr")
     parser.add_argument("--tiles", type=int, default=2)
     parser.add_argument("--side", type=int, default=448)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -220,7 +247,10 @@ def main() -> None:
                             a = [x.to(dtype) if x.is_floating_point() and config.family not in ("gemma4",
                                                                                                   "gemma4_audio") else x
                                  for x in hf_args]  # (Gemma 4 casts its pixels after scaling them)
-                            if config.family == "pixtral":  # its get_image_features fails here; what it runs:
+                            if config.family == "qwen3_asr":
+                                features = model.model.get_audio_features(*a)
+                                result = features.pooler_output
+                            elif config.family == "pixtral":  # its get_image_features fails here; what it runs:
                                 tower = model.model.vision_tower(a[0], image_sizes=a[1], output_hidden_states=True,
                                                                  return_dict=True)
                                 result = model.model.multi_modal_projector(tower.hidden_states[-1].squeeze(0),

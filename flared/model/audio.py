@@ -448,20 +448,39 @@ class Qwen3AsrAudioEncoder(_Tower):
         for n in range(3):
             x = F.gelu(F.conv2d(x, w[f"conv{n}.weight"], w[f"conv{n}.bias"], stride=2, padding=1))
         _, channels, freq, rows = x.shape  # [chunks, channels, mel / 8, R]
-        x = F.linear(x.permute(0, 3, 1, 2).reshape(chunks, rows, channels * freq), w["conv_out.weight"])
+        # (made contiguous first: a linear over the permuted view would run as a batched matmul, copying the weight)
+        x = F.linear(x.permute(0, 3, 1, 2).contiguous().view(chunks * rows, channels * freq), w["conv_out.weight"])
+        x = x.view(chunks, rows, c.hidden_size)
         x = x + self.positions[:rows]
         last = Qwen3AsrProcessor.chunk_rows(frames - (chunks - 1) * chunk)
         h = torch.cat([x[:-1].reshape(-1, c.hidden_size), x[-1, :last]])  # [T, D]: the valid rows in order
         window = rows * c.window_chunks
-        whole = h.shape[0] // window * window
-        parts = [p for p in (h[:whole].view(-1, window, c.hidden_size), h[whole:][None]) if p.shape[0] and p.shape[1]]
         for i in range(c.num_layers):
-            parts = [_vit_layer(p, w, f"layers.{i}.", c) for p in parts]
+            h = self._layer(h, f"layers.{i}.", window)
             yield
-        h = torch.cat([p.reshape(-1, c.hidden_size) for p in parts])
         h = F.layer_norm(h, (c.hidden_size,), w["post_norm.weight"], w["post_norm.bias"], c.layer_norm_eps)
         h = F.gelu(F.linear(h, w["proj_fc1.weight"], w["proj_fc1.bias"]))
         return F.linear(h, w["proj_fc2.weight"], w["proj_fc2.bias"])
+
+    def _layer(self, h: torch.Tensor, p: str, window: int) -> torch.Tensor:
+        """One pre-LayerNorm layer over the clip's rows [T, D], its attention within each ``window`` rows (the
+        whole windows as one batch, the last partial one apart); the products run over all rows at once."""
+        c, w = self.config, self.w
+        n, d = h.shape
+        heads = c.num_heads
+        x1 = F.layer_norm(h, (d,), w[p + "norm1.weight"], w[p + "norm1.bias"], c.layer_norm_eps)
+        qkv = F.linear(x1, w[p + "qkv.weight"], w[p + "qkv.bias"])  # [T, 3 D]
+        whole = n // window * window
+        parts = []
+        for start, end, size in ((0, whole, window), (whole, n, n - whole)):
+            if end > start:
+                q, k, v = qkv[start:end].view(-1, size, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+                parts.append(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(end - start, d))
+        attn = torch.cat(parts) if len(parts) > 1 else parts[0]
+        h = h + F.linear(attn, w[p + "o.weight"], w[p + "o.bias"])
+        x2 = F.layer_norm(h, (d,), w[p + "norm2.weight"], w[p + "norm2.bias"], c.layer_norm_eps)
+        return h + F.linear(F.gelu(F.linear(x2, w[p + "fc1.weight"], w[p + "fc1.bias"])), w[p + "fc2.weight"],
+                            w[p + "fc2.bias"])
 
 
 class Gemma4AudioEncoder(Gemma4Tower):
