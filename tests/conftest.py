@@ -609,6 +609,68 @@ def tiny_internvl(tmp_path_factory) -> tuple[Path, Path]:
     return d, out
 
 
+# Llama 4's chat template's shape (header tokens, <|eot|>; each image part as <|image|>)
+LLAMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|header_start|>{{ message['role'] }}<|header_end|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|image|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|eot|>{% endfor %}{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>"
+    "\n\n{% endif %}")
+LLAMA4_TOKENS = ["<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|image_start|>",
+                 "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>"]
+# Llama4ImageProcessor at 64-pixel tiles, canvases of up to 6 of them (the released: 336, 16)
+LLAMA4_PREPROCESSOR = {
+    "image_processor_type": "Llama4ImageProcessorFast", "size": {"height": 64, "width": 64}, "max_patches": 6,
+    "resize_to_max_canvas": False, "resample": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4_vision(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint, exported core) of a random-weight Llama 4 with its tower: 64-pixel tiles in 8-pixel patches
+    (16 rows a tile after the pixel shuffle), two layers of 32, the adapter and projector; a Llama 4 decoder of a
+    chunked rotated layer, a routed layer and an unrotated one."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from flared.core.export import ExportOptions, export_core
+
+    d = tmp_path_factory.mktemp("hf-llama4")
+    train_tiny_tokenizer(d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in LLAMA4_TOKENS])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "chat_template": LLAMA4_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "preprocessor_config.json").write_text(json.dumps(LLAMA4_PREPROCESSOR))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Llama4Processor", "patch_size": 8,
+                                                         "pixel_shuffle_ratio": 0.5}))
+    text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=32, intermediate_size_mlp=64,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                initializer_range=0.2, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                attention_chunk_size=64, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                bos_token_id=tok.token_to_id("<|begin_of_text|>"), eos_token_id=tok.token_to_id("<|eot|>"),
+                pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=8, vision_output_dim=48, projector_input_dim=48, projector_output_dim=48)
+    config = Llama4Config(text_config=text, vision_config=vision, image_token_index=tok.token_to_id("<|patch|>"),
+                          boi_token_index=tok.token_to_id("<|image_start|>"),
+                          eoi_token_index=tok.token_to_id("<|image_end|>"))
+    torch.manual_seed(0)
+    model = Llama4ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (the tower's init ignores initializer_range: widen it, and vary its norms)
+        for name, param in model.named_parameters():
+            if "vision_model" in name or "multi_modal_projector" in name:
+                is_norm_weight = "layernorm" in name and name.endswith("weight")
+                param.copy_(torch.randn_like(param) * (0.1 if is_norm_weight else 0.2) + is_norm_weight)
+    model.save_pretrained(d, safe_serialization=True)
+    out = tmp_path_factory.mktemp("cores") / "llama4-vision"
+    export_core(d, out, ExportOptions(concurrency=4, context_tokens=1024, prefill_chunk_tokens=128))
+    return d, out
+
+
 # LLaVA-1.5's chat template, without transformers' {% generation %} markers.
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"

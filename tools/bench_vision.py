@@ -16,14 +16,16 @@ Shapes (the towers of the released checkpoints):
   gemma4-e2b     16 layers of 768, 16 px patches, 2D axial rope, clipped products, 3 x 3 pooling (Gemma 4 E2B/E4B):
                  a ``--side`` px image at 280 soft tokens (transformers pads it to 2,520 patches, as it runs)
   gemma4-31b     27 layers of 1152, standardized (Gemma 4 26B-A4B/31B): the same image
+  llama4-scout   34 layers of 1408, 336 px tiles in 14 px patches, 2D complex rope, pixel shuffle, adapter and
+                 projector of 4096 to 5120 (Llama 4 Scout/Maverick): ``--tiles`` tiles (144 rows each)
   gemma4-audio   Gemma 4 E2B/E4B's audio conformer: 12 layers of 1024, blocked local attention, light convolutions:
                  a ``--seconds`` clip (25 rows a second)
   qwen3-asr      Qwen3-ASR-1.7B's AuT encoder: 1 s chunks through three 480-channel 2D convolutions, 24 layers of
                  1024 attending within 8 s windows, projector to 2048: a ``--seconds`` clip (13 rows a second)
 
     .venv/bin/python tools/bench_vision.py [--shapes smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,
-        gemma4-e2b,gemma4-31b,gemma4-audio,qwen3-asr] [--tiles 2] [--side 448] [--seconds 10] [--dtypes float32,bfloat16]
-        [--repeats 2] [--device cpu] [--json]
+        gemma4-e2b,gemma4-31b,llama4-scout,gemma4-audio,qwen3-asr] [--tiles 2] [--side 448] [--seconds 10]
+        [--dtypes float32,bfloat16] [--repeats 2] [--device cpu] [--json]
 
 Prints a table; with --json, one JSON object as the last line.
 """
@@ -58,6 +60,9 @@ SHAPES = {
                                       hidden_act="silu", image_size=1540), 5120, dict(spatial_merge_size=2)),
     "gemma4-e2b": ("gemma4", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
                                   num_key_value_heads=12, head_dim=64, use_clipped_linears=True), 1536, {}),
+    "llama4-scout": ("llama4", dict(hidden_size=1408, intermediate_size=5632, num_hidden_layers=34,
+                                    num_attention_heads=16, image_size=336, patch_size=14, vision_output_dim=4096,
+                                    projector_input_dim=4096, projector_output_dim=4096), 5120, {}),
     "gemma4-31b": ("gemma4", dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
                                   num_attention_heads=16, num_key_value_heads=16, head_dim=72, standardize=True),
                    5376, {}),
@@ -127,6 +132,11 @@ def build(shape: str):
         text.update(head_dim=64, global_head_dim=64, hidden_size_per_layer_input=0, layer_types=["full_attention"])
         cls, cfg = Gemma4ForConditionalGeneration, Gemma4Config(text_config=text, vision_config=vision,
                                                                 audio_config=None)
+    elif family == "llama4":  # (one small expert: only the tower runs)
+        from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+        text.update(intermediate_size=256, intermediate_size_mlp=256, num_local_experts=1, head_dim=128)
+        cls, cfg = Llama4ForConditionalGeneration, Llama4Config(text_config=text, vision_config=vision)
     elif family == "qwen2_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
         cls, cfg = Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision)
@@ -204,13 +214,14 @@ def inputs(config, args):
         return ((patches, torch.tensor([grid])), (patches, grid),
                 f"{args.side} px: {side * side} patches, {side * side // 4} rows")
     tiles = torch.randn(args.tiles, 3, config.image_size, config.image_size)
-    return ((tiles[None],), (tiles, None), f"{args.tiles} tiles: {args.tiles * config.image_seq_len} rows")
+    return ((tiles if config.family == "llama4" else tiles[None],), (tiles, None),
+            f"{args.tiles} tiles: {args.tiles * config.image_seq_len} rows")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,gemma4-e2b,"
-                                            "gemma4-31b,gemma4-audio,qwen3-asr")
+    parser.add_argument("--shapes", default="smolvlm-256m,qwen2-vl-2b,qwen2.5-vl-3b,qwen3-vl-2b,mistral3-24b,"
+                                            "gemma4-e2b,gemma4-31b,llama4-scout,gemma4-audio,qwen3-asr")
     parser.add_argument("--tiles", type=int, default=2)
     parser.add_argument("--side", type=int, default=448)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -234,7 +245,11 @@ def main() -> None:
         our_args = (our_args[0].to(device), our_args[1])
         for dtype_name in args.dtypes.split(","):
             dtype = getattr(torch, dtype_name)
-            model.to(device=device, dtype=dtype)
+            complex_buffers = {name: buf for name, buf in model.named_buffers() if buf.is_complex()}
+            model.to(device=device, dtype=dtype)  # (which would drop a complex buffer's imaginary part: Llama 4's rope)
+            for name, buf in complex_buffers.items():
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, buf.to(device))
             ours = vision_encoder(config, tensors, dtype=dtype, device=device)
             best = {"transformers": float("inf"), "flared": float("inf")}
             out = {}
@@ -260,9 +275,11 @@ def main() -> None:
                                 features = model.model.get_audio_features(*a)
                                 result = features.pooler_output[features.attention_mask]
                             else:
-                                features = model.model.get_image_features(*a)
+                                features = (model if config.family == "llama4" else model.model).get_image_features(*a)
                                 result = features.pooler_output
                             result = torch.cat(list(result)) if isinstance(result, (list, tuple)) else result
+                            if config.family == "llama4":  # ([tiles, rows, hidden]: flared's rows a tile in order)
+                                result = result.reshape(-1, result.shape[-1])
                             stack = getattr(features, "deepstack_features", None) if features is not None else None
                             if stack:  # Qwen3-VL: flared's rows carry them after the embedding's
                                 result = torch.cat([result, *(torch.cat(list(f)) for f in stack)], dim=-1)

@@ -190,6 +190,16 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             missing = [t for t in (processor.boi_token, processor.eoi_token) if tokenizer.token_to_id(t) is None]
             if missing:
                 raise CoreError(f"{source}: the tokenizer has no {' or '.join(missing)} token", ErrorKind.SOURCE_FORMAT)
+        if processor.kind == "llama4_tiles":  # (Llama 4: its patch token is the image token; the rest exist)
+            tokenizer = assets.tokenizer
+            found = tokenizer.token_to_id(processor.patch_token)
+            if found != src.vision.image_token_id:
+                raise CoreError(f"{source}: the tokenizer's {processor.patch_token} is token {found}, but the config's "
+                                f"image token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
+            missing = [t for t in (processor.image_token, processor.start_token, processor.end_token,
+                                   processor.tile_x_token, processor.tile_y_token) if tokenizer.token_to_id(t) is None]
+            if missing:
+                raise CoreError(f"{source}: the tokenizer has no {' or '.join(missing)} token", ErrorKind.SOURCE_FORMAT)
         video = (_read_video_processor(source, src.vision, assets, processor) if options.mmproj is None
                  else None)
         if video is not None:
@@ -346,7 +356,7 @@ _PROCESSOR_KINDS = {"idefics3": "tiles", "qwen2_vl": "patches", "qwen2_5_vl": "p
                     "pixtral": "pixtral", "llava": "crop", "gemma3": "square", "internvl": "canvas",
                     "llava_next": "anyres", "llava_onevision": "anyres", "qwen2_audio": "whisper",
                     "audioflamingo3": "whisper", "glmasr": "whisper", "gemma4": "pooled_patches",
-                    "qwen3_asr": "qwen3_asr"}
+                    "qwen3_asr": "qwen3_asr", "llama4": "llama4_tiles"}
 
 
 def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = None, mmproj: Path | None = None):
@@ -414,6 +424,12 @@ def _read_image_processor(src: Path, vision, given: tuple[dict, dict] | None = N
     if kind == "crop" and (processor.crop_height, processor.crop_width) != (vision.image_size, vision.image_size):
         raise CoreError(f"{where}: crops of {processor.crop_width}x{processor.crop_height} "
                         f"pixels, but the vision tower takes {vision.image_size} square", ErrorKind.UNSUPPORTED_MODEL)
+    if kind == "llama4_tiles":
+        if (processor.tile, processor.tokens_per_tile) != (vision.image_size, vision.image_seq_len):
+            raise CoreError(f"{where}: tiles of {processor.tile} pixels making {processor.tokens_per_tile} tokens, "
+                            f"but the vision tower takes {vision.image_size} and makes {vision.image_seq_len}",
+                            ErrorKind.UNSUPPORTED_MODEL)
+        return processor
     if kind == "pooled_patches":
         if (processor.patch_size, processor.pooling_kernel_size) != (vision.patch_size, vision.scale_factor):
             raise CoreError(f"{where}: patches of {processor.patch_size} pixels pooled {processor.pooling_kernel_size}"

@@ -145,6 +145,7 @@ POOLED_BOI_TOKEN = "<|image>"
 POOLED_EOI_TOKEN = "<image|>"
 POOLED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 POOLED_PROCESSOR_TYPES = ("Gemma4ImageProcessor",)  # with or without a Fast / Pil suffix
+_LLAMA4_PROCESSOR_TYPES = ("Llama4ImageProcessor",)  # (flared.frontend.llama4's; with or without a Fast suffix)
 # processor_class values that tell the family when a config has no image_processor_type
 _TILE_PROCESSOR_CLASSES = ("Idefics3Processor", "SmolVLMProcessor")
 _PATCH_PROCESSOR_CLASSES = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")
@@ -1794,9 +1795,12 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return AnyresProcessor.kind
         if base in POOLED_PROCESSOR_TYPES:
             return PooledPatchProcessor.kind
+        if base in _LLAMA4_PROCESSOR_TYPES:
+            return "llama4_tiles"
         raise _field_error("image_processor_type", kind, " or ".join(
             PROCESSOR_TYPES + PATCH_PROCESSOR_TYPES + PIXTRAL_PROCESSOR_TYPES + CROP_PROCESSOR_TYPES
-            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES + ANYRES_PROCESSOR_TYPES + POOLED_PROCESSOR_TYPES))
+            + SQUARE_PROCESSOR_TYPES + CANVAS_PROCESSOR_TYPES + ANYRES_PROCESSOR_TYPES + POOLED_PROCESSOR_TYPES
+            + _LLAMA4_PROCESSOR_TYPES))
     for source in (cfg, processor_config):
         cls_name = source.get("processor_class")
         if cls_name in _PATCH_PROCESSOR_CLASSES:
@@ -1813,6 +1817,8 @@ def _family(cfg: dict, processor_config: dict) -> str:
             return AnyresProcessor.kind
         if cls_name in _POOLED_PROCESSOR_CLASSES:
             return PooledPatchProcessor.kind
+        if cls_name == "Llama4Processor":
+            return "llama4_tiles"
         if cls_name in _TILE_PROCESSOR_CLASSES:
             return TileProcessor.kind
     return TileProcessor.kind  # what flared read before it knew patch processors
@@ -1844,6 +1850,10 @@ def image_processor_from_hf(preprocessor_config: dict, processor_config: dict | 
         return AnyresProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
     if family == PooledPatchProcessor.kind:
         return PooledPatchProcessor.from_hf(preprocessor_config, processor_config)
+    if family == "llama4_tiles":  # (flared.frontend.llama4)
+        from flared.frontend.llama4 import Llama4TileProcessor
+
+        return Llama4TileProcessor.from_hf(preprocessor_config, processor_config)
     if image_seq_len is None:
         raise _error("image processor setting 'image_seq_len' is needed for a tile processor (SmolVLM / Idefics3)")
     return TileProcessor.from_hf(preprocessor_config, processor_config, image_seq_len=image_seq_len)
@@ -1859,6 +1869,10 @@ def image_processor_from_dict(d: dict) -> ImageProcessor:
         from flared.frontend.audio import Qwen3AsrProcessor, UsmProcessor, WhisperProcessor
 
         return {"whisper": WhisperProcessor, "usm": UsmProcessor, "qwen3_asr": Qwen3AsrProcessor}[kind].from_dict(d)
+    if kind == "llama4_tiles":
+        from flared.frontend.llama4 import Llama4TileProcessor
+
+        return Llama4TileProcessor.from_dict(d)
     classes = (TileProcessor, PatchProcessor, PixtralProcessor, CropProcessor, SquareProcessor, CanvasProcessor,
                AnyresProcessor, PooledPatchProcessor)
     for cls in classes:

@@ -574,7 +574,7 @@ def _hf_sarvam_names(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[s
 
 
 # model_type of a vision-language checkpoint served as its text model -> its text config's model_type
-_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text"}
+_TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 
 def _dequantize_fp8_blocks(hf: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype, *,

@@ -54,6 +54,7 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl",
                          "gemma3": "gemma3", "internvl": "internvl", "llava_next": "llava_next",
                          "gemma4": "gemma4",
+                         "llama4": "llama4",  # (Llama 4 Scout, Maverick: flared.model.llama4_vision)
                          "llava_next_video": "llava_next",  # (LLaVA-NeXT-Video: video_pool)
                          "llava_onevision": "llava_onevision",
                          # (InternVL's original checkpoints, as loader._internvl_chat says them)
@@ -67,7 +68,8 @@ HF_VISION_MODEL_TYPES = {"idefics3": "idefics3", "smolvlm": "idefics3", "qwen2_v
                          "gemma4_audio": "gemma4_audio"}
 AUDIO_FAMILIES = ("qwen2_audio", "audioflamingo3", "glmasr", "qwen3_asr", "gemma4_audio")
 # a family's decoder where its text_config does not name one (the rest: Llama)
-_TEXT_MODEL_TYPES = {"pixtral": "mistral", "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "qwen3_asr": "qwen3"}
+_TEXT_MODEL_TYPES = {"pixtral": "mistral", "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "qwen3_asr": "qwen3",
+                     "llama4": "llama4_text"}
 # a Qwen VL checkpoint's model_type -> its decoder's (text_config_of)
 _QWEN_TEXT_MODEL_TYPES = {"qwen3_vl": "qwen3", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
                           "qwen3_vl_moe": "qwen3_moe"}
@@ -376,6 +378,10 @@ def vision_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> Vision
             return _gemma3_vision_from_hf(hf, v, t)
         if family == "gemma4":
             return _gemma4_vision_from_hf(hf, v, t)
+        if family == "llama4":
+            from flared.model.llama4_vision import llama4_vision_from_hf
+
+            return llama4_vision_from_hf(hf, v, t)
         if family in ("llava", "llava_next"):
             return _llava_vision_from_hf(hf, v, t, family=family)
         if family == "internvl":
@@ -680,6 +686,10 @@ def vision_tensor_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
         return audio_tensor_shapes(c)
     if c.family == "pixtral":
         return _pixtral_tensor_shapes(c)
+    if c.family == "llama4":
+        from flared.model.llama4_vision import llama4_tensor_shapes
+
+        return llama4_tensor_shapes(c)
     if c.family == "gemma3":  # SigLIP's layers; projector: a Gemma RMSNorm [D] (1 + w) and proj [hidden, D]
         return {"patch_embed.weight": (d, 3, c.patch_size, c.patch_size), "patch_embed.bias": (d,),
                 "pos_embed.weight": (c.patches_per_side ** 2, d), "post_norm.weight": (d,), "post_norm.bias": (d,),
@@ -890,8 +900,9 @@ def hf_vision_to_serving(hf: dict[str, torch.Tensor], c: VisionConfig, *, source
             raise CoreError(f"{source}: checkpoint has no tensor {name}", ErrorKind.SOURCE_FORMAT) from None
 
     from flared.model.audio import audio_to_serving
+    from flared.model.llama4_vision import llama4_vision_to_serving
 
-    to_serving = {"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving, "glmasr": audio_to_serving,
+    to_serving = {"llama4": llama4_vision_to_serving,"qwen2_audio": audio_to_serving, "audioflamingo3": audio_to_serving, "glmasr": audio_to_serving,
                   "qwen3_asr": audio_to_serving, "gemma4_audio": audio_to_serving,
                   "pixtral": _pixtral_vision_to_serving,
                   "llava": _llava_vision_to_serving,
@@ -1158,8 +1169,9 @@ def vision_encoder(config: VisionConfig, tensors: dict[str, torch.Tensor], *, dt
                    device: torch.device | str = "cpu"):
     """The tower of ``config``'s family (``encode(pixel_values, grid=...)`` -> rows)."""
     from flared.model.audio import Gemma4AudioEncoder, Qwen3AsrAudioEncoder, WhisperAudioEncoder
+    from flared.model.llama4_vision import Llama4VisionEncoder
 
-    cls = {"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
+    cls = {"llama4": Llama4VisionEncoder,"qwen2_audio": WhisperAudioEncoder, "audioflamingo3": WhisperAudioEncoder, "glmasr": WhisperAudioEncoder,
            "qwen3_asr": Qwen3AsrAudioEncoder, "gemma4_audio": Gemma4AudioEncoder,
            "pixtral": PixtralVisionEncoder, "llava": LlavaVisionEncoder,
            "gemma3": Gemma3VisionEncoder, "gemma4": Gemma4VisionEncoder,

@@ -365,7 +365,8 @@ class ServingState:
         """(image processor, video processor) for one request: the server's, with vLLM's ``mm_processor_kwargs``
         applied to each that reads them (their ``options``: a Qwen model's ``fps``, ``num_frames``,
         ``min_frames``, ``max_frames``, ``min_pixels`` / ``max_pixels`` for its images too; InternVL's ``fps``,
-        ``num_frames``, ``max_frames``; Gemma 4's ``max_soft_tokens``); a key neither reads is a 400."""
+        ``num_frames``, ``max_frames``; Gemma 4's ``max_soft_tokens``; Llama 4's ``max_patches``); a key neither
+        reads is a 400."""
         image, video = self.image_processor, self.video_processor
         if not options:  # (an object: openai_schema checks it)
             return image, video

@@ -19,15 +19,16 @@ from .test_parity_hf import make_prompts, run_paged_greedy
 
 def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
     """Llama 4 ships as llama4 (vision-language) checkpoints, the decoder under language_model.: export reads its
-    text model (the tower is not read), and its logits are transformers' on text, across chunk boundaries."""
+    text model apart from its tower (tests/api/test_vision_llama4.py serves its images), and its logits are
+    transformers' on text, across chunk boundaries."""
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
     text = dict(vocab_size=400, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
                 num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=6,
                 floor_scale=5, attn_scale=0.3, rms_norm_eps=1e-6)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
     torch.manual_seed(0)
     hf = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision,
                                                      image_token_index=399)).eval()
@@ -40,7 +41,7 @@ def test_a_vision_checkpoint_serves_its_text_model(tmp_path):
     c = source.config
     assert (c.chunked_layers, c.nope_layers, c.attention_chunk_size, c.dense_layers) == ((0, 1, 2), (3,), 6, ())
     assert c.router_input_scale and c.qk_l2_norm and (c.nope_temperature_scale, c.nope_temperature_floor) == (0.3, 5)
-    assert source.vision is None and not any("vision" in name for name in source.tensors)
+    assert source.vision.family == "llama4" and not any("vision" in name for name in source.tensors)
     model = DecoderModel(c, source.tensors, dtype=torch.float32)
     prompts = make_prompts(400, seed=5)[:3]
     for prompt, (out, logits) in zip(prompts, run_paged_greedy(model, prompts, num_new_tokens=12, page_tokens=4,
