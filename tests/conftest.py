@@ -628,8 +628,8 @@ LLAMA4_PREPROCESSOR = {
 @pytest.fixture(scope="session")
 def tiny_llama4_vision(tmp_path_factory) -> tuple[Path, Path]:
     """(checkpoint, exported core) of a random-weight Llama 4 with its tower: 64-pixel tiles in 8-pixel patches
-    (16 rows a tile after the pixel shuffle), two layers of 32, the adapter and projector; a Llama 4 decoder of a
-    chunked rotated layer, a routed layer and an unrotated one."""
+    (16 rows a tile after the pixel shuffle), two layers of 32, the adapter and projector; a Llama 4 decoder of
+    rotated layers, routed and dense ones, and an unrotated one."""
     import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import Llama4Config, Llama4ForConditionalGeneration
@@ -650,7 +650,9 @@ def tiny_llama4_vision(tmp_path_factory) -> tuple[Path, Path]:
     text = dict(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=32, intermediate_size_mlp=64,
                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                 initializer_range=0.2, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
-                attention_chunk_size=64, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                # (8192-token chunks: what llama.cpp assumes of a Llama 4 GGUF, which tests/model/test_mmproj.py
+                # writes of it; test_llama4.py covers chunks)
+                attention_chunk_size=8192, rms_norm_eps=1e-6, max_position_embeddings=2048,
                 bos_token_id=tok.token_to_id("<|begin_of_text|>"), eos_token_id=tok.token_to_id("<|eot|>"),
                 pad_token_id=0)
     vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=64,

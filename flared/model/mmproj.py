@@ -23,6 +23,11 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
 - ``gemma3`` (Gemma 3): SigLIP's layers as Idefics3's; the projector's RMSNorm ``mm.soft_emb_norm`` stored as 1 + w,
   its projection ``mm.input_projection`` as transformers holds it ([tower width, hidden]); the pooling
   (``projector.scale_factor``) written only where it is not 4.
+- ``llama4`` (Llama 4 Scout, Maverick): the patches' linear ``v.patch_embd``, the class row ``v.class_embd``, the
+  positions ``v.position_embd``, ``v.pre_ln``/``v.post_ln``, layers of q/k/v apart as released (the tower's rope
+  turns interleaved pairs: nothing to undo), the adapter ``mm.model.mlp.1``/``.2`` and the projector
+  ``mm.model.fc``; the pixel shuffle from ``clip.vision.projector.scale_factor``; rope theta and the canvas's 16 tiles
+  the released config's.
 - ``gemma4v`` (Gemma 4): the patches' linear stored as a convolution's [D, 3, p, p] (transformers' [D, p * p * 3]
   again here), the two position tables ``v.position_embd`` [2, positions, D], Gemma layers (``ln1``,
   ``attn_post_norm``, ``ln2``, ``ffn_post_norm``, q/k norms) with each product's clamp bounds beside it
@@ -62,11 +67,11 @@ from flared.model.vision import INTERNVIT_GGUF, VisionConfig, clipped_products, 
 # clip.projector_type -> our vision family
 PROJECTORS = {"idefics3": "idefics3", "pixtral": "pixtral", "qwen2vl_merger": "qwen2_vl",
               "qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl", "gemma3": "gemma3",
-              "internvl": "internvl", "gemma4v": "gemma4"}
+              "internvl": "internvl", "gemma4v": "gemma4", "llama4": "llama4"}
 # the prompt token an image's rows replace, by family (in the model GGUF's vocabulary)
 IMAGE_TOKENS = {"idefics3": "<image>", "pixtral": "[IMG]", "qwen2_vl": "<|image_pad|>",
                 "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>", "gemma3": "<image_soft_token>",
-                "internvl": "<IMG_CONTEXT>", "gemma4": "<|image|>"}
+                "internvl": "<IMG_CONTEXT>", "gemma4": "<|image|>", "llama4": "<|patch|>"}
 # Released processors' pixel bounds (preprocessor_config.json): Qwen2-VL's and Qwen2.5-VL's min_pixels /
 # max_pixels, Qwen3-VL's size.shortest_edge / longest_edge
 _QWEN_PIXELS = {"qwen2_vl": (3136, 12845056), "qwen2_5_vl": (3136, 12845056), "qwen3_vl": (65536, 16777216)}
@@ -191,6 +196,16 @@ def read_mmproj(path: str | Path, *, text_reader, text_hidden_size: int, text_ep
             processor = {}
             if _field(reader, "clip.has_audio_encoder", False):  # (E2B's, E4B's conformer beside the tower)
                 second = _read_gemma4_audio(files, reader, source, text_reader, text_hidden_size, config.pad_token_id)
+        elif family == "llama4":
+            config = VisionConfig(
+                **common, image_size=int(need("image_size")), hidden_act="gelu",
+                scale_factor=int(_field(reader, "clip.vision.projector.scale_factor", 2)),
+                rope_theta=10000.0, output_dims=int(take("mm.model.mlp.2.weight").shape[0]))
+            tensors = _llama4(take, raw, config)
+            side = config.image_size
+            preprocessor = {"image_processor_type": "Llama4ImageProcessor", "size": {"height": side, "width": side},
+                            "max_patches": 16, "image_mean": mean, "image_std": std}
+            processor = {"patch_size": config.patch_size, "pixel_shuffle_ratio": 1 / config.scale_factor}
         elif family == "internvl":
             config = VisionConfig(
                 **common, image_size=int(need("image_size")),
@@ -405,6 +420,30 @@ def _gemma3(take, layers: int) -> dict[str, torch.Tensor]:
                 # holds it, [D, hidden]: a linear's weight is its transpose)
                 "proj_norm.weight": take("mm.soft_emb_norm.weight") - 1,
                 "proj.weight": take("mm.input_projection.weight").T})
+    return out
+
+
+def _llama4(take, raw, c: VisionConfig) -> dict[str, torch.Tensor]:
+    """Llama 4's tower as the converter writes it: the patches' linear ``v.patch_embd`` ([D, 3 p p], or as a
+    convolution's [D, 3, p, p]), ``v.class_embd``, ``v.position_embd``, ``v.pre_ln``/``v.post_ln``, layers of
+    q/k/v apart (no permutation: the tower's rope already turns interleaved pairs), the post-attention norm as
+    ``ln2`` (or ``attn_post_norm``, where a newer gguf map names it so), the adapter ``mm.model.mlp.1``/``.2`` and
+    the projector ``mm.model.fc``."""
+    d = c.hidden_size
+    out = {"patch_embed.weight": take("v.patch_embd.weight").reshape(d, -1),
+           "class_embed": take("v.class_embd" if "v.class_embd" in raw else "v.class_embd.weight").reshape(d),
+           "pos_embed.weight": take("v.position_embd.weight"), "adapter_fc1.weight": take("mm.model.mlp.1.weight"),
+           "adapter_fc2.weight": take("mm.model.mlp.2.weight"), "proj.weight": take("mm.model.fc.weight")}
+    for ours, theirs in (("pre_norm", "v.pre_ln"), ("post_norm", "v.post_ln")):
+        out[ours + ".weight"], out[ours + ".bias"] = _both(take, theirs)
+    for n in range(c.num_layers):
+        b, p = f"v.blk.{n}.", f"layers.{n}."
+        post = "ln2" if b + "ln2.weight" in raw else "attn_post_norm"
+        for kind in ("weight", "bias"):
+            out[f"{p}qkv.{kind}"] = torch.cat([take(f"{b}attn_{x}.{kind}") for x in "qkv"])
+            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", post), ("fc1", "ffn_up"),
+                                 ("fc2", "ffn_down")):
+                out[f"{p}{ours}.{kind}"] = take(f"{b}{theirs}.{kind}")
     return out
 
 

@@ -111,10 +111,11 @@ def test_a_llama4_core_serves_transformers_tokens(tmp_path):
     assert_served_greedy_equals_transformers(directory, hf, tmp_path)
 
 
-def write_llama4_gguf(hf_dir, path) -> None:
+def write_llama4_gguf(hf_dir, path, extra=None) -> None:
     """A Llama 4 checkpoint as llama.cpp's converter writes it (F32; llama4): feed_forward_length the dense MLP's
     (intermediate_size_mlp), expert_feed_forward_length and interleave_moe_layer_step; q/k rows as released; the
-    experts' gate_up split and transposed to [E, I, H] stacks, down to [E, H, I]; the shared expert as *_shexp."""
+    experts' gate_up split and transposed to [E, I, H] stacks, down to [E, H, I]; the shared expert as *_shexp.
+    ``extra(w)``, where given, adds keys of its own (a tokenizer)."""
     import json
 
     import gguf
@@ -162,6 +163,8 @@ def write_llama4_gguf(hf_dir, path) -> None:
         else:
             for x in ("gate", "up", "down"):
                 add(f"{b}ffn_{x}.weight", t[f"{ff}{x}_proj.weight"])
+    if extra is not None:
+        extra(w)
     close_gguf(w)
 
 

@@ -25,7 +25,8 @@ from .test_gguf_families import permute_for_llama_cpp, write_gguf
 
 TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl",
              "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2",
-             "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "gemma4": "gemma4", "gemma4_e2b": "gemma4"}
+             "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "gemma4": "gemma4", "gemma4_e2b": "gemma4",
+             "llama4": "llama4"}
 # InternVL's projector as the converter renames it first (its original checkpoints' mlp1.*, which the gguf map knows)
 INTERNVL_PROJECTOR = {"model.multi_modal_projector.layer_norm.": "mlp1.0.",
                       "model.multi_modal_projector.linear_1.": "mlp1.1.",
@@ -52,6 +53,9 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
                 name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
             if name.startswith(("vision_tower.", "multi_modal_projector.")):
                 out[name] = value
+        elif family == "llama4":  # (as released and as transformers saves them: vision_model.*, multi_modal_projector.*)
+            if name.startswith(("vision_model.", "multi_modal_projector.")):
+                out[name] = value
         elif family.startswith("gemma4"):  # (the image tower and its projection; E2B's audio tower is not written)
             if name.startswith(("model.vision_tower.", "model.embed_vision.")):
                 out[name] = value
@@ -72,7 +76,7 @@ TEXT_RENAMES = {"model.language_model.": "model.", "model.text_model.": "model."
                 "language_model.lm_head.": "lm_head."}
 TOWER = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
          "model.multi_modal_projector.", "model.vision_model.", "model.connector.", "audio_tower.",
-         "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+         "model.embed_vision.", "model.audio_tower.", "model.embed_audio.", "vision_model.")
 
 
 def _text_weights(weights: dict) -> dict[str, np.ndarray]:
@@ -164,6 +168,15 @@ def write_mmproj(hf_dir, path, family: str, matrix_type=Q.F32, feed_forward: int
             out[new] = value
         if cfg.get("audio_config"):  # (E2B, E4B: the conformer beside the tower, as the converter writes it)
             _gemma4_audio(w, weights, cfg["audio_config"], t, out)
+    elif family == "llama4":  # (Llama4VisionModel: the projector's one linear as mm.model.fc)
+        w.add_clip_projector_type("llama4")
+        w.add_vision_attention_layernorm_eps(v["norm_eps"])
+        w.add_vision_projector_scale_factor(int(1.0 / v["pixel_shuffle_ratio"]))
+        w.add_vision_use_gelu(True)
+        for name, value in tower.items():
+            if "positional_embedding_vlm" in name and ".weight" not in name:
+                name += ".weight"
+            out["mm.model.fc.weight" if "multi_modal_projector.linear_1" in name else mapped(name)] = value
     elif family == "internvl":  # (InternVisionModel)
         w.add_clip_projector_type("internvl")
         w.add_vision_attention_layernorm_eps(v.get("layer_norm_eps", 1e-6))
@@ -419,6 +432,11 @@ def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32, arc
         if arch == "gemma3":  # (the tiny model's every-other-layer window; llama.cpp assumes every sixth global)
             w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
 
+    if arch == "llama4":  # (its converter's own keys: test_llama4.write_llama4_gguf)
+        from .test_llama4 import write_llama4_gguf
+
+        write_llama4_gguf(d, path, extra)
+        return
     if arch == "gemma4":  # (its converter's own keys: test_gguf_families.write_gemma4_gguf)
         from .test_gguf_families import write_gemma4_gguf
 
@@ -440,11 +458,13 @@ def _checkpoint(family, tmp_path_factory, request):
         return request.getfixturevalue("tiny_hf_smolvlm")
     if family in ("mistral3", "pixtral", "gemma3", "internvl"):
         return request.getfixturevalue(f"tiny_{family}")[0]
+    if family == "llama4":
+        return request.getfixturevalue("tiny_llama4_vision")[0]
     return build_tiny_qwen_vl(tmp_path_factory.mktemp(f"hf-{family}"), family)
 
 
 @pytest.fixture(scope="module", params=["smolvlm", "mistral3", "pixtral", "gemma3", "qwen2_vl", "qwen2_5_vl",
-                                        "qwen3_vl", "qwen3_5", "internvl", "gemma4", "gemma4_e2b"])
+                                        "qwen3_vl", "qwen3_5", "internvl", "gemma4", "gemma4_e2b", "llama4"])
 def converted(request, tmp_path_factory):
     """(family, checkpoint, model GGUF, mmproj GGUF)."""
     family = request.param
@@ -532,6 +552,8 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
             ours["config"]["window_size"] = theirs["config"]["window_size"]
     if family.startswith("gemma4"):  # (the mmproj holds no budget: the released processor's 280 soft tokens)
         assert mine.pop("max_soft_tokens") == 280 and want.pop("max_soft_tokens") == 70
+    if family == "llama4":  # (nor the canvas's tiles: the released 16)
+        assert mine.pop("max_patches") == 16 and want.pop("max_patches") == 6
     for key in ("image_mean", "image_std"):  # (float32s in the file: the same values in the float32 arithmetic)
         assert np.array_equal(np.float32(mine.pop(key)), np.float32(want.pop(key))), key
     assert mine == want
@@ -539,7 +561,7 @@ def test_an_exported_core_keeps_the_tower_and_its_image_preparation(converted, t
     assert ours["config"] == {**theirs["config"], "video_token_id": -1, "tokens_per_second": 0.0}
 
 
-@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3", "internvl", "gemma4", "gemma4_e2b"])
+@pytest.mark.parametrize("family", ["smolvlm", "qwen2_vl", "gemma3", "internvl", "gemma4", "gemma4_e2b", "llama4"])
 def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, request, tmp_path_factory, tmp_path,
                                                                    start_daemon):
     """`flared run model.gguf --mmproj mmproj.gguf` (exported once into the cache) answers an image with the
@@ -559,7 +581,9 @@ def test_flared_run_with_mmproj_answers_an_image_as_the_checkpoint(family, reque
             "--concurrency", "2", "--prefill-chunk", "128", "--cache-dir", str(tmp_path / "cache")))):
         daemon = start_daemon(core, *args)
         # (Gemma 4: the checkpoint's 70-token budget, which the mmproj cannot say)
-        kw = {"mm_processor_kwargs": {"max_soft_tokens": 70}} if family.startswith("gemma4") else {}
+        # (Llama 4: the checkpoint's canvases of 6 tiles at most, where the mmproj's are the released 16)
+        kw = ({"mm_processor_kwargs": {"max_soft_tokens": 70}} if family.startswith("gemma4") else
+              {"mm_processor_kwargs": {"max_patches": 6}} if family == "llama4" else {})
         body = ask_greedy(daemon, [image], "What is in the picture?", 8, **kw)
         answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
         if family == "gemma4_e2b":  # (a clip through the conformer the mmproj holds too)
