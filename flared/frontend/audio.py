@@ -314,7 +314,68 @@ class _ClipSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WhisperProcessor(_ClipSettings):
+class _WhisperFrames(_ClipSettings):
+    """What the processors of Whisper's log-mel frames share (WhisperProcessor's windows, Qwen3AsrProcessor's whole
+    clips): the STFT's settings and the clip's audio token, their checks, their dict, and the extractor settings of
+    a checkpoint read alike."""
+
+    modality: ClassVar[str] = "audio"
+
+    feature_size: int = 128  # mel bins
+    sampling_rate: int = 16000
+    hop_length: int = 160
+    n_fft: int = 400
+    audio_token: str = ""
+
+    def _check(self, *more: str) -> None:
+        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", *more):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
+        if not isinstance(self.audio_token, str) or not self.audio_token:
+            raise _error("audio processor setting 'audio_token' must be a non-empty string")
+
+    @staticmethod
+    def _extractor(cfg: dict, accepted: str, *, feature_size: int) -> dict:
+        """The STFT settings of a feature extractor of type ``accepted`` (refusing what this one does not do:
+        dither, padding with other than silence)."""
+        kind = cfg.get("feature_extractor_type", accepted)
+        if kind != accepted:
+            raise _error(f"feature extractor {kind!r} is not supported ({accepted})")
+        if float(cfg.get("dither", 0.0) or 0.0) != 0.0:
+            raise _error("a feature extractor with dither (random noise) is not supported")
+        if float(cfg.get("padding_value", 0.0)) != 0.0:
+            raise _error("a feature extractor padding with other than silence is not supported")
+        return dict(feature_size=int(cfg.get("feature_size", feature_size)),
+                    sampling_rate=int(cfg.get("sampling_rate", 16000)), hop_length=int(cfg.get("hop_length", 160)),
+                    n_fft=int(cfg.get("n_fft", 400)))
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "kind": self.kind}
+
+    @property
+    def placeholder(self) -> str:
+        """What the chat template writes for a clip (Qwen2-Audio's ``<|audio_bos|><|AUDIO|><|audio_eos|>``,
+        Qwen3-ASR's ``<|audio_start|><|audio_pad|><|audio_end|>``), of which ``prepare``'s prompt replaces the
+        audio token."""
+        return self.audio_token
+
+    def _mel_filters(self):
+        return _slaney_filters(self.n_fft, self.feature_size, self.sampling_rate)
+
+    def _clip(self, audio: DecodedAudio) -> np.ndarray:
+        """The clip's samples at ``sampling_rate``; one longer than the model's ``max_seconds`` is a 400."""
+        samples = audio.samples
+        if audio.sample_rate != self.sampling_rate:
+            samples = resample(samples, audio.sample_rate, self.sampling_rate)
+        if len(samples) > self.max_seconds * self.sampling_rate:
+            raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
+                         f"{self.max_seconds} s (send a longer recording as several clips)")
+        return samples
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhisperProcessor(_WhisperFrames):
     """Whisper's feature extractor (transformers' WhisperFeatureExtractor as Qwen2AudioProcessor and
     AudioFlamingo3Processor call it: padded with silence to ``chunk_length`` seconds, an attention mask over the
     frames) and the audio tokens.
@@ -331,12 +392,7 @@ class WhisperProcessor(_ClipSettings):
     20, ten minutes; GLM-ASR: 21)."""
 
     kind: ClassVar[str] = "whisper"
-    modality: ClassVar[str] = "audio"
 
-    feature_size: int = 128  # mel bins
-    sampling_rate: int = 16000
-    hop_length: int = 160
-    n_fft: int = 400
     chunk_length: int = 30  # seconds the encoder's window holds
     audio_token: str = "<|AUDIO|>"
     max_windows: int = 1  # windows of chunk_length a clip may fill
@@ -344,44 +400,21 @@ class WhisperProcessor(_ClipSettings):
     pad_windows: bool = False  # the last window runs whole, its padding included
 
     def __post_init__(self):
-        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length", "max_windows", "pool"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
-        if not isinstance(self.audio_token, str) or not self.audio_token:
-            raise _error("audio processor setting 'audio_token' must be a non-empty string")
+        self._check("chunk_length", "max_windows", "pool")
 
     @classmethod
     def from_hf(cls, preprocessor_config: dict, *, audio_token: str = "<|AUDIO|>",
                 max_windows: int = 1, pool: int = 2, pad_windows: bool = False) -> WhisperProcessor:
         """From a checkpoint's ``preprocessor_config.json`` (a WhisperFeatureExtractor's settings)."""
         cfg = preprocessor_config or {}
-        kind = cfg.get("feature_extractor_type", "WhisperFeatureExtractor")
-        if kind != "WhisperFeatureExtractor":
-            raise _error(f"feature extractor {kind!r} is not supported (WhisperFeatureExtractor)")
-        if float(cfg.get("dither", 0.0) or 0.0) != 0.0:
-            raise _error("a feature extractor with dither (random noise) is not supported")
         if cfg.get("do_normalize"):
             raise _error("a Whisper feature extractor with do_normalize is not supported")
-        if float(cfg.get("padding_value", 0.0)) != 0.0:
-            raise _error("a Whisper feature extractor padding with other than silence is not supported")
         try:
-            return cls(feature_size=int(cfg.get("feature_size", 80)),
-                       sampling_rate=int(cfg.get("sampling_rate", 16000)),
-                       hop_length=int(cfg.get("hop_length", 160)), n_fft=int(cfg.get("n_fft", 400)),
+            return cls(**cls._extractor(cfg, "WhisperFeatureExtractor", feature_size=80),
                        chunk_length=int(cfg.get("chunk_length", 30)), audio_token=audio_token,
                        max_windows=max_windows, pool=pool, pad_windows=pad_windows)
         except (TypeError, ValueError) as exc:
             raise _error(f"bad feature extractor setting: {exc}") from None
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kind": self.kind}
-
-    @property
-    def placeholder(self) -> str:
-        """What the chat template writes for a clip (Qwen2-Audio's: ``<|audio_bos|><|AUDIO|><|audio_eos|>``), of
-        which ``prepare``'s prompt replaces the audio token."""
-        return self.audio_token
 
     @property
     def n_samples(self) -> int:
@@ -395,9 +428,6 @@ class WhisperProcessor(_ClipSettings):
         """(rows after the encoder's strided conv, rows after its pooling: the audio tokens)."""
         conv = (frames - 1) // 2 + 1
         return conv, (conv - self.pool) // self.pool + 1
-
-    def _mel_filters(self):
-        return _slaney_filters(self.n_fft, self.feature_size, self.sampling_rate)
 
     def features(self, samples: np.ndarray) -> np.ndarray:
         """[feature_size, chunk frames] log-mel features of a clip at ``sampling_rate`` (``samples`` at most the
@@ -418,12 +448,7 @@ class WhisperProcessor(_ClipSettings):
     def prepare(self, audio: DecodedAudio) -> PreparedImage:
         """The clip's features (its windows' frames along one axis), its prompt and its identity; ``grid`` is
         (the last window's encoder rows, windows, 1)."""
-        samples = audio.samples
-        if audio.sample_rate != self.sampling_rate:
-            samples = resample(samples, audio.sample_rate, self.sampling_rate)
-        if len(samples) > self.n_samples * self.max_windows:
-            raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
-                         f"{self.max_seconds} s (send a longer recording as several clips)")
+        samples = self._clip(audio)
         windows = max(1, -(-len(samples) // self.n_samples))
         tail = len(samples) - (windows - 1) * self.n_samples
         conv, tokens = self.encoder_lengths(self.num_frames(tail))
@@ -442,7 +467,7 @@ class WhisperProcessor(_ClipSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Qwen3AsrProcessor(_ClipSettings):
+class Qwen3AsrProcessor(_WhisperFrames):
     """Qwen3-ASR's feature extractor (transformers' Qwen3ASRFeatureExtractor as Qwen3ASRProcessor calls it) and
     its audio tokens.
 
@@ -455,56 +480,28 @@ class Qwen3AsrProcessor(_ClipSettings):
     Qwen3-ASR package's longest clip (MAX_ASR_INPUT_SECONDS, 20 minutes); a longer one is a 400."""
 
     kind: ClassVar[str] = "qwen3_asr"
-    modality: ClassVar[str] = "audio"
 
-    feature_size: int = 128  # mel bins
-    sampling_rate: int = 16000
-    hop_length: int = 160
-    n_fft: int = 400
     n_window: int = 50  # half the frames of an encoder chunk
     min_length: int = 8000  # samples a clip is padded to
     audio_token: str = "<|audio_pad|>"
     max_seconds: int = 1200
 
     def __post_init__(self):
-        for name in ("feature_size", "sampling_rate", "hop_length", "n_fft", "n_window", "max_seconds"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise _error(f"audio processor setting {name!r} must be a positive integer, got {value!r}")
+        self._check("n_window", "max_seconds")
         if not isinstance(self.min_length, int) or isinstance(self.min_length, bool) or self.min_length < 0:
             raise _error(f"audio processor setting 'min_length' must be a whole number, got {self.min_length!r}")
-        if not isinstance(self.audio_token, str) or not self.audio_token:
-            raise _error("audio processor setting 'audio_token' must be a non-empty string")
 
     @classmethod
     def from_hf(cls, extractor: dict | None, *, audio_token: str = "<|audio_pad|>") -> Qwen3AsrProcessor:
         """From a Qwen3ASRFeatureExtractor's settings (preprocessor_config.json, or processor_config.json's
         ``feature_extractor``)."""
         cfg = extractor or {}
-        kind = cfg.get("feature_extractor_type", "Qwen3ASRFeatureExtractor")
-        if kind != "Qwen3ASRFeatureExtractor":
-            raise _error(f"feature extractor {kind!r} is not supported (Qwen3ASRFeatureExtractor)")
-        if float(cfg.get("dither", 0.0) or 0.0) != 0.0:
-            raise _error("a feature extractor with dither (random noise) is not supported")
-        if float(cfg.get("padding_value", 0.0)) != 0.0:
-            raise _error("a feature extractor padding with other than silence is not supported")
         try:
-            return cls(feature_size=int(cfg.get("feature_size", 128)),
-                       sampling_rate=int(cfg.get("sampling_rate", 16000)),
-                       hop_length=int(cfg.get("hop_length", 160)), n_fft=int(cfg.get("n_fft", 400)),
+            return cls(**cls._extractor(cfg, "Qwen3ASRFeatureExtractor", feature_size=128),
                        n_window=int(cfg.get("n_window", 50)), min_length=int(cfg.get("min_length", 8000)),
                        audio_token=audio_token)
         except (TypeError, ValueError) as exc:
             raise _error(f"bad feature extractor setting: {exc}") from None
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "kind": self.kind}
-
-    @property
-    def placeholder(self) -> str:
-        """What the chat template writes for a clip (``<|audio_start|><|audio_pad|><|audio_end|>``), of which
-        ``prepare``'s prompt replaces the audio token."""
-        return self.audio_token
 
     @property
     def chunk_frames(self) -> int:
@@ -532,19 +529,13 @@ class Qwen3AsrProcessor(_ClipSettings):
         if len(wave) < self.min_length:
             wave = np.concatenate([wave, np.zeros(self.min_length - len(wave), np.float32)])
         # (as a batch of one, as the extractor runs it)
-        frames = whisper_log_mel(wave[None], self.n_fft, self.hop_length,
-                                 _slaney_filters(self.n_fft, self.feature_size, self.sampling_rate))[0]
+        frames = whisper_log_mel(wave[None], self.n_fft, self.hop_length, self._mel_filters())[0]
         pad = -frames.shape[1] % self.chunk_frames
         return np.ascontiguousarray(np.pad(frames, ((0, 0), (0, pad))) if pad else frames)
 
     def prepare(self, audio: DecodedAudio) -> PreparedImage:
         """The clip's features, its prompt and its identity; ``grid`` is (the clip's frames, chunks, 1)."""
-        samples = audio.samples
-        if audio.sample_rate != self.sampling_rate:
-            samples = resample(samples, audio.sample_rate, self.sampling_rate)
-        if len(samples) > self.max_seconds * self.sampling_rate:
-            raise _error(f"the audio is {audio.seconds:.2f} s long; this model takes clips of at most "
-                         f"{self.max_seconds} s (send a longer recording as several clips)")
+        samples = self._clip(audio)
         frames = max(len(samples), self.min_length) // self.hop_length
         tokens = self.tokens(frames)
         if tokens < 1:

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen3_asr")
 openai = pytest.importorskip("openai")
 
-from flared_testing.audio import ask, input_audio, tone, wav_bytes  # noqa: E402
+from flared_testing.audio import tone, wav_bytes  # noqa: E402
 
 NEW_TOKENS = 10
 
@@ -81,16 +81,11 @@ def reference(tiny_qwen3_asr):
 
 
 def test_greedy_tokens_match_transformers(daemon, reference):
-    from flared_testing.vision import assert_greedy
+    from flared_testing.audio import assert_clips_match
 
-    cases = [([tone(31, 0.2)], "Short."), ([tone(32, 1.0)], "One second."), ([tone(33, 9.7)], "Two windows."),
-             ([tone(34, 23.45)], "Longer than a window."), ([tone(35, 1.3), tone(36, 2.6)], "Two clips.")]
-    for clips, text in cases:
-        status, body = ask(daemon, [input_audio(c) for c in clips], text, NEW_TOKENS)
-        assert status == 200, body
-        num_prompt, expected = reference(clips, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, ([len(c) for c in clips], text)
-        assert_greedy(body, expected, ([len(c) for c in clips], text))
+    assert_clips_match(daemon, reference, [
+        ([tone(31, 0.2)], "Short."), ([tone(32, 1.0)], "One second."), ([tone(33, 9.7)], "Two windows."),
+        ([tone(34, 23.45)], "Longer than a window."), ([tone(35, 1.3), tone(36, 2.6)], "Two clips.")], NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

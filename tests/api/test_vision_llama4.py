@@ -61,15 +61,12 @@ def reference(tiny_llama4_vision):
 
 
 def test_greedy_tokens_match_transformers(served, reference):
+    from flared_testing.vision import assert_cases_match, data_url
+
     _, _, daemon = served
-    cases = [([noise_rgb(50, 40, 1)], "One tile."), ([noise_rgb(150, 60, 2)], "Three tiles and a global one."),
-             ([noise_rgb(70, 130, 3), noise_rgb(64, 64, 4)], "Two images.")]
-    for images, text in cases:
-        body = ask_greedy(daemon, images, text, NEW_TOKENS)
-        num_prompt, expected = reference(images, text)
-        assert body["usage"]["prompt_tokens"] == num_prompt, ([im.size for im in images], text)
-        assert_greedy(body, expected, ([im.size for im in images], text))
-    from flared_testing.vision import data_url
+    assert_cases_match(daemon, reference, [
+        ([noise_rgb(50, 40, 1)], "One tile."), ([noise_rgb(150, 60, 2)], "Three tiles and a global one."),
+        ([noise_rgb(70, 130, 3), noise_rgb(64, 64, 4)], "Two images.")], NEW_TOKENS)
 
     image = noise_rgb(120, 120, 5)
     status, body = daemon.chat([{"role": "user", "content": [
