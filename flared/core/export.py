@@ -181,6 +181,10 @@ def _export_into(source: Path, staging: Path, options: ExportOptions) -> Manifes
             if found != src.vision.image_token_id:
                 raise CoreError(f"{source}: the tokenizer's {processor.audio_token} is token {found}, but the config's "
                                 f"audio token is {src.vision.image_token_id}", ErrorKind.SOURCE_FORMAT)
+            if processor.kind == "qwen3_asr" and any(assets.tokenizer.token_to_id(t) is None
+                                                     for t in (processor.start_token, processor.end_token)):
+                processor = dataclasses.replace(processor, start_token="", end_token="")  # (none to put around it)
+                vision["processor"] = processor.to_dict()
         if processor.kind == "pooled_patches":  # (Gemma 4: its image token and the tokens around an image)
             tokenizer = assets.tokenizer
             found = tokenizer.token_to_id(processor.image_token)

@@ -360,6 +360,11 @@ class _WhisperFrames(_ClipSettings):
         audio token."""
         return self.audio_token
 
+    @property
+    def text_placeholder(self) -> str:
+        """What a part becomes in a template that reads content as a string: the placeholder."""
+        return self.placeholder
+
     def _mel_filters(self):
         return _slaney_filters(self.n_fft, self.feature_size, self.sampling_rate)
 
@@ -485,6 +490,10 @@ class Qwen3AsrProcessor(_WhisperFrames):
     min_length: int = 8000  # samples a clip is padded to
     audio_token: str = "<|audio_pad|>"
     max_seconds: int = 1200
+    # what a template that reads content as a string gets around the audio token ("": nothing), as llama.cpp's
+    # mtmd puts them around a qwen3a clip's rows: its checkpoints' own template writes them
+    start_token: str = "<|audio_start|>"
+    end_token: str = "<|audio_end|>"
 
     def __post_init__(self):
         self._check("n_window", "max_seconds")
@@ -502,6 +511,10 @@ class Qwen3AsrProcessor(_WhisperFrames):
                        audio_token=audio_token)
         except (TypeError, ValueError) as exc:
             raise _error(f"bad feature extractor setting: {exc}") from None
+
+    @property
+    def text_placeholder(self) -> str:
+        return f"{self.start_token}{self.audio_token}{self.end_token}"
 
     @property
     def chunk_frames(self) -> int:

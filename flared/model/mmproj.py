@@ -39,7 +39,8 @@ GGUF holds the decoder and the tokenizer. This module undoes what the converter 
   ``mm.a.*``, ``clip.audio.projector_type`` gemma4a), read as the core's second tower (``_read_gemma4_audio``).
 
 An audio encoder's mmproj (``clip.has_audio_encoder``, its sizes under ``clip.audio.*``) is read the same way
-(``_read_audio``): ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the converter's type for Audio Flamingo 3):
+(``_read_audio``): ``qwen3a`` (Qwen3-ASR: ``_read_qwen3_asr``), ``qwen2a`` (Qwen2-Audio) and ``musicflamingo`` (the
+converter's type for Audio Flamingo 3):
 Whisper's layers as ``a.blk.{i}.*`` with q/k/v apart, the two convolutions ``a.conv1d.1``/``.2`` (their biases
 [D, 1]), ``a.position_embd``, ``a.post_ln``; the projector ``mm.a.fc`` (Qwen2-Audio) or ``mm.a.mlp.1``/``.2``
 (Audio Flamingo 3). The feature extractor is Whisper's at the file's mel bins, as the released
@@ -288,8 +289,11 @@ class _Contents:
 
 
 # clip.audio.projector_type (or clip.projector_type) -> our audio family, and the token its clips stand in for
-AUDIO_PROJECTORS = {"qwen2a": "qwen2_audio", "musicflamingo": "audioflamingo3"}
-AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "audioflamingo3": "<sound>"}
+AUDIO_PROJECTORS = {"qwen2a": "qwen2_audio", "musicflamingo": "audioflamingo3", "qwen3a": "qwen3_asr"}
+AUDIO_TOKENS = {"qwen2_audio": "<|AUDIO|>", "audioflamingo3": "<sound>", "qwen3_asr": "<|audio_pad|>"}
+# Qwen3-ASR's encoder as the released config sets what its mmproj does not record (llama.cpp's qwen3a graph
+# hardcodes the chunk too): one-second chunks of 100 frames, attention windows of 800 frames, 13 position rows
+_QWEN3_ASR = dict(n_window=50, n_window_infer=800, max_position_embeddings=13)
 
 
 def _read_audio(reader, source: str, *, text_reader, text_hidden_size: int, dtype) -> MmprojTower:
@@ -314,6 +318,8 @@ def _read_audio(reader, source: str, *, text_reader, text_hidden_size: int, dtyp
         raise CoreError(f"{source}: the model's vocabulary has no {token} token, which a {kind} encoder's clips "
                         "stand in for: this mmproj belongs to another model", ErrorKind.SOURCE_FORMAT)
     eps = float(f"{_field(reader, 'clip.audio.attention.layer_norm_epsilon', 1e-5):.7g}")
+    if family == "qwen3_asr":
+        return _read_qwen3_asr(files, source, text_hidden_size, tokens.index(token), eps)
     try:
         config = VisionConfig(
             family=family, hidden_size=int(need("embedding_length")),
@@ -330,6 +336,51 @@ def _read_audio(reader, source: str, *, text_reader, text_hidden_size: int, dtyp
                     "sampling_rate": 16000, "hop_length": 160, "n_fft": 400, "chunk_length": 30}
     processor = {"audio_token": token, **({"max_audio_len": 600} if family == "audioflamingo3" else {})}
     return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor, processor=processor)
+
+
+def _read_qwen3_asr(files, source: str, text_hidden_size: int, token_id: int, eps: float) -> MmprojTower:
+    """Qwen3-ASR's (and Qwen3-Omni's) AuT encoder as the converter writes it (``qwen3a``): the three convolutions
+    ``a.conv2d.{1,2,3}`` (their biases [C, 1, 1]), ``a.conv_out``, Whisper-style layers with q/k/v apart (k with its
+    own bias), ``a.post_ln``, the projector ``mm.a.mlp.1``/``.2``; the sinusoid table the converter adds
+    (``a.position_embd``, 1,500 rows) is the one the encoder computes, checked and not kept."""
+    from flared.model.audio import _qwen3_asr_shape, sinusoid_positions
+
+    need, take = files.need, files.take
+    d = int(need("embedding_length"))
+    try:
+        shape = _qwen3_asr_shape({**_QWEN3_ASR, "downsample_hidden_size": int(take("a.conv2d.1.weight").shape[0])},
+                                 text_hidden_size, source)
+        config = VisionConfig(
+            family="qwen3_asr", hidden_size=d, intermediate_size=int(take("a.blk.0.ffn_up.weight").shape[0]),
+            num_layers=int(need("block_count")), num_heads=int(need("attention.head_count")), patch_size=1,
+            image_size=0, layer_norm_eps=eps, hidden_act="gelu", text_hidden_size=text_hidden_size,
+            image_token_id=token_id, mel_bins=int(need("num_mel_bins")), projector_bias=True, **shape)
+    except (TypeError, ValueError) as exc:
+        raise CoreError(f"{source}: bad mmproj value: {exc}", ErrorKind.SOURCE_FORMAT) from None
+    table = take("a.position_embd.weight")
+    if not torch.allclose(table[:config.position_table].float(), sinusoid_positions(config.position_table, d),
+                          atol=1e-3):
+        raise CoreError(f"{source}: its audio position table is not the sinusoid Qwen3-ASR's encoder computes",
+                        ErrorKind.UNSUPPORTED_MODEL)
+    out = {"conv_out.weight": take("a.conv_out.weight"), "post_norm.weight": take("a.post_ln.weight"),
+           "post_norm.bias": take("a.post_ln.bias")}
+    for n in range(3):
+        out[f"conv{n}.weight"] = take(f"a.conv2d.{n + 1}.weight")
+        out[f"conv{n}.bias"] = take(f"a.conv2d.{n + 1}.bias").reshape(-1)
+    for ours, theirs in (("proj_fc1", "mm.a.mlp.1"), ("proj_fc2", "mm.a.mlp.2")):
+        out[ours + ".weight"], out[ours + ".bias"] = _both(take, theirs)
+    for i in range(config.num_layers):
+        p, s = f"a.blk.{i}.", f"layers.{i}."
+        for kind in ("weight", "bias"):
+            out[f"{s}qkv.{kind}"] = torch.cat([take(f"{p}attn_{x}.{kind}") for x in "qkv"])
+            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", "ln2"), ("fc1", "ffn_up"),
+                                 ("fc2", "ffn_down")):
+                out[f"{s}{ours}.{kind}"] = take(f"{p}{theirs}.{kind}")
+    tensors = files.finish(out, config, "qwen3a encoder")
+    preprocessor = {"feature_extractor_type": "Qwen3ASRFeatureExtractor", "feature_size": config.mel_bins,
+                    "n_window": config.chunk_frames // 2}
+    return MmprojTower(config=config, tensors=tensors, preprocessor=preprocessor,
+                       processor={"audio_token": AUDIO_TOKENS["qwen3_asr"]})
 
 
 def _whisper(take, c: VisionConfig) -> dict[str, torch.Tensor]:

@@ -240,7 +240,7 @@ class ServingState:
         if self.image_processor is not None:
             template = kwargs.get("template") or self.frontend.chat_template
             as_string = template is not None and not template.reads_content_parts
-            messages = parts_for_template(messages, self._placeholders() if as_string else None)
+            messages = parts_for_template(messages, self._placeholders(as_text=True) if as_string else None)
 
         def render():
             prepared = self._prepare_images(images, processors) if images else ()
@@ -272,13 +272,15 @@ class ServingState:
 
     # -- images (a vision-language core) -------------------------------------------------------------
 
-    def _placeholders(self) -> dict[str, str]:
-        """What the chat template writes for each kind of media part the model takes."""
-        out = {self.image_processor.modality: self.image_processor.placeholder}
-        if self.video_processor is not None:
-            out["video"] = self.video_processor.placeholder
-        if self.audio_processor is not None:
-            out["audio"] = self.audio_processor.placeholder
+    def _placeholders(self, *, as_text: bool = False) -> dict[str, str]:
+        """What the chat template writes for each kind of media part the model takes; ``as_text``: what a part
+        becomes in a template that reads content as a string (a processor's ``text_placeholder``, where it puts
+        more around the placeholder: Qwen3-ASR's start and end tokens)."""
+        out = {}
+        for kind, p in ((self.image_processor.modality, self.image_processor), ("video", self.video_processor),
+                        ("audio", self.audio_processor)):
+            if p is not None:
+                out[kind] = getattr(p, "text_placeholder", p.placeholder) if as_text else p.placeholder
         return out
 
     @property

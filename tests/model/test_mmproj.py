@@ -26,7 +26,7 @@ from .test_gguf_families import permute_for_llama_cpp, write_gguf
 TEXT_ARCH = {"smolvlm": "llama", "gemma3": "gemma3", "mistral3": "llama", "pixtral": "llama", "qwen2_vl": "qwen2vl",
              "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_5": "qwen35", "internvl": "qwen2",
              "qwen2_audio": "qwen2", "audioflamingo3": "qwen2", "gemma4": "gemma4", "gemma4_e2b": "gemma4",
-             "llama4": "llama4"}
+             "llama4": "llama4", "qwen3_asr": "qwen3"}
 # InternVL's projector as the converter renames it first (its original checkpoints' mlp1.*, which the gguf map knows)
 INTERNVL_PROJECTOR = {"model.multi_modal_projector.layer_norm.": "mlp1.0.",
                       "model.multi_modal_projector.linear_1.": "mlp1.1.",
@@ -300,8 +300,12 @@ def _finish(w, out: dict, matrix_type, kept=()) -> None:
 
 def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
     """An audio mmproj of ``hf_dir`` as llama.cpp's converter writes one (WhisperEncoderModel for Qwen2-Audio,
-    AudioFlamingo3WhisperEncoderModel): the encoder's sizes under clip.audio.*, the projector ``audio.``-prefixed
-    before the gguf map renames it, the convolutions' biases unsqueezed to [D, 1]."""
+    AudioFlamingo3WhisperEncoderModel, Qwen3ASRMmprojModel): the encoder's sizes under clip.audio.*, the projector
+    ``audio.``-prefixed before the gguf map renames it (Qwen3-ASR's as its released tower's proj1 / proj2), the
+    convolutions' biases unsqueezed to [D, 1] ([C, 1, 1] for Qwen3-ASR's 2D ones), and Qwen3-ASR's sinusoid
+    position table added (1,500 rows)."""
+    if family == "qwen3_asr":
+        return _write_qwen3a_mmproj(hf_dir, path, matrix_type)
     cfg = json.loads((hf_dir / "config.json").read_text())
     a, t = cfg["audio_config"], cfg["text_config"]
     w = gguf.GGUFWriter(str(path), "clip")
@@ -332,7 +336,39 @@ def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
     _finish(w, out, matrix_type)
 
 
-@pytest.mark.parametrize("family", ["qwen2_audio", "audioflamingo3"])
+def _write_qwen3a_mmproj(hf_dir, path, matrix_type) -> None:
+    from flared.model.audio import sinusoid_positions
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    a, t = cfg["audio_config"], cfg["text_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_audio_encoder(True)
+    w.add_audio_projection_dim(t["hidden_size"])
+    w.add_audio_embedding_length(a["d_model"])
+    w.add_audio_feed_forward_length(a["encoder_ffn_dim"])
+    w.add_audio_block_count(a["encoder_layers"])
+    w.add_audio_head_count(a["encoder_attention_heads"])
+    w.add_clip_audio_projector_type("qwen3a")
+    w.add_audio_num_mel_bins(a["num_mel_bins"])
+    w.add_audio_attention_layernorm_eps(a.get("layer_norm_eps", 1e-5))
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(a["encoder_layers"], 4))
+    out = {"a.position_embd.weight": sinusoid_positions(1500, a["d_model"]).numpy()}
+    renames = {"model.audio_tower.": "audio_tower.", "model.multi_modal_projector.linear_1.": "audio_tower.proj1.",
+               "model.multi_modal_projector.linear_2.": "audio_tower.proj2."}
+    for name, value in _load(hf_dir).items():
+        name = next((new + name[len(old):] for old, new in renames.items() if name.startswith(old)), None)
+        if name is None:
+            continue
+        if "conv2d" in name and name.endswith(".bias"):
+            value = value[:, None, None]
+        new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        out[new] = value
+    _finish(w, out, matrix_type)
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "audioflamingo3", "qwen3_asr"])
 def test_an_audio_mmproj_reads_as_the_checkpoint_and_serves_its_clips(family, request, tmp_path, start_daemon):
     """Qwen2-Audio's and Audio Flamingo 3's encoders as llama.cpp's converter writes them: read back beside the
     model GGUF, the encoder's config and tensors are the checkpoint's bit for bit, the core keeps its feature
@@ -357,9 +393,10 @@ def test_an_audio_mmproj_reads_as_the_checkpoint_and_serves_its_clips(family, re
                                                                                   mmproj=str(tmp_path / "mmproj.gguf")))
     mine = dict(core.vision["processor"])
     want = json.loads((reference / "manifest.json").read_text())["vision"]["processor"]
-    # (the mmproj holds no clip length: AudioFlamingo3Processor's ten minutes; the tiny checkpoint says one)
-    assert mine.pop("max_windows") == (20 if family == "audioflamingo3" else 1)
-    want.pop("max_windows")
+    if family != "qwen3_asr":  # (the mmproj holds no clip length: AudioFlamingo3Processor's ten minutes; the tiny
+        # checkpoint says one)
+        assert mine.pop("max_windows") == (20 if family == "audioflamingo3" else 1)
+        want.pop("max_windows")
     assert mine == want
     assert core.capabilities["audio"] and not core.capabilities["vision"]
     answers = []
@@ -375,6 +412,42 @@ def test_an_audio_mmproj_reads_as_the_checkpoint_and_serves_its_clips(family, re
     assert answers[1] == answers[0]
 
 
+# the chat template llama.cpp's converter writes into a Qwen3-ASR model GGUF: ChatML over string contents
+CONVERTER_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                    "{% endif %}")
+
+
+def test_a_qwen3a_model_gguf_with_the_converters_chatml_template_wraps_each_clip(request, tmp_path, start_daemon):
+    """The converter writes Qwen3-ASR's model GGUF a ChatML template over string contents, which cannot write its
+    audio tokens: a clip's part becomes <|audio_start|><|audio_pad|><|audio_end|> in the text (as llama.cpp's mtmd
+    puts those two around a qwen3a clip), its pad then the clip's tokens."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from flared.frontend.audio import DecodedAudio, Qwen3AsrProcessor
+    from flared_testing.audio import ask, input_audio, tone
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(request.getfixturevalue("tiny_qwen3_asr")[0], hf_dir)
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": CONVERTER_CHATML}))
+    write_model_gguf(hf_dir, tmp_path / "model.gguf", "qwen3_asr", tmp_path)
+    write_audio_mmproj(hf_dir, tmp_path / "mmproj.gguf", "qwen3_asr")
+    daemon = start_daemon(tmp_path / "model.gguf", "--mmproj", str(tmp_path / "mmproj.gguf"), "--dtype", "float32",
+                          "--context", "1024", "--concurrency", "2", "--cache-dir", str(tmp_path / "cache"))
+    clip = tone(32, 2.3)
+    status, body = ask(daemon, [input_audio(clip)], "What is it?", 4)
+    assert status == 200, body
+    clip_tokens = Qwen3AsrProcessor(feature_size=16).prepare(DecodedAudio(clip.astype(np.float32) / 32768,
+                                                                          16000)).num_image_tokens
+    text = ("<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>\nWhat is it?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    rendered = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert body["usage"]["prompt_tokens"] == len(rendered) - 1 + clip_tokens == len(rendered) + 29
+
+
 def test_an_audio_mmproj_of_another_model_is_refused(request, tmp_path):
     hf_dir = request.getfixturevalue("tiny_qwen2_audio")[0]
     other = request.getfixturevalue("tiny_hf_smolvlm")
@@ -385,11 +458,13 @@ def test_an_audio_mmproj_of_another_model_is_refused(request, tmp_path):
 
 
 def add_tokenizer(w, hf_dir) -> None:
-    """The checkpoint's byte-level BPE tokenizer and chat template as a GGUF holds them (tokenizer.ggml.*)."""
+    """The checkpoint's byte-level BPE tokenizer and chat template as a GGUF holds them (tokenizer.ggml.*): its
+    special added tokens CONTROL, the others USER_DEFINED, as the converter types them."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    added = {a["content"] for a in tok["added_tokens"]} - special  # (Qwen3-ASR's <asr_text>: USER_DEFINED)
     vocab.update({a["content"]: a["id"] for a in tok["added_tokens"]})
     tokens = [""] * (max(vocab.values()) + 1)
     for text, i in vocab.items():
@@ -397,7 +472,7 @@ def add_tokenizer(w, hf_dir) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3 if text in special else 1 for text in tokens])
+    w.add_token_types([3 if text in special else 4 if text in added else 1 for text in tokens])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id),
                      ("pad_token", w.add_pad_token_id)):
