@@ -53,7 +53,7 @@ def _tower(weights: dict, family: str) -> dict[str, np.ndarray]:
                 name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
             if name.startswith(("vision_tower.", "multi_modal_projector.")):
                 out[name] = value
-        elif family == "llama4":  # (as released and as transformers saves them: vision_model.*, multi_modal_projector.*)
+        elif family == "llama4":  # (released, and as transformers saves them: vision_model.*, multi_modal_projector.*)
             if name.startswith(("vision_model.", "multi_modal_projector.")):
                 out[name] = value
         elif family.startswith("gemma4"):  # (the image tower and its projection; E2B's audio tower is not written)
