@@ -329,11 +329,21 @@ def _capacities(config, options: ExportOptions) -> Capacities:
 
 def _read_hf_assets(src: Path) -> _Assets:
     tok_path = src / "tokenizer.json"
-    if not tok_path.is_file():
-        raise CoreError(f"{tok_path}: missing (flared needs a fast tokenizer's tokenizer.json)",
-                        ErrorKind.SOURCE_FORMAT)
-    tokenizer_json = tok_path.read_text(encoding="utf-8")
+    tekken = src / "tekken.json"  # (Mistral's own format, where a checkpoint ships no tokenizer.json)
+    if tok_path.is_file():
+        tokenizer_json = tok_path.read_text(encoding="utf-8")
+    elif tekken.is_file():
+        from flared.frontend.tekken import tekken_tokenizer_json
+
+        tokenizer_json, tok_path = tekken_tokenizer_json(tekken), tekken
+    else:
+        raise CoreError(f"{tok_path}: missing (flared needs a fast tokenizer's tokenizer.json, or Mistral's "
+                        "tekken.json)", ErrorKind.SOURCE_FORMAT)
     tcfg = _read_json(src / "tokenizer_config.json", required=False) or {}
+    if tok_path == tekken:  # (its control tokens are mistral-common's <s> and </s>)
+        from flared.frontend.tekken import BOS, EOS
+
+        tcfg = {"bos_token": BOS, "eos_token": EOS, **tcfg}
     gcfg = _read_json(src / "generation_config.json", required=False) or {}
 
     template = None
