@@ -1,107 +1,96 @@
-"""A video's preparation, file bytes to the tower's input, against transformers' on the same frames.
+#!/usr/bin/env python
+"""A long video's preparation: flared's frames read by seeking to each sampled frame's keyframe, against the same
+preparation reading every frame in order (what it did before, and what transformers' PyAV loader does), in one run.
 
-flared (flared.frontend.video): PyAV decodes up to the last sampled frame, converts and resizes only the sampled
-ones as it goes, then normalizes and patches them. transformers: its PyAV loader (transformers.video_utils
-.load_video, the same indices) converts every sampled frame at full size, then the model's video processor
-(Qwen2VLVideoProcessor, cap_pixels_per_frame; InternVLVideoProcessor) resizes, normalizes and patches the stack.
-The outputs are compared bit for bit (transformers' video processors need torchvision). Times are medians over
---repeats after a warm-up, on this machine's CPU.
+A video of ``--minutes`` at ``--fps`` and ``--size`` is encoded with PyAV (H.264, a keyframe every ``--gop``
+frames, B-frames), then prepared by ``--processor``'s video processor: ``gemma4`` (32 frames evenly apart, as
+Gemma4VideoProcessor; InternVL's, LLaVA-OneVision's and Qwen3-VL's sample a few frames alike) or ``qwen2`` (2 frames
+a second up to 768, as qwen-vl-utils: most GOPs hold a sampled frame, so seeking gains little), both ways,
+alternating, best of ``--repeats``; the two results must be equal.
 
-    python3 tools/bench_video.py [--seconds 10,60] [--size 1280x720] [--repeats 3] [--json]
+    .venv/bin/python tools/bench_video.py [--minutes 5] [--fps 30] [--size 640x360] [--gop 60] [--processor gemma4]
+        [--repeats 2] [--json]
+
+Prints a table; with --json, one JSON object as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # (flared_testing's video writer)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def make_video(seconds: int, width: int, height: int, rate: int = 30) -> bytes:
-    """H.264 in MP4: a moving gradient with noise (what a camera's stream costs to decode, roughly)."""
-    from flared_testing.video import encode_frames
+def encode(minutes: float, fps: int, width: int, height: int, gop: int) -> bytes:
+    import av
 
-    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format="mp4")
+    stream = out.add_stream("libx264", rate=fps, options={"g": str(gop), "bf": "3", "preset": "ultrafast"})
+    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx % 256, yy % 256, (xx + yy) % 256], -1).astype(np.int16)
-    frames = ((base + i * 3 + rng.integers(-8, 8, base.shape)).clip(0, 255).astype(np.uint8)
-              for i in range(seconds * rate))
-    return encode_frames(frames, (width, height), rate, codec="libx264", options={"preset": "veryfast", "crf": "23"})
-
-
-def _median_ms(fn, repeats: int):
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000, out
+    for i in range(int(minutes * 60 * fps)):
+        img = np.stack([(xx + 2 * i) % 256, (yy + 3 * i) % 256, (xx + yy + i) % 256], -1).astype(np.uint8)
+        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return buf.getvalue()
 
 
 def main() -> None:
-    import transformers
-    from transformers.video_utils import load_video
-
-    from flared.frontend.video import FrameVideoProcessor, VideoProcessor, probe_video
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", default="10,60")
-    ap.add_argument("--size", default="1280x720")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--fps", type=int, default=30)
+    parser.add_argument("--size", default="640x360")
+    parser.add_argument("--gop", type=int, default=60)
+    parser.add_argument("--processor", default="gemma4", choices=("gemma4", "qwen2"))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
     width, height = (int(x) for x in args.size.split("x"))
-    qwen = VideoProcessor.from_hf("qwen2", None, patch_size=14, temporal_patch_size=2, merge_size=2)
-    internvl = FrameVideoProcessor(height=448, width=448, image_seq_len=256)
-    refs = {"qwen2_vl": transformers.Qwen2VLVideoProcessor(
-                size={"shortest_edge": qwen.min_pixels, "longest_edge": qwen.max_pixels}, do_sample_frames=False),
-            "internvl": transformers.InternVLVideoProcessor(
-                size={"height": 448, "width": 448}, do_sample_frames=False, image_mean=list(internvl.image_mean),
-                image_std=list(internvl.image_std))}
-    rows = []
-    for seconds in (int(s) for s in args.seconds.split(",")):
-        data = make_video(seconds, width, height)
-        info = probe_video(data)
-        with tempfile.NamedTemporaryFile(suffix=".mp4", delete=False) as f:
-            f.write(data)
-            path = f.name
-        try:
-            for name, ours in (("qwen2_vl", qwen), ("internvl", internvl)):
-                indices = ours.sample(info)
-                ours_ms, prepared = _median_ms(lambda: ours.prepare(data), args.repeats)
 
-                def theirs():
-                    frames, _ = load_video(path, backend="pyav", sample_indices_fn=lambda metadata, **kw: indices)
-                    clip = torch.from_numpy(np.asarray(frames)).permute(0, 3, 1, 2)
-                    kw = {"cap_pixels_per_frame": True} if name == "qwen2_vl" else {}
-                    return refs[name](videos=[clip], return_tensors="pt", **kw)["pixel_values_videos"]
+    from flared.frontend import video
 
-                theirs_ms, out = _median_ms(theirs, args.repeats)
-                out = out.numpy() if name == "qwen2_vl" else out[0].numpy()
-                rows.append(dict(model=name, seconds=seconds, size=f"{width}x{height}", frames=len(indices),
-                                 tokens=prepared.num_image_tokens, flared_ms=round(ours_ms, 1),
-                                 transformers_ms=round(theirs_ms, 1), speedup=round(theirs_ms / ours_ms, 2),
-                                 equal=bool(np.array_equal(out, prepared.pixel_values))))
-        finally:
-            os.unlink(path)
-    print(f"{'model':<10} {'video':>14} {'frames':>6} {'tokens':>7} {'flared ms':>10} {'transformers ms':>16} "
-          f"{'x':>6} {'equal':>6}")
-    for r in rows:
-        print(f"{r['model']:<10} {str(r['seconds']) + ' s ' + r['size']:>14} {r['frames']:>6} {r['tokens']:>7} "
-              f"{r['flared_ms']:>10} {r['transformers_ms']:>16} {r['speedup']:>6} {str(r['equal']):>6}")
+    data = encode(args.minutes, args.fps, width, height, args.gop)
+    if args.processor == "qwen2":
+        processor = video.VideoProcessor.from_hf("qwen2", None, patch_size=14, merge_size=2, temporal_patch_size=2)
+    else:
+        processor = video.PooledVideoProcessor.from_hf(None, patch_size=16, pooling_kernel_size=3)
+    info = video.probe_video(data)
+    sampled = len(processor.sample(info))
+    best = {"in_order": float("inf"), "seeking": float("inf")}
+    results = {}
+    threshold = video.SEEK_MIN_FRAMES
+    for _ in range(args.repeats):
+        for way in best:
+            video.SEEK_MIN_FRAMES = threshold if way == "seeking" else 10 ** 12
+            started = time.perf_counter()
+            results[way] = processor.prepare(data).pixel_values
+            best[way] = min(best[way], time.perf_counter() - started)
+    video.SEEK_MIN_FRAMES = threshold
+    same = bool(np.array_equal(results["in_order"], results["seeking"]))
+    row = {"processor": args.processor, "minutes": args.minutes, "frames": info.total_frames, "size": args.size,
+           "gop": args.gop,
+           "sampled": sampled, "in_order_s": best["in_order"], "seeking_s": best["seeking"],
+           "speedup": best["in_order"] / best["seeking"], "equal": same}
+    print(f"{'video':<36} {'sampled':>7} {'in order s':>10} {'seeking s':>9} {'ratio':>7} {'equal':>5}")
+    what = f"{args.minutes:g} min {args.size} {info.total_frames} fr, GOP {args.gop}"
+    print(f"{what:<36} {sampled:>7} {row['in_order_s']:>10.3f} {row['seeking_s']:>9.3f} {row['speedup']:>6.1f}x "
+          f"{str(same):>5}")
+    print(f"{args.processor} processor, best of {args.repeats}; PyAV's threaded decoding both ways")
     if args.json:
-        print(json.dumps({"rows": rows, "threads": torch.get_num_threads()}))
+        print(json.dumps(row))
+    if not same:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

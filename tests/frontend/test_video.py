@@ -385,3 +385,40 @@ def test_gemma4_frames_are_transformers_video_processors():
     prepared = ours.prepare(data)
     assert out["num_soft_tokens_per_video"][0] * 5 == prepared.num_image_tokens
     assert np.array_equal(out["pixel_values_videos"][real].numpy(), prepared.pixel_values)
+
+
+@pytest.mark.parametrize("codec, container, options", [
+    ("libx264", "mp4", {"g": "60", "bf": "3"}),  # (B-frames: decode order is not presentation order)
+    ("mpeg4", "mp4", {"g": "45"}), ("libvpx-vp9", "webm", {"g": "90"})])
+def test_a_long_video_read_by_seeking_gives_the_frames_read_in_order(codec, container, options, monkeypatch):
+    """A long video's sampled frames, read by seeking to each one's keyframe, are bit for bit the frames decoding
+    the whole video in order gives (repeats and neighbouring frames too)."""
+    import torch
+
+    from flared.frontend import video
+    from flared_testing.video import encode_frames
+
+    rng = np.random.default_rng(5)
+    yy, xx = np.mgrid[0:48, 0:64]
+    frames = (np.stack([(xx * 3 + i * 9) % 256, (yy * 5 + i * 7) % 256, rng.integers(0, 256, (48, 64))], -1)
+              .astype(np.uint8) for i in range(900))
+    data = encode_frames(frames, (64, 48), 30, codec=codec, container=container, options=options)
+    info = video.probe_video(data)
+    assert info.total_frames == 900
+    indices = sorted([0, 1, 1, 59, 60, 61, 450, 451, 899, 899] + rng.integers(0, 900, 14).tolist())
+    box = video._container(data)
+    plan = video._seek_plan(box, box.streams.video[0], info, sorted(set(indices)))
+    assert plan is not None and len(plan) == len(set(indices))
+    read, sought = video._frames_by_seeking, []
+
+    def spy(*args):  # (its frames, had it given up and left them to reading in order, would not be counted)
+        frames = read(*args)
+        sought.append(len(frames))
+        return frames
+
+    monkeypatch.setattr(video, "_frames_by_seeking", spy)
+    seeking = video._frames_at(box, info, indices, (24, 32))
+    assert sought == [len(indices)]
+    monkeypatch.setattr(video, "SEEK_MIN_FRAMES", 10 ** 9)
+    in_order = video._frames_at(video._container(data), info, indices, (24, 32))
+    assert seeking.shape == (len(indices), 3, 24, 32) and torch.equal(seeking, in_order)
