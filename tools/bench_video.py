@@ -17,7 +17,6 @@ Prints a table; with --json, one JSON object as the last line.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 import time
@@ -25,25 +24,20 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def encode(minutes: float, fps: int, width: int, height: int, gop: int) -> bytes:
-    import av
+    """A moving gradient, H.264 (B-frames, a keyframe every ``gop`` frames) in MP4."""
+    from flared_testing.video import encode_frames
 
-    buf = io.BytesIO()
-    out = av.open(buf, "w", format="mp4")
-    stream = out.add_stream("libx264", rate=fps, options={"g": str(gop), "bf": "3", "preset": "ultrafast"})
-    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     yy, xx = np.mgrid[0:height, 0:width]
-    for i in range(int(minutes * 60 * fps)):
-        img = np.stack([(xx + 2 * i) % 256, (yy + 3 * i) % 256, (xx + yy + i) % 256], -1).astype(np.uint8)
-        for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return buf.getvalue()
+    frames = (np.stack([(xx + 2 * i) % 256, (yy + 3 * i) % 256, (xx + yy + i) % 256], -1).astype(np.uint8)
+              for i in range(int(minutes * 60 * fps)))
+    return encode_frames(frames, (width, height), fps, codec="libx264",
+                         options={"g": str(gop), "bf": "3", "preset": "ultrafast"})
 
 
 def main() -> None:

@@ -369,13 +369,7 @@ def _read_qwen3_asr(files, source: str, text_hidden_size: int, token_id: int, ep
         out[f"conv{n}.bias"] = take(f"a.conv2d.{n + 1}.bias").reshape(-1)
     for ours, theirs in (("proj_fc1", "mm.a.mlp.1"), ("proj_fc2", "mm.a.mlp.2")):
         out[ours + ".weight"], out[ours + ".bias"] = _both(take, theirs)
-    for i in range(config.num_layers):
-        p, s = f"a.blk.{i}.", f"layers.{i}."
-        for kind in ("weight", "bias"):
-            out[f"{s}qkv.{kind}"] = torch.cat([take(f"{p}attn_{x}.{kind}") for x in "qkv"])
-            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", "ln2"), ("fc1", "ffn_up"),
-                                 ("fc2", "ffn_down")):
-                out[f"{s}{ours}.{kind}"] = take(f"{p}{theirs}.{kind}")
+    out.update(_idefics3_layers(take, config.num_layers, "a.blk."))
     tensors = files.finish(out, config, "qwen3a encoder")
     preprocessor = {"feature_extractor_type": "Qwen3ASRFeatureExtractor", "feature_size": config.mel_bins,
                     "n_window": config.chunk_frames // 2}
@@ -449,14 +443,15 @@ def _idefics3(take, layers: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _idefics3_layers(take, layers: int) -> dict[str, torch.Tensor]:
-    """SigLIP's layers (Idefics3's, Gemma 3's): q, k, v fused again."""
+def _idefics3_layers(take, layers: int, prefix: str = "v.blk.", post: str = "ln2") -> dict[str, torch.Tensor]:
+    """SigLIP's layers (Idefics3's, Gemma 3's; and the like: Llama 4's, Qwen3-ASR's ``a.blk.``): q, k, v fused
+    again (each with its own bias), the post-attention norm ``post``."""
     out = {}
     for n in range(layers):
-        gp, sp = f"v.blk.{n}.", f"layers.{n}."
+        gp, sp = f"{prefix}{n}.", f"layers.{n}."
         for kind in ("weight", "bias"):
             out[f"{sp}qkv.{kind}"] = torch.cat([take(f"{gp}attn_{x}.{kind}") for x in "qkv"])
-            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", "ln2"), ("fc1", "ffn_up"),
+            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", post), ("fc1", "ffn_up"),
                                  ("fc2", "ffn_down")):
                 out[f"{sp}{ours}.{kind}"] = take(f"{gp}{theirs}.{kind}")
     return out
@@ -487,15 +482,8 @@ def _llama4(take, raw, c: VisionConfig) -> dict[str, torch.Tensor]:
            "adapter_fc2.weight": take("mm.model.mlp.2.weight"), "proj.weight": take("mm.model.fc.weight")}
     for ours, theirs in (("pre_norm", "v.pre_ln"), ("post_norm", "v.post_ln")):
         out[ours + ".weight"], out[ours + ".bias"] = _both(take, theirs)
-    for n in range(c.num_layers):
-        b, p = f"v.blk.{n}.", f"layers.{n}."
-        post = "ln2" if b + "ln2.weight" in raw else "attn_post_norm"
-        for kind in ("weight", "bias"):
-            out[f"{p}qkv.{kind}"] = torch.cat([take(f"{b}attn_{x}.{kind}") for x in "qkv"])
-            for ours, theirs in (("o", "attn_out"), ("norm1", "ln1"), ("norm2", post), ("fc1", "ffn_up"),
-                                 ("fc2", "ffn_down")):
-                out[f"{p}{ours}.{kind}"] = take(f"{b}{theirs}.{kind}")
-    return out
+    post = "ln2" if "v.blk.0.ln2.weight" in raw else "attn_post_norm"
+    return {**out, **_idefics3_layers(take, c.num_layers, post=post)}
 
 
 def _gemma4(take, c: VisionConfig) -> dict[str, torch.Tensor]:

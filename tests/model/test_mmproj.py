@@ -304,8 +304,6 @@ def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
     ``audio.``-prefixed before the gguf map renames it (Qwen3-ASR's as its released tower's proj1 / proj2), the
     convolutions' biases unsqueezed to [D, 1] ([C, 1, 1] for Qwen3-ASR's 2D ones), and Qwen3-ASR's sinusoid
     position table added (1,500 rows)."""
-    if family == "qwen3_asr":
-        return _write_qwen3a_mmproj(hf_dir, path, matrix_type)
     cfg = json.loads((hf_dir / "config.json").read_text())
     a, t = cfg["audio_config"], cfg["text_config"]
     w = gguf.GGUFWriter(str(path), "clip")
@@ -314,12 +312,18 @@ def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
     w.add_audio_projection_dim(t["hidden_size"])
     w.add_audio_embedding_length(a.get("hidden_size", a.get("d_model")))
     w.add_audio_feed_forward_length(a.get("intermediate_size", a.get("encoder_ffn_dim")))
-    w.add_audio_block_count(a.get("num_hidden_layers", a.get("encoder_layers")))
+    layers = a.get("num_hidden_layers", a.get("encoder_layers"))
+    w.add_audio_block_count(layers)
     w.add_audio_head_count(a.get("num_attention_heads", a.get("encoder_attention_heads")))
-    w.add_clip_projector_type("qwen2a" if family == "qwen2_audio" else "musicflamingo")
+    if family == "qwen3_asr":
+        w.add_clip_audio_projector_type("qwen3a")
+    else:
+        w.add_clip_projector_type("qwen2a" if family == "qwen2_audio" else "musicflamingo")
     w.add_audio_num_mel_bins(a["num_mel_bins"])
     w.add_audio_attention_layernorm_eps(a.get("layer_norm_eps", 1e-5))
-    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(a.get("num_hidden_layers", 2), 4))
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(layers, 4))
+    if family == "qwen3_asr":
+        return _finish(w, _qwen3a_tensors(hf_dir, a, tensor_map), matrix_type)
     out = {}
     for name, value in _load(hf_dir).items():
         if not name.startswith(("audio_tower.", "multi_modal_projector.")):
@@ -336,23 +340,9 @@ def write_audio_mmproj(hf_dir, path, family: str, matrix_type=Q.F32) -> None:
     _finish(w, out, matrix_type)
 
 
-def _write_qwen3a_mmproj(hf_dir, path, matrix_type) -> None:
+def _qwen3a_tensors(hf_dir, a: dict, tensor_map) -> dict[str, np.ndarray]:
     from flared.model.audio import sinusoid_positions
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    a, t = cfg["audio_config"], cfg["text_config"]
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_clip_has_audio_encoder(True)
-    w.add_audio_projection_dim(t["hidden_size"])
-    w.add_audio_embedding_length(a["d_model"])
-    w.add_audio_feed_forward_length(a["encoder_ffn_dim"])
-    w.add_audio_block_count(a["encoder_layers"])
-    w.add_audio_head_count(a["encoder_attention_heads"])
-    w.add_clip_audio_projector_type("qwen3a")
-    w.add_audio_num_mel_bins(a["num_mel_bins"])
-    w.add_audio_attention_layernorm_eps(a.get("layer_norm_eps", 1e-5))
-    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(a["encoder_layers"], 4))
     out = {"a.position_embd.weight": sinusoid_positions(1500, a["d_model"]).numpy()}
     renames = {"model.audio_tower.": "audio_tower.", "model.multi_modal_projector.linear_1.": "audio_tower.proj1.",
                "model.multi_modal_projector.linear_2.": "audio_tower.proj2."}
@@ -365,7 +355,7 @@ def _write_qwen3a_mmproj(hf_dir, path, matrix_type) -> None:
         new = tensor_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
         out[new] = value
-    _finish(w, out, matrix_type)
+    return out
 
 
 @pytest.mark.parametrize("family", ["qwen2_audio", "audioflamingo3", "qwen3_asr"])
