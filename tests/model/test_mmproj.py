@@ -438,6 +438,36 @@ def test_a_qwen3a_model_gguf_with_the_converters_chatml_template_wraps_each_clip
     assert body["usage"]["prompt_tokens"] == len(rendered) - 1 + clip_tokens == len(rendered) + 29
 
 
+def test_a_qwen3a_mmproj_beside_a_qwen3vl_model_gguf_answers_as_the_checkpoint(request, tmp_path, start_daemon):
+    """The converter writes Qwen3-ASR's decoder as llama.cpp's qwen3vl (the released text config's multimodal rope
+    split as its dimension sections): a clip's tokens, and the text's, take plain positions there, as they do in the
+    checkpoint (an audio token's three positions are equal), so the answer is the checkpoint core's."""
+    import shutil
+
+    from flared_testing.audio import ask, input_audio, tone
+    from flared_testing.vision import token_ids
+
+    hf_dir, reference = request.getfixturevalue("tiny_qwen3_asr")
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    rope = cfg["text_config"].get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e6}
+    cfg["text_config"]["rope_parameters"] = {**rope, "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_model_gguf(d, tmp_path / "model.gguf", "qwen3_asr", tmp_path, arch="qwen3vl")
+    write_audio_mmproj(hf_dir, tmp_path / "mmproj.gguf", "qwen3_asr")
+    answers = []
+    for served, args in ((reference, ()), (tmp_path / "model.gguf", (
+            "--mmproj", str(tmp_path / "mmproj.gguf"), "--dtype", "float32", "--context", "2048",
+            "--concurrency", "2", "--prefill-chunk", "256", "--cache-dir", str(tmp_path / "cache")))):
+        daemon = start_daemon(served, *args)
+        status, body = ask(daemon, [input_audio(tone(33, 3.4))], "What is it?", 8)
+        assert status == 200, body
+        answers.append((body["usage"]["prompt_tokens"], token_ids(body)))
+        daemon.kill()
+    assert answers[1] == answers[0]
+
+
 def test_an_audio_mmproj_of_another_model_is_refused(request, tmp_path):
     hf_dir = request.getfixturevalue("tiny_qwen2_audio")[0]
     other = request.getfixturevalue("tiny_hf_smolvlm")
@@ -493,7 +523,8 @@ def write_model_gguf(hf_dir, path, family: str, tmp_path, matrix_type=Q.F32, arc
             rope = text.get("rope_parameters") or text.get("rope_scaling")
             w.add_rope_dimension_sections([*rope["mrope_section"], 0])
         if arch == "qwen3vl":
-            w.add_uint32(f"{arch}.n_deepstack_layers", len(cfg["vision_config"].get("deepstack_visual_indexes", [])))
+            w.add_uint32(f"{arch}.n_deepstack_layers",
+                         len(cfg.get("vision_config", {}).get("deepstack_visual_indexes", [])))
         if arch == "gemma3":  # (the tiny model's every-other-layer window; llama.cpp assumes every sixth global)
             w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
 
