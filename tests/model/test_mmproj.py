@@ -436,6 +436,19 @@ def test_a_qwen3a_model_gguf_with_the_converters_chatml_template_wraps_each_clip
             "<|im_start|>assistant\n")
     rendered = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert body["usage"]["prompt_tokens"] == len(rendered) - 1 + clip_tokens == len(rendered) + 29
+    # a transcription forcing its language: the ChatML system turn, the wrapped clip, and the answer begun with
+    # "language English<asr_text>", <asr_text> one token (the GGUF's USER_DEFINED added token)
+    openai = pytest.importorskip("openai")
+    from flared_testing.audio import wav_bytes
+
+    client = openai.OpenAI(base_url=f"{daemon.base}/v1", api_key="none", max_retries=0)
+    got = client.audio.transcriptions.create(model="tiny", file=("clip.wav", wav_bytes(clip), "audio/wav"),
+                                             language="en", extra_body={"max_completion_tokens": 3})
+    text = ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>\n"
+            "<|im_start|>assistant\nlanguage English<asr_text>")
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert tok.encode("language English<asr_text>", add_special_tokens=False).tokens[-1] == "<asr_text>"
+    assert got.usage.input_tokens == len(tok.encode(text, add_special_tokens=False).ids) - 1 + clip_tokens
 
 
 def test_a_qwen3a_mmproj_beside_a_qwen3vl_model_gguf_answers_as_the_checkpoint(request, tmp_path, start_daemon):
