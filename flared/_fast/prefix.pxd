@@ -76,4 +76,5 @@ cdef class PrefixCheckpointCache:
 
     cdef void _touch(self, Checkpoint c)
     cdef object _retire(self, Checkpoint c)
+    cdef bint _pages_above(self, Checkpoint c)
     cdef bint _has_pending_descendant(self, Checkpoint c)

@@ -215,6 +215,12 @@ RetiredResources = namedtuple("RetiredResources", "checkpoint_id page_ids snapsh
 AdvanceResult = namedtuple("AdvanceResult", "ready reusable")
 
 
+cdef inline bint _older(Checkpoint a, Checkpoint b):
+    """``a`` goes before ``b`` in eviction order: used longer ago, or as long ago and published first."""
+    return a.last_used_tick < b.last_used_tick or (
+        a.last_used_tick == b.last_used_tick and a.checkpoint_id < b.checkpoint_id)
+
+
 cdef class Checkpoint:
     def __repr__(self):
         return (
@@ -481,11 +487,15 @@ cdef class PrefixCheckpointCache:
         pages and ``num_snapshots`` snapshots are retired (or nothing more can be).
 
         A leaf is taken only if it helps a target still unmet: with only page
-        pressure left, page-less leaves stay. Returns the RetiredResources.
+        pressure left, a page-less leaf stays while a leaf holding pages is
+        there to take, and is taken (LRU first) when none is but an ancestor of
+        it holds pages (a request's last checkpoint, its tail in the snapshot,
+        is such a leaf: its removal lets its parent's pages go). Returns the
+        RetiredResources.
         """
         out = []
         cdef int64_t got_pages = 0, got_snapshots = 0
-        cdef Checkpoint c, victim
+        cdef Checkpoint c, victim, bare
         cdef bint need_pages, need_snapshots
         while True:
             need_pages = got_pages < num_pages
@@ -493,17 +503,18 @@ cdef class PrefixCheckpointCache:
             if not need_pages and not need_snapshots:
                 break
             victim = None
+            bare = None  # (the LRU page-less leaf above which pages lie)
             for c in self._by_id.values():
                 if not c.ready or c.num_children or c.total_pins:
                     continue
                 if not need_snapshots and len(c.page_ids) == 0:
+                    if self._pages_above(c) and (bare is None or _older(c, bare)):
+                        bare = c
                     continue
-                if (
-                    victim is None
-                    or c.last_used_tick < victim.last_used_tick
-                    or (c.last_used_tick == victim.last_used_tick and c.checkpoint_id < victim.checkpoint_id)
-                ):
+                if victim is None or _older(c, victim):
                     victim = c
+            if victim is None:
+                victim = bare
             if victim is None:
                 break
             got_pages += len(victim.page_ids)
@@ -520,6 +531,15 @@ cdef class PrefixCheckpointCache:
                 pages += len(c.page_ids)
                 snapshots += 1
         return pages, snapshots
+
+    cdef bint _pages_above(self, Checkpoint c):
+        """Whether an ancestor of ``c`` holds pages."""
+        cdef Checkpoint p = c.parent
+        while p is not None:
+            if len(p.page_ids):
+                return True
+            p = p.parent
+        return False
 
     cdef bint _has_pending_descendant(self, Checkpoint c):
         cdef Checkpoint d

@@ -161,3 +161,21 @@ def test_eviction_skips_pending_checkpoints_and_stops_when_nothing_is_evictable(
     assert cache.evictable_resources() == (2, 2)
     assert [r.checkpoint_id for r in cache.evict(1, 2)] == [1, 0]
     cache.check_integrity()
+
+
+def test_page_pressure_takes_a_page_less_leaf_that_alone_stands_over_pages():
+    """A finished request's last checkpoint often holds no page of its own (its tail is in its snapshot) and keeps
+    its parent, which holds the pages, from being a leaf. Under page pressure with no leaf holding pages, such a
+    leaf goes (LRU first), and then its parent; a page-less leaf with no pages above it stays."""
+    cache = make_cache()
+    h1, h2 = make_history(100, seed=1), make_history(100, seed=2)
+    a = publish(cache, h1, 32, None, [0, 1], 0).checkpoint  # id 0
+    publish(cache, h1, 40, a, [], 1)  # id 1: its tail in snapshot 1
+    c = publish(cache, h2, 16, None, [2], 2).checkpoint  # id 2
+    publish(cache, h2, 20, c, [], 3)  # id 3
+    publish(cache, make_history(10, seed=3), 10, None, [], 4)  # id 4: nothing above it
+    assert [r.checkpoint_id for r in cache.evict(2, 0)] == [1, 0]
+    cache.check_integrity()
+    assert [r.checkpoint_id for r in cache.evict(1, 0)] == [3, 2]
+    assert cache.evict(1, 0) == [] and cache.num_checkpoints == 1
+    cache.check_integrity()
