@@ -125,9 +125,9 @@ def _qwen3_asr_shape(a: dict[str, Any], text_hidden: int, source: str) -> dict[s
     if chunk <= 0 or window <= 0 or window % chunk:
         raise CoreError(f"{source}: a Qwen3-ASR encoder's n_window_infer ({window}) must be a whole number of its "
                         f"chunks (2 x n_window: {chunk})", ErrorKind.UNSUPPORTED_MODEL)
-    rows = chunk
-    for _ in range(3):
-        rows = (rows - 1) // 2 + 1
+    from flared.frontend.audio import Qwen3AsrProcessor
+
+    rows = Qwen3AsrProcessor.chunk_rows(chunk)
     if positions < rows or out != text_hidden:
         raise CoreError(f"{source}: a Qwen3-ASR encoder needs a position row for each of a chunk's {rows} rows (it "
                         f"has {positions}) and an output_dim of the decoder's width {text_hidden} (it has {out})",
